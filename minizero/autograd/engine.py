@@ -1,0 +1,335 @@
+"""A tape-based reverse-mode autograd: ``Tensor``, ``Function``, ``backward``.
+
+How it works (the whole idea, as in micrograd, with PyTorch's names):
+
+* A :class:`Function` subclass writes ``forward(ctx, *arrays)`` and
+  ``backward(ctx, *grad_outputs)`` on raw ``backend.xp`` arrays.
+  ``Function.apply(*tensors)`` runs ``forward``; if any input requires a
+  gradient (and grad mode is on) it records a *node* — the ``ctx`` — on the
+  outputs: which Function, which input tensors, what was saved.
+* ``ctx.save_for_backward(*arrays)`` passes each array through the innermost
+  active :func:`saved_tensors_hooks` ``pack`` hook (the seam that recompute,
+  offload and quantization use) and counts what is kept in the memory ledger
+  under ``activations``. ``ctx.saved_tensors`` unpacks them in backward.
+* :func:`backward` orders the nodes topologically from the loss, calls each
+  node's ``backward`` once with the summed gradient of its outputs, frees the
+  node's saved tensors right after, and accumulates into the ``.grad`` of leaf
+  tensors (``requires_grad=True`` and no ``grad_fn``). A leaf's
+  post-accumulate-grad hooks fire once per backward, after its *last*
+  contribution — the moment data parallelism and ZeRO-2 may send it.
+
+All state that differs per rank (grad mode, hook stack, ledger) is
+thread-local, so ranks can run as threads of one process.
+
+Mirrors: ``torch.autograd.Function`` (forward/backward/ctx.save_for_backward),
+``torch.no_grad``, ``torch.autograd.graph.saved_tensors_hooks``,
+``Tensor.register_post_accumulate_grad_hook``.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from minizero import backend
+from minizero.memory.ledger import get_ledger
+
+_state = threading.local()
+
+
+def _hooks_stack() -> list:
+    stack = getattr(_state, "hooks", None)
+    if stack is None:
+        stack = _state.hooks = []
+    return stack
+
+
+def is_grad_enabled() -> bool:
+    """True unless inside :func:`no_grad` (per thread)."""
+    return getattr(_state, "grad_enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Context manager: ops record no graph and save nothing (like ``torch.no_grad``)."""
+    prev = is_grad_enabled()
+    _state.grad_enabled = False
+    try:
+        yield
+    finally:
+        _state.grad_enabled = prev
+
+
+@contextlib.contextmanager
+def enable_grad():
+    """Context manager: re-enable graph recording inside :func:`no_grad`."""
+    prev = is_grad_enabled()
+    _state.grad_enabled = True
+    try:
+        yield
+    finally:
+        _state.grad_enabled = prev
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks(pack, unpack):
+    """Route every array a Function saves through ``pack``; backward calls ``unpack``.
+
+    ``pack(array) -> anything`` runs when ``ctx.save_for_backward`` is called;
+    ``unpack(packed) -> array`` runs when backward reads ``ctx.saved_tensors``.
+    The innermost active pair wins, and the pair active at *save* time is the
+    one used to unpack (as in PyTorch). What ``pack`` returns is what stays
+    alive: the ledger counts it as ``activations`` if it is an array.
+
+    Mirrors ``torch.autograd.graph.saved_tensors_hooks``.
+    """
+    stack = _hooks_stack()
+    stack.append((pack, unpack))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+class Context:
+    """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
+
+    Attributes a Function may use: ``needs_input_grad`` (tuple of bools, one per
+    positional input), ``save_for_backward(*arrays)``, ``saved_tensors``, and any
+    small Python values it sets itself (shapes, axes, scalars).
+    Arrays kept for backward must go through ``save_for_backward`` so that the
+    ledger counts them and the saved-tensor hooks see them.
+    """
+
+    def __init__(self, fn, needs_input_grad, recording):
+        self.fn = fn
+        self.needs_input_grad = needs_input_grad
+        self._recording = recording
+        self._saved = ()
+        self.inputs = ()  # the input Tensors (graph edges), set by apply
+        self.num_outputs = 1
+        self.output_meta = ()  # (shape, dtype) per output, to make zero grads
+
+    def save_for_backward(self, *arrays) -> None:
+        """Keep ``arrays`` (any shapes/dtypes, or None) for backward, through the active pack hook."""
+        if not self._recording:
+            return
+        stack = _hooks_stack()
+        hooks = stack[-1] if stack else None
+        ledger = get_ledger()
+        saved = []
+        for a in arrays:
+            if a is None:
+                saved.append((None, None))
+                continue
+            packed = hooks[0](a) if hooks else a
+            ledger.track(packed, "activations")
+            saved.append((packed, hooks[1] if hooks else None))
+        self._saved = tuple(saved)
+
+    @property
+    def saved_tensors(self) -> tuple:
+        """The saved arrays, each passed through the ``unpack`` paired with its ``pack``."""
+        if self._saved is None:
+            raise RuntimeError(
+                f"{self.fn.__name__}: saved tensors were already freed by an earlier backward; "
+                "call backward(retain_graph=True) to backpropagate twice")
+        return tuple(p if unpack is None else unpack(p) for p, unpack in self._saved)
+
+    def release(self) -> None:
+        """Drop saved tensors and graph edges (called by the engine after backward)."""
+        self._saved = None
+        self.inputs = ()
+
+
+class Function:
+    """Base class of every differentiable op.
+
+    Subclasses implement two static methods on raw arrays:
+
+    * ``forward(ctx, *args, **kwargs) -> array | tuple[array, ...]``
+    * ``backward(ctx, *grad_outputs) -> grad | tuple[grad | None, ...]`` with
+      one entry per positional input of ``forward`` (None for non-tensors or
+      inputs that need no gradient). ``grad_outputs`` has one array per output
+      (zeros for outputs that received no gradient).
+
+    ``apply`` unwraps Tensors, runs forward, and records the graph node.
+    Mirrors ``torch.autograd.Function``.
+    """
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        """Run the op on Tensors/arrays/scalars; returns Tensor(s)."""
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        recording = is_grad_enabled() and any(needs)
+        ctx = Context(cls, needs, recording)
+        raw = [a.data if isinstance(a, Tensor) else a for a in args]
+        out = cls.forward(ctx, *raw, **kwargs)
+        multi = isinstance(out, tuple)
+        outs = out if multi else (out,)
+        tensors = tuple(Tensor(o, requires_grad=recording) for o in outs)
+        if recording:
+            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+            ctx.num_outputs = len(outs)
+            ctx.output_meta = tuple((o.shape, o.dtype) for o in outs)
+            for i, t in enumerate(tensors):
+                t.grad_fn, t._out_index = ctx, i
+        return tensors if multi else tensors[0]
+
+
+class Tensor:
+    """An array with an optional gradient and the node that produced it.
+
+    Attributes:
+        data: the ``backend.xp`` array (any shape; float64/32/16, or integer
+            for token ids).
+        grad: accumulated gradient array of ``data``'s shape and dtype, or None.
+        requires_grad: whether gradients flow to / through this tensor.
+        grad_fn: the :class:`Context` node that produced it (None for leaves).
+    Operators (+, -, *, /, @, **, indexing) and methods (sum, mean, reshape,
+    transpose, ...) are defined in :mod:`minizero.autograd.ops`.
+    """
+
+    def __init__(self, data, requires_grad: bool = False):
+        self.data = data if isinstance(data, backend.xp.ndarray) else backend.xp.asarray(data)
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self.grad_fn = None
+        self._out_index = 0
+        self._post_accumulate_hooks = []
+
+    shape = property(lambda self: self.data.shape, doc="the array's shape")
+    dtype = property(lambda self: self.data.dtype, doc="the array's dtype")
+    ndim = property(lambda self: self.data.ndim, doc="number of dimensions")
+    size = property(lambda self: self.data.size, doc="number of elements")
+    is_leaf = property(lambda self: self.grad_fn is None, doc="True when no Function produced it")
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    def numpy(self):
+        """The data as a host NumPy array."""
+        return backend.to_host(self.data)
+
+    def item(self) -> float:
+        """The value of a one-element tensor as a Python float."""
+        return float(self.data.reshape(-1)[0]) if self.data.size == 1 else float(self.data)
+
+    def detach(self) -> "Tensor":
+        """A new leaf sharing ``data``, cut from the graph."""
+        return Tensor(self.data, requires_grad=False)
+
+    def register_post_accumulate_grad_hook(self, hook) -> None:
+        """Call ``hook(tensor)`` on a leaf after its last gradient contribution in a backward."""
+        self._post_accumulate_hooks.append(hook)
+
+    def backward(self, grad=None, retain_graph: bool = False) -> None:
+        """Backpropagate from this tensor; see :func:`backward`."""
+        backward(self, grad, retain_graph=retain_graph)
+
+
+def _topological_nodes(root: Tensor):
+    """Nodes reachable from ``root.grad_fn`` in an order where each node precedes its inputs' nodes."""
+    order, visited = [], set()
+    stack = [(root.grad_fn, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node is None:
+            continue
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        for t in node.inputs:
+            if t is not None and t.grad_fn is not None and id(t.grad_fn) not in visited:
+                stack.append((t.grad_fn, False))
+    order.reverse()  # post-order reversed: consumers before producers
+    return order
+
+
+def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
+    """Reverse-mode differentiation from ``root``; leaf gradients accumulate into ``.grad``.
+
+    Args:
+        root: the output tensor (usually the scalar loss).
+        grad: d(objective)/d(root), same shape as ``root``; default 1 for a
+            one-element root.
+        retain_graph: keep saved tensors so backward can run again.
+    Raises:
+        RuntimeError: ``root`` does not require grad, or ``grad`` is missing
+            for a non-scalar root.
+    Leaf gradients are new contiguous arrays of the leaf's dtype, registered
+    in the ledger as ``gradients`` (later backwards add into them in place,
+    which is gradient accumulation).
+    """
+    xp = backend.xp
+    if not root.requires_grad:
+        raise RuntimeError("backward() called on a tensor that does not require grad")
+    if grad is None:
+        if root.data.size != 1:
+            raise RuntimeError(f"grad must be given for a non-scalar root of shape {root.shape}")
+        grad = xp.ones_like(root.data)
+    nodes = _topological_nodes(root)
+    # how many times each leaf will receive a gradient, so hooks fire after the last one
+    pending = {}
+    for node in nodes:
+        for t in node.inputs:
+            if t is not None and t.requires_grad and t.grad_fn is None:
+                pending[id(t)] = pending.get(id(t), 0) + 1
+    grads = {}  # id(node) -> list of output grads
+    if root.grad_fn is None:
+        _accumulate_leaf(root, grad)
+        return
+    grads[id(root.grad_fn)] = [None] * root.grad_fn.num_outputs
+    grads[id(root.grad_fn)][root._out_index] = grad
+    for node in nodes:
+        outs = grads.pop(id(node), None)
+        if outs is None:
+            continue
+        if node._saved is None:
+            raise RuntimeError(f"{node.fn.__name__}: this part of the graph was already freed by an earlier "
+                               "backward; call backward(retain_graph=True) to backpropagate twice")
+        outs = [g if g is not None else xp.zeros(shape, dtype) for g, (shape, dtype) in zip(outs, node.output_meta)]
+        in_grads = node.fn.backward(node, *outs)
+        if not isinstance(in_grads, tuple):
+            in_grads = (in_grads,)
+        inputs = node.inputs
+        if len(in_grads) != len(inputs):
+            raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients "
+                               f"for {len(inputs)} inputs")
+        if not retain_graph:
+            node.release()
+        for t, g in zip(inputs, in_grads):
+            if t is None or g is None or not t.requires_grad:
+                continue
+            if g.shape != t.shape:
+                raise RuntimeError(f"{node.fn.__name__}.backward gave a gradient of shape {g.shape} "
+                                   f"for an input of shape {t.shape}")
+            if t.grad_fn is None:
+                _accumulate_leaf(t, g)
+                pending[id(t)] -= 1
+                if pending[id(t)] == 0:
+                    for hook in t._post_accumulate_hooks:
+                        hook(t)
+            else:
+                slot = grads.setdefault(id(t.grad_fn), [None] * t.grad_fn.num_outputs)
+                i = t._out_index
+                slot[i] = g if slot[i] is None else slot[i] + g
+
+
+def _accumulate_leaf(t: Tensor, g) -> None:
+    if t.grad is None:
+        t.grad = backend.xp.array(g, dtype=t.data.dtype, copy=True, order="C")
+        get_ledger().track(t.grad, "gradients")
+    else:
+        t.grad += g

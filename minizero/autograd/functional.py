@@ -1,0 +1,291 @@
+"""The neural-network ops a GPT needs, each a fused Function with a hand-written backward.
+
+Shapes use B = batch, T = sequence length, C = model width, V = vocabulary,
+H = heads, N = any number of rows. What each op saves for backward is listed,
+because that is exactly what the memory ledger will count as activations.
+
+Sources: layer norm (Ba et al. 2016), GELU tanh form (Hendrycks & Gimpel 2016,
+as used by GPT-2), inverted dropout (Srivastava et al. 2014), softmax
+cross-entropy with the log-sum-exp trick.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd.engine import Function, Tensor
+
+
+def _flat2d(a):
+    return a.reshape(-1, a.shape[-1])
+
+
+class Linear(Function):
+    """y = x W^T + b, with W stored (out_features, in_features) as in PyTorch.
+
+    Shapes: x (..., in), W (out, in), b (out,) or None -> y (..., out).
+    Saves x and W. Backward: dx = g W, dW = g^T x, db = sum of g over rows
+    (the rows of all leading dims flattened, so dW is one 2-D matmul).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        y = x @ weight.T
+        if bias is not None:
+            y = y + bias
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
+        dx = g @ w if need_x else None
+        dw = _flat2d(g).T @ _flat2d(x) if need_w else None
+        db = _flat2d(g).sum(axis=0) if need_b else None
+        return (dx, dw, db)[: len(ctx.needs_input_grad)]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias``; see :class:`Linear`."""
+    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+
+
+class Embedding(Function):
+    """Row lookup ``W[idx]``.
+
+    Shapes: W (V, C), idx integer (...) -> (..., C). Saves idx (integers).
+    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add).
+    """
+
+    @staticmethod
+    def forward(ctx, weight, idx):
+        ctx.weight_shape = weight.shape
+        ctx.save_for_backward(idx)
+        return weight[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        dw = backend.xp.zeros(ctx.weight_shape, g.dtype)
+        backend.xp.add.at(dw, idx.reshape(-1), _flat2d(g))
+        return dw, None
+
+
+def embedding(idx, weight: Tensor) -> Tensor:
+    """Look up rows of ``weight`` (V, C) for integer ``idx`` (...); returns (..., C)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    return Embedding.apply(weight, idx)
+
+
+class LayerNorm(Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis.
+
+    Shapes: x (..., C), w (C,), b (C,) -> (..., C). Statistics are computed in
+    at least float32. Saves x, w, mean (..., 1) and rstd (..., 1).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps=1e-5):
+        xp = backend.xp
+        stat_dtype = np.promote_types(x.dtype, np.float32)
+        xs = x.astype(stat_dtype, copy=False)
+        mean = xs.mean(axis=-1, keepdims=True)
+        var = ((xs - mean) ** 2).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return (((xs - mean) * rstd) * weight + bias).astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, mean, rstd = ctx.saved_tensors
+        xhat = (x.astype(mean.dtype, copy=False) - mean) * rstd
+        gs = g.astype(mean.dtype, copy=False)
+        dw = _flat2d(gs * xhat).sum(axis=0).astype(w.dtype, copy=False)
+        db = _flat2d(gs).sum(axis=0).astype(w.dtype, copy=False)
+        gx = gs * w
+        c = x.shape[-1]
+        dx = rstd * (gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).sum(axis=-1, keepdims=True) / c)
+        return dx.astype(x.dtype, copy=False), dw, db, None
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """Layer normalization over the last axis; see :class:`LayerNorm`."""
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class GELU(Function):
+    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    Shapes: any -> same. Saves x.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1.0 + backend.xp.tanh(_GELU_C * (x + 0.044715 * (x * x * x))))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = backend.xp.tanh(_GELU_C * (x + 0.044715 * (x * x * x)))
+        dt = (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x)
+        return g * (0.5 * (1.0 + t) + 0.5 * x * dt)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU (tanh form); see :class:`GELU`."""
+    return GELU.apply(x)
+
+
+class CausalSoftmax(Function):
+    """Softmax over the last axis with position j > i masked out (attention scores).
+
+    Shapes: scores (..., T, T) -> probabilities (..., T, T), row i nonzero only
+    in columns 0..i. Computed in at least float32. Saves the output.
+    Backward: dx = y * (g - sum(g * y, last axis)).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = backend.xp
+        t = x.shape[-1]
+        mask = xp.triu(xp.ones((t, t), dtype=bool), k=1)
+        xs = xp.where(mask, -xp.inf, x.astype(np.promote_types(x.dtype, np.float32), copy=False))
+        xs = xs - xs.max(axis=-1, keepdims=True)
+        e = xp.exp(xs)
+        y = (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+
+def causal_softmax(scores: Tensor) -> Tensor:
+    """Causally masked softmax over the last axis; see :class:`CausalSoftmax`."""
+    return CausalSoftmax.apply(scores)
+
+
+# ---- dropout and its generator ----------------------------------------------------
+_rng_local = threading.local()
+
+
+def dropout_generator() -> np.random.Generator:
+    """This rank's (thread's) dropout generator; seed it with :func:`manual_seed`."""
+    gen = getattr(_rng_local, "gen", None)
+    if gen is None:
+        gen = _rng_local.gen = np.random.default_rng(0)
+    return gen
+
+
+def manual_seed(seed: int) -> None:
+    """Seed this rank's dropout generator (one generator per purpose, GUIDE)."""
+    _rng_local.gen = np.random.default_rng(seed)
+
+
+def get_rng_state() -> dict:
+    """The dropout generator's state (for recompute to replay the same masks)."""
+    return dropout_generator().bit_generator.state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore a state from :func:`get_rng_state`."""
+    dropout_generator().bit_generator.state = state
+
+
+@contextlib.contextmanager
+def fork_rng():
+    """Run a block, then put the dropout generator back where it was."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+class Dropout(Function):
+    """Inverted dropout: y = x * mask / (1 - p), mask ~ Bernoulli(1 - p).
+
+    Shapes: any -> same. The mask is drawn on the host from
+    :func:`dropout_generator` (so it is reproducible and replayable) and saved
+    as bool (1 byte per element, as Korthikanti et al. 2022 count it).
+    """
+
+    @staticmethod
+    def forward(ctx, x, p):
+        keep = backend.to_device(dropout_generator().random(x.shape) >= p)
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(keep)
+        return x * keep * x.dtype.type(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * keep * g.dtype.type(ctx.scale), None
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0.
+
+    Raises:
+        ValueError: p outside [0, 1).
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return Dropout.apply(x, p)
+
+
+class CrossEntropy(Function):
+    """Mean softmax cross-entropy of ``logits`` against integer ``targets``.
+
+    Shapes: logits (N, V), targets (N,) integers in [0, V) -> scalar (dtype of
+    logits). Computed with log-sum-exp in at least float32. Saves logits,
+    targets and the log-sum-exp (N,). Backward: (softmax(logits) - onehot) / N.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        xp = backend.xp
+        ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
+        m = ls.max(axis=-1, keepdims=True)
+        lse = (m + xp.log(xp.exp(ls - m).sum(axis=-1, keepdims=True)))[:, 0]
+        picked = ls[xp.arange(ls.shape[0]), targets]
+        ctx.save_for_backward(logits, targets, lse)
+        return xp.asarray((lse - picked).mean(), dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        logits, targets, lse = ctx.saved_tensors
+        n = logits.shape[0]
+        p = xp.exp(logits.astype(lse.dtype, copy=False) - lse[:, None])
+        p[xp.arange(n), targets] -= 1.0
+        return (p * (g / n)).astype(logits.dtype, copy=False), None
+
+
+def cross_entropy(logits: Tensor, targets) -> Tensor:
+    """Mean cross-entropy; ``logits`` (N, V) Tensor, ``targets`` (N,) integer array.
+
+    Raises:
+        ValueError: shapes disagree or a target is outside [0, V).
+    """
+    t = targets.data if isinstance(targets, Tensor) else targets
+    if logits.ndim != 2 or t.shape != (logits.shape[0],):
+        raise ValueError(f"cross_entropy expects logits (N, V) and targets (N,), got {logits.shape} and {t.shape}")
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= logits.shape[1]):
+        raise ValueError(f"targets must lie in [0, {logits.shape[1]}), got range [{int(t.min())}, {int(t.max())}]")
+    return CrossEntropy.apply(logits, t)

@@ -1,0 +1,347 @@
+"""Elementwise, reduction, matmul and shape ops, and the Tensor operators that use them.
+
+Every op is a :class:`~minizero.autograd.engine.Function` with its backward
+written beside its forward. Broadcasting ops sum their gradient back to each
+input's shape (:func:`unbroadcast`), which is where hand-written autograds
+most often go wrong; the finite-difference tests in ``tests/test_autograd.py``
+check every op in float64.
+"""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.autograd.engine import Function, Tensor
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` over the axes NumPy broadcasting added or stretched, giving ``shape``.
+
+    Args:
+        grad: array of the broadcast result's shape.
+        shape: the input's shape (broadcastable to ``grad.shape``).
+    Returns:
+        array of ``shape``.
+    """
+    if grad.shape == tuple(shape):
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad.reshape(shape)
+
+
+def _shape(x):
+    return backend.xp.shape(x)
+
+
+class Add(Function):
+    """a + b with broadcasting."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return (unbroadcast(g, sa) if ctx.needs_input_grad[0] else None,
+                unbroadcast(g, sb) if ctx.needs_input_grad[1] else None)
+
+
+class Sub(Function):
+    """a - b with broadcasting."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        return a - b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return (unbroadcast(g, sa) if ctx.needs_input_grad[0] else None,
+                unbroadcast(-g, sb) if ctx.needs_input_grad[1] else None)
+
+
+class Mul(Function):
+    """a * b with broadcasting; saves both inputs."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        ctx.shapes = (_shape(a), _shape(b))
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        return (unbroadcast(g * b, sa) if ctx.needs_input_grad[0] else None,
+                unbroadcast(g * a, sb) if ctx.needs_input_grad[1] else None)
+
+
+class Div(Function):
+    """a / b with broadcasting; saves both inputs."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
+        ctx.shapes = (_shape(a), _shape(b))
+        return a / b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        return (unbroadcast(g / b, sa) if ctx.needs_input_grad[0] else None,
+                unbroadcast(-g * a / (b * b), sb) if ctx.needs_input_grad[1] else None)
+
+
+class Neg(Function):
+    """-a."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class Pow(Function):
+    """a ** p for a Python scalar exponent p; saves a."""
+
+    @staticmethod
+    def forward(ctx, a, p):
+        ctx.p = p
+        ctx.save_for_backward(a)
+        return a ** p
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return g * ctx.p * a ** (ctx.p - 1), None
+
+
+class Exp(Function):
+    """exp(a); saves the output."""
+
+    @staticmethod
+    def forward(ctx, a):
+        y = backend.xp.exp(a)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class Log(Function):
+    """log(a); saves a."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return backend.xp.log(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return g / a
+
+
+class Tanh(Function):
+    """tanh(a); saves the output."""
+
+    @staticmethod
+    def forward(ctx, a):
+        y = backend.xp.tanh(a)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class Sum(Function):
+    """Sum over ``axis`` (None: all), optionally keeping dims."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.shape, ctx.axis, ctx.keepdims = a.shape, axis, keepdims
+        return backend.xp.asarray(a.sum(axis=axis, keepdims=keepdims))
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.axis is not None and not ctx.keepdims:
+            axes = (ctx.axis,) if isinstance(ctx.axis, int) else ctx.axis
+            axes = sorted(ax % len(ctx.shape) for ax in axes)
+            for ax in axes:
+                g = backend.xp.expand_dims(g, ax)
+        return backend.xp.broadcast_to(g, ctx.shape).copy()
+
+
+class MatMul(Function):
+    """Batched matrix product ``a @ b`` (both at least 2-D, batch dims broadcast).
+
+    Shapes: a (..., n, k), b (..., k, m) -> (..., n, m). Saves a and b.
+    Backward: da = g @ b^T, db = a^T @ g, each summed over broadcast batch dims.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b):
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(f"matmul needs operands of at least 2 dims, got shapes {a.shape} and {b.shape}")
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        ctx.shapes = (a.shape, b.shape)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        xp = backend.xp
+        da = unbroadcast(g @ xp.swapaxes(b, -1, -2), sa) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(xp.swapaxes(a, -1, -2) @ g, sb) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class Reshape(Function):
+    """View with a new shape (same number of elements)."""
+
+    @staticmethod
+    def forward(ctx, a, shape):
+        ctx.shape = a.shape
+        return a.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.reshape(ctx.shape), None
+
+
+class Transpose(Function):
+    """Permute axes (``axes`` as in ``numpy.transpose``; None reverses them)."""
+
+    @staticmethod
+    def forward(ctx, a, axes=None):
+        ctx.axes = axes
+        return backend.xp.transpose(a, axes)
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        if ctx.axes is None:
+            return xp.transpose(g), None
+        return xp.transpose(g, xp.argsort(xp.asarray(ctx.axes)).tolist()), None
+
+
+class GetItem(Function):
+    """Basic or advanced indexing ``a[index]``; backward scatters (adds) into zeros."""
+
+    @staticmethod
+    def forward(ctx, a, index):
+        ctx.shape, ctx.dtype, ctx.index = a.shape, a.dtype, index
+        return a[index]
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        out = xp.zeros(ctx.shape, ctx.dtype)
+        xp.add.at(out, ctx.index, g)
+        return out, None
+
+
+class Split(Function):
+    """Split ``a`` into equal ``sections`` along ``axis``; returns a tuple of tensors."""
+
+    @staticmethod
+    def forward(ctx, a, sections, axis=-1):
+        if a.shape[axis] % sections:
+            raise ValueError(f"split: axis {axis} of size {a.shape[axis]} does not divide into {sections} sections")
+        ctx.axis = axis
+        return tuple(backend.xp.split(a, sections, axis=axis))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return backend.xp.concatenate(grads, axis=ctx.axis), None, None
+
+
+class Concat(Function):
+    """Concatenate tensors along ``axis``; call as ``concat([t1, t2, ...], axis)``."""
+
+    @staticmethod
+    def forward(ctx, *arrays, axis=0):
+        ctx.axis = axis
+        ctx.sizes = [a.shape[axis] for a in arrays]
+        return backend.xp.concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        cuts = xp.cumsum(xp.asarray(ctx.sizes))[:-1].tolist()
+        return tuple(xp.split(g, cuts, axis=ctx.axis))
+
+
+def concat(tensors, axis: int = 0) -> Tensor:
+    """Concatenate a sequence of tensors along ``axis`` (like ``torch.cat``)."""
+    return Concat.apply(*tensors, axis=axis)
+
+
+def split(t: Tensor, sections: int, axis: int = -1):
+    """Split into ``sections`` equal parts along ``axis`` (like ``numpy.split``)."""
+    return Split.apply(t, sections, axis)
+
+
+def _lift(x):
+    return x if isinstance(x, Tensor) else x  # scalars and arrays pass through as constants
+
+
+# ---- Tensor operators -----------------------------------------------------------
+Tensor.__add__ = lambda a, b: Add.apply(a, _lift(b))
+Tensor.__radd__ = lambda a, b: Add.apply(_lift(b), a)
+Tensor.__sub__ = lambda a, b: Sub.apply(a, _lift(b))
+Tensor.__rsub__ = lambda a, b: Sub.apply(_lift(b), a)
+Tensor.__mul__ = lambda a, b: Mul.apply(a, _lift(b))
+Tensor.__rmul__ = lambda a, b: Mul.apply(_lift(b), a)
+Tensor.__truediv__ = lambda a, b: Div.apply(a, _lift(b))
+Tensor.__rtruediv__ = lambda a, b: Div.apply(_lift(b), a)
+Tensor.__neg__ = lambda a: Neg.apply(a)
+Tensor.__pow__ = lambda a, p: Pow.apply(a, p)
+Tensor.__matmul__ = lambda a, b: MatMul.apply(a, b)
+Tensor.__getitem__ = lambda a, idx: GetItem.apply(a, idx)
+Tensor.exp = lambda a: Exp.apply(a)
+Tensor.log = lambda a: Log.apply(a)
+Tensor.tanh = lambda a: Tanh.apply(a)
+Tensor.sum = lambda a, axis=None, keepdims=False: Sum.apply(a, axis=axis, keepdims=keepdims)
+
+
+def _mean(a, axis=None, keepdims=False):
+    n = a.size if axis is None else (
+        a.shape[axis] if isinstance(axis, int) else int(backend.xp.prod([a.shape[i] for i in axis])))
+    return a.sum(axis=axis, keepdims=keepdims) * (1.0 / n)
+
+
+def _reshape(a, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return Reshape.apply(a, shape)
+
+
+def _transpose(a, *axes):
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    return Transpose.apply(a, axes or None)
+
+
+Tensor.mean = _mean
+Tensor.reshape = _reshape
+Tensor.transpose = _transpose
+Tensor.T = property(lambda a: Transpose.apply(a, None))

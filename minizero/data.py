@@ -1,0 +1,126 @@
+"""Text data: a byte-level tokenizer, the embedded corpus, and the distributed sampler.
+
+* Tokenizer: a token is a UTF-8 byte (vocabulary 256), so any text round-trips
+  losslessly and nothing needs to be downloaded or trained.
+* Default corpus: the Python language reference that ships inside every
+  CPython as ``pydoc_data.topics`` (about 465 KB of English).
+* Split: the first 90% of the bytes train, the last 10% validate (contiguous,
+  deterministic, no leakage across the boundary).
+* Sampler: every optimizer step draws one *global* batch of
+  ``grad_accum * dp_size * micro_batch`` random windows from a generator seeded
+  by (seed, step), identical on every rank. Micro-step k, rank r takes rows
+  ``[(k * dp_size + r) * micro_batch, ... + micro_batch)``, so N ranks with
+  micro-batch b see exactly the rows one process sees with micro-batch N * b
+  (the property the data-parallel test checks). Mirrors the contract of
+  ``torch.utils.data.DistributedSampler``: disjoint slices of one global batch.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+VOCAB_SIZE = 256
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as a uint8 array of shape (n_bytes,)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(tokens) -> str:
+    """Bytes back to text; invalid UTF-8 (possible mid-sample) becomes U+FFFD."""
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def builtin_corpus() -> str:
+    """The Python language reference shipped with CPython (``pydoc_data.topics``), topics in sorted order."""
+    from pydoc_data import topics
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def load_tokens(path: str | None = None) -> np.ndarray:
+    """Tokens (uint8, (n,)) of the text file ``path``, or of the built-in corpus when None.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (the path is named).
+        ValueError: the file is empty or not valid UTF-8 text.
+    """
+    if path is None:
+        return encode(builtin_corpus())
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data {path!r}: no such file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        raise ValueError(f"--data {path!r} is empty")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path!r} is not UTF-8 text ({e})") from None
+    return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
+    """(train, val) as contiguous views: the last ``val_fraction`` of the tokens validate."""
+    n_val = int(len(tokens) * val_fraction)
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+
+
+def check_corpus(tokens: np.ndarray, block_size: int, name: str = "corpus") -> None:
+    """Raise ValueError if ``tokens`` is too short to cut one (block_size + 1)-token window."""
+    if len(tokens) < block_size + 2:
+        raise ValueError(f"{name} has {len(tokens)} tokens; needs more than block_size + 1 = {block_size + 1}")
+
+
+def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int):
+    """The global batch of optimizer step ``step``: (x, y), each (batch, block_size) int64.
+
+    y is x shifted by one token. Windows start at offsets drawn uniformly from
+    a generator seeded by (seed, step), so every rank computes the same batch.
+    """
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=batch)
+    idx = starts[:, None] + np.arange(block_size + 1)[None, :]
+    w = tokens[idx].astype(np.int64)
+    return w[:, :-1], w[:, 1:]
+
+
+class DistributedSampler:
+    """Gives one data-parallel rank its micro-batches of each optimizer step.
+
+    Args:
+        tokens: uint8 (n,) training tokens.
+        block_size: sequence length T.
+        micro_batch: sequences per rank per micro-step (b).
+        grad_accum: micro-steps per optimizer step.
+        dp_rank, dp_size: this rank's position in the data-parallel group.
+        seed: data seed (one generator per purpose).
+    ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y), each
+    (micro_batch, block_size) int64.
+    """
+
+    def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0):
+        check_corpus(tokens, block_size, "training split")
+        self.tokens, self.block_size = tokens, block_size
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all ranks: grad_accum * dp_size * micro_batch."""
+        return self.grad_accum * self.dp_size * self.micro_batch
+
+    def micro_batches(self, step: int):
+        """Yield this rank's ``grad_accum`` micro-batches (x, y) of optimizer step ``step``."""
+        x, y = global_batch(self.tokens, step, self.global_batch_size, self.block_size, self.seed)
+        b = self.micro_batch
+        for k in range(self.grad_accum):
+            lo = (k * self.dp_size + self.dp_rank) * b
+            yield x[lo:lo + b], y[lo:lo + b]
+
+
+def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234):
+    """A fixed list of ``n_batches`` (x, y) pairs from ``tokens`` (the same every call)."""
+    return [global_batch(tokens, i, batch, block_size, seed) for i in range(n_batches)]

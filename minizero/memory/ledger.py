@@ -1,0 +1,203 @@
+"""The memory ledger: every array minizero keeps alive, counted by category.
+
+Techniques prove their savings here. The autograd engine registers every array a
+``Function`` saves for backward as ``activations``; parameters register
+themselves as ``parameters``; the engine registers accumulated leaf gradients as
+``gradients``; optimizers register their state as ``optimizer_state``; the
+data-parallel buckets register as ``comm_buffers``.
+
+Exactness rules (so the numbers are the real bytes):
+
+* An array is counted by its *owning buffer* (``a.base`` followed to the root):
+  a view that keeps a large array alive is charged the whole array, and two
+  views of one buffer are charged once.
+* The first category to claim a buffer keeps it (a parameter saved by a matmul
+  stays a parameter; it is not counted again as an activation).
+* A buffer leaves the ledger when it is freed (``weakref.finalize``), so
+  "current" is what is alive right now and "peak" is the high-water mark.
+
+There is one ledger per rank: per process under MPI, per thread under the
+in-process :class:`~minizero.comm.ThreadCommunicator` (``get_ledger`` is
+thread-local).
+
+Mirrors: the categories of ``torch.cuda.memory_summary()`` and of the ZeRO
+paper's model-state accounting (Rajbhandari et al. 2020, section 3).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "comm_buffers",
+    "offloaded",
+)
+
+
+def _owner(array):
+    """Follow ``.base`` to the array that owns the memory (views share it)."""
+    root = array
+    while getattr(root, "base", None) is not None and hasattr(root.base, "nbytes") and hasattr(root.base, "base"):
+        root = root.base
+    return root
+
+
+class MemoryLedger:
+    """Current and peak bytes per category for one rank.
+
+    Attributes:
+        current: dict category -> bytes alive now.
+        peak: dict category -> highest bytes ever alive in that category.
+        peak_total: highest sum over all categories at any one moment (bytes).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[str, int]] = {}
+        self.current = {c: 0 for c in CATEGORIES}
+        self.peak = {c: 0 for c in CATEGORIES}
+        self.peak_total = 0
+
+    def track(self, array, category: str) -> bool:
+        """Count ``array``'s owning buffer under ``category`` until it is freed.
+
+        Args:
+            array: a NumPy/CuPy array (any shape/dtype); non-arrays are ignored.
+            category: one of :data:`CATEGORIES`.
+        Returns:
+            True if the buffer was newly counted, False if already counted
+            (under any category) or not an array.
+        Raises:
+            ValueError: unknown category.
+        """
+        if category not in self.current:
+            raise ValueError(f"unknown ledger category {category!r}; allowed: {CATEGORIES}")
+        if not hasattr(array, "nbytes") or not hasattr(array, "base"):
+            return False
+        owner = _owner(array)
+        key = id(owner)
+        nbytes = int(owner.nbytes)
+        with self._lock:
+            if key in self._live:
+                return False
+            self._live[key] = (category, nbytes)
+            self._add(category, nbytes)
+        try:
+            weakref.finalize(owner, self._release, key)
+        except TypeError:  # object that cannot be weak-referenced: count, never release
+            pass
+        return True
+
+    def untrack(self, array) -> None:
+        """Stop counting ``array``'s buffer now (e.g. before re-tracking it elsewhere)."""
+        self._release(id(_owner(array)))
+
+    def retag(self, array, category: str) -> None:
+        """Move ``array``'s buffer to another category (e.g. to ``offloaded``)."""
+        self.untrack(array)
+        self.track(array, category)
+
+    def category_of(self, array):
+        """The category ``array``'s buffer is counted under, or None."""
+        entry = self._live.get(id(_owner(array)))
+        return entry[0] if entry else None
+
+    def _add(self, category, nbytes):
+        self.current[category] += nbytes
+        if self.current[category] > self.peak[category]:
+            self.peak[category] = self.current[category]
+        total = sum(self.current.values())
+        if total > self.peak_total:
+            self.peak_total = total
+
+    def _release(self, key):
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.current[entry[0]] -= entry[1]
+
+    def reset_peaks(self) -> None:
+        """Set every peak to the current value (start a new measurement window)."""
+        with self._lock:
+            self.peak = dict(self.current)
+            self.peak_total = sum(self.current.values())
+
+    def snapshot(self) -> dict:
+        """JSON-able ``{"current": {...}, "peak": {...}, "peak_total": int}`` in bytes."""
+        return {"current": dict(self.current), "peak": dict(self.peak), "peak_total": self.peak_total}
+
+
+_local = threading.local()
+
+
+def get_ledger() -> MemoryLedger:
+    """The calling rank's ledger (one per process, or per rank thread)."""
+    ledger = getattr(_local, "ledger", None)
+    if ledger is None:
+        ledger = _local.ledger = MemoryLedger()
+    return ledger
+
+
+def set_ledger(ledger: MemoryLedger) -> MemoryLedger:
+    """Install ``ledger`` as the calling thread's ledger; returns it."""
+    _local.ledger = ledger
+    return ledger
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary units: ``1536 -> '1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] | None = None,
+                   notes: list[str] | None = None) -> str:
+    """A text table in the spirit of ``torch.cuda.memory_summary()``.
+
+    Args:
+        per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default:
+            this rank's ledger only.
+        process_peaks: optional list (by rank) of measured process peak bytes
+            (tracemalloc), printed beside the ledger's total.
+        notes: extra lines printed under the table (e.g. BLAS threads per rank).
+    Returns:
+        The table as a string (units: KiB/MiB = 2**10/2**20 bytes).
+    """
+    if per_rank is None:
+        per_rank = [get_ledger().snapshot()]
+    show_cur = len(per_rank) <= 4  # 'current' columns only while the table stays narrow
+    head = ["category".ljust(16)]
+    for r in range(len(per_rank)):
+        if show_cur:
+            head.append(f"r{r} current".rjust(12))
+        head.append(f"r{r} peak".rjust(12))
+    lines = ["minizero memory summary (ledger, per rank; peak = high-water mark)", " ".join(head)]
+
+    def row(label, values_by_rank):
+        cells = [label.ljust(16)]
+        for cur, peak in values_by_rank:
+            if show_cur:
+                cells.append(("" if cur is None else format_bytes(cur)).rjust(12))
+            cells.append(format_bytes(peak).rjust(12))
+        return " ".join(cells)
+
+    for cat in CATEGORIES:
+        lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in per_rank]))
+    lines.append(row("peak total", [(None, s["peak_total"]) for s in per_rank]))
+    if process_peaks is not None:
+        lines.append(row("process peak*", [(None, p) for p in process_peaks]))
+        lines.append("* measured by tracemalloc: every allocation of the process, incl. NumPy temporaries")
+    lines.extend(notes or [])
+    return "\n".join(lines)
+
+
+def array_bytes(arrays) -> int:
+    """Sum of ``nbytes`` over an iterable of arrays (for tests and formulas)."""
+    return int(sum(a.nbytes for a in arrays))

@@ -1,0 +1,224 @@
+"""A GPT-2 style decoder-only transformer, with nanoGPT's parameter names.
+
+::
+
+    idx (B, T) int ──> wte (V, C) + wpe (T_max, C) ──> drop
+        ──> h.0 ... h.{L-1}:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
+        ──> ln_f ──> lm_head (weight tied to wte) ──> logits (B, T, V)
+
+    attn:  c_attn (C -> 3C) -> q, k, v split into H heads of D = C / H
+           softmax(q k^T / sqrt(D), causal) -> attn_dropout -> @ v -> c_proj (C -> C) -> resid_dropout
+    mlp:   c_fc (C -> 4C) -> GELU (tanh) -> c_proj (4C -> C) -> dropout
+
+``state_dict()`` names and shapes match nanoGPT's GPT-2
+(``transformer.h.0.attn.c_attn.weight`` is (3C, C), Linear weights are
+(out_features, in_features)), so weights move to and from PyTorch.
+Init follows GPT-2/nanoGPT: N(0, 0.02) weights, zero biases, residual
+projections (``c_proj``) scaled by 1/sqrt(2L) (Radford et al. 2019).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Tensor, causal_softmax, cross_entropy, gelu, no_grad, split
+from minizero.nn.module import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. Sizes are element counts; ``dtype`` is the parameter/activation dtype.
+
+    Raises (``validate``): ValueError naming the bad field and what is allowed.
+    """
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128  # maximum context length T
+    vocab_size: int = 256  # byte-level tokenizer
+    dropout: float = 0.0
+    dtype: str = "float32"
+
+    def validate(self) -> "GPTConfig":
+        """Check every field; return self."""
+        for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GPTConfig.{f} must be a positive integer, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        backend.get_dtype(self.dtype)
+        return self
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (the tied LM head counted once): 12LC^2 + 13LC + (V + T + 2)C."""
+        c, l = self.n_embd, self.n_layer
+        per_block = 12 * c * c + 13 * c
+        return l * per_block + (self.vocab_size + self.block_size + 2) * c
+
+
+#: Named model shapes. ``default`` is the main job's model (finishes in minutes on
+#: 2 cores at 8 ranks); ``tiny`` is for tests; ``gpt2`` is GPT-2 small (124M) for the estimator.
+PRESETS = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16),
+    "small": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+    "default": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "deep": GPTConfig(n_layer=12, n_head=4, n_embd=128, block_size=128),
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+    """A preset with fields replaced, validated.
+
+    Raises:
+        ValueError: unknown preset name (allowed names listed) or bad field.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; allowed: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}).validate()
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention. x (B, T, C) -> (B, T, C).
+
+    Saved for backward per block (what the ledger counts): c_attn input, q/k/v
+    head views, the (B, H, T, T) probabilities (and dropout mask), the c_proj
+    input.
+    """
+
+    def __init__(self, cfg: GPTConfig, rng):
+        super().__init__()
+        c = cfg.n_embd
+        self.c_attn = Linear(c, 3 * c, dtype=cfg.dtype, rng=rng)
+        self.c_proj = Linear(c, c, dtype=cfg.dtype, rng=rng, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.attn_dropout = Dropout(cfg.dropout)
+        self.resid_dropout = Dropout(cfg.dropout)
+        self.n_head = cfg.n_head
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.n_head
+        q, k, v = split(self.c_attn(x), 3, axis=-1)  # each (B, T, C)
+        q, k, v = (z.reshape(b, t, h, c // h).transpose(0, 2, 1, 3) for z in (q, k, v))  # (B, H, T, D)
+        y = self.attention_core(q, k, v)  # (B, H, T, D)
+        y = y.transpose(0, 2, 1, 3).reshape(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attention_core(self, q, k, v):
+        """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. (B, H, T, D) each -> (B, H, T, D).
+
+        Its own method so selective recompute can checkpoint exactly this part
+        (Korthikanti et al. 2022, section 5).
+        """
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        att = causal_softmax((q @ k.transpose(0, 1, 3, 2)) * scale)  # (B, H, T, T)
+        return self.attn_dropout(att) @ v
+
+
+class MLP(Module):
+    """c_fc (C -> 4C), GELU, c_proj (4C -> C), dropout. (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig, rng):
+        super().__init__()
+        c = cfg.n_embd
+        self.c_fc = Linear(c, 4 * c, dtype=cfg.dtype, rng=rng)
+        self.c_proj = Linear(4 * c, c, dtype=cfg.dtype, rng=rng, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self.dropout = Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(gelu(self.c_fc(x))))
+
+
+class Block(Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)). (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig, rng):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd, dtype=cfg.dtype)
+        self.attn = CausalSelfAttention(cfg, rng)
+        self.ln_2 = LayerNorm(cfg.n_embd, dtype=cfg.dtype)
+        self.mlp = MLP(cfg, rng)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    """The decoder. ``model(idx)`` -> logits (B, T, V); ``model(idx, targets)`` -> (logits, mean loss).
+
+    Args:
+        cfg: a validated :class:`GPTConfig`.
+        seed: seed of the init generator (same seed -> same weights on every
+            rank and in every dtype: init draws in float64, then casts).
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        rng = np.random.default_rng(seed)
+        self.transformer = ModuleDict(dict(
+            wte=Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype, rng=rng),
+            wpe=Embedding(cfg.block_size, cfg.n_embd, dtype=cfg.dtype, rng=rng),
+            drop=Dropout(cfg.dropout),
+            h=ModuleList([Block(cfg, rng) for _ in range(cfg.n_layer)]),
+            ln_f=LayerNorm(cfg.n_embd, dtype=cfg.dtype),
+        ))
+        # weight tying (Press & Wolf 2017; nanoGPT): the LM head reuses wte's (V, C) matrix
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype,
+                              weight=self.transformer["wte"].weight)
+
+    def forward(self, idx, targets=None):
+        """idx: (B, T) integer array, T <= block_size; targets: (B, T) integers or None.
+
+        Raises:
+            ValueError: T > block_size, or token ids outside [0, vocab_size).
+        """
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        b, t = idx.shape
+        cfg = self.config
+        if t > cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
+        tr = self.transformer
+        pos = backend.xp.arange(t)
+        x = tr["drop"](tr["wte"](idx) + tr["wpe"](pos))
+        for block in tr["h"]:
+            x = block(x)
+        logits = self.lm_head(tr["ln_f"](x))  # (B, T, V)
+        if targets is None:
+            return logits
+        tg = targets.data if isinstance(targets, Tensor) else targets
+        loss = cross_entropy(logits.reshape(b * t, cfg.vocab_size), tg.reshape(b * t))
+        return logits, loss
+
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
+        """Sample ``max_new_tokens`` continuations (no grad). idx: (B, T) ints -> (B, T + new).
+
+        Uses the last ``block_size`` tokens as context and ``rng`` (a NumPy
+        Generator) for sampling; temperature 0 means greedy.
+        """
+        rng = rng if rng is not None else np.random.default_rng(0)
+        idx = np.asarray(backend.to_host(idx))
+        was_training = self.training
+        self.eval()
+        with no_grad():
+            for _ in range(max_new_tokens):
+                ctx = idx[:, -self.config.block_size:]
+                logits = backend.to_host(self(backend.to_device(ctx)).data[:, -1, :]).astype(np.float64)
+                if temperature == 0:
+                    nxt = logits.argmax(axis=-1)
+                else:
+                    p = np.exp((logits - logits.max(axis=-1, keepdims=True)) / temperature)
+                    p /= p.sum(axis=-1, keepdims=True)
+                    nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])
+                idx = np.concatenate([idx, nxt[:, None]], axis=1)
+        self.train(was_training)
+        return idx

@@ -1,0 +1,256 @@
+"""``Module`` and the basic layers: Linear, LayerNorm, Embedding, Dropout, containers.
+
+A Module owns Parameters and sub-Modules (found by attribute assignment, as in
+PyTorch), names them with dotted paths, and runs forward hooks around
+``forward``. The hooks are the seam ZeRO-3 uses to gather a layer's shards
+before it runs and free them after.
+
+Mirrors ``torch.nn.Module``: ``parameters``, ``named_parameters`` (shared
+parameters listed once), ``state_dict`` (shared parameters under every name,
+as PyTorch does for a tied LM head), ``load_state_dict``, ``train``/``eval``,
+``register_forward_pre_hook``/``register_forward_hook``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Tensor, functional as F
+from minizero.memory.ledger import get_ledger
+
+
+class Parameter(Tensor):
+    """A leaf Tensor that requires grad and is counted as ``parameters`` in the ledger.
+
+    Args:
+        data: array of any shape (float dtype).
+    """
+
+    def __init__(self, data):
+        super().__init__(data, requires_grad=True)
+        get_ledger().track(self.data, "parameters")
+
+    def __repr__(self):
+        return f"Parameter(shape={self.shape}, dtype={self.dtype})"
+
+
+class Module:
+    """Base class for layers and models.
+
+    Subclasses set Parameters and Modules as attributes in ``__init__`` and
+    write ``forward``; calling the module runs pre-hooks, forward, post-hooks.
+    """
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_forward_pre_hooks", [])
+        object.__setattr__(self, "_forward_hooks", [])
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    # ---- traversal ------------------------------------------------------------
+    def named_modules(self, prefix: str = ""):
+        """Yield ``(dotted_name, module)`` for this module and every descendant."""
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def children(self):
+        """The direct sub-modules."""
+        return list(self._modules.values())
+
+    def _named_parameters_all(self, prefix=""):
+        for name, p in self._parameters.items():
+            yield (f"{prefix}.{name}" if prefix else name), p
+        for name, m in self._modules.items():
+            yield from m._named_parameters_all(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self):
+        """Yield ``(dotted_name, Parameter)``; a shared parameter appears once, under its first name."""
+        seen = set()
+        for name, p in self._named_parameters_all():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def parameters(self) -> list:
+        """All distinct Parameters, in registration order."""
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameter elements."""
+        return int(sum(p.size for p in self.parameters()))
+
+    # ---- state ------------------------------------------------------------------
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """Name -> host array copy, every name including aliases of shared parameters."""
+        return OrderedDict((name, backend.to_host(p.data).copy()) for name, p in self._named_parameters_all())
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy arrays into the parameters (in place, keeping dtype).
+
+        Raises:
+            KeyError: ``strict`` and names missing or unexpected (both listed).
+            ValueError: a shape differs (name and both shapes given).
+        """
+        own = dict(self._named_parameters_all())
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for name, p in own.items():
+            if name not in state:
+                continue
+            value = np.asarray(state[name])
+            if value.shape != p.shape:
+                raise ValueError(f"load_state_dict: {name} has shape {value.shape}, the model expects {p.shape}")
+            p.data[...] = backend.to_device(value.astype(p.dtype, copy=False))
+
+    def zero_grad(self) -> None:
+        """Drop every parameter's gradient (``set_to_none`` semantics)."""
+        for p in self.parameters():
+            p.grad = None
+
+    # ---- modes and hooks ------------------------------------------------------
+    def train(self, mode: bool = True) -> "Module":
+        """Set training mode (dropout active) on this module and all descendants."""
+        for _, m in self.named_modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        """Set evaluation mode (dropout off)."""
+        return self.train(False)
+
+    def register_forward_pre_hook(self, hook):
+        """``hook(module, args) -> None | new_args`` runs before forward. Returns a remover."""
+        self._forward_pre_hooks.append(hook)
+        return lambda: self._forward_pre_hooks.remove(hook)
+
+    def register_forward_hook(self, hook):
+        """``hook(module, args, output) -> None | new_output`` runs after forward. Returns a remover."""
+        self._forward_hooks.append(hook)
+        return lambda: self._forward_hooks.remove(hook)
+
+    def __call__(self, *args):
+        for hook in self._forward_pre_hooks:
+            new = hook(self, args)
+            if new is not None:
+                args = new if isinstance(new, tuple) else (new,)
+        out = self.forward(*args)
+        for hook in self._forward_hooks:
+            new = hook(self, args, out)
+            if new is not None:
+                out = new
+        return out
+
+    def forward(self, *args):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class ModuleList(Module):
+    """A list of modules named ``0``, ``1``, ... (as ``torch.nn.ModuleList``)."""
+
+    def __init__(self, modules=()):
+        super().__init__()
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __getitem__(self, i):
+        return list(self._modules.values())[i]
+
+
+class ModuleDict(Module):
+    """Modules under string keys (as ``torch.nn.ModuleDict``)."""
+
+    def __init__(self, modules: dict):
+        super().__init__()
+        for k, m in modules.items():
+            setattr(self, k, m)
+
+    def __getitem__(self, key):
+        return self._modules[key]
+
+
+class Linear(Module):
+    """y = x W^T + b. W: (out_features, in_features), b: (out_features,).
+
+    Args:
+        in_features, out_features: sizes.
+        bias: include b.
+        dtype: parameter dtype. rng: generator for the N(0, std^2) init.
+        std: init standard deviation of W (GPT-2: 0.02); b starts at 0.
+        weight: an existing Parameter (out, in) to share instead of a new one.
+    Raises:
+        ValueError: ``weight`` of the wrong shape.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, dtype="float32", rng=None, std=0.02, weight=None):
+        super().__init__()
+        dt = backend.get_dtype(dtype)
+        if weight is not None:  # share an existing Parameter (weight tying); no init drawn
+            if weight.shape != (out_features, in_features):
+                raise ValueError(f"shared weight has shape {weight.shape}, expected {(out_features, in_features)}")
+            self.weight = weight
+        else:
+            rng = rng if rng is not None else np.random.default_rng(0)
+            w = rng.normal(0.0, std, size=(out_features, in_features))
+            self.weight = Parameter(backend.to_device(w.astype(dt)))
+        self.bias = Parameter(backend.xp.zeros(out_features, dt)) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    """Layer norm over the last axis with learned weight (ones) and bias (zeros), shape (C,)."""
+
+    def __init__(self, n, eps=1e-5, dtype="float32"):
+        super().__init__()
+        dt = backend.get_dtype(dtype)
+        self.weight = Parameter(backend.xp.ones(n, dt))
+        self.bias = Parameter(backend.xp.zeros(n, dt))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Embedding(Module):
+    """Lookup table W: (num_embeddings, dim), init N(0, std^2)."""
+
+    def __init__(self, num_embeddings, dim, dtype="float32", rng=None, std=0.02):
+        super().__init__()
+        rng = rng if rng is not None else np.random.default_rng(0)
+        w = rng.normal(0.0, std, size=(num_embeddings, dim)).astype(backend.get_dtype(dtype))
+        self.weight = Parameter(backend.to_device(w))
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+
+class Dropout(Module):
+    """Dropout with probability p while training (identity in eval mode)."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training)

@@ -1,0 +1,4 @@
+"""Optimizers: AdamW (functional core ``adamw_update``), LR schedule, gradient clipping."""
+from minizero.optim.adamw import AdamW, adamw_update, clip_grad_norm_, cosine_lr, global_grad_norm_sq, state_dtype
+
+__all__ = ["AdamW", "adamw_update", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq", "state_dtype"]

@@ -1,0 +1,165 @@
+"""AdamW, the learning-rate schedule and global-norm gradient clipping.
+
+The update is written once, as :func:`adamw_update` on flat arrays, so that
+every optimizer layout (one array per parameter here; one flat shard per rank
+under ZeRO) runs the same arithmetic.
+
+Sources: Adam (Kingma & Ba 2015, Algorithm 1), decoupled weight decay
+(Loshchilov & Hutter 2019, Algorithm 2), as implemented by ``torch.optim.AdamW``
+(decay applied as ``p -= lr * wd * p`` before the Adam step); parameter
+grouping from nanoGPT (decay 2-D weights, not biases/norms);
+warmup + cosine schedule (Loshchilov & Hutter 2017, as in nanoGPT).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.memory.ledger import get_ledger
+
+
+def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> None:
+    """One AdamW step, in place on ``p``, ``m`` and ``v``.
+
+    Args:
+        p: parameter values (any shape), updated in place. Any float dtype;
+            the arithmetic runs in the dtype of ``m``.
+        g: gradient, same shape as ``p``.
+        m, v: first and second moment, same shape, the state dtype (float32,
+            or float64 when training in float64).
+        step: 1-based optimizer step count t (for the bias corrections).
+        lr, beta1, beta2, eps, weight_decay: hyper-parameters.
+    """
+    gs = g.astype(m.dtype, copy=False)
+    m *= beta1
+    m += (1.0 - beta1) * gs
+    v *= beta2
+    v += (1.0 - beta2) * (gs * gs)
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    denom = backend.xp.sqrt(v / bc2) + eps
+    update = (lr / bc1) * (m / denom)
+    if p.dtype == m.dtype:
+        if weight_decay:
+            p *= 1.0 - lr * weight_decay
+        p -= update
+    else:  # low-precision p: compute in the state dtype, then round once
+        pw = p.astype(m.dtype)
+        if weight_decay:
+            pw *= 1.0 - lr * weight_decay
+        pw -= update
+        p[...] = pw.astype(p.dtype)
+
+
+def state_dtype(param_dtype) -> np.dtype:
+    """Adam state dtype for a parameter dtype: float64 stays float64, everything else float32."""
+    return np.dtype(np.float64) if np.dtype(param_dtype) == np.float64 else np.dtype(np.float32)
+
+
+class AdamW:
+    """AdamW over a list of Parameters with nanoGPT's weight-decay grouping.
+
+    Args:
+        params: list of Parameters (each must have ``.grad`` at ``step``; a
+            parameter whose grad is None is skipped, as in PyTorch).
+        lr, betas, eps, weight_decay: hyper-parameters (``lr`` may be changed
+            per step through ``set_lr``).
+    State: ``m`` and ``v`` per parameter, in :func:`state_dtype`, counted as
+    ``optimizer_state`` in the ledger (8 bytes per float32 parameter).
+    Raises:
+        ValueError: a hyper-parameter out of range (named).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        ledger = get_ledger()
+        self.m, self.v = [], []
+        for p in self.params:
+            dt = state_dtype(p.dtype)
+            m, v = backend.xp.zeros(p.shape, dt), backend.xp.zeros(p.shape, dt)
+            ledger.track(m, "optimizer_state")
+            ledger.track(v, "optimizer_state")
+            self.m.append(m)
+            self.v.append(v)
+
+    @staticmethod
+    def decays(p) -> bool:
+        """nanoGPT's rule: weight decay on parameters with 2 or more dims (matmul weights, embeddings)."""
+        return p.ndim >= 2
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the next step."""
+        self.lr = lr
+
+    def step(self) -> None:
+        """Apply one update to every parameter that has a gradient."""
+        self.step_count += 1
+        b1, b2 = self.betas
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            wd = self.weight_decay if self.decays(p) else 0.0
+            adamw_update(p.data, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd)
+
+    def zero_grad(self) -> None:
+        """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """Host copies: ``{"step": int, "m.i": array, "v.i": array}`` for parameter index i."""
+        out = {"step": self.step_count}
+        for i, (m, v) in enumerate(zip(self.m, self.v)):
+            out[f"m.{i}"], out[f"v.{i}"] = backend.to_host(m).copy(), backend.to_host(v).copy()
+        return out
+
+
+def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) -> float:
+    """Learning rate at optimizer step ``step`` (0-based).
+
+    Linear warmup from max_lr/warmup to max_lr over ``warmup`` steps, then cosine
+    decay to ``min_lr`` at ``total`` steps, constant after.
+    """
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    if step >= total:
+        return min_lr
+    ratio = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
+def global_grad_norm_sq(grads) -> float:
+    """Sum of squares of all gradient elements (computed in float64), a Python float."""
+    return float(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads if g is not None))
+
+
+def clip_grad_norm_(params, max_norm: float, norm_sq: float | None = None) -> float:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``.
+
+    Args:
+        params: Parameters (None grads skipped).
+        max_norm: threshold; ``<= 0`` or inf disables clipping (norm still returned).
+        norm_sq: the squared global norm if already known (e.g. summed across
+            shards by ZeRO); computed from ``params`` otherwise.
+    Returns:
+        The total norm before clipping.
+    Mirrors ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6)).
+    """
+    if norm_sq is None:
+        norm_sq = global_grad_norm_sq(p.grad for p in params)
+    total = math.sqrt(norm_sq)
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad *= p.grad.dtype.type(coef)
+    return total

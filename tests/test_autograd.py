@@ -1,0 +1,232 @@
+"""Every op's backward against central finite differences, in float64."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import minizero.autograd as A
+from minizero.autograd import Tensor, functional as F
+
+
+def numeric_grad(f, arrays, i, eps=1e-6):
+    """Central differences of scalar f(arrays) with respect to arrays[i]."""
+    x = arrays[i]
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        idx = it.multi_index
+        old = x[idx]
+        x[idx] = old + eps
+        fp = f(arrays)
+        x[idx] = old - eps
+        fm = f(arrays)
+        x[idx] = old
+        g[idx] = (fp - fm) / (2 * eps)
+    return g
+
+
+def check_op(op, *arrays, wrt=None, rtol=1e-6, atol=1e-8, seed=0):
+    """Compare autograd and finite differences of sum(op(*tensors) * R) for a fixed random R."""
+    arrays = [np.array(a, dtype=np.float64) for a in arrays]
+    wrt = range(len(arrays)) if wrt is None else wrt
+    rng = np.random.default_rng(seed)
+    out_shape = op(*[Tensor(a) for a in arrays]).shape
+    weights = rng.normal(size=out_shape)
+
+    def scalar(arrs):
+        with A.no_grad():
+            return float((op(*[Tensor(a) for a in arrs]).data * weights).sum())
+
+    tensors = [Tensor(a.copy(), requires_grad=(i in wrt)) for i, a in enumerate(arrays)]
+    out = op(*tensors)
+    out.backward(weights)
+    for i in wrt:
+        expected = numeric_grad(scalar, arrays, i)
+        np.testing.assert_allclose(tensors[i].grad, expected, rtol=rtol, atol=atol, err_msg=f"input {i}")
+
+
+rng = np.random.default_rng(42)
+
+
+def r(*shape):
+    return rng.normal(size=shape)
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((2, 1, 4), (3, 1)), ((1,), (2, 3))])
+def test_broadcasting_elementwise(sa, sb):
+    check_op(lambda a, b: a + b, r(*sa), r(*sb))
+    check_op(lambda a, b: a - b, r(*sa), r(*sb))
+    check_op(lambda a, b: a * b, r(*sa), r(*sb))
+    check_op(lambda a, b: a / b, r(*sa), np.abs(r(*sb)) + 1.0)
+
+
+def test_unary_and_scalar_ops():
+    check_op(lambda a: -a, r(3, 4))
+    check_op(lambda a: a ** 3, r(3, 4))
+    check_op(lambda a: a.exp(), r(3, 4))
+    check_op(lambda a: a.log(), np.abs(r(3, 4)) + 0.5)
+    check_op(lambda a: a.tanh(), r(3, 4))
+    check_op(lambda a: 2.0 * a + 1.0 - a / 3.0, r(3, 4))
+    check_op(lambda a: 1.0 / a, np.abs(r(2, 2)) + 1.0)
+
+
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (-1, True), ((0, 2), False)])
+def test_reductions(axis, keepdims):
+    check_op(lambda a: a.sum(axis=axis, keepdims=keepdims), r(2, 3, 4))
+    check_op(lambda a: a.mean(axis=axis, keepdims=keepdims), r(2, 3, 4))
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)), ((2, 3, 4), (4, 5)),
+                                   ((2, 2, 3, 4), (1, 2, 4, 3))])
+def test_batched_matmul(sa, sb):
+    check_op(lambda a, b: a @ b, r(*sa), r(*sb))
+
+
+def test_matmul_rejects_vectors():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        Tensor(r(3)) @ Tensor(r(3, 2))
+
+
+def test_shape_ops():
+    check_op(lambda a: a.reshape(4, 6), r(2, 3, 4))
+    check_op(lambda a: a.transpose(2, 0, 1), r(2, 3, 4))
+    check_op(lambda a: a.T, r(2, 3))
+    check_op(lambda a: a[1:, ::2], r(3, 4))
+    check_op(lambda a: a[np.array([0, 2, 0])], r(3, 4))  # repeated index: gradients add
+    check_op(lambda a: A.split(a, 3, axis=-1)[1] * 2.0, r(2, 6))
+    check_op(lambda a, b: A.concat([a, b], axis=1), r(2, 3), r(2, 2))
+
+
+def test_split_all_outputs_used():
+    check_op(lambda a: (lambda q, k, v: q * k + v)(*A.split(a, 3, axis=-1)), r(2, 9))
+
+
+def test_linear():
+    check_op(lambda x, w, b: F.linear(x, w, b), r(2, 3, 4), r(5, 4), r(5))
+    check_op(lambda x, w: F.linear(x, w), r(3, 4), r(5, 4))
+
+
+def test_embedding():
+    idx = np.array([[0, 2, 2], [1, 0, 3]])
+    check_op(lambda w: F.embedding(idx, w), r(4, 3))
+
+
+def test_layer_norm():
+    check_op(lambda x, w, b: F.layer_norm(x, w, b), r(2, 3, 5), r(5), r(5), rtol=1e-5)
+
+
+def test_gelu():
+    check_op(F.gelu, r(3, 7))
+    x = np.linspace(-3, 3, 7)
+    expected = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(F.gelu(Tensor(x)).data, expected, rtol=1e-14)
+
+
+def test_causal_softmax():
+    check_op(F.causal_softmax, r(2, 4, 4))
+    y = F.causal_softmax(Tensor(r(3, 3))).data
+    assert np.allclose(np.triu(y, 1), 0) and np.allclose(y.sum(-1), 1)
+
+
+def test_dropout_gradient_and_reproducibility():
+    A.manual_seed(3)
+    state = F.get_rng_state()
+    x = Tensor(r(200, 50), requires_grad=True)
+    y = F.dropout(x, 0.25)
+    keep = y.data != 0
+    assert 0.70 < keep.mean() < 0.80
+    np.testing.assert_allclose(y.data[keep], x.data[keep] / 0.75)
+    y.backward(np.ones_like(y.data))
+    np.testing.assert_allclose(x.grad, keep / 0.75)
+    F.set_rng_state(state)
+    y2 = F.dropout(Tensor(x.data), 0.25)
+    np.testing.assert_array_equal(y2.data, y.data)
+    assert F.dropout(x, 0.25, training=False) is x
+    with pytest.raises(ValueError, match="dropout probability"):
+        F.dropout(x, 1.0)
+
+
+def test_cross_entropy():
+    targets = np.array([0, 3, 2, 3])
+    check_op(lambda z: F.cross_entropy(z, targets), r(4, 5))
+    z = r(4, 5)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    assert np.isclose(F.cross_entropy(Tensor(z), targets).item(), -logp[np.arange(4), targets].mean())
+    with pytest.raises(ValueError, match="targets must lie"):
+        F.cross_entropy(Tensor(z), np.array([0, 1, 2, 5]))
+
+
+def test_attention_composite():
+    """A whole attention core: softmax(q k^T / sqrt(d), causal) @ v."""
+    def attn(q, k, v):
+        return F.causal_softmax((q @ k.transpose(0, 2, 1)) * 0.5) @ v
+    check_op(attn, r(2, 4, 3), r(2, 4, 3), r(2, 4, 3))
+
+
+def test_shared_input_accumulates_and_hook_fires_once():
+    x = Tensor(r(3), requires_grad=True)
+    calls = []
+    x.register_post_accumulate_grad_hook(lambda t: calls.append(t.grad.copy()))
+    y = (x * x + x * 3.0).sum()
+    y.backward()
+    np.testing.assert_allclose(x.grad, 2 * x.data + 3.0)
+    assert len(calls) == 1 and np.allclose(calls[0], x.grad)
+    y2 = (x * 2.0).sum()
+    y2.backward()  # accumulation across backward calls (gradient accumulation)
+    np.testing.assert_allclose(x.grad, 2 * x.data + 5.0)
+
+
+def test_no_grad_records_nothing():
+    x = Tensor(r(3), requires_grad=True)
+    with A.no_grad():
+        y = x * 2.0
+    assert y.grad_fn is None and not y.requires_grad
+
+
+def test_backward_twice_needs_retain_graph():
+    x = Tensor(r(3), requires_grad=True)
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    np.testing.assert_allclose(x.grad, 4 * x.data)
+    with pytest.raises(RuntimeError, match="already freed"):
+        y.backward()
+
+
+def test_saved_tensors_hooks_see_every_saved_array():
+    packed, unpacked = [], []
+
+    def pack(a):
+        packed.append(a.shape)
+        return ("box", a.copy())
+
+    def unpack(box):
+        unpacked.append(box[1].shape)
+        return box[1]
+
+    x = Tensor(r(2, 3), requires_grad=True)
+    w = Tensor(r(4, 3), requires_grad=True)
+    with A.saved_tensors_hooks(pack, unpack):
+        y = F.gelu(F.linear(x, w))
+    y.sum().backward()
+    assert packed == [(2, 3), (4, 3), (2, 4)]
+    assert sorted(unpacked) == sorted(packed)
+    ref_x, ref_w = Tensor(x.data, requires_grad=True), Tensor(w.data, requires_grad=True)
+    F.gelu(F.linear(ref_x, ref_w)).sum().backward()
+    np.testing.assert_array_equal(x.grad, ref_x.grad)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=3), st.lists(st.booleans(), min_size=3, max_size=3),
+       st.integers(0, 2))
+def test_broadcast_reduction_property(shape, ones, drop):
+    """For any broadcastable pair, d(sum(a*b))/da == sum of b over the broadcast axes."""
+    sb = tuple(shape)
+    sa = tuple(1 if o else n for n, o in zip(sb, ones))[drop:] or (1,)
+    a, b = r(*sa), r(*sb)
+    ta = Tensor(a, requires_grad=True)
+    (ta * Tensor(b)).sum().backward()
+    expected = np.broadcast_to(b, np.broadcast_shapes(sa, sb))
+    lead = expected.ndim - len(sa)
+    expected = expected.sum(axis=tuple(range(lead)))
+    expected = expected.sum(axis=tuple(i for i, n in enumerate(sa) if n == 1), keepdims=True)
+    np.testing.assert_allclose(ta.grad, expected.reshape(sa) * np.ones(sa))

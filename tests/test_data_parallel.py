@@ -1,0 +1,81 @@
+"""Data parallel equals single process: N ranks x micro-batch b == one process with N*b (float64)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.memory.ledger import MemoryLedger, set_ledger
+from tests import dp_reference
+from tests.conftest import REPO_ROOT, mpi_env
+
+MICRO = 2
+GRAD_RTOL, PARAM_RTOL = 1e-12, 1e-9
+
+
+def single_process(n):
+    """One rank with micro-batch n * MICRO: the baseline every data-parallel run must equal."""
+    return run_in_threads(1, dp_reference.run, n * MICRO)[0]
+
+
+def assert_matches(ref, got, label):
+    assert (ref["grad_norms"] > dp_reference.CLIP).all(), "clipping must be active in this test"
+    for i, (a, b) in enumerate(zip(ref["grads0"], got["grads0"])):
+        scale = np.abs(a).max()
+        np.testing.assert_allclose(b, a, rtol=0, atol=GRAD_RTOL * scale, err_msg=f"{label}: grad of param {i}")
+    for i, (a, b) in enumerate(zip(ref["params"], got["params"])):
+        np.testing.assert_allclose(b, a, rtol=PARAM_RTOL, atol=PARAM_RTOL * np.abs(a).max(),
+                                   err_msg=f"{label}: param {i} after {dp_reference.STEPS} steps")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_threads_data_parallel_equals_single_process(n):
+    ref = single_process(n)
+    results = run_in_threads(n, dp_reference.run, MICRO)
+    for r, got in enumerate(results):
+        assert_matches(ref, got, f"rank {r}/{n}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_mpi_data_parallel_equals_single_process(n, mpiexec, tmp_path):
+    ref = single_process(n)
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "dp_check.py")
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, script, str(tmp_path), str(MICRO)],
+                          env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(n):
+        data = np.load(tmp_path / f"rank{r}.npz")
+        k = len(ref["params"])
+        got = {"grads0": [data[f"g{i}"] for i in range(k)], "params": [data[f"p{i}"] for i in range(k)]}
+        assert_matches(ref, got, f"mpi rank {r}/{n}")
+    meta = json.loads((tmp_path / "rank0.json").read_text())
+    assert meta["world_size"] == n
+
+
+def test_ledger_counts_real_array_sizes():
+    """Parameters, gradients and optimizer state in the ledger equal the arrays' own nbytes."""
+    from minizero.nn import GPT, get_config
+    from minizero.optim import AdamW
+
+    ledger = set_ledger(MemoryLedger())
+    model = GPT(get_config("tiny", dtype="float64"))
+    params = model.parameters()
+    p_bytes = sum(p.data.nbytes for p in params)
+    assert ledger.current["parameters"] == p_bytes
+    opt = AdamW(params)
+    assert ledger.current["optimizer_state"] == 2 * p_bytes
+    x = np.random.default_rng(0).integers(0, 256, (2, 16))
+    _, loss = model(x, x)
+    assert ledger.current["activations"] > 0
+    loss.backward()
+    assert ledger.current["gradients"] == sum(p.grad.nbytes for p in params) == p_bytes
+    del loss, _, x  # the token ids were saved by the embedding: alive while the caller holds them
+    assert ledger.current["activations"] == 0  # every saved activation freed after backward
+    opt.zero_grad()
+    assert ledger.current["gradients"] == 0 and ledger.peak["gradients"] == p_bytes
+    set_ledger(MemoryLedger())
