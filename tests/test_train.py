@@ -1,0 +1,131 @@
+"""The main job end to end: bad input, outputs, one rank failing, and the model's nanoGPT names."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minizero.nn import GPT, get_config
+from minizero.train import UsageError, parse_args
+from tests.conftest import mpi_env
+
+TINY = ["--model", "tiny", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "8",
+        "--no-progress"]
+
+
+def launch(mpiexec, n, args, timeout=120, env=None):
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env or mpi_env(), capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "huge"], "'huge'"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size must be >= 1, got -1"),
+    (["--batch-size", "7"], "--batch-size 7 is not divisible by micro-batch-size x data-parallel size = 2 x 2 = 4"),
+    (["--batch-size", "8", "--grad-accum", "3"], "!= micro-batch-size x data-parallel size x grad-accum"),
+    (["--data", "/no/such/file.txt"], "'/no/such/file.txt': no such file"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--dtype", "int8"], "'int8'"),
+    (["--block-size", "4096"], "exceeds the 'default' preset's block_size 128"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+])
+def test_bad_arguments_are_named(argv, needle):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, world_size=2)
+    assert needle in str(e.value)
+
+
+def test_batch_size_derives_grad_accum():
+    args = parse_args(["--batch-size", "24", "--micro-batch-size", "3"], world_size=4)
+    assert args.grad_accum == 2 and args.batch_size == 24
+
+
+@pytest.mark.timeout(120)
+def test_bad_argument_under_mpi_fails_fast_and_once(mpiexec):
+    proc, elapsed = launch(mpiexec, 2, ["--batch-size", "7"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("--batch-size 7 is not divisible") == 1  # printed by rank 0 only
+    assert elapsed < 60
+
+
+@pytest.mark.timeout(300)
+def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
+    out = tmp_path / "run"
+    proc, _ = launch(mpiexec, 2, TINY + ["--out", str(out)], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "validation loss" in proc.stdout and "memory summary" in proc.stdout and "sample:" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["config"]["model"]["n_layer"] == 2
+    assert len(summary["train_loss"]) == 4 and summary["val_loss"] < summary["val_history"][0][1]
+    assert summary["tokens_per_s"] > 0
+    for key in ("ledger_peak_bytes", "process_peak_bytes", "bytes_sent", "bytes_sent_grad_allreduce"):
+        assert len(summary[key]) == 2, key
+    n_params = get_config("tiny").num_parameters()
+    assert summary["ledger_peak_bytes"][0]["parameters"] == 4 * n_params
+    assert summary["ledger_peak_bytes"][1]["optimizer_state"] == 8 * n_params
+    # ring all-reduce: 2(N-1)/N of the gradient bytes per step = exactly the bytes once at N = 2
+    assert summary["bytes_sent_grad_allreduce"][0] == 4 * 4 * n_params
+    weights = np.load(out / "model.npz")
+    assert "transformer.h.1.mlp.c_fc.weight" in weights and weights["lm_head.weight"].shape == (256, 16)
+    assert not [f for f in os.listdir(out) if f.startswith(".")], "temporary files left behind"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
+    env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")
+    proc, elapsed = launch(mpiexec, 3, TINY + ["--steps", "50", "--no-save"], timeout=90, env=env)
+    assert proc.returncode != 0
+    assert elapsed < 60, f"job took {elapsed:.1f} s to end after a rank failed"
+    if kind == "raise":
+        assert "[rank 1]" in proc.stderr and "injected fault" in proc.stderr
+
+
+def test_state_dict_matches_nanogpt_names_and_shapes():
+    cfg = get_config("tiny")
+    sd = GPT(cfg).state_dict()
+    c, v, t = cfg.n_embd, cfg.vocab_size, cfg.block_size
+    expected = {"transformer.wte.weight": (v, c), "transformer.wpe.weight": (t, c),
+                "transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,), "lm_head.weight": (v, c)}
+    for i in range(cfg.n_layer):
+        h = f"transformer.h.{i}."
+        expected.update({h + "ln_1.weight": (c,), h + "ln_1.bias": (c,), h + "ln_2.weight": (c,),
+                         h + "ln_2.bias": (c,), h + "attn.c_attn.weight": (3 * c, c), h + "attn.c_attn.bias": (3 * c,),
+                         h + "attn.c_proj.weight": (c, c), h + "attn.c_proj.bias": (c,),
+                         h + "mlp.c_fc.weight": (4 * c, c), h + "mlp.c_fc.bias": (4 * c,),
+                         h + "mlp.c_proj.weight": (c, 4 * c), h + "mlp.c_proj.bias": (c,)})
+    assert {k: v.shape for k, v in sd.items()} == expected
+    np.testing.assert_array_equal(sd["lm_head.weight"], sd["transformer.wte.weight"])
+    model2 = GPT(cfg, seed=99)
+    model2.load_state_dict(sd)
+    np.testing.assert_array_equal(model2.state_dict()["transformer.h.0.mlp.c_fc.weight"],
+                                  sd["transformer.h.0.mlp.c_fc.weight"])
+    with pytest.raises(ValueError, match="has shape"):
+        model2.load_state_dict({**sd, "transformer.wpe.weight": np.zeros((3, 3))})
+    with pytest.raises(KeyError, match="missing keys"):
+        model2.load_state_dict({k: v for k, v in sd.items() if "wpe" not in k})
+
+
+def test_tied_head_gets_both_gradients():
+    """The shared wte / lm_head matrix receives the embedding's and the head's gradient, summed."""
+    cfg = get_config("tiny", dtype="float64")
+    model = GPT(cfg)
+    x = np.random.default_rng(0).integers(0, 256, (2, 8))
+    _, loss = model(x, x)
+    loss.backward()
+    g_total = model.transformer["wte"].weight.grad.copy()
+    # finite difference on one entry used by both the lookup and the head
+    w = model.transformer["wte"].weight.data
+    i, j, eps = int(x[0, 0]), 3, 1e-6
+    w[i, j] += eps
+    lp = model(x, x)[1].item()
+    w[i, j] -= 2 * eps
+    lm = model(x, x)[1].item()
+    w[i, j] += eps
+    assert abs((lp - lm) / (2 * eps) - g_total[i, j]) < 1e-7 * max(1.0, abs(g_total[i, j]))
