@@ -1,0 +1,293 @@
+"""Collectives written by hand on top of ``sendrecv``: ring reduce-scatter, all-gather, all-reduce.
+
+A flat buffer of n elements is cut into ``world_size`` contiguous chunks by
+``shard_range`` (like ``np.array_split``). In a ring every rank r sends only to
+r+1 and receives only from r-1, one chunk per step, so every link carries the same
+load and the bytes a rank sends do not grow with world size (Patarasuk & Yuan,
+"Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009;
+the algorithm of Baidu's ring all-reduce, Horovod and NCCL).
+
+Three ranks, their buffers a, b, c, each cut into chunks 0 1 2; S_i = a_i + b_i + c_i::
+
+    reduce-scatter (N-1 steps): at step s rank r sends chunk r-s-1 to r+1, which adds it
+                     rank 0               rank 1               rank 2
+      start          a0    a1    a2       b0    b1    b2       c0    c1    c2
+      step 0  send   a2 -> 1              b0 -> 2              c1 -> 0
+              add    a1 += c1             b2 += a2             c0 += b0
+      step 1  send   a1+c1 -> 1           b2+a2 -> 2           c0+b0 -> 0
+              add    a0 += c0+b0 = S0     b1 += a1+c1 = S1     c2 += b2+a2 = S2
+
+    all-gather (N-1 steps): at step s rank r sends chunk r-s to r+1, which stores it
+      step 0  send   S0 -> 1              S1 -> 2              S2 -> 0
+      step 1  send   S2 -> 1              S0 -> 2              S1 -> 0
+      end            S0    S1    S2       S0    S1    S2       S0    S1    S2
+
+    all-reduce = reduce-scatter then all-gather.
+
+Bytes each rank sends (n elements of ``itemsize`` bytes, N ranks, ``bytes_sent``):
+reduce-scatter sends every chunk but its own, all-gather every chunk but rank r+1's:
+(N-1)/N * n * itemsize each, exactly when N divides n; all-reduce twice that,
+2(N-1)/N * n * itemsize, which is the lower bound for any all-reduce.
+
+Numerics: sums are computed in the input dtype (float16 sums in float16, as a
+library all-reduce on float16 does), in ring order; every rank ends with
+bit-identical results because each chunk is summed once and then copied.
+Buffers are preallocated and reduced in place (``xp.add(acc, incoming, out=acc)``).
+Every public function records its bytes in ``comm.traffic`` under its own label and
+takes ``native=True`` to call the library's collective instead (never silently).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING
+
+from minizero import backend
+
+if TYPE_CHECKING:
+    from minizero.comm.communicator import Communicator
+
+_RING_TAG = 1001  # tags for collective messages, apart from user point-to-point tag 0
+_BCAST_TAG = 1002
+
+
+# --------------------------------------------------------------------------- bookkeeping
+def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """This rank's ``(offset, size)`` in a flat buffer of ``n`` elements split ``world_size`` ways.
+
+    Contiguous chunks like ``np.array_split``: the first ``n % world_size`` ranks get
+    one element more. Chunks may be empty when ``n < world_size``.
+    Example: ``[shard_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]``.
+    Raises:
+        ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` not in ``[0, world_size)``.
+    """
+    if n < 0:
+        raise ValueError(f"n={n}; allowed: n >= 0")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}; allowed: world_size >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}; allowed: 0..{world_size - 1}")
+    base, extra = divmod(n, world_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, list[int]]:
+    """``(parent, children)`` of ``rank`` in a binomial broadcast tree rooted at ``root``.
+
+    With v = (rank - root) mod N, v's parent is v minus its lowest set bit and its
+    children are v + 2^k for every 2^k below that bit (all k for the root), largest
+    first. Depth ceil(log2 N). (Thakur, Rabenseifner & Gropp, IJHPCA 2005, Sec. 4.3.)
+    """
+    v = (rank - root) % world_size
+    mask, parent = 1, None
+    while mask < world_size:
+        if v & mask:
+            parent = (v - mask + root) % world_size
+            break
+        mask <<= 1
+    children = []
+    mask >>= 1
+    while mask > 0:
+        if v + mask < world_size:
+            children.append((v + mask + root) % world_size)
+        mask >>= 1
+    return parent, children
+
+
+def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root: int = 0) -> int:
+    """Bytes ``rank`` sends in minizero's algorithm for ``op`` on ``n`` elements of ``itemsize``.
+
+    ``op``: ``"reduce_scatter"`` (n minus own chunk), ``"all_gather"`` (n minus rank+1's
+    chunk), ``"all_reduce"`` (both), ``"broadcast"`` (n per binomial-tree child).
+    Used for the ledger estimate of native collectives and by tests.
+    Raises:
+        ValueError: unknown ``op``.
+    """
+    def chunk(r):
+        return shard_range(n, world_size, r % world_size)[1]
+
+    if op == "reduce_scatter":
+        elems = n - chunk(rank)
+    elif op == "all_gather":
+        elems = n - chunk(rank + 1)
+    elif op == "all_reduce":
+        elems = 2 * n - chunk(rank) - chunk(rank + 1)
+    elif op == "broadcast":
+        elems = n * len(_binomial_tree(rank, root, world_size)[1])
+    else:
+        raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
+    return elems * itemsize
+
+
+def _check_contiguous(x, what: str) -> None:
+    if not (hasattr(x, "flags") and hasattr(x, "size")):
+        raise TypeError(f"{what} must be an array (numpy/cupy), got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            f"{what} must be C-contiguous, got shape {x.shape} with strides {x.strides}; "
+            "pass xp.ascontiguousarray(x)"
+        )
+
+
+# --------------------------------------------------------------------------- ring primitives
+def _ring_reduce_scatter_(comm: Communicator, buf, tmp) -> None:
+    """In place on the flat (n,) ``buf``: afterwards chunk ``comm.rank`` holds the sum over ranks.
+
+    ``tmp``: scratch of at least the largest chunk. Other chunks hold partial sums.
+    """
+    world_size, rank = comm.world_size, comm.rank
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    chunks = [shard_range(buf.size, world_size, r) for r in range(world_size)]
+    for step in range(world_size - 1):
+        send_off, send_size = chunks[(rank - step - 1) % world_size]
+        recv_off, recv_size = chunks[(rank - step - 2) % world_size]
+        incoming = tmp[:recv_size]
+        comm.sendrecv(buf[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
+        acc = buf[recv_off:recv_off + recv_size]
+        backend.xp.add(acc, incoming, out=acc)
+
+
+def _ring_all_gather_(comm: Communicator, buf) -> None:
+    """In place on the flat (n,) ``buf`` whose chunk ``comm.rank`` is set: fill all other chunks."""
+    world_size, rank = comm.world_size, comm.rank
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    chunks = [shard_range(buf.size, world_size, r) for r in range(world_size)]
+    for step in range(world_size - 1):
+        send_off, send_size = chunks[(rank - step) % world_size]
+        recv_off, recv_size = chunks[(rank - step - 1) % world_size]
+        comm.sendrecv(buf[send_off:send_off + send_size], right,
+                      buf[recv_off:recv_off + recv_size], left, tag=_RING_TAG)
+
+
+# --------------------------------------------------------------------------- public collectives
+def reduce_scatter(comm: Communicator, x, native: bool = False):
+    """Sum ``x`` over ranks and return this rank's chunk of the sum.
+
+    Args:
+        x: any shape, C-contiguous, same size and dtype on every rank; read as
+            ``x.reshape(-1)`` (n elements) and not modified.
+        native: use the library's reduce-scatter (``comm.native_reduce_scatter``).
+    Returns:
+        (size,) array, dtype of ``x``: elements ``[offset, offset+size)`` of the sum,
+        ``(offset, size) = shard_range(n, world_size, rank)``.
+    Bytes: ``(n - size) * itemsize`` = (N-1)/N * x.nbytes when N divides n.
+        Label ``"reduce_scatter"``. Temporary memory: n + ceil(n/N) elements.
+    Raises:
+        ValueError: ``x`` not C-contiguous; a size mismatch between ranks shows up as
+        a ValueError from ``recv``.
+    Source: Patarasuk & Yuan 2009, ring reduce-scatter (first half of the ring all-reduce).
+    """
+    _check_contiguous(x, "x")
+    if native:
+        return comm.native_reduce_scatter(x)
+    n, world_size = x.size, comm.world_size
+    offset, size = shard_range(n, world_size, comm.rank)
+    with comm.traffic.op("reduce_scatter"):
+        buf = x.reshape(-1).copy()
+        tmp = backend.xp.empty(shard_range(n, world_size, 0)[1], dtype=x.dtype)
+        _ring_reduce_scatter_(comm, buf, tmp)
+        return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
+
+
+def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = False):
+    """Concatenate every rank's shard, in rank order, on every rank (inverse of ``reduce_scatter``).
+
+    Args:
+        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements (any shape,
+            read flat), same dtype on every rank.
+        n: total length; None means all shards have the same size, n = shard.size * N.
+        native: use the library's all-gather (``comm.native_allgather``).
+    Returns:
+        (n,) array, dtype of ``shard``; rank r's shard at ``shard_range(n, N, r)``.
+    Bytes: ``(n - size of rank+1's shard) * itemsize`` = (N-1)/N * n * itemsize when N
+        divides n. Label ``"all_gather"``.
+    Raises:
+        ValueError: ``shard`` not C-contiguous, or its size is not this rank's
+        ``shard_range`` size for ``n``.
+    Source: Patarasuk & Yuan 2009, ring all-gather (second half of the ring all-reduce).
+    """
+    _check_contiguous(shard, "shard")
+    world_size, rank = comm.world_size, comm.rank
+    if n is None:
+        n = shard.size * world_size
+    offset, size = shard_range(n, world_size, rank)
+    if shard.size != size:
+        raise ValueError(
+            f"rank {rank}: shard has {shard.size} elements, but shard_range(n={n}, "
+            f"world_size={world_size}, rank={rank}) gives {size}"
+        )
+    if native:
+        return comm.native_allgather(shard, n)
+    with comm.traffic.op("all_gather"):
+        out = backend.xp.empty(n, dtype=shard.dtype)
+        out[offset:offset + size] = shard.reshape(-1)
+        _ring_all_gather_(comm, out)
+        return out
+
+
+def all_reduce(comm: Communicator, x, native: bool = False, out=None):
+    """Elementwise sum of ``x`` over ranks, on every rank.
+
+    Args:
+        x: any shape, C-contiguous, same shape and dtype on every rank; not modified
+            (unless ``out is x``).
+        native: use the library's all-reduce (``comm.native_allreduce``).
+        out: optional C-contiguous array of x's shape and dtype to write into; may be
+            ``x`` itself (in place).
+    Returns:
+        ``out`` (a new array if None): same shape and dtype as ``x``. With one rank, a copy.
+    Bytes: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
+        0 when N == 1. Label ``"all_reduce"``. Temporary memory: ceil(n/N) elements.
+    Raises:
+        ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
+    Source: ring all-reduce = reduce-scatter + all-gather (Patarasuk & Yuan, JPDC 2009;
+        Baidu ring all-reduce; Horovod, arXiv:1802.05799; NCCL).
+    """
+    _check_contiguous(x, "x")
+    if out is not None:
+        _check_contiguous(out, "out")
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
+    if native:
+        return comm.native_allreduce(x, out=out)
+    if out is None:
+        out = backend.xp.empty(x.shape, dtype=x.dtype)
+    with comm.traffic.op("all_reduce"):
+        if out is not x:
+            out[...] = x
+        buf = out.reshape(-1)  # a view: the ring works in place in out
+        tmp = backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype)
+        _ring_reduce_scatter_(comm, buf, tmp)
+        _ring_all_gather_(comm, buf)
+    return out
+
+
+def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
+    """Copy root's ``x`` into ``x`` on every other rank (in place); returns ``x``.
+
+    Algorithm: binomial tree, ceil(log2 N) rounds; a rank receives the whole array
+    from its parent, then sends it to each of its children, largest subtree first.
+    Args:
+        x: C-contiguous, writeable, same shape and dtype on every rank.
+        root: rank whose data is broadcast.
+        native: use the library's broadcast (``comm.native_bcast``).
+    Bytes: ``x.nbytes`` per child: ceil(log2 N) * x.nbytes on the root, 0 on leaves,
+        (N-1) * x.nbytes summed over ranks. Label ``"broadcast"``.
+    Raises:
+        ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous or read-only.
+    Source: binomial-tree broadcast, Thakur, Rabenseifner & Gropp, "Optimization of
+        collective communication operations in MPICH", IJHPCA 2005, Sec. 4.3.
+    """
+    _check_contiguous(x, "x")
+    if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:
+        raise ValueError(f"root={root!r} is not a rank; allowed: 0..{comm.world_size - 1}")
+    if not x.flags.writeable:
+        raise ValueError("x must be writeable (non-root ranks receive into it)")
+    if native:
+        return comm.native_bcast(x, root)
+    parent, children = _binomial_tree(comm.rank, root, comm.world_size)
+    with comm.traffic.op("broadcast"):
+        if parent is not None:
+            comm.recv(x, parent, tag=_BCAST_TAG)
+        for child in children:
+            comm.send(x, child, tag=_BCAST_TAG)
+    return x

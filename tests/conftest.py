@@ -1,0 +1,32 @@
+"""Shared test helpers: finding ``mpiexec`` and the environment for launched ranks."""
+import os
+import shutil
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec_path():
+    """``mpiexec`` next to the running Python (the mpich wheel's), else on PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(beside):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def mpi_env():
+    """Environment for ranks: one BLAS thread each, and this checkout importable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO_ROOT, env.get("PYTHONPATH")] if p)
+    return env
+
+
+@pytest.fixture
+def mpiexec():
+    """Path to ``mpiexec``; skips the test when there is none."""
+    path = mpiexec_path()
+    if path is None:
+        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+    return path

@@ -1,0 +1,385 @@
+"""Collectives and communicators: equal to NumPy references, with the bytes the papers say.
+
+Most tests run ranks as threads (``run_in_threads``); ``test_mpi_*`` launches real
+ranks with ``mpiexec -n N`` on tests/mpi_scripts/collectives_check.py and compares
+the result files each rank writes.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import REPO_ROOT, mpi_env
+from minizero.comm import (
+    GroupFailedError,
+    TrafficLedger,
+    all_gather,
+    all_reduce,
+    broadcast,
+    bytes_sent,
+    reduce_scatter,
+    register_thread_start_hook,
+    run_in_threads,
+    shard_range,
+)
+from minizero.comm import communicator as communicator_module
+
+WORLD_SIZES = [1, 2, 3, 4, 5]
+
+
+def lengths(world_size):
+    return sorted({1, world_size - 1, world_size + 1, 1000, 2**16 + 3})
+
+
+CASES = [(N, n) for N in WORLD_SIZES for n in lengths(N)]
+
+
+# --------------------------------------------------------------------------- shard_range
+@given(st.integers(0, 200), st.integers(1, 17))
+def test_shard_range_matches_array_split(n, world_size):
+    pieces = np.array_split(np.arange(n), world_size)
+    for rank, piece in enumerate(pieces):
+        offset, size = shard_range(n, world_size, rank)
+        assert size == len(piece)
+        assert np.array_equal(np.arange(offset, offset + size), piece)
+
+
+@pytest.mark.parametrize("args", [(-1, 2, 0), (4, 0, 0), (4, 2, 2), (4, 2, -1)])
+def test_shard_range_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        shard_range(*args)
+
+
+# --------------------------------------------------------------------------- collectives on threads
+def _all_collectives(comm, n):
+    """Every collective, hand-written and native, on distinct float64 data per rank."""
+    N, r = comm.world_size, comm.rank
+    x = np.random.default_rng([r, n]).standard_normal(n)
+    off, size = shard_range(n, N, r)
+    results, sent = {}, {}
+    for impl, native in [("ring", False), ("native", True)]:
+        calls = {
+            "all_reduce": lambda: all_reduce(comm, x, native=native),
+            "reduce_scatter": lambda: reduce_scatter(comm, x, native=native),
+            "all_gather": lambda: all_gather(comm, x[off:off + size].copy(), n, native=native),
+            "broadcast": lambda: broadcast(comm, x.copy(), root=N - 1, native=native),
+        }
+        for op, call in calls.items():
+            comm.traffic.reset()
+            results[op, impl] = call()
+            sent[op, impl] = comm.traffic.snapshot()
+    return x, results, sent
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,n", CASES)
+def test_collectives_match_numpy(world_size, n):
+    out = run_in_threads(world_size, _all_collectives, n)
+    xs = np.stack([x for x, _, _ in out])
+    total = xs.sum(axis=0)
+    gathered = np.concatenate([xs[q][slice(*_span(n, world_size, q))] for q in range(world_size)])
+    for r, (_, results, _) in enumerate(out):
+        off, size = shard_range(n, world_size, r)
+        for impl in ["ring", "native"]:
+            np.testing.assert_allclose(results["all_reduce", impl], total, rtol=0, atol=1e-12)
+            np.testing.assert_allclose(results["reduce_scatter", impl], total[off:off + size], rtol=0, atol=1e-12)
+            assert np.array_equal(results["all_gather", impl], gathered)
+            assert np.array_equal(results["broadcast", impl], xs[world_size - 1])
+        # every rank ends with bit-identical all-reduce results (each chunk summed once)
+        assert np.array_equal(results["all_reduce", "ring"], out[0][1]["all_reduce", "ring"])
+        assert results["reduce_scatter", "ring"].shape == (size,)
+
+
+def _span(n, world_size, rank):
+    off, size = shard_range(n, world_size, rank)
+    return off, off + size
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,n", CASES)
+def test_bytes_sent_per_rank(world_size, n):
+    """Ring: all-reduce sends 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N."""
+    out = run_in_threads(world_size, _all_collectives, n)
+    nbytes, chunk_bytes = n * 8, shard_range(n, world_size, 0)[1] * 8
+    ratio = {"all_reduce": 2 * (world_size - 1) / world_size,
+             "reduce_scatter": (world_size - 1) / world_size,
+             "all_gather": (world_size - 1) / world_size}
+    for r, (_, _, sent) in enumerate(out):
+        for op, share in ratio.items():
+            got = sent[op, "ring"]["bytes_sent"]
+            if n % world_size == 0:
+                assert got == share * nbytes
+            else:
+                assert abs(got - share * nbytes) <= chunk_bytes
+            assert got == bytes_sent(op, n, 8, world_size, r)
+            assert sent[op, "ring"]["by_op"] == {op: got}
+            assert sent[op, "ring"]["calls"] == {op: 1}
+            assert sent[op, "native"] == sent[op, "ring"]  # native records the same estimate
+        # binomial tree: n bytes per child
+        assert sent["broadcast", "ring"]["bytes_sent"] == bytes_sent("broadcast", n, 8, world_size, r,
+                                                                     root=world_size - 1)
+    total_bcast = sum(s["broadcast", "ring"]["bytes_sent"] for _, _, s in out)
+    assert total_bcast == (world_size - 1) * nbytes
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_zero_length(world_size):
+    def body(comm):
+        x = np.zeros(0)
+        return (all_reduce(comm, x).shape, reduce_scatter(comm, x).shape,
+                all_gather(comm, x, 0).shape, broadcast(comm, x).shape, comm.traffic.bytes_sent)
+
+    assert run_in_threads(world_size, body) == [((0,), (0,), (0,), (0,), 0)] * world_size
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype,atol", [("float16", 3e-2), ("float32", 1e-5), ("float64", 1e-13)])
+def test_dtypes_reduce_in_input_dtype(dtype, atol):
+    def body(comm):
+        x = np.random.default_rng(comm.rank).standard_normal(1001).astype(dtype)
+        return x, all_reduce(comm, x), all_reduce(comm, x, native=True), reduce_scatter(comm, x)
+
+    out = run_in_threads(4, body)
+    total = np.stack([x.astype(np.float64) for x, *_ in out]).sum(axis=0)
+    for r, (x, ring, native, shard) in enumerate(out):
+        assert ring.dtype == native.dtype == shard.dtype == np.dtype(dtype)
+        np.testing.assert_allclose(ring, total, rtol=0, atol=atol)
+        np.testing.assert_allclose(native, total, rtol=0, atol=atol)
+        assert np.array_equal(shard, ring[slice(*_span(1001, 4, r))])
+
+
+@pytest.mark.timeout(30)
+def test_all_reduce_shapes_out_and_in_place():
+    def body(comm):
+        x = np.full((3, 4, 5), float(comm.rank + 1))
+        out = np.empty_like(x)
+        a = all_reduce(comm, x, out=out)
+        y = x.copy()
+        b = all_reduce(comm, y, out=y)  # in place
+        gathered = all_gather(comm, reduce_scatter(comm, x))  # n=None: 60 / 3 equal shards
+        return a is out, b is y, a, y, gathered, x
+
+    for is_out, is_y, a, y, gathered, x in run_in_threads(3, body):
+        assert is_out and is_y
+        assert np.array_equal(a, np.full((3, 4, 5), 6.0)) and np.array_equal(y, a)
+        assert np.array_equal(gathered, np.full(60, 6.0))
+        assert x.shape == (3, 4, 5)  # the input is untouched
+
+
+# --------------------------------------------------------------------------- argument errors
+def _raises_in_rank(world_size, fn, exc_type, match):
+    """Run ``fn(comm)``: the caller sees ``exc_type`` with ``match`` and the rank in its message."""
+    with pytest.raises(exc_type, match=match) as info:
+        run_in_threads(world_size, fn, timeout=10)
+    assert "[rank" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_clear_errors():
+    strided = np.zeros(10)[::2]
+    _raises_in_rank(2, lambda c: all_reduce(c, strided), ValueError, "C-contiguous")
+    _raises_in_rank(2, lambda c: reduce_scatter(c, strided), ValueError, "C-contiguous")
+    _raises_in_rank(2, lambda c: all_gather(c, np.zeros(3), n=10), ValueError, "shard has 3 elements")
+    _raises_in_rank(2, lambda c: broadcast(c, np.zeros(3), root=2), ValueError, "root=2")
+    _raises_in_rank(2, lambda c: all_reduce(c, np.zeros(3), out=np.zeros(4)), ValueError, "must match")
+    _raises_in_rank(2, lambda c: c.send(strided, 1), ValueError, "C-contiguous")
+    _raises_in_rank(2, lambda c: c.send(np.zeros(2), 5), ValueError, "dest=5")
+    _raises_in_rank(2, lambda c: c.send(np.zeros(2), 0, tag=-1), ValueError, "tag=-1")
+    _raises_in_rank(2, lambda c: c.send([1.0], 0), TypeError, "must be an array")
+    _raises_in_rank(2, lambda c: c.native_allreduce(np.zeros(2 + c.rank)), ValueError, "different arrays")
+
+
+# --------------------------------------------------------------------------- point to point, split
+@pytest.mark.timeout(30)
+def test_send_recv_sendrecv():
+    def body(comm):
+        N, r = comm.world_size, comm.rank
+        got = np.empty(3)
+        if r == 0:
+            comm.send(np.arange(3.0), 1, tag=7)
+        elif r == 1:
+            comm.recv(got, 0, tag=7)
+        ring = comm.sendrecv(np.full(2, float(r)), (r + 1) % N, np.empty(2), (r - 1) % N)
+        return got if r == 1 else None, ring, comm.traffic.snapshot()
+
+    out = run_in_threads(3, body)
+    assert np.array_equal(out[1][0], np.arange(3.0))
+    for r, (_, ring, traffic) in enumerate(out):
+        assert np.array_equal(ring, np.full(2, float((r - 1) % 3)))
+        assert traffic["by_op"] == {"p2p": 16 + (24 if r == 0 else 0)}
+        assert traffic["calls"] == {"p2p": 1 + (r == 0)}
+
+
+@pytest.mark.timeout(30)
+def test_recv_shape_mismatch_raises():
+    def body(comm):
+        if comm.rank == 0:
+            comm.send(np.zeros(3), 1)
+        else:
+            comm.recv(np.empty(4), 0)
+
+    _raises_in_rank(2, body, ValueError, r"\(3,\) float64")
+
+
+@pytest.mark.timeout(30)
+def test_split_into_two_groups():
+    def body(comm):
+        sub = comm.split(color=comm.rank % 2, key=-comm.rank)  # reverse rank order inside
+        x = np.full(6, float(comm.rank))
+        total = all_reduce(sub, x)
+        shard = reduce_scatter(sub, x)
+        sub.barrier()
+        return sub.rank, sub.world_size, total, shard, sub.traffic.bytes_sent, comm.traffic.bytes_sent
+
+    out = run_in_threads(5, body)
+    evens, odds = [0, 2, 4], [1, 3]
+    for r, (sub_rank, sub_size, total, shard, sub_bytes, world_bytes) in enumerate(out):
+        members = evens if r % 2 == 0 else odds
+        assert sub_size == len(members)
+        assert sub_rank == sorted(members, reverse=True).index(r)
+        assert np.array_equal(total, np.full(6, float(sum(members))))
+        assert np.array_equal(shard, np.full(shard_range(6, sub_size, sub_rank)[1], float(sum(members))))
+        assert sub_bytes == world_bytes > 0  # the parent ledger sees the sub-communicator's bytes
+
+
+# --------------------------------------------------------------------------- failure, timeout, hooks
+@pytest.mark.timeout(30)
+def test_failing_rank_releases_blocked_ranks_promptly():
+    def body(comm):
+        if comm.rank == 2:
+            time.sleep(0.1)
+            raise ValueError("boom")
+        if comm.rank == 1:
+            comm.barrier()  # waits on rank 2 forever
+        comm.recv(np.empty(1), 2)  # waits on rank 2 forever
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"\[rank 2/3\] boom"):
+        run_in_threads(3, body, timeout=60)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_blocked_rank_gets_group_failed_error():
+    seen = []
+
+    def body(comm):
+        if comm.rank == 0:
+            raise KeyError("first")
+        try:
+            comm.recv(np.empty(1), 0)
+        except GroupFailedError as exc:
+            seen.append(str(exc))
+            raise
+
+    with pytest.raises(KeyError, match="first"):
+        run_in_threads(2, body)
+    assert seen and "thread rank 0 raised KeyError" in seen[0]
+
+
+@pytest.mark.timeout(30)
+def test_recv_timeout_names_ranks_and_tag():
+    def body(comm):
+        if comm.rank == 0:
+            comm.recv(np.empty(1), 1, tag=5)  # rank 1 never sends
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 0 .*from rank 1 with tag 5"):
+        run_in_threads(2, body, timeout=0.3)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_abort_stops_the_group():
+    def body(comm):
+        if comm.rank == 1:
+            comm.abort(3)
+        comm.barrier()
+
+    _raises_in_rank(2, body, RuntimeError, r"abort\(errorcode=3\)")
+
+
+@pytest.mark.timeout(30)
+def test_thread_start_hooks_run_in_each_rank_thread():
+    local = threading.local()
+    hook = register_thread_start_hook(lambda: setattr(local, "name", threading.current_thread().name))
+    try:
+        names = run_in_threads(3, lambda comm: local.name)
+    finally:
+        communicator_module._THREAD_START_HOOKS.remove(hook)
+    assert names == [f"minizero-rank-{r}" for r in range(3)]
+
+
+def test_traffic_ledger_labels_and_parent():
+    parent = TrafficLedger()
+    child = TrafficLedger(parent=parent)
+    parent.record(5)
+    with parent.op("outer"):
+        with parent.op("inner"):
+            parent.record(7)
+        parent.record(1)
+        child.record(2)  # no label of its own: the parent's innermost label applies
+    with child.op("all_reduce"):
+        child.record(10)
+    assert parent.snapshot() == {"bytes_sent": 25, "by_op": {"p2p": 5, "outer": 3, "inner": 7, "all_reduce": 10},
+                                 "calls": {"p2p": 1, "outer": 1, "inner": 1, "all_reduce": 1}}
+    assert child.snapshot() == {"bytes_sent": 12, "by_op": {"outer": 2, "all_reduce": 10},
+                                "calls": {"outer": 0, "all_reduce": 1}}
+    json.dumps(parent.snapshot())
+    child.reset()
+    assert child.bytes_sent == 0 and parent.bytes_sent == 25
+    with pytest.raises(ValueError):
+        parent.record(-1)
+
+
+# --------------------------------------------------------------------------- real MPI
+def _tolerance(dtype, world_size, ref):
+    return 8 * world_size * np.finfo(dtype).eps * max(1.0, float(np.abs(ref).max(initial=0)))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_mpi_ring_matches_native_and_numpy(world_size, mpiexec, tmp_path):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "collectives_check.py")
+    proc = subprocess.run([mpiexec, "-n", str(world_size), sys.executable, script, str(tmp_path)],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = []
+    for r in range(world_size):
+        with np.load(tmp_path / f"rank{r}.npz") as data:
+            arrays = dict(data)
+        info = json.loads((tmp_path / f"rank{r}.json").read_text())
+        ranks.append((arrays, info))
+
+    for r, (arrays, info) in enumerate(ranks):
+        cases = {k.split(":", 2)[2] for k in arrays if k.count(":") == 3}
+        assert cases == {f"{dtype}:{n}" for dtype in ["float64", "float32", "float16"]
+                         for n in {0, 1, world_size - 1, world_size + 1, 1000, 12345}}
+        for case in cases:
+            dtype = case.split(":")[0]
+            for op in ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]:
+                ref = arrays[f"{op}:ref:{case}"]
+                atol = _tolerance(dtype, world_size, ref) if op in ("all_reduce", "reduce_scatter") else 0
+                for impl in ["ring", "native"]:
+                    got = arrays[f"{op}:{impl}:{case}"]
+                    assert got.dtype == np.dtype(dtype), (op, impl, case)
+                    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=0, atol=atol,
+                                               err_msg=f"{op} {impl} {case} rank {r}")
+                sent = info["traffic"][f"{op}:ring:{case}"]
+                assert sent == info["traffic"][f"{op}:expected:{case}"], (op, case, r)
+                assert info["traffic"][f"{op}:native:{case}"] == sent
+            # all ranks hold bit-identical all-reduce results
+            assert np.array_equal(arrays[f"all_reduce:ring:{case}"], ranks[0][0][f"all_reduce:ring:{case}"])
+        meta = info["meta"]
+        assert meta["sub_rank"] == meta["sub_expected_rank"]
+        assert meta["sub_world_size"] == len(range(r % 2, world_size, 2))
+        assert meta["sub_bytes"] == meta["world_bytes_after_split"]
+        np.testing.assert_allclose(arrays["split:ring"], arrays["split:ref"], rtol=0, atol=1e-12)
