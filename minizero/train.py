@@ -259,7 +259,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         _check_fault(rank, step)
         loss_sum = 0.0
         for x, y in sampler.micro_batches(step):
-            _, loss = model(backend.to_device(x), backend.to_device(y))
+            loss = model(backend.to_device(x), backend.to_device(y))[1]  # logits not kept alive in backward
             (loss * (1.0 / args.grad_accum)).backward()
             loss_sum += loss.item()
         dp.allreduce_gradients()

@@ -105,7 +105,12 @@ class Context:
         self.needs_input_grad = needs_input_grad
         self._recording = recording
         self._saved = ()
-        self.inputs = ()  # the input Tensors (graph edges), set by apply
+        # graph edges, one per positional input, set by apply: None (no gradient needed),
+        # a leaf Tensor, or (node, output index) of the Function that produced the input.
+        # Edges point at nodes, never at intermediate Tensors, so the graph keeps alive
+        # only what Functions saved -- exactly what the ledger counts.
+        self.edges = ()
+        self.input_shapes = ()
         self.num_outputs = 1
         self.output_meta = ()  # (shape, dtype) per output, to make zero grads
 
@@ -118,8 +123,8 @@ class Context:
         ledger = get_ledger()
         saved = []
         for a in arrays:
-            if a is None:
-                saved.append((None, None))
+            if not hasattr(a, "nbytes"):  # None or a Python scalar: kept as is, hooks see arrays only
+                saved.append((a, None))
                 continue
             packed = hooks[0](a) if hooks else a
             ledger.track(packed, "activations")
@@ -138,7 +143,7 @@ class Context:
     def release(self) -> None:
         """Drop saved tensors and graph edges (called by the engine after backward)."""
         self._saved = None
-        self.inputs = ()
+        self.edges = ()
 
 
 class Function:
@@ -176,7 +181,8 @@ class Function:
         outs = out if multi else (out,)
         tensors = tuple(Tensor(o, requires_grad=recording) for o in outs)
         if recording:
-            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+            ctx.edges = tuple(_edge(a) for a in args)
+            ctx.input_shapes = tuple(a.shape if isinstance(a, Tensor) else None for a in args)
             ctx.num_outputs = len(outs)
             ctx.output_meta = tuple((o.shape, o.dtype) for o in outs)
             for i, t in enumerate(tensors):
@@ -250,9 +256,9 @@ def _topological_nodes(root: Tensor):
             continue
         visited.add(id(node))
         stack.append((node, True))
-        for t in node.inputs:
-            if t is not None and t.grad_fn is not None and id(t.grad_fn) not in visited:
-                stack.append((t.grad_fn, False))
+        for e in node.edges:
+            if isinstance(e, tuple) and id(e[0]) not in visited:
+                stack.append((e[0], False))
     order.reverse()  # post-order reversed: consumers before producers
     return order
 
@@ -283,9 +289,9 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
     # how many times each leaf will receive a gradient, so hooks fire after the last one
     pending = {}
     for node in nodes:
-        for t in node.inputs:
-            if t is not None and t.requires_grad and t.grad_fn is None:
-                pending[id(t)] = pending.get(id(t), 0) + 1
+        for e in node.edges:
+            if isinstance(e, Tensor):
+                pending[id(e)] = pending.get(id(e), 0) + 1
     grads = {}  # id(node) -> list of output grads
     if root.grad_fn is None:
         _accumulate_leaf(root, grad)
@@ -303,28 +309,35 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
         in_grads = node.fn.backward(node, *outs)
         if not isinstance(in_grads, tuple):
             in_grads = (in_grads,)
-        inputs = node.inputs
-        if len(in_grads) != len(inputs):
+        edges, shapes = node.edges, node.input_shapes
+        if len(in_grads) != len(edges):
             raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients "
-                               f"for {len(inputs)} inputs")
+                               f"for {len(edges)} inputs")
         if not retain_graph:
             node.release()
-        for t, g in zip(inputs, in_grads):
-            if t is None or g is None or not t.requires_grad:
+        for e, shape, g in zip(edges, shapes, in_grads):
+            if e is None or g is None:
                 continue
-            if g.shape != t.shape:
+            if g.shape != shape:
                 raise RuntimeError(f"{node.fn.__name__}.backward gave a gradient of shape {g.shape} "
-                                   f"for an input of shape {t.shape}")
-            if t.grad_fn is None:
-                _accumulate_leaf(t, g)
-                pending[id(t)] -= 1
-                if pending[id(t)] == 0:
-                    for hook in t._post_accumulate_hooks:
-                        hook(t)
+                                   f"for an input of shape {shape}")
+            if isinstance(e, Tensor):  # a leaf
+                _accumulate_leaf(e, g)
+                pending[id(e)] -= 1
+                if pending[id(e)] == 0:
+                    for hook in e._post_accumulate_hooks:
+                        hook(e)
             else:
-                slot = grads.setdefault(id(t.grad_fn), [None] * t.grad_fn.num_outputs)
-                i = t._out_index
+                producer, i = e
+                slot = grads.setdefault(id(producer), [None] * producer.num_outputs)
                 slot[i] = g if slot[i] is None else slot[i] + g
+
+
+def _edge(a):
+    """The graph edge for one Function input (see ``Context.edges``)."""
+    if not isinstance(a, Tensor) or not a.requires_grad:
+        return None
+    return a if a.grad_fn is None else (a.grad_fn, a._out_index)
 
 
 def _accumulate_leaf(t: Tensor, g) -> None:

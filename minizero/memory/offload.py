@@ -1,0 +1,156 @@
+"""Activation offload: saved activations leave device memory between forward and backward.
+
+``offload_activations(kind)`` is a ``saved_tensors_hooks`` pair, so it applies to
+every array any Function saves, with no change to any Function:
+
+::
+
+    forward:  ctx.save_for_backward(a) ──pack──>  cpu:  a host copy        (ledger: "offloaded")
+                                                  nvme: an unnamed file     (ledger: nothing in memory)
+    backward: ctx.saved_tensors       <─unpack──  the array again, on the device
+
+Parameters are never offloaded (the ledger says which arrays are parameters:
+they stay where they are), nor are arrays under ``min_bytes``.
+
+Honesty about the NumPy backend: host memory *is* device memory there, so
+``cpu`` only moves bytes from the ``activations`` category to ``offloaded`` (it
+becomes a real device-to-host copy on CuPy), while ``nvme`` really lowers the
+process's resident memory: the bytes sit in a file until backward.
+
+Files: each rank writes into its own private directory (``mkdtemp`` under
+``offload_dir``), and every file is *unlinked as soon as it is created* (an
+anonymous ``TemporaryFile``), so the data disappears when the file is closed,
+when the process exits, and even when the rank is killed with SIGKILL — no file
+is ever left behind. The directory is removed by :meth:`ActivationOffload.close`
+(also at exit).
+
+Mirrors DeepSpeed's activation checkpoint CPU offload and ZeRO-Infinity's NVMe
+offload (Rajbhandari et al. 2021, section 5), and PyTorch's
+``torch.autograd.graph.save_on_cpu`` (a saved_tensors_hooks pair).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import saved_tensors_hooks
+from minizero.memory.ledger import get_ledger
+
+KINDS = ("none", "cpu", "nvme")
+
+
+class OffloadError(OSError):
+    """Offloading failed (full disk, unwritable directory); the message names the directory and the cause."""
+
+
+def check_offload_dir(path: str, need_bytes: int = 0) -> None:
+    """Fail early: ``path`` must be a writable directory with at least ``need_bytes`` free.
+
+    Raises:
+        OffloadError: missing, not a directory, not writable, or too little space (numbers given).
+    """
+    if not os.path.isdir(path):
+        raise OffloadError(errno.ENOENT, f"--offload-dir {path!r} is not an existing directory")
+    try:
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(b"minizero")
+    except OSError as e:
+        raise OffloadError(e.errno, f"--offload-dir {path!r} is not writable: {e.strerror}") from None
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        raise OffloadError(errno.ENOSPC, f"--offload-dir {path!r} has {free:,} bytes free, "
+                                         f"the run needs about {need_bytes:,}")
+
+
+class _OnDisk:
+    """A saved array living in an unnamed file: shape, dtype and the open file object."""
+
+    __slots__ = ("file", "shape", "dtype")
+
+    def __init__(self, file, shape, dtype):
+        self.file, self.shape, self.dtype = file, shape, dtype
+
+
+class ActivationOffload:
+    """The pack/unpack pair for one rank; use ``with offloader:`` around the forward pass.
+
+    Args:
+        kind: ``"cpu"`` or ``"nvme"`` (``"none"`` makes the context a no-op).
+        offload_dir: parent directory of this rank's private folder (nvme).
+        rank: used in the folder's name.
+        min_bytes: arrays smaller than this stay in memory (default 1 KiB).
+    Attributes:
+        bytes_offloaded: total bytes packed so far (int).
+    Raises:
+        ValueError: unknown kind.  OffloadError: see :func:`check_offload_dir`.
+    """
+
+    def __init__(self, kind: str = "cpu", offload_dir: str | None = None, rank: int = 0, min_bytes: int = 1024):
+        if kind not in KINDS:
+            raise ValueError(f"activation offload {kind!r} is not one of {KINDS}")
+        self.kind, self.min_bytes, self.bytes_offloaded = kind, min_bytes, 0
+        self.dir = None
+        if kind == "nvme":
+            parent = offload_dir or tempfile.gettempdir()
+            check_offload_dir(parent)
+            self.dir = tempfile.mkdtemp(prefix=f"minizero-offload-rank{rank}-", dir=parent)
+            atexit.register(self.close)
+
+    def _keep(self, a) -> bool:
+        return a.nbytes < self.min_bytes or get_ledger().category_of(a) == "parameters"
+
+    def pack(self, a):
+        """Move ``a`` (any array) out of device memory; returns what backward will need."""
+        if self._keep(a):
+            return a
+        self.bytes_offloaded += a.nbytes
+        if self.kind == "cpu":
+            host = np.array(backend.to_host(a), copy=True)
+            get_ledger().track(host, "offloaded")
+            return host
+        try:
+            f = tempfile.TemporaryFile(dir=self.dir)
+            np.ascontiguousarray(backend.to_host(a)).tofile(f)  # streamed, no extra copy
+            f.flush()
+        except OSError as e:
+            raise OffloadError(e.errno, f"offloading {a.nbytes:,} bytes to {self.dir!r} failed: "
+                                        f"{e.strerror}") from None
+        return _OnDisk(f, a.shape, a.dtype)
+
+    def unpack(self, packed):
+        """Bring a packed array back to the device, as it was."""
+        if isinstance(packed, _OnDisk):
+            f = packed.file
+            f.seek(0)
+            count = int(np.prod(packed.shape))
+            data = np.fromfile(f, dtype=packed.dtype, count=count)
+            f.close()  # the unnamed file's blocks are released here
+            if data.size != count:
+                raise OffloadError(errno.EIO, f"offloaded activation in {self.dir!r} came back with "
+                                              f"{data.size} of {count} elements")
+            return backend.to_device(data.reshape(packed.shape))
+        if isinstance(packed, np.ndarray) and backend.name != "numpy":
+            return backend.to_device(packed)
+        return packed
+
+    @contextlib.contextmanager
+    def __call__(self):
+        """Context manager: offload every array saved inside the block."""
+        if self.kind == "none":
+            yield self
+            return
+        with saved_tensors_hooks(self.pack, self.unpack):
+            yield self
+
+    def close(self) -> None:
+        """Remove this rank's private directory (its files are already unlinked)."""
+        if self.dir and os.path.isdir(self.dir):
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir = None
