@@ -58,6 +58,21 @@ def get_dtype(dtype) -> np.dtype:
     return dt
 
 
+def matmul(a, b):
+    """``a @ b``; two float16 operands are multiplied the way tensor cores do it.
+
+    Tensor cores take FP16 inputs, accumulate in FP32 and round the result to
+    FP16 (Micikevicius et al. 2018, section 3.2). NumPy has no such kernel (and
+    its float16 matmul is very slow), so on NumPy the inputs are widened to
+    float32, multiplied, and the result rounded to float16. On CuPy the real
+    half-precision GEMM runs (cuBLAS accumulates in FP32 by default).
+    Shapes: as ``numpy.matmul``.
+    """
+    if name == "numpy" and a.dtype == np.float16 and b.dtype == np.float16:
+        return (a.astype(np.float32, order="C") @ b.astype(np.float32, order="C")).astype(np.float16)
+    return a @ b
+
+
 def to_host(a) -> np.ndarray:
     """Return ``a`` as a NumPy array on the host (a copy only on CuPy)."""
     if name == "cupy" and not isinstance(a, np.ndarray):

@@ -35,7 +35,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        y = x @ weight.T
+        y = backend.matmul(x, weight.T)
         if bias is not None:
             y = y + bias
         return y
@@ -45,8 +45,8 @@ class Linear(Function):
         x, w = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
-        dx = g @ w if need_x else None
-        dw = _flat2d(g).T @ _flat2d(x) if need_w else None
+        dx = backend.matmul(g, w) if need_x else None
+        dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
         db = _flat2d(g).sum(axis=0) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 
@@ -252,8 +252,9 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
 class CrossEntropy(Function):
     """Mean softmax cross-entropy of ``logits`` against integer ``targets``.
 
-    Shapes: logits (N, V), targets (N,) integers in [0, V) -> scalar (dtype of
-    logits). Computed with log-sum-exp in at least float32. Saves logits,
+    Shapes: logits (N, V), targets (N,) integers in [0, V) -> scalar (float32
+    for float16/float32 logits, float64 for float64). Computed with
+    log-sum-exp in at least float32, so a scaled FP16 loss cannot overflow. Saves logits,
     targets and the log-sum-exp (N,). Backward: (softmax(logits) - onehot) / N.
     """
 
@@ -265,7 +266,7 @@ class CrossEntropy(Function):
         lse = (m + xp.log(xp.exp(ls - m).sum(axis=-1, keepdims=True)))[:, 0]
         picked = ls[xp.arange(ls.shape[0]), targets]
         ctx.save_for_backward(logits, targets, lse)
-        return xp.asarray((lse - picked).mean(), dtype=logits.dtype)
+        return xp.asarray((lse - picked).mean(), dtype=lse.dtype)  # float16 logits -> float32 loss
 
     @staticmethod
     def backward(ctx, g):

@@ -202,15 +202,15 @@ class MatMul(Function):
             raise ValueError(f"matmul needs operands of at least 2 dims, got shapes {a.shape} and {b.shape}")
         ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
         ctx.shapes = (a.shape, b.shape)
-        return a @ b
+        return backend.matmul(a, b)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         sa, sb = ctx.shapes
         xp = backend.xp
-        da = unbroadcast(g @ xp.swapaxes(b, -1, -2), sa) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(xp.swapaxes(a, -1, -2) @ g, sb) if ctx.needs_input_grad[1] else None
+        da = unbroadcast(backend.matmul(g, xp.swapaxes(b, -1, -2)), sa) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(backend.matmul(xp.swapaxes(a, -1, -2), g), sb) if ctx.needs_input_grad[1] else None
         return da, db
 
 

@@ -1,0 +1,188 @@
+"""FP16 mixed precision: half-precision model, FP32 master weights, dynamic loss scaling.
+
+::
+
+    master weights (FP32) ──cast──> parameters (FP16) ──forward/backward in FP16──> gradients (FP16)
+          ^                                                   (matmuls: FP16 in, FP32 accumulate, FP16 out;
+          |                                                    layer norm / softmax / loss statistics in FP32)
+          └── Adam update in FP32 <── clip <── unscale (/ S) <── skip the step if any rank saw inf/NaN
+
+Bytes per parameter before any sharding: 2 (FP16 parameter) + 2 (FP16
+gradient) + 12 (FP32 master, Adam m, Adam v) = 16, the ZeRO paper's "2 + 2 +
+K" with K = 12 (Rajbhandari et al. 2020, section 3.1).
+
+Loss scaling (Micikevicius et al. 2018, section 3.2): the loss is multiplied
+by S before backward so that small gradients do not flush to zero in FP16;
+gradients are divided by S before clipping and the update. Dynamic scaling
+starts at S = 2^16, multiplies by ``growth_factor`` 2 after
+``growth_interval`` 2000 consecutive clean steps, and on an overflow (an inf
+or NaN in any rank's gradients) skips the step and multiplies S by
+``backoff_factor`` 0.5 — PyTorch ``torch.amp.GradScaler``'s defaults.
+DeepSpeed's ``DynamicLossScaler`` differs: a window of 1000 steps,
+hysteresis 2 (the scale is lowered only after the 2nd overflow since the last
+change), minimum scale 1; ``hysteresis`` and ``min_scale`` reproduce it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.collectives import all_reduce
+from minizero.memory.ledger import get_ledger
+
+PRECISIONS = ("fp32", "fp16")
+
+
+class LossScaleError(FloatingPointError):
+    """Training cannot continue: gradients overflow even at the minimum loss scale."""
+
+
+class DynamicLossScaler:
+    """The loss scale S and its update rule; one per training job, identical on every rank.
+
+    Args:
+        init_scale: starting S (default 2^16).
+        growth_factor, backoff_factor: S *= growth after ``growth_interval``
+            clean steps in a row; S *= backoff on overflow.
+        growth_interval: clean steps before growing (PyTorch 2000, DeepSpeed 1000).
+        hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2);
+            the count refills whenever S changes.
+        min_scale: S never goes below this.
+        max_skips_at_min: after this many consecutive skipped steps at the
+            minimum scale, :meth:`update` raises :class:`LossScaleError`
+            (a warning is given at the first).
+    Attributes: ``scale`` (float), ``skipped`` (total skipped steps),
+        ``consecutive_skips``.
+    Raises:
+        ValueError: a factor or count out of range (named).
+    """
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 hysteresis=1, min_scale=1.0, max_skips_at_min=10):
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
+                and hysteresis >= 1 and 0 < min_scale <= init_scale and max_skips_at_min >= 1):
+            raise ValueError(
+                f"loss scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
+                f"hysteresis >= 1, 0 < min_scale <= init_scale, max_skips_at_min >= 1; got init_scale={init_scale}, "
+                f"growth_factor={growth_factor}, backoff_factor={backoff_factor}, growth_interval={growth_interval}, "
+                f"hysteresis={hysteresis}, min_scale={min_scale}, max_skips_at_min={max_skips_at_min}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
+        self.max_skips_at_min = max_skips_at_min
+        self._good_steps = 0
+        self._hysteresis_left = hysteresis
+        self.skipped = 0
+        self.consecutive_skips = 0
+        self._skips_at_min = 0
+
+    def update(self, overflow: bool) -> bool:
+        """Record one step's outcome; returns True when the step must be skipped.
+
+        Raises:
+            LossScaleError: ``max_skips_at_min`` consecutive overflows at the minimum scale.
+        """
+        if not overflow:
+            self.consecutive_skips = 0
+            self._skips_at_min = 0
+            self._good_steps += 1
+            if self._good_steps == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._good_steps = 0
+                self._hysteresis_left = self.hysteresis
+            return False
+        self.skipped += 1
+        self.consecutive_skips += 1
+        self._good_steps = 0
+        if self.scale <= self.min_scale:
+            self._skips_at_min += 1
+            if self._skips_at_min == 1:
+                warnings.warn(f"FP16 gradients overflow at the minimum loss scale {self.min_scale}; "
+                              f"steps are being skipped", RuntimeWarning, stacklevel=2)
+            if self._skips_at_min >= self.max_skips_at_min:
+                raise LossScaleError(
+                    f"gradients overflowed in {self._skips_at_min} consecutive steps at the minimum loss scale "
+                    f"{self.min_scale}: the model diverges in FP16 (lower the learning rate, or train in fp32)")
+            return True
+        self._hysteresis_left -= 1
+        if self._hysteresis_left <= 0:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self._hysteresis_left = self.hysteresis
+        return True
+
+    def state_dict(self) -> dict:
+        """The scaler's state as plain numbers."""
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped": self.skipped,
+                "hysteresis_left": self._hysteresis_left}
+
+
+def local_overflow(grads) -> bool:
+    """True if any of ``grads`` (arrays, None skipped) holds an inf or NaN on this rank."""
+    return any(g is not None and not bool(backend.xp.isfinite(g).all()) for g in grads)
+
+
+def overflow_anywhere(local: bool, comm) -> bool:
+    """Agree on overflow across ``comm``: one all-reduce of a 0/1 flag (8 bytes), True if any rank saw one."""
+    if comm is None or comm.world_size == 1:
+        return bool(local)
+    with comm.traffic.op("overflow_flag"):
+        flag = all_reduce(comm, np.array([1.0 if local else 0.0]))
+    return bool(flag[0] > 0)
+
+
+def cast_parameters(params, dtype) -> None:
+    """Cast every Parameter's data to ``dtype`` in place, keeping the ledger exact.
+
+    The old arrays are released from the ledger (``parameters``) and the new
+    ones registered. Gradients must not exist yet (they would keep the old dtype).
+    Raises:
+        RuntimeError: a parameter already has a gradient.
+    """
+    ledger = get_ledger()
+    for p in params:
+        if p.grad is not None:
+            raise RuntimeError("cast_parameters: cast before the first backward (a parameter has a gradient)")
+        old = p.data
+        p.data = old.astype(dtype)
+        ledger.untrack(old)
+        ledger.track(p.data, "parameters")
+
+
+class MasterWeights:
+    """FP32 master copies of FP16 parameters, and the FP16 <- FP32 copy after an update.
+
+    Args:
+        params: Parameters already in float16 (or any dtype; the master is float32).
+        source: optional list of arrays to initialize the masters from (e.g. the
+            FP32 initialization before casting, so no precision is lost at step 0).
+    Attributes: ``masters`` list of float32 arrays (ledger: ``optimizer_state``).
+    """
+
+    def __init__(self, params, source=None):
+        self.params = list(params)
+        ledger = get_ledger()
+        self.masters = []
+        for i, p in enumerate(self.params):
+            m = backend.xp.array(source[i] if source is not None else p.data, dtype=np.float32, copy=True)
+            ledger.track(m, "optimizer_state")
+            self.masters.append(m)
+
+    def copy_to_params(self) -> None:
+        """Round every master to its parameter's dtype (FP16) in place."""
+        for p, m in zip(self.params, self.masters):
+            p.data[...] = m.astype(p.dtype)
+
+
+def unscale_(grads, scale: float) -> list:
+    """FP32 copies of ``grads`` divided by ``scale`` (the FP16 gradients are left as they are)."""
+    inv = 1.0 / scale
+    return [None if g is None else g.astype(np.float32) * np.float32(inv) for g in grads]
+
+
+def check_finite_scale(scale: float) -> None:
+    """Raise ValueError unless ``scale`` is a positive finite number."""
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"loss scale must be a positive finite number, got {scale}")
