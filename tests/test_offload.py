@@ -52,3 +52,31 @@ def test_offload_dir_checked_before_work(tmp_path):
         check_offload_dir(str(tmp_path), need_bytes=1 << 62)
     with pytest.raises(ValueError, match="'disk'"):
         ActivationOffload("disk")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", [None, "1:3:kill", "0:2:raise"])
+def test_main_job_with_nvme_offload_leaves_nothing_behind(mpiexec, tmp_path, fault):
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    env = mpi_env()
+    if fault:
+        env["MINIZERO_FAULT"] = fault
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "6",
+           "--eval-batches", "1", "--sample-tokens", "4", "--no-progress", "--no-save", "--recompute", "selective",
+           "--offload-activations", "nvme", "--offload-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    assert (proc.returncode == 0) == (fault is None), proc.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_offload_dir_is_a_usage_error(tmp_path):
+    from minizero.train import UsageError, parse_args
+
+    with pytest.raises(UsageError, match="is not an existing directory"):
+        parse_args(["--offload-activations", "nvme", "--offload-dir", str(tmp_path / "nope")])
+    with pytest.raises(UsageError, match="only used with --offload-activations nvme"):
+        parse_args(["--offload-dir", str(tmp_path)])

@@ -17,12 +17,14 @@ Honesty about the NumPy backend: host memory *is* device memory there, so
 becomes a real device-to-host copy on CuPy), while ``nvme`` really lowers the
 process's resident memory: the bytes sit in a file until backward.
 
-Files: each rank writes into its own private directory (``mkdtemp`` under
-``offload_dir``), and every file is *unlinked as soon as it is created* (an
-anonymous ``TemporaryFile``), so the data disappears when the file is closed,
-when the process exits, and even when the rank is killed with SIGKILL — no file
-is ever left behind. The directory is removed by :meth:`ActivationOffload.close`
-(also at exit).
+Files: every saved array goes to its own *anonymous* file in ``offload_dir``
+(``tempfile.TemporaryFile``: on Linux an O_TMPFILE inode that never has a name,
+elsewhere a file unlinked right after creation). Such a file is private to the
+process that opened it and its blocks are released when it is closed, when the
+process exits, and even when the rank is killed with SIGKILL — nothing is ever
+left behind, not even a directory. (A named per-rank folder, as the issue first
+sketched, would be exactly the thing a killed rank leaves behind; so there is
+none.)
 
 Mirrors DeepSpeed's activation checkpoint CPU offload and ZeRO-Infinity's NVMe
 offload (Rajbhandari et al. 2021, section 5), and PyTorch's
@@ -30,7 +32,6 @@ offload (Rajbhandari et al. 2021, section 5), and PyTorch's
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import os
@@ -83,8 +84,8 @@ class ActivationOffload:
 
     Args:
         kind: ``"cpu"`` or ``"nvme"`` (``"none"`` makes the context a no-op).
-        offload_dir: parent directory of this rank's private folder (nvme).
-        rank: used in the folder's name.
+        offload_dir: directory of the anonymous files (nvme; default: the system temp dir).
+        rank: this rank (reported in error messages).
         min_bytes: arrays smaller than this stay in memory (default 1 KiB).
     Attributes:
         bytes_offloaded: total bytes packed so far (int).
@@ -96,12 +97,11 @@ class ActivationOffload:
         if kind not in KINDS:
             raise ValueError(f"activation offload {kind!r} is not one of {KINDS}")
         self.kind, self.min_bytes, self.bytes_offloaded = kind, min_bytes, 0
+        self.rank = rank
         self.dir = None
         if kind == "nvme":
-            parent = offload_dir or tempfile.gettempdir()
-            check_offload_dir(parent)
-            self.dir = tempfile.mkdtemp(prefix=f"minizero-offload-rank{rank}-", dir=parent)
-            atexit.register(self.close)
+            self.dir = offload_dir or tempfile.gettempdir()
+            check_offload_dir(self.dir)
 
     def _keep(self, a) -> bool:
         return a.nbytes < self.min_bytes or get_ledger().category_of(a) == "parameters"
@@ -120,7 +120,7 @@ class ActivationOffload:
             np.ascontiguousarray(backend.to_host(a)).tofile(f)  # streamed, no extra copy
             f.flush()
         except OSError as e:
-            raise OffloadError(e.errno, f"offloading {a.nbytes:,} bytes to {self.dir!r} failed: "
+            raise OffloadError(e.errno, f"rank {self.rank}: offloading {a.nbytes:,} bytes to {self.dir!r} failed: "
                                         f"{e.strerror}") from None
         return _OnDisk(f, a.shape, a.dtype)
 
@@ -150,7 +150,4 @@ class ActivationOffload:
             yield self
 
     def close(self) -> None:
-        """Remove this rank's private directory (its files are already unlinked)."""
-        if self.dir and os.path.isdir(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir = None
+        """Nothing to remove (every file is anonymous); kept so callers can release resources uniformly."""
