@@ -326,10 +326,11 @@ def test_traffic_ledger_labels_and_parent():
         with parent.op("inner"):
             parent.record(7)
         parent.record(1)
-        child.record(2)  # no label of its own: the parent's innermost label applies
+        child.record(2)  # no label of its own: the parent's label applies
     with child.op("all_reduce"):
         child.record(10)
-    assert parent.snapshot() == {"bytes_sent": 25, "by_op": {"p2p": 5, "outer": 3, "inner": 7, "all_reduce": 10},
+    # the outermost open label wins: "inner" is counted as a call but its bytes belong to "outer"
+    assert parent.snapshot() == {"bytes_sent": 25, "by_op": {"p2p": 5, "outer": 10, "inner": 0, "all_reduce": 10},
                                  "calls": {"p2p": 1, "outer": 1, "inner": 1, "all_reduce": 1}}
     assert child.snapshot() == {"bytes_sent": 12, "by_op": {"outer": 2, "all_reduce": 10},
                                 "calls": {"outer": 0, "all_reduce": 1}}

@@ -44,9 +44,12 @@ MAX_TAG = 32767  #: the largest tag every MPI implementation must accept (MPI_TA
 class TrafficLedger:
     """Bytes this rank sent, by operation label.
 
-    ``record(nbytes)`` adds to the label that is active: the innermost
-    ``with ledger.op(label):`` block, else the innermost active label of the parent
-    ledger, else ``"p2p"``. A ledger made with ``parent=`` (what ``Communicator.split``
+    ``record(nbytes)`` adds to the label that is active: the *outermost* open
+    ``with op(label):`` block — of the parent ledger first, then of this one — else
+    ``"p2p"``. Outermost wins so that a caller names the purpose of the messages
+    (``with comm.traffic.op("metrics"): all_reduce(...)`` is counted as metrics,
+    not as gradient all-reduce); a collective called on its own is named by the
+    label it opens itself (``all_reduce``, ``reduce_scatter``, ...). A ledger made with ``parent=`` (what ``Communicator.split``
     does) forwards everything it records to the parent too, so the world
     communicator's ledger always holds the rank's total while a sub-communicator's
     ledger holds only what went through that sub-communicator.
@@ -73,14 +76,15 @@ class TrafficLedger:
         self.calls: dict[str, int] = {}
 
     def current_label(self) -> str | None:
-        """The innermost active label here or in a parent ledger, else None."""
-        if self._labels:
-            return self._labels[-1]
-        return self.parent.current_label() if self.parent is not None else None
+        """The outermost active label of the parent ledger, else of this one, else None."""
+        outer = self.parent.current_label() if self.parent is not None else None
+        if outer is not None:
+            return outer
+        return self._labels[0] if self._labels else None
 
     @contextlib.contextmanager
     def op(self, label: str):
-        """Attribute bytes recorded inside the block to ``label`` (innermost wins)."""
+        """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open)."""
         self._add(label, nbytes=0, calls=1)
         self._labels.append(label)
         try:

@@ -21,19 +21,25 @@ from minizero.memory.ledger import get_ledger
 
 
 def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, grad_scale: float = 1.0) -> None:
     """One AdamW step, in place on ``p``, ``m`` and ``v``.
 
     Args:
         p: parameter values (any shape), updated in place. Any float dtype;
-            the arithmetic runs in the dtype of ``m``.
-        g: gradient, same shape as ``p``.
+            the arithmetic runs in the dtype of ``m``. With mixed precision this
+            is the FP32 master copy.
+        g: gradient, same shape as ``p`` (any float dtype; widened to ``m``'s).
+        grad_scale: the gradient used is ``g * grad_scale``, computed after
+            widening (mixed precision folds 1/loss-scale and the clipping
+            coefficient in here, so FP16 gradients are never scaled in FP16).
         m, v: first and second moment, same shape, the state dtype (float32,
             or float64 when training in float64).
         step: 1-based optimizer step count t (for the bias corrections).
         lr, beta1, beta2, eps, weight_decay: hyper-parameters.
     """
     gs = g.astype(m.dtype, copy=False)
+    if grad_scale != 1.0:
+        gs = gs * m.dtype.type(grad_scale)
     m *= beta1
     m += (1.0 - beta1) * gs
     v *= beta2
@@ -67,13 +73,17 @@ class AdamW:
             parameter whose grad is None is skipped, as in PyTorch).
         lr, betas, eps, weight_decay: hyper-parameters (``lr`` may be changed
             per step through ``set_lr``).
+        master_weights: keep an FP32 copy of every parameter; the update runs
+            on it and the parameter (FP16) receives the rounded result
+            (Micikevicius et al. 2018, section 3.1).
     State: ``m`` and ``v`` per parameter, in :func:`state_dtype`, counted as
-    ``optimizer_state`` in the ledger (8 bytes per float32 parameter).
+    ``optimizer_state`` in the ledger (8 bytes per float32 parameter), plus the
+    masters (4 bytes per parameter) with ``master_weights``.
     Raises:
         ValueError: a hyper-parameter out of range (named).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
@@ -82,6 +92,11 @@ class AdamW:
         self.step_count = 0
         ledger = get_ledger()
         self.m, self.v = [], []
+        self.masters = None
+        if master_weights:
+            self.masters = [backend.xp.array(p.data, dtype=np.float32, copy=True) for p in self.params]
+            for a in self.masters:
+                ledger.track(a, "optimizer_state")
         for p in self.params:
             dt = state_dtype(p.dtype)
             m, v = backend.xp.zeros(p.shape, dt), backend.xp.zeros(p.shape, dt)
@@ -99,15 +114,18 @@ class AdamW:
         """Set the learning rate for the next step."""
         self.lr = lr
 
-    def step(self) -> None:
-        """Apply one update to every parameter that has a gradient."""
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
         self.step_count += 1
         b1, b2 = self.betas
-        for p, m, v in zip(self.params, self.m, self.v):
+        for i, (p, m, v) in enumerate(zip(self.params, self.m, self.v)):
             if p.grad is None:
                 continue
             wd = self.weight_decay if self.decays(p) else 0.0
-            adamw_update(p.data, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd)
+            target = p.data if self.masters is None else self.masters[i]
+            adamw_update(target, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
+            if self.masters is not None:
+                p.data[...] = target.astype(p.dtype)
 
     def zero_grad(self) -> None:
         """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
