@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from minizero.autograd import Function, Tensor, enable_grad, no_grad
 from minizero.autograd.functional import fork_rng, get_rng_state, set_rng_state
+from minizero.memory.ledger import get_ledger
 
 MODES = ("none", "full", "selective")
 
@@ -61,7 +62,12 @@ class Checkpoint(Function):
             with enable_grad():
                 out = ctx.run_fn(*inputs)
         out.backward(grad)
-        return (None, *[t.grad if t.requires_grad else None for t in inputs])
+        grads = [t.grad if t.requires_grad else None for t in inputs]
+        ledger = get_ledger()
+        for g in grads:  # activation gradients, not parameter gradients: out of the "gradients" figure
+            if g is not None:
+                ledger.untrack(g)
+        return (None, *grads)
 
 
 def checkpoint(fn, *inputs: Tensor) -> Tensor:

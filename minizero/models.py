@@ -1,0 +1,67 @@
+"""Shapes of real models, for the estimator and ``python -m minizero.plan``; and minizero's own.
+
+Each entry is a :class:`~minizero.memory.estimator.ModelShape` (sizes in elements)
+with its source. Parameter counts follow from the shapes
+(:meth:`ModelShape.num_parameters`) and land on the published sizes::
+
+    name           layers  hidden  heads  kv  FFN     vocab   context  parameters
+    gpt3-175b        96    12288    96    96  49152   50257    2048    174.6 B
+    llama2-7b        32     4096    32    32  11008   32000    4096      6.74 B
+    llama2-13b       40     5120    40    40  13824   32000    4096     13.0 B
+    llama2-70b       80     8192    64     8  28672   32000    4096     69.0 B
+    llama3-8b        32     4096    32     8  14336  128256    8192      8.03 B
+    llama3-70b       80     8192    64     8  28672  128256    8192     70.6 B
+    megatron-1t     128    25600   160   160 102400   51200    2048   1008 B
+
+LLaMA models: SwiGLU MLP (three matrices), RMSNorm, no biases, rotary positions, untied
+output matrix, no dropout. GPT models: GeLU MLP of 4h, LayerNorm, biases, learned
+positions, tied output matrix, dropout (as Korthikanti et al. 2022 count it).
+``minizero-<preset>`` are the presets of :mod:`minizero.nn.gpt`.
+"""
+from __future__ import annotations
+
+from minizero.memory.estimator import ModelShape
+from minizero.nn.gpt import PRESETS as GPT_PRESETS
+
+_LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, learned_pos=False, tied_embeddings=False, dropout=False)
+_LLAMA2 = ("Touvron et al. 2023, 'Llama 2', Table 1 (context 4096, GQA for 70B); shapes from the "
+           "released config.json (meta-llama/Llama-2-{}-hf)")
+_LLAMA3 = ("Meta Llama 3 model card and config.json (meta-llama/Meta-Llama-3-{}); Llama Team 2024, "
+           "'The Llama 3 Herd of Models', Table 3 (vocabulary 128K = 128,256 with special tokens)")
+
+REAL_MODELS = {
+    "gpt3-175b": ModelShape(
+        "gpt3-175b", n_layer=96, hidden=12288, n_head=96, n_kv_head=96, ffn_hidden=4 * 12288, vocab_size=50257,
+        seq_len=2048,
+        source="Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 (96 layers, d_model 12288, "
+               "96 heads, context 2048); FFN 4 d_model and the 50257-token GPT-2 BPE (Radford et al. 2019)"),
+    "llama2-7b": ModelShape("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, source=_LLAMA2.format("7b"), **_LLAMA),
+    "llama2-13b": ModelShape("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, source=_LLAMA2.format("13b"),
+                             **_LLAMA),
+    "llama2-70b": ModelShape("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, source=_LLAMA2.format("70b"),
+                             **_LLAMA),
+    "llama3-8b": ModelShape("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, source=_LLAMA3.format("8B"), **_LLAMA),
+    "llama3-70b": ModelShape("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, source=_LLAMA3.format("70B"),
+                             **_LLAMA),
+    "megatron-1t": ModelShape(
+        "megatron-1t", n_layer=128, hidden=25600, n_head=160, n_kv_head=160, ffn_hidden=4 * 25600, vocab_size=51200,
+        seq_len=2048,
+        source="Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+               "Megatron-LM', Table 1 (1008 B: 128 layers, hidden 25600, 160 heads; vocabulary 51200, "
+               "sequence 2048)"),
+}
+
+#: Every model the planner knows: the real ones and ``minizero-<preset>`` for minizero's presets.
+MODELS = {**REAL_MODELS,
+          **{f"minizero-{k}": ModelShape.from_gpt_config(cfg, name=f"minizero-{k}") for k, cfg in GPT_PRESETS.items()}}
+
+
+def get_model(name: str) -> ModelShape:
+    """The :class:`ModelShape` called ``name``.
+
+    Raises:
+        ValueError: unknown name (the allowed names are listed).
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(sorted(MODELS))}")
+    return MODELS[name]

@@ -1,0 +1,324 @@
+"""The analytic model against the papers' numbers and against minizero's own ledger."""
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from minizero.autograd import manual_seed
+from minizero.comm import run_in_threads
+from minizero.memory import estimator as E
+from minizero.memory.estimator import ModelShape, Strategy, estimate_memory, gb, model_state_bytes
+from minizero.memory.ledger import CATEGORIES as LEDGER_CATEGORIES
+from minizero.memory.ledger import MemoryLedger, set_ledger
+from minizero.memory.recompute import apply_recompute
+from minizero.models import MODELS, REAL_MODELS, get_model
+from minizero.nn import GPT, PRESETS, get_config
+from minizero.nn.gpt import GPTConfig
+from minizero.optim import AdamW
+
+GPT3 = get_model("gpt3-175b")
+
+
+# ---- ZeRO: Rajbhandari et al. 2020 ------------------------------------------------------------
+def model_states_gb(psi, dp, stage):
+    return gb(sum(model_state_bytes(int(psi), dp, stage).values()))
+
+
+def test_zero_figure1_7_5b_on_64_ranks():
+    # Figure 1: Psi = 7.5B, K = 12, N_d = 64; GB = 10^9 bytes
+    assert model_states_gb(7.5e9, 64, 0) == 120.0
+    assert round(model_states_gb(7.5e9, 64, 1), 1) == 31.4
+    assert round(model_states_gb(7.5e9, 64, 2), 1) == 16.6
+    assert round(model_states_gb(7.5e9, 64, 3), 1) == 1.9
+    assert model_states_gb(7.5e9, 64, 3) == 1.875
+
+
+# Table 1 as printed (GB): {model: {N_d: (P_os, P_os+g, P_os+g+p)}}. Some cells are truncated
+# (513 for 513.5), some rounded (0.12 for 0.117); each must be the exact value cut to the
+# digits printed, within 0.5% or half a unit of the last printed digit.
+TABLE1 = {
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.25, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+            256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32),
+            256: (518, 263, 8), 1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000), 64: (4187, 2218, 250),
+           256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+}
+
+
+@pytest.mark.parametrize("psi", sorted(TABLE1))
+def test_zero_table1(psi):
+    for dp, cells in TABLE1[psi].items():
+        for stage, printed in zip((1, 2, 3), cells):
+            got = model_states_gb(psi, dp, stage)
+            digits = len(str(printed).split(".")[1]) if "." in str(printed) else 0
+            half_unit = 0.5 * 10 ** -digits
+            assert abs(got - printed) <= max(0.005 * printed, half_unit) or int(got) == printed, \
+                (psi, dp, stage, got, printed)
+
+
+def test_model_states_other_precisions():
+    psi = 1000
+    assert model_state_bytes(psi, 1, 0, "fp32") == {"parameters": 4000, "gradients": 4000, "optimizer_state": 8000}
+    assert model_state_bytes(psi, 1, 0, "fp64")["optimizer_state"] == 16000
+    # 8-bit Adam, mixed: fp32 master 4 + two 1-byte moments + two fp32 absmax per 256 elements
+    assert model_state_bytes(256 * 100, 1, 0, "mixed", "adam8bit")["optimizer_state"] == 256 * 100 * 6 + 100 * 8
+    # a shard is ceil(Psi / N_d) elements (the padded flat buffer)
+    assert model_state_bytes(10, 4, 3, "fp32") == {"parameters": 12, "gradients": 12, "optimizer_state": 24}
+
+
+# ---- activations: Korthikanti et al. 2022 -----------------------------------------------------
+@pytest.mark.parametrize("kw,expected", [
+    ({}, 2_868_903_936),
+    ({"tp": 8}, 578_813_952),
+    ({"tp": 8, "sequence_parallel": True}, 358_612_992),
+    ({"tp": 8, "recompute": "selective"}, 327_155_712),
+    ({"tp": 8, "sequence_parallel": True, "recompute": "selective"}, 106_954_752),
+    ({"recompute": "full"}, 50_331_648),
+    ({"tp": 8, "recompute": "full"}, 50_331_648),
+])
+def test_korthikanti_gpt3_per_layer(kw, expected):
+    assert E.layer_activation_bytes(GPT3, 2048, 1, **kw) == expected
+
+
+@pytest.mark.parametrize("s,h,a,b,t", [(2048, 12288, 96, 1, 8), (1024, 4096, 32, 4, 2), (512, 1024, 16, 3, 4)])
+def test_korthikanti_table2_formulas(s, h, a, b, t):
+    m = ModelShape("x", 2, h, a, a, 4 * h, 1000, s)
+    sbh = s * b * h
+    f = lambda **kw: E.layer_activation_bytes(m, s, b, **kw)  # noqa: E731
+    assert f() == sbh * (34 + Fraction(5 * a * s, h))
+    assert f(tp=t) == sbh * (10 + Fraction(24, t) + Fraction(5 * a * s, h * t))
+    assert f(tp=t, sequence_parallel=True) == sbh * (Fraction(34, t) + Fraction(5 * a * s, h * t))
+    assert f(tp=t, recompute="selective") == sbh * (10 + Fraction(24, t))
+    assert f(tp=t, sequence_parallel=True, recompute="selective") == sbh * Fraction(34, t)
+    assert f(recompute="full") == 2 * sbh
+    # documented deviation from Table 2: the layer input kept by full recompute is split along s under SP
+    assert f(tp=t, sequence_parallel=True, recompute="full") == 2 * sbh // t
+
+
+def test_pipeline_in_flight():
+    one = Strategy(pp=4, micro_batches=8)
+    assert [E.in_flight(one, i)[0] for i in range(4)] == [4, 3, 2, 1]  # 1F1B: p - i
+    assert E.in_flight(Strategy(pp=4, micro_batches=2), 0)[0] == 2  # capped at m
+    assert E.in_flight(Strategy(pp=4, micro_batches=8, schedule="gpipe"), 3)[0] == 8
+    inter = Strategy(pp=4, micro_batches=8, schedule="interleaved", virtual_stages=2)
+    chunks, v = E.in_flight(inter, 0)
+    # first stage: p (1 + (p-1)/(pv)) micro-batches of L/p layers (Korthikanti et al. 2022, 4.2.3)
+    assert Fraction(chunks, v) == 4 * (1 + Fraction(3, 8))
+    # the first stage holds L layers' worth under 1F1B, whatever p (section 4.2.3), plus the embedding's
+    # mask per micro-batch in flight, and the one layer whose attention core is being recomputed
+    m = GPT3
+    per_layer = E.layer_activation_bytes(m, 2048, 1, tp=8, sequence_parallel=True, recompute="selective")
+    rows = E.saved_per_layer(m, 2048, 1)
+    core = sum(r.per_rank(8, True) for r in rows if r.part == "core")
+    post = sum(r.per_rank(8, True) for r in rows if r.part == "post")
+    emb, head = (sum(r.per_rank(8, True) for r in part) for part in E.saved_outside_layers(m, 2048, 1))
+    for p in (1, 4, 16):
+        st = Strategy(tp=8, pp=p, sequence_parallel=True, recompute="selective", micro_batches=64)
+        acts, _ = E.activation_bytes(m, st, 2048, stage=0)
+        h = head if p == 1 else 0
+        expected = 96 * per_layer + emb * p + h + max(0, core - post - h)
+        assert acts == pytest.approx(expected, abs=2), p
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+def test_flops_match_korthikanti_appendix_a():
+    b, s, L, h, V = 1536, 2048, 96, 12288, 50257
+    assert E.model_flops_per_step(GPT3, b, s) == pytest.approx(E.korthikanti_flops(b, s, L, h, V), rel=1e-12)
+    full = E.model_flops_per_step(GPT3, b, s, recompute="full")
+    assert full == pytest.approx(96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L)), rel=1e-12)
+    sel = E.model_flops_per_step(GPT3, b, s, recompute="selective")
+    assert sel - E.model_flops_per_step(GPT3, b, s) == pytest.approx(4 * b * s * s * h * L, rel=1e-12)
+    # the 6N rule (Kaplan et al. 2020) leaves out attention; within 10% at GPT-3's shape
+    six_n = E.kaplan_flops(GPT3.num_parameters(), b * s)
+    assert 0.9 < six_n / E.model_flops_per_step(GPT3, b, s) < 1.0
+
+
+# ---- presets ----------------------------------------------------------------------------------
+def test_real_model_parameter_counts():
+    # published sizes (Hugging Face config parameter counts; GPT-3 175B; Megatron 1008B)
+    expected = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+                "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+    for name, n in expected.items():
+        assert get_model(name).num_parameters() == n, name
+    assert abs(get_model("gpt3-175b").num_parameters() / 175e9 - 1) < 0.01
+    assert abs(get_model("megatron-1t").num_parameters() / 1008e9 - 1) < 0.001
+    for name, m in REAL_MODELS.items():
+        assert m.source and m.validate() is m
+        assert sum(m.tensor_sizes()) == m.num_parameters()
+
+
+def test_minizero_presets_match_gptconfig():
+    for name, cfg in PRESETS.items():
+        assert MODELS[f"minizero-{name}"].num_parameters() == cfg.num_parameters()
+    with pytest.raises(ValueError, match="unknown model 'gpt5'; allowed: .*llama3-70b"):
+        get_model("gpt5")
+
+
+def test_categories_are_ledger_categories():
+    assert set(E.CATEGORIES) <= set(LEDGER_CATEGORIES)
+
+
+def test_strategy_validation_names_the_field():
+    with pytest.raises(ValueError, match="zero=4"):
+        Strategy(zero=4).validate()
+    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
+        Strategy(sequence_parallel=True).validate()
+    with pytest.raises(ValueError, match="offload='params' needs zero=3"):
+        Strategy(zero=2, offload="params").validate()
+    with pytest.raises(ValueError, match="tp=5 does not divide n_head=96"):
+        estimate_memory(GPT3, Strategy(tp=5))
+    with pytest.raises(ValueError, match="96 layers do not split into .* 5"):
+        estimate_memory(GPT3, Strategy(pp=5))
+    with pytest.raises(ValueError, match="use precision='fp32'"):
+        estimate_memory(get_config("tiny"), Strategy(precision="mixed"))
+
+
+def test_estimate_stage_choice_and_offload():
+    m = get_model("llama3-70b")
+    st = Strategy(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True, recompute="selective", micro_batches=16)
+    first, last = E.estimate_stages(m, st, 4096)
+    assert first.activations > last.activations  # p micro-batches in flight on the first stage, 1 on the last
+    assert estimate_memory(m, st, 4096).total == max(first.total, last.total)
+    off = estimate_memory(m, Strategy(dp=8, zero=3, offload="params", offload_activations=True), 4096)
+    assert off.parameters == off.gradients == off.optimizer_state == 0 and off.offloaded > 0
+
+
+def test_comm_bytes_zero_section_7():
+    # ZeRO section 7: P_os and P_os+g move the same as DP (2 Psi), P_os+g+p 1.5x (3 Psi), per rank x (N-1)/N
+    m = get_model("llama2-7b")
+    psi, n = m.num_parameters(), 64
+    dp = {z: E.comm_bytes_per_step(m, Strategy(dp=n, zero=z))["dp"] for z in range(4)}
+    assert dp[0] == pytest.approx(2 * (n - 1) / n * 2 * psi)
+    assert dp[1] == dp[2] == pytest.approx(dp[0])
+    assert dp[3] == pytest.approx(1.5 * dp[0])
+    # tensor parallel: 4 all-reduces of sbh per layer (6 with full recompute), 2(t-1)/t each
+    g = E.comm_bytes_per_step(GPT3, Strategy(tp=8, pp=96))["tp"]
+    x = 2 * 2048 * 12288
+    assert g == pytest.approx((4 + 1) * 2 * 7 / 8 * x)  # one layer + the embedding's all-reduce on stage 0
+
+
+# ---- against minizero's ledger ----------------------------------------------------------------
+def measured_peaks(cfg, batch, recompute="none"):
+    """Ledger peaks over one forward+backward of a single-rank GPT (and its AdamW's state)."""
+    ledger = set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    apply_recompute(model, recompute)
+    opt = AdamW(model.parameters())  # noqa: F841  (kept alive: its state stays in the ledger)
+    manual_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (batch, cfg.block_size))
+    y = rng.integers(0, cfg.vocab_size, (batch, cfg.block_size))
+    ledger.reset_peaks()
+    model(x, y)[1].backward()
+    peak = dict(ledger.peak)
+    set_ledger(MemoryLedger())
+    return peak
+
+
+@pytest.mark.parametrize("preset,batch,recompute,dropout,dtype", [
+    ("default", 2, "none", 0.0, "float32"),
+    ("deep", 1, "full", 0.0, "float32"),
+    ("small", 3, "selective", 0.1, "float32"),
+    ("small", 2, "full", 0.1, "float64"),
+])
+def test_minizero_accounting_matches_ledger(preset, batch, recompute, dropout, dtype):
+    cfg = get_config(preset, dropout=dropout, dtype=dtype)
+    peak = measured_peaks(cfg, batch, recompute)
+    st = Strategy(precision=E.precision_for_dtype(dtype), micro_batch=batch, recompute=recompute)
+    est = estimate_memory(cfg, st, accounting="minizero")
+    for cat in ("parameters", "optimizer_state", "activations"):
+        assert est.as_dict()[cat] == pytest.approx(peak[cat], rel=0.05), cat
+    assert est.activations == peak["activations"]  # in fact exact
+    if recompute == "none":  # recompute's checkpoint inputs get transient .grad arrays the ledger counts too
+        assert est.gradients == peak["gradients"]
+
+
+def test_minizero_accounting_selective_when_scores_dominate():
+    # many heads, long sequence, narrow model: the recomputed attention core outgrows what was freed
+    cfg = GPTConfig(n_layer=2, n_head=8, n_embd=16, block_size=64, vocab_size=32)
+    for mode in ("none", "selective", "full"):
+        est = estimate_memory(cfg, Strategy(precision="fp32", micro_batch=2, recompute=mode), accounting="minizero")
+        assert est.activations == measured_peaks(cfg, 2, mode)["activations"], mode
+
+
+def _data_parallel_peaks(comm, stage):
+    from minizero.memory.zero import ZeroOptimizer
+    from minizero.parallel.data_parallel import DataParallel
+
+    ledger = set_ledger(MemoryLedger())
+    cfg = get_config("small")
+    model = GPT(cfg, seed=0)
+    if stage == 0:
+        reducer, opt = DataParallel(model.parameters(), comm), AdamW(model.parameters())
+        reduce = reducer.allreduce_gradients
+    else:
+        opt = ZeroOptimizer(model, comm, stage)
+        reduce = opt.reduce_gradients
+    x = np.random.default_rng(comm.rank).integers(0, 256, (2, cfg.block_size))
+    ledger.reset_peaks()
+    model(x, x)[1].backward()
+    reduce()
+    opt.step()
+    return dict(ledger.peak)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_minizero_accounting_data_parallel_and_zero(stage):
+    peak = run_in_threads(2, _data_parallel_peaks, stage)[0]
+    est = estimate_memory(get_config("small"), Strategy(dp=2, zero=stage, precision="fp32", micro_batch=2),
+                          accounting="minizero").as_dict()
+    for cat in ("parameters", "gradients", "optimizer_state", "comm_buffers", "gathered"):
+        assert est[cat] == pytest.approx(peak.get(cat, 0), rel=0.05), cat
+
+
+def _tensor_parallel_peaks(comm, recompute):
+    from minizero.parallel.tensor_parallel import tensor_parallelize
+
+    ledger = set_ledger(MemoryLedger())
+    cfg = get_config("small", dropout=0.1)
+    model = GPT(cfg, seed=0)
+    tensor_parallelize(model, comm)
+    apply_recompute(model, recompute)
+    manual_seed(0)
+    x = np.random.default_rng(0).integers(0, 256, (2, cfg.block_size))
+    ledger.reset_peaks()
+    model(x, x)[1].backward()
+    return dict(ledger.current), dict(ledger.peak)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_minizero_accounting_tensor_parallel(recompute):
+    current, peak = run_in_threads(2, _tensor_parallel_peaks, recompute)[0]
+    st = Strategy(tp=2, precision="fp32", micro_batch=2, recompute=recompute)
+    est = estimate_memory(get_config("small", dropout=0.1), st, accounting="minizero")
+    assert est.parameters == current["parameters"]  # layers split, embedding and head replicated
+    assert est.activations == pytest.approx(peak["activations"], rel=0.05)
+
+
+def _pipeline_peaks(comm, schedule, m, recompute):
+    from minizero.parallel.pipeline import PipelineEngine, PipelineStage
+
+    ledger = set_ledger(MemoryLedger())
+    cfg = get_config("small", dropout=0.1)
+    model = GPT(cfg, seed=0)
+    apply_recompute(model, recompute)
+    engine = PipelineEngine(PipelineStage(model, comm.rank, comm.world_size), comm, schedule)
+    manual_seed(0)
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (2, cfg.block_size)), rng.integers(0, 256, (2, cfg.block_size)))
+               for _ in range(m)]
+    ledger.reset_peaks()
+    engine.forward_backward(batches)
+    return dict(ledger.peak)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", "none"), ("gpipe", "full")])
+def test_minizero_accounting_pipeline(schedule, recompute):
+    m = 3
+    peaks = run_in_threads(2, _pipeline_peaks, schedule, m, recompute)
+    st = Strategy(pp=2, precision="fp32", micro_batch=2, micro_batches=m, schedule=schedule, recompute=recompute)
+    for stage, peak in enumerate(peaks):
+        est = estimate_memory(get_config("small", dropout=0.1), st, accounting="minizero", stage=stage)
+        assert est.activations == pytest.approx(peak["activations"], rel=0.05), stage
+        assert est.comm_buffers == pytest.approx(peak.get("comm_buffers", 0), rel=0.05), stage

@@ -1,0 +1,125 @@
+"""``python -m minizero.plan``: parsing, refusals, the ranking, JSON, the plot, and speed at 1T x 1024 GPUs."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minizero import plan as P
+from minizero.memory.estimator import estimate_stages
+from minizero.models import get_model
+
+from .conftest import REPO_ROOT, mpi_env
+
+
+def run_main(capsys, *argv):
+    """(exit status, stdout, stderr) of ``plan.main(argv)``."""
+    try:
+        code = P.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_parse_bytes_units():
+    assert P.parse_bytes("80GB") == 80 * 10 ** 9
+    assert P.parse_bytes("80GiB") == 80 * 2 ** 30
+    assert P.parse_bytes("8e10") == 8 * 10 ** 10
+    assert P.parse_bytes("1.5 TB") == 1_500_000_000_000
+    assert P.parse_bytes("25MiB") == 25 * 2 ** 20
+    assert P.parse_bytes("300GB/s") == 300 * 10 ** 9
+    with pytest.raises(ValueError, match="'80G' is not a byte size .*ambiguous: write GB"):
+        P.parse_bytes("80G")
+    with pytest.raises(ValueError, match="'lots' is not a byte size"):
+        P.parse_bytes("lots")
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        P.parse_bytes("0GB")
+
+
+def test_plan_llama3_70b_table(capsys):
+    code, out, err = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB",
+                              "--seq-len", "4096")
+    assert code == 0, err
+    assert "64 GPUs x 80.00 GB" in out and "GB (10^9 bytes)" in out
+    assert "ranking: " + P.RANKING_RULE in out
+    assert "why:" in out and " beats #" in out
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+\s", line) and "|" in line]
+    assert len(rows) == 10
+
+
+def test_plan_json_is_ranked_and_fits(capsys):
+    code, out, _ = run_main(capsys, "--model", "llama2-13b", "--gpus", "16", "--gpu-memory", "40GB",
+                            "--json", "--top", "0")
+    assert code == 0
+    d = json.loads(out)
+    assert d["units"] == "bytes" and d["fit"] == len(d["candidates"]) > 0
+    speeds = [c["tokens_per_s"] for c in d["candidates"]]
+    assert speeds == sorted(speeds, reverse=True)
+    model = get_model("llama2-13b")
+    from minizero.memory.estimator import Strategy
+
+    for c in d["candidates"][:50]:
+        st = Strategy(**c["strategy"])
+        assert st.world_size == 16
+        for e in estimate_stages(model, st, d["seq_len"]):  # every stage fits, not only the fullest
+            assert e.total <= 40 * 10 ** 9
+        assert sum(v for k, v in c["memory_bytes"].items() if k != "offloaded") == c["device_total_bytes"]
+    # ties on step time go to less memory
+    for a, b in zip(d["candidates"], d["candidates"][1:]):
+        if a["tokens_per_s"] == b["tokens_per_s"]:
+            assert a["device_total_bytes"] <= b["device_total_bytes"]
+
+
+def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
+    t0 = time.perf_counter()
+    code, out, _ = run_main(capsys, "--model", "megatron-1t", "--gpus", "1024", "--gpu-memory", "80GB")
+    assert code == 0
+    assert time.perf_counter() - t0 < 5.0
+    assert "1008.04 B parameters" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama3-8b", "--gpus", "0"], "--gpus must be a positive integer, got 0"),
+    (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'; allowed: gpt3-175b"),
+    (["--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "1MB"],
+     "--gpu-memory 1MB (0.00 GB) is below the smallest per-GPU footprint"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80G"], "ambiguous: write GB"),
+    (["--model", "gpt3-175b", "--gpus", "8", "--seq-len", "4096"], "learned position table of 2048"),
+    (["--model", "llama3-70b", "--gpus", "1", "--gpu-memory", "80GB"], "--host-memory 128GB"),
+    (["--model", "llama3-8b", "--gpus", "8", "--units", "MB"], "invalid choice: 'MB'"),
+])
+def test_plan_refuses_bad_input(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err and out == ""
+
+
+def test_plan_cli_exit_status_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "minizero.plan", "--model", "llama3-8b", "--gpus", "0"],
+                       capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=60)
+    assert r.returncode == 2 and "--gpus must be a positive integer" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    path = tmp_path / "plan.png"
+    code, out, _ = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--top", "4", "--plot", str(path))
+    assert code == 0 and f"wrote {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000
+    code, _, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--plot", str(tmp_path / "no" / "x.png"))
+    assert code == 2 and "cannot write the PNG" in err
+
+
+def test_enumeration_respects_constraints():
+    m = get_model("llama2-70b")  # 80 layers, 64 heads, 8 KV heads
+    seen = list(P.enumerate_strategies(m, 64, global_batch=512))
+    assert seen and all(s.world_size == 64 for s in seen)
+    assert all(s.tp <= 8 and m.n_kv_head % s.tp == 0 and m.n_layer % s.pp == 0 for s in seen)
+    assert all(not (s.zero >= 2 and s.pp > 1) for s in seen)
+    assert all(s.sequence_parallel <= (s.tp > 1) for s in seen)
+    assert all(s.dp * s.micro_batch * s.micro_batches >= 512 for s in seen)
