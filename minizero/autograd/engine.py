@@ -90,6 +90,17 @@ def saved_tensors_hooks(pack, unpack):
         stack.pop()
 
 
+def current_saved_tensors_hooks():
+    """The innermost active ``(pack, unpack)`` pair of this thread, or None.
+
+    A new pair can hand what it does not handle on to the pair it shadows, so
+    techniques compose (ZeRO-3 turns gathered parameters into handles and passes
+    activations on to an enclosing offload pair).
+    """
+    stack = _hooks_stack()
+    return stack[-1] if stack else None
+
+
 class Context:
     """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
 

@@ -4,7 +4,8 @@ Techniques prove their savings here. The autograd engine registers every array a
 ``Function`` saves for backward as ``activations``; parameters register
 themselves as ``parameters``; the engine registers accumulated leaf gradients as
 ``gradients``; optimizers register their state as ``optimizer_state``; the
-data-parallel buckets register as ``comm_buffers``.
+data-parallel buckets register as ``comm_buffers``; ZeRO-3's all-gathered full
+parameters (alive only while their layer runs) register as ``gathered``.
 
 Exactness rules (so the numbers are the real bytes):
 
@@ -34,6 +35,7 @@ CATEGORIES = (
     "optimizer_state",
     "activations",
     "comm_buffers",
+    "gathered",
     "offloaded",
 )
 
@@ -56,7 +58,9 @@ class MemoryLedger:
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # re-entrant: a garbage collection can run inside the locked block (any allocation may
+        # trigger one), and the finalizer of a collected array calls _release on this thread
+        self._lock = threading.RLock()
         self._live: dict[int, tuple[str, int]] = {}
         self.current = {c: 0 for c in CATEGORIES}
         self.peak = {c: 0 for c in CATEGORIES}

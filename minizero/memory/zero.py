@@ -1,0 +1,486 @@
+"""ZeRO stages 1, 2 and 3: shard the optimizer state, then the gradients, then the parameters.
+
+Source: Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC 2020 (arXiv:1910.02054), section 5 and Figure 1
+(P_os, P_os+g, P_os+g+p) and section 7.2 (communication). Behaviour mirrored from
+DeepSpeed (``stage_1_and_2.py``, ``stage3.py``) and from PyTorch FSDP's flat parameters.
+
+Per rank, for Ψ parameters over N data-parallel ranks, FP32 parameters and gradients
+(4 bytes each) and Adam's m and v (K = 8 bytes), one micro-batch per step:
+
+    stage  sharded            model-state bytes per parameter   bytes sent per step (x gradient bytes)
+    0      nothing            4 + 4 + 8    = 16                 2(N-1)/N  all-reduce (DataParallel)
+    1      optimizer state    4 + 4 + 8/N                       2(N-1)/N  reduce-scatter g + all-gather p
+    2      + gradients        4 + (4 + 8)/N                     2(N-1)/N  the same, g reduced during backward
+    3      + parameters       (4 + 4 + 8)/N                     3(N-1)/N  gather p for forward, again for
+                                                                          backward, reduce-scatter g
+
+The bookkeeping (zero_shards.py): parameters are grouped into *units* (each transformer
+block one, every other parameter-owning module one), each laid flat and padded to a
+multiple of N; rank r owns slice r of every unit (:class:`ShardMap`, ``--show-shards``).
+
+The stages, as :class:`ZeroOptimizer` runs them (one optimizer step, M micro-batches):
+
+    stage 1  backward fills full gradients (views of a flat, padded buffer per unit);
+             reduce_gradients(): reduce-scatter each unit once per step; step(): AdamW on
+             the owned slice; all-gather the parameters.
+    stage 2  a unit's gradients go into a fresh flat bucket during backward; when the last
+             one has arrived (post-accumulate-grad hooks) the bucket is reduce-scattered,
+             added into the owned gradient shard and freed: once per micro-batch, so
+             accumulation sends M(N-1)/N (DeepSpeed stage 2 does the same).
+    stage 3  as stage 2, and parameters live only as shards. A forward pre-hook all-gathers
+             a unit before its module runs, the post-hook frees it; a saved-tensor pack hook
+             turns every gathered parameter a Function saves for backward into a small
+             handle, so freeing really frees. An identity Function on the module's output
+             re-gathers the unit when backward reaches it. Per micro-batch: 3(N-1)/N.
+
+Memory in the ledger: ``parameters``, ``gradients`` and ``optimizer_state`` hold the
+persistent figures above; a stage-3 unit's gathered parameters are ``gathered`` and the
+stage-2/3 full-size gradient buckets ``comm_buffers``, both alive only while one unit
+runs (plus the tied embedding, used at both ends of the model). Not counted: the ring
+collectives' own scratch (one unit's size while a collective runs, comm/collectives.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function, Tensor, is_grad_enabled, saved_tensors_hooks
+from minizero.autograd.engine import current_saved_tensors_hooks
+from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.memory.ledger import get_ledger
+from minizero.memory.zero_shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
+from minizero.optim.adamw import adamw_update, state_dtype
+
+__all__ = ["ZeroOptimizer", "ShardMap", "Unit", "Piece", "find_units", "model_state_formula", "traffic_formula",
+           "model_state_bytes", "gather_figures", "STEP_PHASES", "PHASES"]
+
+#: Traffic phases that belong to a training step (per-step volume); others are set-up,
+#: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
+STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params")
+PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup")
+
+
+def model_state_bytes() -> dict:
+    """The calling rank's ledger, current bytes of the model-state categories (and the transient ones)."""
+    cur = get_ledger().current
+    return {c: cur[c] for c in ("parameters", "gradients", "optimizer_state", "gathered", "comm_buffers")}
+
+
+# --------------------------------------------------------------------------- the autograd seam
+class _RunBeforeBackward(Function):
+    """forward: identity on ``x``; backward: call ``callback()``, then pass the gradient through.
+
+    Put on a module's output, its backward runs before any backward of that module
+    (consumers come before producers), which is where ZeRO-3 re-gathers the module's
+    parameters and ZeRO-2/3 open its gradient bucket.
+    """
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.callback()
+        return g, None
+
+
+class _SavedParameter:
+    """What a gathered parameter becomes when a Function saves it: a handle, not its array."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param):
+        self.param = param
+
+
+class _UnitState:
+    """Arrays and flags of one unit on one rank (see :class:`ZeroOptimizer` for who holds what)."""
+
+    def __init__(self, index, unit, params, users):
+        self.index, self.unit, self.params, self.users = index, unit, params, users
+        self.flat_param = self.param_shard = self.full = None
+        self.placeholders = self.pieces = self.master = None
+        self.flat_grad = self.grad_shard = self.m = self.v = None
+        self.uses_left = 0  # forward uses still to come before a stage-3 unit is freed
+        self.ready = set()  # ids of parameters whose gradient is complete in this backward
+        self.in_backward = False
+
+
+class ZeroOptimizer:
+    """AdamW on ZeRO-sharded model states: replaces ``DataParallel`` + ``AdamW`` for stages 1, 2, 3.
+
+    Args:
+        model: a Module; its parameters are re-homed (see below). Same model, same init on
+            every rank (the owner's values win: stages 1-2 all-gather once at set-up).
+        comm: the data-parallel Communicator (N = ``comm.world_size``; N = 1 works and saves nothing).
+        stage: 1, 2 or 3 (stage 0 is DataParallel + AdamW and stays there).
+        lr, betas, eps, weight_decay: as :class:`~minizero.optim.AdamW` (decay on ndim >= 2).
+        native: use the MPI library's collectives instead of the hand-written rings.
+        master_weights: keep an FP32 master copy of the owned shard (mixed precision, 4/N
+            bytes per parameter, counted as ``optimizer_state`` as in the paper's K = 12).
+    Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
+
+        stage  parameters               gradients                      m, v     transient
+        1      flat (padded,) d,         flat (padded,) d, p.grad views  (S,) s   -
+               p.data views
+        2      flat (padded,) d          shard (S,) d                    (S,) s   bucket (padded,) d during backward
+        3      shard (S,) d; p.data is   shard (S,) d                    (S,) s   gathered (padded,) d while the unit
+               a NaN placeholder                                                  runs; bucket during its backward
+    Stage 3: between uses ``p.data`` is a read-only NaN array of the right shape
+    (``broadcast_to`` of one element), so shapes and parameter counts still work and an
+    accidental use is loud; :meth:`full_parameters` gathers everything for saving.
+    A tied weight (the LM head's is ``transformer.wte``'s) belongs to one unit used by two
+    modules: it stays gathered from its first forward use to its last, and its gradient
+    bucket is reduced once, after both contributions (post-accumulate-grad hook).
+    A step: forward/backward per micro-batch (loss scaled by 1/M) -> :meth:`reduce_gradients`
+    -> :meth:`clip_grad_norm_` -> :meth:`set_lr` -> :meth:`step` -> :meth:`zero_grad`.
+    Attributes: ``shard_map``; ``bytes_sent`` (phase -> bytes, cumulative); ``step_bytes``
+    (one dict per optimizer step, phase -> bytes).
+    Raises:
+        ValueError: a stage other than 1, 2, 3; a hyper-parameter out of range.
+    """
+
+    def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 native: bool = False, master_weights: bool = False):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        self.bytes_sent = {ph: 0 for ph in PHASES}
+        self.step_bytes = []
+        self._step_mark = dict(self.bytes_sent)
+        self._pinned = False  # inside full_parameters()
+        self._gathered = {}  # id(p.data) -> p, for the pack hook (stage 3)
+        self._hook_stack = []  # saved_tensors_hooks opened by pre-hooks, closed by post-hooks
+        self.shard_map = ShardMap.from_model(model, comm.world_size)
+        self.units = []
+        for i, (name, module, params) in enumerate(find_units(model)):
+            self.units.append(_UnitState(i, self.shard_map.units[i], [p for _, p in params], [module]))
+        self._unit_of = {id(p): st for st in self.units for p in st.params}
+        self._add_tied_users(model)
+        for st in self.units:
+            self._build(st)
+        if stage in (1, 2):  # every rank takes the owner's values: one all-gather, like DDP's broadcast
+            self._all_gather_params("setup")
+        for st in self.units if stage >= 2 else ():
+            for p in st.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            for m in st.users:
+                if stage == 3:
+                    m.register_forward_pre_hook(self._pre_forward(st))
+                m.register_forward_hook(self._post_forward(st))
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _add_tied_users(self, model):
+        """A module outside a unit's subtree that owns one of its parameters (the tied LM head) uses it too."""
+        for st in self.units:
+            inside = {id(m) for _, m in st.users[0].named_modules()}
+            mine = {id(p) for p in st.params}
+            for _, m in model.named_modules():
+                if id(m) not in inside and any(id(p) in mine for p in m._parameters.values()):
+                    st.users.append(m)
+
+    def _build(self, st):
+        """Move a unit's parameters into its flat buffer (stages 1-2) or its shard (stage 3)."""
+        xp, ledger, u = backend.xp, get_ledger(), st.unit
+        dtype = st.params[0].dtype
+        if any(p.dtype != dtype for p in st.params):
+            raise ValueError(f"unit {u.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in st.params})}")
+        flat = xp.zeros(u.padded, dtype)
+        for p, off in zip(st.params, u.offsets):
+            flat[off:off + p.size] = p.data.reshape(-1)
+        lo, size = self.shard_map.shard(st.index, self.comm.rank)
+        sdt = state_dtype(dtype)
+        st.m, st.v = xp.zeros(size, sdt), xp.zeros(size, sdt)
+        ledger.track(st.m, "optimizer_state")
+        ledger.track(st.v, "optimizer_state")
+        if self.master_weights:
+            st.master = flat[lo:lo + size].astype(np.float32)
+            ledger.track(st.master, "optimizer_state")
+        if self.stage in (1, 2):
+            st.flat_param, st.param_shard = flat, flat[lo:lo + size]
+            ledger.track(flat, "parameters")
+            self._point_params(st, flat)
+        else:
+            st.param_shard = flat[lo:lo + size].copy()
+            ledger.track(st.param_shard, "parameters")
+            st.placeholders = [xp.broadcast_to(xp.asarray(np.nan, dtype=dtype), p.shape) for p in st.params]
+            for p, ph in zip(st.params, st.placeholders):
+                p.data = ph  # the full array is freed here; the shard is all that stays
+        if self.stage == 1:
+            st.flat_grad = xp.zeros(u.padded, dtype)
+            ledger.track(st.flat_grad, "gradients")
+            st.grad_shard = st.flat_grad[lo:lo + size]
+            self._point_grads(st)
+        else:
+            st.grad_shard = xp.zeros(size, dtype)
+            ledger.track(st.grad_shard, "gradients")
+        st.pieces = self.shard_map.pieces(self.comm.rank, st.index)
+
+    @staticmethod
+    def _point_params(st, flat):
+        for p, off in zip(st.params, st.unit.offsets):
+            p.data = flat[off:off + p.size].reshape(p.shape)
+
+    @staticmethod
+    def _point_grads(st):
+        for p, off in zip(st.params, st.unit.offsets):
+            p.grad = st.flat_grad[off:off + p.size].reshape(p.shape)
+
+    @contextlib.contextmanager
+    def _count(self, phase):
+        before = self.comm.traffic.bytes_sent
+        try:
+            yield
+        finally:
+            self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
+
+    # ---- stage 3: gather and free parameters ---------------------------------------------
+    def _gather(self, st, phase):
+        """All-gather a unit's shards into a full (padded,) buffer; point ``p.data`` into it."""
+        with self._count(phase):
+            st.full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
+        get_ledger().track(st.full, "gathered")
+        self._point_params(st, st.full)
+        for p in st.params:
+            self._gathered[id(p.data)] = p
+        st.uses_left = len(st.users)
+
+    def _free(self, st):
+        """Drop a unit's gathered buffer: ``p.data`` back to its placeholder (nothing else holds it)."""
+        if st.full is None or self._pinned:
+            return
+        for p, ph in zip(st.params, st.placeholders):
+            self._gathered.pop(id(p.data), None)
+            p.data = ph
+        st.full = None
+
+    def _saved_tensors_hooks(self):
+        """A pack/unpack pair: a gathered parameter becomes a handle, re-gathered in backward if freed;
+        every other array goes to the pair this one shadows (activation offload), if any."""
+        outer = current_saved_tensors_hooks()
+
+        def pack(array):
+            p = self._gathered.get(id(array))
+            if p is not None and p.data is array:
+                return _SavedParameter(p)
+            return outer[0](array) if outer else array
+
+        def unpack(saved):
+            if isinstance(saved, _SavedParameter):
+                self._begin_backward(self._unit_of[id(saved.param)])  # gathers if not gathered yet
+                return saved.param.data
+            return outer[1](saved) if outer else saved
+        return saved_tensors_hooks(pack, unpack)
+
+    def _pre_forward(self, st):
+        def hook(module, args):
+            if self.stage == 3:
+                if st.full is None:
+                    self._gather(st, "gather_forward" if is_grad_enabled() else "gather_no_grad")
+                cm = self._saved_tensors_hooks() if is_grad_enabled() else None
+                if cm is not None:
+                    cm.__enter__()  # closed by the post-hook: the module's saves go through pack
+                self._hook_stack.append(cm)
+        return hook
+
+    def _post_forward(self, st):
+        def hook(module, args, out):
+            if self.stage == 3:
+                cm = self._hook_stack.pop()
+                if cm is not None:
+                    cm.__exit__(None, None, None)
+                st.uses_left -= 1
+                if st.uses_left <= 0:  # last use in this forward (the tied embedding has two)
+                    self._free(st)
+            if not is_grad_enabled():
+                return None
+
+            def wrap(t):
+                if isinstance(t, Tensor) and t.requires_grad:
+                    return _RunBeforeBackward.apply(t, lambda: self._begin_backward(st))
+                return t
+            return type(out)(wrap(t) for t in out) if isinstance(out, (tuple, list)) else wrap(out)
+        return hook
+
+    # ---- stages 2 and 3: gradients, bucket by bucket during backward ------------------------
+    def _begin_backward(self, st):
+        """Backward reached the unit: gather it (stage 3) and open its flat gradient bucket."""
+        if st.in_backward:
+            return
+        st.in_backward = True
+        if self.stage == 3 and st.full is None:
+            self._gather(st, "gather_backward")
+        st.flat_grad = backend.xp.zeros(st.unit.padded, st.grad_shard.dtype)
+        get_ledger().track(st.flat_grad, "comm_buffers")
+        old = [p.grad for p in st.params]
+        self._point_grads(st)
+        for p, g in zip(st.params, old):
+            if g is not None:  # a gradient that arrived before the bucket opened
+                p.grad += g
+
+    def _grad_ready(self, p):
+        """Post-accumulate-grad hook: when a unit's last gradient is complete, reduce it."""
+        st = self._unit_of[id(p)]
+        st.ready.add(id(p))
+        if len(st.ready) == len(st.params):
+            self._end_backward(st)
+
+    def _end_backward(self, st):
+        """Reduce-scatter the unit's bucket, add the mean into the owned shard, free bucket (and gathered params)."""
+        if not st.in_backward:
+            self._begin_backward(st)  # gradients came without passing a module boundary
+        with self._count("reduce_scatter_grads"):
+            mine = reduce_scatter(self.comm, st.flat_grad, native=self.native)
+        mine *= mine.dtype.type(1.0 / self.comm.world_size)
+        st.grad_shard += mine
+        for p in st.params:
+            p.grad = None
+        st.flat_grad, st.in_backward = None, False
+        st.ready.clear()
+        if self.stage == 3:
+            self._free(st)
+
+    # ---- the optimizer step ------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """After the last micro-batch: every rank's owned gradient shard = mean over ranks.
+
+        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 already did
+        it during backward and only flush a unit some of whose parameters got no gradient.
+        Raises:
+            RuntimeError: stage 1 and a ``.grad`` is no longer a view of its unit's gradient
+            buffer (``model.zero_grad()`` was called; use this optimizer's ``zero_grad``).
+        """
+        inv = 1.0 / self.comm.world_size
+        for st in self.units:
+            if self.stage == 1:
+                for p in st.params:
+                    if p.grad is None or p.grad.base is not st.flat_grad:
+                        raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
+                                           "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
+                with self._count("reduce_scatter_grads"):
+                    st.grad_shard[...] = reduce_scatter(self.comm, st.flat_grad, native=self.native)
+                st.grad_shard *= st.grad_shard.dtype.type(inv)
+            elif st.in_backward or any(p.grad is not None for p in st.params):
+                self._end_backward(st)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global-norm clipping over the shards; returns the norm before clipping.
+
+        Each rank sums g^2 over its owned pieces only (padding excluded) in float64; one
+        all-reduce of that scalar gives the unsharded norm. Coefficient as
+        ``torch.nn.utils.clip_grad_norm_``: max_norm / (norm + 1e-6), applied if < 1;
+        ``max_norm`` <= 0 or inf disables clipping.
+        """
+        local = 0.0
+        for st in self.units:
+            for pc in st.pieces:
+                g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
+                local += float((g * g).sum())
+        with self._count("grad_norm"):
+            total = math.sqrt(float(backend.to_host(all_reduce(self.comm, backend.xp.asarray([local])))[0]))
+        if max_norm > 0 and math.isfinite(max_norm):
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                for st in self.units:
+                    st.grad_shard *= st.grad_shard.dtype.type(coef)
+        return total
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the next step."""
+        self.lr = lr
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        """AdamW on the owned shard, one call of ``adamw_update`` per parameter piece; stages 1-2 then all-gather.
+
+        ``grad_scale`` multiplies the gradient inside the update (mixed precision's 1/loss-scale),
+        as :meth:`AdamW.step`. Padding is in no piece, so it is never read or updated.
+
+        Raises:
+            RuntimeError: called inside :meth:`full_parameters`.
+        """
+        if self._pinned:
+            raise RuntimeError("ZeroOptimizer.step() inside full_parameters(): the full copies would go stale")
+        self.step_count += 1
+        b1, b2 = self.betas
+        for st in self.units:
+            self._free(st)  # a stage-3 unit still gathered would go stale
+            for pc in st.pieces:
+                sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+                wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
+                target = st.param_shard[sl] if st.master is None else st.master[sl]
+                adamw_update(target, st.grad_shard[sl], st.m[sl], st.v[sl], self.step_count,
+                             self.lr, b1, b2, self.eps, wd, grad_scale)
+                if st.master is not None:
+                    st.param_shard[sl] = target.astype(st.param_shard.dtype)
+        if self.stage in (1, 2):
+            self._all_gather_params("all_gather_params")
+        self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})
+        self._step_mark = dict(self.bytes_sent)
+
+    def _all_gather_params(self, phase):
+        for st in self.units:
+            with self._count(phase):
+                full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
+            st.flat_param[...] = full
+
+    def zero_grad(self) -> None:
+        """Zero the gradients this stage keeps (stage 1: the flat buffers, re-pointing ``.grad``; 2-3: the shards)."""
+        for st in self.units:
+            if self.stage == 1:
+                st.flat_grad[...] = 0
+                self._point_grads(st)
+            else:
+                st.grad_shard[...] = 0
+                for p in st.params:
+                    p.grad = None
+
+    # ---- reading the state ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Collective (every rank enters): inside, every ``p.data`` is the full parameter (stage 3 gathers all).
+
+        For saving, generating and comparing. No-op for stages 1-2, whose parameters are always full.
+        """
+        if self.stage < 3:
+            yield
+            return
+        for st in self.units:
+            if st.full is None:
+                self._gather(st, "gather_full")
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for st in self.units:
+                self._free(st)
+
+    def grad_shards(self) -> list:
+        """This rank's owned gradient shard of every unit, ``(S,)`` arrays in unit order (after reduce)."""
+        return [st.grad_shard for st in self.units]
+
+    def bytes_per_step(self) -> float:
+        """Mean bytes this rank sent per optimizer step for model states (``STEP_PHASES``)."""
+        if not self.step_bytes:
+            return 0.0
+        return sum(sum(s[ph] for ph in STEP_PHASES) for s in self.step_bytes) / len(self.step_bytes)
+
+
+def gather_figures(comm, figures: dict) -> list[dict]:
+    """Collective: every rank's ``figures`` (name -> number) as a list by rank, via the ring all-gather."""
+    keys = sorted(figures)
+    vec = np.array([float(figures[k]) for k in keys])
+    with comm.traffic.op("metrics"):
+        allv = backend.to_host(all_gather(comm, backend.xp.asarray(vec))).reshape(comm.world_size, -1)
+    return [{k: (int(v) if float(v).is_integer() else float(v)) for k, v in zip(keys, row)} for row in allv]

@@ -1,0 +1,223 @@
+"""ZeRO's bookkeeping: parameters grouped into flat units, and which rank owns which elements.
+
+A *unit* is a group of parameters laid end to end in one flat buffer, padded with zeros
+to a multiple of the data-parallel size N (PyTorch FSDP's ``FlatParameter``; DeepSpeed
+flattens per parameter group the same way). Rank r owns the contiguous slice
+``[r*S, (r+1)*S)`` of every unit, S = padded / N: the slice ``reduce_scatter`` leaves on
+rank r and ``all_gather`` reads from it (``shard_range`` in comm/collectives.py), so one
+collective call per unit moves exactly the owned pieces. :class:`ShardMap` answers, for
+any rank, which parameters and which of their elements it owns (llm.c's ``offset, size``,
+per unit), prints it (``--show-shards``) and draws it (tiny model, N = 4, one block)::
+
+    transformer.h.0: 3,280 elements (+0 padding), 820 per rank
+      params  acccccccccccccccdeeeeegiiiiiiiiiiiiiiiiiiiijkkkkkkkkkkkkkkkkkkkk
+      ranks   0000000000000000111111111111111122222222222222223333333333333333
+      a = ln_1.weight (16,), b = ln_1.bias (16,), c = attn.c_attn.weight (48, 16), ...
+
+(one column per 3,280 / 64 elements, so 16-element vectors can fall between columns).
+
+The formulas are the ZeRO paper's (Rajbhandari et al., SC 2020, arXiv:1910.02054):
+model-state bytes per rank from Figure 1 / section 5, traffic from section 7.2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.collectives import shard_range
+from minizero.nn.module import ModuleList
+
+
+# --------------------------------------------------------------------------- the shard map
+def find_units(model):
+    """Group ``model``'s parameters into units: ``[(module_name, module, [(param_name, Parameter)])]``.
+
+    Rule (FSDP's transformer auto-wrap, made generic): each element of a ModuleList (a
+    transformer block) is one unit holding its whole subtree; every other module that owns
+    parameters directly is a unit of its own. A shared parameter belongs to the first unit
+    that reaches it (the tied LM head's weight stays with ``transformer.wte``). Units and
+    their parameters come in ``model.parameters()`` order.
+    """
+    units, claimed = [], set()
+    todo = [("", model, False)]  # (name, module, whole subtree?) in pre-order
+    while todo:
+        name, module, whole = todo.pop(0)
+        prefix = f"{name}." if name else ""
+        found = module.named_parameters() if whole else module._parameters.items()
+        own = [(prefix + n, p) for n, p in found if id(p) not in claimed]
+        if own:
+            claimed.update(id(p) for _, p in own)
+            units.append((name, module, own))
+        if not whole:
+            children = [(prefix + n, m, isinstance(module, ModuleList)) for n, m in module._modules.items()]
+            todo[:0] = children
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One flat buffer: parameters end to end, then zeros up to ``padded`` (a multiple of N).
+
+    Attributes: ``name`` (module path), ``param_names``, ``shapes``, ``offsets`` (element
+    offset of each parameter in the buffer), ``numel`` (real elements), ``padded``.
+    """
+
+    name: str
+    param_names: tuple
+    shapes: tuple
+    offsets: tuple
+    numel: int
+    padded: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of parameter ``param`` (flat index) sit at ``[shard_lo, shard_lo + hi - lo)``
+    of the owning rank's shard of unit ``unit`` (an index into ``ShardMap.units``)."""
+
+    unit: int
+    param: str
+    ndim: int
+    lo: int
+    hi: int
+    shard_lo: int
+
+
+class ShardMap:
+    """Which rank owns which elements of which parameter (llm.c's ``offset, size``, per unit).
+
+    Args:
+        units: list of :class:`Unit`. world_size: N >= 1.
+    Rank r owns elements ``[r*S, (r+1)*S)`` of every unit's flat buffer, ``S = padded // N``.
+    Build one from a model with :meth:`from_model` (needs no communicator).
+    """
+
+    def __init__(self, units, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}; allowed: >= 1")
+        self.units, self.world_size = list(units), world_size
+
+    @classmethod
+    def from_model(cls, model, world_size: int) -> "ShardMap":
+        """The shard map of ``model``'s units (:func:`find_units`) over ``world_size`` ranks."""
+        units = []
+        for name, _, params in find_units(model):
+            offsets, off = [], 0
+            for _, p in params:
+                offsets.append(off)
+                off += p.size
+            padded = -(-off // world_size) * world_size
+            units.append(Unit(name, tuple(n for n, _ in params), tuple(p.shape for _, p in params),
+                              tuple(offsets), off, padded))
+        return cls(units, world_size)
+
+    @property
+    def numel(self) -> int:
+        """Real parameter elements Ψ (a tied weight once)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded(self) -> int:
+        """Elements including padding: what the flat buffers hold over all ranks."""
+        return sum(u.padded for u in self.units)
+
+    def shard(self, unit: int, rank: int) -> tuple[int, int]:
+        """``(offset, size)`` of ``rank``'s slice of unit ``unit``'s flat buffer (``shard_range``)."""
+        return shard_range(self.units[unit].padded, self.world_size, rank)
+
+    def shard_numel(self, rank: int) -> int:
+        """Elements ``rank`` owns over all units, padding included (= padded / N)."""
+        return sum(self.shard(i, rank)[1] for i in range(len(self.units)))
+
+    def pieces(self, rank: int, unit: int | None = None) -> list[Piece]:
+        """The parameter pieces inside ``rank``'s shard (of one unit, or of all); padding is in none."""
+        out = []
+        for i, u in enumerate(self.units):
+            if unit is not None and i != unit:
+                continue
+            s_off, s_size = self.shard(i, rank)
+            for name, shape, off in zip(u.param_names, u.shapes, u.offsets):
+                n = math.prod(shape)
+                lo, hi = max(off, s_off), min(off + n, s_off + s_size)
+                if lo < hi:
+                    out.append(Piece(i, name, len(shape), lo - off, hi - off, lo - s_off))
+        return out
+
+    def flatten(self, unit: int, arrays: dict):
+        """Unit ``unit``'s padded flat buffer built from ``arrays`` (param name -> array); a host array."""
+        u = self.units[unit]
+        flat = np.zeros(u.padded, dtype=np.result_type(*[np.asarray(arrays[n]).dtype for n in u.param_names]))
+        for name, off in zip(u.param_names, u.offsets):
+            a = np.asarray(backend.to_host(arrays[name])).reshape(-1)
+            flat[off:off + a.size] = a
+        return flat
+
+    def format(self, ranks=None) -> str:
+        """Text: one line per unit, then each rank's pieces as ``name[lo:hi]`` (flat element ranges)."""
+        n = self.world_size
+        lines = [f"ZeRO shard map: {self.numel:,} parameters in {len(self.units)} flat units over N = {n} "
+                 f"rank(s); {self.padded - self.numel} padding elements; each rank owns "
+                 f"{self.shard_numel(0):,} elements",
+                 f"  {'unit':<28}{'elements':>10}{'padding':>9}{'per rank':>10}"]
+        for u in self.units:
+            lines.append(f"  {u.name:<28}{u.numel:>10,}{u.padded - u.numel:>9}{u.padded // n:>10,}")
+        for r in (range(n) if ranks is None else ranks):
+            lines.append(f"rank {r} owns:")
+            for i in range(len(self.units)):
+                pieces = self.pieces(r, i)
+                text = " ".join(f"{p.param}[{p.lo}:{p.hi}]" for p in pieces) or "(padding only)"
+                lines.append(f"  {text}")
+        return "\n".join(lines)
+
+    def draw(self, width: int = 64) -> str:
+        """ASCII picture of every unit: a letter per parameter ('.' = padding) above the owning rank's digit."""
+        lines = []
+        for u in self.units:
+            cols = min(width, u.padded)
+            ends = [off + math.prod(shape) for off, shape in zip(u.offsets, u.shapes)]
+            params, ranks = "", ""
+            for c in range(cols):
+                e = c * u.padded // cols  # the first element this column stands for
+                k = next((k for k, end in enumerate(ends) if u.offsets[k] <= e < end), None)
+                params += "." if k is None else chr(ord("a") + k % 26)
+                ranks += str(e // (u.padded // self.world_size) % 10)
+            short = [n[len(u.name) + 1:] if u.name else n for n in u.param_names]
+            lines += [f"{u.name}: {u.numel:,} elements (+{u.padded - u.numel} padding), "
+                      f"{u.padded // self.world_size:,} per rank",
+                      "  params  " + params, "  ranks   " + ranks,
+                      "  " + ", ".join(f"{chr(ord('a') + k % 26)} = {n} {tuple(shape)}"
+                                       for k, (n, shape) in enumerate(zip(short, u.shapes)))]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- formulas
+def model_state_formula(stage: int, num_params: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
+                        state_bytes: int = 8) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state for a ZeRO ``stage`` (paper, Figure 1).
+
+    ``state_bytes``: m and v together per parameter (8 for float32 Adam, 16 for float64).
+    Returns ``{"parameters", "gradients", "optimizer_state", "total"}`` as floats (before padding).
+    Raises: ValueError for a stage outside 0..3.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}; allowed: 0, 1, 2, 3")
+    n = world_size
+    out = {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
+           "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
+           "optimizer_state": state_bytes * num_params / (n if stage >= 1 else 1)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def traffic_formula(stage: int, num_params: int, world_size: int, itemsize: int = 4, micro_batches: int = 1) -> float:
+    """Bytes one rank sends per optimizer step for model states (section 7.2), before padding.
+
+    Stages 0 and 1: 2(N-1)/N of the gradient bytes (all-reduce = reduce-scatter + all-gather).
+    Stage 2: (M+1)(N-1)/N: one reduce-scatter per micro-batch, one all-gather per step.
+    Stage 3: 3M(N-1)/N: two all-gathers and one reduce-scatter per micro-batch.
+    """
+    one = (world_size - 1) / world_size * num_params * itemsize
+    return {0: 2 * one, 1: 2 * one, 2: (micro_batches + 1) * one, 3: 3 * micro_batches * one}[stage]
