@@ -21,6 +21,7 @@ STEP on rank RANK.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,9 +38,16 @@ from minizero.autograd import manual_seed, no_grad
 from minizero.comm.collectives import all_gather, all_reduce
 from minizero.data import DistributedSampler, check_corpus, decode, encode, eval_batches, load_tokens, train_val_split
 from minizero.memory.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+from minizero.memory.offload import ActivationOffload, OffloadError, check_offload_dir
+from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
+from minizero.memory.recompute import apply_recompute
+from minizero.memory.sparsity import SCOPES, Pruner
+from minizero.memory.zero import ZeroOptimizer, gather_figures, model_state_bytes
 from minizero.nn import GPT, PRESETS, get_config
-from minizero.optim import AdamW, clip_grad_norm_, cosine_lr
+from minizero.optim import AdamW, clip_coefficient, cosine_lr, global_grad_norm_sq
+from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.three_d import resolve_parallel_args, train_3d
 
 
 class UsageError(ValueError):
@@ -66,9 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None,
                    help="global sequences per optimizer step; must equal micro-batch-size x data-parallel size x "
                         "grad-accum (grad-accum is derived when not given)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
+                        "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps/20)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/20, at least 10, at most steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")
@@ -77,6 +93,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
     p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
+    p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+                   help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
+                        "dynamic loss scaling")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
+    p.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
+    p.add_argument("--hysteresis", type=int, default=1,
+                   help="fp16: overflows before the scale halves (PyTorch 1, DeepSpeed 2)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                   help="activation recompute: every K-th block (full) or its attention core (selective)")
+    p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
+    p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
+                   help="move saved activations to host memory or to files until backward")
+    p.add_argument("--offload-dir", default=None, help="parent directory of the per-rank offload folders "
+                                                        "(default: the system temp directory)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
+                   help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
+    p.add_argument("--adam8bit-block-size", type=int, default=256, help="elements per absmax of 8-bit Adam's state")
+    p.add_argument("--quantized-comm", action="store_true",
+                   help="INT8 on the wire for ZeRO's gradient reduce-scatters and ZeRO-3's gathers (ZeRO++)")
+    p.add_argument("--prune-sparsity", type=float, default=0.0,
+                   help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
+    p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
+    p.add_argument("--prune-step", type=int, default=0, help="optimizer step at whose start the masks are made")
     p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
     p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end")
@@ -115,13 +159,50 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         raise UsageError(f"--grad-clip must be >= 0 (0 disables), got {args.grad_clip}")
     if not (args.bucket_mb > 0 and math.isfinite(args.bucket_mb)):
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    if args.show_shards and not args.zero:
+        raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
+    if args.precision == "fp16" and args.dtype != "float32":
+        raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
+                         f"--dtype must stay float32, got {args.dtype}")
+    if args.precision == "fp16":
+        try:
+            DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                              hysteresis=args.hysteresis, min_scale=args.min_loss_scale)
+        except ValueError as e:
+            raise UsageError(f"loss scaling flags: {e}") from None
+    if args.recompute_every < 1:
+        raise UsageError(f"--recompute-every must be >= 1, got {args.recompute_every}")
+    if args.offload_dir is not None:
+        if args.offload_activations != "nvme":
+            raise UsageError("--offload-dir is only used with --offload-activations nvme")
+        try:
+            check_offload_dir(args.offload_dir)
+        except OffloadError as e:
+            raise UsageError(str(e)) from None
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     preset = PRESETS[args.model]
     if args.block_size is not None and args.block_size > preset.block_size:
         raise UsageError(f"--block-size {args.block_size} exceeds the {args.model!r} preset's "
                          f"block_size {preset.block_size}")
-    dp = world_size
+    try:  # --dp/--tp/--pp (one may be derived) and --micro-batches; dp = world_size unless tp or pp is given
+        dp = resolve_parallel_args(args, world_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.adam8bit_block_size < 1:
+        raise UsageError(f"--adam8bit-block-size must be >= 1, got {args.adam8bit_block_size}")
+    if args.quantized_comm and not args.zero:
+        raise UsageError("--quantized-comm needs --zero 1, 2 or 3 (it quantizes ZeRO's reduce-scatters and ZeRO-3's "
+                         "gathers; stage 0's all-reduce is not quantized)")
+    if args.quantized_comm and args.native_comm:
+        raise UsageError("--quantized-comm and --native-comm exclude each other (MPI's own collectives send FP32)")
+    if not 0 <= args.prune_sparsity < 1:
+        raise UsageError(f"--prune-sparsity must be in [0, 1), got {args.prune_sparsity}")
+    if args.prune_sparsity and not 0 <= args.prune_step < args.steps:
+        raise UsageError(f"--prune-step must be in [0, steps={args.steps}), got {args.prune_step}")
+    if args.tp * args.pp > 1 and (args.optimizer != "adamw" or args.quantized_comm or args.prune_sparsity):
+        raise UsageError("--optimizer adam8bit, --quantized-comm and --prune-sparsity are not wired into the "
+                         "--tp/--pp loop; use them with data parallelism and --zero")
     per_step = args.micro_batch_size * dp
     if args.batch_size is not None:
         if args.batch_size % per_step:
@@ -135,10 +216,13 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     if args.grad_accum is None:
         args.grad_accum = 1
     args.batch_size = per_step * args.grad_accum
+    args.micro_batches = args.grad_accum
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:
-        args.warmup = max(1, args.steps // 20)
+        # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
+        # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
+        args.warmup = min(args.steps, max(10, args.steps // 20))
     if args.data is not None and not os.path.isfile(args.data):
         raise UsageError(f"--data {args.data!r}: no such file")
     if args.json is None:
@@ -149,7 +233,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
 
 def model_config(args):
     """The GPTConfig the arguments ask for."""
-    return get_config(args.model, block_size=args.block_size, dropout=args.dropout, dtype=args.dtype)
+    dtype = "float16" if getattr(args, "precision", "fp32") == "fp16" else args.dtype
+    return get_config(args.model, block_size=args.block_size, dropout=args.dropout, dtype=dtype)
 
 
 def atomic_write(path: str, write) -> None:
@@ -165,15 +250,19 @@ def atomic_write(path: str, write) -> None:
             os.remove(tmp)
 
 
-def _check_fault(rank: int, step: int) -> None:
+def _check_fault(rank: int, step: int) -> bool:
+    """Act on ``MINIZERO_FAULT=RANK:STEP:KIND`` here; returns True for KIND ``inf`` (poison this rank's loss)."""
     spec = os.environ.get("MINIZERO_FAULT")
     if not spec:
-        return
+        return False
     r, s, kind = spec.split(":")
     if int(r) == rank and int(s) == step:
+        if kind == "inf":
+            return True
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault (MINIZERO_FAULT={spec})")
+    return False
 
 
 def evaluate(model, batches, comm) -> float:
@@ -221,12 +310,18 @@ def train(args, comm, log=print, after_grads=None) -> dict:
 
     Works under MPI (one process per rank) and under the in-process
     ThreadCommunicator (one thread per rank). Only rank 0 logs.
-    ``after_grads(step, params)``, if given, runs once per optimizer step after
+    ``after_grads(step, params, opt)``, if given, runs once per optimizer step after
     the gradients are averaged across ranks and before clipping (tests read
-    the gradients there).
-    Result keys: model, dp, train_losses, grad_norms, val_history
-    [(step, loss)], elapsed_s, tokens_per_s, config.
+    the gradients there; with ``--zero`` 1-3 they are in ``opt.grad_shards()``).
+    ``--zero`` 1-3 replaces DataParallel + AdamW by :class:`ZeroOptimizer`; over one
+    rank it runs (sharding over 1 rank saves nothing) and says so.
+    Result keys: model, dp (None under ZeRO), opt, train_losses, grad_norms, val_history
+    [(step, loss)], elapsed_s, tokens_per_s, config, state_bytes (ledger model-state
+    bytes at the first optimizer step).
+    With ``--tp`` or ``--pp`` above 1 the 3D loop of :func:`minizero.parallel.three_d.train_3d` runs.
     """
+    if args.tp * args.pp > 1:
+        return train_3d(args, comm, log=log, after_grads=after_grads)
     rank, world = comm.rank, comm.world_size
     rank0 = rank == 0
     cfg = model_config(args)
@@ -235,9 +330,35 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     check_corpus(val_tok, cfg.block_size, "validation split (last 10% of the text)")
     manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank, reproducibly
     model = GPT(cfg, seed=args.seed)
+    apply_recompute(model, args.recompute, args.recompute_every)
+    offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=rank)
     params = model.parameters()
-    dp = DataParallel(params, comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm)
-    opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    fp16 = args.precision == "fp16"
+    if args.zero:
+        state = None
+        if args.optimizer == "adam8bit":  # the 8-bit state is what gets sharded
+            def state(shard_map):
+                return ShardedAdam8bit(shard_map, comm, cfg.dtype, block_size=args.adam8bit_block_size)
+        dp, opt = None, ZeroOptimizer(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                                      native=args.native_comm, sharded_state=state,
+                                      quantized_comm=args.quantized_comm, master_weights=fp16)
+        if rank0 and args.show_shards:
+            log(opt.shard_map.format())
+        if rank0 and world == 1:
+            log(f"note: --zero {args.zero} over 1 rank shards nothing (the shard is the whole model); running anyway")
+    else:
+        dp = DataParallel(params, comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm)
+        if args.optimizer == "adam8bit":
+            opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
+                           master_weights=fp16)
+        else:
+            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16)
+    # FP16: the loss is scaled by S before backward; overflowing steps are skipped on every rank
+    scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
+    applied = 0  # optimizer steps actually taken: skipped steps advance neither Adam's t nor the LR schedule
+    loss_scales = []
+    pruner = None
     sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
                                  dp_rank=rank, dp_size=world, seed=args.seed)
     val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
@@ -256,18 +377,52 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     tokens_per_step = args.batch_size * cfg.block_size
     t_start = time.perf_counter()
     for step in range(args.steps):
-        _check_fault(rank, step)
+        poison = _check_fault(rank, step)  # MINIZERO_FAULT=r:s:inf makes this rank's gradients non-finite
+        if args.prune_sparsity and step == args.prune_step:  # masks from the full weights, same on every rank
+            with opt.full_parameters() if dp is None else contextlib.nullcontext():
+                pruner = Pruner(model, args.prune_sparsity, args.prune_scope)
+            pruner.prune_(opt if dp is None else None)
+        scale = scaler.scale if scaler is not None else 1.0
         loss_sum = 0.0
         for x, y in sampler.micro_batches(step):
-            loss = model(backend.to_device(x), backend.to_device(y))[1]  # logits not kept alive in backward
-            (loss * (1.0 / args.grad_accum)).backward()
+            with offload():
+                loss = model(backend.to_device(x), backend.to_device(y))[1]  # logits not kept alive in backward
+            with np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext():
+                # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
+                (loss * (scale * (math.inf if poison else 1.0) / args.grad_accum)).backward()
             loss_sum += loss.item()
-        dp.allreduce_gradients()
-        if after_grads is not None:
-            after_grads(step, params)
-        grad_norms.append(clip_grad_norm_(params, args.grad_clip))
-        opt.set_lr(cosine_lr(step, args.lr, args.warmup, args.steps, args.min_lr))
-        opt.step()
+        if dp is not None:
+            dp.allreduce_gradients()
+            if pruner is not None:  # pruned entries get no gradient: not in the norm, not in Adam's m and v
+                pruner.mask_gradients_()
+            if after_grads is not None:
+                after_grads(step, params, opt)
+        else:  # ZeRO: each rank holds its gradient shard; the norm needs one all-reduce
+            opt.reduce_gradients()
+            if pruner is not None:
+                pruner.mask_gradients_(opt)
+            if after_grads is not None:
+                after_grads(step, params, opt)
+        if step == 0:
+            state_bytes = model_state_bytes()
+        skip = False
+        if scaler is not None:  # every rank must agree, even when only one saw an inf (ZeRO holds shards)
+            local = local_overflow([p.grad for p in params] if dp is not None else opt.grad_shards())
+            skip = scaler.update(overflow_anywhere(local, comm))
+            loss_scales.append(scale)
+        if skip:
+            grad_norms.append(math.nan)
+        else:
+            # clipping on the unscaled gradients; 1/S and the clipping coefficient are folded into the
+            # update (grad_scale), so FP16 gradients are never multiplied in FP16
+            norm = (math.sqrt(global_grad_norm_sq(p.grad for p in params)) / scale if dp is not None
+                    else opt.grad_norm(1.0 / scale))
+            grad_norms.append(norm)
+            opt.set_lr(cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr))
+            opt.step(grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
+            applied += 1
+            if pruner is not None:  # Adam's momentum (and any state from before pruning) must not revive them
+                pruner.mask_weights_(opt if dp is None else None)
         opt.zero_grad()
         with comm.traffic.op("metrics"):
             mean_loss = float(all_reduce(comm, np.array([loss_sum / args.grad_accum]))[0]) / world
@@ -282,8 +437,11 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     if bar is not None:
         bar.close()
     val_history.append((args.steps, evaluate(model, val_set, comm)))
-    return dict(model=model, dp=dp, train_losses=train_losses, grad_norms=grad_norms, val_history=val_history,
-                elapsed_s=elapsed, tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg)
+    offload.close()
+    return dict(model=model, dp=dp, opt=opt, train_losses=train_losses, grad_norms=grad_norms, val_history=val_history,
+                loss_scales=loss_scales, skipped_steps=scaler.skipped if scaler is not None else 0,
+                elapsed_s=elapsed, tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg,
+                state_bytes=state_bytes, pruner=pruner)
 
 
 def _cores() -> int:
@@ -323,9 +481,14 @@ def main(argv=None) -> int:
             tracemalloc.start()
         result = train(args, comm, log=lambda s: print(s, flush=True))
         process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
-        stats = _gather_stats(comm, process_peak, result["dp"].bytes_sent)
-        if rank == 0:
-            _report(args, result, stats, threads, local_ranks)
+        dp, opt = result["dp"], result["opt"]
+        per_step = dp.bytes_sent / args.steps if dp is not None else opt.bytes_per_step()
+        stats = _gather_stats(comm, process_peak, per_step * args.steps)
+        zero = gather_figures(comm, dict(result["state_bytes"], gathered_peak=get_ledger().peak["gathered"],
+                                         bytes_sent_per_step=per_step))
+        with opt.full_parameters() if dp is None else contextlib.nullcontext():  # stage 3: gather for saving
+            if rank == 0:
+                _report(args, result, stats, threads, local_ranks, zero)
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
@@ -337,13 +500,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _report(args, result, stats, threads, local_ranks) -> None:
+def _report(args, result, stats, threads, local_ranks, zero) -> None:
     model, cfg = result["model"], result["config"]
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
           f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {_cores()} core(s))",
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
+    notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
+        f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
+    if result.get("pruner") is not None:
+        rep = result["pruner"].report()
+        notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
+                     f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
+                     f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
     print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
     prompt = "The "
     out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
@@ -355,6 +525,8 @@ def _report(args, result, stats, threads, local_ranks) -> None:
     atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
     summary = {
         "world_size": args.world_size,
+        "dp": args.dp, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
+        "schedule": args.schedule,
         "config": {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                    "train": {k: v for k, v in vars(args).items()}},
         "num_parameters": model.num_parameters(),
@@ -370,6 +542,10 @@ def _report(args, result, stats, threads, local_ranks) -> None:
         "process_peak_bytes": [s["process_peak"] for s in stats],
         "bytes_sent": [s["bytes_sent"] for s in stats],
         "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],
+        "zero": {"stage": args.zero, "per_rank": zero},
+        "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
+        "pruning": None if result.get("pruner") is None else {
+            k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": decode(out[0]),
     }
     atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(summary, indent=1)))

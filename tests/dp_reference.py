@@ -16,7 +16,7 @@ def run(comm, micro_batch, model="tiny", dropout=None):
     args = parse_args(argv, comm.world_size)
     grads0 = {}
 
-    def after_grads(step, params):
+    def after_grads(step, params, opt=None):
         if step == 0:
             for i, p in enumerate(params):
                 grads0[i] = p.grad.copy()

@@ -65,3 +65,109 @@ def test_local_overflow():
     assert not local_overflow([np.ones(3), None])
     assert local_overflow([np.ones(3), np.array([1.0, np.inf])])
     assert local_overflow([np.array([np.nan], np.float16)])
+
+
+# ---- mixed precision in the training loop ------------------------------------------------
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.train import UsageError, parse_args, train  # noqa: E402
+
+FP16_TINY = ["--model", "tiny", "--precision", "fp16", "--eval-every", "0", "--eval-batches", "1",
+             "--no-progress", "--micro-batch-size", "2"]
+
+
+def _run_fp16(comm, argv, after_grads=None):
+    from minizero.memory.ledger import MemoryLedger, set_ledger
+
+    set_ledger(MemoryLedger())
+    args = parse_args(FP16_TINY + argv, comm.world_size)
+    res = train(args, comm, log=lambda s: None, after_grads=after_grads)
+    from minizero.memory.ledger import get_ledger
+
+    return res, get_ledger().snapshot()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage,n", [(0, 1), (0, 2), (1, 2), (2, 2), (3, 2), (1, 3), (3, 3)])
+def test_fp16_model_state_bytes_per_parameter(stage, n):
+    """2 + 2 + 12 bytes per parameter at stage 0; the 12 (and more) sharded by ZeRO."""
+    from minizero.memory.zero import ZeroOptimizer
+
+    results = run_in_threads(n, _run_fp16, ["--steps", "1", "--zero", str(stage)])
+    for res, _ in results:
+        sb = res["state_bytes"]
+        opt = res["opt"]
+        if isinstance(opt, ZeroOptimizer):
+            padded = opt.shard_map.padded
+            psi = padded  # flat buffers include the padding
+        else:
+            psi = res["model"].num_parameters()
+        shard = psi // n
+        expect = {0: (2 * psi, 2 * psi, 12 * psi), 1: (2 * psi, 2 * psi, 12 * shard),
+                  2: (2 * psi, 2 * shard, 12 * shard), 3: (2 * shard, 2 * shard, 12 * shard)}[stage]
+        assert (sb["parameters"], sb["gradients"], sb["optimizer_state"]) == expect
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_injected_inf_on_one_rank_skips_the_step_everywhere(stage, monkeypatch):
+    monkeypatch.setenv("MINIZERO_FAULT", "1:2:inf")
+    snaps = {}
+
+    def after_grads(step, params, opt):
+        from minizero.comm.collectives import all_gather  # noqa: F401
+
+        if step in (2, 3):  # state before step 2's update and before step 3's: equal if step 2 was skipped
+            if hasattr(opt, "units"):
+                arrays = [a.copy() for st in opt.units for a in (st.master, st.m, st.v)]
+            else:
+                arrays = [a.copy() for a in opt.masters + opt.m + opt.v]
+            snaps.setdefault(threading.get_ident(), {})[step] = arrays
+
+    import threading
+
+    results = run_in_threads(2, _run_fp16, ["--steps", "5", "--zero", str(stage), "--initial-loss-scale", "1024"],
+                             after_grads=after_grads)
+    for res, _ in results:
+        assert res["skipped_steps"] == 1
+        assert res["loss_scales"] == [1024.0, 1024.0, 1024.0, 512.0, 512.0]
+        assert np.isnan(res["grad_norms"][2]) and np.isfinite(res["grad_norms"][3])
+        assert res["opt"].step_count == 4
+    assert len(snaps) == 2
+    for per_rank in snaps.values():
+        for a, b in zip(per_rank[2], per_rank[3]):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(60)
+def test_scale_grows_after_the_window():
+    (res, _), = run_in_threads(1, _run_fp16, ["--steps", "7", "--loss-scale-window", "3",
+                                              "--initial-loss-scale", "256"])
+    assert res["loss_scales"] == [256.0] * 3 + [512.0] * 3 + [1024.0]
+    assert res["skipped_steps"] == 0
+
+
+def test_fp16_bad_flags():
+    with pytest.raises(UsageError, match="--dtype must stay float32, got float64"):
+        parse_args(["--precision", "fp16", "--dtype", "float64"])
+    with pytest.raises(UsageError, match="hysteresis=0"):
+        parse_args(["--precision", "fp16", "--hysteresis", "0"])
+
+
+@pytest.mark.timeout(300)
+def test_fp16_loss_tracks_fp32_over_200_steps():
+    """On the embedded corpus, 200 steps of the tiny model: FP16 within 0.05 nats of FP32.
+
+    bench/bench_precision.py makes the same comparison for larger models.
+    """
+    common = ["--model", "tiny", "--steps", "200", "--eval-every", "0", "--eval-batches", "2", "--no-progress",
+              "--micro-batch-size", "8"]
+
+    def run(comm, extra):
+        return train(parse_args(common + extra, 1), comm, log=lambda s: None)
+
+    fp32 = run_in_threads(1, run, ["--precision", "fp32"])[0]
+    fp16 = run_in_threads(1, run, ["--precision", "fp16"])[0]
+    tail32 = np.mean(fp32["train_losses"][-20:])
+    tail16 = np.mean(fp16["train_losses"][-20:])
+    assert abs(tail16 - tail32) < 0.05, (tail16, tail32)
+    assert abs(fp16["val_history"][-1][1] - fp32["val_history"][-1][1]) < 0.05

@@ -51,6 +51,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor, is_grad_enabled, saved_tensors_hooks
 from minizero.autograd.engine import current_saved_tensors_hooks
 from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from minizero.memory.ledger import get_ledger
 from minizero.memory.zero_shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
 from minizero.optim.adamw import adamw_update, state_dtype
@@ -60,7 +61,8 @@ __all__ = ["ZeroOptimizer", "ShardMap", "Unit", "Piece", "find_units", "model_st
 
 #: Traffic phases that belong to a training step (per-step volume); others are set-up,
 #: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
-STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params")
+#: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
+STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
 PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup")
 
 
@@ -124,6 +126,15 @@ class ZeroOptimizer:
         native: use the MPI library's collectives instead of the hand-written rings.
         master_weights: keep an FP32 master copy of the owned shard (mixed precision, 4/N
             bytes per parameter, counted as ``optimizer_state`` as in the paper's K = 12).
+        sharded_state: None (AdamW, m and v below), or ``factory(shard_map) -> state`` of an
+            optimizer that keeps its own per-shard state and updates a unit's owned shard with
+            ``state.step_unit(unit_index, target, grad_shard, step, lr, beta1, beta2, eps,
+            weight_decay, grad_scale)`` (8-bit Adam: ``minizero.optim.adam8bit.ShardedAdam8bit``);
+            its messages are counted as ``optimizer_sync``.
+        quantized_comm: INT8 on the wire (ZeRO++, ``minizero/comm/quantized.py``) for the
+            gradient reduce-scatters and stage 3's forward/backward gathers. The gathers for
+            evaluation and saving and the stage 1-2 all-gather of updated parameters stay exact
+            (there the gathered copy *is* the parameter, and rounding it every step would lose updates).
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient
@@ -143,17 +154,22 @@ class ZeroOptimizer:
     Attributes: ``shard_map``; ``bytes_sent`` (phase -> bytes, cumulative); ``step_bytes``
     (one dict per optimizer step, phase -> bytes).
     Raises:
-        ValueError: a stage other than 1, 2, 3; a hyper-parameter out of range.
+        ValueError: a stage other than 1, 2, 3; a hyper-parameter out of range; ``quantized_comm``
+            with ``native`` (the library's collectives send full precision).
     """
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 native: bool = False, master_weights: bool = False):
+                 native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        if quantized_comm and native:
+            raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
+                             "(MPI's collectives send FP32)")
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
+        self.quantized_comm = quantized_comm
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
         self.bytes_sent = {ph: 0 for ph in PHASES}
@@ -163,6 +179,7 @@ class ZeroOptimizer:
         self._gathered = {}  # id(p.data) -> p, for the pack hook (stage 3)
         self._hook_stack = []  # saved_tensors_hooks opened by pre-hooks, closed by post-hooks
         self.shard_map = ShardMap.from_model(model, comm.world_size)
+        self.sharded_state = None if sharded_state is None else sharded_state(self.shard_map)
         self.units = []
         for i, (name, module, params) in enumerate(find_units(model)):
             self.units.append(_UnitState(i, self.shard_map.units[i], [p for _, p in params], [module]))
@@ -201,9 +218,10 @@ class ZeroOptimizer:
             flat[off:off + p.size] = p.data.reshape(-1)
         lo, size = self.shard_map.shard(st.index, self.comm.rank)
         sdt = state_dtype(dtype)
-        st.m, st.v = xp.zeros(size, sdt), xp.zeros(size, sdt)
-        ledger.track(st.m, "optimizer_state")
-        ledger.track(st.v, "optimizer_state")
+        if self.sharded_state is None:  # otherwise the sharded_state object holds (and counts) its own
+            st.m, st.v = xp.zeros(size, sdt), xp.zeros(size, sdt)
+            ledger.track(st.m, "optimizer_state")
+            ledger.track(st.v, "optimizer_state")
         if self.master_weights:
             st.master = flat[lo:lo + size].astype(np.float32)
             ledger.track(st.master, "optimizer_state")
@@ -249,7 +267,10 @@ class ZeroOptimizer:
     def _gather(self, st, phase):
         """All-gather a unit's shards into a full (padded,) buffer; point ``p.data`` into it."""
         with self._count(phase):
-            st.full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
+            if self.quantized_comm and phase in ("gather_forward", "gather_backward"):
+                st.full = quantized_all_gather(self.comm, st.param_shard, st.unit.padded)
+            else:
+                st.full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
         get_ledger().track(st.full, "gathered")
         self._point_params(st, st.full)
         for p in st.params:
@@ -341,7 +362,7 @@ class ZeroOptimizer:
         if not st.in_backward:
             self._begin_backward(st)  # gradients came without passing a module boundary
         with self._count("reduce_scatter_grads"):
-            mine = reduce_scatter(self.comm, st.flat_grad, native=self.native)
+            mine = self._reduce_scatter(st.flat_grad)
         mine *= mine.dtype.type(1.0 / self.comm.world_size)
         st.grad_shard += mine
         for p in st.params:
@@ -350,6 +371,12 @@ class ZeroOptimizer:
         st.ready.clear()
         if self.stage == 3:
             self._free(st)
+
+    def _reduce_scatter(self, flat):
+        """Sum of ``flat`` over ranks, this rank's chunk: the ring, or INT8 all-to-all with ``quantized_comm``."""
+        if self.quantized_comm:
+            return quantized_reduce_scatter(self.comm, flat)
+        return reduce_scatter(self.comm, flat, native=self.native)
 
     # ---- the optimizer step ------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -369,18 +396,16 @@ class ZeroOptimizer:
                         raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
                                            "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
                 with self._count("reduce_scatter_grads"):
-                    st.grad_shard[...] = reduce_scatter(self.comm, st.flat_grad, native=self.native)
+                    st.grad_shard[...] = self._reduce_scatter(st.flat_grad)
                 st.grad_shard *= st.grad_shard.dtype.type(inv)
             elif st.in_backward or any(p.grad is not None for p in st.params):
                 self._end_backward(st)
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global-norm clipping over the shards; returns the norm before clipping.
+    def grad_norm(self, grad_scale: float = 1.0) -> float:
+        """Collective: the global L2 norm of ``gradient * grad_scale`` over all shards (a float).
 
         Each rank sums g^2 over its owned pieces only (padding excluded) in float64; one
-        all-reduce of that scalar gives the unsharded norm. Coefficient as
-        ``torch.nn.utils.clip_grad_norm_``: max_norm / (norm + 1e-6), applied if < 1;
-        ``max_norm`` <= 0 or inf disables clipping.
+        all-reduce of that scalar gives the unsharded norm.
         """
         local = 0.0
         for st in self.units:
@@ -389,6 +414,16 @@ class ZeroOptimizer:
                 local += float((g * g).sum())
         with self._count("grad_norm"):
             total = math.sqrt(float(backend.to_host(all_reduce(self.comm, backend.xp.asarray([local])))[0]))
+        return total * grad_scale
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global-norm clipping over the shards; returns the norm before clipping.
+
+        The norm is :meth:`grad_norm`. Coefficient as ``torch.nn.utils.clip_grad_norm_``:
+        max_norm / (norm + 1e-6), applied in place if < 1; ``max_norm`` <= 0 or inf
+        disables clipping.
+        """
+        total = self.grad_norm()
         if max_norm > 0 and math.isfinite(max_norm):
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
@@ -415,6 +450,14 @@ class ZeroOptimizer:
         b1, b2 = self.betas
         for st in self.units:
             self._free(st)  # a stage-3 unit still gathered would go stale
+            if self.sharded_state is not None:  # another optimizer's update of the whole owned shard
+                target = st.param_shard if st.master is None else st.master
+                with self._count("optimizer_sync"):
+                    self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
+                                                 self.eps, self.weight_decay, grad_scale)
+                if st.master is not None:
+                    st.param_shard[...] = target.astype(st.param_shard.dtype)
+                continue
             for pc in st.pieces:
                 sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
                 wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays

@@ -1,4 +1,6 @@
 """Optimizers: AdamW (functional core ``adamw_update``), LR schedule, gradient clipping."""
-from minizero.optim.adamw import AdamW, adamw_update, clip_grad_norm_, cosine_lr, global_grad_norm_sq, state_dtype
+from minizero.optim.adamw import (AdamW, adamw_update, clip_coefficient, clip_grad_norm_, cosine_lr,
+                                  global_grad_norm_sq, state_dtype)
 
-__all__ = ["AdamW", "adamw_update", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq", "state_dtype"]
+__all__ = ["AdamW", "adamw_update", "clip_coefficient", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq",
+           "state_dtype"]

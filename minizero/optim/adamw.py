@@ -159,6 +159,16 @@ def global_grad_norm_sq(grads) -> float:
     return float(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads if g is not None))
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor global-norm clipping multiplies gradients by: min(1, max_norm / (norm + 1e-6)).
+
+    ``max_norm`` <= 0 or inf disables clipping (factor 1). Mirrors ``torch.nn.utils.clip_grad_norm_``.
+    """
+    if max_norm > 0 and math.isfinite(max_norm):
+        return min(1.0, max_norm / (norm + 1e-6))
+    return 1.0
+
+
 def clip_grad_norm_(params, max_norm: float, norm_sq: float | None = None) -> float:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``.
 

@@ -38,7 +38,7 @@ def run(comm, stage, micro_batch, dtype="float64", steps=STEPS, accum=ACCUM, cli
 
     def after_grads(step, params, opt=None):
         if step == 0:
-            if opt is None:  # stage 0: every rank holds the full averaged gradients (named below)
+            if not hasattr(opt, "grad_shards"):  # stage 0: every rank holds the full averaged gradients
                 grads0.update({i: p.grad.copy() for i, p in enumerate(params)})
             else:
                 grads0.update({f"unit{i}": g.copy() for i, g in enumerate(opt.grad_shards())})

@@ -1,0 +1,352 @@
+"""Quantizers: symmetric absmax INT8/INT4 (per tensor, row or block) and the dynamic 8-bit code.
+
+Two families, both "store a small integer code per element and a float scale per group":
+
+* **Absmax integer quantization** (weights, communication). A group of values (the whole
+  tensor, one row = one output channel of an (out, in) weight, or one block of
+  ``block_size`` consecutive elements) shares one FP32 ``scale``::
+
+      scale = absmax(group) / qmax          qmax = 127 (INT8) or 7 (INT4)
+      q     = round(x / scale)              an integer in [-qmax, qmax]
+      x~    = q * scale                     |x - x~| <= scale / 2, elementwise
+
+  INT4 codes are packed two per byte (element 2i in the low nibble, 2i+1 in the high
+  nibble, 4-bit two's complement). Sources: Jacob et al. 2018 (integer quantization,
+  here the symmetric "absmax" variant); Dettmers et al. 2022, LLM.int8() (arXiv:2208.07339),
+  section 2 (absmax, vector-wise = per-row scales); block-wise scales as in
+  bitsandbytes / QLoRA (Dettmers et al. 2023, arXiv:2305.14314, section 2).
+
+* **Block-wise code-book quantization** (8-bit Adam state). Each block of ``block_size``
+  values is divided by its absmax (FP32) and mapped to the nearest of 256 values of a
+  code book: the *dynamic* (tree) code of Dettmers 2016 (arXiv:1511.04561) that
+  bitsandbytes builds with ``create_dynamic_map`` (signed for Adam's m, unsigned for v), or
+  a linear code for comparison. Dettmers, Lewis, Shleifer & Zettlemoyer 2022, "8-bit
+  Optimizers via Block-wise Quantization" (arXiv:2110.02861), sections 2.1-2.3.
+
+Edge cases are explicit, never a silent NaN:
+
+* non-finite input (inf or NaN) raises ``ValueError`` naming how many and where;
+* an all-zero group gets scale 0 and codes 0, and dequantizes to exact zeros;
+* a group whose absmax / qmax is below FP32's smallest normal number (1.2e-38) gets that
+  number as its scale (a tiny group rounds to small codes instead of dividing by 0);
+* a group too large for an FP32 scale (absmax / qmax > 3.4e38) raises ``ValueError``.
+
+One detail makes the error bound exact instead of "up to rounding": scales are rounded *up*
+to 16 significant bits, so ``q * scale`` (7 + 16 bits) is exactly representable in
+float32, the dequantized value carries no rounding of its own, and ``|x - x~| <= scale/2``
+holds in float32 and float64 arithmetic alike (a 2**-16 relative cost in resolution).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+QMAX = {8: 127, 4: 7}
+GRANULARITIES = ("tensor", "row", "block")
+_FP32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
+_FP32_MAX = float(np.finfo(np.float32).max)
+_SCALE_BITS = 16  # significant bits kept in a scale, so q * scale is exact in float32
+
+
+# --------------------------------------------------------------------------- checks
+def check_finite(x, what: str = "x") -> None:
+    """Raise ``ValueError`` if ``x`` holds inf or NaN (message: count, first flat index, value)."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(x)
+    if bad.any():
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        raise ValueError(f"{what} has {int(bad.sum())} non-finite value(s) (first at flat index {i}: "
+                         f"{x.reshape(-1)[i]}); quantization needs finite input")
+
+
+def _check_scheme(bits: int, granularity: str, block_size: int) -> None:
+    if bits not in QMAX:
+        raise ValueError(f"bits={bits!r}; allowed: 8, 4")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}; allowed: an int >= 1")
+
+
+# --------------------------------------------------------------------------- scales
+def absmax_scale(absmax, bits: int):
+    """FP32 scales for groups with the given absolute maxima (float array, any shape).
+
+    0 for an all-zero group; otherwise ``absmax / qmax`` rounded up to 16 significant bits
+    and at least FP32's smallest normal number. Returns float32 of ``absmax``'s shape.
+    Raises:
+        ValueError: a group too large for an FP32 scale (names the absmax).
+    """
+    a = np.asarray(absmax, dtype=np.float64)
+    raw = a / QMAX[bits]
+    if (raw > _FP32_MAX / 2).any():
+        raise ValueError(f"absmax {float(a.max()):.3e} is too large for an FP32 scale "
+                         f"(limit {QMAX[bits] * _FP32_MAX / 2:.3e})")
+    mant, exp = np.frexp(raw)  # raw = mant * 2**exp, mant in [0.5, 1)
+    up = np.ldexp(np.ceil(mant * 2.0 ** _SCALE_BITS) / 2.0 ** _SCALE_BITS, exp)
+    scale = np.where(a == 0, 0.0, np.maximum(up, _FP32_TINY))
+    return scale.astype(np.float32)
+
+
+def _groups(x64, granularity: str, block_size: int):
+    """``x64`` (float64) as a 2-D array of groups (g, L), one scale per row; pads blocks with zeros."""
+    if granularity == "tensor":
+        return x64.reshape(1, -1)
+    if granularity == "row":
+        if x64.ndim < 2:
+            raise ValueError(f"granularity='row' needs an array of 2+ dims (out, in), got shape {x64.shape}")
+        return x64.reshape(x64.shape[0], -1)
+    flat = x64.reshape(-1)
+    nb = -(-flat.size // block_size)
+    padded = np.zeros(nb * block_size)
+    padded[:flat.size] = flat
+    return padded.reshape(nb, block_size)
+
+
+def num_scales(shape, granularity: str, block_size: int = 64) -> int:
+    """How many FP32 scales a tensor of ``shape`` needs: 1, rows, or ceil(numel / block_size)."""
+    n = math.prod(shape)
+    return {"tensor": 1, "row": shape[0] if len(shape) else 1, "block": -(-n // block_size)}[granularity]
+
+
+def quantized_nbytes(shape, bits: int = 8, granularity: str = "tensor", block_size: int = 64) -> int:
+    """Exact bytes stored for a tensor of ``shape``: codes (n or ceil(n/2)) + 4 per FP32 scale."""
+    _check_scheme(bits, granularity, block_size)
+    n = math.prod(shape)
+    codes = n if bits == 8 else (n + 1) // 2
+    return codes + 4 * num_scales(shape, granularity, block_size)
+
+
+# --------------------------------------------------------------------------- INT4 packing
+def pack_int4(codes):
+    """Pack 4-bit signed codes (integers in [-8, 7], any shape, read flat) two per byte.
+
+    Returns uint8 of shape (ceil(n/2),): element 2i in the low nibble, 2i+1 in the high one
+    (4-bit two's complement; an odd tail is padded with code 0).
+    Raises: ValueError for a code outside [-8, 7].
+    """
+    c = np.asarray(codes).reshape(-1).astype(np.int16)
+    if c.size and (c.min() < -8 or c.max() > 7):
+        raise ValueError(f"INT4 codes must lie in [-8, 7], got range [{int(c.min())}, {int(c.max())}]")
+    if c.size % 2:
+        c = np.concatenate([c, np.zeros(1, np.int16)])
+    nib = (c & 0xF).astype(np.uint8)
+    return nib[0::2] | (nib[1::2] << 4)
+
+
+def unpack_int4(packed, n: int):
+    """Inverse of :func:`pack_int4`: the first ``n`` codes as int8 (n,). Lossless on [-8, 7].
+
+    Raises: ValueError if ``packed`` holds fewer than ceil(n/2) bytes.
+    """
+    p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if p.size < (n + 1) // 2:
+        raise ValueError(f"{p.size} packed bytes hold at most {2 * p.size} codes, asked for {n}")
+    nib = np.empty(2 * p.size, np.int8)
+    nib[0::2] = (p & 0xF).astype(np.int8)
+    nib[1::2] = (p >> 4).astype(np.int8)
+    return ((nib ^ 8) - 8)[:n]  # sign-extend 4-bit two's complement
+
+
+# --------------------------------------------------------------------------- absmax INT8 / INT4
+def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64):
+    """Symmetric absmax quantization: ``x`` -> ``(q, scale)``.
+
+    Args:
+        x: float array, any shape (``granularity='row'`` needs 2+ dims: rows = axis 0 =
+            output channels of an (out, in) weight, the rest flattened).
+        bits: 8 (codes in [-127, 127]) or 4 (codes in [-7, 7]).
+        granularity: ``"tensor"`` (one scale), ``"row"`` (one per row), ``"block"`` (one per
+            ``block_size`` consecutive elements of the flattened array; the last block may be short).
+    Returns:
+        q: bits=8: int8 of ``x.shape``; bits=4: uint8 (ceil(n/2),), packed (:func:`pack_int4`).
+        scale: float32, shape () / (rows,) / (ceil(n / block_size),).
+        Stored bytes: :func:`quantized_nbytes`.
+    Guarantee: ``|x - dequantize(q, scale, ...)| <= scale / 2`` elementwise (scale of the
+    element's group, :func:`element_scale`), exactly.
+    Raises:
+        ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on a
+        1-D array, a value too large for an FP32 scale.
+    """
+    _check_scheme(bits, granularity, block_size)
+    x = np.asarray(x)
+    check_finite(x)
+    qmax = QMAX[bits]
+    g = _groups(x.astype(np.float64), granularity, block_size)  # (groups, L)
+    scale = absmax_scale(np.abs(g).max(axis=1) if g.size else np.zeros(g.shape[0]), bits)
+    s = scale.astype(np.float64)[:, None]
+    safe = np.where(s == 0, 1.0, s)
+    q = np.rint(g / safe)
+    # make |x - q*s| <= s/2 hold exactly: q*s is exact (<= 23 bits), and so is x - q*s
+    # when it is that small (Sterbenz), so one correction step fixes a rounding slip of x/s
+    r = g - q * s
+    q += np.sign(r) * (np.abs(r) > s / 2)
+    q = np.clip(q, -qmax, qmax).reshape(-1)[:x.size]
+    scale = scale.reshape(()) if granularity == "tensor" else scale
+    if bits == 8:
+        return q.astype(np.int8).reshape(x.shape), scale
+    return pack_int4(q), scale
+
+
+def element_scale(scale, shape, granularity: str = "tensor", block_size: int = 64):
+    """The scale of every element: float32 array of ``shape`` (to state error bounds elementwise)."""
+    n, s = math.prod(shape), np.asarray(scale, np.float32)
+    if granularity == "tensor":
+        return np.broadcast_to(s.reshape(()), shape)
+    if granularity == "row":
+        return np.broadcast_to(s.reshape(-1, *([1] * (len(shape) - 1))), shape)
+    return np.repeat(s.reshape(-1), block_size)[:n].reshape(shape)
+
+
+def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor", block_size: int = 64,
+               dtype=np.float32):
+    """Inverse of :func:`quantize`: ``q * scale`` of ``shape``, in ``dtype``.
+
+    Args:
+        q, scale: as returned by :func:`quantize` with the same ``bits``/``granularity``/``block_size``.
+        shape: the original shape; optional for bits=8 (``q.shape``), required for bits=4.
+        dtype: output dtype (float32 default; the values are exact in float32, see module doc).
+    Raises:
+        ValueError: bits=4 without ``shape``, or a ``scale`` of the wrong size.
+    """
+    _check_scheme(bits, granularity, block_size)
+    if shape is None:
+        if bits == 4:
+            raise ValueError("INT4 codes are packed two per byte: pass the original shape")
+        shape = q.shape
+    shape = tuple(shape)
+    expected = num_scales(shape, granularity, block_size)
+    if np.asarray(scale).size != expected:
+        raise ValueError(f"scale has {np.asarray(scale).size} entries; shape {shape} with granularity "
+                         f"{granularity!r} (block_size {block_size}) needs {expected}")
+    codes = np.asarray(q).reshape(-1) if bits == 8 else unpack_int4(q, math.prod(shape))
+    out = codes.astype(dtype).reshape(shape)
+    out *= element_scale(scale, shape, granularity, block_size).astype(dtype)
+    return out
+
+
+class QuantizedTensor:
+    """A tensor stored as integer codes + FP32 scales (what :class:`~minizero.quantize.QuantizedLinear` keeps).
+
+    Build with :meth:`from_array`; ``dequantize()`` returns the float array;
+    ``nbytes`` is the exact storage (codes + scales), ``dense_nbytes`` what the float array took.
+    Attributes: q, scale, shape, bits, granularity, block_size, dtype (of the original).
+    """
+
+    def __init__(self, q, scale, shape, bits, granularity, block_size, dtype):
+        self.q, self.scale, self.shape = q, scale, tuple(shape)
+        self.bits, self.granularity, self.block_size, self.dtype = bits, granularity, block_size, np.dtype(dtype)
+
+    @classmethod
+    def from_array(cls, x, bits: int = 8, granularity: str = "row", block_size: int = 64) -> "QuantizedTensor":
+        """Quantize ``x`` (see :func:`quantize` for arguments and errors)."""
+        x = np.asarray(x)
+        q, scale = quantize(x, bits, granularity, block_size)
+        return cls(q, scale, x.shape, bits, granularity, block_size, x.dtype)
+
+    def dequantize(self, dtype=None):
+        """The float array (``dtype`` default: the original dtype)."""
+        return dequantize(self.q, self.scale, self.shape, self.bits, self.granularity, self.block_size,
+                          dtype=self.dtype if dtype is None else dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes, codes and scales: equals :func:`quantized_nbytes`."""
+        return int(self.q.nbytes + self.scale.nbytes)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the original float array."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __repr__(self):
+        return (f"QuantizedTensor(shape={self.shape}, INT{self.bits} {self.granularity}"
+                f"{f' {self.block_size}' if self.granularity == 'block' else ''}, {self.nbytes} bytes)")
+
+
+# --------------------------------------------------------------------------- block-wise code books (8-bit Adam)
+def dynamic_code(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8):
+    """The 256 values of the dynamic (tree) 8-bit code, sorted ascending, float32 (256,).
+
+    As bitsandbytes' ``create_dynamic_map``: for exponent i = 0..6, the values
+    10**(i-6) * (midpoints of ``linspace(0.1, 1, k_i + 1)``) with k_i = 2**i (signed, and
+    their negatives) or 2**(i+1) (unsigned: the sign bit buys one more fraction bit), plus 0
+    and 1. Small magnitudes get few fraction bits, large ones many: relative error stays
+    roughly constant over 7 orders of magnitude. Dettmers 2016 (arXiv:1511.04561); used for
+    Adam's m (signed) and v (unsigned) by Dettmers et al. 2022 (arXiv:2110.02861), section 2.2.
+    """
+    data = []
+    non_sign_bits = total_bits - 1
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
+        b = np.linspace(0.1, 1, items)
+        means = (b[:-1] + b[1:]) / 2.0
+        data += list(10.0 ** (-(max_exponent_bits - 1) + i) * means)
+        if signed:
+            data += list(-(10.0 ** (-(max_exponent_bits - 1) + i)) * means)
+    data += [0.0, 1.0]
+    data += [0.0] * (2 ** total_bits - len(data))
+    return np.sort(np.array(data)).astype(np.float32)
+
+
+def linear_code(signed: bool = True):
+    """A linear 8-bit code (sorted float32 (256,)): signed 255 steps on [-1, 1] (+ a spare 0), unsigned 256 on [0, 1].
+
+    Plain absmax quantization written as a code book; bitsandbytes' ``create_linear_map``.
+    """
+    vals = np.concatenate([np.linspace(-1.0, 1.0, 255), [0.0]]) if signed else np.linspace(0.0, 1.0, 256)
+    return np.sort(vals).astype(np.float32)
+
+
+def _block_view(x, block_size: int, offset: int):
+    """``x`` (n,) zero-padded to whole blocks of a grid whose block 0 starts ``offset % B`` elements before x[0]."""
+    head = offset % block_size
+    nb = -(-(head + x.size) // block_size)
+    padded = np.zeros(nb * block_size, dtype=x.dtype)
+    padded[head:head + x.size] = x
+    return padded.reshape(nb, block_size), head
+
+
+def block_absmax(x, block_size: int, offset: int = 0):
+    """Absolute maximum of every block of flat ``x`` (n,) -> float32 (nb,). See :func:`quantize_blockwise`."""
+    blocks, _ = _block_view(np.asarray(x).reshape(-1), block_size, offset)
+    return np.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else np.zeros(0, np.float32)
+
+
+def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=None):
+    """Block-wise code-book quantization of flat ``x`` (n,) -> ``(codes uint8 (n,), absmax float32 (nb,))``.
+
+    Blocks are ``[k*B, (k+1)*B)`` of a grid in which ``x[0]`` sits at position ``offset``
+    (``offset`` != 0 for a slice of a larger tensor, e.g. a ZeRO shard: its first block is
+    partial). Each element becomes the index of the nearest ``code`` value to ``x / absmax``
+    of its block. ``absmax``: the blocks' absolute maxima if already known (e.g. agreed between
+    ranks sharing a block); computed from ``x`` otherwise. An all-zero block has absmax 0 and
+    encodes as the code of 0.
+    Raises: ValueError for non-finite ``x`` or a wrong-sized ``absmax``.
+    Source: bitsandbytes ``quantize_blockwise`` (nearest code value).
+    """
+    x = np.asarray(x).reshape(-1)
+    check_finite(x)
+    blocks, head = _block_view(x, block_size, offset)
+    if absmax is None:
+        absmax = np.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else np.zeros(0, np.float32)
+    absmax = np.asarray(absmax, np.float32)
+    if absmax.shape != (blocks.shape[0],):
+        raise ValueError(f"absmax has shape {absmax.shape}; {x.size} elements at offset {offset} with block_size "
+                         f"{block_size} span {blocks.shape[0]} blocks")
+    a = absmax.astype(blocks.dtype)[:, None]
+    normed = blocks / np.where(a == 0, 1, a)
+    mid = (code[:-1].astype(np.float64) + code[1:]) / 2  # decision thresholds between neighbouring values
+    idx = np.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)
+    return idx[head:head + x.size], absmax
+
+
+def dequantize_blockwise(codes, absmax, code, block_size: int = 256, offset: int = 0, dtype=np.float32):
+    """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax`` of each block, (n,) in ``dtype``."""
+    codes = np.asarray(codes).reshape(-1)
+    head = offset % block_size
+    block = (head + np.arange(codes.size)) // block_size
+    return code[codes].astype(dtype) * np.asarray(absmax, np.float32).astype(dtype)[block]

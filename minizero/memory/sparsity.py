@@ -1,0 +1,195 @@
+"""Magnitude pruning to a target sparsity, and training with the mask held fixed.
+
+Pruning sets the weights of smallest magnitude to zero (Han, Pool, Tran & Dally 2015,
+"Learning both Weights and Connections", arXiv:1506.02626, section 3; Zhu & Gupta 2017,
+arXiv:1710.01878, for the "target sparsity" framing):
+
+* ``scope="layer"``: every weight matrix loses the same fraction, its own smallest |w|;
+* ``scope="global"``: one threshold over all of them, so layers with many small weights
+  lose more (Frankle & Carbin 2019 prune globally in their larger networks).
+
+Exactly ``round(sparsity * n)`` entries go (ties broken by position), so the reported sparsity
+is the real one. What is pruned: the weight matrices of the linear layers (the tied LM head
+is the token embedding, and embeddings, norms and biases stay dense — the usual choice).
+
+Training sparse: the mask is fixed; every step the gradients of pruned entries are zeroed
+before clipping and the optimizer, and the pruned weights are set back to zero after the
+update (Adam's momentum from before pruning, and weight decay, would otherwise move them).
+
+Memory, honestly: a pruned matrix stored densely in NumPy takes exactly as many bytes as
+before — zeros are stored too. Savings need a compressed format, and its index overhead
+eats into them (:func:`compressed_nbytes`): CSR pays 4 bytes of column index per kept FP32
+value (break-even at 50% sparsity), a bitmap pays 1 bit per element. The mask itself is kept
+as a bitmap (``np.packbits``, 1 bit per element) and counted as ``parameters`` in the ledger.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minizero import backend
+from minizero.memory.ledger import get_ledger
+from minizero.nn.module import Linear
+
+SCOPES = ("global", "layer")
+
+
+def prunable_weights(model) -> dict:
+    """``{name: Parameter}`` of every Linear weight that no other module shares (not the tied LM head)."""
+    owners = {}
+    for _, m in model.named_modules():
+        for p in m._parameters.values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {f"{name}.weight" if name else "weight": m.weight for name, m in model.named_modules()
+            if isinstance(m, Linear) and owners[id(m.weight)] == 1}
+
+
+def _check(sparsity, scope):
+    if not (0.0 <= sparsity < 1.0):
+        raise ValueError(f"sparsity={sparsity!r}; allowed: 0 <= sparsity < 1")
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r}; allowed: {', '.join(SCOPES)}")
+
+
+def _prune_smallest(magnitude, k: int):
+    """Bool keep-mask of flat ``magnitude`` with exactly its ``k`` smallest entries False (stable ties)."""
+    keep = np.ones(magnitude.size, bool)
+    keep[np.argsort(magnitude, kind="stable")[:k]] = False
+    return keep
+
+
+def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> dict:
+    """Keep-masks that prune ``sparsity`` of the entries with the smallest |w|.
+
+    Args:
+        weights: ``{name: array}`` (any shapes, any float dtype; host or device).
+        sparsity: fraction to prune, in [0, 1).
+        scope: ``"global"`` (one ranking over all arrays) or ``"layer"`` (each array alone).
+    Returns:
+        ``{name: bool array of the weight's shape}``, True = kept. Exactly
+        ``round(sparsity * n)`` False entries per array (layer) or in total (global).
+    Raises:
+        ValueError: sparsity outside [0, 1), unknown scope, non-finite weights.
+    """
+    _check(sparsity, scope)
+    mags = {k: np.abs(np.asarray(backend.to_host(w), dtype=np.float64)).reshape(-1) for k, w in weights.items()}
+    for k, a in mags.items():
+        if not np.isfinite(a).all():
+            raise ValueError(f"{k} has non-finite weights; cannot rank them by magnitude")
+    shapes = {k: np.shape(w) for k, w in weights.items()}
+    if scope == "layer":
+        return {k: _prune_smallest(a, int(round(sparsity * a.size))).reshape(shapes[k]) for k, a in mags.items()}
+    names = list(mags)
+    flat = np.concatenate([mags[k] for k in names]) if names else np.zeros(0)
+    keep = _prune_smallest(flat, int(round(sparsity * flat.size)))
+    out, off = {}, 0
+    for k in names:
+        out[k] = keep[off:off + mags[k].size].reshape(shapes[k])
+        off += mags[k].size
+    return out
+
+
+def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
+    """Bytes of one pruned matrix (bool keep-``mask``, 2-D (rows, cols)) in three layouts.
+
+    Returns ``{"nnz", "dense", "csr", "bitmap"}``: dense = n * value_bytes (what NumPy keeps);
+    CSR = nnz * (value_bytes + index_bytes) + (rows + 1) * index_bytes (scipy.sparse.csr_matrix
+    with int32 indices); bitmap = ceil(n / 8) + nnz * value_bytes.
+    """
+    mask = np.asarray(mask, bool)
+    rows = mask.shape[0] if mask.ndim >= 1 else 1
+    n, nnz = mask.size, int(mask.sum())
+    return {"nnz": nnz, "dense": n * value_bytes, "csr": nnz * (value_bytes + index_bytes) + (rows + 1) * index_bytes,
+            "bitmap": -(-n // 8) + nnz * value_bytes}
+
+
+class Pruner:
+    """Fixed pruning masks for a model, and the three things sparse training does with them.
+
+    Args:
+        model: the model (its prunable weights: :func:`prunable_weights`).
+        sparsity, scope: as :func:`magnitude_masks`, applied to the weights as they are now
+            (full weights on every rank: under ZeRO-3 build it inside ``opt.full_parameters()``).
+    Use, every optimizer step (the trainer's ``--prune-sparsity``)::
+
+        pruner.prune_(opt)             # once: zero the pruned weights
+        pruner.mask_gradients_(opt)    # after the gradient all-reduce / reduce-scatter, before clipping
+        pruner.mask_weights_(opt)      # after opt.step()
+
+    ``opt`` is the optimizer (AdamW, Adam8bit, or a ZeroOptimizer, whose owned gradient and
+    parameter shards are masked piece by piece through its shard map) or None.
+    Memory: masks packed 1 bit per element, counted as ``parameters``.
+    """
+
+    def __init__(self, model, sparsity: float, scope: str = "global"):
+        self.params = prunable_weights(model)
+        masks = magnitude_masks({k: p.data for k, p in self.params.items()}, sparsity, scope)
+        self.sparsity, self.scope = sparsity, scope
+        self.shapes = {k: m.shape for k, m in masks.items()}
+        self.packed = {k: np.packbits(m.reshape(-1)) for k, m in masks.items()}
+        for a in self.packed.values():
+            get_ledger().track(a, "parameters")
+
+    def mask(self, name: str):
+        """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape)."""
+        shape = self.shapes[name]
+        n = int(np.prod(shape))
+        return backend.to_device(np.unpackbits(self.packed[name], count=n).astype(bool).reshape(shape))
+
+    def _shards(self, opt, which: str):
+        """(mask slice, shard slice) for every owned piece of a prunable weight (ZeroOptimizer only).
+
+        ``which``: ``"grad_shard"``, ``"param_shard"`` or ``"master"`` (mixed precision's FP32 copy, if any).
+        """
+        for st in opt.units:
+            shard = getattr(st, which, None)
+            if shard is None:
+                continue
+            for pc in st.pieces:
+                if pc.param in self.packed:
+                    yield self.mask(pc.param).reshape(-1)[pc.lo:pc.hi], shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo]
+
+    @staticmethod
+    def _sharded(opt) -> bool:
+        return opt is not None and hasattr(opt, "units") and hasattr(opt, "shard_map")
+
+    def mask_gradients_(self, opt=None) -> None:
+        """Zero the gradients of pruned entries (``.grad``; a ZeroOptimizer's owned gradient shards)."""
+        if self._sharded(opt):
+            for m, g in self._shards(opt, "grad_shard"):
+                g *= m
+            return
+        for k, p in self.params.items():
+            if p.grad is not None:
+                p.grad *= self.mask(k)
+
+    def mask_weights_(self, opt=None) -> None:
+        """Set pruned weights to zero: ``p.data`` and an optimizer's FP32 master copies, if any
+        (a ZeroOptimizer's owned parameter shards and masters; at stage 3 only those)."""
+        if self._sharded(opt):
+            for which in ("param_shard", "master"):
+                for m, w in self._shards(opt, which):
+                    w *= m
+            if getattr(opt, "stage", 3) == 3:
+                return  # stage 3: p.data is a placeholder between uses; stages 1-2 keep full views
+        masters = getattr(opt, "masters", None) if opt is not None and not self._sharded(opt) else None
+        if masters:
+            index = {id(p): i for i, p in enumerate(opt.params)}
+            for k, p in self.params.items():
+                masters[index[id(p)]] *= self.mask(k)
+        for k, p in self.params.items():
+            p.data *= self.mask(k)
+
+    prune_ = mask_weights_  #: pruning is masking the weights once
+
+    def report(self) -> dict:
+        """Measured sparsity and storage: ``{"pruned", "total", "sparsity", "dense", "csr", "bitmap", "mask_bytes",
+        "layers": {name: {...}}}`` (bytes for FP32 values, int32 indices)."""
+        layers = {k: dict(compressed_nbytes(self.mask(k).reshape(self.shapes[k][0], -1)),
+                          sparsity=1 - float(self.mask(k).mean())) for k in self.packed}
+        total = sum(int(np.prod(s)) for s in self.shapes.values())
+        nnz = sum(v["nnz"] for v in layers.values())
+        out = {"pruned": total - nnz, "total": total, "sparsity": (total - nnz) / max(total, 1), "layers": layers,
+               "mask_bytes": int(sum(a.nbytes for a in self.packed.values()))}
+        for fmt in ("dense", "csr", "bitmap"):
+            out[fmt] = sum(v[fmt] for v in layers.values())
+        return out

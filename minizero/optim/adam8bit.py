@@ -1,0 +1,369 @@
+"""8-bit Adam: Adam's m and v kept as 8-bit codes with one FP32 absmax per block.
+
+Source: Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise
+Quantization", ICLR 2022 (arXiv:2110.02861): block-wise quantization (section 2.1), the
+dynamic code (2.2); behaviour mirrored from bitsandbytes' ``Adam8bit``/``AdamW8bit``:
+
+* **block size 256** by default (``block_size``): bitsandbytes' blockwise optimizers use 256
+  today; the paper used 2048. Smaller blocks cost more scales (8/B bytes per parameter for
+  m and v together: 0.031 at 256, 0.004 at 2048) and isolate outliers better.
+* **codes**: m with the *signed* dynamic code, v with the *unsigned* one (v >= 0, so the
+  sign bit buys one more fraction bit); ``code="linear"`` swaps in a linear code to measure
+  why the dynamic one is used (see the lesson).
+* **small tensors stay FP32**: a parameter with fewer than ``min_8bit_size`` = 4096 elements
+  keeps m and v in the state dtype, as bitsandbytes does (biases, layer norms).
+* **the update**: dequantize m and v of a tensor, run exactly :func:`adamw_update` (PyTorch's
+  AdamW order: decay, then Adam) in the state dtype, then requantize each block with its new
+  absmax. The parameter update uses the unrounded m and v of this step; only what is *kept*
+  is 8-bit (bitsandbytes does the same in registers).
+
+Bytes per parameter of optimizer state: 2 (one code each for m and v) + 8/B (two FP32 absmax
+per block of B) for 8-bit tensors, versus 8 for FP32 Adam.
+
+Sharded (ZeRO 1-3, :class:`ShardedAdam8bit`): the codes are sharded like the FP32 state
+would be, element for element. Blocks are laid on each *parameter* from its first element,
+exactly as in one process, so a rank's slice of a parameter can begin or end inside a block
+that another rank also holds part of::
+
+    parameter  |  block 0  |  block 1  |  block 2  |  block 3  |
+    ranks      |000000000000000000|1111111111111111111|22222222|
+                                ^ block 1 is shared by ranks 0 and 1
+
+Both ranks keep that block's absmax (4 bytes twice) and agree on it after each update with
+one small all-reduce of their partial maxima (one float per shared block and state, at most
+N-1 shared blocks per unit), so the codes equal one process's bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.collectives import all_reduce
+from minizero.memory.ledger import get_ledger
+from minizero.memory.quantize import (block_absmax, dequantize_blockwise, dynamic_code, linear_code,
+                                      quantize_blockwise)
+from minizero.optim.adamw import adamw_update, state_dtype
+
+BLOCK_SIZE = 256  #: bitsandbytes' block size for blockwise 8-bit optimizers (the paper: 2048)
+MIN_8BIT_SIZE = 4096  #: tensors with fewer elements keep FP32 state (bitsandbytes' ``min_8bit_size``)
+CODES = ("dynamic", "linear")
+
+
+def make_codes(code: str = "dynamic"):
+    """``(signed code for m, unsigned code for v)``, each float32 (256,). Raises ValueError for an unknown name."""
+    if code == "dynamic":
+        return dynamic_code(signed=True), dynamic_code(signed=False)
+    if code == "linear":
+        return linear_code(signed=True), linear_code(signed=False)
+    raise ValueError(f"code={code!r}; allowed: {', '.join(CODES)}")
+
+
+class QuantizedState:
+    """One flat optimizer-state array in 8 bits: ``codes`` uint8 (n,) + ``absmax`` float32 (blocks,).
+
+    Args:
+        n: elements. code: the 256-value code book (sorted float32).
+        block_size: B. offset: position of element 0 in its parameter (blocks are
+            ``[k*B, (k+1)*B)`` of the parameter; a slice starting at ``offset`` % B != 0
+            begins inside a block).
+    Starts at zero (code of 0, absmax 0). ``nbytes`` = n + 4 * blocks.
+    """
+
+    def __init__(self, n: int, code, block_size: int = BLOCK_SIZE, offset: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}; allowed: >= 1")
+        self.code, self.block_size, self.offset, self.n = code, block_size, offset, n
+        zero = int(np.argmin(np.abs(code)))
+        self.codes = np.full(n, zero, np.uint8)
+        self.absmax = np.zeros(-(-(offset % block_size + n) // block_size) if n else 0, np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept: codes + FP32 absmax per block."""
+        return int(self.codes.nbytes + self.absmax.nbytes)
+
+    def dequantize(self, dtype=np.float32):
+        """The state as floats (n,) in ``dtype``: code value x block absmax."""
+        return dequantize_blockwise(self.codes, self.absmax, self.code, self.block_size, self.offset, dtype)
+
+    def block_absmax(self, x):
+        """Absolute maximum of ``x`` (n,) over each block this array touches (partial for cut blocks)."""
+        return block_absmax(x, self.block_size, self.offset)
+
+    def requantize(self, x, absmax=None) -> None:
+        """Store ``x`` (n,) as codes; ``absmax`` per block if given (agreed between ranks), else from ``x``."""
+        self.codes[...], self.absmax[...] = quantize_blockwise(x, self.code, self.block_size, self.offset, absmax)
+
+
+def _flat(a, what):
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (it is updated through a flat view), got strides {a.strides}")
+    return a.reshape(-1)
+
+
+def adam8bit_begin(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   grad_scale: float = 1.0):
+    """First half of :func:`adam8bit_update`: dequantize, AdamW step on ``p``; returns the new (m, v) as floats (n,).
+
+    ``m``, ``v``: :class:`QuantizedState`. Finish with :func:`adam8bit_finish`.
+    """
+    sd = state_dtype(p.dtype)
+    mf, vf = m.dequantize(sd), v.dequantize(sd)
+    adamw_update(_flat(p, "p"), g.reshape(-1), mf, vf, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    return mf, vf
+
+
+def adam8bit_finish(m, v, mf, vf, absmax_m=None, absmax_v=None) -> None:
+    """Second half: requantize ``mf``/``vf`` into ``m``/``v`` (block absmax given, or from the values)."""
+    m.requantize(mf, absmax_m)
+    v.requantize(vf, absmax_v)
+
+
+def adam8bit_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, grad_scale: float = 1.0) -> None:
+    """One AdamW step with 8-bit state, in place on ``p``, ``m`` and ``v`` (mirrors :func:`adamw_update`).
+
+    Args:
+        p: parameter values (any shape, C-contiguous), updated in place.
+        g: gradient, same number of elements.
+        m, v: :class:`QuantizedState` (n = p.size; m with the signed code, v the unsigned),
+            or float arrays of p's shape, in which case this *is* :func:`adamw_update` (the
+            FP32 state of tensors under ``min_8bit_size``).
+        step, lr, beta1, beta2, eps, weight_decay, grad_scale: as :func:`adamw_update`.
+    Arithmetic: m and v are dequantized to the state dtype (float32; float64 for float64
+    parameters), the AdamW update runs on them, and they are requantized per block.
+    Raises:
+        ValueError: ``p`` not C-contiguous; non-finite m or v (a non-finite gradient).
+    """
+    if not isinstance(m, QuantizedState):
+        adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        return
+    mf, vf = adam8bit_begin(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    adam8bit_finish(m, v, mf, vf)
+
+
+def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset: int = 0):
+    """``(m, v)`` for a parameter, or the slice of it starting at element ``offset``, of shape ``shape_or_n``.
+
+    8-bit (:class:`QuantizedState`, codes = (signed, unsigned)) when ``eight_bit``, else
+    zeros in :func:`state_dtype` of ``dtype``. Each array is registered as
+    ``optimizer_state`` in the ledger.
+    """
+    ledger = get_ledger()
+    if eight_bit:
+        n = shape_or_n if isinstance(shape_or_n, int) else math.prod(shape_or_n)
+        m, v = QuantizedState(n, codes[0], block_size, offset), QuantizedState(n, codes[1], block_size, offset)
+        for s in (m, v):
+            ledger.track(s.codes, "optimizer_state")
+            ledger.track(s.absmax, "optimizer_state")
+        return m, v
+    sd = state_dtype(dtype)
+    m, v = backend.xp.zeros(shape_or_n, sd), backend.xp.zeros(shape_or_n, sd)
+    ledger.track(m, "optimizer_state")
+    ledger.track(v, "optimizer_state")
+    return m, v
+
+
+def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
+                 min_8bit_size: int = MIN_8BIT_SIZE) -> int:
+    """Bytes of 8-bit Adam state for parameters of ``numels`` elements (one process).
+
+    ``2n + 8 * ceil(n / B)`` per tensor with n >= ``min_8bit_size``, else ``2 n * itemsize``
+    of the state dtype (8n for float32 parameters).
+    """
+    small = state_dtype(param_dtype).itemsize * 2
+    return int(sum(2 * n + 8 * -(-n // block_size) if n >= min_8bit_size else small * n for n in numels))
+
+
+class Adam8bit:
+    """AdamW with 8-bit block-wise state; a drop-in for :class:`~minizero.optim.AdamW`.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as AdamW (nanoGPT decay grouping: 2-D+ only).
+        block_size: elements per FP32 absmax (default 256, bitsandbytes; the paper used 2048).
+        min_8bit_size: smaller tensors keep state in the state dtype (default 4096).
+        code: ``"dynamic"`` (default) or ``"linear"`` (for comparison).
+        fp32_params: parameters (objects, compared by identity) whose state stays in the
+            state dtype whatever their size — bitsandbytes' ``override_config(p, "optim_bits",
+            32)``, which its ``StableEmbedding`` applies to embeddings (paper, section 2.3).
+        master_weights: keep an FP32 copy of every parameter and update it (mixed
+            precision, as :class:`~minizero.optim.AdamW`); counted as ``optimizer_state``.
+    State: ``m``/``v`` per parameter, :class:`QuantizedState` or arrays, all counted as
+    ``optimizer_state`` in the ledger; :meth:`state_nbytes` = :func:`state_nbytes` (+ masters).
+    Raises:
+        ValueError: a hyper-parameter out of range (named).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE,
+                 min_8bit_size=MIN_8BIT_SIZE, code="dynamic", fp32_params=(), master_weights=False):
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"Adam8bit: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        if not isinstance(block_size, int) or block_size < 1 or min_8bit_size < 0:
+            raise ValueError(f"Adam8bit: need block_size >= 1 and min_8bit_size >= 0, got {block_size}, "
+                             f"{min_8bit_size}")
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.block_size, self.min_8bit_size, self.code = block_size, min_8bit_size, code
+        self.step_count = 0
+        codes = make_codes(code)
+        self.masters = None
+        if master_weights:
+            self.masters = [backend.xp.array(p.data, dtype=np.float32, copy=True) for p in self.params]
+            for a in self.masters:
+                get_ledger().track(a, "optimizer_state")
+        self.m, self.v = [], []
+        keep = {id(p) for p in fp32_params}
+        for p in self.params:
+            eight_bit = p.size >= min_8bit_size and id(p) not in keep
+            m, v = new_state(p.shape, p.dtype, eight_bit, block_size, codes)
+            self.m.append(m)
+            self.v.append(v)
+
+    @staticmethod
+    def decays(p) -> bool:
+        """nanoGPT's rule, as ``AdamW.decays``: weight decay on parameters with 2 or more dims."""
+        return p.ndim >= 2
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the next step."""
+        self.lr = lr
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
+        self.step_count += 1
+        b1, b2 = self.betas
+        for i, (p, m, v) in enumerate(zip(self.params, self.m, self.v)):
+            if p.grad is None:
+                continue
+            wd = self.weight_decay if self.decays(p) else 0.0
+            target = p.data if self.masters is None else self.masters[i]
+            adam8bit_update(target, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
+            if self.masters is not None:
+                p.data[...] = target.astype(p.dtype)
+
+    def zero_grad(self) -> None:
+        """Drop gradients (``set_to_none``)."""
+        for p in self.params:
+            p.grad = None
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held (codes, absmax, FP32 small tensors, masters if any)."""
+        return int(sum(s.nbytes for s in self.m + self.v) + sum(a.nbytes for a in self.masters or []))
+
+    def dequantized_state(self):
+        """``[(m, v)]`` per parameter as float arrays of the parameter's shape (for inspection and tests)."""
+        sd = [state_dtype(p.dtype) for p in self.params]
+        out = []
+        for p, m, v, dt in zip(self.params, self.m, self.v, sd):
+            if isinstance(m, QuantizedState):
+                m, v = m.dequantize(dt).reshape(p.shape), v.dequantize(dt).reshape(p.shape)
+            out.append((m, v))
+        return out
+
+    def state_dict(self) -> dict:
+        """Host copies: ``step``, and per parameter i ``m.i``/``v.i`` (arrays) or ``m.i.codes``/``m.i.absmax``."""
+        out = {"step": self.step_count}
+        for i, (m, v) in enumerate(zip(self.m, self.v)):
+            for name, s in (("m", m), ("v", v)):
+                if isinstance(s, QuantizedState):
+                    out[f"{name}.{i}.codes"], out[f"{name}.{i}.absmax"] = s.codes.copy(), s.absmax.copy()
+                else:
+                    out[f"{name}.{i}"] = backend.to_host(s).copy()
+        return out
+
+
+class ShardedAdam8bit:
+    """The 8-bit Adam state of one rank's ZeRO shards, and its update (used by ``ZeroOptimizer``).
+
+    Args:
+        shard_map: the ZeRO ``ShardMap`` (units, their parameters, who owns which elements).
+        comm: the data-parallel communicator (rank = owner index in the shard map).
+        dtype: parameter dtype (the state dtype of small tensors follows it).
+        block_size, min_8bit_size, code: as :class:`Adam8bit`.
+        fp32_names: names of parameters whose state stays in the state dtype (as
+            :class:`Adam8bit`'s ``fp32_params``, by ``ShardMap`` name).
+    For every unit, every *piece* (the part of one parameter inside this rank's shard) gets
+    ``(m, v)`` from :func:`new_state`, the 8-bit ones with ``offset`` = the piece's first
+    element in its parameter, so the blocks are the parameter's own. Blocks that several
+    ranks hold part of are listed identically on every rank (:attr:`shared`), and
+    :meth:`step_unit` agrees on their absmax with one all-reduce (label
+    ``"adam8bit_absmax"``; float32, N x shared x 2 values).
+    """
+
+    def __init__(self, shard_map, comm, dtype, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE,
+                 code: str = "dynamic", fp32_names=()):
+        self.comm, self.block_size, self.min_8bit_size = comm, block_size, min_8bit_size
+        codes = make_codes(code)
+        n_ranks, rank, b = shard_map.world_size, comm.rank, block_size
+        self.pieces, self.state, self.shared = [], [], []
+        for i, u in enumerate(shard_map.units):
+            numel = {name: math.prod(shape) for name, shape in zip(u.param_names, u.shapes)}
+            eight_bit = {name: n >= min_8bit_size and name not in fp32_names for name, n in numel.items()}
+            shared = set()  # (param, block) cut by a shard boundary, seen from every rank
+            for r in range(n_ranks):
+                for pc in shard_map.pieces(r, i):
+                    if not eight_bit[pc.param]:
+                        continue
+                    if pc.lo % b:
+                        shared.add((pc.param, pc.lo // b))
+                    if pc.hi < numel[pc.param] and pc.hi % b:
+                        shared.add((pc.param, (pc.hi - 1) // b))
+            self.shared.append({key: j for j, key in enumerate(sorted(shared))})
+            pieces = shard_map.pieces(rank, i)
+            self.pieces.append(pieces)
+            self.state.append([new_state(pc.hi - pc.lo, dtype, eight_bit[pc.param], block_size, codes, offset=pc.lo)
+                               for pc in pieces])
+
+    def step_unit(self, unit: int, param_shard, grad_shard, step: int, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+        """AdamW with 8-bit state on this rank's shard of ``unit`` (flat (S,) arrays, updated in place).
+
+        Weight decay on pieces of 2-D+ parameters only (nanoGPT grouping). Collective when the
+        unit has shared blocks (every rank calls it for every unit, in the same order).
+        """
+        b = self.block_size
+        shared = self.shared[unit]
+        pending = []
+        for pc, (m, v) in zip(self.pieces[unit], self.state[unit]):
+            sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+            wd = weight_decay if pc.ndim >= 2 else 0.0
+            if not isinstance(m, QuantizedState):
+                adamw_update(param_shard[sl], grad_shard[sl], m, v, step, lr, beta1, beta2, eps, wd, grad_scale)
+                continue
+            mf, vf = adam8bit_begin(param_shard[sl], grad_shard[sl], m, v, step, lr, beta1, beta2, eps, wd,
+                                    grad_scale)
+            pending.append((pc, m, v, mf, vf, m.block_absmax(mf), v.block_absmax(vf)))
+        if shared:
+            table = np.zeros((self.comm.world_size, len(shared), 2), np.float32)
+            for pc, m, v, mf, vf, am, av in pending:
+                first = pc.lo // b
+                for k in sorted({first, (pc.hi - 1) // b}):
+                    j = shared.get((pc.param, k))
+                    if j is not None:
+                        table[self.comm.rank, j] = am[k - first], av[k - first]
+            with self.comm.traffic.op("adam8bit_absmax"):
+                table = all_reduce(self.comm, table).max(axis=0)
+            for pc, m, v, mf, vf, am, av in pending:
+                first = pc.lo // b
+                for k in sorted({first, (pc.hi - 1) // b}):
+                    j = shared.get((pc.param, k))
+                    if j is not None:
+                        am[k - first], av[k - first] = table[j]
+        for pc, m, v, mf, vf, am, av in pending:
+            adam8bit_finish(m, v, mf, vf, am, av)
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return int(sum(s.nbytes for unit in self.state for pair in unit for s in pair))
+
+    def dequantized_pieces(self, unit: int):
+        """``[(Piece, m, v)]`` of a unit as float arrays (for tests comparing with one process)."""
+        out = []
+        for pc, (m, v) in zip(self.pieces[unit], self.state[unit]):
+            if isinstance(m, QuantizedState):
+                m, v = m.dequantize(np.float64), v.dequantize(np.float64)
+            out.append((pc, m, v))
+        return out

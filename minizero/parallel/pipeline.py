@@ -1,0 +1,283 @@
+"""Pipeline parallelism: the layers split into ``pp`` stages, micro-batches streamed through them.
+
+::
+
+    stage 0 (ranks of pp_rank 0)      stage 1                 ...   stage p-1
+    wte + wpe, drop, h.0 .. h.k-1 ──act──> h.k .. ──act──> ...  ──> h.. , ln_f, lm_head, loss
+                                  <─grad──         <─grad──     <──
+    every arrow: one point-to-point message of a (b, T, C) array per micro-batch
+
+A :class:`PipelineStage` owns a contiguous slice of the blocks (``shard_range``: the first
+``n_layer % pp`` stages get one more), plus the embeddings on the first stage and ln_f +
+LM head on the last. The LM head's weight is tied to ``wte``: with pp > 1 the last stage
+keeps its own copy, initialized equal, and :func:`allreduce_tied_embedding_grads` sums the
+two copies' gradients over the *embedding group* (first and last stage) each step, so the
+copies stay equal (Megatron-LM does the same; Shoeybi et al. 2019, section 3).
+
+:class:`PipelineEngine` runs one optimizer step's micro-batches through a schedule from
+:mod:`minizero.parallel.schedule` (GPipe or 1F1B). Per op on stage s::
+
+    F(i): x = recv activation from s-1 (first stage: embed the tokens); y = stage(x);
+          send y to s+1 (last stage: y is the loss of micro-batch i; nothing sent)
+    B(i): g = recv dL/dy from s+1 (last stage: g = 1/m); backward from y with g;
+          send dL/dx to s-1 (first stage: nothing)
+
+A send is posted together with the next receive when both go to the same neighbour — one
+``sendrecv``, Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward`` —
+so the 1F1B steady state cannot deadlock even when MPI sends block until received.
+The loss of every micro-batch is scaled by 1/m, so the accumulated gradient is that of the
+mean loss over the step's m micro-batches, exactly as gradient accumulation gives it.
+
+Sources: Huang et al. 2019 (GPipe, arXiv:1811.06965); Narayanan et al. 2021
+(arXiv:2104.04473, section 2.2: 1F1B / PipeDream-Flush); Megatron-LM
+``core/pipeline_parallel/schedules.py`` (forward_backward_pipelining_without_interleaving).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from minizero import backend
+from minizero.autograd import Tensor, backward, cross_entropy, no_grad
+from minizero.comm.collectives import all_reduce, shard_range
+from minizero.memory.ledger import get_ledger
+from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
+from minizero.parallel.schedule import make_schedule, peak_in_flight
+
+PP_TAG = 1100  #: tag of every pipeline message (one direction per pair, in order: FIFO matching is exact)
+
+
+def stage_layers(n_layer: int, pp: int, stage: int) -> range:
+    """The block indices of ``stage``: contiguous, the first ``n_layer % pp`` stages one longer."""
+    lo, n = shard_range(n_layer, pp, stage)
+    return range(lo, lo + n)
+
+
+class _Layers(ModuleList):
+    """A stage's blocks, named by their index in the whole model (``"2"``, ``"3"``), iterable in order.
+
+    A ModuleList, so code written for ``GPT.transformer["h"]`` (recompute, ZeRO's units) works on it.
+    """
+
+    def __init__(self, blocks: dict):
+        Module.__init__(self)
+        for name, block in blocks.items():
+            setattr(self, name, block)
+
+
+class PipelineStage(Module):
+    """One pipeline stage of a GPT, holding the *same* module objects (and weights) as the model.
+
+    Args:
+        model: a built :class:`minizero.nn.GPT` (possibly tensor-parallel already).
+        stage, num_stages: which stage, of how many (1 <= num_stages <= n_layer).
+    Parameter names are the model's (``transformer.h.2.mlp.c_fc.weight``), so states and
+    gradients compare name by name; the last stage's copy of the tied head is
+    ``lm_head.weight`` (marked ``shared_embedding_copy``).
+    ``forward(x, targets=None)``: first stage x = token ids (b, T) int, else the activation
+    (b, T, C); returns the activation (b, T, C), or on the last stage the mean loss
+    (scalar, ``loss_fn``) when ``targets`` (b, T) is given, else the logits (b, T, V) —
+    (b, T, V/tp), this rank's tokens only, once ``vocab_parallel.vocab_parallelize`` has split the head.
+    Raises:
+        ValueError: num_stages outside [1, n_layer] or stage outside [0, num_stages).
+    """
+
+    def __init__(self, model, stage: int, num_stages: int):
+        super().__init__()
+        cfg = model.config
+        if not 1 <= num_stages <= cfg.n_layer or not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} of {num_stages}: need 1 <= stages <= n_layer={cfg.n_layer}")
+        self.config, self.stage, self.num_stages = cfg, stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.layers = stage_layers(cfg.n_layer, num_stages, stage)
+        tr = model.transformer
+        mods = {}
+        if self.is_first:
+            mods.update(wte=tr["wte"], wpe=tr["wpe"], drop=tr["drop"])
+        mods["h"] = _Layers({str(i): tr["h"][i] for i in self.layers})
+        if self.is_last:
+            mods["ln_f"] = tr["ln_f"]
+        self.transformer = ModuleDict(mods)
+        self.loss_fn = cross_entropy  # (N, V) logits, (N,) targets -> mean loss; vocab_parallel.py replaces it
+        if self.is_last and self.is_first:
+            self.lm_head = model.lm_head  # weight shared with wte: one Parameter
+        elif self.is_last:
+            w = Parameter(model.lm_head.weight.data.copy())
+            w.shared_embedding_copy = True
+            self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, weight=w)
+
+    def forward(self, x, targets=None):
+        tr = self.transformer
+        if self.is_first:
+            idx = x.data if isinstance(x, Tensor) else x
+            x = tr["drop"](tr["wte"](idx) + tr["wpe"](backend.xp.arange(idx.shape[1])))
+        for block in tr["h"]:
+            x = block(x)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(tr["ln_f"](x))
+        if targets is None:
+            return logits
+        b, t, v = logits.shape
+        return self.loss_fn(logits.reshape(b * t, v), targets.reshape(b * t))
+
+    def activation_shape(self, idx_shape) -> tuple:
+        """Shape (b, T, C) of the activation between stages for token ids of shape (b, T)."""
+        return (idx_shape[0], idx_shape[1], self.config.n_embd)
+
+
+def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
+    """Sum the gradients of ``wte`` (first stage) and its copy ``lm_head.weight`` (last stage).
+
+    Collective over ``embed_comm`` (the first and last stage of one pipeline group): one ring
+    all-reduce of a (V, C) array, 2(2-1)/2 * V*C*itemsize = V*C*itemsize bytes per rank.
+    No-op with one stage (the two uses share one Parameter and the engine already summed).
+    """
+    if stage.num_stages == 1 or not (stage.is_first or stage.is_last):
+        return
+    p = stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight
+    if p.grad is None:
+        p.grad = backend.xp.zeros_like(p.data)
+        get_ledger().track(p.grad, "gradients")
+    all_reduce(embed_comm, p.grad, out=p.grad)
+
+
+class PipelineEngine:
+    """Runs micro-batches through one stage by a schedule, exchanging activations and gradients.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        comm: the pipeline-parallel Communicator (rank = stage index, size = num_stages).
+        schedule: "gpipe" or "1f1b".
+        verbose: print every message as an arrow (``log`` receives the line).
+        pair_sends: post a send together with the next receive from the same neighbour
+            (``sendrecv``). Turning it off shows why it is needed: with synchronous sends
+            (MPI_Ssend, or any message above MPI's eager limit) 1F1B then deadlocks.
+        forward_context: optional callable returning a context manager entered around every
+            forward (e.g. activation offload's hooks).
+    Attributes:
+        peak_in_flight: most micro-batches held at once in the last step (GPipe: m; 1F1B: <= p - s).
+        trace: the ops of the last step, in the order run (``Op`` list).
+    Traffic (``comm.traffic``): per micro-batch, one ``pp_activation`` message of the (b, T, C)
+    activation to the next stage (all but the last stage) and one ``pp_gradient`` message of
+    the same shape to the previous stage (all but the first).
+    """
+
+    def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
+                 pair_sends: bool = True, forward_context=None):
+        if comm.world_size != stage.num_stages or comm.rank != stage.stage:
+            raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
+                             f"stage {stage.stage}/{stage.num_stages}")
+        make_schedule(schedule, stage.num_stages, 1)  # validates the name
+        self.stage, self.comm, self.schedule = stage, comm, schedule
+        self.verbose, self.log, self.pair_sends = verbose, log, pair_sends
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.peak_in_flight, self.trace = 0, []
+        self._pending = None  # (array, dest, label): a send waiting to be paired with the next receive
+
+    # -- messages ------------------------------------------------------------------------
+    def _say(self, text):
+        if self.verbose:
+            self.log(f"[stage {self.stage.stage}] {text}")
+
+    def _post(self, array, dest: int, label: str, what: str) -> None:
+        self._flush()
+        self._pending = (backend.xp.ascontiguousarray(array), dest, label, what)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            array, dest, label, what = self._pending
+            self._pending = None
+            self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
+            with self.comm.traffic.op(label):
+                self.comm.send(array, dest, tag=PP_TAG)
+
+    def _recv(self, shape, source: int, what: str):
+        buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
+        pend = self._pending
+        if pend is not None and pend[1] == source and self.pair_sends:  # one sendrecv for both
+            self._pending = None
+            self._say(f"{pend[3]} {pend[0].shape} {pend[0].nbytes} B ──> stage {source}, and "
+                      f"{what} <── stage {source} (sendrecv)")
+            with self.comm.traffic.op(pend[2]):
+                self.comm.sendrecv(pend[0], source, buf, source, tag=PP_TAG)
+        else:
+            self._flush()
+            self.comm.recv(buf, source, tag=PP_TAG)
+            self._say(f"{what} {shape} <── stage {source}")
+        return buf
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+        """Forward and backward of every micro-batch by the schedule; gradients accumulate in ``.grad``.
+
+        Args:
+            micro_batches: list of m pairs (x, y), each (b, T) int token ids and targets —
+                the same list on every stage (the first uses x, the last y, all the shapes).
+            loss_scale: S of mixed precision: the last stage starts each backward from S/m, so
+                every gradient is S times the true one.
+        Returns:
+            Sum over micro-batches of their mean loss on the last stage; 0.0 elsewhere.
+        """
+        st, s, p = self.stage, self.stage.stage, self.stage.num_stages
+        mbs = list(micro_batches)
+        ops = make_schedule(self.schedule, p, len(mbs))[s]
+        scale = loss_scale / len(mbs)
+        held, loss_sum = {}, 0.0
+        self.trace, self.peak_in_flight = [], 0
+        for op in ops:
+            x, y = mbs[op.mb]
+            if op.kind == "F":
+                if st.is_first:
+                    inp, x_in = None, backend.to_device(x)
+                else:
+                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), s - 1, f"act mb{op.mb}"),
+                                        requires_grad=True)
+                with self.forward_context():
+                    out = st(x_in, backend.to_device(y) if st.is_last else None)
+                if st.is_last:
+                    loss_sum += out.item()
+                else:
+                    self._post(out.data, s + 1, "pp_activation", f"act mb{op.mb}")
+                    # backward needs out's graph node, not its values: drop our reference to them
+                    # (Megatron's deallocate_output_tensor); the pending send still holds the array
+                    out.data = backend.xp.empty(0, out.dtype)
+                held[op.mb] = (inp, out)
+            else:
+                inp, out = held.pop(op.mb)
+                if st.is_last:
+                    grad = backend.xp.asarray(scale, dtype=out.dtype)
+                else:
+                    grad = self._recv(st.activation_shape(x.shape), s + 1, f"grad mb{op.mb}")
+                if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
+                    inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
+                    get_ledger().track(inp.grad, "comm_buffers")
+                backward(out, grad)
+                if not st.is_first:
+                    self._post(inp.grad, s - 1, "pp_gradient", f"grad mb{op.mb}")
+                    inp.grad = None
+                del inp, out
+            self.trace.append(op)
+            self.peak_in_flight = max(self.peak_in_flight, len(held))
+        self._flush()
+        assert self.peak_in_flight == peak_in_flight(ops)
+        return loss_sum
+
+    # -- evaluation ------------------------------------------------------------------------
+    def forward_only(self, x, y) -> float:
+        """Mean loss of one batch (x, y) (b, T) through the pipeline without a graph; 0.0 off the last stage.
+
+        One activation message per stage boundary, label ``pp_eval``.
+        """
+        st, s = self.stage, self.stage.stage
+        with no_grad():
+            if st.is_first:
+                x_in = backend.to_device(x)
+            else:
+                x_in = Tensor(self._recv(st.activation_shape(x.shape), s - 1, "eval act"))
+            out = st(x_in, backend.to_device(y) if st.is_last else None)
+            if st.is_last:
+                return out.item()
+            self._post(out.data, s + 1, "pp_eval", "eval act")
+            self._flush()
+        return 0.0
+

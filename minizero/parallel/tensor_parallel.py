@@ -1,0 +1,293 @@
+"""Tensor parallelism (Megatron-LM): the matrices of every block split across the ``tp`` ranks of a group.
+
+A linear layer ``Y = X A^T`` (A stored (out, in), as in PyTorch) can be split two ways::
+
+    column-parallel: A split by rows (the outputs)      A = [A_0]   A_r: (out/tp, in) on rank r
+                                                            [A_1]
+        X (.., in), the same on every rank
+          │  f: forward identity, backward all-reduce of dL/dX
+          ├──> Y_0 = X A_0^T   (.., out/tp) on rank 0
+          └──> Y_1 = X A_1^T   (.., out/tp) on rank 1
+
+    row-parallel: A split by columns (the inputs)       A = [A_0 | A_1]   A_r: (out, in/tp) on rank r
+
+        X_0 (.., in/tp) on rank 0 ──> X_0 A_0^T ──┐  partial sums, (.., out) each
+        X_1 (.., in/tp) on rank 1 ──> X_1 A_1^T ──┤
+                                                  │  g: forward all-reduce, backward identity
+                                                  v
+                          Y = X_0 A_0^T + X_1 A_1^T + b   (.., out), the same on every rank
+
+A transformer block puts a column-parallel layer first and a row-parallel layer second,
+so the (.., out/tp) output of the first is exactly the (.., in/tp) input of the second and
+nothing is exchanged in between (Shoeybi et al. 2019, section 3, figure 3)::
+
+    attention: ln_1 ─ f ─ c_attn (column: QKV of heads [rH/tp, (r+1)H/tp)) ─ attention of those heads
+                          ─ c_proj (row) ─ g ─ + bias ─ dropout ─ + residual
+    MLP:       ln_2 ─ f ─ c_fc (column: 4C/tp hidden units) ─ GELU
+                          ─ c_proj (row) ─ g ─ + bias ─ dropout ─ + residual
+
+c_attn's weight (3C, C) holds Q, K and V one above the other, so its split has *stride*
+3: rank r takes rows [rC/tp, (r+1)C/tp) of each of the three (C, C) blocks, i.e. the
+Q, K and V of its heads (Megatron's ``partition_stride``). Layer norms and the second
+biases stay replicated; their gradients come out identical on every tensor rank, because
+what reaches them has already passed an f or g. (The embedding, the tied LM head and the
+loss are split by vocabulary in ``vocab_parallel.py``; ``three_d.build_stage`` applies both.)
+
+Communication (derived, and checked by ``tests/test_tensor_parallel.py``): per block and
+per micro-batch of B sequences of T tokens, 2 all-reduces in forward (the two g) and 2 in
+backward (the two f), each on a (B, T, C) array: a ring all-reduce sends
+2(tp-1)/tp * B*T*C*itemsize bytes per rank, so a block costs 8(tp-1)/tp * B*T*C*itemsize
+bytes per rank per micro-batch (:func:`allreduce_bytes_per_block`).
+
+Dropout: inside the split attention each rank needs the masks of its own heads only.
+:class:`HeadParallelDropout` draws the mask of *all* heads from the generator that is
+shared by the tensor group and keeps its slice, so the masks are exactly those of the
+unsplit model (Megatron instead keeps a second, per-rank generator; drawing the whole
+mask costs tp x the random numbers and keeps one generator per rank).
+
+Sources: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3 (the f and g
+operators, figure 3); Megatron-LM ``core/tensor_parallel/mappings.py`` and ``layers.py``.
+"""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.autograd import Function, Tensor, split
+from minizero.autograd import functional as F
+from minizero.comm.collectives import all_reduce, bytes_sent
+from minizero.nn.gpt import CausalSelfAttention
+from minizero.nn.module import Module, Parameter
+
+
+# --------------------------------------------------------------------------- primitives
+def _reduce(comm, x):
+    """Sum ``x`` over the tensor group (ring all-reduce); a new contiguous array."""
+    return all_reduce(comm, backend.xp.ascontiguousarray(x))
+
+
+def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
+    """Rank ``rank``'s part of ``full`` split ``size`` ways along ``dim``, with ``stride`` interleaved blocks.
+
+    ``full`` is seen as ``stride`` equal blocks along ``dim``; each block is cut into
+    ``size`` equal parts and the rank keeps part ``rank`` of every block, concatenated.
+    Example: c_attn's (3C, C) weight with stride 3 gives rank r rows
+    [rC/tp, (r+1)C/tp) of Q, of K and of V: a (3C/tp, C) shard.
+    Returns a new C-contiguous array. Raises ValueError if ``stride * size`` does not
+    divide ``full.shape[dim]``.
+    """
+    xp = backend.xp
+    n = full.shape[dim]
+    if n % (stride * size):
+        raise ValueError(f"cannot split dimension {dim} of size {n} into {stride} block(s) x {size} parts")
+    parts = [xp.split(block, size, axis=dim)[rank] for block in xp.split(full, stride, axis=dim)]
+    return xp.ascontiguousarray(xp.concatenate(parts, axis=dim))
+
+
+def unshard_arrays(shards, dim: int, stride: int = 1):
+    """Inverse of :func:`shard_array`: the full array from every rank's shard (in rank order)."""
+    xp = backend.xp
+    pieces = [xp.split(s, stride, axis=dim) for s in shards]
+    return xp.concatenate([pieces[r][j] for j in range(stride) for r in range(len(shards))], axis=dim)
+
+
+def allreduce_bytes_per_block(batch: int, seq: int, n_embd: int, itemsize: int, tp: int, rank: int = 0) -> dict:
+    """Bytes one tensor rank sends for one block and one micro-batch of (batch, seq) tokens.
+
+    Returns ``{"forward": ..., "backward": ..., "calls_forward": 2, "calls_backward": 2}``:
+    two ring all-reduces of a (batch, seq, n_embd) array each way (see the module docstring).
+    """
+    one = bytes_sent("all_reduce", batch * seq * n_embd, itemsize, tp, rank)
+    return {"forward": 2 * one, "backward": 2 * one, "calls_forward": 2, "calls_backward": 2}
+
+
+# --------------------------------------------------------------------------- the f and g operators
+class _CopyToTensorParallelRegion(Function):
+    """Megatron's f: forward identity, backward all-reduce (sum over the tensor group)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(ctx.comm, g), None
+
+
+class _ReduceFromTensorParallelRegion(Function):
+    """Megatron's g: forward all-reduce (sum over the tensor group), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _reduce(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def copy_to_tensor_parallel_region(x: Tensor, comm) -> Tensor:
+    """f — forward: identity, backward: all-reduce. x: (..., C) replicated over the group."""
+    return _CopyToTensorParallelRegion.apply(x, comm) if comm.world_size > 1 else x
+
+
+def reduce_from_tensor_parallel_region(x: Tensor, comm) -> Tensor:
+    """g — forward: all-reduce, backward: identity. x: (..., C) partial sums -> their sum, replicated."""
+    return _ReduceFromTensorParallelRegion.apply(x, comm) if comm.world_size > 1 else x
+
+
+# --------------------------------------------------------------------------- layers
+def _mark(p: Parameter, dim: int, stride: int) -> Parameter:
+    """Tag a shard as Megatron does: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``."""
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
+    return p
+
+
+def is_tensor_parallel_duplicate(p) -> bool:
+    """True for a parameter replicated across the tensor group (held whole by every tensor rank)."""
+    return not getattr(p, "tensor_model_parallel", False)
+
+
+class ColumnParallelLinear(Module):
+    """Y_r = f(X) A_r^T + b_r: the output features split across the tensor group.
+
+    Shapes: x (..., in) replicated -> (..., out/tp) on rank r. weight (out/tp, in), bias
+    (out/tp,), both ``tensor_model_parallel`` with ``partition_dim`` 0.
+    Collectives: forward none; backward one all-reduce of dL/dx (..., in) (the f operator).
+    Bytes held: (out/tp) * (in + 1) * itemsize instead of out * (in + 1) * itemsize.
+    Source: Shoeybi et al. 2019, section 3 (the first GEMM of the MLP, "A = [A_1, A_2]").
+    """
+
+    def __init__(self, weight, bias, comm, stride: int = 1):
+        super().__init__()
+        self.weight = _mark(Parameter(weight), 0, stride)
+        self.bias = _mark(Parameter(bias), 0, stride) if bias is not None else None
+        self.comm = comm
+
+    @classmethod
+    def from_linear(cls, linear, comm, stride: int = 1) -> "ColumnParallelLinear":
+        """This rank's shard of an existing :class:`minizero.nn.Linear` (the same init, not a new one)."""
+        r, n = comm.rank, comm.world_size
+        bias = None if linear.bias is None else shard_array(linear.bias.data, 0, r, n, stride)
+        return cls(shard_array(linear.weight.data, 0, r, n, stride), bias, comm, stride)
+
+    def forward(self, x):
+        return F.linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """Y = g(X_r A_r^T) + b: the input features split, partial products summed.
+
+    Shapes: x (..., in/tp) on rank r (the output of a column-parallel layer) -> (..., out)
+    replicated. weight (out, in/tp), ``tensor_model_parallel`` with ``partition_dim`` 1;
+    bias (out,) replicated, added once after the sum.
+    Collectives: forward one all-reduce of (..., out) (the g operator); backward none.
+    Source: Shoeybi et al. 2019, section 3 (the second GEMM of the MLP, "B = [B_1; B_2]").
+    """
+
+    def __init__(self, weight, bias, comm):
+        super().__init__()
+        self.weight = _mark(Parameter(weight), 1, 1)
+        self.bias = Parameter(bias) if bias is not None else None
+        self.comm = comm
+
+    @classmethod
+    def from_linear(cls, linear, comm) -> "RowParallelLinear":
+        """This rank's shard of an existing :class:`minizero.nn.Linear`; the bias is copied whole."""
+        w = shard_array(linear.weight.data, 1, comm.rank, comm.world_size)
+        return cls(w, None if linear.bias is None else linear.bias.data.copy(), comm)
+
+    def forward(self, x):
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+class _HeadSliceDropout(Function):
+    """Inverted dropout on heads [lo, lo+h) of an H-head tensor, with the mask drawn for all H heads."""
+
+    @staticmethod
+    def forward(ctx, x, p, n_head_total, lo):
+        b, h, t, s = x.shape
+        full = F.dropout_generator().random((b, n_head_total, t, s)) >= p  # same draws as the unsplit model
+        keep = backend.to_device(full[:, lo:lo + h].copy())
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(keep)
+        return x * keep * x.dtype.type(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * keep * g.dtype.type(ctx.scale), None, None, None
+
+
+class HeadParallelDropout(Module):
+    """Dropout of attention probabilities (B, H/tp, T, T) holding heads [lo, lo + H/tp) of H.
+
+    Draws the (B, H, T, T) mask of every head from this rank's dropout generator (the same
+    on every rank of the tensor group) and keeps its heads' slice, so the masks equal the
+    unsplit model's. Identity in eval mode or when p == 0 (nothing drawn, as ``Dropout``).
+    """
+
+    def __init__(self, p: float, n_head_total: int, lo: int):
+        super().__init__()
+        self.p, self.n_head_total, self.lo = p, n_head_total, lo
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        return _HeadSliceDropout.apply(x, self.p, self.n_head_total, self.lo)
+
+
+class ParallelCausalSelfAttention(CausalSelfAttention):
+    """Causal self-attention over this rank's H/tp heads. x (B, T, C) replicated -> (B, T, C) replicated.
+
+    c_attn: :class:`ColumnParallelLinear` (C -> 3C/tp, stride 3: the Q, K, V of heads
+    [r H/tp, (r+1) H/tp)); c_proj: :class:`RowParallelLinear` (C/tp -> C). Each head's
+    attention needs only its own q, k, v, so heads are independent: no message between
+    the two linear layers. ``attention_core`` is inherited, so selective recompute applies.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, comm):
+        Module.__init__(self)
+        tp, r = comm.world_size, comm.rank
+        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, comm, stride=3)
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, comm)
+        self.n_head = attn.n_head // tp  # local heads
+        self.attn_dropout = HeadParallelDropout(attn.attn_dropout.p, attn.n_head, r * self.n_head)
+        self.resid_dropout = attn.resid_dropout  # after g: replicated, same mask on every tensor rank
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.n_head
+        q, k, v = split(self.c_attn(x), 3, axis=-1)  # each (B, T, C/tp)
+        cl = q.shape[-1]
+        q, k, v = (z.reshape(b, t, h, cl // h).transpose(0, 2, 1, 3) for z in (q, k, v))  # (B, H/tp, T, D)
+        y = self.attention_core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, cl)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def tensor_parallelize(model: Module, comm) -> list[str]:
+    """Split every transformer block of ``model`` across the tensor group ``comm``, in place.
+
+    ``model``: a GPT or a pipeline stage (anything with blocks in ``model.transformer["h"]``).
+    Each block's ``attn`` becomes a :class:`ParallelCausalSelfAttention` and its
+    ``mlp.c_fc`` / ``mlp.c_proj`` a column- / row-parallel pair holding this rank's shard of
+    the *existing* weights, so the split model computes the same function as the original.
+    Parameter names do not change (``transformer.h.0.attn.c_attn.weight`` is now (3C/tp, C)).
+    Returns the names of the converted modules.
+    Raises:
+        ValueError: ``comm.world_size`` does not divide the heads or the hidden size.
+    """
+    tp = comm.world_size
+    done = []
+    if tp == 1:
+        return done
+    blocks = model.transformer["h"]
+    for name, block in blocks._modules.items():
+        n_head, c = block.attn.n_head, block.attn.c_proj.out_features
+        if n_head % tp or c % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide n_head={n_head} and n_embd={c}")
+        block.attn = ParallelCausalSelfAttention(block.attn, comm)
+        block.mlp.c_fc = ColumnParallelLinear.from_linear(block.mlp.c_fc, comm)
+        block.mlp.c_proj = RowParallelLinear.from_linear(block.mlp.c_proj, comm)
+        done += [f"transformer.h.{name}.attn", f"transformer.h.{name}.mlp.c_fc", f"transformer.h.{name}.mlp.c_proj"]
+    return done

@@ -1,0 +1,146 @@
+"""The 3D mesh: ``dp * tp * pp`` ranks, and one communicator per parallel group.
+
+Ranks are laid out as Megatron-LM lays them out (order "tp-dp-pp"): tensor-parallel
+ranks are adjacent (they exchange an all-reduce in every layer, so they belong on
+the fastest links, inside one node), then data-parallel, then pipeline stages::
+
+    grid = arange(world).reshape(pp, dp, tp)        rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+    dp=2, tp=2, pp=2 (8 ranks):
+                      tp 0  tp 1
+        pp 0  dp 0:    0     1          tensor groups    [0 1] [2 3] [4 5] [6 7]   (same pp, dp)
+              dp 1:    2     3          data groups      [0 2] [1 3] [4 6] [5 7]   (same pp, tp)
+        pp 1  dp 0:    4     5          pipeline groups  [0 4] [1 5] [2 6] [3 7]   (same dp, tp)
+              dp 1:    6     7          model groups     [0 1 4 5] [2 3 6 7]       (same dp: tp x pp)
+
+Every group is a :meth:`Communicator.split` of the world, so its ``traffic``
+ledger holds only the bytes sent inside that group (and forwards them to the
+world's). The *embedding group* (first and last pipeline stage of one pipeline
+group) sums the gradients of the tied embedding / LM head.
+
+Sources: Shoeybi et al. 2019 (Megatron-LM) and Narayanan et al. 2021
+("Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", section 3: the ordering of the groups), DeepSpeed's
+``PipeModelDataParallelTopology``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
+                  n_layer=None, vocab_size=None) -> tuple[int, int, int]:
+    """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
+
+    Args:
+        world_size: number of ranks.
+        dp, tp, pp: sizes or None. Exactly one None is derived as world / (product of the
+            others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
+            (if missing) is derived.
+        n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
+    Raises:
+        ValueError naming the numbers: a size < 1; a product that is not the world size (or
+        a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
+        ``pp`` larger than ``n_layer``.
+    """
+    given = {"dp": dp, "tp": tp, "pp": pp}
+    for name, v in given.items():
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
+    missing = [k for k, v in given.items() if v is None]
+    if len(missing) >= 2:  # tp and pp default to 1; dp, if missing, is derived below
+        given.update({k: 1 for k in ("tp", "pp") if given[k] is None})
+        missing = [k for k, v in given.items() if v is None]
+    if len(missing) == 1:
+        k = missing[0]
+        others = [(n, v) for n, v in given.items() if n != k]
+        prod = others[0][1] * others[1][1]
+        if world_size % prod:
+            raise ValueError(
+                f"cannot derive --{k}: world size {world_size} is not divisible by "
+                f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}")
+        given[k] = world_size // prod
+    dp, tp, pp = given["dp"], given["tp"], given["pp"]
+    if dp * tp * pp != world_size:
+        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the world has "
+                         f"{world_size} rank(s); the product must equal the world size")
+    if n_head is not None and n_head % tp:
+        raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
+                         "(tensor parallelism splits attention by heads)")
+    if n_embd is not None and n_embd % tp:
+        raise ValueError(f"--tp {tp} does not divide the hidden size n_embd={n_embd}")
+    if vocab_size is not None and vocab_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the vocabulary size vocab_size={vocab_size} "
+                         "(the embedding and the LM head are split by tokens)")
+    if n_layer is not None and pp > n_layer:
+        raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
+                         "(every pipeline stage needs at least one layer)")
+    return int(dp), int(tp), int(pp)
+
+
+def mesh(dp: int, tp: int, pp: int) -> np.ndarray:
+    """The rank grid, shape (pp, dp, tp): ``mesh(...)[pp_rank, dp_rank, tp_rank]`` is the world rank."""
+    return np.arange(dp * tp * pp).reshape(pp, dp, tp)
+
+
+def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """``(dp_rank, tp_rank, pp_rank)`` of a world rank (inverse of :func:`mesh`)."""
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    return dp_rank, tp_rank, pp_rank
+
+
+class Topology:
+    """This rank's place in the mesh and its group communicators.
+
+    Args:
+        comm: the world Communicator (``world_size == dp * tp * pp``).
+        dp, tp, pp: group sizes (see :func:`resolve_sizes` to derive them).
+    Attributes:
+        dp, tp, pp: sizes. dp_rank, tp_rank, pp_rank: coordinates of this rank.
+        world: ``comm``. tp_comm, dp_comm, pp_comm: this rank's groups (size tp, dp, pp).
+        mp_comm: the model-parallel group (same dp rank: tp x pp ranks, ordered by world
+            rank), where a global gradient norm is summed.
+        embed_comm: first and last stage of this pipeline group (size 2 when pp > 1,
+            else 1); on middle stages a group of the middle stages that is never used.
+    Collective: every rank of ``comm`` must construct it at the same time (five splits).
+    Raises:
+        ValueError: ``dp * tp * pp`` differs from ``comm.world_size``.
+    """
+
+    def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1):
+        if dp * tp * pp != comm.world_size:
+            raise ValueError(f"dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} != world size {comm.world_size}")
+        self.world, self.dp, self.tp, self.pp = comm, dp, tp, pp
+        self.dp_rank, self.tp_rank, self.pp_rank = coordinates(comm.rank, dp, tp, pp)
+        d, t, p = self.dp_rank, self.tp_rank, self.pp_rank
+        self.tp_comm = comm.split(color=p * dp + d, key=t)
+        self.dp_comm = comm.split(color=p * tp + t, key=d)
+        self.pp_comm = comm.split(color=d * tp + t, key=p)
+        self.mp_comm = comm.split(color=d, key=comm.rank)
+        self.embed_comm = self.pp_comm.split(color=0 if p in (0, pp - 1) else 1, key=p)
+
+    is_first_stage = property(lambda self: self.pp_rank == 0, doc="holds the embedding")
+    is_last_stage = property(lambda self: self.pp_rank == self.pp - 1, doc="holds ln_f, the LM head, the loss")
+
+    def rank_of(self, dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0) -> int:
+        """World rank at these coordinates."""
+        return int((pp_rank * self.dp + dp_rank) * self.tp + tp_rank)
+
+    def groups(self) -> dict:
+        """``{"tp": comm, "dp": comm, "pp": comm, "embed": comm}`` (for traffic reports)."""
+        return {"tp": self.tp_comm, "dp": self.dp_comm, "pp": self.pp_comm, "embed": self.embed_comm}
+
+    def describe(self) -> str:
+        """The mesh as text, one line per (pipeline stage, data-parallel rank)."""
+        grid = mesh(self.dp, self.tp, self.pp)
+        lines = [f"mesh: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world.world_size} ranks, "
+                 f"grid = arange({self.world.world_size}).reshape(pp={self.pp}, dp={self.dp}, tp={self.tp})"]
+        for p in range(self.pp):
+            for d in range(self.dp):
+                lines.append(f"  stage {p}  dp {d}:  tensor group {list(map(int, grid[p, d]))}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Topology(rank={self.world.rank}, dp={self.dp_rank}/{self.dp}, tp={self.tp_rank}/{self.tp}, "
+                f"pp={self.pp_rank}/{self.pp})")

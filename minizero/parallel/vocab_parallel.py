@@ -1,0 +1,173 @@
+"""Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by tokens.
+
+The token embedding is the largest matrix of a small-width model (V = 50,304 rows for
+GPT-2), and the logits (b, T, V) are the largest activation. Both split by vocabulary rows::
+
+    wte (V, C) = [W_0]   rank r holds W_r = rows [r V/tp, (r+1) V/tp): the tokens lo_r .. hi_r - 1
+                 [W_1]
+
+    embedding   ids (b, T) ──> W_r[id - lo_r] for ids in [lo_r, hi_r), zero rows elsewhere
+                           ──> g: all-reduce (forward), identity (backward) ──> (b, T, C) on every rank
+    LM head     x (b, T, C) ──> f: identity (forward), all-reduce of dL/dx (backward)
+                           ──> x W_r^T = the logits of tokens [lo_r, hi_r): (b, T, V/tp), never gathered
+    loss        m   = max over ranks of the row maxima        all-gather of (N,) maxima
+                lse = m + log(sum over ranks of sum exp(z - m))   all-reduce of (N,)
+                z_t = the target's logit, from the rank that has it   all-reduce of (N,)
+                loss = mean(lse - z_t); backward: softmax_r - onehot_r on each rank, no message
+
+Each rank keeps only its V/tp logits (and their gradient), so the loss never needs the
+(b, T, V) array anywhere. The head's weight is the embedding's shard (the tie holds shard
+by shard); with pipeline stages, the last stage keeps a copy of its shard, summed with the
+first stage's as for the unsplit model (:func:`minizero.parallel.pipeline.allreduce_tied_embedding_grads`).
+
+Messages per micro-batch of N = b*T tokens: forward an all-reduce of (b, T, C) (embedding)
+plus the loss's all-gather and two all-reduces of (N,); backward an all-reduce of (b, T, C)
+(the f before the head).
+
+Sources: Shoeybi et al. 2019 (arXiv:1909.08053), section 3 ("parallelize the input
+embedding weight matrix along the vocabulary dimension", fusing the cross-entropy with the
+parallel logits); Megatron-LM ``core/tensor_parallel/layers.py`` (VocabParallelEmbedding)
+and ``cross_entropy.py`` (vocab_parallel_cross_entropy).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function, Tensor
+from minizero.autograd import functional as F
+from minizero.comm.collectives import all_gather
+from minizero.nn.module import Module, Parameter
+from minizero.parallel.tensor_parallel import (_mark, _reduce, copy_to_tensor_parallel_region,
+                                               reduce_from_tensor_parallel_region, shard_array)
+
+
+class _MaskedEmbedding(Function):
+    """Rows ``weight[idx]`` where ``keep``, zero rows elsewhere. weight (V/tp, C), idx and keep (b, T)."""
+
+    @staticmethod
+    def forward(ctx, weight, idx, keep):
+        ctx.weight_shape = weight.shape
+        ctx.save_for_backward(idx, keep)
+        out = weight[idx]
+        out[~keep] = 0
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        idx, keep = ctx.saved_tensors
+        dw = backend.xp.zeros(ctx.weight_shape, g.dtype)
+        backend.xp.add.at(dw, idx[keep], g[keep])
+        return dw, None, None
+
+
+class VocabParallelEmbedding(Module):
+    """Token embedding with rows [lo, lo + V/tp) on this rank. idx (b, T) int -> (b, T, C) on every rank.
+
+    weight (V/tp, C), ``tensor_model_parallel``, ``partition_dim`` 0.
+    Collectives: forward one all-reduce of (b, T, C) (g); backward none.
+    """
+
+    def __init__(self, weight, comm, vocab_start: int):
+        super().__init__()
+        self.weight = _mark(Parameter(weight), 0, 1)
+        self.comm, self.vocab_start = comm, vocab_start
+
+    @classmethod
+    def from_embedding(cls, emb, comm) -> "VocabParallelEmbedding":
+        """This rank's rows of an existing :class:`minizero.nn.Embedding` (its init, not a new one)."""
+        w = shard_array(emb.weight.data, 0, comm.rank, comm.world_size)
+        return cls(w, comm, comm.rank * w.shape[0])
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        keep = (local >= 0) & (local < self.weight.shape[0])
+        out = _MaskedEmbedding.apply(self.weight, backend.xp.where(keep, local, 0), keep)
+        return reduce_from_tensor_parallel_region(out, self.comm)
+
+
+class ParallelLMHead(Module):
+    """Logits of this rank's tokens: f(x) W_r^T. x (b, T, C) on every rank -> (b, T, V/tp).
+
+    ``weight``: the embedding's shard Parameter (tied), or the last stage's copy of it.
+    Collectives: forward none; backward one all-reduce of dL/dx (b, T, C) (f).
+    """
+
+    def __init__(self, weight, comm):
+        super().__init__()
+        self.weight, self.comm = weight, comm
+
+    def forward(self, x):
+        return F.linear(copy_to_tensor_parallel_region(x, self.comm), self.weight)
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy from logits split by vocabulary; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, vocab_start):
+        xp = backend.xp
+        n, v = logits.shape
+        ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
+        maxima = all_gather(comm, xp.ascontiguousarray(ls.max(axis=-1)))  # (tp * N,), rank by rank
+        m = maxima.reshape(comm.world_size, n).max(axis=0)
+        lse = m + xp.log(_reduce(comm, xp.exp(ls - m[:, None]).sum(axis=-1)))
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < v)
+        local = xp.where(mine, local, 0)
+        picked = _reduce(comm, xp.where(mine, ls[xp.arange(n), local], 0.0))
+        ctx.save_for_backward(logits, local, mine, lse)
+        return xp.asarray((lse - picked).mean(), dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        logits, local, mine, lse = ctx.saved_tensors
+        n = logits.shape[0]
+        p = xp.exp(logits.astype(lse.dtype, copy=False) - lse[:, None])
+        p[xp.arange(n), local] -= mine.astype(p.dtype)
+        return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int):
+    """Mean cross-entropy of ``logits`` (N, V/tp), this rank's tokens [vocab_start, +V/tp), against ``targets`` (N,).
+
+    Every rank of the tensor group calls it with its own logits; all get the same loss.
+    Collectives: forward an all-gather and two all-reduces of (N,) values; backward none.
+    """
+    t = targets.data if isinstance(targets, Tensor) else targets
+    return _VocabParallelCrossEntropy.apply(logits, t, comm, vocab_start)
+
+
+def vocab_parallelize(stage, comm) -> list[str]:
+    """Split a pipeline stage's embedding, tied LM head and loss over the tensor group, in place.
+
+    ``stage``: a :class:`minizero.parallel.pipeline.PipelineStage`. On the first stage ``wte``
+    becomes a :class:`VocabParallelEmbedding`; on the last, ``lm_head`` a
+    :class:`ParallelLMHead` on the same shard (or on the last stage's copy of it) and
+    ``stage.loss_fn`` :func:`vocab_parallel_cross_entropy`. Returns the converted names.
+    Raises:
+        ValueError: the group size does not divide the vocabulary.
+    """
+    tp, cfg = comm.world_size, stage.config
+    if tp == 1:
+        return []
+    if cfg.vocab_size % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide vocab_size={cfg.vocab_size}")
+    start = comm.rank * (cfg.vocab_size // tp)
+    done = []
+    if stage.is_first:
+        stage.transformer.wte = VocabParallelEmbedding.from_embedding(stage.transformer["wte"], comm)
+        done.append("transformer.wte")
+    if stage.is_last:
+        if stage.is_first:
+            w = stage.transformer["wte"].weight
+        else:
+            w = _mark(Parameter(shard_array(stage.lm_head.weight.data, 0, comm.rank, tp)), 0, 1)
+            w.shared_embedding_copy = True
+        stage.lm_head = ParallelLMHead(w, comm)
+        stage.loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=comm, vocab_start=start)
+        done.append("lm_head")
+    return done

@@ -1,0 +1,219 @@
+"""Pipeline parallelism: schedules, bubble, memory, messages, and equality with the single process.
+
+* Schedules (unit time slots, minizero/parallel/schedule.py): the bubble computed from the
+  timeline equals (p-1)/(m+p-1) for GPipe and 1F1B; the peak number of micro-batches in
+  flight is m for GPipe and at most p (exactly min(p-s, m) on stage s) for 1F1B.
+* Messages: exactly one activation and one gradient per stage boundary per micro-batch.
+* Deadlock freedom: with *synchronous* sends (a send returns only once received, as MPI's
+  for messages above the eager limit), both schedules complete; without pairing a send with
+  the next receive (sendrecv), 1F1B deadlocks.
+* Equivalence (float64, tests/mp_reference.py): pp in {2, 4} x m in {1, 4, 6} x both
+  schedules against one process accumulating the same m micro-batches.
+"""
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from minizero.comm import Communicator, run_in_threads
+from minizero.memory.ledger import get_ledger
+from minizero.nn import get_config
+from minizero.parallel.pipeline import PipelineEngine, stage_layers
+from minizero.parallel.schedule import (SCHEDULES, ascii_timeline, bubble_formula, bubble_fraction, make_schedule,
+                                        peak_in_flight, plot_timeline, simulate)
+from minizero.parallel.three_d import build_stage
+from minizero.parallel.topology import Topology
+from tests import mp_reference as R
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    """Ranks are threads here: one BLAS thread each (oversubscribed BLAS is ~100x slower on 2 cores)."""
+    with threadpool_limits(limits=1):
+        yield
+
+
+# ------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 16])
+def test_every_stage_runs_every_forward_before_its_backward(name, p, m):
+    for ops in make_schedule(name, p, m):
+        assert sorted(ops) == sorted([(k, i) for k in "FB" for i in range(m)])
+        assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("f, b", [(1, 1), (1, 2)])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 16])
+def test_bubble_from_the_timeline_equals_the_formula(name, f, b, p, m):
+    timeline = simulate(make_schedule(name, p, m), f, b)
+    assert bubble_fraction(timeline) == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    assert bubble_formula(p, m) == (p - 1) / (m + p - 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 16])
+def test_peak_in_flight_gpipe_holds_m_1f1b_at_most_p(p, m):
+    assert [peak_in_flight(ops) for ops in make_schedule("gpipe", p, m)] == [m] * p
+    peaks = [peak_in_flight(ops) for ops in make_schedule("1f1b", p, m)]
+    assert peaks == [min(p - s, m) for s in range(p)] and max(peaks) <= p
+
+
+def test_timeline_pictures(tmp_path):
+    timeline = simulate(make_schedule("1f1b", 2, 3), 1, 2)
+    assert ascii_timeline(timeline, 1, 2).splitlines() == [
+        "stage 0 |F0F1....B0--F2B1--..B2--|",
+        "stage 1 |..F0B0--F1B1--F2B2--....|"]
+    path = tmp_path / "t.png"
+    plot_timeline(timeline, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_schedule_and_sizes_are_refused():
+    with pytest.raises(ValueError, match="'zigzag'.*gpipe"):
+        make_schedule("zigzag", 2, 2)
+    with pytest.raises(ValueError, match="m=0"):
+        make_schedule("gpipe", 2, 0)
+
+
+# ------------------------------------------------------------------------------ the engine
+class SyncSendComm(Communicator):
+    """A ThreadCommunicator whose ``send`` returns only after the receiver took the message (MPI_Ssend).
+
+    ``sendrecv`` posts its send, receives, then waits for its own send to be taken (MPI_Sendrecv).
+    """
+
+    _ACK = 30000
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.world_size, self.traffic = inner, inner.rank, inner.world_size, inner.traffic
+
+    def _ack(self, peer, tag):
+        self.inner._recv(np.empty(1), peer, self._ACK + tag)
+
+    def _send(self, buf, dest, tag):
+        self.inner._send(buf, dest, tag)
+        self._ack(dest, tag)
+
+    def _recv(self, buf, source, tag):
+        self.inner._recv(buf, source, tag)
+        self.inner._send(np.zeros(1), source, self._ACK + tag)
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self.inner._send(sendbuf, dest, tag)
+        self._recv(recvbuf, source, tag)
+        self._ack(dest, tag)
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def split(self, color, key=0):
+        return SyncSendComm(self.inner.split(color, key))
+
+    def abort(self, errorcode=1):
+        self.inner.abort(errorcode)
+
+    _native_allreduce = _native_reduce_scatter = _native_allgather = _native_bcast = None
+
+
+CFG = get_config("default", dtype="float64", block_size=16)
+
+
+def micro_batches(m, b=2, t=16):
+    rng = np.random.default_rng(5)
+    return [(rng.integers(0, 256, (b, t)), rng.integers(0, 256, (b, t))) for _ in range(m)]
+
+
+def run_engine(comm, pp, m, schedule, sync=False, pair=True, verbose_log=None):
+    topo = Topology(comm, 1, 1, pp)
+    stage = build_stage(CFG, 0, topo)
+    pp_comm = SyncSendComm(topo.pp_comm) if sync else topo.pp_comm
+    engine = PipelineEngine(stage, pp_comm, schedule, pair_sends=pair, verbose=verbose_log is not None,
+                            log=verbose_log or print)
+    get_ledger().reset_peaks()
+    loss = engine.forward_backward(micro_batches(m))
+    return {"loss": loss, "traffic": topo.pp_comm.traffic.snapshot(), "in_flight": engine.peak_in_flight,
+            "act_peak": get_ledger().peak["activations"], "params": get_ledger().current["parameters"],
+            "layers": list(stage.layers), "grads": {n: p.grad.copy() for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_activation_and_one_gradient_per_boundary_per_micro_batch(schedule):
+    pp, m, b, t = 4, 6, 2, 16
+    act = b * t * CFG.n_embd * 8
+    for s, r in enumerate(run_in_threads(pp, run_engine, pp, m, schedule)):
+        expect = {}
+        if s < pp - 1:
+            expect["pp_activation"] = m * act
+        if s > 0:
+            expect["pp_gradient"] = m * act
+        assert r["traffic"]["by_op"] == expect
+        assert r["traffic"]["calls"] == {k: m for k in expect}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_activation_memory_follows_micro_batches_in_flight(schedule):
+    """Stage s holds peak_in_flight micro-batches' activations: GPipe m, 1F1B min(p - s, m)."""
+    pp, m = 4, 6
+    one = run_in_threads(pp, run_engine, pp, 1, schedule)
+    many = run_in_threads(pp, run_engine, pp, m, schedule)
+    for s in range(pp):
+        expect = m if schedule == "gpipe" else min(pp - s, m)
+        assert many[s]["in_flight"] == expect
+        ratio = many[s]["act_peak"] / one[s]["act_peak"]
+        assert ratio == pytest.approx(expect, abs=0.01), (s, ratio)
+
+
+@pytest.mark.timeout(60)
+def test_stages_hold_their_layers_and_the_ledger_shows_it():
+    pp, c = 4, CFG.n_embd
+    block = (12 * c * c + 13 * c) * 8
+    for s, r in enumerate(run_in_threads(pp, run_engine, pp, 1, "1f1b")):
+        assert r["layers"] == list(stage_layers(CFG.n_layer, pp, s)) == [s]
+        extra = (CFG.vocab_size + CFG.block_size) * c * 8 if s == 0 else 0
+        extra += (CFG.vocab_size * c + 2 * c) * 8 if s == pp - 1 else 0  # copy of the tied head, ln_f
+        assert r["params"] == len(r["layers"]) * block + extra
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_synchronous_sends_do_not_deadlock(schedule):
+    ref = run_in_threads(4, run_engine, 4, 5, schedule)
+    got = run_in_threads(4, run_engine, 4, 5, schedule, True)
+    for a, b in zip(ref, got):
+        assert a["loss"] == b["loss"]
+        assert all(np.array_equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+
+
+@pytest.mark.timeout(30)
+def test_without_sendrecv_1f1b_deadlocks_under_synchronous_sends():
+    with pytest.raises(TimeoutError):
+        run_in_threads(2, run_engine, 2, 2, "1f1b", True, False, timeout=2.0)
+
+
+def test_verbose_prints_every_message_as_an_arrow():
+    lines = [[] for _ in range(2)]
+
+    def rank(comm):
+        return run_engine(comm, 2, 2, "1f1b", verbose_log=lines[comm.rank].append)
+
+    run_in_threads(2, rank)
+    assert lines[0][0] == "[stage 0] act mb0 (2, 16, 128) 32768 B ──> stage 1"
+    assert any("(sendrecv)" in line for line in lines[1])
+    assert sum("──>" in line for line in lines[0] + lines[1]) == 4  # 2 activations + 2 gradients
+
+
+# ------------------------------------------------------------------------------ equivalence
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_equals_single_process(pp, m, schedule):
+    """tiny (2 layers) for pp = 2; the default model (4 layers) at context 16 for pp = 4."""
+    model = "tiny" if pp == 2 else "default"
+    ref = run_in_threads(1, R.run_single, model, 1, m)[0]
+    got = run_in_threads(pp, R.run_parallel, model, 1, 1, 1, pp, m, schedule)
+    R.assert_matches(ref, got, f"pp {pp} m {m} {schedule}")

@@ -1,0 +1,189 @@
+"""Quantized collectives: error bounds, identical results on every rank, and a quarter of the bytes."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import bytes_sent as fp32_bytes_sent
+from minizero.comm import reduce_scatter, run_in_threads, shard_range
+from minizero.comm.quantized import bytes_sent, quantized_all_gather, quantized_reduce_scatter
+from minizero.memory.quantize import dequantize, element_scale, quantize
+from tests.conftest import REPO_ROOT, mpi_env
+
+CASES = [(2, 1000), (3, 1000), (4, 4099), (3, 2), (5, 3)]
+
+
+def _data(rank, n):
+    rng = np.random.default_rng([rank, n])
+    return (rng.standard_normal(n) * np.exp(rng.uniform(-3, 1, n))).astype(np.float32)
+
+
+def _gather(comm, n, block):
+    x = _data(comm.rank, n)
+    off, size = shard_range(n, comm.world_size, comm.rank)
+    comm.traffic.reset()
+    out = quantized_all_gather(comm, x[off:off + size].copy(), n, block_size=block)
+    return x, out, comm.traffic.snapshot()
+
+
+def _scatter(comm, n, block):
+    x = _data(comm.rank, n)
+    comm.traffic.reset()
+    got = quantized_reduce_scatter(comm, x, block_size=block)
+    sent = comm.traffic.snapshot()
+    exact = reduce_scatter(comm, x.astype(np.float64))
+    return x, got, exact, sent
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,n", CASES)
+def test_all_gather_bound_identical_ranks_and_bytes(world_size, n):
+    block = 64
+    results = run_in_threads(world_size, _gather, n, block)
+    for r in range(world_size):
+        np.testing.assert_array_equal(results[r][1], results[0][1])  # every rank gathers the same values
+        assert results[r][2]["bytes_sent"] == bytes_sent("all_gather", n, world_size, r, block)
+        by_op = results[r][2]["by_op"]  # the inner ring all-gathers are counted under the outer label
+        assert by_op["quantized_all_gather"] == results[r][2]["bytes_sent"] and by_op.get("all_gather", 0) == 0
+    out = results[0][1]
+    for r in range(world_size):
+        off, size = shard_range(n, world_size, r)
+        part = results[r][0][off:off + size]
+        _, scale = quantize(part, 8, "block", block)
+        assert (np.abs(out[off:off + size] - part) <= element_scale(scale, (size,), "block", block) / 2).all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,n", CASES)
+def test_reduce_scatter_bound_and_bytes(world_size, n):
+    block = 64
+    results = run_in_threads(world_size, _scatter, n, block)
+    xs = [r[0] for r in results]
+    for r in range(world_size):
+        off, size = shard_range(n, world_size, r)
+        _, got, exact, sent = results[r]
+        bound = np.zeros(size)
+        for j in range(world_size):
+            if j != r:  # what j sent r: its chunk r, quantized with blocks starting at the chunk
+                q, scale = quantize(xs[j][off:off + size], 8, "block", block)
+                bound += element_scale(scale, (size,), "block", block) / 2
+        assert (np.abs(got.astype(np.float64) - exact) <= bound * (1 + 1e-6) + 1e-6 * np.abs(exact)).all()
+        assert sent["bytes_sent"] == bytes_sent("reduce_scatter", n, world_size, r, block)
+
+
+def test_a_quarter_of_the_fp32_bytes():
+    """At B = 256 the wire carries (1 + 4/256) / 4 = 0.254 of the FP32 ring's bytes."""
+    n, world = 8 * 2 ** 16, 8
+    for op in ("all_gather", "reduce_scatter"):
+        ratio = bytes_sent(op, n, world, 0, 256) / fp32_bytes_sent(op, n, 4, world, 0)
+        assert abs(ratio - (1 + 4 / 256) / 4) < 1e-3, (op, ratio)
+
+
+def test_one_rank_sends_nothing_and_is_exact():
+    x = _data(0, 100)
+    gathered, scattered, sent = run_in_threads(1, lambda c: (quantized_all_gather(c, x), quantized_reduce_scatter(c, x),
+                                                             c.traffic.bytes_sent))[0]
+    np.testing.assert_array_equal(gathered, x)
+    np.testing.assert_array_equal(scattered, x)
+    assert sent == 0 == bytes_sent("all_gather", 100, 1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_errors_are_named():
+    with pytest.raises(ValueError, match="shard has 3 elements"):
+        run_in_threads(2, lambda c: quantized_all_gather(c, np.ones(3, np.float32), 10))
+    with pytest.raises(ValueError, match="non-finite"):
+        run_in_threads(2, lambda c: quantized_all_gather(c, np.array([1.0, np.nan], np.float32)))
+    with pytest.raises(ValueError, match="op='all_reduce'"):
+        bytes_sent("all_reduce", 10, 2, 0)
+
+
+@pytest.mark.timeout(60)
+def test_overflowed_gradients_arrive_as_nan_not_as_an_error():
+    """FP16 loss scaling skips a step whose gradients overflowed; the INT8 reduce-scatter must let it see that."""
+    def scatter(comm):
+        x = np.ones(8, np.float16)
+        if comm.rank == 1:
+            x[1] = np.inf  # rank 1's chunk 0 (elements 0-3) goes to rank 0
+        return quantized_reduce_scatter(comm, x, block_size=2)
+
+    out = run_in_threads(2, scatter)
+    assert np.isnan(out[0][:2]).all() and (out[0][2:] == 2).all()  # only the block with the inf
+    assert (out[1] == 2).all()
+
+
+def test_float64_stays_float64():
+    outs = run_in_threads(2, lambda c: quantized_reduce_scatter(c, np.linspace(-1, 1, 10)))
+    assert outs[0].dtype == np.float64
+    # rank 0's chunk: its own part exact + rank 1's dequantized; both hold the same data here
+    q, s = quantize(np.linspace(-1, 1, 10)[:5], 8, "block", 256)
+    np.testing.assert_array_equal(outs[0], np.linspace(-1, 1, 10)[:5] + dequantize(q, s, dtype=np.float64))
+
+
+@pytest.mark.timeout(120)
+def test_mpi_demo_runs(mpiexec):
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, f"{REPO_ROOT}/mpi_examples/quantized_collectives.py"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "within the bound" in proc.stdout and "of the FP32 bytes" in proc.stdout
+
+
+# --------------------------------------------------------------------------- inside ZeRO: --quantized-comm
+def _zero_run(comm, stage, quantized, steps, micro_batch=4):
+    from minizero.train import parse_args, train
+
+    argv = ["--model", "tiny", "--steps", str(steps), "--micro-batch-size", str(micro_batch), "--eval-every", "0",
+            "--eval-batches", "8", "--no-progress", "--zero", str(stage)]
+    result = train(parse_args(argv + (["--quantized-comm"] if quantized else []), comm.world_size), comm,
+                   log=lambda s: None)
+    return result["opt"].step_bytes, result["val_history"][-1][1], comm.traffic.snapshot()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_sends_a_quarter_by_the_ledger(stage):
+    from minizero.memory.zero import ShardMap
+    from minizero.nn import GPT, get_config
+
+    n = 2
+    sm = ShardMap.from_model(GPT(get_config("tiny")), n)
+    exact = run_in_threads(n, _zero_run, stage, False, 1)
+    quant = run_in_threads(n, _zero_run, stage, True, 1)
+    for r in range(n):
+        e, q = exact[r][0][0], quant[r][0][0]
+        rs = sum(bytes_sent("reduce_scatter", u.padded, n, r) for u in sm.units)
+        assert q["reduce_scatter_grads"] == rs
+        assert e["reduce_scatter_grads"] == sum(fp32_bytes_sent("reduce_scatter", u.padded, 4, n, r) for u in sm.units)
+        if stage == 3:  # forward and backward gathers are INT8; stages 1-2 all-gather exact parameters
+            ag = sum(bytes_sent("all_gather", u.padded, n, r) for u in sm.units)
+            assert q["gather_forward"] == q["gather_backward"] == ag
+        else:
+            assert q["all_gather_params"] == e["all_gather_params"]
+        ratio = q["reduce_scatter_grads"] / e["reduce_scatter_grads"]
+        assert 0.25 < ratio < 0.27, ratio  # (1 + 4/256) / 4 = 0.254, a little more for the 32-element units
+        assert quant[r][2]["by_op"]["quantized_reduce_scatter"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_zero3_training_with_int8_comm_stays_within_005_nats():
+    """The issue's check: 200 steps of ZeRO-3 over 2 ranks, INT8 gathers and reduce-scatters vs FP32 ones,
+    with the main job's global batch (16) and learning rate. (The tiny model's 200-step loss moves by a few
+    hundredths under any perturbation — float64 instead of float32 moves it 0.04 — so this is a loose check;
+    bench/bench_quantization.py measures the 'small' model: +0.017 for ZeRO-2, +0.019 for ZeRO-3.)"""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        exact = run_in_threads(2, _zero_run, 3, False, 200, 8)[0][1]
+        quant = run_in_threads(2, _zero_run, 3, True, 200, 8)[0][1]
+    assert exact < 3.0  # it learned (ln 256 = 5.55)
+    assert abs(quant - exact) < 0.05, (exact, quant)
+
+
+def test_quantized_comm_needs_zero():
+    from minizero.train import UsageError, parse_args
+
+    with pytest.raises(UsageError, match="--quantized-comm needs --zero 1, 2 or 3"):
+        parse_args(["--quantized-comm"])
+    with pytest.raises(UsageError, match="exclude each other"):
+        parse_args(["--quantized-comm", "--zero", "2", "--native-comm"])
