@@ -38,7 +38,7 @@ from minizero.autograd import manual_seed, no_grad
 from minizero.comm.collectives import all_gather, all_reduce
 from minizero.data import DistributedSampler, check_corpus, decode, encode, eval_batches, load_tokens, train_val_split
 from minizero.memory.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
-from minizero.memory.offload import ActivationOffload, OffloadError, check_offload_dir
+from minizero.memory.offload import ActivationOffload, OffloadError, OptimizerStateStore, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.sparsity import SCOPES, Pruner
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
     p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
                    help="move saved activations to host memory or to files until backward")
+    p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
+                   help="keep master weights and Adam state (and run the update) on the host or on disk "
+                        "(ZeRO-Offload / ZeRO-Infinity)")
     p.add_argument("--offload-dir", default=None, help="parent directory of the per-rank offload folders "
                                                         "(default: the system temp directory)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
@@ -173,8 +176,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     if args.recompute_every < 1:
         raise UsageError(f"--recompute-every must be >= 1, got {args.recompute_every}")
     if args.offload_dir is not None:
-        if args.offload_activations != "nvme":
-            raise UsageError("--offload-dir is only used with --offload-activations nvme")
+        if "nvme" not in (args.offload_activations, args.offload_optimizer):
+            raise UsageError("--offload-dir is only used with --offload-activations nvme or --offload-optimizer nvme")
         try:
             check_offload_dir(args.offload_dir)
         except OffloadError as e:
@@ -189,6 +192,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         dp = resolve_parallel_args(args, world_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.optimizer == "adam8bit" and args.offload_optimizer != "none":
+        raise UsageError("--offload-optimizer works with --optimizer adamw; 8-bit Adam's state is already 4x smaller "
+                         "and stays on the device")
     if args.adam8bit_block_size < 1:
         raise UsageError(f"--adam8bit-block-size must be >= 1, got {args.adam8bit_block_size}")
     if args.quantized_comm and not args.zero:
@@ -334,6 +340,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=rank)
     params = model.parameters()
     fp16 = args.precision == "fp16"
+    store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)
     if args.zero:
         state = None
         if args.optimizer == "adam8bit":  # the 8-bit state is what gets sharded
@@ -341,7 +348,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
                 return ShardedAdam8bit(shard_map, comm, cfg.dtype, block_size=args.adam8bit_block_size)
         dp, opt = None, ZeroOptimizer(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16)
+                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
         if rank0 and args.show_shards:
             log(opt.shard_map.format())
         if rank0 and world == 1:
@@ -352,7 +359,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
         else:
-            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16)
+            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     # FP16: the loss is scaled by S before backward; overflowing steps are skipped on every rank
     scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
                                hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None

@@ -80,3 +80,52 @@ def test_bad_offload_dir_is_a_usage_error(tmp_path):
         parse_args(["--offload-activations", "nvme", "--offload-dir", str(tmp_path / "nope")])
     with pytest.raises(UsageError, match="only used with --offload-activations nvme"):
         parse_args(["--offload-dir", str(tmp_path)])
+
+
+# ---- optimizer offload ------------------------------------------------------------------
+def _train_params(comm, argv):
+    from minizero.memory.ledger import MemoryLedger, get_ledger, set_ledger
+    from minizero.train import parse_args, train
+
+    set_ledger(MemoryLedger())
+    args = parse_args(["--model", "tiny", "--dtype", "float64", "--steps", "3", "--grad-accum", "2",
+                       "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--grad-clip", "0.05"] + argv,
+                      comm.world_size)
+    res = train(args, comm, log=lambda s: None)
+    opt = res["opt"]
+    with opt.full_parameters() if hasattr(opt, "full_parameters") else contextlib.nullcontext():
+        params = [p.data.copy() for p in res["model"].parameters()]
+    return params, res["state_bytes"], get_ledger().peak, opt.store.disk_bytes
+
+
+import contextlib  # noqa: E402
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_optimizer_offload_is_exact_and_moves_the_state(zero, kind, tmp_path):
+    from minizero.comm import run_in_threads
+
+    ref = run_in_threads(2, _train_params, ["--zero", str(zero)])
+    extra = ["--zero", str(zero), "--offload-optimizer", kind] + (["--offload-dir", str(tmp_path)] if kind == "nvme"
+                                                                  else [])
+    got = run_in_threads(2, _train_params, extra)
+    for (p_ref, sb_ref, _, _), (p_got, sb_got, peak, disk) in zip(ref, got):
+        for a, b in zip(p_ref, p_got):
+            np.testing.assert_array_equal(a, b)
+        assert sb_got["optimizer_state"] == 0 and sb_ref["optimizer_state"] > 0
+        if kind == "cpu":
+            assert peak["offloaded"] == sb_ref["optimizer_state"]
+        else:
+            assert peak["offloaded"] == 0 and disk == sb_ref["optimizer_state"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_optimizer_offload_flags():
+    from minizero.train import UsageError, parse_args
+
+    with pytest.raises(UsageError, match="works with --optimizer adamw"):
+        parse_args(["--optimizer", "adam8bit", "--offload-optimizer", "cpu"])
+    with pytest.raises(UsageError, match="'gpu'"):
+        parse_args(["--offload-optimizer", "gpu"])

@@ -159,7 +159,8 @@ class ZeroOptimizer:
     """
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False):
+                 native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False,
+                 store=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
@@ -169,6 +170,9 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
+        from minizero.memory.offload import OptimizerStateStore
+
+        self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
         self.quantized_comm = quantized_comm
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
@@ -219,12 +223,9 @@ class ZeroOptimizer:
         lo, size = self.shard_map.shard(st.index, self.comm.rank)
         sdt = state_dtype(dtype)
         if self.sharded_state is None:  # otherwise the sharded_state object holds (and counts) its own
-            st.m, st.v = xp.zeros(size, sdt), xp.zeros(size, sdt)
-            ledger.track(st.m, "optimizer_state")
-            ledger.track(st.v, "optimizer_state")
+            st.m, st.v = self.store.zeros(size, sdt), self.store.zeros(size, sdt)
         if self.master_weights:
-            st.master = flat[lo:lo + size].astype(np.float32)
-            ledger.track(st.master, "optimizer_state")
+            st.master = self.store.copy_of(flat[lo:lo + size], np.float32)
         if self.stage in (1, 2):
             st.flat_param, st.param_shard = flat, flat[lo:lo + size]
             ledger.track(flat, "parameters")
@@ -458,14 +459,16 @@ class ZeroOptimizer:
                 if st.master is not None:
                     st.param_shard[...] = target.astype(st.param_shard.dtype)
                 continue
+            # offloaded state: the update runs where the state lives, on host copies (same arrays on NumPy)
+            grad = self.store.to_store(st.grad_shard)
+            params = self.store.to_store(st.param_shard) if st.master is None else st.master
             for pc in st.pieces:
                 sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
                 wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
-                target = st.param_shard[sl] if st.master is None else st.master[sl]
-                adamw_update(target, st.grad_shard[sl], st.m[sl], st.v[sl], self.step_count,
+                adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
                              self.lr, b1, b2, self.eps, wd, grad_scale)
-                if st.master is not None:
-                    st.param_shard[sl] = target.astype(st.param_shard.dtype)
+            if params is not st.param_shard:  # masters or a host copy: round/copy back to the device shard
+                st.param_shard[...] = backend.to_device(params.astype(st.param_shard.dtype, copy=False))
         if self.stage in (1, 2):
             self._all_gather_params("all_gather_params")
         self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})

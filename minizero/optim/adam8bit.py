@@ -323,6 +323,9 @@ class ShardedAdam8bit:
 
         Weight decay on pieces of 2-D+ parameters only (nanoGPT grouping). Collective when the
         unit has shared blocks (every rank calls it for every unit, in the same order).
+        Transient memory: the unit's owned m and v in the state dtype while it is updated (the
+        cut blocks need every piece's new absmax before any is requantized); bitsandbytes keeps
+        one block at a time in registers.
         """
         b = self.block_size
         shared = self.shared[unit]

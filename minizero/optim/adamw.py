@@ -76,6 +76,8 @@ class AdamW:
         master_weights: keep an FP32 copy of every parameter; the update runs
             on it and the parameter (FP16) receives the rounded result
             (Micikevicius et al. 2018, section 3.1).
+        store: a :class:`~minizero.memory.offload.OptimizerStateStore` deciding
+            where m, v and the masters live (device, host, NVMe); default device.
     State: ``m`` and ``v`` per parameter, in :func:`state_dtype`, counted as
     ``optimizer_state`` in the ledger (8 bytes per float32 parameter), plus the
     masters (4 bytes per parameter) with ``master_weights``.
@@ -83,27 +85,25 @@ class AdamW:
         ValueError: a hyper-parameter out of range (named).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False,
+                 store=None):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.params = list(params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
-        ledger = get_ledger()
+        from minizero.memory.offload import OptimizerStateStore
+
+        self.store = store if store is not None else OptimizerStateStore("none")
         self.m, self.v = [], []
         self.masters = None
         if master_weights:
-            self.masters = [backend.xp.array(p.data, dtype=np.float32, copy=True) for p in self.params]
-            for a in self.masters:
-                ledger.track(a, "optimizer_state")
+            self.masters = [self.store.copy_of(p.data, np.float32) for p in self.params]
         for p in self.params:
             dt = state_dtype(p.dtype)
-            m, v = backend.xp.zeros(p.shape, dt), backend.xp.zeros(p.shape, dt)
-            ledger.track(m, "optimizer_state")
-            ledger.track(v, "optimizer_state")
-            self.m.append(m)
-            self.v.append(v)
+            self.m.append(self.store.zeros(p.shape, dt))
+            self.v.append(self.store.zeros(p.shape, dt))
 
     @staticmethod
     def decays(p) -> bool:
@@ -122,10 +122,11 @@ class AdamW:
             if p.grad is None:
                 continue
             wd = self.weight_decay if self.decays(p) else 0.0
-            target = p.data if self.masters is None else self.masters[i]
-            adamw_update(target, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
-            if self.masters is not None:
-                p.data[...] = target.astype(p.dtype)
+            target = self.store.to_store(p.data) if self.masters is None else self.masters[i]
+            grad = self.store.to_store(p.grad)  # offloaded: the update runs where the state is
+            adamw_update(target, grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
+            if self.masters is not None or target is not p.data:
+                p.data[...] = backend.to_device(target.astype(p.dtype, copy=False))
 
     def zero_grad(self) -> None:
         """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
