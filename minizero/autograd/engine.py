@@ -221,6 +221,10 @@ class Tensor:
         self.grad_fn = None
         self._out_index = 0
         self._post_accumulate_hooks = []
+        #: ledger category of this leaf's ``.grad`` ("gradients"); None for a temporary leaf whose
+        #: gradient is an activation gradient (recompute's inputs), which the ledger does not count
+        #: -- as it does not count any gradient flowing between Functions
+        self.grad_category = "gradients"
 
     shape = property(lambda self: self.data.shape, doc="the array's shape")
     dtype = property(lambda self: self.data.dtype, doc="the array's dtype")
@@ -354,6 +358,7 @@ def _edge(a):
 def _accumulate_leaf(t: Tensor, g) -> None:
     if t.grad is None:
         t.grad = backend.xp.array(g, dtype=t.data.dtype, copy=True, order="C")
-        get_ledger().track(t.grad, "gradients")
+        if t.grad_category is not None:
+            get_ledger().track(t.grad, t.grad_category)
     else:
         t.grad += g

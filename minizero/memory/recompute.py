@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from minizero.autograd import Function, Tensor, enable_grad, no_grad
 from minizero.autograd.functional import fork_rng, get_rng_state, set_rng_state
-from minizero.memory.ledger import get_ledger
 
 MODES = ("none", "full", "selective")
 
@@ -57,17 +56,14 @@ class Checkpoint(Function):
     def backward(ctx, grad):
         arrays = ctx.saved_tensors
         inputs = [Tensor(a, requires_grad=need) for a, need in zip(arrays, ctx.needs_input_grad[1:])]
+        for t in inputs:
+            t.grad_category = None  # an activation gradient, not a parameter gradient: not in the ledger
         with fork_rng():  # the generator is put back afterwards: recompute consumes no randomness
             set_rng_state(ctx.rng_state)
             with enable_grad():
                 out = ctx.run_fn(*inputs)
         out.backward(grad)
-        grads = [t.grad if t.requires_grad else None for t in inputs]
-        ledger = get_ledger()
-        for g in grads:  # activation gradients, not parameter gradients: out of the "gradients" figure
-            if g is not None:
-                ledger.untrack(g)
-        return (None, *grads)
+        return (None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
 def checkpoint(fn, *inputs: Tensor) -> Tensor:
