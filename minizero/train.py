@@ -283,9 +283,12 @@ def evaluate(model, batches, comm) -> float:
     with no_grad():
         for x, y in batches:
             xs, ys = x[comm.rank::comm.world_size], y[comm.rank::comm.world_size]
-            if len(xs):
-                _, loss = model(backend.to_device(xs), backend.to_device(ys))
-                total += [loss.item() * len(xs), len(xs)]
+            # a rank without rows still runs the forward (on one row, not counted): under ZeRO-3 the
+            # forward's all-gathers are collectives that every rank must join
+            n = len(xs)
+            xs, ys = (xs, ys) if n else (x[:1], y[:1])
+            loss = model(backend.to_device(xs), backend.to_device(ys))[1]
+            total += [loss.item() * n, n]
     with comm.traffic.op("metrics"):
         total = all_reduce(comm, total)
     model.train(was_training)
@@ -382,6 +385,10 @@ def train(args, comm, log=print, after_grads=None) -> dict:
 
         bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
     tokens_per_step = args.batch_size * cfg.block_size
+    # the ledger's peaks cover the training steps from here on; set-up (building the full model, then ZeRO
+    # copying it into flat buffers or shards, one unit beside the old arrays) is kept apart as setup_peak
+    setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
+    get_ledger().reset_peaks()
     t_start = time.perf_counter()
     for step in range(args.steps):
         poison = _check_fault(rank, step)  # MINIZERO_FAULT=r:s:inf makes this rank's gradients non-finite
@@ -448,7 +455,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     return dict(model=model, dp=dp, opt=opt, train_losses=train_losses, grad_norms=grad_norms, val_history=val_history,
                 loss_scales=loss_scales, skipped_steps=scaler.skipped if scaler is not None else 0,
                 elapsed_s=elapsed, tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg,
-                state_bytes=state_bytes, pruner=pruner)
+                state_bytes=state_bytes, pruner=pruner, setup_peak=setup_peak)
 
 
 def _cores() -> int:
@@ -493,6 +500,8 @@ def main(argv=None) -> int:
         stats = _gather_stats(comm, process_peak, per_step * args.steps)
         zero = gather_figures(comm, dict(result["state_bytes"], gathered_peak=get_ledger().peak["gathered"],
                                          bytes_sent_per_step=per_step))
+        if "setup_peak" in result:  # every rank's ledger peaks during set-up, by category
+            result["setup_peaks"] = gather_figures(comm, result["setup_peak"])
         with opt.full_parameters() if dp is None else contextlib.nullcontext():  # stage 3: gather for saving
             if rank == 0:
                 _report(args, result, stats, threads, local_ranks, zero)
@@ -516,6 +525,9 @@ def _report(args, result, stats, threads, local_ranks, zero) -> None:
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
         f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
+    if result.get("setup_peaks"):
+        notes.append("peaks above: the training steps; set-up (model built, then re-homed) peaked at " + ", ".join(
+            f"r{r} {format_bytes(sp['peak_total'])}" for r, sp in enumerate(result["setup_peaks"])))
     if result.get("pruner") is not None:
         rep = result["pruner"].report()
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
@@ -546,6 +558,7 @@ def _report(args, result, stats, threads, local_ranks, zero) -> None:
         "blas_threads_per_rank": threads,
         "ledger_peak_bytes": [s["peak"] for s in stats],
         "ledger_peak_total_bytes": [s["peak_total"] for s in stats],
+        "ledger_setup_peak_bytes": result.get("setup_peaks"),
         "process_peak_bytes": [s["process_peak"] for s in stats],
         "bytes_sent": [s["bytes_sent"] for s in stats],
         "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],
