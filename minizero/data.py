@@ -113,12 +113,16 @@ class DistributedSampler:
         return self.grad_accum * self.dp_size * self.micro_batch
 
     def micro_batches(self, step: int):
-        """Yield this rank's ``grad_accum`` micro-batches (x, y) of optimizer step ``step``."""
+        """Yield this rank's ``grad_accum`` micro-batches (x, y) of optimizer step ``step``, each (b, T) int64.
+
+        Copies, not views: a view of the global batch would keep every rank's rows alive in
+        this rank's memory for as long as the model saves the token ids for backward.
+        """
         x, y = global_batch(self.tokens, step, self.global_batch_size, self.block_size, self.seed)
         b = self.micro_batch
         for k in range(self.grad_accum):
             lo = (k * self.dp_size + self.dp_rank) * b
-            yield x[lo:lo + b], y[lo:lo + b]
+            yield x[lo:lo + b].copy(), y[lo:lo + b].copy()
 
 
 def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234):

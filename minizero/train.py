@@ -206,9 +206,6 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         raise UsageError(f"--prune-sparsity must be in [0, 1), got {args.prune_sparsity}")
     if args.prune_sparsity and not 0 <= args.prune_step < args.steps:
         raise UsageError(f"--prune-step must be in [0, steps={args.steps}), got {args.prune_step}")
-    if args.tp * args.pp > 1 and (args.optimizer != "adamw" or args.quantized_comm or args.prune_sparsity):
-        raise UsageError("--optimizer adam8bit, --quantized-comm and --prune-sparsity are not wired into the "
-                         "--tp/--pp loop; use them with data parallelism and --zero")
     per_step = args.micro_batch_size * dp
     if args.batch_size is not None:
         if args.batch_size % per_step:
@@ -498,8 +495,10 @@ def main(argv=None) -> int:
         dp, opt = result["dp"], result["opt"]
         per_step = dp.bytes_sent / args.steps if dp is not None else opt.bytes_per_step()
         stats = _gather_stats(comm, process_peak, per_step * args.steps)
+        store = getattr(opt, "store", None)  # optimizer state in files (--offload-optimizer nvme): in no ledger category
         zero = gather_figures(comm, dict(result["state_bytes"], gathered_peak=get_ledger().peak["gathered"],
-                                         bytes_sent_per_step=per_step))
+                                         bytes_sent_per_step=per_step,
+                                         optimizer_disk_bytes=getattr(store, "disk_bytes", 0)))
         if "setup_peak" in result:  # every rank's ledger peaks during set-up, by category
             result["setup_peaks"] = gather_figures(comm, result["setup_peak"])
         with opt.full_parameters() if dp is None else contextlib.nullcontext():  # stage 3: gather for saving

@@ -37,6 +37,15 @@ def run_single(comm, model, micro_batch, m, extra=()):
             "losses": np.array(res["train_losses"]), "val": res["val_history"][-1][1]}
 
 
+def run_single_dp(comm, model, micro_batch, m, extra=()):
+    """Plain data parallelism over ``comm`` (any --zero in ``extra`` applies): final parameters and losses."""
+    args = parse_args(base_argv(model, micro_batch, extra) + ["--grad-accum", str(m)], comm.world_size)
+    res = train(args, comm, log=lambda s: None)
+    with res["opt"].full_parameters() if hasattr(res["opt"], "full_parameters") else contextlib.nullcontext():
+        params = {n: p.data.copy() for n, p in res["model"].named_parameters()}
+    return {"params": params, "losses": np.array(res["train_losses"])}
+
+
 def run_parallel(comm, model, micro_batch, dp, tp, pp, m, schedule="1f1b", extra=()):
     """Train on the mesh (tp x pp > 1); this rank's named shards, their split (dim, stride) and coordinates."""
     args = parse_args(base_argv(model, micro_batch, extra) + ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp),

@@ -253,14 +253,14 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
     before clipping (``params``: this rank's stage parameters, i.e. shards; under ZeRO the
     gradients are in ``opt.grad_shards()``); ``--precision fp16`` scales the loss, skips
     overflowing steps on every rank and folds 1/scale and the clipping coefficient into the
-    update; ``--optimizer``, ``--zero``, ``--quantized-comm``, ``--recompute`` and
-    ``--offload-activations`` act per stage.
+    update; ``--optimizer``, ``--zero``, ``--quantized-comm``, ``--recompute``,
+    ``--offload-activations`` and ``--offload-optimizer`` act per stage.
     Result keys: model (the whole GPT, gathered on rank 0; None elsewhere), stage, topo,
     engine, dp, opt, train_losses, grad_norms, val_history, loss_scales, skipped_steps,
     elapsed_s, tokens_per_s, config, state_bytes, traffic (per group).
     """
     from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
-    from minizero.memory.offload import ActivationOffload
+    from minizero.memory.offload import ActivationOffload, OptimizerStateStore
     from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
     from minizero.memory.recompute import apply_recompute
     from minizero.memory.zero import ZeroOptimizer, model_state_bytes
@@ -280,6 +280,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
+    store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: Adam state off-device
     if args.zero:
         state = None
         if args.optimizer == "adam8bit":  # the 8-bit state is what gets sharded
@@ -287,7 +288,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
                 return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16)
+                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
         if rank0 and args.show_shards:
             log(opt.shard_map.format())
     else:
@@ -296,7 +297,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
         else:
-            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16)
+            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
                                hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
     offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=comm.rank)

@@ -1,0 +1,229 @@
+"""3D parallelism: the mesh, the command line, and dp x tp x pp (and ZeRO-1) equal to one process.
+
+Equivalence (float64, tests/mp_reference.py): dp 2 x tp 2 x pp 2 on 8 ranks (threads, and
+under mpiexec) and dp 2 x pp 2 with ZeRO-1, against one process on the same global batches:
+gradient shards of step 0 to 1e-12, parameter shards after 3 steps to 1e-9, and the whole
+model gathered on rank 0 to 1e-9; also with recompute, offload, and ZeRO-2/3 over tensor
+parallelism. In float32, the loss curve of dp 2 x tp 2 x pp 2 follows dp 8's (the same batches)
+within 1e-3; in FP16 it follows dp 2's (the same FP16 sums over the data group) within 5e-3, and
+an overflow on one rank skips the step on every rank.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from minizero.comm import all_gather, run_in_threads
+from minizero.parallel.topology import Topology, coordinates, mesh, resolve_sizes
+from minizero.train import UsageError, parse_args, train
+from tests import mp_reference as R
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    """Ranks are threads here: one BLAS thread each (oversubscribed BLAS is ~100x slower on 2 cores)."""
+    with threadpool_limits(limits=1):
+        yield
+
+
+# ------------------------------------------------------------------------------ the mesh
+def test_mesh_puts_tensor_ranks_next_to_each_other():
+    grid = mesh(dp=2, tp=2, pp=2)
+    assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert all(grid[p, d, t] == r for r in range(8) for d, t, p in [coordinates(r, 2, 2, 2)])
+
+
+@pytest.mark.timeout(60)
+def test_group_communicators_hold_the_right_ranks():
+    def rank(comm):
+        topo = Topology(comm, 2, 2, 2)
+        me = np.array([comm.rank], dtype=np.float64)
+        members = {name: all_gather(c, me).astype(int).tolist() for name, c in topo.groups().items()}
+        members["mp"] = all_gather(topo.mp_comm, me).astype(int).tolist()
+        return (topo.dp_rank, topo.tp_rank, topo.pp_rank), members
+
+    got = run_in_threads(8, rank)
+    assert got[5][0] == (0, 1, 1)
+    assert got[5][1] == {"tp": [4, 5], "dp": [5, 7], "pp": [1, 5], "embed": [1, 5], "mp": [0, 1, 4, 5]}
+    assert got[2][1] == {"tp": [2, 3], "dp": [0, 2], "pp": [2, 6], "embed": [2, 6], "mp": [2, 3, 6, 7]}
+
+
+@pytest.mark.parametrize("world, given, expect", [
+    (8, (None, 2, 2), (2, 2, 2)), (8, (2, 2, None), (2, 2, 2)), (8, (2, None, 2), (2, 2, 2)),
+    (8, (None, None, None), (8, 1, 1)), (8, (None, 2, None), (4, 2, 1)), (8, (None, None, 4), (2, 1, 4)),
+    (4, (4, None, None), (4, 1, 1)), (1, (None, None, None), (1, 1, 1))])
+def test_left_out_sizes_are_derived(world, given, expect):
+    assert resolve_sizes(world, *given) == expect
+
+
+@pytest.mark.parametrize("world, argv, needle", [
+    (4, ["--dp", "2", "--tp", "2", "--pp", "2"], "--dp 2 x --tp 2 x --pp 2 = 8, but the world has 4 rank(s)"),
+    (8, ["--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2, but the world has 8"),
+    (8, ["--tp", "3"], "cannot derive --dp: world size 8 is not divisible by --tp 3 x --pp 1 = 3"),
+    (4, ["--model", "tiny", "--tp", "4"], "--tp 4 does not divide the number of attention heads n_head=2"),
+    (4, ["--model", "tiny", "--pp", "4"], "--pp 4 is larger than the number of layers n_layer=2"),
+    (2, ["--tp", "0"], "--tp must be an integer >= 1, got 0"),
+    (4, ["--pp", "2", "--micro-batches", "0"], "--micro-batches must be >= 1, got 0"),
+    (4, ["--pp", "2", "--micro-batches", "4", "--grad-accum", "2"], "--micro-batches 4 and --grad-accum 2"),
+    (4, ["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2 is not supported"),
+    (4, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 is not supported"),
+    (4, ["--pp", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
+    (4, ["--pp", "2", "--prune-sparsity", "0.5"], "--prune-sparsity with --tp 1 --pp 2 is not supported"),
+])
+def test_bad_sizes_fail_before_any_work_naming_the_numbers(world, argv, needle):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, world)
+    assert needle in str(e.value)
+
+
+def test_hidden_size_must_split_too():
+    with pytest.raises(ValueError, match="--tp 2 does not divide the hidden size n_embd=7"):
+        resolve_sizes(2, tp=2, n_head=2, n_embd=7)
+
+
+def test_default_micro_batches_keep_the_global_batch_of_pure_data_parallelism():
+    a = parse_args(["--dp", "2", "--tp", "2", "--pp", "2"], 8)
+    assert (a.dp, a.tp, a.pp, a.micro_batches, a.grad_accum, a.batch_size) == (2, 2, 2, 4, 4, 16)
+    assert parse_args([], 8).batch_size == 16  # --dp 8: the same 16 sequences per step
+    b = parse_args(["--pp", "2", "--batch-size", "8"], 4)
+    assert (b.dp, b.micro_batches) == (2, 2)
+    c = parse_args([], 4)
+    assert (c.dp, c.tp, c.pp, c.micro_batches) == (4, 1, 1, 1)  # the default path, unchanged
+
+
+def test_zero1_with_pipeline_is_accepted():
+    assert parse_args(["--pp", "2", "--zero", "1"], 4).zero == 1
+
+
+# ------------------------------------------------------------------------------ equivalence
+@pytest.mark.timeout(120)
+def test_dp2_tp2_pp2_equals_single_process():
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * 1, 3)[0]
+    got = run_in_threads(8, R.run_parallel, "tiny", 1, 2, 2, 2, 3, "1f1b")
+    R.assert_matches(ref, got, "dp2 tp2 pp2")
+    for r in got:  # every group's messages went where they should
+        t = r["traffic"]
+        # tensor group: the blocks' and the embedding's all-reduces, the loss's all-gather (last stage)
+        assert set(t["tp"]["by_op"]) == ({"all_reduce", "all_gather"} if r["coords"][2] == 1 else {"all_reduce"})
+        assert set(t["dp"]["by_op"]) <= {"all_reduce", "broadcast", "broadcast_params"}
+        # the embedding group is a split of the pipeline group: its all-reduce shows in both
+        assert set(t["pp"]["by_op"]) <= {"pp_activation", "pp_gradient", "pp_eval", "all_reduce"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dp2_pp2_with_zero1_equals_single_process(schedule):
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * 2, 3)[0]
+    got = run_in_threads(4, R.run_parallel, "tiny", 2, 2, 1, 2, 3, schedule, ["--zero", "1"])
+    R.assert_matches(ref, got, f"dp2 pp2 zero1 {schedule}")
+    for r in got:  # ZeRO-1: reduce-scatter the gradients, all-gather the parameters, over the data group
+        assert {"reduce_scatter", "all_gather"} <= set(r["traffic"]["dp"]["by_op"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_compose_with_tensor_parallelism(zero):
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * 2, 2)[0]
+    got = run_in_threads(4, R.run_parallel, "tiny", 2, 2, 2, 1, 2, "1f1b", ["--zero", str(zero)])
+    R.assert_matches(ref, got, f"dp2 tp2 zero{zero}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [["--recompute", "full"], ["--recompute", "selective"],
+                                   ["--offload-activations", "cpu"], ["--offload-optimizer", "cpu"]])
+def test_recompute_and_offload_compose_with_3d(extra):
+    """Both act inside a stage: recompute re-runs a block (its tensor all-reduces too) in backward."""
+    ref = run_in_threads(1, R.run_single, "tiny", 2, 2)[0]
+    got = run_in_threads(8, R.run_parallel, "tiny", 1, 2, 2, 2, 2, "1f1b", extra)
+    R.assert_matches(ref, got, f"dp2 tp2 pp2 {extra}")
+
+
+@pytest.mark.timeout(300)
+def test_mpi_dp2_tp2_pp2_equals_single_process(mpiexec, tmp_path):
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * 1, 3)[0]
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "mp_check.py")
+    proc = subprocess.run([mpiexec, "-n", "8", sys.executable, script, str(tmp_path), "tiny", "1", "2", "2", "2", "3",
+                           "1f1b"], env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(8)]
+    R.assert_matches(ref, got, "mpi dp2 tp2 pp2")
+
+
+@pytest.mark.timeout(120)
+def test_float32_loss_curve_of_3d_follows_data_parallel():
+    """In-process version of the 8-rank check: dp 2 x tp 2 x pp 2 vs dp 8, same batches, float32."""
+    argv = ["--model", "tiny", "--steps", "8", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
+
+    def run(comm, extra):
+        return train(parse_args(argv + extra, comm.world_size), comm, log=lambda s: None)["train_losses"]
+
+    dp8 = run_in_threads(8, run, [])[0]
+    three_d = run_in_threads(8, run, ["--dp", "2", "--tp", "2", "--pp", "2"])[0]
+    assert dp8[-1] < dp8[0] - 0.2  # it learns (8 steps, all of them warm-up)
+    np.testing.assert_allclose(three_d, dp8, rtol=0, atol=1e-3)
+
+
+FP16 = ["--model", "tiny", "--steps", "8", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+        "--precision", "fp16"]
+
+
+def fp16_run(comm, extra):
+    r = train(parse_args(FP16 + extra, comm.world_size), comm, log=lambda s: None)
+    return r["train_losses"], r["grad_norms"], r["loss_scales"], r["skipped_steps"]
+
+
+@pytest.mark.timeout(120)
+def test_fp16_composes_with_3d():
+    """Mixed precision in 3D follows data parallelism with the same data group (the same FP16 sums)."""
+    ref = run_in_threads(2, fp16_run, ["--grad-accum", "4"])[0]
+    got = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2"])[0]
+    assert ref[3] == got[3] == 0 and got[2] == [2.0 ** 16] * 8
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=5e-3)  # FP16 rounding (tensor partial sums)
+
+
+@pytest.mark.timeout(120)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(monkeypatch):
+    monkeypatch.setenv("MINIZERO_FAULT", "5:2:inf")  # rank 5: tp 1 of stage 1
+    res = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2"])
+    for losses, norms, scales, skipped in res:
+        assert skipped == 1 and np.isnan(norms[2]) and np.isfinite(np.delete(norms, 2)).all()
+        assert scales[:4] == [2.0 ** 16] * 3 + [2.0 ** 15]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [["--optimizer", "adam8bit"], ["--optimizer", "adam8bit", "--zero", "1"],
+                                   ["--zero", "1", "--quantized-comm"]])
+def test_optimizer_options_compose_with_the_pipeline(extra):
+    """8-bit Adam (whole or ZeRO-sharded) and INT8 ZeRO traffic act per stage: dp 2 x pp 2 equals dp 2.
+
+    (With tp > 1, 8-bit Adam's 256-element blocks are cut inside each shard, so it is no longer
+    bit-equal to one process: a different quantization, not a bug.)
+    """
+    ref = run_in_threads(2, R.run_single_dp, "tiny", 1, 2, extra)
+    got = run_in_threads(4, R.run_parallel, "tiny", 1, 2, 1, 2, 2, "1f1b", extra)
+    full = next(r["full"] for r in got if r["full"] is not None)
+    for name, a in ref[0]["params"].items():
+        np.testing.assert_allclose(full[name], a, rtol=1e-9, atol=1e-9 * np.abs(a).max(), err_msg=name)
+    np.testing.assert_allclose(got[0]["losses"], ref[0]["losses"], rtol=1e-10)
+
+
+@pytest.mark.timeout(300)
+def test_cli_tp2_pp2_writes_the_whole_model_and_the_mesh(mpiexec, tmp_path):
+    out = tmp_path / "run"
+    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
+           "--tp", "2", "--pp", "2", "--schedule", "gpipe", "--eval-batches", "1", "--sample-tokens", "20",
+           "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dp 1 x tp 2 x pp 2" in proc.stdout and "bubble 0.200 = (p-1)/(m+p-1) = 0.200" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["dp"], summary["tp"], summary["pp"], summary["micro_batches"]) == (1, 2, 2, 4)
+    weights = np.load(out / "model.npz")
+    assert weights["transformer.h.1.attn.c_attn.weight"].shape == (48, 16)  # gathered whole from 2 tensor ranks
+    assert weights["lm_head.weight"].shape == (256, 16)
