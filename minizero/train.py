@@ -59,10 +59,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` only where the help text does not already say what the default is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
     p = _Parser(prog="python -m minizero.train", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_HelpFormatter)
     p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--block-size", type=int, default=None, help="context length T (default: the preset's)")
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the preset's)")
@@ -113,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
                    help="keep master weights and Adam state (and run the update) on the host or on disk "
                         "(ZeRO-Offload / ZeRO-Infinity)")
-    p.add_argument("--offload-dir", default=None, help="parent directory of the per-rank offload folders "
+    p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
                                                         "(default: the system temp directory)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
                    help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
@@ -238,6 +247,11 @@ def model_config(args):
     """The GPTConfig the arguments ask for."""
     dtype = "float16" if getattr(args, "precision", "fp32") == "fp16" else args.dtype
     return get_config(args.model, block_size=args.block_size, dropout=args.dropout, dtype=dtype)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
 def atomic_write(path: str, write) -> None:
@@ -380,7 +394,8 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     if rank0 and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+        # disable=None: no bar when stdout is not a terminal (a log file gets no carriage-return spam)
+        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout, disable=None)
     tokens_per_step = args.batch_size * cfg.block_size
     # the ledger's peaks cover the training steps from here on; set-up (building the full model, then ZeRO
     # copying it into flat buffers or shards, one unit beside the old arrays) is kept apart as setup_peak
@@ -402,14 +417,17 @@ def train(args, comm, log=print, after_grads=None) -> dict:
                 # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
                 (loss * (scale * (math.inf if poison else 1.0) / args.grad_accum)).backward()
             loss_sum += loss.item()
+        quiet = np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext()
         if dp is not None:
-            dp.allreduce_gradients()
+            with quiet:  # summing scaled FP16 gradients may overflow: detected below, the step skipped
+                dp.allreduce_gradients()
             if pruner is not None:  # pruned entries get no gradient: not in the norm, not in Adam's m and v
                 pruner.mask_gradients_()
             if after_grads is not None:
                 after_grads(step, params, opt)
         else:  # ZeRO: each rank holds its gradient shard; the norm needs one all-reduce
-            opt.reduce_gradients()
+            with quiet:
+                opt.reduce_gradients()
             if pruner is not None:
                 pruner.mask_gradients_(opt)
             if after_grads is not None:
@@ -536,7 +554,7 @@ def _report(args, result, stats, threads, local_ranks, zero) -> None:
     prompt = "The "
     out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
                          rng=np.random.default_rng(args.seed))
-    print("\nsample:\n" + decode(out[0]) + "\n")
+    print("\nsample:\n" + printable(decode(out[0])) + "\n")
     if args.no_save:
         return
     state = model.state_dict()

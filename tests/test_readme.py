@@ -17,3 +17,19 @@ def test_readme_shows_both_commands():
 def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(REPO_ROOT, ".ci", "run")).read().splitlines()
     assert TEST in ci, ".ci/run must run exactly the README's test command"
+
+
+def test_relative_links_in_docs_point_to_files():
+    import glob
+    import re
+
+    docs = [os.path.join(REPO_ROOT, "README.md"), os.path.join(REPO_ROOT, "ARCHITECTURE.md")]
+    docs += glob.glob(os.path.join(REPO_ROOT, "lessons", "*.md"))
+    broken = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#\s]+)", open(doc).read()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not os.path.exists(os.path.join(os.path.dirname(doc), target)):
+                broken.append(f"{os.path.relpath(doc, REPO_ROOT)} -> {target}")
+    assert not broken, broken

@@ -7,7 +7,8 @@ for any transformer and any strategy, from the formulas of the papers::
     per rank = parameters + gradients + optimizer_state     model states  (ZeRO, section 3 + 5, Figure 1)
              + activations                                   saved for backward (Korthikanti et al. 2022, 4-5)
              + comm_buffers + gathered                       reduce buckets, p2p, ZeRO-3's gathered layer
-             (+ offloaded: bytes moved to host memory, not on the device)
+             (+ offloaded: bytes moved to host memory, not on the device;
+                + nvme: bytes moved to files, in no memory at all)
 
 Units: every function returns **bytes** (Python ints) unless its name says
 otherwise; sizes of tensors are *elements*. When printing, say which unit:
@@ -32,7 +33,10 @@ Two accountings:
   dtype), its replicated embedding and head under tensor parallelism, its
   buffers (``parallel/data_parallel.py``, ``memory/zero.py``) and its 8-bit Adam.
   ``tests/test_estimator.py`` checks it against the ledger (data parallel, ZeRO
-  1-3, tensor parallel, pipeline, recompute, dropout).
+  1-3, tensor parallel, pipeline, recompute, dropout); ``tests/test_compare.py``
+  for every strategy of ``python -m minizero.compare`` (FP16 mixed precision,
+  optimizer and activation offload to cpu and nvme, and their combinations with
+  ZeRO and recompute) at 1, 2 and 4 ranks.
 
 Sources: Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054); Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -58,6 +62,10 @@ RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = {"fp64": (8, 8, 8, 0, 8), "fp32": (4, 4, 4, 0, 4), "mixed": (2, 2, 2, 4, 4)}
 OPTIMIZERS = ("adam", "adam8bit")
 OFFLOAD = ("none", "optimizer", "params")
+#: where offloaded bytes go: "cpu" host memory (the ledger's ``offloaded``), "nvme" files (not in memory)
+OFFLOAD_TIERS = ("cpu", "nvme")
+#: minizero.memory.offload.ActivationOffload keeps saved arrays under this many bytes on the device
+OFFLOAD_MIN_BYTES = 1024
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 ACCOUNTINGS = ("paper", "minizero")
 #: block-wise 8-bit Adam: one fp32 absmax per block of elements per moment. Dettmers et al. 2022
@@ -229,10 +237,15 @@ class Strategy:
             K = 12), "fp32" (K = 8) or "fp64" (minizero's test dtype, K = 16).
         optimizer: "adam" or "adam8bit" (block-wise 8-bit moments).
         offload: "none"; "optimizer" (ZeRO-Offload: optimizer state and gradient
-            shard in host memory; needs zero >= 2, Ren et al. 2021); "params"
+            shard in host memory, Ren et al. 2021, which builds on ZeRO-2; minizero's
+            ``--offload-optimizer`` moves the optimizer state -- FP32 masters, m, v -- at
+            any ZeRO stage, and its gradients stay on the device); "params"
             (ZeRO-Infinity: parameters too; needs zero 3, Rajbhandari et al. 2021).
         offload_activations: saved activations live in host memory between
             forward and backward (ZeRO-R P_a+cpu, section 6.1; minizero.memory.offload).
+        offload_tier: where offloaded bytes go: "cpu" (host memory,
+            ``MemoryEstimate.offloaded``) or "nvme" (files, ``MemoryEstimate.nvme``;
+            ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021, section 5).
         schedule: pipeline schedule "1f1b" (PipeDream-Flush), "gpipe", or
             "interleaved" with ``virtual_stages`` model chunks per rank.
         bucket_bytes: size of the gradient reduce buffer; None means one flat
@@ -254,6 +267,7 @@ class Strategy:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     bucket_bytes: int | None = None
+    offload_tier: str = "cpu"
 
     @property
     def world_size(self) -> int:
@@ -271,15 +285,13 @@ class Strategy:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
         choices = [("zero", ZERO_STAGES), ("recompute", RECOMPUTE), ("precision", tuple(PRECISIONS)),
-                   ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES)]
+                   ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES),
+                   ("offload_tier", OFFLOAD_TIERS)]
         for f, allowed in choices:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"Strategy.{f}={getattr(self, f)!r} is not one of {allowed}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1 (it splits along s over the tensor group)")
-        if self.offload == "optimizer" and self.zero < 2:
-            raise ValueError(f"offload='optimizer' needs zero >= 2 (ZeRO-Offload builds on ZeRO-2), "
-                             f"got zero={self.zero}")
         if self.offload == "params" and self.zero != 3:
             raise ValueError(f"offload='params' needs zero=3 (ZeRO-Infinity), got zero={self.zero}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -364,12 +376,20 @@ class Saved:
     ``part``: "pre" (up to Q, K, V), "core" (softmax, dropout: what selective recompute
     drops), "post" (freed in backward before the attention core is recomputed),
     "held" (alive all step: the caller still holds it).
+    ``arrays``: how many equal arrays the row is (Q, K and V are three views of one
+    buffer; a layer norm's mean and rstd are two) -- activation offload decides per
+    array whether it is small enough to stay (:data:`OFFLOAD_MIN_BYTES`).
+    ``packs``: how many times each array passes through ``save_for_backward``. The
+    ledger counts a buffer once, but offload copies it once per save (minizero's
+    softmax output, saved by the softmax and by ``@ v`` when there is no dropout).
     """
 
     name: str
     nbytes: int
     split: str
     part: str
+    arrays: int = 1
+    packs: int = 1
 
     def per_rank(self, tp: int, sequence_parallel: bool) -> float:
         """Bytes on one of ``tp`` ranks."""
@@ -412,10 +432,10 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     stat_e = max(e, 4)
     rows = [Saved("ln_1 input (the layer input)", e * sbh, "sp", "pre")]
     if stats:
-        rows.append(Saved("ln_1 mean and rstd", 2 * stat_e * s * b, "sp", "pre"))
+        rows.append(Saved("ln_1 mean and rstd", 2 * stat_e * s * b, "sp", "pre", arrays=2))
     rows += [Saved("QKV matmul input (ln_1 output)", e * sbh, "sp", "pre"),
-             Saved("Q, K, V", e * s * b * (h + 2 * kv), "tp", "pre"),
-             Saved("softmax output", e * ass, "tp", "core")]
+             Saved("Q, K, V", e * s * b * (h + 2 * kv), "tp", "pre", arrays=3),
+             Saved("softmax output", e * ass, "tp", "core", packs=2 if stats and not mask else 1)]
     if mask:
         rows += [Saved("attention dropout mask", ass, "tp", "core"),
                  Saved("attention dropout output", e * ass, "tp", "core")]
@@ -424,7 +444,7 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
         rows.append(Saved("attention output dropout mask", sbh, "sp", "post"))
     rows.append(Saved("ln_2 input", e * sbh, "sp", "post"))
     if stats:
-        rows.append(Saved("ln_2 mean and rstd", 2 * stat_e * s * b, "sp", "post"))
+        rows.append(Saved("ln_2 mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2))
     rows.append(Saved("MLP input (ln_2 output)", e * sbh, "sp", "post"))
     if m.mlp == "gelu":
         rows += [Saved("GeLU input", e * s * b * f, "tp", "post"),
@@ -464,7 +484,7 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
         emb.append(Saved("token ids (int64)", 8 * s * b, "sp", "pre"))
         if m.learned_pos:
             emb.append(Saved("positions (int64)", 8 * s, "sp", "pre"))
-        head += [Saved("final norm mean and rstd", 2 * stat_e * s * b, "sp", "post"),
+        head += [Saved("final norm mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2),
                  Saved("logits (the LM head is replicated)", e * s * b * v, "rep", "post"),
                  Saved("log-sum-exp", stat_e * s * b, "sp", "post"),
                  Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
@@ -545,8 +565,15 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
            (full: the whole layer; selective: the attention core, once the MLP is freed).
            The head's arrays are freed before the last layer is recomputed, so the two
            never coexist (checked against the ledger for minizero).
-    With ``offload_activations`` the stored arrays live on the host; the device holds
-    one layer's arrays brought back plus the transient.
+    With ``offload_activations`` the stored arrays live on the host (or in files):
+
+    * ``"paper"``: the device holds one layer's arrays brought back plus the transient.
+    * ``"minizero"`` (``memory/offload.py`` on NumPy, where the array brought back *is*
+      the host copy): arrays under :data:`OFFLOAD_MIN_BYTES` stay on the device, every
+      other one is copied off once per ``save_for_backward`` (:attr:`Saved.packs`);
+      the layer recompute rebuilds in backward is not offloaded (backward runs outside
+      the offload context), so device = small arrays + max(0, transient - the head's
+      small arrays); host = the copies.
     """
     m = as_shape(model)
     s = seq_len or m.seq_len
@@ -565,15 +592,68 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
         stored += sum(r.per_rank(t, sp) for r in head_rows) * (st.micro_batches if st.schedule == "gpipe" else 1)
         head = sum(r.per_rank(t, sp) for r in head_rows if r.part != "held")  # freed before the last layer's backward
     transient = _layer_transient(rows, t, sp, st.recompute)
+    if st.offload_activations and accounting == "minizero":
+        return _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v, layers_per_chunk)
     if st.offload_activations:
         return round(per_layer + transient), round(stored)
     return round(stored + max(0.0, transient - head)), 0
 
 
+def _offload_split(row: Saved, tp: int, sp: bool) -> tuple[float, float]:
+    """(bytes left on the device, bytes copied off) for one row under minizero's activation offload."""
+    per = row.per_rank(tp, sp)
+    if per / row.arrays < OFFLOAD_MIN_BYTES:  # ActivationOffload keeps arrays under min_bytes
+        return per, 0.0
+    return 0.0, per * row.packs
+
+
+def _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v, layers_per_chunk):
+    """(device, host) activation bytes under minizero's activation offload (see :func:`activation_bytes`).
+
+    The recompute transient: what the recomputed segment saves again, on the device. Its
+    inputs come back from the offload as the host copy (cpu: already counted as
+    ``offloaded``, so not again) or as a fresh array read from the file (nvme: counted
+    as activations when the recompute saves it). Full: the whole layer (its input only
+    with nvme); selective: the attention core (and Q, K, V with nvme).
+    """
+    t, sp = st.tp, st.sequence_parallel
+    fresh = st.offload_tier == "nvme"
+    if st.recompute == "full":
+        layer = [rows[0]]  # the checkpoint saves only the layer input
+        again = rows if fresh else rows[1:]
+    else:
+        layer = [r for r in rows if st.recompute == "none" or r.part != "core"]
+        again = [] if st.recompute == "none" else \
+            [r for r in rows if r.part == "core" or (fresh and r.name == "Q, K, V")]
+    transient = sum(r.per_rank(t, sp) for r in again)
+
+    def split(rs):
+        parts = [_offload_split(r, t, sp) for r in rs]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+    dev_l, host_l = split(layer)
+    device, host = dev_l * layers_per_chunk * chunks, host_l * layers_per_chunk * chunks
+    head_dev = 0.0
+    if stage == 0:
+        d, h = split(emb_rows)
+        device, host = device + d * math.ceil(chunks / v), host + h * math.ceil(chunks / v)
+    if stage == st.pp - 1:
+        times = st.micro_batches if st.schedule == "gpipe" else 1
+        d, h = split(head_rows)
+        device, host = device + d * times, host + h * times
+        head_dev = split([r for r in head_rows if r.part != "held"])[0]
+    return round(device + max(0.0, transient - head_dev)), round(host)
+
+
 # ---- the whole rank ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank bytes by ledger category, for one pipeline stage. ``offloaded`` is host memory."""
+    """Per-rank bytes by ledger category, for one pipeline stage.
+
+    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in
+    neither the device total nor the ledger's memory categories (minizero reports them as
+    the optimizer store's ``disk_bytes``).
+    """
 
     parameters: int
     gradients: int
@@ -583,6 +663,7 @@ class MemoryEstimate:
     gathered: int
     offloaded: int
     stage: int = 0
+    nvme: int = 0
 
     @property
     def total(self) -> int:
@@ -606,7 +687,10 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         optim = sum(master * n + (2 * n + 8 * -(-n // QUANT_BLOCK) if n >= MIN_8BIT_SIZE else 2 * moment * n)
                     for n in m.tensor_sizes())
     host = 0
-    if st.offload in ("optimizer", "params"):  # ZeRO-Offload: gradient and optimizer shards on the host
+    if st.offload in ("optimizer", "params") and accounting == "minizero":
+        host += optim  # OptimizerStateStore: masters, m and v off the device; gradients stay (memory/offload.py)
+        optim = 0
+    elif st.offload in ("optimizer", "params"):  # ZeRO-Offload: gradient and optimizer shards on the host
         host += grads + optim
         grads = optim = 0
     if st.offload == "params":  # ZeRO-Infinity: the parameter shard too
@@ -627,9 +711,9 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
         if st.dp > 1 and st.zero == 0:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
-        if st.dp > 1 and st.zero >= 2:
+        if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
             comm += gbytes * (m.layer_parameters(st.tp) + tied)
-        if st.dp > 1 and st.zero == 3:
+        if st.zero == 3:
             gathered = pb * (m.layer_parameters(st.tp) + tied)
     else:
         if st.dp > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
@@ -646,6 +730,8 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
             comm += (2 if back_to_back else 1) * boundary if stage > 0 else 0
         else:  # receive buffers: the activation forward, the gradient backward
             comm += 2 * boundary
+    if st.offload_tier == "nvme":  # every offloaded byte goes to files instead of host memory
+        return MemoryEstimate(params, grads, optim, act, comm, gathered, 0, stage, nvme=host)
     return MemoryEstimate(params, grads, optim, act, comm, gathered, host, stage)
 
 
@@ -681,6 +767,10 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
         buffers -- DataParallel's flat buckets over every gradient (ZeRO 0), one unit's
         gradient bucket (ZeRO 2-3) and one gathered unit (ZeRO 3), each plus the tied
         embedding, and the pipeline's dL/d(input) send buffer (stages > 0).
+        Offload: ``"paper"`` moves the gradient and optimizer shards (ZeRO-Offload) and
+        the parameter shard (``params``); ``"minizero"`` moves the optimizer state only
+        (its ``OptimizerStateStore``). Offloaded bytes are ``offloaded`` (tier "cpu")
+        or ``nvme`` (tier "nvme").
     Raises:
         ValueError: an invalid strategy or one that does not fit the shape (named).
     """

@@ -1,0 +1,413 @@
+"""``python -m minizero.compare``: every memory technique, measured, beside the estimator's prediction.
+
+::
+
+    python -m minizero.compare                       # default model, 2 ranks, 3 steps, every strategy
+    python -m minizero.compare --ranks 1,2,4 --strategies baseline,zero3,combined --out out/compare
+
+For each world size and each strategy of :data:`STRATEGIES` it launches
+``mpiexec -n N python -m minizero.train ... --json PATH`` (``mpiexec`` beside this
+Python, else on PATH), reads the summary, and sets beside each other, per rank:
+
+* the ledger's peak bytes by category during the training steps (``ledger_peak_bytes``;
+  set-up is reported apart by the job), their sum over the device categories, and the
+  process peak that tracemalloc measured (every NumPy allocation, temporaries too;
+  memory-mapped NVMe files are not allocations);
+* the estimator's prediction (:func:`minizero.memory.estimator.estimate_memory`,
+  ``accounting="minizero"``) for the same model and strategy;
+* tokens per second (rank 0's, over the few steps: a rough number, first step included).
+
+Outputs (each written to a temporary name in the folder, then renamed): ``OUT/compare.md``
+(the Markdown table printed to stdout), ``OUT/compare.png`` (matplotlib, Agg backend;
+skipped with a note when matplotlib is not installed) and the JSON (``--json``, default
+``OUT/compare.json``; every number in bytes).
+
+A run that fails (a rank raises or dies: the job prints ``[rank r]`` and its cause and
+aborts every rank) is reported with that cause, and the comparison **continues** with
+the next run; the exit status is then 1. Bad arguments exit with status 2 and one
+line naming the value and what is allowed. FP16 on NumPy is emulated (slow): keep
+``--steps`` small.
+
+Units: MiB = 2**20 bytes in the table, bytes in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from minizero.memory.estimator import (DEVICE_CATEGORIES, Strategy, activation_bytes, estimate_memory,
+                                       precision_for_dtype)
+from minizero.nn import PRESETS
+
+#: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
+#: data-parallel FP32 baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy
+#: (host memory *is* device memory) but would move them off a GPU; "nvme" really lowers the
+#: process peak (the bytes sit in files).
+STRATEGIES = {
+    "baseline": ([], "data parallel, FP32, AdamW"),
+    "recompute": (["--recompute", "full"], "+ full activation recompute"),
+    "fp16": (["--precision", "fp16"], "+ FP16 mixed precision (2 + 2 + 12 bytes/param)"),
+    "zero1": (["--zero", "1"], "+ ZeRO-1: optimizer state sharded"),
+    "zero2": (["--zero", "2"], "+ ZeRO-2: and gradients"),
+    "zero3": (["--zero", "3"], "+ ZeRO-3: and parameters"),
+    "offload": (["--offload-optimizer", "cpu", "--offload-activations", "cpu"],
+                "+ optimizer state and saved activations in host memory"),
+    "offload-nvme": (["--offload-optimizer", "nvme", "--offload-activations", "nvme"],
+                     "+ optimizer state and saved activations in files"),
+    "combined": (["--precision", "fp16", "--recompute", "full", "--zero", "3", "--offload-optimizer", "cpu",
+             "--offload-activations", "cpu"], "FP16 + recompute + ZeRO-3 + offload (cpu)"),
+}
+#: the categories the estimator must match within 5% (the issue's check), then the others shown
+CHECKED = ("parameters", "gradients", "optimizer_state", "activations")
+SHOWN = CHECKED + ("comm_buffers", "gathered", "offloaded")
+TOLERANCE = 0.05
+MIB = 2 ** 20
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names it and what is allowed."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+# ---- one strategy: the train flags, the estimate --------------------------------------------------
+def train_argv(name: str, model: str, steps: int, micro_batch_size: int) -> list[str]:
+    """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json)."""
+    return ["--model", model, "--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--eval-every", "0",
+            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *STRATEGIES[name][0]]
+
+
+def to_strategy(name: str, ranks: int, micro_batch_size: int, dtype) -> Strategy:
+    """The estimator's :class:`Strategy` for compare strategy ``name`` on ``ranks`` data-parallel ranks."""
+    flags = STRATEGIES[name][0]
+
+    def flag(f, default=None):
+        return flags[flags.index(f) + 1] if f in flags else default
+
+    tier = flag("--offload-optimizer") or flag("--offload-activations") or "cpu"
+    return Strategy(dp=ranks, micro_batch=micro_batch_size, precision=precision_for_dtype(dtype),
+                    recompute=flag("--recompute", "none"), zero=int(flag("--zero", 0)),
+                    offload="optimizer" if flag("--offload-optimizer") else "none",
+                    offload_activations=flag("--offload-activations") is not None, offload_tier=tier)
+
+
+def estimate(name: str, model: str, ranks: int, micro_batch_size: int) -> dict:
+    """The estimator's per-rank bytes for one run: {category: bytes, "total", "nvme", "nvme_optimizer"}.
+
+    ``nvme_optimizer``: the part of ``nvme`` that is optimizer state (what the job reports as
+    ``optimizer_disk_bytes``; it does not count activation files).
+    """
+    from minizero.train import model_config, parse_args
+
+    cfg = model_config(parse_args(train_argv(name, model, 1, micro_batch_size), ranks))
+    st = to_strategy(name, ranks, micro_batch_size, cfg.dtype)
+    est = estimate_memory(cfg, st, accounting="minizero")
+    act_files = activation_bytes(cfg, st, accounting="minizero")[1] if st.offload_activations and est.nvme else 0
+    return dict(est.as_dict(), total=est.total, nvme=est.nvme, nvme_optimizer=est.nvme - act_files)
+
+
+def deviations(measured: list[dict], est: dict) -> dict:
+    """Per category, the largest |estimate - measured| / measured over ranks (0 when both are 0; inf if only one)."""
+    out = {}
+    for c in SHOWN:
+        worst = 0.0
+        for peaks in measured:
+            m, e = peaks.get(c, 0), est[c]
+            worst = max(worst, abs(e - m) / m if m else (0.0 if e == 0 else float("inf")))
+        out[c] = worst
+    return out
+
+
+# ---- measuring: under MPI, or in-process threads ---------------------------------------------------
+def mpiexec_path() -> str | None:
+    """``mpiexec`` beside this Python (the mpich wheel's), else on PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
+
+
+def _cause(stderr: str, rc: int) -> str:
+    """The lines of a failed job's stderr that say why (the ``[rank r] ... failed`` line, or the last ones)."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if "failed:" in ln or "error:" in ln]
+    return "; ".join(said[:2]) if said else (" | ".join(lines[-3:]) if lines else f"exit status {rc}, no output")
+
+
+def run_mpi(name: str, model: str, ranks: int, steps: int, micro_batch_size: int, timeout: float,
+            mpiexec: str) -> dict:
+    """Train strategy ``name`` under ``mpiexec -n ranks``; returns {"ok", "summary" or "error", "wall_s", "command"}."""
+    with tempfile.TemporaryDirectory(prefix="minizero-compare-") as d:
+        js = os.path.join(d, "summary.json")
+        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "minizero.train",
+               *train_argv(name, model, steps, micro_batch_size), "--out", d, "--json", js]
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+            proc.communicate()
+            return dict(ok=False, error=f"timed out after {timeout:g} s (--timeout)", wall_s=timeout, command=cmd)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not os.path.exists(js):
+            return dict(ok=False, error=f"exit status {proc.returncode}: {_cause(err, proc.returncode)}", wall_s=wall,
+                        command=cmd)
+        with open(js) as f:
+            return dict(ok=True, summary=json.load(f), wall_s=wall, command=cmd)
+
+
+def measure_threads(name: str, model: str = "tiny", ranks: int = 2, steps: int = 1, micro_batch_size: int = 2) -> list:
+    """Train strategy ``name`` on ``ranks`` in-process rank threads (no MPI); per rank, the ledger's peaks.
+
+    Returns a list by rank of {"peak": {category: bytes}, "optimizer_disk_bytes", "tokens_per_s"} --
+    the same numbers the MPI job reports, fast enough for tests and notebooks. BLAS threads are
+    limited to cores / ranks meanwhile, as the MPI job does (oversubscribed, they cost 8.5x).
+    """
+    from threadpoolctl import threadpool_limits
+
+    from minizero.comm import run_in_threads
+    from minizero.memory.ledger import get_ledger
+    from minizero.train import _blas_threads, parse_args, train
+
+    def rank(comm):
+        args = parse_args(train_argv(name, model, steps, micro_batch_size) + ["--no-save"], comm.world_size)
+        result = train(args, comm, log=lambda s: None)
+        store = getattr(result["opt"], "store", None)
+        return {"peak": dict(get_ledger().peak), "optimizer_disk_bytes": getattr(store, "disk_bytes", 0),
+                "tokens_per_s": result["tokens_per_s"]}
+
+    with threadpool_limits(limits=_blas_threads(ranks)):
+        return run_in_threads(ranks, rank, timeout=300)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def _mib(n) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def markdown(runs: list[dict], header: str) -> str:
+    """The comparison as a Markdown table: rank 0's measured / estimated MiB per category, and the rest."""
+    lines = [header, "",
+             "Cells: measured / estimated, MiB (2^20 bytes), rank 0; measured = the ledger's peak during the training "
+             "steps; estimated = `estimate_memory(..., accounting=\"minizero\")`. Device total = the sum of the "
+             "per-category peaks except `offloaded`. Worst = the largest |estimated - measured| / measured over "
+             "ranks and categories. Process peak = tracemalloc (every NumPy allocation).", "",
+             "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
+             "offloaded | files | device total | worst | process peak | tokens/s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        if not r["ok"]:
+            lines.append(f"| {r['ranks']} | {r['strategy']} | failed: {r['error'].replace('|', '/')} "
+                         "|  |  |  |  |  |  |  |  |  |  |")
+            continue
+        m, e = r["measured"]["per_rank"][0], r["estimate"]
+
+        def cell(*cats):
+            return f"{_mib(sum(m[c] for c in cats))} / {_mib(sum(e[c] for c in cats))}"
+
+        dev_total = sum(m[c] for c in DEVICE_CATEGORIES)
+        worst = max(r["deviation"].values())
+        files = r["measured"]["optimizer_disk_bytes"][0]
+        lines.append(
+            f"| {r['ranks']} | {r['strategy']} | {cell('parameters')} | {cell('gradients')} | "
+            f"{cell('optimizer_state')} | {cell('activations')} | {cell('comm_buffers', 'gathered')} | "
+            f"{cell('offloaded')} | {_mib(files)} / {_mib(e['nvme_optimizer'])} | {_mib(dev_total)} / "
+            f"{_mib(e['total'])} | {worst:.1%} | {_mib(r['measured']['process_peak_bytes'][0])} | "
+            f"{r['measured']['tokens_per_s']:,.0f} |")
+    lines += ["", "files = optimizer state in NVMe files (the job's `optimizer_disk_bytes`; activation files are not "
+                  "counted by the job). Strategies: " + "; ".join(
+                      f"`{n}` {STRATEGIES[n][1]}" for n in dict.fromkeys(r["strategy"] for r in runs))]
+    return "\n".join(lines) + "\n"
+
+
+def _atomic(path: str, write) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def plot(runs: list[dict], path: str, title: str) -> bool:
+    """Stacked bars of rank 0's measured peaks by category, the estimate as a marker; tokens/s below.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in runs if r["ok"]]
+    world_sizes = sorted({r["ranks"] for r in ok})
+    fig, axes = plt.subplots(2, max(1, len(world_sizes)), figsize=(2 + 4.5 * len(world_sizes), 7.5),
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 1]})
+    colors = dict(zip(SHOWN, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for j, n in enumerate(world_sizes):
+        rs = [r for r in ok if r["ranks"] == n]
+        xs = range(len(rs))
+        ax = axes[0][j]
+        bottom = [0.0] * len(rs)
+        for c in SHOWN:
+            vals = [r["measured"]["per_rank"][0][c] / MIB for r in rs]
+            ax.bar(xs, vals, bottom=bottom, color=colors[c], label=c, hatch="//" if c == "offloaded" else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(xs, [r["estimate"]["total"] / MIB for r in rs], marker="D", color="black", zorder=3,
+                   label="estimate: device total")
+        ax.set_title(f"{n} rank(s): peak memory per rank (rank 0)")
+        ax.set_ylabel("MiB")
+        ax.set_xticks(list(xs), [r["strategy"] for r in rs], rotation=30, ha="right")
+        axt = axes[1][j]
+        axt.bar(xs, [r["measured"]["tokens_per_s"] for r in rs], color="gray")
+        axt.set_ylabel("tokens/s")
+        axt.set_xticks(list(xs), [r["strategy"] for r in rs], rotation=30, ha="right")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    _atomic(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    plt.close(fig)
+    return True
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``python -m minizero.compare``."""
+    p = _Parser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="default", help=f"model preset, one of {', '.join(sorted(PRESETS))}")
+    p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--strategies", default="all",
+                   help=f"comma list from: {', '.join(STRATEGIES)}; or 'all'")
+    p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
+    p.add_argument("--json", default=None, help="path of the JSON results (default OUT/compare.json)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one training run may take")
+    return p
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise UsageError(f"{flag} must be a comma list of integers >= 1, got {text!r}")
+    return list(dict.fromkeys(vals))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check ``argv``. Raises :class:`UsageError` naming the bad value and what is allowed."""
+    args = build_parser().parse_args(argv)
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r} is not a preset; allowed: {', '.join(sorted(PRESETS))}")
+    args.ranks = _int_list(args.ranks, "--ranks")
+    for name in ("steps", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if names == ["all"]:
+        names = list(STRATEGIES)
+    if not names:
+        raise UsageError(f"--strategies names no strategy, got {args.strategies!r}; allowed: "
+                         f"{', '.join(STRATEGIES)} (or all)")
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise UsageError(f"--strategies: unknown strategy {unknown[0]!r}; "
+                         f"allowed: {', '.join(STRATEGIES)} (or all)")
+    args.strategies = list(dict.fromkeys(names))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    if args.json is None:
+        args.json = os.path.join(args.out, "compare.json")
+    if os.path.isdir(args.json):
+        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    return args
+
+
+def main(argv=None) -> int:
+    """Run the comparison; returns 0, 1 (some run failed) or 2 (bad arguments, or no mpiexec)."""
+    try:
+        args = parse_args(argv)
+        mpiexec = mpiexec_path()
+        if mpiexec is None:
+            raise UsageError("mpiexec not found beside this Python or on PATH (pip install mpich, or a system MPI)")
+    except UsageError as e:
+        print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
+        return 2
+    title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} "
+             f"per rank")
+    print(title, flush=True)
+    runs = []
+    for n in args.ranks:
+        for name in args.strategies:
+            res = run_mpi(name, args.model, n, args.steps, args.micro_batch_size, args.timeout, mpiexec)
+            run = dict(strategy=name, ranks=n, flags=STRATEGIES[name][0], ok=res["ok"], wall_s=round(res["wall_s"], 2),
+                       command=" ".join(res["command"]), estimate=estimate(name, args.model, n, args.micro_batch_size))
+            if res["ok"]:
+                s = res["summary"]
+                per_rank = s["ledger_peak_bytes"]
+                run["measured"] = dict(per_rank=per_rank, process_peak_bytes=s["process_peak_bytes"],
+                                       optimizer_disk_bytes=[z.get("optimizer_disk_bytes", 0)
+                                                             for z in s["zero"]["per_rank"]],
+                                       setup_peak_bytes=s.get("ledger_setup_peak_bytes"),
+                                       tokens_per_s=s["tokens_per_s"], bytes_sent=s["bytes_sent"])
+                run["deviation"] = deviations(per_rank, run["estimate"])
+                run["within_tolerance"] = all(run["deviation"][c] <= TOLERANCE for c in CHECKED)
+                worst = max(run["deviation"][c] for c in CHECKED)
+                device = sum(per_rank[0][c] for c in DEVICE_CATEGORIES)
+                print(f"  {n} rank(s) {name:13s} {res['wall_s']:6.1f} s  device {_mib(device)} MiB "
+                      f"(estimate {_mib(run['estimate']['total'])})  worst deviation {worst:.1%}  "
+                      f"{s['tokens_per_s']:,.0f} tokens/s", flush=True)
+            else:
+                run["error"] = res["error"]
+                print(f"  {n} rank(s) {name:13s} FAILED: {res['error']} -- continuing", file=sys.stderr, flush=True)
+            runs.append(run)
+    table = markdown(runs, f"### {title}")
+    print("\n" + table)
+    md = os.path.join(args.out, "compare.md")
+    _atomic(md, lambda p: open(p, "w").write(table))
+    png = os.path.join(args.out, "compare.png")
+    any_ok = any(r["ok"] for r in runs)
+    wrote_png = any_ok and plot(runs, png, title)
+    result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
+                  strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs)
+    _atomic(args.json, lambda p: open(p, "w").write(json.dumps(result, indent=1)))
+    why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
+    print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
+    failed = [r for r in runs if not r["ok"]]
+    off = [r for r in runs if r["ok"] and not r["within_tolerance"]]
+    for r in off:
+        bad = ", ".join(f"{c} {r['deviation'][c]:.1%}" for c in CHECKED if r["deviation"][c] > TOLERANCE)
+        print(f"note: {r['strategy']} at {r['ranks']} rank(s): the estimate is off by more than {TOLERANCE:.0%} "
+              f"({bad})", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} of {len(runs)} run(s) failed: " + ", ".join(f"{r['strategy']}@{r['ranks']}"
+                                                                         for r in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

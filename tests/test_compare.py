@@ -1,0 +1,140 @@
+"""``python -m minizero.compare``: the estimator against the ledger for every strategy it runs, the CLI, bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minizero import compare
+from minizero.memory.estimator import Strategy, estimate_memory
+from minizero.nn import get_config
+from tests.conftest import mpi_env
+
+
+# ---- the estimator against the ledger, in-process (rank threads) -------------------------------------
+def check_run(name, model, ranks, micro_batch_size=2):
+    """Train 1 step on rank threads; every category the ledger measures is within 5% of the estimate."""
+    measured = compare.measure_threads(name, model, ranks, steps=1, micro_batch_size=micro_batch_size)
+    est = compare.estimate(name, model, ranks, micro_batch_size)
+    for rank, m in enumerate(measured):
+        for cat in compare.SHOWN:  # the four the issue checks, and the buffers and host copies too
+            assert est[cat] == pytest.approx(m["peak"][cat], rel=0.05, abs=0), (name, ranks, rank, cat)
+        assert est["nvme_optimizer"] == m["optimizer_disk_bytes"], (name, ranks, rank)  # optimizer state in files
+    return measured, est
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_estimator_matches_ledger_for_every_strategy(ranks):
+    for name in compare.STRATEGIES:
+        check_run(name, "tiny", ranks)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_estimator_matches_ledger_on_a_larger_model(ranks):
+    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny'
+    for name in compare.STRATEGIES:
+        check_run(name, "small", ranks)
+
+
+def test_what_each_strategy_moves():
+    # per rank, tiny model, 2 ranks: offload takes the optimizer state (and the big activations) off
+    # the device; with nvme it is in files, not in host memory
+    base = compare.estimate("baseline", "tiny", 2, 2)
+    off, nvme = compare.estimate("offload", "tiny", 2, 2), compare.estimate("offload-nvme", "tiny", 2, 2)
+    assert off["optimizer_state"] == nvme["optimizer_state"] == 0
+    assert off["offloaded"] >= base["optimizer_state"] and off["nvme"] == 0
+    assert nvme["offloaded"] == 0 and nvme["nvme_optimizer"] == base["optimizer_state"]
+    assert off["activations"] < base["activations"] / 10
+    fp16 = compare.estimate("fp16", "tiny", 2, 2)
+    assert fp16["parameters"] * 2 == base["parameters"] and fp16["optimizer_state"] == base["optimizer_state"] * 3 // 2
+    comb = compare.estimate("combined", "tiny", 2, 2)
+    others = [compare.estimate(n, "tiny", 2, 2)["total"] for n in compare.STRATEGIES if n != "combined"]
+    assert comb["total"] < min(others)
+
+
+def test_minizero_offload_at_any_zero_stage():
+    # minizero's --offload-optimizer works at ZeRO 0 and 1 (ZeRO-Offload proper builds on ZeRO-2)
+    cfg = get_config("tiny")
+    e = estimate_memory(cfg, Strategy(precision="fp32", offload="optimizer"), accounting="minizero")
+    assert e.optimizer_state == 0 and e.offloaded == 8 * cfg.num_parameters() and e.gradients > 0
+    paper = estimate_memory(cfg, Strategy(precision="fp32", offload="optimizer"), accounting="paper")
+    assert paper.gradients == 0  # the paper's layout moves the gradients too
+    with pytest.raises(ValueError, match="offload_tier='tape' is not one of"):
+        Strategy(offload_tier="tape").validate()
+
+
+# ---- the command line --------------------------------------------------------------------------------
+def run_compare(args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "minizero.compare", *args], env=env or mpi_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(150)
+def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
+    out = tmp_path / "cmp"
+    proc = run_compare(["--model", "tiny", "--ranks", "2", "--steps", "2", "--strategies", "baseline,zero3",
+                        "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    md = (out / "compare.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 2 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["baseline", "zero3"]
+    assert md in proc.stdout  # the table printed is the table written
+    result = json.loads((out / "compare.json").read_text())
+    assert [r["strategy"] for r in result["runs"]] == ["baseline", "zero3"]
+    for r in result["runs"]:
+        assert r["ok"] and r["within_tolerance"], r
+        assert len(r["measured"]["per_rank"]) == 2 and r["measured"]["tokens_per_s"] > 0
+        assert max(r["deviation"].values()) <= 0.05
+    base, z3 = result["runs"]
+    assert z3["measured"]["per_rank"][0]["parameters"] * 2 == pytest.approx(
+        base["measured"]["per_rank"][0]["parameters"], rel=0.02)  # ZeRO-3 holds half the parameters on 2 ranks
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not [f for f in os.listdir(out) if f.startswith(".")]  # no temporary file left behind
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path):
+    env = dict(mpi_env(), MINIZERO_FAULT="1:0:raise")  # rank 1 raises at step 0, in every run
+    proc = run_compare(["--model", "tiny", "--ranks", "1,2", "--steps", "1", "--strategies", "baseline",
+                        "--out", str(tmp_path)], env=env)
+    assert proc.returncode == 1
+    assert "[rank 1] minizero.train failed: RuntimeError: injected fault" in proc.stderr
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    assert [(r["ranks"], r["ok"]) for r in runs] == [(1, True), (2, False)]  # 1 rank has no rank 1: it ran
+    assert "injected fault" in runs[1]["error"]
+    assert "failed: exit status 1" in (tmp_path / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--strategies", "baseline,zero4"], "unknown strategy 'zero4'; allowed: baseline, recompute, fp16"),
+    (["--strategies", ","], "--strategies names no strategy"),
+    (["--ranks", "0"], "--ranks must be a comma list of integers >= 1, got '0'"),
+    (["--ranks", "2,two"], "--ranks must be a comma list of integers >= 1, got '2,two'"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 1, got -2"),
+    (["--model", "huge"], "--model 'huge' is not a preset; allowed: deep, default, gpt2, small, tiny"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+    (["--steps", "three"], "invalid int value: 'three'"),
+])
+def test_bad_input_is_named(argv, needle, capsys):
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m minizero.compare: error: ") and needle in err
+    assert "Traceback" not in err
+
+
+def test_bad_input_exits_2_without_traceback(tmp_path):
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    proc = run_compare(["--out", str(afile)])
+    assert proc.returncode == 2
+    expected = f"python -m minizero.compare: error: --out {str(afile)!r} exists and is not a directory"
+    assert proc.stderr.strip() == expected  # one line, no traceback
