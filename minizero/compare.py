@@ -75,6 +75,30 @@ class UsageError(ValueError):
     """A bad command-line value; the message names it and what is allowed."""
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (raised by the handler :func:`main` installs); ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    # a second signal during the cleanup must not interrupt it
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (mpiexec and every rank it started) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
@@ -152,14 +176,19 @@ def run_mpi(name: str, model: str, ranks: int, steps: int, micro_batch_size: int
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+        proc = None
         try:
+            # its own session, so a terminal's Ctrl-C reaches only us: we kill the whole group ourselves
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
-            proc.communicate()
+            _kill_group(proc)  # mpiexec and every rank it started
             return dict(ok=False, error=f"timed out after {timeout:g} s (--timeout)", wall_s=timeout, command=cmd)
+        except BaseException:  # Interrupted, KeyboardInterrupt: no job outlives us; the folder goes with the with
+            if proc is not None:
+                _kill_group(proc)
+            raise
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not os.path.exists(js):
             return dict(ok=False, error=f"exit status {proc.returncode}: {_cause(err, proc.returncode)}", wall_s=wall,
@@ -307,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _int_list(text: str, flag: str) -> list[int]:
     try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
+        vals = [int(v) for v in text.split(",")]  # an empty item ("2,,3", "2,") is an error too
     except ValueError:
         vals = []
     if not vals or any(v < 1 for v in vals):
@@ -347,7 +376,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    """Run the comparison; returns 0, 1 (some run failed) or 2 (bad arguments, or no mpiexec)."""
+    """Run the comparison; returns 0, 1 (some run failed), 2 (bad arguments, or no mpiexec) or 128 + the signal
+    (130 for SIGINT/Ctrl-C, 143 for SIGTERM: the running job is killed, its temporary folder removed)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"python -m minizero.compare: interrupted ({signal.Signals(signum).name})", file=sys.stderr,
+              flush=True)
+        return 128 + signum
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv=None) -> int:
     try:
         args = parse_args(argv)
         mpiexec = mpiexec_path()
@@ -356,6 +404,10 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
         return 2
+    cores = os.cpu_count() or 1
+    if max(args.ranks) > cores:
+        print(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); the ranks "
+              f"will be oversubscribed (slow, and tokens/s not comparable)", file=sys.stderr, flush=True)
     title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} "
              f"per rank")
     print(title, flush=True)

@@ -39,6 +39,8 @@ Units: memory in GB = 10**9 bytes unless ``--units GiB`` (2**30 bytes); the head
 says which. Memory arguments accept ``80GB`` (8e10 bytes), ``80GiB`` (85,899,345,920
 bytes), or a plain number of bytes (``8e10``); an "80 GB" A100/H100 has 80 GiB.
 Bad input exits with status 2 and one line naming the value and what is allowed.
+``--gpus`` is at most 2**20 (1,048,576); ``--plot PATH`` writes a PNG to PATH (``.png`` added
+when PATH has no extension) through a temporary name, and the path is checked before planning.
 """
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
+import tempfile
 
 from minizero.memory.estimator import (
     DEVICE_CATEGORIES, PRECISIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step,
@@ -56,6 +60,8 @@ from minizero.models import MODELS, get_model
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+#: the most GPUs ``--gpus`` accepts (2**20 = 1,048,576), so enumeration stays interactive
+MAX_GPUS = 2 ** 20
 RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
                 "then to fewer techniques")
 
@@ -68,7 +74,7 @@ def parse_bytes(text: str, what: str = "value") -> int:
         ValueError: not a positive finite number with one of those units (the text is quoted).
     """
     s = str(text).strip()
-    mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(?:/s)?", s)
+    mt = re.fullmatch(r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(?:/s)?", s)
     unit = mt.group(2).lower() if mt else None
     if mt is None or unit not in _UNITS:
         hint = " (ambiguous: write GB for 10^9 bytes or GiB for 2^30)" if unit in ("g", "m", "k", "t") else ""
@@ -76,7 +82,12 @@ def parse_bytes(text: str, what: str = "value") -> int:
                          f"B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), "
                          f"e.g. 80GB, 80GiB, 8e10")
     value = float(mt.group(1)) * _UNITS[unit]
-    if not (value >= 1 and math.isfinite(value)):
+    if not math.isfinite(value):
+        raise ValueError(f"{what} {text!r} is infinite (too large for a float); allowed: a finite byte size, "
+                         f"e.g. 80GB")
+    if value <= 0:
+        raise ValueError(f"{what} {text!r} must be positive; allowed: a byte size of at least 1 byte, e.g. 80GB")
+    if not value >= 1:
         raise ValueError(f"{what} {text!r} must be at least 1 byte")
     return int(value)
 
@@ -124,7 +135,14 @@ class Candidate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order (trial division up to sqrt(n))."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
 
 
 def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
@@ -350,8 +368,16 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _candidate_json(c: Candidate, rank: int) -> dict:
@@ -392,6 +418,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def plot_path(path: str) -> str:
+    """The PNG path ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension.
+
+    Raises:
+        ValueError: another extension, a directory, or a folder that does not exist or takes no file.
+    """
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in ("", ".png"):
+        raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
+                         f"extension, and .png is added)")
+    real = path if ext else path + ".png"
+    if os.path.isdir(real) or os.path.isdir(path) and not ext:
+        raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
+    d = os.path.dirname(os.path.abspath(real))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(real)}.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"--plot {path!r}: cannot write the PNG in {d!r}: {e.strerror or e}") from None
+    return real
+
+
 def _positive(parser, name, value):
     if value is not None and value < 1:
         parser.error(f"--{name} must be a positive integer, got {value}")
@@ -407,6 +456,24 @@ def main(argv=None) -> int:
         parser.error(f"--model: {e}")
     for name in ("gpus", "seq_len", "micro_batch", "global_batch", "virtual_stages", "gpus_per_node"):
         _positive(parser, name.replace("_", "-"), getattr(args, name))
+    if args.gpus > MAX_GPUS:
+        parser.error(f"--gpus {args.gpus} is too many; allowed: 1..{MAX_GPUS:,} (2^20)")
+    if args.schedule == "interleaved":
+        v = args.virtual_stages
+        ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]
+        if v not in ok_v:
+            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages must divide "
+                         f"{model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
+                         f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
+    if args.plot:
+        try:
+            args.plot = plot_path(args.plot)
+        except ValueError as e:
+            parser.error(str(e))
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
     if not (args.gpu_flops > 0 and math.isfinite(args.gpu_flops)):
@@ -453,7 +520,13 @@ def main(argv=None) -> int:
                "candidates": [_candidate_json(c, i) for i, c in enumerate(shown, 1)]}
         print(json.dumps(out, indent=1))
     else:
-        b, p0 = shown[0].strategy, _bytes(shown[0].strategy)
+        p0 = _bytes(shown[0].strategy)
+        if args.schedule == "interleaved":
+            piped = sum(c.strategy.pp > 1 for c in fits)
+            sched = (f"interleaved pipeline schedule ({args.virtual_stages} virtual stages per GPU; pp = 1 layouts "
+                     f"have no pipeline" + ("; no layout with pp > 1 fits" if not piped else "") + ")")
+        else:
+            sched = f"{args.schedule} pipeline schedule"
         count_text = (f"{n_psi / 1e9:.2f} B" if n_psi >= 1e9 else f"{n_psi / 1e6:.2f} M" if n_psi >= 1e6
                       else f"{n_psi:,}")
         print(f"minizero.plan: {model.name} ({count_text} parameters; {model.n_layer} layers, hidden "
@@ -461,7 +534,7 @@ def main(argv=None) -> int:
               f"{model.vocab_size})")
         print(f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} ({args.gpus_per_node} per node); sequence {seq}, "
               f"micro-batch {args.micro_batch}, global batch {gbatch} sequences requested; {args.precision} "
-              f"precision, {args.optimizer} (K = {p0[3]:g} bytes/parameter), {b.schedule} pipeline schedule")
+              f"precision, {args.optimizer} (K = {p0[3]:g} bytes/parameter), {sched}")
         print(f"memory per GPU in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes); host = offloaded; "
               f"net/step = bytes each GPU sends per step ({unit}); bufs = comm buffers + ZeRO-3 gathered layer")
         print(f"{count:,} strategies enumerated, {len(fits):,} fit; ranking: {RANKING_RULE}")

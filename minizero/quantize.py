@@ -30,6 +30,9 @@ import json
 import math
 import os
 import sys
+import tempfile
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -188,27 +191,124 @@ def evaluate_loss(model: Module, batches) -> float:
 
 
 # --------------------------------------------------------------------------- the command
-def load_trained(weights: str, preset: str | None = None):
-    """(model, summary dict or {}) from ``weights`` (model.npz); the shape from summary.json beside it, else ``preset``.
+def _not_weights(weights: str, why: str) -> ValueError:
+    return ValueError(f"--weights {weights!r} is not a model.npz written by minizero.train ({why})")
+
+
+def read_weights(weights: str) -> dict:
+    """{name: float array} from ``weights`` (an .npz, loaded with ``allow_pickle=False``).
 
     Raises:
-        FileNotFoundError: no such weights file.
-        KeyError / ValueError: the weights do not fit the model shape (names listed).
+        FileNotFoundError: no such file.
+        ValueError: not an .npz of numeric arrays (empty, truncated, pickled, text...), or a
+            tensor with NaN/inf (tensor and file named).
     """
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"--weights {weights!r}: no such file (write one with python -m minizero.train)")
+    if os.path.getsize(weights) == 0:
+        raise _not_weights(weights, "the file is empty")
+    try:
+        loaded = np.load(weights, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise _not_weights(weights, "a single .npy array, not an .npz archive")
+        with loaded as z:
+            state = {k: z[k] for k in z.files}
+    except ValueError as e:
+        if str(e).startswith("--weights"):
+            raise
+        raise _not_weights(weights, "not an .npz archive; it is never loaded with pickle") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
+        raise _not_weights(weights, f"unreadable or truncated archive: {type(e).__name__}: {e}") from None
+    if not state:
+        raise _not_weights(weights, "the archive holds no arrays")
+    for k, v in state.items():
+        if v.dtype.kind not in "fiu":
+            raise _not_weights(weights, f"array {k!r} has dtype {v.dtype}, not a number type")
+        if v.dtype.kind == "f":
+            bad = ~np.isfinite(v)
+            if bad.any():
+                raise ValueError(f"--weights {weights!r}: tensor {k!r} has {int(bad.sum())} non-finite value(s) "
+                                 f"(NaN or inf) of {v.size}; quantization and evaluation need finite weights")
+    return state
+
+
+def infer_preset(state: dict) -> str | None:
+    """The preset whose parameter names and shapes match ``state`` exactly, or None."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    for name in sorted(PRESETS):
+        cfg = PRESETS[name]
+        # shapes only depend on n_layer, n_embd, block_size, vocab_size: compare without building the model
+        c, t, v = cfg.n_embd, cfg.block_size, cfg.vocab_size
+        want = {"transformer.wte.weight": (v, c), "transformer.wpe.weight": (t, c),
+                "transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
+        for i in range(cfg.n_layer):
+            h = f"transformer.h.{i}."
+            want.update({h + "ln_1.weight": (c,), h + "ln_1.bias": (c,), h + "attn.c_attn.weight": (3 * c, c),
+                         h + "attn.c_attn.bias": (3 * c,), h + "attn.c_proj.weight": (c, c),
+                         h + "attn.c_proj.bias": (c,), h + "ln_2.weight": (c,), h + "ln_2.bias": (c,),
+                         h + "mlp.c_fc.weight": (4 * c, c), h + "mlp.c_fc.bias": (4 * c,),
+                         h + "mlp.c_proj.weight": (c, 4 * c), h + "mlp.c_proj.bias": (c,)})
+        if {k: s for k, s in shapes.items() if k != "lm_head.weight"} == want:
+            return name
+    return None
+
+
+def _looks_like(state: dict) -> str:
+    guess = infer_preset(state)
+    return f" (these weights look like the {guess!r} preset)" if guess else ""
+
+
+def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
+    """(model, summary dict or {}) from ``weights`` (model.npz); the shape from summary.json beside it, else ``preset``.
+
+    ``state``: the arrays of ``weights`` when already read (:func:`read_weights`).
+    Raises:
+        FileNotFoundError: no such weights file.
+        ValueError: not a minizero .npz, a corrupt summary.json, no shape to build, or the weights do not
+            fit the model shape (the file, the first names and ``--model`` named).
+    """
+    if state is None:
+        state = read_weights(weights)
     summary_path = os.path.join(os.path.dirname(os.path.abspath(weights)), "summary.json")
     summary = {}
     if os.path.isfile(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
-    if preset is None and summary:
-        cfg = get_config("default", **summary["config"]["model"])
+        try:
+            with open(summary_path) as f:
+                summary = json.load(f)
+            if not isinstance(summary, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{summary_path!r} (beside --weights) is not a summary written by minizero.train "
+                             f"({e}); fix or remove it") from None
+    if preset is not None:
+        cfg, source = get_config(preset), f"--model {preset}"
+    elif summary:
+        model_cfg = summary.get("config", {}).get("model") if isinstance(summary.get("config"), dict) else None
+        if not isinstance(model_cfg, dict):
+            raise ValueError(f"{summary_path!r} has no config.model section; pass --model{_looks_like(state)}")
+        try:
+            cfg = get_config("default", **model_cfg)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{summary_path!r}: config.model is not a model shape ({e}); pass --model") from None
+        source = summary_path
     else:
-        cfg = get_config(preset or "default")
+        guess = infer_preset(state)
+        raise ValueError(f"no summary.json beside --weights {weights!r}; pass --model "
+                         + (f"(these weights look like the {guess!r} preset)" if guess
+                            else f"(one of {', '.join(sorted(PRESETS))}; no preset matches these shapes)"))
     model = GPT(cfg)
-    with np.load(weights) as state:
-        model.load_state_dict({k: state[k] for k in state.files})
+    try:
+        model.load_state_dict(state)
+    except (KeyError, ValueError) as e:
+        own = dict(model.state_dict())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            detail = ", ".join(f"{len(names)} {what} name(s) (first: {', '.join(names[:2])})"
+                               for what, names in (("missing", missing), ("unexpected", unexpected)) if names)
+        else:
+            detail = e.args[0] if e.args else str(e)
+        raise ValueError(f"--weights {weights!r} does not fit the model shape from {source}: {detail}; "
+                         f"pass the --model the weights were trained with{_looks_like(state)}") from None
     return model, summary
 
 
@@ -233,14 +333,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def min_data_bytes(block_size: int) -> int:
+    """The fewest tokens whose validation split (the last 10%) holds one (block_size + 1)-token window."""
+    n = 10 * (block_size + 2)
+    while len(train_val_split(np.zeros(n, np.uint8))[1]) < block_size + 2:
+        n += 1
+    return n
+
+
+def check_output(path: str, flag: str = "--json") -> None:
+    """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot write in {d!r} ({e.strerror or e})") from None
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def run(args) -> dict:
     """Measure the configurations ``args`` asks for; returns ``{"baseline": {...}, "rows": [...]}``."""
-    model, summary = load_trained(args.weights, args.model)
+    state = read_weights(args.weights)
+    model, summary = load_trained(args.weights, args.model, state)
     cfg = model.config
-    train_cfg = summary.get("config", {}).get("train", {})
+    train_cfg = summary.get("config", {}).get("train", {}) if isinstance(summary.get("config"), dict) else {}
     data = args.data if args.data is not None else train_cfg.get("data")
-    seed = int(train_cfg.get("seed", 0))
-    train_tok, val_tok = train_val_split(load_tokens(data))
+    try:
+        seed = int(train_cfg.get("seed", 0))
+    except (TypeError, ValueError):
+        seed = 0
+    tokens = load_tokens(data)
+    need = min_data_bytes(cfg.block_size)
+    if len(tokens) < need:
+        name = f"--data {data!r}" if data is not None else "the built-in corpus"
+        raise ValueError(f"{name} has {len(tokens):,} bytes; needs at least {need:,} (its last 10% validates "
+                         f"and must hold block_size + 2 = {cfg.block_size + 2} tokens)")
+    train_tok, val_tok = train_val_split(tokens)
     n_batches = args.eval_batches or int(train_cfg.get("eval_batches", 4))
     val = eval_batches(val_tok, cfg.block_size, n_batches, 16, seed=seed + 1)  # the trainer's batches
     base = {"val_loss": evaluate_loss(model, val), "model_bytes": model_nbytes(model)}
@@ -263,7 +409,7 @@ def run(args) -> dict:
         else:
             thresholds = [args.outlier_threshold]
         for threshold in thresholds:
-            qmodel, _ = load_trained(args.weights, args.model)
+            qmodel, _ = load_trained(args.weights, args.model, state)
             rep = quantize_model(qmodel, bits, gran, args.block_size, threshold, calib if threshold else None)
             loss = evaluate_loss(qmodel, val)
             rows.append({"bits": bits, "granularity": gran, "block_size": args.block_size if gran == "block" else None,
@@ -313,14 +459,20 @@ def main(argv=None) -> int:
     if threshold is not None and not (threshold > 0 and math.isfinite(threshold)):
         parser.error(f"--outlier-threshold must be a positive number, got {args.outlier_threshold}")
     try:
+        if args.json:
+            check_output(args.json)  # before any measuring
         result = run(args)
-    except (FileNotFoundError, KeyError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"python -m minizero.quantize: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        try:
+            write_json_atomic(args.json, result)
+        except OSError as e:
+            print(f"python -m minizero.quantize: error: --json {args.json!r}: cannot write ({e.strerror or e})",
+                  file=sys.stderr)
+            return 2
     return 0
 
 

@@ -39,7 +39,7 @@ from minizero.comm.collectives import all_gather, all_reduce
 from minizero.data import DistributedSampler, check_corpus, decode, encode, eval_batches, load_tokens, train_val_split
 from minizero.memory.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.offload import ActivationOffload, OffloadError, OptimizerStateStore, check_offload_dir
-from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
+from minizero.memory.precision import DynamicLossScaler, LossScaleError, local_overflow, overflow_anywhere
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.sparsity import SCOPES, Pruner
 from minizero.memory.zero import ZeroOptimizer, gather_figures, model_state_bytes
@@ -50,11 +50,28 @@ from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.three_d import resolve_parallel_args, train_3d
 
 
+class TrainingDiverged(FloatingPointError):
+    """The loss or the gradient norm became inf/NaN without a loss scaler to skip the step."""
+
+
+def check_finite_norm(step: int, norm: float) -> None:
+    """Raise :class:`TrainingDiverged` before an update that would write inf/NaN into the weights."""
+    if not math.isfinite(norm):
+        raise TrainingDiverged(f"step {step}: the gradient norm is {norm}; training diverged (lower --lr, "
+                               f"or use --precision fp16, whose loss scaler skips such steps); no update was applied")
+
+
 class UsageError(ValueError):
     """A bad command-line value; the message names the value and what is allowed."""
 
 
 class _Parser(argparse.ArgumentParser):
+    quiet = False  # ranks other than 0 print no --help
+
+    def print_help(self, file=None):
+        if not self.quiet:
+            super().print_help(file)
+
     def error(self, message):  # raise instead of exiting, so only rank 0 prints
         raise UsageError(message)
 
@@ -142,13 +159,78 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
+#: upper limits that keep a typo from becoming an out-of-memory kill minutes later
+MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
+FAULT_KINDS = ("raise", "kill", "inf")
+
+
+def _check_outputs(args) -> None:
+    """OUT must be (or become) a writable directory and JSON a writable file path that clobbers nothing."""
+    out = args.out
+    if not out:
+        raise UsageError("--out must name a directory, got ''")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out!r} exists and is not a directory")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where makedirs will start
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
+    js = os.path.abspath(args.json)
+    if os.path.isdir(js):
+        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    if js == os.path.abspath(os.path.join(out, "model.npz")) or (args.data and js == os.path.abspath(args.data)):
+        raise UsageError(f"--json {args.json!r} would overwrite {'the weights' if js.endswith('model.npz') else '--data'}")
+    jparent = os.path.dirname(js)
+    if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
+        raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
+
+
+def _check_data(args) -> None:
+    """The --data file must be readable UTF-8 text long enough for one validation window."""
+    if args.data is None:
+        return
+    if os.path.isdir(args.data):
+        raise UsageError(f"--data {args.data!r} is a directory; give a UTF-8 text file")
+    if not os.path.isfile(args.data):
+        raise UsageError(f"--data {args.data!r}: no such file")
+    try:
+        tokens = load_tokens(args.data)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    t = args.block_size or PRESETS[args.model].block_size
+    need = 10 * (t + 2)  # the last 10% validates and must hold one (T + 1)-token window
+    if len(tokens) < need:
+        raise UsageError(f"--data {args.data!r} has {len(tokens):,} bytes; a context of {t} needs at least "
+                         f"{need:,} (the last 10% is the validation split)")
+
+
+def _check_fault_spec() -> None:
+    spec = os.environ.get("MINIZERO_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_KINDS:
+        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
+
+
+def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
     """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields.
 
+    ``quiet``: print no ``--help`` (ranks other than 0).
     Raises:
         UsageError: any bad value, with the value and what is allowed.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.quiet = quiet
+    args = parser.parse_args(argv)
+    _check_fault_spec()
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),
+                      ("adam8bit_block_size", MAX_ADAM8BIT_BLOCK)):
+        if getattr(args, name) > cap:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {getattr(args, name):,}")
     positive = ["steps", "micro_batch_size", "eval_batches"]
     for name in positive:
         if getattr(args, name) < 1:
@@ -169,8 +251,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if not (args.grad_clip >= 0):
         raise UsageError(f"--grad-clip must be >= 0 (0 disables), got {args.grad_clip}")
-    if not (args.bucket_mb > 0 and math.isfinite(args.bucket_mb)):
-        raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    if not (args.bucket_mb * 2 ** 20 >= 1 and math.isfinite(args.bucket_mb)):
+        raise UsageError(f"--bucket-mb must be at least one byte (2**-20) and finite, got {args.bucket_mb}")
     if args.show_shards and not args.zero:
         raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
     if args.precision == "fp16" and args.dtype != "float32":
@@ -235,10 +317,11 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
         # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
         args.warmup = min(args.steps, max(10, args.steps // 20))
-    if args.data is not None and not os.path.isfile(args.data):
-        raise UsageError(f"--data {args.data!r}: no such file")
+    _check_data(args)
     if args.json is None:
         args.json = os.path.join(args.out, "summary.json")
+    if not args.no_save:
+        _check_outputs(args)
     args.world_size = world_size
     return args
 
@@ -401,6 +484,8 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     # copying it into flat buffers or shards, one unit beside the old arrays) is kept apart as setup_peak
     setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
     get_ledger().reset_peaks()
+    if tracemalloc.is_tracing():  # likewise the measured process peak: training steps only
+        tracemalloc.reset_peak()
     t_start = time.perf_counter()
     for step in range(args.steps):
         poison = _check_fault(rank, step)  # MINIZERO_FAULT=r:s:inf makes this rank's gradients non-finite
@@ -447,6 +532,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             norm = (math.sqrt(global_grad_norm_sq(p.grad for p in params)) / scale if dp is not None
                     else opt.grad_norm(1.0 / scale))
             grad_norms.append(norm)
+            check_finite_norm(step, norm)
             opt.set_lr(cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr))
             opt.step(grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
             applied += 1
@@ -463,6 +549,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
             bar.update(1)
     elapsed = time.perf_counter() - t_start
+    train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     if bar is not None:
         bar.close()
     val_history.append((args.steps, evaluate(model, val_set, comm)))
@@ -470,7 +557,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     return dict(model=model, dp=dp, opt=opt, train_losses=train_losses, grad_norms=grad_norms, val_history=val_history,
                 loss_scales=loss_scales, skipped_steps=scaler.skipped if scaler is not None else 0,
                 elapsed_s=elapsed, tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg,
-                state_bytes=state_bytes, pruner=pruner, setup_peak=setup_peak)
+                state_bytes=state_bytes, pruner=pruner, setup_peak=setup_peak, train_process_peak=train_process_peak)
 
 
 def _cores() -> int:
@@ -495,7 +582,7 @@ def main(argv=None) -> int:
     comm = MPICommunicator(MPI.COMM_WORLD)
     rank = comm.rank
     try:
-        args = parse_args(argv, comm.world_size)
+        args = parse_args(argv, comm.world_size, quiet=rank != 0)
     except UsageError as e:
         if rank == 0:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
@@ -509,7 +596,8 @@ def main(argv=None) -> int:
         if not args.no_tracemalloc:
             tracemalloc.start()
         result = train(args, comm, log=lambda s: print(s, flush=True))
-        process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+        process_peak = result.get("train_process_peak") or (
+            tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0)
         dp, opt = result["dp"], result["opt"]
         per_step = dp.bytes_sent / args.steps if dp is not None else opt.bytes_per_step()
         stats = _gather_stats(comm, process_peak, per_step * args.steps)
@@ -525,12 +613,33 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
+        if isinstance(e, (TrainingDiverged, LossScaleError)):  # a diagnosis, not a bug: no traceback
+            sys.stderr.write(f"[rank {rank}] minizero.train stopped: {e}\n")
+            sys.stderr.flush()
+            comm.abort(1)
+            return 1
+        if isinstance(e, KeyboardInterrupt):
+            sys.stderr.write(f"[rank {rank}] interrupted; files already written are left as they were\n")
+            sys.stderr.flush()
+            comm.abort(130)
+            return 130
         sys.stderr.write(f"[rank {rank}] minizero.train failed: {type(e).__name__}: {e}\n")
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         comm.abort(1)
         return 1
     return 0
+
+
+def _json_safe(x):
+    """``x`` with NaN/inf floats as None, so the summary is strict JSON (a skipped FP16 step has no norm)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _report(args, result, stats, threads, local_ranks, zero) -> None:
@@ -551,14 +660,19 @@ def _report(args, result, stats, threads, local_ranks, zero) -> None:
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
     print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
+    if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
+        state = model.state_dict()
+        bad = [k for k, v in state.items() if not np.isfinite(v).all()]
+        if bad:
+            raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
+                                     f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
+        atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
     prompt = "The "
     out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
                          rng=np.random.default_rng(args.seed))
     print("\nsample:\n" + printable(decode(out[0])) + "\n")
     if args.no_save:
         return
-    state = model.state_dict()
-    atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
     summary = {
         "world_size": args.world_size,
         "dp": args.dp, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
@@ -585,7 +699,7 @@ def _report(args, result, stats, threads, local_ranks, zero) -> None:
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": decode(out[0]),
     }
-    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(summary, indent=1)))
+    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(_json_safe(summary), indent=1, allow_nan=False)))
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
 
 

@@ -1,8 +1,10 @@
 """``python -m minizero.compare``: the estimator against the ledger for every strategy it runs, the CLI, bad input."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -118,6 +120,8 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
     (["--strategies", ","], "--strategies names no strategy"),
     (["--ranks", "0"], "--ranks must be a comma list of integers >= 1, got '0'"),
     (["--ranks", "2,two"], "--ranks must be a comma list of integers >= 1, got '2,two'"),
+    (["--ranks", "2,,3"], "--ranks must be a comma list of integers >= 1, got '2,,3'"),
+    (["--ranks", "2,"], "--ranks must be a comma list of integers >= 1, got '2,'"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 1, got -2"),
     (["--model", "huge"], "--model 'huge' is not a preset; allowed: deep, default, gpt2, small, tiny"),
@@ -138,3 +142,44 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     expected = f"python -m minizero.compare: error: --out {str(afile)!r} exists and is not a directory"
     assert proc.stderr.strip() == expected  # one line, no traceback
+
+
+def _procs_mentioning(text: str, but: int) -> list[int]:
+    """Pids (other than ``but``) whose command line contains ``text``."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != but:
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the job's processes")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_kills_the_job_and_removes_its_folder(mpiexec, tmp_path, sig):
+    env = dict(mpi_env(), TMPDIR=str(tmp_path))  # the job's temporary folder, and its --out, land here
+    proc = subprocess.Popen([sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps",
+                             "100000", "--strategies", "baseline", "--out", str(tmp_path / "out")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not _procs_mentioning(str(tmp_path), proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _procs_mentioning(str(tmp_path), proc.pid), "the training job did not start"
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig
+    assert err.strip() == f"python -m minizero.compare: interrupted ({signal.Signals(sig).name})"
+    time.sleep(0.5)
+    assert _procs_mentioning(str(tmp_path), proc.pid) == []  # mpiexec and its ranks are gone
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("minizero-compare-")]

@@ -123,3 +123,33 @@ def test_enumeration_respects_constraints():
     assert all(not (s.zero >= 2 and s.pp > 1) for s in seen)
     assert all(s.sequence_parallel <= (s.tp > 1) for s in seen)
     assert all(s.dp * s.micro_batch * s.micro_batches >= 512 for s in seen)
+
+
+def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
+    assert P._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and P._divisors(1) == [1]
+    t0 = time.perf_counter()
+    code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "1000000007")
+    assert code == 2 and "--gpus 1000000007 is too many; allowed: 1..1,048,576" in err
+    assert P._divisors(1000000007) == [1, 1000000007]
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-memory", "1e400"], "--gpu-memory '1e400' is infinite"),
+    (["--gpu-memory=-80GB"], "--gpu-memory '-80GB' must be positive"),
+    (["--schedule", "interleaved", "--virtual-stages", "100"], "--virtual-stages 100: with --schedule interleaved"),
+    (["--plot", "x.pdf"], "must end in .png"),
+])
+def test_plan_refuses_more_bad_input(capsys, argv, message):
+    code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
+    assert code == 2 and message in err and out == ""
+
+
+def test_plot_reports_the_real_path_and_header_the_real_schedule(capsys, tmp_path):
+    code, out, _ = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--top", "2", "--schedule", "interleaved",
+                            "--plot", str(tmp_path / "jdir"))
+    assert code == 0 and f"wrote {tmp_path / 'jdir.png'}" in out and (tmp_path / "jdir.png").exists()
+    assert "interleaved pipeline schedule (2 virtual stages" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["jdir.png"]  # no temporary left
+    code, out, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--plot", str(tmp_path))
+    assert code == 2 and "is a directory" in err and out == ""

@@ -42,7 +42,7 @@ def test_scaler_hysteresis_like_deepspeed():
     s = DynamicLossScaler(init_scale=1024, hysteresis=2, growth_interval=1000)
     assert s.update(True) and s.scale == 1024  # first overflow tolerated (step still skipped)
     assert s.update(True) and s.scale == 512   # second lowers the scale
-    assert s.update(True) and s.scale == 512
+    assert s.update(True) and s.scale == 256   # tolerance used up until the scale grows (DeepSpeed)
 
 
 def test_scaler_stops_at_min_scale_after_bounded_skips():
@@ -157,7 +157,7 @@ def test_fp16_bad_flags():
 def test_fp16_loss_tracks_fp32_over_200_steps():
     """On the embedded corpus, 200 steps of the tiny model: FP16 within 0.05 nats of FP32.
 
-    bench/bench_precision.py makes the same comparison for larger models.
+    bench/bench_precision.py makes the same comparison for other presets.
     """
     common = ["--model", "tiny", "--steps", "200", "--eval-every", "0", "--eval-batches", "2", "--no-progress",
               "--micro-batch-size", "8"]

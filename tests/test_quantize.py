@@ -258,3 +258,58 @@ def test_quantize_command_errors(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--bits", "3"])
+
+
+def _q_error(capsys, argv):
+    from minizero.quantize import main
+
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_quantize_rejects_files_that_are_not_weights(tmp_path, capsys, trained_tiny):
+    (tmp_path / "text.npz").write_text("hello")
+    (tmp_path / "empty.npz").write_bytes(b"")
+    (tmp_path / "junk.bin").write_bytes(bytes(range(256)) * 3)
+    whole = (trained_tiny / "model.npz").read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(whole[:len(whole) // 2])
+    for name in ("text.npz", "empty.npz", "junk.bin", "trunc.npz"):
+        code, err = _q_error(capsys, ["--weights", str(tmp_path / name)])
+        assert code == 2, name
+        assert "is not a model.npz written by minizero.train" in err and name in err and "\n" not in err
+        assert "allow_pickle" not in err
+
+
+def test_quantize_without_summary_names_the_preset_and_nan_tensor(tmp_path, capsys):
+    from minizero.nn import GPT, get_config
+
+    state = GPT(get_config("tiny")).state_dict()
+    np.savez(tmp_path / "model.npz", **state)
+    code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz")])
+    assert code == 2 and "no summary.json" in err and "--model" in err and "'tiny'" in err and len(err) < 300
+    code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz"), "--model", "small"])
+    assert code == 2 and "does not fit" in err and "--model" in err and "model.npz" in err
+    (tmp_path / "summary.json").write_text("{oops")
+    code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz")])
+    assert code == 2 and "summary.json" in err
+    (tmp_path / "summary.json").unlink()
+    bad = dict(state)
+    w = bad["transformer.h.0.mlp.c_fc.weight"].copy()
+    w[1, 2] = np.nan
+    bad["transformer.h.0.mlp.c_fc.weight"] = w
+    np.savez(tmp_path / "model.npz", **bad)
+    code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz"), "--model", "tiny"])
+    assert code == 2 and "transformer.h.0.mlp.c_fc.weight" in err and "model.npz" in err
+
+
+def test_quantize_short_data_and_bad_json_fail_before_work(tmp_path, capsys, trained_tiny):
+    (tmp_path / "short.txt").write_text("abc" * 10)
+    weights = str(trained_tiny / "model.npz")
+    code, err = _q_error(capsys, ["--weights", weights, "--data", str(tmp_path / "short.txt")])
+    assert code == 2 and "short.txt" in err and "at least" in err
+    code, err = _q_error(capsys, ["--weights", weights, "--json", str(tmp_path)])
+    assert code == 2 and "is a directory" in err
+    code, err = _q_error(capsys, ["--weights", weights, "--json", str(tmp_path / "no" / "x.json")])
+    assert code == 2 and "does not exist" in err
+    assert capsys.readouterr().out == ""  # nothing measured

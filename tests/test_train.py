@@ -34,6 +34,11 @@ def launch(mpiexec, n, args, timeout=120, env=None):
     (["--dtype", "int8"], "'int8'"),
     (["--block-size", "4096"], "exceeds the 'default' preset's block_size 128"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--micro-batch-size", "1000000000"], "--micro-batch-size must be <= 4,096"),
+    (["--bucket-mb", "1e-9"], "--bucket-mb must be at least one byte"),
+    (["--out", "o", "--json", "o/model.npz"], "would overwrite the weights"),
+    (["--out", "/dev/null/out"], "cannot be created or written"),
 ])
 def test_bad_arguments_are_named(argv, needle):
     with pytest.raises(UsageError) as e:
@@ -129,3 +134,37 @@ def test_tied_head_gets_both_gradients():
     lm = model(x, x)[1].item()
     w[i, j] += eps
     assert abs((lp - lm) / (2 * eps) - g_total[i, j]) < 1e-7 * max(1.0, abs(g_total[i, j]))
+
+
+def test_data_and_output_paths_checked_before_work(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("hello world " * 10)
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(256)) * 10)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [(["--data", str(empty)], "is empty"), (["--data", str(short)], "needs at least"),
+             (["--data", str(binary)], "is not UTF-8 text"), (["--data", str(tmp_path)], "is a directory"),
+             (["--out", str(afile)], "exists and is not a directory"), (["--json", str(tmp_path)], "is a directory")]
+    for argv, needle in cases:
+        with pytest.raises(UsageError, match=needle):
+            parse_args(["--model", "tiny"] + argv)
+
+
+def test_malformed_fault_spec_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("MINIZERO_FAULT", "abc")
+    with pytest.raises(UsageError, match="expected RANK:STEP:KIND"):
+        parse_args([])
+
+
+@pytest.mark.timeout(120)
+def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.npz").write_bytes(b"previous weights")
+    proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e300", "--out", str(out)], timeout=90)
+    assert proc.returncode != 0
+    assert "training diverged" in proc.stderr and "Traceback" not in proc.stderr
+    assert (out / "model.npz").read_bytes() == b"previous weights"

@@ -197,7 +197,8 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     lines.append(row("peak total", [(None, s["peak_total"]) for s in per_rank]))
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, p) for p in process_peaks]))
-        lines.append("* measured by tracemalloc: every allocation of the process, incl. NumPy temporaries")
+        lines.append("* measured by tracemalloc over the training steps: every allocation of the process, "
+                     "incl. NumPy temporaries")
     lines.extend(notes or [])
     return "\n".join(lines)
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from minizero import backend
 from minizero.comm.collectives import all_reduce
-from minizero.memory.ledger import get_ledger
 
 PRECISIONS = ("fp32", "fp16")
 
@@ -49,7 +48,8 @@ class DynamicLossScaler:
             clean steps in a row; S *= backoff on overflow.
         growth_interval: clean steps before growing (PyTorch 2000, DeepSpeed 1000).
         hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2);
-            the count refills whenever S changes.
+            once used up, every overflow lowers S, and the count refills only when S
+            grows (DeepSpeed's ``consecutive_hysteresis=False``).
         min_scale: S never goes below this.
         max_skips_at_min: after this many consecutive skipped steps at the
             minimum scale, :meth:`update` raises :class:`LossScaleError`
@@ -62,10 +62,10 @@ class DynamicLossScaler:
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  hysteresis=1, min_scale=1.0, max_skips_at_min=10):
-        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
+        if not (0 < init_scale < math.inf and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
                 and hysteresis >= 1 and 0 < min_scale <= init_scale and max_skips_at_min >= 1):
             raise ValueError(
-                f"loss scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
+                f"loss scaler needs a finite init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
                 f"hysteresis >= 1, 0 < min_scale <= init_scale, max_skips_at_min >= 1; got init_scale={init_scale}, "
                 f"growth_factor={growth_factor}, backoff_factor={backoff_factor}, growth_interval={growth_interval}, "
                 f"hysteresis={hysteresis}, min_scale={min_scale}, max_skips_at_min={max_skips_at_min}")
@@ -107,10 +107,10 @@ class DynamicLossScaler:
                     f"gradients overflowed in {self._skips_at_min} consecutive steps at the minimum loss scale "
                     f"{self.min_scale}: the model diverges in FP16 (lower the learning rate, or train in fp32)")
             return True
-        self._hysteresis_left -= 1
-        if self._hysteresis_left <= 0:
+        if self._hysteresis_left <= 1:  # tolerance used up: every overflow lowers S until S grows again
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self._hysteresis_left = self.hysteresis
+        else:
+            self._hysteresis_left -= 1
         return True
 
     def state_dict(self) -> dict:
@@ -131,58 +131,3 @@ def overflow_anywhere(local: bool, comm) -> bool:
     with comm.traffic.op("overflow_flag"):
         flag = all_reduce(comm, np.array([1.0 if local else 0.0]))
     return bool(flag[0] > 0)
-
-
-def cast_parameters(params, dtype) -> None:
-    """Cast every Parameter's data to ``dtype`` in place, keeping the ledger exact.
-
-    The old arrays are released from the ledger (``parameters``) and the new
-    ones registered. Gradients must not exist yet (they would keep the old dtype).
-    Raises:
-        RuntimeError: a parameter already has a gradient.
-    """
-    ledger = get_ledger()
-    for p in params:
-        if p.grad is not None:
-            raise RuntimeError("cast_parameters: cast before the first backward (a parameter has a gradient)")
-        old = p.data
-        p.data = old.astype(dtype)
-        ledger.untrack(old)
-        ledger.track(p.data, "parameters")
-
-
-class MasterWeights:
-    """FP32 master copies of FP16 parameters, and the FP16 <- FP32 copy after an update.
-
-    Args:
-        params: Parameters already in float16 (or any dtype; the master is float32).
-        source: optional list of arrays to initialize the masters from (e.g. the
-            FP32 initialization before casting, so no precision is lost at step 0).
-    Attributes: ``masters`` list of float32 arrays (ledger: ``optimizer_state``).
-    """
-
-    def __init__(self, params, source=None):
-        self.params = list(params)
-        ledger = get_ledger()
-        self.masters = []
-        for i, p in enumerate(self.params):
-            m = backend.xp.array(source[i] if source is not None else p.data, dtype=np.float32, copy=True)
-            ledger.track(m, "optimizer_state")
-            self.masters.append(m)
-
-    def copy_to_params(self) -> None:
-        """Round every master to its parameter's dtype (FP16) in place."""
-        for p, m in zip(self.params, self.masters):
-            p.data[...] = m.astype(p.dtype)
-
-
-def unscale_(grads, scale: float) -> list:
-    """FP32 copies of ``grads`` divided by ``scale`` (the FP16 gradients are left as they are)."""
-    inv = 1.0 / scale
-    return [None if g is None else g.astype(np.float32) * np.float32(inv) for g in grads]
-
-
-def check_finite_scale(scale: float) -> None:
-    """Raise ValueError unless ``scale`` is a positive finite number."""
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"loss scale must be a positive finite number, got {scale}")

@@ -265,7 +265,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
     from minizero.memory.recompute import apply_recompute
     from minizero.memory.zero import ZeroOptimizer, model_state_bytes
     from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
-    from minizero.train import _check_fault, model_config
+    from minizero.train import _check_fault, check_finite_norm, model_config
 
     cfg = model_config(args)
     topo = Topology(comm, args.dp, args.tp, args.pp)
@@ -355,6 +355,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
         else:  # clipping on the unscaled global norm, folded with 1/scale into the update
             norm = math.sqrt(grad_norm_sq(stage, topo, opt if dp is None else None)) / scale
             grad_norms.append(norm)
+            check_finite_norm(step, norm)
             opt.set_lr(cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr))
             opt.step(grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
             applied += 1

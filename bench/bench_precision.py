@@ -1,0 +1,48 @@
+"""FP16 mixed precision vs FP32: training loss of the same run, step by step, on the embedded corpus.
+
+Trains one rank (in-process) for ``--steps`` steps in FP32 and in FP16 (FP32
+master weights, dynamic loss scaling) from the same seed and data, and prints a
+table of the mean training loss over windows of steps, the difference, the final
+validation losses, the loss scale at the end and the number of skipped steps.
+
+usage: python bench/bench_precision.py [--model small] [--steps 200] [--micro-batch-size 8]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from minizero.comm import run_in_threads
+from minizero.train import parse_args, train
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--window", type=int, default=20)
+    a = p.parse_args()
+    common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
+              "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
+
+    def run(comm, precision):
+        return train(parse_args(common + ["--precision", precision], 1), comm, log=lambda s: None)
+
+    r32 = run_in_threads(1, run, "fp32", timeout=3600)[0]
+    r16 = run_in_threads(1, run, "fp16", timeout=3600)[0]
+    print(f"model {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; mean training loss (nats/byte)")
+    print("| steps | fp32 | fp16 | fp16 - fp32 |")
+    print("|---|---:|---:|---:|")
+    for lo in range(0, a.steps, a.window):
+        l32 = np.mean(r32["train_losses"][lo:lo + a.window])
+        l16 = np.mean(r16["train_losses"][lo:lo + a.window])
+        print(f"| {lo}-{min(lo + a.window, a.steps) - 1} | {l32:.4f} | {l16:.4f} | {l16 - l32:+.4f} |")
+    v32, v16 = r32["val_history"][-1][1], r16["val_history"][-1][1]
+    print(f"\nvalidation loss: fp32 {v32:.4f}, fp16 {v16:.4f} (difference {v16 - v32:+.4f}); "
+          f"fp16 loss scale at the end {r16['loss_scales'][-1]:g}, skipped steps {r16['skipped_steps']}")
+
+
+if __name__ == "__main__":
+    main()
