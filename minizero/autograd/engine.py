@@ -310,6 +310,8 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
     grads = {}  # id(node) -> list of output grads
     if root.grad_fn is None:
         _accumulate_leaf(root, grad)
+        for hook in root._post_accumulate_hooks:
+            hook(root)
         return
     grads[id(root.grad_fn)] = [None] * root.grad_fn.num_outputs
     grads[id(root.grad_fn)][root._out_index] = grad

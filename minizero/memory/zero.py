@@ -471,8 +471,6 @@ class ZeroOptimizer:
                 st.param_shard[...] = backend.to_device(params.astype(st.param_shard.dtype, copy=False))
         if self.stage in (1, 2):
             self._all_gather_params("all_gather_params")
-        self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})
-        self._step_mark = dict(self.bytes_sent)
 
     def _all_gather_params(self, phase):
         for st in self.units:
@@ -481,7 +479,13 @@ class ZeroOptimizer:
             st.flat_param[...] = full
 
     def zero_grad(self) -> None:
-        """Zero the gradients this stage keeps (stage 1: the flat buffers, re-pointing ``.grad``; 2-3: the shards)."""
+        """Zero the gradients this stage keeps (stage 1: the flat buffers, re-pointing ``.grad``; 2-3: the shards).
+
+        Also closes this step's traffic record (``step_bytes``): the training loops call it once per
+        step, applied or skipped (an FP16 overflow), so a skipped step's reduce-scatter is its own.
+        """
+        self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})
+        self._step_mark = dict(self.bytes_sent)
         for st in self.units:
             if self.stage == 1:
                 st.flat_grad[...] = 0

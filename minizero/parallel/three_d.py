@@ -38,6 +38,7 @@ import contextlib
 import math
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -326,8 +327,13 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
     if rank0 and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout, disable=None)
     tokens_per_step = args.batch_size * cfg.block_size
+    # as in train.train: ledger and process peaks cover the training steps; set-up is kept apart
+    setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
+    get_ledger().reset_peaks()
+    if tracemalloc.is_tracing():
+        tracemalloc.reset_peak()
     t_start = time.perf_counter()
     for step in range(args.steps):
         poison = _check_fault(comm.rank, step)  # MINIZERO_FAULT=r:s:inf makes this rank's gradients non-finite
@@ -371,6 +377,7 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
             bar.update(1)
     elapsed = time.perf_counter() - t_start
+    train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     if bar is not None:
         bar.close()
     val_history.append((args.steps, evaluate_3d(engine, val_set, topo)))
@@ -382,4 +389,4 @@ def train_3d(args, comm, log=print, after_grads=None) -> dict:
                 grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,
                 skipped_steps=scaler.skipped if scaler is not None else 0, elapsed_s=elapsed,
                 tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg, state_bytes=state_bytes,
-                traffic=traffic)
+                traffic=traffic, setup_peak=setup_peak, train_process_peak=train_process_peak)
