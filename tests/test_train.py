@@ -170,6 +170,7 @@ def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
     assert (out / "model.npz").read_bytes() == b"previous weights"
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # lr 1e300 overflows on purpose
 def test_divergence_is_diagnosed_before_the_update():
     from minizero.comm import run_in_threads
     from minizero.train import TrainingDiverged, train
