@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+
+from minizero.files import mpiexec_path
 
 CONFIGS = {
     "baseline": [],
@@ -33,13 +34,11 @@ CONFIGS = {
 
 
 def mpiexec() -> str:
-    """``mpiexec`` beside this Python (the mpich wheel), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    path = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    """``mpiexec`` beside this Python (the mpich wheel), else on PATH; exits with a hint when missing."""
+    path = mpiexec_path()
     if path is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     return path
-
 
 def run(flags, args) -> dict:
     """One training run; returns its JSON summary."""

@@ -13,20 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
+from minizero.files import mpiexec_path
+
 
 def mpiexec() -> str:
-    """``mpiexec`` beside this Python (the mpich wheel), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    path = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    """``mpiexec`` beside this Python (the mpich wheel), else on PATH; exits with a hint when missing."""
+    path = mpiexec_path()
     if path is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     return path
-
 
 def run(n: int, args) -> dict:
     """Run the main job on ``n`` ranks; return its JSON summary."""

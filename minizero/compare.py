@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import time
 
 from minizero.memory.estimator import (DEVICE_CATEGORIES, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
+from minizero.files import atomic_write, mpiexec_path
 from minizero.nn import PRESETS
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
@@ -153,12 +153,6 @@ def deviations(measured: list[dict], est: dict) -> dict:
 
 
 # ---- measuring: under MPI, or in-process threads ---------------------------------------------------
-def mpiexec_path() -> str | None:
-    """``mpiexec`` beside this Python (the mpich wheel's), else on PATH, else None."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else shutil.which("mpiexec")
-
-
 def _cause(stderr: str, rc: int) -> str:
     """The lines of a failed job's stderr that say why (the ``[rank r] ... failed`` line, or the last ones)."""
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
@@ -261,19 +255,6 @@ def markdown(runs: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _atomic(path: str, write) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def plot(runs: list[dict], path: str, title: str) -> bool:
     """Stacked bars of rank 0's measured peaks by category, the estimate as a marker; tokens/s below.
 
@@ -312,7 +293,7 @@ def plot(runs: list[dict], path: str, title: str) -> bool:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
-    _atomic(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
     return True
 
@@ -439,13 +420,13 @@ def _main(argv=None) -> int:
     table = markdown(runs, f"### {title}")
     print("\n" + table)
     md = os.path.join(args.out, "compare.md")
-    _atomic(md, lambda p: open(p, "w").write(table))
+    atomic_write(md, lambda p: open(p, "w").write(table))
     png = os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     wrote_png = any_ok and plot(runs, png, title)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
                   strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs)
-    _atomic(args.json, lambda p: open(p, "w").write(json.dumps(result, indent=1)))
+    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(result, indent=1)))
     why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
     print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
     failed = [r for r in runs if not r["ok"]]

@@ -36,6 +36,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import manual_seed, no_grad
 from minizero.comm.collectives import all_gather, all_reduce
+from minizero.files import atomic_write
 from minizero.data import DistributedSampler, check_corpus, decode, encode, eval_batches, load_tokens, train_val_split
 from minizero.memory.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.offload import ActivationOffload, OffloadError, OptimizerStateStore, check_offload_dir
@@ -335,19 +336,6 @@ def model_config(args):
 def printable(text: str) -> str:
     """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
-
-
-def atomic_write(path: str, write) -> None:
-    """Call ``write(tmp_path)`` then rename to ``path``; a crash leaves the old file intact."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _check_fault(rank: int, step: int) -> bool:

@@ -1,19 +1,11 @@
 """Shared test helpers: finding ``mpiexec`` and the environment for launched ranks."""
 import os
-import shutil
-import sys
 
 import pytest
 
+from minizero.files import mpiexec_path  # noqa: F401  (re-exported for tests)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mpiexec_path():
-    """``mpiexec`` next to the running Python (the mpich wheel's), else on PATH, else None."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(beside):
-        return beside
-    return shutil.which("mpiexec")
 
 
 def mpi_env():

@@ -114,8 +114,6 @@ def test_injected_inf_on_one_rank_skips_the_step_everywhere(stage, monkeypatch):
     snaps = {}
 
     def after_grads(step, params, opt):
-        from minizero.comm.collectives import all_gather  # noqa: F401
-
         if step in (2, 3):  # state before step 2's update and before step 3's: equal if step 2 was skipped
             if hasattr(opt, "units"):
                 arrays = [a.copy() for st in opt.units for a in (st.master, st.m, st.v)]

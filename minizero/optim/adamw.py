@@ -17,7 +17,6 @@ import math
 import numpy as np
 
 from minizero import backend
-from minizero.memory.ledger import get_ledger
 
 
 def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
