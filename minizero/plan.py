@@ -53,6 +53,7 @@ import re
 import sys
 import tempfile
 
+from minizero.files import atomic_write
 from minizero.memory.estimator import (
     DEVICE_CATEGORIES, PRECISIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step,
     estimate_stages, model_flops_per_step, stage_parameters)
@@ -368,16 +369,10 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _candidate_json(c: Candidate, rank: int) -> dict:

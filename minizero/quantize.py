@@ -39,6 +39,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Tensor, functional as F, no_grad
 from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
+from minizero.files import atomic_write
 from minizero.memory.ledger import get_ledger
 from minizero.memory.quantize import GRANULARITIES, QuantizedTensor
 from minizero.nn import GPT, PRESETS, get_config
@@ -358,15 +359,11 @@ def check_output(path: str, flag: str = "--json") -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
+    def write(tmp):
+        with open(tmp, "w") as f:
             json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    atomic_write(path, write)
 
 
 def run(args) -> dict:
