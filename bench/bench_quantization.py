@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import run_in_threads  # noqa: E402
-from minizero.memory.ledger import get_ledger  # noqa: E402
+from minizero.ledger import get_ledger  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 
@@ -117,7 +117,7 @@ def table_adam(a):
 
 def table_codes(a):
     """State error of the dynamic vs the linear code on a real Adam state (AdamW, after training)."""
-    from minizero.memory.quantize import dequantize_blockwise, quantize_blockwise
+    from minizero.quantization import dequantize_blockwise, quantize_blockwise
     from minizero.optim.adam8bit import make_codes
 
     from minizero.optim import AdamW

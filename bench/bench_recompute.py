@@ -24,7 +24,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from minizero.autograd import manual_seed
-from minizero.memory.ledger import MemoryLedger, set_ledger
+from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import MODES, apply_recompute
 from minizero.nn import GPT, get_config
 

@@ -201,7 +201,7 @@ def measure_threads(name: str, model: str = "tiny", ranks: int = 2, steps: int =
     from threadpoolctl import threadpool_limits
 
     from minizero.comm import run_in_threads
-    from minizero.memory.ledger import get_ledger
+    from minizero.ledger import get_ledger
     from minizero.train import _blas_threads, parse_args, train
 
     def rank(comm):

@@ -40,8 +40,8 @@ from minizero import backend
 from minizero.autograd import Tensor, functional as F, no_grad
 from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
 from minizero.files import atomic_write
-from minizero.memory.ledger import get_ledger
-from minizero.memory.quantize import GRANULARITIES, QuantizedTensor
+from minizero.ledger import get_ledger
+from minizero.quantization import GRANULARITIES, QuantizedTensor
 from minizero.nn import GPT, PRESETS, get_config
 from minizero.nn.module import Linear, Module
 
@@ -50,7 +50,7 @@ class QuantizedLinear(Module):
     """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward.
 
     Args:
-        weight: :class:`~minizero.memory.quantize.QuantizedTensor` of shape (out, in).
+        weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
         bias: the FP32 bias Parameter (out,) or None (kept as is).
         outlier_columns: int array (k,) of input features kept in full precision, or None.
         outlier_weight: float array (out, k), W's values in those columns (FP32).
@@ -75,7 +75,7 @@ class QuantizedLinear(Module):
     @classmethod
     def from_linear(cls, linear: Linear, bits: int = 8, granularity: str = "row", block_size: int = 64,
                     outlier_columns=None) -> "QuantizedLinear":
-        """Quantize ``linear.weight`` (errors as :func:`~minizero.memory.quantize.quantize`).
+        """Quantize ``linear.weight`` (errors as :func:`~minizero.quantization.quantize`).
 
         ``outlier_columns``: input features kept in FP32 (zeroed before quantizing the rest,
         so they do not inflate the row scales), or None.
@@ -148,7 +148,7 @@ def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block
     """Replace the model's Linear layers by QuantizedLinear, in place; returns a report.
 
     Args:
-        bits, granularity, block_size: as :func:`~minizero.memory.quantize.quantize`.
+        bits, granularity, block_size: as :func:`~minizero.quantization.quantize`.
         outlier_threshold: keep input features whose calibration activation magnitude is
             >= this in FP32 (LLM.int8(); needs ``calibration``, a list of (x, y) batches).
     Returns:

@@ -38,7 +38,7 @@ from minizero.autograd import manual_seed, no_grad
 from minizero.comm.collectives import all_gather, all_reduce
 from minizero.files import atomic_write
 from minizero.data import DistributedSampler, check_corpus, decode, encode, eval_batches, load_tokens, train_val_split
-from minizero.memory.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.offload import ActivationOffload, OffloadError, OptimizerStateStore, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler, LossScaleError, local_overflow, overflow_anywhere
 from minizero.memory.recompute import apply_recompute

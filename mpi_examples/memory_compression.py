@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from minizero.memory.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.memory.zero import gather_figures  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 

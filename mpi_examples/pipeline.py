@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import world  # noqa: E402
-from minizero.memory.ledger import format_bytes, get_ledger  # noqa: E402
+from minizero.ledger import format_bytes, get_ledger  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
 from minizero.parallel.pipeline import PipelineEngine, allreduce_tied_embedding_grads  # noqa: E402
 from minizero.parallel.schedule import ascii_timeline, bubble_formula, bubble_fraction, make_schedule, simulate  # noqa

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import all_gather, reduce_scatter, shard_range, world  # noqa: E402
 from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter  # noqa: E402
-from minizero.memory.quantize import element_scale, quantize  # noqa: E402
+from minizero.quantization import element_scale, quantize  # noqa: E402
 
 comm = world()
 N, rank = comm.world_size, comm.rank

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import world  # noqa: E402
-from minizero.memory.ledger import format_bytes, get_ledger  # noqa: E402
+from minizero.ledger import format_bytes, get_ledger  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
 from minizero.parallel.tensor_parallel import allreduce_bytes_per_block, shard_array, tensor_parallelize  # noqa: E402
 from minizero.parallel.three_d import scratch_ledger  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from minizero.memory.ledger import get_ledger  # noqa: E402
+from minizero.ledger import get_ledger  # noqa: E402
 from minizero.memory.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
 from minizero.nn import GPT  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402

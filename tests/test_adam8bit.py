@@ -4,8 +4,8 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from minizero.comm import run_in_threads
-from minizero.memory.ledger import get_ledger
-from minizero.memory.quantize import dynamic_code
+from minizero.ledger import get_ledger
+from minizero.quantization import dynamic_code
 from minizero.nn import GPT, get_config
 from minizero.optim import AdamW, adamw_update
 from minizero.optim.adam8bit import (Adam8bit, QuantizedState, ShardedAdam8bit, adam8bit_update, make_codes,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minizero.comm import run_in_threads
-from minizero.memory.ledger import MemoryLedger, set_ledger
+from minizero.ledger import MemoryLedger, set_ledger
 from tests import dp_reference
 from tests.conftest import REPO_ROOT, mpi_env
 

@@ -8,8 +8,8 @@ from minizero.autograd import manual_seed
 from minizero.comm import run_in_threads
 from minizero.memory import estimator as E
 from minizero.memory.estimator import ModelShape, Strategy, estimate_memory, gb, model_state_bytes
-from minizero.memory.ledger import CATEGORIES as LEDGER_CATEGORIES
-from minizero.memory.ledger import MemoryLedger, set_ledger
+from minizero.ledger import CATEGORIES as LEDGER_CATEGORIES
+from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import apply_recompute
 from minizero.models import MODELS, REAL_MODELS, get_model
 from minizero.nn import GPT, PRESETS, get_config

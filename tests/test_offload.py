@@ -84,7 +84,7 @@ def test_bad_offload_dir_is_a_usage_error(tmp_path):
 
 # ---- optimizer offload ------------------------------------------------------------------
 def _train_params(comm, argv):
-    from minizero.memory.ledger import MemoryLedger, get_ledger, set_ledger
+    from minizero.ledger import MemoryLedger, get_ledger, set_ledger
     from minizero.train import parse_args, train
 
     set_ledger(MemoryLedger())

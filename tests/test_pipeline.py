@@ -15,7 +15,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from minizero.comm import Communicator, run_in_threads
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.nn import get_config
 from minizero.parallel.pipeline import PipelineEngine, stage_layers
 from minizero.parallel.schedule import (SCHEDULES, ascii_timeline, bubble_formula, bubble_fraction, make_schedule,

@@ -76,12 +76,12 @@ FP16_TINY = ["--model", "tiny", "--precision", "fp16", "--eval-every", "0", "--e
 
 
 def _run_fp16(comm, argv, after_grads=None):
-    from minizero.memory.ledger import MemoryLedger, set_ledger
+    from minizero.ledger import MemoryLedger, set_ledger
 
     set_ledger(MemoryLedger())
     args = parse_args(FP16_TINY + argv, comm.world_size)
     res = train(args, comm, log=lambda s: None, after_grads=after_grads)
-    from minizero.memory.ledger import get_ledger
+    from minizero.ledger import get_ledger
 
     return res, get_ledger().snapshot()
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from minizero.memory.quantize import (GRANULARITIES, QuantizedTensor, absmax_scale, dequantize,
+from minizero.quantization import (GRANULARITIES, QuantizedTensor, absmax_scale, dequantize,
                                       dequantize_blockwise, dynamic_code, element_scale, linear_code, pack_int4,
                                       quantize, quantize_blockwise, quantized_nbytes, unpack_int4)
 

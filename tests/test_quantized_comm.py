@@ -8,7 +8,7 @@ import pytest
 from minizero.comm import bytes_sent as fp32_bytes_sent
 from minizero.comm import reduce_scatter, run_in_threads, shard_range
 from minizero.comm.quantized import bytes_sent, quantized_all_gather, quantized_reduce_scatter
-from minizero.memory.quantize import dequantize, element_scale, quantize
+from minizero.quantization import dequantize, element_scale, quantize
 from tests.conftest import REPO_ROOT, mpi_env
 
 CASES = [(2, 1000), (3, 1000), (4, 4099), (3, 2), (5, 3)]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from minizero.autograd import Tensor, manual_seed
-from minizero.memory.ledger import MemoryLedger, set_ledger
+from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import apply_recompute, checkpoint
 from minizero.nn import GPT, get_config
 
@@ -78,7 +78,7 @@ COMBOS = [("selective", 1, "none"), ("full", 1, "none"), ("full", 2, "none"), ("
 
 
 def _step0_grads(comm, zero, recompute, every, offload, offload_dir):
-    from minizero.memory.ledger import MemoryLedger, set_ledger
+    from minizero.ledger import MemoryLedger, set_ledger
     from minizero.train import parse_args, train
 
     set_ledger(MemoryLedger())

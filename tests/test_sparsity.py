@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.memory.sparsity import Pruner, compressed_nbytes, magnitude_masks, prunable_weights
 from minizero.nn import GPT, get_config
 from minizero.optim import AdamW

@@ -17,7 +17,7 @@ from threadpoolctl import threadpool_limits
 
 from minizero.autograd import Tensor
 from minizero.comm import bytes_sent, run_in_threads
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.nn import GPT, get_config
 from minizero.nn.module import Linear
 from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduce_bytes_per_block,

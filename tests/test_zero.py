@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minizero.comm import run_in_threads
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.memory.zero import ShardMap, ZeroOptimizer, model_state_formula, traffic_formula
 from minizero.nn import GPT, get_config
 from minizero.train import UsageError, parse_args, train

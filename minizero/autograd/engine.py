@@ -31,7 +31,7 @@ import contextlib
 import threading
 
 from minizero import backend
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 
 _state = threading.local()
 

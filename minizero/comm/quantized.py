@@ -8,7 +8,7 @@ quantized once and summed in full precision, instead of re-quantizing partial su
 hop of a ring).
 
 What is sent, for n elements over N ranks, blocks of B elements, one FP32 scale per block
-(absmax INT8, :func:`minizero.memory.quantize.quantize`, ``granularity="block"``)::
+(absmax INT8, :func:`minizero.quantization.quantize`, ``granularity="block"``)::
 
     quantized_all_gather      ring all-gather of the INT8 codes      (N-1)/N * n bytes
                               + ring all-gather of the scales         (N-1) * ceil(n/N/B) * 4 bytes
@@ -34,7 +34,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.comm.collectives import _check_contiguous, all_gather, shard_range
-from minizero.memory.quantize import dequantize, quantize
+from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
 _A2A_TAG = 1003  # message tag of the all-to-all, apart from the ring's 1001 and broadcast's 1002

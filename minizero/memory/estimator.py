@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-#: Per-rank categories, named as in the ledger (``minizero/memory/ledger.py``) so an
+#: Per-rank categories, named as in the ledger (``minizero/ledger.py``) so an
 #: estimate can be set beside ``ledger.peak``. ``offloaded`` is host memory.
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "gathered",
               "offloaded")

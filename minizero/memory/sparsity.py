@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.nn.module import Linear
 
 SCOPES = ("global", "layer")

@@ -52,7 +52,7 @@ from minizero.autograd import Function, Tensor, is_grad_enabled, saved_tensors_h
 from minizero.autograd.engine import current_saved_tensors_hooks
 from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.memory.zero_shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
 from minizero.optim.adamw import adamw_update, state_dtype
 

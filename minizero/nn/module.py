@@ -18,7 +18,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Tensor, functional as F
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 
 
 class Parameter(Tensor):

@@ -41,8 +41,8 @@ import numpy as np
 
 from minizero import backend
 from minizero.comm.collectives import all_reduce
-from minizero.memory.ledger import get_ledger
-from minizero.memory.quantize import (block_absmax, dequantize_blockwise, dynamic_code, linear_code,
+from minizero.ledger import get_ledger
+from minizero.quantization import (block_absmax, dequantize_blockwise, dynamic_code, linear_code,
                                       quantize_blockwise)
 from minizero.optim.adamw import adamw_update, state_dtype
 

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from minizero import backend
+from minizero.optim.state_store import OptimizerStateStore
 
 
 def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -75,7 +76,7 @@ class AdamW:
         master_weights: keep an FP32 copy of every parameter; the update runs
             on it and the parameter (FP16) receives the rounded result
             (Micikevicius et al. 2018, section 3.1).
-        store: a :class:`~minizero.memory.offload.OptimizerStateStore` deciding
+        store: a :class:`~minizero.optim.state_store.OptimizerStateStore` deciding
             where m, v and the masters live (device, host, NVMe); default device.
     State: ``m`` and ``v`` per parameter, in :func:`state_dtype`, counted as
     ``optimizer_state`` in the ledger (8 bytes per float32 parameter), plus the
@@ -92,8 +93,6 @@ class AdamW:
         self.params = list(params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
-        from minizero.memory.offload import OptimizerStateStore
-
         self.store = store if store is not None else OptimizerStateStore("none")
         self.m, self.v = [], []
         self.masters = None

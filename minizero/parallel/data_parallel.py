@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.comm.collectives import all_reduce, broadcast
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 
 
 class DataParallel:

@@ -39,7 +39,7 @@ import contextlib
 from minizero import backend
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
-from minizero.memory.ledger import get_ledger
+from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
 from minizero.parallel.schedule import make_schedule, peak_in_flight
 

@@ -45,7 +45,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
-from minizero.memory.ledger import MemoryLedger, get_ledger, set_ledger
+from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.optim import AdamW, clip_coefficient, cosine_lr
 from minizero.parallel.data_parallel import DataParallel

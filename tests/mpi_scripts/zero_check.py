@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from minizero.memory.ledger import get_ledger  # noqa: E402
+from minizero.ledger import get_ledger  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 STEPS, ACCUM, CLIP = 3, 2, 0.05  # CLIP is far below the tiny model's gradient norm, so clipping is active
