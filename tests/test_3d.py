@@ -87,14 +87,20 @@ def test_hidden_size_must_split_too():
         resolve_sizes(2, tp=2, n_head=2, n_embd=7)
 
 
-def test_default_micro_batches_keep_the_global_batch_of_pure_data_parallelism():
+def test_one_batch_rule_for_every_strategy():
+    """B = micro-batch x dp x k, k defaulting to pp: tensor parallelism never changes the global batch."""
     a = parse_args(["--dp", "2", "--tp", "2", "--pp", "2"], 8)
-    assert (a.dp, a.tp, a.pp, a.micro_batches, a.grad_accum, a.batch_size) == (2, 2, 2, 4, 4, 16)
-    assert parse_args([], 8).batch_size == 16  # --dp 8: the same 16 sequences per step
+    assert (a.dp, a.tp, a.pp, a.micro_batches, a.grad_accum, a.batch_size) == (2, 2, 2, 2, 2, 8)
+    assert parse_args([], 8).batch_size == 16  # --dp 8
     b = parse_args(["--pp", "2", "--batch-size", "8"], 4)
     assert (b.dp, b.micro_batches) == (2, 2)
     c = parse_args([], 4)
-    assert (c.dp, c.tp, c.pp, c.micro_batches) == (4, 1, 1, 1)  # the default path, unchanged
+    assert (c.dp, c.tp, c.pp, c.micro_batches) == (4, 1, 1, 1)
+    # the issue's input: --tp 2 on 2 ranks trains on micro-batch x dp = 8 sequences, not 16
+    d = parse_args(["--tp", "2", "--micro-batch-size", "8"], 2)
+    assert (d.dp, d.grad_accum, d.batch_size) == (1, 1, 8)
+    e = parse_args(["--micro-batch-size", "8"], 1)
+    assert e.batch_size == d.batch_size
 
 
 def test_zero1_with_pipeline_is_accepted():
@@ -164,7 +170,7 @@ def test_float32_loss_curve_of_3d_follows_data_parallel():
         return train(parse_args(argv + extra, comm.world_size), comm, log=lambda s: None)["train_losses"]
 
     dp8 = run_in_threads(8, run, [])[0]
-    three_d = run_in_threads(8, run, ["--dp", "2", "--tp", "2", "--pp", "2"])[0]
+    three_d = run_in_threads(8, run, ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "4"])[0]
     assert dp8[-1] < dp8[0] - 0.2  # it learns (8 steps, all of them warm-up)
     np.testing.assert_allclose(three_d, dp8, rtol=0, atol=1e-3)
 
@@ -182,7 +188,7 @@ def fp16_run(comm, extra):
 def test_fp16_composes_with_3d():
     """Mixed precision in 3D follows data parallelism with the same data group (the same FP16 sums)."""
     ref = run_in_threads(2, fp16_run, ["--grad-accum", "4"])[0]
-    got = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2"])[0]
+    got = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "4"])[0]
     assert ref[3] == got[3] == 0 and got[2] == [2.0 ** 16] * 8
     np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=5e-3)  # FP16 rounding (tensor partial sums)
 
@@ -190,7 +196,7 @@ def test_fp16_composes_with_3d():
 @pytest.mark.timeout(120)
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(monkeypatch):
     monkeypatch.setenv("MINIZERO_FAULT", "5:2:inf")  # rank 5: tp 1 of stage 1
-    res = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2"])
+    res = run_in_threads(8, fp16_run, ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "4"])
     for losses, norms, scales, skipped in res:
         assert skipped == 1 and np.isnan(norms[2]) and np.isfinite(np.delete(norms, 2)).all()
         assert scales[:4] == [2.0 ** 16] * 3 + [2.0 ** 15]
@@ -217,7 +223,7 @@ def test_optimizer_options_compose_with_the_pipeline(extra):
 def test_cli_tp2_pp2_writes_the_whole_model_and_the_mesh(mpiexec, tmp_path):
     out = tmp_path / "run"
     cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
-           "--tp", "2", "--pp", "2", "--schedule", "gpipe", "--eval-batches", "1", "--sample-tokens", "20",
+           "--tp", "2", "--pp", "2", "--micro-batches", "4", "--schedule", "gpipe", "--eval-batches", "1", "--sample-tokens", "20",
            "--no-progress", "--out", str(out)]
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""3D parallelism: data x tensor x pipeline, composed from the three single-technique files.
+"""3D parallelism's building blocks: this rank's stage of the model, the norm, the whole model back.
 
 ::
 
@@ -7,15 +7,11 @@
            └─ each block split over the tensor group (tensor_parallel.py)
                 └─ the stage's parameters replicated over the data group: DataParallel or ZeRO-1
 
-One optimizer step on every rank::
-
-    PipelineEngine.forward_backward(m micro-batches)   activations/gradients to the neighbour stages
-                                                         (tensor all-reduces inside every block)
-    allreduce_tied_embedding_grads                      wte (first stage) + its copy (last stage)
-    DataParallel.allreduce_gradients / ZeRO reduce      over the data group only
-    global gradient norm                                sum of squares over the model-parallel group,
-                                                         each tensor-replicated parameter counted once
-    AdamW (or ZeRO's sharded AdamW) with grad_scale = clipping coefficient / loss scale
+:func:`build_stage` builds this rank's part of the GPT; :func:`grad_norm_sq` sums the
+squared gradient norm so that every element of the model counts once (tensor-replicated
+parameters on tensor rank 0 only, the tied embedding's copy not at all);
+:func:`gather_full_model` assembles the whole GPT on one rank for saving and sampling.
+:mod:`minizero.parallel.strategy` composes them into the one training loop's strategy.
 
 Building: every rank builds the whole GPT from the seed, keeps its stage and shards it
 (:func:`build_stage`), so the split model starts from exactly the single-process weights;
@@ -29,30 +25,21 @@ gradients (and, for 3, gather parameters) inside every backward, and the pipelin
 m backwards per step, multiplying that traffic by m.
 
 Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatron-LM
-``finalize_model_grads`` (data-parallel reduce, then the embedding group) and
 ``clip_grad_norm_fp32`` (tensor-parallel duplicates and the shared embedding counted once).
 """
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
-import time
-import tracemalloc
 
 import numpy as np
 
 from minizero import backend
-from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
-from minizero.optim import AdamW, clip_coefficient, cosine_lr
-from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads, stage_layers
-from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
+from minizero.parallel.pipeline import PipelineStage, stage_layers
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
-from minizero.parallel.topology import Topology, resolve_sizes
+from minizero.parallel.topology import Topology
 from minizero.parallel.vocab_parallel import vocab_parallelize
 
 _HDR_TAG, _DATA_TAG = 1201, 1202
@@ -124,27 +111,6 @@ def grad_norm_sq(stage: PipelineStage, topo: Topology, opt=None) -> float:
         return float(backend.to_host(all_reduce(comm, backend.xp.asarray([local])))[0])
 
 
-def evaluate_3d(engine: PipelineEngine, batches, topo: Topology) -> float:
-    """Mean validation loss over ``batches``: rows split over the data group, each slice piped through.
-
-    The same number as ``train.evaluate`` gives for the single process.
-    """
-    stage = engine.stage
-    was_training = stage.training
-    stage.eval()
-    total = np.zeros(2)
-    for x, y in batches:
-        xs, ys = x[topo.dp_rank::topo.dp], y[topo.dp_rank::topo.dp]
-        if len(xs):
-            loss = engine.forward_only(xs, ys)
-            if stage.is_last and topo.tp_rank == 0:
-                total += [loss * len(xs), len(xs)]
-    with topo.world.traffic.op("metrics"):
-        total = all_reduce(topo.world, total)
-    stage.train(was_training)
-    return float(total[0] / total[1])
-
-
 def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     """Collective: world rank ``root`` (at dp 0, tp 0, pp 0) assembles the whole GPT; None elsewhere.
 
@@ -204,189 +170,3 @@ def traffic_by_group(topo: Topology) -> dict:
     out = {name: c.traffic.snapshot() for name, c in topo.groups().items()}
     out["world"] = topo.world.traffic.snapshot()
     return out
-
-
-def resolve_parallel_args(args, world_size: int) -> int:
-    """Fill ``args.dp/tp/pp`` (and ``grad_accum`` from ``--micro-batches``) and check them; returns dp.
-
-    Called by ``train.parse_args`` before the batch arithmetic. Rules: one of --dp/--tp/--pp
-    left out is derived from the world size (:func:`resolve_sizes`); ``--micro-batches`` is
-    the pipeline's name for ``--grad-accum`` (micro-batches per optimizer step per data
-    rank), and with tp x pp > 1 it defaults to tp x pp, so the global batch is
-    micro-batch-size x world size however the world is split (``--dp 2 --tp 2 --pp 2``
-    trains on the batches of ``--dp 8``).
-    Raises:
-        ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
-        or different from --grad-accum, ZeRO 2/3 with --pp > 1.
-    """
-    from minizero.nn import PRESETS
-
-    cfg = PRESETS[args.model]
-    args.dp, args.tp, args.pp = resolve_sizes(world_size, args.dp, args.tp, args.pp, n_head=cfg.n_head,
-                                              n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
-    m = args.micro_batches
-    if m is not None:
-        if m < 1:
-            raise ValueError(f"--micro-batches must be >= 1, got {m}")
-        if args.grad_accum is not None and args.grad_accum != m:
-            raise ValueError(f"--micro-batches {m} and --grad-accum {args.grad_accum} name the same number "
-                             "(micro-batches per optimizer step per data rank); give one")
-        args.grad_accum = m
-    elif args.grad_accum is None and args.batch_size is None and args.tp * args.pp > 1:
-        args.grad_accum = args.tp * args.pp
-    if getattr(args, "prune_sparsity", 0) and args.tp * args.pp > 1:
-        raise ValueError(f"--prune-sparsity with --tp {args.tp} --pp {args.pp} is not supported: magnitude "
-                         "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks")
-    zero = getattr(args, "zero", 0)
-    if zero >= 2 and args.pp > 1:
-        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
-                         f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
-                         "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
-    return args.dp
-
-
-def train_3d(args, comm, log=print, after_grads=None) -> dict:
-    """The training loop of ``python -m minizero.train`` when ``--tp`` or ``--pp`` is above 1.
-
-    ``args`` from ``train.parse_args`` (with ``dp``, ``tp``, ``pp``, ``micro_batches``,
-    ``schedule``). Same contract and the same step as ``train.train``: ``after_grads(step,
-    params, opt)`` runs after the gradients are complete and averaged over the data group,
-    before clipping (``params``: this rank's stage parameters, i.e. shards; under ZeRO the
-    gradients are in ``opt.grad_shards()``); ``--precision fp16`` scales the loss, skips
-    overflowing steps on every rank and folds 1/scale and the clipping coefficient into the
-    update; ``--optimizer``, ``--zero``, ``--quantized-comm``, ``--recompute``,
-    ``--offload-activations`` and ``--offload-optimizer`` act per stage.
-    Result keys: model (the whole GPT, gathered on rank 0; None elsewhere), stage, topo,
-    engine, dp, opt, train_losses, grad_norms, val_history, loss_scales, skipped_steps,
-    elapsed_s, tokens_per_s, config, state_bytes, traffic (per group).
-    """
-    from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
-    from minizero.memory.offload import ActivationOffload, OptimizerStateStore
-    from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
-    from minizero.memory.recompute import apply_recompute
-    from minizero.memory.zero import ZeroOptimizer, model_state_bytes
-    from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
-    from minizero.train import _check_fault, check_finite_norm, model_config
-
-    cfg = model_config(args)
-    topo = Topology(comm, args.dp, args.tp, args.pp)
-    rank0 = comm.rank == 0
-    tokens = load_tokens(args.data)
-    train_tok, val_tok = train_val_split(tokens)
-    check_corpus(val_tok, cfg.block_size, "validation split (last 10% of the text)")
-    # dropout: one generator per (data rank, stage), shared by the tensor group (replicated activations
-    # must get identical masks; split heads take their slice of a full mask, tensor_parallel.py)
-    manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
-    stage = build_stage(cfg, args.seed, topo)
-    apply_recompute(stage, args.recompute, args.recompute_every)
-    params = stage.parameters()
-    fp16 = args.precision == "fp16"
-    store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: Adam state off-device
-    if args.zero:
-        state = None
-        if args.optimizer == "adam8bit":  # the 8-bit state is what gets sharded
-            def state(shard_map):
-                return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
-        dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                                      native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
-        if rank0 and args.show_shards:
-            log(opt.shard_map.format())
-    else:
-        dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm)
-        if args.optimizer == "adam8bit":
-            opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
-                           master_weights=fp16)
-        else:
-            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
-    scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
-    offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=comm.rank)
-    verbose = args.pp_verbose and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
-    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose,
-                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True), forward_context=offload)
-    m = args.micro_batches
-    sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, m,
-                                 dp_rank=topo.dp_rank, dp_size=topo.dp, seed=args.seed)
-    val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
-    if rank0:
-        sched = make_schedule(args.schedule, topo.pp, m)
-        log(f"minizero: {comm.world_size} rank(s) as dp {topo.dp} x tp {topo.tp} x pp {topo.pp}, model "
-            f"{args.model!r} ({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
-            f"context {cfg.block_size}), {cfg.dtype}, global batch {args.batch_size} x {cfg.block_size} tokens "
-            f"(micro-batch {args.micro_batch_size} x {topo.dp} data ranks x {m} micro-batches)")
-        log(topo.describe())
-        if topo.pp > 1:
-            log(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f} "
-                f"= (p-1)/(m+p-1) = {bubble_formula(topo.pp, m):.3f}, micro-batches in flight per stage "
-                f"{[peak_in_flight(ops) for ops in sched]}")
-    val_history = [(0, evaluate_3d(engine, val_set, topo))]
-    train_losses, grad_norms, loss_scales, state_bytes = [], [], [], {}
-    applied = 0  # optimizer steps taken: a skipped (overflowing) step advances neither Adam nor the schedule
-    bar = None
-    if rank0 and not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout, disable=None)
-    tokens_per_step = args.batch_size * cfg.block_size
-    # as in train.train: ledger and process peaks cover the training steps; set-up is kept apart
-    setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
-    get_ledger().reset_peaks()
-    if tracemalloc.is_tracing():
-        tracemalloc.reset_peak()
-    t_start = time.perf_counter()
-    for step in range(args.steps):
-        poison = _check_fault(comm.rank, step)  # MINIZERO_FAULT=r:s:inf makes this rank's gradients non-finite
-        scale = scaler.scale if scaler is not None else 1.0
-        loss_sum = engine.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale)
-        if poison:
-            for g in ([p.grad for p in params if p.grad is not None] if dp is not None else opt.grad_shards()):
-                g *= g.dtype.type(math.inf)
-        allreduce_tied_embedding_grads(stage, topo.embed_comm)
-        if dp is not None:
-            dp.allreduce_gradients()
-        else:
-            opt.reduce_gradients()
-        if after_grads is not None:
-            after_grads(step, params, opt)
-        if step == 0:
-            state_bytes = model_state_bytes()
-        skip = False
-        if scaler is not None:  # every rank of the world must agree: one stage's overflow poisons all
-            local = local_overflow([p.grad for p in params] if dp is not None else opt.grad_shards())
-            skip = scaler.update(overflow_anywhere(local, comm))
-            loss_scales.append(scale)
-        if skip:
-            grad_norms.append(math.nan)
-        else:  # clipping on the unscaled global norm, folded with 1/scale into the update
-            norm = math.sqrt(grad_norm_sq(stage, topo, opt if dp is None else None)) / scale
-            grad_norms.append(norm)
-            check_finite_norm(step, norm)
-            opt.set_lr(cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr))
-            opt.step(grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
-            applied += 1
-        opt.zero_grad()
-        mine = loss_sum / m if stage.is_last and topo.tp_rank == 0 else 0.0
-        with comm.traffic.op("metrics"):
-            mean_loss = float(all_reduce(comm, np.array([mine]))[0]) / topo.dp
-        train_losses.append(mean_loss)
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            val_history.append((step + 1, evaluate_3d(engine, val_set, topo)))
-        if bar is not None:
-            elapsed = time.perf_counter() - t_start
-            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
-            bar.update(1)
-    elapsed = time.perf_counter() - t_start
-    train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
-    if bar is not None:
-        bar.close()
-    val_history.append((args.steps, evaluate_3d(engine, val_set, topo)))
-    offload.close()
-    traffic = traffic_by_group(topo)
-    with opt.full_parameters() if args.zero == 3 else contextlib.nullcontext():  # ZeRO-3 holds shards only
-        full = gather_full_model(stage, topo, cfg)
-    return dict(model=full, stage=stage, topo=topo, engine=engine, dp=dp, opt=opt, train_losses=train_losses,
-                grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,
-                skipped_steps=scaler.skipped if scaler is not None else 0, elapsed_s=elapsed,
-                tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg, state_bytes=state_bytes,
-                traffic=traffic, setup_peak=setup_peak, train_process_peak=train_process_peak)

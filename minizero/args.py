@@ -1,0 +1,339 @@
+"""The command line of ``python -m minizero.train``: every flag, checked before any work.
+
+:func:`parse_args` validates every value identically on every rank, so a bad value gives
+one message naming the value and what is allowed (exit status 2) instead of a hang or a
+traceback minutes later, and fills the derived fields (dp/tp/pp, grad-accum, batch size,
+warmup, min-lr). The batch arithmetic is one rule for every strategy::
+
+    global batch B = micro-batch-size b x data-parallel size dp x micro-batches k
+
+where k (``--grad-accum``, also called ``--micro-batches``) defaults to pp: 1 without a
+pipeline, and p with one, so that a pipeline of p stages can fill (Narayanan et al. 2021,
+section 2.2: the bubble shrinks as m grows). Tensor parallelism never changes B.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from minizero.data import load_tokens
+from minizero.memory.offload import OffloadError, check_offload_dir
+from minizero.memory.precision import DynamicLossScaler
+from minizero.memory.sparsity import SCOPES
+from minizero.nn import PRESETS, get_config
+from minizero.parallel.topology import resolve_sizes
+from minizero.progress import MODES as PROGRESS_MODES
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the value and what is allowed."""
+
+
+class _Parser(argparse.ArgumentParser):
+    quiet = False  # ranks other than 0 print no --help
+
+    def print_help(self, file=None):
+        if not self.quiet:
+            super().print_help(file)
+
+    def error(self, message):  # raise instead of exiting, so only rank 0 prints
+        raise UsageError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` only where the help text does not already say what the default is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``python -m minizero.train``."""
+    p = _Parser(prog="python -m minizero.train", description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
+                formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--block-size", type=int, default=None, help="context length T (default: the preset's)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the preset's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-steps per optimizer step (default 1, or derived from --batch-size)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global sequences per optimizer step; must equal micro-batch-size x data-parallel size x "
+                        "grad-accum (grad-accum is derived when not given)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
+                        "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/20, at least 10, at most steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")
+    p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the embedded corpus)")
+    p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
+    p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
+    p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+                   help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
+                        "dynamic loss scaling")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
+    p.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
+    p.add_argument("--hysteresis", type=int, default=1,
+                   help="fp16: overflows before the scale halves (PyTorch 1, DeepSpeed 2)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                   help="activation recompute: every K-th block (full) or its attention core (selective)")
+    p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
+    p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
+                   help="move saved activations to host memory or to files until backward")
+    p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
+                   help="keep master weights and Adam state (and run the update) on the host or on disk "
+                        "(ZeRO-Offload / ZeRO-Infinity)")
+    p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
+                                                        "(default: the system temp directory)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
+                   help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
+    p.add_argument("--adam8bit-block-size", type=int, default=256, help="elements per absmax of 8-bit Adam's state")
+    p.add_argument("--quantized-comm", action="store_true",
+                   help="INT8 on the wire for ZeRO's gradient reduce-scatters and ZeRO-3's gathers (ZeRO++)")
+    p.add_argument("--prune-sparsity", type=float, default=0.0,
+                   help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
+    p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
+    p.add_argument("--prune-step", type=int, default=0, help="optimizer step at whose start the masks are made")
+    p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
+    p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
+    p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end")
+    p.add_argument("--progress", default="auto", choices=list(PROGRESS_MODES),
+                   help="rank 0's live progress: a tqdm bar, a log line every K steps, or nothing; auto: the bar "
+                        "when stdout is a terminal, else log lines (under mpirun stdout is never a terminal)")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="K: steps between progress log lines (default: about 15 lines per run)")
+    p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
+    p.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
+    p.add_argument("--no-tracemalloc", action="store_true", help="skip the tracemalloc process-peak measurement")
+    return p
+
+
+#: upper limits that keep a typo from becoming an out-of-memory kill minutes later
+MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
+FAULT_KINDS = ("raise", "kill", "inf")
+
+
+def _check_outputs(args) -> None:
+    """OUT must be (or become) a writable directory and JSON a writable file path that clobbers nothing."""
+    out = args.out
+    if not out:
+        raise UsageError("--out must name a directory, got ''")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out!r} exists and is not a directory")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where makedirs will start
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
+    js = os.path.abspath(args.json)
+    if os.path.isdir(js):
+        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    if js == os.path.abspath(os.path.join(out, "model.npz")) or (args.data and js == os.path.abspath(args.data)):
+        raise UsageError(f"--json {args.json!r} would overwrite {'the weights' if js.endswith('model.npz') else '--data'}")
+    jparent = os.path.dirname(js)
+    if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
+        raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
+
+
+def _check_data(args) -> None:
+    """The --data file must be readable UTF-8 text long enough for one validation window."""
+    if args.data is None:
+        return
+    if os.path.isdir(args.data):
+        raise UsageError(f"--data {args.data!r} is a directory; give a UTF-8 text file")
+    if not os.path.isfile(args.data):
+        raise UsageError(f"--data {args.data!r}: no such file")
+    try:
+        tokens = load_tokens(args.data)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    t = args.block_size or PRESETS[args.model].block_size
+    need = 10 * (t + 2)  # the last 10% validates and must hold one (T + 1)-token window
+    if len(tokens) < need:
+        raise UsageError(f"--data {args.data!r} has {len(tokens):,} bytes; a context of {t} needs at least "
+                         f"{need:,} (the last 10% is the validation split)")
+
+
+def _check_fault_spec() -> None:
+    spec = os.environ.get("MINIZERO_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_KINDS:
+        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
+
+
+def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
+    """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields.
+
+    ``quiet``: print no ``--help`` (ranks other than 0).
+    Raises:
+        UsageError: any bad value, with the value and what is allowed.
+    """
+    parser = build_parser()
+    parser.quiet = quiet
+    args = parser.parse_args(argv)
+    _check_fault_spec()
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),
+                      ("adam8bit_block_size", MAX_ADAM8BIT_BLOCK)):
+        if getattr(args, name) > cap:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {getattr(args, name):,}")
+    positive = ["steps", "micro_batch_size", "eval_batches"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.no_progress:
+        args.progress = "none"
+    for name in ("grad_accum", "batch_size", "block_size", "log_every"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("eval_every", "warmup", "sample_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr must be a positive finite number, got {args.lr}")
+    if args.min_lr is not None and not (0 <= args.min_lr <= args.lr):
+        raise UsageError(f"--min-lr must be in [0, lr={args.lr}], got {args.min_lr}")
+    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
+        raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not (args.grad_clip >= 0):
+        raise UsageError(f"--grad-clip must be >= 0 (0 disables), got {args.grad_clip}")
+    if not (args.bucket_mb * 2 ** 20 >= 1 and math.isfinite(args.bucket_mb)):
+        raise UsageError(f"--bucket-mb must be at least one byte (2**-20) and finite, got {args.bucket_mb}")
+    if args.show_shards and not args.zero:
+        raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
+    if args.precision == "fp16" and args.dtype != "float32":
+        raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
+                         f"--dtype must stay float32, got {args.dtype}")
+    if args.precision == "fp16":
+        try:
+            DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                              hysteresis=args.hysteresis, min_scale=args.min_loss_scale)
+        except ValueError as e:
+            raise UsageError(f"loss scaling flags: {e}") from None
+    if args.recompute_every < 1:
+        raise UsageError(f"--recompute-every must be >= 1, got {args.recompute_every}")
+    if args.offload_dir is not None:
+        if "nvme" not in (args.offload_activations, args.offload_optimizer):
+            raise UsageError("--offload-dir is only used with --offload-activations nvme or --offload-optimizer nvme")
+        try:
+            check_offload_dir(args.offload_dir)
+        except OffloadError as e:
+            raise UsageError(str(e)) from None
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    preset = PRESETS[args.model]
+    if args.block_size is not None and args.block_size > preset.block_size:
+        raise UsageError(f"--block-size {args.block_size} exceeds the {args.model!r} preset's "
+                         f"block_size {preset.block_size}")
+    try:  # --dp/--tp/--pp (one may be derived) and --micro-batches; dp = world_size unless tp or pp is given
+        dp = resolve_parallel_args(args, world_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.optimizer == "adam8bit" and args.offload_optimizer != "none":
+        raise UsageError("--offload-optimizer works with --optimizer adamw; 8-bit Adam's state is already 4x smaller "
+                         "and stays on the device")
+    if args.adam8bit_block_size < 1:
+        raise UsageError(f"--adam8bit-block-size must be >= 1, got {args.adam8bit_block_size}")
+    if args.quantized_comm and not args.zero:
+        raise UsageError("--quantized-comm needs --zero 1, 2 or 3 (it quantizes ZeRO's reduce-scatters and ZeRO-3's "
+                         "gathers; stage 0's all-reduce is not quantized)")
+    if args.quantized_comm and args.native_comm:
+        raise UsageError("--quantized-comm and --native-comm exclude each other (MPI's own collectives send FP32)")
+    if not 0 <= args.prune_sparsity < 1:
+        raise UsageError(f"--prune-sparsity must be in [0, 1), got {args.prune_sparsity}")
+    if args.prune_sparsity and not 0 <= args.prune_step < args.steps:
+        raise UsageError(f"--prune-step must be in [0, steps={args.steps}), got {args.prune_step}")
+    per_step = args.micro_batch_size * dp
+    if args.batch_size is not None:
+        if args.batch_size % per_step:
+            raise UsageError(f"--batch-size {args.batch_size} is not divisible by micro-batch-size x data-parallel "
+                             f"size = {args.micro_batch_size} x {dp} = {per_step}")
+        derived = args.batch_size // per_step
+        if args.grad_accum is not None and args.grad_accum != derived:
+            raise UsageError(f"--batch-size {args.batch_size} != micro-batch-size x data-parallel size x grad-accum "
+                             f"= {args.micro_batch_size} x {dp} x {args.grad_accum} = {per_step * args.grad_accum}")
+        args.grad_accum = derived
+    if args.grad_accum is None:
+        args.grad_accum = 1
+    args.batch_size = per_step * args.grad_accum
+    args.micro_batches = args.grad_accum
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.warmup is None:
+        # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
+        # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
+        args.warmup = min(args.steps, max(10, args.steps // 20))
+    _check_data(args)
+    if args.json is None:
+        args.json = os.path.join(args.out, "summary.json")
+    if not args.no_save:
+        _check_outputs(args)
+    args.world_size = world_size
+    return args
+
+
+def model_config(args):
+    """The GPTConfig the arguments ask for."""
+    dtype = "float16" if getattr(args, "precision", "fp32") == "fp16" else args.dtype
+    return get_config(args.model, block_size=args.block_size, dropout=args.dropout, dtype=dtype)
+
+
+def resolve_parallel_args(args, world_size: int) -> int:
+    """Fill ``args.dp/tp/pp`` (and ``grad_accum`` from ``--micro-batches``) and check them; returns dp.
+
+    Called by :func:`parse_args` before the batch arithmetic. Rules: one of --dp/--tp/--pp
+    left out is derived from the world size (:func:`resolve_sizes`); ``--micro-batches`` is
+    the pipeline's name for ``--grad-accum`` (micro-batches per optimizer step per data
+    rank, k) and defaults to pp, so the global batch is b x dp x k: tensor parallelism
+    never changes it, and a pipeline of p stages gets p micro-batches to fill with.
+    Raises:
+        ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
+        or different from --grad-accum, ZeRO 2/3 with --pp > 1.
+    """
+    cfg = PRESETS[args.model]
+    args.dp, args.tp, args.pp = resolve_sizes(world_size, args.dp, args.tp, args.pp, n_head=cfg.n_head,
+                                              n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
+    m = args.micro_batches
+    if m is not None:
+        if m < 1:
+            raise ValueError(f"--micro-batches must be >= 1, got {m}")
+        if args.grad_accum is not None and args.grad_accum != m:
+            raise ValueError(f"--micro-batches {m} and --grad-accum {args.grad_accum} name the same number "
+                             "(micro-batches per optimizer step per data rank); give one")
+        args.grad_accum = m
+    elif args.grad_accum is None and args.batch_size is None:
+        args.grad_accum = args.pp  # one rule: k = pp (1 without a pipeline); tensor parallelism never changes B
+    if getattr(args, "prune_sparsity", 0) and args.tp * args.pp > 1:
+        raise ValueError(f"--prune-sparsity with --tp {args.tp} --pp {args.pp} is not supported: magnitude "
+                         "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks")
+    zero = getattr(args, "zero", 0)
+    if zero >= 2 and args.pp > 1:
+        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
+                         f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
+                         "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
+    return args.dp

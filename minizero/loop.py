@@ -1,0 +1,208 @@
+"""The one training loop: every strategy (dp, tp, pp, ZeRO, recompute, FP16, offload, 8-bit Adam).
+
+One optimizer step, the same on every rank whatever the layout (the layout lives in the
+:class:`~minizero.parallel.strategy.Strategy`, never in this file)::
+
+    S = loss scale (1 without FP16)
+    loss_sum = strategy.forward_backward(micro_batches, S)   m micro-batches, gradients accumulate
+    strategy.reduce_gradients()                              data-group average (+ tied embedding)
+    skip = scaler.update(any rank overflowed)                FP16 only: every rank agrees
+    norm = sqrt(strategy.grad_norm_sq()) / S                 the unscaled global norm
+    strategy.step(lr(applied), clip(norm) / S)               1/S and clipping folded into the update
+    strategy.zero_grad()
+
+A skipped step advances neither Adam's t nor the learning-rate schedule (``applied``
+counts the updates taken), as PyTorch's ``GradScaler.step`` skips ``optimizer.step``.
+
+Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND`` with KIND ``raise``
+(exception), ``kill`` (SIGKILL of the process) or ``inf`` (this rank's gradients become
+non-finite) at optimizer step STEP on rank RANK.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+import tracemalloc
+
+import numpy as np
+
+from minizero.args import model_config
+from minizero.comm.collectives import all_reduce
+from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
+from minizero.ledger import get_ledger
+from minizero.memory.offload import ActivationOffload, OptimizerStateStore
+from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
+from minizero.memory.sparsity import Pruner
+from minizero.memory.zero import model_state_bytes
+from minizero.optim import clip_coefficient, cosine_lr
+from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
+from minizero.parallel.strategy import build_strategy, describe_batch
+from minizero.progress import Progress
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or the gradient norm became inf/NaN without a loss scaler to skip the step."""
+
+
+def check_finite_norm(step: int, norm: float) -> None:
+    """Raise :class:`TrainingDiverged` before an update that would write inf/NaN into the weights."""
+    if not math.isfinite(norm):
+        raise TrainingDiverged(f"step {step}: the gradient norm is {norm}; training diverged (lower --lr, "
+                               f"or use --precision fp16, whose loss scaler skips such steps); no update was applied")
+
+
+def check_fault(rank: int, step: int) -> bool:
+    """Act on ``MINIZERO_FAULT=RANK:STEP:KIND`` here; returns True for KIND ``inf`` (poison this rank's gradients)."""
+    spec = os.environ.get("MINIZERO_FAULT")
+    if not spec:
+        return False
+    r, s, kind = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if kind == "inf":
+            return True
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault (MINIZERO_FAULT={spec})")
+    return False
+
+
+def precision_description(args) -> str:
+    """The header's words for the precision: dtype, or FP16's compute/master/scale split."""
+    if args.precision == "fp16":
+        return (f"fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale "
+                f"{args.initial_loss_scale:g}")
+    return args.dtype
+
+
+def _header(args, cfg, s, world: int) -> list[str]:
+    topo = s.topo
+    lines = [f"minizero: {world} rank(s) as dp {topo.dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
+             f"({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
+             f"context {cfg.block_size}), {precision_description(args)}",
+             describe_batch(args, cfg)]
+    if topo.tp * topo.pp > 1:
+        lines.append(topo.describe())
+    if topo.pp > 1:
+        m = args.grad_accum
+        sched = make_schedule(args.schedule, topo.pp, m)
+        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f} "
+                     f"= (p-1)/(m+p-1) = {bubble_formula(topo.pp, m):.3f}, micro-batches in flight per stage "
+                     f"{[peak_in_flight(ops) for ops in sched]}")
+    if args.zero and topo.dp == 1:
+        lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
+                     "running anyway")
+    return lines
+
+
+def train(args, comm, log=print, after_grads=None) -> dict:
+    """Train per ``args`` (from :func:`minizero.args.parse_args`) on communicator ``comm``.
+
+    Works under MPI (one process per rank) and under the in-process ThreadCommunicator
+    (one thread per rank). Only rank 0 logs (``log`` receives each line).
+    ``after_grads(step, params, opt)``, if given, runs once per optimizer step after the
+    gradients are averaged over the data group and before clipping (tests read them
+    there: ``params`` are this rank's parameters — shards under tp, the stage's under pp;
+    under ZeRO the gradients are in ``opt.grad_shards()``).
+    Returns a dict: model (the whole GPT: the local one when tp = pp = 1, else gathered on
+    rank 0 and None elsewhere), stage, topo, engine, dp (None under ZeRO), opt, strategy,
+    train_losses, grad_norms (nan for a skipped step), val_history [(step, loss)],
+    loss_scales, skipped_steps, skipped_at, elapsed_s, tokens_per_s, config, state_bytes
+    (ledger model-state bytes at the first optimizer step), traffic (per group), pruner,
+    setup_peak, train_process_peak.
+    Raises:
+        TrainingDiverged: a non-finite gradient norm without FP16's loss scaler.
+        LossScaleError: FP16 overflowed at the minimum loss scale too many times in a row.
+    """
+    rank0 = comm.rank == 0
+    cfg = model_config(args)
+    train_tok, val_tok = train_val_split(load_tokens(args.data))
+    check_corpus(val_tok, cfg.block_size, "validation split (last 10% of the text)")
+    offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=comm.rank)
+    store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: state off-device
+    s = build_strategy(args, comm, cfg, forward_context=offload, store=store)
+    fp16 = args.precision == "fp16"
+    scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
+    sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
+                                 dp_rank=s.topo.dp_rank, dp_size=s.topo.dp, seed=args.seed)
+    val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
+    if rank0:
+        for line in _header(args, cfg, s, comm.world_size):
+            log(line)
+        if args.show_shards:
+            log(s.zero.shard_map.format())
+    tokens_per_step = args.batch_size * cfg.block_size
+    progress = Progress(getattr(args, "progress", "auto") if rank0 else "none", args.steps, tokens_per_step,
+                        every=getattr(args, "log_every", None), fp16=fp16)
+    val_history = [(0, s.evaluate(val_set))]
+    progress.validation(0, val_history[0][1])
+    train_losses, grad_norms, loss_scales, skipped_at, state_bytes = [], [], [], [], {}
+    applied = 0  # optimizer steps taken: a skipped (overflowing) step advances neither Adam nor the schedule
+    pruner = None
+    # the ledger's peaks cover the training steps from here on; set-up (building the model, then ZeRO
+    # copying it into flat buffers or shards, one unit beside the old arrays) is kept apart as setup_peak
+    setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
+    get_ledger().reset_peaks()
+    if tracemalloc.is_tracing():  # likewise the measured process peak: training steps only
+        tracemalloc.reset_peak()
+    t_start = time.perf_counter()
+    for step in range(args.steps):
+        poison = check_fault(comm.rank, step)
+        if args.prune_sparsity and step == args.prune_step:  # masks from the full weights, same on every rank
+            with s.full_parameters():
+                pruner = Pruner(s.stage, args.prune_sparsity, args.prune_scope)
+            pruner.prune_(s.zero)
+        scale = scaler.scale if scaler is not None else 1.0
+        with np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext():
+            # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
+            loss_sum = s.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale)
+            if poison:  # MINIZERO_FAULT=r:s:inf: this rank's gradients become non-finite
+                for g in s.local_grads():
+                    g *= g.dtype.type(math.inf)
+            s.reduce_gradients()
+        if pruner is not None:  # pruned entries get no gradient: not in the norm, not in Adam's m and v
+            pruner.mask_gradients_(s.zero)
+        if after_grads is not None:
+            after_grads(step, s.params, s.opt)
+        if step == 0:
+            state_bytes = model_state_bytes()
+        skip = False
+        if scaler is not None:  # every rank must agree, even when only one saw an inf
+            skip = scaler.update(overflow_anywhere(local_overflow(s.local_grads()), comm))
+            loss_scales.append(scale)
+        lr = cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr)
+        if skip:
+            grad_norms.append(math.nan)
+            skipped_at.append(step)
+        else:  # clipping on the unscaled global norm, folded with 1/scale into the update
+            norm = math.sqrt(s.grad_norm_sq()) / scale
+            grad_norms.append(norm)
+            check_finite_norm(step, norm)
+            s.step(lr, grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
+            applied += 1
+            if pruner is not None:  # Adam's momentum (and any state from before pruning) must not revive them
+                pruner.mask_weights_(s.zero)
+        s.zero_grad()
+        mine = loss_sum / args.grad_accum if s.holds_loss else 0.0
+        with comm.traffic.op("metrics"):
+            mean_loss = float(all_reduce(comm, np.array([mine]))[0]) / s.topo.dp
+        train_losses.append(mean_loss)
+        progress.step(step, mean_loss, lr, scale, len(skipped_at))
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            val_history.append((step + 1, s.evaluate(val_set)))
+            progress.validation(step + 1, val_history[-1][1])
+    elapsed = time.perf_counter() - t_start
+    train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+    progress.close()
+    val_history.append((args.steps, s.evaluate(val_set)))
+    offload.close()
+    traffic = s.traffic()
+    full = s.full_model()
+    return dict(model=full, stage=s.stage, topo=s.topo, engine=s.engine, dp=s.dp, opt=s.opt, strategy=s,
+                train_losses=train_losses, grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,
+                skipped_steps=len(skipped_at), skipped_at=skipped_at, elapsed_s=elapsed,
+                tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg, state_bytes=state_bytes,
+                traffic=traffic, pruner=pruner, setup_peak=setup_peak, train_process_peak=train_process_peak)

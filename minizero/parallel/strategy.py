@@ -1,0 +1,197 @@
+"""A parallel strategy: what the one training loop asks of a layout (dp x tp x pp, ZeRO or not).
+
+::
+
+    loop (minizero/loop.py), every optimizer step           Strategy (built here, once)
+    ─────────────────────────────────────────────           ───────────────────────────────────────────
+    loss_sum = s.forward_backward(micro_batches, S)    ──>  PipelineEngine over this rank's stage
+                                                            (pp 1: the whole model, one stage;
+                                                             tp > 1: every block split over the tensor group)
+    s.reduce_gradients()                               ──>  tied-embedding all-reduce (pp > 1), then
+                                                            DataParallel all-reduce  or  ZeRO reduce(-scatter)
+                                                            over the data group
+    overflow check on s.local_grads()                       (FP16: every rank agrees to skip)
+    norm = sqrt(s.grad_norm_sq()) / S                  ──>  one all-reduce of one float64
+    s.step(lr, grad_scale)                             ──>  AdamW / 8-bit Adam / ZeRO's sharded update
+    s.zero_grad()
+    s.evaluate(batches), s.full_model()                ──>  validation; the whole model on rank 0
+
+The loop never asks which strategy it runs; every difference between data, tensor,
+pipeline parallelism and ZeRO lives in the objects :func:`build_strategy` composes:
+a :class:`Topology` (who talks to whom), a :class:`PipelineStage` (which layers, which
+shards), a :class:`PipelineEngine` (which order), a gradient synchroniser (DataParallel
+or ZeroOptimizer) and an optimizer. A single process is the layout dp = tp = pp = 1.
+
+Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatron-LM's
+``finalize_model_grads`` (data-parallel reduce, then the embedding group) and
+``clip_grad_norm_fp32`` (each element of the model counted once in the norm).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from minizero.autograd import manual_seed
+from minizero.comm.collectives import all_reduce
+from minizero.memory.recompute import apply_recompute
+from minizero.memory.zero import ZeroOptimizer
+from minizero.nn import GPT
+from minizero.optim import AdamW
+from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
+from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
+from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
+from minizero.parallel.topology import Topology
+
+
+class Strategy:
+    """One rank's part of a training layout, behind the five calls the training loop makes.
+
+    Attributes:
+        topo: the :class:`Topology` (``dp_comm``, ``tp_comm``, ``pp_comm``, ``world``).
+        stage: this rank's :class:`PipelineStage` (the whole GPT when pp = 1).
+        model: the whole local :class:`GPT` when tp = pp = 1 (every rank), else None.
+        engine: the :class:`PipelineEngine` that runs micro-batches through ``stage``.
+        dp: the :class:`DataParallel` synchroniser, or None under ZeRO.
+        opt: the optimizer (AdamW, Adam8bit, or the :class:`ZeroOptimizer`, which is both
+            synchroniser and optimizer).
+        params: this rank's parameters (shards under tp; the stage's under pp).
+    """
+
+    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt):
+        self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
+        self.params = stage.parameters()
+        self.zero = opt if dp is None else None  # the ZeroOptimizer (sharded state, gradients), or None
+        self._reduce = dp.allreduce_gradients if dp is not None else opt.reduce_gradients
+
+    @property
+    def holds_loss(self) -> bool:
+        """True on the ranks whose :meth:`forward_backward` returns the loss (last stage, tensor rank 0)."""
+        return self.stage.is_last and self.topo.tp_rank == 0
+
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+        """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
+
+        Args:
+            micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets.
+            loss_scale: S; every gradient is S times the gradient of the mean loss over the m micro-batches.
+        Returns:
+            the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere.
+        """
+        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale)
+
+    def reduce_gradients(self) -> None:
+        """Collective: the tied embedding's two copies summed (pp > 1), then the data-group average."""
+        allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
+        self._reduce()
+
+    def local_grads(self) -> list:
+        """The gradient arrays this rank holds: every ``.grad`` (no ZeRO) or its ZeRO gradient shards."""
+        if self.zero is not None:
+            return list(self.zero.grad_shards())
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm_sq(self) -> float:
+        """Collective: the squared global gradient norm (float64 sum, each model element once)."""
+        return grad_norm_sq(self.stage, self.topo, self.zero)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """The optimizer update at learning rate ``lr`` on gradients multiplied by ``grad_scale``."""
+        self.opt.set_lr(lr)
+        self.opt.step(grad_scale=grad_scale)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def full_parameters(self):
+        """Context in which every parameter's ``.data`` is whole (ZeRO-3 gathers; otherwise nothing to do)."""
+        return self.zero.full_parameters() if self.zero is not None else contextlib.nullcontext()
+
+    def evaluate(self, batches) -> float:
+        """Collective: mean validation loss over ``batches``, rows split over the data group.
+
+        Each data rank takes rows ``dp_rank::dp`` of every batch; the sums are all-reduced
+        over the world, so the value does not depend on the layout. A data rank with no rows
+        still runs the forward on one row (not counted): every rank joins every collective
+        (ZeRO-3's gathers, the tensor all-reduces, the pipeline's messages) with empty work
+        if it has none.
+        """
+        topo, stage = self.topo, self.stage
+        was_training = stage.training
+        stage.eval()
+        total = np.zeros(2)  # [sum of per-sequence mean losses, number of sequences]
+        for x, y in batches:
+            xs, ys = x[topo.dp_rank::topo.dp], y[topo.dp_rank::topo.dp]
+            n = len(xs)
+            loss = self.engine.forward_only(*((xs, ys) if n else (x[:1], y[:1])))
+            if self.holds_loss:
+                total += [loss * n, n]
+        with topo.world.traffic.op("metrics"):
+            total = all_reduce(topo.world, total)
+        stage.train(was_training)
+        return float(total[0] / total[1])
+
+    def full_model(self):
+        """Collective: the whole GPT — the local model itself when tp = pp = 1 (every rank), else
+        gathered onto world rank 0 (None elsewhere; :func:`gather_full_model`)."""
+        if self.model is not None:
+            return self.model
+        with self.full_parameters():
+            return gather_full_model(self.stage, self.topo, self.stage.config)
+
+    def traffic(self) -> dict:
+        """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world."""
+        return traffic_by_group(self.topo)
+
+    def model_state_bytes_per_step(self, steps: int) -> float:
+        """Bytes this rank sent per optimizer step for gradient reduction and ZeRO's parameter gathers."""
+        return self.zero.bytes_per_step() if self.zero is not None else self.dp.bytes_sent / steps
+
+
+def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print) -> Strategy:
+    """Build this rank's :class:`Strategy` for ``args`` (from :func:`minizero.args.parse_args`).
+
+    Order: topology; the dropout generator (one per (data rank, stage), shared by the
+    tensor group, whose replicated activations need identical masks); the model or this
+    rank's stage of it; recompute; the gradient synchroniser and optimizer (DataParallel +
+    AdamW/Adam8bit, or ZeroOptimizer with AdamW's or 8-bit Adam's sharded state); the
+    pipeline engine (one stage when pp = 1).
+    ``forward_context``: callable returning a context entered around every forward
+    (activation offload). ``store``: the optimizer-state store (optimizer offload).
+    """
+    topo = Topology(comm, args.dp, args.tp, args.pp)
+    manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
+    if args.tp * args.pp == 1:  # the whole model, built as one process builds it
+        model = GPT(cfg, seed=args.seed)
+        stage = PipelineStage(model, 0, 1)
+    else:
+        model, stage = None, build_stage(cfg, args.seed, topo)
+    apply_recompute(stage, args.recompute, args.recompute_every)
+    params = stage.parameters()
+    fp16 = args.precision == "fp16"
+    if args.zero:
+        def adam8bit_state(shard_map):  # with --optimizer adam8bit the 8-bit state is what gets sharded
+            return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
+
+        state = adam8bit_state if args.optimizer == "adam8bit" else None
+        dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                                      native=args.native_comm, sharded_state=state,
+                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
+    else:
+        dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm)
+        if args.optimizer == "adam8bit":
+            opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
+                           master_weights=fp16)
+        else:
+            opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
+    verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
+    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True))
+    return Strategy(topo, stage, model, engine, dp, opt)
+
+
+def describe_batch(args, cfg) -> str:
+    """The batch arithmetic in one line: B = b x dp x k sequences of T tokens."""
+    return (f"global batch {args.batch_size} x {cfg.block_size} tokens = micro-batch {args.micro_batch_size} "
+            f"x {args.dp} data rank(s) x {args.grad_accum} micro-batch(es)")

@@ -1,0 +1,97 @@
+"""What rank 0 shows while training runs: a tqdm bar, or one log line every K steps.
+
+Under ``mpirun`` no rank's stdout is a terminal (the launcher forwards it through a
+pipe), so a tool that decides by "is this a terminal" — tqdm's default — goes silent
+there. ``--progress auto`` therefore picks the bar only when rank 0's stdout *is* a
+terminal and log lines otherwise; ``--progress bar`` forces the bar (it updates in place
+with carriage returns, which a launcher forwarding to a terminal passes through), ``log``
+forces lines, ``none`` prints nothing.
+
+A log line (every K steps; K defaults to about 15 lines per run)::
+
+    step   20/300  loss 2.8312  lr 3.00e-03  6,812 tok/s  elapsed 12.1 s  ETA 2.8 min  [fp16: scale 65536, skipped 0]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+MODES = ("auto", "bar", "log", "none")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+class Progress:
+    """Live progress of one training run, shown by rank 0 (other ranks pass ``mode="none"``).
+
+    Args:
+        mode: one of :data:`MODES`.
+        total: optimizer steps of the run.  tokens_per_step: global tokens per optimizer step.
+        every: log lines every ``every`` steps (``None``/0: about 15 lines per run).
+        fp16: add the loss scale and the skipped-step count to each line.
+        out: the stream (default ``sys.stdout``).  start_step: first step (a resumed run).
+    Raises:
+        ValueError: ``mode`` not in :data:`MODES`.
+    """
+
+    def __init__(self, mode: str, total: int, tokens_per_step: int, every: int | None = None, fp16: bool = False,
+                 out=None, start_step: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"progress mode {mode!r}; allowed: {', '.join(MODES)}")
+        self.out = out if out is not None else sys.stdout
+        if mode == "auto":
+            isatty = getattr(self.out, "isatty", None)
+            mode = "bar" if isatty is not None and isatty() else "log"
+        self.mode, self.total, self.tokens_per_step, self.fp16 = mode, total, tokens_per_step, fp16
+        self.every = every or max(1, round(total / 15))
+        self.start_step = start_step
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=self.out, disable=False)
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.out)
+        elif self.mode == "log":
+            print(line, file=self.out, flush=True)
+
+    def step(self, step: int, loss: float, lr: float, scale: float | None = None, skipped: int = 0,
+             extra: str = "") -> None:
+        """Step ``step`` (0-based) just finished with mean training loss ``loss`` at learning rate ``lr``."""
+        if self.mode == "none":
+            return
+        done = step + 1 - self.start_step
+        elapsed = time.perf_counter() - self.t0
+        tok_s = self.tokens_per_step * done / elapsed if elapsed > 0 else 0.0
+        if self.bar is not None:
+            post = dict(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+            if self.fp16:
+                post.update(scale=f"{scale:g}", skipped=skipped)
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+            return
+        if (step + 1) % self.every and step + 1 != self.total:
+            return
+        eta = elapsed / done * (self.total - step - 1) if done else 0.0
+        w = len(str(self.total))
+        line = (f"step {step + 1:>{w}}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
+                f"elapsed {_duration(elapsed)}  ETA {_duration(eta)}")
+        if self.fp16:
+            line += f"  [fp16: scale {scale:g}, skipped {skipped}]"
+        self._say(line + (f"  {extra}" if extra else ""))
+
+    def validation(self, step: int, loss: float) -> None:
+        """A validation loss taken after ``step`` optimizer steps."""
+        if self.mode != "none":
+            self._say(f"step {step:>{len(str(self.total))}}/{self.total}  validation loss {loss:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

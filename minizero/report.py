@@ -1,0 +1,127 @@
+"""What the main job shows and writes at the end: memory summary, sample, weights, summary.json.
+
+Every rank's ledger figures are gathered with the hand-written all-gather
+(:func:`gather_stats`); rank 0 prints them with :func:`minizero.ledger.memory_summary`,
+saves the weights (nanoGPT's state_dict names) and the JSON summary, each written to a
+temporary name and renamed (:func:`minizero.files.atomic_write`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from minizero.comm.collectives import all_gather
+from minizero.data import decode, encode
+from minizero.files import atomic_write
+from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def gather_stats(comm, process_peak: int, grad_bytes: int) -> list[dict]:
+    """Collective: every rank's ledger snapshot, process peak and bytes sent, via the hand-written all-gather."""
+    snap = get_ledger().snapshot()
+    traffic = comm.traffic.snapshot()
+    vec = np.array([snap["current"][c] for c in CATEGORIES] + [snap["peak"][c] for c in CATEGORIES]
+                   + [snap["peak_total"], process_peak, traffic["bytes_sent"], grad_bytes],
+                   dtype=np.float64)
+    k = len(CATEGORIES)
+    with comm.traffic.op("metrics"):
+        allv = all_gather(comm, vec).reshape(comm.world_size, -1)
+    out = []
+    for row in allv:
+        row = [int(v) for v in row]
+        out.append({"current": dict(zip(CATEGORIES, row[:k])), "peak": dict(zip(CATEGORIES, row[k:2 * k])),
+                    "peak_total": row[2 * k], "process_peak": row[2 * k + 1], "bytes_sent": row[2 * k + 2],
+                    "bytes_sent_grad_allreduce": row[2 * k + 3]})
+    return out
+
+
+def _json_safe(x):
+    """``x`` with NaN/inf floats as None, so the summary is strict JSON (a skipped FP16 step has no norm)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
+    """Rank 0: print the final report and write ``OUT/model.npz`` and the JSON summary.
+
+    ``stats``: :func:`gather_stats` of every rank; ``threads``, ``local_ranks``, ``cores``:
+    BLAS threads per rank, ranks and cores on this node; ``zero``: every rank's model-state
+    figures (:func:`minizero.memory.zero.gather_figures`).
+    Raises:
+        FloatingPointError: a weight is inf/NaN (nothing is written; the previous file stays).
+    """
+    model, cfg = result["model"], result["config"]
+    val0, val = result["val_history"][0][1], result["val_history"][-1][1]
+    print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
+          f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
+             "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
+    notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
+        f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
+    if result.get("setup_peaks"):
+        notes.append("peaks above: the training steps; set-up (model built, then re-homed) peaked at " + ", ".join(
+            f"r{r} {format_bytes(sp['peak_total'])}" for r, sp in enumerate(result["setup_peaks"])))
+    if result.get("pruner") is not None:
+        rep = result["pruner"].report()
+        notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
+                     f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
+                     f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
+    print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
+    if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
+        state = model.state_dict()
+        bad = [k for k, v in state.items() if not np.isfinite(v).all()]
+        if bad:
+            raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
+                                     f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
+        atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
+    prompt = "The "
+    out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
+                         rng=np.random.default_rng(args.seed))
+    print("\nsample:\n" + printable(decode(out[0])) + "\n")
+    if args.no_save:
+        return
+    summary = {
+        "world_size": args.world_size,
+        "dp": args.dp, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
+        "schedule": args.schedule,
+        "config": {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+                   "train": {k: v for k, v in vars(args).items()}},
+        "num_parameters": model.num_parameters(),
+        "train_loss": result["train_losses"],
+        "grad_norm": result["grad_norms"],
+        "val_loss": val,
+        "val_history": result["val_history"],
+        "elapsed_s": result["elapsed_s"],
+        "tokens_per_s": result["tokens_per_s"],
+        "blas_threads_per_rank": threads,
+        "ledger_peak_bytes": [s["peak"] for s in stats],
+        "ledger_peak_total_bytes": [s["peak_total"] for s in stats],
+        "ledger_setup_peak_bytes": result.get("setup_peaks"),
+        "process_peak_bytes": [s["process_peak"] for s in stats],
+        "bytes_sent": [s["bytes_sent"] for s in stats],
+        "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],
+        "zero": {"stage": args.zero, "per_rank": zero},
+        "precision": args.precision,
+        "loss_scale": result["loss_scales"],
+        "skipped_steps": result["skipped_steps"],
+        "skipped_at": result["skipped_at"],
+        "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
+        "pruning": None if result.get("pruner") is None else {
+            k: v for k, v in result["pruner"].report().items() if k != "layers"},
+        "sample": decode(out[0]),
+    }
+    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(_json_safe(summary), indent=1, allow_nan=False)))
+    print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
