@@ -1,0 +1,323 @@
+"""The model and the strategy the estimator takes, and model-state bytes (ZeRO, Rajbhandari et al. 2020, section 3).
+
+Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+#: Per-rank categories, named as in the ledger (``minizero/ledger.py``) so an
+#: estimate can be set beside ``ledger.peak``. ``offloaded`` is host memory.
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "gathered",
+              "offloaded")
+DEVICE_CATEGORIES = CATEGORIES[:-1]
+
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "selective", "full")
+#: bytes per element: (parameters, gradients, activations, fp32 master copy, one Adam moment)
+PRECISIONS = {"fp64": (8, 8, 8, 0, 8), "fp32": (4, 4, 4, 0, 4), "mixed": (2, 2, 2, 4, 4)}
+OPTIMIZERS = ("adam", "adam8bit")
+OFFLOAD = ("none", "optimizer", "params")
+#: where offloaded bytes go: "cpu" host memory (the ledger's ``offloaded``), "nvme" files (not in memory)
+OFFLOAD_TIERS = ("cpu", "nvme")
+#: minizero.memory.offload.ActivationOffload keeps saved arrays under this many bytes on the device
+OFFLOAD_MIN_BYTES = 1024
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+ACCOUNTINGS = ("paper", "minizero")
+#: block-wise 8-bit Adam: one fp32 absmax per block of elements per moment. Dettmers et al. 2022
+#: used 2048; bitsandbytes (and minizero.optim.adam8bit) use 256. Tensors under 4096 elements
+#: keep their moments in fp32 (bitsandbytes' min_8bit_size; counted in the "minizero" accounting).
+QUANT_BLOCK, MIN_8BIT_SIZE = 256, 4096
+
+
+def gb(nbytes: float) -> float:
+    """Bytes -> GB, 1 GB = 10**9 bytes (the ZeRO paper's unit)."""
+    return nbytes / 1e9
+
+
+def gib(nbytes: float) -> float:
+    """Bytes -> GiB, 1 GiB = 2**30 bytes."""
+    return nbytes / 2 ** 30
+
+
+def precision_for_dtype(dtype) -> str:
+    """The :class:`Strategy` precision of a minizero training dtype: float64 -> "fp64", float32 -> "fp32"."""
+    name = getattr(dtype, "name", str(dtype))
+    table = {"float64": "fp64", "float32": "fp32", "float16": "mixed"}
+    if name not in table:
+        raise ValueError(f"no precision for dtype {name!r}; allowed: {sorted(table)}")
+    return table[name]
+
+
+# ---- the model --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape; sizes are element counts.
+
+    ``mlp``: ``"gelu"`` (two matrices h x f, GPT) or ``"swiglu"`` (three, LLaMA;
+    Shazeer 2020). ``norm``: ``"layernorm"`` (weight and bias) or ``"rmsnorm"``
+    (weight). ``learned_pos``: a learned position table of ``seq_len`` rows (GPT)
+    instead of rotary embeddings (LLaMA). ``tied_embeddings``: the LM head reuses
+    the token embedding. ``dropout``: dropout layers are active (their 1-byte masks
+    are saved; Korthikanti et al. count them, LLaMA trains without).
+    ``seq_len`` is the model's context, the default sequence length.
+    """
+
+    name: str
+    n_layer: int
+    hidden: int
+    n_head: int
+    n_kv_head: int
+    ffn_hidden: int
+    vocab_size: int
+    seq_len: int
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    learned_pos: bool = True
+    tied_embeddings: bool = True
+    dropout: bool = True
+    source: str = ""
+
+    def validate(self) -> "ModelShape":
+        """Check every field; return self. Raises ValueError naming the field and what is allowed."""
+        for f in ("n_layer", "hidden", "n_head", "n_kv_head", "ffn_hidden", "vocab_size", "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape.{f} must be a positive integer, got {v!r}")
+        if self.hidden % self.n_head:
+            raise ValueError(f"hidden={self.hidden} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp {self.mlp!r} is not one of ('gelu', 'swiglu')")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm {self.norm!r} is not one of ('layernorm', 'rmsnorm')")
+        return self
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): n_kv_head * head_dim (= hidden without grouped-query attention)."""
+        return self.n_kv_head * (self.hidden // self.n_head)
+
+    def layer_parameters(self, tp: int = 1) -> int:
+        """Parameters of one transformer layer held by one of ``tp`` tensor-parallel ranks (elements).
+
+        Matrices and the column-parallel biases are split by t; the row-parallel
+        output biases and the norms are replicated (Shoeybi et al. 2019, section 3).
+        GPT (t = 1): 12h^2 + 13h.
+        """
+        h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
+        n_mats = 3 if self.mlp == "swiglu" else 2
+        split = 2 * h * h + 2 * h * kv + n_mats * h * f  # Wq, Wo, Wk, Wv, MLP matrices
+        replicated = 2 * (2 * h if self.norm == "layernorm" else h)
+        if self.bias:
+            split += h + 2 * kv + (n_mats - 1) * f  # qkv bias, fc (gate, up) biases
+            replicated += 2 * h  # attention and MLP output biases
+        return split // tp + replicated
+
+    def embedding_parameters(self, tp: int = 1, vocab_parallel: bool = True) -> int:
+        """Token table plus the learned position table, on one tensor rank (elements).
+
+        Vocab-parallel (Megatron-LM; Shoeybi et al. 2019, section 3): ceil(V/t) rows per
+        rank; otherwise replicated (minizero's tensor parallelism).
+        """
+        rows = math.ceil(self.vocab_size / tp) if vocab_parallel else self.vocab_size
+        return rows * self.hidden + (self.seq_len * self.hidden if self.learned_pos else 0)
+
+    def head_parameters(self, tp: int = 1, pp: int = 1, vocab_parallel: bool = True) -> int:
+        """Final norm plus the output matrix on the last stage, on one tensor rank (elements).
+
+        A tied head adds nothing when one stage holds both ends; with pp > 1 the last
+        stage keeps its own copy of the embedding (Megatron-LM; Narayanan et al. 2021).
+        """
+        norm = 2 * self.hidden if self.norm == "layernorm" else self.hidden
+        has_matrix = not self.tied_embeddings or pp > 1
+        rows = math.ceil(self.vocab_size / tp) if vocab_parallel else self.vocab_size
+        return norm + (rows * self.hidden if has_matrix else 0)
+
+    def tensor_sizes(self) -> list[int]:
+        """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2."""
+        h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
+        norm = [h, h] if self.norm == "layernorm" else [h]
+        layer = norm + [(h + 2 * kv) * h] + ([h + 2 * kv] if self.bias else []) + [h * h] + ([h] if self.bias else [])
+        layer += norm
+        if self.mlp == "gelu":
+            layer += [f * h] + ([f] if self.bias else []) + [h * f] + ([h] if self.bias else [])
+        else:
+            layer += [f * h, f * h, h * f] + ([f, f, h] if self.bias else [])
+        sizes = [self.vocab_size * h] + ([self.seq_len * h] if self.learned_pos else [])
+        sizes += layer * self.n_layer + norm
+        if not self.tied_embeddings:
+            sizes.append(self.vocab_size * h)
+        return sizes
+
+    def num_parameters(self) -> int:
+        """All distinct parameters Psi (tied head counted once). GPT: 12Lh^2 + 13Lh + (V + s + 2)h."""
+        return self.n_layer * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
+
+    @classmethod
+    def from_gpt_config(cls, cfg, name: str = "minizero") -> "ModelShape":
+        """The shape of a :class:`minizero.nn.gpt.GPTConfig` (GELU MLP of 4C, LayerNorm, biases, tied head)."""
+        return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_head,
+                   ffn_hidden=4 * cfg.n_embd, vocab_size=cfg.vocab_size, seq_len=cfg.block_size,
+                   dropout=cfg.dropout > 0, source="minizero/nn/gpt.py").validate()
+
+
+def as_shape(model) -> ModelShape:
+    """A :class:`ModelShape` from a ModelShape or a minizero ``GPTConfig``."""
+    if isinstance(model, ModelShape):
+        return model.validate()
+    if hasattr(model, "n_embd"):
+        return ModelShape.from_gpt_config(model)
+    raise TypeError(f"expected a ModelShape or a GPTConfig, got {type(model).__name__}")
+
+
+# ---- the strategy -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How the training job is laid out, for one optimizer step.
+
+    World size = dp * tp * pp. Each rank runs ``micro_batches`` (m) micro-batches
+    of ``micro_batch`` (b) sequences per step, so the global batch is dp * b * m
+    sequences.
+
+    Fields:
+        dp, tp, pp: data-, tensor- and pipeline-parallel sizes.
+        zero: ZeRO-DP stage over the dp ranks: 0 none, 1 P_os, 2 P_os+g, 3 P_os+g+p.
+        sequence_parallel: split the layer norms and dropouts along s over the
+            tensor group (Korthikanti et al. 2022, section 4.2.2); needs tp > 1.
+        recompute: "none", "selective" (attention core; section 5) or "full" (keep
+            only each layer's input; Chen et al. 2016).
+        precision: "mixed" (16-bit params/grads/activations, fp32 master + Adam,
+            K = 12), "fp32" (K = 8) or "fp64" (minizero's test dtype, K = 16).
+        optimizer: "adam" or "adam8bit" (block-wise 8-bit moments).
+        offload: "none"; "optimizer" (ZeRO-Offload: optimizer state and gradient
+            shard in host memory, Ren et al. 2021, which builds on ZeRO-2; minizero's
+            ``--offload-optimizer`` moves the optimizer state -- FP32 masters, m, v -- at
+            any ZeRO stage, and its gradients stay on the device); "params"
+            (ZeRO-Infinity: parameters too; needs zero 3, Rajbhandari et al. 2021).
+        offload_activations: saved activations live in host memory between
+            forward and backward (ZeRO-R P_a+cpu, section 6.1; minizero.memory.offload).
+        offload_tier: where offloaded bytes go: "cpu" (host memory,
+            ``MemoryEstimate.offloaded``) or "nvme" (files, ``MemoryEstimate.nvme``;
+            ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021, section 5).
+        schedule: pipeline schedule "1f1b" (PipeDream-Flush), "gpipe", or
+            "interleaved" with ``virtual_stages`` model chunks per rank.
+        bucket_bytes: size of the gradient reduce buffer; None means one flat
+            buffer as large as all gradients (what minizero's DataParallel keeps).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    precision: str = "mixed"
+    optimizer: str = "adam"
+    offload: str = "none"
+    offload_activations: bool = False
+    micro_batch: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    bucket_bytes: int | None = None
+    offload_tier: str = "cpu"
+
+    @property
+    def world_size(self) -> int:
+        """dp * tp * pp ranks."""
+        return self.dp * self.tp * self.pp
+
+    def validate(self, model: ModelShape | None = None) -> "Strategy":
+        """Check every field (and divisibility by ``model``'s shape); return self.
+
+        Raises:
+            ValueError: naming the bad field, its value, and what is allowed.
+        """
+        for f in ("dp", "tp", "pp", "micro_batch", "micro_batches", "virtual_stages"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
+        choices = [("zero", ZERO_STAGES), ("recompute", RECOMPUTE), ("precision", tuple(PRECISIONS)),
+                   ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES),
+                   ("offload_tier", OFFLOAD_TIERS)]
+        for f, allowed in choices:
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"Strategy.{f}={getattr(self, f)!r} is not one of {allowed}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1 (it splits along s over the tensor group)")
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(f"offload='params' needs zero=3 (ZeRO-Infinity), got zero={self.zero}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1 or None, got {self.bucket_bytes}")
+        if model is not None:
+            chunks = self.pp * self.virtual_stages
+            if model.n_layer % chunks:
+                raise ValueError(f"{model.n_layer} layers do not split into pp x virtual_stages = {chunks} "
+                                 f"equal pipeline chunks")
+            for f in ("n_head", "n_kv_head", "ffn_hidden"):
+                if getattr(model, f) % self.tp:
+                    raise ValueError(f"tp={self.tp} does not divide {f}={getattr(model, f)}")
+        return self
+
+
+def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
+    """(param, grad, activation, optimizer-state K) bytes per element for the strategy's precision."""
+    p, g, act, master, moment = PRECISIONS[strategy.precision]
+    if strategy.optimizer == "adam8bit":
+        k = master + 2 * (1 + 4 / QUANT_BLOCK)
+    else:
+        k = master + 2 * moment
+    return p, g, act, k
+
+
+# ---- model states: ZeRO -----------------------------------------------------------------------
+def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: str = "mixed",
+                      optimizer: str = "adam") -> dict:
+    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP.
+
+    Formula (Rajbhandari et al. 2020, section 5, Figure 1), Psi = ``num_params``,
+    N_d = ``dp``, 2 bytes per 16-bit parameter and gradient, K bytes of optimizer
+    state per parameter (mixed-precision Adam: fp32 master, momentum and variance,
+    K = 12; section 3.1)::
+
+        stage 0 (baseline)   (2 + 2 + K) Psi
+        stage 1 (P_os)       2 Psi + 2 Psi + K Psi / N_d
+        stage 2 (P_os+g)     2 Psi + (2 + K) Psi / N_d
+        stage 3 (P_os+g+p)   (2 + 2 + K) Psi / N_d
+
+    A shard is ceil(Psi / N_d) elements (the flat buffer padded to a multiple of
+    N_d). fp32 training: 4 + 4 + 8; fp64: 8 + 8 + 16; 8-bit Adam: K = master +
+    2 x (1 byte + 4/256 for the block-wise fp32 absmax; Dettmers et al. 2022, section 2,
+    with bitsandbytes' block of 256).
+    Returns {"parameters", "gradients", "optimizer_state"} in bytes.
+    """
+    s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()
+    pb, gbytes, _, k = _bytes(s)
+    shard = math.ceil(num_params / dp)
+    return {"parameters": pb * (shard if zero >= 3 else num_params),
+            "gradients": gbytes * (shard if zero >= 2 else num_params),
+            "optimizer_state": round(k * (shard if zero >= 1 else num_params))}
+
+
+def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> int:
+    """Parameters (elements) of one pipeline stage on one tensor-parallel rank, before ZeRO sharding.
+
+    Stage i holds L/p layers; stage 0 also the embeddings, stage p-1 the final norm and
+    head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``: the embedding and the
+    head are split by t (Megatron-LM) or replicated (minizero).
+    """
+    m = as_shape(model)
+    p, t = strategy.pp, strategy.tp
+    n = (m.n_layer // p) * m.layer_parameters(t)
+    if stage == 0:
+        n += m.embedding_parameters(t, vocab_parallel)
+    if stage == p - 1:
+        n += m.head_parameters(t, p, vocab_parallel)
+    return n

@@ -1,0 +1,157 @@
+"""The whole rank: model states + activations + buffers, per pipeline stage.
+
+Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from minizero.memory.estimator.model import MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES, ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters
+from minizero.memory.estimator.activations import activation_bytes
+
+
+# ---- the whole rank ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes by ledger category, for one pipeline stage.
+
+    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in
+    neither the device total nor the ledger's memory categories (minizero reports them as
+    the optimizer store's ``disk_bytes``).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    gathered: int
+    offloaded: int
+    stage: int = 0
+    nvme: int = 0
+
+    @property
+    def total(self) -> int:
+        """Device bytes: every category except ``offloaded``."""
+        return sum(getattr(self, c) for c in DEVICE_CATEGORIES)
+
+    def as_dict(self) -> dict:
+        """{category: bytes} in :data:`CATEGORIES` order (the ledger's names)."""
+        return {c: getattr(self, c) for c in CATEGORIES}
+
+
+def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage: int) -> MemoryEstimate:
+    pb, gbytes, e, _ = _bytes(st)
+    vocab_parallel = accounting == "paper"
+    psi = stage_parameters(m, st, stage, vocab_parallel)
+    states = model_state_bytes(psi, st.dp, st.zero, st.precision, st.optimizer)
+    params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
+    if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
+        # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
+        master, moment = PRECISIONS[st.precision][3:]
+        optim = sum(master * n + (2 * n + 8 * -(-n // QUANT_BLOCK) if n >= MIN_8BIT_SIZE else 2 * moment * n)
+                    for n in m.tensor_sizes())
+    host = 0
+    if st.offload in ("optimizer", "params") and accounting == "minizero":
+        host += optim  # OptimizerStateStore: masters, m and v off the device; gradients stay (memory/offload.py)
+        optim = 0
+    elif st.offload in ("optimizer", "params"):  # ZeRO-Offload: gradient and optimizer shards on the host
+        host += grads + optim
+        grads = optim = 0
+    if st.offload == "params":  # ZeRO-Infinity: the parameter shard too
+        host += params
+        params = 0
+    act, act_host = activation_bytes(m, st, s, accounting, stage)
+    host += act_host
+    full_grads = gbytes * psi
+    largest_unit = m.layer_parameters(st.tp)  # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
+    if stage == 0:
+        largest_unit = max(largest_unit, m.embedding_parameters(st.tp, vocab_parallel))
+    comm = gathered = 0
+    if accounting == "minizero":
+        # minizero's own buffers (parallel/data_parallel.py, memory/zero.py): stage 0 keeps flat
+        # buckets for every gradient; stages 2-3 open one unit's full-size gradient bucket at a
+        # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
+        # used at both ends of the model and stays open (gathered) in between.
+        tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
+        if st.dp > 1 and st.zero == 0:
+            comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
+        if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
+            comm += gbytes * (m.layer_parameters(st.tp) + tied)
+        if st.zero == 3:
+            gathered = pb * (m.layer_parameters(st.tp) + tied)
+    else:
+        if st.dp > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
+            comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
+        if st.zero == 3 and (st.dp > 1 or st.offload == "params"):
+            gathered = 2 * pb * largest_unit  # the unit running and the prefetched next one (section 5.3)
+    if st.pp > 1:
+        split = st.tp if st.sequence_parallel else 1
+        boundary = e * s * st.micro_batch * m.hidden // split  # one (b, s, h) activation between stages
+        if accounting == "minizero":  # parallel/pipeline.py: the dL/d(input) buffer it sends back (not stage 0);
+            # two at once when backwards run back to back with no receive to flush the pending send
+            # (the last stage under GPipe)
+            back_to_back = stage == st.pp - 1 and st.schedule == "gpipe" and st.micro_batches > 1
+            comm += (2 if back_to_back else 1) * boundary if stage > 0 else 0
+        else:  # receive buffers: the activation forward, the gradient backward
+            comm += 2 * boundary
+    if st.offload_tier == "nvme":  # every offloaded byte goes to files instead of host memory
+        return MemoryEstimate(params, grads, optim, act, comm, gathered, 0, stage, nvme=host)
+    return MemoryEstimate(params, grads, optim, act, comm, gathered, host, stage)
+
+
+def estimate_stages(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper") -> list:
+    """:class:`MemoryEstimate` of the first and the last pipeline stage (one entry when pp = 1).
+
+    Every middle stage needs less than the first (fewer micro-batches in flight, no
+    embedding), so these two bound every rank: a plan fits when both do.
+    """
+    return [estimate_memory(model, strategy, seq_len, accounting, stage=i) for i in sorted({0, strategy.pp - 1})]
+
+
+def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper",
+                    stage: int | None = None) -> MemoryEstimate:
+    """Per-rank bytes of every category for ``model`` trained under ``strategy``.
+
+    Args:
+        model: a :class:`ModelShape` or a minizero ``GPTConfig``.
+        strategy: the :class:`Strategy`; with a GPTConfig its precision must match the
+            config's dtype (:func:`precision_for_dtype`).
+        seq_len: tokens per sequence s (default: the model's context).
+        accounting: "paper" or "minizero" (see the module docstring).
+        stage: pipeline stage; None picks the stage with the largest device total
+            (the first or the last: stage 0 holds the most micro-batches in flight and
+            the embedding, the last holds the head).
+    Returns:
+        :class:`MemoryEstimate` (bytes). Model states: :func:`model_state_bytes` of
+        the stage's parameters (:func:`stage_parameters`); activations:
+        :func:`activation_bytes`. ``"paper"``: ``comm_buffers`` = the gradient reduce
+        bucket (dp > 1, ``bucket_bytes``; ZeRO-R section 6.2) + pipeline receive buffers
+        for an activation and a gradient (pp > 1); ``gathered`` = ZeRO-3's working set of
+        two units (the one running and the prefetched next one). ``"minizero"``: its own
+        buffers -- DataParallel's flat buckets over every gradient (ZeRO 0), one unit's
+        gradient bucket (ZeRO 2-3) and one gathered unit (ZeRO 3), each plus the tied
+        embedding, and the pipeline's dL/d(input) send buffer (stages > 0).
+        Offload: ``"paper"`` moves the gradient and optimizer shards (ZeRO-Offload) and
+        the parameter shard (``params``); ``"minizero"`` moves the optimizer state only
+        (its ``OptimizerStateStore``). Offloaded bytes are ``offloaded`` (tier "cpu")
+        or ``nvme`` (tier "nvme").
+    Raises:
+        ValueError: an invalid strategy or one that does not fit the shape (named).
+    """
+    m = as_shape(model)
+    st = strategy.validate(m)
+    if hasattr(model, "dtype") and not isinstance(model, ModelShape):
+        want = precision_for_dtype(model.dtype)
+        if st.precision != want:
+            raise ValueError(f"strategy precision {st.precision!r} does not match the config's dtype "
+                             f"{model.dtype!r} (use precision={want!r})")
+    s = seq_len or m.seq_len
+    if s < 1:
+        raise ValueError(f"seq_len must be >= 1, got {s}")
+    if stage is not None:
+        if not 0 <= stage < st.pp:
+            raise ValueError(f"stage must be in [0, {st.pp}), got {stage}")
+        return _stage_estimate(m, st, s, accounting, stage)
+    ests = [_stage_estimate(m, st, s, accounting, i) for i in sorted({0, st.pp - 1})]
+    return max(ests, key=lambda x: x.total)

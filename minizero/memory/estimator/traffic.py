@@ -1,0 +1,128 @@
+"""Bytes sent per step per group, and FLOPs per step (Korthikanti et al. 2022, Kaplan et al. 2020).
+
+Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
+"""
+from __future__ import annotations
+
+import math
+
+from minizero.memory.estimator.model import Strategy, _bytes, as_shape, stage_parameters
+from minizero.memory.estimator.activations import _layer_stored, saved_per_layer
+
+
+# ---- communication per step -------------------------------------------------------------------
+def _ring(n: int) -> float:
+    """Fraction of the buffer a rank sends in a ring reduce-scatter or all-gather: (n - 1)/n."""
+    return (n - 1) / n
+
+
+def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
+                        accounting: str = "paper") -> dict:
+    """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by parallelism.
+
+    With ring collectives (bytes *sent* per rank, as minizero's traffic ledger counts
+    them), Psi_r = the stage's parameters on this rank, P/G their bytes, m micro-batches:
+
+    * ``dp`` (Rajbhandari et al. 2020, section 7): ZeRO 0 all-reduce 2(N-1)/N G;
+      ZeRO 1 reduce-scatter G + all-gather P, (N-1)/N each, once per step; ZeRO 2
+      reduce-scatter every micro-batch, m(N-1)/N G + (N-1)/N P; ZeRO 3 per micro-batch
+      all-gather P for forward and again for backward and reduce-scatter G:
+      m(N-1)/N (2P + G) -- 1.5x the baseline at m = 1.
+    * ``tp`` (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2):
+      per layer and micro-batch 2 all-reduces forward and 2 backward of sbh activations,
+      2(t-1)/t sbh e each (sequence parallelism swaps each for an all-gather plus a
+      reduce-scatter: the same bytes); full recompute repeats the forward's 2; plus
+      one all-reduce for the vocab-parallel embedding (stage 0) and one for the head
+      (last stage) -- not with ``accounting="minizero"``, whose embedding and head are
+      replicated.
+    * ``pp`` (Narayanan et al. 2021, section 4.1, scatter/gather): per micro-batch and
+      model chunk, the activation forward and its gradient backward, sbh e / t each;
+      a tied embedding split across stages all-reduces its gradient between the first
+      and the last stage once per step.
+    * ``pcie``: host <-> device traffic of offloading (gradients down, parameters up;
+      parameters fetched twice per micro-batch with ``params``; activations down and
+      back up).
+    Returns {"dp", "tp", "pp", "pcie"} in bytes.
+    """
+    m = as_shape(model)
+    st = strategy.validate(m)
+    s = seq_len or m.seq_len
+    pb, gbytes, e, _ = _bytes(st)
+    n, t, mb = st.dp, st.tp, st.micro_batches
+    vocab_parallel = accounting == "paper"
+    psi = stage_parameters(m, st, stage, vocab_parallel)
+    P, G = pb * psi, gbytes * psi
+    if n == 1:
+        dp = 0.0
+    elif st.zero == 0:
+        dp = 2 * _ring(n) * G
+    elif st.zero == 1:
+        dp = _ring(n) * (G + P)
+    elif st.zero == 2:
+        dp = _ring(n) * (mb * G + P)
+    else:
+        dp = mb * _ring(n) * (2 * P + G)
+    x = e * s * st.micro_batch * m.hidden  # one (b, s, h) activation, bytes
+    layers = m.n_layer // st.pp
+    tp = 0.0
+    if t > 1:
+        per_layer = 4 + (2 if st.recompute == "full" else 0)
+        ends = ((stage == 0) + (stage == st.pp - 1)) if vocab_parallel else 0
+        tp = mb * (layers * per_layer + ends) * 2 * _ring(t) * x
+    pp = 0.0
+    if st.pp > 1:
+        boundaries = (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
+        pp = mb * boundaries * x / t
+        if m.tied_embeddings and stage in (0, st.pp - 1):
+            pp += gbytes * m.vocab_size * m.hidden / (t if vocab_parallel else 1)  # 2-rank all-reduce
+    pcie = 0.0
+    shard = math.ceil(psi / n)
+    if st.offload in ("optimizer", "params"):
+        pcie += (gbytes + pb) * shard
+    if st.offload == "params":
+        pcie += 2 * mb * pb * shard
+    if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
+        rows = saved_per_layer(m, s, st.micro_batch, "paper", st.precision)
+        pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
+    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "pcie": round(pcie)}
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+def korthikanti_flops(batch: int, seq_len: int, n_layer: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one step of a GPT, forward + backward (Korthikanti et al. 2022, appendix A).
+
+    72 B s L h^2 (1 + s/(6h) + V/(12hL)), B = sequences per step. Counts matmuls only,
+    2 FLOPs per multiply-add, the backward pass as twice the forward.
+    """
+    b, s, l, h, v = batch, seq_len, n_layer, hidden, vocab
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+
+
+def kaplan_flops(num_params: int, tokens: int) -> float:
+    """Training FLOPs by the 6N rule: 6 x parameters x tokens (Kaplan et al. 2020, section 2.1)."""
+    return 6 * num_params * tokens
+
+
+def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, recompute: str = "none") -> float:
+    """Matmul FLOPs of one step of ``global_batch`` sequences, forward + backward (+ recompute).
+
+    Per token, forward: 2 x (each layer's matrix parameters) + 4sh per layer for QK^T
+    and softmax x V + 2hV for the logits; backward = 2 x forward (Korthikanti et al.
+    2022, appendix A, whose counting this generalises to grouped-query attention and
+    SwiGLU; for a GPT shape it equals :func:`korthikanti_flops` exactly).
+    ``recompute`` adds the hardware FLOPs of recomputation: "full" one more forward of
+    every layer (not the logits) -- 96BsLh^2(1 + s/(6h) + V/(16hL)) for a GPT;
+    "selective" one more forward of the attention core, 4Bs^2h per layer.
+    """
+    m = as_shape(model)
+    s = seq_len or m.seq_len
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    mats = 2 * h * h + 2 * h * kv + (3 if m.mlp == "swiglu" else 2) * h * f
+    layer_fwd = 2 * mats + 4 * s * h  # per token
+    tokens = global_batch * s
+    total = 3 * tokens * (m.n_layer * layer_fwd + 2 * h * m.vocab_size)
+    if recompute == "full":
+        total += tokens * m.n_layer * layer_fwd
+    elif recompute == "selective":
+        total += tokens * m.n_layer * 4 * s * h
+    return float(total)
