@@ -1,0 +1,51 @@
+"""The architecture, enforced: import-linter's contracts (pyproject.toml) and the size of every module.
+
+Layers (ARCHITECTURE.md): a module imports only from layers below its own, and no two
+modules import each other, directly or through others, lazily inside a function or not.
+"""
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MAX_LINES = 450
+LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
+
+
+def _lint(root: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+
+
+def test_import_contracts_are_kept():
+    proc = _lint(REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 kept, 0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize("module,line,contract", [
+    ("backend.py", "import minizero.train", "layers"),                       # the core importing a program
+    ("optim/adamw.py", "import minizero.memory.offload", "layers"),          # optim reaching up into memory
+    ("comm/collectives.py",                                                  # a lazy cycle inside comm/
+     "def _lazy():\n    from minizero.comm import communicator\n", "cycles"),
+])
+def test_a_violation_breaks_the_contracts(tmp_path, module, line, contract):
+    """The check can fail: the same contracts on a copy with one bad import added."""
+    shutil.copytree(REPO / "minizero", tmp_path / "minizero", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    with open(tmp_path / "minizero" / module, "a") as f:
+        f.write("\n" + line + "\n")
+    proc = _lint(tmp_path)
+    assert proc.returncode != 0, proc.stdout
+    broken = [ln for ln in proc.stdout.splitlines() if ln.rstrip().endswith("BROKEN")]
+    # an upward import also closes a cycle; a lazy cycle inside one layer breaks only the cycle contract
+    assert any(("layers" in ln) == (contract == "layers") for ln in broken), proc.stdout
+
+
+def test_every_module_is_readable_in_one_sitting():
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / "minizero").rglob("*.py")}
+    too_long = {k: v for k, v in sizes.items() if v > MAX_LINES}
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
