@@ -1,6 +1,7 @@
-"""Optimizers: AdamW (functional core ``adamw_update``), LR schedule, gradient clipping."""
+"""Optimizers: the shared interface (``Optimizer``), AdamW (functional core ``adamw_update``), LR schedule, clipping."""
+from minizero.optim.base import Optimizer
 from minizero.optim.adamw import (AdamW, adamw_update, clip_coefficient, clip_grad_norm_, cosine_lr,
                                   global_grad_norm_sq, state_dtype)
 
-__all__ = ["AdamW", "adamw_update", "clip_coefficient", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq",
+__all__ = ["Optimizer", "AdamW", "adamw_update", "clip_coefficient", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq",
            "state_dtype"]

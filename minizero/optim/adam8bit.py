@@ -45,6 +45,7 @@ from minizero.ledger import get_ledger
 from minizero.quantization import (block_absmax, dequantize_blockwise, dynamic_code, linear_code,
                                       quantize_blockwise)
 from minizero.optim.adamw import adamw_update, state_dtype
+from minizero.optim.base import Optimizer
 
 BLOCK_SIZE = 256  #: bitsandbytes' block size for blockwise 8-bit optimizers (the paper: 2048)
 MIN_8BIT_SIZE = 4096  #: tensors with fewer elements keep FP32 state (bitsandbytes' ``min_8bit_size``)
@@ -177,7 +178,7 @@ def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
     return int(sum(2 * n + 8 * -(-n // block_size) if n >= min_8bit_size else small * n for n in numels))
 
 
-class Adam8bit:
+class Adam8bit(Optimizer):
     """AdamW with 8-bit block-wise state; a drop-in for :class:`~minizero.optim.AdamW`.
 
     Args:
@@ -198,16 +199,11 @@ class Adam8bit:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE,
                  min_8bit_size=MIN_8BIT_SIZE, code="dynamic", fp32_params=(), master_weights=False):
-        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"Adam8bit: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
-                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         if not isinstance(block_size, int) or block_size < 1 or min_8bit_size < 0:
             raise ValueError(f"Adam8bit: need block_size >= 1 and min_8bit_size >= 0, got {block_size}, "
                              f"{min_8bit_size}")
-        self.params = list(params)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.block_size, self.min_8bit_size, self.code = block_size, min_8bit_size, code
-        self.step_count = 0
         codes = make_codes(code)
         self.masters = None
         if master_weights:
@@ -222,32 +218,12 @@ class Adam8bit:
             self.m.append(m)
             self.v.append(v)
 
-    @staticmethod
-    def decays(p) -> bool:
-        """nanoGPT's rule, as ``AdamW.decays``: weight decay on parameters with 2 or more dims."""
-        return p.ndim >= 2
-
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate for the next step."""
-        self.lr = lr
-
-    def step(self, grad_scale: float = 1.0) -> None:
-        """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
-        self.step_count += 1
-        b1, b2 = self.betas
-        for i, (p, m, v) in enumerate(zip(self.params, self.m, self.v)):
-            if p.grad is None:
-                continue
-            wd = self.weight_decay if self.decays(p) else 0.0
-            target = p.data if self.masters is None else self.masters[i]
-            adam8bit_update(target, p.grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
-            if self.masters is not None:
-                p.data[...] = target.astype(p.dtype)
-
-    def zero_grad(self) -> None:
-        """Drop gradients (``set_to_none``)."""
-        for p in self.params:
-            p.grad = None
+    def _update(self, i, p, weight_decay, grad_scale):
+        target = p.data if self.masters is None else self.masters[i]
+        adam8bit_update(target, p.grad, self.m[i], self.v[i], self.step_count, self.lr, *self.betas, self.eps,
+                        weight_decay, grad_scale)
+        if self.masters is not None:
+            p.data[...] = target.astype(p.dtype)
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held (codes, absmax, FP32 small tensors, masters if any)."""

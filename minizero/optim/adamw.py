@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from minizero import backend
+from minizero.optim.base import Optimizer
 from minizero.optim.state_store import OptimizerStateStore
 
 
@@ -65,7 +66,7 @@ def state_dtype(param_dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(param_dtype) == np.float64 else np.dtype(np.float32)
 
 
-class AdamW:
+class AdamW(Optimizer):
     """AdamW over a list of Parameters with nanoGPT's weight-decay grouping.
 
     Args:
@@ -87,12 +88,7 @@ class AdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False,
                  store=None):
-        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"AdamW: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
-                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        self.params = list(params)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.step_count = 0
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.store = store if store is not None else OptimizerStateStore("none")
         self.m, self.v = [], []
         self.masters = None
@@ -103,33 +99,13 @@ class AdamW:
             self.m.append(self.store.zeros(p.shape, dt))
             self.v.append(self.store.zeros(p.shape, dt))
 
-    @staticmethod
-    def decays(p) -> bool:
-        """nanoGPT's rule: weight decay on parameters with 2 or more dims (matmul weights, embeddings)."""
-        return p.ndim >= 2
-
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate for the next step."""
-        self.lr = lr
-
-    def step(self, grad_scale: float = 1.0) -> None:
-        """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
-        self.step_count += 1
-        b1, b2 = self.betas
-        for i, (p, m, v) in enumerate(zip(self.params, self.m, self.v)):
-            if p.grad is None:
-                continue
-            wd = self.weight_decay if self.decays(p) else 0.0
-            target = self.store.to_store(p.data) if self.masters is None else self.masters[i]
-            grad = self.store.to_store(p.grad)  # offloaded: the update runs where the state is
-            adamw_update(target, grad, m, v, self.step_count, self.lr, b1, b2, self.eps, wd, grad_scale)
-            if self.masters is not None or target is not p.data:
-                p.data[...] = backend.to_device(target.astype(p.dtype, copy=False))
-
-    def zero_grad(self) -> None:
-        """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
-        for p in self.params:
-            p.grad = None
+    def _update(self, i, p, weight_decay, grad_scale):
+        target = self.store.to_store(p.data) if self.masters is None else self.masters[i]
+        grad = self.store.to_store(p.grad)  # offloaded: the update runs where the state is
+        adamw_update(target, grad, self.m[i], self.v[i], self.step_count, self.lr, *self.betas, self.eps,
+                     weight_decay, grad_scale)
+        if self.masters is not None or target is not p.data:
+            p.data[...] = backend.to_device(target.astype(p.dtype, copy=False))
 
     def state_dict(self) -> dict:
         """Host copies: ``{"step": int, "m.i": array, "v.i": array}`` for parameter index i."""

@@ -1,0 +1,55 @@
+"""The optimizer interface AdamW and 8-bit Adam share (PyTorch's ``torch.optim.Optimizer`` shape).
+
+An :class:`Optimizer` holds a list of Parameters and per-parameter state; the training
+loop calls ``set_lr`` then ``step(grad_scale)`` then ``zero_grad``. Subclasses write one
+method, :meth:`Optimizer._update`: the update of parameter i from its gradient.
+Weight decay follows nanoGPT's grouping (2-D and larger tensors decay; biases, layer
+norms do not), and a parameter whose ``.grad`` is None is skipped entirely — no decay,
+no moment update — as PyTorch's AdamW skips ``p.grad is None``.
+"""
+from __future__ import annotations
+
+
+class Optimizer:
+    """Base of :class:`~minizero.optim.AdamW` and :class:`~minizero.optim.adam8bit.Adam8bit`.
+
+    Args:
+        params: iterable of Parameters.  lr: learning rate (>= 0).  betas: (beta1, beta2) in [0, 1).
+        eps: > 0.  weight_decay: decoupled decay (>= 0), applied where :meth:`decays` says.
+    Attributes:
+        step_count: updates applied so far (Adam's t).
+    Raises:
+        ValueError: a hyper-parameter out of range (the message names the class and the values).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"{type(self).__name__}: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+
+    @staticmethod
+    def decays(p) -> bool:
+        """nanoGPT's rule: weight decay on parameters with 2 or more dims (matmul weights, embeddings)."""
+        return p.ndim >= 2
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the next step."""
+        self.lr = lr
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
+        self.step_count += 1
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._update(i, p, self.weight_decay if self.decays(p) else 0.0, grad_scale)
+
+    def _update(self, i: int, p, weight_decay: float, grad_scale: float) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
+        for p in self.params:
+            p.grad = None
