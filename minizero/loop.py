@@ -54,6 +54,13 @@ def check_finite_norm(step: int, norm: float) -> None:
                                f"or use --precision fp16, whose loss scaler skips such steps); no update was applied")
 
 
+def check_finite_loss(step: int, what: str, loss: float) -> None:
+    """Raise :class:`TrainingDiverged` when a training or validation loss is inf/NaN (weights overflowed)."""
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"step {step}: the {what} loss is {loss}; training diverged: the weights overflowed "
+                               f"(lower --lr, or use --precision fp16, whose loss scaler skips such steps)")
+
+
 def check_fault(rank: int, step: int) -> bool:
     """Act on ``MINIZERO_FAULT=RANK:STEP:KIND`` here; returns True for KIND ``inf`` (poison this rank's gradients)."""
     spec = os.environ.get("MINIZERO_FAULT")
@@ -190,15 +197,21 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         with comm.traffic.op("metrics"):
             mean_loss = float(all_reduce(comm, np.array([mine]))[0]) / s.topo.dp
         train_losses.append(mean_loss)
+        if scaler is None:  # FP16 may see an inf loss on a step it skips; FP32 has no such excuse
+            check_finite_loss(step, "training", mean_loss)
         progress.step(step, mean_loss, lr, scale, len(skipped_at))
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append((step + 1, s.evaluate(val_set)))
             progress.validation(step + 1, val_history[-1][1])
+            if scaler is None:
+                check_finite_loss(step + 1, "validation", val_history[-1][1])
     elapsed = time.perf_counter() - t_start
     train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     progress.close()
     val_history.append((args.steps, s.evaluate(val_set)))
     offload.close()
+    if scaler is None:
+        check_finite_loss(args.steps, "validation", val_history[-1][1])
     traffic = s.traffic()
     full = s.full_model()
     return dict(model=full, stage=s.stage, topo=s.topo, engine=s.engine, dp=s.dp, opt=s.opt, strategy=s,

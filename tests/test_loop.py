@@ -1,0 +1,97 @@
+"""The one training loop: every layout through the same step, equal to one process in float64.
+
+Each CLI run below trains 3 float64 steps of the tiny model under ``mpiexec`` and writes
+``model.npz``; the single-process run trains on the same global batches (micro-batch
+b x dp, the same number of micro-batches k), so the final weights agree to rounding.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.data import eval_batches, load_tokens, train_val_split
+from minizero.nn import get_config
+from minizero.parallel.strategy import build_strategy
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
+        "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
+B = 2  # micro-batch per data rank
+
+#: (world size, flags, flags of the single process on the same global batches)
+CASES = {
+    "tp2": (2, ["--tp", "2"], ["--micro-batch-size", str(B)]),
+    "pp2": (2, ["--pp", "2"], ["--micro-batch-size", str(B), "--grad-accum", "2"]),
+    "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2"],
+                    ["--micro-batch-size", str(2 * B), "--grad-accum", "2"]),
+    "zero3-3ranks": (3, ["--zero", "3"], ["--micro-batch-size", str(3 * B)]),
+    "zero1-pp2-dp2": (4, ["--zero", "1", "--pp", "2", "--dp", "2"],
+                      ["--micro-batch-size", str(2 * B), "--grad-accum", "2"]),
+    "dp2-tp2-recompute-offload": (4, ["--dp", "2", "--tp", "2", "--recompute", "full", "--offload-optimizer", "cpu"],
+                                  ["--micro-batch-size", str(2 * B)]),
+}
+
+
+def _run(mpiexec, n, flags, out):
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *BASE, *flags, "--out", str(out)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_layout_equals_one_process_from_the_command_line(mpiexec, tmp_path, case):
+    n, flags, single = CASES[case]
+    got, stdout = _run(mpiexec, n, ["--micro-batch-size", str(B), *flags], tmp_path / "par")
+    ref, _ = _run(mpiexec, 1, single, tmp_path / "one")
+    assert set(got) == set(ref)
+    for name, a in ref.items():
+        np.testing.assert_allclose(got[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    assert "global batch" in stdout and "= micro-batch" in stdout  # the batch arithmetic, in the header
+
+
+@pytest.mark.timeout(120)
+def test_divergence_under_python_m_is_one_line_not_a_traceback(mpiexec):
+    """``python -m minizero.train`` loads the module once: the pipeline path's TrainingDiverged is recognised."""
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
+           "--lr", "1e6", "--warmup", "0", "--pp", "2", "--progress", "none", "--no-save", "--eval-batches", "1"]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "minizero.train stopped: step" in proc.stderr and "training diverged" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _eval_one_row(comm, flags):
+    """Every rank evaluates a 1-row batch: only data rank 0 has a row; the others must still join."""
+    args = parse_args(["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", *flags], comm.world_size)
+    cfg = get_config("tiny", dtype="float64")
+    s = build_strategy(args, comm, cfg)
+    _, val = train_val_split(load_tokens(None))
+    (x, y), = eval_batches(val, cfg.block_size, 1, 16, seed=1)
+    return s.evaluate([(x[:1], y[:1])])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags,n", [(["--dp", "2", "--tp", "2", "--zero", "3"], 4), (["--zero", "3"], 3),
+                                     (["--dp", "2", "--pp", "2", "--zero", "1"], 4)])
+def test_a_data_rank_without_validation_rows_still_joins_every_collective(flags, n):
+    """Issue 11.6: a rank with no rows skipped the forward and ZeRO-3's gathers hung the others."""
+    losses = run_in_threads(n, _eval_one_row, flags, timeout=60)
+    ref = run_in_threads(1, _eval_one_row, [], timeout=60)[0]
+    np.testing.assert_allclose(losses, ref, rtol=1e-12)
+
+
+@pytest.mark.timeout(180)
+def test_a_data_rank_without_validation_rows_under_mpiexec(mpiexec, tmp_path):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "eval_check.py")
+    cmd = [mpiexec, "-n", "4", sys.executable, script, str(tmp_path)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float((tmp_path / f"rank{r}.txt").read_text()) for r in range(4)]
+    ref = run_in_threads(1, _eval_one_row, [], timeout=60)[0]
+    np.testing.assert_allclose(losses, ref, rtol=1e-12)
