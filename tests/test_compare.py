@@ -16,12 +16,18 @@ from tests.conftest import mpi_env
 
 # ---- the estimator against the ledger, in-process (rank threads) -------------------------------------
 def check_run(name, model, ranks, micro_batch_size=2):
-    """Train 1 step on rank threads; every category the ledger measures is within 5% of the estimate."""
+    """Train 1 step on rank threads; every category the ledger measures equals the estimate to the byte.
+
+    The accounting is exact: the estimator (``accounting="minizero"``) counts the same arrays the
+    ledger registers, padding included, so any difference is a bookkeeping bug on one side. (The
+    5% of ``compare.TOLERANCE`` is what the CLI reports against; what the estimator does not
+    predict at all is the process peak that tracemalloc measures.)
+    """
     measured = compare.measure_threads(name, model, ranks, steps=1, micro_batch_size=micro_batch_size)
     est = compare.estimate(name, model, ranks, micro_batch_size)
     for rank, m in enumerate(measured):
         for cat in compare.SHOWN:  # the four the issue checks, and the buffers and host copies too
-            assert est[cat] == pytest.approx(m["peak"][cat], rel=0.05, abs=0), (name, ranks, rank, cat)
+            assert est[cat] == m["peak"][cat], (name, ranks, rank, cat, est[cat] - m["peak"][cat])
         assert est["nvme_optimizer"] == m["optimizer_disk_bytes"], (name, ranks, rank)  # optimizer state in files
     return measured, est
 
@@ -89,7 +95,7 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     for r in result["runs"]:
         assert r["ok"] and r["within_tolerance"], r
         assert len(r["measured"]["per_rank"]) == 2 and r["measured"]["tokens_per_s"] > 0
-        assert max(r["deviation"].values()) <= 0.05
+        assert max(r["deviation"].values()) == 0  # under MPI too: the estimate equals the ledger to the byte
     base, z3 = result["runs"]
     assert z3["measured"]["per_rank"][0]["parameters"] * 2 == pytest.approx(
         base["measured"]["per_rank"][0]["parameters"], rel=0.02)  # ZeRO-3 holds half the parameters on 2 ranks

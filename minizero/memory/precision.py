@@ -21,6 +21,13 @@ or NaN in any rank's gradients) skips the step and multiplies S by
 DeepSpeed's ``DynamicLossScaler`` differs: a window of 1000 steps,
 hysteresis 2 (the scale is lowered only after the 2nd overflow since the last
 change), minimum scale 1; ``hysteresis`` and ``min_scale`` reproduce it.
+
+Not PyTorch's behaviour: the floor. ``torch.amp.GradScaler`` has no minimum
+scale and never stops a run: it halves S on every overflow (below 1 if it must)
+and skips steps for as long as they overflow. minizero stops at ``min_scale``
+(default 1.0), warns at the first skipped step there, and after
+``max_skips_at_min`` (default 10) consecutive skips at the minimum raises
+:class:`LossScaleError`: at that scale the run is diverging, not underflowing.
 """
 from __future__ import annotations
 
@@ -50,10 +57,11 @@ class DynamicLossScaler:
         hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2);
             once used up, every overflow lowers S, and the count refills only when S
             grows (DeepSpeed's ``consecutive_hysteresis=False``).
-        min_scale: S never goes below this.
+        min_scale: S never goes below this (PyTorch's GradScaler has no floor).
         max_skips_at_min: after this many consecutive skipped steps at the
             minimum scale, :meth:`update` raises :class:`LossScaleError`
-            (a warning is given at the first).
+            (a warning is given at the first). Not in PyTorch, whose GradScaler
+            keeps skipping and halving without end.
     Attributes: ``scale`` (float), ``skipped`` (total skipped steps),
         ``consecutive_skips``.
     Raises:

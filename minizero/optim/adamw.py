@@ -8,7 +8,8 @@ Sources: Adam (Kingma & Ba 2015, Algorithm 1), decoupled weight decay
 (Loshchilov & Hutter 2019, Algorithm 2), as implemented by ``torch.optim.AdamW``
 (decay applied as ``p -= lr * wd * p`` before the Adam step); parameter
 grouping from nanoGPT (decay 2-D weights, not biases/norms);
-warmup + cosine schedule (Loshchilov & Hutter 2017, as in nanoGPT).
+warmup + cosine schedule (Loshchilov & Hutter 2017; nanoGPT's shape, with a
+warmup that differs from recent nanoGPT by one step: see :func:`cosine_lr`).
 """
 from __future__ import annotations
 
@@ -120,6 +121,13 @@ def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) 
 
     Linear warmup from max_lr/warmup to max_lr over ``warmup`` steps, then cosine
     decay to ``min_lr`` at ``total`` steps, constant after.
+
+    The warmup is ``max_lr * (step + 1) / warmup``: step ``warmup - 1`` already runs at
+    ``max_lr``. Recent nanoGPT's ``get_lr`` uses ``learning_rate * (it + 1) / (warmup_iters + 1)``,
+    which is lower at every warmup step (``max_lr * warmup / (warmup + 1)`` at the last) and
+    reaches ``max_lr`` only at ``it == warmup_iters``, where its cosine starts; the cosine part
+    is the same. So the two schedules differ only during warmup, by the factor
+    ``warmup / (warmup + 1)``.
     """
     if step < warmup:
         return max_lr * (step + 1) / warmup
