@@ -17,6 +17,7 @@ from minizero.comm.collectives import all_gather
 from minizero.data import decode, encode
 from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+from minizero.parallel.strategy import TRAFFIC_KINDS
 
 
 def printable(text: str) -> str:
@@ -24,12 +25,16 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
-def gather_stats(comm, process_peak: int, grad_bytes: int) -> list[dict]:
-    """Collective: every rank's ledger snapshot, process peak and bytes sent, via the hand-written all-gather."""
+def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
+    """Collective: every rank's ledger snapshot, process peak and bytes sent, via the hand-written all-gather.
+
+    ``by_kind``: this rank's bytes sent by purpose (``Strategy.traffic_by_kind``), in the order of
+    :data:`~minizero.parallel.strategy.TRAFFIC_KINDS`. Returns one dict per rank (bytes).
+    """
     snap = get_ledger().snapshot()
     traffic = comm.traffic.snapshot()
     vec = np.array([snap["current"][c] for c in CATEGORIES] + [snap["peak"][c] for c in CATEGORIES]
-                   + [snap["peak_total"], process_peak, traffic["bytes_sent"], grad_bytes],
+                   + [snap["peak_total"], process_peak, traffic["bytes_sent"]] + [by_kind[k] for k in TRAFFIC_KINDS],
                    dtype=np.float64)
     k = len(CATEGORIES)
     with comm.traffic.op("metrics"):
@@ -37,9 +42,10 @@ def gather_stats(comm, process_peak: int, grad_bytes: int) -> list[dict]:
     out = []
     for row in allv:
         row = [int(v) for v in row]
+        kinds = dict(zip(TRAFFIC_KINDS, row[2 * k + 3:]))
         out.append({"current": dict(zip(CATEGORIES, row[:k])), "peak": dict(zip(CATEGORIES, row[k:2 * k])),
                     "peak_total": row[2 * k], "process_peak": row[2 * k + 1], "bytes_sent": row[2 * k + 2],
-                    "bytes_sent_grad_allreduce": row[2 * k + 3]})
+                    "bytes_sent_by_kind": kinds, "bytes_sent_grad_allreduce": kinds["gradient_reduction"]})
     return out
 
 
@@ -69,6 +75,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
           f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
+    for kind in TRAFFIC_KINDS:
+        if any(s["bytes_sent_by_kind"][kind] for s in stats):
+            notes.append(f"  {kind.replace('_', ' ')}: " + ", ".join(
+                f"r{r} {format_bytes(s['bytes_sent_by_kind'][kind])}" for r, s in enumerate(stats)))
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
         f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
     if result.get("setup_peaks"):
@@ -112,7 +122,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "ledger_setup_peak_bytes": result.get("setup_peaks"),
         "process_peak_bytes": [s["process_peak"] for s in stats],
         "bytes_sent": [s["bytes_sent"] for s in stats],
-        "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],
+        "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],  # = gradient_reduction
+        "bytes_sent_by_kind": {k: [s["bytes_sent_by_kind"][k] for s in stats] for k in TRAFFIC_KINDS},
         "zero": {"stage": args.zero, "per_rank": zero},
         "precision": args.precision,
         "loss_scale": result["loss_scales"],

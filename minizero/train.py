@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0)
         strategy, opt = result["strategy"], result["opt"]
         per_step = strategy.model_state_bytes_per_step(args.steps)
-        stats = gather_stats(comm, process_peak, per_step * args.steps)
+        stats = gather_stats(comm, process_peak, strategy.traffic_by_kind())
         store = getattr(opt, "store", None)  # optimizer state in files (--offload-optimizer nvme): in no ledger category
         zero = gather_figures(comm, dict(result["state_bytes"], gathered_peak=get_ledger().peak["gathered"],
                                          bytes_sent_per_step=per_step,

@@ -45,6 +45,13 @@ from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_
 from minizero.parallel.topology import Topology
 
 
+#: traffic labels (``comm.traffic.op``) of the data group, by purpose
+GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter")
+PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
+TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
+                 "other")
+
+
 class Strategy:
     """One rank's part of a training layout, behind the five calls the training loop makes.
 
@@ -143,6 +150,26 @@ class Strategy:
     def traffic(self) -> dict:
         """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world."""
         return traffic_by_group(self.topo)
+
+    def traffic_by_kind(self) -> dict:
+        """Bytes this rank sent over the run, by purpose (from each group's traffic ledger).
+
+        ``gradient_reduction``: the data group's all-reduces / reduce-scatters of gradients and
+        the tied embedding's all-reduce; ``parameter_gathers``: the data group's parameter
+        all-gathers and broadcasts (ZeRO 1-3, the start-up broadcast); ``pipeline_activations``:
+        activations and their gradients between stages; ``tensor_parallel_activations``: the
+        tensor group's f/g all-reduces; ``other``: the rest (metrics, the norm, overflow
+        flags, optimizer bookkeeping, gathering the model for saving).
+        """
+        by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
+        kinds = {
+            "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
+            "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS),
+            "pipeline_activations": sum(by["pp"].values()),
+            "tensor_parallel_activations": sum(by["tp"].values()),
+        }
+        kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
+        return kinds
 
     def model_state_bytes_per_step(self, steps: int) -> float:
         """Bytes this rank sent per optimizer step for gradient reduction and ZeRO's parameter gathers."""
