@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
     p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end")
+    p.add_argument("--prompt", default="The ", help="text the closing sample continues (at least one character; "
+                                                     "python -m minizero.sample takes the same)")
     p.add_argument("--progress", default="auto", choices=list(PROGRESS_MODES),
                    help="rank 0's live progress: a tqdm bar, a log line every K steps, or nothing; auto: the bar "
                         "when stdout is a terminal, else log lines (under mpirun stdout is never a terminal)")
@@ -206,6 +208,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.no_progress:
         args.progress = "none"
+    if not args.prompt:
+        raise UsageError("--prompt must hold at least one character, got ''")
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):
         v = getattr(args, name)
         if v is not None and v < 1:

@@ -92,6 +92,7 @@ class Progress:
             self._say(f"step {step:>{len(str(self.total))}}/{self.total}  validation loss {loss:.4f}")
 
     def close(self) -> None:
+        """End the bar (its last state stays on screen); nothing to do for log lines."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

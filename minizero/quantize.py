@@ -21,6 +21,9 @@ activation magnitude reaches T (the paper uses 6.0); those columns of W stay FP3
 rest is quantized per row. LLM.int8() splits the matmul itself (an INT8 matmul plus an FP16
 one for the outlier columns); weight-only, the same numbers come from putting the FP32
 columns back into the dequantized matrix.
+
+This file is the command line; the quantized layer and its measurements are in
+:mod:`minizero.quantized_model`, reading the weights back in :mod:`minizero.weights`.
 """
 from __future__ import annotations
 
@@ -31,286 +34,19 @@ import math
 import os
 import sys
 import tempfile
-import zipfile
-import zlib
 
 import numpy as np
 
-from minizero import backend
-from minizero.autograd import Tensor, functional as F, no_grad
 from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
 from minizero.files import atomic_write
-from minizero.ledger import get_ledger
-from minizero.quantization import GRANULARITIES, QuantizedTensor
-from minizero.nn import GPT, PRESETS, get_config
-from minizero.nn.module import Linear, Module
+from minizero.nn import PRESETS
+from minizero.quantization import GRANULARITIES
+from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
+    QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
+from minizero.weights import infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
 
-
-class QuantizedLinear(Module):
-    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward.
-
-    Args:
-        weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
-        bias: the FP32 bias Parameter (out,) or None (kept as is).
-        outlier_columns: int array (k,) of input features kept in full precision, or None.
-        outlier_weight: float array (out, k), W's values in those columns (FP32).
-    Shapes: x (..., in) -> (..., out). Stored bytes (:attr:`weight_nbytes`): the codes and
-    scales, plus 4 * out * k + 8 * k for the outlier columns and their int64 indices. Each
-    forward materializes one (out, in) float matrix, freed afterwards (under ``no_grad``;
-    in training it is saved for backward like any weight).
-    """
-
-    def __init__(self, weight: QuantizedTensor, bias=None, outlier_columns=None, outlier_weight=None):
-        super().__init__()
-        self.weight_q = weight
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-        self.outlier_columns = None if outlier_columns is None else np.asarray(outlier_columns, np.int64)
-        self.outlier_weight = outlier_weight
-        ledger = get_ledger()
-        for a in (weight.q, weight.scale, self.outlier_columns, outlier_weight):
-            if a is not None:
-                ledger.track(a, "parameters")
-
-    @classmethod
-    def from_linear(cls, linear: Linear, bits: int = 8, granularity: str = "row", block_size: int = 64,
-                    outlier_columns=None) -> "QuantizedLinear":
-        """Quantize ``linear.weight`` (errors as :func:`~minizero.quantization.quantize`).
-
-        ``outlier_columns``: input features kept in FP32 (zeroed before quantizing the rest,
-        so they do not inflate the row scales), or None.
-        """
-        w = backend.to_host(linear.weight.data)
-        kept = None
-        if outlier_columns is not None and len(outlier_columns):
-            outlier_columns = np.asarray(outlier_columns, np.int64)
-            kept = w[:, outlier_columns].copy()
-            w = w.copy()
-            w[:, outlier_columns] = 0
-        else:
-            outlier_columns = None
-        return cls(QuantizedTensor.from_array(w, bits, granularity, block_size), linear.bias, outlier_columns, kept)
-
-    def dequantized_weight(self):
-        """The (out, in) float matrix the forward uses."""
-        w = self.weight_q.dequantize()
-        if self.outlier_columns is not None:
-            w[:, self.outlier_columns] = self.outlier_weight
-        return backend.to_device(w)
-
-    @property
-    def weight_nbytes(self) -> int:
-        """Exact bytes of the stored weight: codes + scales (+ outlier columns and their indices)."""
-        extra = 0 if self.outlier_columns is None else self.outlier_weight.nbytes + self.outlier_columns.nbytes
-        return self.weight_q.nbytes + extra
-
-    def forward(self, x):
-        return F.linear(x, Tensor(self.dequantized_weight()), self.bias)
-
-    def __repr__(self):
-        k = 0 if self.outlier_columns is None else len(self.outlier_columns)
-        return f"QuantizedLinear({self.in_features} -> {self.out_features}, {self.weight_q!r}, {k} outlier columns)"
-
-
-# --------------------------------------------------------------------------- the model
-def _linear_slots(model: Module):
-    """``[(parent, attribute, dotted name, Linear)]`` for every Linear whose weight no other module owns."""
-    owners = {}
-    for _, m in model.named_modules():
-        for p in m._parameters.values():
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    slots = []
-    for pname, parent in model.named_modules():
-        for attr, child in parent._modules.items():
-            if isinstance(child, Linear) and owners[id(child.weight)] == 1:
-                slots.append((parent, attr, f"{pname}.{attr}" if pname else attr, child))
-    return slots
-
-
-def calibrate_input_absmax(model: Module, batches) -> dict:
-    """Per-input-feature max |x| of every quantizable Linear over ``batches`` [(x, y)]: name -> (in,) float64."""
-    stats, removers = {}, []
-    for _, _, name, lin in _linear_slots(model):
-        def hook(module, args, name=name):
-            a = np.abs(backend.to_host(args[0].data)).reshape(-1, module.in_features).max(axis=0)
-            stats[name] = np.maximum(stats.get(name, 0.0), a.astype(np.float64))
-        removers.append(lin.register_forward_pre_hook(hook))
-    with no_grad():
-        for x, _ in batches:
-            model(backend.to_device(x))
-    for r in removers:
-        r()
-    return stats
-
-
-def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block_size: int = 64,
-                   outlier_threshold: float | None = None, calibration=None) -> dict:
-    """Replace the model's Linear layers by QuantizedLinear, in place; returns a report.
-
-    Args:
-        bits, granularity, block_size: as :func:`~minizero.quantization.quantize`.
-        outlier_threshold: keep input features whose calibration activation magnitude is
-            >= this in FP32 (LLM.int8(); needs ``calibration``, a list of (x, y) batches).
-    Returns:
-        ``{"layers": [name, ...], "skipped": [name, ...], "dense_bytes", "quantized_bytes",
-        "outlier_columns"}``: bytes of the replaced weights before and after.
-    Raises:
-        ValueError: ``outlier_threshold`` without ``calibration``, or a quantizer error.
-    """
-    if outlier_threshold is not None and not calibration:
-        raise ValueError("outlier_threshold needs calibration batches")
-    stats = calibrate_input_absmax(model, calibration) if outlier_threshold is not None else {}
-    report = {"layers": [], "skipped": [], "dense_bytes": 0, "quantized_bytes": 0, "outlier_columns": 0}
-    slots = _linear_slots(model)
-    tied = {n for n, m in model.named_modules() if isinstance(m, Linear)} - {s[2] for s in slots}
-    report["skipped"] = sorted(tied)
-    for parent, attr, name, lin in slots:
-        cols = np.flatnonzero(stats[name] >= outlier_threshold) if name in stats else None
-        q = QuantizedLinear.from_linear(lin, bits, granularity, block_size, cols)
-        setattr(parent, attr, q)
-        report["layers"].append(name)
-        report["dense_bytes"] += lin.weight.data.nbytes
-        report["quantized_bytes"] += q.weight_nbytes
-        report["outlier_columns"] += 0 if q.outlier_columns is None else len(q.outlier_columns)
-    return report
-
-
-def model_nbytes(model: Module) -> int:
-    """Bytes of the model's weights: distinct Parameters (a tied matrix once) + quantized weights."""
-    total = sum(p.data.nbytes for p in model.parameters())
-    return total + sum(m.weight_nbytes for _, m in model.named_modules() if isinstance(m, QuantizedLinear))
-
-
-def evaluate_loss(model: Module, batches) -> float:
-    """Mean cross-entropy (nats per token) over ``batches`` [(x, y)], eval mode, no grad."""
-    was = model.training
-    model.eval()
-    with no_grad():
-        losses = [model(backend.to_device(x), backend.to_device(y))[1].item() for x, y in batches]
-    model.train(was)
-    return float(np.mean(losses))
-
-
-# --------------------------------------------------------------------------- the command
-def _not_weights(weights: str, why: str) -> ValueError:
-    return ValueError(f"--weights {weights!r} is not a model.npz written by minizero.train ({why})")
-
-
-def read_weights(weights: str) -> dict:
-    """{name: float array} from ``weights`` (an .npz, loaded with ``allow_pickle=False``).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not an .npz of numeric arrays (empty, truncated, pickled, text...), or a
-            tensor with NaN/inf (tensor and file named).
-    """
-    if not os.path.isfile(weights):
-        raise FileNotFoundError(f"--weights {weights!r}: no such file (write one with python -m minizero.train)")
-    if os.path.getsize(weights) == 0:
-        raise _not_weights(weights, "the file is empty")
-    try:
-        loaded = np.load(weights, allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise _not_weights(weights, "a single .npy array, not an .npz archive")
-        with loaded as z:
-            state = {k: z[k] for k in z.files}
-    except ValueError as e:
-        if str(e).startswith("--weights"):
-            raise
-        raise _not_weights(weights, "not an .npz archive; it is never loaded with pickle") from None
-    except (OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
-        raise _not_weights(weights, f"unreadable or truncated archive: {type(e).__name__}: {e}") from None
-    if not state:
-        raise _not_weights(weights, "the archive holds no arrays")
-    for k, v in state.items():
-        if v.dtype.kind not in "fiu":
-            raise _not_weights(weights, f"array {k!r} has dtype {v.dtype}, not a number type")
-        if v.dtype.kind == "f":
-            bad = ~np.isfinite(v)
-            if bad.any():
-                raise ValueError(f"--weights {weights!r}: tensor {k!r} has {int(bad.sum())} non-finite value(s) "
-                                 f"(NaN or inf) of {v.size}; quantization and evaluation need finite weights")
-    return state
-
-
-def infer_preset(state: dict) -> str | None:
-    """The preset whose parameter names and shapes match ``state`` exactly, or None."""
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    for name in sorted(PRESETS):
-        cfg = PRESETS[name]
-        # shapes only depend on n_layer, n_embd, block_size, vocab_size: compare without building the model
-        c, t, v = cfg.n_embd, cfg.block_size, cfg.vocab_size
-        want = {"transformer.wte.weight": (v, c), "transformer.wpe.weight": (t, c),
-                "transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
-        for i in range(cfg.n_layer):
-            h = f"transformer.h.{i}."
-            want.update({h + "ln_1.weight": (c,), h + "ln_1.bias": (c,), h + "attn.c_attn.weight": (3 * c, c),
-                         h + "attn.c_attn.bias": (3 * c,), h + "attn.c_proj.weight": (c, c),
-                         h + "attn.c_proj.bias": (c,), h + "ln_2.weight": (c,), h + "ln_2.bias": (c,),
-                         h + "mlp.c_fc.weight": (4 * c, c), h + "mlp.c_fc.bias": (4 * c,),
-                         h + "mlp.c_proj.weight": (c, 4 * c), h + "mlp.c_proj.bias": (c,)})
-        if {k: s for k, s in shapes.items() if k != "lm_head.weight"} == want:
-            return name
-    return None
-
-
-def _looks_like(state: dict) -> str:
-    guess = infer_preset(state)
-    return f" (these weights look like the {guess!r} preset)" if guess else ""
-
-
-def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
-    """(model, summary dict or {}) from ``weights`` (model.npz); the shape from summary.json beside it, else ``preset``.
-
-    ``state``: the arrays of ``weights`` when already read (:func:`read_weights`).
-    Raises:
-        FileNotFoundError: no such weights file.
-        ValueError: not a minizero .npz, a corrupt summary.json, no shape to build, or the weights do not
-            fit the model shape (the file, the first names and ``--model`` named).
-    """
-    if state is None:
-        state = read_weights(weights)
-    summary_path = os.path.join(os.path.dirname(os.path.abspath(weights)), "summary.json")
-    summary = {}
-    if os.path.isfile(summary_path):
-        try:
-            with open(summary_path) as f:
-                summary = json.load(f)
-            if not isinstance(summary, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"{summary_path!r} (beside --weights) is not a summary written by minizero.train "
-                             f"({e}); fix or remove it") from None
-    if preset is not None:
-        cfg, source = get_config(preset), f"--model {preset}"
-    elif summary:
-        model_cfg = summary.get("config", {}).get("model") if isinstance(summary.get("config"), dict) else None
-        if not isinstance(model_cfg, dict):
-            raise ValueError(f"{summary_path!r} has no config.model section; pass --model{_looks_like(state)}")
-        try:
-            cfg = get_config("default", **model_cfg)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{summary_path!r}: config.model is not a model shape ({e}); pass --model") from None
-        source = summary_path
-    else:
-        guess = infer_preset(state)
-        raise ValueError(f"no summary.json beside --weights {weights!r}; pass --model "
-                         + (f"(these weights look like the {guess!r} preset)" if guess
-                            else f"(one of {', '.join(sorted(PRESETS))}; no preset matches these shapes)"))
-    model = GPT(cfg)
-    try:
-        model.load_state_dict(state)
-    except (KeyError, ValueError) as e:
-        own = dict(model.state_dict())
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            detail = ", ".join(f"{len(names)} {what} name(s) (first: {', '.join(names[:2])})"
-                               for what, names in (("missing", missing), ("unexpected", unexpected)) if names)
-        else:
-            detail = e.args[0] if e.args else str(e)
-        raise ValueError(f"--weights {weights!r} does not fit the model shape from {source}: {detail}; "
-                         f"pass the --model the weights were trained with{_looks_like(state)}") from None
-    return model, summary
+#: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
+DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,7 +122,8 @@ def run(args) -> dict:
     train_tok, val_tok = train_val_split(tokens)
     n_batches = args.eval_batches or int(train_cfg.get("eval_batches", 4))
     val = eval_batches(val_tok, cfg.block_size, n_batches, 16, seed=seed + 1)  # the trainer's batches
-    base = {"val_loss": evaluate_loss(model, val), "model_bytes": model_nbytes(model)}
+    base = {"val_loss": evaluate_loss(model, val), "model_bytes": model_nbytes(model),
+            "dtype": stored_dtype(state)}
     calib = [global_batch(train_tok, 10_000 + i, 16, cfg.block_size, seed) for i in range(2)]
     calibration = None
     if args.outlier_threshold is not None:  # what the outlier variant sees: every layer's largest |input|
@@ -425,7 +162,8 @@ def format_table(result: dict) -> str:
     lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
              f"{result['tokens']:,} tokens; linear layers quantized (skipped: {', '.join(rows[0]['skipped']) or '-'})",
              f"{'weights':<22}{'linear bytes':>14}{'model bytes':>13}{'ratio':>7}{'val loss':>10}{'delta':>10}",
-             f"{'fp32':<22}{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"
+             f"{DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype')):<22}"
+             f"{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"
              f"{base['val_loss']:>10.4f}{'':>10}"]
     for r in rows:
         name = f"int{r['bits']} {r['granularity']}" + (f" {r['block_size']}" if r["block_size"] else "")

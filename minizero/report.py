@@ -7,6 +7,7 @@ temporary name and renamed (:func:`minizero.files.atomic_write`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,15 +15,15 @@ import os
 import numpy as np
 
 from minizero.comm.collectives import all_gather
-from minizero.data import decode, encode
 from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.parallel.strategy import TRAFFIC_KINDS
+from minizero.plots import plot_losses
+from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
+from minizero.weights import SIDECAR
 
-
-def printable(text: str) -> str:
-    """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+#: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
+SAMPLE_TEMPERATURE = 0.8
 
 
 def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
@@ -73,6 +74,12 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
           f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    if args.precision == "fp16":
+        scales = result["loss_scales"]
+        print(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
+              f"{result['skipped_steps']} step(s) skipped for inf/NaN gradients"
+              + (f" (at {', '.join(map(str, result['skipped_at'][:10]))}"
+                 f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
     for kind in TRAFFIC_KINDS:
@@ -97,10 +104,12 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
             raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
                                      f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
         atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
-    prompt = "The "
-    out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
-                         rng=np.random.default_rng(args.seed))
-    print("\nsample:\n" + printable(decode(out[0])) + "\n")
+        # the head count is in no array's shape: python -m minizero.sample reads it from here
+        atomic_write(os.path.join(args.out, SIDECAR),
+                     lambda p: open(p, "w").write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"))
+    text = sample_text(model, getattr(args, "prompt", "The "), args.sample_tokens, SAMPLE_TEMPERATURE,
+                       seed=args.seed)
+    print("\nsample:\n" + printable(text) + "\n")
     if args.no_save:
         return
     summary = {
@@ -132,7 +141,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
         "pruning": None if result.get("pruner") is None else {
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
-        "sample": decode(out[0]),
+        "sample": text,
     }
     atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(_json_safe(summary), indent=1, allow_nan=False)))
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
+    print(plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
+                      result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}"))

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
+from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.memory.zero import gather_figures  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
@@ -62,6 +63,8 @@ def main():
     threadpool_limits(limits=1)  # several ranks on few cores: one BLAS thread each
     tracemalloc.start()
     comm = world()
+    # the table compares what data-parallel ranks hold and send; one rank sends nothing
+    require_ranks(comm, comm.world_size >= 2, "at least 2", "memory_compression.py")
     rows = {name: measure(comm, flags, opts.model, opts.steps) for name, flags in CONFIGS.items()}
     if comm.rank:
         return

@@ -24,14 +24,19 @@ from minizero.parallel.pipeline import PipelineEngine, allreduce_tied_embedding_
 from minizero.parallel.schedule import ascii_timeline, bubble_formula, bubble_fraction, make_schedule, simulate  # noqa
 from minizero.parallel.three_d import build_stage, scratch_ledger  # noqa: E402
 from minizero.parallel.topology import Topology  # noqa: E402
+from _common import print_in_rank_order, require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--micro-batches", type=int, default=8)
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step (m)")
 parser.add_argument("--verbose", action="store_true", help="print every message as an arrow")
 opts = parser.parse_args()
+if opts.micro_batches < 1:
+    parser.error(f"--micro-batches must be >= 1, got {opts.micro_batches}")
 comm = world()
-p, s, m = comm.world_size, comm.rank, opts.micro_batches
 cfg = get_config("default", block_size=64)
+# one stage per rank, each with the same number of blocks: the rank count divides the layers, and >= 2
+require_ranks(comm, comm.world_size in (2, 4), f"2 or {cfg.n_layer}", "pipeline.py")
+p, s, m = comm.world_size, comm.rank, opts.micro_batches
 rng = np.random.default_rng(0)
 batches = [(rng.integers(0, 256, (2, cfg.block_size)), rng.integers(0, 256, (2, cfg.block_size))) for _ in range(m)]
 topo = Topology(comm, 1, 1, p)
@@ -41,15 +46,12 @@ stage = build_stage(cfg, 0, topo)
 def say(text):
     """Rank 0 prints ``text``; every rank's own line is gathered in rank order by ``each``."""
     if s == 0:
-        print(text, flush=True)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
 
 
 def each(text):
-    for r in range(p):
-        comm.barrier()
-        if r == s:
-            print(text, flush=True)
-    comm.barrier()
+    print_in_rank_order(comm, text)
 
 
 if s == 0:
@@ -62,7 +64,7 @@ each(f"  rank {s}: stage {s}, blocks {list(stage.layers)}" + (" + wte, wpe" if s
      + f", parameters {format_bytes(get_ledger().current['parameters'])}")
 for name in ("gpipe", "1f1b"):
     engine = PipelineEngine(stage, topo.pp_comm, name, verbose=opts.verbose,
-                            log=lambda t: print(f"[rank {s}] {t}", flush=True))
+                            log=lambda t: (sys.stdout.write(f"[rank {s}] {t}\n"), sys.stdout.flush()))
     stage.zero_grad()
     before = comm.traffic.snapshot()
     get_ledger().reset_peaks()

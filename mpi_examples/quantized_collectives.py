@@ -9,6 +9,7 @@ precision (Wang et al. 2023, ZeRO++, arXiv:2306.10209, sections 3.1 and 3.3). Th
 then brings every rank the INT8 version of every shard. Bytes come from each rank's traffic
 ledger; errors are checked against the bound: half a scale per quantization.
 """
+import argparse
 import os
 import sys
 
@@ -18,8 +19,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from minizero.comm import all_gather, reduce_scatter, shard_range, world  # noqa: E402
 from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter  # noqa: E402
 from minizero.quantization import element_scale, quantize  # noqa: E402
+from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
 comm = world()
+require_ranks(comm, comm.world_size >= 2, "at least 2", "quantized_collectives.py")  # 1 rank: nothing to send
 N, rank = comm.world_size, comm.rank
 n, block = 1_000_003, 256
 rng = np.random.default_rng(rank)

@@ -11,6 +11,7 @@ Bandwidth as nccl-tests defines it (github.com/NVIDIA/nccl-tests, doc/PERFORMANC
     algbw = bytes / seconds                 (bytes = size of the array)
     busbw = algbw * 2(N-1)/N                (what each link carried; comparable across N)
 """
+import argparse
 import os
 import sys
 import time
@@ -19,8 +20,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import all_reduce, world  # noqa: E402
+from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
 comm = world()
+require_ranks(comm, comm.world_size >= 2, "at least 2", "ring_allreduce.py")  # 1 rank: no ring, nothing sent
 N, rank = comm.world_size, comm.rank
 
 # 1. Correct: the hand-written ring equals MPI_Allreduce (float64, summation order aside).

@@ -12,6 +12,7 @@ the two c_proj by input columns) and runs one forward and backward. Then:
 3. the traffic ledger shows 2 all-reduces of a (B, T, C) array per block in forward and 2
    in backward, each 2(tp-1)/tp * B*T*C*4 bytes (Shoeybi et al. 2019, section 3).
 """
+import argparse
 import os
 import sys
 
@@ -23,12 +24,14 @@ from minizero.ledger import format_bytes, get_ledger  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
 from minizero.parallel.tensor_parallel import allreduce_bytes_per_block, shard_array, tensor_parallelize  # noqa: E402
 from minizero.parallel.three_d import scratch_ledger  # noqa: E402
+from _common import print_in_rank_order, require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
 comm = world()
 tp, rank = comm.world_size, comm.rank
 cfg = get_config("default", block_size=64)
-if cfg.n_head % tp:
-    sys.exit(f"run with a number of ranks that divides n_head = {cfg.n_head}")
+# split across >= 2 ranks, each holding whole heads: the rank count divides n_head = 4
+require_ranks(comm, tp > 1 and cfg.n_head % tp == 0, "2 or 4", "tensor_parallel.py")
 B, T, C = 4, cfg.block_size, cfg.n_embd
 x = np.random.default_rng(0).integers(0, 256, (B, T))
 
@@ -68,7 +71,4 @@ lines = [f"rank {rank}/{tp}: loss {loss.item():.6f} (whole model {ref_loss.item(
          f"{format_bytes(expect['backward'] // 2)}"]
 assert fwd["bytes_sent"] == cfg.n_layer * expect["forward"] and err < 1e-4
 assert total["bytes_sent"] == cfg.n_layer * (expect["forward"] + expect["backward"])
-for r in range(tp):  # print in rank order
-    comm.barrier()
-    if r == rank:
-        print("\n".join(lines), flush=True)
+print_in_rank_order(comm, "\n".join(lines))

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
+from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import get_ledger  # noqa: E402
 from minizero.memory.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
 from minizero.nn import GPT  # noqa: E402
@@ -48,6 +49,7 @@ def main():
     opts = parser.parse_args()
     threadpool_limits(limits=1)  # many ranks on few cores: one BLAS thread each
     comm = world()
+    require_ranks(comm, comm.world_size >= 2, "at least 2", "zero_stages.py")  # one rank shards nothing
     n, kib = comm.world_size, 1024
     cfg = model_config(parse_args(["--model", opts.model]))
     sm = ShardMap.from_model(GPT(cfg), n)

@@ -1,0 +1,143 @@
+"""What ``python -m minizero.plan`` prints and draws: the strategy in words, the table, "why", the plot, JSON.
+
+Every memory figure is divided by one ``scale`` with its ``unit`` (GB = 10^9 bytes or
+GiB = 2^30 bytes), so a table never mixes unit families.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from minizero.files import atomic_write
+from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy
+from minizero.plan_search import Candidate
+
+def describe(st: Strategy) -> str:
+    """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase."""
+    parts = [f"dp={st.dp}", f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
+    if st.sequence_parallel:
+        parts.append("sp")
+    parts.append(f"recompute={st.recompute}")
+    if st.offload != "none":
+        parts.append(f"offload={st.offload}")
+    if st.offload_activations:
+        parts.append("offload=activations")
+    return " ".join(parts)
+
+
+_WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp": "tensor-parallel traffic",
+        "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
+
+
+def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: str) -> str:
+    """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
+    that differ most, and the settings that differ."""
+    fields = [f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
+              for f in ("dp", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
+                        "offload_activations", "micro_batches") if getattr(a.strategy, f) != getattr(b.strategy, f)]
+    diff = "; ".join(fields) or "same settings"
+    gain = a.tokens_per_s / b.tokens_per_s - 1
+    if gain > 1e-9:
+        delta = {k: a.time[k] - b.time[k] for k in _WHY}  # negative: a is quicker there
+        big = max(abs(d) for d in delta.values())
+        wins = sorted((k for k in delta if delta[k] < -0.01 * big), key=delta.get)[:3]
+        costs = sorted((k for k in delta if delta[k] > 0.01 * big), key=lambda k: -delta[k])[:2]
+        why = " and ".join(f"{-delta[k]:.3g} s less {_WHY[k]}" for k in wins)
+        if costs:
+            why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
+                f"{delta[k]:.3g} s more {_WHY[k]}" for k in costs)
+        return (f"#{ia} beats #{ib} by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step): "
+                f"{why} ({diff})")
+    saved = (b.memory.total - a.memory.total) / scale
+    return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"
+
+
+def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3, fit_count: int | None = None) -> list[str]:
+    """One line for each of the first ``groups`` distinct step times: why its best strategy beats the
+    best of the next slower group, and which strategies tie with it (same step time, more memory).
+
+    ``fits``: the rows shown (ranked); a line compares only these, so every ``#N`` it names is
+    in the table. ``fit_count``: how many fit in all (default ``len(fits)``).
+    """
+    firsts = [i for i, c in enumerate(fits) if i == 0 or abs(c.tokens_per_s / fits[i - 1].tokens_per_s - 1) > 1e-9]
+    if len(fits) == 1:
+        return ["only one strategy fits" if (fit_count or 1) == 1 else "one row shown: nothing to compare (--top)"]
+    lines = []
+    for k, i in enumerate(firsts[:groups]):
+        end = firsts[k + 1] if k + 1 < len(firsts) else len(fits)
+        tie = ""
+        if end - i > 1:
+            more = max(fits[j].memory.total for j in range(i + 1, end)) - fits[i].memory.total
+            tie = (f" [#{i + 2}{' ties' if end - i == 2 else f'-#{end} tie'} with #{i + 1} on step time, needing up to "
+                   f"{more / scale:.2f} {unit} more per GPU]")
+        if end < len(fits):
+            lines.append(explain(fits[i], fits[end], i + 1, end + 1, scale, unit) + tie)
+        elif tie:
+            lines.append(f"#{i + 1} is the slowest shown{tie}")
+    return lines
+
+
+def format_table(cands: list[Candidate], scale: float) -> list[str]:
+    """The fixed-width table of ``cands`` (memory columns divided by ``scale``)."""
+    head = (f"{'#':>3} {'dp':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} {'offload':>13} {'m':>5} |"
+            f"{'param':>7}{'grad':>7}{'optim':>7}{'acts':>7}{'bufs':>7}{'total':>8} |{'host':>7} |"
+            f"{'net/step':>9} | {'step s':>7} {'tok/s':>9} {'MFU':>5}")
+    lines = [head, "-" * len(head)]
+    for i, c in enumerate(cands, 1):
+        st, mem = c.strategy, c.memory
+        off = st.offload if st.offload != "none" else ""
+        if st.offload_activations:
+            off = (off + "+act") if off else "act"
+        bufs = mem.comm_buffers + mem.gathered
+        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"]
+        lines.append(
+            f"{i:>3} {st.dp:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} {'y' if st.sequence_parallel else '':>2} "
+            f"{st.recompute:>9} {off or 'none':>13} {st.micro_batches:>5} |"
+            f"{mem.parameters / scale:7.2f}{mem.gradients / scale:7.2f}{mem.optimizer_state / scale:7.2f}"
+            f"{mem.activations / scale:7.2f}{bufs / scale:7.2f}{mem.total / scale:8.2f} |{c.host / scale:7.1f} |"
+            f"{net / scale:9.2f} | {c.step_s:7.3f} {c.tokens_per_s:9,.0f} {c.mfu:5.1%}")
+    return lines
+
+
+def _short(st: Strategy) -> str:
+    """A compact multi-line label: ``dp4 tp2 pp1 / Z3 sp / sel / off:params``."""
+    lines = [f"dp{st.dp} tp{st.tp} pp{st.pp}", f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),
+             {"none": "no rc", "selective": "sel rc", "full": "full rc"}[st.recompute]]
+    off = [o for o in (st.offload if st.offload != "none" else "", "act" if st.offload_activations else "") if o]
+    if off:
+        lines.append("off:" + "+".join(off))
+    return "\n".join(lines)
+
+
+def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit: str, title: str) -> None:
+    """Stacked bars of each candidate's device memory by category, and the GPU's capacity, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(cands) + 3), 4.8))
+    xs = list(range(len(cands)))
+    bottom = [0.0] * len(cands)
+    for cat in DEVICE_CATEGORIES:
+        vals = [getattr(c.memory, cat) / scale for c in cands]
+        ax.bar(xs, vals, bottom=bottom, label=cat.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(gpu_memory / scale, color="k", linestyle="--", linewidth=1, label="GPU memory")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"#{i + 1}\n{_short(c.strategy)}" for i, c in enumerate(cands)], fontsize=7)
+    ax.set_ylabel(f"memory per GPU ({unit}, {'10^9' if unit == 'GB' else '2^30'} bytes)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    finally:
+        plt.close(fig)
+
+
+def candidate_json(c: Candidate, rank: int) -> dict:
+    """One candidate as JSON-ready data (every size in bytes), with its rank."""
+    return {"rank": rank, "strategy": dataclasses.asdict(c.strategy), "memory_bytes": c.memory.as_dict(),
+            "device_total_bytes": c.memory.total, "stage": c.memory.stage, "host_bytes_max": c.host,
+            "comm_bytes_per_step": c.comm,
+            "step_time_s": c.time, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu}

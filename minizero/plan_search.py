@@ -1,0 +1,254 @@
+"""The planner's search: every strategy for a model on N GPUs, its memory, traffic and step time, ranked.
+
+Used by ``python -m minizero.plan`` (:mod:`minizero.plan`, which states the step-time
+model and the placement rules) and printed by :mod:`minizero.plan_report`. Memory and
+traffic come from :mod:`minizero.memory.estimator` (the papers' accounting); here they
+are combined with a simple hardware model (:class:`Hardware`) into step times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from minizero.memory.estimator import (
+    RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
+    stage_parameters)
+
+RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
+                "then to fewer techniques")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links. Bytes, bytes per second, FLOP/s.
+
+    Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per
+    direction, one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s,
+    8 GPUs and 1 TB of host memory per node). ``efficiency``: fraction of peak the
+    matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores
+    updates (ZeRO-Offload's CPU-Adam, Ren et al. 2021, section 4.2; an assumption).
+    """
+
+    gpu_memory: int = 80 * 2 ** 30
+    host_memory: int = 128 * 10 ** 9
+    flops: float = 312e12
+    efficiency: float = 0.6
+    intra_node_bw: float = 300e9
+    inter_node_bw: float = 25e9
+    pcie_bw: float = 25e9
+    gpus_per_node: int = 8
+    cpu_adam: float = 1e9
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One strategy with its estimates: memory (the MemoryEstimate of its fullest stage), comm bytes per
+    step, step time breakdown (s), tokens/s, MFU, number of techniques on, host bytes."""
+
+    strategy: Strategy
+    memory: object
+    comm: dict
+    time: dict
+    tokens_per_s: float
+    mfu: float
+    techniques: int
+    host: int  # the most any stage offloads (bytes)
+
+    @property
+    def step_s(self) -> float:
+        """Estimated seconds per optimizer step."""
+        return self.time["step"]
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order (trial division up to sqrt(n))."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
+                         precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
+                         virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None):
+    """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` GPUs (a generator).
+
+    tp divides the heads, the KV heads and the FFN size and fits in a node; pp x
+    virtual stages divides the layers; ZeRO > 0 on one data-parallel rank only with
+    offload (ZeRO-Offload on one GPU); ZeRO 2-3 not with pipelining (they reduce
+    gradients every micro-batch; neither DeepSpeed nor Megatron-LM combines them with
+    pp > 1, while ZeRO-1 -- Megatron's distributed optimizer -- is); sequence
+    parallelism only with tp > 1.
+    """
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
+                "1f1b" if schedule == "interleaved" else schedule, 1)
+            if model.n_layer % (pp * v):
+                continue
+            dp = gpus // (tp * pp)
+            m = math.ceil(global_batch / (dp * micro_batch))
+            if sched == "interleaved":
+                m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
+            for zero in (0, 1, 2, 3):
+                for offload in ("none", "optimizer", "params"):
+                    if (offload == "optimizer" and zero < 2) or (offload == "params" and zero != 3):
+                        continue
+                    if (dp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
+                        continue
+                    for recompute in RECOMPUTE:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for act_off in (False, True):
+                                yield Strategy(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp,
+                                               recompute=recompute, precision=precision, optimizer=optimizer,
+                                               offload=offload, offload_activations=act_off,
+                                               micro_batch=micro_batch, micro_batches=m, schedule=sched,
+                                               virtual_stages=v, bucket_bytes=bucket_bytes)
+
+
+def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
+    """Seconds per optimizer step by component (see the module docstring); key "step" is the sum."""
+    comm = comm or comm_bytes_per_step(model, st, seq_len)
+    n = st.world_size
+    batch = st.dp * st.micro_batch * st.micro_batches
+    compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
+    bubble = compute * (st.pp - 1) / (st.virtual_stages * st.micro_batches)
+    node = hw.gpus_per_node
+    dp_bw = hw.intra_node_bw if st.dp * st.tp <= node else hw.inter_node_bw
+    pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
+    tp = comm["tp"] / hw.intra_node_bw
+    pp = comm["pp"] / pp_bw
+    dp = 0.0
+    if st.dp > 1:
+        pb = _bytes(st)[0]
+        gather_after_step = (st.dp - 1) / st.dp * pb * stage_parameters(model, st, 0) if st.zero in (1, 2) else 0.0
+        overlappable = comm["dp"] - gather_after_step
+        window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
+                  2: 2 / 3 * compute, 3: compute}[st.zero]
+        dp = max(0.0, overlappable / dp_bw - window) + gather_after_step / dp_bw
+    offload = 0.0
+    shard = math.ceil(stage_parameters(model, st, 0) / st.dp)
+    pb, gbytes = _bytes(st)[:2]
+    if st.offload != "none":
+        offload += (gbytes + pb) * shard / hw.pcie_bw + shard / hw.cpu_adam
+        overlapped = comm["pcie"] - (gbytes + pb) * shard
+        offload += max(0.0, overlapped / hw.pcie_bw - compute)
+    elif st.offload_activations:
+        offload += max(0.0, comm["pcie"] / hw.pcie_bw - compute)
+    parts = dict(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp, offload=offload)
+    parts["step"] = sum(parts.values())
+    return parts
+
+
+def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int) -> Candidate:
+    """Memory (the stage with the most device bytes), communication, step time, throughput and MFU."""
+    stages = estimate_stages(model, st, seq_len)
+    mem = max(stages, key=lambda e: e.total)
+    comm = comm_bytes_per_step(model, st, seq_len, stage=mem.stage)
+    t = step_time(model, st, hw, seq_len, comm_bytes_per_step(model, st, seq_len))
+    tokens = st.dp * st.micro_batch * st.micro_batches * seq_len
+    mfu = model_flops_per_step(model, tokens // seq_len, seq_len) / (t["step"] * st.world_size * hw.flops)
+    techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + st.sequence_parallel + (st.recompute != "none") \
+        + (st.offload != "none") + st.offload_activations
+    return Candidate(st, mem, comm, t, tokens / t["step"], mfu, techniques, max(e.offloaded for e in stages))
+
+
+def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tuple[list[Candidate], int, tuple]:
+    """(strategies that fit, ranked by :data:`RANKING_RULE`; how many were enumerated; the smallest
+    footprint as (strategy, device bytes, host bytes), or None when nothing was enumerated).
+
+    A strategy fits when, on its first and its last pipeline stage (which bound every
+    stage), the device total is at most ``hw.gpu_memory`` and what it offloads at most
+    ``hw.host_memory``. ``kw`` goes to :func:`enumerate_strategies`.
+    """
+    fits, count, smallest = [], 0, None
+    for st in enumerate_strategies(model, gpus, gpus_per_node=hw.gpus_per_node, **kw):
+        count += 1
+        stages = estimate_stages(model, st, seq_len)
+        device, host = max(e.total for e in stages), max(e.offloaded for e in stages)
+        if smallest is None or (device, host) < smallest[1:]:
+            smallest = (st, device, host)
+        if device <= hw.gpu_memory and host <= hw.host_memory:
+            fits.append(evaluate(model, st, hw, seq_len))
+    fits.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.memory.total, c.techniques))
+    return fits, count, smallest
+
+
+# ---- one strategy the user names ---------------------------------------------------------------
+STRATEGY_FORMS = ("dpN tpN ppN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
+                  "offload=none|optimizer|params|activations (joined with '+')")
+
+
+def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
+                   precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
+                   virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None) -> Strategy:
+    """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
+
+    Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe`
+    prints (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back.
+    Left out: tp = pp = 1, dp = gpus / (tp x pp), ZeRO 0, no recompute, no offload. The
+    micro-batches per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
+    Raises:
+        ValueError: an unknown word, dp x tp x pp != gpus, or a rule of
+            :func:`enumerate_strategies` broken (the rule named).
+    """
+    sizes, zero, sp, recompute, offloads = {}, 0, False, "none", set()
+    for word in text.replace(",", " ").split():
+        w = word.lower()
+        m = re.fullmatch(r"(dp|tp|pp|zero|z)=?(\d+)", w)
+        key, _, value = w.partition("=")
+        if m:
+            if m.group(1) in ("zero", "z"):
+                zero = int(m.group(2))
+            else:
+                sizes[m.group(1)] = int(m.group(2))
+        elif w in ("sp", "sequence-parallel"):
+            sp = True
+        elif key == "recompute" and value in RECOMPUTE:
+            recompute = value
+        elif key == "offload" and value and set(value.split("+")) <= {"none", "optimizer", "params", "activations"}:
+            offloads |= set(value.split("+")) - {"none"}  # several offload= words add up
+        else:
+            raise ValueError(f"--strategy {text!r}: cannot read {word!r}; allowed words: {STRATEGY_FORMS}")
+    act, kinds = "activations" in offloads, offloads - {"activations"}
+    if len(kinds) > 1:
+        raise ValueError(f"--strategy {text!r}: offload names both optimizer and params (offloading the parameters "
+                         "includes the optimizer state); give one")
+    offload = kinds.pop() if kinds else "none"
+    tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
+    if min([tp, pp] + list(sizes.values())) < 1:
+        raise ValueError(f"--strategy {text!r}: dp, tp and pp must be >= 1")
+    dp = sizes.get("dp", gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0)
+    if dp * tp * pp != gpus:
+        raise ValueError(f"--strategy {text!r}: dp x tp x pp = {sizes.get('dp', '?')} x {tp} x {pp} must equal "
+                         f"--gpus {gpus}")
+    rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
+             (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
+             (model.n_head % tp == 0 and model.n_kv_head % tp == 0 and model.ffn_hidden % tp == 0,
+              f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "
+              f"{model.ffn_hidden}"),
+             (not (sp and tp == 1), "sp (sequence parallelism) needs tp > 1"),
+             (not (zero >= 2 and pp > 1), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
+                                          "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
+             (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),
+             (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
+             (not (dp == 1 and zero > 0 and offload == "none"), f"zero {zero} over dp 1 shards nothing; use zero 0")]
+    sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
+        "1f1b" if schedule == "interleaved" else schedule, 1)
+    rules.append((model.n_layer % (pp * v) == 0, f"pp {pp}{f' x {v} virtual stages' if v > 1 else ''} must divide "
+                                                 f"{model.name}'s {model.n_layer} layers"))
+    for ok, why in rules:
+        if not ok:
+            raise ValueError(f"--strategy {text!r}: {why}")
+    m = math.ceil(global_batch / (dp * micro_batch))
+    if sched == "interleaved":
+        m = math.ceil(m / pp) * pp
+    return Strategy(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
+                    optimizer=optimizer, offload=offload, offload_activations=act, micro_batch=micro_batch,
+                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes)

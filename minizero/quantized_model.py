@@ -1,0 +1,163 @@
+"""Weight-only quantization of a GPT: every Linear's weight as INT8/INT4 codes + FP32 scales.
+
+:class:`QuantizedLinear` stores a weight as a :class:`~minizero.quantization.QuantizedTensor`
+and dequantizes it in every forward; :func:`quantize_model` swaps a model's Linear layers
+for them in place (the tied LM head is left alone: its matrix is the embedding's);
+:func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (Dettmers et al.
+2022, arXiv:2208.07339, section 3.2); :func:`evaluate_loss` and :func:`model_nbytes` measure
+the result. The command line around them is :mod:`minizero.quantize`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Tensor, functional as F, no_grad
+from minizero.ledger import get_ledger
+from minizero.nn.module import Linear, Module
+from minizero.quantization import QuantizedTensor
+
+
+class QuantizedLinear(Module):
+    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward.
+
+    Args:
+        weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
+        bias: the FP32 bias Parameter (out,) or None (kept as is).
+        outlier_columns: int array (k,) of input features kept in full precision, or None.
+        outlier_weight: float array (out, k), W's values in those columns (FP32).
+    Shapes: x (..., in) -> (..., out). Stored bytes (:attr:`weight_nbytes`): the codes and
+    scales, plus 4 * out * k + 8 * k for the outlier columns and their int64 indices. Each
+    forward materializes one (out, in) float matrix, freed afterwards (under ``no_grad``;
+    in training it is saved for backward like any weight).
+    """
+
+    def __init__(self, weight: QuantizedTensor, bias=None, outlier_columns=None, outlier_weight=None):
+        super().__init__()
+        self.weight_q = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.outlier_columns = None if outlier_columns is None else np.asarray(outlier_columns, np.int64)
+        self.outlier_weight = outlier_weight
+        ledger = get_ledger()
+        for a in (weight.q, weight.scale, self.outlier_columns, outlier_weight):
+            if a is not None:
+                ledger.track(a, "parameters")
+
+    @classmethod
+    def from_linear(cls, linear: Linear, bits: int = 8, granularity: str = "row", block_size: int = 64,
+                    outlier_columns=None) -> "QuantizedLinear":
+        """Quantize ``linear.weight`` (errors as :func:`~minizero.quantization.quantize`).
+
+        ``outlier_columns``: input features kept in FP32 (zeroed before quantizing the rest,
+        so they do not inflate the row scales), or None.
+        """
+        w = backend.to_host(linear.weight.data)
+        kept = None
+        if outlier_columns is not None and len(outlier_columns):
+            outlier_columns = np.asarray(outlier_columns, np.int64)
+            kept = w[:, outlier_columns].copy()
+            w = w.copy()
+            w[:, outlier_columns] = 0
+        else:
+            outlier_columns = None
+        return cls(QuantizedTensor.from_array(w, bits, granularity, block_size), linear.bias, outlier_columns, kept)
+
+    def dequantized_weight(self):
+        """The (out, in) float matrix the forward uses."""
+        w = self.weight_q.dequantize()
+        if self.outlier_columns is not None:
+            w[:, self.outlier_columns] = self.outlier_weight
+        return backend.to_device(w)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Exact bytes of the stored weight: codes + scales (+ outlier columns and their indices)."""
+        extra = 0 if self.outlier_columns is None else self.outlier_weight.nbytes + self.outlier_columns.nbytes
+        return self.weight_q.nbytes + extra
+
+    def forward(self, x):
+        return F.linear(x, Tensor(self.dequantized_weight()), self.bias)
+
+    def __repr__(self):
+        k = 0 if self.outlier_columns is None else len(self.outlier_columns)
+        return f"QuantizedLinear({self.in_features} -> {self.out_features}, {self.weight_q!r}, {k} outlier columns)"
+
+
+# --------------------------------------------------------------------------- the model
+def _linear_slots(model: Module):
+    """``[(parent, attribute, dotted name, Linear)]`` for every Linear whose weight no other module owns."""
+    owners = {}
+    for _, m in model.named_modules():
+        for p in m._parameters.values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    slots = []
+    for pname, parent in model.named_modules():
+        for attr, child in parent._modules.items():
+            if isinstance(child, Linear) and owners[id(child.weight)] == 1:
+                slots.append((parent, attr, f"{pname}.{attr}" if pname else attr, child))
+    return slots
+
+
+def calibrate_input_absmax(model: Module, batches) -> dict:
+    """Per-input-feature max |x| of every quantizable Linear over ``batches`` [(x, y)]: name -> (in,) float64."""
+    stats, removers = {}, []
+    for _, _, name, lin in _linear_slots(model):
+        def hook(module, args, name=name):
+            a = np.abs(backend.to_host(args[0].data)).reshape(-1, module.in_features).max(axis=0)
+            stats[name] = np.maximum(stats.get(name, 0.0), a.astype(np.float64))
+        removers.append(lin.register_forward_pre_hook(hook))
+    with no_grad():
+        for x, _ in batches:
+            model(backend.to_device(x))
+    for r in removers:
+        r()
+    return stats
+
+
+def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block_size: int = 64,
+                   outlier_threshold: float | None = None, calibration=None) -> dict:
+    """Replace the model's Linear layers by QuantizedLinear, in place; returns a report.
+
+    Args:
+        bits, granularity, block_size: as :func:`~minizero.quantization.quantize`.
+        outlier_threshold: keep input features whose calibration activation magnitude is
+            >= this in FP32 (LLM.int8(); needs ``calibration``, a list of (x, y) batches).
+    Returns:
+        ``{"layers": [name, ...], "skipped": [name, ...], "dense_bytes", "quantized_bytes",
+        "outlier_columns"}``: bytes of the replaced weights before and after.
+    Raises:
+        ValueError: ``outlier_threshold`` without ``calibration``, or a quantizer error.
+    """
+    if outlier_threshold is not None and not calibration:
+        raise ValueError("outlier_threshold needs calibration batches")
+    stats = calibrate_input_absmax(model, calibration) if outlier_threshold is not None else {}
+    report = {"layers": [], "skipped": [], "dense_bytes": 0, "quantized_bytes": 0, "outlier_columns": 0}
+    slots = _linear_slots(model)
+    tied = {n for n, m in model.named_modules() if isinstance(m, Linear)} - {s[2] for s in slots}
+    report["skipped"] = sorted(tied)
+    for parent, attr, name, lin in slots:
+        cols = np.flatnonzero(stats[name] >= outlier_threshold) if name in stats else None
+        q = QuantizedLinear.from_linear(lin, bits, granularity, block_size, cols)
+        setattr(parent, attr, q)
+        report["layers"].append(name)
+        report["dense_bytes"] += lin.weight.data.nbytes
+        report["quantized_bytes"] += q.weight_nbytes
+        report["outlier_columns"] += 0 if q.outlier_columns is None else len(q.outlier_columns)
+    return report
+
+
+def model_nbytes(model: Module) -> int:
+    """Bytes of the model's weights: distinct Parameters (a tied matrix once) + quantized weights."""
+    total = sum(p.data.nbytes for p in model.parameters())
+    return total + sum(m.weight_nbytes for _, m in model.named_modules() if isinstance(m, QuantizedLinear))
+
+
+def evaluate_loss(model: Module, batches) -> float:
+    """Mean cross-entropy (nats per token) over ``batches`` [(x, y)], eval mode, no grad."""
+    was = model.training
+    model.eval()
+    with no_grad():
+        losses = [model(backend.to_device(x), backend.to_device(y))[1].item() for x, y in batches]
+    model.train(was)
+    return float(np.mean(losses))

@@ -1,0 +1,156 @@
+"""``python -m minizero.sample``: generate text from a trained GPT's saved weights.
+
+::
+
+    python -m minizero.sample --weights out/model.npz --prompt "The " --tokens 200 --temperature 0.8 --top-k 40 --seed 1
+
+The model's shape comes from the file (:mod:`minizero.weights`: sizes from the array
+shapes, the head count from ``model.json`` beside it, else from the preset of these
+shapes); the weights are used in the dtype they are stored in, so an FP16 run's sample
+is reproduced exactly. The main job's closing sample is made by :func:`sample` too: the
+same prompt, seed, temperature and top-k give the same text here.
+
+Sampling, one byte at a time (Holtzman et al. 2020 discuss top-k; nanoGPT's ``sample.py``
+does the same): logits of the last position (float64) / temperature; with top-k, every
+logit below the k-th largest becomes -inf; softmax; one draw with the NumPy Generator
+``default_rng(seed)``. The context is the last ``block_size`` tokens.
+
+Bad input (tokens < 1, temperature <= 0, top-k < 1, an empty prompt, a missing or foreign
+weights file) exits with status 2 and one line naming the value and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import no_grad
+from minizero.data import decode, encode
+from minizero.weights import load_gpt
+
+#: the most tokens one call generates (as the main job's --sample-tokens)
+MAX_TOKENS = 100_000
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def next_token_probs(logits, temperature: float, top_k: int | None = None):
+    """Sampling distribution from last-position logits. logits: (B, V) float -> (B, V) float64, rows sum to 1.
+
+    ``temperature`` > 0 divides the logits; ``top_k`` (>= 1, or None for all V) keeps the
+    k largest logits of each row (ties at the k-th value are all kept) and zeroes the rest.
+    Raises:
+        ValueError: temperature <= 0 or not finite, top_k < 1.
+    """
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive number, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    z = np.asarray(logits, dtype=np.float64)
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.sort(z, axis=-1)[:, -top_k][:, None]  # the k-th largest of each row
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp((z - z.max(axis=-1, keepdims=True)) / temperature)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def sample(model, idx, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = None, rng=None):
+    """Append ``max_new_tokens`` sampled tokens to ``idx`` (no grad, eval mode). idx: (B, T) ints -> (B, T + new) int64.
+
+    ``rng``: a NumPy Generator (default ``default_rng(0)``); one draw per row and token.
+    With ``top_k=None`` this draws exactly as :meth:`minizero.nn.GPT.generate` does.
+    Raises:
+        ValueError: as :func:`next_token_probs`; an empty prompt (T = 0).
+    """
+    rng = rng if rng is not None else np.random.default_rng(0)
+    idx = np.asarray(backend.to_host(idx)).astype(np.int64)
+    if idx.ndim != 2 or idx.shape[1] == 0:
+        raise ValueError(f"the prompt must hold at least one token per row, got shape {idx.shape}")
+    next_token_probs(np.zeros((1, 1)), temperature, top_k)  # check the arguments before any work
+    was_training = model.training
+    model.eval()
+    try:
+        with no_grad():
+            for _ in range(max_new_tokens):
+                ctx = idx[:, -model.config.block_size:]
+                logits = backend.to_host(model(backend.to_device(ctx)).data[:, -1, :])
+                p = next_token_probs(logits, temperature, top_k)
+                nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])
+                idx = np.concatenate([idx, nxt[:, None]], axis=1)
+    finally:
+        model.train(was_training)
+    return idx
+
+
+def sample_text(model, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = None,
+                seed: int = 0) -> str:
+    """The prompt (UTF-8 bytes) and ``max_new_tokens`` sampled bytes after it, decoded (invalid UTF-8 -> U+FFFD)."""
+    out = sample(model, encode(prompt)[None, :], max_new_tokens, temperature, top_k, np.random.default_rng(seed))
+    return decode(out[0])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block above it
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m minizero.sample``."""
+    p = _Parser(prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
+    p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (1..100,000)")
+    p.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more predictable")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="draw only among the K most likely bytes (default: all 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (the main job uses its --seed)")
+    return p
+
+
+def check(args) -> str | None:
+    """The first bad value of ``args`` as one message, or None."""
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        return f"--tokens must be in 1..{MAX_TOKENS:,}, got {args.tokens}"
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        return f"--temperature must be a positive number, got {args.temperature}"
+    if args.top_k is not None and args.top_k < 1:
+        return f"--top-k must be >= 1, got {args.top_k}"
+    if args.seed < 0:
+        return f"--seed must be >= 0, got {args.seed}"
+    if not args.prompt:
+        return "--prompt must hold at least one character, got ''"
+    return None
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the exit status (2: a bad value or an unusable weights file, one line on stderr)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    err = check(args)
+    if err is None:
+        try:
+            model = load_gpt(args.weights)
+        except (FileNotFoundError, ValueError) as e:
+            err = str(e)
+    if err is not None:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    text = sample_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    try:
+        print(printable(text), flush=True)
+    except BrokenPipeError:  # piped into head: end quietly (Python docs, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

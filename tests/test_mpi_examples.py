@@ -1,0 +1,52 @@
+"""The mpi_examples programs: --help, and a wrong rank count ends at once with a message and status 2."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT, mpi_env
+
+EXAMPLES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "mpi_examples", "[!_]*.py")))
+
+
+def run_example(name, *argv, timeout=30):
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "mpi_examples", name), *argv], env=mpi_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+def test_every_example_is_covered():
+    assert len(EXAMPLES) >= 6 and "pipeline.py" in EXAMPLES and "_common.py" not in EXAMPLES
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_one_rank_exits_at_once_with_a_message(name):
+    """At one rank (no mpirun) each example stops within 30 s: status 0, or 2 with 'needs N ranks'."""
+    proc = run_example(name)  # subprocess.TimeoutExpired fails the test: a spin or a hang
+    assert proc.returncode in (0, 2), proc.stdout + proc.stderr
+    if proc.returncode == 2:
+        line = proc.stderr.strip()
+        assert line.count("\n") == 0 and "needs" in line and "got 1" in line and "mpirun -n" in line, line
+        assert "Traceback" not in proc.stderr and "nan" not in proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_help(name):
+    proc = run_example(name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:") and "-h, --help" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_lines_of_several_ranks_stay_whole(mpiexec):
+    """tensor_parallel.py at 2 ranks: each rank's block printed whole, in rank order."""
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "mpi_examples/tensor_parallel.py"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    starts = [i for i, l in enumerate(lines) if l.startswith("rank ")]
+    assert [lines[i][:8] for i in starts] == ["rank 0/2", "rank 1/2"]
+    assert starts[1] - starts[0] == 5 and all(l.startswith("  ") for l in lines[1:5] + lines[6:10])

@@ -1,0 +1,120 @@
+"""``python -m minizero.plan``'s command line: units, one given strategy, "why" over shown rows, the trainer's
+model names, quiet pipes, help text, one-line errors."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minizero import plan as P
+from minizero.memory.estimator import Strategy
+from minizero.models import get_model
+
+from .conftest import REPO_ROOT, mpi_env
+
+
+def run_main(capsys, *argv):
+    try:
+        code = P.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--host-memory", "--pcie-bw", "--bucket"])
+def test_sizes_need_a_unit(capsys, flag):
+    code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", flag, "80")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and f"{flag} '80' has no unit" in err and "80GB" in err and "80GiB" in err
+    assert not err.startswith("usage:")
+    assert P.parse_bytes("8e10") == 8 * 10 ** 10 and P.parse_bytes("8e10B", unit_required=True) == 8 * 10 ** 10
+
+
+@pytest.mark.parametrize("units,other", [("GB", "GiB"), ("GiB", "GB")])
+def test_one_unit_family_throughout(capsys, units, other):
+    code, out, _ = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GiB",
+                            "--units", units, "--top", "5")
+    assert code == 0
+    assert re.search(rf"\b{units}\b", out) and not re.search(rf"\b{other}\b", out)
+    gpu = 80 * 2 ** 30 / (1e9 if units == "GB" else 2 ** 30)
+    assert f"8 GPUs x {gpu:.2f} {units}" in out
+
+
+def test_trainer_preset_names_are_accepted(capsys):
+    a = run_main(capsys, "--model", "gpt2", "--gpus", "4", "--json")
+    b = run_main(capsys, "--model", "minizero-gpt2", "--gpus", "4", "--json")
+    assert a[0] == b[0] == 0 and json.loads(a[1]) == json.loads(b[1])
+    assert json.loads(a[1])["model"]["name"] == "minizero-gpt2"
+    code, _, err = run_main(capsys, "--model", "gpt-2", "--gpus", "4")
+    assert code == 2 and "unknown model 'gpt-2'" in err and "gpt2" in err
+
+
+def test_why_names_only_rows_shown(capsys):
+    for top in (2, 3, 4):
+        code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB",
+                                "--top", str(top))
+        assert code == 0
+        why = out.split("why:")[1]
+        named = {int(n) for n in re.findall(r"#(\d+)", why)}
+        assert named and max(named) <= top, (top, why)
+    code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB", "--top", "1")
+    assert "nothing to compare" in out
+
+
+def test_given_strategy_is_the_searched_one(capsys):
+    """--strategy gives the same figures as the same strategy's row in the full search."""
+    argv = ["--model", "llama2-13b", "--gpus", "16", "--gpu-memory", "40GB", "--json"]
+    code, out, _ = run_main(capsys, *argv, "--top", "0")
+    assert code == 0
+    rows = json.loads(out)["candidates"]
+    for want in (rows[0], rows[len(rows) // 2], rows[-1]):
+        st = Strategy(**want["strategy"])
+        words = P.describe(st)  # a pasted row is accepted as is
+        code, out, err = run_main(capsys, *argv, "--strategy", words)
+        assert code == 0, err
+        got = json.loads(out)
+        assert got["fits"] is True and len(got["candidates"]) == 1
+        assert {k: v for k, v in got["candidates"][0].items() if k != "rank"} == \
+            {k: v for k, v in want.items() if k != "rank"}
+
+
+def test_given_strategy_text_and_refusals(capsys):
+    m = get_model("minizero-gpt2")
+    st = P.parse_strategy("dp2 tp4 pp1 zero3 recompute=selective", m, 8)
+    assert (st.dp, st.tp, st.pp, st.zero, st.recompute, st.offload) == (2, 4, 1, 3, "selective", "none")
+    assert P.parse_strategy("tp2, z1 sp offload=activations", m, 8).dp == 4
+    code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy",
+                              "dp2 tp4 pp1 zero3 recompute=selective")
+    assert code == 0 and "strategy: dp=2 tp=4 pp=1 zero=3 recompute=selective" in out and "\nfits: device" in out
+    code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "80GB",
+                            "--strategy", "dp8")
+    assert code == 0 and "does NOT fit: device" in out  # an evaluation, not an error
+    for text, needle in [("dp2 tp4 pp2", "dp x tp x pp = 2 x 4 x 2 must equal --gpus 8"),
+                         ("dp2 tp4 bogus", "cannot read 'bogus'"),
+                         ("dp4 pp2 zero3", "zero 3 with pp 2 > 1"),
+                         ("tp4 sp zero0 offload=params", "offload=params needs zero 3"),
+                         ("tp8", "tp 8 must divide minizero-gpt2's 12 heads"),
+                         ("dp8 sp", "sp (sequence parallelism) needs tp > 1")]:
+        code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", text)
+        assert code == 2 and out == "" and needle in err and err.count("\n") == 1, (text, err)
+
+
+def test_help_text_and_defaults_once():
+    parser = P.build_parser()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    text = subprocess.run([sys.executable, "-m", "minizero.plan", "--help"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=mpi_env(), timeout=60).stdout
+    blocks = re.split(r"\n  (?=-)", text.split("options:")[1])
+    for block in blocks:
+        assert block.count("default:") + block.count("default the") <= 1 and "default: None" not in block, block
+
+
+def test_piping_into_head_ends_quietly(tmp_path):
+    err = tmp_path / "err"
+    proc = subprocess.run(f"{sys.executable} -m minizero.plan --model llama2-7b --gpus 64 --top 0 2>{err} | head -2",
+                          shell=True, capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=120)
+    assert proc.stdout.count("\n") == 2 and proc.stdout.startswith("minizero.plan: llama2-7b")
+    assert err.read_text() == ""  # no BrokenPipeError traceback

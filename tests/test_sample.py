@@ -1,0 +1,161 @@
+"""Sampling: top-k, the weights' shape read back, ``python -m minizero.sample`` and the main job's sample."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.nn import GPT, get_config
+from minizero.sample import next_token_probs, sample, sample_text
+from minizero.weights import config_for, infer_preset, load_gpt, shape_from_state
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = np.array([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 5.0, 5.0, 0.0, 1.0]])
+    p = next_token_probs(logits, 1.0, top_k=2)
+    assert np.allclose(p.sum(axis=1), 1)
+    assert list(np.flatnonzero(p[0])) == [1, 3] and p[0, 1] / p[0, 3] == pytest.approx(np.e)
+    assert list(np.flatnonzero(p[1])) == [0, 1, 2]  # a tie at the k-th value keeps every tied entry
+    full = next_token_probs(logits, 0.5)
+    assert np.all(full > 0) and full[0, 1] / full[0, 3] == pytest.approx(np.e ** 2)  # temperature 0.5 doubles
+    assert np.array_equal(next_token_probs(logits, 1.0, top_k=99), next_token_probs(logits, 1.0))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                                dict(temperature=1.0, top_k=0)])
+def test_bad_sampling_values_raise(kw):
+    with pytest.raises(ValueError):
+        next_token_probs(np.zeros((1, 4)), **kw)
+
+
+def test_sample_without_top_k_draws_as_generate_does():
+    model = GPT(get_config("tiny", dtype="float64"), seed=3)
+    idx = np.array([[84, 104, 101, 32]])
+    ours = sample(model, idx, 20, 0.8, None, np.random.default_rng(5))
+    theirs = model.generate(idx, 20, temperature=0.8, rng=np.random.default_rng(5))
+    assert np.array_equal(ours, theirs) and ours.shape == (1, 24)
+    top1 = sample(model, idx, 20, 0.8, 1, np.random.default_rng(5))
+    assert np.array_equal(top1, model.generate(idx, 20, temperature=0, rng=np.random.default_rng(0)))  # greedy
+
+
+def test_shape_is_read_from_the_arrays(tmp_path):
+    cfg = get_config("default", n_layer=3, n_head=8, n_embd=32, block_size=24)
+    state = GPT(cfg).state_dict()
+    assert shape_from_state(state) == dict(n_layer=3, n_embd=32, block_size=24, vocab_size=256)
+    assert infer_preset(state) is None
+    np.savez(tmp_path / "model.npz", **state)
+    with pytest.raises(ValueError, match="head count is unknown"):  # no model.json, no preset of this shape
+        config_for(str(tmp_path / "model.npz"), state)
+    (tmp_path / "model.json").write_text(json.dumps({"n_head": 8}))
+    assert config_for(str(tmp_path / "model.npz"), state) == cfg
+    (tmp_path / "model.json").write_text(json.dumps({"n_head": 8, "n_layer": 4}))
+    with pytest.raises(ValueError, match="n_layer 4 vs 3"):
+        config_for(str(tmp_path / "model.npz"), state)
+    os.remove(tmp_path / "model.json")
+    tiny = GPT(get_config("tiny"), seed=1).state_dict()
+    np.savez(tmp_path / "model.npz", **tiny)
+    model = load_gpt(str(tmp_path / "model.npz"))  # the preset of these shapes gives n_head
+    assert model.config == get_config("tiny")
+    assert all(np.array_equal(v, tiny[k]) for k, v in model.state_dict().items())
+
+
+def run_sample(*argv, cwd=REPO_ROOT):
+    return subprocess.run([sys.executable, "-m", "minizero.sample", *argv], env=mpi_env(), capture_output=True,
+                          text=True, timeout=60, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    """One FP16 main-job run at 2 ranks (its output and its folder), shared by the tests below."""
+    from minizero.files import mpiexec_path
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    out = tmp_path_factory.mktemp("fp16") / "out"
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "12",
+           "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "40", "--precision", "fp16",
+           "--prompt", "Th", "--seed", "3", "--out", str(out), "--progress", "log"]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, out
+
+
+@pytest.mark.timeout(300)
+def test_fp16_is_visible(fp16_run):
+    stdout, out = fp16_run
+    assert ("fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale 65536"
+            in stdout.splitlines()[0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision"] == "fp16" and len(summary["loss_scale"]) == 12
+    assert summary["loss_scale"][0] == 65536 and all(s > 0 for s in summary["loss_scale"])
+    assert summary["skipped_steps"] == len(summary["skipped_at"])
+    assert all(summary["grad_norm"][s] is None for s in summary["skipped_at"])  # a skipped step has no norm
+    last = summary["loss_scale"][-1]
+    assert f"fp16: loss scale {last:g} used at the last step" in stdout
+    assert f"{summary['skipped_steps']} step(s) skipped" in stdout
+    assert "[fp16: scale" in stdout  # the progress lines carry it too
+    assert np.load(out / "model.npz")["transformer.wte.weight"].dtype == np.float16
+    assert json.loads((out / "model.json").read_text())["dtype"] == "float16"
+
+
+@pytest.mark.timeout(300)
+def test_sample_program_reproduces_the_main_jobs_sample(fp16_run):
+    _, out = fp16_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sample"].startswith("Th") and len(summary["sample"].encode()) >= 40
+    argv = ["--weights", str(out / "model.npz"), "--prompt", "Th", "--tokens", "40", "--seed", "3"]
+    a, b = run_sample(*argv), run_sample(*argv)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout  # the same seed, the same text
+    model = load_gpt(str(out / "model.npz"))
+    assert sample_text(model, "Th", 40, 0.8, None, 3) == summary["sample"]  # the main job's code and numbers
+    other = run_sample(*argv[:-1], "4")
+    assert other.returncode == 0 and other.stdout != a.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quantize_labels_an_fp16_baseline(fp16_run):
+    _, out = fp16_run
+    proc = subprocess.run([sys.executable, "-m", "minizero.quantize", "--weights", str(out / "model.npz"),
+                           "--eval-batches", "1"], env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    base = proc.stdout.splitlines()[2]
+    assert base.split()[0] == "fp16" and "fp32" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_outputs_are_plain_files(fp16_run):
+    _, out = fp16_run
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.npz", "model.json", "summary.json", "loss.png"):
+        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "0"], "--tokens must be in 1..100,000, got 0"),
+    (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
+    (["--temperature", "-2"], "--temperature must be a positive number, got -2.0"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--prompt", ""], "--prompt must hold at least one character"),
+    (["--weights", "/no/such/model.npz"], "'/no/such/model.npz': no such file"),
+    (["--tokens", "many"], "invalid int value: 'many'"),
+])
+def test_bad_values_exit_2_with_one_line(argv, needle):
+    proc = run_sample(*argv)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "usage:" not in proc.stderr, proc.stderr
+
+
+def test_foreign_weights_exit_2(tmp_path):
+    np.savez(tmp_path / "random.npz", a=np.random.default_rng(0).random((3, 4)))
+    (tmp_path / "text.npz").write_text("not an archive")
+    for name in ("random.npz", "text.npz"):
+        proc = run_sample("--weights", str(tmp_path / name))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "is not a model.npz written by minizero.train" in proc.stderr and "Traceback" not in proc.stderr
