@@ -50,7 +50,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, Tensor, is_grad_enabled, saved_tensors_hooks
 from minizero.autograd.engine import current_saved_tensors_hooks
-from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.comm.collectives import all_gather, all_reduce, mean_scale_, reduce_scatter
 from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from minizero.ledger import get_ledger
 from minizero.memory.zero_shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
@@ -364,7 +364,6 @@ class ZeroOptimizer:
             self._begin_backward(st)  # gradients came without passing a module boundary
         with self._count("reduce_scatter_grads"):
             mine = self._reduce_scatter(st.flat_grad)
-        mine *= mine.dtype.type(1.0 / self.comm.world_size)
         st.grad_shard += mine
         for p in st.params:
             p.grad = None
@@ -374,10 +373,18 @@ class ZeroOptimizer:
             self._free(st)
 
     def _reduce_scatter(self, flat):
-        """Sum of ``flat`` over ranks, this rank's chunk: the ring, or INT8 all-to-all with ``quantized_comm``."""
+        """Mean of ``flat`` over ranks, this rank's chunk: the ring, or INT8 all-to-all with ``quantized_comm``.
+
+        ``flat`` is a whole-unit buffer this rank owns; float16 is divided by N in place before
+        the sum, wider dtypes the sum after (:func:`~minizero.comm.collectives.divide_before_sum`).
+        """
+        n = self.comm.world_size
+        mean_scale_(flat, n, before_sum=True)
         if self.quantized_comm:
-            return quantized_reduce_scatter(self.comm, flat)
-        return reduce_scatter(self.comm, flat, native=self.native)
+            mine = quantized_reduce_scatter(self.comm, flat)
+        else:
+            mine = reduce_scatter(self.comm, flat, native=self.native)
+        return mean_scale_(mine, n, before_sum=False)
 
     # ---- the optimizer step ------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -389,7 +396,6 @@ class ZeroOptimizer:
             RuntimeError: stage 1 and a ``.grad`` is no longer a view of its unit's gradient
             buffer (``model.zero_grad()`` was called; use this optimizer's ``zero_grad``).
         """
-        inv = 1.0 / self.comm.world_size
         for st in self.units:
             if self.stage == 1:
                 for p in st.params:
@@ -398,7 +404,6 @@ class ZeroOptimizer:
                                            "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
                 with self._count("reduce_scatter_grads"):
                     st.grad_shard[...] = self._reduce_scatter(st.flat_grad)
-                st.grad_shard *= st.grad_shard.dtype.type(inv)
             elif st.in_backward or any(p.grad is not None for p in st.params):
                 self._end_backward(st)
 
