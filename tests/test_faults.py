@@ -301,3 +301,62 @@ def test_fp16_data_parallel_skips_no_more_steps_than_one_process(zero):
         one = run_in_threads(1, _train_fp16, [], 4, 6, zero)[0]
         two = run_in_threads(2, _train_fp16, [], 2, 6, zero, timeout=240)[0]
     assert two[0] <= one[0], (two[0], one[0])
+
+
+# --------------------------------------------------------------------------- gradient order across ranks (item 1)
+from tests.mpi_scripts import order_check  # noqa: E402
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["swap", "skip"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero_reduces_units_in_a_fixed_order_whatever_order_ranks_produce_them(case, n):
+    """Stages 1 and 2 give DataParallel's mean when blocks run in rank-dependent orders or are skipped."""
+    dp = run_in_threads(n, order_check.run, case, 0)
+    assert not np.allclose(dp[0]["h.0.fc.weight"], dp[0]["h.1.fc.weight"])  # the two units differ
+    for stage in (1, 2):
+        for rank, got in enumerate(run_in_threads(n, order_check.run, case, stage)):
+            want = order_check.expected_shards(dp[rank], got["map"], rank)
+            for i, (g, w) in enumerate(zip(got["shards"], want)):
+                np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-16, err_msg=f"{case} stage {stage} unit {i}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["swap", "skip"])
+def test_zero3_names_the_units_ranks_disagree_on(case):
+    """Stage 3 gathers each unit as it runs: a different order is a clear error on every rank, not a wrong sum."""
+    for rank, got in enumerate(run_in_threads(2, order_check.run, case, 3)):
+        assert isinstance(got, str), f"rank {rank} trained on without an error"
+        assert "ranks disagree" in got and "'h.0'" in got and "'h.1'" in got, got
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["swap", "skip"])
+def test_mpi_zero_gradient_order(case, mpiexec, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import REPO_ROOT, mpi_env
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "order_check.py")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path), case], env=mpi_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        data = np.load(tmp_path / f"rank{rank}.npz")
+        units = [k[5:] for k in data.files if k.startswith("want:")]
+        assert units
+        for stage in (1, 2):
+            for i in units:
+                np.testing.assert_allclose(data[f"z{stage}:{i}"], data[f"want:{i}"], rtol=1e-13, atol=1e-16)
+        err = json.loads((tmp_path / f"rank{rank}.json").read_text())["stage3"]
+        assert err and "ranks disagree" in err and "'h.0'" in err and "'h.1'" in err, err
+
+
+def test_scaled_matmul_gradients_and_value():
+    """The attention-score op: finite differences in float64, and equal to (a @ b) * scale to 1e-15."""
+    from tests.test_autograd import check_op
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(size=(2, 3, 4, 5)), rng.normal(size=(2, 3, 5, 4))
+    check_op(lambda x, y: F.scaled_matmul(x, y, 0.37), a, b)
+    np.testing.assert_allclose(F.scaled_matmul(Tensor(a), Tensor(b), 0.37).data, (a @ b) * 0.37, rtol=1e-14)

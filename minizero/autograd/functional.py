@@ -158,6 +158,36 @@ def gelu(x: Tensor) -> Tensor:
     return GELU.apply(x)
 
 
+class ScaledMatMul(Function):
+    """Attention scores ``(a * scale) @ b``: the scale applied to ``a`` *before* the product.
+
+    Shapes: a (..., n, k), b (..., k, m) -> (..., n, m), same batch dims. In float16,
+    q k^T can overflow 65504 where (q * scale) k^T does not (PyTorch's
+    ``scaled_dot_product_attention`` scales q first too). Saves a and b, not ``a * scale``
+    (recomputed in backward), so the activations are those of a plain matmul.
+    Backward: da = (g * scale) @ b^T, db = (a * scale)^T @ g.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        return backend.matmul(a * a.dtype.type(scale), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        xp, s = backend.xp, ctx.scale
+        da = backend.matmul(g * g.dtype.type(s), xp.swapaxes(b, -1, -2)) if ctx.needs_input_grad[0] else None
+        db = backend.matmul(xp.swapaxes(a * a.dtype.type(s), -1, -2), g) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def scaled_matmul(a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``(a * scale) @ b`` with the scale applied first; see :class:`ScaledMatMul`."""
+    return ScaledMatMul.apply(a, b, scale)
+
+
 class CausalSoftmax(Function):
     """Softmax over the last axis with position j > i masked out (attention scores).
 
@@ -287,8 +317,9 @@ class CrossEntropy(Function):
     max-shifted logits z - m (m the row maximum): loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,t - m_i),
     so the offset m cancels exactly instead of being added to and subtracted from a sum that
     rounds at m's magnitude (logits [1e8, 1e8] give ln 2, not 0; PyTorch's log_softmax does the
-    same shift). A scaled FP16 loss cannot overflow. Saves logits, targets, m (N,) and
-    log(sum exp(z - m)) (N,). Backward: (softmax(logits) - onehot) / N, softmax = exp((z - m) - log-sum).
+    same shift). A scaled FP16 loss cannot overflow. Saves logits, targets and
+    log(sum exp(z - m)) (N,); backward recomputes m from the logits (no second (N,) array kept).
+    Backward: (softmax(logits) - onehot) / N, softmax = exp((z - m) - log-sum).
     """
 
     @staticmethod
@@ -299,15 +330,16 @@ class CrossEntropy(Function):
         shifted = ls - m
         logsum = xp.log(xp.exp(shifted).sum(axis=-1))
         picked = shifted[xp.arange(ls.shape[0]), targets]
-        ctx.save_for_backward(logits, targets, m, logsum)
+        ctx.save_for_backward(logits, targets, logsum)
         return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)  # float16 logits -> float32 loss
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
-        logits, targets, m, logsum = ctx.saved_tensors
+        logits, targets, logsum = ctx.saved_tensors
         n = logits.shape[0]
-        p = xp.exp((logits.astype(m.dtype, copy=False) - m) - logsum[:, None])
+        ls = logits.astype(logsum.dtype, copy=False)
+        p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum[:, None])
         p[xp.arange(n), targets] -= 1.0
         return (p * (g / n)).astype(logits.dtype, copy=False), None
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Tensor, causal_softmax, cross_entropy, gelu, no_grad, split
+from minizero.autograd import functional as F
 from minizero.nn.module import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
 
 
@@ -121,7 +122,7 @@ class CausalSelfAttention(Module):
         (|q k^T| > 65504) where (q / sqrt(D)) k^T does not.
         """
         scale = 1.0 / math.sqrt(q.shape[-1])
-        att = causal_softmax((q * scale) @ k.transpose(0, 1, 3, 2))  # (B, H, T, T)
+        att = causal_softmax(F.scaled_matmul(q, k.transpose(0, 1, 3, 2), scale))  # (B, H, T, T)
         return self.attn_dropout(att) @ v
 
 

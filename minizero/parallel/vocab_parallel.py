@@ -109,7 +109,9 @@ class _VocabParallelCrossEntropy(Function):
     As :class:`minizero.autograd.functional.CrossEntropy`: in at least float32, from the
     shifted logits z - m (m the global row maximum), so m cancels exactly; the loss is float32
     for float16 logits (a float16 loss would round and its backward seed S/m overflow).
-    Saves logits, the local target index and its mask, m (N,) and log(sum exp(z - m)) (N,).
+    Saves logits, the local target index and its mask, and log(sum exp(z - m)) + (m - m_r) (N,),
+    m_r this rank's own row maximum, which backward recomputes: softmax_r = exp((z - m_r) - that),
+    where m - m_r is a small difference of two nearby numbers (exact for close ones, Sterbenz).
     """
 
     @staticmethod
@@ -117,7 +119,8 @@ class _VocabParallelCrossEntropy(Function):
         xp = backend.xp
         n, v = logits.shape
         ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
-        maxima = all_gather(comm, xp.ascontiguousarray(ls.max(axis=-1)))  # (tp * N,), rank by rank
+        local_max = ls.max(axis=-1)
+        maxima = all_gather(comm, xp.ascontiguousarray(local_max))  # (tp * N,), rank by rank
         m = maxima.reshape(comm.world_size, n).max(axis=0)
         shifted = ls - m[:, None]
         logsum = xp.log(_reduce(comm, xp.exp(shifted).sum(axis=-1)))
@@ -125,15 +128,16 @@ class _VocabParallelCrossEntropy(Function):
         mine = (local >= 0) & (local < v)
         local = xp.where(mine, local, 0)
         picked = _reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0).astype(ls.dtype, copy=False))
-        ctx.save_for_backward(logits, local, mine, m, logsum)
+        ctx.save_for_backward(logits, local, mine, logsum + (m - local_max))
         return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
-        logits, local, mine, m, logsum = ctx.saved_tensors
+        logits, local, mine, logsum_r = ctx.saved_tensors
         n = logits.shape[0]
-        p = xp.exp((logits.astype(m.dtype, copy=False) - m[:, None]) - logsum[:, None])
+        ls = logits.astype(logsum_r.dtype, copy=False)
+        p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum_r[:, None])
         p[xp.arange(n), local] -= mine.astype(p.dtype)
         return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None
 
