@@ -317,7 +317,10 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
     grads[id(root.grad_fn)][root._out_index] = grad
     for node in nodes:
         outs = grads.pop(id(node), None)
-        if outs is None:
+        if outs is None:  # no gradient reached this node: its leaves' contributions are all None
+            for e in node.edges:
+                if isinstance(e, Tensor):
+                    _contribution_done(e, pending)
             continue
         if node._saved is None:
             raise RuntimeError(f"{node.fn.__name__}: this part of the graph was already freed by an earlier "
@@ -333,21 +336,35 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
         if not retain_graph:
             node.release()
         for e, shape, g in zip(edges, shapes, in_grads):
-            if e is None or g is None:
+            if e is None:
+                continue
+            if g is None:  # a None contribution still counts: the leaf's hooks must fire after its last one
+                if isinstance(e, Tensor):
+                    _contribution_done(e, pending)
                 continue
             if g.shape != shape:
                 raise RuntimeError(f"{node.fn.__name__}.backward gave a gradient of shape {g.shape} "
                                    f"for an input of shape {shape}")
             if isinstance(e, Tensor):  # a leaf
                 _accumulate_leaf(e, g)
-                pending[id(e)] -= 1
-                if pending[id(e)] == 0:
-                    for hook in e._post_accumulate_hooks:
-                        hook(e)
+                _contribution_done(e, pending)
             else:
                 producer, i = e
                 slot = grads.setdefault(id(producer), [None] * producer.num_outputs)
                 slot[i] = g if slot[i] is None else slot[i] + g
+
+
+def _contribution_done(leaf: Tensor, pending: dict) -> None:
+    """Count one contribution (an array or None) to ``leaf``; after its last, fire its post-accumulate hooks.
+
+    As ``torch.Tensor.register_post_accumulate_grad_hook``: the hook runs once per backward, after
+    the leaf's last contribution, whether or not that one carried a gradient (``leaf.grad`` may be None
+    if none did). Data parallelism and ZeRO-2/3 rely on it to know a gradient is complete.
+    """
+    pending[id(leaf)] -= 1
+    if pending[id(leaf)] == 0:
+        for hook in leaf._post_accumulate_hooks:
+            hook(leaf)
 
 
 def _edge(a):

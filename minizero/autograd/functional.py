@@ -21,7 +21,12 @@ from minizero.autograd.engine import Function, Tensor
 
 
 def _flat2d(a):
-    return a.reshape(-1, a.shape[-1])
+    """``a`` (..., K) as (rows, K), rows = product of the leading dims.
+
+    The row count is spelled out, not ``-1``: NumPy cannot infer -1 when K = 0
+    (a zero-width layer), while PyTorch gives empty outputs and gradients there.
+    """
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 class Linear(Function):
@@ -87,8 +92,8 @@ def embedding(idx, weight: Tensor) -> Tensor:
 class LayerNorm(Function):
     """y = (x - mean) / sqrt(var + eps) * w + b over the last axis.
 
-    Shapes: x (..., C), w (C,), b (C,) -> (..., C). Statistics are computed in
-    at least float32. Saves x, w, mean (..., 1) and rstd (..., 1).
+    Shapes: x (..., C), w (C,), b (C,) -> (..., C); C = 0 gives empty outputs and gradients
+    (as PyTorch). Statistics are computed in at least float32. Saves x, w, mean (..., 1) and rstd (..., 1).
     """
 
     @staticmethod
@@ -96,8 +101,12 @@ class LayerNorm(Function):
         xp = backend.xp
         stat_dtype = np.promote_types(x.dtype, np.float32)
         xs = x.astype(stat_dtype, copy=False)
-        mean = xs.mean(axis=-1, keepdims=True)
-        var = ((xs - mean) ** 2).mean(axis=-1, keepdims=True)
+        if x.shape[-1] == 0:  # width 0 (as PyTorch): an empty output, statistics of nothing taken as 0
+            mean = xp.zeros(x.shape[:-1] + (1,), stat_dtype)
+            var = xp.zeros_like(mean)
+        else:
+            mean = xs.mean(axis=-1, keepdims=True)
+            var = ((xs - mean) ** 2).mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         return (((xs - mean) * rstd) * weight + bias).astype(x.dtype, copy=False)
@@ -111,6 +120,8 @@ class LayerNorm(Function):
         db = _flat2d(gs).sum(axis=0).astype(w.dtype, copy=False)
         gx = gs * w
         c = x.shape[-1]
+        if c == 0:  # width 0: every gradient is empty
+            return backend.xp.zeros_like(x), dw, db, None
         dx = rstd * (gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).sum(axis=-1, keepdims=True) / c)
         return dx.astype(x.dtype, copy=False), dw, db, None
 
@@ -145,6 +156,36 @@ class GELU(Function):
 def gelu(x: Tensor) -> Tensor:
     """GELU (tanh form); see :class:`GELU`."""
     return GELU.apply(x)
+
+
+class ScaledMatMul(Function):
+    """Attention scores ``(a * scale) @ b``: the scale applied to ``a`` *before* the product.
+
+    Shapes: a (..., n, k), b (..., k, m) -> (..., n, m), same batch dims. In float16,
+    q k^T can overflow 65504 where (q * scale) k^T does not (PyTorch's
+    ``scaled_dot_product_attention`` scales q first too). Saves a and b, not ``a * scale``
+    (recomputed in backward), so the activations are those of a plain matmul.
+    Backward: da = (g * scale) @ b^T, db = (a * scale)^T @ g.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        return backend.matmul(a * a.dtype.type(scale), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        xp, s = backend.xp, ctx.scale
+        da = backend.matmul(g * g.dtype.type(s), xp.swapaxes(b, -1, -2)) if ctx.needs_input_grad[0] else None
+        db = backend.matmul(xp.swapaxes(a * a.dtype.type(s), -1, -2), g) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def scaled_matmul(a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``(a * scale) @ b`` with the scale applied first; see :class:`ScaledMatMul`."""
+    return ScaledMatMul.apply(a, b, scale)
 
 
 class CausalSoftmax(Function):
@@ -249,13 +290,36 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return Dropout.apply(x, p)
 
 
+def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy") -> None:
+    """Raise unless ``targets`` is an (n,) integer array with every value in [0, vocab_size).
+
+    One check for every loss (the plain one and the vocabulary-parallel one), so both refuse
+    the same inputs: PyTorch's ignore index -100 is not supported, and a target equal to V
+    is out of range. Raises ValueError naming the first bad value and its position.
+    """
+    xp = backend.xp
+    if getattr(targets, "shape", None) != (n,):
+        raise ValueError(f"{where}: targets must have shape ({n},), got {getattr(targets, 'shape', type(targets))}")
+    if n and not np.issubdtype(targets.dtype, np.integer):
+        raise ValueError(f"{where}: targets must be integers, got dtype {targets.dtype}")
+    bad = xp.flatnonzero((targets < 0) | (targets >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: targets must lie in [0, {vocab_size}); target {int(targets[i])} at position {i} "
+                         f"is outside ({bad.size} bad in all; no ignore index such as -100 is supported)")
+
+
 class CrossEntropy(Function):
     """Mean softmax cross-entropy of ``logits`` against integer ``targets``.
 
     Shapes: logits (N, V), targets (N,) integers in [0, V) -> scalar (float32
-    for float16/float32 logits, float64 for float64). Computed with
-    log-sum-exp in at least float32, so a scaled FP16 loss cannot overflow. Saves logits,
-    targets and the log-sum-exp (N,). Backward: (softmax(logits) - onehot) / N.
+    for float16/float32 logits, float64 for float64). Computed in at least float32 from the
+    max-shifted logits z - m (m the row maximum): loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,t - m_i),
+    so the offset m cancels exactly instead of being added to and subtracted from a sum that
+    rounds at m's magnitude (logits [1e8, 1e8] give ln 2, not 0; PyTorch's log_softmax does the
+    same shift). A scaled FP16 loss cannot overflow. Saves logits, targets and
+    log(sum exp(z - m)) (N,); backward recomputes m from the logits (no second (N,) array kept).
+    Backward: (softmax(logits) - onehot) / N, softmax = exp((z - m) - log-sum).
     """
 
     @staticmethod
@@ -263,17 +327,19 @@ class CrossEntropy(Function):
         xp = backend.xp
         ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
         m = ls.max(axis=-1, keepdims=True)
-        lse = (m + xp.log(xp.exp(ls - m).sum(axis=-1, keepdims=True)))[:, 0]
-        picked = ls[xp.arange(ls.shape[0]), targets]
-        ctx.save_for_backward(logits, targets, lse)
-        return xp.asarray((lse - picked).mean(), dtype=lse.dtype)  # float16 logits -> float32 loss
+        shifted = ls - m
+        logsum = xp.log(xp.exp(shifted).sum(axis=-1))
+        picked = shifted[xp.arange(ls.shape[0]), targets]
+        ctx.save_for_backward(logits, targets, logsum)
+        return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)  # float16 logits -> float32 loss
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, logsum = ctx.saved_tensors
         n = logits.shape[0]
-        p = xp.exp(logits.astype(lse.dtype, copy=False) - lse[:, None])
+        ls = logits.astype(logsum.dtype, copy=False)
+        p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum[:, None])
         p[xp.arange(n), targets] -= 1.0
         return (p * (g / n)).astype(logits.dtype, copy=False), None
 
@@ -282,11 +348,11 @@ def cross_entropy(logits: Tensor, targets) -> Tensor:
     """Mean cross-entropy; ``logits`` (N, V) Tensor, ``targets`` (N,) integer array.
 
     Raises:
-        ValueError: shapes disagree or a target is outside [0, V).
+        ValueError: shapes disagree or a target is outside [0, V) (:func:`check_targets`).
     """
     t = targets.data if isinstance(targets, Tensor) else targets
-    if logits.ndim != 2 or t.shape != (logits.shape[0],):
-        raise ValueError(f"cross_entropy expects logits (N, V) and targets (N,), got {logits.shape} and {t.shape}")
-    if t.size and (int(t.min()) < 0 or int(t.max()) >= logits.shape[1]):
-        raise ValueError(f"targets must lie in [0, {logits.shape[1]}), got range [{int(t.min())}, {int(t.max())}]")
+    if logits.ndim != 2:
+        raise ValueError(f"cross_entropy expects logits (N, V) and targets (N,), got {logits.shape} and "
+                         f"{getattr(t, 'shape', None)}")
+    check_targets(t, logits.shape[0], logits.shape[1])
     return CrossEntropy.apply(logits, t)

@@ -118,6 +118,36 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
     return elems * itemsize
 
 
+def divide_before_sum(dtype) -> bool:
+    """For a mean over N ranks: divide each rank's addend by N *before* the sum (True) or the sum after (False).
+
+    True for float16 (and any float narrower than 4 bytes): local gradients of up to 4e4, each
+    finite, overflow float16's 65504 once summed over ranks, and a loss-scaled FP16 step is then
+    skipped for nothing; pre-divided, the partial sums are bounded by the largest mean. PyTorch
+    DDP divides gradients by the world size before its all-reduce for the same reason
+    (``gradient_predivide_factor``; fairscale and Horovod offer a float32 reduction instead).
+    False for float32/float64, whose range a sum of N gradients cannot leave: there the sum is
+    divided once, afterwards, which keeps their results bit for bit as they were.
+    """
+    return backend.xp.dtype(dtype).itemsize < 4
+
+
+def mean_scale_(x, world_size: int, before_sum: bool):
+    """In place on ``x``: the part of dividing by ``world_size`` that belongs at this point of a mean.
+
+    Call it with ``before_sum=True`` just before the sum over ranks and ``False`` just after; the
+    division happens at exactly one of the two, as :func:`divide_before_sum` decides for
+    ``x.dtype``. Before: ``x / N`` correctly rounded (exact for N a power of 2); after:
+    ``x * (1/N)`` in ``x``'s dtype (what DataParallel and ZeRO have always done). Returns ``x``.
+    """
+    if world_size > 1 and divide_before_sum(x.dtype) == before_sum:
+        if before_sum:
+            backend.xp.divide(x, x.dtype.type(world_size), out=x)
+        else:
+            x *= x.dtype.type(1.0 / world_size)
+    return x
+
+
 def _check_contiguous(x, what: str) -> None:
     if not (hasattr(x, "flags") and hasattr(x, "size")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(x).__name__}")

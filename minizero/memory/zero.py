@@ -25,14 +25,15 @@ The stages, as :class:`ZeroOptimizer` runs them (one optimizer step, M micro-bat
              reduce_gradients(): reduce-scatter each unit once per step; step(): AdamW on
              the owned slice; all-gather the parameters.
     stage 2  a unit's gradients go into a fresh flat bucket during backward; when the last
-             one has arrived (post-accumulate-grad hooks) the bucket is reduce-scattered,
-             added into the owned gradient shard and freed: once per micro-batch, so
-             accumulation sends M(N-1)/N (DeepSpeed stage 2 does the same).
-    stage 3  as stage 2, and parameters live only as shards. A forward pre-hook all-gathers
-             a unit before its module runs, the post-hook frees it; a saved-tensor pack hook
-             turns every gathered parameter a Function saves for backward into a small
-             handle, so freeing really frees. An identity Function on the module's output
-             re-gathers the unit when backward reaches it. Per micro-batch: 3(N-1)/N.
+             one has arrived (post-accumulate-grad hooks) the bucket is reduce-scattered in a
+             fixed unit order, added into the owned gradient shard and freed: once per
+             micro-batch, so accumulation sends M(N-1)/N (zero_buckets.py).
+    stage 3  as stage 2, and parameters live only as shards, gathered just before a unit
+             runs and freed after, through module hooks and saved-tensor handles
+             (zero_stage3.py). Per micro-batch: 3(N-1)/N.
+
+Every collective on a unit first checks that all ranks are at the same (unit, phase)
+(zero_collectives.py): ranks that disagree get a :class:`ZeroOrderError`, never a silent sum.
 
 Memory in the ledger: ``parameters``, ``gradients`` and ``optimizer_state`` hold the
 persistent figures above; a stage-3 unit's gathered parameters are ``gathered`` and the
@@ -42,28 +43,23 @@ collectives' own scratch (one unit's size while a collective runs, comm/collecti
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 
 from minizero import backend
-from minizero.autograd import Function, Tensor, is_grad_enabled, saved_tensors_hooks
-from minizero.autograd.engine import current_saved_tensors_hooks
-from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
+from minizero.comm.collectives import all_gather, all_reduce
 from minizero.ledger import get_ledger
-from minizero.memory.zero_shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
+from minizero.memory.zero_buckets import GradientBuckets
+from minizero.memory.zero_collectives import UnitState, ZeroOrderError
+from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, Unit, find_units, model_state_formula,
+                                         traffic_formula)
+from minizero.memory.zero_stage3 import ParameterPartitioning
 from minizero.optim.adamw import adamw_update, state_dtype
+from minizero.optim.state_store import OptimizerStateStore
 
-__all__ = ["ZeroOptimizer", "ShardMap", "Unit", "Piece", "find_units", "model_state_formula", "traffic_formula",
-           "model_state_bytes", "gather_figures", "STEP_PHASES", "PHASES"]
-
-#: Traffic phases that belong to a training step (per-step volume); others are set-up,
-#: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
-#: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
-STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
-PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup")
+__all__ = ["ZeroOptimizer", "ZeroOrderError", "ShardMap", "Unit", "Piece", "find_units", "model_state_formula",
+           "traffic_formula", "model_state_bytes", "gather_figures", "STEP_PHASES", "PHASES"]
 
 
 def model_state_bytes() -> dict:
@@ -72,49 +68,7 @@ def model_state_bytes() -> dict:
     return {c: cur[c] for c in ("parameters", "gradients", "optimizer_state", "gathered", "comm_buffers")}
 
 
-# --------------------------------------------------------------------------- the autograd seam
-class _RunBeforeBackward(Function):
-    """forward: identity on ``x``; backward: call ``callback()``, then pass the gradient through.
-
-    Put on a module's output, its backward runs before any backward of that module
-    (consumers come before producers), which is where ZeRO-3 re-gathers the module's
-    parameters and ZeRO-2/3 open its gradient bucket.
-    """
-
-    @staticmethod
-    def forward(ctx, x, callback):
-        ctx.callback = callback
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.callback()
-        return g, None
-
-
-class _SavedParameter:
-    """What a gathered parameter becomes when a Function saves it: a handle, not its array."""
-
-    __slots__ = ("param",)
-
-    def __init__(self, param):
-        self.param = param
-
-
-class _UnitState:
-    """Arrays and flags of one unit on one rank (see :class:`ZeroOptimizer` for who holds what)."""
-
-    def __init__(self, index, unit, params, users):
-        self.index, self.unit, self.params, self.users = index, unit, params, users
-        self.flat_param = self.param_shard = self.full = None
-        self.placeholders = self.pieces = self.master = None
-        self.flat_grad = self.grad_shard = self.m = self.v = None
-        self.uses_left = 0  # forward uses still to come before a stage-3 unit is freed
-        self.ready = set()  # ids of parameters whose gradient is complete in this backward
-        self.in_backward = False
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
     """AdamW on ZeRO-sharded model states: replaces ``DataParallel`` + ``AdamW`` for stages 1, 2, 3.
 
     Args:
@@ -170,8 +124,6 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
-        from minizero.memory.offload import OptimizerStateStore
-
         self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
         self.quantized_comm = quantized_comm
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -186,7 +138,8 @@ class ZeroOptimizer:
         self.sharded_state = None if sharded_state is None else sharded_state(self.shard_map)
         self.units = []
         for i, (name, module, params) in enumerate(find_units(model)):
-            self.units.append(_UnitState(i, self.shard_map.units[i], [p for _, p in params], [module]))
+            self.units.append(UnitState(i, self.shard_map.units[i], [p for _, p in params], [module]))
+        self._next = len(self.units) - 1  # the next unit to reduce in this micro-batch (stages 2-3, fixed order)
         self._unit_of = {id(p): st for st in self.units for p in st.params}
         self._add_tied_users(model)
         for st in self.units:
@@ -197,9 +150,11 @@ class ZeroOptimizer:
             for p in st.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             for m in st.users:
+                m.register_forward_pre_hook(self._new_micro_batch_hook(st))
                 if stage == 3:
-                    m.register_forward_pre_hook(self._pre_forward(st))
-                m.register_forward_hook(self._post_forward(st))
+                    m.register_forward_pre_hook(self._gather_hook(st))
+                    m.register_forward_hook(self._free_hook(st))
+                m.register_forward_hook(self._open_bucket_hook(st))
 
     # ---- set-up -----------------------------------------------------------------------
     def _add_tied_users(self, model):
@@ -256,151 +211,26 @@ class ZeroOptimizer:
         for p, off in zip(st.params, st.unit.offsets):
             p.grad = st.flat_grad[off:off + p.size].reshape(p.shape)
 
-    @contextlib.contextmanager
-    def _count(self, phase):
-        before = self.comm.traffic.bytes_sent
-        try:
-            yield
-        finally:
-            self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
-
-    # ---- stage 3: gather and free parameters ---------------------------------------------
-    def _gather(self, st, phase):
-        """All-gather a unit's shards into a full (padded,) buffer; point ``p.data`` into it."""
-        with self._count(phase):
-            if self.quantized_comm and phase in ("gather_forward", "gather_backward"):
-                st.full = quantized_all_gather(self.comm, st.param_shard, st.unit.padded)
-            else:
-                st.full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
-        get_ledger().track(st.full, "gathered")
-        self._point_params(st, st.full)
-        for p in st.params:
-            self._gathered[id(p.data)] = p
-        st.uses_left = len(st.users)
-
-    def _free(self, st):
-        """Drop a unit's gathered buffer: ``p.data`` back to its placeholder (nothing else holds it)."""
-        if st.full is None or self._pinned:
-            return
-        for p, ph in zip(st.params, st.placeholders):
-            self._gathered.pop(id(p.data), None)
-            p.data = ph
-        st.full = None
-
-    def _saved_tensors_hooks(self):
-        """A pack/unpack pair: a gathered parameter becomes a handle, re-gathered in backward if freed;
-        every other array goes to the pair this one shadows (activation offload), if any."""
-        outer = current_saved_tensors_hooks()
-
-        def pack(array):
-            p = self._gathered.get(id(array))
-            if p is not None and p.data is array:
-                return _SavedParameter(p)
-            return outer[0](array) if outer else array
-
-        def unpack(saved):
-            if isinstance(saved, _SavedParameter):
-                self._begin_backward(self._unit_of[id(saved.param)])  # gathers if not gathered yet
-                return saved.param.data
-            return outer[1](saved) if outer else saved
-        return saved_tensors_hooks(pack, unpack)
-
-    def _pre_forward(self, st):
-        def hook(module, args):
-            if self.stage == 3:
-                if st.full is None:
-                    self._gather(st, "gather_forward" if is_grad_enabled() else "gather_no_grad")
-                cm = self._saved_tensors_hooks() if is_grad_enabled() else None
-                if cm is not None:
-                    cm.__enter__()  # closed by the post-hook: the module's saves go through pack
-                self._hook_stack.append(cm)
-        return hook
-
-    def _post_forward(self, st):
-        def hook(module, args, out):
-            if self.stage == 3:
-                cm = self._hook_stack.pop()
-                if cm is not None:
-                    cm.__exit__(None, None, None)
-                st.uses_left -= 1
-                if st.uses_left <= 0:  # last use in this forward (the tied embedding has two)
-                    self._free(st)
-            if not is_grad_enabled():
-                return None
-
-            def wrap(t):
-                if isinstance(t, Tensor) and t.requires_grad:
-                    return _RunBeforeBackward.apply(t, lambda: self._begin_backward(st))
-                return t
-            return type(out)(wrap(t) for t in out) if isinstance(out, (tuple, list)) else wrap(out)
-        return hook
-
-    # ---- stages 2 and 3: gradients, bucket by bucket during backward ------------------------
-    def _begin_backward(self, st):
-        """Backward reached the unit: gather it (stage 3) and open its flat gradient bucket."""
-        if st.in_backward:
-            return
-        st.in_backward = True
-        if self.stage == 3 and st.full is None:
-            self._gather(st, "gather_backward")
-        st.flat_grad = backend.xp.zeros(st.unit.padded, st.grad_shard.dtype)
-        get_ledger().track(st.flat_grad, "comm_buffers")
-        old = [p.grad for p in st.params]
-        self._point_grads(st)
-        for p, g in zip(st.params, old):
-            if g is not None:  # a gradient that arrived before the bucket opened
-                p.grad += g
-
-    def _grad_ready(self, p):
-        """Post-accumulate-grad hook: when a unit's last gradient is complete, reduce it."""
-        st = self._unit_of[id(p)]
-        st.ready.add(id(p))
-        if len(st.ready) == len(st.params):
-            self._end_backward(st)
-
-    def _end_backward(self, st):
-        """Reduce-scatter the unit's bucket, add the mean into the owned shard, free bucket (and gathered params)."""
-        if not st.in_backward:
-            self._begin_backward(st)  # gradients came without passing a module boundary
-        with self._count("reduce_scatter_grads"):
-            mine = self._reduce_scatter(st.flat_grad)
-        mine *= mine.dtype.type(1.0 / self.comm.world_size)
-        st.grad_shard += mine
-        for p in st.params:
-            p.grad = None
-        st.flat_grad, st.in_backward = None, False
-        st.ready.clear()
-        if self.stage == 3:
-            self._free(st)
-
-    def _reduce_scatter(self, flat):
-        """Sum of ``flat`` over ranks, this rank's chunk: the ring, or INT8 all-to-all with ``quantized_comm``."""
-        if self.quantized_comm:
-            return quantized_reduce_scatter(self.comm, flat)
-        return reduce_scatter(self.comm, flat, native=self.native)
-
     # ---- the optimizer step ------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """After the last micro-batch: every rank's owned gradient shard = mean over ranks.
 
-        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 already did
-        it during backward and only flush a unit some of whose parameters got no gradient.
+        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 did it during
+        backward and here reduce, in their fixed order, the units the last micro-batch left
+        (a unit some of whose parameters got no gradient, or one this rank did not use).
         Raises:
             RuntimeError: stage 1 and a ``.grad`` is no longer a view of its unit's gradient
             buffer (``model.zero_grad()`` was called; use this optimizer's ``zero_grad``).
         """
-        inv = 1.0 / self.comm.world_size
+        if self.stage >= 2:
+            self._finish_micro_batch()
+            return
         for st in self.units:
-            if self.stage == 1:
-                for p in st.params:
-                    if p.grad is None or p.grad.base is not st.flat_grad:
-                        raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
-                                           "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
-                with self._count("reduce_scatter_grads"):
-                    st.grad_shard[...] = self._reduce_scatter(st.flat_grad)
-                st.grad_shard *= st.grad_shard.dtype.type(inv)
-            elif st.in_backward or any(p.grad is not None for p in st.params):
-                self._end_backward(st)
+            for p in st.params:
+                if p.grad is None or p.grad.base is not st.flat_grad:
+                    raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
+                                       "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
+            st.grad_shard[...] = self._reduce_scatter_unit(st, st.flat_grad)
 
     def grad_norm(self, grad_scale: float = 1.0) -> float:
         """Collective: the global L2 norm of ``gradient * grad_scale`` over all shards (a float).
@@ -413,6 +243,7 @@ class ZeroOptimizer:
             for pc in st.pieces:
                 g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
                 local += float((g * g).sum())
+        self._agree(None, "grad_norm")
         with self._count("grad_norm"):
             total = math.sqrt(float(backend.to_host(all_reduce(self.comm, backend.xp.asarray([local])))[0]))
         return total * grad_scale
@@ -473,10 +304,9 @@ class ZeroOptimizer:
             self._all_gather_params("all_gather_params")
 
     def _all_gather_params(self, phase):
+        """Stages 1-2: every unit's updated owned shard to every rank (``phase``: setup or all_gather_params)."""
         for st in self.units:
-            with self._count(phase):
-                full = all_gather(self.comm, st.param_shard, st.unit.padded, native=self.native)
-            st.flat_param[...] = full
+            st.flat_param[...] = self._all_gather_unit(st, st.param_shard, phase)
 
     def zero_grad(self) -> None:
         """Zero the gradients this stage keeps (stage 1: the flat buffers, re-pointing ``.grad``; 2-3: the shards).
@@ -496,26 +326,6 @@ class ZeroOptimizer:
                     p.grad = None
 
     # ---- reading the state ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def full_parameters(self):
-        """Collective (every rank enters): inside, every ``p.data`` is the full parameter (stage 3 gathers all).
-
-        For saving, generating and comparing. No-op for stages 1-2, whose parameters are always full.
-        """
-        if self.stage < 3:
-            yield
-            return
-        for st in self.units:
-            if st.full is None:
-                self._gather(st, "gather_full")
-        self._pinned = True
-        try:
-            yield
-        finally:
-            self._pinned = False
-            for st in self.units:
-                self._free(st)
-
     def grad_shards(self) -> list:
         """This rank's owned gradient shard of every unit, ``(S,)`` arrays in unit order (after reduce)."""
         return [st.grad_shard for st in self.units]

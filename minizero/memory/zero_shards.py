@@ -31,6 +31,13 @@ from minizero.comm.collectives import shard_range
 from minizero.nn.module import ModuleList
 
 
+#: Traffic phases that belong to a training step (per-step volume); others are set-up,
+#: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
+#: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
+STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
+PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup")
+
+
 # --------------------------------------------------------------------------- the shard map
 def find_units(model):
     """Group ``model``'s parameters into units: ``[(module_name, module, [(param_name, Parameter)])]``.

@@ -25,6 +25,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Tensor, causal_softmax, cross_entropy, gelu, no_grad, split
+from minizero.autograd import functional as F
 from minizero.nn.module import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
 
 
@@ -115,10 +116,13 @@ class CausalSelfAttention(Module):
         """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. (B, H, T, D) each -> (B, H, T, D).
 
         Its own method so selective recompute can checkpoint exactly this part
-        (Korthikanti et al. 2022, section 5).
+        (Korthikanti et al. 2022, section 5). The tensor-parallel attention inherits it.
+        q is scaled by 1/sqrt(D) *before* the product, as PyTorch's
+        ``scaled_dot_product_attention`` does: in float16 the product q k^T can overflow
+        (|q k^T| > 65504) where (q / sqrt(D)) k^T does not.
         """
         scale = 1.0 / math.sqrt(q.shape[-1])
-        att = causal_softmax((q @ k.transpose(0, 1, 3, 2)) * scale)  # (B, H, T, T)
+        att = causal_softmax(F.scaled_matmul(q, k.transpose(0, 1, 3, 2), scale))  # (B, H, T, T)
         return self.attn_dropout(att) @ v
 
 

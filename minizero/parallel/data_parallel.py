@@ -22,7 +22,7 @@ Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
 from __future__ import annotations
 
 from minizero import backend
-from minizero.comm.collectives import all_reduce, broadcast
+from minizero.comm.collectives import all_reduce, broadcast, mean_scale_
 from minizero.ledger import get_ledger
 
 
@@ -78,7 +78,9 @@ class DataParallel:
 
         A parameter without a gradient contributes zeros (and receives the
         average, so every rank ends with the same gradients). Bytes sent per
-        rank: 2(N-1)/N of the gradient bytes (ring all-reduce).
+        rank: 2(N-1)/N of the gradient bytes (ring all-reduce). float16 buckets
+        are divided by N before the sum (PyTorch DDP's pre-division), wider ones
+        after (:func:`~minizero.comm.collectives.divide_before_sum`).
         """
         n = self.comm.world_size
         if n == 1:
@@ -91,8 +93,9 @@ class DataParallel:
                     view[...] = 0
                 else:
                     view[...] = p.grad.reshape(-1)
+            mean_scale_(flat, n, before_sum=True)  # float16: divide first, so the sum cannot overflow
             all_reduce(self.comm, flat, native=self.native, out=flat)
-            flat *= flat.dtype.type(1.0 / n)
+            mean_scale_(flat, n, before_sum=False)  # float32/64: divide the sum, as before
             for p, off in layout:
                 g = flat[off:off + p.size].reshape(p.shape)
                 if p.grad is None:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from minizero import backend
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
@@ -245,7 +247,8 @@ class PipelineEngine:
             else:
                 inp, out = held.pop(op.mb)
                 if st.is_last:
-                    grad = backend.xp.asarray(scale, dtype=out.dtype)
+                    # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
+                    grad = backend.xp.asarray(scale, dtype=np.promote_types(out.dtype, np.float32))
                 else:
                     grad = self._recv(st.activation_shape(x.shape), s + 1, f"grad mb{op.mb}")
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer

@@ -11,9 +11,9 @@ GPT-2), and the logits (b, T, V) are the largest activation. Both split by vocab
     LM head     x (b, T, C) ──> f: identity (forward), all-reduce of dL/dx (backward)
                            ──> x W_r^T = the logits of tokens [lo_r, hi_r): (b, T, V/tp), never gathered
     loss        m   = max over ranks of the row maxima        all-gather of (N,) maxima
-                lse = m + log(sum over ranks of sum exp(z - m))   all-reduce of (N,)
-                z_t = the target's logit, from the rank that has it   all-reduce of (N,)
-                loss = mean(lse - z_t); backward: softmax_r - onehot_r on each rank, no message
+                s   = log(sum over ranks of sum exp(z - m))       all-reduce of (N,)
+                d_t = z_t - m, from the rank that has the target       all-reduce of (N,)
+                loss = mean(s - d_t) (m cancels exactly); backward: softmax_r - onehot_r, no message
 
 Each rank keeps only its V/tp logits (and their gradient), so the loss never needs the
 (b, T, V) array anywhere. The head's weight is the embedding's shard (the tie holds shard
@@ -104,29 +104,40 @@ class ParallelLMHead(Module):
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy from logits split by vocabulary; see the module docstring."""
+    """Mean cross-entropy from logits split by vocabulary; see the module docstring.
+
+    As :class:`minizero.autograd.functional.CrossEntropy`: in at least float32, from the
+    shifted logits z - m (m the global row maximum), so m cancels exactly; the loss is float32
+    for float16 logits (a float16 loss would round and its backward seed S/m overflow).
+    Saves logits, the local target index and its mask, and log(sum exp(z - m)) + (m - m_r) (N,),
+    m_r this rank's own row maximum, which backward recomputes: softmax_r = exp((z - m_r) - that),
+    where m - m_r is a small difference of two nearby numbers (exact for close ones, Sterbenz).
+    """
 
     @staticmethod
     def forward(ctx, logits, targets, comm, vocab_start):
         xp = backend.xp
         n, v = logits.shape
         ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
-        maxima = all_gather(comm, xp.ascontiguousarray(ls.max(axis=-1)))  # (tp * N,), rank by rank
+        local_max = ls.max(axis=-1)
+        maxima = all_gather(comm, xp.ascontiguousarray(local_max))  # (tp * N,), rank by rank
         m = maxima.reshape(comm.world_size, n).max(axis=0)
-        lse = m + xp.log(_reduce(comm, xp.exp(ls - m[:, None]).sum(axis=-1)))
+        shifted = ls - m[:, None]
+        logsum = xp.log(_reduce(comm, xp.exp(shifted).sum(axis=-1)))
         local = targets - vocab_start
         mine = (local >= 0) & (local < v)
         local = xp.where(mine, local, 0)
-        picked = _reduce(comm, xp.where(mine, ls[xp.arange(n), local], 0.0))
-        ctx.save_for_backward(logits, local, mine, lse)
-        return xp.asarray((lse - picked).mean(), dtype=logits.dtype)
+        picked = _reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0).astype(ls.dtype, copy=False))
+        ctx.save_for_backward(logits, local, mine, logsum + (m - local_max))
+        return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
-        logits, local, mine, lse = ctx.saved_tensors
+        logits, local, mine, logsum_r = ctx.saved_tensors
         n = logits.shape[0]
-        p = xp.exp(logits.astype(lse.dtype, copy=False) - lse[:, None])
+        ls = logits.astype(logsum_r.dtype, copy=False)
+        p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum_r[:, None])
         p[xp.arange(n), local] -= mine.astype(p.dtype)
         return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None
 
@@ -134,10 +145,17 @@ class _VocabParallelCrossEntropy(Function):
 def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int):
     """Mean cross-entropy of ``logits`` (N, V/tp), this rank's tokens [vocab_start, +V/tp), against ``targets`` (N,).
 
-    Every rank of the tensor group calls it with its own logits; all get the same loss.
+    Every rank of the tensor group calls it with its own logits; all get the same loss
+    (float32 for float16/float32 logits, float64 for float64).
     Collectives: forward an all-gather and two all-reduces of (N,) values; backward none.
+    Raises:
+        ValueError: logits not 2-D, or a target outside [0, V), V = tp * V/tp (the same check
+        as the plain :func:`~minizero.autograd.functional.cross_entropy`, on every rank).
     """
     t = targets.data if isinstance(targets, Tensor) else targets
+    if logits.ndim != 2:
+        raise ValueError(f"vocab_parallel_cross_entropy expects logits (N, V/tp), got {logits.shape}")
+    F.check_targets(t, logits.shape[0], logits.shape[1] * comm.world_size, "vocab_parallel_cross_entropy")
     return _VocabParallelCrossEntropy.apply(logits, t, comm, vocab_start)
 
 
