@@ -11,7 +11,7 @@ import threading
 import time
 
 from minizero import backend
-from minizero.comm.base import Communicator, _check_color
+from minizero.comm.base import CommTimeoutError, Communicator, _check_color
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -72,7 +72,7 @@ class ThreadCommunicator(Communicator):
 
     ``send`` copies the array into the (source, dest, tag, communicator) queue and
     returns at once (eager, like MPI for small messages). ``recv`` waits at most
-    ``timeout`` seconds and then raises ``TimeoutError`` naming the ranks and the tag;
+    ``timeout`` seconds and then raises ``CommTimeoutError`` (a TimeoutError) naming the ranks and the tag;
     if any rank of the group raised, every waiting rank raises ``GroupFailedError``
     promptly instead of hanging. Native collectives are computed from every rank's
     array directly (deposited in shared slots between two barriers), summing in rank
@@ -102,9 +102,9 @@ class ThreadCommunicator(Communicator):
     def _send(self, buf, dest, tag):
         self._ctx.queue(self.rank, dest, tag).put(buf.copy())
 
-    def _recv(self, buf, source, tag):
+    def _recv(self, buf, source, tag, op="recv"):
         q = self._ctx.queue(source, self.rank, tag)
-        what = f"a message from rank {source} with tag {tag}"
+        what = f"a message from rank {source} with tag {tag} ({op})"
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -114,17 +114,17 @@ class ThreadCommunicator(Communicator):
                 if self._group.failed.is_set():
                     raise self._failed_error(what) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self._who()} waited {self.timeout} s for {what}") from None
+                    raise CommTimeoutError(f"{self._who()} waited {self.timeout} s for {what}") from None
         if msg.shape != buf.shape or msg.dtype != buf.dtype:
             raise ValueError(
-                f"{self._who()}: message from rank {source} (tag {tag}) is {msg.shape} {msg.dtype}, "
+                f"{self._who()}: {op} message from rank {source} (tag {tag}) is {msg.shape} {msg.dtype}, "
                 f"the receive buffer is {buf.shape} {buf.dtype}; they must match"
             )
         buf[...] = msg
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._send(sendbuf, dest, tag)  # never blocks, so no deadlock
-        self._recv(recvbuf, source, tag)
+        self._recv(recvbuf, source, tag, "sendrecv")
 
     # -- group management ------------------------------------------------------------
     def _wait(self, what: str) -> None:
@@ -133,7 +133,7 @@ class ThreadCommunicator(Communicator):
         except threading.BrokenBarrierError:
             if self._group.failed.is_set():
                 raise self._failed_error(what) from None
-            raise TimeoutError(f"{self._who()} waited {self.timeout} s in {what}") from None
+            raise CommTimeoutError(f"{self._who()} waited {self.timeout} s in {what}") from None
 
     def _exchange(self, obj, combine, what: str):
         """Every rank deposits ``obj``; returns ``combine(objs by rank)`` computed on each rank."""
