@@ -293,7 +293,7 @@ def plot(runs: list[dict], path: str, title: str) -> bool:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return True
 
@@ -420,13 +420,14 @@ def _main(argv=None) -> int:
     table = markdown(runs, f"### {title}")
     print("\n" + table)
     md = os.path.join(args.out, "compare.md")
-    atomic_write(md, lambda p: open(p, "w").write(table))
+    atomic_write(md, lambda f: f.write(table), mode="w")
     png = os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     wrote_png = any_ok and plot(runs, png, title)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
                   strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs)
-    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(result, indent=1)))
+    text = json.dumps(result, indent=1)
+    atomic_write(args.json, lambda f: f.write(text), mode="w")
     why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
     print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
     failed = [r for r in runs if not r["ok"]]

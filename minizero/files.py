@@ -1,33 +1,97 @@
-"""Small shared plumbing for the programs: atomic file writes and finding ``mpiexec``.
+"""Small shared plumbing for the programs: durable atomic file writes, finding ``mpiexec``.
 
-Not a technique — the two helpers every command-line program (train, compare,
-plan, quantize) and benchmark needs, written once.
+Not a technique — the helpers every command-line program (train, compare, plan,
+quantize) and benchmark needs, written once.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import sys
 import tempfile
 
 
-def atomic_write(path: str, write) -> None:
-    """Call ``write(tmp_path)`` on a fresh temporary file beside ``path``, then rename it to ``path``.
+class WriteError(OSError):
+    """Writing an output file failed; ``str()`` names the path and the OS error (e.g. disk full)."""
 
-    A crash or an exception inside ``write`` leaves any previous ``path`` untouched
-    and removes the temporary file. The folder of ``path`` is created if missing.
-    Raises whatever ``write`` or the file system raises (``OSError``).
+
+def _error(path: str, e: BaseException) -> WriteError:
+    code = getattr(e, "errno", None)
+    why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    if code == errno.ENOSPC:
+        why = "no space left on device (the disk is full)"
+    return WriteError(code or errno.EIO, f"could not write {path!r}: {why}")
+
+
+def atomic_write(path: str, write, mode: str = "wb") -> None:
+    """Write ``path`` through ``write(f)``, ``f`` an open file (``mode`` ``"wb"`` or ``"w"``, UTF-8).
+
+    Regular files (and new paths): ``write`` fills a fresh temporary file beside
+    ``path``, which is flushed, ``fsync``-ed and closed, and only then renamed over
+    ``path`` (and the folder fsync-ed), so ``path`` holds either the previous file or the
+    whole new one — never an empty or cut-off file, even on a full disk or a crash.
+    Anything else that exists at ``path`` (``/dev/null``, a FIFO, a terminal) is written
+    straight into, never replaced. The folder of ``path`` is created if missing.
+    Mirrors the write-fsync-rename idiom of ``git`` and SQLite (POSIX ``rename(2)`` atomicity).
+
+    Raises:
+        WriteError (an OSError): the write, flush, fsync, close or rename failed, or
+            ``path`` is a directory; the message names ``path`` and the OS error. The
+            temporary file is removed, a previous ``path`` is left as it was.
+        ValueError: ``mode`` is not ``"wb"`` or ``"w"``.
+        Whatever ``write`` raises that is not an OSError (the temporary file is removed).
     """
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode={mode!r}; allowed: 'wb' or 'w'")
+    enc = None if mode == "wb" else "utf-8"
     try:
-        write(tmp)
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise _error(path, e) from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise WriteError(errno.EISDIR, f"could not write {path!r}: it is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: write into it, never rename over it
+        try:
+            with open(path, mode, encoding=enc) as f:
+                write(f)
+        except OSError as e:
+            raise _error(path, e) from None
+        return
+    tmp = None
+    try:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        with os.fdopen(fd, mode, encoding=enc) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(d)
+    except OSError as e:
+        raise _error(path, e) from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
+
+
+def _fsync_dir(d: str) -> None:
+    """Make a rename in ``d`` durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the rename itself is done
+    finally:
+        os.close(fd)
 
 
 def mpiexec_path() -> str | None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Tensor, functional as F, no_grad
-from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
+from minizero.data import describe_non_file, eval_batches, global_batch, load_tokens, train_val_split
 from minizero.files import atomic_write
 from minizero.ledger import get_ledger
 from minizero.quantization import GRANULARITIES, QuantizedTensor
@@ -204,8 +204,11 @@ def read_weights(weights: str) -> dict:
         ValueError: not an .npz of numeric arrays (empty, truncated, pickled, text...), or a
             tensor with NaN/inf (tensor and file named).
     """
-    if not os.path.isfile(weights):
+    what = describe_non_file(weights)
+    if what == ": no such file":
         raise FileNotFoundError(f"--weights {weights!r}: no such file (write one with python -m minizero.train)")
+    if what:
+        raise ValueError(f"--weights {weights!r}{what}; give the model.npz written by python -m minizero.train")
     if os.path.getsize(weights) == 0:
         raise _not_weights(weights, "the file is empty")
     try:
@@ -359,11 +362,8 @@ def check_output(path: str, flag: str = "--json") -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-
-    atomic_write(path, write)
+    text = json.dumps(obj, indent=1)
+    atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def run(args) -> dict:

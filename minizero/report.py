@@ -86,7 +86,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         if bad:
             raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
                                      f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
-        atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
+        atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
     prompt = "The "
     out = model.generate(encode(prompt)[None, :].astype(np.int64), args.sample_tokens, temperature=0.8,
                          rng=np.random.default_rng(args.seed))
@@ -123,5 +123,6 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": decode(out[0]),
     }
-    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(_json_safe(summary), indent=1, allow_nan=False)))
+    text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
+    atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
