@@ -1,4 +1,4 @@
-"""Small shared plumbing for the programs: durable atomic file writes, finding ``mpiexec``.
+"""Small shared plumbing for the programs: durable atomic file writes, a folder lock, finding ``mpiexec``.
 
 Not a technique — the helpers every command-line program (train, compare, plan,
 quantize) and benchmark needs, written once.
@@ -6,8 +6,10 @@ quantize) and benchmark needs, written once.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -92,6 +94,69 @@ def _fsync_dir(d: str) -> None:
         pass  # some file systems refuse fsync on a folder; the rename itself is done
     finally:
         os.close(fd)
+
+
+class FolderLocked(OSError):
+    """Another live process holds the folder's lock; the message names its pid and host."""
+
+
+class FolderLock:
+    """An exclusive lock on a folder for the life of a job: ``fcntl.flock`` on ``FOLDER/.lock``.
+
+    ``acquire()`` creates the folder if missing, takes the lock without waiting, and
+    writes ``pid P on host H`` into the lock file; ``release()`` removes the file and
+    drops the lock. The kernel drops the lock when the process dies however it dies
+    (SIGKILL too), so a stale ``.lock`` left by a killed job is taken over, never obeyed.
+    Mirrors ``flock(1)`` and the lock files of git (``index.lock``) and Jupyter.
+
+    Raises (acquire):
+        FolderLocked: the lock is held; the message names the holder's pid and host.
+        OSError: the folder or the lock file cannot be created.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.path = os.path.join(folder, self.NAME)
+        self.fd = None
+
+    def acquire(self) -> None:
+        """Take the lock now or raise :class:`FolderLocked`; see the class docstring."""
+        os.makedirs(self.folder, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+                finally:
+                    os.close(fd)
+                raise FolderLocked(errno.EBUSY, f"{self.folder!r} is in use by another minizero job ({holder}); "
+                                                "wait for it to end or choose another folder") from None
+            try:  # the previous holder may have removed the file between our open and our flock
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
 
 def mpiexec_path() -> str | None:
