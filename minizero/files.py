@@ -68,6 +68,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())  # mkstemp's is 0600
         with os.fdopen(fd, mode, encoding=enc) as f:
             write(f)
             f.flush()
@@ -80,6 +81,13 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
     finally:
         if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(d: str) -> None:

@@ -37,7 +37,8 @@ def check_offload_dir(path: str, need_bytes: int = 0) -> None:
         with tempfile.TemporaryFile(dir=path) as f:
             f.write(b"minizero")
     except OSError as e:
-        raise OffloadError(e.errno, f"--offload-dir {path!r} is not writable: {e.strerror}") from None
+        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
+        raise OffloadError(e.errno, f"--offload-dir {path!r} is not writable: {why}") from None
     free = shutil.disk_usage(path).free
     if free < need_bytes:
         raise OffloadError(errno.ENOSPC, f"--offload-dir {path!r} has {free:,} bytes free, "
