@@ -43,7 +43,7 @@ import time
 
 from minizero.memory.estimator import (DEVICE_CATEGORIES, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
-from minizero.files import atomic_write, mpiexec_path
+from minizero.files import WriteError, atomic_write, mpiexec_path
 from minizero.nn import PRESETS
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
@@ -420,14 +420,18 @@ def _main(argv=None) -> int:
     table = markdown(runs, f"### {title}")
     print("\n" + table)
     md = os.path.join(args.out, "compare.md")
-    atomic_write(md, lambda f: f.write(table), mode="w")
     png = os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
-    wrote_png = any_ok and plot(runs, png, title)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
                   strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs)
     text = json.dumps(result, indent=1)
-    atomic_write(args.json, lambda f: f.write(text), mode="w")
+    try:
+        atomic_write(md, lambda f: f.write(table), mode="w")
+        wrote_png = any_ok and plot(runs, png, title)
+        atomic_write(args.json, lambda f: f.write(text), mode="w")
+    except WriteError as e:  # a full disk, a read-only folder: the previous files are left as they were
+        print(f"python -m minizero.compare: error: {e.strerror}", file=sys.stderr)
+        return 1
     why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
     print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
     failed = [r for r in runs if not r["ok"]]

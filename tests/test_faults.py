@@ -345,3 +345,20 @@ def test_soak_twenty_runs(mpiexec):
 
     results = soak(20, seed=0)
     assert all(not r["problems"] for r in results), [r for r in results if r["problems"]]
+
+
+@pytest.mark.timeout(180)
+def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiexec):
+    d = small_disk("64k")
+    (d / "c.json").write_text('{"good": 1}')
+    fill(d)
+    base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "2", "--steps", "1",
+            "--strategies", "baseline", "--out", str(tmp_path / "cmp")]
+    proc = subprocess.run(base + ["--json", str(d / "c.json")], env=mpi_env(), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 1 and "c.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
+    assert (d / "c.json").read_text() == '{"good": 1}' and sorted(os.listdir(d)) == ["c.json", "filler"]
+    before = os.stat("/dev/null")
+    proc = subprocess.run(base + ["--json", "/dev/null"], env=mpi_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert os.stat("/dev/null").st_ino == before.st_ino
