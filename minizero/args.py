@@ -198,8 +198,14 @@ def _check_data(args) -> None:
                          f"{need:,} (the last 10% is the validation split)")
 
 
-def _check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
-    """``MINIZERO_FAULT=RANK:STEP:KIND`` must name a rank < world size and a step < --steps (tests' fault injection)."""
+def check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
+    """``MINIZERO_FAULT=RANK:STEP:KIND`` (tests' fault injection) must parse, name a rank < ``world_size``
+    and a step < ``steps`` (each checked when given). The main job calls it with its own sizes; other
+    callers of :func:`parse_args` (compare's estimates) only get the syntax checked.
+
+    Raises:
+        UsageError: naming the spec and what this job allows.
+    """
     spec = os.environ.get("MINIZERO_FAULT")
     if not spec:
         return
@@ -236,7 +242,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     parser = build_parser()
     parser.quiet = quiet
     args = parser.parse_args(argv)
-    _check_fault_spec()
+    check_fault_spec()
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),
@@ -338,7 +344,6 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
         # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
         args.warmup = min(args.steps, max(10, args.steps // 20))
-    _check_fault_spec(world_size, args.steps)
     _check_data(args)
     if args.json is None:
         args.json = os.path.join(args.out, "summary.json")

@@ -31,7 +31,7 @@ import time
 import traceback
 import tracemalloc
 
-from minizero.args import UsageError, build_parser, model_config, parse_args  # noqa: F401 (the public API)
+from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     rank = comm.rank
     try:
         args = parse_args(argv, comm.world_size, quiet=rank != 0)
+        check_fault_spec(comm.world_size, args.steps)
     except UsageError as e:
         if rank == 0:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)

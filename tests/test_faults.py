@@ -205,9 +205,17 @@ def test_quantize_weights_given_a_folder_is_named(tmp_path):
 
 @pytest.mark.parametrize("spec,needle", [("2:1:raise", "names rank 2"), ("1:4:kill", "names step 4")])
 def test_fault_spec_outside_the_job_is_refused(monkeypatch, spec, needle):
+    from minizero.args import check_fault_spec
+
     monkeypatch.setenv("MINIZERO_FAULT", spec)
     with pytest.raises(UsageError, match=needle):
-        parse_args(["--steps", "4"], world_size=2)
+        check_fault_spec(2, 4)
+
+
+@pytest.mark.timeout(60)
+def test_fault_spec_naming_a_missing_rank_exits_2_under_mpi(mpiexec):
+    proc, _ = launch(mpiexec, 2, TINY + ["--no-save"], env=dict(mpi_env(), MINIZERO_FAULT="2:1:raise"), timeout=50)
+    assert proc.returncode == 2 and proc.stderr.count("names rank 2") == 1, proc.stderr
 
 
 def test_validation_batches_are_lazy_and_repeatable():
