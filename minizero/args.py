@@ -223,13 +223,13 @@ def _check_loss_scaling(args) -> None:
     """The --precision fp16 loss-scaling flags, by their flag names (PyTorch GradScaler's rules)."""
     s0, mn = args.initial_loss_scale, args.min_loss_scale
     if not (0 < s0 < math.inf):
-        raise UsageError(f"--initial-loss-scale must be a finite number > 0, got {s0}")
+        raise UsageError(f"--initial-loss-scale must be a finite number > 0; got --initial-loss-scale={s0}")
     if not (0 < mn <= s0):
-        raise UsageError(f"--min-loss-scale must be in (0, --initial-loss-scale={s0:g}], got {mn}")
+        raise UsageError(f"--min-loss-scale must be in (0, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
     if args.loss_scale_window < 1:
-        raise UsageError(f"--loss-scale-window must be >= 1, got {args.loss_scale_window}")
+        raise UsageError(f"--loss-scale-window must be >= 1; got --loss-scale-window={args.loss_scale_window}")
     if args.hysteresis < 1:
-        raise UsageError(f"--hysteresis must be >= 1, got {args.hysteresis}")
+        raise UsageError(f"--hysteresis must be >= 1; got --hysteresis={args.hysteresis}")
 
 
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:

@@ -174,7 +174,7 @@ def test_second_job_in_a_locked_out_is_refused_by_every_rank(mpiexec, tmp_path):
     (["--out", "/proc/x"], "--out '/proc/x' cannot be written"),
     (["--out", "/sys/x"], "--out '/sys/x' cannot be written"),
     (["--data", "/dev/zero"], "'/dev/zero' is a character device"),
-    (["--precision", "fp16", "--loss-scale-window", "0"], "--loss-scale-window must be >= 1, got 0"),
+    (["--precision", "fp16", "--loss-scale-window", "0"], "--loss-scale-window must be >= 1; got --loss-scale-window=0"),
     (["--precision", "fp16", "--min-loss-scale", "0"], "--min-loss-scale must be in"),
 ])
 def test_bad_values_are_refused_by_name(argv, needle):
