@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 
-from minizero.data import load_tokens
+from minizero.comm.base import DEFAULT_TIMEOUT_S
+from minizero.data import describe_non_file, load_tokens
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.memory.sparsity import SCOPES
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
     p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
+    p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds any one send, receive or collective may wait for a peer before the job is aborted "
+                        "with the operation and the rank waited on (PyTorch's NCCL default: 600)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
@@ -132,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: upper limits that keep a typo from becoming an out-of-memory kill minutes later
 MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
-FAULT_KINDS = ("raise", "kill", "inf")
+MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
+FAULT_KINDS = ("raise", "kill", "inf", "stop")
 
 
 def _check_outputs(args) -> None:
@@ -155,16 +161,34 @@ def _check_outputs(args) -> None:
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
         raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
+    weights = os.path.join(out, "model.npz")
+    if os.path.isdir(weights):
+        raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
+    _probe(out, "--out")
+    special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
+    if os.path.abspath(jparent) != os.path.abspath(out) and not special:
+        _probe(jparent, "--json")
+
+
+def _probe(folder: str, flag: str) -> None:
+    """Create ``folder`` if missing, then create and remove a file in it (access() says yes for root on /proc)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".minizero-probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UsageError(f"{flag} {folder!r} cannot be written ({e.strerror or e}); "
+                         "give a folder on a writable file system") from None
 
 
 def _check_data(args) -> None:
     """The --data file must be readable UTF-8 text long enough for one validation window."""
     if args.data is None:
         return
-    if os.path.isdir(args.data):
-        raise UsageError(f"--data {args.data!r} is a directory; give a UTF-8 text file")
-    if not os.path.isfile(args.data):
-        raise UsageError(f"--data {args.data!r}: no such file")
+    what = describe_non_file(args.data)
+    if what:
+        raise UsageError(f"--data {args.data!r}{what}; give a UTF-8 text file")
     try:
         tokens = load_tokens(args.data)
     except (OSError, ValueError) as e:
@@ -176,13 +200,38 @@ def _check_data(args) -> None:
                          f"{need:,} (the last 10% is the validation split)")
 
 
-def _check_fault_spec() -> None:
+def check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
+    """``MINIZERO_FAULT=RANK:STEP:KIND`` (tests' fault injection) must parse, name a rank < ``world_size``
+    and a step < ``steps`` (each checked when given). The main job calls it with its own sizes; other
+    callers of :func:`parse_args` (compare's estimates) only get the syntax checked.
+
+    Raises:
+        UsageError: naming the spec and what this job allows.
+    """
     spec = os.environ.get("MINIZERO_FAULT")
     if not spec:
         return
     parts = spec.split(":")
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_KINDS:
         raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
+    if world_size is not None and int(parts[0]) >= world_size:
+        raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
+    if steps is not None and int(parts[1]) >= steps:
+        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {int(parts[1])}; --steps {steps} runs steps "
+                         f"0..{steps - 1}")
+
+
+def _check_loss_scaling(args) -> None:
+    """The --precision fp16 loss-scaling flags, by their flag names (PyTorch GradScaler's rules)."""
+    s0, mn = args.initial_loss_scale, args.min_loss_scale
+    if not (0 < s0 < math.inf):
+        raise UsageError(f"--initial-loss-scale must be a finite number > 0; got --initial-loss-scale={s0}")
+    if not (0 < mn <= s0):
+        raise UsageError(f"--min-loss-scale must be in (0, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
+    if args.loss_scale_window < 1:
+        raise UsageError(f"--loss-scale-window must be >= 1; got --loss-scale-window={args.loss_scale_window}")
+    if args.hysteresis < 1:
+        raise UsageError(f"--hysteresis must be >= 1; got --hysteresis={args.hysteresis}")
 
 
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
@@ -195,11 +244,12 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     parser = build_parser()
     parser.quiet = quiet
     args = parser.parse_args(argv)
-    _check_fault_spec()
+    check_fault_spec()
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),
-                      ("adam8bit_block_size", MAX_ADAM8BIT_BLOCK)):
+                      ("adam8bit_block_size", MAX_ADAM8BIT_BLOCK), ("steps", MAX_STEPS),
+                      ("eval_batches", MAX_EVAL_BATCHES)):
         if getattr(args, name) > cap:
             raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {getattr(args, name):,}")
     positive = ["steps", "micro_batch_size", "eval_batches"]
@@ -218,6 +268,11 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         v = getattr(args, name)
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    if not (args.comm_timeout > 0 and math.isfinite(args.comm_timeout)):
+        raise UsageError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+    if args.warmup is not None and args.warmup > args.steps:
+        raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}; the learning rate would never "
+                         "reach --lr (give --warmup <= --steps)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr must be a positive finite number, got {args.lr}")
     if args.min_lr is not None and not (0 <= args.min_lr <= args.lr):
@@ -234,6 +289,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
     if args.precision == "fp16":
+        _check_loss_scaling(args)
         try:
             DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale)

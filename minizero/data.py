@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 
@@ -49,8 +50,9 @@ def load_tokens(path: str | None = None) -> np.ndarray:
     """
     if path is None:
         return encode(builtin_corpus())
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data {path!r}: no such file")
+    what = describe_non_file(path)
+    if what:
+        raise (FileNotFoundError if what == ": no such file" else ValueError)(f"--data {path!r}{what}")
     with open(path, "rb") as f:
         raw = f.read()
     if not raw:
@@ -60,6 +62,28 @@ def load_tokens(path: str | None = None) -> np.ndarray:
     except UnicodeDecodeError as e:
         raise ValueError(f"--data {path!r} is not UTF-8 text ({e})") from None
     return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def describe_non_file(path: str) -> str | None:
+    """None when ``path`` is a regular file (symlinks followed), else why it cannot be read as text.
+
+    The phrase follows the path: ``" is a named pipe (FIFO), not a regular file"``, ``": no such file"``
+    for a missing path (as ``ls`` would tell them apart, instead of one "no such file").
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return ": no such file"
+    except OSError as e:
+        return f" cannot be read ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f" is {kind}, not a regular file"
 
 
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
@@ -125,6 +149,31 @@ class DistributedSampler:
             yield x[lo:lo + b].copy(), y[lo:lo + b].copy()
 
 
-def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234):
-    """A fixed list of ``n_batches`` (x, y) pairs from ``tokens`` (the same every call)."""
-    return [global_batch(tokens, i, batch, block_size, seed) for i in range(n_batches)]
+class EvalBatches:
+    """The fixed validation set: ``n_batches`` pairs (x, y), each (batch, block_size) int64, built lazily.
+
+    Iterable any number of times, always yielding the same values (batch i is
+    :func:`global_batch` of ``seed`` and step i), and indexable; only the batch in use is
+    in memory, so a large ``n_batches`` costs time, never memory. ``len()`` is ``n_batches``.
+    Mirrors a map-style ``torch.utils.data.Dataset`` read in a fixed order.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234):
+        self.tokens, self.block_size, self.n_batches, self.batch, self.seed = tokens, block_size, n_batches, batch, seed
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def __getitem__(self, i: int):
+        """Batch ``i`` (negative counts from the end). Raises IndexError outside ``[-n, n)``."""
+        if not -self.n_batches <= i < self.n_batches:
+            raise IndexError(f"validation batch {i} of {self.n_batches}")
+        return global_batch(self.tokens, i % self.n_batches, self.batch, self.block_size, self.seed)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n_batches))
+
+
+def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234) -> EvalBatches:
+    """The fixed validation set of ``n_batches`` (x, y) pairs from ``tokens`` (the same every call), lazily built."""
+    return EvalBatches(tokens, block_size, n_batches, batch, seed)

@@ -1,17 +1,21 @@
-"""Small shared plumbing for the programs: atomic file writes and finding ``mpiexec``.
+"""Small shared plumbing for the programs: durable atomic file writes, a folder lock, finding ``mpiexec``.
 
-Not a technique — the two helpers every command-line program (train, compare,
-plan, quantize) and benchmark needs, written once.
+Not a technique — the helpers every command-line program (train, compare, plan,
+quantize) and benchmark needs, written once.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
+
 
 #: temporary names: ``.NAME.minizero~HOST~PID~RANDOM.tmp`` (HOST and PID say whose write it is)
 _TMP_TAG = "minizero"
@@ -72,29 +76,154 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     return removed
 
 
-def atomic_write(path: str, write) -> None:
-    """Call ``write(tmp_path)`` on a fresh temporary file beside ``path``, then rename it to ``path``.
+class WriteError(OSError):
+    """Writing an output file failed; ``str()`` names the path and the OS error (e.g. disk full)."""
 
-    A crash or an exception inside ``write`` leaves any previous ``path`` untouched
-    and removes the temporary file; temporary files left by killed writes into the same
-    folder are removed first (:func:`remove_stale_temporaries`). The result has the mode
-    a plain ``open`` would give (0o666 minus the umask: 644 under umask 022), not
-    mkstemp's 600. The folder of ``path`` is created if missing.
-    Raises whatever ``write`` or the file system raises (``OSError``).
+
+def _error(path: str, e: BaseException) -> WriteError:
+    code = getattr(e, "errno", None)
+    why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    if code == errno.ENOSPC:
+        why = "no space left on device (the disk is full)"
+    return WriteError(code or errno.EIO, f"could not write {path!r}: {why}")
+
+
+def atomic_write(path: str, write, mode: str = "wb") -> None:
+    """Write ``path`` through ``write(f)``, ``f`` an open file (``mode`` ``"wb"`` or ``"w"``, UTF-8).
+
+    Regular files (and new paths): ``write`` fills a fresh temporary file beside
+    ``path``, which is flushed, ``fsync``-ed and closed, and only then renamed over
+    ``path`` (and the folder fsync-ed), so ``path`` holds either the previous file or the
+    whole new one — never an empty or cut-off file, even on a full disk or a crash.
+    Temporary files that killed writes left in the folder are removed first
+    (:func:`remove_stale_temporaries`); a new file gets the mode a plain ``open`` would
+    give (0o666 minus the umask: 644 under umask 022), a replaced one keeps its mode.
+    Anything else that exists at ``path`` (``/dev/null``, a FIFO, a terminal) is written
+    straight into, never replaced. The folder of ``path`` is created if missing.
+    Mirrors the write-fsync-rename idiom of ``git`` and SQLite (POSIX ``rename(2)`` atomicity).
+
+    Raises:
+        WriteError (an OSError): the write, flush, fsync, close or rename failed, or
+            ``path`` is a directory; the message names ``path`` and the OS error. The
+            temporary file is removed, a previous ``path`` is left as it was.
+        ValueError: ``mode`` is not ``"wb"`` or ``"w"``.
+        Whatever ``write`` raises that is not an OSError (the temporary file is removed).
     """
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    remove_stale_temporaries(d)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.{_TMP_TAG}~{socket.gethostname()}~"
-                                             f"{os.getpid()}~", suffix=".tmp")
-    os.close(fd)
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode={mode!r}; allowed: 'wb' or 'w'")
+    enc = None if mode == "wb" else "utf-8"
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise _error(path, e) from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise WriteError(errno.EISDIR, f"could not write {path!r}: it is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: write into it, never rename over it
+        try:
+            with open(path, mode, encoding=enc) as f:
+                write(f)
+        except OSError as e:
+            raise _error(path, e) from None
+        return
+    tmp = None
+    try:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        remove_stale_temporaries(d)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.{_TMP_TAG}~{socket.gethostname()}~"
+                                                 f"{os.getpid()}~", suffix=".tmp")
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())  # mkstemp's is 0600
+        with os.fdopen(fd, mode, encoding=enc) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(d)
+    except OSError as e:
+        raise _error(path, e) from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
+
+
+def _fsync_dir(d: str) -> None:
+    """Make a rename in ``d`` durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the rename itself is done
+    finally:
+        os.close(fd)
+
+
+class FolderLocked(OSError):
+    """Another live process holds the folder's lock; the message names its pid and host."""
+
+
+class FolderLock:
+    """An exclusive lock on a folder for the life of a job: ``fcntl.flock`` on ``FOLDER/.lock``.
+
+    ``acquire()`` creates the folder if missing, takes the lock without waiting, and
+    writes ``pid P on host H`` into the lock file; ``release()`` removes the file and
+    drops the lock. The kernel drops the lock when the process dies however it dies
+    (SIGKILL too), so a stale ``.lock`` left by a killed job is taken over, never obeyed.
+    Mirrors ``flock(1)`` and the lock files of git (``index.lock``) and Jupyter.
+
+    Raises (acquire):
+        FolderLocked: the lock is held; the message names the holder's pid and host.
+        OSError: the folder or the lock file cannot be created.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.path = os.path.join(folder, self.NAME)
+        self.fd = None
+
+    def acquire(self) -> None:
+        """Take the lock now or raise :class:`FolderLocked`; see the class docstring."""
+        os.makedirs(self.folder, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+                finally:
+                    os.close(fd)
+                raise FolderLocked(errno.EBUSY, f"{self.folder!r} is in use by another minizero job ({holder}); "
+                                                "wait for it to end or choose another folder") from None
+            try:  # the previous holder may have removed the file between our open and our flock
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
 
 def mpiexec_path() -> str | None:

@@ -15,7 +15,7 @@ A skipped step advances neither Adam's t nor the learning-rate schedule (``appli
 counts the updates taken), as PyTorch's ``GradScaler.step`` skips ``optimizer.step``.
 
 Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND`` with KIND ``raise``
-(exception), ``kill`` (SIGKILL of the process) or ``inf`` (this rank's gradients become
+(exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this rank's gradients become
 non-finite) at optimizer step STEP on rank RANK.
 """
 from __future__ import annotations
@@ -72,6 +72,8 @@ def check_fault(rank: int, step: int) -> bool:
             return True
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop":  # a stalled rank: the others must time out (--comm-timeout), not hang
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault (MINIZERO_FAULT={spec})")
     return False
 

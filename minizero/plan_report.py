@@ -130,7 +130,7 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     finally:
         plt.close(fig)
 

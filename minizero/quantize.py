@@ -95,11 +95,8 @@ def check_output(path: str, flag: str = "--json") -> None:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-
-    atomic_write(path, write)
+    text = json.dumps(obj, indent=1)
+    atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def run(args) -> dict:

@@ -103,10 +103,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         if bad:
             raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
                                      f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
-        atomic_write(os.path.join(args.out, "model.npz"), lambda p: np.savez(open(p, "wb"), **state))
+        atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
         # the head count is in no array's shape: python -m minizero.sample reads it from here
         atomic_write(os.path.join(args.out, SIDECAR),
-                     lambda p: open(p, "w").write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"))
+                     lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
     text = sample_text(model, getattr(args, "prompt", "The "), args.sample_tokens, SAMPLE_TEMPERATURE,
                        seed=args.seed)
     print("\nsample:\n" + printable(text) + "\n")
@@ -143,7 +143,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": text,
     }
-    atomic_write(args.json, lambda p: open(p, "w").write(json.dumps(_json_safe(summary), indent=1, allow_nan=False)))
+    text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
+    atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
     print(plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
                       result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}"))

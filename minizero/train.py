@@ -14,22 +14,40 @@ This file is the command line and ``main``: the flags and their checks are in
 Every argument is checked before any work, identically on every rank, so a bad value
 gives one clear message and exit status 2 instead of a hang. An exception on any rank
 prints ``[rank r]`` and its traceback, then aborts the whole MPI job (``MPI_Abort``), so
-no rank waits forever for a dead peer.
+no rank waits forever for a dead peer; a rank that waits longer than ``--comm-timeout``
+for a stalled peer does the same, naming the operation and the peer; a rank whose
+launcher is gone exits within a second. Rank 0 holds a lock on OUT for the whole run,
+so a second job given the same OUT is refused (exit 2) instead of mixing its files in.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
+import tempfile
+import threading
+import time
 import traceback
 import tracemalloc
 
-from minizero.args import UsageError, build_parser, model_config, parse_args  # noqa: F401 (the public API)
-from minizero.comm import MPICommunicator
+from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
+from minizero.comm import CommTimeoutError, MPICommunicator
+from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
+from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.precision import LossScaleError
 from minizero.memory.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
+
+#: errors that are a diagnosis, not a bug: one line, no traceback
+DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError)
+_ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
 
 
 def _cores() -> int:
@@ -44,20 +62,101 @@ def _blas_threads(local_ranks: int) -> int:
     return max(1, _cores() // max(1, local_ranks))
 
 
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process within about ``poll_s`` seconds once its parent (the launcher's proxy) is gone.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (what ``torchrun`` and Open MPI's
+    ``--enable-recovery`` rely on); everywhere: a daemon thread that calls ``os._exit(129)``
+    when ``os.getppid()`` changes (the orphan was re-parented). Raises nothing.
+    """
+    ppid = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == ppid:
+            time.sleep(poll_s)
+        os._exit(129)
+
+    threading.Thread(target=watch, name="minizero-parent-watch", daemon=True).start()
+
+
+def _launched_by_mpiexec() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _write_stderr(text: str) -> None:
+    """Write ``text`` to stderr as one ``write`` (one chunk through mpiexec's forwarding, not interleaved)."""
+    sys.stderr.flush()
+    data = text.encode("utf-8", "replace")
+    while data:
+        data = data[os.write(2, data):]
+
+
+def _lock_output(args, comm, mpi_world):
+    """Rank 0 locks OUT (:class:`FolderLock`) and broadcasts the verdict (collective).
+
+    Returns (the lock on rank 0 or None, the refusal message every rank shares or None).
+    """
+    lock, refusal = None, None
+    if comm.rank == 0 and not args.no_save:
+        lock = FolderLock(args.out)
+        try:
+            lock.acquire()
+        except OSError as e:
+            refusal = f"--out {e.strerror}" if e.strerror else f"--out {args.out!r}: {e}"
+    return lock, mpi_world.bcast(refusal, root=0)
+
+
+def _warn_ram_offload(args) -> None:
+    if "nvme" in (args.offload_activations, args.offload_optimizer):
+        d = args.offload_dir or tempfile.gettempdir()
+        fs = ram_backed(d)
+        if fs:
+            print(f"warning: --offload-dir {d!r} is on {fs}, a file system in RAM: the offloaded bytes stay in "
+                  "memory (they only leave the ledger); give a folder on a disk", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
-    """Entry point of ``python -m minizero.train``; returns the exit status."""
+    """Entry point of ``python -m minizero.train``; returns the exit status.
+
+    0 success; 2 bad arguments or --out in use by another job (every rank, before any
+    work); 1 a rank failed (its message, then ``MPI_Abort`` of the whole job); 130/143
+    Ctrl-C/SIGTERM (one ``interrupted`` line for the job). Mirrors ``torchrun``'s contract:
+    a failing or stalled rank (``--comm-timeout``) ends the whole job.
+    """
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
+    if _launched_by_mpiexec():
+        exit_with_parent()
     comm = MPICommunicator(MPI.COMM_WORLD)
     rank = comm.rank
     try:
         args = parse_args(argv, comm.world_size, quiet=rank != 0)
+        check_fault_spec(comm.world_size, args.steps)
     except UsageError as e:
         if rank == 0:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    comm.timeout = args.comm_timeout
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    lock, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
+    if refusal:
+        if rank == 0:
+            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+        return 2
     try:
+        if rank == 0:
+            _warn_ram_offload(args)
         local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         local_ranks = local.Get_size()
         local.Free()
@@ -82,21 +181,28 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
-        if isinstance(e, (TrainingDiverged, LossScaleError)):  # a diagnosis, not a bug: no traceback
-            sys.stderr.write(f"[rank {rank}] minizero.train stopped: {e}\n")
-            sys.stderr.flush()
-            comm.abort(1)
-            return 1
-        if isinstance(e, KeyboardInterrupt):
-            sys.stderr.write(f"[rank {rank}] interrupted; files already written are left as they were\n")
-            sys.stderr.flush()
-            comm.abort(130)
-            return 130
-        sys.stderr.write(f"[rank {rank}] minizero.train failed: {type(e).__name__}: {e}\n")
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        if lock is not None:
+            lock.release()
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+            if rank != 0:  # every rank got the signal from mpiexec: rank 0 speaks for the job
+                time.sleep(2 * _ABORT_GRACE_S)
+            _write_stderr(f"{'' if rank == 0 else f'[rank {rank}] '}minizero.train: interrupted ({name}); "
+                          "files already written are left as they were\n")
+            comm.abort(code)
+            return code
+        if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
+            verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
+            text = f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
+        else:
+            text = (f"[rank {rank}] minizero.train failed: {type(e).__name__}: {e}\n"
+                    + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        _write_stderr(text)
+        time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1
+    if lock is not None:
+        lock.release()
     return 0
 
 

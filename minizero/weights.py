@@ -24,6 +24,7 @@ import zlib
 
 import numpy as np
 
+from minizero.data import describe_non_file
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
 
 SIDECAR = "model.json"  #: the GPT config beside model.npz
@@ -41,8 +42,11 @@ def read_weights(weights: str) -> dict:
         ValueError: not an .npz of numeric arrays (empty, truncated, pickled, text...), or a
             tensor with NaN/inf (tensor and file named).
     """
-    if not os.path.isfile(weights):
+    what = describe_non_file(weights)
+    if what == ": no such file":
         raise FileNotFoundError(f"--weights {weights!r}: no such file (write one with python -m minizero.train)")
+    if what:
+        raise ValueError(f"--weights {weights!r}{what}; give the model.npz written by python -m minizero.train")
     if os.path.getsize(weights) == 0:
         raise _not_weights(weights, "the file is empty")
     try:

@@ -384,3 +384,56 @@ def test_mpi_ring_matches_native_and_numpy(world_size, mpiexec, tmp_path):
         assert meta["sub_world_size"] == len(range(r % 2, world_size, 2))
         assert meta["sub_bytes"] == meta["world_bytes_after_split"]
         np.testing.assert_allclose(arrays["split:ring"], arrays["split:ref"], rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- mismatched messages, stalled peers
+def _comm_faults(mpiexec, tmp_path, mode):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "comm_faults.py")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path), mode],
+                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(90)
+def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
+    ranks = _comm_faults(mpiexec, tmp_path, "dtypes")
+    for r, (mine, theirs) in enumerate([("float32", "int32"), ("int32", "float32")]):
+        got = ranks[r]["same_size"]
+        assert got["error"] == "ValueError", got
+        assert f"(2,) {theirs}" in got["message"] and f"(2,) {mine}" in got["message"]
+        got = ranks[r]["same_bytes"]
+        assert got["error"] == "ValueError" and "float64" in got["message"] and "float32" in got["message"], got
+        assert ranks[r]["payload_bytes"] == 24  # headers are not counted: 8 + 16 payload bytes sent
+
+
+@pytest.mark.timeout(30)
+def test_threads_dtypes_of_one_byte_size_are_refused_by_name():
+    def body(comm):
+        return all_reduce(comm, np.array([1, 2, 3, 4], dtype=np.float32 if comm.rank == 0 else np.int32))
+
+    with pytest.raises(ValueError, match="int32|float32"):
+        run_in_threads(2, body, timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(mpiexec, tmp_path):
+    got = _comm_faults(mpiexec, tmp_path, "stall")[0]
+    assert got["recv"]["error"] == "CommTimeoutError", got
+    assert "recv (tag 7)" in got["recv"]["message"] and "rank 1" in got["recv"]["message"]
+    assert 0.9 < got["wall_s"] < 5
+    assert got["cpu_s"] < 0.5 * got["wall_s"], f"the waiting rank spun: {got}"
+
+
+@pytest.mark.timeout(30)
+def test_threads_timeout_names_the_operation():
+    from minizero.comm import CommTimeoutError
+
+    def body(comm):
+        if comm.rank == 0:
+            comm.recv(np.empty(2), source=1, tag=5)
+        else:
+            time.sleep(1.5)
+
+    with pytest.raises(CommTimeoutError, match=r"rank 1 with tag 5 \(recv\)"):
+        run_in_threads(2, body, timeout=0.5)

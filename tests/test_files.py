@@ -14,7 +14,7 @@ from minizero.files import STALE_AFTER_S, atomic_write, remove_stale_temporaries
 def _write_under_umask(path, mask):
     old = os.umask(mask)
     try:
-        atomic_write(str(path), lambda p: open(p, "w").write("x"))
+        atomic_write(str(path), lambda f: f.write("x"), mode="w")
     finally:
         os.umask(old)
     return os.stat(path).st_mode & 0o777
@@ -46,7 +46,7 @@ def test_stale_temporaries_are_removed_by_the_next_write(tmp_path):
         p.write_bytes(b"partial")
     hour_ago = time.time() - STALE_AFTER_S - 5
     os.utime(old, (hour_ago, hour_ago))
-    atomic_write(str(tmp_path / "summary.json"), lambda p: open(p, "w").write("{}"))
+    atomic_write(str(tmp_path / "summary.json"), lambda f: f.write("{}"), mode="w")
     assert not old.exists()
     assert live_other_host.exists() and live_here.exists() and unrelated.exists()
     if not files._pid_alive(int(dead.name.split("~")[2])):  # a reused pid would rightly keep it
@@ -59,7 +59,7 @@ def test_stale_temporaries_are_removed_by_the_next_write(tmp_path):
 def test_a_killed_write_leaves_a_temporary_that_the_next_run_removes(tmp_path):
     """A write killed mid-way (SIGKILL) leaves its temporary file; the next atomic_write there removes it."""
     code = ("import os, signal, sys; from minizero.files import atomic_write\n"
-            "def w(p):\n    open(p, 'w').write('half'); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "def w(f):\n    f.write(b'half'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
             f"atomic_write({str(tmp_path / 'model.npz')!r}, w)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)

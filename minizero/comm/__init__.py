@@ -1,7 +1,9 @@
 """Messages between ranks: the Communicator interface and collectives written on it.
 
-    communicator.py   Communicator (send/recv/sendrecv/barrier/split), MPICommunicator,
-                      ThreadCommunicator + run_in_threads, TrafficLedger (bytes sent)
+    communicator.py   the names below, gathered from: traffic.py (TrafficLedger, bytes
+                      sent), base.py (Communicator: send/recv/sendrecv/barrier/split,
+                      CommTimeoutError), mpi.py (MPICommunicator), threads.py
+                      (ThreadCommunicator + run_in_threads)
     collectives.py    ring reduce_scatter / all_gather / all_reduce, tree broadcast,
                       shard_range (which slice of a flat buffer a rank owns)
 """
@@ -14,6 +16,7 @@ from minizero.comm.collectives import (
     shard_range,
 )
 from minizero.comm.communicator import (
+    CommTimeoutError,
     Communicator,
     GroupFailedError,
     MPICommunicator,
@@ -25,6 +28,7 @@ from minizero.comm.communicator import (
 )
 
 __all__ = [
+    "CommTimeoutError",
     "Communicator",
     "GroupFailedError",
     "MPICommunicator",

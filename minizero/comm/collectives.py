@@ -132,15 +132,17 @@ def divide_before_sum(dtype) -> bool:
     return backend.xp.dtype(dtype).itemsize < 4
 
 
-def mean_scale_(x, world_size: int, before_sum: bool):
+def mean_scale_(x, world_size: int, before_sum: bool, predivided: bool = False):
     """In place on ``x``: the part of dividing by ``world_size`` that belongs at this point of a mean.
 
     Call it with ``before_sum=True`` just before the sum over ranks and ``False`` just after; the
     division happens at exactly one of the two, as :func:`divide_before_sum` decides for
     ``x.dtype``. Before: ``x / N`` correctly rounded (exact for N a power of 2); after:
-    ``x * (1/N)`` in ``x``'s dtype (what DataParallel and ZeRO have always done). Returns ``x``.
+    ``x * (1/N)`` in ``x``'s dtype (what DataParallel and ZeRO have always done). With
+    ``predivided`` the addends already carry the 1/N (the backward seed did it: FP16 training
+    seeds S/(k N), DeepSpeed's ``prescale_gradients``), and the mean is the plain sum. Returns ``x``.
     """
-    if world_size > 1 and divide_before_sum(x.dtype) == before_sum:
+    if world_size > 1 and not predivided and divide_before_sum(x.dtype) == before_sum:
         if before_sum:
             backend.xp.divide(x, x.dtype.type(world_size), out=x)
         else:

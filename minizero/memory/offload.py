@@ -14,8 +14,11 @@ they stay where they are), nor are arrays under ``min_bytes``.
 
 Honesty about the NumPy backend: host memory *is* device memory there, so
 ``cpu`` only moves bytes from the ``activations`` category to ``offloaded`` (it
-becomes a real device-to-host copy on CuPy), while ``nvme`` really lowers the
-process's resident memory: the bytes sit in a file until backward.
+becomes a real device-to-host copy on CuPy), while ``nvme`` lowers the process's
+resident memory: the bytes sit in a file (the kernel's page cache, not the process's
+RSS) until backward — unless the folder is RAM-backed (tmpfs, ramfs: often the system
+temp dir), where the file is memory all the same. Each file's blocks are reserved
+before writing, so a full disk is reported as such.
 
 Files: every saved array goes to its own *anonymous* file in ``offload_dir``
 (``tempfile.TemporaryFile``: on Linux an O_TMPFILE inode that never has a name,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import shutil
 import tempfile
 
 import numpy as np
@@ -41,7 +45,14 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import saved_tensors_hooks
 from minizero.ledger import get_ledger
-from minizero.optim.state_store import KINDS, OffloadError, OptimizerStateStore, check_offload_dir  # noqa: F401 (re-exported)
+from minizero.optim.state_store import (  # noqa: F401 (re-exported)
+    KINDS,
+    OffloadError,
+    OptimizerStateStore,
+    check_offload_dir,
+    ram_backed,
+    reserve,
+)
 
 
 class _OnDisk:
@@ -89,13 +100,21 @@ class ActivationOffload:
             host = np.array(backend.to_host(a), copy=True)
             get_ledger().track(host, "offloaded")
             return host
+        f = None
         try:
             f = tempfile.TemporaryFile(dir=self.dir)
+            reserve(f, a.nbytes, self.dir, f"rank {self.rank}: an offloaded activation "
+                                           f"({self.bytes_offloaded - a.nbytes:,} bytes offloaded before it)")
             np.ascontiguousarray(backend.to_host(a)).tofile(f)  # streamed, no extra copy
             f.flush()
         except OSError as e:
-            raise OffloadError(e.errno, f"rank {self.rank}: offloading {a.nbytes:,} bytes to {self.dir!r} failed: "
-                                        f"{e.strerror}") from None
+            if f is not None:
+                f.close()
+            if isinstance(e, OffloadError):
+                raise
+            why = e.strerror or ("the disk is full" if shutil.disk_usage(self.dir).free < a.nbytes else str(e))
+            raise OffloadError(e.errno or errno.EIO, f"rank {self.rank}: offloading {a.nbytes:,} bytes to "
+                                                     f"{self.dir!r} failed: {why}") from None
         return _OnDisk(f, a.shape, a.dtype)
 
     def unpack(self, packed):

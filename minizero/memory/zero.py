@@ -124,6 +124,7 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
+        self.predivided = False  # gradients already carry 1/N (FP16's seed): reduce by a plain sum
         self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
         self.quantized_comm = quantized_comm
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay

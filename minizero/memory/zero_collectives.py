@@ -104,10 +104,10 @@ class UnitCollectives:
         self._agree(st, "reduce_scatter_grads")
         n = self.comm.world_size
         with self._count("reduce_scatter_grads"):
-            mean_scale_(flat, n, before_sum=True)
+            mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
             if self.quantized_comm:
                 mine = quantized_reduce_scatter(self.comm, flat)
             else:
                 mine = reduce_scatter(self.comm, flat, native=self.native)
-        return mean_scale_(mine, n, before_sum=False)
+        return mean_scale_(mine, n, before_sum=False, predivided=self.predivided)
 

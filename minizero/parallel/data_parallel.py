@@ -46,6 +46,9 @@ class DataParallel:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
+        #: True when every rank's gradients already carry the 1/N of the mean (the backward seed did it,
+        #: as FP16 training does): the reduction is then a plain sum
+        self.predivided = False
         self.buckets = []  # list of (flat buffer, [(param, offset), ...])
         self.bytes_sent = 0  # gradient all-reduce bytes this rank sent, over all steps
         current, size, dtype = [], 0, None
@@ -93,9 +96,9 @@ class DataParallel:
                     view[...] = 0
                 else:
                     view[...] = p.grad.reshape(-1)
-            mean_scale_(flat, n, before_sum=True)  # float16: divide first, so the sum cannot overflow
+            mean_scale_(flat, n, before_sum=True, predivided=self.predivided)  # float16: divide first
             all_reduce(self.comm, flat, native=self.native, out=flat)
-            mean_scale_(flat, n, before_sum=False)  # float32/64: divide the sum, as before
+            mean_scale_(flat, n, before_sum=False, predivided=self.predivided)  # float32/64: divide the sum
             for p, off in layout:
                 g = flat[off:off + p.size].reshape(p.shape)
                 if p.grad is None:

@@ -66,8 +66,14 @@ class Strategy:
         params: this rank's parameters (shards under tp; the stage's under pp).
     """
 
-    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt):
+    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
+                 predivide: bool = False):
         self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
+        # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
+        # global mean and never exceed what one process would hold; the data group then just sums
+        # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
+        self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
+        (dp if dp is not None else opt).predivided = self.seed_divisor > 1
         self.params = stage.parameters()
         self.zero = opt if dp is None else None  # the ZeroOptimizer (sharded state, gradients), or None
         self._reduce = dp.allreduce_gradients if dp is not None else opt.reduce_gradients
@@ -82,11 +88,12 @@ class Strategy:
 
         Args:
             micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets.
-            loss_scale: S; every gradient is S times the gradient of the mean loss over the m micro-batches.
+            loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
+                the mean loss over the step's global batch (under FP16 the seed carries 1/dp already).
         Returns:
             the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere.
         """
-        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale)
+        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
 
     def reduce_gradients(self) -> None:
         """Collective: the tied embedding's two copies summed (pp > 1), then the data-group average."""
@@ -215,7 +222,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True))
-    return Strategy(topo, stage, model, engine, dp, opt)
+    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16)
 
 
 def describe_batch(args, cfg) -> str:

@@ -1,0 +1,169 @@
+"""MPICommunicator: one process per rank, over mpi4py's buffer methods (arrays never pickled).
+
+Every point-to-point message travels as two MPI messages with the same (dest, tag):
+a 64-byte header (dtype, ndim, size, shape) on a duplicate of the communicator, then
+the payload as raw bytes. The receiver checks the header against its buffer first, so
+float32 [1,2,3,4] sent into an int32 buffer of the same byte size raises ``ValueError``
+naming both, as ``ThreadCommunicator`` does, instead of reinterpreting the bits. The
+traffic ledger counts payload bytes only (headers are bookkeeping, ``header_bytes``).
+
+Waits never block inside MPI (MPICH's blocking ``Recv`` busy-polls a core): every
+operation is a non-blocking request (``Isend``/``Irecv``/``Ibarrier``/``Iallreduce``...)
+tested with ``MPI_Test`` and a sleep that backs off to 2 ms, so a rank waiting on a
+stalled peer sleeps, and after ``timeout`` seconds raises :class:`CommTimeoutError`
+naming the operation, the peer and the tag (the caller then aborts the job).
+
+Mirrors: the MPI-3.1 standard, chapter 3 (point-to-point, non-blocking requests +
+MPI_Test) and 5.12 (non-blocking collectives); PyTorch's process-group ``timeout``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.base import DEFAULT_TIMEOUT_S, CommTimeoutError, Communicator, _check_color
+from minizero.comm.collectives import shard_range
+from minizero.comm.traffic import TrafficLedger
+
+_MAX_SLEEP_S = 0.002  #: longest sleep between two MPI_Test calls of a waiting rank
+_HEADER_WORDS = 8  #: int64 words: dtype string (8 ASCII bytes), ndim, size, up to 5 dimensions
+
+
+def _header(buf) -> np.ndarray:
+    """The 64-byte description of ``buf`` sent ahead of its bytes: dtype, ndim, size, shape."""
+    h = np.zeros(_HEADER_WORDS, dtype=np.int64)
+    h[0] = int.from_bytes(buf.dtype.str.encode("ascii")[:8].ljust(8, b"\0"), "little")
+    h[1], h[2] = buf.ndim, buf.size
+    if buf.ndim <= _HEADER_WORDS - 3:
+        h[3:3 + buf.ndim] = buf.shape
+    return h
+
+
+def _describe(h: np.ndarray) -> str:
+    """``(2, 3) <f4`` from a header (``size 70 <f4`` when the shape had too many dimensions)."""
+    dtype = np.dtype(int(h[0]).to_bytes(8, "little").rstrip(b"\0").decode("ascii"))
+    ndim = int(h[1])
+    shape = tuple(int(d) for d in h[3:3 + ndim]) if ndim <= _HEADER_WORDS - 3 else f"size {int(h[2])}"
+    return f"{shape} {dtype}"
+
+
+def _mpi():
+    """Import mpi4py.MPI on first use (importing it initializes MPI)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI
+
+
+class MPICommunicator(Communicator):
+    """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+
+    Point-to-point messages go as raw bytes (``[buf, MPI.BYTE]``), so every dtype works,
+    float16 included, each preceded by a header: a receive checks that the sender's shape
+    and dtype match ``buf`` (ValueError naming both otherwise).
+    Native collectives pass the arrays with their own MPI datatype (float16 needs an
+    MPI with MPIX_C_FLOAT16, as MPICH >= 4 has).
+
+    Attributes:
+        mpi_comm: the wrapped ``mpi4py.MPI.Comm`` (for timing reductions in benchmarks).
+        timeout: seconds any one wait may last (default 600, PyTorch's NCCL default);
+            then :class:`CommTimeoutError`. Settable; ``split`` copies it.
+        header_bytes: header bytes sent (8 int64 per message), kept out of ``traffic``.
+    Raises (any operation): CommTimeoutError; ValueError for a shape/dtype mismatch.
+    """
+
+    def __init__(self, mpi_comm=None, traffic: TrafficLedger | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+        MPI = _mpi()
+        self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.header_comm = self.mpi_comm.Dup()  # collective: headers in their own context, same tags
+        self.rank = self.mpi_comm.Get_rank()
+        self.world_size = self.mpi_comm.Get_size()
+        self.traffic = TrafficLedger() if traffic is None else traffic
+        self.timeout = timeout  #: seconds one wait may last before CommTimeoutError (> 0)
+        self.header_bytes = 0  #: bytes of message headers sent (not in ``traffic``)
+
+    # -- waiting: MPI_Test with a sleep, never a busy wait -----------------------------
+    def _wait(self, requests, op: str, peer=None, tag=None) -> None:
+        """Complete ``requests``, sleeping between tests; CommTimeoutError after ``self.timeout`` s."""
+        MPI = _mpi()
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                whom = f"rank {peer}" if peer is not None else "the other ranks"
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {op}{'' if tag is None else f' (tag {tag})'} waited {self.timeout:g} s "
+                    f"for {whom} of a communicator of {self.world_size} (--comm-timeout); a rank is stalled or gone")
+            time.sleep(delay)
+            delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+
+    def _post_send(self, buf, dest, tag) -> list:
+        MPI = _mpi()
+        h = _header(buf)
+        self.header_bytes += h.nbytes
+        return [self.header_comm.Isend([h, MPI.BYTE], dest=dest, tag=tag),
+                self.mpi_comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)]
+
+    def _receive(self, buf, source, tag, op, pending=()):
+        """Receive the header, check it against ``buf``, then the payload (and finish ``pending``)."""
+        MPI = _mpi()
+        h = np.empty(_HEADER_WORDS, dtype=np.int64)
+        self._wait([self.header_comm.Irecv([h, MPI.BYTE], source=source, tag=tag)], op, source, tag)
+        if not np.array_equal(h, _header(buf)):
+            raise ValueError(
+                f"rank {self.rank}: {op} message from rank {source} (tag {tag}) is {_describe(h)}, "
+                f"the receive buffer is {_describe(_header(buf))}; they must match")
+        self._wait([self.mpi_comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), *pending], op, source, tag)
+
+    def _send(self, buf, dest, tag):
+        self._wait(self._post_send(buf, dest, tag), "send", dest, tag)
+
+    def _recv(self, buf, source, tag):
+        self._receive(buf, source, tag, "recv")
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self._receive(recvbuf, source, tag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
+
+    def barrier(self):
+        self._wait([self.mpi_comm.Ibarrier()], "barrier")
+
+    def split(self, color, key=0):
+        color, key = _check_color(color), int(key)
+        return MPICommunicator(self.mpi_comm.Split(color, key), traffic=TrafficLedger(parent=self.traffic),
+                               timeout=self.timeout)
+
+    def abort(self, errorcode=1):
+        _mpi().COMM_WORLD.Abort(errorcode)
+
+    def _native_allreduce(self, x, out):
+        MPI = _mpi()
+        self._wait([self.mpi_comm.Iallreduce(MPI.IN_PLACE if out is x else x, out, op=MPI.SUM)], "native_allreduce")
+
+    def _native_reduce_scatter(self, flat):
+        counts = [shard_range(flat.size, self.world_size, r)[1] for r in range(self.world_size)]
+        out = backend.xp.empty(counts[self.rank], dtype=flat.dtype)
+        self._wait([self.mpi_comm.Ireduce_scatter(flat, out, counts, op=_mpi().SUM)], "native_reduce_scatter")
+        return out
+
+    def _native_allgather(self, shard, n):
+        ranges = [shard_range(n, self.world_size, r) for r in range(self.world_size)]
+        out = backend.xp.empty(n, dtype=shard.dtype)
+        counts, displs = [s for _, s in ranges], [o for o, _ in ranges]
+        self._wait([self.mpi_comm.Iallgatherv(shard, [out, (counts, displs)])], "native_allgather")
+        return out
+
+    def _native_bcast(self, x, root):
+        self._wait([self.mpi_comm.Ibcast(x, root=root)], "native_bcast")
+
+
+_WORLD: MPICommunicator | None = None
+
+
+def world() -> MPICommunicator:
+    """The ``MPICommunicator`` over ``MPI.COMM_WORLD`` (one per process, so one ledger)."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = MPICommunicator()
+    return _WORLD
+

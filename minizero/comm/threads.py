@@ -1,0 +1,271 @@
+"""ThreadCommunicator: ranks as threads of one process (``run_in_threads``), for notebooks and tests.
+
+Same semantics as MPI, plus a receive timeout and prompt failure when any rank raises,
+so a buggy algorithm fails a test instead of hanging it.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+
+from minizero import backend
+from minizero.comm.base import CommTimeoutError, Communicator, _check_color
+from minizero.comm.collectives import shard_range
+from minizero.comm.traffic import TrafficLedger
+
+
+class GroupFailedError(RuntimeError):
+    """Raised in a waiting rank thread when another rank of its ``run_in_threads`` failed."""
+
+
+class _ThreadGroup:
+    """What the rank threads of one ``run_in_threads`` call share: the first failure."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.failed = threading.Event()
+        self.failure: tuple[int, BaseException] | None = None  # (thread rank, exception)
+        self.contexts: list[_Context] = []
+        self.ids = itertools.count()
+
+    def new_context(self, size: int) -> _Context:
+        ctx = _Context(size, next(self.ids))
+        with self.lock:
+            self.contexts.append(ctx)
+            if self.failed.is_set():
+                ctx.barrier.abort()
+        return ctx
+
+    def fail(self, thread_rank: int, exc: BaseException) -> None:
+        """Remember the first failure and wake every waiting rank."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = (thread_rank, exc)
+            self.failed.set()
+            contexts = list(self.contexts)
+        for ctx in contexts:
+            ctx.barrier.abort()  # ranks waiting in barrier()/native_*/split() raise
+
+
+class _Context:
+    """One communicator's shared state: message queues, a barrier, exchange slots."""
+
+    def __init__(self, size: int, context_id: int):
+        self.size = size
+        self.id = context_id
+        self.barrier = threading.Barrier(size)
+        self.slots: list = [None] * size
+        self.lock = threading.Lock()
+        self.queues: dict[tuple[int, int, int], queue.Queue] = {}
+
+    def queue(self, source: int, dest: int, tag: int) -> queue.Queue:
+        with self.lock:
+            if (source, dest, tag) not in self.queues:
+                self.queues[(source, dest, tag)] = queue.Queue()
+            return self.queues[(source, dest, tag)]
+
+
+class ThreadCommunicator(Communicator):
+    """A ``Communicator`` whose ranks are threads of one process; make it with ``run_in_threads``.
+
+    ``send`` copies the array into the (source, dest, tag, communicator) queue and
+    returns at once (eager, like MPI for small messages). ``recv`` waits at most
+    ``timeout`` seconds and then raises ``CommTimeoutError`` (a TimeoutError) naming the ranks and the tag;
+    if any rank of the group raised, every waiting rank raises ``GroupFailedError``
+    promptly instead of hanging. Native collectives are computed from every rank's
+    array directly (deposited in shared slots between two barriers), summing in rank
+    order, so every rank gets bit-identical results.
+    """
+
+    _POLL_S = 0.05  # how often a waiting recv checks for failure and timeout
+
+    def __init__(self, group: _ThreadGroup, ctx: _Context, rank: int, thread_ranks: list[int],
+                 traffic: TrafficLedger | None = None, timeout: float = 60.0):
+        self._group, self._ctx, self._thread_ranks = group, ctx, thread_ranks
+        self.rank, self.world_size = rank, ctx.size
+        self.traffic = TrafficLedger() if traffic is None else traffic
+        self.timeout = timeout  #: seconds a recv / barrier waits before TimeoutError
+
+    def _who(self) -> str:
+        return f"rank {self.rank} (thread rank {self._thread_ranks[self.rank]}, communicator {self._ctx.id})"
+
+    def _failed_error(self, waiting_for: str) -> GroupFailedError:
+        rank, exc = self._group.failure
+        return GroupFailedError(
+            f"{self._who()} stopped waiting for {waiting_for}: thread rank {rank} raised "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+    # -- point to point ------------------------------------------------------------
+    def _send(self, buf, dest, tag):
+        self._ctx.queue(self.rank, dest, tag).put(buf.copy())
+
+    def _recv(self, buf, source, tag, op="recv"):
+        q = self._ctx.queue(source, self.rank, tag)
+        what = f"a message from rank {source} with tag {tag} ({op})"
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                msg = q.get(timeout=self._POLL_S)
+                break
+            except queue.Empty:
+                if self._group.failed.is_set():
+                    raise self._failed_error(what) from None
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(f"{self._who()} waited {self.timeout} s for {what}") from None
+        if msg.shape != buf.shape or msg.dtype != buf.dtype:
+            raise ValueError(
+                f"{self._who()}: {op} message from rank {source} (tag {tag}) is {msg.shape} {msg.dtype}, "
+                f"the receive buffer is {buf.shape} {buf.dtype}; they must match"
+            )
+        buf[...] = msg
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self._send(sendbuf, dest, tag)  # never blocks, so no deadlock
+        self._recv(recvbuf, source, tag, "sendrecv")
+
+    # -- group management ------------------------------------------------------------
+    def _wait(self, what: str) -> None:
+        try:
+            self._ctx.barrier.wait(timeout=self.timeout)
+        except threading.BrokenBarrierError:
+            if self._group.failed.is_set():
+                raise self._failed_error(what) from None
+            raise CommTimeoutError(f"{self._who()} waited {self.timeout} s in {what}") from None
+
+    def _exchange(self, obj, combine, what: str):
+        """Every rank deposits ``obj``; returns ``combine(objs by rank)`` computed on each rank."""
+        self._ctx.slots[self.rank] = obj
+        self._wait(what)  # all deposited
+        result = combine(list(self._ctx.slots))
+        self._wait(what)  # all have read: slots may be reused, arrays modified
+        return result
+
+    def barrier(self):
+        self._wait("barrier")
+
+    def split(self, color, key=0):
+        color, key = _check_color(color), int(key)
+        entries = self._exchange((color, key), list, "split")
+        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
+        old_ranks = [r for _, r in members]  # new rank i is old rank old_ranks[i]
+        leader = old_ranks[0]
+        new_ctx = self._group.new_context(len(old_ranks)) if self.rank == leader else None
+        contexts = self._exchange(new_ctx, list, "split")
+        return ThreadCommunicator(
+            self._group, contexts[leader], old_ranks.index(self.rank),
+            [self._thread_ranks[r] for r in old_ranks],
+            traffic=TrafficLedger(parent=self.traffic), timeout=self.timeout,
+        )
+
+    def abort(self, errorcode=1):
+        exc = RuntimeError(f"{self._who()} called abort(errorcode={errorcode})")
+        self._group.fail(self._thread_ranks[self.rank], exc)
+        raise exc
+
+    # -- native collectives ----------------------------------------------------------
+    def _same_arrays(self, parts, what):
+        shapes = [(p.shape, p.dtype) for p in parts]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"{what}: ranks passed different arrays (shape, dtype by rank): {shapes}")
+
+    def _native_allreduce(self, x, out):
+        def total(parts):
+            self._same_arrays(parts, "native_allreduce")
+            acc = parts[0].copy()
+            for p in parts[1:]:
+                backend.xp.add(acc, p, out=acc)
+            return acc
+
+        out[...] = self._exchange(x, total, "native_allreduce")
+
+    def _native_reduce_scatter(self, flat):
+        off, size = shard_range(flat.size, self.world_size, self.rank)
+
+        def my_chunk(parts):
+            self._same_arrays(parts, "native_reduce_scatter")
+            acc = parts[0][off:off + size].copy()
+            for p in parts[1:]:
+                backend.xp.add(acc, p[off:off + size], out=acc)
+            return acc
+
+        return self._exchange(flat, my_chunk, "native_reduce_scatter")
+
+    def _native_allgather(self, shard, n):
+        def concatenate(parts):
+            if sum(p.size for p in parts) != n or len({p.dtype for p in parts}) != 1:
+                raise ValueError(f"native_allgather: shards {[(p.size, p.dtype) for p in parts]} "
+                                 f"do not make one array of n={n} elements")
+            return backend.xp.concatenate(parts)
+
+        return self._exchange(shard, concatenate, "native_allgather")
+
+    def _native_bcast(self, x, root):
+        def copy_root(parts):
+            self._same_arrays(parts, "native_bcast")
+            if self.rank != root:
+                x[...] = parts[root]
+
+        self._exchange(x, copy_root, "native_bcast")
+
+
+_THREAD_START_HOOKS: list = []
+
+
+def register_thread_start_hook(fn):
+    """Run ``fn()`` (no arguments) at the start of every rank thread of ``run_in_threads``.
+
+    For per-rank thread-local state (e.g. a memory ledger). Registering the same
+    function twice has no effect. Returns ``fn`` (usable as a decorator).
+    """
+    if fn not in _THREAD_START_HOOKS:
+        _THREAD_START_HOOKS.append(fn)
+    return fn
+
+
+def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
+    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` rank threads; return results by rank.
+
+    Each thread gets its own ``ThreadCommunicator`` (``comm.rank`` = its index) with
+    its own ``TrafficLedger``; registered thread-start hooks run first in each thread.
+    ``timeout`` (seconds) bounds every single wait in ``recv``/``barrier``/collectives.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``timeout`` <= 0.
+        The first exception raised in any rank (same object and type), its message
+        prefixed with ``[rank r/N]``; other ranks blocked on it were released with
+        ``GroupFailedError`` and are not reported.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}; allowed: an int >= 1")
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout!r}; allowed: seconds > 0")
+    group = _ThreadGroup()
+    ctx = group.new_context(world_size)
+    results = [None] * world_size
+
+    def rank_main(rank):
+        try:
+            for hook in list(_THREAD_START_HOOKS):
+                hook()
+            comm = ThreadCommunicator(group, ctx, rank, list(range(world_size)), timeout=timeout)
+            results[rank] = fn(comm, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001  (reported in the caller below)
+            group.fail(rank, exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"minizero-rank-{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if group.failure is not None:
+        rank, exc = group.failure
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"[rank {rank}/{world_size}] {exc.args[0]}",) + exc.args[1:]
+        elif hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"raised in rank {rank} of {world_size} (run_in_threads)")
+        raise exc
+    return results

@@ -1,0 +1,89 @@
+"""The ledger of the bytes each rank sends, by operation label (one per Communicator).
+
+Mirrors: the per-collective byte counts of the NCCL/MPI cost model (Thakur et al. 2005).
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+class TrafficLedger:
+    """Bytes this rank sent, by operation label.
+
+    ``record(nbytes)`` adds to the label that is active: the *outermost* open
+    ``with op(label):`` block — of the parent ledger first, then of this one — else
+    ``"p2p"``. Outermost wins so that a caller names the purpose of the messages
+    (``with comm.traffic.op("metrics"): all_reduce(...)`` is counted as metrics,
+    not as gradient all-reduce); a collective called on its own is named by the
+    label it opens itself (``all_reduce``, ``reduce_scatter``, ...). A ledger made with ``parent=`` (what ``Communicator.split``
+    does) forwards everything it records to the parent too, so the world
+    communicator's ledger always holds the rank's total while a sub-communicator's
+    ledger holds only what went through that sub-communicator.
+
+    Attributes:
+        bytes_sent: int, total bytes recorded.
+        by_op: dict label -> bytes.
+        calls: dict label -> number of calls: one per entry into ``op(label)`` (one
+            collective call, however many messages it sends) and one per message sent
+            outside any ``op`` block (label ``"p2p"``).
+
+    A ledger belongs to one rank and is used from that rank's thread only (no locks).
+    """
+
+    def __init__(self, parent: TrafficLedger | None = None):
+        self.parent = parent
+        self._labels: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero this ledger (not its parent)."""
+        self.bytes_sent = 0
+        self.by_op: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    def current_label(self) -> str | None:
+        """The outermost active label of the parent ledger, else of this one, else None."""
+        outer = self.parent.current_label() if self.parent is not None else None
+        if outer is not None:
+            return outer
+        return self._labels[0] if self._labels else None
+
+    @contextlib.contextmanager
+    def op(self, label: str):
+        """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open)."""
+        self._add(label, nbytes=0, calls=1)
+        self._labels.append(label)
+        try:
+            yield self
+        finally:
+            self._labels.pop()
+
+    def record(self, nbytes: int) -> None:
+        """Record one message of ``nbytes`` bytes sent by this rank.
+
+        Raises:
+            ValueError: negative ``nbytes``.
+        """
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        label = self.current_label()
+        if label is None:
+            self._add("p2p", nbytes, calls=1)
+        else:
+            self._add(label, nbytes, calls=0)
+
+    def _add(self, label: str, nbytes: int, calls: int) -> None:
+        self.bytes_sent += nbytes
+        self.by_op[label] = self.by_op.get(label, 0) + nbytes
+        self.calls[label] = self.calls.get(label, 0) + calls
+        if self.parent is not None:
+            self.parent._add(label, nbytes, calls)
+
+    def snapshot(self) -> dict:
+        """A JSON-able copy: ``{"bytes_sent": int, "by_op": {...}, "calls": {...}}``."""
+        return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls)}
+
+    def __repr__(self) -> str:
+        return f"TrafficLedger(bytes_sent={self.bytes_sent}, by_op={self.by_op})"
+

@@ -1,0 +1,53 @@
+"""Run under ``mpiexec -n 2``: messages that must fail with a clear error, results to OUTDIR.
+
+Usage: mpiexec -n 2 python tests/mpi_scripts/comm_faults.py OUTDIR MODE
+
+MODE ``dtypes``: rank 0 all-reduces float32 [1,2,3,4], rank 1 int32 [1,2,3,4]; then
+float32 x 8 against float64 x 4. ``stall``: rank 1 sleeps 3 s while rank 0 waits for it
+with a 1 s timeout. Each rank writes ``OUTDIR/rank{r}.json``: the errors it saw (type,
+message), CPU and wall seconds of the wait. The test (tests/test_collectives.py) checks them.
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+from minizero.comm import all_reduce, world
+
+
+def attempt(fn):
+    try:
+        return {"result": np.asarray(fn()).tolist()}
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def main(outdir, mode):
+    comm = world()
+    r = comm.rank
+    out = {}
+    if mode == "dtypes":
+        x = np.array([1, 2, 3, 4], dtype=np.float32 if r == 0 else np.int32)
+        out["same_size"] = attempt(lambda: all_reduce(comm, x))
+        comm.barrier()
+        y = np.arange(8, dtype=np.float32) if r == 0 else np.arange(4, dtype=np.float64)
+        out["same_bytes"] = attempt(lambda: all_reduce(comm, y))
+        out["payload_bytes"] = comm.traffic.bytes_sent
+    elif mode == "stall":
+        comm.timeout = 1.0
+        if r == 1:
+            time.sleep(3)
+        else:
+            t0, c0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
+            out["recv"] = attempt(lambda: comm.recv(np.empty(4), source=1, tag=7))
+            out["wall_s"] = time.monotonic() - t0
+            out["cpu_s"] = resource.getrusage(resource.RUSAGE_SELF).ru_utime - c0
+    with open(os.path.join(outdir, f"rank{r}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,372 @@
+"""Nothing lost, nothing stuck: outputs on full disks and devices, a locked OUT, stalled and orphaned ranks.
+
+Full disks are small tmpfs mounts (root only; skipped with the reason elsewhere), always
+unmounted. Every test that launches ranks has a timeout.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minizero.args import UsageError, parse_args
+from minizero.data import eval_batches, global_batch
+from minizero.files import FolderLock, FolderLocked, WriteError, atomic_write
+from minizero.memory.offload import ActivationOffload, OffloadError, ram_backed
+from tests.conftest import REPO_ROOT, mpi_env
+
+TINY = ["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8",
+        "--no-progress"]
+
+
+def launch(mpiexec, n, args, timeout=120, env=None, module=("-m", "minizero.train")):
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, *module, *args], env=env or mpi_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A factory: ``small_disk(size)`` mounts a tmpfs of ``size`` (e.g. "64k") and returns its path."""
+    mounted = []
+
+    def mount(size):
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        for _ in range(20):  # a rank killed a moment ago may still hold it
+            if subprocess.run(["umount", str(d)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.25)
+
+
+def fill(disk):
+    """Fill ``disk`` to the last byte."""
+    try:
+        with open(disk / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------- 1, 2: outputs
+def test_atomic_write_on_a_full_disk_keeps_the_previous_file(small_disk):
+    d = small_disk("64k")
+    (d / "s.json").write_text('{"good": 1}')
+    fill(d)
+    with pytest.raises(WriteError, match=r"s\.json.*disk is full"):
+        atomic_write(str(d / "s.json"), lambda f: f.write("x" * 20000), mode="w")
+    assert (d / "s.json").read_text() == '{"good": 1}'
+    assert sorted(os.listdir(d)) == ["filler", "s.json"]
+
+
+def test_atomic_write_writes_into_devices_and_refuses_folders(tmp_path):
+    before = os.stat("/dev/null")
+    atomic_write("/dev/null", lambda f: f.write(b"x" * 100))
+    after = os.stat("/dev/null")
+    assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    with pytest.raises(WriteError, match="is a directory"):
+        atomic_write(str(tmp_path), lambda f: f.write(b"x"))
+    p = tmp_path / "w.bin"
+    atomic_write(str(p), lambda f: f.write(b"abc"))
+    assert p.read_bytes() == b"abc" and oct(p.stat().st_mode & 0o777) != oct(0o600)
+
+
+@pytest.mark.timeout(120)
+def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, small_disk, tmp_path):
+    d = small_disk("64k")
+    (d / "s.json").write_text('{"good": 1}')
+    fill(d)
+    proc, _ = launch(mpiexec, 2, TINY + ["--out", str(tmp_path / "o"), "--json", str(d / "s.json")], timeout=90)
+    assert proc.returncode != 0, proc.stdout
+    assert "s.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
+    assert "wrote" not in proc.stdout
+    assert (d / "s.json").read_text() == '{"good": 1}'
+    assert sorted(os.listdir(d)) == ["filler", "s.json"]
+
+
+@pytest.mark.timeout(120)
+def test_json_to_dev_null_keeps_the_device(mpiexec, tmp_path):
+    before = os.stat("/dev/null")
+    proc, _ = launch(mpiexec, 2, TINY + ["--out", str(tmp_path / "o"), "--json", "/dev/null"], timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    after = os.stat("/dev/null")
+    assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+
+
+def test_quantize_json_writes_into_dev_null():
+    from minizero.quantize import write_json_atomic
+
+    before = os.stat("/dev/null")
+    write_json_atomic("/dev/null", {"a": 1})
+    assert os.stat("/dev/null").st_ino == before.st_ino
+
+
+# --------------------------------------------------------------------------- 3: offload on a full disk
+@pytest.mark.timeout(120)
+def test_nvme_optimizer_offload_on_a_full_disk_says_so_before_training(mpiexec, small_disk, tmp_path):
+    d = small_disk("2m")
+    proc, _ = launch(mpiexec, 2, ["--model", "small", "--steps", "2", "--eval-batches", "1", "--no-progress",
+                                  "--no-save", "--offload-optimizer", "nvme", "--offload-dir", str(d)], timeout=90)
+    assert proc.returncode not in (0, 7, -7), proc.stderr  # 7: SIGBUS
+    assert "Bus error" not in proc.stderr
+    assert "disk is full" in proc.stderr and str(d) in proc.stderr and "bytes are free" in proc.stderr, proc.stderr
+    assert "validation loss" not in proc.stdout
+    assert "RAM" in proc.stderr  # tmpfs: the warning that nothing is saved
+
+
+def test_activation_offload_on_a_full_disk_says_so(small_disk):
+    d = small_disk("64k")
+    off = ActivationOffload("nvme", str(d))
+    fill(d)
+    with pytest.raises(OffloadError, match="disk is full"):
+        off.pack(np.ones(100_000))
+
+
+def test_ram_backed_is_the_longest_mount_prefix(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\ntmpfs /scratch tmpfs rw 0 0\n/dev/sdb1 /scratch/disk xfs rw 0 0\n")
+    assert ram_backed("/scratch/x", str(mounts)) == "tmpfs"
+    assert ram_backed("/scratch/disk/x", str(mounts)) is None
+    assert ram_backed("/scratchy", str(mounts)) is None
+    assert ram_backed("/x", str(tmp_path / "missing")) is None
+
+
+# --------------------------------------------------------------------------- 4: one job per OUT
+@pytest.mark.timeout(120)
+def test_second_job_in_a_locked_out_is_refused_by_every_rank(mpiexec, tmp_path):
+    out = tmp_path / "o"
+    lock = FolderLock(str(out))
+    lock.acquire()
+    try:
+        with pytest.raises(FolderLocked, match=f"pid {os.getpid()}"):
+            FolderLock(str(out)).acquire()
+        proc, elapsed = launch(mpiexec, 2, TINY + ["--out", str(out)], timeout=60)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(f"pid {os.getpid()}") == 1 and "in use by another minizero job" in proc.stderr
+    assert not (out / "model.npz").exists() and elapsed < 30
+    assert os.listdir(out) == []  # released: the lock file is gone
+
+
+# --------------------------------------------------------------------------- 5, 6, 8: checked before work
+@pytest.mark.parametrize("argv,needle", [
+    (["--eval-batches", "1000000000"], "--eval-batches must be <= 10,000"),
+    (["--steps", "100000000000000000000"], "--steps must be <= 1,000,000,000"),
+    (["--steps", "5", "--warmup", "9"], "--warmup 9 is longer than --steps 5"),
+    (["--comm-timeout", "0"], "--comm-timeout must be a finite number of seconds > 0"),
+    (["--out", "/proc/x"], "--out '/proc/x' cannot be written"),
+    (["--out", "/sys/x"], "--out '/sys/x' cannot be written"),
+    (["--data", "/dev/zero"], "'/dev/zero' is a character device"),
+    (["--precision", "fp16", "--loss-scale-window", "0"], "--loss-scale-window must be >= 1; got --loss-scale-window=0"),
+    (["--precision", "fp16", "--min-loss-scale", "0"], "--min-loss-scale must be in"),
+])
+def test_bad_values_are_refused_by_name(argv, needle):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, world_size=2)
+    assert needle in str(e.value)
+
+
+def test_out_whose_model_npz_is_a_folder_is_refused(tmp_path):
+    (tmp_path / "model.npz").mkdir()
+    with pytest.raises(UsageError, match="model.npz' is a directory"):
+        parse_args(["--out", str(tmp_path)], world_size=2)
+
+
+def test_pipe_given_to_data_is_named(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match=r"is a named pipe \(FIFO\), not a regular file"):
+        parse_args(["--data", str(fifo)], world_size=2)
+
+
+def test_quantize_weights_given_a_folder_is_named(tmp_path):
+    from minizero.quantize import read_weights
+
+    with pytest.raises(ValueError, match="is a directory, not a regular file"):
+        read_weights(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec,needle", [("2:1:raise", "names rank 2"), ("1:4:kill", "names step 4")])
+def test_fault_spec_outside_the_job_is_refused(monkeypatch, spec, needle):
+    from minizero.args import check_fault_spec
+
+    monkeypatch.setenv("MINIZERO_FAULT", spec)
+    with pytest.raises(UsageError, match=needle):
+        check_fault_spec(2, 4)
+
+
+@pytest.mark.timeout(60)
+def test_fault_spec_naming_a_missing_rank_exits_2_under_mpi(mpiexec):
+    proc, _ = launch(mpiexec, 2, TINY + ["--no-save"], env=dict(mpi_env(), MINIZERO_FAULT="2:1:raise"), timeout=50)
+    assert proc.returncode == 2 and proc.stderr.count("names rank 2") == 1, proc.stderr
+
+
+def test_validation_batches_are_lazy_and_repeatable():
+    tokens = np.arange(5000, dtype=np.uint8)
+    val = eval_batches(tokens, 16, 1_000_000, 4, seed=3)  # would be ~1 GB as a list
+    assert len(val) == 1_000_000
+    first = [b for _, b in zip(range(3), val)]
+    again = [b for _, b in zip(range(3), val)]
+    for (x, y), (x2, y2), i in zip(first, again, range(3)):
+        ref = global_batch(tokens, i, 4, 16, 3)
+        np.testing.assert_array_equal(x, ref[0]); np.testing.assert_array_equal(y, ref[1])
+        np.testing.assert_array_equal(x, x2)
+
+
+# --------------------------------------------------------------------------- 7: stalled and orphaned ranks
+@pytest.mark.timeout(120)
+def test_stalled_rank_times_out_naming_it(mpiexec):
+    env = dict(mpi_env(), MINIZERO_FAULT="1:2:stop")
+    proc, elapsed = launch(mpiexec, 2, TINY + ["--steps", "20", "--no-save", "--comm-timeout", "2"], env=env,
+                           timeout=60)
+    assert proc.returncode != 0
+    assert elapsed < 30
+    assert "waited 2 s for rank 1" in proc.stderr and "--comm-timeout" in proc.stderr, proc.stderr
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.timeout(120)
+def test_ranks_end_when_their_launcher_is_gone(mpiexec):
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("needs Linux's /proc/PID/task/PID/children")
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",
+                             "--no-save"], env=mpi_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        ranks = []
+        for _ in range(100):
+            proxies = _children(proc.pid)
+            ranks = [r for p in proxies for r in _children(p)]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 2, "ranks did not start"
+        time.sleep(2)  # training
+        for p in proxies:
+            os.kill(p, signal.SIGKILL)  # the launcher's proxy, by its pid
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{r}") and _alive(r) for r in ranks):
+            time.sleep(0.2)
+        alive = [r for r in ranks if _alive(r)]
+        for r in alive:
+            os.kill(r, signal.SIGKILL)
+        assert not alive, "ranks kept running as orphans"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- 8: what a user sees
+@pytest.mark.timeout(120)
+def test_ctrl_c_prints_one_interrupted_line(mpiexec):
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",
+                             "--no-save", "--no-progress"], env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(100):  # wait for training (the header on stdout)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+            if len(_children(proc.pid)) and all(_children(p) for p in _children(proc.pid)):
+                break
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert err.count("interrupted") == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_zero_over_one_data_rank_says_it_saves_nothing(mpiexec):
+    proc, _ = launch(mpiexec, 2, TINY + ["--zero", "3", "--tp", "2", "--no-save"], timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "--zero 3 over 1 data rank shards nothing" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_both_ranks_failing_print_both_tracebacks_whole(mpiexec):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "both_fail.py")
+    proc, _ = launch(mpiexec, 2, TINY + ["--no-save"], module=(script,), timeout=90)
+    assert proc.returncode != 0
+    for r in range(2):
+        start = proc.stderr.index(f"[rank {r}] minizero.train failed: RuntimeError: boom on rank {r}")
+        block = proc.stderr[start:]
+        end = block.index(f"RuntimeError: boom on rank {r} " + "x" * 200, 60)
+        block = block[:end]
+        assert "Traceback (most recent call last)" in block and "in _failing_train" in block, block
+        assert "in _deep" in block and "Previous line repeated" in block, block
+        assert f"boom on rank {1 - r}" not in block  # not interleaved with the other rank's
+
+
+# --------------------------------------------------------------------------- soak (short; the long one by hand)
+@pytest.mark.timeout(240)
+def test_soak_short(mpiexec):
+    from tests.soak import soak
+
+    results = soak(4, seed=7)
+    assert all(not r["problems"] for r in results), results
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MINIZERO_SLOW"), reason="slow (~5 min): MINIZERO_SLOW=1 to run")
+@pytest.mark.timeout(1200)
+def test_soak_twenty_runs(mpiexec):
+    from tests.soak import soak
+
+    results = soak(20, seed=0)
+    assert all(not r["problems"] for r in results), [r for r in results if r["problems"]]
+
+
+@pytest.mark.timeout(180)
+def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiexec):
+    d = small_disk("64k")
+    (d / "c.json").write_text('{"good": 1}')
+    fill(d)
+    base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "2", "--steps", "1",
+            "--strategies", "baseline", "--out", str(tmp_path / "cmp")]
+    proc = subprocess.run(base + ["--json", str(d / "c.json")], env=mpi_env(), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 1 and "c.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
+    assert (d / "c.json").read_text() == '{"good": 1}' and sorted(os.listdir(d)) == ["c.json", "filler"]
+    before = os.stat("/dev/null")
+    proc = subprocess.run(base + ["--json", "/dev/null"], env=mpi_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert os.stat("/dev/null").st_ino == before.st_ino
