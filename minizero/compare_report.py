@@ -1,0 +1,97 @@
+"""The report of ``python -m minizero.compare``: its Markdown table and its figure.
+
+Units: MiB = 2**20 bytes in the table and the figure; the runs hold bytes.
+"""
+from __future__ import annotations
+
+from minizero.files import atomic_write
+from minizero.memory.estimator import DEVICE_CATEGORIES
+
+#: categories shown per rank (the ledger's), and the unit of the table
+SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "gathered", "offloaded")
+MIB = 2 ** 20
+
+
+def _mib(n) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def markdown(runs: list[dict], header: str, descriptions: dict) -> str:
+    """The comparison as a Markdown table: rank 0's measured / estimated MiB per category, and the rest.
+
+    ``runs``: the records of :func:`minizero.compare.main` (bytes); ``descriptions``: strategy name -> what it adds.
+    """
+    lines = [header, "",
+             "Cells: measured / estimated, MiB (2^20 bytes), rank 0; measured = the ledger's peak during the training "
+             "steps; estimated = `estimate_memory(..., accounting=\"minizero\")`. Device total = the sum of the "
+             "per-category peaks except `offloaded`. Worst = the largest |estimated - measured| / measured over "
+             "ranks and categories. Process peak = tracemalloc (every NumPy allocation).", "",
+             "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
+             "offloaded | files | device total | worst | process peak | tokens/s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        if not r["ok"]:
+            lines.append(f"| {r['ranks']} | {r['strategy']} | failed: {r['error'].replace('|', '/')} "
+                         "|  |  |  |  |  |  |  |  |  |  |")
+            continue
+        m, e = r["measured"]["per_rank"][0], r["estimate"]
+
+        def cell(*cats):
+            return f"{_mib(sum(m[c] for c in cats))} / {_mib(sum(e[c] for c in cats))}"
+
+        dev_total = sum(m[c] for c in DEVICE_CATEGORIES)
+        worst = max(r["deviation"].values())
+        files = r["measured"]["optimizer_disk_bytes"][0]
+        lines.append(
+            f"| {r['ranks']} | {r['strategy']} | {cell('parameters')} | {cell('gradients')} | "
+            f"{cell('optimizer_state')} | {cell('activations')} | {cell('comm_buffers', 'gathered')} | "
+            f"{cell('offloaded')} | {_mib(files)} / {_mib(e['nvme_optimizer'])} | {_mib(dev_total)} / "
+            f"{_mib(e['total'])} | {worst:.1%} | {_mib(r['measured']['process_peak_bytes'][0])} | "
+            f"{r['measured']['tokens_per_s']:,.0f} |")
+    lines += ["", "files = optimizer state in NVMe files (the job's `optimizer_disk_bytes`; activation files are not "
+                  "counted by the job). Strategies: " + "; ".join(
+                      f"`{n}` {descriptions[n]}" for n in dict.fromkeys(r["strategy"] for r in runs))]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: str, title: str) -> bool:
+    """Stacked bars of rank 0's measured peaks by category, the estimate as a marker; tokens/s below.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in runs if r["ok"]]
+    world_sizes = sorted({r["ranks"] for r in ok})
+    fig, axes = plt.subplots(2, max(1, len(world_sizes)), figsize=(2 + 4.5 * len(world_sizes), 7.5),
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 1]})
+    colors = dict(zip(SHOWN, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for j, n in enumerate(world_sizes):
+        rs = [r for r in ok if r["ranks"] == n]
+        xs = range(len(rs))
+        ax = axes[0][j]
+        bottom = [0.0] * len(rs)
+        for c in SHOWN:
+            vals = [r["measured"]["per_rank"][0][c] / MIB for r in rs]
+            ax.bar(xs, vals, bottom=bottom, color=colors[c], label=c, hatch="//" if c == "offloaded" else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(xs, [r["estimate"]["total"] / MIB for r in rs], marker="D", color="black", zorder=3,
+                   label="estimate: device total")
+        ax.set_title(f"{n} rank(s): peak memory per rank (rank 0)")
+        ax.set_ylabel("MiB")
+        ax.set_xticks(list(xs), [r["strategy"] for r in rs], rotation=30, ha="right")
+        axt = axes[1][j]
+        axt.bar(xs, [r["measured"]["tokens_per_s"] for r in rs], color="gray")
+        axt.set_ylabel("tokens/s")
+        axt.set_xticks(list(xs), [r["strategy"] for r in rs], rotation=30, ha="right")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+    return True
