@@ -25,6 +25,7 @@ import tracemalloc
 
 from minizero.args import UsageError, build_parser, model_config, parse_args  # noqa: F401 (the public API)
 from minizero.comm import MPICommunicator
+from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.precision import LossScaleError
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    comm = MPICommunicator(MPI.COMM_WORLD)
+    comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
     try:
         args = parse_args(argv, comm.world_size, quiet=rank != 0)
@@ -58,9 +59,7 @@ def main(argv=None) -> int:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-        local_ranks = local.Get_size()
-        local.Free()
+        local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)
         if not args.no_tracemalloc:

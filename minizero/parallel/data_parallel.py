@@ -37,15 +37,21 @@ class DataParallel:
             then has a few buckets, which shows the idea; PyTorch uses 25 MiB.
         native: use the MPI library's all-reduce instead of the hand-written ring.
         broadcast_params: copy rank 0's parameters to every rank at construction.
+        allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
+            over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
+            over ``comm``); None: the ring (``native``: the library's).
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True):
+                 broadcast_params: bool = True, allreduce=None):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
+        if allreduce is not None and native:
+            raise ValueError("native=True and an allreduce callable exclude each other")
+        self.allreduce = allreduce
         self.buckets = []  # list of (flat buffer, [(param, offset), ...])
         self.bytes_sent = 0  # gradient all-reduce bytes this rank sent, over all steps
         current, size, dtype = [], 0, None
@@ -91,7 +97,10 @@ class DataParallel:
                     view[...] = 0
                 else:
                     view[...] = p.grad.reshape(-1)
-            all_reduce(self.comm, flat, native=self.native, out=flat)
+            if self.allreduce is not None:
+                self.allreduce(flat, out=flat)
+            else:
+                all_reduce(self.comm, flat, native=self.native, out=flat)
             flat *= flat.dtype.type(1.0 / n)
             for p, off in layout:
                 g = flat[off:off + p.size].reshape(p.shape)
