@@ -3,11 +3,16 @@
 After training, :func:`node_traffic` sums every rank's ledgers (one all-reduce) and
 rank 0 prints, for example with ``--dp 2 --tp 2`` on 2 nodes x 2 ranks::
 
-    traffic per step, summed over ranks (group: spans nodes, sent, of which across nodes):
-      tp    (2 ranks): 1 node(s),   1.2 MB,       0 B
-      dp    (2 ranks): 2 node(s), 410.1 kB, 410.1 kB
-      world          :          ,   1.6 MB, 410.1 kB = dp gradient all-reduce 410.1 kB + metrics 48 B
-    dp gradient all-reduce (ring) across nodes per step: 410.1 kB; ring 410.1 kB, hierarchical 410.1 kB
+    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; tp groups span 1, dp groups span 2
+    ...
+    traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):
+      tp    (2 rank(s) each): 1 node(s),  393.6 kB,       0 B
+      dp    (2 rank(s) each): 2 node(s),  182.8 kB,  182.8 kB
+      world: 576.5 kB sent, 182.8 kB across nodes = tp 0 B + dp 182.8 kB + pp 0 B + other (...) 56 B
+      dp gradient all-reduce (ring) across nodes per step: 182.8 kB; computed: flat ring 182.8 kB, ...
+
+(the tiny model, float64, 3 steps). The tensor group sends twice the data group's bytes
+and none of it leaves a node: that is why tensor parallelism stays inside one.
 
 Bytes per step are the ledgers' totals over the run divided by its steps (validation
 included), without set-up traffic (``broadcast_params``, sent once before step 0).
