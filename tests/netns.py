@@ -176,11 +176,14 @@ class NetnsHosts:
             deadline = time.monotonic() + 5
             while pids and self.pids() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        for kind, name in reversed(self._made):
+        # the veths first (deleting one end deletes its pair at once; a namespace's own removal
+        # frees its end only later, asynchronously), then the bridge, then the namespaces
+        made = [m for m in reversed(self._made) if m[0] == "link"] + [m for m in self._made if m[0] == "netns"]
+        for kind, name in made:
             try:
                 if kind == "netns":
                     _ip("netns", "del", name)
-                elif os.path.exists(f"/sys/class/net/{name}"):  # a veth goes with its peer's namespace
+                elif os.path.exists(f"/sys/class/net/{name}"):
                     _ip("link", "del", name)
             except OSError as e:
                 errors.append(str(e))
