@@ -54,6 +54,7 @@ class NodeLayout:
 
     @property
     def world_size(self) -> int:
+        """Number of ranks."""
         return len(self.node_of)
 
     @property
@@ -63,6 +64,7 @@ class NodeLayout:
 
     @property
     def n_nodes(self) -> int:
+        """Number of distinct nodes (n)."""
         return len(self.nodes)
 
     def ranks_on(self, node: int) -> list[int]:
@@ -186,10 +188,12 @@ class NodeTrafficCommunicator(Communicator):
             self.cross_node.record(self.traffic.current_label() or "p2p", nbytes)
 
     def send(self, buf, dest, tag=0):
+        """``Communicator.send``; ``buf.nbytes`` also go to ``cross_node`` when ``dest`` is on another node."""
         super().send(buf, dest, tag)
         self._count(buf.nbytes, dest)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        """``Communicator.sendrecv``; ``sendbuf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
         out = super().sendrecv(sendbuf, dest, recvbuf, source, tag)
         self._count(sendbuf.nbytes, dest)
         return out
@@ -232,6 +236,7 @@ class NodeTrafficCommunicator(Communicator):
         self.inner.abort(errorcode)
 
     def split(self, color, key=0):
+        """``Communicator.split`` of ``inner``, wrapped with the sub-group's :class:`NodeLayout` (collective)."""
         sub = self.inner.split(color, key)
         # which of our ranks joined the new group, in its order: an all-gather through the inner
         # communicator's library path, which records nothing (group bookkeeping, not traffic)
