@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds any one send, receive or collective may wait for a peer before the job is aborted "
                         "with the operation and the rank waited on (PyTorch's NCCL default: 600)")
+    p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
+                   help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
+                        "inside each node again (NCCL/Horovod hierarchical)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
@@ -322,6 +325,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     if args.quantized_comm and not args.zero:
         raise UsageError("--quantized-comm needs --zero 1, 2 or 3 (it quantizes ZeRO's reduce-scatters and ZeRO-3's "
                          "gathers; stage 0's all-reduce is not quantized)")
+    if args.allreduce == "hierarchical" and (args.zero or args.native_comm):
+        raise UsageError("--allreduce hierarchical is the data-parallel gradient all-reduce: not with --zero "
+                         "(ZeRO reduce-scatters) nor --native-comm (MPI's own all-reduce)")
     if args.quantized_comm and args.native_comm:
         raise UsageError("--quantized-comm and --native-comm exclude each other (MPI's own collectives send FP32)")
     if not 0 <= args.prune_sparsity < 1:

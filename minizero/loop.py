@@ -38,6 +38,7 @@ from minizero.memory.precision import DynamicLossScaler, local_overflow, overflo
 from minizero.memory.sparsity import Pruner
 from minizero.memory.zero import model_state_bytes
 from minizero.optim import clip_coefficient, cosine_lr
+from minizero.parallel.placement import node_traffic
 from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import build_strategy, describe_batch
 from minizero.progress import Progress
@@ -91,7 +92,7 @@ def _header(args, cfg, s, world: int) -> list[str]:
     lines = [f"minizero: {world} rank(s) as dp {topo.dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
              f"({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
              f"context {cfg.block_size}), {precision_description(args)}",
-             describe_batch(args, cfg)]
+             describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
     if topo.tp * topo.pp > 1:
         lines.append(topo.describe())
     if topo.pp > 1:
@@ -215,6 +216,8 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     if scaler is None:
         check_finite_loss(args.steps, "validation", val_history[-1][1])
     traffic = s.traffic()
+    for line in node_traffic(s.topo, args.steps, s.dp, getattr(args, "allreduce", "ring")):  # collective
+        log(line)
     full = s.full_model()
     return dict(model=full, stage=s.stage, topo=s.topo, engine=s.engine, dp=s.dp, opt=s.opt, strategy=s,
                 train_losses=train_losses, grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,

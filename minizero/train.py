@@ -33,6 +33,7 @@ import tracemalloc
 
 from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
 from minizero.comm import CommTimeoutError, MPICommunicator
+from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
 
     if _launched_by_mpiexec():
         exit_with_parent()
-    comm = MPICommunicator(MPI.COMM_WORLD)
+    comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
     try:
         args = parse_args(argv, comm.world_size, quiet=rank != 0)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
         return 2
-    comm.timeout = args.comm_timeout
+    comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     lock, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
@@ -157,9 +158,7 @@ def main(argv=None) -> int:
     try:
         if rank == 0:
             _warn_ram_offload(args)
-        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-        local_ranks = local.Get_size()
-        local.Free()
+        local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)
         if not args.no_tracemalloc:

@@ -37,18 +37,24 @@ class DataParallel:
             then has a few buckets, which shows the idea; PyTorch uses 25 MiB.
         native: use the MPI library's all-reduce instead of the hand-written ring.
         broadcast_params: copy rank 0's parameters to every rank at construction.
+        allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
+            over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
+            over ``comm``); None: the ring (``native``: the library's).
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True):
+                 broadcast_params: bool = True, allreduce=None):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
         #: True when every rank's gradients already carry the 1/N of the mean (the backward seed did it,
         #: as FP16 training does): the reduction is then a plain sum
         self.predivided = False
+        if allreduce is not None and native:
+            raise ValueError("native=True and an allreduce callable exclude each other")
+        self.allreduce = allreduce
         self.buckets = []  # list of (flat buffer, [(param, offset), ...])
         self.bytes_sent = 0  # gradient all-reduce bytes this rank sent, over all steps
         current, size, dtype = [], 0, None
@@ -97,7 +103,10 @@ class DataParallel:
                 else:
                     view[...] = p.grad.reshape(-1)
             mean_scale_(flat, n, before_sum=True, predivided=self.predivided)  # float16: divide first
-            all_reduce(self.comm, flat, native=self.native, out=flat)
+            if self.allreduce is not None:
+                self.allreduce(flat, out=flat)
+            else:
+                all_reduce(self.comm, flat, native=self.native, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.predivided)  # float32/64: divide the sum
             for p, off in layout:
                 g = flat[off:off + p.size].reshape(p.shape)

@@ -34,6 +34,7 @@ import numpy as np
 
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
+from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
@@ -213,7 +214,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                                       native=args.native_comm, sharded_state=state,
                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
     else:
-        dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm)
+        hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
+        dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
+                          allreduce=HierarchicalAllReduce(topo.dp_comm) if hierarchical else None)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)

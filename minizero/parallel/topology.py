@@ -13,6 +13,18 @@ the fastest links, inside one node), then data-parallel, then pipeline stages::
         pp 1  dp 0:    4     5          pipeline groups  [0 4] [1 5] [2 6] [3 7]   (same dp, tp)
               dp 1:    6     7          model groups     [0 1 4 5] [2 3 6 7]       (same dp: tp x pp)
 
+Across machines (Narayanan et al. 2021, section 3.2 and Megatron-LM's default order
+"tp-cp-ep-dp-pp", tensor parallel fastest): MPI fills hosts with consecutive ranks, so
+a node of L ranks holds L / tp whole tensor groups when tp divides L. The tensor group's
+all-reduces (4 per block and micro-batch, activations of B x T x C) stay on the node's
+fast links; only the data group's gradient all-reduce (once per step) and the pipeline's
+point-to-point activations cross the network. :meth:`Topology.placement_warnings` names
+every tensor group that spans nodes (slow, but correct: it is a warning, not an error)::
+
+    dp=2, tp=2 on 2 nodes x 2 ranks:   node 0: ranks 0 1 = tensor group [0 1]
+                                       node 1: ranks 2 3 = tensor group [2 3]
+                                       data groups [0 2] [1 3] cross the nodes
+
 Every group is a :meth:`Communicator.split` of the world, so its ``traffic``
 ledger holds only the bytes sent inside that group (and forwards them to the
 world's). The *embedding group* (first and last pipeline stage of one pipeline
@@ -26,6 +38,8 @@ Megatron-LM", section 3: the ordering of the groups), DeepSpeed's
 from __future__ import annotations
 
 import numpy as np
+
+from minizero.comm.nodes import NodeLayout, layout_of
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
@@ -103,6 +117,8 @@ class Topology:
             rank), where a global gradient norm is summed.
         embed_comm: first and last stage of this pipeline group (size 2 when pp > 1,
             else 1); on middle stages a group of the middle stages that is never used.
+        nodes: the world's :class:`NodeLayout` (``comm.nodes`` when ``comm`` is a
+            ``NodeTrafficCommunicator``; otherwise one node).
     Collective: every rank of ``comm`` must construct it at the same time (five splits).
     Raises:
         ValueError: ``dp * tp * pp`` differs from ``comm.world_size``.
@@ -112,6 +128,7 @@ class Topology:
         if dp * tp * pp != comm.world_size:
             raise ValueError(f"dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} != world size {comm.world_size}")
         self.world, self.dp, self.tp, self.pp = comm, dp, tp, pp
+        self.nodes: NodeLayout = layout_of(comm)
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(comm.rank, dp, tp, pp)
         d, t, p = self.dp_rank, self.tp_rank, self.pp_rank
         self.tp_comm = comm.split(color=p * dp + d, key=t)
@@ -131,14 +148,52 @@ class Topology:
         """``{"tp": comm, "dp": comm, "pp": comm, "embed": comm}`` (for traffic reports)."""
         return {"tp": self.tp_comm, "dp": self.dp_comm, "pp": self.pp_comm, "embed": self.embed_comm}
 
+    def all_groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (``"tp"``, ``"dp"``, ``"pp"``, ``"embed"``) as lists of world ranks.
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        grid = mesh(self.dp, self.tp, self.pp)
+        if kind == "tp":
+            groups = grid.reshape(-1, self.tp)
+        elif kind == "dp":
+            groups = grid.transpose(0, 2, 1).reshape(-1, self.dp)
+        elif kind == "pp":
+            groups = grid.transpose(1, 2, 0).reshape(-1, self.pp)
+        elif kind == "embed":
+            groups = grid[[0, self.pp - 1] if self.pp > 1 else [0]].transpose(1, 2, 0).reshape(-1, min(2, self.pp))
+        else:
+            raise ValueError(f"kind={kind!r}; allowed: 'tp', 'dp', 'pp', 'embed'")
+        return [list(map(int, g)) for g in groups]
+
+    def nodes_spanned(self, kind: str) -> int:
+        """The most nodes any one group of ``kind`` occupies (1: every such group stays inside a node)."""
+        return max(self.nodes.spans(g) for g in self.all_groups(kind))
+
+    def placement_warnings(self) -> list[str]:
+        """One line per tensor group that spans nodes (its per-layer all-reduces would cross the network)."""
+        return [f"warning: tensor group {g} spans nodes {sorted({self.nodes.node_of[r] for r in g})}: its "
+                f"all-reduces (4 per block and micro-batch) cross the network; give every node a multiple "
+                f"of --tp {self.tp} consecutive ranks" for g in self.all_groups("tp") if self.nodes.spans(g) > 1]
+
+    def describe_nodes(self) -> str:
+        """One line: the node layout and how many nodes each kind of group spans."""
+        spans = ", ".join(f"{k} groups span {self.nodes_spanned(k)}" for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
+        return (f"nodes: {self.nodes.describe()}, node of each rank "
+                f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else ""))
+
     def describe(self) -> str:
-        """The mesh as text, one line per (pipeline stage, data-parallel rank)."""
+        """The mesh as text, one line per (pipeline stage, data-parallel rank), with each tensor group's nodes."""
         grid = mesh(self.dp, self.tp, self.pp)
         lines = [f"mesh: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world.world_size} ranks, "
                  f"grid = arange({self.world.world_size}).reshape(pp={self.pp}, dp={self.dp}, tp={self.tp})"]
         for p in range(self.pp):
             for d in range(self.dp):
-                lines.append(f"  stage {p}  dp {d}:  tensor group {list(map(int, grid[p, d]))}")
+                group = list(map(int, grid[p, d]))
+                on = sorted({self.nodes.node_of[r] for r in group})
+                lines.append(f"  stage {p}  dp {d}:  tensor group {group}  on node{'s' if len(on) > 1 else ''} "
+                             f"{', '.join(map(str, on))}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

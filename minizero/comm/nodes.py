@@ -1,0 +1,266 @@
+"""Which node (machine) each rank runs on, and the bytes that cross node boundaries.
+
+Ranks on one node share memory and a fast local link (NVLink, or shared memory on a
+CPU); ranks on different nodes talk over the network, often 10x slower. Placement and
+hierarchical collectives only make sense once every rank knows the layout::
+
+    4 ranks on 2 nodes (a hostfile "hostA:2 / hostB:2"; MPI fills hosts in order)
+        world rank   0  1 | 2  3
+        node         0  0 | 1  1          NodeLayout(node_of=(0, 0, 1, 1))
+        local rank   0  1 | 0  1          "2 nodes x 2 ranks per node"
+
+:func:`discover_nodes` finds the layout with MPI's shared-memory split
+(``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, MPI-3.1 section 6.4.2): ranks that can
+share memory form one group; nodes are numbered by their lowest world rank. In-process
+(``ThreadCommunicator``) every rank is on one node, unless a test hands
+:class:`NodeTrafficCommunicator` a made-up layout.
+
+:class:`NodeTrafficCommunicator` wraps any Communicator and counts, beside the usual
+traffic ledger, the bytes each rank sends to a rank on *another* node
+(``cross_node``): the number that decides whether tensor parallelism may leave a node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minizero.comm.collectives import _binomial_tree
+from minizero.comm.communicator import Communicator
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The node of every rank of one communicator.
+
+    Attributes:
+        node_of: tuple of ints, ``node_of[r]`` is the node of rank r (nodes numbered
+            0, 1, ... in the order of their lowest rank).
+    Raises:
+        ValueError: empty ``node_of`` or negative node ids.
+    """
+
+    node_of: tuple
+
+    def __post_init__(self):
+        if not self.node_of or min(self.node_of) < 0:
+            raise ValueError(f"node_of={self.node_of!r}; allowed: a non-empty tuple of node ids >= 0")
+        object.__setattr__(self, "node_of", tuple(int(n) for n in self.node_of))
+
+    @classmethod
+    def single(cls, world_size: int) -> NodeLayout:
+        """Every one of ``world_size`` ranks on node 0 (threads of one process)."""
+        return cls((0,) * world_size)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self.node_of)
+
+    @property
+    def nodes(self) -> list[int]:
+        """The distinct node ids, in order of their lowest rank."""
+        return list(dict.fromkeys(self.node_of))
+
+    @property
+    def n_nodes(self) -> int:
+        """Number of distinct nodes (n)."""
+        return len(self.nodes)
+
+    def ranks_on(self, node: int) -> list[int]:
+        """Ranks on ``node``, ascending."""
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def local_rank(self, rank: int) -> int:
+        """Index of ``rank`` among the ranks of its node."""
+        return self.ranks_on(self.node_of[rank]).index(rank)
+
+    def local_size(self, rank: int) -> int:
+        """Number of ranks on ``rank``'s node (what BLAS threads are divided by)."""
+        return self.node_of.count(self.node_of[rank])
+
+    def restrict(self, members) -> NodeLayout:
+        """The layout of a sub-group whose rank i is rank ``members[i]`` here."""
+        return NodeLayout(tuple(self.node_of[m] for m in members))
+
+    def spans(self, members) -> int:
+        """How many nodes the ranks ``members`` occupy (1: the group stays inside a node)."""
+        return len({self.node_of[m] for m in members})
+
+    def describe(self) -> str:
+        """``"2 nodes x 2 ranks per node"``, or ``"2 nodes with 3+1 ranks"`` when uneven."""
+        sizes = [len(self.ranks_on(n)) for n in self.nodes]
+        if len(set(sizes)) == 1:
+            return f"{len(sizes)} node(s) x {sizes[0]} rank(s) per node"
+        return f"{len(sizes)} nodes with {'+'.join(map(str, sizes))} ranks"
+
+
+def layout_of(comm: Communicator) -> NodeLayout:
+    """``comm.nodes`` when ``comm`` knows its nodes (a :class:`NodeTrafficCommunicator`), else one node."""
+    nodes = getattr(comm, "nodes", None)
+    return nodes if isinstance(nodes, NodeLayout) else NodeLayout.single(comm.world_size)
+
+
+def discover_nodes(comm: Communicator) -> NodeLayout:
+    """Collective: the node of every rank of ``comm``.
+
+    An MPI communicator (one with ``mpi_comm``) is split with ``MPI_COMM_TYPE_SHARED``;
+    each rank learns its node's lowest rank, and one all-gather of those (mpi4py's
+    ``allgather`` of one int per rank, not recorded in the traffic ledger: set-up, not
+    training traffic) numbers the nodes. Any other communicator (threads of one process)
+    is one node.
+    Returns: a :class:`NodeLayout` of ``comm.world_size`` ranks, equal on every rank.
+    """
+    mpi_comm = getattr(comm, "mpi_comm", None)
+    if mpi_comm is None:
+        return NodeLayout.single(comm.world_size)
+    from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only on the MPI path)
+
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    leader = local.allreduce(mpi_comm.Get_rank(), op=MPI.MIN)
+    local.Free()
+    leaders = mpi_comm.allgather(leader)
+    order = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
+    return NodeLayout(tuple(order[lead] for lead in leaders))
+
+
+class CrossNodeLedger:
+    """Bytes this rank sent to ranks on other nodes, by the traffic label active when sent.
+
+    Attributes:
+        bytes_sent: int, total bytes to other nodes. by_op: dict label -> bytes.
+        parent: the ledger of the communicator this one was split from (gets every byte too).
+    """
+
+    def __init__(self, parent: CrossNodeLedger | None = None):
+        self.parent, self.bytes_sent, self.by_op = parent, 0, {}
+
+    def record(self, label: str, nbytes: int) -> None:
+        """Add ``nbytes`` bytes under ``label`` here and in every parent."""
+        self.bytes_sent += int(nbytes)
+        self.by_op[label] = self.by_op.get(label, 0) + int(nbytes)
+        if self.parent is not None:
+            self.parent.record(label, nbytes)
+
+    def snapshot(self) -> dict:
+        """``{"bytes_sent": int, "by_op": {label: bytes}}``."""
+        return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op)}
+
+
+class NodeTrafficCommunicator(Communicator):
+    """A Communicator that knows each rank's node and counts the bytes sent across nodes.
+
+    Every message still goes through ``inner`` (and its ``traffic`` ledger, shared with
+    this object); a message to a rank on another node is also recorded in
+    ``cross_node``. ``split`` returns a NodeTrafficCommunicator over the inner split,
+    with the sub-group's layout, whose ``cross_node`` forwards to this one's.
+
+    Args:
+        inner: the Communicator to wrap (MPICommunicator, ThreadCommunicator).
+        nodes: its :class:`NodeLayout`; None means :func:`discover_nodes` (collective).
+            Tests pass a made-up layout to threads, e.g. ``NodeLayout((0, 0, 1, 1))``.
+    Attributes:
+        nodes, cross_node (:class:`CrossNodeLedger`), traffic (``inner.traffic``),
+        rank, world_size; any other attribute (``mpi_comm``, ``timeout``) is ``inner``'s.
+    Native collectives: the library's algorithm is unknown, so the cross-node bytes of
+    ``native_*`` are minizero's estimate (``bytes_sent``) when the ring's right
+    neighbour (a tree child, for broadcast) is on another node.
+    Raises:
+        ValueError: ``nodes`` does not have ``inner.world_size`` ranks.
+    """
+
+    def __init__(self, inner: Communicator, nodes: NodeLayout | None = None,
+                 cross_parent: CrossNodeLedger | None = None):
+        nodes = discover_nodes(inner) if nodes is None else nodes
+        if nodes.world_size != inner.world_size:
+            raise ValueError(f"the node layout has {nodes.world_size} ranks, the communicator {inner.world_size}")
+        self.inner, self.nodes = inner, nodes
+        self.rank, self.world_size, self.traffic = inner.rank, inner.world_size, inner.traffic
+        self.cross_node = CrossNodeLedger(cross_parent)
+
+    def __getattr__(self, name):  # mpi_comm, timeout, ...: the wrapped communicator's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _count(self, nbytes: int, dest: int) -> None:
+        if self.nodes.node_of[dest] != self.nodes.node_of[self.rank]:
+            self.cross_node.record(self.traffic.current_label() or "p2p", nbytes)
+
+    def send(self, buf, dest, tag=0):
+        """``Communicator.send``; ``buf.nbytes`` also go to ``cross_node`` when ``dest`` is on another node."""
+        super().send(buf, dest, tag)
+        self._count(buf.nbytes, dest)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        """``Communicator.sendrecv``; ``sendbuf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
+        out = super().sendrecv(sendbuf, dest, recvbuf, source, tag)
+        self._count(sendbuf.nbytes, dest)
+        return out
+
+    def _native_count(self, label: str, nbytes: int, root: int = 0) -> None:
+        right = [(self.rank + 1) % self.world_size]
+        dests = _binomial_tree(self.rank, root, self.world_size)[1] if label == "broadcast" else right
+        if any(self.nodes.node_of[d] != self.nodes.node_of[self.rank] for d in dests):
+            self.cross_node.record(self.traffic.current_label() or label, nbytes)
+
+    def native_allreduce(self, x, out=None):
+        before = self.traffic.bytes_sent
+        out = super().native_allreduce(x, out)
+        self._native_count("all_reduce", self.traffic.bytes_sent - before)
+        return out
+
+    def native_reduce_scatter(self, x):
+        before = self.traffic.bytes_sent
+        out = super().native_reduce_scatter(x)
+        self._native_count("reduce_scatter", self.traffic.bytes_sent - before)
+        return out
+
+    def native_allgather(self, shard, n):
+        before = self.traffic.bytes_sent
+        out = super().native_allgather(shard, n)
+        self._native_count("all_gather", self.traffic.bytes_sent - before)
+        return out
+
+    def native_bcast(self, x, root=0):
+        before = self.traffic.bytes_sent
+        out = super().native_bcast(x, root)
+        self._native_count("broadcast", self.traffic.bytes_sent - before, root)
+        return out
+
+    # -- group management: the inner communicator's, with the sub-group's layout -----------
+    def barrier(self):
+        self.inner.barrier()
+
+    def abort(self, errorcode=1):
+        self.inner.abort(errorcode)
+
+    def split(self, color, key=0):
+        """``Communicator.split`` of ``inner``, wrapped with the sub-group's :class:`NodeLayout` (collective)."""
+        sub = self.inner.split(color, key)
+        # which of our ranks joined the new group, in its order: an all-gather through the inner
+        # communicator's library path, which records nothing (group bookkeeping, not traffic)
+        members = sub._native_allgather(np.array([self.rank], dtype=np.int64), sub.world_size)
+        return NodeTrafficCommunicator(sub, self.nodes.restrict(members.tolist()), cross_parent=self.cross_node)
+
+    # -- the wrapped communicator's transport ----------------------------------------------
+    def _send(self, buf, dest, tag):
+        self.inner._send(buf, dest, tag)
+
+    def _recv(self, buf, source, tag):
+        self.inner._recv(buf, source, tag)
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
+
+    def _native_allreduce(self, x, out):
+        self.inner._native_allreduce(x, out)
+
+    def _native_reduce_scatter(self, flat):
+        return self.inner._native_reduce_scatter(flat)
+
+    def _native_allgather(self, shard, n):
+        return self.inner._native_allgather(shard, n)
+
+    def _native_bcast(self, x, root):
+        self.inner._native_bcast(x, root)

@@ -1,0 +1,114 @@
+"""Where the bytes went: each kind of group's traffic per step, and the part that crossed nodes.
+
+After training, :func:`node_traffic` sums every rank's ledgers (one all-reduce) and
+rank 0 prints, for example with ``--dp 2 --tp 2`` on 2 nodes x 2 ranks::
+
+    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; tp groups span 1, dp groups span 2
+    ...
+    traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):
+      tp    (2 rank(s) each): 1 node(s),  393.6 kB,       0 B
+      dp    (2 rank(s) each): 2 node(s),  182.8 kB,  182.8 kB
+      world: 576.5 kB sent, 182.8 kB across nodes = tp 0 B + dp 182.8 kB + pp 0 B + other (...) 56 B
+      dp gradient all-reduce (ring) across nodes per step: 182.8 kB; computed: flat ring 182.8 kB, ...
+
+(the tiny model, float64, 3 steps). The tensor group sends twice the data group's bytes
+and none of it leaves a node: that is why tensor parallelism stays inside one.
+
+Bytes per step are the ledgers' totals over the run divided by its steps (validation
+included), without set-up traffic (``broadcast_params``, sent once before step 0).
+"Across nodes" needs a world that knows its nodes (a ``NodeTrafficCommunicator``);
+the pipeline group's row includes the embedding group's (a split of it).
+Sources: Narayanan et al. 2021 (arXiv:2104.04473), section 3.2 (why tensor parallelism
+stays inside a node); NCCL/Horovod hierarchical all-reduce for the last line.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minizero.comm.collectives import all_reduce
+from minizero.comm.hierarchical import cross_node_bytes
+from minizero.parallel.topology import Topology
+
+KINDS = ("tp", "dp", "pp")
+SETUP = ("broadcast_params",)  #: labels sent once before training, left out of "per step"
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def _per_run(snapshot: dict | None) -> float:
+    """Bytes in a ledger snapshot without the set-up labels (0 when there is no snapshot)."""
+    if snapshot is None:
+        return 0.0
+    return float(snapshot["bytes_sent"] - sum(snapshot["by_op"].get(k, 0) for k in SETUP))
+
+
+def _cross(comm) -> dict | None:
+    ledger = getattr(comm, "cross_node", None)
+    return None if ledger is None else ledger.snapshot()
+
+
+def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
+    """Cross-node bytes of one gradient all-reduce of ``dp``'s buckets over this rank's data group, (ring, hier).
+
+    Sums :func:`cross_node_bytes` over the buckets (flat arrays of the gradient dtype);
+    the hierarchical figure is 0 when the nodes hold unequal numbers of the group's ranks.
+    """
+    nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])
+    even = len({len(nodes.ranks_on(n)) for n in nodes.nodes}) == 1
+    ring = hier = 0
+    for flat, _ in (dp.buckets if dp is not None else []):
+        ring += cross_node_bytes(flat.size, flat.itemsize, nodes, "ring")
+        hier += cross_node_bytes(flat.size, flat.itemsize, nodes, "hierarchical") if even else 0
+    return ring, hier
+
+
+def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring") -> list[str]:
+    """Collective over ``topo.world``: the per-step traffic table (lines, on world rank 0; [] elsewhere).
+
+    Args:
+        topo: the :class:`Topology` (its communicators' ``traffic`` and, when present,
+            ``cross_node`` ledgers are read).
+        steps: optimizer steps taken (>= 1).
+        dp: the :class:`DataParallel` synchroniser (None under ZeRO): its buckets give the
+            ring-vs-hierarchical comparison.
+        algorithm: the gradient all-reduce in use (``"ring"`` or ``"hierarchical"``), printed.
+    Bytes: one all-reduce of a small float64 vector over the world, label ``"metrics"``.
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps}; allowed: >= 1")
+    groups = topo.groups()
+    known = _cross(topo.world) is not None
+    # one row per kind: [sent, sent across nodes]; then the world's; then the analytic ring and
+    # hierarchical figures, added by one rank of each data group (they are per group, not per rank)
+    ring, hier = ring_vs_hierarchical(dp, topo) if topo.dp_rank == 0 else (0, 0)
+    row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
+    row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
+    with topo.world.traffic.op("metrics"):
+        total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
+    if topo.world.rank != 0:
+        return []
+    lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
+    for i, k in enumerate(KINDS):
+        if getattr(topo, k) == 1:
+            continue
+        across = _fmt(total[2 * i + 1]) if known else "?"
+        lines.append(f"  {k:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
+                     f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
+    other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS)))
+    lines.append(f"  world: {_fmt(total[6])} sent, " + (
+        f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])} + pp {_fmt(total[5])} "
+        f"+ other (loss, norm, validation sums) {_fmt(other)}" if known else "? across nodes"))
+    if dp is not None and topo.dp > 1:
+        lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
+                     f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
+                     f"hierarchical {_fmt(total[9])} ({topo.nodes.n_nodes} node(s))")
+    if not known:
+        lines.append("  (across nodes: unknown, the world communicator does not know its nodes)")
+    return lines
