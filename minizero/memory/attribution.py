@@ -183,3 +183,26 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
         top = top_modules(peaks, n)
         lines.append(f"  r{r}: " + ", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top))
     return "\n".join(lines)
+
+
+def saved_by_module(model, *inputs) -> dict[str, int]:
+    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self).
+
+    The figures are the ledger's current activation bytes per module when the forward
+    returns (so call it with no other graph alive); the output, and with it the graph,
+    is dropped before returning. Hooks are removed afterwards.
+    """
+    store: dict = {}
+    detach = attach(model)
+    remove = model.register_forward_hook(after_forward_hook(store))
+    try:
+        model(*inputs)
+    finally:
+        detach()
+        remove()
+    return store["self"]
+
+
+def layer_bytes(by_module: dict, layer: str) -> int:
+    """Bytes charged to block ``layer`` and everything under it, from a ``{module: bytes}`` dict."""
+    return sum(b for n, b in by_module.items() if n == layer or n.startswith(layer + ".") or n.startswith(layer + ":"))
