@@ -93,12 +93,12 @@ def plot_seq_sweep(path: str, seq_lens, measured: dict, formula: dict, split: di
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     s = np.asarray(seq_lens)
-    for label, ys in formula.items():
-        ax.plot(s, np.asarray(ys) / 2**20, "-", label=f"{label}: formula")
-    for label, ys in measured.items():
-        ax.plot(s, np.asarray(ys) / 2**20, "o", label=f"{label}: ledger")
+    for i, (label, ys) in enumerate(formula.items()):
+        ax.plot(s, np.asarray(ys) / 2**20, "-", color=f"C{i}", label=f"{label}: formula")
+        if label in measured:
+            ax.plot(s, np.asarray(measured[label]) / 2**20, "o", color=f"C{i}", label=f"{label}: ledger")
     for label, ys in (split or {}).items():
-        ax.plot(s, np.asarray(ys) / 2**20, "--", label=label)
+        ax.plot(s, np.asarray(ys) / 2**20, "--", color="gray", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length s")
