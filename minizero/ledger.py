@@ -17,6 +17,19 @@ Exactness rules (so the numbers are the real bytes):
 * A buffer leaves the ledger when it is freed (``weakref.finalize``), so
   "current" is what is alive right now and "peak" is the high-water mark.
 
+Attribution (which layer holds the bytes): the ledger keeps a *scope stack* of the
+modules whose forward is running (pushed and popped by forward pre/post hooks that
+:func:`minizero.memory.attribution.attach` installs on every named module). Each
+tracked buffer records the innermost scope (``transformer.h.2.attn``), and the ledger
+keeps current and peak bytes per (module, category) -- *self* (the innermost module
+only) and *inclusive* (the module and everything under it). An activation whose owning
+buffer is 4-D with its last two axes equal, (b, a, s, s), is charged to the pseudo-module
+``<scope>:scores``: the attention scores, probabilities and their dropout mask, whose
+a*s^2*b elements grow with the square of the sequence length. Arrays tracked outside
+any forward (parameters, gradients, optimizer state) are charged to
+:data:`OUTSIDE`. Mirrors the per-frame attribution of PyTorch's memory snapshot
+(``torch.cuda.memory._record_memory_history``), by module instead of by stack frame.
+
 There is one ledger per rank: per process under MPI, per thread under the
 in-process :class:`~minizero.comm.ThreadCommunicator` (``get_ledger`` is
 thread-local).
@@ -40,6 +53,12 @@ CATEGORIES = (
 )
 
 
+#: the scope of arrays tracked while no module's forward runs (parameters, gradients, optimizer state)
+OUTSIDE = "(outside forward)"
+#: suffix of the pseudo-module holding a scope's (b, a, s, s) arrays (attention scores/probabilities/masks)
+SCORES = ":scores"
+
+
 def _owner(array):
     """Follow ``.base`` to the array that owns the memory (views share it)."""
     root = array
@@ -55,6 +74,13 @@ class MemoryLedger:
         current: dict category -> bytes alive now.
         peak: dict category -> highest bytes ever alive in that category.
         peak_total: highest sum over all categories at any one moment (bytes).
+        by_module: dict (module name, category) -> [current, peak] bytes charged to that
+            module itself (the innermost scope at track time; ``name:scores`` for
+            (b, a, s, s) activations; :data:`OUTSIDE` when no forward ran).
+        by_prefix: dict (module name, category) -> [current, peak] bytes of the module and
+            everything under it (``""`` is every array tracked inside a forward).
+        window_peak, window_at_peak: highest total since :meth:`start_window` (bytes) and
+            the current bytes per category at that moment (a per-step timeline).
     """
 
     def __init__(self):
@@ -65,6 +91,39 @@ class MemoryLedger:
         self.current = {c: 0 for c in CATEGORIES}
         self.peak = {c: 0 for c in CATEGORIES}
         self.peak_total = 0
+        self.by_module: dict[tuple[str, str], list[int]] = {}
+        self.by_prefix: dict[tuple[str, str], list[int]] = {}
+        self._scopes: list[str] = []
+        self._keys: dict = {}  # (scope, square) -> (self name, inclusive names), built once per scope
+        self.window_peak = 0
+        self.window_at_peak = dict(self.current)
+
+    # ---- attribution: the scope stack ---------------------------------------
+    def push_scope(self, name: str) -> None:
+        """Enter module ``name``'s forward (dotted name; ``""`` is the root module)."""
+        self._scopes.append(name)
+
+    def pop_scope(self) -> None:
+        """Leave the innermost module's forward. Raises IndexError when none is entered."""
+        self._scopes.pop()
+
+    def current_scope(self):
+        """The innermost module whose forward runs, or None outside any forward."""
+        return self._scopes[-1] if self._scopes else None
+
+    def _scope_keys(self, square: bool):
+        scope = self._scopes[-1] if self._scopes else None
+        keys = self._keys.get((scope, square))
+        if keys is None:
+            if scope is None:
+                keys = (OUTSIDE, (OUTSIDE,))
+            else:
+                parts = scope.split(".") if scope else []
+                incl = tuple(".".join(parts[:i]) for i in range(len(parts), 0, -1)) + ("",)
+                name = scope + SCORES if square else scope
+                keys = (name, ((name,) if square else ()) + incl)
+            self._keys[(scope, square)] = keys
+        return keys
 
     def track(self, array, category: str) -> bool:
         """Count ``array``'s owning buffer under ``category`` until it is freed.
@@ -85,11 +144,13 @@ class MemoryLedger:
         owner = _owner(array)
         key = id(owner)
         nbytes = int(owner.nbytes)
+        shape = getattr(owner, "shape", ())
+        keys = self._scope_keys(category == "activations" and len(shape) == 4 and shape[-1] == shape[-2])
         with self._lock:
             if key in self._live:
                 return False
-            self._live[key] = (category, nbytes)
-            self._add(category, nbytes)
+            self._live[key] = (category, nbytes, keys)
+            self._add(category, nbytes, keys)
         try:
             weakref.finalize(owner, self._release, key)
         except TypeError:  # object that cannot be weak-referenced: count, never release
@@ -110,25 +171,54 @@ class MemoryLedger:
         entry = self._live.get(id(_owner(array)))
         return entry[0] if entry else None
 
-    def _add(self, category, nbytes):
+    def _add(self, category, nbytes, keys):
         self.current[category] += nbytes
         if self.current[category] > self.peak[category]:
             self.peak[category] = self.current[category]
         total = sum(self.current.values())
         if total > self.peak_total:
             self.peak_total = total
+        if total > self.window_peak:
+            self.window_peak = total
+            self.window_at_peak = dict(self.current)
+        for table, names in ((self.by_module, (keys[0],)), (self.by_prefix, keys[1])):
+            for name in names:
+                cell = table.get((name, category))
+                if cell is None:
+                    cell = table[(name, category)] = [0, 0]
+                cell[0] += nbytes
+                if cell[0] > cell[1]:
+                    cell[1] = cell[0]
 
     def _release(self, key):
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
-                self.current[entry[0]] -= entry[1]
+                category, nbytes, (name, incl) = entry
+                self.current[category] -= nbytes
+                self.by_module[(name, category)][0] -= nbytes
+                for n in incl:
+                    self.by_prefix[(n, category)][0] -= nbytes
 
     def reset_peaks(self) -> None:
-        """Set every peak to the current value (start a new measurement window)."""
+        """Set every peak to the current value (start a new measurement window), per module too."""
         with self._lock:
             self.peak = dict(self.current)
             self.peak_total = sum(self.current.values())
+            for table in (self.by_module, self.by_prefix):
+                for cell in table.values():
+                    cell[1] = cell[0]
+            self.start_window()
+
+    def start_window(self) -> None:
+        """Start a new :attr:`window_peak` (e.g. each optimizer step), leaving the run's peaks alone."""
+        self.window_peak = sum(self.current.values())
+        self.window_at_peak = dict(self.current)
+
+    def modules(self, category: str = "activations", inclusive: bool = False) -> dict:
+        """``{module name: (current, peak)}`` bytes of one category, self or inclusive (see class doc)."""
+        table = self.by_prefix if inclusive else self.by_module
+        return {name: (cell[0], cell[1]) for (name, cat), cell in table.items() if cat == category}
 
     def snapshot(self) -> dict:
         """JSON-able ``{"current": {...}, "peak": {...}, "peak_total": int}`` in bytes."""

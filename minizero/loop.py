@@ -33,6 +33,7 @@ from minizero.args import model_config
 from minizero.comm.collectives import all_reduce
 from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
 from minizero.ledger import get_ledger
+from minizero.memory.monitor import MemoryMonitor
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
 from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
 from minizero.memory.sparsity import Pruner
@@ -121,7 +122,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     train_losses, grad_norms (nan for a skipped step), val_history [(step, loss)],
     loss_scales, skipped_steps, skipped_at, elapsed_s, tokens_per_s, config, state_bytes
     (ledger model-state bytes at the first optimizer step), traffic (per group), pruner,
-    setup_peak, train_process_peak.
+    setup_peak, train_process_peak, memory_monitor (:class:`~minizero.memory.monitor.MemoryMonitor`).
     Raises:
         TrainingDiverged: a non-finite gradient norm without FP16's loss scaler.
         LossScaleError: FP16 overflowed at the minimum loss scale too many times in a row.
@@ -147,6 +148,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     tokens_per_step = args.batch_size * cfg.block_size
     progress = Progress(getattr(args, "progress", "auto") if rank0 else "none", args.steps, tokens_per_step,
                         every=getattr(args, "log_every", None), fp16=fp16)
+    monitor = MemoryMonitor(s.stage, progress.every, args.steps)  # per-module attribution, live memory
     val_history = [(0, s.evaluate(val_set))]
     progress.validation(0, val_history[0][1])
     train_losses, grad_norms, loss_scales, skipped_at, state_bytes = [], [], [], [], {}
@@ -161,6 +163,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     t_start = time.perf_counter()
     for step in range(args.steps):
         poison = check_fault(comm.rank, step)
+        monitor.begin_step()
         if args.prune_sparsity and step == args.prune_step:  # masks from the full weights, same on every rank
             with s.full_parameters():
                 pruner = Pruner(s.stage, args.prune_sparsity, args.prune_scope)
@@ -202,7 +205,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         train_losses.append(mean_loss)
         if scaler is None:  # FP16 may see an inf loss on a step it skips; FP32 has no such excuse
             check_finite_loss(step, "training", mean_loss)
-        progress.step(step, mean_loss, lr, scale, len(skipped_at))
+        progress.step(step, mean_loss, lr, scale, len(skipped_at), extra=monitor.end_step(comm, step))
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append((step + 1, s.evaluate(val_set)))
             progress.validation(step + 1, val_history[-1][1])
@@ -213,6 +216,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     progress.close()
     val_history.append((args.steps, s.evaluate(val_set)))
     offload.close()
+    monitor.close()
     if scaler is None:
         check_finite_loss(args.steps, "validation", val_history[-1][1])
     traffic = s.traffic()
@@ -223,4 +227,5 @@ def train(args, comm, log=print, after_grads=None) -> dict:
                 train_losses=train_losses, grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,
                 skipped_steps=len(skipped_at), skipped_at=skipped_at, elapsed_s=elapsed,
                 tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg, state_bytes=state_bytes,
-                traffic=traffic, pruner=pruner, setup_peak=setup_peak, train_process_peak=train_process_peak)
+                traffic=traffic, pruner=pruner, setup_peak=setup_peak, train_process_peak=train_process_peak,
+                memory_monitor=monitor)

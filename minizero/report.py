@@ -17,6 +17,7 @@ import numpy as np
 from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+from minizero.memory.monitor import report_memory
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
@@ -97,6 +98,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
     print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
+    mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
+        None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"])
+    print("\n".join(mem_lines))
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()
         bad = [k for k, v in state.items() if not np.isfinite(v).all()]
@@ -142,6 +146,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "pruning": None if result.get("pruner") is None else {
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": text,
+        **mem_summary,  # activation_peaks_by_module (per rank), memory_timeline_peak_bytes, memory_plot
     }
     text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
     atomic_write(args.json, lambda f: f.write(text), mode="w")

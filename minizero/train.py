@@ -38,6 +38,7 @@ from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
+from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.memory.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
@@ -174,6 +175,8 @@ def main(argv=None) -> int:
                                          bytes_sent_per_step=per_step,
                                          optimizer_disk_bytes=getattr(store, "disk_bytes", 0)))
         result["setup_peaks"] = gather_figures(comm, result["setup_peak"])  # every rank's set-up peaks
+        result["memory_timeline"] = gather_timeline(comm, result["memory_monitor"].timeline)
+        result["module_peaks"] = gather_module_peaks(comm)  # activation peak bytes per module, per rank
         with strategy.full_parameters():  # ZeRO-3: gather for saving and sampling
             if rank == 0:
                 report(args, result, stats, threads, local_ranks, _cores(), zero)

@@ -1,0 +1,208 @@
+"""Which layers hold the bytes: per-module attribution of the ledger, and the check against the formula.
+
+:func:`attach` installs a forward pre-hook and a forward hook on every named module of a
+model; they push and pop the module's dotted name on the ledger's scope stack
+(:meth:`minizero.ledger.MemoryLedger.push_scope`), so every array tracked while a forward
+runs is charged to the innermost module running (``transformer.h.2.attn.c_attn``).
+Nothing else changes: the hooks return None, so arguments and outputs are untouched, and
+recompute, offload and ZeRO-3 keep their own hooks. Arrays saved by the attention core
+(a method, not a module) land in ``...attn``; the ledger splits off its (b, a, s, s)
+arrays as ``...attn:scores`` (the softmax output, its dropout mask and output: a*s^2*b
+elements each).
+
+Against the formula: :func:`layer_terms` groups the estimator's per-term rows
+(:func:`minizero.memory.estimator.saved_per_layer`, ``accounting="minizero"``; Korthikanti
+et al. 2022, section 4.1, per array) by the module whose forward saves them, and
+:func:`compare_layer` puts them beside what the ledger charged to that module at the end
+of the forward. Where minizero's accounting is exact they are equal to the byte.
+
+Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot``), which attributes
+each allocation to the Python stack that made it; here the "stack" is the module stack.
+"""
+from __future__ import annotations
+
+from minizero.ledger import OUTSIDE, SCORES, format_bytes, get_ledger
+from minizero.memory.estimator import saved_per_layer
+
+#: the module (relative to a block ``transformer.h.i``) whose forward saves each row of
+#: ``saved_per_layer(..., accounting="minizero")``; ``""`` is the block itself
+ROW_MODULE = {
+    "ln_1 input (the layer input)": "ln_1",
+    "ln_1 mean and rstd": "ln_1",
+    "QKV matmul input (ln_1 output)": "attn.c_attn",
+    "Q, K, V": "attn",
+    "softmax output": "attn" + SCORES,
+    "attention dropout mask": "attn.attn_dropout" + SCORES,
+    "attention dropout output": "attn" + SCORES,
+    "attention projection input": "attn.c_proj",
+    "attention output dropout mask": "attn.resid_dropout",
+    "ln_2 input": "ln_2",
+    "ln_2 mean and rstd": "ln_2",
+    "MLP input (ln_2 output)": "mlp.c_fc",
+    "GeLU input": "mlp",
+    "GeLU output (second linear input)": "mlp.c_proj",
+    "MLP dropout mask": "mlp.dropout",
+}
+
+
+def attach(model) -> callable:
+    """Charge every array tracked during ``model``'s forward to the innermost module running.
+
+    Args:
+        model: a :class:`minizero.nn.Module` (a GPT, a pipeline stage); every module from
+            ``named_modules()`` gets a pre-hook (push its name) and a forward hook (pop).
+    Returns:
+        a function that removes every hook it installed.
+    The ledger used is the calling rank's (:func:`minizero.ledger.get_ledger`) at call
+    time of each hook, so ranks running as threads each charge their own ledger.
+    """
+    removers = []
+    for name, module in model.named_modules():
+        def push(_m, _args, _name=name):
+            get_ledger().push_scope(_name)
+
+        def pop(_m, _args, _out):
+            get_ledger().pop_scope()
+
+        removers.append(module.register_forward_pre_hook(push))
+        removers.append(module.register_forward_hook(pop))
+
+    def detach():
+        for r in removers:
+            r()
+    return detach
+
+
+def after_forward_hook(store: dict, category: str = "activations"):
+    """A forward hook that copies the ledger's per-module *current* bytes into ``store``.
+
+    Installed on the root module, it runs when the whole forward has returned: what each
+    module holds then is what it saved for backward (bytes). ``store`` receives
+    ``{"self": {name: bytes}, "inclusive": {name: bytes}}`` (the last forward's figures).
+    """
+    def hook(_m, _args, _out):
+        led = get_ledger()
+        store["self"] = {n: c for n, (c, _p) in led.modules(category).items()}
+        store["inclusive"] = {n: c for n, (c, _p) in led.modules(category, inclusive=True).items()}
+    return hook
+
+
+def attention_split(by_module: dict, attn: str) -> tuple[int, int]:
+    """(score/probability bytes, the rest) of attention module ``attn`` from a ``{name: bytes}`` dict.
+
+    Scores are the (b, a, s, s) arrays (``name:scores`` entries under ``attn``); the rest is
+    everything else charged to ``attn`` or a module under it (Q, K, V, the projections' inputs).
+    """
+    scores = rest = 0
+    for name, nbytes in by_module.items():
+        if name == attn or name.startswith(attn + ".") or name.startswith(attn + ":"):
+            if name.endswith(SCORES):
+                scores += nbytes
+            else:
+                rest += nbytes
+    return scores, rest
+
+
+def layer_terms(cfg, seq_len: int, micro_batch: int, recompute: str = "none", tp: int = 1,
+                precision: str | None = None) -> dict[str, list[tuple[str, int]]]:
+    """The formula for one block, grouped by module: ``{module suffix: [(term, bytes on one rank)]}``.
+
+    Rows of :func:`~minizero.memory.estimator.saved_per_layer` (accounting ``"minizero"``;
+    Korthikanti et al. 2022, section 4.1: s sequence, b micro-batch, h hidden, a heads),
+    split over ``tp`` ranks as Megatron-LM splits them (section 4.2.1, "tp" rows / t), and
+    kept after forward per recompute mode (section 5): ``none`` all rows, ``selective``
+    all but the attention core, ``full`` only the block input (saved by the checkpoint,
+    so charged to the block itself, suffix ``""``).
+    Args:
+        cfg: a GPTConfig; precision: ``"fp32"``/``"fp64"`` (default from ``cfg.dtype``).
+    Raises:
+        ValueError: unknown recompute mode, or a row the mapping does not know.
+    """
+    if recompute not in ("none", "full", "selective"):
+        raise ValueError(f"recompute {recompute!r} is not one of none, full, selective")
+    precision = precision or {"float64": "fp64", "float32": "fp32"}.get(cfg.dtype, "mixed")
+    rows = saved_per_layer(cfg, seq_len, micro_batch, "minizero", precision)
+    out: dict[str, list[tuple[str, int]]] = {}
+    for r in rows:
+        if r.name not in ROW_MODULE:
+            raise ValueError(f"no module known for the formula's row {r.name!r}")
+        if recompute == "full" and r is not rows[0]:
+            continue
+        if recompute == "selective" and r.part == "core":
+            continue
+        module = "" if recompute == "full" else ROW_MODULE[r.name]
+        out.setdefault(module, []).append((r.name, round(r.per_rank(tp, False))))
+    return out
+
+
+def compare_layer(measured: dict, layer: str, terms: dict) -> list[tuple[str, str, int, int]]:
+    """Rows (module, formula terms, formula bytes, ledger bytes) for block ``layer`` (e.g. ``transformer.h.0``).
+
+    ``measured``: ``{module name: bytes}`` self-attributed after forward (:func:`after_forward_hook`);
+    ``terms``: :func:`layer_terms`. Modules the ledger charged that the formula has no row
+    for are listed with formula 0 (so a surplus is visible, never hidden).
+    """
+    rows = []
+    for suffix, ts in terms.items():
+        name = f"{layer}.{suffix}" if suffix and not suffix.startswith(":") else layer + suffix
+        rows.append((name, " + ".join(t for t, _ in ts), sum(b for _, b in ts), measured.get(name, 0)))
+    named = {r[0] for r in rows}
+    for name, nbytes in sorted(measured.items()):
+        inside = name == layer or name.startswith(layer + ".") or name.startswith(layer + ":")
+        if inside and name not in named and nbytes:
+            rows.append((name, "(no formula row)", 0, nbytes))
+    return rows
+
+
+def format_compare(rows) -> str:
+    """A Markdown table of :func:`compare_layer` rows, with the total (bytes)."""
+    lines = ["| module | formula terms (Korthikanti et al. 2022, minizero accounting) | formula | ledger |",
+             "|---|---|---:|---:|"]
+    for name, terms, f, m in rows:
+        lines.append(f"| {name} | {terms} | {f:,} | {m:,} |")
+    lines.append(f"| **layer total** | | **{sum(r[2] for r in rows):,}** | **{sum(r[3] for r in rows):,}** |")
+    return "\n".join(lines)
+
+
+def top_modules(peaks: dict, n: int = 8, skip=(OUTSIDE,)) -> list[tuple[str, int]]:
+    """The ``n`` modules with the largest peak bytes, largest first, from ``{name: peak bytes}``."""
+    items = [(k, v) for k, v in peaks.items() if k not in skip and v > 0]
+    return sorted(items, key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
+    """Text: per rank, the top ``n`` modules by peak activation bytes (self), and each attention's split.
+
+    ``per_rank``: list (by rank) of ``{module name: peak activation bytes}`` (self attribution).
+    Attention scores (``name:scores``) are listed as their own entries, so the s^2 term is
+    visible beside the rest of its attention module.
+    """
+    lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
+             "':scores' = (b, a, s, s) arrays)"]
+    for r, peaks in enumerate(per_rank):
+        top = top_modules(peaks, n)
+        lines.append(f"  r{r}: " + ", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top))
+    return "\n".join(lines)
+
+
+def saved_by_module(model, *inputs) -> dict[str, int]:
+    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self).
+
+    The figures are the ledger's current activation bytes per module when the forward
+    returns (so call it with no other graph alive); the output, and with it the graph,
+    is dropped before returning. Hooks are removed afterwards.
+    """
+    store: dict = {}
+    detach = attach(model)
+    remove = model.register_forward_hook(after_forward_hook(store))
+    try:
+        model(*inputs)
+    finally:
+        detach()
+        remove()
+    return store["self"]
+
+
+def layer_bytes(by_module: dict, layer: str) -> int:
+    """Bytes charged to block ``layer`` and everything under it, from a ``{module: bytes}`` dict."""
+    return sum(b for n, b in by_module.items() if n == layer or n.startswith(layer + ".") or n.startswith(layer + ":"))

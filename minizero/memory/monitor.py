@@ -1,0 +1,133 @@
+"""Live memory monitoring while training runs: per-step timeline, progress text, per-module peaks.
+
+Each rank keeps, per optimizer step, the ledger's bytes per category at the moment the
+step's total peaked (:attr:`~minizero.ledger.MemoryLedger.window_at_peak`): a vector of
+``len(CATEGORIES)`` integers, no communication. Every K steps (the same steps on every
+rank) one small collective gives rank 0 the current and peak totals, max over ranks, for
+its progress line; at the end :func:`gather_timeline` and :func:`gather_module_peaks`
+bring every rank's timeline and per-module peaks to every rank with the hand-written
+all-gather, and :mod:`minizero.memory.plots` draws them (``OUT/memory.png``).
+
+The max over ranks is an all-reduce(max) written as an all-gather of 2 numbers per rank
+followed by a local max (minizero's ring all-reduce only sums): 16 bytes per rank, K
+steps apart.
+
+Mirrors: PyTorch's memory snapshot and its viewer (``torch.cuda.memory._record_memory_history``,
+``_dump_snapshot``, pytorch.org/memory_viz): a timeline of allocated bytes stacked by
+category, with the peak marked; here per rank and per step rather than per allocation.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from minizero.comm.collectives import all_gather
+from minizero.ledger import CATEGORIES, format_bytes, get_ledger
+from minizero.memory.attribution import after_forward_hook, attach, format_top_modules
+from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_timeline
+
+
+class MemoryMonitor:
+    """Per-rank memory timeline and per-module attribution of one training run.
+
+    Args:
+        model: the module this rank runs (the GPT, or its pipeline stage); :func:`attach`
+            installs the attribution hooks on it, plus :func:`after_forward_hook` on the root.
+        every: show live figures every ``every`` steps (and at the last step).
+        total: optimizer steps of the run.
+    Attributes:
+        timeline: list (by step) of lists of bytes per category at that step's peak.
+        after_forward: ``{"self": {...}, "inclusive": {...}}`` bytes per module after the last forward.
+    """
+
+    def __init__(self, model, every: int, total: int):
+        self.every, self.total = max(1, int(every)), total
+        self.timeline: list[list[int]] = []
+        self.after_forward: dict = {}
+        self._detach = attach(model)
+        self._remove = model.register_forward_hook(after_forward_hook(self.after_forward))
+
+    def close(self) -> None:
+        """Remove the hooks (the ledger keeps its per-module figures)."""
+        self._detach()
+        self._remove()
+
+    def begin_step(self) -> None:
+        """Start this step's window: its peak and what was alive at it."""
+        get_ledger().start_window()
+
+    def end_step(self, comm, step: int) -> str:
+        """Record this step; on every ``every``-th (and the last) step return the live text, else "".
+
+        Collective on those steps (every rank calls it at every step): an all-gather of
+        (current total, peak total) bytes per rank, 16 bytes each.
+        """
+        led = get_ledger()
+        self.timeline.append([int(led.window_at_peak[c]) for c in CATEGORIES])
+        if (step + 1) % self.every and step + 1 != self.total:
+            return ""
+        mine = np.array([sum(led.current.values()), led.peak_total], dtype=np.float64)
+        with comm.traffic.op("metrics"):
+            both = all_gather(comm, mine).reshape(comm.world_size, 2)
+        cur, peak = both.max(axis=0)
+        return f"mem {format_bytes(cur)} (peak {format_bytes(peak)}, max over ranks)"
+
+
+def gather_timeline(comm, timeline: list[list[int]]) -> np.ndarray:
+    """Collective: every rank's timeline, (world_size, steps, len(CATEGORIES)) int64 bytes.
+
+    Every rank must have recorded the same number of steps. One hand-written all-gather.
+    """
+    mine = np.ascontiguousarray(np.asarray(timeline, dtype=np.int64).reshape(-1, len(CATEGORIES)))
+    with comm.traffic.op("metrics"):
+        allv = all_gather(comm, mine.reshape(-1))
+    return allv.reshape(comm.world_size, -1, len(CATEGORIES))
+
+
+def module_peaks(category: str = "activations") -> dict[str, int]:
+    """This rank's ``{module name: peak bytes}`` of ``category``, self attribution (see the ledger)."""
+    return {name: peak for name, (_cur, peak) in get_ledger().modules(category).items()}
+
+
+def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, int]]:
+    """Collective: every rank's :func:`module_peaks`, as a list by rank.
+
+    The dicts travel as UTF-8 JSON padded to the longest one (the lengths go first, in one
+    all-gather of one number per rank; then one all-gather of the padded bytes).
+    """
+    text = json.dumps(module_peaks(category), sort_keys=True).encode()
+    with comm.traffic.op("metrics"):
+        lengths = all_gather(comm, np.array([len(text)], dtype=np.int64))
+        width = int(lengths.max())
+        buf = np.zeros(width, dtype=np.uint8)
+        buf[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+        allv = all_gather(comm, buf).reshape(comm.world_size, width)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(allv, lengths)]
+
+
+def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6) -> tuple[list[str], dict]:
+    """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib), summary entries.
+
+    Args:
+        out_dir: folder of ``memory.png``, or None to write nothing.
+        timeline: :func:`gather_timeline`'s (ranks, steps, categories) bytes.
+        peaks_by_rank: :func:`gather_module_peaks` (activation bytes per module, per rank).
+    Returns:
+        (lines to print, ``{"activation_peaks_by_module": [per rank {name: bytes}],
+        "memory_timeline_peak_bytes": [per rank, per step total bytes at the step's peak],
+        "memory_plot": path or None}``).
+    """
+    lines = [format_top_modules(peaks_by_rank, top)]
+    path = None
+    if out_dir is not None:
+        if have_matplotlib():
+            path = os.path.join(out_dir, "memory.png")
+            plot_timeline(path, timeline)
+            lines.append(f"wrote {path} (ledger memory per rank over the steps, by category, peak marked)")
+        else:
+            lines.append(INSTALL_HINT)
+    t = np.asarray(timeline)
+    return lines, {"activation_peaks_by_module": peaks_by_rank,
+                   "memory_timeline_peak_bytes": t.sum(axis=2).astype(int).tolist(), "memory_plot": path}

@@ -1,0 +1,122 @@
+"""Memory monitoring: per-module attribution against the formula, the live timeline, the sweep."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.ledger import MemoryLedger, get_ledger, set_ledger
+from minizero.memory.attribution import (attention_split, compare_layer, layer_bytes, layer_terms,
+                                         saved_by_module)
+from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.plots import have_matplotlib
+from minizero.memory.recompute import apply_recompute
+from minizero.nn import GPT, get_config
+from minizero.parallel.tensor_parallel import tensor_parallelize
+from tests.conftest import mpi_env
+
+
+def _measure(cfg, b, mode="none", comm=None):
+    set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    if comm is not None:
+        tensor_parallelize(model, comm)
+    apply_recompute(model, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    return saved_by_module(model, x, x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_default_model_per_module_equals_the_formula_terms(mode, dropout):
+    """Default model, micro-batch 4: scores = b*a*s^2*4 bytes per saved copy; every module = its terms."""
+    cfg = get_config("default", dropout=dropout)
+    b, s, a = 4, cfg.block_size, cfg.n_head
+    got = _measure(cfg, b, mode)
+    terms = layer_terms(cfg, s, b, mode)
+    copies = 0 if mode != "none" else (2 if dropout else 1)  # softmax output (+ dropout output)
+    for i in range(cfg.n_layer):
+        layer = f"transformer.h.{i}"
+        assert got.get(f"{layer}.attn:scores", 0) == copies * b * a * s * s * 4
+        mask = b * a * s * s if dropout and mode == "none" else 0  # the attention dropout mask, 1 byte
+        assert attention_split(got, f"{layer}.attn")[0] == copies * b * a * s * s * 4 + mask
+        for name, _terms, formula, ledger in compare_layer(got, layer, terms):
+            assert ledger == formula, name
+        total = sum(t for rows in terms.values() for _, t in rows)
+        assert layer_bytes(got, layer) == total == layer_activation_bytes(
+            cfg, s, b, recompute=mode, accounting="minizero", precision="fp32")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [2])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_tensor_parallel_per_module_equals_the_formula_terms(tp, mode):
+    """Under tp the 'tp' rows shrink by 1/t (scores: b*(a/t)*s^2*4) and each module still equals its terms."""
+    cfg = get_config("small", dtype="float64", dropout=0.1)
+    b, s = 2, cfg.block_size
+    terms = layer_terms(cfg, s, b, mode, tp=tp, precision="fp64")
+    for got in run_in_threads(tp, lambda comm: _measure(cfg, b, mode, comm)):
+        for i in range(cfg.n_layer):
+            layer = f"transformer.h.{i}"
+            if mode == "none":
+                assert got[f"{layer}.attn:scores"] == 2 * b * (cfg.n_head // tp) * s * s * 8
+            rows = compare_layer(got, layer, terms)
+            assert [r[3] for r in rows] == [r[2] for r in rows], rows
+
+
+@pytest.mark.timeout(120)
+def test_sweep_grows_as_a_s_squared_and_matches_the_formula():
+    """Per-layer bytes f(s) = alpha*s + beta*s^2: f(2s) - 2f(s) = 2*beta*s^2, beta = 4ab (none), 0 (recompute)."""
+    b = 2
+    for mode, beta in [("none", 4 * 2 * b), ("selective", 0), ("full", 0)]:
+        f = {}
+        for s in (8, 16, 32):
+            cfg = get_config("tiny", block_size=s)  # a = 2 heads, h = 16, float32, no dropout
+            got = _measure(cfg, b, mode)
+            f[s] = layer_bytes(got, "transformer.h.0")
+            assert f[s] == layer_activation_bytes(cfg, s, b, recompute=mode, accounting="minizero", precision="fp32")
+        for s in (8, 16):
+            assert f[2 * s] - 2 * f[s] == 2 * beta * s * s, (mode, f)
+
+
+def test_ledger_charges_arrays_outside_a_forward_to_no_module():
+    led = set_ledger(MemoryLedger())
+    p = np.zeros(10)
+    led.track(p, "parameters")
+    led.push_scope("a.b")
+    x = np.zeros((1, 2, 3, 3))
+    led.track(x, "activations")
+    led.pop_scope()
+    assert led.modules("parameters") == {"(outside forward)": (80, 80)}
+    assert led.modules("activations") == {"a.b:scores": (144, 144)}
+    assert led.modules("activations", inclusive=True) == {"a.b:scores": (144, 144), "a.b": (144, 144),
+                                                         "a": (144, 144), "": (144, 144)}
+    del x
+    assert led.modules("activations")["a.b:scores"] == (0, 144)
+    assert get_ledger() is led
+
+
+@pytest.mark.timeout(180)
+def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
+    out = tmp_path / "out"
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--steps", "4", "--log-every", "2",
+           "--eval-batches", "1", "--sample-tokens", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(peak " in proc.stdout and "max over ranks)" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    peaks = summary["activation_peaks_by_module"]
+    assert len(peaks) == 2
+    cfg = get_config("default")
+    b, s, a = 2, cfg.block_size, cfg.n_head  # batch 4 over 2 data ranks
+    for r in range(2):
+        for i in range(cfg.n_layer):
+            assert peaks[r][f"transformer.h.{i}.attn:scores"] == b * a * s * s * 4
+    assert len(summary["memory_timeline_peak_bytes"][0]) == 4
+    assert max(summary["memory_timeline_peak_bytes"][0]) == summary["ledger_peak_total_bytes"][0]
+    if have_matplotlib():
+        assert os.path.getsize(out / "memory.png") > 1000
