@@ -187,7 +187,9 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     else:
         manual_seed(int(np.random.SeedSequence([man["train"]["seed"], man["step"], topo.dp_rank,
                                                 topo.pp_rank]).generate_state(1)[0]))
-        notes.append("dropout generators re-seeded from (seed, step, data rank, stage): the layout changed")
+        if strategy.stage.config.dropout > 0:
+            notes.append("dropout generators re-seeded from (seed, step, data rank, stage): the layout changed, "
+                         "so the masks differ from the uninterrupted run's")
     pruner = None
     if man.get("pruning"):
         pr = man["pruning"]
