@@ -7,6 +7,7 @@ killed half-way under mpiexec leaves the previous checkpoint, from which the run
 identically; bad checkpoints are one line and exit 2 before any training.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,6 @@ import pytest
 
 from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.format import sha256
-from minizero.checkpoint.load import ShardReader as Reader
 from minizero.comm import run_in_threads
 from minizero.nn import get_config
 from minizero.train import UsageError, parse_args, train
@@ -95,8 +95,8 @@ def test_the_check_can_fail_without_the_optimizer_state(tmp_path, monkeypatch):
     """Negative control: a resume that drops Adam's m (as a weights-only checkpoint would) does not match."""
     straight = run(2, F64)
     run(2, F64 + ["--save-every", "3", "--save-dir", str(tmp_path)])
-    load_into = Reader.load_into
-    monkeypatch.setattr(Reader, "load_into", lambda self, slot: None if slot.kind == "m" else load_into(self, slot))
+    load_into = ShardReader.load_into
+    monkeypatch.setattr(ShardReader, "load_into", lambda self, slot: None if slot.kind == "m" else load_into(self, slot))
     resumed = run(2, F64 + ["--resume", str(tmp_path / "step_00000003")])
     with pytest.raises(AssertionError):
         assert_same_run(straight, resumed)
@@ -185,7 +185,6 @@ def saved(tmp_path_factory):
 
 
 def _copy(src, dst):
-    import shutil
     shutil.copytree(src, dst)
     return dst
 

@@ -133,6 +133,15 @@ class ShardReader:
                                   f"[{lo}, {hi}) are in no saved piece")
         return out
 
+    def sources(self, kind: str, name: str, tp, lo: int, hi: int) -> dict:
+        """Which saved ranks feed elements ``[lo, hi)`` of a slot: ``{rank: elements}`` (metadata only, no reads)."""
+        want, out = full_index(tp, self.shape(name), lo, hi), {}
+        for pc in self.by_param.get((kind, name), ()):
+            n = int(np.isin(full_index(pc["tp"], self.shape(name), pc["lo"], pc["hi"]), want).sum())
+            if n:
+                out[pc["rank"]] = out.get(pc["rank"], 0) + n
+        return out
+
     def exact_8bit(self, kind: str, name: str, tp, block_size: int) -> bool:
         """True when every saved piece of (kind, name) is 8-bit with this block size and this split."""
         return all(pc["format"] == "8bit" and pc["block_size"] == block_size and same_split(pc["tp"], tp)
