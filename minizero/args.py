@@ -14,10 +14,12 @@ section 2.2: the bubble shrinks as m grows). Tensor parallelism never changes B.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import tempfile
 
+from minizero.checkpoint import CheckpointError, run_layout, verify
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.data import describe_non_file, load_tokens
 from minizero.memory.offload import OffloadError, check_offload_dir
@@ -135,13 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
     p.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
     p.add_argument("--no-tracemalloc", action="store_true", help="skip the tracemalloc process-peak measurement")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
+    p.add_argument("--save-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints kept (older ones removed after a save)")
+    p.add_argument("--resume", default=None,
+                   help="continue from a checkpoint folder, or from a save dir's latest complete checkpoint "
+                        "(any layout: the state is resharded on load)")
     return p
 
 
 #: upper limits that keep a typo from becoming an out-of-memory kill minutes later
 MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
-FAULT_KINDS = ("raise", "kill", "inf", "stop")
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
 
 def _check_outputs(args) -> None:
@@ -360,7 +369,26 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     if not args.no_save:
         _check_outputs(args)
     args.world_size = world_size
+    _check_checkpoint(args)
     return args
+
+
+def _check_checkpoint(args) -> None:
+    """--save-every/--keep in range; --resume a complete checkpoint of this model and optimizer
+    (files present, sizes and SHA-256 as the manifest says), checked on every rank before any work."""
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0 (0: no checkpoints), got {args.save_every}")
+    if args.keep < 1:
+        raise UsageError(f"--keep must be >= 1, got {args.keep}")
+    if args.save_dir is None:
+        args.save_dir = os.path.join(args.out, "checkpoints")
+    if args.save_every and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+        raise UsageError(f"--save-dir {args.save_dir!r} exists and is not a directory")
+    if args.resume:
+        try:
+            verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
 
 
 def model_config(args):

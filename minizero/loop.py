@@ -15,8 +15,13 @@ A skipped step advances neither Adam's t nor the learning-rate schedule (``appli
 counts the updates taken), as PyTorch's ``GradScaler.step`` skips ``optimizer.step``.
 
 Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND`` with KIND ``raise``
-(exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this rank's gradients become
-non-finite) at optimizer step STEP on rank RANK.
+(exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this rank's
+gradients become non-finite) at optimizer step STEP on rank RANK, or ``kill_in_save`` (SIGKILL while saving
+the checkpoint after step STEP: its file written, the manifest not; :mod:`minizero.checkpoint`).
+
+Checkpoints (``--save-every``, ``--resume``): :class:`~minizero.checkpoint.Checkpointer` loads the
+state into the built strategy before the first step and returns the loop step to start from
+(the data position) and the applied-step count (the schedule's position); it saves after a step.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import tracemalloc
 import numpy as np
 
 from minizero.args import model_config
+from minizero.checkpoint import Checkpointer
 from minizero.comm.collectives import all_reduce
 from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
 from minizero.ledger import get_ledger
@@ -69,7 +75,7 @@ def check_fault(rank: int, step: int) -> bool:
     if not spec:
         return False
     r, s, kind = spec.split(":")
-    if int(r) == rank and int(s) == step:
+    if int(r) == rank and int(s) == step and kind != "kill_in_save":  # that one fires inside the save
         if kind == "inf":
             return True
         if kind == "kill":
@@ -122,7 +128,10 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     train_losses, grad_norms (nan for a skipped step), val_history [(step, loss)],
     loss_scales, skipped_steps, skipped_at, elapsed_s, tokens_per_s, config, state_bytes
     (ledger model-state bytes at the first optimizer step), traffic (per group), pruner,
-    setup_peak, train_process_peak, memory_monitor (:class:`~minizero.memory.monitor.MemoryMonitor`).
+    setup_peak, train_process_peak, memory_monitor (:class:`~minizero.memory.monitor.MemoryMonitor`);
+    lrs (the learning rate of each step run), start_step (the loop
+    step this run began at: 0, or the resumed checkpoint's), applied (optimizer steps taken in all),
+    checkpoints (folders saved), load_peak (bytes of read buffers while resuming, ledger peak).
     Raises:
         TrainingDiverged: a non-finite gradient norm without FP16's loss scaler.
         LossScaleError: FP16 overflowed at the minimum loss scale too many times in a row.
@@ -146,14 +155,16 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         if args.show_shards:
             log(s.zero.shard_map.format())
     tokens_per_step = args.batch_size * cfg.block_size
+    ckpt = Checkpointer(args, comm, cfg, log if rank0 else (lambda line: None))
+    # applied: optimizer steps taken (a skipped, overflowing step advances neither Adam nor the schedule);
+    # start: loop steps done, which is the data position (step k draws global batch (seed, k))
+    start, applied, pruner = ckpt.resume(s, scaler)
     progress = Progress(getattr(args, "progress", "auto") if rank0 else "none", args.steps, tokens_per_step,
-                        every=getattr(args, "log_every", None), fp16=fp16)
+                        every=getattr(args, "log_every", None), fp16=fp16, start_step=start)
     monitor = MemoryMonitor(s.stage, progress.every, args.steps)  # per-module attribution, live memory
-    val_history = [(0, s.evaluate(val_set))]
-    progress.validation(0, val_history[0][1])
-    train_losses, grad_norms, loss_scales, skipped_at, state_bytes = [], [], [], [], {}
-    applied = 0  # optimizer steps taken: a skipped (overflowing) step advances neither Adam nor the schedule
-    pruner = None
+    val_history = [(start, s.evaluate(val_set))]
+    progress.validation(start, val_history[0][1])
+    train_losses, grad_norms, loss_scales, skipped_at, state_bytes, lrs = [], [], [], [], {}, []
     # the ledger's peaks cover the training steps from here on; set-up (building the model, then ZeRO
     # copying it into flat buffers or shards, one unit beside the old arrays) is kept apart as setup_peak
     setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
@@ -161,7 +172,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     if tracemalloc.is_tracing():  # likewise the measured process peak: training steps only
         tracemalloc.reset_peak()
     t_start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         poison = check_fault(comm.rank, step)
         monitor.begin_step()
         if args.prune_sparsity and step == args.prune_step:  # masks from the full weights, same on every rank
@@ -180,13 +191,14 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             pruner.mask_gradients_(s.zero)
         if after_grads is not None:
             after_grads(step, s.params, s.opt)
-        if step == 0:
+        if step == start:
             state_bytes = model_state_bytes()
         skip = False
         if scaler is not None:  # every rank must agree, even when only one saw an inf
             skip = scaler.update(overflow_anywhere(local_overflow(s.local_grads()), comm))
             loss_scales.append(scale)
         lr = cosine_lr(applied, args.lr, args.warmup, args.steps, args.min_lr)
+        lrs.append(lr)
         if skip:
             grad_norms.append(math.nan)
             skipped_at.append(step)
@@ -211,6 +223,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             progress.validation(step + 1, val_history[-1][1])
             if scaler is None:
                 check_finite_loss(step + 1, "validation", val_history[-1][1])
+        ckpt.maybe_save(step, s, applied, scaler, pruner)
     elapsed = time.perf_counter() - t_start
     train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     progress.close()
@@ -226,6 +239,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     return dict(model=full, stage=s.stage, topo=s.topo, engine=s.engine, dp=s.dp, opt=s.opt, strategy=s,
                 train_losses=train_losses, grad_norms=grad_norms, val_history=val_history, loss_scales=loss_scales,
                 skipped_steps=len(skipped_at), skipped_at=skipped_at, elapsed_s=elapsed,
-                tokens_per_s=tokens_per_step * args.steps / elapsed, config=cfg, state_bytes=state_bytes,
-                traffic=traffic, pruner=pruner, setup_peak=setup_peak, train_process_peak=train_process_peak,
-                memory_monitor=monitor)
+                tokens_per_s=tokens_per_step * (args.steps - start) / max(elapsed, 1e-9), config=cfg,
+                state_bytes=state_bytes, traffic=traffic, pruner=pruner, setup_peak=setup_peak,
+                train_process_peak=train_process_peak, memory_monitor=monitor, lrs=lrs, start_step=start,
+                applied=applied, checkpoints=ckpt.saved, load_peak=ckpt.load_peak)

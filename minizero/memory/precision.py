@@ -122,9 +122,19 @@ class DynamicLossScaler:
         return True
 
     def state_dict(self) -> dict:
-        """The scaler's state as plain numbers."""
+        """The scaler's state as plain numbers (everything :meth:`load_state_dict` needs to continue)."""
         return {"scale": self.scale, "good_steps": self._good_steps, "skipped": self.skipped,
-                "hysteresis_left": self._hysteresis_left}
+                "hysteresis_left": self._hysteresis_left, "consecutive_skips": self.consecutive_skips,
+                "skips_at_min": self._skips_at_min}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (a checkpoint): the scale is not reset to its initial value,
+        the growth tracker and hysteresis go on counting where they were."""
+        self.scale = float(state["scale"])
+        self._good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._skips_at_min = int(state.get("skips_at_min", 0))
 
 
 def local_overflow(grads) -> bool:

@@ -129,6 +129,21 @@ class Pruner:
         for a in self.packed.values():
             get_ledger().track(a, "parameters")
 
+    @classmethod
+    def from_masks(cls, model, packed: dict, shapes: dict, sparsity: float, scope: str) -> "Pruner":
+        """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 ``np.packbits`` of the
+        flat bool keep-mask, ``shapes`` name -> the weight's shape. Raises KeyError for a name ``model``
+        has no prunable weight of."""
+        self = cls.__new__(cls)
+        weights = prunable_weights(model)
+        self.params = {k: weights[k] for k in packed}
+        self.sparsity, self.scope = sparsity, scope
+        self.shapes = dict(shapes)
+        self.packed = {k: np.array(v, dtype=np.uint8) for k, v in packed.items()}
+        for a in self.packed.values():
+            get_ledger().track(a, "parameters")
+        return self
+
     def mask(self, name: str):
         """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape)."""
         shape = self.shapes[name]

@@ -1,0 +1,120 @@
+"""Checkpoint, resume and reshard: stop anywhere, continue anywhere, on any layout.
+
+A checkpoint is *sharded*: every rank writes only what it holds (its parameter shard, its AdamW
+moments or 8-bit codes + absmax, its FP32 masters), in the layout it trains in, to its own
+safetensors file; one JSON manifest says what every piece is in *logical* coordinates (parameter
+name, full shape, tensor-parallel split, flat element range). Loading on any layout reads, for
+each piece the new rank holds, the saved pieces that overlap it (:mod:`.load`). Files:
+:mod:`.layout` (the coordinates), :mod:`.format` (the folder, the manifest, atomicity, checks),
+:mod:`.save`, :mod:`.load`; ``python -m minizero.checkpoint inspect|consolidate`` (:mod:`.cli`).
+
+The complete state, so that a continuation equals the uninterrupted run: parameters, m, v,
+masters, the optimizer's applied-step count (Adam's t and the learning-rate schedule's
+position), the loop step (the data position: step k always draws batch (seed, k)), the loss
+scaler (scale, growth tracker, hysteresis, skips), every rank's dropout generator, the pruning
+masks. Offloaded state (``--offload-optimizer cpu|nvme``) is saved from wherever it lives.
+
+Sources: DeepSpeed (``save_checkpoint``/``load_checkpoint``, the universal checkpoint for
+resharding), Megatron-LM (``dist_checkpointing``: sharded tensors with global offsets), PyTorch
+DCP (``torch.distributed.checkpoint``: per-rank files, a metadata file, load-time resharding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from minizero.checkpoint.format import CheckpointError, clean_partial, read_manifest, resolve, verify
+from minizero.checkpoint.load import ShardReader, full_tensor, restore
+from minizero.checkpoint.save import save_checkpoint
+
+__all__ = ["Checkpointer", "CheckpointError", "ShardReader", "full_tensor", "manifest_state", "read_manifest",
+           "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
+
+
+def run_layout(args) -> dict:
+    """What a checkpoint must agree on with the run resuming it: optimizer, precision, dtype."""
+    return {"optimizer": args.optimizer, "precision": args.precision, "dtype": args.dtype}
+
+
+def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
+    """Rank 0's manifest fields besides the pieces: model, layout, schedule, data, loss scaler.
+
+    ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded).
+    """
+    layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+                  offload_optimizer=args.offload_optimizer, adam8bit_block_size=args.adam8bit_block_size,
+                  adam8bit_code="dynamic", micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
+    train = {k: getattr(args, k) for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
+                                           "batch_size")}
+    return {"model": dataclasses.asdict(cfg), "layout": layout, "applied": applied, "train": train,
+            "data": {"seed": args.seed, "global_batch": args.batch_size, "block_size": cfg.block_size},
+            "scaler": None if scaler is None else scaler.state_dict()}
+
+
+class Checkpointer:
+    """The training loop's view of checkpoints: resume at the start, save every N steps and at the end.
+
+    Args:
+        args: parsed flags (``save_every``, ``save_dir``, ``keep``, ``resume``, ``steps``, ...).
+        comm: the world communicator.  cfg: the GPTConfig.  log: rank 0's log function.
+    Use::
+
+        ck = Checkpointer(args, comm, cfg, log)
+        start, applied, pruner = ck.resume(strategy, scaler)       # (0, 0, None) without --resume
+        for step in range(start, args.steps):
+            ...
+            ck.maybe_save(step, strategy, applied, scaler, pruner)  # after the step's update
+    """
+
+    def __init__(self, args, comm, cfg, log=print):
+        self.args, self.comm, self.cfg, self.log = args, comm, cfg, log
+        self.every = getattr(args, "save_every", 0) or 0
+        self.resumed_from = None
+        self.load_peak = 0
+        self.saved = []
+
+    def resume(self, strategy, scaler=None) -> tuple:
+        """Load ``--resume`` into the built strategy; returns ``(start_step, applied, pruner)``.
+
+        Rank 0 first removes the ``.tmp-`` folders of killed saves in the save dir.
+        Raises:
+            CheckpointError: as :func:`restore`.
+        """
+        path = getattr(self.args, "resume", None)
+        if not path:
+            return 0, 0, None
+        if self.comm.rank == 0 and self.every:
+            for gone in clean_partial(self.args.save_dir):
+                self.log(f"checkpoint: removed the unfinished save {gone}")
+        out = restore(path, strategy, self.comm, scaler)
+        self.resumed_from, self.load_peak = out["folder"], out["load_peak"]
+        man = out["manifest"]
+        self.log(f"resumed from {out['folder']}: step {out['step']} ({out['applied']} optimizer steps applied), "
+                 f"saved on dp {man['layout']['dp']} x tp {man['layout']['tp']} x pp {man['layout']['pp']}, "
+                 f"ZeRO {man['layout']['zero']}")
+        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
+            if man["train"].get(key) != getattr(self.args, key):
+                self.log(f"note: --{key.replace('_', '-')} {getattr(self.args, key)} differs from the checkpoint's "
+                         f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
+        for note in out["notes"]:
+            self.log(f"note: {note}")
+        return out["step"], out["applied"], out["pruner"]
+
+    def due(self, step: int) -> bool:
+        """True after loop step ``step`` (0-based) when a save is due: every N steps and the last one."""
+        return bool(self.every) and ((step + 1) % self.every == 0 or step + 1 == self.args.steps)
+
+    def maybe_save(self, step: int, strategy, applied: int, scaler=None, pruner=None):
+        """Collective: save after loop step ``step`` when :meth:`due`; returns the folder or None."""
+        if not self.due(step):
+            return None
+        state = manifest_state(self.args, self.cfg, applied, scaler) if self.comm.rank == 0 else {}
+        folder = save_checkpoint(strategy, self.comm, self.args.save_dir, step + 1, state, pruner=pruner,
+                                 keep=self.args.keep, protect=self.resumed_from)
+        if folder is None:
+            self.log(f"checkpoint: not saving step {step + 1}: it would overwrite {self.resumed_from}, "
+                     "the checkpoint this run resumed from")
+        else:
+            self.saved.append(folder)
+            self.log(f"checkpoint: saved {folder} (step {step + 1})")
+        return folder

@@ -1,0 +1,107 @@
+"""``python -m minizero.checkpoint inspect PATH`` and ``consolidate PATH --out model.npz``.
+
+``inspect`` prints the layout, the step, the loss scale and the bytes each rank wrote, by kind
+(parameters, m, v, masters) — what a sharded checkpoint holds per rank. ``consolidate`` assembles
+every parameter's full tensor from its pieces, one parameter at a time, and writes a ``model.npz``
+with nanoGPT's state_dict names (the tied ``lm_head.weight`` included), as the main job writes it
+(DeepSpeed's ``zero_to_fp32.py``, PyTorch's ``dcp_to_torch_save``). Exit status 2 with one line
+naming the file and the problem for a bad checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import numpy as np
+
+from minizero.checkpoint.format import CheckpointError, verify
+from minizero.checkpoint.load import ShardReader, full_tensor
+from minizero.files import atomic_write
+from minizero.ledger import format_bytes
+from minizero.nn import GPT, GPTConfig
+
+
+def describe(reader: ShardReader) -> str:
+    """The ``inspect`` text of a checkpoint (a few lines, then one line per rank)."""
+    man = reader.manifest
+    lay, cfg = man["layout"], man["model"]
+    lines = [f"checkpoint {reader.folder}",
+             f"  step {man['step']} (loop steps done = data position), {man['applied']} optimizer steps applied, "
+             f"format version {man['version']}",
+             f"  model: {cfg['n_layer']} layers, width {cfg['n_embd']}, {cfg['n_head']} heads, context "
+             f"{cfg['block_size']}, vocabulary {cfg['vocab_size']}, {cfg['dtype']}",
+             f"  layout: {lay['world_size']} rank(s) = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, ZeRO "
+             f"{lay['zero']}, {lay['precision']}, {lay['optimizer']}, optimizer offload {lay['offload_optimizer']}"]
+    if man.get("scaler"):
+        sc = man["scaler"]
+        lines.append(f"  loss scale {sc['scale']:g} (clean steps {sc['good_steps']}, hysteresis left "
+                     f"{sc['hysteresis_left']}, skipped {sc['skipped']})")
+    per = collections.defaultdict(lambda: collections.Counter())
+    for pc in man["pieces"]:
+        n = pc["hi"] - pc["lo"]
+        nbytes = n * np.dtype(pc["dtype"]).itemsize
+        if pc["format"] == "8bit":
+            b = pc["block_size"]
+            nbytes += 4 * ((pc["lo"] % b + n + b - 1) // b)
+        per[pc["rank"]][pc["kind"]] += nbytes
+    kinds = ("param", "m", "v", "master")
+    lines.append(f"  {'rank':>4} {'(dp,tp,pp)':>11} {'file bytes':>12}  " + "  ".join(f"{k:>10}" for k in kinds))
+    for f in man["files"]:
+        c = per[f["rank"]]
+        lines.append(f"  {f['rank']:>4} {str(tuple(f['coords'])):>11} {f['bytes']:>12,}  "
+                     + "  ".join(f"{format_bytes(c[k]) if c[k] else '-':>10}" for k in kinds))
+    lines.append(f"  {len(man['pieces'])} pieces of {len(man['params'])} parameters"
+                 + (f"; pruning masks at {man['pruning']['sparsity']:.0%}" if man.get("pruning") else ""))
+    return "\n".join(lines)
+
+
+def consolidate(path: str, out: str) -> dict:
+    """Write ``out`` (.npz): every parameter whole, under every nanoGPT name; returns the arrays.
+
+    Raises:
+        CheckpointError: a piece is missing (see :meth:`ShardReader.gather`).
+    """
+    reader = ShardReader(path)
+    cfg = GPTConfig(**reader.manifest["model"])
+    first = {}  # id(Parameter) -> its first name (the logical one), as the checkpoint names it
+    state = {}
+    for name, p in GPT(cfg, seed=0)._named_parameters_all():
+        first.setdefault(id(p), name)
+        if first[id(p)] not in state:
+            state[first[id(p)]] = full_tensor(reader, first[id(p)])
+        state[name] = state[first[id(p)]]
+    atomic_write(out, lambda tmp: np.savez(open(tmp, "wb"), **state))
+    return state
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
+    p = argparse.ArgumentParser(prog="python -m minizero.checkpoint",
+                                description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
+    ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
+    con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)")
+    con.add_argument("path")
+    con.add_argument("--out", default="model.npz", help="the .npz to write")
+    args = p.parse_args(argv)
+    try:
+        folder = verify(args.path)
+        if args.command == "inspect":
+            print(describe(ShardReader(folder)))
+        else:
+            state = consolidate(folder, args.out)
+            print(f"wrote {args.out}: {len(state)} tensors from {folder}")
+    except CheckpointError as e:
+        print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

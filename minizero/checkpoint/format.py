@@ -1,0 +1,189 @@
+"""A checkpoint on disk: one folder, one safetensors file per rank, one JSON manifest, a pointer.
+
+::
+
+    SAVE_DIR/
+      step_00000006/                   a complete checkpoint (renamed into place only when complete)
+        manifest.json                  model config, layout, step, loss scaler, data position,
+                                       logical shapes, every saved piece, bytes + sha256 per file
+        rank00000.safetensors          what rank 0 holds, in the layout it trains in
+        rank00001.safetensors          ...
+      step_00000004/                   an older one (kept: --keep K newest)
+      latest                           text: "step_00000006", moved last (write, fsync, rename)
+      .tmp-step_00000008/              a save in progress, or a killed one: ignored, then cleaned
+
+Atomicity (what DeepSpeed's ``latest`` file and PyTorch DCP's ``.metadata``-written-last give):
+every rank writes its file into the ``.tmp-`` folder and fsyncs it; rank 0 writes the manifest,
+fsyncs, renames the folder to ``step_N`` (one ``rename``: there or not) and fsyncs the parent;
+only then does ``latest`` move. A crash at any moment leaves the previous checkpoint valid.
+
+Format: safetensors (a JSON header of dtypes, shapes and byte offsets, then raw little-endian
+bytes; no pickle, so loading runs no code) through its NumPy API.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+FORMAT = "minizero-checkpoint"
+VERSION = 1  #: the manifest version this code writes and the newest it reads
+MANIFEST, LATEST = "manifest.json", "latest"
+PREFIX, TMP, TRASH = "step_", ".tmp-", ".trash-"
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message names the file and the problem (one line)."""
+
+
+def folder_name(step: int) -> str:
+    """``step_00000006``: the folder of the checkpoint taken after ``step`` loop steps."""
+    return f"{PREFIX}{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    """``rank00003.safetensors``: rank ``rank``'s tensor file."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file's (or a directory's entries') data to the device (``os.fsync``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256(path: str, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in ``chunk``-byte pieces (memory O(chunk))."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: write, fsync, rename, fsync the folder."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def step_of(name: str) -> int | None:
+    """The step in a folder name ``step_N``, or None for any other name."""
+    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+        return int(name[len(PREFIX):])
+    return None
+
+
+def complete(save_dir: str) -> list[str]:
+    """Complete checkpoint folders in ``save_dir`` (with a manifest), oldest step first."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = [(step_of(n), n) for n in os.listdir(save_dir) if step_of(n) is not None
+             and os.path.isfile(os.path.join(save_dir, n, MANIFEST))]
+    return [os.path.join(save_dir, n) for _, n in sorted(found)]
+
+
+def clean_partial(save_dir: str) -> list[str]:
+    """Remove the ``.tmp-`` and ``.trash-`` folders a killed save left; returns their names."""
+    gone = []
+    if os.path.isdir(save_dir):
+        for n in os.listdir(save_dir):
+            if n.startswith((TMP, TRASH)):
+                shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
+                gone.append(n)
+    return gone
+
+
+def resolve(path: str) -> str:
+    """The checkpoint folder ``path`` names: itself (it holds a manifest), or a save dir's latest.
+
+    A save dir's latest is the folder ``latest`` points to if complete, else its complete
+    folder of the highest step (a save killed between its rename and the pointer's move).
+    Raises:
+        CheckpointError: no such path, or no complete checkpoint in it (partial ones named).
+    """
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: no such checkpoint folder or save dir")
+    pointer = os.path.join(path, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            target = os.path.join(path, f.read().strip())
+        if os.path.isfile(os.path.join(target, MANIFEST)):
+            return target
+    found = complete(path)
+    if not found:
+        partial = sorted(n for n in os.listdir(path) if n.startswith(TMP))
+        raise CheckpointError(f"--resume {path}: no complete checkpoint (no {PREFIX}N/{MANIFEST})"
+                              + (f"; only unfinished saves: {', '.join(partial)}" if partial else ""))
+    return found[-1]
+
+
+def read_manifest(folder: str) -> dict:
+    """The parsed ``manifest.json`` of ``folder``, its format and version checked.
+
+    Raises:
+        CheckpointError: unreadable or invalid JSON, another format, or a newer version.
+    """
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {man.get('format')!r})"
+                              if isinstance(man, dict) else f"{path}: not a minizero checkpoint manifest")
+    if not isinstance(man.get("version"), int) or man["version"] > VERSION:
+        raise CheckpointError(f"{path}: format version {man.get('version')!r} is newer than this minizero reads "
+                              f"(up to {VERSION}); update minizero")
+    return man
+
+
+def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:
+    """Check a checkpoint before any training; returns its folder.
+
+    Args:
+        path: a checkpoint folder or a save dir (:func:`resolve`).
+        model: this run's model config (dict); the shape fields (:data:`SHAPE_FIELDS`) must match.
+        layout: this run's ``{"optimizer", "precision", "dtype"}``; each must match (the state
+            of AdamW, 8-bit Adam and FP16's masters are different things).
+        checksums: also hash every file (SHA-256, streamed) against the manifest.
+    Raises:
+        CheckpointError: naming the file and the problem: a missing rank file, a size that
+            differs (truncated), a checksum mismatch, another model shape or optimizer.
+    """
+    folder = resolve(path)
+    man = read_manifest(folder)
+    mpath = os.path.join(folder, MANIFEST)
+    for key in SHAPE_FIELDS:
+        if model is not None and man["model"].get(key) != model.get(key):
+            raise CheckpointError(f"{mpath}: the checkpoint's model has {key}={man['model'].get(key)}, this run "
+                                  f"{model.get(key)} (another model shape; pass the same --model/--block-size)")
+    for key, value in (layout or {}).items():
+        if man["layout"].get(key) != value:
+            raise CheckpointError(f"{mpath}: the checkpoint was trained with {key} {man['layout'].get(key)!r}, this "
+                                  f"run asks for {value!r}; resume with the same --{key.replace('_', '-')}")
+    for entry in man["files"]:
+        f = os.path.join(folder, entry["file"])
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f}: missing (rank {entry['rank']}'s file of this checkpoint)")
+        size = os.path.getsize(f)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{f}: {size:,} bytes, the manifest says {entry['bytes']:,} (truncated or "
+                                  f"overwritten)")
+        if checksums and sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest's; the file is "
+                                  f"corrupt)")
+    return folder

@@ -1,0 +1,222 @@
+"""Loading a checkpoint onto any layout: for each slot this rank holds, read the saved pieces it overlaps.
+
+::
+
+    saved at dp 4, ZeRO-1 (flat pieces of each parameter)     loaded at dp 2, tp 2 (c_fc split by rows)
+    c_fc.weight  |  r0  |  r1  |  r2  |  r3  |                rank (tp 0): rows [0, 2C)   <- pieces of r0, r1
+                                                              rank (tp 1): rows [2C, 4C)  <- pieces of r2, r3
+
+:class:`ShardReader` answers "the values of elements [lo, hi) of this (possibly tensor-parallel)
+slot": it maps the slot to flat indices of the full tensor (:func:`~minizero.checkpoint.layout.full_index`),
+and for every saved piece of the same parameter and kind whose indices overlap them, reads that
+piece alone from its rank's file (``safe_open(...).get_tensor(key)``: one tensor, not the file) and
+copies the overlap. When the split is the same it is an interval test and a slice copy; otherwise
+a sort and a ``searchsorted``. Memory while loading: one target slot and the pieces overlapping it,
+counted in the ledger the reader is given (``peak_total``), never the whole model.
+
+8-bit Adam: the codes are per element and the absmax per block of the (tensor-parallel) parameter,
+so when the block size and the tensor-parallel split are unchanged, codes and absmax are copied
+exactly (any ZeRO world size; a block cut by a shard boundary has the same absmax on every rank
+that held part of it). Otherwise the saved state is dequantized to logical m and v and requantized
+in the new blocks (not bit-exact: the blocks differ).
+Sources: DeepSpeed universal checkpoint (``ds_to_universal.py``, ``universal_checkpoint.py``:
+fragments addressed by parameter and offset, re-sliced per new rank), PyTorch DCP
+(``DefaultLoadPlanner``: read items overlapping each local chunk).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+
+import numpy as np
+from safetensors import safe_open
+
+from minizero import backend
+from minizero.autograd.functional import manual_seed, set_rng_state
+from minizero.checkpoint.format import CheckpointError, read_manifest, resolve
+from minizero.checkpoint.layout import full_index, same_split, slots
+from minizero.ledger import MemoryLedger
+from minizero.memory.sparsity import Pruner
+from minizero.optim.adam8bit import QuantizedState, make_codes
+from minizero.optim.adamw import state_dtype
+from minizero.quantization import dequantize_blockwise
+
+
+class ShardReader:
+    """Reads logical slices of a checkpoint's tensors from the pieces that hold them.
+
+    Args:
+        path: a checkpoint folder or save dir. ledger: a MemoryLedger counting the buffers read
+            (``comm_buffers``) — its ``peak_total`` is the load's transient peak in bytes.
+    Attributes: ``folder``, ``manifest``, ``reads`` (pieces read), ``bytes_read``.
+    """
+
+    def __init__(self, path: str, ledger: MemoryLedger | None = None):
+        self.folder = resolve(path)
+        self.manifest = read_manifest(self.folder)
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.by_param = collections.defaultdict(list)
+        for pc in self.manifest["pieces"]:
+            pc["tp"] = None if pc["tp"] is None else tuple(pc["tp"])
+            self.by_param[(pc["kind"], pc["param"])].append(pc)
+        self._open = {}
+        self.reads, self.bytes_read = 0, 0
+        self._codes = make_codes(self.manifest["layout"].get("adam8bit_code", "dynamic"))
+
+    def shape(self, name: str) -> tuple:
+        """The full shape of parameter ``name``. Raises CheckpointError for an unknown name."""
+        if name not in self.manifest["params"]:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no parameter {name!r}")
+        return tuple(self.manifest["params"][name]["shape"])
+
+    def _tensor(self, file: str, key: str):
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.folder, file), framework="numpy")
+        a = self._open[file].get_tensor(key)
+        self.ledger.track(a, "comm_buffers")
+        self.reads, self.bytes_read = self.reads + 1, self.bytes_read + a.nbytes
+        return a
+
+    def _fetch(self, pc, what: str, dtype):
+        """A saved piece, element-wise: ``"values"`` (8-bit dequantized), ``"codes"`` or ``"absmax"`` per element."""
+        if pc["format"] == "dense":
+            return self._tensor(pc["file"], pc["key"]).astype(dtype, copy=False)
+        codes = self._tensor(pc["file"], pc["key"] + "/codes")
+        absmax = self._tensor(pc["file"], pc["key"] + "/absmax")
+        b, lo = pc["block_size"], pc["lo"]
+        if what == "codes":
+            return codes
+        if what == "absmax":
+            return absmax[(lo % b + np.arange(codes.size)) // b]
+        code = self._codes[0] if pc["kind"] == "m" else self._codes[1]
+        return dequantize_blockwise(codes, absmax, code, b, lo, dtype)
+
+    def gather(self, kind: str, name: str, tp, lo: int, hi: int, dtype, what: str = "values"):
+        """Elements ``[lo, hi)`` of slot (``kind``, ``name``, ``tp``) as a flat ``dtype`` array of hi - lo.
+
+        ``tp``: None (the whole parameter) or (dim, stride, index, parts).
+        Raises:
+            CheckpointError: the parameter or kind is not in the checkpoint, or some element is
+                in no saved piece (a rank's pieces missing from the manifest).
+        """
+        shape = self.shape(name)
+        pieces = self.by_param.get((kind, name))
+        if not pieces:
+            raise CheckpointError(f"{self.folder}: no saved {kind!r} of {name!r}")
+        out = np.empty(hi - lo, dtype)
+        self.ledger.track(out, "comm_buffers")
+        filled = np.zeros(hi - lo, bool)
+        want = None  # full-tensor indices of the target, made only if some piece is split differently
+        for pc in pieces:
+            if same_split(pc["tp"], tp):
+                if pc["tp"] != tp or pc["hi"] <= lo or pc["lo"] >= hi:
+                    continue  # another tensor rank's shard, or no overlap
+                a, b = max(lo, pc["lo"]), min(hi, pc["hi"])
+                out[a - lo:b - lo] = self._fetch(pc, what, dtype)[a - pc["lo"]:b - pc["lo"]]
+                filled[a - lo:b - lo] = True
+                continue
+            if want is None:
+                want = full_index(tp, shape, lo, hi)
+                self.ledger.track(want, "comm_buffers")
+            have = full_index(pc["tp"], shape, pc["lo"], pc["hi"])
+            if have.size == 0 or have.max() < want.min() or have.min() > want.max():
+                continue
+            order = np.argsort(have, kind="stable")
+            pos = np.minimum(np.searchsorted(have[order], want), have.size - 1)
+            hit = have[order][pos] == want
+            if hit.any():
+                out[hit] = self._fetch(pc, what, dtype)[order[pos[hit]]]
+                filled |= hit
+        if not filled.all():
+            raise CheckpointError(f"{self.folder}: {kind} of {name!r}: {int((~filled).sum())} element(s) of "
+                                  f"[{lo}, {hi}) are in no saved piece")
+        return out
+
+    def sources(self, kind: str, name: str, tp, lo: int, hi: int) -> dict:
+        """Which saved ranks feed elements ``[lo, hi)`` of a slot: ``{rank: elements}`` (metadata only, no reads)."""
+        want, out = full_index(tp, self.shape(name), lo, hi), {}
+        for pc in self.by_param.get((kind, name), ()):
+            n = int(np.isin(full_index(pc["tp"], self.shape(name), pc["lo"], pc["hi"]), want).sum())
+            if n:
+                out[pc["rank"]] = out.get(pc["rank"], 0) + n
+        return out
+
+    def exact_8bit(self, kind: str, name: str, tp, block_size: int) -> bool:
+        """True when every saved piece of (kind, name) is 8-bit with this block size and this split."""
+        return all(pc["format"] == "8bit" and pc["block_size"] == block_size and same_split(pc["tp"], tp)
+                   for pc in self.by_param[(kind, name)])
+
+    def load_into(self, slot) -> None:
+        """Fill a :class:`~minizero.checkpoint.layout.Slot`'s array in place from the checkpoint."""
+        a, args = slot.array, (slot.kind, slot.name, slot.tp, slot.lo, slot.hi)
+        if not isinstance(a, QuantizedState):
+            _assign(a, self.gather(*args, np.dtype(a.dtype)))
+            return
+        if self.exact_8bit(slot.kind, slot.name, slot.tp, a.block_size):
+            a.codes[...] = self.gather(*args, np.uint8, "codes")
+            per_element = self.gather(*args, np.float32, "absmax")
+            b = a.block_size
+            first = (np.arange(a.absmax.size) + slot.lo // b) * b  # each block's first element
+            a.absmax[...] = per_element[np.maximum(first, slot.lo) - slot.lo]
+        else:  # another block grid: logical values, requantized
+            a.requantize(self.gather(*args, state_dtype(np.float32)))
+
+
+def _assign(dest, values) -> None:
+    dest[...] = backend.to_device(values).reshape(dest.shape) if not isinstance(dest, np.ndarray) \
+        else values.reshape(dest.shape)
+
+
+def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None = None) -> dict:
+    """Load a checkpoint into a built ``strategy`` on this rank (no collective: every rank reads its part).
+
+    Restores parameters, m, v, FP32 masters (any layout), the optimizer's step count (the
+    applied steps), the loss scaler, the dropout generator (when this rank's coordinates
+    held one; else re-seeded from (seed, step, coordinates)) and the pruning masks.
+    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``:
+    ``step`` = loop steps done (the data position: step k draws batch (seed, k)),
+    ``load_peak`` = peak bytes of read buffers (ledger ``peak_total``).
+    Raises:
+        CheckpointError: a piece is missing, or the model/optimizer do not match.
+    """
+    ledger = ledger if ledger is not None else MemoryLedger()
+    reader = ShardReader(path, ledger)
+    man, notes = reader.manifest, []
+    for slot in slots(strategy, "load"):
+        reader.load_into(slot)
+    strategy.opt.step_count = man["applied"]
+    if scaler is not None and man.get("scaler"):
+        scaler.load_state_dict(man["scaler"])
+    topo = strategy.topo
+    same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
+    mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None
+    if mine is not None:
+        set_rng_state(mine["rng"])  # PCG64's state: plain ints, exact through JSON
+    else:
+        manual_seed(int(np.random.SeedSequence([man["train"]["seed"], man["step"], topo.dp_rank,
+                                                topo.pp_rank]).generate_state(1)[0]))
+        if strategy.stage.config.dropout > 0:
+            notes.append("dropout generators re-seeded from (seed, step, data rank, stage): the layout changed, "
+                         "so the masks differ from the uninterrupted run's")
+    pruner = None
+    if man.get("pruning"):
+        pr = man["pruning"]
+        packed = {k: reader._tensor(pr["file"], f"mask/{k}") for k in pr["shapes"]}
+        pruner = Pruner.from_masks(strategy.stage, packed, {k: tuple(v) for k, v in pr["shapes"].items()},
+                                   pr["sparsity"], pr["scope"])
+    if not same and any(pc["format"] == "8bit" for pc in man["pieces"]):
+        notes.append("8-bit Adam state: copied exactly where the block grid is unchanged, else dequantized and "
+                     "requantized")
+    return {"folder": reader.folder, "step": man["step"], "applied": man["applied"], "pruner": pruner,
+            "notes": notes, "load_peak": ledger.peak_total, "bytes_read": reader.bytes_read,
+            "manifest": man}
+
+
+def full_tensor(reader: ShardReader, name: str, kind: str = "param"):
+    """The whole parameter ``name`` (its full shape) in its saved dtype, assembled from every piece."""
+    shape = reader.shape(name)
+    dtype = np.dtype(reader.by_param[(kind, name)][0]["dtype"]) if reader.by_param.get((kind, name)) else None
+    if dtype is None or dtype == np.uint8:
+        dtype = np.dtype(reader.manifest["params"][name]["dtype"])
+    return reader.gather(kind, name, None, 0, math.prod(shape), dtype).reshape(shape)

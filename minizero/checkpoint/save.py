@@ -1,0 +1,165 @@
+"""Saving a sharded checkpoint: every rank writes what it holds, rank 0 the manifest, atomically.
+
+One save, collective (every rank calls :func:`save_checkpoint` after the same loop step)::
+
+    rank 0: clean killed saves (.tmp-*), mkdir SAVE_DIR/.tmp-step_N           barrier
+    every rank: its slots (layout.slots) -> rankR.safetensors in .tmp-step_N, fsync
+    every rank -> rank 0: its piece list, file size, SHA-256, dropout generator state
+    rank 0: manifest.json (fsync) -> rename .tmp-step_N to step_N -> fsync SAVE_DIR
+            -> latest := step_N (write, fsync, rename) -> remove checkpoints beyond --keep
+                                                                                  barrier
+
+Bytes per rank are exactly what it holds for the model states, once (``inspect`` prints them):
+without ZeRO data rank 0 writes everything (its replicas hold the same numbers); under ZeRO
+every data rank writes its owned pieces of the parameters and the optimizer state.
+Sources: DeepSpeed's ``save_checkpoint`` (per-rank ``zero_pp_rank_*_optim_states.pt``, the
+``latest`` tag file), PyTorch DCP's ``save`` (per-rank data files, ``.metadata`` written last).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from minizero.autograd.functional import get_rng_state
+from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
+                                        folder_name, fsync_path, rank_file, sha256, write_text_atomic)
+from minizero.checkpoint.layout import host_arrays, slots
+from minizero.optim.adam8bit import QuantizedState
+
+_LEN_TAG, _DATA_TAG = 1301, 1302
+
+
+def gather_json(comm, obj, root: int = 0):
+    """Collective: every rank's JSON-able ``obj`` as a list by rank on ``root`` (None elsewhere).
+
+    Two point-to-point messages per rank (length, then UTF-8 bytes as uint8).
+    """
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    if comm.rank != root:
+        comm.send(np.array([data.size], dtype=np.int64), root, tag=_LEN_TAG)
+        comm.send(data.copy(), root, tag=_DATA_TAG)
+        return None
+    out = []
+    for r in range(comm.world_size):
+        if r == root:
+            out.append(obj)
+            continue
+        n = int(comm.recv(np.empty(1, dtype=np.int64), r, tag=_LEN_TAG)[0])
+        out.append(json.loads(comm.recv(np.empty(n, dtype=np.uint8), r, tag=_DATA_TAG).tobytes().decode()))
+    return out
+
+
+def fault_in_save(rank: int, step: int) -> None:
+    """``MINIZERO_FAULT=RANK:STEP:kill_in_save``: SIGKILL this process while it saves after loop step STEP
+    (its file is written, the manifest is not): tests that a killed save leaves the previous one valid."""
+    spec = os.environ.get("MINIZERO_FAULT", "")
+    parts = spec.split(":")
+    if len(parts) == 3 and parts[2] == "kill_in_save" and int(parts[0]) == rank and int(parts[1]) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_tensors(strategy, pruner=None, rank: int = 0):
+    """This rank's ``(tensors, pieces, params)``: safetensors key -> flat host array, the manifest's piece
+    list, and ``{name: {"shape", "dtype"}}`` of the parameters it saves pieces of (full shapes).
+
+    A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}``, format ``"dense"``
+    or ``"8bit"`` (then also ``"block_size"``, and the keys ``key/codes``, ``key/absmax``).
+    Rank 0 adds the pruning masks (packed bits, one per pruned weight) when ``pruner`` is given.
+    """
+    tensors, pieces, params = {}, [], {}
+    for s in slots(strategy, "save"):
+        if s.kind == "param":
+            params[s.name] = {"shape": list(s.shape), "dtype": str(np.dtype(s.array.dtype))}
+        key = f"{s.kind}/{s.name}/{s.lo}"
+        arrays = host_arrays(s)
+        piece = {"key": key, "kind": s.kind, "param": s.name, "tp": s.tp, "lo": s.lo, "hi": s.hi}
+        if isinstance(s.array, QuantizedState):
+            piece.update(format="8bit", block_size=s.array.block_size, dtype="uint8")
+            tensors[key + "/codes"], tensors[key + "/absmax"] = arrays["codes"], arrays["absmax"]
+        else:
+            piece.update(format="dense", dtype=str(arrays[""].dtype))
+            tensors[key] = arrays[""]
+        pieces.append(piece)
+    if pruner is not None and rank == 0:
+        for name, packed in pruner.packed.items():
+            tensors[f"mask/{name}"] = np.ascontiguousarray(packed)
+    return tensors, pieces, params
+
+
+def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, pruner=None, keep: int = 2,
+                    protect: str | None = None) -> str | None:
+    """Collective: write the checkpoint of ``step`` completed loop steps into ``save_dir``.
+
+    Args:
+        strategy: the :class:`~minizero.parallel.strategy.Strategy` being trained.
+        comm: the world communicator.
+        state: rank 0's manifest fields (model, layout, applied, scaler, data, train, params, ...),
+            from :func:`minizero.checkpoint.manifest_state`.
+        pruner: the :class:`~minizero.memory.sparsity.Pruner` whose masks to keep, or None.
+        keep: complete checkpoints kept (the newest ``keep`` by step; ``protect`` never removed).
+        protect: the folder this run resumed from: never overwritten, never removed.
+    Returns:
+        the new folder (every rank), or None when it would overwrite ``protect`` (nothing written).
+    Raises:
+        OSError: a write fails (the ``.tmp-`` folder is left and cleaned by the next save).
+    """
+    name = folder_name(step)
+    final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, TMP + name)
+    if protect is not None and os.path.abspath(final) == os.path.abspath(protect):
+        return None
+    if comm.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        clean_partial(save_dir)
+        os.makedirs(tmp)
+    comm.barrier()
+    tensors, pieces, params = rank_tensors(strategy, pruner, comm.rank)
+    path = os.path.join(tmp, rank_file(comm.rank))
+    save_file(tensors, path, metadata={"format": FORMAT, "rank": str(comm.rank)})
+    fsync_path(path)
+    fault_in_save(comm.rank, step - 1)
+    topo = strategy.topo
+    info = {"rank": comm.rank, "file": rank_file(comm.rank), "bytes": os.path.getsize(path), "sha256": sha256(path),
+            "coords": [topo.dp_rank, topo.tp_rank, topo.pp_rank], "rng": get_rng_state(), "pieces": pieces,
+            "params": params}
+    infos = gather_json(comm, info)
+    if comm.rank == 0:
+        manifest = dict(format=FORMAT, version=VERSION, step=step, **state)
+        manifest["params"] = {k: v for i in infos for k, v in i.pop("params").items()}
+        manifest["pieces"] = [dict(p, rank=i["rank"], file=i["file"]) for i in infos for p in i.pop("pieces")]
+        manifest["files"] = infos
+        if pruner is not None:
+            manifest["pruning"] = {"sparsity": pruner.sparsity, "scope": pruner.scope,
+                                   "shapes": {k: list(v) for k, v in pruner.shapes.items()}, "file": rank_file(0)}
+        write_text_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        fsync_path(tmp)
+        trash = None
+        if os.path.exists(final):  # an older run's checkpoint of the same step: replaced
+            trash = os.path.join(save_dir, TRASH + name)
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        fsync_path(save_dir)
+        write_text_atomic(os.path.join(save_dir, LATEST), name)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        prune_old(save_dir, keep, protect)
+    comm.barrier()
+    return final
+
+
+def prune_old(save_dir: str, keep: int, protect: str | None = None) -> list[str]:
+    """Remove complete checkpoints beyond the newest ``keep`` (never ``protect``, never ``latest``'s)."""
+    found = complete(save_dir)
+    with open(os.path.join(save_dir, LATEST)) as f:
+        latest = os.path.join(save_dir, f.read().strip())
+    spare = {os.path.abspath(p) for p in (protect, latest) if p}
+    removed = []
+    for folder in found[:max(0, len(found) - keep)]:
+        if os.path.abspath(folder) not in spare:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed

@@ -1,0 +1,236 @@
+"""Checkpoint, resume and reshard (issue 14): stop anywhere, continue anywhere, on any layout.
+
+Identical continuation: 6 steps straight == 3 steps, save, resume, 3 steps (float64 weights within
+1e-12, the same per-step losses and learning rates) for every layout and technique below, in
+threads; reshard: saved at 4 ranks ZeRO-1, resumed at 2 ranks ZeRO-3 and at tp 2 (1e-9); a save
+killed half-way under mpiexec leaves the previous checkpoint, from which the run finishes
+identically; bad checkpoints are one line and exit 2 before any training.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.checkpoint import ShardReader, read_manifest
+from minizero.checkpoint.format import sha256
+from minizero.comm import run_in_threads
+from minizero.nn import get_config
+from minizero.train import UsageError, parse_args, train
+from tests.conftest import REPO_ROOT, mpi_env
+
+BASE = ["--model", "tiny", "--eval-batches", "1", "--eval-every", "0", "--progress", "none", "--lr", "1e-2",
+        "--seed", "3", "--no-save", "--warmup", "2", "--steps", "6"]
+F64 = ["--dtype", "float64"]
+
+
+def _train(comm, argv):
+    args = parse_args(BASE + argv, comm.world_size)
+    res = train(args, comm, log=lambda s: None)
+    s = res["strategy"]
+    full = s.full_model()  # collective: tp/pp gather onto rank 0
+    with s.full_parameters():
+        params = None if full is None else {n: p.data.copy() for n, p in full.named_parameters()}
+    return {k: res[k] for k in ("train_losses", "lrs", "loss_scales", "skipped_at", "start_step", "load_peak")} | {
+        "params": params}
+
+
+def run(n, argv):
+    """Train on ``n`` rank threads; rank 0's result (the whole model's parameters, losses, lrs, scales)."""
+    return run_in_threads(n, _train, argv, timeout=120)[0]
+
+
+def assert_same_run(straight, resumed, atol=1e-12):
+    assert resumed["start_step"] == 3
+    np.testing.assert_array_equal(resumed["train_losses"], straight["train_losses"][3:])
+    np.testing.assert_array_equal(resumed["lrs"], straight["lrs"][3:])  # the schedule continues, not restarts
+    assert set(resumed["params"]) == set(straight["params"])
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=atol, err_msg=k)
+
+
+CASES = {
+    "dp2": (2, F64),
+    "zero1-3ranks": (3, F64 + ["--zero", "1"]),
+    "zero2-3ranks": (3, F64 + ["--zero", "2"]),
+    "zero3-3ranks": (3, F64 + ["--zero", "3"]),
+    "dp2-tp2-pp2": (8, F64 + ["--dp", "2", "--tp", "2", "--pp", "2"]),
+    "adam8bit": (2, F64 + ["--optimizer", "adam8bit"]),
+    "adam8bit-zero2": (3, F64 + ["--optimizer", "adam8bit", "--zero", "2"]),
+    "offload-nvme": (2, F64 + ["--offload-optimizer", "nvme"]),
+    "dropout-recompute": (2, F64 + ["--dropout", "0.1", "--recompute", "full"]),
+    "pruned": (2, F64 + ["--prune-sparsity", "0.5", "--prune-step", "1"]),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_six_steps_equal_three_save_resume_three(case, tmp_path):
+    n, flags = CASES[case]
+    straight = run(n, flags)
+    run(n, flags + ["--save-every", "3", "--save-dir", str(tmp_path)])
+    resumed = run(n, flags + ["--resume", str(tmp_path / "step_00000003")])
+    assert_same_run(straight, resumed)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_overflow_before_the_save_the_scale_continues(tmp_path, monkeypatch):
+    """An inf at step 1 halves the scale (hysteresis 1) and the window of 2 regrows it: resuming must not reset it."""
+    monkeypatch.setenv("MINIZERO_FAULT", "0:1:inf")
+    flags = ["--precision", "fp16", "--loss-scale-window", "2"]
+    straight = run(2, flags)
+    assert straight["skipped_at"] == [1] and len(set(straight["loss_scales"])) > 1
+    run(2, flags + ["--save-every", "3", "--save-dir", str(tmp_path)])
+    man = read_manifest(str(tmp_path / "step_00000003"))
+    assert man["scaler"]["scale"] != 2.0 ** 16 and man["applied"] == 2  # 3 loop steps, one skipped
+    resumed = run(2, flags + ["--resume", str(tmp_path / "step_00000003")])
+    assert resumed["loss_scales"] == straight["loss_scales"][3:]
+    assert_same_run(straight, resumed, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_the_check_can_fail_without_the_optimizer_state(tmp_path, monkeypatch):
+    """Negative control: a resume that drops Adam's m (as a weights-only checkpoint would) does not match."""
+    straight = run(2, F64)
+    run(2, F64 + ["--save-every", "3", "--save-dir", str(tmp_path)])
+    load_into = ShardReader.load_into
+    monkeypatch.setattr(ShardReader, "load_into", lambda self, slot: None if slot.kind == "m" else load_into(self, slot))
+    resumed = run(2, F64 + ["--resume", str(tmp_path / "step_00000003")])
+    with pytest.raises(AssertionError):
+        assert_same_run(straight, resumed)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--zero", "3", "--micro-batch-size", "2"],
+                                   ["--tp", "2", "--micro-batch-size", "4"]], ids=["zero3-dp2", "tp2"])
+def test_reshard_4_ranks_zero1_to_2_ranks(flags, tmp_path):
+    """Same global batch B = 1 x 4 = 2 x 2 = 4 x 1; the loaded state equals the 4-rank run's to 1e-9."""
+    src = F64 + ["--zero", "1", "--micro-batch-size", "1"]
+    straight = run(4, src + ["--save-every", "3", "--save-dir", str(tmp_path)])
+    resumed = run(2, F64 + flags + ["--resume", str(tmp_path / "step_00000003")])
+    assert resumed["start_step"] == 3
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
+    full_bytes = get_config("tiny").num_parameters() * 8  # the whole model's float64 parameters
+    assert 0 < resumed["load_peak"] < full_bytes  # one parameter's pieces at a time, never the whole model
+
+
+@pytest.mark.timeout(300)
+def test_reader_reads_only_the_overlapping_pieces(tmp_path):
+    """A tensor-parallel slot of c_fc at tp 2 needs the ZeRO pieces that cover its rows, not every piece."""
+    run(4, F64 + ["--zero", "1", "--micro-batch-size", "1", "--save-every", "3", "--save-dir", str(tmp_path)])
+    reader = ShardReader(str(tmp_path))
+    name = "transformer.h.1.mlp.c_fc.weight"  # (64, 16), column-parallel: rows split
+    full = reader.gather("param", name, None, 0, 64 * 16, np.float64).reshape(64, 16)
+    reads = reader.reads
+    half = reader.gather("param", name, (0, 1, 1, 2), 0, 32 * 16, np.float64).reshape(32, 16)
+    np.testing.assert_array_equal(half, full[32:])
+    assert reader.reads - reads < reads  # fewer pieces read for the half than for the whole
+
+
+def _cli(mpiexec, n, flags, env=None):
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *BASE[:-2], "--sample-tokens", "1",
+           "--steps", "6", *F64, "--micro-batch-size", "2", "--zero", "2", *flags]
+    cmd.remove("--no-save")
+    return subprocess.run(cmd, env=dict(mpi_env(), **(env or {})), capture_output=True, text=True, timeout=200,
+                          cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(600)
+def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_path):
+    """MINIZERO_FAULT=1:3:kill_in_save: rank 1 dies after writing its file of step 4, before the manifest."""
+    ref = _cli(mpiexec, 2, ["--out", str(tmp_path / "straight")])
+    assert ref.returncode == 0, ref.stderr
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    killed = _cli(mpiexec, 2, ["--out", str(out), "--save-every", "2"], {"MINIZERO_FAULT": "1:3:kill_in_save"})
+    assert killed.returncode != 0
+    assert (ck / "latest").read_text() == "step_00000002" and (ck / ".tmp-step_00000004").is_dir()
+    before = sha256(str(ck / "step_00000002" / "rank00000.safetensors"))
+    resumed = _cli(mpiexec, 2, ["--out", str(out), "--save-every", "2", "--resume", str(ck)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
+    assert not (ck / ".tmp-step_00000004").exists()  # the partial save was cleaned
+    assert sha256(str(ck / "step_00000002" / "rank00000.safetensors")) == before  # never overwritten
+    a, b = np.load(tmp_path / "straight" / "model.npz"), np.load(out / "model.npz")
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-12, err_msg=k)
+    # consolidate: the checkpoint of the last step is the main job's model.npz, name for name
+    con = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(ck), "--out",
+                          str(tmp_path / "c.npz")], env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert con.returncode == 0, con.stderr
+    c = np.load(tmp_path / "c.npz")
+    assert sorted(c) == sorted(b)
+    for k in b:
+        np.testing.assert_array_equal(c[k], b[k], err_msg=k)
+    ins = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(ck)], env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert ins.returncode == 0 and "step 6" in ins.stdout and "dp 2 x tp 1 x pp 1, ZeRO 2" in ins.stdout
+
+
+@pytest.mark.timeout(300)
+def test_keep_removes_old_checkpoints_after_the_new_one_is_complete(tmp_path):
+    run(1, F64 + ["--save-every", "1", "--keep", "2", "--save-dir", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000005", "step_00000006"]
+    assert (tmp_path / "latest").read_text() == "step_00000006"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    run(2, F64 + ["--steps", "2", "--save-every", "2", "--save-dir", str(d)])
+    return d / "step_00000002"
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _resume_error(path, extra=()):
+    with pytest.raises(UsageError) as e:
+        parse_args(BASE + F64 + ["--resume", str(path), *extra], 2)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_checkpoints_are_one_line_naming_the_file(saved, tmp_path):
+    assert "n_embd=16, this run 64" in _resume_error(saved, ["--model", "small"])
+    assert "optimizer 'adamw'" in _resume_error(saved, ["--optimizer", "adam8bit"])
+    miss = _copy(saved, tmp_path / "missing")
+    os.remove(miss / "rank00001.safetensors")
+    assert "rank00001.safetensors: missing" in _resume_error(miss)
+    bad = _copy(saved, tmp_path / "flipped")
+    raw = bytearray((bad / "rank00000.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (bad / "rank00000.safetensors").write_bytes(bytes(raw))
+    assert "rank00000.safetensors: checksum mismatch" in _resume_error(bad)
+    short = _copy(saved, tmp_path / "short")
+    (short / "rank00000.safetensors").write_bytes((short / "rank00000.safetensors").read_bytes()[:100])
+    assert "rank00000.safetensors: 100 bytes" in _resume_error(short)
+    newer = _copy(saved, tmp_path / "newer")
+    text = (newer / "manifest.json").read_text().replace('"version": 1', '"version": 99')
+    (newer / "manifest.json").write_text(text)
+    assert "manifest.json: format version 99 is newer" in _resume_error(newer)
+    assert "no complete checkpoint" in _resume_error(tmp_path / "missing" / ".." / "short" / "..")
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_checkpoint_exits_2_on_every_rank_before_training(mpiexec, saved):
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *BASE, *F64, "--model", "small", "--resume",
+           str(saved)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "manifest.json" in proc.stderr and "n_embd" in proc.stderr
+    assert "minizero: 2 rank(s)" not in proc.stdout  # nothing trained
+
+
+@pytest.mark.timeout(120)
+def test_resuming_never_overwrites_its_checkpoint(saved):
+    before = {f: sha256(str(saved / f)) for f in os.listdir(saved)}
+    res = run(2, F64 + ["--steps", "2", "--save-every", "1", "--save-dir", str(saved.parent), "--resume", str(saved)])
+    assert res["start_step"] == 2 and res["train_losses"] == []
+    assert {f: sha256(str(saved / f)) for f in os.listdir(saved)} == before
