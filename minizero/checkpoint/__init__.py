@@ -21,7 +21,6 @@ DCP (``torch.distributed.checkpoint``: per-rank files, a metadata file, load-tim
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from minizero.checkpoint.format import CheckpointError, clean_partial, read_manifest, resolve, verify
 from minizero.checkpoint.load import ShardReader, full_tensor, restore

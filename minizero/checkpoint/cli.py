@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 
 import numpy as np
@@ -72,7 +71,7 @@ def consolidate(path: str, out: str) -> dict:
         if first[id(p)] not in state:
             state[first[id(p)]] = full_tensor(reader, first[id(p)])
         state[name] = state[first[id(p)]]
-    atomic_write(out, lambda tmp: np.savez(open(tmp, "wb"), **state))
+    atomic_write(out, lambda f: np.savez(f, **state))
     return state
 
 

@@ -66,17 +66,6 @@ def sha256(path: str, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: write, fsync, rename, fsync the folder."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
 def step_of(name: str) -> int | None:
     """The step in a folder name ``step_N``, or None for any other name."""
     if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():

@@ -27,8 +27,9 @@ from safetensors.numpy import save_file
 
 from minizero.autograd.functional import get_rng_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
-                                        folder_name, fsync_path, rank_file, sha256, write_text_atomic)
+                                        folder_name, fsync_path, rank_file, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
+from minizero.files import atomic_write
 from minizero.optim.adam8bit import QuantizedState
 
 _LEN_TAG, _DATA_TAG = 1301, 1302
@@ -135,7 +136,8 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
         if pruner is not None:
             manifest["pruning"] = {"sparsity": pruner.sparsity, "scope": pruner.scope,
                                    "shapes": {k: list(v) for k, v in pruner.shapes.items()}, "file": rank_file(0)}
-        write_text_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        text = json.dumps(manifest, indent=1)
+        atomic_write(os.path.join(tmp, MANIFEST), lambda f: f.write(text), mode="w")
         fsync_path(tmp)
         trash = None
         if os.path.exists(final):  # an older run's checkpoint of the same step: replaced
@@ -143,7 +145,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
             os.replace(final, trash)
         os.replace(tmp, final)
         fsync_path(save_dir)
-        write_text_atomic(os.path.join(save_dir, LATEST), name)
+        atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(name), mode="w")
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         prune_old(save_dir, keep, protect)

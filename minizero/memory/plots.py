@@ -72,7 +72,7 @@ def plot_timeline(path: str, timeline, title: str = "") -> None:
     axes[0][0].legend(loc="lower left", fontsize=7)
     fig.suptitle(title or "ledger memory per rank, by category (each step at its peak)", fontsize=10)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
 
 
@@ -107,5 +107,5 @@ def plot_seq_sweep(path: str, seq_lens, measured: dict, formula: dict, split: di
     ax.legend(fontsize=7)
     ax.set_title(title or "activation bytes per layer vs s", fontsize=10)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
