@@ -100,7 +100,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
     mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"])
-    print("\n".join(mem_lines))
+    print("\n".join(line for line in mem_lines if not line.startswith("wrote ")))
+    wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()
         bad = [k for k, v in state.items() if not np.isfinite(v).all()]
@@ -153,3 +154,5 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
     print(plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
                       result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}"))
+    for line in wrote_later:
+        print(line)
