@@ -179,9 +179,13 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     """
     lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
              "':scores' = (b, a, s, s) arrays)"]
-    for r, peaks in enumerate(per_rank):
-        top = top_modules(peaks, n)
-        lines.append(f"  r{r}: " + ", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top))
+    rows = [", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top_modules(peaks, n))
+            for peaks in per_rank]
+    for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
+        ranks = [r for r, other in enumerate(rows) if other == row]
+        who = f"r{ranks[0]}" if len(ranks) == 1 else ("every rank" if len(ranks) == len(rows) else
+                                                       "r" + ", r".join(map(str, ranks)))
+        lines.append(f"  {who}: {row}")
     return "\n".join(lines)
 
 
