@@ -49,3 +49,14 @@ def test_every_module_is_readable_in_one_sitting():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / "minizero").rglob("*.py")}
     too_long = {k: v for k, v in sizes.items() if v > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+
+
+def test_tensor_operators_are_defined_where_tensor_is():
+    """Issue 10: ``a + b`` is readable in the Tensor class, not attached by importing ops.py."""
+    from minizero.autograd import engine, ops
+
+    for name in ("__add__", "__radd__", "__sub__", "__mul__", "__truediv__", "__neg__", "__pow__", "__matmul__",
+                 "__getitem__", "sum", "mean", "reshape", "transpose", "T", "exp", "log", "tanh"):
+        assert name in engine.Tensor.__dict__, name
+    assert "Tensor." not in (REPO / "minizero" / "autograd" / "ops.py").read_text().replace("Tensor.ops", "")
+    assert engine.Tensor.ops is ops  # bound explicitly by minizero/autograd/__init__.py

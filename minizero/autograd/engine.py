@@ -27,79 +27,10 @@ Mirrors: ``torch.autograd.Function`` (forward/backward/ctx.save_for_backward),
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 from minizero import backend
+from minizero.autograd.grad_mode import (_hooks_stack, current_saved_tensors_hooks, enable_grad,  # noqa: F401
+                                         is_grad_enabled, no_grad, saved_tensors_hooks)
 from minizero.ledger import get_ledger
-
-_state = threading.local()
-
-
-def _hooks_stack() -> list:
-    stack = getattr(_state, "hooks", None)
-    if stack is None:
-        stack = _state.hooks = []
-    return stack
-
-
-def is_grad_enabled() -> bool:
-    """True unless inside :func:`no_grad` (per thread)."""
-    return getattr(_state, "grad_enabled", True)
-
-
-@contextlib.contextmanager
-def no_grad():
-    """Context manager: ops record no graph and save nothing (like ``torch.no_grad``)."""
-    prev = is_grad_enabled()
-    _state.grad_enabled = False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
-
-
-@contextlib.contextmanager
-def enable_grad():
-    """Context manager: re-enable graph recording inside :func:`no_grad`."""
-    prev = is_grad_enabled()
-    _state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
-
-
-@contextlib.contextmanager
-def saved_tensors_hooks(pack, unpack):
-    """Route every array a Function saves through ``pack``; backward calls ``unpack``.
-
-    ``pack(array) -> anything`` runs when ``ctx.save_for_backward`` is called;
-    ``unpack(packed) -> array`` runs when backward reads ``ctx.saved_tensors``.
-    The innermost active pair wins, and the pair active at *save* time is the
-    one used to unpack (as in PyTorch). What ``pack`` returns is what stays
-    alive: the ledger counts it as ``activations`` if it is an array.
-
-    Mirrors ``torch.autograd.graph.saved_tensors_hooks``.
-    """
-    stack = _hooks_stack()
-    stack.append((pack, unpack))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def current_saved_tensors_hooks():
-    """The innermost active ``(pack, unpack)`` pair of this thread, or None.
-
-    A new pair can hand what it does not handle on to the pair it shadows, so
-    techniques compose (ZeRO-3 turns gathered parameters into handles and passes
-    activations on to an enclosing offload pair).
-    """
-    stack = _hooks_stack()
-    return stack[-1] if stack else None
-
 
 class Context:
     """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
@@ -210,9 +141,15 @@ class Tensor:
         grad: accumulated gradient array of ``data``'s shape and dtype, or None.
         requires_grad: whether gradients flow to / through this tensor.
         grad_fn: the :class:`Context` node that produced it (None for leaves).
-    Operators (+, -, *, /, @, **, indexing) and methods (sum, mean, reshape,
-    transpose, ...) are defined in :mod:`minizero.autograd.ops`.
+    Operators (+, -, *, /, @, **, indexing) and methods (sum, mean, reshape, transpose,
+    ...) are defined below: each applies one elementary Function of
+    :mod:`minizero.autograd.ops` (``a + b`` is ``ops.Add.apply(a, b)``). ``ops`` imports this
+    module (it subclasses :class:`Function`), so the class reaches it through :attr:`ops`,
+    which ``minizero/autograd/__init__.py`` binds explicitly once both modules exist.
     """
+
+    #: the module of elementary Functions, :mod:`minizero.autograd.ops` (bound by the package's __init__)
+    ops = None
 
     def __init__(self, data, requires_grad: bool = False):
         self.data = data if isinstance(data, backend.xp.ndarray) else backend.xp.asarray(data)
@@ -254,6 +191,76 @@ class Tensor:
     def backward(self, grad=None, retain_graph: bool = False) -> None:
         """Backpropagate from this tensor; see :func:`backward`."""
         backward(self, grad, retain_graph=retain_graph)
+
+    # ---- operators: one elementary Function each (other operands: Tensors, arrays or scalars) ----
+    def __add__(self, other):
+        return self.ops.Add.apply(self, other)
+
+    def __radd__(self, other):
+        return self.ops.Add.apply(other, self)
+
+    def __sub__(self, other):
+        return self.ops.Sub.apply(self, other)
+
+    def __rsub__(self, other):
+        return self.ops.Sub.apply(other, self)
+
+    def __mul__(self, other):
+        return self.ops.Mul.apply(self, other)
+
+    def __rmul__(self, other):
+        return self.ops.Mul.apply(other, self)
+
+    def __truediv__(self, other):
+        return self.ops.Div.apply(self, other)
+
+    def __rtruediv__(self, other):
+        return self.ops.Div.apply(other, self)
+
+    def __neg__(self):
+        return self.ops.Neg.apply(self)
+
+    def __pow__(self, p):
+        return self.ops.Pow.apply(self, p)
+
+    def __matmul__(self, other):
+        return self.ops.MatMul.apply(self, other)
+
+    def __getitem__(self, idx):
+        return self.ops.GetItem.apply(self, idx)
+
+    def exp(self):
+        return self.ops.Exp.apply(self)
+
+    def log(self):
+        return self.ops.Log.apply(self)
+
+    def tanh(self):
+        return self.ops.Tanh.apply(self)
+
+    def sum(self, axis=None, keepdims: bool = False):
+        """Sum over ``axis`` (None: all elements)."""
+        return self.ops.Sum.apply(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis=None, keepdims: bool = False):
+        """Mean over ``axis`` (None: all elements): the sum times 1/n."""
+        n = self.size if axis is None else (
+            self.shape[axis] if isinstance(axis, int) else int(backend.xp.prod([self.shape[i] for i in axis])))
+        return self.sum(axis=axis, keepdims=keepdims) * (1.0 / n)
+
+    def reshape(self, *shape):
+        """``reshape(2, 3)`` or ``reshape((2, 3))``, as NumPy."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return self.ops.Reshape.apply(self, shape)
+
+    def transpose(self, *axes):
+        """Permute axes (none given: reverse them), as NumPy."""
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        return self.ops.Transpose.apply(self, axes or None)
+
+    T = property(lambda self: self.ops.Transpose.apply(self, None), doc="the transpose (axes reversed)")
 
 
 def _topological_nodes(root: Tensor):
