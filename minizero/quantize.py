@@ -15,12 +15,16 @@ The tied LM head is left alone: its matrix is the token embedding's, which stays
 quantizing the head would store the matrix twice. Embeddings, layer norms and biases stay
 FP32 (as bitsandbytes' ``Linear8bitLt`` / ``Linear4bit`` replace only linear layers).
 
-``--outlier-threshold T`` is the outlier-aware variant of LLM.int8() (Dettmers et al. 2022,
-arXiv:2208.07339, section 3.2): a few calibration batches find the *input features* whose
-activation magnitude reaches T (the paper uses 6.0); those columns of W stay FP32 and the
-rest is quantized per row. LLM.int8() splits the matmul itself (an INT8 matmul plus an FP16
-one for the outlier columns); weight-only, the same numbers come from putting the FP32
-columns back into the dequantized matrix.
+``--outlier-threshold T`` is an experiment that borrows LLM.int8()'s outlier *criterion*
+(Dettmers et al. 2022, arXiv:2208.07339, section 3.2), not its method: two calibration
+batches measure every linear layer's largest input activation per feature, the weight
+columns that multiply features reaching T (the paper uses 6.0) stay FP32, and the rest of W
+is quantized per row. LLM.int8()'s mixed-precision decomposition exists because it quantizes
+the *activations* X too: it multiplies the outlier feature dimensions of X, and the matching
+rows of W (columns of minizero's (out, in) weights), in FP16 and everything else in INT8, so
+that one outlier feature does not coarsen the INT8 scale of X. Weight-only round-to-nearest,
+as here, never quantizes X and does not need the decomposition; keeping those weight columns
+in FP32 only removes their (small) weight rounding error, at the price of their bytes.
 
 This file is the command line; the quantized layer and its measurements are in
 :mod:`minizero.quantized_model`, reading the weights back in :mod:`minizero.weights`.
@@ -60,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", default="row", choices=list(GRANULARITIES), help="one scale per tensor/row/block")
     p.add_argument("--block-size", type=int, default=64, help="elements per scale for --granularity block")
     p.add_argument("--outlier-threshold", type=float, default=None,
-                   help="LLM.int8(): keep input features with activation magnitude >= this in FP32 (paper: 6.0)")
+                   help="experiment with LLM.int8()'s outlier criterion: keep in FP32 the weight columns whose input "
+                        "features reach this activation magnitude on 2 calibration batches (the paper's threshold: 6.0); "
+                        "activations are never quantized here")
     p.add_argument("--table", action="store_true", help="measure every bits x granularity combination")
     p.add_argument("--data", default=None, help="text file (default: the trainer's --data, else the embedded corpus)")
     p.add_argument("--eval-batches", type=int, default=None,
@@ -123,7 +129,7 @@ def run(args) -> dict:
             "dtype": stored_dtype(state)}
     calib = [global_batch(train_tok, 10_000 + i, 16, cfg.block_size, seed) for i in range(2)]
     calibration = None
-    if args.outlier_threshold is not None:  # what the outlier variant sees: every layer's largest |input|
+    if args.outlier_threshold is not None:  # what the FP32-column experiment sees: every layer's largest |input|
         stats = calibrate_input_absmax(model, calib)
         calibration = {"max_input_absmax": {k: float(v.max()) for k, v in stats.items()},
                        "columns_at_threshold": int(sum((v >= args.outlier_threshold).sum() for v in stats.values())),
@@ -131,7 +137,7 @@ def run(args) -> dict:
     combos = [(b, g) for b in (8, 4) for g in GRANULARITIES] if args.table else [(args.bits, args.granularity)]
     rows = []
     for bits, gran in combos:
-        # the outlier-aware variant is row-wise (LLM.int8()'s vector-wise quantization); with
+        # the FP32-column experiment is row-wise (LLM.int8()'s vector-wise quantization); with
         # --table it is measured beside each per-row row, alone it replaces the plain one
         if args.outlier_threshold is None:
             thresholds = [None]

@@ -6,11 +6,17 @@ For each stage the main job's own loop (``minizero.train.train``) runs two optim
 The memory ledger is read at the first optimizer step (parameters, gradients, optimizer
 state: what lives between steps) and its peaks give the transient buffers; the traffic
 ledger gives the bytes each rank sends per step for model states. Beside each measured
-figure is the ZeRO paper's formula for Ψ parameters over N ranks (Rajbhandari et al. 2020,
-Figure 1 and section 7.2): 16, 4 + 4 + 8/N, 4 + 12/N and 16/N bytes per parameter; 2(N-1)/N,
-2(N-1)/N, (M+1)(N-1)/N and 3M(N-1)/N of the gradient bytes with M micro-batches per step.
-The measured bytes exceed the formula only by the padding (each flat unit is padded to a
-multiple of N).
+figure ("formula") is the ZeRO paper's formula for Ψ parameters over N ranks (Rajbhandari et
+al. 2020) instantiated for what this script trains, FP32 + Adam (4 + 4 + 8 bytes per parameter):
+16, 4 + 4 + 8/N, 4 + 12/N and 16/N bytes per parameter. These are not the paper's own numbers:
+its Figure 1 row is mixed-precision Adam, 2 + 2 + 12 bytes per parameter: 16, 4 + 12/N,
+2 + 14/N and 16/N; the two agree unsharded (16) and fully sharded (16/N) only because both
+layouts happen to total 16. Bytes sent: 2(N-1)/N, 2(N-1)/N, (M+1)(N-1)/N and 3M(N-1)/N of the
+gradient bytes with M micro-batches per step; for M = 1 these are the paper's section 7
+volumes (7.1: all-reduce 2Ψ; 7.2.1: 2Ψ for P_os+g; 7.2.2: 3Ψ for P_os+g+p), and the factor M
+is minizero's count (stage 2 reduce-scatters once per micro-batch, stage 3 gathers twice and
+reduce-scatters once per micro-batch). The measured bytes exceed the formula only by the
+padding (each flat unit is padded to a multiple of N).
 """
 import argparse
 import gc
@@ -64,17 +70,19 @@ def main():
         return
     print(f"ZeRO on N = {n} ranks: model {opts.model!r}, Ψ = {psi:,} parameters in {len(sm.units)} flat units "
           f"({sm.padded - psi} padding elements), float32 + Adam, M = {opts.grad_accum} micro-batch(es) per step")
-    print("per rank, KiB (1 KiB = 1024 bytes); 'paper' = Rajbhandari et al. 2020, Figure 1 / section 7.2\n")
-    print(f"{'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9} {'paper':>9} {'B/param':>8} "
-          f"{'gathered':>9} {'buckets':>9} {'sent/step':>10} {'paper':>9} {'x grads':>8}")
+    print("per rank, KiB (1 KiB = 1024 bytes); 'formula' = the ZeRO paper's formulas (Rajbhandari et al. 2020) for "
+          "FP32 + Adam, 4 + 4 + 8 bytes per parameter,\nnot its Figure 1 row (mixed precision, 2 + 2 + 12); "
+          "bytes sent: its section 7 volumes, times M micro-batches where a stage pays per micro-batch\n")
+    print(f"{'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9} {'formula':>9} {'B/param':>8} "
+          f"{'gathered':>9} {'buckets':>9} {'sent/step':>10} {'formula':>9} {'x grads':>8}")
     for stage, f in enumerate(rows):
         total = f["parameters"] + f["gradients"] + f["optimizer_state"]
-        paper = model_state_formula(stage, psi, n)["total"]
-        sent_paper = traffic_formula(stage, psi, n, 4, opts.grad_accum)
+        formula = model_state_formula(stage, psi, n)["total"]
+        sent_formula = traffic_formula(stage, psi, n, 4, opts.grad_accum)
         print(f"{stage:>5} {f['parameters'] / kib:>9.1f} {f['gradients'] / kib:>9.1f} "
-              f"{f['optimizer_state'] / kib:>9.1f} {total / kib:>9.1f} {paper / kib:>9.1f} {total / psi:>8.2f} "
+              f"{f['optimizer_state'] / kib:>9.1f} {total / kib:>9.1f} {formula / kib:>9.1f} {total / psi:>8.2f} "
               f"{f['gathered_peak'] / kib:>9.1f} {f['buckets_peak'] / kib:>9.1f} {f['sent_per_step'] / kib:>10.1f} "
-              f"{sent_paper / kib:>9.1f} {f['sent_per_step'] / (4 * psi):>8.3f}")
+              f"{sent_formula / kib:>9.1f} {f['sent_per_step'] / (4 * psi):>8.3f}")
     print("\ngathered: peak of stage-3 all-gathered parameters; buckets: peak of gradient communication buffers")
     print("(stage 0: DataParallel's persistent all-reduce buckets; stages 2-3: one unit's bucket during its backward)."
           f"\nOne block is {max(u.padded for u in sm.units if '.h.' in u.name) * 4 / kib:.1f} KiB, the tied "

@@ -16,8 +16,11 @@ per unit), prints it (``--show-shards``) and draws it (tiny model, N = 4, one bl
 
 (one column per 3,280 / 64 elements, so 16-element vectors can fall between columns).
 
-The formulas are the ZeRO paper's (Rajbhandari et al., SC 2020, arXiv:1910.02054):
-model-state bytes per rank from Figure 1 / section 5, traffic from section 7.2.
+The formulas are the ZeRO paper's (Rajbhandari et al., SC 2020, arXiv:1910.02054), with
+minizero's defaults: model-state bytes per rank are the formula of Figure 1 / section 5
+instantiated for FP32 + Adam (4 + 4 + 8 bytes per parameter; the figure's own row is mixed
+precision, 2 + 2 + 12); the traffic per step is section 7's (7.1: 2Ψ for stages 0-1, 7.2.1:
+2Ψ for stage 2, 7.2.2: 3Ψ for stage 3), extended to M micro-batches per step.
 """
 from __future__ import annotations
 
@@ -203,9 +206,17 @@ class ShardMap:
 # --------------------------------------------------------------------------- formulas
 def model_state_formula(stage: int, num_params: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
                         state_bytes: int = 8) -> dict:
-    """Bytes per rank of parameters, gradients and optimizer state for a ZeRO ``stage`` (paper, Figure 1).
+    """Bytes per rank of parameters, gradients and optimizer state for a ZeRO ``stage``.
 
-    ``state_bytes``: m and v together per parameter (8 for float32 Adam, 16 for float64).
+    The formula of the ZeRO paper's Figure 1 (stage 0: (P + G + K)Ψ; 1: (P + G + K/N)Ψ;
+    2: (P + (G + K)/N)Ψ; 3: (P + G + K)Ψ/N). The defaults are its FP32 instance, P = 4, G = 4,
+    K = 8 (float32 parameters, gradients, Adam's m and v), minizero's default run; the figure's
+    own row is mixed-precision Adam, P = 2, G = 2, K = 12 (FP32 master, m, v):
+    ``model_state_formula(stage, psi, n, 2, 2, 12)``. The two totals agree unsharded and at
+    stage 3 only because both layouts add up to 16 bytes per parameter.
+
+    ``state_bytes``: optimizer state per parameter, K (8 for float32 m and v, 16 for float64,
+    12 for FP16 training's FP32 master + m + v).
     Returns ``{"parameters", "gradients", "optimizer_state", "total"}`` as floats (before padding).
     Raises: ValueError for a stage outside 0..3.
     """
@@ -220,7 +231,11 @@ def model_state_formula(stage: int, num_params: int, world_size: int, param_byte
 
 
 def traffic_formula(stage: int, num_params: int, world_size: int, itemsize: int = 4, micro_batches: int = 1) -> float:
-    """Bytes one rank sends per optimizer step for model states (section 7.2), before padding.
+    """Bytes one rank sends per optimizer step for model states, before padding.
+
+    For one micro-batch these are the ZeRO paper's section 7 volumes: 2Ψ for data parallelism
+    (7.1; stage 1 is the same), 2Ψ for P_os+g (7.2.1), 3Ψ for P_os+g+p (7.2.2), each times
+    (N-1)/N and the bytes per element. The factor M is minizero's own count of its schedule:
 
     Stages 0 and 1: 2(N-1)/N of the gradient bytes (all-reduce = reduce-scatter + all-gather).
     Stage 2: (M+1)(N-1)/N: one reduce-scatter per micro-batch, one all-gather per step.
