@@ -98,3 +98,16 @@ def test_dropout_masks_are_float32_draws():
     keep = F.dropout_keep_mask((1000,), 0.25)
     ref = np.random.default_rng(7).random((1000,), dtype=np.float32) >= np.float32(0.25)
     np.testing.assert_array_equal(keep, ref)
+
+
+def test_tracemalloc_is_off_unless_asked_and_rss_is_reported():
+    from minizero.args import build_parser
+    from minizero.ledger import memory_summary
+    from minizero.train import peak_rss_bytes, use_tracemalloc
+    p = build_parser()
+    assert not use_tracemalloc(p.parse_args([]))
+    assert use_tracemalloc(p.parse_args(["--tracemalloc"]))
+    assert not use_tracemalloc(p.parse_args(["--tracemalloc", "--no-tracemalloc"]))
+    assert peak_rss_bytes() > 10 * 2**20  # this interpreter with NumPy loaded
+    text = memory_summary(None, [peak_rss_bytes()], process_peak_source="rss")
+    assert "getrusage" in text and "tracemalloc traces" in text
