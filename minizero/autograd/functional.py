@@ -18,22 +18,8 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd.engine import Function, Tensor
-
-
-def _compute_dtype(dtype) -> np.dtype:
-    """The dtype elementwise work runs in: float32 for float16 storage, else the dtype itself.
-
-    GPU kernels load FP16, compute in FP32 registers and round once when they store
-    (Micikevicius et al. 2018); NumPy's own float16 arithmetic is slow (a Python-level
-    convert per element and operation), so minizero does what the kernel does:
-    widen once, compute, round at the storage point. float32 and float64 run unchanged.
-    """
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
-
-
-def _widen(a):
-    """``a`` in its compute dtype (:func:`_compute_dtype`); no copy unless it is float16."""
-    return a.astype(_compute_dtype(a.dtype), copy=False)
+from minizero.autograd.kernels import (GELU_C, causal_mask, compute_dtype, gelu_tanh, masked_scale, scatter_add_rows,
+                                      widen)
 
 
 def _flat2d(a):
@@ -71,7 +57,7 @@ class Linear(Function):
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
         dx = backend.matmul(g, w) if need_x else None
         dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
-        db = _flat2d(g).sum(axis=0, dtype=_compute_dtype(g.dtype)).astype(g.dtype, copy=False) if need_b else None
+        db = _flat2d(g).sum(axis=0, dtype=compute_dtype(g.dtype)).astype(g.dtype, copy=False) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 
 
@@ -99,21 +85,6 @@ class Embedding(Function):
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
         return scatter_add_rows(ctx.weight_shape, idx.reshape(-1), _flat2d(g)), None
-
-
-def scatter_add_rows(shape, idx, rows):
-    """``out = zeros(shape); out[idx[i]] += rows[i]`` for i in order, as ``np.add.at`` does.
-
-    idx (N,) integers, rows (N, C) -> out (V, C) of rows' dtype. One ``bincount`` over the
-    flattened (row, column) bins: it adds each bin's terms one after the other in the order of
-    i, in float64, so float64 gives the bits of ``np.add.at`` and float32/float16 the exact-order
-    float64 sum rounded once (tests/test_speed.py); 10x fewer dispatches than add.at's.
-    """
-    xp = backend.xp
-    v, c = shape
-    bins = (idx.reshape(-1, 1) * c + xp.arange(c)).reshape(-1)
-    out = xp.bincount(bins, weights=rows.reshape(-1), minlength=v * c)
-    return out.reshape(v, c).astype(rows.dtype, copy=False)
 
 
 def embedding(idx, weight: Tensor) -> Tensor:
@@ -182,23 +153,20 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     return LayerNorm.apply(x, weight, bias, eps)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
 class GELU(Function):
     """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
     Shapes: any -> same. Saves x. Computed in place in one or three scratch arrays, in the
     order the formula is written (so float64 gives the same bits as the plain expression),
-    and for float16 in float32, rounded once at the store (:func:`_compute_dtype`).
+    and for float16 in float32, rounded once at the store (:func:`compute_dtype`).
     Backward: g * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2)), t recomputed.
     """
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        xs = _widen(x)
-        u = _gelu_tanh(xs)
+        xs = widen(x)
+        u = gelu_tanh(xs)
         u += 1.0
         u *= xs
         u *= 0.5  # 0.5 * x * (1 + t): scaling by 0.5 is exact, so the order does not matter
@@ -207,11 +175,11 @@ class GELU(Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        xs, gs = _widen(x), _widen(g)
-        t = _gelu_tanh(xs)
+        xs, gs = widen(x), widen(g)
+        t = gelu_tanh(xs)
         dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
         np.subtract(1.0, dt, out=dt)
-        dt *= _GELU_C
+        dt *= GELU_C
         w = xs * (3 * 0.044715)
         w *= xs
         w += 1.0
@@ -223,16 +191,6 @@ class GELU(Function):
         t += w
         t *= gs
         return t.astype(g.dtype, copy=False)
-
-
-def _gelu_tanh(x):
-    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) as a new array, computed in place."""
-    u = x * x
-    u *= x
-    u *= 0.044715
-    u += x
-    u *= _GELU_C
-    return np.tanh(u, out=u)
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -281,7 +239,7 @@ class CausalSoftmax(Function):
     @staticmethod
     def forward(ctx, x):
         xp = backend.xp
-        e = xp.where(_causal_mask(x.shape[-2], x.shape[-1]), -xp.inf, _widen(x))  # the one new array
+        e = xp.where(causal_mask(x.shape[-2], x.shape[-1]), -xp.inf, widen(x))  # the one new array
         e -= e.max(axis=-1, keepdims=True)
         xp.exp(e, out=e)
         e /= e.sum(axis=-1, keepdims=True)
@@ -292,23 +250,12 @@ class CausalSoftmax(Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        ys, gs = _widen(y), _widen(g)
+        ys, gs = widen(y), widen(g)
         d = gs * ys
         s = d.sum(axis=-1, keepdims=True)
         np.subtract(gs, s, out=d)
         d *= ys  # y * (g - sum(g * y))
         return d.astype(g.dtype, copy=False)
-
-
-_MASKS = {}
-
-
-def _causal_mask(t: int, s: int):
-    """The (t, s) bool mask of positions j > i (True = masked), built once per shape and backend."""
-    key = (backend.name, t, s)
-    if key not in _MASKS:
-        _MASKS[key] = backend.xp.triu(backend.xp.ones((t, s), dtype=bool), k=1)
-    return _MASKS[key]
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
@@ -366,12 +313,12 @@ class Dropout(Function):
         keep = backend.to_device(dropout_keep_mask(x.shape, p))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
-        return _masked_scale(x, keep, ctx.scale)
+        return masked_scale(x, keep, ctx.scale)
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return _masked_scale(g, keep, ctx.scale), None
+        return masked_scale(g, keep, ctx.scale), None
 
 
 def dropout_keep_mask(shape, p: float) -> np.ndarray:
@@ -381,13 +328,6 @@ def dropout_keep_mask(shape, p: float) -> np.ndarray:
     Every dropout (plain and tensor-parallel) draws through here, so they stay the same draws.
     """
     return dropout_generator().random(shape, dtype=np.float32) >= np.float32(p)
-
-
-def _masked_scale(x, keep, scale: float):
-    """x * keep * scale, in x's compute dtype, rounded to x's dtype once."""
-    y = _widen(x) * keep
-    y *= y.dtype.type(scale)
-    return y.astype(x.dtype, copy=False)
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
