@@ -37,8 +37,11 @@ _RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broad
 
 #: all-reduces of at most this many bytes use recursive doubling, larger ones the ring.
 #: Measured with ``python bench/bench_allreduce.py --launch 4,8`` on the 2-core development
-#: machine (README, "All-reduce"): the ring's 2(N-1) latencies lose to log2(N) up to 256 KiB;
-#: from 1 MiB the ring's fewer bytes win. ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it
+#: machine (README, "All-reduce"): recursive doubling was 1.3-2x the ring's busbw from 4 KiB to
+#: 256 KiB. It stayed ahead up to 4 MiB there, where everything is bound by 4-8 ranks sharing 2
+#: cores, not by bytes; the threshold stays below the 1 MiB gradient buckets so that they keep
+#: the ring's bandwidth-optimal 2(N-1)/N bytes (log2(N) x the buffer would be 1.7x at N = 8),
+#: which is what matters on a real network. ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it
 #: (-1: always the ring), for benchmarks and for the tests that check the ring's own properties.
 SMALL_ALLREDUCE_MAX_BYTES = int(os.environ.get("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1024))
 
