@@ -1,4 +1,4 @@
-"""All-reduce bus bandwidth: minizero's hand-written ring vs the MPI library's Allreduce.
+"""All-reduce bus bandwidth: minizero's hand-written all-reduce (ring, recursive doubling) vs MPI's Allreduce.
 
     mpiexec -n 4 python bench/bench_allreduce.py          # one world size, table of it
     python bench/bench_allreduce.py --launch 2,4,8        # runs itself under mpiexec per size
@@ -47,33 +47,53 @@ def fmt_size(nbytes):
     return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
 
 
+IMPLS = {"auto": None, "ring": -1, "rd": 2**62, "native": None}  #: name -> SMALL_ALLREDUCE_MAX_BYTES to force
+
+
 def measure(min_bytes, max_bytes, warmup):
-    """Under mpiexec: {nbytes: {"ring": seconds, "native": seconds}} (median slowest-rank time)."""
+    """Under mpiexec: {nbytes: {impl: seconds}} (median slowest-rank time), impl in :data:`IMPLS`.
+
+    ``auto`` is ``all_reduce`` as shipped (recursive doubling up to the measured threshold, then
+    the ring); ``ring`` and ``rd`` force one algorithm; ``native`` is MPI_Allreduce. The four
+    alternate run by run, each first in turn, so a noisy machine slows all of them alike.
+    """
     from mpi4py import MPI
 
-    from minizero.comm import all_reduce, world
+    from minizero.comm import all_reduce, recursive_doubling, world
 
     comm = world()
     N = comm.world_size
+    shipped = recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES
     results = {}
+
+    def run(impl, x, out):
+        recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped if IMPLS[impl] is None else IMPLS[impl]
+        all_reduce(comm, x, native=impl == "native", out=out)
+        recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped
+
     for nbytes in sizes(min_bytes, max_bytes):
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(x)
-        ring, native = all_reduce(comm, x), all_reduce(comm, x, native=True)
-        if not np.allclose(ring, native, rtol=1e-5, atol=1e-5 * N):
-            raise AssertionError(f"ring all-reduce differs from MPI_Allreduce at {nbytes} bytes")
-        results[nbytes] = {}
-        for impl, is_native in [("ring", False), ("native", True)]:
-            for _ in range(warmup):
-                all_reduce(comm, x, native=is_native, out=out)
-            times = np.empty(iterations(nbytes))
-            for i in range(len(times)):
+        native = all_reduce(comm, x, native=True)
+        for impl in ("ring", "rd"):
+            run(impl, x, out)
+            if not np.allclose(out, native, rtol=1e-5, atol=1e-5 * N):
+                raise AssertionError(f"{impl} all-reduce differs from MPI_Allreduce at {nbytes} bytes")
+        for _ in range(warmup):
+            for impl in IMPLS:
+                run(impl, x, out)
+        times = {impl: np.empty(iterations(nbytes)) for impl in IMPLS}
+        names = list(IMPLS)
+        for i in range(iterations(nbytes)):
+            for impl in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
                 comm.barrier()
                 start = time.perf_counter()
-                all_reduce(comm, x, native=is_native, out=out)
-                times[i] = time.perf_counter() - start
-            comm.mpi_comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a run ends when its slowest rank does
-            results[nbytes][impl] = float(np.median(times))
+                run(impl, x, out)
+                times[impl][i] = time.perf_counter() - start
+        results[nbytes] = {}
+        for impl, t in times.items():
+            comm.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)  # a run ends when its slowest rank does
+            results[nbytes][impl] = float(np.median(t))
     return N, results
 
 
@@ -82,18 +102,26 @@ def busbw(nbytes, seconds, world_size):
 
 
 def table(runs):
-    """Markdown table from {world_size: {nbytes: {"ring": s, "native": s}}}."""
+    """Markdown table from {world_size: {nbytes: {impl: s}}}: busbw per implementation, and auto / MPI."""
     world_sizes = sorted(runs)
-    head = "| size | " + " | ".join(f"N={n} ring | N={n} MPI" for n in world_sizes) + " |"
-    rule = "|---:|" + "---:|---:|" * len(world_sizes)
+    head = "| size | " + " | ".join(f"N={n} auto | N={n} ring | N={n} rec. doubling | N={n} MPI | N={n} auto/MPI"
+                                     for n in world_sizes) + " |"
+    rule = "|---:|" + "---:|---:|---:|---:|---:|" * len(world_sizes)
     rows = [head, rule]
     for nbytes in sorted(next(iter(runs.values()))):
         cells = []
         for n in world_sizes:
             t = runs[n][nbytes]
-            cells += [f"{busbw(nbytes, t['ring'], n):.3g}", f"{busbw(nbytes, t['native'], n):.3g}"]
+            cells += [f"{busbw(nbytes, t[impl], n):.3g}" for impl in ("auto", "ring", "rd", "native")]
+            cells.append(f"{t['native'] / t['auto']:.2f}")
         rows.append(f"| {fmt_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _threshold():
+    from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
+
+    return SMALL_ALLREDUCE_MAX_BYTES
 
 
 def launch(world_sizes, args):
@@ -142,7 +170,9 @@ def main():
         if args.quiet:
             return
     print(f"All-reduce bus bandwidth, GB/s (float32, busbw = bytes/time * 2(N-1)/N, median of timed runs); "
-          f"ring = minizero.comm.all_reduce, MPI = MPI_Allreduce ({os.cpu_count()} CPU cores)\n")
+          f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to "
+          f"{_threshold()} bytes, then the ring), ring / rec. doubling forced, MPI = MPI_Allreduce; "
+          f"auto/MPI = MPI's time / auto's ({os.cpu_count()} CPU cores)\n")
     print(table(runs))
 
 

@@ -107,7 +107,7 @@ class _Parser(argparse.ArgumentParser):
 def train_argv(name: str, model: str, steps: int, micro_batch_size: int) -> list[str]:
     """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json)."""
     return ["--model", model, "--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--eval-every", "0",
-            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *STRATEGIES[name][0]]
+            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", *STRATEGIES[name][0]]
 
 
 def to_strategy(name: str, ranks: int, micro_batch_size: int, dtype) -> Strategy:

@@ -251,16 +251,26 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+#: what the "process peak" row of :func:`memory_summary` measured, by source name
+PROCESS_PEAK_SOURCES = {
+    "tracemalloc": "measured by tracemalloc over the training steps: every allocation of the process, "
+                   "incl. NumPy temporaries (--tracemalloc)",
+    "rss": "peak resident set size (getrusage ru_maxrss) over the process's life: interpreter, libraries, "
+           "set-up and training; free to measure (python -m minizero.train --tracemalloc traces allocations instead)",
+}
+
+
 def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] | None = None,
-                   notes: list[str] | None = None) -> str:
+                   notes: list[str] | None = None, process_peak_source: str = "tracemalloc") -> str:
     """A text table in the spirit of ``torch.cuda.memory_summary()``.
 
     Args:
         per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default:
             this rank's ledger only.
         process_peaks: optional list (by rank) of measured process peak bytes
-            (tracemalloc), printed beside the ledger's total.
+            (tracemalloc or peak RSS), printed beside the ledger's total.
         notes: extra lines printed under the table (e.g. BLAS threads per rank).
+        process_peak_source: a key of :data:`PROCESS_PEAK_SOURCES`, said under the table.
     Returns:
         The table as a string (units: KiB/MiB = 2**10/2**20 bytes).
     """
@@ -287,8 +297,7 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     lines.append(row("peak total", [(None, s["peak_total"]) for s in per_rank]))
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, p) for p in process_peaks]))
-        lines.append("* measured by tracemalloc over the training steps: every allocation of the process, "
-                     "incl. NumPy temporaries")
+        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source])
     lines.extend(notes or [])
     return "\n".join(lines)
 

@@ -97,7 +97,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
-    print(memory_summary(stats, [s["process_peak"] for s in stats] if not args.no_tracemalloc else None, notes))
+    source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
+    print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"])
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ")))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -51,6 +52,21 @@ _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long
 class Terminated(BaseException):
     """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
 
+
+
+def use_tracemalloc(args) -> bool:
+    """True when ``--tracemalloc`` was asked for and ``--no-tracemalloc`` was not (off by default)."""
+    return bool(getattr(args, "tracemalloc", False)) and not getattr(args, "no_tracemalloc", False)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``getrusage`` ru_maxrss: KiB on Linux, bytes on macOS).
+
+    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training),
+    counted by the kernel at no cost per allocation -- unlike tracemalloc, which traces every one.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 def _cores() -> int:
     try:
@@ -162,11 +178,11 @@ def main(argv=None) -> int:
         local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)
-        if not args.no_tracemalloc:
+        if use_tracemalloc(args):
             tracemalloc.start()
         result = train(args, comm, log=lambda s: print(s, flush=True))
-        process_peak = result.get("train_process_peak") or (
-            tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0)
+        process_peak = (result.get("train_process_peak") or tracemalloc.get_traced_memory()[1]
+                        if tracemalloc.is_tracing() else peak_rss_bytes())
         strategy, opt = result["strategy"], result["opt"]
         per_step = strategy.model_state_bytes_per_step(args.steps)
         stats = gather_stats(comm, process_peak, strategy.traffic_by_kind())

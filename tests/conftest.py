@@ -22,3 +22,13 @@ def mpiexec():
     if path is None:
         pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
     return path
+
+
+@pytest.fixture
+def ring_all_reduce(monkeypatch):
+    """All-reduce by the ring at every size (no recursive doubling for small buffers), in this
+    process and in launched ranks: for the tests of the ring's own order, bytes and messages."""
+    from minizero.comm import recursive_doubling
+
+    monkeypatch.setattr(recursive_doubling, "SMALL_ALLREDUCE_MAX_BYTES", -1)
+    monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "-1")

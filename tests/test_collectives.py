@@ -102,6 +102,7 @@ def _span(n, world_size, rank):
     return off, off + size
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size,n", CASES)
 def test_bytes_sent_per_rank(world_size, n):
@@ -140,6 +141,7 @@ def test_zero_length(world_size):
     assert run_in_threads(world_size, body) == [((0,), (0,), (0,), (0,), 0)] * world_size
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype,atol", [("float16", 3e-2), ("float32", 1e-5), ("float64", 1e-13)])
 def test_dtypes_reduce_in_input_dtype(dtype, atol):
@@ -395,6 +397,7 @@ def _comm_faults(mpiexec, tmp_path, mode):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(90)
 def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
     ranks = _comm_faults(mpiexec, tmp_path, "dtypes")

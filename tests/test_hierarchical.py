@@ -53,6 +53,7 @@ def test_hierarchical_is_within_float64_rounding_of_the_ring(layout):
         assert got.tobytes() == res[0][1].tobytes()
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 0, 0, 1, 1, 1), (0, 0, 1, 1, 2, 2), (0, 0, 0, 0, 1, 1, 1, 1)])
 def test_bytes_across_nodes_are_2_n_minus_1_over_n_of_the_buffer_per_node(layout):
     n_elem = 840  # divisible by every L and n here, so the formula is exact
@@ -127,6 +128,7 @@ def test_in_process_dp2_tp2_on_two_fake_nodes_sends_only_gradients_across():
     assert any("dp gradient all-reduce (ring) across nodes per step" in line for line in res[0][3])
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 def test_hierarchical_training_equals_ring_training():
     ring = _train((0, 0, 1, 1), ["--dp", "4"])
     hier = _train((0, 0, 1, 1), ["--dp", "4", "--allreduce", "hierarchical"])

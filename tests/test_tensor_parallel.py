@@ -113,6 +113,7 @@ def test_tensor_parallel_equals_single_process(tp, model, dropout):
     R.assert_matches(ref, got, f"tp {tp} {model}")
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_allreduce_volume_per_block_and_micro_batch(tp):

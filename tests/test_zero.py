@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero.comm import run_in_threads
+from minizero.comm import recursive_doubling, run_in_threads
 from minizero.ledger import get_ledger
 from minizero.memory.zero import ShardMap, ZeroOptimizer, model_state_formula, traffic_formula
 from minizero.nn import GPT, get_config
@@ -107,8 +107,13 @@ def test_float32_loss_curve_stage3_equals_stage0():
 
 
 # --------------------------------------------------------------------------- bytes held and sent
-@functools.lru_cache(maxsize=None)
 def float32_run(stage, n, accum):
+    """One cached run per all-reduce size rule (the ring-only tests set their own)."""
+    return _float32_run(stage, n, accum, recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES)
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_run(stage, n, accum, small_allreduce_max_bytes):
     return run_in_threads(n, zero_check.run, stage, MICRO, "float32", 2, accum)
 
 
@@ -151,6 +156,7 @@ def test_transient_buffers_are_one_layer_plus_embedding(stage, n):
             assert res["peak"]["gathered"] == 0
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("n", WORLD_SIZES)

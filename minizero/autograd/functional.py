@@ -18,6 +18,8 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd.engine import Function, Tensor
+from minizero.autograd.kernels import (GELU_C, causal_mask, compute_dtype, gelu_tanh, masked_scale, scatter_add_rows,
+                                      widen)
 
 
 def _flat2d(a):
@@ -40,9 +42,12 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        y = backend.matmul(x, weight.T)
+        y = backend.matmul(x, weight.T)  # a new array: the bias is added in place
         if bias is not None:
-            y = y + bias
+            if y.dtype == np.float16:  # the GEMM epilogue adds the bias in FP32, then rounds once
+                y = (y.astype(np.float32) + bias).astype(np.float16)
+            else:
+                y += bias
         return y
 
     @staticmethod
@@ -52,7 +57,7 @@ class Linear(Function):
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
         dx = backend.matmul(g, w) if need_x else None
         dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
-        db = _flat2d(g).sum(axis=0) if need_b else None
+        db = _flat2d(g).sum(axis=0, dtype=compute_dtype(g.dtype)).astype(g.dtype, copy=False) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 
 
@@ -65,7 +70,9 @@ class Embedding(Function):
     """Row lookup ``W[idx]``.
 
     Shapes: W (V, C), idx integer (...) -> (..., C). Saves idx (integers).
-    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add).
+    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add), done as a
+    ``bincount`` (:func:`scatter_add_rows`) instead of ``np.add.at``: the same additions in
+    the same order (in float64; float32/float16 round the float64 sum once).
     """
 
     @staticmethod
@@ -77,9 +84,7 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        dw = backend.xp.zeros(ctx.weight_shape, g.dtype)
-        backend.xp.add.at(dw, idx.reshape(-1), _flat2d(g))
-        return dw, None
+        return scatter_add_rows(ctx.weight_shape, idx.reshape(-1), _flat2d(g)), None
 
 
 def embedding(idx, weight: Tensor) -> Tensor:
@@ -106,24 +111,41 @@ class LayerNorm(Function):
             var = xp.zeros_like(mean)
         else:
             mean = xs.mean(axis=-1, keepdims=True)
-            var = ((xs - mean) ** 2).mean(axis=-1, keepdims=True)
+        d = xs - mean  # the one full-size temporary; every later step writes into it or into sq
+        sq = d * d  # == (xs - mean) ** 2 (NumPy's power 2 is a square)
+        if x.shape[-1]:
+            var = sq.mean(axis=-1, keepdims=True)
+        del sq
         rstd = 1.0 / xp.sqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, rstd)
-        return (((xs - mean) * rstd) * weight + bias).astype(x.dtype, copy=False)
+        d *= rstd
+        d *= weight
+        d += bias
+        return d.astype(x.dtype, copy=False)
 
     @staticmethod
     def backward(ctx, g):
         x, w, mean, rstd = ctx.saved_tensors
-        xhat = (x.astype(mean.dtype, copy=False) - mean) * rstd
+        xhat = x.astype(mean.dtype, copy=False) - mean
+        xhat *= rstd
         gs = g.astype(mean.dtype, copy=False)
-        dw = _flat2d(gs * xhat).sum(axis=0).astype(w.dtype, copy=False)
+        t = gs * xhat  # scratch, reused below
+        dw = _flat2d(t).sum(axis=0).astype(w.dtype, copy=False)
         db = _flat2d(gs).sum(axis=0).astype(w.dtype, copy=False)
         gx = gs * w
         c = x.shape[-1]
         if c == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
-        dx = rstd * (gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).sum(axis=-1, keepdims=True) / c)
-        return dx.astype(x.dtype, copy=False), dw, db, None
+        # dx = rstd * (gx - mean(gx) - xhat * sum(gx * xhat) / c), the same operations in the same order
+        np.multiply(gx, xhat, out=t)
+        s = t.sum(axis=-1, keepdims=True)
+        np.multiply(xhat, s, out=t)
+        t /= c
+        m = gx.mean(axis=-1, keepdims=True)
+        gx -= m
+        gx -= t
+        gx *= rstd
+        return gx.astype(x.dtype, copy=False), dw, db, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -131,26 +153,44 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     return LayerNorm.apply(x, weight, bias, eps)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
 class GELU(Function):
     """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
-    Shapes: any -> same. Saves x.
+    Shapes: any -> same. Saves x. Computed in place in one or three scratch arrays, in the
+    order the formula is written (so float64 gives the same bits as the plain expression),
+    and for float16 in float32, rounded once at the store (:func:`compute_dtype`).
+    Backward: g * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2)), t recomputed.
     """
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return 0.5 * x * (1.0 + backend.xp.tanh(_GELU_C * (x + 0.044715 * (x * x * x))))
+        xs = widen(x)
+        u = gelu_tanh(xs)
+        u += 1.0
+        u *= xs
+        u *= 0.5  # 0.5 * x * (1 + t): scaling by 0.5 is exact, so the order does not matter
+        return u.astype(x.dtype, copy=False)
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        t = backend.xp.tanh(_GELU_C * (x + 0.044715 * (x * x * x)))
-        dt = (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x)
-        return g * (0.5 * (1.0 + t) + 0.5 * x * dt)
+        xs, gs = widen(x), widen(g)
+        t = gelu_tanh(xs)
+        dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
+        np.subtract(1.0, dt, out=dt)
+        dt *= GELU_C
+        w = xs * (3 * 0.044715)
+        w *= xs
+        w += 1.0
+        dt *= w
+        np.multiply(xs, 0.5, out=w)  # 0.5 x dt
+        w *= dt
+        t += 1.0  # 0.5 (1 + t) + 0.5 x dt
+        t *= 0.5
+        t += w
+        t *= gs
+        return t.astype(g.dtype, copy=False)
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -199,19 +239,23 @@ class CausalSoftmax(Function):
     @staticmethod
     def forward(ctx, x):
         xp = backend.xp
-        t = x.shape[-1]
-        mask = xp.triu(xp.ones((t, t), dtype=bool), k=1)
-        xs = xp.where(mask, -xp.inf, x.astype(np.promote_types(x.dtype, np.float32), copy=False))
-        xs = xs - xs.max(axis=-1, keepdims=True)
-        e = xp.exp(xs)
-        y = (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+        e = xp.where(causal_mask(x.shape[-2], x.shape[-1]), -xp.inf, widen(x))  # the one new array
+        e -= e.max(axis=-1, keepdims=True)
+        xp.exp(e, out=e)
+        e /= e.sum(axis=-1, keepdims=True)
+        y = e.astype(x.dtype, copy=False)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        return y * (g - (g * y).sum(axis=-1, keepdims=True))
+        ys, gs = widen(y), widen(g)
+        d = gs * ys
+        s = d.sum(axis=-1, keepdims=True)
+        np.subtract(gs, s, out=d)
+        d *= ys  # y * (g - sum(g * y))
+        return d.astype(g.dtype, copy=False)
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
@@ -266,15 +310,24 @@ class Dropout(Function):
 
     @staticmethod
     def forward(ctx, x, p):
-        keep = backend.to_device(dropout_generator().random(x.shape) >= p)
+        keep = backend.to_device(dropout_keep_mask(x.shape, p))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
-        return x * keep * x.dtype.type(ctx.scale)
+        return masked_scale(x, keep, ctx.scale)
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return g * keep * g.dtype.type(ctx.scale), None
+        return masked_scale(g, keep, ctx.scale), None
+
+
+def dropout_keep_mask(shape, p: float) -> np.ndarray:
+    """A host bool mask of ``shape``, True with probability 1 - p, from :func:`dropout_generator`.
+
+    Uniforms are drawn as float32 (4 bytes per element, not float64's 8): u >= p keeps.
+    Every dropout (plain and tensor-parallel) draws through here, so they stay the same draws.
+    """
+    return dropout_generator().random(shape, dtype=np.float32) >= np.float32(p)
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:

@@ -42,6 +42,8 @@ import numbers
 from typing import TYPE_CHECKING
 
 from minizero import backend
+from minizero.comm.recursive_doubling import (all_reduce_algorithm, bytes_sent_recursive_doubling,
+                                              recursive_doubling_all_reduce_)
 
 if TYPE_CHECKING:
     from minizero.comm.communicator import Communicator
@@ -97,7 +99,9 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
     """Bytes ``rank`` sends in minizero's algorithm for ``op`` on ``n`` elements of ``itemsize``.
 
     ``op``: ``"reduce_scatter"`` (n minus own chunk), ``"all_gather"`` (n minus rank+1's
-    chunk), ``"all_reduce"`` (both), ``"broadcast"`` (n per binomial-tree child).
+    chunk), ``"all_reduce"`` (the algorithm :func:`all_reduce` picks for n * itemsize bytes:
+    the ring's both halves, or recursive doubling's log2(N) whole buffers), ``"broadcast"``
+    (n per binomial-tree child).
     Used for the ledger estimate of native collectives and by tests.
     Raises:
         ValueError: unknown ``op``.
@@ -109,6 +113,8 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
         elems = n - chunk(rank)
     elif op == "all_gather":
         elems = n - chunk(rank + 1)
+    elif op == "all_reduce" and all_reduce_algorithm(n * itemsize, world_size) == "recursive_doubling":
+        return bytes_sent_recursive_doubling(n, itemsize, world_size, rank)
     elif op == "all_reduce":
         elems = 2 * n - chunk(rank) - chunk(rank + 1)
     elif op == "broadcast":
@@ -257,7 +263,7 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
 
 
 def all_reduce(comm: Communicator, x, native: bool = False, out=None):
-    """Elementwise sum of ``x`` over ranks, on every rank.
+    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling for small ``x``, else the ring.
 
     Args:
         x: any shape, C-contiguous, same shape and dtype on every rank; not modified
@@ -267,8 +273,13 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
             ``x`` itself (in place).
     Returns:
         ``out`` (a new array if None): same shape and dtype as ``x``. With one rank, a copy.
-    Bytes: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
-        0 when N == 1. Label ``"all_reduce"``. Temporary memory: ceil(n/N) elements.
+    Algorithm: by size, as MPICH chooses (Thakur, Rabenseifner & Gropp 2005):
+        ``x.nbytes <= SMALL_ALLREDUCE_MAX_BYTES`` (256 KiB, measured) runs recursive doubling
+        (log2 N steps; :mod:`minizero.comm.recursive_doubling`), larger buffers the ring.
+    Bytes: ring: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
+        recursive doubling: log2(N) * x.nbytes (N a power of two; see
+        ``bytes_sent_recursive_doubling``); 0 when N == 1. Label ``"all_reduce"``.
+        Temporary memory: ceil(n/N) elements (ring), n elements (recursive doubling).
     Raises:
         ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
     Source: ring all-reduce = reduce-scatter + all-gather (Patarasuk & Yuan, JPDC 2009;
@@ -286,7 +297,10 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     with comm.traffic.op("all_reduce"):
         if out is not x:
             out[...] = x
-        buf = out.reshape(-1)  # a view: the ring works in place in out
+        buf = out.reshape(-1)  # a view: the algorithm works in place in out
+        if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
+            recursive_doubling_all_reduce_(comm, buf, backend.xp.empty_like(buf))
+            return out
         tmp = backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype)
         _ring_reduce_scatter_(comm, buf, tmp)
         _ring_all_gather_(comm, buf)

@@ -1,0 +1,74 @@
+"""The main job before and after a change, alternated: tokens/s of two source trees, and FP16 / FP32.
+
+    python bench/bench_speedup.py --base e016dca --ranks 8 --steps 30 --repeats 3
+    python bench/bench_speedup.py --precision --ranks 1
+
+``--base REV``: runs ``mpiexec -n RANKS python -m minizero.train`` with its defaults (only
+``--steps``, ``--sample-tokens 0`` and the output folder set) from this checkout and from
+``git archive REV`` unpacked in a temporary folder, alternating A, B, A, B, ... so that a noisy
+machine slows both alike, and prints each run's tokens/s (the training loop's, from the JSON
+summary), the medians and their ratio. ``--precision``: the same with ``--precision fp16``
+against fp32 on this checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec() -> str:
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return path if os.path.exists(path) else "mpiexec"
+
+
+def run(tree: str, ranks: int, steps: int, extra: list[str]) -> float:
+    """tokens/s of one main-job run from source tree ``tree``."""
+    with tempfile.TemporaryDirectory() as d:
+        js = os.path.join(d, "s.json")
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "minizero.train", "--steps", str(steps),
+               "--sample-tokens", "0", "--out", d, "--json", js, *extra]
+        env = dict(os.environ, PYTHONPATH=tree)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=d, timeout=1800)
+        with open(js) as f:
+            return float(json.load(f)["tokens_per_s"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", help="git revision to compare this checkout against")
+    p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as base_tree:
+        if args.precision:
+            sides = {"fp32": (REPO_ROOT, []), "fp16": (REPO_ROOT, ["--precision", "fp16"])}
+        elif args.base:
+            archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", args.base], check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", base_tree], input=archive.stdout, check=True)
+            sides = {args.base: (base_tree, []), "this checkout": (REPO_ROOT, [])}
+        else:
+            p.error("give --base REV or --precision")
+        got = {name: [] for name in sides}
+        for _ in range(args.repeats):
+            for name, (tree, extra) in sides.items():
+                got[name].append(run(tree, args.ranks, args.steps, extra))
+                print(f"{name}: {got[name][-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
+    (a, ta), (b, tb) = ((n, float(np.median(t))) for n, t in got.items())
+    print(f"| ranks | steps | {a} tokens/s | {b} tokens/s | {b} / {a} |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {args.ranks} | {args.steps} | {ta:,.0f} ({', '.join(f'{x:,.0f}' for x in got[a])}) | "
+          f"{tb:,.0f} ({', '.join(f'{x:,.0f}' for x in got[b])}) | {tb / ta:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

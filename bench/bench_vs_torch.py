@@ -1,0 +1,173 @@
+"""Training-step throughput: minizero against a nanoGPT-style PyTorch CPU model of the same shape.
+
+    python bench/bench_vs_torch.py --batch 8,32 --threads 2 --steps 10
+
+Both sides run the same step -- forward, mean cross-entropy, backward, AdamW (lr 1e-3,
+betas (0.9, 0.95), weight decay 0.1 on 2-D tensors), zero grads -- on the same (B, 128) byte
+batches, in the same dtype (float32), with the same BLAS/intra-op thread count, and they
+alternate step by step in one process, so a noisy machine slows both alike. Printed per batch:
+tokens/s of each, their ratio, and MFU = model FLOPs per step (Korthikanti et al. 2022,
+``minizero.memory.estimator.model_flops_per_step``) / step time / the sgemm peak measured here
+(float32 1024^3 matmuls with the same threads).
+
+PyTorch is optional (never a dependency of minizero): without it the script says how to get it
+(the CPU wheel: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``) and prints
+minizero's side alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+
+from minizero.memory.estimator import model_flops_per_step  # noqa: E402
+from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.optim.adamw import AdamW  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # optional
+    torch = None
+
+
+def sgemm_peak(seconds: float = 1.0) -> float:
+    """FLOP/s of float32 (1024, 1024) @ (1024, 1024) on this machine, best of repeated runs."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ a
+        best = max(best, 2 * 1024**3 / (time.perf_counter() - t))
+    return best
+
+
+class MinizeroSide:
+    """minizero's GPT + AdamW; ``step(idx, tg)`` runs one training step."""
+
+    def __init__(self, cfg):
+        self.model = GPT(cfg, seed=0)
+        self.opt = AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(self, idx, tg):
+        _, loss = self.model(idx, tg)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def torch_side(cfg):
+    """A nanoGPT-style model (pre-LN blocks, tanh GELU, tied head) and AdamW, or None without torch."""
+    if torch is None:
+        return None
+    nn, F = torch.nn, torch.nn.functional
+    c, h = cfg.n_embd, cfg.n_head
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
+            self.c_attn, self.attn_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+            self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+            q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(cfg.vocab_size, c), nn.Embedding(cfg.block_size, c)
+            self.h = nn.ModuleList([Block() for _ in range(cfg.n_layer)])
+            self.ln_f = nn.LayerNorm(c)
+            self.lm_head = nn.Linear(c, cfg.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, idx, tg):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for blk in self.h:
+                x = blk(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), tg.view(-1))
+
+    model = Model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95))
+
+    def step(idx, tg):  # numpy batches in, as minizero's side takes them (from_numpy shares the memory)
+        loss = model(torch.from_numpy(idx), torch.from_numpy(tg))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench(batch: int, args, peak: float) -> None:
+    cfg = get_config("default")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (batch, cfg.block_size)), rng.integers(0, 256, (batch, cfg.block_size)))
+               for _ in range(4)]
+    mz = MinizeroSide(cfg)
+    sides = {"minizero": mz.step}
+    tstep = torch_side(cfg)
+    if tstep is not None:
+        sides["pytorch"] = tstep
+    times = {name: [] for name in sides}
+    for s in range(args.warmup + args.steps):
+        for name, fn in sides.items():  # alternate: one step of each in turn
+            idx, tg = batches[s % 4]
+            t = time.perf_counter()
+            fn(idx, tg)
+            if s >= args.warmup:
+                times[name].append(time.perf_counter() - t)
+    flops = model_flops_per_step(cfg, batch)
+    tokens = batch * cfg.block_size
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    cells = [f"{batch} x {cfg.block_size}"]
+    for name in ("minizero", "pytorch"):
+        if name in med:
+            cells += [f"{tokens / med[name]:,.0f}", f"{flops / med[name] / peak:.1%}"]
+        else:
+            cells += ["-", "-"]
+    cells.append(f"{med['pytorch'] / med['minizero']:.2f}x" if "pytorch" in med else "-")
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    if torch is None:
+        print("PyTorch is not installed: minizero's side only. For the comparison install the CPU wheel:\n"
+              "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n")
+    else:
+        torch.set_num_threads(args.threads)
+    with threadpool_limits(args.threads):
+        peak = sgemm_peak()
+        print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
+              f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
+              f"alternated steps; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
+        print("| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU | minizero / PyTorch |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for b in (int(x) for x in args.batch.split(",")):
+            bench(b, args, peak)
+
+
+if __name__ == "__main__":
+    main()

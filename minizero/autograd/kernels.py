@@ -1,0 +1,76 @@
+"""Array-level kernels of the fused Functions: each touches memory few times (issue 17).
+
+NumPy allocates a new array per operation; these write into one or two scratch arrays with
+``out=``/in-place operators, in the order the formula is written, so float64 gives the same
+bits as the plain expression (tests/test_speed.py). float16 storage is widened once to float32,
+computed on, and rounded once by the caller at the store, as a GPU kernel does
+(Micikevicius et al. 2018, section 3).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minizero import backend
+
+GELU_C = math.sqrt(2.0 / math.pi)  #: sqrt(2/pi) of GELU's tanh form
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The dtype elementwise work runs in: float32 for float16 storage, else the dtype itself.
+
+    GPU kernels load FP16, compute in FP32 registers and round once when they store
+    (Micikevicius et al. 2018); NumPy's own float16 arithmetic is slow (a Python-level
+    convert per element and operation), so minizero does what the kernel does:
+    widen once, compute, round at the storage point. float32 and float64 run unchanged.
+    """
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+def widen(a):
+    """``a`` in its compute dtype (:func:`compute_dtype`); no copy unless it is float16."""
+    return a.astype(compute_dtype(a.dtype), copy=False)
+
+
+def scatter_add_rows(shape, idx, rows):
+    """``out = zeros(shape); out[idx[i]] += rows[i]`` for i in order, as ``np.add.at`` does.
+
+    idx (N,) integers, rows (N, C) -> out (V, C) of rows' dtype. One ``bincount`` over the
+    flattened (row, column) bins: it adds each bin's terms one after the other in the order of
+    i, in float64, so float64 gives the bits of ``np.add.at`` and float32/float16 the exact-order
+    float64 sum rounded once (tests/test_speed.py); 10x fewer dispatches than add.at's.
+    """
+    xp = backend.xp
+    v, c = shape
+    bins = (idx.reshape(-1, 1) * c + xp.arange(c)).reshape(-1)
+    out = xp.bincount(bins, weights=rows.reshape(-1), minlength=v * c)
+    return out.reshape(v, c).astype(rows.dtype, copy=False)
+
+
+def gelu_tanh(x):
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) as a new array, computed in place."""
+    u = x * x
+    u *= x
+    u *= 0.044715
+    u += x
+    u *= GELU_C
+    return np.tanh(u, out=u)
+
+
+_MASKS = {}
+
+
+def causal_mask(t: int, s: int):
+    """The (t, s) bool mask of positions j > i (True = masked), built once per shape and backend."""
+    key = (backend.name, t, s)
+    if key not in _MASKS:
+        _MASKS[key] = backend.xp.triu(backend.xp.ones((t, s), dtype=bool), k=1)
+    return _MASKS[key]
+
+
+def masked_scale(x, keep, scale: float):
+    """x * keep * scale, in x's compute dtype, rounded to x's dtype once."""
+    y = widen(x) * keep
+    y *= y.dtype.type(scale)
+    return y.astype(x.dtype, copy=False)

@@ -1,0 +1,105 @@
+"""Recursive-doubling all-reduce for small buffers, by hand on ``sendrecv``, and the size rule.
+
+A ring all-reduce takes 2(N-1) steps; each costs a message's latency (tens of microseconds
+through Python and MPI here), so on a few KiB the ring is latency-bound. Recursive doubling
+takes log2(N) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds, so
+after log2(N) steps every rank holds the sum -- at the price of log2(N) * n elements sent per
+rank instead of the ring's 2(N-1)/N * n. MPICH picks it for short messages and the
+bandwidth-optimal algorithm for long ones (Thakur, Rabenseifner & Gropp, "Optimization of
+collective communication operations in MPICH", IJHPCA 2005, section 4.5); NCCL switches
+between trees and rings by size the same way.
+
+N not a power of two (section 4.5's fold): with p = the largest power of two <= N and
+r = N - p, ranks 0..2r-1 pair up first -- even rank 2i sends its buffer to 2i+1, which adds
+it, and sits out -- then p ranks run recursive doubling, and each odd rank 2i+1 < 2r sends
+the result back to 2i. Eight ranks, buffers x0..x7 (v = the rank in the doubling)::
+
+    step 0 (mask 1): 0<->1 2<->3 4<->5 6<->7   everyone holds x0+x1, x2+x3, x4+x5 or x6+x7
+    step 1 (mask 2): 0<->2 1<->3 4<->6 5<->7   everyone holds (x0+x1)+(x2+x3) or (x4+x5)+(x6+x7)
+    step 2 (mask 4): 0<->4 1<->5 2<->6 3<->7   everyone holds ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7))
+
+Reduction order: that balanced tree over virtual ranks (the folded pairs x_2i + x_2i+1 are its
+leaves when N is not a power of two). Both partners of a step hold the same two operands and
+IEEE addition is commutative (a + b == b + a, bit for bit), so every rank computes the same
+bits at every step and the result is identical on every rank and on every run.
+
+Bytes each rank sends (n elements of ``itemsize``; :func:`bytes_sent_recursive_doubling`):
+log2(p) * n, plus n for an odd rank below 2r (the result back), or only n for an even rank
+below 2r (its buffer, once).
+"""
+from __future__ import annotations
+
+import os
+
+from minizero import backend
+
+_RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broadcast 1002)
+
+#: all-reduces of at most this many bytes use recursive doubling, larger ones the ring.
+#: Measured with ``python bench/bench_allreduce.py --launch 4,8`` on the 2-core development
+#: machine (README, "All-reduce"): recursive doubling was 1.3-2x the ring's busbw from 4 KiB to
+#: 256 KiB. It stayed ahead up to 4 MiB there, where everything is bound by 4-8 ranks sharing 2
+#: cores, not by bytes; the threshold stays below the 1 MiB gradient buckets so that they keep
+#: the ring's bandwidth-optimal 2(N-1)/N bytes (log2(N) x the buffer would be 1.7x at N = 8),
+#: which is what matters on a real network. ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it
+#: (-1: always the ring), for benchmarks and for the tests that check the ring's own properties.
+SMALL_ALLREDUCE_MAX_BYTES = int(os.environ.get("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1024))
+
+
+def all_reduce_algorithm(nbytes: int, world_size: int) -> str:
+    """``"recursive_doubling"`` for ``nbytes <= SMALL_ALLREDUCE_MAX_BYTES`` on 2+ ranks, else ``"ring"``."""
+    return "recursive_doubling" if world_size > 1 and nbytes <= SMALL_ALLREDUCE_MAX_BYTES else "ring"
+
+
+def _fold(world_size: int) -> tuple[int, int]:
+    """``(p, r)``: p the largest power of two <= world_size, r = world_size - p."""
+    p = 1 << (world_size.bit_length() - 1)
+    return p, world_size - p
+
+
+def _real_rank(v: int, rem: int) -> int:
+    """The rank of virtual rank ``v`` of the doubling (odd ranks below 2 rem, then the rest)."""
+    return 2 * v + 1 if v < rem else v + rem
+
+
+def bytes_sent_recursive_doubling(n: int, itemsize: int, world_size: int, rank: int) -> int:
+    """Bytes ``rank`` sends in :func:`recursive_doubling_all_reduce_` on n elements of ``itemsize``."""
+    if world_size == 1:
+        return 0
+    p, rem = _fold(world_size)
+    steps = p.bit_length() - 1  # log2(p)
+    if rank < 2 * rem:
+        messages = 1 if rank % 2 == 0 else steps + 1
+    else:
+        messages = steps
+    return messages * n * itemsize
+
+
+def recursive_doubling_all_reduce_(comm, buf, tmp) -> None:
+    """In place on the flat (n,) ``buf``: afterwards it holds the sum over ranks, on every rank.
+
+    ``tmp``: scratch of n elements, buf's dtype. Order of the sum: see the module docstring.
+    """
+    xp, rank, world_size = backend.xp, comm.rank, comm.world_size
+    p, rem = _fold(world_size)
+    if rank < 2 * rem and rank % 2 == 0:  # folded out: hand the buffer on, get the sum back
+        comm.send(buf, rank + 1, tag=_RD_TAG)
+        comm.recv(buf, rank + 1, tag=_RD_TAG)
+        return
+    if rank < 2 * rem:
+        comm.recv(tmp, rank - 1, tag=_RD_TAG)
+        xp.add(tmp, buf, out=buf)  # x_2i + x_2i+1
+        v = rank // 2
+    else:
+        v = rank - rem
+    mask = 1
+    while mask < p:
+        partner = _real_rank(v ^ mask, rem)
+        comm.sendrecv(buf, partner, tmp, partner, tag=_RD_TAG)
+        if v & mask:  # the lower virtual rank's partial sum first (commutative: the same bits either way)
+            xp.add(tmp, buf, out=buf)
+        else:
+            xp.add(buf, tmp, out=buf)
+        mask <<= 1
+    if rank < 2 * rem:
+        comm.send(buf, rank - 1, tag=_RD_TAG)

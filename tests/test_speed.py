@@ -1,0 +1,114 @@
+"""The fast paths of issue 17 give the bits of the plain formulas they replace (float64),
+and float16 ops compute in float32 and round once at the store."""
+import math
+
+import numpy as np
+import pytest
+
+from minizero import backend
+from minizero.autograd import Tensor
+from minizero.autograd import functional as F
+from minizero.autograd.kernels import scatter_add_rows
+
+C = math.sqrt(2.0 / math.pi)
+
+
+def _run(fn, x, g, *extra):
+    t = Tensor(x, requires_grad=True)
+    y = fn.apply(t, *extra)
+    y.backward(g)
+    return y.data, t.grad
+
+
+def test_gelu_float64_is_bitwise_the_plain_formula():
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((3, 5, 64)) * 3, rng.standard_normal((3, 5, 64))
+    y, dx = _run(F.GELU, x, g)
+    t = np.tanh(C * (x + 0.044715 * (x * x * x)))
+    np.testing.assert_array_equal(y, 0.5 * x * (1.0 + t))
+    dt = (1.0 - t * t) * C * (1.0 + 3 * 0.044715 * x * x)
+    np.testing.assert_array_equal(dx, g * (0.5 * (1.0 + t) + 0.5 * x * dt))
+
+
+def test_softmax_float64_is_bitwise_the_plain_formula():
+    rng = np.random.default_rng(1)
+    x, g = rng.standard_normal((2, 3, 7, 7)) * 4, rng.standard_normal((2, 3, 7, 7))
+    y, dx = _run(F.CausalSoftmax, x, g)
+    xs = np.where(np.triu(np.ones((7, 7), bool), k=1), -np.inf, x)
+    e = np.exp(xs - xs.max(axis=-1, keepdims=True))
+    ref = e / e.sum(axis=-1, keepdims=True)
+    np.testing.assert_array_equal(y, ref)
+    np.testing.assert_array_equal(dx, ref * (g - (g * ref).sum(axis=-1, keepdims=True)))
+
+
+def test_layer_norm_float64_is_bitwise_the_plain_formula():
+    rng = np.random.default_rng(2)
+    x, g = rng.standard_normal((4, 6, 32)) + 1.5, rng.standard_normal((4, 6, 32))
+    w, b = rng.standard_normal(32), rng.standard_normal(32)
+    tx, tw, tb = (Tensor(a, requires_grad=True) for a in (x, w, b))
+    y = F.layer_norm(tx, tw, tb)
+    y.backward(g)
+    mean = x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + 1e-5)
+    xhat = (x - mean) * rstd
+    np.testing.assert_array_equal(y.data, xhat * w + b)
+    gx = g * w
+    dx = rstd * (gx - gx.mean(axis=-1, keepdims=True) - xhat * (gx * xhat).sum(axis=-1, keepdims=True) / 32)
+    np.testing.assert_array_equal(tx.grad, dx)
+    np.testing.assert_array_equal(tw.grad, (g * xhat).reshape(-1, 32).sum(axis=0))
+    np.testing.assert_array_equal(tb.grad, g.reshape(-1, 32).sum(axis=0))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_scatter_add_rows_is_bitwise_add_at(dtype):
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 11, 500)
+    rows = rng.standard_normal((500, 8)).astype(dtype)
+    ref = np.zeros((13, 8), np.float64)  # float64: add.at's bits; float16: that sum rounded once
+    np.add.at(ref, idx, rows.astype(np.float64))
+    ref = ref.astype(dtype)
+    got = scatter_add_rows((13, 8), idx, rows)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, ref)
+    assert not got[11:].any()  # rows never indexed stay zero
+
+
+def test_stacked_matmul_equals_numpy():
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((3, 5, 7)), rng.standard_normal((2, 7))
+    np.testing.assert_allclose(backend.matmul(a, b.T), a @ b.T, rtol=1e-14)
+    q, k = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((2, 3, 6, 4))
+    np.testing.assert_allclose(backend.matmul(q, np.swapaxes(k, -1, -2)), q @ np.swapaxes(k, -1, -2), rtol=1e-14)
+    assert backend.matmul(np.zeros((2, 3, 0)), np.zeros((0, 4))).shape == (2, 3, 4)
+
+
+def test_float16_gelu_computes_in_float32_and_rounds_once():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4096) * 3).astype(np.float16)
+    g = rng.standard_normal(4096).astype(np.float16)
+    y, dx = _run(F.GELU, x, g)
+    assert y.dtype == dx.dtype == np.float16
+    x32, g32 = x.astype(np.float32), g.astype(np.float32)
+    y32, dx32 = _run(F.GELU, x32, g32)
+    np.testing.assert_array_equal(y, y32.astype(np.float16))
+    np.testing.assert_array_equal(dx, dx32.astype(np.float16))
+
+
+def test_dropout_masks_are_float32_draws():
+    F.manual_seed(7)
+    keep = F.dropout_keep_mask((1000,), 0.25)
+    ref = np.random.default_rng(7).random((1000,), dtype=np.float32) >= np.float32(0.25)
+    np.testing.assert_array_equal(keep, ref)
+
+
+def test_tracemalloc_is_off_unless_asked_and_rss_is_reported():
+    from minizero.args import build_parser
+    from minizero.ledger import memory_summary
+    from minizero.train import peak_rss_bytes, use_tracemalloc
+    p = build_parser()
+    assert not use_tracemalloc(p.parse_args([]))
+    assert use_tracemalloc(p.parse_args(["--tracemalloc"]))
+    assert not use_tracemalloc(p.parse_args(["--tracemalloc", "--no-tracemalloc"]))
+    assert peak_rss_bytes() > 10 * 2**20  # this interpreter with NumPy loaded
+    text = memory_summary(None, [peak_rss_bytes()], process_peak_source="rss")
+    assert "getrusage" in text and "tracemalloc traces" in text
