@@ -3,9 +3,10 @@
 Trains one rank (in-process) for ``--steps`` steps in FP32 and in FP16 (FP32
 master weights, dynamic loss scaling) from the same seed and data, and prints a
 table of the mean training loss over windows of steps, the difference, the final
-validation losses, the loss scale at the end and the number of skipped steps.
+validation losses, the loss scale at the end and the skipped steps (a skipped step drops its batch, so
+from there on the two runs follow different trajectories: lesson 04, section 7).
 
-usage: python bench/bench_precision.py [--model small] [--steps 200] [--micro-batch-size 8]
+usage: python bench/bench_precision.py [--model small] [--steps 200] [--micro-batch-size 8] [--initial-loss-scale S]
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=20)
+    p.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="fp16's starting scale (default 2^16); a lower one that never overflows skips no batch")
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
 
     def run(comm, precision):
-        return train(parse_args(common + ["--precision", precision], 1), comm, log=lambda s: None)
+        extra = ["--initial-loss-scale", str(a.initial_loss_scale)] if precision == "fp16" and a.initial_loss_scale else []
+        return train(parse_args(common + ["--precision", precision] + extra, 1), comm, log=lambda s: None)
 
     r32 = run_in_threads(1, run, "fp32", timeout=3600)[0]
     r16 = run_in_threads(1, run, "fp16", timeout=3600)[0]
@@ -41,7 +45,9 @@ def main():
         print(f"| {lo}-{min(lo + a.window, a.steps) - 1} | {l32:.4f} | {l16:.4f} | {l16 - l32:+.4f} |")
     v32, v16 = r32["val_history"][-1][1], r16["val_history"][-1][1]
     print(f"\nvalidation loss: fp32 {v32:.4f}, fp16 {v16:.4f} (difference {v16 - v32:+.4f}); "
-          f"fp16 loss scale at the end {r16['loss_scales'][-1]:g}, skipped steps {r16['skipped_steps']}")
+          f"fp16 loss scale at the end {r16['loss_scales'][-1]:g}, skipped steps {r16['skipped_steps']}"
+          + (f" (at steps {', '.join(map(str, r16['skipped_at']))}: FP32 applied those batches, FP16 dropped them)"
+             if r16["skipped_at"] else ""))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ class Linear(Function):
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
         dx = backend.matmul(g, w) if need_x else None
         dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
-        db = _flat2d(g).sum(axis=0) if need_b else None
+        # summed in at least float32 and rounded once, as a GPU's reduction does: a float16 sum over
+        # the rows rounds at every one of them (relative error ~N x 2^-11 instead of 2^-11)
+        db = _flat2d(g).sum(axis=0, dtype=np.promote_types(g.dtype, np.float32)).astype(g.dtype) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 
 
@@ -193,7 +195,12 @@ class CausalSoftmax(Function):
 
     Shapes: scores (..., T, T) -> probabilities (..., T, T), row i nonzero only
     in columns 0..i. Computed in at least float32. Saves the output.
-    Backward: dx = y * (g - sum(g * y, last axis)).
+    Backward: dx = y * (g - sum(g * y, last axis)), in at least float32 (rounded once). A float16
+    y is first renormalized to sum to 1: its rounded entries do not (off by ~2^-11), and then a
+    component of g common to the whole row (large when the value vectors share a mean) leaks into
+    dx as y * c * (1 - sum y), which swamps the small true gradient of the scores (and so of q and
+    k) in layers whose attention is still nearly uniform; renormalized, dx sums to 0 over the row
+    as the exact gradient does (a softmax ignores a shift of its inputs).
     """
 
     @staticmethod
@@ -211,7 +218,11 @@ class CausalSoftmax(Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        return y * (g - (g * y).sum(axis=-1, keepdims=True))
+        if y.dtype.itemsize >= 4:
+            return y * (g - (g * y).sum(axis=-1, keepdims=True))
+        ys, gs = y.astype(np.float32), g.astype(np.float32)
+        ys /= ys.sum(axis=-1, keepdims=True)
+        return (ys * (gs - (gs * ys).sum(axis=-1, keepdims=True))).astype(y.dtype)
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
