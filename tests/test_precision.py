@@ -60,6 +60,13 @@ def test_fp16_bias_gradient_accumulates_in_fp32():
     assert np.abs(b.grad.astype(np.float64) - exact).max() <= exact.max() * 2 ** -11
 
 
+def test_fp16_embedding_gradient_accumulates_in_fp32():
+    """A token seen 4096 times: its row of the embedding gradient sums 4096 contributions in float32."""
+    w = Tensor(np.zeros((4, 2), np.float16), requires_grad=True)
+    F.embedding(np.zeros(4096, np.int64), w).backward(np.ones((4096, 2), np.float16))
+    assert w.grad.dtype == np.float16 and (w.grad[0] == 4096).all() and (w.grad[1:] == 0).all()
+
+
 def test_scaler_pytorch_defaults_backoff_and_growth():
     s = DynamicLossScaler(growth_interval=3)
     assert s.scale == 2.0 ** 16

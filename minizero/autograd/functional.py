@@ -67,7 +67,7 @@ class Embedding(Function):
     """Row lookup ``W[idx]``.
 
     Shapes: W (V, C), idx integer (...) -> (..., C). Saves idx (integers).
-    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add).
+    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add, in at least float32).
     """
 
     @staticmethod
@@ -79,9 +79,11 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        dw = backend.xp.zeros(ctx.weight_shape, g.dtype)
+        # accumulated in at least float32 (as PyTorch's embedding backward does for half), rounded once:
+        # a float16 scatter-add rounds at every occurrence of a token
+        dw = backend.xp.zeros(ctx.weight_shape, np.promote_types(g.dtype, np.float32))
         backend.xp.add.at(dw, idx.reshape(-1), _flat2d(g))
-        return dw, None
+        return dw.astype(g.dtype, copy=False), None
 
 
 def embedding(idx, weight: Tensor) -> Tensor:
