@@ -31,7 +31,9 @@ def main():
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
 
     def run(comm, precision):
-        extra = ["--initial-loss-scale", str(a.initial_loss_scale)] if precision == "fp16" and a.initial_loss_scale else []
+        extra = []
+        if precision == "fp16" and a.initial_loss_scale:
+            extra = ["--initial-loss-scale", str(a.initial_loss_scale)]
         return train(parse_args(common + ["--precision", precision] + extra, 1), comm, log=lambda s: None)
 
     r32 = run_in_threads(1, run, "fp32", timeout=3600)[0]

@@ -52,9 +52,10 @@ class Linear(Function):
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
         dx = backend.matmul(g, w) if need_x else None
         dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
-        # summed in at least float32 and rounded once, as a GPU's reduction does: a float16 sum over
-        # the rows rounds at every one of them (relative error ~N x 2^-11 instead of 2^-11)
-        db = _flat2d(g).sum(axis=0, dtype=np.promote_types(g.dtype, np.float32)).astype(g.dtype) if need_b else None
+        db = None
+        if need_b:  # float16: summed in float32 and rounded once, as a GPU's reduction does (not at every row)
+            rows = _flat2d(g)
+            db = rows.sum(axis=0) if g.dtype.itemsize >= 4 else rows.sum(axis=0, dtype=np.float32).astype(g.dtype)
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 
 
