@@ -48,8 +48,8 @@ def main():
     v32, v16 = r32["val_history"][-1][1], r16["val_history"][-1][1]
     print(f"\nvalidation loss: fp32 {v32:.4f}, fp16 {v16:.4f} (difference {v16 - v32:+.4f}); "
           f"fp16 loss scale at the end {r16['loss_scales'][-1]:g}, skipped steps {r16['skipped_steps']}"
-          + (f" (at steps {', '.join(map(str, r16['skipped_at']))}: FP32 applied those batches, FP16 dropped them)"
-             if r16["skipped_at"] else ""))
+          + (f" (at step{'s' * (len(r16['skipped_at']) > 1)} {', '.join(map(str, r16['skipped_at']))}: "
+             f"FP32 applied those batches, FP16 dropped them)" if r16["skipped_at"] else ""))
 
 
 if __name__ == "__main__":
