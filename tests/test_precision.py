@@ -26,6 +26,47 @@ def test_fp16_statistics_in_fp32():
     assert loss.dtype == np.float32 and np.isclose(loss.item(), np.log(256))
 
 
+def test_fp16_softmax_backward_keeps_the_row_shift_invariance():
+    """A gradient common to a whole row of probabilities must not leak into the scores' gradient.
+
+    Nearly uniform attention and a large common component c in g (value vectors sharing a mean): the
+    exact dx = y * (g - y.g) is small and sums to 0 over the row. Computed from the float16 y (whose
+    entries do not sum to 1) with float16 arithmetic, c leaked in as y * c * (1 - sum y): the error
+    was ~100% of dx and the q and k gradients of deep layers were noise (issue 11 item 10).
+    """
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(8, 64, 64)) * 0.1).astype(np.float16)
+    g = (1.0 + 1e-3 * rng.normal(size=x.shape)).astype(np.float16)
+    xt = Tensor(x, requires_grad=True)
+    F.causal_softmax(xt).backward(g)
+    ref = Tensor(x.astype(np.float64), requires_grad=True)
+    F.causal_softmax(ref).backward(g.astype(np.float64))
+    err = np.linalg.norm(xt.grad.astype(np.float64) - ref.grad) / np.linalg.norm(ref.grad)
+    assert xt.grad.dtype == np.float16 and err < 1e-2, err
+    row_sums = np.abs(xt.grad.astype(np.float64).sum(axis=-1)).max()
+    assert row_sums < 1e-2 * np.abs(ref.grad).sum(axis=-1).max(), row_sums
+
+
+def test_fp16_bias_gradient_accumulates_in_fp32():
+    """Linear's bias gradient sums g over N rows in float32 and rounds once (a float16 running sum
+    rounds at every row: past 2048 it can no longer add a 1)."""
+    rng = np.random.default_rng(0)
+    g = rng.uniform(0.5, 1.5, size=(4096, 8)).astype(np.float16)
+    x = Tensor(np.ones((4096, 4), np.float16))
+    w, b = Tensor(np.zeros((8, 4), np.float16), requires_grad=True), Tensor(np.zeros(8, np.float16), requires_grad=True)
+    F.linear(x, w, b).backward(g)
+    exact = g.astype(np.float64).sum(axis=0)
+    assert b.grad.dtype == np.float16
+    assert np.abs(b.grad.astype(np.float64) - exact).max() <= exact.max() * 2 ** -11
+
+
+def test_fp16_embedding_gradient_accumulates_in_fp32():
+    """A token seen 4096 times: its row of the embedding gradient sums 4096 contributions in float32."""
+    w = Tensor(np.zeros((4, 2), np.float16), requires_grad=True)
+    F.embedding(np.zeros(4096, np.int64), w).backward(np.ones((4096, 2), np.float16))
+    assert w.grad.dtype == np.float16 and (w.grad[0] == 4096).all() and (w.grad[1:] == 0).all()
+
+
 def test_scaler_pytorch_defaults_backoff_and_growth():
     s = DynamicLossScaler(growth_interval=3)
     assert s.scale == 2.0 ** 16

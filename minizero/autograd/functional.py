@@ -233,7 +233,12 @@ class CausalSoftmax(Function):
 
     Shapes: scores (..., T, T) -> probabilities (..., T, T), row i nonzero only
     in columns 0..i. Computed in at least float32. Saves the output.
-    Backward: dx = y * (g - sum(g * y, last axis)).
+    Backward: dx = y * (g - sum(g * y, last axis)), in at least float32 (rounded once). A float16
+    y is first renormalized to sum to 1: its rounded entries do not (off by ~2^-11), and then a
+    component of g common to the whole row (large when the value vectors share a mean) leaks into
+    dx as y * c * (1 - sum y), which swamps the small true gradient of the scores (and so of q and
+    k) in layers whose attention is still nearly uniform; renormalized, dx sums to 0 over the row
+    as the exact gradient does (a softmax ignores a shift of its inputs).
     """
 
     @staticmethod
@@ -251,6 +256,8 @@ class CausalSoftmax(Function):
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         ys, gs = widen(y), widen(g)
+        if y.dtype.itemsize < 4:  # float16 probabilities do not sum to 1: renormalize, or a gradient common
+            ys /= ys.sum(axis=-1, keepdims=True)  # to a whole row leaks through the (g - sum) difference
         d = gs * ys
         s = d.sum(axis=-1, keepdims=True)
         np.subtract(gs, s, out=d)
