@@ -123,3 +123,27 @@ def covered_us(spans, within) -> int:
         for c, d in spans:
             total += max(0, min(b, d) - max(a, c))
     return total
+
+
+def summarize(events, pid: int) -> dict:
+    """Microsecond figures of rank ``pid``'s timeline (``"X"`` events of a training run).
+
+    ``steps``: optimizer-step spans; ``step_us``: mean wall time per step (first forward start to
+    last optimizer-step end, over ``steps``); ``backward_us``: union of backward spans;
+    ``in_flight_during_backward_us``: the part of it during which an overlapped collective was in
+    flight; ``overlap_fraction``: their ratio (0 when no backward); ``exposed_comm_us``: union of
+    the blocking-communication lane (time the rank waited on messages), per step.
+    """
+    mine = [e for e in events if e.get("ph") == "X" and e["pid"] == pid]
+    steps = sum(1 for e in mine if e["cat"] == "optimizer")
+    first = min((e["ts"] for e in mine if e["cat"] == "forward"), default=0)
+    last = max((e["ts"] + e["dur"] for e in mine if e["cat"] == "optimizer"), default=first)
+    bwd = intervals(mine, pid, lambda e: e["cat"] == "backward")
+    flight = intervals(mine, pid, lambda e: e["tid"] == IN_FLIGHT)
+    backward_us = sum(b - a for a, b in bwd)
+    covered = covered_us(flight, bwd)
+    exposed = sum(b - a for a, b in intervals(mine, pid, lambda e: e["tid"] == COMM))
+    per = max(steps, 1)
+    return {"steps": steps, "step_us": (last - first) / per, "backward_us": backward_us / per,
+            "in_flight_during_backward_us": covered / per,
+            "overlap_fraction": covered / backward_us if backward_us else 0.0, "exposed_comm_us": exposed / per}
