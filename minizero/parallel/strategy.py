@@ -226,7 +226,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         state = adam8bit_state if args.optimizer == "adam8bit" else None
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
+                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
+                                      prefetch=getattr(args, "overlap", True))
     else:
         hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
