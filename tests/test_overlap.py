@@ -143,6 +143,29 @@ def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_o
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,op", [(2, "reduce_scatter"), (3, "all_gather")])
+def test_zero_collectives_are_in_flight_during_compute_only_with_overlap(tmp_path, stage, op):
+    """ZeRO-2/3: reduce-scatters in flight during backward; ZeRO-3: prefetched all-gathers too."""
+    path = str(tmp_path / "t.json")
+
+    def rank(comm, flags):
+        train(parse_args(BASE + ["--dtype", "float64", "--zero", str(stage), "--trace", path] + flags,
+                         world_size=comm.world_size, quiet=True), comm, log=lambda s: None)
+
+    for flags in ([], ["--no-overlap"]):
+        run_in_threads(2, rank, flags, timeout=120)
+        events = _check_trace_format(json.load(open(path)), 2)
+        for r in range(2):
+            flight = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT and e["args"]["op"] == op]
+            rs = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT
+                  and e["args"]["op"] == "reduce_scatter"]
+            assert bool(flight) == (not flags) and bool(rs) == (not flags), (r, flags, len(flight))
+            if not flags:
+                bwd = trace.intervals(events, r, lambda e: e["cat"] == "backward")
+                assert trace.covered_us(trace.intervals(rs, r, lambda e: True), bwd) > 0
+
+
+@pytest.mark.timeout(300)
 def test_trace_under_mpiexec_4_ranks_overlaps_on_every_rank_and_weights_match(mpiexec, tmp_path):
     def run(flags, out):
         cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",

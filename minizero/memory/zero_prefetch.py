@@ -1,4 +1,4 @@
-"""ZeRO-3 prefetch: the next unit's all-gather runs while the current unit computes (FSDP's prefetch).
+"""ZeRO overlap: stage 3 prefetches the next unit's all-gather; stages 2-3 reduce-scatter without waiting.
 
 ::
 
@@ -21,19 +21,27 @@ Bytes and traffic labels are the blocking gather's (``gather_forward`` / ``gathe
 ``all_gather``). Only for stage 3 over the hand-written ring (not ``native``, not
 ``quantized_comm``) on a communicator with ``isend``/``irecv``.
 
-Mirrors: PyTorch FSDP's ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE`` (which
+Stages 2-3, **overlapped reduce-scatter**: when a unit's bucket is due (its fixed turn, zero_buckets.py),
+its ring reduce-scatter is submitted to a second stream (its own tag) instead of run to the end;
+backward continues, the hooks progress it, and when it finishes its mean chunk is added into the
+owned gradient shard. ``reduce_gradients`` waits for the stream. Same ring, same additions, same
+order of the per-unit accumulations: bitwise the blocking result. The bucket lives until its ring
+finishes (``comm_buffers``), so more than one bucket can be alive while rings are in flight.
+
+Mirrors: DeepSpeed stage 2's ``overlap_comm`` (reduce in a side stream during backward); PyTorch FSDP's ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE`` (which
 record the execution order in the first iteration; minizero uses the unit order), DeepSpeed's
 ``stage3_prefetch_bucket_size``.
 """
 from __future__ import annotations
 
 from minizero import backend
-from minizero.comm.collectives import bytes_sent, shard_range
+from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
 from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
 from minizero.autograd import is_grad_enabled
 from minizero.ledger import get_ledger
 
 PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the blocking rings' and the DP overlap's)
+REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
 
 
 class Prefetch:
@@ -46,9 +54,11 @@ class Prefetch:
 
     def _init_prefetch(self, model, enabled: bool) -> None:
         c = self.comm
-        self.prefetch = bool(enabled and self.stage == 3 and c.world_size > 1 and not self.native
-                             and not self.quantized_comm and c.nonblocking)
+        usable = bool(enabled and c.world_size > 1 and not self.native and not self.quantized_comm and c.nonblocking)
+        self.prefetch = usable and self.stage == 3
+        self.overlap_reduce = usable and self.stage >= 2
         self._pending = {}  # unit index -> (RingCollective, its buffer, phase)
+        self._reduce_stream = Stream(c) if self.overlap_reduce else None
         if not self.prefetch:
             return
         self._stream = Stream(c)
@@ -60,6 +70,28 @@ class Prefetch:
     def _progress(self) -> None:
         if self._pending:
             self._stream.progress()
+        if self._reduce_stream is not None:
+            self._reduce_stream.progress()
+
+    def _start_reduce(self, st, flat) -> None:
+        """Submit the unit's reduce-scatter of its (padded,) bucket ``flat`` (this rank's, consumed);
+        when it finishes, the mean chunk is added into ``st.grad_shard`` (as the blocking path does)."""
+        self._agree(st, "reduce_scatter_grads")
+        n, rank = self.comm.world_size, self.comm.rank
+        mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
+        self.bytes_sent["reduce_scatter_grads"] += bytes_sent("reduce_scatter", flat.size, flat.itemsize, n, rank)
+        off, size = shard_range(flat.size, n, rank)
+
+        def done():
+            mine = flat[off:off + size].copy()
+            st.grad_shard += mean_scale_(mine, n, before_sum=False, predivided=self.predivided)
+        self._reduce_stream.submit(RingCollective(self.comm, flat, "reduce_scatter", REDUCE_TAG,
+                                                  name=f"reduce_scatter {st.unit.name}", unit=st.index), done)
+
+    def _wait_reduces(self) -> None:
+        """Wait for every overlapped reduce-scatter (their chunks are then in the gradient shards)."""
+        if self._reduce_stream is not None:
+            self._reduce_stream.synchronize()
 
     def _gather(self, st, phase):
         pend = self._pending.pop(st.index, None)
