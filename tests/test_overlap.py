@@ -195,3 +195,21 @@ def test_tracer_refuses_bad_events():
     assert trace.covered_us([(0, 10)], [(5, 20)]) == 5
     assert trace.intervals([{"ph": "X", "pid": 0, "ts": 0, "dur": 5}, {"ph": "X", "pid": 0, "ts": 3, "dur": 5}],
                            0, lambda e: True) == [(0, 8)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--dp", "2", "--pp", "2"], ["--zero", "3"]], ids=["dp2-pp2", "zero3"])
+def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, tmp_path, flags):
+    """Non-blocking pipeline sends, DP buckets and ZeRO-3 prefetch over real MPI requests."""
+    def run(extra, out):
+        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
+               "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
+               "--progress", "none", "--bucket-mb", "0.01", "--out", str(out), *flags, *extra]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return dict(np.load(os.path.join(out, "model.npz")))
+
+    on, off = run([], tmp_path / "on"), run(["--no-overlap"], tmp_path / "off")
+    assert set(on) == set(off)
+    for name in on:
+        assert np.array_equal(on[name], off[name]), name

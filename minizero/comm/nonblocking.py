@@ -141,6 +141,12 @@ class RingCollective:
         _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})")
 
 
+def wait_all(comm, requests, what: str) -> None:
+    """Wait until every request's ``test()`` is True (requests of ``isend``/``irecv``), sleeping between
+    tests; CommTimeoutError after the communicator's ``timeout`` (seconds)."""
+    _wait_until(comm, lambda: all([r.test() for r in requests]), what)
+
+
 def _wait_until(comm, done, what: str) -> None:
     timeout = getattr(comm, "timeout", 600.0)
     deadline, delay = time.monotonic() + timeout, 0.0

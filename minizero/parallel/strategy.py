@@ -239,7 +239,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True))
+                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True),
+                            overlap=getattr(args, "overlap", True))
     return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=getattr(args, "overlap", True))
 
 

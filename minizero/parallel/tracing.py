@@ -24,7 +24,7 @@ from minizero.autograd import Function, Tensor
 from minizero.files import atomic_write
 from minizero.memory.zero_shards import find_units
 
-TRACE_TAG = 1100  #: tag of the messages that gather the ranks' events
+TRACE_TAG = 1200  #: tag of the messages that gather the ranks' events
 
 
 class _BackwardMark(Function):
