@@ -19,6 +19,9 @@ from minizero.comm import run_in_threads
 from minizero.comm.collectives import all_reduce, reduce_scatter
 from minizero.comm.nonblocking import RingCollective, Stream, ring_steps
 from minizero.loop import train
+from minizero.memory.zero import ZeroOptimizer
+from minizero.nn import GPT, get_config
+from minizero.parallel.tracing import TraceUnits
 from tests.conftest import REPO_ROOT, mpi_env
 
 BASE = ["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
@@ -143,26 +146,57 @@ def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_o
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage,op", [(2, "reduce_scatter"), (3, "all_gather")])
-def test_zero_collectives_are_in_flight_during_compute_only_with_overlap(tmp_path, stage, op):
-    """ZeRO-2/3: reduce-scatters in flight during backward; ZeRO-3: prefetched all-gathers too."""
+def test_zero3_prefetch_all_gathers_are_in_flight_only_with_overlap(tmp_path):
     path = str(tmp_path / "t.json")
 
     def rank(comm, flags):
-        train(parse_args(BASE + ["--dtype", "float64", "--zero", str(stage), "--trace", path] + flags,
+        train(parse_args(BASE + ["--dtype", "float64", "--zero", "3", "--trace", path] + flags,
                          world_size=comm.world_size, quiet=True), comm, log=lambda s: None)
 
     for flags in ([], ["--no-overlap"]):
         run_in_threads(2, rank, flags, timeout=120)
         events = _check_trace_format(json.load(open(path)), 2)
         for r in range(2):
-            flight = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT and e["args"]["op"] == op]
-            rs = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT
-                  and e["args"]["op"] == "reduce_scatter"]
-            assert bool(flight) == (not flags) and bool(rs) == (not flags), (r, flags, len(flight))
-            if not flags:
-                bwd = trace.intervals(events, r, lambda e: e["cat"] == "backward")
-                assert trace.covered_us(trace.intervals(rs, r, lambda e: True), bwd) > 0
+            flight = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT]
+            assert all(e["args"]["op"] == "all_gather" and e["args"]["bytes"] > 0 for e in flight)
+            assert bool(flight) == (not flags), (r, flags, len(flight))
+
+
+def _zero_steps(comm, stage, overlap_reduce, dtype):
+    """3 steps (2 micro-batches each) of the tiny GPT under ZeroOptimizer; (weights, events)."""
+    tracer = trace.Tracer(comm.rank)
+    trace.set_tracer(tracer)
+    model = GPT(get_config("tiny", dtype=dtype), seed=1)
+    units = TraceUnits(model)
+    opt = ZeroOptimizer(model, comm, stage, lr=1e-2, overlap_reduce=overlap_reduce, prefetch=overlap_reduce)
+    rng = np.random.default_rng(comm.rank)
+    for _ in range(3):
+        for _ in range(2):
+            x = rng.integers(0, 256, (2, 16))
+            model(x, x)[1].backward()
+        opt.reduce_gradients()
+        opt.step()
+        opt.zero_grad()
+    units.remove()
+    trace.set_tracer(None)
+    with opt.full_parameters():
+        return {k: v.copy() for k, v in model.state_dict().items()}, tracer.events, opt.overlap_reduce
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,dtype", [(2, "float64"), (2, "float32"), (3, "float64")])
+def test_zero_overlapped_reduce_scatter_is_bitwise_and_in_flight_during_backward(stage, dtype):
+    on = run_in_threads(2, _zero_steps, stage, True, dtype, timeout=120)
+    off = run_in_threads(2, _zero_steps, stage, False, dtype, timeout=120)
+    for (w_on, events, used), (w_off, events_off, _) in zip(on, off):
+        assert used
+        for name in w_on:
+            assert np.array_equal(w_on[name], w_off[name]), name
+        rs = trace.intervals(events, events[0]["pid"], lambda e: e["tid"] == trace.IN_FLIGHT
+                             and e["args"]["op"] == "reduce_scatter")
+        bwd = trace.intervals(events, events[0]["pid"], lambda e: e["cat"] == "backward")
+        assert rs and trace.covered_us(rs, bwd) > 0
+        assert not [e for e in events_off if e["tid"] == trace.IN_FLIGHT]
 
 
 @pytest.mark.timeout(300)

@@ -92,6 +92,9 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
             (there the gathered copy *is* the parameter, and rounding it every step would lose updates).
         prefetch: stage 3: start the next unit's all-gather while the current one computes
             (zero_prefetch.py; at most two units gathered, plus the tied embedding); default off.
+        overlap_reduce: stages 2-3: submit each unit's reduce-scatter and go on with backward
+            (zero_prefetch.py); default off, and off in the CLI: how many buckets are alive while
+            rings are in flight depends on timing, so ``comm_buffers`` would not be reproducible.
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient
@@ -117,7 +120,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False,
-                 store=None, prefetch: bool = False):
+                 store=None, prefetch: bool = False, overlap_reduce: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
@@ -159,7 +162,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
                     m.register_forward_pre_hook(self._gather_hook(st))
                     m.register_forward_hook(self._free_hook(st))
                 m.register_forward_hook(self._open_bucket_hook(st))
-        self._init_prefetch(model, prefetch)
+        self._init_prefetch(model, prefetch, overlap_reduce)
 
     def _begin_backward(self, st):
         first = not st.in_backward

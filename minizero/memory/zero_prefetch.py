@@ -21,7 +21,9 @@ Bytes and traffic labels are the blocking gather's (``gather_forward`` / ``gathe
 ``all_gather``). Only for stage 3 over the hand-written ring (not ``native``, not
 ``quantized_comm``) on a communicator with ``isend``/``irecv``.
 
-Stages 2-3, **overlapped reduce-scatter**: when a unit's bucket is due (its fixed turn, zero_buckets.py),
+Stages 2-3, **overlapped reduce-scatter** (``ZeroOptimizer(overlap_reduce=True)``; not used by the CLI,
+because how many buckets are alive then depends on timing, and the ledger's peaks are meant to be
+exact): when a unit's bucket is due (its fixed turn, zero_buckets.py),
 its ring reduce-scatter is submitted to a second stream (its own tag) instead of run to the end;
 backward continues, the hooks progress it, and when it finishes its mean chunk is added into the
 owned gradient shard. ``reduce_gradients`` waits for the stream. Same ring, same additions, same
@@ -52,11 +54,11 @@ class Prefetch:
     ``quantized_comm``, ``bytes_sent``, ``_pinned``, ``_agree``, ``_point_params``, ``_gathered``.
     """
 
-    def _init_prefetch(self, model, enabled: bool) -> None:
+    def _init_prefetch(self, model, prefetch: bool, overlap_reduce: bool = False) -> None:
         c = self.comm
-        usable = bool(enabled and c.world_size > 1 and not self.native and not self.quantized_comm and c.nonblocking)
-        self.prefetch = usable and self.stage == 3
-        self.overlap_reduce = usable and self.stage >= 2
+        usable = bool(c.world_size > 1 and not self.native and not self.quantized_comm and c.nonblocking)
+        self.prefetch = usable and prefetch and self.stage == 3
+        self.overlap_reduce = usable and overlap_reduce and self.stage >= 2
         self._pending = {}  # unit index -> (RingCollective, its buffer, phase)
         self._reduce_stream = Stream(c) if self.overlap_reduce else None
         if not self.prefetch:
