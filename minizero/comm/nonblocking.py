@@ -138,22 +138,31 @@ class RingCollective:
         Raises:
             CommTimeoutError (via the communicator's ``timeout``, seconds): a neighbour stalled.
         """
-        _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})")
+        _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})", self.waiting_on)
+
+    def waiting_on(self) -> int | None:
+        """The neighbour the current step waits for: rank-1 (its message has not arrived), else rank+1."""
+        if self.done or self.requests is None:
+            return None
+        n = self.comm.world_size
+        return (self.comm.rank - 1) % n if not self.requests[0].test() else (self.comm.rank + 1) % n
 
 
-def wait_all(comm, requests, what: str) -> None:
+def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
     """Wait until every request's ``test()`` is True (requests of ``isend``/``irecv``), sleeping between
-    tests; CommTimeoutError after the communicator's ``timeout`` (seconds)."""
-    _wait_until(comm, lambda: all([r.test() for r in requests]), what)
+    tests; CommTimeoutError naming ``peer`` after the communicator's ``timeout`` (seconds)."""
+    _wait_until(comm, lambda: all([r.test() for r in requests]), what, lambda: peer)
 
 
-def _wait_until(comm, done, what: str) -> None:
+def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
     timeout = getattr(comm, "timeout", 600.0)
     deadline, delay = time.monotonic() + timeout, 0.0
     while not done():
         if time.monotonic() > deadline:
-            raise CommTimeoutError(f"rank {comm.rank}: {what} waited {timeout:g} s for its ring neighbours "
-                                   f"(--comm-timeout); a rank is stalled or gone")
+            who = peer()
+            whom = f"rank {who}" if who is not None else "the other ranks"
+            raise CommTimeoutError(f"rank {comm.rank}: {what} waited {timeout:g} s for {whom} of a communicator of "
+                                   f"{comm.world_size} (--comm-timeout); a rank is stalled or gone")
         time.sleep(delay)
         delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
 
@@ -192,4 +201,5 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait until every submitted collective finished (CommTimeoutError after the comm's timeout)."""
-        _wait_until(self.comm, self.progress, "overlapped collectives")
+        _wait_until(self.comm, self.progress, "overlapped collectives",
+                    lambda: self.queue[0][0].waiting_on() if self.queue else None)

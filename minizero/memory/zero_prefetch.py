@@ -101,7 +101,8 @@ class Prefetch:
             super()._gather(st, phase)
             return
         coll, full, _ = pend
-        _wait_until(self.comm, lambda: self._stream.progress() or coll.done, f"prefetch of {st.unit.name!r}")
+        _wait_until(self.comm, lambda: self._stream.progress() or coll.done, f"prefetch of {st.unit.name!r}",
+                    lambda: self._stream.queue[0][0].waiting_on() if self._stream.queue else None)
         st.full = full
         self._point_params(st, st.full)
         for p in st.params:

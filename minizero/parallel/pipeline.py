@@ -214,7 +214,8 @@ class PipelineEngine:
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
         if self.nonblocking:
             with trace.span(f"recv {what}", "comm", trace.COMM, peer=source, bytes=buf.nbytes):
-                wait_all(self.comm, [self.comm.irecv(buf, source, tag=PP_TAG)], f"pipeline receive of {what}")
+                wait_all(self.comm, [self.comm.irecv(buf, source, tag=PP_TAG)], f"pipeline receive of {what}",
+                         peer=source)
             self._sends = [(r, a) for r, a in self._sends if not r.test()]
             self._say(f"{what} {shape} <── stage {source}")
             return buf
