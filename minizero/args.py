@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="reduce gradients after backward, blocking (default: each bucket's all-reduce starts as "
+                        "soon as its last gradient is ready and runs during the rest of backward)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
     p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
     p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds any one send, receive or collective may wait for a peer before the job is aborted "

@@ -105,9 +105,14 @@ class _Parser(argparse.ArgumentParser):
 
 # ---- one strategy: the train flags, the estimate --------------------------------------------------
 def train_argv(name: str, model: str, steps: int, micro_batch_size: int) -> list[str]:
-    """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json)."""
+    """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json).
+
+    ``--no-overlap``: the estimator counts the blocking path's buffers (ZeRO-3 gathers one unit at a
+    time; its prefetch, the default, holds two).
+    """
     return ["--model", model, "--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--eval-every", "0",
-            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", *STRATEGIES[name][0]]
+            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--no-overlap",
+            *STRATEGIES[name][0]]
 
 
 def to_strategy(name: str, ranks: int, micro_batch_size: int, dtype) -> Strategy:

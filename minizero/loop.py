@@ -34,6 +34,7 @@ import tracemalloc
 
 import numpy as np
 
+from minizero import trace
 from minizero.args import model_config
 from minizero.checkpoint import Checkpointer
 from minizero.comm.collectives import all_reduce
@@ -48,6 +49,7 @@ from minizero.optim import clip_coefficient, cosine_lr
 from minizero.parallel.placement import node_traffic
 from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import build_strategy, describe_batch
+from minizero.parallel.tracing import TraceUnits, write_trace
 from minizero.progress import Progress
 
 
@@ -171,6 +173,9 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     get_ledger().reset_peaks()
     if tracemalloc.is_tracing():  # likewise the measured process peak: training steps only
         tracemalloc.reset_peak()
+    tracer = trace.Tracer(comm.rank) if getattr(args, "trace", None) else None
+    trace.set_tracer(tracer)  # --trace: this rank's timeline (forward/backward per unit, collectives, step)
+    units = TraceUnits(s.stage) if tracer is not None else None
     t_start = time.perf_counter()
     for step in range(start, args.steps):
         poison = check_fault(comm.rank, step)
@@ -182,7 +187,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         scale = scaler.scale if scaler is not None else 1.0
         with np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext():
             # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
-            loss_sum = s.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale)
+            loss_sum = s.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale, poison=poison)
             if poison:  # MINIZERO_FAULT=r:s:inf: this rank's gradients become non-finite
                 for g in s.local_grads():
                     g *= g.dtype.type(math.inf)
@@ -225,6 +230,12 @@ def train(args, comm, log=print, after_grads=None) -> dict:
                 check_finite_loss(step + 1, "validation", val_history[-1][1])
         ckpt.maybe_save(step, s, applied, scaler, pruner)
     elapsed = time.perf_counter() - t_start
+    if tracer is not None:
+        trace.set_tracer(None)
+        units.remove()
+        write_trace(comm, tracer, args.trace)
+        if rank0:
+            log(f"wrote {args.trace} (Chrome trace-event JSON, one row per rank; open in https://ui.perfetto.dev)")
     train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     progress.close()
     val_history.append((args.steps, s.evaluate(val_set)))

@@ -53,3 +53,59 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
     finally:
         plt.close(fig)
     return f"wrote {path}"
+
+
+def plot_timelines(path: str, panels, title: str = "") -> str:
+    """Write a PNG of trace timelines: one panel per ``(label, events)``, per rank a compute and a comm lane.
+
+    Args:
+        path: the PNG to write.
+        panels: list of ``(label, events)``, ``events`` the ``"X"`` events of a ``--trace`` file
+            (:mod:`minizero.trace`; ``ts``/``dur`` in microseconds). Each panel starts at its own first event.
+        title: the figure's title.
+    Lanes: forward (blue) and backward (orange) spans; the optimizer step (green); blocking
+    communication, the rank waiting (red); collectives in flight while it computes (grey).
+    Returns:
+        ``"wrote PATH"``, or :data:`MISSING` when matplotlib cannot be imported.
+    """
+    try:
+        import matplotlib  # optional at run time: a third-party import, not a minizero module
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return MISSING
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9.0, 1.2 + 1.3 * len(panels) * max(
+        len({e["pid"] for e in ev}) for _, ev in panels) / 2), squeeze=False)
+    try:
+        for ax, (label, events) in zip(axes[:, 0], panels):
+            xs = [e for e in events if e.get("ph") == "X"]
+            t0 = min(e["ts"] for e in xs)
+            ranks = sorted({e["pid"] for e in xs})
+            ticks, names = [], []
+            for i, r in enumerate(ranks):
+                base = 3 * (len(ranks) - 1 - i)
+                for e in (e for e in xs if e["pid"] == r):
+                    x, w = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05)
+                    if e["tid"] == 0:
+                        y, c = base + 1, colors.get(e["cat"], "tab:purple")
+                    else:
+                        y, c = base, "tab:red" if e["tid"] == 1 else "0.6"
+                    ax.broken_barh([(x, w)], (y + (0.45 if e["tid"] == 2 else 0.05), 0.45 if e["tid"] else 0.9),
+                                   color=c, linewidth=0)
+                ticks += [base + 0.5, base + 1.5]
+                names += [f"rank {r} comm", f"rank {r} compute"]
+            ax.set_yticks(ticks)
+            ax.set_yticklabels(names, fontsize=7)
+            ax.set_title(label, fontsize=9)
+            ax.set_xlabel("time (ms)", fontsize=8)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in
+                   ("tab:blue", "tab:orange", "tab:green", "tab:red", "0.6")]
+        fig.legend(handles, ["forward", "backward", "optimizer step", "blocking communication (waiting)",
+                             "all-reduce in flight (overlapped)"], loc="lower center", ncol=5, fontsize=7)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
+    return f"wrote {path}"

@@ -39,7 +39,8 @@ def measure(comm, stage: int, model: str, accum: int, steps: int = 2) -> list[di
     gc.collect()  # the previous stage's model and optimizer (reference cycles through hooks)
     get_ledger().reset_peaks()
     args = parse_args(["--model", model, "--steps", str(steps), "--grad-accum", str(accum), "--eval-batches", "1",
-                       "--eval-every", "0", "--no-progress", "--zero", str(stage)], comm.world_size)
+                       "--eval-every", "0", "--no-progress", "--zero", str(stage), "--no-overlap"],
+                      comm.world_size)  # blocking gathers: ZeRO-3's prefetch would hold two units
     result = train(args, comm, log=lambda s: None)
     dp, opt = result["dp"], result["opt"]
     sent = dp.bytes_sent / steps if dp is not None else opt.bytes_per_step()

@@ -107,14 +107,14 @@ def test_float32_loss_curve_stage3_equals_stage0():
 
 
 # --------------------------------------------------------------------------- bytes held and sent
-def float32_run(stage, n, accum):
+def float32_run(stage, n, accum, extra=()):
     """One cached run per all-reduce size rule (the ring-only tests set their own)."""
-    return _float32_run(stage, n, accum, recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES)
+    return _float32_run(stage, n, accum, tuple(extra), recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES)
 
 
 @functools.lru_cache(maxsize=None)
-def _float32_run(stage, n, accum, small_allreduce_max_bytes):
-    return run_in_threads(n, zero_check.run, stage, MICRO, "float32", 2, accum)
+def _float32_run(stage, n, accum, extra, small_allreduce_max_bytes):
+    return run_in_threads(n, zero_check.run, stage, MICRO, "float32", 2, accum, extra=extra)
 
 
 @pytest.mark.timeout(120)
@@ -142,12 +142,13 @@ def test_ledger_model_state_bytes_match_paper(stage, n):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_transient_buffers_are_one_layer_plus_embedding(stage, n):
     """Gathered parameters (stage 3) and full gradient buckets (stages 2-3) never exceed one
-    block's unit plus the tied embedding's (held from the token lookup to the LM head)."""
+    block's unit plus the tied embedding's (held from the token lookup to the LM head), without
+    prefetch (``--no-overlap``; with it, see test_prefetch_holds_at_most_two_units_plus_embedding)."""
     sm = shard_map(n, "float32")
     sizes = {u.name: u.padded for u in sm.units}
     embedding = sizes["transformer.wte"]
     layer = max(v for k, v in sizes.items() if k != "transformer.wte")
-    for res in float32_run(stage, n, 2):
+    for res in float32_run(stage, n, 2, ("--no-overlap",)):
         assert res["peak"]["comm_buffers"] <= 4 * (layer + embedding)
         if stage == 3:
             assert 4 * layer <= res["peak"]["gathered"] <= 4 * (layer + embedding)
@@ -157,6 +158,25 @@ def test_transient_buffers_are_one_layer_plus_embedding(stage, n):
 
 
 @pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_prefetch_holds_at_most_two_units_plus_embedding(n):
+    """Stage 3 with prefetch (the default): the next unit's all-gather is in flight while the current
+    one runs, so the ledger's gathered peak is more than one block plus the embedding and at most
+    two blocks plus the embedding; the weights are bitwise those of --no-overlap."""
+    sm = shard_map(n, "float32")
+    sizes = {u.name: u.padded for u in sm.units}
+    embedding = sizes["transformer.wte"]
+    layer = max(v for k, v in sizes.items() if k != "transformer.wte")
+    on, off = float32_run(3, n, 2), float32_run(3, n, 2, ("--no-overlap",))
+    for a, b in zip(on, off):
+        assert 4 * (layer + embedding) < a["peak"]["gathered"] <= 4 * (2 * layer + embedding)
+        assert b["peak"]["gathered"] <= 4 * (layer + embedding)
+        assert a["step_bytes"] == b["step_bytes"]  # the same gathers, only earlier
+        for name in a["params"]:
+            assert np.array_equal(a["params"][name], b["params"][name]), name
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("n", WORLD_SIZES)

@@ -116,6 +116,37 @@ class Communicator(abc.ABC):
         self._sendrecv(sendbuf, dest, recvbuf, source, tag)
         return recvbuf
 
+    # -- non-blocking point to point (minizero.comm.nonblocking drives these) -------------
+    def isend(self, buf, dest: int, tag: int = 0):
+        """Start sending ``buf`` to ``dest``; returns a request whose ``test()`` is True once ``buf``
+        may be reused (MPI_Isend). ``buf`` must not change until then. Bytes: records ``buf.nbytes``.
+        Raises: as ``send``; NotImplementedError if this communicator has no non-blocking transport.
+        """
+        _check_array(buf, "send buffer")
+        dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
+        self.traffic.record(buf.nbytes)
+        return self._isend(buf, dest, tag)
+
+    def irecv(self, buf, source: int, tag: int = 0):
+        """Start receiving from ``source`` into ``buf``; returns a request whose ``test()`` is True once
+        ``buf`` holds the message (MPI_Irecv); ``test()`` raises ValueError on a shape/dtype mismatch.
+        Raises: as ``recv``; NotImplementedError without a non-blocking transport.
+        """
+        _check_array(buf, "recv buffer", writeable=True)
+        source, tag = self._check_rank(source, "source"), self._check_tag(tag)
+        return self._irecv(buf, source, tag)
+
+    @property
+    def nonblocking(self) -> bool:
+        """True when ``isend``/``irecv`` work here (MPI and threads; not every test double)."""
+        return type(self)._isend is not Communicator._isend
+
+    def _isend(self, buf, dest, tag):
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking sends; use --no-overlap")
+
+    def _irecv(self, buf, source, tag):
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking receives; use --no-overlap")
+
     # -- group management ------------------------------------------------------------
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -56,6 +56,42 @@ def _mpi():
     return MPI
 
 
+class _SendRequest:
+    """``isend``'s request: the header's and the payload's MPI_Isend; ``test()`` is MPI_Testall."""
+
+    def __init__(self, requests):
+        self.requests, self.done = requests, False
+
+    def test(self) -> bool:
+        if not self.done:
+            self.done = _mpi().Request.Testall(self.requests)
+        return self.done
+
+
+class _RecvRequest:
+    """``irecv``'s request: the header's MPI_Irecv; once it arrived and matches the buffer, the payload's."""
+
+    def __init__(self, comm, buf, source, tag):
+        self.comm, self.buf, self.source, self.tag = comm, buf, source, tag
+        self.header = np.empty(_HEADER_WORDS, dtype=np.int64)
+        self.request = comm.header_comm.Irecv([self.header, _mpi().BYTE], source=source, tag=tag)
+        self.payload, self.done = None, False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if self.payload is None:
+            if not self.request.Test():
+                return False
+            if not np.array_equal(self.header, _header(self.buf)):
+                raise ValueError(
+                    f"rank {self.comm.rank}: irecv message from rank {self.source} (tag {self.tag}) is "
+                    f"{_describe(self.header)}, the receive buffer is {_describe(_header(self.buf))}; they must match")
+            self.payload = self.comm.mpi_comm.Irecv([self.buf, _mpi().BYTE], source=self.source, tag=self.tag)
+        self.done = self.payload.Test()
+        return self.done
+
+
 class MPICommunicator(Communicator):
     """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
@@ -124,6 +160,12 @@ class MPICommunicator(Communicator):
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._receive(recvbuf, source, tag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
+
+    def _isend(self, buf, dest, tag):
+        return _SendRequest(self._post_send(buf, dest, tag))
+
+    def _irecv(self, buf, source, tag):
+        return _RecvRequest(self, buf, source, tag)
 
     def barrier(self):
         self._wait([self.mpi_comm.Ibarrier()], "barrier")

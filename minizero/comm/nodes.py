@@ -198,6 +198,12 @@ class NodeTrafficCommunicator(Communicator):
         self._count(sendbuf.nbytes, dest)
         return out
 
+    def isend(self, buf, dest, tag=0):
+        """``Communicator.isend``; ``buf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
+        req = super().isend(buf, dest, tag)
+        self._count(buf.nbytes, dest)
+        return req
+
     def _native_count(self, label: str, nbytes: int, root: int = 0) -> None:
         right = [(self.rank + 1) % self.world_size]
         dests = _binomial_tree(self.rank, root, self.world_size)[1] if label == "broadcast" else right
@@ -252,6 +258,12 @@ class NodeTrafficCommunicator(Communicator):
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
+
+    def _isend(self, buf, dest, tag):
+        return self.inner._isend(buf, dest, tag)
+
+    def _irecv(self, buf, source, tag):
+        return self.inner._irecv(buf, source, tag)
 
     def _native_allreduce(self, x, out):
         self.inner._native_allreduce(x, out)

@@ -67,6 +67,37 @@ class _Context:
             return self.queues[(source, dest, tag)]
 
 
+class _DoneRequest:
+    """``isend`` on threads: the message was copied into the queue, so the buffer is free at once."""
+
+    def test(self) -> bool:
+        return True
+
+
+class _QueueRecvRequest:
+    """``irecv`` on threads: ``test()`` takes the message from the queue if it is there (never waits)."""
+
+    def __init__(self, comm, buf, source, tag):
+        self.comm, self.buf, self.source, self.tag, self.done = comm, buf, source, tag, False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        c = self.comm
+        try:
+            msg = c._ctx.queue(self.source, c.rank, self.tag).get_nowait()
+        except queue.Empty:
+            if c._group.failed.is_set():
+                raise c._failed_error(f"a message from rank {self.source} with tag {self.tag} (irecv)") from None
+            return False
+        if msg.shape != self.buf.shape or msg.dtype != self.buf.dtype:
+            raise ValueError(f"{c._who()}: irecv message from rank {self.source} (tag {self.tag}) is {msg.shape} "
+                             f"{msg.dtype}, the receive buffer is {self.buf.shape} {self.buf.dtype}; they must match")
+        self.buf[...] = msg
+        self.done = True
+        return True
+
+
 class ThreadCommunicator(Communicator):
     """A ``Communicator`` whose ranks are threads of one process; make it with ``run_in_threads``.
 
@@ -121,6 +152,13 @@ class ThreadCommunicator(Communicator):
                 f"the receive buffer is {buf.shape} {buf.dtype}; they must match"
             )
         buf[...] = msg
+
+    def _isend(self, buf, dest, tag):
+        self._send(buf, dest, tag)
+        return _DoneRequest()
+
+    def _irecv(self, buf, source, tag):
+        return _QueueRecvRequest(self, buf, source, tag)
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._send(sendbuf, dest, tag)  # never blocks, so no deadlock

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
+from minizero import trace
+
 
 class TrafficLedger:
     """Bytes this rank sent, by operation label.
@@ -50,11 +52,18 @@ class TrafficLedger:
 
     @contextlib.contextmanager
     def op(self, label: str):
-        """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open)."""
+        """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open).
+
+        With a tracer on (:mod:`minizero.trace`) the block is a span on the blocking-communication
+        lane, with the bytes it recorded.
+        """
         self._add(label, nbytes=0, calls=1)
         self._labels.append(label)
+        before = self.bytes_sent
         try:
-            yield self
+            with trace.span(label, "comm", trace.COMM) as args:
+                yield self
+                args["bytes"] = self.bytes_sent - before
         finally:
             self._labels.pop()
 
@@ -72,6 +81,21 @@ class TrafficLedger:
             self._add("p2p", nbytes, calls=1)
         else:
             self._add(label, nbytes, calls=0)
+
+    def count_call(self, label: str) -> None:
+        """Count one call of ``label`` (no bytes): an overlapped collective, whose messages follow later
+        inside :meth:`labelled` blocks."""
+        self._add(label, nbytes=0, calls=1)
+
+    @contextlib.contextmanager
+    def labelled(self, label: str):
+        """Attribute bytes recorded inside the block to ``label`` like :meth:`op`, without counting a
+        call or drawing a span (the messages of an overlapped collective, posted a few at a time)."""
+        self._labels.append(label)
+        try:
+            yield self
+        finally:
+            self._labels.pop()
 
     def _add(self, label: str, nbytes: int, calls: int) -> None:
         self.bytes_sent += nbytes

@@ -52,6 +52,7 @@ from minizero.comm.collectives import all_gather, all_reduce
 from minizero.ledger import get_ledger
 from minizero.memory.zero_buckets import GradientBuckets
 from minizero.memory.zero_collectives import UnitState, ZeroOrderError
+from minizero.memory.zero_prefetch import Prefetch
 from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, Unit, find_units, model_state_formula,
                                          traffic_formula)
 from minizero.memory.zero_stage3 import ParameterPartitioning
@@ -68,7 +69,7 @@ def model_state_bytes() -> dict:
     return {c: cur[c] for c in ("parameters", "gradients", "optimizer_state", "gathered", "comm_buffers")}
 
 
-class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
+class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
     """AdamW on ZeRO-sharded model states: replaces ``DataParallel`` + ``AdamW`` for stages 1, 2, 3.
 
     Args:
@@ -89,6 +90,11 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
             gradient reduce-scatters and stage 3's forward/backward gathers. The gathers for
             evaluation and saving and the stage 1-2 all-gather of updated parameters stay exact
             (there the gathered copy *is* the parameter, and rounding it every step would lose updates).
+        prefetch: stage 3: start the next unit's all-gather while the current one computes
+            (zero_prefetch.py; at most two units gathered, plus the tied embedding); default off.
+        overlap_reduce: stages 2-3: submit each unit's reduce-scatter and go on with backward
+            (zero_prefetch.py); default off, and off in the CLI: how many buckets are alive while
+            rings are in flight depends on timing, so ``comm_buffers`` would not be reproducible.
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient
@@ -114,7 +120,7 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False,
-                 store=None):
+                 store=None, prefetch: bool = False, overlap_reduce: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
@@ -156,6 +162,39 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
                     m.register_forward_pre_hook(self._gather_hook(st))
                     m.register_forward_hook(self._free_hook(st))
                 m.register_forward_hook(self._open_bucket_hook(st))
+        self._init_prefetch(model, prefetch, overlap_reduce)
+
+    def _begin_backward(self, st):
+        first = not st.in_backward
+        super()._begin_backward(st)
+        if first:
+            self._prefetch_backward(st)  # stage 3 with prefetch: the next unit backward will reach
+
+    def _grad_ready(self, p):
+        self._progress()
+        super()._grad_ready(p)
+
+    def _end_backward(self, st):
+        """As :class:`GradientBuckets`'s, but the reduce-scatter is submitted, not waited for (overlap)."""
+        if not self.overlap_reduce:
+            super()._end_backward(st)
+            return
+        assert st.index == self._next, (st.index, self._next)
+        if not st.in_backward:
+            self._open_bucket(st)
+        self._start_reduce(st, st.flat_grad)
+        for p in st.params:
+            p.grad = None
+        st.flat_grad, st.in_backward = None, False
+        st.ready.clear()
+        st.complete, st.reduced = False, True
+        self._next -= 1
+        if self.stage == 3:
+            self._free(st)
+
+    def _finish_micro_batch(self):
+        super()._finish_micro_batch()
+        self._wait_reduces()
 
     # ---- set-up -----------------------------------------------------------------------
     def _add_tied_users(self, model):

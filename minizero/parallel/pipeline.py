@@ -38,9 +38,10 @@ import contextlib
 
 import numpy as np
 
-from minizero import backend
+from minizero import backend, trace
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
+from minizero.comm.nonblocking import wait_all
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
 from minizero.parallel.schedule import make_schedule, peak_in_flight
@@ -165,7 +166,7 @@ class PipelineEngine:
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
-                 pair_sends: bool = True, forward_context=None):
+                 pair_sends: bool = True, forward_context=None, overlap: bool = False):
         if comm.world_size != stage.num_stages or comm.rank != stage.stage:
             raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
                              f"stage {stage.stage}/{stage.num_stages}")
@@ -175,6 +176,11 @@ class PipelineEngine:
         self.forward_context = forward_context or contextlib.nullcontext
         self.peak_in_flight, self.trace = 0, []
         self._pending = None  # (array, dest, label): a send waiting to be paired with the next receive
+        #: overlap: every send is an isend posted at once, so the stage computes while it travels
+        #: (Megatron's p2p_communication with async ops); completed ones are dropped, the rest waited
+        #: for at the end of the step. Receives wait (their data is needed now). Off: blocking, paired.
+        self.nonblocking = overlap and comm.world_size > 1 and comm.nonblocking
+        self._sends = []  # (request, array) of isends not known to be complete
 
     # -- messages ------------------------------------------------------------------------
     def _say(self, text):
@@ -182,10 +188,21 @@ class PipelineEngine:
             self.log(f"[stage {self.stage.stage}] {text}")
 
     def _post(self, array, dest: int, label: str, what: str) -> None:
+        if self.nonblocking:
+            array = backend.xp.ascontiguousarray(array)
+            self._sends = [(r, a) for r, a in self._sends if not r.test()]
+            self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest} (isend)")
+            with self.comm.traffic.op(label):
+                self._sends.append((self.comm.isend(array, dest, tag=PP_TAG), array))
+            return
         self._flush()
         self._pending = (backend.xp.ascontiguousarray(array), dest, label, what)
 
     def _flush(self) -> None:
+        if self._sends:
+            with trace.span("wait sends", "comm", trace.COMM):
+                wait_all(self.comm, [r for r, _ in self._sends], "pipeline sends")
+            self._sends = []
         if self._pending is not None:
             array, dest, label, what = self._pending
             self._pending = None
@@ -195,6 +212,13 @@ class PipelineEngine:
 
     def _recv(self, shape, source: int, what: str):
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
+        if self.nonblocking:
+            with trace.span(f"recv {what}", "comm", trace.COMM, peer=source, bytes=buf.nbytes):
+                wait_all(self.comm, [self.comm.irecv(buf, source, tag=PP_TAG)], f"pipeline receive of {what}",
+                         peer=source)
+            self._sends = [(r, a) for r, a in self._sends if not r.test()]
+            self._say(f"{what} {shape} <── stage {source}")
+            return buf
         pend = self._pending
         if pend is not None and pend[1] == source and self.pair_sends:  # one sendrecv for both
             self._pending = None

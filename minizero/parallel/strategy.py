@@ -32,6 +32,7 @@ import contextlib
 
 import numpy as np
 
+from minizero import trace
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
@@ -41,6 +42,7 @@ from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
@@ -68,7 +70,7 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
-                 predivide: bool = False):
+                 predivide: bool = False, overlap: bool = False):
         self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
@@ -78,22 +80,33 @@ class Strategy:
         self.params = stage.parameters()
         self.zero = opt if dp is None else None  # the ZeroOptimizer (sharded state, gradients), or None
         self._reduce = dp.allreduce_gradients if dp is not None else opt.reduce_gradients
+        #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
+        self.reducer = None
+        if overlap and can_overlap(dp):
+            tied = [stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight] \
+                if stage.num_stages > 1 and (stage.is_first or stage.is_last) else []
+            self.reducer = OverlappedReducer(dp, defer=tied)
+            self._reduce = self.reducer.finish
 
     @property
     def holds_loss(self) -> bool:
         """True on the ranks whose :meth:`forward_backward` returns the loss (last stage, tensor rank 0)."""
         return self.stage.is_last and self.topo.tp_rank == 0
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, poison: bool = False) -> float:
         """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
 
         Args:
             micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets.
             loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
                 the mean loss over the step's global batch (under FP16 the seed carries 1/dp already).
+            poison: fault injection: this rank's gradients are made infinite before the data-group
+                reduction (the overlapped reducer packs them during backward, so it is told here).
         Returns:
             the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere.
         """
+        if self.reducer is not None:
+            self.reducer.begin_step(len(micro_batches), poison=poison)
         return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
 
     def reduce_gradients(self) -> None:
@@ -114,7 +127,8 @@ class Strategy:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """The optimizer update at learning rate ``lr`` on gradients multiplied by ``grad_scale``."""
         self.opt.set_lr(lr)
-        self.opt.step(grad_scale=grad_scale)
+        with trace.span("optimizer step", "optimizer"):
+            self.opt.step(grad_scale=grad_scale)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -212,7 +226,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         state = adam8bit_state if args.optimizer == "adam8bit" else None
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
+                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
+                                      prefetch=getattr(args, "overlap", True))
     else:
         hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
@@ -224,8 +239,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True))
-    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16)
+                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True),
+                            overlap=getattr(args, "overlap", True))
+    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=getattr(args, "overlap", True))
 
 
 def describe_batch(args, cfg) -> str:

@@ -1,0 +1,80 @@
+"""Overlap of the gradient all-reduce with backward: step time and exposed communication, on and off.
+
+For each world size N, runs ``mpiexec -n N python -m minizero.train --trace T`` twice (overlap on,
+then ``--no-overlap``), reads the timeline (:func:`minizero.trace.summarize`, per rank, averaged
+over ranks) and prints a Markdown table:
+
+    ranks | overlap | ms/step | exposed comm ms/step | backward ms/step | all-reduce in flight during backward
+
+*Exposed communication* is the union of the blocking-communication lane: the time a rank sat
+waiting on messages (gradient buckets still in flight at the optimizer step, the norm, metrics).
+Timelines include tracing's own cost (a few microseconds per span).
+
+usage: python bench/bench_overlap.py [--ranks 2,4] [--steps 5] [--model default] [--bucket-mb 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from minizero import trace
+from minizero.files import mpiexec_path
+from minizero.plots import plot_timelines
+
+
+def run(n: int, overlap: bool, args) -> tuple[dict, list]:
+    """One traced run on ``n`` ranks; returns (:func:`minizero.trace.summarize` averaged over ranks, the events)."""
+    path = mpiexec_path()
+    if path is None:
+        sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
+    with tempfile.TemporaryDirectory() as d:
+        t = os.path.join(d, "t.json")
+        cmd = [path, "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
+               "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+               "--no-progress", "--no-tracemalloc", "--no-save", "--bucket-mb", str(args.bucket_mb),
+               "--out", d, "--trace", t, *([] if overlap else ["--no-overlap"])]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        with open(t) as f:
+            events = json.load(f)["traceEvents"]
+    per_rank = [trace.summarize(events, r) for r in range(n)]
+    return {k: sum(s[k] for s in per_rank) / n for k in per_rank[0]}, events
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default="default")
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
+    args = p.parse_args()
+    print(f"| ranks | overlap | ms/step | exposed comm ms/step | backward ms/step | all-reduce in flight during "
+          f"backward |  ({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
+    print("|---:|:---|---:|---:|---:|---:|")
+    panels = []
+    for n in [int(x) for x in args.ranks.split(",")]:
+        for overlap in (False, True):
+            s, events = run(n, overlap, args)
+            if args.figure and len(panels) < 2:
+                panels.append((f"{n} ranks, {'overlap (default)' if overlap else '--no-overlap'}: the last step",
+                               last_step(events)))
+            print(f"| {n} | {'on' if overlap else 'off'} | {s['step_us'] / 1e3:.1f} | {s['exposed_comm_us'] / 1e3:.1f} | "
+                  f"{s['backward_us'] / 1e3:.1f} | {100 * s['overlap_fraction']:.0f}% |", flush=True)
+    if args.figure:
+        print(plot_timelines(args.figure, panels, f"{args.model} model: gradient all-reduce, blocking vs overlapped"))
+
+
+def last_step(events) -> list:
+    """The ``"X"`` events of the last optimizer step: from the end of the one before to the end of the last."""
+    xs = [e for e in events if e.get("ph") == "X"]
+    ends = sorted({e["ts"] + e["dur"] for e in xs if e["cat"] == "optimizer" and e["pid"] == 0})
+    start, end = ends[-2], ends[-1]
+    return [e for e in xs if e["ts"] >= start and e["ts"] + e["dur"] <= end]
+
+
+if __name__ == "__main__":
+    main()

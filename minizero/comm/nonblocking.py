@@ -1,0 +1,205 @@
+"""Ring collectives that progress in steps, so computation can run while they are in flight.
+
+The blocking ring (:mod:`minizero.comm.collectives`) does its 2(N-1) steps in one call. Here
+the same steps are a state machine over ``isend``/``irecv`` (MPI_Isend/MPI_Irecv, or the
+thread queues): :meth:`RingCollective.progress` tests the current step's two requests and, if
+both completed, does that step's addition and posts the next step — never waiting. The
+caller (the gradient hooks of :mod:`minizero.parallel.overlap`) calls ``progress`` between
+autograd nodes, so the messages of bucket k travel while the backward of the layers below
+bucket k is computed; :meth:`wait` finishes what is left before the optimizer step.
+
+Same chunks, same steps, same ``xp.add(acc, incoming, out=acc)`` in the same order per
+element as the blocking ring: the results are bitwise identical (the tests check it).
+
+A :class:`Stream` runs its collectives one at a time, in the order they were started, as a
+NCCL stream does: ring messages carry no step number, so two collectives in flight on one
+tag between the same neighbours could match each other's messages. Different streams use
+different tags.
+
+Mirrors: MPI-3.1 chapter 3.7 (non-blocking communication, MPI_Test); PyTorch DDP's Reducer,
+which launches a bucket's all-reduce from the autograd hook of its last gradient
+(Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+"""
+from __future__ import annotations
+
+import time
+
+from minizero import backend, trace
+from minizero.comm.base import CommTimeoutError
+from minizero.comm.collectives import bytes_sent, shard_range
+
+_MAX_SLEEP_S = 0.002  #: longest sleep between two tests of a waiting rank (as MPICommunicator._wait)
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple, tuple, bool]]:
+    """The steps of the ring ``op`` on a flat buffer of ``n`` elements, for ``rank``.
+
+    Each step is ``((send_off, send_size), (recv_off, recv_size), add)``: send that chunk of the
+    buffer to rank+1, receive rank-1's into that chunk (``add``: add it, reduce-scatter; else
+    store it, all-gather). Exactly the steps of ``_ring_reduce_scatter_`` / ``_ring_all_gather_``.
+    Raises:
+        ValueError: unknown ``op``.
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r}; allowed: {OPS}")
+    chunks = [shard_range(n, world_size, r) for r in range(world_size)]
+    steps = []
+    if op in ("all_reduce", "reduce_scatter"):
+        steps += [(chunks[(rank - s - 1) % world_size], chunks[(rank - s - 2) % world_size], True)
+                  for s in range(world_size - 1)]
+    if op in ("all_reduce", "all_gather"):
+        steps += [(chunks[(rank - s) % world_size], chunks[(rank - s - 1) % world_size], False)
+                  for s in range(world_size - 1)]
+    return steps
+
+
+class RingCollective:
+    """One ring collective on a flat C-contiguous buffer, in place, advanced by :meth:`progress`.
+
+    ``all_reduce``: every chunk ends as the sum over ranks. ``reduce_scatter``: chunk ``rank``
+    (``shard_range``) ends as the sum, the others hold partial sums. ``all_gather``: chunk
+    ``rank`` must be set; every chunk ends filled.
+
+    Args:
+        comm: a Communicator with ``nonblocking`` (MPI, threads).
+        buf: the (n,) buffer; must not be touched until :meth:`progress` returned True.
+        op: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
+        tag: the message tag (one collective in flight per tag and communicator: use a :class:`Stream`).
+        label: the traffic label its bytes are counted under (default ``op``); one call per collective.
+        name: the span's name on the trace's in-flight lane; ``trace_args`` go into its ``args``.
+    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`), counted as the
+        messages are posted. Temporary memory: one chunk (reduce steps).
+    Raises:
+        ValueError: ``buf`` not 1-D C-contiguous; unknown ``op``.
+        NotImplementedError: the communicator has no non-blocking transport.
+    """
+
+    def __init__(self, comm, buf, op: str, tag: int, label: str | None = None, name: str | None = None,
+                 **trace_args):
+        if getattr(buf, "ndim", None) != 1 or not buf.flags.c_contiguous:
+            raise ValueError(f"buf must be a 1-D C-contiguous array, got {getattr(buf, 'shape', type(buf))}")
+        if not comm.nonblocking:
+            raise NotImplementedError(f"{type(comm).__name__} has no isend/irecv; use --no-overlap")
+        self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
+        self.label, self.name, self.trace_args = label or op, name or op, trace_args
+        self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []
+        self.tmp = backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
+        self.step, self.requests, self.started_us, self.done = 0, None, None, False
+
+    def start(self) -> RingCollective:
+        """Count the call and post the first step (nothing to do with one rank). Returns self."""
+        if self.started_us is not None:
+            raise RuntimeError(f"{self.name} was already started")
+        self.started_us = trace.now_us()
+        self.comm.traffic.count_call(self.label)
+        self._post()
+        return self
+
+    def _post(self) -> None:
+        if self.step == len(self.steps):
+            self._finish()
+            return
+        (so, ss), (ro, rs), add = self.steps[self.step]
+        incoming = self.tmp[:rs] if add else self.buf[ro:ro + rs]
+        right, left = (self.comm.rank + 1) % self.comm.world_size, (self.comm.rank - 1) % self.comm.world_size
+        with self.comm.traffic.labelled(self.label):
+            self.requests = (self.comm.irecv(incoming, left, tag=self.tag),
+                             self.comm.isend(self.buf[so:so + ss], right, tag=self.tag))
+
+    def _finish(self) -> None:
+        self.done, self.requests = True, None
+        tracer = trace.get_tracer()
+        if tracer is not None:
+            n, c = self.buf.size, self.comm
+            tracer.complete(self.name, "comm", self.started_us, trace.now_us(), trace.IN_FLIGHT, op=self.op,
+                            bytes=bytes_sent(self.op, n, self.buf.itemsize, c.world_size, c.rank),
+                            peers=[(c.rank - 1) % c.world_size, (c.rank + 1) % c.world_size], **self.trace_args)
+
+    def progress(self) -> bool:
+        """Advance as far as the arrived messages allow, never waiting; True once finished."""
+        if self.started_us is None:
+            raise RuntimeError(f"{self.name}: progress() before start()")
+        while not self.done:
+            recv, send = self.requests
+            if not (recv.test() and send.test()):
+                return False
+            (_, _), (ro, rs), add = self.steps[self.step]
+            if add:
+                acc = self.buf[ro:ro + rs]
+                backend.xp.add(acc, self.tmp[:rs], out=acc)
+            self.step += 1
+            self._post()
+        return True
+
+    def wait(self) -> None:
+        """Progress until finished, sleeping between tests (backing off to 2 ms).
+
+        Raises:
+            CommTimeoutError (via the communicator's ``timeout``, seconds): a neighbour stalled.
+        """
+        _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})", self.waiting_on)
+
+    def waiting_on(self) -> int | None:
+        """The neighbour the current step waits for: rank-1 (its message has not arrived), else rank+1."""
+        if self.done or self.requests is None:
+            return None
+        n = self.comm.world_size
+        return (self.comm.rank - 1) % n if not self.requests[0].test() else (self.comm.rank + 1) % n
+
+
+def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
+    """Wait until every request's ``test()`` is True (requests of ``isend``/``irecv``), sleeping between
+    tests; CommTimeoutError naming ``peer`` after the communicator's ``timeout`` (seconds)."""
+    _wait_until(comm, lambda: all([r.test() for r in requests]), what, lambda: peer)
+
+
+def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
+    timeout = getattr(comm, "timeout", 600.0)
+    deadline, delay = time.monotonic() + timeout, 0.0
+    while not done():
+        if time.monotonic() > deadline:
+            who = peer()
+            whom = f"rank {who}" if who is not None else "the other ranks"
+            raise CommTimeoutError(f"rank {comm.rank}: {what} waited {timeout:g} s for {whom} of a communicator of "
+                                   f"{comm.world_size} (--comm-timeout); a rank is stalled or gone")
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+
+
+class Stream:
+    """Collectives run one after the other in the order they were :meth:`submit`-ted (a NCCL stream).
+
+    ``progress()`` advances the one in flight and starts the next when it finishes;
+    :meth:`synchronize` waits for all. Each collective's ``on_done()`` callback (if any) runs
+    when it finishes, in submission order.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.queue: list[tuple[RingCollective, object]] = []
+
+    def submit(self, coll: RingCollective, on_done=None) -> None:
+        """Queue ``coll`` (not yet started); it starts at once if the stream is idle."""
+        self.queue.append((coll, on_done))
+        if len(self.queue) == 1:
+            coll.start()
+        self.progress()
+
+    def progress(self) -> bool:
+        """Advance without waiting; True when nothing is left in flight."""
+        while self.queue:
+            coll, on_done = self.queue[0]
+            if not coll.progress():
+                return False
+            self.queue.pop(0)
+            if on_done is not None:
+                on_done()
+            if self.queue:
+                self.queue[0][0].start()
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until every submitted collective finished (CommTimeoutError after the comm's timeout)."""
+        _wait_until(self.comm, self.progress, "overlapped collectives",
+                    lambda: self.queue[0][0].waiting_on() if self.queue else None)

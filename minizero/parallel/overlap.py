@@ -1,0 +1,135 @@
+"""Data-parallel gradient all-reduce overlapped with backward (PyTorch DDP's Reducer).
+
+::
+
+    blocking (--no-overlap)                      overlapped (default)
+    backward  ████████████████████               backward  ████████████████████
+    all-reduce                    ▒▒▒▒▒▒▒▒▒▒     bucket 0       ▒▒▒▒  (layers above: done first)
+                                            ^    bucket 1             ▒▒▒▒▒
+                                       step      bucket 2                   ▒▒▒   <- exposed: only this
+                                                                               ^ step
+
+Buckets are :class:`~minizero.parallel.data_parallel.DataParallel`'s (reverse parameter order,
+the order backward produces gradients). Every parameter has a post-accumulate-grad hook; when
+the last parameter of a bucket fired — for the last micro-batch of the step, counted, so that
+with gradient accumulation only the last micro-step communicates (DDP's ``no_sync``) — the
+bucket's gradients are packed into its flat buffer and a ring all-reduce
+(:class:`~minizero.comm.nonblocking.RingCollective`) is submitted to a
+:class:`~minizero.comm.nonblocking.Stream`. Every hook first calls ``progress()``, so the rings
+advance between autograd nodes while backward computes the layers below; :meth:`finish`
+(the strategy's ``reduce_gradients``) launches any bucket whose parameters got no gradient
+(zeros, as the blocking path), waits, then divides and copies back — the blocking path's
+arithmetic, element by element, so the weights are bitwise identical.
+
+Why progress from the hooks and not a communication thread: the ranks of the in-process
+communicator are already threads and numpy holds the GIL between kernels, so a thread adds
+nondeterministic timing without adding parallel compute; MPI's non-blocking requests plus
+``MPI_Test`` between autograd nodes is what MPI itself offers for progress (the transport moves
+bytes in the background; the test only completes the handshake and starts the next ring step).
+
+Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer (``autograd_hook`` ->
+``mark_variable_ready`` -> ``all_reduce_bucket``; ``finalize_backward`` waits), ``no_sync``.
+"""
+from __future__ import annotations
+
+from minizero import trace
+from minizero.comm.collectives import bytes_sent, mean_scale_
+from minizero.comm.nonblocking import RingCollective, Stream
+from minizero.ledger import get_ledger
+
+OVERLAP_TAG = 1003  #: tag of the overlapped gradient ring (apart from the blocking collectives' 1001/1002)
+
+
+def can_overlap(dp) -> bool:
+    """True when ``dp``'s buckets can be reduced by overlapped rings: more than one rank, the hand-written
+    ring (not ``native``, not a hierarchical all-reduce) and a communicator with ``isend``/``irecv``."""
+    return (dp is not None and dp.comm.world_size > 1 and not dp.native and dp.allreduce is None
+            and dp.comm.nonblocking)
+
+
+class OverlappedReducer:
+    """Launch each bucket's all-reduce from the hook of its last gradient; :meth:`finish` before the step.
+
+    Args:
+        dp: the :class:`~minizero.parallel.data_parallel.DataParallel` whose buckets to reduce
+            (its ``predivided`` flag and ``bytes_sent`` counter are used and updated).
+        defer: parameters whose gradient changes after backward (the tied embedding's, summed over
+            the first and last stage first): their buckets start in :meth:`finish`.
+    Raises:
+        ValueError: :func:`can_overlap` is False for ``dp``.
+    """
+
+    def __init__(self, dp, defer=()):
+        if not can_overlap(dp):
+            raise ValueError("overlap needs dp > 1, the hand-written ring (no --native-comm, no hierarchical "
+                             "all-reduce) and a communicator with isend/irecv; use --no-overlap")
+        self.dp, self.stream = dp, Stream(dp.comm)
+        deferred = {id(p) for p in defer}
+        self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]
+        self.micro_steps, self.poison = 1, False
+        self.fired = [0] * len(dp.buckets)
+        self.launched = [False] * len(dp.buckets)
+        for b, (_, layout) in enumerate(dp.buckets):
+            for p, _ in layout:
+                p.register_post_accumulate_grad_hook(self._hook(b))
+
+    def begin_step(self, micro_steps: int, poison: bool = False) -> None:
+        """A new optimizer step of ``micro_steps`` backward passes; buckets launch after the last one.
+
+        ``poison``: fault injection (``MINIZERO_FAULT=r:s:inf``): this rank's gradients become
+        infinite as they are packed (what the blocking path sees after the loop multiplies them).
+        """
+        if micro_steps < 1:
+            raise ValueError(f"micro_steps={micro_steps}; allowed: >= 1")
+        self.micro_steps, self.poison = micro_steps, poison
+        self.fired = [0] * len(self.dp.buckets)
+        self.launched = [False] * len(self.dp.buckets)
+
+    def _hook(self, b: int):
+        def hook(_param):
+            self.stream.progress()
+            self.fired[b] += 1
+            if self.fired[b] == self.micro_steps * len(self.dp.buckets[b][1]) and not self.deferred[b]:
+                self._launch(b)
+        return hook
+
+    def _launch(self, b: int) -> None:
+        flat, layout = self.dp.buckets[b]
+        n = self.dp.comm.world_size
+        for p, off in layout:
+            view = flat[off:off + p.size]
+            if p.grad is None:
+                view[...] = 0
+            else:
+                view[...] = p.grad.reshape(-1)
+        if self.poison:
+            flat *= flat.dtype.type("inf")
+        mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
+        self.launched[b] = True
+        self.stream.submit(RingCollective(self.dp.comm, flat, "all_reduce", OVERLAP_TAG, name=f"all_reduce bucket {b}",
+                                          bucket=b))
+
+    def progress(self) -> None:
+        """Advance the rings in flight without waiting."""
+        self.stream.progress()
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for all, and write the averages into ``.grad``."""
+        for b in range(len(self.dp.buckets)):
+            if not self.launched[b]:
+                self._launch(b)
+        with trace.span("wait gradients", "comm", trace.COMM):
+            self.stream.synchronize()
+        n, comm = self.dp.comm.world_size, self.dp.comm
+        for flat, layout in self.dp.buckets:
+            mean_scale_(flat, n, before_sum=False, predivided=self.dp.predivided)  # float32/64: divide the sum
+            self.dp.bytes_sent += bytes_sent("all_reduce", flat.size, flat.itemsize, n, comm.rank)
+            for p, off in layout:
+                g = flat[off:off + p.size].reshape(p.shape)
+                if p.grad is None:
+                    p.grad = g.copy()
+                    get_ledger().track(p.grad, "gradients")
+                else:
+                    p.grad[...] = g
+        self.launched = [False] * len(self.dp.buckets)
+        self.fired = [0] * len(self.dp.buckets)

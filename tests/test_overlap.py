@@ -1,0 +1,249 @@
+"""Overlap (issue 16): non-blocking rings, the overlapped DP reducer, and the --trace timeline.
+
+Every check that overlap changes nothing compares final weights *bitwise* with ``--no-overlap``;
+every check that it overlaps reads the trace: an in-flight all-reduce span must intersect a
+backward span on every rank (with ``--no-overlap`` none does, which the test also asserts, so
+it can fail).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero import trace
+from minizero.args import parse_args
+from minizero.comm import run_in_threads
+from minizero.comm.collectives import all_reduce, reduce_scatter
+from minizero.comm.nonblocking import RingCollective, Stream, ring_steps
+from minizero.loop import train
+from minizero.memory.zero import ZeroOptimizer
+from minizero.nn import GPT, get_config
+from minizero.parallel.tracing import TraceUnits
+from tests.conftest import REPO_ROOT, mpi_env
+
+BASE = ["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
+        "--progress", "none", "--lr", "1e-2", "--seed", "3", "--no-save", "--bucket-mb", "0.01"]
+
+
+# ------------------------------------------------------------------------------ the non-blocking ring
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_nonblocking_ring_is_bitwise_the_blocking_ring_with_the_same_bytes(n):
+    def rank(comm):
+        rng = np.random.default_rng(comm.rank)
+        xs = [rng.standard_normal(k).astype(dt) for k in (1, 7, 1000) for dt in (np.float32, np.float64)]
+        blocking = [all_reduce(comm, x) for x in xs]
+        before = comm.traffic.snapshot()
+        stream, bufs = Stream(comm), [x.copy() for x in xs]
+        for i, b in enumerate(bufs):
+            stream.submit(RingCollective(comm, b, "all_reduce", tag=1003, bucket=i))
+        stream.synchronize()
+        after = comm.traffic.snapshot()
+        rs = RingCollective(comm, xs[-1].copy(), "reduce_scatter", tag=1004).start()
+        rs.wait()
+        return ([np.array_equal(a, b) for a, b in zip(blocking, bufs)], before, after,
+                rs.buf, reduce_scatter(comm, xs[-1]))
+
+    for r, (same, before, after, rs_buf, rs_ref) in enumerate(run_in_threads(n, rank, timeout=60)):
+        assert all(same)
+        assert after["by_op"]["all_reduce"] == 2 * before["by_op"]["all_reduce"]  # same bytes as blocking
+        assert after["calls"]["all_reduce"] == 2 * before["calls"]["all_reduce"]  # one call per collective
+        from minizero.comm.collectives import shard_range
+        off, size = shard_range(rs_buf.size, n, r)
+        np.testing.assert_array_equal(rs_buf[off:off + size], rs_ref)
+
+
+def test_ring_steps_are_the_blocking_ring_s_and_bad_ops_are_refused():
+    assert len(ring_steps("all_reduce", 10, 4, 1)) == 6 and len(ring_steps("all_gather", 10, 4, 1)) == 3
+    assert ring_steps("reduce_scatter", 10, 4, 1)[0] == ((0, 3), (8, 2), True)  # sends chunk r-1, adds r-2
+    with pytest.raises(ValueError, match="op='broadcast'"):
+        ring_steps("broadcast", 10, 4, 1)
+
+
+def test_irecv_refuses_a_message_of_another_dtype():
+    def rank(comm):
+        if comm.rank == 0:
+            comm.isend(np.ones(4, np.float32), 1, tag=5)
+            return None
+        req = comm.irecv(np.empty(4, np.int32), 0, tag=5)
+        with pytest.raises(ValueError, match="float32"):
+            while not req.test():
+                pass
+        return True
+
+    assert run_in_threads(2, rank, timeout=30)[1]
+
+
+# ------------------------------------------------------------------------------ bitwise, on threads
+def _final_weights(n, flags):
+    def rank(comm):
+        args = parse_args(BASE + flags, world_size=comm.world_size, quiet=True)
+        res = train(args, comm, log=lambda s: None)
+        with res["strategy"].full_parameters():  # ZeRO-3: whole parameters (collective)
+            model = res["model"]
+            return None if model is None else {k: v.copy() for k, v in model.state_dict().items()}
+    return run_in_threads(n, rank, timeout=120)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,flags", [
+    (2, ["--dtype", "float64"]),
+    (2, ["--dtype", "float32", "--grad-accum", "3"]),
+    (4, ["--dtype", "float64", "--grad-accum", "2"]),
+    (4, ["--dtype", "float32"]),
+    (2, ["--dtype", "float64", "--zero", "2"]),
+    (2, ["--dtype", "float64", "--zero", "3"]),
+    (4, ["--dtype", "float64", "--dp", "2", "--pp", "2"]),
+], ids=["dp2-f64", "dp2-f32-accum3", "dp4-f64-accum2", "dp4-f32", "zero2", "zero3", "dp2-pp2"])
+def test_overlap_gives_bitwise_the_weights_of_no_overlap(n, flags):
+    on, off = _final_weights(n, flags), _final_weights(n, flags + ["--no-overlap"])
+    assert set(on) == set(off)
+    for name in on:
+        assert np.array_equal(on[name], off[name]), name
+
+
+# ------------------------------------------------------------------------------ the timeline
+def _overlap_fraction(events, pid):
+    """(microseconds of backward during which an all-reduce was in flight, backward microseconds)."""
+    bwd = trace.intervals(events, pid, lambda e: e["cat"] == "backward")
+    flight = trace.intervals(events, pid, lambda e: e["tid"] == trace.IN_FLIGHT and e["args"]["op"] == "all_reduce")
+    return trace.covered_us(flight, bwd), sum(b - a for a, b in bwd)
+
+
+def _check_trace_format(doc, n):
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for e in events:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e)
+        assert isinstance(e["ts"], int) and e["dur"] >= 0
+    assert {e["pid"] for e in events} == set(range(n))
+    for r in range(n):
+        cats = {e["cat"] for e in events if e["pid"] == r}
+        assert {"forward", "backward", "comm", "optimizer"} <= cats, (r, cats)
+    return events
+
+
+@pytest.mark.timeout(300)
+def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_overlap(tmp_path):
+    path = str(tmp_path / "t.json")
+
+    def rank(comm, flags):
+        train(parse_args(BASE + ["--trace", path] + flags, world_size=comm.world_size, quiet=True), comm,
+              log=lambda s: None)
+
+    run_in_threads(2, rank, [], timeout=120)
+    events = _check_trace_format(json.load(open(path)), 2)
+    for r in range(2):
+        covered, total = _overlap_fraction(events, r)
+        assert total > 0 and covered > 0, r
+        buckets = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT]
+        assert all(e["args"]["bytes"] > 0 and "bucket" in e["args"] for e in buckets)
+    run_in_threads(2, rank, ["--no-overlap"], timeout=120)
+    events = _check_trace_format(json.load(open(path)), 2)
+    assert not [e for e in events if e["tid"] == trace.IN_FLIGHT]
+    assert all(_overlap_fraction(events, r)[0] == 0 for r in range(2))
+
+
+@pytest.mark.timeout(300)
+def test_zero3_prefetch_all_gathers_are_in_flight_only_with_overlap(tmp_path):
+    path = str(tmp_path / "t.json")
+
+    def rank(comm, flags):
+        train(parse_args(BASE + ["--dtype", "float64", "--zero", "3", "--trace", path] + flags,
+                         world_size=comm.world_size, quiet=True), comm, log=lambda s: None)
+
+    for flags in ([], ["--no-overlap"]):
+        run_in_threads(2, rank, flags, timeout=120)
+        events = _check_trace_format(json.load(open(path)), 2)
+        for r in range(2):
+            flight = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT]
+            assert all(e["args"]["op"] == "all_gather" and e["args"]["bytes"] > 0 for e in flight)
+            assert bool(flight) == (not flags), (r, flags, len(flight))
+
+
+def _zero_steps(comm, stage, overlap_reduce, dtype):
+    """3 steps (2 micro-batches each) of the tiny GPT under ZeroOptimizer; (weights, events)."""
+    tracer = trace.Tracer(comm.rank)
+    trace.set_tracer(tracer)
+    model = GPT(get_config("tiny", dtype=dtype), seed=1)
+    units = TraceUnits(model)
+    opt = ZeroOptimizer(model, comm, stage, lr=1e-2, overlap_reduce=overlap_reduce, prefetch=overlap_reduce)
+    rng = np.random.default_rng(comm.rank)
+    for _ in range(3):
+        for _ in range(2):
+            x = rng.integers(0, 256, (2, 16))
+            model(x, x)[1].backward()
+        opt.reduce_gradients()
+        opt.step()
+        opt.zero_grad()
+    units.remove()
+    trace.set_tracer(None)
+    with opt.full_parameters():
+        return {k: v.copy() for k, v in model.state_dict().items()}, tracer.events, opt.overlap_reduce
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,dtype", [(2, "float64"), (2, "float32"), (3, "float64")])
+def test_zero_overlapped_reduce_scatter_is_bitwise_and_in_flight_during_backward(stage, dtype):
+    on = run_in_threads(2, _zero_steps, stage, True, dtype, timeout=120)
+    off = run_in_threads(2, _zero_steps, stage, False, dtype, timeout=120)
+    for (w_on, events, used), (w_off, events_off, _) in zip(on, off):
+        assert used
+        for name in w_on:
+            assert np.array_equal(w_on[name], w_off[name]), name
+        rs = trace.intervals(events, events[0]["pid"], lambda e: e["tid"] == trace.IN_FLIGHT
+                             and e["args"]["op"] == "reduce_scatter")
+        bwd = trace.intervals(events, events[0]["pid"], lambda e: e["cat"] == "backward")
+        assert rs and trace.covered_us(rs, bwd) > 0
+        assert not [e for e in events_off if e["tid"] == trace.IN_FLIGHT]
+
+
+@pytest.mark.timeout(300)
+def test_trace_under_mpiexec_4_ranks_overlaps_on_every_rank_and_weights_match(mpiexec, tmp_path):
+    def run(flags, out):
+        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
+               "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
+               "--progress", "none", "--bucket-mb", "0.01", "--out", str(out), *flags]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
+
+    on, stdout = run(["--trace", str(tmp_path / "t.json")], tmp_path / "on")
+    off, _ = run(["--no-overlap"], tmp_path / "off")
+    assert "wrote" in stdout and "t.json" in stdout
+    for name in on:
+        assert np.array_equal(on[name], off[name]), name
+    events = _check_trace_format(json.load(open(tmp_path / "t.json")), 4)
+    for r in range(4):
+        covered, total = _overlap_fraction(events, r)
+        assert covered > 0, f"rank {r}: no all-reduce in flight during backward ({total} us of backward)"
+
+
+def test_tracer_refuses_bad_events():
+    t = trace.Tracer(0)
+    with pytest.raises(ValueError, match="before its start"):
+        t.complete("x", "c", 10, 5)
+    with pytest.raises(ValueError, match="tid=7"):
+        t.complete("x", "c", 1, 5, tid=7)
+    assert trace.covered_us([(0, 10)], [(5, 20)]) == 5
+    assert trace.intervals([{"ph": "X", "pid": 0, "ts": 0, "dur": 5}, {"ph": "X", "pid": 0, "ts": 3, "dur": 5}],
+                           0, lambda e: True) == [(0, 8)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--dp", "2", "--pp", "2"], ["--zero", "3"]], ids=["dp2-pp2", "zero3"])
+def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, tmp_path, flags):
+    """Non-blocking pipeline sends, DP buckets and ZeRO-3 prefetch over real MPI requests."""
+    def run(extra, out):
+        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
+               "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
+               "--progress", "none", "--bucket-mb", "0.01", "--out", str(out), *flags, *extra]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return dict(np.load(os.path.join(out, "model.npz")))
+
+    on, off = run([], tmp_path / "on"), run(["--no-overlap"], tmp_path / "off")
+    assert set(on) == set(off)
+    for name in on:
+        assert np.array_equal(on[name], off[name]), name
