@@ -30,7 +30,7 @@ BASE = ["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--eval-every"
 
 # ------------------------------------------------------------------------------ the non-blocking ring
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_nonblocking_ring_is_bitwise_the_blocking_ring_with_the_same_bytes(n):
+def test_nonblocking_ring_is_bitwise_the_blocking_ring_with_the_same_bytes(n, ring_all_reduce):
     def rank(comm):
         rng = np.random.default_rng(comm.rank)
         xs = [rng.standard_normal(k).astype(dt) for k in (1, 7, 1000) for dt in (np.float32, np.float64)]
@@ -125,7 +125,9 @@ def _check_trace_format(doc, n):
 
 
 @pytest.mark.timeout(300)
-def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_overlap(tmp_path):
+def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_overlap(tmp_path, ring_all_reduce):
+    """(The tiny model's one bucket is small enough for recursive doubling, which is not overlapped:
+    the ring is forced, as for the default model's 1 MiB buckets.)"""
     path = str(tmp_path / "t.json")
 
     def rank(comm, flags):
@@ -200,7 +202,7 @@ def test_zero_overlapped_reduce_scatter_is_bitwise_and_in_flight_during_backward
 
 
 @pytest.mark.timeout(300)
-def test_trace_under_mpiexec_4_ranks_overlaps_on_every_rank_and_weights_match(mpiexec, tmp_path):
+def test_trace_under_mpiexec_4_ranks_overlaps_on_every_rank_and_weights_match(mpiexec, tmp_path, ring_all_reduce):
     def run(flags, out):
         cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
                "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",

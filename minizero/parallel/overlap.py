@@ -33,7 +33,8 @@ Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer (``autograd_hoo
 from __future__ import annotations
 
 from minizero import trace
-from minizero.comm.collectives import bytes_sent, mean_scale_
+from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
+from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.ledger import get_ledger
 
@@ -106,6 +107,8 @@ class OverlappedReducer:
             flat *= flat.dtype.type("inf")
         mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
         self.launched[b] = True
+        if all_reduce_algorithm(flat.nbytes, n) != "ring":  # a small bucket: recursive doubling, blocking, in
+            return  # finish() -- the blocking path's algorithm, so the result stays bit for bit the same
         self.stream.submit(RingCollective(self.dp.comm, flat, "all_reduce", OVERLAP_TAG, name=f"all_reduce bucket {b}",
                                           bucket=b))
 
@@ -122,6 +125,8 @@ class OverlappedReducer:
             self.stream.synchronize()
         n, comm = self.dp.comm.world_size, self.dp.comm
         for flat, layout in self.dp.buckets:
+            if all_reduce_algorithm(flat.nbytes, n) != "ring":
+                all_reduce(comm, flat, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.dp.predivided)  # float32/64: divide the sum
             self.dp.bytes_sent += bytes_sent("all_reduce", flat.size, flat.itemsize, n, comm.rank)
             for p, off in layout:
