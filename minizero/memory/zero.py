@@ -53,7 +53,7 @@ from minizero.ledger import get_ledger
 from minizero.memory.zero_buckets import GradientBuckets
 from minizero.memory.zero_collectives import UnitState, ZeroOrderError
 from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, Unit, find_units, model_state_formula,
-                                         traffic_formula)
+                                         owned_shard, traffic_formula)
 from minizero.memory.zero_stage3 import ParameterPartitioning
 from minizero.optim.adamw import adamw_update, state_dtype
 from minizero.optim.state_store import OptimizerStateStore
@@ -173,21 +173,24 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
         dtype = st.params[0].dtype
         if any(p.dtype != dtype for p in st.params):
             raise ValueError(f"unit {u.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in st.params})}")
-        flat = xp.zeros(u.padded, dtype)
-        for p, off in zip(st.params, u.offsets):
-            flat[off:off + p.size] = p.data.reshape(-1)
         lo, size = self.shard_map.shard(st.index, self.comm.rank)
+        if self.stage in (1, 2):
+            flat = xp.zeros(u.padded, dtype)
+            for p, off in zip(st.params, u.offsets):
+                flat[off:off + p.size] = p.data.reshape(-1)
+        else:  # stage 3 builds only the owned piece (meta parameters draw just it: nn/init.py)
+            flat = None
+            st.param_shard = owned_shard(st.params, u.offsets, lo, size, dtype)
         sdt = state_dtype(dtype)
         if self.sharded_state is None:  # otherwise the sharded_state object holds (and counts) its own
             st.m, st.v = self.store.zeros(size, sdt), self.store.zeros(size, sdt)
         if self.master_weights:
-            st.master = self.store.copy_of(flat[lo:lo + size], np.float32)
+            st.master = self.store.copy_of(st.param_shard if flat is None else flat[lo:lo + size], np.float32)
         if self.stage in (1, 2):
             st.flat_param, st.param_shard = flat, flat[lo:lo + size]
             ledger.track(flat, "parameters")
             self._point_params(st, flat)
         else:
-            st.param_shard = flat[lo:lo + size].copy()
             ledger.track(st.param_shard, "parameters")
             st.placeholders = [xp.broadcast_to(xp.asarray(np.nan, dtype=dtype), p.shape) for p in st.params]
             for p, ph in zip(st.params, st.placeholders):

@@ -197,11 +197,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     """
     topo = Topology(comm, args.dp, args.tp, args.pp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
+    meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
     if args.tp * args.pp == 1:  # the whole model, built as one process builds it
-        model = GPT(cfg, seed=args.seed)
+        model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo)
+        model, stage = None, build_stage(cfg, args.seed, topo, keep_meta=meta)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
