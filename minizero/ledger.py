@@ -67,6 +67,11 @@ def _owner(array):
     return root
 
 
+def owning_buffer(array):
+    """The array that owns ``array``'s memory (itself, or the base its views lead to): the ledger's identity."""
+    return _owner(array)
+
+
 class MemoryLedger:
     """Current and peak bytes per category for one rank.
 
