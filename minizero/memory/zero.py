@@ -145,6 +145,7 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
         self._add_tied_users(model)
         for st in self.units:
             self._build(st)
+        self._track_gradients()
         if stage in (1, 2):  # every rank takes the owner's values: one all-gather, like DDP's broadcast
             self._all_gather_params("setup")
         for st in self.units if stage >= 2 else ():
@@ -158,6 +159,19 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
                 m.register_forward_hook(self._open_bucket_hook(st))
 
     # ---- set-up -----------------------------------------------------------------------
+    def _track_gradients(self):
+        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks).
+
+        ``step`` skips the owned pieces of every other parameter: no weight decay, no moment update,
+        as one process's AdamW skips ``grad is None`` (PyTorch's rule). Every rank runs the same
+        graph, so every rank skips the same parameters (the rule of ``DataParallel.allreduce_gradients``).
+        With a ``sharded_state`` (8-bit Adam's block-quantized codes) the whole shard is updated.
+        """
+        self._with_grad = set()
+        for st in self.units:
+            for name, p in zip(st.unit.param_names, st.params):
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
+
     def _add_tied_users(self, model):
         """A module outside a unit's subtree that owns one of its parameters (the tied LM head) uses it too."""
         for st in self.units:
@@ -298,6 +312,8 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
             grad = self.store.to_store(st.grad_shard)
             params = self.store.to_store(st.param_shard) if st.master is None else st.master
             for pc in st.pieces:
+                if pc.param not in self._with_grad:  # no gradient this step: left as it is
+                    continue
                 sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
                 wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
                 adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
@@ -320,6 +336,7 @@ class ZeroOptimizer(GradientBuckets, ParameterPartitioning):
         """
         self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})
         self._step_mark = dict(self.bytes_sent)
+        self._with_grad.clear()
         for st in self.units:
             if self.stage == 1:
                 st.flat_grad[...] = 0
