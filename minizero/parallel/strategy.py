@@ -29,12 +29,14 @@ Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatro
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
+from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
@@ -47,7 +49,7 @@ from minizero.parallel.topology import Topology
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
-GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter")
+GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
                  "other")
@@ -216,8 +218,11 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store)
     else:
         hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
+        allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
+        if getattr(args, "quantized_comm", False):  # INT8 on the wire (comm/quantized.py)
+            allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
-                          allreduce=HierarchicalAllReduce(topo.dp_comm) if hierarchical else None)
+                          allreduce=allreduce)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
