@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
     p.add_argument("--adam8bit-block-size", type=int, default=256, help="elements per absmax of 8-bit Adam's state")
     p.add_argument("--quantized-comm", action="store_true",
-                   help="INT8 on the wire for ZeRO's gradient reduce-scatters and ZeRO-3's gathers (ZeRO++)")
+                   help="INT8 on the wire for the gradient all-reduce (--zero 0), ZeRO's gradient "
+                        "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
     p.add_argument("--prune-sparsity", type=float, default=0.0,
                    help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
     p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
@@ -340,9 +341,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
                          "and stays on the device")
     if args.adam8bit_block_size < 1:
         raise UsageError(f"--adam8bit-block-size must be >= 1, got {args.adam8bit_block_size}")
-    if args.quantized_comm and not args.zero:
-        raise UsageError("--quantized-comm needs --zero 1, 2 or 3 (it quantizes ZeRO's reduce-scatters and ZeRO-3's "
-                         "gathers; stage 0's all-reduce is not quantized)")
+    if args.quantized_comm and args.allreduce == "hierarchical":
+        raise UsageError("--quantized-comm and --allreduce hierarchical exclude each other (the hierarchical "
+                         "all-reduce sends FP32)")
     if args.allreduce == "hierarchical" and (args.zero or args.native_comm):
         raise UsageError("--allreduce hierarchical is the data-parallel gradient all-reduce: not with --zero "
                          "(ZeRO reduce-scatters) nor --native-comm (MPI's own all-reduce)")

@@ -8,7 +8,8 @@ from minizero.files import atomic_write
 from minizero.memory.estimator import DEVICE_CATEGORIES
 
 #: categories shown per rank (the ledger's), and the unit of the table
-SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "gathered", "offloaded")
+SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
+         "offloaded")
 MIB = 2 ** 20
 
 
@@ -44,7 +45,7 @@ def markdown(runs: list[dict], header: str, descriptions: dict) -> str:
         files = r["measured"]["optimizer_disk_bytes"][0]
         lines.append(
             f"| {r['ranks']} | {r['strategy']} | {cell('parameters')} | {cell('gradients')} | "
-            f"{cell('optimizer_state')} | {cell('activations')} | {cell('comm_buffers', 'gathered')} | "
+            f"{cell('optimizer_state')} | {cell('activations')} | {cell('comm_buffers', 'comm_scratch', 'gathered')} | "
             f"{cell('offloaded')} | {_mib(files)} / {_mib(e['nvme_optimizer'])} | {_mib(dev_total)} / "
             f"{_mib(e['total'])} | {worst:.1%} | {_mib(r['measured']['process_peak_bytes'][0])} | "
             f"{r['measured']['tokens_per_s']:,.0f} |")

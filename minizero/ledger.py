@@ -5,7 +5,9 @@ Techniques prove their savings here. The autograd engine registers every array a
 themselves as ``parameters``; the engine registers accumulated leaf gradients as
 ``gradients``; optimizers register their state as ``optimizer_state``; the
 data-parallel buckets register as ``comm_buffers``; ZeRO-3's all-gathered full
-parameters (alive only while their layer runs) register as ``gathered``.
+parameters (alive only while their layer runs) register as ``gathered``; the hand-written
+collectives' temporary buffers (a ring's receive chunk, reduce-scatter's working copy), alive
+only inside one collective call, register as ``comm_scratch``.
 
 Exactness rules (so the numbers are the real bytes):
 
@@ -48,6 +50,7 @@ CATEGORIES = (
     "optimizer_state",
     "activations",
     "comm_buffers",
+    "comm_scratch",
     "gathered",
     "offloaded",
 )
@@ -65,6 +68,11 @@ def _owner(array):
     while getattr(root, "base", None) is not None and hasattr(root.base, "nbytes") and hasattr(root.base, "base"):
         root = root.base
     return root
+
+
+def owning_buffer(array):
+    """The array that owns ``array``'s memory (itself, or the base its views lead to): the ledger's identity."""
+    return _owner(array)
 
 
 class MemoryLedger:

@@ -440,3 +440,27 @@ def test_threads_timeout_names_the_operation():
 
     with pytest.raises(CommTimeoutError, match=r"rank 1 with tag 5 \(recv\)"):
         run_in_threads(2, body, timeout=0.5)
+
+
+def _scratch_peaks(comm, n, op):
+    from minizero.comm.collectives import all_reduce, reduce_scatter
+    from minizero.ledger import MemoryLedger, set_ledger
+
+    ledger = set_ledger(MemoryLedger())
+    x = np.ones(n, dtype=np.float64)
+    ledger.track(x, "comm_buffers")  # the caller's bucket
+    (all_reduce if op == "all_reduce" else reduce_scatter)(comm, x)
+    return ledger.peak["comm_scratch"], ledger.current["comm_scratch"], ledger.peak_total
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("op, elements", [("all_reduce", lambda n, w: -(-n // w) if w > 1 else 0),
+                                          ("reduce_scatter", lambda n, w: n + -(-n // w) if w > 1 else 0)])
+def test_collective_scratch_is_in_the_ledger_peak(world, op, elements):
+    """Issue 19: the ring's receive chunk (and reduce-scatter's working copy) count while they live."""
+    from minizero.comm.threads import run_in_threads
+
+    n = 1001
+    for peak, current, total in run_in_threads(world, _scratch_peaks, n, op):
+        assert peak == elements(n, world) * 8 and current == 0  # freed when the call returns
+        assert total == n * 8 + peak  # the per-rank peak: the bucket and the scratch beside it

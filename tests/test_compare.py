@@ -189,3 +189,11 @@ def test_a_signal_kills_the_job_and_removes_its_folder(mpiexec, tmp_path, sig):
     time.sleep(0.5)
     assert _procs_mentioning(str(tmp_path), proc.pid) == []  # mpiexec and its ranks are gone
     assert not [p for p in os.listdir(tmp_path) if p.startswith("minizero-compare-")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["baseline", "zero2"])
+def test_estimator_matches_ledger_for_the_default_model_scratch_included(name):
+    """Issue 19: the collectives' scratch (several 1 MiB buckets, the largest unit's reduce-scatter) to the byte."""
+    measured, est = check_run(name, "default", 4, micro_batch_size=1)
+    assert est["comm_scratch"] > 0 and all(m["peak"]["comm_scratch"] == est["comm_scratch"] for m in measured)

@@ -129,3 +129,32 @@ def test_optimizer_offload_flags():
         parse_args(["--optimizer", "adam8bit", "--offload-optimizer", "cpu"])
     with pytest.raises(UsageError, match="'gpu'"):
         parse_args(["--offload-optimizer", "gpu"])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_buffer_saved_twice_is_offloaded_once(kind, tmp_path):
+    """Issue 19: the softmax output without dropout is saved by the softmax and by att @ v: one copy."""
+    from minizero.autograd import Tensor, causal_softmax
+    from minizero.memory.offload import ActivationOffload
+
+    off = ActivationOffload(kind, str(tmp_path), min_bytes=0)
+    a = np.arange(64, dtype=np.float64).reshape(8, 8)
+    p1, p2 = off.pack(a), off.pack(a[:])  # the same bytes through another view object
+    assert p1 is p2 and off.bytes_offloaded == a.nbytes and off.saves_shared == 1
+    assert off.pack(a[:4]) is not p1 and off.bytes_offloaded == a.nbytes + a[:4].nbytes  # other bytes
+    assert np.array_equal(off.unpack(p1), a) and np.array_equal(off.unpack(p2), a)  # both saves read it back
+    if kind == "nvme":
+        assert p1.file.closed  # after its last save's unpack
+    # in a graph: x -> softmax -> (att @ v): att is saved twice, packed once
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((1, 1, 4, 4)), requires_grad=True)
+    v = Tensor(rng.standard_normal((1, 1, 4, 4)), requires_grad=True)
+    off2 = ActivationOffload(kind, str(tmp_path), min_bytes=0)
+    with off2():
+        att = causal_softmax(x)
+        y = att @ v
+    assert off2.saves_shared == 1 and off2.bytes_offloaded == att.data.nbytes + v.data.nbytes  # not 2 att + v
+    y.sum().backward()
+    ref_x, ref_v = Tensor(x.data.copy(), requires_grad=True), Tensor(v.data.copy(), requires_grad=True)
+    (causal_softmax(ref_x) @ ref_v).sum().backward()
+    assert np.array_equal(x.grad, ref_x.grad) and np.array_equal(v.grad, ref_v.grad)

@@ -95,8 +95,8 @@ def test_errors_are_named():
         run_in_threads(2, lambda c: quantized_all_gather(c, np.ones(3, np.float32), 10))
     with pytest.raises(ValueError, match="non-finite"):
         run_in_threads(2, lambda c: quantized_all_gather(c, np.array([1.0, np.nan], np.float32)))
-    with pytest.raises(ValueError, match="op='all_reduce'"):
-        bytes_sent("all_reduce", 10, 2, 0)
+    with pytest.raises(ValueError, match="op='broadcast'"):  # (all_reduce became a valid op in issue 19)
+        bytes_sent("broadcast", 10, 2, 0)
 
 
 @pytest.mark.timeout(60)
@@ -180,10 +180,78 @@ def test_zero3_training_with_int8_comm_stays_within_005_nats():
     assert abs(quant - exact) < 0.05, (exact, quant)
 
 
-def test_quantized_comm_needs_zero():
+def test_quantized_comm_flags():
+    """Issue 19: --quantized-comm works at --zero 0 too (this test used to assert the refusal);
+    it still excludes the FP32-only all-reduces (MPI's own, the hierarchical one)."""
     from minizero.train import UsageError, parse_args
 
-    with pytest.raises(UsageError, match="--quantized-comm needs --zero 1, 2 or 3"):
-        parse_args(["--quantized-comm"])
+    assert parse_args(["--quantized-comm"]).quantized_comm
     with pytest.raises(UsageError, match="exclude each other"):
         parse_args(["--quantized-comm", "--zero", "2", "--native-comm"])
+    with pytest.raises(UsageError, match="exclude each other"):
+        parse_args(["--quantized-comm", "--allreduce", "hierarchical"], 2)
+
+
+def _all_reduce(comm, n):
+    from minizero.comm.quantized import quantized_all_reduce
+
+    x = _data(comm.rank, n) * (1 + comm.rank)
+    out = quantized_all_reduce(comm, x)
+    return x, out, comm.traffic.snapshot()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 300, 1027])
+def test_quantized_all_reduce_is_identical_everywhere_within_the_bound(world, n):
+    res = run_in_threads(world, _all_reduce, n)
+    xs = [r[0] for r in res]
+    exact = sum(xs)
+    for r, (_, out, snap) in enumerate(res):
+        assert np.array_equal(out, res[0][1])  # every rank dequantizes the same codes
+        # reduce-scatter: the other ranks' scale/2 each; all-gather: the sum's scale/2 (scale = absmax / 127)
+        bound = sum(np.abs(x).max() for x in xs) / 254 + np.abs(exact).max() / 254
+        assert np.abs(out - exact).max() <= bound * (1 + 1e-6)
+        if world == 1:
+            assert np.array_equal(out, exact)
+        sent = snap["by_op"].get("quantized_all_reduce", 0) if world > 1 else 0
+        assert sent == bytes_sent("all_reduce", n, world, r)
+    if world > 1 and n > 1000:
+        ratio = bytes_sent("all_reduce", n, world, 0) / fp32_bytes_sent("all_reduce", n, 4, world, 0)
+        assert 0.25 < ratio < 0.3, ratio
+
+
+def _non_finite(comm):
+    from minizero.comm.quantized import quantized_all_reduce
+
+    x = np.ones(600, np.float32)
+    if comm.rank == 1:
+        x[5] = np.inf  # an FP16-style overflow on one rank must reach every rank's loss scaler
+    return quantized_all_reduce(comm, x)
+
+
+def test_quantized_all_reduce_carries_an_overflow_to_every_rank():
+    for out in run_in_threads(2, _non_finite):
+        assert not np.isfinite(out[:256]).any() and np.isfinite(out[256:]).all()
+
+
+def _dp_run(comm, quantized, steps):
+    from minizero.train import parse_args, train
+
+    argv = ["--model", "tiny", "--steps", str(steps), "--micro-batch-size", "4", "--eval-every", "0",
+            "--eval-batches", "8", "--no-progress"] + (["--quantized-comm"] if quantized else [])
+    result = train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
+    return result["val_history"][-1][1], comm.traffic.snapshot()["by_op"]
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_with_int8_all_reduce_trains_like_fp32():
+    """--zero 0 --quantized-comm over 2 ranks: a quarter of the gradient bytes, the same loss within 0.05 nats."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        exact, e_ops = run_in_threads(2, _dp_run, False, 40)[0]
+        quant, q_ops = run_in_threads(2, _dp_run, True, 40)[0]
+    assert "quantized_all_reduce" not in e_ops and q_ops.get("all_reduce", 0) < e_ops["all_reduce"]
+    ratio = q_ops["quantized_all_reduce"] / (e_ops["all_reduce"] - q_ops.get("all_reduce", 0))
+    assert 0.25 < ratio < 0.3, ratio
+    assert abs(quant - exact) < 0.05, (exact, quant)

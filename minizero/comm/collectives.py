@@ -32,7 +32,9 @@ reduce-scatter sends every chunk but its own, all-gather every chunk but rank r+
 Numerics: sums are computed in the input dtype (float16 sums in float16, as a
 library all-reduce on float16 does), in ring order; every rank ends with
 bit-identical results because each chunk is summed once and then copied.
-Buffers are preallocated and reduced in place (``xp.add(acc, incoming, out=acc)``).
+Buffers are preallocated and reduced in place (``xp.add(acc, incoming, out=acc)``); the
+temporary ones are counted in the memory ledger as ``comm_scratch`` while they live (a
+library collective's internal buffers, ``native=True``, are not visible and not counted).
 Every public function records its bytes in ``comm.traffic`` under its own label and
 takes ``native=True`` to call the library's collective instead (never silently).
 """
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING
 from minizero import backend
 from minizero.comm.recursive_doubling import (all_reduce_algorithm, bytes_sent_recursive_doubling,
                                               recursive_doubling_all_reduce_)
+from minizero.ledger import get_ledger
 
 if TYPE_CHECKING:
     from minizero.comm.communicator import Communicator
@@ -166,6 +169,12 @@ def _check_contiguous(x, what: str) -> None:
         )
 
 
+def _scratch(a):
+    """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed); returns ``a``."""
+    get_ledger().track(a, "comm_scratch")
+    return a
+
+
 # --------------------------------------------------------------------------- ring primitives
 def _ring_reduce_scatter_(comm: Communicator, buf, tmp) -> None:
     """In place on the flat (n,) ``buf``: afterwards chunk ``comm.rank`` holds the sum over ranks.
@@ -208,7 +217,8 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         (size,) array, dtype of ``x``: elements ``[offset, offset+size)`` of the sum,
         ``(offset, size) = shard_range(n, world_size, rank)``.
     Bytes: ``(n - size) * itemsize`` = (N-1)/N * x.nbytes when N divides n.
-        Label ``"reduce_scatter"``. Temporary memory: n + ceil(n/N) elements.
+        Label ``"reduce_scatter"``. Temporary memory (ledger ``comm_scratch``): a working copy
+        of n elements + a receive chunk of ceil(n/N) (none on one rank: the copy is returned).
     Raises:
         ValueError: ``x`` not C-contiguous; a size mismatch between ranks shows up as
         a ValueError from ``recv``.
@@ -220,8 +230,10 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     n, world_size = x.size, comm.world_size
     offset, size = shard_range(n, world_size, comm.rank)
     with comm.traffic.op("reduce_scatter"):
-        buf = x.reshape(-1).copy()
-        tmp = backend.xp.empty(shard_range(n, world_size, 0)[1], dtype=x.dtype)
+        if world_size == 1:  # nothing to reduce: the chunk is the whole of x
+            return x.reshape(-1).copy()
+        buf = _scratch(x.reshape(-1).copy())
+        tmp = _scratch(backend.xp.empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
         _ring_reduce_scatter_(comm, buf, tmp)
         return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
 
@@ -279,7 +291,8 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     Bytes: ring: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
         recursive doubling: log2(N) * x.nbytes (N a power of two; see
         ``bytes_sent_recursive_doubling``); 0 when N == 1. Label ``"all_reduce"``.
-        Temporary memory: ceil(n/N) elements (ring), n elements (recursive doubling).
+        Temporary memory (ledger ``comm_scratch``): a receive chunk of ceil(n/N) elements (ring),
+        n elements (recursive doubling); none when N == 1.
     Raises:
         ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
     Source: ring all-reduce = reduce-scatter + all-gather (Patarasuk & Yuan, JPDC 2009;
@@ -298,10 +311,12 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
         if out is not x:
             out[...] = x
         buf = out.reshape(-1)  # a view: the algorithm works in place in out
-        if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
-            recursive_doubling_all_reduce_(comm, buf, backend.xp.empty_like(buf))
+        if comm.world_size == 1:  # one rank: a copy, no scratch
             return out
-        tmp = backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype)
+        if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
+            recursive_doubling_all_reduce_(comm, buf, _scratch(backend.xp.empty_like(buf)))
+            return out
+        tmp = _scratch(backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype))
         _ring_reduce_scatter_(comm, buf, tmp)
         _ring_all_gather_(comm, buf)
     return out

@@ -39,12 +39,13 @@ import contextlib
 import errno
 import shutil
 import tempfile
+import weakref
 
 import numpy as np
 
 from minizero import backend
 from minizero.autograd import saved_tensors_hooks
-from minizero.ledger import get_ledger
+from minizero.ledger import get_ledger, owning_buffer
 from minizero.optim.state_store import (  # noqa: F401 (re-exported)
     KINDS,
     OffloadError,
@@ -56,12 +57,19 @@ from minizero.optim.state_store import (  # noqa: F401 (re-exported)
 
 
 class _OnDisk:
-    """A saved array living in an unnamed file: shape, dtype and the open file object."""
+    """A saved array living in an unnamed file: shape, dtype, the open file object, and how many
+    saves still need it (``users``: the file is closed after the last one's unpack)."""
 
-    __slots__ = ("file", "shape", "dtype")
+    __slots__ = ("file", "shape", "dtype", "users")
 
     def __init__(self, file, shape, dtype):
-        self.file, self.shape, self.dtype = file, shape, dtype
+        self.file, self.shape, self.dtype, self.users = file, shape, dtype, 1
+
+
+def _buffer_key(a) -> tuple:
+    """Identity of the bytes ``a`` shows: (owning buffer's id, first byte's address, shape, strides, dtype)."""
+    ptr = a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") else a.data.ptr
+    return (id(owning_buffer(a)), ptr, a.shape, a.strides, a.dtype.str)
 
 
 class ActivationOffload:
@@ -73,7 +81,14 @@ class ActivationOffload:
         rank: this rank (reported in error messages).
         min_bytes: arrays smaller than this stay in memory (default 1 KiB).
     Attributes:
-        bytes_offloaded: total bytes packed so far (int).
+        bytes_offloaded: total bytes packed so far (int), each buffer once.
+        saves_shared: saves that found their buffer already packed (int).
+
+    A buffer two Functions save (the softmax output without dropout: saved by the softmax and
+    by ``att @ v``) is packed once: a save whose bytes (same owning buffer, address, shape,
+    strides, dtype — the ledger's identity) are already packed and still alive gets the same
+    host copy or file. The entry leaves when the device buffer is freed (``weakref.finalize``,
+    so a reused id cannot alias) or when its last save is unpacked.
     Raises:
         ValueError: unknown kind.  OffloadError: see :func:`check_offload_dir`.
     """
@@ -82,6 +97,8 @@ class ActivationOffload:
         if kind not in KINDS:
             raise ValueError(f"activation offload {kind!r} is not one of {KINDS}")
         self.kind, self.min_bytes, self.bytes_offloaded = kind, min_bytes, 0
+        self.saves_shared = 0
+        self._packed = {}  # _buffer_key -> packed (host array or _OnDisk), while the device buffer lives
         self.rank = rank
         self.dir = None
         if kind == "nvme":
@@ -92,9 +109,23 @@ class ActivationOffload:
         return a.nbytes < self.min_bytes or get_ledger().category_of(a) == "parameters"
 
     def pack(self, a):
-        """Move ``a`` (any array) out of device memory; returns what backward will need."""
+        """Move ``a`` (any array) out of device memory, once per buffer; returns what backward will need."""
         if self._keep(a):
             return a
+        key = _buffer_key(a)
+        packed = self._packed.get(key)
+        if packed is not None:  # saved before by another Function: share the copy
+            self.saves_shared += 1
+            if isinstance(packed, _OnDisk):
+                packed.users += 1
+            return packed
+        packed = self._pack_new(a)
+        self._packed[key] = packed
+        weakref.finalize(owning_buffer(a), self._packed.pop, key, None)
+        return packed
+
+    def _pack_new(self, a):
+        """One host copy (cpu) or one anonymous file (nvme) of ``a``."""
         self.bytes_offloaded += a.nbytes
         if self.kind == "cpu":
             host = np.array(backend.to_host(a), copy=True)
@@ -124,7 +155,10 @@ class ActivationOffload:
             f.seek(0)
             count = int(np.prod(packed.shape))
             data = np.fromfile(f, dtype=packed.dtype, count=count)
-            f.close()  # the unnamed file's blocks are released here
+            packed.users -= 1
+            if packed.users == 0:
+                f.close()  # the unnamed file's blocks are released here, after its last save's unpack
+                self._forget(packed)
             if data.size != count:
                 raise OffloadError(errno.EIO, f"offloaded activation in {self.dir!r} came back with "
                                               f"{data.size} of {count} elements")
@@ -132,6 +166,11 @@ class ActivationOffload:
         if isinstance(packed, np.ndarray) and backend.name != "numpy":
             return backend.to_device(packed)
         return packed
+
+    def _forget(self, packed) -> None:
+        """Drop ``packed`` from the table (its file is closed: a later save must write anew)."""
+        for key in [k for k, v in self._packed.items() if v is packed]:
+            del self._packed[key]
 
     @contextlib.contextmanager
     def __call__(self):

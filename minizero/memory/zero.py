@@ -54,7 +54,7 @@ from minizero.memory.zero_buckets import GradientBuckets
 from minizero.memory.zero_collectives import UnitState, ZeroOrderError
 from minizero.memory.zero_prefetch import Prefetch
 from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, Unit, find_units, model_state_formula,
-                                         traffic_formula)
+                                         owned_shard, traffic_formula)
 from minizero.memory.zero_stage3 import ParameterPartitioning
 from minizero.optim.adamw import adamw_update, state_dtype
 from minizero.optim.state_store import OptimizerStateStore
@@ -151,6 +151,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self._add_tied_users(model)
         for st in self.units:
             self._build(st)
+        self._track_gradients()
         if stage in (1, 2):  # every rank takes the owner's values: one all-gather, like DDP's broadcast
             self._all_gather_params("setup")
         for st in self.units if stage >= 2 else ():
@@ -197,6 +198,19 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self._wait_reduces()
 
     # ---- set-up -----------------------------------------------------------------------
+    def _track_gradients(self):
+        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks).
+
+        ``step`` skips the owned pieces of every other parameter: no weight decay, no moment update,
+        as one process's AdamW skips ``grad is None`` (PyTorch's rule). Every rank runs the same
+        graph, so every rank skips the same parameters (the rule of ``DataParallel.allreduce_gradients``).
+        With a ``sharded_state`` (8-bit Adam's block-quantized codes) the whole shard is updated.
+        """
+        self._with_grad = set()
+        for st in self.units:
+            for name, p in zip(st.unit.param_names, st.params):
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
+
     def _add_tied_users(self, model):
         """A module outside a unit's subtree that owns one of its parameters (the tied LM head) uses it too."""
         for st in self.units:
@@ -212,21 +226,24 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         dtype = st.params[0].dtype
         if any(p.dtype != dtype for p in st.params):
             raise ValueError(f"unit {u.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in st.params})}")
-        flat = xp.zeros(u.padded, dtype)
-        for p, off in zip(st.params, u.offsets):
-            flat[off:off + p.size] = p.data.reshape(-1)
         lo, size = self.shard_map.shard(st.index, self.comm.rank)
+        if self.stage in (1, 2):
+            flat = xp.zeros(u.padded, dtype)
+            for p, off in zip(st.params, u.offsets):
+                flat[off:off + p.size] = p.data.reshape(-1)
+        else:  # stage 3 builds only the owned piece (meta parameters draw just it: nn/init.py)
+            flat = None
+            st.param_shard = owned_shard(st.params, u.offsets, lo, size, dtype)
         sdt = state_dtype(dtype)
         if self.sharded_state is None:  # otherwise the sharded_state object holds (and counts) its own
             st.m, st.v = self.store.zeros(size, sdt), self.store.zeros(size, sdt)
         if self.master_weights:
-            st.master = self.store.copy_of(flat[lo:lo + size], np.float32)
+            st.master = self.store.copy_of(st.param_shard if flat is None else flat[lo:lo + size], np.float32)
         if self.stage in (1, 2):
             st.flat_param, st.param_shard = flat, flat[lo:lo + size]
             ledger.track(flat, "parameters")
             self._point_params(st, flat)
         else:
-            st.param_shard = flat[lo:lo + size].copy()
             ledger.track(st.param_shard, "parameters")
             st.placeholders = [xp.broadcast_to(xp.asarray(np.nan, dtype=dtype), p.shape) for p in st.params]
             for p, ph in zip(st.params, st.placeholders):
@@ -334,6 +351,8 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
             grad = self.store.to_store(st.grad_shard)
             params = self.store.to_store(st.param_shard) if st.master is None else st.master
             for pc in st.pieces:
+                if pc.param not in self._with_grad:  # no gradient this step: left as it is
+                    continue
                 sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
                 wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
                 adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
@@ -356,6 +375,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         """
         self.step_bytes.append({ph: self.bytes_sent[ph] - self._step_mark[ph] for ph in STEP_PHASES + ("grad_norm",)})
         self._step_mark = dict(self.bytes_sent)
+        self._with_grad.clear()
         for st in self.units:
             if self.stage == 1:
                 st.flat_grad[...] = 0

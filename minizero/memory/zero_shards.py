@@ -32,6 +32,7 @@ import numpy as np
 from minizero import backend
 from minizero.comm.collectives import shard_range
 from minizero.nn.module import ModuleList
+from minizero.nn.init import is_meta
 
 
 #: Traffic phases that belong to a training step (per-step volume); others are set-up,
@@ -204,6 +205,23 @@ class ShardMap:
 
 
 # --------------------------------------------------------------------------- formulas
+def owned_shard(params, offsets, lo: int, size: int, dtype):
+    """Elements ``[lo, lo + size)`` of a unit's padded flat buffer, built without the buffer: (size,) ``dtype``.
+
+    ``params``: the unit's parameters, ``offsets``: their element offsets in it. A parameter whose
+    data is a meta array (:func:`minizero.nn.init.is_meta`) draws only its overlap with the piece
+    (``p.init.flat``); any other is copied from. Padding is zeros. Memory: the piece plus one row
+    (ZeRO-3's set-up never holds a whole unit; DeepSpeed's ``zero.Init`` partitions at construction).
+    """
+    out = backend.xp.zeros(size, dtype)
+    for p, off in zip(params, offsets):
+        a, b = max(off, lo), min(off + p.size, lo + size)
+        if a < b:
+            src = p.init.flat(a - off, b - off) if is_meta(p.data) else p.data.reshape(-1)[a - off:b - off]
+            out[a - lo:b - lo] = src
+    return out
+
+
 def model_state_formula(stage: int, num_params: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
                         state_bytes: int = 8) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for a ZeRO ``stage``.

@@ -14,7 +14,9 @@
 (``transformer.h.0.attn.c_attn.weight`` is (3C, C), Linear weights are
 (out_features, in_features)), so weights move to and from PyTorch.
 Init follows GPT-2/nanoGPT: N(0, 0.02) weights, zero biases, residual
-projections (``c_proj``) scaled by 1/sqrt(2L) (Radford et al. 2019).
+projections (``c_proj``) scaled by 1/sqrt(2L) (Radford et al. 2019). Each parameter is drawn
+by its own generator keyed by (seed, name), row by row (:mod:`minizero.nn.init`), so any
+shard of it can be drawn alone, equal bit for bit to the same slice of this model.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Tensor, causal_softmax, cross_entropy, gelu, no_grad, split
 from minizero.autograd import functional as F
+from minizero.ledger import get_ledger
+from minizero.nn.init import META, attach_inits, materialize_
 from minizero.nn.module import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
 
 
@@ -145,9 +149,9 @@ class Block(Module):
 
     def __init__(self, cfg: GPTConfig, rng):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.n_embd, dtype=cfg.dtype)
+        self.ln_1 = LayerNorm(cfg.n_embd, dtype=cfg.dtype, rng=rng)
         self.attn = CausalSelfAttention(cfg, rng)
-        self.ln_2 = LayerNorm(cfg.n_embd, dtype=cfg.dtype)
+        self.ln_2 = LayerNorm(cfg.n_embd, dtype=cfg.dtype, rng=rng)
         self.mlp = MLP(cfg, rng)
 
     def forward(self, x):
@@ -160,25 +164,30 @@ class GPT(Module):
 
     Args:
         cfg: a validated :class:`GPTConfig`.
-        seed: seed of the init generator (same seed -> same weights on every
+        seed: seed of the init generators (same seed -> same weights on every
             rank and in every dtype: init draws in float64, then casts).
+        meta: build 0-byte meta parameters only (shapes and dtypes; every ``p.init`` set):
+            a layout keeps its slice and draws just that (:func:`minizero.nn.init.materialize_`).
     """
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0):
+    def __init__(self, cfg: GPTConfig, seed: int = 0, meta: bool = False):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        rng = np.random.default_rng(seed)
+        rng = META
         self.transformer = ModuleDict(dict(
             wte=Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype, rng=rng),
             wpe=Embedding(cfg.block_size, cfg.n_embd, dtype=cfg.dtype, rng=rng),
             drop=Dropout(cfg.dropout),
             h=ModuleList([Block(cfg, rng) for _ in range(cfg.n_layer)]),
-            ln_f=LayerNorm(cfg.n_embd, dtype=cfg.dtype),
+            ln_f=LayerNorm(cfg.n_embd, dtype=cfg.dtype, rng=rng),
         ))
         # weight tying (Press & Wolf 2017; nanoGPT): the LM head reuses wte's (V, C) matrix
         self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype,
                               weight=self.transformer["wte"].weight)
+        attach_inits(self, seed, cfg.n_layer)
+        if not meta:
+            materialize_(self, get_ledger())
 
     def forward(self, idx, targets=None):
         """idx: (B, T) integer array, T <= block_size; targets: (B, T) integers or None.

@@ -19,6 +19,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Tensor, functional as F
 from minizero.ledger import get_ledger
+from minizero.nn.init import META, is_meta, meta
 
 
 class Parameter(Tensor):
@@ -30,7 +31,8 @@ class Parameter(Tensor):
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
-        get_ledger().track(self.data, "parameters")
+        if not is_meta(self.data):  # a meta array holds no bytes (nn/init.py); its drawn values are tracked
+            get_ledger().track(self.data, "parameters")
 
     def __repr__(self):
         return f"Parameter(shape={self.shape}, dtype={self.dtype})"
@@ -193,7 +195,8 @@ class Linear(Module):
     Args:
         in_features, out_features: sizes.
         bias: include b.
-        dtype: parameter dtype. rng: generator for the N(0, std^2) init.
+        dtype: parameter dtype. rng: generator for the N(0, std^2) init, or ``nn.init.META``
+            for 0-byte meta parameters (W and b; nn/init.py draws them later).
         std: init standard deviation of W (GPT-2: 0.02); b starts at 0.
         weight: an existing Parameter (out, in) to share instead of a new one.
     Raises:
@@ -207,11 +210,14 @@ class Linear(Module):
             if weight.shape != (out_features, in_features):
                 raise ValueError(f"shared weight has shape {weight.shape}, expected {(out_features, in_features)}")
             self.weight = weight
+        elif rng is META:  # shapes only (nn/init.py draws the values, or a shard of them)
+            self.weight = Parameter(meta((out_features, in_features), dt))
         else:
             rng = rng if rng is not None else np.random.default_rng(0)
             w = rng.normal(0.0, std, size=(out_features, in_features))
             self.weight = Parameter(backend.to_device(w.astype(dt)))
-        self.bias = Parameter(backend.xp.zeros(out_features, dt)) if bias else None
+        zeros = meta if rng is META else backend.xp.zeros
+        self.bias = Parameter(zeros(out_features, dt)) if bias else None
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x):
@@ -219,13 +225,17 @@ class Linear(Module):
 
 
 class LayerNorm(Module):
-    """Layer norm over the last axis with learned weight (ones) and bias (zeros), shape (C,)."""
+    """Layer norm over the last axis with learned weight (ones) and bias (zeros), shape (C,).
 
-    def __init__(self, n, eps=1e-5, dtype="float32"):
+    ``rng=nn.init.META`` gives 0-byte meta parameters (values drawn later by nn/init.py).
+    """
+
+    def __init__(self, n, eps=1e-5, dtype="float32", rng=None):
         super().__init__()
         dt = backend.get_dtype(dtype)
-        self.weight = Parameter(backend.xp.ones(n, dt))
-        self.bias = Parameter(backend.xp.zeros(n, dt))
+        ones, zeros = (meta, meta) if rng is META else (backend.xp.ones, backend.xp.zeros)
+        self.weight = Parameter(ones(n, dt))
+        self.bias = Parameter(zeros(n, dt))
         self.eps = eps
 
     def forward(self, x):
@@ -233,10 +243,13 @@ class LayerNorm(Module):
 
 
 class Embedding(Module):
-    """Lookup table W: (num_embeddings, dim), init N(0, std^2)."""
+    """Lookup table W: (num_embeddings, dim), init N(0, std^2) (``rng=nn.init.META``: a 0-byte meta array)."""
 
     def __init__(self, num_embeddings, dim, dtype="float32", rng=None, std=0.02):
         super().__init__()
+        if rng is META:
+            self.weight = Parameter(meta((num_embeddings, dim), backend.get_dtype(dtype)))
+            return
         rng = rng if rng is not None else np.random.default_rng(0)
         w = rng.normal(0.0, std, size=(num_embeddings, dim)).astype(backend.get_dtype(dtype))
         self.weight = Parameter(backend.to_device(w))

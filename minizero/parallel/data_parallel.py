@@ -85,8 +85,13 @@ class DataParallel:
     def allreduce_gradients(self) -> None:
         """Average every parameter's ``.grad`` across the group, bucket by bucket.
 
-        A parameter without a gradient contributes zeros (and receives the
-        average, so every rank ends with the same gradients). Bytes sent per
+        A parameter without a gradient (``.grad is None``) contributes zeros and keeps
+        ``.grad = None``, so the optimizer skips it (no weight decay, no moment update), as one
+        process does and as PyTorch's AdamW skips ``grad is None``. Rule: a parameter without a
+        gradient on one rank has none on any rank — every rank runs the same graph (minizero's
+        models use every parameter in every forward or never); a model whose graph depends on
+        the data would need one all-reduce of a flag per parameter (DDP's
+        ``find_unused_parameters``). Bytes sent per
         rank: 2(N-1)/N of the gradient bytes (ring all-reduce). float16 buckets
         are divided by N before the sum (PyTorch DDP's pre-division), wider ones
         after (:func:`~minizero.comm.collectives.divide_before_sum`).
@@ -109,10 +114,6 @@ class DataParallel:
                 all_reduce(self.comm, flat, native=self.native, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.predivided)  # float32/64: divide the sum
             for p, off in layout:
-                g = flat[off:off + p.size].reshape(p.shape)
-                if p.grad is None:
-                    p.grad = g.copy()
-                    get_ledger().track(p.grad, "gradients")
-                else:
-                    p.grad[...] = g
+                if p.grad is not None:  # no gradient: none after the reduction either (the optimizer skips it)
+                    p.grad[...] = flat[off:off + p.size].reshape(p.shape)
         self.bytes_sent += self.comm.traffic.bytes_sent - before

@@ -44,6 +44,7 @@ from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
+from minizero.nn.init import copy_or_meta
 from minizero.parallel.schedule import make_schedule, peak_in_flight
 
 PP_TAG = 1100  #: tag of every pipeline message (one direction per pair, in order: FIFO matching is exact)
@@ -104,7 +105,7 @@ class PipelineStage(Module):
         if self.is_last and self.is_first:
             self.lm_head = model.lm_head  # weight shared with wte: one Parameter
         elif self.is_last:
-            w = Parameter(model.lm_head.weight.data.copy())
+            w = Parameter(copy_or_meta(model.lm_head.weight.data))  # a meta weight stays 0 bytes
             w.shared_embedding_copy = True
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, weight=w)
 

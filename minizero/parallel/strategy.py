@@ -29,6 +29,7 @@ Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatro
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from minizero import trace
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
+from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
@@ -49,7 +51,7 @@ from minizero.parallel.topology import Topology
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
-GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter")
+GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
                  "other")
@@ -211,11 +213,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     """
     topo = Topology(comm, args.dp, args.tp, args.pp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
+    meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
     if args.tp * args.pp == 1:  # the whole model, built as one process builds it
-        model = GPT(cfg, seed=args.seed)
+        model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo)
+        model, stage = None, build_stage(cfg, args.seed, topo, keep_meta=meta)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -230,8 +233,11 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                                       prefetch=getattr(args, "overlap", True))
     else:
         hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
+        allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
+        if getattr(args, "quantized_comm", False):  # INT8 on the wire (comm/quantized.py)
+            allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
-                          allreduce=HierarchicalAllReduce(topo.dp_comm) if hierarchical else None)
+                          allreduce=allreduce)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)

@@ -56,6 +56,7 @@ from minizero.autograd import functional as F
 from minizero.comm.collectives import all_reduce, bytes_sent
 from minizero.nn.gpt import CausalSelfAttention
 from minizero.nn.module import Module, Parameter
+from minizero.nn.init import is_meta, meta
 
 
 # --------------------------------------------------------------------------- primitives
@@ -71,13 +72,15 @@ def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
     ``size`` equal parts and the rank keeps part ``rank`` of every block, concatenated.
     Example: c_attn's (3C, C) weight with stride 3 gives rank r rows
     [rC/tp, (r+1)C/tp) of Q, of K and of V: a (3C/tp, C) shard.
-    Returns a new C-contiguous array. Raises ValueError if ``stride * size`` does not
+    Returns a new C-contiguous array (a meta array for a meta ``full``: see nn/init.py). Raises ValueError if ``stride * size`` does not
     divide ``full.shape[dim]``.
     """
     xp = backend.xp
     n = full.shape[dim]
     if n % (stride * size):
         raise ValueError(f"cannot split dimension {dim} of size {n} into {stride} block(s) x {size} parts")
+    if is_meta(full):  # bytes: a meta (shape-only) array stays meta; nn/init.py draws the shard later
+        return meta(full.shape[:dim] + (n // size,) + full.shape[dim + 1:], full.dtype)
     parts = [xp.split(block, size, axis=dim)[rank] for block in xp.split(full, stride, axis=dim)]
     return xp.ascontiguousarray(xp.concatenate(parts, axis=dim))
 

@@ -13,11 +13,12 @@ parameters on tensor rank 0 only, the tied embedding's copy not at all);
 :func:`gather_full_model` assembles the whole GPT on one rank for saving and sampling.
 :mod:`minizero.parallel.strategy` composes them into the one training loop's strategy.
 
-Building: every rank builds the whole GPT from the seed, keeps its stage and shards it
-(:func:`build_stage`), so the split model starts from exactly the single-process weights;
-the whole model lives in a scratch memory ledger and is freed at once, so this rank's
-ledger shows only what it keeps. (Frameworks avoid even the transient copy by building on
-a "meta" device; for these model sizes the copy is harmless.)
+Building: every rank builds the GPT on the "meta device" (shapes only, 0 bytes), keeps its
+stage, shards it, and then draws just its shards from per-parameter generators
+(:mod:`minizero.nn.init`), so the split model starts from exactly the single-process weights
+and the set-up peak is this rank's shard plus one row (Megatron-LM's
+``_initialize_affine_weight_cpu`` builds the master weight and keeps a slice; PyTorch's meta
+device defers allocation — here nothing beyond the shard is ever drawn).
 
 ZeRO with pipeline parallelism: stage 1 (optimizer state sharded over the data group) is
 supported. Stages 2 and 3 are refused with pp > 1, as DeepSpeed refuses them: they reduce
@@ -37,6 +38,7 @@ from minizero import backend
 from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
+from minizero.nn.init import attach_inits, is_meta, materialize_
 from minizero.parallel.pipeline import PipelineStage, stage_layers
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
 from minizero.parallel.topology import Topology
@@ -56,23 +58,30 @@ def scratch_ledger():
         set_ledger(real)
 
 
-def build_stage(cfg, seed: int, topo: Topology) -> PipelineStage:
+def build_stage(cfg, seed: int, topo: Topology, keep_meta: bool = False) -> PipelineStage:
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
-    The full GPT is built from ``seed`` (same weights as a single process), sliced and
-    sharded; only the kept arrays enter this rank's ledger (as ``parameters``).
+    The GPT is built as meta (0-byte) parameters, sliced and sharded, and only then are this
+    rank's shards drawn (:mod:`minizero.nn.init`: the same values as the single process's
+    slices, bit for bit); no rank ever holds the whole model. Only the kept arrays enter this
+    rank's ledger (as ``parameters``). ``keep_meta``: leave the parameters meta, each with its
+    ``p.init``, for ZeRO-3 to draw its owned pieces only.
     Elements kept, per block: 12C^2/tp + 7C/tp + 6C (c_attn, c_fc and the two projection
     weights split; ln_1, ln_2 and the two projection biases whole); plus VC/tp + TC on the
     first stage (wte split by vocabulary, wpe whole) and VC/tp + 2C on the last (its copy of
     the tied head's shard, ln_f) — the two are one shard when the stage is both.
     """
-    with scratch_ledger():
-        stage = PipelineStage(GPT(cfg, seed=seed), topo.pp_rank, topo.pp)
+    with scratch_ledger():  # meta arrays (0 bytes) and the small arrays slicing them leaves
+        stage = PipelineStage(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp)
         tensor_parallelize(stage, topo.tp_comm)
         vocab_parallelize(stage, topo.tp_comm)
+    attach_inits(stage, seed, cfg.n_layer, topo.tp_rank, topo.tp)
     ledger = get_ledger()
+    if not keep_meta:
+        materialize_(stage)  # this rank's shard, one parameter at a time
     for p in stage.parameters():
-        ledger.track(p.data, "parameters")
+        if not is_meta(p.data):
+            ledger.track(p.data, "parameters")
     return stage
 
 

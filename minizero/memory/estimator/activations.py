@@ -24,9 +24,10 @@ class Saved:
     ``arrays``: how many equal arrays the row is (Q, K and V are three views of one
     buffer; a layer norm's mean and rstd are two) -- activation offload decides per
     array whether it is small enough to stay (:data:`OFFLOAD_MIN_BYTES`).
-    ``packs``: how many times each array passes through ``save_for_backward``. The
-    ledger counts a buffer once, but offload copies it once per save (minizero's
-    softmax output, saved by the softmax and by ``@ v`` when there is no dropout).
+    ``packs``: how many times each array passes through ``save_for_backward`` (minizero's
+    softmax output, saved by the softmax and by ``@ v`` when there is no dropout). The
+    ledger counts a buffer once, and so does activation offload (issue 19: one copy per
+    buffer, however many saves), so it no longer changes a byte count; kept as a fact.
     """
 
     name: str
@@ -215,7 +216,7 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     * ``"paper"``: the device holds one layer's arrays brought back plus the transient.
     * ``"minizero"`` (``memory/offload.py`` on NumPy, where the array brought back *is*
       the host copy): arrays under :data:`OFFLOAD_MIN_BYTES` stay on the device, every
-      other one is copied off once per ``save_for_backward`` (:attr:`Saved.packs`);
+      other one is copied off once per buffer (however many saves: :attr:`Saved.packs`);
       the layer recompute rebuilds in backward is not offloaded (backward runs outside
       the offload context), so device = small arrays + max(0, transient - the head's
       small arrays); host = the copies.
@@ -249,7 +250,7 @@ def _offload_split(row: Saved, tp: int, sp: bool) -> tuple[float, float]:
     per = row.per_rank(tp, sp)
     if per / row.arrays < OFFLOAD_MIN_BYTES:  # ActivationOffload keeps arrays under min_bytes
         return per, 0.0
-    return 0.0, per * row.packs
+    return 0.0, per  # one copy per buffer, however many saves (memory/offload.py)
 
 
 def _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v, layers_per_chunk):

@@ -10,8 +10,8 @@ import math
 
 #: Per-rank categories, named as in the ledger (``minizero/ledger.py``) so an
 #: estimate can be set beside ``ledger.peak``. ``offloaded`` is host memory.
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "gathered",
-              "offloaded")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch",
+              "gathered", "offloaded")
 DEVICE_CATEGORIES = CATEGORIES[:-1]
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -8,6 +8,7 @@ import dataclasses
 
 from minizero.memory.estimator.model import MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES, ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters
 from minizero.memory.estimator.activations import activation_bytes
+from minizero.memory.estimator.scratch import comm_scratch_bytes
 
 
 # ---- the whole rank ---------------------------------------------------------------------------
@@ -29,6 +30,7 @@ class MemoryEstimate:
     offloaded: int
     stage: int = 0
     nvme: int = 0
+    comm_scratch: int = 0  #: the largest collective's temporary buffers (estimator/scratch.py)
 
     @property
     def total(self) -> int:
@@ -95,9 +97,10 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
             comm += (2 if back_to_back else 1) * boundary if stage > 0 else 0
         else:  # receive buffers: the activation forward, the gradient backward
             comm += 2 * boundary
+    scratch = comm_scratch_bytes(m, st, stage, accounting)
     if st.offload_tier == "nvme":  # every offloaded byte goes to files instead of host memory
-        return MemoryEstimate(params, grads, optim, act, comm, gathered, 0, stage, nvme=host)
-    return MemoryEstimate(params, grads, optim, act, comm, gathered, host, stage)
+        return MemoryEstimate(params, grads, optim, act, comm, gathered, 0, stage, nvme=host, comm_scratch=scratch)
+    return MemoryEstimate(params, grads, optim, act, comm, gathered, host, stage, comm_scratch=scratch)
 
 
 def estimate_stages(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper") -> list:

@@ -1,0 +1,171 @@
+"""Parameter initialisation that can produce any slice of any parameter without the rest.
+
+Every parameter's initial value is a pure function of ``(seed, nanoGPT name, full shape)``:
+row ``r`` of a 2-D parameter is drawn by its own counter-based generator,
+``Philox(key = blake2b(seed, name), counter = [0, 0, r, 0])`` (Salmon et al. 2011), as
+``N(0, std^2)`` in float64 and then cast, so a rank that keeps rows [a, b) of a (V, C)
+embedding draws exactly those rows (24 us per row of 768 here), and a column shard draws
+each of its rows whole (one row of scratch) and keeps its columns. One process and every
+layout therefore start from the same numbers, bit for bit, and no rank ever holds more of a
+parameter than it keeps (plus one row).
+
+::
+
+    GPT(cfg, seed, meta=True)     every Parameter's data is a 0-byte "meta" array (the shape and
+                                  dtype only: broadcast_to of one zero), as PyTorch's meta device
+    ... slice / shard the model   (tensor_parallel.shard_array keeps meta arrays meta)
+    attach_inits(stage, seed, tp) p.init = ParamInit(name, full shape, rule, tp split)
+    materialize_(stage)           p.data = p.init.flat(0, p.size) one parameter at a time
+    (ZeRO-3 instead fills only its owned flat piece: p.init.flat(lo, hi))
+
+Rules (GPT-2 / nanoGPT): 2-D weights N(0, 0.02^2), residual projections (``c_proj.weight``)
+N(0, (0.02 / sqrt(2L))^2) (Radford et al. 2019), layer-norm weights 1, biases 0.
+
+Sources: Megatron-LM ``_initialize_affine_weight_cpu`` (build the master weight, keep this
+rank's slice; here not even the master is built) and PyTorch's meta-device / ``torch.distributed``
+``init_device_mesh`` deferred init; NumPy's ``Philox(key, counter)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import numpy as np
+
+from minizero import backend
+
+#: pass as ``rng`` to Linear / Embedding / LayerNorm to get meta (0-byte) parameters
+META = "meta"
+TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (tied to the embedding)
+
+
+def meta(shape, dtype):
+    """A read-only 0-byte array of ``shape`` and ``dtype`` (every element the same zero): a shape holder."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return backend.xp.broadcast_to(backend.xp.zeros((), dtype), shape)
+
+
+def is_meta(a) -> bool:
+    """True for an array made by :func:`meta` (all strides 0, read-only, more than 0 dimensions)."""
+    return a.ndim > 0 and not any(a.strides) and not a.flags.writeable
+
+
+def copy_or_meta(a):
+    """A copy of ``a``, or ``a`` itself when it is a meta array (nothing to copy)."""
+    return a if is_meta(a) else a.copy()
+
+
+def rule(name: str, ndim: int, n_layer: int) -> tuple:
+    """``("normal", std)``, ``("ones",)`` or ``("zeros",)`` for a nanoGPT parameter name."""
+    if ndim >= 2:
+        std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+        return ("normal", std)
+    if name.endswith(".weight"):  # layer norms
+        return ("ones",)
+    return ("zeros",)
+
+
+def _key(seed: int, name: str) -> np.ndarray:
+    """Philox key (2 uint64) of one parameter: blake2b of ``"seed:name"``."""
+    h = hashlib.blake2b(f"{int(seed)}:{name}".encode(), digest_size=16).digest()
+    return np.frombuffer(h, dtype=np.uint64).copy()
+
+
+def full_rows(seed: int, name: str, ncols: int, std: float, rows) -> np.ndarray:
+    """Rows ``rows`` (ints) of the full (R, ncols) N(0, std^2) parameter ``name``: float64 (len(rows), ncols)."""
+    key = _key(seed, name)
+    out = np.empty((len(rows), ncols), dtype=np.float64)
+    for i, r in enumerate(rows):
+        gen = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, int(r), 0]))
+        out[i] = gen.standard_normal(ncols) * std
+    return out
+
+
+def _full_coord(c, n: int, stride: int, index: int, parts: int):
+    """Full coordinate of local coordinate(s) ``c`` along a dimension of full size ``n`` split as
+    ``tensor_parallel.shard_array`` splits it: ``stride`` blocks, part ``index`` of ``parts`` of each."""
+    b = n // (stride * parts)
+    return (c // b) * (n // stride) + index * b + c % b
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInit:
+    """How to draw any flat piece of one (possibly tensor-parallel) parameter shard.
+
+    ``name``: the nanoGPT name of the whole parameter; ``shape``: its full shape; ``rule``:
+    from :func:`rule`; ``tp``: None, or (dim, stride, index, parts) as ``shard_array`` cut it;
+    ``dtype``: the parameter dtype; ``seed``: the init seed.
+    """
+
+    seed: int
+    name: str
+    shape: tuple
+    rule: tuple
+    dtype: object
+    tp: tuple | None = None
+
+    @property
+    def local_shape(self) -> tuple:
+        s = list(self.shape)
+        if self.tp is not None:
+            s[self.tp[0]] //= self.tp[3]
+        return tuple(s)
+
+    def flat(self, lo: int, hi: int):
+        """Elements ``[lo, hi)`` of this shard laid flat: (hi - lo,) of ``dtype``, on the device.
+
+        Memory: the piece plus the rows it touches (for a column shard each touched row is drawn
+        whole, one row at a time). Raises ValueError when [lo, hi) is outside the shard.
+        """
+        local = self.local_shape
+        size = int(np.prod(local))
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(f"{self.name}: piece [{lo}, {hi}) outside a shard of {size} elements")
+        dt = np.dtype(self.dtype)
+        if self.rule[0] != "normal":
+            fill = 1.0 if self.rule[0] == "ones" else 0.0
+            return backend.xp.full(hi - lo, fill, dtype=dt)
+        ncols_local, ncols = local[-1], self.shape[-1]
+        out = np.empty(hi - lo, dtype=dt)
+        r0, r1 = lo // ncols_local, -(-hi // ncols_local)
+        cols = np.arange(ncols_local)
+        if self.tp is not None and self.tp[0] == 1:
+            cols = _full_coord(cols, ncols, self.tp[1], self.tp[2], self.tp[3])
+        for r in range(r0, r1):  # one local row at a time: its slice of [lo, hi)
+            fr = r if self.tp is None or self.tp[0] != 0 else _full_coord(r, self.shape[0], *self.tp[1:])
+            row = full_rows(self.seed, self.name, ncols, self.rule[1], [fr])[0][cols]
+            a, b = max(lo, r * ncols_local), min(hi, (r + 1) * ncols_local)
+            out[a - lo:b - lo] = row[a - r * ncols_local:b - r * ncols_local]
+        return backend.to_device(out)
+
+
+def attach_inits(module, seed: int, n_layer: int, tp_rank: int = 0, tp: int = 1) -> None:
+    """Set ``p.init`` (:class:`ParamInit`) on every parameter of ``module`` (a GPT or a stage of it).
+
+    Names are the module's (nanoGPT's); the last stage's copy of the tied head (``shared_embedding_copy``)
+    draws as ``transformer.wte.weight``. A parameter marked ``tensor_model_parallel`` is the
+    (partition_dim, partition_stride, tp_rank, tp) shard of the full one.
+    """
+    for name, p in module.named_parameters():
+        split = None
+        if getattr(p, "tensor_model_parallel", False):
+            split = (int(p.partition_dim), int(p.partition_stride), tp_rank, tp)
+        shape = list(p.shape)
+        if split is not None:
+            shape[split[0]] *= tp
+        logical = TIED if getattr(p, "shared_embedding_copy", False) else name
+        p.init = ParamInit(seed, logical, tuple(shape), rule(logical, len(shape), n_layer), p.dtype, split)
+
+
+def materialize_(module, ledger=None) -> None:
+    """Replace every meta parameter of ``module`` by its drawn values, one parameter at a time.
+
+    Needs :func:`attach_inits` first. With ``ledger``, each new array is tracked as ``parameters``.
+    Raises AttributeError when a meta parameter has no ``init``.
+    """
+    for _, p in module.named_parameters():
+        if is_meta(p.data):
+            p.data = p.init.flat(0, p.size).reshape(p.shape)
+            if ledger is not None:
+                ledger.track(p.data, "parameters")
