@@ -26,6 +26,7 @@ from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS, get_config
+from minizero.parallel.sequence_parallel import check_sequence_parallel
 from minizero.parallel.topology import resolve_sizes
 from minizero.progress import MODES as PROGRESS_MODES
 
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "grad-accum (grad-accum is derived when not given)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
@@ -430,4 +433,5 @@ def resolve_parallel_args(args, world_size: int) -> int:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
+    check_sequence_parallel(args, cfg)
     return args.dp

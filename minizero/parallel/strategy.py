@@ -42,6 +42,7 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
+from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
 
@@ -97,8 +98,10 @@ class Strategy:
         return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
 
     def reduce_gradients(self) -> None:
-        """Collective: the tied embedding's two copies summed (pp > 1), then the data-group average."""
+        """Collective: the tied embedding's two copies summed (pp > 1), the sequence-parallel norms' and
+        biases' gradients summed over the tensor group (--sequence-parallel), then the data-group average."""
         allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
+        allreduce_sequence_parallel_grads(self.params, self.topo.tp_comm)
         self._reduce()
 
     def local_grads(self) -> list:
@@ -201,7 +204,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         model = GPT(cfg, seed=args.seed)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo)
+        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False))
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"

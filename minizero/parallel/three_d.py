@@ -38,6 +38,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.parallel.pipeline import PipelineStage, stage_layers
+from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
 from minizero.parallel.topology import Topology
 from minizero.parallel.vocab_parallel import vocab_parallelize
@@ -56,7 +57,7 @@ def scratch_ledger():
         set_ledger(real)
 
 
-def build_stage(cfg, seed: int, topo: Topology) -> PipelineStage:
+def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False) -> PipelineStage:
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
     The full GPT is built from ``seed`` (same weights as a single process), sliced and
@@ -65,11 +66,15 @@ def build_stage(cfg, seed: int, topo: Topology) -> PipelineStage:
     weights split; ln_1, ln_2 and the two projection biases whole); plus VC/tp + TC on the
     first stage (wte split by vocabulary, wpe whole) and VC/tp + 2C on the last (its copy of
     the tied head's shard, ln_f) — the two are one shard when the stage is both.
+    ``sequence_parallel``: also split the norms, dropouts and residuals along the sequence
+    (:func:`~minizero.parallel.sequence_parallel.sequence_parallelize`; same parameters).
     """
     with scratch_ledger():
         stage = PipelineStage(GPT(cfg, seed=seed), topo.pp_rank, topo.pp)
         tensor_parallelize(stage, topo.tp_comm)
         vocab_parallelize(stage, topo.tp_comm)
+        if sequence_parallel:
+            sequence_parallelize(stage, topo.tp_comm)
     ledger = get_ledger()
     for p in stage.parameters():
         ledger.track(p.data, "parameters")
