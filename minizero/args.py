@@ -26,6 +26,7 @@ from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS, get_config
+from minizero.parallel.interleaved import check_interleaved
 from minizero.parallel.sequence_parallel import check_sequence_parallel
 from minizero.parallel.topology import resolve_sizes
 from minizero.progress import MODES as PROGRESS_MODES
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                         "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
@@ -360,6 +362,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         args.grad_accum = 1
     args.batch_size = per_step * args.grad_accum
     args.micro_batches = args.grad_accum
+    if args.schedule == "interleaved" and args.grad_accum % args.pp:  # m derived from --batch-size
+        raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) to be a multiple "
+                         f"of --pp {args.pp}")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:
@@ -434,4 +439,5 @@ def resolve_parallel_args(args, world_size: int) -> int:
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
     check_sequence_parallel(args, cfg)
+    check_interleaved(args, cfg)
     return args.dp

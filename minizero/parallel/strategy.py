@@ -41,6 +41,7 @@ from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
@@ -204,7 +205,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         model = GPT(cfg, seed=args.seed)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False))
+        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
+                                         getattr(args, "virtual_stages", 1))
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -226,8 +228,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         else:
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
-    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True))
+    log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
+    if args.schedule == "interleaved":
+        engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
+    else:
+        engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                                log=log_line)
     return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16)
 
 

@@ -37,7 +37,8 @@ from minizero import backend
 from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
-from minizero.parallel.pipeline import PipelineStage, stage_layers
+from minizero.parallel.interleaved import InterleavedStage, interleave, rank_of_layer
+from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
 from minizero.parallel.topology import Topology
@@ -57,7 +58,7 @@ def scratch_ledger():
         set_ledger(real)
 
 
-def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False) -> PipelineStage:
+def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False, virtual_stages: int = 1):
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
     The full GPT is built from ``seed`` (same weights as a single process), sliced and
@@ -68,13 +69,18 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False)
     the tied head's shard, ln_f) — the two are one shard when the stage is both.
     ``sequence_parallel``: also split the norms, dropouts and residuals along the sequence
     (:func:`~minizero.parallel.sequence_parallel.sequence_parallelize`; same parameters).
+    ``virtual_stages`` v > 1: this rank's v chunks (virtual stages c*pp + pp_rank of pp*v) as one
+    :class:`~minizero.parallel.interleaved.InterleavedStage`, for the interleaved schedule.
     """
     with scratch_ledger():
-        stage = PipelineStage(GPT(cfg, seed=seed), topo.pp_rank, topo.pp)
-        tensor_parallelize(stage, topo.tp_comm)
-        vocab_parallelize(stage, topo.tp_comm)
-        if sequence_parallel:
-            sequence_parallelize(stage, topo.tp_comm)
+        model = GPT(cfg, seed=seed)
+        parts = interleave(model, topo.pp_rank, topo.pp, virtual_stages)
+        for part in parts:
+            tensor_parallelize(part, topo.tp_comm)
+            vocab_parallelize(part, topo.tp_comm)
+            if sequence_parallel:
+                sequence_parallelize(part, topo.tp_comm)
+        stage = parts[0] if virtual_stages == 1 else InterleavedStage(parts, topo.pp)
     ledger = get_ledger()
     for p in stage.parameters():
         ledger.track(p.data, "parameters")
@@ -146,7 +152,7 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     for name, p in full.named_parameters():
         if name.startswith("transformer.h."):
             layer = int(name.split(".")[2])
-            s = next(k for k in range(topo.pp) if layer in stage_layers(cfg.n_layer, topo.pp, k))
+            s = rank_of_layer(cfg.n_layer, topo.pp, getattr(stage, "virtual_stages", 1), layer)
         else:
             s = topo.pp - 1 if name.startswith("transformer.ln_f") else 0
         shards, dim, stride = [], -1, 1
