@@ -49,6 +49,16 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------- interface
+class SentHandle:
+    """A completed send: what ``Communicator.isend`` returns where sends never block."""
+
+    def wait(self) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
 class Communicator(abc.ABC):
     """A group of ``world_size`` ranks that exchange contiguous arrays.
 
@@ -85,6 +95,22 @@ class Communicator(abc.ABC):
         self.traffic.record(buf.nbytes)
         self._send(buf, dest, tag)
 
+    def isend(self, buf, dest: int, tag: int = 0):
+        """Start sending ``buf`` to ``dest`` and return at once (MPI_Isend); ``buf`` must stay unchanged
+        until ``.wait()`` on the returned handle (``.test()``: done yet?) completes it.
+
+        Bytes: records ``buf.nbytes``. Raises: as ``send`` (the wait: as ``send``'s wait).
+        """
+        _check_array(buf, "send buffer")
+        dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
+        self.traffic.record(buf.nbytes)
+        return self._isend(buf, dest, tag)
+
+    def _isend(self, buf, dest, tag):
+        """Default transport: a blocking send, already complete (right where ``send`` never blocks: threads)."""
+        self._send(buf, dest, tag)
+        return SentHandle()
+
     def recv(self, buf, source: int, tag: int = 0):
         """Receive a message from rank ``source`` into ``buf`` (preallocated) and return it.
 
@@ -100,11 +126,12 @@ class Communicator(abc.ABC):
         self._recv(buf, source, tag)
         return buf
 
-    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0, recvtag: int | None = None):
         """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from ``source`` at once.
 
         The two buffers must not overlap. Never deadlocks in a ring (everyone sends
-        right and receives from the left). Returns ``recvbuf``.
+        right and receives from the left). ``recvtag``: the receive's tag when it differs
+        from the send's (MPI_Sendrecv's sendtag / recvtag). Returns ``recvbuf``.
         Bytes: records ``sendbuf.nbytes``.
         Raises: as ``send`` and ``recv``.
         """
@@ -113,7 +140,10 @@ class Communicator(abc.ABC):
         dest, source = self._check_rank(dest, "dest"), self._check_rank(source, "source")
         tag = self._check_tag(tag)
         self.traffic.record(sendbuf.nbytes)
-        self._sendrecv(sendbuf, dest, recvbuf, source, tag)
+        if recvtag is None or recvtag == tag:
+            self._sendrecv(sendbuf, dest, recvbuf, source, tag)
+        else:
+            self._sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag=self._check_tag(recvtag))
         return recvbuf
 
     # -- group management ------------------------------------------------------------
@@ -223,7 +253,7 @@ class Communicator(abc.ABC):
     def _recv(self, buf, source, tag): ...
 
     @abc.abstractmethod
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag): ...
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None): ...
 
     @abc.abstractmethod
     def _native_allreduce(self, x, out): ...

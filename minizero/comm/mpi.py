@@ -56,6 +56,19 @@ def _mpi():
     return MPI
 
 
+class _PendingSend:
+    """The requests of one ``isend`` (header and payload); ``wait`` polls them as every MPI wait does."""
+
+    def __init__(self, comm, requests, dest, tag):
+        self.comm, self.requests, self.dest, self.tag = comm, requests, dest, tag
+
+    def wait(self) -> None:
+        self.comm._wait(self.requests, "isend", self.dest, self.tag)
+
+    def test(self) -> bool:
+        return _mpi().Request.Testall(self.requests)
+
+
 class MPICommunicator(Communicator):
     """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
@@ -119,11 +132,15 @@ class MPICommunicator(Communicator):
     def _send(self, buf, dest, tag):
         self._wait(self._post_send(buf, dest, tag), "send", dest, tag)
 
+    def _isend(self, buf, dest, tag):
+        return _PendingSend(self, self._post_send(buf, dest, tag), dest, tag)
+
     def _recv(self, buf, source, tag):
         self._receive(buf, source, tag, "recv")
 
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        self._receive(recvbuf, source, tag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None):
+        rtag = tag if recvtag is None else recvtag
+        self._receive(recvbuf, source, rtag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
 
     def barrier(self):
         self._wait([self.mpi_comm.Ibarrier()], "barrier")

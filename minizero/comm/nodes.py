@@ -192,9 +192,15 @@ class NodeTrafficCommunicator(Communicator):
         super().send(buf, dest, tag)
         self._count(buf.nbytes, dest)
 
-    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+    def isend(self, buf, dest, tag=0):
+        """``Communicator.isend``; ``buf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
+        handle = super().isend(buf, dest, tag)
+        self._count(buf.nbytes, dest)
+        return handle
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, recvtag=None):
         """``Communicator.sendrecv``; ``sendbuf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
-        out = super().sendrecv(sendbuf, dest, recvbuf, source, tag)
+        out = super().sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag)
         self._count(sendbuf.nbytes, dest)
         return out
 
@@ -250,8 +256,11 @@ class NodeTrafficCommunicator(Communicator):
     def _recv(self, buf, source, tag):
         self.inner._recv(buf, source, tag)
 
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
+    def _isend(self, buf, dest, tag):
+        return self.inner._isend(buf, dest, tag)
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None):
+        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag=recvtag)
 
     def _native_allreduce(self, x, out):
         self.inner._native_allreduce(x, out)

@@ -25,9 +25,11 @@ and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage. Ea
 (activations, gradients): between two ranks each direction then delivers micro-batches in
 the order both sides run them (every rank runs forwards in the same (chunk, micro-batch) order,
 backwards likewise), also when p = 2 makes the next and previous rank the same one.
-A send is posted together with the next receive from the same rank with the same tag (one
-``sendrecv``); other sends are blocking ``send``s, which MPI completes at once for messages
-under its eager limit (MPICH: tens of KiB) — larger activations may need non-blocking sends.
+Every send is non-blocking (``comm.isend``) and completes while the rank goes on to its next
+op; receives block. With p = 2 the two ranks send to each other at the same time (rank 0 a
+gradient of chunk 1 and an activation of chunk 0, rank 1 the reverse), and blocking sends
+deadlock there once a message is over MPI's eager limit (32 KiB already did with MPICH):
+Megatron-LM batches isend/irecv for the same reason.
 
 Sources: Narayanan et al., arXiv:2104.04473, section 2.2.2 and figure 4; Megatron-LM
 ``core/pipeline_parallel/schedules.py`` (forward_backward_pipelining_with_interleaving).
@@ -117,33 +119,29 @@ class InterleavedEngine(PipelineEngine):
         self.stage, self.comm, self.schedule, self.verbose, self.log, self.pair_sends = (
             stage, comm, "interleaved", verbose, log, True)
         self.forward_context = forward_context or contextlib.nullcontext
-        self.peak_in_flight, self.trace, self._pending = 0, [], None
+        self.peak_in_flight, self.trace, self._sending = 0, [], []  # (handle, array) of unfinished sends
 
     def _post(self, array, dest: int, label: str, what: str, tag: int = ACT_TAG) -> None:
-        self._flush()
-        self._pending = (backend.xp.ascontiguousarray(array), dest, label, what, tag)
+        """Start a non-blocking send (``comm.isend``); it completes while this rank goes on (see :meth:`_reap`)."""
+        array = backend.xp.ascontiguousarray(array)
+        self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
+        with self.comm.traffic.op(label):
+            self._sending.append((self.comm.isend(array, dest, tag=tag), array))
+
+    def _reap(self, wait: bool = False) -> None:
+        """Forget the sends that completed (all of them, waiting, with ``wait``): their arrays are freed."""
+        if wait:
+            for handle, _ in self._sending:
+                handle.wait()
+        self._sending = [(h, a) for h, a in self._sending if not h.test()]
 
     def _flush(self) -> None:
-        if self._pending is not None:
-            array, dest, label, what, tag = self._pending
-            self._pending = None
-            self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
-            with self.comm.traffic.op(label):
-                self.comm.send(array, dest, tag=tag)
+        self._reap(wait=True)
 
     def _recv(self, shape, source: int, what: str, tag: int = ACT_TAG):
-        buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
-        pend = self._pending
-        if pend is not None and pend[1] == source and pend[4] == tag:  # one sendrecv for both
-            self._pending = None
-            self._say(f"{pend[3]} {pend[0].shape} {pend[0].nbytes} B ──> stage {source}, and "
-                      f"{what} <── stage {source} (sendrecv)")
-            with self.comm.traffic.op(pend[2]):
-                self.comm.sendrecv(pend[0], source, buf, source, tag=tag)
-        else:
-            self._flush()
-            self.comm.recv(buf, source, tag=tag)
-            self._say(f"{what} {shape} <── stage {source}")
+        buf = self.comm.recv(backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype)), source, tag=tag)
+        self._say(f"{what} {shape} <── stage {source}")
+        self._reap()
         return buf
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
