@@ -10,7 +10,8 @@ import tests.mp_reference as R
 from minizero.args import UsageError
 from minizero.comm import run_in_threads
 from minizero.parallel.interleaved import rank_of_layer
-from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_fraction, bubble_ratio, interleaved,
+from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_fraction, bubble_over_ideal, bubble_ratio,
+                                        interleaved,
                                         make_schedule, one_f_one_b, peak_in_flight, simulate)
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
@@ -32,6 +33,7 @@ def test_simulated_interleaved_bubble_is_p_minus_1_over_v_m(p, m, v, f, b):
     """Idle over busy time = (p-1)/(v m) (Narayanan et al.'s bubble); idle share = (p-1)/(v m + p - 1)."""
     timeline = simulate(interleaved(p, m, v), f, b)
     assert bubble_ratio(timeline) == pytest.approx((p - 1) / (v * m), abs=1e-12)
+    assert bubble_over_ideal(p, m, v) == (p - 1) / (v * m)  # the planner's step time uses this one
     assert bubble_fraction(timeline) == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
     plain = simulate(one_f_one_b(p, m), f * v, b * v)  # one chunk per stage: v times the work per op
     assert bubble_ratio(plain) == pytest.approx((p - 1) / m, abs=1e-12)

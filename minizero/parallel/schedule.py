@@ -199,6 +199,14 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
+    """(p-1)/(v m): the bubble as a share of the ideal (bubble-free) time, Narayanan et al. 2021 section 2.2.
+
+    The one formula the trainer's header, the simulator's tests and the planner's step time use.
+    """
+    return (p - 1) / (v * m)
+
+
 def bubble_ratio(timeline) -> float:
     """Idle time over busy time, (p makespan - busy) / busy: Narayanan et al.'s bubble, (p-1)/(v m) ideally."""
     makespan = max(end for stage in timeline for _, _, end in stage)
