@@ -26,6 +26,7 @@ from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS, get_config
+from minizero.parallel.context_parallel import check_context_parallel
 from minizero.parallel.interleaved import check_interleaved
 from minizero.parallel.sequence_parallel import check_sequence_parallel
 from minizero.parallel.topology import resolve_sizes
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split, ring attention")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
@@ -417,8 +419,10 @@ def resolve_parallel_args(args, world_size: int) -> int:
         ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
         or different from --grad-accum, ZeRO 2/3 with --pp > 1.
     """
-    cfg = PRESETS[args.model]
-    args.dp, args.tp, args.pp = resolve_sizes(world_size, args.dp, args.tp, args.pp, n_head=cfg.n_head,
+    cfg, cp = PRESETS[args.model], getattr(args, "cp", 1)
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
+    args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
     m = args.micro_batches
     if m is not None:
@@ -440,4 +444,5 @@ def resolve_parallel_args(args, world_size: int) -> int:
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)
+    check_context_parallel(args, cfg)
     return args.dp

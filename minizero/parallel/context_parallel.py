@@ -25,9 +25,15 @@ travel around the ring with it and arrive home after c sends.
 Traffic per rank and call: forward (c-1) blocks of k and v, 2 * (c-1) * b*H*2n*D*itemsize bytes;
 backward c blocks of k, v, dk, dv less the first k, v (see :func:`ring_bytes`).
 
-This module is the algorithm with its exact test (tests/test_context_parallel.py: equal to whole
-causal attention in float64 for c = 2 and 4); the ``--cp`` flag, the cp dimension of the mesh and
-the gradient reduction over the context group are not wired into training yet.
+In training (``--cp c``, :func:`context_parallelize`): the c ranks of a context group share the
+data rank's rows and each keeps its two chunks of every sequence (a forward pre-hook on the stage
+splits the token ids and the targets), the position embedding looks up the chunks' global
+positions, and every block's ``attention_core`` is :func:`ring_attention`. Everything else acts
+token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
+averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
+Megatron-LM's "dp-cp" group) gives the gradient of the global mean.
+Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
+no attention dropout), pp = 1, no --sequence-parallel, T divisible by 2c.
 """
 from __future__ import annotations
 
@@ -184,3 +190,83 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
     forward: k, v blocks around the ring, online softmax; backward: k, v and their gradients around the ring.
     """
     return _RingAttention.apply(q, k, v, comm)
+
+
+# --------------------------------------------------------------------------- in the model
+def context_parallelize(stage, comm) -> list[str]:
+    """Split a (single-stage) model's sequence over the context group ``comm``, in place; see the module docstring.
+
+    Installs a forward pre-hook on ``stage`` that keeps this rank's chunks of the token ids (b, T) ->
+    (b, 2n) and of the targets; makes ``wpe`` look up the chunks' global positions; replaces every block's ``attention_core`` by
+    :func:`ring_attention` (before recompute wraps it, so selective recompute recomputes the ring).
+    Returns the converted names. No-op for c = 1.
+    Raises:
+        ValueError: a stage that is not the whole model (pp > 1).
+    """
+    cp = comm.world_size
+    if cp == 1:
+        return []
+    if not (stage.is_first and stage.is_last):
+        raise ValueError("context parallelism runs with one pipeline stage (pp = 1)")
+    r = comm.rank
+
+    def split_tokens(_module, args):
+        return tuple(None if a is None else split_for_context_parallel(a.data if isinstance(a, Tensor) else a, r, cp, 1)
+                     for a in args)
+
+    stage.register_forward_pre_hook(split_tokens)
+    tr, done = stage.transformer, ["transformer.wpe"]
+    wpe = tr["wpe"]
+    lookup = type(wpe).forward.__get__(wpe)
+
+    def global_positions(pos):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
+        return lookup(split_for_context_parallel(backend.xp.arange(pos.shape[0] * cp), r, cp, 0))
+
+    object.__setattr__(wpe, "forward", global_positions)
+    for name, block in tr["h"]._modules.items():
+        attn = block.attn
+        attn.cp_comm = comm
+        attn.__class__ = _ring_class(type(attn))  # a class attribute, so recompute's checkpoint wraps the ring
+        done.append(f"transformer.h.{name}.attn.attention_core")
+    return done
+
+
+class RingAttentionCore:
+    """Mixin: ``attention_core`` (b, H, 2n, D) q, k, v -> (b, H, 2n, D) by :func:`ring_attention` over ``cp_comm``."""
+
+    def attention_core(self, q, k, v):
+        return ring_attention(q, k, v, self.cp_comm)
+
+
+_RING_CLASSES: dict = {}
+
+
+def _ring_class(cls):
+    """``cls`` (CausalSelfAttention or its tensor-parallel subclass) with the ring core, one class per base."""
+    if cls not in _RING_CLASSES:
+        _RING_CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (RingAttentionCore, cls), {})
+    return _RING_CLASSES[cls]
+
+
+def check_context_parallel(args, cfg) -> None:
+    """Refuse ``--cp`` where it cannot run (parse time). Raises ValueError naming the conflict."""
+    cp = getattr(args, "cp", 1)
+    if cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    t = getattr(args, "block_size", None) or cfg.block_size
+    dropout = args.dropout if getattr(args, "dropout", None) is not None else cfg.dropout
+    if t % (2 * cp):
+        raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
+    if dropout:
+        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
+    if args.pp > 1:
+        raise ValueError(f"--cp {cp} with --pp {args.pp} is not supported yet (context parallelism runs with one stage)")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError(f"--cp {cp} with --sequence-parallel is not supported yet")
+
+
+def context_group(dp_comm, cp: int):
+    """The context-parallel group inside a data group of dp*cp ranks: data ranks [k cp, (k+1) cp) (None for cp = 1)."""
+    return None if cp == 1 else dp_comm.split(color=dp_comm.rank // cp, key=dp_comm.rank % cp)

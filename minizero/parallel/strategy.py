@@ -40,6 +40,7 @@ from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
+from minizero.parallel.context_parallel import context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
@@ -70,8 +71,9 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
-                 predivide: bool = False):
+                 predivide: bool = False, cp: int = 1):
         self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
+        self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
         # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
@@ -141,7 +143,8 @@ class Strategy:
         stage.eval()
         total = np.zeros(2)  # [sum of per-sequence mean losses, number of sequences]
         for x, y in batches:
-            xs, ys = x[topo.dp_rank::topo.dp], y[topo.dp_rank::topo.dp]
+            rows = slice(topo.dp_rank // self.cp, None, topo.dp // self.cp)  # a context group shares its rows
+            xs, ys = x[rows], y[rows]
             n = len(xs)
             loss = self.engine.forward_only(*((xs, ys) if n else (x[:1], y[:1])))
             if self.holds_loss:
@@ -199,14 +202,18 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     ``forward_context``: callable returning a context entered around every forward
     (activation offload). ``store``: the optimizer-state store (optimizer offload).
     """
-    topo = Topology(comm, args.dp, args.tp, args.pp)
+    cp = getattr(args, "cp", 1)
+    topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
+    cp_comm = context_group(topo.dp_comm, cp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
-    if args.tp * args.pp == 1:  # the whole model, built as one process builds it
+    if args.tp * args.pp * cp == 1:  # the whole model, built as one process builds it
         model = GPT(cfg, seed=args.seed)
         stage = PipelineStage(model, 0, 1)
     else:
         model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
                                          getattr(args, "virtual_stages", 1))
+    if cp > 1:
+        context_parallelize(stage, cp_comm)  # before recompute, which then recomputes the ring
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -234,7 +241,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     else:
         engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                                 log=log_line)
-    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16)
+    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, cp=cp)
 
 
 def describe_batch(args, cfg) -> str:
