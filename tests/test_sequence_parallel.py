@@ -148,3 +148,13 @@ def test_sequence_parallel_from_the_command_line(mpiexec, tmp_path):
         out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_with_a_pipeline_sends_the_sequence_slices():
+    """--tp 2 --pp 2 --sequence-parallel: the stages exchange (b, T/2, C) slices; weights are one process's."""
+    ref = run_in_threads(1, R.run_single, "default", 2, 2, [])[0]
+    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 2, 2, 2, "1f1b", ["--sequence-parallel"])
+    R.assert_matches(ref, got, "tp 2 pp 2 sequence parallel")
+    for r in got:
+        assert r["traffic"]["pp"]["by_op"].get("pp_activation", 0) in (0, 3 * 2 * 2 * 8 * 128 * 8)  # 3 steps x m 2 x (2, 8, 128) f64
