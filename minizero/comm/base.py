@@ -126,12 +126,11 @@ class Communicator(abc.ABC):
         self._recv(buf, source, tag)
         return buf
 
-    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0, recvtag: int | None = None):
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
         """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from ``source`` at once.
 
         The two buffers must not overlap. Never deadlocks in a ring (everyone sends
-        right and receives from the left). ``recvtag``: the receive's tag when it differs
-        from the send's (MPI_Sendrecv's sendtag / recvtag). Returns ``recvbuf``.
+        right and receives from the left). Returns ``recvbuf``.
         Bytes: records ``sendbuf.nbytes``.
         Raises: as ``send`` and ``recv``.
         """
@@ -140,10 +139,7 @@ class Communicator(abc.ABC):
         dest, source = self._check_rank(dest, "dest"), self._check_rank(source, "source")
         tag = self._check_tag(tag)
         self.traffic.record(sendbuf.nbytes)
-        if recvtag is None or recvtag == tag:
-            self._sendrecv(sendbuf, dest, recvbuf, source, tag)
-        else:
-            self._sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag=self._check_tag(recvtag))
+        self._sendrecv(sendbuf, dest, recvbuf, source, tag)
         return recvbuf
 
     # -- group management ------------------------------------------------------------
@@ -253,7 +249,7 @@ class Communicator(abc.ABC):
     def _recv(self, buf, source, tag): ...
 
     @abc.abstractmethod
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None): ...
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag): ...
 
     @abc.abstractmethod
     def _native_allreduce(self, x, out): ...

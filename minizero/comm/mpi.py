@@ -138,9 +138,8 @@ class MPICommunicator(Communicator):
     def _recv(self, buf, source, tag):
         self._receive(buf, source, tag, "recv")
 
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None):
-        rtag = tag if recvtag is None else recvtag
-        self._receive(recvbuf, source, rtag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self._receive(recvbuf, source, tag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
 
     def barrier(self):
         self._wait([self.mpi_comm.Ibarrier()], "barrier")

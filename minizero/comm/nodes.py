@@ -198,9 +198,9 @@ class NodeTrafficCommunicator(Communicator):
         self._count(buf.nbytes, dest)
         return handle
 
-    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0, recvtag=None):
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
         """``Communicator.sendrecv``; ``sendbuf.nbytes`` also to ``cross_node`` when ``dest`` is on another node."""
-        out = super().sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag)
+        out = super().sendrecv(sendbuf, dest, recvbuf, source, tag)
         self._count(sendbuf.nbytes, dest)
         return out
 
@@ -259,8 +259,8 @@ class NodeTrafficCommunicator(Communicator):
     def _isend(self, buf, dest, tag):
         return self.inner._isend(buf, dest, tag)
 
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None):
-        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag, recvtag=recvtag)
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
 
     def _native_allreduce(self, x, out):
         self.inner._native_allreduce(x, out)

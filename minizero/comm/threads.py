@@ -122,9 +122,9 @@ class ThreadCommunicator(Communicator):
             )
         buf[...] = msg
 
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag, recvtag=None):
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._send(sendbuf, dest, tag)  # never blocks, so no deadlock
-        self._recv(recvbuf, source, tag if recvtag is None else recvtag, "sendrecv")
+        self._recv(recvbuf, source, tag, "sendrecv")
 
     # -- group management ------------------------------------------------------------
     def _wait(self, what: str) -> None:
