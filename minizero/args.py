@@ -26,6 +26,9 @@ from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS, get_config
+from minizero.parallel.context_parallel import check_context_parallel
+from minizero.parallel.interleaved import check_interleaved
+from minizero.parallel.sequence_parallel import check_sequence_parallel
 from minizero.parallel.topology import resolve_sizes
 from minizero.progress import MODES as PROGRESS_MODES
 
@@ -70,11 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "grad-accum (grad-accum is derived when not given)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split, ring attention")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                         "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
@@ -367,6 +374,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         args.grad_accum = 1
     args.batch_size = per_step * args.grad_accum
     args.micro_batches = args.grad_accum
+    if args.schedule == "interleaved" and args.grad_accum % args.pp:  # m derived from --batch-size
+        raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) to be a multiple "
+                         f"of --pp {args.pp}")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:
@@ -419,8 +429,10 @@ def resolve_parallel_args(args, world_size: int) -> int:
         ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
         or different from --grad-accum, ZeRO 2/3 with --pp > 1.
     """
-    cfg = PRESETS[args.model]
-    args.dp, args.tp, args.pp = resolve_sizes(world_size, args.dp, args.tp, args.pp, n_head=cfg.n_head,
+    cfg, cp = PRESETS[args.model], getattr(args, "cp", 1)
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
+    args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
     m = args.micro_batches
     if m is not None:
@@ -440,4 +452,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
+    check_sequence_parallel(args, cfg)
+    check_interleaved(args, cfg)
+    check_context_parallel(args, cfg)
     return args.dp

@@ -104,11 +104,15 @@ def _header(args, cfg, s, world: int) -> list[str]:
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
     if topo.tp * topo.pp > 1:
         lines.append(topo.describe())
+    if s.cp > 1:
+        lines.append(f"context parallel: cp {s.cp} (the data groups of {topo.dp} ranks are dp {topo.dp // s.cp} x cp "
+                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, ring attention")
     if topo.pp > 1:
-        m = args.grad_accum
-        sched = make_schedule(args.schedule, topo.pp, m)
+        m, v = args.grad_accum, getattr(args, "virtual_stages", 1)
+        sched = make_schedule(args.schedule, topo.pp, m, v)
         lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f} "
-                     f"= (p-1)/(m+p-1) = {bubble_formula(topo.pp, m):.3f}, micro-batches in flight per stage "
+                     f"= (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}"
+                     f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
                      f"{[peak_in_flight(ops) for ops in sched]}")
     if args.zero and topo.dp == 1:
         lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
@@ -149,7 +153,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
                                hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
     sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
-                                 dp_rank=s.topo.dp_rank, dp_size=s.topo.dp, seed=args.seed)
+                                 dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed)
     val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
     if rank0:
         for line in _header(args, cfg, s, comm.world_size):

@@ -14,6 +14,7 @@ import re
 from minizero.memory.estimator import (
     RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
     stage_parameters)
+from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
                 "then to fewer techniques")
@@ -118,7 +119,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     n = st.world_size
     batch = st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
-    bubble = compute * (st.pp - 1) / (st.virtual_stages * st.micro_batches)
+    bubble = compute * bubble_over_ideal(st.pp, st.micro_batches, st.virtual_stages)  # the simulator's formula
     node = hw.gpus_per_node
     dp_bw = hw.intra_node_bw if st.dp * st.tp <= node else hw.inter_node_bw
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw

@@ -119,7 +119,8 @@ class Communicator(abc.ABC):
     # -- non-blocking point to point (minizero.comm.nonblocking drives these) -------------
     def isend(self, buf, dest: int, tag: int = 0):
         """Start sending ``buf`` to ``dest``; returns a request whose ``test()`` is True once ``buf``
-        may be reused (MPI_Isend). ``buf`` must not change until then. Bytes: records ``buf.nbytes``.
+        may be reused (MPI_Isend) and whose ``wait()`` blocks until then (with this communicator's
+        timeout). ``buf`` must not change until then. Bytes: records ``buf.nbytes``.
         Raises: as ``send``; NotImplementedError if this communicator has no non-blocking transport.
         """
         _check_array(buf, "send buffer")

@@ -57,10 +57,16 @@ def _mpi():
 
 
 class _SendRequest:
-    """``isend``'s request: the header's and the payload's MPI_Isend; ``test()`` is MPI_Testall."""
+    """``isend``'s request: the header's and the payload's MPI_Isend; ``test()`` is MPI_Testall,
+    ``wait()`` completes them as every MPI wait here does (sleeping, with the communicator's timeout)."""
 
-    def __init__(self, requests):
-        self.requests, self.done = requests, False
+    def __init__(self, comm, requests, dest, tag):
+        self.comm, self.requests, self.dest, self.tag, self.done = comm, requests, dest, tag, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.comm._wait(self.requests, "isend", self.dest, self.tag)
+            self.done = True
 
     def test(self) -> bool:
         if not self.done:
@@ -162,7 +168,7 @@ class MPICommunicator(Communicator):
         self._receive(recvbuf, source, tag, "sendrecv", pending=self._post_send(sendbuf, dest, tag))
 
     def _isend(self, buf, dest, tag):
-        return _SendRequest(self._post_send(buf, dest, tag))
+        return _SendRequest(self, self._post_send(buf, dest, tag), dest, tag)
 
     def _irecv(self, buf, source, tag):
         return _RecvRequest(self, buf, source, tag)

@@ -73,6 +73,9 @@ class _DoneRequest:
     def test(self) -> bool:
         return True
 
+    def wait(self) -> None:
+        return None
+
 
 class _QueueRecvRequest:
     """``irecv`` on threads: ``test()`` takes the message from the queue if it is there (never waits)."""

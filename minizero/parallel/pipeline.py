@@ -101,6 +101,7 @@ class PipelineStage(Module):
         if self.is_last:
             mods["ln_f"] = tr["ln_f"]
         self.transformer = ModuleDict(mods)
+        self.sequence_shards = 1  # sequence_parallel.py: activations between stages are (b, T/shards, C)
         self.loss_fn = cross_entropy  # (N, V) logits, (N,) targets -> mean loss; vocab_parallel.py replaces it
         if self.is_last and self.is_first:
             self.lm_head = model.lm_head  # weight shared with wte: one Parameter
@@ -125,8 +126,8 @@ class PipelineStage(Module):
         return self.loss_fn(logits.reshape(b * t, v), targets.reshape(b * t))
 
     def activation_shape(self, idx_shape) -> tuple:
-        """Shape (b, T, C) of the activation between stages for token ids of shape (b, T)."""
-        return (idx_shape[0], idx_shape[1], self.config.n_embd)
+        """Shape (b, T, C) of the activation between stages for token ids of shape (b, T) ((b, T/t, C) under SP)."""
+        return (idx_shape[0], idx_shape[1] // self.sequence_shards, self.config.n_embd)
 
 
 def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:

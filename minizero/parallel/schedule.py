@@ -16,11 +16,21 @@ and computes the bubble and the activation memory they imply. p stages, m micro-
         stage 0  F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 ...     same bubble,
         ...                                                        in flight: at most p - s
 
+    Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): each rank holds v chunks of
+    layers, chunk c of rank r being virtual stage c*p + r of p*v; an op is F/B of
+    (micro-batch, chunk), each costing 1/v of a stage's; 1F1B over the chunks in groups of p
+    micro-batches (Megatron-LM's order), so the bubble shrinks by v. p = 2, v = 2, m = 4
+    (chunk 1 written ``F0.1``), f = 1, b = 2 per chunk:
+        stage 0  F0 F1 F0.1 F1.1 F2 ... (warm-up 2(p-r-1) + (v-1)p), then 1F1B pairs
+                                                                   bubble = (p-1)/(v m) of the ideal time
+
 Timing rule (:func:`simulate`): an op starts when the previous op of its stage has
 finished and its input exists — F(s, i) needs F(s-1, i), B(s, i) needs B(s+1, i) (the
 last stage's B needs its own F). Sends are free. The bubble fraction is the idle share
 of ``p * makespan``; with equal stage costs it is (p-1)/(m+p-1) for both schedules,
-whatever the ratio b/f (:func:`bubble_formula`).
+whatever the ratio b/f (:func:`bubble_formula`); as a share of the ideal time (busy time
+of one stage, Narayanan et al.'s definition) it is (p-1)/m, and (p-1)/(v m) interleaved
+(:func:`bubble_ratio`). With chunks, F(c*p + r, i) needs F of virtual stage c*p + r - 1.
 
 Sources: Huang et al., "GPipe", arXiv:1811.06965, section 2.3; Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -31,7 +41,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")  #: one chunk per stage: ``make_schedule(name, p, m)`` for any p, m
+ALL_SCHEDULES = SCHEDULES + ("interleaved",)  #: with v chunks per stage and m a multiple of p
 
 
 class Op(NamedTuple):
@@ -42,6 +53,20 @@ class Op(NamedTuple):
 
     def __str__(self):
         return f"{self.kind}{self.mb}"
+
+
+class ChunkOp(NamedTuple):
+    """An op of the interleaved schedule: F or B of micro-batch ``mb`` on model chunk ``chunk``.
+
+    Rank r's chunk c is virtual stage c*p + r; written ``F3`` for chunk 0, ``F3.1`` for chunk 1.
+    """
+
+    kind: str
+    mb: int
+    chunk: int
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def gpipe(p: int, m: int) -> list[list[Op]]:
@@ -65,16 +90,49 @@ def one_f_one_b(p: int, m: int) -> list[list[Op]]:
     return out
 
 
-def make_schedule(name: str, p: int, m: int) -> list[list[Op]]:
-    """The schedule ``name`` ("gpipe" or "1f1b") for p stages and m micro-batches.
+def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
+    """Interleaved 1F1B: rank r runs F/B of (micro-batch, chunk) for its v chunks, Megatron-LM's order.
+
+    The k-th forward of every rank is chunk (k // p) mod v of micro-batch (k // (p v)) p + k mod p
+    (groups of p micro-batches go through chunk 0, then chunk 1, ...); the k-th backward the
+    same with the chunks reversed. Rank r runs w = min(2(p-r-1) + (v-1)p, m v) warm-up forwards,
+    then forward/backward pairs, then the remaining backwards.
+    Raises:
+        ValueError: m not a multiple of p (the order above needs whole groups; Megatron-LM's rule).
+    """
+    if m % p:
+        raise ValueError(f"the interleaved schedule needs the micro-batches m={m} to be a multiple of pp={p}")
+
+    def op(kind, k):
+        c = (k // p) % v
+        return ChunkOp(kind, (k // (p * v)) * p + k % p, c if kind == "F" else v - 1 - c)
+
+    total, out = m * v, []
+    for r in range(p):
+        w = min(2 * (p - r - 1) + (v - 1) * p, total)
+        ops = [op("F", k) for k in range(w)]
+        for i in range(total - w):
+            ops += [op("F", w + i), op("B", i)]
+        ops += [op("B", k) for k in range(total - w, total)]
+        out.append(ops)
+    return out
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """The schedule ``name`` ("gpipe", "1f1b" or "interleaved" with v chunks per rank) for p stages, m micro-batches.
 
     Raises:
-        ValueError: unknown name (allowed listed), p < 1 or m < 1.
+        ValueError: unknown name (allowed listed), p < 1, m < 1, v < 1, v > 1 with another
+        schedule than "interleaved", or (interleaved) m not a multiple of p.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; allowed: {SCHEDULES}")
-    if p < 1 or m < 1:
-        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; allowed: {ALL_SCHEDULES}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p >= 1 stages, m >= 1 micro-batches and v >= 1 chunks, got p={p}, m={m}, v={v}")
+    if name == "interleaved":
+        return interleaved(p, m, v)
+    if v != 1:
+        raise ValueError(f"{v} virtual stages need the interleaved schedule, not {name!r}")
     return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
 
 
@@ -100,7 +158,8 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2) -> list[list[
         ValueError: the schedule cannot run (an op waits for one that never comes).
     """
     p = len(schedule)
-    done: dict[tuple[int, Op], float] = {}
+    last = p * (1 + max(getattr(op, "chunk", 0) for ops in schedule for op in ops)) - 1  # the last virtual stage
+    done: dict[tuple[int, str, int], float] = {}  # (virtual stage, kind, mb) -> end time
     times = [[] for _ in range(p)]
     pos, clock = [0] * p, [0.0] * p
     progress = True
@@ -109,15 +168,16 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2) -> list[list[
         for s in range(p):
             while pos[s] < len(schedule[s]):
                 op = schedule[s][pos[s]]
+                vs = getattr(op, "chunk", 0) * p + s
                 if op.kind == "F":
-                    dep = (s - 1, op) if s > 0 else None
+                    dep = (vs - 1, "F", op.mb) if vs > 0 else None
                 else:
-                    dep = (s + 1, op) if s < p - 1 else (s, Op("F", op.mb))
+                    dep = (vs + 1, "B", op.mb) if vs < last else (vs, "F", op.mb)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep is not None else 0.0)
                 end = start + (f if op.kind == "F" else b)
-                done[(s, op)] = clock[s] = end
+                done[(vs, op.kind, op.mb)] = clock[s] = end
                 times[s].append((op, start, end))
                 pos[s] += 1
                 progress = True
@@ -134,9 +194,24 @@ def bubble_fraction(timeline) -> float:
     return 1.0 - busy / (len(timeline) * makespan)
 
 
-def bubble_formula(p: int, m: int) -> float:
-    """(p-1)/(m+p-1): the bubble of GPipe and 1F1B with equal stage costs."""
-    return (p - 1) / (m + p - 1)
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """(p-1)/(v m+p-1): the idle share of GPipe and 1F1B (v = 1) and of interleaved 1F1B, equal stage costs."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
+    """(p-1)/(v m): the bubble as a share of the ideal (bubble-free) time, Narayanan et al. 2021 section 2.2.
+
+    The one formula the trainer's header, the simulator's tests and the planner's step time use.
+    """
+    return (p - 1) / (v * m)
+
+
+def bubble_ratio(timeline) -> float:
+    """Idle time over busy time, (p makespan - busy) / busy: Narayanan et al.'s bubble, (p-1)/(v m) ideally."""
+    makespan = max(end for stage in timeline for _, _, end in stage)
+    busy = sum(end - start for stage in timeline for _, start, end in stage)
+    return (len(timeline) * makespan - busy) / busy
 
 
 def ascii_timeline(timeline, f: float = 1, b: float = 2) -> str:
@@ -145,8 +220,7 @@ def ascii_timeline(timeline, f: float = 1, b: float = 2) -> str:
     Each op is written as its name (``F3``, ``B3``) padded with ``-`` over its slots; a column group
     stands for gcd(f, b) slots.
     """
-    m = 1 + max(op.mb for stage in timeline for op, _, _ in stage)
-    width = 1 + len(str(m - 1))  # characters per slot
+    width = max(len(str(op)) for stage in timeline for op, _, _ in stage)  # characters per slot
     makespan = max(end for stage in timeline for _, _, end in stage)
     unit = math.gcd(int(f), int(b)) if float(f).is_integer() and float(b).is_integer() else min(f, b)
     slots = int(round(makespan / unit))

@@ -43,9 +43,12 @@ from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
+from minizero.parallel.context_parallel import context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
+from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
+from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
 
@@ -72,8 +75,9 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
-                 predivide: bool = False, overlap: bool = False):
+                 predivide: bool = False, overlap: bool = False, cp: int = 1):
         self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
+        self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
         # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
@@ -112,8 +116,10 @@ class Strategy:
         return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
 
     def reduce_gradients(self) -> None:
-        """Collective: the tied embedding's two copies summed (pp > 1), then the data-group average."""
+        """Collective: the tied embedding's two copies summed (pp > 1), the sequence-parallel norms' and
+        biases' gradients summed over the tensor group (--sequence-parallel), then the data-group average."""
         allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
+        allreduce_sequence_parallel_grads(self.params, self.topo.tp_comm)
         self._reduce()
 
     def local_grads(self) -> list:
@@ -153,7 +159,8 @@ class Strategy:
         stage.eval()
         total = np.zeros(2)  # [sum of per-sequence mean losses, number of sequences]
         for x, y in batches:
-            xs, ys = x[topo.dp_rank::topo.dp], y[topo.dp_rank::topo.dp]
+            rows = slice(topo.dp_rank // self.cp, None, topo.dp // self.cp)  # a context group shares its rows
+            xs, ys = x[rows], y[rows]
             n = len(xs)
             loss = self.engine.forward_only(*((xs, ys) if n else (x[:1], y[:1])))
             if self.holds_loss:
@@ -211,14 +218,19 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     ``forward_context``: callable returning a context entered around every forward
     (activation offload). ``store``: the optimizer-state store (optimizer offload).
     """
-    topo = Topology(comm, args.dp, args.tp, args.pp)
+    cp = getattr(args, "cp", 1)
+    topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
+    cp_comm = context_group(topo.dp_comm, cp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
     meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
-    if args.tp * args.pp == 1:  # the whole model, built as one process builds it
+    if args.tp * args.pp * cp == 1:  # the whole model, built as one process builds it
         model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo, keep_meta=meta)
+        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
+                                         getattr(args, "virtual_stages", 1), keep_meta=meta)
+    if cp > 1:
+        context_parallelize(stage, cp_comm)  # before recompute, which then recomputes the ring
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -244,10 +256,14 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         else:
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
-    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                            log=lambda s: print(f"[rank {comm.rank}] {s}", flush=True),
-                            overlap=getattr(args, "overlap", True))
-    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=getattr(args, "overlap", True))
+    log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
+    overlap = getattr(args, "overlap", True)
+    if args.schedule == "interleaved":
+        engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
+    else:
+        engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                                log=log_line, overlap=overlap)
+    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp)
 
 
 def describe_batch(args, cfg) -> str:

@@ -39,7 +39,9 @@ from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.nn.init import attach_inits, is_meta, materialize_
-from minizero.parallel.pipeline import PipelineStage, stage_layers
+from minizero.parallel.interleaved import InterleavedStage, interleave, rank_of_layer
+from minizero.parallel.pipeline import PipelineStage
+from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
 from minizero.parallel.topology import Topology
 from minizero.parallel.vocab_parallel import vocab_parallelize
@@ -58,7 +60,8 @@ def scratch_ledger():
         set_ledger(real)
 
 
-def build_stage(cfg, seed: int, topo: Topology, keep_meta: bool = False) -> PipelineStage:
+def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False, virtual_stages: int = 1,
+                keep_meta: bool = False):
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
     The GPT is built as meta (0-byte) parameters, sliced and sharded, and only then are this
@@ -70,12 +73,21 @@ def build_stage(cfg, seed: int, topo: Topology, keep_meta: bool = False) -> Pipe
     weights split; ln_1, ln_2 and the two projection biases whole); plus VC/tp + TC on the
     first stage (wte split by vocabulary, wpe whole) and VC/tp + 2C on the last (its copy of
     the tied head's shard, ln_f) — the two are one shard when the stage is both.
+    ``sequence_parallel``: also split the norms, dropouts and residuals along the sequence
+    (:func:`~minizero.parallel.sequence_parallel.sequence_parallelize`; same parameters).
+    ``virtual_stages`` v > 1: this rank's v chunks (virtual stages c*pp + pp_rank of pp*v) as one
+    :class:`~minizero.parallel.interleaved.InterleavedStage`, for the interleaved schedule.
     """
     with scratch_ledger():  # meta arrays (0 bytes) and the small arrays slicing them leaves
-        stage = PipelineStage(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp)
-        tensor_parallelize(stage, topo.tp_comm)
-        vocab_parallelize(stage, topo.tp_comm)
-    attach_inits(stage, seed, cfg.n_layer, topo.tp_rank, topo.tp)
+        parts = interleave(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp, virtual_stages)
+        for part in parts:
+            tensor_parallelize(part, topo.tp_comm)
+            vocab_parallelize(part, topo.tp_comm)
+            if sequence_parallel:
+                sequence_parallelize(part, topo.tp_comm)
+    for part in parts:  # each chunk's parameters keep the model's names
+        attach_inits(part, seed, cfg.n_layer, topo.tp_rank, topo.tp)
+    stage = parts[0] if virtual_stages == 1 else InterleavedStage(parts, topo.pp)
     ledger = get_ledger()
     if not keep_meta:
         materialize_(stage)  # this rank's shard, one parameter at a time
@@ -150,7 +162,7 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     for name, p in full.named_parameters():
         if name.startswith("transformer.h."):
             layer = int(name.split(".")[2])
-            s = next(k for k in range(topo.pp) if layer in stage_layers(cfg.n_layer, topo.pp, k))
+            s = rank_of_layer(cfg.n_layer, topo.pp, getattr(stage, "virtual_stages", 1), layer)
         else:
             s = topo.pp - 1 if name.startswith("transformer.ln_f") else 0
         shards, dim, stride = [], -1, 1

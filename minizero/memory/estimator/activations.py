@@ -139,9 +139,24 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
     return emb, head
 
 
+def context_parallel_rows(rows: list[Saved], model, local_seq: int, micro_batch: int,
+                          precision: str = "mixed") -> list[Saved]:
+    """A layer's rows under context parallelism: ``rows`` at the local length s/c, with ring attention's core.
+
+    Ring attention (``parallel/context_parallel.py``) keeps no (s, s) probabilities: instead of the
+    "core" rows it saves its output (b, a, s/c, h/a) and the row log-sum-exp (b, a, s/c) in at least fp32.
+    """
+    m = as_shape(model)
+    e = PRECISIONS[precision][2]
+    s, b = local_seq, micro_batch
+    return [r for r in rows if r.part != "core"] + [
+        Saved("ring attention output", e * s * b * m.hidden, "tp", "core"),
+        Saved("ring attention log-sum-exp", max(e, 4) * m.n_head * s * b, "tp", "core")]
+
+
 def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int = 1, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           accounting: str = "paper", precision: str = "mixed") -> int:
+                           accounting: str = "paper", precision: str = "mixed", cp: int = 1) -> int:
     """Bytes one transformer layer keeps for backward on one of ``tp`` ranks, one micro-batch.
 
     Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte masks)::
@@ -156,9 +171,15 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
     One deviation from Table 2: with sequence parallelism the layer input kept by
     full recompute is itself split along s, so full recompute + SP gives 2sbh/t
     (as Megatron-LM stores it).
+
+    ``cp`` > 1 (context parallelism): the rows of s/cp tokens, ring attention's output and
+    log-sum-exp in place of the s^2 terms (:func:`context_parallel_rows`).
     """
     m = as_shape(model)
-    rows = saved_per_layer(m, seq_len or m.seq_len, micro_batch, accounting, precision)
+    s = (seq_len or m.seq_len) // cp
+    rows = saved_per_layer(m, s, micro_batch, accounting, precision)
+    if cp > 1:
+        rows = context_parallel_rows(rows, m, s, micro_batch, precision)
     return round(_layer_stored(rows, tp, sequence_parallel, recompute))
 
 

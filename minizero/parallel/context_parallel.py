@@ -1,0 +1,272 @@
+"""Context parallelism: causal attention over a sequence split across c ranks, by ring attention.
+
+Each of the c ranks of a context-parallel group holds 2 of the 2c equal chunks of the sequence,
+i and 2c-1-i (load balancing, as Megatron-LM's and Llama 3's CP: under the causal mask an early
+chunk attends to little and a late one to much, so every rank gets one of each)::
+
+    sequence, c = 2:   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |
+    rank 0 holds          chunk 0                       chunk 3       q, k, v: (b, H, 2n, D), n = s/(2c)
+    rank 1 holds                    chunk 1   chunk 2
+
+Attention needs every earlier key. The key/value blocks travel around the ring (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers", arXiv:2310.01889): at step j rank r holds the block
+of rank r - j, computes the scores of its two query chunks against the block's two key chunks
+(query chunk > key chunk: all of it; equal: the causal triangle; smaller: nothing), and passes the
+block right while receiving the next from the left (``sendrecv``). The softmax is accumulated
+online across blocks (running row maximum m, sum l, unnormalised output; Milakov & Gimelshein
+2018, the FlashAttention recurrence), so no rank ever holds an (s, s) score matrix: per step a
+(2n, 2n) block.
+
+Backward (the FlashAttention backward, Dao et al. 2022, algorithm 4, blockwise): from the saved
+output O and row log-sum-exp L, D = rowsum(dO * O); for each block P = exp(S - L),
+dV += P^T dO, dS = P * (dO V^T - D), dQ += dS K scale, dK += dS^T Q scale. The block's dK, dV
+travel around the ring with it and arrive home after c sends.
+
+Traffic per rank and call: forward (c-1) blocks of k and v, 2 * (c-1) * b*H*2n*D*itemsize bytes;
+backward c blocks of k, v, dk, dv less the first k, v (see :func:`ring_bytes`).
+
+In training (``--cp c``, :func:`context_parallelize`): the c ranks of a context group share the
+data rank's rows and each keeps its two chunks of every sequence (a forward pre-hook on the stage
+splits the token ids and the targets), the position embedding looks up the chunks' global
+positions, and every block's ``attention_core`` is :func:`ring_attention`. Everything else acts
+token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
+averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
+Megatron-LM's "dp-cp" group) gives the gradient of the global mean.
+Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
+no attention dropout), pp = 1, no --sequence-parallel, T divisible by 2c.
+"""
+from __future__ import annotations
+
+import math
+
+from minizero import backend
+from minizero.autograd import Function, Tensor
+
+CP_TAG = 1300  #: tag of the ring messages
+
+
+# --------------------------------------------------------------------------- sharding along the sequence
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2 cp) rank ``rank`` holds: (rank, 2 cp - 1 - rank)."""
+    return rank, 2 * cp - 1 - rank
+
+
+def split_for_context_parallel(x, rank: int, cp: int, axis: int):
+    """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (a new array).
+
+    Raises:
+        ValueError: 2 cp does not divide ``x.shape[axis]``.
+    """
+    xp, s = backend.xp, x.shape[axis]
+    if s % (2 * cp):
+        raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
+    parts = xp.split(x, 2 * cp, axis=axis)
+    a, b = chunk_ids(rank, cp)
+    return xp.concatenate([parts[a], parts[b]], axis=axis)
+
+
+def unsplit_from_context_parallel(shards, axis: int):
+    """Inverse of :func:`split_for_context_parallel`: the whole array from every rank's shard, in rank order."""
+    xp, cp = backend.xp, len(shards)
+    chunks = [None] * (2 * cp)
+    for r, sh in enumerate(shards):
+        lo, hi = xp.split(sh, 2, axis=axis)
+        a, b = chunk_ids(r, cp)
+        chunks[a], chunks[b] = lo, hi
+    return xp.concatenate(chunks, axis=axis)
+
+
+def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
+    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks."""
+    blk = b * h * (s // cp) * d * itemsize  # one of k, v, dk, dv on one rank: (b, H, 2n, D)
+    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
+
+
+def _mask(qc: int, kc: int, n: int):
+    """Which (query, key) pairs of chunk qc x chunk kc the causal mask keeps: None (all), 'none', or (n, n) bool."""
+    if qc > kc:
+        return None
+    if qc < kc:
+        return "none"
+    return backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
+
+
+def _blocks(rank: int, src: int, cp: int, n: int):
+    """(query rows, key rows, mask) for this rank's two query chunks against ``src``'s two key chunks."""
+    out = []
+    for qi, qc in enumerate(chunk_ids(rank, cp)):
+        for ki, kc in enumerate(chunk_ids(src, cp)):
+            m = _mask(qc, kc, n)
+            if not isinstance(m, str):
+                out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), m))
+    return out
+
+
+def _ring_pass(comm, arrays):
+    """Send ``arrays`` (a tuple) to the right neighbour, receive the left neighbour's (same shapes)."""
+    if comm.world_size == 1:
+        return arrays
+    xp = backend.xp
+    right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    flat = xp.concatenate([a.reshape(-1) for a in arrays])
+    got = comm.sendrecv(flat, right, xp.empty_like(flat), left, tag=CP_TAG)
+    out, off = [], 0
+    for a in arrays:
+        out.append(got[off:off + a.size].reshape(a.shape))
+        off += a.size
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the autograd Function
+class _RingAttention(Function):
+    """softmax(q k^T scale, causal) v over the context group; see the module docstring.
+
+    Shapes: q, k, v (b, H, 2n, D), this rank's chunks (rank, 2c-1-rank) -> out (b, H, 2n, D).
+    Saves q, k, v, out and the row log-sum-exp (b, H, 2n) (in at least float32).
+    Collectives: forward c-1 ring passes of (k, v); backward c-1 of (k, v) and c of (dk, dv).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm):
+        xp, cp, r = backend.xp, comm.world_size, comm.rank
+        n, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        acc_t = xp.promote_types(q.dtype, xp.float32)
+        m = xp.full(q.shape[:3], -xp.inf, dtype=acc_t)  # running row maximum
+        l = xp.zeros(q.shape[:3], dtype=acc_t)  # running sum of exp(score - m)
+        o = xp.zeros(q.shape, dtype=acc_t)  # running unnormalised output
+        kv = (k, v)
+        for j in range(cp):
+            if j:
+                kv = _ring_pass(comm, kv)
+            kb, vb = kv
+            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):
+                sc = (q[:, :, qs] @ kb[:, :, ks].swapaxes(-1, -2)).astype(acc_t) * scale
+                if mask is not None:
+                    sc = xp.where(mask, sc, -xp.inf)
+                m_new = xp.maximum(m[:, :, qs], sc.max(axis=-1))
+                alpha = xp.exp(m[:, :, qs] - m_new)
+                p = xp.exp(sc - m_new[..., None])
+                l[:, :, qs] = l[:, :, qs] * alpha + p.sum(axis=-1)
+                o[:, :, qs] = o[:, :, qs] * alpha[..., None] + p @ vb[:, :, ks].astype(acc_t)
+                m[:, :, qs] = m_new
+        out = (o / l[..., None]).astype(q.dtype)
+        ctx.comm = comm
+        ctx.save_for_backward(q, k, v, out, m + xp.log(l))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        xp, comm = backend.xp, ctx.comm
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, r = comm.world_size, comm.rank
+        n, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        acc_t = lse.dtype
+        g = g.astype(acc_t)
+        dsum = (g * out.astype(acc_t)).sum(axis=-1)  # D = rowsum(dO * O)
+        dq = xp.zeros(q.shape, dtype=acc_t)
+        kb, vb = k, v
+        dkb, dvb = xp.zeros(k.shape, dtype=acc_t), xp.zeros(v.shape, dtype=acc_t)
+        for j in range(cp):
+            if j:
+                kb, vb, dkb, dvb = _ring_pass(comm, (kb, vb, dkb, dvb))
+            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):
+                kk, vv, qq = kb[:, :, ks].astype(acc_t), vb[:, :, ks].astype(acc_t), q[:, :, qs].astype(acc_t)
+                sc = (qq @ kk.swapaxes(-1, -2)) * scale
+                p = xp.exp(sc - lse[:, :, qs][..., None])
+                if mask is not None:
+                    p = xp.where(mask, p, 0.0)
+                dvb[:, :, ks] += p.swapaxes(-1, -2) @ g[:, :, qs]
+                ds = p * (g[:, :, qs] @ vv.swapaxes(-1, -2) - dsum[:, :, qs][..., None])
+                dq[:, :, qs] += (ds @ kk) * scale
+                dkb[:, :, ks] += (ds.swapaxes(-1, -2) @ qq) * scale
+        if cp > 1:  # the block held now is rank r+1's: one more pass brings every dk, dv home
+            dkb, dvb = _ring_pass(comm, (dkb, dvb))
+        return dq.astype(q.dtype), dkb.astype(k.dtype), dvb.astype(v.dtype), None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
+    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
+
+    forward: k, v blocks around the ring, online softmax; backward: k, v and their gradients around the ring.
+    """
+    return _RingAttention.apply(q, k, v, comm)
+
+
+# --------------------------------------------------------------------------- in the model
+def context_parallelize(stage, comm) -> list[str]:
+    """Split a (single-stage) model's sequence over the context group ``comm``, in place; see the module docstring.
+
+    Installs a forward pre-hook on ``stage`` that keeps this rank's chunks of the token ids (b, T) ->
+    (b, 2n) and of the targets; makes ``wpe`` look up the chunks' global positions; replaces every block's ``attention_core`` by
+    :func:`ring_attention` (before recompute wraps it, so selective recompute recomputes the ring).
+    Returns the converted names. No-op for c = 1.
+    Raises:
+        ValueError: a stage that is not the whole model (pp > 1).
+    """
+    cp = comm.world_size
+    if cp == 1:
+        return []
+    if not (stage.is_first and stage.is_last):
+        raise ValueError("context parallelism runs with one pipeline stage (pp = 1)")
+    r = comm.rank
+
+    def split_tokens(_module, args):
+        return tuple(None if a is None else split_for_context_parallel(a.data if isinstance(a, Tensor) else a, r, cp, 1)
+                     for a in args)
+
+    stage.register_forward_pre_hook(split_tokens)
+    tr, done = stage.transformer, ["transformer.wpe"]
+    wpe = tr["wpe"]
+    lookup = type(wpe).forward.__get__(wpe)
+
+    def global_positions(pos):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
+        return lookup(split_for_context_parallel(backend.xp.arange(pos.shape[0] * cp), r, cp, 0))
+
+    object.__setattr__(wpe, "forward", global_positions)
+    for name, block in tr["h"]._modules.items():
+        attn = block.attn
+        attn.cp_comm = comm
+        attn.__class__ = _ring_class(type(attn))  # a class attribute, so recompute's checkpoint wraps the ring
+        done.append(f"transformer.h.{name}.attn.attention_core")
+    return done
+
+
+class RingAttentionCore:
+    """Mixin: ``attention_core`` (b, H, 2n, D) q, k, v -> (b, H, 2n, D) by :func:`ring_attention` over ``cp_comm``."""
+
+    def attention_core(self, q, k, v):
+        return ring_attention(q, k, v, self.cp_comm)
+
+
+_RING_CLASSES: dict = {}
+
+
+def _ring_class(cls):
+    """``cls`` (CausalSelfAttention or its tensor-parallel subclass) with the ring core, one class per base."""
+    if cls not in _RING_CLASSES:
+        _RING_CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (RingAttentionCore, cls), {})
+    return _RING_CLASSES[cls]
+
+
+def check_context_parallel(args, cfg) -> None:
+    """Refuse ``--cp`` where it cannot run (parse time). Raises ValueError naming the conflict."""
+    cp = getattr(args, "cp", 1)
+    if cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    t = getattr(args, "block_size", None) or cfg.block_size
+    dropout = args.dropout if getattr(args, "dropout", None) is not None else cfg.dropout
+    if t % (2 * cp):
+        raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
+    if dropout:
+        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
+    if args.pp > 1:
+        raise ValueError(f"--cp {cp} with --pp {args.pp} is not supported yet (context parallelism runs with one stage)")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError(f"--cp {cp} with --sequence-parallel is not supported yet")
+
+
+def context_group(dp_comm, cp: int):
+    """The context-parallel group inside a data group of dp*cp ranks: data ranks [k cp, (k+1) cp) (None for cp = 1)."""
+    return None if cp == 1 else dp_comm.split(color=dp_comm.rank // cp, key=dp_comm.rank % cp)

@@ -1,0 +1,234 @@
+"""Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): each rank holds v non-adjacent chunks of layers.
+
+The L layers are cut into p*v *virtual stages* of L/(p v) layers; rank r holds virtual stages
+r, p + r, 2p + r, ... (chunk c = virtual stage c*p + r). Example: the default model (4 layers),
+p = 2, v = 2::
+
+    virtual stage   0        1        2        3
+    layers          h.0      h.1      h.2      h.3
+    rank            0        1        0        1
+                    (wte, wpe)                  (ln_f, lm_head, loss)
+
+    forward of one micro-batch: rank 0 ─act─> rank 1 ─act─> rank 0 ─act─> rank 1
+    backward:                   rank 0 <grad─ rank 1 <grad─ rank 0 <grad─ rank 1
+
+Each forward of a chunk is 1/v of a stage's work, so the warm-up and cool-down bubble shrinks
+from (p-1)/m to (p-1)/(v m) of the ideal time, at v times the pipeline messages
+(:func:`minizero.parallel.schedule.interleaved` is the order, as data; its simulator measures the bubble).
+
+:class:`InterleavedStage` is this rank's v chunks as one Module whose parameter names are the
+whole model's (``transformer.h.2.mlp.c_fc.weight``), so the strategy, ZeRO, recompute, the norm
+and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage. Each chunk is a
+:class:`PipelineStage` of p*v virtual stages holding the same module objects.
+
+:class:`InterleavedEngine` runs the schedule. Messages carry a tag per direction
+(activations, gradients): between two ranks each direction then delivers micro-batches in
+the order both sides run them (every rank runs forwards in the same (chunk, micro-batch) order,
+backwards likewise), also when p = 2 makes the next and previous rank the same one.
+Every send is non-blocking (``comm.isend``) and completes while the rank goes on to its next
+op; receives block. With p = 2 the two ranks send to each other at the same time (rank 0 a
+gradient of chunk 1 and an activation of chunk 0, rank 1 the reverse), and blocking sends
+deadlock there once a message is over MPI's eager limit (32 KiB already did with MPICH):
+Megatron-LM batches isend/irecv for the same reason.
+
+Sources: Narayanan et al., arXiv:2104.04473, section 2.2.2 and figure 4; Megatron-LM
+``core/pipeline_parallel/schedules.py`` (forward_backward_pipelining_with_interleaving).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Tensor, backward, no_grad
+from minizero.ledger import get_ledger
+from minizero.nn.module import Module, ModuleDict
+from minizero.parallel.pipeline import PipelineEngine, PipelineStage, _Layers, stage_layers
+from minizero.parallel.schedule import interleaved, peak_in_flight
+
+ACT_TAG, GRAD_TAG = 1110, 1111  #: tags of the interleaved pipeline's activations and gradients
+
+
+def rank_of_layer(n_layer: int, pp: int, v: int, layer: int) -> int:
+    """The pipeline rank holding block ``layer`` when p*v virtual stages are dealt round-robin over pp ranks."""
+    vs = next(k for k in range(pp * v) if layer in stage_layers(n_layer, pp * v, k))
+    return vs % pp
+
+
+class InterleavedStage(Module):
+    """Rank ``rank``'s v chunks of a GPT (virtual stages rank, p + rank, ...), as one Module.
+
+    Args:
+        model: a built GPT; chunks: its v :class:`PipelineStage` s of p*v virtual stages, in
+            chunk order (already tensor-, vocabulary- and sequence-parallel as wanted).
+    Attributes as :class:`PipelineStage`: ``stage`` (the rank), ``num_stages`` (p), ``is_first``
+    (holds the embedding), ``is_last`` (holds the head), ``config``, ``layers``; plus ``chunks``
+    and ``virtual_stages`` (v).
+    """
+
+    def __init__(self, chunks: list, num_stages: int):
+        super().__init__()
+        first, last = chunks[0], chunks[-1]
+        self.config, self.num_stages, self.virtual_stages = first.config, num_stages, len(chunks)
+        self.stage = first.stage % num_stages
+        self.is_first, self.is_last = first.is_first, last.is_last
+        self.layers = [i for c in chunks for i in c.layers]
+        mods = {k: first.transformer[k] for k in ("wte", "wpe", "drop")} if first.is_first else {}
+        mods["h"] = _Layers({str(i): blk for c in chunks for i, blk in zip(c.layers, c.transformer["h"])})
+        if last.is_last:
+            mods["ln_f"] = last.transformer["ln_f"]
+        self.transformer = ModuleDict(mods)
+        if last.is_last:
+            self.lm_head = last.lm_head
+        object.__setattr__(self, "chunks", list(chunks))  # not submodules: their modules are registered above
+
+    @property
+    def sequence_shards(self) -> int:
+        return self.chunks[0].sequence_shards
+
+    def activation_shape(self, idx_shape) -> tuple:
+        return self.chunks[0].activation_shape(idx_shape)
+
+    def forward(self, x, targets=None):  # pragma: no cover - the engine runs the chunks
+        raise TypeError("an InterleavedStage runs chunk by chunk: use InterleavedEngine")
+
+
+def interleave(model, rank: int, pp: int, v: int) -> list:
+    """The v :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank`` (virtual stages c*pp + rank)."""
+    return [PipelineStage(model, c * pp + rank, pp * v) for c in range(v)]
+
+
+class InterleavedEngine(PipelineEngine):
+    """Runs :func:`~minizero.parallel.schedule.interleaved` over an :class:`InterleavedStage`.
+
+    Per op (micro-batch i, chunk c) on rank r, virtual stage k = c p + r::
+
+        F: x = recv activation from rank r-1 (mod p; k = 0: embed the tokens); y = chunk c(x);
+           send y to rank r+1 (mod p; k = p v - 1: y is the loss)
+        B: g = recv dL/dy from rank r+1 (k = p v - 1: g = S/m); backward; send dL/dx to rank r-1
+
+    Traffic: per micro-batch, v ``pp_activation`` and v ``pp_gradient`` messages of (b, T, C)
+    per rank, less one each at the ends of the pipeline.
+    """
+
+    def __init__(self, stage: InterleavedStage, comm, verbose: bool = False, log=print, forward_context=None):
+        if comm.world_size != stage.num_stages or comm.rank != stage.stage:
+            raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
+                             f"stage {stage.stage}/{stage.num_stages}")
+        self.stage, self.comm, self.schedule, self.verbose, self.log, self.pair_sends = (
+            stage, comm, "interleaved", verbose, log, True)
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.peak_in_flight, self.trace, self._sending = 0, [], []  # (handle, array) of unfinished sends
+
+    def _post(self, array, dest: int, label: str, what: str, tag: int = ACT_TAG) -> None:
+        """Start a non-blocking send (``comm.isend``); it completes while this rank goes on (see :meth:`_reap`)."""
+        array = backend.xp.ascontiguousarray(array)
+        self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
+        with self.comm.traffic.op(label):
+            self._sending.append((self.comm.isend(array, dest, tag=tag), array))
+
+    def _reap(self, wait: bool = False) -> None:
+        """Forget the sends that completed (all of them, waiting, with ``wait``): their arrays are freed."""
+        if wait:
+            for handle, _ in self._sending:
+                handle.wait()
+        self._sending = [(h, a) for h, a in self._sending if not h.test()]
+
+    def _flush(self) -> None:
+        self._reap(wait=True)
+
+    def _recv(self, shape, source: int, what: str, tag: int = ACT_TAG):
+        buf = self.comm.recv(backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype)), source, tag=tag)
+        self._say(f"{what} {shape} <── stage {source}")
+        self._reap()
+        return buf
+
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+        """As :meth:`PipelineEngine.forward_backward`, by the interleaved schedule (m a multiple of p)."""
+        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
+        prev, nxt = (r - 1) % p, (r + 1) % p
+        mbs = list(micro_batches)
+        ops = interleaved(p, len(mbs), st.virtual_stages)[r]
+        scale = loss_scale / len(mbs)
+        held, loss_sum = {}, 0.0
+        self.trace, self.peak_in_flight = [], 0
+        for op in ops:
+            x, y = mbs[op.mb]
+            chunk, what = st.chunks[op.chunk], f"mb{op.mb} chunk{op.chunk}"
+            if op.kind == "F":
+                if chunk.is_first:
+                    inp, x_in = None, backend.to_device(x)
+                else:
+                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), prev, f"act {what}"),
+                                        requires_grad=True)
+                with self.forward_context():
+                    out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
+                if chunk.is_last:
+                    loss_sum += out.item()
+                else:
+                    self._post(out.data, nxt, "pp_activation", f"act {what}")
+                    out.data = backend.xp.empty(0, out.dtype)  # the graph node stays; the values travel
+                held[(op.chunk, op.mb)] = (inp, out)
+            else:
+                inp, out = held.pop((op.chunk, op.mb))
+                if chunk.is_last:
+                    grad = backend.xp.asarray(scale, dtype=np.promote_types(out.dtype, np.float32))
+                else:
+                    grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", GRAD_TAG)
+                if inp is not None:
+                    inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
+                    get_ledger().track(inp.grad, "comm_buffers")
+                backward(out, grad)
+                if not chunk.is_first:
+                    self._post(inp.grad, prev, "pp_gradient", f"grad {what}", GRAD_TAG)
+                    inp.grad = None
+                del inp, out
+            self.trace.append(op)
+            self.peak_in_flight = max(self.peak_in_flight, len(held))
+        self._flush()
+        assert self.peak_in_flight == peak_in_flight(ops)
+        return loss_sum
+
+    def forward_only(self, x, y) -> float:
+        """Mean loss of one batch through the v chunks of every rank without a graph; 0.0 off the last rank."""
+        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
+        loss = 0.0
+        with no_grad():
+            for chunk in st.chunks:
+                if chunk.is_first:
+                    x_in = backend.to_device(x)
+                else:
+                    x_in = Tensor(self._recv(st.activation_shape(x.shape), (r - 1) % p, "eval act"))
+                out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
+                if chunk.is_last:
+                    loss = out.item()
+                else:
+                    self._post(out.data, (r + 1) % p, "pp_eval", "eval act")
+                    self._flush()
+        return loss
+
+
+def check_interleaved(args, cfg) -> None:
+    """Refuse ``--schedule interleaved`` / ``--virtual-stages`` where they cannot run, at parse time.
+
+    Raises:
+        ValueError: --virtual-stages < 1, or > 1 without --schedule interleaved; interleaved with
+        --pp 1 or --virtual-stages < 2; pp x v not dividing the layers (Megatron-LM's rule); the
+        micro-batches per step (--micro-batches / --grad-accum) not a multiple of pp.
+    """
+    v = getattr(args, "virtual_stages", 1)
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
+    if args.schedule != "interleaved":
+        if v > 1:
+            raise ValueError(f"--virtual-stages {v} needs --schedule interleaved")
+        return
+    if args.pp < 2 or v < 2:
+        raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2, got pp {args.pp}, v {v}")
+    if cfg.n_layer % (args.pp * v):
+        raise ValueError(f"--schedule interleaved: pp {args.pp} x {v} virtual stages must divide the {cfg.n_layer} layers")
+    m = args.grad_accum
+    if m is not None and m % args.pp:
+        raise ValueError(f"--schedule interleaved needs the micro-batches per step ({m}) to be a multiple of "
+                         f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")

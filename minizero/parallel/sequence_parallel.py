@@ -1,0 +1,366 @@
+"""Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): the non-tensor-parallel parts split along s.
+
+Tensor parallelism (``tensor_parallel.py``) splits the matrices, but the layer norms, the
+dropouts and the residual adds still run on the whole (b, s, h) activation on every tensor
+rank, and keep it for backward: the 10sbh of Table 2 that does not shrink with t. Sequence
+parallelism splits those regions along the sequence instead. Rank r of t holds positions
+[r s/t, (r+1) s/t)::
+
+    x (b, s/t, h) ─ ln_1 ─ ḡ: all-gather along s ─> (b, s, h) ─ c_attn (column) ─ attention of H/t heads
+        ─ c_proj (row) ─> partial (b, s, h) ─ g: reduce-scatter along s ─> (b, s/t, h) ─ + bias ─ dropout ─ + x
+    then the same around ln_2 / c_fc / GeLU / c_proj.
+
+    sequence:   0 ......... s/t ......... 2s/t ...  s
+    rank 0:     [ x_0      ]                               ln, dropout, residual on its own rows
+    rank 1:                [ x_1         ]
+    all-gather: [ x_0      | x_1         | ...     ]       every rank, for the column-parallel GEMM
+    reduce-scatter: sum_r partial_r, row block r kept by rank r
+
+Megatron's g (forward all-reduce) becomes a reduce-scatter and f (backward all-reduce) an
+all-gather whose backward is a reduce-scatter: an all-reduce *is* a reduce-scatter followed
+by an all-gather, so the bytes sent per block equal plain tensor parallelism's, while the
+activations kept outside the tensor-parallel region shrink by t. The all-gather entering a
+column-parallel layer is fused with its GEMM (:class:`_GatheredLinear`, Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication``): only the rank's (b, s/t, h) slice is
+saved, and backward gathers it again for dW, so per layer sbh(34/t + 5as/(ht)) bytes stay
+alive (Table 2, 16-bit activations) — ``memory.estimator.layer_activation_bytes`` with
+``sequence_parallel=True`` is the same arithmetic, and tests compare it with the ledger.
+
+Parameters that act on a slice of the sequence (ln_1, ln_2, ln_f and the row-parallel biases)
+receive only their slice's gradient: :func:`allreduce_sequence_parallel_grads` sums them over
+the tensor group before the data-parallel reduction, so they stay identical on every tensor
+rank (Megatron-LM ``finalize_model_grads`` / ``_allreduce_layernorm_grads``).
+
+Dropout in a sequence-parallel region draws the mask of the whole (b, s, h) activation from
+the generator the tensor group shares and keeps its rows, so the masks equal the unsplit
+model's (as ``HeadParallelDropout`` does for heads).
+
+The embedding output (all-reduced over the vocabulary split) is split along s on entry
+(:func:`scatter_to_sequence_parallel_region`); the LM head gathers it back, fused with its GEMM.
+(Megatron reduce-scatters the embedding directly; all-reduce then keep-a-slice is the same sum.)
+
+Sources: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198, section 4.2.2 (figure 5: g and ḡ), Table 2; Megatron-LM
+``core/tensor_parallel/mappings.py`` (``_gather_along_first_dim``, ``_reduce_scatter_along_first_dim``).
+"""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.autograd import Function, Tensor, split
+from minizero.autograd import functional as F
+from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
+from minizero.nn.module import Module
+from minizero.parallel.tensor_parallel import ColumnParallelLinear, ParallelCausalSelfAttention, RowParallelLinear
+from minizero.parallel.vocab_parallel import ParallelLMHead
+
+TRAFFIC_LABEL = "sequence_parallel_grads"  #: traffic label of the layer-norm / bias gradient all-reduce
+
+
+# --------------------------------------------------------------------------- primitives (sequence = axis 1)
+def _check_seq(s: int, t: int) -> None:
+    if s % t:
+        raise ValueError(f"sequence parallelism needs the sequence length {s} divisible by the tensor size {t}")
+
+
+def _split_along_seq(comm, x):
+    """(b, s, h) -> this rank's rows (b, s/t, h), a new contiguous array. Raises ValueError if t does not divide s."""
+    t, r = comm.world_size, comm.rank
+    _check_seq(x.shape[1], t)
+    n = x.shape[1] // t
+    return backend.xp.ascontiguousarray(x[:, r * n:(r + 1) * n])
+
+
+def _gather_along_seq(comm, x):
+    """(b, s/t, h) on every rank -> (b, s, h), the ranks' rows in rank order (ring all-gather)."""
+    xp, t = backend.xp, comm.world_size
+    b, n, h = x.shape
+    flat = all_gather(comm, xp.ascontiguousarray(x.transpose(1, 0, 2)))  # (t * n * b * h,): seq-major
+    return xp.ascontiguousarray(flat.reshape(t * n, b, h).transpose(1, 0, 2))
+
+
+def _reduce_scatter_along_seq(comm, x):
+    """(b, s, h) partial sums -> rows [r s/t, (r+1) s/t) of their sum over the group, (b, s/t, h) (ring reduce-scatter)."""
+    xp, t = backend.xp, comm.world_size
+    b, s, h = x.shape
+    _check_seq(s, t)
+    mine = reduce_scatter(comm, xp.ascontiguousarray(x.transpose(1, 0, 2)))  # rank r's s/t rows, seq-major
+    return xp.ascontiguousarray(mine.reshape(s // t, b, h).transpose(1, 0, 2))
+
+
+# --------------------------------------------------------------------------- autograd classes
+class _ScatterToSequenceParallelRegion(Function):
+    """forward: keep this rank's rows, backward: all-gather along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _split_along_seq(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_along_seq(ctx.comm, g), None
+
+
+class _GatherFromSequenceParallelRegion(Function):
+    """ḡ: forward all-gather along the sequence, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_along_seq(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_along_seq(ctx.comm, g), None
+
+
+class _ReduceScatterToSequenceParallelRegion(Function):
+    """g: forward reduce-scatter along the sequence, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_along_seq(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_along_seq(ctx.comm, g), None
+
+
+class _GatheredLinear(Function):
+    """ḡ fused with a column-parallel GEMM: y = all_gather_s(x) W^T + b, saving only x's slice.
+
+    Shapes: x (b, s/t, in), W (out/t, in), b (out/t,) or None -> y (b, s, out/t).
+    Saves x (the slice) and W. Backward: all-gather x again for dW = g^T x_full;
+    dx_full = g W, reduce-scattered along s to (b, s/t, in); db = sum of g.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, comm, bias=None):
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.save_for_backward(x, weight)
+        y = backend.matmul(_gather_along_seq(comm, x), weight.T)  # the gathered (b, s, in) is freed here
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        full = _gather_along_seq(ctx.comm, x)
+        g2 = g.reshape(-1, g.shape[-1])
+        dw = backend.matmul(g2.T, full.reshape(-1, full.shape[-1]))
+        dx = _reduce_scatter_along_seq(ctx.comm, backend.matmul(g, w))
+        return (dx, dw, None, g2.sum(axis=0)) if ctx.has_bias else (dx, dw, None)
+
+
+class _SequenceSliceDropout(Function):
+    """Inverted dropout on rows [lo, lo+n) of a (b, s, h) activation, the mask drawn for all s rows."""
+
+    @staticmethod
+    def forward(ctx, x, p, s_total, lo):
+        b, n, h = x.shape
+        full = F.dropout_generator().random((b, s_total, h)) >= p  # the unsplit model's draws
+        keep = backend.to_device(full[:, lo:lo + n].copy())
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(keep)
+        return x * keep * x.dtype.type(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * keep * g.dtype.type(ctx.scale), None, None, None
+
+
+# --------------------------------------------------------------------------- wrappers
+def scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
+    """forward: keep this rank's rows (b, s, h) -> (b, s/t, h), backward: all-gather along s."""
+    return _ScatterToSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
+
+
+def gather_from_sequence_parallel_region(x: Tensor, comm) -> Tensor:
+    """ḡ — forward: all-gather along s (b, s/t, h) -> (b, s, h), backward: reduce-scatter."""
+    return _GatherFromSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
+    """g — forward: reduce-scatter along s, partial (b, s, h) -> summed (b, s/t, h), backward: all-gather."""
+    return _ReduceScatterToSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
+
+
+def gathered_linear(x: Tensor, weight, comm, bias=None) -> Tensor:
+    """all_gather_s(x) W^T + b, x (b, s/t, in) -> (b, s, out/t); forward: all-gather, backward: reduce-scatter."""
+    args = (x, weight, comm) + ((bias,) if bias is not None else ())
+    return _GatheredLinear.apply(*args)
+
+
+# --------------------------------------------------------------------------- layers
+def _arrays(linear) -> tuple:
+    """(weight, bias or None) arrays of a tensor-parallel linear, to rebuild it as its sequence-parallel kind."""
+    return linear.weight.data, None if linear.bias is None else linear.bias.data
+
+
+def _mark_sp(*params) -> None:
+    """Tag parameters that see a slice of the sequence (their gradient is summed over the tensor group)."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
+
+
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """Column-parallel linear entered through ḡ. x (b, s/t, in) -> (b, s, out/t).
+
+    Collectives: forward one all-gather of (b, s, in); backward one all-gather (x again, for
+    dW) and one reduce-scatter of dL/dx. Saved: x's slice (b, s/t, in) and the weight.
+    """
+
+    def forward(self, x):
+        return gathered_linear(x, self.weight, self.comm, self.bias)
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out), + bias on the slice.
+
+    Collectives: forward one reduce-scatter of (b, s, out); backward one all-gather.
+    The bias sees only this rank's rows: marked ``sequence_parallel``.
+    """
+
+    def forward(self, x):
+        y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+class SequenceParallelDropout(Module):
+    """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h).
+
+    Identity in eval mode or when p == 0 (nothing drawn, as ``Dropout``).
+    """
+
+    def __init__(self, p: float, comm):
+        super().__init__()
+        self.p, self.comm = p, comm
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        n = x.shape[1]
+        return _SequenceSliceDropout.apply(x, self.p, n * self.comm.world_size, self.comm.rank * n)
+
+
+class EnterSequenceParallelRegion(Module):
+    """The embedding's exit: (b, s, h) replicated -> this rank's rows (b, s/t, h), then dropout."""
+
+    def __init__(self, p: float, comm):
+        super().__init__()
+        self.comm, self.dropout = comm, SequenceParallelDropout(p, comm)
+
+    def forward(self, x):
+        return self.dropout(scatter_to_sequence_parallel_region(x, self.comm))
+
+
+class SequenceParallelAttention(ParallelCausalSelfAttention):
+    """Tensor-parallel attention taking and returning (b, s/t, C); inside, (b, s, C/t) by heads as before."""
+
+    def __init__(self, attn: ParallelCausalSelfAttention, comm):
+        Module.__init__(self)
+        self.c_attn = SequenceParallelColumnLinear(*_arrays(attn.c_attn), comm, stride=3)
+        self.c_proj = SequenceParallelRowLinear(*_arrays(attn.c_proj), comm)
+        self.n_head, self.attn_dropout = attn.n_head, attn.attn_dropout
+        self.resid_dropout = SequenceParallelDropout(attn.resid_dropout.p, comm)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (b, s, 3C/t): the whole sequence
+        b, t, c3 = qkv.shape
+        h, cl = self.n_head, c3 // 3
+        q, k, v = (z.reshape(b, t, h, cl // h).transpose(0, 2, 1, 3) for z in split(qkv, 3, axis=-1))
+        y = self.attention_core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, cl)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class SequenceParallelLMHead(ParallelLMHead):
+    """Logits of this rank's vocabulary for the whole sequence: ḡ(x) W_r^T. x (b, s/t, C) -> (b, s, V/t).
+
+    Collectives: forward one all-gather; backward one all-gather and one reduce-scatter of dL/dx.
+    """
+
+    def forward(self, x):
+        return gathered_linear(x, self.weight, self.comm)
+
+
+def sequence_parallelize(stage, comm) -> list[str]:
+    """Split a pipeline stage over ``comm`` with tensor *and* sequence parallelism, in place.
+
+    ``stage`` must already be split by :func:`tensor_parallelize` and :func:`vocab_parallelize`
+    (``three_d.build_stage`` does both first). Then every block's attention / MLP linears enter through ḡ and leave through g (above), their
+    output dropouts work on slices; the first stage's embedding dropout becomes
+    :class:`EnterSequenceParallelRegion`; the last stage's head :class:`SequenceParallelLMHead`.
+    Marks ln_1, ln_2, ln_f and the row-parallel biases ``sequence_parallel``; sets
+    ``stage.sequence_shards = t`` (activations between stages are (b, s/t, h)).
+    Returns the converted module names. No-op for t = 1.
+    Raises:
+        TypeError: the blocks are not tensor-parallel yet.
+        ValueError (in forward): t does not divide the sequence length.
+    """
+    if comm.world_size == 1:
+        return []
+    if not all(isinstance(b.mlp.c_fc, ColumnParallelLinear) for b in stage.transformer["h"]):
+        raise TypeError("sequence_parallelize needs a tensor-parallel stage: call tensor_parallelize first")
+    tr, done = stage.transformer, []
+    for name, block in tr["h"]._modules.items():
+        block.attn = SequenceParallelAttention(block.attn, comm)
+        mlp = block.mlp
+        mlp.c_fc = SequenceParallelColumnLinear(*_arrays(mlp.c_fc), comm)
+        mlp.c_proj = SequenceParallelRowLinear(*_arrays(mlp.c_proj), comm)
+        mlp.dropout = SequenceParallelDropout(mlp.dropout.p, comm)
+        _mark_sp(block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
+                 block.attn.c_proj.bias, mlp.c_proj.bias)
+        done += [f"transformer.h.{name}.attn", f"transformer.h.{name}.mlp"]
+    if stage.is_first:
+        tr.drop = EnterSequenceParallelRegion(tr["drop"].p, comm)
+        done.append("transformer.drop")
+    if stage.is_last:
+        _mark_sp(tr["ln_f"].weight, tr["ln_f"].bias)
+        stage.lm_head = SequenceParallelLMHead(stage.lm_head.weight, comm)
+        done.append("lm_head")
+    stage.sequence_shards = comm.world_size
+    return done
+
+
+def allreduce_sequence_parallel_grads(params, comm) -> None:
+    """Sum the gradients of the ``sequence_parallel`` parameters over the tensor group, in place.
+
+    One ring all-reduce of their concatenation (2(t-1)/t x 4 x (2 layer norms + 2 biases) x h
+    x layers x itemsize bytes per rank — the layer norms' and biases' few elements).
+    Traffic label :data:`TRAFFIC_LABEL`. No-op when t = 1 or nothing is marked.
+    """
+    marked = [p for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if comm.world_size == 1 or not marked:
+        return
+    xp = backend.xp
+    flat = xp.concatenate([p.grad.reshape(-1) for p in marked])
+    with comm.traffic.op(TRAFFIC_LABEL):
+        total = all_reduce(comm, flat)
+    off = 0
+    for p in marked:
+        p.grad[...] = total[off:off + p.grad.size].reshape(p.grad.shape)
+        off += p.grad.size
+
+
+def check_sequence_parallel(args, cfg) -> None:
+    """Refuse ``--sequence-parallel`` where it cannot run, at parse time (``args.resolve_parallel_args``).
+
+    Raises:
+        ValueError: without --tp > 1 (nothing to split over); with --zero 2 or 3 (they reduce
+        gradients inside backward, before the tensor group has summed the layer norms' and
+        biases' slices; --zero 1 reduces after it); a context length T (``--block-size``, else
+        the preset's) that tp does not divide.
+    """
+    if not getattr(args, "sequence_parallel", False):
+        return
+    if args.tp == 1:
+        raise ValueError("--sequence-parallel splits the sequence over the tensor group: it needs --tp > 1")
+    zero = getattr(args, "zero", 0)
+    if zero >= 2:
+        raise ValueError(f"--sequence-parallel with --zero {zero} is not supported: ZeRO-{zero} reduces gradients "
+                         "inside backward, before the tensor group sums the layer norms' sequence slices; use --zero 1")
+    t = getattr(args, "block_size", None) or cfg.block_size
+    if t % args.tp:
+        raise ValueError(f"--sequence-parallel needs the context length {t} divisible by --tp {args.tp}")

@@ -1,0 +1,124 @@
+"""Ring attention (context parallelism): equal to whole causal attention in float64, load-balanced chunks."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tests.mp_reference as R
+from minizero.args import UsageError
+from minizero.autograd import Tensor, causal_softmax
+from minizero.comm import run_in_threads
+from minizero.ledger import MemoryLedger, set_ledger
+from minizero.memory.attribution import layer_bytes, saved_by_module
+from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.recompute import apply_recompute
+from minizero.nn import GPT, get_config
+from minizero.parallel.context_parallel import (chunk_ids, context_parallelize, ring_attention, ring_bytes,
+                                                split_for_context_parallel, unsplit_from_context_parallel)
+from minizero.parallel.pipeline import PipelineStage
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+def test_each_rank_holds_an_early_and_a_late_chunk():
+    assert [chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    x = np.arange(16)
+    shards = [split_for_context_parallel(x, r, 2, 0) for r in range(2)]
+    assert shards[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and shards[1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    np.testing.assert_array_equal(unsplit_from_context_parallel(shards, 0), x)
+    with pytest.raises(ValueError, match="divisible by 2 x cp = 6"):
+        split_for_context_parallel(x, 0, 3, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_equals_whole_causal_attention(cp):
+    """Outputs and the gradients of q, k, v (1e-12), every rank's chunks; bytes sent as ring_bytes says."""
+    b, h, s, d = 2, 3, 16, 4
+    rng = np.random.default_rng(0)
+    q, k, v, w = (rng.normal(size=(b, h, s, d)) for _ in range(4))
+    qt, kt, vt = (Tensor(a, requires_grad=True) for a in (q, k, v))
+    att = causal_softmax((qt @ kt.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(d)))
+    ref = att @ vt
+    (ref * Tensor(w)).sum().backward()
+
+    def rank(comm):
+        r = comm.rank
+        ql, kl, vl = (Tensor(split_for_context_parallel(a, r, cp, 2), requires_grad=True) for a in (q, k, v))
+        out = ring_attention(ql, kl, vl, comm)
+        sent = comm.traffic.bytes_sent
+        (out * Tensor(split_for_context_parallel(w, r, cp, 2))).sum().backward()
+        return out.data, ql.grad, kl.grad, vl.grad, sent, comm.traffic.bytes_sent - sent
+
+    res = run_in_threads(cp, rank)
+    for i, want in enumerate([ref.data, qt.grad, kt.grad, vt.grad]):
+        got = unsplit_from_context_parallel([r_[i] for r_ in res], 2)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=str(i))
+    expect = ring_bytes(b, h, s, d, 8, cp)
+    for r_ in res:
+        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"] if cp > 1 else 0)
+
+
+# --------------------------------------------------------------------------- in training (--cp)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp, dp, tp, extra", [(2, 1, 1, []), (2, 1, 1, ["--zero", "1"]), (4, 1, 1, []),
+                                               (4, 1, 1, ["--zero", "1", "--recompute", "selective"]),
+                                               (2, 2, 2, []), (2, 2, 2, ["--zero", "1"])])
+def test_context_parallel_equals_single_process(cp, dp, tp, extra):
+    """Gradients of step 0 (1e-12), weights after 3 steps (1e-9), the losses: one process's, on the same rows."""
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, extra)[0]
+    got = run_in_threads(dp * tp * cp, R.run_parallel, "tiny", 2, dp, tp, 1, 1, "1f1b", ["--cp", str(cp), *extra])
+    R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
+
+
+def _measure(comm, cfg, b, mode):
+    set_ledger(MemoryLedger())
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    context_parallelize(stage, comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    return layer_bytes(saved_by_module(stage, x, x), "transformer.h.0")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp)
+    assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
+    one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
+    assert want < one  # token-sized rows / cp; the (s, s) scores replaced by an (s/cp) output and log-sum-exp
+
+
+def test_context_parallel_is_refused_where_it_cannot_run():
+    with pytest.raises(UsageError, match="--cp 3 must be >= 1 and divide the world size 4"):
+        parse_args(["--model", "tiny", "--cp", "3"], 4)
+    with pytest.raises(UsageError, match="divisible by 2 x cp = 4"):
+        parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
+    with pytest.raises(UsageError, match="no attention dropout"):
+        parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2)
+    with pytest.raises(UsageError, match="--pp 2 is not supported yet"):
+        parse_args(["--model", "default", "--cp", "2", "--pp", "2"], 4)
+    with pytest.raises(UsageError, match="--sequence-parallel is not supported yet"):
+        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel"], 4)
+    args = parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--zero", "1"], 8)
+    assert (args.dp, args.tp, args.pp, args.cp, args.batch_size) == (2, 2, 1, 2, 4)  # B = b x dp: cp shares rows
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 python -m minizero.train --cp 2``: the final weights are one process's."""
+    base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
+            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
+    out = {}
+    for label, n, flags in [("par", 2, ["--cp", "2"]), ("one", 1, [])]:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)

@@ -1,0 +1,103 @@
+"""Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): the schedule, its bubble, and training equal to one process."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tests.mp_reference as R
+from minizero.args import UsageError
+from minizero.comm import run_in_threads
+from minizero.parallel.interleaved import rank_of_layer
+from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_fraction, bubble_over_ideal, bubble_ratio,
+                                        interleaved,
+                                        make_schedule, one_f_one_b, peak_in_flight, simulate)
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+PMV = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 8, 4), (2, 6, 3), (8, 16, 2)]
+
+
+@pytest.mark.parametrize("p, m, v", PMV)
+def test_every_rank_runs_every_chunk_of_every_micro_batch_forward_before_backward(p, m, v):
+    for ops in interleaved(p, m, v):
+        assert sorted((o.kind, o.mb, o.chunk) for o in ops) == sorted(
+            (k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        assert all(ops.index(("F", i, c)) < ops.index(("B", i, c)) for i in range(m) for c in range(v))
+
+
+@pytest.mark.parametrize("p, m, v", PMV)
+@pytest.mark.parametrize("f, b", [(1, 1), (1, 2)])
+def test_simulated_interleaved_bubble_is_p_minus_1_over_v_m(p, m, v, f, b):
+    """Idle over busy time = (p-1)/(v m) (Narayanan et al.'s bubble); idle share = (p-1)/(v m + p - 1)."""
+    timeline = simulate(interleaved(p, m, v), f, b)
+    assert bubble_ratio(timeline) == pytest.approx((p - 1) / (v * m), abs=1e-12)
+    assert bubble_over_ideal(p, m, v) == (p - 1) / (v * m)  # the planner's step time uses this one
+    assert bubble_fraction(timeline) == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
+    plain = simulate(one_f_one_b(p, m), f * v, b * v)  # one chunk per stage: v times the work per op
+    assert bubble_ratio(plain) == pytest.approx((p - 1) / m, abs=1e-12)
+    assert bubble_ratio(timeline) < bubble_ratio(plain)
+
+
+def test_interleaved_needs_whole_groups_of_p_micro_batches():
+    with pytest.raises(ValueError, match="multiple of pp=2"):
+        make_schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ValueError, match="need the interleaved schedule"):
+        make_schedule("1f1b", 2, 4, 2)
+
+
+def test_the_picture_names_each_chunk_and_holds_at_most_the_warm_up_in_flight():
+    text = ascii_timeline(simulate(interleaved(2, 4, 2)))
+    assert "F0.1" in text and "B3.1" in text and text.count("\n") == 1
+    for r, ops in enumerate(interleaved(4, 8, 2)):
+        assert peak_in_flight(ops) == min(2 * (4 - r - 1) + 4, 16) + 1  # warm-up forwards, plus one
+
+
+def test_virtual_stages_are_dealt_round_robin():
+    assert [rank_of_layer(4, 2, 2, i) for i in range(4)] == [0, 1, 0, 1]
+    assert [rank_of_layer(8, 2, 2, i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_interleaved_is_refused_where_it_cannot_run():
+    base = ["--model", "default", "--schedule", "interleaved"]
+    with pytest.raises(UsageError, match="needs --pp >= 2 and --virtual-stages >= 2"):
+        parse_args([*base, "--pp", "2"], 2)
+    with pytest.raises(UsageError, match="must divide the 4 layers"):
+        parse_args([*base, "--pp", "2", "--virtual-stages", "3"], 2)
+    with pytest.raises(UsageError, match=r"micro-batches per step \(3\) to be a multiple of --pp 2"):
+        parse_args([*base, "--pp", "2", "--virtual-stages", "2", "--micro-batches", "3"], 2)
+    with pytest.raises(UsageError, match="needs --schedule interleaved"):
+        parse_args(["--model", "default", "--pp", "2", "--virtual-stages", "2"], 2)
+    with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):
+        parse_args([*base, "--pp", "2", "--virtual-stages", "2", "--zero", "2"], 2)
+    assert parse_args([*base, "--pp", "2", "--virtual-stages", "2", "--zero", "1"], 2).virtual_stages == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp, tp, m, extra", [(1, 1, 2, []), (1, 1, 4, ["--zero", "1"]),
+                                              (1, 2, 2, ["--sequence-parallel"]), (2, 1, 2, ["--zero", "1"])])
+def test_interleaved_equals_single_process(dp, tp, m, extra):
+    """pp 2 x 2 virtual stages on the default model (4 layers: h.0, h.2 on rank 0; h.1, h.3 on rank 1)."""
+    ref = run_in_threads(1, R.run_single, "default", 2 * dp, m, [a for a in extra if a != "--sequence-parallel"])[0]
+    got = run_in_threads(dp * tp * 2, R.run_parallel, "default", 2, dp, tp, 2, m, "interleaved",
+                         ["--virtual-stages", "2", *extra])
+    R.assert_matches(ref, got, f"interleaved dp {dp} tp {tp} m {m} {extra}")
+
+
+@pytest.mark.timeout(300)
+def test_interleaved_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 ... --pp 2 --schedule interleaved --virtual-stages 2``: the final weights are one process's."""
+    base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
+            "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
+    out = {}
+    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                                        "--micro-batch-size", "2"]),
+                            ("one", 1, ["--micro-batch-size", "2", "--grad-accum", "2"])]:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    assert set(out["par"]) == set(out["one"])
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)

@@ -1,0 +1,160 @@
+"""Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): equal to one process, norms in step, bytes as the formula."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tests.mp_reference as R
+from minizero.args import UsageError
+from minizero.autograd import Tensor
+from minizero.comm import run_in_threads
+from minizero.ledger import MemoryLedger, set_ledger
+from minizero.memory.attribution import layer_bytes, saved_by_module
+from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.recompute import apply_recompute
+from minizero.nn import GPT, get_config
+from minizero.parallel.pipeline import PipelineStage
+from minizero.parallel.sequence_parallel import (gather_from_sequence_parallel_region, gathered_linear,
+                                                 reduce_scatter_to_sequence_parallel_region,
+                                                 scatter_to_sequence_parallel_region, sequence_parallelize)
+from minizero.parallel.tensor_parallel import shard_array, tensor_parallelize
+from minizero.parallel.vocab_parallel import vocab_parallelize
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+def test_gather_and_reduce_scatter_are_conjugate_along_the_sequence():
+    """ḡ: forward all-gather, backward reduce-scatter; g: forward reduce-scatter, backward all-gather; scatter."""
+    t, b, s, h = 3, 2, 6, 4
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(t, b, s, h))  # rank r's full-length input
+    ws = rng.normal(size=(t, b, s, h))  # rank r's weights of the loss sum(w * y)
+
+    def rank(comm):
+        r, n = comm.rank, s // t
+        x = Tensor(xs[r][:, r * n:(r + 1) * n].copy(), requires_grad=True)
+        y = gather_from_sequence_parallel_region(x, comm)
+        (y * Tensor(ws[r])).sum().backward()
+        z = Tensor(xs[r], requires_grad=True)
+        w = reduce_scatter_to_sequence_parallel_region(z, comm)
+        (w * Tensor(ws[r][:, r * n:(r + 1) * n].copy())).sum().backward()
+        u = Tensor(xs[0], requires_grad=True)
+        v = scatter_to_sequence_parallel_region(u, comm)
+        (v * Tensor(ws[r][:, r * n:(r + 1) * n].copy())).sum().backward()
+        return y.data, x.grad, w.data, z.grad, v.data, u.grad
+
+    n = s // t
+    full_x = np.concatenate([xs[r][:, r * n:(r + 1) * n] for r in range(t)], axis=1)
+    w_mine = np.concatenate([ws[r][:, r * n:(r + 1) * n] for r in range(t)], axis=1)
+    for r, (y, gx, w, gz, v, gu) in enumerate(run_in_threads(t, rank)):
+        sl = slice(r * n, (r + 1) * n)
+        np.testing.assert_array_equal(y, full_x)  # all-gather in rank order
+        np.testing.assert_allclose(gx, ws.sum(axis=0)[:, sl], rtol=1e-14)  # reduce-scatter of the gradients
+        np.testing.assert_allclose(w, xs.sum(axis=0)[:, sl], rtol=1e-14)  # reduce-scatter
+        np.testing.assert_array_equal(gz, w_mine)  # all-gather of the slices' gradients
+        np.testing.assert_array_equal(v, xs[0][:, sl])  # scatter keeps this rank's rows
+        np.testing.assert_array_equal(gu, w_mine)
+
+
+def test_gathered_linear_equals_the_whole_column_parallel_linear():
+    t, rng = 2, np.random.default_rng(1)
+    x, w, bias, g = rng.normal(size=(2, 4, 3)), rng.normal(size=(6, 3)), rng.normal(size=6), rng.normal(size=(2, 4, 6))
+    xt, wt, bt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True), Tensor(bias, requires_grad=True)
+    ((xt @ wt.transpose(1, 0) + bt) * Tensor(g)).sum().backward()
+
+    def rank(comm):
+        r = comm.rank
+        xl = Tensor(x[:, 2 * r:2 * r + 2].copy(), requires_grad=True)
+        wl, bl = Tensor(shard_array(w, 0, r, t), requires_grad=True), Tensor(shard_array(bias, 0, r, t), requires_grad=True)
+        y = gathered_linear(xl, wl, comm, bl)
+        (y * Tensor(shard_array(g, 2, r, t))).sum().backward()
+        return y.data, xl.grad, wl.grad, bl.grad
+
+    for r, (y, gx, gw, gb) in enumerate(run_in_threads(t, rank)):
+        np.testing.assert_allclose(y, shard_array(x @ w.T + bias, 2, r, t), rtol=1e-13)
+        np.testing.assert_allclose(gx, xt.grad[:, 2 * r:2 * r + 2], rtol=1e-13)
+        np.testing.assert_allclose(gw, shard_array(wt.grad, 0, r, t), rtol=1e-13)
+        np.testing.assert_allclose(gb, shard_array(bt.grad, 0, r, t), rtol=1e-13)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, model, extra", [(2, "tiny", []), (2, "tiny", ["--dropout", "0.1", "--zero", "1"]),
+                                              (2, "tiny", ["--recompute", "selective"]),
+                                              (4, "default", []), (4, "default", ["--zero", "1"])])
+def test_sequence_parallel_equals_single_process(tp, model, extra):
+    """Gradients of step 0 (1e-12) and weights after 3 steps (1e-9) equal one process's; the norms stay identical.
+
+    tiny has 2 heads, so tp = 4 runs on the default model (4 heads, 4 layers) at context 16.
+    With dropout, the slices' masks are cut from the unsplit model's draws, so even they agree.
+    """
+    ref = run_in_threads(1, R.run_single, model, 2, 2, extra)[0]
+    got = run_in_threads(tp, R.run_parallel, model, 2, 1, tp, 1, 2, "1f1b", ["--sequence-parallel", *extra])
+    R.assert_matches(ref, got, f"tp {tp} sequence parallel {extra}")
+    for name in got[0]["params"]:
+        if ".ln_" in name or name.endswith("c_proj.bias"):  # layer norms and row-parallel biases: bitwise identical
+            for other in got[1:]:
+                np.testing.assert_array_equal(other["params"][name], got[0]["params"][name], err_msg=name)
+
+
+def _measure_stage(comm, cfg, b, mode):
+    set_ledger(MemoryLedger())
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    tensor_parallelize(stage, comm)
+    vocab_parallelize(stage, comm)
+    sequence_parallelize(stage, comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    return saved_by_module(stage, x, x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_measured_bytes_per_layer_equal_the_sequence_parallel_formula(tp, mode, dropout):
+    """Ledger bytes per layer = sbh(34/t + 5as/(ht)) in minizero's accounting (fp64), on every rank; and less than tp alone."""
+    cfg = get_config("default", dtype="float64", dropout=dropout, block_size=32)
+    b, s = 2, cfg.block_size
+    want = layer_activation_bytes(cfg, s, b, tp=tp, sequence_parallel=True, recompute=mode,
+                                  accounting="minizero", precision="fp64")
+    assert want < layer_activation_bytes(cfg, s, b, tp=tp, recompute=mode, accounting="minizero", precision="fp64")
+    for got in run_in_threads(tp, _measure_stage, cfg, b, mode):
+        for i in range(cfg.n_layer):
+            assert layer_bytes(got, f"transformer.h.{i}") == want, (i, got)
+
+
+def test_sequence_parallel_is_refused_where_it_cannot_run():
+    with pytest.raises(UsageError, match="needs --tp > 1"):
+        parse_args(["--model", "tiny", "--sequence-parallel"], 2)
+    with pytest.raises(UsageError, match="--zero 2 is not supported.*use --zero 1"):
+        parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--zero", "2"], 2)
+    with pytest.raises(UsageError, match="context length 15 divisible by --tp 2"):
+        parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--block-size", "15"], 2)
+    assert parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--zero", "1"], 2).sequence_parallel
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 python -m minizero.train --tp 2 --sequence-parallel``: the final weights are one process's."""
+    base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
+            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
+    out = {}
+    for label, n, flags in [("par", 2, ["--tp", "2", "--sequence-parallel"]), ("one", 1, [])]:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_with_a_pipeline_sends_the_sequence_slices():
+    """--tp 2 --pp 2 --sequence-parallel: the stages exchange (b, T/2, C) slices; weights are one process's."""
+    ref = run_in_threads(1, R.run_single, "default", 2, 2, [])[0]
+    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 2, 2, 2, "1f1b", ["--sequence-parallel"])
+    R.assert_matches(ref, got, "tp 2 pp 2 sequence parallel")
+    for r in got:
+        assert r["traffic"]["pp"]["by_op"].get("pp_activation", 0) in (0, 3 * 2 * 2 * 8 * 128 * 8)  # 3 steps x m 2 x (2, 8, 128) f64
