@@ -158,7 +158,7 @@ class _SequenceSliceDropout(Function):
     @staticmethod
     def forward(ctx, x, p, s_total, lo):
         b, n, h = x.shape
-        full = F.dropout_generator().random((b, s_total, h)) >= p  # the unsplit model's draws
+        full = F.dropout_keep_mask((b, s_total, h), p)  # the unsplit model's draws (one function for every dropout)
         keep = backend.to_device(full[:, lo:lo + n].copy())
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)

@@ -1,0 +1,150 @@
+"""Every flag of ``python -m minizero.train``: the argparse parser (checked by :mod:`minizero.args`).
+
+The parser raises :class:`UsageError` instead of exiting, so the caller decides which rank
+prints; ``--help`` prints once (ranks other than 0 are quiet). Mirrors argparse's own
+conventions; the values' checks live in :func:`minizero.args.parse_args`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from minizero.comm.base import DEFAULT_TIMEOUT_S
+from minizero.memory.sparsity import SCOPES
+from minizero.nn import PRESETS
+from minizero.progress import MODES as PROGRESS_MODES
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the value and what is allowed."""
+
+
+class _Parser(argparse.ArgumentParser):
+    quiet = False  # ranks other than 0 print no --help
+
+    def print_help(self, file=None):
+        if not self.quiet:
+            super().print_help(file)
+
+    def error(self, message):  # raise instead of exiting, so only rank 0 prints
+        raise UsageError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` only where the help text does not already say what the default is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``python -m minizero.train``."""
+    p = _Parser(prog="python -m minizero.train", description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
+                formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--block-size", type=int, default=None, help="context length T (default: the preset's)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the preset's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-steps per optimizer step (default 1, or derived from --batch-size)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global sequences per optimizer step; must equal micro-batch-size x data-parallel size x "
+                        "grad-accum (grad-accum is derived when not given)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split, ring attention")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
+                        "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
+    p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/20, at least 10, at most steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")
+    p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the embedded corpus)")
+    p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="reduce gradients after backward, blocking (default: each bucket's all-reduce starts as "
+                        "soon as its last gradient is ready and runs during the rest of backward)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
+    p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
+    p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds any one send, receive or collective may wait for a peer before the job is aborted "
+                        "with the operation and the rank waited on (PyTorch's NCCL default: 600)")
+    p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
+                   help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
+                        "inside each node again (NCCL/Horovod hierarchical)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
+    p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+                   help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
+                        "dynamic loss scaling")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
+    p.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
+    p.add_argument("--hysteresis", type=int, default=1,
+                   help="fp16: overflows before the scale halves (PyTorch 1, DeepSpeed 2)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below this")
+    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                   help="activation recompute: every K-th block (full) or its attention core (selective)")
+    p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
+    p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
+                   help="move saved activations to host memory or to files until backward")
+    p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
+                   help="keep master weights and Adam state (and run the update) on the host or on disk "
+                        "(ZeRO-Offload / ZeRO-Infinity)")
+    p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
+                                                        "(default: the system temp directory)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
+                   help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
+    p.add_argument("--adam8bit-block-size", type=int, default=256, help="elements per absmax of 8-bit Adam's state")
+    p.add_argument("--quantized-comm", action="store_true",
+                   help="INT8 on the wire for the gradient all-reduce (--zero 0), ZeRO's gradient "
+                        "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
+    p.add_argument("--prune-sparsity", type=float, default=0.0,
+                   help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
+    p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
+    p.add_argument("--prune-step", type=int, default=0, help="optimizer step at whose start the masks are made")
+    p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
+    p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
+    p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end")
+    p.add_argument("--prompt", default="The ", help="text the closing sample continues (at least one character; "
+                                                     "python -m minizero.sample takes the same)")
+    p.add_argument("--progress", default="auto", choices=list(PROGRESS_MODES),
+                   help="rank 0's live progress: a tqdm bar, a log line every K steps, or nothing; auto: the bar "
+                        "when stdout is a terminal, else log lines (under mpirun stdout is never a terminal)")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="K: steps between progress log lines (default: about 15 lines per run)")
+    p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
+    p.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="measure the process peak with tracemalloc (every NumPy allocation over the training "
+                        "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")
+    p.add_argument("--no-tracemalloc", action="store_true",
+                   help="tracemalloc off (the default; kept so older command lines run; wins over --tracemalloc)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
+    p.add_argument("--save-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints kept (older ones removed after a save)")
+    p.add_argument("--resume", default=None,
+                   help="continue from a checkpoint folder, or from a save dir's latest complete checkpoint "
+                        "(any layout: the state is resharded on load)")
+    return p
+
+
+#: upper limits that keep a typo from becoming an out-of-memory kill minutes later
+MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
