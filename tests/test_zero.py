@@ -157,7 +157,6 @@ def test_transient_buffers_are_one_layer_plus_embedding(stage, n):
             assert res["peak"]["gathered"] == 0
 
 
-@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 4])
 def test_prefetch_holds_at_most_two_units_plus_embedding(n):
@@ -177,6 +176,7 @@ def test_prefetch_holds_at_most_two_units_plus_embedding(n):
             assert np.array_equal(a["params"][name], b["params"][name]), name
 
 
+@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("n", WORLD_SIZES)
