@@ -456,7 +456,7 @@ def _scratch_peaks(comm, n, op):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("op, elements", [("all_reduce", lambda n, w: -(-n // w) if w > 1 else 0),
                                           ("reduce_scatter", lambda n, w: n + -(-n // w) if w > 1 else 0)])
-def test_collective_scratch_is_in_the_ledger_peak(world, op, elements):
+def test_collective_scratch_is_in_the_ledger_peak(world, op, elements, ring_all_reduce):
     """Issue 19: the ring's receive chunk (and reduce-scatter's working copy) count while they live."""
     from minizero.comm.threads import run_in_threads
 

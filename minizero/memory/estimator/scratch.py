@@ -3,7 +3,9 @@
 Part of :mod:`minizero.memory.estimator`. minizero's ring collectives (``comm/collectives.py``)
 allocate, for the length of one call on N ranks and n elements of ``itemsize`` bytes::
 
-    all_reduce       a receive chunk                          ceil(n/N)          elements
+    all_reduce       a receive chunk (ring)                   ceil(n/N)          elements
+                     or a whole copy (recursive doubling,     n                  elements
+                     for n * itemsize <= 256 KiB)
     reduce_scatter   a working copy + a receive chunk         n + ceil(n/N)      elements
     all_gather, broadcast, one rank (N = 1)                   nothing
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import ModelShape, Strategy, _bytes
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
@@ -45,6 +48,15 @@ def largest_bucket(sizes, itemsize: int, bucket_bytes: int) -> int:
     return max(best, current)
 
 
+def all_reduce_scratch(n: int, itemsize: int, world_size: int) -> int:
+    """Bytes of scratch one all-reduce of ``n`` elements over ``world_size`` ranks allocates (by its algorithm)."""
+    if world_size == 1:
+        return 0
+    if all_reduce_algorithm(n * itemsize, world_size) == "ring":
+        return math.ceil(n / world_size) * itemsize
+    return n * itemsize
+
+
 def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str) -> int:
     """Peak ``comm_scratch`` bytes on one rank of pipeline stage ``stage`` (see the module docstring)."""
     if accounting != "minizero" or st.world_size == 1:
@@ -58,7 +70,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
             n = largest_bucket(m.tensor_sizes(), g, bucket)
         else:
             n = min(bucket // g, m.layer_parameters(t) * (m.n_layer // st.pp))
-        out.append(math.ceil(n / dp) * g)
+        out.append(all_reduce_scratch(n, g, dp))
     if dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t)]
         if stage == 0:
@@ -68,7 +80,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         padded = max(math.ceil(u / dp) * dp for u in units)
         out.append((padded + padded // dp) * g)
     if t > 1:
-        out.append(math.ceil(st.micro_batch * m.seq_len * m.hidden / t) * e)
+        out.append(all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t))
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):
-        out.append(math.ceil(m.vocab_size * m.hidden / t / 2) * g)
+        out.append(all_reduce_scratch(m.vocab_size * m.hidden // t, g, 2))
     return max(out)
