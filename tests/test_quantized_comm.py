@@ -202,7 +202,7 @@ def _all_reduce(comm, n):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [1, 300, 1027])
-def test_quantized_all_reduce_is_identical_everywhere_within_the_bound(world, n):
+def test_quantized_all_reduce_is_identical_everywhere_within_the_bound(world, n, ring_all_reduce):
     res = run_in_threads(world, _all_reduce, n)
     xs = [r[0] for r in res]
     exact = sum(xs)
