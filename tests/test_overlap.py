@@ -148,7 +148,7 @@ def test_trace_on_threads_shows_all_reduce_in_flight_during_backward_only_with_o
 
 
 @pytest.mark.timeout(300)
-def test_zero3_prefetch_all_gathers_are_in_flight_only_with_overlap(tmp_path):
+def test_zero3_prefetch_and_reduce_scatters_are_in_flight_only_with_overlap(tmp_path):
     path = str(tmp_path / "t.json")
 
     def rank(comm, flags):
@@ -160,8 +160,9 @@ def test_zero3_prefetch_all_gathers_are_in_flight_only_with_overlap(tmp_path):
         events = _check_trace_format(json.load(open(path)), 2)
         for r in range(2):
             flight = [e for e in events if e["pid"] == r and e["tid"] == trace.IN_FLIGHT]
-            assert all(e["args"]["op"] == "all_gather" and e["args"]["bytes"] > 0 for e in flight)
-            assert bool(flight) == (not flags), (r, flags, len(flight))
+            assert all(e["args"]["op"] in ("all_gather", "reduce_scatter") and e["args"]["bytes"] > 0 for e in flight)
+            for op in ("all_gather", "reduce_scatter"):  # prefetch and the overlapped gradient reduce-scatter
+                assert bool([e for e in flight if e["args"]["op"] == op]) == (not flags), (r, flags, op)
 
 
 def _zero_steps(comm, stage, overlap_reduce, dtype):
@@ -249,3 +250,35 @@ def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, 
     assert set(on) == set(off)
     for name in on:
         assert np.array_equal(on[name], off[name]), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype,accum", [("float64", 1), ("float32", 1), ("float64", 2), ("float32", 2)])
+def test_zero2_overlapped_reduce_scatter_under_mpiexec_is_bitwise_and_overlaps_backward(mpiexec, tmp_path, dtype,
+                                                                                        accum):
+    """``--zero 2`` (reduce-scatters during backward, two buckets alive) against ``--no-overlap`` (blocking):
+    the same final weights bit for bit, over real MPI requests; the first case also reads both traces:
+    with overlap a reduce-scatter is in flight during a backward span on every rank, without none is."""
+    traced = (dtype, accum) == ("float64", 1)
+
+    def run(extra, out):
+        trace_flags = ["--trace", str(out) + ".json"] if traced else []
+        cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
+               "--dtype", dtype, "--grad-accum", str(accum), "--zero", "2", "--eval-batches", "1", "--eval-every",
+               "0", "--sample-tokens", "1", "--progress", "none", "--out", str(out), *trace_flags, *extra]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        events = _check_trace_format(json.load(open(str(out) + ".json")), 2) if traced else None
+        return dict(np.load(os.path.join(out, "model.npz"))), events
+
+    (on, events), (off, events_off) = run([], tmp_path / "on"), run(["--no-overlap"], tmp_path / "off")
+    assert set(on) == set(off)
+    for name in on:
+        assert np.array_equal(on[name], off[name]), name
+    if traced:
+        for r in range(2):
+            rs = trace.intervals(events, r, lambda e: e["tid"] == trace.IN_FLIGHT
+                                 and e["args"]["op"] == "reduce_scatter")
+            bwd = trace.intervals(events, r, lambda e: e["cat"] == "backward")
+            assert rs and trace.covered_us(rs, bwd) > 0, f"rank {r}: no reduce-scatter in flight during backward"
+        assert not [e for e in events_off if e["tid"] == trace.IN_FLIGHT]

@@ -38,8 +38,9 @@ Every collective on a unit first checks that all ranks are at the same (unit, ph
 Memory in the ledger: ``parameters``, ``gradients`` and ``optimizer_state`` hold the
 persistent figures above; a stage-3 unit's gathered parameters are ``gathered`` and the
 stage-2/3 full-size gradient buckets ``comm_buffers``, both alive only while one unit
-runs (plus the tied embedding, used at both ends of the model). Not counted: the ring
-collectives' own scratch (one unit's size while a collective runs, comm/collectives.py).
+runs (plus the tied embedding, used at both ends of the model; with prefetch and the
+overlapped reduce-scatter, two units: zero_prefetch.py). The ring collectives' own scratch
+is ``comm_scratch`` (comm/collectives.py; the overlapped ring's receive chunk, zero_prefetch.py).
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         prefetch: stage 3: start the next unit's all-gather while the current one computes
             (zero_prefetch.py; at most two units gathered, plus the tied embedding); default off.
         overlap_reduce: stages 2-3: submit each unit's reduce-scatter and go on with backward
-            (zero_prefetch.py); default off, and off in the CLI: how many buckets are alive while
-            rings are in flight depends on timing, so ``comm_buffers`` would not be reproducible.
+            (zero_prefetch.py), at most ``REDUCE_BUCKETS`` = 2 buckets alive (double buffering: a
+            bucket is freed when the next one is submitted, so ``comm_buffers`` is a formula the
+            estimator computes). Default off here; the CLI turns it on (``--no-overlap``: off).
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient

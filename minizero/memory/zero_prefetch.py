@@ -21,22 +21,34 @@ Bytes and traffic labels are the blocking gather's (``gather_forward`` / ``gathe
 ``all_gather``). Only for stage 3 over the hand-written ring (not ``native``, not
 ``quantized_comm``) on a communicator with ``isend``/``irecv``.
 
-Stages 2-3, **overlapped reduce-scatter** (``ZeroOptimizer(overlap_reduce=True)``; not used by the CLI,
-because how many buckets are alive then depends on timing, and the ledger's peaks are meant to be
-exact): when a unit's bucket is due (its fixed turn, zero_buckets.py),
-its ring reduce-scatter is submitted to a second stream (its own tag) instead of run to the end;
-backward continues, the hooks progress it, and when it finishes its mean chunk is added into the
-owned gradient shard. ``reduce_gradients`` waits for the stream. Same ring, same additions, same
-order of the per-unit accumulations: bitwise the blocking result. The bucket lives until its ring
-finishes (``comm_buffers``), so more than one bucket can be alive while rings are in flight.
+Stages 2-3, **overlapped reduce-scatter** (``ZeroOptimizer(overlap_reduce=True)``, the CLI's
+default; ``--no-overlap`` turns it off): when a unit's bucket is due (its fixed turn,
+zero_buckets.py), its ring reduce-scatter is submitted to a second stream (its own tag) instead of
+run to the end; backward continues, the hooks progress it, and when it finishes its mean chunk is
+added into the owned gradient shard. Same ring, same additions, same order of the per-unit
+accumulations: bitwise the blocking result.
 
-Mirrors: DeepSpeed stage 2's ``overlap_comm`` (reduce in a side stream during backward); PyTorch FSDP's ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE`` (which
+**Double buffering**, so the memory is a formula and not a race: at most
+:data:`REDUCE_BUCKETS` = 2 buckets are alive besides the tied embedding's, the one backward is
+filling and the one whose reduce-scatter is in flight. Before a bucket is submitted, the one
+submitted before it is *retired*: waited for (its ring finishes, its chunk is added) and only
+then freed. A bucket is freed at that point and never earlier, even when its ring finished long
+before, so the ledger's ``comm_buffers`` peak does not depend on timing: the tied embedding's
+bucket (open from the LM head to the end of backward) plus the largest sum of two units
+adjacent in backward order (``estimator/totals.py`` computes it from the same constant). The
+ring's receive chunk (ceil(padded/N) elements) is counted as ``comm_scratch`` for the same
+lifetime. ``reduce_gradients`` (and the next micro-batch's first forward) waits for the last one.
+
+Mirrors: DeepSpeed stage 1-2's ``overlap_comm`` with ``contiguous_gradients`` (reduce in a side stream
+during backward, alternating two IPG buffers: ``ipg_index = 1 - ipg_index`` in ``stage_1_and_2.py``'s
+``reduce_independent_p_g_buckets_and_remove_grads``); PyTorch FSDP's ``forward_prefetch`` and
+``backward_prefetch=BACKWARD_PRE`` (which
 record the execution order in the first iteration; minizero uses the unit order), DeepSpeed's
 ``stage3_prefetch_bucket_size``.
 """
 from __future__ import annotations
 
-from minizero import backend
+from minizero import backend, trace
 from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
 from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
 from minizero.autograd import is_grad_enabled
@@ -44,6 +56,12 @@ from minizero.ledger import get_ledger
 
 PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the blocking rings' and the DP overlap's)
 REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
+#: gradient buckets alive at once under the overlapped reduce-scatter, the tied embedding's aside:
+#: the one backward fills and the one being reduced (DeepSpeed's two IPG buffers). The estimator
+#: (``memory/estimator/totals.py``) imports it: one constant for both.
+REDUCE_BUCKETS = 2
+#: units gathered at once under stage 3's prefetch, the tied embedding aside: the running one and the next
+GATHERED_UNITS = 2
 
 
 class Prefetch:
@@ -60,6 +78,7 @@ class Prefetch:
         self.prefetch = usable and prefetch and self.stage == 3
         self.overlap_reduce = usable and overlap_reduce and self.stage >= 2
         self._pending = {}  # unit index -> (RingCollective, its buffer, phase)
+        self._in_flight = []  # (RingCollective, bucket) submitted and not yet retired, oldest first
         self._reduce_stream = Stream(c) if self.overlap_reduce else None
         if not self.prefetch:
             return
@@ -77,7 +96,13 @@ class Prefetch:
 
     def _start_reduce(self, st, flat) -> None:
         """Submit the unit's reduce-scatter of its (padded,) bucket ``flat`` (this rank's, consumed);
-        when it finishes, the mean chunk is added into ``st.grad_shard`` (as the blocking path does)."""
+        when it finishes, the mean chunk is added into ``st.grad_shard`` (as the blocking path does).
+
+        First retires the oldest buckets until fewer than ``REDUCE_BUCKETS - 1`` are in flight
+        (double buffering, module docstring); the new bucket stays alive until it is retired.
+        """
+        while len(self._in_flight) >= REDUCE_BUCKETS - 1:
+            self._retire_oldest()
         self._agree(st, "reduce_scatter_grads")
         n, rank = self.comm.world_size, self.comm.rank
         mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
@@ -87,13 +112,25 @@ class Prefetch:
         def done():
             mine = flat[off:off + size].copy()
             st.grad_shard += mean_scale_(mine, n, before_sum=False, predivided=self.predivided)
-        self._reduce_stream.submit(RingCollective(self.comm, flat, "reduce_scatter", REDUCE_TAG,
-                                                  name=f"reduce_scatter {st.unit.name}", unit=st.index), done)
+        coll = RingCollective(self.comm, flat, "reduce_scatter", REDUCE_TAG, name=f"reduce_scatter {st.unit.name}",
+                              unit=st.index)
+        get_ledger().track(coll.tmp, "comm_scratch")  # the receive chunk, alive until retired
+        self._in_flight.append((coll, flat))
+        self._reduce_stream.submit(coll, done)
+
+    def _retire_oldest(self) -> None:
+        """Wait for the oldest overlapped reduce-scatter (its chunk is then added), then drop its bucket."""
+        coll, _ = self._in_flight[0]
+        if not coll.done:
+            with trace.span("wait reduce_scatter", "comm", trace.COMM):
+                _wait_until(self.comm, lambda: self._reduce_stream.progress() or coll.done, coll.name,
+                            coll.waiting_on)
+        self._in_flight.pop(0)  # the last reference: the bucket and the receive chunk are freed here
 
     def _wait_reduces(self) -> None:
         """Wait for every overlapped reduce-scatter (their chunks are then in the gradient shards)."""
-        if self._reduce_stream is not None:
-            self._reduce_stream.synchronize()
+        while self._in_flight:
+            self._retire_oldest()
 
     def _gather(self, st, phase):
         pend = self._pending.pop(st.index, None)

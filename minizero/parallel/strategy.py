@@ -242,7 +242,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                      prefetch=getattr(args, "overlap", True))
+                                      prefetch=getattr(args, "overlap", True),
+                                      overlap_reduce=getattr(args, "overlap", True))
     else:
         hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None

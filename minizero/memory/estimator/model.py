@@ -208,6 +208,12 @@ class Strategy:
             "interleaved" with ``virtual_stages`` model chunks per rank.
         bucket_bytes: size of the gradient reduce buffer; None means one flat
             buffer as large as all gradients (what minizero's DataParallel keeps).
+        overlap: ZeRO 2-3 as minizero's CLI runs them by default (``--no-overlap``: False),
+            counted by the "minizero" accounting when dp > 1: each unit's reduce-scatter
+            runs during backward with two gradient buckets alive (double buffering,
+            ``memory/zero_prefetch.py``), and ZeRO-3 gathers the next unit while one runs.
+            Data parallelism's overlapped all-reduce keeps its ring's receive chunk out
+            of the ledger; for ZeRO 0-1 the flag changes nothing here.
     """
 
     dp: int = 1
@@ -226,6 +232,7 @@ class Strategy:
     virtual_stages: int = 1
     bucket_bytes: int | None = None
     offload_tier: str = "cpu"
+    overlap: bool = False
 
     @property
     def world_size(self) -> int:

@@ -15,7 +15,8 @@ Collectives run one at a time, so the peak is the largest call of the step:
   1 MiB by default as ``--bucket-mb``; buckets are filled greedily in reverse parameter
   order, a new one when the next tensor would overflow, as ``parallel/data_parallel.py``);
 * ZeRO 1-3: the reduce-scatter of the largest unit's padded flat gradient (a layer, the token
-  or position table, ln_f; each padded to a multiple of N);
+  or position table, ln_f; each padded to a multiple of N); ZeRO 2-3 overlapped
+  (``Strategy.overlap``): the non-blocking ring's receive chunk, padded/N elements;
 * tensor parallelism: the all-reduce of one (b, s, h) activation over t ranks;
 * pipeline (pp > 1, tied embeddings): the first and last stages' all-reduce of the
   embedding gradient over those two ranks;
@@ -33,6 +34,7 @@ import math
 
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import ModelShape, Strategy, _bytes
+from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
 DEFAULT_BUCKET_BYTES = 1 << 20
@@ -78,7 +80,10 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         if stage == st.pp - 1:
             units.append(2 * m.hidden)
         padded = max(math.ceil(u / dp) * dp for u in units)
-        out.append((padded + padded // dp) * g)
+        if st.overlap and st.zero >= 2:  # the non-blocking ring's receive chunks instead (estimator/zero_overlap.py)
+            out.append(overlapped_ring_scratch(m, st, stage) * g)
+        else:
+            out.append((padded + padded // dp) * g)
     if t > 1:
         out.append(all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t))
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):

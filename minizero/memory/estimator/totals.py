@@ -9,6 +9,7 @@ import dataclasses
 from minizero.memory.estimator.model import MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES, ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
+from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
 
 
 # ---- the whole rank ---------------------------------------------------------------------------
@@ -78,10 +79,11 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
         if st.dp > 1 and st.zero == 0:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
+        overlapped = st.overlap and st.dp > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
-            comm += gbytes * (m.layer_parameters(st.tp) + tied)
+            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
         if st.zero == 3:
-            gathered = pb * (m.layer_parameters(st.tp) + tied)
+            gathered = pb * (prefetched_units(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
     else:
         if st.dp > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)

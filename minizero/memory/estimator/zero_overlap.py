@@ -1,0 +1,82 @@
+"""ZeRO's buffers when communication overlaps computation (``Strategy.overlap``, minizero's CLI default).
+
+Part of :mod:`minizero.memory.estimator`. ``ZeroOptimizer`` (``memory/zero.py``) keeps one flat
+*unit* per transformer layer and one per other parameter-owning module, each padded to a
+multiple of N = dp. Blocking (``--no-overlap``), one unit's gradient bucket and (ZeRO-3) one
+gathered unit are alive at a time, plus the tied token embedding, which is used at both ends of
+the model and stays open in between. Overlapped (``memory/zero_prefetch.py``):
+
+* gradient buckets: double buffering, :data:`~minizero.memory.zero_prefetch.REDUCE_BUCKETS` = 2
+  alive at once (the one backward fills and the one being reduce-scattered; a bucket is freed
+  when the next is submitted, never earlier, so the peak does not depend on timing) -- the
+  largest sum of 2 units adjacent in backward order, plus the tied embedding;
+* ZeRO-3 gathered parameters: the running unit and the prefetched next one
+  (:data:`~minizero.memory.zero_prefetch.GATHERED_UNITS`), plus the tied embedding -- again
+  the largest sum of 2 adjacent units;
+* the ring's receive chunk (``comm_scratch``): ceil(padded/N) elements of each reduce-scatter
+  in flight (one at a time), instead of the blocking ring's working copy + chunk.
+
+Units in backward order on pipeline stage k of p (GPT: LayerNorm, learned positions): an
+untied head (last stage; with p > 1 its copy of the tied table), ``ln_f`` (last stage), the
+stage's layers, ``wpe`` (stage 0); the token table is the tied
+bucket when p = 1, and with p > 1 stage 0's opens together with ``wpe`` (one element of the
+chain). Exact against the ledger for p = 1 (``tests/test_estimator.py``); p > 1 follows the same
+rule and is not checked. Mirrors DeepSpeed's ``overlap_comm`` (two IPG buffers) and FSDP's
+``backward_prefetch`` (one unit ahead).
+"""
+from __future__ import annotations
+
+import math
+
+from minizero.memory.estimator.model import ModelShape, Strategy
+from minizero.memory.zero_prefetch import GATHERED_UNITS, REDUCE_BUCKETS
+
+
+def _padded(n: int, dp: int) -> int:
+    return math.ceil(n / dp) * dp
+
+
+def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]:
+    """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the
+    other units' padded elements in backward order (see the module docstring)."""
+    dp, t = st.dp, st.tp
+    norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
+    chain = []
+    if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
+        chain += ([m.vocab_size * m.hidden] if st.pp > 1 or not m.tied_embeddings else []) + [norm]
+    chain += [m.layer_parameters(t)] * (m.n_layer // st.pp)
+    tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
+    if stage == 0:
+        bottom = m.seq_len * m.hidden if m.learned_pos else 0
+        if st.pp > 1 or not m.tied_embeddings:
+            bottom += m.vocab_size * m.hidden
+        if bottom:
+            chain.append(bottom)
+    return _padded(tied, dp), [_padded(u, dp) for u in chain]
+
+
+def window_peak(chain: list[int], width: int) -> int:
+    """The largest sum of ``width`` consecutive elements of ``chain`` (all of it when shorter)."""
+    if len(chain) <= width:
+        return sum(chain)
+    return max(sum(chain[i:i + width]) for i in range(len(chain) - width + 1))
+
+
+def overlapped_buckets(m: ModelShape, st: Strategy, stage: int) -> int:
+    """Elements of gradient buckets alive at the peak: tied + the largest ``REDUCE_BUCKETS`` adjacent units."""
+    tied, chain = zero_units(m, st, stage)
+    return tied + window_peak(chain, REDUCE_BUCKETS)
+
+
+def prefetched_units(m: ModelShape, st: Strategy, stage: int) -> int:
+    """Elements gathered at the peak (ZeRO-3 with prefetch): tied + the largest ``GATHERED_UNITS`` adjacent units."""
+    tied, chain = zero_units(m, st, stage)
+    return tied + window_peak(chain, GATHERED_UNITS)
+
+
+def overlapped_ring_scratch(m: ModelShape, st: Strategy, stage: int) -> int:
+    """Elements of receive chunks alive at once: ceil(padded/N) of ``REDUCE_BUCKETS - 1`` units in flight
+    (the tied embedding is reduced last, after the chain's last unit)."""
+    tied, chain = zero_units(m, st, stage)
+    order = chain + ([tied] if tied else [])
+    return window_peak([u // st.dp for u in order], REDUCE_BUCKETS - 1)
