@@ -1,16 +1,20 @@
-"""Overlap of the gradient all-reduce with backward: step time and exposed communication, on and off.
+"""Overlap of gradient communication with backward: step time and exposed communication, on and off.
 
-For each world size N, runs ``mpiexec -n N python -m minizero.train --trace T`` twice (overlap on,
-then ``--no-overlap``), reads the timeline (:func:`minizero.trace.summarize`, per rank, averaged
-over ranks) and prints a Markdown table:
+For each world size N and each strategy (``dp``: data parallelism's bucket all-reduce; ``zero2``:
+ZeRO-2's per-unit reduce-scatter, double-buffered), runs ``mpiexec -n N python -m minizero.train
+--trace T`` twice (``--no-overlap``, then overlap on, the default), reads the timeline
+(:func:`minizero.trace.summarize`, per rank, averaged over ranks) and prints a Markdown table:
 
-    ranks | overlap | ms/step | exposed comm ms/step | backward ms/step | all-reduce in flight during backward
+    ranks | strategy | overlap | ms/step | exposed comm ms/step | backward ms/step | collective in flight during backward
+
+The anchor of each pair is its ``--no-overlap`` row (the ratio column: step time / that row's).
 
 *Exposed communication* is the union of the blocking-communication lane: the time a rank sat
 waiting on messages (gradient buckets still in flight at the optimizer step, the norm, metrics).
 Timelines include tracing's own cost (a few microseconds per span).
 
 usage: python bench/bench_overlap.py [--ranks 2,4] [--steps 5] [--model default] [--bucket-mb 1]
+                                    [--strategies dp,zero2]
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ from minizero.files import mpiexec_path
 from minizero.plots import plot_timelines
 
 
-def run(n: int, overlap: bool, args) -> tuple[dict, list]:
+STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
+
+
+def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
     """One traced run on ``n`` ranks; returns (:func:`minizero.trace.summarize` averaged over ranks, the events)."""
     path = mpiexec_path()
     if path is None:
@@ -36,7 +43,7 @@ def run(n: int, overlap: bool, args) -> tuple[dict, list]:
         cmd = [path, "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
                "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
                "--no-progress", "--no-tracemalloc", "--no-save", "--bucket-mb", str(args.bucket_mb),
-               "--out", d, "--trace", t, *([] if overlap else ["--no-overlap"])]
+               "--out", d, "--trace", t, *STRATEGIES[strategy], *([] if overlap else ["--no-overlap"])]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(t) as f:
             events = json.load(f)["traceEvents"]
@@ -51,19 +58,28 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
+    p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     args = p.parse_args()
-    print(f"| ranks | overlap | ms/step | exposed comm ms/step | backward ms/step | all-reduce in flight during "
-          f"backward |  ({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
-    print("|---:|:---|---:|---:|---:|---:|")
+    strategies = args.strategies.split(",")
+    bad = [x for x in strategies if x not in STRATEGIES]
+    if bad:
+        p.error(f"--strategies: {bad} not in {list(STRATEGIES)}")
+    print(f"| ranks | strategy | overlap | ms/step | vs --no-overlap | exposed comm ms/step | backward ms/step | "
+          f"collective in flight during backward |  ({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
+    print("|---:|:---|:---|---:|---:|---:|---:|---:|")
     panels = []
     for n in [int(x) for x in args.ranks.split(",")]:
-        for overlap in (False, True):
-            s, events = run(n, overlap, args)
-            if args.figure and len(panels) < 2:
-                panels.append((f"{n} ranks, {'overlap (default)' if overlap else '--no-overlap'}: the last step",
-                               last_step(events)))
-            print(f"| {n} | {'on' if overlap else 'off'} | {s['step_us'] / 1e3:.1f} | {s['exposed_comm_us'] / 1e3:.1f} | "
-                  f"{s['backward_us'] / 1e3:.1f} | {100 * s['overlap_fraction']:.0f}% |", flush=True)
+        for strategy in strategies:
+            anchor = None
+            for overlap in (False, True):
+                s, events = run(n, overlap, args, strategy)
+                anchor = anchor or s["step_us"]
+                if args.figure and len(panels) < 2 and strategy == strategies[0]:
+                    panels.append((f"{n} ranks, {'overlap (default)' if overlap else '--no-overlap'}: the last step",
+                                   last_step(events)))
+                print(f"| {n} | {strategy} | {'on' if overlap else 'off'} | {s['step_us'] / 1e3:.1f} | "
+                      f"{s['step_us'] / anchor:.2f}x | {s['exposed_comm_us'] / 1e3:.1f} | "
+                      f"{s['backward_us'] / 1e3:.1f} | {100 * s['overlap_fraction']:.0f}% |", flush=True)
     if args.figure:
         print(plot_timelines(args.figure, panels, f"{args.model} model: gradient all-reduce, blocking vs overlapped"))
 

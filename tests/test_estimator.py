@@ -167,6 +167,8 @@ def test_strategy_validation_names_the_field():
         Strategy(sequence_parallel=True).validate()
     with pytest.raises(ValueError, match="offload='params' needs zero=3"):
         Strategy(zero=2, offload="params").validate()
+    with pytest.raises(ValueError, match="Strategy.overlap must be True or False, got 'yes'"):
+        Strategy(overlap="yes").validate()
     with pytest.raises(ValueError, match="tp=5 does not divide n_head=96"):
         estimate_memory(GPT3, Strategy(tp=5))
     with pytest.raises(ValueError, match="96 layers do not split into .* 5"):

@@ -33,7 +33,8 @@ Two accountings:
   dtype), its replicated embedding and head under tensor parallelism, its
   buffers (``parallel/data_parallel.py``, ``memory/zero.py``) and its 8-bit Adam.
   ``tests/test_estimator.py`` checks it against the ledger (data parallel, ZeRO
-  1-3, tensor parallel, pipeline, recompute, dropout); ``tests/test_compare.py``
+  1-3, with and without ``Strategy.overlap``, tensor parallel, pipeline, recompute, dropout);
+  ``tests/test_compare.py``
   for every strategy of ``python -m minizero.compare`` (FP16 mixed precision,
   optimizer and activation offload to cpu and nvme, and their combinations with
   ZeRO and recompute) at 1, 2 and 4 ranks.

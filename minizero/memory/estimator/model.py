@@ -261,6 +261,8 @@ class Strategy:
             raise ValueError(f"offload='params' needs zero=3 (ZeRO-Infinity), got zero={self.zero}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"Strategy.overlap must be True or False, got {self.overlap!r}")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 or None, got {self.bucket_bytes}")
         if model is not None:

@@ -136,7 +136,9 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
         two units (the one running and the prefetched next one). ``"minizero"``: its own
         buffers -- DataParallel's flat buckets over every gradient (ZeRO 0), one unit's
         gradient bucket (ZeRO 2-3) and one gathered unit (ZeRO 3), each plus the tied
-        embedding, and the pipeline's dL/d(input) send buffer (stages > 0).
+        embedding -- two of each with ``strategy.overlap`` (double-buffered reduce-scatter,
+        prefetch: :mod:`~minizero.memory.estimator.zero_overlap`) -- and the pipeline's
+        dL/d(input) send buffer (stages > 0).
         Offload: ``"paper"`` moves the gradient and optimizer shards (ZeRO-Offload) and
         the parameter shard (``params``); ``"minizero"`` moves the optimizer state only
         (its ``OptimizerStateStore``). Offloaded bytes are ``offloaded`` (tier "cpu")
