@@ -362,3 +362,23 @@ def test_minizero_accounting_matches_ledger_with_overlap(preset, n, zero, accum)
     for rank, peak in enumerate(run_in_threads(n, _cli_peaks, flags, timeout=240)):
         for cat in checked:
             assert est[cat] == peak.get(cat, 0), (rank, cat, est[cat], peak.get(cat, 0))
+
+
+@pytest.mark.timeout(300)
+def test_overlap_estimate_and_trainer_share_one_bucket_constant(monkeypatch):
+    """Three buckets alive instead of two (the one constant, set in both places it is read): the
+    ledger's peaks move and the estimate moves with them, to the byte."""
+    import minizero.memory.estimator.zero_overlap as zo
+    import minizero.memory.zero_prefetch as zp
+
+    flags = ["--model", "small", "--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+             "--progress", "none", "--no-save", "--micro-batch-size", "1", "--zero", "2"]
+    st = Strategy(dp=2, zero=2, precision="fp32", micro_batch=1, overlap=True)
+    two = estimate_memory(get_config("small"), st, accounting="minizero").as_dict()
+    monkeypatch.setattr(zp, "REDUCE_BUCKETS", 3)
+    monkeypatch.setattr(zo, "REDUCE_BUCKETS", 3)
+    three = estimate_memory(get_config("small"), st, accounting="minizero").as_dict()
+    assert three["comm_buffers"] > two["comm_buffers"] and three["comm_scratch"] > two["comm_scratch"]
+    for rank, peak in enumerate(run_in_threads(2, _cli_peaks, flags, timeout=240)):
+        for cat in E.CATEGORIES:
+            assert three[cat] == peak.get(cat, 0), (rank, cat, three[cat], peak.get(cat, 0))

@@ -35,7 +35,7 @@ submitted before it is *retired*: waited for (its ring finishes, its chunk is ad
 then freed. A bucket is freed at that point and never earlier, even when its ring finished long
 before, so the ledger's ``comm_buffers`` peak does not depend on timing: the tied embedding's
 bucket (open from the LM head to the end of backward) plus the largest sum of two units
-adjacent in backward order (``estimator/totals.py`` computes it from the same constant). The
+adjacent in backward order (``estimator/zero_overlap.py`` computes it from the same constant). The
 ring's receive chunk (ceil(padded/N) elements) is counted as ``comm_scratch`` for the same
 lifetime. ``reduce_gradients`` (and the next micro-batch's first forward) waits for the last one.
 
@@ -58,9 +58,10 @@ PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the block
 REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
 #: gradient buckets alive at once under the overlapped reduce-scatter, the tied embedding's aside:
 #: the one backward fills and the one being reduced (DeepSpeed's two IPG buffers). The estimator
-#: (``memory/estimator/totals.py``) imports it: one constant for both.
+#: (``memory/estimator/zero_overlap.py``) imports it: one constant for both.
 REDUCE_BUCKETS = 2
-#: units gathered at once under stage 3's prefetch, the tied embedding aside: the running one and the next
+#: units gathered at once under stage 3's prefetch (one unit ahead), the tied embedding aside: the running
+#: one and the next; the estimator imports it
 GATHERED_UNITS = 2
 
 
