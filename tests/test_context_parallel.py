@@ -74,6 +74,28 @@ def test_context_parallel_equals_single_process(cp, dp, tp, extra):
     R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, pp, extra", [(1, 2, []), (1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel"]),
+                                           (2, 1, ["--sequence-parallel", "--zero", "1"]),
+                                           (2, 2, ["--sequence-parallel"])])
+def test_context_parallel_composes_with_pipeline_and_sequence_parallel(tp, pp, extra):
+    """--cp 2 with --pp 2 (activations (b, T/2, C) between stages, cp rank to cp rank) and with --tp 2
+    --sequence-parallel (each rank's two chunks split again over the tensor group): one process's
+    gradients (1e-12), weights after 3 steps (1e-9) and losses."""
+    m = pp  # the pipeline's default: pp micro-batches per step
+    ref = run_in_threads(1, R.run_single, "tiny", 2, m, [a for a in extra if a != "--sequence-parallel"])[0]
+    got = run_in_threads(2 * tp * pp, R.run_parallel, "tiny", 2, 1, tp, pp, m, "1f1b", ["--cp", "2", *extra])
+    R.assert_matches(ref, got, f"cp 2 tp {tp} pp {pp} {extra}")
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_with_the_interleaved_schedule():
+    """--cp 2 --pp 2 --schedule interleaved --virtual-stages 2 (4 layers): every chunk splits its sequence."""
+    ref = run_in_threads(1, R.run_single, "default", 2, 2)[0]
+    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 1, 2, 2, "interleaved", ["--cp", "2", "--virtual-stages", "2"])
+    R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2")
+
+
 def _measure(comm, cfg, b, mode):
     set_ledger(MemoryLedger())
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
@@ -101,21 +123,26 @@ def test_context_parallel_is_refused_where_it_cannot_run():
         parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
     with pytest.raises(UsageError, match="no attention dropout"):
         parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2)
-    with pytest.raises(UsageError, match="--pp 2 is not supported yet"):
-        parse_args(["--model", "default", "--cp", "2", "--pp", "2"], 4)
-    with pytest.raises(UsageError, match="--sequence-parallel is not supported yet"):
-        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel"], 4)
+    with pytest.raises(UsageError, match="T / cp = 6 divisible by --tp 4"):  # T=24: 24/4 = 6 local rows, 4 tensor ranks
+        parse_args(["--model", "default", "--cp", "4", "--tp", "4", "--sequence-parallel", "--block-size", "24"], 16)
+    with pytest.raises(UsageError, match="--zero 2 is not supported"):  # sequence parallelism's own rule
+        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2"], 4)
+    with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):  # the pipeline's own rule
+        parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--zero", "2"], 4)
+    args = parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--tp", "2", "--sequence-parallel"], 8)
+    assert (args.dp, args.tp, args.pp, args.cp) == (1, 2, 2, 2)
     args = parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--zero", "1"], 8)
     assert (args.dp, args.tp, args.pp, args.cp, args.batch_size) == (2, 2, 1, 2, 4)  # B = b x dp: cp shares rows
 
 
 @pytest.mark.timeout(300)
-def test_context_parallel_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 python -m minizero.train --cp 2``: the final weights are one process's."""
+@pytest.mark.parametrize("n, flags, accum", [(2, ["--cp", "2"], "1"), (4, ["--cp", "2", "--pp", "2"], "2")])
+def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, accum):
+    """``mpiexec -n 2 python -m minizero.train --cp 2`` (and -n 4 with --pp 2): the final weights are one process's."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
     out = {}
-    for label, n, flags in [("par", 2, ["--cp", "2"]), ("one", 1, [])]:
+    for label, n, flags in [("par", n, flags), ("one", 1, ["--grad-accum", accum])]:
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
