@@ -19,6 +19,9 @@ from minizero.nn import GPT, get_config
 from minizero.parallel.context_parallel import (chunk_ids, context_parallelize, ring_attention, ring_bytes,
                                                 split_for_context_parallel, unsplit_from_context_parallel)
 from minizero.parallel.pipeline import PipelineStage
+from minizero.parallel.sequence_parallel import sequence_parallelize
+from minizero.parallel.tensor_parallel import tensor_parallelize
+from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 
@@ -114,6 +117,39 @@ def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
     one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
     assert want < one  # token-sized rows / cp; the (s, s) scores replaced by an (s/cp) output and log-sum-exp
+
+
+def _measure_3d(comm, cfg, b, mode, sp):
+    """Rank (cp rank, tp rank) of a cp 2 x tp 2 grid: tensor (and sequence) parallel, then context parallel."""
+    set_ledger(MemoryLedger())
+    tp_comm = comm.split(color=comm.rank // 2, key=comm.rank % 2)
+    cp_comm = comm.split(color=comm.rank % 2, key=comm.rank // 2)
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    tensor_parallelize(stage, tp_comm)
+    vocab_parallelize(stage, tp_comm)
+    if sp:
+        sequence_parallelize(stage, tp_comm)
+    context_parallelize(stage, cp_comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    got = saved_by_module(stage, x, x)
+    return [layer_bytes(got, f"transformer.h.{i}") for i in range(cfg.n_layer)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_parallel(sp, mode):
+    """cp 2 x tp 2 (4 ranks), with and without --sequence-parallel: the ledger's bytes per layer on every rank
+    equal ``layer_activation_bytes(..., tp=2, sequence_parallel=sp, cp=2)`` (sequence-parallel rows / (cp tp))."""
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    want = layer_activation_bytes(cfg, 32, b, tp=2, sequence_parallel=sp, recompute=mode, accounting="minizero",
+                                  precision="fp64", cp=2)
+    for got in run_in_threads(4, _measure_3d, cfg, b, mode, sp):
+        assert got == [want] * cfg.n_layer
+    if sp:
+        assert want < layer_activation_bytes(cfg, 32, b, tp=2, recompute=mode, accounting="minizero",
+                                             precision="fp64", cp=2)
 
 
 def test_context_parallel_is_refused_where_it_cannot_run():
