@@ -13,7 +13,7 @@ from minizero.autograd import Tensor, causal_softmax
 from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
-from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.context_parallel import (chunk_ids, context_parallelize, ring_attention, ring_bytes,
@@ -62,7 +62,7 @@ def test_ring_attention_equals_whole_causal_attention(cp):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=str(i))
     expect = ring_bytes(b, h, s, d, 8, cp)
     for r_ in res:
-        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"] if cp > 1 else 0)
+        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"])
 
 
 # --------------------------------------------------------------------------- in training (--cp)
@@ -117,6 +117,26 @@ def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
     one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
     assert want < one  # token-sized rows / cp; the (s, s) scores replaced by an (s/cp) output and log-sum-exp
+
+
+def _ring_traffic(comm, cfg, b, mode):
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    context_parallelize(stage, comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    stage(x, x).backward()
+    return comm.traffic.bytes_sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_ring_traffic_of_a_training_step_equals_the_estimator(cp, mode):
+    """Bytes each rank sends in one micro-batch's forward and backward = comm_bytes_per_step(...)["cp"]
+    (the planner's figure): per layer the ring's forward and backward, and its forward again under recompute."""
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    want = comm_bytes_per_step(cfg, Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b), 32)["cp"]
+    assert want > 0 and all(got == want for got in run_in_threads(cp, _ring_traffic, cfg, b, mode))
 
 
 def _measure_3d(comm, cfg, b, mode, sp):

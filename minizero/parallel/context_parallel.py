@@ -49,6 +49,7 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
 
@@ -85,9 +86,12 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks."""
-    blk = b * h * (s // cp) * d * itemsize  # one of k, v, dk, dv on one rank: (b, H, 2n, D)
-    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
+    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks.
+
+    The estimator's formula (:func:`minizero.memory.estimator.ring_attention_bytes`, which the planner uses):
+    one source for the trainer, the estimator and the planner. 0 and 0 for cp = 1.
+    """
+    return ring_attention_bytes(b, h, s, d, itemsize, cp)
 
 
 def _mask(qc: int, kc: int, n: int):
