@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
                         f"({', '.join(sorted(ALIASES))})")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= dp x tp x pp)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= dp x cp x tp x pp)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, with a unit: 80GB = 80 x 10^9 bytes, "
                                                          "80GiB = 80 x 2^30 bytes")
     p.add_argument("--host-memory", default="128GB", help="host memory available to each GPU for offload")
