@@ -4,8 +4,9 @@
 
     python -m minizero.plan --model llama3-70b --gpus 64 --gpu-memory 80GB --seq-len 4096
 
-Enumerates every layout dp x tp x pp = GPUs, ZeRO stage 0-3 (2-3 only without
+Enumerates every layout dp x cp x tp x pp = GPUs, ZeRO stage 0-3 (2-3 only without
 pipelining), recompute (none/selective/full), sequence parallelism (when tp > 1),
+context parallelism cp (ring attention; the sequence in 2 x cp chunks, models without dropout),
 offload (none, optimizer, parameters; and activations), estimates each one's per-GPU
 memory by category on its first and last pipeline stage (:mod:`minizero.memory.estimator`,
 the papers' accounting), the bytes each GPU sends per step, and the step time on a
@@ -21,6 +22,11 @@ Step-time model (first order, stated so it can be argued with)::
     compute  = hardware FLOPs of the step (model FLOPs + recompute) / GPUs / (peak x efficiency)
     bubble   = compute x (p - 1) / (v m)            pipeline flush (Narayanan et al. 2021, 2.2)
     tp       = tensor-parallel bytes / NVLink bandwidth, on the critical path (not overlapped)
+    cp       = ring attention's K, V blocks forward ((c-1) per layer, Liu et al. 2023) and K, V, dK,
+               dV backward (again forward under recompute) / link bandwidth, not overlapped: an upper
+               bound (Liu et al. hide it behind the blockwise attention when a block's compute outlasts
+               its transfer; minizero's ring waits for each pass; Llama 3, Dubey et al. 2024, section
+               3.3.2, all-gathers K and V instead, the same bytes)
     pp       = pipeline send/recv bytes / link bandwidth
     dp       = data-parallel bytes / link bandwidth, minus what hides behind backward:
                ZeRO 0-1 behind the last micro-batch's backward, ZeRO 2 behind every
@@ -28,10 +34,11 @@ Step-time model (first order, stated so it can be argued with)::
                the optimizer step is exposed
     offload  = optimizer: PCIe (gradients down, parameters up) + CPU Adam, exposed;
                parameters and activations: PCIe traffic beyond the compute time
-    step     = compute + bubble + tp + pp + dp + offload
+    step     = compute + bubble + tp + cp + pp + dp + offload
 
 Placement: tensor-parallel groups inside a node; the data-parallel group uses
-intra-node links when dp x tp fits in a node, the pipeline when the whole job does;
+intra-node links when dp x cp x tp fits in a node, the context group when cp x tp does (Megatron-LM's order
+tp-cp-dp-pp), the pipeline when the whole job does;
 otherwise inter-node links. The number of micro-batches m per step is the global
 batch / (dp x micro-batch), rounded up (the effective batch is printed).
 
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
                         f"({', '.join(sorted(ALIASES))})")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= dp x tp x pp)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= dp x cp x tp x pp)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, with a unit: 80GB = 80 x 10^9 bytes, "
                                                          "80GiB = 80 x 2^30 bytes")
     p.add_argument("--host-memory", default="128GB", help="host memory available to each GPU for offload")
@@ -259,7 +266,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
     """The text for ``--strategy``: header, its row, whether it fits, its step time by component."""
     kw = dict(micro_batch=args.micro_batch, global_batch=gbatch, precision=args.precision, optimizer=args.optimizer,
               schedule=args.schedule, virtual_stages=args.virtual_stages, gpus_per_node=args.gpus_per_node,
-              bucket_bytes=sizes["bucket"])
+              bucket_bytes=sizes["bucket"], seq_len=seq)
     try:
         st = parse_strategy(args.strategy, model, args.gpus, **kw)
     except ValueError as e:

@@ -12,8 +12,9 @@ from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy
 from minizero.plan_search import Candidate
 
 def describe(st: Strategy) -> str:
-    """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase."""
-    parts = [f"dp={st.dp}", f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
+    """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``cp=4``
+    after dp when context parallel)."""
+    parts = [f"dp={st.dp}"] + ([f"cp={st.cp}"] if st.cp > 1 else []) + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
     if st.sequence_parallel:
         parts.append("sp")
     parts.append(f"recompute={st.recompute}")
@@ -25,6 +26,7 @@ def describe(st: Strategy) -> str:
 
 
 _WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp": "tensor-parallel traffic",
+        "cp": "context-parallel (ring attention) traffic",
         "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
 
 
@@ -32,7 +34,7 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
     fields = [f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
-              for f in ("dp", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
+              for f in ("dp", "cp", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
                         "offload_activations", "micro_batches") if getattr(a.strategy, f) != getattr(b.strategy, f)]
     diff = "; ".join(fields) or "same settings"
     gain = a.tokens_per_s / b.tokens_per_s - 1
@@ -78,7 +80,7 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3, f
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
     """The fixed-width table of ``cands`` (memory columns divided by ``scale``)."""
-    head = (f"{'#':>3} {'dp':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} {'offload':>13} {'m':>5} |"
+    head = (f"{'#':>3} {'dp':>4} {'cp':>3} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} {'offload':>13} {'m':>5} |"
             f"{'param':>7}{'grad':>7}{'optim':>7}{'acts':>7}{'bufs':>7}{'total':>8} |{'host':>7} |"
             f"{'net/step':>9} | {'step s':>7} {'tok/s':>9} {'MFU':>5}")
     lines = [head, "-" * len(head)]
@@ -88,9 +90,9 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         if st.offload_activations:
             off = (off + "+act") if off else "act"
         bufs = mem.comm_buffers + mem.gathered
-        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"]
+        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0)
         lines.append(
-            f"{i:>3} {st.dp:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} {'y' if st.sequence_parallel else '':>2} "
+            f"{i:>3} {st.dp:>4} {st.cp:>3} {st.tp:>2} {st.pp:>3} {st.zero:>1} {'y' if st.sequence_parallel else '':>2} "
             f"{st.recompute:>9} {off or 'none':>13} {st.micro_batches:>5} |"
             f"{mem.parameters / scale:7.2f}{mem.gradients / scale:7.2f}{mem.optimizer_state / scale:7.2f}"
             f"{mem.activations / scale:7.2f}{bufs / scale:7.2f}{mem.total / scale:8.2f} |{c.host / scale:7.1f} |"
@@ -100,7 +102,7 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
 
 def _short(st: Strategy) -> str:
     """A compact multi-line label: ``dp4 tp2 pp1 / Z3 sp / sel / off:params``."""
-    lines = [f"dp{st.dp} tp{st.tp} pp{st.pp}", f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),
+    lines = [f"dp{st.dp}" + (f" cp{st.cp}" if st.cp > 1 else "") + f" tp{st.tp} pp{st.pp}", f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),
              {"none": "no rc", "selective": "sel rc", "full": "full rc"}[st.recompute]]
     off = [o for o in (st.offload if st.offload != "none" else "", "act" if st.offload_activations else "") if o]
     if off:

@@ -73,9 +73,21 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, tp: int = 1) -> list[int]:
+    """The context-parallel sizes c the search tries on ``ranks`` = GPUs / (tp x pp): divisors of ``ranks``
+    with the sequence in 2c equal chunks (two per rank; ``parallel/context_parallel.py``), and, for c > 1,
+    a model without dropout (ring attention has none) and s/c divisible by tp (sequence parallelism splits
+    each rank's chunks). Only c = 1 when ``seq_len`` is None."""
+    if not seq_len:
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or (seq_len % (2 * c) == 0 and not model.dropout
+                                                       and (seq_len // c) % tp == 0)]
+
+
 def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                          precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
-                         virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None):
+                         virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
+                         seq_len: int | None = None):
     """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` GPUs (a generator).
 
     tp divides the heads, the KV heads and the FFN size and fits in a node; pp x
@@ -83,7 +95,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
     offload (ZeRO-Offload on one GPU); ZeRO 2-3 not with pipelining (they reduce
     gradients every micro-batch; neither DeepSpeed nor Megatron-LM combines them with
     pp > 1, while ZeRO-1 -- Megatron's distributed optimizer -- is); sequence
-    parallelism only with tp > 1.
+    parallelism only with tp > 1; context parallelism c (given ``seq_len``) as
+    :func:`context_parallel_sizes` allows, GPUs = dp x cp x tp x pp.
     """
     for tp in _divisors(gpus):
         if tp > gpus_per_node or model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp:
@@ -93,24 +106,30 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                 "1f1b" if schedule == "interleaved" else schedule, 1)
             if model.n_layer % (pp * v):
                 continue
-            dp = gpus // (tp * pp)
-            m = math.ceil(global_batch / (dp * micro_batch))
-            if sched == "interleaved":
-                m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
-            for zero in (0, 1, 2, 3):
-                for offload in ("none", "optimizer", "params"):
-                    if (offload == "optimizer" and zero < 2) or (offload == "params" and zero != 3):
-                        continue
-                    if (dp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
-                        continue
-                    for recompute in RECOMPUTE:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for act_off in (False, True):
-                                yield Strategy(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp,
-                                               recompute=recompute, precision=precision, optimizer=optimizer,
-                                               offload=offload, offload_activations=act_off,
-                                               micro_batch=micro_batch, micro_batches=m, schedule=sched,
-                                               virtual_stages=v, bucket_bytes=bucket_bytes)
+            for cp in context_parallel_sizes(model, gpus // (tp * pp), seq_len, tp):
+                yield from _layouts(tp, pp, cp, gpus // (tp * pp * cp), sched, v, micro_batch, global_batch,
+                                    precision, optimizer, bucket_bytes)
+
+
+def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes):
+    """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp mesh."""
+    m = math.ceil(global_batch / (dp * micro_batch))
+    if sched == "interleaved":
+        m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
+    for zero in (0, 1, 2, 3):
+        for offload in ("none", "optimizer", "params"):
+            if (offload == "optimizer" and zero < 2) or (offload == "params" and zero != 3):
+                continue
+            if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
+                continue
+            for recompute in RECOMPUTE:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for act_off in (False, True):
+                        yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp,
+                                       recompute=recompute, precision=precision, optimizer=optimizer,
+                                       offload=offload, offload_activations=act_off,
+                                       micro_batch=micro_batch, micro_batches=m, schedule=sched,
+                                       virtual_stages=v, bucket_bytes=bucket_bytes)
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
@@ -120,21 +139,23 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     batch = st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
     bubble = compute * bubble_over_ideal(st.pp, st.micro_batches, st.virtual_stages)  # the simulator's formula
-    node = hw.gpus_per_node
-    dp_bw = hw.intra_node_bw if st.dp * st.tp <= node else hw.inter_node_bw
+    node, d = hw.gpus_per_node, st.data_ranks  # gradients are averaged over dp x cp ranks
+    dp_bw = hw.intra_node_bw if d * st.tp <= node else hw.inter_node_bw
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
+    cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
     tp = comm["tp"] / hw.intra_node_bw
     pp = comm["pp"] / pp_bw
+    cp = comm["cp"] / cp_bw  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
     dp = 0.0
-    if st.dp > 1:
+    if d > 1:
         pb = _bytes(st)[0]
-        gather_after_step = (st.dp - 1) / st.dp * pb * stage_parameters(model, st, 0) if st.zero in (1, 2) else 0.0
+        gather_after_step = (d - 1) / d * pb * stage_parameters(model, st, 0) if st.zero in (1, 2) else 0.0
         overlappable = comm["dp"] - gather_after_step
         window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
                   2: 2 / 3 * compute, 3: compute}[st.zero]
         dp = max(0.0, overlappable / dp_bw - window) + gather_after_step / dp_bw
     offload = 0.0
-    shard = math.ceil(stage_parameters(model, st, 0) / st.dp)
+    shard = math.ceil(stage_parameters(model, st, 0) / d)
     pb, gbytes = _bytes(st)[:2]
     if st.offload != "none":
         offload += (gbytes + pb) * shard / hw.pcie_bw + shard / hw.cpu_adam
@@ -142,7 +163,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
         offload += max(0.0, overlapped / hw.pcie_bw - compute)
     elif st.offload_activations:
         offload += max(0.0, comm["pcie"] / hw.pcie_bw - compute)
-    parts = dict(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp, offload=offload)
+    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, pp=pp, dp=dp, offload=offload)
     parts["step"] = sum(parts.values())
     return parts
 
@@ -155,7 +176,8 @@ def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int) -> Can
     t = step_time(model, st, hw, seq_len, comm_bytes_per_step(model, st, seq_len))
     tokens = st.dp * st.micro_batch * st.micro_batches * seq_len
     mfu = model_flops_per_step(model, tokens // seq_len, seq_len) / (t["step"] * st.world_size * hw.flops)
-    techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + st.sequence_parallel + (st.recompute != "none") \
+    techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + (st.cp > 1) + st.sequence_parallel \
+        + (st.recompute != "none") \
         + (st.offload != "none") + st.offload_activations
     return Candidate(st, mem, comm, t, tokens / t["step"], mfu, techniques, max(e.offloaded for e in stages))
 
@@ -169,7 +191,7 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
     ``hw.host_memory``. ``kw`` goes to :func:`enumerate_strategies`.
     """
     fits, count, smallest = [], 0, None
-    for st in enumerate_strategies(model, gpus, gpus_per_node=hw.gpus_per_node, **kw):
+    for st in enumerate_strategies(model, gpus, gpus_per_node=hw.gpus_per_node, seq_len=seq_len, **kw):
         count += 1
         stages = estimate_stages(model, st, seq_len)
         device, host = max(e.total for e in stages), max(e.offloaded for e in stages)
@@ -182,27 +204,28 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
 
 
 # ---- one strategy the user names ---------------------------------------------------------------
-STRATEGY_FORMS = ("dpN tpN ppN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
+STRATEGY_FORMS = ("dpN cpN tpN ppN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
                   "offload=none|optimizer|params|activations (joined with '+')")
 
 
 def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                    precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
-                   virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None) -> Strategy:
+                   virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
+                   seq_len: int | None = None) -> Strategy:
     """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
 
     Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe`
     prints (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back.
-    Left out: tp = pp = 1, dp = gpus / (tp x pp), ZeRO 0, no recompute, no offload. The
+    Left out: cp = tp = pp = 1, dp = gpus / (cp x tp x pp), ZeRO 0, no recompute, no offload. The
     micro-batches per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
     Raises:
-        ValueError: an unknown word, dp x tp x pp != gpus, or a rule of
+        ValueError: an unknown word, dp x cp x tp x pp != gpus, or a rule of
             :func:`enumerate_strategies` broken (the rule named).
     """
     sizes, zero, sp, recompute, offloads = {}, 0, False, "none", set()
     for word in text.replace(",", " ").split():
         w = word.lower()
-        m = re.fullmatch(r"(dp|tp|pp|zero|z)=?(\d+)", w)
+        m = re.fullmatch(r"(dp|cp|tp|pp|zero|z)=?(\d+)", w)
         key, _, value = w.partition("=")
         if m:
             if m.group(1) in ("zero", "z"):
@@ -222,12 +245,13 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         raise ValueError(f"--strategy {text!r}: offload names both optimizer and params (offloading the parameters "
                          "includes the optimizer state); give one")
     offload = kinds.pop() if kinds else "none"
-    tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
-    if min([tp, pp] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, tp and pp must be >= 1")
-    dp = sizes.get("dp", gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0)
-    if dp * tp * pp != gpus:
-        raise ValueError(f"--strategy {text!r}: dp x tp x pp = {sizes.get('dp', '?')} x {tp} x {pp} must equal "
+    tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
+    if min([tp, pp, cp] + list(sizes.values())) < 1:
+        raise ValueError(f"--strategy {text!r}: dp, cp, tp and pp must be >= 1")
+    dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
+    if dp * cp * tp * pp != gpus:
+        names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")
+        raise ValueError(f"--strategy {text!r}: {names} = {sizes.get('dp', '?')} x {values}{tp} x {pp} must equal "
                          f"--gpus {gpus}")
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
@@ -239,7 +263,11 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                                           "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
              (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),
              (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
-             (not (dp == 1 and zero > 0 and offload == "none"), f"zero {zero} over dp 1 shards nothing; use zero 0")]
+             (not (dp * cp == 1 and zero > 0 and offload == "none"), f"zero {zero} over dp 1 shards nothing; use zero 0"),
+             (cp == 1 or not model.dropout, f"cp {cp}: {model.name} has dropout, which ring attention does not have"),
+             (cp == 1 or seq_len is None or cp in context_parallel_sizes(model, cp, seq_len, tp),
+              f"cp {cp} needs the sequence {seq_len} in 2 x cp = {2 * cp} equal chunks, each rank's two of a "
+              f"length divisible by tp {tp}")]
     sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
         "1f1b" if schedule == "interleaved" else schedule, 1)
     rules.append((model.n_layer % (pp * v) == 0, f"pp {pp}{f' x {v} virtual stages' if v > 1 else ''} must divide "
@@ -250,6 +278,6 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp
-    return Strategy(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
+    return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
                     optimizer=optimizer, offload=offload, offload_activations=act, micro_batch=micro_batch,
                     micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes)

@@ -13,12 +13,15 @@ from minizero.autograd import Tensor, causal_softmax
 from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
-from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.context_parallel import (chunk_ids, context_parallelize, ring_attention, ring_bytes,
                                                 split_for_context_parallel, unsplit_from_context_parallel)
 from minizero.parallel.pipeline import PipelineStage
+from minizero.parallel.sequence_parallel import sequence_parallelize
+from minizero.parallel.tensor_parallel import tensor_parallelize
+from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 
@@ -59,7 +62,7 @@ def test_ring_attention_equals_whole_causal_attention(cp):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=str(i))
     expect = ring_bytes(b, h, s, d, 8, cp)
     for r_ in res:
-        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"] if cp > 1 else 0)
+        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"])
 
 
 # --------------------------------------------------------------------------- in training (--cp)
@@ -72,6 +75,28 @@ def test_context_parallel_equals_single_process(cp, dp, tp, extra):
     ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, extra)[0]
     got = run_in_threads(dp * tp * cp, R.run_parallel, "tiny", 2, dp, tp, 1, 1, "1f1b", ["--cp", str(cp), *extra])
     R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, pp, extra", [(1, 2, []), (1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel"]),
+                                           (2, 1, ["--sequence-parallel", "--zero", "1"]),
+                                           (2, 2, ["--sequence-parallel"])])
+def test_context_parallel_composes_with_pipeline_and_sequence_parallel(tp, pp, extra):
+    """--cp 2 with --pp 2 (activations (b, T/2, C) between stages, cp rank to cp rank) and with --tp 2
+    --sequence-parallel (each rank's two chunks split again over the tensor group): one process's
+    gradients (1e-12), weights after 3 steps (1e-9) and losses."""
+    m = pp  # the pipeline's default: pp micro-batches per step
+    ref = run_in_threads(1, R.run_single, "tiny", 2, m, [a for a in extra if a != "--sequence-parallel"])[0]
+    got = run_in_threads(2 * tp * pp, R.run_parallel, "tiny", 2, 1, tp, pp, m, "1f1b", ["--cp", "2", *extra])
+    R.assert_matches(ref, got, f"cp 2 tp {tp} pp {pp} {extra}")
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_with_the_interleaved_schedule():
+    """--cp 2 --pp 2 --schedule interleaved --virtual-stages 2 (4 layers): every chunk splits its sequence."""
+    ref = run_in_threads(1, R.run_single, "default", 2, 2)[0]
+    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 1, 2, 2, "interleaved", ["--cp", "2", "--virtual-stages", "2"])
+    R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2")
 
 
 def _measure(comm, cfg, b, mode):
@@ -94,6 +119,59 @@ def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
     assert want < one  # token-sized rows / cp; the (s, s) scores replaced by an (s/cp) output and log-sum-exp
 
 
+def _ring_traffic(comm, cfg, b, mode):
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    context_parallelize(stage, comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    stage(x, x).backward()
+    return comm.traffic.bytes_sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_ring_traffic_of_a_training_step_equals_the_estimator(cp, mode):
+    """Bytes each rank sends in one micro-batch's forward and backward = comm_bytes_per_step(...)["cp"]
+    (the planner's figure): per layer the ring's forward and backward, and its forward again under recompute."""
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    want = comm_bytes_per_step(cfg, Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b), 32)["cp"]
+    assert want > 0 and all(got == want for got in run_in_threads(cp, _ring_traffic, cfg, b, mode))
+
+
+def _measure_3d(comm, cfg, b, mode, sp):
+    """Rank (cp rank, tp rank) of a cp 2 x tp 2 grid: tensor (and sequence) parallel, then context parallel."""
+    set_ledger(MemoryLedger())
+    tp_comm = comm.split(color=comm.rank // 2, key=comm.rank % 2)
+    cp_comm = comm.split(color=comm.rank % 2, key=comm.rank // 2)
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    tensor_parallelize(stage, tp_comm)
+    vocab_parallelize(stage, tp_comm)
+    if sp:
+        sequence_parallelize(stage, tp_comm)
+    context_parallelize(stage, cp_comm)
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    got = saved_by_module(stage, x, x)
+    return [layer_bytes(got, f"transformer.h.{i}") for i in range(cfg.n_layer)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_parallel(sp, mode):
+    """cp 2 x tp 2 (4 ranks), with and without --sequence-parallel: the ledger's bytes per layer on every rank
+    equal ``layer_activation_bytes(..., tp=2, sequence_parallel=sp, cp=2)`` (sequence-parallel rows / (cp tp))."""
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    want = layer_activation_bytes(cfg, 32, b, tp=2, sequence_parallel=sp, recompute=mode, accounting="minizero",
+                                  precision="fp64", cp=2)
+    for got in run_in_threads(4, _measure_3d, cfg, b, mode, sp):
+        assert got == [want] * cfg.n_layer
+    if sp:
+        assert want < layer_activation_bytes(cfg, 32, b, tp=2, recompute=mode, accounting="minizero",
+                                             precision="fp64", cp=2)
+
+
 def test_context_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(UsageError, match="--cp 3 must be >= 1 and divide the world size 4"):
         parse_args(["--model", "tiny", "--cp", "3"], 4)
@@ -101,21 +179,26 @@ def test_context_parallel_is_refused_where_it_cannot_run():
         parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
     with pytest.raises(UsageError, match="no attention dropout"):
         parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2)
-    with pytest.raises(UsageError, match="--pp 2 is not supported yet"):
-        parse_args(["--model", "default", "--cp", "2", "--pp", "2"], 4)
-    with pytest.raises(UsageError, match="--sequence-parallel is not supported yet"):
-        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel"], 4)
+    with pytest.raises(UsageError, match="T / cp = 6 divisible by --tp 4"):  # T=24: 24/4 = 6 local rows, 4 tensor ranks
+        parse_args(["--model", "default", "--cp", "4", "--tp", "4", "--sequence-parallel", "--block-size", "24"], 16)
+    with pytest.raises(UsageError, match="--zero 2 is not supported"):  # sequence parallelism's own rule
+        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2"], 4)
+    with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):  # the pipeline's own rule
+        parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--zero", "2"], 4)
+    args = parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--tp", "2", "--sequence-parallel"], 8)
+    assert (args.dp, args.tp, args.pp, args.cp) == (1, 2, 2, 2)
     args = parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--zero", "1"], 8)
     assert (args.dp, args.tp, args.pp, args.cp, args.batch_size) == (2, 2, 1, 2, 4)  # B = b x dp: cp shares rows
 
 
 @pytest.mark.timeout(300)
-def test_context_parallel_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 python -m minizero.train --cp 2``: the final weights are one process's."""
+@pytest.mark.parametrize("n, flags, accum", [(2, ["--cp", "2"], "1"), (4, ["--cp", "2", "--pp", "2"], "2")])
+def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, accum):
+    """``mpiexec -n 2 python -m minizero.train --cp 2`` (and -n 4 with --pp 2): the final weights are one process's."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
     out = {}
-    for label, n, flags in [("par", 2, ["--cp", "2"]), ("one", 1, [])]:
+    for label, n, flags in [("par", n, flags), ("one", 1, ["--grad-accum", accum])]:
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr

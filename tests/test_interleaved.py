@@ -101,3 +101,46 @@ def test_interleaved_from_the_command_line(mpiexec, tmp_path):
     assert set(out["par"]) == set(out["one"])
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+def _picture_slots(text: str, width: int) -> tuple[int, int]:
+    """(idle, busy) slots of an :func:`ascii_timeline` picture: a slot is ``width`` characters, idle is all dots."""
+    idle = busy = 0
+    for line in text.splitlines():
+        row = line.split("|")[1]
+        cells = [row[k:k + width] for k in range(0, len(row), width)]
+        idle += sum(c == "." * width for c in cells)
+        busy += sum(c != "." * width for c in cells)
+    return idle, busy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (3, 6, 3), (4, 8, 4)])
+@pytest.mark.parametrize("f, b", [(1, 1), (1, 2)])
+def test_the_pictures_show_the_simulated_bubble(p, m, v, f, b):
+    """The text picture's idle slots and the drawn picture's bars give the simulator's idle and busy time,
+    and idle / busy = (p-1)/(v m) exactly (Narayanan et al. 2021, section 2.2.2) in all three."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fractions import Fraction
+
+    import matplotlib.pyplot as plt
+
+    from minizero.parallel.schedule import plot_timeline
+
+    timeline = simulate(interleaved(p, m, v), f, b)
+    makespan = max(end for stage in timeline for _, _, end in stage)
+    busy = sum(end - start for stage in timeline for _, start, end in stage)
+    want = Fraction(p - 1, v * m)
+    assert Fraction(p * makespan - busy) / Fraction(busy) == want  # the simulator
+    width = max(len(str(op)) for stage in timeline for op, _, _ in stage)
+    idle_slots, busy_slots = _picture_slots(ascii_timeline(timeline, f, b), width)
+    assert (idle_slots, busy_slots) == (p * makespan - busy, busy)  # a slot is one time unit (gcd(f, b) = 1)
+    assert Fraction(idle_slots, busy_slots) == want  # the text picture
+    fig = plot_timeline(timeline, f=f, b=b)
+    ax = fig.axes[0]
+    bars = sum(path.get_extents().width for coll in ax.collections for path in coll.get_paths())
+    assert bars == pytest.approx(busy, abs=1e-9) and len(ax.collections) == 2 * m * v * p
+    assert f"idle / busy = {float(want):.4g}" in ax.get_title()  # the drawn picture says it
+    plt.close(fig)

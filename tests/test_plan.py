@@ -9,7 +9,7 @@ import time
 import pytest
 
 from minizero import plan as P
-from minizero.memory.estimator import estimate_stages
+from minizero.memory.estimator import comm_bytes_per_step, estimate_stages
 from minizero.models import get_model
 
 from .conftest import REPO_ROOT, mpi_env
@@ -57,7 +57,7 @@ def test_plan_json_is_ranked_and_fits(capsys):
     assert code == 0
     d = json.loads(out)
     assert d["units"] == "bytes" and d["fit"] == len(d["candidates"]) > 0
-    speeds = [c["tokens_per_s"] for c in d["candidates"]]
+    speeds = [round(c["tokens_per_s"], 6) for c in d["candidates"]]  # the ranking rule's key (ties: memory)
     assert speeds == sorted(speeds, reverse=True)
     model = get_model("llama2-13b")
     from minizero.memory.estimator import Strategy
@@ -153,3 +153,47 @@ def test_plot_reports_the_real_path_and_header_the_real_schedule(capsys, tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["jdir.png"]  # no temporary left
     code, out, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "8", "--plot", str(tmp_path))
     assert code == 2 and "is a directory" in err and out == ""
+
+
+# ---- context parallelism -----------------------------------------------------------------------
+def _best_and_all(capsys, *argv):
+    code, out, err = run_main(capsys, *argv, "--json", "--top", "0")
+    assert code == 0, err
+    d = json.loads(out)
+    return d["candidates"][0]["strategy"], [c["strategy"] for c in d["candidates"]]
+
+
+def test_plan_recommends_context_parallelism_for_a_long_sequence(capsys):
+    """llama3-70b at 131072 tokens on 64 x 80 GB: no layout without cp fits (the s^2 attention scores, or
+    even the s-sized rows, of a whole sequence), so the best is context parallel; at 4096 tokens llama3-8b
+    on 8 GPUs (no pipeline) is fastest plain data parallel: cp would only add the ring's traffic."""
+    best, every = _best_and_all(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB",
+                                "--seq-len", "131072")
+    assert best["cp"] > 1 and every and all(st["cp"] > 1 for st in every)
+    best, every = _best_and_all(capsys, "--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096")
+    assert best["cp"] == 1 and any(st["cp"] > 1 for st in every)  # searched, not chosen
+    code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--seq-len", "131072", "--top", "3")
+    assert code == 0 and re.search(r"#\s+dp\s+cp\s+tp\s+pp", out)
+
+
+def test_context_parallel_step_time_charges_the_ring():
+    """cp's step-time part is the estimator's ring bytes over the link its group uses; cp = 1 has none."""
+    m = get_model("llama3-8b")
+    hw = P.Hardware()
+    for cp, bw in [(1, hw.intra_node_bw), (4, hw.intra_node_bw), (16, hw.inter_node_bw)]:
+        st = P.parse_strategy(f"dp1 cp{cp} tp1 pp1 recompute=selective", m, cp, seq_len=65536)
+        comm = comm_bytes_per_step(m, st, 65536)
+        t = P.step_time(m, st, hw, 65536, comm)
+        assert (comm["cp"] > 0) == (cp > 1) and t["cp"] == comm["cp"] / bw
+    assert "cp=4" in P.describe(P.parse_strategy("dp2 cp4 tp8", m, 64, seq_len=8192))
+
+
+@pytest.mark.parametrize("model, text, message", [
+    ("gpt3-175b", "dp2 cp4", "gpt3-175b has dropout, which ring attention does not have"),
+    ("llama3-8b", "dp1 cp3", "2 x cp = 6 equal chunks"),
+    ("llama3-8b", "dp2 cp4 tp2", "dp x cp x tp x pp = 2 x 4 x 2 x 1 must equal --gpus 8"),
+])
+def test_plan_refuses_context_parallelism_where_it_cannot_run(capsys, model, text, message):
+    code, out, err = run_main(capsys, "--model", model, "--gpus", "8" if "cp3" not in text else "3",
+                              "--seq-len", "1024", "--strategy", text)
+    assert code == 2 and message in err and out == "", err

@@ -98,6 +98,16 @@ def test_sequence_parallel_equals_single_process(tp, model, extra):
                 np.testing.assert_array_equal(other["params"][name], got[0]["params"][name], err_msg=name)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra", [[], ["--no-overlap"]])
+def test_sequence_parallel_with_data_parallel_equals_single_process(extra):
+    """--dp 2 --tp 2 --sequence-parallel: the overlapped data-parallel reducer waits for the tensor group's
+    sum of the norms' slices (it used to launch their bucket during backward and overwrite that sum)."""
+    ref = run_in_threads(1, R.run_single, "tiny", 4, 1)[0]
+    got = run_in_threads(4, R.run_parallel, "tiny", 2, 2, 2, 1, 1, "1f1b", ["--sequence-parallel", *extra])
+    R.assert_matches(ref, got, f"dp 2 tp 2 sequence parallel {extra}")
+
+
 def _measure_stage(comm, cfg, b, mode):
     set_ledger(MemoryLedger())
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)

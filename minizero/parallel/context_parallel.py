@@ -32,8 +32,16 @@ positions, and every block's ``attention_core`` is :func:`ring_attention`. Every
 token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
 averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
 Megatron-LM's "dp-cp" group) gives the gradient of the global mean.
+With pipeline stages (``--pp``) each stage keeps the same split: the first stage splits the token
+ids, the last the targets, and the (b, 2n, C) activations go from cp rank r of one stage to cp
+rank r of the next (same data and tensor coordinates; Megatron-LM's "tp-cp-dp-pp" order puts the
+context group inside the data dimension the same way). With ``--sequence-parallel`` the tensor
+group splits each rank's 2n local rows further, (b, 2n/t, C): layer norms, residuals and the LM
+head's loss act token by token on any rows, the all-gather before attention restores the local
+(b, 2n, C/t) in chunk order, and the positions were looked up before the split.
 Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
-no attention dropout), pp = 1, no --sequence-parallel, T divisible by 2c.
+no attention dropout, and the sequence-parallel dropout would draw the unsplit model's mask for
+contiguous rows), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
 
@@ -77,9 +86,12 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks."""
-    blk = b * h * (s // cp) * d * itemsize  # one of k, v, dk, dv on one rank: (b, H, 2n, D)
-    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
+    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks.
+
+    The estimator's formula (:func:`minizero.memory.estimator.ring_attention_bytes`, which the planner uses):
+    one source for the trainer, the estimator and the planner. 0 and 0 for cp = 1.
+    """
+    return ring_attention_bytes(b, h, s, d, itemsize, cp)
 
 
 def _mask(qc: int, kc: int, n: int):
@@ -194,40 +206,56 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm) -> list[str]:
-    """Split a (single-stage) model's sequence over the context group ``comm``, in place; see the module docstring.
+    """Split a pipeline stage's sequence over the context group ``comm``, in place; see the module docstring.
 
-    Installs a forward pre-hook on ``stage`` that keeps this rank's chunks of the token ids (b, T) ->
-    (b, 2n) and of the targets; makes ``wpe`` look up the chunks' global positions; replaces every block's ``attention_core`` by
-    :func:`ring_attention` (before recompute wraps it, so selective recompute recomputes the ring).
+    ``stage``: a :class:`~minizero.parallel.pipeline.PipelineStage` (any of pp, tensor- and
+    sequence-parallel already) or an :class:`~minizero.parallel.interleaved.InterleavedStage`
+    (each of its chunks is converted). Per stage: a forward pre-hook keeps this rank's chunks of
+    the token ids (first stage, (b, T) -> (b, 2n)) and of the targets (last stage); the activations
+    a middle stage receives are already this rank's (b, 2n, C) (``sequence_shards`` is multiplied
+    by c, so the pipeline's messages have that shape and cp rank r of stage s talks to cp rank r of
+    stage s+1: they share the data rank and the tensor rank, topology.py); ``wpe`` looks up the
+    chunks' global positions; every block's ``attention_core`` becomes :func:`ring_attention`
+    (before recompute wraps it, so selective recompute recomputes the ring).
     Returns the converted names. No-op for c = 1.
-    Raises:
-        ValueError: a stage that is not the whole model (pp > 1).
     """
     cp = comm.world_size
     if cp == 1:
         return []
-    if not (stage.is_first and stage.is_last):
-        raise ValueError("context parallelism runs with one pipeline stage (pp = 1)")
-    r = comm.rank
+    done = []
+    for part in getattr(stage, "chunks", [stage]):
+        done += _context_parallelize_stage(part, comm)
+    return done
 
-    def split_tokens(_module, args):
-        return tuple(None if a is None else split_for_context_parallel(a.data if isinstance(a, Tensor) else a, r, cp, 1)
-                     for a in args)
 
-    stage.register_forward_pre_hook(split_tokens)
-    tr, done = stage.transformer, ["transformer.wpe"]
-    wpe = tr["wpe"]
-    lookup = type(wpe).forward.__get__(wpe)
+def _context_parallelize_stage(stage, comm) -> list[str]:
+    """:func:`context_parallelize` for one :class:`PipelineStage` (one chunk of an interleaved stage)."""
+    cp, r = comm.world_size, comm.rank
 
-    def global_positions(pos):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
-        return lookup(split_for_context_parallel(backend.xp.arange(pos.shape[0] * cp), r, cp, 0))
+    def local(a):
+        return None if a is None else split_for_context_parallel(a.data if isinstance(a, Tensor) else a, r, cp, 1)
 
-    object.__setattr__(wpe, "forward", global_positions)
+    def split_inputs(_module, args):  # (x, targets): ids on the first stage, targets on the last
+        x, rest = args[0], args[1:]
+        return (local(x) if stage.is_first else x,) + tuple(local(a) for a in rest)
+
+    stage.register_forward_pre_hook(split_inputs)
+    tr, done = stage.transformer, []
+    if stage.is_first:
+        wpe = tr["wpe"]
+        lookup = type(wpe).forward.__get__(wpe)
+
+        def global_positions(pos):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
+            return lookup(split_for_context_parallel(backend.xp.arange(pos.shape[0] * cp), r, cp, 0))
+
+        object.__setattr__(wpe, "forward", global_positions)
+        done.append("transformer.wpe")
     for name, block in tr["h"]._modules.items():
         attn = block.attn
         attn.cp_comm = comm
         attn.__class__ = _ring_class(type(attn))  # a class attribute, so recompute's checkpoint wraps the ring
         done.append(f"transformer.h.{name}.attn.attention_core")
+    stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done
 
 
@@ -261,10 +289,9 @@ def check_context_parallel(args, cfg) -> None:
         raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
     if dropout:
         raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
-    if args.pp > 1:
-        raise ValueError(f"--cp {cp} with --pp {args.pp} is not supported yet (context parallelism runs with one stage)")
-    if getattr(args, "sequence_parallel", False):
-        raise ValueError(f"--cp {cp} with --sequence-parallel is not supported yet")
+    if getattr(args, "sequence_parallel", False) and (t // cp) % args.tp:
+        raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
+                         f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
 def context_group(dp_comm, cp: int):

@@ -257,7 +257,8 @@ def plot_timeline(timeline, path: str | None = None, title: str = "", f: float =
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time (slots; forward = {f}, backward = {b})")
-    ax.set_title(title or f"bubble {bubble_fraction(timeline):.3f}")
+    ax.set_title(title or f"bubble: idle / busy = {bubble_ratio(timeline):.4g} "
+                          f"(idle share of the time {bubble_fraction(timeline):.4g})")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)

@@ -91,7 +91,9 @@ class Strategy:
         if overlap and can_overlap(dp):
             tied = [stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight] \
                 if stage.num_stages > 1 and (stage.is_first or stage.is_last) else []
-            self.reducer = OverlappedReducer(dp, defer=tied)
+            # the sequence-parallel norms' and biases' gradients are summed over the tensor group after backward too
+            sliced = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+            self.reducer = OverlappedReducer(dp, defer=tied + sliced)
             self._reduce = self.reducer.finish
 
     @property

@@ -17,7 +17,7 @@ otherwise; sizes of tensors are *elements*. When printing, say which unit:
 
 Symbols (Korthikanti et al. 2022, Table 1): a heads, b micro-batch size, h hidden
 size, L layers, p pipeline size, s sequence length, t tensor-parallel size,
-V vocabulary, f FFN size; Psi parameters, N_d data-parallel size, K optimizer
+V vocabulary, f FFN size, c context-parallel size (s/c tokens per rank); Psi parameters, N_d data-parallel size, K optimizer
 bytes per parameter (Rajbhandari et al. 2020, section 3.1).
 
 Two accountings:
@@ -53,7 +53,7 @@ from minizero.memory.estimator.model import (  # noqa: F401 (the package's API)
     OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape, Strategy, _bytes, as_shape,
     gb, gib, model_state_bytes, precision_for_dtype, stage_parameters)
 from minizero.memory.estimator.activations import (  # noqa: F401
-    Saved, activation_bytes, in_flight, layer_activation_bytes, saved_outside_layers, saved_per_layer)
+    Saved, activation_bytes, in_flight, layer_activation_bytes, layer_rows, saved_outside_layers, saved_per_layer)
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages  # noqa: F401
 from minizero.memory.estimator.traffic import (  # noqa: F401
-    comm_bytes_per_step, kaplan_flops, korthikanti_flops, model_flops_per_step)
+    comm_bytes_per_step, kaplan_flops, korthikanti_flops, model_flops_per_step, ring_attention_bytes)

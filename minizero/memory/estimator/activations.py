@@ -176,11 +176,18 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
     log-sum-exp in place of the s^2 terms (:func:`context_parallel_rows`).
     """
     m = as_shape(model)
-    s = (seq_len or m.seq_len) // cp
-    rows = saved_per_layer(m, s, micro_batch, accounting, precision)
-    if cp > 1:
-        rows = context_parallel_rows(rows, m, s, micro_batch, precision)
+    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp)
     return round(_layer_stored(rows, tp, sequence_parallel, recompute))
+
+
+def layer_rows(model, seq_len: int, micro_batch: int, accounting: str = "paper", precision: str = "mixed",
+               cp: int = 1) -> list[Saved]:
+    """One layer's saved arrays on one of ``cp`` context-parallel ranks: :func:`saved_per_layer` at s/cp
+    tokens, with ring attention's core (:func:`context_parallel_rows`) when cp > 1. The one source of the
+    per-layer rows for :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic."""
+    s = seq_len // cp
+    rows = saved_per_layer(model, s, micro_batch, accounting, precision)
+    return context_parallel_rows(rows, model, s, micro_batch, precision) if cp > 1 else rows
 
 
 def _layer_stored(rows, tp, sp, recompute) -> float:
@@ -246,8 +253,8 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     s = seq_len or m.seq_len
     st = strategy
     t, sp = st.tp, st.sequence_parallel
-    rows = saved_per_layer(m, s, st.micro_batch, accounting, st.precision)
-    emb_rows, head_rows = saved_outside_layers(m, s, st.micro_batch, accounting, st.precision)
+    rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp)  # cp > 1: s/cp tokens, ring attention
+    emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision)
     chunks, v = in_flight(st, stage)
     layers_per_chunk = m.n_layer // (st.pp * v)
     per_layer = _layer_stored(rows, t, sp, st.recompute)

@@ -180,13 +180,17 @@ def as_shape(model) -> ModelShape:
 class Strategy:
     """How the training job is laid out, for one optimizer step.
 
-    World size = dp * tp * pp. Each rank runs ``micro_batches`` (m) micro-batches
+    World size = dp * cp * tp * pp. Each rank runs ``micro_batches`` (m) micro-batches
     of ``micro_batch`` (b) sequences per step, so the global batch is dp * b * m
-    sequences.
+    sequences (the cp ranks of a context group share their sequences).
 
     Fields:
         dp, tp, pp: data-, tensor- and pipeline-parallel sizes.
-        zero: ZeRO-DP stage over the dp ranks: 0 none, 1 P_os, 2 P_os+g, 3 P_os+g+p.
+        cp: context-parallel size: each sequence split over cp ranks, 2 of 2cp chunks each,
+            attention by ring attention (``parallel/context_parallel.py``; Liu et al. 2023).
+            Gradients are averaged, and ZeRO shards, over the dp x cp ranks
+            (:attr:`data_ranks`, Megatron-LM's "dp-cp" group).
+        zero: ZeRO-DP stage over the dp x cp ranks: 0 none, 1 P_os, 2 P_os+g, 3 P_os+g+p.
         sequence_parallel: split the layer norms and dropouts along s over the
             tensor group (Korthikanti et al. 2022, section 4.2.2); needs tp > 1.
         recompute: "none", "selective" (attention core; section 5) or "full" (keep
@@ -233,11 +237,17 @@ class Strategy:
     bucket_bytes: int | None = None
     offload_tier: str = "cpu"
     overlap: bool = False
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        """dp * tp * pp ranks."""
-        return self.dp * self.tp * self.pp
+        """dp * cp * tp * pp ranks."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """dp * cp: the ranks one parameter shard is replicated on (gradient average, ZeRO's shards)."""
+        return self.dp * self.cp
 
     def validate(self, model: ModelShape | None = None) -> "Strategy":
         """Check every field (and divisibility by ``model``'s shape); return self.
@@ -245,7 +255,7 @@ class Strategy:
         Raises:
             ValueError: naming the bad field, its value, and what is allowed.
         """
-        for f in ("dp", "tp", "pp", "micro_batch", "micro_batches", "virtual_stages"):
+        for f in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")

@@ -64,7 +64,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
     if accounting != "minizero" or st.world_size == 1:
         return 0
     _, g, e, _ = _bytes(st)
-    dp, t = st.dp, st.tp
+    dp, t = st.data_ranks, st.tp
     out = [8]  # a float64 scalar all-reduced (loss, gradient norm) over a group of more than one rank
     if dp > 1 and st.zero == 0:
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES

@@ -47,7 +47,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     pb, gbytes, e, _ = _bytes(st)
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
-    states = model_state_bytes(psi, st.dp, st.zero, st.precision, st.optimizer)
+    states = model_state_bytes(psi, st.data_ranks, st.zero, st.precision, st.optimizer)
     params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
     if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
         # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
@@ -77,21 +77,21 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
         # used at both ends of the model and stays open (gathered) in between.
         tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
-        if st.dp > 1 and st.zero == 0:
+        if st.data_ranks > 1 and st.zero == 0:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
-        overlapped = st.overlap and st.dp > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
+        overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
             comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
         if st.zero == 3:
             gathered = pb * (prefetched_units(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
     else:
-        if st.dp > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
+        if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
-        if st.zero == 3 and (st.dp > 1 or st.offload == "params"):
+        if st.zero == 3 and (st.data_ranks > 1 or st.offload == "params"):
             gathered = 2 * pb * largest_unit  # the unit running and the prefetched next one (section 5.3)
     if st.pp > 1:
         split = st.tp if st.sequence_parallel else 1
-        boundary = e * s * st.micro_batch * m.hidden // split  # one (b, s, h) activation between stages
+        boundary = e * (s // st.cp) * st.micro_batch * m.hidden // split  # one (b, s/cp, h) activation
         if accounting == "minizero":  # parallel/pipeline.py: the dL/d(input) buffer it sends back (not stage 0);
             # two at once when backwards run back to back with no receive to flush the pending send
             # (the last stage under GPipe)

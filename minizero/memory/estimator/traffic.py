@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from minizero.memory.estimator.model import Strategy, _bytes, as_shape, stage_parameters
-from minizero.memory.estimator.activations import _layer_stored, saved_per_layer
+from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
 # ---- communication per step -------------------------------------------------------------------
@@ -39,16 +39,22 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
       model chunk, the activation forward and its gradient backward, sbh e / t each;
       a tied embedding split across stages all-reduces its gradient between the first
       and the last stage once per step.
+    * ``cp`` (ring attention, Liu et al. 2023, arXiv:2310.01889, section 3; minizero's
+      ``parallel/context_parallel.py``): per layer and micro-batch, :func:`ring_attention_bytes`
+      forward and backward, and forward again when recompute re-runs the attention core
+      (selective or full). Llama 3 (Dubey et al. 2024, section 3.3.2) all-gathers K and V
+      instead: the same (c-1)/c of the sequence's K and V arrive at every rank.
     * ``pcie``: host <-> device traffic of offloading (gradients down, parameters up;
       parameters fetched twice per micro-batch with ``params``; activations down and
       back up).
-    Returns {"dp", "tp", "pp", "pcie"} in bytes.
+    Returns {"dp", "tp", "pp", "cp", "pcie"} in bytes. With cp > 1 every sequence-sized array
+    is 1/cp as long, and the data group (``dp``) is :attr:`Strategy.data_ranks` = dp x cp ranks.
     """
     m = as_shape(model)
     st = strategy.validate(m)
     s = seq_len or m.seq_len
     pb, gbytes, e, _ = _bytes(st)
-    n, t, mb = st.dp, st.tp, st.micro_batches
+    n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
     P, G = pb * psi, gbytes * psi
@@ -62,7 +68,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         dp = _ring(n) * (mb * G + P)
     else:
         dp = mb * _ring(n) * (2 * P + G)
-    x = e * s * st.micro_batch * m.hidden  # one (b, s, h) activation, bytes
+    x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
     tp = 0.0
     if t > 1:
@@ -75,6 +81,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         pp = mb * boundaries * x / t
         if m.tied_embeddings and stage in (0, st.pp - 1):
             pp += gbytes * m.vocab_size * m.hidden / (t if vocab_parallel else 1)  # 2-rank all-reduce
+    ring = ring_attention_bytes(st.micro_batch, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
+    passes = ring["forward"] * (2 if st.recompute != "none" else 1) + ring["backward"]
+    cp = mb * layers * passes  # every layer of the stage (all its chunks), every micro-batch
     pcie = 0.0
     shard = math.ceil(psi / n)
     if st.offload in ("optimizer", "params"):
@@ -82,9 +91,24 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if st.offload == "params":
         pcie += 2 * mb * pb * shard
     if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
-        rows = saved_per_layer(m, s, st.micro_batch, "paper", st.precision)
+        rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c)
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
-    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "pcie": round(pcie)}
+    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "pcie": round(pcie)}
+
+
+def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: int, itemsize: int, cp: int) -> dict:
+    """Bytes one rank sends in one ring-attention call over ``cp`` ranks: {"forward", "backward"}.
+
+    A block is one rank's K (or V, dK, dV): (b, heads, s/cp, head_dim) x itemsize bytes. Forward:
+    c-1 passes of (K, V), 2(c-1) blocks (Liu et al. 2023, section 3: each block visits every rank).
+    Backward (minizero's ``_RingAttention.backward``): c-1 passes of (K, V, dK, dV) and one more of
+    (dK, dV) that brings every gradient block home, 2(c-1) + 2c blocks. 0 and 0 for cp = 1 (no ring).
+    The trainer's traffic ledger is checked against this (tests/test_context_parallel.py).
+    """
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    blk = micro_batch * heads * (seq_len // cp) * head_dim * itemsize
+    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def _padded(n: int, dp: int) -> int:
 def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]:
     """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the
     other units' padded elements in backward order (see the module docstring)."""
-    dp, t = st.dp, st.tp
+    dp, t = st.data_ranks, st.tp  # ZeRO shards over dp x cp
     norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
     chain = []
     if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
@@ -79,4 +79,4 @@ def overlapped_ring_scratch(m: ModelShape, st: Strategy, stage: int) -> int:
     (the tied embedding is reduced last, after the chain's last unit)."""
     tied, chain = zero_units(m, st, stage)
     order = chain + ([tied] if tied else [])
-    return window_peak([u // st.dp for u in order], REDUCE_BUCKETS - 1)
+    return window_peak([u // st.data_ranks for u in order], REDUCE_BUCKETS - 1)
