@@ -38,6 +38,7 @@ _NUMPY = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_U
           NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32,
           NCCL_FLOAT64: np.float64}
 available = True
+HOST_BUFFERS = True  #: NcclCommunicator may hand this fake NumPy (host) arrays
 
 
 class FakeDeadlock(RuntimeError):

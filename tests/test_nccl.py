@@ -145,3 +145,19 @@ def test_the_module_imports_without_cupy_and_the_constructor_says_how_to_install
                    "except ImportError as e:\n    print('refused:', e)\n")
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "[gpu]" in done.stdout and "--comm mpi" in done.stdout
+
+
+def test_comm_flag_defaults_to_mpi_on_the_cpu_and_refuses_nccl_there(tmp_path):
+    from minizero.args import UsageError, parse_args
+    base = ["--steps", "1", "--out", str(tmp_path)]
+    assert parse_args(base).comm == "mpi"
+    assert parse_args(base + ["--comm", "mpi"]).comm == "mpi"
+    with pytest.raises(UsageError, match="--comm nccl .*--device cuda"):
+        parse_args(base + ["--comm", "nccl"])
+
+
+def test_host_arrays_are_refused_by_real_nccl():
+    from minizero.comm.nccl import pointer
+    with pytest.raises(TypeError, match="device memory.*numpy.ndarray"):
+        pointer(np.zeros(3))
+    assert pointer(np.zeros(3), host_ok=True) > 0

@@ -95,10 +95,20 @@ def use_local_device(local_rank: int, cuda=None) -> int:
     return device
 
 
-def pointer(buf) -> int:
-    """The address of ``buf``'s first byte: ``buf.data.ptr`` for CuPy, ``buf.ctypes.data`` for NumPy (the fake)."""
+def pointer(buf, host_ok: bool = False) -> int:
+    """The address of ``buf``'s first byte: ``buf.data.ptr`` for CuPy, ``buf.ctypes.data`` for NumPy.
+
+    Host (NumPy) arrays are accepted only with ``host_ok`` (a fake NCCL that reads host memory).
+    Raises:
+        TypeError: a host array for real NCCL, which reads device memory only.
+    """
     data = buf.data
-    return int(data.ptr) if hasattr(data, "ptr") else int(buf.ctypes.data)
+    if hasattr(data, "ptr"):
+        return int(data.ptr)
+    if not host_ok:
+        raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
+                        f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
+    return int(buf.ctypes.data)
 
 
 class NcclCommunicator(Communicator):
@@ -165,6 +175,9 @@ class NcclCommunicator(Communicator):
             time.sleep(delay)
             delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
 
+    def _ptr(self, buf) -> int:
+        return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))
+
     def _datatype(self, dtype) -> int:
         name = np.dtype(dtype).name
         if name not in DATATYPES:
@@ -174,12 +187,12 @@ class NcclCommunicator(Communicator):
     # -- point to point: bytes, as MPI.BYTE ---------------------------------------------------
     def _send(self, buf, dest, tag):
         self._begin()
-        self.comm.send(pointer(buf), buf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
+        self.comm.send(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
         self._end("send", dest)
 
     def _recv(self, buf, source, tag):
         self._begin()
-        self.comm.recv(pointer(buf), buf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
+        self.comm.recv(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
         self._end("recv", source)
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
@@ -187,8 +200,8 @@ class NcclCommunicator(Communicator):
         self._begin()
         self.nccl.groupStart()
         try:
-            self.comm.send(pointer(sendbuf), sendbuf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
-            self.comm.recv(pointer(recvbuf), recvbuf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
+            self.comm.send(self._ptr(sendbuf), sendbuf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
+            self.comm.recv(self._ptr(recvbuf), recvbuf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
         finally:
             self.nccl.groupEnd()
         self._end("sendrecv", source)
@@ -216,7 +229,7 @@ class NcclCommunicator(Communicator):
     # -- native collectives ------------------------------------------------------------------
     def _native_allreduce(self, x, out):
         self._begin()
-        self.comm.allReduce(pointer(x), pointer(out), x.size, self._datatype(x.dtype), self.nccl.NCCL_SUM,
+        self.comm.allReduce(self._ptr(x), self._ptr(out), x.size, self._datatype(x.dtype), self.nccl.NCCL_SUM,
                             self.stream.ptr)
         self._end("native_allreduce")
 
@@ -235,7 +248,7 @@ class NcclCommunicator(Communicator):
                 send[r, :s] = flat[off:off + s]
         out = backend.xp.empty(c, dtype=flat.dtype)
         self._begin()
-        self.comm.reduceScatter(pointer(send), pointer(out), c, self._datatype(flat.dtype), self.nccl.NCCL_SUM,
+        self.comm.reduceScatter(self._ptr(send), self._ptr(out), c, self._datatype(flat.dtype), self.nccl.NCCL_SUM,
                                 self.stream.ptr)
         self._end("native_reduce_scatter")
         return out[:size] if size != c else out
@@ -248,7 +261,7 @@ class NcclCommunicator(Communicator):
             send[:shard.size] = shard
         rows = backend.xp.empty((N, c), dtype=shard.dtype)
         self._begin()
-        self.comm.allGather(pointer(send), pointer(rows), c, self._datatype(shard.dtype), self.stream.ptr)
+        self.comm.allGather(self._ptr(send), self._ptr(rows), c, self._datatype(shard.dtype), self.stream.ptr)
         self._end("native_allgather")
         if c * N == n:
             return rows.reshape(-1)
@@ -256,5 +269,5 @@ class NcclCommunicator(Communicator):
 
     def _native_bcast(self, x, root):
         self._begin()
-        self.comm.bcast(pointer(x), x.size, self._datatype(x.dtype), root, self.stream.ptr)
+        self.comm.bcast(self._ptr(x), x.size, self._datatype(x.dtype), root, self.stream.ptr)
         self._end("native_bcast", root)
