@@ -161,3 +161,25 @@ def test_host_arrays_are_refused_by_real_nccl():
     with pytest.raises(TypeError, match="device memory.*numpy.ndarray"):
         pointer(np.zeros(3))
     assert pointer(np.zeros(3), host_ok=True) > 0
+
+
+class _DeviceOnlyFake:
+    """The fake NCCL as real NCCL sees NumPy: host memory it cannot read (HOST_BUFFERS False)."""
+
+    def __getattr__(self, name):
+        return False if name == "HOST_BUFFERS" else getattr(fake_nccl, name)
+
+
+def test_host_arrays_travel_over_the_bootstrap():
+    from minizero.comm import all_gather, all_reduce
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=_DeviceOnlyFake(), cuda=fake_nccl.cuda)
+        got = (all_reduce(ncomm, np.full(4, float(comm.rank))), all_gather(ncomm, np.array([comm.rank]), 3),
+               all_reduce(ncomm, np.full(4, float(comm.rank)), native=True))
+        return got, ncomm.comm.log, ncomm.traffic.snapshot()["bytes_sent"]
+
+    for got, calls, sent in run_in_threads(3, run):
+        assert np.array_equal(got[0], np.full(4, 3.0)) and np.array_equal(got[2], np.full(4, 3.0))
+        assert np.array_equal(got[1], [0, 1, 2])
+        assert calls == [] and sent > 0  # nothing reached NCCL; the bytes are still in this ledger

@@ -30,7 +30,12 @@ traffic ledger counts the same bytes. NCCL differs from MPI in four ways that sh
 Native collectives (``native=True``, ``--native-comm``) are ``ncclAllReduce``/``ncclReduceScatter``/
 ``ncclAllGather``/``ncclBcast``. NCCL's reduce-scatter and all-gather take equal chunks; minizero's
 ``shard_range`` chunks differ by one element when N does not divide n, so those go through a
-zero-padded (N, ceil(n/N)) copy. ``isend``/``irecv`` are not provided (``nonblocking`` is False):
+zero-padded (N, ceil(n/N)) copy.
+
+Host (NumPy) arrays -- the metadata some callers exchange: lengths, flags, headers, node
+membership -- cannot go through NCCL, which reads device memory only; they travel over the
+bootstrap (MPI) instead, as PyTorch programs keep a gloo group beside the NCCL one for CPU tensors.
+Bytes are recorded in this communicator's ledger either way. ``isend``/``irecv`` are not provided (``nonblocking`` is False):
 gradient overlap and pipeline sends fall back to their blocking paths.
 
 The module imports without CuPy: ``cupy.cuda.nccl`` is imported when a communicator is made, and
@@ -184,19 +189,33 @@ class NcclCommunicator(Communicator):
             raise TypeError(f"NCCL has no datatype for {name}; allowed: {sorted(DATATYPES)}")
         return getattr(self.nccl, DATATYPES[name])
 
+    def _host(self, *bufs) -> bool:
+        """True when the buffers are host arrays (they go over the bootstrap); TypeError for a mix."""
+        host = [not hasattr(b.data, "ptr") and not getattr(self.nccl, "HOST_BUFFERS", False) for b in bufs]
+        if any(host) and not all(host):
+            raise TypeError(f"rank {self.rank}: a host and a device array in one NCCL call "
+                            f"({', '.join(type(b).__name__ for b in bufs)}); make both with backend.xp")
+        return host[0]
+
     # -- point to point: bytes, as MPI.BYTE ---------------------------------------------------
     def _send(self, buf, dest, tag):
+        if self._host(buf):
+            return self.bootstrap._send(buf, dest, tag)
         self._begin()
         self.comm.send(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
         self._end("send", dest)
 
     def _recv(self, buf, source, tag):
+        if self._host(buf):
+            return self.bootstrap._recv(buf, source, tag)
         self._begin()
         self.comm.recv(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
         self._end("recv", source)
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         """One NCCL group: the send and the receive progress together, so a ring cannot deadlock."""
+        if self._host(sendbuf, recvbuf):
+            return self.bootstrap._sendrecv(sendbuf, dest, recvbuf, source, tag)
         self._begin()
         self.nccl.groupStart()
         try:
@@ -228,6 +247,8 @@ class NcclCommunicator(Communicator):
 
     # -- native collectives ------------------------------------------------------------------
     def _native_allreduce(self, x, out):
+        if self._host(x, out):
+            return self.bootstrap._native_allreduce(x, out)
         self._begin()
         self.comm.allReduce(self._ptr(x), self._ptr(out), x.size, self._datatype(x.dtype), self.nccl.NCCL_SUM,
                             self.stream.ptr)
@@ -237,6 +258,8 @@ class NcclCommunicator(Communicator):
         return -(-n // self.world_size) if n else 0
 
     def _native_reduce_scatter(self, flat):
+        if self._host(flat):
+            return self.bootstrap._native_reduce_scatter(flat)
         n, N = flat.size, self.world_size
         c = self._padded_chunk(n)
         size = shard_range(n, N, self.rank)[1]
@@ -254,6 +277,8 @@ class NcclCommunicator(Communicator):
         return out[:size] if size != c else out
 
     def _native_allgather(self, shard, n):
+        if self._host(shard):
+            return self.bootstrap._native_allgather(shard, n)
         N, c = self.world_size, self._padded_chunk(n)
         send = shard
         if shard.size != c:
@@ -268,6 +293,8 @@ class NcclCommunicator(Communicator):
         return backend.xp.concatenate([rows[r, :shard_range(n, N, r)[1]] for r in range(N)])
 
     def _native_bcast(self, x, root):
+        if self._host(x):
+            return self.bootstrap._native_bcast(x, root)
         self._begin()
         self.comm.bcast(self._ptr(x), x.size, self._datatype(x.dtype), root, self.stream.ptr)
         self._end("native_bcast", root)
