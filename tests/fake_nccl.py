@@ -38,6 +38,7 @@ _NUMPY = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_U
           NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32,
           NCCL_FLOAT64: np.float64}
 available = True
+CALLS: list = []  #: every call of every communicator, in issue order (list.append is atomic)
 HOST_BUFFERS = True  #: NcclCommunicator may hand this fake NumPy (host) arrays
 
 
@@ -51,6 +52,14 @@ def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
     if count == 0:
         return np.empty(0, dtype=dtype)
     return np.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(ptr), dtype=dtype)
+
+
+class _Log(list):
+    """A communicator's calls, also appended to :data:`CALLS`."""
+
+    def append(self, item):
+        CALLS.append(item)
+        super().append(item)
 
 
 class _World:
@@ -114,7 +123,7 @@ class NcclCommunicator:
         if self.world.size != ndev or not 0 <= rank < ndev:
             raise ValueError(f"rank {rank} of {ndev} does not fit the world of {self.world.size}")
         self._rank, self.aborted = rank, False
-        self.log: list = []  #: (call, peer or root, count, inside a group) in issue order
+        self.log: list = _Log()  #: (call, peer or root, count, inside a group) in issue order
 
     def rank_id(self):
         return self._rank

@@ -183,3 +183,34 @@ def test_host_arrays_travel_over_the_bootstrap():
         assert np.array_equal(got[0], np.full(4, 3.0)) and np.array_equal(got[2], np.full(4, 3.0))
         assert np.array_equal(got[1], [0, 1, 2])
         assert calls == [] and sent > 0  # nothing reached NCCL; the bytes are still in this ledger
+
+
+# --------------------------------------------------------------------------- the whole training loop on it
+TRAIN = ["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+         "--no-save", "--steps", "3", "--seed", "1"]
+
+
+def _train(comm, flags, over_nccl):
+    from minizero.train import parse_args, train
+    if over_nccl:
+        comm = _nccl(comm)
+    res = train(parse_args(TRAIN + flags, comm.world_size), comm, log=lambda s: None)
+    full = res["strategy"].full_model()
+    with res["strategy"].full_parameters():
+        params = None if full is None else {n: p.data.copy() for n, p in full.named_parameters()}
+    return res["train_losses"], params
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,flags", [(2, []), (2, ["--native-comm"]), (2, ["--zero", "3"]),
+                                              (4, ["--tp", "2", "--pp", "2"])])
+def test_training_over_nccl_equals_training_over_threads(world_size, flags):
+    """Every group split, every collective and every pipeline message of a run through the NCCL code."""
+    fake_nccl.CALLS.clear()
+    losses, params = run_in_threads(world_size, _train, flags, True, timeout=120)[0]
+    kinds = {c[0] for c in fake_nccl.CALLS}
+    assert ("allReduce" in kinds) if "--native-comm" in flags else {"send", "recv"} <= kinds
+    ref_losses, ref_params = run_in_threads(world_size, _train, flags, False, timeout=120)[0]
+    assert losses == ref_losses
+    assert params.keys() == ref_params.keys()
+    assert all(np.array_equal(params[k], ref_params[k]) for k in params)
