@@ -62,8 +62,11 @@ class MinizeroSide:
         self.opt.zero_grad()
 
 
-def torch_side(cfg):
-    """A nanoGPT-style model (pre-LN blocks, tanh GELU, tied head) and AdamW, or None without torch."""
+def torch_side(cfg, device: str = "cpu", fp16: bool = False):
+    """A nanoGPT-style model (pre-LN blocks, tanh GELU, tied head) and AdamW, or None without torch.
+
+    ``device``: where it runs ("cuda" from bench/gpu_check.py); ``fp16``: eager mixed precision
+    (``torch.autocast`` float16 + ``GradScaler``, PyTorch's AMP recipe), CUDA only."""
     if torch is None:
         return None
     nn, F = torch.nn, torch.nn.functional
@@ -94,22 +97,31 @@ def torch_side(cfg):
             self.lm_head.weight = self.wte.weight
 
         def forward(self, idx, tg):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for blk in self.h:
                 x = blk(x)
             logits = self.lm_head(self.ln_f(x))
             return F.cross_entropy(logits.view(-1, logits.size(-1)), tg.view(-1))
 
-    model = Model()
+    model = Model().to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=1e-3, betas=(0.9, 0.95))
 
+    scaler = torch.amp.GradScaler("cuda") if fp16 else None
+
     def step(idx, tg):  # numpy batches in, as minizero's side takes them (from_numpy shares the memory)
-        loss = model(torch.from_numpy(idx), torch.from_numpy(tg))
-        loss.backward()
-        opt.step()
+        idx, tg = torch.from_numpy(idx).to(device), torch.from_numpy(tg).to(device)
+        if scaler is None:
+            model(idx, tg).backward()
+            opt.step()
+        else:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(idx, tg)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return step

@@ -130,6 +130,16 @@ def _check_loss_scaling(args) -> None:
         raise UsageError(f"--hysteresis must be >= 1; got --hysteresis={args.hysteresis}")
 
 
+def _check_comm(args) -> None:
+    """Resolve ``--comm`` (nccl on --device cuda, else mpi); nccl needs --device cuda (issue #15)."""
+    device = getattr(args, "device", "cpu")
+    if args.comm is None:
+        args.comm = "nccl" if device == "cuda" else "mpi"
+    if args.comm == "nccl" and device != "cuda":
+        raise UsageError(f"--comm nccl moves device memory between GPUs; it needs --device cuda, got --device {device} "
+                         "(allowed with it: --comm mpi)")
+
+
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
     """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields.
 
@@ -141,6 +151,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     parser.quiet = quiet
     args = parser.parse_args(argv)
     check_fault_spec()
+    _check_comm(args)
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),

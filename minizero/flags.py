@@ -80,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "soon as its last gradient is ready and runs during the rest of backward)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
-    p.add_argument("--native-comm", action="store_true", help="use MPI's own all-reduce instead of the ring")
+    p.add_argument("--native-comm", action="store_true",
+                   help="use the library's own collectives (MPI_Allreduce..., or NCCL's with --comm nccl) "
+                        "instead of the hand-written ring")
+    # -- communicator (issue #15: NCCL) ------------------------------------------------------------
+    p.add_argument("--comm", default=None, choices=["mpi", "nccl"],
+                   help="transport of every message: mpi (mpi4py), or nccl (cupy.cuda.nccl, one GPU per rank, "
+                        "set up through MPI); default nccl with --device cuda, else mpi")
     p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds any one send, receive or collective may wait for a peer before the job is aborted "
                         "with the operation and the rank waited on (PyTorch's NCCL default: 600)")

@@ -70,6 +70,16 @@ def _owner(array):
     return root
 
 
+def allocation_bytes(owner) -> int:
+    """Bytes the buffer ``owner`` holds: on CuPy its allocation (``data.mem.size``, rounded up by the
+    memory pool to 512-byte blocks, as ``torch.cuda.memory_allocated`` counts), else ``nbytes``."""
+    if type(owner).__module__.startswith("cupy"):
+        mem = getattr(owner.data, "mem", None)
+        if mem is not None and getattr(mem, "size", None) is not None:
+            return int(mem.size)
+    return int(owner.nbytes)
+
+
 def owning_buffer(array):
     """The array that owns ``array``'s memory (itself, or the base its views lead to): the ledger's identity."""
     return _owner(array)
@@ -151,7 +161,7 @@ class MemoryLedger:
             return False
         owner = _owner(array)
         key = id(owner)
-        nbytes = int(owner.nbytes)
+        nbytes = allocation_bytes(owner)
         shape = getattr(owner, "shape", ())
         keys = self._scope_keys(category == "activations" and len(shape) == 4 and shape[-1] == shape[-2])
         with self._lock:

@@ -34,7 +34,7 @@ import tracemalloc
 
 import numpy as np
 
-from minizero import trace
+from minizero import backend, trace
 from minizero.args import model_config
 from minizero.checkpoint import Checkpointer
 from minizero.comm.collectives import all_reduce
@@ -180,6 +180,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     tracer = trace.Tracer(comm.rank) if getattr(args, "trace", None) else None
     trace.set_tracer(tracer)  # --trace: this rank's timeline (forward/backward per unit, collectives, step)
     units = TraceUnits(s.stage) if tracer is not None else None
+    backend.synchronize()  # a GPU's queued work belongs to the set-up, not to the timed steps
     t_start = time.perf_counter()
     for step in range(start, args.steps):
         poison = check_fault(comm.rank, step)
@@ -233,6 +234,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
             if scaler is None:
                 check_finite_loss(step + 1, "validation", val_history[-1][1])
         ckpt.maybe_save(step, s, applied, scaler, pruner)
+    backend.synchronize()  # kernels are queued asynchronously: time them finished
     elapsed = time.perf_counter() - t_start
     if tracer is not None:
         trace.set_tracer(None)

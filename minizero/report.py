@@ -97,6 +97,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
+    if result.get("device_pool"):
+        notes.append("CuPy memory pool high-water at step ends (used / held): " + ", ".join(
+            f"r{r} {format_bytes(p['used'])} / {format_bytes(p['total'])}" for r, p in enumerate(result["device_pool"])))
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
@@ -136,6 +139,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "ledger_peak_total_bytes": [s["peak_total"] for s in stats],
         "ledger_setup_peak_bytes": result.get("setup_peaks"),
         "process_peak_bytes": [s["process_peak"] for s in stats],
+        "device_pool_peak_bytes": result.get("device_pool"),  # CuPy pool {used, total} high-water per rank
         "bytes_sent": [s["bytes_sent"] for s in stats],
         "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],  # = gradient_reduction
         "bytes_sent_by_kind": {k: [s["bytes_sent_by_kind"][k] for s in stats] for k in TRAFFIC_KINDS},

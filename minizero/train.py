@@ -142,6 +142,18 @@ def _warn_ram_offload(args) -> None:
                   "memory (they only leave the ledger); give a folder on a disk", file=sys.stderr, flush=True)
 
 
+def nccl_world(comm: NodeTrafficCommunicator, timeout: float) -> NodeTrafficCommunicator:
+    """``comm``'s ranks over NCCL (``--comm nccl``): each rank takes GPU local rank % GPUs, then an
+    :class:`~minizero.comm.nccl.NcclCommunicator` set up through ``comm``'s MPI, with its node layout.
+
+    Collective. Raises: ImportError without CuPy/NCCL; RuntimeError without a visible GPU.
+    """
+    from minizero.comm.nccl import NcclCommunicator, use_local_device  # noqa: PLC0415  (CuPy on demand)
+
+    use_local_device(comm.nodes.local_rank(comm.rank))
+    return NodeTrafficCommunicator(NcclCommunicator(comm.inner, timeout=timeout), nodes=comm.nodes)
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.train``; returns the exit status.
 
@@ -175,6 +187,8 @@ def main(argv=None) -> int:
     try:
         if rank == 0:
             _warn_ram_offload(args)
+        if args.comm == "nccl":  # the same ranks and node layout, messages over NCCL (set up through MPI)
+            comm = nccl_world(comm, args.comm_timeout)
         local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)
@@ -193,6 +207,8 @@ def main(argv=None) -> int:
         result["setup_peaks"] = gather_figures(comm, result["setup_peak"])  # every rank's set-up peaks
         result["memory_timeline"] = gather_timeline(comm, result["memory_monitor"].timeline)
         result["module_peaks"] = gather_module_peaks(comm)  # activation peak bytes per module, per rank
+        pool_peak = result["memory_monitor"].device_pool_peak  # CuPy's pool high-water, or None on the CPU
+        result["device_pool"] = None if pool_peak is None else gather_figures(comm, pool_peak)
         with strategy.full_parameters():  # ZeRO-3: gather for saving and sampling
             if rank == 0:
                 report(args, result, stats, threads, local_ranks, _cores(), zero)

@@ -120,3 +120,68 @@ def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
     assert max(summary["memory_timeline_peak_bytes"][0]) == summary["ledger_peak_total_bytes"][0]
     if have_matplotlib():
         assert os.path.getsize(out / "memory.png") > 1000
+
+
+# --------------------------------------------------------------------------- device memory (issue #15)
+class _Pool:
+    """CuPy's memory pool as the monitor reads it: used and held bytes."""
+
+    def __init__(self):
+        self.used, self.total = 0, 0
+
+    def used_bytes(self):
+        return self.used
+
+    def total_bytes(self):
+        return self.total
+
+
+class _NumpyWithPool:
+    """NumPy plus CuPy's ``get_default_memory_pool``: the array module as the monitor sees it on a GPU."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def get_default_memory_pool(self):
+        return self.pool
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def test_pool_high_water_is_kept_at_step_ends_beside_the_ledger(monkeypatch):
+    from minizero import backend
+    from minizero.memory.monitor import MemoryMonitor, device_pool_bytes
+    assert device_pool_bytes() is None  # NumPy: no pool, nothing reported
+    pool = _Pool()
+    monkeypatch.setattr(backend, "xp", _NumpyWithPool(pool))
+
+    def steps(comm):
+        mon = MemoryMonitor(GPT(get_config("tiny"), seed=0), every=1, total=3)
+        texts = []
+        for step, (used, total) in enumerate([(512, 1024), (2048, 4096), (1024, 4096)]):
+            mon.begin_step()
+            pool.used, pool.total = used, total
+            texts.append(mon.end_step(comm, step))
+        mon.close()
+        return mon.device_pool_peak, texts
+
+    peak, texts = run_in_threads(1, steps)[0]
+    assert peak == {"used": 2048, "total": 4096}  # the largest at any step end, not the last
+    assert "CuPy pool high-water 4.00 KiB" in texts[-1]
+
+
+def test_ledger_counts_a_cupy_array_by_its_allocation():
+    from minizero.ledger import allocation_bytes
+
+    class FakeCupyArray:  # what the ledger reads of a cupy.ndarray: nbytes, base, data.mem.size
+        __module__ = "cupy._core.core"
+        nbytes, base, shape = 100, None, (25,)
+        data = type("Ptr", (), {"mem": type("Mem", (), {"size": 512})()})()
+
+    assert allocation_bytes(FakeCupyArray()) == 512  # the pool's 512-byte block
+    assert allocation_bytes(np.zeros(25, dtype=np.float32)) == 100
+    led = MemoryLedger()
+    arr = FakeCupyArray()
+    led.track(arr, "activations")
+    assert led.current["activations"] == 512

@@ -12,6 +12,14 @@ The max over ranks is an all-reduce(max) written as an all-gather of 2 numbers p
 followed by a local max (minizero's ring all-reduce only sums): 16 bytes per rank, K
 steps apart.
 
+On a GPU (``backend.xp`` is CuPy) the monitor also keeps the high-water marks of CuPy's default
+memory pool beside the ledger's peak, as tracemalloc's peak sits beside it on the CPU:
+``used_bytes`` (bytes in live arrays, rounded to the pool's 512-byte blocks) and ``total_bytes``
+(what the pool holds from the driver, free blocks included). They are polled at every step's
+end, where the ledger's window closes: ``total_bytes`` only grows unless blocks are freed, so its
+high-water is exact; ``used_bytes`` at step ends is a lower bound of its true peak inside a step.
+The ledger's peak should lie between the two (:func:`device_pool_bytes`).
+
 Mirrors: PyTorch's memory snapshot and its viewer (``torch.cuda.memory._record_memory_history``,
 ``_dump_snapshot``, pytorch.org/memory_viz): a timeline of allocated bytes stacked by
 category, with the peak marked; here per rank and per step rather than per allocation.
@@ -23,10 +31,23 @@ import os
 
 import numpy as np
 
+from minizero import backend
 from minizero.comm.collectives import all_gather
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger
 from minizero.memory.attribution import after_forward_hook, attach, format_top_modules
 from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_timeline
+
+
+def device_pool_bytes() -> dict | None:
+    """``{"used": bytes, "total": bytes}`` of CuPy's default memory pool now; None when not on CuPy.
+
+    Mirrors ``torch.cuda.memory_allocated`` / ``memory_reserved`` (cupy.get_default_memory_pool()).
+    """
+    pool_of = getattr(backend.xp, "get_default_memory_pool", None)
+    if pool_of is None:
+        return None
+    pool = pool_of()
+    return {"used": int(pool.used_bytes()), "total": int(pool.total_bytes())}
 
 
 class MemoryMonitor:
@@ -40,12 +61,15 @@ class MemoryMonitor:
     Attributes:
         timeline: list (by step) of lists of bytes per category at that step's peak.
         after_forward: ``{"self": {...}, "inclusive": {...}}`` bytes per module after the last forward.
+        device_pool_peak: ``{"used", "total"}`` high-water bytes of CuPy's pool at step ends, or None
+            off CuPy (see the module docstring).
     """
 
     def __init__(self, model, every: int, total: int):
         self.every, self.total = max(1, int(every)), total
         self.timeline: list[list[int]] = []
         self.after_forward: dict = {}
+        self.device_pool_peak = device_pool_bytes()
         self._detach = attach(model)
         self._remove = model.register_forward_hook(after_forward_hook(self.after_forward))
 
@@ -66,13 +90,17 @@ class MemoryMonitor:
         """
         led = get_ledger()
         self.timeline.append([int(led.window_at_peak[c]) for c in CATEGORIES])
+        pool = device_pool_bytes()
+        if pool is not None:
+            self.device_pool_peak = {k: max(v, self.device_pool_peak[k]) for k, v in pool.items()}
         if (step + 1) % self.every and step + 1 != self.total:
             return ""
         mine = np.array([sum(led.current.values()), led.peak_total], dtype=np.float64)
         with comm.traffic.op("metrics"):
-            both = all_gather(comm, mine).reshape(comm.world_size, 2)
+            both = backend.to_host(all_gather(comm, backend.to_device(mine))).reshape(comm.world_size, 2)
         cur, peak = both.max(axis=0)
-        return f"mem {format_bytes(cur)} (peak {format_bytes(peak)}, max over ranks)"
+        pool_text = "" if pool is None else f"; CuPy pool high-water {format_bytes(self.device_pool_peak['total'])} here"
+        return f"mem {format_bytes(cur)} (peak {format_bytes(peak)}, max over ranks{pool_text})"
 
 
 def gather_timeline(comm, timeline: list[list[int]]) -> np.ndarray:
@@ -82,7 +110,7 @@ def gather_timeline(comm, timeline: list[list[int]]) -> np.ndarray:
     """
     mine = np.ascontiguousarray(np.asarray(timeline, dtype=np.int64).reshape(-1, len(CATEGORIES)))
     with comm.traffic.op("metrics"):
-        allv = all_gather(comm, mine.reshape(-1))
+        allv = backend.to_host(all_gather(comm, backend.to_device(mine.reshape(-1))))
     return allv.reshape(comm.world_size, -1, len(CATEGORIES))
 
 
@@ -99,11 +127,11 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
     """
     text = json.dumps(module_peaks(category), sort_keys=True).encode()
     with comm.traffic.op("metrics"):
-        lengths = all_gather(comm, np.array([len(text)], dtype=np.int64))
+        lengths = backend.to_host(all_gather(comm, backend.to_device(np.array([len(text)], dtype=np.int64))))
         width = int(lengths.max())
         buf = np.zeros(width, dtype=np.uint8)
         buf[:len(text)] = np.frombuffer(text, dtype=np.uint8)
-        allv = all_gather(comm, buf).reshape(comm.world_size, width)
+        allv = backend.to_host(all_gather(comm, backend.to_device(buf))).reshape(comm.world_size, width)
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(allv, lengths)]
 
 

@@ -1,0 +1,325 @@
+"""The device check of the GPU path (issue #15): equality with NumPy, MPI and NCCL, then throughput.
+
+    python bench/gpu_check.py [--json gpu_check.json] [--peak-tflops 989.5,66.9] [--budget-s 450]
+
+One run, one GPU, under 8 minutes (each part has a time limit; what the budget leaves out is
+reported "not run"). It runs the training command line (``python -m minizero.train``) and
+compares its outputs (``--json`` summary, ``model.npz``):
+
+1. float64 training on CuPy equals NumPy: ``--device cuda`` against ``--device cpu``, 5 steps,
+   the tiny and the default model, dropout 0; every loss and every final weight within 1e-9.
+2. ``mpiexec -n 2`` on one GPU with the MPI communicator (``--comm mpi``: device buffers stage
+   through host memory unless the MPI is CUDA-aware) equals one process at the same global batch.
+3. NCCL: training with ``--comm nccl`` at world size 1 equals ``--comm mpi``; the hand-written
+   ring/recursive-doubling and NCCL's native collectives (``--native-comm``) equal NumPy at world
+   size 1, and at 2 ranks when at least 2 GPUs exist (NCCL allows one rank per GPU; the table says
+   plainly when there is only one).
+4. Throughput of the gpt2 preset (124M parameters) at batch 8 x 1024, FP16 (mixed precision) and
+   FP32: tokens/s from the difference of two runs' ``elapsed_s`` (K and K+S steps, so start-up,
+   CuPy's kernel compilation and the closing evaluation cancel), and MFU = model FLOPs per step
+   (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step``) / step time /
+   the GPU's peak; beside PyTorch eager (bench/bench_vs_torch.py's nanoGPT model; autocast +
+   GradScaler for FP16) on the same GPU when PyTorch with CUDA is installed.
+
+It prints a Markdown table and writes JSON (``--json``). Without CuPy or without a CUDA device it
+says so, marks every row "not run" and exits 0; it exits 1 when a check ran and failed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+
+#: dense peak FLOP/s (FP16/BF16 tensor cores, FP32 without tensor cores) from the vendors' data sheets,
+#: keyed by a substring of the device name; --peak-tflops overrides
+PEAKS = {"H200": (989.5e12, 66.9e12), "H100": (989.5e12, 66.9e12), "A100": (312e12, 19.5e12),
+         "V100": (125e12, 15.7e12)}
+TOL = 1e-9
+SHORT = ["--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--dropout", "0"]
+CHECKS = ["cupy == numpy, tiny", "cupy == numpy, default", "mpiexec -n 2 (--comm mpi) == 1 process",
+          "--comm nccl == --comm mpi, 1 rank", "NCCL collectives, 1 rank", "NCCL collectives, 2 ranks",
+          "gpt2 8x1024 fp16", "gpt2 8x1024 fp32"]
+
+
+def probe() -> tuple[dict | None, str]:
+    """``({"name", "count", "cupy", "cuda_runtime"}, "")`` of GPU 0, or ``(None, why not)``."""
+    try:
+        import cupy
+    except ImportError as e:
+        return None, f"no GPU: CuPy not installed ({e}); pip install -e \".[gpu]\" or \".[gpu-cuda13]\""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count < 1:
+            return None, "no GPU: no CUDA device visible"
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return {"name": name, "count": count, "cupy": cupy.__version__,
+                "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()}, ""
+    except Exception as e:  # CUDARuntimeError: no driver, no device
+        return None, f"no GPU: no device ({type(e).__name__}: {e})"
+
+
+class Runner:
+    """Runs commands under one time budget; a command past its share is killed and reported."""
+
+    def __init__(self, budget_s: float, workdir: str):
+        self.deadline, self.workdir, self.count = time.monotonic() + budget_s, workdir, 0
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def train(self, args: list[str], ranks: int = 1, limit_s: float = 180, weights: bool = True) -> dict:
+        """One ``minizero.train`` run: its summary, plus ``weights`` (name -> array) when asked. Raises RuntimeError."""
+        self.count += 1
+        out = os.path.join(self.workdir, f"run{self.count}")
+        cmd = [sys.executable, "-m", "minizero.train", *args, "--out", out, "--json", out + ".json"]
+        if ranks > 1:
+            cmd = [mpiexec(), "-n", str(ranks), *cmd]
+        self.run(cmd, limit_s)
+        with open(out + ".json") as f:
+            summary = json.load(f)
+        if weights:
+            with np.load(os.path.join(out, "model.npz")) as z:
+                summary["weights"] = {k: z[k] for k in z.files}
+        shutil.rmtree(out, ignore_errors=True)
+        return summary
+
+    def run(self, cmd: list[str], limit_s: float) -> str:
+        limit = min(limit_s, self.left())
+        if limit < 5:
+            raise TimeoutError("not run: the time budget (--budget-s) is spent")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p))
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"timed out after {limit:.0f} s: {' '.join(cmd[-12:])}") from None
+        if done.returncode:
+            raise RuntimeError(f"exit {done.returncode}: {' '.join(cmd)}\n{done.stderr[-1500:]}")
+        return done.stdout
+
+
+def mpiexec() -> str:
+    """``mpiexec`` next to this Python (the venv's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """Largest absolute difference over the losses and every weight of two runs."""
+    diff = float(np.max(np.abs(np.subtract(a["train_loss"], b["train_loss"]))))
+    for k, w in a["weights"].items():
+        diff = max(diff, float(np.max(np.abs(w.astype(np.float64) - b["weights"][k]), initial=0.0)))
+    return diff
+
+
+def equal_runs(runner, first: list[str], second: list[str], ranks=(1, 1)) -> tuple[str, str]:
+    d = max_difference(runner.train(first, ranks[0]), runner.train(second, ranks[1]))
+    return ("pass" if d <= TOL else "FAIL"), f"max |difference| of losses and weights {d:.1e} (tolerance {TOL:g})"
+
+
+# --------------------------------------------------------------------------- NCCL collectives (worker)
+def nccl_worker(path: str, nccl=None, cuda=None) -> None:
+    """Under mpiexec: the hand-written and native collectives on NCCL against NumPy; rank 0 writes ``path``.
+
+    ``nccl``/``cuda``: stand-ins for ``cupy.cuda.nccl``/``cupy.cuda`` (tests/fake_nccl.py, NumPy arrays);
+    None: the real ones, on GPU ``rank``.
+    """
+    from minizero import backend
+    from minizero.comm import all_gather, all_reduce, broadcast, reduce_scatter, shard_range
+    from minizero.comm.mpi import MPICommunicator
+    from minizero.comm.nccl import NcclCommunicator, use_local_device
+
+    mpi = MPICommunicator()
+    if nccl is None:
+        device = use_local_device(mpi.rank)  # one node: the world rank is the local rank
+        set_device = getattr(backend, "set_device", None)
+        set_device("cuda", device) if set_device else backend.set_backend("cupy")
+    comm, N, r, worst, sent = NcclCommunicator(mpi, nccl=nccl, cuda=cuda), mpi.world_size, mpi.rank, 0.0, {}
+    for n in (1, N + 1, 1000, 2 ** 16 + 3, 2 ** 20):
+        xs = [np.random.default_rng([q, n]).standard_normal(n) for q in range(N)]
+        total, (off, size) = np.sum(xs, axis=0), shard_range(n, N, r)
+        gathered = np.concatenate([xs[q][slice(shard_range(n, N, q)[0], sum(shard_range(n, N, q)))]
+                                   for q in range(N)])
+        x = backend.xp.asarray(xs[r])
+        for native in (False, True):
+            comm.traffic.reset()
+            got = [all_reduce(comm, x, native=native), reduce_scatter(comm, x, native=native),
+                   all_gather(comm, x[off:off + size].copy(), n, native=native),
+                   broadcast(comm, x.copy(), root=N - 1, native=native)]
+            sent[native] = comm.traffic.snapshot()["bytes_sent"]
+            want = [total, total[off:off + size], gathered, xs[N - 1]]
+            worst = max([worst] + [float(np.max(np.abs(backend.to_host(g) - w), initial=0.0))
+                                   for g, w in zip(got, want)])
+        if sent[False] != sent[True]:
+            worst = float("inf")
+    errors = mpi.mpi_comm.gather(worst, root=0)
+    if r == 0:
+        with open(path, "w") as f:
+            json.dump({"max_error": max(errors), "world_size": N}, f)
+
+
+def nccl_collectives(runner, ranks: int) -> tuple[str, str]:
+    path = os.path.join(runner.workdir, f"nccl{ranks}.json")
+    runner.run([mpiexec(), "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--nccl-worker", path], 120)
+    with open(path) as f:
+        err = json.load(f)["max_error"]
+    ok = err <= 1e-12
+    return ("pass" if ok else "FAIL"), (f"ring, recursive doubling and native all-reduce / reduce-scatter / all-gather / "
+                                        f"broadcast, float64, max |error| {err:.1e} (1e-12); ledgers equal" if ok else
+                                        f"max |error| {err:.1e} or ring and native ledgers differ")
+
+
+# --------------------------------------------------------------------------- throughput
+def throughput(runner, precision: str, peak: float | None, steps: tuple[int, int]) -> tuple[str, str, dict]:
+    """minizero's tokens/s and MFU for gpt2 at 8 x 1024 in ``precision``, and PyTorch eager's beside it."""
+    from minizero.memory.estimator import model_flops_per_step
+    from minizero.nn import get_config
+
+    cfg, batch = get_config("gpt2"), 8
+    base = ["--device", "cuda", "--model", "gpt2", "--micro-batch-size", str(batch), "--precision", precision,
+            *SHORT, "--no-overlap"]
+    runs = [runner.train(base + ["--steps", str(k)], limit_s=150, weights=False) for k in steps]
+    step_s = (runs[1]["elapsed_s"] - runs[0]["elapsed_s"]) / (steps[1] - steps[0])
+    flops, tokens = model_flops_per_step(cfg, batch), batch * cfg.block_size
+    row = {"precision": precision, "minizero_tokens_per_s": tokens / step_s,
+           "minizero_mfu": flops / step_s / peak if peak else None, "peak_flops": peak}
+    torch_s = torch_step_s(cfg, batch, precision == "fp16", runner)
+    if torch_s is not None:
+        row.update(pytorch_tokens_per_s=tokens / torch_s, pytorch_mfu=flops / torch_s / peak if peak else None)
+    mfu = "MFU -" if not peak else f"MFU {row['minizero_mfu']:.1%}"
+    text = f"minizero {row['minizero_tokens_per_s']:,.0f} tokens/s, {mfu}"
+    if torch_s is not None:
+        text += (f"; PyTorch eager {row['pytorch_tokens_per_s']:,.0f} tokens/s"
+                 + (f", MFU {row['pytorch_mfu']:.1%}" if peak else ""))
+    else:
+        text += "; PyTorch with CUDA not installed"
+    return "measured", text, row
+
+
+def torch_step_s(cfg, batch: int, fp16: bool, runner, steps: int = 10) -> float | None:
+    """Median seconds of a PyTorch eager step on the GPU, or None without torch + CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or runner.left() < 30:
+        return None
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    from bench_vs_torch import torch_side
+
+    step = torch_side(cfg, device="cuda", fp16=fp16)
+    rng = np.random.default_rng(0)
+    idx, tg = (rng.integers(0, 256, (batch, cfg.block_size)) for _ in range(2))
+    times = []
+    for s in range(steps + 2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(idx, tg)
+        torch.cuda.synchronize()
+        if s >= 2:
+            times.append(time.perf_counter() - t)
+    del step
+    torch.cuda.empty_cache()
+    return float(np.median(times))
+
+
+# --------------------------------------------------------------------------- main
+def parse_peak(text: str | None, name: str) -> tuple[float | None, float | None]:
+    """(FP16, FP32) peak FLOP/s: ``--peak-tflops X`` (both) or ``X,Y``, else :data:`PEAKS` by name."""
+    if text:
+        vals = [float(v) * 1e12 for v in text.split(",")]
+        if len(vals) not in (1, 2) or min(vals) <= 0:
+            raise SystemExit(f"--peak-tflops {text!r}: give one or two positive numbers, FP16[,FP32]")
+        return vals[0], vals[-1]
+    return next((p for key, p in PEAKS.items() if key in name), (None, None))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
+    p.add_argument("--peak-tflops", default=None, help="GPU peak TFLOP/s for MFU: FP16[,FP32] (default: by name)")
+    p.add_argument("--budget-s", type=float, default=450, help="time budget of the whole check (s)")
+    p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
+    p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.nccl_worker:
+        nccl_worker(args.nccl_worker)
+        return 0
+    hw, why = probe()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows: dict[str, tuple[str, str]] = {name: ("not run", why) for name in CHECKS}
+    result = {"date": stamp, "hardware": hw, "reason_not_run": why or None, "throughput": []}
+    if hw is None:
+        print(why)
+    else:
+        peaks = parse_peak(args.peak_tflops, hw["name"])
+        print(f"{hw['name']} x {hw['count']}, CuPy {hw['cupy']}, CUDA runtime {hw['cuda_runtime']}; {stamp}")
+        steps = tuple(int(s) for s in args.steps.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            runner = Runner(args.budget_s, tmp)
+            f64 = ["--dtype", "float64", "--steps", "5", *SHORT]
+            plans = {
+                "cupy == numpy, tiny": lambda: equal_runs(runner, ["--model", "tiny", "--device", "cuda", "--comm", "mpi", *f64],
+                                                          ["--model", "tiny", "--device", "cpu", *f64]),
+                "cupy == numpy, default": lambda: equal_runs(
+                    runner, ["--model", "default", "--device", "cuda", "--comm", "mpi", *f64],
+                    ["--model", "default", "--device", "cpu", *f64]),
+                "mpiexec -n 2 (--comm mpi) == 1 process": lambda: equal_runs(
+                    runner, ["--model", "tiny", "--device", "cuda", "--comm", "mpi", "--batch-size", "4", *f64],
+                    ["--model", "tiny", "--device", "cuda", "--comm", "mpi", "--batch-size", "4", *f64], ranks=(2, 1)),
+                "--comm nccl == --comm mpi, 1 rank": lambda: equal_runs(
+                    runner, ["--model", "tiny", "--device", "cuda", "--comm", "nccl", *f64],
+                    ["--model", "tiny", "--device", "cuda", "--comm", "mpi", *f64]),
+                "NCCL collectives, 1 rank": lambda: nccl_collectives(runner, 1),
+                "NCCL collectives, 2 ranks": (lambda: nccl_collectives(runner, 2)) if hw["count"] >= 2 else None,
+            }
+            for name, plan in plans.items():
+                rows[name] = run_one(name, plan, hw)
+            for precision, peak in (("fp16", peaks[0]), ("fp32", peaks[1])):
+                name = f"gpt2 8x1024 {precision}"
+                try:
+                    status, text, row = throughput(runner, precision, peak, steps)
+                    result["throughput"].append(row)
+                    rows[name] = (status, text)
+                except Exception as e:
+                    rows[name] = failure(e)
+    result["checks"] = [{"check": k, "status": s, "detail": d} for k, (s, d) in rows.items()]
+    print("\n| check | result | detail |\n|---|---|---|")
+    for k, (s, d) in rows.items():
+        print(f"| {k} | {s} | {d.splitlines()[0] if d else ''} |")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {args.json}")
+    return 1 if any(s == "FAIL" for s, _ in rows.values()) else 0
+
+
+def run_one(name, plan, hw) -> tuple[str, str]:
+    if plan is None:
+        return "not run", f"needs at least 2 GPUs (NCCL allows one rank per GPU); this machine has {hw['count']}"
+    print(f"... {name}", flush=True)
+    try:
+        return plan()
+    except Exception as e:
+        return failure(e)
+
+
+def failure(e: Exception) -> tuple[str, str]:
+    if isinstance(e, TimeoutError):
+        return "not run", str(e)
+    print(f"    {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

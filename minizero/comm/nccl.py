@@ -1,0 +1,300 @@
+"""NcclCommunicator: one process per GPU, messages over NCCL (``cupy.cuda.nccl``), set up through MPI.
+
+The same ``Communicator`` interface as :mod:`minizero.comm.mpi`, so the hand-written ring and
+recursive-doubling collectives (:mod:`minizero.comm.collectives`) run on it unchanged, and the
+traffic ledger counts the same bytes. NCCL differs from MPI in four ways that shape this file:
+
+* **Set-up.** NCCL has no launcher: rank 0 makes a 128-byte unique id (``ncclGetUniqueId``), an
+  existing communicator (the *bootstrap*, MPI under ``mpiexec``) broadcasts it, and every rank
+  calls ``ncclCommInitRank(world_size, id, rank)``. ``split`` does the same inside the bootstrap's
+  split: one new id per colour (NCCL >= 2.11 has ``ncclCommSplit``; CuPy does not wrap it).
+* **Point-to-point needs groups.** ``ncclSend`` blocks its stream until the peer's ``ncclRecv``
+  runs, so a ring where every rank sends right and then receives from the left deadlocks. NCCL's
+  answer is the group: ``groupStart(); send; recv; groupEnd()`` issues both at once. ``sendrecv``
+  is exactly that (the ring's only call), ``send``/``recv`` alone are issued outside a group
+  (the binomial-tree broadcast only ever waits on its parent, so it cannot cycle).
+* **No tags, no headers.** Messages between two ranks match in the order they were issued;
+  ``tag`` is accepted and ignored. Nothing travels ahead of the payload, so a receive buffer of
+  the wrong size is not detected (NCCL may hang or read garbage): the MPI and thread
+  communicators check it, so run a new algorithm there first.
+* **Streams.** Every NCCL call is queued on this communicator's CuPy stream. Before a call the
+  stream waits (a CUDA event) for the work already queued on the current stream, so the kernels
+  that wrote the buffer finish first; after it the current stream waits for the NCCL stream, so
+  the kernels that read the result start after it. With ``blocking=True`` (the default) the host
+  also waits, polling the event with a sleep (never a busy wait) for at most ``timeout`` seconds
+  and then raising :class:`~minizero.comm.base.CommTimeoutError`: the blocking semantics of the
+  interface and of MPI. ``blocking=False`` returns once the call is queued (torch.distributed's
+  NCCL semantics): correct for every consumer on the current stream, faster, but a stalled peer
+  then hangs the next host synchronisation instead of raising.
+
+Native collectives (``native=True``, ``--native-comm``) are ``ncclAllReduce``/``ncclReduceScatter``/
+``ncclAllGather``/``ncclBcast``. NCCL's reduce-scatter and all-gather take equal chunks; minizero's
+``shard_range`` chunks differ by one element when N does not divide n, so those go through a
+zero-padded (N, ceil(n/N)) copy.
+
+Host (NumPy) arrays -- the metadata some callers exchange: lengths, flags, headers, node
+membership -- cannot go through NCCL, which reads device memory only; they travel over the
+bootstrap (MPI) instead, as PyTorch programs keep a gloo group beside the NCCL one for CPU tensors.
+Bytes are recorded in this communicator's ledger either way. ``isend``/``irecv`` are not provided (``nonblocking`` is False):
+gradient overlap and pipeline sends fall back to their blocking paths.
+
+The module imports without CuPy: ``cupy.cuda.nccl`` is imported when a communicator is made, and
+the constructor takes ``nccl``/``cuda`` modules so that tests can run this code against an
+in-process fake (tests/test_nccl.py); on a device, bench/gpu_check.py runs it for real.
+
+Mirrors: the NCCL user guide ("Creating a communicator" with ncclGetUniqueId over MPI,
+"Group calls", "Point-to-point communication"), CuPy's ``cupy.cuda.nccl`` wrapper, and PyTorch's
+``ProcessGroupNCCL`` (a communication stream synchronised with the current stream by events).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.base import DEFAULT_TIMEOUT_S, CommTimeoutError, Communicator, _check_color
+from minizero.comm.collectives import shard_range
+from minizero.comm.traffic import TrafficLedger
+
+UNIQUE_ID_BYTES = 128  #: NCCL_UNIQUE_ID_BYTES
+_MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (as MPICommunicator)
+#: numpy dtype name -> name of the NCCL datatype constant in ``cupy.cuda.nccl``
+DATATYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
+             "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
+             "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
+
+
+def import_nccl():
+    """``(cupy.cuda.nccl, cupy.cuda)``, imported now.
+
+    Raises:
+        ImportError: CuPy (or its NCCL binding) is not installed, with the install command.
+    """
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415  (optional dependency)
+        import cupy.cuda as cuda  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(f"--comm nccl needs CuPy with NCCL ({e}); install it with pip install -e \".[gpu]\" "
+                          "(CUDA 12) or \".[gpu-cuda13]\" (CUDA 13), or use --comm mpi") from e
+    if not getattr(nccl, "available", True):
+        raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False); "
+                          "python -m cupyx.tools.install_library --library nccl, or use --comm mpi")
+    return nccl, cuda
+
+
+def use_local_device(local_rank: int, cuda=None) -> int:
+    """Make GPU ``local_rank % device_count`` current for this process; returns its number.
+
+    NCCL allows one rank per GPU in a communicator, so ranks on one node take GPUs in order
+    of their local rank (what ``torchrun`` does with ``LOCAL_RANK``). Call it before any
+    CuPy allocation and before making the communicator.
+    Raises: ImportError without CuPy; RuntimeError when no GPU is visible.
+    """
+    cuda = import_nccl()[1] if cuda is None else cuda
+    count = cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise RuntimeError("no CUDA device is visible (CUDA_VISIBLE_DEVICES?); --comm nccl needs one GPU per rank")
+    device = local_rank % count
+    cuda.Device(device).use()
+    return device
+
+
+def pointer(buf, host_ok: bool = False) -> int:
+    """The address of ``buf``'s first byte: ``buf.data.ptr`` for CuPy, ``buf.ctypes.data`` for NumPy.
+
+    Host (NumPy) arrays are accepted only with ``host_ok`` (a fake NCCL that reads host memory).
+    Raises:
+        TypeError: a host array for real NCCL, which reads device memory only.
+    """
+    data = buf.data
+    if hasattr(data, "ptr"):
+        return int(data.ptr)
+    if not host_ok:
+        raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
+                        f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
+    return int(buf.ctypes.data)
+
+
+class NcclCommunicator(Communicator):
+    """A ``Communicator`` over an NCCL communicator, one rank per GPU, set up through ``bootstrap``.
+
+    Args:
+        bootstrap: a Communicator over the same ranks (``MPICommunicator``, or threads in tests);
+            it carries the unique id (one 128-element broadcast, on its own ledger) and ``split``.
+        traffic: this communicator's ledger (default: a fresh one).
+        timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
+        blocking: wait on the host for every operation (default), or only order it on the streams.
+        nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
+    Collective: every rank of ``bootstrap`` must construct it together.
+    Attributes:
+        rank, world_size: the bootstrap's. traffic: TrafficLedger of payload bytes sent.
+        stream: the CuPy stream every NCCL call is queued on. bootstrap, timeout, blocking.
+        mpi_comm: the bootstrap's ``mpi_comm`` when it has one (node discovery uses it), else None.
+    Raises:
+        ImportError: no CuPy/NCCL (see :func:`import_nccl`).
+        TypeError (any operation): an array dtype NCCL has no type for (allowed: :data:`DATATYPES`).
+    """
+
+    def __init__(self, bootstrap: Communicator, traffic: TrafficLedger | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, blocking: bool = True, nccl=None, cuda=None):
+        if nccl is None or cuda is None:
+            nccl, cuda = import_nccl()
+        self.nccl, self.cuda, self.bootstrap = nccl, cuda, bootstrap
+        self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
+        self.traffic = TrafficLedger() if traffic is None else traffic
+        self.timeout, self.blocking = timeout, blocking
+        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)  # signed chars in CuPy's tuple: int64 carries any
+        if self.rank == 0:
+            uid[:] = nccl.get_unique_id()
+        bootstrap.native_bcast(uid, root=0)
+        self.comm = nccl.NcclCommunicator(self.world_size, tuple(int(v) for v in uid), self.rank)
+        self.stream = cuda.Stream(non_blocking=True)
+
+    @property
+    def mpi_comm(self):
+        """The bootstrap's ``mpi4py`` communicator (None over threads)."""
+        return getattr(self.bootstrap, "mpi_comm", None)
+
+    # -- stream ordering and waiting --------------------------------------------------------
+    def _begin(self) -> None:
+        """The NCCL stream waits for what is already queued on the current stream (the buffers' writers)."""
+        ready = self.cuda.Event()
+        ready.record(self.cuda.get_current_stream())
+        self.stream.wait_event(ready)
+
+    def _end(self, op: str, peer=None) -> None:
+        """The current stream waits for the NCCL call; with ``blocking`` the host waits too (timeout)."""
+        done = self.cuda.Event()
+        done.record(self.stream)
+        self.cuda.get_current_stream().wait_event(done)
+        if not self.blocking:
+            return
+        deadline, delay = time.monotonic() + self.timeout, 0.0
+        while not done.done:
+            if time.monotonic() > deadline:
+                whom = f"rank {peer}" if peer is not None else "the other ranks"
+                raise CommTimeoutError(
+                    f"rank {self.rank}: NCCL {op} waited {self.timeout:g} s for {whom} of a communicator of "
+                    f"{self.world_size} (--comm-timeout); a rank is stalled or gone")
+            time.sleep(delay)
+            delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+
+    def _ptr(self, buf) -> int:
+        return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))
+
+    def _datatype(self, dtype) -> int:
+        name = np.dtype(dtype).name
+        if name not in DATATYPES:
+            raise TypeError(f"NCCL has no datatype for {name}; allowed: {sorted(DATATYPES)}")
+        return getattr(self.nccl, DATATYPES[name])
+
+    def _host(self, *bufs) -> bool:
+        """True when the buffers are host arrays (they go over the bootstrap); TypeError for a mix."""
+        host = [not hasattr(b.data, "ptr") and not getattr(self.nccl, "HOST_BUFFERS", False) for b in bufs]
+        if any(host) and not all(host):
+            raise TypeError(f"rank {self.rank}: a host and a device array in one NCCL call "
+                            f"({', '.join(type(b).__name__ for b in bufs)}); make both with backend.xp")
+        return host[0]
+
+    # -- point to point: bytes, as MPI.BYTE ---------------------------------------------------
+    def _send(self, buf, dest, tag):
+        if self._host(buf):
+            return self.bootstrap._send(buf, dest, tag)
+        self._begin()
+        self.comm.send(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
+        self._end("send", dest)
+
+    def _recv(self, buf, source, tag):
+        if self._host(buf):
+            return self.bootstrap._recv(buf, source, tag)
+        self._begin()
+        self.comm.recv(self._ptr(buf), buf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
+        self._end("recv", source)
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        """One NCCL group: the send and the receive progress together, so a ring cannot deadlock."""
+        if self._host(sendbuf, recvbuf):
+            return self.bootstrap._sendrecv(sendbuf, dest, recvbuf, source, tag)
+        self._begin()
+        self.nccl.groupStart()
+        try:
+            self.comm.send(self._ptr(sendbuf), sendbuf.nbytes, self.nccl.NCCL_UINT8, dest, self.stream.ptr)
+            self.comm.recv(self._ptr(recvbuf), recvbuf.nbytes, self.nccl.NCCL_UINT8, source, self.stream.ptr)
+        finally:
+            self.nccl.groupEnd()
+        self._end("sendrecv", source)
+
+    # -- group management --------------------------------------------------------------------
+    def barrier(self):
+        """Every rank's queued device work is finished, then the bootstrap's barrier (NCCL has none)."""
+        self.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
+        self.bootstrap.barrier()
+
+    def split(self, color, key=0):
+        """MPI_Comm_split of the bootstrap, then one NCCL communicator per colour (its own unique id)."""
+        color, key = _check_color(color), int(key)
+        return NcclCommunicator(self.bootstrap.split(color, key), traffic=TrafficLedger(parent=self.traffic),
+                                timeout=self.timeout, blocking=self.blocking, nccl=self.nccl, cuda=self.cuda)
+
+    def abort(self, errorcode=1):
+        """``ncclCommAbort`` (frees a rank stuck in a kernel), then the bootstrap's abort (the whole job)."""
+        try:
+            self.comm.abort()
+        finally:
+            self.bootstrap.abort(errorcode)
+
+    # -- native collectives ------------------------------------------------------------------
+    def _native_allreduce(self, x, out):
+        if self._host(x, out):
+            return self.bootstrap._native_allreduce(x, out)
+        self._begin()
+        self.comm.allReduce(self._ptr(x), self._ptr(out), x.size, self._datatype(x.dtype), self.nccl.NCCL_SUM,
+                            self.stream.ptr)
+        self._end("native_allreduce")
+
+    def _padded_chunk(self, n: int) -> int:
+        return -(-n // self.world_size) if n else 0
+
+    def _native_reduce_scatter(self, flat):
+        if self._host(flat):
+            return self.bootstrap._native_reduce_scatter(flat)
+        n, N = flat.size, self.world_size
+        c = self._padded_chunk(n)
+        size = shard_range(n, N, self.rank)[1]
+        send = flat
+        if c * N != n:  # NCCL's chunks are equal: lay shard_range's chunks out in (N, c) rows
+            send = backend.xp.zeros((N, c), dtype=flat.dtype)
+            for r in range(N):
+                off, s = shard_range(n, N, r)
+                send[r, :s] = flat[off:off + s]
+        out = backend.xp.empty(c, dtype=flat.dtype)
+        self._begin()
+        self.comm.reduceScatter(self._ptr(send), self._ptr(out), c, self._datatype(flat.dtype), self.nccl.NCCL_SUM,
+                                self.stream.ptr)
+        self._end("native_reduce_scatter")
+        return out[:size] if size != c else out
+
+    def _native_allgather(self, shard, n):
+        if self._host(shard):
+            return self.bootstrap._native_allgather(shard, n)
+        N, c = self.world_size, self._padded_chunk(n)
+        send = shard
+        if shard.size != c:
+            send = backend.xp.zeros(c, dtype=shard.dtype)
+            send[:shard.size] = shard
+        rows = backend.xp.empty((N, c), dtype=shard.dtype)
+        self._begin()
+        self.comm.allGather(self._ptr(send), self._ptr(rows), c, self._datatype(shard.dtype), self.stream.ptr)
+        self._end("native_allgather")
+        if c * N == n:
+            return rows.reshape(-1)
+        return backend.xp.concatenate([rows[r, :shard_range(n, N, r)[1]] for r in range(N)])
+
+    def _native_bcast(self, x, root):
+        if self._host(x):
+            return self.bootstrap._native_bcast(x, root)
+        self._begin()
+        self.comm.bcast(self._ptr(x), x.size, self._datatype(x.dtype), root, self.stream.ptr)
+        self._end("native_bcast", root)

@@ -1,0 +1,216 @@
+"""NcclCommunicator's ordering and grouping, against an in-process fake NCCL (tests/fake_nccl.py).
+
+Ranks are threads (``run_in_threads``); each builds the real ``NcclCommunicator`` over its
+``ThreadCommunicator`` (the bootstrap that carries the unique id), with the fake standing in
+for ``cupy.cuda.nccl`` and ``cupy.cuda``. The same collective checks as tests/test_collectives.py
+run on top: results equal NumPy, bytes equal the thread communicator's ledger. The fake moves
+real bytes but no device runs: the real test is bench/gpu_check.py on a GPU.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import broadcast, reduce_scatter, run_in_threads, shard_range
+from minizero.comm.nccl import NcclCommunicator
+from tests import fake_nccl
+from tests.conftest import REPO_ROOT
+from tests.test_collectives import _all_collectives, _span, lengths
+
+WORLD_SIZES = [1, 2, 3, 4]
+CASES = [(N, n) for N in WORLD_SIZES for n in lengths(N)]
+
+
+def _nccl(comm, **kw):
+    return NcclCommunicator(comm, nccl=fake_nccl, cuda=fake_nccl.cuda, timeout=30.0, **kw)
+
+
+def _collectives_on_nccl(comm, n):
+    """The collectives of test_collectives on NCCL, and the same calls' bytes on the thread communicator."""
+    x, results, sent = _all_collectives(_nccl(comm), n)
+    _, _, sent_threads = _all_collectives(comm, n)
+    return x, results, sent, sent_threads
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,n", CASES)
+def test_collectives_on_nccl_match_numpy_and_the_thread_ledger(world_size, n):
+    out = run_in_threads(world_size, _collectives_on_nccl, n)
+    xs = np.stack([o[0] for o in out])
+    total = xs.sum(axis=0)
+    gathered = np.concatenate([xs[q][slice(*_span(n, world_size, q))] for q in range(world_size)])
+    for r, (_, results, sent, sent_threads) in enumerate(out):
+        off, size = shard_range(n, world_size, r)
+        for impl in ["ring", "native"]:
+            np.testing.assert_allclose(results["all_reduce", impl], total, rtol=0, atol=1e-12)
+            np.testing.assert_allclose(results["reduce_scatter", impl], total[off:off + size], rtol=0, atol=1e-12)
+            assert results["reduce_scatter", impl].shape == (size,)
+            assert np.array_equal(results["all_gather", impl], gathered)
+            assert np.array_equal(results["broadcast", impl], xs[world_size - 1])
+        assert np.array_equal(results["all_reduce", "ring"], out[0][1]["all_reduce", "ring"])
+        assert sent == sent_threads  # the same traffic ledger, hand-written and native
+
+
+def _ring_calls(comm):
+    ncomm = _nccl(comm)
+    ncomm.comm.log.clear()
+    reduce_scatter(ncomm, np.arange(12.0))
+    return ncomm.comm.log
+
+
+@pytest.mark.timeout(60)
+def test_every_ring_step_is_one_group_of_send_then_recv():
+    logs = run_in_threads(3, _ring_calls)
+    for r, calls in enumerate(logs):
+        assert calls == [("send", (r + 1) % 3, 32, True), ("recv", (r - 1) % 3, 32, True)] * 2
+
+
+class _UngroupedSendrecv(NcclCommunicator):
+    """The mistake the groups prevent: send, then receive, each alone."""
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self._send(sendbuf, dest, tag)
+        self._recv(recvbuf, source, tag)
+
+
+@pytest.mark.timeout(60)
+def test_an_ungrouped_ring_deadlocks_in_the_fake(monkeypatch):
+    monkeypatch.setattr(fake_nccl, "DEADLOCK_S", 1.0)
+
+    def ring(comm):
+        ncomm = _UngroupedSendrecv(comm, nccl=fake_nccl, cuda=fake_nccl.cuda)
+        reduce_scatter(ncomm, np.arange(12.0))
+
+    with pytest.raises(fake_nccl.FakeDeadlock, match="never received"):
+        run_in_threads(3, ring)
+
+
+def _split_and_reduce(comm):
+    ncomm = _nccl(comm)
+    sub = ncomm.split(comm.rank % 2, key=-comm.rank)  # reversed order inside each colour
+    x = np.full(5, float(comm.rank))
+    sub.barrier()
+    from minizero.comm import all_reduce
+    got = all_reduce(sub, x)
+    return sub.rank, sub.world_size, got, sub.traffic.snapshot()["bytes_sent"], ncomm.traffic.snapshot()["bytes_sent"]
+
+
+@pytest.mark.timeout(60)
+def test_split_makes_one_nccl_communicator_per_colour():
+    out = run_in_threads(4, _split_and_reduce)
+    members = {0: [0, 2], 1: [1, 3]}
+    for r, (sub_rank, size, got, sub_bytes, parent_bytes) in enumerate(out):
+        group = members[r % 2]
+        assert size == 2 and sub_rank == sorted(group, reverse=True).index(r)
+        assert np.array_equal(got, np.full(5, float(sum(group))))
+        assert sub_bytes > 0 and parent_bytes == sub_bytes  # the child's bytes show in the parent ledger
+
+
+def test_tree_broadcast_sends_outside_groups():
+    def bcast(comm):
+        ncomm = _nccl(comm)
+        ncomm.comm.log.clear()
+        return broadcast(ncomm, np.full(3, float(comm.rank)), root=0), ncomm.comm.log
+
+    out = run_in_threads(4, bcast)
+    assert all(np.array_equal(x, np.zeros(3)) for x, _ in out)
+    assert all(not grouped for _, calls in out for *_, grouped in calls)
+
+
+def test_dtypes_nccl_lacks_are_refused_by_name():
+    def native(comm):
+        from minizero.comm import all_reduce
+        all_reduce(_nccl(comm), np.zeros(4, dtype=np.complex128), native=True)
+
+    with pytest.raises(TypeError, match="complex128"):
+        run_in_threads(1, native)
+
+
+_NO_CUPY = "import sys; sys.modules['cupy'] = None\n"
+
+
+def _python(code):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    return subprocess.run([sys.executable, "-c", _NO_CUPY + code], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(90)
+def test_the_module_imports_without_cupy_and_the_constructor_says_how_to_install():
+    done = _python("import minizero.comm.nccl\n"
+                   "from minizero.comm import run_in_threads\n"
+                   "try:\n    run_in_threads(1, minizero.comm.nccl.NcclCommunicator)\n"
+                   "except ImportError as e:\n    print('refused:', e)\n")
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "[gpu]" in done.stdout and "--comm mpi" in done.stdout
+
+
+def test_comm_flag_defaults_to_mpi_on_the_cpu_and_refuses_nccl_there(tmp_path):
+    from minizero.args import UsageError, parse_args
+    base = ["--steps", "1", "--out", str(tmp_path)]
+    assert parse_args(base).comm == "mpi"
+    assert parse_args(base + ["--comm", "mpi"]).comm == "mpi"
+    with pytest.raises(UsageError, match="--comm nccl .*--device cuda"):
+        parse_args(base + ["--comm", "nccl"])
+
+
+def test_host_arrays_are_refused_by_real_nccl():
+    from minizero.comm.nccl import pointer
+    with pytest.raises(TypeError, match="device memory.*numpy.ndarray"):
+        pointer(np.zeros(3))
+    assert pointer(np.zeros(3), host_ok=True) > 0
+
+
+class _DeviceOnlyFake:
+    """The fake NCCL as real NCCL sees NumPy: host memory it cannot read (HOST_BUFFERS False)."""
+
+    def __getattr__(self, name):
+        return False if name == "HOST_BUFFERS" else getattr(fake_nccl, name)
+
+
+def test_host_arrays_travel_over_the_bootstrap():
+    from minizero.comm import all_gather, all_reduce
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=_DeviceOnlyFake(), cuda=fake_nccl.cuda)
+        got = (all_reduce(ncomm, np.full(4, float(comm.rank))), all_gather(ncomm, np.array([comm.rank]), 3),
+               all_reduce(ncomm, np.full(4, float(comm.rank)), native=True))
+        return got, ncomm.comm.log, ncomm.traffic.snapshot()["bytes_sent"]
+
+    for got, calls, sent in run_in_threads(3, run):
+        assert np.array_equal(got[0], np.full(4, 3.0)) and np.array_equal(got[2], np.full(4, 3.0))
+        assert np.array_equal(got[1], [0, 1, 2])
+        assert calls == [] and sent > 0  # nothing reached NCCL; the bytes are still in this ledger
+
+
+# --------------------------------------------------------------------------- the whole training loop on it
+TRAIN = ["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+         "--no-save", "--steps", "3", "--seed", "1"]
+
+
+def _train(comm, flags, over_nccl):
+    from minizero.train import parse_args, train
+    if over_nccl:
+        comm = _nccl(comm)
+    res = train(parse_args(TRAIN + flags, comm.world_size), comm, log=lambda s: None)
+    full = res["strategy"].full_model()
+    with res["strategy"].full_parameters():
+        params = None if full is None else {n: p.data.copy() for n, p in full.named_parameters()}
+    return res["train_losses"], params
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,flags", [(2, []), (2, ["--native-comm"]), (2, ["--zero", "3"]),
+                                              (4, ["--tp", "2", "--pp", "2"])])
+def test_training_over_nccl_equals_training_over_threads(world_size, flags):
+    """Every group split, every collective and every pipeline message of a run through the NCCL code."""
+    fake_nccl.CALLS.clear()
+    losses, params = run_in_threads(world_size, _train, flags, True, timeout=120)[0]
+    kinds = {c[0] for c in fake_nccl.CALLS}
+    assert ("allReduce" in kinds) if "--native-comm" in flags else {"send", "recv"} <= kinds
+    ref_losses, ref_params = run_in_threads(world_size, _train, flags, False, timeout=120)[0]
+    assert losses == ref_losses
+    assert params.keys() == ref_params.keys()
+    assert all(np.array_equal(params[k], ref_params[k]) for k in params)
