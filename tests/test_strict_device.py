@@ -132,3 +132,25 @@ def test_device_cuda_without_cupy_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert "CuPy" in proc.stderr and "pip install" in proc.stderr and "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "model.npz")
+
+
+def test_dropout_masks_are_drawn_on_the_device_and_replay(strict_backend):
+    """The counter-based generator: same bits on NumPy and strict, a device array, replayable, per seed."""
+    from minizero.autograd import rng
+
+    rng.manual_seed(11)
+    state = rng.get_rng_state()
+    got = rng.dropout_keep_mask((3, 5, 7), 0.3)
+    assert isinstance(got, strict.StrictArray) and got.dtype == np.bool_ and got.shape == (3, 5, 7)
+    assert rng.get_rng_state()["offset"] == state["offset"] + 105
+    rng.set_rng_state(state)
+    assert backend.to_host(rng.dropout_keep_mask((3, 5, 7), 0.3)).tobytes() == backend.to_host(got).tobytes()
+    backend.set_backend("numpy")
+    rng.manual_seed(11)
+    want = rng.dropout_keep_mask((3, 5, 7), 0.3)
+    assert isinstance(want, np.ndarray) and want.tobytes() == backend.to_host(got).tobytes()
+    rng.manual_seed(12)
+    other = rng.dropout_keep_mask((3, 5, 7), 0.3)
+    assert not np.array_equal(other, want) and 0.6 < want.mean() < 0.8
+    with pytest.raises(ValueError, match="key"):
+        rng.set_rng_state({"state": 1})
