@@ -40,7 +40,8 @@ import weakref
 
 import numpy as np
 
-#: explicit host<->device copies since the last :func:`reset_transfers`: ``{"to_device": n, "to_host": n}``
+#: host<->device copies since the last :func:`reset_transfers`: ``{"to_device": n, "to_host": n}``;
+#: ``to_host`` counts ``get()`` and every one-element conversion (``float(x)``, ``bool(x)``, ``x.item()``)
 transfers = {"to_device": 0, "to_host": 0}
 
 _HINT = "use backend.to_host(x) / backend.to_device(a) (x.get() / xp.asarray(a)) to move data explicitly"
@@ -97,6 +98,7 @@ class StrictArray:
         if self._a.size != 1:
             raise TypeError(f"only size-1 device arrays can be converted to Python {what} "
                             f"(got shape {self._a.shape}); {_HINT}")
+        transfers["to_host"] += 1  # one element to the host: a device sync on a GPU, counted as a copy
         return self._a.reshape(())
 
     def __float__(self):
@@ -116,7 +118,7 @@ class StrictArray:
     def __bool__(self):
         if self._a.size != 1:
             raise ValueError(f"the truth value of a device array with {self._a.size} elements is ambiguous")
-        return bool(self._a.reshape(()))
+        return bool(self._one("bool"))
 
     def __len__(self):
         return len(self._a)

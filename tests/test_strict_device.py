@@ -155,3 +155,24 @@ def test_dropout_masks_are_drawn_on_the_device_and_replay(strict_backend):
     assert not np.array_equal(other, want) and 0.6 < want.mean() < 0.8
     with pytest.raises(ValueError, match="key"):
         rng.set_rng_state({"state": 1})
+
+
+def _transfers_of(steps, flags):
+    def fn(comm):
+        args = parse_args(BASE[:4] + ["--steps", str(steps), "--eval-every", "0", "--progress", "none",
+                                      "--dropout", "0.1", *flags], comm.world_size)
+        train(args, comm, log=lambda s: None)
+    strict.reset_transfers()
+    run_in_threads(2, fn, timeout=60)
+    return dict(strict.transfers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [[], ["--tp", "2"], ["--precision", "fp16", "--dtype", "float32"]],
+                         ids=["dp2", "tp2", "fp16"])
+def test_a_step_moves_a_few_values_not_one_per_parameter(strict_backend, flags):
+    """Per step and rank: the batch in (x, y), the loss, the gradient norm and the FP16 overflow flag out,
+    each one explicit transfer -- not one per parameter (the tiny model has 29 parameter arrays)."""
+    two, four = _transfers_of(2, flags), _transfers_of(4, flags)
+    per_step = {k: (four[k] - two[k]) / 2 / 2 for k in two}  # 2 more steps on 2 ranks
+    assert 1 <= per_step["to_device"] <= 6 and 1 <= per_step["to_host"] <= 6, per_step
