@@ -176,3 +176,26 @@ def test_a_step_moves_a_few_values_not_one_per_parameter(strict_backend, flags):
     two, four = _transfers_of(2, flags), _transfers_of(4, flags)
     per_step = {k: (four[k] - two[k]) / 2 / 2 for k in two}  # 2 more steps on 2 ranks
     assert 1 <= per_step["to_device"] <= 6 and 1 <= per_step["to_host"] <= 6, per_step
+
+
+@pytest.mark.timeout(300)
+def test_sample_and_quantize_on_strict_equal_cpu(tmp_path):
+    """``--device`` on the other programs: the same text and the same table on strict as on cpu; cuda without
+    CuPy is one line and exit 2."""
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], env=mpi_env(), capture_output=True, text=True,
+                              timeout=120, cwd=REPO_ROOT)
+    trained = run("minizero.train", "--model", "tiny", "--steps", "2", "--dtype", "float64", "--progress", "none",
+                  "--sample-tokens", "1", "--out", str(tmp_path))
+    assert trained.returncode == 0, trained.stderr
+    weights = str(tmp_path / "model.npz")
+    for program, argv in (("minizero.sample", ["--tokens", "16"]), ("minizero.quantize", ["--bits", "4"])):
+        cpu = run(program, "--weights", weights, *argv, "--device", "cpu")
+        on_strict = run(program, "--weights", weights, *argv, "--device", "strict")
+        assert cpu.returncode == on_strict.returncode == 0, cpu.stderr + on_strict.stderr
+        assert on_strict.stdout == cpu.stdout and cpu.stdout
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            cuda = run(program, "--weights", weights, *argv, "--device", "cuda")
+            assert cuda.returncode == 2 and "CuPy" in cuda.stderr and "Traceback" not in cuda.stderr
