@@ -111,7 +111,7 @@ class StrictArray:
         return complex(self._one("scalars"))
 
     def __index__(self):
-        if self._a.dtype.kind not in "iub":
+        if self._a.dtype.kind not in "iu":
             raise TypeError(f"only integer device arrays can be used as an index, got {self._a.dtype}")
         return int(self._one("scalars"))
 

@@ -123,4 +123,4 @@ def dropout_keep_mask(shape, p: float):
         n *= d
     u = (uniform_bits(n) >> np.uint64(40)).astype(backend.xp.float32)
     u *= np.float32(2.0 ** -24)
-    return (u >= np.float32(p)).reshape(shape)
+    return u.reshape(shape) >= np.float32(p)  # a new array of ``shape`` that owns its bytes (the ledger's unit)
