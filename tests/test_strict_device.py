@@ -108,10 +108,13 @@ def _cli(mpiexec, n, device, flags, out):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n, flags", [(1, []), (2, ["--zero", "3"]), (2, ["--tp", "2"])], ids=["one", "zero3", "tp2"])
+@pytest.mark.parametrize("n, flags", [(1, []), (2, ["--zero", "3"]), (2, ["--tp", "2"]),
+                                     (2, ["--pp", "2", "--grad-accum", "2"]), (2, ["--native-comm", "--zero", "2"])],
+                         ids=["one", "zero3", "tp2", "pp2-isend-irecv", "native-mpi-collectives"])
 def test_cli_strict_equals_cpu_bitwise(mpiexec, tmp_path, n, flags):
     """The issue's check: ``python -m minizero.train --device strict --model tiny --steps 3 --dtype float64``
-    writes the same model.npz bits as ``--device cpu``, alone and under ``mpiexec -n 2`` with ZeRO-3 and TP."""
+    writes the same model.npz bits as ``--device cpu``, alone and under ``mpiexec -n 2`` with ZeRO-3 and TP
+    (and the pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host)."""
     want, out_cpu = _cli(mpiexec, n, "cpu", flags, tmp_path / "cpu")
     got, out_strict = _cli(mpiexec, n, "strict", flags, tmp_path / "strict")
     assert sorted(got) == sorted(want)
