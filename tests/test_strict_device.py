@@ -41,6 +41,7 @@ CASES = {
     "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2"]),
     "dp4-hierarchical-no-overlap": (4, ["--allreduce", "hierarchical", "--no-overlap"]),
     "dp2-native-comm": (2, ["--native-comm"]),
+    "quantized-comm-zero2": (2, ["--quantized-comm", "--zero", "2"]),
     "prune-global-zero3": (2, ["--prune-sparsity", "0.5", "--prune-scope", "global", "--prune-step", "1", "--zero", "3"]),
 }
 
