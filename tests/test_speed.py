@@ -97,7 +97,10 @@ def test_float16_gelu_computes_in_float32_and_rounds_once():
 def test_dropout_masks_are_float32_draws():
     F.manual_seed(7)
     keep = F.dropout_keep_mask((1000,), 0.25)
-    ref = np.random.default_rng(7).random((1000,), dtype=np.float32) >= np.float32(0.25)
+    from minizero.autograd import rng  # the counter-based generator: 24-bit uniforms, exact in float32
+
+    key = rng.mix64_int(7)
+    ref = np.array([(rng.mix64_int(key + (i + 1) * rng.GAMMA) >> 40) * 2.0 ** -24 >= 0.25 for i in range(1000)])
     np.testing.assert_array_equal(keep, ref)
 
 

@@ -10,14 +10,14 @@ cross-entropy with the log-sum-exp trick.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 
 import numpy as np
 
 from minizero import backend
 from minizero.autograd.engine import Function, Tensor
+from minizero.autograd.rng import (  # noqa: F401 (the generator's API, re-exported)
+    dropout_keep_mask, fork_rng, get_rng_state, manual_seed, set_rng_state)
 from minizero.autograd.kernels import (GELU_C, causal_mask, compute_dtype, gelu_tanh, masked_scale, scatter_add_rows,
                                       widen)
 
@@ -137,9 +137,9 @@ class LayerNorm(Function):
         if c == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
         # dx = rstd * (gx - mean(gx) - xhat * sum(gx * xhat) / c), the same operations in the same order
-        np.multiply(gx, xhat, out=t)
+        backend.xp.multiply(gx, xhat, out=t)
         s = t.sum(axis=-1, keepdims=True)
-        np.multiply(xhat, s, out=t)
+        backend.xp.multiply(xhat, s, out=t)
         t /= c
         m = gx.mean(axis=-1, keepdims=True)
         gx -= m
@@ -178,13 +178,13 @@ class GELU(Function):
         xs, gs = widen(x), widen(g)
         t = gelu_tanh(xs)
         dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
-        np.subtract(1.0, dt, out=dt)
+        backend.xp.subtract(1.0, dt, out=dt)
         dt *= GELU_C
         w = xs * (3 * 0.044715)
         w *= xs
         w += 1.0
         dt *= w
-        np.multiply(xs, 0.5, out=w)  # 0.5 x dt
+        backend.xp.multiply(xs, 0.5, out=w)  # 0.5 x dt
         w *= dt
         t += 1.0  # 0.5 (1 + t) + 0.5 x dt
         t *= 0.5
@@ -260,7 +260,7 @@ class CausalSoftmax(Function):
             ys /= ys.sum(axis=-1, keepdims=True)  # to a whole row leaks through the (g - sum) difference
         d = gs * ys
         s = d.sum(axis=-1, keepdims=True)
-        np.subtract(gs, s, out=d)
+        backend.xp.subtract(gs, s, out=d)
         d *= ys  # y * (g - sum(g * y))
         return d.astype(g.dtype, copy=False)
 
@@ -270,54 +270,21 @@ def causal_softmax(scores: Tensor) -> Tensor:
     return CausalSoftmax.apply(scores)
 
 
-# ---- dropout and its generator ----------------------------------------------------
-_rng_local = threading.local()
-
-
-def dropout_generator() -> np.random.Generator:
-    """This rank's (thread's) dropout generator; seed it with :func:`manual_seed`."""
-    gen = getattr(_rng_local, "gen", None)
-    if gen is None:
-        gen = _rng_local.gen = np.random.default_rng(0)
-    return gen
-
-
-def manual_seed(seed: int) -> None:
-    """Seed this rank's dropout generator (one generator per purpose, GUIDE)."""
-    _rng_local.gen = np.random.default_rng(seed)
-
-
-def get_rng_state() -> dict:
-    """The dropout generator's state (for recompute to replay the same masks)."""
-    return dropout_generator().bit_generator.state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore a state from :func:`get_rng_state`."""
-    dropout_generator().bit_generator.state = state
-
-
-@contextlib.contextmanager
-def fork_rng():
-    """Run a block, then put the dropout generator back where it was."""
-    state = get_rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
+# ---- dropout (its counter-based generator: minizero.autograd.rng) --------------------
 
 
 class Dropout(Function):
     """Inverted dropout: y = x * mask / (1 - p), mask ~ Bernoulli(1 - p).
 
-    Shapes: any -> same. The mask is drawn on the host from
-    :func:`dropout_generator` (so it is reproducible and replayable) and saved
-    as bool (1 byte per element, as Korthikanti et al. 2022 count it).
+    Shapes: any -> same. The mask is drawn on the device by the counter-based generator
+    (:func:`minizero.autograd.rng.dropout_keep_mask`: reproducible, replayable, the same bits
+    on every array module) and saved as bool (1 byte per element, as Korthikanti et al. 2022
+    count it).
     """
 
     @staticmethod
     def forward(ctx, x, p):
-        keep = backend.to_device(dropout_keep_mask(x.shape, p))
+        keep = dropout_keep_mask(x.shape, p)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return masked_scale(x, keep, ctx.scale)
@@ -326,15 +293,6 @@ class Dropout(Function):
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
         return masked_scale(g, keep, ctx.scale), None
-
-
-def dropout_keep_mask(shape, p: float) -> np.ndarray:
-    """A host bool mask of ``shape``, True with probability 1 - p, from :func:`dropout_generator`.
-
-    Uniforms are drawn as float32 (4 bytes per element, not float64's 8): u >= p keeps.
-    Every dropout (plain and tensor-parallel) draws through here, so they stay the same draws.
-    """
-    return dropout_generator().random(shape, dtype=np.float32) >= np.float32(p)
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:

@@ -192,7 +192,7 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
     mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None
     if mine is not None:
-        set_rng_state(mine["rng"])  # PCG64's state: plain ints, exact through JSON
+        set_rng_state(mine["rng"])  # the counter-based generator's (key, offset): plain ints, exact through JSON
     else:
         manual_seed(int(np.random.SeedSequence([man["train"]["seed"], man["step"], topo.dp_rank,
                                                 topo.pp_rank]).generate_state(1)[0]))

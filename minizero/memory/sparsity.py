@@ -75,7 +75,7 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
     for k, a in mags.items():
         if not np.isfinite(a).all():
             raise ValueError(f"{k} has non-finite weights; cannot rank them by magnitude")
-    shapes = {k: np.shape(w) for k, w in weights.items()}
+    shapes = {k: tuple(w.shape) for k, w in weights.items()}
     if scope == "layer":
         return {k: _prune_smallest(a, int(round(sparsity * a.size))).reshape(shapes[k]) for k, a in mags.items()}
     names = list(mags)
@@ -145,10 +145,13 @@ class Pruner:
         return self
 
     def mask(self, name: str):
-        """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape)."""
+        """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape), on the device."""
+        return backend.to_device(self.host_mask(name))
+
+    def host_mask(self, name: str) -> np.ndarray:
+        """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape), a NumPy array."""
         shape = self.shapes[name]
-        n = int(np.prod(shape))
-        return backend.to_device(np.unpackbits(self.packed[name], count=n).astype(bool).reshape(shape))
+        return np.unpackbits(self.packed[name], count=int(np.prod(shape))).astype(bool).reshape(shape)
 
     def _shards(self, opt, which: str):
         """(mask slice, shard slice) for every owned piece of a prunable weight (ZeroOptimizer only).
@@ -199,8 +202,8 @@ class Pruner:
     def report(self) -> dict:
         """Measured sparsity and storage: ``{"pruned", "total", "sparsity", "dense", "csr", "bitmap", "mask_bytes",
         "layers": {name: {...}}}`` (bytes for FP32 values, int32 indices)."""
-        layers = {k: dict(compressed_nbytes(self.mask(k).reshape(self.shapes[k][0], -1)),
-                          sparsity=1 - float(self.mask(k).mean())) for k in self.packed}
+        layers = {k: dict(compressed_nbytes(self.host_mask(k).reshape(self.shapes[k][0], -1)),
+                          sparsity=1 - float(self.host_mask(k).mean())) for k in self.packed}
         total = sum(int(np.prod(s)) for s in self.shapes.values())
         nnz = sum(v["nnz"] for v in layers.values())
         out = {"pruned": total - nnz, "total": total, "sparsity": (total - nnz) / max(total, 1), "layers": layers,

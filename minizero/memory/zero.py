@@ -297,14 +297,14 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         Each rank sums g^2 over its owned pieces only (padding excluded) in float64; one
         all-reduce of that scalar gives the unsharded norm.
         """
-        local = 0.0
+        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device; one transfer for the norm
         for st in self.units:
             for pc in st.pieces:
                 g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
-                local += float((g * g).sum())
+                local += (g * g).sum()
         self._agree(None, "grad_norm")
         with self._count("grad_norm"):
-            total = math.sqrt(float(backend.to_host(all_reduce(self.comm, backend.xp.asarray([local])))[0]))
+            total = math.sqrt(float(backend.to_host(all_reduce(self.comm, local))[0]))
         return total * grad_scale
 
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -112,10 +112,12 @@ class Module:
         for name, p in own.items():
             if name not in state:
                 continue
-            value = np.asarray(state[name])
+            value = state[name]
+            if not isinstance(value, backend.xp.ndarray):  # host data (a file, a list): one explicit copy in
+                value = backend.to_device(np.asarray(value))
             if value.shape != p.shape:
                 raise ValueError(f"load_state_dict: {name} has shape {value.shape}, the model expects {p.shape}")
-            p.data[...] = backend.to_device(value.astype(p.dtype, copy=False))
+            p.data[...] = value.astype(p.dtype, copy=False)
 
     def zero_grad(self) -> None:
         """Drop every parameter's gradient (``set_to_none`` semantics)."""

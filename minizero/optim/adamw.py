@@ -138,8 +138,12 @@ def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) 
 
 
 def global_grad_norm_sq(grads) -> float:
-    """Sum of squares of all gradient elements (computed in float64), a Python float."""
-    return float(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads if g is not None))
+    """Sum of squares of all gradient elements (computed in float64 on the device), a Python float."""
+    total = backend.xp.zeros((), dtype=np.float64)
+    for g in grads:
+        if g is not None:
+            total += (g.astype(np.float64) ** 2).sum()
+    return float(total)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -173,7 +173,7 @@ class InterleavedEngine(PipelineEngine):
             else:
                 inp, out = held.pop((op.chunk, op.mb))
                 if chunk.is_last:
-                    grad = backend.xp.asarray(scale, dtype=np.promote_types(out.dtype, np.float32))
+                    grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
                 else:
                     grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", GRAD_TAG)
                 if inp is not None:

@@ -274,7 +274,7 @@ class PipelineEngine:
                 inp, out = held.pop(op.mb)
                 if st.is_last:
                     # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
-                    grad = backend.xp.asarray(scale, dtype=np.promote_types(out.dtype, np.float32))
+                    grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
                 else:
                     grad = self._recv(st.activation_shape(x.shape), s + 1, f"grad mb{op.mb}")
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer

@@ -159,7 +159,7 @@ class _SequenceSliceDropout(Function):
     def forward(ctx, x, p, s_total, lo):
         b, n, h = x.shape
         full = F.dropout_keep_mask((b, s_total, h), p)  # the unsplit model's draws (one function for every dropout)
-        keep = backend.to_device(full[:, lo:lo + n].copy())
+        keep = full[:, lo:lo + n].copy()  # on the device, as drawn
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)

@@ -211,7 +211,7 @@ class _HeadSliceDropout(Function):
     def forward(ctx, x, p, n_head_total, lo):
         b, h, t, s = x.shape
         full = F.dropout_keep_mask((b, n_head_total, t, s), p)  # same draws as the unsplit model
-        keep = backend.to_device(full[:, lo:lo + h].copy())
+        keep = full[:, lo:lo + h].copy()  # on the device, as drawn
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)

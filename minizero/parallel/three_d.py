@@ -115,21 +115,21 @@ def grad_norm_sq(stage: PipelineStage, topo: Topology, opt=None) -> float:
     all-reduce of one float64). With a ZeroOptimizer ``opt``: the owned gradient pieces,
     summed over the whole world (data x model-parallel), since each data rank owns a slice.
     """
-    local = 0.0
+    local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step, not one a parameter
     if opt is None:
         for p in stage.parameters():
             if p.grad is not None and counts_in_norm(p, topo):
-                local += float((p.grad.astype(np.float64) ** 2).sum())
+                local += (p.grad.astype(np.float64) ** 2).sum()
         comm = topo.mp_comm
     else:  # ZeRO: the pieces of parameters inside this rank's gradient shards (padding excluded)
         named, shards = dict(stage.named_parameters()), opt.grad_shards()
         for pc in opt.shard_map.pieces(topo.dp_rank):
             if counts_in_norm(named[pc.param], topo):
                 g = shards[pc.unit][pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
-                local += float((g * g).sum())
+                local += (g * g).sum()
         comm = topo.world
     with comm.traffic.op("grad_norm"):
-        return float(backend.to_host(all_reduce(comm, backend.xp.asarray([local])))[0])
+        return float(backend.to_host(all_reduce(comm, local))[0])
 
 
 def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):

@@ -1,0 +1,126 @@
+"""The dropout generator: counter-based, drawn on the device, the same bits on every array module.
+
+Dropout masks must exist where the activations are (on the GPU under ``--device cuda``), be
+replayable (recompute draws the forward's masks again) and be the same bits on NumPy, CuPy and
+the strict module, so that ``--device cpu``, ``strict`` and ``cuda`` train identically. A
+stateful host generator (NumPy's PCG64) gives the first only through a host-to-device copy of
+every mask. A *counter-based* generator gives all three: element i of the stream is a fixed
+function of (key, i), computed with ``backend.xp`` integer operations, so a mask of n elements
+is one vectorized expression over the counters ``offset .. offset + n - 1`` and the generator's
+whole state is two integers, (key, offset) -- saved by recompute and checkpoints as plain ints.
+
+The function is SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number
+generators", OOPSLA 2014; the generator of Java's ``SplittableRandom``): output i of a stream
+with key k is ``mix64(k + (i + 1) * GAMMA)``, the 64-bit finalizer applied to a Weyl sequence.
+Counter-based generators as such: Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011 (Philox, Threefry; ``torch.cuda`` draws dropout with Philox the same way). A uniform is
+the top 24 bits times 2**-24, exact in float32 (4 bytes a draw); ``u >= p`` keeps.
+The key of ``manual_seed(s)`` is ``mix64(s mod 2**64)``, so nearby seeds give unrelated streams.
+
+One stream per thread (each rank thread of the in-process tests has its own), as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+from minizero import backend
+
+GAMMA = 0x9E3779B97F4A7C15  #: SplitMix64's increment, 2**64 / golden ratio (odd)
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  #: the finalizer's multipliers (Stafford's "mix13")
+_MASK = 2 ** 64 - 1
+_local = threading.local()
+
+
+def mix64_int(z: int) -> int:
+    """SplitMix64's finalizer on one Python int (mod 2**64): the reference the array version must equal."""
+    z &= _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix64(z):
+    """SplitMix64's finalizer on a uint64 array of ``backend.xp`` (wrapping arithmetic), in place; returns z."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_M1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_M2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def manual_seed(seed: int) -> None:
+    """Start this thread's stream: key ``mix64(seed mod 2**64)``, offset 0.
+
+    Raises:
+        TypeError: ``seed`` is not an integer.
+    """
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    _local.state = (mix64_int(int(seed)), 0)
+
+
+def get_rng_state() -> dict:
+    """This thread's stream position ``{"key": int, "offset": int}`` (for recompute and checkpoints)."""
+    if getattr(_local, "state", None) is None:
+        manual_seed(0)
+    key, offset = _local.state
+    return {"key": key, "offset": offset}
+
+
+def set_rng_state(state: dict) -> None:
+    """Continue from a state of :func:`get_rng_state`.
+
+    Raises:
+        ValueError: ``state`` is not ``{"key", "offset"}`` with ints in [0, 2**64).
+    """
+    try:
+        key, offset = int(state["key"]), int(state["offset"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"a dropout generator state is {{'key': int, 'offset': int}}, got {state!r}") from None
+    if not (0 <= key <= _MASK and 0 <= offset <= _MASK):
+        raise ValueError(f"dropout generator key and offset must lie in [0, 2**64), got {state!r}")
+    _local.state = (key, offset)
+
+
+@contextlib.contextmanager
+def fork_rng():
+    """Run a block, then put the dropout generator back where it was."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def uniform_bits(n: int):
+    """The next ``n`` 64-bit outputs of this thread's stream, as a (n,) uint64 array of ``backend.xp``."""
+    state = get_rng_state()
+    key, offset = state["key"], state["offset"]
+    xp = backend.xp
+    z = xp.arange(1, n + 1, dtype=xp.uint64)  # counters offset + 1 .. offset + n
+    z += np.uint64(offset)
+    z *= np.uint64(GAMMA)
+    z += np.uint64(key)
+    _local.state = (key, (offset + n) & _MASK)
+    return _mix64(z)
+
+
+def dropout_keep_mask(shape, p: float):
+    """A bool mask of ``shape`` on the device (``backend.xp``), True with probability 1 - p.
+
+    Uniforms are the top 24 bits of :func:`uniform_bits` times 2**-24 (exact float32 values in
+    [0, 1)); ``u >= p`` keeps, with p rounded to float32. Every dropout (plain, tensor- and
+    sequence-parallel) draws through here, so they stay the same draws; ``n`` = prod(shape)
+    counters are used, in C order.
+    """
+    shape = tuple(int(d) for d in shape)
+    n = 1
+    for d in shape:
+        n *= d
+    u = (uniform_bits(n) >> np.uint64(40)).astype(backend.xp.float32)
+    u *= np.float32(2.0 ** -24)
+    return u.reshape(shape) >= np.float32(p)  # a new array of ``shape`` that owns its bytes (the ledger's unit)
