@@ -1,8 +1,11 @@
 """The array-module seam: every compute path in minizero calls ``backend.xp``.
 
-``xp`` is NumPy today; ``set_backend("cupy")`` swaps in CuPy (same API) without
-touching any technique. Host/device transfers go through ``to_host`` and
-``to_device`` so that on NumPy they are no-ops and on CuPy they are real copies.
+``xp`` is NumPy by default; ``set_backend("cupy")`` swaps in CuPy (same API) without
+touching any technique, and ``set_backend("strict")`` swaps in :mod:`minizero.strict`,
+NumPy underneath but with arrays that refuse every implicit host transfer the way CuPy's
+do (the CPU-only proof that the CuPy path leaks nothing). Host/device transfers go through
+``to_host`` and ``to_device`` so that on NumPy they are no-ops and on CuPy/strict they are
+real copies. :func:`set_device` maps the ``--device`` flag (cpu, cuda, strict) onto these.
 
 The dtype policy lives here too: minizero trains in float32 by default, float64
 is a first-class dtype for tests (tolerances like 1e-12 catch bookkeeping bugs),
@@ -12,9 +15,13 @@ Mirrors: ``cupy.get_array_module`` / the "xp" convention of the Array API.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-xp = np  #: the active array module (numpy or cupy)
+from minizero import strict
+
+xp = np  #: the active array module (numpy, cupy or minizero.strict)
 name = "numpy"
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
@@ -24,7 +31,7 @@ def set_backend(backend: str) -> None:
     """Switch the array module for the whole process.
 
     Args:
-        backend: ``"numpy"`` or ``"cupy"``.
+        backend: ``"numpy"``, ``"cupy"`` or ``"strict"`` (:mod:`minizero.strict`).
     Raises:
         ValueError: unknown backend name.
         ImportError: ``"cupy"`` asked for but CuPy is not installed
@@ -37,8 +44,68 @@ def set_backend(backend: str) -> None:
         import cupy  # noqa: PLC0415  (optional dependency)
 
         xp, name = cupy, "cupy"
+    elif backend == "strict":
+        xp, name = strict, "strict"
     else:
-        raise ValueError(f"unknown backend {backend!r}; allowed: 'numpy', 'cupy'")
+        raise ValueError(f"unknown backend {backend!r}; allowed: 'numpy', 'cupy', 'strict'")
+
+
+DEVICES = ("cpu", "cuda", "strict")  #: the values of ``--device``
+
+
+class DeviceError(RuntimeError):
+    """``--device cuda`` cannot run here (CuPy missing or no GPU); the message says what to install or check."""
+
+
+def local_rank(default: int = 0) -> int:
+    """This process's rank among the processes on its node, from the launcher's environment.
+
+    Read from ``MPI_LOCALRANKID`` (MPICH's Hydra), ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
+    ``SLURM_LOCALID`` (srun) or ``LOCAL_RANK`` (torchrun's name), the first one set; ``default``
+    when none is (one process, or a launcher that sets none: give it the communicator's rank).
+    """
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return default
+
+
+def set_device(device: str, rank_on_node: int = 0) -> str:
+    """Select the array module and device for ``--device``; returns a one-line description.
+
+    ``cpu`` is NumPy; ``strict`` is :mod:`minizero.strict` (NumPy underneath, host leaks raise);
+    ``cuda`` is CuPy on GPU ``rank_on_node % device_count`` (rank r of a node uses GPU
+    ``local_rank % count``, the usual one-GPU-per-process layout, as ``torch.cuda.set_device``).
+
+    Raises:
+        ValueError: ``device`` not one of :data:`DEVICES`, or a negative ``rank_on_node``.
+        DeviceError: ``cuda`` asked for but CuPy is not installed or no CUDA device is visible.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+    if rank_on_node < 0:
+        raise ValueError(f"local rank must be >= 0, got {rank_on_node}")
+    if device == "cpu":
+        set_backend("numpy")
+        return "cpu (NumPy)"
+    if device == "strict":
+        set_backend("strict")
+        return "strict (NumPy underneath; implicit host transfers raise)"
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency)
+    except ImportError as e:
+        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); "
+                          "install it with: pip install 'minizero[gpu]' (or cupy-cuda12x)") from e
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
+    if count < 1:
+        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    gpu = rank_on_node % count
+    cupy.cuda.Device(gpu).use()
+    set_backend("cupy")
+    return f"cuda:{gpu} (CuPy, {count} device(s) visible)"
 
 
 def get_dtype(dtype) -> np.dtype:
@@ -75,8 +142,15 @@ def matmul(a, b):
     element is still one dot product of the same K terms, so results change at most by
     rounding (the GEMM kernel's blocking).
     """
+    if name == "strict":  # the NumPy kernels on the wrapped arrays: bitwise what cpu computes
+        return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b)))
     if name != "numpy":
         return a @ b
+    return _numpy_matmul(a, b)
+
+
+def _numpy_matmul(a, b):
+    """:func:`matmul` on NumPy arrays."""
     if a.dtype == np.float16 and b.dtype == np.float16:
         return _blas_matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
     return _blas_matmul(a, b)
@@ -94,14 +168,14 @@ def _blas_matmul(a, b):
 
 
 def to_host(a) -> np.ndarray:
-    """Return ``a`` as a NumPy array on the host (a copy only on CuPy)."""
-    if name == "cupy" and not isinstance(a, np.ndarray):
+    """Return ``a`` as a NumPy array on the host (a copy only on CuPy and strict: ``a.get()``)."""
+    if hasattr(a, "get") and not isinstance(a, (np.ndarray, np.generic, dict)):
         return a.get()
     return np.asarray(a)
 
 
 def to_device(a):
-    """Return ``a`` as an array of the active module (a copy only on CuPy)."""
+    """Return ``a`` as an array of the active module (a copy only on CuPy and strict: ``xp.asarray``)."""
     return xp.asarray(a)
 
 

@@ -32,3 +32,16 @@ def ring_all_reduce(monkeypatch):
 
     monkeypatch.setattr(recursive_doubling, "SMALL_ALLREDUCE_MAX_BYTES", -1)
     monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "-1")
+
+
+@pytest.fixture
+def strict_backend():
+    """``backend.xp`` is the strict array module (host leaks raise) for the test; NumPy again after,
+    whatever the test did (it may switch back and forth itself)."""
+    from minizero import backend
+
+    backend.set_backend("strict")
+    try:
+        yield backend
+    finally:
+        backend.set_backend("numpy")

@@ -1,0 +1,357 @@
+"""A strict array module: NumPy underneath, but its arrays refuse to leak to the host.
+
+CI has no GPU, yet the CuPy path must not hide a host transfer: on CuPy, ``np.asarray(x)``,
+``float(x)`` of a vector, ``numpy_array + x`` and ``for v in x`` all fail, while on NumPy
+they silently work. This module gives the test suite a device that fails the same way on a
+CPU: ``backend.set_backend("strict")`` (``--device strict``) makes ``backend.xp`` this module,
+whose arrays are :class:`StrictArray` -- a wrapper around a NumPy array, *not* an ndarray
+subclass, so NumPy cannot see its data unless the code asks for it explicitly.
+
+What is refused (``TypeError`` unless noted; the message says what to call instead):
+
+* implicit conversion to NumPy: ``np.asarray(x)``, ``np.array(x)`` (``__array__`` raises),
+  pickling (an implicit host copy), ``x.tolist()``/``x.tobytes()`` (no such attribute);
+* mixing with host arrays: any operator, ``xp`` function, index or ``x[...] = value`` with a
+  ``numpy.ndarray`` operand (NumPy scalars and Python numbers are fine, as on CuPy);
+* NumPy *functions* on strict arrays (``np.concatenate([x, y])``, ``np.sum(x)``): CuPy would
+  dispatch these through ``__array_function__``; here they raise, because every compute path
+  must call ``backend.xp`` (the issue's rule) and an ``np.`` call on a device array is the
+  sign of a path that also runs on host arrays. NumPy *ufuncs* on strict-only operands
+  (``np.exp(x)``) are allowed, as on CuPy, because ``np.float32(2) * x`` is the same call;
+* Python iteration (``for v in x``, ``list(x)``) -- stricter than CuPy, which loops over rows;
+* ``float(x)``, ``int(x)``, ``bool(x)`` on more than one element (``TypeError``/``ValueError``
+  as NumPy and CuPy raise). On one element they work: that is CuPy's explicit device sync.
+
+The explicit transfers, as on CuPy: ``xp.asarray(host)`` / ``xp.array(host)`` copy host data to
+the device (``cupy.asarray(numpy_array)`` is CuPy's host-to-device copy), ``x.get()`` copies to
+the host, ``x.set(host)`` copies into ``x``. Both directions always copy (no aliasing between
+host and device memory, as on a GPU) and are counted in :data:`transfers`, so a test can prove
+that a training step moves nothing it should not. Results are bitwise those of NumPy: every
+operation runs the same NumPy call on the wrapped arrays.
+
+Mirrors: the CuPy ndarray's refusal rules (``cupy.ndarray.__array__``, ``get``, ``set``) and
+the Array API's "no implicit device transfer" rule.
+"""
+from __future__ import annotations
+
+import builtins
+import weakref
+
+import numpy as np
+
+#: explicit host<->device copies since the last :func:`reset_transfers`: ``{"to_device": n, "to_host": n}``
+transfers = {"to_device": 0, "to_host": 0}
+
+_HINT = "use backend.to_host(x) / backend.to_device(a) (x.get() / xp.asarray(a)) to move data explicitly"
+#: id(owning ndarray) -> the StrictArray wrapping it, so that views report the same ``.base`` identity
+_owners: "weakref.WeakValueDictionary[int, StrictArray]" = weakref.WeakValueDictionary()
+
+
+def reset_transfers() -> None:
+    """Set both counters of :data:`transfers` to 0."""
+    transfers["to_device"] = transfers["to_host"] = 0
+
+
+class StrictArray:
+    """A device array of the strict module: a NumPy array that refuses to leave the device implicitly.
+
+    Args:
+        a: the ``numpy.ndarray`` to hold (not copied; use :func:`asarray` for host data).
+    Attributes (as ``numpy.ndarray``): ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
+    ``itemsize``, ``strides``, ``flags``, ``T``, ``base`` (the StrictArray owning the memory of a
+    view, else None). Refusals: see the module docstring.
+    """
+
+    __slots__ = ("_a", "__weakref__")
+    __hash__ = None
+
+    def __init__(self, a: np.ndarray):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"StrictArray holds a numpy.ndarray, got {type(a).__name__}")
+        self._a = a
+        if a.base is None and _owners.get(id(a)) is None:  # the first wrapper of an owning array owns it
+            _owners[id(a)] = self
+
+    # ---- the refusals -------------------------------------------------------
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(f"implicit conversion to a NumPy array is not allowed; {_HINT}")
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise TypeError(f"numpy.{func.__name__} on a device array is not allowed: call backend.xp."
+                        f"{func.__name__} (every compute path runs on backend.xp); {_HINT}")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _call(getattr(ufunc, method), inputs, kwargs, f"numpy.{ufunc.__name__}")
+
+    def __iter__(self):
+        raise TypeError(f"iterating over a device array is not allowed (one transfer per element); {_HINT}")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("pickling a device array is an implicit host copy; pickle backend.to_host(x) instead")
+
+    def _one(self, what: str):
+        if self._a.size != 1:
+            raise TypeError(f"only size-1 device arrays can be converted to Python {what} "
+                            f"(got shape {self._a.shape}); {_HINT}")
+        return self._a.reshape(())
+
+    def __float__(self):
+        return float(self._one("scalars"))
+
+    def __int__(self):
+        return int(self._one("scalars"))
+
+    def __complex__(self):
+        return complex(self._one("scalars"))
+
+    def __index__(self):
+        if self._a.dtype.kind not in "iub":
+            raise TypeError(f"only integer device arrays can be used as an index, got {self._a.dtype}")
+        return int(self._one("scalars"))
+
+    def __bool__(self):
+        if self._a.size != 1:
+            raise ValueError(f"the truth value of a device array with {self._a.size} elements is ambiguous")
+        return bool(self._a.reshape(()))
+
+    def __len__(self):
+        return len(self._a)
+
+    def __repr__(self):
+        return "strict_" + repr(self._a)
+
+    __str__ = __repr__
+
+    # ---- explicit transfers -------------------------------------------------
+    def get(self) -> np.ndarray:
+        """A host copy (``numpy.ndarray``) of this array; counted in :data:`transfers`."""
+        transfers["to_host"] += 1
+        return self._a.copy()
+
+    def set(self, host) -> None:
+        """Copy the host array ``host`` (same shape) into this array; counted in :data:`transfers`."""
+        transfers["to_device"] += 1
+        self._a[...] = np.asarray(host)
+
+    def item(self):
+        """The one element as a Python scalar (an explicit sync, as ``cupy.ndarray.item``)."""
+        return self._one("scalars").item()
+
+    # ---- attributes ---------------------------------------------------------
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    T = property(lambda self: StrictArray(self._a.T))
+
+    @property
+    def base(self):
+        """The StrictArray owning this view's memory, or None when this array owns it."""
+        root = self._a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return None if root is self._a else _owners.get(id(root))
+
+    def __copy__(self):
+        return StrictArray(self._a.copy())
+
+    def __deepcopy__(self, memo):
+        return StrictArray(self._a.copy())
+
+    # ---- indexing -----------------------------------------------------------
+    def __getitem__(self, key):
+        return _wrap(self._a[_unwrap(key, "indexing")])
+
+    def __setitem__(self, key, value):
+        self._a[_unwrap(key, "indexing")] = _unwrap(value, "assignment")
+
+    # ---- methods (each the NumPy method on the wrapped array) ---------------
+    def view(self, dtype):
+        """A view with another dtype (``ndarray.view(dtype)``; array types are refused)."""
+        if isinstance(dtype, type) and issubclass(dtype, np.ndarray):
+            raise TypeError(f"view as {dtype.__name__} is not allowed; {_HINT}")
+        return StrictArray(self._a.view(dtype))
+
+    def __getattr__(self, name):
+        if name in _METHODS:
+            method = getattr(self._a, name)
+
+            def call(*args, **kwargs):
+                result = method(*_unwrap(args, name), **_unwrap(kwargs, name))
+                return self if result is self._a else _wrap(result)  # astype(copy=False): the same array
+            return call
+        raise AttributeError(f"a strict device array has no attribute {name!r}"
+                             + (f"; {_HINT}" if name in ("tolist", "tobytes", "tofile") else ""))
+
+
+_METHODS = frozenset("""astype reshape transpose swapaxes ravel flatten squeeze copy fill sum mean max min prod
+    cumsum argmax argmin argsort sort std var any all clip dot nonzero round conj repeat take""".split())
+
+
+def _binary(name):
+    def op(self, other):
+        return _wrap(getattr(self._a, name)(_unwrap(other, "an operator")))
+    op.__name__ = name
+    return op
+
+
+def _inplace(name):
+    def op(self, other):
+        getattr(self._a, name)(_unwrap(other, "an operator"))
+        return self
+    op.__name__ = name
+    return op
+
+
+def _unary(name):
+    def op(self):
+        return _wrap(getattr(self._a, name)())
+    op.__name__ = name
+    return op
+
+
+for _n in ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift "
+           "lt le eq ne gt ge").split():
+    setattr(StrictArray, f"__{_n}__", _binary(f"__{_n}__"))
+    if _n not in ("lt", "le", "eq", "ne", "gt", "ge"):
+        setattr(StrictArray, f"__r{_n}__", _binary(f"__r{_n}__"))
+        setattr(StrictArray, f"__i{_n}__", _inplace(f"__i{_n}__"))
+for _n in ("neg", "pos", "abs", "invert"):
+    setattr(StrictArray, f"__{_n}__", _unary(f"__{_n}__"))
+
+
+def _unwrap(x, where: str):
+    """``x`` with every StrictArray replaced by its NumPy array (recursing into lists, tuples, dicts).
+
+    Raises:
+        TypeError: a ``numpy.ndarray`` among the operands (host data mixed with device data).
+    """
+    if isinstance(x, StrictArray):
+        return x._a
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"a host numpy.ndarray {x.shape} in {where} with device arrays is not allowed; {_HINT}")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v, where) for v in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v, where) for k, v in x.items()}
+    return x
+
+
+def _call(f, args, kwargs, where: str):
+    """``f`` on the unwrapped operands; results wrapped, except that an ``out=`` array is returned as given."""
+    result = f(*_unwrap(args, where), **_unwrap(kwargs, where))
+    out = kwargs.get("out")
+    if out is not None:
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+    return _wrap(result)
+
+
+def _wrap(x):
+    """NumPy results as device arrays: ndarrays and NumPy scalars (as 0-d arrays, as CuPy returns)."""
+    if isinstance(x, np.ndarray):
+        return StrictArray(x)
+    if isinstance(x, np.generic):
+        return StrictArray(np.asarray(x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap(v) for v in x)
+    return x
+
+
+# ---- the module namespace: what minizero calls as backend.xp.<name> --------------
+ndarray = StrictArray
+
+
+def asarray(a, dtype=None, order=None):
+    """``a`` as a device array: a StrictArray is returned as is (or cast); host data is copied.
+
+    The host-to-device copy of ``numpy.ndarray``, NumPy scalar, Python number or list input
+    (``cupy.asarray`` semantics) is counted in :data:`transfers`.
+    """
+    if isinstance(a, StrictArray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else StrictArray(a._a.astype(dtype))
+    if _contains_device(a):
+        raise TypeError("a list mixing device arrays with host values; build it with backend.xp.stack/concatenate")
+    transfers["to_device"] += 1
+    return StrictArray(np.array(a, dtype=dtype, order=order or "K", copy=True))
+
+
+def array(a, dtype=None, copy=True, order=None):
+    """As :func:`asarray`, but a device input is copied too (``cupy.array``)."""
+    if isinstance(a, StrictArray):
+        return StrictArray(np.array(a._a, dtype=dtype, copy=True, order=order or "K"))
+    return asarray(a, dtype=dtype, order=order)
+
+
+def _contains_device(a) -> bool:
+    return isinstance(a, (list, tuple)) and builtins.any(isinstance(v, StrictArray) or _contains_device(v) for v in a)
+
+
+class _Ufunc:
+    """A NumPy ufunc on device arrays (``__call__``, ``at``, ``reduce``, ``accumulate``, ``outer``)."""
+
+    def __init__(self, ufunc):
+        self._u = ufunc
+        self.__name__ = ufunc.__name__
+
+    def __call__(self, *args, **kwargs):
+        return _call(self._u, args, kwargs, self.__name__)
+
+    def at(self, a, indices, b=None):
+        """In-place unbuffered operation on ``a`` (``numpy.ufunc.at``)."""
+        args = (_unwrap(indices, "ufunc.at"),) + (() if b is None else (_unwrap(b, "ufunc.at"),))
+        if not isinstance(a, StrictArray):
+            raise TypeError(f"{self.__name__}.at needs a device array, got {type(a).__name__}")
+        self._u.at(a._a, *args)
+
+    def __getattr__(self, method):
+        if method not in ("reduce", "accumulate", "outer", "reduceat"):
+            raise AttributeError(method)
+        f = getattr(self._u, method)
+        return lambda *args, **kwargs: _wrap(f(*_unwrap(args, method), **_unwrap(kwargs, method)))
+
+
+def _function(name):
+    f = getattr(np, name)
+
+    def call(*args, **kwargs):
+        return _call(f, args, kwargs, f"xp.{name}")
+    call.__name__ = name
+    call.__doc__ = f"``numpy.{name}`` on device arrays (host ndarray operands refused)."
+    return call
+
+
+_UFUNCS = """add subtract multiply divide true_divide floor_divide power negative positive absolute abs sign
+    exp expm1 exp2 log log1p log2 log10 sqrt square reciprocal tanh sinh cosh sin cos tan arctan arctanh
+    maximum minimum fmax fmin floor ceil rint trunc isfinite isnan isinf signbit copysign mod remainder
+    equal not_equal less less_equal greater greater_equal logical_and logical_or logical_not logical_xor
+    bitwise_and bitwise_or bitwise_xor invert left_shift right_shift erf""".split()
+_FUNCTIONS = """zeros empty ones full zeros_like empty_like ones_like full_like arange linspace eye
+    ascontiguousarray concatenate stack hstack vstack split array_split where swapaxes transpose moveaxis
+    broadcast_to broadcast_arrays expand_dims squeeze reshape ravel triu tril cumsum prod sum mean max min amax
+    amin argmax argmin argsort sort bincount flatnonzero nonzero all any clip matmul dot einsum outer
+    take take_along_axis tile repeat pad roll unique searchsorted copyto shape ndim size var std round
+    array_equal allclose isclose count_nonzero diff flip""".split()
+
+for _n in _UFUNCS:
+    if hasattr(np, _n):
+        globals()[_n] = _Ufunc(getattr(np, _n))
+for _n in _FUNCTIONS:
+    globals()[_n] = _function(_n)
+
+# dtypes, constants and dtype helpers: host objects, the same as NumPy's (as on CuPy)
+from numpy import (  # noqa: E402
+    bool_, dtype, e, finfo, float16, float32, float64, iinfo, inf, int8, int16, int32, int64, nan, newaxis, pi,
+    promote_types, result_type, can_cast, uint8, uint16, uint32, uint64, intp, integer, floating,
+)
+
+
+def device_array(x) -> np.ndarray:
+    """The NumPy array inside the device array ``x``, for a kernel that runs the NumPy code itself
+    (``backend.matmul``); not a transfer, so not counted. Raises TypeError for anything else."""
+    if not isinstance(x, StrictArray):
+        raise TypeError(f"expected a strict device array, got {type(x).__name__}; {_HINT}")
+    return x._a

@@ -1,0 +1,166 @@
+"""The strict array module refuses every implicit host transfer and computes bitwise as NumPy."""
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+from minizero import backend, strict
+
+
+@pytest.fixture
+def x():
+    return strict.asarray(np.arange(12, dtype=np.float64).reshape(3, 4) / 7)
+
+
+REFUSALS = {
+    "np.asarray": lambda x: np.asarray(x),
+    "np.array": lambda x: np.array(x),
+    "np.float64 cast": lambda x: np.asarray(x, dtype=np.float64),
+    "float of a matrix": lambda x: float(x),
+    "int of a matrix": lambda x: int(x),
+    "bool of a matrix": lambda x: bool(x),
+    "ndarray + strict": lambda x: np.ones((3, 4)) + x,
+    "strict + ndarray": lambda x: x + np.ones((3, 4)),
+    "strict * 0-d ndarray": lambda x: x * np.array(2.0),
+    "in-place with ndarray": lambda x: x.__iadd__(np.ones((3, 4))),
+    "np ufunc with ndarray": lambda x: np.maximum(x, np.zeros(4)),
+    "xp function with ndarray": lambda x: strict.concatenate([x, np.ones((1, 4))]),
+    "xp.where with ndarray": lambda x: strict.where(x > 0, x, np.zeros((3, 4))),
+    "np function": lambda x: np.concatenate([x, x]),
+    "np.sum": lambda x: np.sum(x),
+    "iteration": lambda x: list(x),
+    "for loop": lambda x: [v for v in x],
+    "ndarray index": lambda x: x[np.array([0, 1])],
+    "assign ndarray": lambda x: x.__setitem__(0, np.ones(4)),
+    "tolist": lambda x: x.tolist(),
+    "tobytes": lambda x: x.tobytes(),
+    "pickle": lambda x: pickle.dumps(x),
+    "view as ndarray": lambda x: x.view(np.ndarray),
+    "list mixing device and host": lambda x: strict.asarray([x[0], 1.0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_every_implicit_host_transfer_raises(x, name):
+    with pytest.raises((TypeError, ValueError, AttributeError)):
+        REFUSALS[name](x)
+
+
+def test_allowed_as_on_cupy(x):
+    assert float(x.sum()) == float(np.arange(12).sum() / 7)  # 0-d: an explicit sync, as on CuPy
+    assert int(strict.asarray([3])) == 3 and bool(strict.asarray(True))
+    assert isinstance(np.exp(x), strict.StrictArray)  # a NumPy ufunc on device operands stays on the device
+    assert isinstance(np.float32(2) * x, strict.StrictArray) and isinstance(2.0 * x, strict.StrictArray)
+    assert isinstance(x.sum(), strict.StrictArray) and x.sum().shape == ()  # reductions give 0-d arrays
+    assert len(x) == 3 and x.shape == (3, 4) and x.dtype == np.float64 and x.nbytes == 96
+    assert list(range(strict.asarray(3))) == [0, 1, 2]
+
+
+def test_explicit_transfers_copy_and_count(x):
+    host = np.ones(4)
+    strict.reset_transfers()
+    d = strict.asarray(host)
+    host[0] = 5  # the device copy does not alias host memory
+    back = d.get()
+    back[1] = 7
+    assert np.array_equal(d.get(), np.ones(4))
+    d.set(np.full(4, 2.0))
+    assert np.array_equal(backend.to_host(d), np.full(4, 2.0))
+    assert strict.transfers == {"to_device": 2, "to_host": 3}
+    assert strict.asarray(d) is d  # already on the device: no copy, not counted
+    assert strict.transfers["to_device"] == 2
+
+
+def test_views_report_their_owner(x):
+    row = x[1]
+    assert row.base is x and x.base is None and x.T.base is x
+    assert copy.deepcopy(x).base is None and copy.copy(x) is not x
+    assert x.astype(np.float64, copy=False) is x
+
+
+def _pairs():
+    """(name, f) computed on NumPy arrays and on strict arrays."""
+    return {
+        "arith": lambda m, a, b: (a * 3 - b) / (a + 1) ** 2 + (-a) % 2 + abs(b) // 1,
+        "compare": lambda m, a, b: m.where(a < b, a, b) + (a >= b),
+        "ufuncs": lambda m, a, b: m.exp(a) + m.log(m.abs(b) + 1) + m.tanh(a) + m.sqrt(m.maximum(a, 0)),
+        "reductions": lambda m, a, b: m.concatenate([a.sum(axis=0), b.mean(axis=1), a.max(keepdims=True).ravel()]),
+        "shape ops": lambda m, a, b: m.swapaxes(a.reshape(2, 2, 3), 0, 2).transpose(1, 0, 2).T.astype(np.float32),
+        "matmul": lambda m, a, b: a @ b.T,
+        "indexing": lambda m, a, b: a[:, ::2][b[:, 0] > 0][..., None] + a[m.arange(2)].sum(),
+        "cumsum split": lambda m, a, b: m.split(m.cumsum(a, axis=1), 2, axis=1)[1],
+        "add.at": lambda m, a, b: _add_at(m, a, b),
+        "setitem": lambda m, a, b: _setitem(m, a, b),
+        "in-place": lambda m, a, b: _inplace(a.copy(), b),
+    }
+
+
+def _add_at(m, a, b):
+    out = m.zeros((5, 4))
+    m.add.at(out, m.asarray([0, 2, 0]) if m is strict else np.array([0, 2, 0]), a)
+    return out
+
+
+def _setitem(m, a, b):
+    out = m.empty_like(a)
+    out[...] = 0
+    out[1] = b[2]
+    out[:, 3] = 7.5
+    return out
+
+
+def _inplace(a, b):
+    a += b
+    a *= 0.5
+    a -= 1
+    return a
+
+
+@pytest.mark.parametrize("name", sorted(_pairs()))
+def test_arithmetic_equals_numpy_bitwise(name):
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    f = _pairs()[name]
+    want = f(np, a, b)
+    got = f(strict, strict.asarray(a), strict.asarray(b))
+    assert isinstance(got, strict.StrictArray)
+    host = got.get()
+    assert host.dtype == want.dtype and host.shape == want.shape
+    assert host.tobytes() == want.tobytes()
+
+
+def test_backend_matmul_and_transfers_under_strict(strict_backend):
+    rng = np.random.default_rng(1)
+    for dtype in (np.float64, np.float32, np.float16):
+        a, b = rng.normal(size=(2, 3, 5)).astype(dtype), rng.normal(size=(5, 4)).astype(dtype)
+        backend.set_backend("numpy")
+        want = backend.matmul(a, b)
+        backend.set_backend("strict")
+        got = backend.matmul(backend.to_device(a), backend.to_device(b))
+        assert isinstance(got, strict.StrictArray)
+        assert backend.to_host(got).tobytes() == want.tobytes()
+    assert backend.xp is strict and isinstance(backend.xp.zeros(3), backend.xp.ndarray)
+
+
+def test_set_device_and_its_errors(strict_backend):
+    assert "strict" in backend.set_device("strict") and backend.name == "strict"
+    assert "cpu" in backend.set_device("cpu", 3) and backend.xp is np
+    with pytest.raises(ValueError, match="allowed: cpu, cuda, strict"):
+        backend.set_device("tpu")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(backend.DeviceError, match="pip install"):
+            backend.set_device("cuda")
+        assert backend.xp is np  # a failed switch leaves the module as it was
+
+
+def test_local_rank_reads_the_launchers_variable(monkeypatch):
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert backend.local_rank(default=5) == 5
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
+    assert backend.local_rank() == 2
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert backend.local_rank() == 1
