@@ -231,3 +231,13 @@ def to_pinned_host(a) -> np.ndarray:
         xp.ascontiguousarray(a).get(out=out)
         return out
     return np.array(to_host(a), copy=True)
+
+
+def data_ptr(a) -> int:
+    """The address of ``a``'s first element (host or device array): an identity for its bytes, as
+    ``numpy``'s ``__array_interface__`` data pointer or CuPy's ``a.data.ptr``."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    if name == "strict":
+        return strict.device_array(a).__array_interface__["data"][0]
+    return a.data.ptr

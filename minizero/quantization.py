@@ -102,8 +102,13 @@ def absmax_scale(absmax, bits: int):
     if backend.host_scalar((raw > _FP32_MAX / 2).any()):
         raise ValueError(f"absmax {backend.host_scalar(a.max()):.3e} is too large for an FP32 scale "
                          f"(limit {QMAX[bits] * _FP32_MAX / 2:.3e})")
-    mant, exp = xp.frexp(raw)  # raw = mant * 2**exp, mant in [0.5, 1)
-    up = xp.ldexp(xp.ceil(mant * 2.0 ** _SCALE_BITS) / 2.0 ** _SCALE_BITS, exp)
+    # round up to 16 significant bits: keep the top 15 of float64's 52 stored fraction bits and
+    # carry anything below them into the kept part (a carry out of the fraction raises the
+    # exponent: the next power of two, also exact). Integer arithmetic on the bit pattern, so it
+    # is exact; equals ldexp(ceil(m * 2**16) / 2**16, e) of frexp(raw) = (m, e) for the normal
+    # numbers that matter (smaller ones become FP32's smallest normal number below).
+    low = np.uint64((1 << (52 - (_SCALE_BITS - 1))) - 1)
+    up = ((raw.view(np.uint64) + low) & ~low).view(np.float64)  # same itemsize: any strides
     scale = xp.where(a == 0, 0.0, xp.maximum(up, _FP32_TINY))
     return scale.astype(np.float32)
 

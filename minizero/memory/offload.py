@@ -69,8 +69,7 @@ class _OnDisk:
 
 def _buffer_key(a) -> tuple:
     """Identity of the bytes ``a`` shows: (owning buffer's id, first byte's address, shape, strides, dtype)."""
-    ptr = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-    return (id(owning_buffer(a)), ptr, a.shape, a.strides, a.dtype.str)
+    return (id(owning_buffer(a)), backend.data_ptr(a), a.shape, a.strides, a.dtype.str)
 
 
 class ActivationOffload:
