@@ -245,3 +245,26 @@ def _offloaded_adamw(kind, folder, steps=3):
 def test_offloaded_optimizer_state_equals_numpy(strict_backend, tmp_path, kind):
     ref = _on("numpy", _offloaded_adamw, "none", str(tmp_path))[:2]
     _assert_same(ref, _on("strict", _offloaded_adamw, kind, str(tmp_path))[:2])
+
+
+# --------------------------------------------------------------------------- pruning
+def _pruning(scope):
+    from minizero.memory.sparsity import Pruner
+    from minizero.nn import GPT, get_config
+
+    model = GPT(get_config("tiny", dtype="float64"))
+    for i, p in enumerate(model.parameters()):
+        p.data[...] = backend.to_device(_data(i, p.size, np.float64).reshape(p.shape))
+        p.grad = backend.to_device(_data(50 + i, p.size, np.float64).reshape(p.shape))
+    pruner = Pruner(model, 0.6, scope)
+    pruner.prune_()
+    pruner.mask_gradients_()
+    return [p.data for p in model.parameters()], [p.grad for p in model.parameters()], pruner.packed, pruner.report()
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_pruning_equals_numpy(strict_backend, scope):
+    sizes = []
+    got = _on("strict", _pruning, scope, host_sizes=sizes)
+    assert sizes and set(sizes) == {1}
+    _assert_same(_on("numpy", _pruning, scope), got)
