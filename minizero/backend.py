@@ -108,6 +108,15 @@ def set_device(device: str, rank_on_node: int = 0) -> str:
     return f"cuda:{gpu} (CuPy, {count} device(s) visible)"
 
 
+def array_module(a):
+    """The array module of ``a``: NumPy for a host ``numpy.ndarray``, else the active module ``xp``.
+
+    For code that serves host and device arrays alike (the collectives carry device gradients
+    and host metadata such as lengths and flags). Mirrors ``cupy.get_array_module``.
+    """
+    return np if isinstance(a, np.ndarray) else xp
+
+
 def get_dtype(dtype) -> np.dtype:
     """Resolve ``"float32"``/``np.float32``/... to a NumPy dtype.
 

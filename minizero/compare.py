@@ -165,12 +165,14 @@ def _cause(stderr: str, rc: int) -> str:
 
 
 def run_mpi(name: str, model: str, ranks: int, steps: int, micro_batch_size: int, timeout: float,
-            mpiexec: str) -> dict:
-    """Train strategy ``name`` under ``mpiexec -n ranks``; returns {"ok", "summary" or "error", "wall_s", "command"}."""
+            mpiexec: str, device: str = "cpu") -> dict:
+    """Train strategy ``name`` under ``mpiexec -n ranks`` on ``device`` (``--device``); returns {"ok", "summary" or
+    "error", "wall_s", "command"}."""
     with tempfile.TemporaryDirectory(prefix="minizero-compare-") as d:
         js = os.path.join(d, "summary.json")
         cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "minizero.train",
-               *train_argv(name, model, steps, micro_batch_size), "--out", d, "--json", js]
+               *train_argv(name, model, steps, micro_batch_size), "--out", d, "--json", js,
+               "--device", device]
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
         fault_rank = env.get("MINIZERO_FAULT", "").split(":")[0]
@@ -236,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
     p.add_argument("--json", default=None, help="path of the JSON results (default OUT/compare.json)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one training run may take")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
+                   help="every run's --device: cpu (NumPy), cuda (CuPy, GPU local rank %% count), strict (host leaks raise)")
     return p
 
 
@@ -319,7 +323,8 @@ def _main(argv=None) -> int:
     runs = []
     for n in args.ranks:
         for name in args.strategies:
-            res = run_mpi(name, args.model, n, args.steps, args.micro_batch_size, args.timeout, mpiexec)
+            res = run_mpi(name, args.model, n, args.steps, args.micro_batch_size, args.timeout, mpiexec,
+                          args.device)
             run = dict(strategy=name, ranks=n, flags=STRATEGIES[name][0], ok=res["ok"], wall_s=round(res["wall_s"], 2),
                        command=" ".join(res["command"]), estimate=estimate(name, args.model, n, args.micro_batch_size))
             if res["ok"]:

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="context length T (default: the preset's)")
     p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the preset's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
+                   help="cpu: NumPy; cuda: CuPy, rank r on GPU (its rank on the node) %% (GPUs on the node); "
+                        "strict: NumPy arrays that refuse implicit host transfers (the CPU proof of the cuda path)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=None,

@@ -34,7 +34,7 @@ import tracemalloc
 
 import numpy as np
 
-from minizero import trace
+from minizero import backend, trace
 from minizero.args import model_config
 from minizero.checkpoint import Checkpointer
 from minizero.comm.collectives import all_reduce
@@ -222,7 +222,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
         s.zero_grad()
         mine = loss_sum / args.grad_accum if s.holds_loss else 0.0
         with comm.traffic.op("metrics"):
-            mean_loss = float(all_reduce(comm, np.array([mine]))[0]) / s.topo.dp
+            mean_loss = float(backend.to_host(all_reduce(comm, backend.to_device(np.array([mine]))))[0]) / s.topo.dp
         train_losses.append(mean_loss)
         if scaler is None:  # FP16 may see an inf loss on a step it skips; FP32 has no such excuse
             check_finite_loss(step, "training", mean_loss)

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation batches of 16 sequences (default: the trainer's number, so the FP32 loss "
                         "is the one it printed)")
     p.add_argument("--json", default=None, help="write the measurements here")
+    p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
+                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
     return p
 
 
@@ -200,8 +202,9 @@ def main(argv=None) -> int:
     try:
         if args.json:
             check_output(args.json)  # before any measuring
+        backend.set_device(args.device, backend.local_rank())
         result = run(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, backend.DeviceError) as e:
         print(f"python -m minizero.quantize: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))

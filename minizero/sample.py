@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None,
                    help="draw only among the K most likely bytes (default: all 256)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (the main job uses its --seed)")
+    p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
+                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
     return p
 
 
@@ -136,6 +138,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     err = check(args)
+    if err is None:
+        try:
+            backend.set_device(args.device, backend.local_rank())
+        except backend.DeviceError as e:
+            err = str(e)
     if err is None:
         try:
             model = load_gpt(args.weights)

@@ -32,6 +32,7 @@ import time
 import traceback
 import tracemalloc
 
+from minizero import backend
 from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.nodes import NodeTrafficCommunicator
@@ -133,6 +134,23 @@ def _lock_output(args, comm, mpi_world):
     return lock, mpi_world.bcast(refusal, root=0)
 
 
+def _select_device(args, comm, mpi_world) -> str | None:
+    """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
+
+    The GPU of a rank is its rank on its node (the communicator's ``MPI_COMM_TYPE_SHARED`` split,
+    right under any launcher) modulo the GPUs it sees. Returns None, or the first failing rank's
+    message on every rank (CuPy missing, no GPU), so that the whole job stops before any work.
+    """
+    try:
+        backend.set_device(args.device, comm.nodes.local_rank(comm.rank))
+        error = None
+    except backend.DeviceError as e:
+        error = str(e)
+    errors = mpi_world.allgather(error)
+    bad = [r for r, e in enumerate(errors) if e]
+    return f"[rank {bad[0]}] {errors[bad[0]]}" if bad else None
+
+
 def _warn_ram_offload(args) -> None:
     if "nvme" in (args.offload_activations, args.offload_optimizer):
         d = args.offload_dir or tempfile.gettempdir()
@@ -163,6 +181,11 @@ def main(argv=None) -> int:
     except UsageError as e:
         if rank == 0:
             print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    refusal = _select_device(args, comm, MPI.COMM_WORLD)
+    if refusal:
+        if rank == 0:
+            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if threading.current_thread() is threading.main_thread():

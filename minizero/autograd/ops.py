@@ -240,7 +240,8 @@ class Transpose(Function):
         xp = backend.xp
         if ctx.axes is None:
             return xp.transpose(g), None
-        return xp.transpose(g, xp.argsort(xp.asarray(ctx.axes)).tolist()), None
+        inverse = sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__)  # host ints: axes are not data
+        return xp.transpose(g, inverse), None
 
 
 class GetItem(Function):

@@ -279,7 +279,7 @@ def _check_color(color) -> int:
 def _prepare_out(x, out):
     """``out`` checked against ``x`` (same shape and dtype, contiguous), or a new array."""
     if out is None:
-        return backend.xp.empty(x.shape, dtype=x.dtype)
+        return backend.array_module(x).empty(x.shape, dtype=x.dtype)
     _check_array(out, "out", writeable=True)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out has shape {out.shape} {out.dtype}, x has {x.shape} {x.dtype}; they must match")

@@ -153,7 +153,7 @@ def mean_scale_(x, world_size: int, before_sum: bool, predivided: bool = False):
     """
     if world_size > 1 and not predivided and divide_before_sum(x.dtype) == before_sum:
         if before_sum:
-            backend.xp.divide(x, x.dtype.type(world_size), out=x)
+            backend.array_module(x).divide(x, x.dtype.type(world_size), out=x)
         else:
             x *= x.dtype.type(1.0 / world_size)
     return x
@@ -190,7 +190,7 @@ def _ring_reduce_scatter_(comm: Communicator, buf, tmp) -> None:
         incoming = tmp[:recv_size]
         comm.sendrecv(buf[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
         acc = buf[recv_off:recv_off + recv_size]
-        backend.xp.add(acc, incoming, out=acc)
+        backend.array_module(acc).add(acc, incoming, out=acc)
 
 
 def _ring_all_gather_(comm: Communicator, buf) -> None:
@@ -233,7 +233,7 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         if world_size == 1:  # nothing to reduce: the chunk is the whole of x
             return x.reshape(-1).copy()
         buf = _scratch(x.reshape(-1).copy())
-        tmp = _scratch(backend.xp.empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
+        tmp = _scratch(backend.array_module(x).empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
         _ring_reduce_scatter_(comm, buf, tmp)
         return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
 
@@ -268,7 +268,7 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     if native:
         return comm.native_allgather(shard, n)
     with comm.traffic.op("all_gather"):
-        out = backend.xp.empty(n, dtype=shard.dtype)
+        out = backend.array_module(shard).empty(n, dtype=shard.dtype)
         out[offset:offset + size] = shard.reshape(-1)
         _ring_all_gather_(comm, out)
         return out
@@ -306,7 +306,7 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     if native:
         return comm.native_allreduce(x, out=out)
     if out is None:
-        out = backend.xp.empty(x.shape, dtype=x.dtype)
+        out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
     with comm.traffic.op("all_reduce"):
         if out is not x:
             out[...] = x
@@ -314,9 +314,9 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
         if comm.world_size == 1:  # one rank: a copy, no scratch
             return out
         if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
-            recursive_doubling_all_reduce_(comm, buf, _scratch(backend.xp.empty_like(buf)))
+            recursive_doubling_all_reduce_(comm, buf, _scratch(backend.array_module(buf).empty_like(buf)))
             return out
-        tmp = _scratch(backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype))
+        tmp = _scratch(backend.array_module(x).empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype))
         _ring_reduce_scatter_(comm, buf, tmp)
         _ring_all_gather_(comm, buf)
     return out

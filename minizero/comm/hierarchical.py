@@ -92,7 +92,7 @@ class HierarchicalAllReduce:
         if native:
             raise ValueError("the hierarchical all-reduce is minizero's own; native=True has no meaning here")
         if out is None:
-            out = backend.xp.empty(x.shape, dtype=x.dtype)
+            out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
         if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
         if not x.flags.c_contiguous:
@@ -103,7 +103,7 @@ class HierarchicalAllReduce:
             buf = out.reshape(-1)
             L, j = self.local.world_size, self.local.rank
             off, size = shard_range(buf.size, L, j)
-            tmp = backend.xp.empty(shard_range(buf.size, L, 0)[1], dtype=x.dtype)
+            tmp = backend.array_module(x).empty(shard_range(buf.size, L, 0)[1], dtype=x.dtype)
             _ring_reduce_scatter_(self.local, buf, tmp)  # 1. chunk j of the node's sum on local rank j
             chunk = buf[off:off + size]
             all_reduce(self.cross, chunk, out=chunk)  # 2. across nodes, one ring per local rank

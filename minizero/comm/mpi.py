@@ -13,6 +13,12 @@ tested with ``MPI_Test`` and a sleep that backs off to 2 ms, so a rank waiting o
 stalled peer sleeps, and after ``timeout`` seconds raises :class:`CommTimeoutError`
 naming the operation, the peer and the tag (the caller then aborts the job).
 
+Device arrays (CuPy, or the strict module of ``--device strict``) are staged through host
+memory: a send copies the array to a NumPy buffer (``backend.to_host``) and hands that to
+mpi4py, a receive lands in a NumPy buffer and is copied to the device array afterwards
+(``backend.to_device``). This MPI is not assumed CUDA-aware; the GPU-direct path is NCCL's.
+NumPy arrays are handed to MPI as they are (no copy).
+
 Mirrors: the MPI-3.1 standard, chapter 3 (point-to-point, non-blocking requests +
 MPI_Test) and 5.12 (non-blocking collectives); PyTorch's process-group ``timeout``.
 """
@@ -49,6 +55,22 @@ def _describe(h: np.ndarray) -> str:
     return f"{shape} {dtype}"
 
 
+def _staged(buf) -> np.ndarray:
+    """The host array MPI reads for ``buf``: ``buf`` itself when it is a NumPy array, else a host copy."""
+    return buf if isinstance(buf, np.ndarray) else backend.to_host(buf)
+
+
+def _landing(buf) -> np.ndarray:
+    """The host array MPI writes for ``buf``: ``buf`` itself when it is a NumPy array, else an empty host twin."""
+    return buf if isinstance(buf, np.ndarray) else np.empty(buf.shape, dtype=buf.dtype)
+
+
+def _unstage(buf, host: np.ndarray) -> None:
+    """Copy a received host array into the device array ``buf`` (nothing when ``host`` is ``buf``)."""
+    if host is not buf:
+        buf[...] = backend.to_device(host)
+
+
 def _mpi():
     """Import mpi4py.MPI on first use (importing it initializes MPI)."""
     from mpi4py import MPI  # noqa: PLC0415
@@ -80,6 +102,7 @@ class _RecvRequest:
     def __init__(self, comm, buf, source, tag):
         self.comm, self.buf, self.source, self.tag = comm, buf, source, tag
         self.header = np.empty(_HEADER_WORDS, dtype=np.int64)
+        self.host = _landing(buf)
         self.request = comm.header_comm.Irecv([self.header, _mpi().BYTE], source=source, tag=tag)
         self.payload, self.done = None, False
 
@@ -93,8 +116,10 @@ class _RecvRequest:
                 raise ValueError(
                     f"rank {self.comm.rank}: irecv message from rank {self.source} (tag {self.tag}) is "
                     f"{_describe(self.header)}, the receive buffer is {_describe(_header(self.buf))}; they must match")
-            self.payload = self.comm.mpi_comm.Irecv([self.buf, _mpi().BYTE], source=self.source, tag=self.tag)
+            self.payload = self.comm.mpi_comm.Irecv([self.host, _mpi().BYTE], source=self.source, tag=self.tag)
         self.done = self.payload.Test()
+        if self.done:
+            _unstage(self.buf, self.host)
         return self.done
 
 
@@ -145,7 +170,7 @@ class MPICommunicator(Communicator):
         h = _header(buf)
         self.header_bytes += h.nbytes
         return [self.header_comm.Isend([h, MPI.BYTE], dest=dest, tag=tag),
-                self.mpi_comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)]
+                self.mpi_comm.Isend([_staged(buf), MPI.BYTE], dest=dest, tag=tag)]  # the request keeps it alive
 
     def _receive(self, buf, source, tag, op, pending=()):
         """Receive the header, check it against ``buf``, then the payload (and finish ``pending``)."""
@@ -156,7 +181,9 @@ class MPICommunicator(Communicator):
             raise ValueError(
                 f"rank {self.rank}: {op} message from rank {source} (tag {tag}) is {_describe(h)}, "
                 f"the receive buffer is {_describe(_header(buf))}; they must match")
-        self._wait([self.mpi_comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), *pending], op, source, tag)
+        host = _landing(buf)
+        self._wait([self.mpi_comm.Irecv([host, MPI.BYTE], source=source, tag=tag), *pending], op, source, tag)
+        _unstage(buf, host)
 
     def _send(self, buf, dest, tag):
         self._wait(self._post_send(buf, dest, tag), "send", dest, tag)
@@ -186,23 +213,28 @@ class MPICommunicator(Communicator):
 
     def _native_allreduce(self, x, out):
         MPI = _mpi()
-        self._wait([self.mpi_comm.Iallreduce(MPI.IN_PLACE if out is x else x, out, op=MPI.SUM)], "native_allreduce")
+        hx = _staged(x)
+        hout = hx if out is x else _landing(out)
+        self._wait([self.mpi_comm.Iallreduce(MPI.IN_PLACE if out is x else hx, hout, op=MPI.SUM)], "native_allreduce")
+        _unstage(out, hout)
 
     def _native_reduce_scatter(self, flat):
         counts = [shard_range(flat.size, self.world_size, r)[1] for r in range(self.world_size)]
-        out = backend.xp.empty(counts[self.rank], dtype=flat.dtype)
-        self._wait([self.mpi_comm.Ireduce_scatter(flat, out, counts, op=_mpi().SUM)], "native_reduce_scatter")
-        return out
+        out = np.empty(counts[self.rank], dtype=flat.dtype)
+        self._wait([self.mpi_comm.Ireduce_scatter(_staged(flat), out, counts, op=_mpi().SUM)], "native_reduce_scatter")
+        return backend.to_device(out)
 
     def _native_allgather(self, shard, n):
         ranges = [shard_range(n, self.world_size, r) for r in range(self.world_size)]
-        out = backend.xp.empty(n, dtype=shard.dtype)
+        out = np.empty(n, dtype=shard.dtype)
         counts, displs = [s for _, s in ranges], [o for o, _ in ranges]
-        self._wait([self.mpi_comm.Iallgatherv(shard, [out, (counts, displs)])], "native_allgather")
-        return out
+        self._wait([self.mpi_comm.Iallgatherv(_staged(shard), [out, (counts, displs)])], "native_allgather")
+        return backend.to_device(out)
 
     def _native_bcast(self, x, root):
-        self._wait([self.mpi_comm.Ibcast(x, root=root)], "native_bcast")
+        host = _staged(x)
+        self._wait([self.mpi_comm.Ibcast(host, root=root)], "native_bcast")
+        _unstage(x, host)
 
 
 _WORLD: MPICommunicator | None = None

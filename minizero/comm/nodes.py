@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minizero import backend
 from minizero.comm.collectives import _binomial_tree
 from minizero.comm.communicator import Communicator
 
@@ -246,8 +247,9 @@ class NodeTrafficCommunicator(Communicator):
         sub = self.inner.split(color, key)
         # which of our ranks joined the new group, in its order: an all-gather through the inner
         # communicator's library path, which records nothing (group bookkeeping, not traffic)
-        members = sub._native_allgather(np.array([self.rank], dtype=np.int64), sub.world_size)
-        return NodeTrafficCommunicator(sub, self.nodes.restrict(members.tolist()), cross_parent=self.cross_node)
+        members = sub._native_allgather(backend.to_device(np.array([self.rank], dtype=np.int64)), sub.world_size)
+        return NodeTrafficCommunicator(sub, self.nodes.restrict(backend.to_host(members).tolist()),
+                                       cross_parent=self.cross_node)
 
     # -- the wrapped communicator's transport ----------------------------------------------
     def _send(self, buf, dest, tag):

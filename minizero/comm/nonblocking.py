@@ -84,7 +84,7 @@ class RingCollective:
         self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
         self.label, self.name, self.trace_args = label or op, name or op, trace_args
         self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []
-        self.tmp = backend.xp.empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
+        self.tmp = backend.array_module(buf).empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
         self.step, self.requests, self.started_us, self.done = 0, None, None, False
 
     def start(self) -> RingCollective:
@@ -127,7 +127,7 @@ class RingCollective:
             (_, _), (ro, rs), add = self.steps[self.step]
             if add:
                 acc = self.buf[ro:ro + rs]
-                backend.xp.add(acc, self.tmp[:rs], out=acc)
+                backend.array_module(acc).add(acc, self.tmp[:rs], out=acc)
             self.step += 1
             self._post()
         return True

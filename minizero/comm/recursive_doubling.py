@@ -80,7 +80,7 @@ def recursive_doubling_all_reduce_(comm, buf, tmp) -> None:
 
     ``tmp``: scratch of n elements, buf's dtype. Order of the sum: see the module docstring.
     """
-    xp, rank, world_size = backend.xp, comm.rank, comm.world_size
+    xp, rank, world_size = backend.array_module(buf), comm.rank, comm.world_size
     p, rem = _fold(world_size)
     if rank < 2 * rem and rank % 2 == 0:  # folded out: hand the buffer on, get the sum back
         comm.send(buf, rank + 1, tag=_RD_TAG)

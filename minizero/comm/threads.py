@@ -217,7 +217,7 @@ class ThreadCommunicator(Communicator):
             self._same_arrays(parts, "native_allreduce")
             acc = parts[0].copy()
             for p in parts[1:]:
-                backend.xp.add(acc, p, out=acc)
+                backend.array_module(acc).add(acc, p, out=acc)
             return acc
 
         out[...] = self._exchange(x, total, "native_allreduce")
@@ -229,7 +229,7 @@ class ThreadCommunicator(Communicator):
             self._same_arrays(parts, "native_reduce_scatter")
             acc = parts[0][off:off + size].copy()
             for p in parts[1:]:
-                backend.xp.add(acc, p[off:off + size], out=acc)
+                backend.array_module(acc).add(acc, p[off:off + size], out=acc)
             return acc
 
         return self._exchange(flat, my_chunk, "native_reduce_scatter")
@@ -239,7 +239,7 @@ class ThreadCommunicator(Communicator):
             if sum(p.size for p in parts) != n or len({p.dtype for p in parts}) != 1:
                 raise ValueError(f"native_allgather: shards {[(p.size, p.dtype) for p in parts]} "
                                  f"do not make one array of n={n} elements")
-            return backend.xp.concatenate(parts)
+            return backend.array_module(parts[0]).concatenate(parts)
 
         return self._exchange(shard, concatenate, "native_allgather")
 

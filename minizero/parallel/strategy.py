@@ -33,7 +33,7 @@ import functools
 
 import numpy as np
 
-from minizero import trace
+from minizero import backend, trace
 from minizero.autograd import manual_seed
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
@@ -166,7 +166,7 @@ class Strategy:
             if self.holds_loss:
                 total += [loss * n, n]
         with topo.world.traffic.op("metrics"):
-            total = all_reduce(topo.world, total)
+            total = backend.to_host(all_reduce(topo.world, backend.to_device(total)))  # host metrics, device collective
         stage.train(was_training)
         return float(total[0] / total[1])
 
