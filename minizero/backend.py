@@ -194,18 +194,6 @@ def synchronize() -> None:
         xp.cuda.Device().synchronize()
 
 
-def array_module(*arrays):
-    """The module that computes on ``arrays``: NumPy when all are host (``numpy.ndarray``), else ``xp``.
-
-    For code that runs both on the device and, explicitly, on the host (offloaded optimizer
-    state, a checkpoint read from files): the host path is NumPy whatever the backend, the
-    device path the active module. Non-array arguments (Python numbers, None) are ignored.
-    Mirrors ``cupy.get_array_module``.
-    """
-    on_host = all(isinstance(a, (np.ndarray, np.generic)) for a in arrays if hasattr(a, "dtype"))
-    return np if on_host else xp
-
-
 def host_scalar(a):
     """The Python number held by a one-element array (host or device): an explicit, synchronizing
     device-to-host copy on CuPy (``bool(x.any())`` or ``float(x.max())`` would be implicit ones).

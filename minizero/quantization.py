@@ -362,7 +362,7 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
     Source: bitsandbytes ``quantize_blockwise`` (nearest code value).
     """
     x, code = _array(x), _array(code)
-    xp = backend.array_module(x, code)
+    xp = backend.array_module(x)
     x = x.reshape(-1)
     check_finite(x)
     blocks, head = _block_view(x, block_size, offset)
@@ -382,7 +382,7 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
 def dequantize_blockwise(codes, absmax, code, block_size: int = 256, offset: int = 0, dtype=np.float32):
     """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax`` of each block, (n,) in ``dtype``."""
     codes, absmax, code = _array(codes), _array(absmax), _array(code)
-    xp = backend.array_module(codes, absmax, code)
+    xp = backend.array_module(codes)
     codes = codes.reshape(-1)
     head = offset % block_size
     block = (head + xp.arange(codes.size)) // block_size

@@ -268,3 +268,32 @@ def test_pruning_equals_numpy(strict_backend, scope):
     got = _on("strict", _pruning, scope, host_sizes=sizes)
     assert sizes and set(sizes) == {1}
     _assert_same(_on("numpy", _pruning, scope), got)
+
+
+# --------------------------------------------------------------------------- whole training runs
+#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end
+TRAINING = {
+    "offload-activations-cpu": (1, ["--offload-activations", "cpu"]),
+    "offload-activations-nvme": (1, ["--offload-activations", "nvme"]),
+    "offload-optimizer-cpu-fp16": (1, ["--offload-optimizer", "cpu", "--precision", "fp16", "--dtype", "float32"]),
+    "offload-optimizer-nvme-zero2": (2, ["--offload-optimizer", "nvme", "--zero", "2"]),
+    "adam8bit-dp2": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--grad-accum", "2"]),
+    "adam8bit-zero3-cut-blocks": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--zero", "3"]),
+    "quantized-comm-dp2": (2, ["--quantized-comm"]),
+    "quantized-comm-zero3": (2, ["--quantized-comm", "--zero", "3"]),
+    "pruning-adam8bit": (1, ["--prune-sparsity", "0.5", "--prune-scope", "global", "--optimizer", "adam8bit"]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(TRAINING))
+def test_training_with_the_technique_equals_numpy(case, tmp_path):
+    from tests.test_strict_device import assert_same_bits, run_on
+
+    world, flags = TRAINING[case]
+    flags = flags + (["--offload-dir", str(tmp_path)] if "nvme" in flags else [])
+    want = run_on("cpu", world, flags)
+    strict.reset_transfers()
+    got = run_on("strict", world, flags)
+    assert strict.transfers["to_device"] > 0  # it ran on the strict module
+    assert_same_bits(got, want)

@@ -30,9 +30,10 @@ may legitimately overflow under FP16 loss scaling, and the scaler must see it to
 so the reduce-scatter sends a block holding inf/NaN with its scale set to NaN: the receiver's
 sum is NaN in that block, never a silent finite number.
 
-Where it runs: quantizing, packing the message, dequantizing and summing all happen on the
-device (``backend.xp``), and the messages are device arrays handed to the communicator, as
-NCCL or CUDA-aware MPI take them. Nothing is copied to the host but the quantizer's one-number
+Where it runs: quantizing, packing the message, dequantizing and summing all happen where the
+input lives (:func:`~minizero.backend.array_module`: the device for gradients and parameters),
+and the messages are arrays of that module handed to the communicator, as NCCL or CUDA-aware
+MPI take device buffers. Nothing is copied to the host but the quantizer's one-number
 checks (:func:`~minizero.backend.host_scalar`).
 """
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _gather_codes(comm, q, scale, n: int, dtype, block_size: int, out=None):
     ``out`` ((n,), ``dtype``; a new array if None) in rank order. Bytes: ``bytes_sent("all_gather", ...)``."""
     world_size = comm.world_size
     slot = _blocks(shard_range(n, world_size, 0)[1], block_size)  # the largest chunk's blocks
-    xp = backend.xp
+    xp = backend.array_module(q)
     padded = xp.zeros(slot, np.float32)
     padded[:scale.size] = scale
     codes = all_gather(comm, q, n)  # int8 (n,)
@@ -154,7 +155,7 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
     if world_size == 1:
         return out
     with comm.traffic.op("quantized_reduce_scatter"):
-        xp = backend.xp
+        xp = backend.array_module(flat)
         incoming = xp.empty(size + 4 * _blocks(size, block_size), np.uint8)
         for s in range(1, world_size):
             dest, src = (rank + s) % world_size, (rank - s) % world_size
@@ -188,7 +189,7 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     """
     _check_contiguous(x, "x")
     if out is None:
-        out = backend.xp.empty(x.shape, dtype=x.dtype)
+        out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
     _check_contiguous(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")

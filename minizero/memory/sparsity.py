@@ -102,8 +102,7 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
     if scope == "layer":
         return {k: _prune_smallest(a, int(round(sparsity * a.size))).reshape(shapes[k]) for k, a in mags.items()}
     names = list(mags)
-    xp = backend.array_module(*mags.values())
-    flat = xp.concatenate([mags[k] for k in names]) if names else xp.zeros(0)
+    flat = backend.array_module(mags[names[0]]).concatenate([mags[k] for k in names]) if names else np.zeros(0)
     keep = _prune_smallest(flat, int(round(sparsity * flat.size)))
     out, off = {}, 0
     for k in names:
