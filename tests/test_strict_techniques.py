@@ -297,3 +297,19 @@ def test_training_with_the_technique_equals_numpy(case, tmp_path):
     got = run_on("strict", world, flags)
     assert strict.transfers["to_device"] > 0  # it ran on the strict module
     assert_same_bits(got, want)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--offload-activations",
+                                    "nvme"], ["--offload-optimizer", "cpu", "--offload-activations", "cpu"]],
+                         ids=["adam8bit-offload-activations-nvme", "offload-optimizer-and-activations-cpu"])
+def test_cli_strict_equals_cpu_with_offload_and_8bit_adam(tmp_path, flags):
+    """``python -m minizero.train --device strict`` with offload / 8-bit Adam writes ``--device cpu``'s model.npz bits."""
+    from tests.test_strict_device import _cli
+
+    flags = flags + (["--offload-dir", str(tmp_path)] if "nvme" in flags else [])
+    want, _ = _cli(None, 1, "cpu", flags, tmp_path / "cpu")
+    got, _ = _cli(None, 1, "strict", flags, tmp_path / "strict")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
