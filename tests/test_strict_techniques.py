@@ -313,3 +313,27 @@ def test_cli_strict_equals_cpu_with_offload_and_8bit_adam(tmp_path, flags):
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.timeout(300)
+def test_quantize_cli_strict_equals_cpu(tmp_path):
+    """``python -m minizero.quantize --device strict`` (weight-only INT8/INT4 with FP32 outlier columns:
+    calibration, quantization and evaluation on the device) measures what ``--device cpu`` does."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+    from tests.test_strict_device import _cli
+
+    _cli(None, 1, "cpu", [], tmp_path / "run")
+    out = {}
+    for device in ("cpu", "strict"):
+        cmd = [sys.executable, "-m", "minizero.quantize", "--weights", str(tmp_path / "run" / "model.npz"), "--table",
+               "--outlier-threshold", "0.5", "--eval-batches", "1", "--device", device,
+               "--json", str(tmp_path / f"{device}.json")]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[device] = json.load(open(tmp_path / f"{device}.json"))
+    assert out["cpu"]["rows"] and out["cpu"]["calibration"]["columns_at_threshold"] > 0
+    assert out["strict"] == out["cpu"]
