@@ -13,11 +13,12 @@ What is refused (``TypeError`` unless noted; the message says what to call inste
   pickling (an implicit host copy), ``x.tolist()``/``x.tobytes()`` (no such attribute);
 * mixing with host arrays: any operator, ``xp`` function, index or ``x[...] = value`` with a
   ``numpy.ndarray`` operand (NumPy scalars and Python numbers are fine, as on CuPy);
-* NumPy *functions* on strict arrays (``np.concatenate([x, y])``, ``np.sum(x)``): CuPy would
-  dispatch these through ``__array_function__``; here they raise, because every compute path
-  must call ``backend.xp`` (the issue's rule) and an ``np.`` call on a device array is the
-  sign of a path that also runs on host arrays. NumPy *ufuncs* on strict-only operands
-  (``np.exp(x)``) are allowed, as on CuPy, because ``np.float32(2) * x`` is the same call;
+* NumPy functions and ufuncs called on strict arrays (``np.concatenate([x, y])``, ``np.sum(x)``,
+  ``np.tanh(x, out=x)``): CuPy would dispatch these through ``__array_function__`` and
+  ``__array_ufunc__``; here they raise, because every compute path must call ``backend.xp``
+  (the issue's rule) and an ``np.`` call on a device array is the sign of a path that also
+  runs on host arrays. The one ufunc call allowed is an operator whose left operand is a NumPy
+  scalar (``np.float32(2) * x`` reaches ``__array_ufunc__`` with that scalar among its inputs);
 * Python iteration (``for v in x``, ``list(x)``) -- stricter than CuPy, which loops over rows;
 * ``float(x)``, ``int(x)``, ``bool(x)`` on more than one element (``TypeError``/``ValueError``
   as NumPy and CuPy raise). On one element they work: that is CuPy's explicit device sync.
@@ -81,6 +82,9 @@ class StrictArray:
                         f"{func.__name__} (every compute path runs on backend.xp); {_HINT}")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if not builtins.any(isinstance(v, np.generic) for v in inputs):  # not ``np.float32(2) * x``: an np.<ufunc> call
+            raise TypeError(f"numpy.{ufunc.__name__} on a device array is not allowed: call backend.xp."
+                            f"{ufunc.__name__} (every compute path runs on backend.xp); {_HINT}")
         return _call(getattr(ufunc, method), inputs, kwargs, f"numpy.{ufunc.__name__}")
 
     def __iter__(self):

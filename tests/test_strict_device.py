@@ -33,6 +33,14 @@ CASES = {
     "recompute-full": (1, ["--recompute", "full"]),
     "recompute-selective-dp2": (2, ["--recompute", "selective"]),
     "fp16": (1, ["--precision", "fp16", "--dtype", "float32"]),
+    "fp16-zero2-dp2": (2, ["--precision", "fp16", "--dtype", "float32", "--zero", "2"]),
+    "pp2-gpipe": (2, ["--pp", "2", "--grad-accum", "2", "--schedule", "gpipe"]),
+    "pp2-interleaved": (2, ["--model", "default", "--block-size", "8", "--pp", "2", "--grad-accum", "2",
+                            "--schedule", "interleaved", "--virtual-stages", "2"]),
+    "cp2": (2, ["--cp", "2", "--dropout", "0"]),  # ring attention has no attention dropout
+    "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2"]),
+    "dp4-hierarchical-no-overlap": (4, ["--allreduce", "hierarchical", "--no-overlap"]),
+    "dp2-native-comm": (2, ["--native-comm"]),
 }
 
 

@@ -137,9 +137,9 @@ class LayerNorm(Function):
         if c == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
         # dx = rstd * (gx - mean(gx) - xhat * sum(gx * xhat) / c), the same operations in the same order
-        np.multiply(gx, xhat, out=t)
+        backend.xp.multiply(gx, xhat, out=t)
         s = t.sum(axis=-1, keepdims=True)
-        np.multiply(xhat, s, out=t)
+        backend.xp.multiply(xhat, s, out=t)
         t /= c
         m = gx.mean(axis=-1, keepdims=True)
         gx -= m
@@ -178,13 +178,13 @@ class GELU(Function):
         xs, gs = widen(x), widen(g)
         t = gelu_tanh(xs)
         dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
-        np.subtract(1.0, dt, out=dt)
+        backend.xp.subtract(1.0, dt, out=dt)
         dt *= GELU_C
         w = xs * (3 * 0.044715)
         w *= xs
         w += 1.0
         dt *= w
-        np.multiply(xs, 0.5, out=w)  # 0.5 x dt
+        backend.xp.multiply(xs, 0.5, out=w)  # 0.5 x dt
         w *= dt
         t += 1.0  # 0.5 (1 + t) + 0.5 x dt
         t *= 0.5
@@ -260,7 +260,7 @@ class CausalSoftmax(Function):
             ys /= ys.sum(axis=-1, keepdims=True)  # to a whole row leaks through the (g - sum) difference
         d = gs * ys
         s = d.sum(axis=-1, keepdims=True)
-        np.subtract(gs, s, out=d)
+        backend.xp.subtract(gs, s, out=d)
         d *= ys  # y * (g - sum(g * y))
         return d.astype(g.dtype, copy=False)
 

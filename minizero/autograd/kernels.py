@@ -55,7 +55,7 @@ def gelu_tanh(x):
     u *= 0.044715
     u += x
     u *= GELU_C
-    return np.tanh(u, out=u)
+    return backend.xp.tanh(u, out=u)
 
 
 _MASKS = {}

@@ -138,8 +138,13 @@ class DynamicLossScaler:
 
 
 def local_overflow(grads) -> bool:
-    """True if any of ``grads`` (arrays, None skipped) holds an inf or NaN on this rank."""
-    return any(g is not None and not bool(backend.xp.isfinite(g).all()) for g in grads)
+    """True if any of ``grads`` (arrays, None skipped) holds an inf or NaN on this rank.
+
+    The per-array checks stay on the device; one 0-d flag comes to the host (one sync per step,
+    not one per parameter)."""
+    xp = backend.xp
+    finite = [xp.isfinite(g).all() for g in grads if g is not None]
+    return bool(finite) and not bool(xp.stack(finite).all())
 
 
 def overflow_anywhere(local: bool, comm) -> bool:
@@ -147,5 +152,5 @@ def overflow_anywhere(local: bool, comm) -> bool:
     if comm is None or comm.world_size == 1:
         return bool(local)
     with comm.traffic.op("overflow_flag"):
-        flag = all_reduce(comm, np.array([1.0 if local else 0.0]))
-    return bool(flag[0] > 0)
+        flag = all_reduce(comm, backend.to_device(np.array([1.0 if local else 0.0])))
+    return bool(backend.to_host(flag)[0] > 0)
