@@ -192,3 +192,49 @@ def synchronize() -> None:
     """Wait for queued device work (no-op on NumPy); call before timing."""
     if name == "cupy":
         xp.cuda.Device().synchronize()
+
+
+def host_scalar(a):
+    """The Python number held by a one-element array (host or device): an explicit, synchronizing
+    device-to-host copy on CuPy (``bool(x.any())`` or ``float(x.max())`` would be implicit ones).
+
+    Raises:
+        ValueError: ``a`` holds more than one element.
+    """
+    h = to_host(a)
+    if h.size != 1:
+        raise ValueError(f"host_scalar needs a one-element array, got shape {h.shape}")
+    return h.reshape(()).item()
+
+
+def pinned_zeros(shape, dtype) -> np.ndarray:
+    """A zero-filled host array for device-to-host copies: page-locked (pinned) memory on CuPy
+    (``cupyx.zeros_pinned``: DMA-able, so copies run at full bus speed and can be asynchronous),
+    plain ``numpy.zeros`` otherwise. Mirrors PyTorch's ``pin_memory=True``.
+    """
+    if name == "cupy":
+        import cupyx  # noqa: PLC0415  (optional dependency)
+
+        return cupyx.zeros_pinned(shape, dtype)
+    return np.zeros(shape, dtype)
+
+
+def to_pinned_host(a) -> np.ndarray:
+    """A new host copy of ``a`` (any array, any device), in page-locked memory on CuPy (as :func:`pinned_zeros`)."""
+    if name == "cupy" and not isinstance(a, np.ndarray):
+        import cupyx  # noqa: PLC0415  (optional dependency)
+
+        out = cupyx.empty_pinned(a.shape, a.dtype)
+        xp.ascontiguousarray(a).get(out=out)
+        return out
+    return np.array(to_host(a), copy=True)
+
+
+def data_ptr(a) -> int:
+    """The address of ``a``'s first element (host or device array): an identity for its bytes, as
+    ``numpy``'s ``__array_interface__`` data pointer or CuPy's ``a.data.ptr``."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    if name == "strict":
+        return strict.device_array(a).__array_interface__["data"][0]
+    return a.data.ptr

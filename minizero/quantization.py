@@ -35,12 +35,21 @@ One detail makes the error bound exact instead of "up to rounding": scales are r
 to 16 significant bits, so ``q * scale`` (7 + 16 bits) is exactly representable in
 float32, the dequantized value carries no rounding of its own, and ``|x - x~| <= scale/2``
 holds in float32 and float64 arithmetic alike (a 2**-16 relative cost in resolution).
+
+Where it runs: every function computes with the module of its input array
+(:func:`minizero.backend.array_module`): device arrays on the device (CuPy), host arrays on
+the host. Nothing converts between the two implicitly; the only device-to-host copies are
+the explicit one-number checks (:func:`~minizero.backend.host_scalar`: "is anything
+non-finite?", "is the absmax too large?"). The code books are built on the host and copied to
+the device once by their user (:func:`minizero.optim.adam8bit.make_codes`).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from minizero import backend
 
 QMAX = {8: 127, 4: 7}
 GRANULARITIES = ("tensor", "row", "block")
@@ -50,16 +59,22 @@ _SCALE_BITS = 16  # significant bits kept in a scale, so q * scale is exact in f
 
 
 # --------------------------------------------------------------------------- checks
+def _array(x):
+    """``x`` itself if it is an array (host or device); a host array for a Python number or list."""
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+
+
 def check_finite(x, what: str = "x") -> None:
     """Raise ``ValueError`` if ``x`` holds inf or NaN (message: count, first flat index, value)."""
-    x = np.asarray(x)
+    x = _array(x)
     if x.dtype.kind != "f":
         return
-    bad = ~np.isfinite(x)
-    if bad.any():
-        i = int(np.flatnonzero(bad.reshape(-1))[0])
-        raise ValueError(f"{what} has {int(bad.sum())} non-finite value(s) (first at flat index {i}: "
-                         f"{x.reshape(-1)[i]}); quantization needs finite input")
+    xp = backend.array_module(x)
+    bad = ~xp.isfinite(x)
+    if backend.host_scalar(bad.any()):
+        i = int(backend.host_scalar(xp.flatnonzero(bad.reshape(-1))[0]))
+        raise ValueError(f"{what} has {backend.host_scalar(bad.sum())} non-finite value(s) (first at flat index "
+                         f"{i}: {backend.host_scalar(x.reshape(-1)[i])}); quantization needs finite input")
 
 
 def _check_scheme(bits: int, granularity: str, block_size: int) -> None:
@@ -80,14 +95,21 @@ def absmax_scale(absmax, bits: int):
     Raises:
         ValueError: a group too large for an FP32 scale (names the absmax).
     """
-    a = np.asarray(absmax, dtype=np.float64)
+    absmax = _array(absmax)
+    xp = backend.array_module(absmax)
+    a = absmax.astype(np.float64)
     raw = a / QMAX[bits]
-    if (raw > _FP32_MAX / 2).any():
-        raise ValueError(f"absmax {float(a.max()):.3e} is too large for an FP32 scale "
+    if backend.host_scalar((raw > _FP32_MAX / 2).any()):
+        raise ValueError(f"absmax {backend.host_scalar(a.max()):.3e} is too large for an FP32 scale "
                          f"(limit {QMAX[bits] * _FP32_MAX / 2:.3e})")
-    mant, exp = np.frexp(raw)  # raw = mant * 2**exp, mant in [0.5, 1)
-    up = np.ldexp(np.ceil(mant * 2.0 ** _SCALE_BITS) / 2.0 ** _SCALE_BITS, exp)
-    scale = np.where(a == 0, 0.0, np.maximum(up, _FP32_TINY))
+    # round up to 16 significant bits: keep the top 15 of float64's 52 stored fraction bits and
+    # carry anything below them into the kept part (a carry out of the fraction raises the
+    # exponent: the next power of two, also exact). Integer arithmetic on the bit pattern, so it
+    # is exact; equals ldexp(ceil(m * 2**16) / 2**16, e) of frexp(raw) = (m, e) for the normal
+    # numbers that matter (smaller ones become FP32's smallest normal number below).
+    low = np.uint64((1 << (52 - (_SCALE_BITS - 1))) - 1)
+    up = ((raw.view(np.uint64) + low) & ~low).view(np.float64)  # same itemsize: any strides
+    scale = xp.where(a == 0, 0.0, xp.maximum(up, _FP32_TINY))
     return scale.astype(np.float32)
 
 
@@ -101,7 +123,7 @@ def _groups(x64, granularity: str, block_size: int):
         return x64.reshape(x64.shape[0], -1)
     flat = x64.reshape(-1)
     nb = -(-flat.size // block_size)
-    padded = np.zeros(nb * block_size)
+    padded = backend.array_module(x64).zeros(nb * block_size, dtype=np.float64)
     padded[:flat.size] = flat
     return padded.reshape(nb, block_size)
 
@@ -128,11 +150,15 @@ def pack_int4(codes):
     (4-bit two's complement; an odd tail is padded with code 0).
     Raises: ValueError for a code outside [-8, 7].
     """
-    c = np.asarray(codes).reshape(-1).astype(np.int16)
-    if c.size and (c.min() < -8 or c.max() > 7):
-        raise ValueError(f"INT4 codes must lie in [-8, 7], got range [{int(c.min())}, {int(c.max())}]")
+    codes = _array(codes)
+    xp = backend.array_module(codes)
+    c = codes.reshape(-1).astype(np.int16)
+    if c.size:
+        lo, hi = backend.host_scalar(c.min()), backend.host_scalar(c.max())
+        if lo < -8 or hi > 7:
+            raise ValueError(f"INT4 codes must lie in [-8, 7], got range [{lo}, {hi}]")
     if c.size % 2:
-        c = np.concatenate([c, np.zeros(1, np.int16)])
+        c = xp.concatenate([c, xp.zeros(1, np.int16)])
     nib = (c & 0xF).astype(np.uint8)
     return nib[0::2] | (nib[1::2] << 4)
 
@@ -142,10 +168,12 @@ def unpack_int4(packed, n: int):
 
     Raises: ValueError if ``packed`` holds fewer than ceil(n/2) bytes.
     """
-    p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    packed = _array(packed)
+    xp = backend.array_module(packed)
+    p = packed.astype(np.uint8, copy=False).reshape(-1)
     if p.size < (n + 1) // 2:
         raise ValueError(f"{p.size} packed bytes hold at most {2 * p.size} codes, asked for {n}")
-    nib = np.empty(2 * p.size, np.int8)
+    nib = xp.empty(2 * p.size, np.int8)
     nib[0::2] = (p & 0xF).astype(np.int8)
     nib[1::2] = (p >> 4).astype(np.int8)
     return ((nib ^ 8) - 8)[:n]  # sign-extend 4-bit two's complement
@@ -172,19 +200,20 @@ def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64
         1-D array, a value too large for an FP32 scale.
     """
     _check_scheme(bits, granularity, block_size)
-    x = np.asarray(x)
+    x = _array(x)
+    xp = backend.array_module(x)
     check_finite(x)
     qmax = QMAX[bits]
     g = _groups(x.astype(np.float64), granularity, block_size)  # (groups, L)
-    scale = absmax_scale(np.abs(g).max(axis=1) if g.size else np.zeros(g.shape[0]), bits)
+    scale = absmax_scale(xp.abs(g).max(axis=1) if g.size else xp.zeros(g.shape[0]), bits)
     s = scale.astype(np.float64)[:, None]
-    safe = np.where(s == 0, 1.0, s)
-    q = np.rint(g / safe)
+    safe = xp.where(s == 0, 1.0, s)
+    q = xp.rint(g / safe)
     # make |x - q*s| <= s/2 hold exactly: q*s is exact (<= 23 bits), and so is x - q*s
     # when it is that small (Sterbenz), so one correction step fixes a rounding slip of x/s
     r = g - q * s
-    q += np.sign(r) * (np.abs(r) > s / 2)
-    q = np.clip(q, -qmax, qmax).reshape(-1)[:x.size]
+    q += xp.sign(r) * (xp.abs(r) > s / 2)
+    q = xp.clip(q, -qmax, qmax).reshape(-1)[:x.size]
     scale = scale.reshape(()) if granularity == "tensor" else scale
     if bits == 8:
         return q.astype(np.int8).reshape(x.shape), scale
@@ -193,12 +222,14 @@ def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64
 
 def element_scale(scale, shape, granularity: str = "tensor", block_size: int = 64):
     """The scale of every element: float32 array of ``shape`` (to state error bounds elementwise)."""
-    n, s = math.prod(shape), np.asarray(scale, np.float32)
+    scale = _array(scale)
+    xp = backend.array_module(scale)
+    n, s = math.prod(shape), scale.astype(np.float32, copy=False)
     if granularity == "tensor":
-        return np.broadcast_to(s.reshape(()), shape)
+        return xp.broadcast_to(s.reshape(()), shape)
     if granularity == "row":
-        return np.broadcast_to(s.reshape(-1, *([1] * (len(shape) - 1))), shape)
-    return np.repeat(s.reshape(-1), block_size)[:n].reshape(shape)
+        return xp.broadcast_to(s.reshape(-1, *([1] * (len(shape) - 1))), shape)
+    return xp.repeat(s.reshape(-1), block_size)[:n].reshape(shape)
 
 
 def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor", block_size: int = 64,
@@ -217,12 +248,12 @@ def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor",
         if bits == 4:
             raise ValueError("INT4 codes are packed two per byte: pass the original shape")
         shape = q.shape
-    shape = tuple(shape)
+    shape, q, scale = tuple(shape), _array(q), _array(scale)
     expected = num_scales(shape, granularity, block_size)
-    if np.asarray(scale).size != expected:
-        raise ValueError(f"scale has {np.asarray(scale).size} entries; shape {shape} with granularity "
+    if scale.size != expected:
+        raise ValueError(f"scale has {scale.size} entries; shape {shape} with granularity "
                          f"{granularity!r} (block_size {block_size}) needs {expected}")
-    codes = np.asarray(q).reshape(-1) if bits == 8 else unpack_int4(q, math.prod(shape))
+    codes = q.reshape(-1) if bits == 8 else unpack_int4(q, math.prod(shape))
     out = codes.astype(dtype).reshape(shape)
     out *= element_scale(scale, shape, granularity, block_size).astype(dtype)
     return out
@@ -243,7 +274,7 @@ class QuantizedTensor:
     @classmethod
     def from_array(cls, x, bits: int = 8, granularity: str = "row", block_size: int = 64) -> "QuantizedTensor":
         """Quantize ``x`` (see :func:`quantize` for arguments and errors)."""
-        x = np.asarray(x)
+        x = _array(x)
         q, scale = quantize(x, bits, granularity, block_size)
         return cls(q, scale, x.shape, bits, granularity, block_size, x.dtype)
 
@@ -305,15 +336,17 @@ def _block_view(x, block_size: int, offset: int):
     """``x`` (n,) zero-padded to whole blocks of a grid whose block 0 starts ``offset % B`` elements before x[0]."""
     head = offset % block_size
     nb = -(-(head + x.size) // block_size)
-    padded = np.zeros(nb * block_size, dtype=x.dtype)
+    padded = backend.array_module(x).zeros(nb * block_size, dtype=x.dtype)
     padded[head:head + x.size] = x
     return padded.reshape(nb, block_size), head
 
 
 def block_absmax(x, block_size: int, offset: int = 0):
     """Absolute maximum of every block of flat ``x`` (n,) -> float32 (nb,). See :func:`quantize_blockwise`."""
-    blocks, _ = _block_view(np.asarray(x).reshape(-1), block_size, offset)
-    return np.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else np.zeros(0, np.float32)
+    x = _array(x)
+    xp = backend.array_module(x)
+    blocks, _ = _block_view(x.reshape(-1), block_size, offset)
+    return xp.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else xp.zeros(0, np.float32)
 
 
 def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=None):
@@ -328,25 +361,29 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
     Raises: ValueError for non-finite ``x`` or a wrong-sized ``absmax``.
     Source: bitsandbytes ``quantize_blockwise`` (nearest code value).
     """
-    x = np.asarray(x).reshape(-1)
+    x, code = _array(x), _array(code)
+    xp = backend.array_module(x)
+    x = x.reshape(-1)
     check_finite(x)
     blocks, head = _block_view(x, block_size, offset)
     if absmax is None:
-        absmax = np.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else np.zeros(0, np.float32)
-    absmax = np.asarray(absmax, np.float32)
+        absmax = xp.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else xp.zeros(0, np.float32)
+    absmax = _array(absmax).astype(np.float32, copy=False)
     if absmax.shape != (blocks.shape[0],):
         raise ValueError(f"absmax has shape {absmax.shape}; {x.size} elements at offset {offset} with block_size "
                          f"{block_size} span {blocks.shape[0]} blocks")
     a = absmax.astype(blocks.dtype)[:, None]
-    normed = blocks / np.where(a == 0, 1, a)
+    normed = blocks / xp.where(a == 0, 1, a)
     mid = (code[:-1].astype(np.float64) + code[1:]) / 2  # decision thresholds between neighbouring values
-    idx = np.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)
+    idx = xp.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)
     return idx[head:head + x.size], absmax
 
 
 def dequantize_blockwise(codes, absmax, code, block_size: int = 256, offset: int = 0, dtype=np.float32):
     """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax`` of each block, (n,) in ``dtype``."""
-    codes = np.asarray(codes).reshape(-1)
+    codes, absmax, code = _array(codes), _array(absmax), _array(code)
+    xp = backend.array_module(codes)
+    codes = codes.reshape(-1)
     head = offset % block_size
-    block = (head + np.arange(codes.size)) // block_size
-    return code[codes].astype(dtype) * np.asarray(absmax, np.float32).astype(dtype)[block]
+    block = (head + xp.arange(codes.size)) // block_size
+    return code[codes].astype(dtype) * absmax.astype(np.float32, copy=False).astype(dtype)[block]

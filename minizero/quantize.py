@@ -133,7 +133,7 @@ def run(args) -> dict:
     calib = [global_batch(train_tok, 10_000 + i, 16, cfg.block_size, seed) for i in range(2)]
     calibration = None
     if args.outlier_threshold is not None:  # what the FP32-column experiment sees: every layer's largest |input|
-        stats = calibrate_input_absmax(model, calib)
+        stats = {k: backend.to_host(v) for k, v in calibrate_input_absmax(model, calib).items()}
         calibration = {"max_input_absmax": {k: float(v.max()) for k, v in stats.items()},
                        "columns_at_threshold": int(sum((v >= args.outlier_threshold).sum() for v in stats.values())),
                        "columns_at_6": int(sum((v >= 6.0).sum() for v in stats.values()))}

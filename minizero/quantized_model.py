@@ -6,6 +6,10 @@ for them in place (the tied LM head is left alone: its matrix is the embedding's
 :func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (Dettmers et al.
 2022, arXiv:2208.07339, section 3.2); :func:`evaluate_loss` and :func:`model_nbytes` measure
 the result. The command line around them is :mod:`minizero.quantize`.
+
+Everything runs on the device (``backend.xp``): the weight is quantized where it lives, the
+codes, scales and outlier columns stay there, and the calibration statistics are device
+arrays (the command line copies them to the host, explicitly, to print them).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class QuantizedLinear(Module):
     Args:
         weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
         bias: the FP32 bias Parameter (out,) or None (kept as is).
-        outlier_columns: int array (k,) of input features kept in full precision, or None.
+        outlier_columns: int array (k,) of input features kept in full precision (device), or None.
         outlier_weight: float array (out, k), W's values in those columns (FP32).
     Shapes: x (..., in) -> (..., out). Stored bytes (:attr:`weight_nbytes`): the codes and
     scales, plus 4 * out * k + 8 * k for the outlier columns and their int64 indices. Each
@@ -37,7 +41,7 @@ class QuantizedLinear(Module):
         self.weight_q = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self.outlier_columns = None if outlier_columns is None else np.asarray(outlier_columns, np.int64)
+        self.outlier_columns = None if outlier_columns is None else backend.xp.asarray(outlier_columns, dtype=np.int64)
         self.outlier_weight = outlier_weight
         ledger = get_ledger()
         for a in (weight.q, weight.scale, self.outlier_columns, outlier_weight):
@@ -52,10 +56,10 @@ class QuantizedLinear(Module):
         ``outlier_columns``: input features kept in FP32 (zeroed before quantizing the rest,
         so they do not inflate the row scales), or None.
         """
-        w = backend.to_host(linear.weight.data)
+        w = linear.weight.data
         kept = None
         if outlier_columns is not None and len(outlier_columns):
-            outlier_columns = np.asarray(outlier_columns, np.int64)
+            outlier_columns = backend.xp.asarray(outlier_columns, dtype=np.int64)
             kept = w[:, outlier_columns].copy()
             w = w.copy()
             w[:, outlier_columns] = 0
@@ -68,7 +72,7 @@ class QuantizedLinear(Module):
         w = self.weight_q.dequantize()
         if self.outlier_columns is not None:
             w[:, self.outlier_columns] = self.outlier_weight
-        return backend.to_device(w)
+        return w
 
     @property
     def weight_nbytes(self) -> int:
@@ -100,12 +104,14 @@ def _linear_slots(model: Module):
 
 
 def calibrate_input_absmax(model: Module, batches) -> dict:
-    """Per-input-feature max |x| of every quantizable Linear over ``batches`` [(x, y)]: name -> (in,) float64."""
+    """Per-input-feature max |x| of every quantizable Linear over ``batches`` [(x, y)]: name -> (in,) float64
+    (device arrays)."""
     stats, removers = {}, []
     for _, _, name, lin in _linear_slots(model):
         def hook(module, args, name=name):
-            a = np.abs(backend.to_host(args[0].data)).reshape(-1, module.in_features).max(axis=0)
-            stats[name] = np.maximum(stats.get(name, 0.0), a.astype(np.float64))
+            xp = backend.xp
+            a = xp.abs(args[0].data).reshape(-1, module.in_features).max(axis=0).astype(np.float64)
+            stats[name] = xp.maximum(stats[name], a) if name in stats else a
         removers.append(lin.register_forward_pre_hook(hook))
     with no_grad():
         for x, _ in batches:
@@ -137,7 +143,7 @@ def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block
     tied = {n for n, m in model.named_modules() if isinstance(m, Linear)} - {s[2] for s in slots}
     report["skipped"] = sorted(tied)
     for parent, attr, name, lin in slots:
-        cols = np.flatnonzero(stats[name] >= outlier_threshold) if name in stats else None
+        cols = backend.xp.flatnonzero(stats[name] >= outlier_threshold) if name in stats else None
         q = QuantizedLinear.from_linear(lin, bits, granularity, block_size, cols)
         setattr(parent, attr, q)
         report["layers"].append(name)

@@ -167,5 +167,6 @@ def host_arrays(slot) -> dict:
     """What a slot writes: ``{"": array}`` (flat, host), or ``{"codes": uint8, "absmax": float32}`` (8-bit)."""
     a = slot.array
     if isinstance(a, QuantizedState):
-        return {"codes": np.ascontiguousarray(a.codes), "absmax": np.ascontiguousarray(a.absmax)}
+        return {"codes": np.ascontiguousarray(backend.to_host(a.codes)),
+                "absmax": np.ascontiguousarray(backend.to_host(a.absmax))}
     return {"": np.ascontiguousarray(backend.to_host(a)).reshape(-1)}

@@ -62,7 +62,7 @@ class ShardReader:
             self.by_param[(pc["kind"], pc["param"])].append(pc)
         self._open = {}
         self.reads, self.bytes_read = 0, 0
-        self._codes = make_codes(self.manifest["layout"].get("adam8bit_code", "dynamic"))
+        self._codes = make_codes(self.manifest["layout"].get("adam8bit_code", "dynamic"), device=False)
 
     def shape(self, name: str) -> tuple:
         """The full shape of parameter ``name``. Raises CheckpointError for an unknown name."""
@@ -154,13 +154,13 @@ class ShardReader:
             _assign(a, self.gather(*args, np.dtype(a.dtype)))
             return
         if self.exact_8bit(slot.kind, slot.name, slot.tp, a.block_size):
-            a.codes[...] = self.gather(*args, np.uint8, "codes")
+            a.codes[...] = backend.to_device(self.gather(*args, np.uint8, "codes"))
             per_element = self.gather(*args, np.float32, "absmax")
             b = a.block_size
             first = (np.arange(a.absmax.size) + slot.lo // b) * b  # each block's first element
-            a.absmax[...] = per_element[np.maximum(first, slot.lo) - slot.lo]
+            a.absmax[...] = backend.to_device(per_element[np.maximum(first, slot.lo) - slot.lo])
         else:  # another block grid: logical values, requantized
-            a.requantize(self.gather(*args, state_dtype(np.float32)))
+            a.requantize(backend.to_device(self.gather(*args, state_dtype(np.float32))))
 
 
 def _assign(dest, values) -> None:

@@ -25,6 +25,7 @@ import signal
 import numpy as np
 from safetensors.numpy import save_file
 
+from minizero import backend
 from minizero.autograd.functional import get_rng_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
                                         folder_name, fsync_path, rank_file, sha256)
@@ -88,7 +89,7 @@ def rank_tensors(strategy, pruner=None, rank: int = 0):
         pieces.append(piece)
     if pruner is not None and rank == 0:
         for name, packed in pruner.packed.items():
-            tensors[f"mask/{name}"] = np.ascontiguousarray(packed)
+            tensors[f"mask/{name}"] = np.ascontiguousarray(backend.to_host(packed))
     return tensors, pieces, params
 
 

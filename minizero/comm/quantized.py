@@ -29,6 +29,12 @@ Non-finite values: parameters must be finite (the all-gather raises, naming them
 may legitimately overflow under FP16 loss scaling, and the scaler must see it to skip the step,
 so the reduce-scatter sends a block holding inf/NaN with its scale set to NaN: the receiver's
 sum is NaN in that block, never a silent finite number.
+
+Where it runs: quantizing, packing the message, dequantizing and summing all happen where the
+input lives (:func:`~minizero.backend.array_module`: the device for gradients and parameters),
+and the messages are arrays of that module handed to the communicator, as NCCL or CUDA-aware
+MPI take device buffers. Nothing is copied to the host but the quantizer's one-number
+checks (:func:`~minizero.backend.host_scalar`).
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BL
     if world_size == 1:
         return shard.reshape(-1).copy()
     with comm.traffic.op("quantized_all_gather"):
-        q, scale = quantize(backend.to_host(shard).reshape(-1), 8, "block", block_size)
+        q, scale = quantize(shard.reshape(-1), 8, "block", block_size)
         return _gather_codes(comm, q, scale, n, shard.dtype, block_size)
 
 
@@ -101,25 +107,27 @@ def _gather_codes(comm, q, scale, n: int, dtype, block_size: int, out=None):
     ``out`` ((n,), ``dtype``; a new array if None) in rank order. Bytes: ``bytes_sent("all_gather", ...)``."""
     world_size = comm.world_size
     slot = _blocks(shard_range(n, world_size, 0)[1], block_size)  # the largest chunk's blocks
-    padded = np.zeros(slot, np.float32)
+    xp = backend.array_module(q)
+    padded = xp.zeros(slot, np.float32)
     padded[:scale.size] = scale
-    codes = all_gather(comm, backend.to_device(q), n)  # int8 (n,)
-    scales = all_gather(comm, backend.to_device(padded)).reshape(world_size, slot)
-    out = backend.xp.empty(n, dtype=dtype) if out is None else out
+    codes = all_gather(comm, q, n)  # int8 (n,)
+    scales = all_gather(comm, padded).reshape(world_size, slot)
+    out = xp.empty(n, dtype=dtype) if out is None else out
     for r in range(world_size):
         o, s = shard_range(n, world_size, r)
-        out[o:o + s] = backend.to_device(dequantize(backend.to_host(codes[o:o + s]), backend.to_host(scales[r])[
-            :_blocks(s, block_size)], (s,), 8, "block", block_size, dtype=dtype))
+        out[o:o + s] = dequantize(codes[o:o + s], scales[r, :_blocks(s, block_size)], (s,), 8, "block",
+                                  block_size, dtype=dtype)
     return out
 
 
 def _quantize_marking_non_finite(chunk, block_size):
     """INT8 block quantization of ``chunk``; a block with inf/NaN gets scale NaN (so it arrives as NaN)."""
-    finite = np.isfinite(chunk)
-    if finite.all():
+    xp = backend.array_module(chunk)
+    finite = xp.isfinite(chunk)
+    if backend.host_scalar(finite.all()):
         return quantize(chunk, 8, "block", block_size)
-    q, scale = quantize(np.where(finite, chunk, 0), 8, "block", block_size)
-    scale[np.flatnonzero(~finite) // block_size] = np.nan
+    q, scale = quantize(xp.where(finite, chunk, 0), 8, "block", block_size)
+    scale[xp.flatnonzero(~finite) // block_size] = np.nan
     return q, scale
 
 
@@ -147,16 +155,16 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
     if world_size == 1:
         return out
     with comm.traffic.op("quantized_reduce_scatter"):
-        host = backend.to_host(flat)
-        incoming = np.empty(size + 4 * _blocks(size, block_size), np.uint8)
+        xp = backend.array_module(flat)
+        incoming = xp.empty(size + 4 * _blocks(size, block_size), np.uint8)
         for s in range(1, world_size):
             dest, src = (rank + s) % world_size, (rank - s) % world_size
             o, sz = shard_range(n, world_size, dest)
-            q, scale = _quantize_marking_non_finite(host[o:o + sz], block_size)
-            message = np.concatenate([q.view(np.uint8), scale.view(np.uint8)])
+            q, scale = _quantize_marking_non_finite(flat[o:o + sz], block_size)
+            message = xp.concatenate([q.view(np.uint8), scale.view(np.uint8)])
             comm.sendrecv(message, dest, incoming, src, tag=_A2A_TAG)
             codes, scales = incoming[:size].view(np.int8), incoming[size:].view(np.float32)
-            out += backend.to_device(dequantize(codes, scales, (size,), 8, "block", block_size, dtype=x.dtype))
+            out += dequantize(codes, scales, (size,), 8, "block", block_size, dtype=x.dtype)
     return out
 
 
@@ -181,7 +189,7 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     """
     _check_contiguous(x, "x")
     if out is None:
-        out = backend.xp.empty(x.shape, dtype=x.dtype)
+        out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
     _check_contiguous(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
@@ -190,6 +198,6 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
         return out
     with comm.traffic.op("quantized_all_reduce"):
         mine = quantized_reduce_scatter(comm, x, block_size)
-        q, scale = _quantize_marking_non_finite(backend.to_host(mine), block_size)
+        q, scale = _quantize_marking_non_finite(mine, block_size)
         _gather_codes(comm, q, scale, x.size, x.dtype, block_size, out=out.reshape(-1))
     return out

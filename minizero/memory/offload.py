@@ -14,7 +14,8 @@ they stay where they are), nor are arrays under ``min_bytes``.
 
 Honesty about the NumPy backend: host memory *is* device memory there, so
 ``cpu`` only moves bytes from the ``activations`` category to ``offloaded`` (it
-becomes a real device-to-host copy on CuPy), while ``nvme`` lowers the process's
+becomes a real device-to-host copy on CuPy, into page-locked memory:
+:func:`minizero.backend.to_pinned_host`), while ``nvme`` lowers the process's
 resident memory: the bytes sit in a file (the kernel's page cache, not the process's
 RSS) until backward — unless the folder is RAM-backed (tmpfs, ramfs: often the system
 temp dir), where the file is memory all the same. Each file's blocks are reserved
@@ -68,8 +69,7 @@ class _OnDisk:
 
 def _buffer_key(a) -> tuple:
     """Identity of the bytes ``a`` shows: (owning buffer's id, first byte's address, shape, strides, dtype)."""
-    ptr = a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") else a.data.ptr
-    return (id(owning_buffer(a)), ptr, a.shape, a.strides, a.dtype.str)
+    return (id(owning_buffer(a)), backend.data_ptr(a), a.shape, a.strides, a.dtype.str)
 
 
 class ActivationOffload:
@@ -128,7 +128,7 @@ class ActivationOffload:
         """One host copy (cpu) or one anonymous file (nvme) of ``a``."""
         self.bytes_offloaded += a.nbytes
         if self.kind == "cpu":
-            host = np.array(backend.to_host(a), copy=True)
+            host = backend.to_pinned_host(a)
             get_ledger().track(host, "offloaded")
             return host
         f = None

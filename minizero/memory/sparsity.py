@@ -20,7 +20,10 @@ Memory, honestly: a pruned matrix stored densely in NumPy takes exactly as many 
 before — zeros are stored too. Savings need a compressed format, and its index overhead
 eats into them (:func:`compressed_nbytes`): CSR pays 4 bytes of column index per kept FP32
 value (break-even at 50% sparsity), a bitmap pays 1 bit per element. The mask itself is kept
-as a bitmap (``np.packbits``, 1 bit per element) and counted as ``parameters`` in the ledger.
+as a bitmap (``np.packbits``' layout, 1 bit per element) and counted as ``parameters`` in the ledger.
+
+Where it runs: ranking, masking, packing and unpacking all run on the device (``backend.xp``);
+a checkpoint copies the packed bitmaps to and from the host explicitly.
 """
 from __future__ import annotations
 
@@ -52,9 +55,29 @@ def _check(sparsity, scope):
 
 def _prune_smallest(magnitude, k: int):
     """Bool keep-mask of flat ``magnitude`` with exactly its ``k`` smallest entries False (stable ties)."""
-    keep = np.ones(magnitude.size, bool)
-    keep[np.argsort(magnitude, kind="stable")[:k]] = False
+    xp = backend.array_module(magnitude)
+    keep = xp.ones(magnitude.size, bool)
+    keep[xp.argsort(magnitude, kind="stable")[:k]] = False
     return keep
+
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)  # element 8i is the high bit of byte i, as np.packbits
+
+
+def packbits(mask):
+    """Flat bool ``mask`` (n,) -> uint8 (ceil(n/8),), element 8i in the high bit (``np.packbits``'
+    big-endian layout), computed with the mask's array module (so on the device)."""
+    xp = backend.array_module(mask)
+    bits = xp.zeros(-(-mask.size // 8) * 8, np.uint8)
+    bits[:mask.size] = mask.reshape(-1)
+    return (bits.reshape(-1, 8) * xp.asarray(np.array(_BIT_WEIGHTS, np.uint8))).sum(axis=1, dtype=np.uint8)
+
+
+def unpackbits(packed, n: int):
+    """Inverse of :func:`packbits`: the first ``n`` bits of uint8 ``packed`` as a bool (n,)."""
+    xp = backend.array_module(packed)
+    shifts = xp.asarray(np.arange(7, -1, -1, dtype=np.uint8))
+    return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:n].astype(bool)
 
 
 def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> dict:
@@ -71,15 +94,15 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
         ValueError: sparsity outside [0, 1), unknown scope, non-finite weights.
     """
     _check(sparsity, scope)
-    mags = {k: np.abs(np.asarray(backend.to_host(w), dtype=np.float64)).reshape(-1) for k, w in weights.items()}
+    mags = {k: abs(w.astype(np.float64)).reshape(-1) for k, w in weights.items()}
     for k, a in mags.items():
-        if not np.isfinite(a).all():
+        if not backend.host_scalar(backend.array_module(a).isfinite(a).all()):
             raise ValueError(f"{k} has non-finite weights; cannot rank them by magnitude")
     shapes = {k: tuple(w.shape) for k, w in weights.items()}
     if scope == "layer":
         return {k: _prune_smallest(a, int(round(sparsity * a.size))).reshape(shapes[k]) for k, a in mags.items()}
     names = list(mags)
-    flat = np.concatenate([mags[k] for k in names]) if names else np.zeros(0)
+    flat = backend.array_module(mags[names[0]]).concatenate([mags[k] for k in names]) if names else np.zeros(0)
     keep = _prune_smallest(flat, int(round(sparsity * flat.size)))
     out, off = {}, 0
     for k in names:
@@ -95,9 +118,9 @@ def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
     CSR = nnz * (value_bytes + index_bytes) + (rows + 1) * index_bytes (scipy.sparse.csr_matrix
     with int32 indices); bitmap = ceil(n / 8) + nnz * value_bytes.
     """
-    mask = np.asarray(mask, bool)
+    mask = mask if hasattr(mask, "dtype") else np.asarray(mask, bool)
     rows = mask.shape[0] if mask.ndim >= 1 else 1
-    n, nnz = mask.size, int(mask.sum())
+    n, nnz = mask.size, int(backend.host_scalar(mask.sum()))
     return {"nnz": nnz, "dense": n * value_bytes, "csr": nnz * (value_bytes + index_bytes) + (rows + 1) * index_bytes,
             "bitmap": -(-n // 8) + nnz * value_bytes}
 
@@ -125,33 +148,30 @@ class Pruner:
         masks = magnitude_masks({k: p.data for k, p in self.params.items()}, sparsity, scope)
         self.sparsity, self.scope = sparsity, scope
         self.shapes = {k: m.shape for k, m in masks.items()}
-        self.packed = {k: np.packbits(m.reshape(-1)) for k, m in masks.items()}
+        self.packed = {k: packbits(m) for k, m in masks.items()}
         for a in self.packed.values():
             get_ledger().track(a, "parameters")
 
     @classmethod
     def from_masks(cls, model, packed: dict, shapes: dict, sparsity: float, scope: str) -> "Pruner":
-        """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 ``np.packbits`` of the
-        flat bool keep-mask, ``shapes`` name -> the weight's shape. Raises KeyError for a name ``model``
+        """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 :func:`packbits` of the
+        flat bool keep-mask (host arrays, copied to the device here), ``shapes`` name -> the weight's shape. Raises KeyError for a name ``model``
         has no prunable weight of."""
         self = cls.__new__(cls)
         weights = prunable_weights(model)
         self.params = {k: weights[k] for k in packed}
         self.sparsity, self.scope = sparsity, scope
         self.shapes = dict(shapes)
-        self.packed = {k: np.array(v, dtype=np.uint8) for k, v in packed.items()}
+        self.packed = {k: backend.to_device(np.asarray(v, dtype=np.uint8)) for k, v in packed.items()}
         for a in self.packed.values():
             get_ledger().track(a, "parameters")
         return self
 
     def mask(self, name: str):
         """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape), on the device."""
-        return backend.to_device(self.host_mask(name))
-
-    def host_mask(self, name: str) -> np.ndarray:
-        """The bool keep-mask of parameter ``name`` (unpacked, the weight's shape), a NumPy array."""
         shape = self.shapes[name]
-        return np.unpackbits(self.packed[name], count=int(np.prod(shape))).astype(bool).reshape(shape)
+        n = int(np.prod(shape))
+        return unpackbits(self.packed[name], n).reshape(shape)
 
     def _shards(self, opt, which: str):
         """(mask slice, shard slice) for every owned piece of a prunable weight (ZeroOptimizer only).
@@ -202,8 +222,8 @@ class Pruner:
     def report(self) -> dict:
         """Measured sparsity and storage: ``{"pruned", "total", "sparsity", "dense", "csr", "bitmap", "mask_bytes",
         "layers": {name: {...}}}`` (bytes for FP32 values, int32 indices)."""
-        layers = {k: dict(compressed_nbytes(self.host_mask(k).reshape(self.shapes[k][0], -1)),
-                          sparsity=1 - float(self.host_mask(k).mean())) for k in self.packed}
+        layers = {k: dict(compressed_nbytes(self.mask(k).reshape(self.shapes[k][0], -1)),
+                          sparsity=1 - float(backend.host_scalar(self.mask(k).mean()))) for k in self.packed}
         total = sum(int(np.prod(s)) for s in self.shapes.values())
         nnz = sum(v["nnz"] for v in layers.values())
         out = {"pruned": total - nnz, "total": total, "sparsity": (total - nnz) / max(total, 1), "layers": layers,

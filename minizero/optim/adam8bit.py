@@ -32,6 +32,11 @@ that another rank also holds part of::
 Both ranks keep that block's absmax (4 bytes twice) and agree on it after each update with
 one small all-reduce of their partial maxima (one float per shared block and state, at most
 N-1 shared blocks per unit), so the codes equal one process's bit for bit.
+
+Where it runs: codes, absmax, the code books and every step's arithmetic live on the device
+(``backend.xp``); the code books are built on the host and copied to the device once per
+optimizer (:func:`make_codes`). The only device-to-host copies are the quantizer's explicit
+one-number finiteness check and :meth:`Adam8bit.state_dict` (host copies by contract).
 """
 from __future__ import annotations
 
@@ -52,13 +57,19 @@ MIN_8BIT_SIZE = 4096  #: tensors with fewer elements keep FP32 state (bitsandbyt
 CODES = ("dynamic", "linear")
 
 
-def make_codes(code: str = "dynamic"):
-    """``(signed code for m, unsigned code for v)``, each float32 (256,). Raises ValueError for an unknown name."""
+def make_codes(code: str = "dynamic", device: bool = True):
+    """``(signed code for m, unsigned code for v)``, each float32 (256,), copied to the device once
+    (``device=False``: host arrays, for reading a checkpoint's codes on the host).
+
+    Raises ValueError for an unknown name.
+    """
     if code == "dynamic":
-        return dynamic_code(signed=True), dynamic_code(signed=False)
-    if code == "linear":
-        return linear_code(signed=True), linear_code(signed=False)
-    raise ValueError(f"code={code!r}; allowed: {', '.join(CODES)}")
+        books = dynamic_code(signed=True), dynamic_code(signed=False)
+    elif code == "linear":
+        books = linear_code(signed=True), linear_code(signed=False)
+    else:
+        raise ValueError(f"code={code!r}; allowed: {', '.join(CODES)}")
+    return tuple(backend.to_device(c) for c in books) if device else books
 
 
 class QuantizedState:
@@ -76,9 +87,10 @@ class QuantizedState:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}; allowed: >= 1")
         self.code, self.block_size, self.offset, self.n = code, block_size, offset, n
-        zero = int(np.argmin(np.abs(code)))
-        self.codes = np.full(n, zero, np.uint8)
-        self.absmax = np.zeros(-(-(offset % block_size + n) // block_size) if n else 0, np.float32)
+        xp = backend.array_module(code)
+        zero = int(backend.host_scalar(xp.argmin(xp.abs(code))))  # the code of 0.0
+        self.codes = xp.full(n, zero, np.uint8)
+        self.absmax = xp.zeros(-(-(offset % block_size + n) // block_size) if n else 0, np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -245,7 +257,8 @@ class Adam8bit(Optimizer):
         for i, (m, v) in enumerate(zip(self.m, self.v)):
             for name, s in (("m", m), ("v", v)):
                 if isinstance(s, QuantizedState):
-                    out[f"{name}.{i}.codes"], out[f"{name}.{i}.absmax"] = s.codes.copy(), s.absmax.copy()
+                    out[f"{name}.{i}.codes"] = backend.to_host(s.codes).copy()
+                    out[f"{name}.{i}.absmax"] = backend.to_host(s.absmax).copy()
                 else:
                     out[f"{name}.{i}"] = backend.to_host(s).copy()
         return out
@@ -316,13 +329,13 @@ class ShardedAdam8bit:
                                     grad_scale)
             pending.append((pc, m, v, mf, vf, m.block_absmax(mf), v.block_absmax(vf)))
         if shared:
-            table = np.zeros((self.comm.world_size, len(shared), 2), np.float32)
+            table = backend.xp.zeros((self.comm.world_size, len(shared), 2), np.float32)
             for pc, m, v, mf, vf, am, av in pending:
                 first = pc.lo // b
                 for k in sorted({first, (pc.hi - 1) // b}):
                     j = shared.get((pc.param, k))
                     if j is not None:
-                        table[self.comm.rank, j] = am[k - first], av[k - first]
+                        table[self.comm.rank, j, 0], table[self.comm.rank, j, 1] = am[k - first], av[k - first]
             with self.comm.traffic.op("adam8bit_absmax"):
                 table = all_reduce(self.comm, table).max(axis=0)
             for pc, m, v, mf, vf, am, av in pending:
@@ -330,7 +343,7 @@ class ShardedAdam8bit:
                 for k in sorted({first, (pc.hi - 1) // b}):
                     j = shared.get((pc.param, k))
                     if j is not None:
-                        am[k - first], av[k - first] = table[j]
+                        am[k - first], av[k - first] = table[j, 0], table[j, 1]
         for pc, m, v, mf, vf, am, av in pending:
             adam8bit_finish(m, v, mf, vf, am, av)
 

@@ -48,7 +48,7 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, e
     v += (1.0 - beta2) * (gs * gs)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
-    denom = backend.xp.sqrt(v / bc2) + eps
+    denom = backend.array_module(v).sqrt(v / bc2) + eps  # NumPy for offloaded (host) state
     update = (lr / bc1) * (m / denom)
     if p.dtype == m.dtype:
         if weight_decay:

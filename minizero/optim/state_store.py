@@ -100,9 +100,10 @@ class OptimizerStateStore:
     """Where an optimizer keeps its FP32 state (master weights, Adam m and v) and runs its update.
 
     ``none``: device memory (ledger ``optimizer_state``). ``cpu``: host memory
-    (ledger ``offloaded``): the update runs on the host on host copies of the
-    gradients and the result is copied back to the device's compute-precision
-    parameters — ZeRO-Offload (Ren et al. 2021, section 4). ``nvme``: every
+    (ledger ``offloaded``; page-locked on CuPy, :func:`minizero.backend.pinned_zeros`): the
+    update runs on the host, in NumPy, on host copies of the gradients (explicit
+    ``backend.to_host``) and the result is copied back (``backend.to_device``) to the device's
+    compute-precision parameters — ZeRO-Offload (Ren et al. 2021, section 4). ``nvme``: every
     state array is an ``np.memmap`` over an anonymous file in ``offload_dir``
     (not in the ledger's memory categories; its bytes are ``disk_bytes``) —
     ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021, section 5) without the
@@ -145,7 +146,7 @@ class OptimizerStateStore:
             get_ledger().track(a, "optimizer_state")
             return a
         if self.kind == "cpu":
-            a = np.zeros(shape, dtype)
+            a = backend.pinned_zeros(shape, dtype)
             get_ledger().track(a, "offloaded")
             return a
         nbytes = int(np.prod(shape)) * dtype.itemsize

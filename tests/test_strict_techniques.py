@@ -1,0 +1,339 @@
+"""8-bit Adam, quantization, offload and quantized communication under the strict array module.
+
+``backend.set_backend("strict")`` makes ``backend.xp`` :mod:`minizero.strict`: NumPy underneath,
+but its arrays raise on every implicit host transfer (``np.asarray``, ``float`` of a vector,
+mixing with NumPy arrays, iteration), as CuPy's do. Each test runs a technique once on NumPy and
+once under strict, from the same host inputs, and asserts the results are equal bit for bit:
+so the technique computes on the device (a leak would raise) and computes the same thing.
+The first test proves that the fixture can fail: a host leak raises under strict.
+"""
+import numpy as np
+import pytest
+
+from minizero import backend, strict
+from minizero.comm import run_in_threads
+from minizero.ledger import get_ledger
+
+
+def _host(x):
+    """Host copies of the arrays in a (nested) result; other values as they are."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_host(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _host(v) for k, v in x.items()}
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return np.array(backend.to_host(x), copy=True)
+    return x
+
+
+def _on(name, fn, *args, host_sizes=None, **kwargs):
+    """``fn(*args)`` with ``backend.xp`` = ``name``'s module; host copies of its result; NumPy again after.
+
+    ``host_sizes``: a list that receives the element count of every ``backend.to_host`` call made
+    while ``fn`` runs (so a test can assert that only one-number checks came to the host).
+    """
+    backend.set_backend(name)
+    real = backend.to_host
+    if host_sizes is not None:
+        def counted(a):
+            host_sizes.append(int(a.size) if hasattr(a, "size") else 1)
+            return real(a)
+        backend.to_host = counted
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        backend.to_host = real
+        backend.set_backend("numpy")
+    return _host(out)
+
+
+def _assert_same(a, b, where="result"):
+    """Equal bit for bit (dtype and shape too), recursing into lists, tuples and dicts."""
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b)):
+            _assert_same(u, v, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), f"{where} differs between numpy and strict"
+    else:
+        assert a == b, where
+
+
+def _data(seed, n, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * np.exp(rng.uniform(-4, 1, n))).astype(dtype)
+
+
+# --------------------------------------------------------------------------- the fixture can fail
+def test_strict_refuses_a_host_leak(strict_backend):
+    x = backend.xp.asarray(_data(0, 8))
+    with pytest.raises(TypeError, match="implicit conversion"):
+        np.asarray(x)
+    with pytest.raises(TypeError, match="host numpy.ndarray"):
+        x + np.ones(8, np.float32)  # mixing a host array into device arithmetic
+    with pytest.raises(TypeError, match="numpy.concatenate"):
+        np.concatenate([x, x])  # an np. call where backend.xp belongs
+    with pytest.raises(TypeError, match="iterating"):
+        list(x)
+    with pytest.raises(TypeError):
+        float(x)
+    # what the technique modules did before they moved to backend.xp: a host array fed to a device one
+    from minizero.quantization import quantize_blockwise
+    from minizero.optim.adam8bit import make_codes
+    with pytest.raises(TypeError, match="host numpy.ndarray"):
+        quantize_blockwise(x, make_codes(device=False)[0])
+
+
+# --------------------------------------------------------------------------- quantizers
+def _quantizers():
+    from minizero import quantization as Q
+    from minizero.optim.adam8bit import make_codes
+
+    xp, out = backend.xp, []
+    w = backend.to_device(_data(1, 37 * 19).reshape(37, 19))
+    for bits in (8, 4):
+        for gran in ("tensor", "row", "block"):
+            q, s = Q.quantize(w, bits, gran, 16)
+            t = Q.QuantizedTensor.from_array(w, bits, gran, 16)
+            out += [q, s, Q.dequantize(q, s, w.shape, bits, gran, 16, dtype=np.float64), t.dequantize(), t.nbytes]
+    codes = xp.asarray(np.arange(-8, 8, dtype=np.int8).repeat(3))
+    out.append(Q.unpack_int4(Q.pack_int4(codes), codes.size))
+    signed, unsigned = make_codes("dynamic")
+    for offset in (0, 5, 300):
+        c, a = Q.quantize_blockwise(w.reshape(-1), signed, 64, offset)
+        out += [c, a, Q.dequantize_blockwise(c, a, signed, 64, offset), Q.block_absmax(w.reshape(-1), 64, offset)]
+    c, a = Q.quantize_blockwise(xp.abs(w).reshape(-1), unsigned, 256)
+    out += [c, a, Q.dequantize_blockwise(c, a, unsigned, 256, dtype=np.float64)]
+    bad = xp.asarray(np.array([1.0, np.inf], np.float32))
+    with pytest.raises(ValueError, match="non-finite"):
+        Q.quantize(bad)
+    return out
+
+
+def test_int8_int4_and_blockwise_quantizers_equal_numpy(strict_backend):
+    sizes = []
+    got = _on("strict", _quantizers, host_sizes=sizes)
+    _assert_same(_on("numpy", _quantizers), got)
+    assert sizes and set(sizes) == {1}  # nothing came to the host but one-number checks
+
+
+# --------------------------------------------------------------------------- 8-bit Adam
+def _adam8bit(steps=3):
+    from minizero.nn.module import Parameter
+    from minizero.optim.adam8bit import Adam8bit
+
+    shapes = [(64, 80), (300,), (40, 50)]
+    params = [Parameter(backend.to_device(_data(10 + i, int(np.prod(s))).reshape(s))) for i, s in enumerate(shapes)]
+    opt = Adam8bit(params, lr=1e-2, block_size=48, min_8bit_size=1000, master_weights=True)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = backend.to_device(_data(100 * step + i, p.size).reshape(p.shape))
+        opt.step()
+    return [p.data for p in params], opt.dequantized_state(), opt.state_nbytes(), opt
+
+
+def test_adam8bit_steps_equal_numpy(strict_backend):
+    *ref, ref_opt = _on("numpy", _adam8bit)
+    sizes = []
+    *got, opt = _on("strict", _adam8bit, host_sizes=sizes)
+    assert sizes and set(sizes) == {1}  # the steps brought nothing to the host but one-number checks
+    assert isinstance(opt.m[0].codes, strict.StrictArray) and isinstance(opt.m[0].code, strict.StrictArray)
+    _assert_same(ref + [ref_opt.state_dict()], got + [opt.state_dict()])  # state_dict: host copies by contract
+
+
+def _sharded(comm, steps=3, block=48, min_8bit=200):
+    from minizero.memory.zero import ShardMap
+    from minizero.nn import GPT, get_config
+    from minizero.optim.adam8bit import ShardedAdam8bit
+
+    model = GPT(get_config("tiny", dtype="float64"))
+    smap = ShardMap.from_model(model, comm.world_size)
+    state = ShardedAdam8bit(smap, comm, np.float64, block_size=block, min_8bit_size=min_8bit)
+    shards = []
+    for i, u in enumerate(smap.units):
+        off, size = smap.shard(i, comm.rank)
+        full = np.concatenate([_data(j, int(np.prod(s)), np.float64) for j, s in enumerate(u.shapes)])
+        shards.append(backend.to_device(full[off:off + size]))
+    for step in range(1, steps + 1):
+        for i, u in enumerate(smap.units):
+            off, size = smap.shard(i, comm.rank)
+            g = np.concatenate([_data(1000 * step + j, int(np.prod(s)), np.float64) for j, s in enumerate(u.shapes)])
+            state.step_unit(i, shards[i], backend.to_device(g[off:off + size]), step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    pieces = [[(m, v) for _, m, v in state.dequantized_pieces(i)] for i in range(len(smap.units))]
+    return shards, pieces, sum(len(s) for s in state.shared)
+
+
+@pytest.mark.timeout(60)
+def test_sharded_adam8bit_with_cut_blocks_equals_numpy(strict_backend):
+    ref = _on("numpy", run_in_threads, 2, _sharded)
+    sizes = []
+    got = _on("strict", run_in_threads, 2, _sharded, host_sizes=sizes)
+    assert sizes and set(sizes) == {1}
+    assert ref[0][2] > 0  # blocks cut by a shard boundary: the absmax all-reduce ran
+    _assert_same(ref, got)
+
+
+# --------------------------------------------------------------------------- quantized communication
+def _collectives(comm, n=1000, block=64):
+    from minizero.comm import shard_range
+    from minizero.comm.quantized import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
+
+    x = backend.to_device(_data(comm.rank, n))
+    off, size = shard_range(n, comm.world_size, comm.rank)
+    gathered = quantized_all_gather(comm, x[off:off + size].copy(), n, block_size=block)
+    scattered = quantized_reduce_scatter(comm, x, block_size=block)
+    reduced = quantized_all_reduce(comm, x, block_size=block)
+    overflow = backend.to_device(np.where(np.arange(n) == 7 + comm.rank, np.inf, _data(comm.rank, n)))
+    return gathered, scattered, reduced, quantized_all_reduce(comm, overflow, block_size=block), comm.traffic.snapshot()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_quantized_collectives_equal_numpy(strict_backend, world_size):
+    ref = _on("numpy", run_in_threads, world_size, _collectives)
+    sizes = []
+    got = _on("strict", run_in_threads, world_size, _collectives, host_sizes=sizes)
+    assert sizes and set(sizes) == {1}  # quantized, sent and summed on the device
+    assert np.isnan(ref[0][3][:64]).all()  # the overflowed block arrives as NaN on both
+    _assert_same(ref, got)
+
+
+# --------------------------------------------------------------------------- offload
+def _activation_offload(kind, folder):
+    from minizero.memory.offload import ActivationOffload
+
+    off = ActivationOffload(kind, offload_dir=folder, min_bytes=16)
+    arrays = [backend.to_device(_data(i, 300).reshape(15, 20)) for i in range(3)]
+    packed = [off.pack(a) for a in arrays] + [off.pack(arrays[0])]  # the last one shares the first's copy
+    offloaded = get_ledger().current["offloaded"]
+    back = [off.unpack(p) for p in packed]
+    assert all(type(b) is type(arrays[0]) for b in back)  # on the device again
+    return back, off.bytes_offloaded, off.saves_shared, offloaded
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_activation_offload_equals_numpy(strict_backend, tmp_path, kind):
+    ref = _on("numpy", _activation_offload, kind, str(tmp_path))
+    strict.reset_transfers()
+    got = _on("strict", _activation_offload, kind, str(tmp_path))
+    assert strict.transfers["to_host"] >= 3 and strict.transfers["to_device"] >= 4  # real copies, each way
+    _assert_same(ref, got)
+
+
+def _offloaded_adamw(kind, folder, steps=3):
+    from minizero.nn.module import Parameter
+    from minizero.optim import AdamW
+    from minizero.optim.state_store import OptimizerStateStore
+
+    params = [Parameter(backend.to_device(_data(20 + i, 600).reshape(20, 30).astype(np.float16))) for i in range(2)]
+    opt = AdamW(params, lr=1e-2, master_weights=True, store=OptimizerStateStore(kind, folder))
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = backend.to_device(_data(7 * step + i, 600).reshape(20, 30).astype(np.float16))
+        opt.step(grad_scale=0.5)
+    if backend.name == "strict":  # offloaded state is on the host, the rest on the device
+        assert all(isinstance(m, np.ndarray) for m in opt.m + opt.v + opt.masters) == (kind != "none")
+    return [p.data for p in params], opt.state_dict(), get_ledger().current["offloaded"] > 0
+
+
+@pytest.mark.parametrize("kind", ["none", "cpu", "nvme"])
+def test_offloaded_optimizer_state_equals_numpy(strict_backend, tmp_path, kind):
+    ref = _on("numpy", _offloaded_adamw, "none", str(tmp_path))[:2]
+    _assert_same(ref, _on("strict", _offloaded_adamw, kind, str(tmp_path))[:2])
+
+
+# --------------------------------------------------------------------------- pruning
+def _pruning(scope):
+    from minizero.memory.sparsity import Pruner
+    from minizero.nn import GPT, get_config
+
+    model = GPT(get_config("tiny", dtype="float64"))
+    for i, p in enumerate(model.parameters()):
+        p.data[...] = backend.to_device(_data(i, p.size, np.float64).reshape(p.shape))
+        p.grad = backend.to_device(_data(50 + i, p.size, np.float64).reshape(p.shape))
+    pruner = Pruner(model, 0.6, scope)
+    pruner.prune_()
+    pruner.mask_gradients_()
+    return [p.data for p in model.parameters()], [p.grad for p in model.parameters()], pruner.packed, pruner.report()
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_pruning_equals_numpy(strict_backend, scope):
+    sizes = []
+    got = _on("strict", _pruning, scope, host_sizes=sizes)
+    assert sizes and set(sizes) == {1}
+    _assert_same(_on("numpy", _pruning, scope), got)
+
+
+# --------------------------------------------------------------------------- whole training runs
+#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end
+TRAINING = {
+    "offload-activations-cpu": (1, ["--offload-activations", "cpu"]),
+    "offload-activations-nvme": (1, ["--offload-activations", "nvme"]),
+    "offload-optimizer-cpu-fp16": (1, ["--offload-optimizer", "cpu", "--precision", "fp16", "--dtype", "float32"]),
+    "offload-optimizer-nvme-zero2": (2, ["--offload-optimizer", "nvme", "--zero", "2"]),
+    "adam8bit-dp2": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--grad-accum", "2"]),
+    "adam8bit-zero3-cut-blocks": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--zero", "3"]),
+    "quantized-comm-dp2": (2, ["--quantized-comm"]),
+    "quantized-comm-zero3": (2, ["--quantized-comm", "--zero", "3"]),
+    "pruning-adam8bit": (1, ["--prune-sparsity", "0.5", "--prune-scope", "global", "--optimizer", "adam8bit"]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(TRAINING))
+def test_training_with_the_technique_equals_numpy(case, tmp_path):
+    from tests.test_strict_device import assert_same_bits, run_on
+
+    world, flags = TRAINING[case]
+    flags = flags + (["--offload-dir", str(tmp_path)] if "nvme" in flags else [])
+    want = run_on("cpu", world, flags)
+    strict.reset_transfers()
+    got = run_on("strict", world, flags)
+    assert strict.transfers["to_device"] > 0  # it ran on the strict module
+    assert_same_bits(got, want)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--offload-activations",
+                                    "nvme"], ["--offload-optimizer", "cpu", "--offload-activations", "cpu"]],
+                         ids=["adam8bit-offload-activations-nvme", "offload-optimizer-and-activations-cpu"])
+def test_cli_strict_equals_cpu_with_offload_and_8bit_adam(tmp_path, flags):
+    """``python -m minizero.train --device strict`` with offload / 8-bit Adam writes ``--device cpu``'s model.npz bits."""
+    from tests.test_strict_device import _cli
+
+    flags = flags + (["--offload-dir", str(tmp_path)] if "nvme" in flags else [])
+    want, _ = _cli(None, 1, "cpu", flags, tmp_path / "cpu")
+    got, _ = _cli(None, 1, "strict", flags, tmp_path / "strict")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.timeout(300)
+def test_quantize_cli_strict_equals_cpu(tmp_path):
+    """``python -m minizero.quantize --device strict`` (weight-only INT8/INT4 with FP32 outlier columns:
+    calibration, quantization and evaluation on the device) measures what ``--device cpu`` does."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+    from tests.test_strict_device import _cli
+
+    _cli(None, 1, "cpu", [], tmp_path / "run")
+    out = {}
+    for device in ("cpu", "strict"):
+        cmd = [sys.executable, "-m", "minizero.quantize", "--weights", str(tmp_path / "run" / "model.npz"), "--table",
+               "--outlier-threshold", "0.5", "--eval-batches", "1", "--device", device,
+               "--json", str(tmp_path / f"{device}.json")]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[device] = json.load(open(tmp_path / f"{device}.json"))
+    assert out["cpu"]["rows"] and out["cpu"]["calibration"]["columns_at_threshold"] > 0
+    assert out["strict"] == out["cpu"]
