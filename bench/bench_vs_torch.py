@@ -13,7 +13,8 @@ than alone). Both sides first run ``--warmup`` steps (PyTorch's first ~4 steps a
 allocator and kernels warm up). Printed per batch: tokens/s of each (median step over all
 rounds), the median over rounds of the per-round ratio, its range, and MFU = model FLOPs per
 step (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step``) / step
-time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads).
+time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads, before and after the runs, the higher; the table
+is printed at the end).
 
 PyTorch is optional (never a dependency of minizero): without it the script says how to get it
 (the CPU wheel: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``) and prints
@@ -120,7 +121,8 @@ def torch_side(cfg):
     return step
 
 
-def bench(batch: int, args, peak: float) -> None:
+def bench(batch: int, args) -> tuple:
+    """Run the rounds at ``batch``; returns (batch, block size, model FLOPs per step, {side: median s}, ratios)."""
     cfg = get_config("default")
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 256, (batch, cfg.block_size)), rng.integers(0, 256, (batch, cfg.block_size)))
@@ -149,17 +151,21 @@ def bench(batch: int, args, peak: float) -> None:
             med_round[name] = float(np.median(block))
         if "pytorch" in med_round:
             ratios.append(med_round["pytorch"] / med_round["minizero"])
-    flops = model_flops_per_step(cfg, batch)
-    tokens = batch * cfg.block_size
     med = {name: float(np.median(t)) for name, t in times.items()}
-    cells = [f"{batch} x {cfg.block_size}"]
+    return batch, cfg.block_size, model_flops_per_step(cfg, batch), med, ratios
+
+
+def row(batch, block, flops, med, ratios, peak) -> str:
+    """One Markdown row: tokens/s and MFU of each side, the median ratio of rounds and its range."""
+    tokens = batch * block
+    cells = [f"{batch} x {block}"]
     for name in ("minizero", "pytorch"):
         if name in med:
             cells += [f"{tokens / med[name]:,.0f}", f"{flops / med[name] / peak:.1%}"]
         else:
             cells += ["-", "-"]
     cells.append(f"{np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
-    print("| " + " | ".join(cells) + " |", flush=True)
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -181,14 +187,16 @@ def main() -> None:
     else:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
-        peak = sgemm_peak()
+        first = sgemm_peak()
+        results = [bench(int(b), args) for b in args.batch.split(",")]
+        peak = max(first, sgemm_peak())  # before and after: a busy moment at one end does not inflate MFU
         print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
-              f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s; {args.rounds} alternated rounds of "
-              f"{args.steps} steps per side; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
+              f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s (the higher of before and after the "
+              f"runs; {first / 1e9:.1f} before); {args.rounds} alternated rounds of {args.steps} steps per side; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
         print("| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU | minizero / PyTorch (median of rounds, range) |")
         print("|---|---:|---:|---:|---:|---:|")
-        for b in (int(x) for x in args.batch.split(",")):
-            bench(b, args, peak)
+        for r in results:
+            print(row(*r, peak), flush=True)
 
 
 if __name__ == "__main__":
