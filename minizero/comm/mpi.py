@@ -11,13 +11,16 @@ does, instead of handing back reinterpreted bits. How it travels depends on the 
 * larger: the header on ``header_comm`` and the payload straight from and into the
   arrays on the communicator itself, both receives posted at once (the payload's
   bytes land in the buffer while the header is checked; on a mismatch the error says
-  not to use them, and the payload's receive is cancelled).
+  not to use them).
 
 A message of the other kind, or larger than the buffer, raises the same ValueError
-(MPI_ERR_TRUNCATE on ``header_comm`` is that). Before, every payload waited for its
-header's arrival to be posted: a ring exchange took 1.41x the bare payload's time at
-4 KiB and 1.22x at 16 MiB (``bench/bench_header.py``, README). The traffic ledger
-counts payload bytes only (headers are bookkeeping, ``header_bytes``).
+(MPI_ERR_TRUNCATE on ``header_comm`` is that), after taking the payload the header
+announced off the wire, so the sender completes and no stray payload meets a later
+receive. Before, every payload was a second message whose receive was posted only once
+its header had arrived: at 1 MiB a checked ring exchange took 1.25-1.36x the bare
+payload's time, now ~1.0 (``bench/bench_header.py``, README; below 64 KiB the Python
+work of a message, not the header, is what remains). The traffic ledger counts payload
+bytes only (headers are bookkeeping, ``header_bytes``).
 
 Waits never block inside MPI (MPICH's blocking ``Recv`` busy-polls a core): every
 operation is a non-blocking request (``Isend``/``Irecv``/``Ibarrier``/``Iallreduce``...)
@@ -168,8 +171,8 @@ class _Incoming:
 class MPICommunicator(Communicator):
     """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
-    Point-to-point messages go as raw bytes (``[buf, MPI.BYTE]``), so every dtype works,
-    float16 included, each preceded by a header: a receive checks that the sender's shape
+    Point-to-point messages go as raw bytes (``MPI.BYTE``), so every dtype works, float16
+    included, each with its header (the module docstring): a receive checks that the sender's shape
     and dtype match ``buf`` (ValueError naming both otherwise).
     Native collectives pass the arrays with their own MPI datatype (float16 needs an
     MPI with MPIX_C_FLOAT16, as MPICH >= 4 has).
