@@ -1,14 +1,20 @@
 """Training-step throughput: minizero against a nanoGPT-style PyTorch CPU model of the same shape.
 
-    python bench/bench_vs_torch.py --batch 8,32 --threads 2 --steps 10
+    python bench/bench_vs_torch.py --batch 8,32 --threads 2 --steps 4 --rounds 5
 
 Both sides run the same step -- forward, mean cross-entropy, backward, AdamW (lr 1e-3,
 betas (0.9, 0.95), weight decay 0.1 on 2-D tensors), zero grads -- on the same (B, 128) byte
 batches, in the same dtype (float32), with the same BLAS/intra-op thread count, and they
-alternate step by step in one process, so a noisy machine slows both alike. Printed per batch:
-tokens/s of each, their ratio, and MFU = model FLOPs per step (Korthikanti et al. 2022,
-``minizero.memory.estimator.model_flops_per_step``) / step time / the sgemm peak measured here
-(float32 1024^3 matmuls with the same threads).
+alternate in one process, so a noisy machine slows both alike: ``--rounds`` rounds, each a
+block of ``--steps`` steps of one side then of the other (the first step of every block is
+dropped: the previous side's BLAS/OpenMP threads still spin-wait on the cores for a while
+after its last step, and step-by-step alternation on 2 cores measured both sides 2-3x slower
+than alone). Both sides first run ``--warmup`` steps (PyTorch's first ~4 steps are slow: its
+allocator and kernels warm up). Printed per batch: tokens/s of each (median step over all
+rounds), the median over rounds of the per-round ratio, its range, and MFU = model FLOPs per
+step (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step``) / step
+time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads, before and after the runs, the higher; the table
+is printed at the end).
 
 PyTorch is optional (never a dependency of minizero): without it the script says how to get it
 (the CPU wheel: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``) and prints
@@ -127,7 +133,8 @@ def torch_side(cfg, device: str = "cpu", fp16: bool = False):
     return step
 
 
-def bench(batch: int, args, peak: float) -> None:
+def bench(batch: int, args) -> tuple:
+    """Run the rounds at ``batch``; returns (batch, block size, model FLOPs per step, {side: median s}, ratios)."""
     cfg = get_config("default")
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 256, (batch, cfg.block_size)), rng.integers(0, 256, (batch, cfg.block_size)))
@@ -137,48 +144,71 @@ def bench(batch: int, args, peak: float) -> None:
     tstep = torch_side(cfg)
     if tstep is not None:
         sides["pytorch"] = tstep
+    for name, fn in sides.items():  # warm-up, not timed
+        for s in range(args.warmup):
+            fn(*batches[s % 4])
     times = {name: [] for name in sides}
-    for s in range(args.warmup + args.steps):
-        for name, fn in sides.items():  # alternate: one step of each in turn
-            idx, tg = batches[s % 4]
-            t = time.perf_counter()
-            fn(idx, tg)
-            if s >= args.warmup:
-                times[name].append(time.perf_counter() - t)
-    flops = model_flops_per_step(cfg, batch)
-    tokens = batch * cfg.block_size
+    ratios = []
+    for r in range(args.rounds):
+        med_round = {}
+        for name, fn in (sides.items() if r % 2 == 0 else reversed(sides.items())):  # alternate who goes first
+            block = []
+            for s in range(args.steps + 1):  # the first step of a block settles, not timed
+                idx, tg = batches[s % 4]
+                t = time.perf_counter()
+                fn(idx, tg)
+                if s:
+                    block.append(time.perf_counter() - t)
+            times[name] += block
+            med_round[name] = float(np.median(block))
+        if "pytorch" in med_round:
+            ratios.append(med_round["pytorch"] / med_round["minizero"])
     med = {name: float(np.median(t)) for name, t in times.items()}
-    cells = [f"{batch} x {cfg.block_size}"]
+    return batch, cfg.block_size, model_flops_per_step(cfg, batch), med, ratios
+
+
+def row(batch, block, flops, med, ratios, peak) -> str:
+    """One Markdown row: tokens/s and MFU of each side, the median ratio of rounds and its range."""
+    tokens = batch * block
+    cells = [f"{batch} x {block}"]
     for name in ("minizero", "pytorch"):
         if name in med:
             cells += [f"{tokens / med[name]:,.0f}", f"{flops / med[name] / peak:.1%}"]
         else:
             cells += ["-", "-"]
-    cells.append(f"{med['pytorch'] / med['minizero']:.2f}x" if "pytorch" in med else "-")
-    print("| " + " | ".join(cells) + " |", flush=True)
+    cells.append(f"{np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per side per round")
+    p.add_argument("--rounds", type=int, default=5, help="alternated rounds (the ratio is their median)")
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps per side before the rounds")
     args = p.parse_args()
+    for name in ("steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if torch is None:
         print("PyTorch is not installed: minizero's side only. For the comparison install the CPU wheel:\n"
               "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n")
     else:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
-        peak = sgemm_peak()
+        first = sgemm_peak()
+        results = [bench(int(b), args) for b in args.batch.split(",")]
+        peak = max(first, sgemm_peak())  # before and after: a busy moment at one end does not inflate MFU
         print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
-              f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
-              f"alternated steps; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
-        print("| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU | minizero / PyTorch |")
+              f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s (the higher of before and after the "
+              f"runs; {first / 1e9:.1f} before); {args.rounds} alternated rounds of {args.steps} steps per side; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
+        print("| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU | minizero / PyTorch (median of rounds, range) |")
         print("|---|---:|---:|---:|---:|---:|")
-        for b in (int(x) for x in args.batch.split(",")):
-            bench(b, args, peak)
+        for r in results:
+            print(row(*r, peak), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,17 @@ Python, else on PATH), reads the summary, and sets beside each other, per rank:
   memory-mapped NVMe files are not allocations);
 * the estimator's prediction (:func:`minizero.memory.estimator.estimate_memory`,
   ``accounting="minizero"``) for the same model and strategy;
-* tokens per second (rank 0's, over the few steps: a rough number, first step included).
+* tokens per second (rank 0's, over the few steps: a rough number, first step included);
+* the step time: measured (rank 0's training-loop time / steps, first step included, with
+  tracemalloc on and ``--no-overlap``) beside the planner's prediction
+  (:func:`minizero.plan_search.step_time`, the formulas ``python -m minizero.plan`` ranks
+  with) on a hardware profile of this machine measured first (:mod:`minizero.hardware`:
+  sgemm FLOP/s at the model's shapes, copy bandwidth, all-reduce busbw of launched
+  ranks at the gradient size, AdamW parameters/s), and their ratio measured / predicted.
+  The planner's model counts matmul FLOPs, collective bytes and offload copies; it leaves
+  out the elementwise kernels, the optimizer step (except CPU Adam under offload),
+  Python's overhead and FP16 emulation, and it hides DP traffic behind backward that
+  ``--no-overlap`` does not hide: a ratio above 1 is what it leaves out.
 
 Outputs (each written to a temporary name in the folder, then renamed): ``OUT/compare.md``
 (the Markdown table printed to stdout), ``OUT/compare.png`` (matplotlib, Agg backend;
@@ -41,8 +51,10 @@ import sys
 import tempfile
 import time
 
-from minizero.memory.estimator import (DEVICE_CATEGORIES, Strategy, activation_bytes, estimate_memory,
+from minizero import hardware
+from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
+from minizero.plan_search import step_time
 from minizero.compare_report import MIB, SHOWN, _mib, markdown, plot  # noqa: F401 (MIB: the public API)
 from minizero.files import WriteError, atomic_write, mpiexec_path
 from minizero.nn import PRESETS
@@ -144,6 +156,19 @@ def estimate(name: str, model: str, ranks: int, micro_batch_size: int) -> dict:
     return dict(est.as_dict(), total=est.total, nvme=est.nvme, nvme_optimizer=est.nvme - act_files)
 
 
+def predict_step_s(name: str, model: str, ranks: int, micro_batch_size: int, profile: hardware.Profile) -> float:
+    """The planner's step time (s) for strategy ``name`` on ``ranks`` ranks of this machine (``profile``).
+
+    :func:`minizero.plan_search.step_time` on the model's :class:`ModelShape`, the strategy of
+    :func:`to_strategy` and ``profile.hardware(ranks)``: the same formulas the planner ranks with.
+    """
+    from minizero.train import model_config, parse_args
+
+    cfg = model_config(parse_args(train_argv(name, model, 1, micro_batch_size), ranks))
+    st = to_strategy(name, ranks, micro_batch_size, cfg.dtype)
+    return step_time(ModelShape.from_gpt_config(cfg), st, profile.hardware(ranks), cfg.block_size)["step"]
+
+
 def deviations(measured: list[dict], est: dict) -> dict:
     """Per category, the largest |estimate - measured| / measured over ranks (0 when both are 0; inf if only one)."""
     out = {}
@@ -243,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def hardware_line(profile: hardware.Profile) -> str:
+    """One line of the measured profile: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s, AdamW."""
+    flops = ", ".join(f"{v / 1e9:.1f} ({t} thread{'s' * (t > 1)})" for t, v in sorted(profile.sgemm_flops.items()))
+    bw = ", ".join(f"{v / 1e9:.2f} ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
+    return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops} GFLOP/s; copy "
+            f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
+            f"gradient {bw or '- (1 rank)'} GB/s; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",")]  # an empty item ("2,,3", "2,") is an error too
@@ -320,6 +354,17 @@ def _main(argv=None) -> int:
     title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} "
              f"per rank")
     print(title, flush=True)
+    from minizero.train import model_config, parse_args as train_args
+
+    cfg = model_config(train_args(train_argv("baseline", args.model, 1, args.micro_batch_size), 1))
+    try:
+        profile = hardware.measure(cfg, args.micro_batch_size, args.ranks, mpiexec)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # no prediction then; the memory comparison goes on
+        profile = None
+        print(f"python -m minizero.compare: note: the hardware profile failed ({e}); no predicted step time",
+              file=sys.stderr, flush=True)
+    if profile is not None:
+        print("  " + hardware_line(profile), flush=True)
     runs = []
     for n in args.ranks:
         for name in args.strategies:
@@ -336,23 +381,31 @@ def _main(argv=None) -> int:
                                        setup_peak_bytes=s.get("ledger_setup_peak_bytes"),
                                        tokens_per_s=s["tokens_per_s"], bytes_sent=s["bytes_sent"])
                 run["deviation"] = deviations(per_rank, run["estimate"])
+                run["step_s"] = s["elapsed_s"] / args.steps
+                if profile is not None:
+                    run["predicted_step_s"] = predict_step_s(name, args.model, n, args.micro_batch_size, profile)
                 run["within_tolerance"] = all(run["deviation"][c] <= TOLERANCE for c in CHECKED)
                 worst = max(run["deviation"][c] for c in CHECKED)
                 device = sum(per_rank[0][c] for c in DEVICE_CATEGORIES)
                 print(f"  {n} rank(s) {name:13s} {res['wall_s']:6.1f} s  device {_mib(device)} MiB "
                       f"(estimate {_mib(run['estimate']['total'])})  worst deviation {worst:.1%}  "
                       f"{s['tokens_per_s']:,.0f} tokens/s", flush=True)
+                if "predicted_step_s" in run:
+                    print(f"  {'':21s} step {run['step_s']:.3f} s, predicted {run['predicted_step_s']:.3f} s "
+                          f"(measured / predicted {run['step_s'] / run['predicted_step_s']:.1f}x)", flush=True)
             else:
                 run["error"] = res["error"]
                 print(f"  {n} rank(s) {name:13s} FAILED: {res['error']} -- continuing", file=sys.stderr, flush=True)
             runs.append(run)
-    table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()})
+    table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
+                     hardware_line(profile) if profile is not None else None)
     print("\n" + table)
     md = os.path.join(args.out, "compare.md")
     png = os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
-                  strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs)
+                  strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs,
+                  hardware=None if profile is None else profile.as_dict())
     text = json.dumps(result, indent=1)
     try:
         atomic_write(md, lambda f: f.write(table), mode="w")

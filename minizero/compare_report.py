@@ -17,23 +17,33 @@ def _mib(n) -> str:
     return f"{n / MIB:.2f}"
 
 
-def markdown(runs: list[dict], header: str, descriptions: dict) -> str:
+def _step(r: dict) -> tuple[str, str]:
+    """The cells "measured / predicted" step seconds and their ratio ("-" without a prediction)."""
+    if "predicted_step_s" not in r:
+        return f"{r['step_s']:.3f} / -" if "step_s" in r else "-", "-"
+    return f"{r['step_s']:.3f} / {r['predicted_step_s']:.3f}", f"{r['step_s'] / r['predicted_step_s']:.1f}x"
+
+
+def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | None = None) -> str:
     """The comparison as a Markdown table: rank 0's measured / estimated MiB per category, and the rest.
 
-    ``runs``: the records of :func:`minizero.compare.main` (bytes); ``descriptions``: strategy name -> what it adds.
+    ``runs``: the records of :func:`minizero.compare.main` (bytes, seconds); ``descriptions``: strategy
+    name -> what it adds; ``hardware``: the profile's line (:func:`minizero.compare.hardware_line`), if any.
     """
     lines = [header, "",
              "Cells: measured / estimated, MiB (2^20 bytes), rank 0; measured = the ledger's peak during the training "
              "steps; estimated = `estimate_memory(..., accounting=\"minizero\")`. Device total = the sum of the "
              "per-category peaks except `offloaded`. Worst = the largest |estimated - measured| / measured over "
-             "ranks and categories. Process peak = tracemalloc (every NumPy allocation).", "",
+             "ranks and categories. Process peak = tracemalloc (every NumPy allocation). Step s = rank 0's "
+             "training-loop seconds per step (measured) / the planner's `step_time` on the measured hardware "
+             "profile (predicted); ratio = measured / predicted.", *(["", hardware] if hardware else []), "",
              "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
-             "offloaded | files | device total | worst | process peak | tokens/s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "offloaded | files | device total | worst | process peak | tokens/s | step s | ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         if not r["ok"]:
             lines.append(f"| {r['ranks']} | {r['strategy']} | failed: {r['error'].replace('|', '/')} "
-                         "|  |  |  |  |  |  |  |  |  |  |")
+                         "|  |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         m, e = r["measured"]["per_rank"][0], r["estimate"]
 
@@ -48,7 +58,7 @@ def markdown(runs: list[dict], header: str, descriptions: dict) -> str:
             f"{cell('optimizer_state')} | {cell('activations')} | {cell('comm_buffers', 'comm_scratch', 'gathered')} | "
             f"{cell('offloaded')} | {_mib(files)} / {_mib(e['nvme_optimizer'])} | {_mib(dev_total)} / "
             f"{_mib(e['total'])} | {worst:.1%} | {_mib(r['measured']['process_peak_bytes'][0])} | "
-            f"{r['measured']['tokens_per_s']:,.0f} |")
+            f"{r['measured']['tokens_per_s']:,.0f} | {' | '.join(_step(r))} |")
     lines += ["", "files = optimizer state in NVMe files (the job's `optimizer_disk_bytes`; activation files are not "
                   "counted by the job). Strategies: " + "; ".join(
                       f"`{n}` {descriptions[n]}" for n in dict.fromkeys(r["strategy"] for r in runs))]

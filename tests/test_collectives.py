@@ -410,6 +410,22 @@ def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
         assert ranks[r]["payload_bytes"] == 24  # headers are not counted: 8 + 16 payload bytes sent
 
 
+@pytest.mark.timeout(90)
+def test_mpi_messages_of_another_size_are_refused_across_both_kinds(mpiexec, tmp_path):
+    """One-message (up to PACK_MAX_BYTES) and two-message payloads: any size mismatch, either way, is a
+    ValueError naming both on the receiver; the sender completes; a matching message then arrives whole."""
+    from minizero.comm.mpi import PACK_MAX_BYTES
+
+    sender, receiver = _comm_faults(mpiexec, tmp_path, "kinds")
+    big = PACK_MAX_BYTES // 4 + 10
+    for sent, room in [(16, big), (big, 16), (big, big + 5), (big + 5, big), (16, 8)]:
+        got = receiver[f"{sent}->{room}"]
+        assert got.get("error") == "ValueError", (sent, room, got)
+        assert f"({sent},) float32" in got["message"] and f"({room},) float32" in got["message"], got
+        assert "error" not in sender[f"{sent}->{room}"]
+    assert receiver[f"{big}->{big}"] == {"result": big - 1} and receiver["16->16"] == {"result": 15}
+
+
 @pytest.mark.timeout(30)
 def test_threads_dtypes_of_one_byte_size_are_refused_by_name():
     def body(comm):

@@ -96,6 +96,11 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
         assert r["ok"] and r["within_tolerance"], r
         assert len(r["measured"]["per_rank"]) == 2 and r["measured"]["tokens_per_s"] > 0
         assert max(r["deviation"].values()) == 0  # under MPI too: the estimate equals the ledger to the byte
+        assert 0 < r["predicted_step_s"] < float("inf") and r["step_s"] > 0  # the planner's model beside it
+    hw = result["hardware"]
+    assert all(v > 0 for v in hw["sgemm_flops"].values()) and hw["copy_bw"] > 0 and hw["adam_params_per_s"] > 0
+    assert 0 < hw["allreduce_busbw"]["2"] < float("inf") and hw["gradient_bytes"] > 0
+    assert "| step s | ratio |" in md and "hardware profile" in md
     base, z3 = result["runs"]
     assert z3["measured"]["per_rank"][0]["parameters"] * 2 == pytest.approx(
         base["measured"]["per_rank"][0]["parameters"], rel=0.02)  # ZeRO-3 holds half the parameters on 2 ranks
@@ -106,6 +111,20 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     png = (out / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not [f for f in os.listdir(out) if f.startswith(".")]  # no temporary file left behind
+
+
+def test_hardware_profile_of_one_rank_feeds_the_planner():
+    """minizero.hardware: positive rates; one rank sends nothing (busbw inf, no DP time predicted)."""
+    from minizero import hardware
+    from minizero.nn import get_config
+
+    cfg = get_config("tiny")
+    prof = hardware.measure(cfg, 2, [1])
+    assert prof.sgemm_flops[prof.threads(1)] > 0 and prof.copy_bw > 0 and prof.adam_params_per_s > 0
+    assert prof.allreduce_busbw == {1: float("inf")} and prof.gradient_bytes == 4 * cfg.num_parameters()
+    t = compare.predict_step_s("baseline", "tiny", 1, 2, prof)
+    assert 0 < t < float("inf")
+    assert compare.predict_step_s("recompute", "tiny", 1, 2, prof) > t  # one more forward: more FLOPs
 
 
 @pytest.mark.timeout(120)

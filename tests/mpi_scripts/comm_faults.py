@@ -4,7 +4,8 @@ Usage: mpiexec -n 2 python tests/mpi_scripts/comm_faults.py OUTDIR MODE
 
 MODE ``dtypes``: rank 0 all-reduces float32 [1,2,3,4], rank 1 int32 [1,2,3,4]; then
 float32 x 8 against float64 x 4. ``stall``: rank 1 sleeps 3 s while rank 0 waits for it
-with a 1 s timeout. Each rank writes ``OUTDIR/rank{r}.json``: the errors it saw (type,
+with a 1 s timeout. ``kinds``: rank 0 sends, rank 1 receives into a buffer of another size, across
+the one-message / two-message boundary (``PACK_MAX_BYTES``) both ways, then of the right size. Each rank writes ``OUTDIR/rank{r}.json``: the errors it saw (type,
 message), CPU and wall seconds of the wait. The test (tests/test_collectives.py) checks them.
 """
 import json
@@ -36,6 +37,17 @@ def main(outdir, mode):
         y = np.arange(8, dtype=np.float32) if r == 0 else np.arange(4, dtype=np.float64)
         out["same_bytes"] = attempt(lambda: all_reduce(comm, y))
         out["payload_bytes"] = comm.traffic.bytes_sent
+    elif mode == "kinds":
+        from minizero.comm.mpi import PACK_MAX_BYTES
+
+        big = PACK_MAX_BYTES // 4 + 10
+        for sent, room in [(16, big), (big, 16), (big, big + 5), (big + 5, big), (16, 8), (big, big), (16, 16)]:
+            if r == 0:
+                out[f"{sent}->{room}"] = attempt(lambda: comm.send(np.arange(sent, dtype=np.float32), 1, tag=9))
+            else:
+                y = np.zeros(room, dtype=np.float32)
+                out[f"{sent}->{room}"] = attempt(lambda: comm.recv(y, 0, tag=9)[-1])
+            comm.barrier()  # every sender finished: a mismatched message was taken off the wire
     elif mode == "stall":
         comm.timeout = 1.0
         if r == 1:

@@ -1,0 +1,83 @@
+"""What the dtype/shape check of ``MPICommunicator`` costs a point-to-point message, by size.
+
+    mpiexec -n 2 python bench/bench_header.py            # 4 KiB, 64 KiB, 1 MiB, 16 MiB
+    mpiexec -n 4 python bench/bench_header.py --sizes 4096,65536
+
+Every rank exchanges a float32 array with its ring neighbours (send right, receive from
+the left, as the ring all-reduce does) in two ways, alternated run by run (each first in
+turn), with a barrier before each run:
+
+* ``checked``: ``comm.sendrecv`` as shipped (the 64-byte dtype/shape header travels with
+  the payload and is checked against the receive buffer, ``minizero/comm/mpi.py``);
+* ``bare``: the payload alone, ``MPI_Isend`` + ``MPI_Irecv`` of the same bytes, completed
+  by the same sleep-polling wait (``MPICommunicator._wait``) -- no header, no check.
+
+Printed: microseconds per exchange (median of the slowest rank's times) and checked / bare.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="4096,65536,1048576,16777216", help="comma list of message bytes")
+    p.add_argument("--runs", type=int, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
+    args = p.parse_args()
+    from mpi4py import MPI
+
+    from minizero.comm import world
+
+    comm = world()
+    r, n = comm.rank, comm.world_size
+    if n < 2:
+        sys.exit("run under mpiexec -n N, N >= 2")
+    right, left = (r + 1) % n, (r - 1) % n
+
+    def checked(x, y):
+        comm.sendrecv(x, right, y, left, tag=3)
+
+    def bare(x, y):
+        reqs = [comm.mpi_comm.Irecv([y, MPI.BYTE], source=left, tag=4),
+                comm.mpi_comm.Isend([x, MPI.BYTE], dest=right, tag=4)]
+        comm._wait(reqs, "bare sendrecv")
+
+    ways = {"checked": checked, "bare": bare}
+    if r == 0:
+        print(f"{n} ranks on {os.cpu_count()} cores; microseconds per ring exchange (median of the slowest rank's); "
+              f"checked = comm.sendrecv as shipped, bare = the payload alone\n")
+        print("| size | checked (us) | bare (us) | checked / bare |")
+        print("|---:|---:|---:|---:|")
+    for nbytes in (int(s) for s in args.sizes.split(",")):
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        y = np.empty_like(x)
+        runs = max(10, min(args.runs, args.runs * 2**20 // max(nbytes, 1)))
+        times = {w: np.empty(runs) for w in ways}
+        names = list(ways)
+        for fn in ways.values():  # warm-up
+            for _ in range(3):
+                fn(x, y)
+        for i in range(runs):
+            for w in names[i % 2:] + names[:i % 2]:
+                comm.barrier()
+                t = time.perf_counter()
+                ways[w](x, y)
+                times[w][i] = time.perf_counter() - t
+        med = {}
+        for w, t in times.items():
+            comm.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+            med[w] = float(np.median(t))
+        if r == 0:
+            size = f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
+            print(f"| {size} | {med['checked'] * 1e6:.1f} | {med['bare'] * 1e6:.1f} | "
+                  f"{med['checked'] / med['bare']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

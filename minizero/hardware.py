@@ -1,0 +1,218 @@
+"""This machine, measured, as the planner's hardware model: sgemm FLOP/s, copy bandwidth, all-reduce busbw.
+
+``python -m minizero.compare`` feeds :func:`measure` to the planner's step-time model
+(:func:`minizero.plan_search.step_time`, one source for the formulas) to print a
+predicted step time beside the measured one. What is measured, and what it stands for
+in :class:`minizero.plan_search.Hardware` (a GPU's numbers there, this host's here):
+
+* ``sgemm_flops`` -> ``flops`` (``efficiency`` 1.0): float32 matmuls of the model's own
+  shapes for one micro-batch -- per layer q/k/v, the attention projection, the two MLP
+  matrices and the attention's two batched products, and the head -- with the BLAS
+  threads a rank gets (cores / ranks, as ``minizero.train`` sets them); total FLOPs
+  (2 per multiply-add) / total time, the median of repeated passes.
+* ``copy_bw`` -> ``pcie_bw``: bytes copied per second by ``np.copyto`` of a 64 MiB
+  float32 array (each byte read once and written once); on NumPy "host <-> device"
+  offload traffic is such a copy.
+* ``allreduce_busbw`` -> ``intra_node_bw`` and ``inter_node_bw`` (one node here): the
+  bus bandwidth of :func:`minizero.comm.all_reduce` (the algorithm data parallelism
+  runs) on a float32 array of the model's gradient size, in **launched** ranks:
+  ``mpiexec -n N python -m minizero.hardware --allreduce BYTES``, the transport the
+  compared jobs use (the in-process thread communicator copies under the GIL instead,
+  a different cost). busbw = S / t x 2(N-1)/N as nccl-tests define it
+  (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md); t = the slowest rank's time of
+  one all-reduce, median of timed runs after a barrier each. Since the planner's DP
+  time is bytes sent per rank / link bandwidth and a ring sends 2(N-1)/N S per rank,
+  busbw is the link bandwidth of that formula.
+* ``adam_params_per_s`` -> ``cpu_adam``: parameters per second of
+  :func:`minizero.optim.adamw.adamw_update` on flat float32 arrays of the model's size.
+
+Units: FLOP/s, bytes/s, parameters/s. Every measurement is short (a fraction of a
+second, about two seconds per launched world size): numbers are rough on a loaded
+machine; compare prints them beside its table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from minizero.files import mpiexec_path
+from minizero.plan_search import Hardware
+
+COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
+
+
+def _median_rate(work: float, run, seconds: float, min_runs: int = 3) -> float:
+    """``work`` / the median time of ``run()`` over repeated calls for about ``seconds`` (one untimed first)."""
+    run()
+    times, end = [], time.perf_counter() + seconds
+    while len(times) < min_runs or time.perf_counter() < end:
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return work / float(np.median(times))
+
+
+def model_matmuls(cfg, micro_batch: int) -> list[tuple[tuple, tuple]]:
+    """The (a.shape, b.shape) of one layer's forward matmuls and the head's, for ``micro_batch`` sequences.
+
+    ``cfg``: a :class:`minizero.nn.gpt.GPTConfig` (n_embd C, n_head H, block_size T, vocab_size V).
+    Rows = micro_batch x T tokens; attention runs (b H, T, C/H) @ (b H, C/H, T) and (b H, T, T) @ (b H, T, C/H).
+    """
+    c, h, t, v = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size
+    rows, bh, hd = micro_batch * t, micro_batch * h, c // h
+    return [((rows, c), (c, 3 * c)), ((rows, c), (c, c)), ((rows, c), (c, 4 * c)), ((rows, 4 * c), (4 * c, c)),
+            ((bh, t, hd), (bh, hd, t)), ((bh, t, t), (bh, t, hd)), ((rows, c), (c, v))]
+
+
+def sgemm_flops(cfg, micro_batch: int, threads: int, seconds: float = 0.3) -> float:
+    """FLOP/s of float32 matmuls at the model's shapes (:func:`model_matmuls`) with ``threads`` BLAS threads."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.standard_normal(a).astype(np.float32), rng.standard_normal(b).astype(np.float32))
+             for a, b in model_matmuls(cfg, micro_batch)]
+    flops = sum(2 * a.size * b.shape[-1] for a, b in pairs)  # (.., m, k) @ (.., k, n): 2 m k n per batch
+
+    def run():
+        for a, b in pairs:
+            np.matmul(a, b)
+
+    with threadpool_limits(limits=threads):
+        return _median_rate(flops, run, seconds)
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES, seconds: float = 0.2) -> float:
+    """Bytes copied per second by ``np.copyto`` between two float32 arrays of ``nbytes``."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    return _median_rate(src.nbytes, lambda: np.copyto(dst, src), seconds)
+
+
+def adam_rate(num_params: int, seconds: float = 0.2) -> float:
+    """Parameters per second of one :func:`minizero.optim.adamw.adamw_update` on flat float32 arrays."""
+    from minizero.optim.adamw import adamw_update
+
+    p, g, m, v = (np.full(num_params, 0.5, dtype=np.float32) for _ in range(4))
+    return _median_rate(num_params, lambda: adamw_update(p, g, m, v, 1, 1e-3, 0.9, 0.95, 1e-8, 0.1), seconds)
+
+
+def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: int = 5, timeout: float = 120.0) -> float:
+    """busbw (bytes/s) of :func:`minizero.comm.all_reduce` on ``nbytes`` of float32 over ``ranks`` launched ranks.
+
+    Launches ``mpiexec -n ranks python -m minizero.hardware --allreduce nbytes``. ``ranks`` 1: inf
+    (nothing to send). Raises RuntimeError naming the command and its error when the job fails.
+    """
+    if ranks == 1:
+        return math.inf
+    mpiexec = mpiexec or mpiexec_path()
+    if mpiexec is None:
+        raise RuntimeError("mpiexec not found beside this Python or on PATH (pip install mpich, or a system MPI)")
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "minizero.hardware", "--allreduce", str(nbytes),
+           "--runs", str(runs)]
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("MINIZERO_FAULT", None)  # the trainer's fault hook is not for this job
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit status {proc.returncode}): {proc.stderr.strip()[-300:]}")
+    return float(json.loads(lines[-1])["busbw"])
+
+
+def _allreduce_job(nbytes: int, runs: int) -> None:
+    """Under mpiexec: time :func:`minizero.comm.all_reduce` and print {"busbw": bytes/s} on rank 0."""
+    from minizero.comm import all_reduce
+    from minizero.comm.mpi import world
+
+    comm = world()
+    n = comm.world_size
+    x = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    out = np.empty_like(x)
+    times = []
+    for i in range(2 + runs):  # two warm-up runs
+        comm.barrier()
+        t = time.perf_counter()
+        all_reduce(comm, x, out=out)
+        dt = np.array([time.perf_counter() - t])
+        slowest = comm.mpi_comm.allreduce(float(dt[0]), op=_max_op())
+        if i >= 2:
+            times.append(slowest)
+    if comm.rank == 0:
+        print(json.dumps({"busbw": x.nbytes / float(np.median(times)) * 2 * (n - 1) / n}), flush=True)
+
+
+def _max_op():
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.MAX
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """This machine, measured for one model and micro-batch (see the module docstring).
+
+    Fields: ``sgemm_flops`` {BLAS threads: FLOP/s}, ``copy_bw`` bytes/s, ``allreduce_busbw``
+    {world size: bytes/s} (inf at 1 rank), ``adam_params_per_s``, ``gradient_bytes`` (the
+    all-reduce's size), ``cores``.
+    """
+
+    sgemm_flops: dict
+    copy_bw: float
+    allreduce_busbw: dict
+    adam_params_per_s: float
+    gradient_bytes: int
+    cores: int
+
+    def threads(self, ranks: int) -> int:
+        """BLAS threads per rank at ``ranks`` ranks on this machine: cores / ranks, at least 1 (as the trainer)."""
+        return max(1, self.cores // max(1, ranks))
+
+    def hardware(self, ranks: int) -> Hardware:
+        """The planner's :class:`Hardware` for a job of ``ranks`` ranks on this one machine."""
+        bw = self.allreduce_busbw[ranks]
+        return Hardware(flops=self.sgemm_flops[self.threads(ranks)], efficiency=1.0, intra_node_bw=bw,
+                        inter_node_bw=bw, pcie_bw=self.copy_bw, gpus_per_node=max(ranks, 1),
+                        cpu_adam=self.adam_params_per_s)
+
+    def as_dict(self) -> dict:
+        """JSON-ready (inf written as null)."""
+        d = dataclasses.asdict(self)
+        d["allreduce_busbw"] = {str(k): (None if math.isinf(v) else v) for k, v in self.allreduce_busbw.items()}
+        d["sgemm_flops"] = {str(k): v for k, v in self.sgemm_flops.items()}
+        return d
+
+
+def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> Profile:
+    """Measure this machine for ``cfg`` (a GPTConfig) at ``micro_batch`` and each world size in ``world_sizes``.
+
+    Raises RuntimeError when a launched all-reduce job fails.
+    """
+    cores = os.cpu_count() or 1
+    nparams = cfg.num_parameters()
+    threads = sorted({max(1, cores // n) for n in world_sizes})
+    return Profile(sgemm_flops={t: sgemm_flops(cfg, micro_batch, t) for t in threads}, copy_bw=copy_bandwidth(),
+                   allreduce_busbw={n: allreduce_busbw(4 * nparams, n, mpiexec) for n in world_sizes},
+                   adam_params_per_s=adam_rate(nparams), gradient_bytes=4 * nparams, cores=cores)
+
+
+def main(argv=None) -> None:
+    """``mpiexec -n N python -m minizero.hardware --allreduce BYTES``: the all-reduce timing job."""
+    p = argparse.ArgumentParser(prog="python -m minizero.hardware", description=__doc__.split("\n\n")[0])
+    p.add_argument("--allreduce", type=int, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs (>= 1); the median is reported")
+    args = p.parse_args(argv)
+    if args.allreduce < 4 or args.runs < 1:
+        p.error(f"--allreduce must be >= 4 bytes and --runs >= 1, got {args.allreduce} and {args.runs}")
+    _allreduce_job(args.allreduce, args.runs)
+
+
+if __name__ == "__main__":
+    main()
