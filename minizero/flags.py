@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="reduce gradients after backward, blocking (default: each bucket's all-reduce starts as "
-                        "soon as its last gradient is ready and runs during the rest of backward)")
+                   help="communicate blocking, after the work that needs it (default: data parallelism's bucket "
+                        "all-reduces and ZeRO 2-3's reduce-scatters start as soon as a bucket's last gradient is "
+                        "ready and run during the rest of backward; ZeRO-3 prefetches the next unit's all-gather; "
+                        "pipeline sends are non-blocking)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
     p.add_argument("--native-comm", action="store_true",

@@ -17,6 +17,7 @@ Mirrors: the MPI-3.1 standard, chapters 3 (point-to-point) and 6 (``MPI_Comm_spl
 from __future__ import annotations
 
 import abc
+import time
 import numbers
 
 from minizero import backend
@@ -32,6 +33,30 @@ class CommTimeoutError(TimeoutError):
 
     The message names the operation, this rank, the peer rank waited on and the tag.
     """
+
+
+MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI and NCCL communicators)
+
+
+def poll_until(done, timeout: float, describe) -> None:
+    """Call ``done()`` until it returns True, sleeping between calls (never a busy wait).
+
+    The sleep starts at 0 and doubles from 10 us up to :data:`MAX_SLEEP_S`, so a quick message costs
+    no sleep and a stalled peer costs almost no CPU (which matters with 8 ranks on 2 cores).
+
+    Args:
+        done: a callable returning True when the wait is over (e.g. ``MPI.Request.Testall``).
+        timeout: seconds before giving up (> 0).
+        describe: a callable returning the CommTimeoutError's message (built only on timeout).
+    Raises:
+        CommTimeoutError: ``done()`` stayed False for ``timeout`` seconds.
+    """
+    deadline, delay = time.monotonic() + timeout, 0.0
+    while not done():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(describe())
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-5), MAX_SLEEP_S)
 
 
 # --------------------------------------------------------------------------- checks

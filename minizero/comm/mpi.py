@@ -39,16 +39,14 @@ MPI_Test) and 5.12 (non-blocking collectives); PyTorch's process-group ``timeout
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from minizero import backend
-from minizero.comm.base import DEFAULT_TIMEOUT_S, CommTimeoutError, Communicator, _check_color
+from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
-_MAX_SLEEP_S = 0.002  #: longest sleep between two MPI_Test calls of a waiting rank
 _HEADER_WORDS = 8  #: int64 words: dtype string (8 ASCII bytes), ndim, size, up to 5 dimensions
 _HEADER_BYTES = 8 * _HEADER_WORDS
 PACK_MAX_BYTES = 64 * 2 ** 10  #: payloads up to this go in one message with their header (a copy each side)
@@ -227,16 +225,11 @@ class MPICommunicator(Communicator):
 
     def _poll(self, done, op: str, peer=None, tag=None) -> None:
         """Call ``done()`` until it is True, sleeping between calls; CommTimeoutError after ``self.timeout`` s."""
-        deadline = time.monotonic() + self.timeout
-        delay = 0.0
-        while not done():
-            if time.monotonic() > deadline:
-                whom = f"rank {peer}" if peer is not None else "the other ranks"
-                raise CommTimeoutError(
-                    f"rank {self.rank}: {op}{'' if tag is None else f' (tag {tag})'} waited {self.timeout:g} s "
+        def describe():
+            whom = f"rank {peer}" if peer is not None else "the other ranks"
+            return (f"rank {self.rank}: {op}{'' if tag is None else f' (tag {tag})'} waited {self.timeout:g} s "
                     f"for {whom} of a communicator of {self.world_size} (--comm-timeout); a rank is stalled or gone")
-            time.sleep(delay)
-            delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+        poll_until(done, self.timeout, describe)
 
     def _post_send(self, buf, dest, tag) -> tuple[list, np.ndarray]:
         """Post ``buf``'s message; returns ([its MPI requests], the array sent from, to keep alive until done)."""

@@ -48,17 +48,15 @@ Mirrors: the NCCL user guide ("Creating a communicator" with ncclGetUniqueId ove
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from minizero import backend
-from minizero.comm.base import DEFAULT_TIMEOUT_S, CommTimeoutError, Communicator, _check_color
+from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
 UNIQUE_ID_BYTES = 128  #: NCCL_UNIQUE_ID_BYTES
-_MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (as MPICommunicator)
 #: numpy dtype name -> name of the NCCL datatype constant in ``cupy.cuda.nccl``
 DATATYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
              "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
@@ -170,15 +168,10 @@ class NcclCommunicator(Communicator):
         self.cuda.get_current_stream().wait_event(done)
         if not self.blocking:
             return
-        deadline, delay = time.monotonic() + self.timeout, 0.0
-        while not done.done:
-            if time.monotonic() > deadline:
-                whom = f"rank {peer}" if peer is not None else "the other ranks"
-                raise CommTimeoutError(
-                    f"rank {self.rank}: NCCL {op} waited {self.timeout:g} s for {whom} of a communicator of "
-                    f"{self.world_size} (--comm-timeout); a rank is stalled or gone")
-            time.sleep(delay)
-            delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+        whom = f"rank {peer}" if peer is not None else "the other ranks"
+        poll_until(lambda: done.done, self.timeout,
+                   lambda: f"rank {self.rank}: NCCL {op} waited {self.timeout:g} s for {whom} of a communicator of "
+                           f"{self.world_size} (--comm-timeout); a rank is stalled or gone")
 
     def _ptr(self, buf) -> int:
         return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))

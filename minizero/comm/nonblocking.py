@@ -22,13 +22,11 @@ which launches a bucket's all-reduce from the autograd hook of its last gradient
 """
 from __future__ import annotations
 
-import time
 
 from minizero import backend, trace
-from minizero.comm.base import CommTimeoutError
+from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until
 from minizero.comm.collectives import bytes_sent, shard_range
 
-_MAX_SLEEP_S = 0.002  #: longest sleep between two tests of a waiting rank (as MPICommunicator._wait)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -155,16 +153,14 @@ def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
 
 
 def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
-    timeout = getattr(comm, "timeout", 600.0)
-    deadline, delay = time.monotonic() + timeout, 0.0
-    while not done():
-        if time.monotonic() > deadline:
-            who = peer()
-            whom = f"rank {who}" if who is not None else "the other ranks"
-            raise CommTimeoutError(f"rank {comm.rank}: {what} waited {timeout:g} s for {whom} of a communicator of "
-                                   f"{comm.world_size} (--comm-timeout); a rank is stalled or gone")
-        time.sleep(delay)
-        delay = min(max(2 * delay, 1e-5), _MAX_SLEEP_S)
+    timeout = getattr(comm, "timeout", DEFAULT_TIMEOUT_S)
+
+    def describe():
+        who = peer()
+        whom = f"rank {who}" if who is not None else "the other ranks"
+        return (f"rank {comm.rank}: {what} waited {timeout:g} s for {whom} of a communicator of "
+                f"{comm.world_size} (--comm-timeout); a rank is stalled or gone")
+    poll_until(done, timeout, describe)
 
 
 class Stream:
