@@ -89,6 +89,7 @@ def test_matmul_rejects_vectors():
 def test_shape_ops():
     check_op(lambda a: a.reshape(4, 6), r(2, 3, 4))
     check_op(lambda a: a.transpose(2, 0, 1), r(2, 3, 4))
+    check_op(lambda a: a.transpose(-1, 0, -2), r(2, 3, 4))  # negative axes, as numpy.transpose takes them
     check_op(lambda a: a.T, r(2, 3))
     check_op(lambda a: a[1:, ::2], r(3, 4))
     check_op(lambda a: a[np.array([0, 2, 0])], r(3, 4))  # repeated index: gradients add

@@ -240,7 +240,8 @@ class Transpose(Function):
         xp = backend.xp
         if ctx.axes is None:
             return xp.transpose(g), None
-        inverse = sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__)  # host ints: axes are not data
+        axes = [ax % g.ndim for ax in ctx.axes]  # negative axes count from the end, as in numpy.transpose
+        inverse = sorted(range(len(axes)), key=axes.__getitem__)  # host ints: axes are not data
         return xp.transpose(g, inverse), None
 
 
