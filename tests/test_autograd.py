@@ -146,6 +146,41 @@ def test_dropout_gradient_and_reproducibility():
         F.dropout(x, 1.0)
 
 
+def _splitmix64(seed, n):
+    """The reference sequential SplitMix64 (Steele, Lea & Flood 2014; Vigna's splitmix64.c), written
+    out here apart from minizero/autograd/rng.py: state += GAMMA, then the finalizer, mod 2**64."""
+    mask, out, x = 2 ** 64 - 1, [], seed
+    for _ in range(n):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_dropout_generator_is_splitmix64_at_any_offset():
+    """The vectorized counter-based generator equals sequential SplitMix64 seeded with the key, from any
+    offset (what recompute and a resumed checkpoint replay), and the reference's published first outputs
+    for seed 1234567."""
+    from minizero.autograd import rng
+
+    assert _splitmix64(1234567, 3) == [6457827717110365317, 3203168211198807973, 9817491932198370423]
+    want = _splitmix64(1234567, 40)
+    rng.set_rng_state({"key": 1234567, "offset": 0})
+    assert rng.uniform_bits(40).tolist() == want
+    rng.set_rng_state({"key": 1234567, "offset": 13})
+    assert rng.uniform_bits(27).tolist() == want[13:]
+    assert rng.get_rng_state() == {"key": 1234567, "offset": 40}
+    near_end = 2 ** 64 - 5  # the counter wraps mod 2**64, as the reference's state does
+    rng.set_rng_state({"key": 7, "offset": near_end})
+    assert rng.uniform_bits(8).tolist() == _splitmix64((7 + near_end * 0x9E3779B97F4A7C15) % 2 ** 64, 8)
+    assert rng.get_rng_state() == {"key": 7, "offset": 3}
+    with pytest.raises(ValueError, match="n >= 0"):
+        rng.uniform_bits(-1)
+    assert rng.get_rng_state() == {"key": 7, "offset": 3}  # a refused call draws nothing
+    A.manual_seed(0)
+
+
 def test_cross_entropy():
     targets = np.array([0, 3, 2, 3])
     check_op(lambda z: F.cross_entropy(z, targets), r(4, 5))

@@ -97,7 +97,14 @@ def fork_rng():
 
 
 def uniform_bits(n: int):
-    """The next ``n`` 64-bit outputs of this thread's stream, as a (n,) uint64 array of ``backend.xp``."""
+    """The next ``n`` 64-bit outputs of this thread's stream, as a (n,) uint64 array of ``backend.xp``.
+
+    Output i is ``mix64(key + (offset + i + 1) * GAMMA)`` (mod 2**64); the offset then advances by n.
+    Raises:
+        ValueError: ``n`` < 0 (it would move the stream backwards).
+    """
+    if n < 0:
+        raise ValueError(f"uniform_bits needs n >= 0 draws, got {n}")
     state = get_rng_state()
     key, offset = state["key"], state["offset"]
     xp = backend.xp
