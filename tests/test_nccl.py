@@ -108,6 +108,7 @@ def test_split_makes_one_nccl_communicator_per_colour():
         assert sub_bytes > 0 and parent_bytes == sub_bytes  # the child's bytes show in the parent ledger
 
 
+@pytest.mark.timeout(60)
 def test_tree_broadcast_sends_outside_groups():
     def bcast(comm):
         ncomm = _nccl(comm)
@@ -119,6 +120,7 @@ def test_tree_broadcast_sends_outside_groups():
     assert all(not grouped for _, calls in out for *_, grouped in calls)
 
 
+@pytest.mark.timeout(60)
 def test_dtypes_nccl_lacks_are_refused_by_name():
     def native(comm):
         from minizero.comm import all_reduce
@@ -170,6 +172,7 @@ class _DeviceOnlyFake:
         return False if name == "HOST_BUFFERS" else getattr(fake_nccl, name)
 
 
+@pytest.mark.timeout(60)
 def test_host_arrays_travel_over_the_bootstrap():
     from minizero.comm import all_gather, all_reduce
 
@@ -190,10 +193,14 @@ TRAIN = ["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval
          "--no-save", "--steps", "3", "--seed", "1"]
 
 
-def _train(comm, flags, over_nccl):
+def _train(comm, flags, over_nccl, wrapped=False):
     from minizero.train import parse_args, train
     if over_nccl:
         comm = _nccl(comm)
+        if wrapped:  # as minizero.train.nccl_world hands it to the loop: inside the node-aware wrapper
+            from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator
+            comm = NodeTrafficCommunicator(comm, NodeLayout.single(comm.world_size))
+            assert not comm.nonblocking  # NCCL has no isend/irecv, wrapped or not
     res = train(parse_args(TRAIN + flags, comm.world_size), comm, log=lambda s: None)
     full = res["strategy"].full_model()
     with res["strategy"].full_parameters():
@@ -214,3 +221,18 @@ def test_training_over_nccl_equals_training_over_threads(world_size, flags):
     assert losses == ref_losses
     assert params.keys() == ref_params.keys()
     assert all(np.array_equal(params[k], ref_params[k]) for k in params)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,flags", [(2, []), (2, ["--zero", "3"]), (2, ["--pp", "2", "--grad-accum", "2"]),
+                                              (2, ["--pp", "2", "--grad-accum", "2", "--schedule", "gpipe"])])
+def test_training_over_nccl_inside_the_node_wrapper_takes_the_blocking_paths(world_size, flags):
+    """What ``--comm nccl`` runs: NcclCommunicator inside NodeTrafficCommunicator. The wrapper used to
+    claim isend/irecv, so data-parallel overlap, ZeRO-3's prefetch and the pipeline's sends called
+    NcclCommunicator.isend and failed; they take their blocking paths, equal to threads."""
+    losses, params = run_in_threads(world_size, _train, flags, True, True, timeout=120)[0]
+    ref_losses, ref_params = run_in_threads(world_size, _train, flags, False, timeout=120)[0]
+    assert losses == ref_losses
+    assert params.keys() == ref_params.keys()
+    assert all(np.array_equal(params[k], ref_params[k]) for k in params)
+

@@ -184,6 +184,12 @@ class NodeTrafficCommunicator(Communicator):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def nonblocking(self) -> bool:
+        """The wrapped communicator's: ``isend``/``irecv`` work here only if they work on ``inner``
+        (not over NCCL), so gradient overlap and pipeline sends choose their blocking paths there."""
+        return self.inner.nonblocking
+
     def _count(self, nbytes: int, dest: int) -> None:
         if self.nodes.node_of[dest] != self.nodes.node_of[self.rank]:
             self.cross_node.record(self.traffic.current_label() or "p2p", nbytes)
