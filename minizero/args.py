@@ -131,13 +131,17 @@ def _check_loss_scaling(args) -> None:
 
 
 def _check_comm(args) -> None:
-    """Resolve ``--comm`` (nccl on --device cuda, else mpi); nccl needs --device cuda (issue #15)."""
+    """Resolve ``--comm`` (nccl on --device cuda, else mpi); nccl needs --device cuda (issue #15) and a
+    schedule whose pipeline sends can block (not ``interleaved``: NcclCommunicator has no isend/irecv)."""
     device = getattr(args, "device", "cpu")
     if args.comm is None:
         args.comm = "nccl" if device == "cuda" else "mpi"
     if args.comm == "nccl" and device != "cuda":
         raise UsageError(f"--comm nccl moves device memory between GPUs; it needs --device cuda, got --device {device} "
                          "(allowed with it: --comm mpi)")
+    if args.comm == "nccl" and getattr(args, "schedule", None) == "interleaved":
+        raise UsageError("--schedule interleaved sends with isend/irecv, which --comm nccl does not have; "
+                         "use --comm mpi, or --schedule 1f1b or gpipe")
 
 
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:

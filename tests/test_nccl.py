@@ -236,3 +236,24 @@ def test_training_over_nccl_inside_the_node_wrapper_takes_the_blocking_paths(wor
     assert params.keys() == ref_params.keys()
     assert all(np.array_equal(params[k], ref_params[k]) for k in params)
 
+
+@pytest.mark.timeout(60)
+def test_the_interleaved_schedule_is_refused_over_nccl(tmp_path):
+    """Its sends are all isend/irecv, which NCCL lacks: refused by name at parse time (--comm nccl is
+    the default on --device cuda) and by the engine, instead of failing at the first send."""
+    from minizero.args import UsageError, parse_args
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.interleaved import InterleavedEngine, InterleavedStage, interleave
+
+    flags = ["--model", "default", "--steps", "1", "--out", str(tmp_path), "--device", "cuda", "--pp", "2",
+             "--schedule", "interleaved", "--virtual-stages", "2", "--grad-accum", "2"]
+    with pytest.raises(UsageError, match="--schedule interleaved .*--comm nccl does not have; use --comm mpi"):
+        parse_args(flags, 2)
+    assert parse_args(flags + ["--comm", "mpi"], 2).comm == "mpi"
+
+    def build(comm):
+        model = GPT(get_config("default"), seed=0)
+        InterleavedEngine(InterleavedStage(interleave(model, comm.rank, 2, 2), 2), _nccl(comm))
+
+    with pytest.raises(ValueError, match="isend/irecv, which NcclCommunicator does not have"):
+        run_in_threads(2, build)

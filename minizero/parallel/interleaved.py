@@ -116,6 +116,9 @@ class InterleavedEngine(PipelineEngine):
         if comm.world_size != stage.num_stages or comm.rank != stage.stage:
             raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
                              f"stage {stage.stage}/{stage.num_stages}")
+        if not comm.nonblocking:  # every send is an isend (a blocking one could deadlock this schedule)
+            raise ValueError(f"the interleaved schedule sends with isend/irecv, which {type(comm).__name__} "
+                             "does not have (NCCL: use --comm mpi, or --schedule 1f1b / gpipe)")
         self.stage, self.comm, self.schedule, self.verbose, self.log, self.pair_sends = (
             stage, comm, "interleaved", verbose, log, True)
         self.forward_context = forward_context or contextlib.nullcontext
