@@ -234,3 +234,25 @@ def test_resuming_never_overwrites_its_checkpoint(saved):
     res = run(2, F64 + ["--steps", "2", "--save-every", "1", "--save-dir", str(saved.parent), "--resume", str(saved)])
     assert res["start_step"] == 2 and res["train_losses"] == []
     assert {f: sha256(str(saved / f)) for f in os.listdir(saved)} == before
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(saved, tmp_path):
+    """Checkpoints written before the counter-based dropout generator hold NumPy PCG64's state in each rank's
+    "rng": resuming one re-seeds (with a note) instead of failing in set_rng_state."""
+    import json
+
+    old = _copy(saved, tmp_path / "pcg64")
+    man = json.loads((old / "manifest.json").read_text())
+    for f in man["files"]:
+        assert set(f["rng"]) == {"key", "offset"}  # what this code writes
+        f["rng"] = {"bit_generator": "PCG64", "state": {"state": 1, "inc": 3}, "has_uint32": 0, "uinteger": 0}
+    (old / "manifest.json").write_text(json.dumps(man, indent=1))
+    logs = []
+
+    def resume(comm):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--dropout", "0.1", "--resume", str(old)], comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(2, resume, timeout=60) == [2, 2]
+    assert any("earlier PCG64" in line and "re-seeded" in line for line in logs), logs

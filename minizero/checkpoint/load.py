@@ -191,13 +191,17 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     topo = strategy.topo
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
     mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None
-    if mine is not None:
+    # a checkpoint written before the counter-based generator holds NumPy PCG64's state: no (key, offset)
+    earlier = mine is not None and not (isinstance(mine.get("rng"), dict) and "key" in mine["rng"])
+    if mine is not None and not earlier:
         set_rng_state(mine["rng"])  # the counter-based generator's (key, offset): plain ints, exact through JSON
     else:
         manual_seed(int(np.random.SeedSequence([man["train"]["seed"], man["step"], topo.dp_rank,
                                                 topo.pp_rank]).generate_state(1)[0]))
         if strategy.stage.config.dropout > 0:
-            notes.append("dropout generators re-seeded from (seed, step, data rank, stage): the layout changed, "
+            why = ("the checkpoint holds the earlier PCG64 dropout generator's state" if earlier
+                   else "the layout changed")
+            notes.append(f"dropout generators re-seeded from (seed, step, data rank, stage): {why}, "
                          "so the masks differ from the uninterrupted run's")
     pruner = None
     if man.get("pruning"):
