@@ -480,3 +480,21 @@ def test_collective_scratch_is_in_the_ledger_peak(world, op, elements, ring_all_
     for peak, current, total in run_in_threads(world, _scratch_peaks, n, op):
         assert peak == elements(n, world) * 8 and current == 0  # freed when the call returns
         assert total == n * 8 + peak  # the per-rank peak: the bucket and the scratch beside it
+
+
+@pytest.mark.timeout(30)
+def test_nonblocking_wait_times_out_naming_the_neighbour():
+    """A non-blocking ring whose neighbour never joins: CommTimeoutError after the communicator's timeout,
+    in the words every waiting communicator uses (comm.base.timeout_message: MPI, NCCL, requests)."""
+    from minizero.comm import CommTimeoutError
+    from minizero.comm.nonblocking import RingCollective
+
+    def body(comm):
+        if comm.rank == 0:
+            RingCollective(comm, np.ones(4), "all_reduce", tag=77, name="all_reduce test").start().wait()
+        else:
+            time.sleep(1.5)
+
+    with pytest.raises(CommTimeoutError, match=r"^\[rank 0/2\] rank 0: all_reduce test \(tag 77\) waited 0\.5 s for "
+                                               r"rank 1 of a communicator of 2 \(--comm-timeout\); a rank is stalled"):
+        run_in_threads(2, body, timeout=0.5)

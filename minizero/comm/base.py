@@ -59,6 +59,16 @@ def poll_until(done, timeout: float, describe) -> None:
         delay = min(max(2 * delay, 1e-5), MAX_SLEEP_S)
 
 
+def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None) -> str:
+    """The CommTimeoutError text of every waiting communicator: who waited, for what, for whom, how long.
+
+    ``what``: the operation (with its tag, if any); ``peer``: the rank waited on, or None (any of them).
+    """
+    whom = f"rank {peer}" if peer is not None else "the other ranks"
+    return (f"rank {rank}: {what} waited {timeout:g} s for {whom} of a communicator of {world_size} "
+            "(--comm-timeout); a rank is stalled or gone")
+
+
 # --------------------------------------------------------------------------- checks
 def _check_array(buf, what: str, writeable: bool = False) -> None:
     """Raise unless ``buf`` is a C-contiguous array (and writeable, if asked)."""

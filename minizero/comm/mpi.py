@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until
+from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until, timeout_message
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -225,11 +225,8 @@ class MPICommunicator(Communicator):
 
     def _poll(self, done, op: str, peer=None, tag=None) -> None:
         """Call ``done()`` until it is True, sleeping between calls; CommTimeoutError after ``self.timeout`` s."""
-        def describe():
-            whom = f"rank {peer}" if peer is not None else "the other ranks"
-            return (f"rank {self.rank}: {op}{'' if tag is None else f' (tag {tag})'} waited {self.timeout:g} s "
-                    f"for {whom} of a communicator of {self.world_size} (--comm-timeout); a rank is stalled or gone")
-        poll_until(done, self.timeout, describe)
+        what = op if tag is None else f"{op} (tag {tag})"
+        poll_until(done, self.timeout, lambda: timeout_message(self.rank, self.world_size, what, self.timeout, peer))
 
     def _post_send(self, buf, dest, tag) -> tuple[list, np.ndarray]:
         """Post ``buf``'s message; returns ([its MPI requests], the array sent from, to keep alive until done)."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until
+from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until, timeout_message
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -168,10 +168,8 @@ class NcclCommunicator(Communicator):
         self.cuda.get_current_stream().wait_event(done)
         if not self.blocking:
             return
-        whom = f"rank {peer}" if peer is not None else "the other ranks"
         poll_until(lambda: done.done, self.timeout,
-                   lambda: f"rank {self.rank}: NCCL {op} waited {self.timeout:g} s for {whom} of a communicator of "
-                           f"{self.world_size} (--comm-timeout); a rank is stalled or gone")
+                   lambda: timeout_message(self.rank, self.world_size, f"NCCL {op}", self.timeout, peer))
 
     def _ptr(self, buf) -> int:
         return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))

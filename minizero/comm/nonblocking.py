@@ -24,7 +24,7 @@ from __future__ import annotations
 
 
 from minizero import backend, trace
-from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until
+from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until, timeout_message
 from minizero.comm.collectives import bytes_sent, shard_range
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -154,13 +154,7 @@ def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
 
 def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
     timeout = getattr(comm, "timeout", DEFAULT_TIMEOUT_S)
-
-    def describe():
-        who = peer()
-        whom = f"rank {who}" if who is not None else "the other ranks"
-        return (f"rank {comm.rank}: {what} waited {timeout:g} s for {whom} of a communicator of "
-                f"{comm.world_size} (--comm-timeout); a rank is stalled or gone")
-    poll_until(done, timeout, describe)
+    poll_until(done, timeout, lambda: timeout_message(comm.rank, comm.world_size, what, timeout, peer()))
 
 
 class Stream:
