@@ -149,6 +149,7 @@ class _NumpyWithPool:
         return getattr(np, name)
 
 
+@pytest.mark.timeout(60)
 def test_pool_high_water_is_kept_at_step_ends_beside_the_ledger(monkeypatch):
     from minizero import backend
     from minizero.memory.monitor import MemoryMonitor, device_pool_bytes
