@@ -64,15 +64,20 @@ class StrictArray:
     view, else None). Refusals: see the module docstring.
     """
 
-    __slots__ = ("_a", "__weakref__")
+    __slots__ = ("_a", "_base", "__weakref__")
     __hash__ = None
 
     def __init__(self, a: np.ndarray):
         if not isinstance(a, np.ndarray):
             raise TypeError(f"StrictArray holds a numpy.ndarray, got {type(a).__name__}")
-        self._a = a
-        if a.base is None and _owners.get(id(a)) is None:  # the first wrapper of an owning array owns it
-            _owners[id(a)] = self
+        self._a, self._base = a, None
+        root = _root(a)
+        if root is a:
+            if _owners.get(id(a)) is None:  # the first wrapper of an owning array owns it
+                _owners[id(a)] = self
+        else:  # a view holds its owner, as a NumPy or CuPy view holds its base (the ledger counts the owner)
+            owner = _owners.get(id(root))
+            self._base = owner if owner is not None else StrictArray(root)
 
     # ---- the refusals -------------------------------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -156,11 +161,8 @@ class StrictArray:
 
     @property
     def base(self):
-        """The StrictArray owning this view's memory, or None when this array owns it."""
-        root = self._a
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        return None if root is self._a else _owners.get(id(root))
+        """The StrictArray owning this view's memory (kept alive by the view), or None when this array owns it."""
+        return self._base
 
     def __copy__(self):
         return StrictArray(self._a.copy())
@@ -256,10 +258,21 @@ def _call(f, args, kwargs, where: str):
     return _wrap(result)
 
 
+def _root(a: np.ndarray) -> np.ndarray:
+    """The ndarray at the end of ``a``'s ``.base`` chain: the one that owns the memory."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
 def _wrap(x):
-    """NumPy results as device arrays: ndarrays and NumPy scalars (as 0-d arrays, as CuPy returns)."""
+    """NumPy results as device arrays: ndarrays and NumPy scalars (as 0-d arrays, as CuPy returns).
+
+    An owning ndarray that already has a wrapper gets that wrapper back: NumPy returned the same
+    object (``ascontiguousarray`` of a contiguous array), and so does CuPy."""
     if isinstance(x, np.ndarray):
-        return StrictArray(x)
+        known = _owners.get(id(x)) if x.base is None else None
+        return known if known is not None else StrictArray(x)
     if isinstance(x, np.generic):
         return StrictArray(np.asarray(x))
     if isinstance(x, (list, tuple)):

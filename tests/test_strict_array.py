@@ -80,6 +80,27 @@ def test_views_report_their_owner(x):
     assert x.astype(np.float64, copy=False) is x
 
 
+def test_a_view_holds_its_owner_and_an_owner_is_not_wrapped_twice():
+    """As NumPy and CuPy arrays: a view keeps its owner (``.base``) alive after the owner's last other
+    reference is gone, so the memory ledger counts the owner's bytes, not the view's; and a call that
+    returns its own owning input (``ascontiguousarray`` of a contiguous array) returns the same object."""
+    import gc
+
+    from minizero.ledger import MemoryLedger
+
+    for xp in (np, strict):
+        a = xp.zeros((4, 4))
+        v = a[1:]
+        del a
+        gc.collect()
+        assert v.base is not None and v.base.shape == (4, 4)
+        led = MemoryLedger()
+        led.track(v, "activations")
+        assert led.current["activations"] == 4 * 4 * 8  # the whole buffer the view keeps alive
+        b = xp.zeros(3)
+        assert xp.ascontiguousarray(b) is b and xp.ascontiguousarray(b[::2]).base is None
+
+
 def _pairs():
     """(name, f) computed on NumPy arrays and on strict arrays."""
     return {
