@@ -289,6 +289,8 @@ def asarray(a, dtype=None, order=None):
 
     The host-to-device copy of ``numpy.ndarray``, NumPy scalar, Python number or list input
     (``cupy.asarray`` semantics) is counted in :data:`transfers`.
+    Raises:
+        TypeError: a (nested) list that mixes device arrays with host values.
     """
     if isinstance(a, StrictArray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else StrictArray(a._a.astype(dtype))
