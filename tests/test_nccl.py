@@ -257,3 +257,34 @@ def test_the_interleaved_schedule_is_refused_over_nccl(tmp_path):
 
     with pytest.raises(ValueError, match="isend/irecv, which NcclCommunicator does not have"):
         run_in_threads(2, build)
+
+
+def test_cuda_with_a_cupy_without_nccl_is_one_line_before_any_work(monkeypatch, tmp_path):
+    """--device cuda (so --comm nccl) where CuPy has no NCCL: the device selection every rank runs before
+    any work returns the install hint (exit 2), instead of an ImportError traceback from the set-up."""
+    from minizero import backend
+    from minizero import train as train_module
+    from minizero.args import parse_args
+    from minizero.comm import nccl
+    from minizero.comm.nodes import NodeLayout
+
+    def no_nccl():
+        raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False); use --comm mpi")
+
+    monkeypatch.setattr(backend, "set_device", lambda device, rank_on_node=0: f"{device}:0")
+    monkeypatch.setattr(nccl, "import_nccl", no_nccl)
+    args = parse_args(["--model", "tiny", "--steps", "1", "--out", str(tmp_path), "--device", "cuda"], 2)
+    assert args.comm == "nccl"
+
+    class Comm:
+        rank, nodes = 1, NodeLayout.single(2)
+
+    class World:  # mpi4py's allgather of the two ranks' errors (rank 0 fine, rank 1 not)
+        @staticmethod
+        def allgather(error):
+            return [None, error]
+
+    assert train_module._select_device(args, Comm(), World()) == (
+        "[rank 1] CuPy is installed without NCCL (cupy.cuda.nccl.available is False); use --comm mpi")
+    args.comm = "mpi"  # --comm mpi does not need NCCL
+    assert train_module._select_device(args, Comm(), World()) is None
