@@ -139,16 +139,20 @@ def _select_device(args, comm, mpi_world) -> str | None:
 
     The GPU of a rank is its rank on its node (the communicator's ``MPI_COMM_TYPE_SHARED`` split,
     right under any launcher) modulo the GPUs it sees. Returns None, or the first failing rank's
-    message on every rank (CuPy missing, no GPU, ``--comm nccl`` with a CuPy that has no NCCL), so
-    that the whole job stops before any work.
+    message on every rank (CuPy missing, no GPU; ``--comm nccl`` with a CuPy that has no NCCL, or
+    with more ranks on a node than GPUs: NCCL takes one GPU per rank), so that the whole job stops
+    before any work.
     """
     from minizero.comm import nccl  # noqa: PLC0415  (imports without CuPy; CuPy's NCCL is looked for below)
 
     try:
         backend.set_device(args.device, comm.nodes.local_rank(comm.rank))
-        if getattr(args, "comm", None) == "nccl":
-            nccl.import_nccl()
         error = None
+        if getattr(args, "comm", None) == "nccl":
+            gpus, here = nccl.import_nccl()[1].runtime.getDeviceCount(), comm.nodes.local_size(comm.rank)
+            if here > gpus:
+                error = (f"--comm nccl takes one GPU per rank: {here} ranks on this node, {gpus} GPU(s) visible; "
+                         "use --comm mpi (device arrays staged through the host) or fewer ranks per node")
     except (backend.DeviceError, ImportError) as e:
         error = str(e)
     errors = mpi_world.allgather(error)

@@ -259,9 +259,10 @@ def test_the_interleaved_schedule_is_refused_over_nccl(tmp_path):
         run_in_threads(2, build)
 
 
-def test_cuda_with_a_cupy_without_nccl_is_one_line_before_any_work(monkeypatch, tmp_path):
-    """--device cuda (so --comm nccl) where CuPy has no NCCL: the device selection every rank runs before
-    any work returns the install hint (exit 2), instead of an ImportError traceback from the set-up."""
+def test_nccl_without_nccl_or_with_fewer_gpus_than_ranks_is_one_line_before_any_work(monkeypatch, tmp_path):
+    """--device cuda (so --comm nccl) where CuPy has no NCCL, or with more ranks on a node than GPUs: the
+    device selection every rank runs before any work returns the reason (exit 2), instead of a traceback
+    from NCCL's set-up."""
     from minizero import backend
     from minizero import train as train_module
     from minizero.args import parse_args
@@ -288,3 +289,7 @@ def test_cuda_with_a_cupy_without_nccl_is_one_line_before_any_work(monkeypatch, 
         "[rank 1] CuPy is installed without NCCL (cupy.cuda.nccl.available is False); use --comm mpi")
     args.comm = "mpi"  # --comm mpi does not need NCCL
     assert train_module._select_device(args, Comm(), World()) is None
+    args.comm = "nccl"  # NCCL present, but 2 ranks on a node with 1 GPU: NCCL would refuse the duplicate GPU
+    monkeypatch.setattr(nccl, "import_nccl", lambda: (fake_nccl, fake_nccl.cuda))  # 1 device
+    assert "2 ranks on this node, 1 GPU(s) visible; use --comm mpi" in train_module._select_device(args, Comm(),
+                                                                                                   World())
