@@ -55,6 +55,25 @@ def test_nonblocking_ring_is_bitwise_the_blocking_ring_with_the_same_bytes(n, ri
         np.testing.assert_array_equal(rs_buf[off:off + size], rs_ref)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_nonblocking_all_gather_is_the_blocking_one_and_needs_no_scratch(n):
+    """ZeRO-3's prefetch ring: bitwise ``all_gather``, and no receive chunk (only reduce steps add one)."""
+    from minizero.comm.collectives import all_gather, shard_range
+
+    def rank(comm):
+        mine = np.random.default_rng(comm.rank).standard_normal(1000)
+        off, size = shard_range(1000, n, comm.rank)
+        buf = np.zeros(1000)
+        buf[off:off + size] = mine[off:off + size]
+        coll = RingCollective(comm, buf, "all_gather", tag=1005)
+        coll.start().wait()
+        return buf, all_gather(comm, mine[off:off + size].copy(), 1000), coll.tmp
+
+    for got, want, tmp in run_in_threads(n, rank, timeout=30):
+        assert np.array_equal(got, want) and tmp is None
+
+
 def test_ring_steps_are_the_blocking_ring_s_and_bad_ops_are_refused():
     assert len(ring_steps("all_reduce", 10, 4, 1)) == 6 and len(ring_steps("all_gather", 10, 4, 1)) == 3
     assert ring_steps("reduce_scatter", 10, 4, 1)[0] == ((0, 3), (8, 2), True)  # sends chunk r-1, adds r-2

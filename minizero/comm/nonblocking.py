@@ -67,7 +67,7 @@ class RingCollective:
         label: the traffic label its bytes are counted under (default ``op``); one call per collective.
         name: the span's name on the trace's in-flight lane; ``trace_args`` go into its ``args``.
     Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`), counted as the
-        messages are posted. Temporary memory: one chunk (reduce steps).
+        messages are posted. Temporary memory: one chunk (``tmp``) for the reduce steps; none for an all-gather.
     Raises:
         ValueError: ``buf`` not 1-D C-contiguous; unknown ``op``.
         NotImplementedError: the communicator has no non-blocking transport.
@@ -82,7 +82,8 @@ class RingCollective:
         self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
         self.label, self.name, self.trace_args = label or op, name or op, trace_args
         self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []
-        self.tmp = backend.array_module(buf).empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
+        self.tmp = None if op == "all_gather" else backend.array_module(buf).empty(  # the reduce steps' receive chunk
+            shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
         self.step, self.requests, self.started_us, self.done = 0, None, None, False
 
     def start(self) -> RingCollective:
