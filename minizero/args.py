@@ -136,8 +136,8 @@ def _check_comm(args) -> None:
     if args.comm is None:
         args.comm = "nccl" if device == "cuda" else "mpi"
     if args.comm == "nccl" and device != "cuda":
-        raise UsageError(f"--comm nccl moves device memory between GPUs; it needs --device cuda, got --device {device} "
-                         "(allowed with it: --comm mpi)")
+        raise UsageError(f"--comm nccl moves device memory between GPUs and needs --device cuda; got --device {device}, "
+                         "which takes --comm mpi (its default)")
 
 
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
