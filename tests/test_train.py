@@ -82,6 +82,25 @@ def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_header_names_every_layout_choice(mpiexec):
+    """The header says cp beside dp (not folded into it), the device, ZeRO and sequence parallelism."""
+    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "1", "--no-save", "--cp", "2", "--tp", "2", "--sequence-parallel",
+                                         "--zero", "1", "--device", "strict"], timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    head = proc.stdout.splitlines()
+    assert head[0].startswith("minizero: 4 rank(s) as dp 1 x cp 2 x tp 2 x pp 1,"), head[0]
+    assert head[1] == "device strict (NumPy underneath; implicit host transfers raise); messages over mpi"
+    assert head[2].startswith("global batch 2 sequences x 16 tokens (32 tokens per step) = micro-batch 2 x 1 data")
+    assert "ZeRO stage 1: optimizer state sharded over the 2 rank(s) of the data group" in head
+    assert any(line.startswith("sequence parallel: ") for line in head)
+    plain, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "2"], timeout=90)
+    assert plain.returncode == 0, plain.stderr
+    assert "as dp 2 x tp 1 x pp 1," in plain.stdout and "device cpu (NumPy); messages over mpi" in plain.stdout
+    assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
+            "reduce-scatters overlap backward") in plain.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
     env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")

@@ -271,5 +271,6 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
 
 def describe_batch(args, cfg) -> str:
     """The batch arithmetic in one line: B = b x dp x k sequences of T tokens."""
-    return (f"global batch {args.batch_size} x {cfg.block_size} tokens = micro-batch {args.micro_batch_size} "
+    return (f"global batch {args.batch_size} sequences x {cfg.block_size} tokens "
+            f"({args.batch_size * cfg.block_size:,} tokens per step) = micro-batch {args.micro_batch_size} "
             f"x {args.dp} data rank(s) x {args.grad_accum} micro-batch(es)")
