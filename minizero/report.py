@@ -30,6 +30,7 @@ SAMPLE_TEMPERATURE = 0.8
 KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
+               "context_parallel_attention": "context parallel ring attention (keys, values, their gradients)",
                "other": "other (loss, norm, flags, metrics)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
@@ -93,10 +94,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
-            label = KIND_LABELS.get(kind, kind.replace("_", " "))
-            if kind == "other" and getattr(args, "cp", 1) > 1:  # the context group is in no traffic kind of its own
-                label = label[:-1] + "; context parallelism's ring attention)"
-            notes.append(f"  {label}: " + ", ".join(
+            notes.append(f"  {KIND_LABELS.get(kind, kind.replace('_', ' '))}: " + ", ".join(
                 f"r{r} {format_bytes(s['bytes_sent_by_kind'][kind])}" for r, s in enumerate(stats)))
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
         f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))

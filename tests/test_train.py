@@ -101,6 +101,22 @@ def test_header_names_every_layout_choice(mpiexec):
 
 
 @pytest.mark.timeout(120)
+def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
+    """Every byte in exactly one kind: ring attention has its own, the tied embedding's all-reduce (its group is
+    split from the pipeline group) is gradient reduction only; so no kind is negative and they sum to the total."""
+    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "2", "--cp", "2", "--pp", "2", "--out", str(tmp_path)], timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kinds = summary["bytes_sent_by_kind"]
+    for r in range(4):
+        mine = {k: v[r] for k, v in kinds.items()}
+        assert all(v >= 0 for v in mine.values()), mine
+        assert sum(mine.values()) == summary["bytes_sent"][r], mine
+        assert mine["context_parallel_attention"] > mine["other"], mine
+    assert "context parallel ring attention" in proc.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
     env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")
