@@ -71,6 +71,28 @@ def local_rank(default: int = 0) -> int:
     return default
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices CuPy sees (>= 1), without selecting one or switching the array module.
+
+    For a program that launches others with ``--device cuda`` (``python -m minizero.compare``) and
+    must refuse before any work where they would all fail.
+    Raises:
+        DeviceError: CuPy is not installed, cannot reach the driver, or sees no device.
+    """
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency)
+    except ImportError as e:
+        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); install it from the minizero "
+                          "checkout with: pip install -e '.[gpu]' (CUDA 12; '.[gpu-cuda13]' for CUDA 13)") from e
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
+    if count < 1:
+        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    return count
+
+
 def set_device(device: str, rank_on_node: int = 0) -> str:
     """Select the array module and device for ``--device``; returns a one-line description.
 
@@ -95,17 +117,9 @@ def set_device(device: str, rank_on_node: int = 0) -> str:
         set_backend("strict")
         device_description = "strict (NumPy underneath; implicit host transfers raise)"
         return device_description
-    try:
-        import cupy  # noqa: PLC0415  (optional dependency)
-    except ImportError as e:
-        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); install it from the minizero "
-                          "checkout with: pip install -e '.[gpu]' (CUDA 12; '.[gpu-cuda13]' for CUDA 13)") from e
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
-    if count < 1:
-        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    count = cuda_device_count()
+    import cupy  # noqa: PLC0415  (optional dependency; cuda_device_count imported it)
+
     gpu = rank_on_node % count
     cupy.cuda.Device(gpu).use()
     set_backend("cupy")

@@ -52,6 +52,7 @@ import tempfile
 import time
 
 from minizero import hardware
+from minizero.backend import DeviceError, cuda_device_count
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
@@ -299,6 +300,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if args.device == "cuda":  # refused once here, not by every run it would launch
+        try:
+            cuda_device_count()
+        except DeviceError as e:
+            raise UsageError(str(e)) from None
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if names == ["all"]:
         names = list(STRATEGIES)
