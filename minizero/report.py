@@ -99,7 +99,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
         f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
     if result.get("setup_peaks"):
-        notes.append("peaks above: the training steps; set-up (model built, then re-homed) peaked at " + ", ".join(
+        notes.append("peaks above: the training steps only; set-up (building the model, then copying it into its "
+                     "flat buffers or shards) peaked at " + ", ".join(
             f"r{r} {format_bytes(sp['peak_total'])}" for r, sp in enumerate(result["setup_peaks"])))
     if result.get("pruner") is not None:
         rep = result["pruner"].report()
