@@ -296,7 +296,8 @@ def main(argv=None) -> int:
                     rows[name] = failure(e)
     result["checks"] = [{"check": k, "status": s, "detail": d} for k, (s, d) in rows.items()]
     print("\n| check | result | detail |\n|---|---|---|")
-    for k, (s, d) in rows.items():
+    for k, (s, d) in rows.items():  # the reason nothing ran is the first line: not repeated in every row
+        d = "no GPU (first line above)" if hw is None else d
         print(f"| {k} | {s} | {d.splitlines()[0] if d else ''} |")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -137,8 +137,8 @@ def _check_comm(args) -> None:
     if args.comm is None:
         args.comm = "nccl" if device == "cuda" else "mpi"
     if args.comm == "nccl" and device != "cuda":
-        raise UsageError(f"--comm nccl moves device memory between GPUs; it needs --device cuda, got --device {device} "
-                         "(allowed with it: --comm mpi)")
+        raise UsageError(f"--comm nccl moves device memory between GPUs and needs --device cuda; got --device {device}, "
+                         "which takes --comm mpi (its default)")
     if args.comm == "nccl" and getattr(args, "schedule", None) == "interleaved":
         raise UsageError("--schedule interleaved sends with isend/irecv, which --comm nccl does not have; "
                          "use --comm mpi, or --schedule 1f1b or gpipe")

@@ -23,6 +23,7 @@ from minizero import strict
 
 xp = np  #: the active array module (numpy, cupy or minizero.strict)
 name = "numpy"
+device_description = "cpu (NumPy)"  #: the last :func:`set_device`'s one-line description (the job's header)
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
 
@@ -35,7 +36,7 @@ def set_backend(backend: str) -> None:
     Raises:
         ValueError: unknown backend name.
         ImportError: ``"cupy"`` asked for but CuPy is not installed
-            (``pip install minizero[gpu]``).
+            (``pip install -e ".[gpu]"`` in the checkout, or ``pip install cupy-cuda12x``).
     """
     global xp, name
     if backend == "numpy":
@@ -70,6 +71,28 @@ def local_rank(default: int = 0) -> int:
     return default
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices CuPy sees (>= 1), without selecting one or switching the array module.
+
+    For a program that launches others with ``--device cuda`` (``python -m minizero.compare``) and
+    must refuse before any work where they would all fail.
+    Raises:
+        DeviceError: CuPy is not installed, cannot reach the driver, or sees no device.
+    """
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency)
+    except ImportError as e:
+        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); install it from the minizero "
+                          "checkout with: pip install -e '.[gpu]' (CUDA 12; '.[gpu-cuda13]' for CUDA 13)") from e
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
+    if count < 1:
+        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    return count
+
+
 def set_device(device: str, rank_on_node: int = 0) -> str:
     """Select the array module and device for ``--device``; returns a one-line description.
 
@@ -81,31 +104,27 @@ def set_device(device: str, rank_on_node: int = 0) -> str:
         ValueError: ``device`` not one of :data:`DEVICES`, or a negative ``rank_on_node``.
         DeviceError: ``cuda`` asked for but CuPy is not installed or no CUDA device is visible.
     """
+    global device_description
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
     if rank_on_node < 0:
         raise ValueError(f"local rank must be >= 0, got {rank_on_node}")
     if device == "cpu":
         set_backend("numpy")
-        return "cpu (NumPy)"
+        device_description = "cpu (NumPy)"
+        return device_description
     if device == "strict":
         set_backend("strict")
-        return "strict (NumPy underneath; implicit host transfers raise)"
-    try:
-        import cupy  # noqa: PLC0415  (optional dependency)
-    except ImportError as e:
-        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); "
-                          "install it with: pip install 'minizero[gpu]' (or cupy-cuda12x)") from e
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
-    if count < 1:
-        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        device_description = "strict (NumPy underneath; implicit host transfers raise)"
+        return device_description
+    count = cuda_device_count()
+    import cupy  # noqa: PLC0415  (optional dependency; cuda_device_count imported it)
+
     gpu = rank_on_node % count
     cupy.cuda.Device(gpu).use()
     set_backend("cupy")
-    return f"cuda:{gpu} (CuPy, {count} device(s) visible)"
+    device_description = f"cuda:{gpu} (CuPy, {count} device(s) visible)"
+    return device_description
 
 
 def array_module(a):

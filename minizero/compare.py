@@ -52,6 +52,7 @@ import tempfile
 import time
 
 from minizero import hardware
+from minizero.backend import DeviceError, cuda_device_count
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
@@ -270,11 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def hardware_line(profile: hardware.Profile) -> str:
     """One line of the measured profile: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s, AdamW."""
-    flops = ", ".join(f"{v / 1e9:.1f} ({t} thread{'s' * (t > 1)})" for t, v in sorted(profile.sgemm_flops.items()))
-    bw = ", ".join(f"{v / 1e9:.2f} ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
-    return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops} GFLOP/s; copy "
+    flops = ", ".join(f"{v / 1e9:.1f} GFLOP/s ({t} thread{'s' * (t > 1)})"
+                      for t, v in sorted(profile.sgemm_flops.items()))
+    bw = ", ".join(f"{v / 1e9:.2f} GB/s ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
+    return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops}; copy "
             f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
-            f"gradient {bw or '- (1 rank)'} GB/s; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")
+            f"gradient {bw or '- (1 rank)'}; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -298,6 +300,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if args.device == "cuda":  # refused once here, not by every run it would launch
+        try:
+            cuda_device_count()
+        except DeviceError as e:
+            raise UsageError(str(e)) from None
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if names == ["all"]:
         names = list(STRATEGIES)

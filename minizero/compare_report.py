@@ -34,9 +34,13 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
              "Cells: measured / estimated, MiB (2^20 bytes), rank 0; measured = the ledger's peak during the training "
              "steps; estimated = `estimate_memory(..., accounting=\"minizero\")`. Device total = the sum of the "
              "per-category peaks except `offloaded`. Worst = the largest |estimated - measured| / measured over "
-             "ranks and categories. Process peak = tracemalloc (every NumPy allocation). Step s = rank 0's "
-             "training-loop seconds per step (measured) / the planner's `step_time` on the measured hardware "
-             "profile (predicted); ratio = measured / predicted.", *(["", hardware] if hardware else []), "",
+             "ranks and categories. Process peak = tracemalloc (every NumPy allocation). Tokens/s = rank 0's over "
+             "these few steps, the first included: rough. Step s = measured / predicted seconds per step: rank 0's "
+             "training-loop time (first step included, `--no-overlap`) / the planner's `step_time` on the hardware "
+             "profile below; ratio = measured divided by predicted: how many times slower this machine ran than the "
+             "planner's first-order model (matmul FLOPs, collective bytes, offload copies) says: it leaves out the "
+             "elementwise kernels, the optimizer step, Python's overhead and FP16 emulated on NumPy, and it assumes "
+             "data-parallel traffic hidden behind backward (lesson 08).", *(["", hardware] if hardware else []), "",
              "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
              "offloaded | files | device total | worst | process peak | tokens/s | step s | ratio |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

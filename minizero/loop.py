@@ -98,10 +98,22 @@ def precision_description(args) -> str:
 
 def _header(args, cfg, s, world: int) -> list[str]:
     topo = s.topo
-    lines = [f"minizero: {world} rank(s) as dp {topo.dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
+    dp = f"dp {topo.dp // s.cp} x cp {s.cp}" if s.cp > 1 else f"dp {topo.dp}"
+    lines = [f"minizero: {world} rank(s) as {dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
              f"({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
              f"context {cfg.block_size}), {precision_description(args)}",
+             f"device {backend.device_description}; messages over {getattr(args, 'comm', None) or 'mpi'}",
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
+    if args.zero:
+        sharded = {1: "optimizer state", 2: "optimizer state and gradients",
+                   3: "optimizer state, gradients and parameters"}[args.zero]
+        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over the {topo.dp} rank(s) of the data group"
+                     + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
+                                                              if args.zero == 3 else "")
+                        if args.zero >= 2 and getattr(args, "overlap", True) else ""))
+    if getattr(args, "sequence_parallel", False):
+        lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
+                     "tensor rank (all-gather in, reduce-scatter out)")
     if topo.tp * topo.pp > 1:
         lines.append(topo.describe())
     if s.cp > 1:
@@ -182,6 +194,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     units = TraceUnits(s.stage) if tracer is not None else None
     backend.synchronize()  # a GPU's queued work belongs to the set-up, not to the timed steps
     t_start = time.perf_counter()
+    progress.start_clock()
     for step in range(start, args.steps):
         poison = check_fault(comm.rank, step)
         monitor.begin_step()

@@ -259,7 +259,9 @@ def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
-            f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer"]
+            f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
+            "columns: Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
+            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"]
 
 
 def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:

@@ -9,7 +9,7 @@ forces lines, ``none`` prints nothing.
 
 A log line (every K steps; K defaults to about 15 lines per run)::
 
-    step   20/300  loss 2.8312  lr 3.00e-03  6,812 tok/s  elapsed 12.1 s  ETA 2.8 min  [fp16: scale 65536, skipped 0]
+    step  20/300  loss 2.8312  lr 3.00e-03   6,812 tok/s  elapsed  12.1 s  ETA   2.8 min  [fp16: scale 65536, skipped 0]
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ MODES = ("auto", "bar", "log", "none")
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    """Seconds under a minute, minutes from there; 5 characters before the unit, so columns stay aligned."""
+    return f"{seconds:5.1f} s" if seconds < 60 else f"{seconds / 60:5.1f} min"
 
 
 class Progress:
@@ -55,6 +56,11 @@ class Progress:
             self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                             file=self.out, disable=False)
 
+    def start_clock(self) -> None:
+        """Time from now: the training loop calls this right before its first step, so tok/s, elapsed and ETA
+        leave out the set-up and the first validation (as the closing line's tokens/s does)."""
+        self.t0 = time.perf_counter()
+
     def _say(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line, file=self.out)
@@ -80,7 +86,7 @@ class Progress:
             return
         eta = elapsed / done * (self.total - step - 1) if done else 0.0
         w = len(str(self.total))
-        line = (f"step {step + 1:>{w}}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
+        line = (f"step {step + 1:>{w}}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {tok_s:>6,.0f} tok/s  "
                 f"elapsed {_duration(elapsed)}  ETA {_duration(eta)}")
         if self.fp16:
             line += f"  [fp16: scale {scale:g}, skipped {skipped}]"

@@ -18,13 +18,22 @@ from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.monitor import report_memory
+from minizero.memory.plots import INSTALL_HINT
 from minizero.parallel.strategy import TRAFFIC_KINDS
-from minizero.plots import plot_losses
+from minizero.plots import MISSING, plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
 from minizero.weights import SIDECAR
 
 #: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
 SAMPLE_TEMPERATURE = 0.8
+#: how the report names each traffic kind (summary.json keeps the keys of TRAFFIC_KINDS)
+KIND_LABELS = {"gradient_reduction": "gradient reduction",
+               "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
+               "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
+               "context_parallel_attention": "context parallel ring attention (keys, values, their gradients)",
+               "other": "other (loss, norm, flags, metrics)"}
+#: one line when neither plot could be drawn
+NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
 
 
 def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
@@ -85,12 +94,13 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
              "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
-            notes.append(f"  {kind.replace('_', ' ')}: " + ", ".join(
+            notes.append(f"  {KIND_LABELS.get(kind, kind.replace('_', ' '))}: " + ", ".join(
                 f"r{r} {format_bytes(s['bytes_sent_by_kind'][kind])}" for r, s in enumerate(stats)))
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
         f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
     if result.get("setup_peaks"):
-        notes.append("peaks above: the training steps; set-up (model built, then re-homed) peaked at " + ", ".join(
+        notes.append("peaks above: the training steps only; set-up (building the model, then copying it into its "
+                     "flat buffers or shards) peaked at " + ", ".join(
             f"r{r} {format_bytes(sp['peak_total'])}" for r, sp in enumerate(result["setup_peaks"])))
     if result.get("pruner") is not None:
         rep = result["pruner"].report()
@@ -104,7 +114,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"])
-    print("\n".join(line for line in mem_lines if not line.startswith("wrote ")))
+    no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
+    print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()
@@ -120,6 +131,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                        seed=args.seed)
     print("\nsample:\n" + printable(text) + "\n")
     if args.no_save:
+        if no_memory_plot:
+            print(INSTALL_HINT)
         return
     summary = {
         "world_size": args.world_size,
@@ -157,7 +170,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
     atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
-    print(plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                      result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}"))
+    loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
+                            result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}")
+    if loss_plot == MISSING and no_memory_plot:
+        print(NO_PLOTS)
+    else:
+        print("\n".join([loss_plot, *([INSTALL_HINT] if no_memory_plot else [])]))
     for line in wrote_later:
         print(line)

@@ -160,6 +160,14 @@ def test_bad_input_is_named(argv, needle, capsys):
     assert "Traceback" not in err
 
 
+def test_cuda_without_cupy_is_refused_once_before_any_run(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError, as where it is not installed
+    assert compare.main(["--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "--device cuda needs CuPy" in captured.err and "'.[gpu]'" in captured.err
+    assert captured.out == ""  # no hardware profile, no run launched
+
+
 def test_bad_input_exits_2_without_traceback(tmp_path):
     afile = tmp_path / "f"
     afile.write_text("x")

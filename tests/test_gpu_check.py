@@ -26,6 +26,7 @@ def test_without_cupy_every_check_is_not_run_and_the_exit_code_is_zero(tmp_path)
     assert all(c["status"] == "not run" for c in result["checks"])
     assert result["hardware"] is None and "CuPy not installed" in result["reason_not_run"]
     assert done.stdout.count("| not run |") == len(gpu_check.CHECKS)
+    assert done.stdout.count("CuPy not installed") == 1, done.stdout  # said once, not in every row
 
 
 def test_peaks_by_name_and_override():

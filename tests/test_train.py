@@ -82,6 +82,41 @@ def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_header_names_every_layout_choice(mpiexec):
+    """The header says cp beside dp (not folded into it), the device, ZeRO and sequence parallelism."""
+    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "1", "--no-save", "--cp", "2", "--tp", "2", "--sequence-parallel",
+                                         "--zero", "1", "--device", "strict"], timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    head = proc.stdout.splitlines()
+    assert head[0].startswith("minizero: 4 rank(s) as dp 1 x cp 2 x tp 2 x pp 1,"), head[0]
+    assert head[1] == "device strict (NumPy underneath; implicit host transfers raise); messages over mpi"
+    assert head[2].startswith("global batch 2 sequences x 16 tokens (32 tokens per step) = micro-batch 2 x 1 data")
+    assert "ZeRO stage 1: optimizer state sharded over the 2 rank(s) of the data group" in head
+    assert any(line.startswith("sequence parallel: ") for line in head)
+    plain, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "2"], timeout=90)
+    assert plain.returncode == 0, plain.stderr
+    assert "as dp 2 x tp 1 x pp 1," in plain.stdout and "device cpu (NumPy); messages over mpi" in plain.stdout
+    assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
+            "reduce-scatters overlap backward") in plain.stdout
+
+
+@pytest.mark.timeout(120)
+def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
+    """Every byte in exactly one kind: ring attention has its own, the tied embedding's all-reduce (its group is
+    split from the pipeline group) is gradient reduction only; so no kind is negative and they sum to the total."""
+    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "2", "--cp", "2", "--pp", "2", "--out", str(tmp_path)], timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kinds = summary["bytes_sent_by_kind"]
+    for r in range(4):
+        mine = {k: v[r] for k, v in kinds.items()}
+        assert all(v >= 0 for v in mine.values()), mine
+        assert sum(mine.values()) == summary["bytes_sent"][r], mine
+        assert mine["context_parallel_attention"] > mine["other"], mine
+    assert "context parallel ring attention" in proc.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
     env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")

@@ -121,7 +121,8 @@ def _ring_pass(comm, arrays):
     xp = backend.xp
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     flat = xp.concatenate([a.reshape(-1) for a in arrays])
-    got = comm.sendrecv(flat, right, xp.empty_like(flat), left, tag=CP_TAG)
+    with comm.traffic.op("ring_attention"):  # its own traffic kind in the job's report (Strategy.traffic_by_kind)
+        got = comm.sendrecv(flat, right, xp.empty_like(flat), left, tag=CP_TAG)
     out, off = [], 0
     for a in arrays:
         out.append(got[off:off + a.size].reshape(a.shape))

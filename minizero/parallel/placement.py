@@ -102,9 +102,12 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring") -
         lines.append(f"  {k:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
                      f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
     other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS)))
-    lines.append(f"  world: {_fmt(total[6])} sent, " + (
-        f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])} + pp {_fmt(total[5])} "
-        f"+ other (loss, norm, validation sums) {_fmt(other)}" if known else "? across nodes"))
+    if known and topo.nodes.n_nodes == 1:
+        lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
+    else:
+        lines.append(f"  world: {_fmt(total[6])} sent; " + (
+            f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])} + pp {_fmt(total[5])} "
+            f"+ other (loss, norm, validation sums) {_fmt(other)}" if known else "? across nodes"))
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "

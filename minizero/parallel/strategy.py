@@ -57,7 +57,7 @@ from minizero.parallel.topology import Topology
 GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
-                 "other")
+                 "context_parallel_attention", "other")
 
 
 class Strategy:
@@ -191,15 +191,19 @@ class Strategy:
         the tied embedding's all-reduce; ``parameter_gathers``: the data group's parameter
         all-gathers and broadcasts (ZeRO 1-3, the start-up broadcast); ``pipeline_activations``:
         activations and their gradients between stages; ``tensor_parallel_activations``: the
-        tensor group's f/g all-reduces; ``other``: the rest (metrics, the norm, overflow
+        tensor group's f/g all-reduces; ``context_parallel_attention``: ring attention's key/value
+        blocks and their gradients around the context group (``--cp``, inside the data group);
+        ``other``: the rest (metrics, the norm, overflow
         flags, optimizer bookkeeping, gathering the model for saving).
         """
         by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
             "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS),
-            "pipeline_activations": sum(by["pp"].values()),
+            # the embedding group is split from the pipeline group: its all-reduce is in both ledgers, counted once
+            "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()),
             "tensor_parallel_activations": sum(by["tp"].values()),
+            "context_parallel_attention": by["dp"].get("ring_attention", 0),
         }
         kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
         return kinds
@@ -271,5 +275,6 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
 
 def describe_batch(args, cfg) -> str:
     """The batch arithmetic in one line: B = b x dp x k sequences of T tokens."""
-    return (f"global batch {args.batch_size} x {cfg.block_size} tokens = micro-batch {args.micro_batch_size} "
+    return (f"global batch {args.batch_size} sequences x {cfg.block_size} tokens "
+            f"({args.batch_size * cfg.block_size:,} tokens per step) = micro-batch {args.micro_batch_size} "
             f"x {args.dp} data rank(s) x {args.grad_accum} micro-batch(es)")
