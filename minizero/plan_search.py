@@ -73,6 +73,15 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+#: The search tries cp > 1 only where each rank keeps at least this many tokens of the sequence. The
+#: step-time model counts FLOPs and bytes, not how attention kernels slow down on short blocks nor the
+#: ring's exposed latency, so below this it would trade dp for cp over differences far under its own
+#: accuracy (~1%). Context parallelism is a long-context technique: Llama 3 (Dubey et al. 2024,
+#: section 3.3.2) used cp 16 only for its 131,072-token stage, 8,192 tokens per rank. A planner
+#: decision, not a rule of the trainer (``--strategy cpN`` and ``--cp`` still take any size that splits).
+MIN_CP_TOKENS_PER_RANK = 4096
+
+
 def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, tp: int = 1) -> list[int]:
     """The context-parallel sizes c the search tries on ``ranks`` = GPUs / (tp x pp): divisors of ``ranks``
     with the sequence in 2c equal chunks (two per rank; ``parallel/context_parallel.py``), and, for c > 1,
@@ -96,7 +105,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
     gradients every micro-batch; neither DeepSpeed nor Megatron-LM combines them with
     pp > 1, while ZeRO-1 -- Megatron's distributed optimizer -- is); sequence
     parallelism only with tp > 1; context parallelism c (given ``seq_len``) as
-    :func:`context_parallel_sizes` allows, GPUs = dp x cp x tp x pp.
+    :func:`context_parallel_sizes` allows and with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens
+    per rank, GPUs = dp x cp x tp x pp.
     """
     for tp in _divisors(gpus):
         if tp > gpus_per_node or model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp:
@@ -107,6 +117,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
             if model.n_layer % (pp * v):
                 continue
             for cp in context_parallel_sizes(model, gpus // (tp * pp), seq_len, tp):
+                if cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK:
+                    continue
                 yield from _layouts(tp, pp, cp, gpus // (tp * pp * cp), sched, v, micro_batch, global_batch,
                                     precision, optimizer, bucket_bytes)
 
