@@ -70,6 +70,27 @@ def local_rank(default: int = 0) -> int:
     return default
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices CuPy sees (>= 1), without selecting one or switching the array module.
+
+    What ``--device cuda`` needs; a launcher (``python -m minizero.compare``) asks before starting any run.
+    Raises:
+        DeviceError: CuPy is not installed, cannot reach the driver, or sees no device.
+    """
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency)
+    except ImportError as e:
+        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); "
+                          "install it with: pip install 'minizero[gpu]' (or cupy-cuda12x)") from e
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
+    if count < 1:
+        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    return count
+
+
 def set_device(device: str, rank_on_node: int = 0) -> str:
     """Select the array module and device for ``--device``; returns a one-line description.
 
@@ -91,17 +112,9 @@ def set_device(device: str, rank_on_node: int = 0) -> str:
     if device == "strict":
         set_backend("strict")
         return "strict (NumPy underneath; implicit host transfers raise)"
-    try:
-        import cupy  # noqa: PLC0415  (optional dependency)
-    except ImportError as e:
-        raise DeviceError(f"--device cuda needs CuPy, which is not installed ({e}); "
-                          "install it with: pip install 'minizero[gpu]' (or cupy-cuda12x)") from e
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
-    if count < 1:
-        raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    count = cuda_device_count()
+    import cupy  # noqa: PLC0415  (optional dependency; importable, cuda_device_count said so)
+
     gpu = rank_on_node % count
     cupy.cuda.Device(gpu).use()
     set_backend("cupy")

@@ -51,12 +51,12 @@ import sys
 import tempfile
 import time
 
-from minizero import hardware
+from minizero import backend, hardware
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
 from minizero.compare_report import MIB, SHOWN, _mib, markdown, plot  # noqa: F401 (MIB: the public API)
-from minizero.files import WriteError, atomic_write, mpiexec_path
+from minizero.files import WriteError, atomic_write, check_writable_folder, mpiexec_path
 from minizero.nn import PRESETS
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
@@ -315,6 +315,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.json = os.path.join(args.out, "compare.json")
     if os.path.isdir(args.json):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    for flag, folder in (("--out", args.out), ("--json", os.path.dirname(os.path.abspath(args.json)))):
+        try:  # the outputs are written after every run: a folder that takes no file is refused now
+            check_writable_folder(folder)
+        except OSError as e:
+            raise UsageError(f"{flag}: cannot write in {folder!r} ({e.strerror}); give a folder on a writable "
+                             "file system") from None
+    if args.device == "cuda":
+        try:
+            backend.cuda_device_count()
+        except backend.DeviceError as e:
+            raise UsageError(str(e)) from None
     return args
 
 
