@@ -202,6 +202,9 @@ def main(argv=None) -> int:
     try:
         if args.json:
             check_output(args.json)  # before any measuring
+            for flag, other in (("--weights", args.weights), ("--data", args.data)):
+                if other and os.path.realpath(args.json) == os.path.realpath(other):
+                    raise ValueError(f"--json {args.json!r} would overwrite {flag} {other!r}; give another file")
         backend.set_device(args.device, backend.local_rank())
         result = run(args)
     except (FileNotFoundError, ValueError, backend.DeviceError) as e:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from minizero.checkpoint.format import CheckpointError, clean_partial, read_manifest, resolve, verify
+from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, clean_partial, read_manifest, resolve,
+                                        verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
 
-__all__ = ["Checkpointer", "CheckpointError", "ShardReader", "full_tensor", "manifest_state", "read_manifest",
-           "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
+__all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
+           "read_manifest", "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
 
 
 def run_layout(args) -> dict:

@@ -93,6 +93,21 @@ def clean_partial(save_dir: str) -> list[str]:
     return gone
 
 
+def checkpoint_holding(path: str) -> str | None:
+    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None.
+
+    What an output path is checked against, so that no output lands inside a checkpoint (a shard or the
+    manifest overwritten is the checkpoint lost). Also None for ``path`` itself being such a folder.
+    """
+    a = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(a, MANIFEST)):
+            return a
+        if os.path.dirname(a) == a:
+            return None
+        a = os.path.dirname(a)
+
+
 def resolve(path: str) -> str:
     """The checkpoint folder ``path`` names: itself (it holds a manifest), or a save dir's latest.
 
