@@ -134,6 +134,26 @@ def _lock_output(args, comm, mpi_world):
     return lock, mpi_world.bcast(refusal, root=0)
 
 
+def _parse_everywhere(argv, comm, mpi_world):
+    """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
+
+    Returns (args or None, None) when every rank accepted, else (None, the first refusing rank's message).
+    A rank whose files or environment differ (another node's file system, a per-rank variable) could
+    otherwise accept what its peers refuse and wait forever for them in the first collective.
+    """
+    args, error = None, None
+    try:
+        args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
+        check_fault_spec(comm.world_size, args.steps)
+    except UsageError as e:
+        error = str(e)
+    errors = mpi_world.allgather(error)
+    bad = [r for r, e in enumerate(errors) if e]
+    if not bad:
+        return args, None
+    return None, errors[0] if errors[0] else f"[rank {bad[0]}] {errors[bad[0]]}"
+
+
 def _select_device(args, comm, mpi_world) -> str | None:
     """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
 
@@ -187,12 +207,10 @@ def main(argv=None) -> int:
         exit_with_parent()
     comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
-    try:
-        args = parse_args(argv, comm.world_size, quiet=rank != 0)
-        check_fault_spec(comm.world_size, args.steps)
-    except UsageError as e:
+    args, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
+    if refusal:
         if rank == 0:
-            print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
+            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
