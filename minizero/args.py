@@ -35,6 +35,7 @@ from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKE
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
+MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
 
@@ -186,8 +187,10 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         v = getattr(args, name)
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    if not (args.comm_timeout > 0 and math.isfinite(args.comm_timeout)):
-        raise UsageError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+    if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout and math.isfinite(args.comm_timeout)):
+        raise UsageError(f"--comm-timeout must be a finite number of seconds > 0 and at least {MIN_COMM_TIMEOUT_S:g} "
+                         f"(a shorter wait times out ordinary start-up and steps, blaming a healthy peer), got "
+                         f"{args.comm_timeout}")
     if args.warmup is not None and args.warmup > args.steps:
         raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}; the learning rate would never "
                          "reach --lr (give --warmup <= --steps)")

@@ -8,6 +8,7 @@ every run, and a rank whose arguments its peers accept left waiting for them.
 """
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,6 +73,14 @@ def test_unwritable_trace_under_mpi_fails_before_the_first_step(mpiexec, tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("--trace '/proc/t.json'") == 1 and "Traceback" not in proc.stderr
     assert "step " not in proc.stdout and elapsed < 60
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.5", "-1", "nan", "inf"])
+def test_comm_timeout_below_a_second_is_refused(value):
+    """Before: --comm-timeout 1e-9 ran, and every rank failed at the first collective blaming a stalled peer."""
+    with pytest.raises(UsageError, match=f"--comm-timeout must be .* at least 1 .*got {re.escape(str(float(value)))}$"):
+        parse_args([*TINY, "--no-save", "--comm-timeout", value])
+    parse_args([*TINY, "--no-save", "--comm-timeout", "1"])
 
 
 def test_offload_dir_message_is_one_plain_line():
