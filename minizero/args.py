@@ -20,7 +20,7 @@ import os
 import tempfile
 
 from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, run_layout, verify
-from minizero.data import describe_non_file, load_tokens
+from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.files import check_writable_folder
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
@@ -177,8 +177,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.no_progress:
         args.progress = "none"
-    if not args.prompt:
-        raise UsageError("--prompt must hold at least one character, got ''")
+    if prompt_problem(args.prompt):
+        raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):
         v = getattr(args, name)
         if v is not None and v < 1:

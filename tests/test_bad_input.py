@@ -83,6 +83,21 @@ def test_comm_timeout_below_a_second_is_refused(value):
     parse_args([*TINY, "--no-save", "--comm-timeout", "1"])
 
 
+@pytest.mark.timeout(120)
+def test_a_prompt_that_is_not_utf8_is_refused_before_training(tmp_path, capsys):
+    """Before: training ran, model.npz was written, then the closing sample raised UnicodeEncodeError (a
+    traceback, and no summary.json); python -m minizero.sample raised the same."""
+    from minizero.sample import main as sample_main
+
+    bad = os.fsdecode(b"ab\xff")  # what Python makes of a command-line byte that is not UTF-8
+    with pytest.raises(UsageError, match=re.escape("--prompt b'ab\\xff' is not UTF-8 text")):
+        parse_args([*TINY, "--no-save", "--prompt", bad])
+    with pytest.raises(UsageError, match="is not UTF-8 text"):
+        parse_args([*TINY, "--no-save", "--prompt", "\ud800"])
+    assert sample_main(["--weights", str(tmp_path / "none.npz"), "--prompt", bad]) == 2
+    assert "--prompt b'ab\\xff' is not UTF-8 text" in capsys.readouterr().err
+
+
 def test_offload_dir_message_is_one_plain_line():
     """Before: ``[Errno 2] --offload-dir '/proc' is not writable: ...`` (the OSError's number first)."""
     with pytest.raises(UsageError) as e:
