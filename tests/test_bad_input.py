@@ -220,3 +220,16 @@ def test_gpu_check_refuses_bad_flags_before_the_probe(tmp_path, capsys, argv, ne
         gpu_check.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "g.json").exists()
+
+
+# --------------------------------------------------------------------------- python -m minizero.plan
+@pytest.mark.parametrize("text,name", [("cp2 cp4", "cp"), ("z1 zero=3", "zero"), ("dp2 dp=4", "dp"),
+                                       ("recompute=full recompute=none", "recompute")])
+def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
+    """Before: "cp2 cp4" planned cp 4 without a word about the cp 2 it dropped."""
+    from minizero.models import MODELS
+    from minizero.plan_search import parse_strategy
+
+    with pytest.raises(ValueError, match=f"{name} is given twice"):
+        parse_strategy(text, MODELS["llama3-8b"], 8)
+    parse_strategy("dp2 tp2 pp2 sp sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # repeats that add up
