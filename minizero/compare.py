@@ -296,8 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if not args.timeout > 0 or args.timeout == float("inf"):  # inf: subprocess's wait raises OverflowError
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}; give a finite number")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if names == ["all"]:
         names = list(STRATEGIES)
@@ -309,6 +309,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--strategies: unknown strategy {unknown[0]!r}; "
                          f"allowed: {', '.join(STRATEGIES)} (or all)")
     args.strategies = list(dict.fromkeys(names))
+    from minizero.train import UsageError as TrainUsageError, parse_args as train_args
+    for n, name in ((n, name) for n in args.ranks for name in args.strategies):  # as the trainer checks, now
+        try:
+            train_args(train_argv(name, args.model, args.steps, args.micro_batch_size) + ["--no-save"], n)
+        except TrainUsageError as e:
+            raise UsageError(f"--strategies {name} at --ranks {n}: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
     if args.json is None:
@@ -367,7 +373,7 @@ def _main(argv=None) -> int:
     print(title, flush=True)
     from minizero.train import model_config, parse_args as train_args
 
-    cfg = model_config(train_args(train_argv("baseline", args.model, 1, args.micro_batch_size), 1))
+    cfg = model_config(train_args(train_argv("baseline", args.model, 1, args.micro_batch_size) + ["--no-save"], 1))
     try:
         profile = hardware.measure(cfg, args.micro_batch_size, args.ranks, mpiexec)
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # no prediction then; the memory comparison goes on

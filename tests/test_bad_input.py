@@ -184,11 +184,17 @@ def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
 
 # --------------------------------------------------------------------------- compare
 def test_compare_refuses_its_outputs_and_device_before_any_run(tmp_path, monkeypatch):
+    """Before: a bad --out/--json failed after every run; --device cuda without CuPy failed every run; --timeout
+    inf raised OverflowError from subprocess, --micro-batch-size 10**9 a UsageError traceback, and --steps 2e9
+    failed each of the nine runs in turn."""
     from minizero.compare import UsageError as CompareUsage, parse_args as compare_args
 
     afile = tmp_path / "afile"
     afile.write_text("x")
     for argv, needle in [(["--out", "/proc/compare"], "--out: cannot write in '/proc/compare'"),
+                         (["--timeout", "inf"], "--timeout must be > 0 seconds, got inf; give a finite number"),
+                         (["--micro-batch-size", "1000000000"], "at --ranks 2: --micro-batch-size must be <= 4,096"),
+                         (["--steps", "2000000000"], "at --ranks 2: --steps must be <= 1,000,000,000"),
                          (["--json", str(afile / "c.json")], "is not a directory")]:
         with pytest.raises(CompareUsage, match=needle):
             compare_args(argv)
