@@ -19,7 +19,7 @@ import math
 import os
 import tempfile
 
-from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, run_layout, verify
+from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, resolve, run_layout, verify
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.files import check_writable_folder
 from minizero.memory.offload import OffloadError, check_offload_dir
@@ -337,13 +337,28 @@ def _check_checkpoint(args) -> None:
                              "folder on a writable file system") from None
     if args.resume:
         try:
-            folder = verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
-            step = read_manifest(folder).get("step")
+            verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-        if isinstance(step, int) and step >= args.steps:
-            raise UsageError(f"--resume {args.resume!r} is at step {step}; --steps {args.steps} leaves nothing to "
-                             f"train (give --steps > {step}, the total including the steps already run)")
+
+
+def check_steps_left(args) -> None:
+    """The main job's rule for ``--resume``: the checkpoint's step is below ``--steps`` (the total, the steps
+    already run included), so that the job trains and has steps to report. The library's ``train`` accepts a
+    resume with nothing left (it returns at once); the job's report has no step to describe.
+
+    Raises:
+        UsageError: naming the checkpoint's step and ``--steps``.
+    """
+    if not getattr(args, "resume", None):
+        return
+    try:
+        step = read_manifest(resolve(args.resume)).get("step")
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if isinstance(step, int) and step >= args.steps:
+        raise UsageError(f"--resume {args.resume!r} is at step {step}; --steps {args.steps} leaves nothing to "
+                         f"train (give --steps > {step}, the total including the steps already run)")
 
 
 def model_config(args):

@@ -33,7 +33,8 @@ import traceback
 import tracemalloc
 
 from minizero import backend
-from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
+from minizero.args import (UsageError, build_parser, check_fault_spec, check_steps_left, model_config,  # noqa: F401
+                           parse_args)
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
@@ -145,6 +146,7 @@ def _parse_everywhere(argv, comm, mpi_world):
     try:
         args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
         check_fault_spec(comm.world_size, args.steps)
+        check_steps_left(args)
     except UsageError as e:
         error = str(e)
     errors = mpi_world.allgather(error)

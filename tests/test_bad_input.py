@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from minizero.train import UsageError, parse_args
+from minizero.train import UsageError, check_steps_left, parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
@@ -120,12 +120,15 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
 
 
 # --------------------------------------------------------------------------- --resume
+@pytest.mark.timeout(120)
 def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
-    """Before: --steps <= the checkpoint's step ran no step and ended in a KeyError in the report."""
+    """Before: --steps <= the checkpoint's step ran no step and ended in a KeyError traceback in the report."""
     for steps in ("1", "2"):
-        with pytest.raises(UsageError, match=f"is at step 2; --steps {steps} leaves nothing to train"):
-            parse_args([*TINY, "--steps", steps, "--out", str(tmp_path / "o"), "--resume", str(saved)])
-    parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)])
+        proc, _ = _train([*TINY, "--steps", steps, "--out", str(tmp_path / "o"), "--resume", str(saved)])
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"is at step 2; --steps {steps} leaves nothing to train" in proc.stderr
+        assert "minizero: 1 rank(s)" not in proc.stdout  # nothing built
+    check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
 
 
 # --------------------------------------------------------------------------- consolidate --out
