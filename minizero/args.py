@@ -54,8 +54,9 @@ def _check_outputs(args) -> None:
     js = os.path.abspath(args.json)
     if os.path.isdir(js):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
-    if js == os.path.abspath(os.path.join(out, "model.npz")) or (args.data and js == os.path.abspath(args.data)):
-        raise UsageError(f"--json {args.json!r} would overwrite {'the weights' if js.endswith('model.npz') else '--data'}")
+    own = run_files(args)
+    if js in own:
+        raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
         raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
@@ -68,6 +69,17 @@ def _check_outputs(args) -> None:
     special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:
         _probe(jparent, "--json")
+
+
+def run_files(args) -> dict:
+    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
+    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
+    files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
+        ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
+        ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
+    if args.data:
+        files[os.path.abspath(args.data)] = "--data"
+    return files
 
 
 def _outside_checkpoints(flag: str, path: str, given: str) -> None:
@@ -299,10 +311,7 @@ def _check_trace(args) -> None:
     if os.path.isdir(p):
         raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
                          f"{os.path.join(path, 'trace.json')!r}")
-    own = {os.path.abspath(os.path.join(args.out, "model.npz")): "the weights (OUT/model.npz)",
-           os.path.abspath(args.json): "the --json summary"}
-    if args.data:
-        own[os.path.abspath(args.data)] = "--data"
+    own = dict(run_files(args), **{os.path.abspath(args.json): "the --json summary"})
     if p in own:
         raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
     _outside_checkpoints("--trace", p, path)

@@ -60,6 +60,16 @@ def test_trace_path_is_checked_at_parse_time(tmp_path, trace, needle):
                    world_size=2)
 
 
+@pytest.mark.parametrize("name,what", [("model.json", "the weights' config"), ("loss.png", "the loss plot"),
+                                       ("memory.png", "the memory plot")])
+def test_no_output_overwrites_another_file_of_the_run(tmp_path, name, what):
+    """Before: --json OUT/model.json wrote the summary over the weights' config, and sample/quantize then
+    refused the weights; --json OUT/loss.png was overwritten by the plot."""
+    for flag in ("--json", "--trace"):
+        with pytest.raises(UsageError, match=f"{flag} .* would overwrite {what}"):
+            parse_args([*TINY, "--out", str(tmp_path / "o"), flag, str(tmp_path / "o" / name)])
+
+
 def test_trace_into_a_new_folder_or_a_device_file_is_accepted(tmp_path):
     parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "new" / "deeper" / "t.json")])
     parse_args([*TINY, "--no-save", "--trace", os.devnull])
