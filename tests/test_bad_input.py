@@ -189,10 +189,13 @@ def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
     from minizero.quantize import main
 
     weights = saved.parent / "model.npz"
-    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    config = saved.parent / "model.json"
+    before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)]
     assert main(["--weights", str(weights), "--json", str(weights)]) == 2
     assert "would overwrite --weights" in capsys.readouterr().err
-    assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
+    assert main(["--weights", str(weights), "--json", str(config)]) == 2
+    assert "would overwrite --weights' config" in capsys.readouterr().err
+    assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)] == before
 
 
 # --------------------------------------------------------------------------- compare
