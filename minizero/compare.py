@@ -299,8 +299,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.timeout > 0 or args.timeout == float("inf"):  # inf: subprocess's wait raises OverflowError
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}; give a finite number")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if names == ["all"]:
-        names = list(STRATEGIES)
+    names = list(STRATEGIES) if names == ["all"] else names
     if not names:
         raise UsageError(f"--strategies names no strategy, got {args.strategies!r}; allowed: "
                          f"{', '.join(STRATEGIES)} (or all)")
@@ -319,8 +318,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
     if args.json is None:
         args.json = os.path.join(args.out, "compare.json")
-    if os.path.isdir(args.json):
-        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
+                                                                    for name in ("compare.md", "compare.png")}:
+        raise UsageError(f"--json {args.json!r} is a directory or OUT/compare.md or .png; give another file path")
     for flag, folder in (("--out", args.out), ("--json", os.path.dirname(os.path.abspath(args.json)))):
         try:  # the outputs are written after every run: a folder that takes no file is refused now
             check_writable_folder(folder)
