@@ -138,22 +138,34 @@ def _lock_output(args, comm, mpi_world):
 def _parse_everywhere(argv, comm, mpi_world):
     """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
 
-    Returns (args or None, None) when every rank accepted, else (None, the first refusing rank's message).
-    A rank whose files or environment differ (another node's file system, a per-rank variable) could
-    otherwise accept what its peers refuse and wait forever for them in the first collective.
+    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``:
+    status 2 and the first refusing rank's message (an unexpected exception counts, its traceback printed
+    by its rank), or ``--help``'s status 0 when every rank printed (rank 0) or skipped the help. A rank whose
+    files or environment differ (another node's file system, a per-rank variable) could otherwise accept
+    what its peers refuse and wait forever for them in the first collective.
     """
-    args, error = None, None
+    args, verdict = None, None
     try:
         args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
         check_fault_spec(comm.world_size, args.steps)
         check_steps_left(args)
     except UsageError as e:
-        error = str(e)
-    errors = mpi_world.allgather(error)
-    bad = [r for r, e in enumerate(errors) if e]
-    if not bad:
-        return args, None
-    return None, errors[0] if errors[0] else f"[rank {bad[0]}] {errors[bad[0]]}"
+        verdict = str(e)
+    except SystemExit as e:  # --help
+        verdict = e.code or 0
+    except Exception as e:  # a bug: its rank shows where, every rank stops
+        _write_stderr(f"[rank {comm.rank}] " + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        verdict = f"{type(e).__name__}: {e}"
+    verdicts = mpi_world.allgather(verdict)
+    if all(v is None for v in verdicts):
+        return args, None, None
+    if all(isinstance(v, int) for v in verdicts):
+        return None, verdicts[0], None
+    bad = [r for r, v in enumerate(verdicts) if isinstance(v, str)]
+    if bad:
+        return None, 2, verdicts[0] if bad[0] == 0 else f"[rank {bad[0]}] {verdicts[bad[0]]}"
+    helped = [r for r, v in enumerate(verdicts) if v is not None]
+    return None, 2, f"--help was given to rank(s) {helped} only; give every rank the same arguments"
 
 
 def _select_device(args, comm, mpi_world) -> str | None:
@@ -209,11 +221,11 @@ def main(argv=None) -> int:
         exit_with_parent()
     comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
-    args, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
-    if refusal:
-        if rank == 0:
+    args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
+    if code is not None:
+        if rank == 0 and refusal:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
-        return 2
+        return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:

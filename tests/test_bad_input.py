@@ -141,6 +141,38 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
     check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
 
 
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: m.pop("model"), "field 'model' is missing, expected a JSON object"),
+    (lambda m: m.__setitem__("files", "x"), "field 'files' is 'x', expected a JSON array"),
+    (lambda m: m["files"][0].pop("bytes"), "files[0] lacks bytes"),
+    (lambda m: m["pieces"][3].pop("lo"), "pieces[3] lacks lo"),
+    (lambda m: m.__setitem__("step", "2"), "field 'step' is '2', expected an integer >= 0"),
+    (lambda m: m.pop("train"), "field 'train' is missing"),
+    (lambda m: m["layout"].__setitem__("tp", None), "layout.tp is None, expected an integer"),
+])
+def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, needle):
+    """Before: KeyError/TypeError tracebacks on every rank, some after the model was built (MPI_Abort)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    man = json.loads((folder / "manifest.json").read_text())
+    damage(man)
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UsageError, match=re.escape(needle) + ".*the manifest is damaged"):
+        parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
+
+
+@pytest.mark.timeout(120)
+def test_help_on_some_ranks_only_ends_the_job(mpiexec):
+    """Before: the rank given --help printed it and exited; the others waited for it forever."""
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--no-save"]
+    proc = subprocess.run([mpiexec, "-n", "1", *good, ":", "-n", "1", *good, "--help"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "--help was given to rank(s) [1] only" in proc.stderr, proc.stderr
+
+
 # --------------------------------------------------------------------------- consolidate --out
 def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
     """Before: --out STEP/rank00000.safetensors replaced the shard with the .npz; the checkpoint was lost."""
