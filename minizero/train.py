@@ -35,6 +35,7 @@ import tracemalloc
 from minizero import backend
 from minizero.args import (UsageError, build_parser, check_fault_spec, check_steps_left, model_config,  # noqa: F401
                            parse_args)
+from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
@@ -47,7 +48,7 @@ from minizero.memory.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
-DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError)
+DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 

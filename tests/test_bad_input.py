@@ -165,6 +165,24 @@ def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, ne
 
 
 @pytest.mark.timeout(120)
+def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_path, mpiexec):
+    """A manifest that names a shard file or tensor its files do not hold (hand-edited: the manifest has no
+    checksum) is found while loading, after the model is built. Before: FileNotFoundError / SafetensorError
+    tracebacks; now one line per rank, and the job ends (exit 1)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["pieces"][0]["key"] = "no-such-tensor"
+    (folder / "manifest.json").write_text(json.dumps(man))
+    proc, elapsed = _train([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)], mpiexec, 2)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the manifest names what its files do not hold" in proc.stderr and elapsed < 60
+
+
+@pytest.mark.timeout(120)
 def test_help_on_some_ranks_only_ends_the_job(mpiexec):
     """Before: the rank given --help printed it and exited; the others waited for it forever."""
     good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--no-save"]
