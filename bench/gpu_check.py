@@ -40,6 +40,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+from minizero.files import atomic_write, check_writable_folder  # noqa: E402
 
 #: dense peak FLOP/s (FP16/BF16 tensor cores, FP32 without tensor cores) from the vendors' data sheets,
 #: keyed by a substring of the device name; --peak-tflops overrides
@@ -238,11 +239,37 @@ def torch_step_s(cfg, batch: int, fp16: bool, runner, steps: int = 10) -> float 
 def parse_peak(text: str | None, name: str) -> tuple[float | None, float | None]:
     """(FP16, FP32) peak FLOP/s: ``--peak-tflops X`` (both) or ``X,Y``, else :data:`PEAKS` by name."""
     if text:
-        vals = [float(v) * 1e12 for v in text.split(",")]
-        if len(vals) not in (1, 2) or min(vals) <= 0:
-            raise SystemExit(f"--peak-tflops {text!r}: give one or two positive numbers, FP16[,FP32]")
+        try:
+            vals = [float(v) * 1e12 for v in text.split(",")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (1, 2) or not all(0 < v < float("inf") for v in vals):
+            raise SystemExit(f"--peak-tflops {text!r}: give one or two positive finite numbers, FP16[,FP32]")
         return vals[0], vals[-1]
     return next((p for key, p in PEAKS.items() if key in name), (None, None))
+
+
+def check_flags(parser, args) -> tuple[int, int]:
+    """Every flag, before the probe and any run (``parser.error``: one line, exit 2); returns ``--steps`` (K, K+S)."""
+    try:
+        parse_peak(args.peak_tflops, "")
+    except SystemExit as e:
+        parser.error(str(e))
+    if not 0 < args.budget_s < float("inf"):
+        parser.error(f"--budget-s must be a positive finite number of seconds, got {args.budget_s}")
+    try:
+        steps = tuple(int(s) for s in args.steps.split(","))
+    except ValueError:
+        steps = ()
+    if len(steps) != 2 or not 1 <= steps[0] < steps[1]:
+        parser.error(f"--steps {args.steps!r}: give K,K+S, two integers with 1 <= K < K+S (e.g. 3,8)")
+    if os.path.isdir(args.json):
+        parser.error(f"--json {args.json!r} is a directory; give a file path")
+    try:
+        check_writable_folder(os.path.dirname(os.path.abspath(args.json)))
+    except OSError as e:
+        parser.error(f"--json {args.json!r}: cannot write there ({e.strerror}); give a path on a writable file system")
+    return steps
 
 
 def main(argv=None) -> int:
@@ -256,6 +283,7 @@ def main(argv=None) -> int:
     if args.nccl_worker:
         nccl_worker(args.nccl_worker)
         return 0
+    steps = check_flags(p, args)
     hw, why = probe()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows: dict[str, tuple[str, str]] = {name: ("not run", why) for name in CHECKS}
@@ -265,7 +293,6 @@ def main(argv=None) -> int:
     else:
         peaks = parse_peak(args.peak_tflops, hw["name"])
         print(f"{hw['name']} x {hw['count']}, CuPy {hw['cupy']}, CUDA runtime {hw['cuda_runtime']}; {stamp}")
-        steps = tuple(int(s) for s in args.steps.split(","))
         with tempfile.TemporaryDirectory() as tmp:
             runner = Runner(args.budget_s, tmp)
             f64 = ["--dtype", "float64", "--steps", "5", *SHORT]
@@ -299,8 +326,8 @@ def main(argv=None) -> int:
     for k, (s, d) in rows.items():  # the reason nothing ran is the first line: not repeated in every row
         d = "no GPU (first line above)" if hw is None else d
         print(f"| {k} | {s} | {d.splitlines()[0] if d else ''} |")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    text = json.dumps(result, indent=1)
+    atomic_write(args.json, lambda f: f.write(text), mode="w")  # a crash leaves the previous file whole
     print(f"\nwrote {args.json}")
     return 1 if any(s == "FAIL" for s, _ in rows.values()) else 0
 

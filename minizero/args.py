@@ -19,8 +19,9 @@ import math
 import os
 import tempfile
 
-from minizero.checkpoint import CheckpointError, run_layout, verify
-from minizero.data import describe_non_file, load_tokens
+from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, resolve, run_layout, verify
+from minizero.data import describe_non_file, load_tokens, prompt_problem
+from minizero.files import check_writable_folder
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
@@ -34,6 +35,7 @@ from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKE
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
+MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
 
@@ -52,18 +54,40 @@ def _check_outputs(args) -> None:
     js = os.path.abspath(args.json)
     if os.path.isdir(js):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
-    if js == os.path.abspath(os.path.join(out, "model.npz")) or (args.data and js == os.path.abspath(args.data)):
-        raise UsageError(f"--json {args.json!r} would overwrite {'the weights' if js.endswith('model.npz') else '--data'}")
+    own = run_files(args)
+    if js in own:
+        raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
         raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
     weights = os.path.join(out, "model.npz")
+    _outside_checkpoints("--out", weights, out)
+    _outside_checkpoints("--json", js, args.json)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     _probe(out, "--out")
     special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:
         _probe(jparent, "--json")
+
+
+def run_files(args) -> dict:
+    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
+    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
+    files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
+        ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
+        ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
+    if args.data:
+        files[os.path.abspath(args.data)] = "--data"
+    return files
+
+
+def _outside_checkpoints(flag: str, path: str, given: str) -> None:
+    """Refuse an output ``path`` inside a checkpoint folder (it would overwrite or add to the checkpoint)."""
+    folder = checkpoint_holding(path)
+    if folder:
+        raise UsageError(f"{flag} {given!r} is inside the checkpoint folder {folder!r} and would overwrite or add to "
+                         "it; give a path outside every checkpoint")
 
 
 def _probe(folder: str, flag: str) -> None:
@@ -169,8 +193,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.no_progress:
         args.progress = "none"
-    if not args.prompt:
-        raise UsageError("--prompt must hold at least one character, got ''")
+    if prompt_problem(args.prompt):
+        raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -179,8 +203,10 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         v = getattr(args, name)
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    if not (args.comm_timeout > 0 and math.isfinite(args.comm_timeout)):
-        raise UsageError(f"--comm-timeout must be a finite number of seconds > 0, got {args.comm_timeout}")
+    if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout and math.isfinite(args.comm_timeout)):
+        raise UsageError(f"--comm-timeout must be a finite number of seconds > 0 and at least {MIN_COMM_TIMEOUT_S:g} "
+                         f"(a shorter wait times out ordinary start-up and steps, blaming a healthy peer), got "
+                         f"{args.comm_timeout}")
     if args.warmup is not None and args.warmup > args.steps:
         raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}; the learning rate would never "
                          "reach --lr (give --warmup <= --steps)")
@@ -214,7 +240,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         try:
             check_offload_dir(args.offload_dir)
         except OffloadError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(e.strerror or str(e)) from None  # the message, without "[Errno N]"
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     preset = PRESETS[args.model]
@@ -270,9 +296,36 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         args.json = os.path.join(args.out, "summary.json")
     if not args.no_save:
         _check_outputs(args)
+    _check_trace(args)
     args.world_size = world_size
     _check_checkpoint(args)
     return args
+
+
+def _check_trace(args) -> None:
+    """``--trace PATH`` is written by rank 0 after the last step: check now that it can be (a file path whose
+    folder exists or can be made, and takes a file), and that it overwrites none of the run's own files, so a
+    finished run is never lost to it."""
+    path = args.trace
+    if path is None:
+        return
+    if not path:
+        raise UsageError("--trace must name a file for the timeline, got ''")
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
+                         f"{os.path.join(path, 'trace.json')!r}")
+    own = dict(run_files(args), **{os.path.abspath(args.json): "the --json summary"})
+    if p in own:
+        raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
+    _outside_checkpoints("--trace", p, path)
+    if os.path.exists(p) and not os.path.isfile(p):
+        return  # /dev/null, a FIFO: written straight into
+    try:
+        _probe(os.path.dirname(p), "--trace")
+    except UsageError:
+        raise UsageError(f"--trace {path!r}: its folder {os.path.dirname(p)!r} cannot be created or take a file; "
+                         "give a path on a writable file system") from None
 
 
 def _check_checkpoint(args) -> None:
@@ -284,13 +337,41 @@ def _check_checkpoint(args) -> None:
         raise UsageError(f"--keep must be >= 1, got {args.keep}")
     if args.save_dir is None:
         args.save_dir = os.path.join(args.out, "checkpoints")
-    if args.save_every and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
-        raise UsageError(f"--save-dir {args.save_dir!r} exists and is not a directory")
+    if args.save_every:  # the first save comes after N steps: a folder that takes no file is refused now
+        if not args.save_dir:
+            raise UsageError("--save-dir must name a folder, got ''")
+        if os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+            raise UsageError(f"--save-dir {args.save_dir!r} exists and is not a directory")
+        _outside_checkpoints("--save-dir", os.path.join(args.save_dir, "x"), args.save_dir)
+        try:
+            check_writable_folder(args.save_dir)
+        except OSError as e:
+            raise UsageError(f"--save-dir {args.save_dir!r} cannot be created or take files ({e.strerror}); give a "
+                             "folder on a writable file system") from None
     if args.resume:
         try:
             verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+
+
+def check_steps_left(args) -> None:
+    """The main job's rule for ``--resume``: the checkpoint's step is below ``--steps`` (the total, the steps
+    already run included), so that the job trains and has steps to report. The library's ``train`` accepts a
+    resume with nothing left (it returns at once); the job's report has no step to describe.
+
+    Raises:
+        UsageError: naming the checkpoint's step and ``--steps``.
+    """
+    if not getattr(args, "resume", None):
+        return
+    try:
+        step = read_manifest(resolve(args.resume)).get("step")
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if isinstance(step, int) and step >= args.steps:
+        raise UsageError(f"--resume {args.resume!r} is at step {step}; --steps {args.steps} leaves nothing to "
+                         f"train (give --steps > {step}, the total including the steps already run)")
 
 
 def model_config(args):

@@ -51,13 +51,12 @@ import sys
 import tempfile
 import time
 
-from minizero import hardware
-from minizero.backend import DeviceError, cuda_device_count
+from minizero import backend, hardware
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
 from minizero.compare_report import MIB, SHOWN, _mib, markdown, plot  # noqa: F401 (MIB: the public API)
-from minizero.files import WriteError, atomic_write, mpiexec_path
+from minizero.files import WriteError, atomic_write, check_writable_folder, mpiexec_path
 from minizero.nn import PRESETS
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
@@ -298,30 +297,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
-    if args.device == "cuda":  # refused once here, not by every run it would launch
-        try:
-            cuda_device_count()
-        except DeviceError as e:
-            raise UsageError(str(e)) from None
+    if not args.timeout > 0 or args.timeout == float("inf"):  # inf: subprocess's wait raises OverflowError
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}; give a finite number")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if names == ["all"]:
-        names = list(STRATEGIES)
-    if not names:
-        raise UsageError(f"--strategies names no strategy, got {args.strategies!r}; allowed: "
-                         f"{', '.join(STRATEGIES)} (or all)")
+    names = list(STRATEGIES) if names == ["all"] else names
     unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        raise UsageError(f"--strategies: unknown strategy {unknown[0]!r}; "
-                         f"allowed: {', '.join(STRATEGIES)} (or all)")
+    if not names or unknown:
+        bad = f": unknown strategy {unknown[0]!r}" if unknown else f" names no strategy, got {args.strategies!r}"
+        raise UsageError(f"--strategies{bad}; allowed: {', '.join(STRATEGIES)} (or all)")
     args.strategies = list(dict.fromkeys(names))
+    from minizero.train import UsageError as TrainUsageError, parse_args as train_args
+    for n, name in ((n, name) for n in args.ranks for name in args.strategies):  # as the trainer checks, now
+        try:
+            train_args(train_argv(name, args.model, args.steps, args.micro_batch_size) + ["--no-save"], n)
+        except TrainUsageError as e:
+            raise UsageError(f"--strategies {name} at --ranks {n}: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
     if args.json is None:
         args.json = os.path.join(args.out, "compare.json")
-    if os.path.isdir(args.json):
-        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
+                                                                    for name in ("compare.md", "compare.png")}:
+        raise UsageError(f"--json {args.json!r} is a directory or OUT/compare.md or .png; give another file path")
+    for flag, folder in (("--out", args.out), ("--json", os.path.dirname(os.path.abspath(args.json)))):
+        try:  # the outputs are written after every run: a folder that takes no file is refused now
+            check_writable_folder(folder)
+        except OSError as e:
+            raise UsageError(f"{flag}: cannot write in {folder!r} ({e.strerror}); give a folder on a writable "
+                             "file system") from None
+    if args.device == "cuda":
+        try:
+            backend.cuda_device_count()
+        except backend.DeviceError as e:
+            raise UsageError(str(e)) from None
     return args
 
 
@@ -363,7 +371,7 @@ def _main(argv=None) -> int:
     print(title, flush=True)
     from minizero.train import model_config, parse_args as train_args
 
-    cfg = model_config(train_args(train_argv("baseline", args.model, 1, args.micro_batch_size), 1))
+    cfg = model_config(train_args(train_argv("baseline", args.model, 1, args.micro_batch_size) + ["--no-save"], 1))
     try:
         profile = hardware.measure(cfg, args.micro_batch_size, args.ranks, mpiexec)
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # no prediction then; the memory comparison goes on

@@ -29,6 +29,25 @@ def encode(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
 
 
+def prompt_problem(prompt: str) -> str | None:
+    """Why ``--prompt`` cannot be :func:`encode`-d, as one message naming the value; None when it can.
+
+    Empty, or not UTF-8 text: bytes of the command line that are not UTF-8 reach Python as lone
+    surrogates (PEP 383), which ``str.encode("utf-8")`` refuses.
+    """
+    if not prompt:
+        return "--prompt must hold at least one character, got ''"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = prompt.encode("utf-8", "surrogateescape")  # the command line's bytes again
+        except UnicodeEncodeError:  # a surrogate no command line makes (from Python)
+            raw = prompt
+        return f"--prompt {raw!r} is not UTF-8 text (the tokens are its UTF-8 bytes); give UTF-8 text"
+    return None
+
+
 def decode(tokens) -> str:
     """Bytes back to text; invalid UTF-8 (possible mid-sample) becomes U+FFFD."""
     return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")

@@ -226,6 +226,27 @@ class FolderLock:
             self.fd = None
 
 
+def check_writable_folder(folder: str) -> None:
+    """Check that ``folder`` can take a file, making nothing: the nearest existing ancestor of ``folder``
+    (which :func:`atomic_write` would create) is a directory where a temporary file can be created and
+    removed (tried, since ``access()`` says yes to root on a read-only mount or /proc).
+
+    Raises:
+        OSError: the ancestor is not a directory, or takes no file; its ``strerror`` names that ancestor.
+    """
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"{parent!r} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".minizero-probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise OSError(e.errno, f"{parent!r} takes no file: {e.strerror or e}") from None
+
+
 def mpiexec_path() -> str | None:
     """``mpiexec`` beside the running Python (the mpich wheel's), else on PATH, else None."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transport of every message: mpi (mpi4py), or nccl (cupy.cuda.nccl, one GPU per rank, "
                         "set up through MPI); default nccl with --device cuda, else mpi")
     p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="seconds any one send, receive or collective may wait for a peer before the job is aborted "
-                        "with the operation and the rank waited on (PyTorch's NCCL default: 600)")
+                   help="seconds (at least 1) any one send, receive or collective may wait for a peer before the job "
+                        "is aborted with the operation and the rank waited on (PyTorch's NCCL default: 600)")
     p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
                    help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
                         "inside each node again (NCCL/Horovod hierarchical)")

@@ -234,11 +234,15 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         ValueError: an unknown word, dp x cp x tp x pp != gpus, or a rule of
             :func:`enumerate_strategies` broken (the rule named).
     """
-    sizes, zero, sp, recompute, offloads = {}, 0, False, "none", set()
+    sizes, zero, sp, recompute, offloads, said = {}, 0, False, "none", set(), {}
     for word in text.replace(",", " ").split():
         w = word.lower()
         m = re.fullmatch(r"(dp|cp|tp|pp|zero|z)=?(\d+)", w)
         key, _, value = w.partition("=")
+        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key == "recompute" else None
+        if name is not None and name in said:  # "cp2 cp4": one of them would be dropped without a word
+            raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); give it once")
+        said[name] = word
         if m:
             if m.group(1) in ("zero", "z"):
                 zero = int(m.group(2))

@@ -48,7 +48,7 @@ from minizero.nn import PRESETS
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
-from minizero.weights import infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
+from minizero.weights import SIDECAR, infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
 DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -202,6 +202,10 @@ def main(argv=None) -> int:
     try:
         if args.json:
             check_output(args.json)  # before any measuring
+            sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)
+            for flag, other in (("--weights", args.weights), ("--weights' config", sidecar), ("--data", args.data)):
+                if other and os.path.realpath(args.json) == os.path.realpath(other):
+                    raise ValueError(f"--json {args.json!r} would overwrite {flag} {other!r}; give another file")
         backend.set_device(args.device, backend.local_rank())
         result = run(args)
     except (FileNotFoundError, ValueError, backend.DeviceError) as e:

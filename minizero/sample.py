@@ -29,7 +29,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import no_grad
-from minizero.data import decode, encode
+from minizero.data import decode, encode, prompt_problem
 from minizero.weights import load_gpt
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
@@ -128,9 +128,7 @@ def check(args) -> str | None:
         return f"--top-k must be >= 1, got {args.top_k}"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
-    if not args.prompt:
-        return "--prompt must hold at least one character, got ''"
-    return None
+    return prompt_problem(args.prompt)
 
 
 def main(argv=None) -> int:

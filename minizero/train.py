@@ -33,7 +33,9 @@ import traceback
 import tracemalloc
 
 from minizero import backend
-from minizero.args import UsageError, build_parser, check_fault_spec, model_config, parse_args  # noqa: F401
+from minizero.args import (UsageError, build_parser, check_fault_spec, check_steps_left, model_config,  # noqa: F401
+                           parse_args)
+from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
@@ -46,7 +48,7 @@ from minizero.memory.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
-DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError)
+DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 
@@ -134,6 +136,39 @@ def _lock_output(args, comm, mpi_world):
     return lock, mpi_world.bcast(refusal, root=0)
 
 
+def _parse_everywhere(argv, comm, mpi_world):
+    """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
+
+    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``:
+    status 2 and the first refusing rank's message (an unexpected exception counts, its traceback printed
+    by its rank), or ``--help``'s status 0 when every rank printed (rank 0) or skipped the help. A rank whose
+    files or environment differ (another node's file system, a per-rank variable) could otherwise accept
+    what its peers refuse and wait forever for them in the first collective.
+    """
+    args, verdict = None, None
+    try:
+        args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
+        check_fault_spec(comm.world_size, args.steps)
+        check_steps_left(args)
+    except UsageError as e:
+        verdict = str(e)
+    except SystemExit as e:  # --help
+        verdict = e.code or 0
+    except Exception as e:  # a bug: its rank shows where, every rank stops
+        _write_stderr(f"[rank {comm.rank}] " + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        verdict = f"{type(e).__name__}: {e}"
+    verdicts = mpi_world.allgather(verdict)
+    if all(v is None for v in verdicts):
+        return args, None, None
+    if all(isinstance(v, int) for v in verdicts):
+        return None, verdicts[0], None
+    bad = [r for r, v in enumerate(verdicts) if isinstance(v, str)]
+    if bad:
+        return None, 2, verdicts[0] if bad[0] == 0 else f"[rank {bad[0]}] {verdicts[bad[0]]}"
+    helped = [r for r, v in enumerate(verdicts) if v is not None]
+    return None, 2, f"--help was given to rank(s) {helped} only; give every rank the same arguments"
+
+
 def _select_device(args, comm, mpi_world) -> str | None:
     """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
 
@@ -196,13 +231,11 @@ def main(argv=None) -> int:
         exit_with_parent()
     comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
-    try:
-        args = parse_args(argv, comm.world_size, quiet=rank != 0)
-        check_fault_spec(comm.world_size, args.steps)
-    except UsageError as e:
-        if rank == 0:
-            print(f"python -m minizero.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
+    if code is not None:
+        if rank == 0 and refusal:
+            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+        return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:

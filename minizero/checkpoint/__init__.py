@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from minizero.checkpoint.format import CheckpointError, clean_partial, read_manifest, resolve, verify
+from safetensors import SafetensorError
+
+from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, clean_partial, read_manifest, resolve,
+                                        verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
 
-__all__ = ["Checkpointer", "CheckpointError", "ShardReader", "full_tensor", "manifest_state", "read_manifest",
-           "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
+__all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
+           "read_manifest", "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
 
 
 def run_layout(args) -> dict:
@@ -77,7 +80,7 @@ class Checkpointer:
 
         Rank 0 first removes the ``.tmp-`` folders of killed saves in the save dir.
         Raises:
-            CheckpointError: as :func:`restore`.
+            CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
         """
         path = getattr(self.args, "resume", None)
         if not path:
@@ -85,7 +88,11 @@ class Checkpointer:
         if self.comm.rank == 0 and self.every:
             for gone in clean_partial(self.args.save_dir):
                 self.log(f"checkpoint: removed the unfinished save {gone}")
-        out = restore(path, strategy, self.comm, scaler)
+        try:
+            out = restore(path, strategy, self.comm, scaler)
+        except (OSError, KeyError, SafetensorError) as e:  # a file or tensor the manifest names is not there
+            raise CheckpointError(f"--resume {path}: the manifest names what its files do not hold "
+                                  f"({type(e).__name__}: {e}); the checkpoint is damaged") from e
         self.resumed_from, self.load_peak = out["folder"], out["load_peak"]
         man = out["manifest"]
         self.log(f"resumed from {out['folder']}: step {out['step']} ({out['applied']} optimizer steps applied), "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 
 import numpy as np
 
-from minizero.checkpoint.format import CheckpointError, verify
+from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import atomic_write
+from minizero.files import atomic_write, check_writable_folder
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 
@@ -75,6 +76,29 @@ def consolidate(path: str, out: str) -> dict:
     return state
 
 
+def check_out(out: str) -> None:
+    """``consolidate --out``: a file path outside every checkpoint folder (and not a save dir's ``latest``),
+    in a folder that takes a file; checked before any tensor is read.
+
+    Raises:
+        CheckpointError: naming ``out`` and why it would overwrite or lose something.
+    """
+    p = os.path.abspath(out) if out else ""
+    if not p or os.path.isdir(p):
+        raise CheckpointError(f"--out {out!r} is {'empty' if not p else 'a directory'}; give a file path "
+                              "such as model.npz")
+    folder = checkpoint_holding(p)
+    if folder:
+        raise CheckpointError(f"--out {out!r} is inside the checkpoint folder {folder!r} and would overwrite or add "
+                              "to it; give a path outside every checkpoint")
+    if os.path.basename(p) == LATEST and os.path.exists(p):
+        raise CheckpointError(f"--out {out!r} would overwrite a save dir's pointer to its latest checkpoint")
+    try:
+        check_writable_folder(os.path.dirname(p))
+    except OSError as e:
+        raise CheckpointError(f"--out {out!r}: cannot write there ({e.strerror})") from None
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
     p = argparse.ArgumentParser(prog="python -m minizero.checkpoint",
@@ -87,14 +111,17 @@ def main(argv=None) -> int:
     con.add_argument("--out", default="model.npz", help="the .npz to write")
     args = p.parse_args(argv)
     try:
+        if args.command == "consolidate":
+            check_out(args.out)
         folder = verify(args.path)
         if args.command == "inspect":
             print(describe(ShardReader(folder)))
         else:
             state = consolidate(folder, args.out)
             print(f"wrote {args.out}: {len(state)} tensors from {folder}")
-    except CheckpointError as e:
-        print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
+    except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
+        msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
+        print(f"python -m minizero.checkpoint: error: {msg}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)

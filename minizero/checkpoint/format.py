@@ -93,6 +93,21 @@ def clean_partial(save_dir: str) -> list[str]:
     return gone
 
 
+def checkpoint_holding(path: str) -> str | None:
+    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None.
+
+    What an output path is checked against, so that no output lands inside a checkpoint (a shard or the
+    manifest overwritten is the checkpoint lost). Also None for ``path`` itself being such a folder.
+    """
+    a = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(a, MANIFEST)):
+            return a
+        if os.path.dirname(a) == a:
+            return None
+        a = os.path.dirname(a)
+
+
 def resolve(path: str) -> str:
     """The checkpoint folder ``path`` names: itself (it holds a manifest), or a save dir's latest.
 
@@ -137,7 +152,35 @@ def read_manifest(folder: str) -> dict:
     if not isinstance(man.get("version"), int) or man["version"] > VERSION:
         raise CheckpointError(f"{path}: format version {man.get('version')!r} is newer than this minizero reads "
                               f"(up to {VERSION}); update minizero")
+    _check_fields(path, man)
     return man
+
+
+#: what a reader takes from a manifest: top-level fields, and the fields of each file and piece entry
+FIELDS = {"step": int, "applied": int, "model": dict, "layout": dict, "train": dict, "params": dict, "pieces": list,
+          "files": list}
+JSON_NAMES = {dict: "object", list: "array"}
+ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256"),
+                "pieces": ("key", "kind", "param", "tp", "lo", "hi", "format", "dtype", "rank", "file")}
+
+
+def _check_fields(path: str, man: dict) -> None:
+    """Raise CheckpointError naming the first field of ``man`` a reader would trip on (missing, wrong type)."""
+    for key, kind in FIELDS.items():
+        v = man.get(key)
+        if not isinstance(v, kind) or isinstance(v, bool) or kind is int and v < 0:
+            raise CheckpointError(f"{path}: field {key!r} is {'missing' if key not in man else repr(v)[:40]}, "
+                                  f"expected {'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}; "
+                                  "the manifest is damaged")
+    for key, need in ENTRY_FIELDS.items():
+        for i, entry in enumerate(man[key]):
+            missing = [f for f in need if not isinstance(entry, dict) or f not in entry]
+            if missing:
+                raise CheckpointError(f"{path}: {key}[{i}] lacks {', '.join(missing)}; the manifest is damaged")
+    for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
+        if not isinstance(man[section].get(key), int):
+            raise CheckpointError(f"{path}: {section}.{key} is {man[section].get(key)!r}, expected an integer; "
+                                  "the manifest is damaged")
 
 
 def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:

@@ -1,0 +1,309 @@
+"""Bad input to the command lines: one clear line naming the value and what is allowed, exit status 2,
+before any work, on every rank; nothing the user wrote (checkpoints, outputs) lost or half-written.
+
+Each case here was a failure found by trying wrong values: a --trace path checked only after the last
+step (the finished run lost), a checkpoint shard overwritten by ``consolidate --out``, a resume with
+nothing left to train ending in a KeyError, compare and gpu_check refusing their outputs only after
+every run, and a rank whose arguments its peers accept left waiting for them.
+"""
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minizero.train import UsageError, check_steps_left, parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+
+
+def _train(args, mpiexec=None, n=1, timeout=120):
+    cmd = [sys.executable, "-m", "minizero.train", *args]
+    if mpiexec:
+        cmd = [mpiexec, "-n", str(n), *cmd]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A save dir with the checkpoints of steps 1 and 2 of a one-process tiny run."""
+    out = tmp_path_factory.mktemp("saved")
+    proc, _ = _train([*TINY, "--steps", "2", "--save-every", "1", "--keep", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    return out / "checkpoints"
+
+
+def _digests(folder):
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- --trace
+@pytest.mark.parametrize("trace,needle", [
+    ("", "--trace must name a file"),
+    ("/proc/minizero-trace.json", "its folder '/proc' cannot be created or take a file"),
+    ("{file}/t.json", "cannot be created or take a file"),
+    ("{tmp}", "is a directory; give a file path"),
+    ("{tmp}/o/model.npz", "would overwrite the weights"),
+    ("{tmp}/o/summary.json", "would overwrite the --json summary"),
+])
+def test_trace_path_is_checked_at_parse_time(tmp_path, trace, needle):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UsageError, match=needle):
+        parse_args([*TINY, "--out", str(tmp_path / "o"), "--trace", trace.format(file=afile, tmp=tmp_path)],
+                   world_size=2)
+
+
+@pytest.mark.parametrize("name,what", [("model.json", "the weights' config"), ("loss.png", "the loss plot"),
+                                       ("memory.png", "the memory plot")])
+def test_no_output_overwrites_another_file_of_the_run(tmp_path, name, what):
+    """Before: --json OUT/model.json wrote the summary over the weights' config, and sample/quantize then
+    refused the weights; --json OUT/loss.png was overwritten by the plot."""
+    for flag in ("--json", "--trace"):
+        with pytest.raises(UsageError, match=f"{flag} .* would overwrite {what}"):
+            parse_args([*TINY, "--out", str(tmp_path / "o"), flag, str(tmp_path / "o" / name)])
+
+
+def test_trace_into_a_new_folder_or_a_device_file_is_accepted(tmp_path):
+    parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "new" / "deeper" / "t.json")])
+    parse_args([*TINY, "--no-save", "--trace", os.devnull])
+
+
+@pytest.mark.timeout(120)
+def test_unwritable_trace_under_mpi_fails_before_the_first_step(mpiexec, tmp_path):
+    """Before: both ranks trained, then rank 0 failed writing the trace and no model.npz was written."""
+    proc, elapsed = _train([*TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--trace", "/proc/t.json"],
+                           mpiexec, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("--trace '/proc/t.json'") == 1 and "Traceback" not in proc.stderr
+    assert "step " not in proc.stdout and elapsed < 60
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.5", "-1", "nan", "inf"])
+def test_comm_timeout_below_a_second_is_refused(value):
+    """Before: --comm-timeout 1e-9 ran, and every rank failed at the first collective blaming a stalled peer."""
+    with pytest.raises(UsageError, match=f"--comm-timeout must be .* at least 1 .*got {re.escape(str(float(value)))}$"):
+        parse_args([*TINY, "--no-save", "--comm-timeout", value])
+    parse_args([*TINY, "--no-save", "--comm-timeout", "1"])
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_that_is_not_utf8_is_refused_before_training(tmp_path, capsys):
+    """Before: training ran, model.npz was written, then the closing sample raised UnicodeEncodeError (a
+    traceback, and no summary.json); python -m minizero.sample raised the same."""
+    from minizero.sample import main as sample_main
+
+    bad = os.fsdecode(b"ab\xff")  # what Python makes of a command-line byte that is not UTF-8
+    with pytest.raises(UsageError, match=re.escape("--prompt b'ab\\xff' is not UTF-8 text")):
+        parse_args([*TINY, "--no-save", "--prompt", bad])
+    with pytest.raises(UsageError, match="is not UTF-8 text"):
+        parse_args([*TINY, "--no-save", "--prompt", "\ud800"])
+    assert sample_main(["--weights", str(tmp_path / "none.npz"), "--prompt", bad]) == 2
+    assert "--prompt b'ab\\xff' is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_offload_dir_message_is_one_plain_line():
+    """Before: ``[Errno 2] --offload-dir '/proc' is not writable: ...`` (the OSError's number first)."""
+    with pytest.raises(UsageError) as e:
+        parse_args([*TINY, "--no-save", "--offload-activations", "nvme", "--offload-dir", "/proc"])
+    assert str(e.value).startswith("--offload-dir '/proc' is not writable")
+
+
+# --------------------------------------------------------------------------- every rank's verdict
+@pytest.mark.timeout(120)
+def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
+    """Ranks that see different files or variables (another node) can disagree on the arguments: the
+    refusing rank's message ends every rank (exit 2), instead of the others waiting for it forever."""
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--no-save"]
+    cmd = [mpiexec, "-n", "1", *good, ":", "-n", "1", *good, "--data", str(tmp_path / "missing.txt")]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("[rank 1] --data") == 1 and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+# --------------------------------------------------------------------------- --resume
+@pytest.mark.timeout(120)
+def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
+    """Before: --steps <= the checkpoint's step ran no step and ended in a KeyError traceback in the report."""
+    for steps in ("1", "2"):
+        proc, _ = _train([*TINY, "--steps", steps, "--out", str(tmp_path / "o"), "--resume", str(saved)])
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"is at step 2; --steps {steps} leaves nothing to train" in proc.stderr
+        assert "minizero: 1 rank(s)" not in proc.stdout  # nothing built
+    check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: m.pop("model"), "field 'model' is missing, expected a JSON object"),
+    (lambda m: m.__setitem__("files", "x"), "field 'files' is 'x', expected a JSON array"),
+    (lambda m: m["files"][0].pop("bytes"), "files[0] lacks bytes"),
+    (lambda m: m["pieces"][3].pop("lo"), "pieces[3] lacks lo"),
+    (lambda m: m.__setitem__("step", "2"), "field 'step' is '2', expected an integer >= 0"),
+    (lambda m: m.pop("train"), "field 'train' is missing"),
+    (lambda m: m["layout"].__setitem__("tp", None), "layout.tp is None, expected an integer"),
+])
+def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, needle):
+    """Before: KeyError/TypeError tracebacks on every rank, some after the model was built (MPI_Abort)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    man = json.loads((folder / "manifest.json").read_text())
+    damage(man)
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UsageError, match=re.escape(needle) + ".*the manifest is damaged"):
+        parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
+
+
+@pytest.mark.timeout(120)
+def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_path, mpiexec):
+    """A manifest that names a shard file or tensor its files do not hold (hand-edited: the manifest has no
+    checksum) is found while loading, after the model is built. Before: FileNotFoundError / SafetensorError
+    tracebacks; now one line per rank, and the job ends (exit 1)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["pieces"][0]["key"] = "no-such-tensor"
+    (folder / "manifest.json").write_text(json.dumps(man))
+    proc, elapsed = _train([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)], mpiexec, 2)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the manifest names what its files do not hold" in proc.stderr and elapsed < 60
+
+
+@pytest.mark.timeout(120)
+def test_help_on_some_ranks_only_ends_the_job(mpiexec):
+    """Before: the rank given --help printed it and exited; the others waited for it forever."""
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--no-save"]
+    proc = subprocess.run([mpiexec, "-n", "1", *good, ":", "-n", "1", *good, "--help"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "--help was given to rank(s) [1] only" in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- consolidate --out
+def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
+    """Before: --out STEP/rank00000.safetensors replaced the shard with the .npz; the checkpoint was lost."""
+    from minizero.checkpoint.cli import main
+
+    before = _digests(saved)
+    step2 = saved / "step_00000002"
+    for out, needle in [(step2 / "rank00000.safetensors", "is inside the checkpoint folder"),
+                        (saved / "step_00000001" / "model.npz", "is inside the checkpoint folder"),
+                        (saved / "latest", "pointer to its latest checkpoint"),
+                        (saved, "is a directory"), ("", "is empty"),
+                        ("/proc/model.npz", "cannot write there")]:
+        assert main(["consolidate", str(saved), "--out", str(out)]) == 2
+        assert needle in capsys.readouterr().err
+    assert _digests(saved) == before
+    assert main(["inspect", str(tmp_path / "missing")]) == 2  # PATH is positional: no "--resume" in the message
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'missing'}: no such checkpoint folder or save dir\n")
+    assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.npz")]) == 0
+    assert (tmp_path / "new" / "model.npz").is_file()
+
+
+def test_no_output_of_the_trainer_lands_inside_a_checkpoint(saved, tmp_path):
+    """Before: --json STEP/manifest.json replaced the manifest with the summary; the checkpoint was lost."""
+    step2 = saved / "step_00000002"
+    for argv in (["--json", str(step2 / "manifest.json")], ["--out", str(step2)],
+                 ["--no-save", "--trace", str(step2 / "rank00000.safetensors")]):
+        with pytest.raises(UsageError, match="is inside the checkpoint folder"):
+            parse_args([*TINY, "--steps", "3", "--resume", str(saved), *argv])
+
+
+@pytest.mark.parametrize("save_dir,needle", [
+    ("", "--save-dir must name a folder"), ("/proc/ck", "cannot be created or take files"),
+    ("{file}/ck", "is not a directory"), ("{saved}/step_00000002", "is inside the checkpoint folder"),
+])
+def test_save_dir_is_checked_before_the_first_save(saved, tmp_path, save_dir, needle):
+    """Before: the first save, N steps in, failed with a FileNotFoundError traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UsageError, match=needle):
+        parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--save-every", "2",
+                    "--save-dir", save_dir.format(file=afile, saved=saved)])
+
+
+def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
+    """Before: quantize --json OUT/model.npz measured, then wrote the JSON over the model it had read."""
+    from minizero.quantize import main
+
+    weights = saved.parent / "model.npz"
+    config = saved.parent / "model.json"
+    before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)]
+    assert main(["--weights", str(weights), "--json", str(weights)]) == 2
+    assert "would overwrite --weights" in capsys.readouterr().err
+    assert main(["--weights", str(weights), "--json", str(config)]) == 2
+    assert "would overwrite --weights' config" in capsys.readouterr().err
+    assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)] == before
+
+
+# --------------------------------------------------------------------------- compare
+def test_compare_refuses_its_outputs_and_device_before_any_run(tmp_path, monkeypatch):
+    """Before: a bad --out/--json failed after every run; --device cuda without CuPy failed every run; --timeout
+    inf raised OverflowError from subprocess, --micro-batch-size 10**9 a UsageError traceback, and --steps 2e9
+    failed each of the nine runs in turn."""
+    from minizero.compare import UsageError as CompareUsage, parse_args as compare_args
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in [(["--out", "/proc/compare"], "--out: cannot write in '/proc/compare'"),
+                         (["--timeout", "inf"], "--timeout must be > 0 seconds, got inf; give a finite number"),
+                         (["--micro-batch-size", "1000000000"], "at --ranks 2: --micro-batch-size must be <= 4,096"),
+                         (["--steps", "2000000000"], "at --ranks 2: --steps must be <= 1,000,000,000"),
+                         (["--json", str(afile / "c.json")], "is not a directory"),
+                         (["--out", str(tmp_path), "--json", str(tmp_path / "compare.md")], "or OUT/compare.md"),
+                         (["--json", str(tmp_path)], "is a directory")]:
+        with pytest.raises(CompareUsage, match=needle):
+            compare_args(argv)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(CompareUsage, match="--device cuda needs CuPy"):
+        compare_args(["--device", "cuda", "--out", str(tmp_path)])
+    compare_args(["--out", str(tmp_path / "new" / "deeper")])  # made at the end
+    assert not (tmp_path / "new").exists()
+
+
+# --------------------------------------------------------------------------- bench/gpu_check.py
+@pytest.mark.parametrize("argv,needle", [
+    (["--peak-tflops", "abc"], "--peak-tflops 'abc'"), (["--peak-tflops", "nan"], "positive finite"),
+    (["--steps", "8,3"], "1 <= K < K+S"), (["--steps", "x"], "--steps 'x'"), (["--budget-s", "nan"], "--budget-s"),
+    (["--json", "{tmp}"], "is a directory"), (["--json", "{file}/g.json"], "is not a directory"),
+])
+def test_gpu_check_refuses_bad_flags_before_the_probe(tmp_path, capsys, argv, needle):
+    """Before: a bad --json failed with a traceback after every check had run; --steps/--peak-tflops were
+    read only on a GPU machine, after the probe."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    import gpu_check
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    argv = [a.format(tmp=tmp_path, file=afile) for a in argv]
+    if "--json" not in argv:
+        argv += ["--json", str(tmp_path / "g.json")]
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "g.json").exists()
+
+
+# --------------------------------------------------------------------------- python -m minizero.plan
+@pytest.mark.parametrize("text,name", [("cp2 cp4", "cp"), ("z1 zero=3", "zero"), ("dp2 dp=4", "dp"),
+                                       ("recompute=full recompute=none", "recompute")])
+def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
+    """Before: "cp2 cp4" planned cp 4 without a word about the cp 2 it dropped."""
+    from minizero.models import MODELS
+    from minizero.plan_search import parse_strategy
+
+    with pytest.raises(ValueError, match=f"{name} is given twice"):
+        parse_strategy(text, MODELS["llama3-8b"], 8)
+    parse_strategy("dp2 tp2 pp2 sp sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # repeats that add up
