@@ -282,6 +282,9 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
                    notes: list[str] | None = None, process_peak_source: str = "tracemalloc") -> str:
     """A text table in the spirit of ``torch.cuda.memory_summary()``.
 
+    Ranks whose ledgers are equal in every category share one column, labelled with their ranks
+    (``r0-7`` for eight data-parallel replicas); its process peak is the largest of theirs.
+
     Args:
         per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default:
             this rank's ledger only.
@@ -294,30 +297,58 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     """
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]
-    show_cur = len(per_rank) <= 4  # 'current' columns only while the table stays narrow
+    groups = _equal_ranks(per_rank)  # ranks whose ledgers agree byte for byte share one column
+    show_cur = len(groups) <= 4  # 'current' columns only while the table stays narrow
+    labels = [_rank_label(g) for g in groups]
+    width = max([12] + [len(f"{lab} current") + 1 for lab in labels])
     head = ["category".ljust(16)]
-    for r in range(len(per_rank)):
+    for lab in labels:
         if show_cur:
-            head.append(f"r{r} current".rjust(12))
-        head.append(f"r{r} peak".rjust(12))
+            head.append(f"{lab} current".rjust(width))
+        head.append(f"{lab} peak".rjust(width))
     lines = ["minizero memory summary (ledger, per rank; peak = high-water mark)", " ".join(head)]
 
-    def row(label, values_by_rank):
+    def row(label, values_by_group):
         cells = [label.ljust(16)]
-        for cur, peak in values_by_rank:
+        for cur, peak in values_by_group:
             if show_cur:
-                cells.append(("" if cur is None else format_bytes(cur)).rjust(12))
-            cells.append(format_bytes(peak).rjust(12))
+                cells.append(("" if cur is None else format_bytes(cur)).rjust(width))
+            cells.append(format_bytes(peak).rjust(width))
         return " ".join(cells)
 
+    firsts = [per_rank[g[0]] for g in groups]
     for cat in CATEGORIES:
-        lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in per_rank]))
-    lines.append(row("peak total", [(None, s["peak_total"]) for s in per_rank]))
+        lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in firsts]))
+    lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
     if process_peaks is not None:
-        lines.append(row("process peak*", [(None, p) for p in process_peaks]))
-        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source])
+        lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
+        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source]
+                     + ("; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""))
+    if len(groups) < len(per_rank):
+        lines.append("(ranks in one column, e.g. r0-7, have equal ledgers in every category)")
     lines.extend(notes or [])
     return "\n".join(lines)
+
+
+def _equal_ranks(per_rank: list[dict]) -> list[list[int]]:
+    """Ranks grouped by equal ledger snapshots (every category's current and peak, and the peak total),
+    in order of their first rank: ``[[0, 1, 2, 3]]`` when four data-parallel replicas agree."""
+    groups: dict[tuple, list[int]] = {}
+    for r, s in enumerate(per_rank):
+        key = (tuple(s["current"][c] for c in CATEGORIES), tuple(s["peak"][c] for c in CATEGORIES), s["peak_total"])
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def _rank_label(ranks: list[int]) -> str:
+    """``[0]`` -> ``r0``; ``[0, 1, 2, 3, 5]`` -> ``r0-3,5`` (runs of consecutive ranks joined)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return "r" + ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
 def array_bytes(arrays) -> int:

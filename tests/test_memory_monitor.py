@@ -186,3 +186,25 @@ def test_ledger_counts_a_cupy_array_by_its_allocation():
     arr = FakeCupyArray()
     led.track(arr, "activations")
     assert led.current["activations"] == 512
+
+
+def test_memory_summary_puts_ranks_with_equal_ledgers_in_one_column():
+    """Eight data-parallel replicas would print eight equal columns; equal ledgers share one (r0-2),
+    a rank that differs keeps its own, and the shared column's process peak is the largest of its ranks."""
+    from minizero.ledger import memory_summary
+
+    def snap(extra):
+        led = MemoryLedger()
+        keep = [np.zeros(1000 + extra, dtype=np.uint8)]
+        led.track(keep[0], "parameters")
+        return led.snapshot()
+
+    text = memory_summary([snap(0), snap(0), snap(0), snap(24)], [10 << 20, 30 << 20, 20 << 20, 5 << 20],
+                          process_peak_source="rss")
+    head = text.splitlines()[1].split()
+    assert head == ["category", "r0-2", "current", "r0-2", "peak", "r3", "current", "r3", "peak"]
+    peak_row = next(line for line in text.splitlines() if line.startswith("process peak"))
+    assert peak_row.split()[-4:] == ["30.00", "MiB", "5.00", "MiB"]
+    assert "equal ledgers" in text
+    one = memory_summary([snap(0)])
+    assert one.splitlines()[1].split() == ["category", "r0", "current", "r0", "peak"] and "equal ledgers" not in one
