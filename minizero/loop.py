@@ -263,7 +263,7 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     if scaler is None:
         check_finite_loss(args.steps, "validation", val_history[-1][1])
     traffic = s.traffic()
-    for line in node_traffic(s.topo, args.steps, s.dp, getattr(args, "allreduce", "ring")):  # collective
+    for line in node_traffic(s.topo, args.steps, s.dp, getattr(args, "allreduce", "ring"), s.cp):  # collective
         log(line)
     full = s.full_model()
     return dict(model=full, stage=s.stage, topo=s.topo, engine=s.engine, dp=s.dp, opt=s.opt, strategy=s,

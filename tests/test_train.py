@@ -1,6 +1,7 @@
 """The main job end to end: bad input, outputs, one rank failing, and the model's nanoGPT names."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -114,6 +115,13 @@ def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
         assert sum(mine.values()) == summary["bytes_sent"][r], mine
         assert mine["context_parallel_attention"] > mine["other"], mine
     assert "context parallel ring attention" in proc.stdout
+    # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
+    value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|kB|MB)", row).groups()
+    per_step = sum(kinds["context_parallel_attention"]) / 2
+    assert float(value) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit] == pytest.approx(per_step, rel=1e-3), (row, per_step)
+    assert "(ring attention)" in row and any(line.startswith("  dp-cp (2 rank(s) each)") for line in
+                                             proc.stdout.splitlines())
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,8 @@ and none of it leaves a node: that is why tensor parallelism stays inside one.
 
 Bytes per step are the ledgers' totals over the run divided by its steps (validation
 included), without set-up traffic (``broadcast_params``, sent once before step 0).
+With ``--cp`` the context groups are split from the data group: ring attention gets a ``cp`` row and
+the data group's row, ``dp-cp`` (gradients go over dp x cp ranks), keeps the rest.
 "Across nodes" needs a world that knows its nodes (a ``NodeTrafficCommunicator``);
 the pipeline group's row includes the embedding group's (a split of it).
 Sources: Narayanan et al. 2021 (arXiv:2104.04473), section 3.2 (why tensor parallelism
@@ -67,7 +69,12 @@ def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     return ring, hier
 
 
-def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring") -> list[str]:
+def _ring_attention(snapshot: dict | None) -> float:
+    """Bytes of context parallelism's ring attention in a data-group ledger snapshot (0 without one)."""
+    return 0.0 if snapshot is None else float(snapshot["by_op"].get("ring_attention", 0))
+
+
+def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1) -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table (lines, on world rank 0; [] elsewhere).
 
     Args:
@@ -77,6 +84,9 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring") -
         dp: the :class:`DataParallel` synchroniser (None under ZeRO): its buckets give the
             ring-vs-hierarchical comparison.
         algorithm: the gradient all-reduce in use (``"ring"`` or ``"hierarchical"``), printed.
+        cp: the context-parallel size (``--cp``). Its groups are split from the data group (cp
+            consecutive members each; ``parallel/context_parallel.py``), so ring attention's bytes are
+            in the data group's ledger: with cp > 1 they get their own row and leave the dp row.
     Bytes: one all-reduce of a small float64 vector over the world, label ``"metrics"``.
     Raises:
         ValueError: ``steps`` < 1.
@@ -90,23 +100,33 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring") -
     ring, hier = ring_vs_hierarchical(dp, topo) if topo.dp_rank == 0 else (0, 0)
     row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
     row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
+    row += [_ring_attention(groups["dp"].traffic.snapshot()), _ring_attention(_cross(groups["dp"]))]
     with topo.world.traffic.op("metrics"):
         total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
+    total[2:4] -= total[10:12]  # the dp row: without ring attention (the cp row)
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue
+        if k == "dp" and cp > 1:
+            cp_groups = [g[j:j + cp] for g in topo.all_groups("dp") for j in range(0, len(g), cp)]
+            lines.append(f"  cp    ({cp} rank(s) each): {max(topo.nodes.spans(g) for g in cp_groups)} node(s), "
+                         f"{_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   (ring attention)")
+            if topo.dp == cp and not total[2]:
+                continue
         across = _fmt(total[2 * i + 1]) if known else "?"
-        lines.append(f"  {k:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
+        label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
+        lines.append(f"  {label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
                      f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
-    other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS)))
+    other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS))) - total[11]
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
     else:
+        cp_part = f" + cp {_fmt(total[11])}" if cp > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
-            f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])} + pp {_fmt(total[5])} "
+            f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, validation sums) {_fmt(other)}" if known else "? across nodes"))
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
