@@ -351,6 +351,15 @@ def _rank_label(ranks: list[int]) -> str:
     return "r" + ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
+def per_rank_text(texts: list[str]) -> str:
+    """Per-rank values as one line, ranks with equal text sharing a label: ``["1 B", "2 B", "1 B"]`` ->
+    ``"r0,2 1 B, r1 2 B"``; eight equal values -> ``"r0-7 1 B"`` (ordered by each group's first rank)."""
+    groups: dict[str, list[int]] = {}
+    for r, t in enumerate(texts):
+        groups.setdefault(t, []).append(r)
+    return ", ".join(f"{_rank_label(ranks)} {t}" for t, ranks in groups.items())
+
+
 def array_bytes(arrays) -> int:
     """Sum of ``nbytes`` over an iterable of arrays (for tests and formulas)."""
     return int(sum(a.nbytes for a in arrays))

@@ -16,7 +16,7 @@ import numpy as np
 
 from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
-from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
+from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text
 from minizero.memory.monitor import report_memory
 from minizero.memory.plots import INSTALL_HINT
 from minizero.parallel.strategy import TRAFFIC_KINDS
@@ -91,25 +91,25 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
               + (f" (at {', '.join(map(str, result['skipped_at'][:10]))}"
                  f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
-             "bytes sent per rank: " + ", ".join(f"r{r} {format_bytes(s['bytes_sent'])}" for r, s in enumerate(stats))]
+             "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
-            notes.append(f"  {KIND_LABELS.get(kind, kind.replace('_', ' '))}: " + ", ".join(
-                f"r{r} {format_bytes(s['bytes_sent_by_kind'][kind])}" for r, s in enumerate(stats)))
-    notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + ", ".join(
-        f"r{r} {format_bytes(z['parameters'] + z['gradients'] + z['optimizer_state'])}" for r, z in enumerate(zero)))
+            notes.append(f"  {KIND_LABELS.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
+                [format_bytes(s["bytes_sent_by_kind"][kind]) for s in stats]))
+    notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + per_rank_text(
+        [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))
     if result.get("setup_peaks"):
         notes.append("peaks above: the training steps only; set-up (building the model, then copying it into its "
-                     "flat buffers or shards) peaked at " + ", ".join(
-            f"r{r} {format_bytes(sp['peak_total'])}" for r, sp in enumerate(result["setup_peaks"])))
+                     "flat buffers or shards) peaked at " + per_rank_text(
+            [format_bytes(sp["peak_total"]) for sp in result["setup_peaks"]]))
     if result.get("pruner") is not None:
         rep = result["pruner"].report()
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
     if result.get("device_pool"):
-        notes.append("CuPy memory pool high-water at step ends (used / held): " + ", ".join(
-            f"r{r} {format_bytes(p['used'])} / {format_bytes(p['total'])}" for r, p in enumerate(result["device_pool"])))
+        notes.append("CuPy memory pool high-water at step ends (used / held): " + per_rank_text(
+            [f"{format_bytes(p['used'])} / {format_bytes(p['total'])}" for p in result["device_pool"]]))
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(

@@ -208,3 +208,11 @@ def test_memory_summary_puts_ranks_with_equal_ledgers_in_one_column():
     assert "equal ledgers" in text
     one = memory_summary([snap(0)])
     assert one.splitlines()[1].split() == ["category", "r0", "current", "r0", "peak"] and "equal ledgers" not in one
+
+
+def test_per_rank_values_share_a_label_when_equal():
+    from minizero.ledger import per_rank_text
+
+    assert per_rank_text(["1 B"] * 8) == "r0-7 1 B"
+    assert per_rank_text(["9 B", "0 B", "3 B", "0 B", "6 B", "0 B", "3 B", "0 B"]) == "r0 9 B, r1,3,5,7 0 B, r2,6 3 B, r4 6 B"
+    assert per_rank_text(["1 B", "2 B"]) == "r0 1 B, r1 2 B"
