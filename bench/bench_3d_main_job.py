@@ -42,7 +42,8 @@ def run(name: str, layout: str, steps: int, folder: str, tracemalloc: bool) -> d
     if mpiexec is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     cmd = [mpiexec, "-n", "8", sys.executable, "-m", "minizero.train", *LAYOUTS[layout], "--steps", str(steps),
-           "--tracemalloc" if tracemalloc else "--no-tracemalloc", "--sample-tokens", "0", "--no-progress", "--out", out]
+           "--tracemalloc" if tracemalloc else "--no-tracemalloc",
+           "--sample-tokens", "0", "--no-progress", "--out", out]
     print("running:", " ".join(cmd[3:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return load(out)
@@ -62,10 +63,7 @@ def span(values, unit: float, fmt: str = "{:.2f}", suffix: str = " MiB") -> str:
 
 def per_stage(s: dict, get) -> str:
     """``get(rank)`` over each pipeline stage's ranks: one span for pp = 1, else one per stage."""
-    per = s["dp"] * s["tp"]
-    if s["pp"] == 1:
-        return span([get(r) for r in range(s["world_size"])], MiB)
-    return ", ".join(f"{span([get(r) for r in range(p * per, (p + 1) * per)], MiB)} (stage {p})" for p in range(s["pp"]))
+    return ", ".join(span([get(r) for r in ranks], MiB) + label for ranks, label in stage_ranks(s))
 
 
 def diffs(a: dict, b: dict) -> list[float]:
@@ -112,7 +110,8 @@ def table(r: dict, short: int, long: int) -> list[str]:
             f"| activation peak per rank | {peak(d8, 'activations')} | {peak(t3, 'activations')} |",
             f"| process peak (tracemalloc) | {per_stage(d8, lambda k: d8['process_peak_bytes'][k])} | "
             f"{per_stage(t3, lambda k: t3['process_peak_bytes'][k])} |",
-            f"| bytes sent per rank, {long} steps | {span(d8['bytes_sent'], GiB, suffix=' GiB')} | {span(t3['bytes_sent'], GiB, suffix=' GiB')} |"]
+            f"| bytes sent per rank, {long} steps | {span(d8['bytes_sent'], GiB, suffix=' GiB')} | "
+            f"{span(t3['bytes_sent'], GiB, suffix=' GiB')} |"]
     return rows
 
 
