@@ -177,23 +177,12 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self._progress()
         super()._grad_ready(p)
 
-    def _end_backward(self, st):
-        """As :class:`GradientBuckets`'s, but the reduce-scatter is submitted, not waited for (overlap)."""
-        if not self.overlap_reduce:
-            super()._end_backward(st)
-            return
-        assert st.index == self._next, (st.index, self._next)
-        if not st.in_backward:
-            self._open_bucket(st)
-        self._start_reduce(st, st.flat_grad)
-        for p in st.params:
-            p.grad = None
-        st.flat_grad, st.in_backward = None, False
-        st.ready.clear()
-        st.complete, st.reduced = False, True
-        self._next -= 1
-        if self.stage == 3:
-            self._free(st)
+    def _reduce_bucket(self, st):
+        """As :class:`GradientBuckets`'s, but with overlap the reduce-scatter is submitted, not waited for."""
+        if self.overlap_reduce:
+            self._start_reduce(st, st.flat_grad)
+        else:
+            super()._reduce_bucket(st)
 
     def _finish_micro_batch(self):
         super()._finish_micro_batch()

@@ -114,7 +114,7 @@ class GradientBuckets(UnitCollectives):
         assert st.index == self._next, (st.index, self._next)
         if not st.in_backward:
             self._open_bucket(st)  # gradients came without passing a module boundary, or none came
-        st.grad_shard += self._reduce_scatter_unit(st, st.flat_grad)
+        self._reduce_bucket(st)
         for p in st.params:
             p.grad = None
         st.flat_grad, st.in_backward = None, False
@@ -123,3 +123,7 @@ class GradientBuckets(UnitCollectives):
         self._next -= 1
         if self.stage == 3:
             self._free(st)
+
+    def _reduce_bucket(self, st):
+        """Reduce-scatter the unit's bucket and add the mean into its owned shard, blocking."""
+        st.grad_shard += self._reduce_scatter_unit(st, st.flat_grad)

@@ -26,6 +26,18 @@ from minizero.comm.collectives import all_reduce, broadcast, mean_scale_
 from minizero.ledger import get_ledger
 
 
+def fill_bucket(flat, layout) -> None:
+    """Copy each parameter's gradient into its slice of the flat bucket ``flat`` (zeros for a parameter
+    with no gradient). ``layout``: ``[(parameter, offset in elements), ...]``; ``flat``: 1-D, the
+    gradients' dtype, as :class:`DataParallel` lays out its buckets (PyTorch DDP's bucket copy-in)."""
+    for p, off in layout:
+        view = flat[off:off + p.size]
+        if p.grad is None:
+            view[...] = 0
+        else:
+            view[...] = p.grad.reshape(-1)
+
+
 class DataParallel:
     """Gradient averaging over a data-parallel communicator.
 
@@ -101,12 +113,7 @@ class DataParallel:
             return
         before = self.comm.traffic.bytes_sent
         for flat, layout in self.buckets:
-            for p, off in layout:
-                view = flat[off:off + p.size]
-                if p.grad is None:
-                    view[...] = 0
-                else:
-                    view[...] = p.grad.reshape(-1)
+            fill_bucket(flat, layout)
             mean_scale_(flat, n, before_sum=True, predivided=self.predivided)  # float16: divide first
             if self.allreduce is not None:
                 self.allreduce(flat, out=flat)

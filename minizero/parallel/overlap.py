@@ -37,6 +37,7 @@ from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.ledger import get_ledger
+from minizero.parallel.data_parallel import fill_bucket
 
 OVERLAP_TAG = 1003  #: tag of the overlapped gradient ring (apart from the blocking collectives' 1001/1002)
 
@@ -97,12 +98,7 @@ class OverlappedReducer:
     def _launch(self, b: int) -> None:
         flat, layout = self.dp.buckets[b]
         n = self.dp.comm.world_size
-        for p, off in layout:
-            view = flat[off:off + p.size]
-            if p.grad is None:
-                view[...] = 0
-            else:
-                view[...] = p.grad.reshape(-1)
+        fill_bucket(flat, layout)
         if self.poison:
             flat *= flat.dtype.type("inf")
         mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
