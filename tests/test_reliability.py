@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -298,15 +299,21 @@ def test_ctrl_c_prints_one_interrupted_line(mpiexec):
                              "--no-save", "--no-progress"], env=mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        for _ in range(100):  # wait for training (the header on stdout)
-            if proc.poll() is not None:
-                break
-            time.sleep(0.1)
-            if len(_children(proc.pid)) and all(_children(p) for p in _children(proc.pid)):
-                break
-        time.sleep(3)
+        # wait for training: the header on stdout is printed inside the try block that turns SIGINT into
+        # one line (a signal during start-up, while the ranks still import, is another matter: see below)
+        header = threading.Event()
+
+        def read_stdout():
+            for line in proc.stdout:
+                if line.startswith("minizero:"):
+                    header.set()
+        reader = threading.Thread(target=read_stdout, daemon=True)
+        reader.start()
+        assert header.wait(90), "no header within 90 s"
+        time.sleep(1)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        err = proc.stderr.read()
+        proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
