@@ -218,6 +218,45 @@ def test_bad_checkpoints_are_one_line_naming_the_file(saved, tmp_path):
     assert "no complete checkpoint" in _resume_error(tmp_path / "missing" / ".." / "short" / "..")
 
 
+def _edit_manifest(folder, edit):
+    import json
+    man = json.loads((folder / "manifest.json").read_text())
+    edit(man)
+    (folder / "manifest.json").write_text(json.dumps(man))
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening(saved, tmp_path):
+    def piece_outside(man):
+        man["pieces"][0]["file"] = "../evil.safetensors"
+    assert "pieces[0].file is '../evil.safetensors', expected one of the checked" in \
+        _resume_error(_edit_manifest(_copy(saved, tmp_path / "escape"), piece_outside))
+
+    def file_outside(man):
+        man["files"][0]["file"] = "../../../../etc/passwd"
+    assert "files[0].file is '../../../../etc/passwd', expected a plain file name" in \
+        _resume_error(_edit_manifest(_copy(saved, tmp_path / "passwd"), file_outside))
+
+    def absolute(man):
+        man["files"][0]["file"] = "/etc/passwd"
+    assert "files[0].file is '/etc/passwd'" in _resume_error(_edit_manifest(_copy(saved, tmp_path / "abs"), absolute))
+    assert "field 'files' is empty" in _resume_error(
+        _edit_manifest(_copy(saved, tmp_path / "empty"), lambda man: man.update(files=[], pieces=[])))
+    fifo = _copy(saved, tmp_path / "fifo")
+    os.remove(fifo / "rank00001.safetensors")
+    os.mkfifo(fifo / "rank00001.safetensors")  # opening it would block every rank for ever
+    assert "rank00001.safetensors: not a regular file" in _resume_error(fifo)
+    link = _copy(saved, tmp_path / "link")
+    os.remove(link / "rank00001.safetensors")
+    os.symlink("/dev/zero", link / "rank00001.safetensors")
+    assert "rank00001.safetensors: a symbolic link" in _resume_error(link)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(fifo), "--out",
+                           str(tmp_path / "m.npz")], capture_output=True, text=True, timeout=50, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a regular file" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.npz").exists()
+
+
 @pytest.mark.timeout(120)
 def test_a_bad_checkpoint_exits_2_on_every_rank_before_training(mpiexec, saved):
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *BASE, *F64, "--model", "small", "--resume",

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 
 FORMAT = "minizero-checkpoint"
 VERSION = 1  #: the manifest version this code writes and the newest it reads
@@ -177,6 +178,21 @@ def _check_fields(path: str, man: dict) -> None:
             missing = [f for f in need if not isinstance(entry, dict) or f not in entry]
             if missing:
                 raise CheckpointError(f"{path}: {key}[{i}] lacks {', '.join(missing)}; the manifest is damaged")
+    names = set()
+    for i, entry in enumerate(man["files"]):
+        name = entry["file"]
+        if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.basename(name) != name \
+                or name in (".", ".."):
+            raise CheckpointError(f"{path}: files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside "
+                                  "the checkpoint folder (no '..', no '/', not absolute); the manifest is damaged")
+        names.add(name)
+    if not names:
+        raise CheckpointError(f"{path}: field 'files' is empty, expected one entry per rank file; the manifest is "
+                              "damaged")
+    for i, pc in enumerate(man["pieces"]):
+        if not isinstance(pc["file"], str) or pc["file"] not in names:
+            raise CheckpointError(f"{path}: pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the "
+                                  f"checked 'files' entries ({', '.join(sorted(names))[:80]}); the manifest is damaged")
     for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
         if not isinstance(man[section].get(key), int):
             raise CheckpointError(f"{path}: {section}.{key} is {man[section].get(key)!r}, expected an integer; "
@@ -209,9 +225,14 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
                                   f"run asks for {value!r}; resume with the same --{key.replace('_', '-')}")
     for entry in man["files"]:
         f = os.path.join(folder, entry["file"])
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{f}: missing (rank {entry['rank']}'s file of this checkpoint)")
-        size = os.path.getsize(f)
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{f}: missing (rank {entry['rank']}'s file of this checkpoint)") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{f}: {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}, "
+                                  f"expected rank {entry['rank']}'s regular file inside the checkpoint folder")
+        size = st.st_size
         if size != entry["bytes"]:
             raise CheckpointError(f"{f}: {size:,} bytes, the manifest says {entry['bytes']:,} (truncated or "
                                   f"overwritten)")
