@@ -257,6 +257,25 @@ def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening
     assert not (tmp_path / "m.npz").exists()
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("hi", 10**12, "hi 1000000000000: expected integers with 0 <= lo <= hi"),
+    ("lo", "0", "lo 0, hi"), ("dtype", "float99", "dtype 'float99', expected float16 or float32 or float64"),
+    ("dtype", "int8", "dtype 'int8'"), ("tp", [0, 0, 5, 0], "tp [0, 0, 5, 0] does not split shape"),
+    ("format", "zip", "format 'zip'"), ("param", "nope", "param 'nope' is not a parameter")])
+def test_every_piece_field_is_checked_against_the_model_before_any_read(saved, tmp_path, field, value, said):
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["pieces"][0].update({field: value}))
+    assert said in _resume_error(folder)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(folder), "--out",
+                           str(tmp_path / "m.npz")], capture_output=True, text=True, timeout=50, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_a_files_entry_with_bytes_lots_is_refused(saved, tmp_path):
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update(bytes="lots"))
+    assert "files[0] has bytes lots" in _resume_error(folder)
+
+
 @pytest.mark.timeout(120)
 def test_a_bad_checkpoint_exits_2_on_every_rank_before_training(mpiexec, saved):
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *BASE, *F64, "--model", "small", "--resume",

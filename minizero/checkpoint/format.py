@@ -185,6 +185,9 @@ def _check_fields(path: str, man: dict) -> None:
                 or name in (".", ".."):
             raise CheckpointError(f"{path}: files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside "
                                   "the checkpoint folder (no '..', no '/', not absolute); the manifest is damaged")
+        if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(entry["rank"]) or entry["rank"] < 0:
+            raise CheckpointError(f"{path}: files[{i}] has bytes {str(entry['bytes'])[:20]}, rank "
+                                  f"{str(entry['rank'])[:20]}, expected integers >= 0; the manifest is damaged")
         names.add(name)
     if not names:
         raise CheckpointError(f"{path}: field 'files' is empty, expected one entry per rank file; the manifest is "
@@ -193,10 +196,57 @@ def _check_fields(path: str, man: dict) -> None:
         if not isinstance(pc["file"], str) or pc["file"] not in names:
             raise CheckpointError(f"{path}: pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the "
                                   f"checked 'files' entries ({', '.join(sorted(names))[:80]}); the manifest is damaged")
+    for i, pc in enumerate(man["pieces"]):
+        problem = _piece_problem(pc, man["params"])
+        if problem:
+            raise CheckpointError(f"{path}: pieces[{i}] {problem}; the manifest is damaged")
     for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
         if not isinstance(man[section].get(key), int):
             raise CheckpointError(f"{path}: {section}.{key} is {man[section].get(key)!r}, expected an integer; "
                                   "the manifest is damaged")
+
+
+#: the dtypes a piece may hold, by format
+PIECE_DTYPES = {"dense": ("float16", "float32", "float64"), "8bit": ("uint8",)}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _piece_problem(pc: dict, params: dict) -> str | None:
+    """What is wrong with one piece entry against the manifest's ``params``, or None (metadata only, no reads)."""
+    info = params.get(pc["param"]) if isinstance(pc["param"], str) else None
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+        return f"param {str(pc['param'])[:40]!r} is not a parameter of the manifest with a valid shape"
+    if pc["format"] not in PIECE_DTYPES:
+        return f"format {str(pc['format'])[:20]!r}, expected one of {', '.join(PIECE_DTYPES)}"
+    if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:
+        return f"dtype {str(pc['dtype'])[:20]!r}, expected {' or '.join(PIECE_DTYPES[pc['format']])} for a " \
+               f"{pc['format']} piece"
+    size = 1
+    for d in shape:
+        size *= d
+    tp = pc["tp"]
+    if tp is not None:
+        if not (isinstance(tp, list) and len(tp) == 4 and all(_is_int(v) for v in tp)):
+            return f"tp {str(tp)[:40]}, expected null or [dim, stride, index, parts] integers"
+        dim, stride, index, parts = tp
+        if not (0 <= dim < len(shape) and stride > 0 and parts > 0 and 0 <= index < parts
+                and shape[dim] % (stride * parts) == 0):
+            return f"tp {tp} does not split shape {shape} (need 0 <= dim < {len(shape)}, 0 <= index < parts, " \
+                   "stride * parts dividing that dimension)"
+        size //= parts
+    lo, hi = pc["lo"], pc["hi"]
+    if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= size):
+        return f"lo {str(lo)[:20]}, hi {str(hi)[:20]}: expected integers with 0 <= lo <= hi <= {size:,} " \
+               f"(the elements of {pc['param']!r}{' shard' if tp is not None else ''})"
+    if not _is_int(pc["rank"]) or pc["rank"] < 0:
+        return f"rank {str(pc['rank'])[:20]}, expected an integer >= 0"
+    if pc["format"] == "8bit" and not (_is_int(pc.get("block_size")) and pc["block_size"] > 0):
+        return f"block_size {str(pc.get('block_size'))[:20]}, expected an integer > 0"
+    return None
 
 
 def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:
