@@ -411,6 +411,24 @@ def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_mpi_native_collectives_of_unequal_lengths_raise_on_every_rank(mpiexec, tmp_path):
+    """Issue 26: MPI's Iallreduce of 10 against 9 elements used to succeed, leaving one element unreduced."""
+    for got in _comm_faults(mpiexec, tmp_path, "native"):
+        for op in ("allreduce", "reduce_scatter", "bcast"):
+            assert got[op]["error"] == "ValueError", (op, got[op])
+            assert "(10,) float32" in got[op]["message"] and "(9,) float32" in got[op]["message"], got[op]
+        assert got["allgather"]["error"] == "ValueError" and "n by rank [10, 9]" in got["allgather"]["message"]
+        assert got["after"] == {"result": [2.0, 2.0, 2.0]}
+
+
+def test_thread_native_collectives_of_unequal_lengths_raise_on_every_rank():
+    x = lambda c: np.arange(10 - c.rank, dtype=np.float32)  # noqa: E731
+    _raises_in_rank(2, lambda c: c.native_reduce_scatter(x(c)), ValueError, "different arrays")
+    _raises_in_rank(2, lambda c: c.native_allgather(x(c)[:5 - c.rank], 10 - c.rank), ValueError, "do not make one array")
+    _raises_in_rank(2, lambda c: c.native_bcast(x(c)), ValueError, "different arrays")
+
+
+@pytest.mark.timeout(90)
 def test_mpi_messages_of_another_size_are_refused_across_both_kinds(mpiexec, tmp_path):
     """One-message (up to PACK_MAX_BYTES) and two-message payloads: any size mismatch, either way, is a
     ValueError naming both on the receiver; the sender completes; a matching message then arrives whole."""

@@ -276,7 +276,21 @@ class MPICommunicator(Communicator):
     def abort(self, errorcode=1):
         _mpi().COMM_WORLD.Abort(errorcode)
 
+    def _headers(self, buf, what: str) -> list:
+        """Every rank's ``(shape, dtype)`` of ``buf`` (one 64-byte Iallgather), so a native collective of
+        arrays that differ raises ValueError on every rank instead of reducing part of them."""
+        mine = _header(buf)
+        every = np.empty((self.world_size, mine.size), dtype=mine.dtype)
+        self._wait([self.mpi_comm.Iallgather(mine, every)], what)
+        return [_describe(h) for h in every]
+
+    def _same_arrays(self, buf, what: str) -> None:
+        shapes = self._headers(buf, what)
+        if len(set(shapes)) != 1:
+            raise ValueError(f"{what}: ranks passed different arrays (shape, dtype by rank): {shapes}")
+
     def _native_allreduce(self, x, out):
+        self._same_arrays(x, "native_allreduce")
         MPI = _mpi()
         hx = _staged(x)
         hout = hx if out is x else _landing(out)
@@ -284,6 +298,7 @@ class MPICommunicator(Communicator):
         _unstage(out, hout)
 
     def _native_reduce_scatter(self, flat):
+        self._same_arrays(flat, "native_reduce_scatter")
         counts = [shard_range(flat.size, self.world_size, r)[1] for r in range(self.world_size)]
         out = np.empty(counts[self.rank], dtype=flat.dtype)
         self._wait([self.mpi_comm.Ireduce_scatter(_staged(flat), out, counts, op=_mpi().SUM)], "native_reduce_scatter")
@@ -293,10 +308,19 @@ class MPICommunicator(Communicator):
         ranges = [shard_range(n, self.world_size, r) for r in range(self.world_size)]
         out = np.empty(n, dtype=shard.dtype)
         counts, displs = [s for _, s in ranges], [o for o, _ in ranges]
+        ns = np.empty(self.world_size, dtype=np.int64)  # every rank's n, then every rank's shard
+        self._wait([self.mpi_comm.Iallgather(np.array([n], dtype=np.int64), ns)], "native_allgather")
+        sizes = self._headers(shard.reshape(-1), "native_allgather")
+        expect = [f"({shard_range(int(ns[0]), self.world_size, r)[1]},) {np.dtype(shard.dtype)}"
+                  for r in range(self.world_size)]
+        if len(set(ns.tolist())) != 1 or len({x.split(" ")[-1] for x in sizes}) != 1 or sizes != expect:
+            raise ValueError(f"native_allgather: shards {sizes} do not make one array of n={n} elements "
+                             f"(n by rank {ns.tolist()}; expected {expect})")
         self._wait([self.mpi_comm.Iallgatherv(_staged(shard), [out, (counts, displs)])], "native_allgather")
         return backend.to_device(out)
 
     def _native_bcast(self, x, root):
+        self._same_arrays(x, "native_bcast")
         host = _staged(x)
         self._wait([self.mpi_comm.Ibcast(host, root=root)], "native_bcast")
         _unstage(x, host)

@@ -4,7 +4,8 @@ Usage: mpiexec -n 2 python tests/mpi_scripts/comm_faults.py OUTDIR MODE
 
 MODE ``dtypes``: rank 0 all-reduces float32 [1,2,3,4], rank 1 int32 [1,2,3,4]; then
 float32 x 8 against float64 x 4. ``stall``: rank 1 sleeps 3 s while rank 0 waits for it
-with a 1 s timeout. ``kinds``: rank 0 sends, rank 1 receives into a buffer of another size, across
+with a 1 s timeout. ``native``: rank 0 passes 10 float32, rank 1 nine, to each native collective.
+``kinds``: rank 0 sends, rank 1 receives into a buffer of another size, across
 the one-message / two-message boundary (``PACK_MAX_BYTES``) both ways, then of the right size. Each rank writes ``OUTDIR/rank{r}.json``: the errors it saw (type,
 message), CPU and wall seconds of the wait. The test (tests/test_collectives.py) checks them.
 """
@@ -37,6 +38,13 @@ def main(outdir, mode):
         y = np.arange(8, dtype=np.float32) if r == 0 else np.arange(4, dtype=np.float64)
         out["same_bytes"] = attempt(lambda: all_reduce(comm, y))
         out["payload_bytes"] = comm.traffic.bytes_sent
+    elif mode == "native":  # rank 0 passes 10 float32 elements, rank 1 nine, to each library collective
+        x = np.arange(10 - r, dtype=np.float32)
+        out["allreduce"] = attempt(lambda: comm.native_allreduce(x))
+        out["reduce_scatter"] = attempt(lambda: comm.native_reduce_scatter(x))
+        out["allgather"] = attempt(lambda: comm.native_allgather(x[:5 - r], 10 - r))
+        out["bcast"] = attempt(lambda: comm.native_bcast(x))
+        out["after"] = attempt(lambda: comm.native_allreduce(np.ones(3)))  # the communicator still works
     elif mode == "kinds":
         from minizero.comm.mpi import PACK_MAX_BYTES
 
