@@ -122,18 +122,34 @@ def _write_stderr(text: str) -> None:
 
 
 def _lock_output(args, comm, mpi_world):
-    """Rank 0 locks OUT (:class:`FolderLock`) and broadcasts the verdict (collective).
+    """Rank 0 locks OUT and, when checkpoints go elsewhere, --save-dir (:class:`FolderLock` each) and
+    broadcasts the verdict (collective): two jobs on one folder would delete each other's files.
 
-    Returns (the lock on rank 0 or None, the refusal message every rank shares or None).
+    Returns (the locks held on rank 0, the refusal message every rank shares or None).
     """
-    lock, refusal = None, None
-    if comm.rank == 0 and not args.no_save:
-        lock = FolderLock(args.out)
-        try:
-            lock.acquire()
-        except OSError as e:
-            refusal = f"--out {e.strerror}" if e.strerror else f"--out {args.out!r}: {e}"
-    return lock, mpi_world.bcast(refusal, root=0)
+    locks, refusal = [], None
+    if comm.rank == 0:
+        wanted = [] if args.no_save else [("--out", args.out)]
+        save = os.path.realpath(args.save_dir) if args.save_every and args.save_dir else None
+        if save and (args.no_save or os.path.commonpath([save, os.path.realpath(args.out)])
+                     != os.path.realpath(args.out)):
+            wanted.append(("--save-dir", args.save_dir))
+        for flag, folder in wanted:
+            lock = FolderLock(folder)
+            try:
+                lock.acquire()
+            except OSError as e:
+                refusal = f"{flag} {e.strerror}" if e.strerror else f"{flag} {folder!r}: {e}"
+                break
+            locks.append(lock)
+        if refusal:
+            _release(locks)
+    return locks, mpi_world.bcast(refusal, root=0)
+
+
+def _release(locks) -> None:
+    for lock in locks:
+        lock.release()
 
 
 def _parse_everywhere(argv, comm, mpi_world):
@@ -244,7 +260,7 @@ def main(argv=None) -> int:
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    lock, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
+    locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
@@ -280,8 +296,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
-        if lock is not None:
-            lock.release()
+        _release(locks)
         if isinstance(e, (KeyboardInterrupt, Terminated)):
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
             if rank != 0:  # every rank got the signal from mpiexec: rank 0 speaks for the job
@@ -300,8 +315,7 @@ def main(argv=None) -> int:
         time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1
-    if lock is not None:
-        lock.release()
+    _release(locks)
     return 0
 
 

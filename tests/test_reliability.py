@@ -166,6 +166,23 @@ def test_second_job_in_a_locked_out_is_refused_by_every_rank(mpiexec, tmp_path):
     assert os.listdir(out) == []  # released: the lock file is gone
 
 
+@pytest.mark.timeout(120)
+def test_second_job_on_a_locked_save_dir_is_refused_by_every_rank(mpiexec, tmp_path):
+    """Issue 26: two jobs on one --save-dir deleted each other's checkpoints; it is locked as OUT is."""
+    save = tmp_path / "ck"
+    lock = FolderLock(str(save))
+    lock.acquire()
+    try:
+        proc, elapsed = launch(mpiexec, 2, TINY + ["--out", str(tmp_path / "o"), "--save-dir", str(save),
+                                                   "--save-every", "1"], timeout=60)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(f"pid {os.getpid()}") == 1 and "--save-dir" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o" / "model.npz").exists() and elapsed < 30
+    assert os.listdir(save) == [] and not os.path.exists(tmp_path / "o" / ".lock")  # both released
+
+
 # --------------------------------------------------------------------------- 5, 6, 8: checked before work
 @pytest.mark.parametrize("argv,needle", [
     (["--eval-batches", "1000000000"], "--eval-batches must be <= 10,000"),
