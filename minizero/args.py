@@ -35,6 +35,8 @@ from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKE
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
+#: micro-batches per step and sequences per step (the data of one step is held at once)
+MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
@@ -199,6 +201,11 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name, cap in (("grad_accum", MAX_GRAD_ACCUM), ("micro_batches", MAX_GRAD_ACCUM),
+                      ("batch_size", MAX_BATCH_SIZE)):
+        v = getattr(args, name, None)
+        if v is not None and v > cap:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {v:,}")
     for name in ("eval_every", "warmup", "sample_tokens"):
         v = getattr(args, name)
         if v is not None and v < 0:
