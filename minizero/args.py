@@ -37,6 +37,7 @@ from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKE
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
 #: micro-batches per step and sequences per step (the data of one step is held at once)
 MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
+MAX_INITIAL_LOSS_SCALE = 2 ** 24
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
@@ -148,6 +149,9 @@ def _check_loss_scaling(args) -> None:
     s0, mn = args.initial_loss_scale, args.min_loss_scale
     if not (0 < s0 < math.inf):
         raise UsageError(f"--initial-loss-scale must be a finite number > 0; got --initial-loss-scale={s0}")
+    if s0 > MAX_INITIAL_LOSS_SCALE:  # each step above what FP16 needs is a skipped step (halved on overflow)
+        raise UsageError(f"--initial-loss-scale must be <= 2**24 = {MAX_INITIAL_LOSS_SCALE:,}; got "
+                         f"--initial-loss-scale={s0:g}")
     if not (0 < mn <= s0):
         raise UsageError(f"--min-loss-scale must be in (0, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
     if args.loss_scale_window < 1:
@@ -355,6 +359,8 @@ def _check_checkpoint(args) -> None:
         except OSError as e:
             raise UsageError(f"--save-dir {args.save_dir!r} cannot be created or take files ({e.strerror}); give a "
                              "folder on a writable file system") from None
+    if args.resume == "":
+        raise UsageError("--resume '': expected a checkpoint folder or a save dir")
     if args.resume:
         try:
             verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
