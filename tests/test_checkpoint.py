@@ -277,6 +277,27 @@ def test_a_files_entry_with_bytes_lots_is_refused(saved, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import minizero.checkpoint.save as save
+    from minizero.files import WriteError
+
+    real, calls = save.save_file, []
+
+    def full_after_the_first_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) > 2:  # 2 ranks: the second checkpoint's files meet a full disk
+            raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+        real(tensors, path, metadata=metadata)
+    monkeypatch.setattr(save, "save_file", full_after_the_first_save)
+    with pytest.raises(WriteError) as e:
+        run(2, F64 + ["--steps", "4", "--save-every", "2", "--save-dir", str(tmp_path)])
+    assert "\n" not in str(e.value) and "no space left on device (the disk is full)" in str(e.value)
+    assert read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_checkpoint_exits_2_on_every_rank_before_training(mpiexec, saved):
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *BASE, *F64, "--model", "small", "--resume",
            str(saved)]

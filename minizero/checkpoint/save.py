@@ -17,6 +17,7 @@ Sources: DeepSpeed's ``save_checkpoint`` (per-rank ``zero_pp_rank_*_optim_states
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from minizero.autograd.functional import get_rng_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
                                         folder_name, fsync_path, rank_file, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
-from minizero.files import atomic_write
+from minizero.files import WriteError, atomic_write
 from minizero.optim.adam8bit import QuantizedState
 
 _LEN_TAG, _DATA_TAG = 1301, 1302
@@ -121,7 +122,13 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     comm.barrier()
     tensors, pieces, params = rank_tensors(strategy, pruner, comm.rank)
     path = os.path.join(tmp, rank_file(comm.rank))
-    save_file(tensors, path, metadata={"format": FORMAT, "rank": str(comm.rank)})
+    try:
+        save_file(tensors, path, metadata={"format": FORMAT, "rank": str(comm.rank)})
+    except Exception as e:  # safetensors' SafetensorError carries no errno: "... (os error 28)"
+        full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e)
+        raise WriteError(errno.ENOSPC if full else errno.EIO, f"could not write {path!r}: "
+                         f"{'no space left on device (the disk is full)' if full else e}; the previous checkpoint "
+                         "is kept") from None
     fsync_path(path)
     fault_in_save(comm.rank, step - 1)
     topo = strategy.topo
