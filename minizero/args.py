@@ -54,6 +54,8 @@ def _check_outputs(args) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
+    if args.json == "":
+        raise UsageError("--json '': expected a file path for the JSON summary")
     js = os.path.abspath(args.json)
     if os.path.isdir(js):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")

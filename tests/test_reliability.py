@@ -191,6 +191,7 @@ def test_second_job_on_a_locked_save_dir_is_refused_by_every_rank(mpiexec, tmp_p
     (["--batch-size", "1000000000"], "--batch-size must be <= 65,536"),
     (["--precision", "fp16", "--initial-loss-scale", "1e300"], "--initial-loss-scale must be <= 2**24"),
     (["--resume", ""], "--resume '': expected a checkpoint folder"),
+    (["--json", ""], "--json '': expected a file path"),
     (["--steps", "100000000000000000000"], "--steps must be <= 1,000,000,000"),
     (["--steps", "5", "--warmup", "9"], "--warmup 9 is longer than --steps 5"),
     (["--comm-timeout", "0"], "--comm-timeout must be a finite number of seconds > 0"),
