@@ -58,6 +58,9 @@ def attach(model) -> callable:
     """
     removers = []
     for name, module in model.named_modules():
+        if name.endswith(".core"):  # an attention core's arrays are its attention's (the ``:scores`` split)
+            name = name[: -len(".core")]
+
         def push(_m, _args, _name=name):
             get_ledger().push_scope(_name)
 

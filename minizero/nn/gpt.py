@@ -106,6 +106,7 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(cfg.dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.n_head = cfg.n_head
+        self.core = DenseAttentionCore()  # context parallelism assigns a ring-attention core instead
 
     def forward(self, x):
         b, t, c = x.shape
@@ -117,17 +118,26 @@ class CausalSelfAttention(Module):
         return self.resid_dropout(self.c_proj(y))
 
     def attention_core(self, q, k, v):
-        """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. (B, H, T, D) each -> (B, H, T, D).
+        """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D).
 
         Its own method so selective recompute can checkpoint exactly this part
         (Korthikanti et al. 2022, section 5). The tensor-parallel attention inherits it.
-        q is scaled by 1/sqrt(D) *before* the product, as PyTorch's
-        ``scaled_dot_product_attention`` does: in float16 the product q k^T can overflow
-        (|q k^T| > 65504) where (q / sqrt(D)) k^T does not.
         """
+        return self.core(q, k, v, self.attn_dropout)
+
+
+class DenseAttentionCore(Module):
+    """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. q, k, v (B, H, T, D) -> (B, H, T, D); no parameters.
+
+    q is scaled by 1/sqrt(D) *before* the product, as PyTorch's
+    ``scaled_dot_product_attention`` does: in float16 the product q k^T can overflow
+    (|q k^T| > 65504) where (q / sqrt(D)) k^T does not.
+    """
+
+    def forward(self, q, k, v, dropout):
         scale = 1.0 / math.sqrt(q.shape[-1])
         att = causal_softmax(F.scaled_matmul(q, k.transpose(0, 1, 3, 2), scale))  # (B, H, T, T)
-        return self.attn_dropout(att) @ v
+        return dropout(att) @ v
 
 
 class MLP(Module):

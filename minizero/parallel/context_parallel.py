@@ -49,6 +49,7 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.nn.module import Module
 from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
@@ -216,7 +217,7 @@ def context_parallelize(stage, comm) -> list[str]:
     a middle stage receives are already this rank's (b, 2n, C) (``sequence_shards`` is multiplied
     by c, so the pipeline's messages have that shape and cp rank r of stage s talks to cp rank r of
     stage s+1: they share the data rank and the tensor rank, topology.py); ``wpe`` looks up the
-    chunks' global positions; every block's ``attention_core`` becomes :func:`ring_attention`
+    chunks' global positions (a forward pre-hook); every block's ``attn.core`` becomes a :class:`RingAttentionCore`
     (before recompute wraps it, so selective recompute recomputes the ring).
     Returns the converted names. No-op for c = 1.
     """
@@ -243,38 +244,27 @@ def _context_parallelize_stage(stage, comm) -> list[str]:
     stage.register_forward_pre_hook(split_inputs)
     tr, done = stage.transformer, []
     if stage.is_first:
-        wpe = tr["wpe"]
-        lookup = type(wpe).forward.__get__(wpe)
+        def global_positions(_wpe, args):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
+            return (split_for_context_parallel(backend.xp.arange(args[0].shape[0] * cp), r, cp, 0),)
 
-        def global_positions(pos):  # positions (2n,) of the local tokens -> rows of this rank's two chunks
-            return lookup(split_for_context_parallel(backend.xp.arange(pos.shape[0] * cp), r, cp, 0))
-
-        object.__setattr__(wpe, "forward", global_positions)
+        tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
     for name, block in tr["h"]._modules.items():
-        attn = block.attn
-        attn.cp_comm = comm
-        attn.__class__ = _ring_class(type(attn))  # a class attribute, so recompute's checkpoint wraps the ring
-        done.append(f"transformer.h.{name}.attn.attention_core")
+        block.attn.core = RingAttentionCore(comm)
+        done.append(f"transformer.h.{name}.attn.core")
     stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done
 
 
-class RingAttentionCore:
-    """Mixin: ``attention_core`` (b, H, 2n, D) q, k, v -> (b, H, 2n, D) by :func:`ring_attention` over ``cp_comm``."""
+class RingAttentionCore(Module):
+    """An attention core: q, k, v (b, H, 2n, D) -> (b, H, 2n, D) by :func:`ring_attention` over ``comm``; no parameters."""
 
-    def attention_core(self, q, k, v):
-        return ring_attention(q, k, v, self.cp_comm)
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
 
-
-_RING_CLASSES: dict = {}
-
-
-def _ring_class(cls):
-    """``cls`` (CausalSelfAttention or its tensor-parallel subclass) with the ring core, one class per base."""
-    if cls not in _RING_CLASSES:
-        _RING_CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (RingAttentionCore, cls), {})
-    return _RING_CLASSES[cls]
+    def forward(self, q, k, v, dropout=None):  # no attention dropout (check_context_parallel refuses it)
+        return ring_attention(q, k, v, self.comm)
 
 
 def check_context_parallel(args, cfg) -> None:

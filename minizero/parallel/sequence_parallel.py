@@ -265,6 +265,7 @@ class SequenceParallelAttention(ParallelCausalSelfAttention):
         self.c_proj = SequenceParallelRowLinear(*_arrays(attn.c_proj), comm)
         self.n_head, self.attn_dropout = attn.n_head, attn.attn_dropout
         self.resid_dropout = SequenceParallelDropout(attn.resid_dropout.p, comm)
+        self.core = attn.core
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (b, s, 3C/t): the whole sequence

@@ -257,6 +257,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         self.n_head = attn.n_head // tp  # local heads
         self.attn_dropout = HeadParallelDropout(attn.attn_dropout.p, attn.n_head, r * self.n_head)
         self.resid_dropout = attn.resid_dropout  # after g: replicated, same mask on every tensor rank
+        self.core = attn.core
 
     def forward(self, x):
         b, t, _ = x.shape
