@@ -156,6 +156,8 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self._track_gradients()
         if stage in (1, 2):  # every rank takes the owner's values: one all-gather, like DDP's broadcast
             self._all_gather_params("setup")
+        if stage >= 2:  # each forward of the whole model starts a micro-batch: finish the last one first
+            model.register_forward_pre_hook(self._new_forward_hook)
         for st in self.units if stage >= 2 else ():
             for p in st.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)

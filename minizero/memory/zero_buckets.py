@@ -13,9 +13,10 @@ the order of PyTorch DDP's buckets is fixed: a unit completed out of order waits
 alive, until every unit above it is reduced. So ranks whose backward completes units in
 different orders (blocks run in a rank-dependent order) still pair unit u with unit u, and
 the result is DataParallel's. Every unit is reduced once per micro-batch: a unit a rank did
-not use is reduced as zeros when the micro-batch ends, which is detected at the next forward
-of a unit whose backward has run (never during recompute, whose forwards precede their
-unit's backward), or in ``reduce_gradients``. DeepSpeed stage 2 reduces in the order gradients
+not use (or used only partly) is reduced as zeros, or with the gradients it got, when the
+micro-batch ends: at the next forward of the whole model, at the next forward of a unit whose
+backward has run (never during recompute, whose forwards precede their unit's backward), or in
+``reduce_gradients``. DeepSpeed stage 2 reduces in the order gradients
 arrive instead, which is only right when every rank produces them in the same order.
 """
 from __future__ import annotations
@@ -59,6 +60,17 @@ class GradientBuckets(UnitCollectives):
             if is_grad_enabled() and (st.complete or st.reduced):
                 self._finish_micro_batch()
         return hook
+
+    def _new_forward_hook(self, module, args):
+        """Forward pre-hook on the whole model: reduce what the last micro-batch left, even a partly used unit.
+
+        A unit that got only some of its gradients (a parameter unused in that micro-batch)
+        is never *complete*; without this, its open bucket would carry into the next
+        micro-batch and be reduced as soon as the missing parameter's gradient arrives there,
+        before the rest of that micro-batch's gradients (issue 26, case 1).
+        """
+        if is_grad_enabled() and any(st.in_backward or st.ready or st.complete or st.reduced for st in self.units):
+            self._finish_micro_batch()
 
     def _open_bucket_hook(self, st):
         """Forward hook: wrap the module's output so backward opens the unit's bucket first."""
