@@ -54,13 +54,27 @@ def reset_transfers() -> None:
     transfers["to_device"] = transfers["to_host"] = 0
 
 
+class Flags:
+    """``cupy.ndarray.flags`` as CuPy has it (``cupy/_core/flags.pyx`` through 14.2): ``c_contiguous``,
+    ``f_contiguous`` and ``owndata`` only (no ``writeable``: CuPy arrays, broadcast views included, are
+    never read-only)."""
+
+    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
+
+    def __init__(self, f):
+        self.c_contiguous, self.f_contiguous, self.owndata = bool(f.c_contiguous), bool(f.f_contiguous), bool(f.owndata)
+
+    def __repr__(self):
+        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
+
+
 class StrictArray:
     """A device array of the strict module: a NumPy array that refuses to leave the device implicitly.
 
     Args:
         a: the ``numpy.ndarray`` to hold (not copied; use :func:`asarray` for host data).
     Attributes (as ``numpy.ndarray``): ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
-    ``itemsize``, ``strides``, ``flags``, ``T``, ``base`` (the StrictArray owning the memory of a
+    ``itemsize``, ``strides``, ``flags`` (:class:`Flags`: CuPy's three), ``T``, ``base`` (the StrictArray owning the memory of a
     view, else None). Refusals: see the module docstring.
     """
 
@@ -156,7 +170,7 @@ class StrictArray:
     nbytes = property(lambda self: self._a.nbytes)
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
-    flags = property(lambda self: self._a.flags)
+    flags = property(lambda self: Flags(self._a.flags))
     T = property(lambda self: StrictArray(self._a.T))
 
     @property

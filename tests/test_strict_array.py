@@ -58,6 +58,15 @@ def test_allowed_as_on_cupy(x):
     assert list(range(strict.asarray(3))) == [0, 1, 2]
 
 
+def test_flags_are_cupys_three():
+    """CuPy's ``flags`` (cupy/_core/flags.pyx through 14.2) has c_contiguous, f_contiguous and owndata only."""
+    a = strict.asarray(np.zeros(3))
+    assert not hasattr(a.flags, "writeable")
+    assert a.flags.c_contiguous and a.flags.f_contiguous and a.flags.owndata
+    v = strict.asarray(np.zeros((3, 4)))[:, ::2]
+    assert not v.flags.c_contiguous and not v.flags.f_contiguous and not v.flags.owndata
+
+
 def test_explicit_transfers_copy_and_count(x):
     host = np.ones(4)
     strict.reset_transfers()
