@@ -293,3 +293,63 @@ def test_nccl_without_nccl_or_with_fewer_gpus_than_ranks_is_one_line_before_any_
     monkeypatch.setattr(nccl, "import_nccl", lambda: (fake_nccl, fake_nccl.cuda))  # 1 device
     assert "2 ranks on this node, 1 GPU(s) visible; use --comm mpi" in train_module._select_device(args, Comm(),
                                                                                                    World())
+
+
+# --------------------------------------------------------------------------- CuPy 13 / 14 unique ids, async errors
+def test_the_fake_follows_cupy_14_bytes_id():
+    uid = fake_nccl.get_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(TypeError, match="commId must be bytes"):
+        fake_nccl.NcclCommunicator(1, tuple(uid), 0)
+
+
+class _Cupy13Fake:
+    """The fake as CuPy 13 has it: the id is a tuple of 128 signed chars, and the constructor takes a tuple."""
+
+    def __getattr__(self, name):
+        return getattr(fake_nccl, name)
+
+    @staticmethod
+    def get_unique_id():
+        return tuple(b - 256 if b > 127 else b for b in fake_nccl.get_unique_id())
+
+    @staticmethod
+    def NcclCommunicator(ndev, comm_id, rank):  # noqa: N802
+        assert isinstance(comm_id, tuple) and all(-128 <= v < 128 for v in comm_id)
+        return fake_nccl.NcclCommunicator(ndev, bytes(v % 256 for v in comm_id), rank)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nccl", [fake_nccl, _Cupy13Fake()], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_the_unique_id_travels_as_get_unique_id_returned_it(nccl):
+    from minizero.comm import all_reduce
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=nccl, cuda=fake_nccl.cuda, timeout=30.0)
+        return all_reduce(ncomm, np.full(3, float(comm.rank + 1)), native=True), ncomm.comm.world
+
+    out = run_in_threads(3, run)
+    assert all(np.array_equal(x, np.full(3, 6.0)) for x, _ in out)
+    assert out[0][1] is out[1][1] is out[2][1]  # every rank joined the same world: the same id
+
+
+class _NeverDone(fake_nccl.Event):
+    done = False  # the device never finishes: only check_async_error can end the wait before the timeout
+
+
+@pytest.mark.timeout(60)
+def test_an_nccl_async_error_raises_at_once_not_after_the_timeout():
+    import time
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _NeverDone})
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=cuda, timeout=30.0)
+        ncomm.comm.async_error = RuntimeError("NCCL_ERROR_REMOTE_ERROR (injected)")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected"):
+            ncomm._native_allreduce(np.ones(4), np.empty(4))
+        return time.monotonic() - t0
+
+    assert max(run_in_threads(1, run)) < 5.0  # not the 30 s timeout

@@ -119,10 +119,13 @@ class NcclCommunicator(Communicator):
 
     Args:
         bootstrap: a Communicator over the same ranks (``MPICommunicator``, or threads in tests);
-            it carries the unique id (one 128-element broadcast, on its own ledger) and ``split``.
+            it carries the unique id (one 129-element broadcast, on its own ledger: the id's kind, ``bytes``
+            on CuPy 14+ or a tuple on CuPy 13, as ``get_unique_id`` returned it, then its 128 values) and ``split``.
         traffic: this communicator's ledger (default: a fresh one).
         timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
-        blocking: wait on the host for every operation (default), or only order it on the streams.
+        blocking: wait on the host for every operation (default), or only order it on the streams;
+            while waiting it calls the communicator's ``check_async_error()`` (where it has one), so an
+            NCCL asynchronous error raises at once instead of running into the timeout.
         nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
     Collective: every rank of ``bootstrap`` must construct it together.
     Attributes:
@@ -142,11 +145,15 @@ class NcclCommunicator(Communicator):
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
         self.traffic = TrafficLedger() if traffic is None else traffic
         self.timeout, self.blocking = timeout, blocking
-        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)  # signed chars in CuPy's tuple: int64 carries any
+        # [kind, 128 values]: kind 1 = bytes (CuPy 14+), 0 = a tuple of signed chars (CuPy 13); int64 carries either
+        uid = np.zeros(1 + UNIQUE_ID_BYTES, dtype=np.int64)
         if self.rank == 0:
-            uid[:] = nccl.get_unique_id()
+            got = nccl.get_unique_id()
+            uid[0] = isinstance(got, bytes)
+            uid[1:] = np.frombuffer(got, dtype=np.uint8) if uid[0] else got
         bootstrap.native_bcast(uid, root=0)
-        self.comm = nccl.NcclCommunicator(self.world_size, tuple(int(v) for v in uid), self.rank)
+        comm_id = uid[1:].astype(np.uint8).tobytes() if uid[0] else tuple(int(v) for v in uid[1:])
+        self.comm = nccl.NcclCommunicator(self.world_size, comm_id, self.rank)
         self.stream = cuda.Stream(non_blocking=True)
 
     @property
@@ -168,7 +175,14 @@ class NcclCommunicator(Communicator):
         self.cuda.get_current_stream().wait_event(done)
         if not self.blocking:
             return
-        poll_until(lambda: done.done, self.timeout,
+        check = getattr(self.comm, "check_async_error", None)  # raises NCCL's asynchronous error, if any
+
+        def finished():
+            if check is not None:
+                check()
+            return done.done
+
+        poll_until(finished, self.timeout,
                    lambda: timeout_message(self.rank, self.world_size, f"NCCL {op}", self.timeout, peer))
 
     def _ptr(self, buf) -> int:
