@@ -193,10 +193,16 @@ class StrictArray:
 
     # ---- methods (each the NumPy method on the wrapped array) ---------------
     def view(self, dtype):
-        """A view with another dtype (``ndarray.view(dtype)``; array types are refused)."""
+        """A view with another dtype (``ndarray.view(dtype)``; array types are refused, and so is a view
+        whose first element is not aligned to its dtype's size: a device faults on such loads)."""
         if isinstance(dtype, type) and issubclass(dtype, np.ndarray):
             raise TypeError(f"view as {dtype.__name__} is not allowed; {_HINT}")
-        return StrictArray(self._a.view(dtype))
+        out = self._a.view(dtype)
+        address = out.__array_interface__["data"][0]
+        if out.size and address % out.dtype.itemsize:
+            raise ValueError(f"a {out.dtype} view at byte address {address} is not {out.dtype.itemsize}-byte "
+                             "aligned (an unaligned load faults on a GPU); lay the data out aligned")
+        return StrictArray(out)
 
     def __getattr__(self, name):
         if name in _METHODS:
