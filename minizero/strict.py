@@ -129,11 +129,6 @@ class StrictArray:
     def __complex__(self):
         return complex(self._one("scalars"))
 
-    def __index__(self):
-        if self._a.dtype.kind not in "iu":
-            raise TypeError(f"only integer device arrays can be used as an index, got {self._a.dtype}")
-        return int(self._one("scalars"))
-
     def __bool__(self):
         if self._a.size != 1:
             raise ValueError(f"the truth value of a device array with {self._a.size} elements is ambiguous")
