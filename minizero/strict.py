@@ -68,6 +68,15 @@ class Flags:
         return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
 
 
+class _Pointer:
+    """``cupy.cuda.MemoryPointer`` as NCCL reads it: ``ptr``, a device address."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
 class StrictArray:
     """A device array of the strict module: a NumPy array that refuses to leave the device implicitly.
 
@@ -167,6 +176,12 @@ class StrictArray:
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: Flags(self._a.flags))
     T = property(lambda self: StrictArray(self._a.T))
+
+    @property
+    def data(self):
+        """As ``cupy.ndarray.data`` (a ``MemoryPointer``) as far as NCCL needs it: ``.ptr``, the address
+        of the first element."""
+        return _Pointer(self._a.__array_interface__["data"][0])
 
     @property
     def base(self):

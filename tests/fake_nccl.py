@@ -1,10 +1,12 @@
-"""An in-process stand-in for ``cupy.cuda.nccl`` and ``cupy.cuda``: ranks are threads, buffers NumPy.
+"""An in-process stand-in for ``cupy.cuda.nccl`` and ``cupy.cuda``: ranks are threads, buffers device arrays.
 
 It checks what the NCCL communicator's code can get wrong without a GPU -- the ordering and
 grouping of its calls -- and moves real bytes, so the collectives on top give real results:
 
-* buffers are raw addresses (``buf.ctypes.data``), read and written through ctypes, as NCCL
-  reads device pointers; counts are elements of the given datatype;
+* buffers are device arrays (strict arrays, :mod:`minizero.strict`) passed as raw addresses
+  (``buf.data.ptr``), read and written through ctypes, as NCCL reads device pointers; NumPy
+  arrays never reach it (NcclCommunicator sends host arrays over its bootstrap, as on CuPy);
+  counts are elements of the given datatype;
 * messages between two ranks match in issue order, with no tags (NCCL's rule);
 * an ungrouped ``send`` returns only once the peer's ``recv`` took the message, and an
   ungrouped ``recv`` waits for it (``ncclSend`` blocks its stream until the peer receives):
@@ -41,7 +43,6 @@ _NUMPY = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_U
           NCCL_FLOAT64: np.float64}
 available = True
 CALLS: list = []  #: every call of every communicator, in issue order (list.append is atomic)
-HOST_BUFFERS = True  #: NcclCommunicator may hand this fake NumPy (host) arrays
 
 
 class FakeDeadlock(RuntimeError):

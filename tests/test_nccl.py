@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from minizero import backend
 from minizero.comm import broadcast, reduce_scatter, run_in_threads, shard_range
 from minizero.comm.nccl import NcclCommunicator
 from tests import fake_nccl
@@ -20,6 +21,16 @@ from tests.conftest import REPO_ROOT
 from tests.test_collectives import _all_collectives, _span, lengths
 
 WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def _strict(strict_backend):
+    """NCCL moves device memory: every test here runs on strict (device) arrays, as the fake requires."""
+    yield
+
+
+def _dev(a):
+    return backend.to_device(np.asarray(a))
 CASES = [(N, n) for N in WORLD_SIZES for n in lengths(N)]
 
 
@@ -56,7 +67,7 @@ def test_collectives_on_nccl_match_numpy_and_the_thread_ledger(world_size, n):
 def _ring_calls(comm):
     ncomm = _nccl(comm)
     ncomm.comm.log.clear()
-    reduce_scatter(ncomm, np.arange(12.0))
+    reduce_scatter(ncomm, _dev(np.arange(12.0)))
     return ncomm.comm.log
 
 
@@ -81,7 +92,7 @@ def test_an_ungrouped_ring_deadlocks_in_the_fake(monkeypatch):
 
     def ring(comm):
         ncomm = _UngroupedSendrecv(comm, nccl=fake_nccl, cuda=fake_nccl.cuda)
-        reduce_scatter(ncomm, np.arange(12.0))
+        reduce_scatter(ncomm, _dev(np.arange(12.0)))
 
     with pytest.raises(fake_nccl.FakeDeadlock, match="never received"):
         run_in_threads(3, ring)
@@ -90,10 +101,10 @@ def test_an_ungrouped_ring_deadlocks_in_the_fake(monkeypatch):
 def _split_and_reduce(comm):
     ncomm = _nccl(comm)
     sub = ncomm.split(comm.rank % 2, key=-comm.rank)  # reversed order inside each colour
-    x = np.full(5, float(comm.rank))
+    x = _dev(np.full(5, float(comm.rank)))
     sub.barrier()
     from minizero.comm import all_reduce
-    got = all_reduce(sub, x)
+    got = backend.to_host(all_reduce(sub, x))
     return sub.rank, sub.world_size, got, sub.traffic.snapshot()["bytes_sent"], ncomm.traffic.snapshot()["bytes_sent"]
 
 
@@ -113,7 +124,7 @@ def test_tree_broadcast_sends_outside_groups():
     def bcast(comm):
         ncomm = _nccl(comm)
         ncomm.comm.log.clear()
-        return broadcast(ncomm, np.full(3, float(comm.rank)), root=0), ncomm.comm.log
+        return backend.to_host(broadcast(ncomm, _dev(np.full(3, float(comm.rank))), root=0)), ncomm.comm.log
 
     out = run_in_threads(4, bcast)
     assert all(np.array_equal(x, np.zeros(3)) for x, _ in out)
@@ -124,7 +135,7 @@ def test_tree_broadcast_sends_outside_groups():
 def test_dtypes_nccl_lacks_are_refused_by_name():
     def native(comm):
         from minizero.comm import all_reduce
-        all_reduce(_nccl(comm), np.zeros(4, dtype=np.complex128), native=True)
+        all_reduce(_nccl(comm), _dev(np.zeros(4, dtype=np.complex128)), native=True)
 
     with pytest.raises(TypeError, match="complex128"):
         run_in_threads(1, native)
@@ -165,19 +176,12 @@ def test_host_arrays_are_refused_by_real_nccl():
     assert pointer(np.zeros(3), host_ok=True) > 0
 
 
-class _DeviceOnlyFake:
-    """The fake NCCL as real NCCL sees NumPy: host memory it cannot read (HOST_BUFFERS False)."""
-
-    def __getattr__(self, name):
-        return False if name == "HOST_BUFFERS" else getattr(fake_nccl, name)
-
-
 @pytest.mark.timeout(60)
 def test_host_arrays_travel_over_the_bootstrap():
     from minizero.comm import all_gather, all_reduce
 
     def run(comm):
-        ncomm = NcclCommunicator(comm, nccl=_DeviceOnlyFake(), cuda=fake_nccl.cuda)
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=fake_nccl.cuda)  # device buffers only, as NCCL
         got = (all_reduce(ncomm, np.full(4, float(comm.rank))), all_gather(ncomm, np.array([comm.rank]), 3),
                all_reduce(ncomm, np.full(4, float(comm.rank)), native=True))
         return got, ncomm.comm.log, ncomm.traffic.snapshot()["bytes_sent"]
@@ -189,7 +193,7 @@ def test_host_arrays_travel_over_the_bootstrap():
 
 
 # --------------------------------------------------------------------------- the whole training loop on it
-TRAIN = ["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+TRAIN = ["--device", "strict", "--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
          "--no-save", "--steps", "3", "--seed", "1"]
 
 
@@ -204,7 +208,7 @@ def _train(comm, flags, over_nccl, wrapped=False):
     res = train(parse_args(TRAIN + flags, comm.world_size), comm, log=lambda s: None)
     full = res["strategy"].full_model()
     with res["strategy"].full_parameters():
-        params = None if full is None else {n: p.data.copy() for n, p in full.named_parameters()}
+        params = None if full is None else {n: backend.to_host(p.data) for n, p in full.named_parameters()}
     return res["train_losses"], params
 
 
@@ -326,7 +330,7 @@ def test_the_unique_id_travels_as_get_unique_id_returned_it(nccl):
 
     def run(comm):
         ncomm = NcclCommunicator(comm, nccl=nccl, cuda=fake_nccl.cuda, timeout=30.0)
-        return all_reduce(ncomm, np.full(3, float(comm.rank + 1)), native=True), ncomm.comm.world
+        return backend.to_host(all_reduce(ncomm, _dev(np.full(3, float(comm.rank + 1))), native=True)), ncomm.comm.world
 
     out = run_in_threads(3, run)
     assert all(np.array_equal(x, np.full(3, 6.0)) for x, _ in out)
@@ -349,7 +353,7 @@ def test_an_nccl_async_error_raises_at_once_not_after_the_timeout():
         ncomm.comm.async_error = RuntimeError("NCCL_ERROR_REMOTE_ERROR (injected)")
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="injected"):
-            ncomm._native_allreduce(np.ones(4), np.empty(4))
+            ncomm._native_allreduce(_dev(np.ones(4)), _dev(np.empty(4)))
         return time.monotonic() - t0
 
     assert max(run_in_threads(1, run)) < 5.0  # not the 30 s timeout
