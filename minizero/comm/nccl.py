@@ -98,20 +98,17 @@ def use_local_device(local_rank: int, cuda=None) -> int:
     return device
 
 
-def pointer(buf, host_ok: bool = False) -> int:
-    """The address of ``buf``'s first byte: ``buf.data.ptr`` for CuPy, ``buf.ctypes.data`` for NumPy.
+def pointer(buf) -> int:
+    """The address of ``buf``'s first byte: ``buf.data.ptr`` (CuPy; strict arrays have it too).
 
-    Host (NumPy) arrays are accepted only with ``host_ok`` (a fake NCCL that reads host memory).
     Raises:
-        TypeError: a host array for real NCCL, which reads device memory only.
+        TypeError: a host (NumPy) array: NCCL reads device memory only.
     """
     data = buf.data
     if hasattr(data, "ptr"):
         return int(data.ptr)
-    if not host_ok:
-        raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
-                        f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
-    return int(buf.ctypes.data)
+    raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
+                    f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
 
 
 class NcclCommunicator(Communicator):
@@ -186,7 +183,7 @@ class NcclCommunicator(Communicator):
                    lambda: timeout_message(self.rank, self.world_size, f"NCCL {op}", self.timeout, peer))
 
     def _ptr(self, buf) -> int:
-        return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))
+        return pointer(buf)
 
     def _datatype(self, dtype) -> int:
         name = np.dtype(dtype).name
@@ -196,7 +193,7 @@ class NcclCommunicator(Communicator):
 
     def _host(self, *bufs) -> bool:
         """True when the buffers are host arrays (they go over the bootstrap); TypeError for a mix."""
-        host = [not hasattr(b.data, "ptr") and not getattr(self.nccl, "HOST_BUFFERS", False) for b in bufs]
+        host = [not hasattr(b.data, "ptr") for b in bufs]
         if any(host) and not all(host):
             raise TypeError(f"rank {self.rank}: a host and a device array in one NCCL call "
                             f"({', '.join(type(b).__name__ for b in bufs)}); make both with backend.xp")
