@@ -9,6 +9,7 @@ real bytes but no device runs: the real test is bench/gpu_check.py on a GPU.
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -358,3 +359,39 @@ def test_an_nccl_async_error_raises_at_once_not_after_the_timeout():
         return time.monotonic() - t0
 
     assert max(run_in_threads(1, run)) < 5.0  # not the 30 s timeout
+
+
+class _BrokenEvent(fake_nccl.Event):
+    ptr = 1  # a stand-in handle for the fake runtime below
+
+
+def _runtime_with_status(status):
+    def event_synchronize(ptr):
+        raise RuntimeError(f"cudaErrorIllegalAddress (status {status}, injected)")
+
+    return SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=lambda ptr: status, eventSynchronize=event_synchronize)
+
+
+@pytest.mark.timeout(60)
+def test_a_cuda_error_while_waiting_raises_at_once_not_after_the_timeout():
+    """CuPy's Event.done is ``eventQuery(ptr) == 0``: a sticky CUDA error (700, illegal address) reads as
+    not done forever. The wait reads the status and raises for anything but ready (0) and not-ready (600)."""
+    import time
+    cuda = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _BrokenEvent, "runtime": _runtime_with_status(700)})
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=cuda, timeout=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+            ncomm._native_allreduce(_dev(np.ones(4)), _dev(np.empty(4)))
+        return time.monotonic() - t0
+
+    assert max(run_in_threads(1, run)) < 5.0
+    ready = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _BrokenEvent, "runtime": _runtime_with_status(0)})
+
+    def done(comm):
+        out = _dev(np.zeros(4))
+        NcclCommunicator(comm, nccl=fake_nccl, cuda=ready, timeout=30.0)._native_allreduce(_dev(np.ones(4)), out)
+        return backend.to_host(out)
+
+    assert np.array_equal(run_in_threads(1, done)[0], np.ones(4))  # status 0: done, as before

@@ -57,6 +57,7 @@ from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
 UNIQUE_ID_BYTES = 128  #: NCCL_UNIQUE_ID_BYTES
+CUDA_ERROR_NOT_READY = 600  #: cudaErrorNotReady: the one cudaEventQuery status besides 0 (done) that is not an error
 #: numpy dtype name -> name of the NCCL datatype constant in ``cupy.cuda.nccl``
 DATATYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
              "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
@@ -121,8 +122,9 @@ class NcclCommunicator(Communicator):
         traffic: this communicator's ledger (default: a fresh one).
         timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
         blocking: wait on the host for every operation (default), or only order it on the streams;
-            while waiting it calls the communicator's ``check_async_error()`` (where it has one), so an
-            NCCL asynchronous error raises at once instead of running into the timeout.
+            while waiting it calls the communicator's ``check_async_error()`` (where it has one) and
+            reads ``cudaEventQuery``'s status, so an NCCL asynchronous error or a CUDA error (any status
+            but ready and not-ready) raises at once instead of running into the timeout.
         nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
     Collective: every rank of ``bootstrap`` must construct it together.
     Attributes:
@@ -173,11 +175,18 @@ class NcclCommunicator(Communicator):
         if not self.blocking:
             return
         check = getattr(self.comm, "check_async_error", None)  # raises NCCL's asynchronous error, if any
+        query = getattr(getattr(self.cuda, "runtime", None), "eventQuery", None)  # the raw cudaEventQuery status
 
         def finished():
             if check is not None:
                 check()
-            return done.done
+            if query is None:
+                return done.done
+            status = query(done.ptr)  # Event.done is only ``status == 0``: a sticky CUDA error would look like waiting
+            if status in (0, CUDA_ERROR_NOT_READY):
+                return status == 0
+            self.cuda.runtime.eventSynchronize(done.ptr)  # raises CuPy's CUDARuntimeError naming the error
+            raise RuntimeError(f"rank {self.rank}: CUDA error {status} while waiting for NCCL {op}")
 
         poll_until(finished, self.timeout,
                    lambda: timeout_message(self.rank, self.world_size, f"NCCL {op}", self.timeout, peer))
