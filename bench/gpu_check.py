@@ -133,8 +133,8 @@ def equal_runs(runner, first: list[str], second: list[str], ranks=(1, 1)) -> tup
 def nccl_worker(path: str, nccl=None, cuda=None) -> None:
     """Under mpiexec: the hand-written and native collectives on NCCL against NumPy; rank 0 writes ``path``.
 
-    ``nccl``/``cuda``: stand-ins for ``cupy.cuda.nccl``/``cupy.cuda`` (tests/fake_nccl.py, NumPy arrays);
-    None: the real ones, on GPU ``rank``.
+    ``nccl``/``cuda``: stand-ins for ``cupy.cuda.nccl``/``cupy.cuda`` (tests/fake_nccl.py, on strict device
+    arrays, as it takes no NumPy); None: the real ones, on GPU ``rank``.
     """
     from minizero import backend
     from minizero.comm import all_gather, all_reduce, broadcast, reduce_scatter, shard_range
@@ -146,6 +146,8 @@ def nccl_worker(path: str, nccl=None, cuda=None) -> None:
         device = use_local_device(mpi.rank)  # one node: the world rank is the local rank
         set_device = getattr(backend, "set_device", None)
         set_device("cuda", device) if set_device else backend.set_backend("cupy")
+    else:
+        backend.set_backend("strict")  # the fake takes device arrays only (host arrays would bypass it)
     comm, N, r, worst, sent = NcclCommunicator(mpi, nccl=nccl, cuda=cuda), mpi.world_size, mpi.rank, 0.0, {}
     for n in (1, N + 1, 1000, 2 ** 16 + 3, 2 ** 20):
         xs = [np.random.default_rng([q, n]).standard_normal(n) for q in range(N)]

@@ -54,13 +54,36 @@ def reset_transfers() -> None:
     transfers["to_device"] = transfers["to_host"] = 0
 
 
+class Flags:
+    """``cupy.ndarray.flags`` as CuPy has it (``cupy/_core/flags.pyx`` through 14.2): ``c_contiguous``,
+    ``f_contiguous`` and ``owndata`` only (no ``writeable``: CuPy arrays, broadcast views included, are
+    never read-only)."""
+
+    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
+
+    def __init__(self, f):
+        self.c_contiguous, self.f_contiguous, self.owndata = bool(f.c_contiguous), bool(f.f_contiguous), bool(f.owndata)
+
+    def __repr__(self):
+        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
+
+
+class _Pointer:
+    """``cupy.cuda.MemoryPointer`` as NCCL reads it: ``ptr``, a device address."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
 class StrictArray:
     """A device array of the strict module: a NumPy array that refuses to leave the device implicitly.
 
     Args:
         a: the ``numpy.ndarray`` to hold (not copied; use :func:`asarray` for host data).
     Attributes (as ``numpy.ndarray``): ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
-    ``itemsize``, ``strides``, ``flags``, ``T``, ``base`` (the StrictArray owning the memory of a
+    ``itemsize``, ``strides``, ``flags`` (:class:`Flags`: CuPy's three), ``T``, ``base`` (the StrictArray owning the memory of a
     view, else None). Refusals: see the module docstring.
     """
 
@@ -115,11 +138,6 @@ class StrictArray:
     def __complex__(self):
         return complex(self._one("scalars"))
 
-    def __index__(self):
-        if self._a.dtype.kind not in "iu":
-            raise TypeError(f"only integer device arrays can be used as an index, got {self._a.dtype}")
-        return int(self._one("scalars"))
-
     def __bool__(self):
         if self._a.size != 1:
             raise ValueError(f"the truth value of a device array with {self._a.size} elements is ambiguous")
@@ -156,8 +174,14 @@ class StrictArray:
     nbytes = property(lambda self: self._a.nbytes)
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
-    flags = property(lambda self: self._a.flags)
+    flags = property(lambda self: Flags(self._a.flags))
     T = property(lambda self: StrictArray(self._a.T))
+
+    @property
+    def data(self):
+        """As ``cupy.ndarray.data`` (a ``MemoryPointer``) as far as NCCL needs it: ``.ptr``, the address
+        of the first element."""
+        return _Pointer(self._a.__array_interface__["data"][0])
 
     @property
     def base(self):
@@ -179,10 +203,16 @@ class StrictArray:
 
     # ---- methods (each the NumPy method on the wrapped array) ---------------
     def view(self, dtype):
-        """A view with another dtype (``ndarray.view(dtype)``; array types are refused)."""
+        """A view with another dtype (``ndarray.view(dtype)``; array types are refused, and so is a view
+        whose first element is not aligned to its dtype's size: a device faults on such loads)."""
         if isinstance(dtype, type) and issubclass(dtype, np.ndarray):
             raise TypeError(f"view as {dtype.__name__} is not allowed; {_HINT}")
-        return StrictArray(self._a.view(dtype))
+        out = self._a.view(dtype)
+        address = out.__array_interface__["data"][0]
+        if out.size and address % out.dtype.itemsize:
+            raise ValueError(f"a {out.dtype} view at byte address {address} is not {out.dtype.itemsize}-byte "
+                             "aligned (an unaligned load faults on a GPU); lay the data out aligned")
+        return StrictArray(out)
 
     def __getattr__(self, name):
         if name in _METHODS:

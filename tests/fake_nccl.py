@@ -1,10 +1,12 @@
-"""An in-process stand-in for ``cupy.cuda.nccl`` and ``cupy.cuda``: ranks are threads, buffers NumPy.
+"""An in-process stand-in for ``cupy.cuda.nccl`` and ``cupy.cuda``: ranks are threads, buffers device arrays.
 
 It checks what the NCCL communicator's code can get wrong without a GPU -- the ordering and
 grouping of its calls -- and moves real bytes, so the collectives on top give real results:
 
-* buffers are raw addresses (``buf.ctypes.data``), read and written through ctypes, as NCCL
-  reads device pointers; counts are elements of the given datatype;
+* buffers are device arrays (strict arrays, :mod:`minizero.strict`) passed as raw addresses
+  (``buf.data.ptr``), read and written through ctypes, as NCCL reads device pointers; NumPy
+  arrays never reach it (NcclCommunicator sends host arrays over its bootstrap, as on CuPy);
+  counts are elements of the given datatype;
 * messages between two ranks match in issue order, with no tags (NCCL's rule);
 * an ungrouped ``send`` returns only once the peer's ``recv`` took the message, and an
   ungrouped ``recv`` waits for it (``ncclSend`` blocks its stream until the peer receives):
@@ -14,7 +16,9 @@ grouping of its calls -- and moves real bytes, so the collectives on top give re
   send, then completes every receive, then waits until the sends were taken (all at once, as
   NCCL progresses a group);
 * a receive whose byte count differs from the message raises (real NCCL would not notice);
-* every call is appended to the communicator's ``log``: (name, peer or root, count, in a group).
+* every call is appended to the communicator's ``log``: (name, peer or root, count, in a group);
+* CuPy 14's API: ``get_unique_id()`` returns ``bytes`` and the constructor refuses any other id;
+  ``check_async_error()`` raises the communicator's ``async_error`` when a test set one.
 
 It is a test double, not NCCL: no streams run (events are always done), no device.
 """
@@ -39,7 +43,6 @@ _NUMPY = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_U
           NCCL_FLOAT64: np.float64}
 available = True
 CALLS: list = []  #: every call of every communicator, in issue order (list.append is atomic)
-HOST_BUFFERS = True  #: NcclCommunicator may hand this fake NumPy (host) arrays
 
 
 class FakeDeadlock(RuntimeError):
@@ -82,10 +85,10 @@ _IDS = itertools.count(1)
 _GROUP = threading.local()  # per thread (= per rank): group depth and the calls recorded in it
 
 
-def get_unique_id() -> tuple:
-    """128 small ints, different on every call (NCCL: random bytes naming the root's socket)."""
+def get_unique_id() -> bytes:
+    """128 bytes, different on every call (NCCL: random bytes naming the root's socket); ``bytes`` as on CuPy 14."""
     k = next(_IDS)
-    return tuple((k >> (8 * i)) & 0x7F for i in range(128))
+    return bytes((k >> (8 * i)) & 0xFF for i in range(128))
 
 
 def groupStart() -> None:  # noqa: N802  (CuPy's name)
@@ -116,14 +119,22 @@ class NcclCommunicator:
     """``cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)`` for threads of one process."""
 
     def __init__(self, ndev, comm_id, rank):
+        if not isinstance(comm_id, bytes):  # CuPy 14: NcclCommunicator(int ndev, bytes commId, int rank)
+            raise TypeError(f"commId must be bytes (CuPy 14), got {type(comm_id).__name__}")
         if len(comm_id) != 128:
-            raise ValueError("the unique id must have 128 entries")
+            raise ValueError("the unique id must have 128 bytes")
         with _WORLDS_LOCK:
-            self.world = _WORLDS.setdefault(tuple(comm_id), _World(ndev))
+            self.world = _WORLDS.setdefault(comm_id, _World(ndev))
         if self.world.size != ndev or not 0 <= rank < ndev:
             raise ValueError(f"rank {rank} of {ndev} does not fit the world of {self.world.size}")
         self._rank, self.aborted = rank, False
+        self.async_error = None  #: set it to an exception to fake an NCCL asynchronous error
         self.log: list = _Log()  #: (call, peer or root, count, inside a group) in issue order
+
+    def check_async_error(self):
+        """Raise the injected asynchronous error, if any (CuPy: NcclError from ncclCommGetAsyncError)."""
+        if self.async_error is not None:
+            raise self.async_error
 
     def rank_id(self):
         return self._rank

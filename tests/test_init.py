@@ -70,6 +70,16 @@ def test_every_shard_and_flat_piece_equals_the_slice_of_the_full_parameter(tp, n
         init.flat(0, want.size + 1)
 
 
+def test_is_meta_knows_meta_arrays_by_their_base_not_a_writeable_flag():
+    """A broadcast placeholder of another value, or a read-only all-zero-stride view of another zero, is
+    not meta; a view of a meta array is (CuPy has no flags.writeable to tell them apart)."""
+    m = meta((12, 4), np.float32)
+    assert is_meta(m) and is_meta(m[2:]) and not is_meta(m[0, 0])
+    assert not is_meta(np.broadcast_to(np.float32(np.nan), (12, 4)))
+    assert not is_meta(np.broadcast_to(np.zeros((), np.float32), (12, 4)))
+    assert not is_meta(np.zeros((12, 4), np.float32))
+
+
 def test_shard_array_keeps_a_meta_array_meta():
     m = meta((12, 4), np.float32)
     s = shard_array(m, 0, 1, 2, 3)

@@ -9,10 +9,12 @@ real bytes but no device runs: the real test is bench/gpu_check.py on a GPU.
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from minizero import backend
 from minizero.comm import broadcast, reduce_scatter, run_in_threads, shard_range
 from minizero.comm.nccl import NcclCommunicator
 from tests import fake_nccl
@@ -20,6 +22,16 @@ from tests.conftest import REPO_ROOT
 from tests.test_collectives import _all_collectives, _span, lengths
 
 WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def _strict(strict_backend):
+    """NCCL moves device memory: every test here runs on strict (device) arrays, as the fake requires."""
+    yield
+
+
+def _dev(a):
+    return backend.to_device(np.asarray(a))
 CASES = [(N, n) for N in WORLD_SIZES for n in lengths(N)]
 
 
@@ -56,7 +68,7 @@ def test_collectives_on_nccl_match_numpy_and_the_thread_ledger(world_size, n):
 def _ring_calls(comm):
     ncomm = _nccl(comm)
     ncomm.comm.log.clear()
-    reduce_scatter(ncomm, np.arange(12.0))
+    reduce_scatter(ncomm, _dev(np.arange(12.0)))
     return ncomm.comm.log
 
 
@@ -81,7 +93,7 @@ def test_an_ungrouped_ring_deadlocks_in_the_fake(monkeypatch):
 
     def ring(comm):
         ncomm = _UngroupedSendrecv(comm, nccl=fake_nccl, cuda=fake_nccl.cuda)
-        reduce_scatter(ncomm, np.arange(12.0))
+        reduce_scatter(ncomm, _dev(np.arange(12.0)))
 
     with pytest.raises(fake_nccl.FakeDeadlock, match="never received"):
         run_in_threads(3, ring)
@@ -90,10 +102,10 @@ def test_an_ungrouped_ring_deadlocks_in_the_fake(monkeypatch):
 def _split_and_reduce(comm):
     ncomm = _nccl(comm)
     sub = ncomm.split(comm.rank % 2, key=-comm.rank)  # reversed order inside each colour
-    x = np.full(5, float(comm.rank))
+    x = _dev(np.full(5, float(comm.rank)))
     sub.barrier()
     from minizero.comm import all_reduce
-    got = all_reduce(sub, x)
+    got = backend.to_host(all_reduce(sub, x))
     return sub.rank, sub.world_size, got, sub.traffic.snapshot()["bytes_sent"], ncomm.traffic.snapshot()["bytes_sent"]
 
 
@@ -113,7 +125,7 @@ def test_tree_broadcast_sends_outside_groups():
     def bcast(comm):
         ncomm = _nccl(comm)
         ncomm.comm.log.clear()
-        return broadcast(ncomm, np.full(3, float(comm.rank)), root=0), ncomm.comm.log
+        return backend.to_host(broadcast(ncomm, _dev(np.full(3, float(comm.rank))), root=0)), ncomm.comm.log
 
     out = run_in_threads(4, bcast)
     assert all(np.array_equal(x, np.zeros(3)) for x, _ in out)
@@ -124,7 +136,7 @@ def test_tree_broadcast_sends_outside_groups():
 def test_dtypes_nccl_lacks_are_refused_by_name():
     def native(comm):
         from minizero.comm import all_reduce
-        all_reduce(_nccl(comm), np.zeros(4, dtype=np.complex128), native=True)
+        all_reduce(_nccl(comm), _dev(np.zeros(4, dtype=np.complex128)), native=True)
 
     with pytest.raises(TypeError, match="complex128"):
         run_in_threads(1, native)
@@ -162,14 +174,8 @@ def test_host_arrays_are_refused_by_real_nccl():
     from minizero.comm.nccl import pointer
     with pytest.raises(TypeError, match="device memory.*numpy.ndarray"):
         pointer(np.zeros(3))
-    assert pointer(np.zeros(3), host_ok=True) > 0
-
-
-class _DeviceOnlyFake:
-    """The fake NCCL as real NCCL sees NumPy: host memory it cannot read (HOST_BUFFERS False)."""
-
-    def __getattr__(self, name):
-        return False if name == "HOST_BUFFERS" else getattr(fake_nccl, name)
+    x = backend.xp.zeros(3)
+    assert pointer(x) == backend.data_ptr(x) > 0  # a device (strict) array: its first element's address
 
 
 @pytest.mark.timeout(60)
@@ -177,7 +183,7 @@ def test_host_arrays_travel_over_the_bootstrap():
     from minizero.comm import all_gather, all_reduce
 
     def run(comm):
-        ncomm = NcclCommunicator(comm, nccl=_DeviceOnlyFake(), cuda=fake_nccl.cuda)
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=fake_nccl.cuda)  # device buffers only, as NCCL
         got = (all_reduce(ncomm, np.full(4, float(comm.rank))), all_gather(ncomm, np.array([comm.rank]), 3),
                all_reduce(ncomm, np.full(4, float(comm.rank)), native=True))
         return got, ncomm.comm.log, ncomm.traffic.snapshot()["bytes_sent"]
@@ -189,7 +195,7 @@ def test_host_arrays_travel_over_the_bootstrap():
 
 
 # --------------------------------------------------------------------------- the whole training loop on it
-TRAIN = ["--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+TRAIN = ["--device", "strict", "--model", "tiny", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
          "--no-save", "--steps", "3", "--seed", "1"]
 
 
@@ -204,7 +210,7 @@ def _train(comm, flags, over_nccl, wrapped=False):
     res = train(parse_args(TRAIN + flags, comm.world_size), comm, log=lambda s: None)
     full = res["strategy"].full_model()
     with res["strategy"].full_parameters():
-        params = None if full is None else {n: p.data.copy() for n, p in full.named_parameters()}
+        params = None if full is None else {n: backend.to_host(p.data) for n, p in full.named_parameters()}
     return res["train_losses"], params
 
 
@@ -293,3 +299,99 @@ def test_nccl_without_nccl_or_with_fewer_gpus_than_ranks_is_one_line_before_any_
     monkeypatch.setattr(nccl, "import_nccl", lambda: (fake_nccl, fake_nccl.cuda))  # 1 device
     assert "2 ranks on this node, 1 GPU(s) visible; use --comm mpi" in train_module._select_device(args, Comm(),
                                                                                                    World())
+
+
+# --------------------------------------------------------------------------- CuPy 13 / 14 unique ids, async errors
+def test_the_fake_follows_cupy_14_bytes_id():
+    uid = fake_nccl.get_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(TypeError, match="commId must be bytes"):
+        fake_nccl.NcclCommunicator(1, tuple(uid), 0)
+
+
+class _Cupy13Fake:
+    """The fake as CuPy 13 has it: the id is a tuple of 128 signed chars, and the constructor takes a tuple."""
+
+    def __getattr__(self, name):
+        return getattr(fake_nccl, name)
+
+    @staticmethod
+    def get_unique_id():
+        return tuple(b - 256 if b > 127 else b for b in fake_nccl.get_unique_id())
+
+    @staticmethod
+    def NcclCommunicator(ndev, comm_id, rank):  # noqa: N802
+        assert isinstance(comm_id, tuple) and all(-128 <= v < 128 for v in comm_id)
+        return fake_nccl.NcclCommunicator(ndev, bytes(v % 256 for v in comm_id), rank)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nccl", [fake_nccl, _Cupy13Fake()], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_the_unique_id_travels_as_get_unique_id_returned_it(nccl):
+    from minizero.comm import all_reduce
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=nccl, cuda=fake_nccl.cuda, timeout=30.0)
+        return backend.to_host(all_reduce(ncomm, _dev(np.full(3, float(comm.rank + 1))), native=True)), ncomm.comm.world
+
+    out = run_in_threads(3, run)
+    assert all(np.array_equal(x, np.full(3, 6.0)) for x, _ in out)
+    assert out[0][1] is out[1][1] is out[2][1]  # every rank joined the same world: the same id
+
+
+class _NeverDone(fake_nccl.Event):
+    done = False  # the device never finishes: only check_async_error can end the wait before the timeout
+
+
+@pytest.mark.timeout(60)
+def test_an_nccl_async_error_raises_at_once_not_after_the_timeout():
+    import time
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _NeverDone})
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=cuda, timeout=30.0)
+        ncomm.comm.async_error = RuntimeError("NCCL_ERROR_REMOTE_ERROR (injected)")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected"):
+            ncomm._native_allreduce(_dev(np.ones(4)), _dev(np.empty(4)))
+        return time.monotonic() - t0
+
+    assert max(run_in_threads(1, run)) < 5.0  # not the 30 s timeout
+
+
+class _BrokenEvent(fake_nccl.Event):
+    ptr = 1  # a stand-in handle for the fake runtime below
+
+
+def _runtime_with_status(status):
+    def event_synchronize(ptr):
+        raise RuntimeError(f"cudaErrorIllegalAddress (status {status}, injected)")
+
+    return SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=lambda ptr: status, eventSynchronize=event_synchronize)
+
+
+@pytest.mark.timeout(60)
+def test_a_cuda_error_while_waiting_raises_at_once_not_after_the_timeout():
+    """CuPy's Event.done is ``eventQuery(ptr) == 0``: a sticky CUDA error (700, illegal address) reads as
+    not done forever. The wait reads the status and raises for anything but ready (0) and not-ready (600)."""
+    import time
+    cuda = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _BrokenEvent, "runtime": _runtime_with_status(700)})
+
+    def run(comm):
+        ncomm = NcclCommunicator(comm, nccl=fake_nccl, cuda=cuda, timeout=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+            ncomm._native_allreduce(_dev(np.ones(4)), _dev(np.empty(4)))
+        return time.monotonic() - t0
+
+    assert max(run_in_threads(1, run)) < 5.0
+    ready = SimpleNamespace(**{**vars(fake_nccl.cuda), "Event": _BrokenEvent, "runtime": _runtime_with_status(0)})
+
+    def done(comm):
+        out = _dev(np.zeros(4))
+        NcclCommunicator(comm, nccl=fake_nccl, cuda=ready, timeout=30.0)._native_allreduce(_dev(np.ones(4)), out)
+        return backend.to_host(out)
+
+    assert np.array_equal(run_in_threads(1, done)[0], np.ones(4))  # status 0: done, as before

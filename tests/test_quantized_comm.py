@@ -72,6 +72,27 @@ def test_reduce_scatter_bound_and_bytes(world_size, n):
         assert sent["bytes_sent"] == bytes_sent("reduce_scatter", n, world_size, r, block)
 
 
+def _scatter_strict(comm, n, block):
+    from minizero import backend
+    got = quantized_reduce_scatter(comm, backend.xp.asarray(_data(comm.rank, n)), block_size=block)
+    return backend.to_host(got)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size,n", [(2, 1001), (3, 1003), (4, 4099), (5, 3)])
+def test_every_float32_view_of_a_message_is_4_byte_aligned(strict_backend, world_size, n):
+    """The strict module refuses a view whose address is not a multiple of its itemsize (a GPU faults on
+    it); chunk lengths not a multiple of 4 once put the scales at an odd offset. Results equal NumPy's."""
+    from minizero import strict
+    with pytest.raises(ValueError, match="not 4-byte aligned"):
+        strict.zeros(9, np.uint8)[1:5].view(np.float32)
+    assert strict.zeros(9, np.uint8)[4:8].view(np.float32).shape == (1,)
+    got = run_in_threads(world_size, _scatter_strict, n, 64)
+    strict_backend.set_backend("numpy")
+    want = run_in_threads(world_size, lambda comm: quantized_reduce_scatter(comm, _data(comm.rank, n), block_size=64))
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))  # bitwise
+
+
 def test_a_quarter_of_the_fp32_bytes():
     """At B = 256 the wire carries (1 + 4/256) / 4 = 0.254 of the FP32 ring's bytes."""
     n, world = 8 * 2 ** 16, 8

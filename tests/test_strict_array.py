@@ -55,7 +55,24 @@ def test_allowed_as_on_cupy(x):
     assert isinstance(np.float32(2) * x, strict.StrictArray) and isinstance(2.0 * x, strict.StrictArray)
     assert isinstance(x.sum(), strict.StrictArray) and x.sum().shape == ()  # reductions give 0-d arrays
     assert len(x) == 3 and x.shape == (3, 4) and x.dtype == np.float64 and x.nbytes == 96
-    assert list(range(strict.asarray(3))) == [0, 1, 2]
+
+
+def test_no_index_as_on_cupy():
+    """CuPy refuses a device array as a Python index (``__index__``: a hidden device sync); ``int(x)`` is the way."""
+    with pytest.raises(TypeError):
+        range(strict.asarray(3))
+    with pytest.raises(TypeError):
+        [0, 1, 2][strict.asarray(1)]
+    assert list(range(int(strict.asarray(3)))) == [0, 1, 2]
+
+
+def test_flags_are_cupys_three():
+    """CuPy's ``flags`` (cupy/_core/flags.pyx through 14.2) has c_contiguous, f_contiguous and owndata only."""
+    a = strict.asarray(np.zeros(3))
+    assert not hasattr(a.flags, "writeable")
+    assert a.flags.c_contiguous and a.flags.f_contiguous and a.flags.owndata
+    v = strict.asarray(np.zeros((3, 4)))[:, ::2]
+    assert not v.flags.c_contiguous and not v.flags.f_contiguous and not v.flags.owndata
 
 
 def test_explicit_transfers_copy_and_count(x):

@@ -71,7 +71,12 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 
 # --------------------------------------------------------------------------- checks
 def _check_array(buf, what: str, writeable: bool = False) -> None:
-    """Raise unless ``buf`` is a C-contiguous array (and writeable, if asked)."""
+    """Raise unless ``buf`` is a C-contiguous array.
+
+    ``writeable``: ``buf`` is received into. Only what NumPy and CuPy both have is read (CuPy has no
+    ``flags.writeable``, and its broadcast views are not read-only): a broadcast view of more than
+    one element is not C-contiguous, so the contiguity check refuses it.
+    """
     if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
@@ -79,8 +84,6 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
             f"{what} must be C-contiguous, got shape {buf.shape} with strides {buf.strides}; "
             "pass xp.ascontiguousarray(a) (messages are sent straight from the array's memory)"
         )
-    if writeable and not buf.flags.writeable:
-        raise ValueError(f"{what} must be writeable (a receive writes into it)")
 
 
 # --------------------------------------------------------------------------- interface

@@ -328,21 +328,20 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     Algorithm: binomial tree, ceil(log2 N) rounds; a rank receives the whole array
     from its parent, then sends it to each of its children, largest subtree first.
     Args:
-        x: C-contiguous, writeable, same shape and dtype on every rank.
+        x: C-contiguous (so not a broadcast view: non-root ranks receive into it), same shape and
+            dtype on every rank.
         root: rank whose data is broadcast.
         native: use the library's broadcast (``comm.native_bcast``).
     Bytes: ``x.nbytes`` per child: ceil(log2 N) * x.nbytes on the root, 0 on leaves,
         (N-1) * x.nbytes summed over ranks. Label ``"broadcast"``.
     Raises:
-        ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous or read-only.
+        ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous.
     Source: binomial-tree broadcast, Thakur, Rabenseifner & Gropp, "Optimization of
         collective communication operations in MPICH", IJHPCA 2005, Sec. 4.3.
     """
     _check_contiguous(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:
         raise ValueError(f"root={root!r} is not a rank; allowed: 0..{comm.world_size - 1}")
-    if not x.flags.writeable:
-        raise ValueError("x must be writeable (non-root ranks receive into it)")
     if native:
         return comm.native_bcast(x, root)
     parent, children = _binomial_tree(comm.rank, root, comm.world_size)

@@ -57,6 +57,7 @@ from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
 UNIQUE_ID_BYTES = 128  #: NCCL_UNIQUE_ID_BYTES
+CUDA_ERROR_NOT_READY = 600  #: cudaErrorNotReady: the one cudaEventQuery status besides 0 (done) that is not an error
 #: numpy dtype name -> name of the NCCL datatype constant in ``cupy.cuda.nccl``
 DATATYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
              "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
@@ -98,20 +99,17 @@ def use_local_device(local_rank: int, cuda=None) -> int:
     return device
 
 
-def pointer(buf, host_ok: bool = False) -> int:
-    """The address of ``buf``'s first byte: ``buf.data.ptr`` for CuPy, ``buf.ctypes.data`` for NumPy.
+def pointer(buf) -> int:
+    """The address of ``buf``'s first byte: ``buf.data.ptr`` (CuPy; strict arrays have it too).
 
-    Host (NumPy) arrays are accepted only with ``host_ok`` (a fake NCCL that reads host memory).
     Raises:
-        TypeError: a host array for real NCCL, which reads device memory only.
+        TypeError: a host (NumPy) array: NCCL reads device memory only.
     """
     data = buf.data
     if hasattr(data, "ptr"):
         return int(data.ptr)
-    if not host_ok:
-        raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
-                        f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
-    return int(buf.ctypes.data)
+    raise TypeError(f"NCCL moves device memory; got a host array ({type(buf).__module__}."
+                    f"{type(buf).__name__} {buf.shape} {buf.dtype}): make it with backend.xp")
 
 
 class NcclCommunicator(Communicator):
@@ -119,10 +117,14 @@ class NcclCommunicator(Communicator):
 
     Args:
         bootstrap: a Communicator over the same ranks (``MPICommunicator``, or threads in tests);
-            it carries the unique id (one 128-element broadcast, on its own ledger) and ``split``.
+            it carries the unique id (one 129-element broadcast, on its own ledger: the id's kind, ``bytes``
+            on CuPy 14+ or a tuple on CuPy 13, as ``get_unique_id`` returned it, then its 128 values) and ``split``.
         traffic: this communicator's ledger (default: a fresh one).
         timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
-        blocking: wait on the host for every operation (default), or only order it on the streams.
+        blocking: wait on the host for every operation (default), or only order it on the streams;
+            while waiting it calls the communicator's ``check_async_error()`` (where it has one) and
+            reads ``cudaEventQuery``'s status, so an NCCL asynchronous error or a CUDA error (any status
+            but ready and not-ready) raises at once instead of running into the timeout.
         nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
     Collective: every rank of ``bootstrap`` must construct it together.
     Attributes:
@@ -142,11 +144,15 @@ class NcclCommunicator(Communicator):
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
         self.traffic = TrafficLedger() if traffic is None else traffic
         self.timeout, self.blocking = timeout, blocking
-        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)  # signed chars in CuPy's tuple: int64 carries any
+        # [kind, 128 values]: kind 1 = bytes (CuPy 14+), 0 = a tuple of signed chars (CuPy 13); int64 carries either
+        uid = np.zeros(1 + UNIQUE_ID_BYTES, dtype=np.int64)
         if self.rank == 0:
-            uid[:] = nccl.get_unique_id()
+            got = nccl.get_unique_id()
+            uid[0] = isinstance(got, bytes)
+            uid[1:] = np.frombuffer(got, dtype=np.uint8) if uid[0] else got
         bootstrap.native_bcast(uid, root=0)
-        self.comm = nccl.NcclCommunicator(self.world_size, tuple(int(v) for v in uid), self.rank)
+        comm_id = uid[1:].astype(np.uint8).tobytes() if uid[0] else tuple(int(v) for v in uid[1:])
+        self.comm = nccl.NcclCommunicator(self.world_size, comm_id, self.rank)
         self.stream = cuda.Stream(non_blocking=True)
 
     @property
@@ -168,11 +174,25 @@ class NcclCommunicator(Communicator):
         self.cuda.get_current_stream().wait_event(done)
         if not self.blocking:
             return
-        poll_until(lambda: done.done, self.timeout,
+        check = getattr(self.comm, "check_async_error", None)  # raises NCCL's asynchronous error, if any
+        query = getattr(getattr(self.cuda, "runtime", None), "eventQuery", None)  # the raw cudaEventQuery status
+
+        def finished():
+            if check is not None:
+                check()
+            if query is None:
+                return done.done
+            status = query(done.ptr)  # Event.done is only ``status == 0``: a sticky CUDA error would look like waiting
+            if status in (0, CUDA_ERROR_NOT_READY):
+                return status == 0
+            self.cuda.runtime.eventSynchronize(done.ptr)  # raises CuPy's CUDARuntimeError naming the error
+            raise RuntimeError(f"rank {self.rank}: CUDA error {status} while waiting for NCCL {op}")
+
+        poll_until(finished, self.timeout,
                    lambda: timeout_message(self.rank, self.world_size, f"NCCL {op}", self.timeout, peer))
 
     def _ptr(self, buf) -> int:
-        return pointer(buf, host_ok=getattr(self.nccl, "HOST_BUFFERS", False))
+        return pointer(buf)
 
     def _datatype(self, dtype) -> int:
         name = np.dtype(dtype).name
@@ -182,7 +202,7 @@ class NcclCommunicator(Communicator):
 
     def _host(self, *bufs) -> bool:
         """True when the buffers are host arrays (they go over the bootstrap); TypeError for a mix."""
-        host = [not hasattr(b.data, "ptr") and not getattr(self.nccl, "HOST_BUFFERS", False) for b in bufs]
+        host = [not hasattr(b.data, "ptr") for b in bufs]
         if any(host) and not all(host):
             raise TypeError(f"rank {self.rank}: a host and a device array in one NCCL call "
                             f"({', '.join(type(b).__name__ for b in bufs)}); make both with backend.xp")

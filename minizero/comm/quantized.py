@@ -156,14 +156,17 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
         return out
     with comm.traffic.op("quantized_reduce_scatter"):
         xp = backend.array_module(flat)
-        incoming = xp.empty(size + 4 * _blocks(size, block_size), np.uint8)
+        # a message is [FP32 scales | INT8 codes]: the float32 view starts at byte 0 of the (aligned)
+        # buffer, so it is 4-byte aligned whatever the chunk's length (a device faults on unaligned loads)
+        nscale = 4 * _blocks(size, block_size)
+        incoming = xp.empty(nscale + size, np.uint8)
         for s in range(1, world_size):
             dest, src = (rank + s) % world_size, (rank - s) % world_size
             o, sz = shard_range(n, world_size, dest)
             q, scale = _quantize_marking_non_finite(flat[o:o + sz], block_size)
-            message = xp.concatenate([q.view(np.uint8), scale.view(np.uint8)])
+            message = xp.concatenate([scale.view(np.uint8), q.view(np.uint8)])
             comm.sendrecv(message, dest, incoming, src, tag=_A2A_TAG)
-            codes, scales = incoming[:size].view(np.int8), incoming[size:].view(np.float32)
+            scales, codes = incoming[:nscale].view(np.float32), incoming[nscale:].view(np.int8)
             out += dequantize(codes, scales, (size,), 8, "block", block_size, dtype=x.dtype)
     return out
 

@@ -40,15 +40,35 @@ META = "meta"
 TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (tied to the embedding)
 
 
+#: (array module name, dtype) -> the one 0-d zero every meta array of that module and dtype views
+_META_ZEROS: dict = {}
+
+
+def _meta_zero(xp, dtype):
+    """The shared 0-d zero behind every meta array of ``xp`` and ``dtype`` (made on first use)."""
+    key = (xp.__name__, np.dtype(dtype).str)
+    if key not in _META_ZEROS:
+        _META_ZEROS[key] = xp.zeros((), dtype)
+    return _META_ZEROS[key]
+
+
 def meta(shape, dtype):
-    """A read-only 0-byte array of ``shape`` and ``dtype`` (every element the same zero): a shape holder."""
+    """A 0-byte array of ``shape`` and ``dtype`` (every element the one shared zero): a shape holder.
+
+    Not read-only on CuPy (its broadcast views are writeable and it has no ``flags.writeable``):
+    never write into one. :func:`is_meta` knows it by its base, the shared zero.
+    """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    return backend.xp.broadcast_to(backend.xp.zeros((), dtype), shape)
+    xp = backend.xp
+    return xp.broadcast_to(_meta_zero(xp, dtype), shape)
 
 
 def is_meta(a) -> bool:
-    """True for an array made by :func:`meta` (all strides 0, read-only, more than 0 dimensions)."""
-    return a.ndim > 0 and not any(a.strides) and not a.flags.writeable
+    """True for an array made by :func:`meta`: more than 0 dimensions, all strides 0, and its base the
+    shared zero of its module and dtype (``broadcast_to`` placeholders of other values are not meta)."""
+    if a.ndim == 0 or any(a.strides):
+        return False
+    return any(a.base is z for z in _META_ZEROS.values())
 
 
 def copy_or_meta(a):
