@@ -137,7 +137,7 @@ def _grads_and_traffic(comm, cfg, b, mode, recompute_first):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_context_parallel_and_recompute_compose_in_either_order(mode):
-    """Recompute before or after context parallelism: same names, bitwise-equal gradients, same ring bytes and memory."""
+    """Recompute before or after context parallelism: same names, bitwise-equal gradients, ring bytes and memory."""
     cfg, b = get_config("tiny", dtype="float64", dropout=0.0), 2
     first = run_in_threads(2, _grads_and_traffic, cfg, b, mode, False)
     second = run_in_threads(2, _grads_and_traffic, cfg, b, mode, True)
