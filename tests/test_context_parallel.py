@@ -99,11 +99,14 @@ def test_context_parallel_with_the_interleaved_schedule():
     R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2")
 
 
-def _measure(comm, cfg, b, mode):
+def _measure(comm, cfg, b, mode, recompute_first=False):
     set_ledger(MemoryLedger())
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    if recompute_first:
+        apply_recompute(stage, mode)
     context_parallelize(stage, comm)
-    apply_recompute(stage, mode)
+    if not recompute_first:
+        apply_recompute(stage, mode)
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
     return layer_bytes(saved_by_module(stage, x, x), "transformer.h.0")
 
@@ -117,6 +120,36 @@ def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
     one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
     assert want < one  # token-sized rows / cp; the (s, s) scores replaced by an (s/cp) output and log-sum-exp
+
+
+def _grads_and_traffic(comm, cfg, b, mode, recompute_first):
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    if recompute_first:
+        apply_recompute(stage, mode)
+    context_parallelize(stage, comm)
+    if not recompute_first:
+        apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    stage(x, x).backward()
+    return dict(stage.state_dict()), [p.grad for p in stage.parameters()], comm.traffic.bytes_sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_context_parallel_and_recompute_compose_in_either_order(mode):
+    """Recompute before or after context parallelism: same names, bitwise-equal gradients, ring bytes and memory."""
+    cfg, b = get_config("tiny", dtype="float64", dropout=0.0), 2
+    first = run_in_threads(2, _grads_and_traffic, cfg, b, mode, False)
+    second = run_in_threads(2, _grads_and_traffic, cfg, b, mode, True)
+    plain = run_in_threads(2, _grads_and_traffic, cfg, b, "none", False)
+    for (names_a, grads_a, bytes_a), (names_b, grads_b, bytes_b), (names_0, _, _) in zip(first, second, plain):
+        assert list(names_a) == list(names_b) == list(names_0)
+        assert bytes_a == bytes_b > 0
+        for g, h in zip(grads_a, grads_b):
+            np.testing.assert_array_equal(g, h)
+    cfg = get_config("default", dtype="float64", block_size=32)
+    want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=2)
+    assert all(got == want for got in run_in_threads(2, _measure, cfg, b, mode, True))
 
 
 def _ring_traffic(comm, cfg, b, mode):

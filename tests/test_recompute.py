@@ -4,7 +4,7 @@ import pytest
 
 from minizero.autograd import Tensor, manual_seed
 from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.recompute import apply_recompute, checkpoint
+from minizero.memory.recompute import CheckpointWrapper, apply_recompute, checkpoint
 from minizero.nn import GPT, get_config
 
 
@@ -61,6 +61,32 @@ def test_full_recompute_memory_is_inputs_plus_one_block():
     assert abs(full - expected) / expected < 0.05, (full, expected)
     assert full <= 0.30 * none  # at least a 70% cut at 12 layers
     assert full < sel < none
+
+
+@pytest.mark.parametrize("mode,every", [("selective", 1), ("full", 1), ("full", 2)])
+def test_recompute_wraps_modules_and_keeps_every_name(mode, every):
+    plain, model = GPT(get_config("tiny"), seed=1), GPT(get_config("tiny"), seed=1)
+    done = apply_recompute(model, mode, every)
+    blocks = model.transformer["h"]
+    wrapped = [blocks[i] if mode == "full" else blocks[i].attn.core for i in range(0, len(blocks), every)]
+    assert all(isinstance(w, CheckpointWrapper) for w in wrapped) and len(done) == len(wrapped)
+    assert done[0] == ("transformer.h.0" if mode == "full" else "transformer.h.0.attn.core")
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert blocks[0].attn is getattr(blocks[0], "inner", blocks[0]).attn  # attribute reads reach the block
+    with pytest.raises(ValueError, match="already applied to transformer.h.0"):
+        apply_recompute(model, mode, every)
+
+
+def test_full_recompute_reaches_the_chunks_of_an_interleaved_stage():
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    model = GPT(get_config("default"), seed=1)  # 4 layers: chunks hold layers (0, 1) and (2, 3) at pp = 1, v = 2
+    stage = InterleavedStage(interleave(model, 0, 1, 2), 1)
+    assert apply_recompute(stage, "full", 2) == ["transformer.h.0", "transformer.h.2"]
+    for chunk in stage.chunks:
+        kinds = [isinstance(b, CheckpointWrapper) for b in chunk.transformer["h"]]
+        assert kinds == [True, False], kinds  # the chunk runs its own list: it holds the wrapper too
 
 
 def test_checkpoint_rejects_bad_input():

@@ -17,9 +17,11 @@ restores the dropout generator to the state it had at forward time, re-runs
 used inside ``fn`` are leaves, so their gradients accumulate exactly as
 without recompute, and in float64 the results are bitwise equal.
 
-``apply_recompute(model, mode, every)`` installs it on a GPT without touching
-the model's code: it replaces the ``forward`` of every ``every``-th block
-(full) or the ``attention_core`` of every block (selective) on the instance.
+``CheckpointWrapper(inner)`` is a module whose forward is ``checkpoint(inner, *args)``.
+``apply_recompute(model, mode, every)`` assigns one in place of every ``every``-th
+block (full) or of its parameter-free ``attn.core`` (selective). The wrapper
+shares ``inner``'s parameter and child tables, so every name (state_dict keys,
+checkpoints, ZeRO's units, the memory ledger's modules) is unchanged.
 
 Mirrors ``torch.utils.checkpoint.checkpoint`` (use_reentrant style, RNG state
 preserved); Chen et al. 2016 ("Training Deep Nets with Sublinear Memory
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from minizero.autograd import Function, Tensor, enable_grad, no_grad
 from minizero.autograd.functional import fork_rng, get_rng_state, set_rng_state
+from minizero.nn.module import Module
 
 MODES = ("none", "full", "selective")
 
@@ -85,26 +88,67 @@ def checkpoint(fn, *inputs: Tensor) -> Tensor:
     return Checkpoint.apply(fn, *inputs)
 
 
-def _checkpointed(fn):
-    def run(*inputs):
-        return checkpoint(fn, *inputs)
+class CheckpointWrapper(Module):
+    """A module that runs ``checkpoint(inner, *tensors)``: ``inner``'s output, its intermediates recomputed in backward.
 
-    run.__wrapped__ = fn
-    return run
+    Args:
+        inner: the Module to recompute (a Block, or an attention core called as
+            ``core(q, k, v, dropout)``: arguments that are not Tensors, such as the
+            dropout module, are passed through to ``inner`` and not saved).
+    Names: the wrapper shares ``inner``'s ``_parameters`` and ``_modules`` tables, so
+    it stands where ``inner`` stood under the same dotted names (no ``inner.`` prefix,
+    as ``torch.distributed``'s ``checkpoint_wrapper`` strips its prefix). Attribute
+    reads and writes other than ``inner`` go to ``inner`` (``block.attn`` works).
+    Hooks registered on the wrapper run around the checkpointed call, not on recompute.
+    """
+
+    def __init__(self, inner: Module):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)  # not a child: its children are ours (same names)
+        object.__setattr__(self, "_parameters", inner._parameters)
+        object.__setattr__(self, "_modules", inner._modules)
+
+    def __getattr__(self, name):  # only called when normal lookup fails
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("inner", "training"):
+            object.__setattr__(self, name, value)
+            if name == "inner":  # a new inner module (context parallelism's ring core): share its tables
+                object.__setattr__(self, "_parameters", value._parameters)
+                object.__setattr__(self, "_modules", value._modules)
+        else:
+            setattr(self.inner, name, value)
+
+    def forward(self, *args):
+        pos = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        inner = self.inner
+
+        def run(*tensors):
+            full = list(args)
+            for i, t in zip(pos, tensors):
+                full[i] = t
+            return inner(*full)
+
+        return checkpoint(run, *[args[i] for i in pos])
 
 
 def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
     """Install recompute on a GPT's blocks, in place; returns the names of what is recomputed.
 
     Args:
-        model: a :class:`minizero.nn.GPT` (anything with ``transformer["h"]``
-            blocks having ``forward`` and ``attn.attention_core``).
+        model: a :class:`minizero.nn.GPT`, a pipeline stage or an interleaved stage
+            (anything with ``transformer["h"]`` blocks having an ``attn.core``; an
+            interleaved stage's ``chunks`` hold the same blocks and get the same wrappers).
         mode: ``"none"``, ``"full"`` (every ``every``-th block, counting from
             block 0) or ``"selective"`` (the attention core of every
             ``every``-th block).
         every: K >= 1.
     Raises:
-        ValueError: unknown mode or ``every`` < 1 (the value and what is allowed).
+        ValueError: unknown mode or ``every`` < 1 (the value and what is allowed), or
+            recompute already applied (the block named); raised before any change.
     """
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {MODES}")
@@ -113,14 +157,21 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
     done = []
     if mode == "none":
         return done
-    for i, block in enumerate(model.transformer["h"]):
+    for name, block in model.transformer["h"]._modules.items():
+        if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
+            raise ValueError(f"recompute is already applied to transformer.h.{name}")
+    holders = [model.transformer["h"]] + [c.transformer["h"] for c in getattr(model, "chunks", ())]
+    for i, (name, block) in enumerate(model.transformer["h"]._modules.items()):
         if i % every:
             continue
-        if mode == "full":
-            object.__setattr__(block, "forward", _checkpointed(type(block).forward.__get__(block)))
-            done.append(f"transformer.h.{i}")
+        if mode == "full":  # an interleaved stage's chunks hold the same blocks: each holder gets the wrapper
+            wrapper = CheckpointWrapper(block)
+            for holder in holders:
+                for key, m in list(holder._modules.items()):
+                    if m is block:
+                        setattr(holder, key, wrapper)
+            done.append(f"transformer.h.{name}")
         else:
-            attn = block.attn
-            object.__setattr__(attn, "attention_core", _checkpointed(type(attn).attention_core.__get__(attn)))
-            done.append(f"transformer.h.{i}.attn.attention_core")
+            block.attn.core = CheckpointWrapper(block.attn.core)
+            done.append(f"transformer.h.{name}.attn.core")
     return done

@@ -120,7 +120,7 @@ class CausalSelfAttention(Module):
     def attention_core(self, q, k, v):
         """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D).
 
-        Its own method so selective recompute can checkpoint exactly this part
+        Selective recompute wraps ``self.core`` to checkpoint exactly this part
         (Korthikanti et al. 2022, section 5). The tensor-parallel attention inherits it.
         """
         return self.core(q, k, v, self.attn_dropout)

@@ -28,7 +28,7 @@ backward c blocks of k, v, dk, dv less the first k, v (see :func:`ring_bytes`).
 In training (``--cp c``, :func:`context_parallelize`): the c ranks of a context group share the
 data rank's rows and each keeps its two chunks of every sequence (a forward pre-hook on the stage
 splits the token ids and the targets), the position embedding looks up the chunks' global
-positions, and every block's ``attention_core`` is :func:`ring_attention`. Everything else acts
+positions, and every block's ``attn.core`` is :func:`ring_attention`. Everything else acts
 token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
 averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
 Megatron-LM's "dp-cp" group) gives the gradient of the global mean.
@@ -50,6 +50,7 @@ import math
 from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.nn.module import Module
+from minizero.memory.recompute import CheckpointWrapper
 from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
@@ -218,7 +219,7 @@ def context_parallelize(stage, comm) -> list[str]:
     by c, so the pipeline's messages have that shape and cp rank r of stage s talks to cp rank r of
     stage s+1: they share the data rank and the tensor rank, topology.py); ``wpe`` looks up the
     chunks' global positions (a forward pre-hook); every block's ``attn.core`` becomes a :class:`RingAttentionCore`
-    (before recompute wraps it, so selective recompute recomputes the ring).
+    (inside selective recompute's wrapper when that came first: the two compose in either order).
     Returns the converted names. No-op for c = 1.
     """
     cp = comm.world_size
@@ -250,7 +251,10 @@ def _context_parallelize_stage(stage, comm) -> list[str]:
         tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
     for name, block in tr["h"]._modules.items():
-        block.attn.core = RingAttentionCore(comm)
+        if isinstance(block.attn.core, CheckpointWrapper):  # selective recompute came first: ring inside its wrapper
+            block.attn.core.inner = RingAttentionCore(comm)
+        else:
+            block.attn.core = RingAttentionCore(comm)
         done.append(f"transformer.h.{name}.attn.core")
     stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done

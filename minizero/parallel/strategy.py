@@ -236,7 +236,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
                                          getattr(args, "virtual_stages", 1), keep_meta=meta)
     if cp > 1:
-        context_parallelize(stage, cp_comm)  # before recompute, which then recomputes the ring
+        context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"

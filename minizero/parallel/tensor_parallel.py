@@ -246,7 +246,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
     c_attn: :class:`ColumnParallelLinear` (C -> 3C/tp, stride 3: the Q, K, V of heads
     [r H/tp, (r+1) H/tp)); c_proj: :class:`RowParallelLinear` (C/tp -> C). Each head's
     attention needs only its own q, k, v, so heads are independent: no message between
-    the two linear layers. ``attention_core`` is inherited, so selective recompute applies.
+    the two linear layers. ``attn.core`` is kept, so selective recompute applies.
     """
 
     def __init__(self, attn: CausalSelfAttention, comm):

@@ -1,0 +1,86 @@
+"""No method or class is replaced on an instance anywhere in minizero/ (techniques compose through seams).
+
+The rule, checked on the source's syntax tree (``ast``), is kept simple:
+
+* ``object.__setattr__(x, "name", ...)`` or ``setattr(x, "name", ...)`` where ``"name"`` is a string
+  constant naming a method: ``forward``, ``backward``, or any name defined with ``def`` in a class of
+  minizero/ (data attributes such as ``"training"`` or ``"_modules"`` are allowed);
+* any assignment to ``x.__class__`` (or the string ``"__class__"`` in the calls above);
+* any assignment to an attribute named ``forward`` or ``backward`` (``x.forward = ...``).
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
+ALWAYS = {"forward", "backward", "__class__"}
+
+
+def method_names(trees) -> set:
+    """Every name defined with ``def`` directly in a class body, over ``trees``."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                names |= {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return names
+
+
+def violations(tree, methods: set, filename: str = "<source>") -> list:
+    """``"file:line: what"`` for every place in ``tree`` that replaces a method or class on an instance."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            is_setattr = (isinstance(f, ast.Name) and f.id == "setattr") or (
+                isinstance(f, ast.Attribute) and f.attr == "__setattr__"
+                and isinstance(f.value, ast.Name) and f.value.id == "object")
+            if is_setattr and len(node.args) >= 2:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str) \
+                        and (name.value in ALWAYS or name.value in methods):
+                    found.append(f"{filename}:{node.lineno}: sets {name.value!r} on an instance")
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):  # tuple targets too
+                if isinstance(sub, ast.Attribute) and sub.attr in ALWAYS:
+                    found.append(f"{filename}:{node.lineno}: assigns .{sub.attr}")
+    return found
+
+
+def test_no_method_or_class_is_replaced_on_an_instance_in_minizero():
+    files = sorted(ROOT.rglob("*.py"))
+    assert len(files) > 20
+    trees = {f: ast.parse(f.read_text(), filename=str(f)) for f in files}
+    methods = method_names(trees.values())
+    assert {"forward", "attention_core", "state_dict"} <= methods
+    found = [v for f, tree in trees.items() for v in violations(tree, methods, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", [
+    'object.__setattr__(block, "forward", fn)',
+    'object.__setattr__(attn, "attention_core", fn)',
+    'setattr(block, "forward", fn)',
+    'attn.__class__ = Other',
+    'wpe.forward = fn',
+    'a, m.backward = 1, fn',
+])
+def test_the_checker_catches_an_injected_violation(line):
+    source = "class A:\n    def attention_core(self):\n        pass\n\ndef install(block, attn, wpe, m, fn, Other):\n"
+    tree = ast.parse(source + "    " + line + "\n")
+    found = violations(tree, method_names([tree]))
+    assert len(found) == 1 and ":6:" in found[0], found
+
+
+def test_the_checker_allows_data_attributes_and_self_forward_calls():
+    source = ("class M:\n    def __init__(self):\n        object.__setattr__(self, 'training', True)\n"
+              "        setattr(self, name, 3)\n        self.core = 1\n    def forward(self, x):\n"
+              "        return self.core(x)\n")
+    tree = ast.parse(source)
+    assert violations(tree, method_names([tree])) == []
