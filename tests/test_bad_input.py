@@ -307,3 +307,58 @@ def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
     with pytest.raises(ValueError, match=f"{name} is given twice"):
         parse_strategy(text, MODELS["llama3-8b"], 8)
     parse_strategy("dp2 tp2 pp2 sp sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # repeats that add up
+
+
+# --------------------------------------------------------------------------- weight files' headers
+def _npy_bytes(shape, dtype="<f4", data=b""):
+    import io
+    import numpy as np
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buf.getvalue() + data
+
+
+def test_weights_headers_checked_before_any_array_is_read(tmp_path, monkeypatch):
+    """Before: a forged .npy header of shape (2e6, 2e6), or a small .npz inflating to gigabytes, reached
+    MemoryError. Now the zip directory and the headers alone are checked: nothing is allocated."""
+    import zipfile
+    import numpy as np
+    from minizero.weights import read_weights
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
+
+    def archive(name, members):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+            for member, raw in members.items():
+                zf.writestr(member, raw)
+        return str(path)
+
+    forged = archive("forged.npz", {"transformer.wte.weight.npy": _npy_bytes((2_000_000, 2_000_000))})
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight': header \(2000000, 2000000\) float32 needs "
+                                         r"16,000,000,000,128 bytes but the archive member holds 128"):
+        read_weights(forged)
+    # consistent headers but a GPT far wider than any preset: 1.6 GB of zeros that deflate to ~1.6 MB
+    c = 20_000
+    big = archive("inflates.npz", {"transformer.wte.weight.npy": _npy_bytes((c, c), data=bytes(4 * c * c))})
+    with pytest.raises(ValueError, match=r"no 2-D transformer.wte.weight and transformer.wpe.weight"):
+        read_weights(big)
+    pickled = archive("obj.npz", {"a.npy": _npy_bytes((1,), dtype="|O")})
+    with pytest.raises(ValueError, match=r"array 'a' has dtype object, not a number type"):
+        read_weights(pickled)
+    other = archive("other.npz", {"notes.txt": b"hi"})
+    with pytest.raises(ValueError, match=r"member 'notes.txt' is not an .npy array"):
+        read_weights(other)
+
+
+def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeypatch):
+    """A consistent GPT whose depth (13) exceeds every preset's (12 at most) is named from the headers."""
+    import zipfile
+    import numpy as np
+    from minizero.weights import expected_shapes, read_weights
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
+    path = tmp_path / "deep.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, shape in expected_shapes(13, 16, 16, 256).items():
+            zf.writestr(name + ".npy", _npy_bytes(shape, data=bytes(4 * int(np.prod(shape)))))
+    with pytest.raises(ValueError, match=r"n_layer 13 from the array headers exceeds 12, the largest any preset"):
+        read_weights(str(path))
