@@ -34,6 +34,19 @@ def _not_weights(weights: str, why: str) -> ValueError:
     return ValueError(f"--weights {weights!r} is not a model.npz written by minizero.train ({why})")
 
 
+def too_large(dims: dict) -> str | None:
+    """Why ``dims`` ({n_layer, n_embd, block_size, vocab_size, ...}) is a GPT larger than train builds, or None.
+
+    Train builds a preset (:data:`minizero.nn.PRESETS`) with ``--block-size`` at most the
+    preset's, so no size may exceed the largest preset's.
+    """
+    for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        v, cap = dims.get(field), max(getattr(cfg, field) for cfg in PRESETS.values())
+        if isinstance(v, int) and v > cap:
+            return f"{field} {v:,} exceeds {cap:,}, the largest any preset (--model {', '.join(sorted(PRESETS))}) has"
+    return None
+
+
 class _Header:
     """An array's shape and dtype as its .npy header declares them (no data read)."""
 
@@ -77,11 +90,9 @@ def _check_headers(weights: str) -> None:
     if not heads:
         raise _not_weights(weights, "the archive holds no arrays")
     dims = shape_from_state(heads, weights)
-    for field, v in dims.items():
-        cap = max(getattr(cfg, field) for cfg in PRESETS.values())
-        if v > cap:
-            raise _not_weights(weights, f"{field} {v:,} from the array headers exceeds {cap:,}, the largest "
-                                        f"any preset (--model {', '.join(sorted(PRESETS))}) allows")
+    why = too_large(dims)
+    if why:
+        raise _not_weights(weights, f"{why} from the array headers")
     side = read_sidecar(weights)
     clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if side and k in side and side[k] != v]
     if clash:
@@ -291,6 +302,8 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
         model_cfg = summary.get("config", {}).get("model") if isinstance(summary.get("config"), dict) else None
         if not isinstance(model_cfg, dict):
             raise ValueError(f"{summary_path!r} has no config.model section; pass --model{_looks_like(state)}")
+        if too_large(model_cfg):
+            raise ValueError(f"{summary_path!r}: config.model's {too_large(model_cfg)}; fix it or pass --model")
         try:
             cfg = get_config("default", **model_cfg)
         except (TypeError, ValueError) as e:

@@ -362,3 +362,33 @@ def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeyp
             zf.writestr(name + ".npy", _npy_bytes(shape, data=bytes(4 * int(np.prod(shape)))))
     with pytest.raises(ValueError, match=r"n_layer 13 from the array headers exceeds 12, the largest any preset"):
         read_weights(str(path))
+
+
+@pytest.mark.parametrize("section,field,value,needle", [
+    ("model", "n_embd", 10 ** 6, "config.model's n_embd 1,000,000 exceeds 768, the largest any preset"),
+    ("model", "n_layer", 10 ** 9, "config.model's n_layer 1,000,000,000 exceeds 12, the largest any preset"),
+    ("train", "eval_batches", 10 ** 12, "config.train.eval_batches 1000000000000 is not in [1, 10,000]"),
+])
+def test_quantize_bounds_what_summary_json_says(saved, tmp_path, capsys, section, field, value, needle):
+    """Before: quantize built a GPT of summary.json's n_layer = 10**9 (or ran 10**12 batches) for ever."""
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["config"][section][field] = value
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--eval-batches", "1000000000", "--eval-batches must be in [1, 10,000] as train's, got 1,000,000,000"),
+    ("--block-size", "1000000000", "--block-size must be <= 65,536 elements per scale, got 1,000,000,000"),
+])
+def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
+    from minizero.quantize import main
+    with pytest.raises(SystemExit) as e:
+        main(["--weights", str(tmp_path / "none.npz"), flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
