@@ -392,3 +392,12 @@ def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
     with pytest.raises(SystemExit) as e:
         main(["--weights", str(tmp_path / "none.npz"), flag, value])
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--initial-loss-scale", "1024"), ("--min-loss-scale", "2"),
+                                        ("--loss-scale-window", "10"), ("--hysteresis", "3")])
+def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
+    """Before: accepted and ignored under --precision fp32. Refused (not warned): the flag does nothing."""
+    with pytest.raises(UsageError, match=f"{flag} only apply\\(ies\\) with --precision fp16 .*got --precision fp32"):
+        parse_args([*TINY, "--out", str(tmp_path / "o"), flag, value])
+    parse_args([*TINY, "--out", str(tmp_path / "o"), "--precision", "fp16", flag, value])
