@@ -253,9 +253,14 @@ def load_gpt(weights: str) -> GPT:
     """The GPT stored in ``weights`` (model.npz), shape per :func:`config_for`, in the file's dtype.
 
     Raises:
-        FileNotFoundError: no such file.  ValueError: see :func:`read_weights` and :func:`config_for`.
+        FileNotFoundError: no such file.  ValueError: see :func:`read_weights` and :func:`config_for`;
+            an integer array (only floating weights are a GPT).
     """
     state = read_weights(weights)
+    ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
+    if ints:  # a GPT computes in floating point; integers would be cast silently and sample nonsense
+        raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling needs "
+                                    f"float16, float32 or float64 weights")
     model = GPT(config_for(weights, state))
     if "lm_head.weight" not in state:  # the tied head: the embedding matrix
         state["lm_head.weight"] = state["transformer.wte.weight"]

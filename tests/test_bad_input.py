@@ -401,3 +401,16 @@ def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
     with pytest.raises(UsageError, match=f"{flag} only apply\\(ies\\) with --precision fp16 .*got --precision fp32"):
         parse_args([*TINY, "--out", str(tmp_path / "o"), flag, value])
     parse_args([*TINY, "--out", str(tmp_path / "o"), "--precision", "fp16", flag, value])
+
+
+def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
+    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from."""
+    import shutil
+    import numpy as np
+    from minizero.sample import main as sample_main
+    shutil.copy(saved.parent / "model.json", tmp_path / "model.json")
+    with np.load(saved.parent / "model.npz") as z:
+        np.savez(tmp_path / "model.npz", **{k: z[k].astype(np.int32) for k in z.files})
+    assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("\n") == 1
