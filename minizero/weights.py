@@ -92,11 +92,12 @@ def _check_headers(weights: str) -> None:
     dims = shape_from_state(heads, weights)
     why = too_large(dims)
     if why:
-        raise _not_weights(weights, f"{why} from the array headers")
+        raise _not_weights(weights, f"in the array headers, {why}")
     side = read_sidecar(weights)
     clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if side and k in side and side[k] != v]
     if clash:
-        raise ValueError(f"model.json beside --weights {weights!r} disagrees with the array headers: {', '.join(clash)}")
+        raise ValueError(f"model.json beside --weights {weights!r} disagrees with the array headers: "
+                         f"{', '.join(clash)}")
 
 
 def read_weights(weights: str) -> dict:

@@ -360,7 +360,7 @@ def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeyp
     with zipfile.ZipFile(path, "w") as zf:
         for name, shape in expected_shapes(13, 16, 16, 256).items():
             zf.writestr(name + ".npy", _npy_bytes(shape, data=bytes(4 * int(np.prod(shape)))))
-    with pytest.raises(ValueError, match=r"n_layer 13 from the array headers exceeds 12, the largest any preset"):
+    with pytest.raises(ValueError, match=r"in the array headers, n_layer 13 exceeds 12, the largest any preset"):
         read_weights(str(path))
 
 
