@@ -38,6 +38,7 @@ MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
 #: micro-batches per step and sequences per step (the data of one step is held at once)
 MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
+LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
@@ -238,6 +239,12 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     if args.precision == "fp16" and args.dtype != "float32":
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
+    if args.precision != "fp16":  # refused, not ignored: a scale that does nothing would mislead the reader
+        defaults = build_parser()
+        given = [f"--{k.replace('_', '-')}" for k in LOSS_SCALE_FLAGS if getattr(args, k) != defaults.get_default(k)]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply(ies) with --precision fp16 (loss scaling); "
+                             f"got --precision {args.precision}")
     if args.precision == "fp16":
         _check_loss_scaling(args)
         try:

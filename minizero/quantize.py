@@ -42,8 +42,10 @@ import tempfile
 import numpy as np
 
 from minizero import backend
+from minizero.args import MAX_EVAL_BATCHES
 from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
 from minizero.files import atomic_write
+from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
@@ -126,7 +128,10 @@ def run(args) -> dict:
         raise ValueError(f"{name} has {len(tokens):,} bytes; needs at least {need:,} (its last 10% validates "
                          f"and must hold block_size + 2 = {cfg.block_size + 2} tokens)")
     train_tok, val_tok = train_val_split(tokens)
-    n_batches = args.eval_batches or int(train_cfg.get("eval_batches", 4))
+    n_batches = args.eval_batches or train_cfg.get("eval_batches", 4)
+    if not isinstance(n_batches, int) or not 1 <= n_batches <= MAX_EVAL_BATCHES:
+        raise ValueError(f"summary.json beside --weights {args.weights!r}: config.train.eval_batches {n_batches!r} "
+                         f"is not in [1, {MAX_EVAL_BATCHES:,}] as train allows; fix it or pass --eval-batches")
     val = eval_batches(val_tok, cfg.block_size, n_batches, 16, seed=seed + 1)  # the trainer's batches
     base = {"val_loss": evaluate_loss(model, val), "model_bytes": model_nbytes(model),
             "dtype": stored_dtype(state)}
@@ -194,8 +199,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
-    if args.eval_batches is not None and args.eval_batches < 1:
-        parser.error(f"--eval-batches must be >= 1, got {args.eval_batches}")
+    if args.block_size > MAX_ADAM8BIT_BLOCK:  # elements per scale, bounded as train's --adam8bit-block-size
+        parser.error(f"--block-size must be <= {MAX_ADAM8BIT_BLOCK:,} elements per scale, got {args.block_size:,}")
+    if args.eval_batches is not None and not 1 <= args.eval_batches <= MAX_EVAL_BATCHES:
+        parser.error(f"--eval-batches must be in [1, {MAX_EVAL_BATCHES:,}] as train's, got {args.eval_batches:,}")
     threshold = args.outlier_threshold
     if threshold is not None and not (threshold > 0 and math.isfinite(threshold)):
         parser.error(f"--outlier-threshold must be a positive number, got {args.outlier_threshold}")

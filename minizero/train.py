@@ -21,7 +21,9 @@ so a second job given the same OUT is refused (exit 2) instead of mixing its fil
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
+import faulthandler
 import os
 import resource
 import signal
@@ -33,8 +35,8 @@ import traceback
 import tracemalloc
 
 from minizero import backend
-from minizero.args import (UsageError, build_parser, check_fault_spec, check_steps_left, model_config,  # noqa: F401
-                           parse_args)
+from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_fault_spec,  # noqa: F401
+                           check_steps_left, model_config, parse_args)
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.nodes import NodeTrafficCommunicator
@@ -232,6 +234,21 @@ def nccl_world(comm: NodeTrafficCommunicator, timeout: float) -> NodeTrafficComm
     return NodeTrafficCommunicator(NcclCommunicator(comm.inner, timeout=timeout), nodes=comm.nodes)
 
 
+def _setup_timeout(argv) -> float:
+    """--comm-timeout as given in ``argv`` (read before MPI starts), else the default; set-up waits at most this.
+
+    Only that flag is read here (a bad value falls back to the default; :func:`parse_args` refuses it later).
+    """
+    from minizero.comm.base import DEFAULT_TIMEOUT_S  # noqa: PLC0415
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    try:
+        t = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))[0].comm_timeout
+    except (argparse.ArgumentError, SystemExit, TypeError):
+        return DEFAULT_TIMEOUT_S
+    return t if MIN_COMM_TIMEOUT_S <= t < DEFAULT_TIMEOUT_S * 1000 else DEFAULT_TIMEOUT_S
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.train``; returns the exit status.
 
@@ -240,27 +257,34 @@ def main(argv=None) -> int:
     Ctrl-C/SIGTERM (one ``interrupted`` line for the job). Mirrors ``torchrun``'s contract:
     a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
+    if _launched_by_mpiexec():
+        exit_with_parent()
+    # A rank stalled before set-up ends (stopped while importing: its peers wait in MPI_Init or a blocking
+    # exchange, where no Python code runs) must still end the job: faulthandler's own thread prints where this
+    # rank waited and exits 1 after --comm-timeout s, and mpiexec then ends every rank.
+    faulthandler.dump_traceback_later(_setup_timeout(argv), exit=True)
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    if _launched_by_mpiexec():
-        exit_with_parent()
     comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
     args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
     if code is not None:
         if rank == 0 and refusal:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+        faulthandler.cancel_dump_traceback_later()
         return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+        faulthandler.cancel_dump_traceback_later()
         return 2
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
+    faulthandler.cancel_dump_traceback_later()  # set-up is over: the communicator's timeouts take over
     if refusal:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)

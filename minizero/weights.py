@@ -34,6 +34,72 @@ def _not_weights(weights: str, why: str) -> ValueError:
     return ValueError(f"--weights {weights!r} is not a model.npz written by minizero.train ({why})")
 
 
+def too_large(dims: dict) -> str | None:
+    """Why ``dims`` ({n_layer, n_embd, block_size, vocab_size, ...}) is a GPT larger than train builds, or None.
+
+    Train builds a preset (:data:`minizero.nn.PRESETS`) with ``--block-size`` at most the
+    preset's, so no size may exceed the largest preset's.
+    """
+    for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        v, cap = dims.get(field), max(getattr(cfg, field) for cfg in PRESETS.values())
+        if isinstance(v, int) and v > cap:
+            return f"{field} {v:,} exceeds {cap:,}, the largest any preset (--model {', '.join(sorted(PRESETS))}) has"
+    return None
+
+
+class _Header:
+    """An array's shape and dtype as its .npy header declares them (no data read)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+
+
+def _check_headers(weights: str) -> None:
+    """Refuse, from the zip directory and the .npy headers only, an archive too large for any GPT train builds.
+
+    Every member must be a ``NAME.npy`` whose header is a plain number array, whose declared
+    size matches the zip's ``file_size``, and whose names and shapes are a GPT no larger than
+    the largest preset (:data:`minizero.nn.PRESETS`) in every size, so nothing huge is allocated.
+    """
+    try:
+        with zipfile.ZipFile(weights) as zf:
+            heads = {}
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    raise _not_weights(weights, f"member {info.filename!r} is not an .npy array")
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(f)
+                    offset = f.tell()
+                name = info.filename[:-4]
+                if dtype.kind not in "fiu" or dtype.hasobject:
+                    raise _not_weights(weights, f"array {name!r} has dtype {dtype}, not a number type")
+                declared = offset + int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if declared != info.file_size:
+                    raise _not_weights(weights, f"array {name!r}: header {shape} {dtype} needs {declared:,} bytes "
+                                                f"but the archive member holds {info.file_size:,}")
+                heads[name] = _Header(shape, dtype)
+    except ValueError as e:
+        if str(e).startswith("--weights"):
+            raise
+        raise _not_weights(weights, f"unreadable array header: {e}") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
+        raise _not_weights(weights, f"unreadable or truncated archive: {type(e).__name__}: {e}") from None
+    if not heads:
+        raise _not_weights(weights, "the archive holds no arrays")
+    dims = shape_from_state(heads, weights)
+    why = too_large(dims)
+    if why:
+        raise _not_weights(weights, f"in the array headers, {why}")
+    side = read_sidecar(weights)
+    clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if side and k in side and side[k] != v]
+    if clash:
+        raise ValueError(f"model.json beside --weights {weights!r} disagrees with the array headers: "
+                         f"{', '.join(clash)}")
+
+
 def read_weights(weights: str) -> dict:
     """{name: float array} from ``weights`` (an .npz, loaded with ``allow_pickle=False``).
 
@@ -49,6 +115,7 @@ def read_weights(weights: str) -> dict:
         raise ValueError(f"--weights {weights!r}{what}; give the model.npz written by python -m minizero.train")
     if os.path.getsize(weights) == 0:
         raise _not_weights(weights, "the file is empty")
+    _check_headers(weights)
     try:
         loaded = np.load(weights, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
@@ -187,9 +254,14 @@ def load_gpt(weights: str) -> GPT:
     """The GPT stored in ``weights`` (model.npz), shape per :func:`config_for`, in the file's dtype.
 
     Raises:
-        FileNotFoundError: no such file.  ValueError: see :func:`read_weights` and :func:`config_for`.
+        FileNotFoundError: no such file.  ValueError: see :func:`read_weights` and :func:`config_for`;
+            an integer array (only floating weights are a GPT).
     """
     state = read_weights(weights)
+    ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
+    if ints:  # a GPT computes in floating point; integers would be cast silently and sample nonsense
+        raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling needs "
+                                    f"float16, float32 or float64 weights")
     model = GPT(config_for(weights, state))
     if "lm_head.weight" not in state:  # the tied head: the embedding matrix
         state["lm_head.weight"] = state["transformer.wte.weight"]
@@ -236,6 +308,8 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
         model_cfg = summary.get("config", {}).get("model") if isinstance(summary.get("config"), dict) else None
         if not isinstance(model_cfg, dict):
             raise ValueError(f"{summary_path!r} has no config.model section; pass --model{_looks_like(state)}")
+        if too_large(model_cfg):
+            raise ValueError(f"{summary_path!r}: config.model's {too_large(model_cfg)}; fix it or pass --model")
         try:
             cfg = get_config("default", **model_cfg)
         except (TypeError, ValueError) as e:

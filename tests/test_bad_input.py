@@ -307,3 +307,110 @@ def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
     with pytest.raises(ValueError, match=f"{name} is given twice"):
         parse_strategy(text, MODELS["llama3-8b"], 8)
     parse_strategy("dp2 tp2 pp2 sp sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # repeats that add up
+
+
+# --------------------------------------------------------------------------- weight files' headers
+def _npy_bytes(shape, dtype="<f4", data=b""):
+    import io
+    import numpy as np
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buf.getvalue() + data
+
+
+def test_weights_headers_checked_before_any_array_is_read(tmp_path, monkeypatch):
+    """Before: a forged .npy header of shape (2e6, 2e6), or a small .npz inflating to gigabytes, reached
+    MemoryError. Now the zip directory and the headers alone are checked: nothing is allocated."""
+    import zipfile
+    import numpy as np
+    from minizero.weights import read_weights
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
+
+    def archive(name, members):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+            for member, raw in members.items():
+                zf.writestr(member, raw)
+        return str(path)
+
+    forged = archive("forged.npz", {"transformer.wte.weight.npy": _npy_bytes((2_000_000, 2_000_000))})
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight': header \(2000000, 2000000\) float32 needs "
+                                         r"16,000,000,000,128 bytes but the archive member holds 128"):
+        read_weights(forged)
+    # consistent headers but a GPT far wider than any preset: 1.6 GB of zeros that deflate to ~1.6 MB
+    c = 20_000
+    big = archive("inflates.npz", {"transformer.wte.weight.npy": _npy_bytes((c, c), data=bytes(4 * c * c))})
+    with pytest.raises(ValueError, match=r"no 2-D transformer.wte.weight and transformer.wpe.weight"):
+        read_weights(big)
+    pickled = archive("obj.npz", {"a.npy": _npy_bytes((1,), dtype="|O")})
+    with pytest.raises(ValueError, match=r"array 'a' has dtype object, not a number type"):
+        read_weights(pickled)
+    other = archive("other.npz", {"notes.txt": b"hi"})
+    with pytest.raises(ValueError, match=r"member 'notes.txt' is not an .npy array"):
+        read_weights(other)
+
+
+def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeypatch):
+    """A consistent GPT whose depth (13) exceeds every preset's (12 at most) is named from the headers."""
+    import zipfile
+    import numpy as np
+    from minizero.weights import expected_shapes, read_weights
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
+    path = tmp_path / "deep.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, shape in expected_shapes(13, 16, 16, 256).items():
+            zf.writestr(name + ".npy", _npy_bytes(shape, data=bytes(4 * int(np.prod(shape)))))
+    with pytest.raises(ValueError, match=r"in the array headers, n_layer 13 exceeds 12, the largest any preset"):
+        read_weights(str(path))
+
+
+@pytest.mark.parametrize("section,field,value,needle", [
+    ("model", "n_embd", 10 ** 6, "config.model's n_embd 1,000,000 exceeds 768, the largest any preset"),
+    ("model", "n_layer", 10 ** 9, "config.model's n_layer 1,000,000,000 exceeds 12, the largest any preset"),
+    ("train", "eval_batches", 10 ** 12, "config.train.eval_batches 1000000000000 is not in [1, 10,000]"),
+])
+def test_quantize_bounds_what_summary_json_says(saved, tmp_path, capsys, section, field, value, needle):
+    """Before: quantize built a GPT of summary.json's n_layer = 10**9 (or ran 10**12 batches) for ever."""
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["config"][section][field] = value
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--eval-batches", "1000000000", "--eval-batches must be in [1, 10,000] as train's, got 1,000,000,000"),
+    ("--block-size", "1000000000", "--block-size must be <= 65,536 elements per scale, got 1,000,000,000"),
+])
+def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
+    from minizero.quantize import main
+    with pytest.raises(SystemExit) as e:
+        main(["--weights", str(tmp_path / "none.npz"), flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--initial-loss-scale", "1024"), ("--min-loss-scale", "2"),
+                                        ("--loss-scale-window", "10"), ("--hysteresis", "3")])
+def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
+    """Before: accepted and ignored under --precision fp32. Refused (not warned): the flag does nothing."""
+    with pytest.raises(UsageError, match=f"{flag} only apply\\(ies\\) with --precision fp16 .*got --precision fp32"):
+        parse_args([*TINY, "--out", str(tmp_path / "o"), flag, value])
+    parse_args([*TINY, "--out", str(tmp_path / "o"), "--precision", "fp16", flag, value])
+
+
+def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
+    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from."""
+    import shutil
+    import numpy as np
+    from minizero.sample import main as sample_main
+    shutil.copy(saved.parent / "model.json", tmp_path / "model.json")
+    with np.load(saved.parent / "model.npz") as z:
+        np.savez(tmp_path / "model.npz", **{k: z[k].astype(np.int32) for k in z.files})
+    assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("\n") == 1
