@@ -149,6 +149,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         for i, (name, module, params) in enumerate(find_units(model)):
             self.units.append(UnitState(i, self.shard_map.units[i], [p for _, p in params], [module]))
         self._next = len(self.units) - 1  # the next unit to reduce in this micro-batch (stages 2-3, fixed order)
+        self._in_micro_batch = False  # a backward touched a unit since the last micro-batch ended (stages 2-3)
         self._unit_of = {id(p): st for st in self.units for p in st.params}
         self._add_tied_users(model)
         for st in self.units:
@@ -156,13 +157,10 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self._track_gradients()
         if stage in (1, 2):  # every rank takes the owner's values: one all-gather, like DDP's broadcast
             self._all_gather_params("setup")
-        if stage >= 2:  # each forward of the whole model starts a micro-batch: finish the last one first
-            model.register_forward_pre_hook(self._new_forward_hook)
         for st in self.units if stage >= 2 else ():
             for p in st.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             for m in st.users:
-                m.register_forward_pre_hook(self._new_micro_batch_hook(st))
                 if stage == 3:
                     m.register_forward_pre_hook(self._gather_hook(st))
                     m.register_forward_hook(self._free_hook(st))
