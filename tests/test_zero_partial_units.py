@@ -1,64 +1,80 @@
-"""ZeRO 2-3 with a unit only partly used in some micro-batches (issue 26, case 1): equal to stage 1."""
+"""ZeRO 1-3 with a unit only partly used in some micro-batches (issue 26, case 1): every stage equals one process.
+
+Stage 2 used to drop a micro-batch's gradient and stage 3 to produce NaN: a partly used unit was
+reduced (stage 3: freed) when its missing gradient arrived in the *next* micro-batch. Each
+backward pass now ends its micro-batch (zero_buckets.py). The cases (patterns of use x the order
+of forwards and backwards x stage x overlap) are tests/mpi_scripts/partial_units_check.py's.
+"""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from minizero.autograd import Tensor
+from minizero.autograd.engine import queue_callback
 from minizero.comm import run_in_threads
-from minizero.memory.zero import ZeroOptimizer
-from minizero.nn import Linear, Module, ModuleList
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.mpi_scripts import partial_units_check as P
+
+ATOL = 1e-14  # float64; the gradients are O(1)
 
 
-class Block(Module):
-    def __init__(self, rng):
-        super().__init__()
-        self.lin1 = Linear(6, 6, dtype="float64", rng=rng)
-        self.lin2 = Linear(6, 6, dtype="float64", rng=rng)
-
-    def forward(self, x, use2):
-        h = self.lin1(x)
-        return self.lin2(h) if use2 else h
-
-
-class Blocks(Module):
-    def __init__(self, n):
-        super().__init__()
-        rng = np.random.default_rng(0)
-        self.h = ModuleList([Block(rng) for _ in range(n)])
-
-    def forward(self, x, uses):
-        for block, use2 in zip(self.h, uses):
-            x = block(x, use2)
-        return (x * x).sum()
-
-
-def _grads(comm, stage, pattern, overlap):
-    model = Blocks(len(pattern[0]))
-    opt = ZeroOptimizer(model, comm, stage, overlap_reduce=overlap)
-    rng = np.random.default_rng(10 + comm.rank)
-    for uses in pattern:
-        x = Tensor(rng.standard_normal((3, 6)))
-        (model(x, uses) * (1.0 / len(pattern))).backward()
-    opt.reduce_gradients()
-    return np.concatenate([np.asarray(g).ravel() for g in opt.grad_shards()])
-
-
-PATTERNS = {  # per micro-batch, per block: is lin2 used?
-    "one_unit_unused_then_used": [(False,), (True,)],
-    "one_unit_used_then_unused": [(True,), (False,)],
-    "unused_then_used": [(True, False), (True, True)],
-    "four_micro_batches": [(True, True), (False, True), (True, True), (True, False)],
-    "unused_in_last": [(True, True), (True, False)],
-    "unused_in_every": [(False, False), (False, False)],
-}
+def assert_equal_to_reference(shards, params, ref, rank, label):
+    ref_shards, ref_params = ref
+    assert np.isfinite(shards).all(), f"{label}: rank {rank}: a non-finite gradient"
+    np.testing.assert_allclose(shards, ref_shards[rank], rtol=0, atol=ATOL, err_msg=f"{label}: rank {rank} gradients")
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=0, atol=ATOL, err_msg=f"{label}: rank {rank} {name}")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_partly_used_unit_equals_stage_1(pattern, stage, overlap):
-    ref = run_in_threads(2, _grads, 1, PATTERNS[pattern], False)
-    got = run_in_threads(2, _grads, stage, PATTERNS[pattern], overlap)
-    for r, g in zip(ref, got):
-        assert np.isfinite(g).all()
-        np.testing.assert_allclose(g, r, rtol=0, atol=1e-14)
+@pytest.mark.parametrize("order", list(P.ORDERS))
+@pytest.mark.parametrize("pattern", list(P.PATTERNS))
+def test_partly_used_unit_every_stage_equals_one_process(pattern, order):
+    """Threads, 2 ranks, float64: stages 1, 2, 3, with and without the overlapped reduce-scatter."""
+    ref = P.reference(2, pattern, order)
+    stage1 = run_in_threads(2, P.run, 1, pattern, order, False)
+    for stage, overlap in [(1, False), (2, False), (2, True), (3, False), (3, True)]:
+        got = stage1 if stage == 1 else run_in_threads(2, P.run, stage, pattern, order, overlap)
+        for rank, (shards, params) in enumerate(got):
+            label = f"{pattern}, {order}, stage {stage}{' overlapped' if overlap else ''}"
+            assert_equal_to_reference(shards, params, ref, rank, label)
+            np.testing.assert_allclose(shards, stage1[rank][0], rtol=0, atol=ATOL, err_msg=f"{label} vs stage 1")
+
+
+@pytest.mark.timeout(300)
+def test_mpi_partly_used_unit_every_stage_equals_one_process(mpiexec, tmp_path):
+    """The same cases under mpiexec, 2 ranks (MPI's non-blocking rings for the overlapped stages)."""
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "partial_units_check.py")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path)], env=mpi_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    refs = {}
+    for pattern, order, stage, overlap in P.CASES:
+        ref = refs.setdefault((pattern, order), P.reference(2, pattern, order))
+        case = f"{pattern}:{order}:{stage}:{int(overlap)}"
+        for rank, d in enumerate(data):
+            params = {name: d[f"p:{case}:{name}"] for name in ref[1]}
+            assert_equal_to_reference(d["g:" + case], params, ref, rank, f"mpi {case}")
+
+
+def test_queue_callback_runs_once_after_the_outermost_backward():
+    """The engine's end-of-backward seam: after every gradient landed, once, after a nested backward too."""
+    calls = []
+    w = Tensor(np.ones(3), requires_grad=True)
+
+    def inner_hook(_):
+        if not calls:
+            queue_callback(lambda: calls.append(("end", w.grad.copy())))
+            inner = Tensor(np.ones(2), requires_grad=True)
+            (inner * 2.0).sum().backward()  # nested, as recompute's: the callback waits for the outer one
+            calls.append(("nested done", None))
+    w.register_post_accumulate_grad_hook(inner_hook)
+    ((w * 3.0).sum()).backward()
+    assert [c[0] for c in calls] == ["nested done", "end"]
+    np.testing.assert_array_equal(calls[1][1], np.full(3, 3.0))
+    with pytest.raises(RuntimeError, match="outside backward"):
+        queue_callback(lambda: None)

@@ -17,20 +17,25 @@ How it works (the whole idea, as in micrograd, with PyTorch's names):
   tensors (``requires_grad=True`` and no ``grad_fn``). A leaf's
   post-accumulate-grad hooks fire once per backward, after its *last*
   contribution — the moment data parallelism and ZeRO-2 may send it.
+  :func:`queue_callback` runs a function once the (outermost) backward ends.
 
 All state that differs per rank (grad mode, hook stack, ledger) is
 thread-local, so ranks can run as threads of one process.
 
 Mirrors: ``torch.autograd.Function`` (forward/backward/ctx.save_for_backward),
 ``torch.no_grad``, ``torch.autograd.graph.saved_tensors_hooks``,
-``Tensor.register_post_accumulate_grad_hook``.
+``Tensor.register_post_accumulate_grad_hook``, ``Variable._execution_engine.queue_callback``.
 """
 from __future__ import annotations
+
+import threading
 
 from minizero import backend
 from minizero.autograd.grad_mode import (_hooks_stack, current_saved_tensors_hooks, enable_grad,  # noqa: F401
                                          is_grad_enabled, no_grad, saved_tensors_hooks)
 from minizero.ledger import get_ledger
+
+_running = threading.local()  # per rank thread: depth of the running backwards, callbacks for the outermost
 
 class Context:
     """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
@@ -298,8 +303,38 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
             for a non-scalar root.
     Leaf gradients are new contiguous arrays of the leaf's dtype, registered
     in the ledger as ``gradients`` (later backwards add into them in place,
-    which is gradient accumulation).
+    which is gradient accumulation). When the outermost backward (a recompute runs
+    one inside another) returns, the callbacks :func:`queue_callback` queued run, in order.
     """
+    depth = getattr(_running, "depth", 0)
+    if depth == 0:
+        _running.callbacks = []
+    _running.depth = depth + 1
+    try:
+        _backward(root, grad, retain_graph)
+    finally:
+        _running.depth = depth
+    if depth == 0:  # not after an exception: its callbacks are dropped with the failed backward
+        while _running.callbacks:
+            _running.callbacks.pop(0)()
+
+
+def queue_callback(fn) -> None:
+    """Call ``fn()`` once the running backward has ended (the outermost one, if a recompute nests another).
+
+    The end of a backward pass is where every gradient it produces has landed: ZeRO-2/3 end a
+    micro-batch there (zero_buckets.py). Mirrors PyTorch's ``Variable._execution_engine.queue_callback``
+    (the end-of-backward hook of DDP's reducer and FSDP).
+    Raises:
+        RuntimeError: no backward is running on this thread.
+    """
+    if getattr(_running, "depth", 0) == 0:
+        raise RuntimeError("queue_callback() called outside backward; it runs fn when the running backward ends")
+    _running.callbacks.append(fn)
+
+
+def _backward(root: Tensor, grad, retain_graph: bool) -> None:
+    """The body of :func:`backward` (one pass over the graph)."""
     xp = backend.xp
     if not root.requires_grad:
         raise RuntimeError("backward() called on a tensor that does not require grad")

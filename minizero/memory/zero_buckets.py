@@ -8,21 +8,27 @@
     complete units, highest index first   reduce-scatter the bucket (mean over ranks), add into the
                                           owned (S,) shard, free the bucket (stage 3: and the unit)
 
+A micro-batch is one backward pass: the first gradient hook of a backward queues the end of
+the micro-batch (:func:`~minizero.autograd.engine.queue_callback`, PyTorch DDP's and FSDP's
+end-of-backward hook), which runs once every gradient of that pass has landed.
+
 The order is fixed (unit U-1 down to 0, the order an ordinary backward completes them), as
 the order of PyTorch DDP's buckets is fixed: a unit completed out of order waits, its bucket
 alive, until every unit above it is reduced. So ranks whose backward completes units in
 different orders (blocks run in a rank-dependent order) still pair unit u with unit u, and
-the result is DataParallel's. Every unit is reduced once per micro-batch: a unit a rank did
-not use (or used only partly) is reduced as zeros, or with the gradients it got, when the
-micro-batch ends: at the next forward of the whole model, at the next forward of a unit whose
-backward has run (never during recompute, whose forwards precede their unit's backward), or in
-``reduce_gradients``. DeepSpeed stage 2 reduces in the order gradients
-arrive instead, which is only right when every rank produces them in the same order.
+the result is DataParallel's. Every unit is reduced once per micro-batch: when the backward
+ends, every unit not yet reduced is, in order: one some of whose parameters got no gradient
+in this pass (used only partly) with the gradients it got, one this rank did not use at all
+as zeros. Such a unit holds back the units below it (their buckets, and at stage 3 their
+gathered parameters, stay alive) until the end of the backward; a model that uses every
+parameter in every micro-batch (the GPT) never waits. DeepSpeed stage 2 reduces in the order
+gradients arrive instead, which is only right when every rank produces them in the same order.
 """
 from __future__ import annotations
 
 from minizero import backend
 from minizero.autograd import Function, Tensor, is_grad_enabled
+from minizero.autograd.engine import queue_callback
 from minizero.ledger import get_ledger
 from minizero.memory.zero_collectives import UnitCollectives
 
@@ -50,27 +56,16 @@ class GradientBuckets(UnitCollectives):
     """Stages 2-3: gradient buckets per unit, reduced in fixed unit order (see the module docstring).
 
     Expects on ``self`` (besides :class:`UnitCollectives`): ``stage``, ``_next`` (index of the
-    next unit to reduce in this micro-batch; ``len(units) - 1`` at its start), and ``_gather``
-    (stage 3's re-gather, :class:`~minizero.memory.zero_stage3.ParameterPartitioning`).
+    next unit to reduce in this micro-batch; ``len(units) - 1`` at its start), ``_in_micro_batch``
+    (a backward has touched a unit since the last end of a micro-batch; False at first), and
+    ``_gather`` (stage 3's re-gather, :class:`~minizero.memory.zero_stage3.ParameterPartitioning`).
     """
 
-    def _new_micro_batch_hook(self, st):
-        """Forward pre-hook: a unit whose backward already ran starts a new micro-batch: finish the last one."""
-        def hook(module, args):
-            if is_grad_enabled() and (st.complete or st.reduced):
-                self._finish_micro_batch()
-        return hook
-
-    def _new_forward_hook(self, module, args):
-        """Forward pre-hook on the whole model: reduce what the last micro-batch left, even a partly used unit.
-
-        A unit that got only some of its gradients (a parameter unused in that micro-batch)
-        is never *complete*; without this, its open bucket would carry into the next
-        micro-batch and be reduced as soon as the missing parameter's gradient arrives there,
-        before the rest of that micro-batch's gradients (issue 26, case 1).
-        """
-        if is_grad_enabled() and any(st.in_backward or st.ready or st.complete or st.reduced for st in self.units):
-            self._finish_micro_batch()
+    def _touch(self):
+        """A gradient hook ran: in the first of this backward, queue the end of the micro-batch."""
+        if not self._in_micro_batch:
+            self._in_micro_batch = True
+            queue_callback(self._finish_micro_batch)
 
     def _open_bucket_hook(self, st):
         """Forward hook: wrap the module's output so backward opens the unit's bucket first."""
@@ -87,6 +82,7 @@ class GradientBuckets(UnitCollectives):
 
     def _begin_backward(self, st):
         """Backward reached the unit: gather it (stage 3) and open its flat gradient bucket."""
+        self._touch()
         if st.in_backward:
             return
         if self.stage == 3 and st.full is None:
@@ -106,6 +102,7 @@ class GradientBuckets(UnitCollectives):
 
     def _grad_ready(self, p):
         """Post-accumulate-grad hook: when a unit's last gradient is complete, reduce what the order allows."""
+        self._touch()
         st = self._unit_of[id(p)]
         st.ready.add(id(p))
         if len(st.ready) == len(st.params):
@@ -114,7 +111,13 @@ class GradientBuckets(UnitCollectives):
                 self._end_backward(self.units[self._next])
 
     def _finish_micro_batch(self):
-        """Reduce every unit not yet reduced in this micro-batch, in order (zeros for one this rank did not use)."""
+        """End of a backward: reduce every unit not yet reduced in it, in order (zeros for one this rank did not use).
+
+        Nothing to do when no backward touched a unit since the last end (``reduce_gradients``).
+        """
+        if not self._in_micro_batch:
+            return
+        self._in_micro_batch = False
         while self._next >= 0:
             self._end_backward(self.units[self._next])
         for st in self.units:
