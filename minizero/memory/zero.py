@@ -114,11 +114,6 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
     bucket is reduced once, after both contributions (post-accumulate-grad hook).
     A step: forward/backward per micro-batch (loss scaled by 1/M) -> :meth:`reduce_gradients`
     -> :meth:`clip_grad_norm_` -> :meth:`set_lr` -> :meth:`step` -> :meth:`zero_grad`.
-    Each backward pass is one micro-batch (stages 2-3 reduce what it left when it ends); a unit
-    may be used wholly, partly or not at all in any micro-batch. Stages 1-2 also accept ranks
-    that run different graphs (a rank without a gradient contributes zeros; ``reduce_gradients``
-    agrees which parameters ``step`` updates); at stage 3 ranks that run different units get a
-    :class:`ZeroOrderError` on every rank.
     Attributes: ``shard_map``; ``bytes_sent`` (phase -> bytes, cumulative); ``step_bytes``
     (one dict per optimizer step, phase -> bytes).
     Raises:
