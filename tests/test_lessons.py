@@ -1,0 +1,125 @@
+"""The lessons: generated ones equal their build, none sets hidden switches, "Where to look" names real code.
+
+How a lesson is built and checked: lessons/build.py (its docstring). Executing the notebooks is nbmake's
+job (each generated lesson's notebook ends by comparing what it measured with lessons/values/*.json);
+these tests only render and read files, so they cost well under a second.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("lessons_build", ROOT / "lessons" / "build.py")
+build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+
+GENERATED = build.lessons()
+
+
+def test_some_lessons_are_generated():
+    assert GENERATED, "no lesson template in lessons/templates"
+    for name in GENERATED:
+        assert (ROOT / "notebooks" / f"{name}.ipynb").exists(), f"template {name}.md has no notebook"
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_committed_lesson_is_its_build(name):
+    committed = (ROOT / "lessons" / f"{name}.md").read_text()
+    assert committed == build.render(name), (
+        f"lessons/{name}.md differs from its template filled with lessons/values/{name}.json: edit "
+        f"lessons/templates/{name}.md (not the generated file) and run `python lessons/build.py {name}`")
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_every_recorded_figure_is_quoted_and_every_field_recorded(name):
+    values = set(json.loads((ROOT / "lessons" / "values" / f"{name}.json").read_text()))
+    used = build.fields(name)
+    assert used <= values, f"fields without a recorded figure: {sorted(used - values)}"
+    assert values <= used, f"figures recorded but quoted nowhere: {sorted(values - used)}"
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_notebook_checks_its_lesson(name):
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    assert f'finish("{name}")' in code[-1], f"the last cell of notebooks/{name}.ipynb must call finish({name!r})"
+
+
+ENV_WRITE = re.compile(r"os\.environ\s*\[[^\]]*\]\s*=|os\.environ\.(setdefault|update)|os\.putenv|^\s*%env", re.M)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_no_notebook_sets_environment_variables(path):
+    """A switch a lesson needs is shown where it is used, not set silently in the environment (issue 28)."""
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            assert not ENV_WRITE.search("".join(cell["source"])), "".join(cell["source"])[:300]
+
+
+# --- "Where to look": every name a lesson points at exists ------------------------------------------
+
+COMMANDS = {"mpiexec", "mpirun"}
+
+
+def _defined_names() -> set[str]:
+    """Every module, class, function, argument, and assigned name or attribute in the project's code."""
+    names: set[str] = set()
+    for folder in ("minizero", "tests", "mpi_examples", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            names.update(path.relative_to(ROOT).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.arg):
+                    names.add(node.arg)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+    return names
+
+
+def where_to_look() -> list[tuple[str, str]]:
+    """``(lesson, name)`` for every backticked name in the "Where to look" sections of lessons/*.md."""
+    found = []
+    for path in sorted((ROOT / "lessons").glob("*.md")):
+        section = re.search(r"^## Where to look\n(.*?)(?=^## |\Z)", path.read_text(), re.M | re.S)
+        if section:
+            found += [(path.stem, name) for name in re.findall(r"`([^`\n]+)`", section.group(1))]
+    return found
+
+
+def _missing(name: str, defined: set[str], sources: str) -> str | None:
+    """Why ``name`` names nothing in the code, or None."""
+    if name.startswith("--"):
+        flag = name.split()[0]
+        return None if f'"{flag}"' in sources else f"no flag {flag} in minizero/"
+    if name.startswith("python -m "):
+        module = name.split()[2]
+        path = ROOT / pathlib.Path(*module.split("."))
+        return None if path.with_suffix(".py").exists() or path.is_dir() else f"no module {module}"
+    if name in COMMANDS:
+        return None
+    if "/" in name or name.endswith(".py"):
+        if "/" in name:
+            return None if (ROOT / name).exists() else f"no file {name}"
+        return None if any(ROOT.joinpath("minizero").rglob(name)) else f"no file {name} under minizero/"
+    identifier = re.sub(r"\(.*\)", "", name)
+    missing = [part for part in identifier.split(".") if part not in defined]
+    return f"not defined in the code: {', '.join(missing)}" if missing else None
+
+
+def test_where_to_look_names_exist():
+    defined = _defined_names()
+    sources = "\n".join(p.read_text() for p in (ROOT / "minizero").rglob("*.py"))
+    names = where_to_look()
+    assert len(names) > 100
+    problems = [f"lessons/{lesson}.md: `{name}`: {why}" for lesson, name in names
+                if (why := _missing(name, defined, sources))]
+    assert not problems, "\n".join(problems)
