@@ -74,7 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")
-    p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the embedded corpus)")
+    p.add_argument("--data", default=None,
+                   help="UTF-8 text file to train on (default: the embedded corpus); the byte 0x03 (ASCII ETX, "
+                        "'end of text') ends a document, e.g. printf 'one\\x03two\\x03' > docs.txt")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--pack", dest="documents", action="store_const", const="pack", default="pack",
+                      help="windows run across documents, the separator a token like any other (default)")
+    docs.add_argument("--pad", dest="documents", action="store_const", const="pad",
+                      help="each window stops at its document's separator; the rest is padding whose targets "
+                           "(-100) the loss ignores, normalised by the real targets of the global batch")
     p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")

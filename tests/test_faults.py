@@ -114,8 +114,9 @@ def test_cross_entropy_of_two_equal_huge_logits_is_ln2():
     np.testing.assert_allclose(z.grad, [[0.5, -0.5]], atol=1e-7)
 
 
-@pytest.mark.parametrize("bad", [-100, -1, 4, 7])
+@pytest.mark.parametrize("bad", [-101, -1, 4, 7])
 def test_both_losses_refuse_the_same_targets(bad):
+    """-100 is the ignore index (tests/test_padding.py); every other value outside [0, V) is refused."""
     z = np.zeros((3, 4))
     t = np.array([0, bad, 1])
     with pytest.raises(ValueError, match=f"target {bad} at position 1"):

@@ -147,13 +147,14 @@ class InterleavedEngine(PipelineEngine):
         self._reap()
         return buf
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
-        """As :meth:`PipelineEngine.forward_backward`, by the interleaved schedule (m a multiple of p)."""
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, weights=None) -> float:
+        """As :meth:`PipelineEngine.forward_backward` (weights too), by the interleaved schedule (m a multiple of p)."""
         st, r, p = self.stage, self.stage.stage, self.stage.num_stages
         prev, nxt = (r - 1) % p, (r + 1) % p
         mbs = list(micro_batches)
         ops = interleaved(p, len(mbs), st.virtual_stages)[r]
         scale = loss_scale / len(mbs)
+        weights = [1.0] * len(mbs) if weights is None else list(weights)
         held, loss_sum = {}, 0.0
         self.trace, self.peak_in_flight = [], 0
         for op in ops:
@@ -168,7 +169,7 @@ class InterleavedEngine(PipelineEngine):
                 with self.forward_context():
                     out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
                 if chunk.is_last:
-                    loss_sum += out.item()
+                    loss_sum += weights[op.mb] * out.item() if weights[op.mb] else 0.0  # 1.0 * x is x, bit for bit
                 else:
                     self._post(out.data, nxt, "pp_activation", f"act {what}")
                     out.data = backend.xp.empty(0, out.dtype)  # the graph node stays; the values travel
@@ -176,7 +177,7 @@ class InterleavedEngine(PipelineEngine):
             else:
                 inp, out = held.pop((op.chunk, op.mb))
                 if chunk.is_last:
-                    grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
+                    grad = backend.xp.full((), scale * weights[op.mb], dtype=np.promote_types(out.dtype, np.float32))
                 else:
                     grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", GRAD_TAG)
                 if inp is not None:

@@ -235,7 +235,7 @@ class PipelineEngine:
         return buf
 
     # -- one optimizer step ----------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, weights=None) -> float:
         """Forward and backward of every micro-batch by the schedule; gradients accumulate in ``.grad``.
 
         Args:
@@ -243,13 +243,17 @@ class PipelineEngine:
                 the same list on every stage (the first uses x, the last y, all the shapes).
             loss_scale: S of mixed precision: the last stage starts each backward from S/m, so
                 every gradient is S times the true one.
+            weights: None (each micro-batch weighs 1), or m factors w_i: micro-batch i's backward
+                starts from S w_i / m and its loss counts w_i times; a micro-batch of weight 0 adds
+                nothing (its mean is NaN when every target is ignored). Strategy's global token count.
         Returns:
-            Sum over micro-batches of their mean loss on the last stage; 0.0 elsewhere.
+            Sum over micro-batches of their (weighted) mean loss on the last stage; 0.0 elsewhere.
         """
         st, s, p = self.stage, self.stage.stage, self.stage.num_stages
         mbs = list(micro_batches)
         ops = make_schedule(self.schedule, p, len(mbs))[s]
         scale = loss_scale / len(mbs)
+        weights = [1.0] * len(mbs) if weights is None else list(weights)
         held, loss_sum = {}, 0.0
         self.trace, self.peak_in_flight = [], 0
         for op in ops:
@@ -263,7 +267,7 @@ class PipelineEngine:
                 with self.forward_context():
                     out = st(x_in, backend.to_device(y) if st.is_last else None)
                 if st.is_last:
-                    loss_sum += out.item()
+                    loss_sum += weights[op.mb] * out.item() if weights[op.mb] else 0.0  # 1.0 * x is x, bit for bit
                 else:
                     self._post(out.data, s + 1, "pp_activation", f"act mb{op.mb}")
                     # backward needs out's graph node, not its values: drop our reference to them
@@ -274,7 +278,7 @@ class PipelineEngine:
                 inp, out = held.pop(op.mb)
                 if st.is_last:
                     # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
-                    grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
+                    grad = backend.xp.full((), scale * weights[op.mb], dtype=np.promote_types(out.dtype, np.float32))
                 else:
                     grad = self._recv(st.activation_shape(x.shape), s + 1, f"grad mb{op.mb}")
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
