@@ -256,3 +256,28 @@ def test_ignored_targets_under_the_strict_array_module(strict_backend):
         loss.backward()
         results.append((strict_backend.to_host(loss.data).tobytes(), strict_backend.to_host(zt.grad).tobytes()))
     assert results[0] == results[1]
+
+
+def _fp16_grads0(comm, flags, b, extra):
+    """Step 0's averaged gradients (float32 copies, loss scale S still in them) of this rank, FP16 on."""
+    grads = {}
+
+    def after_grads(step, params, opt=None):
+        if step == 0:
+            grads.update({i: p.grad.astype(np.float32) for i, p in enumerate(params)})
+    argv = R.base_argv("tiny", b, extra) + flags + ["--precision", "fp16", "--steps", "1"]
+    args = parse_args([a if a != "float64" else "float32" for a in argv], comm.world_size)
+    R.train(args, comm, log=lambda s: None, after_grads=after_grads)
+    return grads
+
+
+@pytest.mark.timeout(200)
+def test_fp16_seed_follows_the_global_count(docs):
+    """FP16 seeds backward with S n_i / N on every data rank (the data group then sums): dp 2 x 2 micro-batches
+    equal one process to float16 rounding; a per-rank or per-micro-batch normalisation is off by far more."""
+    extra = ["--data", docs, "--pad"]
+    ref = run_in_threads(1, _fp16_grads0, [], 8, extra, timeout=150)[0]
+    got = run_in_threads(2, _fp16_grads0, ["--dp", "2", "--grad-accum", "2"], 2, extra, timeout=150)
+    for g in got:
+        for i, a in ref.items():
+            np.testing.assert_allclose(g[i], a, rtol=0, atol=2e-2 * np.abs(a).max(), err_msg=f"parameter {i}")
