@@ -271,7 +271,8 @@ def main(argv=None) -> int:
     args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
     if code is not None:
         if rank == 0 and refusal:
-            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+            for line in refusal.splitlines():  # a damaged manifest: one line per problem
+                print(f"python -m minizero.train: error: {line}", file=sys.stderr, flush=True)
         faulthandler.cancel_dump_traceback_later()
         return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
