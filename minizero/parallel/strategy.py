@@ -47,7 +47,6 @@ from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
-from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
@@ -136,13 +135,13 @@ class Strategy:
                              "target: build it with padded=True (--pad) so the loss is normalised by the global count")
         if self.reducer is not None:
             self.reducer.begin_step(len(micro_batches), poison=poison)
-        weights = None
+        shares = None
         if self.padded:
             with self.topo.dp_comm.traffic.op("token_count"):
                 n = all_reduce(self.topo.dp_comm, backend.to_device(np.array([float(sum(counts))])))
             n = float(backend.to_host(n)[0])
-            weights = [len(counts) * self.topo.dp * c / n for c in counts]
-        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor, weights=weights)
+            shares = [len(counts) * self.topo.dp * c / n for c in counts]
+        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor, shares=shares)
 
     def real_targets(self, y) -> int:
         """How many of the targets ``y`` (b, T) this rank's loss counts: not ``IGNORE_INDEX``, in its context chunks."""
@@ -301,11 +300,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
     overlap = getattr(args, "overlap", True)
-    if args.schedule == "interleaved":
-        engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
-    else:
-        engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                                log=log_line, overlap=overlap)
+    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                            log=log_line, overlap=overlap)
     return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp,
                     padded=args.documents == "pad")
 
