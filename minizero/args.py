@@ -441,8 +441,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
         raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                                              ranks=f"world size {world_size} / cp {cp} = {world_size // cp}"
-                                              if cp > 1 else None)
+                                              ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}")
     m = args.micro_batches
     if m is not None:
         if m < 1:

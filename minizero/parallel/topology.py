@@ -43,7 +43,7 @@ from minizero.comm.nodes import NodeLayout, layout_of
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
-                  n_layer=None, vocab_size=None, ranks: str | None = None) -> tuple[int, int, int]:
+                  n_layer=None, vocab_size=None, ranks=None) -> tuple[int, int, int]:
     """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
 
     Args:
@@ -52,7 +52,7 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
             others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
             (if missing) is derived.
         n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
-        ranks: how messages name ``world_size`` (default "world size N"; --cp passes "world size W / cp c = N").
+        ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
     Raises:
         ValueError naming the numbers: a size < 1; a product that is not the world size (or
         a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
