@@ -3,13 +3,14 @@
 After training, :func:`node_traffic` sums every rank's ledgers (one all-reduce) and
 rank 0 prints, for example with ``--dp 2 --tp 2`` on 2 nodes x 2 ranks::
 
-    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; tp groups span 1, dp groups span 2
+    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; each tensor-parallel group
+           stays inside one node, a data-parallel group spans up to 2 nodes
     ...
     traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):
-      tp    (2 rank(s) each): 1 node(s),  393.6 kB,       0 B
-      dp    (2 rank(s) each): 2 node(s),  182.8 kB,  182.8 kB
-      world: 576.5 kB sent, 182.8 kB across nodes = tp 0 B + dp 182.8 kB + pp 0 B + other (...) 56 B
-      dp gradient all-reduce (ring) across nodes per step: 182.8 kB; computed: flat ring 182.8 kB, ...
+      tp    (2 rank(s) each): 1 node(s), 384.38 KiB,       0 B
+      dp    (2 rank(s) each): 2 node(s), 178.52 KiB, 178.52 KiB
+      world: 562.99 KiB sent, 178.52 KiB across nodes = tp 0 B + dp 178.52 KiB + pp 0 B + other (...) 56 B
+      dp gradient all-reduce (ring) across nodes per step: 178.52 KiB; computed: flat ring 178.52 KiB, ...
 
 (the tiny model, float64, 3 steps). The tensor group sends twice the data group's bytes
 and none of it leaves a node: that is why tensor parallelism stays inside one.
@@ -29,6 +30,7 @@ import numpy as np
 
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import cross_node_bytes
+from minizero.ledger import format_bytes
 from minizero.parallel.topology import Topology
 
 KINDS = ("tp", "dp", "pp")
@@ -36,10 +38,7 @@ SETUP = ("broadcast_params",)  #: labels sent once before training, left out of 
 
 
 def _fmt(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+    return format_bytes(n)
 
 
 def _per_run(snapshot: dict | None) -> float:
