@@ -50,10 +50,11 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = ""):
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     steps = range(1, len(train_losses) + 1)
     ax.plot(steps, train_losses, linewidth=0.8, alpha=0.45, color="C0", label="train: each step's batch")
-    if len(train_losses) >= 5 * SMOOTH:  # shorter runs: the trailing mean would lag most of the curve
-        run = [sum(train_losses[max(0, i - SMOOTH + 1):i + 1]) / (i + 1 - max(0, i - SMOOTH + 1))
-               for i in range(len(train_losses))]
-        ax.plot(steps, run, linewidth=1.6, color="C0", label=f"train: mean of the last {SMOOTH} steps")
+    if len(train_losses) >= 5 * SMOOTH:  # shorter runs: too few points to smooth
+        h = SMOOTH // 2  # centred: a trailing mean would lag the fast early fall
+        run = [sum(train_losses[i - h:i + h]) / (2 * h) for i in range(h, len(train_losses) - h + 1)]
+        ax.plot(steps[h - 1:len(train_losses) - h], run, linewidth=1.6, color="C0",
+                label=f"train: mean of {2 * h} steps around each")
     if val_history:
         vs, vl = zip(*val_history)
         ax.plot(vs, vl, "o--", markersize=4, linewidth=0.8, color="C1",

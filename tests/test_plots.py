@@ -75,7 +75,7 @@ def test_loss_figure_speaks_nats_per_byte_and_marks_a_uniform_guess(tmp_path):
         ax = fig.axes[0]
         assert ax.get_ylabel() == "loss (nats per byte)"
         labels = [line.get_label() for line in ax.get_lines()]
-        assert "train: mean of the last 20 steps" in labels and "validation (held-out end of the text)" in labels
+        assert "train: mean of 20 steps around each" in labels and "validation (held-out end of the text)" in labels
         assert any(list(line.get_ydata()) == [math.log(256)] * 2 for line in ax.get_lines())
     finally:
         plt.close(fig)

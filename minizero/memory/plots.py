@@ -88,7 +88,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
                              gridspec_kw={"width_ratios": [3, 2]})
     mib = t / 2**20
     x = np.arange(1, t.shape[1] + 1)
-    top = mib.sum(axis=2).max() * 1.25 or 1
+    top = mib.sum(axis=2).max() * 1.5 or 1  # room above the stack for the notes
     for (ax, bx), ranks in zip(axes, groups):
         r = ranks[0]
         used = [i for i, _ in enumerate(CATEGORIES) if mib[r, :, i].any()]
@@ -106,7 +106,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
         own = [peaks[r][c] if peaks is not None else t[r, :, i].max() for i, c in enumerate(CATEGORIES)]
         absent = [c for i, c in enumerate(CATEGORIES) if own[i] and i not in used]
         if absent:  # e.g. gradients: made during backward, as the activations that set the peak are freed
-            ax.text(0.98, 0.82, f"not alive at the step's peak: {', '.join(absent)}", transform=ax.transAxes,
+            ax.text(0.98, 0.86, f"not alive at the step's peak: {', '.join(absent)}", transform=ax.transAxes,
                     ha="right", va="top", fontsize=7, color="0.3")
         ys = np.arange(len(CATEGORIES))[::-1]
         bx.barh(ys, np.divide(own, 2**20), color=[colors[c] for c in CATEGORIES])
