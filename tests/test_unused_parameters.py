@@ -1,13 +1,25 @@
-"""Issue 19: a parameter that gets no gradient is skipped everywhere (PyTorch AdamW's ``grad is None``):
-no weight decay, no moment update -- under one process, data parallelism and ZeRO 1-3 alike."""
+"""Parameters without a gradient: skipped by the optimizer on every rank, whichever ranks used them.
+
+Issue 19: a parameter that gets no gradient is skipped everywhere (PyTorch AdamW's ``grad is None``):
+no weight decay, no moment update -- under one process, data parallelism and ZeRO 1-3 alike.
+Issue 26, case 2: a parameter used on some ranks only (data-dependent control flow) is updated on
+every rank with the average, a rank without a gradient counting as zeros (PyTorch DDP's
+``find_unused_parameters=True``); the replicas stay bitwise equal. ZeRO-3 refuses it (ZeroOrderError).
+"""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from minizero.comm import run_in_threads
+from minizero.comm import bytes_sent, run_in_threads
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT, Parameter, get_config
 from minizero.optim import AdamW
 from minizero.parallel.data_parallel import DataParallel
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.mpi_scripts import rank_dependent_check as RD
 
 
 def _model():
@@ -53,3 +65,65 @@ def test_an_unused_parameter_stays_bitwise_unchanged(zero, ranks):
         assert np.abs(moved).max() > 1e-4  # the used ones trained
         for k, v in single.items():  # and equal the single process (float64)
             np.testing.assert_allclose(state[k], v, rtol=0, atol=1e-12, err_msg=k)
+
+
+# ------------------------------------------------- issue 26: a parameter used on some ranks only
+# tests/mpi_scripts/rank_dependent_check.py: ranks run different graphs (PyTorch DDP's find_unused_parameters)
+def _check_rank_dependent(kind, stage, overlap, per_rank, ref):
+    label = f"{kind}, stage {stage}{' overlapped' if overlap else ''}"
+    for name, value in ref.items():
+        for rank, params in enumerate(per_rank):  # the replicas stay bitwise equal, and equal the average's step
+            assert np.array_equal(params[name], per_rank[0][name]), f"{label}: rank {rank} differs on {name}"
+        np.testing.assert_allclose(per_rank[0][name], value, rtol=0, atol=1e-12, err_msg=f"{label}: {name}")
+    if kind == "blocks":  # the pattern did what it says: block 1 (rank 0 only) trained, block 3's lin2 (no rank) did not
+        init = dict(RD.build("blocks").named_parameters())
+        for name in ("h.1.lin1.weight", "h.2.lin2.weight"):
+            assert np.abs(per_rank[1][name] - init[name].data).max() > 1e-3, name
+        assert np.array_equal(per_rank[1]["h.3.lin2.weight"], init["h.3.lin2.weight"].data)
+
+
+@pytest.mark.usefixtures("ring_all_reduce")  # the overlapped rings at every bucket size, so their order matters
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,stage,overlap", RD.CASES)
+def test_rank_dependent_control_flow_keeps_replicas_bitwise_equal(kind, stage, overlap):
+    """Rank 1 skips a block: every rank updates it with the average (zeros for rank 1), as one process does."""
+    _check_rank_dependent(kind, stage, overlap, run_in_threads(2, RD.train, kind, stage, overlap), RD.reference(kind))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_agreement_is_one_small_all_reduce_per_step(stage):
+    """Per step and rank: one all-reduce of an int32 flag per parameter, under ``used_parameters``;
+    DataParallel's gradient bytes (``bytes_sent``) and ZeRO's per-step phases leave it out."""
+    def fn(comm):
+        before = comm.traffic.snapshot()["by_op"].get("used_parameters", 0)
+        RD.train(comm, "blocks", stage, False)
+        return comm.traffic.snapshot()["by_op"]["used_parameters"] - before
+    num = len(RD.build("blocks").parameters())
+    for rank, sent in enumerate(run_in_threads(2, fn)):
+        assert sent == RD.STEPS * bytes_sent("all_reduce", num, 4, 2, rank) > 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero3_refuses_rank_dependent_control_flow_on_every_rank(overlap):
+    """Stage 3 gathers a unit as its forward begins: a block skipped on one rank is a ZeroOrderError on all."""
+    for msg in run_in_threads(2, RD.train, "blocks", 3, overlap):
+        assert isinstance(msg, str) and "ranks disagree on the next collective" in msg, msg
+
+
+@pytest.mark.usefixtures("ring_all_reduce")
+@pytest.mark.timeout(300)
+def test_mpi_rank_dependent_control_flow_keeps_replicas_bitwise_equal(mpiexec, tmp_path):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "rank_dependent_check.py")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path)], env=mpi_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    refs = {kind: RD.reference(kind) for kind in ("blocks", "gpt")}
+    for kind, stage, overlap in RD.CASES:
+        case = f"{kind}:{stage}:{int(overlap)}"
+        per_rank = [{name: d[f"{case}:{name}"] for name in refs[kind]} for d in data]
+        _check_rank_dependent(kind, stage, overlap, per_rank, refs[kind])
+    for d in data:
+        assert "ranks disagree on the next collective" in str(d["error:blocks:3:0"])

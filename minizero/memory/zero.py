@@ -59,6 +59,7 @@ from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, U
 from minizero.memory.zero_stage3 import ParameterPartitioning
 from minizero.optim.adamw import adamw_update, state_dtype
 from minizero.optim.state_store import OptimizerStateStore
+from minizero.optim.used_parameters import used_anywhere
 
 __all__ = ["ZeroOptimizer", "ZeroOrderError", "ShardMap", "Unit", "Piece", "find_units", "model_state_formula",
            "traffic_formula", "model_state_bytes", "gather_figures", "STEP_PHASES", "PHASES"]
@@ -192,15 +193,29 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
     def _track_gradients(self):
         """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks).
 
-        ``step`` skips the owned pieces of every other parameter: no weight decay, no moment update,
-        as one process's AdamW skips ``grad is None`` (PyTorch's rule). Every rank runs the same
-        graph, so every rank skips the same parameters (the rule of ``DataParallel.allreduce_gradients``).
+        ``reduce_gradients`` widens the set to the parameters *some* rank gave a gradient
+        (:meth:`_agree_on_used`), and ``step`` skips the owned pieces of every other parameter:
+        no weight decay, no moment update, as one process's AdamW skips ``grad is None``
+        (PyTorch's rule), the same parameters on every rank whatever graph each rank ran.
         With a ``sharded_state`` (8-bit Adam's block-quantized codes) the whole shard is updated.
         """
         self._with_grad = set()
+        self._names = [name for st in self.units for name in st.unit.param_names]
         for st in self.units:
             for name, p in zip(st.unit.param_names, st.params):
                 p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
+
+    def _agree_on_used(self):
+        """Collective: this step's ``_with_grad`` becomes the parameters some rank gave a gradient.
+
+        A rank whose graph skipped a parameter (data-dependent control flow) reduced zeros for
+        it; the owner of each piece must still update it with that mean. One all-reduce of an
+        int32 flag per parameter (:func:`~minizero.optim.used_parameters.used_anywhere`, PyTorch
+        DDP's ``find_unused_parameters=True``), counted as the phase ``used_parameters``.
+        """
+        with self._count("used_parameters"):
+            used = used_anywhere(self.comm, [name in self._with_grad for name in self._names])
+        self._with_grad = {name for name, u in zip(self._names, used) if u}
 
     def _add_tied_users(self, model):
         """A module outside a unit's subtree that owns one of its parameters (the tied LM head) uses it too."""
@@ -263,22 +278,23 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
     def reduce_gradients(self) -> None:
         """After the last micro-batch: every rank's owned gradient shard = mean over ranks.
 
-        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 did it during
-        backward and here reduce, in their fixed order, the units the last micro-batch left
-        (a unit some of whose parameters got no gradient, or one this rank did not use).
+        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 did it at the end of
+        every backward (and here wait for the overlapped reduce-scatters). Then every rank agrees
+        on the parameters some rank gave a gradient (:meth:`_agree_on_used`): those ``step`` updates.
         Raises:
             RuntimeError: stage 1 and a ``.grad`` is no longer a view of its unit's gradient
             buffer (``model.zero_grad()`` was called; use this optimizer's ``zero_grad``).
         """
         if self.stage >= 2:
             self._finish_micro_batch()
-            return
-        for st in self.units:
-            for p in st.params:
-                if p.grad is None or p.grad.base is not st.flat_grad:
-                    raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
-                                       "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
-            st.grad_shard[...] = self._reduce_scatter_unit(st, st.flat_grad)
+        else:
+            for st in self.units:
+                for p in st.params:
+                    if p.grad is None or p.grad.base is not st.flat_grad:
+                        raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
+                                           "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
+                st.grad_shard[...] = self._reduce_scatter_unit(st, st.flat_grad)
+        self._agree_on_used()
 
     def grad_norm(self, grad_scale: float = 1.0) -> float:
         """Collective: the global L2 norm of ``gradient * grad_scale`` over all shards (a float).
