@@ -87,7 +87,8 @@ def train(comm, kind, stage, overlap):
         reducer = OverlappedReducer(dp) if overlap else None
         reduce = reducer.finish if overlap else dp.allreduce_gradients
     else:
-        opt = ZeroOptimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap)
+        opt = ZeroOptimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap,
+                            prefetch=overlap)  # overlap: the CLI's default (stage 3 prefetches too)
         reduce = opt.reduce_gradients
     try:
         for step in range(STEPS):
@@ -124,7 +125,7 @@ if __name__ == "__main__":
     out_dir = sys.argv[1]
     comm = world()
     arrays = {}
-    for kind, stage, overlap in CASES + [("blocks", 3, False)]:
+    for kind, stage, overlap in CASES + [("blocks", 3, False), ("blocks", 3, True)]:
         case = f"{kind}:{stage}:{int(overlap)}"
         got = train(comm, kind, stage, overlap)
         if isinstance(got, str):
