@@ -17,6 +17,7 @@ from minizero.comm import bytes_sent, run_in_threads
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT, Parameter, get_config
 from minizero.optim import AdamW
+from minizero.optim.used_parameters import used_anywhere
 from minizero.parallel.data_parallel import DataParallel
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import rank_dependent_check as RD
@@ -92,8 +93,8 @@ def test_rank_dependent_control_flow_keeps_replicas_bitwise_equal(kind, stage, o
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [0, 1])
-def test_the_agreement_is_one_small_all_reduce_per_step(stage):
-    """Per step and rank: one all-reduce of an int32 flag per parameter, under ``used_parameters``;
+def test_the_agreement_is_one_small_all_gather_per_step(stage):
+    """Per step and rank: one all-gather of a bitmask of ceil(P/8) bytes, under ``used_parameters``;
     DataParallel's gradient bytes (``bytes_sent``) and ZeRO's per-step phases leave it out."""
     def fn(comm):
         before = comm.traffic.snapshot()["by_op"].get("used_parameters", 0)
@@ -101,7 +102,7 @@ def test_the_agreement_is_one_small_all_reduce_per_step(stage):
         return comm.traffic.snapshot()["by_op"]["used_parameters"] - before
     num = len(RD.build("blocks").parameters())
     for rank, sent in enumerate(run_in_threads(2, fn)):
-        assert sent == RD.STEPS * bytes_sent("all_reduce", num, 4, 2, rank) > 0
+        assert sent == RD.STEPS * bytes_sent("all_gather", 2 * -(-num // 8), 1, 2, rank) > 0
 
 
 @pytest.mark.timeout(60)
@@ -129,3 +130,46 @@ def test_mpi_rank_dependent_control_flow_keeps_replicas_bitwise_equal(mpiexec, t
     for d in data:
         for overlap in (0, 1):
             assert "ranks disagree on the next collective" in str(d[f"error:blocks:3:{overlap}"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num", [1, 8, 11, 17])
+def test_the_bitmask_is_the_or_over_ranks_of_each_parameter_flag(num):
+    """used_anywhere: 3 ranks with different flags; every rank gets the OR, per parameter, from ceil(P/8) bytes."""
+    flags = [[(i * (r + 2)) % 5 == r for i in range(num)] for r in range(3)]
+
+    def fn(comm):
+        before = comm.traffic.bytes_sent
+        got = used_anywhere(comm, flags[comm.rank])
+        return got, comm.traffic.bytes_sent - before, comm.traffic.snapshot()["by_op"]
+    expect = [any(f[i] for f in flags) for i in range(num)]
+    assert 0 < sum(expect) < num or num == 1
+    for rank, (got, sent, by_op) in enumerate(run_in_threads(3, fn)):
+        assert got == expect
+        assert sent == by_op["used_parameters"] == bytes_sent("all_gather", 3 * -(-num // 8), 1, 3, rank)
+    assert run_in_threads(1, lambda c: used_anywhere(c, [True, False])) == [[True, False]]  # one rank: no message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_find_unused_parameters_false_sends_nothing_more_and_changes_no_bit(stage):
+    """The fast path (every rank runs the same graph): no agreement message, the same weights bit for bit."""
+    def fn(comm, find):
+        model = RD.build("gpt")
+        if stage == 0:
+            dp = DataParallel(model.parameters(), comm, find_unused_parameters=find)
+            opt, reduce = AdamW(model.parameters(), lr=1e-2), dp.allreduce_gradients
+        else:
+            opt = ZeroOptimizer(model, comm, stage, lr=1e-2, find_unused_parameters=find)
+            reduce = opt.reduce_gradients
+        for step in range(2):
+            rows = np.random.default_rng(step).integers(0, 256, (4, 17))[comm.rank::2]
+            model(rows[:, :-1], rows[:, 1:])[1].backward()
+            reduce()
+            opt.step()
+            opt.zero_grad() if stage else model.zero_grad()
+        return {k: p.data.copy() for k, p in model.named_parameters()}, comm.traffic.snapshot()["by_op"]
+    on, off = run_in_threads(2, fn, True), run_in_threads(2, fn, False)
+    for (w_on, t_on), (w_off, t_off) in zip(on, off):
+        assert "used_parameters" not in t_off and t_on["used_parameters"] > 0
+        assert all(np.array_equal(w_on[k], w_off[k]) for k in w_on)

@@ -98,6 +98,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
             (zero_prefetch.py), at most ``REDUCE_BUCKETS`` = 2 buckets alive (double buffering: a
             bucket is freed when the next one is submitted, so ``comm_buffers`` is a formula the
             estimator computes). Default off here; the CLI turns it on (``--no-overlap``: off).
+        find_unused_parameters: as :class:`~minizero.parallel.data_parallel.DataParallel`'s.
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient
@@ -123,7 +124,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False,
-                 store=None, prefetch: bool = False, overlap_reduce: bool = False):
+                 store=None, prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
@@ -135,7 +136,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
         self.predivided = False  # gradients already carry 1/N (FP16's seed): reduce by a plain sum
         self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
-        self.quantized_comm = quantized_comm
+        self.quantized_comm, self.find_unused_parameters = quantized_comm, find_unused_parameters
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
         self.bytes_sent = {ph: 0 for ph in PHASES}
@@ -191,14 +192,9 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
 
     # ---- set-up -----------------------------------------------------------------------
     def _track_gradients(self):
-        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks).
-
-        ``reduce_gradients`` widens the set to the parameters *some* rank gave a gradient
-        (:meth:`_agree_on_used`), and ``step`` skips the owned pieces of every other parameter:
-        no weight decay, no moment update, as one process's AdamW skips ``grad is None``
-        (PyTorch's rule), the same parameters on every rank whatever graph each rank ran.
-        With a ``sharded_state`` (8-bit Adam's block-quantized codes) the whole shard is updated.
-        """
+        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks);
+        ``step`` skips the owned pieces of the others that no rank touched (:meth:`_agree_on_used`), as
+        AdamW skips ``grad is None``. A ``sharded_state`` (8-bit Adam) updates its whole shard."""
         self._with_grad = set()
         self._names = [name for st in self.units for name in st.unit.param_names]
         for st in self.units:
@@ -206,13 +202,10 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
                 p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
 
     def _agree_on_used(self):
-        """Collective: this step's ``_with_grad`` becomes the parameters some rank gave a gradient.
-
-        A rank whose graph skipped a parameter (data-dependent control flow) reduced zeros for
-        it; the owner of each piece must still update it with that mean. One all-reduce of an
-        int32 flag per parameter (:func:`~minizero.optim.used_parameters.used_anywhere`, PyTorch
-        DDP's ``find_unused_parameters=True``), counted as the phase ``used_parameters``.
-        """
+        """Collective: ``_with_grad`` becomes the parameters some rank gave a gradient (a rank that skipped
+        one reduced zeros for it): one bitmask all-gather (``used_anywhere``), phase ``used_parameters``."""
+        if not self.find_unused_parameters:
+            return
         with self._count("used_parameters"):
             used = used_anywhere(self.comm, [name in self._with_grad for name in self._names])
         self._with_grad = {name for name, u in zip(self._names, used) if u}

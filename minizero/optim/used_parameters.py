@@ -5,17 +5,16 @@ on one rank and none on another. The optimizer's rule (PyTorch AdamW's ``grad is
 decay, no moments) must then be decided for the group, not per rank, or the replicas (stage 0)
 or the owned shards (ZeRO) drift apart: a parameter some rank touched is updated everywhere
 with the average, a rank that produced no gradient counting as zeros; one no rank touched is
-skipped everywhere. Mirrors PyTorch DDP's ``find_unused_parameters=True``, whose reducer
-all-reduces a ``local_used_map`` (int32, one flag per parameter) every iteration.
+skipped everywhere. Mirrors PyTorch DDP's ``find_unused_parameters=True`` (whose reducer
+all-reduces a ``local_used_map`` each iteration); here the map is a bitmask, all-gathered and OR-ed.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minizero import backend
-from minizero.comm.collectives import all_reduce
+from minizero.comm.collectives import all_gather
 
-LABEL = "used_parameters"  #: traffic label of the agreement's all-reduce
+LABEL = "used_parameters"  #: traffic label of the agreement's all-gather
 
 
 def used_anywhere(comm, used_here) -> list:
@@ -24,17 +23,17 @@ def used_anywhere(comm, used_here) -> list:
     Args:
         comm: the data-parallel Communicator (N ranks; every rank calls, with the same
             parameters in the same order).
-        used_here: one bool per parameter, True where this rank has a gradient for it.
+        used_here: P bools, True where this rank has a gradient for that parameter.
     Returns:
-        list of bool, the same on every rank: the OR of ``used_here`` over the ranks.
-    One all-reduce (sum) of ``len(used_here)`` int32 flags (4 bytes each), counted under the traffic
-    label ``used_parameters``: ``bytes_sent("all_reduce", P, 4, N, rank)`` per rank (log2 N messages by
-    recursive doubling at these sizes); no message when N = 1. The gradients themselves are not
-    touched, so the numbers of a step where every rank used every parameter are unchanged.
+        list of P bools, the same on every rank: the OR of ``used_here`` over the ranks.
+    One all-gather of a host bitmask of ceil(P/8) bytes (uint8, ``np.packbits``) under the traffic
+    label ``used_parameters``: (N-1) * ceil(P/8) bytes sent per rank, nothing when N = 1. Host
+    memory only (no device transfer); the gradients are not touched.
     """
-    flags = np.asarray([bool(u) for u in used_here], dtype=np.int32)
-    if comm.world_size == 1 or flags.size == 0:
-        return [bool(f) for f in flags]
+    used = np.asarray([bool(u) for u in used_here], dtype=bool)
+    if comm.world_size == 1 or used.size == 0:
+        return used.tolist()
+    mask = np.packbits(used)
     with comm.traffic.op(LABEL):
-        total = backend.to_host(all_reduce(comm, backend.to_device(flags)))
-    return [bool(t) for t in total]
+        every = all_gather(comm, mask).reshape(comm.world_size, mask.size)
+    return np.unpackbits(np.bitwise_or.reduce(every, axis=0))[:used.size].astype(bool).tolist()

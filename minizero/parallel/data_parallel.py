@@ -53,12 +53,16 @@ class DataParallel:
         allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
             over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
             over ``comm``); None: the ring (``native``: the library's).
+        find_unused_parameters: agree every step on the parameters some rank gave a gradient
+            (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
+            ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
+            whose precondition (unchecked) is that every rank runs the same graph.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True, allreduce=None):
+                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
@@ -67,7 +71,7 @@ class DataParallel:
         self.predivided = False
         if allreduce is not None and native:
             raise ValueError("native=True and an allreduce callable exclude each other")
-        self.allreduce = allreduce
+        self.allreduce, self.find_unused_parameters = allreduce, find_unused_parameters
         self.buckets = []  # list of (flat buffer, [(param, offset), ...])
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.bytes_sent = 0  # gradient all-reduce bytes this rank sent, over all steps
@@ -97,8 +101,10 @@ class DataParallel:
         self.buckets.append((flat, layout))
 
     def agree_on_used(self) -> list:
-        """Collective: for each of ``params``, True where some rank has a ``.grad`` (see :func:`used_anywhere`)."""
-        return used_anywhere(self.comm, [p.grad is not None for p in self.params])
+        """Collective: for each of ``params``, True where some rank has a ``.grad`` (see :func:`used_anywhere`);
+        without ``find_unused_parameters``, no message: where this rank has one."""
+        here = [p.grad is not None for p in self.params]
+        return used_anywhere(self.comm, here) if self.find_unused_parameters else here
 
     def write_back(self, used) -> None:
         """Every bucket's averages into ``.grad`` of the parameters some rank used (``used``, from
@@ -123,9 +129,8 @@ class DataParallel:
         wherever *some* rank had a gradient, and ``.grad = None`` where none had, so the
         optimizer skips the same parameters everywhere (no weight decay, no moment update, as
         PyTorch's AdamW skips ``grad is None``) and the replicas stay bitwise equal. The
-        agreement is one all-reduce of an int32 flag per parameter (:meth:`agree_on_used`,
-        PyTorch DDP's ``find_unused_parameters=True``), counted as ``used_parameters`` and not in
-        :attr:`bytes_sent`. Bytes sent per rank for the gradients: 2(N-1)/N of the gradient bytes
+        agreement is one all-gather of a bitmask (:meth:`agree_on_used`, PyTorch DDP's
+        ``find_unused_parameters=True``), counted as ``used_parameters`` and not in :attr:`bytes_sent`. Bytes sent per rank for the gradients: 2(N-1)/N of the gradient bytes
         (ring all-reduce). float16 buckets are divided by N before the sum (PyTorch DDP's
         pre-division), wider ones after (:func:`~minizero.comm.collectives.divide_before_sum`).
         """
