@@ -330,9 +330,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:
-        # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
-        # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
-        args.warmup = min(args.steps, max(10, args.steps // 20))
+        # steps/10: with 15 warmup steps (steps/20) at lr 3e-3 the default 300-step run's loss jumped 2.2 nats
+        # at step 17, and a spike turns float32 rounding differences into 1e-2 loss gaps (bench/bench_defaults.py)
+        args.warmup = min(args.steps, max(10, args.steps // 10))
     _check_data(args)
     if args.json is None:
         args.json = os.path.join(args.out, "summary.json")
