@@ -177,6 +177,28 @@ def _check_comm(args) -> None:
                          "use --comm mpi, or --schedule 1f1b or gpipe")
 
 
+def _check_zero_bubble(args) -> None:
+    """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
+    if args.schedule == "zb-v":
+        raise UsageError("--schedule zb-v is simulated only (parallel/schedule.py): running it needs rank r to hold "
+                         "virtual stages r and 2p-1-r, which stage building, the tied embedding's group and "
+                         "gather_full_model do not do yet; use --schedule zb-h1")
+    if args.schedule != "zb-h1":
+        return
+    if args.pp < 2:
+        raise UsageError(f"--schedule zb-h1 needs --pp >= 2, got --pp {args.pp}")
+    why = {"--sequence-parallel": (getattr(args, "sequence_parallel", False),
+                                   "its gathered linear all-gathers and reduce-scatters in one backward, which a "
+                                   "split backward would run twice"),
+           f"--cp {args.cp}": (args.cp > 1, "ring attention with a split backward is not tested"),
+           f"--offload-activations {args.offload_activations}": (
+               args.offload_activations != "none", "a split backward unpacks saved arrays twice (B and W), "
+               "which offload's hooks are not tested for")}
+    for flag, (bad, reason) in why.items():
+        if bad:
+            raise UsageError(f"--schedule zb-h1 with {flag} is not supported: {reason}")
+
+
 def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
     """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields.
 
@@ -308,9 +330,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:
-        # at least 10: with 2 warmup steps at lr 3e-3 the default model spikes near step 18, and a
-        # spike turns float32 rounding differences (another reduction order) into 1e-2 loss gaps
-        args.warmup = min(args.steps, max(10, args.steps // 20))
+        # steps/10: with 15 warmup steps (steps/20) at lr 3e-3 the default 300-step run's loss jumped 2.2 nats
+        # at step 17, and a spike turns float32 rounding differences into 1e-2 loss gaps (bench/bench_defaults.py)
+        args.warmup = min(args.steps, max(10, args.steps // 10))
     _check_data(args)
     if args.json is None:
         args.json = os.path.join(args.out, "summary.json")
@@ -418,7 +440,8 @@ def resolve_parallel_args(args, world_size: int) -> int:
     if cp < 1 or world_size % cp:
         raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
-                                              n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size)
+                                              n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+                                              ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}")
     m = args.micro_batches
     if m is not None:
         if m < 1:
@@ -439,5 +462,6 @@ def resolve_parallel_args(args, world_size: int) -> int:
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)
+    _check_zero_bubble(args)
     check_context_parallel(args, cfg)
     return args.dp

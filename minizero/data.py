@@ -21,7 +21,10 @@ import stat
 
 import numpy as np
 
+from minizero.autograd.functional import IGNORE_INDEX  # the target of a padding position
+
 VOCAB_SIZE = 256
+DOCUMENT_SEPARATOR = 0x03  #: ASCII ETX ("end of text"): the byte that ends a document in --data
 
 
 def encode(text: str) -> np.ndarray:
@@ -117,17 +120,32 @@ def check_corpus(tokens: np.ndarray, block_size: int, name: str = "corpus") -> N
         raise ValueError(f"{name} has {len(tokens)} tokens; needs more than block_size + 1 = {block_size + 1}")
 
 
-def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int):
+def document_ends(tokens: np.ndarray) -> np.ndarray:
+    """Sorted positions (int64) of every :data:`DOCUMENT_SEPARATOR` in ``tokens``: where documents end."""
+    return np.flatnonzero(tokens == DOCUMENT_SEPARATOR)
+
+
+def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int, ends=None):
     """The global batch of optimizer step ``step``: (x, y), each (batch, block_size) int64.
 
     y is x shifted by one token. Windows start at offsets drawn uniformly from
     a generator seeded by (seed, step), so every rank computes the same batch.
+    ``ends``: None (packed: windows run across documents), or :func:`document_ends` (padded: a
+    window stops at the first separator after its start, which is its last real target; later
+    inputs are the separator byte and later targets ``IGNORE_INDEX``). The starts are the same
+    either way, and every padded row keeps at least its first target.
     """
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - block_size - 1, size=batch)
     idx = starts[:, None] + np.arange(block_size + 1)[None, :]
     w = tokens[idx].astype(np.int64)
-    return w[:, :-1], w[:, 1:]
+    if ends is None:
+        return w[:, :-1], w[:, 1:]
+    # the first separator strictly after the start (none: the text's end)
+    cut = np.append(ends, len(tokens))[np.searchsorted(ends, starts, side="right")]
+    inside = idx <= cut[:, None]  # positions up to and including the document's separator
+    return (np.where(inside[:, :-1], w[:, :-1], DOCUMENT_SEPARATOR),
+            np.where(inside[:, 1:], w[:, 1:], IGNORE_INDEX))
 
 
 class DistributedSampler:
@@ -140,13 +158,15 @@ class DistributedSampler:
         grad_accum: micro-steps per optimizer step.
         dp_rank, dp_size: this rank's position in the data-parallel group.
         seed: data seed (one generator per purpose).
+        pad: windows stop at their document's end, padding targets ignored (``--pad``); else packed.
     ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y), each
     (micro_batch, block_size) int64.
     """
 
-    def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0):
+    def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0, pad=False):
         check_corpus(tokens, block_size, "training split")
         self.tokens, self.block_size = tokens, block_size
+        self.ends = document_ends(tokens) if pad else None
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
 
@@ -161,7 +181,7 @@ class DistributedSampler:
         Copies, not views: a view of the global batch would keep every rank's rows alive in
         this rank's memory for as long as the model saves the token ids for backward.
         """
-        x, y = global_batch(self.tokens, step, self.global_batch_size, self.block_size, self.seed)
+        x, y = global_batch(self.tokens, step, self.global_batch_size, self.block_size, self.seed, self.ends)
         b = self.micro_batch
         for k in range(self.grad_accum):
             lo = (k * self.dp_size + self.dp_rank) * b
@@ -177,8 +197,10 @@ class EvalBatches:
     Mirrors a map-style ``torch.utils.data.Dataset`` read in a fixed order.
     """
 
-    def __init__(self, tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234):
+    def __init__(self, tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234,
+                 pad: bool = False):
         self.tokens, self.block_size, self.n_batches, self.batch, self.seed = tokens, block_size, n_batches, batch, seed
+        self.ends = document_ends(tokens) if pad else None  # the sampler's rule (--pad)
 
     def __len__(self) -> int:
         return self.n_batches
@@ -187,12 +209,13 @@ class EvalBatches:
         """Batch ``i`` (negative counts from the end). Raises IndexError outside ``[-n, n)``."""
         if not -self.n_batches <= i < self.n_batches:
             raise IndexError(f"validation batch {i} of {self.n_batches}")
-        return global_batch(self.tokens, i % self.n_batches, self.batch, self.block_size, self.seed)
+        return global_batch(self.tokens, i % self.n_batches, self.batch, self.block_size, self.seed, self.ends)
 
     def __iter__(self):
         return (self[i] for i in range(self.n_batches))
 
 
-def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234) -> EvalBatches:
+def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234,
+                 pad: bool = False) -> EvalBatches:
     """The fixed validation set of ``n_batches`` (x, y) pairs from ``tokens`` (the same every call), lazily built."""
-    return EvalBatches(tokens, block_size, n_batches, batch, seed)
+    return EvalBatches(tokens, block_size, n_batches, batch, seed, pad)

@@ -65,16 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                         "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+                   help="pipeline schedule (zb-h1: zero bubble, backward split into B and W)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/20, at least 10, at most steps)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10, at least 10, at most steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")
-    p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the embedded corpus)")
+    p.add_argument("--data", default=None,
+                   help="UTF-8 text file to train on (default: the embedded corpus); the byte 0x03 (ASCII ETX, "
+                        "'end of text') ends a document, e.g. printf 'one\\x03two\\x03' > docs.txt")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--pack", dest="documents", action="store_const", const="pack", default="pack",
+                      help="windows run across documents, the separator a token like any other (default)")
+    docs.add_argument("--pad", dest="documents", action="store_const", const="pad",
+                      help="each window stops at its document's separator; the rest is padding whose targets "
+                           "(-100) the loss ignores, normalised by the real targets of the global batch")
     p.add_argument("--eval-every", type=int, default=100, help="validate every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel all-reduce bucket size (MiB)")

@@ -96,6 +96,14 @@ def precision_description(args) -> str:
     return args.dtype
 
 
+def documents_description(args) -> str:
+    """The header's words for --pack / --pad."""
+    if args.documents == "pad":
+        return ("documents (ended by byte 0x03) padded (--pad): each window stops at its document's end, padding "
+                "targets ignored, the loss normalised by the real targets of the global batch")
+    return "documents (ended by byte 0x03) packed (--pack): windows run across them"
+
+
 def _header(args, cfg, s, world: int) -> list[str]:
     topo = s.topo
     dp = f"dp {topo.dp // s.cp} x cp {s.cp}" if s.cp > 1 else f"dp {topo.dp}"
@@ -104,6 +112,8 @@ def _header(args, cfg, s, world: int) -> list[str]:
              f"context {cfg.block_size}), {precision_description(args)}",
              f"device {backend.device_description}; messages over {getattr(args, 'comm', None) or 'mpi'}",
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
+    if args.data or args.documents == "pad":
+        lines.append(documents_description(args))
     if args.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and gradients",
                    3: "optimizer state, gradients and parameters"}[args.zero]
@@ -122,8 +132,10 @@ def _header(args, cfg, s, world: int) -> list[str]:
     if topo.pp > 1:
         m, v = args.grad_accum, getattr(args, "virtual_stages", 1)
         sched = make_schedule(args.schedule, topo.pp, m, v)
-        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f} "
-                     f"= (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}"
+        formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
+                   f" = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}")
+        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
+                     f"{formula}"
                      f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
                      f"{[peak_in_flight(ops) for ops in sched]}")
     if args.zero and topo.dp == 1:
@@ -164,9 +176,10 @@ def train(args, comm, log=print, after_grads=None) -> dict:
     fp16 = args.precision == "fp16"
     scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
                                hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
+    pad = args.documents == "pad"  # --pad: windows stop at document ends; the sampler and validation alike
     sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
-                                 dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed)
-    val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
+                                 dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed, pad=pad)
+    val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1, pad=pad)
     if rank0:
         for line in _header(args, cfg, s, comm.world_size):
             log(line)

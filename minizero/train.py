@@ -187,6 +187,21 @@ def _parse_everywhere(argv, comm, mpi_world):
     return None, 2, f"--help was given to rank(s) {helped} only; give every rank the same arguments"
 
 
+def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
+    """What rank ``rank`` prints for the exception that ends its run: one line for a diagnosis
+    (:data:`DIAGNOSES`) and for an MPI library error (a survivor whose peer died: MPICH's error stack
+    is dozens of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
+    if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
+        verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
+        return f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
+    if mpi_exception and isinstance(e, mpi_exception):
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return (f"[rank {rank}] minizero.train failed: the MPI library reported an error, most likely a peer rank "
+                f"died (see the launcher's report): {first}\n")
+    return (f"[rank {rank}] minizero.train failed: {type(e).__name__}: {e}\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+
+
 def _select_device(args, comm, mpi_world) -> str | None:
     """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
 
@@ -271,7 +286,8 @@ def main(argv=None) -> int:
     args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
     if code is not None:
         if rank == 0 and refusal:
-            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+            for line in refusal.splitlines():  # a damaged manifest: one line per problem
+                print(f"python -m minizero.train: error: {line}", file=sys.stderr, flush=True)
         faulthandler.cancel_dump_traceback_later()
         return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
@@ -329,13 +345,7 @@ def main(argv=None) -> int:
                           "files already written are left as they were\n")
             comm.abort(code)
             return code
-        if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
-            verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
-            text = f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
-        else:
-            text = (f"[rank {rank}] minizero.train failed: {type(e).__name__}: {e}\n"
-                    + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-        _write_stderr(text)
+        _write_stderr(failure_text(e, rank, MPI.Exception))
         time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1

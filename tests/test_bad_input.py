@@ -414,3 +414,15 @@ def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
     assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
     err = capsys.readouterr().err
     assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--cp", "2", "--dp", "3"], "--dp 3 x --tp 1 x --pp 1 = 3, but world size 4 / cp 2 = 2; the product must equal "
+                                 "that"),
+    (["--cp", "2", "--tp", "3"], "cannot derive --dp: world size 4 / cp 2 = 2 is not divisible by --tp 3"),
+    (["--dp", "3"], "--dp 3 x --tp 1 x --pp 1 = 3, but the world has 4 rank(s)")])
+def test_sizes_under_cp_name_the_world_and_the_context_split(flags, said):
+    """Before: "the world has 2 rank(s)" for 4 ranks under --cp 2 (the world divided by cp, named as the world)."""
+    with pytest.raises(UsageError) as e:
+        parse_args(["--model", "tiny", *flags], 4)
+    assert said in str(e.value)

@@ -189,11 +189,11 @@ def _copy(src, dst):
     return dst
 
 
-def _resume_error(path, extra=()):
+def _resume_error(path, extra=(), lines=1):
     with pytest.raises(UsageError) as e:
         parse_args(BASE + F64 + ["--resume", str(path), *extra], 2)
     msg = str(e.value)
-    assert "\n" not in msg
+    assert msg.count("\n") == lines - 1, msg
     return msg
 
 
@@ -218,6 +218,11 @@ def test_bad_checkpoints_are_one_line_naming_the_file(saved, tmp_path):
     assert "no complete checkpoint" in _resume_error(tmp_path / "missing" / ".." / "short" / "..")
 
 
+def read_manifest_json(folder):
+    import json
+    return json.loads((folder / "manifest.json").read_text())
+
+
 def _edit_manifest(folder, edit):
     import json
     man = json.loads((folder / "manifest.json").read_text())
@@ -235,12 +240,15 @@ def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening
 
     def file_outside(man):
         man["files"][0]["file"] = "../../../../etc/passwd"
+    passwd = _edit_manifest(_copy(saved, tmp_path / "passwd"), file_outside)  # its pieces now name no files entry
+    n = sum(pc["file"] == "rank00000.safetensors" for pc in read_manifest_json(passwd)["pieces"])
     assert "files[0].file is '../../../../etc/passwd', expected a plain file name" in \
-        _resume_error(_edit_manifest(_copy(saved, tmp_path / "passwd"), file_outside))
+        _resume_error(passwd, lines=1 + n).splitlines()[0]
 
     def absolute(man):
         man["files"][0]["file"] = "/etc/passwd"
-    assert "files[0].file is '/etc/passwd'" in _resume_error(_edit_manifest(_copy(saved, tmp_path / "abs"), absolute))
+    assert "files[0].file is '/etc/passwd'" in \
+        _resume_error(_edit_manifest(_copy(saved, tmp_path / "abs"), absolute), lines=1 + n).splitlines()[0]
     assert "field 'files' is empty" in _resume_error(
         _edit_manifest(_copy(saved, tmp_path / "empty"), lambda man: man.update(files=[], pieces=[])))
     fifo = _copy(saved, tmp_path / "fifo")
@@ -274,6 +282,61 @@ def test_every_piece_field_is_checked_against_the_model_before_any_read(saved, t
 def test_a_files_entry_with_bytes_lots_is_refused(saved, tmp_path):
     folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update(bytes="lots"))
     assert "files[0] has bytes lots" in _resume_error(folder)
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("rng", {"key": "x", "offset": 0}, "files[0].rng is {'key': 'x', 'offset': 0}, expected"),
+    ("rng", {"key": 2 ** 64, "offset": 0}, "files[0].rng is"), ("rng", [1, 2], "files[0].rng is [1, 2]"),
+    ("coords", [0, 1, 0], "files[0].coords is [0, 1, 0], expected [dp rank, tp rank, pp rank] inside dp x tp x pp = "
+                          "[2, 1, 1]"),
+    ("coords", "00", "files[0].coords is 00")])
+def test_rng_and_coords_are_checked(saved, tmp_path, field, value, said):
+    """Before: a bad rng was a ValueError traceback while loading, bad coords one in ``inspect``."""
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update({field: value}))
+    assert said in _resume_error(folder)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(folder)], capture_output=True,
+                          text=True, timeout=50, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr, proc.stderr
+
+
+def test_every_problem_of_a_manifest_is_one_line_and_exit_2(saved, tmp_path):
+    def damage(man):
+        man["pieces"][0]["dtype"] = "float99"
+        man["pieces"][1]["hi"] = 10 ** 12
+        man["files"][0]["rng"] = {"key": -1, "offset": 0}
+        man["files"][1]["coords"] = [5, 0, 0]
+        man["train"]["seed"] = "x"
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), damage)
+    said = ["pieces[0] dtype 'float99'", "pieces[1] lo 0, hi 1000000000000", "files[0].rng is", "files[1].coords is",
+            "train.seed is 'x', expected an integer >= 0"]
+    with pytest.raises(UsageError) as e:
+        parse_args(BASE + F64 + ["--resume", str(folder)], 2)
+    lines = str(e.value).splitlines()
+    assert len(lines) == len(said) and all(line.endswith("the manifest is damaged") for line in lines), lines
+    assert all(any(s in line for line in lines) for s in said), lines
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", *BASE, *F64, "--resume", str(folder), "--no-save"],
+                          capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    got = proc.stderr.splitlines()
+    assert len(got) == len(said) and all(line.startswith("python -m minizero.train: error: ") for line in got), got
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(folder), "--out",
+                           str(tmp_path / "m.npz")], capture_output=True, text=True, timeout=50, cwd=REPO_ROOT)
+    got = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(got) == len(said), proc.stderr
+    assert all(line.startswith("python -m minizero.checkpoint: error: ") for line in got), got
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_a_checkpoint_folder_that_is_a_symlink_is_refused(saved, tmp_path):
+    real = _copy(saved, tmp_path / "real")
+    os.symlink(real, tmp_path / "link")
+    assert f"link: a symbolic link (to {real}), expected the checkpoint folder itself" in \
+        _resume_error(tmp_path / "link")
+    save_dir = tmp_path / "save"  # a save dir's step folder that is a link (it could lead anywhere)
+    save_dir.mkdir()
+    os.symlink(real, save_dir / "step_00000002")
+    assert "step_00000002: a symbolic link" in _resume_error(save_dir)
+    assert _resume_error(real, ["--model", "small"])  # the real folder is read (and found another shape)
 
 
 @pytest.mark.timeout(120)

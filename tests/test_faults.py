@@ -114,8 +114,9 @@ def test_cross_entropy_of_two_equal_huge_logits_is_ln2():
     np.testing.assert_allclose(z.grad, [[0.5, -0.5]], atol=1e-7)
 
 
-@pytest.mark.parametrize("bad", [-100, -1, 4, 7])
+@pytest.mark.parametrize("bad", [-101, -1, 4, 7])
 def test_both_losses_refuse_the_same_targets(bad):
+    """-100 is the ignore index (tests/test_padding.py); every other value outside [0, V) is refused."""
     z = np.zeros((3, 4))
     t = np.array([0, bad, 1])
     with pytest.raises(ValueError, match=f"target {bad} at position 1"):
@@ -363,3 +364,24 @@ def test_scaled_matmul_gradients_and_value():
     a, b = rng.normal(size=(2, 3, 4, 5)), rng.normal(size=(2, 3, 5, 4))
     check_op(lambda x, y: F.scaled_matmul(x, y, 0.37), a, b)
     np.testing.assert_allclose(F.scaled_matmul(Tensor(a), Tensor(b), 0.37).data, (a @ b) * 0.37, rtol=1e-14)
+
+
+def test_a_survivors_mpi_error_is_one_line_a_bug_keeps_its_traceback():
+    """Issue 26: a survivor whose peer (rank 0) was killed printed mpi4py's 44-line error stack and traceback;
+    now one line naming the likely cause. Anything unexpected still shows where it happened."""
+    from mpi4py import MPI
+
+    from minizero.train import failure_text
+    stack = "Other MPI error, error stack:\nMPIR_Wait(98)...: \nMPIDI_CH3I_Progress(...): Communication failure\n" * 10
+    class Stacked(MPI.Exception):  # MPICH's message for a lost peer: an error stack, many lines
+        def __str__(self):
+            return stack
+    text = failure_text(Stacked(MPI.ERR_OTHER), 1, MPI.Exception)
+    assert text.count("\n") == 1 and text.startswith("[rank 1] minizero.train failed: the MPI library reported an "
+                                                     "error, most likely a peer rank died"), text
+    assert "Other MPI error" in text
+    try:
+        raise KeyError("bug")
+    except KeyError as e:
+        bug = failure_text(e, 0, MPI.Exception)
+    assert "Traceback" in bug and "KeyError" in bug

@@ -1,4 +1,5 @@
 """Sampling: top-k, the weights' shape read back, ``python -m minizero.sample`` and the main job's sample."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -159,3 +160,19 @@ def test_foreign_weights_exit_2(tmp_path):
         proc = run_sample("--weights", str(tmp_path / name))
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert "is not a model.npz written by minizero.train" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_json_disagreeing_with_the_weight_headers_is_refused_before_reading(tmp_path, monkeypatch):
+    """Issue 26: model.json's sizes are checked against the .npz headers (no array data read), one line, exit 2."""
+    import minizero.weights as W
+    np.savez(tmp_path / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps({**dataclasses.asdict(get_config("tiny")), "n_embd": 32,
+                                                     "n_layer": 2}))
+    monkeypatch.setattr(W.np, "load", lambda *a, **k: pytest.fail("array data read before the headers were checked"))
+    with pytest.raises(ValueError, match=r"model.json beside --weights .* disagrees with the array headers: "
+                                         r"n_embd 32 vs 16$"):
+        W.read_weights(str(tmp_path / "model.npz"))
+    monkeypatch.undo()
+    proc = run_sample("--weights", str(tmp_path / "model.npz"), "--tokens", "5")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "disagrees with the array headers: n_embd 32 vs 16" in proc.stderr and "Traceback" not in proc.stderr

@@ -308,69 +308,90 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return Dropout.apply(x, p)
 
 
-def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy") -> None:
-    """Raise unless ``targets`` is an (n,) integer array with every value in [0, vocab_size).
+IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds nothing to the loss
+
+
+def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy", ignore_index: int = IGNORE_INDEX):
+    """Raise unless ``targets`` is an (n,) integer array, each value in [0, vocab_size) or ``ignore_index``.
 
     One check for every loss (the plain one and the vocabulary-parallel one), so both refuse
-    the same inputs: PyTorch's ignore index -100 is not supported, and a target equal to V
-    is out of range. Raises ValueError naming the first bad value and its position.
+    the same inputs (a target equal to V is out of range). Raises ValueError naming the first
+    bad value and its position.
     """
     xp = backend.xp
     if getattr(targets, "shape", None) != (n,):
         raise ValueError(f"{where}: targets must have shape ({n},), got {getattr(targets, 'shape', type(targets))}")
     if n and not np.issubdtype(targets.dtype, np.integer):
         raise ValueError(f"{where}: targets must be integers, got dtype {targets.dtype}")
-    bad = xp.flatnonzero((targets < 0) | (targets >= vocab_size))
+    bad = xp.flatnonzero(((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{where}: targets must lie in [0, {vocab_size}); target {int(targets[i])} at position {i} "
-                         f"is outside ({bad.size} bad in all; no ignore index such as -100 is supported)")
+        raise ValueError(f"{where}: targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
+                         f"target {int(targets[i])} at position {i} is outside ({bad.size} bad in all)")
+
+
+def mean_over_kept(losses, keep):
+    """sum(losses[keep]) / count(keep) in ``losses.dtype``; NaN when nothing is kept (PyTorch's 0/0).
+
+    With every row kept this is ``losses.mean()`` bit for bit (the same sum divided by the same count).
+    """
+    xp = backend.xp
+    count = keep.sum()
+    total = xp.where(keep, losses, 0).sum()
+    return xp.where(count > 0, total / xp.maximum(count, 1).astype(losses.dtype), xp.nan).astype(losses.dtype)
 
 
 class CrossEntropy(Function):
-    """Mean softmax cross-entropy of ``logits`` against integer ``targets``.
+    """Mean softmax cross-entropy of ``logits`` against integer ``targets`` (rows targeting ``ignore_index`` left out).
 
-    Shapes: logits (N, V), targets (N,) integers in [0, V) -> scalar (float32
-    for float16/float32 logits, float64 for float64). Computed in at least float32 from the
+    Shapes: logits (N, V), targets (N,) integers in [0, V) or ``ignore_index`` -> scalar (float32
+    for float16/float32 logits, float64 for float64): the mean over the n kept rows (NaN when
+    n = 0, as PyTorch's ``reduction="mean"``). Computed in at least float32 from the
     max-shifted logits z - m (m the row maximum): loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,t - m_i),
     so the offset m cancels exactly instead of being added to and subtracted from a sum that
     rounds at m's magnitude (logits [1e8, 1e8] give ln 2, not 0; PyTorch's log_softmax does the
     same shift). A scaled FP16 loss cannot overflow. Saves logits, targets and
     log(sum exp(z - m)) (N,); backward recomputes m from the logits (no second (N,) array kept).
-    Backward: (softmax(logits) - onehot) / N, softmax = exp((z - m) - log-sum).
+    Backward: (softmax(logits) - onehot) / n on kept rows, exactly zero on ignored rows (and
+    everywhere when n = 0, as PyTorch's).
     """
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx, logits, targets, ignore_index=IGNORE_INDEX):
         xp = backend.xp
         ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
         m = ls.max(axis=-1, keepdims=True)
         shifted = ls - m
         logsum = xp.log(xp.exp(shifted).sum(axis=-1))
-        picked = shifted[xp.arange(ls.shape[0]), targets]
+        keep = targets != ignore_index
+        picked = shifted[xp.arange(ls.shape[0]), xp.where(keep, targets, 0)]
+        ctx.ignore_index = ignore_index
         ctx.save_for_backward(logits, targets, logsum)
-        return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)  # float16 logits -> float32 loss
+        return mean_over_kept(logsum - picked, keep)  # float16 logits -> float32 loss
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
         logits, targets, logsum = ctx.saved_tensors
-        n = logits.shape[0]
+        keep = targets != ctx.ignore_index
         ls = logits.astype(logsum.dtype, copy=False)
         p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum[:, None])
-        p[xp.arange(n), targets] -= 1.0
-        return (p * (g / n)).astype(logits.dtype, copy=False), None
+        p[xp.arange(logits.shape[0]), xp.where(keep, targets, 0)] -= 1.0
+        p[~keep] = 0  # ignored rows: exactly zero
+        n = xp.maximum(keep.sum(), 1).astype(p.dtype)
+        return (p * (g / n)).astype(logits.dtype, copy=False), None, None
 
 
-def cross_entropy(logits: Tensor, targets) -> Tensor:
-    """Mean cross-entropy; ``logits`` (N, V) Tensor, ``targets`` (N,) integer array.
+def cross_entropy(logits: Tensor, targets, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy over the targets that are not ``ignore_index`` (PyTorch's ``F.cross_entropy``).
 
+    ``logits`` (N, V) Tensor, ``targets`` (N,) integer array. All targets ignored: NaN, zero gradient.
     Raises:
-        ValueError: shapes disagree or a target is outside [0, V) (:func:`check_targets`).
+        ValueError: shapes disagree or a target is outside [0, V) and not ``ignore_index`` (:func:`check_targets`).
     """
     t = targets.data if isinstance(targets, Tensor) else targets
     if logits.ndim != 2:
         raise ValueError(f"cross_entropy expects logits (N, V) and targets (N,), got {logits.shape} and "
                          f"{getattr(t, 'shape', None)}")
-    check_targets(t, logits.shape[0], logits.shape[1])
-    return CrossEntropy.apply(logits, t)
+    check_targets(t, logits.shape[0], logits.shape[1], ignore_index=ignore_index)
+    return CrossEntropy.apply(logits, t, ignore_index)

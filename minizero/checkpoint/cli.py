@@ -121,7 +121,8 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}: {len(state)} tensors from {folder}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
-        print(f"python -m minizero.checkpoint: error: {msg}", file=sys.stderr)
+        for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)
+            print(f"python -m minizero.checkpoint: error: {line}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)

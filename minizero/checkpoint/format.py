@@ -166,44 +166,84 @@ ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256"),
 
 
 def _check_fields(path: str, man: dict) -> None:
-    """Raise CheckpointError naming the first field of ``man`` a reader would trip on (missing, wrong type)."""
-    for key, kind in FIELDS.items():
-        v = man.get(key)
-        if not isinstance(v, kind) or isinstance(v, bool) or kind is int and v < 0:
-            raise CheckpointError(f"{path}: field {key!r} is {'missing' if key not in man else repr(v)[:40]}, "
-                                  f"expected {'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}; "
-                                  "the manifest is damaged")
+    """Raise CheckpointError with one line per problem a reader would trip on (missing, wrong type, out of range).
+
+    In three passes, each needing the one before: the top-level fields, then each entry's fields
+    present, then their values (file names, sizes, pieces against the params, layout, rng, coords).
+    """
+    for problems in (_top_problems, _entry_problems, _value_problems):
+        found = problems(man)
+        if found:
+            raise CheckpointError("\n".join(f"{path}: {p}; the manifest is damaged" for p in found))
+
+
+def _top_problems(man: dict) -> list[str]:
+    return [f"field {key!r} is {'missing' if key not in man else repr(man[key])[:40]}, expected "
+            f"{'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}"
+            for key, kind in FIELDS.items()
+            if not isinstance(man.get(key), kind) or isinstance(man.get(key), bool) or kind is int and man[key] < 0]
+
+
+def _entry_problems(man: dict) -> list[str]:
+    out = []
     for key, need in ENTRY_FIELDS.items():
         for i, entry in enumerate(man[key]):
             missing = [f for f in need if not isinstance(entry, dict) or f not in entry]
             if missing:
-                raise CheckpointError(f"{path}: {key}[{i}] lacks {', '.join(missing)}; the manifest is damaged")
-    names = set()
+                out.append(f"{key}[{i}] lacks {', '.join(missing)}")
+    if not man["files"]:
+        out.append("field 'files' is empty, expected one entry per rank file")
+    return out
+
+
+def _value_problems(man: dict) -> list[str]:
+    out, names, refused = [], set(), set()
     for i, entry in enumerate(man["files"]):
         name = entry["file"]
         if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.basename(name) != name \
                 or name in (".", ".."):
-            raise CheckpointError(f"{path}: files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside "
-                                  "the checkpoint folder (no '..', no '/', not absolute); the manifest is damaged")
+            out.append(f"files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside the checkpoint "
+                       "folder (no '..', no '/', not absolute)")
+            refused.add(str(name))
+        else:
+            names.add(name)
         if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(entry["rank"]) or entry["rank"] < 0:
-            raise CheckpointError(f"{path}: files[{i}] has bytes {str(entry['bytes'])[:20]}, rank "
-                                  f"{str(entry['rank'])[:20]}, expected integers >= 0; the manifest is damaged")
-        names.add(name)
-    if not names:
-        raise CheckpointError(f"{path}: field 'files' is empty, expected one entry per rank file; the manifest is "
-                              "damaged")
+            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(entry['rank'])[:20]}, expected "
+                       "integers >= 0")
+        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"])) if p]
     for i, pc in enumerate(man["pieces"]):
-        if not isinstance(pc["file"], str) or pc["file"] not in names:
-            raise CheckpointError(f"{path}: pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the "
-                                  f"checked 'files' entries ({', '.join(sorted(names))[:80]}); the manifest is damaged")
-    for i, pc in enumerate(man["pieces"]):
+        if not isinstance(pc["file"], str) or pc["file"] not in names | refused:  # a refused entry is reported
+            out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
+                       f"({', '.join(sorted(names))[:80]})")
         problem = _piece_problem(pc, man["params"])
         if problem:
-            raise CheckpointError(f"{path}: pieces[{i}] {problem}; the manifest is damaged")
+            out.append(f"pieces[{i}] {problem}")
     for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
-        if not isinstance(man[section].get(key), int):
-            raise CheckpointError(f"{path}: {section}.{key} is {man[section].get(key)!r}, expected an integer; "
-                                  "the manifest is damaged")
+        v = man[section].get(key)
+        if not _is_int(v) or v < (0 if key == "seed" else 1):
+            out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
+    return out
+
+
+def _rng_problem(rng) -> str | None:
+    """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
+    checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
+    if rng is None or isinstance(rng, dict) and "key" not in rng:
+        return None
+    if not (isinstance(rng, dict) and all(_is_int(rng.get(k)) and 0 <= rng[k] < 2 ** 64 for k in ("key", "offset"))):
+        return f"rng is {str(rng)[:60]}, expected {{'key': int, 'offset': int}} in [0, 2**64)"
+    return None
+
+
+def _coords_problem(entry: dict, layout: dict) -> str | None:
+    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp (absent: not checked)."""
+    c = entry.get("coords")
+    sizes = [layout.get(k) for k in ("dp", "tp", "pp")]
+    if "coords" not in entry or not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
+        return None
+    if not (isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v < n for v, n in zip(c, sizes))):
+        return f"coords is {str(c)[:40]}, expected [dp rank, tp rank, pp rank] inside dp x tp x pp = {sizes}"
+    return None
 
 
 #: the dtypes a piece may hold, by format
@@ -259,10 +299,14 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
             of AdamW, 8-bit Adam and FP16's masters are different things).
         checksums: also hash every file (SHA-256, streamed) against the manifest.
     Raises:
-        CheckpointError: naming the file and the problem: a missing rank file, a size that
-            differs (truncated), a checksum mismatch, another model shape or optimizer.
+        CheckpointError: naming the file and the problem: the folder a symbolic link, a damaged
+            manifest (one line per problem), a missing rank file, a size that differs (truncated),
+            a checksum mismatch, another model shape or optimizer.
     """
     folder = resolve(path)
+    if os.path.islink(os.path.normpath(folder)):  # as a rank file: a link may lead anywhere, name the real folder
+        raise CheckpointError(f"{folder}: a symbolic link (to {os.path.realpath(folder)}), expected the checkpoint "
+                              "folder itself; give that path")
     man = read_manifest(folder)
     mpath = os.path.join(folder, MANIFEST)
     for key in SHAPE_FIELDS:

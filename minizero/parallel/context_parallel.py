@@ -31,7 +31,8 @@ splits the token ids and the targets), the position embedding looks up the chunk
 positions, and every block's ``attn.core`` is :func:`ring_attention`. Everything else acts
 token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
 averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
-Megatron-LM's "dp-cp" group) gives the gradient of the global mean.
+Megatron-LM's "dp-cp" group) gives the gradient of the global mean (with --pad the strategy weighs
+each rank's mean by its chunks' real targets over the global count).
 With pipeline stages (``--pp``) each stage keeps the same split: the first stage splits the token
 ids, the last the targets, and the (b, 2n, C) activations go from cp rank r of one stage to cp
 rank r of the next (same data and tensor coordinates; Megatron-LM's "tp-cp-dp-pp" order puts the
@@ -41,7 +42,7 @@ head's loss act token by token on any rows, the all-gather before attention rest
 (b, 2n, C/t) in chunk order, and the positions were looked up before the split.
 Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
 no attention dropout, and the sequence-parallel dropout would draw the unsplit model's mask for
-contiguous rows), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
+contiguous rows; why this stays: ARCHITECTURE.md), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
 """
 from __future__ import annotations
 

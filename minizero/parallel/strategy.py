@@ -35,6 +35,7 @@ import numpy as np
 
 from minizero import backend, trace
 from minizero.autograd import manual_seed
+from minizero.autograd.functional import IGNORE_INDEX
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
@@ -43,10 +44,9 @@ from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
-from minizero.parallel.context_parallel import context_group, context_parallelize
+from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
-from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
@@ -75,9 +75,12 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
-                 predivide: bool = False, overlap: bool = False, cp: int = 1):
+                 predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False):
         self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
+        # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
+        # every target is real, the count is B*T and each micro-batch's mean weighs 1/m as it always did
+        self.padded = padded
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
         # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
@@ -105,17 +108,48 @@ class Strategy:
         """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
 
         Args:
-            micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets.
+            micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets; with
+                ``padded`` a target may be ``IGNORE_INDEX`` (-100).
             loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
-                the mean loss over the step's global batch (under FP16 the seed carries 1/dp already).
+                the mean loss over the real targets of the step's global batch (under FP16 the seed
+                carries 1/dp already).
             poison: fault injection: this rank's gradients are made infinite before the data-group
                 reduction (the overlapped reducer packs them during backward, so it is told here).
         Returns:
-            the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere.
+            the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere;
+            with ``padded`` each weighted by m D n_i / N (n_i its real targets on this rank, N the
+            global batch's, D the data group's size), so the loop's sum / (m D) over ranks is the
+            global mean.
+        Raises:
+            ValueError: a target is ``IGNORE_INDEX`` but the strategy is not ``padded`` (on that rank only:
+                the others wait in their next collective until ``--comm-timeout``).
+        Collectives: with ``padded``, one all-reduce of one float64 over the data group (label
+        ``token_count``): N, the step's real targets over micro-batches, data and context ranks.
+        Normalising by N rather than averaging per-micro-batch means is what makes any layout and
+        any accumulation equal one process (the gradient-accumulation fix of transformers, 2024;
+        torchtune PR #1875); without ``padded`` N = B T is known and nothing is sent.
         """
+        counts = [self.real_targets(y) for _, y in micro_batches]
+        if not self.padded and any(c != y.size // self.cp for c, (_, y) in zip(counts, micro_batches)):
+            raise ValueError(f"targets equal to ignore_index {IGNORE_INDEX} in a step of a strategy that counts every "
+                             "target: build it with padded=True (--pad) so the loss is normalised by the global count")
         if self.reducer is not None:
             self.reducer.begin_step(len(micro_batches), poison=poison)
-        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
+        shares = None
+        if self.padded:
+            with self.topo.dp_comm.traffic.op("token_count"):
+                n = all_reduce(self.topo.dp_comm, backend.to_device(np.array([float(sum(counts))])))
+            n = float(backend.to_host(n)[0])
+            shares = [len(counts) * self.topo.dp * c / n for c in counts]
+        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor, shares=shares)
+
+    def real_targets(self, y) -> int:
+        """How many of the targets ``y`` (b, T) this rank's loss counts: not ``IGNORE_INDEX``, in its context chunks."""
+        real = backend.to_host(y) != IGNORE_INDEX  # on the host, where the sampler made them
+        if self.cp == 1:
+            return int(real.sum())
+        chunks = np.split(real, 2 * self.cp, axis=1)  # split_for_context_parallel's chunks, counted on the host
+        return sum(int(chunks[c].sum()) for c in chunk_ids(self.topo.dp_rank % self.cp, self.cp))
 
     def reduce_gradients(self) -> None:
         """Collective: the tied embedding's two copies summed (pp > 1), the sequence-parallel norms' and
@@ -151,21 +185,22 @@ class Strategy:
         """Collective: mean validation loss over ``batches``, rows split over the data group.
 
         Each data rank takes rows ``dp_rank::dp`` of every batch; the sums are all-reduced
-        over the world, so the value does not depend on the layout. A data rank with no rows
-        still runs the forward on one row (not counted): every rank joins every collective
-        (ZeRO-3's gathers, the tensor all-reduces, the pipeline's messages) with empty work
-        if it has none.
+        over the world, so the value does not depend on the layout: each batch's mean weighs its
+        rows (with ``padded``: its real targets, so the value is the mean over every real target).
+        A data rank with no rows still runs the forward on one row (not counted): every rank
+        joins every collective (ZeRO-3's gathers, the tensor all-reduces, the pipeline's
+        messages) with empty work if it has none.
         """
         topo, stage = self.topo, self.stage
         was_training = stage.training
         stage.eval()
-        total = np.zeros(2)  # [sum of per-sequence mean losses, number of sequences]
+        total = np.zeros(2)  # [sum of per-sequence (per real target) mean losses, number of sequences (targets)]
         for x, y in batches:
             rows = slice(topo.dp_rank // self.cp, None, topo.dp // self.cp)  # a context group shares its rows
             xs, ys = x[rows], y[rows]
-            n = len(xs)
-            loss = self.engine.forward_only(*((xs, ys) if n else (x[:1], y[:1])))
-            if self.holds_loss:
+            n = (self.real_targets(ys) if self.padded else len(xs)) if len(xs) else 0
+            loss = self.engine.forward_only(*((xs, ys) if len(xs) else (x[:1], y[:1])))
+            if self.holds_loss and n:
                 total += [loss * n, n]
         with topo.world.traffic.op("metrics"):
             total = backend.to_host(all_reduce(topo.world, backend.to_device(total)))  # host metrics, device collective
@@ -265,12 +300,10 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
     overlap = getattr(args, "overlap", True)
-    if args.schedule == "interleaved":
-        engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
-    else:
-        engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                                log=log_line, overlap=overlap)
-    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp)
+    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                            log=log_line, overlap=overlap)
+    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp,
+                    padded=args.documents == "pad")
 
 
 def describe_batch(args, cfg) -> str:

@@ -43,7 +43,7 @@ from minizero.comm.nodes import NodeLayout, layout_of
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
-                  n_layer=None, vocab_size=None) -> tuple[int, int, int]:
+                  n_layer=None, vocab_size=None, ranks=None) -> tuple[int, int, int]:
     """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
 
     Args:
@@ -52,6 +52,7 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
             others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
             (if missing) is derived.
         n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
+        ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
     Raises:
         ValueError naming the numbers: a size < 1; a product that is not the world size (or
         a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
@@ -71,13 +72,14 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
         prod = others[0][1] * others[1][1]
         if world_size % prod:
             raise ValueError(
-                f"cannot derive --{k}: world size {world_size} is not divisible by "
+                f"cannot derive --{k}: {ranks or f'world size {world_size}'} is not divisible by "
                 f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}")
         given[k] = world_size // prod
     dp, tp, pp = given["dp"], given["tp"], given["pp"]
     if dp * tp * pp != world_size:
-        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the world has "
-                         f"{world_size} rank(s); the product must equal the world size")
+        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but "
+                         + (f"{ranks}; the product must equal that" if ranks else
+                            f"the world has {world_size} rank(s); the product must equal the world size"))
     if n_head is not None and n_head % tp:
         raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
                          "(tensor parallelism splits attention by heads)")
@@ -179,7 +181,12 @@ class Topology:
 
     def describe_nodes(self) -> str:
         """One line: the node layout and how many nodes each kind of group spans."""
-        spans = ", ".join(f"{k} groups span {self.nodes_spanned(k)}" for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
+        if self.nodes.n_nodes == 1:
+            return f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a network"
+        names = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
+        spans = ", ".join(f"each {names[k]} group stays inside one node" if self.nodes_spanned(k) == 1 else
+                          f"a {names[k]} group spans up to {self.nodes_spanned(k)} nodes"
+                          for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
         return (f"nodes: {self.nodes.describe()}, node of each rank "
                 f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else ""))
 

@@ -13,7 +13,8 @@ GPT-2), and the logits (b, T, V) are the largest activation. Both split by vocab
     loss        m   = max over ranks of the row maxima        all-gather of (N,) maxima
                 s   = log(sum over ranks of sum exp(z - m))       all-reduce of (N,)
                 d_t = z_t - m, from the rank that has the target       all-reduce of (N,)
-                loss = mean(s - d_t) (m cancels exactly); backward: softmax_r - onehot_r, no message
+                loss = mean(s - d_t) over rows whose target is not ignore_index (m cancels exactly);
+                backward: softmax_r - onehot_r (ignored rows zero), no message
 
 Each rank keeps only its V/tp logits (and their gradient), so the loss never needs the
 (b, T, V) array anywhere. The head's weight is the embedding's shard (the tie holds shard
@@ -115,7 +116,7 @@ class _VocabParallelCrossEntropy(Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, comm, vocab_start):
+    def forward(ctx, logits, targets, comm, vocab_start, ignore_index=F.IGNORE_INDEX):
         xp = backend.xp
         n, v = logits.shape
         ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
@@ -124,39 +125,46 @@ class _VocabParallelCrossEntropy(Function):
         m = maxima.reshape(comm.world_size, n).max(axis=0)
         shifted = ls - m[:, None]
         logsum = xp.log(_reduce(comm, xp.exp(shifted).sum(axis=-1)))
+        keep = targets != ignore_index
         local = targets - vocab_start
-        mine = (local >= 0) & (local < v)
+        mine = (local >= 0) & (local < v) & keep
         local = xp.where(mine, local, 0)
         picked = _reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0).astype(ls.dtype, copy=False))
-        ctx.save_for_backward(logits, local, mine, logsum + (m - local_max))
-        return xp.asarray((logsum - picked).mean(), dtype=ls.dtype)
+        # an ignored row's local index is -1: backward tells it from ``local`` (no (N,) mask saved beside it)
+        ctx.save_for_backward(logits, xp.where(keep, local, -1), mine, logsum + (m - local_max))
+        return F.mean_over_kept(logsum - picked, keep)
 
     @staticmethod
     def backward(ctx, g):
         xp = backend.xp
         logits, local, mine, logsum_r = ctx.saved_tensors
-        n = logits.shape[0]
+        keep = local >= 0
         ls = logits.astype(logsum_r.dtype, copy=False)
         p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum_r[:, None])
-        p[xp.arange(n), local] -= mine.astype(p.dtype)
-        return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None
+        p[xp.arange(logits.shape[0]), xp.where(keep, local, 0)] -= mine.astype(p.dtype)
+        p[~keep] = 0  # ignored rows: exactly zero
+        n = xp.maximum(keep.sum(), 1).astype(p.dtype)
+        return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int):
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore_index: int = F.IGNORE_INDEX):
     """Mean cross-entropy of ``logits`` (N, V/tp), this rank's tokens [vocab_start, +V/tp), against ``targets`` (N,).
+
+    Rows whose target is ``ignore_index`` are left out as by the plain cross-entropy (NaN when all are).
 
     Every rank of the tensor group calls it with its own logits; all get the same loss
     (float32 for float16/float32 logits, float64 for float64).
     Collectives: forward an all-gather and two all-reduces of (N,) values; backward none.
     Raises:
-        ValueError: logits not 2-D, or a target outside [0, V), V = tp * V/tp (the same check
+        ValueError: logits not 2-D, or a target outside [0, V) and not ``ignore_index``, V = tp * V/tp (the same check
         as the plain :func:`~minizero.autograd.functional.cross_entropy`, on every rank).
     """
     t = targets.data if isinstance(targets, Tensor) else targets
     if logits.ndim != 2:
         raise ValueError(f"vocab_parallel_cross_entropy expects logits (N, V/tp), got {logits.shape}")
-    F.check_targets(t, logits.shape[0], logits.shape[1] * comm.world_size, "vocab_parallel_cross_entropy")
-    return _VocabParallelCrossEntropy.apply(logits, t, comm, vocab_start)
+    F.check_targets(t, logits.shape[0], logits.shape[1] * comm.world_size, "vocab_parallel_cross_entropy",
+                    ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, t, comm, vocab_start, ignore_index)
 
 
 def vocab_parallelize(stage, comm) -> list[str]:
