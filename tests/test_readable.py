@@ -84,3 +84,35 @@ def test_the_checker_allows_data_attributes_and_self_forward_calls():
               "        return self.core(x)\n")
     tree = ast.parse(source)
     assert violations(tree, method_names([tree])) == []
+
+
+#: techniques: the planner's analytic estimator is above them (it models them; they never ask it)
+TECHNIQUE_DIRS = ("parallel", "nn", "optim", "comm", "autograd")
+
+
+def estimator_imports(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every import of ``minizero.memory.estimator`` (any form) in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        if any(n == "minizero.memory.estimator" or n.startswith("minizero.memory.estimator.") for n in names):
+            found.append(f"{filename}:{node.lineno}")
+    return found
+
+
+def test_no_technique_imports_the_estimator():
+    files = [f for d in TECHNIQUE_DIRS for f in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 20
+    found = [v for f in files for v in estimator_imports(ast.parse(f.read_text()), str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["from minizero.memory.estimator import ring_attention_bytes",
+                                  "from minizero.memory import estimator",
+                                  "import minizero.memory.estimator.traffic as t"])
+def test_the_estimator_check_catches_an_injected_import(line):
+    assert len(estimator_imports(ast.parse("import math\n" + line + "\n"))) == 1

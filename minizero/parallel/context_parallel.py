@@ -51,7 +51,6 @@ from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.nn.module import Module
 from minizero.memory.recompute import CheckpointWrapper
-from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
 
@@ -88,12 +87,15 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks.
-
-    The estimator's formula (:func:`minizero.memory.estimator.ring_attention_bytes`, which the planner uses):
-    one source for the trainer, the estimator and the planner. 0 and 0 for cp = 1.
+    """Bytes one rank sends per call, {"forward", "backward"}: a block is (b, h, s/cp, d) x ``itemsize``;
+    forward (cp-1) passes of (k, v); backward (cp-1) passes of (k, v, dk, dv) and one more of (dk, dv)
+    that brings every gradient block home. 0 and 0 for cp = 1. (The planner's estimator models the same
+    figure; tests/test_context_parallel.py checks both against the traffic ledger.)
     """
-    return ring_attention_bytes(b, h, s, d, itemsize, cp)
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    blk = b * h * (s // cp) * d * itemsize
+    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
 
 
 def _mask(qc: int, kc: int, n: int):
