@@ -21,6 +21,7 @@ import tempfile
 
 from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, resolve, run_layout, verify
 from minizero.data import describe_non_file, load_tokens, prompt_problem
+from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
@@ -40,7 +41,6 @@ MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
 LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
 
 def _check_outputs(args) -> None:

@@ -68,22 +68,18 @@ class OverlappedReducer:
         self.dp, self.stream = dp, Stream(dp.comm)
         deferred = {id(p) for p in defer}
         self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]
-        self.micro_steps, self.poison = 1, False
+        self.micro_steps = 1
         self.fired = [0] * len(dp.buckets)
         self.launched = [False] * len(dp.buckets)
         for b, (_, layout) in enumerate(dp.buckets):
             for p, _ in layout:
                 p.register_post_accumulate_grad_hook(self._hook(b))
 
-    def begin_step(self, micro_steps: int, poison: bool = False) -> None:
-        """A new optimizer step of ``micro_steps`` backward passes; buckets launch after the last one.
-
-        ``poison``: fault injection (``MINIZERO_FAULT=r:s:inf``): this rank's gradients become
-        infinite as they are packed (what the blocking path sees after the loop multiplies them).
-        """
+    def begin_step(self, micro_steps: int) -> None:
+        """A new optimizer step of ``micro_steps`` backward passes; buckets launch after the last one."""
         if micro_steps < 1:
             raise ValueError(f"micro_steps={micro_steps}; allowed: >= 1")
-        self.micro_steps, self.poison = micro_steps, poison
+        self.micro_steps = micro_steps
         self.fired = [0] * len(self.dp.buckets)
         self.launched = [False] * len(self.dp.buckets)
 
@@ -99,8 +95,6 @@ class OverlappedReducer:
         flat, layout = self.dp.buckets[b]
         n = self.dp.comm.world_size
         fill_bucket(flat, layout)
-        if self.poison:
-            flat *= flat.dtype.type("inf")
         mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
         self.launched[b] = True
         if all_reduce_algorithm(flat.nbytes, n) != "ring":  # a small bucket: recursive doubling, blocking, in

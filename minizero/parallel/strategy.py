@@ -101,20 +101,18 @@ class Strategy:
         """True on the ranks whose :meth:`forward_backward` returns the loss (last stage, tensor rank 0)."""
         return self.stage.is_last and self.topo.tp_rank == 0
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, poison: bool = False) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
         """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
 
         Args:
             micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets.
             loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
                 the mean loss over the step's global batch (under FP16 the seed carries 1/dp already).
-            poison: fault injection: this rank's gradients are made infinite before the data-group
-                reduction (the overlapped reducer packs them during backward, so it is told here).
         Returns:
             the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere.
         """
         if self.reducer is not None:
-            self.reducer.begin_step(len(micro_batches), poison=poison)
+            self.reducer.begin_step(len(micro_batches))
         return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor)
 
     def reduce_gradients(self) -> None:
