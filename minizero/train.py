@@ -61,7 +61,7 @@ class Terminated(BaseException):
 
 def use_tracemalloc(args) -> bool:
     """True when ``--tracemalloc`` was asked for and ``--no-tracemalloc`` was not (off by default)."""
-    return bool(getattr(args, "tracemalloc", False)) and not getattr(args, "no_tracemalloc", False)
+    return bool(args.tracemalloc) and not args.no_tracemalloc
 
 
 def peak_rss_bytes() -> int:
@@ -201,7 +201,7 @@ def _select_device(args, comm, mpi_world) -> str | None:
     try:
         backend.set_device(args.device, comm.nodes.local_rank(comm.rank))
         error = None
-        if getattr(args, "comm", None) == "nccl":
+        if args.comm == "nccl":
             gpus, here = nccl.import_nccl()[1].runtime.getDeviceCount(), comm.nodes.local_size(comm.rank)
             if here > gpus:
                 error = (f"--comm nccl takes one GPU per rank: {here} ranks on this node, {gpus} GPU(s) visible; "

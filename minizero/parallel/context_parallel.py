@@ -39,7 +39,7 @@ context group inside the data dimension the same way). With ``--sequence-paralle
 group splits each rank's 2n local rows further, (b, 2n/t, C): layer norms, residuals and the LM
 head's loss act token by token on any rows, the all-gather before attention restores the local
 (b, 2n, C/t) in chunk order, and the positions were looked up before the split.
-Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
+Restrictions (the command line checks them, :mod:`minizero.layout_checks`): no dropout (ring attention has
 no attention dropout, and the sequence-parallel dropout would draw the unsplit model's mask for
 contiguous rows), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
 """
@@ -269,26 +269,8 @@ class RingAttentionCore(Module):
         super().__init__()
         self.comm = comm
 
-    def forward(self, q, k, v, dropout=None):  # no attention dropout (check_context_parallel refuses it)
+    def forward(self, q, k, v, dropout=None):  # no attention dropout (the command line refuses it)
         return ring_attention(q, k, v, self.comm)
-
-
-def check_context_parallel(args, cfg) -> None:
-    """Refuse ``--cp`` where it cannot run (parse time). Raises ValueError naming the conflict."""
-    cp = getattr(args, "cp", 1)
-    if cp < 1:
-        raise ValueError(f"--cp must be >= 1, got {cp}")
-    if cp == 1:
-        return
-    t = getattr(args, "block_size", None) or cfg.block_size
-    dropout = args.dropout if getattr(args, "dropout", None) is not None else cfg.dropout
-    if t % (2 * cp):
-        raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
-    if dropout:
-        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
-    if getattr(args, "sequence_parallel", False) and (t // cp) % args.tp:
-        raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
-                         f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
 def context_group(dp_comm, cp: int):

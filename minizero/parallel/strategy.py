@@ -222,7 +222,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     ``forward_context``: callable returning a context entered around every forward
     (activation offload). ``store``: the optimizer-state store (optimizer offload).
     """
-    cp = getattr(args, "cp", 1)
+    cp = args.cp
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
     cp_comm = context_group(topo.dp_comm, cp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
@@ -231,8 +231,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
-                                         getattr(args, "virtual_stages", 1), keep_meta=meta)
+        model, stage = None, build_stage(cfg, args.seed, topo, args.sequence_parallel,
+                                         args.virtual_stages, keep_meta=meta)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     apply_recompute(stage, args.recompute, args.recompute_every)
@@ -246,12 +246,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                      prefetch=getattr(args, "overlap", True),
-                                      overlap_reduce=getattr(args, "overlap", True))
+                                      prefetch=args.overlap,
+                                      overlap_reduce=args.overlap)
     else:
-        hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
+        hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
-        if getattr(args, "quantized_comm", False):  # INT8 on the wire (comm/quantized.py)
+        if args.quantized_comm:  # INT8 on the wire (comm/quantized.py)
             allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
                           allreduce=allreduce)
@@ -260,9 +260,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                            master_weights=fp16)
         else:
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
-    verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
+    verbose = args.pp_verbose and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
-    overlap = getattr(args, "overlap", True)
+    overlap = args.overlap
     if args.schedule == "interleaved":
         engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
     else:
