@@ -31,6 +31,9 @@ import tempfile
 
 from minizero.files import mpiexec_path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 LAYOUTS = {"dp8": ["--dp", "8"], "3d": ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "4"]}
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -124,6 +127,7 @@ def stage_ranks(s: dict) -> list[tuple[range, str]]:
 
 
 def main() -> None:
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="the long runs (the trainer's default)")
     p.add_argument("--short-steps", type=int, default=30)

@@ -1,17 +1,19 @@
-"""All-reduce bus bandwidth: minizero's hand-written all-reduce (ring, recursive doubling) vs MPI's Allreduce.
+"""Bus bandwidth of minizero's hand-written collectives beside MPICH's blocking ones, in one run.
 
-    mpiexec -n 4 python bench/bench_allreduce.py          # one world size, table of it
-    python bench/bench_allreduce.py --launch 2,4,8        # runs itself under mpiexec per size
+    mpiexec -n 4 python bench/bench_allreduce.py                 # all_reduce at one world size
+    python bench/bench_allreduce.py --launch 2,4 --op all      # every op, under mpiexec per size
 
 Prints a Markdown table of bus bandwidth in GB/s (GB = 1e9 bytes), as nccl-tests
-defines it (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md):
+defines it (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), S = bytes of the whole array:
 
-    algbw = S / t                    S = bytes of the array, t = time of one all-reduce
-    busbw = algbw * 2(N-1)/N         the per-link rate; the ring's bytes per rank over t
+    all_reduce:                 busbw = S / t * 2(N-1)/N
+    reduce_scatter, all_gather: busbw = S / t * (N-1)/N
 
-Timing: float32 arrays, warm-up runs, then several timed runs, each preceded by a
-barrier; a run's time is the slowest rank's; the table shows the median run.
-Results are checked (ring == native) at every size before timing.
+The anchor is what an mpi4py user calls: the *blocking* ``MPI_Allreduce``,
+``MPI_Reduce_scatter_block`` and ``MPI_Allgather`` (``comm.mpi_comm.Allreduce`` ...), not
+wrapped in minizero's waits. Timing: float32 arrays, warm-up runs, then timed runs, each preceded
+by a barrier, the implementations alternating (each first in turn); a run's time is the slowest
+rank's; the table shows the median. Results are checked against MPI's before timing.
 """
 import argparse
 import json
@@ -25,6 +27,9 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _machine  # noqa: E402
 
 GB = 1e9
 
@@ -47,73 +52,100 @@ def fmt_size(nbytes):
     return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
 
 
-IMPLS = {"auto": None, "ring": -1, "rd": 2**62, "native": None}  #: name -> SMALL_ALLREDUCE_MAX_BYTES to force
+IMPLS = {"auto": None, "ring": -1, "rd": 2**62}  #: all_reduce: name -> SMALL_ALLREDUCE_MAX_BYTES to force
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def measure(min_bytes, max_bytes, warmup):
-    """Under mpiexec: {nbytes: {impl: seconds}} (median slowest-rank time), impl in :data:`IMPLS`.
-
-    ``auto`` is ``all_reduce`` as shipped (recursive doubling up to the measured threshold, then
-    the ring); ``ring`` and ``rd`` force one algorithm; ``native`` is MPI_Allreduce. The four
-    alternate run by run, each first in turn, so a noisy machine slows all of them alike.
-    """
+def implementations(op, comm, x):
+    """{name: callable} for ``op`` on the float32 (n,) ``x``: minizero's, then ``"MPI"``, MPICH's blocking call."""
     from mpi4py import MPI
 
-    from minizero.comm import all_reduce, recursive_doubling, world
+    from minizero.comm import all_gather, all_reduce, recursive_doubling, reduce_scatter
+
+    mpi, N, n = comm.mpi_comm, comm.world_size, x.size
+    if op == "all_reduce":
+        out = np.empty_like(x)
+        shipped = recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES
+
+        def ours(threshold):
+            def run():
+                recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped if threshold is None else threshold
+                try:
+                    return all_reduce(comm, x, out=out)
+                finally:
+                    recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped
+            return run
+
+        impls = {name: ours(t) for name, t in IMPLS.items()}
+        mpi_out = np.empty_like(x)
+        impls["MPI"] = lambda: (mpi.Allreduce(x, mpi_out, op=MPI.SUM), mpi_out)[1]
+    elif op == "reduce_scatter":
+        mpi_out = np.empty(n // N, dtype=x.dtype)
+        impls = {"ring": lambda: reduce_scatter(comm, x),
+                 "MPI": lambda: (mpi.Reduce_scatter_block(x, mpi_out, op=MPI.SUM), mpi_out)[1]}
+    else:
+        shard = np.ascontiguousarray(x[:n // N])
+        mpi_out = np.empty(n, dtype=x.dtype)
+        impls = {"ring": lambda: all_gather(comm, shard),
+                 "MPI": lambda: (mpi.Allgather(shard, mpi_out), mpi_out)[1]}
+    return impls
+
+
+def measure(op, min_bytes, max_bytes, warmup):
+    """Under mpiexec: {nbytes: {impl: seconds}} (median slowest-rank time) for ``op``."""
+    from mpi4py import MPI
+
+    from minizero.comm import world
 
     comm = world()
     N = comm.world_size
-    shipped = recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES
     results = {}
-
-    def run(impl, x, out):
-        recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped if IMPLS[impl] is None else IMPLS[impl]
-        all_reduce(comm, x, native=impl == "native", out=out)
-        recursive_doubling.SMALL_ALLREDUCE_MAX_BYTES = shipped
-
     for nbytes in sizes(min_bytes, max_bytes):
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
-        out = np.empty_like(x)
-        native = all_reduce(comm, x, native=True)
-        for impl in ("ring", "rd"):
-            run(impl, x, out)
-            if not np.allclose(out, native, rtol=1e-5, atol=1e-5 * N):
-                raise AssertionError(f"{impl} all-reduce differs from MPI_Allreduce at {nbytes} bytes")
+        impls = implementations(op, comm, x)
+        reference = impls["MPI"]().copy()
+        for name, run in impls.items():
+            if not np.allclose(run(), reference, rtol=1e-5, atol=1e-5 * N):
+                raise AssertionError(f"{op} {name} differs from MPI's at {nbytes} bytes")
         for _ in range(warmup):
-            for impl in IMPLS:
-                run(impl, x, out)
-        times = {impl: np.empty(iterations(nbytes)) for impl in IMPLS}
-        names = list(IMPLS)
+            for run in impls.values():
+                run()
+        names = list(impls)
+        times = {name: np.empty(iterations(nbytes)) for name in names}
         for i in range(iterations(nbytes)):
-            for impl in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
-                comm.barrier()
+            for name in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
+                comm.mpi_comm.Barrier()
                 start = time.perf_counter()
-                run(impl, x, out)
-                times[impl][i] = time.perf_counter() - start
+                impls[name]()
+                times[name][i] = time.perf_counter() - start
         results[nbytes] = {}
-        for impl, t in times.items():
+        for name, t in times.items():
             comm.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)  # a run ends when its slowest rank does
-            results[nbytes][impl] = float(np.median(t))
+            results[nbytes][name] = float(np.median(t))
     return N, results
 
 
-def busbw(nbytes, seconds, world_size):
-    return nbytes / seconds * 2 * (world_size - 1) / world_size / GB
+def busbw(op, nbytes, seconds, world_size):
+    factor = 2 if op == "all_reduce" else 1
+    return nbytes / seconds * factor * (world_size - 1) / world_size / GB
 
 
-def table(runs):
-    """Markdown table from {world_size: {nbytes: {impl: s}}}: busbw per implementation, and auto / MPI."""
+def table(op, runs):
+    """Markdown table from {world_size: {nbytes: {impl: s}}}: busbw per implementation, and ratios to MPI."""
     world_sizes = sorted(runs)
-    head = "| size | " + " | ".join(f"N={n} auto | N={n} ring | N={n} rec. doubling | N={n} MPI | N={n} auto/MPI"
+    names = list(next(iter(next(iter(runs.values())).values())))
+    ours = [name for name in names if name != "MPI"]
+    main = "auto" if "auto" in ours else ours[0]
+    head = "| size | " + " | ".join(" | ".join(f"N={n} {name}" for name in names) + f" | N={n} {main}/MPI"
                                      for n in world_sizes) + " |"
-    rule = "|---:|" + "---:|---:|---:|---:|---:|" * len(world_sizes)
+    rule = "|---:|" + ("---:|" * (len(names) + 1)) * len(world_sizes)
     rows = [head, rule]
     for nbytes in sorted(next(iter(runs.values()))):
         cells = []
         for n in world_sizes:
             t = runs[n][nbytes]
-            cells += [f"{busbw(nbytes, t[impl], n):.3g}" for impl in ("auto", "ring", "rd", "native")]
-            cells.append(f"{t['native'] / t['auto']:.2f}")
+            cells += [f"{busbw(op, nbytes, t[name], n):.3g}" for name in names]
+            cells.append(f"{t['MPI'] / t[main]:.2f}")
         rows.append(f"| {fmt_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -135,7 +167,7 @@ def launch(world_sizes, args):
     with tempfile.TemporaryDirectory() as tmp:
         for n in world_sizes:
             path = os.path.join(tmp, f"n{n}.json")
-            cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--json", path,
+            cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--json", path, "--op", args.op,
                    "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
                    "--warmup", str(args.warmup), "--quiet"]
             print(f"running {' '.join(cmd[:3])} ...", file=sys.stderr, flush=True)
@@ -147,18 +179,25 @@ def launch(world_sizes, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--op", choices=OPS + ("all",), default="all_reduce", help="collective (default all_reduce)")
     parser.add_argument("--launch", metavar="N,N,...", help="driver mode: run under mpiexec at these world sizes")
     parser.add_argument("--min-bytes", type=int, default=4 * 2**10, help="smallest array (default 4 KiB)")
-    parser.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest array (default 64 MiB)")
+    parser.add_argument("--max-bytes", type=int, default=16 * 2**20, help="largest array (default 16 MiB)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
     args = parser.parse_args()
 
+    if args.op == "all":
+        if not args.launch:
+            parser.error("--op all needs --launch")
+        for op in OPS:
+            report(op, launch([int(n) for n in args.launch.split(",")], argparse.Namespace(**{**vars(args), "op": op})))
+        return
     if args.launch:
         runs = launch([int(n) for n in args.launch.split(",")], args)
     else:
-        n, results = measure(args.min_bytes, args.max_bytes, args.warmup)
+        n, results = measure(args.op, args.min_bytes, args.max_bytes, args.warmup)
         from minizero.comm import world
 
         if world().rank != 0:
@@ -169,11 +208,18 @@ def main():
                 json.dump({"world_size": n, "results": results}, f)
         if args.quiet:
             return
-    print(f"All-reduce bus bandwidth, GB/s (float32, busbw = bytes/time * 2(N-1)/N, median of timed runs); "
-          f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to "
-          f"{_threshold()} bytes, then the ring), ring / rec. doubling forced, MPI = MPI_Allreduce; "
-          f"auto/MPI = MPI's time / auto's ({os.cpu_count()} CPU cores)\n")
-    print(table(runs))
+    report(args.op, runs)
+
+
+def report(op, runs):
+    oversubscribed = [n for n in runs if n > (os.cpu_count() or 1)]
+    print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | "
+          + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
+    print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
+          + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
+             f"ring), ring / rd forced; " if op == "all_reduce" else "ring = minizero's; ")
+          + "X/MPI = MPI's time / X's (above 1: minizero faster)\n")
+    print(table(op, runs))
 
 
 if __name__ == "__main__":

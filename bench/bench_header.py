@@ -21,6 +21,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 
@@ -50,6 +53,7 @@ def main():
 
     ways = {"checked": checked, "bare": bare}
     if r == 0:
+        print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
         print(f"{n} ranks on {os.cpu_count()} cores; microseconds per ring exchange (median of the slowest rank's); "
               f"checked = comm.sendrecv as shipped, bare = the payload alone\n")
         print("| size | checked (us) | bare (us) | checked / bare |")

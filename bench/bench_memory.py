@@ -19,6 +19,9 @@ import tempfile
 
 from minizero.files import mpiexec_path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 CONFIGS = {
     "baseline": [],
     "recompute full": ["--recompute", "full"],
@@ -57,6 +60,7 @@ def mib(n) -> str:
 
 
 def main():
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--ranks", type=int, default=1)

@@ -25,6 +25,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 
@@ -108,6 +111,7 @@ def main(argv=None) -> int:
     if a.rank:
         rank_main(a.mib, a.repeats)
         return 0
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     return launch(a.hosts, a.slots, a.mib, a.repeats)
 
 

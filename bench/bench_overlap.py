@@ -29,6 +29,9 @@ from minizero import trace
 from minizero.files import mpiexec_path
 from minizero.plots import plot_timelines
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 
 STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
 
@@ -52,6 +55,7 @@ def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
 
 
 def main() -> None:
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
     p.add_argument("--steps", type=int, default=5)

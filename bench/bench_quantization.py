@@ -33,6 +33,9 @@ from minizero.comm import run_in_threads  # noqa: E402
 from minizero.ledger import get_ledger  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 
 def run(argv, ranks=1):
     """Train in-process on ``ranks`` thread ranks; rank 0's result plus every rank's traffic."""
@@ -206,6 +209,7 @@ def table_sparse_training(a):
 
 
 def main():
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=200)

@@ -27,6 +27,11 @@ from minizero.autograd import manual_seed
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import MODES, apply_recompute
 from minizero.nn import GPT, get_config
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 
 
 def saved_after_forward(cfg, mode, batch):
@@ -69,6 +74,7 @@ def formula(cfg, mode, batch):
 
 
 def main():
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--batch", type=int, default=4)

@@ -31,6 +31,11 @@ from minizero.memory.estimator import layer_activation_bytes
 from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep
 from minizero.memory.recompute import MODES, apply_recompute
 from minizero.nn import GPT, get_config
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 
 SEQ_LENS = (64, 128, 256, 512)
 
@@ -139,6 +144,7 @@ def attribution_calls(model_name: str, b: int, s: int, reps: int = 2000) -> tupl
 
 
 def main():
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--batch", type=int, default=4)

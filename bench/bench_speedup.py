@@ -21,6 +21,9 @@ import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,6 +45,7 @@ def run(tree: str, ranks: int, steps: int, extra: list[str]) -> float:
 
 
 def main() -> None:
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="git revision to compare this checkout against")
     p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")

@@ -19,6 +19,9 @@ import tempfile
 
 from minizero.files import mpiexec_path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 
 def mpiexec() -> str:
     """``mpiexec`` beside this Python (the mpich wheel), else on PATH; exits with a hint when missing."""
@@ -41,6 +44,7 @@ def run(n: int, args) -> dict:
 
 
 def main() -> None:
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,8", help="comma-separated world sizes")
     p.add_argument("--steps", type=int, default=30)

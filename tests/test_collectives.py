@@ -518,3 +518,49 @@ def test_nonblocking_wait_times_out_naming_the_neighbour():
     with pytest.raises(CommTimeoutError, match=r"^\[rank 0/2\] rank 0: all_reduce test \(tag 77\) waited 0\.5 s for "
                                                r"rank 1 of a communicator of 2 \(--comm-timeout\); a rank is stalled"):
         run_in_threads(2, body, timeout=0.5)
+
+
+# --------------------------------------------------------------------------- waiting: spin, then sleep
+def test_a_wait_spins_without_sleeping_for_spin_s_then_sleeps(monkeypatch):
+    from minizero.comm import base
+
+    sleeps = []
+    monkeypatch.setattr(base.time, "sleep", sleeps.append)
+    polls = iter([False] * 50 + [True])
+    base.poll_until(lambda: next(polls), timeout=60, describe=str, spin_s=60)
+    assert sleeps == []  # a rank with a core of its own sees the message at once
+    polls = iter([False] * 5 + [True])
+    base.poll_until(lambda: next(polls), timeout=60, describe=str, spin_s=0.0)
+    assert sleeps == [0.0, 1e-5, 2e-5, 4e-5, 8e-5]  # oversubscribed: back off at once, as before
+
+
+def test_spin_only_where_each_rank_has_a_core_and_the_timeout_still_fires():
+    from minizero.comm import base
+
+    cores = len(os.sched_getaffinity(0))
+    assert base.spin_seconds(cores) == base.SPIN_S and base.spin_seconds(cores + 1) == 0.0
+    start = time.monotonic()
+    with pytest.raises(base.CommTimeoutError, match="stalled"):
+        base.poll_until(lambda: False, timeout=0.05, describe=lambda: "stalled", spin_s=10.0)
+    assert time.monotonic() - start < 5  # the spin never outlasts the timeout
+
+
+def test_blocking_ring_runs_exactly_ring_steps():
+    """The one ring: the blocking ring_ sends and adds exactly the (send, recv, add) steps ring_steps lists."""
+    from minizero.comm import collectives
+
+    class Recorder:
+        world_size, rank = 4, 1
+
+        def __init__(self):
+            self.calls = []
+
+        def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+            self.calls.append((sendbuf.size, dest, recvbuf.size, source))
+            recvbuf[...] = 0
+
+    comm = Recorder()
+    buf = np.arange(10.0)
+    collectives.ring_(comm, buf, "all_reduce", tmp=np.empty(3))
+    steps = collectives.ring_steps("all_reduce", 10, 4, 1)
+    assert comm.calls == [(ss, 2, rs, 0) for (_, ss), (_, rs), _ in steps]

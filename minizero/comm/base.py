@@ -17,6 +17,7 @@ Mirrors: the MPI-3.1 standard, chapters 3 (point-to-point) and 6 (``MPI_Comm_spl
 from __future__ import annotations
 
 import abc
+import os
 import time
 import numbers
 
@@ -38,25 +39,45 @@ class CommTimeoutError(TimeoutError):
 MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI and NCCL communicators)
 
 
-def poll_until(done, timeout: float, describe) -> None:
-    """Call ``done()`` until it returns True, sleeping between calls (never a busy wait).
+def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
+    """Call ``done()`` until it returns True: first without pausing for ``spin_s`` seconds, then sleeping.
 
-    The sleep starts at 0 and doubles from 10 us up to :data:`MAX_SLEEP_S`, so a quick message costs
-    no sleep and a stalled peer costs almost no CPU (which matters with 8 ranks on 2 cores).
+    Spinning suits a rank that has a core of its own (as MPICH's and NCCL's own waits spin): a
+    message that lands is seen at once. Once the spin is over, the sleep starts at 0 and doubles from
+    10 us up to :data:`MAX_SLEEP_S`, so a stalled peer costs almost no CPU; with more ranks than
+    cores (8 ranks on 2) a spinning rank would steal the core its peer needs, so communicators set
+    ``spin_s = 0`` there (:func:`spin_seconds`).
 
     Args:
         done: a callable returning True when the wait is over (e.g. ``MPI.Request.Testall``).
         timeout: seconds before giving up (> 0).
         describe: a callable returning the CommTimeoutError's message (built only on timeout).
+        spin_s: seconds to poll without sleeping before backing off (>= 0).
     Raises:
         CommTimeoutError: ``done()`` stayed False for ``timeout`` seconds.
     """
-    deadline, delay = time.monotonic() + timeout, 0.0
+    start = time.monotonic()
+    deadline, spin_until, delay = start + timeout, start + spin_s, 0.0
     while not done():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise CommTimeoutError(describe())
+        if now < spin_until:
+            continue
         time.sleep(delay)
         delay = min(max(2 * delay, 1e-5), MAX_SLEEP_S)
+
+
+SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a core of its own
+
+
+def spin_seconds(ranks_on_this_node: int) -> float:
+    """How long a waiting rank spins: :data:`SPIN_S` when the node has a core per rank, else 0.
+
+    Cores are those this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_S if ranks_on_this_node <= cores else 0.0
 
 
 def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None) -> str:

@@ -175,34 +175,50 @@ def _scratch(a):
     return a
 
 
-# --------------------------------------------------------------------------- ring primitives
-def _ring_reduce_scatter_(comm: Communicator, buf, tmp) -> None:
-    """In place on the flat (n,) ``buf``: afterwards chunk ``comm.rank`` holds the sum over ranks.
+# --------------------------------------------------------------------------- the ring
+RING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
-    ``tmp``: scratch of at least the largest chunk. Other chunks hold partial sums.
+
+def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple, tuple, bool]]:
+    """The steps of the ring ``op`` on a flat buffer of ``n`` elements, for ``rank``: the one ring.
+
+    Each step is ``((send_off, send_size), (recv_off, recv_size), add)``: send that chunk of the
+    buffer to rank+1 while receiving rank-1's into the other (``add``: add it, reduce-scatter;
+    else store it, all-gather). Reduce-scatter step s sends chunk r-s-1 and adds into r-s-2;
+    all-gather step s sends chunk r-s and stores r-s-1 (the diagram above). The blocking
+    :func:`ring_` and the non-blocking :class:`~minizero.comm.nonblocking.RingCollective` both
+    run exactly these steps, so their results are bitwise equal.
+    Raises:
+        ValueError: unknown ``op``.
     """
-    world_size, rank = comm.world_size, comm.rank
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    chunks = [shard_range(buf.size, world_size, r) for r in range(world_size)]
-    for step in range(world_size - 1):
-        send_off, send_size = chunks[(rank - step - 1) % world_size]
-        recv_off, recv_size = chunks[(rank - step - 2) % world_size]
-        incoming = tmp[:recv_size]
+    if op not in RING_OPS:
+        raise ValueError(f"op={op!r}; allowed: {RING_OPS}")
+    chunks = [shard_range(n, world_size, r) for r in range(world_size)]
+    steps = []
+    if op in ("all_reduce", "reduce_scatter"):
+        steps += [(chunks[(rank - s - 1) % world_size], chunks[(rank - s - 2) % world_size], True)
+                  for s in range(world_size - 1)]
+    if op in ("all_reduce", "all_gather"):
+        steps += [(chunks[(rank - s) % world_size], chunks[(rank - s - 1) % world_size], False)
+                  for s in range(world_size - 1)]
+    return steps
+
+
+def ring_(comm: Communicator, buf, op: str, tmp=None) -> None:
+    """Run the ring ``op`` in place on the flat (n,) ``buf``, blocking: one ``sendrecv`` per step.
+
+    ``reduce_scatter``: chunk ``comm.rank`` ends as the sum over ranks (other chunks hold partial
+    sums); ``all_gather``: chunk ``comm.rank`` must be set, every chunk ends filled;
+    ``all_reduce``: both, every chunk ends as the sum. ``tmp``: receive scratch of at least the
+    largest chunk, needed by the adding steps. Sums in ``buf``'s dtype, in ring order.
+    """
+    right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    for (send_off, send_size), (recv_off, recv_size), add in ring_steps(op, buf.size, comm.world_size, comm.rank):
+        incoming = tmp[:recv_size] if add else buf[recv_off:recv_off + recv_size]
         comm.sendrecv(buf[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
-        acc = buf[recv_off:recv_off + recv_size]
-        backend.array_module(acc).add(acc, incoming, out=acc)
-
-
-def _ring_all_gather_(comm: Communicator, buf) -> None:
-    """In place on the flat (n,) ``buf`` whose chunk ``comm.rank`` is set: fill all other chunks."""
-    world_size, rank = comm.world_size, comm.rank
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    chunks = [shard_range(buf.size, world_size, r) for r in range(world_size)]
-    for step in range(world_size - 1):
-        send_off, send_size = chunks[(rank - step) % world_size]
-        recv_off, recv_size = chunks[(rank - step - 1) % world_size]
-        comm.sendrecv(buf[send_off:send_off + send_size], right,
-                      buf[recv_off:recv_off + recv_size], left, tag=_RING_TAG)
+        if add:
+            acc = buf[recv_off:recv_off + recv_size]
+            backend.array_module(acc).add(acc, incoming, out=acc)
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -234,7 +250,7 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
             return x.reshape(-1).copy()
         buf = _scratch(x.reshape(-1).copy())
         tmp = _scratch(backend.array_module(x).empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
-        _ring_reduce_scatter_(comm, buf, tmp)
+        ring_(comm, buf, "reduce_scatter", tmp)
         return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
 
 
@@ -270,7 +286,7 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     with comm.traffic.op("all_gather"):
         out = backend.array_module(shard).empty(n, dtype=shard.dtype)
         out[offset:offset + size] = shard.reshape(-1)
-        _ring_all_gather_(comm, out)
+        ring_(comm, out, "all_gather")
         return out
 
 
@@ -317,8 +333,7 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
             recursive_doubling_all_reduce_(comm, buf, _scratch(backend.array_module(buf).empty_like(buf)))
             return out
         tmp = _scratch(backend.array_module(x).empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype))
-        _ring_reduce_scatter_(comm, buf, tmp)
-        _ring_all_gather_(comm, buf)
+        ring_(comm, buf, "all_reduce", tmp)
     return out
 
 

@@ -34,8 +34,7 @@ results (each chunk is summed once, then copied), as in the flat ring.
 from __future__ import annotations
 
 from minizero import backend
-from minizero.comm.collectives import (_ring_all_gather_, _ring_reduce_scatter_, all_reduce, bytes_sent,
-                                      shard_range)
+from minizero.comm.collectives import all_reduce, bytes_sent, ring_, shard_range
 from minizero.comm.communicator import Communicator
 from minizero.comm.nodes import NodeLayout, layout_of
 
@@ -104,10 +103,10 @@ class HierarchicalAllReduce:
             L, j = self.local.world_size, self.local.rank
             off, size = shard_range(buf.size, L, j)
             tmp = backend.array_module(x).empty(shard_range(buf.size, L, 0)[1], dtype=x.dtype)
-            _ring_reduce_scatter_(self.local, buf, tmp)  # 1. chunk j of the node's sum on local rank j
+            ring_(self.local, buf, "reduce_scatter", tmp)  # 1. chunk j of the node's sum on local rank j
             chunk = buf[off:off + size]
             all_reduce(self.cross, chunk, out=chunk)  # 2. across nodes, one ring per local rank
-            _ring_all_gather_(self.local, buf)  # 3. every chunk to every rank of the node
+            ring_(self.local, buf, "all_gather")  # 3. every chunk to every rank of the node
         return out
 
 

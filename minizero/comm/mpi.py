@@ -43,7 +43,8 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.base import DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until, timeout_message
+from minizero.comm.base import (DEFAULT_TIMEOUT_S, Communicator, _check_color, poll_until, spin_seconds,
+                                timeout_message)
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -208,9 +209,15 @@ class MPICommunicator(Communicator):
     Raises (any operation): CommTimeoutError; ValueError for a shape/dtype mismatch.
     """
 
-    def __init__(self, mpi_comm=None, traffic: TrafficLedger | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, mpi_comm=None, traffic: TrafficLedger | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 spin_s: float | None = None):
         MPI = _mpi()
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if spin_s is None:  # how many ranks share this node's cores (a collective, once per world)
+            node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+            spin_s = spin_seconds(node.Get_size())
+            node.Free()
+        self.spin_s = spin_s  #: seconds a wait polls without sleeping (0 when ranks outnumber cores)
         self.header_comm = self.mpi_comm.Dup()  # collective: headers in their own context, same tags
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
@@ -218,15 +225,16 @@ class MPICommunicator(Communicator):
         self.timeout = timeout  #: seconds one wait may last before CommTimeoutError (> 0)
         self.header_bytes = 0  #: bytes of message headers sent (not in ``traffic``)
 
-    # -- waiting: MPI_Test with a sleep, never a busy wait -----------------------------
+    # -- waiting: MPI_Test, spinning briefly where each rank has a core, then sleeping ---------
     def _wait(self, requests, op: str, peer=None, tag=None) -> None:
-        """Complete ``requests``, sleeping between tests; CommTimeoutError after ``self.timeout`` s."""
+        """Complete ``requests`` (``poll_until``: spin ``self.spin_s``, then sleep); CommTimeoutError after ``self.timeout`` s."""
         self._poll(lambda: _mpi().Request.Testall(requests), op, peer, tag)
 
     def _poll(self, done, op: str, peer=None, tag=None) -> None:
-        """Call ``done()`` until it is True, sleeping between calls; CommTimeoutError after ``self.timeout`` s."""
+        """Call ``done()`` until it is True (spin, then sleep); CommTimeoutError after ``self.timeout`` s."""
         what = op if tag is None else f"{op} (tag {tag})"
-        poll_until(done, self.timeout, lambda: timeout_message(self.rank, self.world_size, what, self.timeout, peer))
+        poll_until(done, self.timeout, lambda: timeout_message(self.rank, self.world_size, what, self.timeout, peer),
+                   self.spin_s)
 
     def _post_send(self, buf, dest, tag) -> tuple[list, np.ndarray]:
         """Post ``buf``'s message; returns ([its MPI requests], the array sent from, to keep alive until done)."""
@@ -271,7 +279,7 @@ class MPICommunicator(Communicator):
     def split(self, color, key=0):
         color, key = _check_color(color), int(key)
         return MPICommunicator(self.mpi_comm.Split(color, key), traffic=TrafficLedger(parent=self.traffic),
-                               timeout=self.timeout)
+                               timeout=self.timeout, spin_s=self.spin_s)
 
     def abort(self, errorcode=1):
         _mpi().COMM_WORLD.Abort(errorcode)

@@ -1,7 +1,7 @@
 """Ring collectives that progress in steps, so computation can run while they are in flight.
 
-The blocking ring (:mod:`minizero.comm.collectives`) does its 2(N-1) steps in one call. Here
-the same steps are a state machine over ``isend``/``irecv`` (MPI_Isend/MPI_Irecv, or the
+The blocking ring (:func:`minizero.comm.collectives.ring_`) does its 2(N-1) steps in one call. Here
+the same steps (:func:`~minizero.comm.collectives.ring_steps`, the one ring) are a state machine over ``isend``/``irecv`` (MPI_Isend/MPI_Irecv, or the
 thread queues): :meth:`RingCollective.progress` tests the current step's two requests and, if
 both completed, does that step's addition and posts the next step — never waiting. The
 caller (the gradient hooks of :mod:`minizero.parallel.overlap`) calls ``progress`` between
@@ -25,32 +25,7 @@ from __future__ import annotations
 
 from minizero import backend, trace
 from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until, timeout_message
-from minizero.comm.collectives import bytes_sent, shard_range
-
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple, tuple, bool]]:
-    """The steps of the ring ``op`` on a flat buffer of ``n`` elements, for ``rank``.
-
-    Each step is ``((send_off, send_size), (recv_off, recv_size), add)``: send that chunk of the
-    buffer to rank+1, receive rank-1's into that chunk (``add``: add it, reduce-scatter; else
-    store it, all-gather). Exactly the steps of ``_ring_reduce_scatter_`` / ``_ring_all_gather_``.
-    Raises:
-        ValueError: unknown ``op``.
-    """
-    if op not in OPS:
-        raise ValueError(f"op={op!r}; allowed: {OPS}")
-    chunks = [shard_range(n, world_size, r) for r in range(world_size)]
-    steps = []
-    if op in ("all_reduce", "reduce_scatter"):
-        steps += [(chunks[(rank - s - 1) % world_size], chunks[(rank - s - 2) % world_size], True)
-                  for s in range(world_size - 1)]
-    if op in ("all_reduce", "all_gather"):
-        steps += [(chunks[(rank - s) % world_size], chunks[(rank - s - 1) % world_size], False)
-                  for s in range(world_size - 1)]
-    return steps
-
+from minizero.comm.collectives import bytes_sent, ring_steps, shard_range
 
 class RingCollective:
     """One ring collective on a flat C-contiguous buffer, in place, advanced by :meth:`progress`.
@@ -155,7 +130,8 @@ def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
 
 def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
     timeout = getattr(comm, "timeout", DEFAULT_TIMEOUT_S)
-    poll_until(done, timeout, lambda: timeout_message(comm.rank, comm.world_size, what, timeout, peer()))
+    poll_until(done, timeout, lambda: timeout_message(comm.rank, comm.world_size, what, timeout, peer()),
+               getattr(comm, "spin_s", 0.0))
 
 
 class Stream:

@@ -1,0 +1,41 @@
+"""The line every benchmark prints first: when and on what it ran (date, CPU, BLAS, kernel, threads).
+
+Speed depends on the BLAS kernel as much as on the CPU (OpenBLAS's Haswell kernel runs float32
+matmuls at about half its SkylakeX kernel's speed on the same AVX-512 machine), so a figure
+without its kernel cannot be compared. ``threadpoolctl`` reports what NumPy's BLAS actually runs.
+"""
+import datetime
+import os
+import platform
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas() -> str:
+    """``openblas 0.3.27 (kernel SkylakeX, 2 threads)`` for NumPy's BLAS, as threadpoolctl sees it."""
+    import numpy as np  # noqa: F401  (loads the BLAS threadpoolctl inspects)
+    from threadpoolctl import threadpool_info
+
+    libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    if not libs:
+        return "BLAS unknown"
+    i = libs[0]
+    return (f"{i.get('internal_api', '?')} {i.get('version', '?')} "
+            f"(kernel {i.get('architecture', '?')}, {i.get('num_threads', '?')} threads)")
+
+
+def header() -> str:
+    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE if set."""
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
+            f"{os.cpu_count()} cores | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced}")
