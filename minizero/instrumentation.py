@@ -75,18 +75,20 @@ class MemoryCallback(Callback):
 
 class TraceCallback(Callback):
     """``--trace PATH``: this rank's timeline (forward/backward per unit, collectives, the optimizer step)
-    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective)."""
+    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective). The tracer
+    is registered on the world communicator's traffic ledger, which every group's ledger reports to."""
 
     def __init__(self, path: str):
         self.path, self.tracer, self.units = path, None, None
 
     def on_train_start(self, run):
-        self.tracer = trace.Tracer(run.comm.rank)
-        trace.set_tracer(self.tracer)
+        self.tracer = run.comm.traffic.tracer = trace.Tracer(run.comm.rank)  # collectives and messages, every group
+        trace.set_tracer(self.tracer)  # compute: the units' forward/backward hooks, the optimizer step
         self.units = TraceUnits(run.strategy.stage)
 
     def on_train_end(self, run):
         trace.set_tracer(None)
+        run.comm.traffic.tracer = None
         self.units.remove()
         write_trace(run.comm, self.tracer, self.path)
         if run.comm.rank == 0:

@@ -32,7 +32,6 @@ Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer (``autograd_hoo
 """
 from __future__ import annotations
 
-from minizero import trace
 from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
@@ -111,7 +110,7 @@ class OverlappedReducer:
         for b in range(len(self.dp.buckets)):
             if not self.launched[b]:
                 self._launch(b)
-        with trace.span("wait gradients", "comm", trace.COMM):
+        with self.dp.comm.traffic.span("wait gradients"):
             self.stream.synchronize()
         n, comm = self.dp.comm.world_size, self.dp.comm
         for flat, layout in self.dp.buckets:
