@@ -15,14 +15,18 @@ compares its outputs (``--json`` summary, ``model.npz``):
    size 1, and at 2 ranks when at least 2 GPUs exist (NCCL allows one rank per GPU; the table says
    plainly when there is only one).
 4. Throughput of the gpt2 preset (124M parameters) at batch 8 x 1024, FP16 (mixed precision) and
-   FP32: tokens/s from the difference of two runs' ``elapsed_s`` (K and K+S steps, so start-up,
-   CuPy's kernel compilation and the closing evaluation cancel), and MFU = model FLOPs per step
+   FP32: after one untimed 1-step warm-up run per precision (CuPy compiles its kernels on first use
+   and caches them on disk), tokens/s from the difference of two runs' ``elapsed_s`` (K and K+S
+   steps, so start-up and the closing evaluation cancel; a difference <= 0 is an error), and MFU = model FLOPs per step
    (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step``) / step time /
    the GPU's peak; beside PyTorch eager (bench/bench_vs_torch.py's nanoGPT model; autocast +
-   GradScaler for FP16) on the same GPU when PyTorch with CUDA is installed.
+   GradScaler for FP16) on the same GPU when PyTorch with CUDA is installed, in its own process.
 
-It prints a Markdown table and writes JSON (``--json``). Without CuPy or without a CUDA device it
-says so, marks every row "not run" and exits 0; it exits 1 when a check ran and failed.
+Every row runs in its own try, in its own process group (killed whole at its time limit), within
+the budget. It prints a Markdown table and writes JSON (``--json``). Without CuPy and without a GPU
+(no ``nvidia-smi`` listing one) it says so, marks every row "not run" and exits 0; where
+``nvidia-smi`` lists a GPU but CuPy, its CUDA runtime or NCCL will not load, it prints one line and
+exits 3 (a broken install is not "no GPU"); it exits 1 when a check ran and failed.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,22 +58,53 @@ CHECKS = ["cupy == numpy, tiny", "cupy == numpy, default", "mpiexec -n 2 (--comm
           "gpt2 8x1024 fp16", "gpt2 8x1024 fp32"]
 
 
+INSTALL = 'pip install -e ".[gpu]" (CUDA 12) or ".[gpu-cuda13]"; see docs/gpu.md'
+
+
+def gpus_listed() -> int:
+    """How many GPUs ``nvidia-smi -L`` lists (0 without nvidia-smi, or when it fails: no driver)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()) if done.returncode == 0 else 0
+
+
 def probe() -> tuple[dict | None, str]:
-    """``({"name", "count", "cupy", "cuda_runtime"}, "")`` of GPU 0, or ``(None, why not)``."""
+    """``({"name", "count", "cupy", "cuda_runtime", "nccl"}, "")`` of GPU 0, or ``(None, why not)``.
+
+    Raises:
+        SystemExit: ``nvidia-smi`` lists a GPU but CuPy, its CUDA runtime or NCCL will not load (one line).
+    """
     try:
         import cupy
-    except ImportError as e:
-        return None, f"no GPU: CuPy not installed ({e}); pip install -e \".[gpu]\" or \".[gpu-cuda13]\""
-    try:
         count = cupy.cuda.runtime.getDeviceCount()
         if count < 1:
-            return None, "no GPU: no CUDA device visible"
+            raise RuntimeError("CuPy sees no CUDA device")
+        from cupy.cuda import nccl
+        if not getattr(nccl, "available", True):
+            raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False)")
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)
-        return {"name": name, "count": count, "cupy": cupy.__version__,
+        return {"name": name, "count": count, "cupy": cupy.__version__, "nccl": nccl.get_version(),
                 "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()}, ""
-    except Exception as e:  # CUDARuntimeError: no driver, no device
-        return None, f"no GPU: no device ({type(e).__name__}: {e})"
+    except Exception as e:  # ImportError (no CuPy, no NCCL), CUDARuntimeError (no driver, no device)
+        detail = f"{type(e).__name__}: {first_line(e)}"
+    listed = gpus_listed()
+    if listed:
+        raise SystemExit(f"gpu_check: nvidia-smi lists {listed} GPU(s) but CuPy or NCCL will not load "
+                         f"({detail}); {INSTALL}")
+    what = "CuPy not installed" if detail.startswith(("ImportError", "ModuleNotFoundError")) else "no device"
+    return None, f"no GPU: {what} ({detail}); {INSTALL}"
+
+
+def first_line(e) -> str:
+    """The first non-empty line of an exception's message (or of a text); never raises, never empty."""
+    text = str(e) if not isinstance(e, BaseException) else (str(e) or repr(e))
+    return next((line for line in text.splitlines() if line.strip()), "") or "(no message)"
 
 
 class Runner:
@@ -101,13 +137,18 @@ class Runner:
         if limit < 5:
             raise TimeoutError("not run: the time budget (--budget-s) is spent")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p))
+        # its own process group (session), so that a timeout kills mpiexec's ranks too, not only mpiexec
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=REPO_ROOT, start_new_session=True)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=REPO_ROOT)
+            out, err = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"timed out after {limit:.0f} s: {' '.join(cmd[-12:])}") from None
-        if done.returncode:
-            raise RuntimeError(f"exit {done.returncode}: {' '.join(cmd)}\n{done.stderr[-1500:]}")
-        return done.stdout
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"timed out after {limit:.0f} s (process group killed): {' '.join(cmd[-12:])}") from None
+        if proc.returncode:
+            raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{err[-1500:]}")
+        return out
 
 
 def mpiexec() -> str:
@@ -192,12 +233,21 @@ def throughput(runner, precision: str, peak: float | None, steps: tuple[int, int
     cfg, batch = get_config("gpt2"), 8
     base = ["--device", "cuda", "--model", "gpt2", "--micro-batch-size", str(batch), "--precision", precision,
             *SHORT, "--no-overlap"]
+    runner.train(base + ["--steps", "1"], limit_s=240, weights=False)  # untimed warm-up: CuPy compiles kernels
     runs = [runner.train(base + ["--steps", str(k)], limit_s=150, weights=False) for k in steps]
     step_s = (runs[1]["elapsed_s"] - runs[0]["elapsed_s"]) / (steps[1] - steps[0])
+    if not step_s > 0:
+        raise RuntimeError(f"step time {step_s:.3g} s <= 0 ({steps[1]} steps took {runs[1]['elapsed_s']:.2f} s, "
+                           f"{steps[0]} took {runs[0]['elapsed_s']:.2f} s): the runs' difference is noise; "
+                           "raise --steps")
     flops, tokens = model_flops_per_step(cfg, batch), batch * cfg.block_size
     row = {"precision": precision, "minizero_tokens_per_s": tokens / step_s,
            "minizero_mfu": flops / step_s / peak if peak else None, "peak_flops": peak}
-    torch_s = torch_step_s(cfg, batch, precision == "fp16", runner)
+    try:  # the PyTorch side: its own try, its own process, within the budget
+        torch_s, torch_note = torch_step_s(precision, runner), "PyTorch with CUDA not installed"
+    except Exception as e:
+        torch_s, torch_note = None, "PyTorch side " + ("not run (the time budget is spent)" if isinstance(e, TimeoutError)
+                                                       else f"failed ({type(e).__name__}: {first_line(e)})")
     if torch_s is not None:
         row.update(pytorch_tokens_per_s=tokens / torch_s, pytorch_mfu=flops / torch_s / peak if peak else None)
     mfu = "MFU -" if not peak else f"MFU {row['minizero_mfu']:.1%}"
@@ -206,35 +256,48 @@ def throughput(runner, precision: str, peak: float | None, steps: tuple[int, int
         text += (f"; PyTorch eager {row['pytorch_tokens_per_s']:,.0f} tokens/s"
                  + (f", MFU {row['pytorch_mfu']:.1%}" if peak else ""))
     else:
-        text += "; PyTorch with CUDA not installed"
+        text += "; " + torch_note
     return "measured", text, row
 
 
-def torch_step_s(cfg, batch: int, fp16: bool, runner, steps: int = 10) -> float | None:
-    """Median seconds of a PyTorch eager step on the GPU, or None without torch + CUDA."""
+def torch_step_s(precision: str, runner) -> float | None:
+    """Median seconds of a PyTorch eager gpt2 step at 8 x 1024 on the GPU (a child process, killed at its
+    limit), or None without torch + CUDA. Raises RuntimeError (the child failed or timed out)."""
+    if runner.left() < 30:
+        raise TimeoutError("not run: the time budget (--budget-s) is spent")
+    out = runner.run([sys.executable, os.path.abspath(__file__), "--torch-worker", precision], 120)
+    step_s = json.loads(out.strip().splitlines()[-1])["step_s"]
+    if step_s is not None and not step_s > 0:
+        raise RuntimeError(f"PyTorch step time {step_s} s <= 0")
+    return step_s
+
+
+def torch_worker(precision: str, steps: int = 10) -> None:
+    """Prints ``{"step_s": median seconds}`` of PyTorch eager steps (``null`` without torch + CUDA)."""
     try:
         import torch
     except ImportError:
-        return None
-    if not torch.cuda.is_available() or runner.left() < 30:
-        return None
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print(json.dumps({"step_s": None}))
+        return
     sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
     from bench_vs_torch import torch_side
+    from minizero.nn import get_config
 
-    step = torch_side(cfg, device="cuda", fp16=fp16)
+    cfg, batch = get_config("gpt2"), 8
+    step = torch_side(cfg, device="cuda", fp16=precision == "fp16")
     rng = np.random.default_rng(0)
     idx, tg = (rng.integers(0, 256, (batch, cfg.block_size)) for _ in range(2))
     times = []
-    for s in range(steps + 2):
+    for s in range(steps + 2):  # two untimed warm-up steps
         torch.cuda.synchronize()
         t = time.perf_counter()
         step(idx, tg)
         torch.cuda.synchronize()
         if s >= 2:
             times.append(time.perf_counter() - t)
-    del step
-    torch.cuda.empty_cache()
-    return float(np.median(times))
+    print(json.dumps({"step_s": float(np.median(times))}))
 
 
 # --------------------------------------------------------------------------- main
@@ -281,12 +344,20 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=450, help="time budget of the whole check (s)")
     p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
     p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.nccl_worker:
         nccl_worker(args.nccl_worker)
         return 0
+    if args.torch_worker:
+        torch_worker(args.torch_worker)
+        return 0
     steps = check_flags(p, args)
-    hw, why = probe()
+    try:
+        hw, why = probe()
+    except SystemExit as e:  # a GPU is listed but CuPy or NCCL will not load: one line, non-zero
+        print(e, file=sys.stderr)
+        return 3
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows: dict[str, tuple[str, str]] = {name: ("not run", why) for name in CHECKS}
     result = {"date": stamp, "hardware": hw, "reason_not_run": why or None, "throughput": []}
@@ -294,7 +365,8 @@ def main(argv=None) -> int:
         print(why)
     else:
         peaks = parse_peak(args.peak_tflops, hw["name"])
-        print(f"{hw['name']} x {hw['count']}, CuPy {hw['cupy']}, CUDA runtime {hw['cuda_runtime']}; {stamp}")
+        print(f"{hw['name']} x {hw['count']}, CuPy {hw['cupy']}, CUDA runtime {hw['cuda_runtime']}, "
+              f"NCCL {hw['nccl']}; {stamp}")
         with tempfile.TemporaryDirectory() as tmp:
             runner = Runner(args.budget_s, tmp)
             f64 = ["--dtype", "float64", "--steps", "5", *SHORT]
@@ -327,7 +399,7 @@ def main(argv=None) -> int:
     print("\n| check | result | detail |\n|---|---|---|")
     for k, (s, d) in rows.items():  # the reason nothing ran is the first line: not repeated in every row
         d = "no GPU (first line above)" if hw is None else d
-        print(f"| {k} | {s} | {d.splitlines()[0] if d else ''} |")
+        print(f"| {k} | {s} | {first_line(d) if d else ''} |")
     text = json.dumps(result, indent=1)
     atomic_write(args.json, lambda f: f.write(text), mode="w")  # a crash leaves the previous file whole
     print(f"\nwrote {args.json}")
@@ -344,11 +416,12 @@ def run_one(name, plan, hw) -> tuple[str, str]:
         return failure(e)
 
 
-def failure(e: Exception) -> tuple[str, str]:
+def failure(e: BaseException) -> tuple[str, str]:
+    """A row's (status, detail) for the exception ``e``, whatever its message (empty, multi-line)."""
     if isinstance(e, TimeoutError):
-        return "not run", str(e)
+        return "not run", first_line(e)
     print(f"    {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    return "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "FAIL", f"{type(e).__name__}: {first_line(e)}"
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ def plot(runs: list[dict], path: str, title: str) -> bool:
             vals = [r["measured"]["per_rank"][0][c] / MIB for r in rs]
             ax.bar(xs, vals, bottom=bottom, color=colors[c], label=c, hatch="//" if c == "offloaded" else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.scatter(xs, [r["estimate"]["total"] / MIB for r in rs], marker="D", color="black", zorder=3,
-                   label="estimate: device total")
+        estimates = [r["estimate"]["total"] / MIB for r in rs]
+        ax.scatter(xs, estimates, marker="D", color="black", zorder=3, label="estimate: device total")
+        ax.set_ylim(0, 1.12 * max(bottom + estimates) or 1)  # headroom: the tallest bar and marker inside the axes
         ax.set_title(f"{n} rank(s): peak memory per rank (rank 0)")
         ax.set_ylabel("MiB")
         ax.set_xticks(list(xs), [r["strategy"] for r in rs], rotation=30, ha="right")

@@ -65,12 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                         "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+                   help="pipeline schedule (zb-h1: zero bubble, backward split into B and W)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/20, at least 10, at most steps)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10, at least 10, at most steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping threshold (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init, data and dropout generators")

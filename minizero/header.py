@@ -42,8 +42,10 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if topo.pp > 1:
         m, v = args.grad_accum, args.virtual_stages
         sched = make_schedule(args.schedule, topo.pp, m, v)
-        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f} "
-                     f"= (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}"
+        formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
+                   f" = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}")
+        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
+                     f"{formula}"
                      f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
                      f"{[peak_in_flight(ops) for ops in sched]}")
     if args.zero and topo.dp == 1:

@@ -5,6 +5,8 @@ GPTConfig ``cfg``; it raises ValueError naming the flags (the techniques' own er
 """
 from __future__ import annotations
 
+from minizero.flags import UsageError
+
 
 def check_sequence_parallel(args, cfg) -> None:
     """``--sequence-parallel`` needs tp > 1, ZeRO 0-1 (ZeRO 2-3 reduce gradients inside backward, before the
@@ -39,3 +41,25 @@ def check_context_parallel(args, cfg) -> None:
     if args.sequence_parallel and (t // cp) % args.tp:
         raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
+
+
+def check_zero_bubble(args) -> None:
+    """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
+    if args.schedule == "zb-v":
+        raise UsageError("--schedule zb-v is simulated only (parallel/schedule.py): running it needs rank r to hold "
+                         "virtual stages r and 2p-1-r, which stage building, the tied embedding's group and "
+                         "gather_full_model do not do yet; use --schedule zb-h1")
+    if args.schedule != "zb-h1":
+        return
+    if args.pp < 2:
+        raise UsageError(f"--schedule zb-h1 needs --pp >= 2, got --pp {args.pp}")
+    why = {"--sequence-parallel": (args.sequence_parallel,
+                                   "its gathered linear all-gathers and reduce-scatters in one backward, which a "
+                                   "split backward would run twice"),
+           f"--cp {args.cp}": (args.cp > 1, "ring attention with a split backward is not tested"),
+           f"--offload-activations {args.offload_activations}": (
+               args.offload_activations != "none", "a split backward unpacks saved arrays twice (B and W), "
+               "which offload's hooks are not tested for")}
+    for flag, (bad, reason) in why.items():
+        if bad:
+            raise UsageError(f"--schedule zb-h1 with {flag} is not supported: {reason}")

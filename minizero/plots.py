@@ -1,6 +1,6 @@
 """Pictures of a run: ``OUT/loss.png``, the training loss per step with the validation points.
 
-matplotlib is optional at run time (not a dependency of ``pip install .``): without it
+matplotlib is a dependency of ``pip install .``; where it cannot be imported anyway,
 :func:`plot_losses` writes nothing and returns the one line to print, which says how to
 get it. The figure is drawn with the non-interactive Agg backend (no display needed, safe
 under ``mpirun``) and written through :func:`minizero.files.atomic_write`, so a crash never
@@ -8,8 +8,11 @@ leaves half a PNG.
 """
 from __future__ import annotations
 
+import math
+
 from minizero.files import atomic_write
 
+SMOOTH = 20  # steps in the running mean drawn over the training loss
 MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install matplotlib)"
 
 
@@ -18,7 +21,8 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
 
     Args:
         path: the PNG to write (its folder is created).
-        train_losses: mean training loss of each optimizer step (nats per token), step i at x = i + 1.
+        train_losses: mean training loss of each optimizer step (nats per byte: a token is one byte),
+            step i at x = i + 1.
         val_history: ``[(step, loss)]`` validation losses taken after ``step`` optimizer steps.
         skipped_at: 0-based steps FP16's loss scaler skipped (marked on the curve).
         title: the figure's title.
@@ -28,31 +32,46 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
         OSError: the file cannot be written (any previous ``path`` is left as it was).
     """
     try:
-        import matplotlib  # optional at run time: a third-party import, not a minizero module
+        import matplotlib  # a dependency; an install with --no-deps may still lack it
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return MISSING
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    fig = loss_figure(plt, train_losses, val_history, skipped_at, title)
     try:
-        steps = range(1, len(train_losses) + 1)
-        ax.plot(steps, train_losses, linewidth=1, label="train (mean of the step's batch)")
-        if val_history:
-            vs, vl = zip(*val_history)
-            ax.plot(vs, vl, "o-", markersize=4, label="validation")
-        if len(skipped_at):
-            ax.plot([s + 1 for s in skipped_at], [train_losses[s] for s in skipped_at], "x", color="red",
-                    label="step skipped (fp16 overflow)")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (nats per token)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
         atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
         plt.close(fig)
     return f"wrote {path}"
+
+
+def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = ""):
+    """The Figure :func:`plot_losses` writes (``plt``: ``matplotlib.pyplot``); same arguments."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    steps = range(1, len(train_losses) + 1)
+    ax.plot(steps, train_losses, linewidth=0.8, alpha=0.45, color="C0", label="train: each step's batch")
+    if len(train_losses) >= 5 * SMOOTH:  # shorter runs: too few points to smooth
+        h = SMOOTH // 2  # centred: a trailing mean would lag the fast early fall
+        run = [sum(train_losses[i - h:i + h]) / (2 * h) for i in range(h, len(train_losses) - h + 1)]
+        ax.plot(steps[h - 1:len(train_losses) - h], run, linewidth=1.6, color="C0",
+                label=f"train: mean of {2 * h} steps around each")
+    if val_history:
+        vs, vl = zip(*val_history)
+        ax.plot(vs, vl, "o--", markersize=4, linewidth=0.8, color="C1",
+                label="validation (held-out end of the text)")
+    if len(skipped_at):
+        ax.plot([s + 1 for s in skipped_at], [train_losses[s] for s in skipped_at], "x", color="red",
+                label="step skipped (fp16 overflow)")
+    ax.axhline(math.log(256), color="0.5", linewidth=0.8, linestyle=":")
+    ax.text(len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
+            va="bottom", fontsize=7, color="0.4")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def plot_timelines(path: str, panels, title: str = "") -> str:

@@ -84,6 +84,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
           f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    recent = result["train_losses"][-20:]
+    if recent and val < sum(recent) / len(recent):
+        print(f"  below the training loss ({sum(recent) / len(recent):.4f}, mean of the last {len(recent)} steps) "
+              "because the held-out slice is the end of the text (its last 10%), which is easier to predict "
+              "than the rest: not a leak")
     if args.precision == "fp16":
         scales = result["loss_scales"]
         print(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
@@ -113,7 +118,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
-        None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"])
+        None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"],
+        category_peaks=[s["peak"] for s in stats])
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
@@ -171,7 +177,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
     loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                            result["skipped_at"], f"{args.model} model, {args.world_size} rank(s), {args.precision}")
+                            result["skipped_at"], f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
+                            f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}")
     if loss_plot == MISSING and no_memory_plot:
         print(NO_PLOTS)
     else:

@@ -19,6 +19,11 @@ What is refused (``TypeError`` unless noted; the message says what to call inste
   (the issue's rule) and an ``np.`` call on a device array is the sign of a path that also
   runs on host arrays. The one ufunc call allowed is an operator whose left operand is a NumPy
   scalar (``np.float32(2) * x`` reaches ``__array_ufunc__`` with that scalar among its inputs);
+* what CuPy's signatures lack (``cupy/_core/_kernel.pyx``, v13.6-14.2): a list or tuple as an array
+  operand (``x + [1, 2]``, ``xp.maximum([0], x)``); keywords only NumPy has (``initial=``, ``where=``
+  on reductions; a ufunc takes ``out``, ``dtype``, ``casting`` only); ``reduce``/``accumulate`` on
+  ufuncs other than add and multiply, ``reduceat`` other than add, ``at`` beyond CuPy's scatter ops
+  (``NotImplementedError``, as CuPy raises);
 * Python iteration (``for v in x``, ``list(x)``) -- stricter than CuPy, which loops over rows;
 * ``float(x)``, ``int(x)``, ``bool(x)`` on more than one element (``TypeError``/``ValueError``
   as NumPy and CuPy raise). On one element they work: that is CuPy's explicit device sync.
@@ -40,6 +45,9 @@ import weakref
 
 import numpy as np
 
+from minizero.strict_rules import (EVERY_OPERAND, FUNCTIONS, NOT_ARRAY_FIRST, UFUNC_METHODS, UFUNCS, Flags,
+                                   Pointer, check, operand)
+
 #: host<->device copies since the last :func:`reset_transfers`: ``{"to_device": n, "to_host": n}``;
 #: ``to_host`` counts ``get()`` and every one-element conversion (``float(x)``, ``bool(x)``, ``x.item()``)
 transfers = {"to_device": 0, "to_host": 0}
@@ -52,29 +60,6 @@ _owners: "weakref.WeakValueDictionary[int, StrictArray]" = weakref.WeakValueDict
 def reset_transfers() -> None:
     """Set both counters of :data:`transfers` to 0."""
     transfers["to_device"] = transfers["to_host"] = 0
-
-
-class Flags:
-    """``cupy.ndarray.flags`` as CuPy has it (``cupy/_core/flags.pyx`` through 14.2): ``c_contiguous``,
-    ``f_contiguous`` and ``owndata`` only (no ``writeable``: CuPy arrays, broadcast views included, are
-    never read-only)."""
-
-    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
-
-    def __init__(self, f):
-        self.c_contiguous, self.f_contiguous, self.owndata = bool(f.c_contiguous), bool(f.f_contiguous), bool(f.owndata)
-
-    def __repr__(self):
-        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
-
-
-class _Pointer:
-    """``cupy.cuda.MemoryPointer`` as NCCL reads it: ``ptr``, a device address."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
 
 
 class StrictArray:
@@ -181,7 +166,7 @@ class StrictArray:
     def data(self):
         """As ``cupy.ndarray.data`` (a ``MemoryPointer``) as far as NCCL needs it: ``.ptr``, the address
         of the first element."""
-        return _Pointer(self._a.__array_interface__["data"][0])
+        return Pointer(self._a.__array_interface__["data"][0])
 
     @property
     def base(self):
@@ -219,6 +204,7 @@ class StrictArray:
             method = getattr(self._a, name)
 
             def call(*args, **kwargs):
+                check(name, (), kwargs, 0)
                 result = method(*_unwrap(args, name), **_unwrap(kwargs, name))
                 return self if result is self._a else _wrap(result)  # astype(copy=False): the same array
             return call
@@ -232,14 +218,14 @@ _METHODS = frozenset("""astype reshape transpose swapaxes ravel flatten squeeze 
 
 def _binary(name):
     def op(self, other):
-        return _wrap(getattr(self._a, name)(_unwrap(other, "an operator")))
+        return _wrap(getattr(self._a, name)(_unwrap(operand(other, name), "an operator")))
     op.__name__ = name
     return op
 
 
 def _inplace(name):
     def op(self, other):
-        getattr(self._a, name)(_unwrap(other, "an operator"))
+        getattr(self._a, name)(_unwrap(operand(other, name), "an operator"))
         return self
     op.__name__ = name
     return op
@@ -342,55 +328,58 @@ def _contains_device(a) -> bool:
 
 
 class _Ufunc:
-    """A NumPy ufunc on device arrays (``__call__``, ``at``, ``reduce``, ``accumulate``, ``outer``)."""
+    """A NumPy ufunc on device arrays, with CuPy's methods only: ``outer`` on all, ``reduce``/``accumulate`` on
+    add and multiply, ``reduceat`` on add, ``at`` on CuPy's scatter ops (``NotImplementedError`` otherwise)."""
 
     def __init__(self, ufunc):
         self._u = ufunc
         self.__name__ = ufunc.__name__
 
     def __call__(self, *args, **kwargs):
+        check(self.__name__, args, kwargs, len(args))
         return _call(self._u, args, kwargs, self.__name__)
+
+    def _method(self, method: str, a):
+        if self.__name__ not in UFUNC_METHODS.get(method, (self.__name__,)):
+            raise NotImplementedError(f"xp.{self.__name__}.{method} is not in CuPy (it has {method} on "
+                                      f"{', '.join(UFUNC_METHODS[method])} only)")
+        if method != "outer" and not isinstance(a, StrictArray):
+            raise TypeError(f"xp.{self.__name__}.{method} needs a device array, got {type(a).__name__}")
 
     def at(self, a, indices, b=None):
         """In-place unbuffered operation on ``a`` (``numpy.ufunc.at``)."""
+        self._method("at", a)
         args = (_unwrap(indices, "ufunc.at"),) + (() if b is None else (_unwrap(b, "ufunc.at"),))
-        if not isinstance(a, StrictArray):
-            raise TypeError(f"{self.__name__}.at needs a device array, got {type(a).__name__}")
         self._u.at(a._a, *args)
 
     def __getattr__(self, method):
         if method not in ("reduce", "accumulate", "outer", "reduceat"):
             raise AttributeError(method)
         f = getattr(self._u, method)
-        return lambda *args, **kwargs: _wrap(f(*_unwrap(args, method), **_unwrap(kwargs, method)))
+
+        def call(a, *args, **kwargs):
+            self._method(method, a)
+            check("sum", (), kwargs, 0)  # CuPy's reduce is array.sum/prod: no initial=, no where=
+            return _wrap(f(_unwrap(a, method), *_unwrap(args, method), **_unwrap(kwargs, method)))
+        return call
 
 
 def _function(name):
     f = getattr(np, name)
+    every = name in EVERY_OPERAND
 
     def call(*args, **kwargs):
+        check(name, args, kwargs, len(args) if every else 0 if name in NOT_ARRAY_FIRST else 1)
         return _call(f, args, kwargs, f"xp.{name}")
     call.__name__ = name
     call.__doc__ = f"``numpy.{name}`` on device arrays (host ndarray operands refused)."
     return call
 
 
-_UFUNCS = """add subtract multiply divide true_divide floor_divide power negative positive absolute abs sign
-    exp expm1 exp2 log log1p log2 log10 sqrt square reciprocal tanh sinh cosh sin cos tan arctan arctanh
-    maximum minimum fmax fmin floor ceil rint trunc isfinite isnan isinf signbit copysign mod remainder
-    equal not_equal less less_equal greater greater_equal logical_and logical_or logical_not logical_xor
-    bitwise_and bitwise_or bitwise_xor invert left_shift right_shift erf""".split()
-_FUNCTIONS = """zeros empty ones full zeros_like empty_like ones_like full_like arange linspace eye
-    ascontiguousarray concatenate stack hstack vstack split array_split where swapaxes transpose moveaxis
-    broadcast_to broadcast_arrays expand_dims squeeze reshape ravel triu tril cumsum prod sum mean max min amax
-    amin argmax argmin argsort sort bincount flatnonzero nonzero all any clip matmul dot einsum outer
-    take take_along_axis tile repeat pad roll unique searchsorted copyto shape ndim size var std round
-    array_equal allclose isclose count_nonzero diff flip""".split()
-
-for _n in _UFUNCS:
+for _n in UFUNCS:
     if hasattr(np, _n):
         globals()[_n] = _Ufunc(getattr(np, _n))
-for _n in _FUNCTIONS:
+for _n in FUNCTIONS:
     globals()[_n] = _function(_n)
 
 # dtypes, constants and dtype helpers: host objects, the same as NumPy's (as on CuPy)

@@ -1,8 +1,10 @@
-"""bench/gpu_check.py without a GPU: a plain message, every row "not run", JSON written, exit 0."""
+"""bench/gpu_check.py without a GPU: a plain message, every row "not run", JSON written, exit 0; with a GPU
+listed but CuPy missing: one line, exit 3; every row's failure, whatever its message, still gives the table."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -12,13 +14,27 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.timeout(120)
-def test_without_cupy_every_check_is_not_run_and_the_exit_code_is_zero(tmp_path):
+def _without_cupy(tmp_path, smi_listing: str | None):
+    """Runs gpu_check with CuPy hidden and a fake ``nvidia-smi`` first on PATH: it prints ``smi_listing``
+    (exit 0), or fails as it does without a driver (None)."""
     (tmp_path / "cupy.py").write_text("raise ImportError('CuPy is hidden for this test')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO_ROOT]))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + (f"echo '{smi_listing}'\n" if smi_listing is not None else
+                                    "echo 'NVIDIA-SMI has failed because it could not communicate with the driver'\nexit 9\n"))
+    smi.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO_ROOT]),
+               PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]))
     out = tmp_path / "check.json"
     done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "gpu_check.py"), "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path))
+    return done, out
+
+
+@pytest.mark.timeout(120)
+def test_without_cupy_every_check_is_not_run_and_the_exit_code_is_zero(tmp_path):
+    done, out = _without_cupy(tmp_path, None)  # nvidia-smi without a driver: no GPU
     assert done.returncode == 0, done.stderr
     assert "no GPU: CuPy not installed" in done.stdout
     result = json.loads(out.read_text())
@@ -27,6 +43,63 @@ def test_without_cupy_every_check_is_not_run_and_the_exit_code_is_zero(tmp_path)
     assert result["hardware"] is None and "CuPy not installed" in result["reason_not_run"]
     assert done.stdout.count("| not run |") == len(gpu_check.CHECKS)
     assert done.stdout.count("CuPy not installed") == 1, done.stdout  # said once, not in every row
+
+
+@pytest.mark.timeout(120)
+def test_a_listed_gpu_without_cupy_is_one_line_and_a_non_zero_exit(tmp_path):
+    """A broken install on a GPU machine must not look like "no GPU, nothing to check" (exit 0)."""
+    done, out = _without_cupy(tmp_path, "GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)")
+    assert done.returncode == 3
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "nvidia-smi lists 1 GPU(s) but CuPy or NCCL will not load" in lines[0] and "docs/gpu.md" in lines[0]
+    assert not out.exists()
+
+
+class _Boom(Exception):
+    def __str__(self):
+        return ""
+
+
+@pytest.mark.timeout(60)
+def test_exceptions_with_empty_messages_still_give_the_table_and_the_json(tmp_path, monkeypatch, capsys):
+    """Every row raises: with an empty message, a multi-line one, a bare RuntimeError(); each row says FAIL
+    with the exception's name, the table has every row, the JSON is written, the exit status is 1."""
+    monkeypatch.setattr(gpu_check, "probe", lambda: ({"name": "NVIDIA H200", "count": 1, "cupy": "14.2.0",
+                                                      "cuda_runtime": 12080, "nccl": 22703}, ""))
+
+    def raise_(e):
+        def f(*args, **kwargs):
+            raise e
+        return f
+    monkeypatch.setattr(gpu_check, "equal_runs", raise_(_Boom()))
+    monkeypatch.setattr(gpu_check, "nccl_collectives", raise_(RuntimeError("\n\n")))
+    monkeypatch.setattr(gpu_check, "throughput", raise_(RuntimeError()))
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--json", str(out)]) == 1
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(gpu_check.CHECKS)
+    assert table[1] == "| cupy == numpy, tiny | FAIL | _Boom: _Boom() |"
+    assert "| NCCL collectives, 1 rank | FAIL | RuntimeError: (no message) |" in table
+    assert "| gpt2 8x1024 fp16 | FAIL | RuntimeError: RuntimeError() |" in table
+    result = json.loads(out.read_text())
+    assert [c["status"] for c in result["checks"]] == ["FAIL"] * 5 + ["not run"] + ["FAIL"] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_row_kills_its_whole_process_group(tmp_path):
+    """mpiexec's ranks are grandchildren: killing mpiexec alone would leave them running on the GPU."""
+    pid_file = tmp_path / "pid"
+    runner = gpu_check.Runner(budget_s=60, workdir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="timed out after 6 s .process group killed."):
+        runner.run(["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], limit_s=6)
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.5)
+    try:  # gone, or a zombie waiting for init to reap it (killed, not running)
+        state = open(f"/proc/{grandchild}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
 
 
 def test_peaks_by_name_and_override():
@@ -60,21 +133,31 @@ def test_the_nccl_worker_passes_on_the_fake_nccl(tmp_path):
     assert result["world_size"] == 1 and result["max_error"] <= 1e-12
 
 
-def test_throughput_is_timed_from_the_difference_of_two_runs():
-    class Runner:  # two gpt2 runs of 3 and 8 steps that took 10 s and 20 s (start-up included in both)
-        seen = []
+class _Runner:  # a warm-up run, then gpt2 runs of 3 and 8 steps that took 10 s and 20 s (start-up in both)
+    def __init__(self, elapsed=None):
+        self.seen, self.elapsed = [], elapsed or {"1": 30.0, "3": 10.0, "8": 20.0}
 
-        def train(self, args, ranks=1, limit_s=0, weights=True):
-            self.seen.append(args)
-            return {"elapsed_s": 10.0 if args[args.index("--steps") + 1] == "3" else 20.0}
+    def train(self, args, ranks=1, limit_s=0, weights=True):
+        self.seen.append(args)
+        return {"elapsed_s": self.elapsed[args[args.index("--steps") + 1]]}
 
-        def left(self):
-            return 0.0  # no time left for PyTorch's side
+    def left(self):
+        return 0.0  # no time left for PyTorch's side
 
-    status, text, row = gpu_check.throughput(Runner(), "fp16", 989.5e12, (3, 8))
+
+def test_throughput_is_timed_from_the_difference_of_two_runs_after_a_warm_up():
+    runner = _Runner()
+    status, text, row = gpu_check.throughput(runner, "fp16", 989.5e12, (3, 8))
     from minizero.memory.estimator import model_flops_per_step
     from minizero.nn import get_config
     assert row["minizero_tokens_per_s"] == 8 * 1024 / 2.0  # 5 more steps took 10 s more
     assert row["minizero_mfu"] == pytest.approx(model_flops_per_step(get_config("gpt2"), 8) / 2.0 / 989.5e12)
-    assert all("--device" in a and "cuda" in a and "fp16" in a for a in Runner.seen)
-    assert status == "measured" and "tokens/s" in text
+    assert all("--device" in a and "cuda" in a and "fp16" in a for a in runner.seen)
+    assert [a[a.index("--steps") + 1] for a in runner.seen] == ["1", "3", "8"]  # the untimed warm-up first
+    assert status == "measured" and "tokens/s" in text and "PyTorch side not run" in text
+
+
+@pytest.mark.parametrize("longer_s", [10.0, 9.0])
+def test_a_step_time_of_zero_or_less_is_an_error(longer_s):
+    with pytest.raises(RuntimeError, match="step time .* <= 0"):
+        gpu_check.throughput(_Runner({"1": 30.0, "3": 10.0, "8": longer_s}), "fp32", 66.9e12, (3, 8))

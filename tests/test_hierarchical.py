@@ -4,6 +4,8 @@ The hierarchical all-reduce equals the flat ring bitwise on integer-valued data 
 within twice Higham's bound gamma_(N-1) * sum|x| otherwise; the bytes it sends across
 nodes are 2(n-1)/n of the buffer per node; the mesh keeps tensor groups inside nodes.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -124,8 +126,12 @@ def test_in_process_dp2_tp2_on_two_fake_nodes_sends_only_gradients_across():
         assert topo.tp_comm.cross_node.bytes_sent == 0
         assert topo.dp_comm.cross_node.snapshot()["by_op"]["all_reduce"] == dp_bytes > 0
         world = topo.world.cross_node.snapshot()["by_op"]
-        assert set(world) <= {"all_reduce", "broadcast_params", "metrics"} and world["all_reduce"] == dp_bytes
-    assert any("dp gradient all-reduce (ring) across nodes per step" in line for line in res[0][3])
+        # besides the gradients: set-up, metrics and the few bytes of the agreement on the parameters used
+        assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters"}
+        assert world["all_reduce"] == dp_bytes
+    line = next(line for line in res[0][3] if "dp gradient all-reduce (ring) across nodes per step" in line)
+    measured, computed = re.search(r"per step: (\S+ \S+); computed: flat ring (\S+ \S+),", line).groups()
+    assert measured == computed, line  # the gradients alone: the ring formula
 
 
 @pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)

@@ -1,6 +1,5 @@
 """Memory monitoring: per-module attribution against the formula, the live timeline, the sweep."""
 import json
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,6 @@ from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.memory.attribution import (attention_split, compare_layer, layer_bytes, layer_terms,
                                          saved_by_module)
 from minizero.memory.estimator import layer_activation_bytes
-from minizero.memory.plots import have_matplotlib
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.tensor_parallel import tensor_parallelize
@@ -118,8 +116,9 @@ def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
             assert peaks[r][f"transformer.h.{i}.attn:scores"] == b * a * s * s * 4
     assert len(summary["memory_timeline_peak_bytes"][0]) == 4
     assert max(summary["memory_timeline_peak_bytes"][0]) == summary["ledger_peak_total_bytes"][0]
-    if have_matplotlib():
-        assert os.path.getsize(out / "memory.png") > 1000
+    for png in ("memory.png", "loss.png"):  # matplotlib is a dependency of pip install .: both are always drawn
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    assert f"wrote {out / 'memory.png'}" in proc.stdout and f"wrote {out / 'loss.png'}" in proc.stdout
 
 
 # --------------------------------------------------------------------------- device memory (issue #15)

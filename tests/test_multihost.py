@@ -113,7 +113,7 @@ def test_tensor_groups_stay_on_a_host_and_only_gradients_cross(mpiexec, tmp_path
         hosts.close()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "tp groups span 1, dp groups span 2" in out and "warning: tensor group" not in out, out
+    assert "each tensor-parallel group stays inside one node, a data-parallel group spans up to 2 nodes" in out and "warning: tensor group" not in out, out
     assert "tensor group [0, 1]  on node 0" in out and "tensor group [2, 3]  on node 1" in out
     assert _field(r"tp +\(2 rank\(s\) each\): 1 node\(s\), +\S+ \S+, +(\S+ \S+)", out) == "0 B"
     dp_across = _field(r"dp +\(2 rank\(s\) each\): 2 node\(s\), +\S+ \S+, +(\S+ \S+)", out)
@@ -127,4 +127,4 @@ def test_tensor_groups_stay_on_a_host_and_only_gradients_cross(mpiexec, tmp_path
     assert measured == dp_across == _field(r"computed: flat ring (\S+ \S+),", out)
     # and those bytes really travelled over TCP through the bridge (payload plus headers and hydra's control)
     value, unit = _field(r"(\S+ \S+) across nodes =", out).split()
-    assert unit == "kB" and wire >= 3 * float(value) * 1000 * 0.999, (wire, value)
+    assert unit == "KiB" and wire >= 3 * float(value) * 1024 * 0.999, (wire, value)

@@ -249,7 +249,8 @@ def test_the_interleaved_schedule_is_refused_over_nccl(tmp_path):
     the default on --device cuda) and by the engine, instead of failing at the first send."""
     from minizero.args import UsageError, parse_args
     from minizero.nn import GPT, get_config
-    from minizero.parallel.interleaved import InterleavedEngine, InterleavedStage, interleave
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    from minizero.parallel.pipeline import PipelineEngine
 
     flags = ["--model", "default", "--steps", "1", "--out", str(tmp_path), "--device", "cuda", "--pp", "2",
              "--schedule", "interleaved", "--virtual-stages", "2", "--grad-accum", "2"]
@@ -259,7 +260,7 @@ def test_the_interleaved_schedule_is_refused_over_nccl(tmp_path):
 
     def build(comm):
         model = GPT(get_config("default"), seed=0)
-        InterleavedEngine(InterleavedStage(interleave(model, comm.rank, 2, 2), 2), _nccl(comm))
+        PipelineEngine(InterleavedStage(interleave(model, comm.rank, 2, 2), 2), _nccl(comm), "interleaved")
 
     with pytest.raises(ValueError, match="isend/irecv, which NcclCommunicator does not have"):
         run_in_threads(2, build)

@@ -1,5 +1,8 @@
-"""The README's two commands are what users and CI run: keep them and .ci/run in step."""
+"""The README is what a newcomer reads first: its commands are what users and CI run, its excerpt comes from a
+real run of the current defaults, it stays short, and its measured tables live in docs/ beside their scripts."""
+import glob
 import os
+import re
 
 from tests.conftest import REPO_ROOT
 
@@ -8,23 +11,57 @@ INSTALL_AND_RUN = ("python3 -m venv .venv && . .venv/bin/activate && pip install
 TEST = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && python -m pytest'
 
 
+def _read(*path):
+    return open(os.path.join(REPO_ROOT, *path)).read()
+
+
 def test_readme_shows_both_commands():
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    readme = _read("README.md")
     assert INSTALL_AND_RUN in readme
     assert TEST in readme
+    assert "In a new shell, activate the environment first:** `. .venv/bin/activate`" in readme
 
 
 def test_ci_runs_the_readme_test_command():
-    ci = open(os.path.join(REPO_ROOT, ".ci", "run")).read().splitlines()
+    ci = _read(".ci", "run").splitlines()
     assert TEST in ci, ".ci/run must run exactly the README's test command"
 
 
-def test_relative_links_in_docs_point_to_files():
-    import glob
-    import re
+def test_readme_is_short_and_keeps_measurements_and_history_in_docs():
+    readme = _read("README.md")
+    assert len(readme.splitlines()) <= 200
+    assert not re.search(r"^\|.*\|$", readme, re.M), "tables belong in docs/ (benchmarks.md, techniques.md)"
+    assert not re.search(r"\bissue \d+|\(#\d+\)|`[0-9a-f]{7,40}`", readme), "history belongs in the git log"
+    for page in ("techniques.md", "benchmarks.md", "multihost.md", "gpu.md"):
+        assert f"(docs/{page}" in readme, page
 
+
+def test_readme_excerpt_is_a_real_run_of_the_current_defaults():
+    """The block docs/build_readme_excerpt.py writes: the default model, the default step count; rerun the
+    script when a default changes."""
+    from minizero.flags import build_parser
+    from minizero.nn import get_config
+
+    block = _read("README.md").split("<!-- main-job: begin -->")[1].split("<!-- main-job: end -->")[0]
+    defaults = build_parser().parse_args([])
+    assert f"model '{defaults.model}' ({get_config(defaults.model).num_parameters():,} parameters" in block
+    steps = {int(n) for n in re.findall(r"^step +\d+/(\d+) +loss", block, re.M)}
+    assert steps == {defaults.steps}, (steps, defaults.steps)
+    assert re.search(r"^validation loss: [\d.]+ nats/byte", block, re.M)
+    assert "python docs/build_readme_excerpt.py" in block and "kernel" in block
+
+
+def test_benchmark_sections_name_the_script_that_made_them():
+    text = _read("docs", "benchmarks.md")
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert len(sections) >= 5
+    for s in sections:
+        assert re.search(r"`(nice )?(python|mpirun|sudo python)[^`]*`", s), s.splitlines()[0]
+
+
+def test_relative_links_in_docs_point_to_files():
     docs = [os.path.join(REPO_ROOT, "README.md"), os.path.join(REPO_ROOT, "ARCHITECTURE.md")]
-    docs += glob.glob(os.path.join(REPO_ROOT, "lessons", "*.md"))
+    docs += glob.glob(os.path.join(REPO_ROOT, "lessons", "*.md")) + glob.glob(os.path.join(REPO_ROOT, "docs", "*.md"))
     broken = []
     for doc in docs:
         for target in re.findall(r"\]\(([^)#\s]+)", open(doc).read()):

@@ -40,6 +40,19 @@ REFUSALS = {
     "pickle": lambda x: pickle.dumps(x),
     "view as ndarray": lambda x: x.view(np.ndarray),
     "list mixing device and host": lambda x: strict.asarray([x[0], 1.0]),
+    # what CuPy's signatures refuse (cupy/_core/_kernel.pyx: "Unsupported type"; no initial=/where=)
+    "list operand": lambda x: x + [1.0, 2.0, 3.0, 4.0],
+    "tuple operand in place": lambda x: x.__imul__((1.0, 2.0, 3.0, 4.0)),
+    "list to a ufunc": lambda x: strict.maximum([0.0], x),
+    "list to xp.sum": lambda x: strict.sum([1.0, 2.0]),
+    "list to xp.where": lambda x: strict.where(x > 0, x, [0.0] * 4),
+    "sum initial=": lambda x: x.sum(initial=0.0),
+    "xp.max initial=": lambda x: strict.max(x, initial=0.0),
+    "xp.sum where=": lambda x: strict.sum(x, where=x > 0),
+    "ufunc where=": lambda x: strict.add(x, x, where=x > 0),
+    "ufunc order=": lambda x: strict.exp(x, order="C"),
+    "add.reduce initial=": lambda x: strict.add.reduce(x, initial=1.0),
+    "add.reduce of a list": lambda x: strict.add.reduce([1.0, 2.0]),
 }
 
 
@@ -64,6 +77,25 @@ def test_no_index_as_on_cupy():
     with pytest.raises(TypeError):
         [0, 1, 2][strict.asarray(1)]
     assert list(range(int(strict.asarray(3)))) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("call", ["maximum.reduce", "minimum.accumulate", "multiply.reduceat", "tanh.at",
+                                  "multiply.at", "logical_and.reduce"])
+def test_ufunc_methods_beyond_cupys_raise_not_implemented(x, call):
+    """CuPy has reduce/accumulate on add and multiply only, reduceat on add, at on its scatter ops."""
+    ufunc, method = call.split(".")
+    with pytest.raises(NotImplementedError, match=call):
+        getattr(getattr(strict, ufunc), method)(x, *(([0],) if method in ("at", "reduceat") else ()))
+
+
+def test_ufunc_methods_cupy_has_equal_numpy(x):
+    a = x.get()
+    for got, want in [(strict.add.reduce(x, axis=1), np.add.reduce(a, axis=1)),
+                      (strict.multiply.accumulate(x, axis=0), np.multiply.accumulate(a, axis=0)),
+                      (strict.add.reduceat(x, strict.asarray([0, 2]), axis=1), np.add.reduceat(a, [0, 2], axis=1)),
+                      (strict.maximum.outer(x[0], x[1]), np.maximum.outer(a[0], a[1])),
+                      (strict.take(x, [0, 2], axis=1), np.take(a, [0, 2], axis=1))]:  # indices may be a list on CuPy
+        assert got.get().tobytes() == want.tobytes()
 
 
 def test_flags_are_cupys_three():

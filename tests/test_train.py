@@ -117,9 +117,9 @@ def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
     assert "context parallel ring attention" in proc.stdout
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
     row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
-    value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|kB|MB)", row).groups()
+    value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
     per_step = sum(kinds["context_parallel_attention"]) / 2
-    assert float(value) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit] == pytest.approx(per_step, rel=1e-3), (row, per_step)
+    assert float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit] == pytest.approx(per_step, rel=1e-3), (row, per_step)
     assert "(ring attention)" in row and any(line.startswith("  dp-cp (2 rank(s) each)") for line in
                                              proc.stdout.splitlines())
 

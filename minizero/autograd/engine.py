@@ -1,29 +1,17 @@
 """A tape-based reverse-mode autograd: ``Tensor``, ``Function``, ``backward``.
 
-How it works (the whole idea, as in micrograd, with PyTorch's names):
+* A :class:`Function` writes ``forward(ctx, *arrays)`` and ``backward(ctx, *grad_outputs)`` on raw
+  ``backend.xp`` arrays; ``apply`` records a node (the ``ctx``) on the outputs when an input
+  requires a gradient and grad mode is on.
+* ``ctx.save_for_backward(*arrays)`` goes through the innermost :func:`saved_tensors_hooks` ``pack``
+  (recompute, offload, quantization) and counts what is kept as ``activations`` in the ledger.
+* :func:`backward` runs each node's ``backward`` once, consumers first, frees its saved tensors,
+  and accumulates into leaves' ``.grad``; a leaf's post-accumulate-grad hooks fire after its last
+  contribution; :func:`queue_callback` runs a function when the outermost backward ends; under
+  ``autograd/split_backward.py`` the weights' gradients wait for a W (zero-bubble pipelines).
 
-* A :class:`Function` subclass writes ``forward(ctx, *arrays)`` and
-  ``backward(ctx, *grad_outputs)`` on raw ``backend.xp`` arrays.
-  ``Function.apply(*tensors)`` runs ``forward``; if any input requires a
-  gradient (and grad mode is on) it records a *node* — the ``ctx`` — on the
-  outputs: which Function, which input tensors, what was saved.
-* ``ctx.save_for_backward(*arrays)`` passes each array through the innermost
-  active :func:`saved_tensors_hooks` ``pack`` hook (the seam that recompute,
-  offload and quantization use) and counts what is kept in the memory ledger
-  under ``activations``. ``ctx.saved_tensors`` unpacks them in backward.
-* :func:`backward` orders the nodes topologically from the loss, calls each
-  node's ``backward`` once with the summed gradient of its outputs, frees the
-  node's saved tensors right after, and accumulates into the ``.grad`` of leaf
-  tensors (``requires_grad=True`` and no ``grad_fn``). A leaf's
-  post-accumulate-grad hooks fire once per backward, after its *last*
-  contribution — the moment data parallelism and ZeRO-2 may send it.
-  :func:`queue_callback` runs a function once the (outermost) backward ends.
-
-All state that differs per rank (grad mode, hook stack, ledger) is
-thread-local, so ranks can run as threads of one process.
-
-Mirrors: ``torch.autograd.Function`` (forward/backward/ctx.save_for_backward),
-``torch.no_grad``, ``torch.autograd.graph.saved_tensors_hooks``,
+Per-rank state is thread-local, so ranks can run as threads of one process.
+Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``torch.autograd.graph.saved_tensors_hooks``,
 ``Tensor.register_post_accumulate_grad_hook``, ``Variable._execution_engine.queue_callback``.
 """
 from __future__ import annotations
@@ -354,6 +342,7 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
             if isinstance(e, Tensor):
                 pending[id(e)] = pending.get(id(e), 0) + 1
     grads = {}  # id(node) -> list of output grads
+    split = getattr(_running, "split", None)  # autograd/split_backward.py's WeightGradients, collecting W work
     if root.grad_fn is None:
         _accumulate_leaf(root, grad)
         for hook in root._post_accumulate_hooks:
@@ -372,17 +361,15 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
             raise RuntimeError(f"{node.fn.__name__}: this part of the graph was already freed by an earlier "
                                "backward; call backward(retain_graph=True) to backpropagate twice")
         outs = [g if g is not None else xp.zeros(shape, dtype) for g, (shape, dtype) in zip(outs, node.output_meta)]
-        in_grads = node.fn.backward(node, *outs)
-        if not isinstance(in_grads, tuple):
-            in_grads = (in_grads,)
+        later = split.deferred_inputs(node) if split is not None else ()  # weight gradients left to a W
+        in_grads = call_backward(node, outs, skip=later)
         edges, shapes = node.edges, node.input_shapes
-        if len(in_grads) != len(edges):
-            raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients "
-                               f"for {len(edges)} inputs")
-        if not retain_graph:
+        if later:
+            split.defer(node, outs, later, pending, retain_graph)
+        elif not retain_graph:
             node.release()
-        for e, shape, g in zip(edges, shapes, in_grads):
-            if e is None:
+        for i, (e, shape, g) in enumerate(zip(edges, shapes, in_grads)):
+            if e is None or i in later:
                 continue
             if g is None:  # a None contribution still counts: the leaf's hooks must fire after its last one
                 if isinstance(e, Tensor):
@@ -400,13 +387,25 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
                 slot[i] = g if slot[i] is None else slot[i] + g
 
 
-def _contribution_done(leaf: Tensor, pending: dict) -> None:
-    """Count one contribution (an array or None) to ``leaf``; after its last, fire its post-accumulate hooks.
+def call_backward(node: Context, outs, skip=()) -> tuple:
+    """``node.fn.backward(node, *outs)`` as a tuple, the inputs numbered in ``skip`` taken out of
+    ``needs_input_grad`` (None for them; not called at all when no input is left)."""
+    need = node.needs_input_grad
+    if skip:
+        node.needs_input_grad = tuple(n and i not in skip for i, n in enumerate(need))
+    try:  # a recorded node always needs some input's gradient: unsplit, backward always runs
+        in_grads = node.fn.backward(node, *outs) if any(node.needs_input_grad) else (None,) * len(need)
+    finally:
+        node.needs_input_grad = need
+    in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
+    if len(in_grads) != len(node.edges):
+        raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients for {len(node.edges)} inputs")
+    return in_grads
 
-    As ``torch.Tensor.register_post_accumulate_grad_hook``: the hook runs once per backward, after
-    the leaf's last contribution, whether or not that one carried a gradient (``leaf.grad`` may be None
-    if none did). Data parallelism and ZeRO-2/3 rely on it to know a gradient is complete.
-    """
+
+def _contribution_done(leaf: Tensor, pending: dict) -> None:
+    """Count one contribution (an array or None) to ``leaf``; after its last, fire its post-accumulate hooks
+    (as PyTorch's, once per backward even if no contribution carried a gradient: ``leaf.grad`` may be None)."""
     pending[id(leaf)] -= 1
     if pending[id(leaf)] == 0:
         for hook in leaf._post_accumulate_hooks:

@@ -135,13 +135,15 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(allv, lengths)]
 
 
-def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6) -> tuple[list[str], dict]:
+def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6,
+                  category_peaks: list[dict] | None = None) -> tuple[list[str], dict]:
     """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib), summary entries.
 
     Args:
         out_dir: folder of ``memory.png``, or None to write nothing.
         timeline: :func:`gather_timeline`'s (ranks, steps, categories) bytes.
         peaks_by_rank: :func:`gather_module_peaks` (activation bytes per module, per rank).
+        category_peaks: optional per rank ``{category: the ledger's peak bytes}`` for the plot.
     Returns:
         (lines to print, ``{"activation_peaks_by_module": [per rank {name: bytes}],
         "memory_timeline_peak_bytes": [per rank, per step total bytes at the step's peak],
@@ -152,8 +154,8 @@ def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top:
     if out_dir is not None:
         if have_matplotlib():
             path = os.path.join(out_dir, "memory.png")
-            plot_timeline(path, timeline)
-            lines.append(f"wrote {path} (ledger memory per rank over the steps, by category, peak marked)")
+            plot_timeline(path, timeline, peaks=category_peaks)
+            lines.append(f"wrote {path} (ledger memory over the steps by category, and each category's peak)")
         else:
             lines.append(INSTALL_HINT)
     t = np.asarray(timeline)

@@ -11,7 +11,7 @@ import importlib.util
 import numpy as np
 
 from minizero.files import atomic_write
-from minizero.ledger import CATEGORIES
+from minizero.ledger import CATEGORIES, format_bytes
 
 INSTALL_HINT = "no memory plot: matplotlib is not installed (pip install matplotlib)"
 
@@ -30,13 +30,49 @@ def _pyplot():
     return plt
 
 
-def plot_timeline(path: str, timeline, title: str = "") -> None:
-    """Write a PNG: per rank, bytes per category over the steps (stacked), the peak marked.
+def rank_groups(timeline, peaks=None) -> list[list[int]]:
+    """Ranks whose timelines (and per-category peaks, when given) are equal, in order of their first rank.
+
+    ``timeline``: (ranks, steps, categories) bytes; ``peaks``: per rank ``{category: bytes}``.
+    Eight data-parallel replicas give ``[[0, 1, ..., 7]]``, as the memory summary's ``r0-7`` column.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for r, rows in enumerate(np.asarray(timeline)):
+        key = (rows.tobytes(), None if peaks is None else tuple(peaks[r][c] for c in CATEGORIES))
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def _label(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{u[0]}-{u[-1]}" if len(u) > 1 else f"{u[0]}" for u in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def plot_timeline(path: str, timeline, title: str = "", peaks=None) -> None:
+    """Write :func:`timeline_figure` as a PNG to ``path`` (same arguments and errors)."""
+    plt = _pyplot()
+    fig = timeline_figure(timeline, title, peaks)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
+    plt.close(fig)
+
+
+def timeline_figure(timeline, title: str = "", peaks=None):
+    """A matplotlib Figure: one row per group of ranks with equal ledgers (:func:`rank_groups`); left, bytes per
+    category over the steps (stacked, each step at its peak, the peak marked); right, every category's own
+    peak over the run, all of :data:`~minizero.ledger.CATEGORIES` (zero ones too).
 
     Args:
-        path: the PNG to write.
         timeline: (ranks, steps, len(CATEGORIES)) bytes, each step's breakdown at its peak
             (:func:`minizero.memory.monitor.gather_timeline`).
+        peaks: optional per rank ``{category: peak bytes}`` (the ledger's peaks, as the memory summary
+            prints them); without it the right panel shows each category's largest value in ``timeline``.
     Raises:
         ImportError: matplotlib missing (check :func:`have_matplotlib` first).
         ValueError: ``timeline`` is not 3-D with len(CATEGORIES) columns.
@@ -46,34 +82,43 @@ def plot_timeline(path: str, timeline, title: str = "") -> None:
     if t.ndim != 3 or t.shape[2] != len(CATEGORIES):
         raise ValueError(f"timeline must be (ranks, steps, {len(CATEGORIES)}), got {t.shape}")
     plt = _pyplot()
-    ranks, steps = t.shape[0], t.shape[1]
-    cols = min(ranks, 4)
-    rows = -(-ranks // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False, sharey=True)
-    x = np.arange(1, steps + 1)
-    used = [i for i, _ in enumerate(CATEGORIES) if t[:, :, i].any()]
+    groups = rank_groups(t, peaks)
+    colors = {c: f"C{i}" for i, c in enumerate(CATEGORIES)}
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 0.9 + 2.6 * len(groups)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
     mib = t / 2**20
-    for r in range(rows * cols):
-        ax = axes[r // cols][r % cols]
-        if r >= ranks:
-            ax.axis("off")
-            continue
-        ax.stackplot(x, *[mib[r, :, i] for i in used], labels=[CATEGORIES[i] for i in used], step="post")
+    x = np.arange(1, t.shape[1] + 1)
+    top = mib.sum(axis=2).max() * 1.5 or 1  # room above the stack for the notes
+    for (ax, bx), ranks in zip(axes, groups):
+        r = ranks[0]
+        used = [i for i, _ in enumerate(CATEGORIES) if mib[r, :, i].any()]
+        ax.stackplot(x, *[mib[r, :, i] for i in used], colors=[colors[CATEGORIES[i]] for i in used], step="post")
         total = mib[r].sum(axis=1)
         k = int(total.argmax())
         ax.plot([x[k]], [total[k]], "v", color="black")
-        ax.annotate(f"peak {total[k]:.2f} MiB\nstep {x[k]}", (x[k], total[k]), textcoords="offset points",
-                    xytext=(0, 6), ha="center", fontsize=7)
-        ax.set_ylim(0, mib.sum(axis=2).max() * 1.3 or 1)
-        ax.set_title(f"rank {r}", fontsize=9)
-        ax.set_xlabel("step")
-        if r % cols == 0:
-            ax.set_ylabel("MiB at the step's peak")
-    axes[0][0].legend(loc="lower left", fontsize=7)
-    fig.suptitle(title or "ledger memory per rank, by category (each step at its peak)", fontsize=10)
+        ax.text(0.98, 0.95, f"peak {total[k]:.2f} MiB at step {x[k]}", transform=ax.transAxes, ha="right",
+                va="top", fontsize=8)
+        ax.set_xlim(x[0] - 0.5, x[-1] + 0.5)
+        ax.set_ylim(0, top)
+        ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked", fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.set_ylabel("MiB", fontsize=8)
+        own = [peaks[r][c] if peaks is not None else t[r, :, i].max() for i, c in enumerate(CATEGORIES)]
+        absent = [c for i, c in enumerate(CATEGORIES) if own[i] and i not in used]
+        if absent:  # e.g. gradients: made during backward, as the activations that set the peak are freed
+            ax.text(0.98, 0.86, f"not alive at the step's peak: {', '.join(absent)}", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=7, color="0.3")
+        ys = np.arange(len(CATEGORIES))[::-1]
+        bx.barh(ys, np.divide(own, 2**20), color=[colors[c] for c in CATEGORIES])
+        bx.set_yticks(ys, CATEGORIES, fontsize=8)
+        bx.set_xlim(0, max(own) / 2**20 * 1.5 or 1)
+        for y, v in zip(ys, own):
+            bx.text(v / 2**20, y, f" {format_bytes(v)}", va="center", fontsize=7)
+        bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
+        bx.tick_params(axis="x", labelsize=8)
+    fig.suptitle(title or "ledger memory per rank by category (ranks with equal ledgers share a row)", fontsize=10)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
-    plt.close(fig)
+    return fig
 
 
 def plot_seq_sweep(path: str, seq_lens, measured: dict, formula: dict, split: dict | None = None,

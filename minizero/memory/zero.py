@@ -59,6 +59,7 @@ from minizero.memory.zero_shards import (PHASES, STEP_PHASES, Piece, ShardMap, U
 from minizero.memory.zero_stage3 import ParameterPartitioning
 from minizero.optim.adamw import adamw_update, state_dtype
 from minizero.optim.state_store import OptimizerStateStore
+from minizero.optim.used_parameters import used_anywhere
 
 __all__ = ["ZeroOptimizer", "ZeroOrderError", "ShardMap", "Unit", "Piece", "find_units", "model_state_formula",
            "traffic_formula", "model_state_bytes", "gather_figures", "STEP_PHASES", "PHASES"]
@@ -97,6 +98,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
             (zero_prefetch.py), at most ``REDUCE_BUCKETS`` = 2 buckets alive (double buffering: a
             bucket is freed when the next one is submitted, so ``comm_buffers`` is a formula the
             estimator computes). Default off here; the CLI turns it on (``--no-overlap``: off).
+        find_unused_parameters: as :class:`~minizero.parallel.data_parallel.DataParallel`'s.
     Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
 
         stage  parameters               gradients                      m, v     transient
@@ -122,7 +124,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
 
     def __init__(self, model, comm, stage: int, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  native: bool = False, master_weights: bool = False, sharded_state=None, quantized_comm: bool = False,
-                 store=None, prefetch: bool = False, overlap_reduce: bool = False):
+                 store=None, prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
@@ -134,7 +136,7 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
         self.comm, self.stage, self.native, self.master_weights = comm, stage, native, master_weights
         self.predivided = False  # gradients already carry 1/N (FP16's seed): reduce by a plain sum
         self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
-        self.quantized_comm = quantized_comm
+        self.quantized_comm, self.find_unused_parameters = quantized_comm, find_unused_parameters
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
         self.bytes_sent = {ph: 0 for ph in PHASES}
@@ -190,17 +192,23 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
 
     # ---- set-up -----------------------------------------------------------------------
     def _track_gradients(self):
-        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks).
-
-        ``step`` skips the owned pieces of every other parameter: no weight decay, no moment update,
-        as one process's AdamW skips ``grad is None`` (PyTorch's rule). Every rank runs the same
-        graph, so every rank skips the same parameters (the rule of ``DataParallel.allreduce_gradients``).
-        With a ``sharded_state`` (8-bit Adam's block-quantized codes) the whole shard is updated.
-        """
+        """Record, per step, the names of the parameters that received a gradient (post-accumulate-grad hooks);
+        ``step`` skips the owned pieces of the others that no rank touched (:meth:`_agree_on_used`), as
+        AdamW skips ``grad is None``. A ``sharded_state`` (8-bit Adam) updates its whole shard."""
         self._with_grad = set()
+        self._names = [name for st in self.units for name in st.unit.param_names]
         for st in self.units:
             for name, p in zip(st.unit.param_names, st.params):
                 p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
+
+    def _agree_on_used(self):
+        """Collective: ``_with_grad`` becomes the parameters some rank gave a gradient (a rank that skipped
+        one reduced zeros for it): one bitmask all-gather (``used_anywhere``), phase ``used_parameters``."""
+        if not self.find_unused_parameters:
+            return
+        with self._count("used_parameters"):
+            used = used_anywhere(self.comm, [name in self._with_grad for name in self._names])
+        self._with_grad = {name for name, u in zip(self._names, used) if u}
 
     def _add_tied_users(self, model):
         """A module outside a unit's subtree that owns one of its parameters (the tied LM head) uses it too."""
@@ -263,22 +271,23 @@ class ZeroOptimizer(GradientBuckets, Prefetch, ParameterPartitioning):
     def reduce_gradients(self) -> None:
         """After the last micro-batch: every rank's owned gradient shard = mean over ranks.
 
-        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 did it during
-        backward and here reduce, in their fixed order, the units the last micro-batch left
-        (a unit some of whose parameters got no gradient, or one this rank did not use).
+        Stage 1 reduce-scatters every unit here (once per step); stages 2-3 did it at the end of
+        every backward (and here wait for the overlapped reduce-scatters). Then every rank agrees
+        on the parameters some rank gave a gradient (:meth:`_agree_on_used`): those ``step`` updates.
         Raises:
             RuntimeError: stage 1 and a ``.grad`` is no longer a view of its unit's gradient
             buffer (``model.zero_grad()`` was called; use this optimizer's ``zero_grad``).
         """
         if self.stage >= 2:
             self._finish_micro_batch()
-            return
-        for st in self.units:
-            for p in st.params:
-                if p.grad is None or p.grad.base is not st.flat_grad:
-                    raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
-                                       "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
-            st.grad_shard[...] = self._reduce_scatter_unit(st, st.flat_grad)
+        else:
+            for st in self.units:
+                for p in st.params:
+                    if p.grad is None or p.grad.base is not st.flat_grad:
+                        raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
+                                           "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
+                st.grad_shard[...] = self._reduce_scatter_unit(st, st.flat_grad)
+        self._agree_on_used()
 
     def grad_norm(self, grad_scale: float = 1.0) -> float:
         """Collective: the global L2 norm of ``gradient * grad_scale`` over all shards (a float).

@@ -4,11 +4,14 @@ ZeRO pairs rank r's message about unit u with rank s's message about the *same* 
 rank that reaches its collectives in another order (blocks run in a rank-dependent order, a
 block skipped on one rank) would otherwise pair unit 0 with unit 1 and, when the two have the
 same size, sum them without a word. So before each collective every rank all-gathers a
-two-number header ``(unit index, phase)`` and compares: on a mismatch every rank raises the
-same :class:`ZeroOrderError` naming what each rank tried to do (PyTorch FSDP asks for the
-same module order on every rank; its debug mode checks collective fingerprints the same way).
+three-number header ``(unit index, phase, prefetched)`` and compares: on a mismatch every rank
+raises the same :class:`ZeroOrderError` naming what each rank tried to do (PyTorch FSDP asks
+for the same module order on every rank; its debug mode checks collective fingerprints the same
+way). ``prefetched`` tells a blocking gather from a prefetching one (zero_prefetch.py): their
+rings use different tags, so two ranks that agree on the unit but not on the way would wait
+for each other until the communication timeout.
 
-Cost: one ring all-gather of 2 int64 per rank before each unit collective, (N-1) x 16 bytes
+Cost: one ring all-gather of 3 int64 per rank before each unit collective, (N-1) x 24 bytes
 per rank, under the traffic label ``zero_header`` (not in any ZeRO phase's byte count).
 
 Means over ranks: float16 is divided by N before the sum, wider dtypes after
@@ -64,8 +67,9 @@ class UnitCollectives:
         finally:
             self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
 
-    def _agree(self, st, phase: str) -> None:
-        """Collective: check every rank is about to run ``phase`` on the same unit (``st``; None: no unit).
+    def _agree(self, st, phase: str, prefetched: bool = False) -> None:
+        """Collective: check every rank is about to run ``phase`` on the same unit (``st``; None: no unit),
+        the same way (``prefetched``: the non-blocking gather started ahead of use, zero_prefetch.py).
 
         Raises:
             ZeroOrderError: on every rank, naming each rank's unit and phase.
@@ -73,12 +77,14 @@ class UnitCollectives:
         n = self.comm.world_size
         if n == 1:
             return
-        mine = backend.xp.asarray([-1 if st is None else st.index, PHASES.index(phase)], dtype=np.int64)
+        mine = backend.xp.asarray([-1 if st is None else st.index, PHASES.index(phase), int(prefetched)],
+                                  dtype=np.int64)
         with self.comm.traffic.op("zero_header"):
-            every = backend.to_host(all_gather(self.comm, mine)).reshape(n, 2)
+            every = backend.to_host(all_gather(self.comm, mine)).reshape(n, 3)
         if (every != every[0]).any():
-            said = "; ".join(f"rank {r}: {PHASES[p]} of {self.units[u].unit.name!r}" if u >= 0 else
-                             f"rank {r}: {PHASES[p]}" for r, (u, p) in enumerate(every.tolist()))
+            said = "; ".join(f"rank {r}: {PHASES[p]}{' (prefetch)' if f else ''}"
+                             + (f" of {self.units[u].unit.name!r}" if u >= 0 else "")
+                             for r, (u, p, f) in enumerate(every.tolist()))
             raise ZeroOrderError(
                 f"ZeRO: ranks disagree on the next collective ({said}). Every rank must run the same units "
                 "in the same order (stage 3 gathers each unit as its forward begins); stages 1-2 accept "

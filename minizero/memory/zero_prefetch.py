@@ -151,7 +151,7 @@ class Prefetch:
         """Start ``st``'s all-gather (non-blocking) unless it is gathered, pending or finished for this micro-batch."""
         if st is None or st.full is not None or st.index in self._pending or self._pinned:
             return
-        self._agree(st, phase)
+        self._agree(st, phase, prefetched=True)
         n, padded = self.comm.world_size, st.unit.padded
         full = backend.xp.empty(padded, dtype=st.param_shard.dtype)
         off, size = shard_range(padded, n, self.comm.rank)

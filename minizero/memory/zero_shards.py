@@ -39,7 +39,7 @@ from minizero.nn.init import is_meta
 #: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
 #: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
 STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
-PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup")
+PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup", "used_parameters")
 
 
 # --------------------------------------------------------------------------- the shard map

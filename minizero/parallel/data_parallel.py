@@ -24,6 +24,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.comm.collectives import all_reduce, broadcast, mean_scale_
 from minizero.ledger import get_ledger
+from minizero.optim.used_parameters import used_anywhere
 
 
 def fill_bucket(flat, layout) -> None:
@@ -52,12 +53,16 @@ class DataParallel:
         allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
             over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
             over ``comm``); None: the ring (``native``: the library's).
+        find_unused_parameters: agree every step on the parameters some rank gave a gradient
+            (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
+            ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
+            whose precondition (unchecked) is that every rank runs the same graph.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True, allreduce=None):
+                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
@@ -66,8 +71,9 @@ class DataParallel:
         self.predivided = False
         if allreduce is not None and native:
             raise ValueError("native=True and an allreduce callable exclude each other")
-        self.allreduce = allreduce
+        self.allreduce, self.find_unused_parameters = allreduce, find_unused_parameters
         self.buckets = []  # list of (flat buffer, [(param, offset), ...])
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.bytes_sent = 0  # gradient all-reduce bytes this rank sent, over all steps
         current, size, dtype = [], 0, None
         for p in (reversed(self.params) if comm.world_size > 1 else ()):  # one rank: nothing to reduce
@@ -94,23 +100,44 @@ class DataParallel:
             off += p.size
         self.buckets.append((flat, layout))
 
+    def agree_on_used(self) -> list:
+        """Collective: for each of ``params``, True where some rank has a ``.grad`` (see :func:`used_anywhere`);
+        without ``find_unused_parameters``, no message: where this rank has one."""
+        here = [p.grad is not None for p in self.params]
+        return used_anywhere(self.comm, here) if self.find_unused_parameters else here
+
+    def write_back(self, used) -> None:
+        """Every bucket's averages into ``.grad`` of the parameters some rank used (``used``, from
+        :meth:`agree_on_used`); a rank that had none gets a new array (``gradients`` in the ledger),
+        a parameter no rank used keeps ``.grad = None``."""
+        for flat, layout in self.buckets:
+            for p, off in layout:
+                if not used[self._index[id(p)]]:
+                    continue
+                g = flat[off:off + p.size].reshape(p.shape)
+                if p.grad is None:
+                    p.grad = g.copy()
+                    get_ledger().track(p.grad, "gradients")
+                else:
+                    p.grad[...] = g
+
     def allreduce_gradients(self) -> None:
         """Average every parameter's ``.grad`` across the group, bucket by bucket.
 
-        A parameter without a gradient (``.grad is None``) contributes zeros and keeps
-        ``.grad = None``, so the optimizer skips it (no weight decay, no moment update), as one
-        process does and as PyTorch's AdamW skips ``grad is None``. Rule: a parameter without a
-        gradient on one rank has none on any rank — every rank runs the same graph (minizero's
-        models use every parameter in every forward or never); a model whose graph depends on
-        the data would need one all-reduce of a flag per parameter (DDP's
-        ``find_unused_parameters``). Bytes sent per
-        rank: 2(N-1)/N of the gradient bytes (ring all-reduce). float16 buckets
-        are divided by N before the sum (PyTorch DDP's pre-division), wider ones
-        after (:func:`~minizero.comm.collectives.divide_before_sum`).
+        A rank without a gradient for a parameter (``.grad is None``: a data-dependent graph
+        skipped it there) contributes zeros; after the reduction every rank holds the average
+        wherever *some* rank had a gradient, and ``.grad = None`` where none had, so the
+        optimizer skips the same parameters everywhere (no weight decay, no moment update, as
+        PyTorch's AdamW skips ``grad is None``) and the replicas stay bitwise equal. The
+        agreement is one all-gather of a bitmask (:meth:`agree_on_used`, PyTorch DDP's
+        ``find_unused_parameters=True``), counted as ``used_parameters`` and not in :attr:`bytes_sent`. Bytes sent per rank for the gradients: 2(N-1)/N of the gradient bytes
+        (ring all-reduce). float16 buckets are divided by N before the sum (PyTorch DDP's
+        pre-division), wider ones after (:func:`~minizero.comm.collectives.divide_before_sum`).
         """
         n = self.comm.world_size
         if n == 1:
             return
+        used = self.agree_on_used()
         before = self.comm.traffic.bytes_sent
         for flat, layout in self.buckets:
             fill_bucket(flat, layout)
@@ -120,7 +147,5 @@ class DataParallel:
             else:
                 all_reduce(self.comm, flat, native=self.native, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.predivided)  # float32/64: divide the sum
-            for p, off in layout:
-                if p.grad is not None:  # no gradient: none after the reduction either (the optimizer skips it)
-                    p.grad[...] = flat[off:off + p.size].reshape(p.shape)
+        self.write_back(used)
         self.bytes_sent += self.comm.traffic.bytes_sent - before

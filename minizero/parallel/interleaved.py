@@ -21,12 +21,13 @@ whole model's (``transformer.h.2.mlp.c_fc.weight``), so the strategy, ZeRO, reco
 and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage. Each chunk is a
 :class:`PipelineStage` of p*v virtual stages holding the same module objects.
 
-:class:`InterleavedEngine` runs the schedule. Messages carry a tag per direction
+:class:`~minizero.parallel.pipeline.PipelineEngine` runs the schedule (the same engine as for
+one chunk per rank: each op names its chunk). Messages carry a tag per direction
 (activations, gradients): between two ranks each direction then delivers micro-batches in
 the order both sides run them (every rank runs forwards in the same (chunk, micro-batch) order,
 backwards likewise), also when p = 2 makes the next and previous rank the same one.
 Every send is non-blocking (``comm.isend``) and completes while the rank goes on to its next
-op; receives block. With p = 2 the two ranks send to each other at the same time (rank 0 a
+op; receives wait. With p = 2 the two ranks send to each other at the same time (rank 0 a
 gradient of chunk 1 and an activation of chunk 0, rank 1 the reverse), and blocking sends
 deadlock there once a message is over MPI's eager limit (32 KiB already did with MPICH):
 Megatron-LM batches isend/irecv for the same reason.
@@ -36,18 +37,8 @@ Sources: Narayanan et al., arXiv:2104.04473, section 2.2.2 and figure 4; Megatro
 """
 from __future__ import annotations
 
-import contextlib
-
-import numpy as np
-
-from minizero import backend
-from minizero.autograd import Tensor, backward, no_grad
-from minizero.ledger import get_ledger
 from minizero.nn.module import Module, ModuleDict
-from minizero.parallel.pipeline import PipelineEngine, PipelineStage, _Layers, stage_layers
-from minizero.parallel.schedule import interleaved, peak_in_flight
-
-ACT_TAG, GRAD_TAG = 1110, 1111  #: tags of the interleaved pipeline's activations and gradients
+from minizero.parallel.pipeline import PipelineStage, _Layers, stage_layers
 
 
 def rank_of_layer(n_layer: int, pp: int, v: int, layer: int) -> int:
@@ -91,125 +82,12 @@ class InterleavedStage(Module):
         return self.chunks[0].activation_shape(idx_shape)
 
     def forward(self, x, targets=None):  # pragma: no cover - the engine runs the chunks
-        raise TypeError("an InterleavedStage runs chunk by chunk: use InterleavedEngine")
+        raise TypeError("an InterleavedStage runs chunk by chunk: use PipelineEngine")
 
 
 def interleave(model, rank: int, pp: int, v: int) -> list:
     """The v :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank`` (virtual stages c*pp + rank)."""
     return [PipelineStage(model, c * pp + rank, pp * v) for c in range(v)]
-
-
-class InterleavedEngine(PipelineEngine):
-    """Runs :func:`~minizero.parallel.schedule.interleaved` over an :class:`InterleavedStage`.
-
-    Per op (micro-batch i, chunk c) on rank r, virtual stage k = c p + r::
-
-        F: x = recv activation from rank r-1 (mod p; k = 0: embed the tokens); y = chunk c(x);
-           send y to rank r+1 (mod p; k = p v - 1: y is the loss)
-        B: g = recv dL/dy from rank r+1 (k = p v - 1: g = S/m); backward; send dL/dx to rank r-1
-
-    Traffic: per micro-batch, v ``pp_activation`` and v ``pp_gradient`` messages of (b, T, C)
-    per rank, less one each at the ends of the pipeline.
-    """
-
-    def __init__(self, stage: InterleavedStage, comm, verbose: bool = False, log=print, forward_context=None):
-        if comm.world_size != stage.num_stages or comm.rank != stage.stage:
-            raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
-                             f"stage {stage.stage}/{stage.num_stages}")
-        if not comm.nonblocking:  # every send is an isend (a blocking one could deadlock this schedule)
-            raise ValueError(f"the interleaved schedule sends with isend/irecv, which {type(comm).__name__} "
-                             "does not have (NCCL: use --comm mpi, or --schedule 1f1b / gpipe)")
-        self.stage, self.comm, self.schedule, self.verbose, self.log, self.pair_sends = (
-            stage, comm, "interleaved", verbose, log, True)
-        self.forward_context = forward_context or contextlib.nullcontext
-        self.peak_in_flight, self.trace, self._sending = 0, [], []  # (handle, array) of unfinished sends
-
-    def _post(self, array, dest: int, label: str, what: str, tag: int = ACT_TAG) -> None:
-        """Start a non-blocking send (``comm.isend``); it completes while this rank goes on (see :meth:`_reap`)."""
-        array = backend.xp.ascontiguousarray(array)
-        self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
-        with self.comm.traffic.op(label):
-            self._sending.append((self.comm.isend(array, dest, tag=tag), array))
-
-    def _reap(self, wait: bool = False) -> None:
-        """Forget the sends that completed (all of them, waiting, with ``wait``): their arrays are freed."""
-        if wait:
-            for handle, _ in self._sending:
-                handle.wait()
-        self._sending = [(h, a) for h, a in self._sending if not h.test()]
-
-    def _flush(self) -> None:
-        self._reap(wait=True)
-
-    def _recv(self, shape, source: int, what: str, tag: int = ACT_TAG):
-        buf = self.comm.recv(backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype)), source, tag=tag)
-        self._say(f"{what} {shape} <── stage {source}")
-        self._reap()
-        return buf
-
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
-        """As :meth:`PipelineEngine.forward_backward`, by the interleaved schedule (m a multiple of p)."""
-        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
-        prev, nxt = (r - 1) % p, (r + 1) % p
-        mbs = list(micro_batches)
-        ops = interleaved(p, len(mbs), st.virtual_stages)[r]
-        scale = loss_scale / len(mbs)
-        held, loss_sum = {}, 0.0
-        self.trace, self.peak_in_flight = [], 0
-        for op in ops:
-            x, y = mbs[op.mb]
-            chunk, what = st.chunks[op.chunk], f"mb{op.mb} chunk{op.chunk}"
-            if op.kind == "F":
-                if chunk.is_first:
-                    inp, x_in = None, backend.to_device(x)
-                else:
-                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), prev, f"act {what}"),
-                                        requires_grad=True)
-                with self.forward_context():
-                    out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
-                if chunk.is_last:
-                    loss_sum += out.item()
-                else:
-                    self._post(out.data, nxt, "pp_activation", f"act {what}")
-                    out.data = backend.xp.empty(0, out.dtype)  # the graph node stays; the values travel
-                held[(op.chunk, op.mb)] = (inp, out)
-            else:
-                inp, out = held.pop((op.chunk, op.mb))
-                if chunk.is_last:
-                    grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
-                else:
-                    grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", GRAD_TAG)
-                if inp is not None:
-                    inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
-                    get_ledger().track(inp.grad, "comm_buffers")
-                backward(out, grad)
-                if not chunk.is_first:
-                    self._post(inp.grad, prev, "pp_gradient", f"grad {what}", GRAD_TAG)
-                    inp.grad = None
-                del inp, out
-            self.trace.append(op)
-            self.peak_in_flight = max(self.peak_in_flight, len(held))
-        self._flush()
-        assert self.peak_in_flight == peak_in_flight(ops)
-        return loss_sum
-
-    def forward_only(self, x, y) -> float:
-        """Mean loss of one batch through the v chunks of every rank without a graph; 0.0 off the last rank."""
-        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
-        loss = 0.0
-        with no_grad():
-            for chunk in st.chunks:
-                if chunk.is_first:
-                    x_in = backend.to_device(x)
-                else:
-                    x_in = Tensor(self._recv(st.activation_shape(x.shape), (r - 1) % p, "eval act"))
-                out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
-                if chunk.is_last:
-                    loss = out.item()
-                else:
-                    self._post(out.data, (r + 1) % p, "pp_eval", "eval act")
-                    self._flush()
-        return loss
 
 
 def check_interleaved(args, cfg) -> None:

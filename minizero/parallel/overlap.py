@@ -15,10 +15,12 @@ the last parameter of a bucket fired — for the last micro-batch of the step, c
 with gradient accumulation only the last micro-step communicates (DDP's ``no_sync``) — the
 bucket's gradients are packed into its flat buffer and a ring all-reduce
 (:class:`~minizero.comm.nonblocking.RingCollective`) is submitted to a
-:class:`~minizero.comm.nonblocking.Stream`. Every hook first calls ``progress()``, so the rings
-advance between autograd nodes while backward computes the layers below; :meth:`finish`
-(the strategy's ``reduce_gradients``) launches any bucket whose parameters got no gradient
-(zeros, as the blocking path), waits, then divides and copies back — the blocking path's
+:class:`~minizero.comm.nonblocking.Stream`, in bucket order (a complete bucket waits for the
+ones before it, so every rank submits the same sequence). Every hook first calls ``progress()``,
+so the rings advance between autograd nodes while backward computes the layers below;
+:meth:`finish` (the strategy's ``reduce_gradients``) launches any bucket with a parameter this
+rank's graph skipped (zeros for it, as the blocking path), waits, agrees on the parameters some
+rank used (one small all-reduce), then divides and copies back — the blocking path's
 arithmetic, element by element, so the weights are bitwise identical.
 
 Why progress from the hooks and not a communication thread: the ranks of the in-process
@@ -35,7 +37,6 @@ from __future__ import annotations
 from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
-from minizero.ledger import get_ledger
 from minizero.parallel.data_parallel import fill_bucket
 
 OVERLAP_TAG = 1003  #: tag of the overlapped gradient ring (apart from the blocking collectives' 1001/1002)
@@ -68,8 +69,8 @@ class OverlappedReducer:
         deferred = {id(p) for p in defer}
         self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]
         self.micro_steps = 1
-        self.fired = [0] * len(dp.buckets)
-        self.launched = [False] * len(dp.buckets)
+        self.order = [b for b in range(len(dp.buckets)) if not self.deferred[b]]  # launched from the hooks
+        self._reset()
         for b, (_, layout) in enumerate(dp.buckets):
             for p, _ in layout:
                 p.register_post_accumulate_grad_hook(self._hook(b))
@@ -79,23 +80,37 @@ class OverlappedReducer:
         if micro_steps < 1:
             raise ValueError(f"micro_steps={micro_steps}; allowed: >= 1")
         self.micro_steps = micro_steps
-        self.fired = [0] * len(self.dp.buckets)
-        self.launched = [False] * len(self.dp.buckets)
+        self._reset()
+
+    def _reset(self) -> None:
+        nb = len(self.dp.buckets)
+        self.fired, self.complete, self._pos = [0] * nb, [False] * nb, 0
 
     def _hook(self, b: int):
         def hook(_param):
             self.stream.progress()
             self.fired[b] += 1
-            if self.fired[b] == self.micro_steps * len(self.dp.buckets[b][1]) and not self.deferred[b]:
-                self._launch(b)
+            if self.fired[b] == self.micro_steps * len(self.dp.buckets[b][1]):
+                self.complete[b] = True
+                self._launch_in_order()
         return hook
+
+    def _launch_in_order(self) -> None:
+        """Launch complete buckets in bucket order (deferred ones aside): every rank submits the same sequence.
+
+        A bucket a rank has not completed (a parameter its graph skipped) holds back the ones after
+        it until :meth:`finish`, as DDP's buckets are reduced in order; otherwise rings of different
+        buckets would pair up across ranks.
+        """
+        while self._pos < len(self.order) and self.complete[self.order[self._pos]]:
+            self._launch(self.order[self._pos])
+            self._pos += 1
 
     def _launch(self, b: int) -> None:
         flat, layout = self.dp.buckets[b]
         n = self.dp.comm.world_size
         fill_bucket(flat, layout)
         mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
-        self.launched[b] = True
         if all_reduce_algorithm(flat.nbytes, n) != "ring":  # a small bucket: recursive doubling, blocking, in
             return  # finish() -- the blocking path's algorithm, so the result stays bit for bit the same
         self.stream.submit(RingCollective(self.dp.comm, flat, "all_reduce", OVERLAP_TAG, name=f"all_reduce bucket {b}",
@@ -106,24 +121,19 @@ class OverlappedReducer:
         self.stream.progress()
 
     def finish(self) -> None:
-        """Launch the buckets not yet launched, wait for all, and write the averages into ``.grad``."""
-        for b in range(len(self.dp.buckets)):
-            if not self.launched[b]:
-                self._launch(b)
+        """Launch the buckets not yet launched (in order, the deferred ones last), wait for all, agree on
+        which parameters some rank used (:meth:`DataParallel.agree_on_used`), and write the averages
+        into ``.grad`` as the blocking path does."""
+        for b in self.order[self._pos:] + [b for b in range(len(self.dp.buckets)) if self.deferred[b]]:
+            self._launch(b)
         with self.dp.comm.traffic.span("wait gradients"):
             self.stream.synchronize()
+        used = self.dp.agree_on_used()
         n, comm = self.dp.comm.world_size, self.dp.comm
         for flat, layout in self.dp.buckets:
             if all_reduce_algorithm(flat.nbytes, n) != "ring":
                 all_reduce(comm, flat, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.dp.predivided)  # float32/64: divide the sum
             self.dp.bytes_sent += bytes_sent("all_reduce", flat.size, flat.itemsize, n, comm.rank)
-            for p, off in layout:
-                g = flat[off:off + p.size].reshape(p.shape)
-                if p.grad is None:
-                    p.grad = g.copy()
-                    get_ledger().track(p.grad, "gradients")
-                else:
-                    p.grad[...] = g
-        self.launched = [False] * len(self.dp.buckets)
-        self.fired = [0] * len(self.dp.buckets)
+        self.dp.write_back(used)
+        self._reset()

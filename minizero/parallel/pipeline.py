@@ -15,12 +15,18 @@ two copies' gradients over the *embedding group* (first and last stage) each ste
 copies stay equal (Megatron-LM does the same; Shoeybi et al. 2019, section 3).
 
 :class:`PipelineEngine` runs one optimizer step's micro-batches through a schedule from
-:mod:`minizero.parallel.schedule` (GPipe or 1F1B). Per op on stage s::
+:mod:`minizero.parallel.schedule` (GPipe, 1F1B, interleaved, ZB-H1: one engine, the schedule is
+data; with v chunks per rank each op names its chunk). Per op on stage s::
 
     F(i): x = recv activation from s-1 (first stage: embed the tokens); y = stage(x);
           send y to s+1 (last stage: y is the loss of micro-batch i; nothing sent)
     B(i): g = recv dL/dy from s+1 (last stage: g = 1/m); backward from y with g;
-          send dL/dx to s-1 (first stage: nothing)
+          send dL/dx to s-1 (first stage: nothing); with a W op for i in the schedule, the
+          weight gradients wait for it (zero bubble, :mod:`minizero.autograd.split_backward`)
+    W(i): the weight gradients of B(i)
+
+With v chunks per rank (interleaved, parallel/interleaved.py) an op runs chunk c, and s-1, s+1
+are the ranks r-1, r+1 mod p.
 
 A send is posted together with the next receive when both go to the same neighbour — one
 ``sendrecv``, Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward`` —
@@ -45,9 +51,11 @@ from minizero.comm.nonblocking import wait_all
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
 from minizero.nn.init import copy_or_meta
-from minizero.parallel.schedule import make_schedule, peak_in_flight
+from minizero.autograd.split_backward import WeightGradients
+from minizero.parallel.schedule import make_schedule, peak_in_flight, split_backwards
 
-PP_TAG = 1100  #: tag of every pipeline message (one direction per pair, in order: FIFO matching is exact)
+PP_TAG = 1100  #: tag of every pipeline message of one-chunk schedules (one direction per pair, in order)
+ACT_TAG, GRAD_TAG = 1110, 1111  #: with chunks (v > 1): the tags of activations and of gradients
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
@@ -147,24 +155,29 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
 
 
 class PipelineEngine:
-    """Runs micro-batches through one stage by a schedule, exchanging activations and gradients.
+    """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
     Args:
-        stage: this rank's :class:`PipelineStage`.
+        stage: this rank's :class:`PipelineStage` (one chunk, v = 1), or a stage with ``chunks``
+            (:class:`~minizero.parallel.interleaved.InterleavedStage`, v > 1: chunk c is virtual stage c p + r).
         comm: the pipeline-parallel Communicator (rank = stage index, size = num_stages).
-        schedule: "gpipe" or "1f1b".
+        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES` (its ops are run as listed).
         verbose: print every message as an arrow (``log`` receives the line).
         pair_sends: post a send together with the next receive from the same neighbour
             (``sendrecv``). Turning it off shows why it is needed: with synchronous sends
             (MPI_Ssend, or any message above MPI's eager limit) 1F1B then deadlocks.
         forward_context: optional callable returning a context manager entered around every
             forward (e.g. activation offload's hooks).
+        overlap: every send an ``isend`` (always so with v > 1, where blocking sends can deadlock).
     Attributes:
-        peak_in_flight: most micro-batches held at once in the last step (GPipe: m; 1F1B: <= p - s).
+        peak_in_flight: most micro-batches (chunks) held at once in the last step (GPipe: m; 1F1B: <= p - s).
         trace: the ops of the last step, in the order run (``Op`` list).
-    Traffic (``comm.traffic``): per micro-batch, one ``pp_activation`` message of the (b, T, C)
-    activation to the next stage (all but the last stage) and one ``pp_gradient`` message of
-    the same shape to the previous stage (all but the first).
+    Raises:
+        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 over a
+        communicator without isend/irecv.
+    Traffic (``comm.traffic``): per micro-batch and chunk, one ``pp_activation`` message of the
+    (b, T, C) activation to the next rank (none from the last virtual stage) and one
+    ``pp_gradient`` message of the same shape to the previous one (none from the first).
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
@@ -172,16 +185,23 @@ class PipelineEngine:
         if comm.world_size != stage.num_stages or comm.rank != stage.stage:
             raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
                              f"stage {stage.stage}/{stage.num_stages}")
-        make_schedule(schedule, stage.num_stages, 1)  # validates the name
+        self.chunks = getattr(stage, "chunks", [stage])  # v = 1: the stage is its one chunk
+        v = len(self.chunks)
+        make_schedule(schedule, stage.num_stages, stage.num_stages, v)  # validates the name and v
+        if v > 1 and not comm.nonblocking:  # every send an isend (a blocking one could deadlock with chunks)
+            raise ValueError(f"the {schedule} schedule sends with isend/irecv, which {type(comm).__name__} "
+                             "does not have (NCCL: use --comm mpi, or --schedule 1f1b / gpipe)")
         self.stage, self.comm, self.schedule = stage, comm, schedule
         self.verbose, self.log, self.pair_sends = verbose, log, pair_sends
         self.forward_context = forward_context or contextlib.nullcontext
         self.peak_in_flight, self.trace = 0, []
-        self._pending = None  # (array, dest, label): a send waiting to be paired with the next receive
+        self._pending = None  # (array, dest, label, what, tag): a send waiting to be paired with the next receive
         #: overlap: every send is an isend posted at once, so the stage computes while it travels
         #: (Megatron's p2p_communication with async ops); completed ones are dropped, the rest waited
         #: for at the end of the step. Receives wait (their data is needed now). Off: blocking, paired.
-        self.nonblocking = overlap and comm.world_size > 1 and comm.nonblocking
+        self.nonblocking = (overlap or v > 1) and comm.world_size > 1 and comm.nonblocking
+        #: with chunks a rank sends activations and gradients to the same neighbour: a tag each keeps them apart
+        self.act_tag, self.grad_tag = (ACT_TAG, GRAD_TAG) if v > 1 else (PP_TAG, PP_TAG)
         self._sends = []  # (request, array) of isends not known to be complete
 
     # -- messages ------------------------------------------------------------------------
@@ -189,16 +209,16 @@ class PipelineEngine:
         if self.verbose:
             self.log(f"[stage {self.stage.stage}] {text}")
 
-    def _post(self, array, dest: int, label: str, what: str) -> None:
+    def _post(self, array, dest: int, label: str, what: str, tag: int) -> None:
         if self.nonblocking:
             array = backend.xp.ascontiguousarray(array)
             self._sends = [(r, a) for r, a in self._sends if not r.test()]
             self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest} (isend)")
             with self.comm.traffic.op(label):
-                self._sends.append((self.comm.isend(array, dest, tag=PP_TAG), array))
+                self._sends.append((self.comm.isend(array, dest, tag=tag), array))
             return
         self._flush()
-        self._pending = (backend.xp.ascontiguousarray(array), dest, label, what)
+        self._pending = (backend.xp.ascontiguousarray(array), dest, label, what, tag)
 
     def _flush(self) -> None:
         if self._sends:
@@ -206,31 +226,31 @@ class PipelineEngine:
                 wait_all(self.comm, [r for r, _ in self._sends], "pipeline sends")
             self._sends = []
         if self._pending is not None:
-            array, dest, label, what = self._pending
+            array, dest, label, what, tag = self._pending
             self._pending = None
             self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
             with self.comm.traffic.op(label):
-                self.comm.send(array, dest, tag=PP_TAG)
+                self.comm.send(array, dest, tag=tag)
 
-    def _recv(self, shape, source: int, what: str):
+    def _recv(self, shape, source: int, what: str, tag: int):
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
         if self.nonblocking:
             with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
-                wait_all(self.comm, [self.comm.irecv(buf, source, tag=PP_TAG)], f"pipeline receive of {what}",
+                wait_all(self.comm, [self.comm.irecv(buf, source, tag=tag)], f"pipeline receive of {what}",
                          peer=source)
             self._sends = [(r, a) for r, a in self._sends if not r.test()]
             self._say(f"{what} {shape} <── stage {source}")
             return buf
         pend = self._pending
-        if pend is not None and pend[1] == source and self.pair_sends:  # one sendrecv for both
+        if pend is not None and pend[1] == source and pend[4] == tag and self.pair_sends:  # one sendrecv for both
             self._pending = None
             self._say(f"{pend[3]} {pend[0].shape} {pend[0].nbytes} B ──> stage {source}, and "
                       f"{what} <── stage {source} (sendrecv)")
             with self.comm.traffic.op(pend[2]):
-                self.comm.sendrecv(pend[0], source, buf, source, tag=PP_TAG)
+                self.comm.sendrecv(pend[0], source, buf, source, tag=tag)
         else:
             self._flush()
-            self.comm.recv(buf, source, tag=PP_TAG)
+            self.comm.recv(buf, source, tag=tag)
             self._say(f"{what} {shape} <── stage {source}")
         return buf
 
@@ -246,67 +266,79 @@ class PipelineEngine:
         Returns:
             Sum over micro-batches of their mean loss on the last stage; 0.0 elsewhere.
         """
-        st, s, p = self.stage, self.stage.stage, self.stage.num_stages
+        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
+        prev, nxt = (r - 1) % p, (r + 1) % p
         mbs = list(micro_batches)
-        ops = make_schedule(self.schedule, p, len(mbs))[s]
+        ops = make_schedule(self.schedule, p, len(mbs), len(self.chunks))[r]
+        split = split_backwards(ops)
         scale = loss_scale / len(mbs)
-        held, loss_sum = {}, 0.0
+        held, weights, loss_sum = {}, {}, 0.0  # (chunk, mb) -> (input, output) after F; -> W work after a split B
         self.trace, self.peak_in_flight = [], 0
         for op in ops:
             x, y = mbs[op.mb]
+            c = getattr(op, "chunk", 0)
+            chunk, what = self.chunks[c], f"mb{op.mb}" + (f" chunk{c}" if len(self.chunks) > 1 else "")
             if op.kind == "F":
-                if st.is_first:
+                if chunk.is_first:
                     inp, x_in = None, backend.to_device(x)
                 else:
-                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), s - 1, f"act mb{op.mb}"),
+                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), prev, f"act {what}", self.act_tag),
                                         requires_grad=True)
                 with self.forward_context():
-                    out = st(x_in, backend.to_device(y) if st.is_last else None)
-                if st.is_last:
+                    out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
+                if chunk.is_last:
                     loss_sum += out.item()
                 else:
-                    self._post(out.data, s + 1, "pp_activation", f"act mb{op.mb}")
+                    self._post(out.data, nxt, "pp_activation", f"act {what}", self.act_tag)
                     # backward needs out's graph node, not its values: drop our reference to them
                     # (Megatron's deallocate_output_tensor); the pending send still holds the array
                     out.data = backend.xp.empty(0, out.dtype)
-                held[op.mb] = (inp, out)
-            else:
-                inp, out = held.pop(op.mb)
-                if st.is_last:
+                held[(c, op.mb)] = (inp, out)
+            elif op.kind == "B":
+                inp, out = held.pop((c, op.mb))
+                if chunk.is_last:
                     # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
                     grad = backend.xp.full((), scale, dtype=np.promote_types(out.dtype, np.float32))
                 else:
-                    grad = self._recv(st.activation_shape(x.shape), s + 1, f"grad mb{op.mb}")
+                    grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", self.grad_tag)
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
                     inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
                     get_ledger().track(inp.grad, "comm_buffers")
-                backward(out, grad)
-                if not st.is_first:
-                    self._post(inp.grad, s - 1, "pp_gradient", f"grad mb{op.mb}")
+                w = WeightGradients(chunk.parameters()) if (op.mb, c) in split else None
+                with w.deferring() if w is not None else contextlib.nullcontext():
+                    backward(out, grad)
+                if w is not None:
+                    weights[(c, op.mb)] = w
+                if not chunk.is_first:
+                    self._post(inp.grad, prev, "pp_gradient", f"grad {what}", self.grad_tag)
                     inp.grad = None
                 del inp, out
+            else:
+                weights.pop((c, op.mb)).run()
             self.trace.append(op)
-            self.peak_in_flight = max(self.peak_in_flight, len(held))
+            self.peak_in_flight = max(self.peak_in_flight, len(held) + len(weights))
         self._flush()
         assert self.peak_in_flight == peak_in_flight(ops)
         return loss_sum
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:
-        """Mean loss of one batch (x, y) (b, T) through the pipeline without a graph; 0.0 off the last stage.
+        """Mean loss of one batch (x, y) (b, T) through every chunk without a graph; 0.0 off the last stage.
 
         One activation message per stage boundary, label ``pp_eval``.
         """
-        st, s = self.stage, self.stage.stage
+        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
+        loss = 0.0
         with no_grad():
-            if st.is_first:
-                x_in = backend.to_device(x)
-            else:
-                x_in = Tensor(self._recv(st.activation_shape(x.shape), s - 1, "eval act"))
-            out = st(x_in, backend.to_device(y) if st.is_last else None)
-            if st.is_last:
-                return out.item()
-            self._post(out.data, s + 1, "pp_eval", "eval act")
-            self._flush()
-        return 0.0
-
+            for chunk in self.chunks:
+                if chunk.is_first:
+                    x_in = backend.to_device(x)
+                else:
+                    x_in = Tensor(self._recv(st.activation_shape(x.shape), (r - 1) % p, "eval act", self.act_tag))
+                out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
+                if chunk.is_last:
+                    loss = out.item()
+                else:
+                    self._post(out.data, (r + 1) % p, "pp_eval", "eval act", self.act_tag)
+                    self._flush()
+        return loss

@@ -3,19 +3,22 @@
 After training, :func:`node_traffic` sums every rank's ledgers (one all-reduce) and
 rank 0 prints, for example with ``--dp 2 --tp 2`` on 2 nodes x 2 ranks::
 
-    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; tp groups span 1, dp groups span 2
+    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; each tensor-parallel group
+           stays inside one node, a data-parallel group spans up to 2 nodes
     ...
     traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):
-      tp    (2 rank(s) each): 1 node(s),  393.6 kB,       0 B
-      dp    (2 rank(s) each): 2 node(s),  182.8 kB,  182.8 kB
-      world: 576.5 kB sent, 182.8 kB across nodes = tp 0 B + dp 182.8 kB + pp 0 B + other (...) 56 B
-      dp gradient all-reduce (ring) across nodes per step: 182.8 kB; computed: flat ring 182.8 kB, ...
+      tp    (2 rank(s) each): 1 node(s), 384.38 KiB,       0 B
+      dp    (2 rank(s) each): 2 node(s), 178.52 KiB, 178.52 KiB
+      world: 562.99 KiB sent, 178.52 KiB across nodes = tp 0 B + dp 178.52 KiB + pp 0 B + other (...) 56 B
+      dp gradient all-reduce (ring) across nodes per step: 178.52 KiB; computed: flat ring 178.52 KiB, ...
 
 (the tiny model, float64, 3 steps). The tensor group sends twice the data group's bytes
 and none of it leaves a node: that is why tensor parallelism stays inside one.
 
 Bytes per step are the ledgers' totals over the run divided by its steps (validation
-included), without set-up traffic (``broadcast_params``, sent once before step 0).
+included), without set-up traffic (``broadcast_params``, sent once before step 0). The data
+group's row is its gradients only: the agreement on the parameters used (``used_parameters``,
+a few bytes a step) is counted in "other".
 With ``--cp`` the context groups are split from the data group: ring attention gets a ``cp`` row and
 the data group's row, ``dp-cp`` (gradients go over dp x cp ranks), keeps the rest.
 "Across nodes" needs a world that knows its nodes (a ``NodeTrafficCommunicator``);
@@ -29,6 +32,8 @@ import numpy as np
 
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import cross_node_bytes
+from minizero.ledger import format_bytes
+from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
 
 KINDS = ("tp", "dp", "pp")
@@ -36,10 +41,7 @@ SETUP = ("broadcast_params",)  #: labels sent once before training, left out of 
 
 
 def _fmt(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+    return format_bytes(n)
 
 
 def _per_run(snapshot: dict | None) -> float:
@@ -69,9 +71,9 @@ def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     return ring, hier
 
 
-def _ring_attention(snapshot: dict | None) -> float:
-    """Bytes of context parallelism's ring attention in a data-group ledger snapshot (0 without one)."""
-    return 0.0 if snapshot is None else float(snapshot["by_op"].get("ring_attention", 0))
+def _label(snapshot: dict | None, label: str) -> float:
+    """Bytes under ``label`` in a ledger snapshot (0 without one)."""
+    return 0.0 if snapshot is None else float(snapshot["by_op"].get(label, 0))
 
 
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1) -> list[str]:
@@ -100,13 +102,14 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     ring, hier = ring_vs_hierarchical(dp, topo) if topo.dp_rank == 0 else (0, 0)
     row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
     row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
-    row += [_ring_attention(groups["dp"].traffic.snapshot()), _ring_attention(_cross(groups["dp"]))]
+    row += [_label(groups["dp"].traffic.snapshot(), "ring_attention"), _label(_cross(groups["dp"]), "ring_attention")]
+    row += [_label(groups["dp"].traffic.snapshot(), USED), _label(_cross(groups["dp"]), USED)]
     with topo.world.traffic.op("metrics"):
         total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
-    total[2:4] -= total[10:12]  # the dp row: without ring attention (the cp row)
+    total[2:4] -= total[10:12] + total[12:14]  # the dp row: without ring attention (the cp row) nor the agreement
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue

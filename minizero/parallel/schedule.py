@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: which micro-batch each stage runs forward (F) or backward (B), in order.
+"""Pipeline schedules as data: which micro-batch each stage runs forward (F), backward (B) or weight-gradient (W), in order.
 
 A schedule is a list, one entry per stage, of :class:`Op` ``(kind, mb)``. The executor
 (:mod:`minizero.parallel.pipeline`) runs exactly these lists; this file also *times*
@@ -24,9 +24,17 @@ and computes the bubble and the activation memory they imply. p stages, m micro-
         stage 0  F0 F1 F0.1 F1.1 F2 ... (warm-up 2(p-r-1) + (v-1)p), then 1F1B pairs
                                                                    bubble = (p-1)/(v m) of the ideal time
 
+Zero bubble (Qi et al. 2023, arXiv:2401.10241): B computes only the input gradient, which the
+previous stage waits for; W, the weight gradients of the same micro-batch, runs later on the same
+stage (a schedule that lists W ops splits every B). ZB-H1 (section 2.1) is 1F1B whose stage s runs
+each W s backwards late, so every stage holds p micro-batches (1F1B's stage 0) and the W's fill
+the cool-down; ZB-V (section 6) gives each rank two chunks in a V: rank r holds virtual stages r
+and 2p-1-r. With equal F, B, W times (t each) 1F1B idles (p-1)(F+B+W) = 3(p-1)t per stage and
+ZB-H1 (p-1)(F+B-W) = (p-1)t: idle over busy (p-1)/m and (p-1)/(3m) (:func:`zb_h1_bubble_ratio`).
+
 Timing rule (:func:`simulate`): an op starts when the previous op of its stage has
 finished and its input exists — F(s, i) needs F(s-1, i), B(s, i) needs B(s+1, i) (the
-last stage's B needs its own F). Sends are free. The bubble fraction is the idle share
+last stage's B needs its own F), W(s, i) needs B(s, i). Sends are free. The bubble fraction is the idle share
 of ``p * makespan``; with equal stage costs it is (p-1)/(m+p-1) for both schedules,
 whatever the ratio b/f (:func:`bubble_formula`); as a share of the ideal time (busy time
 of one stage, Narayanan et al.'s definition) it is (p-1)/m, and (p-1)/(v m) interleaved
@@ -34,7 +42,8 @@ of one stage, Narayanan et al.'s definition) it is (p-1)/m, and (p-1)/(v m) inte
 
 Sources: Huang et al., "GPipe", arXiv:1811.06965, section 2.3; Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-arXiv:2104.04473, section 2.2 (figures 3-4, the bubble (p-1)/m of the ideal time).
+arXiv:2104.04473, section 2.2 (figures 3-4, the bubble (p-1)/m of the ideal time); Qi et al.,
+"Zero Bubble Pipeline Parallelism", arXiv:2401.10241, sections 2 and 6.
 """
 from __future__ import annotations
 
@@ -42,17 +51,22 @@ import math
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b")  #: one chunk per stage: ``make_schedule(name, p, m)`` for any p, m
-ALL_SCHEDULES = SCHEDULES + ("interleaved",)  #: with v chunks per stage and m a multiple of p
+ZERO_BUBBLE = ("zb-h1", "zb-v")  #: B and W split (zb-v: two chunks per rank, V-shaped)
+ALL_SCHEDULES = SCHEDULES + ("interleaved",) + ZERO_BUBBLE  #: interleaved: v chunks per stage, m a multiple of p
 
 
 class Op(NamedTuple):
-    """One unit of pipeline work: ``kind`` "F" (forward) or "B" (backward) of micro-batch ``mb``."""
+    """One unit of pipeline work: ``kind`` "F" (forward), "B" (backward) or "W" (weight gradients) of ``mb``."""
 
     kind: str
     mb: int
 
     def __str__(self):
         return f"{self.kind}{self.mb}"
+
+    def virtual_stage(self, rank: int, p: int) -> int:
+        """Which of the schedule's stages this op runs: the rank's own."""
+        return rank
 
 
 class ChunkOp(NamedTuple):
@@ -67,6 +81,19 @@ class ChunkOp(NamedTuple):
 
     def __str__(self):
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+    def virtual_stage(self, rank: int, p: int) -> int:
+        """Chunk c of rank r is virtual stage c p + r (round robin)."""
+        return self.chunk * p + rank
+
+
+class VChunkOp(ChunkOp):
+    """An op of ZB-V: chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r (the V)."""
+
+    __slots__ = ()
+
+    def virtual_stage(self, rank: int, p: int) -> int:
+        return rank if self.chunk == 0 else 2 * p - 1 - rank
 
 
 def gpipe(p: int, m: int) -> list[list[Op]]:
@@ -118,12 +145,75 @@ def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
     return out
 
 
+def zb_h1(p: int, m: int) -> list[list[Op]]:
+    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with each B split into B and W, stage s's W's s backwards late.
+
+    Stage s: w = min(p-s-1, m) warm-up forwards; then 1F1B's F/B pairs and remaining B's, each
+    followed by the W of the oldest micro-batch without one once s backwards have run; then the
+    remaining W's. Peak in flight (F run, W not): min(p, m) on every stage, 1F1B's stage 0.
+    """
+    out = []
+    for s in range(p):
+        w = min(p - s - 1, m)
+        ops, done_b, done_w = [Op("F", i) for i in range(w)], 0, 0
+        for i in range(m):
+            if w + i < m:
+                ops.append(Op("F", w + i))
+            ops.append(Op("B", i))
+            done_b += 1
+            if done_b > s:
+                ops.append(Op("W", done_w))
+                done_w += 1
+        out.append(ops + [Op("W", i) for i in range(done_w, m)])
+    return out
+
+
+def zb_v(p: int, m: int) -> list[list[VChunkOp]]:
+    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V, rank r holding virtual stages r and 2p-1-r.
+
+    Rank r (chunk 0 ``x``, chunk 1 ``x.1``): 2(p-r)-1 forwards of chunk 0; r pairs F.1, F; p-r
+    triples F.1, B.1, W.1; then F, B, W, F.1, B.1, W.1 until every forward ran; r pairs B, B.1;
+    p-r pairs B, W; the remaining W.1's, then W's. Laid out for max(m, 2p-1) micro-batches, the
+    ops of micro-batches >= m dropped (as PyTorch's ScheduleZBVZeroBubble). Peak in flight: 2p
+    chunks (p micro-batches of a whole stage's layers) on every rank.
+    """
+    n, out = max(m, 2 * p - 1), []
+    for r in range(p):
+        ops, cnt = [], {k: 0 for k in ("F0", "F1", "B0", "B1", "W0", "W1")}
+
+        def add(kind, c):
+            ops.append(VChunkOp(kind, cnt[f"{kind}{c}"], c))
+            cnt[f"{kind}{c}"] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            add("F", 0)
+        for _ in range(r):
+            add("F", 1), add("F", 0)
+        for _ in range(p - r):
+            add("F", 1), add("B", 1), add("W", 1)
+        while cnt["F1"] < cnt["F0"] or cnt["F0"] < n:
+            if cnt["F0"] < n:
+                add("F", 0)
+            add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
+        for _ in range(r):
+            add("B", 0), add("B", 1)
+        for _ in range(p - r):
+            add("B", 0), add("W", 0)
+        while cnt["W1"] < cnt["B1"]:
+            add("W", 1)
+        while cnt["W0"] < cnt["B0"]:
+            add("W", 0)
+        out.append([op for op in ops if op.mb < m])
+    return out
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The schedule ``name`` ("gpipe", "1f1b" or "interleaved" with v chunks per rank) for p stages, m micro-batches.
+    """The schedule ``name`` (:data:`ALL_SCHEDULES`; "interleaved" with v chunks per rank) for p stages, m micro-batches.
 
     Raises:
         ValueError: unknown name (allowed listed), p < 1, m < 1, v < 1, v > 1 with another
-        schedule than "interleaved", or (interleaved) m not a multiple of p.
+        schedule than "interleaved" (zb-v: v in (1, 2), it always has two), or (interleaved) m not
+        a multiple of p.
     """
     if name not in ALL_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; allowed: {ALL_SCHEDULES}")
@@ -131,34 +221,43 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
         raise ValueError(f"need p >= 1 stages, m >= 1 micro-batches and v >= 1 chunks, got p={p}, m={m}, v={v}")
     if name == "interleaved":
         return interleaved(p, m, v)
+    if name == "zb-v" and v in (1, 2):
+        return zb_v(p, m)
     if v != 1:
         raise ValueError(f"{v} virtual stages need the interleaved schedule, not {name!r}")
-    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name](p, m)
+
+
+def split_backwards(ops) -> set:
+    """(mb, chunk) of the ops whose backward is split: a W of theirs is in the list."""
+    return {(op.mb, getattr(op, "chunk", 0)) for op in ops if op.kind == "W"}
 
 
 def peak_in_flight(ops: list[Op]) -> int:
-    """Most micro-batches whose forward has run and backward has not, along one stage's ops.
+    """Most micro-batches (chunks) whose forward has run and whose backward (its W, if split) has not, on one stage.
 
-    That many micro-batches' activations are alive at once on the stage.
+    That many micro-batches' activations are alive at once on the stage (a W keeps a part of them).
     """
-    live = peak = 0
+    split, live, peak = split_backwards(ops), 0, 0
     for op in ops:
-        live += 1 if op.kind == "F" else -1
+        live += 1 if op.kind == "F" else -1 if op.kind == "W" or (op.mb, getattr(op, "chunk", 0)) not in split else 0
         peak = max(peak, live)
     return peak
 
 
-def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2) -> list[list[tuple[Op, float, float]]]:
+def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2, w: float = 1) -> list[list[tuple[Op, float, float]]]:
     """Time a schedule in slots: per stage, ``(op, start, end)`` in the stage's order.
 
     Args:
-        schedule: per-stage op lists (every stage runs F and B of every micro-batch once).
-        f, b: cost of a forward and of a backward in slots (Narayanan et al. take b = 2f).
+        schedule: per-stage op lists (every stage runs F and B of every micro-batch once, W with B split).
+        f, b: cost of a forward and of a whole backward in slots (Narayanan et al. take b = 2f).
+        w: the weight-gradient part of b: a split B costs b - w and its W costs w (default: F = B = W).
     Raises:
         ValueError: the schedule cannot run (an op waits for one that never comes).
     """
     p = len(schedule)
     last = p * (1 + max(getattr(op, "chunk", 0) for ops in schedule for op in ops)) - 1  # the last virtual stage
+    split = [split_backwards(ops) for ops in schedule]
     done: dict[tuple[int, str, int], float] = {}  # (virtual stage, kind, mb) -> end time
     times = [[] for _ in range(p)]
     pos, clock = [0] * p, [0.0] * p
@@ -168,15 +267,18 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2) -> list[list[
         for s in range(p):
             while pos[s] < len(schedule[s]):
                 op = schedule[s][pos[s]]
-                vs = getattr(op, "chunk", 0) * p + s
+                vs = op.virtual_stage(s, p)
                 if op.kind == "F":
                     dep = (vs - 1, "F", op.mb) if vs > 0 else None
+                elif op.kind == "W":
+                    dep = (vs, "B", op.mb)
                 else:
                     dep = (vs + 1, "B", op.mb) if vs < last else (vs, "F", op.mb)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep is not None else 0.0)
-                end = start + (f if op.kind == "F" else b)
+                cost = {"F": f, "W": w}.get(op.kind, b - w if (op.mb, getattr(op, "chunk", 0)) in split[s] else b)
+                end = start + cost
                 done[(vs, op.kind, op.mb)] = clock[s] = end
                 times[s].append((op, start, end))
                 pos[s] += 1
@@ -207,6 +309,15 @@ def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m)
 
 
+def zb_h1_bubble_ratio(p: int, m: int, t_f: float = 1, t_b: float = 1, t_w: float = 1) -> float:
+    """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2023, section 2.1).
+
+    Per stage, idle (p-1)(T_F+T_B-T_W) against 1F1B's (p-1)(T_F+T_B+T_W), busy m(T_F+T_B+T_W);
+    assumes m >= p and T_W <= T_F + T_B. Equal times: (p-1)/(3m), a third of 1F1B's (p-1)/m.
+    """
+    return (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w))
+
+
 def bubble_ratio(timeline) -> float:
     """Idle time over busy time, (p makespan - busy) / busy: Narayanan et al.'s bubble, (p-1)/(v m) ideally."""
     makespan = max(end for stage in timeline for _, _, end in stage)
@@ -214,15 +325,16 @@ def bubble_ratio(timeline) -> float:
     return (len(timeline) * makespan - busy) / busy
 
 
-def ascii_timeline(timeline, f: float = 1, b: float = 2) -> str:
+def ascii_timeline(timeline, f: float = 1, b: float = 2, w: float = 1) -> str:
     """The timeline as text: one row per stage, one column group per slot, ``.`` = idle.
 
-    Each op is written as its name (``F3``, ``B3``) padded with ``-`` over its slots; a column group
-    stands for gcd(f, b) slots.
+    Each op is written as its name (``F3``, ``B3``, ``W3``) padded with ``-`` over its slots; a
+    column group stands for gcd(f, b, w) slots (the costs given to :func:`simulate`).
     """
     width = max(len(str(op)) for stage in timeline for op, _, _ in stage)  # characters per slot
     makespan = max(end for stage in timeline for _, _, end in stage)
-    unit = math.gcd(int(f), int(b)) if float(f).is_integer() and float(b).is_integer() else min(f, b)
+    costs = (f, b, w)
+    unit = math.gcd(*map(int, costs)) if all(float(c).is_integer() for c in costs) else min(costs)
     slots = int(round(makespan / unit))
     lines = []
     for s, stage in enumerate(timeline):
@@ -237,7 +349,7 @@ def ascii_timeline(timeline, f: float = 1, b: float = 2) -> str:
 
 
 def plot_timeline(timeline, path: str | None = None, title: str = "", f: float = 1, b: float = 2):
-    """Draw the timeline with matplotlib (forward blue, backward green); save to ``path`` if given.
+    """Draw the timeline with matplotlib (forward blue, backward green, weight gradients orange); save to ``path``.
 
     Returns the matplotlib Figure. Needs matplotlib (``pip install matplotlib``).
     """
@@ -251,7 +363,7 @@ def plot_timeline(timeline, path: str | None = None, title: str = "", f: float =
     fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * max(e for st in timeline for _, _, e in st)), 0.5 + 0.5 * p))
     for s, stage in enumerate(timeline):
         for op, start, end in stage:
-            color = "#4c72b0" if op.kind == "F" else "#55a868"
+            color = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}[op.kind]
             ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=color, edgecolors="white")
             ax.text((start + end) / 2, s, str(op.mb), ha="center", va="center", color="white", fontsize=8)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])

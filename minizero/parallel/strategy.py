@@ -46,7 +46,6 @@ from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
-from minizero.parallel.interleaved import InterleavedEngine
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
@@ -263,11 +262,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     verbose = args.pp_verbose and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
     overlap = args.overlap
-    if args.schedule == "interleaved":
-        engine = InterleavedEngine(stage, topo.pp_comm, verbose=verbose, forward_context=forward_context, log=log_line)
-    else:
-        engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
-                                log=log_line, overlap=overlap)
+    engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
+                            log=log_line, overlap=overlap)
     return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp)
 
 

@@ -179,7 +179,12 @@ class Topology:
 
     def describe_nodes(self) -> str:
         """One line: the node layout and how many nodes each kind of group spans."""
-        spans = ", ".join(f"{k} groups span {self.nodes_spanned(k)}" for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
+        if self.nodes.n_nodes == 1:
+            return f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a network"
+        names = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
+        spans = ", ".join(f"each {names[k]} group stays inside one node" if self.nodes_spanned(k) == 1 else
+                          f"a {names[k]} group spans up to {self.nodes_spanned(k)} nodes"
+                          for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
         return (f"nodes: {self.nodes.describe()}, node of each rank "
                 f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else ""))
 

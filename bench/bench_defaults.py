@@ -1,0 +1,115 @@
+"""Does the main job's default run train smoothly? A small grid of (peak lr, warmup, clip), measured.
+
+    nice python bench/bench_defaults.py                       # the grid below, the default marked
+    nice python bench/bench_defaults.py --settings 2e-3,30,1.0 --fp16-all
+
+Each setting runs the main job's training as ``python -m minizero.train`` would with that
+``--lr --warmup --grad-clip`` and every other flag at its default, in one process (in-process, the
+library's own ``parse_args`` + ``train``): the default 8-rank job's global batch of 16 sequences
+as one micro-batch of 16 (the batch rule ``B = b x dp x k`` makes the layouts the same training,
+to rounding). Per setting it prints:
+
+* ``worst jump``: over the steps after warmup, the largest (loss of a step) - (mean of the
+  previous 20 steps' losses, fewer at the start), in nats/byte, and the step where it happens;
+* ``val``: the validation loss at the end of the default number of steps (nats/byte);
+* ``fp16 - fp32``: mean training loss of the last 20 of 200 steps, ``--precision fp16`` at the
+  default initial loss scale minus FP32 (a 200-step run of each, the same setting); measured
+  only for settings that pass the first two checks (``--fp16-all``: for every setting).
+
+The goals (issue 28): worst jump <= 0.5 nats, val <= 2.2 nats/byte, |fp16 - fp32| <= 0.03.
+BLAS runs one thread (the machine is shared; the numbers do not depend on speed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from minizero.comm import run_in_threads
+from minizero.flags import build_parser
+from minizero.train import model_config, parse_args, train
+
+GRID = "3e-3,15,1.0;3e-3,auto,1.0;2e-3,30,1.0"  # the old default (warmup 15 at 300 steps), the default, a lower lr
+JUMP_MAX, VAL_MAX, FP16_MAX, WINDOW, FP16_STEPS = 0.5, 2.2, 0.03, 20, 200
+
+
+def machine() -> str:
+    """One line: date, CPU, BLAS library, its kernel and threads (threadpoolctl), OPENBLAS_CORETYPE."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    blas = [f"{i['internal_api']} {i['version']} kernel {i.get('architecture')} {i['num_threads']} thread(s)"
+            for i in threadpool_info() if i["user_api"] == "blas"]
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, {os.cpu_count()} cores, "
+            f"load average {os.getloadavg()[0]:.1f}; {'; '.join(blas) or 'no BLAS found'}; "
+            f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; NumPy {np.__version__}")
+
+
+def worst_jump(losses, warmup: int) -> tuple[float, int]:
+    """max over steps i >= warmup of losses[i] - mean(losses[i-20:i]); returns (jump, step)."""
+    best = (-np.inf, -1)
+    for i in range(max(warmup, 1), len(losses)):
+        jump = losses[i] - float(np.mean(losses[max(0, i - WINDOW):i]))
+        best = max(best, (jump, i))
+    return best
+
+
+def run(lr: float, warmup: str, clip: float, extra: list[str]) -> dict:
+    argv = ["--lr", repr(lr), "--grad-clip", repr(clip), "--micro-batch-size", "16", "--batch-size", "16",
+            "--eval-every", "0", "--no-progress", "--no-save"] + extra
+    if warmup != "auto":
+        argv += ["--warmup", warmup]
+    args = parse_args(argv, 1)
+    t = time.perf_counter()
+    r = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=7200)[0]
+    r["args"], r["wall_s"] = args, time.perf_counter() - t
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", default=None, help="';'-separated lr,warmup,clip triples (warmup 'auto': the "
+                                                    f"default rule); default: {GRID} and the current default")
+    p.add_argument("--fp16-all", action="store_true", help="measure fp16 - fp32 for every setting")
+    a = p.parse_args()
+    threadpool_limits(1)
+    d = build_parser().parse_args([])
+    default = (d.lr, "auto" if d.warmup is None else str(d.warmup), d.grad_clip)
+    settings = [(float(lr), w.strip(), float(c)) for lr, w, c in (s.split(",") for s in (a.settings or GRID).split(";"))]
+    if a.settings is None and default not in settings:
+        settings.append(default)
+    print(machine())
+    print(f"default model, global batch 16 x {model_config(parse_args(['--no-save'], 1)).block_size} as one process, "
+          f"--steps {d.steps}, seed {d.seed}; goals: worst jump <= {JUMP_MAX}, val <= {VAL_MAX}, "
+          f"|fp16 - fp32| <= {FP16_MAX} (nats/byte)\n", flush=True)
+    print("| lr | warmup | clip | worst jump after warmup (step) | max grad norm after warmup | val | "
+          "fp16 - fp32 (last 20 of 200) | meets goals |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|", flush=True)
+    for lr, warmup, clip in settings:
+        r = run(lr, warmup, clip, [])
+        w = r["args"].warmup
+        jump, at = worst_jump(r["train_losses"], w)
+        val = r["val_history"][-1][1]
+        ok = jump <= JUMP_MAX and val <= VAL_MAX
+        gap = None
+        if ok or a.fp16_all:
+            tails = [np.mean(run(lr, warmup, clip, ["--steps", str(FP16_STEPS), "--precision", prec])
+                             ["train_losses"][-WINDOW:]) for prec in ("fp32", "fp16")]
+            gap = tails[1] - tails[0]
+            ok = ok and abs(gap) <= FP16_MAX
+        mark = " (default)" if (lr, warmup, clip) == default else ""
+        print(f"| {lr:g}{mark} | {w}{' (auto)' if warmup == 'auto' else ''} | {clip:g} | {jump:+.3f} ({at}) | "
+              f"{np.nanmax(r['grad_norms'][w:]):.2f} | {val:.4f} | "
+              f"{'not run' if gap is None else f'{gap:+.4f}'} | {'yes' if ok else 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The main job's pictures: memory.png merges ranks with equal ledgers and shows every category; loss.png
+speaks in nats per byte. (tests/test_memory_monitor.py runs the main job and checks it writes both.)"""
+import math
+
+import numpy as np
+import pytest
+
+from minizero.ledger import CATEGORIES
+
+plt = pytest.importorskip("matplotlib.pyplot")  # a dependency of pip install .; importorskip for --no-deps installs
+
+from minizero.memory.plots import plot_timeline, rank_groups, timeline_figure  # noqa: E402
+from minizero.plots import loss_figure, plot_losses  # noqa: E402
+
+
+def _timeline(ranks=8, steps=5):
+    """A data-parallel run's timeline: parameters, optimizer state, activations, buckets; gradients never at
+    a step's peak (they appear in backward, as the activations that made the peak are freed)."""
+    t = np.zeros((ranks, steps, len(CATEGORIES)), dtype=np.int64)
+    for c, nbytes in {"parameters": 3 << 20, "optimizer_state": 6 << 20, "activations": 10 << 20,
+                      "comm_buffers": 3 << 20}.items():
+        t[:, :, CATEGORIES.index(c)] = nbytes
+    peaks = [{c: int(t[r, :, i].max()) for i, c in enumerate(CATEGORIES)} for r in range(ranks)]
+    for p in peaks:
+        p["gradients"], p["comm_scratch"] = 3 << 20, 96
+    return t, peaks
+
+
+def test_equal_ranks_share_a_row_and_different_ones_do_not():
+    t, peaks = _timeline()
+    assert rank_groups(t, peaks) == [list(range(8))]
+    t[4:, 2, CATEGORIES.index("activations")] //= 2  # pipeline-like: ranks 4-7 hold less at step 2
+    assert rank_groups(t, peaks) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    peaks[1]["gradients"] += 1  # one byte of difference in a peak is a different ledger
+    assert rank_groups(t, peaks) == [[0, 2, 3], [1], [4, 5, 6, 7]]
+
+
+def test_memory_figure_has_a_row_per_group_and_every_category():
+    t, peaks = _timeline()
+    t[4:, :, CATEGORIES.index("activations")] //= 2
+    fig = timeline_figure(t, peaks=peaks)
+    try:
+        axes = fig.axes
+        assert len(axes) == 4  # 2 groups x (timeline, per-category peaks)
+        assert axes[0].get_title().startswith("ranks 0-3") and axes[2].get_title().startswith("ranks 4-7")
+        names = [label.get_text() for label in axes[1].get_yticklabels()]
+        assert sorted(names) == sorted(CATEGORIES)  # gradients and the zero categories too
+        bars = {n: p.get_width() for n, p in zip(names, axes[1].patches)}
+        assert bars["gradients"] == pytest.approx(3.0) and bars["offloaded"] == 0  # MiB
+        notes = " ".join(x.get_text() for x in axes[0].texts)
+        assert "gradients" in notes and "peak 22.00 MiB" in notes  # not alive at the peak, said so
+        fig.canvas.draw()  # the title and labels fit inside the figure
+        box = fig.bbox
+        for a in axes:
+            for artist in [a.title, a.xaxis.label, a.yaxis.label, *a.get_yticklabels()]:
+                e = artist.get_window_extent()
+                assert e.x0 >= box.x0 - 1 and e.x1 <= box.x1 + 1 and e.y1 <= box.y1 + 1, artist
+    finally:
+        plt.close(fig)
+
+
+def test_memory_png_is_written(tmp_path):
+    t, peaks = _timeline(ranks=2)
+    plot_timeline(str(tmp_path / "memory.png"), t, peaks=peaks)
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="timeline must be"):
+        plot_timeline(str(tmp_path / "bad.png"), t[:, :, :3])
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_loss_figure_speaks_nats_per_byte_and_marks_a_uniform_guess(tmp_path):
+    losses = list(np.linspace(5.5, 2.0, 120))
+    fig = loss_figure(plt, losses, [(0, 5.4), (60, 3.0), (120, 1.9)])
+    try:
+        ax = fig.axes[0]
+        assert ax.get_ylabel() == "loss (nats per byte)"
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert "train: mean of 20 steps around each" in labels and "validation (held-out end of the text)" in labels
+        assert any(list(line.get_ydata()) == [math.log(256)] * 2 for line in ax.get_lines())
+    finally:
+        plt.close(fig)
+    assert plot_losses(str(tmp_path / "loss.png"), losses, []) == f"wrote {tmp_path / 'loss.png'}"
+
+
+def test_compare_png_axis_holds_every_bar_and_marker(tmp_path, monkeypatch):
+    """python -m minizero.compare's picture: the tallest stack (offloaded bytes on top) and every estimate
+    marker lie inside the axes."""
+    from minizero.compare_report import MIB, SHOWN, plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure plot() would close, to look at it
+    runs = []
+    for i, (name, offloaded) in enumerate([("baseline", 0), ("offload", 17), ("combined", 6)]):
+        per_rank = {c: (3 + i) * MIB for c in SHOWN}
+        per_rank["offloaded"] = offloaded * MIB
+        runs.append({"ok": True, "ranks": 2, "strategy": name, "estimate": {"total": (3 + i) * MIB * 8},
+                     "measured": {"per_rank": [per_rank], "tokens_per_s": 100.0 * (i + 1)}})
+    assert plot(runs, str(tmp_path / "compare.png"), "t")
+    ax = figures[0].axes[0]
+    tallest = max(p.get_y() + p.get_height() for p in ax.patches)
+    assert tallest == pytest.approx(max((3 + i) * (len(SHOWN) - 1) + off for i, off in enumerate([0, 17, 6])))
+    assert ax.get_ylim()[1] > tallest and ax.get_ylim()[1] > max((3 + i) * 8 for i in range(3))

@@ -1,0 +1,158 @@
+"""Zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): ZB-H1 and ZB-V as data, and ZB-H1 run equal to one process.
+
+* Schedules: every F, B, W once, W after its B; the simulated bubble of ZB-H1 is the paper's
+  (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W)) with equal times, a third of 1F1B's; ZB-H1 holds at most
+  1F1B's peak of micro-batches in flight (p, on every stage); ZB-V's bubble and peak.
+* Engine: the split backward gives bitwise 1F1B's gradients; stage 0's activation peak in the
+  ledger is 1F1B's plus the output gradients a W keeps (less than one micro-batch).
+* Equivalence (float64, tests/mp_reference.py): pp 2 and 4, m 4 and 8, with dp 2 and ZeRO-1, TP and
+  recompute; FP16 bitwise 1F1B's; one run under mpiexec.
+"""
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+import tests.mp_reference as R
+from minizero.args import UsageError
+from minizero.comm import run_in_threads
+from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_schedule, one_f_one_b, peak_in_flight,
+                                        simulate, zb_h1, zb_h1_bubble_ratio, zb_v)
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.test_pipeline import run_engine
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    with threadpool_limits(limits=1):
+        yield
+
+
+def _exact_ratio(timeline) -> Fraction:
+    makespan = max(end for stage in timeline for _, _, end in stage)
+    busy = sum(end - start for stage in timeline for _, start, end in stage)
+    return Fraction(len(timeline) * makespan - busy) / Fraction(busy)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 16])
+def test_every_op_runs_once_and_w_follows_its_b(name, p, m):
+    sched = make_schedule(name, p, m)
+    chunks = 2 if name == "zb-v" else 1
+    for ops in sched:
+        keys = [(o.kind, o.mb, getattr(o, "chunk", 0)) for o in ops]
+        assert sorted(keys) == sorted((k, i, c) for k in "FBW" for i in range(m) for c in range(chunks))
+        assert all(keys.index(("F", i, c)) < keys.index(("B", i, c)) < keys.index(("W", i, c))
+                   for i in range(m) for c in range(chunks))
+    simulate(sched)  # raises if any op waits forever
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_bubble_is_the_papers_a_third_of_1f1b_with_1f1b_peak(p, m):
+    """Equal F, B, W (t = 1 slot): ZB-H1 idles (p-1)(F+B-W) per stage, 1F1B (p-1)(F+B+W); busy m(F+B+W)."""
+    zb = _exact_ratio(simulate(zb_h1(p, m), f=1, b=2, w=1))
+    plain = _exact_ratio(simulate(one_f_one_b(p, m), f=1, b=2, w=1))
+    assert zb == Fraction((p - 1) * (1 + 1 - 1), m * 3) == Fraction(zb_h1_bubble_ratio(p, m)).limit_denominator(10 ** 6)
+    assert plain == Fraction(p - 1, m) and zb == plain / 3
+    assert [peak_in_flight(ops) for ops in zb_h1(p, m)] == [p] * p  # every stage holds 1F1B's stage 0's p
+    assert max(peak_in_flight(ops) for ops in one_f_one_b(p, m)) == p
+
+
+def test_zb_h1_at_p4_m8_is_one_eighth_against_three_eighths():
+    assert _exact_ratio(simulate(zb_h1(4, 8))) == Fraction(1, 8) == Fraction(zb_h1_bubble_ratio(4, 8))
+    assert _exact_ratio(simulate(one_f_one_b(4, 8))) == Fraction(3, 8)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 5), (4, 8), (4, 16)])
+def test_zb_v_bubble_and_peak(p, m):
+    """Chunk ops of half a stage (f = b - w = w = 1): only the ramp idles, (p-1) chunk slots per rank;
+    peak 2p chunks in flight on every rank = p micro-batches of a whole stage, 1F1B's stage 0."""
+    assert _exact_ratio(simulate(zb_v(p, m), 1, 2, 1)) == Fraction(p - 1, 6 * m)
+    assert [peak_in_flight(ops) for ops in zb_v(p, m)] == [2 * p] * p
+    assert _exact_ratio(simulate(zb_v(p, m))) < _exact_ratio(simulate(zb_h1(p, m)))
+
+
+def test_the_picture_has_f_b_and_w_cells():
+    text = ascii_timeline(simulate(zb_h1(2, 3)))
+    assert text.splitlines() == ["stage 0 |F0F1..B0W0F2B1W1B2W2|",
+                                 "stage 1 |..F0B0F1B1W0F2B2W1W2|"]
+    assert "W3.1" in ascii_timeline(simulate(zb_v(2, 4)))
+    assert bubble_ratio(simulate(zb_h1(2, 3))) == pytest.approx(1 / 9)
+
+
+def test_zero_bubble_is_refused_where_it_does_not_run():
+    base = ["--model", "default"]
+    with pytest.raises(UsageError, match="zb-v is simulated only"):
+        parse_args([*base, "--pp", "2", "--schedule", "zb-v"], 2)
+    with pytest.raises(UsageError, match="zb-h1 needs --pp >= 2"):
+        parse_args([*base, "--schedule", "zb-h1"], 1)
+    with pytest.raises(UsageError, match="with --sequence-parallel is not supported"):
+        parse_args([*base, "--pp", "2", "--tp", "2", "--schedule", "zb-h1", "--sequence-parallel"], 4)
+    with pytest.raises(UsageError, match="with --offload-activations cpu is not supported"):
+        parse_args([*base, "--pp", "2", "--schedule", "zb-h1", "--offload-activations", "cpu"], 2)
+    with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):
+        parse_args([*base, "--pp", "2", "--schedule", "zb-h1", "--zero", "2"], 2)
+    assert parse_args([*base, "--pp", "2", "--schedule", "zb-h1", "--zero", "1"], 2).schedule == "zb-h1"
+
+
+@pytest.mark.timeout(120)
+def test_split_backward_gives_1f1b_gradients_bitwise_and_its_stage_0_peak():
+    pp, m = 4, 8
+    plain = run_in_threads(pp, run_engine, pp, m, "1f1b")
+    zb = run_in_threads(pp, run_engine, pp, m, "zb-h1")
+    for s, (a, b) in enumerate(zip(plain, zb)):
+        assert a["loss"] == b["loss"]
+        assert all(np.array_equal(a["grads"][n], b["grads"][n]) for n in a["grads"]), s
+        assert a["traffic"]["by_op"] == b["traffic"]["by_op"]
+        assert b["in_flight"] == min(pp, m)
+    # stage 0 holds the most. In flight it is 1F1B's p micro-batches (above); in bytes the split keeps,
+    # from B0 until W0, the linear layers' output gradients beside mb0's saved arrays: under one micro-batch more
+    one = plain[0]["act_peak"] / pp
+    assert plain[0]["act_peak"] <= zb[0]["act_peak"] < plain[0]["act_peak"] + one
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model, dp, tp, pp, m, extra", [
+    ("tiny", 1, 1, 2, 4, []),
+    ("default", 1, 1, 4, 8, []),
+    ("tiny", 2, 1, 2, 4, ["--zero", "1"]),
+    ("tiny", 2, 1, 2, 8, []),
+    ("tiny", 1, 2, 2, 4, ["--recompute", "full"]),
+])
+def test_zb_h1_equals_single_process(model, dp, tp, pp, m, extra):
+    ref = run_in_threads(1, R.run_single, model, dp, m, extra)[0]
+    got = run_in_threads(dp * tp * pp, R.run_parallel, model, 1, dp, tp, pp, m, "zb-h1", extra)
+    R.assert_matches(ref, got, f"zb-h1 dp {dp} tp {tp} pp {pp} m {m} {extra}")
+
+
+@pytest.mark.timeout(300)
+def test_zb_h1_fp16_is_1f1b_bitwise():
+    runs = {s: run_in_threads(2, R.run_parallel, "tiny", 1, 1, 1, 2, 4, s, ["--precision", "fp16", "--dtype", "float32"])
+            for s in ("1f1b", "zb-h1")}
+    for a, b in zip(runs["1f1b"], runs["zb-h1"]):
+        assert all(np.array_equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert np.array_equal(a["losses"], b["losses"])
+
+
+@pytest.mark.timeout(300)
+def test_zb_h1_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 ... --pp 2 --schedule zb-h1``: the final weights are one process's."""
+    base = ["--model", "tiny", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
+            "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
+    out = {}
+    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batch-size", "2",
+                                        "--micro-batches", "4"]),
+                            ("one", 1, ["--micro-batch-size", "2", "--grad-accum", "4"])]:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    assert set(out["par"]) == set(out["one"])
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
