@@ -13,21 +13,21 @@ section 2.2: the bubble shrinks as m grows). Tensor parallelism never changes B.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import tempfile
 
 from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, resolve, run_layout, verify
+from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
+from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
+from minizero.layout_checks import check_context_parallel, check_sequence_parallel, check_zero_bubble
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
-from minizero.parallel.context_parallel import check_context_parallel
 from minizero.parallel.interleaved import check_interleaved
-from minizero.parallel.sequence_parallel import check_sequence_parallel
 from minizero.parallel.topology import resolve_sizes
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
@@ -40,7 +40,6 @@ MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
 LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
 
 
 def _check_outputs(args) -> None:
@@ -166,41 +165,20 @@ def _check_loss_scaling(args) -> None:
 def _check_comm(args) -> None:
     """Resolve ``--comm`` (nccl on --device cuda, else mpi); nccl needs --device cuda (issue #15) and a
     schedule whose pipeline sends can block (not ``interleaved``: NcclCommunicator has no isend/irecv)."""
-    device = getattr(args, "device", "cpu")
+    device = args.device
     if args.comm is None:
         args.comm = "nccl" if device == "cuda" else "mpi"
     if args.comm == "nccl" and device != "cuda":
         raise UsageError(f"--comm nccl moves device memory between GPUs and needs --device cuda; got --device {device}, "
                          "which takes --comm mpi (its default)")
-    if args.comm == "nccl" and getattr(args, "schedule", None) == "interleaved":
+    if args.comm == "nccl" and args.schedule == "interleaved":
         raise UsageError("--schedule interleaved sends with isend/irecv, which --comm nccl does not have; "
                          "use --comm mpi, or --schedule 1f1b or gpipe")
 
 
-def _check_zero_bubble(args) -> None:
-    """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
-    if args.schedule == "zb-v":
-        raise UsageError("--schedule zb-v is simulated only (parallel/schedule.py): running it needs rank r to hold "
-                         "virtual stages r and 2p-1-r, which stage building, the tied embedding's group and "
-                         "gather_full_model do not do yet; use --schedule zb-h1")
-    if args.schedule != "zb-h1":
-        return
-    if args.pp < 2:
-        raise UsageError(f"--schedule zb-h1 needs --pp >= 2, got --pp {args.pp}")
-    why = {"--sequence-parallel": (getattr(args, "sequence_parallel", False),
-                                   "its gathered linear all-gathers and reduce-scatters in one backward, which a "
-                                   "split backward would run twice"),
-           f"--cp {args.cp}": (args.cp > 1, "ring attention with a split backward is not tested"),
-           f"--offload-activations {args.offload_activations}": (
-               args.offload_activations != "none", "a split backward unpacks saved arrays twice (B and W), "
-               "which offload's hooks are not tested for")}
-    for flag, (bad, reason) in why.items():
-        if bad:
-            raise UsageError(f"--schedule zb-h1 with {flag} is not supported: {reason}")
-
-
-def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.Namespace:
-    """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields.
+def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConfig:
+    """Parse and validate ``argv`` for a job of ``world_size`` ranks; fills derived fields; returns the
+    :class:`~minizero.config.TrainConfig`.
 
     ``quiet``: print no ``--help`` (ranks other than 0).
     Raises:
@@ -208,7 +186,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     """
     parser = build_parser()
     parser.quiet = quiet
-    args = parser.parse_args(argv)
+    args = TrainConfig.from_namespace(parser.parse_args(argv))
     check_fault_spec()
     _check_comm(args)
     if args.seed < 0:
@@ -216,27 +194,27 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
     for name, cap in (("micro_batch_size", MAX_MICRO_BATCH), ("sample_tokens", MAX_SAMPLE_TOKENS),
                       ("adam8bit_block_size", MAX_ADAM8BIT_BLOCK), ("steps", MAX_STEPS),
                       ("eval_batches", MAX_EVAL_BATCHES)):
-        if getattr(args, name) > cap:
-            raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {getattr(args, name):,}")
+        if vars(args)[name] > cap:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {vars(args)[name]:,}")
     positive = ["steps", "micro_batch_size", "eval_batches"]
     for name in positive:
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if vars(args)[name] < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {vars(args)[name]}")
     if args.no_progress:
         args.progress = "none"
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):
-        v = getattr(args, name)
+        v = vars(args)[name]
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     for name, cap in (("grad_accum", MAX_GRAD_ACCUM), ("micro_batches", MAX_GRAD_ACCUM),
                       ("batch_size", MAX_BATCH_SIZE)):
-        v = getattr(args, name, None)
+        v = vars(args)[name]
         if v is not None and v > cap:
             raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {v:,}")
     for name in ("eval_every", "warmup", "sample_tokens"):
-        v = getattr(args, name)
+        v = vars(args)[name]
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout and math.isfinite(args.comm_timeout)):
@@ -263,7 +241,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> argparse.
                          f"--dtype must stay float32, got {args.dtype}")
     if args.precision != "fp16":  # refused, not ignored: a scale that does nothing would mislead the reader
         defaults = build_parser()
-        given = [f"--{k.replace('_', '-')}" for k in LOSS_SCALE_FLAGS if getattr(args, k) != defaults.get_default(k)]
+        given = [f"--{k.replace('_', '-')}" for k in LOSS_SCALE_FLAGS if vars(args)[k] != defaults.get_default(k)]
         if given:
             raise UsageError(f"{', '.join(given)} only apply(ies) with --precision fp16 (loss scaling); "
                              f"got --precision {args.precision}")
@@ -407,7 +385,7 @@ def check_steps_left(args) -> None:
     Raises:
         UsageError: naming the checkpoint's step and ``--steps``.
     """
-    if not getattr(args, "resume", None):
+    if not args.resume:
         return
     try:
         step = read_manifest(resolve(args.resume)).get("step")
@@ -420,7 +398,7 @@ def check_steps_left(args) -> None:
 
 def model_config(args):
     """The GPTConfig the arguments ask for."""
-    dtype = "float16" if getattr(args, "precision", "fp32") == "fp16" else args.dtype
+    dtype = "float16" if args.precision == "fp16" else args.dtype
     return get_config(args.model, block_size=args.block_size, dropout=args.dropout, dtype=dtype)
 
 
@@ -436,7 +414,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
         ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
         or different from --grad-accum, ZeRO 2/3 with --pp > 1.
     """
-    cfg, cp = PRESETS[args.model], getattr(args, "cp", 1)
+    cfg, cp = PRESETS[args.model], args.cp
     if cp < 1 or world_size % cp:
         raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
@@ -452,16 +430,16 @@ def resolve_parallel_args(args, world_size: int) -> int:
         args.grad_accum = m
     elif args.grad_accum is None and args.batch_size is None:
         args.grad_accum = args.pp  # one rule: k = pp (1 without a pipeline); tensor parallelism never changes B
-    if getattr(args, "prune_sparsity", 0) and args.tp * args.pp > 1:
+    if args.prune_sparsity and args.tp * args.pp > 1:
         raise ValueError(f"--prune-sparsity with --tp {args.tp} --pp {args.pp} is not supported: magnitude "
                          "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks")
-    zero = getattr(args, "zero", 0)
+    zero = args.zero
     if zero >= 2 and args.pp > 1:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)
-    _check_zero_bubble(args)
+    check_zero_bubble(args)
     check_context_parallel(args, cfg)
     return args.dp

@@ -295,8 +295,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--model {args.model!r} is not a preset; allowed: {', '.join(sorted(PRESETS))}")
     args.ranks = _int_list(args.ranks, "--ranks")
     for name in ("steps", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if vars(args)[name] < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {vars(args)[name]}")
     if not args.timeout > 0 or args.timeout == float("inf"):  # inf: subprocess's wait raises OverflowError
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout:g}; give a finite number")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]

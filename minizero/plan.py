@@ -203,7 +203,7 @@ def _check(parser, args):
     except ValueError as e:
         parser.error(f"--model: {e} (or minizero's presets by the trainer's names: {', '.join(sorted(ALIASES))})")
     for name in ("gpus", "seq_len", "micro_batch", "global_batch", "virtual_stages", "gpus_per_node"):
-        value = getattr(args, name)
+        value = vars(args)[name]
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.gpus > MAX_GPUS:
@@ -231,7 +231,7 @@ def _check(parser, args):
     if not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
     try:
-        sizes = {k: parse_bytes(getattr(args, k), "--" + k.replace("_", "-"), unit_required=True)
+        sizes = {k: parse_bytes(vars(args)[k], "--" + k.replace("_", "-"), unit_required=True)
                  for k in ("gpu_memory", "host_memory", "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket")}
     except ValueError as e:
         parser.error(str(e))

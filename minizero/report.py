@@ -103,21 +103,21 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                 [format_bytes(s["bytes_sent_by_kind"][kind]) for s in stats]))
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))
-    if result.get("setup_peaks"):
+    if result.setup_peaks:
         notes.append("peaks above: the training steps only; set-up (building the model, then copying it into its "
                      "flat buffers or shards) peaked at " + per_rank_text(
             [format_bytes(sp["peak_total"]) for sp in result["setup_peaks"]]))
-    if result.get("pruner") is not None:
+    if result.pruner is not None:
         rep = result["pruner"].report()
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
                      f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
-    if result.get("device_pool"):
+    if result.device_pool:
         notes.append("CuPy memory pool high-water at step ends (used / held): " + per_rank_text(
             [f"{format_bytes(p['used'])} / {format_bytes(p['total'])}" for p in result["device_pool"]]))
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
-    mem_lines, mem_summary = ([], {}) if "module_peaks" not in result else report_memory(
+    mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"],
         category_peaks=[s["peak"] for s in stats])
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
@@ -133,7 +133,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         # the head count is in no array's shape: python -m minizero.sample reads it from here
         atomic_write(os.path.join(args.out, SIDECAR),
                      lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
-    text = sample_text(model, getattr(args, "prompt", "The "), args.sample_tokens, SAMPLE_TEMPERATURE,
+    text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE,
                        seed=args.seed)
     print("\nsample:\n" + printable(text) + "\n")
     if args.no_save:
@@ -156,9 +156,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "blas_threads_per_rank": threads,
         "ledger_peak_bytes": [s["peak"] for s in stats],
         "ledger_peak_total_bytes": [s["peak_total"] for s in stats],
-        "ledger_setup_peak_bytes": result.get("setup_peaks"),
+        "ledger_setup_peak_bytes": result.setup_peaks,
         "process_peak_bytes": [s["process_peak"] for s in stats],
-        "device_pool_peak_bytes": result.get("device_pool"),  # CuPy pool {used, total} high-water per rank
+        "device_pool_peak_bytes": result.device_pool,  # CuPy pool {used, total} high-water per rank
         "bytes_sent": [s["bytes_sent"] for s in stats],
         "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],  # = gradient_reduction
         "bytes_sent_by_kind": {k: [s["bytes_sent_by_kind"][k] for s in stats] for k in TRAFFIC_KINDS},
@@ -168,7 +168,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "skipped_steps": result["skipped_steps"],
         "skipped_at": result["skipped_at"],
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
-        "pruning": None if result.get("pruner") is None else {
+        "pruning": None if result.pruner is None else {
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "sample": text,
         **mem_summary,  # activation_peaks_by_module (per rank), memory_timeline_peak_bytes, memory_plot

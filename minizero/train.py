@@ -61,7 +61,7 @@ class Terminated(BaseException):
 
 def use_tracemalloc(args) -> bool:
     """True when ``--tracemalloc`` was asked for and ``--no-tracemalloc`` was not (off by default)."""
-    return bool(getattr(args, "tracemalloc", False)) and not getattr(args, "no_tracemalloc", False)
+    return bool(args.tracemalloc) and not args.no_tracemalloc
 
 
 def peak_rss_bytes() -> int:
@@ -216,7 +216,7 @@ def _select_device(args, comm, mpi_world) -> str | None:
     try:
         backend.set_device(args.device, comm.nodes.local_rank(comm.rank))
         error = None
-        if getattr(args, "comm", None) == "nccl":
+        if args.comm == "nccl":
             gpus, here = nccl.import_nccl()[1].runtime.getDeviceCount(), comm.nodes.local_size(comm.rank)
             if here > gpus:
                 error = (f"--comm nccl takes one GPU per rank: {here} ranks on this node, {gpus} GPU(s) visible; "
@@ -316,20 +316,20 @@ def main(argv=None) -> int:
         if use_tracemalloc(args):
             tracemalloc.start()
         result = train(args, comm, log=lambda s: print(s, flush=True))
-        process_peak = (result.get("train_process_peak") or tracemalloc.get_traced_memory()[1]
+        process_peak = (result.train_process_peak or tracemalloc.get_traced_memory()[1]
                         if tracemalloc.is_tracing() else peak_rss_bytes())
-        strategy, opt = result["strategy"], result["opt"]
+        strategy, opt = result.strategy, result.opt
         per_step = strategy.model_state_bytes_per_step(args.steps)
         stats = gather_stats(comm, process_peak, strategy.traffic_by_kind())
         store = getattr(opt, "store", None)  # optimizer state in files (--offload-optimizer nvme): in no ledger category
-        zero = gather_figures(comm, dict(result["state_bytes"], gathered_peak=get_ledger().peak["gathered"],
+        zero = gather_figures(comm, dict(result.state_bytes, gathered_peak=get_ledger().peak["gathered"],
                                          bytes_sent_per_step=per_step,
                                          optimizer_disk_bytes=getattr(store, "disk_bytes", 0)))
-        result["setup_peaks"] = gather_figures(comm, result["setup_peak"])  # every rank's set-up peaks
-        result["memory_timeline"] = gather_timeline(comm, result["memory_monitor"].timeline)
-        result["module_peaks"] = gather_module_peaks(comm)  # activation peak bytes per module, per rank
-        pool_peak = result["memory_monitor"].device_pool_peak  # CuPy's pool high-water, or None on the CPU
-        result["device_pool"] = None if pool_peak is None else gather_figures(comm, pool_peak)
+        result.setup_peaks = gather_figures(comm, result.setup_peak)  # every rank's set-up peaks
+        result.memory_timeline = gather_timeline(comm, result.memory_monitor.timeline)
+        result.module_peaks = gather_module_peaks(comm)  # activation peak bytes per module, per rank
+        pool_peak = result.memory_monitor.device_pool_peak  # CuPy's pool high-water, or None on the CPU
+        result.device_pool = None if pool_peak is None else gather_figures(comm, pool_peak)
         with strategy.full_parameters():  # ZeRO-3: gather for saving and sampling
             if rank == 0:
                 report(args, result, stats, threads, local_ranks, _cores(), zero)

@@ -238,3 +238,12 @@ def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, acc
         out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_the_ring_formula_and_the_planners_estimate_agree(cp):
+    """The technique keeps its own ring_bytes (no technique imports the estimator); the planner's
+    ring_attention_bytes models the same figure, equal for every shape and itemsize."""
+    from minizero.memory.estimator import ring_attention_bytes
+    for b, h, s, d, item in [(1, 1, 8 * cp, 4, 2), (2, 4, 32 * cp, 16, 8), (3, 6, 48 * cp, 8, 4)]:
+        assert ring_bytes(b, h, s, d, item, cp) == ring_attention_bytes(b, h, s, d, item, cp)

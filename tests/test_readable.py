@@ -8,6 +8,7 @@ The rule, checked on the source's syntax tree (``ast``), is kept simple:
 * any assignment to ``x.__class__`` (or the string ``"__class__"`` in the calls above);
 * any assignment to an attribute named ``forward`` or ``backward`` (``x.forward = ...``).
 """
+import argparse
 import ast
 import pathlib
 
@@ -84,3 +85,77 @@ def test_the_checker_allows_data_attributes_and_self_forward_calls():
               "        return self.core(x)\n")
     tree = ast.parse(source)
     assert violations(tree, method_names([tree])) == []
+
+
+#: techniques: the planner's analytic estimator is above them (it models them; they never ask it)
+TECHNIQUE_DIRS = ("parallel", "nn", "optim", "comm", "autograd")
+
+
+def estimator_imports(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every import of ``minizero.memory.estimator`` (any form) in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        if any(n == "minizero.memory.estimator" or n.startswith("minizero.memory.estimator.") for n in names):
+            found.append(f"{filename}:{node.lineno}")
+    return found
+
+
+def test_no_technique_imports_the_estimator():
+    files = [f for d in TECHNIQUE_DIRS for f in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 20
+    found = [v for f in files for v in estimator_imports(ast.parse(f.read_text()), str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["from minizero.memory.estimator import ring_attention_bytes",
+                                  "from minizero.memory import estimator",
+                                  "import minizero.memory.estimator.traffic as t"])
+def test_the_estimator_check_catches_an_injected_import(line):
+    assert len(estimator_imports(ast.parse("import math\n" + line + "\n"))) == 1
+
+
+def args_getattr_calls(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``getattr(args, ...)`` or ``getattr(self.args, ...)`` (a default repeated
+    beside the one table of flags, or a config read by name instead of by its typed field)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            target = node.args[0]
+            if (isinstance(target, ast.Name) and target.id == "args") or (
+                    isinstance(target, ast.Attribute) and target.attr == "args"):
+                found.append(f"{filename}:{node.lineno}")
+    return found
+
+
+def test_no_getattr_on_args_in_minizero():
+    files = sorted(ROOT.rglob("*.py"))
+    found = [v for f in files for v in args_getattr_calls(ast.parse(f.read_text()), str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['x = getattr(args, "overlap", True)', 'n = getattr(self.args, "steps")',
+                                  'v = getattr(args, name)'])
+def test_the_getattr_check_catches_an_injected_call(line):
+    assert len(args_getattr_calls(ast.parse("def f(self, args, name):\n    " + line + "\n"))) == 1
+
+
+def test_every_flag_is_one_typed_config_field_with_the_tables_default():
+    """Adding a flag = one parser entry + one TrainConfig field; parse_args returns a TrainConfig."""
+    import dataclasses
+
+    from minizero.args import parse_args
+    from minizero.config import TrainConfig
+    from minizero.flags import build_parser
+
+    actions = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert fields == dict(actions, world_size=1)
+    args = parse_args(["--model", "tiny", "--zero", "1"], world_size=2)
+    assert isinstance(args, TrainConfig) and (args.zero, args.dp, args.world_size) == (1, 2, 2)
+    with pytest.raises(TypeError, match="'new_flag'.*no TrainConfig field"):  # a flag added without its field
+        TrainConfig.from_namespace(argparse.Namespace(**vars(build_parser().parse_args([])), new_flag=True))

@@ -177,9 +177,13 @@ class Tensor:
         """A new leaf sharing ``data``, cut from the graph."""
         return Tensor(self.data, requires_grad=False)
 
-    def register_post_accumulate_grad_hook(self, hook) -> None:
-        """Call ``hook(tensor)`` on a leaf after its last gradient contribution in a backward."""
-        self._post_accumulate_hooks.append(hook)
+    def register_post_accumulate_grad_hook(self, hook, prepend: bool = False) -> None:
+        """Call ``hook(tensor)`` on a leaf after its last gradient contribution in a backward
+        (``prepend``: before the hooks already registered, as PyTorch's module hooks' ``prepend``)."""
+        if prepend:
+            self._post_accumulate_hooks.insert(0, hook)
+        else:
+            self._post_accumulate_hooks.append(hook)
 
     def backward(self, grad=None, retain_graph: bool = False) -> None:
         """Backpropagate from this tensor; see :func:`backward`."""

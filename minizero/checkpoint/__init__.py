@@ -46,7 +46,7 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
     layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                   offload_optimizer=args.offload_optimizer, adam8bit_block_size=args.adam8bit_block_size,
                   adam8bit_code="dynamic", micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
-    train = {k: getattr(args, k) for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
+    train = {k: vars(args)[k] for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
                                            "batch_size")}
     return {"model": dataclasses.asdict(cfg), "layout": layout, "applied": applied, "train": train,
             "data": {"seed": args.seed, "global_batch": args.batch_size, "block_size": cfg.block_size},
@@ -70,7 +70,7 @@ class Checkpointer:
 
     def __init__(self, args, comm, cfg, log=print):
         self.args, self.comm, self.cfg, self.log = args, comm, cfg, log
-        self.every = getattr(args, "save_every", 0) or 0
+        self.every = args.save_every or 0
         self.resumed_from = None
         self.load_peak = 0
         self.saved = []
@@ -82,7 +82,7 @@ class Checkpointer:
         Raises:
             CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
         """
-        path = getattr(self.args, "resume", None)
+        path = self.args.resume
         if not path:
             return 0, 0, None
         if self.comm.rank == 0 and self.every:
@@ -99,8 +99,8 @@ class Checkpointer:
                  f"saved on dp {man['layout']['dp']} x tp {man['layout']['tp']} x pp {man['layout']['pp']}, "
                  f"ZeRO {man['layout']['zero']}")
         for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
-            if man["train"].get(key) != getattr(self.args, key):
-                self.log(f"note: --{key.replace('_', '-')} {getattr(self.args, key)} differs from the checkpoint's "
+            if man["train"].get(key) != vars(self.args)[key]:
+                self.log(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
                          f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
         for note in out["notes"]:
             self.log(f"note: {note}")

@@ -34,6 +34,7 @@ class TrafficLedger:
 
     def __init__(self, parent: TrafficLedger | None = None):
         self.parent = parent
+        self.tracer = None  #: this rank's :class:`~minizero.trace.Tracer`, registered by whoever traces, or None
         self._labels: list[str] = []
         self.reset()
 
@@ -50,6 +51,18 @@ class TrafficLedger:
             return outer
         return self._labels[0] if self._labels else None
 
+    def active_tracer(self):
+        """The tracer registered here, else on the parent ledger (a group's events join the rank's timeline),
+        else the thread's (:func:`minizero.trace.set_tracer`); None: tracing off, nothing recorded."""
+        if self.tracer is not None:
+            return self.tracer
+        return self.parent.active_tracer() if self.parent is not None else trace.get_tracer()
+
+    def span(self, name: str, cat: str = "comm", tid: int = trace.COMM, **args):
+        """A timeline span of the ``with`` block (yields ``args``), or a no-op context when tracing is off."""
+        tracer = self.active_tracer()
+        return contextlib.nullcontext(args) if tracer is None else tracer.span(name, cat, tid, **args)
+
     @contextlib.contextmanager
     def op(self, label: str):
         """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open).
@@ -61,7 +74,7 @@ class TrafficLedger:
         self._labels.append(label)
         before = self.bytes_sent
         try:
-            with trace.span(label, "comm", trace.COMM) as args:
+            with self.span(label) as args:
                 yield self
                 args["bytes"] = self.bytes_sent - before
         finally:

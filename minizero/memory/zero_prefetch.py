@@ -48,7 +48,7 @@ record the execution order in the first iteration; minizero uses the unit order)
 """
 from __future__ import annotations
 
-from minizero import backend, trace
+from minizero import backend
 from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
 from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
 from minizero.autograd import is_grad_enabled
@@ -123,7 +123,7 @@ class Prefetch:
         """Wait for the oldest overlapped reduce-scatter (its chunk is then added), then drop its bucket."""
         coll, _ = self._in_flight[0]
         if not coll.done:
-            with trace.span("wait reduce_scatter", "comm", trace.COMM):
+            with self.comm.traffic.span("wait reduce_scatter"):
                 _wait_until(self.comm, lambda: self._reduce_stream.progress() or coll.done, coll.name,
                             coll.waiting_on)
         self._in_flight.pop(0)  # the last reference: the bucket and the receive chunk are freed here

@@ -40,7 +40,7 @@ context group inside the data dimension the same way). With ``--sequence-paralle
 group splits each rank's 2n local rows further, (b, 2n/t, C): layer norms, residuals and the LM
 head's loss act token by token on any rows, the all-gather before attention restores the local
 (b, 2n, C/t) in chunk order, and the positions were looked up before the split.
-Restrictions (checked at parse time, :func:`check_context_parallel`): no dropout (ring attention has
+Restrictions (the command line checks them, :mod:`minizero.layout_checks`): no dropout (ring attention has
 no attention dropout, and the sequence-parallel dropout would draw the unsplit model's mask for
 contiguous rows; why this stays: ARCHITECTURE.md), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
 """
@@ -52,7 +52,6 @@ from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.nn.module import Module
 from minizero.memory.recompute import CheckpointWrapper
-from minizero.memory.estimator import ring_attention_bytes
 
 CP_TAG = 1300  #: tag of the ring messages
 
@@ -89,12 +88,15 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call: forward (cp-1) k,v blocks; backward (cp-1) k,v blocks and cp dk,dv blocks.
-
-    The estimator's formula (:func:`minizero.memory.estimator.ring_attention_bytes`, which the planner uses):
-    one source for the trainer, the estimator and the planner. 0 and 0 for cp = 1.
+    """Bytes one rank sends per call, {"forward", "backward"}: a block is (b, h, s/cp, d) x ``itemsize``;
+    forward (cp-1) passes of (k, v); backward (cp-1) passes of (k, v, dk, dv) and one more of (dk, dv)
+    that brings every gradient block home. 0 and 0 for cp = 1. (The planner's estimator models the same
+    figure; tests/test_context_parallel.py checks both against the traffic ledger.)
     """
-    return ring_attention_bytes(b, h, s, d, itemsize, cp)
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    blk = b * h * (s // cp) * d * itemsize
+    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
 
 
 def _mask(qc: int, kc: int, n: int):
@@ -268,26 +270,8 @@ class RingAttentionCore(Module):
         super().__init__()
         self.comm = comm
 
-    def forward(self, q, k, v, dropout=None):  # no attention dropout (check_context_parallel refuses it)
+    def forward(self, q, k, v, dropout=None):  # no attention dropout (the command line refuses it)
         return ring_attention(q, k, v, self.comm)
-
-
-def check_context_parallel(args, cfg) -> None:
-    """Refuse ``--cp`` where it cannot run (parse time). Raises ValueError naming the conflict."""
-    cp = getattr(args, "cp", 1)
-    if cp < 1:
-        raise ValueError(f"--cp must be >= 1, got {cp}")
-    if cp == 1:
-        return
-    t = getattr(args, "block_size", None) or cfg.block_size
-    dropout = args.dropout if getattr(args, "dropout", None) is not None else cfg.dropout
-    if t % (2 * cp):
-        raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
-    if dropout:
-        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
-    if getattr(args, "sequence_parallel", False) and (t // cp) % args.tp:
-        raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
-                         f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
 def context_group(dp_comm, cp: int):

@@ -98,7 +98,7 @@ def check_interleaved(args, cfg) -> None:
         --pp 1 or --virtual-stages < 2; pp x v not dividing the layers (Megatron-LM's rule); the
         micro-batches per step (--micro-batches / --grad-accum) not a multiple of pp.
     """
-    v = getattr(args, "virtual_stages", 1)
+    v = args.virtual_stages
     if v < 1:
         raise ValueError(f"--virtual-stages must be >= 1, got {v}")
     if args.schedule != "interleaved":

@@ -34,7 +34,6 @@ Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer (``autograd_hoo
 """
 from __future__ import annotations
 
-from minizero import trace
 from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
@@ -69,22 +68,18 @@ class OverlappedReducer:
         self.dp, self.stream = dp, Stream(dp.comm)
         deferred = {id(p) for p in defer}
         self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]
-        self.micro_steps, self.poison = 1, False
+        self.micro_steps = 1
         self.order = [b for b in range(len(dp.buckets)) if not self.deferred[b]]  # launched from the hooks
         self._reset()
         for b, (_, layout) in enumerate(dp.buckets):
             for p, _ in layout:
                 p.register_post_accumulate_grad_hook(self._hook(b))
 
-    def begin_step(self, micro_steps: int, poison: bool = False) -> None:
-        """A new optimizer step of ``micro_steps`` backward passes; buckets launch after the last one.
-
-        ``poison``: fault injection (``MINIZERO_FAULT=r:s:inf``): this rank's gradients become
-        infinite as they are packed (what the blocking path sees after the loop multiplies them).
-        """
+    def begin_step(self, micro_steps: int) -> None:
+        """A new optimizer step of ``micro_steps`` backward passes; buckets launch after the last one."""
         if micro_steps < 1:
             raise ValueError(f"micro_steps={micro_steps}; allowed: >= 1")
-        self.micro_steps, self.poison = micro_steps, poison
+        self.micro_steps = micro_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -115,8 +110,6 @@ class OverlappedReducer:
         flat, layout = self.dp.buckets[b]
         n = self.dp.comm.world_size
         fill_bucket(flat, layout)
-        if self.poison:
-            flat *= flat.dtype.type("inf")
         mean_scale_(flat, n, before_sum=True, predivided=self.dp.predivided)  # float16: divide first
         if all_reduce_algorithm(flat.nbytes, n) != "ring":  # a small bucket: recursive doubling, blocking, in
             return  # finish() -- the blocking path's algorithm, so the result stays bit for bit the same
@@ -133,7 +126,7 @@ class OverlappedReducer:
         into ``.grad`` as the blocking path does."""
         for b in self.order[self._pos:] + [b for b in range(len(self.dp.buckets)) if self.deferred[b]]:
             self._launch(b)
-        with trace.span("wait gradients", "comm", trace.COMM):
+        with self.dp.comm.traffic.span("wait gradients"):
             self.stream.synchronize()
         used = self.dp.agree_on_used()
         n, comm = self.dp.comm.world_size, self.dp.comm

@@ -44,7 +44,7 @@ import contextlib
 
 import numpy as np
 
-from minizero import backend, trace
+from minizero import backend
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
@@ -222,7 +222,7 @@ class PipelineEngine:
 
     def _flush(self) -> None:
         if self._sends:
-            with trace.span("wait sends", "comm", trace.COMM):
+            with self.comm.traffic.span("wait sends"):
                 wait_all(self.comm, [r for r, _ in self._sends], "pipeline sends")
             self._sends = []
         if self._pending is not None:
@@ -235,7 +235,7 @@ class PipelineEngine:
     def _recv(self, shape, source: int, what: str, tag: int):
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
         if self.nonblocking:
-            with trace.span(f"recv {what}", "comm", trace.COMM, peer=source, bytes=buf.nbytes):
+            with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
                 wait_all(self.comm, [self.comm.irecv(buf, source, tag=tag)], f"pipeline receive of {what}",
                          peer=source)
             self._sends = [(r, a) for r, a in self._sends if not r.test()]

@@ -343,25 +343,3 @@ def allreduce_sequence_parallel_grads(params, comm) -> None:
     for p in marked:
         p.grad[...] = total[off:off + p.grad.size].reshape(p.grad.shape)
         off += p.grad.size
-
-
-def check_sequence_parallel(args, cfg) -> None:
-    """Refuse ``--sequence-parallel`` where it cannot run, at parse time (``args.resolve_parallel_args``).
-
-    Raises:
-        ValueError: without --tp > 1 (nothing to split over); with --zero 2 or 3 (they reduce
-        gradients inside backward, before the tensor group has summed the layer norms' and
-        biases' slices; --zero 1 reduces after it); a context length T (``--block-size``, else
-        the preset's) that tp does not divide.
-    """
-    if not getattr(args, "sequence_parallel", False):
-        return
-    if args.tp == 1:
-        raise ValueError("--sequence-parallel splits the sequence over the tensor group: it needs --tp > 1")
-    zero = getattr(args, "zero", 0)
-    if zero >= 2:
-        raise ValueError(f"--sequence-parallel with --zero {zero} is not supported: ZeRO-{zero} reduces gradients "
-                         "inside backward, before the tensor group sums the layer norms' sequence slices; use --zero 1")
-    t = getattr(args, "block_size", None) or cfg.block_size
-    if t % args.tp:
-        raise ValueError(f"--sequence-parallel needs the context length {t} divisible by --tp {args.tp}")

@@ -104,7 +104,7 @@ class Strategy:
         """True on the ranks whose :meth:`forward_backward` returns the loss (last stage, tensor rank 0)."""
         return self.stage.is_last and self.topo.tp_rank == 0
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, poison: bool = False) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
         """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
 
         Args:
@@ -113,8 +113,6 @@ class Strategy:
             loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
                 the mean loss over the real targets of the step's global batch (under FP16 the seed
                 carries 1/dp already).
-            poison: fault injection: this rank's gradients are made infinite before the data-group
-                reduction (the overlapped reducer packs them during backward, so it is told here).
         Returns:
             the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere;
             with ``padded`` each weighted by m D n_i / N (n_i its real targets on this rank, N the
@@ -134,7 +132,7 @@ class Strategy:
             raise ValueError(f"targets equal to ignore_index {IGNORE_INDEX} in a step of a strategy that counts every "
                              "target: build it with padded=True (--pad) so the loss is normalised by the global count")
         if self.reducer is not None:
-            self.reducer.begin_step(len(micro_batches), poison=poison)
+            self.reducer.begin_step(len(micro_batches))
         shares = None
         if self.padded:
             with self.topo.dp_comm.traffic.op("token_count"):
@@ -259,7 +257,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     ``forward_context``: callable returning a context entered around every forward
     (activation offload). ``store``: the optimizer-state store (optimizer offload).
     """
-    cp = getattr(args, "cp", 1)
+    cp = args.cp
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
     cp_comm = context_group(topo.dp_comm, cp)
     manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
@@ -268,8 +266,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)
     else:
-        model, stage = None, build_stage(cfg, args.seed, topo, getattr(args, "sequence_parallel", False),
-                                         getattr(args, "virtual_stages", 1), keep_meta=meta)
+        model, stage = None, build_stage(cfg, args.seed, topo, args.sequence_parallel,
+                                         args.virtual_stages, keep_meta=meta)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     apply_recompute(stage, args.recompute, args.recompute_every)
@@ -283,12 +281,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                       native=args.native_comm, sharded_state=state,
                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                      prefetch=getattr(args, "overlap", True),
-                                      overlap_reduce=getattr(args, "overlap", True))
+                                      prefetch=args.overlap,
+                                      overlap_reduce=args.overlap)
     else:
-        hierarchical = getattr(args, "allreduce", "ring") == "hierarchical"
+        hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
-        if getattr(args, "quantized_comm", False):  # INT8 on the wire (comm/quantized.py)
+        if args.quantized_comm:  # INT8 on the wire (comm/quantized.py)
             allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
                           allreduce=allreduce)
@@ -297,9 +295,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                            master_weights=fp16)
         else:
             opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
-    verbose = getattr(args, "pp_verbose", False) and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
+    verbose = args.pp_verbose and topo.tp_rank == 0 and topo.dp_rank == 0  # one pipeline speaks
     log_line = lambda s: print(f"[rank {comm.rank}] {s}", flush=True)  # noqa: E731
-    overlap = getattr(args, "overlap", True)
+    overlap = args.overlap
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
     return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp,

@@ -1,0 +1,65 @@
+"""Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND``, installed by the training loop as a callback.
+
+KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or
+``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK; ``kill_in_save``
+fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
+gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs
+before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from minizero.callbacks import Callback
+
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
+
+
+class FaultInjector(Callback):
+    """The loop's callback for ``MINIZERO_FAULT`` (spec checked by :func:`minizero.args.check_fault_spec`).
+
+    Args:
+        rank: this rank (world).
+        params: this rank's parameters (Tensors); the ``inf`` hook is registered on them when the spec
+            names this rank with KIND ``inf``.
+        spec: ``RANK:STEP:KIND``, or None/"" for no fault.
+    """
+
+    def __init__(self, rank: int, params, spec: str | None = None):
+        self.spec, self.armed, self.step, self.kind = spec, False, None, None
+        if spec:
+            r, s, kind = spec.split(":")
+            if int(r) == rank:
+                self.step, self.kind = int(s), kind
+        if self.kind == "inf":
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._poison, prepend=True)
+
+    @classmethod
+    def from_environment(cls, rank: int, params) -> "FaultInjector":
+        return cls(rank, params, os.environ.get("MINIZERO_FAULT"))
+
+    def _poison(self, p) -> None:
+        if self.armed and p.grad is not None:
+            with np.errstate(invalid="ignore"):  # 0 x inf = NaN: non-finite either way
+                p.grad *= p.grad.dtype.type(np.inf)
+
+    def on_step_start(self, run, step: int) -> None:
+        """Fire the fault due at ``step``: raise, kill or stop now; arm the ``inf`` hook for this step's backward."""
+        self.armed = False
+        if step != self.step or self.kind == "kill_in_save":
+            return
+        if self.kind == "inf":
+            self.armed = True
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "stop":  # a stalled rank: the others must time out (--comm-timeout), not hang
+            os.kill(os.getpid(), signal.SIGSTOP)
+        raise RuntimeError(f"injected fault (MINIZERO_FAULT={self.spec})")
+
+    def on_step_end(self, run, step: int, record=None) -> None:
+        self.armed = False

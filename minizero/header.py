@@ -1,0 +1,76 @@
+"""The lines rank 0 prints before training: layout, model, precision, batch, ZeRO, pipeline (a loop callback)."""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.callbacks import Callback
+from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
+from minizero.parallel.strategy import describe_batch
+
+
+def precision_description(args) -> str:
+    """The header's words for the precision: dtype, or FP16's compute/master/scale split."""
+    if args.precision == "fp16":
+        return (f"fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale "
+                f"{args.initial_loss_scale:g}")
+    return args.dtype
+
+
+def documents_description(args) -> str:
+    """The header's words for --pack / --pad."""
+    if args.documents == "pad":
+        return ("documents (ended by byte 0x03) padded (--pad): each window stops at its document's end, padding "
+                "targets ignored, the loss normalised by the real targets of the global batch")
+    return "documents (ended by byte 0x03) packed (--pack): windows run across them"
+
+
+def header_lines(args, cfg, s, world: int) -> list[str]:
+    """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy)."""
+    topo = s.topo
+    dp = f"dp {topo.dp // s.cp} x cp {s.cp}" if s.cp > 1 else f"dp {topo.dp}"
+    lines = [f"minizero: {world} rank(s) as {dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
+             f"({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
+             f"context {cfg.block_size}), {precision_description(args)}",
+             f"device {backend.device_description}; messages over {args.comm or 'mpi'}",
+             describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
+    if args.data or args.documents == "pad":
+        lines.append(documents_description(args))
+    if args.zero:
+        sharded = {1: "optimizer state", 2: "optimizer state and gradients",
+                   3: "optimizer state, gradients and parameters"}[args.zero]
+        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over the {topo.dp} rank(s) of the data group"
+                     + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
+                                                              if args.zero == 3 else "")
+                        if args.zero >= 2 and args.overlap else ""))
+    if args.sequence_parallel:
+        lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
+                     "tensor rank (all-gather in, reduce-scatter out)")
+    if topo.tp * topo.pp > 1:
+        lines.append(topo.describe())
+    if s.cp > 1:
+        lines.append(f"context parallel: cp {s.cp} (the data groups of {topo.dp} ranks are dp {topo.dp // s.cp} x cp "
+                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, ring attention")
+    if topo.pp > 1:
+        m, v = args.grad_accum, args.virtual_stages
+        sched = make_schedule(args.schedule, topo.pp, m, v)
+        formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
+                   f" = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}")
+        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
+                     f"{formula}"
+                     f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
+                     f"{[peak_in_flight(ops) for ops in sched]}")
+    if args.zero and topo.dp == 1:
+        lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
+                     "running anyway")
+    return lines
+
+
+class Header(Callback):
+    """At ``setup``: rank 0 logs :func:`header_lines` (and the ZeRO shard map with ``--show-shards``)."""
+
+    def setup(self, run):
+        if run.comm.rank != 0:
+            return
+        for line in header_lines(run.args, run.cfg, run.strategy, run.comm.world_size):
+            run.log(line)
+        if run.args.show_shards:
+            run.log(run.strategy.zero.shard_map.format())

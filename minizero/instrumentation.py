@@ -1,0 +1,127 @@
+"""The training loop's instruments as callbacks (:mod:`minizero.callbacks`): progress, memory, tracing, checkpoints.
+
+Each wraps one existing tool and says at which named point of the loop it acts; the loop itself
+never mentions them (``default_callbacks`` lists what the main job installs, in calling order).
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+from minizero import trace
+from minizero.callbacks import Callback
+from minizero.checkpoint import Checkpointer
+from minizero.faults import FaultInjector
+from minizero.header import Header
+from minizero.ledger import get_ledger
+from minizero.memory.monitor import MemoryMonitor
+from minizero.parallel.tracing import TraceUnits, write_trace
+from minizero.progress import Progress
+
+
+class ProgressCallback(Callback):
+    """Rank 0's live progress (:class:`~minizero.progress.Progress`, made at ``setup``, after a resume set
+    ``run.start``); other ranks say nothing."""
+
+    def __init__(self, tokens_per_step: int, every: int):
+        self.tokens_per_step, self.every, self.progress = tokens_per_step, every, None
+
+    def setup(self, run):
+        args = run.args
+        self.progress = Progress(args.progress if run.comm.rank == 0 else "none", args.steps, self.tokens_per_step,
+                                 every=self.every, fp16=run.scaler is not None, start_step=run.start)
+
+    def on_eval(self, run, step, loss):
+        self.progress.validation(step, loss)
+
+    def on_train_start(self, run):
+        self.progress.start_clock()
+
+    def on_step_end(self, run, step, rec):
+        self.progress.step(step, rec.loss, rec.lr, rec.scale, rec.skipped, extra=rec.notes)
+
+    def on_train_end(self, run):
+        self.progress.close()
+
+
+class MemoryCallback(Callback):
+    """The per-step memory window and module attribution (:class:`MemoryMonitor`, hooks attached now, so
+    the first validation is measured too); at ``on_train_start`` the set-up peaks are kept apart
+    (``result.setup_peak``) and the ledger's and tracemalloc's peaks reset to cover the steps only."""
+
+    def __init__(self, every: int):
+        self.every, self.monitor = every, None  # live text on the progress lines' steps
+
+    def setup(self, run):
+        self.monitor = run.result.memory_monitor = MemoryMonitor(run.strategy.stage, self.every, run.args.steps)
+
+    def on_train_start(self, run):
+        run.result.setup_peak = dict(get_ledger().peak, peak_total=get_ledger().peak_total)
+        get_ledger().reset_peaks()
+        if tracemalloc.is_tracing():
+            tracemalloc.reset_peak()
+
+    def on_step_start(self, run, step):
+        self.monitor.begin_step()
+
+    def on_step_end(self, run, step, rec):
+        rec.notes = self.monitor.end_step(run.comm, step)  # collective on the progress steps
+
+    def on_train_end(self, run):
+        run.result.train_process_peak = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+
+    def teardown(self, run):
+        self.monitor.close()
+
+
+class TraceCallback(Callback):
+    """``--trace PATH``: this rank's timeline (forward/backward per unit, collectives, the optimizer step)
+    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective). The tracer
+    is registered on the world communicator's traffic ledger, which every group's ledger reports to."""
+
+    def __init__(self, path: str):
+        self.path, self.tracer, self.units = path, None, None
+
+    def on_train_start(self, run):
+        self.tracer = run.comm.traffic.tracer = trace.Tracer(run.comm.rank)  # collectives and messages, every group
+        trace.set_tracer(self.tracer)  # compute: the units' forward/backward hooks, the optimizer step
+        self.units = TraceUnits(run.strategy.stage)
+
+    def on_train_end(self, run):
+        trace.set_tracer(None)
+        run.comm.traffic.tracer = None
+        self.units.remove()
+        write_trace(run.comm, self.tracer, self.path)
+        if run.comm.rank == 0:
+            run.log(f"wrote {self.path} (Chrome trace-event JSON, one row per rank; open in https://ui.perfetto.dev)")
+
+
+class Resume(Callback):
+    """``--resume`` at ``setup``: the state loaded into the built strategy; sets ``run.start`` (loop steps done,
+    the data position: step k draws global batch (seed, k)), ``run.applied`` (updates taken), ``run.pruner``."""
+
+    def setup(self, run):
+        self.ckpt = Checkpointer(run.args, run.comm, run.cfg, run.log if run.comm.rank == 0 else (lambda line: None))
+        run.start, run.applied, run.pruner = self.ckpt.resume(run.strategy, run.scaler)
+        run.result.start_step, run.result.load_peak = run.start, self.ckpt.load_peak
+        run.result.checkpoints = self.ckpt.saved
+
+
+class SaveCheckpoints(Callback):
+    """``--save-every``: a sharded checkpoint after each due step (:meth:`Checkpointer.maybe_save`)."""
+
+    def __init__(self, resume: Resume):
+        self.resume = resume
+
+    def on_step_end(self, run, step, rec):
+        self.resume.ckpt.maybe_save(step, run.strategy, run.applied, run.scaler, run.pruner)
+
+
+def default_callbacks(run) -> list[Callback]:
+    """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
+    args, resume = run.args, Resume()
+    every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
+    callbacks = [Header(), resume, FaultInjector.from_environment(run.comm.rank, run.strategy.params),
+                 MemoryCallback(every)]
+    if args.trace:
+        callbacks.append(TraceCallback(args.trace))
+    return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]
