@@ -440,6 +440,6 @@ def resolve_parallel_args(args, world_size: int) -> int:
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)
-    check_zero_bubble(args)
+    check_zero_bubble(args, cfg)
     check_context_parallel(args, cfg)
     return args.dp

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                         "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
-                   help="pipeline schedule (zb-h1: zero bubble, backward split into B and W)")
+                   help="pipeline schedule (zb-h1: zero bubble, backward split into B and W; "
+                        "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")

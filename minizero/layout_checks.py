@@ -43,16 +43,15 @@ def check_context_parallel(args, cfg) -> None:
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
-def check_zero_bubble(args) -> None:
+def check_zero_bubble(args, cfg) -> None:
     """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
-    if args.schedule == "zb-v":
-        raise UsageError("--schedule zb-v is simulated only (parallel/schedule.py): running it needs rank r to hold "
-                         "virtual stages r and 2p-1-r, which stage building, the tied embedding's group and "
-                         "gather_full_model do not do yet; use --schedule zb-h1")
-    if args.schedule != "zb-h1":
+    if args.schedule not in ("zb-h1", "zb-v"):
         return
     if args.pp < 2:
-        raise UsageError(f"--schedule zb-h1 needs --pp >= 2, got --pp {args.pp}")
+        raise UsageError(f"--schedule {args.schedule} needs --pp >= 2, got --pp {args.pp}")
+    if args.schedule == "zb-v" and 2 * args.pp > cfg.n_layer:
+        raise UsageError(f"--schedule zb-v needs 2 x --pp {args.pp} = {2 * args.pp} virtual stages of at least one "
+                         f"layer each, but the model has {cfg.n_layer} layers")
     why = {"--sequence-parallel": (args.sequence_parallel,
                                    "its gathered linear all-gathers and reduce-scatters in one backward, which a "
                                    "split backward would run twice"),
@@ -62,4 +61,4 @@ def check_zero_bubble(args) -> None:
                "which offload's hooks are not tested for")}
     for flag, (bad, reason) in why.items():
         if bad:
-            raise UsageError(f"--schedule zb-h1 with {flag} is not supported: {reason}")
+            raise UsageError(f"--schedule {args.schedule} with {flag} is not supported: {reason}")

@@ -127,7 +127,7 @@ def micro_batches(m, b=2, t=16):
 
 def run_engine(comm, pp, m, schedule, sync=False, pair=True, verbose_log=None):
     topo = Topology(comm, 1, 1, pp)
-    stage = build_stage(CFG, 0, topo)
+    stage = build_stage(CFG, 0, topo, v_shape=schedule == "zb-v")
     pp_comm = SyncSendComm(topo.pp_comm) if sync else topo.pp_comm
     engine = PipelineEngine(stage, pp_comm, schedule, pair_sends=pair, verbose=verbose_log is not None,
                             log=verbose_log or print)

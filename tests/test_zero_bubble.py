@@ -1,12 +1,13 @@
-"""Zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): ZB-H1 and ZB-V as data, and ZB-H1 run equal to one process.
+"""Zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): ZB-H1 and ZB-V as data, and both run equal to one process.
 
 * Schedules: every F, B, W once, W after its B; the simulated bubble of ZB-H1 is the paper's
   (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W)) with equal times, a third of 1F1B's; ZB-H1 holds at most
   1F1B's peak of micro-batches in flight (p, on every stage); ZB-V's bubble and peak.
 * Engine: the split backward gives bitwise 1F1B's gradients; stage 0's activation peak in the
   ledger is 1F1B's plus the output gradients a W keeps (less than one micro-batch).
-* Equivalence (float64, tests/mp_reference.py): pp 2 and 4, m 4 and 8, with dp 2 and ZeRO-1, TP and
-  recompute; FP16 bitwise 1F1B's; one run under mpiexec.
+* Equivalence (float64, tests/mp_reference.py): ZB-H1 and ZB-V at pp 2 and 4, m 4 and 8, with dp 2
+  and ZeRO-1, TP and recompute; ZB-H1's FP16 bitwise 1F1B's; ZB-V's messages turn at rank p-1;
+  each schedule once under mpiexec.
 """
 import os
 import subprocess
@@ -24,7 +25,7 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_sched
                                         simulate, zb_h1, zb_h1_bubble_ratio, zb_v)
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
-from tests.test_pipeline import run_engine
+from tests.test_pipeline import CFG, run_engine
 
 
 @pytest.fixture(autouse=True)
@@ -88,8 +89,12 @@ def test_the_picture_has_f_b_and_w_cells():
 
 def test_zero_bubble_is_refused_where_it_does_not_run():
     base = ["--model", "default"]
-    with pytest.raises(UsageError, match="zb-v is simulated only"):
-        parse_args([*base, "--pp", "2", "--schedule", "zb-v"], 2)
+    with pytest.raises(UsageError, match="zb-v needs 2 x --pp 4 = 8 virtual stages .* the model has 4 layers"):
+        parse_args([*base, "--pp", "4", "--schedule", "zb-v"], 4)
+    with pytest.raises(UsageError, match="zb-v needs --pp >= 2"):
+        parse_args([*base, "--schedule", "zb-v"], 1)
+    with pytest.raises(UsageError, match="zb-v with --sequence-parallel is not supported"):
+        parse_args([*base, "--pp", "2", "--tp", "2", "--schedule", "zb-v", "--sequence-parallel"], 4)
     with pytest.raises(UsageError, match="zb-h1 needs --pp >= 2"):
         parse_args([*base, "--schedule", "zb-h1"], 1)
     with pytest.raises(UsageError, match="with --sequence-parallel is not supported"):
@@ -132,6 +137,43 @@ def test_zb_h1_equals_single_process(model, dp, tp, pp, m, extra):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model, dp, tp, pp, m, extra", [
+    ("default", 1, 1, 2, 4, []),
+    ("default", 1, 1, 2, 8, []),
+    ("deep", 1, 1, 4, 4, []),
+    ("deep", 1, 1, 4, 8, []),
+    ("default", 2, 1, 2, 4, []),
+    ("default", 2, 1, 2, 8, ["--zero", "1"]),
+    ("deep", 2, 1, 4, 4, ["--zero", "1"]),
+    ("default", 1, 2, 2, 4, ["--recompute", "full"]),
+])
+def test_zb_v_equals_single_process(model, dp, tp, pp, m, extra):
+    """ZB-V: rank r runs virtual stages r and 2p-1-r; rank 0 holds both ends (one tied Parameter, as one process)."""
+    ref = run_in_threads(1, R.run_single, model, dp, m, extra)[0]
+    got = run_in_threads(dp * tp * pp, R.run_parallel, model, 1, dp, tp, pp, m, "zb-v", extra)
+    R.assert_matches(ref, got, f"zb-v dp {dp} tp {tp} pp {pp} m {m} {extra}")
+
+
+@pytest.mark.timeout(120)
+def test_zb_v_messages_turn_at_the_last_rank_and_it_holds_2p_chunks():
+    """Chunk 0 flows 0 -> p-1, chunk 1 back p-1 -> 0: rank p-1 hands its own chunk on (no message),
+    rank 0 sends no activation of chunk 1 (the loss is there) and no gradient of chunk 0."""
+    pp, m = 2, 4
+    act = 2 * 16 * CFG.n_embd * 8  # b T C float64
+    runs = run_in_threads(pp, run_engine, pp, m, "zb-v")
+    for r, run in enumerate(runs):
+        sends = 2 - (r == 0) - (r == pp - 1)  # chunk 0 unless r = p-1, chunk 1 unless r = 0
+        assert run["traffic"]["by_op"] == {"pp_activation": sends * m * act, "pp_gradient": sends * m * act}
+        assert run["in_flight"] == 2 * pp
+    assert runs[0]["loss"] > 0 and runs[1]["loss"] == 0.0
+    one = run_in_threads(1, run_engine, 1, m, "1f1b")[0]
+    assert runs[0]["loss"] == pytest.approx(one["loss"], rel=1e-12)
+    for name, g in one["grads"].items():
+        got = next(run["grads"][name] for run in runs if name in run["grads"])
+        np.testing.assert_allclose(got, g, rtol=0, atol=1e-12 * np.abs(g).max(), err_msg=name)
+
+
+@pytest.mark.timeout(300)
 def test_zb_h1_fp16_is_1f1b_bitwise():
     runs = {s: run_in_threads(2, R.run_parallel, "tiny", 1, 1, 1, 2, 4, s, ["--precision", "fp16", "--dtype", "float32"])
             for s in ("1f1b", "zb-h1")}
@@ -141,12 +183,13 @@ def test_zb_h1_fp16_is_1f1b_bitwise():
 
 
 @pytest.mark.timeout(300)
-def test_zb_h1_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 ... --pp 2 --schedule zb-h1``: the final weights are one process's."""
-    base = ["--model", "tiny", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
+@pytest.mark.parametrize("schedule, model", [("zb-h1", "tiny"), ("zb-v", "default")])
+def test_zero_bubble_from_the_command_line(mpiexec, tmp_path, schedule, model):
+    """``mpiexec -n 2 ... --pp 2 --schedule zb-h1 / zb-v``: the final weights are one process's."""
+    base = ["--model", model, "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
     out = {}
-    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batch-size", "2",
+    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", schedule, "--micro-batch-size", "2",
                                         "--micro-batches", "4"]),
                             ("one", 1, ["--micro-batch-size", "2", "--grad-accum", "4"])]:
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]

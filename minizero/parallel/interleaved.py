@@ -41,10 +41,20 @@ from minizero.nn.module import Module, ModuleDict
 from minizero.parallel.pipeline import PipelineStage, _Layers, stage_layers
 
 
-def rank_of_layer(n_layer: int, pp: int, v: int, layer: int) -> int:
-    """The pipeline rank holding block ``layer`` when p*v virtual stages are dealt round-robin over pp ranks."""
-    vs = next(k for k in range(pp * v) if layer in stage_layers(n_layer, pp * v, k))
-    return vs % pp
+def virtual_stages_of(rank: int, pp: int, v: int, v_shape: bool = False) -> list:
+    """Rank ``rank``'s virtual stages of pp*v: c*pp + rank (round robin), or rank and 2pp-1-rank (ZB-V's V, v = 2)."""
+    return [rank, 2 * pp - 1 - rank] if v_shape else [c * pp + rank for c in range(v)]
+
+
+def rank_of_virtual_stage(k: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding virtual stage ``k`` (the inverse of :func:`virtual_stages_of`)."""
+    return (k if k < pp else 2 * pp - 1 - k) if v_shape else k % pp
+
+
+def rank_of_layer(n_layer: int, pp: int, v: int, layer: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding block ``layer`` when pp*v virtual stages are dealt round-robin (or in a V)."""
+    n = pp * (2 if v_shape else v)
+    return rank_of_virtual_stage(next(k for k in range(n) if layer in stage_layers(n_layer, n, k)), pp, v_shape)
 
 
 class InterleavedStage(Module):
@@ -54,14 +64,15 @@ class InterleavedStage(Module):
         model: a built GPT; chunks: its v :class:`PipelineStage` s of p*v virtual stages, in
             chunk order (already tensor-, vocabulary- and sequence-parallel as wanted).
     Attributes as :class:`PipelineStage`: ``stage`` (the rank), ``num_stages`` (p), ``is_first``
-    (holds the embedding), ``is_last`` (holds the head), ``config``, ``layers``; plus ``chunks``
-    and ``virtual_stages`` (v).
+    (holds the embedding), ``is_last`` (holds the head), ``config``, ``layers``; plus ``chunks``,
+    ``virtual_stages`` (v) and ``v_shape`` (chunks placed in a V, as ZB-V does, not round robin).
     """
 
-    def __init__(self, chunks: list, num_stages: int):
+    def __init__(self, chunks: list, num_stages: int, v_shape: bool = False):
         super().__init__()
         first, last = chunks[0], chunks[-1]
         self.config, self.num_stages, self.virtual_stages = first.config, num_stages, len(chunks)
+        self.v_shape = v_shape
         self.stage = first.stage % num_stages
         self.is_first, self.is_last = first.is_first, last.is_last
         self.layers = [i for c in chunks for i in c.layers]
@@ -81,13 +92,36 @@ class InterleavedStage(Module):
     def activation_shape(self, idx_shape) -> tuple:
         return self.chunks[0].activation_shape(idx_shape)
 
+    def rank_of_layer(self, layer: int) -> int:
+        """The pipeline rank holding block ``layer`` under this stage's placement."""
+        return rank_of_layer(self.config.n_layer, self.num_stages, self.virtual_stages, layer, self.v_shape)
+
     def forward(self, x, targets=None):  # pragma: no cover - the engine runs the chunks
         raise TypeError("an InterleavedStage runs chunk by chunk: use PipelineEngine")
 
 
-def interleave(model, rank: int, pp: int, v: int) -> list:
-    """The v :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank`` (virtual stages c*pp + rank)."""
-    return [PipelineStage(model, c * pp + rank, pp * v) for c in range(v)]
+def interleave(model, rank: int, pp: int, v: int, v_shape: bool = False) -> list:
+    """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank`` (:func:`virtual_stages_of`).
+
+    Each chunk's ``prev_rank`` / ``next_rank`` is the rank of virtual stage k-1 / k+1 (None past
+    an end; the rank itself where the V turns, at rank pp-1).
+    """
+    ks = virtual_stages_of(rank, pp, v, v_shape)
+    chunks = [PipelineStage(model, k, len(ks) * pp) for k in ks]
+    for k, chunk in zip(ks, chunks):
+        chunk.prev_rank = None if chunk.is_first else rank_of_virtual_stage(k - 1, pp, v_shape)
+        chunk.next_rank = None if chunk.is_last else rank_of_virtual_stage(k + 1, pp, v_shape)
+    return chunks
+
+
+def tie_ends(chunks: list) -> None:
+    """In a V rank 0 holds both ends: its last chunk's head takes the first chunk's embedding Parameter.
+
+    The head is then tied as in one process (one Parameter, both gradients summed by autograd),
+    not a copy kept equal by an all-reduce. Call after tensor/vocabulary splitting and ``attach_inits``.
+    """
+    if len(chunks) > 1 and chunks[0].is_first and chunks[-1].is_last:
+        chunks[-1].lm_head.weight = chunks[0].transformer["wte"].weight
 
 
 def check_interleaved(args, cfg) -> None:

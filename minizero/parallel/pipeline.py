@@ -26,7 +26,9 @@ data; with v chunks per rank each op names its chunk). Per op on stage s::
     W(i): the weight gradients of B(i)
 
 With v chunks per rank (interleaved, parallel/interleaved.py) an op runs chunk c, and s-1, s+1
-are the ranks r-1, r+1 mod p.
+are the ranks of the chunk's neighbouring virtual stages (``prev_rank``, ``next_rank``): r-1, r+1
+mod p round robin; in ZB-V's V chunk 1 runs the other way, and at rank p-1, where the V turns,
+activation and gradient pass between the rank's own two chunks with no message.
 
 A send is posted together with the next receive when both go to the same neighbour — one
 ``sendrecv``, Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward`` —
@@ -52,7 +54,7 @@ from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
 from minizero.nn.init import copy_or_meta
 from minizero.autograd.split_backward import WeightGradients
-from minizero.parallel.schedule import make_schedule, peak_in_flight, split_backwards
+from minizero.parallel.schedule import V_SHAPED, make_schedule, peak_in_flight, split_backwards
 
 PP_TAG = 1100  #: tag of every pipeline message of one-chunk schedules (one direction per pair, in order)
 ACT_TAG, GRAD_TAG = 1110, 1111  #: with chunks (v > 1): the tags of activations and of gradients
@@ -117,6 +119,13 @@ class PipelineStage(Module):
             w = Parameter(copy_or_meta(model.lm_head.weight.data))  # a meta weight stays 0 bytes
             w.shared_embedding_copy = True
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, weight=w)
+        #: the pipeline ranks of the previous and next stage (None past an end); interleave() sets them for chunks
+        self.prev_rank = None if self.is_first else stage - 1
+        self.next_rank = None if self.is_last else stage + 1
+
+    def rank_of_layer(self, layer: int) -> int:
+        """The pipeline rank holding block ``layer`` (one stage per rank)."""
+        return next(s for s in range(self.num_stages) if layer in stage_layers(self.config.n_layer, self.num_stages, s))
 
     def forward(self, x, targets=None):
         tr = self.transformer
@@ -143,9 +152,9 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
 
     Collective over ``embed_comm`` (the first and last stage of one pipeline group): one ring
     all-reduce of a (V, C) array, 2(2-1)/2 * V*C*itemsize = V*C*itemsize bytes per rank.
-    No-op with one stage (the two uses share one Parameter and the engine already summed).
+    No-op where one rank holds both ends (one stage, or ZB-V's V): the two uses share one Parameter.
     """
-    if stage.num_stages == 1 or not (stage.is_first or stage.is_last):
+    if stage.is_first == stage.is_last:
         return
     p = stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight
     if p.grad is None:
@@ -187,6 +196,9 @@ class PipelineEngine:
                              f"stage {stage.stage}/{stage.num_stages}")
         self.chunks = getattr(stage, "chunks", [stage])  # v = 1: the stage is its one chunk
         v = len(self.chunks)
+        if (schedule in V_SHAPED) != getattr(stage, "v_shape", False):
+            raise ValueError(f"the {schedule!r} schedule needs a stage built with v_shape="
+                             f"{schedule in V_SHAPED} (build_stage): zb-v runs chunks placed in a V, the others not")
         make_schedule(schedule, stage.num_stages, stage.num_stages, v)  # validates the name and v
         if v > 1 and not comm.nonblocking:  # every send an isend (a blocking one could deadlock with chunks)
             raise ValueError(f"the {schedule} schedule sends with isend/irecv, which {type(comm).__name__} "
@@ -203,6 +215,7 @@ class PipelineEngine:
         #: with chunks a rank sends activations and gradients to the same neighbour: a tag each keeps them apart
         self.act_tag, self.grad_tag = (ACT_TAG, GRAD_TAG) if v > 1 else (PP_TAG, PP_TAG)
         self._sends = []  # (request, array) of isends not known to be complete
+        self._local = {}  # tag -> arrays passed between this rank's own chunks (ZB-V's turn), oldest first
 
     # -- messages ------------------------------------------------------------------------
     def _say(self, text):
@@ -210,6 +223,10 @@ class PipelineEngine:
             self.log(f"[stage {self.stage.stage}] {text}")
 
     def _post(self, array, dest: int, label: str, what: str, tag: int) -> None:
+        if dest == self.stage.stage:  # to this rank's other chunk: no message
+            self._say(f"{what} {array.shape} ──> own next chunk (no message)")
+            self._local.setdefault(tag, []).append(array)
+            return
         if self.nonblocking:
             array = backend.xp.ascontiguousarray(array)
             self._sends = [(r, a) for r, a in self._sends if not r.test()]
@@ -233,6 +250,8 @@ class PipelineEngine:
                 self.comm.send(array, dest, tag=tag)
 
     def _recv(self, shape, source: int, what: str, tag: int):
+        if source == self.stage.stage:
+            return self._local[tag].pop(0)
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
         if self.nonblocking:
             with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
@@ -270,7 +289,6 @@ class PipelineEngine:
             Sum over micro-batches of their (weighted) mean loss on the last stage; 0.0 elsewhere.
         """
         st, r, p = self.stage, self.stage.stage, self.stage.num_stages
-        prev, nxt = (r - 1) % p, (r + 1) % p
         mbs = list(micro_batches)
         ops = make_schedule(self.schedule, p, len(mbs), len(self.chunks))[r]
         split = split_backwards(ops)
@@ -286,14 +304,14 @@ class PipelineEngine:
                 if chunk.is_first:
                     inp, x_in = None, backend.to_device(x)
                 else:
-                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), prev, f"act {what}", self.act_tag),
-                                        requires_grad=True)
+                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), chunk.prev_rank, f"act {what}",
+                                                   self.act_tag), requires_grad=True)
                 with self.forward_context():
                     out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
                 if chunk.is_last:
                     loss_sum += shares[op.mb] * out.item() if shares[op.mb] else 0.0  # 1.0 * x is x, bit for bit
                 else:
-                    self._post(out.data, nxt, "pp_activation", f"act {what}", self.act_tag)
+                    self._post(out.data, chunk.next_rank, "pp_activation", f"act {what}", self.act_tag)
                     # backward needs out's graph node, not its values: drop our reference to them
                     # (Megatron's deallocate_output_tensor); the pending send still holds the array
                     out.data = backend.xp.empty(0, out.dtype)
@@ -304,7 +322,7 @@ class PipelineEngine:
                     # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
                     grad = backend.xp.full((), scale * shares[op.mb], dtype=np.promote_types(out.dtype, np.float32))
                 else:
-                    grad = self._recv(st.activation_shape(x.shape), nxt, f"grad {what}", self.grad_tag)
+                    grad = self._recv(st.activation_shape(x.shape), chunk.next_rank, f"grad {what}", self.grad_tag)
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
                     inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
                     get_ledger().track(inp.grad, "comm_buffers")
@@ -314,7 +332,7 @@ class PipelineEngine:
                 if w is not None:
                     weights[(c, op.mb)] = w
                 if not chunk.is_first:
-                    self._post(inp.grad, prev, "pp_gradient", f"grad {what}", self.grad_tag)
+                    self._post(inp.grad, chunk.prev_rank, "pp_gradient", f"grad {what}", self.grad_tag)
                     inp.grad = None
                 del inp, out
             else:
@@ -331,18 +349,17 @@ class PipelineEngine:
 
         One activation message per stage boundary, label ``pp_eval``.
         """
-        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
-        loss = 0.0
+        st, loss = self.stage, 0.0
         with no_grad():
             for chunk in self.chunks:
                 if chunk.is_first:
                     x_in = backend.to_device(x)
                 else:
-                    x_in = Tensor(self._recv(st.activation_shape(x.shape), (r - 1) % p, "eval act", self.act_tag))
+                    x_in = Tensor(self._recv(st.activation_shape(x.shape), chunk.prev_rank, "eval act", self.act_tag))
                 out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
                 if chunk.is_last:
                     loss = out.item()
                 else:
-                    self._post(out.data, (r + 1) % p, "pp_eval", "eval act", self.act_tag)
+                    self._post(out.data, chunk.next_rank, "pp_eval", "eval act", self.act_tag)
                     self._flush()
         return loss

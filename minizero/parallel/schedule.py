@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b")  #: one chunk per stage: ``make_schedule(name, p, m)`` for any p, m
 ZERO_BUBBLE = ("zb-h1", "zb-v")  #: B and W split (zb-v: two chunks per rank, V-shaped)
+V_SHAPED = ("zb-v",)  #: rank r holds virtual stages r and 2p-1-r (parallel/interleaved.py's v_shape)
 ALL_SCHEDULES = SCHEDULES + ("interleaved",) + ZERO_BUBBLE  #: interleaved: v chunks per stage, m a multiple of p
 
 

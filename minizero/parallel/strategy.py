@@ -48,6 +48,7 @@ from minizero.parallel.context_parallel import chunk_ids, context_group, context
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
+from minizero.parallel.schedule import V_SHAPED
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
@@ -267,7 +268,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         stage = PipelineStage(model, 0, 1)
     else:
         model, stage = None, build_stage(cfg, args.seed, topo, args.sequence_parallel,
-                                         args.virtual_stages, keep_meta=meta)
+                                         args.virtual_stages, keep_meta=meta, v_shape=args.schedule in V_SHAPED)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     apply_recompute(stage, args.recompute, args.recompute_every)

@@ -39,7 +39,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.nn.init import attach_inits, is_meta, materialize_
-from minizero.parallel.interleaved import InterleavedStage, interleave, rank_of_layer
+from minizero.parallel.interleaved import InterleavedStage, interleave, tie_ends
 from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
@@ -61,7 +61,7 @@ def scratch_ledger():
 
 
 def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False, virtual_stages: int = 1,
-                keep_meta: bool = False):
+                keep_meta: bool = False, v_shape: bool = False):
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
     The GPT is built as meta (0-byte) parameters, sliced and sharded, and only then are this
@@ -76,10 +76,11 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False,
     ``sequence_parallel``: also split the norms, dropouts and residuals along the sequence
     (:func:`~minizero.parallel.sequence_parallel.sequence_parallelize`; same parameters).
     ``virtual_stages`` v > 1: this rank's v chunks (virtual stages c*pp + pp_rank of pp*v) as one
-    :class:`~minizero.parallel.interleaved.InterleavedStage`, for the interleaved schedule.
+    :class:`~minizero.parallel.interleaved.InterleavedStage`, for the interleaved schedule;
+    ``v_shape``: two chunks, virtual stages pp_rank and 2pp-1-pp_rank (ZB-V), v ignored.
     """
     with scratch_ledger():  # meta arrays (0 bytes) and the small arrays slicing them leaves
-        parts = interleave(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp, virtual_stages)
+        parts = interleave(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp, virtual_stages, v_shape)
         for part in parts:
             tensor_parallelize(part, topo.tp_comm)
             vocab_parallelize(part, topo.tp_comm)
@@ -87,7 +88,8 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False,
                 sequence_parallelize(part, topo.tp_comm)
     for part in parts:  # each chunk's parameters keep the model's names
         attach_inits(part, seed, cfg.n_layer, topo.tp_rank, topo.tp)
-    stage = parts[0] if virtual_stages == 1 else InterleavedStage(parts, topo.pp)
+    tie_ends(parts)
+    stage = parts[0] if len(parts) == 1 else InterleavedStage(parts, topo.pp, v_shape)
     ledger = get_ledger()
     if not keep_meta:
         materialize_(stage)  # this rank's shard, one parameter at a time
@@ -161,10 +163,9 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     local = dict(stage.named_parameters())
     for name, p in full.named_parameters():
         if name.startswith("transformer.h."):
-            layer = int(name.split(".")[2])
-            s = rank_of_layer(cfg.n_layer, topo.pp, getattr(stage, "virtual_stages", 1), layer)
-        else:
-            s = topo.pp - 1 if name.startswith("transformer.ln_f") else 0
+            s = stage.rank_of_layer(int(name.split(".")[2]))
+        else:  # ln_f beside the last block, the embeddings beside the first
+            s = stage.rank_of_layer(cfg.n_layer - 1 if name.startswith("transformer.ln_f") else 0)
         shards, dim, stride = [], -1, 1
         for t in range(topo.tp):
             src = topo.rank_of(0, t, s)
