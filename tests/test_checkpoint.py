@@ -57,6 +57,7 @@ CASES = {
     "zero2-3ranks": (3, F64 + ["--zero", "2"]),
     "zero3-3ranks": (3, F64 + ["--zero", "3"]),
     "dp2-tp2-pp2": (8, F64 + ["--dp", "2", "--tp", "2", "--pp", "2"]),
+    "zb-v-pp2": (2, F64 + ["--model", "default", "--block-size", "16", "--pp", "2", "--schedule", "zb-v"]),
     "adam8bit": (2, F64 + ["--optimizer", "adam8bit"]),
     "adam8bit-zero2": (3, F64 + ["--optimizer", "adam8bit", "--zero", "2"]),
     "offload-nvme": (2, F64 + ["--offload-optimizer", "nvme"]),
@@ -116,6 +117,17 @@ def test_reshard_4_ranks_zero1_to_2_ranks(flags, tmp_path):
         np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
     full_bytes = get_config("tiny").num_parameters() * 8  # the whole model's float64 parameters
     assert 0 < resumed["load_peak"] < full_bytes  # one parameter's pieces at a time, never the whole model
+
+
+@pytest.mark.timeout(300)
+def test_reshard_zb_v_to_one_process(tmp_path):
+    """ZB-V's V placement (rank 0 holds layers 0 and 3 and the tied head) saves the model's names: one process resumes it."""
+    model = ["--model", "default", "--block-size", "16", "--micro-batch-size", "1", "--grad-accum", "4"]
+    straight = run(2, F64 + model + ["--pp", "2", "--schedule", "zb-v", "--save-every", "3", "--save-dir", str(tmp_path)])
+    resumed = run(1, F64 + model + ["--resume", str(tmp_path / "step_00000003")])
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
 
 
 @pytest.mark.timeout(300)
