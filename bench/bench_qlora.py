@@ -1,0 +1,52 @@
+"""Full fine-tuning vs LoRA vs QLoRA on the same data: bytes per parameter and the loss reached.
+
+    python bench/bench_qlora.py                               # trains the default model first (200 steps)
+    python bench/bench_qlora.py --weights out/model.npz       # fine-tunes these weights
+
+The base is trained on the embedded corpus (the main job's recipe, one process); the
+continuation data is a different text: the source of Python's ``argparse`` module (code, docstrings
+and comments) as shipped with this interpreter (``--data`` overrides). Each method
+starts from the same weights and takes ``--steps`` AdamW steps on the same batches
+(``python -m minizero.finetune --table``). Bytes come from the ledger: frozen weights (float32 or
+NF4 with double quantization), trainable weights, optimizer state (Adam's m and v).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
+from minizero.finetune import main as finetune_main  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", default=None, help="model.npz to fine-tune (default: train the default model)")
+    p.add_argument("--data", default=argparse.__file__, help="continuation text")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--base-steps", type=int, default=200)
+    p.add_argument("--lora-rank", type=int, default=8)
+    args = p.parse_args()
+    print(_machine.header())
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = args.weights
+        if weights is None:
+            out = os.path.join(tmp, "base")
+            subprocess.run([sys.executable, "-m", "minizero.train", "--steps", str(args.base_steps), "--out", out,
+                            "--progress", "none", "--sample-tokens", "1"], check=True, capture_output=True)
+            weights = os.path.join(out, "model.npz")
+        print(f"base: {weights if args.weights else f'default model, {args.base_steps} steps on the embedded corpus'}; "
+              f"continuation data: {args.data}; {args.steps} steps, batch 8, lr 1e-3, LoRA rank {args.lora_rank} "
+              "alpha 16 on c_attn, c_proj, c_fc\n")
+        return finetune_main(["--weights", weights, "--data", args.data, "--table", "--steps", str(args.steps),
+                              "--lora-rank", str(args.lora_rank)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""``python -m minizero.finetune``: fine-tune a trained GPT fully, with LoRA, or with QLoRA, and compare.
+
+::
+
+    python -m minizero.finetune --weights out/model.npz --data notes.txt --method qlora --lora-rank 8
+    python -m minizero.finetune --weights out/model.npz --data notes.txt --table   # full, lora, qlora
+
+One process. ``full`` trains every parameter; ``lora`` freezes the model and trains adapters
+on its float weights; ``qlora`` stores the frozen weights as NF4 (:mod:`minizero.nf4`) and trains
+the same adapters (:mod:`minizero.nn.lora`). The table: validation loss on ``--data`` before and
+after, trainable parameters, and the ledger's bytes (frozen weights, trainable weights, optimizer
+state). ``--out DIR`` writes the fine-tuned model with the adapters merged (``DIR/model.npz`` +
+``model.json``, readable by ``python -m minizero.sample``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import backward
+from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
+from minizero.files import atomic_write
+from minizero.ledger import MemoryLedger, get_ledger, set_ledger
+from minizero.nn.lora import TARGETS, add_lora, merged_state_dict, trainable_parameters
+from minizero.optim import AdamW, clip_grad_norm_
+from minizero.quantize import check_output, min_data_bytes
+from minizero.quantized_model import evaluate_loss
+from minizero.weights import SIDECAR, load_trained
+
+METHODS = ("full", "lora", "qlora")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minizero.finetune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
+    p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
+    p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained (see above)")
+    p.add_argument("--table", action="store_true", help="run every method on the same data and print one table")
+    p.add_argument("--lora-rank", type=int, default=8, help="adapter rank r")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="adapter scale numerator (scale = alpha / r)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated Linear names to adapt")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batches and the adapters' A")
+    p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
+    p.add_argument("--json", default=None, help="write the measurements here")
+    return p
+
+
+def check(args) -> None:
+    """Raise ValueError naming the first bad value and what is allowed (before any work)."""
+    for flag, v, lo in (("--lora-rank", args.lora_rank, 1), ("--steps", args.steps, 1),
+                        ("--batch-size", args.batch_size, 1), ("--eval-batches", args.eval_batches, 1)):
+        if v < lo:
+            raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
+        raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+    if not (args.lr > 0 and np.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    bad = [t for t in args.targets.split(",") if t not in TARGETS]
+    if bad or not args.targets:
+        raise ValueError(f"--targets {args.targets!r}: allowed names are {', '.join(TARGETS)}")
+    if args.json:
+        check_output(args.json)
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} exists and is not a folder")
+
+
+def finetune(args, method: str, tokens) -> tuple[dict, object]:
+    """Fine-tune one copy of the weights by ``method``; returns (the table row, the model)."""
+    set_ledger(MemoryLedger())  # this method's bytes only
+    model, _ = load_trained(args.weights)
+    cfg = model.config
+    train_tok, val_tok = train_val_split(tokens)
+    val = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
+    before, n_params = evaluate_loss(model, val), model.num_parameters()
+    if method != "full":
+        add_lora(model, args.lora_rank, args.lora_alpha, tuple(args.targets.split(",")),
+                 base="nf4" if method == "qlora" else "float", seed=args.seed)
+    params = trainable_parameters(model)
+    opt = AdamW(params, lr=args.lr, weight_decay=0.0)
+    ledger = get_ledger()
+    frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
+    for step in range(args.steps):
+        x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
+        _, loss = model(backend.to_device(x), backend.to_device(y))
+        backward(loss)
+        clip_grad_norm_(params, 1.0)
+        opt.step()
+        for p in params:
+            p.grad = None
+    row = {"method": method, "trainable_parameters": int(sum(p.size for p in params)),
+           "num_parameters": n_params,
+           "frozen_bytes": int(frozen), "trainable_bytes": int(sum(p.data.nbytes for p in params)),
+           "optimizer_bytes": int(ledger.peak["optimizer_state"]), "ledger_peak_bytes": int(ledger.peak_total),
+           "val_before": before, "val_after": evaluate_loss(model, val)}
+    return row, model
+
+
+def format_table(rows: list) -> str:
+    lines = [f"{'method':<7} {'trainable':>10} {'frozen':>12} {'trainable B':>12} {'optimizer B':>12} "
+             f"{'B/param':>8} {'val before':>10} {'val after':>10}"]
+    for r in rows:
+        per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
+        lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
+                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
+                     f"{r['val_before']:>10.4f} {r['val_after']:>10.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = "python -m minizero.finetune: error:"
+    try:
+        check(args)
+        tokens = load_tokens(args.data)
+        _, val_tok = train_val_split(tokens)
+        model0, _ = load_trained(args.weights)
+        need = min_data_bytes(model0.config.block_size)
+        if len(tokens) < need:
+            raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
+        rows, model = [], None
+        for method in (METHODS if args.table else (args.method,)):
+            row, model = finetune(args, method, tokens)
+            rows.append(row)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{prog} {e}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
+        state = merged_state_dict(model)
+        atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
+        atomic_write(os.path.join(args.out, SIDECAR),
+                     lambda f: f.write(json.dumps(dataclasses.asdict(model.config), indent=1) + "\n"), mode="w")
+        print(f"wrote {os.path.join(args.out, 'model.npz')} (adapters merged) and {SIDECAR}")
+    if args.json:
+        atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""NF4: 4-bit NormalFloat weights with double-quantized block constants (QLoRA's storage).
+
+::
+
+    W (out, in) float ──flatten, blocks of 64──> absmax c1 per block (float32)
+    codes  = nearest of the 16 NF4 levels to W / c1        4 bits each, two per byte
+    c1     ──minus its mean, blocks of 256──> 8-bit dynamic codes + one float32 absmax c2 per 256
+    W~     = NF4[codes] * (decode(c1 codes) * c2 + mean)
+
+Bytes of an n-element weight: ceil(n/2) codes + B one-byte c1 codes + 4 ceil(B/256) for c2 + 4
+for the mean, B = ceil(n/64) (:func:`nf4_nbytes`): 4 + 8/64 + 32/(64*256) = 4.127 bits per
+parameter, against 4.5 with float32 constants (Dettmers et al. 2023, section 3, "Double
+Quantization").
+
+Sources: Dettmers, Pagnoni, Holtzman & Zettlemoyer, "QLoRA", arXiv:2305.14314, section 3 (the
+NF4 data type and its construction from normal quantiles, double quantization) and appendix E
+(the 16 values); bitsandbytes ``create_normal_map`` (offset 0.9677083, the construction below).
+"""
+from __future__ import annotations
+
+from statistics import NormalDist
+
+import numpy as np
+
+from minizero import backend
+from minizero.quantization import dequantize_blockwise, dynamic_code, quantize_blockwise
+
+BLOCK = 64  #: weights per first-level absmax constant (QLoRA's block size)
+BLOCK2 = 256  #: first-level constants per second-level float32 constant
+NF4_LEVELS = np.array([  # QLoRA appendix E / bitsandbytes: the 16 NF4 values, ascending
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0], dtype=np.float32)
+
+
+def normal_float_levels(offset: float = 0.9677083) -> np.ndarray:
+    """The NF4 construction: 8 positive and 7 negative standard-normal quantiles and an exact 0, scaled to [-1, 1].
+
+    Positive side: the quantiles at 8 evenly spaced probabilities from ``offset`` down to (not
+    including) 0.5; negative side: 7 from the same range; the asymmetry gives 0 an exact code.
+    Returns (16,) float64, ascending.
+    """
+    q = NormalDist().inv_cdf
+    pos = [q(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
+    neg = [-q(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
+    v = np.sort(np.array(pos + [0.0] + neg))
+    return v / v.max()
+
+
+def nf4_nbytes(n: int) -> int:
+    """Stored bytes of an n-element NF4 weight with double quantization (see the module docstring)."""
+    blocks = -(-n // BLOCK)
+    return -(-n // 2) + blocks + 4 * -(-blocks // BLOCK2) + 4
+
+
+class NF4Tensor:
+    """A frozen float tensor stored as NF4 codes with double-quantized absmax constants.
+
+    ``NF4Tensor(x)``: x any float array (device or host); everything stays on ``x``'s array module.
+    Attributes: ``shape``, ``codes`` uint8 (ceil(n/2),) (element 2i in the low nibble),
+    ``c1_codes`` uint8 (B,), ``c2`` float32 (ceil(B/256),), ``c1_mean`` float32 (1,);
+    :attr:`nbytes` equals :func:`nf4_nbytes`. :meth:`dequantize` returns the (shape) array W~.
+    Raises:
+        ValueError: x empty or not finite.
+    """
+
+    def __init__(self, x):
+        xp = backend.array_module(x)
+        flat = xp.asarray(x, dtype=np.float32).reshape(-1)
+        if flat.size == 0:
+            raise ValueError("NF4Tensor needs at least one element")
+        if not bool(xp.isfinite(flat).all()):
+            raise ValueError(f"NF4Tensor of a tensor with {int((~xp.isfinite(flat)).sum())} non-finite elements")
+        self.shape, n = tuple(x.shape), flat.size
+        blocks = -(-n // BLOCK)
+        padded = xp.zeros(blocks * BLOCK, np.float32)
+        padded[:n] = flat
+        padded = padded.reshape(blocks, BLOCK)
+        c1 = xp.abs(padded).max(axis=1)
+        normed = padded / xp.where(c1 > 0, c1, 1)[:, None]
+        levels = xp.asarray(NF4_LEVELS)
+        mid = (levels[1:] + levels[:-1]) / 2  # nearest level: which midpoints lie below
+        idx = xp.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)[:n]
+        if n % 2:
+            idx = xp.concatenate([idx, xp.zeros(1, np.uint8)])
+        self.codes = (idx[0::2] | (idx[1::2] << 4)).astype(np.uint8)
+        self.c1_mean = c1.mean(keepdims=True).astype(np.float32)
+        c1_codes, self.c2 = quantize_blockwise(c1 - self.c1_mean, xp.asarray(dynamic_code(signed=True)), BLOCK2)
+        self.c1_codes = c1_codes.copy()  # its own buffer of B bytes, not a view of the padded blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.codes, self.c1_codes, self.c2, self.c1_mean))
+
+    def absmax(self):
+        """The first-level constants as double quantization restores them: (B,) float32."""
+        xp = backend.array_module(self.codes)
+        c1 = dequantize_blockwise(self.c1_codes, self.c2, xp.asarray(dynamic_code(signed=True)), BLOCK2)
+        return c1 + self.c1_mean
+
+    def indices(self):
+        """Each element's level, 0..15: (n,) uint8, unpacked."""
+        xp = backend.array_module(self.codes)
+        return xp.stack([self.codes & 0xF, self.codes >> 4], axis=1).reshape(-1)[:int(np.prod(self.shape))]
+
+    def dequantize(self, dtype=np.float32):
+        """W~ = NF4[index] * absmax of its block, in ``dtype``, of :attr:`shape`."""
+        xp = backend.array_module(self.codes)
+        idx = self.indices()
+        c1 = xp.repeat(self.absmax(), BLOCK)[:idx.size]
+        return (xp.asarray(NF4_LEVELS)[idx] * c1).astype(dtype).reshape(self.shape)

@@ -1,0 +1,119 @@
+"""LoRA adapters (Hu et al. 2021) on a frozen base, and QLoRA's NF4 base (Dettmers et al. 2023).
+
+::
+
+    y = base(x) + (alpha / r) * (x A^T) B^T        A (r, in) trained, B (out, r) trained, from zero
+    base: a frozen Linear (float weight) or an NF4Linear (weight as NF4 codes, dequantized per forward)
+
+:func:`add_lora` assigns a :class:`LoRALinear` child in place of each chosen Linear (a child
+module, nothing replaced on an instance) and freezes every other parameter
+(``requires_grad = False``): only the adapters get gradients and optimizer state.
+:func:`merged_state_dict` folds W + (alpha/r) B A back into the plain model's names.
+
+Sources: Hu et al., "LoRA", arXiv:2106.09685, section 4.1 (A Gaussian, B zero, scale alpha/r);
+Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 (NF4 base, 16-bit compute).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Tensor, functional as F
+from minizero.ledger import get_ledger
+from minizero.nn.module import Linear, Module, Parameter
+from minizero.nf4 import NF4Tensor
+
+TARGETS = ("c_attn", "c_proj", "c_fc")  #: the projections a GPT block has (attn.c_proj and mlp.c_proj both match c_proj)
+
+
+class NF4Linear(Module):
+    """y = x W~^T + b, W~ the NF4 weight dequantized in every forward (to ``dtype``); no weight gradient.
+
+    Args: linear: the :class:`Linear` to store (its weight becomes an :class:`~minizero.nf4.NF4Tensor`,
+    counted as ``parameters`` in the ledger at its NF4 bytes; its bias stays, frozen); dtype: the compute dtype.
+    Shapes: x (..., in) -> (..., out).
+    """
+
+    def __init__(self, linear: Linear, dtype: str = "float32"):
+        super().__init__()
+        self.weight_nf4 = NF4Tensor(linear.weight.data)
+        for a in (self.weight_nf4.codes, self.weight_nf4.c1_codes, self.weight_nf4.c2, self.weight_nf4.c1_mean):
+            get_ledger().track(a, "parameters")
+        self.bias, self.dtype = linear.bias, backend.get_dtype(dtype)
+        if self.bias is not None:
+            self.bias.requires_grad = False
+
+    def forward(self, x):
+        return F.linear(x, Tensor(self.weight_nf4.dequantize(self.dtype)), self.bias)
+
+
+class LoRALinear(Module):
+    """``base(x) + scale * (x A^T) B^T`` with scale = alpha / r; only A and B are trained.
+
+    Args:
+        base: a frozen :class:`Linear` or :class:`NF4Linear` of shape (out, in).
+        r: adapter rank >= 1; alpha: scale numerator > 0; rng: numpy Generator drawing A.
+    A (r, in) ~ N(0, 1/r) (Hu et al.: Gaussian), B (out, r) = 0, so the model starts as the base.
+    Raises: ValueError for r < 1 or alpha <= 0.
+    """
+
+    def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
+        super().__init__()
+        if r < 1 or not alpha > 0:
+            raise ValueError(f"LoRA needs rank r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
+        dt = backend.get_dtype(dtype)
+        self.base, self.r, self.scale = base, r, alpha / r
+        self.lora_A = Parameter(backend.to_device(rng.normal(0.0, r ** -0.5, (r, in_features)).astype(dt)))
+        self.lora_B = Parameter(backend.xp.zeros((out_features, r), dt))
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    def delta(self):
+        """The adapter as a dense (out, in) array: scale * B A."""
+        return self.scale * (self.lora_B.data @ self.lora_A.data)
+
+
+def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0) -> list:
+    """Freeze ``model`` and put a :class:`LoRALinear` on every Linear whose name ends in one of ``targets``.
+
+    ``base``: "nf4" (QLoRA: the base weight stored as NF4) or "float" (LoRA on the float weight).
+    The tied LM head is left alone (its matrix is the embedding's). Returns the adapted names.
+    Raises: ValueError for an unknown base or targets matching no Linear.
+    """
+    if base not in ("nf4", "float"):
+        raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")
+    for p in model.parameters():
+        p.requires_grad = False
+    rng, dtype, done = np.random.default_rng(seed), model.config.dtype, []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, Linear) and name in targets and not parent_name.endswith("lm_head"):
+                out_f, in_f = child.weight.shape
+                frozen = NF4Linear(child, dtype) if base == "nf4" else child
+                setattr(parent, name, LoRALinear(frozen, in_f, out_f, r, alpha, rng, dtype))
+                done.append(f"{parent_name}.{name}" if parent_name else name)
+    if not done:
+        raise ValueError(f"no Linear named one of {tuple(targets)} to adapt")
+    return done
+
+
+def trainable_parameters(model: Module) -> list:
+    """The parameters that still require gradients (after :func:`add_lora`: the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def merged_state_dict(model: Module) -> dict:
+    """The plain model's state dict (nanoGPT names) with every adapter folded in: W~ + scale * B A (host arrays)."""
+    out = {}
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, LoRALinear):
+            b = mod.base
+            w = b.weight_nf4.dequantize(mod.lora_A.dtype) if isinstance(b, NF4Linear) else b.weight.data
+            out[f"{prefix}.weight"] = backend.to_host(w + mod.delta())
+            if b.bias is not None:
+                out[f"{prefix}.bias"] = backend.to_host(b.bias.data)
+    for name, p in model._named_parameters_all():  # every name, the tied head's alias too
+        if ".lora_" not in name and ".base." not in name:
+            out[name] = backend.to_host(p.data)
+    return out
