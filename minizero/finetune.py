@@ -5,12 +5,17 @@
     python -m minizero.finetune --weights out/model.npz --data notes.txt --method qlora --lora-rank 8
     python -m minizero.finetune --weights out/model.npz --data notes.txt --table   # full, lora, qlora
 
-One process. ``full`` trains every parameter; ``lora`` freezes the model and trains adapters
+``full`` trains every parameter; ``lora`` freezes the model and trains adapters
 on its float weights; ``qlora`` stores the frozen weights as NF4 (:mod:`minizero.nf4`) and trains
 the same adapters (:mod:`minizero.nn.lora`). The table: validation loss on ``--data`` before and
 after, trainable parameters, and the ledger's bytes (frozen weights, trainable weights, optimizer
 state). ``--out DIR`` writes the fine-tuned model with the adapters merged (``DIR/model.npz`` +
 ``model.json``, readable by ``python -m minizero.sample``).
+
+Under ``mpirun -n N`` the trained parameters are data-parallel: each rank takes B/N of every
+global batch of B sequences and the gradients are averaged by
+:class:`~minizero.parallel.data_parallel.DataParallel` (for LoRA and QLoRA only the adapters'
+gradients travel); the result equals one process's (tests/test_qlora.py). Rank 0 prints and writes.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from minizero.files import atomic_write
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, add_lora, merged_state_dict, trainable_parameters
 from minizero.optim import AdamW, clip_grad_norm_
+from minizero.parallel.data_parallel import DataParallel
 from minizero.quantize import check_output, min_data_bytes
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained
@@ -75,8 +81,12 @@ def check(args) -> None:
         raise ValueError(f"--out {args.out!r} exists and is not a folder")
 
 
-def finetune(args, method: str, tokens) -> tuple[dict, object]:
-    """Fine-tune one copy of the weights by ``method``; returns (the table row, the model)."""
+def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object]:
+    """Fine-tune one copy of the weights by ``method``; returns (the table row, the model).
+
+    ``comm``: None (one process) or a Communicator: each rank takes its B/N rows of every batch
+    and the trainable parameters' gradients are all-reduced (mean) before clipping and the step.
+    """
     set_ledger(MemoryLedger())  # this method's bytes only
     model, _ = load_trained(args.weights)
     cfg = model.config
@@ -88,12 +98,17 @@ def finetune(args, method: str, tokens) -> tuple[dict, object]:
                  base="nf4" if method == "qlora" else "float", seed=args.seed)
     params = trainable_parameters(model)
     opt = AdamW(params, lr=args.lr, weight_decay=0.0)
+    world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+    dp = DataParallel(params, comm) if world > 1 else None
+    rows = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
     ledger = get_ledger()
     frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
     for step in range(args.steps):
         x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
-        _, loss = model(backend.to_device(x), backend.to_device(y))
+        _, loss = model(backend.to_device(x[rows]), backend.to_device(y[rows]))
         backward(loss)
+        if dp is not None:
+            dp.allreduce_gradients()
         clip_grad_norm_(params, 1.0)
         opt.step()
         for p in params:
@@ -117,11 +132,22 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _world():
+    """The MPI communicator when launched on several ranks, else None (one process, no MPI needed)."""
+    from mpi4py import MPI
+    from minizero.comm import MPICommunicator
+    return MPICommunicator(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prog = "python -m minizero.finetune: error:"
+    comm = _world()
+    rank = 0 if comm is None else comm.rank
     try:
         check(args)
+        if comm is not None and args.batch_size % comm.world_size:
+            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {comm.world_size} ranks")
         tokens = load_tokens(args.data)
         _, val_tok = train_val_split(tokens)
         model0, _ = load_trained(args.weights)
@@ -130,11 +156,14 @@ def main(argv=None) -> int:
             raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
         rows, model = [], None
         for method in (METHODS if args.table else (args.method,)):
-            row, model = finetune(args, method, tokens)
+            row, model = finetune(args, method, tokens, comm)
             rows.append(row)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"{prog} {e}", file=sys.stderr)
+    except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
+        if rank == 0:
+            print(f"{prog} {e}", file=sys.stderr)
         return 2
+    if rank != 0:
+        return 0
     print(format_table(rows))
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)

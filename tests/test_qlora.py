@@ -21,7 +21,7 @@ from minizero.nf4 import BLOCK, BLOCK2, NF4_LEVELS, NF4Tensor, nf4_nbytes, norma
 from minizero.nn import GPT, Linear, get_config
 from minizero.nn.lora import LoRALinear, NF4Linear, add_lora, merged_state_dict, trainable_parameters
 from minizero.quantization import dynamic_code
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, mpi_env
 
 
 def test_nf4_levels_are_the_normal_quantile_construction():
@@ -180,3 +180,31 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_data_parallel_finetune_equals_one_process(mpiexec, tmp_path, method):
+    """``mpiexec -n 2``: each rank half of every batch, the trained gradients all-reduced; float64 weights to 1e-10."""
+    base = tmp_path / "base"
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--dtype", "float64", "--steps", "5",
+                    "--out", str(base), "--progress", "none", "--sample-tokens", "1", "--eval-batches", "1"],
+                   check=True, capture_output=True, timeout=240, cwd=REPO_ROOT)
+    data = tmp_path / "data.txt"
+    data.write_text(open(np.__file__).read() * 3)
+    got = {}
+    for n in (1, 2):
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.finetune", "--weights", str(base / "model.npz"),
+               "--data", str(data), "--method", method, "--steps", "4", "--batch-size", "4", "--eval-batches", "1",
+               "--out", str(tmp_path / f"ft{n}")]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got[n] = dict(np.load(tmp_path / f"ft{n}" / "model.npz"))
+    assert set(got[1]) == set(got[2])
+    moved = 0
+    base_w = dict(np.load(base / "model.npz"))
+    for name, a in got[1].items():
+        assert a.dtype == np.float64
+        np.testing.assert_allclose(got[2][name], a, rtol=0, atol=1e-10 * max(1.0, np.abs(a).max()), err_msg=name)
+        moved += not np.array_equal(a, base_w[name])
+    assert moved  # fine-tuning changed the weights (the comparison is not of two untouched copies)
