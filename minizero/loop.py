@@ -36,7 +36,7 @@ from minizero.instrumentation import default_callbacks
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
 from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
 from minizero.memory.sparsity import Pruner
-from minizero.memory.zero import model_state_bytes
+from minizero.zero import model_state_bytes
 from minizero.optim import clip_coefficient, cosine_lr
 from minizero.parallel.placement import node_traffic
 from minizero.parallel.strategy import build_strategy

@@ -128,7 +128,7 @@ def slots(strategy, purpose: str = "save") -> list:
     def logical(name, p):
         return TIED if getattr(p, "shared_embedding_copy", False) else name
 
-    whole_params = zero is None or zero.stage < 3
+    whole_params = zero is None or not zero.shards_parameters
     if zero is None and save and topo.dp_rank != 0:
         return out  # data replicas hold the same numbers as data rank 0
     for name, p in stage.named_parameters():  # whole parameters (no ZeRO; ZeRO 1-2 on load)

@@ -207,7 +207,7 @@ class Pruner:
             for which in ("param_shard", "master"):
                 for m, w in self._shards(opt, which):
                     w *= m
-            if getattr(opt, "stage", 3) == 3:
+            if getattr(opt, "shards_parameters", True):
                 return  # stage 3: p.data is a placeholder between uses; stages 1-2 keep full views
         masters = getattr(opt, "masters", None) if opt is not None and not self._sharded(opt) else None
         if masters:

@@ -57,18 +57,19 @@ class DataParallel:
             (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
             ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
             whose precondition (unchecked) is that every rank runs the same graph.
+        predivided: every rank's gradients already carry the 1/N of the mean (FP16's backward seed):
+            the reduction is a plain sum.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True):
+                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True,
+                 predivided: bool = False):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
-        #: True when every rank's gradients already carry the 1/N of the mean (the backward seed did it,
-        #: as FP16 training does): the reduction is then a plain sum
-        self.predivided = False
+        self.predivided = predivided
         if allreduce is not None and native:
             raise ValueError("native=True and an allreduce callable exclude each other")
         self.allreduce, self.find_unused_parameters = allreduce, find_unused_parameters

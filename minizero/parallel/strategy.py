@@ -40,7 +40,6 @@ from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.recompute import apply_recompute
-from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
@@ -51,6 +50,7 @@ from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
+from minizero.zero import zero_optimizer
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
@@ -84,8 +84,8 @@ class Strategy:
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
         # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
+        # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
-        (dp if dp is not None else opt).predivided = self.seed_divisor > 1
         self.params = stage.parameters()
         self.zero = opt if dp is None else None  # the ZeroOptimizer (sharded state, gradients), or None
         self._reduce = dp.allreduce_gradients if dp is not None else opt.reduce_gradients
@@ -273,23 +273,23 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
+    predivided = fp16 and topo.dp > 1  # the backward seed carries 1/dp (Strategy.seed_divisor): reduce by a sum
     if args.zero:
         def adam8bit_state(shard_map):  # with --optimizer adam8bit the 8-bit state is what gets sharded
             return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
 
         state = adam8bit_state if args.optimizer == "adam8bit" else None
-        dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                                      native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                      prefetch=args.overlap,
-                                      overlap_reduce=args.overlap)
+        dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                                       native=args.native_comm, sharded_state=state,
+                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
+                                       prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
         if args.quantized_comm:  # INT8 on the wire (comm/quantized.py)
             allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
-                          allreduce=allreduce)
+                          allreduce=allreduce, predivided=predivided)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
