@@ -82,7 +82,6 @@ class ZeroOptimizer:
 
     stage = 0  # set by each stage's class
     prefetch = overlap_reduce = False  # stages 3 and 2-3 set their own
-    shards_parameters = False  #: True when ``p.data`` is a placeholder between uses (stage 3)
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
@@ -108,6 +107,7 @@ class ZeroOptimizer:
                       for i, (_, module, params) in enumerate(find_units(model))]
         self.collectives = UnitCollectives(comm, self.units, self.bytes_sent, native, quantized_comm, predivided)
         self._unit_of = {id(p): st for st in self.units for p in st.params}
+        self._param_of = {n: p for st in self.units for n, p in zip(st.unit.param_names, st.params)}
         self._add_tied_users(model)
         for st in self.units:
             self._build(st)
@@ -259,7 +259,7 @@ class ZeroOptimizer:
     def _zero_grads(self) -> None:
         raise NotImplementedError
 
-    # ---- reading the state ----------------------------------------------------------------
+    # ---- the gradient synchroniser's interface (as DataParallel's) and reading the state -------
     def full_parameters(self):
         """Collective context: inside, every ``p.data`` is the full parameter (only stage 3 has to gather)."""
         return contextlib.nullcontext()
@@ -268,8 +268,54 @@ class ZeroOptimizer:
         """This rank's owned gradient shard of every unit, ``(S,)`` arrays in unit order (after reduce)."""
         return [st.grad_shard for st in self.units]
 
-    def bytes_per_step(self) -> float:
-        """Mean bytes this rank sent per optimizer step for model states (``STEP_PHASES``)."""
+    local_grads = grad_shards  #: the gradient arrays this rank holds (the FP16 overflow check reads them)
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective over ``world`` (data x model ranks; ``model_comm`` unused: each data rank owns a slice):
+        the squared global norm (float64) of the owned pieces of the parameters ``counts(p)`` accepts,
+        padding excluded. Traffic label ``grad_norm``: one float64."""
+        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
+        for st in self.units:
+            for pc in st.pieces:
+                if counts(self._param_of[pc.param]):
+                    g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
+                    local += (g * g).sum()
+        with world.traffic.op("grad_norm"):
+            return float(backend.to_host(all_reduce(world, local))[0])
+
+    def bytes_per_step(self, steps: int | None = None) -> float:
+        """Mean bytes this rank sent per optimizer step for model states (``STEP_PHASES``; ``steps`` unused:
+        the steps are recorded by :meth:`zero_grad`)."""
         if not self.step_bytes:
             return 0.0
         return sum(sum(s[ph] for ph in STEP_PHASES) for s in self.step_bytes) / len(self.step_bytes)
+
+    shards_state = True  #: each data rank holds only its own part of m, v and the masters
+
+    def views(self, which: str):
+        """``(param, lo, hi, array)``: the owned piece ``[lo, hi)`` (flat elements) of each parameter's
+        ``which`` ("param", "grad", "master"); ``array`` a (hi - lo,) view into the shard."""
+        for st in self.units:
+            shard = {"param": st.param_shard, "grad": st.grad_shard, "master": st.master}[which]
+            for pc in st.pieces if shard is not None else ():
+                yield self._param_of[pc.param], pc.lo, pc.hi, shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo]
+
+    def state_views(self, save: bool = True):
+        """``(kind, param, lo, hi, array)`` a checkpoint writes (``save``) or reads on this rank: the owned
+        pieces of parameters, m, v (or 8-bit Adam's ``QuantizedState``) and masters; a stage that holds
+        whole parameters reads them whole (:meth:`_whole_params_on_load`)."""
+        if not save:
+            yield from (("param", p, 0, int(p.size), p.data) for p in self._whole_params_on_load())
+        for st in self.units:
+            for j, pc in enumerate(st.pieces):
+                p, sl = self._param_of[pc.param], slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+                if save or not self._whole_params_on_load():
+                    yield "param", p, pc.lo, pc.hi, st.param_shard[sl]
+                m, v = (st.m[sl], st.v[sl]) if self.sharded_state is None else self.sharded_state.state[st.index][j]
+                for kind, a in (("m", m), ("v", v), ("master", None if st.master is None else st.master[sl])):
+                    if a is not None:
+                        yield kind, p, pc.lo, pc.hi, a
+
+    def _whole_params_on_load(self) -> list:
+        """Parameters a checkpoint loads whole (a stage keeping them whole on every rank), else []."""
+        return []

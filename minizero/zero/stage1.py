@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.ledger import get_ledger
+from minizero.optim.base import whole_views
 from minizero.zero.base import ZeroOptimizer
 
 
@@ -63,3 +64,12 @@ class ZeroStage1(ZeroOptimizer):
         for st in self.units:
             st.flat_grad[...] = 0
             self._point_grads(st)
+
+    def views(self, which: str):
+        """As the base's, but parameters whole (every rank holds them): ``(p, 0, p.size, p.data)``."""
+        if which == "param":
+            return whole_views([p for st in self.units for p in st.params], which)
+        return super().views(which)
+
+    def _whole_params_on_load(self) -> list:
+        return [p for st in self.units for p in st.params]

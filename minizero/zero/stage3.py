@@ -27,6 +27,7 @@ from minizero import backend
 from minizero.autograd import is_grad_enabled, saved_tensors_hooks
 from minizero.autograd.engine import current_saved_tensors_hooks
 from minizero.ledger import get_ledger
+from minizero.zero.base import ZeroOptimizer
 from minizero.zero.overlap import Prefetcher, can_overlap
 from minizero.zero.shards import owned_shard
 from minizero.zero.stage2 import ZeroStage2
@@ -49,7 +50,6 @@ class ZeroStage3(ZeroStage2):
     """
 
     stage = 3
-    shards_parameters = True
 
     def __init__(self, model, comm, prefetch: bool = False, **kwargs):
         self._pinned = False  # inside full_parameters()
@@ -186,7 +186,10 @@ class ZeroStage3(ZeroStage2):
         if waiting:
             self._start_prefetch(max(waiting, key=lambda u: u.index), "gather_backward")
 
-    # ---- the step and reading --------------------------------------------------------------
+    # ---- the step and reading: the owned shard is all there is -----------------------------
+    views = ZeroOptimizer.views
+    _whole_params_on_load = ZeroOptimizer._whole_params_on_load
+
     def step(self, grad_scale: float = 1.0) -> None:
         if self._pinned:
             raise RuntimeError("ZeroOptimizer.step() inside full_parameters(): the full copies would go stale")
