@@ -73,4 +73,4 @@ class Header(Callback):
         for line in header_lines(run.args, run.cfg, run.strategy, run.comm.world_size):
             run.log(line)
         if run.args.show_shards:
-            run.log(run.strategy.zero.shard_map.format())
+            run.log(run.strategy.opt.shard_map.format())

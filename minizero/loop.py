@@ -36,7 +36,7 @@ from minizero.instrumentation import default_callbacks
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
 from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
 from minizero.memory.sparsity import Pruner
-from minizero.memory.zero import model_state_bytes
+from minizero.zero import model_state_bytes
 from minizero.optim import clip_coefficient, cosine_lr
 from minizero.parallel.placement import node_traffic
 from minizero.parallel.strategy import build_strategy
@@ -168,14 +168,14 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
         if args.prune_sparsity and step == args.prune_step:  # masks from the full weights, same on every rank
             with s.full_parameters():
                 run.pruner = Pruner(s.stage, args.prune_sparsity, args.prune_scope)
-            run.pruner.prune_(s.zero)
+            run.pruner.prune_(s.opt)
         scale = scaler.scale if scaler is not None else 1.0
         with np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext():
             # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
             loss_sum = s.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale)
             s.reduce_gradients()
         if run.pruner is not None:  # pruned entries get no gradient: not in the norm, not in Adam's m and v
-            run.pruner.mask_gradients_(s.zero)
+            run.pruner.mask_gradients_(s.opt)
         if after_grads is not None:
             after_grads(step, s.params, s.opt)
         if step == run.start:
@@ -195,7 +195,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
             s.step(lr, grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
             run.applied += 1
             if run.pruner is not None:  # Adam's momentum (and any state from before pruning) must not revive them
-                run.pruner.mask_weights_(s.zero)
+                run.pruner.mask_weights_(s.opt)
         out.grad_norms.append(norm)
         s.zero_grad()
         mine = loss_sum / args.grad_accum if s.holds_loss else 0.0

@@ -76,7 +76,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
 
     ``stats``: :func:`gather_stats` of every rank; ``threads``, ``local_ranks``, ``cores``:
     BLAS threads per rank, ranks and cores on this node; ``zero``: every rank's model-state
-    figures (:func:`minizero.memory.zero.gather_figures`).
+    figures (:func:`minizero.zero.gather_figures`).
     Raises:
         FloatingPointError: a weight is inf/NaN (nothing is written; the previous file stays).
     """

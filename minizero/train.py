@@ -46,7 +46,7 @@ from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F4
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
-from minizero.memory.zero import gather_figures
+from minizero.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
 #: errors that are a diagnosis, not a bug: one line, no traceback

@@ -27,7 +27,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 from minizero.comm import world  # noqa: E402
 from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
-from minizero.memory.zero import gather_figures  # noqa: E402
+from minizero.zero import gather_figures  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 CONFIGS = {

@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 from minizero.comm import world  # noqa: E402
 from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import get_ledger  # noqa: E402
-from minizero.memory.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
+from minizero.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
 from minizero.nn import GPT  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402
 

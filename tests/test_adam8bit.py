@@ -130,7 +130,7 @@ def test_fp32_params_override_keeps_a_tensor_in_fp32():
 # --------------------------------------------------------------------------- sharded state (ZeRO)
 def _sharded_run(comm, steps, block_size, min_8bit):
     """Every rank updates its shards with the same full gradients; returns its shards of params."""
-    from minizero.memory.zero import ShardMap
+    from minizero.zero import ShardMap
 
     model = GPT(get_config("tiny", dtype="float64"))
     smap = ShardMap.from_model(model, comm.world_size)
@@ -187,7 +187,7 @@ EXTRA = ("--optimizer", "adam8bit", "--adam8bit-block-size", "48")  # 48 does no
 
 def _shared_block_touches(n, block=48, min_8bit=4096):
     """(extra absmax entries over all ranks, shared blocks) for the tiny float64 model over n ranks."""
-    from minizero.memory.zero import ShardMap
+    from minizero.zero import ShardMap
 
     sm = ShardMap.from_model(GPT(get_config("tiny", dtype="float64")), n)
     extra = 0

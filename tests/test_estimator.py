@@ -246,7 +246,7 @@ def test_minizero_accounting_selective_when_scores_dominate():
 
 
 def _data_parallel_peaks(comm, stage):
-    from minizero.memory.zero import ZeroOptimizer
+    from minizero.zero import zero_optimizer
     from minizero.parallel.data_parallel import DataParallel
 
     ledger = set_ledger(MemoryLedger())
@@ -256,7 +256,7 @@ def _data_parallel_peaks(comm, stage):
         reducer, opt = DataParallel(model.parameters(), comm), AdamW(model.parameters())
         reduce = reducer.allreduce_gradients
     else:
-        opt = ZeroOptimizer(model, comm, stage)
+        opt = zero_optimizer(model, comm, stage)
         reduce = opt.reduce_gradients
     x = np.random.default_rng(comm.rank).integers(0, 256, (2, cfg.block_size))
     ledger.reset_peaks()
@@ -369,7 +369,7 @@ def test_overlap_estimate_and_trainer_share_one_bucket_constant(monkeypatch):
     """Three buckets alive instead of two (the one constant, set in both places it is read): the
     ledger's peaks move and the estimate moves with them, to the byte."""
     import minizero.memory.estimator.zero_overlap as zo
-    import minizero.memory.zero_prefetch as zp
+    import minizero.zero.overlap as zp
 
     flags = ["--model", "small", "--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
              "--progress", "none", "--no-save", "--micro-batch-size", "1", "--zero", "2"]

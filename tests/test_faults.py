@@ -268,12 +268,12 @@ def test_data_parallel_fp16_mean_does_not_overflow(n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_zero1_fp16_mean_does_not_overflow(n):
-    from minizero.memory.zero import ZeroOptimizer
+    from minizero.zero import zero_optimizer
     from minizero.nn import GPT, get_config
 
     def rank(comm):
         model = GPT(get_config("tiny", dtype="float16"))
-        opt = ZeroOptimizer(model, comm, stage=1)
+        opt = zero_optimizer(model, comm, stage=1)
         for p in model.parameters():
             p.grad[...] = _fp16_local_grads(comm.rank, p.shape)
         opt.reduce_gradients()

@@ -19,7 +19,7 @@ from minizero.comm import run_in_threads
 from minizero.comm.collectives import all_reduce, reduce_scatter
 from minizero.comm.nonblocking import RingCollective, Stream, ring_steps
 from minizero.loop import train
-from minizero.memory.zero import ZeroOptimizer
+from minizero.zero import zero_optimizer
 from minizero.nn import GPT, get_config
 from minizero.parallel.tracing import TraceUnits
 from tests.conftest import REPO_ROOT, mpi_env
@@ -190,7 +190,7 @@ def _zero_steps(comm, stage, overlap_reduce, dtype):
     trace.set_tracer(tracer)
     model = GPT(get_config("tiny", dtype=dtype), seed=1)
     units = TraceUnits(model)
-    opt = ZeroOptimizer(model, comm, stage, lr=1e-2, overlap_reduce=overlap_reduce, prefetch=overlap_reduce)
+    opt = zero_optimizer(model, comm, stage, lr=1e-2, overlap_reduce=overlap_reduce, prefetch=overlap_reduce)
     rng = np.random.default_rng(comm.rank)
     for _ in range(3):
         for _ in range(2):

@@ -131,7 +131,7 @@ def _run_fp16(comm, argv, after_grads=None):
 @pytest.mark.parametrize("stage,n", [(0, 1), (0, 2), (1, 2), (2, 2), (3, 2), (1, 3), (3, 3)])
 def test_fp16_model_state_bytes_per_parameter(stage, n):
     """2 + 2 + 12 bytes per parameter at stage 0; the 12 (and more) sharded by ZeRO."""
-    from minizero.memory.zero import ZeroOptimizer
+    from minizero.zero import ZeroOptimizer
 
     results = run_in_threads(n, _run_fp16, ["--steps", "1", "--zero", str(stage)])
     for res, _ in results:

@@ -164,7 +164,7 @@ def _zero_run(comm, stage, quantized, steps, micro_batch=4):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_sends_a_quarter_by_the_ledger(stage):
-    from minizero.memory.zero import ShardMap
+    from minizero.zero import ShardMap
     from minizero.nn import GPT, get_config
 
     n = 2

@@ -147,7 +147,7 @@ def test_adam8bit_steps_equal_numpy(strict_backend):
 
 
 def _sharded(comm, steps=3, block=48, min_8bit=200):
-    from minizero.memory.zero import ShardMap
+    from minizero.zero import ShardMap
     from minizero.nn import GPT, get_config
     from minizero.optim.adam8bit import ShardedAdam8bit
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minizero.comm import bytes_sent, run_in_threads
-from minizero.memory.zero import ZeroOptimizer
+from minizero.zero import zero_optimizer
 from minizero.nn import GPT, Parameter, get_config
 from minizero.optim import AdamW
 from minizero.optim.used_parameters import used_anywhere
@@ -36,7 +36,7 @@ def _train(comm, zero, steps=3):
     model = _model()
     n, r = comm.world_size, comm.rank
     if zero:
-        opt = ZeroOptimizer(model, comm, zero, lr=1e-2, weight_decay=0.1)
+        opt = zero_optimizer(model, comm, zero, lr=1e-2, weight_decay=0.1)
         reduce = opt.reduce_gradients
     else:
         dp, opt = DataParallel(model.parameters(), comm), AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -160,7 +160,7 @@ def test_find_unused_parameters_false_sends_nothing_more_and_changes_no_bit(stag
             dp = DataParallel(model.parameters(), comm, find_unused_parameters=find)
             opt, reduce = AdamW(model.parameters(), lr=1e-2), dp.allreduce_gradients
         else:
-            opt = ZeroOptimizer(model, comm, stage, lr=1e-2, find_unused_parameters=find)
+            opt = zero_optimizer(model, comm, stage, lr=1e-2, find_unused_parameters=find)
             reduce = opt.reduce_gradients
         for step in range(2):
             rows = np.random.default_rng(step).integers(0, 256, (4, 17))[comm.rank::2]

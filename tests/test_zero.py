@@ -9,7 +9,7 @@ runs under mpiexec.
 
 Bytes (float32): the ledger at the optimizer step against Figure 1 of the ZeRO paper, the
 traffic ledger per step against section 7.2 (stage 2 reduce-scatters once per micro-batch,
-stage 3 gathers and reduce-scatters once per micro-batch; see minizero/memory/zero.py).
+stage 3 gathers and reduce-scatters once per micro-batch; see minizero/zero/).
 """
 import functools
 import json
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from minizero.comm import recursive_doubling, run_in_threads
 from minizero.ledger import get_ledger
-from minizero.memory.zero import ShardMap, ZeroOptimizer, model_state_formula, traffic_formula
+from minizero.zero import ShardMap, model_state_formula, traffic_formula, zero_optimizer
 from minizero.nn import GPT, get_config
 from minizero.train import UsageError, parse_args, train
 from tests.conftest import REPO_ROOT, mpi_env
@@ -211,7 +211,7 @@ def test_zero_composes_with_recompute_and_activation_offload(stage):
 
 def _master_weights_step(comm, stage, master):
     model = GPT(get_config("tiny"), seed=1)
-    opt = ZeroOptimizer(model, comm, stage, lr=1e-2, master_weights=master)
+    opt = zero_optimizer(model, comm, stage, lr=1e-2, master_weights=master)
     state = get_ledger().current["optimizer_state"]
     x = np.arange(32).reshape(2, 16) % 256
     for _ in range(2):
@@ -240,7 +240,7 @@ def test_master_weights_shard_is_counted_and_exact_in_float32(stage):
 def _stage3_forward_backward(comm):
     ledger = get_ledger()
     model = GPT(get_config("tiny", dtype="float64"), seed=1)
-    opt = ZeroOptimizer(model, comm, 3)
+    opt = zero_optimizer(model, comm, 3)
     x = np.random.default_rng(comm.rank).integers(0, 256, (2, 16))
     _, loss = model(x, x)
     after_forward = ledger.current["gathered"]
@@ -264,7 +264,7 @@ def test_stage3_frees_gathered_parameters_between_uses():
 
 def _tied_gradient(comm, stage):
     model = GPT(get_config("tiny", dtype="float64"), seed=1)
-    opt = ZeroOptimizer(model, comm, stage) if stage else None
+    opt = zero_optimizer(model, comm, stage) if stage else None
     x = np.arange(32).reshape(2, 16) % 256
     model(x, x)[1].backward()
     if opt is None:
@@ -315,7 +315,7 @@ def test_show_shards_needs_a_zero_stage():
 def test_zero_optimizer_rejects_stage_0():
     model = GPT(get_config("tiny"))
     with pytest.raises(ValueError, match="stage=0; allowed: 1, 2, 3"):
-        run_in_threads(1, lambda comm: ZeroOptimizer(model, comm, 0))
+        run_in_threads(1, lambda comm: zero_optimizer(model, comm, 0))
 
 
 def _train_logged(comm, argv):
@@ -333,7 +333,7 @@ def test_zero_on_one_rank_runs_and_says_it_saves_nothing():
 
 def _misuse_stage1(comm):
     model = GPT(get_config("tiny", dtype="float64"))
-    opt = ZeroOptimizer(model, comm, 1)
+    opt = zero_optimizer(model, comm, 1)
     model.zero_grad()  # drops the views into the flat gradient buffer
     x = np.zeros((1, 4), dtype=np.int64)
     model(x, x)[1].backward()

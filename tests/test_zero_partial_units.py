@@ -2,7 +2,7 @@
 
 Stage 2 used to drop a micro-batch's gradient and stage 3 to produce NaN: a partly used unit was
 reduced (stage 3: freed) when its missing gradient arrived in the *next* micro-batch. Each
-backward pass now ends its micro-batch (zero_buckets.py). The cases (patterns of use x the order
+backward pass now ends its micro-batch (minizero/zero/stage2.py). The cases (patterns of use x the order
 of forwards and backwards x stage x overlap) are tests/mpi_scripts/partial_units_check.py's.
 """
 import os

@@ -315,7 +315,7 @@ def queue_callback(fn) -> None:
     """Call ``fn()`` once the running backward has ended (the outermost one, if a recompute nests another).
 
     The end of a backward pass is where every gradient it produces has landed: ZeRO-2/3 end a
-    micro-batch there (zero_buckets.py). Mirrors PyTorch's ``Variable._execution_engine.queue_callback``
+    micro-batch there (minizero/zero/stage2.py). Mirrors PyTorch's ``Variable._execution_engine.queue_callback``
     (the end-of-backward hook of DDP's reducer and FSDP).
     Raises:
         RuntimeError: no backward is running on this thread.

@@ -98,68 +98,30 @@ def full_index(tp, shape, lo: int, hi: int):
     return np.ravel_multi_index(coords, shape).astype(np.int64)
 
 
-def _opt_states(opt, i):
-    """(m, v, master) of parameter index ``i`` of a per-parameter optimizer (AdamW, Adam8bit)."""
-    masters = getattr(opt, "masters", None)
-    return opt.m[i], opt.v[i], None if masters is None else masters[i]
-
-
 def slots(strategy, purpose: str = "save") -> list:
     """This rank's :class:`Slot` list for ``purpose`` ``"save"`` or ``"load"``.
 
-    Without ZeRO the optimizer state is per parameter (``opt.m[i]``, ``opt.v[i]``,
-    ``opt.masters[i]``); under ZeRO it is the owned piece of every unit (``st.m``, ``st.v``,
-    ``st.master``, or 8-bit Adam's ``sharded_state.state``), and the parameter is the owned
-    shard too (stage 3), or held whole (stages 1-2: saved as the owned piece, loaded whole).
+    The optimizer says what this rank holds (``opt.state_views(save)``: whole parameters and their
+    m, v, masters, or a ZeRO rank's owned pieces); an optimizer whose state every data rank holds
+    whole (``shards_state`` False) is saved by data rank 0 only.
     Raises:
         ValueError: ``purpose`` is neither "save" nor "load".
     """
     if purpose not in ("save", "load"):
         raise ValueError(f"purpose={purpose!r}; allowed: 'save', 'load'")
     save = purpose == "save"
-    topo, stage, zero = strategy.topo, strategy.stage, strategy.zero
+    topo, opt = strategy.topo, strategy.opt
+    if save and topo.dp_rank != 0 and not opt.shards_state:
+        return []  # data replicas hold the same numbers as data rank 0
+    names = {id(p): name for name, p in strategy.stage.named_parameters()}
     out = []
-
-    def keep(p):  # each element written once: tensor rank 0 for replicated ones, no tied copy
+    for kind, p, lo, hi, a in opt.state_views(save):
         if getattr(p, "shared_embedding_copy", False) or (tp_of(p, topo) is None and topo.tp_rank != 0):
-            return not save
-        return True
-
-    def logical(name, p):
-        return TIED if getattr(p, "shared_embedding_copy", False) else name
-
-    whole_params = zero is None or zero.stage < 3
-    if zero is None and save and topo.dp_rank != 0:
-        return out  # data replicas hold the same numbers as data rank 0
-    for name, p in stage.named_parameters():  # whole parameters (no ZeRO; ZeRO 1-2 on load)
-        if not keep(p) or (zero is not None and (save or not whole_params)):
-            continue
-        tp, n = tp_of(p, topo), int(p.size)
-        shape = full_shape(p.shape, tp)
-        out.append(Slot("param", logical(name, p), shape, tp, 0, n, p.data))
-        if zero is None:
-            i = next(k for k, q in enumerate(strategy.opt.params) if q is p)
-            for kind, a in zip(("m", "v", "master"), _opt_states(strategy.opt, i)):
-                if a is not None:
-                    out.append(Slot(kind, logical(name, p), shape, tp, 0, n, a))
-    if zero is None:
-        return out
-    named = dict(stage.named_parameters())
-    sharded = zero.sharded_state
-    for st in zero.units:
-        for j, pc in enumerate(st.pieces):
-            p = named[pc.param]
-            if not keep(p):
-                continue
-            tp = tp_of(p, topo)
-            shape, sl = full_shape(p.shape, tp), slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
-            name = logical(pc.param, p)
-            if save or not whole_params:
-                out.append(Slot("param", name, shape, tp, pc.lo, pc.hi, st.param_shard[sl]))
-            m, v = (st.m[sl], st.v[sl]) if sharded is None else sharded.state[st.index][j]
-            for kind, a in (("m", m), ("v", v), ("master", None if st.master is None else st.master[sl])):
-                if a is not None:
-                    out.append(Slot(kind, name, shape, tp, pc.lo, pc.hi, a))
+            if save:
+                continue  # each element written once: tensor rank 0 for replicated ones, no tied copy
+        name = TIED if getattr(p, "shared_embedding_copy", False) else names[id(p)]
+        tp = tp_of(p, topo)
+        out.append(Slot(kind, name, full_shape(p.shape, tp), tp, lo, hi, a))
     return out
 
 

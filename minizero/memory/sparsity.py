@@ -32,6 +32,7 @@ import numpy as np
 from minizero import backend
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear
+from minizero.optim.base import whole_views
 
 SCOPES = ("global", "layer")
 
@@ -138,13 +139,14 @@ class Pruner:
         pruner.mask_gradients_(opt)    # after the gradient all-reduce / reduce-scatter, before clipping
         pruner.mask_weights_(opt)      # after opt.step()
 
-    ``opt`` is the optimizer (AdamW, Adam8bit, or a ZeroOptimizer, whose owned gradient and
-    parameter shards are masked piece by piece through its shard map) or None.
+    ``opt`` is the optimizer (AdamW, Adam8bit, or a ZeRO optimizer: what it holds, through its
+    ``views(which)``) or None (the model's weights and their ``.grad``).
     Memory: masks packed 1 bit per element, counted as ``parameters``.
     """
 
     def __init__(self, model, sparsity: float, scope: str = "global"):
         self.params = prunable_weights(model)
+        self._names = {id(p): k for k, p in self.params.items()}
         masks = magnitude_masks({k: p.data for k, p in self.params.items()}, sparsity, scope)
         self.sparsity, self.scope = sparsity, scope
         self.shapes = {k: m.shape for k, m in masks.items()}
@@ -160,6 +162,7 @@ class Pruner:
         self = cls.__new__(cls)
         weights = prunable_weights(model)
         self.params = {k: weights[k] for k in packed}
+        self._names = {id(p): k for k, p in self.params.items()}
         self.sparsity, self.scope = sparsity, scope
         self.shapes = dict(shapes)
         self.packed = {k: backend.to_device(np.asarray(v, dtype=np.uint8)) for k, v in packed.items()}
@@ -173,49 +176,26 @@ class Pruner:
         n = int(np.prod(shape))
         return unpackbits(self.packed[name], n).reshape(shape)
 
-    def _shards(self, opt, which: str):
-        """(mask slice, shard slice) for every owned piece of a prunable weight (ZeroOptimizer only).
-
-        ``which``: ``"grad_shard"``, ``"param_shard"`` or ``"master"`` (mixed precision's FP32 copy, if any).
-        """
-        for st in opt.units:
-            shard = getattr(st, which, None)
-            if shard is None:
-                continue
-            for pc in st.pieces:
-                if pc.param in self.packed:
-                    yield self.mask(pc.param).reshape(-1)[pc.lo:pc.hi], shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo]
-
-    @staticmethod
-    def _sharded(opt) -> bool:
-        return opt is not None and hasattr(opt, "units") and hasattr(opt, "shard_map")
+    def _mask_(self, opt, which: str) -> None:
+        """Zero the pruned entries of ``which`` ("param", "grad", "master") wherever this rank holds them:
+        the optimizer's :meth:`views` (whole arrays, or a ZeRO rank's owned pieces), or ``p.data`` /
+        ``p.grad`` of the model's weights without an optimizer."""
+        views = opt.views(which) if opt is not None else whole_views(self.params.values(), which)
+        for p, lo, hi, a in views:
+            name = self._names.get(id(p))
+            if name is not None:
+                a *= self.mask(name).reshape(-1)[lo:hi].reshape(a.shape)
 
     def mask_gradients_(self, opt=None) -> None:
-        """Zero the gradients of pruned entries (``.grad``; a ZeroOptimizer's owned gradient shards)."""
-        if self._sharded(opt):
-            for m, g in self._shards(opt, "grad_shard"):
-                g *= m
-            return
-        for k, p in self.params.items():
-            if p.grad is not None:
-                p.grad *= self.mask(k)
+        """Zero the gradients of pruned entries (``.grad``; a ZeRO rank's owned gradient shards)."""
+        self._mask_(opt, "grad")
 
     def mask_weights_(self, opt=None) -> None:
-        """Set pruned weights to zero: ``p.data`` and an optimizer's FP32 master copies, if any
-        (a ZeroOptimizer's owned parameter shards and masters; at stage 3 only those)."""
-        if self._sharded(opt):
-            for which in ("param_shard", "master"):
-                for m, w in self._shards(opt, which):
-                    w *= m
-            if getattr(opt, "stage", 3) == 3:
-                return  # stage 3: p.data is a placeholder between uses; stages 1-2 keep full views
-        masters = getattr(opt, "masters", None) if opt is not None and not self._sharded(opt) else None
-        if masters:
-            index = {id(p): i for i, p in enumerate(opt.params)}
-            for k, p in self.params.items():
-                masters[index[id(p)]] *= self.mask(k)
-        for k, p in self.params.items():
-            p.data *= self.mask(k)
+        """Set pruned weights to zero: the parameters and an optimizer's FP32 master copies, if any
+        (a ZeRO rank's owned pieces; its whole parameters where it holds them)."""
+        self._mask_(opt, "param")
+        if opt is not None:
+            self._mask_(opt, "master")
 
     prune_ = mask_weights_  #: pruning is masking the weights once
 

@@ -53,3 +53,35 @@ class Optimizer:
         """Drop gradients (``set_to_none``): the next backward allocates fresh ones."""
         for p in self.params:
             p.grad = None
+
+    #: whether each data rank holds only its own part of the state (ZeRO); here every rank holds all
+    shards_state = False
+
+    def views(self, which: str):
+        """``(param, lo, hi, array)`` for what this rank holds of ``which`` ("param", "grad", "master"):
+        here the whole arrays (lo = 0, hi = param.size, ``array`` in the parameter's shape)."""
+        return whole_views(self.params, which, getattr(self, "masters", None))
+
+    def state_views(self, save: bool = True):
+        """``(kind, param, lo, hi, array)``, kind in "param", "m", "v", "master": what a checkpoint writes
+        (``save``) or reads on this rank, per parameter in order (``m[i]``, ``v[i]``, ``masters[i]``)."""
+        masters = getattr(self, "masters", None)
+        for i, p in enumerate(self.params):
+            for kind, a in (("param", p.data), ("m", self.m[i]), ("v", self.v[i]),
+                            ("master", None if masters is None else masters[i])):
+                if a is not None:
+                    yield kind, p, 0, int(p.size), a
+
+
+def whole_views(params, which: str, masters=None):
+    """``(param, 0, param.size, array)`` for each of ``params`` holding ``which``: "param" (``p.data``),
+    "grad" (``p.grad``, if any), "master" (``masters[i]``, if any).
+
+    Raises: ValueError for another ``which``.
+    """
+    if which not in ("param", "grad", "master"):
+        raise ValueError(f"which={which!r}; allowed: 'param', 'grad', 'master'")
+    for i, p in enumerate(params):
+        a = {"param": p.data, "grad": p.grad, "master": None if masters is None else masters[i]}[which]
+        if a is not None:
+            yield p, 0, int(p.size), a

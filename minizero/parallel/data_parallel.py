@@ -21,6 +21,10 @@ Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
 """
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
+
 from minizero import backend
 from minizero.comm.collectives import all_reduce, broadcast, mean_scale_
 from minizero.ledger import get_ledger
@@ -57,18 +61,19 @@ class DataParallel:
             (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
             ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
             whose precondition (unchecked) is that every rank runs the same graph.
+        predivided: every rank's gradients already carry the 1/N of the mean (FP16's backward seed):
+            the reduction is a plain sum.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
-                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True):
+                 broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True,
+                 predivided: bool = False):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.comm, self.native = list(params), comm, native
-        #: True when every rank's gradients already carry the 1/N of the mean (the backward seed did it,
-        #: as FP16 training does): the reduction is then a plain sum
-        self.predivided = False
+        self.predivided = predivided
         if allreduce is not None and native:
             raise ValueError("native=True and an allreduce callable exclude each other")
         self.allreduce, self.find_unused_parameters = allreduce, find_unused_parameters
@@ -149,3 +154,29 @@ class DataParallel:
             mean_scale_(flat, n, before_sum=False, predivided=self.predivided)  # float32/64: divide the sum
         self.write_back(used)
         self.bytes_sent += self.comm.traffic.bytes_sent - before
+
+    # ---- the gradient synchroniser's interface (as ZeRO's, minizero/zero/base.py) ----------
+    reduce_gradients = allreduce_gradients
+
+    def local_grads(self) -> list:
+        """The gradient arrays this rank holds: every ``.grad`` that is not None."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective over ``model_comm`` (the other parts of the model; data replicas hold equal gradients,
+        ``world`` unused): the squared global norm (float64) of the ``.grad`` of parameters ``counts(p)``
+        accepts. Traffic label ``grad_norm``: one float64."""
+        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
+        for p in self.params:
+            if p.grad is not None and counts(p):
+                local += (p.grad.astype(np.float64) ** 2).sum()
+        with model_comm.traffic.op("grad_norm"):
+            return float(backend.to_host(all_reduce(model_comm, local))[0])
+
+    def full_parameters(self):
+        """Every rank holds every parameter whole: nothing to gather."""
+        return contextlib.nullcontext()
+
+    def bytes_per_step(self, steps: int) -> float:
+        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps."""
+        return self.bytes_sent / steps

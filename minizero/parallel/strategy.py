@@ -19,8 +19,13 @@
 The loop never asks which strategy it runs; every difference between data, tensor,
 pipeline parallelism and ZeRO lives in the objects :func:`build_strategy` composes:
 a :class:`Topology` (who talks to whom), a :class:`PipelineStage` (which layers, which
-shards), a :class:`PipelineEngine` (which order), a gradient synchroniser (DataParallel
-or ZeroOptimizer) and an optimizer. A single process is the layout dp = tp = pp = 1.
+shards), a :class:`PipelineEngine` (which order), a gradient synchroniser and an optimizer.
+A single process is the layout dp = tp = pp = 1.
+
+The gradient synchroniser (:class:`~minizero.parallel.data_parallel.DataParallel`, or a ZeRO
+optimizer, :mod:`minizero.zero`, which is synchroniser and optimizer at once) answers:
+``reduce_gradients()``, ``local_grads()``, ``grad_norm_sq(counts, model_comm, world)``,
+``full_parameters()`` and ``bytes_per_step(steps)``; the Strategy never asks which it holds.
 
 Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatron-LM's
 ``finalize_model_grads`` (data-parallel reduce, then the embedding group) and
@@ -28,7 +33,6 @@ Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatro
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -40,7 +44,6 @@ from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.recompute import apply_recompute
-from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
@@ -52,6 +55,7 @@ from minizero.parallel.schedule import V_SHAPED
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
 from minizero.parallel.topology import Topology
+from minizero.zero import zero_optimizer
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
@@ -69,15 +73,17 @@ class Strategy:
         stage: this rank's :class:`PipelineStage` (the whole GPT when pp = 1).
         model: the whole local :class:`GPT` when tp = pp = 1 (every rank), else None.
         engine: the :class:`PipelineEngine` that runs micro-batches through ``stage``.
-        dp: the :class:`DataParallel` synchroniser, or None under ZeRO.
-        opt: the optimizer (AdamW, Adam8bit, or the :class:`ZeroOptimizer`, which is both
-            synchroniser and optimizer).
+        sync: the gradient synchroniser (module docstring).
+        dp: ``sync`` when it is a :class:`DataParallel` (its buckets: the overlapped reducer, the
+            node traffic table), else None.
+        opt: the optimizer (AdamW, Adam8bit, or the ZeRO optimizer, which is also ``sync``).
         params: this rank's parameters (shards under tp; the stage's under pp).
     """
 
-    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, dp, opt,
+    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
                  predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False):
-        self.topo, self.stage, self.model, self.engine, self.dp, self.opt = topo, stage, model, engine, dp, opt
+        self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
+        self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
         # every target is real, the count is B*T and each micro-batch's mean weighs 1/m as it always did
@@ -85,11 +91,10 @@ class Strategy:
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
         # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
+        # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
-        (dp if dp is not None else opt).predivided = self.seed_divisor > 1
         self.params = stage.parameters()
-        self.zero = opt if dp is None else None  # the ZeroOptimizer (sharded state, gradients), or None
-        self._reduce = dp.allreduce_gradients if dp is not None else opt.reduce_gradients
+        self._reduce = sync.reduce_gradients
         #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
         self.reducer = None
         if overlap and can_overlap(dp):
@@ -158,14 +163,12 @@ class Strategy:
         self._reduce()
 
     def local_grads(self) -> list:
-        """The gradient arrays this rank holds: every ``.grad`` (no ZeRO) or its ZeRO gradient shards."""
-        if self.zero is not None:
-            return list(self.zero.grad_shards())
-        return [p.grad for p in self.params if p.grad is not None]
+        """The gradient arrays this rank holds (every ``.grad``, or a ZeRO rank's gradient shards)."""
+        return list(self.sync.local_grads())
 
     def grad_norm_sq(self) -> float:
         """Collective: the squared global gradient norm (float64 sum, each model element once)."""
-        return grad_norm_sq(self.stage, self.topo, self.zero)
+        return grad_norm_sq(self.topo, self.sync)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """The optimizer update at learning rate ``lr`` on gradients multiplied by ``grad_scale``."""
@@ -178,7 +181,7 @@ class Strategy:
 
     def full_parameters(self):
         """Context in which every parameter's ``.data`` is whole (ZeRO-3 gathers; otherwise nothing to do)."""
-        return self.zero.full_parameters() if self.zero is not None else contextlib.nullcontext()
+        return self.sync.full_parameters()
 
     def evaluate(self, batches) -> float:
         """Collective: mean validation loss over ``batches``, rows split over the data group.
@@ -244,7 +247,7 @@ class Strategy:
 
     def model_state_bytes_per_step(self, steps: int) -> float:
         """Bytes this rank sent per optimizer step for gradient reduction and ZeRO's parameter gathers."""
-        return self.zero.bytes_per_step() if self.zero is not None else self.dp.bytes_sent / steps
+        return self.sync.bytes_per_step(steps)
 
 
 def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print) -> Strategy:
@@ -274,23 +277,23 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
+    predivided = fp16 and topo.dp > 1  # the backward seed carries 1/dp (Strategy.seed_divisor): reduce by a sum
     if args.zero:
         def adam8bit_state(shard_map):  # with --optimizer adam8bit the 8-bit state is what gets sharded
             return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
 
         state = adam8bit_state if args.optimizer == "adam8bit" else None
-        dp, opt = None, ZeroOptimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                                      native=args.native_comm, sharded_state=state,
-                                      quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                      prefetch=args.overlap,
-                                      overlap_reduce=args.overlap)
+        dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                                       native=args.native_comm, sharded_state=state,
+                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
+                                       prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
         if args.quantized_comm:  # INT8 on the wire (comm/quantized.py)
             allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
         dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
-                          allreduce=allreduce)
+                          allreduce=allreduce, predivided=predivided)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
@@ -301,7 +304,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     overlap = args.overlap
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
-    return Strategy(topo, stage, model, engine, dp, opt, predivide=fp16, overlap=overlap, cp=cp,
+    return Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap, cp=cp,
                     padded=args.documents == "pad")
 
 

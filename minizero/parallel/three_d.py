@@ -35,7 +35,6 @@ import contextlib
 import numpy as np
 
 from minizero import backend
-from minizero.comm.collectives import all_reduce
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.nn.init import attach_inits, is_meta, materialize_
@@ -110,28 +109,13 @@ def counts_in_norm(p, topo: Topology) -> bool:
     return topo.tp_rank == 0 or not is_tensor_parallel_duplicate(p)
 
 
-def grad_norm_sq(stage: PipelineStage, topo: Topology, opt=None) -> float:
-    """Squared global gradient norm of the whole model (float64), the same on every rank.
+def grad_norm_sq(topo: Topology, sync) -> float:
+    """Collective: squared global gradient norm of the whole model (float64), the same on every rank.
 
-    Without ZeRO: this rank's counted gradients, summed over the model-parallel group (one
-    all-reduce of one float64). With a ZeroOptimizer ``opt``: the owned gradient pieces,
-    summed over the whole world (data x model-parallel), since each data rank owns a slice.
+    Asks the gradient synchroniser ``sync`` (DataParallel: over the model-parallel group; ZeRO:
+    over the world, each data rank owning a slice), counting each element once (:func:`counts_in_norm`).
     """
-    local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step, not one a parameter
-    if opt is None:
-        for p in stage.parameters():
-            if p.grad is not None and counts_in_norm(p, topo):
-                local += (p.grad.astype(np.float64) ** 2).sum()
-        comm = topo.mp_comm
-    else:  # ZeRO: the pieces of parameters inside this rank's gradient shards (padding excluded)
-        named, shards = dict(stage.named_parameters()), opt.grad_shards()
-        for pc in opt.shard_map.pieces(topo.dp_rank):
-            if counts_in_norm(named[pc.param], topo):
-                g = shards[pc.unit][pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
-                local += (g * g).sum()
-        comm = topo.world
-    with comm.traffic.op("grad_norm"):
-        return float(backend.to_host(all_reduce(comm, local))[0])
+    return sync.grad_norm_sq(lambda p: counts_in_norm(p, topo), topo.mp_comm, topo.world)
 
 
 def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):

@@ -5,7 +5,7 @@ identity Functions placed at the unit's boundary while tracing: one on the unit'
 backward runs when the output's gradient is complete (the unit's backward begins), one on its
 input, whose backward runs when the input's gradient is computed (it ends). Identities pass the
 gradient array through untouched, so tracing never changes a result. The units are ZeRO's
-(:func:`~minizero.memory.zero_shards.find_units`: each transformer block, and each other module
+(:func:`~minizero.zero.shards.find_units`: each transformer block, and each other module
 that owns parameters).
 
 :func:`write_trace` gathers every rank's events on rank 0 with point-to-point messages (a length,
@@ -22,7 +22,7 @@ import numpy as np
 from minizero import trace
 from minizero.autograd import Function, Tensor
 from minizero.files import atomic_write
-from minizero.memory.zero_shards import find_units
+from minizero.zero.shards import find_units
 
 TRACE_TAG = 1200  #: tag of the messages that gather the ranks' events
 

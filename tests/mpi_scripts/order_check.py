@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from minizero.memory.zero import ZeroOptimizer, ZeroOrderError  # noqa: E402
+from minizero.zero import ZeroOrderError, zero_optimizer  # noqa: E402
 from minizero.nn.module import Linear, Module, ModuleList  # noqa: E402
 from minizero.parallel.data_parallel import DataParallel  # noqa: E402
 
@@ -67,7 +67,7 @@ def run(comm, case, stage):
         forward_backward(model, comm, case)
         dp.allreduce_gradients()
         return {n: p.grad.copy() if p.grad is not None else np.zeros(p.shape) for n, p in model.named_parameters()}
-    opt = ZeroOptimizer(model, comm, stage)
+    opt = zero_optimizer(model, comm, stage)
     try:
         forward_backward(model, comm, case)
         opt.reduce_gradients()

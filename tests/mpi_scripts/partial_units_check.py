@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minizero.autograd import Tensor  # noqa: E402
-from minizero.memory.zero import ShardMap, ZeroOptimizer  # noqa: E402
+from minizero.zero import ShardMap, zero_optimizer  # noqa: E402
 from minizero.nn import Linear, Module, ModuleList  # noqa: E402
 from minizero.optim import AdamW  # noqa: E402
 
@@ -94,7 +94,7 @@ def run(comm, stage, pattern, order, overlap):
     """One step at ZeRO ``stage``: (owned gradient shards concatenated, {name: parameter after one AdamW step})."""
     pattern = PATTERNS[pattern]
     model = Blocks(len(pattern[0]))
-    opt = ZeroOptimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap)
+    opt = zero_optimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap)
     _accumulate(model, _inputs(comm.rank, len(pattern)), pattern, order, 1.0 / len(pattern))
     opt.reduce_gradients()
     shards = np.concatenate([np.asarray(g).ravel() for g in opt.grad_shards()])

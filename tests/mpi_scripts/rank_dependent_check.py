@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from minizero.autograd import Tensor  # noqa: E402
-from minizero.memory.zero import ZeroOptimizer, ZeroOrderError  # noqa: E402
+from minizero.zero import ZeroOrderError, zero_optimizer  # noqa: E402
 from minizero.nn import GPT, Module, get_config  # noqa: E402
 from minizero.optim import AdamW  # noqa: E402
 from minizero.parallel.data_parallel import DataParallel  # noqa: E402
@@ -87,7 +87,7 @@ def train(comm, kind, stage, overlap):
         reducer = OverlappedReducer(dp) if overlap else None
         reduce = reducer.finish if overlap else dp.allreduce_gradients
     else:
-        opt = ZeroOptimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap,
+        opt = zero_optimizer(model, comm, stage, lr=LR, weight_decay=DECAY, overlap_reduce=overlap,
                             prefetch=overlap)  # overlap: the CLI's default (stage 3 prefetches too)
         reduce = opt.reduce_gradients
     try:

@@ -215,7 +215,7 @@ class Strategy:
         overlap: ZeRO 2-3 as minizero's CLI runs them by default (``--no-overlap``: False),
             counted by the "minizero" accounting when dp > 1: each unit's reduce-scatter
             runs during backward with two gradient buckets alive (double buffering,
-            ``memory/zero_prefetch.py``), and ZeRO-3 gathers the next unit while one runs.
+            ``zero/overlap.py``), and ZeRO-3 gathers the next unit while one runs.
             Data parallelism's overlapped all-reduce keeps its ring's receive chunk out
             of the ledger; for ZeRO 0-1 the flag changes nothing here.
     """

@@ -1,17 +1,17 @@
 """ZeRO's buffers when communication overlaps computation (``Strategy.overlap``, minizero's CLI default).
 
-Part of :mod:`minizero.memory.estimator`. ``ZeroOptimizer`` (``memory/zero.py``) keeps one flat
+Part of :mod:`minizero.memory.estimator`. ``ZeroOptimizer`` (``zero/``) keeps one flat
 *unit* per transformer layer and one per other parameter-owning module, each padded to a
 multiple of N = dp. Blocking (``--no-overlap``), one unit's gradient bucket and (ZeRO-3) one
 gathered unit are alive at a time, plus the tied token embedding, which is used at both ends of
-the model and stays open in between. Overlapped (``memory/zero_prefetch.py``):
+the model and stays open in between. Overlapped (``zero/overlap.py``):
 
-* gradient buckets: double buffering, :data:`~minizero.memory.zero_prefetch.REDUCE_BUCKETS` = 2
+* gradient buckets: double buffering, :data:`~minizero.zero.overlap.REDUCE_BUCKETS` = 2
   alive at once (the one backward fills and the one being reduce-scattered; a bucket is freed
   when the next is submitted, never earlier, so the peak does not depend on timing) -- the
   largest sum of 2 units adjacent in backward order, plus the tied embedding;
 * ZeRO-3 gathered parameters: the running unit and the prefetched next one
-  (:data:`~minizero.memory.zero_prefetch.GATHERED_UNITS`), plus the tied embedding -- again
+  (:data:`~minizero.zero.overlap.GATHERED_UNITS`), plus the tied embedding -- again
   the largest sum of 2 adjacent units;
 * the ring's receive chunk (``comm_scratch``): ceil(padded/N) elements of each reduce-scatter
   in flight (one at a time), instead of the blocking ring's working copy + chunk.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from minizero.memory.estimator.model import ModelShape, Strategy
-from minizero.memory.zero_prefetch import GATHERED_UNITS, REDUCE_BUCKETS
+from minizero.zero.overlap import GATHERED_UNITS, REDUCE_BUCKETS
 
 
 def _padded(n: int, dp: int) -> int:

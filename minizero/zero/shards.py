@@ -1,26 +1,17 @@
 """ZeRO's bookkeeping: parameters grouped into flat units, and which rank owns which elements.
 
-A *unit* is a group of parameters laid end to end in one flat buffer, padded with zeros
-to a multiple of the data-parallel size N (PyTorch FSDP's ``FlatParameter``; DeepSpeed
-flattens per parameter group the same way). Rank r owns the contiguous slice
-``[r*S, (r+1)*S)`` of every unit, S = padded / N: the slice ``reduce_scatter`` leaves on
-rank r and ``all_gather`` reads from it (``shard_range`` in comm/collectives.py), so one
-collective call per unit moves exactly the owned pieces. :class:`ShardMap` answers, for
-any rank, which parameters and which of their elements it owns (llm.c's ``offset, size``,
-per unit), prints it (``--show-shards``) and draws it (tiny model, N = 4, one block)::
+A *unit* is parameters laid end to end in one flat buffer, zero-padded to a multiple of N
+(PyTorch FSDP's ``FlatParameter``). Rank r owns ``[r*S, (r+1)*S)`` of every unit, S = padded / N:
+the slice ``reduce_scatter`` leaves on rank r and ``all_gather`` reads from it (``shard_range``,
+comm/collectives.py). :class:`ShardMap` gives llm.c's ``offset, size`` per unit, prints it
+(``--show-shards``) and draws it::
 
     transformer.h.0: 3,280 elements (+0 padding), 820 per rank
       params  acccccccccccccccdeeeeegiiiiiiiiiiiiiiiiiiiijkkkkkkkkkkkkkkkkkkkk
       ranks   0000000000000000111111111111111122222222222222223333333333333333
-      a = ln_1.weight (16,), b = ln_1.bias (16,), c = attn.c_attn.weight (48, 16), ...
 
-(one column per 3,280 / 64 elements, so 16-element vectors can fall between columns).
-
-The formulas are the ZeRO paper's (Rajbhandari et al., SC 2020, arXiv:1910.02054), with
-minizero's defaults: model-state bytes per rank are the formula of Figure 1 / section 5
-instantiated for FP32 + Adam (4 + 4 + 8 bytes per parameter; the figure's own row is mixed
-precision, 2 + 2 + 12); the traffic per step is section 7's (7.1: 2Ψ for stages 0-1, 7.2.1:
-2Ψ for stage 2, 7.2.2: 3Ψ for stage 3), extended to M micro-batches per step.
+Formulas: Rajbhandari et al., SC 2020 (arXiv:1910.02054), Figure 1 / section 5 (bytes per
+rank) and section 7 (traffic per step), with M micro-batches per step.
 """
 from __future__ import annotations
 
@@ -33,13 +24,6 @@ from minizero import backend
 from minizero.comm.collectives import shard_range
 from minizero.nn.module import ModuleList
 from minizero.nn.init import is_meta
-
-
-#: Traffic phases that belong to a training step (per-step volume); others are set-up,
-#: evaluation / generation (``gather_no_grad``) and the one-scalar ``grad_norm`` all-reduce.
-#: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
-STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
-PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup", "used_parameters")
 
 
 # --------------------------------------------------------------------------- the shard map

@@ -1,0 +1,117 @@
+"""ZeRO's collectives on one unit, each after a header check that every rank is at the same (unit, phase).
+
+A rank that reached its collectives in another order would pair unit 0 with unit 1 and, at
+equal sizes, sum them silently. Before each collective every rank all-gathers a header
+``(unit index, phase, prefetched)`` (3 int64, (N-1) x 24 bytes per rank, traffic label
+``zero_header``, in no phase's byte count); on a mismatch every rank raises the same
+:class:`ZeroOrderError` (PyTorch FSDP's debug mode checks collective fingerprints the same way).
+Means over ranks: float16 divides by N before the sum, wider dtypes after
+(:func:`minizero.comm.collectives.mean_scale_`); ``predivided``: the addends carry 1/N already.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from minizero import backend
+from minizero.comm.collectives import all_gather, mean_scale_, reduce_scatter
+from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
+
+#: Traffic phases of a training step (per-step volume); the others are set-up, evaluation
+#: (``gather_no_grad``), saving (``gather_full``) and the one-scalar ``grad_norm`` all-reduce.
+#: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
+STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
+PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup", "used_parameters")
+
+
+class ZeroOrderError(RuntimeError):
+    """Ranks of a ZeRO group reached different collectives (other unit or phase) at the same point."""
+
+
+class UnitState:
+    """Arrays and flags of one unit on one rank (who holds what: :class:`minizero.zero.base.ZeroOptimizer`).
+
+    ``complete``: every gradient of this backward has arrived; ``reduced``: its bucket was
+    reduce-scattered in this micro-batch (stages 2-3).
+    """
+
+    def __init__(self, index, unit, params, users):
+        self.index, self.unit, self.params, self.users = index, unit, params, users
+        self.flat_param = self.param_shard = self.full = None
+        self.placeholders = self.pieces = self.master = None
+        self.flat_grad = self.grad_shard = self.m = self.v = None
+        self.uses_left = 0  # forward uses still to come before a stage-3 unit is freed
+        self.ready = set()  # ids of parameters whose gradient is complete in this backward
+        self.in_backward = False
+        self.complete = self.reduced = False
+
+
+class UnitCollectives:
+    """The unit collectives of one ZeRO optimizer over ``comm``; bytes added to ``bytes_sent[phase]``.
+
+    Args: comm; units (list of :class:`UnitState`, for error messages); bytes_sent (phase -> int,
+    shared with the optimizer); native (MPI's collectives); quantized_comm (INT8 on the wire,
+    ZeRO++); predivided (gradients carry 1/N already: reduce by a plain sum).
+    """
+
+    def __init__(self, comm, units, bytes_sent, native=False, quantized_comm=False, predivided=False):
+        self.comm, self.units, self.bytes_sent = comm, units, bytes_sent
+        self.native, self.quantized_comm, self.predivided = native, quantized_comm, predivided
+
+    @contextlib.contextmanager
+    def count(self, phase):
+        """Add the bytes sent inside the block to ``bytes_sent[phase]``."""
+        before = self.comm.traffic.bytes_sent
+        try:
+            yield
+        finally:
+            self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
+
+    def agree(self, st, phase: str, prefetched: bool = False) -> None:
+        """Collective: every rank is about to run ``phase`` on unit ``st`` (None: no unit), blocking or
+        ``prefetched`` (the prefetch ring has its own tag, so a mix would hang, not error).
+
+        Raises:
+            ZeroOrderError: on every rank, naming each rank's unit and phase.
+        """
+        n = self.comm.world_size
+        if n == 1:
+            return
+        mine = backend.xp.asarray([-1 if st is None else st.index, PHASES.index(phase), int(prefetched)],
+                                  dtype=np.int64)
+        with self.comm.traffic.op("zero_header"):
+            every = backend.to_host(all_gather(self.comm, mine)).reshape(n, 3)
+        if (every != every[0]).any():
+            said = "; ".join(f"rank {r}: {PHASES[p]}{' (prefetch)' if f else ''}"
+                             + (f" of {self.units[u].unit.name!r}" if u >= 0 else "")
+                             for r, (u, p, f) in enumerate(every.tolist()))
+            raise ZeroOrderError(
+                f"ZeRO: ranks disagree on the next collective ({said}). Every rank must run the same units "
+                "in the same order (stage 3 gathers each unit as its forward begins); stages 1-2 accept "
+                "any order and units skipped on some ranks")
+
+    def all_gather(self, st, shard, phase: str):
+        """(S,) shards -> the unit's (padded,) buffer, counted as ``phase``. INT8 with ``quantized_comm``
+        only for stage 3's forward/backward gathers (a gathered copy that *is* the parameter stays exact)."""
+        self.agree(st, phase)
+        with self.count(phase):
+            if self.quantized_comm and phase in ("gather_forward", "gather_backward"):
+                return quantized_all_gather(self.comm, shard, st.unit.padded)
+            return all_gather(self.comm, shard, st.unit.padded, native=self.native)
+
+    def reduce_scatter(self, st, flat):
+        """Mean over ranks of a unit's (padded,) gradient buffer ``flat``: this rank's (S,) chunk.
+
+        Ring, or INT8 all-to-all with ``quantized_comm``; counted as ``reduce_scatter_grads``.
+        ``flat`` is divided in place when its dtype divides before the sum.
+        """
+        self.agree(st, "reduce_scatter_grads")
+        n = self.comm.world_size
+        with self.count("reduce_scatter_grads"):
+            mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
+            if self.quantized_comm:
+                mine = quantized_reduce_scatter(self.comm, flat)
+            else:
+                mine = reduce_scatter(self.comm, flat, native=self.native)
+        return mean_scale_(mine, n, before_sum=False, predivided=self.predivided)

@@ -1,0 +1,125 @@
+"""ZeRO's overlap helpers: the overlapped gradient reduce-scatter (stages 2-3) and the parameter prefetch (stage 3).
+
+:class:`OverlappedReduceScatter`: a unit's due bucket (its fixed turn, stage2.py) is submitted
+to a stream (tag ``REDUCE_TAG``) instead of run to the end; hooks progress it; when it finishes
+its mean chunk is added into the owned gradient shard. Same ring, same additions, same order:
+bitwise the blocking result. **Double buffering**: at most :data:`REDUCE_BUCKETS` buckets alive
+besides the tied embedding's; before one is submitted the oldest is retired (waited for, then
+freed, never earlier), so the ``comm_buffers`` peak is a formula (``estimator/zero_overlap.py``).
+The ring's receive chunk (ceil(padded/N) elements) is ``comm_scratch`` for the same lifetime.
+
+:class:`Prefetcher`: starts a unit's all-gather (tag ``PREFETCH_TAG``) ahead of use; the buffer is
+``gathered`` from the start, so at most :data:`GATHERED_UNITS` units are gathered (plus the tied
+embedding). Bytes and labels are the blocking gather's.
+
+Both need the hand-written ring (not ``native``, not ``quantized_comm``) on a communicator with
+``isend``/``irecv``, N > 1 (:func:`can_overlap`). Mirrors DeepSpeed's ``overlap_comm`` (two IPG
+buffers, ``stage_1_and_2.py``), PyTorch FSDP's ``forward_prefetch`` / ``backward_prefetch``.
+"""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
+from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
+from minizero.ledger import get_ledger
+
+PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the blocking rings' and the DP overlap's)
+REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
+#: gradient buckets alive at once under the overlapped reduce-scatter, the tied embedding's aside (the
+#: estimator, ``memory/estimator/zero_overlap.py``, imports it: one constant for both)
+REDUCE_BUCKETS = 2
+#: units gathered at once under stage 3's prefetch, the tied embedding aside; the estimator imports it
+GATHERED_UNITS = 2
+
+
+def can_overlap(collectives) -> bool:
+    """Whether the non-blocking rings can run: N > 1, the hand-written ring, a non-blocking communicator."""
+    c = collectives.comm
+    return bool(c.world_size > 1 and not collectives.native and not collectives.quantized_comm and c.nonblocking)
+
+
+class OverlappedReduceScatter:
+    """Reduce-scatters of gradient buckets in flight, oldest first, over ``collectives.comm``."""
+
+    def __init__(self, collectives):
+        self.collectives = collectives
+        self.stream = Stream(collectives.comm)
+        self.in_flight = []  # (RingCollective, bucket) submitted and not yet retired, oldest first
+
+    def progress(self) -> None:
+        self.stream.progress()
+
+    def start(self, st, flat) -> None:
+        """Submit the reduce-scatter of unit ``st``'s (padded,) bucket ``flat`` (consumed); when done, the
+        mean chunk is added into ``st.grad_shard``. First retires buckets down to ``REDUCE_BUCKETS - 1``."""
+        while len(self.in_flight) >= REDUCE_BUCKETS - 1:
+            self.retire_oldest()
+        c = self.collectives
+        c.agree(st, "reduce_scatter_grads")
+        n, rank = c.comm.world_size, c.comm.rank
+        mean_scale_(flat, n, before_sum=True, predivided=c.predivided)
+        c.bytes_sent["reduce_scatter_grads"] += bytes_sent("reduce_scatter", flat.size, flat.itemsize, n, rank)
+        off, size = shard_range(flat.size, n, rank)
+
+        def done():
+            mine = flat[off:off + size].copy()
+            st.grad_shard += mean_scale_(mine, n, before_sum=False, predivided=c.predivided)
+        coll = RingCollective(c.comm, flat, "reduce_scatter", REDUCE_TAG, name=f"reduce_scatter {st.unit.name}",
+                              unit=st.index)
+        get_ledger().track(coll.tmp, "comm_scratch")  # the receive chunk, alive until retired
+        self.in_flight.append((coll, flat))
+        self.stream.submit(coll, done)
+
+    def retire_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter (its chunk is then added), then drop its bucket."""
+        coll, _ = self.in_flight[0]
+        comm = self.collectives.comm
+        if not coll.done:
+            with comm.traffic.span("wait reduce_scatter"):
+                _wait_until(comm, lambda: self.stream.progress() or coll.done, coll.name, coll.waiting_on)
+        self.in_flight.pop(0)  # the last reference: the bucket and the receive chunk are freed here
+
+    def wait_all(self) -> None:
+        while self.in_flight:
+            self.retire_oldest()
+
+
+class Prefetcher:
+    """All-gathers of units started ahead of use, one stream, over ``collectives.comm``."""
+
+    def __init__(self, collectives):
+        self.collectives = collectives
+        self.stream = Stream(collectives.comm)
+        self.pending = {}  # unit index -> (RingCollective, its buffer, phase)
+
+    def progress(self) -> None:
+        if self.pending:
+            self.stream.progress()
+
+    def start(self, st, phase: str) -> None:
+        """Start unit ``st``'s all-gather (non-blocking) unless one is pending; the buffer is ``gathered`` now."""
+        if st.index in self.pending:
+            return
+        c = self.collectives
+        c.agree(st, phase, prefetched=True)
+        n, padded = c.comm.world_size, st.unit.padded
+        full = backend.xp.empty(padded, dtype=st.param_shard.dtype)
+        off, size = shard_range(padded, n, c.comm.rank)
+        full[off:off + size] = st.param_shard
+        get_ledger().track(full, "gathered")
+        c.bytes_sent[phase] += bytes_sent("all_gather", padded, full.itemsize, n, c.comm.rank)
+        coll = RingCollective(c.comm, full, "all_gather", PREFETCH_TAG, name=f"all_gather {st.unit.name}",
+                              unit=st.index, phase=phase)
+        self.pending[st.index] = (coll, full, phase)
+        self.stream.submit(coll)
+
+    def take(self, st):
+        """The (padded,) gathered buffer of ``st`` once its prefetch finished (waits), or None if none was started."""
+        pend = self.pending.pop(st.index, None)
+        if pend is None:
+            return None
+        coll, full, _ = pend
+        _wait_until(self.collectives.comm, lambda: self.stream.progress() or coll.done,
+                    f"prefetch of {st.unit.name!r}",
+                    lambda: self.stream.queue[0][0].waiting_on() if self.stream.queue else None)
+        return full

@@ -1,0 +1,75 @@
+"""ZeRO stage 1 (P_os): optimizer state sharded; parameters and gradients full, in flat buffers per unit.
+
+::
+
+    backward             fills full gradients: p.grad are views of a flat (padded,) buffer per unit
+    reduce_gradients()   reduce-scatter each unit's buffer once per step -> the owned (S,) mean
+    step()               AdamW on the owned shard (base.py), then all-gather every unit's parameters
+
+Traffic per step: 2(N-1)/N of the parameter bytes (Rajbhandari et al., SC 2020, section 7.1;
+DeepSpeed ``stage_1_and_2.py``).
+"""
+from __future__ import annotations
+
+from minizero import backend
+from minizero.ledger import get_ledger
+from minizero.optim.base import whole_views
+from minizero.zero.base import ZeroOptimizer
+
+
+class ZeroStage1(ZeroOptimizer):
+    """Stage 1 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`). Every rank takes the owner's
+    values at set-up: one all-gather per unit, like DDP's broadcast.
+
+    Raises (``reduce_gradients``):
+        RuntimeError: a ``.grad`` is no longer a view of its unit's buffer (``model.zero_grad()`` was called).
+    """
+
+    stage = 1
+
+    def __init__(self, model, comm, **kwargs):
+        super().__init__(model, comm, **kwargs)
+        self._publish_params("setup")
+
+    def _build_params(self, st, lo, size, dtype):
+        st.flat_param = backend.xp.zeros(st.unit.padded, dtype)
+        for p, off in zip(st.params, st.unit.offsets):
+            st.flat_param[off:off + p.size] = p.data.reshape(-1)
+        st.param_shard = st.flat_param[lo:lo + size]
+
+    def _home_params(self, st):
+        get_ledger().track(st.flat_param, "parameters")
+        self._point_params(st, st.flat_param)
+
+    def _build_grads(self, st, lo, size):
+        st.flat_grad = backend.xp.zeros(st.unit.padded, st.flat_param.dtype)
+        get_ledger().track(st.flat_grad, "gradients")
+        st.grad_shard = st.flat_grad[lo:lo + size]
+        self._point_grads(st)
+
+    def _reduce_owned(self) -> None:
+        for st in self.units:
+            for p in st.params:
+                if p.grad is None or p.grad.base is not st.flat_grad:
+                    raise RuntimeError(f"ZeRO-1: unit {st.unit.name!r}: a .grad was replaced (model.zero_grad()?); "
+                                       "use ZeroOptimizer.zero_grad(), which keeps the flat gradient buffer")
+            st.grad_shard[...] = self.collectives.reduce_scatter(st, st.flat_grad)
+
+    def _publish_params(self, phase: str) -> None:
+        """Every unit's owned shard to every rank: one all-gather per unit into its flat buffer."""
+        for st in self.units:
+            st.flat_param[...] = self.collectives.all_gather(st, st.param_shard, phase)
+
+    def _zero_grads(self) -> None:
+        for st in self.units:
+            st.flat_grad[...] = 0
+            self._point_grads(st)
+
+    def views(self, which: str):
+        """As the base's, but parameters whole (every rank holds them): ``(p, 0, p.size, p.data)``."""
+        if which == "param":
+            return whole_views([p for st in self.units for p in st.params], which)
+        return super().views(which)
+
+    def _whole_params_on_load(self) -> list:
+        return [p for st in self.units for p in st.params]
