@@ -223,7 +223,7 @@ class PipelineEngine:
             self.log(f"[stage {self.stage.stage}] {text}")
 
     def _post(self, array, dest: int, label: str, what: str, tag: int) -> None:
-        if dest == self.stage.stage:  # to this rank's other chunk: no message
+        if dest == self.comm.rank:  # to this rank's other chunk: no message
             self._say(f"{what} {array.shape} ──> own next chunk (no message)")
             self._local.setdefault(tag, []).append(array)
             return
@@ -250,7 +250,7 @@ class PipelineEngine:
                 self.comm.send(array, dest, tag=tag)
 
     def _recv(self, shape, source: int, what: str, tag: int):
-        if source == self.stage.stage:
+        if source == self.comm.rank:
             return self._local[tag].pop(0)
         buf = backend.xp.empty(shape, dtype=backend.get_dtype(self.stage.config.dtype))
         if self.nonblocking:
