@@ -23,12 +23,11 @@ from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
-from minizero.layout_checks import check_context_parallel, check_sequence_parallel, check_zero_bubble
+from minizero.layout_checks import (check_context_parallel, check_interleaved, check_sequence_parallel,
+                                    check_zero_bubble, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
-from minizero.parallel.interleaved import check_interleaved
-from minizero.parallel.topology import resolve_sizes
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
                             build_parser)
@@ -260,7 +259,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         try:
             check_offload_dir(args.offload_dir)
         except OffloadError as e:
-            raise UsageError(e.strerror or str(e)) from None  # the message, without "[Errno N]"
+            # the message, without "[Errno N]", in the flag's words
+            raise UsageError((e.strerror or str(e)).replace("offload folder", "--offload-dir", 1)) from None
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     preset = PRESETS[args.model]

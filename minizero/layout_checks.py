@@ -1,9 +1,13 @@
 """Layouts the command line refuses, in the flags' words (called by :func:`minizero.args.resolve_parallel_args`).
 
+:func:`resolve_sizes` derives the --dp/--tp/--pp left out from the world size.
+
 Each check reads a :class:`~minizero.config.TrainConfig` whose dp/tp/pp are resolved and the preset's
 GPTConfig ``cfg``; it raises ValueError naming the flags (the techniques' own errors name no flag).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from minizero.flags import UsageError
 
@@ -62,3 +66,80 @@ def check_zero_bubble(args, cfg) -> None:
     for flag, (bad, reason) in why.items():
         if bad:
             raise UsageError(f"--schedule {args.schedule} with {flag} is not supported: {reason}")
+
+
+def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
+                  n_layer=None, vocab_size=None, ranks=None) -> tuple[int, int, int]:
+    """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
+
+    Args:
+        world_size: number of ranks.
+        dp, tp, pp: sizes or None. Exactly one None is derived as world / (product of the
+            others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
+            (if missing) is derived.
+        n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
+        ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
+    Raises:
+        ValueError naming the numbers: a size < 1; a product that is not the world size (or
+        a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
+        ``pp`` larger than ``n_layer``.
+    """
+    given = {"dp": dp, "tp": tp, "pp": pp}
+    for name, v in given.items():
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
+    missing = [k for k, v in given.items() if v is None]
+    if len(missing) >= 2:  # tp and pp default to 1; dp, if missing, is derived below
+        given.update({k: 1 for k in ("tp", "pp") if given[k] is None})
+        missing = [k for k, v in given.items() if v is None]
+    if len(missing) == 1:
+        k = missing[0]
+        others = [(n, v) for n, v in given.items() if n != k]
+        prod = others[0][1] * others[1][1]
+        if world_size % prod:
+            raise ValueError(
+                f"cannot derive --{k}: {ranks or f'world size {world_size}'} is not divisible by "
+                f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}")
+        given[k] = world_size // prod
+    dp, tp, pp = given["dp"], given["tp"], given["pp"]
+    if dp * tp * pp != world_size:
+        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but "
+                         + (f"{ranks}; the product must equal that" if ranks else
+                            f"the world has {world_size} rank(s); the product must equal the world size"))
+    if n_head is not None and n_head % tp:
+        raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
+                         "(tensor parallelism splits attention by heads)")
+    if n_embd is not None and n_embd % tp:
+        raise ValueError(f"--tp {tp} does not divide the hidden size n_embd={n_embd}")
+    if vocab_size is not None and vocab_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the vocabulary size vocab_size={vocab_size} "
+                         "(the embedding and the LM head are split by tokens)")
+    if n_layer is not None and pp > n_layer:
+        raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
+                         "(every pipeline stage needs at least one layer)")
+    return int(dp), int(tp), int(pp)
+
+
+def check_interleaved(args, cfg) -> None:
+    """Refuse ``--schedule interleaved`` / ``--virtual-stages`` where they cannot run, at parse time.
+
+    Raises:
+        ValueError: --virtual-stages < 1, or > 1 without --schedule interleaved; interleaved with
+        --pp 1 or --virtual-stages < 2; pp x v not dividing the layers (Megatron-LM's rule); the
+        micro-batches per step (--micro-batches / --grad-accum) not a multiple of pp.
+    """
+    v = args.virtual_stages
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
+    if args.schedule != "interleaved":
+        if v > 1:
+            raise ValueError(f"--virtual-stages {v} needs --schedule interleaved")
+        return
+    if args.pp < 2 or v < 2:
+        raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2, got pp {args.pp}, v {v}")
+    if cfg.n_layer % (args.pp * v):
+        raise ValueError(f"--schedule interleaved: pp {args.pp} x {v} virtual stages must divide the {cfg.n_layer} layers")
+    m = args.grad_accum
+    if m is not None and m % args.pp:
+        raise ValueError(f"--schedule interleaved needs the micro-batches per step ({m}) to be a multiple of "
+                         f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")

@@ -193,7 +193,10 @@ def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
     is dozens of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
     if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
         verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
-        return f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
+        text = str(e.strerror if isinstance(e, OSError) and e.strerror else e)
+        if isinstance(e, CommTimeoutError):  # the technique says "the communicator's timeout": name the flag
+            text = text.replace("the communicator's timeout", "--comm-timeout")
+        return f"[rank {rank}] minizero.train {verb}: {text}\n"
     if mpi_exception and isinstance(e, mpi_exception):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return (f"[rank {rank}] minizero.train failed: the MPI library reported an error, most likely a peer rank "

@@ -19,7 +19,8 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from minizero.comm import all_gather, run_in_threads
-from minizero.parallel.topology import Topology, coordinates, mesh, resolve_sizes
+from minizero.layout_checks import resolve_sizes
+from minizero.parallel.topology import Topology, coordinates, mesh
 from minizero.train import UsageError, parse_args, train
 from tests import mp_reference as R
 from tests.conftest import REPO_ROOT, mpi_env

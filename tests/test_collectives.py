@@ -516,7 +516,7 @@ def test_nonblocking_wait_times_out_naming_the_neighbour():
             time.sleep(1.5)
 
     with pytest.raises(CommTimeoutError, match=r"^\[rank 0/2\] rank 0: all_reduce test \(tag 77\) waited 0\.5 s for "
-                                               r"rank 1 of a communicator of 2 \(--comm-timeout\); a rank is stalled"):
+                                               r"rank 1 of a communicator of 2 \(the communicator's timeout\); a rank is stalled"):
         run_in_threads(2, body, timeout=0.5)
 
 

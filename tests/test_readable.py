@@ -159,3 +159,34 @@ def test_every_flag_is_one_typed_config_field_with_the_tables_default():
     assert isinstance(args, TrainConfig) and (args.zero, args.dp, args.world_size) == (1, 2, 2)
     with pytest.raises(TypeError, match="'new_flag'.*no TrainConfig field"):  # a flag added without its field
         TrainConfig.from_namespace(argparse.Namespace(**vars(build_parser().parse_args([])), new_flag=True))
+
+
+TECHNIQUES = ("parallel", "memory", "comm", "nn", "autograd", "optim", "zero")  # the CLI maps flags, not these
+FLAG = __import__("re").compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+
+
+def flag_strings(tree) -> list:
+    """(line, text) of every string literal in ``tree`` naming a ``--flag``, docstrings left out."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)  # another program's flags ("python -m tool --x") are fine
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs and FLAG.search(n.value)
+            and "python -m " not in n.value]
+
+
+def test_no_technique_error_names_a_command_line_flag():
+    """Techniques raise in their own arguments' words (``tp=3``); the command line (args.py, layout_checks.py) names flags."""
+    found = [f"{path.relative_to(ROOT.parent)}:{line}: {text!r}"
+             for pkg in TECHNIQUES if (ROOT / pkg).is_dir() for path in sorted((ROOT / pkg).rglob("*.py"))
+             for line, text in flag_strings(ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ['raise ValueError("use --no-overlap")', 'x = f"--tp {tp} does not divide"'])
+def test_the_flag_check_catches_an_injected_string(line):
+    assert flag_strings(ast.parse(line))
+
+
+def test_the_flag_check_leaves_docstrings_and_negative_numbers():
+    assert not flag_strings(ast.parse('def f():\n    """``--pp`` stages."""\n    return "x --1 y", "a-b--c"'))

@@ -192,7 +192,7 @@ def test_vocab_parallel_embedding_head_and_loss_equal_the_whole(tp):
 
 
 def test_vocabulary_must_split_evenly():
-    from minizero.parallel.topology import resolve_sizes
+    from minizero.layout_checks import resolve_sizes
 
     with pytest.raises(ValueError, match="--tp 3 does not divide the vocabulary size vocab_size=256"):
         resolve_sizes(3, tp=3, vocab_size=256)

@@ -87,7 +87,7 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
     """
     whom = f"rank {peer}" if peer is not None else "the other ranks"
     return (f"rank {rank}: {what} waited {timeout:g} s for {whom} of a communicator of {world_size} "
-            "(--comm-timeout); a rank is stalled or gone")
+            "(the communicator's timeout); a rank is stalled or gone")
 
 
 # --------------------------------------------------------------------------- checks
@@ -202,10 +202,10 @@ class Communicator(abc.ABC):
         return type(self)._isend is not Communicator._isend
 
     def _isend(self, buf, dest, tag):
-        raise NotImplementedError(f"{type(self).__name__} has no non-blocking sends; use --no-overlap")
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking sends; use the blocking collectives")
 
     def _irecv(self, buf, source, tag):
-        raise NotImplementedError(f"{type(self).__name__} has no non-blocking receives; use --no-overlap")
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking receives; use the blocking collectives")
 
     # -- group management ------------------------------------------------------------
     @abc.abstractmethod

@@ -65,7 +65,7 @@ class HierarchicalAllReduce:
         sizes = {len(nodes.ranks_on(n)) for n in nodes.nodes}
         if len(sizes) != 1:
             raise ValueError(f"hierarchical all-reduce needs the same number of ranks on every node; the group "
-                             f"has {nodes.describe()} (use --allreduce ring)")
+                             f"has {nodes.describe()} (use the flat ring all-reduce)")
         self.comm, self.nodes = comm, nodes
         node, local_rank = nodes.node_of[comm.rank], nodes.local_rank(comm.rank)
         self.n_nodes, self.local_size = nodes.n_nodes, sizes.pop()

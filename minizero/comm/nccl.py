@@ -74,11 +74,11 @@ def import_nccl():
         from cupy.cuda import nccl  # noqa: PLC0415  (optional dependency)
         import cupy.cuda as cuda  # noqa: PLC0415
     except ImportError as e:
-        raise ImportError(f"--comm nccl needs CuPy with NCCL ({e}); install it with pip install -e \".[gpu]\" "
-                          "(CUDA 12) or \".[gpu-cuda13]\" (CUDA 13), or use --comm mpi") from e
+        raise ImportError(f"NCCL needs CuPy with NCCL ({e}); install it with pip install -e \".[gpu]\" "
+                          "(CUDA 12) or \".[gpu-cuda13]\" (CUDA 13), or use MPI") from e
     if not getattr(nccl, "available", True):
         raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False); "
-                          "python -m cupyx.tools.install_library --library nccl, or use --comm mpi")
+                          "python -m cupyx.tools.install_library --library nccl, or use MPI")
     return nccl, cuda
 
 
@@ -93,7 +93,7 @@ def use_local_device(local_rank: int, cuda=None) -> int:
     cuda = import_nccl()[1] if cuda is None else cuda
     count = cuda.runtime.getDeviceCount()
     if count < 1:
-        raise RuntimeError("no CUDA device is visible (CUDA_VISIBLE_DEVICES?); --comm nccl needs one GPU per rank")
+        raise RuntimeError("no CUDA device is visible (CUDA_VISIBLE_DEVICES?); NCCL needs one GPU per rank")
     device = local_rank % count
     cuda.Device(device).use()
     return device

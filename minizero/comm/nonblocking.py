@@ -53,7 +53,7 @@ class RingCollective:
         if getattr(buf, "ndim", None) != 1 or not buf.flags.c_contiguous:
             raise ValueError(f"buf must be a 1-D C-contiguous array, got {getattr(buf, 'shape', type(buf))}")
         if not comm.nonblocking:
-            raise NotImplementedError(f"{type(comm).__name__} has no isend/irecv; use --no-overlap")
+            raise NotImplementedError(f"{type(comm).__name__} has no isend/irecv; use the blocking collectives")
         self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
         self.label, self.name, self.trace_args = label or op, name or op, trace_args
         self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []

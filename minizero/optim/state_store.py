@@ -32,16 +32,16 @@ def check_offload_dir(path: str, need_bytes: int = 0) -> None:
         OffloadError: missing, not a directory, not writable, or too little space (numbers given).
     """
     if not os.path.isdir(path):
-        raise OffloadError(errno.ENOENT, f"--offload-dir {path!r} is not an existing directory")
+        raise OffloadError(errno.ENOENT, f"offload folder {path!r} is not an existing directory")
     try:
         with tempfile.TemporaryFile(dir=path) as f:
             f.write(b"minizero")
     except OSError as e:
         why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
-        raise OffloadError(e.errno, f"--offload-dir {path!r} is not writable: {why}") from None
+        raise OffloadError(e.errno, f"offload folder {path!r} is not writable: {why}") from None
     free = shutil.disk_usage(path).free
     if free < need_bytes:
-        raise OffloadError(errno.ENOSPC, f"--offload-dir {path!r} has {free:,} bytes free, "
+        raise OffloadError(errno.ENOSPC, f"offload folder {path!r} has {free:,} bytes free, "
                                          f"the run needs about {need_bytes:,}")
 
 
@@ -90,7 +90,7 @@ def reserve(f, nbytes: int, folder: str, what: str) -> None:
     except OSError as e:
         free = shutil.disk_usage(folder).free
         why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise OffloadError(e.errno or errno.EIO, f"{what} in --offload-dir {folder!r} needs {nbytes:,} bytes, "
+        raise OffloadError(e.errno or errno.EIO, f"{what} in offload folder {folder!r} needs {nbytes:,} bytes, "
                                                  f"{free:,} bytes are free: {why}") from None
 
 

@@ -122,28 +122,3 @@ def tie_ends(chunks: list) -> None:
     """
     if len(chunks) > 1 and chunks[0].is_first and chunks[-1].is_last:
         chunks[-1].lm_head.weight = chunks[0].transformer["wte"].weight
-
-
-def check_interleaved(args, cfg) -> None:
-    """Refuse ``--schedule interleaved`` / ``--virtual-stages`` where they cannot run, at parse time.
-
-    Raises:
-        ValueError: --virtual-stages < 1, or > 1 without --schedule interleaved; interleaved with
-        --pp 1 or --virtual-stages < 2; pp x v not dividing the layers (Megatron-LM's rule); the
-        micro-batches per step (--micro-batches / --grad-accum) not a multiple of pp.
-    """
-    v = args.virtual_stages
-    if v < 1:
-        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
-    if args.schedule != "interleaved":
-        if v > 1:
-            raise ValueError(f"--virtual-stages {v} needs --schedule interleaved")
-        return
-    if args.pp < 2 or v < 2:
-        raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2, got pp {args.pp}, v {v}")
-    if cfg.n_layer % (args.pp * v):
-        raise ValueError(f"--schedule interleaved: pp {args.pp} x {v} virtual stages must divide the {cfg.n_layer} layers")
-    m = args.grad_accum
-    if m is not None and m % args.pp:
-        raise ValueError(f"--schedule interleaved needs the micro-batches per step ({m}) to be a multiple of "
-                         f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")

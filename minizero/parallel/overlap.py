@@ -63,8 +63,8 @@ class OverlappedReducer:
 
     def __init__(self, dp, defer=()):
         if not can_overlap(dp):
-            raise ValueError("overlap needs dp > 1, the hand-written ring (no --native-comm, no hierarchical "
-                             "all-reduce) and a communicator with isend/irecv; use --no-overlap")
+            raise ValueError("overlap needs dp > 1, the hand-written ring (not the library's all-reduce, not the "
+                             "hierarchical one) and a communicator with isend/irecv; reduce after backward instead")
         self.dp, self.stream = dp, Stream(dp.comm)
         deferred = {id(p) for p in defer}
         self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]

@@ -202,7 +202,7 @@ class PipelineEngine:
         make_schedule(schedule, stage.num_stages, stage.num_stages, v)  # validates the name and v
         if v > 1 and not comm.nonblocking:  # every send an isend (a blocking one could deadlock with chunks)
             raise ValueError(f"the {schedule} schedule sends with isend/irecv, which {type(comm).__name__} "
-                             "does not have (NCCL: use --comm mpi, or --schedule 1f1b / gpipe)")
+                             "does not have (use MPI's communicator, or the 1f1b / gpipe schedule)")
         self.stage, self.comm, self.schedule = stage, comm, schedule
         self.verbose, self.log, self.pair_sends = verbose, log, pair_sends
         self.forward_context = forward_context or contextlib.nullcontext

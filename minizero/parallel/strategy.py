@@ -136,7 +136,7 @@ class Strategy:
         counts = [self.real_targets(y) for _, y in micro_batches]
         if not self.padded and any(c != y.size // self.cp for c, (_, y) in zip(counts, micro_batches)):
             raise ValueError(f"targets equal to ignore_index {IGNORE_INDEX} in a step of a strategy that counts every "
-                             "target: build it with padded=True (--pad) so the loss is normalised by the global count")
+                             "target: build it with padded=True so the loss is normalised by the global count")
         if self.reducer is not None:
             self.reducer.begin_step(len(micro_batches))
         shares = None

@@ -42,58 +42,6 @@ import numpy as np
 from minizero.comm.nodes import NodeLayout, layout_of
 
 
-def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
-                  n_layer=None, vocab_size=None, ranks=None) -> tuple[int, int, int]:
-    """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
-
-    Args:
-        world_size: number of ranks.
-        dp, tp, pp: sizes or None. Exactly one None is derived as world / (product of the
-            others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
-            (if missing) is derived.
-        n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
-        ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
-    Raises:
-        ValueError naming the numbers: a size < 1; a product that is not the world size (or
-        a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
-        ``pp`` larger than ``n_layer``.
-    """
-    given = {"dp": dp, "tp": tp, "pp": pp}
-    for name, v in given.items():
-        if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-            raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
-    missing = [k for k, v in given.items() if v is None]
-    if len(missing) >= 2:  # tp and pp default to 1; dp, if missing, is derived below
-        given.update({k: 1 for k in ("tp", "pp") if given[k] is None})
-        missing = [k for k, v in given.items() if v is None]
-    if len(missing) == 1:
-        k = missing[0]
-        others = [(n, v) for n, v in given.items() if n != k]
-        prod = others[0][1] * others[1][1]
-        if world_size % prod:
-            raise ValueError(
-                f"cannot derive --{k}: {ranks or f'world size {world_size}'} is not divisible by "
-                f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}")
-        given[k] = world_size // prod
-    dp, tp, pp = given["dp"], given["tp"], given["pp"]
-    if dp * tp * pp != world_size:
-        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but "
-                         + (f"{ranks}; the product must equal that" if ranks else
-                            f"the world has {world_size} rank(s); the product must equal the world size"))
-    if n_head is not None and n_head % tp:
-        raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
-                         "(tensor parallelism splits attention by heads)")
-    if n_embd is not None and n_embd % tp:
-        raise ValueError(f"--tp {tp} does not divide the hidden size n_embd={n_embd}")
-    if vocab_size is not None and vocab_size % tp:
-        raise ValueError(f"--tp {tp} does not divide the vocabulary size vocab_size={vocab_size} "
-                         "(the embedding and the LM head are split by tokens)")
-    if n_layer is not None and pp > n_layer:
-        raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
-                         "(every pipeline stage needs at least one layer)")
-    return int(dp), int(tp), int(pp)
-
-
 def mesh(dp: int, tp: int, pp: int) -> np.ndarray:
     """The rank grid, shape (pp, dp, tp): ``mesh(...)[pp_rank, dp_rank, tp_rank]`` is the world rank."""
     return np.arange(dp * tp * pp).reshape(pp, dp, tp)
@@ -111,7 +59,7 @@ class Topology:
 
     Args:
         comm: the world Communicator (``world_size == dp * tp * pp``).
-        dp, tp, pp: group sizes (see :func:`resolve_sizes` to derive them).
+        dp, tp, pp: group sizes (the command line derives missing ones: minizero.layout_checks.resolve_sizes).
     Attributes:
         dp, tp, pp: sizes. dp_rank, tp_rank, pp_rank: coordinates of this rank.
         world: ``comm``. tp_comm, dp_comm, pp_comm: this rank's groups (size tp, dp, pp).
@@ -177,7 +125,7 @@ class Topology:
         """One line per tensor group that spans nodes (its per-layer all-reduces would cross the network)."""
         return [f"warning: tensor group {g} spans nodes {sorted({self.nodes.node_of[r] for r in g})}: its "
                 f"all-reduces (4 per block and micro-batch) cross the network; give every node a multiple "
-                f"of --tp {self.tp} consecutive ranks" for g in self.all_groups("tp") if self.nodes.spans(g) > 1]
+                f"of tp = {self.tp} consecutive ranks" for g in self.all_groups("tp") if self.nodes.spans(g) > 1]
 
     def describe_nodes(self) -> str:
         """One line: the node layout and how many nodes each kind of group spans."""
