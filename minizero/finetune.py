@@ -87,7 +87,15 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object]:
     ``comm``: None (one process) or a Communicator: each rank takes its B/N rows of every batch
     and the trainable parameters' gradients are all-reduced (mean) before clipping and the step.
     """
-    set_ledger(MemoryLedger())  # this method's bytes only
+    outer = get_ledger()
+    set_ledger(MemoryLedger())  # this method's bytes only (the caller's ledger is back on return)
+    try:
+        return _finetune(args, method, tokens, comm)
+    finally:
+        set_ledger(outer)
+
+
+def _finetune(args, method, tokens, comm):
     model, _ = load_trained(args.weights)
     cfg = model.config
     train_tok, val_tok = train_val_split(tokens)
