@@ -68,6 +68,8 @@ class TrainConfig:
     min_loss_scale: float = _D["min_loss_scale"]
     recompute: str = _D["recompute"]
     recompute_every: int = _D["recompute_every"]
+    attention: str = _D["attention"]
+    attention_block: int = _D["attention_block"]
     offload_activations: str = _D["offload_activations"]
     offload_optimizer: str = _D["offload_optimizer"]
     offload_dir: str | None = _D["offload_dir"]

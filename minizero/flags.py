@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute: every K-th block (full) or its attention core (selective)")
     p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
+    p.add_argument("--attention", default="dense", choices=["dense", "flash"],
+                   help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
+                        "blockwise online softmax: keeps the output and the row log-sum-exp)")
+    p.add_argument("--attention-block", type=int, default=64, help="flash: rows per query and key/value block")
     p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
                    help="move saved activations to host memory or to files until backward")
     p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],

@@ -41,6 +41,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))
+    if args.attention == "flash":
+        lines.append(f"attention: flash, blocks of {args.attention_block} rows (online softmax; keeps the output and "
+                     "the row log-sum-exp, no (T, T) array)")
     if args.sequence_parallel:
         lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
                      "tensor rank (all-gather in, reduce-scatter out)")

@@ -43,6 +43,17 @@ def check_context_parallel(args, cfg) -> None:
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
+def check_attention(args) -> None:
+    """``--attention-block`` must be a positive integer; ``--attention flash`` does not combine with ``--cp``."""
+    if args.attention_block < 1:
+        raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
+                         f"got {args.attention_block}")
+    if args.attention == "flash" and args.cp > 1:
+        raise ValueError(f"--attention flash with --cp {args.cp} is not supported: ring attention already runs the "
+                         "flash recurrence across ranks, one (T/cp)-row block each (the same block kernel), and does "
+                         "not tile that block further; use --attention dense with --cp")
+
+
 def check_zero_bubble(args) -> None:
     """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
     if args.schedule == "zb-v":

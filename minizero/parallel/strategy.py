@@ -42,6 +42,7 @@ from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
+from minizero.nn.flash_attention import use_flash_attention
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
@@ -268,6 +269,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     else:
         model, stage = None, build_stage(cfg, args.seed, topo, args.sequence_parallel,
                                          args.virtual_stages, keep_meta=meta)
+    if args.attention == "flash":  # before context parallelism and recompute replace or wrap the cores
+        use_flash_attention(stage, args.attention_block)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     apply_recompute(stage, args.recompute, args.recompute_every)
