@@ -161,3 +161,18 @@ def test_command_line_refuses_bad_attention_flags(argv, match):
     from minizero.train import parse_args
     with pytest.raises((UsageError, ValueError), match=match):
         parse_args(["--model", "tiny"] + argv, 2)
+
+
+def test_planner_takes_the_attention_choice():
+    from minizero.models import MODELS
+    from minizero.memory.estimator import estimate_memory
+    from minizero.plan_report import describe
+    from minizero.plan_search import enumerate_strategies, parse_strategy
+    model = MODELS["llama3-8b"]
+    flash = parse_strategy("tp8 attention=flash", model, 8, seq_len=8192)
+    dense = parse_strategy("tp8", model, 8, seq_len=8192)
+    assert (flash.attention, dense.attention) == ("flash", "dense") and describe(flash).endswith("attention=flash")
+    assert estimate_memory(model, flash, 8192).activations < estimate_memory(model, dense, 8192).activations
+    assert {st.attention for st in enumerate_strategies(model, 8, seq_len=8192, attention="flash")} == {"flash"}
+    with pytest.raises(ValueError, match="cannot read 'attention=sparse'"):
+        parse_strategy("tp8 attention=sparse", model, 8, seq_len=8192)

@@ -35,9 +35,12 @@ ATTENTIONS = ("dense", "flash")  #: choices of ``--attention``
 
 
 # --------------------------------------------------------------------------- the block kernel (shared with ring attention)
+mm = backend.matmul  # BLAS-friendly (contiguous batched operands) on NumPy
+
+
 def block_scores(q, k, scale: float, mask=None):
     """S = q k^T scale, -inf where ``mask`` (bool, True = keep) is False. q (..., n, D), k (..., m, D) -> (..., n, m)."""
-    s = (q @ k.swapaxes(-1, -2)) * scale
+    s = mm(q, k.swapaxes(-1, -2)) * scale
     return s if mask is None else backend.xp.where(mask, s, -backend.xp.inf)
 
 
@@ -55,7 +58,7 @@ def online_softmax_step(m, l, o, s, v, keep=None, keep_scale: float = 1.0):
     l = l * alpha + p.sum(axis=-1)
     if keep is not None:
         p = p * keep * keep_scale
-    return m_new, l, o * alpha[..., None] + p @ v
+    return m_new, l, o * alpha[..., None] + mm(p, v)
 
 
 def attention_block_grads(q, k, v, g, lse, dsum, scale: float, mask=None, keep=None, keep_scale: float = 1.0):
@@ -65,17 +68,17 @@ def attention_block_grads(q, k, v, g, lse, dsum, scale: float, mask=None, keep=N
     mask: (n, m) bool (causal) or None; keep: (..., n, m) bool dropout mask or None.
     """
     xp = backend.xp
-    p = xp.exp((q @ k.swapaxes(-1, -2)) * scale - lse[..., None])
+    p = xp.exp(mm(q, k.swapaxes(-1, -2)) * scale - lse[..., None])
     if mask is not None:
         p = xp.where(mask, p, 0.0)
-    dp = g @ v.swapaxes(-1, -2)
+    dp = mm(g, v.swapaxes(-1, -2))
     if keep is not None:
-        dv = (p * keep * keep_scale).swapaxes(-1, -2) @ g
+        dv = mm((p * keep * keep_scale).swapaxes(-1, -2), g)
         dp = dp * keep * keep_scale
     else:
-        dv = p.swapaxes(-1, -2) @ g
+        dv = mm(p.swapaxes(-1, -2), g)
     ds = p * (dp - dsum[..., None])
-    return (ds @ k) * scale, (ds.swapaxes(-1, -2) @ q) * scale, dv
+    return mm(ds, k) * scale, mm(ds.swapaxes(-1, -2), q) * scale, dv
 
 
 # --------------------------------------------------------------------------- the autograd Function
