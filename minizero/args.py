@@ -23,7 +23,7 @@ from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
-from minizero.layout_checks import (check_attention, check_context_parallel, check_sequence_parallel,
+from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_sequence_parallel,
                                     check_zero_bubble)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
@@ -444,4 +444,5 @@ def resolve_parallel_args(args, world_size: int) -> int:
     check_zero_bubble(args)
     check_context_parallel(args, cfg)
     check_attention(args)
+    check_bf16(args)
     return args.dp

@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
-                        "dynamic loss scaling")
+                        "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
+                        "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale")
     p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
     p.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")

@@ -12,6 +12,8 @@ def precision_description(args) -> str:
     if args.precision == "fp16":
         return (f"fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale "
                 f"{args.initial_loss_scale:g}")
+    if args.precision == "bf16":
+        return "bf16 mixed precision: bfloat16 matmuls with float32 accumulation, float32 weights, no loss scale"
     return args.dtype
 
 

@@ -54,6 +54,19 @@ def check_attention(args) -> None:
                          "not tile that block further; use --attention dense with --cp")
 
 
+def check_bf16(args) -> None:
+    """``--precision bf16`` (memory/bf16.py) keeps float32 weights and converts plain Linear layers: it needs
+    --dtype float32 and --tp 1."""
+    if args.precision != "bf16":
+        return
+    if args.dtype != "float32":
+        raise ValueError(f"--precision bf16 keeps float32 weights and Adam state; --dtype must be float32, "
+                         f"got {args.dtype}")
+    if args.tp > 1:
+        raise ValueError(f"--precision bf16 with --tp {args.tp} is not supported: it rounds the products of plain "
+                         "Linear layers, and tensor-parallel layers are not converted; use --tp 1")
+
+
 def check_zero_bubble(args) -> None:
     """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
     if args.schedule == "zb-v":

@@ -39,6 +39,7 @@ from minizero.autograd.functional import IGNORE_INDEX
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
+from minizero.memory.bf16 import use_bf16
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
@@ -273,6 +274,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         use_flash_attention(stage, args.attention_block)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
+    if args.precision == "bf16":  # before recompute wraps the blocks
+        use_bf16(stage)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
