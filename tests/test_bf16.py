@@ -147,3 +147,12 @@ def test_bf16_strict_device_equals_cpu_bitwise():
     finally:
         backend.set_backend("numpy")
     assert cpu == strict
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,extra", [(2, ["--dp", "2", "--zero", "3"]), (1, ["--recompute", "full"]),
+                                     (1, ["--attention", "flash"])])
+def test_bf16_composes_with_zero_recompute_and_flash(n, extra):
+    base = ["--precision", "bf16"] + (["--dp", "2"] if n == 2 else [])
+    plain = run_in_threads(n, _losses, base, 3)[0]
+    np.testing.assert_allclose(run_in_threads(n, _losses, base + extra, 3)[0], plain, rtol=0, atol=1e-6)
