@@ -62,6 +62,7 @@ class TrainConfig:
     zero: int = _D["zero"]
     show_shards: bool = _D["show_shards"]
     precision: str = _D["precision"]
+    fp8_scaling: str = _D["fp8_scaling"]
     initial_loss_scale: float = _D["initial_loss_scale"]
     loss_scale_window: int = _D["loss_scale_window"]
     hysteresis: int = _D["hysteresis"]

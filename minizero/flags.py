@@ -110,10 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"],
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
                    help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
                         "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
-                        "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale")
+                        "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale; "
+                        "fp8: E4M3 inputs and weights, E5M2 gradients, per-tensor scales, FP32 accumulation")
+    p.add_argument("--fp8-scaling", default="delayed", choices=["delayed", "current"],
+                   help="fp8: scale from the largest amax of the last 16 casts (Transformer Engine's delayed "
+                        "scaling) or from the tensor's own amax")
     p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
     p.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")

@@ -14,6 +14,9 @@ def precision_description(args) -> str:
                 f"{args.initial_loss_scale:g}")
     if args.precision == "bf16":
         return "bf16 mixed precision: bfloat16 matmuls with float32 accumulation, float32 weights, no loss scale"
+    if args.precision == "fp8":
+        return (f"fp8 (emulated): E4M3 forward, E5M2 gradients, {args.fp8_scaling} per-tensor scaling, float32 "
+                "accumulation and weights")
     return args.dtype
 
 

@@ -55,16 +55,22 @@ def check_attention(args) -> None:
 
 
 def check_bf16(args) -> None:
-    """``--precision bf16`` (memory/bf16.py) keeps float32 weights and converts plain Linear layers: it needs
-    --dtype float32 and --tp 1."""
-    if args.precision != "bf16":
+    """``--precision bf16 / fp8`` (memory/bf16.py, fp8.py) keep float32 weights and convert plain Linear layers:
+    they need --dtype float32 and --tp 1; fp8's delayed scaling also refuses --recompute (a recomputed forward
+    would cast again and move the amax history)."""
+    p = args.precision
+    if p not in ("bf16", "fp8"):
         return
     if args.dtype != "float32":
-        raise ValueError(f"--precision bf16 keeps float32 weights and Adam state; --dtype must be float32, "
+        raise ValueError(f"--precision {p} keeps float32 weights and Adam state; --dtype must be float32, "
                          f"got {args.dtype}")
     if args.tp > 1:
-        raise ValueError(f"--precision bf16 with --tp {args.tp} is not supported: it rounds the products of plain "
+        raise ValueError(f"--precision {p} with --tp {args.tp} is not supported: it rounds the products of plain "
                          "Linear layers, and tensor-parallel layers are not converted; use --tp 1")
+    if p == "fp8" and args.fp8_scaling == "delayed" and args.recompute != "none":
+        raise ValueError(f"--precision fp8 --fp8-scaling delayed with --recompute {args.recompute} is not supported: "
+                         "the recomputed forward would cast again and advance the amax history; use "
+                         "--fp8-scaling current")
 
 
 def check_zero_bubble(args) -> None:

@@ -46,6 +46,8 @@ CASES = {
     "flash-tp2": (2, ["--attention", "flash", "--attention-block", "5", "--tp", "2"]),  # dropout masks read by block
     "bf16": (1, ["--precision", "bf16", "--dtype", "float32"]),
     "bf16-flash-zero3-dp2": (2, ["--precision", "bf16", "--dtype", "float32", "--attention", "flash", "--zero", "3"]),
+    "fp8-delayed-dp2": (2, ["--precision", "fp8", "--dtype", "float32"]),
+    "fp8-current": (1, ["--precision", "fp8", "--dtype", "float32", "--fp8-scaling", "current"]),
 }
 
 

@@ -40,6 +40,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.bf16 import use_bf16
+from minizero.memory.fp8 import use_fp8
 from minizero.memory.recompute import apply_recompute
 from minizero.memory.zero import ZeroOptimizer
 from minizero.nn import GPT
@@ -276,6 +277,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
     if args.precision == "bf16":  # before recompute wraps the blocks
         use_bf16(stage)
+    elif args.precision == "fp8":
+        use_fp8(stage, args.fp8_scaling)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
