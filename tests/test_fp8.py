@@ -61,6 +61,10 @@ def test_delayed_scaling_uses_the_largest_amax_of_the_history():
     for _ in range(AMAX_HISTORY):  # the 100 leaves the window after AMAX_HISTORY more casts of 1.0
         cast.cast(np.array([1.0], np.float32))
     assert float(cast.history.max()) == 1.0
+    assert (E4M3.rounds_to_max, E5M2.rounds_to_max) == (464.0, 61440.0)
+    current = ScaledCast(E4M3, "current")
+    current.cast(np.random.default_rng(0).standard_normal(10_000).astype(np.float32))
+    assert current.stats()["saturated"] == 0  # its own amax lands on max (to within float32 rounding)
     with pytest.raises(ValueError, match="'max'"):
         ScaledCast(E4M3, "max")
 

@@ -17,6 +17,7 @@ Values live in float32 arrays (the ledger counts 4 bytes; a GPU holds 1).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -36,6 +37,11 @@ class FP8Format:
     mantissa: int
     emin: int
     max: float
+
+    @property
+    def rounds_to_max(self) -> float:
+        """The largest magnitude that rounds to ``max`` without saturating: max + half its quantum."""
+        return self.max + 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa - 1)
 
 
 E4M3 = FP8Format("e4m3", 3, -6, 448.0)
@@ -64,7 +70,7 @@ class ScaledCast:
     """One tensor's FP8 cast with its per-tensor scale (``current`` or ``delayed`` by an amax history).
 
     ``cast(x)`` returns the dequantised float32 values q / s; ``stats()`` counts, over every cast so far,
-    the elements saturated (|x s| > max) and underflowed (nonzero x that became 0).
+    the elements saturated (|x s| beyond what rounds to max) and underflowed (nonzero x that became 0).
     """
 
     def __init__(self, fmt: FP8Format, scaling: str):
@@ -88,7 +94,7 @@ class ScaledCast:
         scaled = x * scale
         q = round_to_fp8(scaled.astype(xp.float32, copy=False), self.fmt)
         self.elements += int(x.size)
-        self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.max)).sum()
+        self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.rounds_to_max)).sum()
         self.underflowed = self.underflowed + ((q == 0) & (x != 0)).sum()
         return q / scale
 
