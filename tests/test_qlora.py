@@ -93,3 +93,43 @@ def test_qlora_finetunes_the_adapters_only_and_tracks_lora_on_the_unquantized_ba
     # a random tiny model's frozen c_proj and head damp what the adapters change: 5.347 -> 5.289 here
     assert lora[-1] < lora[0] - 0.03 and qlora[-1] < qlora[0] - 0.03  # the adapters learn
     assert abs(qlora[-1] - lora[-1]) < 0.01, (qlora[-1], lora[-1])  # the NF4 base costs little (1.4e-4 here)
+
+
+@pytest.fixture(scope="module")
+def trained_weights(tmp_path_factory):
+    from minizero.comm import run_in_threads
+    from minizero.train import parse_args, train
+    out = tmp_path_factory.mktemp("weights")
+    res = run_in_threads(1, lambda comm: train(parse_args(["--model", "tiny", "--steps", "30", "--no-progress",
+                                                           "--eval-every", "0"], 1), comm, log=lambda s: None))[0]
+    np.savez(out / "model.npz", **res.model.state_dict())
+    return str(out / "model.npz")
+
+
+def test_finetune_command_line_writes_merged_weights(trained_weights, tmp_path, capsys):
+    from minizero.finetune import main
+    from minizero.weights import load_gpt
+    assert main(["--weights", trained_weights, "--method", "qlora", "--steps", "5", "--lr", "3e-3",
+                 "--out", str(tmp_path)]) == 0
+    assert "adapters merged" in capsys.readouterr().out
+    merged = load_gpt(str(tmp_path / "model.npz"))
+    base = load_gpt(trained_weights)
+    names = [n for n, _ in merged.named_parameters()]
+    changed = [n for n, p in merged.named_parameters() if not np.array_equal(p.data, dict(base.named_parameters())[n].data)]
+    assert changed and all(n.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight")) for n in changed), changed
+    assert len(names) == len(list(base.named_parameters()))
+
+
+def test_finetune_table_and_bad_flags(trained_weights, capsys):
+    from minizero.finetune import main
+    main(["--weights", trained_weights, "--table", "--steps", "3", "--lora-rank", "2"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith(("| full", "| lora", "| qlora"))]
+    full, lora, qlora = ([float(c) for c in r.split("|")[2:5]] for r in rows)
+    assert full == [4.0, 4.0, 8.0]  # FP32 AdamW: 4 + 4 + 8 bytes per parameter
+    assert qlora[0] < full[0] < lora[0]  # NF4 targets below FP32; LoRA keeps the FP32 base and adds adapters
+    assert qlora[1:] == lora[1:] and lora[1] < full[1] and lora[2] < full[2]  # gradients, Adam: adapters only
+    for argv, match in ((["--lora-rank", "0"], "--lora-rank must be >= 1"), (["--method", "dora"], "invalid choice"),
+                        (["--lr", "0"], "must be > 0")):
+        with pytest.raises(SystemExit):
+            main(["--weights", trained_weights] + argv)
+        assert match in capsys.readouterr().err

@@ -110,8 +110,8 @@ class LoRALinear(Module):
                              f"got {r!r}")
         self.in_features, self.out_features, self.r, self.scale = base.in_features, base.out_features, r, alpha / r
         w = base.weight.data
-        self.base = quantize_nf4(w) if quantize else w.copy()
-        self.base_bias = None if base.bias is None else base.bias.data.copy()
+        self.base = quantize_nf4(w) if quantize else w  # the stored array itself: frozen, counted once
+        self.base_bias = None if base.bias is None else base.bias.data
         for a in ((self.base.codes, self.base.absmax_q, self.base.absmax_scale) if quantize else (self.base,)):
             get_ledger().track(a, "parameters")
         bound = 1.0 / np.sqrt(self.in_features)
