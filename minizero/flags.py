@@ -11,6 +11,7 @@ import argparse
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
+from minizero.nn.flash_attention import ATTENTIONS
 from minizero.progress import MODES as PROGRESS_MODES
 
 
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute: every K-th block (full) or its attention core (selective)")
     p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
-    p.add_argument("--attention", default="dense", choices=["dense", "flash"],
+    p.add_argument("--attention", default="dense", choices=list(ATTENTIONS),
                    help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
                         "blockwise online softmax: keeps the output and the row log-sum-exp)")
     p.add_argument("--attention-block", type=int, default=64, help="flash: rows per query and key/value block")
