@@ -176,3 +176,28 @@ def test_planner_takes_the_attention_choice():
     assert {st.attention for st in enumerate_strategies(model, 8, seq_len=8192, attention="flash")} == {"flash"}
     with pytest.raises(ValueError, match="cannot read 'attention=sparse'"):
         parse_strategy("tp8 attention=sparse", model, 8, seq_len=8192)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("n,flags", [(2, ["--tp", "2"]), (2, ["--pp", "2", "--grad-accum", "2"])], ids=["tp2", "pp2"])
+def test_mpiexec_flash_equals_dense(mpiexec, tmp_path, n, flags):
+    """Under ``mpiexec -n 2`` (MPI ranks, dropout 0.1, float64): the weights --attention flash writes equal dense's."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+
+    def cli(attention):
+        out = tmp_path / attention
+        argv = ["--model", "tiny", "--steps", "2", "--dtype", "float64", "--dropout", "0.1", "--progress", "none",
+                "--sample-tokens", "0", "--attention", attention, "--attention-block", "5", *flags, "--out", str(out)]
+        proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *argv], env=mpi_env(),
+                              capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return dict(np.load(os.path.join(out, "model.npz")))
+
+    dense, flash = cli("dense"), cli("flash")
+    assert sorted(dense) == sorted(flash)
+    for name in dense:
+        assert np.abs(dense[name] - flash[name]).max() <= 1e-9, name
