@@ -23,11 +23,11 @@ import sys
 import numpy as np
 
 from minizero import backend
+from minizero.autograd import no_grad
 from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
 from minizero.files import atomic_write
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.qlora import LoRALinear, apply_lora
-from minizero.autograd import no_grad
 from minizero.optim import AdamW
 from minizero.weights import SIDECAR, load_gpt, read_weights
 
