@@ -14,7 +14,14 @@ every module and the ledger's per-module tables) and without (no hooks, and a le
 subclass that keeps only the per-category totals, as before attribution): median of
 ``--repeats`` alternating runs, one BLAS thread, and prints the ratio.
 
+``--attention``: instead, dense vs flash attention (``--attention flash``, ``nn/flash_attention.py``) for
+s = 256 ... 8192: the ``small`` model's shape with one layer, b = 1, float16 activations (e = 2 bytes)
+and dropout 0.1, so the dense core's (s, s) rows are exactly Korthikanti et al.'s 5as^2b (probabilities
+2as^2b, dropout mask as^2b, dropout output 2as^2b). It prints what block 0 saved (ledger) beside the
+estimator's formula for each core, and the difference beside 5as^2b; the plot goes to ``--png``.
+
 usage: python bench/bench_seq_memory.py [--batch 4] [--png lessons/img/seq_memory.png]
+       python bench/bench_seq_memory.py --attention [--png lessons/img/flash_memory.png]
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from minizero.memory.estimator import layer_activation_bytes
 from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep
 from minizero.memory.recompute import MODES, apply_recompute
 from minizero.nn import GPT, get_config
+from minizero.nn.flash_attention import use_flash_attention
 import os
 import sys
 
@@ -56,6 +64,48 @@ def measure(model_name: str, s: int, b: int, mode: str) -> tuple[int, int, int]:
 def sweep(model_name: str, b: int, seq_lens=SEQ_LENS) -> dict:
     """``{mode: [(s, ledger bytes, scores bytes, formula bytes)]}`` for block 0."""
     return {mode: [(s, *measure(model_name, s, b, mode)) for s in seq_lens] for mode in MODES}
+
+
+ATTENTION_SEQ_LENS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def attention_measure(s: int, attention: str, block: int = 256) -> tuple[int, int]:
+    """(bytes block 0 saved, the formula's bytes): one layer of the ``small`` shape, b = 1, float16, dropout 0.1."""
+    cfg = get_config("small", n_layer=1, block_size=s, dtype="float16", dropout=0.1)
+    set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    if attention == "flash":
+        use_flash_attention(model, block)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, s))
+    got = layer_bytes(saved_by_module(model, x, x), "transformer.h.0")
+    return got, layer_activation_bytes(cfg, s, 1, accounting="minizero", precision="mixed", attention=attention)
+
+
+def attention_sweep(seq_lens=ATTENTION_SEQ_LENS) -> list[tuple]:
+    """Rows (s, dense ledger, dense formula, flash ledger, flash formula, 5as^2b) in bytes."""
+    a = get_config("small").n_head
+    return [(s, *attention_measure(s, "dense"), *attention_measure(s, "flash"), 5 * a * s * s) for s in seq_lens]
+
+
+def attention_main(png: str) -> None:
+    """Print the dense-vs-flash table and plot it (see the module docstring)."""
+    cfg = get_config("small")
+    print(f"one layer of the small model: h={cfg.n_embd} a={cfg.n_head} b=1, float16 activations, dropout 0.1; "
+          "flash blocks of 256 rows")
+    print("| s | dense (ledger) | dense (formula) | flash (ledger) | flash (formula) | dense - flash | 5as²b | equal |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    with threadpool_limits(limits=1):
+        rows = attention_sweep()
+    for s, d, df, f, ff, term in rows:
+        print(f"| {s} | {d:,} | {df:,} | {f:,} | {ff:,} | {d - f:,} | {term:,} | {d == df and f == ff} |", flush=True)
+    if not have_matplotlib():
+        print(INSTALL_HINT)
+        return
+    seq = [r[0] for r in rows]
+    plot_seq_sweep(png, seq, {"dense": [r[1] for r in rows], "flash": [r[3] for r in rows]},
+                   {"dense": [r[2] for r in rows], "flash": [r[4] for r in rows]}, {"5as²b": [r[5] for r in rows]},
+                   title="one layer, b=1, fp16, dropout 0.1: dense vs flash attention")
+    print(f"wrote {png}")
 
 
 class PlainLedger(MemoryLedger):
@@ -149,8 +199,12 @@ def main():
     p.add_argument("--model", default="default")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--png", default="lessons/img/seq_memory.png")
+    p.add_argument("--png", default=None, help="default lessons/img/seq_memory.png (flash_memory.png with --attention)")
+    p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
+    if args.attention:
+        return attention_main(args.png or "lessons/img/flash_memory.png")
+    args.png = args.png or "lessons/img/seq_memory.png"
     cfg = get_config(args.model)
     print(f"model {args.model}: h={cfg.n_embd} a={cfg.n_head} b={args.batch}, float32, no dropout; block 0")
     print("| recompute | s | saved by the layer (ledger) | of which a·s²·b scores | formula | equal |")

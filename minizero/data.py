@@ -219,3 +219,11 @@ def eval_batches(tokens: np.ndarray, block_size: int, n_batches: int, batch: int
                  pad: bool = False) -> EvalBatches:
     """The fixed validation set of ``n_batches`` (x, y) pairs from ``tokens`` (the same every call), lazily built."""
     return EvalBatches(tokens, block_size, n_batches, batch, seed, pad)
+
+
+def min_data_bytes(block_size: int) -> int:
+    """The fewest tokens whose validation split (the last 10%) holds one (block_size + 1)-token window."""
+    n = 10 * (block_size + 2)
+    while len(train_val_split(np.zeros(n, np.uint8))[1]) < block_size + 2:
+        n += 1
+    return n

@@ -251,3 +251,18 @@ def mpiexec_path() -> str | None:
     """``mpiexec`` beside the running Python (the mpich wheel's), else on PATH, else None."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return beside if os.path.exists(beside) else shutil.which("mpiexec")
+
+
+def check_output(path: str, flag: str = "--json") -> None:
+    """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot write in {d!r} ({e.strerror or e})") from None

@@ -35,7 +35,8 @@ from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, add_lora, merged_state_dict, trainable_parameters
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
-from minizero.quantize import check_output, min_data_bytes
+from minizero.data import min_data_bytes
+from minizero.files import check_output
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained
 

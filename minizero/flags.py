@@ -11,6 +11,7 @@ import argparse
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
+from minizero.nn.flash_attention import ATTENTIONS
 from minizero.progress import MODES as PROGRESS_MODES
 
 
@@ -111,9 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
                    help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
-                        "dynamic loss scaling")
+                        "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
+                        "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale; "
+                        "fp8: E4M3 inputs and weights, E5M2 gradients, per-tensor scales, FP32 accumulation")
+    p.add_argument("--fp8-scaling", default="delayed", choices=["delayed", "current"],
+                   help="fp8: scale from the largest amax of the last 16 casts (Transformer Engine's delayed "
+                        "scaling) or from the tensor's own amax")
     p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: starting loss scale")
     p.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
@@ -123,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute: every K-th block (full) or its attention core (selective)")
     p.add_argument("--recompute-every", type=int, default=1, help="K: recompute every K-th block")
+    p.add_argument("--attention", default="dense", choices=list(ATTENTIONS),
+                   help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
+                        "blockwise online softmax: keeps the output and the row log-sum-exp)")
+    p.add_argument("--attention-block", type=int, default=64, help="flash: rows per query and key/value block")
     p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
                    help="move saved activations to host memory or to files until backward")
     p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],

@@ -12,6 +12,11 @@ def precision_description(args) -> str:
     if args.precision == "fp16":
         return (f"fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale "
                 f"{args.initial_loss_scale:g}")
+    if args.precision == "bf16":
+        return "bf16 mixed precision: bfloat16 matmuls with float32 accumulation, float32 weights, no loss scale"
+    if args.precision == "fp8":
+        return (f"fp8 (emulated): E4M3 forward, E5M2 gradients, {args.fp8_scaling} per-tensor scaling, float32 "
+                "accumulation and weights")
     return args.dtype
 
 
@@ -41,6 +46,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))
+    if args.attention == "flash":
+        lines.append(f"attention: flash, blocks of {args.attention_block} rows (online softmax; keeps the output and "
+                     "the row log-sum-exp, no (T, T) array)")
     if args.sequence_parallel:
         lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
                      "tensor rank (all-gather in, reduce-scatter out)")

@@ -47,6 +47,36 @@ def check_context_parallel(args, cfg) -> None:
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 
+def check_attention(args) -> None:
+    """``--attention-block`` must be a positive integer; ``--attention flash`` does not combine with ``--cp``."""
+    if args.attention_block < 1:
+        raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
+                         f"got {args.attention_block}")
+    if args.attention == "flash" and args.cp > 1:
+        raise ValueError(f"--attention flash with --cp {args.cp} is not supported: ring attention already runs the "
+                         "flash recurrence across ranks, one (T/cp)-row block each (the same block kernel), and does "
+                         "not tile that block further; use --attention dense with --cp")
+
+
+def check_bf16(args) -> None:
+    """``--precision bf16 / fp8`` (memory/bf16.py, fp8.py) keep float32 weights and convert plain Linear layers:
+    they need --dtype float32 and --tp 1; fp8's delayed scaling also refuses --recompute (a recomputed forward
+    would cast again and move the amax history)."""
+    p = args.precision
+    if p not in ("bf16", "fp8"):
+        return
+    if args.dtype != "float32":
+        raise ValueError(f"--precision {p} keeps float32 weights and Adam state; --dtype must be float32, "
+                         f"got {args.dtype}")
+    if args.tp > 1:
+        raise ValueError(f"--precision {p} with --tp {args.tp} is not supported: it rounds the products of plain "
+                         "Linear layers, and tensor-parallel layers are not converted; use --tp 1")
+    if p == "fp8" and args.fp8_scaling == "delayed" and args.recompute != "none":
+        raise ValueError(f"--precision fp8 --fp8-scaling delayed with --recompute {args.recompute} is not supported: "
+                         "the recomputed forward would cast again and advance the amax history; use "
+                         "--fp8-scaling current")
+
+
 def check_zero_bubble(args, cfg) -> None:
     """Refuse ``--schedule zb-h1 / zb-v`` where they do not run (parallel/schedule.py, autograd/split_backward.py)."""
     if args.schedule not in ("zb-h1", "zb-v"):

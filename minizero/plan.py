@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed: 16-bit weights, gradients and activations + fp32 master weights and Adam")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adam8bit"],
                    help="Adam's state: 8 bytes per parameter (adam) or 2 (adam8bit)")
+    p.add_argument("--attention", default="dense", choices=["dense", "flash"],
+                   help="attention core of every strategy: dense keeps the (s, s) probabilities, flash "
+                        "(FlashAttention) the output and row log-sum-exp instead")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per GPU with --schedule interleaved")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
@@ -268,7 +271,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
     """The text for ``--strategy``: header, its row, whether it fits, its step time by component."""
     kw = dict(micro_batch=args.micro_batch, global_batch=gbatch, precision=args.precision, optimizer=args.optimizer,
               schedule=args.schedule, virtual_stages=args.virtual_stages, gpus_per_node=args.gpus_per_node,
-              bucket_bytes=sizes["bucket"], seq_len=seq)
+              bucket_bytes=sizes["bucket"], seq_len=seq, attention=args.attention)
     try:
         st = parse_strategy(args.strategy, model, args.gpus, **kw)
     except ValueError as e:
@@ -292,7 +295,8 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     """The text (or JSON) of the search: the strategies that fit, best first, and why."""
     fits, count, smallest = plan(model, args.gpus, hw, seq, micro_batch=args.micro_batch, global_batch=gbatch,
                                  precision=args.precision, optimizer=args.optimizer, schedule=args.schedule,
-                                 virtual_stages=args.virtual_stages, bucket_bytes=sizes["bucket"])
+                                 virtual_stages=args.virtual_stages, bucket_bytes=sizes["bucket"],
+                                 attention=args.attention)
     if count == 0:
         parser.error(f"--gpus {args.gpus}: no layout dp x tp x pp splits {model.name} ({model.n_layer} layers, "
                      f"{model.n_head} heads) over {args.gpus} GPUs with tp <= {args.gpus_per_node}")

@@ -22,6 +22,8 @@ def describe(st: Strategy) -> str:
         parts.append(f"offload={st.offload}")
     if st.offload_activations:
         parts.append("offload=activations")
+    if st.attention != "dense":
+        parts.append(f"attention={st.attention}")
     return " ".join(parts)
 
 

@@ -12,7 +12,7 @@ import math
 import re
 
 from minizero.memory.estimator import (
-    RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
+    ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
     stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
@@ -96,7 +96,7 @@ def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, t
 def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                          precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                          virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
-                         seq_len: int | None = None):
+                         seq_len: int | None = None, attention: str = "dense"):
     """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` GPUs (a generator).
 
     tp divides the heads, the KV heads and the FFN size and fits in a node; pp x
@@ -120,10 +120,10 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                 if cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK:
                     continue
                 yield from _layouts(tp, pp, cp, gpus // (tp * pp * cp), sched, v, micro_batch, global_batch,
-                                    precision, optimizer, bucket_bytes)
+                                    precision, optimizer, bucket_bytes, attention)
 
 
-def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes):
+def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp mesh."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
@@ -141,7 +141,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                                        recompute=recompute, precision=precision, optimizer=optimizer,
                                        offload=offload, offload_activations=act_off,
                                        micro_batch=micro_batch, micro_batches=m, schedule=sched,
-                                       virtual_stages=v, bucket_bytes=bucket_bytes)
+                                       virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention)
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
@@ -217,13 +217,13 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
 
 # ---- one strategy the user names ---------------------------------------------------------------
 STRATEGY_FORMS = ("dpN cpN tpN ppN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
-                  "offload=none|optimizer|params|activations (joined with '+')")
+                  "offload=none|optimizer|params|activations (joined with '+'), attention=dense|flash")
 
 
 def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                    precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                    virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
-                   seq_len: int | None = None) -> Strategy:
+                   seq_len: int | None = None, attention: str = "dense") -> Strategy:
     """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
 
     Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe`
@@ -239,7 +239,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         w = word.lower()
         m = re.fullmatch(r"(dp|cp|tp|pp|zero|z)=?(\d+)", w)
         key, _, value = w.partition("=")
-        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key == "recompute" else None
+        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key in ("recompute", "attention") else None
         if name is not None and name in said:  # "cp2 cp4": one of them would be dropped without a word
             raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); give it once")
         said[name] = word
@@ -252,6 +252,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
             sp = True
         elif key == "recompute" and value in RECOMPUTE:
             recompute = value
+        elif key == "attention" and value in ATTENTIONS:
+            attention = value
         elif key == "offload" and value and set(value.split("+")) <= {"none", "optimizer", "params", "activations"}:
             offloads |= set(value.split("+")) - {"none"}  # several offload= words add up
         else:
@@ -296,4 +298,4 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         m = math.ceil(m / pp) * pp
     return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
                     optimizer=optimizer, offload=offload, offload_activations=act, micro_batch=micro_batch,
-                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes)
+                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention)

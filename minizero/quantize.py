@@ -37,14 +37,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 
-import numpy as np
 
 from minizero import backend
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
-from minizero.files import atomic_write
+from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split  # noqa: F401
+from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
 from minizero.quantization import GRANULARITIES
@@ -79,29 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
                    help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
     return p
-
-
-def min_data_bytes(block_size: int) -> int:
-    """The fewest tokens whose validation split (the last 10%) holds one (block_size + 1)-token window."""
-    n = 10 * (block_size + 2)
-    while len(train_val_split(np.zeros(n, np.uint8))[1]) < block_size + 2:
-        n += 1
-    return n
-
-
-def check_output(path: str, flag: str = "--json") -> None:
-    """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file)."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a directory; give a file path")
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r}: cannot write in {d!r} ({e.strerror or e})") from None
 
 
 def write_json_atomic(path: str, obj) -> None:

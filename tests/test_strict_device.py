@@ -43,6 +43,11 @@ CASES = {
     "dp2-native-comm": (2, ["--native-comm"]),
     "quantized-comm-zero2": (2, ["--quantized-comm", "--zero", "2"]),
     "prune-global-zero3": (2, ["--prune-sparsity", "0.5", "--prune-scope", "global", "--prune-step", "1", "--zero", "3"]),
+    "flash-tp2": (2, ["--attention", "flash", "--attention-block", "5", "--tp", "2"]),  # dropout masks read by block
+    "bf16": (1, ["--precision", "bf16", "--dtype", "float32"]),
+    "bf16-flash-zero3-dp2": (2, ["--precision", "bf16", "--dtype", "float32", "--attention", "flash", "--zero", "3"]),
+    "fp8-delayed-dp2": (2, ["--precision", "fp8", "--dtype", "float32"]),
+    "fp8-current": (1, ["--precision", "fp8", "--dtype", "float32", "--fp8-scaling", "current"]),
 }
 
 

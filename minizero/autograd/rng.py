@@ -22,6 +22,8 @@ One stream per thread (each rank thread of the in-process tests has its own), as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -116,6 +118,35 @@ def uniform_bits(n: int):
     return _mix64(z)
 
 
+def reserve(n: int) -> tuple[int, int]:
+    """Skip the next ``n`` outputs of this thread's stream; return the (key, offset) they start at.
+
+    The draws can then be made later, in any order, by :func:`keep_mask_at` (as FlashAttention's
+    dropout keeps a Philox seed and offset and regenerates its mask per block in backward).
+    Raises:
+        ValueError: ``n`` < 0.
+    """
+    if n < 0:
+        raise ValueError(f"reserve needs n >= 0 draws, got {n}")
+    state = get_rng_state()
+    _local.state = (state["key"], (state["offset"] + n) & _MASK)
+    return state["key"], state["offset"]
+
+
+def keep_mask_at(key: int, offset: int, index, p: float):
+    """The keep decisions of outputs ``index`` (a uint64 array of ``backend.xp``) of stream (key, offset).
+
+    Element-wise equal to ``dropout_keep_mask`` drawn at (key, offset) and read at ``index``
+    (C-order positions in that mask). Does not move this thread's stream.
+    """
+    z = index + np.uint64((offset + 1) & _MASK)
+    z *= np.uint64(GAMMA)
+    z += np.uint64(key)
+    u = (_mix64(z) >> np.uint64(40)).astype(backend.xp.float32)
+    u *= np.float32(2.0 ** -24)
+    return u >= np.float32(p)
+
+
 def dropout_keep_mask(shape, p: float):
     """A bool mask of ``shape`` on the device (``backend.xp``), True with probability 1 - p.
 
@@ -131,3 +162,35 @@ def dropout_keep_mask(shape, p: float):
     u = (uniform_bits(n) >> np.uint64(40)).astype(backend.xp.float32)
     u *= np.float32(2.0 ** -24)
     return u.reshape(shape) >= np.float32(p)  # a new array of ``shape`` that owns its bytes (the ledger's unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskStream:
+    """A dropout mask of ``shape`` reserved at stream (key, offset), read block by block.
+
+    The caller's array is the part of that mask starting at ``origin`` (per axis; a tensor
+    rank's heads). ``block(slices)`` equals ``dropout_keep_mask(shape, p)`` drawn at (key,
+    offset), cut to the caller's part and then to ``slices`` (one ``slice(start, stop)`` per axis).
+    """
+
+    key: int
+    offset: int
+    shape: tuple
+    origin: tuple
+    p: float
+
+    @classmethod
+    def reserve(cls, shape, p: float, origin=None) -> "MaskStream":
+        """Reserve prod(``shape``) draws of this thread's stream (it advances as a whole mask would)."""
+        shape = tuple(int(d) for d in shape)
+        key, offset = reserve(math.prod(shape))
+        return cls(key, offset, shape, tuple(origin or (0,) * len(shape)), p)
+
+    def block(self, slices):
+        """The bool keep mask of the caller's array at ``slices``, on the device."""
+        xp = backend.xp
+        flat = xp.zeros((1,) * len(self.shape), dtype=xp.uint64)
+        for axis, (sl, n, o) in enumerate(zip(slices, self.shape, self.origin)):
+            r = xp.arange(o + sl.start, o + sl.stop, dtype=xp.uint64)
+            flat = flat * np.uint64(n) + r.reshape((1,) * axis + (-1,) + (1,) * (len(self.shape) - axis - 1))
+        return keep_mask_at(self.key, self.offset, flat, self.p)

@@ -18,6 +18,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Tensor, functional as F
+from minizero.autograd.rng import MaskStream
 from minizero.ledger import get_ledger
 from minizero.nn.init import META, is_meta, meta
 
@@ -269,3 +270,8 @@ class Dropout(Module):
 
     def forward(self, x):
         return F.dropout(x, self.p, self.training)
+
+    def reserve_mask(self, shape):
+        """The mask ``forward`` would draw for an array of ``shape``, as a :class:`MaskStream` read by
+        block (FlashAttention), the generator advanced as ``forward`` advances it; None if none is drawn."""
+        return None if not self.training or self.p == 0.0 else MaskStream.reserve(shape, self.p)

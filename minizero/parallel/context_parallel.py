@@ -50,6 +50,7 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Module
 from minizero.memory.recompute import CheckpointWrapper
 
@@ -157,16 +158,11 @@ class _RingAttention(Function):
             if j:
                 kv = _ring_pass(comm, kv)
             kb, vb = kv
-            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):
-                sc = (q[:, :, qs] @ kb[:, :, ks].swapaxes(-1, -2)).astype(acc_t) * scale
-                if mask is not None:
-                    sc = xp.where(mask, sc, -xp.inf)
-                m_new = xp.maximum(m[:, :, qs], sc.max(axis=-1))
-                alpha = xp.exp(m[:, :, qs] - m_new)
-                p = xp.exp(sc - m_new[..., None])
-                l[:, :, qs] = l[:, :, qs] * alpha + p.sum(axis=-1)
-                o[:, :, qs] = o[:, :, qs] * alpha[..., None] + p @ vb[:, :, ks].astype(acc_t)
-                m[:, :, qs] = m_new
+            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):  # the flash block step (nn/flash_attention.py)
+                sc = block_scores(q[:, :, qs].astype(acc_t, copy=False), kb[:, :, ks].astype(acc_t, copy=False),
+                                  scale, mask)
+                m[:, :, qs], l[:, :, qs], o[:, :, qs] = online_softmax_step(
+                    m[:, :, qs], l[:, :, qs], o[:, :, qs], sc, vb[:, :, ks].astype(acc_t))
         out = (o / l[..., None]).astype(q.dtype)
         ctx.comm = comm
         ctx.save_for_backward(q, k, v, out, m + xp.log(l))
@@ -189,14 +185,10 @@ class _RingAttention(Function):
                 kb, vb, dkb, dvb = _ring_pass(comm, (kb, vb, dkb, dvb))
             for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):
                 kk, vv, qq = kb[:, :, ks].astype(acc_t), vb[:, :, ks].astype(acc_t), q[:, :, qs].astype(acc_t)
-                sc = (qq @ kk.swapaxes(-1, -2)) * scale
-                p = xp.exp(sc - lse[:, :, qs][..., None])
-                if mask is not None:
-                    p = xp.where(mask, p, 0.0)
-                dvb[:, :, ks] += p.swapaxes(-1, -2) @ g[:, :, qs]
-                ds = p * (g[:, :, qs] @ vv.swapaxes(-1, -2) - dsum[:, :, qs][..., None])
-                dq[:, :, qs] += (ds @ kk) * scale
-                dkb[:, :, ks] += (ds.swapaxes(-1, -2) @ qq) * scale
+                gq, gk, gv = attention_block_grads(qq, kk, vv, g[:, :, qs], lse[:, :, qs], dsum[:, :, qs], scale, mask)
+                dq[:, :, qs] += gq
+                dkb[:, :, ks] += gk
+                dvb[:, :, ks] += gv
         if cp > 1:  # the block held now is rank r+1's: one more pass brings every dk, dv home
             dkb, dvb = _ring_pass(comm, (dkb, dvb))
         return dq.astype(q.dtype), dkb.astype(k.dtype), dvb.astype(v.dtype), None

@@ -43,8 +43,11 @@ from minizero.autograd.functional import IGNORE_INDEX
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
+from minizero.memory.bf16 import use_bf16
+from minizero.memory.fp8 import use_fp8
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT
+from minizero.nn.flash_attention import use_flash_attention
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
@@ -272,8 +275,14 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     else:
         model, stage = None, build_stage(cfg, args.seed, topo, args.sequence_parallel,
                                          args.virtual_stages, keep_meta=meta, v_shape=args.schedule in V_SHAPED)
+    if args.attention == "flash":  # before context parallelism and recompute replace or wrap the cores
+        use_flash_attention(stage, args.attention_block)
     if cp > 1:
         context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
+    if args.precision == "bf16":  # before recompute wraps the blocks
+        use_bf16(stage)
+    elif args.precision == "fp8":
+        use_fp8(stage, args.fp8_scaling)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"

@@ -53,6 +53,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
+from minizero.autograd.rng import MaskStream
 from minizero.comm.collectives import all_reduce, bytes_sent
 from minizero.nn.gpt import CausalSelfAttention
 from minizero.nn.module import Module, Parameter
@@ -238,6 +239,13 @@ class HeadParallelDropout(Module):
         if not self.training or self.p == 0.0:
             return x
         return _HeadSliceDropout.apply(x, self.p, self.n_head_total, self.lo)
+
+    def reserve_mask(self, shape):
+        """As ``Dropout.reserve_mask``: this rank's heads of the (B, H, T, T) mask of every head, by block."""
+        if not self.training or self.p == 0.0:
+            return None
+        b, _, t, s = shape
+        return MaskStream.reserve((b, self.n_head_total, t, s), self.p, (0, self.lo, 0, 0))
 
 
 class ParallelCausalSelfAttention(CausalSelfAttention):

@@ -49,7 +49,7 @@ al. 2021 "ZeRO-Offload"; Rajbhandari et al. 2021 "ZeRO-Infinity"; Dettmers et al
 from __future__ import annotations
 
 from minizero.memory.estimator.model import (  # noqa: F401 (the package's API)
-    ACCOUNTINGS, CATEGORIES, DEVICE_CATEGORIES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES, OFFLOAD_TIERS,
+    ACCOUNTINGS, ATTENTIONS, CATEGORIES, DEVICE_CATEGORIES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES, OFFLOAD_TIERS,
     OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape, Strategy, _bytes, as_shape,
     gb, gib, model_state_bytes, precision_for_dtype, stage_parameters)
 from minizero.memory.estimator.activations import (  # noqa: F401

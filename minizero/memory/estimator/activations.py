@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from minizero.memory.estimator.model import ACCOUNTINGS, OFFLOAD_MIN_BYTES, PRECISIONS, Strategy, as_shape
+from minizero.memory.estimator.model import ACCOUNTINGS, ATTENTIONS, OFFLOAD_MIN_BYTES, PRECISIONS, Strategy, as_shape
 
 
 # ---- activations: Korthikanti et al. 2022 -----------------------------------------------------
@@ -140,23 +140,26 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
 
 
 def context_parallel_rows(rows: list[Saved], model, local_seq: int, micro_batch: int,
-                          precision: str = "mixed") -> list[Saved]:
-    """A layer's rows under context parallelism: ``rows`` at the local length s/c, with ring attention's core.
+                          precision: str = "mixed", name: str = "ring attention") -> list[Saved]:
+    """A layer's rows with a blockwise attention core: ``rows`` (at the local length s/c under context
+    parallelism) with the core's output and log-sum-exp in place of the (s, s) "core" rows.
 
-    Ring attention (``parallel/context_parallel.py``) keeps no (s, s) probabilities: instead of the
-    "core" rows it saves its output (b, a, s/c, h/a) and the row log-sum-exp (b, a, s/c) in at least fp32.
+    Ring attention (``parallel/context_parallel.py``) and FlashAttention (``nn/flash_attention.py``, Dao et
+    al. 2022) keep no (s, s) probabilities: instead of the "core" rows (Korthikanti's 5as^2b) they save
+    their output (b, a, s, h/a) and the row log-sum-exp (b, a, s) in at least fp32.
     """
     m = as_shape(model)
     e = PRECISIONS[precision][2]
     s, b = local_seq, micro_batch
     return [r for r in rows if r.part != "core"] + [
-        Saved("ring attention output", e * s * b * m.hidden, "tp", "core"),
-        Saved("ring attention log-sum-exp", max(e, 4) * m.n_head * s * b, "tp", "core")]
+        Saved(f"{name} output", e * s * b * m.hidden, "tp", "core"),
+        Saved(f"{name} log-sum-exp", max(e, 4) * m.n_head * s * b, "tp", "core")]
 
 
 def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int = 1, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           accounting: str = "paper", precision: str = "mixed", cp: int = 1) -> int:
+                           accounting: str = "paper", precision: str = "mixed", cp: int = 1,
+                           attention: str = "dense") -> int:
     """Bytes one transformer layer keeps for backward on one of ``tp`` ranks, one micro-batch.
 
     Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte masks)::
@@ -173,21 +176,29 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
     (as Megatron-LM stores it).
 
     ``cp`` > 1 (context parallelism): the rows of s/cp tokens, ring attention's output and
-    log-sum-exp in place of the s^2 terms (:func:`context_parallel_rows`).
+    log-sum-exp in place of the s^2 terms (:func:`context_parallel_rows`); ``attention="flash"``: the
+    same two rows in place of the s^2 terms at any cp (sbh(34 + 5as/h) loses its 5as/h).
     """
     m = as_shape(model)
-    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp)
+    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp, attention)
     return round(_layer_stored(rows, tp, sequence_parallel, recompute))
 
 
 def layer_rows(model, seq_len: int, micro_batch: int, accounting: str = "paper", precision: str = "mixed",
-               cp: int = 1) -> list[Saved]:
+               cp: int = 1, attention: str = "dense") -> list[Saved]:
     """One layer's saved arrays on one of ``cp`` context-parallel ranks: :func:`saved_per_layer` at s/cp
-    tokens, with ring attention's core (:func:`context_parallel_rows`) when cp > 1. The one source of the
-    per-layer rows for :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic."""
+    tokens, with ring attention's core when cp > 1 and FlashAttention's with ``attention="flash"``
+    (:func:`context_parallel_rows`). The one source of the per-layer rows for
+    :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic.
+    Raises: ValueError for an ``attention`` outside ``ATTENTIONS``."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
     s = seq_len // cp
     rows = saved_per_layer(model, s, micro_batch, accounting, precision)
-    return context_parallel_rows(rows, model, s, micro_batch, precision) if cp > 1 else rows
+    if cp > 1 or attention == "flash":
+        return context_parallel_rows(rows, model, s, micro_batch, precision,
+                                     "ring attention" if cp > 1 else "flash attention")
+    return rows
 
 
 def _layer_stored(rows, tp, sp, recompute) -> float:
@@ -253,7 +264,7 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     s = seq_len or m.seq_len
     st = strategy
     t, sp = st.tp, st.sequence_parallel
-    rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp)  # cp > 1: s/cp tokens, ring attention
+    rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention)  # cp > 1: s/cp tokens
     emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision)
     chunks, v = in_flight(st, stage)
     layers_per_chunk = m.n_layer // (st.pp * v)

@@ -16,6 +16,7 @@ DEVICE_CATEGORIES = CATEGORIES[:-1]
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
+ATTENTIONS = ("dense", "flash")  #: the attention core: (s, s) probabilities kept, or FlashAttention's O and L
 #: bytes per element: (parameters, gradients, activations, fp32 master copy, one Adam moment)
 PRECISIONS = {"fp64": (8, 8, 8, 0, 8), "fp32": (4, 4, 4, 0, 4), "mixed": (2, 2, 2, 4, 4)}
 OPTIMIZERS = ("adam", "adam8bit")
@@ -203,6 +204,9 @@ class Strategy:
             ``--offload-optimizer`` moves the optimizer state -- FP32 masters, m, v -- at
             any ZeRO stage, and its gradients stay on the device); "params"
             (ZeRO-Infinity: parameters too; needs zero 3, Rajbhandari et al. 2021).
+        attention: "dense" (the (s, s) probabilities, their dropout mask and output saved) or
+            "flash" (FlashAttention, Dao et al. 2022: the output and the row log-sum-exp instead;
+            ``nn/flash_attention.py``). With cp > 1 the ring's rows apply whichever is named.
         offload_activations: saved activations live in host memory between
             forward and backward (ZeRO-R P_a+cpu, section 6.1; minizero.memory.offload).
         offload_tier: where offloaded bytes go: "cpu" (host memory,
@@ -238,6 +242,7 @@ class Strategy:
     offload_tier: str = "cpu"
     overlap: bool = False
     cp: int = 1
+    attention: str = "dense"
 
     @property
     def world_size(self) -> int:
@@ -261,7 +266,7 @@ class Strategy:
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
         choices = [("zero", ZERO_STAGES), ("recompute", RECOMPUTE), ("precision", tuple(PRECISIONS)),
                    ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES),
-                   ("offload_tier", OFFLOAD_TIERS)]
+                   ("offload_tier", OFFLOAD_TIERS), ("attention", ATTENTIONS)]
         for f, allowed in choices:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"Strategy.{f}={getattr(self, f)!r} is not one of {allowed}")

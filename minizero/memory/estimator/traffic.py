@@ -91,7 +91,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if st.offload == "params":
         pcie += 2 * mb * pb * shard
     if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
-        rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c)
+        rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c, st.attention)
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
     return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "pcie": round(pcie)}
 

@@ -1,0 +1,118 @@
+"""BF16 mixed precision (``--precision bf16``): bfloat16 matmuls, FP32 weights, no loss scale.
+
+bfloat16 is float32's top 16 bits: 1 sign, 8 exponent bits (float32's range, so gradients that
+underflow FP16 do not underflow here and no loss scale is needed) and 7 stored mantissa bits
+(FP16 has 10). Rounding float32 to it is round-to-nearest-even on the uint32 view::
+
+    bits = x.view(uint32);  bits += 0x7FFF + ((bits >> 16) & 1);  keep bits & 0xFFFF0000
+
+(NaN is kept a quiet NaN: its top bits with the quiet bit set, since the carry could turn a NaN
+with only low payload bits into inf). Integer operations only, so NumPy, CuPy and the strict
+module give the same bits; CuPy has no bfloat16 dtype, and ``ml_dtypes`` gives NumPy one (the
+tests compare with it when installed).
+
+The recipe is PyTorch autocast's (``torch.autocast(dtype=torch.bfloat16)``): parameters, the
+optimizer state and the master weights stay FP32; every Linear computes with bf16 inputs (x and W
+rounded), FP32 accumulation and a bf16 result (bias added in FP32, rounded once, as a GEMM
+epilogue); in backward the incoming gradient is rounded to bf16 and dx, dW, db are bf16 values
+(dW accumulated into the FP32 gradient). Layer norm, softmax, GELU's statistics and the loss run in
+FP32, as autocast keeps them. Emulated on any array module: bf16 values live in float32 arrays
+(4 bytes each in the ledger; a GPU would hold 2). The attention core's two products are not a
+Linear and stay FP32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function, Tensor
+from minizero.nn.module import Linear, Module
+
+_ROUND, _KEEP, _QUIET = np.uint32(0x7FFF), np.uint32(0xFFFF0000), np.uint32(0x00400000)
+
+
+def to_bf16_bits(x):
+    """float32 array -> its bfloat16 (round-to-nearest-even) as a uint16 array of the same module.
+
+    Raises: TypeError unless ``x`` is float32.
+    """
+    xp = backend.array_module(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"to_bf16_bits takes float32, got {x.dtype}")
+    bits = x.view(xp.uint32)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded = bits + _ROUND + ((bits >> np.uint32(16)) & np.uint32(1))
+    out = xp.where(nan, bits | _QUIET, rounded) >> np.uint32(16)
+    return out.astype(xp.uint16)
+
+
+def from_bf16_bits(b):
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    xp = backend.array_module(b)
+    return (b.astype(xp.uint32) << np.uint32(16)).view(xp.float32)
+
+
+def round_bf16(x):
+    """float32 array -> float32 array of the nearest bfloat16 values (ties to even); a new array."""
+    return from_bf16_bits(to_bf16_bits(x))
+
+
+def _flat2d(a):
+    return a.reshape(int(np.prod(a.shape[:-1])), a.shape[-1])
+
+
+class _BF16Linear(Function):
+    """y = bf16(bf16(x) bf16(W)^T + b): x (..., in), W (out, in), b (out,) or None, all float32 -> (..., out).
+
+    Saves bf16(x) and bf16(W). Backward: g rounded to bf16; dx = bf16(g W), dW = bf16(g^T x), db = bf16(sum g).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        xr, wr = round_bf16(x), round_bf16(weight)
+        ctx.save_for_backward(xr, wr)
+        ctx.has_bias = bias is not None
+        y = backend.matmul(xr, wr.T)
+        if bias is not None:
+            y += bias  # the epilogue in FP32, one rounding after it
+        return round_bf16(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        xr, wr = ctx.saved_tensors
+        g = round_bf16(g)
+        dx = round_bf16(backend.matmul(g, wr))
+        dw = round_bf16(backend.matmul(_flat2d(g).T, _flat2d(xr)))
+        db = round_bf16(_flat2d(g).sum(axis=0)) if ctx.has_bias else None
+        return (dx, dw, db) if ctx.has_bias else (dx, dw)
+
+
+class BF16Linear(Linear):
+    """A Linear whose product runs in bf16 (:class:`_BF16Linear`); shares the original's Parameters (same names)."""
+
+    def __init__(self, linear: Linear):
+        Module.__init__(self)
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        args = (x, self.weight) if self.bias is None else (x, self.weight, self.bias)
+        return _BF16Linear.apply(*args)
+
+
+def use_bf16(model) -> list[str]:
+    """Replace every plain :class:`Linear` under ``model`` by a :class:`BF16Linear` (in place); returns their names.
+
+    Raises: TypeError for a parameter that is not float32 (bf16 keeps FP32 weights).
+    """
+    for name, p in model.named_parameters():
+        if p.dtype != np.float32:
+            raise TypeError(f"BF16 compute keeps float32 parameters; {name} is {p.dtype}")
+    done = []
+    for prefix, parent in list(model.named_modules()):
+        for child_name, child in list(parent._modules.items()):
+            if type(child) is Linear:
+                setattr(parent, child_name, BF16Linear(child))
+                done.append(f"{prefix}.{child_name}" if prefix else child_name)
+    return done

@@ -1,0 +1,162 @@
+"""FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
+
+Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (arXiv:2209.05433), and NVIDIA Transformer
+Engine's recipe: every Linear multiplies FP8 operands with FP32 accumulation; x and W are cast to E4M3
+(4 exponent bits, bias 7, max 448, no inf), the incoming gradient to E5M2 (5 exponent bits, bias 15,
+max 57344). A cast is per tensor, scaled into the format's range first::
+
+    q = round_to_grid(clip(x * s, -max, max)) / s,      s = max / amax
+
+``current`` scaling takes amax of the tensor itself; ``delayed`` (TE's ``DelayedScaling``, the "max"
+recipe) takes the largest amax of the last ``AMAX_HISTORY`` casts of that tensor, then records this
+one's (the first cast, with no history, uses its own). Rounding is to nearest, ties to even, onto the
+format's grid (normals and subnormals), saturating at max; NaN stays NaN. Weights, Adam state and
+the master copy stay FP32; the bias gradient is taken from the unquantised gradient, as TE does.
+Values live in float32 arrays (the ledger counts 4 bytes; a GPU holds 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function, Tensor
+from minizero.nn.module import Linear, Module
+
+AMAX_HISTORY = 16  #: delayed scaling's window (TE's examples; its DelayedScaling default is 1024 in TE 1.x)
+SCALINGS = ("delayed", "current")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Format:
+    """An FP8 grid: ``mantissa`` stored bits, smallest normal exponent ``emin``, largest finite ``max``."""
+
+    name: str
+    mantissa: int
+    emin: int
+    max: float
+
+    @property
+    def rounds_to_max(self) -> float:
+        """The largest magnitude that rounds to ``max`` without saturating: max + half its quantum."""
+        return self.max + 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa - 1)
+
+
+E4M3 = FP8Format("e4m3", 3, -6, 448.0)
+E5M2 = FP8Format("e5m2", 2, -14, 57344.0)
+
+
+def round_to_fp8(x, fmt: FP8Format):
+    """float32 array -> float32 array of the nearest values of ``fmt`` (ties to even), saturated at +-max.
+
+    The quantum of x is 2^(e - mantissa) with e = max(exponent of x, emin) (subnormals below 2^emin),
+    read from the uint32 view, so the rounding is exact and the same bits on every array module.
+    Raises: TypeError unless ``x`` is float32.
+    """
+    xp = backend.array_module(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"round_to_fp8 takes float32, got {x.dtype}")
+    mag = xp.minimum(xp.abs(x), np.float32(fmt.max))  # saturate (inf too); NaN stays NaN
+    e = ((mag.view(xp.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(xp.int32) - 127
+    e = xp.maximum(e, np.int32(fmt.emin))
+    quantum = ((e - fmt.mantissa + 127).astype(xp.uint32) << np.uint32(23)).view(xp.float32)
+    q = xp.rint(mag / quantum) * quantum  # exact: a power-of-two division, then round half to even
+    return xp.where(x < 0, -q, q).astype(xp.float32)
+
+
+class ScaledCast:
+    """One tensor's FP8 cast with its per-tensor scale (``current`` or ``delayed`` by an amax history).
+
+    ``cast(x)`` returns the dequantised float32 values q / s; ``stats()`` counts, over every cast so far,
+    the elements saturated (|x s| beyond what rounds to max) and underflowed (nonzero x that became 0).
+    """
+
+    def __init__(self, fmt: FP8Format, scaling: str):
+        if scaling not in SCALINGS:
+            raise ValueError(f"FP8 scaling must be one of {SCALINGS}, got {scaling!r}")
+        self.fmt, self.scaling, self.history = fmt, scaling, None
+        self.elements, self.saturated, self.underflowed = 0, 0, 0  # device scalars once cast (no sync per cast)
+
+    def cast(self, x):
+        xp = backend.array_module(x)
+        amax = xp.abs(x).max().astype(xp.float32)
+        if self.scaling == "delayed":
+            if self.history is None:
+                self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
+            past = self.history.max()
+            ref = xp.where(past > 0, past, amax)  # the first cast has no history: its own amax
+            self.history = xp.concatenate([amax[None], self.history[:-1]])
+        else:
+            ref = amax
+        scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, np.float32(1e-38)), np.float32(1.0))
+        scaled = x * scale
+        q = round_to_fp8(scaled.astype(xp.float32, copy=False), self.fmt)
+        self.elements += int(x.size)
+        self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.rounds_to_max)).sum()
+        self.underflowed = self.underflowed + ((q == 0) & (x != 0)).sum()
+        return q / scale
+
+    def stats(self) -> dict:
+        """{"elements", "saturated", "underflowed"} over every cast so far, as host ints."""
+        return {"elements": self.elements, "saturated": int(backend.to_host(self.saturated)),
+                "underflowed": int(backend.to_host(self.underflowed))}
+
+
+class _FP8Linear(Function):
+    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
+
+    Saves the dequantised fp8(x), fp8(W). dx = fp8(g) fp8(W), dW = fp8(g)^T fp8(x), db = sum g.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, casts, bias=None):
+        xq, wq = casts["x"].cast(x), casts["w"].cast(weight)
+        ctx.save_for_backward(xq, wq)
+        ctx.casts, ctx.has_bias = casts, bias is not None
+        y = backend.matmul(xq, wq.T)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, wq = ctx.saved_tensors
+        gq = ctx.casts["g"].cast(g)
+        rows = int(np.prod(g.shape[:-1]))
+        dx = backend.matmul(gq, wq)
+        dw = backend.matmul(gq.reshape(rows, g.shape[-1]).T, xq.reshape(rows, xq.shape[-1]))
+        db = g.reshape(rows, g.shape[-1]).sum(axis=0) if ctx.has_bias else None
+        return (dx, dw, None, db) if ctx.has_bias else (dx, dw, None)
+
+
+class FP8Linear(Linear):
+    """A Linear computing in FP8 (:class:`_FP8Linear`), its three casts' scales kept here; same Parameters."""
+
+    def __init__(self, linear: Linear, scaling: str):
+        Module.__init__(self)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.casts = {"x": ScaledCast(E4M3, scaling), "w": ScaledCast(E4M3, scaling), "g": ScaledCast(E5M2, scaling)}
+
+    def forward(self, x: Tensor) -> Tensor:
+        args = (x, self.weight, self.casts) + (() if self.bias is None else (self.bias,))
+        return _FP8Linear.apply(*args)
+
+
+def use_fp8(model, scaling: str = "delayed") -> list[str]:
+    """Replace every plain :class:`Linear` under ``model`` by an :class:`FP8Linear` (in place); their names.
+
+    Raises: ValueError for an unknown ``scaling``; TypeError for a parameter that is not float32.
+    """
+    if scaling not in SCALINGS:
+        raise ValueError(f"FP8 scaling must be one of {SCALINGS}, got {scaling!r}")
+    for name, p in model.named_parameters():
+        if p.dtype != np.float32:
+            raise TypeError(f"FP8 compute keeps float32 parameters; {name} is {p.dtype}")
+    done = []
+    for prefix, parent in list(model.named_modules()):
+        for child_name, child in list(parent._modules.items()):
+            if type(child) is Linear:
+                setattr(parent, child_name, FP8Linear(child, scaling))
+                done.append(f"{prefix}.{child_name}" if prefix else child_name)
+    return done

@@ -1,0 +1,199 @@
+"""Memory-efficient attention: the FlashAttention recurrence on one device (``--attention flash``).
+
+Dao et al. 2022, "FlashAttention" (arXiv:2205.14135), with FlashAttention-2's loop order (Dao 2023,
+arXiv:2307.08691, algorithms 1 and 2): the sequence is cut into blocks of ``block`` rows::
+
+    forward:  for each query block i:                       m = -inf, l = 0, o = 0   (per row)
+                  for each key/value block j <= i:           (causal: blocks j > i are skipped)
+                      S = q_i k_j^T / sqrt(D)                (block x block; the diagonal block masked)
+                      m' = max(m, rowmax S);  P = exp(S - m')
+                      l = l exp(m - m') + rowsum P;  o = o exp(m - m') + (P * keep / (1-p)) v_j;  m = m'
+                  O_i = o / l;   L_i = m + log l             (the row log-sum-exp)
+    backward: D = rowsum(dO * O); for each key/value block j, for each query block i >= j:
+                  P = exp(S - L_i) (recomputed);  dV_j += (P * keep/(1-p))^T dO_i
+                  dS = P * ((dO_i v_j^T) * keep/(1-p) - D_i);  dQ_i += dS k_j / sqrt(D);  dK_j += dS^T q_i / sqrt(D)
+
+Saved for backward: q, k, v, the output O (B, H, T, D) and L (B, H, T) in at least float32; no
+(T, T) array is kept (the dense core keeps the probabilities, their dropout mask and output:
+Korthikanti et al. 2022's 5as^2b). Attention dropout uses the dense core's mask bit for bit: the
+dropout module reserves the whole (B, H, T, T) stretch of its counter-based generator
+(``reserve_mask``) and each block reads its part (``autograd/rng.py``), forward and backward.
+
+The block step (:func:`online_softmax_step`, :func:`attention_block_grads`) is shared with context
+parallelism's ring attention (``parallel/context_parallel.py``), which runs the same recurrence
+with one block per rank.
+"""
+from __future__ import annotations
+
+import math
+
+from minizero import backend
+from minizero.autograd import Function, Tensor
+from minizero.nn.module import Module
+
+ATTENTIONS = ("dense", "flash")  #: choices of ``--attention``
+
+
+# --------------------------------------------------------------------------- the block kernel (shared with ring attention)
+mm = backend.matmul  # BLAS-friendly (contiguous batched operands) on NumPy
+
+
+def block_scores(q, k, scale: float, mask=None):
+    """S = q k^T scale, -inf where ``mask`` (bool, True = keep) is False. q (..., n, D), k (..., m, D) -> (..., n, m)."""
+    s = mm(q, k.swapaxes(-1, -2)) * scale
+    return s if mask is None else backend.xp.where(mask, s, -backend.xp.inf)
+
+
+def online_softmax_step(m, l, o, s, v, keep=None, keep_scale: float = 1.0):
+    """One key/value block of the online softmax: (m, l, o) -> (m', l', o'); see the module docstring.
+
+    m, l: (..., n) running row maximum and sum of exp(S - m); o: (..., n, D) unnormalised output;
+    s: (..., n, k) scores of the block; v: (..., k, D); keep: (..., n, k) bool dropout mask or None.
+    Every row must keep at least one score of the block (no row of s all -inf).
+    """
+    xp = backend.xp
+    m_new = xp.maximum(m, s.max(axis=-1))
+    alpha = xp.exp(m - m_new)
+    p = xp.exp(s - m_new[..., None])
+    l = l * alpha + p.sum(axis=-1)
+    if keep is not None:
+        p = p * keep * keep_scale
+    return m_new, l, o * alpha[..., None] + mm(p, v)
+
+
+def attention_block_grads(q, k, v, g, lse, dsum, scale: float, mask=None, keep=None, keep_scale: float = 1.0):
+    """One block's share of the backward: (dq, dk, dv) contributions, from P = exp(S - L) recomputed.
+
+    q, g: (..., n, D) and lse, dsum: (..., n) for the query block; k, v: (..., m, D) for the key block;
+    mask: (n, m) bool (causal) or None; keep: (..., n, m) bool dropout mask or None.
+    """
+    xp = backend.xp
+    p = xp.exp(mm(q, k.swapaxes(-1, -2)) * scale - lse[..., None])
+    if mask is not None:
+        p = xp.where(mask, p, 0.0)
+    dp = mm(g, v.swapaxes(-1, -2))
+    if keep is not None:
+        dv = mm((p * keep * keep_scale).swapaxes(-1, -2), g)
+        dp = dp * keep * keep_scale
+    else:
+        dv = mm(p.swapaxes(-1, -2), g)
+    ds = p * (dp - dsum[..., None])
+    return mm(ds, k) * scale, mm(ds.swapaxes(-1, -2), q) * scale, dv
+
+
+# --------------------------------------------------------------------------- the autograd Function
+def _upcast(x, acc):
+    return x.astype(acc, copy=False)
+
+
+class _FlashAttention(Function):
+    """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v by blocks. q, k, v (B, H, T, D) -> (B, H, T, D).
+
+    ``drop``: a :class:`~minizero.autograd.rng.MaskStream` of the (B, H, T, T) keep mask, or None.
+    Computes in at least float32; saves q, k, v, O and L (B, H, T).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, block, drop):
+        xp = backend.xp
+        b, h, t, d = q.shape
+        scale, acc = 1.0 / math.sqrt(d), xp.promote_types(q.dtype, xp.float32)
+        keep_scale = 1.0 / (1.0 - drop.p) if drop is not None else 1.0
+        out = xp.empty(q.shape, dtype=q.dtype)
+        lse = xp.empty((b, h, t), dtype=acc)
+        bh = (slice(0, b), slice(0, h))
+        for i0 in range(0, t, block):  # FlashAttention-2: the outer loop over query blocks
+            qs = slice(i0, min(i0 + block, t))
+            qb = _upcast(q[:, :, qs], acc)
+            m = xp.full((b, h, qs.stop - i0), -xp.inf, dtype=acc)
+            l = xp.zeros((b, h, qs.stop - i0), dtype=acc)
+            o = xp.zeros((b, h, qs.stop - i0, d), dtype=acc)
+            for _, ks, diag in _causal_blocks_of_row(qs, block):
+                mask = _diagonal_mask(qs) if diag else None
+                s = block_scores(qb, _upcast(k[:, :, ks], acc), scale, mask)
+                keep = drop.block(bh + (qs, ks)) if drop is not None else None
+                m, l, o = online_softmax_step(m, l, o, s, _upcast(v[:, :, ks], acc), keep, keep_scale)
+            out[:, :, qs] = o / l[..., None]
+            lse[:, :, qs] = m + xp.log(l)
+        ctx.block, ctx.drop, ctx.keep_scale = block, drop, keep_scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = backend.xp
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, t, d = q.shape
+        block, drop, scale, acc = ctx.block, ctx.drop, 1.0 / math.sqrt(d), lse.dtype
+        g = _upcast(g, acc)
+        dsum = (g * _upcast(out, acc)).sum(axis=-1)  # D = rowsum(dO * O)
+        dq, dk, dv = (xp.zeros(x.shape, dtype=acc) for x in (q, k, v))
+        bh = (slice(0, b), slice(0, h))
+        for j0 in range(0, t, block):  # FlashAttention-2's backward: outer loop over key/value blocks
+            ks = slice(j0, min(j0 + block, t))
+            kb, vb = _upcast(k[:, :, ks], acc), _upcast(v[:, :, ks], acc)
+            for i0 in range(j0, t, block):  # query blocks on or below the diagonal
+                qs = slice(i0, min(i0 + block, t))
+                keep = drop.block(bh + (qs, ks)) if drop is not None else None
+                gq, gk, gv = attention_block_grads(_upcast(q[:, :, qs], acc), kb, vb, g[:, :, qs], lse[:, :, qs],
+                                                   dsum[:, :, qs], scale, _diagonal_mask(qs) if i0 == j0 else None,
+                                                   keep, ctx.keep_scale)
+                dq[:, :, qs] += gq
+                dk[:, :, ks] += gk
+                dv[:, :, ks] += gv
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+def _causal_blocks_of_row(qs: slice, block: int):
+    """The key blocks query block ``qs`` sees: (query slice, key slice, diagonal?), left to right."""
+    for j0 in range(0, qs.start + 1, block):
+        yield qs, slice(j0, min(j0 + block, qs.stop)), j0 == qs.start
+
+
+def _diagonal_mask(qs: slice):
+    n = qs.stop - qs.start
+    return backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
+
+
+def check_block(block) -> int:
+    """``block`` as an int. Raises: ValueError naming the value unless it is a positive integer."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"the attention block must be a positive integer (rows per query/key block), got {block!r}")
+    return block
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, block: int, dropout=None) -> Tensor:
+    """Causal attention by blocks of ``block`` rows; equal to the dense core (same dropout mask).
+
+    q, k, v: (B, H, T, D) -> (B, H, T, D). ``dropout``: the attention's dropout module (its
+    ``reserve_mask``), or None. Raises: ValueError for a block that is not a positive integer.
+    """
+    check_block(block)
+    drop = dropout.reserve_mask((q.shape[0], q.shape[1], q.shape[2], k.shape[2])) if dropout is not None else None
+    return _FlashAttention.apply(q, k, v, block, drop)
+
+
+class FlashAttentionCore(Module):
+    """An attention core (``attn.core``): q, k, v (B, H, T, D) -> (B, H, T, D) by :func:`flash_attention`."""
+
+    def __init__(self, block: int):
+        super().__init__()
+        self.block = check_block(block)
+
+    def forward(self, q, k, v, dropout=None):
+        return flash_attention(q, k, v, self.block, dropout)
+
+
+def use_flash_attention(stage, block: int) -> list[str]:
+    """Make every transformer block's ``attn.core`` a :class:`FlashAttentionCore` (in place); returns their names.
+
+    ``stage``: a GPT, a pipeline stage, or an interleaved stage (each of its ``chunks``). Call it before
+    recompute and context parallelism wrap or replace the cores.
+    """
+    check_block(block)
+    done = []
+    for part in getattr(stage, "chunks", [stage]):
+        for name, blk in part.transformer["h"]._modules.items():
+            blk.attn.core = FlashAttentionCore(block)
+            done.append(f"transformer.h.{name}.attn.core")
+    return done
