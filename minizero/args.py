@@ -213,7 +213,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         v = vars(args)[name]
         if v is not None and v > cap:
             raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {v:,}")
-    for name in ("eval_every", "warmup", "sample_tokens"):
+    for name in ("eval_every", "warmup", "sample_tokens", "flight_records", "check_replicas"):
         v = vars(args)[name]
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")

@@ -58,6 +58,9 @@ class TrainConfig:
     comm: str | None = _D["comm"]
     comm_timeout: float = _D["comm_timeout"]
     allreduce: str = _D["allreduce"]
+    flight_records: int = _D["flight_records"]  # debugging (minizero.debug)
+    debug_collectives: bool = _D["debug_collectives"]
+    check_replicas: int = _D["check_replicas"]
     # memory
     zero: int = _D["zero"]
     show_shards: bool = _D["show_shards"]

@@ -1,7 +1,8 @@
 """Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND``, installed by the training loop as a callback.
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or
-``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK; ``kill_in_save``
+``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after
+step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted); ``kill_in_save``
 fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
 gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs
 before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
@@ -15,7 +16,7 @@ import numpy as np
 
 from minizero.callbacks import Callback
 
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge")
 
 
 class FaultInjector(Callback):
@@ -29,7 +30,7 @@ class FaultInjector(Callback):
     """
 
     def __init__(self, rank: int, params, spec: str | None = None):
-        self.spec, self.armed, self.step, self.kind = spec, False, None, None
+        self.spec, self.armed, self.step, self.kind, self.params = spec, False, None, None, list(params)
         if spec:
             r, s, kind = spec.split(":")
             if int(r) == rank:
@@ -50,7 +51,7 @@ class FaultInjector(Callback):
     def on_step_start(self, run, step: int) -> None:
         """Fire the fault due at ``step``: raise, kill or stop now; arm the ``inf`` hook for this step's backward."""
         self.armed = False
-        if step != self.step or self.kind == "kill_in_save":
+        if step != self.step or self.kind in ("kill_in_save", "diverge"):
             return
         if self.kind == "inf":
             self.armed = True
@@ -63,3 +64,5 @@ class FaultInjector(Callback):
 
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False
+        if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
+            self.params[0].data.reshape(-1)[0] += 1e-3

@@ -10,6 +10,7 @@ import tracemalloc
 from minizero import trace
 from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
+from minizero.debug.replicas import ReplicaCheck
 from minizero.faults import FaultInjector
 from minizero.header import Header
 from minizero.ledger import get_ledger
@@ -124,4 +125,6 @@ def default_callbacks(run) -> list[Callback]:
                  MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
+    if args.check_replicas:
+        callbacks.append(ReplicaCheck(args.check_replicas))
     return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]

@@ -1,0 +1,188 @@
+"""The flight recorder and ``python -m minizero.debug hang``: hangs and mismatches made on purpose, then named.
+
+In-process ranks (``run_in_threads``, short timeouts) for the recorder, the analyzer and ``--debug-collectives``;
+one ``mpiexec`` job with a stopped rank for the whole path (dump on timeout, analyzer on the files).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minizero.comm import all_gather, all_reduce, broadcast, reduce_scatter, run_in_threads
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.comm.nonblocking import RingCollective, Stream
+from minizero.debug import hang
+from minizero.debug.__main__ import main as debug_main
+from tests.conftest import mpi_env
+
+
+def _run_and_dump(world, fn, folder, timeout=1.0):
+    """Run ``fn(comm)`` on ``world`` thread ranks; every rank dumps its record (on its exception too)."""
+    def body(comm):
+        try:
+            fn(comm)
+        except BaseException as e:
+            comm.traffic.recorder.dump(str(folder), comm.rank, comm.world_size, type(e).__name__)
+            raise
+        comm.traffic.recorder.dump(str(folder), comm.rank, comm.world_size, "end")
+
+    try:
+        run_in_threads(world, body, timeout=timeout)
+    except Exception as e:  # noqa: BLE001  (the failure is what the test made happen)
+        return e
+    return None
+
+
+def test_recorder_keeps_the_last_n_operations_with_shape_dtype_and_state():
+    def fn(comm):
+        comm.traffic.recorder = FlightRecorder(capacity=3)
+        for i in range(5):
+            all_reduce(comm, np.full(4, float(i)))
+        reduce_scatter(comm, np.ones((2, 4), dtype=np.float32))
+        return comm.traffic.recorder.snapshot(comm.rank, comm.world_size)
+
+    snap = run_in_threads(2, fn)[1]
+    assert [e["seq"] for e in snap["entries"]] == [4, 5, 6]
+    last = snap["entries"][-1]
+    assert (last["op"], last["shape"], last["dtype"], last["bytes"], last["state"]) == (
+        "reduce_scatter", (2, 4), "float32", 32, "completed")
+    assert snap["groups"]["world"] == {"members": [0, 1], "last_seq": 6}
+    assert last["posted_us"] <= last["ended_us"]
+
+
+def test_overlapped_collectives_are_posted_in_submission_order_and_completed():
+    def fn(comm):
+        stream = Stream(comm)
+        for i in range(3):
+            stream.submit(RingCollective(comm, np.full(6, float(i)), "all_reduce", tag=1003))
+        states = [e.state for e in comm.traffic.recorder.entries]
+        stream.synchronize()
+        return states, [(e.seq, e.state) for e in comm.traffic.recorder.entries]
+
+    before, after = run_in_threads(2, fn)[0]
+    assert before[1:] == ["posted", "posted"]  # queued behind the first
+    assert after == [(1, "completed"), (2, "completed"), (3, "completed")]
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_sequence_number_the_others_wait_in(tmp_path):
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        broadcast(comm, np.ones(2))
+        if comm.rank != 1:  # rank 1 skips the third collective and stops
+            all_reduce(comm, np.ones(5))
+
+    err = _run_and_dump(4, fn, tmp_path)
+    assert "waited" in str(err)
+    lines = hang.analyze(hang.load(str(tmp_path)))
+    found = [ln for ln in lines if ln.startswith("hang:")]
+    assert len(found) == 1, lines
+    assert "rank(s) [0, 2, 3] wait in all_reduce #3 (shape (5,), float64, 40 bytes)" in found[0]
+    assert "rank 1 never posted #3 (its last: broadcast #2" in found[0]
+    assert any(ln.startswith("last:") and "broadcast #2" in ln for ln in lines), lines
+
+
+def test_ranks_in_different_collectives_at_one_sequence_number_are_named(tmp_path):
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        if comm.rank == 2:
+            all_gather(comm, np.ones(2))
+        else:
+            reduce_scatter(comm, np.ones(16))
+
+    assert _run_and_dump(4, fn, tmp_path) is not None
+    lines = hang.analyze(hang.load(str(tmp_path)))
+    assert lines[0] == ("mismatch: group world [0, 1, 2, 3] #2: rank(s) [2] are in all_gather (shape (8,), "
+                        "float64, 64 bytes) while rank(s) [0, 1, 3] are in reduce_scatter (shape (16,), float64, "
+                        "128 bytes)"), lines
+
+
+def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
+    assert _run_and_dump(2, lambda comm: [all_reduce(comm, np.ones(4)) for _ in range(3)], tmp_path) is None
+    assert debug_main(["hang", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ok: 2 rank(s), 6 operations" in out
+    assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
+
+
+def test_a_missing_rank_file_is_reported():
+    snaps = {0: {"rank": 0, "world_size": 2, "reason": "x", "groups": {"world": {"members": [0, 1], "last_seq": 1}},
+                 "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",
+                              "bytes": 16, "state": "started", "posted_us": 1, "ended_us": None, "error": None}]}}
+    lines = hang.analyze(snaps)
+    assert lines[0].startswith("missing: rank 1 wrote no flight file")
+    assert "rank(s) [0] wait in all_reduce #1" in lines[1] and "rank 1 left no record (no flight file)" in lines[1]
+
+
+# -- --debug-collectives -------------------------------------------------------------------------------------
+def test_debug_collectives_names_a_rank_that_skipped_an_all_reduce_with_both_sides():
+    def fn(comm):
+        check_collectives(comm)
+        all_reduce(comm, np.ones(3))
+        if comm.rank != 1:
+            all_reduce(comm, np.ones(3))
+        broadcast(comm, np.ones(2))
+
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, fn, timeout=5)
+    msg = str(e.value)
+    assert "calls all_reduce #2 (shape (3,), float64, 24 bytes)" in msg, msg
+    assert "rank 1 calls broadcast #2 (shape (2,), float64, 16 bytes)" in msg, msg
+
+
+def test_debug_collectives_names_an_all_gather_of_another_shape():
+    def fn(comm):
+        check_collectives(comm)
+        all_gather(comm, np.ones(3 if comm.rank == 2 else 2), n=12 if comm.rank == 2 else 8)
+
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, fn, timeout=5)
+    msg = str(e.value)
+    assert "all_gather #1 (shape (8,), float64, 64 bytes)" in msg and "rank 2 calls all_gather #1 (shape (12,)" in msg
+
+
+def test_debug_collectives_passes_agreeing_ranks_and_leaves_results_unchanged():
+    def fn(comm, check):
+        if check:
+            check_collectives(comm)
+        x = np.arange(7.0) * (comm.rank + 1)
+        return all_reduce(comm, x), all_gather(comm, x[:2] + comm.rank, n=6), comm.traffic.by_op.get(
+            "debug_collectives", 0)
+
+    plain, checked = run_in_threads(3, fn, False), run_in_threads(3, fn, True)
+    for (a, b, _), (c, d, nbytes) in zip(plain, checked):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+        assert nbytes > 0  # the descriptors are counted under their own label
+
+
+# -- the main job under mpiexec ------------------------------------------------------------------------------
+TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_path):
+    """MINIZERO_FAULT=1:5:stop, 4 ranks, --zero 3: the job ends within --comm-timeout + 30 s, every live rank
+    wrote its flight file, and the analyzer names rank 1 and the operation the others wait in."""
+    out, timeout = tmp_path / "out", 3
+    env = dict(mpi_env(), MINIZERO_FAULT="1:5:stop")
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *TINY, "--steps", "8",
+                           "--zero", "3", "--comm-timeout", str(timeout), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=150)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    flight = out / "flight"
+    assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
+    assert all("CommTimeoutError" in json.loads((flight / f).read_text())["reason"] for f in os.listdir(flight))
+    report = subprocess.run([sys.executable, "-m", "minizero.debug", "hang", str(flight)], env=mpi_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 1
+    lines = report.stdout.splitlines()
+    assert "missing: rank 1 wrote no flight file (stopped or killed before it could)" in lines, report.stdout
+    found = [ln for ln in lines if ln.startswith("hang: group dp [0, 1, 2, 3]: rank(s) [0, 2, 3] wait in ")]
+    assert found and "rank 1 left no record (no flight file)" in found[0], report.stdout
+    assert " #" in found[0] and "all_gather" in found[0], found
+    assert elapsed < timeout + 30 + 30  # start-up of 4 ranks on a loaded 2-core machine included
