@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "is aborted with the operation and the rank waited on (PyTorch's NCCL default: 600)")
     p.add_argument("--flight-records", type=int, default=DEFAULT_CAPACITY, metavar="N",
                    help="collectives each rank's flight recorder keeps, written to OUT/flight/rank_R.json when the "
-                        "job fails or on SIGUSR1 (python -m minizero.debug hang OUT/flight names who hung where; 0: off)")
+                        "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names who hung "
+                        "where; 0: off)")
     p.add_argument("--debug-collectives", action="store_true",
                    help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
                         "a mismatch stops the job naming both sides (one small all-gather per collective)")

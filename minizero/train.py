@@ -39,7 +39,8 @@ from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_f
                            check_steps_left, model_config, parse_args)
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
-from minizero.comm.flight import FlightRecorder, check_collectives
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
@@ -51,7 +52,8 @@ from minizero.memory.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
-DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError)
+DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
+             CollectiveMismatchError, ReplicaMismatchError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 
@@ -126,9 +128,10 @@ def _start_flight(comm, args) -> None:
 
 
 def _dump_flight(comm, args, reason: str) -> None:
-    """This rank's flight record into OUT/flight/rank_R.json (``python -m minizero.debug hang OUT/flight``)."""
+    """This rank's flight record into OUT/flight/rank_R.json (``python -m minizero.debug hang OUT/flight``); not
+    with --no-save."""
     recorder = comm.traffic.active_recorder()
-    if recorder is not None:
+    if recorder is not None and not args.no_save:
         try:
             recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason)
         except OSError as e:

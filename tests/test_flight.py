@@ -5,6 +5,7 @@ one ``mpiexec`` job with a stopped rank for the whole path (dump on timeout, ana
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -186,3 +187,29 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     assert found and "rank 1 left no record (no flight file)" in found[0], report.stdout
     assert " #" in found[0] and "all_gather" in found[0], found
     assert elapsed < timeout + 30 + 30  # start-up of 4 ranks on a loaded 2-core machine included
+
+
+@pytest.mark.timeout(180)
+def test_sigusr1_dumps_every_rank_on_demand_and_ctrl_c_dumps_again(mpiexec, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY[:-1], "--steps",
+                             "100000", "--progress", "log", "--log-every", "1", "--out", str(out)],
+                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the first validation needs every rank: all have their handler by then
+            if "validation loss" in line:
+                break
+        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+        files = [out / "flight" / f"rank_{r}.json" for r in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [json.loads(f.read_text())["reason"] for f in files] == ["SIGUSR1", "SIGUSR1"]
+        assert proc.poll() is None  # still training
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert [json.loads(f.read_text())["reason"] for f in files] == ["SIGINT", "SIGINT"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
