@@ -61,6 +61,7 @@ class TrainConfig:
     flight_records: int = _D["flight_records"]  # debugging (minizero.debug)
     debug_collectives: bool = _D["debug_collectives"]
     check_replicas: int = _D["check_replicas"]
+    detect_anomaly: bool = _D["detect_anomaly"]
     # memory
     zero: int = _D["zero"]
     show_shards: bool = _D["show_shards"]

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-collectives", action="store_true",
                    help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
                         "a mismatch stops the job naming both sides (one small all-gather per collective)")
+    p.add_argument("--detect-anomaly", action="store_true",
+                   help="check every module's output and every gradient for inf/NaN; the first module (forward) or "
+                        "parameter (backward) that made one is named with rank, step and value ranges (slow)")
     p.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps and after the last, hash every parameter and compare across the "
                         "data-parallel replicas; a difference stops the job naming parameter, ranks, step (0: off)")

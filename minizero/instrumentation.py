@@ -10,6 +10,7 @@ import tracemalloc
 from minizero import trace
 from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
+from minizero.debug.anomaly import AnomalyDetector
 from minizero.debug.replicas import ReplicaCheck
 from minizero.faults import FaultInjector
 from minizero.header import Header
@@ -121,8 +122,10 @@ def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
     every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
-    callbacks = [Header(), resume, FaultInjector.from_environment(run.comm.rank, run.strategy.params),
-                 MemoryCallback(every)]
+    callbacks = [Header(), resume]
+    if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
+        callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
+    callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
     if args.check_replicas:

@@ -40,6 +40,7 @@ from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_f
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
@@ -53,7 +54,7 @@ from minizero.report import gather_stats, printable, report  # noqa: F401 (the p
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
 DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
-             CollectiveMismatchError, ReplicaMismatchError)
+             CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 
@@ -215,7 +216,7 @@ def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
     (:data:`DIAGNOSES`) and for an MPI library error (a survivor whose peer died: MPICH's error stack
     is dozens of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
     if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
-        verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
+        verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError, AnomalyError)) else "failed"
         return f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
     if mpi_exception and isinstance(e, mpi_exception):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -47,17 +47,17 @@ class Entry:
     """One operation of one group on this rank (see the module docstring for the fields)."""
     __slots__ = ("group", "seq", "op", "shape", "dtype", "nbytes", "state", "posted_us", "ended_us", "error")
 
-    def __init__(self, group, seq, op, buf, state):
+    def __init__(self, group, seq, op, buf, state):  # kept as given: converted to text only by as_dict
         self.group, self.seq, self.op, self.state = group, seq, op, state
-        self.shape = None if buf is None else tuple(int(d) for d in buf.shape)
-        self.dtype = None if buf is None else str(buf.dtype)
-        self.nbytes = None if buf is None else int(buf.nbytes)
+        self.shape, self.dtype, self.nbytes = (None, None, None) if buf is None else (buf.shape, buf.dtype, buf.nbytes)
         self.posted_us, self.ended_us, self.error = time.time_ns() // 1000, None, None
 
     def as_dict(self) -> dict:
-        return {"group": self.group.name, "seq": self.seq, "op": self.op, "shape": self.shape, "dtype": self.dtype,
-                "bytes": self.nbytes, "state": self.state, "posted_us": self.posted_us, "ended_us": self.ended_us,
-                "error": self.error}
+        shape = None if self.shape is None else tuple(int(d) for d in self.shape)
+        return {"group": self.group.name, "seq": self.seq, "op": self.op, "shape": shape,
+                "dtype": None if self.dtype is None else str(self.dtype),
+                "bytes": None if self.nbytes is None else int(self.nbytes), "state": self.state,
+                "posted_us": self.posted_us, "ended_us": self.ended_us, "error": self.error}
 
 
 class _Group:
@@ -166,7 +166,7 @@ def _encode(entry: Entry) -> np.ndarray:
     label = entry.op.encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
     dims = list(entry.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
     head = np.array([entry.seq, len(entry.shape), entry.nbytes] + dims, dtype=np.int64)
-    dtype = np.frombuffer(entry.dtype.encode()[:8].ljust(8, b"\0"), dtype=np.int64)
+    dtype = np.frombuffer(str(entry.dtype).encode()[:8].ljust(8, b"\0"), dtype=np.int64)
     return np.concatenate([head, dtype, np.frombuffer(label, dtype=np.int64)])
 
 
