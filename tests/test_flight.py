@@ -213,3 +213,31 @@ def test_sigusr1_dumps_every_rank_on_demand_and_ctrl_c_dumps_again(mpiexec, tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- python -m minizero.debug trace ----------------------------------------------------------------------------
+def _ev(pid, name, cat, tid, ts, dur, **args):
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tmp_path, capsys):
+    from minizero.debug import timeline
+    events = []
+    for pid, fwd in ((0, 1000), (1, 3000)):  # rank 1 computes 3x longer: the straggler
+        events += [_ev(pid, "forward h.0", "forward", 0, 0, fwd),
+                   _ev(pid, "all_reduce", "comm", 1, 4000, 500),        # exposed
+                   _ev(pid, "bucket 0", "comm", 2, 0, 800),             # in flight, under compute
+                   _ev(pid, "optimizer", "optimizer", 0, 5000, 1000)]
+    events.append(_ev(0, "recv act mb0", "comm", 1, 1000, 2000, peer=1, bytes=8))  # rank 0 waits for stage 1
+    f0 = timeline.rank_figures(events, 0)
+    assert {k: f0[k] for k in ("step", "compute", "exposed", "overlapped", "bubble", "other")} == {
+        "step": 6.0, "compute": 2.0, "exposed": 0.5, "overlapped": 0.8, "bubble": 2.0, "other": 1.5}
+    assert f0["waited_on"] == {1: 2.0}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert debug_main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
+    assert "slowest rank: 1 (compute 4.00 ms/step, 2.00x rank 0's 2.00)" in out
+    assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 in pipeline waits, most of it waiting for "
+            "pipeline stage 1)") in out
