@@ -62,6 +62,7 @@ class TrainConfig:
     debug_collectives: bool = _D["debug_collectives"]
     check_replicas: int = _D["check_replicas"]
     detect_anomaly: bool = _D["detect_anomaly"]
+    loss_spike: float = _D["loss_spike"]
     # memory
     zero: int = _D["zero"]
     show_shards: bool = _D["show_shards"]

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detect-anomaly", action="store_true",
                    help="check every module's output and every gradient for inf/NaN; the first module (forward) or "
                         "parameter (backward) that made one is named with rank, step and value ranges (slow)")
+    p.add_argument("--loss-spike", type=float, default=0.0, metavar="K",
+                   help="a step whose loss exceeds K x the running mean records every parameter's gradient norm "
+                        "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
     p.add_argument("--check-replicas", type=int, default=0, metavar="N",
                    help="every N steps and after the last, hash every parameter and compare across the "
                         "data-parallel replicas; a difference stops the job naming parameter, ranks, step (0: off)")

@@ -10,7 +10,7 @@ import tracemalloc
 from minizero import trace
 from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
-from minizero.debug.anomaly import AnomalyDetector
+from minizero.debug.anomaly import AnomalyDetector, LossSpikes
 from minizero.debug.replicas import ReplicaCheck
 from minizero.faults import FaultInjector
 from minizero.header import Header
@@ -125,6 +125,8 @@ def default_callbacks(run) -> list[Callback]:
     callbacks = [Header(), resume]
     if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
         callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
+    if args.loss_spike:
+        callbacks.append(LossSpikes(run.strategy.stage, args.loss_spike))
     callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))

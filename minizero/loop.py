@@ -98,6 +98,7 @@ class TrainResult:
     memory_timeline: object = None
     module_peaks: object = None
     device_pool: list | None = None
+    loss_spikes: list = dataclasses.field(default_factory=list)  # --loss-spike (minizero.debug.anomaly.LossSpikes)
 
     @property
     def skipped_steps(self) -> int:

@@ -64,3 +64,29 @@ def test_a_clean_run_with_the_detector_trains_as_without_it():
         return train(args, comm, log=lambda s: None)["train_losses"]
 
     assert run_in_threads(2, _train, [], timeout=240)[0] == run_in_threads(2, plain, timeout=240)[0]
+
+
+def test_a_loss_spike_records_every_parameters_gradient_norm():
+    from types import SimpleNamespace
+
+    from minizero.callbacks import StepRecord
+    from minizero.debug.anomaly import LossSpikes
+    model, idx = _model()
+    spikes = LossSpikes(model, factor=2.0, warmup=3)
+    run = SimpleNamespace(result=SimpleNamespace(loss_spikes=[]), log=lambda line: logged.append(line))
+    logged = []
+    for step, loss in enumerate([5.0, 4.0, 3.0, 3.0, 9.0, 3.0]):  # 9 > 2 x 3.75; then 3 < 2 x 4.8
+        spikes.on_step_start(run, step)
+        _, out = model(idx, idx)
+        out.backward()
+        spikes.on_step_end(run, step, StepRecord(loss, 0.0, 1.0, 1.0, 0))
+        wpe = float(np.sqrt((model.transformer.wpe.weight.grad.astype(np.float64) ** 2).sum()))
+        for p in model.parameters():
+            p.grad = None
+    assert [(s["step"], s["loss"], s["running_mean"]) for s in run.result.loss_spikes] == [(4, 9.0, 3.75)]
+    norms = run.result.loss_spikes[0]["grad_norms"]
+    assert set(norms) == {n for n, _ in model.named_parameters()} and norms["transformer.wpe.weight"] == wpe
+    assert logged == ["loss spike at step 4: 9.0000 > 2 x running mean 3.7500; per-parameter gradient norms in "
+                      "summary.json (loss_spikes)"]
+    with pytest.raises(ValueError, match="factor=1"):
+        LossSpikes(model, factor=1)

@@ -103,3 +103,43 @@ class AnomalyDetector(Callback):
             print(f"minizero.train: {self.finding}; the loss scaler skipped this step: "
                   f"{step in run.result.skipped_at}", file=sys.stderr, flush=True)
         self.step = None  # validation forwards are not watched
+
+
+class LossSpikes(Callback):
+    """``--loss-spike K``: when a step's loss exceeds K times the mean of the previous (up to) 20, record that
+    step's gradient norm of every parameter of this rank (local, before the data-parallel reduction, as the
+    last micro-batch's backward left it) in ``run.result.loss_spikes`` (rank 0's go to ``summary.json``).
+
+    Args:
+        stage: this rank's model or pipeline stage. factor: K > 1. warmup: steps before the first comparison.
+    Raises:
+        ValueError: ``factor`` not > 1 or ``warmup`` < 1.
+    """
+
+    WINDOW = 20  #: steps in the running mean
+
+    def __init__(self, stage, factor: float, warmup: int = 5):
+        if not factor > 1 or warmup < 1:
+            raise ValueError(f"factor={factor!r}, warmup={warmup!r}; allowed: factor > 1, warmup >= 1")
+        self.factor, self.warmup, self.losses, self.sq = factor, warmup, [], {}
+        for name, p in stage.named_parameters():
+            p.register_post_accumulate_grad_hook(self._grad_hook(name), prepend=True)
+
+    def _grad_hook(self, name: str):
+        def hook(p):
+            if p.grad is not None:
+                self.sq[name] = float(backend.to_host((p.grad.astype("float64") ** 2).sum()))
+        return hook
+
+    def on_step_start(self, run, step):
+        self.sq = {}
+
+    def on_step_end(self, run, step, record):
+        recent = self.losses[-self.WINDOW:]
+        mean = sum(recent) / len(recent) if recent else 0.0
+        if len(self.losses) >= self.warmup and record.loss > self.factor * mean:
+            run.result.loss_spikes.append({"step": step, "loss": record.loss, "running_mean": mean,
+                                           "grad_norms": {k: v ** 0.5 for k, v in self.sq.items()}})
+            run.log(f"loss spike at step {step}: {record.loss:.4f} > {self.factor:g} x running mean {mean:.4f}; "
+                    f"per-parameter gradient norms in summary.json (loss_spikes)")
+        self.losses.append(record.loss)
