@@ -4,7 +4,8 @@ Runs ``mpiexec -n N python -m minizero.train --json J`` ``--rounds`` times with 
 the default, alternating (off, on, off, on, ...) so that a machine's drift hits both alike, and prints a
 Markdown table of the median tokens/s of each and their ratio. A shared machine's noise is larger than the
 recorder's cost: read the per-operation line too, which times ``TrafficLedger.op`` blocks with and without a
-recorder in one process, and the operations per step each rank records (from a flight dump).
+recorder in one process, and the operations per step rank 0 records (thread ranks, the same job), whose
+product estimates the recorder's share of a step.
 
 usage: python bench/bench_flight.py [--ranks 2] [--steps 20] [--rounds 3] [--model tiny] [--zero 0]
 """
@@ -27,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
 
 
-def job(n: int, args, records: int | None) -> float:
-    """tokens/s of one run (``records``: --flight-records, None for the default)."""
+def job(n: int, args, records: int | None) -> tuple[float, float]:
+    """(tokens/s, seconds per step) of one run (``records``: --flight-records, None for the default)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
                "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
@@ -36,7 +37,8 @@ def job(n: int, args, records: int | None) -> float:
                *([] if records is None else ["--flight-records", str(records)])]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(os.path.join(d, "s.json")) as f:
-            return json.load(f)["tokens_per_s"]
+            summary = json.load(f)
+        return summary["tokens_per_s"], summary["elapsed_s"] / args.steps
 
 
 def per_op_us(recorder: bool, reps: int = 20000) -> float:
@@ -49,6 +51,21 @@ def per_op_us(recorder: bool, reps: int = 20000) -> float:
         with ledger.op("all_reduce", buf):
             pass
     return (time.perf_counter() - t0) / reps * 1e6
+
+
+def ops_per_step(n: int, args) -> float:
+    """Flight entries per rank per optimizer step of the same job on ``n`` thread ranks (rank 0's count)."""
+    from minizero.comm import run_in_threads
+    from minizero.train import parse_args, train
+
+    def body(comm):
+        flags = ["--model", args.model, "--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                 "--zero", str(args.zero)]
+        train(parse_args(flags, comm.world_size), comm, log=lambda line: None, callbacks=[])
+        return comm.traffic.recorder.groups
+
+    groups = run_in_threads(n, body, timeout=600)[0]
+    return sum(g.seq for g in groups.values()) / 4  # set-up and validation included: an upper bound
 
 
 def main() -> None:
@@ -66,14 +83,19 @@ def main() -> None:
     for _ in range(args.rounds):
         off.append(job(args.ranks, args, 0))
         on.append(job(args.ranks, args, None))
-    m_off, m_on = statistics.median(off), statistics.median(on)
+    m_off, m_on = statistics.median(t for t, _ in off), statistics.median(t for t, _ in on)
+    step_s = statistics.median(s for _, s in off)
     print(f"| ranks | model | --zero | flight recorder | tokens/s (median of {args.rounds}) | vs off |")
     print("|---:|:---|---:|:---|---:|---:|")
     print(f"| {args.ranks} | {args.model} | {args.zero} | off | {m_off:,.0f} | 1.000 |")
     print(f"| {args.ranks} | {args.model} | {args.zero} | on | {m_on:,.0f} | {m_on / m_off:.3f} |")
     bare, kept = min(per_op_us(False) for _ in range(3)), min(per_op_us(True) for _ in range(3))
+    per_step = ops_per_step(args.ranks, args)
     print(f"\none labelled block (traffic.op, no messages): {bare:.2f} us without a recorder, {kept:.2f} us with "
           f"one: {kept - bare:.2f} us per collective recorded (shared machine: timings are noisy)")
+    print(f"entries per rank per step (rank 0, set-up and validation included): {per_step:.0f}, so about "
+          f"{per_step * max(kept - bare, 0):.0f} us of recording per step of {step_s * 1e3:.1f} ms "
+          f"({100 * per_step * max(kept - bare, 0) / 1e6 / step_s:.2f}%)")
 
 
 if __name__ == "__main__":
