@@ -1,21 +1,11 @@
-"""The flight recorder: each rank's last N collectives, kept by its traffic ledger, dumped when the job fails.
+"""The flight recorder: each rank's last N operations, kept by its traffic ledger, dumped when the job fails.
 
-Every root :class:`~minizero.comm.traffic.TrafficLedger` owns a :class:`FlightRecorder`; the ledgers of
-the groups split from it report to the same one. Each ``traffic.op(label, buf)`` block (a collective, or
-any labelled exchange) and each overlapped ring collective is one :class:`Entry`::
-
-    group "dp" [0, 2]  seq 17  all_gather  shape (4096,) float64  32768 bytes  started  t_post  t_end
-
-``seq`` counts the operations of one group on this rank (1, 2, ...), so rank r's seq k and rank s's seq k
-of the same group must be the same call; ``state`` is ``posted`` (queued behind another overlapped
-collective), ``started``, ``completed`` or ``failed`` (with the exception's text). A rank that hangs
-leaves its last entries ``started``. ``dump`` writes one JSON file per rank (``OUT/flight/rank_R.json``);
-:mod:`minizero.debug.hang` compares the ranks' files.
-
-With ``check_collectives`` on (``--debug-collectives``) every collective on a named group first
-all-gathers (op, seq, shape, dtype, bytes) over the group and raises :class:`CollectiveMismatchError`
-naming both sides on a difference. Mirrors PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
-``torch/csrc/distributed/c10d/FlightRecorder``) and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s collective checks.
+Each ``traffic.op(label, buf)`` block and each overlapped ring collective is one :class:`Entry` (group, ``seq``,
+op, shape, dtype, bytes, state, timestamps) in the root ledger's :class:`FlightRecorder`. ``seq`` counts one
+group's operations on this rank, so rank r's #k and rank s's #k of a group must be the same call. States:
+``posted`` (queued overlapped collective), ``started``, ``completed``, ``failed``. :mod:`minizero.debug.hang`
+compares the ranks' dumps; ``check_collectives`` (``--debug-collectives``) compares descriptors before each
+collective. Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 from __future__ import annotations
 

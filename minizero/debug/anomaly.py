@@ -1,15 +1,10 @@
-"""Non-finite attribution (``--detect-anomaly``): the first module whose forward, or parameter whose gradient,
-turned finite values into inf or NaN, on which rank and step, with the ranges around it.
+"""Non-finite attribution (``--detect-anomaly``): the first module (forward) or parameter gradient (backward)
+that turned finite values into inf or NaN, with rank, step and value ranges; ``--loss-spike``.
 
-Two seams, nothing inside a technique: a forward hook on every module checks its output (the innermost module
-finishes first, so the first hit whose inputs were all finite is where the non-finite value was *made*); a
-post-accumulate-grad hook on every parameter checks its gradient as backward finishes it (registered first, so
-it sees the gradient before data parallelism or ZeRO pack it; a fault injected by :mod:`minizero.faults` is
-registered before it). In FP32 the first finding raises :class:`AnomalyError`; under FP16 a non-finite gradient
-is the loss scaler's business (it skips the step), so the finding is printed for the step the scaler skipped.
-
-Mirrors ``torch.autograd.detect_anomaly`` (which names the backward Function) and DeepSpeed's / Megatron-LM's
-NaN checks on the gradients before the all-reduce (``check_for_nan_in_grad``).
+Seams only: a forward hook on every module (innermost modules finish first, so the first non-finite output
+from finite inputs is where it was made) and a post-accumulate-grad hook on every parameter (prepended: it sees
+the gradient before data parallelism or ZeRO pack it). FP32 raises :class:`AnomalyError`; FP16 prints the
+finding for the step the loss scaler skipped. Mirrors ``torch.autograd.detect_anomaly``.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """``python -m minizero.debug hang OUT/flight``: what the ranks' flight records say went wrong.
 
-Reads every ``rank_R.json`` that :meth:`minizero.comm.flight.FlightRecorder.dump` wrote and compares, for
-each group (name and member ranks), the ranks' operations by sequence number. One line per finding:
-
-    missing   rank 1 wrote no flight file (stopped or killed before it could)
-    hang      group dp [0, 1, 2, 3]: ranks [0, 2, 3] wait in all_gather #37 (...); rank 1: no flight file
-    never     ... rank 1 never posted #37 (its last: reduce_scatter #36, completed)
-    mismatch  group dp [0, 1, 2, 3] #12: rank 2 is in all_gather (...) while ranks [0, 1, 3] are in reduce_scatter (...)
-    last      group dp [0, 1, 2, 3]: the last operation every rank completed is all_reduce #36
-
-Mirrors PyTorch's flight-recorder analyzer (``torch/distributed/flight_recorder``, ``fr_trace``): match
-the ranks' records by sequence id, report the first one missing or different.
+Matches every ``rank_R.json`` by group and sequence number (PyTorch's ``fr_trace`` analyzer does the same) and
+prints one line per finding: ``missing`` (a rank wrote no file), ``mismatch`` (ranks in different operations at
+one sequence number), ``hang`` (who waits in what, who never posted it), ``last`` (the last operation every
+rank completed).
 """
 from __future__ import annotations
 

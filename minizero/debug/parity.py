@@ -1,15 +1,9 @@
-"""``python -m minizero.debug parity "--dp 2" "--tp 2"``: two layouts, one seed, one global batch, float64:
-where do they part?
+"""``python -m minizero.debug parity "--dp 2" "--tp 2"``: two layouts, one seed and global batch, in float64.
 
-Runs the main job once per layout (``mpiexec -n N python -m minizero.train --dtype float64 ... LAYOUT``, N from
-the layout's ``-n K`` or the product of its ``--dp``/``--tp``/``--pp``/``--cp``) and compares what each wrote:
-the training loss and gradient norm of every step (``summary.json``) and every parameter of the final model
-(``model.npz``). Prints the first step whose loss or norm differ beyond ``--tol`` (relative to max(1, |value|)),
-and the first parameter (in state-dict order) that does, with its largest difference; exit status 0 when
-they agree, 1 when not, 2 when a run failed. In float64 two correct layouts agree to about 1e-15 per step;
-a bookkeeping bug (a missing all-reduce, a wrong scale) shows up at its first step by orders of magnitude.
-
-Mirrors torchtitan's loss-comparison script (``scripts/loss_compare.py``), made exact by float64.
+Runs the main job per layout (N ranks from ``-n K`` or the product of ``--dp/--tp/--pp/--cp``) and prints the
+first step whose loss or gradient norm differ beyond ``--tol`` (relative to max(1, |value|)) and the first
+final parameter that does; exit 0 same, 1 differ, 2 a run failed. Correct layouts agree to ~1e-15 per step.
+Mirrors torchtitan's loss-comparison script, made exact by float64.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Replica consistency (``--check-replicas N``): every parameter hashed and compared across the data group.
 
-Data-parallel replicas must hold bit-identical parameters after every step (the ring all-reduce gives
-every rank the same sum, ZeRO all-gathers the same shards). A rank that drifted — a parameter updated on
-one rank only, a bit flipped in memory, a fault — trains on silently and the loss still falls. The check
-hashes each parameter on each rank (BLAKE2b, 8 bytes), all-gathers the digests over the data group and
-names the first parameter whose digests differ, the ranks on each side and the step.
-
-Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval`` (``megatron/training/utils.py``,
-``check_param_hashes_across_dp_replicas``).
+Data-parallel replicas must hold bit-identical parameters; one that drifted (a parameter updated on one rank
+only, a bit flip) trains on silently. Each rank hashes each parameter (BLAKE2b, 8 bytes), the data group
+all-gathers the digests, and the first parameter that differs is named with both sides' ranks and the step.
+Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``.
 """
 from __future__ import annotations
 

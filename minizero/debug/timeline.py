@@ -1,17 +1,9 @@
 """``python -m minizero.debug trace OUT/trace.json``: per rank, where each step's time went, and the straggler.
 
-Reads the merged timeline ``--trace`` writes (Chrome trace-event JSON, :mod:`minizero.trace`: one ``pid`` per
-rank; lane 0 compute, lane 1 blocking communication, lane 2 overlapped collectives in flight) and prints, per
-rank and per optimizer step, in milliseconds:
-
-    compute       the union of the compute lane (forward/backward of every unit, the optimizer step)
-    exposed comm  the union of the blocking lane, pipeline waits excluded: time spent waiting on collectives
-    overlapped    the part of the in-flight lane that ran under compute (communication that cost nothing)
-    bubble        pipeline waits (``recv ...`` of activations/gradients, ``wait sends``), with the stage waited on
-    other         the rest of the step: Python between spans, data loading, hooks
-
-then names the slowest rank (most compute per step: the straggler the others wait for) and the rank that
-waits most, and on whom. Mirrors the per-rank breakdowns of Holistic Trace Analysis (HTA) for PyTorch traces.
+From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute``
+(compute lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under
+compute), ``bubble`` (pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest).
+Names the slowest rank (most compute) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
 """
 from __future__ import annotations
 
