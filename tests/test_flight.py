@@ -109,6 +109,26 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
 
 
+def test_a_labelled_exchange_of_some_ranks_does_not_shift_the_sequence(tmp_path):
+    """Only whole-group collectives are numbered: a send under a label (what the trace gather and pipeline sends
+    do) is recorded with seq None, so the ranks that did not enter it still match."""
+    def fn(comm):
+        if comm.rank == 1:
+            with comm.traffic.op("trace"):
+                comm.send(np.ones(2), 0)
+        elif comm.rank == 0:
+            comm.recv(np.empty(2), 1)
+        with comm.traffic.op("metrics"):
+            all_reduce(comm, np.ones(3))
+
+    assert _run_and_dump(3, fn, tmp_path) is None
+    snaps = hang.load(str(tmp_path))
+    assert hang.analyze(snaps)[0].startswith("ok: 3 rank(s)")
+    entries = snaps[1]["entries"]
+    assert [(e["op"], e["seq"], e["within"]) for e in entries] == [("trace", None, None), ("metrics", None, None),
+                                                                    ("all_reduce", 1, "metrics")]
+
+
 def test_a_missing_rank_file_is_reported():
     snaps = {0: {"rank": 0, "world_size": 2, "reason": "x", "groups": {"world": {"members": [0, 1], "last_seq": 1}},
                  "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",

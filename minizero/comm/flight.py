@@ -1,8 +1,10 @@
 """The flight recorder: each rank's last N operations, kept by its traffic ledger, dumped when the job fails.
 
 Each ``traffic.op(label, buf)`` block and each overlapped ring collective is one :class:`Entry` (group, ``seq``,
-op, shape, dtype, bytes, state, timestamps) in the root ledger's :class:`FlightRecorder`. ``seq`` counts one
-group's operations on this rank, so rank r's #k and rank s's #k of a group must be the same call. States:
+op, shape, dtype, bytes, state, timestamps, the enclosing label) in the root ledger's :class:`FlightRecorder`.
+``seq`` counts one group's collectives (blocks given the array of a whole-group call) on this rank, so rank r's
+#k and rank s's #k of a group must be the same call; labelled blocks without an array (pipeline sends, metrics
+wrappers) are kept with ``seq`` None, for reading only (a subset of the group may enter them). States:
 ``posted`` (queued overlapped collective), ``started``, ``completed``, ``failed``. :mod:`minizero.debug.hang`
 compares the ranks' dumps; ``check_collectives`` (``--debug-collectives``) compares descriptors before each
 collective. Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
@@ -35,16 +37,17 @@ class Described:
 
 class Entry:
     """One operation of one group on this rank (see the module docstring for the fields)."""
-    __slots__ = ("group", "seq", "op", "shape", "dtype", "nbytes", "state", "posted_us", "ended_us", "error")
+    __slots__ = ("group", "seq", "op", "within", "shape", "dtype", "nbytes", "state", "posted_us", "ended_us",
+                 "error")
 
-    def __init__(self, group, seq, op, buf, state):  # kept as given: converted to text only by as_dict
-        self.group, self.seq, self.op, self.state = group, seq, op, state
+    def __init__(self, group, seq, op, buf, state, within):  # kept as given: converted to text only by as_dict
+        self.group, self.seq, self.op, self.state, self.within = group, seq, op, state, within
         self.shape, self.dtype, self.nbytes = (None, None, None) if buf is None else (buf.shape, buf.dtype, buf.nbytes)
         self.posted_us, self.ended_us, self.error = time.time_ns() // 1000, None, None
 
     def as_dict(self) -> dict:
         shape = None if self.shape is None else tuple(int(d) for d in self.shape)
-        return {"group": self.group.name, "seq": self.seq, "op": self.op, "shape": shape,
+        return {"group": self.group.name, "seq": self.seq, "op": self.op, "within": self.within, "shape": shape,
                 "dtype": None if self.dtype is None else str(self.dtype),
                 "bytes": None if self.nbytes is None else int(self.nbytes), "state": self.state,
                 "posted_us": self.posted_us, "ended_us": self.ended_us, "error": self.error}
@@ -92,8 +95,9 @@ class FlightRecorder:
     def post(self, ledger, op: str, buf=None, state: str = "started") -> Entry:
         """Record the start of ``op`` on ``ledger``'s group (``buf``: its array, or None); returns the entry."""
         g = self._group(ledger)
-        g.seq += 1
-        entry = Entry(g, g.seq, op, buf, state)
+        if buf is not None:
+            g.seq += 1
+        entry = Entry(g, g.seq if buf is not None else None, op, buf, state, ledger.current_label())
         self.entries.append(entry)
         if self.check_collectives and state == "started" and buf is not None and g.comm is not None and g.comm.world_size > 1:
             agree(g, entry)
@@ -145,10 +149,11 @@ def check_collectives(comm, on: bool = True) -> FlightRecorder:
 
 
 def describe(d: dict) -> str:
-    """``all_reduce #5 (shape (4,), float64, 32 bytes)`` for a descriptor or an entry's dict."""
-    if d.get("shape") is None:
-        return f"{d['op']} #{d['seq']}"
-    return f"{d['op']} #{d['seq']} (shape {tuple(d['shape'])}, {d['dtype']}, {d['bytes']} bytes)"
+    """``all_reduce #5 (shape (4,), float64, 32 bytes) in metrics`` for a descriptor or an entry's dict."""
+    text = f"{d['op']} #{d['seq']}"
+    if d.get("shape") is not None:
+        text += f" (shape {tuple(d['shape'])}, {d['dtype']}, {d['bytes']} bytes)"
+    return text + (f" in {d['within']}" if d.get("within") and d["within"] != d["op"] else "")
 
 
 # -- the descriptor check (--debug-collectives) ---------------------------------------------------------------

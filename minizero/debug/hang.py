@@ -49,6 +49,8 @@ def _groups(snaps: dict[int, dict]) -> dict[tuple, dict[int, dict]]:
             if info["members"]:
                 groups.setdefault((name, tuple(info["members"])), {})[rank] = {"last": info["last_seq"], "by_seq": {}}
         for e in snap["entries"]:
+            if e["seq"] is None:  # a labelled exchange, not a whole-group collective: not matched
+                continue
             for key, per in groups.items():
                 if key[0] == e["group"] and rank in per and rank in key[1]:
                     per[rank]["by_seq"][e["seq"]] = e
@@ -84,11 +86,7 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     waiters = sorted(r for r, s in pend.items() if s == k)
     e = per[waiters[0]]["by_seq"][k]
     state = e["state"] + (f": {e['error'][:160]}" if e.get("error") else "")
-    line = f"hang: group {name} {list(members)}: rank(s) {waiters} wait in {describe(e)}"
-    inner = max(s for s, x in per[waiters[0]]["by_seq"].items() if x["state"] != "completed")
-    if inner != k:  # a collective inside a labelled exchange (zero_header > all_gather)
-        line += f" > {describe(per[waiters[0]]['by_seq'][inner])}"
-    line += f" [{state}]"
+    line = f"hang: group {name} {list(members)}: rank(s) {waiters} wait in {describe(e)} [{state}]"
     never = [r for r in members if r in per and per[r]["last"] < k]
     absent = [r for r in members if r not in per]
     for r in never:
