@@ -5,11 +5,13 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 """
 from __future__ import annotations
 
+import json
 import tracemalloc
 
 from minizero import trace
 from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
+from minizero.debug import timeline
 from minizero.debug.anomaly import AnomalyDetector, LossSpikes
 from minizero.debug.replicas import ReplicaCheck
 from minizero.faults import FaultInjector
@@ -77,7 +79,8 @@ class MemoryCallback(Callback):
 
 class TraceCallback(Callback):
     """``--trace PATH``: this rank's timeline (forward/backward per unit, collectives, the optimizer step)
-    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective). The tracer
+    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective); rank 0 logs the
+    straggler and keeps each rank's time split (:mod:`minizero.debug.timeline`) in ``result.time_per_rank``. The tracer
     is registered on the world communicator's traffic ledger, which every group's ledger reports to."""
 
     def __init__(self, path: str):
@@ -95,6 +98,11 @@ class TraceCallback(Callback):
         write_trace(run.comm, self.tracer, self.path)
         if run.comm.rank == 0:
             run.log(f"wrote {self.path} (Chrome trace-event JSON, one row per rank; open in https://ui.perfetto.dev)")
+            with open(self.path) as f:  # per rank: compute, exposed communication, bubble; the straggler
+                events = json.load(f)["traceEvents"]
+            run.result.time_per_rank = {p: timeline.rank_figures(events, p) for p in range(run.comm.world_size)}
+            for line in timeline.report(events)[-2:]:
+                run.log(line)
 
 
 class Resume(Callback):

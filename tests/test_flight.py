@@ -283,3 +283,20 @@ def test_debug_collectives_passes_every_layout_and_changes_no_loss(n, extra):
     """No false alarm where ranks legitimately differ (uneven shards, pipeline stages, two-rank exchanges)."""
     checked = run_in_threads(n, _train_checked, extra, True, timeout=300)[0]
     assert checked == run_in_threads(n, _train_checked, extra, False, timeout=300)[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_traced_job_reports_the_straggler_and_keeps_time_per_rank(tmp_path):
+    from minizero.train import parse_args, train
+    path, logged = str(tmp_path / "t.json"), []
+
+    def body(comm):
+        args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1",
+                           "--no-progress", "--trace", path, "--pp", "2"], comm.world_size)
+        return train(args, comm, log=logged.append if comm.rank == 0 else (lambda line: None)).time_per_rank
+
+    per_rank = run_in_threads(2, body, timeout=240)[0]
+    assert sorted(per_rank) == [0, 1] and all(f["steps"] == 3 and f["compute"] > 0 for f in per_rank.values())
+    assert per_rank[0]["waited_on"] or per_rank[1]["waited_on"]  # one pipeline stage waited for the other
+    assert any(line.startswith("slowest rank: ") for line in logged), logged
+    assert any(line.startswith("most waiting: rank ") for line in logged), logged

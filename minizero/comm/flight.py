@@ -28,7 +28,7 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class Described:
-    """What a flight entry reads of an array (shape, dtype, nbytes), for a collective whose result is not allocated yet."""
+    """What an entry reads of an array (shape, dtype, nbytes), for a collective whose result is not allocated yet."""
 
     def __init__(self, shape, dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -99,7 +99,8 @@ class FlightRecorder:
             g.seq += 1
         entry = Entry(g, g.seq if buf is not None else None, op, buf, state, ledger.current_label())
         self.entries.append(entry)
-        if self.check_collectives and state == "started" and buf is not None and g.comm is not None and g.comm.world_size > 1:
+        checked = self.check_collectives and state == "started" and buf is not None and g.comm is not None
+        if checked and g.comm.world_size > 1:
             agree(g, entry)
         return entry
 

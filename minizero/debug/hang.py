@@ -23,7 +23,7 @@ def load(folder: str) -> dict[int, dict]:
     """
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
     if not paths:
-        raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (written to OUT/flight when a job fails)")
+        raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)")
     out = {}
     for p in paths:
         if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
