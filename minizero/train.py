@@ -216,7 +216,7 @@ def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
     (:data:`DIAGNOSES`) and for an MPI library error (a survivor whose peer died: MPICH's error stack
     is dozens of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
     if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
-        verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError, AnomalyError)) else "failed"
+        verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
         return f"[rank {rank}] minizero.train {verb}: {e.strerror if isinstance(e, OSError) and e.strerror else e}\n"
     if mpi_exception and isinstance(e, mpi_exception):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
