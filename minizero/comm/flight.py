@@ -198,4 +198,4 @@ def agree(group: _Group, entry: Entry) -> None:
             who = group.members or list(range(n))
             raise CollectiveMismatchError(
                 f"group {group.name} {who}: rank {who[comm.rank]} calls {describe(mine)} but rank {who[r]} "
-                f"calls {describe(other)} (--debug-collectives)")
+                f"calls {describe(other)} (the descriptor check before each collective)")
