@@ -2,7 +2,8 @@
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or
 ``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after
-step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted); ``kill_in_save``
+step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted) or ``slow`` (from step
+STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save``
 fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
 gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs
 before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 
 from minizero.callbacks import Callback
 
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge")
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "slow")
+SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
 class FaultInjector(Callback):
@@ -51,7 +54,9 @@ class FaultInjector(Callback):
     def on_step_start(self, run, step: int) -> None:
         """Fire the fault due at ``step``: raise, kill or stop now; arm the ``inf`` hook for this step's backward."""
         self.armed = False
-        if step != self.step or self.kind in ("kill_in_save", "diverge"):
+        if self.kind == "slow" and step >= self.step:
+            time.sleep(SLOW_S)
+        if step != self.step or self.kind in ("kill_in_save", "diverge", "slow"):
             return
         if self.kind == "inf":
             self.armed = True

@@ -261,7 +261,7 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert debug_main(["trace", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
-    assert "slowest rank: 1 (compute 4.00 ms/step, 2.00x rank 0's 2.00)" in out
+    assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00; 1.57x rank 0's 3.50)" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
 
@@ -300,3 +300,20 @@ def test_a_traced_job_reports_the_straggler_and_keeps_time_per_rank(tmp_path):
     assert per_rank[0]["waited_on"] or per_rank[1]["waited_on"]  # one pipeline stage waited for the other
     assert any(line.startswith("slowest rank: ") for line in logged), logged
     assert any(line.startswith("most waiting: rank ") for line in logged), logged
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_rank_is_named_the_straggler(monkeypatch, tmp_path):
+    """MINIZERO_FAULT=1:0:slow: rank 1 sleeps 50 ms per step; rank 0 waits for it in the collectives."""
+    from minizero.train import parse_args, train
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:slow")
+    path, logged = str(tmp_path / "t.json"), []
+
+    def body(comm):
+        args = parse_args(["--model", "tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1",
+                           "--no-progress", "--trace", path], comm.world_size)
+        train(args, comm, log=logged.append if comm.rank == 0 else (lambda line: None))
+
+    run_in_threads(2, body, timeout=240)
+    assert any(line.startswith("slowest rank: 1 (") for line in logged), logged
+    assert any(line.startswith("most waiting: rank 0 (") for line in logged), logged

@@ -3,7 +3,7 @@
 From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute``
 (compute lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under
 compute), ``bubble`` (pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest).
-Names the slowest rank (most compute) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
+Names the slowest rank (most time not waiting on others) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
 """
 from __future__ import annotations
 
@@ -62,11 +62,11 @@ def report(events) -> list[str]:
     cols = ("step", "compute", "exposed", "overlapped", "bubble", "other")
     lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
     lines += [f"| {p} | " + " | ".join(f"{figs[p][c]:.2f}" for c in cols) + " |" for p in pids]
-    slow = max(pids, key=lambda p: figs[p]["compute"])
-    fast = min(pids, key=lambda p: figs[p]["compute"])
-    ratio = figs[slow]["compute"] / figs[fast]["compute"] if figs[fast]["compute"] else float("inf")
-    lines.append(f"slowest rank: {slow} (compute {figs[slow]['compute']:.2f} ms/step, {ratio:.2f}x rank {fast}'s "
-                 f"{figs[fast]['compute']:.2f})")
+    working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
+    slow, fast = max(pids, key=working.get), min(pids, key=working.get)
+    ratio = working[slow] / working[fast] if working[fast] else float("inf")
+    lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f}; "
+                 f"{ratio:.2f}x rank {fast}'s {working[fast]:.2f})")
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
