@@ -212,7 +212,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         v = vars(args)[name]
         if v is not None and v > cap:
             raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {v:,}")
-    for name in ("eval_every", "warmup", "sample_tokens"):
+    for name in ("eval_every", "warmup", "sample_tokens", "flight_records", "check_replicas"):
         v = vars(args)[name]
         if v is not None and v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
@@ -229,6 +229,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         raise UsageError(f"--min-lr must be in [0, lr={args.lr}], got {args.min_lr}")
     if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
         raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not (args.loss_spike == 0 or (args.loss_spike > 1 and math.isfinite(args.loss_spike))):
+        raise UsageError(f"--loss-spike must be 0 (off) or a finite factor > 1, got {args.loss_spike}")
     if not (args.grad_clip >= 0):
         raise UsageError(f"--grad-clip must be >= 0 (0 disables), got {args.grad_clip}")
     if not (args.bucket_mb * 2 ** 20 >= 1 and math.isfinite(args.bucket_mb)):

@@ -58,6 +58,11 @@ class TrainConfig:
     comm: str | None = _D["comm"]
     comm_timeout: float = _D["comm_timeout"]
     allreduce: str = _D["allreduce"]
+    flight_records: int = _D["flight_records"]  # debugging (minizero.debug)
+    debug_collectives: bool = _D["debug_collectives"]
+    check_replicas: int = _D["check_replicas"]
+    detect_anomaly: bool = _D["detect_anomaly"]
+    loss_spike: float = _D["loss_spike"]
     # memory
     zero: int = _D["zero"]
     show_shards: bool = _D["show_shards"]

@@ -1,7 +1,9 @@
 """Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND``, installed by the training loop as a callback.
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or
-``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK; ``kill_in_save``
+``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after
+step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted) or ``slow`` (from step
+STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save``
 fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
 gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs
 before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
@@ -10,12 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 
 from minizero.callbacks import Callback
 
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save")
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "slow")
+SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
 class FaultInjector(Callback):
@@ -29,7 +33,7 @@ class FaultInjector(Callback):
     """
 
     def __init__(self, rank: int, params, spec: str | None = None):
-        self.spec, self.armed, self.step, self.kind = spec, False, None, None
+        self.spec, self.armed, self.step, self.kind, self.params = spec, False, None, None, list(params)
         if spec:
             r, s, kind = spec.split(":")
             if int(r) == rank:
@@ -50,7 +54,9 @@ class FaultInjector(Callback):
     def on_step_start(self, run, step: int) -> None:
         """Fire the fault due at ``step``: raise, kill or stop now; arm the ``inf`` hook for this step's backward."""
         self.armed = False
-        if step != self.step or self.kind == "kill_in_save":
+        if self.kind == "slow" and step >= self.step:
+            time.sleep(SLOW_S)
+        if step != self.step or self.kind in ("kill_in_save", "diverge", "slow"):
             return
         if self.kind == "inf":
             self.armed = True
@@ -63,3 +69,5 @@ class FaultInjector(Callback):
 
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False
+        if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
+            self.params[0].data.reshape(-1)[0] += 1e-3

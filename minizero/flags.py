@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from minizero.comm.base import DEFAULT_TIMEOUT_S
+from minizero.comm.flight import DEFAULT_CAPACITY
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
@@ -106,6 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds (at least 1) any one send, receive or collective may wait for a peer before the job "
                         "is aborted with the operation and the rank waited on (PyTorch's NCCL default: 600)")
+    p.add_argument("--flight-records", type=int, default=DEFAULT_CAPACITY, metavar="N",
+                   help="collectives each rank's flight recorder keeps, written to OUT/flight/rank_R.json when the "
+                        "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names who hung "
+                        "where; 0: off)")
+    p.add_argument("--debug-collectives", action="store_true",
+                   help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
+                        "a mismatch stops the job naming both sides (one small all-gather per collective)")
+    p.add_argument("--detect-anomaly", action="store_true",
+                   help="check every module's output and every gradient for inf/NaN; the first module (forward) or "
+                        "parameter (backward) that made one is named with rank, step and value ranges (slow)")
+    p.add_argument("--loss-spike", type=float, default=0.0, metavar="K",
+                   help="a step whose loss exceeds K x the running mean records every parameter's gradient norm "
+                        "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
+    p.add_argument("--check-replicas", type=int, default=0, metavar="N",
+                   help="every N steps and after the last, hash every parameter and compare across the "
+                        "data-parallel replicas; a difference stops the job naming parameter, ranks, step (0: off)")
     p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
                    help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
                         "inside each node again (NCCL/Horovod hierarchical)")

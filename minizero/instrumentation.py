@@ -5,11 +5,15 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 """
 from __future__ import annotations
 
+import json
 import tracemalloc
 
 from minizero import trace
 from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
+from minizero.debug import timeline
+from minizero.debug.anomaly import AnomalyDetector, LossSpikes
+from minizero.debug.replicas import ReplicaCheck
 from minizero.faults import FaultInjector
 from minizero.header import Header
 from minizero.ledger import get_ledger
@@ -75,7 +79,8 @@ class MemoryCallback(Callback):
 
 class TraceCallback(Callback):
     """``--trace PATH``: this rank's timeline (forward/backward per unit, collectives, the optimizer step)
-    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective). The tracer
+    from ``on_train_start`` to ``on_train_end``, then every rank's merged into PATH (collective); rank 0 logs the
+    straggler and keeps each rank's time split (:mod:`minizero.debug.timeline`) in ``result.time_per_rank``. The tracer
     is registered on the world communicator's traffic ledger, which every group's ledger reports to."""
 
     def __init__(self, path: str):
@@ -93,6 +98,11 @@ class TraceCallback(Callback):
         write_trace(run.comm, self.tracer, self.path)
         if run.comm.rank == 0:
             run.log(f"wrote {self.path} (Chrome trace-event JSON, one row per rank; open in https://ui.perfetto.dev)")
+            with open(self.path) as f:  # per rank: compute, exposed communication, bubble; the straggler
+                events = json.load(f)["traceEvents"]
+            run.result.time_per_rank = {p: timeline.rank_figures(events, p) for p in range(run.comm.world_size)}
+            for line in timeline.report(events)[-2:]:
+                run.log(line)
 
 
 class Resume(Callback):
@@ -120,8 +130,14 @@ def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
     every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
-    callbacks = [Header(), resume, FaultInjector.from_environment(run.comm.rank, run.strategy.params),
-                 MemoryCallback(every)]
+    callbacks = [Header(), resume]
+    if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
+        callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
+    if args.loss_spike:
+        callbacks.append(LossSpikes(run.strategy.stage, args.loss_spike))
+    callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
+    if args.check_replicas:
+        callbacks.append(ReplicaCheck(args.check_replicas))
     return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]

@@ -98,6 +98,8 @@ class TrainResult:
     memory_timeline: object = None
     module_peaks: object = None
     device_pool: list | None = None
+    loss_spikes: list = dataclasses.field(default_factory=list)  # --loss-spike (minizero.debug.anomaly.LossSpikes)
+    time_per_rank: dict | None = None  # --trace: rank -> ms per step (minizero.debug.timeline.rank_figures)
 
     @property
     def skipped_steps(self) -> int:

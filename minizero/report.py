@@ -167,6 +167,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "loss_scale": result["loss_scales"],
         "skipped_steps": result["skipped_steps"],
         "skipped_at": result["skipped_at"],
+        "loss_spikes": result.loss_spikes,
+        "time_per_rank": result.time_per_rank,
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
         "pruning": None if result.pruner is None else {
             k: v for k, v in result["pruner"].report().items() if k != "layers"},

@@ -39,6 +39,9 @@ from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_f
                            check_steps_left, model_config, parse_args)
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.debug.anomaly import AnomalyError
+from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.ledger import get_ledger
@@ -50,7 +53,8 @@ from minizero.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
-DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError)
+DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
+             CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 
@@ -113,6 +117,26 @@ def _launched_by_mpiexec() -> bool:
 
 def _on_sigterm(signum, frame):
     raise Terminated()
+
+
+def _start_flight(comm, args) -> None:
+    """This rank's flight recorder as --flight-records and --debug-collectives ask; SIGUSR1 dumps it."""
+    comm.traffic.recorder = FlightRecorder(args.flight_records) if args.flight_records else None
+    if args.debug_collectives:
+        check_collectives(comm)
+    if comm.traffic.recorder is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _dump_flight(comm, args, "SIGUSR1"))
+
+
+def _dump_flight(comm, args, reason: str) -> None:
+    """This rank's flight record into OUT/flight/rank_R.json (``python -m minizero.debug hang OUT/flight``); not
+    with --no-save."""
+    recorder = comm.traffic.active_recorder()
+    if recorder is not None and not args.no_save:
+        try:
+            recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason)
+        except OSError as e:
+            _write_stderr(f"[rank {comm.rank}] flight record not written: {e}\n")
 
 
 def _write_stderr(text: str) -> None:
@@ -313,6 +337,7 @@ def main(argv=None) -> int:
             _warn_ram_offload(args)
         if args.comm == "nccl":  # the same ranks and node layout, messages over NCCL (set up through MPI)
             comm = nccl_world(comm, args.comm_timeout)
+        _start_flight(comm, args)
         local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)
@@ -339,6 +364,8 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
+        _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
+            type(e), f"{type(e).__name__}: {e}"[:300]))
         _release(locks)
         if isinstance(e, (KeyboardInterrupt, Terminated)):
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")

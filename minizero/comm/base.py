@@ -22,6 +22,7 @@ import time
 import numbers
 
 from minizero import backend
+from minizero.comm import flight
 from minizero.comm.collectives import bytes_sent, shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -243,7 +244,7 @@ class Communicator(abc.ABC):
         """
         _check_array(x, "x")
         out = _prepare_out(x, out)
-        with self.traffic.op("all_reduce"):
+        with self.traffic.op("all_reduce", x):
             self.traffic.record(self._estimate("all_reduce", x))
             self._native_allreduce(x, out)
         return out
@@ -255,7 +256,7 @@ class Communicator(abc.ABC):
         Bytes: about (N-1)/N * x.nbytes, under label ``"reduce_scatter"``.
         """
         _check_array(x, "x")
-        with self.traffic.op("reduce_scatter"):
+        with self.traffic.op("reduce_scatter", x):
             self.traffic.record(self._estimate("reduce_scatter", x))
             return self._native_reduce_scatter(x.reshape(-1))
 
@@ -272,7 +273,7 @@ class Communicator(abc.ABC):
                 f"rank {self.rank}: shard has {shard.size} elements, but shard_range(n={n}, "
                 f"world_size={self.world_size}, rank={self.rank}) gives {size}"
             )
-        with self.traffic.op("all_gather"):
+        with self.traffic.op("all_gather", flight.Described((n,), shard.dtype)):
             self.traffic.record(bytes_sent("all_gather", n, shard.itemsize, self.world_size, self.rank))
             return self._native_allgather(shard.reshape(-1), n)
 
@@ -284,7 +285,7 @@ class Communicator(abc.ABC):
         """
         _check_array(x, "x", writeable=True)
         root = self._check_rank(root, "root")
-        with self.traffic.op("broadcast"):
+        with self.traffic.op("broadcast", x):
             self.traffic.record(self._estimate("broadcast", x, root))
             self._native_bcast(x, root)
         return x

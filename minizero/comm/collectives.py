@@ -245,7 +245,7 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         return comm.native_reduce_scatter(x)
     n, world_size = x.size, comm.world_size
     offset, size = shard_range(n, world_size, comm.rank)
-    with comm.traffic.op("reduce_scatter"):
+    with comm.traffic.op("reduce_scatter", x):
         if world_size == 1:  # nothing to reduce: the chunk is the whole of x
             return x.reshape(-1).copy()
         buf = _scratch(x.reshape(-1).copy())
@@ -283,8 +283,8 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
         )
     if native:
         return comm.native_allgather(shard, n)
-    with comm.traffic.op("all_gather"):
-        out = backend.array_module(shard).empty(n, dtype=shard.dtype)
+    out = backend.array_module(shard).empty(n, dtype=shard.dtype)
+    with comm.traffic.op("all_gather", out):  # the whole (n,) result: the same on every rank, unlike the shards
         out[offset:offset + size] = shard.reshape(-1)
         ring_(comm, out, "all_gather")
         return out
@@ -323,7 +323,7 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
         return comm.native_allreduce(x, out=out)
     if out is None:
         out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
-    with comm.traffic.op("all_reduce"):
+    with comm.traffic.op("all_reduce", x):
         if out is not x:
             out[...] = x
         buf = out.reshape(-1)  # a view: the algorithm works in place in out
@@ -360,7 +360,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     if native:
         return comm.native_bcast(x, root)
     parent, children = _binomial_tree(comm.rank, root, comm.world_size)
-    with comm.traffic.op("broadcast"):
+    with comm.traffic.op("broadcast", x):
         if parent is not None:
             comm.recv(x, parent, tag=_BCAST_TAG)
         for child in children:

@@ -59,14 +59,21 @@ class RingCollective:
         self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []
         self.tmp = None if op == "all_gather" else backend.array_module(buf).empty(  # the reduce steps' receive chunk
             shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
-        self.step, self.requests, self.started_us, self.done = 0, None, None, False
+        self.step, self.requests, self.started_us, self.done, self.entry = 0, None, None, False, None
+
+    def post(self) -> None:
+        """Count the call and enter it in the flight recorder as ``posted`` (once; :meth:`start` does it too)."""
+        if self.entry is None:
+            self.entry = self.comm.traffic.count_call(self.label, self.buf) or False
 
     def start(self) -> RingCollective:
         """Count the call and post the first step (nothing to do with one rank). Returns self."""
         if self.started_us is not None:
             raise RuntimeError(f"{self.name} was already started")
         self.started_us = trace.now_us()
-        self.comm.traffic.count_call(self.label)
+        self.post()
+        if self.entry:
+            self.entry.state = "started"
         self._post()
         return self
 
@@ -83,6 +90,8 @@ class RingCollective:
 
     def _finish(self) -> None:
         self.done, self.requests = True, None
+        if self.entry:
+            self.entry.state, self.entry.ended_us = "completed", trace.now_us()
         tracer = self.comm.traffic.active_tracer()  # the communicator's callback; None: no cost
         if tracer is not None:
             n, c = self.buf.size, self.comm
@@ -149,6 +158,7 @@ class Stream:
     def submit(self, coll: RingCollective, on_done=None) -> None:
         """Queue ``coll`` (not yet started); it starts at once if the stream is idle."""
         self.queue.append((coll, on_done))
+        coll.post()
         if len(self.queue) == 1:
             coll.start()
         self.progress()

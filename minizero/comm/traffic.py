@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from minizero import trace
+from minizero.comm.flight import FlightRecorder
 
 
 class TrafficLedger:
@@ -35,6 +36,8 @@ class TrafficLedger:
     def __init__(self, parent: TrafficLedger | None = None):
         self.parent = parent
         self.tracer = None  #: this rank's :class:`~minizero.trace.Tracer`, registered by whoever traces, or None
+        #: this rank's :class:`~minizero.comm.flight.FlightRecorder` (a root ledger's own; groups use the root's)
+        self.recorder = FlightRecorder() if parent is None else None
         self._labels: list[str] = []
         self.reset()
 
@@ -63,20 +66,34 @@ class TrafficLedger:
         tracer = self.active_tracer()
         return contextlib.nullcontext(args) if tracer is None else tracer.span(name, cat, tid, **args)
 
+    def active_recorder(self):
+        """The flight recorder of the root ledger (:mod:`minizero.comm.flight`), or None if it was removed."""
+        return self.recorder if self.parent is None else self.parent.active_recorder()
+
     @contextlib.contextmanager
-    def op(self, label: str):
+    def op(self, label: str, buf=None):
         """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open).
 
         With a tracer on (:mod:`minizero.trace`) the block is a span on the blocking-communication
-        lane, with the bytes it recorded.
+        lane, with the bytes it recorded. The block is one entry of the flight recorder; ``buf`` (the
+        array of a collective over the whole group) gives the entry its shape and dtype.
         """
         self._add(label, nbytes=0, calls=1)
+        recorder = self.active_recorder()
+        entry = recorder.post(self, label, buf) if recorder is not None else None
         self._labels.append(label)
         before = self.bytes_sent
         try:
             with self.span(label) as args:
                 yield self
                 args["bytes"] = self.bytes_sent - before
+        except BaseException as e:
+            if entry is not None:
+                recorder.end(entry, e)
+            raise
+        else:
+            if entry is not None:
+                recorder.end(entry)
         finally:
             self._labels.pop()
 
@@ -95,10 +112,12 @@ class TrafficLedger:
         else:
             self._add(label, nbytes, calls=0)
 
-    def count_call(self, label: str) -> None:
+    def count_call(self, label: str, buf=None):
         """Count one call of ``label`` (no bytes): an overlapped collective, whose messages follow later
-        inside :meth:`labelled` blocks."""
+        inside :meth:`labelled` blocks. Returns its flight-recorder entry ``posted`` (or None)."""
         self._add(label, nbytes=0, calls=1)
+        recorder = self.active_recorder()
+        return recorder.post(self, label, buf, state="posted") if recorder is not None else None
 
     @contextlib.contextmanager
     def labelled(self, label: str):

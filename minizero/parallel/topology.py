@@ -86,6 +86,12 @@ class Topology:
         self.pp_comm = comm.split(color=d * tp + t, key=p)
         self.mp_comm = comm.split(color=d, key=comm.rank)
         self.embed_comm = self.pp_comm.split(color=0 if p in (0, pp - 1) else 1, key=p)
+        recorder = comm.traffic.active_recorder()  # the flight recorder's names for this rank's groups
+        if recorder is not None:
+            for kind, group in self.groups().items():  # (middle stages' embed group is unused: no members)
+                recorder.name_group(group, kind, next((g for g in self.all_groups(kind) if comm.rank in g), []))
+            recorder.name_group(self.mp_comm, "mp", [r for r in range(comm.world_size)
+                                                     if coordinates(r, dp, tp, pp)[0] == d])
 
     is_first_stage = property(lambda self: self.pp_rank == 0, doc="holds the embedding")
     is_last_stage = property(lambda self: self.pp_rank == self.pp - 1, doc="holds ln_f, the LM head, the loss")

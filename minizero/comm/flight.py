@@ -1,0 +1,201 @@
+"""The flight recorder: each rank's last N operations, kept by its traffic ledger, dumped when the job fails.
+
+Each ``traffic.op(label, buf)`` block and each overlapped ring collective is one :class:`Entry` (group, ``seq``,
+op, shape, dtype, bytes, state, timestamps, the enclosing label) in the root ledger's :class:`FlightRecorder`.
+``seq`` counts one group's collectives (blocks given the array of a whole-group call) on this rank, so rank r's
+#k and rank s's #k of a group must be the same call; labelled blocks without an array (pipeline sends, metrics
+wrappers) are kept with ``seq`` None, for reading only (a subset of the group may enter them). States:
+``posted`` (queued overlapped collective), ``started``, ``completed``, ``failed``. :mod:`minizero.debug.hang`
+compares the ranks' dumps; ``check_collectives`` (``--debug-collectives``) compares descriptors before each
+collective. Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+import numpy as np
+
+DEFAULT_CAPACITY = 2000  #: entries kept per rank (PyTorch's flight recorder keeps the last 2000 too)
+_CHECK_TAG = 1400  #: tag of the descriptor exchange of ``check_collectives`` (apart from every other tag in minizero)
+_LABEL_BYTES, _MAX_DIMS = 48, 6
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group called different collectives (op, sequence number, shape or dtype) at the same point."""
+
+
+class Described:
+    """What an entry reads of an array (shape, dtype, nbytes), for a collective whose result is not allocated yet."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+class Entry:
+    """One operation of one group on this rank (see the module docstring for the fields)."""
+    __slots__ = ("group", "seq", "op", "within", "shape", "dtype", "nbytes", "state", "posted_us", "ended_us",
+                 "error")
+
+    def __init__(self, group, seq, op, buf, state, within):  # kept as given: converted to text only by as_dict
+        self.group, self.seq, self.op, self.state, self.within = group, seq, op, state, within
+        self.shape, self.dtype, self.nbytes = (None, None, None) if buf is None else (buf.shape, buf.dtype, buf.nbytes)
+        self.posted_us, self.ended_us, self.error = time.time_ns() // 1000, None, None
+
+    def as_dict(self) -> dict:
+        shape = None if self.shape is None else tuple(int(d) for d in self.shape)
+        return {"group": self.group.name, "seq": self.seq, "op": self.op, "within": self.within, "shape": shape,
+                "dtype": None if self.dtype is None else str(self.dtype),
+                "bytes": None if self.nbytes is None else int(self.nbytes), "state": self.state,
+                "posted_us": self.posted_us, "ended_us": self.ended_us, "error": self.error}
+
+
+class _Group:
+    """A communicator's ledger as the recorder sees it: a name and member world ranks (once named), a counter."""
+
+    def __init__(self, ledger, index: int):
+        self.ledger, self.seq, self.comm = ledger, 0, None  # the ledger is kept so that its id() stays unique
+        self.name = "world" if ledger.parent is None else f"unnamed{index}"
+        self.members = None
+
+
+class FlightRecorder:
+    """This rank's ring buffer of the last ``capacity`` operations, over all its groups.
+
+    Attributes:
+        entries: ``collections.deque`` of :class:`Entry`, oldest first, at most ``capacity``.
+        check_collectives: bool, the descriptor check before each collective of a named group (off).
+    Raises:
+        ValueError: ``capacity`` not an int >= 1.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity={capacity!r}; allowed: an int >= 1")
+        self.entries: collections.deque = collections.deque(maxlen=capacity)
+        self.groups: dict[int, _Group] = {}
+        self.check_collectives = False
+
+    def _group(self, ledger) -> _Group:
+        g = self.groups.get(id(ledger))
+        if g is None:
+            g = self.groups[id(ledger)] = _Group(ledger, len(self.groups))
+        return g
+
+    def name_group(self, comm, name: str, members) -> None:
+        """Name ``comm``'s group (``"dp"``, ...) and give its member world ranks, in group-rank order; the
+        descriptor check needs the communicator. Every rank of the group must name it alike."""
+        g = self._group(comm.traffic)
+        g.name, g.members, g.comm = name, [int(m) for m in members], comm
+
+    # -- recording (called by TrafficLedger.op / count_call and the overlapped ring) -----------------------------
+    def post(self, ledger, op: str, buf=None, state: str = "started") -> Entry:
+        """Record the start of ``op`` on ``ledger``'s group (``buf``: its array, or None); returns the entry."""
+        g = self._group(ledger)
+        if buf is not None:
+            g.seq += 1
+        entry = Entry(g, g.seq if buf is not None else None, op, buf, state, ledger.current_label())
+        self.entries.append(entry)
+        checked = self.check_collectives and state == "started" and buf is not None and g.comm is not None
+        if checked and g.comm.world_size > 1:
+            agree(g, entry)
+        return entry
+
+    @staticmethod
+    def start(entry: Entry) -> None:
+        entry.state = "started"
+
+    @staticmethod
+    def end(entry: Entry, error: BaseException | None = None) -> None:
+        """Mark ``entry`` completed, or failed with ``error``'s type and message."""
+        entry.ended_us = time.time_ns() // 1000
+        if error is None:
+            entry.state = "completed"
+        else:
+            entry.state, entry.error = "failed", f"{type(error).__name__}: {error}"[:500]
+
+    # -- output ------------------------------------------------------------------------------------------------
+    def snapshot(self, rank: int, world_size: int, reason: str = "on demand") -> dict:
+        """This rank's record as a JSON-able dict: rank, world_size, reason, groups, entries (oldest first)."""
+        groups = {}
+        for g in self.groups.values():
+            members = g.members if g.members is not None else (list(range(world_size)) if g.name == "world" else None)
+            groups[g.name] = {"members": members, "last_seq": g.seq}
+        return {"rank": int(rank), "world_size": int(world_size), "reason": reason, "time_us": time.time_ns() // 1000,
+                "capacity": self.entries.maxlen, "groups": groups, "entries": [e.as_dict() for e in self.entries]}
+
+    def dump(self, folder: str, rank: int, world_size: int, reason: str = "on demand") -> str:
+        """Write :meth:`snapshot` to ``folder/rank_R.json`` (atomically, by rename); returns the path."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank_{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.snapshot(rank, world_size, reason), f)
+        os.replace(path + ".tmp", path)
+        return path
+
+
+def check_collectives(comm, on: bool = True) -> FlightRecorder:
+    """Turn the descriptor check (``--debug-collectives``) on or off for every group of ``comm``'s rank;
+    ``comm`` (the world) is named ``"world"``. Returns the recorder. Raises: ValueError if it has none."""
+    recorder = comm.traffic.active_recorder()
+    if recorder is None:
+        raise ValueError(f"{comm!r} has no flight recorder (its root ledger's recorder was set to None)")
+    if comm.traffic.parent is None:
+        recorder.name_group(comm, "world", range(comm.world_size))
+    recorder.check_collectives = on
+    return recorder
+
+
+def describe(d: dict) -> str:
+    """``all_reduce #5 (shape (4,), float64, 32 bytes) in metrics`` for a descriptor or an entry's dict."""
+    text = f"{d['op']} #{d['seq']}"
+    if d.get("shape") is not None:
+        text += f" (shape {tuple(d['shape'])}, {d['dtype']}, {d['bytes']} bytes)"
+    return text + (f" in {d['within']}" if d.get("within") and d["within"] != d["op"] else "")
+
+
+# -- the descriptor check (--debug-collectives) ---------------------------------------------------------------
+def _encode(entry: Entry) -> np.ndarray:
+    label = entry.op.encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
+    dims = list(entry.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
+    head = np.array([entry.seq, len(entry.shape), entry.nbytes] + dims, dtype=np.int64)
+    dtype = np.frombuffer(str(entry.dtype).encode()[:8].ljust(8, b"\0"), dtype=np.int64)
+    return np.concatenate([head, dtype, np.frombuffer(label, dtype=np.int64)])
+
+
+def _decode(row: np.ndarray) -> dict:
+    seq, ndim, nbytes = (int(v) for v in row[:3])
+    shape = [int(v) for v in row[3:3 + min(ndim, _MAX_DIMS)]]
+    text = row[3 + _MAX_DIMS:].tobytes()
+    return {"seq": seq, "shape": shape, "bytes": nbytes, "dtype": text[:8].rstrip(b"\0").decode(),
+            "op": text[8:].rstrip(b"\0").decode()}
+
+
+def agree(group: _Group, entry: Entry) -> None:
+    """All-gather every rank's descriptor of ``entry`` over ``group`` (a ring of sendrecv, tag 1003, counted
+    under ``debug_collectives``) and raise :class:`CollectiveMismatchError` on any difference.
+
+    Collective over the group; every rank raises, naming this side and the first rank that differs.
+    """
+    from minizero import backend  # noqa: PLC0415  (comm imports no array policy at module level)
+    comm, n = group.comm, group.comm.world_size
+    rows = np.empty((n, 1 + 3 + _MAX_DIMS + _LABEL_BYTES // 8), dtype=np.int64)
+    rows[comm.rank] = _encode(entry)
+    right, left = (comm.rank + 1) % n, (comm.rank - 1) % n
+    with comm.traffic.labelled("debug_collectives"):
+        for s in range(n - 1):
+            send, recv = (comm.rank - s) % n, (comm.rank - s - 1) % n
+            got = comm.sendrecv(backend.to_device(rows[send].copy()), right,
+                                backend.to_device(np.empty_like(rows[recv])), left, tag=_CHECK_TAG)
+            rows[recv] = backend.to_host(got)
+    mine = _decode(rows[comm.rank])
+    for r in range(n):
+        other = _decode(rows[r])
+        if other != mine:
+            who = group.members or list(range(n))
+            raise CollectiveMismatchError(
+                f"group {group.name} {who}: rank {who[comm.rank]} calls {describe(mine)} but rank {who[r]} "
+                f"calls {describe(other)} (the descriptor check before each collective)")

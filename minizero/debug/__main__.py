@@ -1,0 +1,39 @@
+"""``python -m minizero.debug hang OUT/flight``: the rank, operation and sequence number a job hung in;
+``python -m minizero.debug trace OUT/trace.json``: per rank compute, exposed communication, bubble; the straggler;
+``python -m minizero.debug parity "LAYOUT A" "LAYOUT B"``: the first step and parameter where two layouts differ."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minizero.debug import hang, parity, timeline
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minizero.debug", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hang", help="compare every rank's flight record (OUT/flight/rank_R.json)")
+    h.add_argument("folder", help="the folder of rank_R.json files, e.g. out/flight")
+    t = sub.add_parser("trace", help="per rank compute / exposed communication / overlap / bubble; the straggler")
+    t.add_argument("path", help="the merged timeline --trace wrote, e.g. out/trace.json")
+    q = sub.add_parser("parity", help="two layouts from one seed in float64: the first step and parameter that differ")
+    q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
+    q.add_argument("--model", default="tiny")
+    q.add_argument("--steps", type=int, default=5)
+    q.add_argument("--batch-size", type=int, default=8, help="global batch of both runs (the same data each step)")
+    q.add_argument("--tol", type=float, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "parity":
+            if args.steps < 1 or not args.tol > 0:
+                p.error(f"--steps must be >= 1 and --tol > 0, got {args.steps} and {args.tol}")
+            common = ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+            return parity.main(*args.layouts, common, args.tol)
+        return hang.main(args.folder) if args.command == "hang" else timeline.main(args.path)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

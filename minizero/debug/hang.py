@@ -1,0 +1,142 @@
+"""``python -m minizero.debug hang OUT/flight``: what the ranks' flight records say went wrong.
+
+Matches every ``rank_R.json`` by group and sequence number (PyTorch's ``fr_trace`` analyzer does the same) and
+prints one line per finding: ``missing`` (a rank wrote no file), ``mismatch`` (ranks in different operations at
+one sequence number), ``hang`` (who waits in what, who never posted it), ``last`` (the last operation every
+rank completed).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+from minizero.comm.flight import describe
+
+
+def load(folder: str) -> dict[int, dict]:
+    """``{rank: snapshot}`` of every ``rank_R.json`` in ``folder``.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``rank_*.json``.
+    """
+    paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
+    if not paths:
+        raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)")
+    out = {}
+    for p in paths:
+        if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
+            with open(p) as f:
+                snap = json.load(f)
+            out[int(snap["rank"])] = snap
+    return out
+
+
+def _signature(e: dict) -> tuple:
+    return e["op"], None if e["shape"] is None else tuple(e["shape"]), e["dtype"]
+
+
+def _what(e: dict) -> str:
+    return describe(e).replace(f" #{e['seq']}", "")
+
+
+def _groups(snaps: dict[int, dict]) -> dict[tuple, dict[int, dict]]:
+    """``{(name, members): {rank: {"last": last seq posted, "by_seq": {seq: entry}}}}`` for named groups."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for rank, snap in snaps.items():
+        for name, info in snap["groups"].items():
+            if info["members"]:
+                groups.setdefault((name, tuple(info["members"])), {})[rank] = {"last": info["last_seq"], "by_seq": {}}
+        for e in snap["entries"]:
+            if e["seq"] is None:  # a labelled exchange, not a whole-group collective: not matched
+                continue
+            for key, per in groups.items():
+                if key[0] == e["group"] and rank in per and rank in key[1]:
+                    per[rank]["by_seq"][e["seq"]] = e
+    return groups
+
+
+def _first_mismatch(name, members, per) -> str | None:
+    seqs = sorted(set().union(*(set(p["by_seq"]) for p in per.values())))
+    for seq in seqs:
+        here = {r: p["by_seq"][seq] for r, p in per.items() if seq in p["by_seq"]}
+        kinds: dict[tuple, list[int]] = {}
+        for r, e in sorted(here.items()):
+            kinds.setdefault(_signature(e), []).append(r)
+        if len(kinds) > 1:
+            (odd, odd_ranks), *rest = sorted(kinds.items(), key=lambda kv: len(kv[1]))
+            others = "; ".join(f"rank(s) {rs} are in {_what(here[rs[0]])}" for _, rs in rest)
+            return (f"mismatch: group {name} {list(members)} #{seq}: rank(s) {odd_ranks} are in "
+                    f"{_what(here[odd_ranks[0]])} while {others}")
+    return None
+
+
+def _pending(p: dict) -> int | None:
+    waiting = [s for s, e in p["by_seq"].items() if e["state"] != "completed"]
+    return min(waiting) if waiting else None
+
+
+def _hang(name, members, per, no_file, mismatch) -> list[str]:
+    pend = {r: _pending(p) for r, p in per.items()}
+    waiting = [s for s in pend.values() if s is not None]
+    if not waiting:
+        return []
+    k = min(waiting)
+    waiters = sorted(r for r, s in pend.items() if s == k)
+    e = per[waiters[0]]["by_seq"][k]
+    state = e["state"] + (f": {e['error'][:160]}" if e.get("error") else "")
+    line = f"hang: group {name} {list(members)}: rank(s) {waiters} wait in {describe(e)} [{state}]"
+    never = [r for r in members if r in per and per[r]["last"] < k]
+    absent = [r for r in members if r not in per]
+    for r in never:
+        last = per[r]["by_seq"].get(per[r]["last"])
+        line += (f"; rank {r} never posted #{k} (its last: "
+                 f"{describe(last) + ', ' + last['state'] if last else 'nothing recorded'})")
+    for r in absent:
+        line += f"; rank {r} left no record ({'no flight file' if r in no_file else 'never used this group'})"
+    if not never and not absent and mismatch:
+        line += f"; every rank posted #{k}: see the mismatch"
+    elif not never and not absent:
+        line += f"; every rank posted #{k}: look for the rank that waits elsewhere (another group's line)"
+    done = min((s - 1 if s is not None else per[r]["last"]) for r, s in pend.items())
+    last = next((p["by_seq"][done] for p in per.values() if done in p["by_seq"]), None)
+    out = [line]
+    if last is not None:
+        out.append(f"last: group {name} {list(members)}: the last operation every rank completed is {describe(last)}")
+    return out
+
+
+def analyze(snaps: dict[int, dict]) -> list[str]:
+    """The findings, one readable line each (``missing``, ``mismatch``, ``hang``, ``last``); hangs ordered
+    by when their operation was posted (the earliest is the likely cause); ``["ok: ..."]`` if none."""
+    world = max(s["world_size"] for s in snaps.values())
+    no_file = [r for r in range(world) if r not in snaps]
+    lines = [f"missing: rank {r} wrote no flight file (stopped or killed before it could)" for r in no_file]
+    hangs = []
+    for (name, members), per in sorted(_groups(snaps).items()):
+        mismatch = _first_mismatch(name, members, per)
+        if mismatch:
+            lines.append(mismatch)
+        found = _hang(name, members, per, no_file, mismatch)
+        if found:
+            k = min(_pending(p) for p in per.values() if _pending(p) is not None)
+            posted = min(p["by_seq"][k]["posted_us"] for p in per.values() if k in p["by_seq"])
+            hangs.append((posted, found))
+    for _, found in sorted(hangs, key=lambda h: h[0]):
+        lines.extend(found)
+    if len(lines) == 0:
+        n = sum(len(s["entries"]) for s in snaps.values())
+        lines.append(f"ok: {len(snaps)} rank(s), {n} operations, every one completed and alike on every rank")
+    return lines
+
+
+def main(folder: str) -> int:
+    """Print the reasons of the dumps and the findings; exit status 0 (nothing found) or 1."""
+    snaps = load(folder)
+    for r, s in sorted(snaps.items()):
+        print(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded")
+    lines = analyze(snaps)
+    for line in lines:
+        print(line)
+    return 0 if lines[0].startswith("ok:") else 1

@@ -1,0 +1,84 @@
+"""``python -m minizero.debug trace OUT/trace.json``: per rank, where each step's time went, and the straggler.
+
+From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute``
+(compute lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under
+compute), ``bubble`` (pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest).
+Names the slowest rank (most time not waiting on others) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
+"""
+from __future__ import annotations
+
+import json
+
+from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
+
+PIPELINE_WAITS = ("recv ", "wait sends", "pp_")  #: blocking-lane span names that are a pipeline stage waiting
+
+
+def _length(spans) -> int:
+    return sum(b - a for a, b in spans)
+
+
+def _union(*span_lists):
+    merged: list[list[int]] = []
+    for a, b in sorted(s for spans in span_lists for s in spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def rank_figures(events, pid: int) -> dict:
+    """Milliseconds per step of rank ``pid``: ``step``, ``compute``, ``exposed``, ``overlapped``, ``bubble``,
+    ``other``; ``steps`` (optimizer spans); ``waited_on``: ``{stage: ms per step}`` of its pipeline waits (the
+    spans' ``peer`` is a rank of the pipeline group, which is the stage number)."""
+    mine = [e for e in events if e.get("ph") == "X" and e["pid"] == pid]
+    steps = max(1, sum(1 for e in mine if e["cat"] == "optimizer"))
+    first = min((e["ts"] for e in mine if e["cat"] == "forward"), default=0)
+    last = max((e["ts"] + e["dur"] for e in mine if e["cat"] == "optimizer"), default=first)
+    in_window = [e for e in mine if e["ts"] >= first and e["ts"] + e["dur"] <= last]
+    is_wait = lambda e: e["tid"] == COMM and e["name"].startswith(PIPELINE_WAITS)  # noqa: E731
+    compute = intervals(in_window, pid, lambda e: e["tid"] == COMPUTE)
+    waits = intervals(in_window, pid, is_wait)
+    exposed = intervals(in_window, pid, lambda e: e["tid"] == COMM and not is_wait(e))
+    flight = intervals(in_window, pid, lambda e: e["tid"] == IN_FLIGHT)
+    busy = _length(_union(compute, waits, exposed))
+    waited: dict[int, float] = {}
+    for e in in_window:
+        if is_wait(e) and "peer" in e.get("args", {}):
+            waited[e["args"]["peer"]] = waited.get(e["args"]["peer"], 0.0) + e["dur"] / 1e3 / steps
+    per = 1e3 * steps
+    return {"steps": steps, "step": (last - first) / per, "compute": _length(compute) / per,
+            "exposed": _length(exposed) / per, "overlapped": covered_us(flight, compute) / per,
+            "bubble": _length(waits) / per, "other": (last - first - busy) / per, "waited_on": waited}
+
+
+def report(events) -> list[str]:
+    """The table (Markdown, one row per rank) and the verdict lines."""
+    pids = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    if not pids:
+        return ["no events: was the job run with --trace?"]
+    figs = {p: rank_figures(events, p) for p in pids}
+    cols = ("step", "compute", "exposed", "overlapped", "bubble", "other")
+    lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
+    lines += [f"| {p} | " + " | ".join(f"{figs[p][c]:.2f}" for c in cols) + " |" for p in pids]
+    working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
+    slow, fast = max(pids, key=working.get), min(pids, key=working.get)
+    ratio = working[slow] / working[fast] if working[fast] else float("inf")
+    lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f}; "
+                 f"{ratio:.2f}x rank {fast}'s {working[fast]:.2f})")
+    waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
+    f = figs[waiter]
+    on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
+    lines.append(f"most waiting: rank {waiter} ({f['exposed']:.2f} ms/step in collectives, {f['bubble']:.2f} in "
+                 f"pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
+    return lines
+
+
+def main(path: str) -> int:
+    """Print :func:`report` for the trace file at ``path``; 0, or 2 when it cannot be read."""
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    for line in report(events):
+        print(line)
+    return 0

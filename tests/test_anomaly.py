@@ -1,0 +1,92 @@
+"""``--detect-anomaly``: an inf made in forward names its module, an inf gradient names its parameter, rank, step."""
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.debug.anomaly import AnomalyDetector, AnomalyError
+from minizero.nn import GPT, get_config
+
+
+def _model():
+    model = GPT(get_config("tiny"))
+    idx = np.random.default_rng(0).integers(0, 256, size=(2, 8))
+    return model, idx
+
+
+def test_an_inf_weight_is_named_at_the_module_that_used_it_with_the_ranges():
+    model, idx = _model()
+    model.transformer.h[1].mlp.c_fc.weight.data[0, 0] = np.inf
+    detector = AnomalyDetector(model, rank=3)
+    detector.on_step_start(None, 7)
+    with pytest.raises(AnomalyError) as e:
+        model(idx)
+    msg = str(e.value)
+    assert msg.startswith("rank 3 step 7: forward of module 'transformer.h.1.mlp.c_fc' (Linear) made non-finite "
+                          "values from finite inputs: inputs in ["), msg
+    assert "parameters in [" in msg and "1 of " in msg and "not finite" in msg.split("output in")[1], msg
+
+
+def test_finite_runs_and_validation_forwards_are_not_reported():
+    model, idx = _model()
+    detector = AnomalyDetector(model, rank=0)
+    detector.on_step_start(None, 0)
+    model(idx)
+    assert detector.finding is None
+    model.transformer.h[0].attn.c_attn.weight.data[:] = np.nan
+    detector.step = None  # outside a step (validation): not watched
+    model(idx)
+    assert detector.finding is None
+
+
+def _train(comm, extra):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1",
+                       "--no-progress", "--detect-anomaly", *extra], comm.world_size)
+    return train(args, comm, log=lambda s: None)["train_losses"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra", [[], ["--zero", "2"]])
+def test_an_injected_inf_gradient_is_named_with_parameter_rank_and_step(monkeypatch, extra):
+    monkeypatch.setenv("MINIZERO_FAULT", "1:1:inf")  # rank 1's gradients become inf at step 1
+    with pytest.raises(AnomalyError) as e:
+        run_in_threads(2, _train, extra, timeout=240)
+    msg = str(e.value)
+    assert "rank 1 step 1: backward: the gradient of parameter 'transformer." in msg and "not finite" in msg, msg
+
+
+@pytest.mark.timeout(300)
+def test_a_clean_run_with_the_detector_trains_as_without_it():
+    def plain(comm):
+        from minizero.train import parse_args, train
+        args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1",
+                           "--no-progress"], comm.world_size)
+        return train(args, comm, log=lambda s: None)["train_losses"]
+
+    assert run_in_threads(2, _train, [], timeout=240)[0] == run_in_threads(2, plain, timeout=240)[0]
+
+
+def test_a_loss_spike_records_every_parameters_gradient_norm():
+    from types import SimpleNamespace
+
+    from minizero.callbacks import StepRecord
+    from minizero.debug.anomaly import LossSpikes
+    model, idx = _model()
+    spikes = LossSpikes(model, factor=2.0, warmup=3)
+    run = SimpleNamespace(result=SimpleNamespace(loss_spikes=[]), log=lambda line: logged.append(line))
+    logged = []
+    for step, loss in enumerate([5.0, 4.0, 3.0, 3.0, 9.0, 3.0]):  # 9 > 2 x 3.75; then 3 < 2 x 4.8
+        spikes.on_step_start(run, step)
+        _, out = model(idx, idx)
+        out.backward()
+        spikes.on_step_end(run, step, StepRecord(loss, 0.0, 1.0, 1.0, 0))
+        wpe = float(np.sqrt((model.transformer.wpe.weight.grad.astype(np.float64) ** 2).sum()))
+        for p in model.parameters():
+            p.grad = None
+    assert [(s["step"], s["loss"], s["running_mean"]) for s in run.result.loss_spikes] == [(4, 9.0, 3.75)]
+    norms = run.result.loss_spikes[0]["grad_norms"]
+    assert set(norms) == {n for n, _ in model.named_parameters()} and norms["transformer.wpe.weight"] == wpe
+    assert logged == ["loss spike at step 4: 9.0000 > 2 x running mean 3.7500; per-parameter gradient norms in "
+                      "summary.json (loss_spikes)"]
+    with pytest.raises(ValueError, match="factor=1"):
+        LossSpikes(model, factor=1)

@@ -1,0 +1,319 @@
+"""The flight recorder and ``python -m minizero.debug hang``: hangs and mismatches made on purpose, then named.
+
+In-process ranks (``run_in_threads``, short timeouts) for the recorder, the analyzer and ``--debug-collectives``;
+one ``mpiexec`` job with a stopped rank for the whole path (dump on timeout, analyzer on the files).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minizero.comm import all_gather, all_reduce, broadcast, reduce_scatter, run_in_threads
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.comm.nonblocking import RingCollective, Stream
+from minizero.debug import hang
+from minizero.debug.__main__ import main as debug_main
+from tests.conftest import mpi_env
+
+
+def _run_and_dump(world, fn, folder, timeout=1.0):
+    """Run ``fn(comm)`` on ``world`` thread ranks; every rank dumps its record (on its exception too)."""
+    def body(comm):
+        try:
+            fn(comm)
+        except BaseException as e:
+            comm.traffic.recorder.dump(str(folder), comm.rank, comm.world_size, type(e).__name__)
+            raise
+        comm.traffic.recorder.dump(str(folder), comm.rank, comm.world_size, "end")
+
+    try:
+        run_in_threads(world, body, timeout=timeout)
+    except Exception as e:  # noqa: BLE001  (the failure is what the test made happen)
+        return e
+    return None
+
+
+def test_recorder_keeps_the_last_n_operations_with_shape_dtype_and_state():
+    def fn(comm):
+        comm.traffic.recorder = FlightRecorder(capacity=3)
+        for i in range(5):
+            all_reduce(comm, np.full(4, float(i)))
+        reduce_scatter(comm, np.ones((2, 4), dtype=np.float32))
+        return comm.traffic.recorder.snapshot(comm.rank, comm.world_size)
+
+    snap = run_in_threads(2, fn)[1]
+    assert [e["seq"] for e in snap["entries"]] == [4, 5, 6]
+    last = snap["entries"][-1]
+    assert (last["op"], last["shape"], last["dtype"], last["bytes"], last["state"]) == (
+        "reduce_scatter", (2, 4), "float32", 32, "completed")
+    assert snap["groups"]["world"] == {"members": [0, 1], "last_seq": 6}
+    assert last["posted_us"] <= last["ended_us"]
+
+
+def test_overlapped_collectives_are_posted_in_submission_order_and_completed():
+    def fn(comm):
+        stream = Stream(comm)
+        for i in range(3):
+            stream.submit(RingCollective(comm, np.full(6, float(i)), "all_reduce", tag=1003))
+        states = [e.state for e in comm.traffic.recorder.entries]
+        stream.synchronize()
+        return states, [(e.seq, e.state) for e in comm.traffic.recorder.entries]
+
+    before, after = run_in_threads(2, fn)[0]
+    assert before[1:] == ["posted", "posted"]  # queued behind the first
+    assert after == [(1, "completed"), (2, "completed"), (3, "completed")]
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_sequence_number_the_others_wait_in(tmp_path):
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        broadcast(comm, np.ones(2))
+        if comm.rank != 1:  # rank 1 skips the third collective and stops
+            all_reduce(comm, np.ones(5))
+
+    err = _run_and_dump(4, fn, tmp_path)
+    assert "waited" in str(err)
+    lines = hang.analyze(hang.load(str(tmp_path)))
+    found = [ln for ln in lines if ln.startswith("hang:")]
+    assert len(found) == 1, lines
+    assert "rank(s) [0, 2, 3] wait in all_reduce #3 (shape (5,), float64, 40 bytes)" in found[0]
+    assert "rank 1 never posted #3 (its last: broadcast #2" in found[0]
+    assert any(ln.startswith("last:") and "broadcast #2" in ln for ln in lines), lines
+
+
+def test_ranks_in_different_collectives_at_one_sequence_number_are_named(tmp_path):
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        if comm.rank == 2:
+            all_gather(comm, np.ones(2))
+        else:
+            reduce_scatter(comm, np.ones(16))
+
+    assert _run_and_dump(4, fn, tmp_path) is not None
+    lines = hang.analyze(hang.load(str(tmp_path)))
+    assert lines[0] == ("mismatch: group world [0, 1, 2, 3] #2: rank(s) [2] are in all_gather (shape (8,), "
+                        "float64, 64 bytes) while rank(s) [0, 1, 3] are in reduce_scatter (shape (16,), float64, "
+                        "128 bytes)"), lines
+
+
+def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
+    assert _run_and_dump(2, lambda comm: [all_reduce(comm, np.ones(4)) for _ in range(3)], tmp_path) is None
+    assert debug_main(["hang", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ok: 2 rank(s), 6 operations" in out
+    assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
+
+
+def test_a_labelled_exchange_of_some_ranks_does_not_shift_the_sequence(tmp_path):
+    """Only whole-group collectives are numbered: a send under a label (what the trace gather and pipeline sends
+    do) is recorded with seq None, so the ranks that did not enter it still match."""
+    def fn(comm):
+        if comm.rank == 1:
+            with comm.traffic.op("trace"):
+                comm.send(np.ones(2), 0)
+        elif comm.rank == 0:
+            comm.recv(np.empty(2), 1)
+        with comm.traffic.op("metrics"):
+            all_reduce(comm, np.ones(3))
+
+    assert _run_and_dump(3, fn, tmp_path) is None
+    snaps = hang.load(str(tmp_path))
+    assert hang.analyze(snaps)[0].startswith("ok: 3 rank(s)")
+    entries = snaps[1]["entries"]
+    assert [(e["op"], e["seq"], e["within"]) for e in entries] == [("trace", None, None), ("metrics", None, None),
+                                                                    ("all_reduce", 1, "metrics")]
+
+
+def test_a_missing_rank_file_is_reported():
+    snaps = {0: {"rank": 0, "world_size": 2, "reason": "x", "groups": {"world": {"members": [0, 1], "last_seq": 1}},
+                 "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",
+                              "bytes": 16, "state": "started", "posted_us": 1, "ended_us": None, "error": None}]}}
+    lines = hang.analyze(snaps)
+    assert lines[0].startswith("missing: rank 1 wrote no flight file")
+    assert "rank(s) [0] wait in all_reduce #1" in lines[1] and "rank 1 left no record (no flight file)" in lines[1]
+
+
+# -- --debug-collectives -------------------------------------------------------------------------------------
+def test_debug_collectives_names_a_rank_that_skipped_an_all_reduce_with_both_sides():
+    def fn(comm):
+        check_collectives(comm)
+        all_reduce(comm, np.ones(3))
+        if comm.rank != 1:
+            all_reduce(comm, np.ones(3))
+        broadcast(comm, np.ones(2))
+
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, fn, timeout=5)
+    msg = str(e.value)
+    assert "calls all_reduce #2 (shape (3,), float64, 24 bytes)" in msg, msg
+    assert "rank 1 calls broadcast #2 (shape (2,), float64, 16 bytes)" in msg, msg
+
+
+def test_debug_collectives_names_an_all_gather_of_another_shape():
+    def fn(comm):
+        check_collectives(comm)
+        all_gather(comm, np.ones(3 if comm.rank == 2 else 2), n=12 if comm.rank == 2 else 8)
+
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, fn, timeout=5)
+    msg = str(e.value)
+    assert "all_gather #1 (shape (8,), float64, 64 bytes)" in msg and "rank 2 calls all_gather #1 (shape (12,)" in msg
+
+
+def test_debug_collectives_passes_agreeing_ranks_and_leaves_results_unchanged():
+    def fn(comm, check):
+        if check:
+            check_collectives(comm)
+        x = np.arange(7.0) * (comm.rank + 1)
+        return all_reduce(comm, x), all_gather(comm, x[:2] + comm.rank, n=6), comm.traffic.by_op.get(
+            "debug_collectives", 0)
+
+    plain, checked = run_in_threads(3, fn, False), run_in_threads(3, fn, True)
+    for (a, b, _), (c, d, nbytes) in zip(plain, checked):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+        assert nbytes > 0  # the descriptors are counted under their own label
+
+
+# -- the main job under mpiexec ------------------------------------------------------------------------------
+TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_path):
+    """MINIZERO_FAULT=1:5:stop, 4 ranks, --zero 3: the job ends within --comm-timeout + 30 s, every live rank
+    wrote its flight file, and the analyzer names rank 1 and the operation the others wait in."""
+    out, timeout = tmp_path / "out", 3
+    env = dict(mpi_env(), MINIZERO_FAULT="1:5:stop")
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *TINY, "--steps", "8",
+                           "--zero", "3", "--comm-timeout", str(timeout), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=150)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    flight = out / "flight"
+    assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
+    for f in os.listdir(flight):  # each live rank wrote its file within --comm-timeout + 30 s of starting to wait
+        snap = json.loads((flight / f).read_text())
+        waiting_since = min(e["posted_us"] for e in snap["entries"] if e["state"] != "completed")
+        assert "CommTimeoutError" in snap["reason"] and snap["time_us"] - waiting_since < (timeout + 30) * 1e6
+    report = subprocess.run([sys.executable, "-m", "minizero.debug", "hang", str(flight)], env=mpi_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 1
+    lines = report.stdout.splitlines()
+    assert "missing: rank 1 wrote no flight file (stopped or killed before it could)" in lines, report.stdout
+    found = [ln for ln in lines if ln.startswith("hang: group dp [0, 1, 2, 3]: rank(s) [0, 2, 3] wait in ")]
+    assert found and "rank 1 left no record (no flight file)" in found[0], report.stdout
+    assert " #" in found[0] and "all_gather" in found[0], found
+    assert elapsed < timeout + 30 + 30  # start-up of 4 ranks on a loaded 2-core machine included
+
+
+@pytest.mark.timeout(180)
+def test_sigusr1_dumps_every_rank_on_demand_and_ctrl_c_dumps_again(mpiexec, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY[:-1], "--steps",
+                             "100000", "--progress", "log", "--log-every", "1", "--out", str(out)],
+                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the first validation needs every rank: all have their handler by then
+            if "validation loss" in line:
+                break
+        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+        files = [out / "flight" / f"rank_{r}.json" for r in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [json.loads(f.read_text())["reason"] for f in files] == ["SIGUSR1", "SIGUSR1"]
+        assert proc.poll() is None  # still training
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert [json.loads(f.read_text())["reason"] for f in files] == ["SIGINT", "SIGINT"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- python -m minizero.debug trace ----------------------------------------------------------------------------
+def _ev(pid, name, cat, tid, ts, dur, **args):
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tmp_path, capsys):
+    from minizero.debug import timeline
+    events = []
+    for pid, fwd in ((0, 1000), (1, 3000)):  # rank 1 computes 3x longer: the straggler
+        events += [_ev(pid, "forward h.0", "forward", 0, 0, fwd),
+                   _ev(pid, "all_reduce", "comm", 1, 4000, 500),        # exposed
+                   _ev(pid, "bucket 0", "comm", 2, 0, 800),             # in flight, under compute
+                   _ev(pid, "optimizer", "optimizer", 0, 5000, 1000)]
+    events.append(_ev(0, "recv act mb0", "comm", 1, 1000, 2000, peer=1, bytes=8))  # rank 0 waits for stage 1
+    f0 = timeline.rank_figures(events, 0)
+    assert {k: f0[k] for k in ("step", "compute", "exposed", "overlapped", "bubble", "other")} == {
+        "step": 6.0, "compute": 2.0, "exposed": 0.5, "overlapped": 0.8, "bubble": 2.0, "other": 1.5}
+    assert f0["waited_on"] == {1: 2.0}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert debug_main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
+    assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00; 1.57x rank 0's 3.50)" in out
+    assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 in pipeline waits, most of it waiting for "
+            "pipeline stage 1)") in out
+
+
+def _train_checked(comm, extra, check):
+    from minizero.train import parse_args, train
+    if check:
+        check_collectives(comm)  # what the main job does for --debug-collectives
+    args = parse_args(["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       *extra], comm.world_size)
+    return train(args, comm, log=lambda s: None)["train_losses"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n,extra", [(2, ["--zero", "3"]), (4, ["--tp", "2", "--zero", "2"]), (4, ["--pp", "2"]),
+                                     (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--cp", "2"]),
+                                     (2, ["--quantized-comm"])])
+def test_debug_collectives_passes_every_layout_and_changes_no_loss(n, extra):
+    """No false alarm where ranks legitimately differ (uneven shards, pipeline stages, two-rank exchanges)."""
+    checked = run_in_threads(n, _train_checked, extra, True, timeout=300)[0]
+    assert checked == run_in_threads(n, _train_checked, extra, False, timeout=300)[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_traced_job_reports_the_straggler_and_keeps_time_per_rank(tmp_path):
+    from minizero.train import parse_args, train
+    path, logged = str(tmp_path / "t.json"), []
+
+    def body(comm):
+        args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1",
+                           "--no-progress", "--trace", path, "--pp", "2"], comm.world_size)
+        return train(args, comm, log=logged.append if comm.rank == 0 else (lambda line: None)).time_per_rank
+
+    per_rank = run_in_threads(2, body, timeout=240)[0]
+    assert sorted(per_rank) == [0, 1] and all(f["steps"] == 3 and f["compute"] > 0 for f in per_rank.values())
+    assert per_rank[0]["waited_on"] or per_rank[1]["waited_on"]  # one pipeline stage waited for the other
+    assert any(line.startswith("slowest rank: ") for line in logged), logged
+    assert any(line.startswith("most waiting: rank ") for line in logged), logged
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_rank_is_named_the_straggler(monkeypatch, tmp_path):
+    """MINIZERO_FAULT=1:0:slow: rank 1 sleeps 50 ms per step; rank 0 waits for it in the collectives."""
+    from minizero.train import parse_args, train
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:slow")
+    path, logged = str(tmp_path / "t.json"), []
+
+    def body(comm):
+        args = parse_args(["--model", "tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1",
+                           "--no-progress", "--trace", path], comm.world_size)
+        train(args, comm, log=logged.append if comm.rank == 0 else (lambda line: None))
+
+    run_in_threads(2, body, timeout=240)
+    assert any(line.startswith("slowest rank: 1 (") for line in logged), logged
+    assert any(line.startswith("most waiting: rank 0 (") for line in logged), logged

@@ -1,0 +1,65 @@
+"""``--check-replicas``: a replica that drifted is caught, named (parameter, ranks, step); agreeing replicas pass."""
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest
+
+
+def test_digest_sees_one_ulp_shape_and_dtype():
+    a = np.linspace(0, 1, 10)
+    b = a.copy()
+    b[3] = np.nextafter(b[3], 2)
+    assert digest(a) == digest(a.copy()) and digest(a) != digest(b)
+    assert digest(a) != digest(a.reshape(2, 5))
+    assert digest(np.zeros(4)) != digest(np.zeros(4, dtype=np.float32))
+
+
+def test_check_replicas_names_the_parameter_the_ranks_and_the_step():
+    def fn(comm):
+        w = np.arange(6.0).reshape(2, 3)
+        b = np.ones(3)
+        if comm.rank == 2:
+            b[1] += 1e-12
+        return check_replicas(comm, [("h.0.w", w), ("h.0.b", b)], step=7, members=[0, 4, 8])
+
+    with pytest.raises(ReplicaMismatchError) as e:
+        run_in_threads(3, fn, timeout=10)
+    msg = str(e.value)
+    assert "after step 7: parameter 'h.0.b' (3,) differs across the data-parallel replicas [0, 4, 8]" in msg, msg
+    assert "rank(s) [0, 4] hold digest" in msg and "but rank(s) [8] hold digest" in msg, msg
+
+
+def test_equal_replicas_pass():
+    assert run_in_threads(2, lambda comm: check_replicas(comm, [("w", np.ones(4))], 0)) == [1, 1]
+
+
+def test_every_must_be_a_positive_int_and_the_flag_is_checked_by_name():
+    from minizero.args import UsageError, parse_args
+    with pytest.raises(ValueError, match="every=0"):
+        ReplicaCheck(0)
+    for flag in ("--check-replicas", "--flight-records"):
+        with pytest.raises(UsageError, match=f"{flag} must be >= 0, got -1"):
+            parse_args([flag, "-1"])
+
+
+def _train(comm, extra):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1",
+                       "--no-progress", *extra], comm.world_size)
+    return train(args, comm, log=lambda s: None)["train_losses"]
+
+
+@pytest.mark.timeout(300)
+def test_a_drifted_replica_is_caught_at_the_step_it_drifted(monkeypatch):
+    monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge")  # rank 1's first parameter moves after step 2
+    with pytest.raises(ReplicaMismatchError) as e:
+        run_in_threads(2, _train, ["--check-replicas", "1"], timeout=240)
+    msg = str(e.value)
+    assert "after step 2: parameter 'transformer.wte.weight'" in msg and "rank(s) [1] hold" in msg, msg
+
+
+@pytest.mark.timeout(300)
+def test_replicas_agree_in_ordinary_training_with_zero_1_and_tensor_parallelism():
+    run_in_threads(4, _train, ["--check-replicas", "2", "--zero", "1", "--tp", "2"], timeout=240)
+    run_in_threads(2, _train, ["--check-replicas", "1"], timeout=240)
