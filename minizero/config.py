@@ -34,6 +34,7 @@ class TrainConfig:
     tp: int | None = _D["tp"]
     sequence_parallel: bool = _D["sequence_parallel"]
     cp: int = _D["cp"]
+    cp_attention: str = _D["cp_attention"]
     pp: int | None = _D["pp"]
     micro_batches: int | None = _D["micro_batches"]
     schedule: str = _D["schedule"]

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: the sequence split, ring attention")
+    p.add_argument("--cp-attention", default="ring", choices=["ring", "ulysses"],
+                   help="with --cp: ring attention (k, v blocks around the ring) or DeepSpeed-Ulysses (all-to-all "
+                        "from sequence shards to head shards and back)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "

@@ -41,7 +41,12 @@ def check_context_parallel(args, cfg) -> None:
     if t % (2 * cp):
         raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
     if dropout:
-        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout")
+        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout"
+                         " (and Ulysses' head shards would draw other masks than one process)")
+    heads = cfg.n_head // args.tp
+    if args.cp_attention == "ulysses" and heads % cp:
+        raise ValueError(f"--cp {cp} --cp-attention ulysses needs the {heads} attention heads per tensor rank "
+                         f"(n_head {cfg.n_head} / --tp {args.tp}) divisible by --cp {cp}: the all-to-all splits heads")
     if args.sequence_parallel and (t // cp) % args.tp:
         raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
@@ -52,10 +57,10 @@ def check_attention(args) -> None:
     if args.attention_block < 1:
         raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
                          f"got {args.attention_block}")
-    if args.attention == "flash" and args.cp > 1:
+    if args.attention == "flash" and args.cp > 1 and args.cp_attention == "ring":
         raise ValueError(f"--attention flash with --cp {args.cp} is not supported: ring attention already runs the "
                          "flash recurrence across ranks, one (T/cp)-row block each (the same block kernel), and does "
-                         "not tile that block further; use --attention dense with --cp")
+                         "not tile that block further; use --attention dense with --cp (or --cp-attention ulysses)")
 
 
 def check_bf16(args) -> None:

@@ -53,8 +53,10 @@ from minizero.autograd import Function, Tensor
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Module
 from minizero.memory.recompute import CheckpointWrapper
+from minizero.parallel.ulysses import UlyssesAttentionCore
 
 CP_TAG = 1300  #: tag of the ring messages
+CP_ATTENTIONS = ("ring", "ulysses")  #: the attention cores of a split sequence (ulysses.py: by all-to-all)
 
 
 # --------------------------------------------------------------------------- sharding along the sequence
@@ -203,7 +205,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
 
 
 # --------------------------------------------------------------------------- in the model
-def context_parallelize(stage, comm) -> list[str]:
+def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     """Split a pipeline stage's sequence over the context group ``comm``, in place; see the module docstring.
 
     ``stage``: a :class:`~minizero.parallel.pipeline.PipelineStage` (any of pp, tensor- and
@@ -214,19 +216,23 @@ def context_parallelize(stage, comm) -> list[str]:
     by c, so the pipeline's messages have that shape and cp rank r of stage s talks to cp rank r of
     stage s+1: they share the data rank and the tensor rank, topology.py); ``wpe`` looks up the
     chunks' global positions (a forward pre-hook); every block's ``attn.core`` becomes a :class:`RingAttentionCore`
-    (inside selective recompute's wrapper when that came first: the two compose in either order).
-    Returns the converted names. No-op for c = 1.
+    (inside selective recompute's wrapper when that came first: the two compose in either order), or
+    with ``attention="ulysses"`` an :class:`~minizero.parallel.ulysses.UlyssesAttentionCore` around the
+    block's own core. Returns the converted names. No-op for c = 1.
+    Raises: ValueError for another ``attention`` than "ring" or "ulysses".
     """
+    if attention not in CP_ATTENTIONS:
+        raise ValueError(f"unknown context-parallel attention {attention!r}; allowed: {CP_ATTENTIONS}")
     cp = comm.world_size
     if cp == 1:
         return []
     done = []
     for part in getattr(stage, "chunks", [stage]):
-        done += _context_parallelize_stage(part, comm)
+        done += _context_parallelize_stage(part, comm, attention)
     return done
 
 
-def _context_parallelize_stage(stage, comm) -> list[str]:
+def _context_parallelize_stage(stage, comm, attention: str) -> list[str]:
     """:func:`context_parallelize` for one :class:`PipelineStage` (one chunk of an interleaved stage)."""
     cp, r = comm.world_size, comm.rank
 
@@ -246,10 +252,11 @@ def _context_parallelize_stage(stage, comm) -> list[str]:
         tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
     for name, block in tr["h"]._modules.items():
+        holder, field = block.attn, "core"
         if isinstance(block.attn.core, CheckpointWrapper):  # selective recompute came first: ring inside its wrapper
-            block.attn.core.inner = RingAttentionCore(comm)
-        else:
-            block.attn.core = RingAttentionCore(comm)
+            holder, field = block.attn.core, "inner"
+        old = getattr(holder, field)
+        setattr(holder, field, RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, old))
         done.append(f"transformer.h.{name}.attn.core")
     stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done

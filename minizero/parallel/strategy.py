@@ -278,7 +278,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     if args.attention == "flash":  # before context parallelism and recompute replace or wrap the cores
         use_flash_attention(stage, args.attention_block)
     if cp > 1:
-        context_parallelize(stage, cp_comm)  # either order with recompute: selective recompute wraps the ring core
+        context_parallelize(stage, cp_comm, args.cp_attention)  # either order with recompute: selective recompute wraps the ring core
     if args.precision == "bf16":  # before recompute wraps the blocks
         use_bf16(stage)
     elif args.precision == "fp8":

@@ -1,0 +1,99 @@
+"""DeepSpeed-Ulysses (parallel/ulysses.py): attention over a split sequence by two all-to-alls.
+
+* The core equals whole causal attention in float64 (1e-12), output and the gradients of q, k, v,
+  at 1, 2 and 4 ranks; the bytes are ulysses_bytes; the gathered time order is the sequence's.
+* Training (``--cp c --cp-attention ulysses``) equals one process in float64 alone, with dp 2,
+  ZeRO-1, tp 2, pp 2, selective recompute and flash attention inside; once under mpiexec.
+* Refused: heads not divisible by c, dropout.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tests.mp_reference as R
+from minizero.args import UsageError
+from minizero.autograd import Tensor
+from minizero.autograd.functional import causal_softmax
+from minizero.comm import run_in_threads
+from minizero.parallel.context_parallel import split_for_context_parallel, unsplit_from_context_parallel
+from minizero.parallel.ulysses import UlyssesAttentionCore, sequence_order, ulysses_bytes
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+def test_gathered_rows_are_put_in_sequence_order():
+    cp, n = 3, 2  # rank i holds chunks i and 5-i of 6 chunks of 2 rows
+    gathered = np.concatenate([split_for_context_parallel(np.arange(2 * cp * n), i, cp, 0) for i in range(cp)])
+    np.testing.assert_array_equal(gathered[sequence_order(cp, n)], np.arange(2 * cp * n))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ulysses_equals_whole_causal_attention(cp):
+    b, h, s, d = 2, 4, 16, 3
+    rng = np.random.default_rng(0)
+    q, k, v, w = (rng.normal(size=(b, h, s, d)) for _ in range(4))
+    qt, kt, vt = (Tensor(a, requires_grad=True) for a in (q, k, v))
+    ref = causal_softmax((qt @ kt.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(d))) @ vt
+    (ref * Tensor(w)).sum().backward()
+
+    def rank(comm):
+        r = comm.rank
+        ql, kl, vl = (Tensor(split_for_context_parallel(a, r, cp, 2), requires_grad=True) for a in (q, k, v))
+        out = UlyssesAttentionCore(comm)(ql, kl, vl, lambda a: a)
+        sent = comm.traffic.bytes_sent
+        (out * Tensor(split_for_context_parallel(w, r, cp, 2))).sum().backward()
+        return out.data, ql.grad, kl.grad, vl.grad, sent, comm.traffic.bytes_sent - sent
+
+    res = run_in_threads(cp, rank)
+    for i, want in enumerate([ref.data, qt.grad, kt.grad, vt.grad]):
+        got = unsplit_from_context_parallel([r_[i] for r_ in res], 2)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=str(i))
+    expect = ulysses_bytes(b, h, s, d, 8, cp)
+    for r_ in res:
+        assert (r_[4], r_[5]) == (expect["forward"], expect["backward"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp, dp, tp, pp, m, extra", [
+    (2, 1, 1, 1, 1, []),
+    (4, 1, 1, 1, 1, []),
+    (2, 2, 1, 1, 1, ["--zero", "1"]),
+    (2, 1, 2, 1, 1, []),
+    (2, 1, 1, 2, 2, []),
+    (2, 1, 1, 1, 1, ["--recompute", "selective"]),
+    (2, 1, 1, 1, 1, ["--attention", "flash", "--attention-block", "4"]),
+])
+def test_ulysses_training_equals_single_process(cp, dp, tp, pp, m, extra):
+    model = "default"  # 4 heads: 4 / (tp x cp) whole heads per rank
+    ref = run_in_threads(1, R.run_single, model, 2 * dp, m, [a for a in extra if a not in ("--attention", "flash",
+                                                                                          "--attention-block", "4")])[0]
+    got = run_in_threads(dp * tp * pp * cp, R.run_parallel, model, 2, dp, tp, pp, m, "1f1b",
+                         ["--cp", str(cp), "--cp-attention", "ulysses", *extra])
+    R.assert_matches(ref, got, f"ulysses cp {cp} dp {dp} tp {tp} pp {pp} {extra}")
+
+
+def test_ulysses_is_refused_where_heads_do_not_split():
+    with pytest.raises(UsageError, match="needs the 2 attention heads per tensor rank .* divisible by --cp 4"):
+        parse_args(["--model", "tiny", "--cp", "4", "--cp-attention", "ulysses", "--block-size", "16"], 4)
+    with pytest.raises(UsageError, match="with --dropout 0.1 is not supported"):
+        parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2)
+
+
+@pytest.mark.timeout(300)
+def test_ulysses_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 python -m minizero.train --cp 2 --cp-attention ulysses``: the final weights are one process's."""
+    base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
+            "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3",
+            "--micro-batch-size", "2"]
+    out = {}
+    for label, n, flags in [("par", 2, ["--cp", "2", "--cp-attention", "ulysses"]), ("one", 1, [])]:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
