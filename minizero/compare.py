@@ -1,44 +1,11 @@
 """``python -m minizero.compare``: every memory technique, measured, beside the estimator's prediction.
 
-::
-
-    python -m minizero.compare                       # default model, 2 ranks, 3 steps, every strategy
-    python -m minizero.compare --ranks 1,2,4 --strategies baseline,zero3,combined --out out/compare
-
-For each world size and each strategy of :data:`STRATEGIES` it launches
-``mpiexec -n N python -m minizero.train ... --json PATH`` (``mpiexec`` beside this
-Python, else on PATH), reads the summary, and sets beside each other, per rank:
-
-* the ledger's peak bytes by category during the training steps (``ledger_peak_bytes``;
-  set-up is reported apart by the job), their sum over the device categories, and the
-  process peak that tracemalloc measured (every NumPy allocation, temporaries too;
-  memory-mapped NVMe files are not allocations);
-* the estimator's prediction (:func:`minizero.memory.estimator.estimate_memory`,
-  ``accounting="minizero"``) for the same model and strategy;
-* tokens per second (rank 0's, over the few steps: a rough number, first step included);
-* the step time: measured (rank 0's training-loop time / steps, first step included, with
-  tracemalloc on and ``--no-overlap``) beside the planner's prediction
-  (:func:`minizero.plan_search.step_time`, the formulas ``python -m minizero.plan`` ranks
-  with) on a hardware profile of this machine measured first (:mod:`minizero.hardware`:
-  sgemm FLOP/s at the model's shapes, copy bandwidth, all-reduce busbw of launched
-  ranks at the gradient size, AdamW parameters/s), and their ratio measured / predicted.
-  The planner's model counts matmul FLOPs, collective bytes and offload copies; it leaves
-  out the elementwise kernels, the optimizer step (except CPU Adam under offload),
-  Python's overhead and FP16 emulation, and it hides DP traffic behind backward that
-  ``--no-overlap`` does not hide: a ratio above 1 is what it leaves out.
-
-Outputs (each written to a temporary name in the folder, then renamed): ``OUT/compare.md``
-(the Markdown table printed to stdout), ``OUT/compare.png`` (matplotlib, Agg backend;
-skipped with a note when matplotlib is not installed) and the JSON (``--json``, default
-``OUT/compare.json``; every number in bytes).
-
-A run that fails (a rank raises or dies: the job prints ``[rank r]`` and its cause and
-aborts every rank) is reported with that cause, and the comparison **continues** with
-the next run; the exit status is then 1. Bad arguments exit with status 2 and one
-line naming the value and what is allowed. FP16 on NumPy is emulated (slow): keep
-``--steps`` small.
-
-Units: MiB = 2**20 bytes in the table, bytes in the JSON.
+For each world size and strategy of :data:`STRATEGIES` it runs ``mpiexec -n N python -m minizero.train ...
+--json PATH`` and prints per rank the ledger's peak bytes by category, the tracemalloc peak, the estimator's
+prediction (``accounting="minizero"``), tokens/s, and measured vs predicted step time on a hardware profile
+measured first (:mod:`minizero.hardware`). Writes ``OUT/compare.md``, ``OUT/compare.png`` and the JSON
+(bytes), each through a temporary name. A failed run is reported with its cause and the rest continue (exit
+status 1); bad arguments exit with status 2 and one line naming the value. MiB = 2**20 bytes.
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """This machine, measured, as the planner's hardware model: sgemm FLOP/s, copy bandwidth, all-reduce busbw.
 
-``python -m minizero.compare`` feeds :func:`measure` to the planner's step-time model
-(:func:`minizero.plan_search.step_time`, one source for the formulas) to print a
-predicted step time beside the measured one. What is measured, and what it stands for
-in :class:`minizero.plan_search.Hardware` (a GPU's numbers there, this host's here):
-
-* ``sgemm_flops`` -> ``flops`` (``efficiency`` 1.0): float32 matmuls of the model's own
-  shapes for one micro-batch -- per layer q/k/v, the attention projection, the two MLP
-  matrices and the attention's two batched products, and the head -- with the BLAS
-  threads a rank gets (cores / ranks, as ``minizero.train`` sets them); total FLOPs
-  (2 per multiply-add) / total time, the median of repeated passes.
-* ``copy_bw`` -> ``pcie_bw``: bytes copied per second by ``np.copyto`` of a 64 MiB
-  float32 array (each byte read once and written once); on NumPy "host <-> device"
-  offload traffic is such a copy.
-* ``allreduce_busbw`` -> ``intra_node_bw`` and ``inter_node_bw`` (one node here): the
-  bus bandwidth of :func:`minizero.comm.all_reduce` (the algorithm data parallelism
-  runs) on a float32 array of the model's gradient size, in **launched** ranks:
-  ``mpiexec -n N python -m minizero.hardware --allreduce BYTES``, the transport the
-  compared jobs use (the in-process thread communicator copies under the GIL instead,
-  a different cost). busbw = S / t x 2(N-1)/N as nccl-tests define it
-  (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md); t = the slowest rank's time of
-  one all-reduce, median of timed runs after a barrier each. Since the planner's DP
-  time is bytes sent per rank / link bandwidth and a ring sends 2(N-1)/N S per rank,
-  busbw is the link bandwidth of that formula.
-* ``adam_params_per_s`` -> ``cpu_adam``: parameters per second of
-  :func:`minizero.optim.adamw.adamw_update` on flat float32 arrays of the model's size.
-
-Units: FLOP/s, bytes/s, parameters/s. Every measurement is short (a fraction of a
-second, about two seconds per launched world size): numbers are rough on a loaded
-machine; compare prints them beside its table.
+:func:`measure` fills :class:`minizero.plan_search.Hardware` for ``python -m minizero.compare``:
+``sgemm_flops`` -> ``flops`` (float32 matmuls of the model's shapes, 2 FLOPs per multiply-add, median of passes);
+``copy_bw`` -> ``pcie_bw`` (``np.copyto`` of 64 MiB); ``allreduce_busbw`` -> ``intra_node_bw`` and
+``inter_node_bw`` (:func:`minizero.comm.all_reduce` of the gradient size in launched ranks, busbw = S/t x
+2(N-1)/N as nccl-tests' doc/PERFORMANCE.md); ``adam_params_per_s`` -> ``cpu_adam``. Units: FLOP/s, bytes/s,
+parameters/s; short measurements, rough on a loaded machine.
 """
 from __future__ import annotations
 

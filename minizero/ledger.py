@@ -1,43 +1,13 @@
-"""The memory ledger: every array minizero keeps alive, counted by category.
+"""The memory ledger: every array minizero keeps alive, counted by category, one ledger per rank (thread-local).
 
-Techniques prove their savings here. The autograd engine registers every array a
-``Function`` saves for backward as ``activations``; parameters register
-themselves as ``parameters``; the engine registers accumulated leaf gradients as
-``gradients``; optimizers register their state as ``optimizer_state``; the
-data-parallel buckets register as ``comm_buffers``; ZeRO-3's all-gathered full
-parameters (alive only while their layer runs) register as ``gathered``; the hand-written
-collectives' temporary buffers (a ring's receive chunk, reduce-scatter's working copy), alive
-only inside one collective call, register as ``comm_scratch``.
+Categories: ``parameters``, ``gradients``, ``optimizer_state``, ``activations`` (saved by a Function),
+``comm_buffers``, ``gathered`` (ZeRO-3's full parameters), ``comm_scratch`` (inside one collective). An array is
+counted by its owning buffer (``a.base`` to the root, once), by the first category that claims it, until it is
+freed (``weakref.finalize``); "peak" is the high-water mark. Attribution: the innermost running module (scope
+stack pushed by :func:`minizero.memory.attribution.attach`), self and inclusive; 4-D (b, a, s, s) activations go
+to ``<scope>:scores``; arrays outside any forward to :data:`OUTSIDE`.
 
-Exactness rules (so the numbers are the real bytes):
-
-* An array is counted by its *owning buffer* (``a.base`` followed to the root):
-  a view that keeps a large array alive is charged the whole array, and two
-  views of one buffer are charged once.
-* The first category to claim a buffer keeps it (a parameter saved by a matmul
-  stays a parameter; it is not counted again as an activation).
-* A buffer leaves the ledger when it is freed (``weakref.finalize``), so
-  "current" is what is alive right now and "peak" is the high-water mark.
-
-Attribution (which layer holds the bytes): the ledger keeps a *scope stack* of the
-modules whose forward is running (pushed and popped by forward pre/post hooks that
-:func:`minizero.memory.attribution.attach` installs on every named module). Each
-tracked buffer records the innermost scope (``transformer.h.2.attn``), and the ledger
-keeps current and peak bytes per (module, category) -- *self* (the innermost module
-only) and *inclusive* (the module and everything under it). An activation whose owning
-buffer is 4-D with its last two axes equal, (b, a, s, s), is charged to the pseudo-module
-``<scope>:scores``: the attention scores, probabilities and their dropout mask, whose
-a*s^2*b elements grow with the square of the sequence length. Arrays tracked outside
-any forward (parameters, gradients, optimizer state) are charged to
-:data:`OUTSIDE`. Mirrors the per-frame attribution of PyTorch's memory snapshot
-(``torch.cuda.memory._record_memory_history``), by module instead of by stack frame.
-
-There is one ledger per rank: per process under MPI, per thread under the
-in-process :class:`~minizero.comm.ThreadCommunicator` (``get_ledger`` is
-thread-local).
-
-Mirrors: the categories of ``torch.cuda.memory_summary()`` and of the ZeRO
-paper's model-state accounting (Rajbhandari et al. 2020, section 3).
+Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's model-state accounting (section 3).
 """
 from __future__ import annotations
 

@@ -1,61 +1,11 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
-::
-
-    python -m minizero.plan --model llama3-70b --gpus 64 --gpu-memory 80GB --seq-len 4096
-
-Enumerates every layout dp x cp x tp x pp = GPUs, ZeRO stage 0-3 (2-3 only without
-pipelining), recompute (none/selective/full), sequence parallelism (when tp > 1),
-context parallelism cp (ring attention; the sequence in 2 x cp chunks, models without dropout),
-offload (none, optimizer, parameters; and activations), estimates each one's per-GPU
-memory by category on its first and last pipeline stage (:mod:`minizero.memory.estimator`,
-the papers' accounting), the bytes each GPU sends per step, and the step time on a
-simple hardware model; prints the strategies that fit, best first, and for each of the
-three best step times one line saying why its strategy beats the next slower one.
-
-Ranking rule: highest estimated training throughput (tokens per second) first; ties
-(strategies whose step time is the same, e.g. with and without sequence
-parallelism) go to less device memory per GPU, then to fewer techniques switched on.
-
-Step-time model (first order, stated so it can be argued with)::
-
-    compute  = hardware FLOPs of the step (model FLOPs + recompute) / GPUs / (peak x efficiency)
-    bubble   = compute x (p - 1) / (v m)            pipeline flush (Narayanan et al. 2021, 2.2)
-    tp       = tensor-parallel bytes / NVLink bandwidth, on the critical path (not overlapped)
-    cp       = ring attention's K, V blocks forward ((c-1) per layer, Liu et al. 2023) and K, V, dK,
-               dV backward (again forward under recompute) / link bandwidth, not overlapped: an upper
-               bound (Liu et al. hide it behind the blockwise attention when a block's compute outlasts
-               its transfer; minizero's ring waits for each pass; Llama 3, Dubey et al. 2024, section
-               3.3.2, all-gathers K and V instead, the same bytes)
-    pp       = pipeline send/recv bytes / link bandwidth
-    dp       = data-parallel bytes / link bandwidth, minus what hides behind backward:
-               ZeRO 0-1 behind the last micro-batch's backward, ZeRO 2 behind every
-               backward, ZeRO 3 behind all compute; ZeRO 1-2's parameter all-gather after
-               the optimizer step is exposed
-    offload  = optimizer: PCIe (gradients down, parameters up) + CPU Adam, exposed;
-               parameters and activations: PCIe traffic beyond the compute time
-    step     = compute + bubble + tp + cp + pp + dp + offload
-
-Placement: tensor-parallel groups inside a node; the data-parallel group uses
-intra-node links when dp x cp x tp fits in a node, the context group when cp x tp does (Megatron-LM's order
-tp-cp-dp-pp), the pipeline when the whole job does;
-otherwise inter-node links. The number of micro-batches m per step is the global
-batch / (dp x micro-batch), rounded up (the effective batch is printed).
-
-Units: every size in a table, its header and "why" is in one family, GB = 10**9 bytes
-unless ``--units GiB`` (2**30 bytes), and the header says which. Size arguments need a
-unit: ``80GB`` (8e10 bytes), ``80GiB`` (85,899,345,920 bytes), ``8e10B`` (bytes); a bare
-``80`` is refused (80 bytes is never meant). An "80 GB" A100/H100 has 80 GiB.
-
-``--strategy "dp2 tp4 pp1 zero3 recompute=selective"`` evaluates that one strategy (fits or
-not) instead of searching. Model names: the real models of :mod:`minizero.models`, and
-minizero's presets by the trainer's names (``gpt2``) or as ``minizero-gpt2``.
-
-The search and the step-time model are in :mod:`minizero.plan_search`, the table, "why"
-and the plot in :mod:`minizero.plan_report`; this file is the command line.
-Bad input exits with status 2 and one line naming the value and what is allowed.
-``--gpus`` is at most 2**20 (1,048,576); ``--plot PATH`` writes a PNG to PATH (``.png`` added
-when PATH has no extension) through a temporary name, and the path is checked before planning.
+Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 only without pipelining), recompute,
+sequence and context parallelism and offload; estimates each one's per-GPU bytes by category
+(:mod:`minizero.memory.estimator`), bytes sent per step and step time (:func:`minizero.plan_search.step_time`);
+prints those that fit, fastest first (ties: less memory, then fewer techniques). ``--strategy`` evaluates one.
+Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value
+and what is allowed. Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
 """
 
 from __future__ import annotations

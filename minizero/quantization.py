@@ -1,47 +1,15 @@
 """Quantizers: symmetric absmax INT8/INT4 (per tensor, row or block) and the dynamic 8-bit code.
 
-Two families, both "store a small integer code per element and a float scale per group":
+Absmax: ``scale = absmax(group) / qmax`` (qmax 127 or 7), ``q = round(x / scale)``, ``|x - q*scale| <= scale/2``
+exactly (scales rounded up to 16 significant bits); INT4 packs two codes per byte (element 2i low nibble).
+Code books: each block divided by its FP32 absmax and mapped to the nearest of 256 values (dynamic signed or
+unsigned code, or linear). Errors: non-finite input raises ``ValueError`` naming how many and where; a group
+too large for an FP32 scale raises ``ValueError``; an all-zero group dequantizes to zeros; a tiny group gets
+FP32's smallest normal as scale. Computes with its input's array module; the only host copies are one-number
+checks (:func:`~minizero.backend.host_scalar`).
 
-* **Absmax integer quantization** (weights, communication). A group of values (the whole
-  tensor, one row = one output channel of an (out, in) weight, or one block of
-  ``block_size`` consecutive elements) shares one FP32 ``scale``::
-
-      scale = absmax(group) / qmax          qmax = 127 (INT8) or 7 (INT4)
-      q     = round(x / scale)              an integer in [-qmax, qmax]
-      x~    = q * scale                     |x - x~| <= scale / 2, elementwise
-
-  INT4 codes are packed two per byte (element 2i in the low nibble, 2i+1 in the high
-  nibble, 4-bit two's complement). Sources: Jacob et al. 2018 (integer quantization,
-  here the symmetric "absmax" variant); Dettmers et al. 2022, LLM.int8() (arXiv:2208.07339),
-  section 2 (absmax, vector-wise = per-row scales); block-wise scales as in
-  bitsandbytes / QLoRA (Dettmers et al. 2023, arXiv:2305.14314, section 2).
-
-* **Block-wise code-book quantization** (8-bit Adam state). Each block of ``block_size``
-  values is divided by its absmax (FP32) and mapped to the nearest of 256 values of a
-  code book: the *dynamic* (tree) code of Dettmers 2016 (arXiv:1511.04561) that
-  bitsandbytes builds with ``create_dynamic_map`` (signed for Adam's m, unsigned for v), or
-  a linear code for comparison. Dettmers, Lewis, Shleifer & Zettlemoyer 2022, "8-bit
-  Optimizers via Block-wise Quantization" (arXiv:2110.02861), sections 2.1-2.3.
-
-Edge cases are explicit, never a silent NaN:
-
-* non-finite input (inf or NaN) raises ``ValueError`` naming how many and where;
-* an all-zero group gets scale 0 and codes 0, and dequantizes to exact zeros;
-* a group whose absmax / qmax is below FP32's smallest normal number (1.2e-38) gets that
-  number as its scale (a tiny group rounds to small codes instead of dividing by 0);
-* a group too large for an FP32 scale (absmax / qmax > 3.4e38) raises ``ValueError``.
-
-One detail makes the error bound exact instead of "up to rounding": scales are rounded *up*
-to 16 significant bits, so ``q * scale`` (7 + 16 bits) is exactly representable in
-float32, the dequantized value carries no rounding of its own, and ``|x - x~| <= scale/2``
-holds in float32 and float64 arithmetic alike (a 2**-16 relative cost in resolution).
-
-Where it runs: every function computes with the module of its input array
-(:func:`minizero.backend.array_module`): device arrays on the device (CuPy), host arrays on
-the host. Nothing converts between the two implicitly; the only device-to-host copies are
-the explicit one-number checks (:func:`~minizero.backend.host_scalar`: "is anything
-non-finite?", "is the absmax too large?"). The code books are built on the host and copied to
-the device once by their user (:func:`minizero.optim.adam8bit.make_codes`).
+Sources: LLM.int8(), arXiv:2208.07339, section 2; QLoRA, arXiv:2305.14314, section 2; 8-bit optimizers,
+arXiv:2110.02861, sections 2.1-2.3; Dettmers 2016, arXiv:1511.04561.
 """
 from __future__ import annotations
 

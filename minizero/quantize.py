@@ -1,33 +1,11 @@
 """``python -m minizero.quantize``: store a trained GPT's linear weights in INT8 or INT4 and measure the cost.
 
-::
-
-    python -m minizero.quantize --weights out/model.npz --bits 8 --granularity row
-    python -m minizero.quantize --weights out/model.npz --table          # every bits x granularity
-
-It loads the weights the trainer wrote (``OUT/model.npz``, nanoGPT names; the model shape
-comes from ``OUT/summary.json`` when present, else ``--model``), replaces every
-:class:`~minizero.nn.Linear` by a :class:`QuantizedLinear` (weights as codes + FP32 scales,
-dequantized on the fly in forward — weight-only quantization), and prints the validation
-loss and the model's bytes before and after.
-
-The tied LM head is left alone: its matrix is the token embedding's, which stays FP32, so
-quantizing the head would store the matrix twice. Embeddings, layer norms and biases stay
-FP32 (as bitsandbytes' ``Linear8bitLt`` / ``Linear4bit`` replace only linear layers).
-
-``--outlier-threshold T`` is an experiment that borrows LLM.int8()'s outlier *criterion*
-(Dettmers et al. 2022, arXiv:2208.07339, section 3.2), not its method: two calibration
-batches measure every linear layer's largest input activation per feature, the weight
-columns that multiply features reaching T (the paper uses 6.0) stay FP32, and the rest of W
-is quantized per row. LLM.int8()'s mixed-precision decomposition exists because it quantizes
-the *activations* X too: it multiplies the outlier feature dimensions of X, and the matching
-rows of W (columns of minizero's (out, in) weights), in FP16 and everything else in INT8, so
-that one outlier feature does not coarsen the INT8 scale of X. Weight-only round-to-nearest,
-as here, never quantizes X and does not need the decomposition; keeping those weight columns
-in FP32 only removes their (small) weight rounding error, at the price of their bytes.
-
-This file is the command line; the quantized layer and its measurements are in
-:mod:`minizero.quantized_model`, reading the weights back in :mod:`minizero.weights`.
+Loads ``OUT/model.npz`` (shape from ``OUT/summary.json``, else ``--model``), replaces every
+:class:`~minizero.nn.Linear` by a :class:`QuantizedLinear` (weight-only, dequantized in forward; embeddings,
+layer norms, biases and the tied head stay FP32) and prints validation loss and bytes before and after;
+``--table`` for every bits x granularity. ``--outlier-threshold T`` keeps FP32 the weight columns whose input
+feature reaches T on two calibration batches (LLM.int8()'s criterion, arXiv:2208.07339, section 3.2). The layer
+is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`.
 """
 from __future__ import annotations
 

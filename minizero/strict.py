@@ -1,42 +1,15 @@
-"""A strict array module: NumPy underneath, but its arrays refuse to leak to the host.
+"""A strict array module: NumPy underneath, but its arrays refuse to leak to the host (``--device strict``).
 
-CI has no GPU, yet the CuPy path must not hide a host transfer: on CuPy, ``np.asarray(x)``,
-``float(x)`` of a vector, ``numpy_array + x`` and ``for v in x`` all fail, while on NumPy
-they silently work. This module gives the test suite a device that fails the same way on a
-CPU: ``backend.set_backend("strict")`` (``--device strict``) makes ``backend.xp`` this module,
-whose arrays are :class:`StrictArray` -- a wrapper around a NumPy array, *not* an ndarray
-subclass, so NumPy cannot see its data unless the code asks for it explicitly.
+:class:`StrictArray` wraps a NumPy array (not a subclass). Refused (``TypeError`` unless noted, the message says
+what to call instead): ``np.asarray``/``np.array``/pickling; mixing with ``numpy.ndarray`` operands; NumPy
+functions and ufuncs on strict arrays (except an operator with a NumPy scalar left operand); what CuPy lacks
+(list operands, ``initial=``/``where=``, most ufunc ``reduce``/``accumulate``/``reduceat``/``at``:
+``NotImplementedError``); iteration; ``float``/``int``/``bool`` of more than one element. Explicit transfers
+(``xp.asarray(host)``, ``x.get()``, ``x.set(host)``) always copy and are counted in :data:`transfers`. Results
+are bitwise NumPy's.
 
-What is refused (``TypeError`` unless noted; the message says what to call instead):
-
-* implicit conversion to NumPy: ``np.asarray(x)``, ``np.array(x)`` (``__array__`` raises),
-  pickling (an implicit host copy), ``x.tolist()``/``x.tobytes()`` (no such attribute);
-* mixing with host arrays: any operator, ``xp`` function, index or ``x[...] = value`` with a
-  ``numpy.ndarray`` operand (NumPy scalars and Python numbers are fine, as on CuPy);
-* NumPy functions and ufuncs called on strict arrays (``np.concatenate([x, y])``, ``np.sum(x)``,
-  ``np.tanh(x, out=x)``): CuPy would dispatch these through ``__array_function__`` and
-  ``__array_ufunc__``; here they raise, because every compute path must call ``backend.xp``
-  (the issue's rule) and an ``np.`` call on a device array is the sign of a path that also
-  runs on host arrays. The one ufunc call allowed is an operator whose left operand is a NumPy
-  scalar (``np.float32(2) * x`` reaches ``__array_ufunc__`` with that scalar among its inputs);
-* what CuPy's signatures lack (``cupy/_core/_kernel.pyx``, v13.6-14.2): a list or tuple as an array
-  operand (``x + [1, 2]``, ``xp.maximum([0], x)``); keywords only NumPy has (``initial=``, ``where=``
-  on reductions; a ufunc takes ``out``, ``dtype``, ``casting`` only); ``reduce``/``accumulate`` on
-  ufuncs other than add and multiply, ``reduceat`` other than add, ``at`` beyond CuPy's scatter ops
-  (``NotImplementedError``, as CuPy raises);
-* Python iteration (``for v in x``, ``list(x)``) -- stricter than CuPy, which loops over rows;
-* ``float(x)``, ``int(x)``, ``bool(x)`` on more than one element (``TypeError``/``ValueError``
-  as NumPy and CuPy raise). On one element they work: that is CuPy's explicit device sync.
-
-The explicit transfers, as on CuPy: ``xp.asarray(host)`` / ``xp.array(host)`` copy host data to
-the device (``cupy.asarray(numpy_array)`` is CuPy's host-to-device copy), ``x.get()`` copies to
-the host, ``x.set(host)`` copies into ``x``. Both directions always copy (no aliasing between
-host and device memory, as on a GPU) and are counted in :data:`transfers`, so a test can prove
-that a training step moves nothing it should not. Results are bitwise those of NumPy: every
-operation runs the same NumPy call on the wrapped arrays.
-
-Mirrors: the CuPy ndarray's refusal rules (``cupy.ndarray.__array__``, ``get``, ``set``) and
-the Array API's "no implicit device transfer" rule.
+Mirrors: CuPy's ndarray (``__array__``, ``get``, ``set``; ``cupy/_core/_kernel.pyx`` v13.6-14.2) and the Array
+API's no-implicit-transfer rule.
 """
 from __future__ import annotations
 

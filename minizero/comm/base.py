@@ -1,18 +1,10 @@
 """The Communicator interface: blocking point-to-point between ranks, checked and counted once.
 
-Every message minizero moves goes through one small interface, ``Communicator``:
+``send``/``recv``/``sendrecv`` (contiguous arrays), ``barrier``/``split``/``abort``, and ``native_*`` (the
+library's collectives, only with ``native=True``). The public methods record ``buf.nbytes`` of every send (an
+estimate for native collectives) in ``comm.traffic``; receives are not recorded.
 
-    send / recv / sendrecv      blocking point-to-point, contiguous arrays only
-    barrier / split / abort     group management, as in MPI
-    native_*                    the library's own collectives (MPI_Allreduce, ...),
-                                used only when a caller asks for ``native=True``
-
-Byte accounting happens in exactly one place: the public methods of this base class
-record ``buf.nbytes`` in ``comm.traffic`` (a ``TrafficLedger``) for every send, and an
-estimate for every native collective (see ``Communicator.native_allreduce``).
-Receives are not recorded: a rank's ledger counts what it *sent*.
-
-Mirrors: the MPI-3.1 standard, chapters 3 (point-to-point) and 6 (``MPI_Comm_split``).
+Mirrors: MPI-3.1, chapters 3 (point-to-point) and 6 (``MPI_Comm_split``).
 """
 from __future__ import annotations
 

@@ -1,42 +1,13 @@
 """Collectives written by hand on top of ``sendrecv``: ring reduce-scatter, all-gather, all-reduce.
 
-A flat buffer of n elements is cut into ``world_size`` contiguous chunks by
-``shard_range`` (like ``np.array_split``). In a ring every rank r sends only to
-r+1 and receives only from r-1, one chunk per step, so every link carries the same
-load and the bytes a rank sends do not grow with world size (Patarasuk & Yuan,
-"Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009;
-the algorithm of Baidu's ring all-reduce, Horovod and NCCL).
+A flat buffer of n elements is cut into ``world_size`` chunks by ``shard_range``; in N-1 steps rank r sends
+one chunk to r+1 and receives one from r-1. Bytes each rank sends (``bytes_sent``): reduce-scatter and
+all-gather (N-1)/N * n * itemsize each (exact when N divides n), all-reduce twice that. Sums are in the input
+dtype, in ring order, each chunk summed once then copied (bit-identical on every rank); temporaries are
+counted in the memory ledger as ``comm_scratch``. Every function records its bytes in ``comm.traffic`` under
+its own label and takes ``native=True`` to call the library's collective instead.
 
-Three ranks, their buffers a, b, c, each cut into chunks 0 1 2; S_i = a_i + b_i + c_i::
-
-    reduce-scatter (N-1 steps): at step s rank r sends chunk r-s-1 to r+1, which adds it
-                     rank 0               rank 1               rank 2
-      start          a0    a1    a2       b0    b1    b2       c0    c1    c2
-      step 0  send   a2 -> 1              b0 -> 2              c1 -> 0
-              add    a1 += c1             b2 += a2             c0 += b0
-      step 1  send   a1+c1 -> 1           b2+a2 -> 2           c0+b0 -> 0
-              add    a0 += c0+b0 = S0     b1 += a1+c1 = S1     c2 += b2+a2 = S2
-
-    all-gather (N-1 steps): at step s rank r sends chunk r-s to r+1, which stores it
-      step 0  send   S0 -> 1              S1 -> 2              S2 -> 0
-      step 1  send   S2 -> 1              S0 -> 2              S1 -> 0
-      end            S0    S1    S2       S0    S1    S2       S0    S1    S2
-
-    all-reduce = reduce-scatter then all-gather.
-
-Bytes each rank sends (n elements of ``itemsize`` bytes, N ranks, ``bytes_sent``):
-reduce-scatter sends every chunk but its own, all-gather every chunk but rank r+1's:
-(N-1)/N * n * itemsize each, exactly when N divides n; all-reduce twice that,
-2(N-1)/N * n * itemsize, which is the lower bound for any all-reduce.
-
-Numerics: sums are computed in the input dtype (float16 sums in float16, as a
-library all-reduce on float16 does), in ring order; every rank ends with
-bit-identical results because each chunk is summed once and then copied.
-Buffers are preallocated and reduced in place (``xp.add(acc, incoming, out=acc)``); the
-temporary ones are counted in the memory ledger as ``comm_scratch`` while they live (a
-library collective's internal buffers, ``native=True``, are not visible and not counted).
-Every public function records its bytes in ``comm.traffic`` under its own label and
-takes ``native=True`` to call the library's collective instead (never silently).
+Source: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009 (Horovod's and NCCL's ring).
 """
 from __future__ import annotations
 

@@ -1,35 +1,11 @@
-"""Hierarchical all-reduce: reduce inside each node, all-reduce across nodes, gather inside each node.
+"""Hierarchical all-reduce: reduce-scatter inside each node, all-reduce across nodes, all-gather inside each node.
 
-n nodes of L ranks; a flat buffer of S bytes on every rank; chunk j = ``shard_range(., L, j)``::
+n nodes of L ranks, S bytes per rank: local rank j all-reduces chunk j (``shard_range(., L, j)``) with local
+rank j of every other node, so one node sends 2(n-1)/n * S across nodes (a flat ring: 2(N-1)/N * S per node).
+Sums differ in order from the flat ring's: bitwise equal for exactly representable sums, otherwise each within
+gamma_(N-1) * sum|x_i| of the exact sum (Higham 2002, eq. 4.4); every rank ends bit-identical.
 
-    node 0: ranks a b         node 1: ranks c d                  (L = 2, n = 2)
-
-    1. inside each node, ring reduce-scatter over L ranks     a: A0 = a0+b0     c: C0 = c0+d0
-                                                              b: B1 = a1+b1     d: D1 = c1+d1
-    2. across nodes, local rank j all-reduces its chunk j     a, c: A0+C0       b, d: B1+D1
-       with local rank j of every other node (ring over n)
-    3. inside each node, ring all-gather of the L chunks      every rank: (A0+C0, B1+D1)
-
-Step 1 and 3 move bytes on the fast intra-node links only. Step 2 is the only traffic
-across nodes: local rank j sends 2(n-1)/n of its chunk (S/L bytes), so one node sends
-2(n-1)/n * S in all — per node, not per rank, and independent of L. A flat ring over
-all N = nL ranks (placed node by node) has every node send 2(N-1)/N * S across its
-one outgoing boundary link; for L = 1 the two algorithms are the same ring.
-
-This is the algorithm of NCCL's and Horovod's hierarchical all-reduce
-(``HOROVOD_HIERARCHICAL_ALLREDUCE``: NCCL reduce-scatter inside the node, MPI all-reduce
-across nodes, NCCL all-gather inside the node; Sergeev & Del Balso, arXiv:1802.05799),
-the 2D ring of Jia et al. 2018 (arXiv:1807.11205); step 2 with one leader per node
-instead of L parallel rings is the "reduce, all-reduce among leaders, broadcast" scheme.
-
-Numerics: each element is summed in a different order than in the flat ring: first
-its L node-local values in ring order, then the n node sums. With integer-valued data
-(exactly representable sums) the results are bitwise equal to the flat ring's; in
-floating point each result is a sum of N terms, so each order is within
-gamma_(N-1) * sum_i |x_i| of the exact sum (gamma_k = k u / (1 - k u), u = 2^-53 in
-float64; Higham, "Accuracy and Stability of Numerical Algorithms", 2002, eq. 4.4), and
-the two results differ by at most twice that. Every rank ends with bit-identical
-results (each chunk is summed once, then copied), as in the flat ring.
+Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802.05799); Jia et al., arXiv:1807.11205.
 """
 from __future__ import annotations
 

@@ -1,41 +1,13 @@
 """MPICommunicator: one process per rank, over mpi4py's buffer methods (arrays never pickled).
 
-Every point-to-point message carries a 64-byte header (dtype, ndim, size, shape), and
-the receiver checks it against its buffer, so float32 [1,2,3,4] sent into an int32
-buffer of the same byte size raises ``ValueError`` naming both, as ``ThreadCommunicator``
-does, instead of handing back reinterpreted bits. How it travels depends on the payload:
+Every point-to-point message carries a 64-byte header (dtype, ndim, size, shape) checked against the receive
+buffer: a mismatch raises ``ValueError`` naming both. Up to :data:`PACK_MAX_BYTES` header and payload travel as
+one message on ``header_comm``; larger payloads go on the communicator itself, both receives posted at once.
+The ledger counts payload bytes only. Every wait is a non-blocking request tested with ``MPI_Test`` and a
+backing-off sleep; after ``timeout`` seconds it raises :class:`CommTimeoutError` naming the operation, peer
+and tag. Device arrays are staged through host memory (``backend.to_host`` / ``backend.to_device``).
 
-* up to :data:`PACK_MAX_BYTES` (64 KiB): ONE message, header and payload copied into one
-  staging array, on a duplicate of the communicator (``header_comm``); the receiver
-  copies the payload out only when the header matches;
-* larger: the header on ``header_comm`` and the payload straight from and into the
-  arrays on the communicator itself, both receives posted at once (the payload's
-  bytes land in the buffer while the header is checked; on a mismatch the error says
-  not to use them).
-
-A message of the other kind, or larger than the buffer, raises the same ValueError
-(MPI_ERR_TRUNCATE on ``header_comm`` is that), after taking the payload the header
-announced off the wire, so the sender completes and no stray payload meets a later
-receive. Before, every payload was a second message whose receive was posted only once
-its header had arrived: at 1 MiB a checked ring exchange took 1.25-1.36x the bare
-payload's time, now ~1.0 (``bench/bench_header.py``, README; below 64 KiB the Python
-work of a message, not the header, is what remains). The traffic ledger counts payload
-bytes only (headers are bookkeeping, ``header_bytes``).
-
-Waits never block inside MPI (MPICH's blocking ``Recv`` busy-polls a core): every
-operation is a non-blocking request (``Isend``/``Irecv``/``Ibarrier``/``Iallreduce``...)
-tested with ``MPI_Test`` and a sleep that backs off to 2 ms, so a rank waiting on a
-stalled peer sleeps, and after ``timeout`` seconds raises :class:`CommTimeoutError`
-naming the operation, the peer and the tag (the caller then aborts the job).
-
-Device arrays (CuPy, or the strict module of ``--device strict``) are staged through host
-memory: a send copies the array to a NumPy buffer (``backend.to_host``) and hands that to
-mpi4py, a receive lands in a NumPy buffer and is copied to the device array afterwards
-(``backend.to_device``). This MPI is not assumed CUDA-aware; the GPU-direct path is NCCL's.
-NumPy arrays are handed to MPI as they are (no copy).
-
-Mirrors: the MPI-3.1 standard, chapter 3 (point-to-point, non-blocking requests +
-MPI_Test) and 5.12 (non-blocking collectives); PyTorch's process-group ``timeout``.
+Mirrors: MPI-3.1, chapter 3 and section 5.12; PyTorch's process-group ``timeout``.
 """
 from __future__ import annotations
 

@@ -1,50 +1,16 @@
 """NcclCommunicator: one process per GPU, messages over NCCL (``cupy.cuda.nccl``), set up through MPI.
 
-The same ``Communicator`` interface as :mod:`minizero.comm.mpi`, so the hand-written ring and
-recursive-doubling collectives (:mod:`minizero.comm.collectives`) run on it unchanged, and the
-traffic ledger counts the same bytes. NCCL differs from MPI in four ways that shape this file:
+The :class:`~minizero.comm.base.Communicator` interface, so the hand-written collectives run unchanged.
+Set-up: rank 0's unique id is broadcast over the bootstrap (MPI), then ``ncclCommInitRank``; ``split`` makes
+one id per colour. ``sendrecv`` is one NCCL group (send + recv); ``tag`` is ignored and receive sizes are not
+checked. Calls are queued on this communicator's stream, ordered with the current stream by events; with
+``blocking=True`` the host waits at most ``timeout`` seconds, then raises
+:class:`~minizero.comm.base.CommTimeoutError`. Native collectives are NCCL's (reduce-scatter and all-gather
+through a zero-padded (N, ceil(n/N)) copy when N does not divide n). Host arrays travel over the bootstrap.
+No ``isend``/``irecv`` (``nonblocking`` is False). CuPy is imported when a communicator is made; the
+constructor takes ``nccl``/``cuda`` modules so tests can pass a fake.
 
-* **Set-up.** NCCL has no launcher: rank 0 makes a 128-byte unique id (``ncclGetUniqueId``), an
-  existing communicator (the *bootstrap*, MPI under ``mpiexec``) broadcasts it, and every rank
-  calls ``ncclCommInitRank(world_size, id, rank)``. ``split`` does the same inside the bootstrap's
-  split: one new id per colour (NCCL >= 2.11 has ``ncclCommSplit``; CuPy does not wrap it).
-* **Point-to-point needs groups.** ``ncclSend`` blocks its stream until the peer's ``ncclRecv``
-  runs, so a ring where every rank sends right and then receives from the left deadlocks. NCCL's
-  answer is the group: ``groupStart(); send; recv; groupEnd()`` issues both at once. ``sendrecv``
-  is exactly that (the ring's only call), ``send``/``recv`` alone are issued outside a group
-  (the binomial-tree broadcast only ever waits on its parent, so it cannot cycle).
-* **No tags, no headers.** Messages between two ranks match in the order they were issued;
-  ``tag`` is accepted and ignored. Nothing travels ahead of the payload, so a receive buffer of
-  the wrong size is not detected (NCCL may hang or read garbage): the MPI and thread
-  communicators check it, so run a new algorithm there first.
-* **Streams.** Every NCCL call is queued on this communicator's CuPy stream. Before a call the
-  stream waits (a CUDA event) for the work already queued on the current stream, so the kernels
-  that wrote the buffer finish first; after it the current stream waits for the NCCL stream, so
-  the kernels that read the result start after it. With ``blocking=True`` (the default) the host
-  also waits, polling the event with a sleep (never a busy wait) for at most ``timeout`` seconds
-  and then raising :class:`~minizero.comm.base.CommTimeoutError`: the blocking semantics of the
-  interface and of MPI. ``blocking=False`` returns once the call is queued (torch.distributed's
-  NCCL semantics): correct for every consumer on the current stream, faster, but a stalled peer
-  then hangs the next host synchronisation instead of raising.
-
-Native collectives (``native=True``, ``--native-comm``) are ``ncclAllReduce``/``ncclReduceScatter``/
-``ncclAllGather``/``ncclBcast``. NCCL's reduce-scatter and all-gather take equal chunks; minizero's
-``shard_range`` chunks differ by one element when N does not divide n, so those go through a
-zero-padded (N, ceil(n/N)) copy.
-
-Host (NumPy) arrays -- the metadata some callers exchange: lengths, flags, headers, node
-membership -- cannot go through NCCL, which reads device memory only; they travel over the
-bootstrap (MPI) instead, as PyTorch programs keep a gloo group beside the NCCL one for CPU tensors.
-Bytes are recorded in this communicator's ledger either way. ``isend``/``irecv`` are not provided (``nonblocking`` is False):
-gradient overlap and pipeline sends fall back to their blocking paths.
-
-The module imports without CuPy: ``cupy.cuda.nccl`` is imported when a communicator is made, and
-the constructor takes ``nccl``/``cuda`` modules so that tests can run this code against an
-in-process fake (tests/test_nccl.py); on a device, bench/gpu_check.py runs it for real.
-
-Mirrors: the NCCL user guide ("Creating a communicator" with ncclGetUniqueId over MPI,
-"Group calls", "Point-to-point communication"), CuPy's ``cupy.cuda.nccl`` wrapper, and PyTorch's
-``ProcessGroupNCCL`` (a communication stream synchronised with the current stream by events).
+Mirrors: the NCCL user guide (communicator creation, group calls, point-to-point), PyTorch's ``ProcessGroupNCCL``.
 """
 from __future__ import annotations
 

@@ -1,40 +1,17 @@
-"""Quantized collectives: INT8 on the wire, FP32 (or float64) in memory, in the spirit of ZeRO++.
+"""Quantized collectives: INT8 on the wire, FP32 (or float64) in memory (ZeRO++'s qwZ and qgZ).
 
-Source: Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
-Training", 2023 (arXiv:2306.10209): qwZ, quantized weight communication (section 3.1:
-block-based INT8 all-gather of ZeRO-3's parameters) and qgZ, quantized gradient
-communication (section 3.3: INT8 reduce-scatter done as an all-to-all, so each value is
-quantized once and summed in full precision, instead of re-quantizing partial sums at every
-hop of a ring).
+Block absmax INT8 (:func:`minizero.quantization.quantize`, blocks of B elements, one FP32 scale each); n
+elements over N ranks (``bytes_sent`` gives them exactly):
 
-What is sent, for n elements over N ranks, blocks of B elements, one FP32 scale per block
-(absmax INT8, :func:`minizero.quantization.quantize`, ``granularity="block"``)::
+* ``quantized_all_gather``: ring all-gather of codes and scales, (N-1)/N * n + (N-1) * ceil(n/N/B) * 4 bytes;
+  error at most scale/2 per element; non-finite input raises.
+* ``quantized_reduce_scatter``: all-to-all of chunk j's codes and scales to rank j, summed in full precision;
+  error at most the sum of the other ranks' scale/2; a block holding inf/NaN arrives as NaN.
+* ``quantized_all_reduce``: the reduce-scatter, then a quantized all-gather.
 
-    quantized_all_gather      ring all-gather of the INT8 codes      (N-1)/N * n bytes
-                              + ring all-gather of the scales         (N-1) * ceil(n/N/B) * 4 bytes
-    quantized_reduce_scatter  all-to-all: rank r sends rank j the codes and scales of chunk j
-                              of its buffer; j dequantizes and sums   (N-1)/N * n bytes + scales
-    quantized_all_reduce      the reduce-scatter, then the summed     2(N-1)/N * n bytes + scales
-                              chunks quantized and all-gathered       (data parallelism, --zero 0)
+All work runs where the input lives (:func:`~minizero.backend.array_module`). With one rank nothing is sent.
 
-about (1 + 4/B) / 4 of the FP32 ring's bytes: 0.254 at B = 256 (``bytes_sent`` gives them
-exactly). Every rank dequantizes the same codes, so all ranks gather identical values.
-
-Error: a gathered element is off by at most scale/2 of its block (scale = block absmax /
-127); a reduce-scattered element by at most the sum over the N-1 *other* ranks of their
-scale/2 (a rank's own contribution is added exactly: it never crosses the wire).
-With one rank nothing is sent and nothing is quantized.
-
-Non-finite values: parameters must be finite (the all-gather raises, naming them). Gradients
-may legitimately overflow under FP16 loss scaling, and the scaler must see it to skip the step,
-so the reduce-scatter sends a block holding inf/NaN with its scale set to NaN: the receiver's
-sum is NaN in that block, never a silent finite number.
-
-Where it runs: quantizing, packing the message, dequantizing and summing all happen where the
-input lives (:func:`~minizero.backend.array_module`: the device for gradients and parameters),
-and the messages are arrays of that module handed to the communicator, as NCCL or CUDA-aware
-MPI take device buffers. Nothing is copied to the host but the quantizer's one-number
-checks (:func:`~minizero.backend.host_scalar`).
+Source: Wang et al., "ZeRO++", arXiv:2306.10209, sections 3.1 (qwZ) and 3.3 (qgZ).
 """
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
 """Recursive-doubling all-reduce for small buffers, by hand on ``sendrecv``, and the size rule.
 
-A ring all-reduce takes 2(N-1) steps; each costs a message's latency (tens of microseconds
-through Python and MPI here), so on a few KiB the ring is latency-bound. Recursive doubling
-takes log2(N) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds, so
-after log2(N) steps every rank holds the sum -- at the price of log2(N) * n elements sent per
-rank instead of the ring's 2(N-1)/N * n. MPICH picks it for short messages and the
-bandwidth-optimal algorithm for long ones (Thakur, Rabenseifner & Gropp, "Optimization of
-collective communication operations in MPICH", IJHPCA 2005, section 4.5); NCCL switches
-between trees and rings by size the same way.
+log2(p) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds. N not a power of two: the
+first 2r = 2(N - p) ranks fold in pairs first and get the result back last. The sum is a balanced tree, the
+same bits on every rank and run. Bytes per rank (:func:`bytes_sent_recursive_doubling`): log2(p) * n * itemsize,
+plus n for an odd rank below 2r, or only n for an even one.
 
-N not a power of two (section 4.5's fold): with p = the largest power of two <= N and
-r = N - p, ranks 0..2r-1 pair up first -- even rank 2i sends its buffer to 2i+1, which adds
-it, and sits out -- then p ranks run recursive doubling, and each odd rank 2i+1 < 2r sends
-the result back to 2i. Eight ranks, buffers x0..x7 (v = the rank in the doubling)::
-
-    step 0 (mask 1): 0<->1 2<->3 4<->5 6<->7   everyone holds x0+x1, x2+x3, x4+x5 or x6+x7
-    step 1 (mask 2): 0<->2 1<->3 4<->6 5<->7   everyone holds (x0+x1)+(x2+x3) or (x4+x5)+(x6+x7)
-    step 2 (mask 4): 0<->4 1<->5 2<->6 3<->7   everyone holds ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7))
-
-Reduction order: that balanced tree over virtual ranks (the folded pairs x_2i + x_2i+1 are its
-leaves when N is not a power of two). Both partners of a step hold the same two operands and
-IEEE addition is commutative (a + b == b + a, bit for bit), so every rank computes the same
-bits at every step and the result is identical on every rank and on every run.
-
-Bytes each rank sends (n elements of ``itemsize``; :func:`bytes_sent_recursive_doubling`):
-log2(p) * n, plus n for an odd rank below 2r (the result back), or only n for an even rank
-below 2r (its buffer, once).
+Source: Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
+IJHPCA 2005, section 4.5.
 """
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """Live memory monitoring while training runs: per-step timeline, progress text, per-module peaks.
 
-Each rank keeps, per optimizer step, the ledger's bytes per category at the moment the
-step's total peaked (:attr:`~minizero.ledger.MemoryLedger.window_at_peak`): a vector of
-``len(CATEGORIES)`` integers, no communication. Every K steps (the same steps on every
-rank) one small collective gives rank 0 the current and peak totals, max over ranks, for
-its progress line; at the end :func:`gather_timeline` and :func:`gather_module_peaks`
-bring every rank's timeline and per-module peaks to every rank with the hand-written
-all-gather, and :mod:`minizero.memory.plots` draws them (``OUT/memory.png``).
+Each rank keeps per step the ledger's bytes per category at the step's peak
+(:attr:`~minizero.ledger.MemoryLedger.window_at_peak`). Every K steps an all-gather of 2 numbers per rank (16
+bytes) gives rank 0 the max over ranks; at the end :func:`gather_timeline` and :func:`gather_module_peaks`
+all-gather every rank's data for :mod:`minizero.memory.plots`. On CuPy :func:`device_pool_bytes` also keeps the
+memory pool's ``used_bytes`` (a lower bound of the peak) and ``total_bytes`` high-water marks.
 
-The max over ranks is an all-reduce(max) written as an all-gather of 2 numbers per rank
-followed by a local max (minizero's ring all-reduce only sums): 16 bytes per rank, K
-steps apart.
-
-On a GPU (``backend.xp`` is CuPy) the monitor also keeps the high-water marks of CuPy's default
-memory pool beside the ledger's peak, as tracemalloc's peak sits beside it on the CPU:
-``used_bytes`` (bytes in live arrays, rounded to the pool's 512-byte blocks) and ``total_bytes``
-(what the pool holds from the driver, free blocks included). They are polled at every step's
-end, where the ledger's window closes: ``total_bytes`` only grows unless blocks are freed, so its
-high-water is exact; ``used_bytes`` at step ends is a lower bound of its true peak inside a step.
-The ledger's peak should lie between the two (:func:`device_pool_bytes`).
-
-Mirrors: PyTorch's memory snapshot and its viewer (``torch.cuda.memory._record_memory_history``,
-``_dump_snapshot``, pytorch.org/memory_viz): a timeline of allocated bytes stacked by
-category, with the peak marked; here per rank and per step rather than per allocation.
+Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._record_memory_history``).
 """
 from __future__ import annotations
 

@@ -1,38 +1,12 @@
 """Activation offload: saved activations leave device memory between forward and backward.
 
-``offload_activations(kind)`` is a ``saved_tensors_hooks`` pair, so it applies to
-every array any Function saves, with no change to any Function:
+``offload_activations(kind)`` is a ``saved_tensors_hooks`` pair: pack moves every saved array (not parameters,
+not arrays under ``min_bytes``) to the host (``cpu``: ledger category ``offloaded``, pinned memory on CuPy) or to
+its own anonymous file in ``offload_dir`` (``nvme``: in no memory; blocks reserved before writing, released on
+close or process death); unpack brings it back to the device. On NumPy, ``cpu`` only moves bytes between
+ledger categories.
 
-::
-
-    forward:  ctx.save_for_backward(a) ──pack──>  cpu:  a host copy        (ledger: "offloaded")
-                                                  nvme: an unnamed file     (ledger: nothing in memory)
-    backward: ctx.saved_tensors       <─unpack──  the array again, on the device
-
-Parameters are never offloaded (the ledger says which arrays are parameters:
-they stay where they are), nor are arrays under ``min_bytes``.
-
-Honesty about the NumPy backend: host memory *is* device memory there, so
-``cpu`` only moves bytes from the ``activations`` category to ``offloaded`` (it
-becomes a real device-to-host copy on CuPy, into page-locked memory:
-:func:`minizero.backend.to_pinned_host`), while ``nvme`` lowers the process's
-resident memory: the bytes sit in a file (the kernel's page cache, not the process's
-RSS) until backward — unless the folder is RAM-backed (tmpfs, ramfs: often the system
-temp dir), where the file is memory all the same. Each file's blocks are reserved
-before writing, so a full disk is reported as such.
-
-Files: every saved array goes to its own *anonymous* file in ``offload_dir``
-(``tempfile.TemporaryFile``: on Linux an O_TMPFILE inode that never has a name,
-elsewhere a file unlinked right after creation). Such a file is private to the
-process that opened it and its blocks are released when it is closed, when the
-process exits, and even when the rank is killed with SIGKILL — nothing is ever
-left behind, not even a directory. (A named per-rank folder, as the issue first
-sketched, would be exactly the thing a killed rank leaves behind; so there is
-none.)
-
-Mirrors DeepSpeed's activation checkpoint CPU offload and ZeRO-Infinity's NVMe
-offload (Rajbhandari et al. 2021, section 5), and PyTorch's
-``torch.autograd.graph.save_on_cpu`` (a saved_tensors_hooks pair).
+Mirrors: ``torch.autograd.graph.save_on_cpu``; ZeRO-Infinity's NVMe offload (Rajbhandari et al. 2021, section 5).
 """
 from __future__ import annotations
 

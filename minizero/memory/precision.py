@@ -1,33 +1,13 @@
 """FP16 mixed precision: half-precision model, FP32 master weights, dynamic loss scaling.
 
-::
+FP16 parameters and gradients, FP32 master weights and Adam state: 2 + 2 + 12 = 16 bytes per parameter (ZeRO
+section 3.1). The loss is multiplied by S before backward; gradients are divided by S before clipping; a step
+with inf/NaN on any rank is skipped and S multiplied by ``backoff_factor`` (0.5); after ``growth_interval``
+(2000) clean steps S is multiplied by ``growth_factor`` (2); S starts at 2^16 (``torch.amp.GradScaler``'s
+defaults; ``hysteresis`` and ``min_scale`` reproduce DeepSpeed's ``DynamicLossScaler``). At ``min_scale`` it
+warns, and after ``max_skips_at_min`` (10) consecutive skips raises :class:`LossScaleError`.
 
-    master weights (FP32) ──cast──> parameters (FP16) ──forward/backward in FP16──> gradients (FP16)
-          ^                                                   (matmuls: FP16 in, FP32 accumulate, FP16 out;
-          |                                                    layer norm / softmax / loss statistics in FP32)
-          └── Adam update in FP32 <── clip <── unscale (/ S) <── skip the step if any rank saw inf/NaN
-
-Bytes per parameter before any sharding: 2 (FP16 parameter) + 2 (FP16
-gradient) + 12 (FP32 master, Adam m, Adam v) = 16, the ZeRO paper's "2 + 2 +
-K" with K = 12 (Rajbhandari et al. 2020, section 3.1).
-
-Loss scaling (Micikevicius et al. 2018, section 3.2): the loss is multiplied
-by S before backward so that small gradients do not flush to zero in FP16;
-gradients are divided by S before clipping and the update. Dynamic scaling
-starts at S = 2^16, multiplies by ``growth_factor`` 2 after
-``growth_interval`` 2000 consecutive clean steps, and on an overflow (an inf
-or NaN in any rank's gradients) skips the step and multiplies S by
-``backoff_factor`` 0.5 — PyTorch ``torch.amp.GradScaler``'s defaults.
-DeepSpeed's ``DynamicLossScaler`` differs: a window of 1000 steps,
-hysteresis 2 (the scale is lowered only after the 2nd overflow since the last
-change), minimum scale 1; ``hysteresis`` and ``min_scale`` reproduce it.
-
-Not PyTorch's behaviour: the floor. ``torch.amp.GradScaler`` has no minimum
-scale and never stops a run: it halves S on every overflow (below 1 if it must)
-and skips steps for as long as they overflow. minizero stops at ``min_scale``
-(default 1.0), warns at the first skipped step there, and after
-``max_skips_at_min`` (default 10) consecutive skips at the minimum raises
-:class:`LossScaleError`: at that scale the run is diverging, not underflowing.
+Source: Micikevicius et al., "Mixed Precision Training", 2018, section 3.2.
 """
 from __future__ import annotations
 

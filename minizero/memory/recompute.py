@@ -1,31 +1,13 @@
 """Activation recompute (gradient checkpointing): keep a segment's inputs, redo its forward in backward.
 
-::
+``checkpoint(fn, *inputs)`` is one autograd Function: forward runs ``fn`` under ``no_grad`` and saves only
+``inputs`` (``ctx.save_for_backward``); backward restores the dropout generator's state, re-runs ``fn`` with the
+tape on and back-propagates (float64 results bitwise equal). ``apply_recompute(model, mode, every)`` puts a
+:class:`CheckpointWrapper` in place of every ``every``-th block (``full``) or of its ``attn.core``
+(``selective``); the wrapper shares the inner module's parameter names.
 
-    no recompute:   forward saves every intermediate of every block        memory ~ L x (all of a block)
-    full:           forward saves only each block's input x (B, T, C)      memory ~ L x input + 1 block
-                    backward: re-run the block's forward with the tape on,
-                    back-propagate through it, drop it, go to the next block
-    selective:      only the attention core (scores, softmax, dropout, @v) is recomputed;
-                    the linear layers' inputs stay saved (Korthikanti et al. 2022, section 5)
-
-``checkpoint(fn, *inputs)`` is one autograd Function: its forward runs ``fn``
-under ``no_grad`` (nothing inside is saved) and saves only ``inputs`` — through
-``ctx.save_for_backward``, so activation offload composes with it. Its backward
-restores the dropout generator to the state it had at forward time, re-runs
-``fn`` with the tape on, and calls backward on that small graph. Parameters
-used inside ``fn`` are leaves, so their gradients accumulate exactly as
-without recompute, and in float64 the results are bitwise equal.
-
-``CheckpointWrapper(inner)`` is a module whose forward is ``checkpoint(inner, *args)``.
-``apply_recompute(model, mode, every)`` assigns one in place of every ``every``-th
-block (full) or of its parameter-free ``attn.core`` (selective). The wrapper
-shares ``inner``'s parameter and child tables, so every name (state_dict keys,
-checkpoints, ZeRO's units, the memory ledger's modules) is unchanged.
-
-Mirrors ``torch.utils.checkpoint.checkpoint`` (use_reentrant style, RNG state
-preserved); Chen et al. 2016 ("Training Deep Nets with Sublinear Memory
-Cost"); selective recompute from Korthikanti et al. 2022.
+Mirrors: ``torch.utils.checkpoint.checkpoint``; Chen et al. 2016; selective recompute, Korthikanti et al.,
+arXiv:2205.05198, section 5.
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """Memory-efficient attention: the FlashAttention recurrence on one device (``--attention flash``).
 
-Dao et al. 2022, "FlashAttention" (arXiv:2205.14135), with FlashAttention-2's loop order (Dao 2023,
-arXiv:2307.08691, algorithms 1 and 2): the sequence is cut into blocks of ``block`` rows::
+Blocks of ``block`` rows; per query block an online softmax over key blocks j <= i (running max, sum,
+unnormalised output); backward recomputes P = exp(S - L) per block. Saves q, k, v, O (B, H, T, D) and the row
+log-sum-exp L (B, H, T) in at least float32; no (T, T) array. Dropout reads the dense core's mask
+(``reserve_mask``), bit for bit. :func:`online_softmax_step` and :func:`attention_block_grads` are shared with
+ring attention.
 
-    forward:  for each query block i:                       m = -inf, l = 0, o = 0   (per row)
-                  for each key/value block j <= i:           (causal: blocks j > i are skipped)
-                      S = q_i k_j^T / sqrt(D)                (block x block; the diagonal block masked)
-                      m' = max(m, rowmax S);  P = exp(S - m')
-                      l = l exp(m - m') + rowsum P;  o = o exp(m - m') + (P * keep / (1-p)) v_j;  m = m'
-                  O_i = o / l;   L_i = m + log l             (the row log-sum-exp)
-    backward: D = rowsum(dO * O); for each key/value block j, for each query block i >= j:
-                  P = exp(S - L_i) (recomputed);  dV_j += (P * keep/(1-p))^T dO_i
-                  dS = P * ((dO_i v_j^T) * keep/(1-p) - D_i);  dQ_i += dS k_j / sqrt(D);  dK_j += dS^T q_i / sqrt(D)
-
-Saved for backward: q, k, v, the output O (B, H, T, D) and L (B, H, T) in at least float32; no
-(T, T) array is kept (the dense core keeps the probabilities, their dropout mask and output:
-Korthikanti et al. 2022's 5as^2b). Attention dropout uses the dense core's mask bit for bit: the
-dropout module reserves the whole (B, H, T, T) stretch of its counter-based generator
-(``reserve_mask``) and each block reads its part (``autograd/rng.py``), forward and backward.
-
-The block step (:func:`online_softmax_step`, :func:`attention_block_grads`) is shared with context
-parallelism's ring attention (``parallel/context_parallel.py``), which runs the same recurrence
-with one block per rank.
+Source: Dao et al., arXiv:2205.14135; FlashAttention-2, arXiv:2307.08691, algorithms 1 and 2.
 """
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
 """Parameter initialisation that can produce any slice of any parameter without the rest.
 
-Every parameter's initial value is a pure function of ``(seed, nanoGPT name, full shape)``:
-row ``r`` of a 2-D parameter is drawn by its own counter-based generator,
-``Philox(key = blake2b(seed, name), counter = [0, 0, r, 0])`` (Salmon et al. 2011), as
-``N(0, std^2)`` in float64 and then cast, so a rank that keeps rows [a, b) of a (V, C)
-embedding draws exactly those rows (24 us per row of 768 here), and a column shard draws
-each of its rows whole (one row of scratch) and keeps its columns. One process and every
-layout therefore start from the same numbers, bit for bit, and no rank ever holds more of a
-parameter than it keeps (plus one row).
+Every parameter's initial value is a pure function of ``(seed, nanoGPT name, full shape)``: row r is drawn by
+``Philox(key = blake2b(seed, name), counter = [0, 0, r, 0])`` as N(0, std^2) in float64 and cast, so every
+layout starts from the same bits. ``GPT(cfg, seed, meta=True)`` builds 0-byte meta parameters;
+``attach_inits`` records each one's :class:`ParamInit`; ``materialize_`` fills them (ZeRO-3: only its flat
+piece). Rules (GPT-2): 2-D weights N(0, 0.02^2), ``c_proj.weight`` N(0, (0.02/sqrt(2L))^2), layer-norm weights
+1, biases 0.
 
-::
-
-    GPT(cfg, seed, meta=True)     every Parameter's data is a 0-byte "meta" array (the shape and
-                                  dtype only: broadcast_to of one zero), as PyTorch's meta device
-    ... slice / shard the model   (tensor_parallel.shard_array keeps meta arrays meta)
-    attach_inits(stage, seed, tp) p.init = ParamInit(name, full shape, rule, tp split)
-    materialize_(stage)           p.data = p.init.flat(0, p.size) one parameter at a time
-    (ZeRO-3 instead fills only its owned flat piece: p.init.flat(lo, hi))
-
-Rules (GPT-2 / nanoGPT): 2-D weights N(0, 0.02^2), residual projections (``c_proj.weight``)
-N(0, (0.02 / sqrt(2L))^2) (Radford et al. 2019), layer-norm weights 1, biases 0.
-
-Sources: Megatron-LM ``_initialize_affine_weight_cpu`` (build the master weight, keep this
-rank's slice; here not even the master is built) and PyTorch's meta-device / ``torch.distributed``
-``init_device_mesh`` deferred init; NumPy's ``Philox(key, counter)``.
+Mirrors: Megatron-LM ``_initialize_affine_weight_cpu``; PyTorch's meta device; NumPy's ``Philox``.
 """
 from __future__ import annotations
 

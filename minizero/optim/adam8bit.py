@@ -1,42 +1,14 @@
 """8-bit Adam: Adam's m and v kept as 8-bit codes with one FP32 absmax per block.
 
-Source: Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise
-Quantization", ICLR 2022 (arXiv:2110.02861): block-wise quantization (section 2.1), the
-dynamic code (2.2); behaviour mirrored from bitsandbytes' ``Adam8bit``/``AdamW8bit``:
+Blocks of ``block_size`` (256) laid on each parameter from its first element; m with the signed dynamic code, v
+with the unsigned one (``code="linear"`` for comparison); parameters under ``min_8bit_size`` (4096) elements keep
+m and v in the state dtype. Step: dequantize, :func:`adamw_update` in the state dtype, requantize. State bytes
+per parameter: 2 + 8/B (FP32 Adam: 8). :class:`ShardedAdam8bit` (ZeRO 1-3) shards the codes element for element;
+ranks sharing a block agree on its absmax with one all-reduce of partial maxima, so codes equal one process's
+bit for bit. Everything lives on ``backend.xp``; :meth:`Adam8bit.state_dict` returns host copies.
 
-* **block size 256** by default (``block_size``): bitsandbytes' blockwise optimizers use 256
-  today; the paper used 2048. Smaller blocks cost more scales (8/B bytes per parameter for
-  m and v together: 0.031 at 256, 0.004 at 2048) and isolate outliers better.
-* **codes**: m with the *signed* dynamic code, v with the *unsigned* one (v >= 0, so the
-  sign bit buys one more fraction bit); ``code="linear"`` swaps in a linear code to measure
-  why the dynamic one is used (see the lesson).
-* **small tensors stay FP32**: a parameter with fewer than ``min_8bit_size`` = 4096 elements
-  keeps m and v in the state dtype, as bitsandbytes does (biases, layer norms).
-* **the update**: dequantize m and v of a tensor, run exactly :func:`adamw_update` (PyTorch's
-  AdamW order: decay, then Adam) in the state dtype, then requantize each block with its new
-  absmax. The parameter update uses the unrounded m and v of this step; only what is *kept*
-  is 8-bit (bitsandbytes does the same in registers).
-
-Bytes per parameter of optimizer state: 2 (one code each for m and v) + 8/B (two FP32 absmax
-per block of B) for 8-bit tensors, versus 8 for FP32 Adam.
-
-Sharded (ZeRO 1-3, :class:`ShardedAdam8bit`): the codes are sharded like the FP32 state
-would be, element for element. Blocks are laid on each *parameter* from its first element,
-exactly as in one process, so a rank's slice of a parameter can begin or end inside a block
-that another rank also holds part of::
-
-    parameter  |  block 0  |  block 1  |  block 2  |  block 3  |
-    ranks      |000000000000000000|1111111111111111111|22222222|
-                                ^ block 1 is shared by ranks 0 and 1
-
-Both ranks keep that block's absmax (4 bytes twice) and agree on it after each update with
-one small all-reduce of their partial maxima (one float per shared block and state, at most
-N-1 shared blocks per unit), so the codes equal one process's bit for bit.
-
-Where it runs: codes, absmax, the code books and every step's arithmetic live on the device
-(``backend.xp``); the code books are built on the host and copied to the device once per
-optimizer (:func:`make_codes`). The only device-to-host copies are the quantizer's explicit
-one-number finiteness check and :meth:`Adam8bit.state_dict` (host copies by contract).
+Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861, sections 2.1-2.2;
+bitsandbytes' ``Adam8bit``/``AdamW8bit``.
 """
 from __future__ import annotations
 

@@ -1,48 +1,18 @@
 """Context parallelism: causal attention over a sequence split across c ranks, by ring attention.
 
-Each of the c ranks of a context-parallel group holds 2 of the 2c equal chunks of the sequence,
-i and 2c-1-i (load balancing, as Megatron-LM's and Llama 3's CP: under the causal mask an early
-chunk attends to little and a late one to much, so every rank gets one of each)::
+Each rank of a context group holds chunks i and 2c-1-i of the 2c equal chunks (load balance under the causal
+mask); q, k, v: (b, H, 2n, D), n = s/(2c). The key/value blocks travel the ring by ``sendrecv``; the softmax
+is accumulated online (row maximum, sum, unnormalised output), so a step holds a (2n, 2n) score block, never
+(s, s). Backward is FlashAttention's blockwise backward; each block's dK, dV travel with it and reach home after
+c sends. Traffic per rank and call: forward 2(c-1) * b*H*2n*D*itemsize bytes; backward see :func:`ring_bytes`.
 
-    sequence, c = 2:   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |
-    rank 0 holds          chunk 0                       chunk 3       q, k, v: (b, H, 2n, D), n = s/(2c)
-    rank 1 holds                    chunk 1   chunk 2
+:func:`context_parallelize` splits the token ids and targets (a forward pre-hook), looks up global positions
+and sets every block's ``attn.core`` to :func:`ring_attention`; the gradient is averaged over the dp*c ranks.
+Preconditions (checked by :mod:`minizero.layout_checks`): no dropout, T divisible by 2c, and with sequence
+parallelism T/c divisible by tp.
 
-Attention needs every earlier key. The key/value blocks travel around the ring (Liu et al. 2023,
-"Ring Attention with Blockwise Transformers", arXiv:2310.01889): at step j rank r holds the block
-of rank r - j, computes the scores of its two query chunks against the block's two key chunks
-(query chunk > key chunk: all of it; equal: the causal triangle; smaller: nothing), and passes the
-block right while receiving the next from the left (``sendrecv``). The softmax is accumulated
-online across blocks (running row maximum m, sum l, unnormalised output; Milakov & Gimelshein
-2018, the FlashAttention recurrence), so no rank ever holds an (s, s) score matrix: per step a
-(2n, 2n) block.
-
-Backward (the FlashAttention backward, Dao et al. 2022, algorithm 4, blockwise): from the saved
-output O and row log-sum-exp L, D = rowsum(dO * O); for each block P = exp(S - L),
-dV += P^T dO, dS = P * (dO V^T - D), dQ += dS K scale, dK += dS^T Q scale. The block's dK, dV
-travel around the ring with it and arrive home after c sends.
-
-Traffic per rank and call: forward (c-1) blocks of k and v, 2 * (c-1) * b*H*2n*D*itemsize bytes;
-backward c blocks of k, v, dk, dv less the first k, v (see :func:`ring_bytes`).
-
-In training (``--cp c``, :func:`context_parallelize`): the c ranks of a context group share the
-data rank's rows and each keeps its two chunks of every sequence (a forward pre-hook on the stage
-splits the token ids and the targets), the position embedding looks up the chunks' global
-positions, and every block's ``attn.core`` is :func:`ring_attention`. Everything else acts
-token by token. Each rank's loss is the mean over its tokens (all ranks hold as many), so
-averaging the gradients over the data x context ranks (the strategy's data group has dp*c ranks,
-Megatron-LM's "dp-cp" group) gives the gradient of the global mean (with --pad the strategy weighs
-each rank's mean by its chunks' real targets over the global count).
-With pipeline stages (``--pp``) each stage keeps the same split: the first stage splits the token
-ids, the last the targets, and the (b, 2n, C) activations go from cp rank r of one stage to cp
-rank r of the next (same data and tensor coordinates; Megatron-LM's "tp-cp-dp-pp" order puts the
-context group inside the data dimension the same way). With ``--sequence-parallel`` the tensor
-group splits each rank's 2n local rows further, (b, 2n/t, C): layer norms, residuals and the LM
-head's loss act token by token on any rows, the all-gather before attention restores the local
-(b, 2n, C/t) in chunk order, and the positions were looked up before the split.
-Restrictions (the command line checks them, :mod:`minizero.layout_checks`): no dropout (ring attention has
-no attention dropout, and the sequence-parallel dropout would draw the unsplit model's mask for
-contiguous rows; why this stays: ARCHITECTURE.md), T divisible by 2c, and with --sequence-parallel T/c divisible by tp.
+Sources: Liu et al., "Ring Attention", arXiv:2310.01889; Dao et al., FlashAttention, algorithm 4;
+Megatron-LM's context parallelism (chunk pairing, the "dp-cp" group).
 """
 from __future__ import annotations
 

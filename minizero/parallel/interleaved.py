@@ -1,39 +1,13 @@
-"""Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): each rank holds v non-adjacent chunks of layers.
+"""Interleaved 1F1B: each rank holds v non-adjacent chunks of layers (virtual stage c*p + r is chunk c of rank r).
 
-The L layers are cut into p*v *virtual stages* of L/(p v) layers; rank r holds virtual stages
-r, p + r, 2p + r, ... (chunk c = virtual stage c*p + r). Example: the default model (4 layers),
-p = 2, v = 2::
+:class:`InterleavedStage` is this rank's v chunks as one Module with the whole model's parameter names, so the
+strategy, ZeRO, recompute and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage.
+:class:`~minizero.parallel.pipeline.PipelineEngine` runs it; messages carry one tag per direction and sends are
+non-blocking (``comm.isend``), as p = 2 makes both ranks send to each other at once. Bubble (p-1)/(v m) of the
+ideal time, at v times the pipeline messages.
 
-    virtual stage   0        1        2        3
-    layers          h.0      h.1      h.2      h.3
-    rank            0        1        0        1
-                    (wte, wpe)                  (ln_f, lm_head, loss)
-
-    forward of one micro-batch: rank 0 ─act─> rank 1 ─act─> rank 0 ─act─> rank 1
-    backward:                   rank 0 <grad─ rank 1 <grad─ rank 0 <grad─ rank 1
-
-Each forward of a chunk is 1/v of a stage's work, so the warm-up and cool-down bubble shrinks
-from (p-1)/m to (p-1)/(v m) of the ideal time, at v times the pipeline messages
-(:func:`minizero.parallel.schedule.interleaved` is the order, as data; its simulator measures the bubble).
-
-:class:`InterleavedStage` is this rank's v chunks as one Module whose parameter names are the
-whole model's (``transformer.h.2.mlp.c_fc.weight``), so the strategy, ZeRO, recompute, the norm
-and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage. Each chunk is a
-:class:`PipelineStage` of p*v virtual stages holding the same module objects.
-
-:class:`~minizero.parallel.pipeline.PipelineEngine` runs the schedule (the same engine as for
-one chunk per rank: each op names its chunk). Messages carry a tag per direction
-(activations, gradients): between two ranks each direction then delivers micro-batches in
-the order both sides run them (every rank runs forwards in the same (chunk, micro-batch) order,
-backwards likewise), also when p = 2 makes the next and previous rank the same one.
-Every send is non-blocking (``comm.isend``) and completes while the rank goes on to its next
-op; receives wait. With p = 2 the two ranks send to each other at the same time (rank 0 a
-gradient of chunk 1 and an activation of chunk 0, rank 1 the reverse), and blocking sends
-deadlock there once a message is over MPI's eager limit (32 KiB already did with MPICH):
-Megatron-LM batches isend/irecv for the same reason.
-
-Sources: Narayanan et al., arXiv:2104.04473, section 2.2.2 and figure 4; Megatron-LM
-``core/pipeline_parallel/schedules.py`` (forward_backward_pipelining_with_interleaving).
+Source: Narayanan et al., arXiv:2104.04473, section 2.2.2, figure 4; Megatron-LM
+``forward_backward_pipelining_with_interleaving``.
 """
 from __future__ import annotations
 

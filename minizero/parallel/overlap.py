@@ -1,36 +1,12 @@
 """Data-parallel gradient all-reduce overlapped with backward (PyTorch DDP's Reducer).
 
-::
+Buckets are :class:`~minizero.parallel.data_parallel.DataParallel`'s. A post-accumulate-grad hook per
+parameter submits a bucket's ring all-reduce (:class:`~minizero.comm.nonblocking.RingCollective`) to a
+:class:`~minizero.comm.nonblocking.Stream`, in bucket order, once its last parameter fires on the step's last
+micro-batch; every hook calls ``progress()``. :meth:`finish` launches skipped buckets, waits, agrees on the
+parameters used, divides and copies back: bitwise the blocking path's result.
 
-    blocking (--no-overlap)                      overlapped (default)
-    backward  ████████████████████               backward  ████████████████████
-    all-reduce                    ▒▒▒▒▒▒▒▒▒▒     bucket 0       ▒▒▒▒  (layers above: done first)
-                                            ^    bucket 1             ▒▒▒▒▒
-                                       step      bucket 2                   ▒▒▒   <- exposed: only this
-                                                                               ^ step
-
-Buckets are :class:`~minizero.parallel.data_parallel.DataParallel`'s (reverse parameter order,
-the order backward produces gradients). Every parameter has a post-accumulate-grad hook; when
-the last parameter of a bucket fired — for the last micro-batch of the step, counted, so that
-with gradient accumulation only the last micro-step communicates (DDP's ``no_sync``) — the
-bucket's gradients are packed into its flat buffer and a ring all-reduce
-(:class:`~minizero.comm.nonblocking.RingCollective`) is submitted to a
-:class:`~minizero.comm.nonblocking.Stream`, in bucket order (a complete bucket waits for the
-ones before it, so every rank submits the same sequence). Every hook first calls ``progress()``,
-so the rings advance between autograd nodes while backward computes the layers below;
-:meth:`finish` (the strategy's ``reduce_gradients``) launches any bucket with a parameter this
-rank's graph skipped (zeros for it, as the blocking path), waits, agrees on the parameters some
-rank used (one small all-reduce), then divides and copies back — the blocking path's
-arithmetic, element by element, so the weights are bitwise identical.
-
-Why progress from the hooks and not a communication thread: the ranks of the in-process
-communicator are already threads and numpy holds the GIL between kernels, so a thread adds
-nondeterministic timing without adding parallel compute; MPI's non-blocking requests plus
-``MPI_Test`` between autograd nodes is what MPI itself offers for progress (the transport moves
-bytes in the background; the test only completes the handshake and starts the next ring step).
-
-Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer (``autograd_hook`` ->
-``mark_variable_ready`` -> ``all_reduce_bucket``; ``finalize_backward`` waits), ``no_sync``.
+Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer and ``no_sync``.
 """
 from __future__ import annotations
 

@@ -1,44 +1,16 @@
 """Pipeline parallelism: the layers split into ``pp`` stages, micro-batches streamed through them.
 
-::
+A :class:`PipelineStage` owns a contiguous slice of the blocks (``shard_range``: the first ``n_layer % pp``
+stages get one more), the embeddings on the first stage and ln_f + LM head on the last; the last stage's tied
+head is a copy whose gradient :func:`allreduce_tied_embedding_grads` sums over the embedding group.
+:class:`PipelineEngine` runs a schedule from :mod:`minizero.parallel.schedule` (GPipe, 1F1B, interleaved, ZB-H1,
+ZB-V). Per op: F(i) receives a (b, T, C) activation from the previous stage and sends its output on; B(i)
+receives dL/dy (last stage: 1/m) and sends dL/dx back; W(i) computes B(i)'s weight gradients. A send and the
+next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock). The loss of every micro-batch is
+scaled by 1/m.
 
-    stage 0 (ranks of pp_rank 0)      stage 1                 ...   stage p-1
-    wte + wpe, drop, h.0 .. h.k-1 ──act──> h.k .. ──act──> ...  ──> h.. , ln_f, lm_head, loss
-                                  <─grad──         <─grad──     <──
-    every arrow: one point-to-point message of a (b, T, C) array per micro-batch
-
-A :class:`PipelineStage` owns a contiguous slice of the blocks (``shard_range``: the first
-``n_layer % pp`` stages get one more), plus the embeddings on the first stage and ln_f +
-LM head on the last. The LM head's weight is tied to ``wte``: with pp > 1 the last stage
-keeps its own copy, initialized equal, and :func:`allreduce_tied_embedding_grads` sums the
-two copies' gradients over the *embedding group* (first and last stage) each step, so the
-copies stay equal (Megatron-LM does the same; Shoeybi et al. 2019, section 3).
-
-:class:`PipelineEngine` runs one optimizer step's micro-batches through a schedule from
-:mod:`minizero.parallel.schedule` (GPipe, 1F1B, interleaved, ZB-H1: one engine, the schedule is
-data; with v chunks per rank each op names its chunk). Per op on stage s::
-
-    F(i): x = recv activation from s-1 (first stage: embed the tokens); y = stage(x);
-          send y to s+1 (last stage: y is the loss of micro-batch i; nothing sent)
-    B(i): g = recv dL/dy from s+1 (last stage: g = 1/m); backward from y with g;
-          send dL/dx to s-1 (first stage: nothing); with a W op for i in the schedule, the
-          weight gradients wait for it (zero bubble, :mod:`minizero.autograd.split_backward`)
-    W(i): the weight gradients of B(i)
-
-With v chunks per rank (interleaved, parallel/interleaved.py) an op runs chunk c, and s-1, s+1
-are the ranks of the chunk's neighbouring virtual stages (``prev_rank``, ``next_rank``): r-1, r+1
-mod p round robin; in ZB-V's V chunk 1 runs the other way, and at rank p-1, where the V turns,
-activation and gradient pass between the rank's own two chunks with no message.
-
-A send is posted together with the next receive when both go to the same neighbour — one
-``sendrecv``, Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward`` —
-so the 1F1B steady state cannot deadlock even when MPI sends block until received.
-The loss of every micro-batch is scaled by 1/m, so the accumulated gradient is that of the
-mean loss over the step's m micro-batches, exactly as gradient accumulation gives it.
-
-Sources: Huang et al. 2019 (GPipe, arXiv:1811.06965); Narayanan et al. 2021
-(arXiv:2104.04473, section 2.2: 1F1B / PipeDream-Flush); Megatron-LM
-``core/pipeline_parallel/schedules.py`` (forward_backward_pipelining_without_interleaving).
+Sources: GPipe, arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM
+``core/pipeline_parallel/schedules.py``.
 """
 from __future__ import annotations
 

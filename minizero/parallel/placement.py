@@ -1,30 +1,10 @@
 """Where the bytes went: each kind of group's traffic per step, and the part that crossed nodes.
 
-After training, :func:`node_traffic` sums every rank's ledgers (one all-reduce) and
-rank 0 prints, for example with ``--dp 2 --tp 2`` on 2 nodes x 2 ranks::
+:func:`node_traffic` sums every rank's ledgers (one all-reduce); rank 0 prints bytes per step per group (tp,
+dp or dp-cp, cp, pp) and the part across nodes (needs a ``NodeTrafficCommunicator``). Per step = the run's
+totals over its steps, set-up broadcasts left out; ``used_parameters`` counts as "other".
 
-    nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]; each tensor-parallel group
-           stays inside one node, a data-parallel group spans up to 2 nodes
-    ...
-    traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):
-      tp    (2 rank(s) each): 1 node(s), 384.38 KiB,       0 B
-      dp    (2 rank(s) each): 2 node(s), 178.52 KiB, 178.52 KiB
-      world: 562.99 KiB sent, 178.52 KiB across nodes = tp 0 B + dp 178.52 KiB + pp 0 B + other (...) 56 B
-      dp gradient all-reduce (ring) across nodes per step: 178.52 KiB; computed: flat ring 178.52 KiB, ...
-
-(the tiny model, float64, 3 steps). The tensor group sends twice the data group's bytes
-and none of it leaves a node: that is why tensor parallelism stays inside one.
-
-Bytes per step are the ledgers' totals over the run divided by its steps (validation
-included), without set-up traffic (``broadcast_params``, sent once before step 0). The data
-group's row is its gradients only: the agreement on the parameters used (``used_parameters``,
-a few bytes a step) is counted in "other".
-With ``--cp`` the context groups are split from the data group: ring attention gets a ``cp`` row and
-the data group's row, ``dp-cp`` (gradients go over dp x cp ranks), keeps the rest.
-"Across nodes" needs a world that knows its nodes (a ``NodeTrafficCommunicator``);
-the pipeline group's row includes the embedding group's (a split of it).
-Sources: Narayanan et al. 2021 (arXiv:2104.04473), section 3.2 (why tensor parallelism
-stays inside a node); NCCL/Horovod hierarchical all-reduce for the last line.
+Source: Narayanan et al., arXiv:2104.04473, section 3.2.
 """
 from __future__ import annotations
 

@@ -1,49 +1,14 @@
 """Pipeline schedules as data: which micro-batch each stage runs forward (F), backward (B) or weight-gradient (W), in order.
 
-A schedule is a list, one entry per stage, of :class:`Op` ``(kind, mb)``. The executor
-(:mod:`minizero.parallel.pipeline`) runs exactly these lists; this file also *times*
-them in unit slots (a forward costs ``f`` slots, a backward ``b``), draws the timeline
-and computes the bubble and the activation memory they imply. p stages, m micro-batches::
+A schedule is a list, one per stage, of :class:`Op` ``(kind, mb)`` (chunked schedules: ``(kind, mb, chunk)``);
+:mod:`minizero.parallel.pipeline` runs exactly these lists. :func:`simulate` times them in unit slots (F costs
+``f``, B ``b``): an op starts when its stage's previous op has finished and its input exists (F(s, i) after
+F(s-1, i), B(s, i) after B(s+1, i), W(s, i) after B(s, i)); sends are free. With p stages, m micro-batches and
+v chunks the bubble is (p-1)/(m+p-1) of ``p * makespan`` (:func:`bubble_formula`), (p-1)/(v m) of the ideal
+time (:func:`bubble_ratio`), and (p-1)/(3m) for ZB-H1 with equal F, B, W (:func:`zb_h1_bubble_ratio`).
 
-    GPipe (Huang et al. 2019): every forward, then every backward (f = b = 1 here)
-        stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
-        stage 1  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .          bubble = (p-1)/(m+p-1)
-        stage 2  .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .          in flight: m micro-batches
-        stage 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .
-
-    1F1B (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward
-    and one backward alternately, then the remaining backwards
-        stage 0  F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 ...     same bubble,
-        ...                                                        in flight: at most p - s
-
-    Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): each rank holds v chunks of
-    layers, chunk c of rank r being virtual stage c*p + r of p*v; an op is F/B of
-    (micro-batch, chunk), each costing 1/v of a stage's; 1F1B over the chunks in groups of p
-    micro-batches (Megatron-LM's order), so the bubble shrinks by v. p = 2, v = 2, m = 4
-    (chunk 1 written ``F0.1``), f = 1, b = 2 per chunk:
-        stage 0  F0 F1 F0.1 F1.1 F2 ... (warm-up 2(p-r-1) + (v-1)p), then 1F1B pairs
-                                                                   bubble = (p-1)/(v m) of the ideal time
-
-Zero bubble (Qi et al. 2023, arXiv:2401.10241): B computes only the input gradient, which the
-previous stage waits for; W, the weight gradients of the same micro-batch, runs later on the same
-stage (a schedule that lists W ops splits every B). ZB-H1 (section 2.1) is 1F1B whose stage s runs
-each W s backwards late, so every stage holds p micro-batches (1F1B's stage 0) and the W's fill
-the cool-down; ZB-V (section 6) gives each rank two chunks in a V: rank r holds virtual stages r
-and 2p-1-r. With equal F, B, W times (t each) 1F1B idles (p-1)(F+B+W) = 3(p-1)t per stage and
-ZB-H1 (p-1)(F+B-W) = (p-1)t: idle over busy (p-1)/m and (p-1)/(3m) (:func:`zb_h1_bubble_ratio`).
-
-Timing rule (:func:`simulate`): an op starts when the previous op of its stage has
-finished and its input exists — F(s, i) needs F(s-1, i), B(s, i) needs B(s+1, i) (the
-last stage's B needs its own F), W(s, i) needs B(s, i). Sends are free. The bubble fraction is the idle share
-of ``p * makespan``; with equal stage costs it is (p-1)/(m+p-1) for both schedules,
-whatever the ratio b/f (:func:`bubble_formula`); as a share of the ideal time (busy time
-of one stage, Narayanan et al.'s definition) it is (p-1)/m, and (p-1)/(v m) interleaved
-(:func:`bubble_ratio`). With chunks, F(c*p + r, i) needs F of virtual stage c*p + r - 1.
-
-Sources: Huang et al., "GPipe", arXiv:1811.06965, section 2.3; Narayanan et al.,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-arXiv:2104.04473, section 2.2 (figures 3-4, the bubble (p-1)/m of the ideal time); Qi et al.,
-"Zero Bubble Pipeline Parallelism", arXiv:2401.10241, sections 2 and 6.
+Sources: GPipe, arXiv:1811.06965, section 2.3; 1F1B and interleaved 1F1B, Narayanan et al.,
+arXiv:2104.04473, section 2.2; ZB-H1 and ZB-V, Qi et al., arXiv:2401.10241, sections 2.1 and 6.
 """
 from __future__ import annotations
 

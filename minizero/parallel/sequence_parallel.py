@@ -1,47 +1,15 @@
-"""Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): the non-tensor-parallel parts split along s.
+"""Sequence parallelism: the layer norms, dropouts and residuals of a tensor-parallel block split along s.
 
-Tensor parallelism (``tensor_parallel.py``) splits the matrices, but the layer norms, the
-dropouts and the residual adds still run on the whole (b, s, h) activation on every tensor
-rank, and keep it for backward: the 10sbh of Table 2 that does not shrink with t. Sequence
-parallelism splits those regions along the sequence instead. Rank r of t holds positions
-[r s/t, (r+1) s/t)::
+Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). Megatron's f becomes ḡ, an all-gather along s
+(backward: reduce-scatter), fused with the column-parallel GEMM (:class:`_GatheredLinear`: only the (b, s/t, h)
+slice is saved, gathered again for dW); g becomes a reduce-scatter along s (backward: all-gather). Bytes per
+block equal plain tensor parallelism's; activations kept outside the tensor region shrink by t (Table 2:
+sbh(34/t + 5as/(ht)) per layer). :func:`allreduce_sequence_parallel_grads` sums ln and row-parallel bias
+gradients over the tensor group; dropout draws the unsplit (b, s, h) mask from the tensor group's generator
+and keeps its rows. The embedding output is split on entry (:func:`scatter_to_sequence_parallel_region`).
 
-    x (b, s/t, h) ─ ln_1 ─ ḡ: all-gather along s ─> (b, s, h) ─ c_attn (column) ─ attention of H/t heads
-        ─ c_proj (row) ─> partial (b, s, h) ─ g: reduce-scatter along s ─> (b, s/t, h) ─ + bias ─ dropout ─ + x
-    then the same around ln_2 / c_fc / GeLU / c_proj.
-
-    sequence:   0 ......... s/t ......... 2s/t ...  s
-    rank 0:     [ x_0      ]                               ln, dropout, residual on its own rows
-    rank 1:                [ x_1         ]
-    all-gather: [ x_0      | x_1         | ...     ]       every rank, for the column-parallel GEMM
-    reduce-scatter: sum_r partial_r, row block r kept by rank r
-
-Megatron's g (forward all-reduce) becomes a reduce-scatter and f (backward all-reduce) an
-all-gather whose backward is a reduce-scatter: an all-reduce *is* a reduce-scatter followed
-by an all-gather, so the bytes sent per block equal plain tensor parallelism's, while the
-activations kept outside the tensor-parallel region shrink by t. The all-gather entering a
-column-parallel layer is fused with its GEMM (:class:`_GatheredLinear`, Megatron's
-``LinearWithGradAccumulationAndAsyncCommunication``): only the rank's (b, s/t, h) slice is
-saved, and backward gathers it again for dW, so per layer sbh(34/t + 5as/(ht)) bytes stay
-alive (Table 2, 16-bit activations) — ``memory.estimator.layer_activation_bytes`` with
-``sequence_parallel=True`` is the same arithmetic, and tests compare it with the ledger.
-
-Parameters that act on a slice of the sequence (ln_1, ln_2, ln_f and the row-parallel biases)
-receive only their slice's gradient: :func:`allreduce_sequence_parallel_grads` sums them over
-the tensor group before the data-parallel reduction, so they stay identical on every tensor
-rank (Megatron-LM ``finalize_model_grads`` / ``_allreduce_layernorm_grads``).
-
-Dropout in a sequence-parallel region draws the mask of the whole (b, s, h) activation from
-the generator the tensor group shares and keeps its rows, so the masks equal the unsplit
-model's (as ``HeadParallelDropout`` does for heads).
-
-The embedding output (all-reduced over the vocabulary split) is split along s on entry
-(:func:`scatter_to_sequence_parallel_region`); the LM head gathers it back, fused with its GEMM.
-(Megatron reduce-scatters the embedding directly; all-reduce then keep-a-slice is the same sum.)
-
-Sources: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-arXiv:2205.05198, section 4.2.2 (figure 5: g and ḡ), Table 2; Megatron-LM
-``core/tensor_parallel/mappings.py`` (``_gather_along_first_dim``, ``_reduce_scatter_along_first_dim``).
+Source: Korthikanti et al., arXiv:2205.05198, section 4.2.2, figure 5, Table 2; Megatron-LM
+``core/tensor_parallel/mappings.py``, ``finalize_model_grads``.
 """
 from __future__ import annotations
 

@@ -1,52 +1,17 @@
-"""Tensor parallelism (Megatron-LM): the matrices of every block split across the ``tp`` ranks of a group.
+"""Tensor parallelism (Megatron-LM): every block's matrices split across the ``tp`` ranks of a group.
 
-A linear layer ``Y = X A^T`` (A stored (out, in), as in PyTorch) can be split two ways::
+Column-parallel ``A_r = A[r*out/tp:(r+1)*out/tp]``: X (.., in) replicated -> Y_r (.., out/tp); f before it
+(forward identity, backward all-reduce of dL/dX). Row-parallel ``A_r = A[:, r*in/tp:(r+1)*in/tp]``:
+X_r (.., in/tp) -> partial (.., out); g after it (forward all-reduce, backward identity). Attention's c_attn
+and the MLP's c_fc are column-parallel, both c_proj row-parallel; c_attn's (3C, C) weight splits with stride 3
+(each rank takes the Q, K and V rows of its heads). Layer norms and second biases stay replicated.
 
-    column-parallel: A split by rows (the outputs)      A = [A_0]   A_r: (out/tp, in) on rank r
-                                                            [A_1]
-        X (.., in), the same on every rank
-          │  f: forward identity, backward all-reduce of dL/dX
-          ├──> Y_0 = X A_0^T   (.., out/tp) on rank 0
-          └──> Y_1 = X A_1^T   (.., out/tp) on rank 1
+Traffic: per block and micro-batch of (B, T, C), 2 all-reduces forward and 2 backward, 8(tp-1)/tp * B*T*C*itemsize
+bytes per rank (:func:`allreduce_bytes_per_block`). :class:`HeadParallelDropout` draws all heads' mask from the
+tensor group's shared generator and keeps its slice (the unsplit model's masks).
 
-    row-parallel: A split by columns (the inputs)       A = [A_0 | A_1]   A_r: (out, in/tp) on rank r
-
-        X_0 (.., in/tp) on rank 0 ──> X_0 A_0^T ──┐  partial sums, (.., out) each
-        X_1 (.., in/tp) on rank 1 ──> X_1 A_1^T ──┤
-                                                  │  g: forward all-reduce, backward identity
-                                                  v
-                          Y = X_0 A_0^T + X_1 A_1^T + b   (.., out), the same on every rank
-
-A transformer block puts a column-parallel layer first and a row-parallel layer second,
-so the (.., out/tp) output of the first is exactly the (.., in/tp) input of the second and
-nothing is exchanged in between (Shoeybi et al. 2019, section 3, figure 3)::
-
-    attention: ln_1 ─ f ─ c_attn (column: QKV of heads [rH/tp, (r+1)H/tp)) ─ attention of those heads
-                          ─ c_proj (row) ─ g ─ + bias ─ dropout ─ + residual
-    MLP:       ln_2 ─ f ─ c_fc (column: 4C/tp hidden units) ─ GELU
-                          ─ c_proj (row) ─ g ─ + bias ─ dropout ─ + residual
-
-c_attn's weight (3C, C) holds Q, K and V one above the other, so its split has *stride*
-3: rank r takes rows [rC/tp, (r+1)C/tp) of each of the three (C, C) blocks, i.e. the
-Q, K and V of its heads (Megatron's ``partition_stride``). Layer norms and the second
-biases stay replicated; their gradients come out identical on every tensor rank, because
-what reaches them has already passed an f or g. (The embedding, the tied LM head and the
-loss are split by vocabulary in ``vocab_parallel.py``; ``three_d.build_stage`` applies both.)
-
-Communication (derived, and checked by ``tests/test_tensor_parallel.py``): per block and
-per micro-batch of B sequences of T tokens, 2 all-reduces in forward (the two g) and 2 in
-backward (the two f), each on a (B, T, C) array: a ring all-reduce sends
-2(tp-1)/tp * B*T*C*itemsize bytes per rank, so a block costs 8(tp-1)/tp * B*T*C*itemsize
-bytes per rank per micro-batch (:func:`allreduce_bytes_per_block`).
-
-Dropout: inside the split attention each rank needs the masks of its own heads only.
-:class:`HeadParallelDropout` draws the mask of *all* heads from the generator that is
-shared by the tensor group and keeps its slice, so the masks are exactly those of the
-unsplit model (Megatron instead keeps a second, per-rank generator; drawing the whole
-mask costs tp x the random numbers and keeps one generator per rank).
-
-Sources: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3 (the f and g
-operators, figure 3); Megatron-LM ``core/tensor_parallel/mappings.py`` and ``layers.py``.
+Source: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3, figure 3; Megatron-LM
+``core/tensor_parallel/mappings.py`` and ``layers.py``.
 """
 from __future__ import annotations
 

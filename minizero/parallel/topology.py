@@ -1,39 +1,11 @@
 """The 3D mesh: ``dp * tp * pp`` ranks, and one communicator per parallel group.
 
-Ranks are laid out as Megatron-LM lays them out (order "tp-dp-pp"): tensor-parallel
-ranks are adjacent (they exchange an all-reduce in every layer, so they belong on
-the fastest links, inside one node), then data-parallel, then pipeline stages::
+Megatron-LM's order "tp-dp-pp": ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so tensor groups are
+consecutive ranks (inside one node when tp divides its ranks). Every group is a :meth:`Communicator.split` of
+the world whose ledger holds the bytes sent inside it. The embedding group is the first and last stage of a
+pipeline group. :meth:`Topology.placement_warnings` names each tensor group spanning nodes.
 
-    grid = arange(world).reshape(pp, dp, tp)        rank = (pp_rank * dp + dp_rank) * tp + tp_rank
-
-    dp=2, tp=2, pp=2 (8 ranks):
-                      tp 0  tp 1
-        pp 0  dp 0:    0     1          tensor groups    [0 1] [2 3] [4 5] [6 7]   (same pp, dp)
-              dp 1:    2     3          data groups      [0 2] [1 3] [4 6] [5 7]   (same pp, tp)
-        pp 1  dp 0:    4     5          pipeline groups  [0 4] [1 5] [2 6] [3 7]   (same dp, tp)
-              dp 1:    6     7          model groups     [0 1 4 5] [2 3 6 7]       (same dp: tp x pp)
-
-Across machines (Narayanan et al. 2021, section 3.2 and Megatron-LM's default order
-"tp-cp-ep-dp-pp", tensor parallel fastest): MPI fills hosts with consecutive ranks, so
-a node of L ranks holds L / tp whole tensor groups when tp divides L. The tensor group's
-all-reduces (4 per block and micro-batch, activations of B x T x C) stay on the node's
-fast links; only the data group's gradient all-reduce (once per step) and the pipeline's
-point-to-point activations cross the network. :meth:`Topology.placement_warnings` names
-every tensor group that spans nodes (slow, but correct: it is a warning, not an error)::
-
-    dp=2, tp=2 on 2 nodes x 2 ranks:   node 0: ranks 0 1 = tensor group [0 1]
-                                       node 1: ranks 2 3 = tensor group [2 3]
-                                       data groups [0 2] [1 3] cross the nodes
-
-Every group is a :meth:`Communicator.split` of the world, so its ``traffic``
-ledger holds only the bytes sent inside that group (and forwards them to the
-world's). The *embedding group* (first and last pipeline stage of one pipeline
-group) sums the gradients of the tied embedding / LM head.
-
-Sources: Shoeybi et al. 2019 (Megatron-LM) and Narayanan et al. 2021
-("Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", section 3: the ordering of the groups), DeepSpeed's
-``PipeModelDataParallelTopology``.
+Sources: Narayanan et al., arXiv:2104.04473, section 3; DeepSpeed's ``PipeModelDataParallelTopology``.
 """
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
 """Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by tokens.
 
-The token embedding is the largest matrix of a small-width model (V = 50,304 rows for
-GPT-2), and the logits (b, T, V) are the largest activation. Both split by vocabulary rows::
+Rank r holds rows [r V/tp, (r+1) V/tp) of wte. Embedding: local rows, zeros elsewhere, then g (forward
+all-reduce of (b, T, C)). LM head: f (backward all-reduce of dL/dx), logits (b, T, V/tp), never gathered.
+Loss: an all-gather of the (N,) row maxima and two all-reduces of (N,); backward softmax_r - onehot_r with no
+message; rows whose target is ``ignore_index`` count zero.
 
-    wte (V, C) = [W_0]   rank r holds W_r = rows [r V/tp, (r+1) V/tp): the tokens lo_r .. hi_r - 1
-                 [W_1]
-
-    embedding   ids (b, T) ──> W_r[id - lo_r] for ids in [lo_r, hi_r), zero rows elsewhere
-                           ──> g: all-reduce (forward), identity (backward) ──> (b, T, C) on every rank
-    LM head     x (b, T, C) ──> f: identity (forward), all-reduce of dL/dx (backward)
-                           ──> x W_r^T = the logits of tokens [lo_r, hi_r): (b, T, V/tp), never gathered
-    loss        m   = max over ranks of the row maxima        all-gather of (N,) maxima
-                s   = log(sum over ranks of sum exp(z - m))       all-reduce of (N,)
-                d_t = z_t - m, from the rank that has the target       all-reduce of (N,)
-                loss = mean(s - d_t) over rows whose target is not ignore_index (m cancels exactly);
-                backward: softmax_r - onehot_r (ignored rows zero), no message
-
-Each rank keeps only its V/tp logits (and their gradient), so the loss never needs the
-(b, T, V) array anywhere. The head's weight is the embedding's shard (the tie holds shard
-by shard); with pipeline stages, the last stage keeps a copy of its shard, summed with the
-first stage's as for the unsplit model (:func:`minizero.parallel.pipeline.allreduce_tied_embedding_grads`).
-
-Messages per micro-batch of N = b*T tokens: forward an all-reduce of (b, T, C) (embedding)
-plus the loss's all-gather and two all-reduces of (N,); backward an all-reduce of (b, T, C)
-(the f before the head).
-
-Sources: Shoeybi et al. 2019 (arXiv:1909.08053), section 3 ("parallelize the input
-embedding weight matrix along the vocabulary dimension", fusing the cross-entropy with the
-parallel logits); Megatron-LM ``core/tensor_parallel/layers.py`` (VocabParallelEmbedding)
-and ``cross_entropy.py`` (vocab_parallel_cross_entropy).
+Source: Shoeybi et al., arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and
+``vocab_parallel_cross_entropy``.
 """
 from __future__ import annotations
 

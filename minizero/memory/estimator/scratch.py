@@ -1,32 +1,11 @@
 """The collectives' temporary buffers (ledger category ``comm_scratch``): the largest one alive at a time.
 
-Part of :mod:`minizero.memory.estimator`. minizero's ring collectives (``comm/collectives.py``)
-allocate, for the length of one call on N ranks and n elements of ``itemsize`` bytes::
-
-    all_reduce       a receive chunk (ring)                   ceil(n/N)          elements
-                     or a whole copy (recursive doubling,     n                  elements
-                     for n * itemsize <= 256 KiB)
-    reduce_scatter   a working copy + a receive chunk         n + ceil(n/N)      elements
-    all_gather, broadcast, one rank (N = 1)                   nothing
-
-Collectives run one at a time, so the peak is the largest call of the step:
-
-* data parallel (ZeRO 0): the all-reduce of the largest gradient bucket (``bucket_bytes``,
-  1 MiB by default as ``--bucket-mb``; buckets are filled greedily in reverse parameter
-  order, a new one when the next tensor would overflow, as ``parallel/data_parallel.py``);
-* ZeRO 1-3: the reduce-scatter of the largest unit's padded flat gradient (a layer, the token
-  or position table, ln_f; each padded to a multiple of N); ZeRO 2-3 overlapped
-  (``Strategy.overlap``): the non-blocking ring's receive chunk, padded/N elements;
-* tensor parallelism: the all-reduce of one (b, s, h) activation over t ranks;
-* pipeline (pp > 1, tied embeddings): the first and last stages' all-reduce of the
-  embedding gradient over those two ranks;
-* the gradient norm's and the loss's float64 scalars (8 bytes) when the group has N > 1.
-
-Exact (checked against the ledger) for the data-parallel and ZeRO layouts of
-``python -m minizero.compare``; for tensor and pipeline parallelism the bucket of a stage is
-bounded by ``min(bucket, stage gradients)`` (the greedy layout of a split stage is not replayed).
-Library collectives (``--native-comm``) keep their buffers inside MPI, which the ledger cannot
-see: 0 there. The paper accounting counts none (0).
+Per call on N ranks of n elements: all_reduce keeps ceil(n/N) elements (ring) or n (recursive doubling, up to
+256 KiB); reduce_scatter n + ceil(n/N); all_gather, broadcast and N = 1 nothing. The peak is the step's largest
+call: the largest DP bucket, ZeRO's largest padded unit (overlapped: padded/N), a (b, s, h) activation under
+tensor parallelism, the tied embedding's gradient between first and last stage, 8-byte scalars. Exact against
+the ledger for the DP and ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for native
+collectives and for the paper accounting.
 """
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""ZeRO's buffers when communication overlaps computation (``Strategy.overlap``, minizero's CLI default).
+"""ZeRO's buffers when communication overlaps computation (``Strategy.overlap``).
 
-Part of :mod:`minizero.memory.estimator`. ``ZeroOptimizer`` (``zero/``) keeps one flat
-*unit* per transformer layer and one per other parameter-owning module, each padded to a
-multiple of N = dp. Blocking (``--no-overlap``), one unit's gradient bucket and (ZeRO-3) one
-gathered unit are alive at a time, plus the tied token embedding, which is used at both ends of
-the model and stays open in between. Overlapped (``zero/overlap.py``):
+Blocking: one unit's gradient bucket and (ZeRO-3) one gathered unit alive, plus the tied embedding. Overlapped:
+:data:`~minizero.zero.overlap.REDUCE_BUCKETS` = 2 buckets and :data:`~minizero.zero.overlap.GATHERED_UNITS` = 2
+gathered units (the largest sum of 2 units adjacent in backward order, plus the tied embedding), and a ring
+receive chunk of ceil(padded/N) elements. Exact against the ledger for p = 1 (tests/test_estimator.py).
 
-* gradient buckets: double buffering, :data:`~minizero.zero.overlap.REDUCE_BUCKETS` = 2
-  alive at once (the one backward fills and the one being reduce-scattered; a bucket is freed
-  when the next is submitted, never earlier, so the peak does not depend on timing) -- the
-  largest sum of 2 units adjacent in backward order, plus the tied embedding;
-* ZeRO-3 gathered parameters: the running unit and the prefetched next one
-  (:data:`~minizero.zero.overlap.GATHERED_UNITS`), plus the tied embedding -- again
-  the largest sum of 2 adjacent units;
-* the ring's receive chunk (``comm_scratch``): ceil(padded/N) elements of each reduce-scatter
-  in flight (one at a time), instead of the blocking ring's working copy + chunk.
-
-Units in backward order on pipeline stage k of p (GPT: LayerNorm, learned positions): an
-untied head (last stage; with p > 1 its copy of the tied table), ``ln_f`` (last stage), the
-stage's layers, ``wpe`` (stage 0); the token table is the tied
-bucket when p = 1, and with p > 1 stage 0's opens together with ``wpe`` (one element of the
-chain). Exact against the ledger for p = 1 (``tests/test_estimator.py``); p > 1 follows the same
-rule and is not checked. Mirrors DeepSpeed's ``overlap_comm`` (two IPG buffers) and FSDP's
-``backward_prefetch`` (one unit ahead).
+Mirrors: DeepSpeed's ``overlap_comm``; FSDP's ``backward_prefetch``.
 """
 from __future__ import annotations
 
