@@ -89,6 +89,16 @@ def test_bf16_linear_rounds_inputs_outputs_and_gradients():
     assert not np.array_equal(y.data, x @ lin.weight.data.T + lin.bias.data)  # the rounding is visible
 
 
+def test_bf16_linear_saves_two_bytes_per_element():
+    from minizero.ledger import get_ledger
+    set_ledger(MemoryLedger())
+    lin = BF16Linear(Linear(8, 4, rng=np.random.default_rng(0)))
+    before = get_ledger().current["activations"]
+    y = lin(Tensor(np.ones((5, 8), np.float32), requires_grad=True))
+    assert get_ledger().current["activations"] - before == 2 * (5 * 8 + 4 * 8)  # x and W as uint16
+    del y
+
+
 def test_use_bf16_converts_every_linear_and_keeps_names():
     model = GPT(get_config("tiny"))
     names = list(dict(model.named_parameters()))

@@ -136,7 +136,7 @@ def _train(comm, extra, dropout="0.1"):
 
 LAYOUTS = [(1, []), (1, ["--recompute", "selective"]), (1, ["--recompute", "full"]), (2, ["--tp", "2"]),
            (2, ["--pp", "2"]), (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--dp", "2", "--zero", "3"]),
-           (2, ["--tp", "2", "--recompute", "selective"])]
+           (2, ["--tp", "2", "--recompute", "selective"]), (1, ["--offload-activations", "cpu"])]
 
 
 @pytest.mark.timeout(300)

@@ -6,7 +6,8 @@ import pytest
 from minizero.autograd import Tensor
 from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.fp8 import AMAX_HISTORY, E4M3, E5M2, FP8Linear, ScaledCast, round_to_fp8, use_fp8
+from minizero.memory.fp8 import (AMAX_HISTORY, E4M3, E5M2, FP8Linear, ScaledCast, from_fp8_bits, round_to_fp8,
+                                 to_fp8_bits, use_fp8)
 from minizero.nn import GPT, Linear, get_config
 
 # (value, E4M3, E5M2): normals, ties to even, subnormals, saturation
@@ -39,7 +40,32 @@ def test_rounding_equals_ml_dtypes_inside_the_range(fmt, name):
     x = np.concatenate([x[np.isfinite(x) & (np.abs(x) <= fmt.max)],
                         (rng.standard_normal(500_000) * fmt.max / 8).astype(np.float32),
                         (rng.standard_normal(500_000) * 2.0 ** fmt.emin).astype(np.float32)])
-    np.testing.assert_array_equal(round_to_fp8(x, fmt), x.astype(getattr(ml_dtypes, name)).astype(np.float32))
+    x = np.concatenate([x, np.float32([0.0, -0.0])])
+    q = round_to_fp8(x, fmt)
+    np.testing.assert_array_equal(q, x.astype(getattr(ml_dtypes, name)).astype(np.float32))
+    bits = to_fp8_bits(q, fmt)
+    np.testing.assert_array_equal(bits, x.astype(getattr(ml_dtypes, name)).view(np.uint8))  # the same 8 bits
+    np.testing.assert_array_equal(from_fp8_bits(bits, fmt), q)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_every_code_decodes_and_encodes_back(fmt):
+    codes = np.arange(256, dtype=np.uint8)
+    vals = from_fp8_bits(codes, fmt)
+    finite = np.abs(vals) <= fmt.max  # E4M3's 0x7F / 0xFF (NaN) and E5M2's exponent 31 (inf, NaN) decode beyond max
+    np.testing.assert_array_equal(to_fp8_bits(vals[finite], fmt), codes[finite])
+    assert np.abs(vals[finite]).max() == fmt.max and sorted(set(np.abs(vals[finite]).tolist()))[1] == 2.0 ** (
+        fmt.emin - fmt.mantissa)  # the smallest subnormal
+
+
+def test_fp8_linear_saves_one_byte_per_element():
+    set_ledger(MemoryLedger())
+    from minizero.ledger import get_ledger
+    lin = FP8Linear(Linear(8, 4, rng=np.random.default_rng(0)), "current")
+    before = get_ledger().current["activations"]
+    y = lin(Tensor(np.ones((5, 8), np.float32), requires_grad=True))
+    assert get_ledger().current["activations"] - before == 5 * 8 + 4 * 8 + 2 * 4  # x and W codes + two scales
+    del y
 
 
 def test_current_scaling_maps_the_amax_to_the_format_max():

@@ -16,9 +16,10 @@ optimizer state and the master weights stay FP32; every Linear computes with bf1
 rounded), FP32 accumulation and a bf16 result (bias added in FP32, rounded once, as a GEMM
 epilogue); in backward the incoming gradient is rounded to bf16 and dx, dW, db are bf16 values
 (dW accumulated into the FP32 gradient). Layer norm, softmax, GELU's statistics and the loss run in
-FP32, as autocast keeps them. Emulated on any array module: bf16 values live in float32 arrays
-(4 bytes each in the ledger; a GPU would hold 2). The attention core's two products are not a
-Linear and stay FP32.
+FP32, as autocast keeps them. Emulated on any array module: a Linear saves x and W for backward
+as their uint16 bits (2 bytes per element in the ledger, as on a GPU); its output and the other
+activations are bf16 values in float32 arrays (4 bytes). The attention core's two products are
+not a Linear and stay FP32.
 """
 from __future__ import annotations
 
@@ -64,13 +65,15 @@ def _flat2d(a):
 class _BF16Linear(Function):
     """y = bf16(bf16(x) bf16(W)^T + b): x (..., in), W (out, in), b (out,) or None, all float32 -> (..., out).
 
-    Saves bf16(x) and bf16(W). Backward: g rounded to bf16; dx = bf16(g W), dW = bf16(g^T x), db = bf16(sum g).
+    Saves bf16(x) and bf16(W) as their uint16 bits (2 bytes per element in the ledger).
+    Backward: g rounded to bf16; dx = bf16(g W), dW = bf16(g^T x), db = bf16(sum g).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
-        xr, wr = round_bf16(x), round_bf16(weight)
-        ctx.save_for_backward(xr, wr)
+        bx, bw = to_bf16_bits(x), to_bf16_bits(weight)
+        ctx.save_for_backward(bx, bw)
+        xr, wr = from_bf16_bits(bx), from_bf16_bits(bw)
         ctx.has_bias = bias is not None
         y = backend.matmul(xr, wr.T)
         if bias is not None:
@@ -79,7 +82,7 @@ class _BF16Linear(Function):
 
     @staticmethod
     def backward(ctx, g):
-        xr, wr = ctx.saved_tensors
+        xr, wr = (from_bf16_bits(b) for b in ctx.saved_tensors)
         g = round_bf16(g)
         dx = round_bf16(backend.matmul(g, wr))
         dw = round_bf16(backend.matmul(_flat2d(g).T, _flat2d(xr)))

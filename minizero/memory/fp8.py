@@ -12,7 +12,8 @@ recipe) takes the largest amax of the last ``AMAX_HISTORY`` casts of that tensor
 one's (the first cast, with no history, uses its own). Rounding is to nearest, ties to even, onto the
 format's grid (normals and subnormals), saturating at max; NaN stays NaN. Weights, Adam state and
 the master copy stay FP32; the bias gradient is taken from the unquantised gradient, as TE does.
-Values live in float32 arrays (the ledger counts 4 bytes; a GPU holds 1).
+The saved x and W are their 8-bit codes (1 byte per element in the ledger, as on a GPU); the
+matmuls run on the decoded float32 values.
 """
 from __future__ import annotations
 
@@ -63,7 +64,38 @@ def round_to_fp8(x, fmt: FP8Format):
     e = xp.maximum(e, np.int32(fmt.emin))
     quantum = ((e - fmt.mantissa + 127).astype(xp.uint32) << np.uint32(23)).view(xp.float32)
     q = xp.rint(mag / quantum) * quantum  # exact: a power-of-two division, then round half to even
-    return xp.where(x < 0, -q, q).astype(xp.float32)
+    return xp.where((x.view(xp.uint32) >> np.uint32(31)) == 1, -q, q).astype(xp.float32)  # -0.0 keeps its sign
+
+
+def _quantum(e, mantissa: int, xp):
+    """2^(e - mantissa) as float32, built from its exponent bits (e: int32 array, e - mantissa >= -126)."""
+    return ((e - mantissa + 127).astype(xp.uint32) << np.uint32(23)).view(xp.float32)
+
+
+def to_fp8_bits(q, fmt: FP8Format):
+    """Finite float32 values on ``fmt``'s grid (:func:`round_to_fp8`) -> their 8-bit codes (uint8):
+    sign, biased exponent (0 for subnormals), mantissa; ml_dtypes' float8_e4m3fn / float8_e5m2 bits."""
+    xp = backend.array_module(q)
+    mag = xp.abs(q)
+    e = ((mag.view(xp.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(xp.int32) - 127
+    normal = e >= fmt.emin
+    e = xp.maximum(e, np.int32(fmt.emin))
+    k = (mag / _quantum(e, fmt.mantissa, xp)).astype(xp.int32)  # exact integer: the significand's steps
+    biased = xp.where(normal, e - (fmt.emin - 1), 0)
+    mant = xp.where(normal, k - (1 << fmt.mantissa), k)
+    sign = (q.view(xp.uint32) >> np.uint32(31)).astype(xp.int32)
+    return ((sign << 7) | (biased << fmt.mantissa) | mant).astype(xp.uint8)
+
+
+def from_fp8_bits(b, fmt: FP8Format):
+    """uint8 codes of ``fmt`` -> float32 values (exact); the inverse of :func:`to_fp8_bits`."""
+    xp = backend.array_module(b)
+    b = b.astype(xp.int32)
+    biased, mant = (b >> fmt.mantissa) & ((1 << (7 - fmt.mantissa)) - 1), b & ((1 << fmt.mantissa) - 1)
+    normal = biased > 0
+    e = xp.where(normal, biased + (fmt.emin - 1), fmt.emin).astype(xp.int32)
+    val = xp.where(normal, mant + (1 << fmt.mantissa), mant).astype(xp.float32) * _quantum(e, fmt.mantissa, xp)
+    return xp.where((b >> 7) == 1, -val, val)
 
 
 class ScaledCast:
@@ -80,6 +112,12 @@ class ScaledCast:
         self.elements, self.saturated, self.underflowed = 0, 0, 0  # device scalars once cast (no sync per cast)
 
     def cast(self, x):
+        """x float32 -> the dequantized float32 values q / s."""
+        codes, scale = self.quantize(x)
+        return from_fp8_bits(codes, self.fmt) / scale
+
+    def quantize(self, x):
+        """x float32 -> (uint8 codes of q = fp8(x s), the scale s as a 0-d float32 array); updates the history."""
         xp = backend.array_module(x)
         amax = xp.abs(x).max().astype(xp.float32)
         if self.scaling == "delayed":
@@ -96,7 +134,7 @@ class ScaledCast:
         self.elements += int(x.size)
         self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.rounds_to_max)).sum()
         self.underflowed = self.underflowed + ((q == 0) & (x != 0)).sum()
-        return q / scale
+        return to_fp8_bits(q, self.fmt), scale.astype(xp.float32)
 
     def stats(self) -> dict:
         """{"elements", "saturated", "underflowed"} over every cast so far, as host ints."""
@@ -107,20 +145,22 @@ class ScaledCast:
 class _FP8Linear(Function):
     """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
 
-    Saves the dequantised fp8(x), fp8(W). dx = fp8(g) fp8(W), dW = fp8(g)^T fp8(x), db = sum g.
+    Saves the 8-bit codes of x and W (1 byte per element in the ledger) and their two scales.
+    dx = fp8(g) fp8(W), dW = fp8(g)^T fp8(x), db = sum g.
     """
 
     @staticmethod
     def forward(ctx, x, weight, casts, bias=None):
-        xq, wq = casts["x"].cast(x), casts["w"].cast(weight)
-        ctx.save_for_backward(xq, wq)
+        (cx, sx), (cw, sw) = casts["x"].quantize(x), casts["w"].quantize(weight)
+        ctx.save_for_backward(cx, sx, cw, sw)
         ctx.casts, ctx.has_bias = casts, bias is not None
-        y = backend.matmul(xq, wq.T)
+        y = backend.matmul(from_fp8_bits(cx, E4M3) / sx, (from_fp8_bits(cw, E4M3) / sw).T)
         return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, g):
-        xq, wq = ctx.saved_tensors
+        cx, sx, cw, sw = ctx.saved_tensors
+        xq, wq = from_fp8_bits(cx, E4M3) / sx, from_fp8_bits(cw, E4M3) / sw
         gq = ctx.casts["g"].cast(g)
         rows = int(np.prod(g.shape[:-1]))
         dx = backend.matmul(gq, wq)
