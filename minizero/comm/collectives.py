@@ -262,28 +262,18 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
 
 
 def all_reduce(comm: Communicator, x, native: bool = False, out=None):
-    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling for small ``x``, else the ring.
+    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB, else the ring.
 
     Args:
-        x: any shape, C-contiguous, same shape and dtype on every rank; not modified
-            (unless ``out is x``).
+        x: any shape, C-contiguous, same shape and dtype on every rank; not modified (unless ``out is x``).
         native: use the library's all-reduce (``comm.native_allreduce``).
-        out: optional C-contiguous array of x's shape and dtype to write into; may be
-            ``x`` itself (in place).
+        out: optional C-contiguous array of x's shape and dtype (may be ``x``).
     Returns:
-        ``out`` (a new array if None): same shape and dtype as ``x``. With one rank, a copy.
-    Algorithm: by size, as MPICH chooses (Thakur, Rabenseifner & Gropp 2005):
-        ``x.nbytes <= SMALL_ALLREDUCE_MAX_BYTES`` (256 KiB, measured) runs recursive doubling
-        (log2 N steps; :mod:`minizero.comm.recursive_doubling`), larger buffers the ring.
-    Bytes: ring: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
-        recursive doubling: log2(N) * x.nbytes (N a power of two; see
-        ``bytes_sent_recursive_doubling``); 0 when N == 1. Label ``"all_reduce"``.
-        Temporary memory (ledger ``comm_scratch``): a receive chunk of ceil(n/N) elements (ring),
-        n elements (recursive doubling); none when N == 1.
+        ``out`` (a new array if None); with one rank, a copy.
+    Bytes (label ``"all_reduce"``): ring 2(N-1)/N * x.nbytes when N divides n; recursive doubling log2(N) *
+        x.nbytes; scratch ceil(n/N) or n elements (``comm_scratch``).
     Raises:
         ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
-    Source: ring all-reduce = reduce-scatter + all-gather (Patarasuk & Yuan, JPDC 2009;
-        Baidu ring all-reduce; Horovod, arXiv:1802.05799; NCCL).
     """
     _check_contiguous(x, "x")
     if out is not None:

@@ -1,24 +1,12 @@
 """Ring collectives that progress in steps, so computation can run while they are in flight.
 
-The blocking ring (:func:`minizero.comm.collectives.ring_`) does its 2(N-1) steps in one call. Here
-the same steps (:func:`~minizero.comm.collectives.ring_steps`, the one ring) are a state machine over ``isend``/``irecv`` (MPI_Isend/MPI_Irecv, or the
-thread queues): :meth:`RingCollective.progress` tests the current step's two requests and, if
-both completed, does that step's addition and posts the next step — never waiting. The
-caller (the gradient hooks of :mod:`minizero.parallel.overlap`) calls ``progress`` between
-autograd nodes, so the messages of bucket k travel while the backward of the layers below
-bucket k is computed; :meth:`wait` finishes what is left before the optimizer step.
+:class:`RingCollective` runs :func:`~minizero.comm.collectives.ring_steps` over ``isend``/``irecv``:
+:meth:`~RingCollective.progress` tests the step's two requests and, once both completed, adds and posts the next
+step, never waiting; :meth:`~RingCollective.wait` finishes. Results are bitwise the blocking ring's. A
+:class:`Stream` runs its collectives one at a time in start order (ring messages carry no step number);
+different streams use different tags.
 
-Same chunks, same steps, same ``xp.add(acc, incoming, out=acc)`` in the same order per
-element as the blocking ring: the results are bitwise identical (the tests check it).
-
-A :class:`Stream` runs its collectives one at a time, in the order they were started, as a
-NCCL stream does: ring messages carry no step number, so two collectives in flight on one
-tag between the same neighbours could match each other's messages. Different streams use
-different tags.
-
-Mirrors: MPI-3.1 chapter 3.7 (non-blocking communication, MPI_Test); PyTorch DDP's Reducer,
-which launches a bucket's all-reduce from the autograd hook of its last gradient
-(Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020, section 3.2.3).
 """
 from __future__ import annotations
 

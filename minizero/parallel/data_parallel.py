@@ -49,20 +49,12 @@ class DataParallel:
     Args:
         params: list of Parameters (the same list, same order, on every rank).
         comm: the data-parallel Communicator (world_size N).
-        bucket_bytes: maximum bytes per flat bucket (a parameter larger than
-            this gets a bucket of its own). Default 1 MiB: the default model
-            then has a few buckets, which shows the idea; PyTorch uses 25 MiB.
-        native: use the MPI library's all-reduce instead of the hand-written ring.
-        broadcast_params: copy rank 0's parameters to every rank at construction.
-        allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
-            over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
-            over ``comm``); None: the ring (``native``: the library's).
-        find_unused_parameters: agree every step on the parameters some rank gave a gradient
-            (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
-            ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
-            whose precondition (unchecked) is that every rank runs the same graph.
-        predivided: every rank's gradients already carry the 1/N of the mean (FP16's backward seed):
-            the reduction is a plain sum.
+        bucket_bytes: maximum bytes per flat bucket (a larger parameter gets its own). Default 1 MiB.
+        native: use the MPI library's all-reduce.  broadcast_params: copy rank 0's parameters at construction.
+        allreduce: optional ``allreduce(flat, out=flat)`` summing a bucket in place; None: the ring.
+        find_unused_parameters: agree each step on the parameters some rank used (one all-gather of a
+            ceil(P/8)-byte bitmask); False assumes every rank runs the same graph.
+        predivided: gradients already carry the 1/N; the reduction is a plain sum.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """

@@ -139,26 +139,21 @@ class PipelineEngine:
     """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
     Args:
-        stage: this rank's :class:`PipelineStage` (one chunk, v = 1), or a stage with ``chunks``
-            (:class:`~minizero.parallel.interleaved.InterleavedStage`, v > 1: chunk c is virtual stage c p + r).
-        comm: the pipeline-parallel Communicator (rank = stage index, size = num_stages).
-        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES` (its ops are run as listed).
-        verbose: print every message as an arrow (``log`` receives the line).
-        pair_sends: post a send together with the next receive from the same neighbour
-            (``sendrecv``). Turning it off shows why it is needed: with synchronous sends
-            (MPI_Ssend, or any message above MPI's eager limit) 1F1B then deadlocks.
-        forward_context: optional callable returning a context manager entered around every
-            forward (e.g. activation offload's hooks).
-        overlap: every send an ``isend`` (always so with v > 1, where blocking sends can deadlock).
+        stage: this rank's :class:`PipelineStage` (v = 1) or an
+            :class:`~minizero.parallel.interleaved.InterleavedStage` (v > 1).
+        comm: the pipeline-parallel Communicator (rank = stage index).
+        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES`.
+        verbose: print every message (``log`` receives the line).
+        pair_sends: post a send with the next receive from the same neighbour (``sendrecv``); off, 1F1B can
+            deadlock under synchronous sends.
+        forward_context: optional callable returning a context manager entered around every forward.
+        overlap: every send an ``isend`` (always with v > 1).
     Attributes:
-        peak_in_flight: most micro-batches (chunks) held at once in the last step (GPipe: m; 1F1B: <= p - s).
-        trace: the ops of the last step, in the order run (``Op`` list).
+        peak_in_flight: most micro-batches (chunks) held at once in the last step.  trace: the last step's ops.
     Raises:
-        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 over a
-        communicator without isend/irecv.
-    Traffic (``comm.traffic``): per micro-batch and chunk, one ``pp_activation`` message of the
-    (b, T, C) activation to the next rank (none from the last virtual stage) and one
-    ``pp_gradient`` message of the same shape to the previous one (none from the first).
+        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 without isend/irecv.
+    Traffic: per micro-batch and chunk one ``pp_activation`` (b, T, C) message forward and one ``pp_gradient``
+    backward.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
