@@ -1,23 +1,9 @@
 """Which node (machine) each rank runs on, and the bytes that cross node boundaries.
 
-Ranks on one node share memory and a fast local link (NVLink, or shared memory on a
-CPU); ranks on different nodes talk over the network, often 10x slower. Placement and
-hierarchical collectives only make sense once every rank knows the layout::
-
-    4 ranks on 2 nodes (a hostfile "hostA:2 / hostB:2"; MPI fills hosts in order)
-        world rank   0  1 | 2  3
-        node         0  0 | 1  1          NodeLayout(node_of=(0, 0, 1, 1))
-        local rank   0  1 | 0  1          "2 nodes x 2 ranks per node"
-
-:func:`discover_nodes` finds the layout with MPI's shared-memory split
-(``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, MPI-3.1 section 6.4.2): ranks that can
-share memory form one group; nodes are numbered by their lowest world rank. In-process
-(``ThreadCommunicator``) every rank is on one node, unless a test hands
-:class:`NodeTrafficCommunicator` a made-up layout.
-
-:class:`NodeTrafficCommunicator` wraps any Communicator and counts, beside the usual
-traffic ledger, the bytes each rank sends to a rank on *another* node
-(``cross_node``): the number that decides whether tensor parallelism may leave a node.
+:func:`discover_nodes` splits the world with ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (MPI-3.1 section
+6.4.2); nodes are numbered by their lowest world rank; in-process every rank is on node 0. :class:`NodeLayout`
+holds ``node_of``. :class:`NodeTrafficCommunicator` wraps any Communicator and also counts the bytes sent to
+another node (``cross_node``).
 """
 from __future__ import annotations
 

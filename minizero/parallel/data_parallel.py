@@ -1,23 +1,11 @@
 """Data parallelism: every rank holds the whole model, gradients are averaged with all-reduce.
 
-::
+Gradients are packed into flat buckets of at most ``bucket_bytes`` (reverse parameter order; ledger
+``comm_buffers``), each summed by one ring all-reduce once per optimizer step (after the last micro-batch), then
+divided by N.
 
-    rank 0: micro-batches 0..b-1      ─ forward/backward ─> grads g0 ┐
-    rank 1: micro-batches b..2b-1     ─ forward/backward ─> grads g1 ├─ all_reduce(sum) / N ─> same grads everywhere
-    ...                                                             ┘
-    then every rank runs the same optimizer step on the same averaged gradients.
-
-Gradients are packed into flat *buckets* of at most ``bucket_bytes`` (in
-reverse parameter order, the order backward produces them), and each bucket is
-reduced with one hand-written ring all-reduce — not one call per parameter,
-which would pay the per-message latency hundreds of times. The reduction runs
-once per optimizer step, after the last micro-batch, so gradient accumulation
-costs no extra communication. Bucket buffers are preallocated and counted as
-``comm_buffers`` in the ledger.
-
-Mirrors ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb, reverse
-order, broadcast of initial parameters from rank 0, averaging by world size);
-Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
+Mirrors: ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb, reverse order, rank 0's initial
+parameters); Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
 """
 from __future__ import annotations
 
