@@ -197,19 +197,13 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     """Sum ``x`` over ranks and return this rank's chunk of the sum.
 
     Args:
-        x: any shape, C-contiguous, same size and dtype on every rank; read as
-            ``x.reshape(-1)`` (n elements) and not modified.
-        native: use the library's reduce-scatter (``comm.native_reduce_scatter``).
+        x: any shape, C-contiguous, same size and dtype on every rank; read as ``x.reshape(-1)``, not modified.
+        native: use the library's reduce-scatter.
     Returns:
-        (size,) array, dtype of ``x``: elements ``[offset, offset+size)`` of the sum,
-        ``(offset, size) = shard_range(n, world_size, rank)``.
-    Bytes: ``(n - size) * itemsize`` = (N-1)/N * x.nbytes when N divides n.
-        Label ``"reduce_scatter"``. Temporary memory (ledger ``comm_scratch``): a working copy
-        of n elements + a receive chunk of ceil(n/N) (none on one rank: the copy is returned).
+        (size,) array of x's dtype: elements [offset, offset+size) of the sum, ``shard_range(n, world_size, rank)``.
+    Bytes (label ``"reduce_scatter"``): (n - size) * itemsize; scratch n + ceil(n/N) elements.
     Raises:
-        ValueError: ``x`` not C-contiguous; a size mismatch between ranks shows up as
-        a ValueError from ``recv``.
-    Source: Patarasuk & Yuan 2009, ring reduce-scatter (first half of the ring all-reduce).
+        ValueError: ``x`` not C-contiguous; a size mismatch between ranks (from ``recv``).
     """
     _check_contiguous(x, "x")
     if native:

@@ -137,21 +137,12 @@ class CrossNodeLedger:
 class NodeTrafficCommunicator(Communicator):
     """A Communicator that knows each rank's node and counts the bytes sent across nodes.
 
-    Every message still goes through ``inner`` (and its ``traffic`` ledger, shared with
-    this object); a message to a rank on another node is also recorded in
-    ``cross_node``. ``split`` returns a NodeTrafficCommunicator over the inner split,
-    with the sub-group's layout, whose ``cross_node`` forwards to this one's.
+    Messages go through ``inner`` (sharing its ``traffic``); those to another node are also recorded in
+    ``cross_node``; native collectives count minizero's estimate (``bytes_sent``) when the ring's right
+    neighbour is on another node. ``split`` wraps the inner split, forwarding ``cross_node`` to this one's.
 
     Args:
-        inner: the Communicator to wrap (MPICommunicator, ThreadCommunicator).
-        nodes: its :class:`NodeLayout`; None means :func:`discover_nodes` (collective).
-            Tests pass a made-up layout to threads, e.g. ``NodeLayout((0, 0, 1, 1))``.
-    Attributes:
-        nodes, cross_node (:class:`CrossNodeLedger`), traffic (``inner.traffic``),
-        rank, world_size; any other attribute (``mpi_comm``, ``timeout``) is ``inner``'s.
-    Native collectives: the library's algorithm is unknown, so the cross-node bytes of
-    ``native_*`` are minizero's estimate (``bytes_sent``) when the ring's right
-    neighbour (a tree child, for broadcast) is on another node.
+        inner: the Communicator to wrap.  nodes: its :class:`NodeLayout`; None: :func:`discover_nodes` (collective).
     Raises:
         ValueError: ``nodes`` does not have ``inner.world_size`` ranks.
     """

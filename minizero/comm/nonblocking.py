@@ -18,19 +18,13 @@ from minizero.comm.collectives import bytes_sent, ring_steps, shard_range
 class RingCollective:
     """One ring collective on a flat C-contiguous buffer, in place, advanced by :meth:`progress`.
 
-    ``all_reduce``: every chunk ends as the sum over ranks. ``reduce_scatter``: chunk ``rank``
-    (``shard_range``) ends as the sum, the others hold partial sums. ``all_gather``: chunk
-    ``rank`` must be set; every chunk ends filled.
-
     Args:
-        comm: a Communicator with ``nonblocking`` (MPI, threads).
-        buf: the (n,) buffer; must not be touched until :meth:`progress` returned True.
-        op: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
-        tag: the message tag (one collective in flight per tag and communicator: use a :class:`Stream`).
-        label: the traffic label its bytes are counted under (default ``op``); one call per collective.
-        name: the span's name on the trace's in-flight lane; ``trace_args`` go into its ``args``.
-    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`), counted as the
-        messages are posted. Temporary memory: one chunk (``tmp``) for the reduce steps; none for an all-gather.
+        comm: a Communicator with ``nonblocking``.
+        buf: the (n,) buffer; untouched until :meth:`progress` returned True.
+        op: ``"all_reduce"``, ``"reduce_scatter"`` (chunk ``rank`` ends as the sum) or ``"all_gather"``.
+        tag: the message tag (one collective in flight per tag: use a :class:`Stream`).
+        label: the traffic label (default ``op``).  name, trace_args: the in-flight trace span.
+    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`); scratch one chunk (reduce steps).
     Raises:
         ValueError: ``buf`` not 1-D C-contiguous; unknown ``op``.
         NotImplementedError: the communicator has no non-blocking transport.

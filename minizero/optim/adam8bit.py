@@ -166,17 +166,12 @@ class Adam8bit(Optimizer):
     """AdamW with 8-bit block-wise state; a drop-in for :class:`~minizero.optim.AdamW`.
 
     Args:
-        params, lr, betas, eps, weight_decay: as AdamW (nanoGPT decay grouping: 2-D+ only).
-        block_size: elements per FP32 absmax (default 256, bitsandbytes; the paper used 2048).
-        min_8bit_size: smaller tensors keep state in the state dtype (default 4096).
-        code: ``"dynamic"`` (default) or ``"linear"`` (for comparison).
-        fp32_params: parameters (objects, compared by identity) whose state stays in the
-            state dtype whatever their size — bitsandbytes' ``override_config(p, "optim_bits",
-            32)``, which its ``StableEmbedding`` applies to embeddings (paper, section 2.3).
-        master_weights: keep an FP32 copy of every parameter and update it (mixed
-            precision, as :class:`~minizero.optim.AdamW`); counted as ``optimizer_state``.
-    State: ``m``/``v`` per parameter, :class:`QuantizedState` or arrays, all counted as
-    ``optimizer_state`` in the ledger; :meth:`state_nbytes` = :func:`state_nbytes` (+ masters).
+        params, lr, betas, eps, weight_decay: as AdamW.
+        block_size: elements per FP32 absmax (default 256).  min_8bit_size: smaller tensors keep full state (4096).
+        code: ``"dynamic"`` (default) or ``"linear"``.
+        fp32_params: parameters whose state stays full precision (bitsandbytes' ``override_config``).
+        master_weights: keep and update an FP32 copy of every parameter (``optimizer_state``).
+    State: ``m``/``v`` per parameter (``optimizer_state``); :meth:`state_nbytes`.
     Raises:
         ValueError: a hyper-parameter out of range (named).
     """

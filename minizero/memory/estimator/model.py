@@ -275,22 +275,11 @@ def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
 # ---- model states: ZeRO -----------------------------------------------------------------------
 def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: str = "mixed",
                       optimizer: str = "adam") -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP.
+    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP (ZeRO section 5, Figure 1).
 
-    Formula (Rajbhandari et al. 2020, section 5, Figure 1), Psi = ``num_params``,
-    N_d = ``dp``, 2 bytes per 16-bit parameter and gradient, K bytes of optimizer
-    state per parameter (mixed-precision Adam: fp32 master, momentum and variance,
-    K = 12; section 3.1)::
-
-        stage 0 (baseline)   (2 + 2 + K) Psi
-        stage 1 (P_os)       2 Psi + 2 Psi + K Psi / N_d
-        stage 2 (P_os+g)     2 Psi + (2 + K) Psi / N_d
-        stage 3 (P_os+g+p)   (2 + 2 + K) Psi / N_d
-
-    A shard is ceil(Psi / N_d) elements (the flat buffer padded to a multiple of
-    N_d). fp32 training: 4 + 4 + 8; fp64: 8 + 8 + 16; 8-bit Adam: K = master +
-    2 x (1 byte + 4/256 for the block-wise fp32 absmax; Dettmers et al. 2022, section 2,
-    with bitsandbytes' block of 256).
+    Psi = ``num_params``, N_d = ``dp``, K optimizer bytes per parameter: stage 0 (2 + 2 + K) Psi; 1 (2 + 2) Psi +
+    K Psi/N_d; 2 2 Psi + (2 + K) Psi/N_d; 3 (2 + 2 + K) Psi/N_d; a shard is ceil(Psi/N_d) elements. fp32 4 + 4 + 8,
+    fp64 8 + 8 + 16; 8-bit Adam K = master + 2 x (1 + 4/256).
     Returns {"parameters", "gradients", "optimizer_state"} in bytes.
     """
     s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()
