@@ -223,18 +223,13 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     """Concatenate every rank's shard, in rank order, on every rank (inverse of ``reduce_scatter``).
 
     Args:
-        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements (any shape,
-            read flat), same dtype on every rank.
-        n: total length; None means all shards have the same size, n = shard.size * N.
-        native: use the library's all-gather (``comm.native_allgather``).
+        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements, same dtype on every rank.
+        n: total length; None: n = shard.size * N.  native: use the library's all-gather.
     Returns:
-        (n,) array, dtype of ``shard``; rank r's shard at ``shard_range(n, N, r)``.
-    Bytes: ``(n - size of rank+1's shard) * itemsize`` = (N-1)/N * n * itemsize when N
-        divides n. Label ``"all_gather"``.
+        (n,) array of shard's dtype.
+    Bytes (label ``"all_gather"``): (n - size of rank+1's shard) * itemsize.
     Raises:
-        ValueError: ``shard`` not C-contiguous, or its size is not this rank's
-        ``shard_range`` size for ``n``.
-    Source: Patarasuk & Yuan 2009, ring all-gather (second half of the ring all-reduce).
+        ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
     """
     _check_contiguous(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
@@ -293,21 +288,15 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
 
 
 def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
-    """Copy root's ``x`` into ``x`` on every other rank (in place); returns ``x``.
+    """Copy root's ``x`` into ``x`` on every other rank (in place, binomial tree); returns ``x``.
 
-    Algorithm: binomial tree, ceil(log2 N) rounds; a rank receives the whole array
-    from its parent, then sends it to each of its children, largest subtree first.
     Args:
-        x: C-contiguous (so not a broadcast view: non-root ranks receive into it), same shape and
-            dtype on every rank.
-        root: rank whose data is broadcast.
-        native: use the library's broadcast (``comm.native_bcast``).
-    Bytes: ``x.nbytes`` per child: ceil(log2 N) * x.nbytes on the root, 0 on leaves,
-        (N-1) * x.nbytes summed over ranks. Label ``"broadcast"``.
+        x: C-contiguous, same shape and dtype on every rank.  root: the sending rank.
+        native: use the library's broadcast.
+    Bytes (label ``"broadcast"``): ``x.nbytes`` per child; (N-1) * x.nbytes summed over ranks.
     Raises:
         ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous.
-    Source: binomial-tree broadcast, Thakur, Rabenseifner & Gropp, "Optimization of
-        collective communication operations in MPICH", IJHPCA 2005, Sec. 4.3.
+    Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
     """
     _check_contiguous(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:

@@ -232,21 +232,14 @@ class Adam8bit(Optimizer):
 
 
 class ShardedAdam8bit:
-    """The 8-bit Adam state of one rank's ZeRO shards, and its update (used by ``ZeroOptimizer``).
+    """The 8-bit Adam state of one rank's ZeRO shards, and its update.
 
     Args:
-        shard_map: the ZeRO ``ShardMap`` (units, their parameters, who owns which elements).
-        comm: the data-parallel communicator (rank = owner index in the shard map).
-        dtype: parameter dtype (the state dtype of small tensors follows it).
-        block_size, min_8bit_size, code: as :class:`Adam8bit`.
-        fp32_names: names of parameters whose state stays in the state dtype (as
-            :class:`Adam8bit`'s ``fp32_params``, by ``ShardMap`` name).
-    For every unit, every *piece* (the part of one parameter inside this rank's shard) gets
-    ``(m, v)`` from :func:`new_state`, the 8-bit ones with ``offset`` = the piece's first
-    element in its parameter, so the blocks are the parameter's own. Blocks that several
-    ranks hold part of are listed identically on every rank (:attr:`shared`), and
-    :meth:`step_unit` agrees on their absmax with one all-reduce (label
-    ``"adam8bit_absmax"``; float32, N x shared x 2 values).
+        shard_map: the ZeRO ``ShardMap``.  comm: the data-parallel communicator.
+        dtype: parameter dtype.  block_size, min_8bit_size, code: as :class:`Adam8bit`.
+        fp32_names: parameters (by ``ShardMap`` name) whose state stays full precision.
+    Each piece's blocks start at the parameter's first element; blocks held by several ranks (:attr:`shared`) agree
+    on their absmax in :meth:`step_unit` with one all-reduce (label ``"adam8bit_absmax"``, float32, N x shared x 2).
     """
 
     def __init__(self, shard_map, comm, dtype, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE,

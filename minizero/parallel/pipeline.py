@@ -54,15 +54,11 @@ class PipelineStage(Module):
     """One pipeline stage of a GPT, holding the *same* module objects (and weights) as the model.
 
     Args:
-        model: a built :class:`minizero.nn.GPT` (possibly tensor-parallel already).
-        stage, num_stages: which stage, of how many (1 <= num_stages <= n_layer).
-    Parameter names are the model's (``transformer.h.2.mlp.c_fc.weight``), so states and
-    gradients compare name by name; the last stage's copy of the tied head is
-    ``lm_head.weight`` (marked ``shared_embedding_copy``).
-    ``forward(x, targets=None)``: first stage x = token ids (b, T) int, else the activation
-    (b, T, C); returns the activation (b, T, C), or on the last stage the mean loss
-    (scalar, ``loss_fn``) when ``targets`` (b, T) is given, else the logits (b, T, V) —
-    (b, T, V/tp), this rank's tokens only, once ``vocab_parallel.vocab_parallelize`` has split the head.
+        model: a built :class:`minizero.nn.GPT`.  stage, num_stages: which stage, of how many.
+    Parameter names are the model's; the last stage's tied head copy is ``lm_head.weight``
+    (``shared_embedding_copy``). ``forward(x, targets=None)``: x = token ids (b, T) on the first stage, else (b, T, C);
+    returns (b, T, C), or on the last stage the mean loss with ``targets``, else logits (b, T, V) ((b, T, V/tp) when
+    vocab-parallel).
     Raises:
         ValueError: num_stages outside [1, n_layer] or stage outside [0, num_stages).
     """
