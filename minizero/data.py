@@ -1,18 +1,9 @@
 """Text data: a byte-level tokenizer, the embedded corpus, and the distributed sampler.
 
-* Tokenizer: a token is a UTF-8 byte (vocabulary 256), so any text round-trips
-  losslessly and nothing needs to be downloaded or trained.
-* Default corpus: the Python language reference that ships inside every
-  CPython as ``pydoc_data.topics`` (about 465 KB of English).
-* Split: the first 90% of the bytes train, the last 10% validate (contiguous,
-  deterministic, no leakage across the boundary).
-* Sampler: every optimizer step draws one *global* batch of
-  ``grad_accum * dp_size * micro_batch`` random windows from a generator seeded
-  by (seed, step), identical on every rank. Micro-step k, rank r takes rows
-  ``[(k * dp_size + r) * micro_batch, ... + micro_batch)``, so N ranks with
-  micro-batch b see exactly the rows one process sees with micro-batch N * b
-  (the property the data-parallel test checks). Mirrors the contract of
-  ``torch.utils.data.DistributedSampler``: disjoint slices of one global batch.
+Tokens are UTF-8 bytes (vocabulary 256). Default corpus: CPython's ``pydoc_data.topics``; first 90% train, last
+10% validate. Each step draws one global batch of ``grad_accum * dp_size * micro_batch`` windows seeded by
+(seed, step); micro-step k of rank r takes rows [(k * dp_size + r) * micro_batch, + micro_batch), so N ranks
+see exactly one process's rows (``torch.utils.data.DistributedSampler``'s contract).
 """
 from __future__ import annotations
 

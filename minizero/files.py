@@ -91,21 +91,14 @@ def _error(path: str, e: BaseException) -> WriteError:
 def atomic_write(path: str, write, mode: str = "wb") -> None:
     """Write ``path`` through ``write(f)``, ``f`` an open file (``mode`` ``"wb"`` or ``"w"``, UTF-8).
 
-    Regular files (and new paths): ``write`` fills a fresh temporary file beside
-    ``path``, which is flushed, ``fsync``-ed and closed, and only then renamed over
-    ``path`` (and the folder fsync-ed), so ``path`` holds either the previous file or the
-    whole new one — never an empty or cut-off file, even on a full disk or a crash.
-    Temporary files that killed writes left in the folder are removed first
-    (:func:`remove_stale_temporaries`); a new file gets the mode a plain ``open`` would
-    give (0o666 minus the umask: 644 under umask 022), a replaced one keeps its mode.
-    Anything else that exists at ``path`` (``/dev/null``, a FIFO, a terminal) is written
-    straight into, never replaced. The folder of ``path`` is created if missing.
-    Mirrors the write-fsync-rename idiom of ``git`` and SQLite (POSIX ``rename(2)`` atomicity).
+    A regular file is written to a temporary file beside it, fsync-ed, renamed over ``path`` and the folder
+    fsync-ed: ``path`` holds the previous or the whole new file. Stale temporaries are removed first; a new file
+    gets ``open``'s mode, a replaced one keeps its own; a non-regular ``path`` (``/dev/null``, a FIFO) is written
+    into directly; a missing folder is created.
 
     Raises:
-        WriteError (an OSError): the write, flush, fsync, close or rename failed, or
-            ``path`` is a directory; the message names ``path`` and the OS error. The
-            temporary file is removed, a previous ``path`` is left as it was.
+        WriteError (an OSError): any step failed or ``path`` is a directory (names ``path`` and the OS error;
+            the temporary is removed, a previous ``path`` left as it was).
         ValueError: ``mode`` is not ``"wb"`` or ``"w"``.
         Whatever ``write`` raises that is not an OSError (the temporary file is removed).
     """

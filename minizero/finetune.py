@@ -1,21 +1,9 @@
 """``python -m minizero.finetune``: fine-tune a trained GPT fully, with LoRA, or with QLoRA, and compare.
 
-::
-
-    python -m minizero.finetune --weights out/model.npz --data notes.txt --method qlora --lora-rank 8
-    python -m minizero.finetune --weights out/model.npz --data notes.txt --table   # full, lora, qlora
-
-``full`` trains every parameter; ``lora`` freezes the model and trains adapters
-on its float weights; ``qlora`` stores the frozen weights as NF4 (:mod:`minizero.nf4`) and trains
-the same adapters (:mod:`minizero.nn.lora`). The table: validation loss on ``--data`` before and
-after, trainable parameters, and the ledger's bytes (frozen weights, trainable weights, optimizer
-state). ``--out DIR`` writes the fine-tuned model with the adapters merged (``DIR/model.npz`` +
-``model.json``, readable by ``python -m minizero.sample``).
-
-Under ``mpirun -n N`` the trained parameters are data-parallel: each rank takes B/N of every
-global batch of B sequences and the gradients are averaged by
-:class:`~minizero.parallel.data_parallel.DataParallel` (for LoRA and QLoRA only the adapters'
-gradients travel); the result equals one process's (tests/test_qlora.py). Rank 0 prints and writes.
+``full`` trains every parameter; ``lora`` trains adapters (:mod:`minizero.nn.lora`) on frozen float weights;
+``qlora`` on NF4 weights (:mod:`minizero.nf4`). ``--table`` prints per method the validation loss before and
+after, trainable parameters and the ledger's bytes; ``--out DIR`` writes the merged model. Under ``mpirun`` the
+trained parameters are data-parallel (:class:`~minizero.parallel.data_parallel.DataParallel`).
 """
 from __future__ import annotations
 

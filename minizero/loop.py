@@ -1,21 +1,9 @@
 """The one training loop: every strategy (dp, tp, pp, ZeRO, recompute, FP16, offload, 8-bit Adam).
 
-One optimizer step, the same on every rank whatever the layout (the layout lives in the
-:class:`~minizero.parallel.strategy.Strategy`, never in this file)::
-
-    S = loss scale (1 without FP16)
-    loss_sum = strategy.forward_backward(micro_batches, S)   m micro-batches, gradients accumulate
-    strategy.reduce_gradients()                              data-group average (+ tied embedding)
-    skip = scaler.update(any rank overflowed)                FP16 only: every rank agrees
-    norm = sqrt(strategy.grad_norm_sq()) / S                 the unscaled global norm
-    strategy.step(lr(applied), clip(norm) / S)               1/S and clipping folded into the update
-    strategy.zero_grad()
-
-A skipped step advances neither Adam's t nor the learning-rate schedule (``applied``
-counts the updates taken), as PyTorch's ``GradScaler.step`` skips ``optimizer.step``.
-Everything else (header, resume and checkpoints, progress, the memory monitor, tracing,
-fault injection) is a callback called at named points (:mod:`minizero.callbacks`;
-the main job's list: :func:`minizero.instrumentation.default_callbacks`).
+One step: ``strategy.forward_backward`` (m micro-batches, loss scaled by S), ``reduce_gradients``, the scaler's
+update (skip on any rank's overflow), norm = sqrt(``grad_norm_sq``)/S, ``step(lr, clip/S)``, ``zero_grad``. A
+skipped step advances neither Adam's t nor the schedule. Everything else is a callback at named points
+(:mod:`minizero.callbacks`; the main job's list: :func:`minizero.instrumentation.default_callbacks`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Shapes of real models, for the estimator and ``python -m minizero.plan``; and minizero's own.
 
-Each entry is a :class:`~minizero.memory.estimator.ModelShape` (sizes in elements)
-with its source. Parameter counts follow from the shapes
-(:meth:`ModelShape.num_parameters`) and land on the published sizes::
-
-    name           layers  hidden  heads  kv  FFN     vocab   context  parameters
-    gpt3-175b        96    12288    96    96  49152   50257    2048    174.6 B
-    llama2-7b        32     4096    32    32  11008   32000    4096      6.74 B
-    llama2-13b       40     5120    40    40  13824   32000    4096     13.0 B
-    llama2-70b       80     8192    64     8  28672   32000    4096     69.0 B
-    llama3-8b        32     4096    32     8  14336  128256    8192      8.03 B
-    llama3-70b       80     8192    64     8  28672  128256    8192     70.6 B
-    megatron-1t     128    25600   160   160 102400   51200    2048   1008 B
-
-LLaMA models: SwiGLU MLP (three matrices), RMSNorm, no biases, rotary positions, untied
-output matrix, no dropout. GPT models: GeLU MLP of 4h, LayerNorm, biases, learned
-positions, tied output matrix, dropout (as Korthikanti et al. 2022 count it).
+Each entry is a :class:`~minizero.memory.estimator.ModelShape` (sizes in elements) with its source; parameter
+counts follow from the shapes (:meth:`ModelShape.num_parameters`). LLaMA: SwiGLU, RMSNorm, no biases, rotary,
+untied head, no dropout. GPT: GeLU MLP of 4h, LayerNorm, biases, learned positions, tied head, dropout.
 ``minizero-<preset>`` are the presets of :mod:`minizero.nn.gpt`.
 """
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """NF4: 4-bit NormalFloat weights with double-quantized block constants (QLoRA's storage).
 
-::
+Blocks of 64 get an absmax c1; codes are the nearest of 16 NF4 levels to W / c1, two per byte; c1 minus its mean
+is stored as 8-bit dynamic codes with one float32 absmax per 256. Bytes (:func:`nf4_nbytes`): 4.127 bits per
+parameter.
 
-    W (out, in) float ──flatten, blocks of 64──> absmax c1 per block (float32)
-    codes  = nearest of the 16 NF4 levels to W / c1        4 bits each, two per byte
-    c1     ──minus its mean, blocks of 256──> 8-bit dynamic codes + one float32 absmax c2 per 256
-    W~     = NF4[codes] * (decode(c1 codes) * c2 + mean)
-
-Bytes of an n-element weight: ceil(n/2) codes + B one-byte c1 codes + 4 ceil(B/256) for c2 + 4
-for the mean, B = ceil(n/64) (:func:`nf4_nbytes`): 4 + 8/64 + 32/(64*256) = 4.127 bits per
-parameter, against 4.5 with float32 constants (Dettmers et al. 2023, section 3, "Double
-Quantization").
-
-Sources: Dettmers, Pagnoni, Holtzman & Zettlemoyer, "QLoRA", arXiv:2305.14314, section 3 (the
-NF4 data type and its construction from normal quantiles, double quantization) and appendix E
-(the 16 values); bitsandbytes ``create_normal_map`` (offset 0.9677083, the construction below).
+Source: Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 and appendix E; bitsandbytes
+``create_normal_map``.
 """
 from __future__ import annotations
 

@@ -149,23 +149,18 @@ def unpack_int4(packed, n: int):
 
 # --------------------------------------------------------------------------- absmax INT8 / INT4
 def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64):
-    """Symmetric absmax quantization: ``x`` -> ``(q, scale)``.
+    """Symmetric absmax quantization: ``x`` -> ``(q, scale)``, ``|x - dequantize(q, scale)| <= scale/2`` exactly.
 
     Args:
-        x: float array, any shape (``granularity='row'`` needs 2+ dims: rows = axis 0 =
-            output channels of an (out, in) weight, the rest flattened).
+        x: float array (``granularity='row'`` needs 2+ dims: rows = axis 0, the rest flattened).
         bits: 8 (codes in [-127, 127]) or 4 (codes in [-7, 7]).
-        granularity: ``"tensor"`` (one scale), ``"row"`` (one per row), ``"block"`` (one per
-            ``block_size`` consecutive elements of the flattened array; the last block may be short).
+        granularity: ``"tensor"``, ``"row"`` or ``"block"`` (``block_size`` consecutive elements; the last may be short).
     Returns:
-        q: bits=8: int8 of ``x.shape``; bits=4: uint8 (ceil(n/2),), packed (:func:`pack_int4`).
-        scale: float32, shape () / (rows,) / (ceil(n / block_size),).
-        Stored bytes: :func:`quantized_nbytes`.
-    Guarantee: ``|x - dequantize(q, scale, ...)| <= scale / 2`` elementwise (scale of the
-    element's group, :func:`element_scale`), exactly.
+        q: bits=8: int8 of ``x.shape``; bits=4: uint8 (ceil(n/2),) packed (:func:`pack_int4`).
+        scale: float32, shape () / (rows,) / (ceil(n / block_size),). Bytes: :func:`quantized_nbytes`.
     Raises:
-        ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on a
-        1-D array, a value too large for an FP32 scale.
+        ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on a 1-D array, a value
+        too large for an FP32 scale.
     """
     _check_scheme(bits, granularity, block_size)
     x = _array(x)

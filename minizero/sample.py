@@ -1,22 +1,9 @@
 """``python -m minizero.sample``: generate text from a trained GPT's saved weights.
 
-::
-
-    python -m minizero.sample --weights out/model.npz --prompt "The " --tokens 200 --temperature 0.8 --top-k 40 --seed 1
-
-The model's shape comes from the file (:mod:`minizero.weights`: sizes from the array
-shapes, the head count from ``model.json`` beside it, else from the preset of these
-shapes); the weights are used in the dtype they are stored in, so an FP16 run's sample
-is reproduced exactly. The main job's closing sample is made by :func:`sample` too: the
-same prompt, seed, temperature and top-k give the same text here.
-
-Sampling, one byte at a time (Holtzman et al. 2020 discuss top-k; nanoGPT's ``sample.py``
-does the same): logits of the last position (float64) / temperature; with top-k, every
-logit below the k-th largest becomes -inf; softmax; one draw with the NumPy Generator
-``default_rng(seed)``. The context is the last ``block_size`` tokens.
-
-Bad input (tokens < 1, temperature <= 0, top-k < 1, an empty prompt, a missing or foreign
-weights file) exits with status 2 and one line naming the value and what is allowed.
+The shape comes from the file (:mod:`minizero.weights`), the weights keep their stored dtype. One byte at a time:
+last position's logits (float64) / temperature; with top-k, logits below the k-th largest become -inf; softmax;
+one draw from ``default_rng(seed)``; context the last ``block_size`` tokens (nanoGPT's ``sample.py``). Bad input
+exits with status 2 and one line naming the value and what is allowed.
 """
 from __future__ import annotations
 

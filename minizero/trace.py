@@ -1,23 +1,9 @@
 """A per-rank event timeline in Chrome's trace-event format (what PyTorch's profiler exports).
 
-One :class:`Tracer` per rank (thread-local, so the in-process ranks of ``run_in_threads`` each
-have their own) records *complete* events, ``"ph": "X"``::
-
-    {"name": "backward h.3", "cat": "backward", "ph": "X", "ts": 1733011200123456, "dur": 842,
-     "pid": RANK, "tid": LANE, "args": {...}}
-
-``ts`` and ``dur`` are microseconds (``ts`` from ``time.time_ns()``, so ranks that are processes
-of one machine share a clock). ``pid`` is the rank (one process row per rank in Perfetto or
-``chrome://tracing``) and ``tid`` a lane within it:
-
-    COMPUTE (0)    forward / backward of each unit, the optimizer step
-    COMM (1)       blocking collectives and point-to-point (the caller waits: *exposed*)
-    IN_FLIGHT (2)  overlapped collectives, from the moment they are started to the moment
-                   the last message arrived (the caller computed meanwhile)
-
-Nothing is recorded unless a tracer is installed (``set_tracer``): :func:`span` is then a
-``nullcontext``. Merging the ranks' events into one file is collective and lives with the
-communicator (:mod:`minizero.parallel.tracing`).
+One :class:`Tracer` per rank (thread-local) records complete events (``"ph": "X"``; ``ts``, ``dur`` in
+microseconds from ``time.time_ns()``; ``pid`` the rank; ``tid`` a lane: COMPUTE 0, COMM 1 (blocking,
+exposed), IN_FLIGHT 2 (overlapped collectives)). Without ``set_tracer``, :func:`span` is a ``nullcontext``.
+Merging ranks' events: :mod:`minizero.parallel.tracing`.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """The main job: ``mpirun -n 8 python -m minizero.train`` trains a small GPT on real text.
 
-With no flags it trains the ``default`` model (4 layers, width 128, context 128,
-byte-level vocabulary) data-parallel over every rank on the Python language reference
-that ships with CPython, and finishes in a few minutes on a 2-core laptop. Rank 0 shows
-progress (a bar on a terminal, log lines under ``mpirun``), then prints the validation
-loss, the memory summary of every rank, and a generated sample; it writes the weights
-(``OUT/model.npz``, nanoGPT state_dict names) and a JSON summary.
-
-This file is the command line and ``main``: the flags and their checks are in
-:mod:`minizero.args`, the one training loop in :mod:`minizero.loop` (strategies from
-:mod:`minizero.parallel.strategy`), the final report in :mod:`minizero.report`.
-
-Every argument is checked before any work, identically on every rank, so a bad value
-gives one clear message and exit status 2 instead of a hang. An exception on any rank
-prints ``[rank r]`` and its traceback, then aborts the whole MPI job (``MPI_Abort``), so
-no rank waits forever for a dead peer; a rank that waits longer than ``--comm-timeout``
-for a stalled peer does the same, naming the operation and the peer; a rank whose
-launcher is gone exits within a second. Rank 0 holds a lock on OUT for the whole run,
-so a second job given the same OUT is refused (exit 2) instead of mixing its files in.
+Flags and checks: :mod:`minizero.args`; the loop: :mod:`minizero.loop`; the report: :mod:`minizero.report`.
+Writes ``OUT/model.npz`` (nanoGPT names) and a JSON summary. Bad arguments: one message and exit status 2 on
+every rank, before any work. An exception on any rank prints ``[rank r]`` and its traceback and aborts the job
+(``MPI_Abort``); a wait past ``--comm-timeout`` does the same, naming the operation and peer. Rank 0 locks OUT
+(a second job on it exits 2).
 """
 from __future__ import annotations
 

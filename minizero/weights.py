@@ -1,18 +1,8 @@
 """Reading a trained GPT back: ``OUT/model.npz`` (nanoGPT state_dict names) and the shape it needs.
 
-Used by ``python -m minizero.sample`` and ``python -m minizero.quantize``. An .npz holds
-arrays only (it is loaded with ``allow_pickle=False``), so the model's shape is recovered
-in this order:
-
-1. ``model.json`` beside the weights (the GPT config, written by the main job's report);
-2. the shapes themselves: ``transformer.wte.weight`` (V, C) gives the vocabulary V and width
-   C, ``transformer.wpe.weight`` (T, C) the context T, the ``transformer.h.{i}`` blocks the
-   depth L. The head count is *not* in any shape (c_attn is (3C, C) for every head count),
-   so without ``model.json`` it comes from the preset (:data:`minizero.nn.PRESETS`) whose
-   shapes match.
-
-Every error is a ``ValueError`` (``FileNotFoundError`` for a missing file) whose message
-names the file and what was expected, for the programs to print as one line (exit 2).
+Loaded with ``allow_pickle=False``. The shape comes from ``model.json`` beside the weights, else from the arrays
+(wte (V, C), wpe (T, C), the ``transformer.h.{i}`` blocks) with the head count of the preset of those shapes.
+Errors: ``ValueError`` (``FileNotFoundError`` for a missing file) naming the file and what was expected.
 """
 from __future__ import annotations
 

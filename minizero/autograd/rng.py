@@ -1,23 +1,10 @@
 """The dropout generator: counter-based, drawn on the device, the same bits on every array module.
 
-Dropout masks must exist where the activations are (on the GPU under ``--device cuda``), be
-replayable (recompute draws the forward's masks again) and be the same bits on NumPy, CuPy and
-the strict module, so that ``--device cpu``, ``strict`` and ``cuda`` train identically. A
-stateful host generator (NumPy's PCG64) gives the first only through a host-to-device copy of
-every mask. A *counter-based* generator gives all three: element i of the stream is a fixed
-function of (key, i), computed with ``backend.xp`` integer operations, so a mask of n elements
-is one vectorized expression over the counters ``offset .. offset + n - 1`` and the generator's
-whole state is two integers, (key, offset) -- saved by recompute and checkpoints as plain ints.
+Output i of a stream with key k is SplitMix64's ``mix64(k + (i + 1) * GAMMA)``, computed with ``backend.xp``
+integer operations; the state is two ints (key, offset). A uniform is the top 24 bits times 2**-24 (exact in
+float32); ``u >= p`` keeps. ``manual_seed(s)`` sets key ``mix64(s mod 2**64)``. One stream per thread.
 
-The function is SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number
-generators", OOPSLA 2014; the generator of Java's ``SplittableRandom``): output i of a stream
-with key k is ``mix64(k + (i + 1) * GAMMA)``, the 64-bit finalizer applied to a Weyl sequence.
-Counter-based generators as such: Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
-SC 2011 (Philox, Threefry; ``torch.cuda`` draws dropout with Philox the same way). A uniform is
-the top 24 bits times 2**-24, exact in float32 (4 bytes a draw); ``u >= p`` keeps.
-The key of ``manual_seed(s)`` is ``mix64(s mod 2**64)``, so nearby seeds give unrelated streams.
-
-One stream per thread (each rank thread of the in-process tests has its own), as before.
+Sources: Steele, Lea & Flood, OOPSLA 2014 (SplitMix64); Salmon et al., SC 2011 (counter-based generators).
 """
 from __future__ import annotations
 

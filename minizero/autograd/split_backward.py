@@ -1,23 +1,11 @@
 """The backward split into B (input gradients, now) and W (weight gradients, later): zero-bubble pipelines' seam.
 
-::
+Under ``WeightGradients(params).deferring()`` a backward keeps every node with a weight input; ``run()`` later
+runs those nodes' backward for the weights only (``needs_input_grad`` masked), in the same order, so ``.grad`` is
+bitwise the unsplit backward's and post-accumulate-grad hooks fire in W. Kept nodes hold their saved arrays and
+output gradients (ledger ``activations``) until W.
 
-    w = WeightGradients(stage.parameters())
-    with w.deferring():
-        backward(out, grad)   # B: every gradient except those of the weights; their nodes are kept
-    ...                       # other micro-batches' F and B
-    w.run()                   # W: each kept node's backward for its weight inputs only, then freed
-
-A node with a weight among its inputs runs its backward twice, with ``needs_input_grad``
-masked: in B for the other inputs, in W for the weights (a :class:`~minizero.autograd.Function`
-that honours the mask, as ``Linear`` does, computes each gradient once; one that does not
-computes the rest again and the engine drops it). Each weight gradient is the same expression on
-the same saved arrays and arrives in the same node order: ``.grad`` is bitwise the unsplit
-backward's, and post-accumulate-grad hooks fire in W, after the weight's last contribution.
-Between B and W a kept node holds its saved arrays and its output gradients (the latter counted
-as ``activations`` in the ledger). Backward passes nested in B (recompute) defer theirs too.
-
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 2 (the B/W split).
+Source: Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 2.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Checkpoint, resume and reshard: stop anywhere, continue anywhere, on any layout.
 
-A checkpoint is *sharded*: every rank writes only what it holds (its parameter shard, its AdamW
-moments or 8-bit codes + absmax, its FP32 masters), in the layout it trains in, to its own
-safetensors file; one JSON manifest says what every piece is in *logical* coordinates (parameter
-name, full shape, tensor-parallel split, flat element range). Loading on any layout reads, for
-each piece the new rank holds, the saved pieces that overlap it (:mod:`.load`). Files:
-:mod:`.layout` (the coordinates), :mod:`.format` (the folder, the manifest, atomicity, checks),
-:mod:`.save`, :mod:`.load`; ``python -m minizero.checkpoint inspect|consolidate`` (:mod:`.cli`).
+Every rank writes what it holds to its own safetensors file; a JSON manifest names every piece in logical
+coordinates (name, full shape, tensor split, flat range). The state: parameters, m, v, masters, the optimizer's
+step count, the loop step, the loss scaler, every rank's dropout generator, pruning masks. Files: :mod:`.layout`,
+:mod:`.format`, :mod:`.save`, :mod:`.load`, :mod:`.cli`.
 
-The complete state, so that a continuation equals the uninterrupted run: parameters, m, v,
-masters, the optimizer's applied-step count (Adam's t and the learning-rate schedule's
-position), the loop step (the data position: step k always draws batch (seed, k)), the loss
-scaler (scale, growth tracker, hysteresis, skips), every rank's dropout generator, the pruning
-masks. Offloaded state (``--offload-optimizer cpu|nvme``) is saved from wherever it lives.
-
-Sources: DeepSpeed (``save_checkpoint``/``load_checkpoint``, the universal checkpoint for
-resharding), Megatron-LM (``dist_checkpointing``: sharded tensors with global offsets), PyTorch
-DCP (``torch.distributed.checkpoint``: per-rank files, a metadata file, load-time resharding).
+Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``, PyTorch DCP.
 """
 from __future__ import annotations
 

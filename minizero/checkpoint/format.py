@@ -1,24 +1,9 @@
 """A checkpoint on disk: one folder, one safetensors file per rank, one JSON manifest, a pointer.
 
-::
-
-    SAVE_DIR/
-      step_00000006/                   a complete checkpoint (renamed into place only when complete)
-        manifest.json                  model config, layout, step, loss scaler, data position,
-                                       logical shapes, every saved piece, bytes + sha256 per file
-        rank00000.safetensors          what rank 0 holds, in the layout it trains in
-        rank00001.safetensors          ...
-      step_00000004/                   an older one (kept: --keep K newest)
-      latest                           text: "step_00000006", moved last (write, fsync, rename)
-      .tmp-step_00000008/              a save in progress, or a killed one: ignored, then cleaned
-
-Atomicity (what DeepSpeed's ``latest`` file and PyTorch DCP's ``.metadata``-written-last give):
-every rank writes its file into the ``.tmp-`` folder and fsyncs it; rank 0 writes the manifest,
-fsyncs, renames the folder to ``step_N`` (one ``rename``: there or not) and fsyncs the parent;
-only then does ``latest`` move. A crash at any moment leaves the previous checkpoint valid.
-
-Format: safetensors (a JSON header of dtypes, shapes and byte offsets, then raw little-endian
-bytes; no pickle, so loading runs no code) through its NumPy API.
+``SAVE_DIR/step_NNNNNNNN/`` holds ``manifest.json`` (config, layout, step, scaler, pieces, bytes + sha256 per
+file) and ``rankNNNNN.safetensors``; ``latest`` names the newest. Ranks write into ``.tmp-step_N`` and fsync;
+rank 0 writes the manifest, renames the folder, fsyncs the parent, then moves ``latest``: a crash leaves the
+previous checkpoint valid. safetensors through its NumPy API (no pickle).
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """Loading a checkpoint onto any layout: for each slot this rank holds, read the saved pieces it overlaps.
 
-::
+:class:`ShardReader` maps a (possibly tensor-parallel) slot to flat indices of the full tensor
+(:func:`~minizero.checkpoint.layout.full_index`) and copies the overlap of every saved piece, read alone
+(``safe_open(...).get_tensor(key)``). Memory: one slot and its overlapping pieces (ledger ``peak_total``).
+8-bit Adam codes and absmax are copied exactly when the block size and tensor split are unchanged; otherwise
+requantized from logical m and v (not bit-exact).
 
-    saved at dp 4, ZeRO-1 (flat pieces of each parameter)     loaded at dp 2, tp 2 (c_fc split by rows)
-    c_fc.weight  |  r0  |  r1  |  r2  |  r3  |                rank (tp 0): rows [0, 2C)   <- pieces of r0, r1
-                                                              rank (tp 1): rows [2C, 4C)  <- pieces of r2, r3
-
-:class:`ShardReader` answers "the values of elements [lo, hi) of this (possibly tensor-parallel)
-slot": it maps the slot to flat indices of the full tensor (:func:`~minizero.checkpoint.layout.full_index`),
-and for every saved piece of the same parameter and kind whose indices overlap them, reads that
-piece alone from its rank's file (``safe_open(...).get_tensor(key)``: one tensor, not the file) and
-copies the overlap. When the split is the same it is an interval test and a slice copy; otherwise
-a sort and a ``searchsorted``. Memory while loading: one target slot and the pieces overlapping it,
-counted in the ledger the reader is given (``peak_total``), never the whole model.
-
-8-bit Adam: the codes are per element and the absmax per block of the (tensor-parallel) parameter,
-so when the block size and the tensor-parallel split are unchanged, codes and absmax are copied
-exactly (any ZeRO world size; a block cut by a shard boundary has the same absmax on every rank
-that held part of it). Otherwise the saved state is dequantized to logical m and v and requantized
-in the new blocks (not bit-exact: the blocks differ).
-Sources: DeepSpeed universal checkpoint (``ds_to_universal.py``, ``universal_checkpoint.py``:
-fragments addressed by parameter and offset, re-sliced per new rank), PyTorch DCP
-(``DefaultLoadPlanner``: read items overlapping each local chunk).
+Mirrors: DeepSpeed's universal checkpoint; PyTorch DCP's ``DefaultLoadPlanner``.
 """
 from __future__ import annotations
 

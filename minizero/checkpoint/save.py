@@ -1,19 +1,11 @@
-"""Saving a sharded checkpoint: every rank writes what it holds, rank 0 the manifest, atomically.
+"""Saving a sharded checkpoint: every rank writes what it holds, rank 0 the manifest, atomically (collective).
 
-One save, collective (every rank calls :func:`save_checkpoint` after the same loop step)::
+Every rank writes its slots to ``rankR.safetensors`` in ``.tmp-step_N`` and fsyncs; rank 0 gathers each rank's
+pieces, size, SHA-256 and generator state, writes ``manifest.json``, renames the folder to ``step_N``, moves
+``latest`` and removes checkpoints beyond ``keep``. Without ZeRO data rank 0 writes the model states; under ZeRO
+each data rank its owned pieces.
 
-    rank 0: clean killed saves (.tmp-*), mkdir SAVE_DIR/.tmp-step_N           barrier
-    every rank: its slots (layout.slots) -> rankR.safetensors in .tmp-step_N, fsync
-    every rank -> rank 0: its piece list, file size, SHA-256, dropout generator state
-    rank 0: manifest.json (fsync) -> rename .tmp-step_N to step_N -> fsync SAVE_DIR
-            -> latest := step_N (write, fsync, rename) -> remove checkpoints beyond --keep
-                                                                                  barrier
-
-Bytes per rank are exactly what it holds for the model states, once (``inspect`` prints them):
-without ZeRO data rank 0 writes everything (its replicas hold the same numbers); under ZeRO
-every data rank writes its owned pieces of the parameters and the optimizer state.
-Sources: DeepSpeed's ``save_checkpoint`` (per-rank ``zero_pp_rank_*_optim_states.pt``, the
-``latest`` tag file), PyTorch DCP's ``save`` (per-rank data files, ``.metadata`` written last).
+Mirrors: DeepSpeed's ``save_checkpoint``; PyTorch DCP's ``save``.
 """
 from __future__ import annotations
 

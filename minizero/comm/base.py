@@ -35,17 +35,11 @@ MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI a
 def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
     """Call ``done()`` until it returns True: first without pausing for ``spin_s`` seconds, then sleeping.
 
-    Spinning suits a rank that has a core of its own (as MPICH's and NCCL's own waits spin): a
-    message that lands is seen at once. Once the spin is over, the sleep starts at 0 and doubles from
-    10 us up to :data:`MAX_SLEEP_S`, so a stalled peer costs almost no CPU; with more ranks than
-    cores (8 ranks on 2) a spinning rank would steal the core its peer needs, so communicators set
-    ``spin_s = 0`` there (:func:`spin_seconds`).
+    The sleep doubles from 10 us up to :data:`MAX_SLEEP_S`.
 
     Args:
-        done: a callable returning True when the wait is over (e.g. ``MPI.Request.Testall``).
-        timeout: seconds before giving up (> 0).
-        describe: a callable returning the CommTimeoutError's message (built only on timeout).
-        spin_s: seconds to poll without sleeping before backing off (>= 0).
+        done: a callable returning True when the wait is over.  timeout: seconds before giving up (> 0).
+        describe: a callable returning the CommTimeoutError's message.  spin_s: seconds to spin first (>= 0).
     Raises:
         CommTimeoutError: ``done()`` stayed False for ``timeout`` seconds.
     """
@@ -102,21 +96,13 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
 
 # --------------------------------------------------------------------------- interface
 class Communicator(abc.ABC):
-    """A group of ``world_size`` ranks that exchange contiguous arrays.
+    """A group of ``world_size`` ranks that exchange contiguous arrays (MPI semantics).
 
     Attributes:
-        rank: int in ``[0, world_size)``, this rank's number in this communicator.
-        world_size: int >= 1.
-        traffic: ``TrafficLedger`` of the bytes this rank sent.
-
-    Semantics follow MPI: ``send``/``recv`` are blocking and matched by
-    (source, dest, tag, communicator); messages between one pair with one tag arrive in
-    the order they were sent. ``send`` may return before the message is received
-    (always so on threads, for small messages on MPI), so a cycle of ``send`` then
-    ``recv`` can deadlock on MPI for large messages: use ``sendrecv``.
-
-    Subclasses implement the ``_send``/``_recv``/... methods; the public ones here
-    check arguments and record bytes, so that accounting is the same everywhere.
+        rank: int in ``[0, world_size)``.  world_size: int >= 1.  traffic: ``TrafficLedger`` of bytes sent.
+    ``send``/``recv`` block and match by (source, dest, tag); one pair's messages on one tag arrive in order; a
+    ``send`` then ``recv`` cycle can deadlock for large messages (use ``sendrecv``). Subclasses implement
+    ``_send``/``_recv``/...; the public methods check arguments and record bytes.
     """
 
     rank: int

@@ -197,19 +197,13 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     """Sum ``x`` over ranks and return this rank's chunk of the sum.
 
     Args:
-        x: any shape, C-contiguous, same size and dtype on every rank; read as
-            ``x.reshape(-1)`` (n elements) and not modified.
-        native: use the library's reduce-scatter (``comm.native_reduce_scatter``).
+        x: any shape, C-contiguous, same size and dtype on every rank; read as ``x.reshape(-1)``, not modified.
+        native: use the library's reduce-scatter.
     Returns:
-        (size,) array, dtype of ``x``: elements ``[offset, offset+size)`` of the sum,
-        ``(offset, size) = shard_range(n, world_size, rank)``.
-    Bytes: ``(n - size) * itemsize`` = (N-1)/N * x.nbytes when N divides n.
-        Label ``"reduce_scatter"``. Temporary memory (ledger ``comm_scratch``): a working copy
-        of n elements + a receive chunk of ceil(n/N) (none on one rank: the copy is returned).
+        (size,) array of x's dtype: elements [offset, offset+size) of the sum, ``shard_range(n, world_size, rank)``.
+    Bytes (label ``"reduce_scatter"``): (n - size) * itemsize; scratch n + ceil(n/N) elements.
     Raises:
-        ValueError: ``x`` not C-contiguous; a size mismatch between ranks shows up as
-        a ValueError from ``recv``.
-    Source: Patarasuk & Yuan 2009, ring reduce-scatter (first half of the ring all-reduce).
+        ValueError: ``x`` not C-contiguous; a size mismatch between ranks (from ``recv``).
     """
     _check_contiguous(x, "x")
     if native:
@@ -229,18 +223,13 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     """Concatenate every rank's shard, in rank order, on every rank (inverse of ``reduce_scatter``).
 
     Args:
-        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements (any shape,
-            read flat), same dtype on every rank.
-        n: total length; None means all shards have the same size, n = shard.size * N.
-        native: use the library's all-gather (``comm.native_allgather``).
+        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements, same dtype on every rank.
+        n: total length; None: n = shard.size * N.  native: use the library's all-gather.
     Returns:
-        (n,) array, dtype of ``shard``; rank r's shard at ``shard_range(n, N, r)``.
-    Bytes: ``(n - size of rank+1's shard) * itemsize`` = (N-1)/N * n * itemsize when N
-        divides n. Label ``"all_gather"``.
+        (n,) array of shard's dtype.
+    Bytes (label ``"all_gather"``): (n - size of rank+1's shard) * itemsize.
     Raises:
-        ValueError: ``shard`` not C-contiguous, or its size is not this rank's
-        ``shard_range`` size for ``n``.
-    Source: Patarasuk & Yuan 2009, ring all-gather (second half of the ring all-reduce).
+        ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
     """
     _check_contiguous(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
@@ -262,28 +251,18 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
 
 
 def all_reduce(comm: Communicator, x, native: bool = False, out=None):
-    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling for small ``x``, else the ring.
+    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB, else the ring.
 
     Args:
-        x: any shape, C-contiguous, same shape and dtype on every rank; not modified
-            (unless ``out is x``).
+        x: any shape, C-contiguous, same shape and dtype on every rank; not modified (unless ``out is x``).
         native: use the library's all-reduce (``comm.native_allreduce``).
-        out: optional C-contiguous array of x's shape and dtype to write into; may be
-            ``x`` itself (in place).
+        out: optional C-contiguous array of x's shape and dtype (may be ``x``).
     Returns:
-        ``out`` (a new array if None): same shape and dtype as ``x``. With one rank, a copy.
-    Algorithm: by size, as MPICH chooses (Thakur, Rabenseifner & Gropp 2005):
-        ``x.nbytes <= SMALL_ALLREDUCE_MAX_BYTES`` (256 KiB, measured) runs recursive doubling
-        (log2 N steps; :mod:`minizero.comm.recursive_doubling`), larger buffers the ring.
-    Bytes: ring: ``2n - size_r - size_(r+1)`` elements = 2(N-1)/N * x.nbytes when N divides n;
-        recursive doubling: log2(N) * x.nbytes (N a power of two; see
-        ``bytes_sent_recursive_doubling``); 0 when N == 1. Label ``"all_reduce"``.
-        Temporary memory (ledger ``comm_scratch``): a receive chunk of ceil(n/N) elements (ring),
-        n elements (recursive doubling); none when N == 1.
+        ``out`` (a new array if None); with one rank, a copy.
+    Bytes (label ``"all_reduce"``): ring 2(N-1)/N * x.nbytes when N divides n; recursive doubling log2(N) *
+        x.nbytes; scratch ceil(n/N) or n elements (``comm_scratch``).
     Raises:
         ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
-    Source: ring all-reduce = reduce-scatter + all-gather (Patarasuk & Yuan, JPDC 2009;
-        Baidu ring all-reduce; Horovod, arXiv:1802.05799; NCCL).
     """
     _check_contiguous(x, "x")
     if out is not None:
@@ -309,21 +288,15 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
 
 
 def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
-    """Copy root's ``x`` into ``x`` on every other rank (in place); returns ``x``.
+    """Copy root's ``x`` into ``x`` on every other rank (in place, binomial tree); returns ``x``.
 
-    Algorithm: binomial tree, ceil(log2 N) rounds; a rank receives the whole array
-    from its parent, then sends it to each of its children, largest subtree first.
     Args:
-        x: C-contiguous (so not a broadcast view: non-root ranks receive into it), same shape and
-            dtype on every rank.
-        root: rank whose data is broadcast.
-        native: use the library's broadcast (``comm.native_bcast``).
-    Bytes: ``x.nbytes`` per child: ceil(log2 N) * x.nbytes on the root, 0 on leaves,
-        (N-1) * x.nbytes summed over ranks. Label ``"broadcast"``.
+        x: C-contiguous, same shape and dtype on every rank.  root: the sending rank.
+        native: use the library's broadcast.
+    Bytes (label ``"broadcast"``): ``x.nbytes`` per child; (N-1) * x.nbytes summed over ranks.
     Raises:
         ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous.
-    Source: binomial-tree broadcast, Thakur, Rabenseifner & Gropp, "Optimization of
-        collective communication operations in MPICH", IJHPCA 2005, Sec. 4.3.
+    Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
     """
     _check_contiguous(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:

@@ -16,22 +16,15 @@ from minizero.comm.nodes import NodeLayout, layout_of
 
 
 class HierarchicalAllReduce:
-    """A node-aware all-reduce over ``comm``, called like :func:`minizero.comm.all_reduce`.
-
-    Construction is collective (two splits of ``comm``): ``local`` (the L ranks on this
-    rank's node, in rank order) and ``cross`` (the n ranks with this local rank, one per
-    node, in node order).
+    """A node-aware all-reduce over ``comm``, called like :func:`minizero.comm.all_reduce` (construction collective).
 
     Args:
-        comm: the Communicator to reduce over (e.g. the data-parallel group).
-        nodes: its :class:`NodeLayout` (``comm.world_size`` entries); None: :func:`layout_of`.
+        comm: the Communicator to reduce over.  nodes: its :class:`NodeLayout`; None: :func:`layout_of`.
     Attributes:
-        local, cross: the two sub-communicators; ``cross.traffic`` holds exactly the
-            bytes this rank sent across node boundaries (every member of ``cross`` is
-            on another node). n_nodes, local_size: n and L.
+        local (this node's L ranks), cross (local rank j of every node; ``cross.traffic`` is exactly the bytes
+        sent across nodes), n_nodes, local_size.
     Raises:
-        ValueError: ``nodes`` has the wrong size, or the nodes hold different numbers of
-            ranks (the cross rings pair local rank j of every node).
+        ValueError: ``nodes`` has the wrong size, or nodes hold different numbers of ranks.
     """
 
     def __init__(self, comm: Communicator, nodes: NodeLayout | None = None):

@@ -79,24 +79,18 @@ def pointer(buf) -> int:
 
 
 class NcclCommunicator(Communicator):
-    """A ``Communicator`` over an NCCL communicator, one rank per GPU, set up through ``bootstrap``.
+    """A ``Communicator`` over an NCCL communicator, one rank per GPU, set up through ``bootstrap`` (collective).
 
     Args:
-        bootstrap: a Communicator over the same ranks (``MPICommunicator``, or threads in tests);
-            it carries the unique id (one 129-element broadcast, on its own ledger: the id's kind, ``bytes``
-            on CuPy 14+ or a tuple on CuPy 13, as ``get_unique_id`` returned it, then its 128 values) and ``split``.
+        bootstrap: a Communicator over the same ranks; carries the unique id (one 129-element broadcast on its own
+            ledger) and ``split``.
         traffic: this communicator's ledger (default: a fresh one).
         timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
-        blocking: wait on the host for every operation (default), or only order it on the streams;
-            while waiting it calls the communicator's ``check_async_error()`` (where it has one) and
-            reads ``cudaEventQuery``'s status, so an NCCL asynchronous error or a CUDA error (any status
-            but ready and not-ready) raises at once instead of running into the timeout.
+        blocking: wait on the host for every operation (raising at once on an NCCL or CUDA error), or only order
+            it on the streams.
         nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
-    Collective: every rank of ``bootstrap`` must construct it together.
     Attributes:
-        rank, world_size: the bootstrap's. traffic: TrafficLedger of payload bytes sent.
-        stream: the CuPy stream every NCCL call is queued on. bootstrap, timeout, blocking.
-        mpi_comm: the bootstrap's ``mpi_comm`` when it has one (node discovery uses it), else None.
+        rank, world_size, traffic, stream (where NCCL calls are queued), bootstrap, timeout, blocking, mpi_comm.
     Raises:
         ImportError: no CuPy/NCCL (see :func:`import_nccl`).
         TypeError (any operation): an array dtype NCCL has no type for (allowed: :data:`DATATYPES`).

@@ -1,23 +1,9 @@
 """Which node (machine) each rank runs on, and the bytes that cross node boundaries.
 
-Ranks on one node share memory and a fast local link (NVLink, or shared memory on a
-CPU); ranks on different nodes talk over the network, often 10x slower. Placement and
-hierarchical collectives only make sense once every rank knows the layout::
-
-    4 ranks on 2 nodes (a hostfile "hostA:2 / hostB:2"; MPI fills hosts in order)
-        world rank   0  1 | 2  3
-        node         0  0 | 1  1          NodeLayout(node_of=(0, 0, 1, 1))
-        local rank   0  1 | 0  1          "2 nodes x 2 ranks per node"
-
-:func:`discover_nodes` finds the layout with MPI's shared-memory split
-(``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, MPI-3.1 section 6.4.2): ranks that can
-share memory form one group; nodes are numbered by their lowest world rank. In-process
-(``ThreadCommunicator``) every rank is on one node, unless a test hands
-:class:`NodeTrafficCommunicator` a made-up layout.
-
-:class:`NodeTrafficCommunicator` wraps any Communicator and counts, beside the usual
-traffic ledger, the bytes each rank sends to a rank on *another* node
-(``cross_node``): the number that decides whether tensor parallelism may leave a node.
+:func:`discover_nodes` splits the world with ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (MPI-3.1 section
+6.4.2); nodes are numbered by their lowest world rank; in-process every rank is on node 0. :class:`NodeLayout`
+holds ``node_of``. :class:`NodeTrafficCommunicator` wraps any Communicator and also counts the bytes sent to
+another node (``cross_node``).
 """
 from __future__ import annotations
 
@@ -151,21 +137,12 @@ class CrossNodeLedger:
 class NodeTrafficCommunicator(Communicator):
     """A Communicator that knows each rank's node and counts the bytes sent across nodes.
 
-    Every message still goes through ``inner`` (and its ``traffic`` ledger, shared with
-    this object); a message to a rank on another node is also recorded in
-    ``cross_node``. ``split`` returns a NodeTrafficCommunicator over the inner split,
-    with the sub-group's layout, whose ``cross_node`` forwards to this one's.
+    Messages go through ``inner`` (sharing its ``traffic``); those to another node are also recorded in
+    ``cross_node``; native collectives count minizero's estimate (``bytes_sent``) when the ring's right
+    neighbour is on another node. ``split`` wraps the inner split, forwarding ``cross_node`` to this one's.
 
     Args:
-        inner: the Communicator to wrap (MPICommunicator, ThreadCommunicator).
-        nodes: its :class:`NodeLayout`; None means :func:`discover_nodes` (collective).
-            Tests pass a made-up layout to threads, e.g. ``NodeLayout((0, 0, 1, 1))``.
-    Attributes:
-        nodes, cross_node (:class:`CrossNodeLedger`), traffic (``inner.traffic``),
-        rank, world_size; any other attribute (``mpi_comm``, ``timeout``) is ``inner``'s.
-    Native collectives: the library's algorithm is unknown, so the cross-node bytes of
-    ``native_*`` are minizero's estimate (``bytes_sent``) when the ring's right
-    neighbour (a tree child, for broadcast) is on another node.
+        inner: the Communicator to wrap.  nodes: its :class:`NodeLayout`; None: :func:`discover_nodes` (collective).
     Raises:
         ValueError: ``nodes`` does not have ``inner.world_size`` ranks.
     """

@@ -1,24 +1,12 @@
 """Ring collectives that progress in steps, so computation can run while they are in flight.
 
-The blocking ring (:func:`minizero.comm.collectives.ring_`) does its 2(N-1) steps in one call. Here
-the same steps (:func:`~minizero.comm.collectives.ring_steps`, the one ring) are a state machine over ``isend``/``irecv`` (MPI_Isend/MPI_Irecv, or the
-thread queues): :meth:`RingCollective.progress` tests the current step's two requests and, if
-both completed, does that step's addition and posts the next step — never waiting. The
-caller (the gradient hooks of :mod:`minizero.parallel.overlap`) calls ``progress`` between
-autograd nodes, so the messages of bucket k travel while the backward of the layers below
-bucket k is computed; :meth:`wait` finishes what is left before the optimizer step.
+:class:`RingCollective` runs :func:`~minizero.comm.collectives.ring_steps` over ``isend``/``irecv``:
+:meth:`~RingCollective.progress` tests the step's two requests and, once both completed, adds and posts the next
+step, never waiting; :meth:`~RingCollective.wait` finishes. Results are bitwise the blocking ring's. A
+:class:`Stream` runs its collectives one at a time in start order (ring messages carry no step number);
+different streams use different tags.
 
-Same chunks, same steps, same ``xp.add(acc, incoming, out=acc)`` in the same order per
-element as the blocking ring: the results are bitwise identical (the tests check it).
-
-A :class:`Stream` runs its collectives one at a time, in the order they were started, as a
-NCCL stream does: ring messages carry no step number, so two collectives in flight on one
-tag between the same neighbours could match each other's messages. Different streams use
-different tags.
-
-Mirrors: MPI-3.1 chapter 3.7 (non-blocking communication, MPI_Test); PyTorch DDP's Reducer,
-which launches a bucket's all-reduce from the autograd hook of its last gradient
-(Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020, section 3.2.3).
 """
 from __future__ import annotations
 
@@ -30,19 +18,13 @@ from minizero.comm.collectives import bytes_sent, ring_steps, shard_range
 class RingCollective:
     """One ring collective on a flat C-contiguous buffer, in place, advanced by :meth:`progress`.
 
-    ``all_reduce``: every chunk ends as the sum over ranks. ``reduce_scatter``: chunk ``rank``
-    (``shard_range``) ends as the sum, the others hold partial sums. ``all_gather``: chunk
-    ``rank`` must be set; every chunk ends filled.
-
     Args:
-        comm: a Communicator with ``nonblocking`` (MPI, threads).
-        buf: the (n,) buffer; must not be touched until :meth:`progress` returned True.
-        op: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
-        tag: the message tag (one collective in flight per tag and communicator: use a :class:`Stream`).
-        label: the traffic label its bytes are counted under (default ``op``); one call per collective.
-        name: the span's name on the trace's in-flight lane; ``trace_args`` go into its ``args``.
-    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`), counted as the
-        messages are posted. Temporary memory: one chunk (``tmp``) for the reduce steps; none for an all-gather.
+        comm: a Communicator with ``nonblocking``.
+        buf: the (n,) buffer; untouched until :meth:`progress` returned True.
+        op: ``"all_reduce"``, ``"reduce_scatter"`` (chunk ``rank`` ends as the sum) or ``"all_gather"``.
+        tag: the message tag (one collective in flight per tag: use a :class:`Stream`).
+        label: the traffic label (default ``op``).  name, trace_args: the in-flight trace span.
+    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`); scratch one chunk (reduce steps).
     Raises:
         ValueError: ``buf`` not 1-D C-contiguous; unknown ``op``.
         NotImplementedError: the communicator has no non-blocking transport.

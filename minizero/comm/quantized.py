@@ -149,21 +149,15 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
 
 
 def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
-    """Sum ``x`` over ranks with INT8 on the wire: :func:`quantized_reduce_scatter`, then each rank's
-    summed chunk quantized once and ring-all-gathered (ZeRO++'s qgZ followed by a qwZ-style gather,
-    for data parallelism without ZeRO).
+    """Sum ``x`` over ranks with INT8 on the wire: :func:`quantized_reduce_scatter`, then a quantized all-gather.
 
     Args:
         x: any shape, C-contiguous float, same shape and dtype on every rank.
-        out: optional array of x's shape and dtype to write into (may be ``x``).
+        out: optional array of x's shape and dtype (may be ``x``).
     Returns:
-        ``out`` (a new array if None): identical on every rank (all dequantize the same codes).
-        Error per element: the reduce-scatter's (the other ranks' scale/2 each) plus scale/2 of
-        the summed chunk's block. One rank: an exact copy.
-    Bytes: :func:`bytes_sent` ``("all_reduce", ...)`` = reduce-scatter + all-gather, about 0.254 of
-        the FP32 ring's at B = 256; label ``"quantized_all_reduce"``.
-    Non-finite sums (FP16 overflow) arrive as NaN in their block, as in the reduce-scatter, so the
-    loss scaler sees them.
+        ``out`` (a new array if None), identical on every rank; error per element the reduce-scatter's plus
+        scale/2 of the summed block; non-finite blocks arrive as NaN; one rank: an exact copy.
+    Bytes: :func:`bytes_sent` ``("all_reduce", ...)``, label ``"quantized_all_reduce"``.
     Raises:
         ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape or dtype.
     """

@@ -11,26 +11,14 @@ from minizero.comm.flight import FlightRecorder
 
 
 class TrafficLedger:
-    """Bytes this rank sent, by operation label.
+    """Bytes this rank sent, by operation label (one rank's thread only; no locks).
 
-    ``record(nbytes)`` adds to the label that is active: the *outermost* open
-    ``with op(label):`` block — of the parent ledger first, then of this one — else
-    ``"p2p"``. Outermost wins so that a caller names the purpose of the messages
-    (``with comm.traffic.op("metrics"): all_reduce(...)`` is counted as metrics,
-    not as gradient all-reduce); a collective called on its own is named by the
-    label it opens itself (``all_reduce``, ``reduce_scatter``, ...). A ledger made with ``parent=`` (what ``Communicator.split``
-    does) forwards everything it records to the parent too, so the world
-    communicator's ledger always holds the rank's total while a sub-communicator's
-    ledger holds only what went through that sub-communicator.
+    ``record(nbytes)`` adds to the outermost open ``with op(label):`` block (of the parent ledger first), else
+    ``"p2p"``; a ledger made with ``parent=`` (``Communicator.split``) also forwards to its parent.
 
     Attributes:
-        bytes_sent: int, total bytes recorded.
-        by_op: dict label -> bytes.
-        calls: dict label -> number of calls: one per entry into ``op(label)`` (one
-            collective call, however many messages it sends) and one per message sent
-            outside any ``op`` block (label ``"p2p"``).
-
-    A ledger belongs to one rank and is used from that rank's thread only (no locks).
+        bytes_sent: int, total bytes recorded.  by_op: dict label -> bytes.
+        calls: dict label -> calls (one per entry into ``op(label)``, one per message outside any).
     """
 
     def __init__(self, parent: TrafficLedger | None = None):

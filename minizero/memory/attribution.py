@@ -1,23 +1,11 @@
 """Which layers hold the bytes: per-module attribution of the ledger, and the check against the formula.
 
-:func:`attach` installs a forward pre-hook and a forward hook on every named module of a
-model; they push and pop the module's dotted name on the ledger's scope stack
-(:meth:`minizero.ledger.MemoryLedger.push_scope`), so every array tracked while a forward
-runs is charged to the innermost module running (``transformer.h.2.attn.c_attn``).
-Nothing else changes: the hooks return None, so arguments and outputs are untouched, and
-recompute, offload and ZeRO-3 keep their own hooks. Arrays saved by the attention core
-(a method, not a module) land in ``...attn``; the ledger splits off its (b, a, s, s)
-arrays as ``...attn:scores`` (the softmax output, its dropout mask and output: a*s^2*b
-elements each).
+:func:`attach` installs forward pre- and post-hooks on every named module that push and pop its name on the
+ledger's scope stack (:meth:`minizero.ledger.MemoryLedger.push_scope`); arguments and outputs are untouched.
+:func:`layer_terms` groups the estimator's per-term rows (:func:`minizero.memory.estimator.saved_per_layer`,
+``accounting="minizero"``) by module; :func:`compare_layer` sets them beside the ledger's bytes for that module.
 
-Against the formula: :func:`layer_terms` groups the estimator's per-term rows
-(:func:`minizero.memory.estimator.saved_per_layer`, ``accounting="minizero"``; Korthikanti
-et al. 2022, section 4.1, per array) by the module whose forward saves them, and
-:func:`compare_layer` puts them beside what the ledger charged to that module at the end
-of the forward. Where minizero's accounting is exact they are equal to the byte.
-
-Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot``), which attributes
-each allocation to the Python stack that made it; here the "stack" is the module stack.
+Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot``), by module instead of stack frame.
 """
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """BF16 mixed precision (``--precision bf16``): bfloat16 matmuls, FP32 weights, no loss scale.
 
-bfloat16 is float32's top 16 bits: 1 sign, 8 exponent bits (float32's range, so gradients that
-underflow FP16 do not underflow here and no loss scale is needed) and 7 stored mantissa bits
-(FP16 has 10). Rounding float32 to it is round-to-nearest-even on the uint32 view::
-
-    bits = x.view(uint32);  bits += 0x7FFF + ((bits >> 16) & 1);  keep bits & 0xFFFF0000
-
-(NaN is kept a quiet NaN: its top bits with the quiet bit set, since the carry could turn a NaN
-with only low payload bits into inf). Integer operations only, so NumPy, CuPy and the strict
-module give the same bits; CuPy has no bfloat16 dtype, and ``ml_dtypes`` gives NumPy one (the
-tests compare with it when installed).
-
-The recipe is PyTorch autocast's (``torch.autocast(dtype=torch.bfloat16)``): parameters, the
-optimizer state and the master weights stay FP32; every Linear computes with bf16 inputs (x and W
-rounded), FP32 accumulation and a bf16 result (bias added in FP32, rounded once, as a GEMM
-epilogue); in backward the incoming gradient is rounded to bf16 and dx, dW, db are bf16 values
-(dW accumulated into the FP32 gradient). Layer norm, softmax, GELU's statistics and the loss run in
-FP32, as autocast keeps them. Emulated on any array module: a Linear saves x and W for backward
-as their uint16 bits (2 bytes per element in the ledger, as on a GPU); its output and the other
-activations are bf16 values in float32 arrays (4 bytes). The attention core's two products are
-not a Linear and stay FP32.
+Rounding: round-to-nearest-even on the uint32 view (``bits += 0x7FFF + ((bits >> 16) & 1)``, keep the top 16
+bits; NaN stays a quiet NaN), integer operations only, so every array module gives the same bits. Recipe:
+``torch.autocast(dtype=torch.bfloat16)``: FP32 parameters and optimizer state; every Linear takes bf16 x and W,
+accumulates in FP32 and returns bf16; backward rounds the incoming gradient and returns bf16 dx, dW, db. Layer
+norm, softmax and the loss stay FP32. A Linear saves x and W for backward as their uint16 bits (2 bytes per
+element in the ledger); other bf16 values live in float32 arrays (4 bytes).
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
 
-Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (arXiv:2209.05433), and NVIDIA Transformer
-Engine's recipe: every Linear multiplies FP8 operands with FP32 accumulation; x and W are cast to E4M3
-(4 exponent bits, bias 7, max 448, no inf), the incoming gradient to E5M2 (5 exponent bits, bias 15,
-max 57344). A cast is per tensor, scaled into the format's range first::
+Every Linear multiplies FP8 operands with FP32 accumulation: x and W cast to E4M3 (max 448), the incoming
+gradient to E5M2 (max 57344), ``q = round(clip(x * s, -max, max)) / s`` with s = max / amax (round to nearest
+even, saturating, NaN kept). ``current`` scaling uses the tensor's amax; ``delayed`` the largest of the last
+``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. Values live in
+float32 arrays (4 bytes in the ledger). The saved x and W are their 8-bit codes (1 byte per element in the ledger); the matmuls run on the
+decoded float32 values.
 
-    q = round_to_grid(clip(x * s, -max, max)) / s,      s = max / amax
-
-``current`` scaling takes amax of the tensor itself; ``delayed`` (TE's ``DelayedScaling``, the "max"
-recipe) takes the largest amax of the last ``AMAX_HISTORY`` casts of that tensor, then records this
-one's (the first cast, with no history, uses its own). Rounding is to nearest, ties to even, onto the
-format's grid (normals and subnormals), saturating at max; NaN stays NaN. Weights, Adam state and
-the master copy stay FP32; the bias gradient is taken from the unquantised gradient, as TE does.
-The saved x and W are their 8-bit codes (1 byte per element in the ledger, as on a GPU); the
-matmuls run on the decoded float32 values.
+Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
 from __future__ import annotations
 

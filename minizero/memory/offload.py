@@ -50,19 +50,11 @@ class ActivationOffload:
     """The pack/unpack pair for one rank; use ``with offloader:`` around the forward pass.
 
     Args:
-        kind: ``"cpu"`` or ``"nvme"`` (``"none"`` makes the context a no-op).
+        kind: ``"cpu"`` or ``"nvme"`` (``"none"``: a no-op).
         offload_dir: directory of the anonymous files (nvme; default: the system temp dir).
-        rank: this rank (reported in error messages).
-        min_bytes: arrays smaller than this stay in memory (default 1 KiB).
+        rank: this rank (in error messages).  min_bytes: smaller arrays stay (default 1 KiB).
     Attributes:
-        bytes_offloaded: total bytes packed so far (int), each buffer once.
-        saves_shared: saves that found their buffer already packed (int).
-
-    A buffer two Functions save (the softmax output without dropout: saved by the softmax and
-    by ``att @ v``) is packed once: a save whose bytes (same owning buffer, address, shape,
-    strides, dtype — the ledger's identity) are already packed and still alive gets the same
-    host copy or file. The entry leaves when the device buffer is freed (``weakref.finalize``,
-    so a reused id cannot alias) or when its last save is unpacked.
+        bytes_offloaded: total bytes packed (each buffer once).  saves_shared: saves of an already packed buffer.
     Raises:
         ValueError: unknown kind.  OffloadError: see :func:`check_offload_dir`.
     """

@@ -31,19 +31,12 @@ class DynamicLossScaler:
 
     Args:
         init_scale: starting S (default 2^16).
-        growth_factor, backoff_factor: S *= growth after ``growth_interval``
-            clean steps in a row; S *= backoff on overflow.
+        growth_factor, backoff_factor: S *= growth after ``growth_interval`` clean steps; S *= backoff on overflow.
         growth_interval: clean steps before growing (PyTorch 2000, DeepSpeed 1000).
-        hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2);
-            once used up, every overflow lowers S, and the count refills only when S
-            grows (DeepSpeed's ``consecutive_hysteresis=False``).
-        min_scale: S never goes below this (PyTorch's GradScaler has no floor).
-        max_skips_at_min: after this many consecutive skipped steps at the
-            minimum scale, :meth:`update` raises :class:`LossScaleError`
-            (a warning is given at the first). Not in PyTorch, whose GradScaler
-            keeps skipping and halving without end.
-    Attributes: ``scale`` (float), ``skipped`` (total skipped steps),
-        ``consecutive_skips``.
+        hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2); refilled when S grows.
+        min_scale: S never goes below this.
+        max_skips_at_min: consecutive skips at ``min_scale`` before :meth:`update` raises :class:`LossScaleError`.
+    Attributes: ``scale`` (float), ``skipped`` (total skipped steps), ``consecutive_skips``.
     Raises:
         ValueError: a factor or count out of range (named).
     """

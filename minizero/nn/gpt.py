@@ -1,22 +1,9 @@
 """A GPT-2 style decoder-only transformer, with nanoGPT's parameter names.
 
-::
-
-    idx (B, T) int ──> wte (V, C) + wpe (T_max, C) ──> drop
-        ──> h.0 ... h.{L-1}:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
-        ──> ln_f ──> lm_head (weight tied to wte) ──> logits (B, T, V)
-
-    attn:  c_attn (C -> 3C) -> q, k, v split into H heads of D = C / H
-           softmax(q k^T / sqrt(D), causal) -> attn_dropout -> @ v -> c_proj (C -> C) -> resid_dropout
-    mlp:   c_fc (C -> 4C) -> GELU (tanh) -> c_proj (4C -> C) -> dropout
-
-``state_dict()`` names and shapes match nanoGPT's GPT-2
-(``transformer.h.0.attn.c_attn.weight`` is (3C, C), Linear weights are
-(out_features, in_features)), so weights move to and from PyTorch.
-Init follows GPT-2/nanoGPT: N(0, 0.02) weights, zero biases, residual
-projections (``c_proj``) scaled by 1/sqrt(2L) (Radford et al. 2019). Each parameter is drawn
-by its own generator keyed by (seed, name), row by row (:mod:`minizero.nn.init`), so any
-shard of it can be drawn alone, equal bit for bit to the same slice of this model.
+idx (B, T) int -> wte (V, C) + wpe (T_max, C) -> drop -> h.0 .. h.{L-1} (x + attn(ln_1(x)); x + mlp(ln_2(x)))
+-> ln_f -> lm_head (tied to wte) -> logits (B, T, V). attn: c_attn (C -> 3C), H heads of D = C/H, the
+``attn.core`` (causal softmax, dropout, @ v), c_proj; mlp: c_fc (C -> 4C), GELU (tanh), c_proj. ``state_dict()``
+names and shapes are nanoGPT's (Linear weights (out, in)). Init: :mod:`minizero.nn.init`.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""LoRA adapters (Hu et al. 2021) on a frozen base, and QLoRA's NF4 base (Dettmers et al. 2023).
+"""LoRA adapters on a frozen base, and QLoRA's NF4 base.
 
-::
+``y = base(x) + (alpha / r) * (x A^T) B^T``, A (r, in), B (out, r) zero-initialised; base a frozen Linear or an
+NF4Linear. :func:`add_lora` assigns :class:`LoRALinear` children and freezes every other parameter;
+:func:`merged_state_dict` folds W + (alpha/r) B A into the plain model's names.
 
-    y = base(x) + (alpha / r) * (x A^T) B^T        A (r, in) trained, B (out, r) trained, from zero
-    base: a frozen Linear (float weight) or an NF4Linear (weight as NF4 codes, dequantized per forward)
-
-:func:`add_lora` assigns a :class:`LoRALinear` child in place of each chosen Linear (a child
-module, nothing replaced on an instance) and freezes every other parameter
-(``requires_grad = False``): only the adapters get gradients and optimizer state.
-:func:`merged_state_dict` folds W + (alpha/r) B A back into the plain model's names.
-
-Sources: Hu et al., "LoRA", arXiv:2106.09685, section 4.1 (A Gaussian, B zero, scale alpha/r);
-Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 (NF4 base, 16-bit compute).
+Sources: Hu et al., arXiv:2106.09685, section 4.1; Dettmers et al., arXiv:2305.14314, section 3.
 """
 from __future__ import annotations
 

@@ -166,17 +166,12 @@ class Adam8bit(Optimizer):
     """AdamW with 8-bit block-wise state; a drop-in for :class:`~minizero.optim.AdamW`.
 
     Args:
-        params, lr, betas, eps, weight_decay: as AdamW (nanoGPT decay grouping: 2-D+ only).
-        block_size: elements per FP32 absmax (default 256, bitsandbytes; the paper used 2048).
-        min_8bit_size: smaller tensors keep state in the state dtype (default 4096).
-        code: ``"dynamic"`` (default) or ``"linear"`` (for comparison).
-        fp32_params: parameters (objects, compared by identity) whose state stays in the
-            state dtype whatever their size — bitsandbytes' ``override_config(p, "optim_bits",
-            32)``, which its ``StableEmbedding`` applies to embeddings (paper, section 2.3).
-        master_weights: keep an FP32 copy of every parameter and update it (mixed
-            precision, as :class:`~minizero.optim.AdamW`); counted as ``optimizer_state``.
-    State: ``m``/``v`` per parameter, :class:`QuantizedState` or arrays, all counted as
-    ``optimizer_state`` in the ledger; :meth:`state_nbytes` = :func:`state_nbytes` (+ masters).
+        params, lr, betas, eps, weight_decay: as AdamW.
+        block_size: elements per FP32 absmax (default 256).  min_8bit_size: smaller tensors keep full state (4096).
+        code: ``"dynamic"`` (default) or ``"linear"``.
+        fp32_params: parameters whose state stays full precision (bitsandbytes' ``override_config``).
+        master_weights: keep and update an FP32 copy of every parameter (``optimizer_state``).
+    State: ``m``/``v`` per parameter (``optimizer_state``); :meth:`state_nbytes`.
     Raises:
         ValueError: a hyper-parameter out of range (named).
     """
@@ -237,21 +232,14 @@ class Adam8bit(Optimizer):
 
 
 class ShardedAdam8bit:
-    """The 8-bit Adam state of one rank's ZeRO shards, and its update (used by ``ZeroOptimizer``).
+    """The 8-bit Adam state of one rank's ZeRO shards, and its update.
 
     Args:
-        shard_map: the ZeRO ``ShardMap`` (units, their parameters, who owns which elements).
-        comm: the data-parallel communicator (rank = owner index in the shard map).
-        dtype: parameter dtype (the state dtype of small tensors follows it).
-        block_size, min_8bit_size, code: as :class:`Adam8bit`.
-        fp32_names: names of parameters whose state stays in the state dtype (as
-            :class:`Adam8bit`'s ``fp32_params``, by ``ShardMap`` name).
-    For every unit, every *piece* (the part of one parameter inside this rank's shard) gets
-    ``(m, v)`` from :func:`new_state`, the 8-bit ones with ``offset`` = the piece's first
-    element in its parameter, so the blocks are the parameter's own. Blocks that several
-    ranks hold part of are listed identically on every rank (:attr:`shared`), and
-    :meth:`step_unit` agrees on their absmax with one all-reduce (label
-    ``"adam8bit_absmax"``; float32, N x shared x 2 values).
+        shard_map: the ZeRO ``ShardMap``.  comm: the data-parallel communicator.
+        dtype: parameter dtype.  block_size, min_8bit_size, code: as :class:`Adam8bit`.
+        fp32_names: parameters (by ``ShardMap`` name) whose state stays full precision.
+    Each piece's blocks start at the parameter's first element; blocks held by several ranks (:attr:`shared`) agree
+    on their absmax in :meth:`step_unit` with one all-reduce (label ``"adam8bit_absmax"``, float32, N x shared x 2).
     """
 
     def __init__(self, shard_map, comm, dtype, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE,

@@ -99,24 +99,11 @@ def reserve(f, nbytes: int, folder: str, what: str) -> None:
 class OptimizerStateStore:
     """Where an optimizer keeps its FP32 state (master weights, Adam m and v) and runs its update.
 
-    ``none``: device memory (ledger ``optimizer_state``). ``cpu``: host memory
-    (ledger ``offloaded``; page-locked on CuPy, :func:`minizero.backend.pinned_zeros`): the
-    update runs on the host, in NumPy, on host copies of the gradients (explicit
-    ``backend.to_host``) and the result is copied back (``backend.to_device``) to the device's
-    compute-precision parameters — ZeRO-Offload (Ren et al. 2021, section 4). ``nvme``: every
-    state array is an ``np.memmap`` over an anonymous file in ``offload_dir``
-    (not in the ledger's memory categories; its bytes are ``disk_bytes``) —
-    ZeRO-Infinity's NVMe tier (Rajbhandari et al. 2021, section 5) without the
-    overlapping prefetch. On the NumPy backend host memory *is* device memory,
-    so ``cpu`` only relabels bytes; on CuPy ``cpu`` moves them off the GPU as well.
-    ``nvme`` moves them out of the ledger's categories and out of tracemalloc's view,
-    but *not* out of the resident set: the pages of a memory-mapped file that the update
-    touches count in RSS as file-backed memory (a 200 MB memmap raised RSS by ~205 MB
-    here). Unlike anonymous memory the kernel can write them back to disk and drop them
-    under memory pressure; on a RAM-backed folder (tmpfs, ramfs: often the system temp
-    dir) they cannot, and nothing is saved at all (:func:`ram_backed` tells).
-    The disk space of every array is reserved when it is created (:func:`reserve`), so a
-    full disk fails before training instead of with SIGBUS in the middle.
+    ``none``: device memory (ledger ``optimizer_state``). ``cpu``: host memory (ledger ``offloaded``, pinned on
+    CuPy); the update runs in NumPy on host copies of the gradients and is copied back (ZeRO-Offload, section 4).
+    ``nvme``: each array an ``np.memmap`` over an anonymous file in ``offload_dir`` (``disk_bytes``; its touched
+    pages still count in RSS; :func:`ram_backed` tells a RAM-backed folder), disk space reserved at creation
+    (ZeRO-Infinity, section 5).
 
     Args:
         kind: ``"none"``, ``"cpu"`` or ``"nvme"``.  offload_dir: for nvme (default: temp dir).

@@ -1,23 +1,11 @@
 """Data parallelism: every rank holds the whole model, gradients are averaged with all-reduce.
 
-::
+Gradients are packed into flat buckets of at most ``bucket_bytes`` (reverse parameter order; ledger
+``comm_buffers``), each summed by one ring all-reduce once per optimizer step (after the last micro-batch), then
+divided by N.
 
-    rank 0: micro-batches 0..b-1      ─ forward/backward ─> grads g0 ┐
-    rank 1: micro-batches b..2b-1     ─ forward/backward ─> grads g1 ├─ all_reduce(sum) / N ─> same grads everywhere
-    ...                                                             ┘
-    then every rank runs the same optimizer step on the same averaged gradients.
-
-Gradients are packed into flat *buckets* of at most ``bucket_bytes`` (in
-reverse parameter order, the order backward produces them), and each bucket is
-reduced with one hand-written ring all-reduce — not one call per parameter,
-which would pay the per-message latency hundreds of times. The reduction runs
-once per optimizer step, after the last micro-batch, so gradient accumulation
-costs no extra communication. Bucket buffers are preallocated and counted as
-``comm_buffers`` in the ledger.
-
-Mirrors ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb, reverse
-order, broadcast of initial parameters from rank 0, averaging by world size);
-Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
+Mirrors: ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb, reverse order, rank 0's initial
+parameters); Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
 """
 from __future__ import annotations
 
@@ -49,20 +37,12 @@ class DataParallel:
     Args:
         params: list of Parameters (the same list, same order, on every rank).
         comm: the data-parallel Communicator (world_size N).
-        bucket_bytes: maximum bytes per flat bucket (a parameter larger than
-            this gets a bucket of its own). Default 1 MiB: the default model
-            then has a few buckets, which shows the idea; PyTorch uses 25 MiB.
-        native: use the MPI library's all-reduce instead of the hand-written ring.
-        broadcast_params: copy rank 0's parameters to every rank at construction.
-        allreduce: optional callable ``allreduce(flat, out=flat)`` that sums a flat bucket
-            over ``comm`` in place (e.g. a :class:`~minizero.comm.hierarchical.HierarchicalAllReduce`
-            over ``comm``); None: the ring (``native``: the library's).
-        find_unused_parameters: agree every step on the parameters some rank gave a gradient
-            (:func:`~minizero.optim.used_parameters.used_anywhere`, one all-gather of a
-            ceil(P/8)-byte bitmask), so ranks may run different graphs. False: the fast path,
-            whose precondition (unchecked) is that every rank runs the same graph.
-        predivided: every rank's gradients already carry the 1/N of the mean (FP16's backward seed):
-            the reduction is a plain sum.
+        bucket_bytes: maximum bytes per flat bucket (a larger parameter gets its own). Default 1 MiB.
+        native: use the MPI library's all-reduce.  broadcast_params: copy rank 0's parameters at construction.
+        allreduce: optional ``allreduce(flat, out=flat)`` summing a bucket in place; None: the ring.
+        find_unused_parameters: agree each step on the parameters some rank used (one all-gather of a
+            ceil(P/8)-byte bitmask); False assumes every rank runs the same graph.
+        predivided: gradients already carry the 1/N; the reduction is a plain sum.
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """

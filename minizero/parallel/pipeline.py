@@ -54,15 +54,11 @@ class PipelineStage(Module):
     """One pipeline stage of a GPT, holding the *same* module objects (and weights) as the model.
 
     Args:
-        model: a built :class:`minizero.nn.GPT` (possibly tensor-parallel already).
-        stage, num_stages: which stage, of how many (1 <= num_stages <= n_layer).
-    Parameter names are the model's (``transformer.h.2.mlp.c_fc.weight``), so states and
-    gradients compare name by name; the last stage's copy of the tied head is
-    ``lm_head.weight`` (marked ``shared_embedding_copy``).
-    ``forward(x, targets=None)``: first stage x = token ids (b, T) int, else the activation
-    (b, T, C); returns the activation (b, T, C), or on the last stage the mean loss
-    (scalar, ``loss_fn``) when ``targets`` (b, T) is given, else the logits (b, T, V) —
-    (b, T, V/tp), this rank's tokens only, once ``vocab_parallel.vocab_parallelize`` has split the head.
+        model: a built :class:`minizero.nn.GPT`.  stage, num_stages: which stage, of how many.
+    Parameter names are the model's; the last stage's tied head copy is ``lm_head.weight``
+    (``shared_embedding_copy``). ``forward(x, targets=None)``: x = token ids (b, T) on the first stage, else (b, T, C);
+    returns (b, T, C), or on the last stage the mean loss with ``targets``, else logits (b, T, V) ((b, T, V/tp) when
+    vocab-parallel).
     Raises:
         ValueError: num_stages outside [1, n_layer] or stage outside [0, num_stages).
     """
@@ -139,26 +135,21 @@ class PipelineEngine:
     """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
     Args:
-        stage: this rank's :class:`PipelineStage` (one chunk, v = 1), or a stage with ``chunks``
-            (:class:`~minizero.parallel.interleaved.InterleavedStage`, v > 1: chunk c is virtual stage c p + r).
-        comm: the pipeline-parallel Communicator (rank = stage index, size = num_stages).
-        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES` (its ops are run as listed).
-        verbose: print every message as an arrow (``log`` receives the line).
-        pair_sends: post a send together with the next receive from the same neighbour
-            (``sendrecv``). Turning it off shows why it is needed: with synchronous sends
-            (MPI_Ssend, or any message above MPI's eager limit) 1F1B then deadlocks.
-        forward_context: optional callable returning a context manager entered around every
-            forward (e.g. activation offload's hooks).
-        overlap: every send an ``isend`` (always so with v > 1, where blocking sends can deadlock).
+        stage: this rank's :class:`PipelineStage` (v = 1) or an
+            :class:`~minizero.parallel.interleaved.InterleavedStage` (v > 1).
+        comm: the pipeline-parallel Communicator (rank = stage index).
+        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES`.
+        verbose: print every message (``log`` receives the line).
+        pair_sends: post a send with the next receive from the same neighbour (``sendrecv``); off, 1F1B can
+            deadlock under synchronous sends.
+        forward_context: optional callable returning a context manager entered around every forward.
+        overlap: every send an ``isend`` (always with v > 1).
     Attributes:
-        peak_in_flight: most micro-batches (chunks) held at once in the last step (GPipe: m; 1F1B: <= p - s).
-        trace: the ops of the last step, in the order run (``Op`` list).
+        peak_in_flight: most micro-batches (chunks) held at once in the last step.  trace: the last step's ops.
     Raises:
-        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 over a
-        communicator without isend/irecv.
-    Traffic (``comm.traffic``): per micro-batch and chunk, one ``pp_activation`` message of the
-    (b, T, C) activation to the next rank (none from the last virtual stage) and one
-    ``pp_gradient`` message of the same shape to the previous one (none from the first).
+        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 without isend/irecv.
+    Traffic: per micro-batch and chunk one ``pp_activation`` (b, T, C) message forward and one ``pp_gradient``
+    backward.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,

@@ -60,16 +60,11 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     """Collective over ``topo.world``: the per-step traffic table (lines, on world rank 0; [] elsewhere).
 
     Args:
-        topo: the :class:`Topology` (its communicators' ``traffic`` and, when present,
-            ``cross_node`` ledgers are read).
+        topo: the :class:`Topology` (its ledgers' ``traffic`` and ``cross_node`` are read).
         steps: optimizer steps taken (>= 1).
-        dp: the :class:`DataParallel` synchroniser (None under ZeRO): its buckets give the
-            ring-vs-hierarchical comparison.
-        algorithm: the gradient all-reduce in use (``"ring"`` or ``"hierarchical"``), printed.
-        cp: the context-parallel size (``--cp``). Its groups are split from the data group (cp
-            consecutive members each; ``parallel/context_parallel.py``), so ring attention's bytes are
-            in the data group's ledger: with cp > 1 they get their own row and leave the dp row.
-    Bytes: one all-reduce of a small float64 vector over the world, label ``"metrics"``.
+        dp: the :class:`DataParallel` synchroniser or None (its buckets give the ring-vs-hierarchical line).
+        algorithm: ``"ring"`` or ``"hierarchical"``, printed.  cp: context-parallel size (cp > 1: its own row).
+    Bytes: one all-reduce of a small float64 vector, label ``"metrics"``.
     Raises:
         ValueError: ``steps`` < 1.
     """

@@ -27,21 +27,15 @@ def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
 
 
 class Topology:
-    """This rank's place in the mesh and its group communicators.
+    """This rank's place in the mesh and its group communicators (collective: five splits of ``comm``).
 
     Args:
-        comm: the world Communicator (``world_size == dp * tp * pp``).
-        dp, tp, pp: group sizes (the command line derives missing ones: minizero.layout_checks.resolve_sizes).
+        comm: the world Communicator (``world_size == dp * tp * pp``).  dp, tp, pp: group sizes.
     Attributes:
-        dp, tp, pp: sizes. dp_rank, tp_rank, pp_rank: coordinates of this rank.
-        world: ``comm``. tp_comm, dp_comm, pp_comm: this rank's groups (size tp, dp, pp).
-        mp_comm: the model-parallel group (same dp rank: tp x pp ranks, ordered by world
-            rank), where a global gradient norm is summed.
-        embed_comm: first and last stage of this pipeline group (size 2 when pp > 1,
-            else 1); on middle stages a group of the middle stages that is never used.
-        nodes: the world's :class:`NodeLayout` (``comm.nodes`` when ``comm`` is a
-            ``NodeTrafficCommunicator``; otherwise one node).
-    Collective: every rank of ``comm`` must construct it at the same time (five splits).
+        dp, tp, pp; dp_rank, tp_rank, pp_rank; world (``comm``); tp_comm, dp_comm, pp_comm;
+        mp_comm: same dp rank, tp x pp ranks (where a global gradient norm is summed);
+        embed_comm: first and last stage of this pipeline group (size 2 when pp > 1, else 1);
+        nodes: the world's :class:`NodeLayout` (one node unless ``comm`` is a ``NodeTrafficCommunicator``).
     Raises:
         ValueError: ``dp * tp * pp`` differs from ``comm.world_size``.
     """

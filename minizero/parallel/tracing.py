@@ -1,17 +1,11 @@
 """``--trace PATH``: spans for each unit's forward and backward, and one timeline file for all ranks.
 
-Forward spans come from module hooks (pre-hook: start; hook: end). Backward spans come from two
-identity Functions placed at the unit's boundary while tracing: one on the unit's output, whose
-backward runs when the output's gradient is complete (the unit's backward begins), one on its
-input, whose backward runs when the input's gradient is computed (it ends). Identities pass the
-gradient array through untouched, so tracing never changes a result. The units are ZeRO's
-(:func:`~minizero.zero.shards.find_units`: each transformer block, and each other module
-that owns parameters).
+Forward spans come from module hooks; backward spans from identity Functions on each unit's output (begin) and
+input (end), which pass gradients through untouched. Units are ZeRO's (:func:`~minizero.zero.shards.find_units`).
+:func:`write_trace` gathers every rank's events on rank 0 (a length, then the JSON bytes) and writes one Chrome
+trace-event file.
 
-:func:`write_trace` gathers every rank's events on rank 0 with point-to-point messages (a length,
-then the JSON bytes) and writes one Chrome trace-event file through ``files.atomic_write``.
-
-Mirrors: ``torch.profiler`` with ``record_function`` spans, ``export_chrome_trace``.
+Mirrors: ``torch.profiler`` (``record_function``, ``export_chrome_trace``).
 """
 from __future__ import annotations
 

@@ -15,19 +15,10 @@ from minizero.memory.estimator.model import ACCOUNTINGS, ATTENTIONS, OFFLOAD_MIN
 class Saved:
     """One array a transformer layer keeps for backward, for one micro-batch.
 
-    ``nbytes``: the whole (unsplit) array. ``split``: "tp" — inside the tensor-parallel
-    region, divided by t; "sp" — divided by t only with sequence parallelism; "rep" —
-    replicated on every tensor rank.
-    ``part``: "pre" (up to Q, K, V), "core" (softmax, dropout: what selective recompute
-    drops), "post" (freed in backward before the attention core is recomputed),
-    "held" (alive all step: the caller still holds it).
-    ``arrays``: how many equal arrays the row is (Q, K and V are three views of one
-    buffer; a layer norm's mean and rstd are two) -- activation offload decides per
-    array whether it is small enough to stay (:data:`OFFLOAD_MIN_BYTES`).
-    ``packs``: how many times each array passes through ``save_for_backward`` (minizero's
-    softmax output, saved by the softmax and by ``@ v`` when there is no dropout). The
-    ledger counts a buffer once, and so does activation offload (issue 19: one copy per
-    buffer, however many saves), so it no longer changes a byte count; kept as a fact.
+    ``nbytes``: the whole (unsplit) array. ``split``: "tp" (divided by t), "sp" (by t with sequence parallelism
+    only) or "rep" (replicated). ``part``: "pre", "core" (what selective recompute drops), "post" or "held".
+    ``arrays``: how many equal arrays the row is (offload decides per array against :data:`OFFLOAD_MIN_BYTES`).
+    ``packs``: times each array passes through ``save_for_backward`` (counted once by the ledger and offload).
     """
 
     name: str
@@ -48,24 +39,10 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
                     precision: str = "mixed") -> list[Saved]:
     """What one transformer layer saves for backward, one row per array (bytes, one micro-batch).
 
-    ``"paper"`` (Korthikanti et al. 2022, section 4.1, e = 2-byte activations, 1-byte
-    dropout masks), for a GPT layer::
-
-        attention: LN input 2sbh, QKV input 2sbh, Q and K 4sbh, V 2sbh,
-                   softmax output 2as^2b, its dropout mask as^2b and output 2as^2b,
-                   projection input 2sbh, dropout mask sbh             = 11sbh + 5as^2b
-        MLP:       LN input 2sbh, first linear input 2sbh, GeLU input 8sbh,
-                   GeLU output 8sbh, dropout mask sbh                  = 19sbh + (LN counted above)
-        total      sbh (34 + 5as/h)                                      (equation 1)
-
-    Generalised with the same counting to grouped-query attention (K and V are
-    kv_hidden wide) and SwiGLU (gate, SiLU output, up projection and their product,
-    each sbf, as unfused PyTorch saves them); no dropout, no masks.
-
-    ``"minizero"``: e = the precision's element size (4 for fp32, 8 for fp64), plus
-    the layer norms' mean and rstd (2 x sb in at least fp32); Q, K, V are views of one
-    c_attn output (counted once). Per GPT block without dropout, fp32:
-    64sbh + 4as^2b + 16sb bytes.
+    ``"paper"``: Korthikanti et al. 2022, section 4.1 (2-byte activations, 1-byte masks; a GPT layer totals
+    sbh(34 + 5as/h), equation 1), extended to grouped-query attention and SwiGLU. ``"minizero"``: the precision's
+    element size, plus the layer norms' mean and rstd (2 x sb, at least fp32); Q, K, V counted once (views of one
+    c_attn output).
     """
     m = as_shape(model)
     if accounting not in ACCOUNTINGS:
@@ -162,22 +139,10 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
                            attention: str = "dense") -> int:
     """Bytes one transformer layer keeps for backward on one of ``tp`` ranks, one micro-batch.
 
-    Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte masks)::
-
-        no parallelism                     sbh (34 + 5as/h)
-        tensor parallel t                  sbh (10 + 24/t + 5as/(ht))
-        + sequence parallel                sbh (34/t + 5as/(ht))
-        tensor parallel + selective        sbh (10 + 24/t)
-        + sequence parallel + selective    sbh (34/t)
-        full recompute                     2sbh   (the layer input)
-
-    One deviation from Table 2: with sequence parallelism the layer input kept by
-    full recompute is itself split along s, so full recompute + SP gives 2sbh/t
-    (as Megatron-LM stores it).
-
-    ``cp`` > 1 (context parallelism): the rows of s/cp tokens, ring attention's output and
-    log-sum-exp in place of the s^2 terms (:func:`context_parallel_rows`); ``attention="flash"``: the
-    same two rows in place of the s^2 terms at any cp (sbh(34 + 5as/h) loses its 5as/h).
+    Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); + sequence
+    parallel sbh(34/t + 5as/(ht)); selective drops the 5as/h term; full recompute 2sbh (2sbh/t with sequence
+    parallelism). cp > 1: rows of s/cp tokens, ring attention's output and log-sum-exp replacing the s^2 terms
+    (:func:`context_parallel_rows`), as ``attention="flash"`` does at any cp.
     """
     m = as_shape(model)
     rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp, attention)
@@ -243,22 +208,10 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
                      stage: int = 0) -> tuple[int, int]:
     """Peak activation bytes of pipeline stage ``stage`` on one rank: (on the device, offloaded to host).
 
-    peak = (stored per layer) x (layers x micro-batches in flight, :func:`in_flight`)
-         + embedding rows x micro-batches in flight (stage 0)
-         + head rows (last stage, one micro-batch in flight; m under GPipe)
-         + max(0, recompute transient - head): the layer being recomputed in backward
-           (full: the whole layer; selective: the attention core, once the MLP is freed).
-           The head's arrays are freed before the last layer is recomputed, so the two
-           never coexist (checked against the ledger for minizero).
-    With ``offload_activations`` the stored arrays live on the host (or in files):
-
-    * ``"paper"``: the device holds one layer's arrays brought back plus the transient.
-    * ``"minizero"`` (``memory/offload.py`` on NumPy, where the array brought back *is*
-      the host copy): arrays under :data:`OFFLOAD_MIN_BYTES` stay on the device, every
-      other one is copied off once per buffer (however many saves: :attr:`Saved.packs`);
-      the layer recompute rebuilds in backward is not offloaded (backward runs outside
-      the offload context), so device = small arrays + max(0, transient - the head's
-      small arrays); host = the copies.
+    peak = stored per layer x layers x micro-batches in flight (:func:`in_flight`) + embedding rows (stage 0) + head
+    rows (last stage) + max(0, recompute transient - head). With ``offload_activations``: ``"paper"`` keeps one
+    layer brought back plus the transient on the device; ``"minizero"`` keeps arrays under
+    :data:`OFFLOAD_MIN_BYTES` and the recompute transient, the rest on the host once per buffer.
     """
     m = as_shape(model)
     s = seq_len or m.seq_len

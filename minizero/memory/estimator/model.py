@@ -181,47 +181,18 @@ def as_shape(model) -> ModelShape:
 class Strategy:
     """How the training job is laid out, for one optimizer step.
 
-    World size = dp * cp * tp * pp. Each rank runs ``micro_batches`` (m) micro-batches
-    of ``micro_batch`` (b) sequences per step, so the global batch is dp * b * m
-    sequences (the cp ranks of a context group share their sequences).
+    World size = dp * cp * tp * pp; each rank runs ``micro_batches`` (m) of ``micro_batch`` (b) sequences per step.
 
     Fields:
-        dp, tp, pp: data-, tensor- and pipeline-parallel sizes.
-        cp: context-parallel size: each sequence split over cp ranks, 2 of 2cp chunks each,
-            attention by ring attention (``parallel/context_parallel.py``; Liu et al. 2023).
-            Gradients are averaged, and ZeRO shards, over the dp x cp ranks
-            (:attr:`data_ranks`, Megatron-LM's "dp-cp" group).
-        zero: ZeRO-DP stage over the dp x cp ranks: 0 none, 1 P_os, 2 P_os+g, 3 P_os+g+p.
-        sequence_parallel: split the layer norms and dropouts along s over the
-            tensor group (Korthikanti et al. 2022, section 4.2.2); needs tp > 1.
-        recompute: "none", "selective" (attention core; section 5) or "full" (keep
-            only each layer's input; Chen et al. 2016).
-        precision: "mixed" (16-bit params/grads/activations, fp32 master + Adam,
-            K = 12), "fp32" (K = 8) or "fp64" (minizero's test dtype, K = 16).
-        optimizer: "adam" or "adam8bit" (block-wise 8-bit moments).
-        offload: "none"; "optimizer" (ZeRO-Offload: optimizer state and gradient
-            shard in host memory, Ren et al. 2021, which builds on ZeRO-2; minizero's
-            ``--offload-optimizer`` moves the optimizer state -- FP32 masters, m, v -- at
-            any ZeRO stage, and its gradients stay on the device); "params"
-            (ZeRO-Infinity: parameters too; needs zero 3, Rajbhandari et al. 2021).
-        attention: "dense" (the (s, s) probabilities, their dropout mask and output saved) or
-            "flash" (FlashAttention, Dao et al. 2022: the output and the row log-sum-exp instead;
-            ``nn/flash_attention.py``). With cp > 1 the ring's rows apply whichever is named.
-        offload_activations: saved activations live in host memory between
-            forward and backward (ZeRO-R P_a+cpu, section 6.1; minizero.memory.offload).
-        offload_tier: where offloaded bytes go: "cpu" (host memory,
-            ``MemoryEstimate.offloaded``) or "nvme" (files, ``MemoryEstimate.nvme``;
-            ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021, section 5).
-        schedule: pipeline schedule "1f1b" (PipeDream-Flush), "gpipe", or
-            "interleaved" with ``virtual_stages`` model chunks per rank.
-        bucket_bytes: size of the gradient reduce buffer; None means one flat
-            buffer as large as all gradients (what minizero's DataParallel keeps).
-        overlap: ZeRO 2-3 as minizero's CLI runs them by default (``--no-overlap``: False),
-            counted by the "minizero" accounting when dp > 1: each unit's reduce-scatter
-            runs during backward with two gradient buckets alive (double buffering,
-            ``zero/overlap.py``), and ZeRO-3 gathers the next unit while one runs.
-            Data parallelism's overlapped all-reduce keeps its ring's receive chunk out
-            of the ledger; for ZeRO 0-1 the flag changes nothing here.
+        dp, tp, pp, cp: parallel sizes (gradients averaged and ZeRO sharded over :attr:`data_ranks` = dp x cp).
+        zero: ZeRO stage 0-3 over the data ranks.  sequence_parallel: needs tp > 1.
+        recompute: "none", "selective" or "full".  precision: "mixed" (K = 12), "fp32" (K = 8), "fp64" (K = 16).
+        optimizer: "adam" or "adam8bit".  attention: "dense" or "flash".
+        offload: "none", "optimizer" (optimizer state; ZeRO-Offload) or "params" (needs zero 3; ZeRO-Infinity).
+        offload_activations: saved activations in host memory.  offload_tier: "cpu" or "nvme".
+        schedule: "1f1b", "gpipe" or "interleaved" (``virtual_stages`` chunks per rank).
+        bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
+        overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
     """
 
     dp: int = 1
@@ -304,22 +275,11 @@ def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
 # ---- model states: ZeRO -----------------------------------------------------------------------
 def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: str = "mixed",
                       optimizer: str = "adam") -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP.
+    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP (ZeRO section 5, Figure 1).
 
-    Formula (Rajbhandari et al. 2020, section 5, Figure 1), Psi = ``num_params``,
-    N_d = ``dp``, 2 bytes per 16-bit parameter and gradient, K bytes of optimizer
-    state per parameter (mixed-precision Adam: fp32 master, momentum and variance,
-    K = 12; section 3.1)::
-
-        stage 0 (baseline)   (2 + 2 + K) Psi
-        stage 1 (P_os)       2 Psi + 2 Psi + K Psi / N_d
-        stage 2 (P_os+g)     2 Psi + (2 + K) Psi / N_d
-        stage 3 (P_os+g+p)   (2 + 2 + K) Psi / N_d
-
-    A shard is ceil(Psi / N_d) elements (the flat buffer padded to a multiple of
-    N_d). fp32 training: 4 + 4 + 8; fp64: 8 + 8 + 16; 8-bit Adam: K = master +
-    2 x (1 byte + 4/256 for the block-wise fp32 absmax; Dettmers et al. 2022, section 2,
-    with bitsandbytes' block of 256).
+    Psi = ``num_params``, N_d = ``dp``, K optimizer bytes per parameter: stage 0 (2 + 2 + K) Psi; 1 (2 + 2) Psi +
+    K Psi/N_d; 2 2 Psi + (2 + K) Psi/N_d; 3 (2 + 2 + K) Psi/N_d; a shard is ceil(Psi/N_d) elements. fp32 4 + 4 + 8,
+    fp64 8 + 8 + 16; 8-bit Adam K = master + 2 x (1 + 4/256).
     Returns {"parameters", "gradients", "optimizer_state"} in bytes.
     """
     s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()

@@ -120,29 +120,14 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
 
     Args:
         model: a :class:`ModelShape` or a minizero ``GPTConfig``.
-        strategy: the :class:`Strategy`; with a GPTConfig its precision must match the
-            config's dtype (:func:`precision_for_dtype`).
+        strategy: the :class:`Strategy`; with a GPTConfig its precision must match the config's dtype.
         seq_len: tokens per sequence s (default: the model's context).
-        accounting: "paper" or "minizero" (see the module docstring).
-        stage: pipeline stage; None picks the stage with the largest device total
-            (the first or the last: stage 0 holds the most micro-batches in flight and
-            the embedding, the last holds the head).
+        accounting: "paper" or "minizero".
+        stage: pipeline stage; None picks the one with the largest device total.
     Returns:
-        :class:`MemoryEstimate` (bytes). Model states: :func:`model_state_bytes` of
-        the stage's parameters (:func:`stage_parameters`); activations:
-        :func:`activation_bytes`. ``"paper"``: ``comm_buffers`` = the gradient reduce
-        bucket (dp > 1, ``bucket_bytes``; ZeRO-R section 6.2) + pipeline receive buffers
-        for an activation and a gradient (pp > 1); ``gathered`` = ZeRO-3's working set of
-        two units (the one running and the prefetched next one). ``"minizero"``: its own
-        buffers -- DataParallel's flat buckets over every gradient (ZeRO 0), one unit's
-        gradient bucket (ZeRO 2-3) and one gathered unit (ZeRO 3), each plus the tied
-        embedding -- two of each with ``strategy.overlap`` (double-buffered reduce-scatter,
-        prefetch: :mod:`~minizero.memory.estimator.zero_overlap`) -- and the pipeline's
-        dL/d(input) send buffer (stages > 0).
-        Offload: ``"paper"`` moves the gradient and optimizer shards (ZeRO-Offload) and
-        the parameter shard (``params``); ``"minizero"`` moves the optimizer state only
-        (its ``OptimizerStateStore``). Offloaded bytes are ``offloaded`` (tier "cpu")
-        or ``nvme`` (tier "nvme").
+        :class:`MemoryEstimate` (bytes): model states (:func:`model_state_bytes`), activations
+        (:func:`activation_bytes`), ``comm_buffers`` and ``gathered`` (two of each with ``strategy.overlap``:
+        :mod:`~minizero.memory.estimator.zero_overlap`); offloaded bytes in ``offloaded`` or ``nvme``.
     Raises:
         ValueError: an invalid strategy or one that does not fit the shape (named).
     """

@@ -18,37 +18,17 @@ def _ring(n: int) -> float:
 
 def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
                         accounting: str = "paper") -> dict:
-    """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by parallelism.
+    """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by parallelism (ring collectives).
 
-    With ring collectives (bytes *sent* per rank, as minizero's traffic ledger counts
-    them), Psi_r = the stage's parameters on this rank, P/G their bytes, m micro-batches:
+    P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
+    ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
+    (ZeRO, section 7). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
+    plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
+    way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` forward and backward (and forward
+    again under recompute). ``pcie``: offload traffic.
 
-    * ``dp`` (Rajbhandari et al. 2020, section 7): ZeRO 0 all-reduce 2(N-1)/N G;
-      ZeRO 1 reduce-scatter G + all-gather P, (N-1)/N each, once per step; ZeRO 2
-      reduce-scatter every micro-batch, m(N-1)/N G + (N-1)/N P; ZeRO 3 per micro-batch
-      all-gather P for forward and again for backward and reduce-scatter G:
-      m(N-1)/N (2P + G) -- 1.5x the baseline at m = 1.
-    * ``tp`` (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2):
-      per layer and micro-batch 2 all-reduces forward and 2 backward of sbh activations,
-      2(t-1)/t sbh e each (sequence parallelism swaps each for an all-gather plus a
-      reduce-scatter: the same bytes); full recompute repeats the forward's 2; plus
-      one all-reduce for the vocab-parallel embedding (stage 0) and one for the head
-      (last stage) -- not with ``accounting="minizero"``, whose embedding and head are
-      replicated.
-    * ``pp`` (Narayanan et al. 2021, section 4.1, scatter/gather): per micro-batch and
-      model chunk, the activation forward and its gradient backward, sbh e / t each;
-      a tied embedding split across stages all-reduces its gradient between the first
-      and the last stage once per step.
-    * ``cp`` (ring attention, Liu et al. 2023, arXiv:2310.01889, section 3; minizero's
-      ``parallel/context_parallel.py``): per layer and micro-batch, :func:`ring_attention_bytes`
-      forward and backward, and forward again when recompute re-runs the attention core
-      (selective or full). Llama 3 (Dubey et al. 2024, section 3.3.2) all-gathers K and V
-      instead: the same (c-1)/c of the sequence's K and V arrive at every rank.
-    * ``pcie``: host <-> device traffic of offloading (gradients down, parameters up;
-      parameters fetched twice per micro-batch with ``params``; activations down and
-      back up).
-    Returns {"dp", "tp", "pp", "cp", "pcie"} in bytes. With cp > 1 every sequence-sized array
-    is 1/cp as long, and the data group (``dp``) is :attr:`Strategy.data_ranks` = dp x cp ranks.
+    Returns:
+        {"dp", "tp", "pp", "cp", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
     """
     m = as_shape(model)
     st = strategy.validate(m)
