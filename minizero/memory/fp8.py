@@ -3,9 +3,9 @@
 Every Linear multiplies FP8 operands with FP32 accumulation: x and W cast to E4M3 (max 448), the incoming
 gradient to E5M2 (max 57344), ``q = round(clip(x * s, -max, max)) / s`` with s = max / amax (round to nearest
 even, saturating, NaN kept). ``current`` scaling uses the tensor's amax; ``delayed`` the largest of the last
-``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. Values live in
-float32 arrays (4 bytes in the ledger). The saved x and W are their 8-bit codes (1 byte per element in the ledger); the matmuls run on the
-decoded float32 values.
+``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. The saved x
+and W are their 8-bit codes (1 byte per element in the ledger); other values live in float32 arrays (4 bytes)
+and the matmuls run on the decoded float32 values.
 
 Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
