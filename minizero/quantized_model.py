@@ -1,15 +1,9 @@
 """Weight-only quantization of a GPT: every Linear's weight as INT8/INT4 codes + FP32 scales.
 
-:class:`QuantizedLinear` stores a weight as a :class:`~minizero.quantization.QuantizedTensor`
-and dequantizes it in every forward; :func:`quantize_model` swaps a model's Linear layers
-for them in place (the tied LM head is left alone: its matrix is the embedding's);
-:func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (Dettmers et al.
-2022, arXiv:2208.07339, section 3.2); :func:`evaluate_loss` and :func:`model_nbytes` measure
-the result. The command line around them is :mod:`minizero.quantize`.
-
-Everything runs on the device (``backend.xp``): the weight is quantized where it lives, the
-codes, scales and outlier columns stay there, and the calibration statistics are device
-arrays (the command line copies them to the host, explicitly, to print them).
+:class:`QuantizedLinear` dequantizes its :class:`~minizero.quantization.QuantizedTensor` in every forward;
+:func:`quantize_model` swaps a model's Linear layers for them in place (not the tied head);
+:func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (arXiv:2208.07339, section 3.2);
+:func:`evaluate_loss` and :func:`model_nbytes` measure the result. Everything stays on ``backend.xp``.
 """
 from __future__ import annotations
 
