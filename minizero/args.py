@@ -1,15 +1,8 @@
 """The command line of ``python -m minizero.train``: every flag, checked before any work.
 
-:func:`parse_args` validates every value identically on every rank, so a bad value gives
-one message naming the value and what is allowed (exit status 2) instead of a hang or a
-traceback minutes later, and fills the derived fields (dp/tp/pp, grad-accum, batch size,
-warmup, min-lr). The batch arithmetic is one rule for every strategy::
-
-    global batch B = micro-batch-size b x data-parallel size dp x micro-batches k
-
-where k (``--grad-accum``, also called ``--micro-batches``) defaults to pp: 1 without a
-pipeline, and p with one, so that a pipeline of p stages can fill (Narayanan et al. 2021,
-section 2.2: the bubble shrinks as m grows). Tensor parallelism never changes B.
+:func:`parse_args` checks every value identically on every rank (one message naming the value and what is
+allowed, exit status 2) and fills the derived fields (dp/tp/pp, grad-accum, batch size, warmup, min-lr).
+Global batch B = micro-batch-size b x dp x micro-batches k; k defaults to pp.
 """
 from __future__ import annotations
 

@@ -17,17 +17,14 @@ from minizero.quantization import QuantizedTensor
 
 
 class QuantizedLinear(Module):
-    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward.
+    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward; x (..., in) -> (..., out).
 
     Args:
         weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
-        bias: the FP32 bias Parameter (out,) or None (kept as is).
-        outlier_columns: int array (k,) of input features kept in full precision (device), or None.
+        bias: the FP32 bias Parameter (out,) or None.
+        outlier_columns: int array (k,) of input features kept in full precision, or None.
         outlier_weight: float array (out, k), W's values in those columns (FP32).
-    Shapes: x (..., in) -> (..., out). Stored bytes (:attr:`weight_nbytes`): the codes and
-    scales, plus 4 * out * k + 8 * k for the outlier columns and their int64 indices. Each
-    forward materializes one (out, in) float matrix, freed afterwards (under ``no_grad``;
-    in training it is saved for backward like any weight).
+    Stored bytes (:attr:`weight_nbytes`): codes and scales, plus 4 * out * k + 8 * k for the outlier columns.
     """
 
     def __init__(self, weight: QuantizedTensor, bias=None, outlier_columns=None, outlier_weight=None):
