@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
-MAX_SHARE = 0.24  # reached so far; the issue's target is 0.18
+MAX_SHARE = 0.233  # reached so far (23.2%); the issue's target is 0.18
 
 
 def docstring_lines(source: str) -> int:
@@ -24,7 +24,7 @@ def docstring_lines(source: str) -> int:
 def test_docstrings_are_at_most_their_share_of_minizero():
     sources = [p.read_text() for p in ROOT.rglob("*.py")]
     share = sum(map(docstring_lines, sources)) / sum(len(s.splitlines()) for s in sources)
-    assert share <= MAX_SHARE, f"docstrings are {share:.1%} of minizero/'s lines (at most {MAX_SHARE:.0%})"
+    assert share <= MAX_SHARE, f"docstrings are {share:.1%} of minizero/'s lines (at most {MAX_SHARE:.1%})"
 
 
 def test_the_counter_counts_every_kind_of_docstring_and_nothing_else():
