@@ -1,24 +1,16 @@
 """The command line of ``python -m minizero.train``: every flag, checked before any work.
 
-:func:`parse_args` validates every value identically on every rank, so a bad value gives
-one message naming the value and what is allowed (exit status 2) instead of a hang or a
-traceback minutes later, and fills the derived fields (dp/tp/pp, grad-accum, batch size,
-warmup, min-lr). The batch arithmetic is one rule for every strategy::
-
-    global batch B = micro-batch-size b x data-parallel size dp x micro-batches k
-
-where k (``--grad-accum``, also called ``--micro-batches``) defaults to pp: 1 without a
-pipeline, and p with one, so that a pipeline of p stages can fill (Narayanan et al. 2021,
-section 2.2: the bubble shrinks as m grows). Tensor parallelism never changes B.
+:func:`parse_args` checks every value identically on every rank (one message naming the value and what is
+allowed, exit status 2) and fills the derived fields (dp/tp/pp, grad-accum, batch size, warmup, min-lr).
+Global batch B = micro-batch-size b x dp x micro-batches k; k defaults to pp.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-import tempfile
 
-from minizero.checkpoint import CheckpointError, checkpoint_holding, read_manifest, resolve, run_layout, verify
+from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
@@ -28,6 +20,7 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
+from minizero.output_checks import check_outputs, check_trace, outside_checkpoints
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
                             build_parser)
@@ -39,71 +32,6 @@ MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
 LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
-
-
-def _check_outputs(args) -> None:
-    """OUT must be (or become) a writable directory and JSON a writable file path that clobbers nothing."""
-    out = args.out
-    if not out:
-        raise UsageError("--out must name a directory, got ''")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out!r} exists and is not a directory")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):  # the nearest existing ancestor is where makedirs will start
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
-    if args.json == "":
-        raise UsageError("--json '': expected a file path for the JSON summary")
-    js = os.path.abspath(args.json)
-    if os.path.isdir(js):
-        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
-    own = run_files(args)
-    if js in own:
-        raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
-    jparent = os.path.dirname(js)
-    if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
-        raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
-    weights = os.path.join(out, "model.npz")
-    _outside_checkpoints("--out", weights, out)
-    _outside_checkpoints("--json", js, args.json)
-    if os.path.isdir(weights):
-        raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
-    _probe(out, "--out")
-    special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
-    if os.path.abspath(jparent) != os.path.abspath(out) and not special:
-        _probe(jparent, "--json")
-
-
-def run_files(args) -> dict:
-    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
-    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
-    files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
-        ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
-        ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
-    if args.data:
-        files[os.path.abspath(args.data)] = "--data"
-    return files
-
-
-def _outside_checkpoints(flag: str, path: str, given: str) -> None:
-    """Refuse an output ``path`` inside a checkpoint folder (it would overwrite or add to the checkpoint)."""
-    folder = checkpoint_holding(path)
-    if folder:
-        raise UsageError(f"{flag} {given!r} is inside the checkpoint folder {folder!r} and would overwrite or add to "
-                         "it; give a path outside every checkpoint")
-
-
-def _probe(folder: str, flag: str) -> None:
-    """Create ``folder`` if missing, then create and remove a file in it (access() says yes for root on /proc)."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".minizero-probe.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise UsageError(f"{flag} {folder!r} cannot be written ({e.strerror or e}); "
-                         "give a folder on a writable file system") from None
 
 
 def _check_data(args) -> None:
@@ -317,37 +245,11 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if args.json is None:
         args.json = os.path.join(args.out, "summary.json")
     if not args.no_save:
-        _check_outputs(args)
-    _check_trace(args)
+        check_outputs(args)
+    check_trace(args)
     args.world_size = world_size
     _check_checkpoint(args)
     return args
-
-
-def _check_trace(args) -> None:
-    """``--trace PATH`` is written by rank 0 after the last step: check now that it can be (a file path whose
-    folder exists or can be made, and takes a file), and that it overwrites none of the run's own files, so a
-    finished run is never lost to it."""
-    path = args.trace
-    if path is None:
-        return
-    if not path:
-        raise UsageError("--trace must name a file for the timeline, got ''")
-    p = os.path.abspath(path)
-    if os.path.isdir(p):
-        raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
-                         f"{os.path.join(path, 'trace.json')!r}")
-    own = dict(run_files(args), **{os.path.abspath(args.json): "the --json summary"})
-    if p in own:
-        raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
-    _outside_checkpoints("--trace", p, path)
-    if os.path.exists(p) and not os.path.isfile(p):
-        return  # /dev/null, a FIFO: written straight into
-    try:
-        _probe(os.path.dirname(p), "--trace")
-    except UsageError:
-        raise UsageError(f"--trace {path!r}: its folder {os.path.dirname(p)!r} cannot be created or take a file; "
-                         "give a path on a writable file system") from None
 
 
 def _check_checkpoint(args) -> None:
@@ -364,7 +266,7 @@ def _check_checkpoint(args) -> None:
             raise UsageError("--save-dir must name a folder, got ''")
         if os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
             raise UsageError(f"--save-dir {args.save_dir!r} exists and is not a directory")
-        _outside_checkpoints("--save-dir", os.path.join(args.save_dir, "x"), args.save_dir)
+        outside_checkpoints("--save-dir", os.path.join(args.save_dir, "x"), args.save_dir)
         try:
             check_writable_folder(args.save_dir)
         except OSError as e:

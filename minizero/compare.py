@@ -22,7 +22,8 @@ from minizero import backend, hardware
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
-from minizero.compare_report import MIB, SHOWN, _mib, markdown, plot  # noqa: F401 (MIB: the public API)
+from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
+                                     plot)
 from minizero.files import WriteError, atomic_write, check_writable_folder, mpiexec_path
 from minizero.nn import PRESETS
 
@@ -136,18 +137,6 @@ def predict_step_s(name: str, model: str, ranks: int, micro_batch_size: int, pro
     return step_time(ModelShape.from_gpt_config(cfg), st, profile.hardware(ranks), cfg.block_size)["step"]
 
 
-def deviations(measured: list[dict], est: dict) -> dict:
-    """Per category, the largest |estimate - measured| / measured over ranks (0 when both are 0; inf if only one)."""
-    out = {}
-    for c in SHOWN:
-        worst = 0.0
-        for peaks in measured:
-            m, e = peaks.get(c, 0), est[c]
-            worst = max(worst, abs(e - m) / m if m else (0.0 if e == 0 else float("inf")))
-        out[c] = worst
-    return out
-
-
 # ---- measuring: under MPI, or in-process threads ---------------------------------------------------
 def _cause(stderr: str, rc: int) -> str:
     """The lines of a failed job's stderr that say why (the ``[rank r] ... failed`` line, or the last ones)."""
@@ -233,16 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="every run's --device: cpu (NumPy), cuda (CuPy, GPU local rank %% count), strict (host leaks raise)")
     return p
-
-
-def hardware_line(profile: hardware.Profile) -> str:
-    """One line of the measured profile: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s, AdamW."""
-    flops = ", ".join(f"{v / 1e9:.1f} GFLOP/s ({t} thread{'s' * (t > 1)})"
-                      for t, v in sorted(profile.sgemm_flops.items()))
-    bw = ", ".join(f"{v / 1e9:.2f} GB/s ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
-    return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops}; copy "
-            f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
-            f"gradient {bw or '- (1 rank)'}; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -28,7 +28,7 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
     """The comparison as a Markdown table: rank 0's measured / estimated MiB per category, and the rest.
 
     ``runs``: the records of :func:`minizero.compare.main` (bytes, seconds); ``descriptions``: strategy
-    name -> what it adds; ``hardware``: the profile's line (:func:`minizero.compare.hardware_line`), if any.
+    name -> what it adds; ``hardware``: the profile's line (:func:`hardware_line`), if any.
     """
     lines = [header, "",
              "Cells: measured / estimated, MiB (2^20 bytes), rank 0; measured = the ledger's peak during the training "
@@ -111,3 +111,25 @@ def plot(runs: list[dict], path: str, title: str) -> bool:
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return True
+
+
+def deviations(measured: list[dict], est: dict) -> dict:
+    """Per category, the largest |estimate - measured| / measured over ranks (0 when both are 0; inf if only one)."""
+    out = {}
+    for c in SHOWN:
+        worst = 0.0
+        for peaks in measured:
+            m, e = peaks.get(c, 0), est[c]
+            worst = max(worst, abs(e - m) / m if m else (0.0 if e == 0 else float("inf")))
+        out[c] = worst
+    return out
+
+
+def hardware_line(profile) -> str:
+    """One line of a :class:`minizero.hardware.Profile`: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s, AdamW."""
+    flops = ", ".join(f"{v / 1e9:.1f} GFLOP/s ({t} thread{'s' * (t > 1)})"
+                      for t, v in sorted(profile.sgemm_flops.items()))
+    bw = ", ".join(f"{v / 1e9:.2f} GB/s ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
+    return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops}; copy "
+            f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
+            f"gradient {bw or '- (1 rank)'}; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")

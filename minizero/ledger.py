@@ -250,20 +250,14 @@ PROCESS_PEAK_SOURCES = {
 
 def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] | None = None,
                    notes: list[str] | None = None, process_peak_source: str = "tracemalloc") -> str:
-    """A text table in the spirit of ``torch.cuda.memory_summary()``.
-
-    Ranks whose ledgers are equal in every category share one column, labelled with their ranks
-    (``r0-7`` for eight data-parallel replicas); its process peak is the largest of theirs.
+    """A text table in the spirit of ``torch.cuda.memory_summary()``; ranks with equal ledgers share a column.
 
     Args:
-        per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default:
-            this rank's ledger only.
-        process_peaks: optional list (by rank) of measured process peak bytes
-            (tracemalloc or peak RSS), printed beside the ledger's total.
-        notes: extra lines printed under the table (e.g. BLAS threads per rank).
-        process_peak_source: a key of :data:`PROCESS_PEAK_SOURCES`, said under the table.
+        per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default: this rank's ledger only.
+        process_peaks: optional list (by rank) of measured process peak bytes, printed beside the ledger's total.
+        notes: extra lines under the table.  process_peak_source: a key of :data:`PROCESS_PEAK_SOURCES`.
     Returns:
-        The table as a string (units: KiB/MiB = 2**10/2**20 bytes).
+        The table as a string (KiB/MiB = 2**10/2**20 bytes).
     """
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]

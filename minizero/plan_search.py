@@ -97,16 +97,11 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                          precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                          virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
                          seq_len: int | None = None, attention: str = "dense"):
-    """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` GPUs (a generator).
+    """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` = dp x cp x tp x pp GPUs (a generator).
 
-    tp divides the heads, the KV heads and the FFN size and fits in a node; pp x
-    virtual stages divides the layers; ZeRO > 0 on one data-parallel rank only with
-    offload (ZeRO-Offload on one GPU); ZeRO 2-3 not with pipelining (they reduce
-    gradients every micro-batch; neither DeepSpeed nor Megatron-LM combines them with
-    pp > 1, while ZeRO-1 -- Megatron's distributed optimizer -- is); sequence
-    parallelism only with tp > 1; context parallelism c (given ``seq_len``) as
-    :func:`context_parallel_sizes` allows and with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens
-    per rank, GPUs = dp x cp x tp x pp.
+    tp divides the heads, KV heads and FFN size and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
+    on one data rank only with offload; ZeRO 2-3 not with pp > 1; sequence parallelism only with tp > 1; cp as
+    :func:`context_parallel_sizes` allows, with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank.
     """
     for tp in _divisors(gpus):
         if tp > gpus_per_node or model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp:

@@ -1,15 +1,7 @@
 """What rank 0 shows while training runs: a tqdm bar, or one log line every K steps.
 
-Under ``mpirun`` no rank's stdout is a terminal (the launcher forwards it through a
-pipe), so a tool that decides by "is this a terminal" — tqdm's default — goes silent
-there. ``--progress auto`` therefore picks the bar only when rank 0's stdout *is* a
-terminal and log lines otherwise; ``--progress bar`` forces the bar (it updates in place
-with carriage returns, which a launcher forwarding to a terminal passes through), ``log``
-forces lines, ``none`` prints nothing.
-
-A log line (every K steps; K defaults to about 15 lines per run)::
-
-    step  20/300  loss 2.8312  lr 3.00e-03   6,812 tok/s  elapsed  12.1 s  ETA   2.8 min  [fp16: scale 65536, skipped 0]
+``auto`` picks the bar only when rank 0's stdout is a terminal, else log lines; ``bar`` forces the bar, ``log``
+lines, ``none`` nothing. A log line: step, loss, lr, tok/s, elapsed, ETA (and FP16's scale and skips).
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Weight-only quantization of a GPT: every Linear's weight as INT8/INT4 codes + FP32 scales.
 
-:class:`QuantizedLinear` stores a weight as a :class:`~minizero.quantization.QuantizedTensor`
-and dequantizes it in every forward; :func:`quantize_model` swaps a model's Linear layers
-for them in place (the tied LM head is left alone: its matrix is the embedding's);
-:func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (Dettmers et al.
-2022, arXiv:2208.07339, section 3.2); :func:`evaluate_loss` and :func:`model_nbytes` measure
-the result. The command line around them is :mod:`minizero.quantize`.
-
-Everything runs on the device (``backend.xp``): the weight is quantized where it lives, the
-codes, scales and outlier columns stay there, and the calibration statistics are device
-arrays (the command line copies them to the host, explicitly, to print them).
+:class:`QuantizedLinear` dequantizes its :class:`~minizero.quantization.QuantizedTensor` in every forward;
+:func:`quantize_model` swaps a model's Linear layers for them in place (not the tied head);
+:func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (arXiv:2208.07339, section 3.2);
+:func:`evaluate_loss` and :func:`model_nbytes` measure the result. Everything stays on ``backend.xp``.
 """
 from __future__ import annotations
 
@@ -23,17 +17,14 @@ from minizero.quantization import QuantizedTensor
 
 
 class QuantizedLinear(Module):
-    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward.
+    """y = x W~^T + b with W~ = dequantize(codes, scales), rebuilt in every forward; x (..., in) -> (..., out).
 
     Args:
         weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
-        bias: the FP32 bias Parameter (out,) or None (kept as is).
-        outlier_columns: int array (k,) of input features kept in full precision (device), or None.
+        bias: the FP32 bias Parameter (out,) or None.
+        outlier_columns: int array (k,) of input features kept in full precision, or None.
         outlier_weight: float array (out, k), W's values in those columns (FP32).
-    Shapes: x (..., in) -> (..., out). Stored bytes (:attr:`weight_nbytes`): the codes and
-    scales, plus 4 * out * k + 8 * k for the outlier columns and their int64 indices. Each
-    forward materializes one (out, in) float matrix, freed afterwards (under ``no_grad``;
-    in training it is saved for backward like any weight).
+    Stored bytes (:attr:`weight_nbytes`): codes and scales, plus 4 * out * k + 8 * k for the outlier columns.
     """
 
     def __init__(self, weight: QuantizedTensor, bias=None, outlier_columns=None, outlier_weight=None):

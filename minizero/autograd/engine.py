@@ -1,18 +1,12 @@
 """A tape-based reverse-mode autograd: ``Tensor``, ``Function``, ``backward``.
 
-* A :class:`Function` writes ``forward(ctx, *arrays)`` and ``backward(ctx, *grad_outputs)`` on raw
-  ``backend.xp`` arrays; ``apply`` records a node (the ``ctx``) on the outputs when an input
-  requires a gradient and grad mode is on.
-* ``ctx.save_for_backward(*arrays)`` goes through the innermost :func:`saved_tensors_hooks` ``pack``
-  (recompute, offload, quantization) and counts what is kept as ``activations`` in the ledger.
-* :func:`backward` runs each node's ``backward`` once, consumers first, frees its saved tensors,
-  and accumulates into leaves' ``.grad``; a leaf's post-accumulate-grad hooks fire after its last
-  contribution; :func:`queue_callback` runs a function when the outermost backward ends; under
-  ``autograd/split_backward.py`` the weights' gradients wait for a W (zero-bubble pipelines).
+``Function.apply`` records a node when an input requires a gradient and grad mode is on;
+``ctx.save_for_backward`` goes through the innermost :func:`saved_tensors_hooks` pack and counts the arrays as
+``activations``; :func:`backward` runs each node once, consumers first, frees saved tensors, accumulates leaf
+``.grad`` and fires post-accumulate-grad hooks after a leaf's last contribution. Per-rank state is thread-local.
 
-Per-rank state is thread-local, so ranks can run as threads of one process.
-Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``torch.autograd.graph.saved_tensors_hooks``,
-``Tensor.register_post_accumulate_grad_hook``, ``Variable._execution_engine.queue_callback``.
+Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``saved_tensors_hooks``,
+``register_post_accumulate_grad_hook``, ``queue_callback``.
 """
 from __future__ import annotations
 
@@ -28,11 +22,8 @@ _running = threading.local()  # per rank thread: depth of the running backwards,
 class Context:
     """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
 
-    Attributes a Function may use: ``needs_input_grad`` (tuple of bools, one per
-    positional input), ``save_for_backward(*arrays)``, ``saved_tensors``, and any
-    small Python values it sets itself (shapes, axes, scalars).
-    Arrays kept for backward must go through ``save_for_backward`` so that the
-    ledger counts them and the saved-tensor hooks see them.
+    A Function may use ``needs_input_grad`` (one bool per positional input), ``save_for_backward(*arrays)`` (the
+    only way to keep arrays: the ledger and saved-tensor hooks see them), ``saved_tensors`` and small Python values.
     """
 
     def __init__(self, fn, needs_input_grad, recording):
@@ -82,18 +73,11 @@ class Context:
 
 
 class Function:
-    """Base class of every differentiable op.
+    """Base class of every differentiable op (mirrors ``torch.autograd.Function``).
 
-    Subclasses implement two static methods on raw arrays:
-
-    * ``forward(ctx, *args, **kwargs) -> array | tuple[array, ...]``
-    * ``backward(ctx, *grad_outputs) -> grad | tuple[grad | None, ...]`` with
-      one entry per positional input of ``forward`` (None for non-tensors or
-      inputs that need no gradient). ``grad_outputs`` has one array per output
-      (zeros for outputs that received no gradient).
-
-    ``apply`` unwraps Tensors, runs forward, and records the graph node.
-    Mirrors ``torch.autograd.Function``.
+    Subclasses implement ``forward(ctx, *args, **kwargs) -> array | tuple`` and ``backward(ctx, *grad_outputs) ->
+    grad | tuple`` on raw arrays: one entry per positional input (None where no gradient), one grad_output per
+    output (zeros where none arrived). ``apply`` unwraps Tensors, runs forward and records the node.
     """
 
     @staticmethod
@@ -129,16 +113,11 @@ class Tensor:
     """An array with an optional gradient and the node that produced it.
 
     Attributes:
-        data: the ``backend.xp`` array (any shape; float64/32/16, or integer
-            for token ids).
-        grad: accumulated gradient array of ``data``'s shape and dtype, or None.
-        requires_grad: whether gradients flow to / through this tensor.
-        grad_fn: the :class:`Context` node that produced it (None for leaves).
-    Operators (+, -, *, /, @, **, indexing) and methods (sum, mean, reshape, transpose,
-    ...) are defined below: each applies one elementary Function of
-    :mod:`minizero.autograd.ops` (``a + b`` is ``ops.Add.apply(a, b)``). ``ops`` imports this
-    module (it subclasses :class:`Function`), so the class reaches it through :attr:`ops`,
-    which ``minizero/autograd/__init__.py`` binds explicitly once both modules exist.
+        data: the ``backend.xp`` array (float64/32/16, or integer token ids).
+        grad: accumulated gradient of ``data``'s shape and dtype, or None.
+        requires_grad: whether gradients flow to / through it.  grad_fn: the producing :class:`Context` (None for leaves).
+    Operators and methods each apply one Function of :mod:`minizero.autograd.ops` (reached through :attr:`ops`,
+    bound by ``minizero/autograd/__init__.py``).
     """
 
     #: the module of elementary Functions, :mod:`minizero.autograd.ops` (bound by the package's __init__)
@@ -287,16 +266,12 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
 
     Args:
         root: the output tensor (usually the scalar loss).
-        grad: d(objective)/d(root), same shape as ``root``; default 1 for a
-            one-element root.
+        grad: d(objective)/d(root), same shape as ``root``; default 1 for a one-element root.
         retain_graph: keep saved tensors so backward can run again.
+    Leaf gradients are new contiguous arrays of the leaf's dtype (ledger ``gradients``), added into in place by later
+    backwards; when the outermost backward returns, :func:`queue_callback`'s callbacks run in order.
     Raises:
-        RuntimeError: ``root`` does not require grad, or ``grad`` is missing
-            for a non-scalar root.
-    Leaf gradients are new contiguous arrays of the leaf's dtype, registered
-    in the ledger as ``gradients`` (later backwards add into them in place,
-    which is gradient accumulation). When the outermost backward (a recompute runs
-    one inside another) returns, the callbacks :func:`queue_callback` queued run, in order.
+        RuntimeError: ``root`` does not require grad, or ``grad`` is missing for a non-scalar root.
     """
     depth = getattr(_running, "depth", 0)
     if depth == 0:
@@ -312,11 +287,8 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
 
 
 def queue_callback(fn) -> None:
-    """Call ``fn()`` once the running backward has ended (the outermost one, if a recompute nests another).
+    """Call ``fn()`` once the running (outermost) backward has ended; mirrors PyTorch's ``queue_callback``.
 
-    The end of a backward pass is where every gradient it produces has landed: ZeRO-2/3 end a
-    micro-batch there (minizero/zero/stage2.py). Mirrors PyTorch's ``Variable._execution_engine.queue_callback``
-    (the end-of-backward hook of DDP's reducer and FSDP).
     Raises:
         RuntimeError: no backward is running on this thread.
     """

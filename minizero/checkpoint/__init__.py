@@ -43,18 +43,11 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
 
 
 class Checkpointer:
-    """The training loop's view of checkpoints: resume at the start, save every N steps and at the end.
+    """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start, ``maybe_save`` after each step.
 
     Args:
         args: parsed flags (``save_every``, ``save_dir``, ``keep``, ``resume``, ``steps``, ...).
         comm: the world communicator.  cfg: the GPTConfig.  log: rank 0's log function.
-    Use::
-
-        ck = Checkpointer(args, comm, cfg, log)
-        start, applied, pruner = ck.resume(strategy, scaler)       # (0, 0, None) without --resume
-        for step in range(start, args.steps):
-            ...
-            ck.maybe_save(step, strategy, applied, scaler, pruner)  # after the step's update
     """
 
     def __init__(self, args, comm, cfg, log=print):

@@ -167,17 +167,13 @@ class _Incoming:
 class MPICommunicator(Communicator):
     """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
-    Point-to-point messages go as raw bytes (``MPI.BYTE``), so every dtype works, float16
-    included, each with its header (the module docstring): a receive checks that the sender's shape
-    and dtype match ``buf`` (ValueError naming both otherwise).
-    Native collectives pass the arrays with their own MPI datatype (float16 needs an
-    MPI with MPIX_C_FLOAT16, as MPICH >= 4 has).
+    Point-to-point messages go as ``MPI.BYTE`` with a checked header; native collectives use the arrays' MPI
+    datatype (float16 needs MPIX_C_FLOAT16).
 
     Attributes:
-        mpi_comm: the wrapped ``mpi4py.MPI.Comm`` (for timing reductions in benchmarks).
-        timeout: seconds any one wait may last (default 600, PyTorch's NCCL default);
-            then :class:`CommTimeoutError`. Settable; ``split`` copies it.
-        header_bytes: header bytes sent (8 int64 per message), kept out of ``traffic``.
+        mpi_comm: the wrapped ``mpi4py.MPI.Comm``.
+        timeout: seconds any one wait may last (default 600), then :class:`CommTimeoutError`; ``split`` copies it.
+        header_bytes: header bytes sent, kept out of ``traffic``.
     Raises (any operation): CommTimeoutError; ValueError for a shape/dtype mismatch.
     """
 

@@ -111,16 +111,13 @@ def _quantize_marking_non_finite(chunk, block_size):
 def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
     """Sum ``x`` over ranks with INT8 on the wire (ZeRO++ qgZ); returns this rank's chunk of the sum.
 
-    Algorithm (an all-to-all, one message per pair of ranks): rank r quantizes chunk j of its
-    buffer (``shard_range``, blocks starting at the chunk) and sends it to rank j, at step s
-    to rank r+s while receiving from r-s; it adds its own chunk exactly and each received
-    chunk dequantized, in the order s = 1 .. N-1 (fixed, so results are reproducible).
+    An all-to-all: at step s = 1 .. N-1 rank r sends its quantized chunk r+s and receives from r-s; its own chunk is
+    added exactly, the received ones dequantized, in that fixed order.
     Args:
         x: any shape, C-contiguous float, same size and dtype on every rank; read flat.
     Returns:
         (size,) array of x's dtype, ``(offset, size) = shard_range(x.size, N, rank)``.
     Bytes: :func:`bytes_sent` ``("reduce_scatter", ...)``, label ``"quantized_reduce_scatter"``.
-    Non-finite input (FP16 overflow) is not an error here: see the module docstring.
     Raises:
         ValueError: non-contiguous ``x``; sizes differing between ranks (from ``recv``).
     """

@@ -98,12 +98,8 @@ def layer_terms(cfg, seq_len: int, micro_batch: int, recompute: str = "none", tp
                 precision: str | None = None) -> dict[str, list[tuple[str, int]]]:
     """The formula for one block, grouped by module: ``{module suffix: [(term, bytes on one rank)]}``.
 
-    Rows of :func:`~minizero.memory.estimator.saved_per_layer` (accounting ``"minizero"``;
-    Korthikanti et al. 2022, section 4.1: s sequence, b micro-batch, h hidden, a heads),
-    split over ``tp`` ranks as Megatron-LM splits them (section 4.2.1, "tp" rows / t), and
-    kept after forward per recompute mode (section 5): ``none`` all rows, ``selective``
-    all but the attention core, ``full`` only the block input (saved by the checkpoint,
-    so charged to the block itself, suffix ``""``).
+    Rows of :func:`~minizero.memory.estimator.saved_per_layer` (``"minizero"``), "tp" rows divided by ``tp``, kept per
+    recompute mode: ``none`` all, ``selective`` all but the attention core, ``full`` the block input only (suffix ``""``).
     Args:
         cfg: a GPTConfig; precision: ``"fp32"``/``"fp64"`` (default from ``cfg.dtype``).
     Raises:

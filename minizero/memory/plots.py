@@ -64,19 +64,15 @@ def plot_timeline(path: str, timeline, title: str = "", peaks=None) -> None:
 
 
 def timeline_figure(timeline, title: str = "", peaks=None):
-    """A matplotlib Figure: one row per group of ranks with equal ledgers (:func:`rank_groups`); left, bytes per
-    category over the steps (stacked, each step at its peak, the peak marked); right, every category's own
-    peak over the run, all of :data:`~minizero.ledger.CATEGORIES` (zero ones too).
+    """A matplotlib Figure, one row per group of equal ranks (:func:`rank_groups`): bytes per category over the steps
+    (stacked, at each step's peak) and each category's peak over the run.
 
     Args:
-        timeline: (ranks, steps, len(CATEGORIES)) bytes, each step's breakdown at its peak
-            (:func:`minizero.memory.monitor.gather_timeline`).
-        peaks: optional per rank ``{category: peak bytes}`` (the ledger's peaks, as the memory summary
-            prints them); without it the right panel shows each category's largest value in ``timeline``.
+        timeline: (ranks, steps, len(CATEGORIES)) bytes (:func:`minizero.memory.monitor.gather_timeline`).
+        peaks: optional per rank ``{category: peak bytes}``; default: the largest value in ``timeline``.
     Raises:
         ImportError: matplotlib missing (check :func:`have_matplotlib` first).
         ValueError: ``timeline`` is not 3-D with len(CATEGORIES) columns.
-    Source: the stacked-by-category view of PyTorch's memory snapshot viewer.
     """
     t = np.asarray(timeline, dtype=np.float64)
     if t.ndim != 3 or t.shape[2] != len(CATEGORIES):

@@ -74,14 +74,10 @@ class CheckpointWrapper(Module):
     """A module that runs ``checkpoint(inner, *tensors)``: ``inner``'s output, its intermediates recomputed in backward.
 
     Args:
-        inner: the Module to recompute (a Block, or an attention core called as
-            ``core(q, k, v, dropout)``: arguments that are not Tensors, such as the
-            dropout module, are passed through to ``inner`` and not saved).
-    Names: the wrapper shares ``inner``'s ``_parameters`` and ``_modules`` tables, so
-    it stands where ``inner`` stood under the same dotted names (no ``inner.`` prefix,
-    as ``torch.distributed``'s ``checkpoint_wrapper`` strips its prefix). Attribute
-    reads and writes other than ``inner`` go to ``inner`` (``block.attn`` works).
-    Hooks registered on the wrapper run around the checkpointed call, not on recompute.
+        inner: the Module to recompute (a Block, or an attention core ``core(q, k, v, dropout)``; non-Tensor
+            arguments pass through unsaved).
+    Shares ``inner``'s ``_parameters`` and ``_modules`` (same dotted names, no ``inner.`` prefix); other attributes
+    read and write through to ``inner``. Hooks on the wrapper run around the checkpointed call, not on recompute.
     """
 
     def __init__(self, inner: Module):

@@ -176,19 +176,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
-    """Split a pipeline stage's sequence over the context group ``comm``, in place; see the module docstring.
+    """Split a pipeline stage's sequence over the context group ``comm``, in place; returns the converted names.
 
-    ``stage``: a :class:`~minizero.parallel.pipeline.PipelineStage` (any of pp, tensor- and
-    sequence-parallel already) or an :class:`~minizero.parallel.interleaved.InterleavedStage`
-    (each of its chunks is converted). Per stage: a forward pre-hook keeps this rank's chunks of
-    the token ids (first stage, (b, T) -> (b, 2n)) and of the targets (last stage); the activations
-    a middle stage receives are already this rank's (b, 2n, C) (``sequence_shards`` is multiplied
-    by c, so the pipeline's messages have that shape and cp rank r of stage s talks to cp rank r of
-    stage s+1: they share the data rank and the tensor rank, topology.py); ``wpe`` looks up the
-    chunks' global positions (a forward pre-hook); every block's ``attn.core`` becomes a :class:`RingAttentionCore`
-    (inside selective recompute's wrapper when that came first: the two compose in either order), or
-    with ``attention="ulysses"`` an :class:`~minizero.parallel.ulysses.UlyssesAttentionCore` around the
-    block's own core. Returns the converted names. No-op for c = 1.
+    ``stage``: a :class:`~minizero.parallel.pipeline.PipelineStage` or an
+    :class:`~minizero.parallel.interleaved.InterleavedStage` (each chunk converted). Forward pre-hooks keep this
+    rank's chunks of the token ids (b, T) -> (b, 2n) and targets and look up ``wpe``'s global positions;
+    ``sequence_shards`` is multiplied by c; every ``attn.core`` becomes a :class:`RingAttentionCore` (composes with
+    selective recompute in either order), or with ``attention="ulysses"`` a
+    :class:`~minizero.parallel.ulysses.UlyssesAttentionCore` around the block's own core. No-op for c = 1.
     Raises: ValueError for another ``attention`` than "ring" or "ulysses".
     """
     if attention not in CP_ATTENTIONS:

@@ -255,15 +255,12 @@ class SequenceParallelLMHead(ParallelLMHead):
 
 
 def sequence_parallelize(stage, comm) -> list[str]:
-    """Split a pipeline stage over ``comm`` with tensor *and* sequence parallelism, in place.
+    """Split a tensor- and vocab-parallel pipeline stage over ``comm`` with sequence parallelism, in place.
 
-    ``stage`` must already be split by :func:`tensor_parallelize` and :func:`vocab_parallelize`
-    (``three_d.build_stage`` does both first). Then every block's attention / MLP linears enter through ḡ and leave through g (above), their
-    output dropouts work on slices; the first stage's embedding dropout becomes
-    :class:`EnterSequenceParallelRegion`; the last stage's head :class:`SequenceParallelLMHead`.
-    Marks ln_1, ln_2, ln_f and the row-parallel biases ``sequence_parallel``; sets
-    ``stage.sequence_shards = t`` (activations between stages are (b, s/t, h)).
-    Returns the converted module names. No-op for t = 1.
+    Block linears enter through ḡ and leave through g; the first stage's embedding dropout becomes
+    :class:`EnterSequenceParallelRegion`, the last stage's head :class:`SequenceParallelLMHead`; ln and row-parallel
+    biases are marked ``sequence_parallel``; ``stage.sequence_shards = t``. Returns the converted module names
+    (no-op for t = 1).
     Raises:
         TypeError: the blocks are not tensor-parallel yet.
         ValueError (in forward): t does not divide the sequence length.

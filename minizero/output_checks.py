@@ -1,0 +1,99 @@
+"""Where ``python -m minizero.train`` writes: OUT, --json, --trace, checked before any work (UsageError naming the flag)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from minizero.checkpoint import checkpoint_holding
+from minizero.flags import UsageError
+
+
+def check_outputs(args) -> None:
+    """OUT must be (or become) a writable directory and JSON a writable file path that clobbers nothing."""
+    out = args.out
+    if not out:
+        raise UsageError("--out must name a directory, got ''")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out!r} exists and is not a directory")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where makedirs will start
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
+    if args.json == "":
+        raise UsageError("--json '': expected a file path for the JSON summary")
+    js = os.path.abspath(args.json)
+    if os.path.isdir(js):
+        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    own = run_files(args)
+    if js in own:
+        raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
+    jparent = os.path.dirname(js)
+    if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
+        raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
+    weights = os.path.join(out, "model.npz")
+    outside_checkpoints("--out", weights, out)
+    outside_checkpoints("--json", js, args.json)
+    if os.path.isdir(weights):
+        raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
+    probe(out, "--out")
+    special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
+    if os.path.abspath(jparent) != os.path.abspath(out) and not special:
+        probe(jparent, "--json")
+
+
+def run_files(args) -> dict:
+    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
+    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
+    files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
+        ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
+        ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
+    if args.data:
+        files[os.path.abspath(args.data)] = "--data"
+    return files
+
+
+def outside_checkpoints(flag: str, path: str, given: str) -> None:
+    """Refuse an output ``path`` inside a checkpoint folder (it would overwrite or add to the checkpoint)."""
+    folder = checkpoint_holding(path)
+    if folder:
+        raise UsageError(f"{flag} {given!r} is inside the checkpoint folder {folder!r} and would overwrite or add to "
+                         "it; give a path outside every checkpoint")
+
+
+def probe(folder: str, flag: str) -> None:
+    """Create ``folder`` if missing, then create and remove a file in it (access() says yes for root on /proc)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".minizero-probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UsageError(f"{flag} {folder!r} cannot be written ({e.strerror or e}); "
+                         "give a folder on a writable file system") from None
+
+
+def check_trace(args) -> None:
+    """``--trace PATH`` is written by rank 0 after the last step: check now that it can be (a file path whose
+    folder exists or can be made, and takes a file), and that it overwrites none of the run's own files, so a
+    finished run is never lost to it."""
+    path = args.trace
+    if path is None:
+        return
+    if not path:
+        raise UsageError("--trace must name a file for the timeline, got ''")
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
+                         f"{os.path.join(path, 'trace.json')!r}")
+    own = dict(run_files(args), **{os.path.abspath(args.json): "the --json summary"})
+    if p in own:
+        raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
+    outside_checkpoints("--trace", p, path)
+    if os.path.exists(p) and not os.path.isfile(p):
+        return  # /dev/null, a FIFO: written straight into
+    try:
+        probe(os.path.dirname(p), "--trace")
+    except UsageError:
+        raise UsageError(f"--trace {path!r}: its folder {os.path.dirname(p)!r} cannot be created or take a file; "
+                         "give a path on a writable file system") from None
