@@ -7,10 +7,10 @@ Prints a Markdown table of bus bandwidth in GB/s (GB = 1e9 bytes), as nccl-tests
 defines it (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), S = bytes of the whole array:
 
     all_reduce:                 busbw = S / t * 2(N-1)/N
-    reduce_scatter, all_gather: busbw = S / t * (N-1)/N
+    reduce_scatter, all_gather, all_to_all: busbw = S / t * (N-1)/N
 
 The anchor is what an mpi4py user calls: the *blocking* ``MPI_Allreduce``,
-``MPI_Reduce_scatter_block`` and ``MPI_Allgather`` (``comm.mpi_comm.Allreduce`` ...), not
+``MPI_Reduce_scatter_block``, ``MPI_Allgather`` and ``MPI_Alltoall`` (``comm.mpi_comm.Allreduce`` ...), not
 wrapped in minizero's waits. Timing: float32 arrays, warm-up runs, then timed runs, each preceded
 by a barrier, the implementations alternating (each first in turn); a run's time is the slowest
 rank's; the table shows the median. Results are checked against MPI's before timing.
@@ -53,7 +53,7 @@ def fmt_size(nbytes):
 
 
 IMPLS = {"auto": None, "ring": -1, "rd": 2**62}  #: all_reduce: name -> SMALL_ALLREDUCE_MAX_BYTES to force
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 def implementations(op, comm, x):
@@ -83,6 +83,11 @@ def implementations(op, comm, x):
         mpi_out = np.empty(n // N, dtype=x.dtype)
         impls = {"ring": lambda: reduce_scatter(comm, x),
                  "MPI": lambda: (mpi.Reduce_scatter_block(x, mpi_out, op=MPI.SUM), mpi_out)[1]}
+    elif op == "all_to_all":  # equal splits: n // N elements to each rank
+        from minizero.comm.all_to_all import all_to_all
+        mpi_out = np.empty_like(x)
+        impls = {"pairwise": lambda: all_to_all(comm, x),
+                 "MPI": lambda: (mpi.Alltoall(x, mpi_out), mpi_out)[1]}
     else:
         shard = np.ascontiguousarray(x[:n // N])
         mpi_out = np.empty(n, dtype=x.dtype)

@@ -1,0 +1,159 @@
+"""Mixture of experts with expert parallelism (Switch, Fedus et al. 2021; GShard, Lepikhin et al. 2020).
+
+A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on its own T tokens):
+
+* a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts
+  (ties to the lower index); its gate for expert e is the softmax probability p_e (not renormalised,
+  the Switch/GShard convention);
+* capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
+  first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
+  (that slot adds nothing; the residual carries the token);
+* Switch balancing loss ``aux = E * sum_e f_e P_e`` with f_e the fraction of the T*k choices (before
+  dropping) that picked e and P_e the mean router probability of e (Switch eq. 4; 1.0 when uniform).
+
+Expert parallelism over ``comm`` (ep ranks): rank j holds experts j*E/ep .. (j+1)*E/ep - 1. Dispatch is
+an all-to-all with variable splits (the kept rows, grouped by expert, to the expert's owner, with a
+count matrix first), the local experts run on what arrived, and the combine is the inverse
+all-to-all; each is an autograd Function whose backward is the other direction. Expert gradients
+thus sum over every rank's tokens; the router's gradient is this rank's own (all-reduce it over the
+data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
+ranks * C * itemsize (label ``all_to_all``), plus the counts.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function
+from minizero.autograd.functional import gelu
+from minizero.autograd.ops import concat
+from minizero.comm.all_to_all import all_to_all, all_to_all_v
+from minizero.nn.module import Module, Parameter
+
+
+def route(probs: np.ndarray, k: int, capacity: int):
+    """Top-k choices under a per-expert capacity.
+
+    ``probs``: (T, E) router probabilities. Returns ``(token, expert, kept)``: arrays of the T*k
+    choices in priority order (choice rank, then token), ``kept`` a bool mask of those within capacity.
+    """
+    t, e = probs.shape
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (T, k)
+    token = np.tile(np.arange(t), k)
+    expert = top.T.reshape(-1)
+    kept = np.zeros(t * k, dtype=bool)
+    filled = np.zeros(e, dtype=np.int64)
+    for i, x in enumerate(expert):
+        if filled[x] < capacity:
+            kept[i], filled[x] = True, filled[x] + 1
+    return token, expert, kept
+
+
+class _AllToAllV(Function):
+    """forward: all_to_all_v with ``send_counts``; backward: the inverse exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send_counts):
+        out, ctx.recv_counts = all_to_all_v(comm, backend.xp.ascontiguousarray(x), send_counts)
+        ctx.comm = comm
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_to_all_v(ctx.comm, backend.xp.ascontiguousarray(g), ctx.recv_counts)[0], None, None
+
+
+class _ScatterAdd(Function):
+    """forward: (R, C) rows added into zeros (T, C) at ``index``; backward: the gradient's rows at ``index``."""
+
+    @staticmethod
+    def forward(ctx, rows, index, t):
+        ctx.index = index
+        out = backend.xp.zeros((t,) + rows.shape[1:], rows.dtype)
+        backend.xp.add.at(out, index, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.index], None, None
+
+
+class MoELayer(Module):
+    """(T, C) -> (T, C): router, top-k of ``num_experts`` GELU MLPs (C -> hidden -> C), over ``comm``.
+
+    Args: ``comm`` the expert-parallel group (None: one rank, every expert here); ``top_k`` in
+    1..num_experts; ``capacity_factor`` > 0; ``seed`` draws the router and all E experts
+    identically on every rank (std 0.02), so ep ranks hold slices of the ep=1 experts; ``dtype``.
+    After each forward: ``aux_loss`` (a Tensor, the Switch loss), ``expert_counts`` (E,) choices per
+    expert before dropping, ``dropped`` (choices past capacity) on this rank.
+    Raises ValueError when ep does not divide num_experts or an argument is out of range.
+    """
+
+    def __init__(self, n_embd, hidden, num_experts, top_k=1, capacity_factor=1.25, comm=None, seed=0,
+                 dtype=np.float64):
+        super().__init__()
+        ep = 1 if comm is None else comm.world_size
+        if num_experts < 1 or num_experts % ep:
+            raise ValueError(f"num_experts={num_experts} must be a positive multiple of the {ep} expert-parallel ranks")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0")
+        self.comm, self.num_experts, self.top_k, self.capacity_factor = comm, num_experts, top_k, capacity_factor
+        self.local = num_experts // ep
+        first = (0 if comm is None else comm.rank) * self.local
+        rng = np.random.default_rng(seed)
+        xp = backend.xp
+        self.router = Parameter(xp.asarray(rng.normal(0, 0.02, (n_embd, num_experts)).astype(dtype)))
+        w1 = rng.normal(0, 0.02, (num_experts, n_embd, hidden)).astype(dtype)
+        w2 = rng.normal(0, 0.02, (num_experts, hidden, n_embd)).astype(dtype)
+        self.w1 = Parameter(xp.asarray(w1[first:first + self.local]))
+        self.w2 = Parameter(xp.asarray(w2[first:first + self.local]))
+
+    def capacity(self, t: int) -> int:
+        """Slots per expert for ``t`` tokens on this rank."""
+        return math.ceil(self.capacity_factor * t * self.top_k / self.num_experts)
+
+    def forward(self, x):
+        t, e, ep = x.shape[0], self.num_experts, 1 if self.comm is None else self.comm.world_size
+        logits = x @ self.router
+        z = logits - backend.xp.max(logits.data, axis=1, keepdims=True)
+        probs = z.exp() / z.exp().sum(axis=1, keepdims=True)
+        p = backend.to_host(probs.data)
+        token, expert, kept = route(p, self.top_k, self.capacity(t))
+        self.expert_counts = np.bincount(expert, minlength=e)
+        self.dropped = int((~kept).sum())
+        f = self.expert_counts / (t * self.top_k)
+        self.aux_loss = (probs.mean(axis=0) * backend.xp.asarray(f * e)).sum()
+        order = np.argsort(expert[kept], kind="stable")  # kept choices grouped by expert, priority order within
+        token, expert = token[kept][order], expert[kept][order]
+        rows = x[backend.xp.asarray(token)]
+        gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
+        per_expert = np.bincount(expert, minlength=e)  # kept rows per expert, this rank
+        if ep > 1:  # (ep, local) count matrix: what each owner receives from each rank, per local expert
+            got_counts = all_to_all(self.comm, per_expert.reshape(ep, self.local).astype(np.int64))
+            rows = _AllToAllV.apply(rows, self.comm, per_expert.reshape(ep, self.local).sum(axis=1))
+        else:
+            got_counts = per_expert.reshape(1, e)
+        y = self._experts(rows, got_counts)
+        if ep > 1:
+            y = _AllToAllV.apply(y, self.comm, got_counts.sum(axis=1))
+        return _ScatterAdd.apply(y * gates.reshape(-1, 1), backend.xp.asarray(token), t)
+
+    def _experts(self, rows, counts):
+        """Rows in (source rank, local expert) blocks -> each block through its expert, same order."""
+        starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))])
+        outs, src = [], []
+        for j in range(self.local):
+            idx = np.concatenate([np.arange(starts[i * self.local + j], starts[i * self.local + j + 1])
+                                  for i in range(counts.shape[0])]).astype(np.int64)
+            if idx.size:
+                xi = rows[backend.xp.asarray(idx)]
+                outs.append(gelu(xi @ self.w1[j]) @ self.w2[j])
+                src.append(idx)
+        if not outs:
+            return rows * 0.0
+        back = np.argsort(np.concatenate(src), kind="stable")
+        return concat(outs, axis=0)[backend.xp.asarray(back)]

@@ -1,0 +1,103 @@
+"""Mixture of experts with expert parallelism (parallel/moe.py).
+
+* Routing: top-k by probability, capacity filled first choice first in token order, the rest dropped.
+* ep = 2 and 4 (threads) equal ep = 1 in float64 (1e-12) with drops: each rank's output equals the
+  one-process layer on that rank's tokens; expert gradients equal the one-process gradients summed
+  over the ranks' batches; the router's gradients summed over ranks equal the same sum; the Switch
+  loss and the counts are the one-process ones. ep = 2 once under mpiexec.
+* Refused: experts not divisible by ep, top_k out of range.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.autograd import Tensor
+from minizero.comm import run_in_threads
+from minizero.parallel.moe import MoELayer, route
+from tests.conftest import REPO_ROOT, mpi_env
+
+
+def test_route_fills_first_choices_first_and_drops_past_capacity():
+    probs = np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.2, 0.7, 0.1]])
+    token, expert, kept = route(probs, 2, 2)
+    assert token.tolist() == [0, 1, 2, 0, 1, 2]
+    assert expert.tolist() == [0, 0, 1, 1, 1, 0]
+    assert kept.tolist() == [True, True, True, True, False, False]
+
+
+def _batches(ranks, t, c):
+    rng = np.random.default_rng(1)
+    return [rng.normal(size=(t, c)) for _ in range(ranks)], [rng.normal(size=(t, c)) for _ in range(ranks)]
+
+
+KW = dict(n_embd=6, hidden=5, num_experts=4, capacity_factor=1.0, seed=3)
+
+
+def _one_process(ep, k):
+    """The one-process layer on each of ep batches: per batch (out, x_grad, aux, counts, dropped), and the layer."""
+    xs, ws = _batches(ep, 12, KW["n_embd"])
+    ref = MoELayer(top_k=k, **KW)
+    want = []
+    for x, w in zip(xs, ws):
+        xt = Tensor(x, requires_grad=True)
+        out = ref(xt)
+        ((out * Tensor(w)).sum() + ref.aux_loss).backward()
+        want.append((out.data, xt.grad, ref.aux_loss.item(), ref.expert_counts.copy(), ref.dropped))
+    assert sum(d[4] for d in want) > 0  # the test exercises dropping
+    return want, ref
+
+
+def _compare(res, want, ref, ep):
+    """res[r] = (out, x_grad, aux or None, counts, dropped, router_grad, w1_grad, w2_grad) of rank r."""
+    for got, exp in zip(res, want):
+        for i in range(2):
+            np.testing.assert_allclose(got[i], exp[i], rtol=0, atol=1e-12 * np.abs(exp[i]).max())
+        assert got[2] is None or abs(got[2] - exp[2]) <= 1e-12
+        assert list(got[3]) == exp[3].tolist() and int(got[4]) == exp[4]
+    router = sum(r[5] for r in res)
+    np.testing.assert_allclose(router, ref.router.grad, rtol=0, atol=1e-12 * np.abs(ref.router.grad).max())
+    local = KW["num_experts"] // ep
+    for j, r in enumerate(res):
+        for got, full in ((r[6], ref.w1.grad), (r[7], ref.w2.grad)):
+            np.testing.assert_allclose(got, full[j * local:(j + 1) * local], rtol=0, atol=1e-12 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("ep,k", [(2, 1), (2, 2), (4, 2)])
+def test_expert_parallel_equals_one_process(ep, k):
+    want, ref = _one_process(ep, k)
+    xs, ws = _batches(ep, 12, KW["n_embd"])
+
+    def rank(comm):
+        layer = MoELayer(top_k=k, comm=comm, **KW)
+        xt = Tensor(xs[comm.rank], requires_grad=True)
+        out = layer(xt)
+        ((out * Tensor(ws[comm.rank])).sum() + layer.aux_loss).backward()
+        return (out.data, xt.grad, layer.aux_loss.item(), layer.expert_counts, layer.dropped,
+                layer.router.grad, layer.w1.grad, layer.w2.grad)
+
+    _compare(run_in_threads(ep, rank), want, ref, ep)
+
+
+@pytest.mark.timeout(200)
+def test_expert_parallel_under_mpiexec(mpiexec, tmp_path):
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "moe_check.py")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path), "2"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = []
+    for r in range(2):
+        with np.load(tmp_path / f"rank{r}.npz") as d:
+            res.append((d["out"], d["x_grad"], None, d["counts"], d["dropped"], d["router_grad"], d["w1_grad"],
+                        d["w2_grad"]))
+    want, ref = _one_process(2, 2)
+    _compare(res, want, ref, 2)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="num_experts=3"):
+        run_in_threads(2, lambda comm: MoELayer(4, 4, 3, comm=comm))
+    with pytest.raises(ValueError, match="top_k=5"):
+        MoELayer(4, 4, 4, top_k=5)
