@@ -1,14 +1,15 @@
 """The main job before and after a change, alternated: tokens/s of two source trees, and FP16 / FP32.
 
     python bench/bench_speedup.py --base e016dca --ranks 8 --steps 30 --repeats 3
-    python bench/bench_speedup.py --precision --ranks 1
+    python bench/bench_speedup.py --precision --ranks 1 --micro-batch-size 8
 
 ``--base REV``: runs ``mpiexec -n RANKS python -m minizero.train`` with its defaults (only
 ``--steps``, ``--sample-tokens 0`` and the output folder set) from this checkout and from
 ``git archive REV`` unpacked in a temporary folder, alternating A, B, A, B, ... so that a noisy
 machine slows both alike, and prints each run's tokens/s (the training loop's, from the JSON
 summary), the medians and their ratio. ``--precision``: the same with ``--precision fp16``
-against fp32 on this checkout.
+against fp32 on this checkout (with ``--base``: both trees in fp16). ``--micro-batch-size N``: passed to every run (default: the
+main job's).
 """
 from __future__ import annotations
 
@@ -52,22 +53,27 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="passed to every run (default: the main job's)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as base_tree:
-        if args.precision:
-            sides = {"fp32": (REPO_ROOT, []), "fp16": (REPO_ROOT, ["--precision", "fp16"])}
-        elif args.base:
+        if args.base:
             archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", args.base], check=True, capture_output=True)
             subprocess.run(["tar", "-x", "-C", base_tree], input=archive.stdout, check=True)
-            sides = {args.base: (base_tree, []), "this checkout": (REPO_ROOT, [])}
+            fp16 = ["--precision", "fp16"] if args.precision else []
+            sides = {args.base: (base_tree, fp16), "this checkout": (REPO_ROOT, fp16)}
+        elif args.precision:
+            sides = {"fp32": (REPO_ROOT, []), "fp16": (REPO_ROOT, ["--precision", "fp16"])}
         else:
             p.error("give --base REV or --precision")
         got = {name: [] for name in sides}
         for _ in range(args.repeats):
             for name, (tree, extra) in sides.items():
-                got[name].append(run(tree, args.ranks, args.steps, extra))
+                mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
+                got[name].append(run(tree, args.ranks, args.steps, extra + mb))
                 print(f"{name}: {got[name][-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
     (a, ta), (b, tb) = ((n, float(np.median(t))) for n, t in got.items())
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; micro-batch "
+          f"{args.micro_batch_size or 'default'}")
     print(f"| ranks | steps | {a} tokens/s | {b} tokens/s | {b} / {a} |")
     print("|---:|---:|---:|---:|---:|")
     print(f"| {args.ranks} | {args.steps} | {ta:,.0f} ({', '.join(f'{x:,.0f}' for x in got[a])}) | "

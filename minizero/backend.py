@@ -177,6 +177,15 @@ def matmul(a, b):
     return _numpy_matmul(a, b)
 
 
+def matmul_operand(a):
+    """``a`` as :func:`matmul` multiplies it: float16 widened to float32 on NumPy (exact), else ``a``.
+
+    A kernel whose operand feeds several products widens it once with this and rounds each
+    float32 product to float16 itself: the same bits as :func:`matmul` of the float16 operands.
+    """
+    return a.astype(np.float32) if name == "numpy" and a.dtype == np.float16 else a
+
+
 def _numpy_matmul(a, b):
     """:func:`matmul` on NumPy arrays."""
     if a.dtype == np.float16 and b.dtype == np.float16:

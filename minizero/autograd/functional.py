@@ -55,8 +55,10 @@ class Linear(Function):
         x, w = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
-        dx = backend.matmul(g, w) if need_x else None
-        dw = backend.matmul(_flat2d(g).T, _flat2d(x)) if need_w else None
+        gm, op = backend.matmul_operand(g), backend.matmul_operand  # g widened once for both products
+        dx = backend.matmul(gm, op(w)).astype(np.result_type(g.dtype, w.dtype), copy=False) if need_x else None
+        dw = (backend.matmul(_flat2d(gm).T, _flat2d(op(x))).astype(np.result_type(g.dtype, x.dtype), copy=False)
+              if need_w else None)
         db = _flat2d(g).sum(axis=0, dtype=compute_dtype(g.dtype)).astype(g.dtype, copy=False) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
 

@@ -8,6 +8,8 @@ check every op in float64.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minizero import backend
 from minizero.autograd.engine import Function, Tensor
 
@@ -208,9 +210,13 @@ class MatMul(Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         sa, sb = ctx.shapes
-        xp = backend.xp
-        da = unbroadcast(backend.matmul(g, xp.swapaxes(b, -1, -2)), sa) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(backend.matmul(xp.swapaxes(a, -1, -2), g), sb) if ctx.needs_input_grad[1] else None
+        xp, gm, op = backend.xp, backend.matmul_operand(g), backend.matmul_operand  # g widened once for both
+        da = (unbroadcast(backend.matmul(gm, op(xp.swapaxes(b, -1, -2))).astype(np.result_type(g.dtype, b.dtype),
+                                                                                copy=False), sa)
+              if ctx.needs_input_grad[0] else None)
+        db = (unbroadcast(backend.matmul(op(xp.swapaxes(a, -1, -2)), gm).astype(np.result_type(a.dtype, g.dtype),
+                                                                               copy=False), sb)
+              if ctx.needs_input_grad[1] else None)
         return da, db
 
 
