@@ -30,7 +30,7 @@ SAMPLE_TEMPERATURE = 0.8
 KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
-               "context_parallel_attention": "context parallel ring attention (keys, values, their gradients)",
+               "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "other": "other (loss, norm, flags, metrics)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"

@@ -102,10 +102,13 @@ def test_header_names_every_layout_choice(mpiexec):
 
 
 @pytest.mark.timeout(120)
-def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
-    """Every byte in exactly one kind: ring attention has its own, the tied embedding's all-reduce (its group is
-    split from the pipeline group) is gradient reduction only; so no kind is negative and they sum to the total."""
-    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "2", "--cp", "2", "--pp", "2", "--out", str(tmp_path)], timeout=90)
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
+    """Every byte in exactly one kind: ring attention (or Ulysses' all-to-alls) has its own, the tied embedding's
+    all-reduce (its group is split from the pipeline group) is gradient reduction only; so no kind is negative and
+    they sum to the total."""
+    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "2", "--cp", "2", "--cp-attention", attention, "--pp", "2",
+                                         "--out", str(tmp_path)], timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = summary["bytes_sent_by_kind"]
@@ -120,8 +123,8 @@ def test_traffic_kinds_add_up_with_cp_and_pp(mpiexec, tmp_path):
     value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
     per_step = sum(kinds["context_parallel_attention"]) / 2
     assert float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit] == pytest.approx(per_step, rel=1e-3), (row, per_step)
-    assert "(ring attention)" in row and any(line.startswith("  dp-cp (2 rank(s) each)") for line in
-                                             proc.stdout.splitlines())
+    assert ("(ring attention)" if attention == "ring" else "(Ulysses all-to-all)") in row
+    assert any(line.startswith("  dp-cp (2 rank(s) each)") for line in proc.stdout.splitlines())
 
 
 @pytest.mark.timeout(120)

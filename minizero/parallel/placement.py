@@ -51,12 +51,16 @@ def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     return ring, hier
 
 
-def _label(snapshot: dict | None, label: str) -> float:
-    """Bytes under ``label`` in a ledger snapshot (0 without one)."""
-    return 0.0 if snapshot is None else float(snapshot["by_op"].get(label, 0))
+CP_LABELS = ("ring_attention", "all_to_all")  #: ledger labels of context-parallel attention (ring, Ulysses)
 
 
-def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1) -> list[str]:
+def _label(snapshot: dict | None, *labels: str) -> float:
+    """Bytes under ``labels`` in a ledger snapshot (0 without one)."""
+    return 0.0 if snapshot is None else float(sum(snapshot["by_op"].get(label, 0) for label in labels))
+
+
+def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
+                 cp_attention: str = "ring") -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table (lines, on world rank 0; [] elsewhere).
 
     Args:
@@ -64,6 +68,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         steps: optimizer steps taken (>= 1).
         dp: the :class:`DataParallel` synchroniser or None (its buckets give the ring-vs-hierarchical line).
         algorithm: ``"ring"`` or ``"hierarchical"``, printed.  cp: context-parallel size (cp > 1: its own row).
+        cp_attention: ``"ring"`` or ``"ulysses"``, named in that row.
     Bytes: one all-reduce of a small float64 vector, label ``"metrics"``.
     Raises:
         ValueError: ``steps`` < 1.
@@ -77,7 +82,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     ring, hier = ring_vs_hierarchical(dp, topo) if topo.dp_rank == 0 else (0, 0)
     row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
     row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
-    row += [_label(groups["dp"].traffic.snapshot(), "ring_attention"), _label(_cross(groups["dp"]), "ring_attention")]
+    row += [_label(groups["dp"].traffic.snapshot(), *CP_LABELS), _label(_cross(groups["dp"]), *CP_LABELS)]
     row += [_label(groups["dp"].traffic.snapshot(), USED), _label(_cross(groups["dp"]), USED)]
     with topo.world.traffic.op("metrics"):
         total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
@@ -91,7 +96,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         if k == "dp" and cp > 1:
             cp_groups = [g[j:j + cp] for g in topo.all_groups("dp") for j in range(0, len(g), cp)]
             lines.append(f"  cp    ({cp} rank(s) each): {max(topo.nodes.spans(g) for g in cp_groups)} node(s), "
-                         f"{_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   (ring attention)")
+                         f"{_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   "
+                         f"({'ring attention' if cp_attention == 'ring' else 'Ulysses all-to-all'})")
             if topo.dp == cp and not total[2]:
                 continue
         across = _fmt(total[2 * i + 1]) if known else "?"

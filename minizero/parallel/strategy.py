@@ -232,7 +232,8 @@ class Strategy:
         all-gathers and broadcasts (ZeRO 1-3, the start-up broadcast); ``pipeline_activations``:
         activations and their gradients between stages; ``tensor_parallel_activations``: the
         tensor group's f/g all-reduces; ``context_parallel_attention``: ring attention's key/value
-        blocks and their gradients around the context group (``--cp``, inside the data group);
+        blocks and their gradients around the context group, or Ulysses' all-to-alls (``--cp``,
+        inside the data group);
         ``other``: the rest (metrics, the norm, overflow
         flags, optimizer bookkeeping, gathering the model for saving).
         """
@@ -243,7 +244,7 @@ class Strategy:
             # the embedding group is split from the pipeline group: its all-reduce is in both ledgers, counted once
             "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()),
             "tensor_parallel_activations": sum(by["tp"].values()),
-            "context_parallel_attention": by["dp"].get("ring_attention", 0),
+            "context_parallel_attention": by["dp"].get("ring_attention", 0) + by["dp"].get("all_to_all", 0),
         }
         kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
         return kinds
