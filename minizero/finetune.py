@@ -17,14 +17,12 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import backward
-from minizero.data import eval_batches, global_batch, load_tokens, train_val_split
-from minizero.files import atomic_write
+from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
+from minizero.files import atomic_write, check_output
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, add_lora, merged_state_dict, trainable_parameters
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
-from minizero.data import min_data_bytes
-from minizero.files import check_output
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained
 
