@@ -144,3 +144,17 @@ def test_bad_fp8_combinations_are_refused(argv, match):
     with pytest.raises((UsageError, ValueError), match=match):
         parse_args(["--model", "tiny", "--precision", "fp8"] + argv, 2)
     parse_args(["--model", "tiny", "--precision", "fp8", "--fp8-scaling", "current", "--recompute", "full"], 1)
+
+
+def test_evaluation_does_not_move_the_delayed_scales():
+    """A cast under no_grad (evaluation) reads the amax history but does not record into it."""
+    from minizero.autograd import no_grad
+    from minizero.memory.fp8 import E4M3, ScaledCast
+    cast = ScaledCast(E4M3, "delayed")
+    cast.quantize(np.full(8, 2.0, np.float32))
+    before = cast.history.copy()
+    with no_grad():
+        cast.quantize(np.full(8, 100.0, np.float32))
+    np.testing.assert_array_equal(cast.history, before)
+    cast.quantize(np.full(8, 3.0, np.float32))
+    assert cast.history[0] == 3.0 and cast.history[1] == 2.0

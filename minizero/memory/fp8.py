@@ -18,6 +18,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.autograd.grad_mode import is_grad_enabled
 from minizero.nn.module import Linear, Module
 
 AMAX_HISTORY = 16  #: delayed scaling's window (TE's examples; its DelayedScaling default is 1024 in TE 1.x)
@@ -111,7 +112,8 @@ class ScaledCast:
         return from_fp8_bits(codes, self.fmt) / scale
 
     def quantize(self, x):
-        """x float32 -> (uint8 codes of q = fp8(x s), the scale s as a 0-d float32 array); updates the history."""
+        """x float32 -> (uint8 codes of q = fp8(x s), the scale s as a 0-d float32 array); updates the history
+        (delayed scaling) when gradients are enabled, so evaluation leaves it as training left it."""
         xp = backend.array_module(x)
         amax = xp.abs(x).max().astype(xp.float32)
         if self.scaling == "delayed":
@@ -119,7 +121,8 @@ class ScaledCast:
                 self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
             past = self.history.max()
             ref = xp.where(past > 0, past, amax)  # the first cast has no history: its own amax
-            self.history = xp.concatenate([amax[None], self.history[:-1]])
+            if is_grad_enabled():  # training casts only: an evaluation (no_grad) must not move the scales
+                self.history = xp.concatenate([amax[None], self.history[:-1]])
         else:
             ref = amax
         scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, np.float32(1e-38)), np.float32(1.0))
