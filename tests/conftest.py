@@ -6,6 +6,8 @@ import pytest
 from minizero.files import mpiexec_path  # noqa: F401  (re-exported for tests)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ZeRO's per-collective order check (off in the main job) runs in every test, here and in launched ranks
+os.environ.setdefault("MINIZERO_DEBUG_COLLECTIVES", "1")
 
 
 def mpi_env():

@@ -1,6 +1,9 @@
-"""ZeRO is one package (minizero/zero/): no other module branches on a ZeRO stage number."""
+"""ZeRO is one package (minizero/zero/): no other module branches on a ZeRO stage number; its order check is a debug switch."""
 import ast
 import pathlib
+
+import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ZERO = REPO / "minizero" / "zero"
@@ -29,3 +32,39 @@ def test_the_scan_finds_a_stage_branch_and_spares_the_pipeline_stage():
         ["2: zero.stage >= 2"]
     assert stage_comparisons("def f(self):\n    return self.stage in (1, 2)\n") == ["2: self.stage in (1, 2)"]
     assert stage_comparisons("def f(stage, comm):\n    return comm.rank != stage.stage\n") == []
+
+
+# --------------------------------------------------------------------------- the order check is a debug switch
+def _one_step(comm, stage, check_order):
+    from minizero.nn import GPT, get_config
+    from minizero.zero import zero_optimizer
+
+    model = GPT(get_config("tiny", dtype="float64"), seed=0)
+    opt = zero_optimizer(model, comm, stage, lr=1e-2, check_order=check_order)
+    x = np.arange(8, dtype=np.int64).reshape(2, 4) + 8 * comm.rank
+    model(x, x)[1].backward()
+    opt.reduce_gradients()
+    opt.step()
+    with opt.full_parameters():
+        weights = {k: v.copy() for k, v in model.state_dict().items()}
+    return weights, comm.traffic.snapshot()["by_op"].get("zero_header", 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_order_check_runs_only_when_asked_and_changes_no_number(stage):
+    from minizero.comm import run_in_threads
+
+    on = run_in_threads(2, _one_step, stage, True)
+    off = run_in_threads(2, _one_step, stage, False)
+    assert all(header > 0 for _, header in on) and all(header == 0 for _, header in off)
+    for (w_on, _), (w_off, _) in zip(on, off):
+        assert all(np.array_equal(w_on[k], w_off[k]) for k in w_on)
+
+
+def test_the_debug_switch_is_the_environment_variable(monkeypatch):
+    from minizero.zero.collectives import debug_collectives
+
+    assert debug_collectives()  # tests/conftest.py turns it on for the suite
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
+    assert not debug_collectives()

@@ -72,6 +72,8 @@ class ZeroOptimizer:
             taken by those stages' constructors, ignored here.
         find_unused_parameters: as :class:`~minizero.parallel.data_parallel.DataParallel`'s.
         predivided: gradients already carry 1/N (FP16's backward seed): reduce by a plain sum.
+        check_order: all-gather a (unit, phase) header before every unit collective and raise
+            :class:`ZeroOrderError` on a mismatch; None: the debug switch ``MINIZERO_DEBUG_COLLECTIVES=1``.
     A step: forward/backward per micro-batch -> :meth:`reduce_gradients` -> :meth:`clip_grad_norm_`
     -> :meth:`set_lr` -> :meth:`step` -> :meth:`zero_grad`.
     Attributes: ``stage``, ``shard_map``, ``units`` (:class:`UnitState`), ``bytes_sent`` (phase -> bytes,
@@ -86,7 +88,7 @@ class ZeroOptimizer:
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
                  prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True,
-                 predivided: bool = False):
+                 predivided: bool = False, check_order: bool | None = None):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
@@ -105,7 +107,8 @@ class ZeroOptimizer:
         self.sharded_state = None if sharded_state is None else sharded_state(self.shard_map)
         self.units = [UnitState(i, self.shard_map.units[i], [p for _, p in params], [module])
                       for i, (_, module, params) in enumerate(find_units(model))]
-        self.collectives = UnitCollectives(comm, self.units, self.bytes_sent, native, quantized_comm, predivided)
+        self.collectives = UnitCollectives(comm, self.units, self.bytes_sent, native, quantized_comm, predivided,
+                                           check_order)
         self._unit_of = {id(p): st for st in self.units for p in st.params}
         self._param_of = {n: p for st in self.units for n, p in zip(st.unit.param_names, st.params)}
         self._add_tied_users(model)
@@ -304,12 +307,12 @@ class ZeroOptimizer:
         """``(kind, param, lo, hi, array)`` a checkpoint writes (``save``) or reads on this rank: the owned
         pieces of parameters, m, v (or 8-bit Adam's ``QuantizedState``) and masters; a stage that holds
         whole parameters reads them whole (:meth:`_whole_params_on_load`)."""
-        if not save:
-            yield from (("param", p, 0, int(p.size), p.data) for p in self._whole_params_on_load())
+        whole = [] if save else self._whole_params_on_load()
+        yield from (("param", p, 0, int(p.size), p.data) for p in whole)
         for st in self.units:
             for j, pc in enumerate(st.pieces):
                 p, sl = self._param_of[pc.param], slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
-                if save or not self._whole_params_on_load():
+                if not whole:  # saved as owned pieces; read so too where the stage holds only those
                     yield "param", p, pc.lo, pc.hi, st.param_shard[sl]
                 m, v = (st.m[sl], st.v[sl]) if self.sharded_state is None else self.sharded_state.state[st.index][j]
                 for kind, a in (("m", m), ("v", v), ("master", None if st.master is None else st.master[sl])):

@@ -1,16 +1,19 @@
-"""ZeRO's collectives on one unit, each after a header check that every rank is at the same (unit, phase).
+"""ZeRO's collectives on one unit, and the check that every rank is at the same (unit, phase).
 
 A rank that reached its collectives in another order would pair unit 0 with unit 1 and, at
-equal sizes, sum them silently. Before each collective every rank all-gathers a header
-``(unit index, phase, prefetched)`` (3 int64, (N-1) x 24 bytes per rank, traffic label
-``zero_header``, in no phase's byte count); on a mismatch every rank raises the same
+equal sizes, sum them silently. Under the debug switch (``MINIZERO_DEBUG_COLLECTIVES=1``, which
+tests/conftest.py sets; off in the main job) every rank first all-gathers a header
+``(unit index, phase, prefetched)`` before each unit collective (3 int64, (N-1) x 24 bytes per rank,
+traffic label ``zero_header``, in no phase's byte count); on a mismatch every rank raises the same
 :class:`ZeroOrderError` (PyTorch FSDP's debug mode checks collective fingerprints the same way).
+Off, a different order is a wrong sum or a hang until ``--comm-timeout``.
 Means over ranks: float16 divides by N before the sum, wider dtypes after
 (:func:`minizero.comm.collectives.mean_scale_`); ``predivided``: the addends carry 1/N already.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -23,6 +26,15 @@ from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatt
 #: ``optimizer_sync``: a ``sharded_state`` optimizer's own messages (8-bit Adam's block absmax).
 STEP_PHASES = ("gather_forward", "gather_backward", "reduce_scatter_grads", "all_gather_params", "optimizer_sync")
 PHASES = STEP_PHASES + ("grad_norm", "gather_no_grad", "gather_full", "setup", "used_parameters")
+
+
+#: the environment variable of the debug switch: "1" turns the per-collective order check on
+DEBUG_COLLECTIVES_ENV = "MINIZERO_DEBUG_COLLECTIVES"
+
+
+def debug_collectives() -> bool:
+    """Whether the per-collective order check is on (``MINIZERO_DEBUG_COLLECTIVES=1``)."""
+    return os.environ.get(DEBUG_COLLECTIVES_ENV, "0") == "1"
 
 
 class ZeroOrderError(RuntimeError):
@@ -52,12 +64,15 @@ class UnitCollectives:
 
     Args: comm; units (list of :class:`UnitState`, for error messages); bytes_sent (phase -> int,
     shared with the optimizer); native (MPI's collectives); quantized_comm (INT8 on the wire,
-    ZeRO++); predivided (gradients carry 1/N already: reduce by a plain sum).
+    ZeRO++); predivided (gradients carry 1/N already: reduce by a plain sum); check_order (the
+    header check before each collective; None: :func:`debug_collectives`).
     """
 
-    def __init__(self, comm, units, bytes_sent, native=False, quantized_comm=False, predivided=False):
+    def __init__(self, comm, units, bytes_sent, native=False, quantized_comm=False, predivided=False,
+                 check_order=None):
         self.comm, self.units, self.bytes_sent = comm, units, bytes_sent
         self.native, self.quantized_comm, self.predivided = native, quantized_comm, predivided
+        self.check_order = debug_collectives() if check_order is None else check_order
 
     @contextlib.contextmanager
     def count(self, phase):
@@ -69,14 +84,14 @@ class UnitCollectives:
             self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
 
     def agree(self, st, phase: str, prefetched: bool = False) -> None:
-        """Collective: every rank is about to run ``phase`` on unit ``st`` (None: no unit), blocking or
-        ``prefetched`` (the prefetch ring has its own tag, so a mix would hang, not error).
+        """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st`` (None: no unit),
+        blocking or ``prefetched`` (the prefetch ring has its own tag, so a mix would hang, not error).
 
         Raises:
             ZeroOrderError: on every rank, naming each rank's unit and phase.
         """
         n = self.comm.world_size
-        if n == 1:
+        if n == 1 or not self.check_order:
             return
         mine = backend.xp.asarray([-1 if st is None else st.index, PHASES.index(phase), int(prefetched)],
                                   dtype=np.int64)
