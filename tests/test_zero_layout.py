@@ -68,3 +68,19 @@ def test_the_debug_switch_is_the_environment_variable(monkeypatch):
     assert debug_collectives()  # tests/conftest.py turns it on for the suite
     monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
     assert not debug_collectives()
+
+
+def test_debug_collectives_turns_the_zero_order_check_on(monkeypatch):
+    """--debug-collectives (the main job's switch) turns ZeRO's header check on even when the env switch is off."""
+    from minizero.comm import run_in_threads
+    from minizero.train import parse_args, train
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
+
+    def header_bytes(comm, flags):
+        args = parse_args(["--model", "tiny", "--zero", "1", "--steps", "1", "--no-save", "--eval-batches", "1",
+                           "--progress", "none", *flags], comm.world_size)
+        res = train(args, comm, log=lambda s: None)
+        return res["traffic"]["world"]["by_op"].get("zero_header", 0)
+
+    assert run_in_threads(2, header_bytes, [])[0] == 0
+    assert run_in_threads(2, header_bytes, ["--debug-collectives"])[0] > 0

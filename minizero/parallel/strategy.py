@@ -296,7 +296,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                                        native=args.native_comm, sharded_state=state,
                                        quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                       prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided)
+                                       prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided,
+                                       check_order=True if args.debug_collectives else None)  # None: the env switch
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
