@@ -35,6 +35,8 @@ def check_context_parallel(args, cfg) -> None:
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
     if cp == 1:
+        if args.cp_attention != "ring":
+            raise ValueError(f"--cp-attention {args.cp_attention} chooses how a split sequence attends: it needs --cp > 1")
         return
     t = args.block_size or cfg.block_size
     dropout = args.dropout if args.dropout is not None else cfg.dropout

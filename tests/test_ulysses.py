@@ -79,6 +79,8 @@ def test_ulysses_training_equals_single_process(cp, dp, tp, pp, m, extra):
 def test_ulysses_is_refused_where_heads_do_not_split():
     with pytest.raises(UsageError, match="needs the 2 attention heads per tensor rank .* divisible by --cp 4"):
         parse_args(["--model", "tiny", "--cp", "4", "--cp-attention", "ulysses", "--block-size", "16"], 4)
+    with pytest.raises(UsageError, match="--cp-attention ulysses chooses how a split sequence attends: it needs --cp > 1"):
+        parse_args(["--model", "default", "--cp-attention", "ulysses"], 1)
     with pytest.raises(UsageError, match="with --dropout 0.1 is not supported"):
         parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2)
 
