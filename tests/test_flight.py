@@ -231,7 +231,10 @@ def test_sigusr1_dumps_every_rank_on_demand_and_ctrl_c_dumps_again(mpiexec, tmp_
         assert proc.poll() is None  # still training
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-        assert [json.loads(f.read_text())["reason"] for f in files] == ["SIGINT", "SIGINT"]
+        reasons = [json.loads(f.read_text())["reason"] for f in files]
+        # rank 0 dumps again; a peer may be ended by the launcher (rank 0's abort) before its own handler runs,
+        # in which case its file is still the SIGUSR1 one, whole (seen once in 20 runs on a loaded machine)
+        assert reasons[0] == "SIGINT" and reasons[1] in ("SIGINT", "SIGUSR1"), reasons
     finally:
         if proc.poll() is None:
             proc.kill()
