@@ -6,15 +6,22 @@ Tokens/s counts every token of every rank's micro-batches (global batch x
 context) divided by the wall-clock time of the training loop (evaluation,
 start-up and the final sample excluded).
 
-usage: python bench/bench_train.py [--ranks 1,8] [--steps 30] [--model default]
+With ``--against REV`` (a git revision of this repository) the tree at REV is unpacked into a
+temporary folder and the two trees are run alternately, ``--rounds`` times each, on the same
+command line; the table gives each tree's median tokens/s (min-max), the ratio, and every ledger
+figure (rank 0's peak bytes per category, set-up peak, bytes sent) that changed, with its change in bytes.
+
+usage: python bench/bench_train.py [--ranks 1,8] [--steps 30] [--model default] [--against REV --rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 
 from minizero.files import mpiexec_path
@@ -30,17 +37,68 @@ def mpiexec() -> str:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     return path
 
-def run(n: int, args) -> dict:
-    """Run the main job on ``n`` ranks; return its JSON summary."""
+def run(n: int, args, tree: str | None = None) -> dict:
+    """Run the main job on ``n`` ranks (from the code in ``tree``, else this checkout); return its JSON summary."""
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
     with tempfile.TemporaryDirectory() as d:
         js = os.path.join(d, "summary.json")
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
                "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--eval-every", "0",
                "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--no-tracemalloc",
                "--out", d, "--json", js]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
         with open(js) as f:
             return json.load(f)
+
+
+LEDGER_KEYS = ("ledger_peak_bytes", "ledger_setup_peak_bytes", "bytes_sent")
+
+
+def unpack(rev: str, into: str) -> str:
+    """Write the tree at git revision ``rev`` of this repository into ``into``; return ``into``."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", rev], check=True, capture_output=True).stdout
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        tarfile.open(fileobj=f).extractall(into, filter="data")
+    return into
+
+
+def changes(new, old, path="") -> dict:
+    """``{path: new - old}`` for every number that differs between two summaries' ledger figures (rank 0's
+    row when per-rank lists)."""
+    if isinstance(new, list):
+        return changes(new[0], old[0], path) if new and old else {}
+    if isinstance(new, dict):
+        out = {}
+        for k in new:
+            out.update(changes(new[k], old.get(k, 0), f"{path}.{k}" if path else k))
+        return out
+    return {} if new == old else {path: new - old}
+
+
+def against(args) -> None:
+    """Alternate this checkout and the tree at ``args.against``; print tokens/s and the ledger check."""
+    print(f"| ranks | tokens/s this tree | tokens/s at {args.against} | ratio | ledger figures |  "
+          f"({args.model}, {args.steps} steps, {args.rounds} alternated rounds, median (min-max))")
+    print("|---:|---:|---:|---:|---|")
+    with tempfile.TemporaryDirectory() as before:
+        unpack(args.against, before)
+        for n in [int(x) for x in args.ranks.split(",")]:
+            runs = {"new": [], "old": []}
+            for _ in range(args.rounds):
+                runs["new"].append(run(n, args))
+                runs["old"].append(run(n, args, before))
+            tps = {k: [r["tokens_per_s"] for r in v] for k, v in runs.items()}
+            new, old = runs["new"][-1], runs["old"][-1]
+            diff = {}
+            for k in LEDGER_KEYS:
+                diff.update(changes(new[k], old[k], k))
+            ledger = ", ".join(f"{k} {d:+,} B" for k, d in diff.items()) or "unchanged"
+            cell = {k: f"{statistics.median(v):,.0f} ({min(v):,.0f}-{max(v):,.0f})" for k, v in tps.items()}
+            print(f"| {n} | {cell['new']} | {cell['old']} | {statistics.median(tps['new']) / statistics.median(tps['old']):.2f} "
+                  f"| {ledger} |", flush=True)
 
 
 def main() -> None:
@@ -50,7 +108,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--model", default="default")
+    p.add_argument("--against", metavar="REV", help="git revision to alternate with (the tree before a change)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()
+    if args.against:
+        return against(args)
     print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  ({args.model}, {args.steps} steps, "
           f"{os.cpu_count()} cores)")
     print("|---:|---:|---:|---:|---:|")
