@@ -20,8 +20,10 @@ and dropout 0.1, so the dense core's (s, s) rows are exactly Korthikanti et al.'
 2as^2b, dropout mask as^2b, dropout output 2as^2b). It prints what block 0 saved (ledger) beside the
 estimator's formula for each core, and the difference beside 5as^2b; the plot goes to ``--png``.
 
-usage: python bench/bench_seq_memory.py [--batch 4] [--png lessons/img/seq_memory.png]
-       python bench/bench_seq_memory.py --attention [--png lessons/img/flash_memory.png]
+usage: python bench/bench_seq_memory.py [--batch 4] [--png seq_memory.png]
+       python bench/bench_seq_memory.py --attention [--png flash_memory.png]
+
+(lesson 03's seq_memory.png is drawn by notebook 03, from the same sweep.)
 """
 from __future__ import annotations
 
@@ -199,12 +201,12 @@ def main():
     p.add_argument("--model", default="default")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--png", default=None, help="default lessons/img/seq_memory.png (flash_memory.png with --attention)")
+    p.add_argument("--png", default=None, help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
     if args.attention:
-        return attention_main(args.png or "lessons/img/flash_memory.png")
-    args.png = args.png or "lessons/img/seq_memory.png"
+        return attention_main(args.png or "flash_memory.png")
+    args.png = args.png or "seq_memory.png"
     cfg = get_config(args.model)
     print(f"model {args.model}: h={cfg.n_embd} a={cfg.n_head} b={args.batch}, float32, no dropout; block 0")
     print("| recompute | s | saved by the layer (ledger) | of which a·s²·b scores | formula | equal |")
