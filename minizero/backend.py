@@ -46,7 +46,7 @@ class DeviceError(RuntimeError):
 
 
 def local_rank(default: int = 0) -> int:
-    """This process's rank on its node: ``MPI_LOCALRANKID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ``SLURM_LOCALID``, ``LOCAL_RANK``, else ``default``."""
+    """This process's rank on its node (``MPI_LOCALRANKID``, Open MPI's, Slurm's, ``LOCAL_RANK``), else ``default``."""
     for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

@@ -113,7 +113,7 @@ def document_ends(tokens: np.ndarray) -> np.ndarray:
 
 
 def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int, ends=None):
-    """The global batch of step ``step``: (x, y), each (batch, block_size) int64, y = x shifted by one; seeded by (seed, step).
+    """Step ``step``'s global batch, seeded by (seed, step): (x, y) of (batch, block_size) int64, y = x shifted by one.
 
     ``ends``: None (packed), or :func:`document_ends` (padded: targets after the first separator are ``IGNORE_INDEX``).
     """

@@ -45,7 +45,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
-    """Remove temporaries of killed :func:`atomic_write` calls in ``folder`` (stale, or of a dead local process); returns them."""
+    """Remove temporaries of killed :func:`atomic_write` calls in ``folder`` (stale or dead writer); returns them."""
     removed, host, now = [], socket.gethostname(), time.time()
     try:
         names = os.listdir(folder)
@@ -80,7 +80,7 @@ def _error(path: str, e: BaseException) -> WriteError:
 
 
 def atomic_write(path: str, write, mode: str = "wb") -> None:
-    """Write ``path`` through ``write(f)`` (``mode`` ``"wb"`` or ``"w"``, UTF-8): temporary file, fsync, rename, fsync folder.
+    """Write ``path`` through ``write(f)`` (``mode`` ``"wb"``/``"w"``): temporary, fsync, rename, fsync folder.
 
     ``path`` then holds the previous or the whole new file; a non-regular ``path`` (``/dev/null``) is written into.
     Raises WriteError (an OSError, naming ``path``; previous file kept): a step failed or ``path`` is a directory;

@@ -195,7 +195,7 @@ def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor",
 
 
 class QuantizedTensor:
-    """A tensor stored as integer codes + FP32 scales (:meth:`from_array`); ``nbytes`` exact, ``dense_nbytes`` the float's."""
+    """A tensor stored as integer codes + FP32 scales (:meth:`from_array`); ``nbytes``, ``dense_nbytes``."""
 
     def __init__(self, q, scale, shape, bits, granularity, block_size, dtype):
         self.q, self.scale, self.shape = q, scale, tuple(shape)

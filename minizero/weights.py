@@ -40,7 +40,7 @@ class _Header:
 
 
 def _check_headers(weights: str) -> None:
-    """Refuse, from the zip directory and .npy headers only, an archive that is not a GPT no larger than the largest preset."""
+    """Refuse, from the zip and .npy headers only, an archive that is not a GPT within the largest preset."""
     try:
         with zipfile.ZipFile(weights) as zf:
             heads = {}
@@ -148,7 +148,7 @@ def infer_preset(state: dict) -> str | None:
 
 
 def shape_from_state(state: dict, weights: str = "weights") -> dict:
-    """``{n_layer, n_embd, block_size, vocab_size}`` from the arrays' shapes. ValueError: not minizero's GPT (first difference)."""
+    """``{n_layer, n_embd, block_size, vocab_size}`` from the arrays' shapes; ValueError: not minizero's GPT."""
     wte, wpe = state.get("transformer.wte.weight"), state.get("transformer.wpe.weight")
     if wte is None or wpe is None or wte.ndim != 2 or wpe.ndim != 2:
         raise _not_weights(weights, "no 2-D transformer.wte.weight and transformer.wpe.weight arrays")
@@ -188,7 +188,7 @@ def read_sidecar(weights: str) -> dict | None:
 
 
 def config_for(weights: str, state: dict) -> GPTConfig:
-    """The :class:`GPTConfig` of ``state`` (read from ``weights``), in the arrays' dtype; heads from ``model.json`` or a preset.
+    """The :class:`GPTConfig` of ``state`` (from ``weights``), in its dtype; heads from ``model.json`` or a preset.
 
     Raises ValueError: not minizero's GPT, a disagreeing ``model.json``, or no way to know the head count.
     """

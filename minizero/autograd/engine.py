@@ -17,7 +17,7 @@ from minizero.ledger import get_ledger
 _running = threading.local()  # per rank thread: depth of the running backwards, callbacks for the outermost
 
 class Context:
-    """The per-call record (``ctx``): ``needs_input_grad``, ``save_for_backward(*arrays)`` (seen by hooks and ledger), ``saved_tensors``."""
+    """The per-call record ``ctx``: ``needs_input_grad``, ``save_for_backward(*arrays)``, ``saved_tensors``."""
 
     def __init__(self, fn, needs_input_grad, recording):
         self.fn = fn

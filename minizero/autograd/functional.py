@@ -246,7 +246,7 @@ def causal_softmax(scores: Tensor) -> Tensor:
 
 
 class Dropout(Function):
-    """Inverted dropout: y = x * mask / (1 - p); the mask from :func:`~minizero.autograd.rng.dropout_keep_mask`, saved as bool."""
+    """Inverted dropout: y = x * mask / (1 - p); mask from ``rng.dropout_keep_mask``, saved as bool."""
 
     @staticmethod
     def forward(ctx, x, p):
@@ -274,7 +274,7 @@ IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds n
 
 
 def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy", ignore_index: int = IGNORE_INDEX):
-    """Raise ValueError (naming the first bad value and position) unless ``targets`` is (n,) ints in [0, vocab_size) or ``ignore_index``."""
+    """ValueError (first bad value and position) unless ``targets`` is (n,) ints in [0, vocab_size) or ``ignore_index``."""
     xp = backend.xp
     if getattr(targets, "shape", None) != (n,):
         raise ValueError(f"{where}: targets must have shape ({n},), got {getattr(targets, 'shape', type(targets))}")

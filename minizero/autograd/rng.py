@@ -90,7 +90,7 @@ def uniform_bits(n: int):
 
 
 def reserve(n: int) -> tuple[int, int]:
-    """Skip the next ``n`` outputs; return the (key, offset) they start at (for :func:`keep_mask_at`). ValueError: ``n`` < 0."""
+    """Skip the next ``n`` outputs; return their (key, offset) for :func:`keep_mask_at`. ValueError: ``n`` < 0."""
     if n < 0:
         raise ValueError(f"reserve needs n >= 0 draws, got {n}")
     state = get_rng_state()

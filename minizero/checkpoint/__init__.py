@@ -49,7 +49,7 @@ class Checkpointer:
         self.saved = []
 
     def resume(self, strategy, scaler=None) -> tuple:
-        """Load ``--resume`` into the built strategy (after removing killed saves' ``.tmp-`` folders): ``(start_step, applied, pruner)``.
+        """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed); ``(start_step, applied, pruner)``.
 
         Raises CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
         """

@@ -27,7 +27,7 @@ MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI a
 
 
 def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
-    """Call ``done()`` until it returns True: spinning for ``spin_s`` seconds, then sleeping 10 us doubling to :data:`MAX_SLEEP_S`.
+    """Call ``done()`` until it returns True: spin ``spin_s`` s, then sleep 10 us doubling to :data:`MAX_SLEEP_S`.
 
     ``describe()`` returns the error's message. Raises CommTimeoutError: ``done()`` stayed False for ``timeout`` s.
     """
@@ -131,7 +131,7 @@ class Communicator(abc.ABC):
         return self._isend(buf, dest, tag)
 
     def irecv(self, buf, source: int, tag: int = 0):
-        """Start receiving from ``source`` into ``buf`` (MPI_Irecv); the request's ``test()`` raises ValueError on a mismatch.
+        """Start receiving from ``source`` into ``buf`` (MPI_Irecv); ``test()`` raises ValueError on a mismatch.
 
         Raises as ``recv``; NotImplementedError without a non-blocking transport.
         """
@@ -185,7 +185,7 @@ class Communicator(abc.ABC):
         return out
 
     def native_reduce_scatter(self, x):
-        """Library reduce-scatter (sum) of ``x.reshape(-1)``; returns this rank's ``shard_range`` chunk (``"reduce_scatter"``)."""
+        """Library reduce-scatter (sum) of ``x.reshape(-1)``; returns this rank's ``shard_range`` chunk."""
         _check_array(x, "x")
         with self.traffic.op("reduce_scatter", x):
             self.traffic.record(self._estimate("reduce_scatter", x))

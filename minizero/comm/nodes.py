@@ -102,7 +102,7 @@ def discover_nodes(comm: Communicator) -> NodeLayout:
 
 
 class CrossNodeLedger:
-    """Bytes this rank sent to other nodes: ``bytes_sent`` (total), ``by_op`` (per traffic label); ``parent`` gets them too."""
+    """Bytes this rank sent to other nodes: ``bytes_sent`` (total), ``by_op`` (per label); also added to ``parent``."""
 
     def __init__(self, parent: CrossNodeLedger | None = None):
         self.parent, self.bytes_sent, self.by_op = parent, 0, {}

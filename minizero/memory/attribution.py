@@ -55,7 +55,7 @@ def attach(model) -> callable:
 
 
 def after_forward_hook(store: dict, category: str = "activations"):
-    """A root forward hook copying the ledger's per-module current bytes into ``store`` (``{"self": ..., "inclusive": ...}``)."""
+    """A root forward hook copying the per-module current bytes into ``store`` (``{"self", "inclusive"}``)."""
     def hook(_m, _args, _out):
         led = get_ledger()
         store["self"] = {n: c for n, (c, _p) in led.modules(category).items()}

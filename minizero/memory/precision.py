@@ -49,7 +49,7 @@ class DynamicLossScaler:
         self._skips_at_min = 0
 
     def update(self, overflow: bool) -> bool:
-        """Record one step's outcome; True when it must be skipped. Raises LossScaleError: ``max_skips_at_min`` at the minimum."""
+        """Record one step's outcome; True: skip it. Raises LossScaleError: ``max_skips_at_min`` skips at the minimum."""
         if not overflow:
             self.consecutive_skips = 0
             self._skips_at_min = 0

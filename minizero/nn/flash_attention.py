@@ -162,7 +162,7 @@ class FlashAttentionCore(Module):
 
 
 def use_flash_attention(stage, block: int) -> list[str]:
-    """Make every block's ``attn.core`` a :class:`FlashAttentionCore`, in place, before recompute and CP; returns the names."""
+    """Make every block's ``attn.core`` a :class:`FlashAttentionCore` (before recompute, CP); returns the names."""
     check_block(block)
     done = []
     for part in getattr(stage, "chunks", [stage]):

@@ -98,7 +98,7 @@ class CausalSelfAttention(Module):
         return self.resid_dropout(self.c_proj(y))
 
     def attention_core(self, q, k, v):
-        """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D); selective recompute wraps ``core``."""
+        """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D)."""
         return self.core(q, k, v, self.attn_dropout)
 
 
@@ -185,7 +185,7 @@ class GPT(Module):
         return logits, loss
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
-        """Sample ``max_new_tokens`` continuations (no grad; ``rng`` a NumPy Generator; temperature 0: greedy): (B, T) -> (B, T + new)."""
+        """Sample ``max_new_tokens`` tokens (no grad; temperature 0: greedy): (B, T) ints -> (B, T + new)."""
         rng = rng if rng is not None else np.random.default_rng(0)
         idx = np.asarray(backend.to_host(idx))
         was_training = self.training

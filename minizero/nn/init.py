@@ -87,7 +87,7 @@ def _full_coord(c, n: int, stride: int, index: int, parts: int):
 
 @dataclasses.dataclass(frozen=True)
 class ParamInit:
-    """How to draw any flat piece of one parameter shard: ``name``, full ``shape``, ``rule``, ``tp`` cut, ``dtype``, ``seed``."""
+    """How to draw any flat piece of one parameter shard (``name``, full ``shape``, ``rule``, ``tp``, ...)."""
 
     seed: int
     name: str
@@ -104,7 +104,7 @@ class ParamInit:
         return tuple(s)
 
     def flat(self, lo: int, hi: int):
-        """Elements ``[lo, hi)`` of this shard laid flat, (hi - lo,) of ``dtype`` on the device; ValueError outside the shard."""
+        """Elements ``[lo, hi)`` of this shard laid flat, (hi - lo,) ``dtype`` on the device; ValueError outside."""
         local = self.local_shape
         size = int(np.prod(local))
         if not 0 <= lo <= hi <= size:
@@ -128,7 +128,7 @@ class ParamInit:
 
 
 def attach_inits(module, seed: int, n_layer: int, tp_rank: int = 0, tp: int = 1) -> None:
-    """Set ``p.init`` on every parameter of ``module``; ``tensor_model_parallel`` ones as their (dim, stride, rank, tp) shard."""
+    """Set ``p.init`` on every parameter of ``module``; ``tensor_model_parallel`` ones as their shard."""
     for name, p in module.named_parameters():
         split = None
         if getattr(p, "tensor_model_parallel", False):

@@ -108,7 +108,7 @@ def adam8bit_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float
 
 
 def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset: int = 0):
-    """``(m, v)`` for a parameter (or its slice from ``offset``): 8-bit when ``eight_bit``, else zeros; ``optimizer_state``."""
+    """``(m, v)`` for a parameter (or its slice from ``offset``): 8-bit if ``eight_bit``, else zeros."""
     ledger = get_ledger()
     if eight_bit:
         n = shape_or_n if isinstance(shape_or_n, int) else math.prod(shape_or_n)
@@ -126,7 +126,7 @@ def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset
 
 def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
                  min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """Bytes of 8-bit Adam state: ``2n + 8 * ceil(n / B)`` per tensor with n >= ``min_8bit_size``, else ``2 n * itemsize``."""
+    """Bytes of 8-bit Adam state: ``2n + 8 * ceil(n / B)`` per tensor (n >= ``min_8bit_size``), else ``2 n * itemsize``."""
     small = state_dtype(param_dtype).itemsize * 2
     return int(sum(2 * n + 8 * -(-n // block_size) if n >= min_8bit_size else small * n for n in numels))
 

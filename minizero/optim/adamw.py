@@ -88,7 +88,7 @@ class AdamW(Optimizer):
 
 
 def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) -> float:
-    """Learning rate at 0-based ``step``: ``max_lr * (step + 1) / warmup`` during warmup, cosine to ``min_lr`` at ``total``."""
+    """Learning rate at 0-based ``step``: ``max_lr * (step + 1) / warmup``, then cosine to ``min_lr`` at ``total``."""
     if step < warmup:
         return max_lr * (step + 1) / warmup
     if step >= total:

@@ -65,7 +65,7 @@ class Optimizer:
 
 
 def whole_views(params, which: str, masters=None):
-    """``(param, 0, param.size, array)`` for each param holding ``which`` ("param", "grad", "master"); ValueError otherwise."""
+    """``(param, 0, param.size, array)`` per param holding ``which`` ("param", "grad", "master"); else ValueError."""
     if which not in ("param", "grad", "master"):
         raise ValueError(f"which={which!r}; allowed: 'param', 'grad', 'master'")
     for i, p in enumerate(params):

@@ -269,7 +269,7 @@ def sequence_parallelize(stage, comm) -> list[str]:
 
 
 def allreduce_sequence_parallel_grads(params, comm) -> None:
-    """Sum the ``sequence_parallel`` parameters' gradients over the tensor group, in place: one all-reduce (:data:`TRAFFIC_LABEL`)."""
+    """Sum ``sequence_parallel`` parameters' gradients over the tensor group in place (one all-reduce)."""
     marked = [p for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if comm.world_size == 1 or not marked:
         return

@@ -32,7 +32,7 @@ class _BackwardMark(Function):
 
 
 class TraceUnits:
-    """Spans ``forward NAME`` / ``backward NAME`` (lane ``trace.COMPUTE``) of every unit of ``model`` into this rank's tracer."""
+    """Spans ``forward NAME`` / ``backward NAME`` of every unit of ``model`` into this rank's tracer."""
 
     def __init__(self, model):
         self.removers = []

@@ -24,7 +24,7 @@ from minizero.nn.init import is_meta
 
 # --------------------------------------------------------------------------- the shard map
 def find_units(model):
-    """``[(module_name, module, [(param_name, Parameter)])]``: each ModuleList element, and each other module owning parameters.
+    """``[(module_name, module, [(param_name, Parameter)])]``: ModuleList elements, other modules owning parameters.
 
     A shared parameter belongs to the first unit that reaches it (FSDP's transformer auto-wrap, generic).
     """
