@@ -1,16 +1,8 @@
 """The array-module seam: every compute path in minizero calls ``backend.xp``.
 
-``xp`` is NumPy by default; ``set_backend("cupy")`` swaps in CuPy (same API) without
-touching any technique, and ``set_backend("strict")`` swaps in :mod:`minizero.strict`,
-NumPy underneath but with arrays that refuse every implicit host transfer the way CuPy's
-do (the CPU-only proof that the CuPy path leaks nothing). Host/device transfers go through
-``to_host`` and ``to_device`` so that on NumPy they are no-ops and on CuPy/strict they are
-real copies. :func:`set_device` maps the ``--device`` flag (cpu, cuda, strict) onto these.
-
-The dtype policy lives here too: minizero trains in float32 by default, float64
-is a first-class dtype for tests (tolerances like 1e-12 catch bookkeeping bugs),
-and float16 is the compute dtype of mixed precision.
-
+``xp`` is NumPy by default, CuPy after ``set_backend("cupy")``, or :mod:`minizero.strict` (NumPy arrays that
+refuse implicit host transfers, as CuPy's do). Transfers go through ``to_host``/``to_device`` (no-ops on
+NumPy). The dtype policy: float32 by default, float64 for tests, float16 the mixed-precision compute dtype.
 Mirrors: ``cupy.get_array_module`` / the "xp" convention of the Array API.
 """
 from __future__ import annotations
@@ -29,14 +21,9 @@ DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
 
 
 def set_backend(backend: str) -> None:
-    """Switch the array module for the whole process.
+    """Switch the array module for the whole process: ``"numpy"``, ``"cupy"`` or ``"strict"``.
 
-    Args:
-        backend: ``"numpy"``, ``"cupy"`` or ``"strict"`` (:mod:`minizero.strict`).
-    Raises:
-        ValueError: unknown backend name.
-        ImportError: ``"cupy"`` asked for but CuPy is not installed
-            (``pip install -e ".[gpu]"`` in the checkout, or ``pip install cupy-cuda12x``).
+    Raises ValueError: unknown name; ImportError: CuPy not installed (``pip install -e ".[gpu]"``).
     """
     global xp, name
     if backend == "numpy":
@@ -59,12 +46,7 @@ class DeviceError(RuntimeError):
 
 
 def local_rank(default: int = 0) -> int:
-    """This process's rank among the processes on its node, from the launcher's environment.
-
-    Read from ``MPI_LOCALRANKID`` (MPICH's Hydra), ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
-    ``SLURM_LOCALID`` (srun) or ``LOCAL_RANK`` (torchrun's name), the first one set; ``default``
-    when none is (one process, or a launcher that sets none: give it the communicator's rank).
-    """
+    """This process's rank on its node (``MPI_LOCALRANKID``, Open MPI's, Slurm's, ``LOCAL_RANK``), else ``default``."""
     for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -72,13 +54,7 @@ def local_rank(default: int = 0) -> int:
 
 
 def cuda_device_count() -> int:
-    """The CUDA devices CuPy sees (>= 1), without selecting one or switching the array module.
-
-    For a program that launches others with ``--device cuda`` (``python -m minizero.compare``) and
-    must refuse before any work where they would all fail.
-    Raises:
-        DeviceError: CuPy is not installed, cannot reach the driver, or sees no device.
-    """
+    """The CUDA devices CuPy sees (>= 1), selecting none. Raises DeviceError: no CuPy, no driver, or no device."""
     try:
         import cupy  # noqa: PLC0415  (optional dependency)
     except ImportError as e:
@@ -96,13 +72,8 @@ def cuda_device_count() -> int:
 def set_device(device: str, rank_on_node: int = 0) -> str:
     """Select the array module and device for ``--device``; returns a one-line description.
 
-    ``cpu`` is NumPy; ``strict`` is :mod:`minizero.strict` (NumPy underneath, host leaks raise);
-    ``cuda`` is CuPy on GPU ``rank_on_node % device_count`` (rank r of a node uses GPU
-    ``local_rank % count``, the usual one-GPU-per-process layout, as ``torch.cuda.set_device``).
-
-    Raises:
-        ValueError: ``device`` not one of :data:`DEVICES`, or a negative ``rank_on_node``.
-        DeviceError: ``cuda`` asked for but CuPy is not installed or no CUDA device is visible.
+    ``cpu``: NumPy; ``strict``: :mod:`minizero.strict`; ``cuda``: CuPy on GPU ``rank_on_node % device_count``.
+    Raises ValueError: ``device`` not in :data:`DEVICES`, negative ``rank_on_node``; DeviceError: no CuPy or GPU.
     """
     global device_description
     if device not in DEVICES:
@@ -128,21 +99,12 @@ def set_device(device: str, rank_on_node: int = 0) -> str:
 
 
 def array_module(a):
-    """The array module of ``a``: NumPy for a host ``numpy.ndarray``, else the active module ``xp``.
-
-    For code that serves host and device arrays alike (the collectives carry device gradients
-    and host metadata such as lengths and flags). Mirrors ``cupy.get_array_module``.
-    """
+    """The array module of ``a``: NumPy for a host ``numpy.ndarray``, else ``xp`` (``cupy.get_array_module``)."""
     return np if isinstance(a, np.ndarray) else xp
 
 
 def get_dtype(dtype) -> np.dtype:
-    """Resolve ``"float32"``/``np.float32``/... to a NumPy dtype.
-
-    Raises:
-        ValueError: a dtype that minizero does not train in (allowed: float64,
-            float32, float16).
-    """
+    """Resolve ``"float32"``/``np.float32``/... to a NumPy dtype. Raises ValueError: not float64, float32 or float16."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPES)}")
@@ -154,21 +116,11 @@ def get_dtype(dtype) -> np.dtype:
 
 
 def matmul(a, b):
-    """``a @ b``; two float16 operands are multiplied the way tensor cores do it.
+    """``a @ b`` (shapes as ``numpy.matmul``); two float16 operands are multiplied the way tensor cores do it.
 
-    Tensor cores take FP16 inputs, accumulate in FP32 and round the result to
-    FP16 (Micikevicius et al. 2018, section 3.2). NumPy has no such kernel (and
-    its float16 matmul is very slow), so on NumPy the inputs are widened to
-    float32, multiplied, and the result rounded to float16. On CuPy the real
-    half-precision GEMM runs (cuBLAS accumulates in FP32 by default).
-    Shapes: as ``numpy.matmul``.
-
-    On NumPy the operands are handed to BLAS in the shapes it is fast at (measured on
-    this machine, float32, :func:`_blas_matmul`): a stack times a matrix, (B, T, K) @ (K, N),
-    is one (B*T, K) @ (K, N) GEMM (4x faster than NumPy's loop over B), and a batched
-    product gets C-contiguous operands (5x faster than a transposed view). Each output
-    element is still one dot product of the same K terms, so results change at most by
-    rounding (the GEMM kernel's blocking).
+    FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, section 3.2): widened to float32
+    on NumPy, cuBLAS's half GEMM on CuPy. On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM and batched
+    operands are made C-contiguous; results change at most by rounding.
     """
     if name == "strict":  # the NumPy kernels on the wrapped arrays: bitwise what cpu computes
         return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b)))
@@ -178,11 +130,7 @@ def matmul(a, b):
 
 
 def matmul_operand(a):
-    """``a`` as :func:`matmul` multiplies it: float16 widened to float32 on NumPy (exact), else ``a``.
-
-    A kernel whose operand feeds several products widens it once with this and rounds each
-    float32 product to float16 itself: the same bits as :func:`matmul` of the float16 operands.
-    """
+    """``a`` as :func:`matmul` multiplies it: float16 widened to float32 on NumPy (exact), else ``a``."""
     return a.astype(np.float32) if name == "numpy" and a.dtype == np.float16 else a
 
 
@@ -223,12 +171,7 @@ def synchronize() -> None:
 
 
 def host_scalar(a):
-    """The Python number held by a one-element array (host or device): an explicit, synchronizing
-    device-to-host copy on CuPy (``bool(x.any())`` or ``float(x.max())`` would be implicit ones).
-
-    Raises:
-        ValueError: ``a`` holds more than one element.
-    """
+    """The Python number in a one-element array: an explicit device-to-host copy. Raises ValueError: more elements."""
     h = to_host(a)
     if h.size != 1:
         raise ValueError(f"host_scalar needs a one-element array, got shape {h.shape}")
@@ -236,10 +179,7 @@ def host_scalar(a):
 
 
 def pinned_zeros(shape, dtype) -> np.ndarray:
-    """A zero-filled host array for device-to-host copies: page-locked (pinned) memory on CuPy
-    (``cupyx.zeros_pinned``: DMA-able, so copies run at full bus speed and can be asynchronous),
-    plain ``numpy.zeros`` otherwise. Mirrors PyTorch's ``pin_memory=True``.
-    """
+    """A zero-filled host array, pinned (``cupyx.zeros_pinned``) on CuPy, else ``numpy.zeros`` (PyTorch's ``pin_memory``)."""
     if name == "cupy":
         import cupyx  # noqa: PLC0415  (optional dependency)
 

@@ -1,9 +1,7 @@
 """Text data: a byte-level tokenizer, the embedded corpus, and the distributed sampler.
 
-Tokens are UTF-8 bytes (vocabulary 256). Default corpus: CPython's ``pydoc_data.topics``; first 90% train, last
-10% validate. Each step draws one global batch of ``grad_accum * dp_size * micro_batch`` windows seeded by
-(seed, step); micro-step k of rank r takes rows [(k * dp_size + r) * micro_batch, + micro_batch), so N ranks
-see exactly one process's rows (``torch.utils.data.DistributedSampler``'s contract).
+Tokens are UTF-8 bytes (vocabulary 256); default corpus CPython's ``pydoc_data.topics`` (90% train, 10% val).
+Rank r of N sees exactly one process's rows (``torch.utils.data.DistributedSampler``'s contract).
 """
 from __future__ import annotations
 
@@ -57,9 +55,7 @@ def builtin_corpus() -> str:
 def load_tokens(path: str | None = None) -> np.ndarray:
     """Tokens (uint8, (n,)) of the text file ``path``, or of the built-in corpus when None.
 
-    Raises:
-        FileNotFoundError: ``path`` does not exist (the path is named).
-        ValueError: the file is empty or not valid UTF-8 text.
+    Raises FileNotFoundError: ``path`` missing; ValueError: empty or not UTF-8 text.
     """
     if path is None:
         return encode(builtin_corpus())
@@ -117,14 +113,9 @@ def document_ends(tokens: np.ndarray) -> np.ndarray:
 
 
 def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int, ends=None):
-    """The global batch of optimizer step ``step``: (x, y), each (batch, block_size) int64.
+    """Step ``step``'s global batch, seeded by (seed, step): (x, y) of (batch, block_size) int64, y = x shifted by one.
 
-    y is x shifted by one token. Windows start at offsets drawn uniformly from
-    a generator seeded by (seed, step), so every rank computes the same batch.
-    ``ends``: None (packed: windows run across documents), or :func:`document_ends` (padded: a
-    window stops at the first separator after its start, which is its last real target; later
-    inputs are the separator byte and later targets ``IGNORE_INDEX``). The starts are the same
-    either way, and every padded row keeps at least its first target.
+    ``ends``: None (packed), or :func:`document_ends` (padded: targets after the first separator are ``IGNORE_INDEX``).
     """
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - block_size - 1, size=batch)
@@ -140,18 +131,9 @@ def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, see
 
 
 class DistributedSampler:
-    """Gives one data-parallel rank its micro-batches of each optimizer step.
+    """One data-parallel rank's micro-batches: ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y) of (b, T) int64.
 
-    Args:
-        tokens: uint8 (n,) training tokens.
-        block_size: sequence length T.
-        micro_batch: sequences per rank per micro-step (b).
-        grad_accum: micro-steps per optimizer step.
-        dp_rank, dp_size: this rank's position in the data-parallel group.
-        seed: data seed (one generator per purpose).
-        pad: windows stop at their document's end, padding targets ignored (``--pad``); else packed.
-    ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y), each
-    (micro_batch, block_size) int64.
+    Rows [(k * dp_size + dp_rank) * b, + b) of step's global batch; ``pad``: windows stop at their document's end.
     """
 
     def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0, pad=False):
@@ -180,13 +162,7 @@ class DistributedSampler:
 
 
 class EvalBatches:
-    """The fixed validation set: ``n_batches`` pairs (x, y), each (batch, block_size) int64, built lazily.
-
-    Iterable any number of times, always yielding the same values (batch i is
-    :func:`global_batch` of ``seed`` and step i), and indexable; only the batch in use is
-    in memory, so a large ``n_batches`` costs time, never memory. ``len()`` is ``n_batches``.
-    Mirrors a map-style ``torch.utils.data.Dataset`` read in a fixed order.
-    """
+    """The fixed validation set: ``n_batches`` pairs (x, y) of (batch, block_size) int64, built lazily, re-iterable."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, n_batches: int, batch: int, seed: int = 1234,
                  pad: bool = False):

@@ -1,8 +1,4 @@
-"""Small shared plumbing for the programs: durable atomic file writes, a folder lock, finding ``mpiexec``.
-
-Not a technique — the helpers every command-line program (train, compare, plan,
-quantize) and benchmark needs, written once.
-"""
+"""Shared plumbing for the programs: durable atomic file writes, a folder lock, finding ``mpiexec``."""
 from __future__ import annotations
 
 import errno
@@ -49,12 +45,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
-    """Remove what killed writes left in ``folder``: temporary files of :func:`atomic_write` older than
-    :data:`STALE_AFTER_S`, or written on this host by a process that no longer exists. Returns their paths.
-
-    Files of live writes (and of other hosts, until they are an hour old) are left alone; a file
-    that vanishes or cannot be removed meanwhile is skipped.
-    """
+    """Remove temporaries of killed :func:`atomic_write` calls in ``folder`` (stale or dead writer); returns them."""
     removed, host, now = [], socket.gethostname(), time.time()
     try:
         names = os.listdir(folder)
@@ -89,18 +80,11 @@ def _error(path: str, e: BaseException) -> WriteError:
 
 
 def atomic_write(path: str, write, mode: str = "wb") -> None:
-    """Write ``path`` through ``write(f)``, ``f`` an open file (``mode`` ``"wb"`` or ``"w"``, UTF-8).
+    """Write ``path`` through ``write(f)`` (``mode`` ``"wb"``/``"w"``): temporary, fsync, rename, fsync folder.
 
-    A regular file is written to a temporary file beside it, fsync-ed, renamed over ``path`` and the folder
-    fsync-ed: ``path`` holds the previous or the whole new file. Stale temporaries are removed first; a new file
-    gets ``open``'s mode, a replaced one keeps its own; a non-regular ``path`` (``/dev/null``, a FIFO) is written
-    into directly; a missing folder is created.
-
-    Raises:
-        WriteError (an OSError): any step failed or ``path`` is a directory (names ``path`` and the OS error;
-            the temporary is removed, a previous ``path`` left as it was).
-        ValueError: ``mode`` is not ``"wb"`` or ``"w"``.
-        Whatever ``write`` raises that is not an OSError (the temporary file is removed).
+    ``path`` then holds the previous or the whole new file; a non-regular ``path`` (``/dev/null``) is written into.
+    Raises WriteError (an OSError, naming ``path``; previous file kept): a step failed or ``path`` is a directory;
+    ValueError: another ``mode``; whatever else ``write`` raises (the temporary removed).
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"mode={mode!r}; allowed: 'wb' or 'w'")
@@ -161,17 +145,10 @@ class FolderLocked(OSError):
 
 
 class FolderLock:
-    """An exclusive lock on a folder for the life of a job: ``fcntl.flock`` on ``FOLDER/.lock``.
+    """An exclusive ``fcntl.flock`` on ``FOLDER/.lock`` for a job's life (``flock(1)``; git's ``index.lock``).
 
-    ``acquire()`` creates the folder if missing, takes the lock without waiting, and
-    writes ``pid P on host H`` into the lock file; ``release()`` removes the file and
-    drops the lock. The kernel drops the lock when the process dies however it dies
-    (SIGKILL too), so a stale ``.lock`` left by a killed job is taken over, never obeyed.
-    Mirrors ``flock(1)`` and the lock files of git (``index.lock``) and Jupyter.
-
-    Raises (acquire):
-        FolderLocked: the lock is held; the message names the holder's pid and host.
-        OSError: the folder or the lock file cannot be created.
+    ``acquire()`` creates the folder, locks without waiting, writes ``pid P on host H``; the kernel drops the lock
+    when the process dies. Raises (acquire) FolderLocked naming the holder; OSError: cannot create.
     """
 
     NAME = ".lock"
@@ -220,12 +197,9 @@ class FolderLock:
 
 
 def check_writable_folder(folder: str) -> None:
-    """Check that ``folder`` can take a file, making nothing: the nearest existing ancestor of ``folder``
-    (which :func:`atomic_write` would create) is a directory where a temporary file can be created and
-    removed (tried, since ``access()`` says yes to root on a read-only mount or /proc).
+    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file: one is created and removed.
 
-    Raises:
-        OSError: the ancestor is not a directory, or takes no file; its ``strerror`` names that ancestor.
+    Raises OSError: the ancestor is not a directory, or takes no file (``strerror`` names it).
     """
     parent = os.path.abspath(folder)
     while not os.path.exists(parent):

@@ -1,12 +1,7 @@
 """The memory ledger: every array minizero keeps alive, counted by category, one ledger per rank (thread-local).
 
-Categories: ``parameters``, ``gradients``, ``optimizer_state``, ``activations`` (saved by a Function),
-``comm_buffers``, ``gathered`` (ZeRO-3's full parameters), ``comm_scratch`` (inside one collective). An array is
-counted by its owning buffer (``a.base`` to the root, once), by the first category that claims it, until it is
-freed (``weakref.finalize``); "peak" is the high-water mark. Attribution: the innermost running module (scope
-stack pushed by :func:`minizero.memory.attribution.attach`), self and inclusive; 4-D (b, a, s, s) activations go
-to ``<scope>:scores``; arrays outside any forward to :data:`OUTSIDE`.
-
+An array is counted by its owning buffer (``a.base`` to the root, once), under the first category that claims
+it, until freed (``weakref.finalize``); per module too (self and inclusive; (b, a, s, s) as ``<scope>:scores``).
 Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's model-state accounting (section 3).
 """
 from __future__ import annotations
@@ -58,17 +53,8 @@ def owning_buffer(array):
 class MemoryLedger:
     """Current and peak bytes per category for one rank.
 
-    Attributes:
-        current: dict category -> bytes alive now.
-        peak: dict category -> highest bytes ever alive in that category.
-        peak_total: highest sum over all categories at any one moment (bytes).
-        by_module: dict (module name, category) -> [current, peak] bytes charged to that
-            module itself (the innermost scope at track time; ``name:scores`` for
-            (b, a, s, s) activations; :data:`OUTSIDE` when no forward ran).
-        by_prefix: dict (module name, category) -> [current, peak] bytes of the module and
-            everything under it (``""`` is every array tracked inside a forward).
-        window_peak, window_at_peak: highest total since :meth:`start_window` (bytes) and
-            the current bytes per category at that moment (a per-step timeline).
+    Attributes: current, peak (category -> bytes); peak_total; by_module, by_prefix ((module, category) ->
+    [current, peak], self and inclusive); window_peak, window_at_peak (since :meth:`start_window`).
     """
 
     def __init__(self):
@@ -114,16 +100,9 @@ class MemoryLedger:
         return keys
 
     def track(self, array, category: str) -> bool:
-        """Count ``array``'s owning buffer under ``category`` until it is freed.
+        """Count ``array``'s owning buffer under ``category`` until freed; False if already counted or not an array.
 
-        Args:
-            array: a NumPy/CuPy array (any shape/dtype); non-arrays are ignored.
-            category: one of :data:`CATEGORIES`.
-        Returns:
-            True if the buffer was newly counted, False if already counted
-            (under any category) or not an array.
-        Raises:
-            ValueError: unknown category.
+        Raises ValueError: unknown category.
         """
         if category not in self.current:
             raise ValueError(f"unknown ledger category {category!r}; allowed: {CATEGORIES}")
@@ -250,14 +229,9 @@ PROCESS_PEAK_SOURCES = {
 
 def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] | None = None,
                    notes: list[str] | None = None, process_peak_source: str = "tracemalloc") -> str:
-    """A text table in the spirit of ``torch.cuda.memory_summary()``; ranks with equal ledgers share a column.
+    """A text table as ``torch.cuda.memory_summary()``; ranks with equal ledgers share a column (KiB = 2**10 bytes).
 
-    Args:
-        per_rank: list (by rank) of :meth:`MemoryLedger.snapshot` dicts; default: this rank's ledger only.
-        process_peaks: optional list (by rank) of measured process peak bytes, printed beside the ledger's total.
-        notes: extra lines under the table.  process_peak_source: a key of :data:`PROCESS_PEAK_SOURCES`.
-    Returns:
-        The table as a string (KiB/MiB = 2**10/2**20 bytes).
+    ``per_rank``: :meth:`MemoryLedger.snapshot` dicts (default this rank's); ``process_peaks``: measured peaks.
     """
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]

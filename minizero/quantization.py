@@ -1,13 +1,8 @@
 """Quantizers: symmetric absmax INT8/INT4 (per tensor, row or block) and the dynamic 8-bit code.
 
 Absmax: ``scale = absmax(group) / qmax`` (qmax 127 or 7), ``q = round(x / scale)``, ``|x - q*scale| <= scale/2``
-exactly (scales rounded up to 16 significant bits); INT4 packs two codes per byte (element 2i low nibble).
-Code books: each block divided by its FP32 absmax and mapped to the nearest of 256 values (dynamic signed or
-unsigned code, or linear). Errors: non-finite input raises ``ValueError`` naming how many and where; a group
-too large for an FP32 scale raises ``ValueError``; an all-zero group dequantizes to zeros; a tiny group gets
-FP32's smallest normal as scale. Computes with its input's array module; the only host copies are one-number
-checks (:func:`~minizero.backend.host_scalar`).
-
+exactly; INT4 packs two codes per byte. Code books: each block divided by its FP32 absmax, mapped to the
+nearest of 256 values. Non-finite input raises ValueError naming how many and where.
 Sources: LLM.int8(), arXiv:2208.07339, section 2; QLoRA, arXiv:2305.14314, section 2; 8-bit optimizers,
 arXiv:2110.02861, sections 2.1-2.3; Dettmers 2016, arXiv:1511.04561.
 """
@@ -56,12 +51,9 @@ def _check_scheme(bits: int, granularity: str, block_size: int) -> None:
 
 # --------------------------------------------------------------------------- scales
 def absmax_scale(absmax, bits: int):
-    """FP32 scales for groups with the given absolute maxima (float array, any shape).
+    """FP32 scales (``absmax``'s shape): 0 for an all-zero group, else ``absmax / qmax`` rounded up to 16 bits.
 
-    0 for an all-zero group; otherwise ``absmax / qmax`` rounded up to 16 significant bits
-    and at least FP32's smallest normal number. Returns float32 of ``absmax``'s shape.
-    Raises:
-        ValueError: a group too large for an FP32 scale (names the absmax).
+    At least FP32's smallest normal. Raises ValueError: a group too large for an FP32 scale.
     """
     absmax = _array(absmax)
     xp = backend.array_module(absmax)
@@ -112,12 +104,7 @@ def quantized_nbytes(shape, bits: int = 8, granularity: str = "tensor", block_si
 
 # --------------------------------------------------------------------------- INT4 packing
 def pack_int4(codes):
-    """Pack 4-bit signed codes (integers in [-8, 7], any shape, read flat) two per byte.
-
-    Returns uint8 of shape (ceil(n/2),): element 2i in the low nibble, 2i+1 in the high one
-    (4-bit two's complement; an odd tail is padded with code 0).
-    Raises: ValueError for a code outside [-8, 7].
-    """
+    """Pack 4-bit codes in [-8, 7] two per byte: uint8 (ceil(n/2),), element 2i low nibble; ValueError outside."""
     codes = _array(codes)
     xp = backend.array_module(codes)
     c = codes.reshape(-1).astype(np.int16)
@@ -132,10 +119,7 @@ def pack_int4(codes):
 
 
 def unpack_int4(packed, n: int):
-    """Inverse of :func:`pack_int4`: the first ``n`` codes as int8 (n,). Lossless on [-8, 7].
-
-    Raises: ValueError if ``packed`` holds fewer than ceil(n/2) bytes.
-    """
+    """Inverse of :func:`pack_int4`: the first ``n`` codes as int8 (n,). Raises ValueError: too few bytes."""
     packed = _array(packed)
     xp = backend.array_module(packed)
     p = packed.astype(np.uint8, copy=False).reshape(-1)
@@ -151,16 +135,9 @@ def unpack_int4(packed, n: int):
 def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64):
     """Symmetric absmax quantization: ``x`` -> ``(q, scale)``, ``|x - dequantize(q, scale)| <= scale/2`` exactly.
 
-    Args:
-        x: float array (``granularity='row'`` needs 2+ dims: rows = axis 0, the rest flattened).
-        bits: 8 (codes in [-127, 127]) or 4 (codes in [-7, 7]).
-        granularity: ``"tensor"``, ``"row"`` or ``"block"`` (``block_size`` consecutive elements; the last may be short).
-    Returns:
-        q: bits=8: int8 of ``x.shape``; bits=4: uint8 (ceil(n/2),) packed (:func:`pack_int4`).
-        scale: float32, shape () / (rows,) / (ceil(n / block_size),). Bytes: :func:`quantized_nbytes`.
-    Raises:
-        ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on a 1-D array, a value
-        too large for an FP32 scale.
+    Args: bits 8 (codes [-127, 127]) or 4 ([-7, 7]); granularity ``"tensor"``, ``"row"`` (2+ dims) or ``"block"``.
+    Returns q (int8 of x's shape; bits 4: packed uint8) and float32 scale (), (rows,) or (blocks,).
+    Raises ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on 1-D, too large a value.
     """
     _check_scheme(bits, granularity, block_size)
     x = _array(x)
@@ -197,14 +174,9 @@ def element_scale(scale, shape, granularity: str = "tensor", block_size: int = 6
 
 def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor", block_size: int = 64,
                dtype=np.float32):
-    """Inverse of :func:`quantize`: ``q * scale`` of ``shape``, in ``dtype``.
+    """Inverse of :func:`quantize`: ``q * scale`` of ``shape`` (required for bits=4), in ``dtype`` (float32 default).
 
-    Args:
-        q, scale: as returned by :func:`quantize` with the same ``bits``/``granularity``/``block_size``.
-        shape: the original shape; optional for bits=8 (``q.shape``), required for bits=4.
-        dtype: output dtype (float32 default; the values are exact in float32, see module doc).
-    Raises:
-        ValueError: bits=4 without ``shape``, or a ``scale`` of the wrong size.
+    Raises ValueError: bits=4 without ``shape``, or a ``scale`` of the wrong size.
     """
     _check_scheme(bits, granularity, block_size)
     if shape is None:
@@ -223,12 +195,7 @@ def dequantize(q, scale, shape=None, bits: int = 8, granularity: str = "tensor",
 
 
 class QuantizedTensor:
-    """A tensor stored as integer codes + FP32 scales (what :class:`~minizero.quantize.QuantizedLinear` keeps).
-
-    Build with :meth:`from_array`; ``dequantize()`` returns the float array;
-    ``nbytes`` is the exact storage (codes + scales), ``dense_nbytes`` what the float array took.
-    Attributes: q, scale, shape, bits, granularity, block_size, dtype (of the original).
-    """
+    """A tensor stored as integer codes + FP32 scales (:meth:`from_array`); ``nbytes``, ``dense_nbytes``."""
 
     def __init__(self, q, scale, shape, bits, granularity, block_size, dtype):
         self.q, self.scale, self.shape = q, scale, tuple(shape)
@@ -265,12 +232,9 @@ class QuantizedTensor:
 def dynamic_code(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8):
     """The 256 values of the dynamic (tree) 8-bit code, sorted ascending, float32 (256,).
 
-    As bitsandbytes' ``create_dynamic_map``: for exponent i = 0..6, the values
-    10**(i-6) * (midpoints of ``linspace(0.1, 1, k_i + 1)``) with k_i = 2**i (signed, and
-    their negatives) or 2**(i+1) (unsigned: the sign bit buys one more fraction bit), plus 0
-    and 1. Small magnitudes get few fraction bits, large ones many: relative error stays
-    roughly constant over 7 orders of magnitude. Dettmers 2016 (arXiv:1511.04561); used for
-    Adam's m (signed) and v (unsigned) by Dettmers et al. 2022 (arXiv:2110.02861), section 2.2.
+    As bitsandbytes' ``create_dynamic_map``: per exponent i = 0..6, 10**(i-6) times the midpoints of
+    ``linspace(0.1, 1, k_i + 1)``, k_i = 2**i (signed, with negatives) or 2**(i+1) (unsigned), plus 0 and 1.
+    Dettmers 2016 (arXiv:1511.04561); Dettmers et al. 2022 (arXiv:2110.02861), section 2.2.
     """
     data = []
     non_sign_bits = total_bits - 1
@@ -287,10 +251,7 @@ def dynamic_code(signed: bool = True, max_exponent_bits: int = 7, total_bits: in
 
 
 def linear_code(signed: bool = True):
-    """A linear 8-bit code (sorted float32 (256,)): signed 255 steps on [-1, 1] (+ a spare 0), unsigned 256 on [0, 1].
-
-    Plain absmax quantization written as a code book; bitsandbytes' ``create_linear_map``.
-    """
+    """A linear 8-bit code (sorted float32 (256,)): signed on [-1, 1], unsigned on [0, 1] (``create_linear_map``)."""
     vals = np.concatenate([np.linspace(-1.0, 1.0, 255), [0.0]]) if signed else np.linspace(0.0, 1.0, 256)
     return np.sort(vals).astype(np.float32)
 
@@ -315,14 +276,9 @@ def block_absmax(x, block_size: int, offset: int = 0):
 def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=None):
     """Block-wise code-book quantization of flat ``x`` (n,) -> ``(codes uint8 (n,), absmax float32 (nb,))``.
 
-    Blocks are ``[k*B, (k+1)*B)`` of a grid in which ``x[0]`` sits at position ``offset``
-    (``offset`` != 0 for a slice of a larger tensor, e.g. a ZeRO shard: its first block is
-    partial). Each element becomes the index of the nearest ``code`` value to ``x / absmax``
-    of its block. ``absmax``: the blocks' absolute maxima if already known (e.g. agreed between
-    ranks sharing a block); computed from ``x`` otherwise. An all-zero block has absmax 0 and
-    encodes as the code of 0.
-    Raises: ValueError for non-finite ``x`` or a wrong-sized ``absmax``.
-    Source: bitsandbytes ``quantize_blockwise`` (nearest code value).
+    Blocks ``[k*B, (k+1)*B)`` of a grid where ``x[0]`` is at ``offset`` (a ZeRO shard's first block is partial);
+    ``absmax``: known block maxima (agreed between ranks), else computed.
+    Raises ValueError: non-finite ``x`` or a wrong-sized ``absmax``. Source: bitsandbytes ``quantize_blockwise``.
     """
     x, code = _array(x), _array(code)
     xp = backend.array_module(x)

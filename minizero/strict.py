@@ -1,15 +1,9 @@
 """A strict array module: NumPy underneath, but its arrays refuse to leak to the host (``--device strict``).
 
-:class:`StrictArray` wraps a NumPy array (not a subclass). Refused (``TypeError`` unless noted, the message says
-what to call instead): ``np.asarray``/``np.array``/pickling; mixing with ``numpy.ndarray`` operands; NumPy
-functions and ufuncs on strict arrays (except an operator with a NumPy scalar left operand); what CuPy lacks
-(list operands, ``initial=``/``where=``, most ufunc ``reduce``/``accumulate``/``reduceat``/``at``:
-``NotImplementedError``); iteration; ``float``/``int``/``bool`` of more than one element. Explicit transfers
-(``xp.asarray(host)``, ``x.get()``, ``x.set(host)``) always copy and are counted in :data:`transfers`. Results
-are bitwise NumPy's.
-
-Mirrors: CuPy's ndarray (``__array__``, ``get``, ``set``; ``cupy/_core/_kernel.pyx`` v13.6-14.2) and the Array
-API's no-implicit-transfer rule.
+Refused (TypeError, or NotImplementedError for what CuPy lacks): ``np.asarray``, pickling, mixing with
+``numpy.ndarray``, NumPy functions on strict arrays, iteration, ``float``/``int``/``bool`` of many elements.
+Explicit transfers always copy and count in :data:`transfers`; results are bitwise NumPy's.
+Mirrors: CuPy's ndarray (``cupy/_core/_kernel.pyx`` v13.6-14.2) and the Array API's no-implicit-transfer rule.
 """
 from __future__ import annotations
 
@@ -36,13 +30,9 @@ def reset_transfers() -> None:
 
 
 class StrictArray:
-    """A device array of the strict module: a NumPy array that refuses to leave the device implicitly.
+    """A device array of the strict module wrapping (not copying) a ``numpy.ndarray``.
 
-    Args:
-        a: the ``numpy.ndarray`` to hold (not copied; use :func:`asarray` for host data).
-    Attributes (as ``numpy.ndarray``): ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
-    ``itemsize``, ``strides``, ``flags`` (:class:`Flags`: CuPy's three), ``T``, ``base`` (the StrictArray owning the memory of a
-    view, else None). Refusals: see the module docstring.
+    Attributes as ``numpy.ndarray`` (``flags``: CuPy's three; ``base``: the owning StrictArray of a view, else None).
     """
 
     __slots__ = ("_a", "_base", "__weakref__")
@@ -222,11 +212,7 @@ for _n in ("neg", "pos", "abs", "invert"):
 
 
 def _unwrap(x, where: str):
-    """``x`` with every StrictArray replaced by its NumPy array (recursing into lists, tuples, dicts).
-
-    Raises:
-        TypeError: a ``numpy.ndarray`` among the operands (host data mixed with device data).
-    """
+    """``x`` with every StrictArray replaced by its NumPy array (recursively). TypeError: a ``numpy.ndarray`` operand."""
     if isinstance(x, StrictArray):
         return x._a
     if isinstance(x, np.ndarray):
@@ -274,12 +260,9 @@ ndarray = StrictArray
 
 
 def asarray(a, dtype=None, order=None):
-    """``a`` as a device array: a StrictArray is returned as is (or cast); host data is copied.
+    """``a`` as a device array (``cupy.asarray``): host data copied and counted in :data:`transfers`.
 
-    The host-to-device copy of ``numpy.ndarray``, NumPy scalar, Python number or list input
-    (``cupy.asarray`` semantics) is counted in :data:`transfers`.
-    Raises:
-        TypeError: a (nested) list that mixes device arrays with host values.
+    Raises TypeError: a list mixing device arrays with host values.
     """
     if isinstance(a, StrictArray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else StrictArray(a._a.astype(dtype))

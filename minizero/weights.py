@@ -1,8 +1,7 @@
 """Reading a trained GPT back: ``OUT/model.npz`` (nanoGPT state_dict names) and the shape it needs.
 
-Loaded with ``allow_pickle=False``. The shape comes from ``model.json`` beside the weights, else from the arrays
-(wte (V, C), wpe (T, C), the ``transformer.h.{i}`` blocks) with the head count of the preset of those shapes.
-Errors: ``ValueError`` (``FileNotFoundError`` for a missing file) naming the file and what was expected.
+Loaded with ``allow_pickle=False``; the shape from ``model.json`` beside the weights, else from the arrays and
+the preset of those shapes. Errors name the file and what was expected.
 """
 from __future__ import annotations
 
@@ -25,11 +24,7 @@ def _not_weights(weights: str, why: str) -> ValueError:
 
 
 def too_large(dims: dict) -> str | None:
-    """Why ``dims`` ({n_layer, n_embd, block_size, vocab_size, ...}) is a GPT larger than train builds, or None.
-
-    Train builds a preset (:data:`minizero.nn.PRESETS`) with ``--block-size`` at most the
-    preset's, so no size may exceed the largest preset's.
-    """
+    """Why ``dims`` is a GPT larger than the largest preset train builds (:data:`minizero.nn.PRESETS`), or None."""
     for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         v, cap = dims.get(field), max(getattr(cfg, field) for cfg in PRESETS.values())
         if isinstance(v, int) and v > cap:
@@ -45,12 +40,7 @@ class _Header:
 
 
 def _check_headers(weights: str) -> None:
-    """Refuse, from the zip directory and the .npy headers only, an archive too large for any GPT train builds.
-
-    Every member must be a ``NAME.npy`` whose header is a plain number array, whose declared
-    size matches the zip's ``file_size``, and whose names and shapes are a GPT no larger than
-    the largest preset (:data:`minizero.nn.PRESETS`) in every size, so nothing huge is allocated.
-    """
+    """Refuse, from the zip and .npy headers only, an archive that is not a GPT within the largest preset."""
     try:
         with zipfile.ZipFile(weights) as zf:
             heads = {}
@@ -91,12 +81,9 @@ def _check_headers(weights: str) -> None:
 
 
 def read_weights(weights: str) -> dict:
-    """{name: float array} from ``weights`` (an .npz, loaded with ``allow_pickle=False``).
+    """{name: float array} from the .npz ``weights`` (``allow_pickle=False``).
 
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not an .npz of numeric arrays (empty, truncated, pickled, text...), or a
-            tensor with NaN/inf (tensor and file named).
+    Raises FileNotFoundError: no such file; ValueError: not an .npz of numeric arrays, or NaN/inf (tensor named).
     """
     what = describe_non_file(weights)
     if what == ": no such file":
@@ -132,11 +119,7 @@ def read_weights(weights: str) -> dict:
 
 
 def expected_shapes(n_layer: int, n_embd: int, block_size: int, vocab_size: int) -> dict:
-    """{name: shape} of minizero's GPT (nanoGPT names, without the tied ``lm_head.weight``).
-
-    Shapes depend on these four sizes only (never on the head count): C = n_embd,
-    wte (V, C), wpe (T, C), per block c_attn (3C, C), c_fc (4C, C), c_proj (C, C) / (C, 4C).
-    """
+    """{name: shape} of minizero's GPT (nanoGPT names, without the tied ``lm_head.weight``); no head count needed."""
     c, t, v = n_embd, block_size, vocab_size
     want = {"transformer.wte.weight": (v, c), "transformer.wpe.weight": (t, c),
             "transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
@@ -165,11 +148,7 @@ def infer_preset(state: dict) -> str | None:
 
 
 def shape_from_state(state: dict, weights: str = "weights") -> dict:
-    """``{n_layer, n_embd, block_size, vocab_size}`` read from the arrays' shapes (see the module docstring).
-
-    Raises:
-        ValueError: the names or shapes are not those of minizero's GPT (the first difference named).
-    """
+    """``{n_layer, n_embd, block_size, vocab_size}`` from the arrays' shapes; ValueError: not minizero's GPT."""
     wte, wpe = state.get("transformer.wte.weight"), state.get("transformer.wpe.weight")
     if wte is None or wpe is None or wte.ndim != 2 or wpe.ndim != 2:
         raise _not_weights(weights, "no 2-D transformer.wte.weight and transformer.wpe.weight arrays")
@@ -189,11 +168,7 @@ def shape_from_state(state: dict, weights: str = "weights") -> dict:
 
 
 def read_sidecar(weights: str) -> dict | None:
-    """The GPT config in ``model.json`` beside ``weights`` as a dict, or None when there is none.
-
-    Raises:
-        ValueError: the file exists but is not a JSON object of GPTConfig fields.
-    """
+    """The GPT config in ``model.json`` beside ``weights``, or None. ValueError: not a JSON object of GPTConfig fields."""
     path = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
     if not os.path.isfile(path):
         return None
@@ -213,13 +188,9 @@ def read_sidecar(weights: str) -> dict | None:
 
 
 def config_for(weights: str, state: dict) -> GPTConfig:
-    """The :class:`GPTConfig` of the arrays ``state`` read from ``weights``, in the arrays' dtype.
+    """The :class:`GPTConfig` of ``state`` (from ``weights``), in its dtype; heads from ``model.json`` or a preset.
 
-    Sizes from the shapes; the head count (and dropout) from ``model.json`` beside the file,
-    else from the preset whose shapes match.
-    Raises:
-        ValueError: not minizero's GPT, a ``model.json`` that disagrees with the shapes, or no
-            ``model.json`` and no preset of these shapes (the head count is unknown).
+    Raises ValueError: not minizero's GPT, a disagreeing ``model.json``, or no way to know the head count.
     """
     dims = shape_from_state(state, weights)
     dtype = stored_dtype(state)
@@ -241,11 +212,9 @@ def config_for(weights: str, state: dict) -> GPTConfig:
 
 
 def load_gpt(weights: str) -> GPT:
-    """The GPT stored in ``weights`` (model.npz), shape per :func:`config_for`, in the file's dtype.
+    """The GPT stored in ``weights`` (model.npz), in the file's dtype.
 
-    Raises:
-        FileNotFoundError: no such file.  ValueError: see :func:`read_weights` and :func:`config_for`;
-            an integer array (only floating weights are a GPT).
+    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`config_for`, or integer arrays.
     """
     state = read_weights(weights)
     ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
@@ -271,13 +240,10 @@ def _looks_like(state: dict) -> str:
 
 
 def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
-    """(model, summary dict or {}) from ``weights`` (model.npz); the shape from summary.json beside it, else ``preset``.
+    """(model, summary dict or {}) from ``weights``; the shape from summary.json beside it, else ``preset``.
 
-    ``state``: the arrays of ``weights`` when already read (:func:`read_weights`).
-    Raises:
-        FileNotFoundError: no such weights file.
-        ValueError: not a minizero .npz, a corrupt summary.json, no shape to build, or the weights do not
-            fit the model shape (the file, the first names and ``--model`` named).
+    Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a corrupt summary.json, no shape,
+    or weights that do not fit the shape (file, first names and ``--model`` named).
     """
     if state is None:
         state = read_weights(weights)

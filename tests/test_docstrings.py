@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
-MAX_SHARE = 0.233  # reached so far (23.2%); the issue's target is 0.18
+MAX_SHARE = 0.165  # reached (16.4%, issue 27's target was 0.18): new docstrings state the contract only
 
 
 def docstring_lines(source: str) -> int:

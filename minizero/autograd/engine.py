@@ -1,11 +1,8 @@
 """A tape-based reverse-mode autograd: ``Tensor``, ``Function``, ``backward``.
 
-``Function.apply`` records a node when an input requires a gradient and grad mode is on;
-``ctx.save_for_backward`` goes through the innermost :func:`saved_tensors_hooks` pack and counts the arrays as
-``activations``; :func:`backward` runs each node once, consumers first, frees saved tensors, accumulates leaf
-``.grad`` and fires post-accumulate-grad hooks after a leaf's last contribution. Per-rank state is thread-local.
-
-Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``saved_tensors_hooks``,
+Saved arrays go through the innermost :func:`saved_tensors_hooks` pack and count as ``activations``;
+:func:`backward` runs each node once, consumers first, and fires post-accumulate-grad hooks after a leaf's
+last contribution. Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``saved_tensors_hooks``,
 ``register_post_accumulate_grad_hook``, ``queue_callback``.
 """
 from __future__ import annotations
@@ -20,11 +17,7 @@ from minizero.ledger import get_ledger
 _running = threading.local()  # per rank thread: depth of the running backwards, callbacks for the outermost
 
 class Context:
-    """The per-call record (``ctx``) handed to ``forward`` and ``backward``.
-
-    A Function may use ``needs_input_grad`` (one bool per positional input), ``save_for_backward(*arrays)`` (the
-    only way to keep arrays: the ledger and saved-tensor hooks see them), ``saved_tensors`` and small Python values.
-    """
+    """The per-call record ``ctx``: ``needs_input_grad``, ``save_for_backward(*arrays)``, ``saved_tensors``."""
 
     def __init__(self, fn, needs_input_grad, recording):
         self.fn = fn
@@ -75,9 +68,8 @@ class Context:
 class Function:
     """Base class of every differentiable op (mirrors ``torch.autograd.Function``).
 
-    Subclasses implement ``forward(ctx, *args, **kwargs) -> array | tuple`` and ``backward(ctx, *grad_outputs) ->
-    grad | tuple`` on raw arrays: one entry per positional input (None where no gradient), one grad_output per
-    output (zeros where none arrived). ``apply`` unwraps Tensors, runs forward and records the node.
+    ``forward(ctx, *args)`` and ``backward(ctx, *grad_outputs)`` on raw arrays: one gradient per positional input
+    (None where none), one grad_output per output (zeros where none arrived).
     """
 
     @staticmethod
@@ -110,14 +102,9 @@ class Function:
 
 
 class Tensor:
-    """An array with an optional gradient and the node that produced it.
+    """An array (``data``) with an optional gradient (``grad``, data's shape and dtype) and ``grad_fn`` (None for leaves).
 
-    Attributes:
-        data: the ``backend.xp`` array (float64/32/16, or integer token ids).
-        grad: accumulated gradient of ``data``'s shape and dtype, or None.
-        requires_grad: whether gradients flow to / through it.  grad_fn: the producing :class:`Context` (None for leaves).
-    Operators and methods each apply one Function of :mod:`minizero.autograd.ops` (reached through :attr:`ops`,
-    bound by ``minizero/autograd/__init__.py``).
+    Operators and methods each apply one Function of :mod:`minizero.autograd.ops`.
     """
 
     #: the module of elementary Functions, :mod:`minizero.autograd.ops` (bound by the package's __init__)
@@ -262,16 +249,11 @@ def _topological_nodes(root: Tensor):
 
 
 def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
-    """Reverse-mode differentiation from ``root``; leaf gradients accumulate into ``.grad``.
+    """Reverse-mode differentiation from ``root``; leaf gradients accumulate into ``.grad`` (ledger ``gradients``).
 
-    Args:
-        root: the output tensor (usually the scalar loss).
-        grad: d(objective)/d(root), same shape as ``root``; default 1 for a one-element root.
-        retain_graph: keep saved tensors so backward can run again.
-    Leaf gradients are new contiguous arrays of the leaf's dtype (ledger ``gradients``), added into in place by later
-    backwards; when the outermost backward returns, :func:`queue_callback`'s callbacks run in order.
-    Raises:
-        RuntimeError: ``root`` does not require grad, or ``grad`` is missing for a non-scalar root.
+    ``grad``: d(objective)/d(root), root's shape (default 1 for one element); ``retain_graph``: keep saved tensors.
+    :func:`queue_callback`'s callbacks run when the outermost backward returns.
+    Raises RuntimeError: ``root`` does not require grad, or ``grad`` is missing for a non-scalar root.
     """
     depth = getattr(_running, "depth", 0)
     if depth == 0:
@@ -287,11 +269,7 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
 
 
 def queue_callback(fn) -> None:
-    """Call ``fn()`` once the running (outermost) backward has ended; mirrors PyTorch's ``queue_callback``.
-
-    Raises:
-        RuntimeError: no backward is running on this thread.
-    """
+    """Call ``fn()`` once the outermost backward has ended (PyTorch's ``queue_callback``); RuntimeError if none runs."""
     if getattr(_running, "depth", 0) == 0:
         raise RuntimeError("queue_callback() called outside backward; it runs fn when the running backward ends")
     _running.callbacks.append(fn)

@@ -1,12 +1,8 @@
 """The neural-network ops a GPT needs, each a fused Function with a hand-written backward.
 
-Shapes use B = batch, T = sequence length, C = model width, V = vocabulary,
-H = heads, N = any number of rows. What each op saves for backward is listed,
-because that is exactly what the memory ledger will count as activations.
-
-Sources: layer norm (Ba et al. 2016), GELU tanh form (Hendrycks & Gimpel 2016,
-as used by GPT-2), inverted dropout (Srivastava et al. 2014), softmax
-cross-entropy with the log-sum-exp trick.
+B = batch, T = sequence, C = width, V = vocabulary, H = heads, N = rows. What each op saves is what the ledger
+counts as activations. Sources: layer norm (Ba et al. 2016), GELU tanh form (Hendrycks & Gimpel 2016),
+inverted dropout (Srivastava et al. 2014), softmax cross-entropy with the log-sum-exp trick.
 """
 from __future__ import annotations
 
@@ -23,21 +19,12 @@ from minizero.autograd.kernels import (GELU_C, causal_mask, compute_dtype, gelu_
 
 
 def _flat2d(a):
-    """``a`` (..., K) as (rows, K), rows = product of the leading dims.
-
-    The row count is spelled out, not ``-1``: NumPy cannot infer -1 when K = 0
-    (a zero-width layer), while PyTorch gives empty outputs and gradients there.
-    """
+    """``a`` (..., K) as (rows, K), rows spelled out (NumPy cannot infer -1 when K = 0)."""
     return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 class Linear(Function):
-    """y = x W^T + b, with W stored (out_features, in_features) as in PyTorch.
-
-    Shapes: x (..., in), W (out, in), b (out,) or None -> y (..., out).
-    Saves x and W. Backward: dx = g W, dW = g^T x, db = sum of g over rows
-    (the rows of all leading dims flattened, so dW is one 2-D matmul).
-    """
+    """y = x W^T + b. x (..., in), W (out, in), b (out,) or None -> y (..., out). Saves x and W."""
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
@@ -69,12 +56,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class Embedding(Function):
-    """Row lookup ``W[idx]``.
+    """Row lookup ``W[idx]``: W (V, C), idx integer (...) -> (..., C). Saves idx.
 
-    Shapes: W (V, C), idx integer (...) -> (..., C). Saves idx (integers).
-    Backward: dW[v] = sum of g over the positions where idx == v (scatter-add), done as a
-    ``bincount`` (:func:`scatter_add_rows`) instead of ``np.add.at``: the same additions in
-    the same order (in float64; float32/float16 round the float64 sum once).
+    Backward: dW[v] = sum of g where idx == v, by :func:`scatter_add_rows` (``np.add.at``'s order).
     """
 
     @staticmethod
@@ -97,10 +81,9 @@ def embedding(idx, weight: Tensor) -> Tensor:
 
 
 class LayerNorm(Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis.
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis: x (..., C), w (C,), b (C,) -> (..., C).
 
-    Shapes: x (..., C), w (C,), b (C,) -> (..., C); C = 0 gives empty outputs and gradients
-    (as PyTorch). Statistics are computed in at least float32. Saves x, w, mean (..., 1) and rstd (..., 1).
+    Statistics in at least float32. Saves x, w, mean (..., 1) and rstd (..., 1).
     """
 
     @staticmethod
@@ -156,12 +139,9 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
 
 
 class GELU(Function):
-    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Any shape; saves x.
 
-    Shapes: any -> same. Saves x. Computed in place in one or three scratch arrays, in the
-    order the formula is written (so float64 gives the same bits as the plain expression),
-    and for float16 in float32, rounded once at the store (:func:`compute_dtype`).
-    Backward: g * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2)), t recomputed.
+    float16 computed in float32, rounded once at the store (:func:`compute_dtype`).
     """
 
     @staticmethod
@@ -201,13 +181,9 @@ def gelu(x: Tensor) -> Tensor:
 
 
 class ScaledMatMul(Function):
-    """Attention scores ``(a * scale) @ b``: the scale applied to ``a`` *before* the product.
+    """Attention scores ``(a * scale) @ b``, scaled first (as PyTorch's SDPA: no float16 overflow of q k^T).
 
-    Shapes: a (..., n, k), b (..., k, m) -> (..., n, m), same batch dims. In float16,
-    q k^T can overflow 65504 where (q * scale) k^T does not (PyTorch's
-    ``scaled_dot_product_attention`` scales q first too). Saves a and b, not ``a * scale``
-    (recomputed in backward), so the activations are those of a plain matmul.
-    Backward: da = (g * scale) @ b^T, db = (a * scale)^T @ g.
+    a (..., n, k), b (..., k, m) -> (..., n, m). Saves a and b (``a * scale`` recomputed in backward).
     """
 
     @staticmethod
@@ -231,16 +207,10 @@ def scaled_matmul(a: Tensor, b: Tensor, scale: float) -> Tensor:
 
 
 class CausalSoftmax(Function):
-    """Softmax over the last axis with position j > i masked out (attention scores).
+    """Softmax over the last axis with position j > i masked out: scores (..., T, T) -> probabilities (..., T, T).
 
-    Shapes: scores (..., T, T) -> probabilities (..., T, T), row i nonzero only
-    in columns 0..i. Computed in at least float32. Saves the output.
-    Backward: dx = y * (g - sum(g * y, last axis)), in at least float32 (rounded once). A float16
-    y is first renormalized to sum to 1: its rounded entries do not (off by ~2^-11), and then a
-    component of g common to the whole row (large when the value vectors share a mean) leaks into
-    dx as y * c * (1 - sum y), which swamps the small true gradient of the scores (and so of q and
-    k) in layers whose attention is still nearly uniform; renormalized, dx sums to 0 over the row
-    as the exact gradient does (a softmax ignores a shift of its inputs).
+    In at least float32; saves the output. Backward: dx = y * (g - sum(g * y)), a float16 y renormalized
+    to sum 1 first (lesson 04).
     """
 
     @staticmethod
@@ -276,13 +246,7 @@ def causal_softmax(scores: Tensor) -> Tensor:
 
 
 class Dropout(Function):
-    """Inverted dropout: y = x * mask / (1 - p), mask ~ Bernoulli(1 - p).
-
-    Shapes: any -> same. The mask is drawn on the device by the counter-based generator
-    (:func:`minizero.autograd.rng.dropout_keep_mask`: reproducible, replayable, the same bits
-    on every array module) and saved as bool (1 byte per element, as Korthikanti et al. 2022
-    count it).
-    """
+    """Inverted dropout: y = x * mask / (1 - p); mask from ``rng.dropout_keep_mask``, saved as bool."""
 
     @staticmethod
     def forward(ctx, x, p):
@@ -298,11 +262,7 @@ class Dropout(Function):
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0.
-
-    Raises:
-        ValueError: p outside [0, 1).
-    """
+    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ValueError: p outside [0, 1)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
@@ -314,12 +274,7 @@ IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds n
 
 
 def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy", ignore_index: int = IGNORE_INDEX):
-    """Raise unless ``targets`` is an (n,) integer array, each value in [0, vocab_size) or ``ignore_index``.
-
-    One check for every loss (the plain one and the vocabulary-parallel one), so both refuse
-    the same inputs (a target equal to V is out of range). Raises ValueError naming the first
-    bad value and its position.
-    """
+    """ValueError (first bad value and position) unless ``targets`` is (n,) ints in [0, vocab_size) or ``ignore_index``."""
     xp = backend.xp
     if getattr(targets, "shape", None) != (n,):
         raise ValueError(f"{where}: targets must have shape ({n},), got {getattr(targets, 'shape', type(targets))}")
@@ -346,16 +301,9 @@ def mean_over_kept(losses, keep):
 class CrossEntropy(Function):
     """Mean softmax cross-entropy of ``logits`` against integer ``targets`` (rows targeting ``ignore_index`` left out).
 
-    Shapes: logits (N, V), targets (N,) integers in [0, V) or ``ignore_index`` -> scalar (float32
-    for float16/float32 logits, float64 for float64): the mean over the n kept rows (NaN when
-    n = 0, as PyTorch's ``reduction="mean"``). Computed in at least float32 from the
-    max-shifted logits z - m (m the row maximum): loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,t - m_i),
-    so the offset m cancels exactly instead of being added to and subtracted from a sum that
-    rounds at m's magnitude (logits [1e8, 1e8] give ln 2, not 0; PyTorch's log_softmax does the
-    same shift). A scaled FP16 loss cannot overflow. Saves logits, targets and
-    log(sum exp(z - m)) (N,); backward recomputes m from the logits (no second (N,) array kept).
-    Backward: (softmax(logits) - onehot) / n on kept rows, exactly zero on ignored rows (and
-    everywhere when n = 0, as PyTorch's).
+    logits (N, V), targets (N,) -> scalar (float32 for float16/32 logits, float64 for float64); NaN when every row
+    is ignored. In at least float32 from z - m (m the row maximum, which cancels exactly). Saves logits, targets and
+    log(sum exp(z - m)) (N,). Backward: (softmax - onehot) / n on kept rows, zero on ignored ones.
     """
 
     @staticmethod
@@ -387,9 +335,7 @@ class CrossEntropy(Function):
 def cross_entropy(logits: Tensor, targets, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean cross-entropy over the targets that are not ``ignore_index`` (PyTorch's ``F.cross_entropy``).
 
-    ``logits`` (N, V) Tensor, ``targets`` (N,) integer array. All targets ignored: NaN, zero gradient.
-    Raises:
-        ValueError: shapes disagree or a target is outside [0, V) and not ``ignore_index`` (:func:`check_targets`).
+    ``logits`` (N, V) Tensor, ``targets`` (N,) ints. Raises ValueError: shapes disagree or a bad target.
     """
     t = targets.data if isinstance(targets, Tensor) else targets
     if logits.ndim != 2:

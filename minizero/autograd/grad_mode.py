@@ -1,10 +1,5 @@
 """Grad mode and saved-tensor hooks: the per-thread switches every Function consults.
 
-``no_grad`` / ``enable_grad`` decide whether ``Function.apply`` records a graph;
-``saved_tensors_hooks(pack, unpack)`` decides what happens to every array a Function
-saves for backward (the seam recompute, offload and quantization plug into). Both are
-thread-local, so ranks can run as threads of one process.
-
 Mirrors ``torch.no_grad``, ``torch.enable_grad`` and ``torch.autograd.graph.saved_tensors_hooks``.
 """
 from __future__ import annotations
@@ -51,15 +46,10 @@ def enable_grad():
 
 @contextlib.contextmanager
 def saved_tensors_hooks(pack, unpack):
-    """Route every array a Function saves through ``pack``; backward calls ``unpack``.
+    """Route every array a Function saves through ``pack``; backward calls ``unpack`` (the pair active at save time).
 
-    ``pack(array) -> anything`` runs when ``ctx.save_for_backward`` is called;
-    ``unpack(packed) -> array`` runs when backward reads ``ctx.saved_tensors``.
-    The innermost active pair wins, and the pair active at *save* time is the
-    one used to unpack (as in PyTorch). What ``pack`` returns is what stays
-    alive: the ledger counts it as ``activations`` if it is an array.
-
-    Mirrors ``torch.autograd.graph.saved_tensors_hooks``.
+    What ``pack`` returns stays alive (counted as ``activations`` if an array). Mirrors
+    ``torch.autograd.graph.saved_tensors_hooks``.
     """
     stack = _hooks_stack()
     stack.append((pack, unpack))
@@ -70,11 +60,6 @@ def saved_tensors_hooks(pack, unpack):
 
 
 def current_saved_tensors_hooks():
-    """The innermost active ``(pack, unpack)`` pair of this thread, or None.
-
-    A new pair can hand what it does not handle on to the pair it shadows, so
-    techniques compose (ZeRO-3 turns gathered parameters into handles and passes
-    activations on to an enclosing offload pair).
-    """
+    """The innermost active ``(pack, unpack)`` pair of this thread, or None (a new pair may hand arrays on to it)."""
     stack = _hooks_stack()
     return stack[-1] if stack else None

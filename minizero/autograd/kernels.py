@@ -1,10 +1,6 @@
-"""Array-level kernels of the fused Functions: each touches memory few times (issue 17).
+"""Array-level kernels of the fused Functions: in place, in the order of the formula (float64 bits unchanged).
 
-NumPy allocates a new array per operation; these write into one or two scratch arrays with
-``out=``/in-place operators, in the order the formula is written, so float64 gives the same
-bits as the plain expression (tests/test_speed.py). float16 storage is widened once to float32,
-computed on, and rounded once by the caller at the store, as a GPU kernel does
-(Micikevicius et al. 2018, section 3).
+float16 storage is widened once to float32 and rounded once at the store (Micikevicius et al. 2018, section 3).
 """
 from __future__ import annotations
 
@@ -18,13 +14,7 @@ GELU_C = math.sqrt(2.0 / math.pi)  #: sqrt(2/pi) of GELU's tanh form
 
 
 def compute_dtype(dtype) -> np.dtype:
-    """The dtype elementwise work runs in: float32 for float16 storage, else the dtype itself.
-
-    GPU kernels load FP16, compute in FP32 registers and round once when they store
-    (Micikevicius et al. 2018); NumPy's own float16 arithmetic is slow (a Python-level
-    convert per element and operation), so minizero does what the kernel does:
-    widen once, compute, round at the storage point. float32 and float64 run unchanged.
-    """
+    """The dtype elementwise work runs in: float32 for float16 storage, else the dtype itself."""
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
@@ -34,12 +24,9 @@ def widen(a):
 
 
 def scatter_add_rows(shape, idx, rows):
-    """``out = zeros(shape); out[idx[i]] += rows[i]`` for i in order, as ``np.add.at`` does.
+    """``out = zeros(shape); out[idx[i]] += rows[i]`` in order of i, as ``np.add.at``: idx (N,), rows (N, C) -> (V, C).
 
-    idx (N,) integers, rows (N, C) -> out (V, C) of rows' dtype. One ``bincount`` over the
-    flattened (row, column) bins: it adds each bin's terms one after the other in the order of
-    i, in float64, so float64 gives the bits of ``np.add.at`` and float32/float16 the exact-order
-    float64 sum rounded once (tests/test_speed.py); 10x fewer dispatches than add.at's.
+    One float64 ``bincount`` (float64: add.at's bits; narrower: the float64 sum rounded once).
     """
     xp = backend.xp
     v, c = shape

@@ -1,10 +1,6 @@
 """Elementwise, reduction, matmul and shape ops, and the Tensor operators that use them.
 
-Every op is a :class:`~minizero.autograd.engine.Function` with its backward
-written beside its forward. Broadcasting ops sum their gradient back to each
-input's shape (:func:`unbroadcast`), which is where hand-written autograds
-most often go wrong; the finite-difference tests in ``tests/test_autograd.py``
-check every op in float64.
+Each backward is beside its forward; broadcasting ops sum gradients back with :func:`unbroadcast`.
 """
 from __future__ import annotations
 
@@ -15,14 +11,7 @@ from minizero.autograd.engine import Function, Tensor
 
 
 def unbroadcast(grad, shape):
-    """Sum ``grad`` over the axes NumPy broadcasting added or stretched, giving ``shape``.
-
-    Args:
-        grad: array of the broadcast result's shape.
-        shape: the input's shape (broadcastable to ``grad.shape``).
-    Returns:
-        array of ``shape``.
-    """
+    """Sum ``grad`` (the broadcast result's shape) over the axes broadcasting added or stretched: an array of ``shape``."""
     if grad.shape == tuple(shape):
         return grad
     extra = grad.ndim - len(shape)
@@ -192,11 +181,7 @@ class Sum(Function):
 
 
 class MatMul(Function):
-    """Batched matrix product ``a @ b`` (both at least 2-D, batch dims broadcast).
-
-    Shapes: a (..., n, k), b (..., k, m) -> (..., n, m). Saves a and b.
-    Backward: da = g @ b^T, db = a^T @ g, each summed over broadcast batch dims.
-    """
+    """``a @ b``: a (..., n, k), b (..., k, m) -> (..., n, m), batch dims broadcast. Saves a and b."""
 
     @staticmethod
     def forward(ctx, a, b):

@@ -1,10 +1,7 @@
 """The dropout generator: counter-based, drawn on the device, the same bits on every array module.
 
-Output i of a stream with key k is SplitMix64's ``mix64(k + (i + 1) * GAMMA)``, computed with ``backend.xp``
-integer operations; the state is two ints (key, offset). A uniform is the top 24 bits times 2**-24 (exact in
-float32); ``u >= p`` keeps. ``manual_seed(s)`` sets key ``mix64(s mod 2**64)``. One stream per thread.
-
-Sources: Steele, Lea & Flood, OOPSLA 2014 (SplitMix64); Salmon et al., SC 2011 (counter-based generators).
+Output i of the stream with key k is SplitMix64's ``mix64(k + (i + 1) * GAMMA)``; state (key, offset);
+one stream per thread. Sources: Steele, Lea & Flood, OOPSLA 2014; Salmon et al., SC 2011.
 """
 from __future__ import annotations
 
@@ -42,11 +39,7 @@ def _mix64(z):
 
 
 def manual_seed(seed: int) -> None:
-    """Start this thread's stream: key ``mix64(seed mod 2**64)``, offset 0.
-
-    Raises:
-        TypeError: ``seed`` is not an integer.
-    """
+    """Start this thread's stream: key ``mix64(seed mod 2**64)``, offset 0. Raises TypeError: not an integer."""
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     _local.state = (mix64_int(int(seed)), 0)
@@ -61,11 +54,7 @@ def get_rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Continue from a state of :func:`get_rng_state`.
-
-    Raises:
-        ValueError: ``state`` is not ``{"key", "offset"}`` with ints in [0, 2**64).
-    """
+    """Continue from :func:`get_rng_state`'s state. Raises ValueError: not ``{"key", "offset"}`` ints in [0, 2**64)."""
     try:
         key, offset = int(state["key"]), int(state["offset"])
     except (KeyError, TypeError, ValueError):
@@ -86,12 +75,7 @@ def fork_rng():
 
 
 def uniform_bits(n: int):
-    """The next ``n`` 64-bit outputs of this thread's stream, as a (n,) uint64 array of ``backend.xp``.
-
-    Output i is ``mix64(key + (offset + i + 1) * GAMMA)`` (mod 2**64); the offset then advances by n.
-    Raises:
-        ValueError: ``n`` < 0 (it would move the stream backwards).
-    """
+    """The next ``n`` outputs of this thread's stream, (n,) uint64 of ``backend.xp``. Raises ValueError: ``n`` < 0."""
     if n < 0:
         raise ValueError(f"uniform_bits needs n >= 0 draws, got {n}")
     state = get_rng_state()
@@ -106,13 +90,7 @@ def uniform_bits(n: int):
 
 
 def reserve(n: int) -> tuple[int, int]:
-    """Skip the next ``n`` outputs of this thread's stream; return the (key, offset) they start at.
-
-    The draws can then be made later, in any order, by :func:`keep_mask_at` (as FlashAttention's
-    dropout keeps a Philox seed and offset and regenerates its mask per block in backward).
-    Raises:
-        ValueError: ``n`` < 0.
-    """
+    """Skip the next ``n`` outputs; return their (key, offset) for :func:`keep_mask_at`. ValueError: ``n`` < 0."""
     if n < 0:
         raise ValueError(f"reserve needs n >= 0 draws, got {n}")
     state = get_rng_state()
@@ -121,11 +99,7 @@ def reserve(n: int) -> tuple[int, int]:
 
 
 def keep_mask_at(key: int, offset: int, index, p: float):
-    """The keep decisions of outputs ``index`` (a uint64 array of ``backend.xp``) of stream (key, offset).
-
-    Element-wise equal to ``dropout_keep_mask`` drawn at (key, offset) and read at ``index``
-    (C-order positions in that mask). Does not move this thread's stream.
-    """
+    """Keep decisions of outputs ``index`` (uint64, C-order positions) of the mask drawn at (key, offset); stream unmoved."""
     z = index + np.uint64((offset + 1) & _MASK)
     z *= np.uint64(GAMMA)
     z += np.uint64(key)
@@ -135,13 +109,7 @@ def keep_mask_at(key: int, offset: int, index, p: float):
 
 
 def dropout_keep_mask(shape, p: float):
-    """A bool mask of ``shape`` on the device (``backend.xp``), True with probability 1 - p.
-
-    Uniforms are the top 24 bits of :func:`uniform_bits` times 2**-24 (exact float32 values in
-    [0, 1)); ``u >= p`` keeps, with p rounded to float32. Every dropout (plain, tensor- and
-    sequence-parallel) draws through here, so they stay the same draws; ``n`` = prod(shape)
-    counters are used, in C order.
-    """
+    """A bool mask of ``shape`` on the device, True with probability 1 - p: ``u >= p``, u the top 24 bits times 2**-24."""
     shape = tuple(int(d) for d in shape)
     n = 1
     for d in shape:
@@ -153,12 +121,7 @@ def dropout_keep_mask(shape, p: float):
 
 @dataclasses.dataclass(frozen=True)
 class MaskStream:
-    """A dropout mask of ``shape`` reserved at stream (key, offset), read block by block.
-
-    The caller's array is the part of that mask starting at ``origin`` (per axis; a tensor
-    rank's heads). ``block(slices)`` equals ``dropout_keep_mask(shape, p)`` drawn at (key,
-    offset), cut to the caller's part and then to ``slices`` (one ``slice(start, stop)`` per axis).
-    """
+    """A dropout mask of ``shape`` reserved at (key, offset); ``block(slices)`` reads the caller's part from ``origin``."""
 
     key: int
     offset: int

@@ -1,11 +1,7 @@
 """The backward split into B (input gradients, now) and W (weight gradients, later): zero-bubble pipelines' seam.
 
-Under ``WeightGradients(params).deferring()`` a backward keeps every node with a weight input; ``run()`` later
-runs those nodes' backward for the weights only (``needs_input_grad`` masked), in the same order, so ``.grad`` is
-bitwise the unsplit backward's and post-accumulate-grad hooks fire in W. Kept nodes hold their saved arrays and
-output gradients (ledger ``activations``) until W.
-
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, section 2.
+Under ``WeightGradients(params).deferring()`` nodes with a weight input are kept; ``run()`` later computes their
+weight gradients, in order, bitwise the unsplit backward's. Source: Qi et al., arXiv:2401.10241, section 2.
 """
 from __future__ import annotations
 

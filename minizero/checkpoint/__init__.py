@@ -1,11 +1,7 @@
 """Checkpoint, resume and reshard: stop anywhere, continue anywhere, on any layout.
 
 Every rank writes what it holds to its own safetensors file; a JSON manifest names every piece in logical
-coordinates (name, full shape, tensor split, flat range). The state: parameters, m, v, masters, the optimizer's
-step count, the loop step, the loss scaler, every rank's dropout generator, pruning masks. Files: :mod:`.layout`,
-:mod:`.format`, :mod:`.save`, :mod:`.load`, :mod:`.cli`.
-
-Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``, PyTorch DCP.
+coordinates (:mod:`.layout`). Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``, PyTorch DCP.
 """
 from __future__ import annotations
 
@@ -43,12 +39,7 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
 
 
 class Checkpointer:
-    """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start, ``maybe_save`` after each step.
-
-    Args:
-        args: parsed flags (``save_every``, ``save_dir``, ``keep``, ``resume``, ``steps``, ...).
-        comm: the world communicator.  cfg: the GPTConfig.  log: rank 0's log function.
-    """
+    """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start, ``maybe_save`` after each step."""
 
     def __init__(self, args, comm, cfg, log=print):
         self.args, self.comm, self.cfg, self.log = args, comm, cfg, log
@@ -58,11 +49,9 @@ class Checkpointer:
         self.saved = []
 
     def resume(self, strategy, scaler=None) -> tuple:
-        """Load ``--resume`` into the built strategy; returns ``(start_step, applied, pruner)``.
+        """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed); ``(start_step, applied, pruner)``.
 
-        Rank 0 first removes the ``.tmp-`` folders of killed saves in the save dir.
-        Raises:
-            CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
+        Raises CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
         """
         path = self.args.resume
         if not path:

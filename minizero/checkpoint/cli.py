@@ -1,11 +1,7 @@
 """``python -m minizero.checkpoint inspect PATH`` and ``consolidate PATH --out model.npz``.
 
-``inspect`` prints the layout, the step, the loss scale and the bytes each rank wrote, by kind
-(parameters, m, v, masters) — what a sharded checkpoint holds per rank. ``consolidate`` assembles
-every parameter's full tensor from its pieces, one parameter at a time, and writes a ``model.npz``
-with nanoGPT's state_dict names (the tied ``lm_head.weight`` included), as the main job writes it
-(DeepSpeed's ``zero_to_fp32.py``, PyTorch's ``dcp_to_torch_save``). Exit status 2 with one line
-naming the file and the problem for a bad checkpoint.
+``inspect``: layout, step, loss scale, bytes per rank by kind. ``consolidate``: every full parameter, one at a
+time, into nanoGPT-named ``model.npz`` (DeepSpeed's ``zero_to_fp32.py``). A bad checkpoint: exit 2, one line.
 """
 from __future__ import annotations
 
@@ -77,11 +73,9 @@ def consolidate(path: str, out: str) -> dict:
 
 
 def check_out(out: str) -> None:
-    """``consolidate --out``: a file path outside every checkpoint folder (and not a save dir's ``latest``),
-    in a folder that takes a file; checked before any tensor is read.
+    """``consolidate --out``: a file outside every checkpoint folder, in a folder that takes it; checked before any read.
 
-    Raises:
-        CheckpointError: naming ``out`` and why it would overwrite or lose something.
+    Raises CheckpointError: naming ``out`` and why it would overwrite or lose something.
     """
     p = os.path.abspath(out) if out else ""
     if not p or os.path.isdir(p):

@@ -1,9 +1,8 @@
 """A checkpoint on disk: one folder, one safetensors file per rank, one JSON manifest, a pointer.
 
-``SAVE_DIR/step_NNNNNNNN/`` holds ``manifest.json`` (config, layout, step, scaler, pieces, bytes + sha256 per
-file) and ``rankNNNNN.safetensors``; ``latest`` names the newest. Ranks write into ``.tmp-step_N`` and fsync;
-rank 0 writes the manifest, renames the folder, fsyncs the parent, then moves ``latest``: a crash leaves the
-previous checkpoint valid. safetensors through its NumPy API (no pickle).
+``SAVE_DIR/step_NNNNNNNN/`` holds ``manifest.json`` (bytes + sha256 per file) and ``rankNNNNN.safetensors``;
+``latest`` names the newest. Written in ``.tmp-step_N``, fsynced, renamed, then ``latest`` moved: a crash
+leaves the previous checkpoint valid. safetensors through its NumPy API (no pickle).
 """
 from __future__ import annotations
 
@@ -95,12 +94,9 @@ def checkpoint_holding(path: str) -> str | None:
 
 
 def resolve(path: str) -> str:
-    """The checkpoint folder ``path`` names: itself (it holds a manifest), or a save dir's latest.
+    """The checkpoint folder ``path`` names: itself, or a save dir's ``latest`` (else its complete highest step).
 
-    A save dir's latest is the folder ``latest`` points to if complete, else its complete
-    folder of the highest step (a save killed between its rename and the pointer's move).
-    Raises:
-        CheckpointError: no such path, or no complete checkpoint in it (partial ones named).
+    Raises CheckpointError: no such path, or no complete checkpoint in it (partial ones named).
     """
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
@@ -277,16 +273,9 @@ def _piece_problem(pc: dict, params: dict) -> str | None:
 def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:
     """Check a checkpoint before any training; returns its folder.
 
-    Args:
-        path: a checkpoint folder or a save dir (:func:`resolve`).
-        model: this run's model config (dict); the shape fields (:data:`SHAPE_FIELDS`) must match.
-        layout: this run's ``{"optimizer", "precision", "dtype"}``; each must match (the state
-            of AdamW, 8-bit Adam and FP16's masters are different things).
-        checksums: also hash every file (SHA-256, streamed) against the manifest.
-    Raises:
-        CheckpointError: naming the file and the problem: the folder a symbolic link, a damaged
-            manifest (one line per problem), a missing rank file, a size that differs (truncated),
-            a checksum mismatch, another model shape or optimizer.
+    ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: ``{"optimizer", "precision",
+    "dtype"}`` must match; ``checksums``: SHA-256 every file. Raises CheckpointError naming the file and the
+    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, a checksum, another model.
     """
     folder = resolve(path)
     if os.path.islink(os.path.normpath(folder)):  # as a rank file: a link may lead anywhere, name the real folder

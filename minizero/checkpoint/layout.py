@@ -7,20 +7,10 @@ Every array a rank keeps is described the same way, whatever the layout that put
       name   the nanoGPT name of the whole parameter ("transformer.h.0.attn.c_attn.weight")
       shape  its full (logical) shape, as one process holds it
       tp     None, or (dim, stride, index, parts): the tensor-parallel shard this rank holds
-             (Megatron's partition_dim / partition_stride, tensor rank, tensor size)
       lo:hi  elements [lo, hi) of that shard laid flat (ZeRO's owned piece; 0:size when whole)
 
-So a ZeRO-1 piece at dp 4 and a tensor-parallel shard at tp 2 are both "these elements of this
-parameter": :func:`full_index` maps any slot to flat indices of the full tensor, and loading on a
-new layout is, for each slot the new rank holds, "read the saved slots that overlap it" — the
-idea of DeepSpeed's universal checkpoint (``ds_to_universal``: per-parameter fragments with
-their offsets) and of PyTorch DCP's load-time resharding (``ChunkStorageMetadata`` offsets and
-sizes, a load plan of overlaps).
-
-:func:`slots` enumerates a :class:`~minizero.parallel.strategy.Strategy`'s slots, to save (each
-element of the model exactly once over all ranks: data rank 0 without ZeRO, tensor rank 0 for
-tensor-replicated parameters, not the last stage's copy of the tied embedding) or to load (every
-array the rank holds, replicas included).
+Loading on a new layout reads, for each slot, the saved slots that overlap it (DeepSpeed's
+``ds_to_universal``; PyTorch DCP's load-time resharding).
 """
 from __future__ import annotations
 
@@ -37,12 +27,7 @@ TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (ti
 
 @dataclasses.dataclass
 class Slot:
-    """One piece of one logical tensor on this rank (see the module docstring for the fields).
-
-    ``array``: the live array, of ``hi - lo`` elements (any shape, written through ``[...]``),
-    or a :class:`~minizero.optim.adam8bit.QuantizedState` (8-bit Adam's codes + absmax, whose
-    ``offset`` is ``lo``).
-    """
+    """One piece of one logical tensor on this rank; ``array``: ``hi - lo`` elements, or 8-bit Adam's ``QuantizedState``."""
 
     kind: str
     name: str
@@ -76,13 +61,10 @@ def same_split(a, b) -> bool:
 
 
 def full_index(tp, shape, lo: int, hi: int):
-    """Flat indices into the full tensor of elements ``[lo, hi)`` of a shard: int64 (hi - lo,).
+    """Flat indices into the full tensor of elements ``[lo, hi)`` of a shard: int64 (hi - lo,), O(hi - lo) memory.
 
-    ``tp`` = (dim, stride, index, parts) as :func:`minizero.parallel.tensor_parallel.shard_array`
-    cuts: the full dimension n is ``stride`` blocks; shard ``index`` keeps part ``index`` of
-    ``parts`` of each block (b = n / (stride * parts) rows). Local coordinate c along ``dim`` is
-    block ``c // b``, row ``c % b`` of it, so its full coordinate is
-    ``(c // b) * (n / stride) + index * b + c % b``. Memory: O(hi - lo), never the whole tensor.
+    ``tp`` = (dim, stride, index, parts) as ``shard_array`` cuts; local coordinate c maps to
+    ``(c // b) * (n / stride) + index * b + c % b``, b = n / (stride * parts).
     """
     idx = np.arange(lo, hi, dtype=np.int64)
     if tp is None:
@@ -99,13 +81,9 @@ def full_index(tp, shape, lo: int, hi: int):
 
 
 def slots(strategy, purpose: str = "save") -> list:
-    """This rank's :class:`Slot` list for ``purpose`` ``"save"`` or ``"load"``.
+    """This rank's :class:`Slot` list to ``"save"`` (each model element once over all ranks) or ``"load"`` (all it holds).
 
-    The optimizer says what this rank holds (``opt.state_views(save)``: whole parameters and their
-    m, v, masters, or a ZeRO rank's owned pieces); an optimizer whose state every data rank holds
-    whole (``shards_state`` False) is saved by data rank 0 only.
-    Raises:
-        ValueError: ``purpose`` is neither "save" nor "load".
+    Raises ValueError: another ``purpose``.
     """
     if purpose not in ("save", "load"):
         raise ValueError(f"purpose={purpose!r}; allowed: 'save', 'load'")

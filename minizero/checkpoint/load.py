@@ -1,12 +1,7 @@
 """Loading a checkpoint onto any layout: for each slot this rank holds, read the saved pieces it overlaps.
 
-:class:`ShardReader` maps a (possibly tensor-parallel) slot to flat indices of the full tensor
-(:func:`~minizero.checkpoint.layout.full_index`) and copies the overlap of every saved piece, read alone
-(``safe_open(...).get_tensor(key)``). Memory: one slot and its overlapping pieces (ledger ``peak_total``).
-8-bit Adam codes and absmax are copied exactly when the block size and tensor split are unchanged; otherwise
-requantized from logical m and v (not bit-exact).
-
-Mirrors: DeepSpeed's universal checkpoint; PyTorch DCP's ``DefaultLoadPlanner``.
+Memory: one slot and its overlapping pieces. 8-bit Adam state is copied exactly when block size and tensor
+split are unchanged, else requantized. Mirrors: DeepSpeed's universal checkpoint; PyTorch DCP's ``DefaultLoadPlanner``.
 """
 from __future__ import annotations
 
@@ -31,10 +26,7 @@ from minizero.quantization import dequantize_blockwise
 class ShardReader:
     """Reads logical slices of a checkpoint's tensors from the pieces that hold them.
 
-    Args:
-        path: a checkpoint folder or save dir. ledger: a MemoryLedger counting the buffers read
-            (``comm_buffers``) — its ``peak_total`` is the load's transient peak in bytes.
-    Attributes: ``folder``, ``manifest``, ``reads`` (pieces read), ``bytes_read``.
+    ``ledger`` counts the buffers read (``peak_total``: the transient peak). Attributes: folder, manifest, reads, bytes_read.
     """
 
     def __init__(self, path: str, ledger: MemoryLedger | None = None):
@@ -78,12 +70,9 @@ class ShardReader:
         return dequantize_blockwise(codes, absmax, code, b, lo, dtype)
 
     def gather(self, kind: str, name: str, tp, lo: int, hi: int, dtype, what: str = "values"):
-        """Elements ``[lo, hi)`` of slot (``kind``, ``name``, ``tp``) as a flat ``dtype`` array of hi - lo.
+        """Elements ``[lo, hi)`` of slot (``kind``, ``name``, ``tp``) as a flat ``dtype`` array.
 
-        ``tp``: None (the whole parameter) or (dim, stride, index, parts).
-        Raises:
-            CheckpointError: the parameter or kind is not in the checkpoint, or some element is
-                in no saved piece (a rank's pieces missing from the manifest).
+        Raises CheckpointError: the parameter or kind is not saved, or some element is in no saved piece.
         """
         shape = self.shape(name)
         pieces = self.by_param.get((kind, name))
@@ -156,14 +145,9 @@ def _assign(dest, values) -> None:
 def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None = None) -> dict:
     """Load a checkpoint into a built ``strategy`` on this rank (no collective: every rank reads its part).
 
-    Restores parameters, m, v, FP32 masters (any layout), the optimizer's step count (the
-    applied steps), the loss scaler, the dropout generator (when this rank's coordinates
-    held one; else re-seeded from (seed, step, coordinates)) and the pruning masks.
-    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``:
-    ``step`` = loop steps done (the data position: step k draws batch (seed, k)),
-    ``load_peak`` = peak bytes of read buffers (ledger ``peak_total``).
-    Raises:
-        CheckpointError: a piece is missing, or the model/optimizer do not match.
+    Restores parameters, m, v, masters, step counts, the loss scaler, the dropout generator and pruning masks.
+    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``.
+    Raises CheckpointError: a piece is missing, or the model/optimizer do not match.
     """
     ledger = ledger if ledger is not None else MemoryLedger()
     reader = ShardReader(path, ledger)

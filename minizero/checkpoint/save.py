@@ -1,10 +1,5 @@
 """Saving a sharded checkpoint: every rank writes what it holds, rank 0 the manifest, atomically (collective).
 
-Every rank writes its slots to ``rankR.safetensors`` in ``.tmp-step_N`` and fsyncs; rank 0 gathers each rank's
-pieces, size, SHA-256 and generator state, writes ``manifest.json``, renames the folder to ``step_N``, moves
-``latest`` and removes checkpoints beyond ``keep``. Without ZeRO data rank 0 writes the model states; under ZeRO
-each data rank its owned pieces.
-
 Mirrors: DeepSpeed's ``save_checkpoint``; PyTorch DCP's ``save``.
 """
 from __future__ import annotations
@@ -59,12 +54,9 @@ def fault_in_save(rank: int, step: int) -> None:
 
 
 def rank_tensors(strategy, pruner=None, rank: int = 0):
-    """This rank's ``(tensors, pieces, params)``: safetensors key -> flat host array, the manifest's piece
-    list, and ``{name: {"shape", "dtype"}}`` of the parameters it saves pieces of (full shapes).
+    """This rank's ``(tensors, pieces, params)``: key -> flat host array, the manifest's pieces, full shapes and dtypes.
 
-    A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}``, format ``"dense"``
-    or ``"8bit"`` (then also ``"block_size"``, and the keys ``key/codes``, ``key/absmax``).
-    Rank 0 adds the pruning masks (packed bits, one per pruned weight) when ``pruner`` is given.
+    A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}`` (``"dense"`` or ``"8bit"``).
     """
     tensors, pieces, params = {}, [], {}
     for s in slots(strategy, "save"):
@@ -90,18 +82,10 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
                     protect: str | None = None) -> str | None:
     """Collective: write the checkpoint of ``step`` completed loop steps into ``save_dir``.
 
-    Args:
-        strategy: the :class:`~minizero.parallel.strategy.Strategy` being trained.
-        comm: the world communicator.
-        state: rank 0's manifest fields (model, layout, applied, scaler, data, train, params, ...),
-            from :func:`minizero.checkpoint.manifest_state`.
-        pruner: the :class:`~minizero.memory.sparsity.Pruner` whose masks to keep, or None.
-        keep: complete checkpoints kept (the newest ``keep`` by step; ``protect`` never removed).
-        protect: the folder this run resumed from: never overwritten, never removed.
-    Returns:
-        the new folder (every rank), or None when it would overwrite ``protect`` (nothing written).
-    Raises:
-        OSError: a write fails (the ``.tmp-`` folder is left and cleaned by the next save).
+    ``state``: rank 0's manifest fields (:func:`minizero.checkpoint.manifest_state`); ``keep``: newest complete
+    checkpoints kept; ``protect``: the resumed-from folder, never overwritten or removed.
+    Returns the new folder (every rank), or None when it would overwrite ``protect``.
+    Raises OSError: a write fails (the ``.tmp-`` folder is cleaned by the next save).
     """
     name = folder_name(step)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, TMP + name)

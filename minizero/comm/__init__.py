@@ -1,12 +1,4 @@
-"""Messages between ranks: the Communicator interface and collectives written on it.
-
-    communicator.py   the names below, gathered from: traffic.py (TrafficLedger, bytes
-                      sent), base.py (Communicator: send/recv/sendrecv/barrier/split,
-                      CommTimeoutError), mpi.py (MPICommunicator), threads.py
-                      (ThreadCommunicator + run_in_threads)
-    collectives.py    ring reduce_scatter / all_gather / all_reduce, tree broadcast,
-                      shard_range (which slice of a flat buffer a rank owns)
-"""
+"""Messages between ranks: the Communicator interface (``communicator.py``) and the collectives written on it."""
 from minizero.comm.collectives import (
     all_gather,
     all_reduce,

@@ -6,14 +6,8 @@
     round k = 1, 2: send piece (r+k) mod N to rank r+k, receive from rank r-k into slot r-k
         rank 0: 00 | 10 20        rank 1: 01 | 11 21        rank 2: 02 | 12 22   (after N-1 rounds)
 
-Every rank sends and receives once per round and no two messages of a round share a link's
-direction, so the exchange cannot deadlock and takes N-1 steps of one piece each (the pairwise
-exchange of MPICH's ``MPI_Alltoall`` for large messages; Thakur, Rabenseifner & Gropp 2005,
-section 4.4). Variable splits (``all_to_all_v``, PyTorch's ``all_to_all_single`` with split sizes)
-first exchange the counts the same way (one int64 per peer).
-
-Used by Ulysses sequence parallelism (sequence shards <-> head shards) and expert parallelism
-(tokens to their experts and back).
+Deadlock-free, N-1 rounds of one piece each: MPICH's ``MPI_Alltoall`` for large messages (Thakur,
+Rabenseifner & Gropp 2005, section 4.4); variable splits first exchange the counts the same way.
 """
 from __future__ import annotations
 
@@ -37,9 +31,7 @@ def _exchange(comm, x, send_offsets, out, recv_offsets) -> None:
 def all_to_all(comm, x):
     """Equal splits: ``x`` (N*m, ...) is N pieces of m rows; returns (N*m, ...) with rank j's piece r at rows j*m.
 
-    Shapes and dtypes equal on every rank; ``x`` C-contiguous, not modified.
-    Bytes: (N-1)/N * x.nbytes, label ``"all_to_all"``.
-    Raises: ValueError when N does not divide ``x.shape[0]`` (every rank raises it, before any message).
+    Bytes: (N-1)/N * x.nbytes (``"all_to_all"``). Raises ValueError on every rank: N does not divide ``x.shape[0]``.
     """
     n = comm.world_size
     if x.ndim == 0 or x.shape[0] % n:
@@ -52,14 +44,10 @@ def all_to_all(comm, x):
 
 
 def all_to_all_v(comm, x, send_counts):
-    """Variable splits: rows ``send_counts[j]`` of ``x`` (in order) go to rank j; returns ``(out, recv_counts)``.
+    """Variable splits: rows ``send_counts[j]`` of ``x`` go to rank j; returns ``(out, recv_counts)``, in rank order.
 
-    ``send_counts``: N non-negative ints summing to ``x.shape[0]``; ``out`` holds, in rank order, the
-    rows every rank sent here (``recv_counts[i]`` from rank i); trailing dimensions and dtype equal
-    on every rank. Bytes: 8 (N-1) for the counts (label ``"all_to_all_counts"``) and the rows sent
-    to other ranks (label ``"all_to_all"``).
-    Raises: ValueError for counts of the wrong length, negative, or not summing to ``x.shape[0]``
-    (on the rank that passed them, before any message).
+    Bytes: 8 (N-1) (``"all_to_all_counts"``) and the rows sent (``"all_to_all"``). Raises ValueError (before any
+    message): counts of the wrong length, negative, or not summing to ``x.shape[0]``.
     """
     n, r = comm.world_size, comm.rank
     counts = [int(c) for c in send_counts]

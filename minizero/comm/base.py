@@ -1,10 +1,7 @@
 """The Communicator interface: blocking point-to-point between ranks, checked and counted once.
 
-``send``/``recv``/``sendrecv`` (contiguous arrays), ``barrier``/``split``/``abort``, and ``native_*`` (the
-library's collectives, only with ``native=True``). The public methods record ``buf.nbytes`` of every send (an
-estimate for native collectives) in ``comm.traffic``; receives are not recorded.
-
-Mirrors: MPI-3.1, chapters 3 (point-to-point) and 6 (``MPI_Comm_split``).
+The public methods record ``buf.nbytes`` of every send (an estimate for native collectives) in
+``comm.traffic``; receives are not recorded. Mirrors: MPI-3.1, chapters 3 (point-to-point) and 6 (split).
 """
 from __future__ import annotations
 
@@ -23,25 +20,16 @@ DEFAULT_TIMEOUT_S = 600.0  #: seconds one wait may last before CommTimeoutError 
 
 
 class CommTimeoutError(TimeoutError):
-    """A send, receive or collective waited longer than the communicator's ``timeout``.
-
-    The message names the operation, this rank, the peer rank waited on and the tag.
-    """
+    """A send, receive or collective waited longer than ``timeout``; names the operation, rank, peer and tag."""
 
 
 MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI and NCCL communicators)
 
 
 def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
-    """Call ``done()`` until it returns True: first without pausing for ``spin_s`` seconds, then sleeping.
+    """Call ``done()`` until it returns True: spin ``spin_s`` s, then sleep 10 us doubling to :data:`MAX_SLEEP_S`.
 
-    The sleep doubles from 10 us up to :data:`MAX_SLEEP_S`.
-
-    Args:
-        done: a callable returning True when the wait is over.  timeout: seconds before giving up (> 0).
-        describe: a callable returning the CommTimeoutError's message.  spin_s: seconds to spin first (>= 0).
-    Raises:
-        CommTimeoutError: ``done()`` stayed False for ``timeout`` seconds.
+    ``describe()`` returns the error's message. Raises CommTimeoutError: ``done()`` stayed False for ``timeout`` s.
     """
     start = time.monotonic()
     deadline, spin_until, delay = start + timeout, start + spin_s, 0.0
@@ -59,19 +47,13 @@ SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a c
 
 
 def spin_seconds(ranks_on_this_node: int) -> float:
-    """How long a waiting rank spins: :data:`SPIN_S` when the node has a core per rank, else 0.
-
-    Cores are those this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``).
-    """
+    """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank, else 0."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return SPIN_S if ranks_on_this_node <= cores else 0.0
 
 
 def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None) -> str:
-    """The CommTimeoutError text of every waiting communicator: who waited, for what, for whom, how long.
-
-    ``what``: the operation (with its tag, if any); ``peer``: the rank waited on, or None (any of them).
-    """
+    """The CommTimeoutError text: who waited, for ``what``, for ``peer`` (None: any rank), how long."""
     whom = f"rank {peer}" if peer is not None else "the other ranks"
     return (f"rank {rank}: {what} waited {timeout:g} s for {whom} of a communicator of {world_size} "
             "(the communicator's timeout); a rank is stalled or gone")
@@ -79,12 +61,7 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 
 # --------------------------------------------------------------------------- checks
 def _check_array(buf, what: str, writeable: bool = False) -> None:
-    """Raise unless ``buf`` is a C-contiguous array.
-
-    ``writeable``: ``buf`` is received into. Only what NumPy and CuPy both have is read (CuPy has no
-    ``flags.writeable``, and its broadcast views are not read-only): a broadcast view of more than
-    one element is not C-contiguous, so the contiguity check refuses it.
-    """
+    """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into."""
     if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
@@ -98,11 +75,9 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
 class Communicator(abc.ABC):
     """A group of ``world_size`` ranks that exchange contiguous arrays (MPI semantics).
 
-    Attributes:
-        rank: int in ``[0, world_size)``.  world_size: int >= 1.  traffic: ``TrafficLedger`` of bytes sent.
-    ``send``/``recv`` block and match by (source, dest, tag); one pair's messages on one tag arrive in order; a
-    ``send`` then ``recv`` cycle can deadlock for large messages (use ``sendrecv``). Subclasses implement
-    ``_send``/``_recv``/...; the public methods check arguments and record bytes.
+    Attributes: rank in ``[0, world_size)``; world_size >= 1; traffic: ``TrafficLedger`` of bytes sent.
+    ``send``/``recv`` block and match by (source, dest, tag), in order per pair and tag; a send-then-recv cycle
+    can deadlock for large messages (use ``sendrecv``). Subclasses implement ``_send``/``_recv``/...
     """
 
     rank: int
@@ -111,12 +86,9 @@ class Communicator(abc.ABC):
 
     # -- point to point ------------------------------------------------------------
     def send(self, buf, dest: int, tag: int = 0) -> None:
-        """Send all of ``buf`` (any shape, C-contiguous) to rank ``dest``.
+        """Send all of ``buf`` (any shape, C-contiguous) to rank ``dest``; records ``buf.nbytes``.
 
-        Bytes: records ``buf.nbytes``.
-        Raises:
-            TypeError: ``buf`` is not an array. ValueError: ``buf`` not C-contiguous,
-            ``dest`` not in ``[0, world_size)``, ``tag`` not in ``[0, 32767]``.
+        Raises TypeError: not an array; ValueError: not C-contiguous, ``dest`` or ``tag`` (``[0, 32767]``) out of range.
         """
         _check_array(buf, "send buffer")
         dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
@@ -124,14 +96,10 @@ class Communicator(abc.ABC):
         self._send(buf, dest, tag)
 
     def recv(self, buf, source: int, tag: int = 0):
-        """Receive a message from rank ``source`` into ``buf`` (preallocated) and return it.
+        """Receive from rank ``source`` into the preallocated ``buf`` (the sent array's size) and return it.
 
-        ``buf`` must have the size (and, to be meaningful, the shape and dtype) of the
-        array that was sent. Bytes: none recorded.
-        Raises:
-            ValueError: ``buf`` not C-contiguous or read-only, bad ``source``/``tag``,
-            or the message's size does not match ``buf``.
-            TimeoutError, GroupFailedError: ``ThreadCommunicator`` only, see there.
+        Raises ValueError: ``buf`` not C-contiguous or read-only, bad ``source``/``tag``, size mismatch;
+        TimeoutError, GroupFailedError (``ThreadCommunicator``).
         """
         _check_array(buf, "recv buffer", writeable=True)
         source, tag = self._check_rank(source, "source"), self._check_tag(tag)
@@ -139,12 +107,9 @@ class Communicator(abc.ABC):
         return buf
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
-        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from ``source`` at once.
+        """Send ``sendbuf`` to ``dest`` and receive ``recvbuf`` from ``source`` at once (deadlock-free in a ring).
 
-        The two buffers must not overlap. Never deadlocks in a ring (everyone sends
-        right and receives from the left). Returns ``recvbuf``.
-        Bytes: records ``sendbuf.nbytes``.
-        Raises: as ``send`` and ``recv``.
+        The buffers must not overlap. Returns ``recvbuf``; records ``sendbuf.nbytes``. Raises as ``send`` and ``recv``.
         """
         _check_array(sendbuf, "send buffer")
         _check_array(recvbuf, "recv buffer", writeable=True)
@@ -156,10 +121,9 @@ class Communicator(abc.ABC):
 
     # -- non-blocking point to point (minizero.comm.nonblocking drives these) -------------
     def isend(self, buf, dest: int, tag: int = 0):
-        """Start sending ``buf`` to ``dest``; returns a request whose ``test()`` is True once ``buf``
-        may be reused (MPI_Isend) and whose ``wait()`` blocks until then (with this communicator's
-        timeout). ``buf`` must not change until then. Bytes: records ``buf.nbytes``.
-        Raises: as ``send``; NotImplementedError if this communicator has no non-blocking transport.
+        """Start sending ``buf`` to ``dest`` (MPI_Isend): a request with ``test()`` and ``wait()``; records ``buf.nbytes``.
+
+        ``buf`` must not change until ``test()`` is True. Raises as ``send``; NotImplementedError: no non-blocking transport.
         """
         _check_array(buf, "send buffer")
         dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
@@ -167,9 +131,9 @@ class Communicator(abc.ABC):
         return self._isend(buf, dest, tag)
 
     def irecv(self, buf, source: int, tag: int = 0):
-        """Start receiving from ``source`` into ``buf``; returns a request whose ``test()`` is True once
-        ``buf`` holds the message (MPI_Irecv); ``test()`` raises ValueError on a shape/dtype mismatch.
-        Raises: as ``recv``; NotImplementedError without a non-blocking transport.
+        """Start receiving from ``source`` into ``buf`` (MPI_Irecv); ``test()`` raises ValueError on a mismatch.
+
+        Raises as ``recv``; NotImplementedError without a non-blocking transport.
         """
         _check_array(buf, "recv buffer", writeable=True)
         source, tag = self._check_rank(source, "source"), self._check_tag(tag)
@@ -193,13 +157,9 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def split(self, color: int, key: int = 0) -> Communicator:
-        """Collective: ranks with equal ``color`` form a new communicator (MPI_Comm_split).
+        """Collective: ranks with equal ``color`` form a new communicator ordered by ``key``, then old rank (MPI_Comm_split).
 
-        Ranks in the new communicator are ordered by ``key``, ties by the old rank.
-        The new communicator's ``traffic`` is a fresh ``TrafficLedger`` whose parent is
-        this one's: its bytes show up in both (the parent keeps the rank's total).
-        Raises:
-            ValueError: ``color`` is not an int >= 0.
+        Its ``traffic`` is a child of this one's (bytes show in both). Raises ValueError: ``color`` not an int >= 0.
         """
 
     @abc.abstractmethod
@@ -213,12 +173,9 @@ class Communicator(abc.ABC):
     # ledgers compare equal with native=True and native=False. The library may use
     # another algorithm (MPICH picks by message size) and send more or less.
     def native_allreduce(self, x, out=None):
-        """Library all-reduce (sum). ``x``: any shape, C-contiguous; returns ``out``.
+        """Library all-reduce (sum) of C-contiguous ``x`` into ``out`` (may be ``x``; None: allocated); returns ``out``.
 
-        ``out``: same shape/dtype as ``x`` (may be ``x`` itself); allocated if None.
-        Bytes: records ``bytes_sent("all_reduce", ...)`` (about 2(N-1)/N * x.nbytes)
-        under label ``"all_reduce"``.
-        Raises: ValueError for a non-contiguous ``x`` or a mismatched ``out``.
+        Records ``bytes_sent("all_reduce", ...)`` as ``"all_reduce"``. Raises ValueError: non-contiguous or mismatched.
         """
         _check_array(x, "x")
         out = _prepare_out(x, out)
@@ -228,21 +185,16 @@ class Communicator(abc.ABC):
         return out
 
     def native_reduce_scatter(self, x):
-        """Library reduce-scatter (sum) of ``x.reshape(-1)``; returns this rank's 1-D chunk.
-
-        Chunks follow ``shard_range(x.size, world_size, rank)``.
-        Bytes: about (N-1)/N * x.nbytes, under label ``"reduce_scatter"``.
-        """
+        """Library reduce-scatter (sum) of ``x.reshape(-1)``; returns this rank's ``shard_range`` chunk."""
         _check_array(x, "x")
         with self.traffic.op("reduce_scatter", x):
             self.traffic.record(self._estimate("reduce_scatter", x))
             return self._native_reduce_scatter(x.reshape(-1))
 
     def native_allgather(self, shard, n: int):
-        """Library all-gather: 1-D chunks laid out by ``shard_range(n, ...)`` -> (n,) array.
+        """Library all-gather of 1-D ``shard_range(n, ...)`` chunks into (n,) (``"all_gather"``).
 
-        Bytes: about (N-1)/N * n * itemsize, under label ``"all_gather"``.
-        Raises: ValueError if ``shard.size`` is not this rank's ``shard_range`` size.
+        Raises ValueError: ``shard.size`` is not this rank's ``shard_range`` size.
         """
         _check_array(shard, "shard")
         size = shard_range(n, self.world_size, self.rank)[1]
@@ -256,11 +208,7 @@ class Communicator(abc.ABC):
             return self._native_allgather(shard.reshape(-1), n)
 
     def native_bcast(self, x, root: int = 0):
-        """Library broadcast of root's ``x`` into ``x`` on every rank (in place); returns ``x``.
-
-        Bytes: ``x.nbytes`` per child in a binomial tree rooted at ``root``
-        (root: ceil(log2 N) messages), under label ``"broadcast"``.
-        """
+        """Library broadcast of root's ``x`` into ``x`` on every rank, in place; returns ``x`` (``"broadcast"``)."""
         _check_array(x, "x", writeable=True)
         root = self._check_rank(root, "root")
         with self.traffic.op("broadcast", x):

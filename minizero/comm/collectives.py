@@ -1,13 +1,9 @@
-"""Collectives written by hand on top of ``sendrecv``: ring reduce-scatter, all-gather, all-reduce.
+"""Ring reduce-scatter, all-gather and all-reduce on ``sendrecv``; binomial-tree broadcast.
 
-A flat buffer of n elements is cut into ``world_size`` chunks by ``shard_range``; in N-1 steps rank r sends
-one chunk to r+1 and receives one from r-1. Bytes each rank sends (``bytes_sent``): reduce-scatter and
-all-gather (N-1)/N * n * itemsize each (exact when N divides n), all-reduce twice that. Sums are in the input
-dtype, in ring order, each chunk summed once then copied (bit-identical on every rank); temporaries are
-counted in the memory ledger as ``comm_scratch``. Every function records its bytes in ``comm.traffic`` under
-its own label and takes ``native=True`` to call the library's collective instead.
-
-Source: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009 (Horovod's and NCCL's ring).
+Bytes each rank sends: reduce-scatter and all-gather (N-1)/N * n * itemsize (exact when N divides n),
+all-reduce twice that. Sums in the input dtype, in ring order, bit-identical on every rank. Each function
+records its bytes in ``comm.traffic`` under its own label, counts temporaries as ``comm_scratch`` and takes
+``native=True`` to call the library's collective instead. Source: Patarasuk & Yuan, JPDC 2009.
 """
 from __future__ import annotations
 
@@ -28,13 +24,10 @@ _BCAST_TAG = 1002
 
 # --------------------------------------------------------------------------- bookkeeping
 def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """This rank's ``(offset, size)`` in a flat buffer of ``n`` elements split ``world_size`` ways.
+    """This rank's ``(offset, size)`` of ``n`` elements split ``world_size`` ways, as ``np.array_split``.
 
-    Contiguous chunks like ``np.array_split``: the first ``n % world_size`` ranks get
-    one element more. Chunks may be empty when ``n < world_size``.
     Example: ``[shard_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]``.
-    Raises:
-        ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` not in ``[0, world_size)``.
+    Raises ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` not in ``[0, world_size)``.
     """
     if n < 0:
         raise ValueError(f"n={n}; allowed: n >= 0")
@@ -47,12 +40,7 @@ def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, list[int]]:
-    """``(parent, children)`` of ``rank`` in a binomial broadcast tree rooted at ``root``.
-
-    With v = (rank - root) mod N, v's parent is v minus its lowest set bit and its
-    children are v + 2^k for every 2^k below that bit (all k for the root), largest
-    first. Depth ceil(log2 N). (Thakur, Rabenseifner & Gropp, IJHPCA 2005, Sec. 4.3.)
-    """
+    """``(parent, children)`` of ``rank`` in a binomial broadcast tree rooted at ``root`` (Thakur et al. 2005, 4.3)."""
     v = (rank - root) % world_size
     mask, parent = 1, None
     while mask < world_size:
@@ -72,13 +60,8 @@ def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, l
 def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root: int = 0) -> int:
     """Bytes ``rank`` sends in minizero's algorithm for ``op`` on ``n`` elements of ``itemsize``.
 
-    ``op``: ``"reduce_scatter"`` (n minus own chunk), ``"all_gather"`` (n minus rank+1's
-    chunk), ``"all_reduce"`` (the algorithm :func:`all_reduce` picks for n * itemsize bytes:
-    the ring's both halves, or recursive doubling's log2(N) whole buffers), ``"broadcast"``
-    (n per binomial-tree child).
-    Used for the ledger estimate of native collectives and by tests.
-    Raises:
-        ValueError: unknown ``op``.
+    ``op``: ``"reduce_scatter"``, ``"all_gather"``, ``"all_reduce"`` (the algorithm :func:`all_reduce` picks
+    for n * itemsize bytes) or ``"broadcast"``. Raises ValueError: unknown ``op``.
     """
     def chunk(r):
         return shard_range(n, world_size, r % world_size)[1]
@@ -99,28 +82,20 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
 
 
 def divide_before_sum(dtype) -> bool:
-    """For a mean over N ranks: divide each rank's addend by N *before* the sum (True) or the sum after (False).
+    """For a mean over N ranks: divide each addend by N before the sum (True) or the sum after (False).
 
-    True for float16 (and any float narrower than 4 bytes): local gradients of up to 4e4, each
-    finite, overflow float16's 65504 once summed over ranks, and a loss-scaled FP16 step is then
-    skipped for nothing; pre-divided, the partial sums are bounded by the largest mean. PyTorch
-    DDP divides gradients by the world size before its all-reduce for the same reason
-    (``gradient_predivide_factor``; fairscale and Horovod offer a float32 reduction instead).
-    False for float32/float64, whose range a sum of N gradients cannot leave: there the sum is
-    divided once, afterwards, which keeps their results bit for bit as they were.
+    True for floats narrower than 4 bytes (float16 sums of finite gradients overflow 65504; PyTorch DDP's
+    ``gradient_predivide_factor``); False for float32/float64.
     """
     return backend.xp.dtype(dtype).itemsize < 4
 
 
 def mean_scale_(x, world_size: int, before_sum: bool, predivided: bool = False):
-    """In place on ``x``: the part of dividing by ``world_size`` that belongs at this point of a mean.
+    """In place on ``x``: the part of dividing by ``world_size`` that belongs at this point of a mean; returns ``x``.
 
-    Call it with ``before_sum=True`` just before the sum over ranks and ``False`` just after; the
-    division happens at exactly one of the two, as :func:`divide_before_sum` decides for
-    ``x.dtype``. Before: ``x / N`` correctly rounded (exact for N a power of 2); after:
-    ``x * (1/N)`` in ``x``'s dtype (what DataParallel and ZeRO have always done). With
-    ``predivided`` the addends already carry the 1/N (the backward seed did it: FP16 training
-    seeds S/(k N), DeepSpeed's ``prescale_gradients``), and the mean is the plain sum. Returns ``x``.
+    ``before_sum``: called just before (True) or just after (False) the sum over ranks; the division
+    happens at one of the two, as :func:`divide_before_sum` decides. Before: ``x / N``; after: ``x * (1/N)``.
+    ``predivided``: the addends already carry the 1/N (DeepSpeed's ``prescale_gradients``); nothing is done.
     """
     if world_size > 1 and not predivided and divide_before_sum(x.dtype) == before_sum:
         if before_sum:
@@ -151,16 +126,11 @@ RING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple, tuple, bool]]:
-    """The steps of the ring ``op`` on a flat buffer of ``n`` elements, for ``rank``: the one ring.
+    """The steps of the ring ``op`` on ``n`` elements for ``rank``: ``((send_off, send_size), (recv_off, recv_size), add)``.
 
-    Each step is ``((send_off, send_size), (recv_off, recv_size), add)``: send that chunk of the
-    buffer to rank+1 while receiving rank-1's into the other (``add``: add it, reduce-scatter;
-    else store it, all-gather). Reduce-scatter step s sends chunk r-s-1 and adds into r-s-2;
-    all-gather step s sends chunk r-s and stores r-s-1 (the diagram above). The blocking
-    :func:`ring_` and the non-blocking :class:`~minizero.comm.nonblocking.RingCollective` both
-    run exactly these steps, so their results are bitwise equal.
-    Raises:
-        ValueError: unknown ``op``.
+    Send that chunk to rank+1 while receiving rank-1's into the other (``add``: reduce-scatter; else store).
+    :func:`ring_` and :class:`~minizero.comm.nonblocking.RingCollective` both run these steps (bitwise equal).
+    Raises ValueError: unknown ``op``.
     """
     if op not in RING_OPS:
         raise ValueError(f"op={op!r}; allowed: {RING_OPS}")
@@ -178,10 +148,8 @@ def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple,
 def ring_(comm: Communicator, buf, op: str, tmp=None) -> None:
     """Run the ring ``op`` in place on the flat (n,) ``buf``, blocking: one ``sendrecv`` per step.
 
-    ``reduce_scatter``: chunk ``comm.rank`` ends as the sum over ranks (other chunks hold partial
-    sums); ``all_gather``: chunk ``comm.rank`` must be set, every chunk ends filled;
-    ``all_reduce``: both, every chunk ends as the sum. ``tmp``: receive scratch of at least the
-    largest chunk, needed by the adding steps. Sums in ``buf``'s dtype, in ring order.
+    ``reduce_scatter``: chunk ``comm.rank`` ends as the sum; ``all_gather``: chunk ``comm.rank`` must be set,
+    every chunk ends filled; ``all_reduce``: both. ``tmp``: receive scratch of at least the largest chunk.
     """
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     for (send_off, send_size), (recv_off, recv_size), add in ring_steps(op, buf.size, comm.world_size, comm.rank):
@@ -197,13 +165,10 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     """Sum ``x`` over ranks and return this rank's chunk of the sum.
 
     Args:
-        x: any shape, C-contiguous, same size and dtype on every rank; read as ``x.reshape(-1)``, not modified.
-        native: use the library's reduce-scatter.
+        x: any shape, C-contiguous, same size and dtype on every rank; not modified.
     Returns:
-        (size,) array of x's dtype: elements [offset, offset+size) of the sum, ``shard_range(n, world_size, rank)``.
-    Bytes (label ``"reduce_scatter"``): (n - size) * itemsize; scratch n + ceil(n/N) elements.
-    Raises:
-        ValueError: ``x`` not C-contiguous; a size mismatch between ranks (from ``recv``).
+        (size,) array of x's dtype: elements ``shard_range(n, world_size, rank)`` of the sum.
+    Bytes (``"reduce_scatter"``): (n - size) * itemsize. Raises ValueError: ``x`` not C-contiguous; sizes differ.
     """
     _check_contiguous(x, "x")
     if native:
@@ -223,13 +188,9 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     """Concatenate every rank's shard, in rank order, on every rank (inverse of ``reduce_scatter``).
 
     Args:
-        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements, same dtype on every rank.
-        n: total length; None: n = shard.size * N.  native: use the library's all-gather.
-    Returns:
-        (n,) array of shard's dtype.
-    Bytes (label ``"all_gather"``): (n - size of rank+1's shard) * itemsize.
-    Raises:
-        ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
+        shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements.  n: total (None: shard.size * N).
+    Returns (n,) of shard's dtype. Bytes (``"all_gather"``): (n - size of rank+1's shard) * itemsize.
+    Raises ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
     """
     _check_contiguous(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
@@ -254,15 +215,9 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB, else the ring.
 
     Args:
-        x: any shape, C-contiguous, same shape and dtype on every rank; not modified (unless ``out is x``).
-        native: use the library's all-reduce (``comm.native_allreduce``).
-        out: optional C-contiguous array of x's shape and dtype (may be ``x``).
-    Returns:
-        ``out`` (a new array if None); with one rank, a copy.
-    Bytes (label ``"all_reduce"``): ring 2(N-1)/N * x.nbytes when N divides n; recursive doubling log2(N) *
-        x.nbytes; scratch ceil(n/N) or n elements (``comm_scratch``).
-    Raises:
-        ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape/dtype.
+        x: any shape, C-contiguous, same shape and dtype on every rank.  out: optional array of x's shape (may be x).
+    Returns ``out`` (a new array if None). Bytes (``"all_reduce"``): ring 2(N-1)/N * x.nbytes; recursive
+    doubling log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype.
     """
     _check_contiguous(x, "x")
     if out is not None:
@@ -290,13 +245,8 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
 def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     """Copy root's ``x`` into ``x`` on every other rank (in place, binomial tree); returns ``x``.
 
-    Args:
-        x: C-contiguous, same shape and dtype on every rank.  root: the sending rank.
-        native: use the library's broadcast.
-    Bytes (label ``"broadcast"``): ``x.nbytes`` per child; (N-1) * x.nbytes summed over ranks.
-    Raises:
-        ValueError: ``root`` not in ``[0, world_size)``, ``x`` not C-contiguous.
-    Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
+    Bytes (``"broadcast"``): ``x.nbytes`` per child. Raises ValueError: ``root`` out of range, ``x`` not
+    C-contiguous. Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
     """
     _check_contiguous(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:

@@ -1,8 +1,4 @@
-"""Point-to-point messaging between ranks, and a ledger of the bytes each rank sends: the names, re-exported.
-
-``traffic.py`` TrafficLedger; ``base.py`` Communicator (interface, checks, byte accounting); ``mpi.py``
-MPICommunicator, world(); ``threads.py`` ThreadCommunicator, run_in_threads, GroupFailedError.
-"""
+"""The Communicator names, re-exported from ``traffic.py``, ``base.py``, ``mpi.py`` and ``threads.py``."""
 from __future__ import annotations
 
 from minizero.comm.base import MAX_TAG, CommTimeoutError, Communicator  # noqa: F401

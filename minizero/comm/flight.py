@@ -1,13 +1,9 @@
 """The flight recorder: each rank's last N operations, kept by its traffic ledger, dumped when the job fails.
 
-Each ``traffic.op(label, buf)`` block and each overlapped ring collective is one :class:`Entry` (group, ``seq``,
-op, shape, dtype, bytes, state, timestamps, the enclosing label) in the root ledger's :class:`FlightRecorder`.
-``seq`` counts one group's collectives (blocks given the array of a whole-group call) on this rank, so rank r's
-#k and rank s's #k of a group must be the same call; labelled blocks without an array (pipeline sends, metrics
-wrappers) are kept with ``seq`` None, for reading only (a subset of the group may enter them). States:
-``posted`` (queued overlapped collective), ``started``, ``completed``, ``failed``. :mod:`minizero.debug.hang`
-compares the ranks' dumps; ``check_collectives`` (``--debug-collectives``) compares descriptors before each
-collective. Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+Each ``traffic.op(label, buf)`` block and overlapped ring collective is one :class:`Entry`; ``seq`` counts one
+group's collectives on this rank (rank r's #k and rank s's #k must be the same call), None for labelled blocks
+without an array. States: ``posted``, ``started``, ``completed``, ``failed``.
+Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 from __future__ import annotations
 
@@ -63,13 +59,9 @@ class _Group:
 
 
 class FlightRecorder:
-    """This rank's ring buffer of the last ``capacity`` operations, over all its groups.
+    """This rank's ring buffer (``entries``, oldest first) of the last ``capacity`` operations over all its groups.
 
-    Attributes:
-        entries: ``collections.deque`` of :class:`Entry`, oldest first, at most ``capacity``.
-        check_collectives: bool, the descriptor check before each collective of a named group (off).
-    Raises:
-        ValueError: ``capacity`` not an int >= 1.
+    Raises ValueError: ``capacity`` not an int >= 1.
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
@@ -175,10 +167,9 @@ def _decode(row: np.ndarray) -> dict:
 
 
 def agree(group: _Group, entry: Entry) -> None:
-    """All-gather every rank's descriptor of ``entry`` over ``group`` (a ring of sendrecv, tag 1003, counted
-    under ``debug_collectives``) and raise :class:`CollectiveMismatchError` on any difference.
+    """Collective: all-gather ``entry``'s descriptor over ``group`` (sendrecv ring, tag 1003, ``debug_collectives``).
 
-    Collective over the group; every rank raises, naming this side and the first rank that differs.
+    Raises CollectiveMismatchError on every rank, naming this side and the first rank that differs.
     """
     from minizero import backend  # noqa: PLC0415  (comm imports no array policy at module level)
     comm, n = group.comm, group.comm.world_size

@@ -1,11 +1,8 @@
 """Hierarchical all-reduce: reduce-scatter inside each node, all-reduce across nodes, all-gather inside each node.
 
-n nodes of L ranks, S bytes per rank: local rank j all-reduces chunk j (``shard_range(., L, j)``) with local
-rank j of every other node, so one node sends 2(n-1)/n * S across nodes (a flat ring: 2(N-1)/N * S per node).
-Sums differ in order from the flat ring's: bitwise equal for exactly representable sums, otherwise each within
-gamma_(N-1) * sum|x_i| of the exact sum (Higham 2002, eq. 4.4); every rank ends bit-identical.
-
-Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802.05799); Jia et al., arXiv:1807.11205.
+n nodes, S bytes per rank: one node sends 2(n-1)/n * S across nodes (a flat ring: 2(N-1)/N * S). Sums are
+in another order than the ring's: each within gamma_(N-1) * sum|x_i| (Higham 2002, eq. 4.4), bit-identical
+on every rank. Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802.05799, 1807.11205).
 """
 from __future__ import annotations
 
@@ -18,13 +15,8 @@ from minizero.comm.nodes import NodeLayout, layout_of
 class HierarchicalAllReduce:
     """A node-aware all-reduce over ``comm``, called like :func:`minizero.comm.all_reduce` (construction collective).
 
-    Args:
-        comm: the Communicator to reduce over.  nodes: its :class:`NodeLayout`; None: :func:`layout_of`.
-    Attributes:
-        local (this node's L ranks), cross (local rank j of every node; ``cross.traffic`` is exactly the bytes
-        sent across nodes), n_nodes, local_size.
-    Raises:
-        ValueError: ``nodes`` has the wrong size, or nodes hold different numbers of ranks.
+    Attributes: local (this node's L ranks), cross (local rank j of every node; its traffic is the cross-node bytes).
+    Raises ValueError: ``nodes`` has the wrong size, or nodes hold different numbers of ranks.
     """
 
     def __init__(self, comm: Communicator, nodes: NodeLayout | None = None):
@@ -42,20 +34,10 @@ class HierarchicalAllReduce:
         self.cross = comm.split(color=local_rank, key=nodes.nodes.index(node))
 
     def __call__(self, x, native: bool = False, out=None):
-        """Elementwise sum of ``x`` over the ranks of ``comm``, on every rank.
+        """Elementwise sum of ``x`` over ``comm``, bit-identical on every rank; returns ``out`` (new if None).
 
-        Args:
-            x: any shape, C-contiguous, same shape and dtype on every rank; not modified
-                (unless ``out is x``).
-            native: must be False (there is no library hierarchical all-reduce here).
-            out: optional array of x's shape and dtype (may be ``x``) to write into.
-        Returns:
-            ``out`` (new if None), the sum, bit-identical on every rank.
-        Bytes (n elements of ``itemsize``, L ranks per node, n_nodes nodes, label
-            ``"all_reduce"``): inside the node (L-1)/L * 2 of the buffer per rank; across
-            nodes 2(n_nodes-1)/n_nodes of this rank's 1/L chunk.
-        Raises:
-            ValueError: ``native=True``; a non-contiguous ``x``/``out`` or a mismatched ``out``.
+        Bytes (``"all_reduce"``): 2(L-1)/L of the buffer per rank inside the node; 2(n_nodes-1)/n_nodes of this
+        rank's 1/L chunk across nodes. Raises ValueError: ``native=True``; non-contiguous or mismatched arrays.
         """
         if native:
             raise ValueError("the hierarchical all-reduce is minizero's own; native=True has no meaning here")
@@ -80,16 +62,9 @@ class HierarchicalAllReduce:
 
 
 def cross_node_bytes(n_elements: int, itemsize: int, nodes: NodeLayout, algorithm: str) -> int:
-    """Bytes all ranks together send across node boundaries in one all-reduce of the buffer.
+    """Bytes all ranks together send across nodes in one all-reduce of ``n_elements * itemsize`` bytes.
 
-    Args:
-        n_elements, itemsize: the buffer (S = n_elements * itemsize bytes on every rank).
-        nodes: the group's layout (ranks in ring order).
-        algorithm: ``"ring"`` (flat ring: rank r sends its 2(N-1)/N share to r+1) or
-            ``"hierarchical"`` (:class:`HierarchicalAllReduce`: 2(n-1)/n * S per node).
-    Returns: an int, the sum over ranks (divide by the number of nodes for "per node").
-    Raises:
-        ValueError: an unknown ``algorithm``.
+    ``algorithm``: ``"ring"`` or ``"hierarchical"``. Raises ValueError: unknown ``algorithm``.
     """
     N = nodes.world_size
     if algorithm == "ring":

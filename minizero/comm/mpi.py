@@ -1,12 +1,8 @@
 """MPICommunicator: one process per rank, over mpi4py's buffer methods (arrays never pickled).
 
-Every point-to-point message carries a 64-byte header (dtype, ndim, size, shape) checked against the receive
-buffer: a mismatch raises ``ValueError`` naming both. Up to :data:`PACK_MAX_BYTES` header and payload travel as
-one message on ``header_comm``; larger payloads go on the communicator itself, both receives posted at once.
-The ledger counts payload bytes only. Every wait is a non-blocking request tested with ``MPI_Test`` and a
-backing-off sleep; after ``timeout`` seconds it raises :class:`CommTimeoutError` naming the operation, peer
-and tag. Device arrays are staged through host memory (``backend.to_host`` / ``backend.to_device``).
-
+Every message carries a 64-byte header (dtype, ndim, size, shape) checked against the receive buffer;
+up to :data:`PACK_MAX_BYTES` header and payload travel as one message on ``header_comm``. The ledger counts
+payload bytes only. Device arrays are staged through host memory.
 Mirrors: MPI-3.1, chapter 3 and section 5.12; PyTorch's process-group ``timeout``.
 """
 from __future__ import annotations
@@ -102,10 +98,9 @@ class _SendRequest:
 
 
 class _Incoming:
-    """One message being received into ``buf`` from ``source`` (the module docstring's two kinds).
+    """One message being received into ``buf`` from ``source``: ``irecv``'s request.
 
-    Posted at construction; ``test()`` is True once ``buf`` holds the payload and raises ValueError
-    (naming the message and the buffer) when they do not match. ``irecv``'s request is this.
+    ``test()`` is True once ``buf`` holds the payload; raises ValueError naming both when they do not match.
     """
 
     def __init__(self, comm, buf, source, tag, op="irecv"):
@@ -119,12 +114,7 @@ class _Incoming:
         self.checked = False
 
     def _mismatch(self, truncated: bool = False) -> ValueError:
-        """The ValueError of a message that does not match ``buf``, once its payload is out of MPI's way.
-
-        A whole header of the two-message kind announces a payload on ``mpi_comm``: it is received (into
-        ``buf`` or, with no receive posted, a 0-byte buffer: truncated, but consumed), so that the sender
-        completes and no stray payload matches a later receive. Otherwise a posted payload receive is cancelled.
-        """
+        """The mismatch ValueError, raised once the payload is out of MPI's way (received or cancelled)."""
         MPI = _mpi()
         h = self.msg[:_HEADER_BYTES].view(np.int64)
         got = (_describe(h) if h[0] else "a message") + (" (longer than expected)" if truncated else "")
@@ -165,15 +155,9 @@ class _Incoming:
 
 
 class MPICommunicator(Communicator):
-    """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+    """A ``Communicator`` over an mpi4py communicator (default ``MPI.COMM_WORLD``); float16 needs MPIX_C_FLOAT16.
 
-    Point-to-point messages go as ``MPI.BYTE`` with a checked header; native collectives use the arrays' MPI
-    datatype (float16 needs MPIX_C_FLOAT16).
-
-    Attributes:
-        mpi_comm: the wrapped ``mpi4py.MPI.Comm``.
-        timeout: seconds any one wait may last (default 600), then :class:`CommTimeoutError`; ``split`` copies it.
-        header_bytes: header bytes sent, kept out of ``traffic``.
+    Attributes: mpi_comm; timeout (seconds any one wait may last, default 600); header_bytes (kept out of traffic).
     Raises (any operation): CommTimeoutError; ValueError for a shape/dtype mismatch.
     """
 

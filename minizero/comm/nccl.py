@@ -1,16 +1,9 @@
 """NcclCommunicator: one process per GPU, messages over NCCL (``cupy.cuda.nccl``), set up through MPI.
 
-The :class:`~minizero.comm.base.Communicator` interface, so the hand-written collectives run unchanged.
-Set-up: rank 0's unique id is broadcast over the bootstrap (MPI), then ``ncclCommInitRank``; ``split`` makes
-one id per colour. ``sendrecv`` is one NCCL group (send + recv); ``tag`` is ignored and receive sizes are not
-checked. Calls are queued on this communicator's stream, ordered with the current stream by events; with
-``blocking=True`` the host waits at most ``timeout`` seconds, then raises
-:class:`~minizero.comm.base.CommTimeoutError`. Native collectives are NCCL's (reduce-scatter and all-gather
-through a zero-padded (N, ceil(n/N)) copy when N does not divide n). Host arrays travel over the bootstrap.
-No ``isend``/``irecv`` (``nonblocking`` is False). CuPy is imported when a communicator is made; the
-constructor takes ``nccl``/``cuda`` modules so tests can pass a fake.
-
-Mirrors: the NCCL user guide (communicator creation, group calls, point-to-point), PyTorch's ``ProcessGroupNCCL``.
+Rank 0's unique id is broadcast over the bootstrap, then ``ncclCommInitRank``; ``sendrecv`` is one NCCL
+group; ``tag`` is ignored and receive sizes are not checked. Calls are queued on this communicator's
+stream, ordered with the current stream by events; host arrays travel over the bootstrap; no
+``isend``/``irecv``. Mirrors: the NCCL user guide (group calls, point-to-point), PyTorch's ``ProcessGroupNCCL``.
 """
 from __future__ import annotations
 
@@ -31,11 +24,7 @@ DATATYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", 
 
 
 def import_nccl():
-    """``(cupy.cuda.nccl, cupy.cuda)``, imported now.
-
-    Raises:
-        ImportError: CuPy (or its NCCL binding) is not installed, with the install command.
-    """
+    """``(cupy.cuda.nccl, cupy.cuda)``. Raises ImportError (with the install command): no CuPy or NCCL binding."""
     try:
         from cupy.cuda import nccl  # noqa: PLC0415  (optional dependency)
         import cupy.cuda as cuda  # noqa: PLC0415
@@ -49,12 +38,9 @@ def import_nccl():
 
 
 def use_local_device(local_rank: int, cuda=None) -> int:
-    """Make GPU ``local_rank % device_count`` current for this process; returns its number.
+    """Make GPU ``local_rank % device_count`` current (as ``torchrun``'s ``LOCAL_RANK``); returns its number.
 
-    NCCL allows one rank per GPU in a communicator, so ranks on one node take GPUs in order
-    of their local rank (what ``torchrun`` does with ``LOCAL_RANK``). Call it before any
-    CuPy allocation and before making the communicator.
-    Raises: ImportError without CuPy; RuntimeError when no GPU is visible.
+    Call before any CuPy allocation. Raises ImportError without CuPy; RuntimeError when no GPU is visible.
     """
     cuda = import_nccl()[1] if cuda is None else cuda
     count = cuda.runtime.getDeviceCount()
@@ -66,11 +52,7 @@ def use_local_device(local_rank: int, cuda=None) -> int:
 
 
 def pointer(buf) -> int:
-    """The address of ``buf``'s first byte: ``buf.data.ptr`` (CuPy; strict arrays have it too).
-
-    Raises:
-        TypeError: a host (NumPy) array: NCCL reads device memory only.
-    """
+    """The address of ``buf``'s first byte (``buf.data.ptr``). Raises TypeError: a host array."""
     data = buf.data
     if hasattr(data, "ptr"):
         return int(data.ptr)
@@ -79,21 +61,13 @@ def pointer(buf) -> int:
 
 
 class NcclCommunicator(Communicator):
-    """A ``Communicator`` over an NCCL communicator, one rank per GPU, set up through ``bootstrap`` (collective).
+    """A ``Communicator`` over NCCL, one rank per GPU, set up through ``bootstrap`` (collective).
 
     Args:
-        bootstrap: a Communicator over the same ranks; carries the unique id (one 129-element broadcast on its own
-            ledger) and ``split``.
-        traffic: this communicator's ledger (default: a fresh one).
-        timeout: seconds a blocking wait may last before CommTimeoutError (> 0). Settable.
-        blocking: wait on the host for every operation (raising at once on an NCCL or CUDA error), or only order
-            it on the streams.
-        nccl, cuda: the ``cupy.cuda.nccl`` and ``cupy.cuda`` modules, or stand-ins (tests).
-    Attributes:
-        rank, world_size, traffic, stream (where NCCL calls are queued), bootstrap, timeout, blocking, mpi_comm.
-    Raises:
-        ImportError: no CuPy/NCCL (see :func:`import_nccl`).
-        TypeError (any operation): an array dtype NCCL has no type for (allowed: :data:`DATATYPES`).
+        bootstrap: a Communicator over the same ranks (carries the unique id and ``split``).
+        timeout: seconds a blocking wait may last before CommTimeoutError (> 0).  blocking: wait on the host
+            for every operation, or only order it on the streams.  nccl, cuda: the CuPy modules or stand-ins.
+    Raises ImportError: no CuPy/NCCL; TypeError (any operation): a dtype not in :data:`DATATYPES`.
     """
 
     def __init__(self, bootstrap: Communicator, traffic: TrafficLedger | None = None,

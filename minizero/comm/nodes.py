@@ -1,9 +1,7 @@
 """Which node (machine) each rank runs on, and the bytes that cross node boundaries.
 
-:func:`discover_nodes` splits the world with ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (MPI-3.1 section
-6.4.2); nodes are numbered by their lowest world rank; in-process every rank is on node 0. :class:`NodeLayout`
-holds ``node_of``. :class:`NodeTrafficCommunicator` wraps any Communicator and also counts the bytes sent to
-another node (``cross_node``).
+Nodes come from ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (MPI-3.1 section 6.4.2), numbered by their
+lowest world rank; in-process every rank is on node 0.
 """
 from __future__ import annotations
 
@@ -18,13 +16,9 @@ from minizero.comm.communicator import Communicator
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """The node of every rank of one communicator.
+    """The node of every rank of one communicator: ``node_of[r]``, nodes numbered in the order of their lowest rank.
 
-    Attributes:
-        node_of: tuple of ints, ``node_of[r]`` is the node of rank r (nodes numbered
-            0, 1, ... in the order of their lowest rank).
-    Raises:
-        ValueError: empty ``node_of`` or negative node ids.
+    Raises ValueError: empty ``node_of`` or negative node ids.
     """
 
     node_of: tuple
@@ -89,14 +83,10 @@ def layout_of(comm: Communicator) -> NodeLayout:
 
 
 def discover_nodes(comm: Communicator) -> NodeLayout:
-    """Collective: the node of every rank of ``comm``.
+    """Collective: the :class:`NodeLayout` of ``comm``, equal on every rank.
 
-    An MPI communicator (one with ``mpi_comm``) is split with ``MPI_COMM_TYPE_SHARED``;
-    each rank learns its node's lowest rank, and one all-gather of those (mpi4py's
-    ``allgather`` of one int per rank, not recorded in the traffic ledger: set-up, not
-    training traffic) numbers the nodes. Any other communicator (threads of one process)
-    is one node.
-    Returns: a :class:`NodeLayout` of ``comm.world_size`` ranks, equal on every rank.
+    MPI: split with ``MPI_COMM_TYPE_SHARED``, then one set-up all-gather of each node's lowest rank (not in the
+    traffic ledger). Any other communicator (threads of one process) is one node.
     """
     mpi_comm = getattr(comm, "mpi_comm", None)
     if mpi_comm is None:
@@ -112,12 +102,7 @@ def discover_nodes(comm: Communicator) -> NodeLayout:
 
 
 class CrossNodeLedger:
-    """Bytes this rank sent to ranks on other nodes, by the traffic label active when sent.
-
-    Attributes:
-        bytes_sent: int, total bytes to other nodes. by_op: dict label -> bytes.
-        parent: the ledger of the communicator this one was split from (gets every byte too).
-    """
+    """Bytes this rank sent to other nodes: ``bytes_sent`` (total), ``by_op`` (per label); also added to ``parent``."""
 
     def __init__(self, parent: CrossNodeLedger | None = None):
         self.parent, self.bytes_sent, self.by_op = parent, 0, {}
@@ -135,16 +120,10 @@ class CrossNodeLedger:
 
 
 class NodeTrafficCommunicator(Communicator):
-    """A Communicator that knows each rank's node and counts the bytes sent across nodes.
+    """A Communicator over ``inner`` (sharing its ``traffic``) that also counts bytes sent across nodes in ``cross_node``.
 
-    Messages go through ``inner`` (sharing its ``traffic``); those to another node are also recorded in
-    ``cross_node``; native collectives count minizero's estimate (``bytes_sent``) when the ring's right
-    neighbour is on another node. ``split`` wraps the inner split, forwarding ``cross_node`` to this one's.
-
-    Args:
-        inner: the Communicator to wrap.  nodes: its :class:`NodeLayout`; None: :func:`discover_nodes` (collective).
-    Raises:
-        ValueError: ``nodes`` does not have ``inner.world_size`` ranks.
+    Native collectives count ``bytes_sent`` when the ring's right neighbour is on another node.
+    ``nodes``: None = :func:`discover_nodes` (collective). Raises ValueError: ``nodes`` of another world size.
     """
 
     def __init__(self, inner: Communicator, nodes: NodeLayout | None = None,

@@ -1,12 +1,7 @@
 """Ring collectives that progress in steps, so computation can run while they are in flight.
 
-:class:`RingCollective` runs :func:`~minizero.comm.collectives.ring_steps` over ``isend``/``irecv``:
-:meth:`~RingCollective.progress` tests the step's two requests and, once both completed, adds and posts the next
-step, never waiting; :meth:`~RingCollective.wait` finishes. Results are bitwise the blocking ring's. A
-:class:`Stream` runs its collectives one at a time in start order (ring messages carry no step number);
-different streams use different tags.
-
-Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020, section 3.2.3).
+:class:`RingCollective` runs :func:`~minizero.comm.collectives.ring_steps` over ``isend``/``irecv``, bitwise
+equal to the blocking ring. Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020, 3.2.3).
 """
 from __future__ import annotations
 
@@ -16,18 +11,11 @@ from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until, timeout_message
 from minizero.comm.collectives import bytes_sent, ring_steps, shard_range
 
 class RingCollective:
-    """One ring collective on a flat C-contiguous buffer, in place, advanced by :meth:`progress`.
+    """One ring collective in place on a flat C-contiguous (n,) ``buf``, advanced by :meth:`progress` (never waits).
 
-    Args:
-        comm: a Communicator with ``nonblocking``.
-        buf: the (n,) buffer; untouched until :meth:`progress` returned True.
-        op: ``"all_reduce"``, ``"reduce_scatter"`` (chunk ``rank`` ends as the sum) or ``"all_gather"``.
-        tag: the message tag (one collective in flight per tag: use a :class:`Stream`).
-        label: the traffic label (default ``op``).  name, trace_args: the in-flight trace span.
-    Bytes: as the blocking ring (:func:`~minizero.comm.collectives.bytes_sent`); scratch one chunk (reduce steps).
-    Raises:
-        ValueError: ``buf`` not 1-D C-contiguous; unknown ``op``.
-        NotImplementedError: the communicator has no non-blocking transport.
+    ``op``: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``; ``tag``: one collective in flight per tag
+    (use a :class:`Stream`); ``label``: the traffic label (default ``op``). Bytes: as the blocking ring.
+    Raises ValueError: ``buf`` not 1-D C-contiguous, unknown ``op``; NotImplementedError: no non-blocking transport.
     """
 
     def __init__(self, comm, buf, op: str, tag: int, label: str | None = None, name: str | None = None,
@@ -98,11 +86,7 @@ class RingCollective:
         return True
 
     def wait(self) -> None:
-        """Progress until finished, sleeping between tests (backing off to 2 ms).
-
-        Raises:
-            CommTimeoutError (via the communicator's ``timeout``, seconds): a neighbour stalled.
-        """
+        """Progress until finished, sleeping between tests. Raises CommTimeoutError after the communicator's ``timeout``."""
         _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})", self.waiting_on)
 
     def waiting_on(self) -> int | None:
@@ -126,12 +110,7 @@ def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
 
 
 class Stream:
-    """Collectives run one after the other in the order they were :meth:`submit`-ted (a NCCL stream).
-
-    ``progress()`` advances the one in flight and starts the next when it finishes;
-    :meth:`synchronize` waits for all. Each collective's ``on_done()`` callback (if any) runs
-    when it finishes, in submission order.
-    """
+    """Collectives run one at a time in :meth:`submit` order (a NCCL stream); each one's ``on_done()`` runs when it ends."""
 
     def __init__(self, comm):
         self.comm = comm

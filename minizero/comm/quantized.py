@@ -1,16 +1,7 @@
 """Quantized collectives: INT8 on the wire, FP32 (or float64) in memory (ZeRO++'s qwZ and qgZ).
 
-Block absmax INT8 (:func:`minizero.quantization.quantize`, blocks of B elements, one FP32 scale each); n
-elements over N ranks (``bytes_sent`` gives them exactly):
-
-* ``quantized_all_gather``: ring all-gather of codes and scales, (N-1)/N * n + (N-1) * ceil(n/N/B) * 4 bytes;
-  error at most scale/2 per element; non-finite input raises.
-* ``quantized_reduce_scatter``: all-to-all of chunk j's codes and scales to rank j, summed in full precision;
-  error at most the sum of the other ranks' scale/2; a block holding inf/NaN arrives as NaN.
-* ``quantized_all_reduce``: the reduce-scatter, then a quantized all-gather.
-
-All work runs where the input lives (:func:`~minizero.backend.array_module`). With one rank nothing is sent.
-
+Block absmax INT8 (:func:`minizero.quantization.quantize`, one FP32 scale per block of B); ``bytes_sent``
+gives the bytes exactly. All work runs where the input lives; with one rank nothing is sent.
 Source: Wang et al., "ZeRO++", arXiv:2306.10209, sections 3.1 (qwZ) and 3.3 (qgZ).
 """
 from __future__ import annotations
@@ -30,12 +21,9 @@ def _blocks(n: int, block_size: int) -> int:
 
 
 def bytes_sent(op: str, n: int, world_size: int, rank: int, block_size: int = BLOCK_SIZE) -> int:
-    """Bytes ``rank`` sends in :func:`quantized_all_gather` / :func:`quantized_reduce_scatter` of n elements.
+    """Bytes ``rank`` sends for ``op`` (``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``) of n elements.
 
-    ``op``: ``"all_gather"``: codes of every chunk but rank+1's, plus (N-1) slots of
-    ``ceil(max chunk / B)`` scales; ``"reduce_scatter"``: codes and scales of every chunk but
-    its own; ``"all_reduce"``: the two together. 0 when N == 1.
-    Raises: ValueError for an unknown ``op``.
+    0 when N == 1. Raises ValueError: unknown ``op``.
     """
     if world_size == 1:
         return 0
@@ -52,18 +40,11 @@ def bytes_sent(op: str, n: int, world_size: int, rank: int, block_size: int = BL
 
 
 def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BLOCK_SIZE):
-    """All-gather of INT8-quantized shards (ZeRO++ qwZ); returns the dequantized (n,) array.
+    """Ring all-gather of INT8-quantized shards (ZeRO++ qwZ); returns the dequantized (n,) array, equal on every rank.
 
-    Args:
-        shard: this rank's ``shard_range(n, N, rank)`` elements (float, C-contiguous, read flat).
-        n: total length (None: N equal shards). block_size: elements per FP32 scale.
-    Returns:
-        (n,) array of ``shard``'s dtype; rank r's part is its shard quantized block-wise
-        (blocks start at the shard's first element) and dequantized — identical on every rank.
-        With one rank, an exact copy.
-    Bytes: :func:`bytes_sent` ``("all_gather", ...)``, label ``"quantized_all_gather"``.
-    Raises:
-        ValueError: wrong shard size, non-contiguous or non-finite shard.
+    Args: shard: this rank's ``shard_range(n, N, rank)`` elements, float, C-contiguous; n: None = N equal shards.
+    Error at most scale/2 per element; one rank: an exact copy. Bytes: ``bytes_sent("all_gather")``.
+    Raises ValueError: wrong shard size, non-contiguous or non-finite shard.
     """
     _check_contiguous(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
@@ -109,17 +90,11 @@ def _quantize_marking_non_finite(chunk, block_size):
 
 
 def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
-    """Sum ``x`` over ranks with INT8 on the wire (ZeRO++ qgZ); returns this rank's chunk of the sum.
+    """Sum ``x`` over ranks with INT8 on the wire (ZeRO++ qgZ); returns this rank's ``shard_range`` chunk of the sum.
 
-    An all-to-all: at step s = 1 .. N-1 rank r sends its quantized chunk r+s and receives from r-s; its own chunk is
-    added exactly, the received ones dequantized, in that fixed order.
-    Args:
-        x: any shape, C-contiguous float, same size and dtype on every rank; read flat.
-    Returns:
-        (size,) array of x's dtype, ``(offset, size) = shard_range(x.size, N, rank)``.
-    Bytes: :func:`bytes_sent` ``("reduce_scatter", ...)``, label ``"quantized_reduce_scatter"``.
-    Raises:
-        ValueError: non-contiguous ``x``; sizes differing between ranks (from ``recv``).
+    An all-to-all (step s: send chunk r+s, receive from r-s), summed in full precision in that order; error at
+    most the other ranks' scale/2; a block holding inf/NaN arrives as NaN. Bytes: ``bytes_sent("reduce_scatter")``.
+    Raises ValueError: non-contiguous ``x``; sizes differing between ranks.
     """
     _check_contiguous(x, "x")
     world_size, rank, n = comm.world_size, comm.rank, x.size
@@ -148,15 +123,8 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
 def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     """Sum ``x`` over ranks with INT8 on the wire: :func:`quantized_reduce_scatter`, then a quantized all-gather.
 
-    Args:
-        x: any shape, C-contiguous float, same shape and dtype on every rank.
-        out: optional array of x's shape and dtype (may be ``x``).
-    Returns:
-        ``out`` (a new array if None), identical on every rank; error per element the reduce-scatter's plus
-        scale/2 of the summed block; non-finite blocks arrive as NaN; one rank: an exact copy.
-    Bytes: :func:`bytes_sent` ``("all_reduce", ...)``, label ``"quantized_all_reduce"``.
-    Raises:
-        ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape or dtype.
+    Returns ``out`` (new if None), equal on every rank. Bytes: ``bytes_sent("all_reduce")``.
+    Raises ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape or dtype.
     """
     _check_contiguous(x, "x")
     if out is None:

@@ -1,12 +1,8 @@
 """Recursive-doubling all-reduce for small buffers, by hand on ``sendrecv``, and the size rule.
 
-log2(p) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds. N not a power of two: the
-first 2r = 2(N - p) ranks fold in pairs first and get the result back last. The sum is a balanced tree, the
-same bits on every rank and run. Bytes per rank (:func:`bytes_sent_recursive_doubling`): log2(p) * n * itemsize,
-plus n for an odd rank below 2r, or only n for an even one.
-
-Source: Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
-IJHPCA 2005, section 4.5.
+log2(p) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds; for N not a power of two
+the first 2(N - p) ranks fold in pairs first. A balanced-tree sum, the same bits on every rank.
+Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.5.
 """
 from __future__ import annotations
 
@@ -57,10 +53,7 @@ def bytes_sent_recursive_doubling(n: int, itemsize: int, world_size: int, rank: 
 
 
 def recursive_doubling_all_reduce_(comm, buf, tmp) -> None:
-    """In place on the flat (n,) ``buf``: afterwards it holds the sum over ranks, on every rank.
-
-    ``tmp``: scratch of n elements, buf's dtype. Order of the sum: see the module docstring.
-    """
+    """In place on the flat (n,) ``buf``: afterwards the sum over ranks; ``tmp``: n elements of buf's dtype."""
     xp, rank, world_size = backend.array_module(buf), comm.rank, comm.world_size
     p, rem = _fold(world_size)
     if rank < 2 * rem and rank % 2 == 0:  # folded out: hand the buffer on, get the sum back

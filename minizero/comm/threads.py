@@ -1,7 +1,6 @@
 """ThreadCommunicator: ranks as threads of one process (``run_in_threads``), for notebooks and tests.
 
-Same semantics as MPI, plus a receive timeout and prompt failure when any rank raises,
-so a buggy algorithm fails a test instead of hanging it.
+MPI semantics plus prompt failure when any rank raises, so a buggy algorithm fails a test instead of hanging.
 """
 from __future__ import annotations
 
@@ -104,13 +103,8 @@ class _QueueRecvRequest:
 class ThreadCommunicator(Communicator):
     """A ``Communicator`` whose ranks are threads of one process; make it with ``run_in_threads``.
 
-    ``send`` copies the array into the (source, dest, tag, communicator) queue and
-    returns at once (eager, like MPI for small messages). ``recv`` waits at most
-    ``timeout`` seconds and then raises ``CommTimeoutError`` (a TimeoutError) naming the ranks and the tag;
-    if any rank of the group raised, every waiting rank raises ``GroupFailedError``
-    promptly instead of hanging. Native collectives are computed from every rank's
-    array directly (deposited in shared slots between two barriers), summing in rank
-    order, so every rank gets bit-identical results.
+    ``send`` copies into a queue and returns (eager); ``recv`` raises ``CommTimeoutError`` after ``timeout`` s,
+    or ``GroupFailedError`` once any rank raised. Native collectives sum every rank's array in rank order.
     """
 
     _POLL_S = 0.05  # how often a waiting recv checks for failure and timeout
@@ -256,11 +250,7 @@ _THREAD_START_HOOKS: list = []
 
 
 def register_thread_start_hook(fn):
-    """Run ``fn()`` (no arguments) at the start of every rank thread of ``run_in_threads``.
-
-    For per-rank thread-local state (e.g. a memory ledger). Registering the same
-    function twice has no effect. Returns ``fn`` (usable as a decorator).
-    """
+    """Run ``fn()`` at the start of every rank thread of ``run_in_threads`` (once per function); returns ``fn``."""
     if fn not in _THREAD_START_HOOKS:
         _THREAD_START_HOOKS.append(fn)
     return fn
@@ -269,15 +259,8 @@ def register_thread_start_hook(fn):
 def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` rank threads; return results by rank.
 
-    Each thread gets its own ``ThreadCommunicator`` (``comm.rank`` = its index) with
-    its own ``TrafficLedger``; registered thread-start hooks run first in each thread.
-    ``timeout`` (seconds) bounds every single wait in ``recv``/``barrier``/collectives.
-
-    Raises:
-        ValueError: ``world_size`` < 1 or ``timeout`` <= 0.
-        The first exception raised in any rank (same object and type), its message
-        prefixed with ``[rank r/N]``; other ranks blocked on it were released with
-        ``GroupFailedError`` and are not reported.
+    ``timeout`` (seconds) bounds every single wait. Raises ValueError: ``world_size`` < 1 or ``timeout`` <= 0;
+    else the first exception any rank raised, its message prefixed with ``[rank r/N]``.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; allowed: an int >= 1")

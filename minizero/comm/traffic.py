@@ -1,7 +1,4 @@
-"""The ledger of the bytes each rank sends, by operation label (one per Communicator).
-
-Mirrors: the per-collective byte counts of the NCCL/MPI cost model (Thakur et al. 2005).
-"""
+"""The ledger of the bytes each rank sends, by operation label (one per Communicator; Thakur et al. 2005's cost model)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,14 +8,9 @@ from minizero.comm.flight import FlightRecorder
 
 
 class TrafficLedger:
-    """Bytes this rank sent, by operation label (one rank's thread only; no locks).
+    """Bytes this rank sent (``bytes_sent``), by label (``by_op``) and calls per label (``calls``); one thread, no locks.
 
-    ``record(nbytes)`` adds to the outermost open ``with op(label):`` block (of the parent ledger first), else
-    ``"p2p"``; a ledger made with ``parent=`` (``Communicator.split``) also forwards to its parent.
-
-    Attributes:
-        bytes_sent: int, total bytes recorded.  by_op: dict label -> bytes.
-        calls: dict label -> calls (one per entry into ``op(label)``, one per message outside any).
+    ``record(nbytes)`` adds to the outermost open ``op(label)`` block, else ``"p2p"``, and to the ``parent`` ledger.
     """
 
     def __init__(self, parent: TrafficLedger | None = None):
@@ -62,9 +54,7 @@ class TrafficLedger:
     def op(self, label: str, buf=None):
         """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open).
 
-        With a tracer on (:mod:`minizero.trace`) the block is a span on the blocking-communication
-        lane, with the bytes it recorded. The block is one entry of the flight recorder; ``buf`` (the
-        array of a collective over the whole group) gives the entry its shape and dtype.
+        The block is a trace span and one flight-recorder entry; ``buf`` (a whole-group collective's array) gives its shape.
         """
         self._add(label, nbytes=0, calls=1)
         recorder = self.active_recorder()
@@ -86,11 +76,7 @@ class TrafficLedger:
             self._labels.pop()
 
     def record(self, nbytes: int) -> None:
-        """Record one message of ``nbytes`` bytes sent by this rank.
-
-        Raises:
-            ValueError: negative ``nbytes``.
-        """
+        """Record one message of ``nbytes`` bytes sent by this rank. Raises ValueError: negative ``nbytes``."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")

@@ -1,11 +1,7 @@
 """Which layers hold the bytes: per-module attribution of the ledger, and the check against the formula.
 
-:func:`attach` installs forward pre- and post-hooks on every named module that push and pop its name on the
-ledger's scope stack (:meth:`minizero.ledger.MemoryLedger.push_scope`); arguments and outputs are untouched.
-:func:`layer_terms` groups the estimator's per-term rows (:func:`minizero.memory.estimator.saved_per_layer`,
-``accounting="minizero"``) by module; :func:`compare_layer` sets them beside the ledger's bytes for that module.
-
-Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot``), by module instead of stack frame.
+Forward pre- and post-hooks push and pop each module's name on the ledger's scope stack; arguments and outputs
+are untouched. Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot``), by module.
 """
 from __future__ import annotations
 
@@ -34,15 +30,9 @@ ROW_MODULE = {
 
 
 def attach(model) -> callable:
-    """Charge every array tracked during ``model``'s forward to the innermost module running.
+    """Charge every array tracked during ``model``'s forward to the innermost module running (this rank's ledger).
 
-    Args:
-        model: a :class:`minizero.nn.Module` (a GPT, a pipeline stage); every module from
-            ``named_modules()`` gets a pre-hook (push its name) and a forward hook (pop).
-    Returns:
-        a function that removes every hook it installed.
-    The ledger used is the calling rank's (:func:`minizero.ledger.get_ledger`) at call
-    time of each hook, so ranks running as threads each charge their own ledger.
+    Returns a function that removes every hook it installed.
     """
     removers = []
     for name, module in model.named_modules():
@@ -65,12 +55,7 @@ def attach(model) -> callable:
 
 
 def after_forward_hook(store: dict, category: str = "activations"):
-    """A forward hook that copies the ledger's per-module *current* bytes into ``store``.
-
-    Installed on the root module, it runs when the whole forward has returned: what each
-    module holds then is what it saved for backward (bytes). ``store`` receives
-    ``{"self": {name: bytes}, "inclusive": {name: bytes}}`` (the last forward's figures).
-    """
+    """A root forward hook copying the per-module current bytes into ``store`` (``{"self", "inclusive"}``)."""
     def hook(_m, _args, _out):
         led = get_ledger()
         store["self"] = {n: c for n, (c, _p) in led.modules(category).items()}
@@ -79,11 +64,7 @@ def after_forward_hook(store: dict, category: str = "activations"):
 
 
 def attention_split(by_module: dict, attn: str) -> tuple[int, int]:
-    """(score/probability bytes, the rest) of attention module ``attn`` from a ``{name: bytes}`` dict.
-
-    Scores are the (b, a, s, s) arrays (``name:scores`` entries under ``attn``); the rest is
-    everything else charged to ``attn`` or a module under it (Q, K, V, the projections' inputs).
-    """
+    """(score/probability bytes, the rest) of attention module ``attn`` from a ``{name: bytes}`` dict."""
     scores = rest = 0
     for name, nbytes in by_module.items():
         if name == attn or name.startswith(attn + ".") or name.startswith(attn + ":"):
@@ -96,14 +77,9 @@ def attention_split(by_module: dict, attn: str) -> tuple[int, int]:
 
 def layer_terms(cfg, seq_len: int, micro_batch: int, recompute: str = "none", tp: int = 1,
                 precision: str | None = None) -> dict[str, list[tuple[str, int]]]:
-    """The formula for one block, grouped by module: ``{module suffix: [(term, bytes on one rank)]}``.
+    """The formula for one block by module: ``{module suffix: [(term, bytes on one rank)]}``, per recompute mode.
 
-    Rows of :func:`~minizero.memory.estimator.saved_per_layer` (``"minizero"``), "tp" rows divided by ``tp``, kept per
-    recompute mode: ``none`` all, ``selective`` all but the attention core, ``full`` the block input only (suffix ``""``).
-    Args:
-        cfg: a GPTConfig; precision: ``"fp32"``/``"fp64"`` (default from ``cfg.dtype``).
-    Raises:
-        ValueError: unknown recompute mode, or a row the mapping does not know.
+    Raises ValueError: unknown recompute mode, or a row the mapping does not know.
     """
     if recompute not in ("none", "full", "selective"):
         raise ValueError(f"recompute {recompute!r} is not one of none, full, selective")
@@ -123,12 +99,7 @@ def layer_terms(cfg, seq_len: int, micro_batch: int, recompute: str = "none", tp
 
 
 def compare_layer(measured: dict, layer: str, terms: dict) -> list[tuple[str, str, int, int]]:
-    """Rows (module, formula terms, formula bytes, ledger bytes) for block ``layer`` (e.g. ``transformer.h.0``).
-
-    ``measured``: ``{module name: bytes}`` self-attributed after forward (:func:`after_forward_hook`);
-    ``terms``: :func:`layer_terms`. Modules the ledger charged that the formula has no row
-    for are listed with formula 0 (so a surplus is visible, never hidden).
-    """
+    """Rows (module, formula terms, formula bytes, ledger bytes) for block ``layer``; unknown modules at formula 0."""
     rows = []
     for suffix, ts in terms.items():
         name = f"{layer}.{suffix}" if suffix and not suffix.startswith(":") else layer + suffix
@@ -158,12 +129,7 @@ def top_modules(peaks: dict, n: int = 8, skip=(OUTSIDE,)) -> list[tuple[str, int
 
 
 def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
-    """Text: per rank, the top ``n`` modules by peak activation bytes (self), and each attention's split.
-
-    ``per_rank``: list (by rank) of ``{module name: peak activation bytes}`` (self attribution).
-    Attention scores (``name:scores``) are listed as their own entries, so the s^2 term is
-    visible beside the rest of its attention module.
-    """
+    """Text: per rank, the top ``n`` modules by peak activation bytes (self), attention scores as their own entries."""
     lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
              "':scores' = (b, a, s, s) arrays)"]
     rows = [", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top_modules(peaks, n))
@@ -177,12 +143,7 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
 
 
 def saved_by_module(model, *inputs) -> dict[str, int]:
-    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self).
-
-    The figures are the ledger's current activation bytes per module when the forward
-    returns (so call it with no other graph alive); the output, and with it the graph,
-    is dropped before returning. Hooks are removed afterwards.
-    """
+    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self), hooks removed."""
     store: dict = {}
     detach = attach(model)
     remove = model.register_forward_hook(after_forward_hook(store))

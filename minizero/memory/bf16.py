@@ -1,11 +1,8 @@
 """BF16 mixed precision (``--precision bf16``): bfloat16 matmuls, FP32 weights, no loss scale.
 
-Rounding: round-to-nearest-even on the uint32 view (``bits += 0x7FFF + ((bits >> 16) & 1)``, keep the top 16
-bits; NaN stays a quiet NaN), integer operations only, so every array module gives the same bits. Recipe:
-``torch.autocast(dtype=torch.bfloat16)``: FP32 parameters and optimizer state; every Linear takes bf16 x and W,
-accumulates in FP32 and returns bf16; backward rounds the incoming gradient and returns bf16 dx, dW, db. Layer
-norm, softmax and the loss stay FP32. A Linear saves x and W for backward as their uint16 bits (2 bytes per
-element in the ledger); other bf16 values live in float32 arrays (4 bytes).
+Rounding: round-to-nearest-even on the uint32 view (``bits += 0x7FFF + ((bits >> 16) & 1)``, top 16 bits; NaN
+stays quiet). Recipe: ``torch.autocast(dtype=torch.bfloat16)``: every Linear takes bf16 x and W, accumulates
+in FP32 and returns bf16; layer norm, softmax and the loss stay FP32.
 """
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ def _flat2d(a):
 class _BF16Linear(Function):
     """y = bf16(bf16(x) bf16(W)^T + b): x (..., in), W (out, in), b (out,) or None, all float32 -> (..., out).
 
-    Saves bf16(x) and bf16(W) as their uint16 bits (2 bytes per element in the ledger).
-    Backward: g rounded to bf16; dx = bf16(g W), dW = bf16(g^T x), db = bf16(sum g).
+    Saves bf16(x) and bf16(W) as uint16 (2 bytes per element). Backward: dx, dW, db rounded to bf16.
     """
 
     @staticmethod

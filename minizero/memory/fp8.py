@@ -1,12 +1,7 @@
 """FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
 
-Every Linear multiplies FP8 operands with FP32 accumulation: x and W cast to E4M3 (max 448), the incoming
-gradient to E5M2 (max 57344), ``q = round(clip(x * s, -max, max)) / s`` with s = max / amax (round to nearest
-even, saturating, NaN kept). ``current`` scaling uses the tensor's amax; ``delayed`` the largest of the last
-``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. The saved x
-and W are their 8-bit codes (1 byte per element in the ledger); other values live in float32 arrays (4 bytes)
-and the matmuls run on the decoded float32 values.
-
+``q = round(clip(x * s, -max, max)) / s``, s = max / amax (``current``) or the largest of the last
+``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights, Adam state and masters stay FP32.
 Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
 from __future__ import annotations
@@ -45,12 +40,7 @@ E5M2 = FP8Format("e5m2", 2, -14, 57344.0)
 
 
 def round_to_fp8(x, fmt: FP8Format):
-    """float32 array -> float32 array of the nearest values of ``fmt`` (ties to even), saturated at +-max.
-
-    The quantum of x is 2^(e - mantissa) with e = max(exponent of x, emin) (subnormals below 2^emin),
-    read from the uint32 view, so the rounding is exact and the same bits on every array module.
-    Raises: TypeError unless ``x`` is float32.
-    """
+    """float32 -> float32 of the nearest values of ``fmt`` (ties to even), saturated at +-max. TypeError unless float32."""
     xp = backend.array_module(x)
     if x.dtype != np.float32:
         raise TypeError(f"round_to_fp8 takes float32, got {x.dtype}")
@@ -94,11 +84,7 @@ def from_fp8_bits(b, fmt: FP8Format):
 
 
 class ScaledCast:
-    """One tensor's FP8 cast with its per-tensor scale (``current`` or ``delayed`` by an amax history).
-
-    ``cast(x)`` returns the dequantised float32 values q / s; ``stats()`` counts, over every cast so far,
-    the elements saturated (|x s| beyond what rounds to max) and underflowed (nonzero x that became 0).
-    """
+    """One tensor's FP8 cast with its per-tensor scale; ``cast(x)`` -> float32 q / s; ``stats()``: saturated, underflowed."""
 
     def __init__(self, fmt: FP8Format, scaling: str):
         if scaling not in SCALINGS:
@@ -142,8 +128,7 @@ class ScaledCast:
 class _FP8Linear(Function):
     """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
 
-    Saves the 8-bit codes of x and W (1 byte per element in the ledger) and their two scales.
-    dx = fp8(g) fp8(W), dW = fp8(g)^T fp8(x), db = sum g.
+    Saves the 8-bit codes of x and W (1 byte per element) and their scales; db = sum g unquantised.
     """
 
     @staticmethod

@@ -1,11 +1,5 @@
 """Live memory monitoring while training runs: per-step timeline, progress text, per-module peaks.
 
-Each rank keeps per step the ledger's bytes per category at the step's peak
-(:attr:`~minizero.ledger.MemoryLedger.window_at_peak`). Every K steps an all-gather of 2 numbers per rank (16
-bytes) gives rank 0 the max over ranks; at the end :func:`gather_timeline` and :func:`gather_module_peaks`
-all-gather every rank's data for :mod:`minizero.memory.plots`. On CuPy :func:`device_pool_bytes` also keeps the
-memory pool's ``used_bytes`` (a lower bound of the peak) and ``total_bytes`` high-water marks.
-
 Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._record_memory_history``).
 """
 from __future__ import annotations
@@ -37,16 +31,9 @@ def device_pool_bytes() -> dict | None:
 class MemoryMonitor:
     """Per-rank memory timeline and per-module attribution of one training run.
 
-    Args:
-        model: the module this rank runs (the GPT, or its pipeline stage); :func:`attach`
-            installs the attribution hooks on it, plus :func:`after_forward_hook` on the root.
-        every: show live figures every ``every`` steps (and at the last step).
-        total: optimizer steps of the run.
-    Attributes:
-        timeline: list (by step) of lists of bytes per category at that step's peak.
-        after_forward: ``{"self": {...}, "inclusive": {...}}`` bytes per module after the last forward.
-        device_pool_peak: ``{"used", "total"}`` high-water bytes of CuPy's pool at step ends, or None
-            off CuPy (see the module docstring).
+    ``every``: live figures every ``every`` steps (and the last); ``total``: optimizer steps.
+    Attributes: timeline (per step, bytes per category at the step's peak); after_forward (bytes per module);
+    device_pool_peak (``{"used", "total"}`` of CuPy's pool, or None).
     """
 
     def __init__(self, model, every: int, total: int):
@@ -67,10 +54,9 @@ class MemoryMonitor:
         get_ledger().start_window()
 
     def end_step(self, comm, step: int) -> str:
-        """Record this step; on every ``every``-th (and the last) step return the live text, else "".
+        """Record this step; every ``every``-th (and the last) step return the live text, else "".
 
-        Collective on those steps (every rank calls it at every step): an all-gather of
-        (current total, peak total) bytes per rank, 16 bytes each.
+        Collective on those steps: an all-gather of (current, peak) bytes, 16 bytes per rank.
         """
         led = get_ledger()
         self.timeline.append([int(led.window_at_peak[c]) for c in CATEGORIES])
@@ -104,11 +90,7 @@ def module_peaks(category: str = "activations") -> dict[str, int]:
 
 
 def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, int]]:
-    """Collective: every rank's :func:`module_peaks`, as a list by rank.
-
-    The dicts travel as UTF-8 JSON padded to the longest one (the lengths go first, in one
-    all-gather of one number per rank; then one all-gather of the padded bytes).
-    """
+    """Collective: every rank's :func:`module_peaks` by rank (two all-gathers: lengths, then padded JSON)."""
     text = json.dumps(module_peaks(category), sort_keys=True).encode()
     with comm.traffic.op("metrics"):
         lengths = backend.to_host(all_gather(comm, backend.to_device(np.array([len(text)], dtype=np.int64))))
@@ -123,15 +105,7 @@ def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top:
                   category_peaks: list[dict] | None = None) -> tuple[list[str], dict]:
     """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib), summary entries.
 
-    Args:
-        out_dir: folder of ``memory.png``, or None to write nothing.
-        timeline: :func:`gather_timeline`'s (ranks, steps, categories) bytes.
-        peaks_by_rank: :func:`gather_module_peaks` (activation bytes per module, per rank).
-        category_peaks: optional per rank ``{category: the ledger's peak bytes}`` for the plot.
-    Returns:
-        (lines to print, ``{"activation_peaks_by_module": [per rank {name: bytes}],
-        "memory_timeline_peak_bytes": [per rank, per step total bytes at the step's peak],
-        "memory_plot": path or None}``).
+    Returns (lines, ``{"activation_peaks_by_module", "memory_timeline_peak_bytes", "memory_plot"}``).
     """
     lines = [format_top_modules(peaks_by_rank, top)]
     path = None

@@ -1,11 +1,7 @@
 """Activation offload: saved activations leave device memory between forward and backward.
 
-``offload_activations(kind)`` is a ``saved_tensors_hooks`` pair: pack moves every saved array (not parameters,
-not arrays under ``min_bytes``) to the host (``cpu``: ledger category ``offloaded``, pinned memory on CuPy) or to
-its own anonymous file in ``offload_dir`` (``nvme``: in no memory; blocks reserved before writing, released on
-close or process death); unpack brings it back to the device. On NumPy, ``cpu`` only moves bytes between
-ledger categories.
-
+A ``saved_tensors_hooks`` pair: pack moves every saved array (not parameters, not under ``min_bytes``) to the
+host (``cpu``: ledger ``offloaded``, pinned on CuPy) or to an anonymous file (``nvme``); unpack brings it back.
 Mirrors: ``torch.autograd.graph.save_on_cpu``; ZeRO-Infinity's NVMe offload (Rajbhandari et al. 2021, section 5).
 """
 from __future__ import annotations
@@ -49,14 +45,8 @@ def _buffer_key(a) -> tuple:
 class ActivationOffload:
     """The pack/unpack pair for one rank; use ``with offloader:`` around the forward pass.
 
-    Args:
-        kind: ``"cpu"`` or ``"nvme"`` (``"none"``: a no-op).
-        offload_dir: directory of the anonymous files (nvme; default: the system temp dir).
-        rank: this rank (in error messages).  min_bytes: smaller arrays stay (default 1 KiB).
-    Attributes:
-        bytes_offloaded: total bytes packed (each buffer once).  saves_shared: saves of an already packed buffer.
-    Raises:
-        ValueError: unknown kind.  OffloadError: see :func:`check_offload_dir`.
+    ``kind``: ``"cpu"``, ``"nvme"`` or ``"none"``; ``min_bytes``: smaller arrays stay (1 KiB).
+    Attributes: bytes_offloaded; saves_shared. Raises ValueError: unknown kind; OffloadError (:func:`check_offload_dir`).
     """
 
     def __init__(self, kind: str = "cpu", offload_dir: str | None = None, rank: int = 0, min_bytes: int = 1024):

@@ -1,9 +1,4 @@
-"""Pictures of where the bytes live: the per-rank memory timeline and the sequence-length sweep.
-
-matplotlib is optional: :func:`have_matplotlib` says whether it can be imported, and the
-callers print one line (``pip install matplotlib``) instead of a picture when it cannot.
-Files are written through :func:`minizero.files.atomic_write` (PNG, 100 dpi).
-"""
+"""Pictures of where the bytes live: the per-rank memory timeline and the sequence-length sweep (matplotlib optional)."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,11 +26,7 @@ def _pyplot():
 
 
 def rank_groups(timeline, peaks=None) -> list[list[int]]:
-    """Ranks whose timelines (and per-category peaks, when given) are equal, in order of their first rank.
-
-    ``timeline``: (ranks, steps, categories) bytes; ``peaks``: per rank ``{category: bytes}``.
-    Eight data-parallel replicas give ``[[0, 1, ..., 7]]``, as the memory summary's ``r0-7`` column.
-    """
+    """Ranks whose timelines (and peaks) are equal, in order of their first rank (eight replicas: ``[[0, ..., 7]]``)."""
     groups: dict[tuple, list[int]] = {}
     for r, rows in enumerate(np.asarray(timeline)):
         key = (rows.tobytes(), None if peaks is None else tuple(peaks[r][c] for c in CATEGORIES))
@@ -64,15 +55,9 @@ def plot_timeline(path: str, timeline, title: str = "", peaks=None) -> None:
 
 
 def timeline_figure(timeline, title: str = "", peaks=None):
-    """A matplotlib Figure, one row per group of equal ranks (:func:`rank_groups`): bytes per category over the steps
-    (stacked, at each step's peak) and each category's peak over the run.
+    """A matplotlib Figure per group of equal ranks: bytes per category over the steps, and each category's peak.
 
-    Args:
-        timeline: (ranks, steps, len(CATEGORIES)) bytes (:func:`minizero.memory.monitor.gather_timeline`).
-        peaks: optional per rank ``{category: peak bytes}``; default: the largest value in ``timeline``.
-    Raises:
-        ImportError: matplotlib missing (check :func:`have_matplotlib` first).
-        ValueError: ``timeline`` is not 3-D with len(CATEGORIES) columns.
+    ``timeline``: (ranks, steps, len(CATEGORIES)) bytes. Raises ImportError: no matplotlib; ValueError: bad shape.
     """
     t = np.asarray(timeline, dtype=np.float64)
     if t.ndim != 3 or t.shape[2] != len(CATEGORIES):
@@ -119,17 +104,10 @@ def timeline_figure(timeline, title: str = "", peaks=None):
 
 def plot_seq_sweep(path: str, seq_lens, measured: dict, formula: dict, split: dict | None = None,
                    title: str = "") -> None:
-    """Write a PNG: saved activation bytes per layer against sequence length s (log-log).
+    """Write a PNG of saved activation bytes per layer against s (log-log); ``split`` drawn dashed.
 
-    Args:
-        seq_lens: the s values. measured, formula: ``{label: [bytes per layer, one per s]}``
-            (ledger points and the formula's curve, e.g. one label per recompute mode).
-        split: optional ``{label: [bytes, one per s]}`` drawn dashed (e.g. the a*s^2*b term
-            alone), to show where the quadratic attention term takes over.
-    Raises:
-        ImportError: matplotlib missing.
-    Source: Korthikanti et al. 2022, section 4.1 (sbh(34 + 5as/h)): linear in s below
-        s ~ h/a, quadratic above.
+    ``measured``, ``formula``: ``{label: [bytes per layer, one per s]}``. Raises ImportError: no matplotlib.
+    Source: Korthikanti et al. 2022, section 4.1 (sbh(34 + 5as/h)).
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))

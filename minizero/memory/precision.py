@@ -1,12 +1,7 @@
 """FP16 mixed precision: half-precision model, FP32 master weights, dynamic loss scaling.
 
-FP16 parameters and gradients, FP32 master weights and Adam state: 2 + 2 + 12 = 16 bytes per parameter (ZeRO
-section 3.1). The loss is multiplied by S before backward; gradients are divided by S before clipping; a step
-with inf/NaN on any rank is skipped and S multiplied by ``backoff_factor`` (0.5); after ``growth_interval``
-(2000) clean steps S is multiplied by ``growth_factor`` (2); S starts at 2^16 (``torch.amp.GradScaler``'s
-defaults; ``hysteresis`` and ``min_scale`` reproduce DeepSpeed's ``DynamicLossScaler``). At ``min_scale`` it
-warns, and after ``max_skips_at_min`` (10) consecutive skips raises :class:`LossScaleError`.
-
+2 + 2 + 12 = 16 bytes per parameter (ZeRO section 3.1). Defaults are ``torch.amp.GradScaler``'s;
+``hysteresis`` and ``min_scale`` reproduce DeepSpeed's ``DynamicLossScaler``.
 Source: Micikevicius et al., "Mixed Precision Training", 2018, section 3.2.
 """
 from __future__ import annotations
@@ -29,16 +24,9 @@ class LossScaleError(FloatingPointError):
 class DynamicLossScaler:
     """The loss scale S and its update rule; one per training job, identical on every rank.
 
-    Args:
-        init_scale: starting S (default 2^16).
-        growth_factor, backoff_factor: S *= growth after ``growth_interval`` clean steps; S *= backoff on overflow.
-        growth_interval: clean steps before growing (PyTorch 2000, DeepSpeed 1000).
-        hysteresis: overflows tolerated before S is lowered (PyTorch 1, DeepSpeed 2); refilled when S grows.
-        min_scale: S never goes below this.
-        max_skips_at_min: consecutive skips at ``min_scale`` before :meth:`update` raises :class:`LossScaleError`.
-    Attributes: ``scale`` (float), ``skipped`` (total skipped steps), ``consecutive_skips``.
-    Raises:
-        ValueError: a factor or count out of range (named).
+    S starts at ``init_scale`` (2^16), *= ``backoff_factor`` after ``hysteresis`` overflows, *= ``growth_factor``
+    after ``growth_interval`` clean steps, never below ``min_scale``. Attributes: scale, skipped, consecutive_skips.
+    Raises ValueError: a factor or count out of range (named).
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
@@ -61,11 +49,7 @@ class DynamicLossScaler:
         self._skips_at_min = 0
 
     def update(self, overflow: bool) -> bool:
-        """Record one step's outcome; returns True when the step must be skipped.
-
-        Raises:
-            LossScaleError: ``max_skips_at_min`` consecutive overflows at the minimum scale.
-        """
+        """Record one step's outcome; True: skip it. Raises LossScaleError: ``max_skips_at_min`` skips at the minimum."""
         if not overflow:
             self.consecutive_skips = 0
             self._skips_at_min = 0

@@ -1,11 +1,6 @@
 """Activation recompute (gradient checkpointing): keep a segment's inputs, redo its forward in backward.
 
-``checkpoint(fn, *inputs)`` is one autograd Function: forward runs ``fn`` under ``no_grad`` and saves only
-``inputs`` (``ctx.save_for_backward``); backward restores the dropout generator's state, re-runs ``fn`` with the
-tape on and back-propagates (float64 results bitwise equal). ``apply_recompute(model, mode, every)`` puts a
-:class:`CheckpointWrapper` in place of every ``every``-th block (``full``) or of its ``attn.core``
-(``selective``); the wrapper shares the inner module's parameter names.
-
+Backward restores the dropout generator's state and re-runs the segment (float64 bitwise equal).
 Mirrors: ``torch.utils.checkpoint.checkpoint``; Chen et al. 2016; selective recompute, Korthikanti et al.,
 arXiv:2205.05198, section 5.
 """
@@ -19,12 +14,7 @@ MODES = ("none", "full", "selective")
 
 
 class Checkpoint(Function):
-    """forward: run ``run_fn`` without recording, save only the inputs; backward: recompute, then backprop.
-
-    Inputs: ``run_fn`` (callable Tensors -> one Tensor) followed by the input
-    arrays; output: ``run_fn``'s output array. Saves the inputs (and the
-    dropout generator's state, a few bytes).
-    """
+    """forward: run ``run_fn`` without recording, save only the inputs (and the generator state); backward: recompute."""
 
     @staticmethod
     def forward(ctx, run_fn, *arrays):
@@ -52,17 +42,10 @@ class Checkpoint(Function):
 
 
 def checkpoint(fn, *inputs: Tensor) -> Tensor:
-    """Run ``fn(*inputs)`` keeping only ``inputs`` for backward; recompute ``fn`` in backward.
+    """Run ``fn(*inputs)`` keeping only ``inputs`` (Tensors) for backward; recompute ``fn`` in backward.
 
-    Args:
-        fn: callable taking Tensors and returning one Tensor. Parameters it
-            uses must be leaves (module parameters); it must not close over
-            other Tensors that require grad (their gradient would be lost).
-        inputs: Tensors, e.g. x (B, T, C) for a transformer block.
-    Returns:
-        ``fn(*inputs)``, with a graph node whose backward recomputes ``fn``.
-    Raises:
-        TypeError: an input is not a Tensor, or ``fn`` does not return one Tensor.
+    ``fn`` returns one Tensor and must not close over other Tensors that require grad.
+    Raises TypeError: an input is not a Tensor, or ``fn`` does not return one Tensor.
     """
     for i, t in enumerate(inputs):
         if not isinstance(t, Tensor):
@@ -71,13 +54,9 @@ def checkpoint(fn, *inputs: Tensor) -> Tensor:
 
 
 class CheckpointWrapper(Module):
-    """A module that runs ``checkpoint(inner, *tensors)``: ``inner``'s output, its intermediates recomputed in backward.
+    """A module running ``checkpoint(inner, *tensors)``; shares ``inner``'s parameter names (no ``inner.`` prefix).
 
-    Args:
-        inner: the Module to recompute (a Block, or an attention core ``core(q, k, v, dropout)``; non-Tensor
-            arguments pass through unsaved).
-    Shares ``inner``'s ``_parameters`` and ``_modules`` (same dotted names, no ``inner.`` prefix); other attributes
-    read and write through to ``inner``. Hooks on the wrapper run around the checkpointed call, not on recompute.
+    Hooks on the wrapper run around the checkpointed call, not on recompute.
     """
 
     def __init__(self, inner: Module):
@@ -114,19 +93,10 @@ class CheckpointWrapper(Module):
 
 
 def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
-    """Install recompute on a GPT's blocks, in place; returns the names of what is recomputed.
+    """Put a :class:`CheckpointWrapper` around every ``every``-th block (``"full"``) or its ``attn.core`` (``"selective"``).
 
-    Args:
-        model: a :class:`minizero.nn.GPT`, a pipeline stage or an interleaved stage
-            (anything with ``transformer["h"]`` blocks having an ``attn.core``; an
-            interleaved stage's ``chunks`` hold the same blocks and get the same wrappers).
-        mode: ``"none"``, ``"full"`` (every ``every``-th block, counting from
-            block 0) or ``"selective"`` (the attention core of every
-            ``every``-th block).
-        every: K >= 1.
-    Raises:
-        ValueError: unknown mode or ``every`` < 1 (the value and what is allowed), or
-            recompute already applied (the block named); raised before any change.
+    In place on a GPT or (interleaved) stage; returns what is recomputed. Raises ValueError (before any change):
+    unknown mode, ``every`` < 1, or recompute already applied.
     """
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {MODES}")

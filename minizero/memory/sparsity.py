@@ -1,29 +1,9 @@
 """Magnitude pruning to a target sparsity, and training with the mask held fixed.
 
-Pruning sets the weights of smallest magnitude to zero (Han, Pool, Tran & Dally 2015,
-"Learning both Weights and Connections", arXiv:1506.02626, section 3; Zhu & Gupta 2017,
-arXiv:1710.01878, for the "target sparsity" framing):
-
-* ``scope="layer"``: every weight matrix loses the same fraction, its own smallest |w|;
-* ``scope="global"``: one threshold over all of them, so layers with many small weights
-  lose more (Frankle & Carbin 2019 prune globally in their larger networks).
-
-Exactly ``round(sparsity * n)`` entries go (ties broken by position), so the reported sparsity
-is the real one. What is pruned: the weight matrices of the linear layers (the tied LM head
-is the token embedding, and embeddings, norms and biases stay dense — the usual choice).
-
-Training sparse: the mask is fixed; every step the gradients of pruned entries are zeroed
-before clipping and the optimizer, and the pruned weights are set back to zero after the
-update (Adam's momentum from before pruning, and weight decay, would otherwise move them).
-
-Memory, honestly: a pruned matrix stored densely in NumPy takes exactly as many bytes as
-before — zeros are stored too. Savings need a compressed format, and its index overhead
-eats into them (:func:`compressed_nbytes`): CSR pays 4 bytes of column index per kept FP32
-value (break-even at 50% sparsity), a bitmap pays 1 bit per element. The mask itself is kept
-as a bitmap (``np.packbits``' layout, 1 bit per element) and counted as ``parameters`` in the ledger.
-
-Where it runs: ranking, masking, packing and unpacking all run on the device (``backend.xp``);
-a checkpoint copies the packed bitmaps to and from the host explicitly.
+Exactly ``round(sparsity * n)`` of the linear layers' weights of smallest |w| go, per matrix (``"layer"``) or
+under one threshold (``"global"``); pruned gradients are zeroed before clipping, pruned weights after the
+update. Masks are bitmaps (1 bit per element, ``parameters``). Sources: Han et al. 2015, arXiv:1506.02626,
+section 3; Zhu & Gupta 2017, arXiv:1710.01878.
 """
 from __future__ import annotations
 
@@ -82,17 +62,9 @@ def unpackbits(packed, n: int):
 
 
 def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> dict:
-    """Keep-masks that prune ``sparsity`` of the entries with the smallest |w|.
+    """Keep-masks ``{name: bool of the weight's shape}`` pruning ``sparsity`` of the entries with the smallest |w|.
 
-    Args:
-        weights: ``{name: array}`` (any shapes, any float dtype; host or device).
-        sparsity: fraction to prune, in [0, 1).
-        scope: ``"global"`` (one ranking over all arrays) or ``"layer"`` (each array alone).
-    Returns:
-        ``{name: bool array of the weight's shape}``, True = kept. Exactly
-        ``round(sparsity * n)`` False entries per array (layer) or in total (global).
-    Raises:
-        ValueError: sparsity outside [0, 1), unknown scope, non-finite weights.
+    ``scope``: ``"global"`` or ``"layer"``. Raises ValueError: sparsity outside [0, 1), unknown scope, non-finite.
     """
     _check(sparsity, scope)
     mags = {k: abs(w.astype(np.float64)).reshape(-1) for k, w in weights.items()}
@@ -113,12 +85,7 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
 
 
 def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
-    """Bytes of one pruned matrix (bool keep-``mask``, 2-D (rows, cols)) in three layouts.
-
-    Returns ``{"nnz", "dense", "csr", "bitmap"}``: dense = n * value_bytes (what NumPy keeps);
-    CSR = nnz * (value_bytes + index_bytes) + (rows + 1) * index_bytes (scipy.sparse.csr_matrix
-    with int32 indices); bitmap = ceil(n / 8) + nnz * value_bytes.
-    """
+    """Bytes ``{"nnz", "dense", "csr", "bitmap"}`` of a 2-D pruned matrix (int32 CSR indices, bitmap 1 bit per element)."""
     mask = mask if hasattr(mask, "dtype") else np.asarray(mask, bool)
     rows = mask.shape[0] if mask.ndim >= 1 else 1
     n, nnz = mask.size, int(backend.host_scalar(mask.sum()))
@@ -127,21 +94,13 @@ def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
 
 
 class Pruner:
-    """Fixed pruning masks for a model, and the three things sparse training does with them.
-
-    Args:
-        model: the model (its prunable weights: :func:`prunable_weights`).
-        sparsity, scope: as :func:`magnitude_masks`, applied to the weights as they are now
-            (full weights on every rank: under ZeRO-3 build it inside ``opt.full_parameters()``).
-    Use, every optimizer step (the trainer's ``--prune-sparsity``)::
+    """Fixed pruning masks for a model's :func:`prunable_weights` (full weights: under ZeRO-3 inside ``full_parameters()``)::
 
         pruner.prune_(opt)             # once: zero the pruned weights
-        pruner.mask_gradients_(opt)    # after the gradient all-reduce / reduce-scatter, before clipping
+        pruner.mask_gradients_(opt)    # after the gradient reduction, before clipping
         pruner.mask_weights_(opt)      # after opt.step()
 
-    ``opt`` is the optimizer (AdamW, Adam8bit, or a ZeRO optimizer: what it holds, through its
-    ``views(which)``) or None (the model's weights and their ``.grad``).
-    Memory: masks packed 1 bit per element, counted as ``parameters``.
+    ``opt``: any optimizer (through its ``views(which)``) or None (the model's weights).
     """
 
     def __init__(self, model, sparsity: float, scope: str = "global"):

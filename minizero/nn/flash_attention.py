@@ -1,11 +1,7 @@
 """Memory-efficient attention: the FlashAttention recurrence on one device (``--attention flash``).
 
-Blocks of ``block`` rows; per query block an online softmax over key blocks j <= i (running max, sum,
-unnormalised output); backward recomputes P = exp(S - L) per block. Saves q, k, v, O (B, H, T, D) and the row
-log-sum-exp L (B, H, T) in at least float32; no (T, T) array. Dropout reads the dense core's mask
-(``reserve_mask``), bit for bit. :func:`online_softmax_step` and :func:`attention_block_grads` are shared with
-ring attention.
-
+Per query block an online softmax over key blocks j <= i; backward recomputes P = exp(S - L) per block. Saves
+q, k, v, O (B, H, T, D) and L (B, H, T) in at least float32, no (T, T) array; dropout reads the dense core's mask.
 Source: Dao et al., arXiv:2205.14135; FlashAttention-2, arXiv:2307.08691, algorithms 1 and 2.
 """
 from __future__ import annotations
@@ -30,11 +26,10 @@ def block_scores(q, k, scale: float, mask=None):
 
 
 def online_softmax_step(m, l, o, s, v, keep=None, keep_scale: float = 1.0):
-    """One key/value block of the online softmax: (m, l, o) -> (m', l', o'); see the module docstring.
+    """One key/value block of the online softmax: (m, l, o) -> (m', l', o').
 
-    m, l: (..., n) running row maximum and sum of exp(S - m); o: (..., n, D) unnormalised output;
-    s: (..., n, k) scores of the block; v: (..., k, D); keep: (..., n, k) bool dropout mask or None.
-    Every row must keep at least one score of the block (no row of s all -inf).
+    m, l (..., n): running row max and sum of exp(S - m); o (..., n, D); s (..., n, k); v (..., k, D);
+    keep (..., n, k) bool or None. No row of s may be all -inf.
     """
     xp = backend.xp
     m_new = xp.maximum(m, s.max(axis=-1))
@@ -47,10 +42,9 @@ def online_softmax_step(m, l, o, s, v, keep=None, keep_scale: float = 1.0):
 
 
 def attention_block_grads(q, k, v, g, lse, dsum, scale: float, mask=None, keep=None, keep_scale: float = 1.0):
-    """One block's share of the backward: (dq, dk, dv) contributions, from P = exp(S - L) recomputed.
+    """One block's (dq, dk, dv) contributions from P = exp(S - L) recomputed.
 
-    q, g: (..., n, D) and lse, dsum: (..., n) for the query block; k, v: (..., m, D) for the key block;
-    mask: (n, m) bool (causal) or None; keep: (..., n, m) bool dropout mask or None.
+    q, g (..., n, D), lse, dsum (..., n); k, v (..., m, D); mask (n, m) bool or None; keep (..., n, m) or None.
     """
     xp = backend.xp
     p = xp.exp(mm(q, k.swapaxes(-1, -2)) * scale - lse[..., None])
@@ -74,8 +68,7 @@ def _upcast(x, acc):
 class _FlashAttention(Function):
     """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v by blocks. q, k, v (B, H, T, D) -> (B, H, T, D).
 
-    ``drop``: a :class:`~minizero.autograd.rng.MaskStream` of the (B, H, T, T) keep mask, or None.
-    Computes in at least float32; saves q, k, v, O and L (B, H, T).
+    ``drop``: a ``MaskStream`` of the (B, H, T, T) keep mask, or None. Saves q, k, v, O and L (B, H, T).
     """
 
     @staticmethod
@@ -148,10 +141,9 @@ def check_block(block) -> int:
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, block: int, dropout=None) -> Tensor:
-    """Causal attention by blocks of ``block`` rows; equal to the dense core (same dropout mask).
+    """Causal attention by blocks of ``block`` rows, equal to the dense core: (B, H, T, D) -> (B, H, T, D).
 
-    q, k, v: (B, H, T, D) -> (B, H, T, D). ``dropout``: the attention's dropout module (its
-    ``reserve_mask``), or None. Raises: ValueError for a block that is not a positive integer.
+    ``dropout``: the attention's dropout module, or None. Raises ValueError: ``block`` not a positive integer.
     """
     check_block(block)
     drop = dropout.reserve_mask((q.shape[0], q.shape[1], q.shape[2], k.shape[2])) if dropout is not None else None
@@ -170,11 +162,7 @@ class FlashAttentionCore(Module):
 
 
 def use_flash_attention(stage, block: int) -> list[str]:
-    """Make every transformer block's ``attn.core`` a :class:`FlashAttentionCore` (in place); returns their names.
-
-    ``stage``: a GPT, a pipeline stage, or an interleaved stage (each of its ``chunks``). Call it before
-    recompute and context parallelism wrap or replace the cores.
-    """
+    """Make every block's ``attn.core`` a :class:`FlashAttentionCore` (before recompute, CP); returns the names."""
     check_block(block)
     done = []
     for part in getattr(stage, "chunks", [stage]):

@@ -2,8 +2,7 @@
 
 idx (B, T) int -> wte (V, C) + wpe (T_max, C) -> drop -> h.0 .. h.{L-1} (x + attn(ln_1(x)); x + mlp(ln_2(x)))
 -> ln_f -> lm_head (tied to wte) -> logits (B, T, V). attn: c_attn (C -> 3C), H heads of D = C/H, the
-``attn.core`` (causal softmax, dropout, @ v), c_proj; mlp: c_fc (C -> 4C), GELU (tanh), c_proj. ``state_dict()``
-names and shapes are nanoGPT's (Linear weights (out, in)). Init: :mod:`minizero.nn.init`.
+``attn.core`` (causal softmax, dropout, @ v), c_proj; mlp: c_fc (C -> 4C), GELU (tanh), c_proj.
 """
 from __future__ import annotations
 
@@ -67,11 +66,7 @@ PRESETS = {
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """A preset with fields replaced, validated.
-
-    Raises:
-        ValueError: unknown preset name (allowed names listed) or bad field.
-    """
+    """A preset with fields replaced, validated. Raises ValueError: unknown preset (allowed listed) or bad field."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; allowed: {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}).validate()
@@ -80,9 +75,7 @@ def get_config(name: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(Module):
     """Multi-head causal self-attention. x (B, T, C) -> (B, T, C).
 
-    Saved for backward per block (what the ledger counts): c_attn input, q/k/v
-    head views, the (B, H, T, T) probabilities (and dropout mask), the c_proj
-    input.
+    Saves per block: c_attn input, q/k/v views, the (B, H, T, T) probabilities (and dropout mask), c_proj input.
     """
 
     def __init__(self, cfg: GPTConfig, rng):
@@ -105,21 +98,12 @@ class CausalSelfAttention(Module):
         return self.resid_dropout(self.c_proj(y))
 
     def attention_core(self, q, k, v):
-        """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D).
-
-        Selective recompute wraps ``self.core`` to checkpoint exactly this part
-        (Korthikanti et al. 2022, section 5). The tensor-parallel attention inherits it.
-        """
+        """``self.core(q, k, v, self.attn_dropout)``: (B, H, T, D) each -> (B, H, T, D)."""
         return self.core(q, k, v, self.attn_dropout)
 
 
 class DenseAttentionCore(Module):
-    """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. q, k, v (B, H, T, D) -> (B, H, T, D); no parameters.
-
-    q is scaled by 1/sqrt(D) *before* the product, as PyTorch's
-    ``scaled_dot_product_attention`` does: in float16 the product q k^T can overflow
-    (|q k^T| > 65504) where (q / sqrt(D)) k^T does not.
-    """
+    """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. q, k, v (B, H, T, D) -> (B, H, T, D); q scaled first."""
 
     def forward(self, q, k, v, dropout):
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -159,12 +143,7 @@ class Block(Module):
 class GPT(Module):
     """The decoder. ``model(idx)`` -> logits (B, T, V); ``model(idx, targets)`` -> (logits, mean loss).
 
-    Args:
-        cfg: a validated :class:`GPTConfig`.
-        seed: seed of the init generators (same seed -> same weights on every
-            rank and in every dtype: init draws in float64, then casts).
-        meta: build 0-byte meta parameters only (shapes and dtypes; every ``p.init`` set):
-            a layout keeps its slice and draws just that (:func:`minizero.nn.init.materialize_`).
+    ``seed``: the init generators' seed (same weights on every rank and dtype); ``meta``: 0-byte meta parameters.
     """
 
     def __init__(self, cfg: GPTConfig, seed: int = 0, meta: bool = False):
@@ -187,11 +166,7 @@ class GPT(Module):
             materialize_(self, get_ledger())
 
     def forward(self, idx, targets=None):
-        """idx: (B, T) integer array, T <= block_size; targets: (B, T) integers or None.
-
-        Raises:
-            ValueError: T > block_size, or token ids outside [0, vocab_size).
-        """
+        """idx: (B, T) ints, T <= block_size; targets (B, T) or None. Raises ValueError: T too long, ids out of range."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         b, t = idx.shape
         cfg = self.config
@@ -210,11 +185,7 @@ class GPT(Module):
         return logits, loss
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
-        """Sample ``max_new_tokens`` continuations (no grad). idx: (B, T) ints -> (B, T + new).
-
-        Uses the last ``block_size`` tokens as context and ``rng`` (a NumPy
-        Generator) for sampling; temperature 0 means greedy.
-        """
+        """Sample ``max_new_tokens`` tokens (no grad; temperature 0: greedy): (B, T) ints -> (B, T + new)."""
         rng = rng if rng is not None else np.random.default_rng(0)
         idx = np.asarray(backend.to_host(idx))
         was_training = self.training

@@ -1,12 +1,8 @@
 """Parameter initialisation that can produce any slice of any parameter without the rest.
 
-Every parameter's initial value is a pure function of ``(seed, nanoGPT name, full shape)``: row r is drawn by
-``Philox(key = blake2b(seed, name), counter = [0, 0, r, 0])`` as N(0, std^2) in float64 and cast, so every
-layout starts from the same bits. ``GPT(cfg, seed, meta=True)`` builds 0-byte meta parameters;
-``attach_inits`` records each one's :class:`ParamInit`; ``materialize_`` fills them (ZeRO-3: only its flat
-piece). Rules (GPT-2): 2-D weights N(0, 0.02^2), ``c_proj.weight`` N(0, (0.02/sqrt(2L))^2), layer-norm weights
-1, biases 0.
-
+Row r of a parameter is drawn by ``Philox(key = blake2b(seed, name), counter = [0, 0, r, 0])`` as N(0, std^2)
+in float64, then cast, so every layout starts from the same bits. Rules (GPT-2): 2-D weights N(0, 0.02^2),
+``c_proj.weight`` N(0, (0.02/sqrt(2L))^2), layer-norm weights 1, biases 0.
 Mirrors: Megatron-LM ``_initialize_affine_weight_cpu``; PyTorch's meta device; NumPy's ``Philox``.
 """
 from __future__ import annotations
@@ -37,11 +33,7 @@ def _meta_zero(xp, dtype):
 
 
 def meta(shape, dtype):
-    """A 0-byte array of ``shape`` and ``dtype`` (every element the one shared zero): a shape holder.
-
-    Not read-only on CuPy (its broadcast views are writeable and it has no ``flags.writeable``):
-    never write into one. :func:`is_meta` knows it by its base, the shared zero.
-    """
+    """A 0-byte array of ``shape`` and ``dtype`` (a broadcast of one shared zero): never write into one."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     xp = backend.xp
     return xp.broadcast_to(_meta_zero(xp, dtype), shape)
@@ -95,12 +87,7 @@ def _full_coord(c, n: int, stride: int, index: int, parts: int):
 
 @dataclasses.dataclass(frozen=True)
 class ParamInit:
-    """How to draw any flat piece of one (possibly tensor-parallel) parameter shard.
-
-    ``name``: the nanoGPT name of the whole parameter; ``shape``: its full shape; ``rule``:
-    from :func:`rule`; ``tp``: None, or (dim, stride, index, parts) as ``shard_array`` cut it;
-    ``dtype``: the parameter dtype; ``seed``: the init seed.
-    """
+    """How to draw any flat piece of one parameter shard (``name``, full ``shape``, ``rule``, ``tp``, ...)."""
 
     seed: int
     name: str
@@ -117,11 +104,7 @@ class ParamInit:
         return tuple(s)
 
     def flat(self, lo: int, hi: int):
-        """Elements ``[lo, hi)`` of this shard laid flat: (hi - lo,) of ``dtype``, on the device.
-
-        Memory: the piece plus the rows it touches (for a column shard each touched row is drawn
-        whole, one row at a time). Raises ValueError when [lo, hi) is outside the shard.
-        """
+        """Elements ``[lo, hi)`` of this shard laid flat, (hi - lo,) ``dtype`` on the device; ValueError outside."""
         local = self.local_shape
         size = int(np.prod(local))
         if not 0 <= lo <= hi <= size:
@@ -145,12 +128,7 @@ class ParamInit:
 
 
 def attach_inits(module, seed: int, n_layer: int, tp_rank: int = 0, tp: int = 1) -> None:
-    """Set ``p.init`` (:class:`ParamInit`) on every parameter of ``module`` (a GPT or a stage of it).
-
-    Names are the module's (nanoGPT's); the last stage's copy of the tied head (``shared_embedding_copy``)
-    draws as ``transformer.wte.weight``. A parameter marked ``tensor_model_parallel`` is the
-    (partition_dim, partition_stride, tp_rank, tp) shard of the full one.
-    """
+    """Set ``p.init`` on every parameter of ``module``; ``tensor_model_parallel`` ones as their shard."""
     for name, p in module.named_parameters():
         split = None
         if getattr(p, "tensor_model_parallel", False):
@@ -163,10 +141,9 @@ def attach_inits(module, seed: int, n_layer: int, tp_rank: int = 0, tp: int = 1)
 
 
 def materialize_(module, ledger=None) -> None:
-    """Replace every meta parameter of ``module`` by its drawn values, one parameter at a time.
+    """Replace every meta parameter of ``module`` by its drawn values (``ledger``: tracked as ``parameters``).
 
-    Needs :func:`attach_inits` first. With ``ledger``, each new array is tracked as ``parameters``.
-    Raises AttributeError when a meta parameter has no ``init``.
+    Raises AttributeError: a meta parameter without ``init``.
     """
     for _, p in module.named_parameters():
         if is_meta(p.data):

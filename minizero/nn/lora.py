@@ -1,9 +1,6 @@
 """LoRA adapters on a frozen base, and QLoRA's NF4 base.
 
-``y = base(x) + (alpha / r) * (x A^T) B^T``, A (r, in), B (out, r) zero-initialised; base a frozen Linear or an
-NF4Linear. :func:`add_lora` assigns :class:`LoRALinear` children and freezes every other parameter;
-:func:`merged_state_dict` folds W + (alpha/r) B A into the plain model's names.
-
+``y = base(x) + (alpha / r) * (x A^T) B^T``, A (r, in), B (out, r) zero-initialised.
 Sources: Hu et al., arXiv:2106.09685, section 4.1; Dettmers et al., arXiv:2305.14314, section 3.
 """
 from __future__ import annotations
@@ -20,11 +17,9 @@ TARGETS = ("c_attn", "c_proj", "c_fc")  #: the projections a GPT block has (attn
 
 
 class NF4Linear(Module):
-    """y = x W~^T + b, W~ the NF4 weight dequantized in every forward (to ``dtype``); no weight gradient.
+    """y = x W~^T + b, W~ the NF4 weight dequantized per forward: x (..., in) -> (..., out); no weight gradient.
 
-    Args: linear: the :class:`Linear` to store (its weight becomes an :class:`~minizero.nf4.NF4Tensor`,
-    counted as ``parameters`` in the ledger at its NF4 bytes; its bias stays, frozen); dtype: the compute dtype.
-    Shapes: x (..., in) -> (..., out).
+    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen.
     """
 
     def __init__(self, linear: Linear, dtype: str = "float32"):
@@ -41,13 +36,9 @@ class NF4Linear(Module):
 
 
 class LoRALinear(Module):
-    """``base(x) + scale * (x A^T) B^T`` with scale = alpha / r; only A and B are trained.
+    """``base(x) + (alpha / r) * (x A^T) B^T``; A (r, in) ~ N(0, 1/r), B (out, r) = 0; only A and B train.
 
-    Args:
-        base: a frozen :class:`Linear` or :class:`NF4Linear` of shape (out, in).
-        r: adapter rank >= 1; alpha: scale numerator > 0; rng: numpy Generator drawing A.
-    A (r, in) ~ N(0, 1/r) (Hu et al.: Gaussian), B (out, r) = 0, so the model starts as the base.
-    Raises: ValueError for r < 1 or alpha <= 0.
+    Raises ValueError: r < 1 or alpha <= 0.
     """
 
     def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
@@ -68,11 +59,9 @@ class LoRALinear(Module):
 
 
 def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0) -> list:
-    """Freeze ``model`` and put a :class:`LoRALinear` on every Linear whose name ends in one of ``targets``.
+    """Freeze ``model`` and put a :class:`LoRALinear` on every Linear named ``*targets`` (not the tied head).
 
-    ``base``: "nf4" (QLoRA: the base weight stored as NF4) or "float" (LoRA on the float weight).
-    The tied LM head is left alone (its matrix is the embedding's). Returns the adapted names.
-    Raises: ValueError for an unknown base or targets matching no Linear.
+    ``base``: "nf4" or "float". Returns the names. Raises ValueError: unknown base, or no Linear matched.
     """
     if base not in ("nf4", "float"):
         raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")

@@ -1,14 +1,7 @@
 """``Module`` and the basic layers: Linear, LayerNorm, Embedding, Dropout, containers.
 
-A Module owns Parameters and sub-Modules (found by attribute assignment, as in
-PyTorch), names them with dotted paths, and runs forward hooks around
-``forward``. The hooks are the seam ZeRO-3 uses to gather a layer's shards
-before it runs and free them after.
-
-Mirrors ``torch.nn.Module``: ``parameters``, ``named_parameters`` (shared
-parameters listed once), ``state_dict`` (shared parameters under every name,
-as PyTorch does for a tied LM head), ``load_state_dict``, ``train``/``eval``,
-``register_forward_pre_hook``/``register_forward_hook``.
+Mirrors ``torch.nn.Module``: ``named_parameters`` (shared ones once), ``state_dict`` (shared ones under every
+name), ``load_state_dict``, ``train``/``eval``, forward pre- and post-hooks.
 """
 from __future__ import annotations
 
@@ -24,11 +17,7 @@ from minizero.nn.init import META, is_meta, meta
 
 
 class Parameter(Tensor):
-    """A leaf Tensor that requires grad and is counted as ``parameters`` in the ledger.
-
-    Args:
-        data: array of any shape (float dtype).
-    """
+    """A leaf Tensor (any shape, float) that requires grad, counted as ``parameters`` in the ledger."""
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
@@ -40,11 +29,7 @@ class Parameter(Tensor):
 
 
 class Module:
-    """Base class for layers and models.
-
-    Subclasses set Parameters and Modules as attributes in ``__init__`` and
-    write ``forward``; calling the module runs pre-hooks, forward, post-hooks.
-    """
+    """Base class for layers and models: Parameters and Modules set as attributes; calls run pre-hooks, forward, hooks."""
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
@@ -99,11 +84,9 @@ class Module:
         return OrderedDict((name, backend.to_host(p.data).copy()) for name, p in self._named_parameters_all())
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Copy arrays into the parameters (in place, keeping dtype).
+        """Copy arrays into the parameters in place, keeping dtype.
 
-        Raises:
-            KeyError: ``strict`` and names missing or unexpected (both listed).
-            ValueError: a shape differs (name and both shapes given).
+        Raises KeyError: ``strict`` and names missing or unexpected; ValueError: a shape differs.
         """
         own = dict(self._named_parameters_all())
         missing = sorted(set(own) - set(state))
@@ -195,15 +178,8 @@ class ModuleDict(Module):
 class Linear(Module):
     """y = x W^T + b. W: (out_features, in_features), b: (out_features,).
 
-    Args:
-        in_features, out_features: sizes.
-        bias: include b.
-        dtype: parameter dtype. rng: generator for the N(0, std^2) init, or ``nn.init.META``
-            for 0-byte meta parameters (W and b; nn/init.py draws them later).
-        std: init standard deviation of W (GPT-2: 0.02); b starts at 0.
-        weight: an existing Parameter (out, in) to share instead of a new one.
-    Raises:
-        ValueError: ``weight`` of the wrong shape.
+    ``rng``: generator for W ~ N(0, std^2) (b = 0), or ``nn.init.META``; ``weight``: an existing (out, in) Parameter.
+    Raises ValueError: ``weight`` of the wrong shape.
     """
 
     def __init__(self, in_features, out_features, bias=True, dtype="float32", rng=None, std=0.02, weight=None):

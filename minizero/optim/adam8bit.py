@@ -1,14 +1,9 @@
 """8-bit Adam: Adam's m and v kept as 8-bit codes with one FP32 absmax per block.
 
-Blocks of ``block_size`` (256) laid on each parameter from its first element; m with the signed dynamic code, v
-with the unsigned one (``code="linear"`` for comparison); parameters under ``min_8bit_size`` (4096) elements keep
-m and v in the state dtype. Step: dequantize, :func:`adamw_update` in the state dtype, requantize. State bytes
-per parameter: 2 + 8/B (FP32 Adam: 8). :class:`ShardedAdam8bit` (ZeRO 1-3) shards the codes element for element;
-ranks sharing a block agree on its absmax with one all-reduce of partial maxima, so codes equal one process's
-bit for bit. Everything lives on ``backend.xp``; :meth:`Adam8bit.state_dict` returns host copies.
-
-Source: Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861, sections 2.1-2.2;
-bitsandbytes' ``Adam8bit``/``AdamW8bit``.
+Blocks of ``block_size`` (256) from each parameter's first element; m with the signed dynamic code, v the
+unsigned one; parameters under ``min_8bit_size`` (4096) elements keep full state. State bytes per parameter:
+2 + 8/B (FP32 Adam: 8). :class:`ShardedAdam8bit` (ZeRO 1-3) equals one process's codes bit for bit.
+Source: Dettmers et al., arXiv:2110.02861, sections 2.1-2.2; bitsandbytes' ``Adam8bit``/``AdamW8bit``.
 """
 from __future__ import annotations
 
@@ -30,10 +25,9 @@ CODES = ("dynamic", "linear")
 
 
 def make_codes(code: str = "dynamic", device: bool = True):
-    """``(signed code for m, unsigned code for v)``, each float32 (256,), copied to the device once
-    (``device=False``: host arrays, for reading a checkpoint's codes on the host).
+    """``(signed code for m, unsigned code for v)``, float32 (256,) each, on the device (``device=False``: host).
 
-    Raises ValueError for an unknown name.
+    Raises ValueError: unknown ``code``.
     """
     if code == "dynamic":
         books = dynamic_code(signed=True), dynamic_code(signed=False)
@@ -45,14 +39,9 @@ def make_codes(code: str = "dynamic", device: bool = True):
 
 
 class QuantizedState:
-    """One flat optimizer-state array in 8 bits: ``codes`` uint8 (n,) + ``absmax`` float32 (blocks,).
+    """One flat optimizer-state array in 8 bits: ``codes`` uint8 (n,) + ``absmax`` float32 (blocks,), zero at start.
 
-    Args:
-        n: elements. code: the 256-value code book (sorted float32).
-        block_size: B. offset: position of element 0 in its parameter (blocks are
-            ``[k*B, (k+1)*B)`` of the parameter; a slice starting at ``offset`` % B != 0
-            begins inside a block).
-    Starts at zero (code of 0, absmax 0). ``nbytes`` = n + 4 * blocks.
+    ``offset``: position of element 0 in its parameter (blocks are ``[k*B, (k+1)*B)`` of the parameter).
     """
 
     def __init__(self, n: int, code, block_size: int = BLOCK_SIZE, offset: int = 0):
@@ -90,10 +79,7 @@ def _flat(a, what):
 
 def adam8bit_begin(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_scale: float = 1.0):
-    """First half of :func:`adam8bit_update`: dequantize, AdamW step on ``p``; returns the new (m, v) as floats (n,).
-
-    ``m``, ``v``: :class:`QuantizedState`. Finish with :func:`adam8bit_finish`.
-    """
+    """First half of :func:`adam8bit_update`: dequantize, AdamW step on ``p``; returns the new (m, v) as floats (n,)."""
     sd = state_dtype(p.dtype)
     mf, vf = m.dequantize(sd), v.dequantize(sd)
     adamw_update(_flat(p, "p"), g.reshape(-1), mf, vf, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
@@ -110,17 +96,9 @@ def adam8bit_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float
                     weight_decay: float, grad_scale: float = 1.0) -> None:
     """One AdamW step with 8-bit state, in place on ``p``, ``m`` and ``v`` (mirrors :func:`adamw_update`).
 
-    Args:
-        p: parameter values (any shape, C-contiguous), updated in place.
-        g: gradient, same number of elements.
-        m, v: :class:`QuantizedState` (n = p.size; m with the signed code, v the unsigned),
-            or float arrays of p's shape, in which case this *is* :func:`adamw_update` (the
-            FP32 state of tensors under ``min_8bit_size``).
-        step, lr, beta1, beta2, eps, weight_decay, grad_scale: as :func:`adamw_update`.
-    Arithmetic: m and v are dequantized to the state dtype (float32; float64 for float64
-    parameters), the AdamW update runs on them, and they are requantized per block.
-    Raises:
-        ValueError: ``p`` not C-contiguous; non-finite m or v (a non-finite gradient).
+    ``m``, ``v``: :class:`QuantizedState` (dequantized to the state dtype, updated, requantized per block),
+    or float arrays of p's shape (then this is :func:`adamw_update`). Other arguments as :func:`adamw_update`.
+    Raises ValueError: ``p`` not C-contiguous; non-finite m or v.
     """
     if not isinstance(m, QuantizedState):
         adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
@@ -130,12 +108,7 @@ def adam8bit_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float
 
 
 def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset: int = 0):
-    """``(m, v)`` for a parameter, or the slice of it starting at element ``offset``, of shape ``shape_or_n``.
-
-    8-bit (:class:`QuantizedState`, codes = (signed, unsigned)) when ``eight_bit``, else
-    zeros in :func:`state_dtype` of ``dtype``. Each array is registered as
-    ``optimizer_state`` in the ledger.
-    """
+    """``(m, v)`` for a parameter (or its slice from ``offset``): 8-bit if ``eight_bit``, else zeros."""
     ledger = get_ledger()
     if eight_bit:
         n = shape_or_n if isinstance(shape_or_n, int) else math.prod(shape_or_n)
@@ -153,11 +126,7 @@ def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset
 
 def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
                  min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """Bytes of 8-bit Adam state for parameters of ``numels`` elements (one process).
-
-    ``2n + 8 * ceil(n / B)`` per tensor with n >= ``min_8bit_size``, else ``2 n * itemsize``
-    of the state dtype (8n for float32 parameters).
-    """
+    """Bytes of 8-bit Adam state: ``2n + 8 * ceil(n / B)`` per tensor (n >= ``min_8bit_size``), else ``2 n * itemsize``."""
     small = state_dtype(param_dtype).itemsize * 2
     return int(sum(2 * n + 8 * -(-n // block_size) if n >= min_8bit_size else small * n for n in numels))
 
@@ -165,15 +134,9 @@ def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
 class Adam8bit(Optimizer):
     """AdamW with 8-bit block-wise state; a drop-in for :class:`~minizero.optim.AdamW`.
 
-    Args:
-        params, lr, betas, eps, weight_decay: as AdamW.
-        block_size: elements per FP32 absmax (default 256).  min_8bit_size: smaller tensors keep full state (4096).
-        code: ``"dynamic"`` (default) or ``"linear"``.
-        fp32_params: parameters whose state stays full precision (bitsandbytes' ``override_config``).
-        master_weights: keep and update an FP32 copy of every parameter (``optimizer_state``).
-    State: ``m``/``v`` per parameter (``optimizer_state``); :meth:`state_nbytes`.
-    Raises:
-        ValueError: a hyper-parameter out of range (named).
+    Args: as AdamW, plus block_size (default 256), min_8bit_size (4096), code (``"dynamic"`` or ``"linear"``),
+    fp32_params (full-precision state: bitsandbytes' ``override_config``), master_weights (FP32 copies).
+    Raises ValueError: a hyper-parameter out of range (named).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE,
@@ -232,14 +195,10 @@ class Adam8bit(Optimizer):
 
 
 class ShardedAdam8bit:
-    """The 8-bit Adam state of one rank's ZeRO shards, and its update.
+    """The 8-bit Adam state of one rank's ZeRO shards (``shard_map``), and its update.
 
-    Args:
-        shard_map: the ZeRO ``ShardMap``.  comm: the data-parallel communicator.
-        dtype: parameter dtype.  block_size, min_8bit_size, code: as :class:`Adam8bit`.
-        fp32_names: parameters (by ``ShardMap`` name) whose state stays full precision.
-    Each piece's blocks start at the parameter's first element; blocks held by several ranks (:attr:`shared`) agree
-    on their absmax in :meth:`step_unit` with one all-reduce (label ``"adam8bit_absmax"``, float32, N x shared x 2).
+    Blocks held by several ranks (:attr:`shared`) agree on their absmax in :meth:`step_unit` with one float32
+    all-reduce (``"adam8bit_absmax"``). ``fp32_names``: parameters whose state stays full precision.
     """
 
     def __init__(self, shard_map, comm, dtype, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE,
@@ -268,13 +227,10 @@ class ShardedAdam8bit:
 
     def step_unit(self, unit: int, param_shard, grad_shard, step: int, lr: float, beta1: float, beta2: float,
                   eps: float, weight_decay: float, grad_scale: float = 1.0) -> None:
-        """AdamW with 8-bit state on this rank's shard of ``unit`` (flat (S,) arrays, updated in place).
+        """AdamW with 8-bit state on this rank's (S,) shard of ``unit``, in place; decay on 2-D+ parameters only.
 
-        Weight decay on pieces of 2-D+ parameters only (nanoGPT grouping). Collective when the
-        unit has shared blocks (every rank calls it for every unit, in the same order).
-        Transient memory: the unit's owned m and v in the state dtype while it is updated (the
-        cut blocks need every piece's new absmax before any is requantized); bitsandbytes keeps
-        one block at a time in registers.
+        Collective when the unit has shared blocks (every rank, every unit, same order). Transient: the unit's m and v
+        in the state dtype.
         """
         b = self.block_size
         shared = self.shared[unit]

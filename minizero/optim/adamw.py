@@ -1,15 +1,8 @@
 """AdamW, the learning-rate schedule and global-norm gradient clipping.
 
-The update is written once, as :func:`adamw_update` on flat arrays, so that
-every optimizer layout (one array per parameter here; one flat shard per rank
-under ZeRO) runs the same arithmetic.
-
-Sources: Adam (Kingma & Ba 2015, Algorithm 1), decoupled weight decay
-(Loshchilov & Hutter 2019, Algorithm 2), as implemented by ``torch.optim.AdamW``
-(decay applied as ``p -= lr * wd * p`` before the Adam step); parameter
-grouping from nanoGPT (decay 2-D weights, not biases/norms);
-warmup + cosine schedule (Loshchilov & Hutter 2017; nanoGPT's shape, with a
-warmup that differs from recent nanoGPT by one step: see :func:`cosine_lr`).
+:func:`adamw_update` is written once on flat arrays, for every optimizer layout (whole parameters; ZeRO shards).
+Sources: Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter 2019, Algorithm 2, as ``torch.optim.AdamW``
+(``p -= lr * wd * p`` before the Adam step); nanoGPT's grouping (decay 2-D weights) and warmup + cosine.
 """
 from __future__ import annotations
 
@@ -24,20 +17,10 @@ from minizero.optim.state_store import OptimizerStateStore
 
 def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, grad_scale: float = 1.0) -> None:
-    """One AdamW step, in place on ``p``, ``m`` and ``v``.
+    """One AdamW step, in place on ``p``, ``m`` and ``v`` (``m``, ``v``: the state dtype, p's shape).
 
-    Args:
-        p: parameter values (any shape), updated in place. Any float dtype;
-            the arithmetic runs in the dtype of ``m``. With mixed precision this
-            is the FP32 master copy.
-        g: gradient, same shape as ``p`` (any float dtype; widened to ``m``'s).
-        grad_scale: the gradient used is ``g * grad_scale``, computed after
-            widening (mixed precision folds 1/loss-scale and the clipping
-            coefficient in here, so FP16 gradients are never scaled in FP16).
-        m, v: first and second moment, same shape, the state dtype (float32,
-            or float64 when training in float64).
-        step: 1-based optimizer step count t (for the bias corrections).
-        lr, beta1, beta2, eps, weight_decay: hyper-parameters.
+    ``p`` (any float dtype; the FP32 master under mixed precision) and ``g`` (p's shape) are widened to ``m``'s
+    dtype; the gradient used is ``g * grad_scale`` (1/loss-scale and clipping folded in). ``step``: 1-based t.
     """
     gs = g.astype(m.dtype, copy=False)
     if grad_scale != 1.0:
@@ -68,23 +51,11 @@ def state_dtype(param_dtype) -> np.dtype:
 
 
 class AdamW(Optimizer):
-    """AdamW over a list of Parameters with nanoGPT's weight-decay grouping.
+    """AdamW over a list of Parameters with nanoGPT's weight-decay grouping; ``grad is None`` skipped, as PyTorch.
 
-    Args:
-        params: list of Parameters (each must have ``.grad`` at ``step``; a
-            parameter whose grad is None is skipped, as in PyTorch).
-        lr, betas, eps, weight_decay: hyper-parameters (``lr`` may be changed
-            per step through ``set_lr``).
-        master_weights: keep an FP32 copy of every parameter; the update runs
-            on it and the parameter (FP16) receives the rounded result
-            (Micikevicius et al. 2018, section 3.1).
-        store: a :class:`~minizero.optim.state_store.OptimizerStateStore` deciding
-            where m, v and the masters live (device, host, NVMe); default device.
-    State: ``m`` and ``v`` per parameter, in :func:`state_dtype`, counted as
-    ``optimizer_state`` in the ledger (8 bytes per float32 parameter), plus the
-    masters (4 bytes per parameter) with ``master_weights``.
-    Raises:
-        ValueError: a hyper-parameter out of range (named).
+    ``master_weights``: update an FP32 copy, the parameter gets the rounded result (Micikevicius et al. 2018, 3.1).
+    ``store``: where m, v and masters live (default device). State: ``optimizer_state``, 8 bytes per float32
+    parameter (+4 with masters). Raises ValueError: a hyper-parameter out of range (named).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False,
@@ -117,18 +88,7 @@ class AdamW(Optimizer):
 
 
 def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) -> float:
-    """Learning rate at optimizer step ``step`` (0-based).
-
-    Linear warmup from max_lr/warmup to max_lr over ``warmup`` steps, then cosine
-    decay to ``min_lr`` at ``total`` steps, constant after.
-
-    The warmup is ``max_lr * (step + 1) / warmup``: step ``warmup - 1`` already runs at
-    ``max_lr``. Recent nanoGPT's ``get_lr`` uses ``learning_rate * (it + 1) / (warmup_iters + 1)``,
-    which is lower at every warmup step (``max_lr * warmup / (warmup + 1)`` at the last) and
-    reaches ``max_lr`` only at ``it == warmup_iters``, where its cosine starts; the cosine part
-    is the same. So the two schedules differ only during warmup, by the factor
-    ``warmup / (warmup + 1)``.
-    """
+    """Learning rate at 0-based ``step``: ``max_lr * (step + 1) / warmup``, then cosine to ``min_lr`` at ``total``."""
     if step < warmup:
         return max_lr * (step + 1) / warmup
     if step >= total:
@@ -147,26 +107,17 @@ def global_grad_norm_sq(grads) -> float:
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
-    """The factor global-norm clipping multiplies gradients by: min(1, max_norm / (norm + 1e-6)).
-
-    ``max_norm`` <= 0 or inf disables clipping (factor 1). Mirrors ``torch.nn.utils.clip_grad_norm_``.
-    """
+    """min(1, max_norm / (norm + 1e-6)); 1 when ``max_norm`` <= 0 or inf (``torch.nn.utils.clip_grad_norm_``)."""
     if max_norm > 0 and math.isfinite(max_norm):
         return min(1.0, max_norm / (norm + 1e-6))
     return 1.0
 
 
 def clip_grad_norm_(params, max_norm: float, norm_sq: float | None = None) -> float:
-    """Scale gradients in place so their global L2 norm is at most ``max_norm``.
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
-    Args:
-        params: Parameters (None grads skipped).
-        max_norm: threshold; ``<= 0`` or inf disables clipping (norm still returned).
-        norm_sq: the squared global norm if already known (e.g. summed across
-            shards by ZeRO); computed from ``params`` otherwise.
-    Returns:
-        The total norm before clipping.
-    Mirrors ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6)).
+    ``max_norm`` <= 0 or inf: no clipping. ``norm_sq``: the squared norm if known (ZeRO). Mirrors
+    ``torch.nn.utils.clip_grad_norm_``.
     """
     if norm_sq is None:
         norm_sq = global_grad_norm_sq(p.grad for p in params)

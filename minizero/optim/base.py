@@ -1,11 +1,7 @@
 """The optimizer interface AdamW and 8-bit Adam share (PyTorch's ``torch.optim.Optimizer`` shape).
 
-An :class:`Optimizer` holds a list of Parameters and per-parameter state; the training
-loop calls ``set_lr`` then ``step(grad_scale)`` then ``zero_grad``. Subclasses write one
-method, :meth:`Optimizer._update`: the update of parameter i from its gradient.
-Weight decay follows nanoGPT's grouping (2-D and larger tensors decay; biases, layer
-norms do not), and a parameter whose ``.grad`` is None is skipped entirely — no decay,
-no moment update — as PyTorch's AdamW skips ``p.grad is None``.
+Subclasses write :meth:`Optimizer._update`; decay follows nanoGPT's grouping; a parameter whose ``.grad``
+is None is skipped entirely, as PyTorch's AdamW.
 """
 from __future__ import annotations
 
@@ -13,13 +9,8 @@ from __future__ import annotations
 class Optimizer:
     """Base of :class:`~minizero.optim.AdamW` and :class:`~minizero.optim.adam8bit.Adam8bit`.
 
-    Args:
-        params: iterable of Parameters.  lr: learning rate (>= 0).  betas: (beta1, beta2) in [0, 1).
-        eps: > 0.  weight_decay: decoupled decay (>= 0), applied where :meth:`decays` says.
-    Attributes:
-        step_count: updates applied so far (Adam's t).
-    Raises:
-        ValueError: a hyper-parameter out of range (the message names the class and the values).
+    Args: lr >= 0; betas in [0, 1); eps > 0; weight_decay >= 0. Attributes: step_count (Adam's t).
+    Raises ValueError: a hyper-parameter out of range (naming the class and values).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
@@ -74,11 +65,7 @@ class Optimizer:
 
 
 def whole_views(params, which: str, masters=None):
-    """``(param, 0, param.size, array)`` for each of ``params`` holding ``which``: "param" (``p.data``),
-    "grad" (``p.grad``, if any), "master" (``masters[i]``, if any).
-
-    Raises: ValueError for another ``which``.
-    """
+    """``(param, 0, param.size, array)`` per param holding ``which`` ("param", "grad", "master"); else ValueError."""
     if which not in ("param", "grad", "master"):
         raise ValueError(f"which={which!r}; allowed: 'param', 'grad', 'master'")
     for i, p in enumerate(params):

@@ -1,11 +1,4 @@
-"""The optimizer-state store: where an optimizer keeps its FP32 state and runs its update.
-
-The seam between an optimizer (AdamW, ZeRO's sharded AdamW) and optimizer offload:
-the optimizer asks the store for state arrays (``empty``/``copy_of``) and hands it the
-gradients (``to_store``); the store decides whether they live on the device, in host
-memory (ZeRO-Offload) or in files (ZeRO-Infinity's NVMe tier). It lives in ``optim/``
-because optimizers use it; ``memory/offload.py`` (activation offload) re-exports it.
-"""
+"""The optimizer-state store: where an optimizer keeps its FP32 state and runs its update (the offload seam)."""
 from __future__ import annotations
 
 import errno
@@ -26,11 +19,7 @@ class OffloadError(OSError):
 
 
 def check_offload_dir(path: str, need_bytes: int = 0) -> None:
-    """Fail early: ``path`` must be a writable directory with at least ``need_bytes`` free.
-
-    Raises:
-        OffloadError: missing, not a directory, not writable, or too little space (numbers given).
-    """
+    """Fail early unless ``path`` is a writable directory with ``need_bytes`` free. Raises OffloadError (numbers given)."""
     if not os.path.isdir(path):
         raise OffloadError(errno.ENOENT, f"offload folder {path!r} is not an existing directory")
     try:
@@ -49,12 +38,7 @@ RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 def ram_backed(path: str, mounts: str = "/proc/mounts") -> str | None:
-    """The file-system type of ``path`` when it keeps files in RAM (tmpfs, ramfs), else None.
-
-    Longest-prefix match of ``realpath(path)`` against the mount points in ``mounts``
-    (Linux's ``/proc/mounts``, as ``findmnt -T`` does); None where that file is missing
-    (macOS, Windows). Never raises for a missing ``mounts`` file.
-    """
+    """The file-system type of ``path`` when it keeps files in RAM (tmpfs, ramfs) per ``mounts``, else None; never raises."""
     try:
         with open(mounts) as f:
             rows = [line.split() for line in f]
@@ -73,14 +57,9 @@ def ram_backed(path: str, mounts: str = "/proc/mounts") -> str | None:
 
 
 def reserve(f, nbytes: int, folder: str, what: str) -> None:
-    """Allocate ``nbytes`` of disk blocks for the open file ``f`` now (``posix_fallocate``).
+    """Allocate ``nbytes`` of disk blocks for ``f`` now (``posix_fallocate``; ``truncate`` on macOS).
 
-    A file that is only *sized* (``truncate``) has no blocks; memory-mapping it and
-    writing the pages later dies of SIGBUS when the disk is full. Reserving up front turns
-    that into this exception, before any work. Falls back to ``truncate`` where
-    ``posix_fallocate`` does not exist (macOS).
-    Raises:
-        OffloadError: ENOSPC or another OS error, naming ``folder``, bytes needed and bytes free.
+    Raises OffloadError: ENOSPC or another OS error, naming ``folder``, bytes needed and bytes free.
     """
     try:
         if hasattr(os, "posix_fallocate"):
@@ -99,16 +78,9 @@ def reserve(f, nbytes: int, folder: str, what: str) -> None:
 class OptimizerStateStore:
     """Where an optimizer keeps its FP32 state (master weights, Adam m and v) and runs its update.
 
-    ``none``: device memory (ledger ``optimizer_state``). ``cpu``: host memory (ledger ``offloaded``, pinned on
-    CuPy); the update runs in NumPy on host copies of the gradients and is copied back (ZeRO-Offload, section 4).
-    ``nvme``: each array an ``np.memmap`` over an anonymous file in ``offload_dir`` (``disk_bytes``; its touched
-    pages still count in RSS; :func:`ram_backed` tells a RAM-backed folder), disk space reserved at creation
-    (ZeRO-Infinity, section 5).
-
-    Args:
-        kind: ``"none"``, ``"cpu"`` or ``"nvme"``.  offload_dir: for nvme (default: temp dir).
-    Raises:
-        ValueError: unknown kind.  OffloadError: unusable directory, or a write that fails.
+    ``kind``: ``"none"`` (device, ``optimizer_state``); ``"cpu"`` (host, ``offloaded``; update in NumPy,
+    ZeRO-Offload section 4); ``"nvme"`` (``np.memmap`` in ``offload_dir``, ZeRO-Infinity section 5).
+    Raises ValueError: unknown kind; OffloadError: unusable directory, or a write that fails.
     """
 
     def __init__(self, kind: str = "none", offload_dir: str | None = None):

@@ -1,16 +1,9 @@
 """Context parallelism: causal attention over a sequence split across c ranks, by ring attention.
 
-Each rank of a context group holds chunks i and 2c-1-i of the 2c equal chunks (load balance under the causal
-mask); q, k, v: (b, H, 2n, D), n = s/(2c). The key/value blocks travel the ring by ``sendrecv``; the softmax
-is accumulated online (row maximum, sum, unnormalised output), so a step holds a (2n, 2n) score block, never
-(s, s). Backward is FlashAttention's blockwise backward; each block's dK, dV travel with it and reach home after
-c sends. Traffic per rank and call: forward 2(c-1) * b*H*2n*D*itemsize bytes; backward see :func:`ring_bytes`.
-
-:func:`context_parallelize` splits the token ids and targets (a forward pre-hook), looks up global positions
-and sets every block's ``attn.core`` to :func:`ring_attention`; the gradient is averaged over the dp*c ranks.
-Preconditions (checked by :mod:`minizero.layout_checks`): no dropout, T divisible by 2c, and with sequence
-parallelism T/c divisible by tp.
-
+Rank i of the context group holds chunks i and 2c-1-i of 2c (causal load balance); q, k, v: (b, H, 2n, D),
+n = s/(2c). Key/value blocks travel the ring by ``sendrecv`` with an online softmax (a step holds a (2n, 2n)
+score block, never (s, s)); backward is FlashAttention's blockwise backward, dK, dV travelling with their block.
+Preconditions (:mod:`minizero.layout_checks`): no dropout, 2c divides T, tp divides T/c under sequence parallelism.
 Sources: Liu et al., "Ring Attention", arXiv:2310.01889; Dao et al., FlashAttention, algorithm 4;
 Megatron-LM's context parallelism (chunk pairing, the "dp-cp" group).
 """
@@ -36,11 +29,7 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 
 
 def split_for_context_parallel(x, rank: int, cp: int, axis: int):
-    """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (a new array).
-
-    Raises:
-        ValueError: 2 cp does not divide ``x.shape[axis]``.
-    """
+    """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (new). Raises ValueError: 2 cp does not divide it."""
     xp, s = backend.xp, x.shape[axis]
     if s % (2 * cp):
         raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
@@ -61,10 +50,9 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call, {"forward", "backward"}: a block is (b, h, s/cp, d) x ``itemsize``;
-    forward (cp-1) passes of (k, v); backward (cp-1) passes of (k, v, dk, dv) and one more of (dk, dv)
-    that brings every gradient block home. 0 and 0 for cp = 1. (The planner's estimator models the same
-    figure; tests/test_context_parallel.py checks both against the traffic ledger.)
+    """Bytes one rank sends per call, {"forward", "backward"}, for (b, h, s/cp, d) blocks of ``itemsize``.
+
+    Forward: (cp-1) passes of (k, v); backward: (cp-1) of (k, v, dk, dv) and one more of (dk, dv). 0 for cp = 1.
     """
     if cp == 1:
         return {"forward": 0, "backward": 0}
@@ -110,11 +98,10 @@ def _ring_pass(comm, arrays):
 
 # --------------------------------------------------------------------------- the autograd Function
 class _RingAttention(Function):
-    """softmax(q k^T scale, causal) v over the context group; see the module docstring.
+    """softmax(q k^T scale, causal) v over the context group. q, k, v (b, H, 2n, D) -> out (b, H, 2n, D).
 
-    Shapes: q, k, v (b, H, 2n, D), this rank's chunks (rank, 2c-1-rank) -> out (b, H, 2n, D).
-    Saves q, k, v, out and the row log-sum-exp (b, H, 2n) (in at least float32).
-    Collectives: forward c-1 ring passes of (k, v); backward c-1 of (k, v) and c of (dk, dv).
+    Saves q, k, v, out and the row log-sum-exp (b, H, 2n) (at least float32).
+    Forward: c-1 ring passes of (k, v); backward: c-1 of (k, v) and c of (dk, dv).
     """
 
     @staticmethod
@@ -167,24 +154,17 @@ class _RingAttention(Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
-    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
-
-    forward: k, v blocks around the ring, online softmax; backward: k, v and their gradients around the ring.
-    """
+    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D)."""
     return _RingAttention.apply(q, k, v, comm)
 
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
-    """Split a pipeline stage's sequence over the context group ``comm``, in place; returns the converted names.
+    """Split a stage's sequence over the context group ``comm``, in place; returns the converted names (no-op for c = 1).
 
-    ``stage``: a :class:`~minizero.parallel.pipeline.PipelineStage` or an
-    :class:`~minizero.parallel.interleaved.InterleavedStage` (each chunk converted). Forward pre-hooks keep this
-    rank's chunks of the token ids (b, T) -> (b, 2n) and targets and look up ``wpe``'s global positions;
-    ``sequence_shards`` is multiplied by c; every ``attn.core`` becomes a :class:`RingAttentionCore` (composes with
-    selective recompute in either order), or with ``attention="ulysses"`` a
-    :class:`~minizero.parallel.ulysses.UlyssesAttentionCore` around the block's own core. No-op for c = 1.
-    Raises: ValueError for another ``attention`` than "ring" or "ulysses".
+    Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; every
+    ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``.
+    Raises ValueError: ``attention`` not "ring" or "ulysses".
     """
     if attention not in CP_ATTENTIONS:
         raise ValueError(f"unknown context-parallel attention {attention!r}; allowed: {CP_ATTENTIONS}")

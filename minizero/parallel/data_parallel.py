@@ -1,11 +1,8 @@
 """Data parallelism: every rank holds the whole model, gradients are averaged with all-reduce.
 
-Gradients are packed into flat buckets of at most ``bucket_bytes`` (reverse parameter order; ledger
-``comm_buffers``), each summed by one ring all-reduce once per optimizer step (after the last micro-batch), then
-divided by N.
-
-Mirrors: ``torch.nn.parallel.DistributedDataParallel`` (bucket_cap_mb, reverse order, rank 0's initial
-parameters); Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
+Gradients go in flat buckets of at most ``bucket_bytes`` (reverse parameter order, ledger ``comm_buffers``),
+each summed by one all-reduce per optimizer step, then divided by N.
+Mirrors: PyTorch ``DistributedDataParallel``; Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
 """
 from __future__ import annotations
 
@@ -35,16 +32,13 @@ class DataParallel:
     """Gradient averaging over a data-parallel communicator.
 
     Args:
-        params: list of Parameters (the same list, same order, on every rank).
-        comm: the data-parallel Communicator (world_size N).
-        bucket_bytes: maximum bytes per flat bucket (a larger parameter gets its own). Default 1 MiB.
-        native: use the MPI library's all-reduce.  broadcast_params: copy rank 0's parameters at construction.
-        allreduce: optional ``allreduce(flat, out=flat)`` summing a bucket in place; None: the ring.
-        find_unused_parameters: agree each step on the parameters some rank used (one all-gather of a
-            ceil(P/8)-byte bitmask); False assumes every rank runs the same graph.
+        params: the same Parameters in the same order on every rank.  comm: the data group (N ranks).
+        bucket_bytes: most bytes per bucket (a larger parameter gets its own; default 1 MiB).
+        native: the library's all-reduce.  broadcast_params: copy rank 0's parameters at construction.
+        allreduce: ``allreduce(flat, out=flat)`` summing in place; None: the ring.
+        find_unused_parameters: agree each step on the used parameters (all-gather of a ceil(P/8)-byte mask).
         predivided: gradients already carry the 1/N; the reduction is a plain sum.
-    Raises:
-        ValueError: ``bucket_bytes`` < 1.
+    Raises ValueError: ``bucket_bytes`` < 1.
     """
 
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
@@ -107,17 +101,10 @@ class DataParallel:
                     p.grad[...] = g
 
     def allreduce_gradients(self) -> None:
-        """Average every parameter's ``.grad`` across the group, bucket by bucket.
+        """Average every parameter's ``.grad`` across the group, bucket by bucket: 2(N-1)/N of the gradient bytes sent.
 
-        A rank without a gradient for a parameter (``.grad is None``: a data-dependent graph
-        skipped it there) contributes zeros; after the reduction every rank holds the average
-        wherever *some* rank had a gradient, and ``.grad = None`` where none had, so the
-        optimizer skips the same parameters everywhere (no weight decay, no moment update, as
-        PyTorch's AdamW skips ``grad is None``) and the replicas stay bitwise equal. The
-        agreement is one all-gather of a bitmask (:meth:`agree_on_used`, PyTorch DDP's
-        ``find_unused_parameters=True``), counted as ``used_parameters`` and not in :attr:`bytes_sent`. Bytes sent per rank for the gradients: 2(N-1)/N of the gradient bytes
-        (ring all-reduce). float16 buckets are divided by N before the sum (PyTorch DDP's
-        pre-division), wider ones after (:func:`~minizero.comm.collectives.divide_before_sum`).
+        A parameter no rank has a gradient for stays ``None`` everywhere; one some rank lacks counts zeros there
+        (the mask's all-gather is labelled ``used_parameters``). float16 is divided before the sum, wider after.
         """
         n = self.comm.world_size
         if n == 1:

@@ -1,11 +1,6 @@
 """Interleaved 1F1B: each rank holds v non-adjacent chunks of layers (virtual stage c*p + r is chunk c of rank r).
 
-:class:`InterleavedStage` is this rank's v chunks as one Module with the whole model's parameter names, so the
-strategy, ZeRO, recompute and :func:`~minizero.parallel.three_d.gather_full_model` use it as any stage.
-:class:`~minizero.parallel.pipeline.PipelineEngine` runs it; messages carry one tag per direction and sends are
-non-blocking (``comm.isend``), as p = 2 makes both ranks send to each other at once. Bubble (p-1)/(v m) of the
-ideal time, at v times the pipeline messages.
-
+Sends are non-blocking (``comm.isend``); bubble (p-1)/(v m) of the ideal time at v times the messages.
 Source: Narayanan et al., arXiv:2104.04473, section 2.2.2, figure 4; Megatron-LM
 ``forward_backward_pipelining_with_interleaving``.
 """
@@ -32,14 +27,10 @@ def rank_of_layer(n_layer: int, pp: int, v: int, layer: int, v_shape: bool = Fal
 
 
 class InterleavedStage(Module):
-    """Rank ``rank``'s v chunks of a GPT (virtual stages rank, p + rank, ...), as one Module.
+    """Rank ``rank``'s v chunks of a GPT (virtual stages rank, p + rank, ...), as one Module with the model's names.
 
-    Args:
-        model: a built GPT; chunks: its v :class:`PipelineStage` s of p*v virtual stages, in
-            chunk order (already tensor-, vocabulary- and sequence-parallel as wanted).
-    Attributes as :class:`PipelineStage`: ``stage`` (the rank), ``num_stages`` (p), ``is_first``
-    (holds the embedding), ``is_last`` (holds the head), ``config``, ``layers``; plus ``chunks``,
-    ``virtual_stages`` (v) and ``v_shape`` (chunks placed in a V, as ZB-V does, not round robin).
+    ``chunks``: its v :class:`PipelineStage` s, in chunk order. Attributes as :class:`PipelineStage`, plus
+    ``chunks``, ``virtual_stages`` (v) and ``v_shape`` (chunks placed in a V, as ZB-V).
     """
 
     def __init__(self, chunks: list, num_stages: int, v_shape: bool = False):
@@ -75,11 +66,7 @@ class InterleavedStage(Module):
 
 
 def interleave(model, rank: int, pp: int, v: int, v_shape: bool = False) -> list:
-    """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank`` (:func:`virtual_stages_of`).
-
-    Each chunk's ``prev_rank`` / ``next_rank`` is the rank of virtual stage k-1 / k+1 (None past
-    an end; the rank itself where the V turns, at rank pp-1).
-    """
+    """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank``, each with ``prev_rank``/``next_rank``."""
     ks = virtual_stages_of(rank, pp, v, v_shape)
     chunks = [PipelineStage(model, k, len(ks) * pp) for k in ks]
     for k, chunk in zip(ks, chunks):
@@ -89,10 +76,9 @@ def interleave(model, rank: int, pp: int, v: int, v_shape: bool = False) -> list
 
 
 def tie_ends(chunks: list) -> None:
-    """In a V rank 0 holds both ends: its last chunk's head takes the first chunk's embedding Parameter.
+    """In a V rank 0 holds both ends: its last chunk's head takes the first chunk's embedding Parameter (tied).
 
-    The head is then tied as in one process (one Parameter, both gradients summed by autograd),
-    not a copy kept equal by an all-reduce. Call after tensor/vocabulary splitting and ``attach_inits``.
+    Call after tensor/vocabulary splitting and ``attach_inits``.
     """
     if len(chunks) > 1 and chunks[0].is_first and chunks[-1].is_last:
         chunks[-1].lm_head.weight = chunks[0].transformer["wte"].weight

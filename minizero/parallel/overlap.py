@@ -1,12 +1,7 @@
-"""Data-parallel gradient all-reduce overlapped with backward (PyTorch DDP's Reducer).
+"""Data-parallel gradient all-reduce overlapped with backward (PyTorch DDP's Reducer and ``no_sync``).
 
-Buckets are :class:`~minizero.parallel.data_parallel.DataParallel`'s. A post-accumulate-grad hook per
-parameter submits a bucket's ring all-reduce (:class:`~minizero.comm.nonblocking.RingCollective`) to a
-:class:`~minizero.comm.nonblocking.Stream`, in bucket order, once its last parameter fires on the step's last
-micro-batch; every hook calls ``progress()``. :meth:`finish` launches skipped buckets, waits, agrees on the
-parameters used, divides and copies back: bitwise the blocking path's result.
-
-Mirrors: ``torch.nn.parallel.DistributedDataParallel``'s Reducer and ``no_sync``.
+A post-accumulate-grad hook submits a bucket's :class:`~minizero.comm.nonblocking.RingCollective` to a
+``Stream`` once its last parameter fires on the step's last micro-batch; bitwise the blocking path's result.
 """
 from __future__ import annotations
 
@@ -28,13 +23,9 @@ def can_overlap(dp) -> bool:
 class OverlappedReducer:
     """Launch each bucket's all-reduce from the hook of its last gradient; :meth:`finish` before the step.
 
-    Args:
-        dp: the :class:`~minizero.parallel.data_parallel.DataParallel` whose buckets to reduce
-            (its ``predivided`` flag and ``bytes_sent`` counter are used and updated).
-        defer: parameters whose gradient changes after backward (the tied embedding's, summed over
-            the first and last stage first): their buckets start in :meth:`finish`.
-    Raises:
-        ValueError: :func:`can_overlap` is False for ``dp``.
+    ``dp``: the DataParallel whose buckets to reduce; ``defer``: parameters whose gradient changes after
+    backward (the tied embedding's): their buckets start in :meth:`finish`.
+    Raises ValueError: :func:`can_overlap` is False for ``dp``.
     """
 
     def __init__(self, dp, defer=()):
@@ -72,12 +63,7 @@ class OverlappedReducer:
         return hook
 
     def _launch_in_order(self) -> None:
-        """Launch complete buckets in bucket order (deferred ones aside): every rank submits the same sequence.
-
-        A bucket a rank has not completed (a parameter its graph skipped) holds back the ones after
-        it until :meth:`finish`, as DDP's buckets are reduced in order; otherwise rings of different
-        buckets would pair up across ranks.
-        """
+        """Launch complete buckets in bucket order (deferred aside), so every rank submits the same sequence."""
         while self._pos < len(self.order) and self.complete[self.order[self._pos]]:
             self._launch(self.order[self._pos])
             self._pos += 1

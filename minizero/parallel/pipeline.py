@@ -1,14 +1,8 @@
 """Pipeline parallelism: the layers split into ``pp`` stages, micro-batches streamed through them.
 
-A :class:`PipelineStage` owns a contiguous slice of the blocks (``shard_range``: the first ``n_layer % pp``
-stages get one more), the embeddings on the first stage and ln_f + LM head on the last; the last stage's tied
-head is a copy whose gradient :func:`allreduce_tied_embedding_grads` sums over the embedding group.
-:class:`PipelineEngine` runs a schedule from :mod:`minizero.parallel.schedule` (GPipe, 1F1B, interleaved, ZB-H1,
-ZB-V). Per op: F(i) receives a (b, T, C) activation from the previous stage and sends its output on; B(i)
-receives dL/dy (last stage: 1/m) and sends dL/dx back; W(i) computes B(i)'s weight gradients. A send and the
-next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock). The loss of every micro-batch is
-scaled by 1/m.
-
+Per op of a schedule (:mod:`minizero.parallel.schedule`): F(i) receives a (b, T, C) activation from the previous
+stage and sends its output on; B(i) receives dL/dy (last stage: S/m) and sends dL/dx back; W(i) computes B(i)'s
+weight gradients. A send and the next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock).
 Sources: GPipe, arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM
 ``core/pipeline_parallel/schedules.py``.
 """
@@ -39,10 +33,7 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
 
 
 class _Layers(ModuleList):
-    """A stage's blocks, named by their index in the whole model (``"2"``, ``"3"``), iterable in order.
-
-    A ModuleList, so code written for ``GPT.transformer["h"]`` (recompute, ZeRO's units) works on it.
-    """
+    """A stage's blocks as a ModuleList named by their index in the whole model (``"2"``, ``"3"``)."""
 
     def __init__(self, blocks: dict):
         Module.__init__(self)
@@ -51,16 +42,12 @@ class _Layers(ModuleList):
 
 
 class PipelineStage(Module):
-    """One pipeline stage of a GPT, holding the *same* module objects (and weights) as the model.
+    """One pipeline stage of a GPT: blocks ``shard_range(n_layer, pp, stage)``, the same module objects as ``model``.
 
-    Args:
-        model: a built :class:`minizero.nn.GPT`.  stage, num_stages: which stage, of how many.
-    Parameter names are the model's; the last stage's tied head copy is ``lm_head.weight``
-    (``shared_embedding_copy``). ``forward(x, targets=None)``: x = token ids (b, T) on the first stage, else (b, T, C);
-    returns (b, T, C), or on the last stage the mean loss with ``targets``, else logits (b, T, V) ((b, T, V/tp) when
-    vocab-parallel).
-    Raises:
-        ValueError: num_stages outside [1, n_layer] or stage outside [0, num_stages).
+    First stage: embeddings; last: ln_f and the tied head's copy ``lm_head.weight``. ``forward(x, targets=None)``:
+    x (b, T) ids on the first stage, else (b, T, C) -> (b, T, C), or on the last stage the mean loss with
+    ``targets``, else logits (b, T, V) ((b, T, V/tp) vocab-parallel).
+    Raises ValueError: num_stages outside [1, n_layer] or stage outside [0, num_stages).
     """
 
     def __init__(self, model, stage: int, num_stages: int):
@@ -118,9 +105,8 @@ class PipelineStage(Module):
 def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
     """Sum the gradients of ``wte`` (first stage) and its copy ``lm_head.weight`` (last stage).
 
-    Collective over ``embed_comm`` (the first and last stage of one pipeline group): one ring
-    all-reduce of a (V, C) array, 2(2-1)/2 * V*C*itemsize = V*C*itemsize bytes per rank.
-    No-op where one rank holds both ends (one stage, or ZB-V's V): the two uses share one Parameter.
+    Collective over ``embed_comm``: one all-reduce of (V, C), V*C*itemsize bytes per rank; no-op where one rank
+    holds both ends.
     """
     if stage.is_first == stage.is_last:
         return
@@ -135,21 +121,13 @@ class PipelineEngine:
     """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
     Args:
-        stage: this rank's :class:`PipelineStage` (v = 1) or an
-            :class:`~minizero.parallel.interleaved.InterleavedStage` (v > 1).
-        comm: the pipeline-parallel Communicator (rank = stage index).
-        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES`.
-        verbose: print every message (``log`` receives the line).
-        pair_sends: post a send with the next receive from the same neighbour (``sendrecv``); off, 1F1B can
-            deadlock under synchronous sends.
-        forward_context: optional callable returning a context manager entered around every forward.
-        overlap: every send an ``isend`` (always with v > 1).
-    Attributes:
-        peak_in_flight: most micro-batches (chunks) held at once in the last step.  trace: the last step's ops.
-    Raises:
-        ValueError: ``comm`` is not this stage's pipeline group; unknown schedule; v > 1 without isend/irecv.
-    Traffic: per micro-batch and chunk one ``pp_activation`` (b, T, C) message forward and one ``pp_gradient``
-    backward.
+        stage: a :class:`PipelineStage` (v = 1) or an ``InterleavedStage`` (v > 1).  comm: the pipeline group.
+        schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES`.  verbose: log every message.
+        pair_sends: a send goes with the next receive from the same neighbour (``sendrecv``).
+        forward_context: callable returning a context entered around every forward.  overlap: sends are ``isend``.
+    Attributes: peak_in_flight (most micro-batches held in the last step); trace (the last step's ops).
+    Traffic: per micro-batch and chunk one (b, T, C) ``pp_activation`` forward and one ``pp_gradient`` backward.
+    Raises ValueError: ``comm`` not this stage's pipeline group; unknown schedule; v > 1 without isend/irecv.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
@@ -241,15 +219,10 @@ class PipelineEngine:
         """Forward and backward of every micro-batch by the schedule; gradients accumulate in ``.grad``.
 
         Args:
-            micro_batches: list of m pairs (x, y), each (b, T) int token ids and targets —
-                the same list on every stage (the first uses x, the last y, all the shapes).
-            loss_scale: S of mixed precision: the last stage starts each backward from S/m, so
-                every gradient is S times the true one.
-            shares: None (each micro-batch weighs 1), or m factors w_i: micro-batch i's backward
-                starts from S w_i / m and its loss counts w_i times; a micro-batch of weight 0 adds
-                nothing (its mean is NaN when every target is ignored). Strategy's global token count.
-        Returns:
-            Sum over micro-batches of their (weighted) mean loss on the last stage; 0.0 elsewhere.
+            micro_batches: m pairs (x, y) of (b, T) ids and targets, the same list on every stage.
+            loss_scale: S; the last stage seeds each backward with S/m.
+            shares: None, or m weights w_i (seed S w_i / m; the loss counts w_i times).
+        Returns the sum of the (weighted) micro-batch mean losses on the last stage; 0.0 elsewhere.
         """
         st, r, p = self.stage, self.stage.stage, self.stage.num_stages
         mbs = list(micro_batches)
@@ -308,10 +281,7 @@ class PipelineEngine:
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:
-        """Mean loss of one batch (x, y) (b, T) through every chunk without a graph; 0.0 off the last stage.
-
-        One activation message per stage boundary, label ``pp_eval``.
-        """
+        """Mean loss of one batch (x, y) (b, T) without a graph; 0.0 off the last stage. Traffic label ``pp_eval``."""
         st, loss = self.stage, 0.0
         with no_grad():
             for chunk in self.chunks:

@@ -1,9 +1,5 @@
 """Where the bytes went: each kind of group's traffic per step, and the part that crossed nodes.
 
-:func:`node_traffic` sums every rank's ledgers (one all-reduce); rank 0 prints bytes per step per group (tp,
-dp or dp-cp, cp, pp) and the part across nodes (needs a ``NodeTrafficCommunicator``). Per step = the run's
-totals over its steps, set-up broadcasts left out; ``used_parameters`` counts as "other".
-
 Source: Narayanan et al., arXiv:2104.04473, section 3.2.
 """
 from __future__ import annotations
@@ -37,11 +33,7 @@ def _cross(comm) -> dict | None:
 
 
 def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
-    """Cross-node bytes of one gradient all-reduce of ``dp``'s buckets over this rank's data group, (ring, hier).
-
-    Sums :func:`cross_node_bytes` over the buckets (flat arrays of the gradient dtype);
-    the hierarchical figure is 0 when the nodes hold unequal numbers of the group's ranks.
-    """
+    """Cross-node bytes ``(ring, hierarchical)`` of one all-reduce of ``dp``'s buckets (hierarchical 0 for unequal nodes)."""
     nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])
     even = len({len(nodes.ranks_on(n)) for n in nodes.nodes}) == 1
     ring = hier = 0
@@ -61,17 +53,10 @@ def _label(snapshot: dict | None, *labels: str) -> float:
 
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
                  cp_attention: str = "ring") -> list[str]:
-    """Collective over ``topo.world``: the per-step traffic table (lines, on world rank 0; [] elsewhere).
+    """Collective over ``topo.world``: the per-step traffic table lines on world rank 0 ([] elsewhere).
 
-    Args:
-        topo: the :class:`Topology` (its ledgers' ``traffic`` and ``cross_node`` are read).
-        steps: optimizer steps taken (>= 1).
-        dp: the :class:`DataParallel` synchroniser or None (its buckets give the ring-vs-hierarchical line).
-        algorithm: ``"ring"`` or ``"hierarchical"``, printed.  cp: context-parallel size (cp > 1: its own row).
-        cp_attention: ``"ring"`` or ``"ulysses"``, named in that row.
-    Bytes: one all-reduce of a small float64 vector, label ``"metrics"``.
-    Raises:
-        ValueError: ``steps`` < 1.
+    ``steps``: optimizer steps (>= 1); ``dp``: DataParallel or None (ring-vs-hierarchical line); ``cp`` > 1:
+    its own row. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; allowed: >= 1")

@@ -1,12 +1,7 @@
 """Pipeline schedules as data: which micro-batch each stage runs forward (F), backward (B) or weight-gradient (W), in order.
 
-A schedule is a list, one per stage, of :class:`Op` ``(kind, mb)`` (chunked schedules: ``(kind, mb, chunk)``);
-:mod:`minizero.parallel.pipeline` runs exactly these lists. :func:`simulate` times them in unit slots (F costs
-``f``, B ``b``): an op starts when its stage's previous op has finished and its input exists (F(s, i) after
-F(s-1, i), B(s, i) after B(s+1, i), W(s, i) after B(s, i)); sends are free. With p stages, m micro-batches and
-v chunks the bubble is (p-1)/(m+p-1) of ``p * makespan`` (:func:`bubble_formula`), (p-1)/(v m) of the ideal
-time (:func:`bubble_ratio`), and (p-1)/(3m) for ZB-H1 with equal F, B, W (:func:`zb_h1_bubble_ratio`).
-
+A schedule is a list per stage of :class:`Op` ``(kind, mb)`` (chunked: ``(kind, mb, chunk)``), run as is by
+:mod:`minizero.parallel.pipeline` and timed in slots by :func:`simulate` (sends free).
 Sources: GPipe, arXiv:1811.06965, section 2.3; 1F1B and interleaved 1F1B, Narayanan et al.,
 arXiv:2104.04473, section 2.2; ZB-H1 and ZB-V, Qi et al., arXiv:2401.10241, sections 2.1 and 6.
 """
@@ -36,10 +31,7 @@ class Op(NamedTuple):
 
 
 class ChunkOp(NamedTuple):
-    """An op of the interleaved schedule: F or B of micro-batch ``mb`` on model chunk ``chunk``.
-
-    Rank r's chunk c is virtual stage c*p + r; written ``F3`` for chunk 0, ``F3.1`` for chunk 1.
-    """
+    """F or B of micro-batch ``mb`` on model chunk ``chunk`` (virtual stage chunk*p + r); written ``F3``, ``F3.1``."""
 
     kind: str
     mb: int
@@ -68,10 +60,7 @@ def gpipe(p: int, m: int) -> list[list[Op]]:
 
 
 def one_f_one_b(p: int, m: int) -> list[list[Op]]:
-    """1F1B: stage s runs w = min(p-s-1, m) warm-up forwards, then F/B pairs, then w backwards.
-
-    Peak in flight on stage s: min(p - s, m) <= p micro-batches.
-    """
+    """1F1B: stage s runs w = min(p-s-1, m) warm-up forwards, F/B pairs, then w backwards; peak min(p - s, m) in flight."""
     out = []
     for s in range(p):
         w = min(p - s - 1, m)
@@ -84,14 +73,10 @@ def one_f_one_b(p: int, m: int) -> list[list[Op]]:
 
 
 def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
-    """Interleaved 1F1B: rank r runs F/B of (micro-batch, chunk) for its v chunks, Megatron-LM's order.
+    """Interleaved 1F1B over v chunks per rank, in Megatron-LM's order (groups of p micro-batches per chunk).
 
-    The k-th forward of every rank is chunk (k // p) mod v of micro-batch (k // (p v)) p + k mod p
-    (groups of p micro-batches go through chunk 0, then chunk 1, ...); the k-th backward the
-    same with the chunks reversed. Rank r runs w = min(2(p-r-1) + (v-1)p, m v) warm-up forwards,
-    then forward/backward pairs, then the remaining backwards.
-    Raises:
-        ValueError: m not a multiple of p (the order above needs whole groups; Megatron-LM's rule).
+    Rank r runs w = min(2(p-r-1) + (v-1)p, m v) warm-up forwards, F/B pairs, then the remaining backwards.
+    Raises ValueError: m not a multiple of p (Megatron-LM's rule).
     """
     if m % p:
         raise ValueError(f"the interleaved schedule needs the micro-batches m={m} to be a multiple of pp={p}")
@@ -114,9 +99,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
 def zb_h1(p: int, m: int) -> list[list[Op]]:
     """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with each B split into B and W, stage s's W's s backwards late.
 
-    Stage s: w = min(p-s-1, m) warm-up forwards; then 1F1B's F/B pairs and remaining B's, each
-    followed by the W of the oldest micro-batch without one once s backwards have run; then the
-    remaining W's. Peak in flight (F run, W not): min(p, m) on every stage, 1F1B's stage 0.
+    Peak in flight (F run, W not): min(p, m) on every stage.
     """
     out = []
     for s in range(p):
@@ -137,11 +120,8 @@ def zb_h1(p: int, m: int) -> list[list[Op]]:
 def zb_v(p: int, m: int) -> list[list[VChunkOp]]:
     """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V, rank r holding virtual stages r and 2p-1-r.
 
-    Rank r (chunk 0 ``x``, chunk 1 ``x.1``): 2(p-r)-1 forwards of chunk 0; r pairs F.1, F; p-r
-    triples F.1, B.1, W.1; then F, B, W, F.1, B.1, W.1 until every forward ran; r pairs B, B.1;
-    p-r pairs B, W; the remaining W.1's, then W's. Laid out for max(m, 2p-1) micro-batches, the
-    ops of micro-batches >= m dropped (as PyTorch's ScheduleZBVZeroBubble). Peak in flight: 2p
-    chunks (p micro-batches of a whole stage's layers) on every rank.
+    Laid out for max(m, 2p-1) micro-batches, ops of micro-batches >= m dropped (as PyTorch's
+    ScheduleZBVZeroBubble). Peak in flight: 2p chunks on every rank.
     """
     n, out = max(m, 2 * p - 1), []
     for r in range(p):
@@ -176,10 +156,8 @@ def zb_v(p: int, m: int) -> list[list[VChunkOp]]:
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
     """The schedule ``name`` (:data:`ALL_SCHEDULES`; "interleaved" with v chunks per rank) for p stages, m micro-batches.
 
-    Raises:
-        ValueError: unknown name (allowed listed), p < 1, m < 1, v < 1, v > 1 with another
-        schedule than "interleaved" (zb-v: v in (1, 2), it always has two), or (interleaved) m not
-        a multiple of p.
+    Raises ValueError: unknown name, p, m or v < 1, v > 1 except for "interleaved" (zb-v: 1 or 2), or
+    (interleaved) m not a multiple of p.
     """
     if name not in ALL_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; allowed: {ALL_SCHEDULES}")
@@ -200,10 +178,7 @@ def split_backwards(ops) -> set:
 
 
 def peak_in_flight(ops: list[Op]) -> int:
-    """Most micro-batches (chunks) whose forward has run and whose backward (its W, if split) has not, on one stage.
-
-    That many micro-batches' activations are alive at once on the stage (a W keeps a part of them).
-    """
+    """Most micro-batches (chunks) forwarded and not yet backwarded (W included) on one stage: its live activations."""
     split, live, peak = split_backwards(ops), 0, 0
     for op in ops:
         live += 1 if op.kind == "F" else -1 if op.kind == "W" or (op.mb, getattr(op, "chunk", 0)) not in split else 0
@@ -214,12 +189,8 @@ def peak_in_flight(ops: list[Op]) -> int:
 def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2, w: float = 1) -> list[list[tuple[Op, float, float]]]:
     """Time a schedule in slots: per stage, ``(op, start, end)`` in the stage's order.
 
-    Args:
-        schedule: per-stage op lists (every stage runs F and B of every micro-batch once, W with B split).
-        f, b: cost of a forward and of a whole backward in slots (Narayanan et al. take b = 2f).
-        w: the weight-gradient part of b: a split B costs b - w and its W costs w (default: F = B = W).
-    Raises:
-        ValueError: the schedule cannot run (an op waits for one that never comes).
+    ``f``, ``b``: forward and whole-backward costs (Narayanan et al.: b = 2f); ``w``: W's part of b.
+    An op starts when its stage is free and its input exists. Raises ValueError: an op waits forever.
     """
     p = len(schedule)
     last = p * (1 + max(getattr(op, "chunk", 0) for ops in schedule for op in ops)) - 1  # the last virtual stage
@@ -268,18 +239,14 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 
 
 def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
-    """(p-1)/(v m): the bubble as a share of the ideal (bubble-free) time, Narayanan et al. 2021 section 2.2.
-
-    The one formula the trainer's header, the simulator's tests and the planner's step time use.
-    """
+    """(p-1)/(v m): the bubble as a share of the ideal (bubble-free) time, Narayanan et al. 2021 section 2.2."""
     return (p - 1) / (v * m)
 
 
 def zb_h1_bubble_ratio(p: int, m: int, t_f: float = 1, t_b: float = 1, t_w: float = 1) -> float:
     """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2023, section 2.1).
 
-    Per stage, idle (p-1)(T_F+T_B-T_W) against 1F1B's (p-1)(T_F+T_B+T_W), busy m(T_F+T_B+T_W);
-    assumes m >= p and T_W <= T_F + T_B. Equal times: (p-1)/(3m), a third of 1F1B's (p-1)/m.
+    Assumes m >= p and T_W <= T_F + T_B; equal times: (p-1)/(3m), a third of 1F1B's.
     """
     return (p - 1) * (t_f + t_b - t_w) / (m * (t_f + t_b + t_w))
 
@@ -292,11 +259,7 @@ def bubble_ratio(timeline) -> float:
 
 
 def ascii_timeline(timeline, f: float = 1, b: float = 2, w: float = 1) -> str:
-    """The timeline as text: one row per stage, one column group per slot, ``.`` = idle.
-
-    Each op is written as its name (``F3``, ``B3``, ``W3``) padded with ``-`` over its slots; a
-    column group stands for gcd(f, b, w) slots (the costs given to :func:`simulate`).
-    """
+    """The timeline as text: one row per stage, ops as ``F3--``, ``.`` = idle; a column is gcd(f, b, w) slots."""
     width = max(len(str(op)) for stage in timeline for op, _, _ in stage)  # characters per slot
     makespan = max(end for stage in timeline for _, _, end in stage)
     costs = (f, b, w)
@@ -315,10 +278,7 @@ def ascii_timeline(timeline, f: float = 1, b: float = 2, w: float = 1) -> str:
 
 
 def plot_timeline(timeline, path: str | None = None, title: str = "", f: float = 1, b: float = 2):
-    """Draw the timeline with matplotlib (forward blue, backward green, weight gradients orange); save to ``path``.
-
-    Returns the matplotlib Figure. Needs matplotlib (``pip install matplotlib``).
-    """
+    """Draw the timeline with matplotlib (F blue, B green, W orange), saved to ``path``; returns the Figure."""
     import matplotlib
 
     if path is not None:

@@ -1,13 +1,8 @@
 """Sequence parallelism: the layer norms, dropouts and residuals of a tensor-parallel block split along s.
 
-Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). Megatron's f becomes ḡ, an all-gather along s
-(backward: reduce-scatter), fused with the column-parallel GEMM (:class:`_GatheredLinear`: only the (b, s/t, h)
-slice is saved, gathered again for dW); g becomes a reduce-scatter along s (backward: all-gather). Bytes per
-block equal plain tensor parallelism's; activations kept outside the tensor region shrink by t (Table 2:
-sbh(34/t + 5as/(ht)) per layer). :func:`allreduce_sequence_parallel_grads` sums ln and row-parallel bias
-gradients over the tensor group; dropout draws the unsplit (b, s, h) mask from the tensor group's generator
-and keeps its rows. The embedding output is split on entry (:func:`scatter_to_sequence_parallel_region`).
-
+Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). f becomes ḡ, an all-gather along s (backward:
+reduce-scatter), fused with the column-parallel GEMM; g becomes a reduce-scatter along s (backward:
+all-gather). Bytes equal tensor parallelism's; activations outside the tensor region shrink by t.
 Source: Korthikanti et al., arXiv:2205.05198, section 4.2.2, figure 5, Table 2; Megatron-LM
 ``core/tensor_parallel/mappings.py``, ``finalize_model_grads``.
 """
@@ -98,9 +93,8 @@ class _ReduceScatterToSequenceParallelRegion(Function):
 class _GatheredLinear(Function):
     """ḡ fused with a column-parallel GEMM: y = all_gather_s(x) W^T + b, saving only x's slice.
 
-    Shapes: x (b, s/t, in), W (out/t, in), b (out/t,) or None -> y (b, s, out/t).
-    Saves x (the slice) and W. Backward: all-gather x again for dW = g^T x_full;
-    dx_full = g W, reduce-scattered along s to (b, s/t, in); db = sum of g.
+    x (b, s/t, in), W (out/t, in), b (out/t,) or None -> y (b, s, out/t). Backward: all-gather x again for dW;
+    dx reduce-scattered along s to (b, s/t, in).
     """
 
     @staticmethod
@@ -176,8 +170,7 @@ def _mark_sp(*params) -> None:
 class SequenceParallelColumnLinear(ColumnParallelLinear):
     """Column-parallel linear entered through ḡ. x (b, s/t, in) -> (b, s, out/t).
 
-    Collectives: forward one all-gather of (b, s, in); backward one all-gather (x again, for
-    dW) and one reduce-scatter of dL/dx. Saved: x's slice (b, s/t, in) and the weight.
+    Forward: one all-gather of (b, s, in); backward: one all-gather (x, for dW) and one reduce-scatter of dL/dx.
     """
 
     def forward(self, x):
@@ -185,11 +178,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
-    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out), + bias on the slice.
-
-    Collectives: forward one reduce-scatter of (b, s, out); backward one all-gather.
-    The bias sees only this rank's rows: marked ``sequence_parallel``.
-    """
+    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out); forward reduce-scatter, backward all-gather."""
 
     def forward(self, x):
         y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.comm)
@@ -197,10 +186,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
 
 
 class SequenceParallelDropout(Module):
-    """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h).
-
-    Identity in eval mode or when p == 0 (nothing drawn, as ``Dropout``).
-    """
+    """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h); identity in eval or p == 0."""
 
     def __init__(self, p: float, comm):
         super().__init__()
@@ -245,25 +231,17 @@ class SequenceParallelAttention(ParallelCausalSelfAttention):
 
 
 class SequenceParallelLMHead(ParallelLMHead):
-    """Logits of this rank's vocabulary for the whole sequence: ḡ(x) W_r^T. x (b, s/t, C) -> (b, s, V/t).
-
-    Collectives: forward one all-gather; backward one all-gather and one reduce-scatter of dL/dx.
-    """
+    """Logits of this rank's vocabulary for the whole sequence: ḡ(x) W_r^T. x (b, s/t, C) -> (b, s, V/t)."""
 
     def forward(self, x):
         return gathered_linear(x, self.weight, self.comm)
 
 
 def sequence_parallelize(stage, comm) -> list[str]:
-    """Split a tensor- and vocab-parallel pipeline stage over ``comm`` with sequence parallelism, in place.
+    """Split a tensor- and vocab-parallel stage over ``comm`` with sequence parallelism, in place (no-op for t = 1).
 
-    Block linears enter through ḡ and leave through g; the first stage's embedding dropout becomes
-    :class:`EnterSequenceParallelRegion`, the last stage's head :class:`SequenceParallelLMHead`; ln and row-parallel
-    biases are marked ``sequence_parallel``; ``stage.sequence_shards = t``. Returns the converted module names
-    (no-op for t = 1).
-    Raises:
-        TypeError: the blocks are not tensor-parallel yet.
-        ValueError (in forward): t does not divide the sequence length.
+    Returns the converted module names. Raises TypeError: the blocks are not tensor-parallel yet;
+    ValueError (in forward): t does not divide the sequence length.
     """
     if comm.world_size == 1:
         return []
@@ -291,12 +269,7 @@ def sequence_parallelize(stage, comm) -> list[str]:
 
 
 def allreduce_sequence_parallel_grads(params, comm) -> None:
-    """Sum the gradients of the ``sequence_parallel`` parameters over the tensor group, in place.
-
-    One ring all-reduce of their concatenation (2(t-1)/t x 4 x (2 layer norms + 2 biases) x h
-    x layers x itemsize bytes per rank — the layer norms' and biases' few elements).
-    Traffic label :data:`TRAFFIC_LABEL`. No-op when t = 1 or nothing is marked.
-    """
+    """Sum ``sequence_parallel`` parameters' gradients over the tensor group in place (one all-reduce)."""
     marked = [p for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if comm.world_size == 1 or not marked:
         return

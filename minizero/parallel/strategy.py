@@ -1,35 +1,11 @@
 """A parallel strategy: what the one training loop asks of a layout (dp x tp x pp, ZeRO or not).
 
-::
-
-    loop (minizero/loop.py), every optimizer step           Strategy (built here, once)
-    ─────────────────────────────────────────────           ───────────────────────────────────────────
-    loss_sum = s.forward_backward(micro_batches, S)    ──>  PipelineEngine over this rank's stage
-                                                            (pp 1: the whole model, one stage;
-                                                             tp > 1: every block split over the tensor group)
-    s.reduce_gradients()                               ──>  tied-embedding all-reduce (pp > 1), then
-                                                            DataParallel all-reduce  or  ZeRO reduce(-scatter)
-                                                            over the data group
-    overflow check on s.local_grads()                       (FP16: every rank agrees to skip)
-    norm = sqrt(s.grad_norm_sq()) / S                  ──>  one all-reduce of one float64
-    s.step(lr, grad_scale)                             ──>  AdamW / 8-bit Adam / ZeRO's sharded update
-    s.zero_grad()
-    s.evaluate(batches), s.full_model()                ──>  validation; the whole model on rank 0
-
-The loop never asks which strategy it runs; every difference between data, tensor,
-pipeline parallelism and ZeRO lives in the objects :func:`build_strategy` composes:
-a :class:`Topology` (who talks to whom), a :class:`PipelineStage` (which layers, which
-shards), a :class:`PipelineEngine` (which order), a gradient synchroniser and an optimizer.
-A single process is the layout dp = tp = pp = 1.
-
-The gradient synchroniser (:class:`~minizero.parallel.data_parallel.DataParallel`, or a ZeRO
-optimizer, :mod:`minizero.zero`, which is synchroniser and optimizer at once) answers:
-``reduce_gradients()``, ``local_grads()``, ``grad_norm_sq(counts, model_comm, world)``,
-``full_parameters()`` and ``bytes_per_step(steps)``; the Strategy never asks which it holds.
-
-Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatron-LM's
-``finalize_model_grads`` (data-parallel reduce, then the embedding group) and
-``clip_grad_norm_fp32`` (each element of the model counted once in the norm).
+The loop calls ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` and ``zero_grad``
+(ARCHITECTURE.md, "The loop and the strategy"); :func:`build_strategy` composes a :class:`Topology`, a
+:class:`PipelineStage`, a :class:`PipelineEngine`, a gradient synchroniser (DataParallel or a ZeRO stage:
+``reduce_gradients``, ``local_grads``, ``grad_norm_sq``, ``full_parameters``, ``bytes_per_step``) and an optimizer.
+Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3; Megatron-LM's ``finalize_model_grads``
+and ``clip_grad_norm_fp32``.
 """
 from __future__ import annotations
 
@@ -71,16 +47,9 @@ TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activation
 class Strategy:
     """One rank's part of a training layout, behind the five calls the training loop makes.
 
-    Attributes:
-        topo: the :class:`Topology` (``dp_comm``, ``tp_comm``, ``pp_comm``, ``world``).
-        stage: this rank's :class:`PipelineStage` (the whole GPT when pp = 1).
-        model: the whole local :class:`GPT` when tp = pp = 1 (every rank), else None.
-        engine: the :class:`PipelineEngine` that runs micro-batches through ``stage``.
-        sync: the gradient synchroniser (module docstring).
-        dp: ``sync`` when it is a :class:`DataParallel` (its buckets: the overlapped reducer, the
-            node traffic table), else None.
-        opt: the optimizer (AdamW, Adam8bit, or the ZeRO optimizer, which is also ``sync``).
-        params: this rank's parameters (shards under tp; the stage's under pp).
+    Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
+    engine; sync (the gradient synchroniser); dp (``sync`` if a DataParallel, else None); opt (the optimizer,
+    which is ``sync`` under ZeRO); params (this rank's parameters).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
@@ -117,24 +86,12 @@ class Strategy:
         """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
 
         Args:
-            micro_batches: list of m pairs (x, y), each (b, T) int64 token ids and targets; with
-                ``padded`` a target may be ``IGNORE_INDEX`` (-100).
-            loss_scale: S; after :meth:`reduce_gradients` every gradient is S times the gradient of
-                the mean loss over the real targets of the step's global batch (under FP16 the seed
-                carries 1/dp already).
-        Returns:
-            the sum of the m micro-batch mean losses (float) on :attr:`holds_loss` ranks, 0.0 elsewhere;
-            with ``padded`` each weighted by m D n_i / N (n_i its real targets on this rank, N the
-            global batch's, D the data group's size), so the loop's sum / (m D) over ranks is the
-            global mean.
-        Raises:
-            ValueError: a target is ``IGNORE_INDEX`` but the strategy is not ``padded`` (on that rank only:
-                the others wait in their next collective until ``--comm-timeout``).
-        Collectives: with ``padded``, one all-reduce of one float64 over the data group (label
-        ``token_count``): N, the step's real targets over micro-batches, data and context ranks.
-        Normalising by N rather than averaging per-micro-batch means is what makes any layout and
-        any accumulation equal one process (the gradient-accumulation fix of transformers, 2024;
-        torchtune PR #1875); without ``padded`` N = B T is known and nothing is sent.
+            micro_batches: m pairs (x, y) of (b, T) int64 ids and targets (``IGNORE_INDEX`` allowed if ``padded``).
+            loss_scale: S; after :meth:`reduce_gradients` every gradient is S times that of the global mean loss.
+        Returns the sum of the m micro-batch mean losses on :attr:`holds_loss` ranks, 0.0 elsewhere (``padded``:
+        each weighted by m D n_i / N, N the global batch's real targets). Collective (``padded`` only): one float64
+        all-reduce over the data group (``token_count``). Raises ValueError (that rank only): an ignored target
+        without ``padded``.
         """
         counts = [self.real_targets(y) for _, y in micro_batches]
         if not self.padded and any(c != y.size // self.cp for c, (_, y) in zip(counts, micro_batches)):
@@ -187,14 +144,9 @@ class Strategy:
         return self.sync.full_parameters()
 
     def evaluate(self, batches) -> float:
-        """Collective: mean validation loss over ``batches``, rows split over the data group.
+        """Collective: mean validation loss over ``batches`` (rows ``dp_rank::dp``), independent of the layout.
 
-        Each data rank takes rows ``dp_rank::dp`` of every batch; the sums are all-reduced
-        over the world, so the value does not depend on the layout: each batch's mean weighs its
-        rows (with ``padded``: its real targets, so the value is the mean over every real target).
-        A data rank with no rows still runs the forward on one row (not counted): every rank
-        joins every collective (ZeRO-3's gathers, the tensor all-reduces, the pipeline's
-        messages) with empty work if it has none.
+        A data rank with no rows runs one uncounted row, so every rank joins every collective.
         """
         topo, stage = self.topo, self.stage
         was_training = stage.training
@@ -225,18 +177,7 @@ class Strategy:
         return traffic_by_group(self.topo)
 
     def traffic_by_kind(self) -> dict:
-        """Bytes this rank sent over the run, by purpose (from each group's traffic ledger).
-
-        ``gradient_reduction``: the data group's all-reduces / reduce-scatters of gradients and
-        the tied embedding's all-reduce; ``parameter_gathers``: the data group's parameter
-        all-gathers and broadcasts (ZeRO 1-3, the start-up broadcast); ``pipeline_activations``:
-        activations and their gradients between stages; ``tensor_parallel_activations``: the
-        tensor group's f/g all-reduces; ``context_parallel_attention``: ring attention's key/value
-        blocks and their gradients around the context group, or Ulysses' all-to-alls (``--cp``,
-        inside the data group);
-        ``other``: the rest (metrics, the norm, overflow
-        flags, optimizer bookkeeping, gathering the model for saving).
-        """
+        """Bytes this rank sent over the run, by purpose (:data:`TRAFFIC_KINDS`, from each group's traffic ledger)."""
         by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
@@ -257,13 +198,8 @@ class Strategy:
 def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print) -> Strategy:
     """Build this rank's :class:`Strategy` for ``args`` (from :func:`minizero.args.parse_args`).
 
-    Order: topology; the dropout generator (one per (data rank, stage), shared by the
-    tensor group, whose replicated activations need identical masks); the model or this
-    rank's stage of it; recompute; the gradient synchroniser and optimizer (DataParallel +
-    AdamW/Adam8bit, or ZeroOptimizer with AdamW's or 8-bit Adam's sharded state); the
-    pipeline engine (one stage when pp = 1).
-    ``forward_context``: callable returning a context entered around every forward
-    (activation offload). ``store``: the optimizer-state store (optimizer offload).
+    ``forward_context``: callable returning a context entered around every forward (activation offload);
+    ``store``: the optimizer-state store (optimizer offload).
     """
     cp = args.cp
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks

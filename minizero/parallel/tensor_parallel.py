@@ -1,17 +1,10 @@
 """Tensor parallelism (Megatron-LM): every block's matrices split across the ``tp`` ranks of a group.
 
-Column-parallel ``A_r = A[r*out/tp:(r+1)*out/tp]``: X (.., in) replicated -> Y_r (.., out/tp); f before it
-(forward identity, backward all-reduce of dL/dX). Row-parallel ``A_r = A[:, r*in/tp:(r+1)*in/tp]``:
-X_r (.., in/tp) -> partial (.., out); g after it (forward all-reduce, backward identity). Attention's c_attn
-and the MLP's c_fc are column-parallel, both c_proj row-parallel; c_attn's (3C, C) weight splits with stride 3
-(each rank takes the Q, K and V rows of its heads). Layer norms and second biases stay replicated.
-
-Traffic: per block and micro-batch of (B, T, C), 2 all-reduces forward and 2 backward, 8(tp-1)/tp * B*T*C*itemsize
-bytes per rank (:func:`allreduce_bytes_per_block`). :class:`HeadParallelDropout` draws all heads' mask from the
-tensor group's shared generator and keeps its slice (the unsplit model's masks).
-
-Source: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3, figure 3; Megatron-LM
-``core/tensor_parallel/mappings.py`` and ``layers.py``.
+Column-parallel ``A_r = A[r*out/tp:(r+1)*out/tp]`` with f before it (forward identity, backward all-reduce);
+row-parallel ``A_r = A[:, r*in/tp:(r+1)*in/tp]`` with g after it (forward all-reduce, backward identity).
+c_attn and c_fc are column-parallel (c_attn with stride 3: Q, K, V rows of its heads), both c_proj row-parallel.
+Traffic per block and micro-batch of (B, T, C): 8(tp-1)/tp * B*T*C*itemsize bytes per rank.
+Source: Shoeybi et al., arXiv:1909.08053, section 3, figure 3; Megatron-LM ``core/tensor_parallel/mappings.py``.
 """
 from __future__ import annotations
 
@@ -32,14 +25,10 @@ def _reduce(comm, x):
 
 
 def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
-    """Rank ``rank``'s part of ``full`` split ``size`` ways along ``dim``, with ``stride`` interleaved blocks.
+    """Rank ``rank``'s part of ``full`` split ``size`` ways along ``dim`` in each of ``stride`` equal blocks.
 
-    ``full`` is seen as ``stride`` equal blocks along ``dim``; each block is cut into
-    ``size`` equal parts and the rank keeps part ``rank`` of every block, concatenated.
-    Example: c_attn's (3C, C) weight with stride 3 gives rank r rows
-    [rC/tp, (r+1)C/tp) of Q, of K and of V: a (3C/tp, C) shard.
-    Returns a new C-contiguous array (a meta array for a meta ``full``: see nn/init.py). Raises ValueError if ``stride * size`` does not
-    divide ``full.shape[dim]``.
+    Example: c_attn's (3C, C) weight, stride 3: rows [rC/tp, (r+1)C/tp) of Q, K and V, a (3C/tp, C) shard.
+    Returns a new C-contiguous (or meta) array. Raises ValueError: ``stride * size`` does not divide the dim.
     """
     xp = backend.xp
     n = full.shape[dim]
@@ -59,11 +48,7 @@ def unshard_arrays(shards, dim: int, stride: int = 1):
 
 
 def allreduce_bytes_per_block(batch: int, seq: int, n_embd: int, itemsize: int, tp: int, rank: int = 0) -> dict:
-    """Bytes one tensor rank sends for one block and one micro-batch of (batch, seq) tokens.
-
-    Returns ``{"forward": ..., "backward": ..., "calls_forward": 2, "calls_backward": 2}``:
-    two ring all-reduces of a (batch, seq, n_embd) array each way (see the module docstring).
-    """
+    """Bytes one tensor rank sends for one block and micro-batch: ``forward``, ``backward``, ``calls_*`` (2 each way)."""
     one = bytes_sent("all_reduce", batch * seq * n_embd, itemsize, tp, rank)
     return {"forward": 2 * one, "backward": 2 * one, "calls_forward": 2, "calls_backward": 2}
 
@@ -119,11 +104,8 @@ def is_tensor_parallel_duplicate(p) -> bool:
 class ColumnParallelLinear(Module):
     """Y_r = f(X) A_r^T + b_r: the output features split across the tensor group.
 
-    Shapes: x (..., in) replicated -> (..., out/tp) on rank r. weight (out/tp, in), bias
-    (out/tp,), both ``tensor_model_parallel`` with ``partition_dim`` 0.
-    Collectives: forward none; backward one all-reduce of dL/dx (..., in) (the f operator).
-    Bytes held: (out/tp) * (in + 1) * itemsize instead of out * (in + 1) * itemsize.
-    Source: Shoeybi et al. 2019, section 3 (the first GEMM of the MLP, "A = [A_1, A_2]").
+    x (..., in) replicated -> (..., out/tp); weight (out/tp, in), bias (out/tp,), ``partition_dim`` 0.
+    Forward: none; backward: one all-reduce of dL/dx (the f operator). Shoeybi et al. 2019, section 3.
     """
 
     def __init__(self, weight, bias, comm, stride: int = 1):
@@ -146,11 +128,8 @@ class ColumnParallelLinear(Module):
 class RowParallelLinear(Module):
     """Y = g(X_r A_r^T) + b: the input features split, partial products summed.
 
-    Shapes: x (..., in/tp) on rank r (the output of a column-parallel layer) -> (..., out)
-    replicated. weight (out, in/tp), ``tensor_model_parallel`` with ``partition_dim`` 1;
-    bias (out,) replicated, added once after the sum.
-    Collectives: forward one all-reduce of (..., out) (the g operator); backward none.
-    Source: Shoeybi et al. 2019, section 3 (the second GEMM of the MLP, "B = [B_1; B_2]").
+    x (..., in/tp) -> (..., out) replicated; weight (out, in/tp), ``partition_dim`` 1; bias (out,) replicated.
+    Forward: one all-reduce of (..., out) (the g operator); backward: none. Shoeybi et al. 2019, section 3.
     """
 
     def __init__(self, weight, bias, comm):
@@ -189,12 +168,7 @@ class _HeadSliceDropout(Function):
 
 
 class HeadParallelDropout(Module):
-    """Dropout of attention probabilities (B, H/tp, T, T) holding heads [lo, lo + H/tp) of H.
-
-    Draws the (B, H, T, T) mask of every head from this rank's dropout generator (the same
-    on every rank of the tensor group) and keeps its heads' slice, so the masks equal the
-    unsplit model's. Identity in eval mode or when p == 0 (nothing drawn, as ``Dropout``).
-    """
+    """Dropout of attention probabilities (B, H/tp, T, T): the (B, H, T, T) mask drawn whole, heads [lo, lo + H/tp) kept."""
 
     def __init__(self, p: float, n_head_total: int, lo: int):
         super().__init__()
@@ -216,10 +190,7 @@ class HeadParallelDropout(Module):
 class ParallelCausalSelfAttention(CausalSelfAttention):
     """Causal self-attention over this rank's H/tp heads. x (B, T, C) replicated -> (B, T, C) replicated.
 
-    c_attn: :class:`ColumnParallelLinear` (C -> 3C/tp, stride 3: the Q, K, V of heads
-    [r H/tp, (r+1) H/tp)); c_proj: :class:`RowParallelLinear` (C/tp -> C). Each head's
-    attention needs only its own q, k, v, so heads are independent: no message between
-    the two linear layers. ``attn.core`` is kept, so selective recompute applies.
+    c_attn: column-parallel C -> 3C/tp (stride 3); c_proj: row-parallel C/tp -> C; no message in between.
     """
 
     def __init__(self, attn: CausalSelfAttention, comm):
@@ -243,16 +214,10 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
 
 
 def tensor_parallelize(model: Module, comm) -> list[str]:
-    """Split every transformer block of ``model`` across the tensor group ``comm``, in place.
+    """Split every block of ``model`` (``model.transformer["h"]``) across the tensor group ``comm``, in place.
 
-    ``model``: a GPT or a pipeline stage (anything with blocks in ``model.transformer["h"]``).
-    Each block's ``attn`` becomes a :class:`ParallelCausalSelfAttention` and its
-    ``mlp.c_fc`` / ``mlp.c_proj`` a column- / row-parallel pair holding this rank's shard of
-    the *existing* weights, so the split model computes the same function as the original.
-    Parameter names do not change (``transformer.h.0.attn.c_attn.weight`` is now (3C/tp, C)).
-    Returns the names of the converted modules.
-    Raises:
-        ValueError: ``comm.world_size`` does not divide the heads or the hidden size.
+    Each shard is cut from the existing weights; parameter names stay. Returns the converted modules' names.
+    Raises ValueError: ``comm.world_size`` does not divide the heads or the hidden size.
     """
     tp = comm.world_size
     done = []

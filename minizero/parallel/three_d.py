@@ -7,24 +7,6 @@
            └─ each block split over the tensor group (tensor_parallel.py)
                 └─ the stage's parameters replicated over the data group: DataParallel or ZeRO-1
 
-:func:`build_stage` builds this rank's part of the GPT; :func:`grad_norm_sq` sums the
-squared gradient norm so that every element of the model counts once (tensor-replicated
-parameters on tensor rank 0 only, the tied embedding's copy not at all);
-:func:`gather_full_model` assembles the whole GPT on one rank for saving and sampling.
-:mod:`minizero.parallel.strategy` composes them into the one training loop's strategy.
-
-Building: every rank builds the GPT on the "meta device" (shapes only, 0 bytes), keeps its
-stage, shards it, and then draws just its shards from per-parameter generators
-(:mod:`minizero.nn.init`), so the split model starts from exactly the single-process weights
-and the set-up peak is this rank's shard plus one row (Megatron-LM's
-``_initialize_affine_weight_cpu`` builds the master weight and keeps a slice; PyTorch's meta
-device defers allocation — here nothing beyond the shard is ever drawn).
-
-ZeRO with pipeline parallelism: stage 1 (optimizer state sharded over the data group) is
-supported. Stages 2 and 3 are refused with pp > 1, as DeepSpeed refuses them: they reduce
-gradients (and, for 3, gather parameters) inside every backward, and the pipeline runs
-m backwards per step, multiplying that traffic by m.
-
 Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3 (PTD-P); Megatron-LM
 ``clip_grad_norm_fp32`` (tensor-parallel duplicates and the shared embedding counted once).
 """
@@ -63,20 +45,11 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False,
                 keep_meta: bool = False, v_shape: bool = False):
     """This rank's part of the model: pipeline stage ``topo.pp_rank``, split over ``topo.tp_comm``.
 
-    The GPT is built as meta (0-byte) parameters, sliced and sharded, and only then are this
-    rank's shards drawn (:mod:`minizero.nn.init`: the same values as the single process's
-    slices, bit for bit); no rank ever holds the whole model. Only the kept arrays enter this
-    rank's ledger (as ``parameters``). ``keep_meta``: leave the parameters meta, each with its
-    ``p.init``, for ZeRO-3 to draw its owned pieces only.
-    Elements kept, per block: 12C^2/tp + 7C/tp + 6C (c_attn, c_fc and the two projection
-    weights split; ln_1, ln_2 and the two projection biases whole); plus VC/tp + TC on the
-    first stage (wte split by vocabulary, wpe whole) and VC/tp + 2C on the last (its copy of
-    the tied head's shard, ln_f) — the two are one shard when the stage is both.
-    ``sequence_parallel``: also split the norms, dropouts and residuals along the sequence
-    (:func:`~minizero.parallel.sequence_parallel.sequence_parallelize`; same parameters).
-    ``virtual_stages`` v > 1: this rank's v chunks (virtual stages c*pp + pp_rank of pp*v) as one
-    :class:`~minizero.parallel.interleaved.InterleavedStage`, for the interleaved schedule;
-    ``v_shape``: two chunks, virtual stages pp_rank and 2pp-1-pp_rank (ZB-V), v ignored.
+    Built meta (0 bytes), sliced, then only this rank's shards drawn, equal to the single process's slices.
+    Elements per block: 12C^2/tp + 7C/tp + 6C; plus VC/tp + TC on the first stage and VC/tp + 2C on the last.
+    ``keep_meta``: leave parameters meta (ZeRO-3 draws its own pieces). ``virtual_stages`` v > 1: this rank's
+    v chunks (virtual stages c*pp + pp_rank) as an ``InterleavedStage``; ``v_shape``: chunks pp_rank and
+    2pp-1-pp_rank (ZB-V).
     """
     with scratch_ledger():  # meta arrays (0 bytes) and the small arrays slicing them leaves
         parts = interleave(GPT(cfg, seed=seed, meta=True), topo.pp_rank, topo.pp, virtual_stages, v_shape)
@@ -99,34 +72,22 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False,
 
 
 def counts_in_norm(p, topo: Topology) -> bool:
-    """Whether this rank adds ``p``'s gradient to the global norm (each element counted exactly once).
-
-    Tensor-replicated parameters count on tensor rank 0 only; the last stage's copy of the
-    tied embedding does not count (the first stage's does).
-    """
+    """Whether this rank adds ``p``'s gradient to the global norm: tensor-replicated on tensor rank 0, tied copy once."""
     if getattr(p, "shared_embedding_copy", False):
         return False
     return topo.tp_rank == 0 or not is_tensor_parallel_duplicate(p)
 
 
 def grad_norm_sq(topo: Topology, sync) -> float:
-    """Collective: squared global gradient norm of the whole model (float64), the same on every rank.
-
-    Asks the gradient synchroniser ``sync`` (DataParallel: over the model-parallel group; ZeRO:
-    over the world, each data rank owning a slice), counting each element once (:func:`counts_in_norm`).
-    """
+    """Collective: squared global gradient norm (float64), equal on every rank, each element counted once."""
     return sync.grad_norm_sq(lambda p: counts_in_norm(p, topo), topo.mp_comm, topo.world)
 
 
 def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     """Collective: world rank ``root`` (at dp 0, tp 0, pp 0) assembles the whole GPT; None elsewhere.
 
-    Every rank of data rank 0 sends, in its own parameter order, a header (int64
-    [partition_dim, stride], or [-1, 1] for a whole array; tensor rank 0 only for those) and
-    the array; the root receives in the full model's order and joins the shards
-    (:func:`unshard_arrays`). Traffic label ``gather_model``: the model's bytes once.
-    Raises:
-        ValueError: ``root`` is not the rank at (0, 0, 0).
+    Data rank 0's ranks send a header (int64 [partition_dim, stride]) and each array; traffic ``gather_model``:
+    the model's bytes once. Raises ValueError: ``root`` is not the rank at (0, 0, 0).
     """
     comm = topo.world
     if root != topo.rank_of(0, 0, 0):

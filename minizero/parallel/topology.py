@@ -1,11 +1,8 @@
 """The 3D mesh: ``dp * tp * pp`` ranks, and one communicator per parallel group.
 
-Megatron-LM's order "tp-dp-pp": ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so tensor groups are
-consecutive ranks (inside one node when tp divides its ranks). Every group is a :meth:`Communicator.split` of
-the world whose ledger holds the bytes sent inside it. The embedding group is the first and last stage of a
-pipeline group. :meth:`Topology.placement_warnings` names each tensor group spanning nodes.
-
-Sources: Narayanan et al., arXiv:2104.04473, section 3; DeepSpeed's ``PipeModelDataParallelTopology``.
+Megatron-LM's order "tp-dp-pp": ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``; every group is a
+:meth:`Communicator.split` of the world. Sources: Narayanan et al., arXiv:2104.04473, section 3;
+DeepSpeed's ``PipeModelDataParallelTopology``.
 """
 from __future__ import annotations
 
@@ -29,15 +26,9 @@ def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
 class Topology:
     """This rank's place in the mesh and its group communicators (collective: five splits of ``comm``).
 
-    Args:
-        comm: the world Communicator (``world_size == dp * tp * pp``).  dp, tp, pp: group sizes.
-    Attributes:
-        dp, tp, pp; dp_rank, tp_rank, pp_rank; world (``comm``); tp_comm, dp_comm, pp_comm;
-        mp_comm: same dp rank, tp x pp ranks (where a global gradient norm is summed);
-        embed_comm: first and last stage of this pipeline group (size 2 when pp > 1, else 1);
-        nodes: the world's :class:`NodeLayout` (one node unless ``comm`` is a ``NodeTrafficCommunicator``).
-    Raises:
-        ValueError: ``dp * tp * pp`` differs from ``comm.world_size``.
+    Attributes: dp, tp, pp and their ranks; world; tp_comm, dp_comm, pp_comm; mp_comm (same dp rank);
+    embed_comm (first and last stage); nodes (the world's :class:`NodeLayout`).
+    Raises ValueError: ``dp * tp * pp`` differs from ``comm.world_size``.
     """
 
     def __init__(self, comm, dp: int, tp: int = 1, pp: int = 1):
@@ -71,11 +62,7 @@ class Topology:
         return {"tp": self.tp_comm, "dp": self.dp_comm, "pp": self.pp_comm, "embed": self.embed_comm}
 
     def all_groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (``"tp"``, ``"dp"``, ``"pp"``, ``"embed"``) as lists of world ranks.
-
-        Raises:
-            ValueError: an unknown ``kind``.
-        """
+        """Every group of ``kind`` (``"tp"``, ``"dp"``, ``"pp"``, ``"embed"``) as lists of world ranks (else ValueError)."""
         grid = mesh(self.dp, self.tp, self.pp)
         if kind == "tp":
             groups = grid.reshape(-1, self.tp)

@@ -1,11 +1,7 @@
 """``--trace PATH``: spans for each unit's forward and backward, and one timeline file for all ranks.
 
-Forward spans come from module hooks; backward spans from identity Functions on each unit's output (begin) and
-input (end), which pass gradients through untouched. Units are ZeRO's (:func:`~minizero.zero.shards.find_units`).
-:func:`write_trace` gathers every rank's events on rank 0 (a length, then the JSON bytes) and writes one Chrome
-trace-event file.
-
-Mirrors: ``torch.profiler`` (``record_function``, ``export_chrome_trace``).
+Forward spans from module hooks; backward spans from identity Functions on each unit's output (begin) and
+input (end). Mirrors: ``torch.profiler`` (``record_function``, ``export_chrome_trace``).
 """
 from __future__ import annotations
 
@@ -36,14 +32,7 @@ class _BackwardMark(Function):
 
 
 class TraceUnits:
-    """Forward and backward spans of every unit of ``model`` into this rank's tracer (if tracing).
-
-    Args:
-        model: a Module (the whole GPT or a pipeline stage).
-    The span names are ``forward NAME`` / ``backward NAME`` (category ``forward`` / ``backward``,
-    lane ``trace.COMPUTE``), NAME the unit's module name (``transformer.h.3``). The first unit's
-    input (token ids) has no gradient, so its backward span ends with the engine (no mark).
-    """
+    """Spans ``forward NAME`` / ``backward NAME`` of every unit of ``model`` into this rank's tracer."""
 
     def __init__(self, model):
         self.removers = []
@@ -89,12 +78,9 @@ class TraceUnits:
 
 
 def write_trace(comm, tracer: trace.Tracer, path: str) -> int | None:
-    """Collective over ``comm``: rank 0 writes every rank's events to ``path`` (Chrome trace-event JSON).
+    """Collective over ``comm``: rank 0 writes every rank's events to ``path`` (Chrome trace-event JSON, ``pid`` = rank).
 
-    Each rank sends its events as JSON bytes (an int64 length, then uint8s) to rank 0, which
-    writes ``{"traceEvents": [...], "displayTimeUnit": "ms"}``: the ``"X"`` events of all ranks
-    (``pid`` = rank), then ``"M"`` events naming rows and lanes. Returns the number of ``"X"``
-    events written on rank 0, None elsewhere.
+    Each rank sends an int64 length, then the JSON bytes. Returns the ``"X"`` events written on rank 0, None elsewhere.
     """
     mine = np.frombuffer(json.dumps(tracer.events).encode(), dtype=np.uint8).copy()
     if comm.rank != 0:

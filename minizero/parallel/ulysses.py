@@ -1,21 +1,15 @@
 """DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): attention over a split sequence by two all-to-alls.
 
-Context parallelism's layout (``--cp c``, context_parallel.py: rank r holds chunks r and 2c-1-r of
-the sequence) with another attention core: before attention an all-to-all turns sequence shards
-into head shards, after it the inverse::
+Context parallelism's layout (rank r holds chunks r and 2c-1-r) with another attention core::
 
     q, k, v   (b, H, 2n, D)   this rank's 2 chunks, every head
-       │ all-to-all: head group j (H/c heads) to rank j; the time blocks arrive in rank order,
-       │ then reordered to the sequence's order (the chunk layout is load-balanced, not contiguous)
+       │ all-to-all: head group j (H/c heads) to rank j; time blocks reordered to the sequence's order
     q, k, v   (b, H/c, T, D)  every token, this rank's heads ──> causal attention (the dense core)
        │ reorder back, all-to-all: time block i to rank i
     y         (b, H, 2n, D)
 
-Traffic per rank and call: each all-to-all sends (c-1)/c of its input; forward 3 (q, k, v) + 1
-(y), backward the same, each (b, H, 2n, D) * itemsize: 8 (c-1)/c * b*H*2n*D*itemsize per layer and
-step, against ring attention's ~4 (c-1) blocks of the same size (:func:`ulysses_bytes`); at large c
-Ulysses sends about 1/c of ring attention's bytes (Jacobs et al., section 3.2). The heads must
-split: H/tp divisible by c.
+Traffic per rank, layer and step: 8 (c-1)/c * b*H*2n*D*itemsize (:func:`ulysses_bytes`), about 1/c of ring
+attention's at large c (Jacobs et al., section 3.2). c must divide H/tp.
 """
 from __future__ import annotations
 
@@ -29,10 +23,7 @@ from minizero.nn.module import Module
 
 
 def sequence_order(cp: int, n: int) -> np.ndarray:
-    """Gathered time index -> its position: ranks' 2n rows in rank order, rank i's being chunks i and 2c-1-i.
-
-    Returns ``order`` (2cn,) with ``gathered[..., order, :]`` in the sequence's order.
-    """
+    """``order`` (2cn,): ``gathered[..., order, :]`` puts the ranks' rows (rank i: chunks i, 2c-1-i) in sequence order."""
     pos = np.concatenate([np.concatenate([np.arange(n) + c * n for c in (i, 2 * cp - 1 - i)]) for i in range(cp)])
     return np.argsort(pos)
 
@@ -84,8 +75,8 @@ class _HeadsToSeq(Function):
 class UlyssesAttentionCore(Module):
     """An attention core: q, k, v (b, H, 2n, D) this rank's chunks -> (b, H, 2n, D), over ``comm`` (c ranks).
 
-    ``inner``: the core run on (b, H/c, T, D) head shards (default the dense causal core).
-    Raises ValueError when c does not divide the local head count H (checked at the first call).
+    ``inner``: the core run on (b, H/c, T, D) head shards (default dense causal).
+    Raises ValueError (first call): c does not divide the local head count.
     """
 
     def __init__(self, comm, inner=None):

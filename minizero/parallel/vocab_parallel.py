@@ -1,10 +1,6 @@
 """Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by tokens.
 
-Rank r holds rows [r V/tp, (r+1) V/tp) of wte. Embedding: local rows, zeros elsewhere, then g (forward
-all-reduce of (b, T, C)). LM head: f (backward all-reduce of dL/dx), logits (b, T, V/tp), never gathered.
-Loss: an all-gather of the (N,) row maxima and two all-reduces of (N,); backward softmax_r - onehot_r with no
-message; rows whose target is ``ignore_index`` count zero.
-
+Rank r holds rows [r V/tp, (r+1) V/tp) of wte; logits (b, T, V/tp) are never gathered.
 Source: Shoeybi et al., arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and
 ``vocab_parallel_cross_entropy``.
 """
@@ -43,10 +39,9 @@ class _MaskedEmbedding(Function):
 
 
 class VocabParallelEmbedding(Module):
-    """Token embedding with rows [lo, lo + V/tp) on this rank. idx (b, T) int -> (b, T, C) on every rank.
+    """Token embedding, rows [lo, lo + V/tp) here (zeros elsewhere). idx (b, T) int -> (b, T, C) on every rank.
 
-    weight (V/tp, C), ``tensor_model_parallel``, ``partition_dim`` 0.
-    Collectives: forward one all-reduce of (b, T, C) (g); backward none.
+    weight (V/tp, C), ``partition_dim`` 0. Forward: one all-reduce of (b, T, C) (g); backward: none.
     """
 
     def __init__(self, weight, comm, vocab_start: int):
@@ -68,11 +63,7 @@ class VocabParallelEmbedding(Module):
 
 
 class ParallelLMHead(Module):
-    """Logits of this rank's tokens: f(x) W_r^T. x (b, T, C) on every rank -> (b, T, V/tp).
-
-    ``weight``: the embedding's shard Parameter (tied), or the last stage's copy of it.
-    Collectives: forward none; backward one all-reduce of dL/dx (b, T, C) (f).
-    """
+    """Logits of this rank's tokens: f(x) W_r^T. x (b, T, C) -> (b, T, V/tp); backward one all-reduce of dL/dx (f)."""
 
     def __init__(self, weight, comm):
         super().__init__()
@@ -83,14 +74,9 @@ class ParallelLMHead(Module):
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy from logits split by vocabulary; see the module docstring.
+    """Mean cross-entropy from logits split by vocabulary, from z - m (m the global row maximum), in at least float32.
 
-    As :class:`minizero.autograd.functional.CrossEntropy`: in at least float32, from the
-    shifted logits z - m (m the global row maximum), so m cancels exactly; the loss is float32
-    for float16 logits (a float16 loss would round and its backward seed S/m overflow).
-    Saves logits, the local target index and its mask, and log(sum exp(z - m)) + (m - m_r) (N,),
-    m_r this rank's own row maximum, which backward recomputes: softmax_r = exp((z - m_r) - that),
-    where m - m_r is a small difference of two nearby numbers (exact for close ones, Sterbenz).
+    Saves logits, the local target index and mask, and log(sum exp(z - m)) + (m - m_r) (N,).
     """
 
     @staticmethod
@@ -126,16 +112,11 @@ class _VocabParallelCrossEntropy(Function):
 
 
 def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore_index: int = F.IGNORE_INDEX):
-    """Mean cross-entropy of ``logits`` (N, V/tp), this rank's tokens [vocab_start, +V/tp), against ``targets`` (N,).
+    """Mean cross-entropy of ``logits`` (N, V/tp), tokens [vocab_start, +V/tp), against ``targets`` (N,).
 
-    Rows whose target is ``ignore_index`` are left out as by the plain cross-entropy (NaN when all are).
-
-    Every rank of the tensor group calls it with its own logits; all get the same loss
-    (float32 for float16/float32 logits, float64 for float64).
-    Collectives: forward an all-gather and two all-reduces of (N,) values; backward none.
-    Raises:
-        ValueError: logits not 2-D, or a target outside [0, V) and not ``ignore_index``, V = tp * V/tp (the same check
-        as the plain :func:`~minizero.autograd.functional.cross_entropy`, on every rank).
+    The same loss on every tensor rank (float32 for float16/32 logits); ``ignore_index`` rows left out (NaN if all).
+    Forward: an all-gather and two all-reduces of (N,); backward: none (softmax_r - onehot_r).
+    Raises ValueError (every rank): logits not 2-D, a target outside [0, V) and not ``ignore_index``.
     """
     t = targets.data if isinstance(targets, Tensor) else targets
     if logits.ndim != 2:
@@ -146,14 +127,9 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore
 
 
 def vocab_parallelize(stage, comm) -> list[str]:
-    """Split a pipeline stage's embedding, tied LM head and loss over the tensor group, in place.
+    """Split a stage's ``wte``, tied ``lm_head`` and ``loss_fn`` over the tensor group, in place; returns the names.
 
-    ``stage``: a :class:`minizero.parallel.pipeline.PipelineStage`. On the first stage ``wte``
-    becomes a :class:`VocabParallelEmbedding`; on the last, ``lm_head`` a
-    :class:`ParallelLMHead` on the same shard (or on the last stage's copy of it) and
-    ``stage.loss_fn`` :func:`vocab_parallel_cross_entropy`. Returns the converted names.
-    Raises:
-        ValueError: the group size does not divide the vocabulary.
+    Raises ValueError: the group size does not divide the vocabulary.
     """
     tp, cfg = comm.world_size, stage.config
     if tp == 1:

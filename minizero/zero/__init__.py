@@ -1,10 +1,7 @@
 """ZeRO: a base (units, shards, the sharded step) and three stages, each adding exactly its own work.
 
-Read in order: ``shards.py`` (units, who owns what), ``base.py`` (the step on the owned shard),
-``stage1.py`` (optimizer state sharded), ``stage2.py`` (gradients reduce-scattered in backward),
-``stage3.py`` (parameters gathered before use, freed after). ``collectives.py`` (the unit
-collectives and their order check) and ``overlap.py`` (prefetch, overlapped reduce-scatter) are
-helpers the stages hold. Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054).
+Read ``shards.py``, ``base.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``; ``collectives.py`` and
+``overlap.py`` are helpers the stages hold. Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054).
 """
 from minizero.zero.base import ZeroOptimizer, gather_figures, model_state_bytes
 from minizero.zero.collectives import PHASES, STEP_PHASES, ZeroOrderError
@@ -22,10 +19,7 @@ __all__ = ["ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", 
 
 
 def zero_optimizer(model, comm, stage: int, **kwargs) -> ZeroOptimizer:
-    """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm``; ``kwargs`` as :class:`ZeroOptimizer`'s.
-
-    Raises: ValueError for another stage, before any work.
-    """
+    """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm`` (``kwargs``: :class:`ZeroOptimizer`'s); else ValueError."""
     if stage not in STAGES:
         raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
     return STAGES[stage](model, comm, **kwargs)

@@ -1,23 +1,15 @@
 """ZeRO's base: units and their shards, AdamW on the owned shard, the global norm. Stages add the rest.
 
-Source: Rajbhandari et al., "ZeRO", SC 2020 (arXiv:1910.02054), section 5, Figure 1, section 7.2;
-DeepSpeed ``stage_1_and_2.py`` / ``stage3.py``, PyTorch FSDP's flat parameters. Per rank, Ψ
-parameters over N ranks, float32 parameters and gradients, Adam's m and v (K = 8 bytes):
+Per rank, Ψ parameters over N ranks, float32 parameters and gradients, Adam's m and v (K = 8 bytes):
 
     stage  file        sharded            bytes per parameter   bytes sent per step, one micro-batch
     1      stage1.py   optimizer state    4 + 4 + 8/N           2(N-1)/N x 4Ψ  reduce-scatter g, all-gather p
     2      stage2.py   + gradients        4 + (4 + 8)/N         2(N-1)/N x 4Ψ  g reduce-scattered in backward
     3      stage3.py   + parameters       (4 + 4 + 8)/N         3(N-1)/N x 4Ψ  gather p forward and backward
 
-Who holds what, per unit (S = padded / N elements, d = parameter dtype, s = state dtype):
-
-    stage  parameters                         gradients                        m, v     transient
-    1      flat (padded,) d, p.data views     flat (padded,) d, p.grad views   (S,) s   -
-    2      flat (padded,) d                   shard (S,) d                     (S,) s   bucket (padded,) d in backward
-    3      shard (S,) d; p.data a NaN view    shard (S,) d                     (S,) s   gathered (padded,) d while it runs
-
-Ledger: ``parameters``, ``gradients``, ``optimizer_state`` as above; ``gathered`` and
-``comm_buffers`` (buckets) are transient.
+Ledger: ``parameters``, ``gradients``, ``optimizer_state``; transient ``gathered`` and ``comm_buffers``.
+Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054), section 5, Figure 1, section 7.2;
+DeepSpeed ``stage_1_and_2.py`` / ``stage3.py``, PyTorch FSDP's flat parameters.
 """
 from __future__ import annotations
 
@@ -52,34 +44,18 @@ def gather_figures(comm, figures: dict) -> list[dict]:
 
 
 class ZeroOptimizer:
-    """AdamW on ZeRO-sharded model states; the base of :class:`ZeroStage1`, ``2`` and ``3`` (build one with
-    :func:`minizero.zero.zero_optimizer`). Replaces ``DataParallel`` + ``AdamW``.
+    """AdamW on ZeRO-sharded model states, replacing ``DataParallel`` + ``AdamW``; the base of the three stages.
 
     Args:
-        model: a Module, same init on every rank; its parameters are re-homed into flat units.
-        comm: the data-parallel Communicator (N = ``comm.world_size``; N = 1 works and saves nothing).
-        lr, betas, eps, weight_decay: as :class:`~minizero.optim.AdamW` (decay on ndim >= 2).
-        native: the MPI library's collectives instead of the rings.
-        master_weights: an FP32 master of the owned shard (4/N bytes per parameter, ``optimizer_state``).
-        sharded_state: None (AdamW's m and v), or ``factory(shard_map) -> state`` whose
-            ``state.step_unit(unit, target, grad_shard, step, lr, beta1, beta2, eps, weight_decay,
-            grad_scale)`` updates a unit's owned shard (8-bit Adam: ``ShardedAdam8bit``); its
-            messages count as ``optimizer_sync``.
-        quantized_comm: INT8 on the wire (ZeRO++) for the gradient reduce-scatters and stage 3's
-            forward/backward gathers.
-        store: an :class:`OptimizerStateStore` (where m, v and masters live; offload).
-        prefetch, overlap_reduce: stage 3's prefetch, stages 2-3's overlapped reduce-scatter (overlap.py);
-            taken by those stages' constructors, ignored here.
-        find_unused_parameters: as :class:`~minizero.parallel.data_parallel.DataParallel`'s.
-        predivided: gradients already carry 1/N (FP16's backward seed): reduce by a plain sum.
-        check_order: all-gather a (unit, phase) header before every unit collective and raise
-            :class:`ZeroOrderError` on a mismatch; None: the debug switch ``MINIZERO_DEBUG_COLLECTIVES=1``.
-    A step: forward/backward per micro-batch -> :meth:`reduce_gradients` -> :meth:`clip_grad_norm_`
-    -> :meth:`set_lr` -> :meth:`step` -> :meth:`zero_grad`.
-    Attributes: ``stage``, ``shard_map``, ``units`` (:class:`UnitState`), ``bytes_sent`` (phase -> bytes,
-    cumulative), ``step_bytes`` (one dict per step, phase -> bytes).
-    Raises:
-        ValueError: a hyper-parameter out of range; ``quantized_comm`` with ``native``.
+        model: a Module, same init on every rank (parameters re-homed into flat units).  comm: the data group.
+        lr, betas, eps, weight_decay: as :class:`~minizero.optim.AdamW`.  native: the library's collectives.
+        master_weights: an FP32 master of the owned shard (4/N bytes per parameter).
+        sharded_state: None (AdamW's m, v) or ``factory(shard_map)`` with ``step_unit(...)`` (``ShardedAdam8bit``).
+        quantized_comm: INT8 on the wire (ZeRO++).  store: where m, v and masters live (offload).
+        prefetch, overlap_reduce: taken by stages 2-3.  find_unused_parameters: as DataParallel's.
+        predivided: gradients carry 1/N already.  check_order: the (unit, phase) header check (None: debug switch).
+    Attributes: ``stage``, ``shard_map``, ``units``, ``bytes_sent`` (phase -> bytes), ``step_bytes`` (per step).
+    Raises ValueError: a hyper-parameter out of range; ``quantized_comm`` with ``native``.
     """
 
     stage = 0  # set by each stage's class

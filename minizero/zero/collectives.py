@@ -1,14 +1,8 @@
 """ZeRO's collectives on one unit, and the check that every rank is at the same (unit, phase).
 
-A rank that reached its collectives in another order would pair unit 0 with unit 1 and, at
-equal sizes, sum them silently. Under the debug switch (``MINIZERO_DEBUG_COLLECTIVES=1``, which
-tests/conftest.py sets; off in the main job) every rank first all-gathers a header
-``(unit index, phase, prefetched)`` before each unit collective (3 int64, (N-1) x 24 bytes per rank,
-traffic label ``zero_header``, in no phase's byte count); on a mismatch every rank raises the same
-:class:`ZeroOrderError` (PyTorch FSDP's debug mode checks collective fingerprints the same way).
-Off, a different order is a wrong sum or a hang until ``--comm-timeout``.
-Means over ranks: float16 divides by N before the sum, wider dtypes after
-(:func:`minizero.comm.collectives.mean_scale_`); ``predivided``: the addends carry 1/N already.
+Under the debug switch (``MINIZERO_DEBUG_COLLECTIVES=1``) every rank all-gathers a header ``(unit, phase,
+prefetched)`` (3 int64, label ``zero_header``) before each unit collective and raises :class:`ZeroOrderError`
+on a mismatch (as PyTorch FSDP's debug mode); off, another order is a wrong sum or a hang.
 """
 from __future__ import annotations
 
@@ -42,11 +36,7 @@ class ZeroOrderError(RuntimeError):
 
 
 class UnitState:
-    """Arrays and flags of one unit on one rank (who holds what: :class:`minizero.zero.base.ZeroOptimizer`).
-
-    ``complete``: every gradient of this backward has arrived; ``reduced``: its bucket was
-    reduce-scattered in this micro-batch (stages 2-3).
-    """
+    """Arrays and flags of one unit on one rank: ``complete`` (all gradients arrived), ``reduced`` (this micro-batch)."""
 
     def __init__(self, index, unit, params, users):
         self.index, self.unit, self.params, self.users = index, unit, params, users
@@ -62,10 +52,7 @@ class UnitState:
 class UnitCollectives:
     """The unit collectives of one ZeRO optimizer over ``comm``; bytes added to ``bytes_sent[phase]``.
 
-    Args: comm; units (list of :class:`UnitState`, for error messages); bytes_sent (phase -> int,
-    shared with the optimizer); native (MPI's collectives); quantized_comm (INT8 on the wire,
-    ZeRO++); predivided (gradients carry 1/N already: reduce by a plain sum); check_order (the
-    header check before each collective; None: :func:`debug_collectives`).
+    ``quantized_comm``: INT8 on the wire; ``predivided``: plain sum; ``check_order``: None = :func:`debug_collectives`.
     """
 
     def __init__(self, comm, units, bytes_sent, native=False, quantized_comm=False, predivided=False,
@@ -84,11 +71,9 @@ class UnitCollectives:
             self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
 
     def agree(self, st, phase: str, prefetched: bool = False) -> None:
-        """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st`` (None: no unit),
-        blocking or ``prefetched`` (the prefetch ring has its own tag, so a mix would hang, not error).
+        """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st``, blocking or ``prefetched``.
 
-        Raises:
-            ZeroOrderError: on every rank, naming each rank's unit and phase.
+        Raises ZeroOrderError on every rank, naming each rank's unit and phase.
         """
         n = self.comm.world_size
         if n == 1 or not self.check_order:
@@ -116,11 +101,7 @@ class UnitCollectives:
             return all_gather(self.comm, shard, st.unit.padded, native=self.native)
 
     def reduce_scatter(self, st, flat):
-        """Mean over ranks of a unit's (padded,) gradient buffer ``flat``: this rank's (S,) chunk.
-
-        Ring, or INT8 all-to-all with ``quantized_comm``; counted as ``reduce_scatter_grads``.
-        ``flat`` is divided in place when its dtype divides before the sum.
-        """
+        """Mean over ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk (``reduce_scatter_grads``)."""
         self.agree(st, "reduce_scatter_grads")
         n = self.comm.world_size
         with self.count("reduce_scatter_grads"):

@@ -1,20 +1,8 @@
 """ZeRO's overlap helpers: the overlapped gradient reduce-scatter (stages 2-3) and the parameter prefetch (stage 3).
 
-:class:`OverlappedReduceScatter`: a unit's due bucket (its fixed turn, stage2.py) is submitted
-to a stream (tag ``REDUCE_TAG``) instead of run to the end; hooks progress it; when it finishes
-its mean chunk is added into the owned gradient shard. Same ring, same additions, same order:
-bitwise the blocking result. **Double buffering**: at most :data:`REDUCE_BUCKETS` buckets alive
-besides the tied embedding's; before one is submitted the oldest is retired (waited for, then
-freed, never earlier), so the ``comm_buffers`` peak is a formula (``estimator/zero_overlap.py``).
-The ring's receive chunk (ceil(padded/N) elements) is ``comm_scratch`` for the same lifetime.
-
-:class:`Prefetcher`: starts a unit's all-gather (tag ``PREFETCH_TAG``) ahead of use; the buffer is
-``gathered`` from the start, so at most :data:`GATHERED_UNITS` units are gathered (plus the tied
-embedding). Bytes and labels are the blocking gather's.
-
-Both need the hand-written ring (not ``native``, not ``quantized_comm``) on a communicator with
-``isend``/``irecv``, N > 1 (:func:`can_overlap`). Mirrors DeepSpeed's ``overlap_comm`` (two IPG
-buffers, ``stage_1_and_2.py``), PyTorch FSDP's ``forward_prefetch`` / ``backward_prefetch``.
+Both run the blocking path's ring in a stream (bitwise equal); at most :data:`REDUCE_BUCKETS` buckets and
+:data:`GATHERED_UNITS` gathered units are alive (plus the tied embedding's). Need :func:`can_overlap`.
+Mirrors DeepSpeed's ``overlap_comm`` (two IPG buffers), PyTorch FSDP's ``forward_prefetch`` / ``backward_prefetch``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """ZeRO's bookkeeping: parameters grouped into flat units, and which rank owns which elements.
 
-A *unit* is parameters laid end to end in one flat buffer, zero-padded to a multiple of N
-(PyTorch FSDP's ``FlatParameter``). Rank r owns ``[r*S, (r+1)*S)`` of every unit, S = padded / N:
-the slice ``reduce_scatter`` leaves on rank r and ``all_gather`` reads from it (``shard_range``,
-comm/collectives.py). :class:`ShardMap` gives llm.c's ``offset, size`` per unit, prints it
-(``--show-shards``) and draws it::
+A unit is parameters end to end in one flat buffer, zero-padded to a multiple of N (FSDP's ``FlatParameter``);
+rank r owns ``[r*S, (r+1)*S)``, S = padded / N (``shard_range``). ``--show-shards`` draws it::
 
     transformer.h.0: 3,280 elements (+0 padding), 820 per rank
       params  acccccccccccccccdeeeeegiiiiiiiiiiiiiiiiiiiijkkkkkkkkkkkkkkkkkkkk
       ranks   0000000000000000111111111111111122222222222222223333333333333333
 
-Formulas: Rajbhandari et al., SC 2020 (arXiv:1910.02054), Figure 1 / section 5 (bytes per
-rank) and section 7 (traffic per step), with M micro-batches per step.
+Formulas: Rajbhandari et al., SC 2020 (arXiv:1910.02054), Figure 1 / section 5 and section 7.
 """
 from __future__ import annotations
 
@@ -28,13 +24,9 @@ from minizero.nn.init import is_meta
 
 # --------------------------------------------------------------------------- the shard map
 def find_units(model):
-    """Group ``model``'s parameters into units: ``[(module_name, module, [(param_name, Parameter)])]``.
+    """``[(module_name, module, [(param_name, Parameter)])]``: ModuleList elements, other modules owning parameters.
 
-    Rule (FSDP's transformer auto-wrap, made generic): each element of a ModuleList (a
-    transformer block) is one unit holding its whole subtree; every other module that owns
-    parameters directly is a unit of its own. A shared parameter belongs to the first unit
-    that reaches it (the tied LM head's weight stays with ``transformer.wte``). Units and
-    their parameters come in ``model.parameters()`` order.
+    A shared parameter belongs to the first unit that reaches it (FSDP's transformer auto-wrap, generic).
     """
     units, claimed = [], set()
     todo = [("", model, False)]  # (name, module, whole subtree?) in pre-order
@@ -54,11 +46,7 @@ def find_units(model):
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One flat buffer: parameters end to end, then zeros up to ``padded`` (a multiple of N).
-
-    Attributes: ``name`` (module path), ``param_names``, ``shapes``, ``offsets`` (element
-    offset of each parameter in the buffer), ``numel`` (real elements), ``padded``.
-    """
+    """One flat buffer: parameters end to end (``offsets``), then zeros up to ``padded`` (a multiple of N)."""
 
     name: str
     param_names: tuple
@@ -82,13 +70,7 @@ class Piece:
 
 
 class ShardMap:
-    """Which rank owns which elements of which parameter (llm.c's ``offset, size``, per unit).
-
-    Args:
-        units: list of :class:`Unit`. world_size: N >= 1.
-    Rank r owns elements ``[r*S, (r+1)*S)`` of every unit's flat buffer, ``S = padded // N``.
-    Build one from a model with :meth:`from_model` (needs no communicator).
-    """
+    """Which rank owns which elements of which parameter (llm.c's ``offset, size``, per unit; :meth:`from_model`)."""
 
     def __init__(self, units, world_size: int):
         if world_size < 1:
@@ -190,12 +172,9 @@ class ShardMap:
 
 # --------------------------------------------------------------------------- formulas
 def owned_shard(params, offsets, lo: int, size: int, dtype):
-    """Elements ``[lo, lo + size)`` of a unit's padded flat buffer, built without the buffer: (size,) ``dtype``.
+    """Elements ``[lo, lo + size)`` of a unit's padded flat buffer, without the buffer: (size,) ``dtype``.
 
-    ``params``: the unit's parameters, ``offsets``: their element offsets in it. A parameter whose
-    data is a meta array (:func:`minizero.nn.init.is_meta`) draws only its overlap with the piece
-    (``p.init.flat``); any other is copied from. Padding is zeros. Memory: the piece plus one row
-    (ZeRO-3's set-up never holds a whole unit; DeepSpeed's ``zero.Init`` partitions at construction).
+    Meta parameters draw only their overlap (``p.init.flat``), as DeepSpeed's ``zero.Init``; padding is zeros.
     """
     out = backend.xp.zeros(size, dtype)
     for p, off in zip(params, offsets):
@@ -208,19 +187,10 @@ def owned_shard(params, offsets, lo: int, size: int, dtype):
 
 def model_state_formula(stage: int, num_params: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
                         state_bytes: int = 8) -> dict:
-    """Bytes per rank of parameters, gradients and optimizer state for a ZeRO ``stage``.
+    """Bytes per rank ``{"parameters", "gradients", "optimizer_state", "total"}`` for ZeRO ``stage`` (before padding).
 
-    The formula of the ZeRO paper's Figure 1 (stage 0: (P + G + K)Ψ; 1: (P + G + K/N)Ψ;
-    2: (P + (G + K)/N)Ψ; 3: (P + G + K)Ψ/N). The defaults are its FP32 instance, P = 4, G = 4,
-    K = 8 (float32 parameters, gradients, Adam's m and v), minizero's default run; the figure's
-    own row is mixed-precision Adam, P = 2, G = 2, K = 12 (FP32 master, m, v):
-    ``model_state_formula(stage, psi, n, 2, 2, 12)``. The two totals agree unsharded and at
-    stage 3 only because both layouts add up to 16 bytes per parameter.
-
-    ``state_bytes``: optimizer state per parameter, K (8 for float32 m and v, 16 for float64,
-    12 for FP16 training's FP32 master + m + v).
-    Returns ``{"parameters", "gradients", "optimizer_state", "total"}`` as floats (before padding).
-    Raises: ValueError for a stage outside 0..3.
+    The ZeRO paper's Figure 1: stage 0 (P + G + K)Ψ; 1 (P + G + K/N)Ψ; 2 (P + (G + K)/N)Ψ; 3 (P + G + K)Ψ/N.
+    Defaults P = G = 4, K = 8 (float32); the figure's own row: P = G = 2, K = 12. Raises ValueError: stage not 0-3.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}; allowed: 0, 1, 2, 3")
@@ -233,15 +203,9 @@ def model_state_formula(stage: int, num_params: int, world_size: int, param_byte
 
 
 def traffic_formula(stage: int, num_params: int, world_size: int, itemsize: int = 4, micro_batches: int = 1) -> float:
-    """Bytes one rank sends per optimizer step for model states, before padding.
+    """Bytes one rank sends per optimizer step for model states, M micro-batches, before padding (paper section 7).
 
-    For one micro-batch these are the ZeRO paper's section 7 volumes: 2Ψ for data parallelism
-    (7.1; stage 1 is the same), 2Ψ for P_os+g (7.2.1), 3Ψ for P_os+g+p (7.2.2), each times
-    (N-1)/N and the bytes per element. The factor M is minizero's own count of its schedule:
-
-    Stages 0 and 1: 2(N-1)/N of the gradient bytes (all-reduce = reduce-scatter + all-gather).
-    Stage 2: (M+1)(N-1)/N: one reduce-scatter per micro-batch, one all-gather per step.
-    Stage 3: 3M(N-1)/N: two all-gathers and one reduce-scatter per micro-batch.
+    Stages 0-1: 2(N-1)/N; stage 2: (M+1)(N-1)/N; stage 3: 3M(N-1)/N of the parameter bytes.
     """
     one = (world_size - 1) / world_size * num_params * itemsize
     return {0: 2 * one, 1: 2 * one, 2: (micro_batches + 1) * one, 3: 3 * micro_batches * one}[stage]

@@ -6,8 +6,7 @@
     reduce_gradients()   reduce-scatter each unit's buffer once per step -> the owned (S,) mean
     step()               AdamW on the owned shard (base.py), then all-gather every unit's parameters
 
-Traffic per step: 2(N-1)/N of the parameter bytes (Rajbhandari et al., SC 2020, section 7.1;
-DeepSpeed ``stage_1_and_2.py``).
+Source: Rajbhandari et al., SC 2020, section 7.1; DeepSpeed ``stage_1_and_2.py``.
 """
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ from minizero.zero.base import ZeroOptimizer
 
 
 class ZeroStage1(ZeroOptimizer):
-    """Stage 1 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`). Every rank takes the owner's
-    values at set-up: one all-gather per unit, like DDP's broadcast.
+    """Stage 1 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); set-up: one all-gather per unit.
 
-    Raises (``reduce_gradients``):
-        RuntimeError: a ``.grad`` is no longer a view of its unit's buffer (``model.zero_grad()`` was called).
+    Raises RuntimeError (``reduce_gradients``): a ``.grad`` is no longer a view of its unit's buffer.
     """
 
     stage = 1

@@ -8,14 +8,8 @@
     complete units, highest index first   reduce-scatter the bucket (mean over ranks), add into the
                                           owned (S,) shard, free the bucket
 
-A micro-batch is one backward: its first gradient hook queues the end of the micro-batch
-(:func:`~minizero.autograd.engine.queue_callback`, DDP's and FSDP's end-of-backward hook). The
-reduce order is fixed (unit U-1 down to 0), as DDP's buckets: a unit completed out of order waits,
-its bucket alive, so ranks whose backward completes units in different orders still pair unit u
-with unit u. At the end of a backward every unit not yet reduced is, in order: with the gradients
-it got, or zeros if this rank did not use it. Traffic per step, M micro-batches: (M + 1)(N-1)/N of
-the parameter bytes (section 7.2.1; DeepSpeed ``stage_1_and_2.py``). With ``overlap_reduce`` the
-reduce-scatter runs in a :class:`~minizero.zero.overlap.OverlappedReduceScatter` while backward goes on.
+Units reduce in a fixed order (U-1 down to 0), unused ones with zeros at the end of backward.
+Source: Rajbhandari et al., SC 2020, section 7.2.1; DeepSpeed ``stage_1_and_2.py``.
 """
 from __future__ import annotations
 
@@ -28,11 +22,7 @@ from minizero.zero.stage1 import ZeroStage1
 
 
 class _RunBeforeBackward(Function):
-    """forward: identity on ``x``; backward: call ``callback()``, then pass the gradient through.
-
-    On a module's output, its backward runs before any backward of that module: where ZeRO-2/3
-    open the module's gradient bucket (and ZeRO-3 re-gathers its parameters).
-    """
+    """forward: identity on ``x``; backward: call ``callback()``, then pass the gradient through."""
 
     @staticmethod
     def forward(ctx, x, callback):

@@ -4,18 +4,13 @@
 
     forward pre-hook     all-gather the unit's shards -> (padded,) buffer; p.data = views of it;
                          open a saved-tensor pack hook for the module's forward
-    module forward       a gathered parameter a Function saves becomes a handle (_SavedParameter),
-                         so freeing the buffer really frees it
-    forward hook         close the pack hook; after the unit's last use in this forward (the tied
-                         embedding has two) p.data = NaN placeholders again: the buffer is freed
-    backward             the unpack hook (or the bucket's _RunBeforeBackward) re-gathers the unit;
+    module forward       a gathered parameter a Function saves becomes a handle (_SavedParameter)
+    forward hook         after the unit's last use p.data = NaN placeholders again: the buffer is freed
+    backward             the unpack hook (or _RunBeforeBackward) re-gathers the unit;
                          freed again once its bucket is reduced (stage2.py)
 
-Between uses ``p.data`` is a read-only NaN array of the right shape (``broadcast_to`` of one
-element). Per micro-batch: two all-gathers and one reduce-scatter, 3(N-1)/N of the parameter
-bytes (section 7.2.2; DeepSpeed ``stage3.py``, FSDP's ``FULL_SHARD``). Every rank must run the
-units in the same order (as FSDP requires). With ``prefetch`` a
-:class:`~minizero.zero.overlap.Prefetcher` starts the next unit's all-gather while one runs.
+Every rank runs the units in the same order. Source: Rajbhandari et al., SC 2020, section 7.2.2;
+DeepSpeed ``stage3.py``, FSDP's ``FULL_SHARD``.
 """
 from __future__ import annotations
 
@@ -43,10 +38,9 @@ class _SavedParameter:
 
 
 class ZeroStage3(ZeroStage2):
-    """Stage 3 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); ``prefetch``: start the next unit's
-    all-gather while the current one computes (at most ``GATHERED_UNITS`` gathered, plus the tied embedding).
+    """Stage 3 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); ``prefetch``: gather the next unit meanwhile.
 
-    Raises (``step``): RuntimeError inside :meth:`full_parameters` (the full copies would go stale).
+    Raises RuntimeError (``step``): inside :meth:`full_parameters`.
     """
 
     stage = 3
