@@ -9,6 +9,7 @@
     backward             the unpack hook (or _RunBeforeBackward) re-gathers the unit;
                          freed again once its bucket is reduced (stage2.py)
 
+Per micro-batch: two all-gathers and one reduce-scatter, 3(N-1)/N of the parameter bytes per rank.
 Every rank runs the units in the same order. Source: Rajbhandari et al., SC 2020, section 7.2.2;
 DeepSpeed ``stage3.py``, FSDP's ``FULL_SHARD``.
 """
