@@ -40,13 +40,32 @@ class NF4Linear(Module):
         return F.linear(x, Tensor(self.weight_nf4.dequantize(self.dtype)), self.bias)
 
 
+class LoRAAdapter(Module):
+    """``scale * (x A^T) B^T``: the trained part of a :class:`LoRALinear`, a module of its own.
+
+    Its only Parameters are ``lora_A`` (r, in) ~ N(0, 1/r) (Hu et al.: Gaussian) and ``lora_B`` (out, r) = 0, so
+    data parallelism and ZeRO can take the adapters alone (each adapter one ZeRO unit, gathered in its own forward).
+    Shapes: x (..., in) -> (..., out).
+    """
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
+        super().__init__()
+        dt = backend.get_dtype(dtype)
+        self.scale = alpha / r
+        self.lora_A = Parameter(backend.to_device(rng.normal(0.0, r ** -0.5, (r, in_features)).astype(dt)))
+        self.lora_B = Parameter(backend.xp.zeros((out_features, r), dt))
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+
 class LoRALinear(Module):
-    """``base(x) + scale * (x A^T) B^T`` with scale = alpha / r; only A and B are trained.
+    """``base(x) + adapter(x)``, the adapter a :class:`LoRAAdapter` (scale = alpha / r); only it is trained.
 
     Args:
         base: a frozen :class:`Linear` or :class:`NF4Linear` of shape (out, in).
         r: adapter rank >= 1; alpha: scale numerator > 0; rng: numpy Generator drawing A.
-    A (r, in) ~ N(0, 1/r) (Hu et al.: Gaussian), B (out, r) = 0, so the model starts as the base.
+    B = 0 at the start, so the model starts as the base. ``lora_A``, ``lora_B``: the adapter's Parameters.
     Raises: ValueError for r < 1 or alpha <= 0.
     """
 
@@ -54,17 +73,18 @@ class LoRALinear(Module):
         super().__init__()
         if r < 1 or not alpha > 0:
             raise ValueError(f"LoRA needs rank r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
-        dt = backend.get_dtype(dtype)
-        self.base, self.r, self.scale = base, r, alpha / r
-        self.lora_A = Parameter(backend.to_device(rng.normal(0.0, r ** -0.5, (r, in_features)).astype(dt)))
-        self.lora_B = Parameter(backend.xp.zeros((out_features, r), dt))
+        self.base, self.r = base, r
+        self.adapter = LoRAAdapter(in_features, out_features, r, alpha, rng, dtype)
+
+    lora_A = property(lambda self: self.adapter.lora_A)
+    lora_B = property(lambda self: self.adapter.lora_B)
 
     def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        return self.base(x) + self.adapter(x)
 
     def delta(self):
         """The adapter as a dense (out, in) array: scale * B A."""
-        return self.scale * (self.lora_B.data @ self.lora_A.data)
+        return self.adapter.scale * (self.lora_B.data @ self.lora_A.data)
 
 
 def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0) -> list:
@@ -89,6 +109,11 @@ def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "
     if not done:
         raise ValueError(f"no Linear named one of {tuple(targets)} to adapt")
     return done
+
+
+def adapters(model: Module) -> list:
+    """Every :class:`LoRAAdapter` of ``model``, in module order (what data parallelism and ZeRO synchronise)."""
+    return [m for _, m in model.named_modules() if isinstance(m, LoRAAdapter)]
 
 
 def trainable_parameters(model: Module) -> list:
