@@ -4,6 +4,7 @@
   one-process fine-tune in float64: the merged weights to 1e-9.
 * Each ``LoRAAdapter`` is one ZeRO unit: the shard map holds the adapters' parameters and nothing else,
   and the bytes a rank sends per step are the ZeRO traffic formula over the adapters' count alone.
+* The ledger's frozen, adapter and optimizer bytes per rank are the estimator's ``lora_state_bytes``, exactly.
 """
 import dataclasses
 import json
@@ -16,6 +17,7 @@ import pytest
 from minizero.comm.threads import run_in_threads
 from minizero.data import load_tokens
 from minizero.finetune import build_parser, finetune
+from minizero.memory.estimator import lora_state_bytes
 from minizero.nn import GPT, get_config
 from minizero.nn.lora import adapters, add_lora
 from minizero.nn.module import ModuleList
@@ -42,6 +44,13 @@ def _args(base, *extra):
                                       "--batch-size", "4", "--eval-batches", "1", "--lr", "3e-3", *extra])
 
 
+def _assert_estimated(row, method, dp=1, zero=0):
+    est = lora_state_bytes(get_config("tiny"), 8, base="nf4" if method == "qlora" else "float", element=8,
+                           dp=dp, zero=zero)
+    assert (row["frozen_bytes"], row["trainable_bytes"], row["optimizer_bytes"]) == \
+        (est["frozen"], est["adapters"], est["optimizer_state"])
+
+
 def _assert_equal(got, want, tol=1e-9):
     assert set(got) == set(want)
     for name, a in want.items():
@@ -56,6 +65,7 @@ def test_zero_finetune_equals_one_process_and_reduces_only_the_adapters(base, me
     row1, model1, want = finetune(_args(base), method, tokens)
     assert any(not np.array_equal(want[k], v) for k, v in np.load(base[0]).items())  # the adapters moved
     psi = row1["trainable_parameters"]
+    _assert_estimated(row1, method)
     for stage in (1, 2, 3):
         out = run_in_threads(2, lambda comm: finetune(_args(base, "--zero", str(stage)), method, tokens, comm),
                              timeout=120)
@@ -65,6 +75,7 @@ def test_zero_finetune_equals_one_process_and_reduces_only_the_adapters(base, me
             # every byte sent per step is the adapters' (8 bytes each): the frozen base is never reduced
             assert row["grad_sync_bytes_per_step"] == traffic_formula(stage, psi, 2, itemsize=8)
             assert row["frozen_bytes"] == row1["frozen_bytes"]
+            _assert_estimated(row, method, 2, stage)
         if stage == 3:  # each rank holds half of the adapters (the tiny model's are even-sized: no padding)
             assert out[0][0]["trainable_bytes"] == row1["trainable_bytes"] // 2
 
