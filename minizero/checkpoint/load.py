@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from minizero import backend
 from minizero.autograd.functional import manual_seed, set_rng_state
+from minizero.memory.fp8 import load_fp8_state
 from minizero.checkpoint.format import CheckpointError, read_manifest, resolve
 from minizero.checkpoint.layout import full_index, same_split, slots
 from minizero.ledger import MemoryLedger
@@ -157,7 +158,7 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     """Load a checkpoint into a built ``strategy`` on this rank (no collective: every rank reads its part).
 
     Restores parameters, m, v, FP32 masters (any layout), the optimizer's step count (the
-    applied steps), the loss scaler, the dropout generator (when this rank's coordinates
+    applied steps), the loss scaler, FP8's amax histories (by layer name), the dropout generator (when this rank's coordinates
     held one; else re-seeded from (seed, step, coordinates)) and the pruning masks.
     Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``:
     ``step`` = loop steps done (the data position: step k draws batch (seed, k)),
@@ -173,6 +174,9 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     strategy.opt.step_count = man["applied"]
     if scaler is not None and man.get("scaler"):
         scaler.load_state_dict(man["scaler"])
+    fp8 = {name: h for f in man["files"] for name, h in f.get("fp8", {}).items()}  # by layer name, any layout
+    if load_fp8_state(strategy.stage, fp8):
+        notes.append("FP8 delayed scaling: no saved amax history for some layers; they start afresh")
     topo = strategy.topo
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
     mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None

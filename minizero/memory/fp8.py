@@ -5,9 +5,13 @@ gradient to E5M2 (max 57344), ``q = round(clip(x * s, -max, max)) / s`` with s =
 even, saturating, NaN kept). ``current`` scaling uses the tensor's amax; ``delayed`` the largest of the last
 ``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. The saved x
 and W are their 8-bit codes (1 byte per element in the ledger); other values live in float32 arrays (4 bytes)
-and the matmuls run on the decoded float32 values.
+and the matmuls run on the decoded float32 values. Under data parallelism an :class:`AmaxReduction` holds a
+step's amaxes and puts their max over the data group into every replica's history (TE's amax reduction), so
+the replicas cast with the same scales; :func:`fp8_state` / :func:`load_fp8_state` carry the histories through
+checkpoints.
 
-Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
+Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling`` and
+``fp8_autocast(fp8_group=...)``.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
 from minizero.nn.module import Linear, Module
 
@@ -98,12 +103,15 @@ class ScaledCast:
 
     ``cast(x)`` returns the dequantised float32 values q / s; ``stats()`` counts, over every cast so far,
     the elements saturated (|x s| beyond what rounds to max) and underflowed (nonzero x that became 0).
+    ``history``: (AMAX_HISTORY,) float32 amaxes, newest first (None before the first cast); ``pending``: None
+    (a training cast's amax enters the history at once) or a list holding them for :meth:`record` (set by
+    :class:`AmaxReduction`: the scale is then fixed within a step).
     """
 
     def __init__(self, fmt: FP8Format, scaling: str):
         if scaling not in SCALINGS:
             raise ValueError(f"FP8 scaling must be one of {SCALINGS}, got {scaling!r}")
-        self.fmt, self.scaling, self.history = fmt, scaling, None
+        self.fmt, self.scaling, self.history, self.pending = fmt, scaling, None, None
         self.elements, self.saturated, self.underflowed = 0, 0, 0  # device scalars once cast (no sync per cast)
 
     def cast(self, x):
@@ -122,7 +130,10 @@ class ScaledCast:
             past = self.history.max()
             ref = xp.where(past > 0, past, amax)  # the first cast has no history: its own amax
             if is_grad_enabled():  # training casts only: an evaluation (no_grad) must not move the scales
-                self.history = xp.concatenate([amax[None], self.history[:-1]])
+                if self.pending is None:
+                    self.record(amax[None])
+                else:
+                    self.pending.append(amax)
         else:
             ref = amax
         scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, np.float32(1e-38)), np.float32(1.0))
@@ -132,6 +143,13 @@ class ScaledCast:
         self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.rounds_to_max)).sum()
         self.underflowed = self.underflowed + ((q == 0) & (x != 0)).sum()
         return to_fp8_bits(q, self.fmt), scale.astype(xp.float32)
+
+    def record(self, amaxes) -> None:
+        """Put ``amaxes`` ((k,) float32, oldest first) into the history; the oldest entries fall out."""
+        xp = backend.array_module(amaxes)
+        if self.history is None:
+            self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
+        self.history = xp.concatenate([amaxes[::-1].astype(xp.float32), self.history])[:AMAX_HISTORY]
 
     def stats(self) -> dict:
         """{"elements", "saturated", "underflowed"} over every cast so far, as host ints."""
@@ -178,6 +196,66 @@ class FP8Linear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         args = (x, self.weight, self.casts) + (() if self.bias is None else (self.bias,))
         return _FP8Linear.apply(*args)
+
+
+class AmaxReduction:
+    """Delayed scaling across data parallelism: every replica's histories get the max over the data group.
+
+    Args: model: the module whose :class:`FP8Linear` layers to hold (their delayed casts get a ``pending`` list);
+    comm: the data-parallel Communicator (None or one rank: the step's amaxes just enter the histories).
+    :meth:`reduce` (collective over ``comm``, once per step after the last backward, every rank the same
+    casts): one ``all_gather`` of the step's amaxes, (k casts,) float32 per rank, label ``fp8_amax``, then the
+    max over ranks into each history (TE reduces its amaxes with an all-reduce(MAX) over ``fp8_group``).
+    The first step casts with each rank's own amax (no history yet); from then on the scales are equal.
+    """
+
+    def __init__(self, model, comm=None):
+        self.comm = comm
+        self.casts = [c for _, m in model.named_modules() if isinstance(m, FP8Linear)
+                      for c in m.casts.values() if c.scaling == "delayed"]
+        for c in self.casts:
+            c.pending = []
+
+    def reduce(self) -> None:
+        counts = [len(c.pending) for c in self.casts]
+        if not sum(counts):
+            return
+        amax = backend.xp.stack([a for c in self.casts for a in c.pending])
+        if self.comm is not None and self.comm.world_size > 1:
+            with self.comm.traffic.op("fp8_amax"):
+                amax = all_gather(self.comm, amax).reshape(self.comm.world_size, -1).max(axis=0)
+        start = 0
+        for c, k in zip(self.casts, counts):
+            if k:
+                c.record(amax[start:start + k])
+            c.pending, start = [], start + k
+
+
+def fp8_state(model) -> dict:
+    """``{module name: {"x" | "w" | "g": [AMAX_HISTORY floats]}}``: every delayed cast's history (host floats,
+    exact through JSON), for a checkpoint; empty without delayed FP8 or before the first cast."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            hist = {k: [float(v) for v in backend.to_host(c.history)] for k, c in m.casts.items()
+                    if c.history is not None}
+            if hist:
+                out[name] = hist
+    return out
+
+
+def load_fp8_state(model, state: dict) -> list[str]:
+    """Set the histories :func:`fp8_state` saved (by module name) into ``model``'s FP8 layers; returns the names
+    of the FP8 layers with delayed casts that ``state`` has no history for (they start afresh)."""
+    missing = []
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear) and any(c.scaling == "delayed" for c in m.casts.values()):
+            if name not in state:
+                missing.append(name)
+                continue
+            for k, values in state[name].items():
+                m.casts[k].history = backend.xp.asarray(np.array(values, dtype=np.float32))
+    return missing
 
 
 def use_fp8(model, scaling: str = "delayed") -> list[str]:
