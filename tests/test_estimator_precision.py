@@ -2,6 +2,8 @@
 
 * bf16 and fp8 runs: every model-state category and the activation peak of the ledger equal
   ``estimate_memory(..., accounting="minizero")`` to the byte, with recompute, flash attention and dropout.
+* LoRA and QLoRA activations: the ledger's peak equals ``lora_activation_bytes`` for any targets, with
+  dropout and flash attention, and is the same for both bases (an NF4 layer saves no dequantized weight).
 * QLoRA: bytes per parameter are the formula: 4 bits per adapted weight + an 8-bit constant per 64 + an fp32
   per 256 constants + one fp32 mean per matrix, the rest of the base in float, 16 bytes per adapter element.
 """
@@ -14,12 +16,13 @@ from minizero.autograd.rng import manual_seed
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.bf16 import use_bf16
 from minizero.memory.estimator import (LINEAR_SAVES, Strategy, adapted_matrices, as_shape, estimate_memory,
-                                       lora_state_bytes, nf4_bytes, saved_per_layer)
+                                       lora_activation_bytes, lora_state_bytes, nf4_bytes, saved_per_layer)
 from minizero.memory.fp8 import use_fp8
 from minizero.memory.recompute import apply_recompute
 from minizero.nf4 import nf4_nbytes
 from minizero.nn import GPT, get_config
 from minizero.nn.flash_attention import use_flash_attention
+from minizero.nn.lora import add_lora
 from minizero.optim import AdamW
 
 CONVERT = {"bf16": use_bf16, "fp8": lambda m: use_fp8(m, "current")}  # current scaling: allows recompute
@@ -73,6 +76,36 @@ def test_a_linear_saves_2_bytes_per_element_in_bf16_and_1_in_fp8():
     # a GPU's bf16 activations ("paper"): 2 bytes, the Linear's saves as in minizero
     paper = {r.name: r.nbytes for r in saved_per_layer(cfg, s, b, "paper", "bf16")}
     assert paper["GeLU input"] == 2 * s * b * 4 * h
+
+
+def _lora_activation_peak(cfg, targets, base, attention):
+    ledger = set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    add_lora(model, 4, 8.0, targets, base=base)
+    if attention == "flash":
+        use_flash_attention(model, 32)
+    manual_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (2, cfg.block_size)) for _ in range(2))
+    ledger.reset_peaks()
+    model(x, y)[1].backward()
+    peak = ledger.peak["activations"]
+    set_ledger(MemoryLedger())
+    return peak
+
+
+@pytest.mark.parametrize("preset,dropout,targets,attention", [
+    ("default", 0.0, ("c_attn", "c_proj", "c_fc"), "dense"),
+    ("small", 0.1, ("c_attn", "c_proj", "c_fc"), "flash"),
+    ("small", 0.1, ("c_attn",), "dense"),
+    ("small", 0.1, ("c_proj",), "flash"),
+    ("small", 0.1, ("c_fc",), "dense"),
+])
+def test_lora_and_qlora_activations_equal_the_estimate(preset, dropout, targets, attention):
+    cfg = get_config(preset, dropout=dropout)
+    want = lora_activation_bytes(cfg, 4, cfg.block_size, 2, targets, attention=attention)
+    assert _lora_activation_peak(cfg, targets, "nf4", attention) == want
+    assert _lora_activation_peak(cfg, targets, "float", attention) == want
 
 
 def test_nf4_bytes_are_the_stored_bytes():

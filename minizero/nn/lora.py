@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.autograd import Tensor, functional as F
+from minizero.autograd import Function, functional as F
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, Parameter
 from minizero.nf4 import NF4Tensor
@@ -19,8 +19,32 @@ from minizero.nf4 import NF4Tensor
 TARGETS = ("c_attn", "c_proj", "c_fc")  #: the projections a GPT block has (attn.c_proj and mlp.c_proj both match c_proj)
 
 
+class _NF4Matmul(Function):
+    """y = x W~^T + b with W~ the NF4 weight dequantized to ``dtype``; the weight and bias are frozen.
+
+    Saves no array: backward dequantizes W~ again for dx = g W~ (bitsandbytes' ``MatMul4Bit``), so the ledger
+    holds no float copy of the weight per micro-batch (ctx keeps the :class:`NF4Tensor`, already counted as
+    ``parameters``). Shapes: x (..., in), b (out,) or None -> (..., out).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight_nf4, dtype, bias=None):
+        ctx.weight_nf4, ctx.dtype = weight_nf4, dtype
+        y = backend.matmul(x, weight_nf4.dequantize(dtype).T)
+        if bias is not None:
+            y += bias
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        w = ctx.weight_nf4.dequantize(ctx.dtype)
+        dx = backend.matmul(backend.matmul_operand(g), backend.matmul_operand(w))
+        return (dx.astype(np.result_type(g.dtype, w.dtype), copy=False), None, None, None)[:len(ctx.needs_input_grad)]
+
+
 class NF4Linear(Module):
-    """y = x W~^T + b, W~ the NF4 weight dequantized in every forward (to ``dtype``); no weight gradient.
+    """y = x W~^T + b, W~ the NF4 weight dequantized in every forward (to ``dtype``) and again in backward
+    (:class:`_NF4Matmul`); no weight gradient.
 
     Args: linear: the :class:`Linear` to store (its weight becomes an :class:`~minizero.nf4.NF4Tensor`,
     counted as ``parameters`` in the ledger at its NF4 bytes; its bias stays, frozen); dtype: the compute dtype.
@@ -37,7 +61,8 @@ class NF4Linear(Module):
             self.bias.requires_grad = False
 
     def forward(self, x):
-        return F.linear(x, Tensor(self.weight_nf4.dequantize(self.dtype)), self.bias)
+        args = (x, self.weight_nf4, self.dtype) + (() if self.bias is None else (self.bias,))
+        return _NF4Matmul.apply(*args)
 
 
 class LoRAAdapter(Module):

@@ -5,13 +5,15 @@ Part of :mod:`minizero.memory.estimator`. A GPT block's adapted projections (min
 c_attn (h + 2kv, h), attn.c_proj (h, h), c_fc (f, h), mlp.c_proj (h, f); an adapter of rank r on an (out, in)
 matrix is r(in + out) elements. QLoRA stores each adapted matrix of n elements as NF4 with double quantization:
 ceil(n/2) code bytes, one 8-bit constant per block of 64, one fp32 constant per 256 of those and one fp32 mean,
-4.127 bits per parameter for large n.
+4.127 bits per parameter for large n. Activations (:func:`lora_activation_bytes`): what full training saves,
+less what only frozen weights needed, plus each adapter's (s, b, r) product.
 """
 from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import as_shape
+from minizero.memory.estimator.activations import layer_rows, saved_outside_layers
+from minizero.memory.estimator.model import activation_element, as_shape
 
 NF4_BLOCK, NF4_BLOCK2 = 64, 256  #: weights per 8-bit absmax; 8-bit absmaxes per fp32 constant (QLoRA, bitsandbytes)
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
@@ -70,3 +72,39 @@ def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", 
            "optimizer_state": 2 * element * (shard if zero >= 1 else full)}
     out["bytes_per_parameter"] = (out["parameters"] + out["gradients"] + out["optimizer_state"]) / psi
     return out
+
+
+#: the Linear whose input a layer row is, by the row's name (minizero.nn.gpt): only an adapted one saves it
+_LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projection input": "c_proj",
+                 "MLP input (ln_2 output)": "c_fc", "GeLU output (second linear input)": "c_proj"}
+
+
+def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
+                          precision: str = "fp32", attention: str = "dense") -> int:
+    """Peak bytes saved for backward in one forward of a LoRA / QLoRA fine-tune (one rank, no recompute).
+
+    minizero's accounting (``memory/estimator/activations.py``'s rows) with the frozen base: nothing upstream of
+    the first adapter is recorded (the embeddings and block 0's first layer norm); a frozen Linear keeps no input
+    (an adapted one's adapter keeps it), the LM head none; each adapter's first product x A^T, (s, b, r), is
+    saved for its second. NF4 bases save no weight copy (``nn/lora.py``: ``_NF4Matmul``), so LoRA and QLoRA
+    hold the same bytes. Raises: ValueError as :func:`adapted_matrices`.
+    """
+    m = as_shape(model)
+    per_layer = len(adapted_matrices(m, targets)) // m.n_layer
+    e = activation_element(precision, "minizero")
+    rows = [r for r in layer_rows(m, seq_len, micro_batch, "minizero", precision, 1, attention)
+            if _LINEAR_INPUT.get(r.name, targets[0]) in targets]
+    layer = sum(r.nbytes for r in rows) + per_layer * e * seq_len * micro_batch * rank
+    first = layer - sum(r.nbytes for r in rows if _upstream(r, targets))
+    _, head = saved_outside_layers(m, seq_len, micro_batch, "minizero", precision)
+    return first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input")
+
+
+def _upstream(row, targets) -> bool:
+    """Whether block 0 computes ``row`` before its first adapter: then nothing it saves needs a gradient."""
+    if "c_attn" in targets:
+        return row.name.startswith("ln_1")
+    if "c_proj" in targets:  # the attention projection comes first
+        return row.part in ("pre", "core")
+    return row.part in ("pre", "core") or row.name in (
+        "attention projection input", "attention output dropout mask", "ln_2 input", "ln_2 mean and rstd")
