@@ -7,6 +7,7 @@
 * QLoRA: bytes per parameter are the formula: 4 bits per adapted weight + an 8-bit constant per 64 + an fp32
   per 256 constants + one fp32 mean per matrix, the rest of the base in float, 16 bytes per adapter element.
 """
+import json
 from fractions import Fraction
 
 import numpy as np
@@ -135,5 +136,25 @@ def test_qlora_bytes_per_parameter_are_the_formula(preset):
 def test_lora_state_bytes_refuses_bad_input():
     with pytest.raises(ValueError, match="rank=0"):
         lora_state_bytes(get_config("tiny"), 0)
-    with pytest.raises(ValueError, match="targets"):
+    with pytest.raises(ValueError, match="allowed names are c_attn, c_proj, c_fc"):
         lora_state_bytes(get_config("tiny"), 4, targets=("wte",))
+
+
+def test_the_planner_plans_a_qlora_fine_tune(capsys):
+    from minizero.models import get_model
+    from minizero.plan import main
+    assert main(["--model", "llama3-8b", "--gpus", "2", "--seq-len", "1024", "--finetune", "qlora", "--lora-rank",
+                 "16", "--attention", "flash", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    model = get_model("llama3-8b")
+    acts = lora_activation_bytes(model, 16, 1024, 1, precision="mixed", attention="flash")
+    for r in rows:
+        est = lora_state_bytes(model, 16, base="nf4", element=2, dp=2, zero=r["zero"], optimizer_bytes=12)
+        assert r["total"] == est["parameters"] + est["gradients"] + est["optimizer_state"] + acts
+    assert rows[3]["total"] < rows[0]["total"] and rows[0]["frozen"] == rows[3]["frozen"]  # only adapters shard
+    assert main(["--model", "llama3-8b", "--gpus", "2", "--finetune", "lora", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["frozen"] < lora[0]["frozen"] / 2.5  # NF4 ~4.1 bits where bf16 holds 16; embeddings stay bf16
+    with pytest.raises(SystemExit):
+        main(["--model", "llama3-8b", "--gpus", "2", "--finetune", "qlora", "--strategy", "dp2"])
+    assert "--strategy does not apply" in capsys.readouterr().err

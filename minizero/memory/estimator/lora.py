@@ -29,22 +29,25 @@ def nf4_bytes(n: int) -> int:
 def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
     """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, over all layers, in model order.
 
-    Raises: ValueError for a target outside :data:`LORA_TARGETS` or a SwiGLU model (GPT's projections only).
+    GPT's names for the projections' roles: ``c_attn`` the fused Q, K, V (h + 2kv, h); ``c_proj`` the attention
+    output (h, h) and the MLP's down projection (h, f); ``c_fc`` the MLP's up projection (f, h), two of them
+    (gate, up) in a SwiGLU model. Raises: ValueError for a target outside :data:`LORA_TARGETS`.
     """
     m = as_shape(model)
     bad = [t for t in targets if t not in LORA_TARGETS]
-    if bad or m.mlp != "gelu":
-        raise ValueError(f"LoRA bytes know GPT's projections {LORA_TARGETS}; got targets {tuple(targets)}, "
-                         f"mlp {m.mlp!r}")
+    if bad or not targets:
+        raise ValueError(f"LoRA targets {tuple(targets)}: allowed names are {', '.join(LORA_TARGETS)}")
     h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
-    layer = [(name, shape) for name, shape in (("c_attn", (h + 2 * kv, h)), ("c_proj", (h, h)), ("c_fc", (f, h)),
-                                              ("c_proj", (h, f))) if name in targets]
+    up = [("c_fc", (f, h))] * (2 if m.mlp == "swiglu" else 1)
+    layer = [(name, shape) for name, shape in [("c_attn", (h + 2 * kv, h)), ("c_proj", (h, h))] + up
+             + [("c_proj", (h, f))] if name in targets]
     return [shape for _ in range(m.n_layer) for _, shape in layer]
 
 
 def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", element: int = 4,
-                     dp: int = 1, zero: int = 0) -> dict:
-    """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank`` (AdamW: m and v in ``element`` bytes).
+                     dp: int = 1, zero: int = 0, optimizer_bytes: float | None = None) -> dict:
+    """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank`` (AdamW: m and v in ``element`` bytes,
+    or ``optimizer_bytes`` per adapter parameter).
 
     ``base``: "nf4" (QLoRA: adapted matrices as :func:`nf4_bytes`, the rest of the base in ``element`` bytes)
     or "float" (LoRA: the whole base in ``element`` bytes). Adapters, their gradients and m, v: ``element`` bytes
@@ -69,14 +72,16 @@ def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", 
     adapters = element * (shard if zero >= 3 else full)
     out = {"frozen": frozen, "adapters": adapters, "parameters": frozen + adapters,
            "gradients": element * (shard if zero >= 2 else full),
-           "optimizer_state": 2 * element * (shard if zero >= 1 else full)}
+           "optimizer_state": round((2 * element if optimizer_bytes is None else optimizer_bytes)
+                                    * (shard if zero >= 1 else full))}
     out["bytes_per_parameter"] = (out["parameters"] + out["gradients"] + out["optimizer_state"]) / psi
     return out
 
 
 #: the Linear whose input a layer row is, by the row's name (minizero.nn.gpt): only an adapted one saves it
 _LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projection input": "c_proj",
-                 "MLP input (ln_2 output)": "c_fc", "GeLU output (second linear input)": "c_proj"}
+                 "MLP input (ln_2 output)": "c_fc", "GeLU output (second linear input)": "c_proj",
+                 "SiLU x up (down projection input)": "c_proj"}
 
 
 def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
@@ -87,7 +92,8 @@ def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targ
     the first adapter is recorded (the embeddings and block 0's first layer norm); a frozen Linear keeps no input
     (an adapted one's adapter keeps it), the LM head none; each adapter's first product x A^T, (s, b, r), is
     saved for its second. NF4 bases save no weight copy (``nn/lora.py``: ``_NF4Matmul``), so LoRA and QLoRA
-    hold the same bytes. Raises: ValueError as :func:`adapted_matrices`.
+    hold the same bytes (SwiGLU models: the same rules on their rows). Raises: ValueError as
+    :func:`adapted_matrices`.
     """
     m = as_shape(model)
     per_layer = len(adapted_matrices(m, targets)) // m.n_layer
