@@ -157,14 +157,9 @@ def _assign(dest, values) -> None:
 def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None = None) -> dict:
     """Load a checkpoint into a built ``strategy`` on this rank (no collective: every rank reads its part).
 
-    Restores parameters, m, v, FP32 masters (any layout), the optimizer's step count (the
-    applied steps), the loss scaler, FP8's amax histories (by layer name), the dropout generator (when this rank's coordinates
-    held one; else re-seeded from (seed, step, coordinates)) and the pruning masks.
-    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``:
-    ``step`` = loop steps done (the data position: step k draws batch (seed, k)),
-    ``load_peak`` = peak bytes of read buffers (ledger ``peak_total``).
-    Raises:
-        CheckpointError: a piece is missing, or the model/optimizer do not match.
+    Restores parameters, m, v, masters, step counts, the loss scaler, the dropout generator and pruning masks.
+    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``.
+    Raises CheckpointError: a piece is missing, or the model/optimizer do not match.
     """
     ledger = ledger if ledger is not None else MemoryLedger()
     reader = ShardReader(path, ledger)

@@ -1,17 +1,8 @@
 """FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
 
-Every Linear multiplies FP8 operands with FP32 accumulation: x and W cast to E4M3 (max 448), the incoming
-gradient to E5M2 (max 57344), ``q = round(clip(x * s, -max, max)) / s`` with s = max / amax (round to nearest
-even, saturating, NaN kept). ``current`` scaling uses the tensor's amax; ``delayed`` the largest of the last
-``AMAX_HISTORY``. Weights, Adam state and masters stay FP32; the bias gradient is unquantised. The saved x
-and W are their 8-bit codes (1 byte per element in the ledger); other values live in float32 arrays (4 bytes)
-and the matmuls run on the decoded float32 values. Under data parallelism an :class:`AmaxReduction` holds a
-step's amaxes and puts their max over the data group into every replica's history (TE's amax reduction), so
-the replicas cast with the same scales; :func:`fp8_state` / :func:`load_fp8_state` carry the histories through
-checkpoints.
-
-Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling`` and
-``fp8_autocast(fp8_group=...)``.
+``q = round(clip(x * s, -max, max)) / s``, s = max / amax (``current``) or the largest of the last
+``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights, Adam state and masters stay FP32.
+Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
 from __future__ import annotations
 
@@ -50,12 +41,7 @@ E5M2 = FP8Format("e5m2", 2, -14, 57344.0)
 
 
 def round_to_fp8(x, fmt: FP8Format):
-    """float32 array -> float32 array of the nearest values of ``fmt`` (ties to even), saturated at +-max.
-
-    The quantum of x is 2^(e - mantissa) with e = max(exponent of x, emin) (subnormals below 2^emin),
-    read from the uint32 view, so the rounding is exact and the same bits on every array module.
-    Raises: TypeError unless ``x`` is float32.
-    """
+    """float32 -> float32 of the nearest values of ``fmt`` (ties to even), saturated at +-max. TypeError unless float32."""
     xp = backend.array_module(x)
     if x.dtype != np.float32:
         raise TypeError(f"round_to_fp8 takes float32, got {x.dtype}")
@@ -99,14 +85,7 @@ def from_fp8_bits(b, fmt: FP8Format):
 
 
 class ScaledCast:
-    """One tensor's FP8 cast with its per-tensor scale (``current`` or ``delayed`` by an amax history).
-
-    ``cast(x)`` returns the dequantised float32 values q / s; ``stats()`` counts, over every cast so far,
-    the elements saturated (|x s| beyond what rounds to max) and underflowed (nonzero x that became 0).
-    ``history``: (AMAX_HISTORY,) float32 amaxes, newest first (None before the first cast); ``pending``: None
-    (a training cast's amax enters the history at once) or a list holding them for :meth:`record` (set by
-    :class:`AmaxReduction`: the scale is then fixed within a step).
-    """
+    """One tensor's FP8 cast with its per-tensor scale; ``cast(x)`` -> float32 q / s; ``stats()``: saturated, underflowed."""
 
     def __init__(self, fmt: FP8Format, scaling: str):
         if scaling not in SCALINGS:
@@ -145,7 +124,7 @@ class ScaledCast:
         return to_fp8_bits(q, self.fmt), scale.astype(xp.float32)
 
     def record(self, amaxes) -> None:
-        """Put ``amaxes`` ((k,) float32, oldest first) into the history; the oldest entries fall out."""
+        """Put ``amaxes`` ((k,) float32, oldest first) into ``history`` ((AMAX_HISTORY,), newest first)."""
         xp = backend.array_module(amaxes)
         if self.history is None:
             self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
@@ -160,8 +139,7 @@ class ScaledCast:
 class _FP8Linear(Function):
     """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
 
-    Saves the 8-bit codes of x and W (1 byte per element in the ledger) and their two scales.
-    dx = fp8(g) fp8(W), dW = fp8(g)^T fp8(x), db = sum g.
+    Saves the 8-bit codes of x and W (1 byte per element) and their scales; db = sum g unquantised.
     """
 
     @staticmethod
@@ -201,8 +179,9 @@ class FP8Linear(Linear):
 class AmaxReduction:
     """Delayed scaling across data parallelism: every replica's histories get the max over the data group.
 
-    Args: model: the module whose :class:`FP8Linear` layers to hold (their delayed casts get a ``pending`` list);
-    comm: the data-parallel Communicator (None or one rank: the step's amaxes just enter the histories).
+    Args: model: the module whose :class:`FP8Linear` layers to hold: each delayed cast's ``pending`` becomes a
+    list where a training cast's amax waits (the scale is fixed within a step) instead of entering ``history``
+    at once; comm: the data-parallel Communicator (None or one rank: the step's amaxes just enter the histories).
     :meth:`reduce` (collective over ``comm``, once per step after the last backward, every rank the same
     casts): one ``all_gather`` of the step's amaxes, (k casts,) float32 per rank, label ``fp8_amax``, then the
     max over ranks into each history (TE reduces its amaxes with an all-reduce(MAX) over ``fp8_group``).

@@ -43,12 +43,9 @@ class _NF4Matmul(Function):
 
 
 class NF4Linear(Module):
-    """y = x W~^T + b, W~ the NF4 weight dequantized in every forward (to ``dtype``) and again in backward
-    (:class:`_NF4Matmul`); no weight gradient.
+    """y = x W~^T + b, W~ the NF4 weight dequantized per forward: x (..., in) -> (..., out); no weight gradient.
 
-    Args: linear: the :class:`Linear` to store (its weight becomes an :class:`~minizero.nf4.NF4Tensor`,
-    counted as ``parameters`` in the ledger at its NF4 bytes; its bias stays, frozen); dtype: the compute dtype.
-    Shapes: x (..., in) -> (..., out).
+    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen.
     """
 
     def __init__(self, linear: Linear, dtype: str = "float32"):
@@ -85,13 +82,9 @@ class LoRAAdapter(Module):
 
 
 class LoRALinear(Module):
-    """``base(x) + adapter(x)``, the adapter a :class:`LoRAAdapter` (scale = alpha / r); only it is trained.
+    """``base(x) + (alpha / r) * (x A^T) B^T``; A (r, in) ~ N(0, 1/r), B (out, r) = 0; only A and B train.
 
-    Args:
-        base: a frozen :class:`Linear` or :class:`NF4Linear` of shape (out, in).
-        r: adapter rank >= 1; alpha: scale numerator > 0; rng: numpy Generator drawing A.
-    B = 0 at the start, so the model starts as the base. ``lora_A``, ``lora_B``: the adapter's Parameters.
-    Raises: ValueError for r < 1 or alpha <= 0.
+    Raises ValueError: r < 1 or alpha <= 0.
     """
 
     def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):

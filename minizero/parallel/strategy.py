@@ -71,18 +71,9 @@ TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activation
 class Strategy:
     """One rank's part of a training layout, behind the five calls the training loop makes.
 
-    Attributes:
-        topo: the :class:`Topology` (``dp_comm``, ``tp_comm``, ``pp_comm``, ``world``).
-        stage: this rank's :class:`PipelineStage` (the whole GPT when pp = 1).
-        model: the whole local :class:`GPT` when tp = pp = 1 (every rank), else None.
-        engine: the :class:`PipelineEngine` that runs micro-batches through ``stage``.
-        sync: the gradient synchroniser (module docstring).
-        dp: ``sync`` when it is a :class:`DataParallel` (its buckets: the overlapped reducer, the
-            node traffic table), else None.
-        opt: the optimizer (AdamW, Adam8bit, or the ZeRO optimizer, which is also ``sync``).
-        params: this rank's parameters (shards under tp; the stage's under pp).
-        after_backward: callables :meth:`reduce_gradients` runs last, once per step on every rank (collectives
-            allowed): FP8 delayed scaling's amax reduction (memory/fp8.py).
+    Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
+    engine; sync (the gradient synchroniser); dp (``sync`` if a DataParallel, else None); opt (the optimizer,
+    which is ``sync`` under ZeRO); params (this rank's parameters).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
@@ -99,7 +90,7 @@ class Strategy:
         # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()
-        self.after_backward = []
+        self.after_backward = []  #: callables reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
         self._reduce = sync.reduce_gradients
         #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
         self.reducer = None
