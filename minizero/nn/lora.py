@@ -19,6 +19,26 @@ from minizero.nf4 import NF4Tensor
 TARGETS = ("c_attn", "c_proj", "c_fc")  #: the projections a GPT block has (attn.c_proj and mlp.c_proj both match c_proj)
 
 
+class NF4Linear(Module):
+    """y = x W~^T + b, W~ the NF4 weight dequantized per forward: x (..., in) -> (..., out); no weight gradient.
+
+    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen.
+    """
+
+    def __init__(self, linear: Linear, dtype: str = "float32"):
+        super().__init__()
+        self.weight_nf4 = NF4Tensor(linear.weight.data)
+        for a in (self.weight_nf4.codes, self.weight_nf4.c1_codes, self.weight_nf4.c2, self.weight_nf4.c1_mean):
+            get_ledger().track(a, "parameters")
+        self.bias, self.dtype = linear.bias, backend.get_dtype(dtype)
+        if self.bias is not None:
+            self.bias.requires_grad = False
+
+    def forward(self, x):
+        args = (x, self.weight_nf4, self.dtype) + (() if self.bias is None else (self.bias,))
+        return _NF4Matmul.apply(*args)
+
+
 class _NF4Matmul(Function):
     """y = x W~^T + b with W~ the NF4 weight dequantized to ``dtype``; the weight and bias are frozen.
 
@@ -40,26 +60,6 @@ class _NF4Matmul(Function):
         w = ctx.weight_nf4.dequantize(ctx.dtype)
         dx = backend.matmul(backend.matmul_operand(g), backend.matmul_operand(w))
         return (dx.astype(np.result_type(g.dtype, w.dtype), copy=False), None, None, None)[:len(ctx.needs_input_grad)]
-
-
-class NF4Linear(Module):
-    """y = x W~^T + b, W~ the NF4 weight dequantized per forward: x (..., in) -> (..., out); no weight gradient.
-
-    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen.
-    """
-
-    def __init__(self, linear: Linear, dtype: str = "float32"):
-        super().__init__()
-        self.weight_nf4 = NF4Tensor(linear.weight.data)
-        for a in (self.weight_nf4.codes, self.weight_nf4.c1_codes, self.weight_nf4.c2, self.weight_nf4.c1_mean):
-            get_ledger().track(a, "parameters")
-        self.bias, self.dtype = linear.bias, backend.get_dtype(dtype)
-        if self.bias is not None:
-            self.bias.requires_grad = False
-
-    def forward(self, x):
-        args = (x, self.weight_nf4, self.dtype) + (() if self.bias is None else (self.bias,))
-        return _NF4Matmul.apply(*args)
 
 
 class LoRAAdapter(Module):
