@@ -304,9 +304,11 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
                             "rows": rows}, indent=1)]
     psi = model.num_parameters()
     lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({psi / 1e9:.2f} B parameters, frozen"
-             f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every projection; "
+             f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
+             "projection; "
              f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, data parallel; sequence {seq}, micro-batch "
-             f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter parameter)",
+             f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
+             "parameter)",
              f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is whole on every GPU); "
              "bytes/param = model states (all but acts) / parameters",
              f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'total':>9}  "

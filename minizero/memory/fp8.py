@@ -177,15 +177,10 @@ class FP8Linear(Linear):
 
 
 class AmaxReduction:
-    """Delayed scaling across data parallelism: every replica's histories get the max over the data group.
-
-    Args: model: the module whose :class:`FP8Linear` layers to hold: each delayed cast's ``pending`` becomes a
-    list where a training cast's amax waits (the scale is fixed within a step) instead of entering ``history``
-    at once; comm: the data-parallel Communicator (None or one rank: the step's amaxes just enter the histories).
-    :meth:`reduce` (collective over ``comm``, once per step after the last backward, every rank the same
-    casts): one ``all_gather`` of the step's amaxes, (k casts,) float32 per rank, label ``fp8_amax``, then the
-    max over ranks into each history (TE reduces its amaxes with an all-reduce(MAX) over ``fp8_group``).
-    The first step casts with each rank's own amax (no history yet); from then on the scales are equal.
+    """Delayed scaling across data parallelism (TE's amax all-reduce(MAX) over ``fp8_group``): ``model``'s delayed
+    casts hold a step's amaxes in ``pending`` (the scale is fixed within a step); :meth:`reduce` (collective over
+    ``comm``, the data group, once per step after the backward) all-gathers them (label ``fp8_amax``) and puts
+    the max over ranks into every history. The first step casts with each rank's own amax (no history yet).
     """
 
     def __init__(self, model, comm=None):
@@ -211,8 +206,7 @@ class AmaxReduction:
 
 
 def fp8_state(model) -> dict:
-    """``{module name: {"x" | "w" | "g": [AMAX_HISTORY floats]}}``: every delayed cast's history (host floats,
-    exact through JSON), for a checkpoint; empty without delayed FP8 or before the first cast."""
+    """``{layer name: {"x" | "w" | "g": [AMAX_HISTORY floats]}}``: the delayed casts' histories (exact in JSON)."""
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, FP8Linear):
@@ -224,8 +218,7 @@ def fp8_state(model) -> dict:
 
 
 def load_fp8_state(model, state: dict) -> list[str]:
-    """Set the histories :func:`fp8_state` saved (by module name) into ``model``'s FP8 layers; returns the names
-    of the FP8 layers with delayed casts that ``state`` has no history for (they start afresh)."""
+    """Set :func:`fp8_state`'s histories by layer name; returns the delayed FP8 layers it has none for."""
     missing = []
     for name, m in model.named_modules():
         if isinstance(m, FP8Linear) and any(c.scaling == "delayed" for c in m.casts.values()):

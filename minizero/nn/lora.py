@@ -40,12 +40,8 @@ class NF4Linear(Module):
 
 
 class _NF4Matmul(Function):
-    """y = x W~^T + b with W~ the NF4 weight dequantized to ``dtype``; the weight and bias are frozen.
-
-    Saves no array: backward dequantizes W~ again for dx = g W~ (bitsandbytes' ``MatMul4Bit``), so the ledger
-    holds no float copy of the weight per micro-batch (ctx keeps the :class:`NF4Tensor`, already counted as
-    ``parameters``). Shapes: x (..., in), b (out,) or None -> (..., out).
-    """
+    """y = x W~^T + b, W~ the NF4 weight dequantized to ``dtype``, and again in backward for dx = g W~: no array
+    saved, as bitsandbytes' ``MatMul4Bit`` (ctx keeps the :class:`NF4Tensor`, counted as ``parameters``)."""
 
     @staticmethod
     def forward(ctx, x, weight_nf4, dtype, bias=None):
@@ -63,12 +59,8 @@ class _NF4Matmul(Function):
 
 
 class LoRAAdapter(Module):
-    """``scale * (x A^T) B^T``: the trained part of a :class:`LoRALinear`, a module of its own.
-
-    Its only Parameters are ``lora_A`` (r, in) ~ N(0, 1/r) (Hu et al.: Gaussian) and ``lora_B`` (out, r) = 0, so
-    data parallelism and ZeRO can take the adapters alone (each adapter one ZeRO unit, gathered in its own forward).
-    Shapes: x (..., in) -> (..., out).
-    """
+    """``scale * (x A^T) B^T``, A (r, in) ~ N(0, 1/r), B (out, r) = 0: the trained part of a :class:`LoRALinear`,
+    a module of its own so that DP and ZeRO take the adapters alone (one ZeRO unit each)."""
 
     def __init__(self, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
         super().__init__()

@@ -90,7 +90,7 @@ class Strategy:
         # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()
-        self.after_backward = []  #: callables reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
+        self.after_backward = []  #: what reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
         self._reduce = sync.reduce_gradients
         #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
         self.reducer = None

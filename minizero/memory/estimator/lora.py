@@ -1,12 +1,6 @@
-"""Model-state bytes of LoRA and QLoRA fine-tuning: a frozen base, adapters trained (Hu et al. 2021, section 4.1;
-Dettmers et al. 2023, section 3 and appendix E).
+"""Bytes of LoRA and QLoRA fine-tuning: a frozen base (QLoRA: NF4), trained adapters of r(in + out) elements.
 
-Part of :mod:`minizero.memory.estimator`. A GPT block's adapted projections (minizero.nn.lora's TARGETS) are
-c_attn (h + 2kv, h), attn.c_proj (h, h), c_fc (f, h), mlp.c_proj (h, f); an adapter of rank r on an (out, in)
-matrix is r(in + out) elements. QLoRA stores each adapted matrix of n elements as NF4 with double quantization:
-ceil(n/2) code bytes, one 8-bit constant per block of 64, one fp32 constant per 256 of those and one fp32 mean,
-4.127 bits per parameter for large n. Activations (:func:`lora_activation_bytes`): what full training saves,
-less what only frozen weights needed, plus each adapter's (s, b, r) product.
+Sources: Hu et al., arXiv:2106.09685, section 4.1; Dettmers et al., arXiv:2305.14314, section 3, appendix E.
 """
 from __future__ import annotations
 
@@ -27,12 +21,9 @@ def nf4_bytes(n: int) -> int:
 
 
 def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
-    """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, over all layers, in model order.
-
-    GPT's names for the projections' roles: ``c_attn`` the fused Q, K, V (h + 2kv, h); ``c_proj`` the attention
-    output (h, h) and the MLP's down projection (h, f); ``c_fc`` the MLP's up projection (f, h), two of them
-    (gate, up) in a SwiGLU model. Raises: ValueError for a target outside :data:`LORA_TARGETS`.
-    """
+    """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, all layers, in model order: ``c_attn``
+    (h + 2kv, h), ``c_proj`` (h, h) and (h, f), ``c_fc`` (f, h), twice (gate, up) with SwiGLU. Raises ValueError:
+    a target outside :data:`LORA_TARGETS`."""
     m = as_shape(model)
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets:
@@ -46,16 +37,12 @@ def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
 
 def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", element: int = 4,
                      dp: int = 1, zero: int = 0, optimizer_bytes: float | None = None) -> dict:
-    """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank`` (AdamW: m and v in ``element`` bytes,
-    or ``optimizer_bytes`` per adapter parameter).
-
-    ``base``: "nf4" (QLoRA: adapted matrices as :func:`nf4_bytes`, the rest of the base in ``element`` bytes)
-    or "float" (LoRA: the whole base in ``element`` bytes). Adapters, their gradients and m, v: ``element`` bytes
-    each; under ZeRO over ``dp`` ranks each adapter is one unit padded to a multiple of dp (minizero/zero/),
-    sharded as ZeRO's Figure 1 says; the frozen base is never sharded.
-    Returns {"frozen", "adapters", "parameters" (= frozen + adapters), "gradients", "optimizer_state",
-    "bytes_per_parameter" ((parameters + gradients + optimizer_state) / Psi of the base)}.
-    Raises: ValueError for rank < 1, an unknown base, dp < 1 or a ZeRO stage outside 0..3.
+    """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank``: the frozen base (``base`` "nf4": adapted
+    matrices as :func:`nf4_bytes`, the rest ``element`` bytes; "float": all ``element`` bytes), adapters and their
+    gradients (``element``), AdamW state (``optimizer_bytes`` per adapter parameter, default 2 x element); under
+    ZeRO over ``dp`` ranks each adapter is one unit padded to a multiple of dp (minizero/zero/), the base whole.
+    Returns {"frozen", "adapters", "parameters", "gradients", "optimizer_state", "bytes_per_parameter"} (the
+    last: model states / Psi). Raises ValueError: rank < 1, an unknown base, dp < 1, zero outside 0..3.
     """
     m = as_shape(model)
     if rank < 1 or base not in LORA_BASES or dp < 1 or zero not in (0, 1, 2, 3):
@@ -86,15 +73,9 @@ _LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projecti
 
 def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
                           precision: str = "fp32", attention: str = "dense") -> int:
-    """Peak bytes saved for backward in one forward of a LoRA / QLoRA fine-tune (one rank, no recompute).
-
-    minizero's accounting (``memory/estimator/activations.py``'s rows) with the frozen base: nothing upstream of
-    the first adapter is recorded (the embeddings and block 0's first layer norm); a frozen Linear keeps no input
-    (an adapted one's adapter keeps it), the LM head none; each adapter's first product x A^T, (s, b, r), is
-    saved for its second. NF4 bases save no weight copy (``nn/lora.py``: ``_NF4Matmul``), so LoRA and QLoRA
-    hold the same bytes (SwiGLU models: the same rules on their rows). Raises: ValueError as
-    :func:`adapted_matrices`.
-    """
+    """Bytes a LoRA / QLoRA step saves for backward (one rank, no recompute; minizero's rows): full training's,
+    less what only frozen weights needed (the embeddings, block 0 before its first adapter, a frozen Linear's
+    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``)."""
     m = as_shape(model)
     per_layer = len(adapted_matrices(m, targets)) // m.n_layer
     e = activation_element(precision, "minizero")
