@@ -3,11 +3,14 @@
 ``full`` trains every parameter; ``lora`` trains adapters (:mod:`minizero.nn.lora`) on frozen float weights;
 ``qlora`` on NF4 weights (:mod:`minizero.nf4`). ``--table`` prints per method the validation loss before and
 after, trainable parameters and the ledger's bytes; ``--out DIR`` writes the merged model. Under ``mpirun`` the
-trained parameters are data-parallel (:class:`~minizero.parallel.data_parallel.DataParallel`).
+trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
+(:class:`~minizero.parallel.data_parallel.DataParallel`) or, with ``--zero 1|2|3``, ZeRO-sharded: each
+:class:`~minizero.nn.lora.LoRAAdapter` is one ZeRO unit, so the frozen base is never reduced, sharded or gathered.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,11 +23,13 @@ from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import atomic_write, check_output
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
-from minizero.nn.lora import TARGETS, add_lora, merged_state_dict, trainable_parameters
+from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
+from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained
+from minizero.zero import zero_optimizer
 
 METHODS = ("full", "lora", "qlora")
 
@@ -43,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batches and the adapters' A")
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
     p.add_argument("--json", default=None, help="write the measurements here")
@@ -68,11 +75,13 @@ def check(args) -> None:
         raise ValueError(f"--out {args.out!r} exists and is not a folder")
 
 
-def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object]:
-    """Fine-tune one copy of the weights by ``method``; returns (the table row, the model).
+def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
+    """Fine-tune one copy of the weights by ``method``; returns (the table row, the model, its merged state dict).
 
-    ``comm``: None (one process) or a Communicator: each rank takes its B/N rows of every batch
-    and the trainable parameters' gradients are all-reduced (mean) before clipping and the step.
+    ``comm``: None (one process) or a Communicator (collective: every rank calls): each rank takes its B/N rows
+    of every batch; the trained parameters' gradients are all-reduced (mean) or, with ``args.zero``, handed to
+    ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). The merged state dict (host arrays,
+    nanoGPT names) is whole on every rank, ZeRO-3 included.
     """
     outer = get_ledger()
     set_ledger(MemoryLedger())  # this method's bytes only (the caller's ledger is back on return)
@@ -80,6 +89,17 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object]:
         return _finetune(args, method, tokens, comm)
     finally:
         set_ledger(outer)
+
+
+def _optimizer(args, model, method, comm):
+    """(gradient synchroniser or None, optimizer): DataParallel + AdamW, or ZeRO's sharded AdamW (it is both)."""
+    params = trainable_parameters(model)
+    if args.zero:
+        trained = model if method == "full" else ModuleList(adapters(model))
+        opt = zero_optimizer(trained, comm, args.zero, lr=args.lr, weight_decay=0.0)
+        return opt, opt
+    dp = DataParallel(params, comm) if comm is not None and comm.world_size > 1 else None
+    return dp, AdamW(params, lr=args.lr, weight_decay=0.0)
 
 
 def _finetune(args, method, tokens, comm):
@@ -92,28 +112,32 @@ def _finetune(args, method, tokens, comm):
         add_lora(model, args.lora_rank, args.lora_alpha, tuple(args.targets.split(",")),
                  base="nf4" if method == "qlora" else "float", seed=args.seed)
     params = trainable_parameters(model)
-    opt = AdamW(params, lr=args.lr, weight_decay=0.0)
-    world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
-    dp = DataParallel(params, comm) if world > 1 else None
-    rows = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
     ledger = get_ledger()
     frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
+    sync, opt = _optimizer(args, model, method, comm)
+    world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+    rows = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
     for step in range(args.steps):
         x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
         _, loss = model(backend.to_device(x[rows]), backend.to_device(y[rows]))
         backward(loss)
-        if dp is not None:
-            dp.allreduce_gradients()
-        clip_grad_norm_(params, 1.0)
+        if sync is not None:
+            sync.reduce_gradients()
+        if args.zero:
+            opt.clip_grad_norm_(1.0)
+        else:
+            clip_grad_norm_(params, 1.0)
         opt.step()
-        for p in params:
-            p.grad = None
-    row = {"method": method, "trainable_parameters": int(sum(p.size for p in params)),
-           "num_parameters": n_params,
-           "frozen_bytes": int(frozen), "trainable_bytes": int(sum(p.data.nbytes for p in params)),
+        opt.zero_grad()
+    row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(p.size for p in params)),
+           "num_parameters": n_params, "frozen_bytes": int(frozen),
+           "trainable_bytes": int(ledger.current["parameters"] - frozen),  # this rank's (a ZeRO-3 shard)
            "optimizer_bytes": int(ledger.peak["optimizer_state"]), "ledger_peak_bytes": int(ledger.peak_total),
+           "grad_sync_bytes_per_step": 0.0 if sync is None else float(sync.bytes_per_step(args.steps)),
            "val_before": before, "val_after": evaluate_loss(model, val)}
-    return row, model
+    with sync.full_parameters() if sync is not None else contextlib.nullcontext():
+        merged = merged_state_dict(model)
+    return row, model, merged
 
 
 def format_table(rows: list) -> str:
@@ -127,17 +151,17 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _world():
-    """The MPI communicator when launched on several ranks, else None (one process, no MPI needed)."""
+def _world(zero: int):
+    """The MPI communicator when launched on several ranks or under ZeRO, else None (one process, no MPI needed)."""
     from mpi4py import MPI
     from minizero.comm import MPICommunicator
-    return MPICommunicator(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else None
+    return MPICommunicator(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 or zero else None
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prog = "python -m minizero.finetune: error:"
-    comm = _world()
+    comm = _world(args.zero)
     rank = 0 if comm is None else comm.rank
     try:
         check(args)
@@ -149,9 +173,9 @@ def main(argv=None) -> int:
         need = min_data_bytes(model0.config.block_size)
         if len(tokens) < need:
             raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
-        rows, model = [], None
+        rows, state = [], None
         for method in (METHODS if args.table else (args.method,)):
-            row, model = finetune(args, method, tokens, comm)
+            row, _, state = finetune(args, method, tokens, comm)
             rows.append(row)
     except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
         if rank == 0:
@@ -162,10 +186,9 @@ def main(argv=None) -> int:
     print(format_table(rows))
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)
-        state = merged_state_dict(model)
         atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
         atomic_write(os.path.join(args.out, SIDECAR),
-                     lambda f: f.write(json.dumps(dataclasses.asdict(model.config), indent=1) + "\n"), mode="w")
+                     lambda f: f.write(json.dumps(dataclasses.asdict(model0.config), indent=1) + "\n"), mode="w")
         print(f"wrote {os.path.join(args.out, 'model.npz')} (adapters merged) and {SIDECAR}")
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")

@@ -19,7 +19,7 @@ import re
 import sys
 import tempfile
 
-from minizero.memory.estimator import PRECISIONS, _bytes
+from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=None, metavar="TEXT",
                    help=f"evaluate this one strategy instead of searching, e.g. \"dp2 tp4 pp1 zero3 "
                         f"recompute=selective\"; words: {STRATEGY_FORMS}")
+    p.add_argument("--finetune", default="none", choices=["none", "lora", "qlora"],
+                   help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
+                        "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
+    p.add_argument("--lora-rank", type=int, default=64, help="adapter rank r with --finetune (QLoRA's paper: 64)")
     p.add_argument("--top", type=int, default=10, help="how many strategies to show (0: all that fit)")
     p.add_argument("--units", default="GB", choices=["GB", "GiB"],
                    help="unit of every size printed: GB = 10^9 bytes, GiB = 2^30 bytes")
@@ -179,6 +183,11 @@ def _check(parser, args):
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
+    if args.lora_rank < 1:
+        parser.error(f"--lora-rank must be a positive integer, got {args.lora_rank}")
+    if args.finetune != "none" and args.strategy is not None:
+        parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
+                     "--strategy does not apply to it (leave it out)")
     if not (args.gpu_flops > 0 and math.isfinite(args.gpu_flops)):
         parser.error(f"--gpu-flops must be a positive number, got {args.gpu_flops}")
     if not 0 < args.efficiency <= 1:
@@ -277,6 +286,40 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
             + ["  " + line for line in why_lines(shown, scale, unit, fit_count=len(fits))])
 
 
+def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
+    """``--finetune lora|qlora``: per-GPU bytes of a fine-tune (:func:`lora_state_bytes`, the activations of
+    :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus; no offload."""
+    element, k = PRECISIONS[args.precision][0], _bytes(Strategy(precision=args.precision, optimizer=args.optimizer))[3]
+    acts = lora_activation_bytes(model, args.lora_rank, seq, args.micro_batch, precision=args.precision,
+                                 attention=args.attention)
+    rows = []
+    for zero in range(4):
+        b = lora_state_bytes(model, args.lora_rank, base="nf4" if args.finetune == "qlora" else "float",
+                             element=element, dp=args.gpus, zero=zero, optimizer_bytes=k)
+        b.update(zero=zero, activations=acts, total=b["parameters"] + b["gradients"] + b["optimizer_state"] + acts)
+        rows.append(b | {"fits": b["total"] <= hw.gpu_memory})
+    if args.json:
+        return [json.dumps({"model": dataclasses.asdict(model), "finetune": args.finetune, "lora_rank": args.lora_rank,
+                            "gpus": args.gpus, "seq_len": seq, "micro_batch": args.micro_batch, "units": "bytes",
+                            "rows": rows}, indent=1)]
+    psi = model.num_parameters()
+    lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({psi / 1e9:.2f} B parameters, frozen"
+             f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
+             "projection; "
+             f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, data parallel; sequence {seq}, micro-batch "
+             f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
+             "parameter)",
+             f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is whole on every GPU); "
+             "bytes/param = model states (all but acts) / parameters",
+             f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'total':>9}  "
+             f"{'bytes/param':>11}  fits"]
+    for r in rows:
+        lines.append(f"{r['zero']:>2} " + " ".join(f"{r[c] / scale:>9.2f}" for c in (
+            "frozen", "adapters", "gradients", "optimizer_state", "activations", "total"))
+            + f"  {r['bytes_per_parameter']:>11.3f}  {'yes' if r['fits'] else 'no'}")
+    return lines
+
+
 def main(argv=None) -> int:
     """Run the planner; returns 0 (bad input exits 2 with one line on stderr, no usage block)."""
     parser = build_parser()
@@ -289,7 +332,9 @@ def main(argv=None) -> int:
                   inter_node_bw=sizes["inter_node_bw"], pcie_bw=sizes["pcie_bw"], gpus_per_node=args.gpus_per_node)
     scale, unit = (1e9, "GB") if args.units == "GB" else (2 ** 30, "GiB")
     args.shown = None
-    if args.strategy is not None:
+    if args.finetune != "none":
+        lines = _finetune(args, model, hw, seq, scale, unit)
+    elif args.strategy is not None:
         lines = _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
     else:
         lines = _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit)

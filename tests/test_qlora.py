@@ -129,14 +129,14 @@ def test_qlora_keeps_the_base_bitwise_and_its_bytes_are_the_formula(trained):
     from minizero.finetune import finetune
     args = _args(*trained)
     tokens = load_tokens(str(trained[1]))
-    row, model = finetune(args, "qlora", tokens)
+    row, model, _ = finetune(args, "qlora", tokens)
     adapted = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
     frozen_float = [p for p in model.parameters() if not p.requires_grad]
     nf4 = sum(nf4_nbytes(int(np.prod(m.base.weight_nf4.shape))) for m in adapted)
     assert row["frozen_bytes"] == nf4 + sum(p.data.nbytes for p in frozen_float)
     assert row["trainable_parameters"] == sum(p.size for p in trainable_parameters(model)) > 0
     # rebuild the same NF4 base from the file: the fine-tuned one is bitwise the same, as is every frozen array
-    fresh_row, fresh = finetune(_args(*trained, "--steps", "1", "--lr", "1e-9"), "qlora", tokens)
+    fresh_row, fresh, _ = finetune(_args(*trained, "--steps", "1", "--lr", "1e-9"), "qlora", tokens)
     fresh_mods = [m for _, m in fresh.named_modules() if isinstance(m, LoRALinear)]
     for a, b in zip(adapted, fresh_mods):
         np.testing.assert_array_equal(a.base.weight_nf4.codes, b.base.weight_nf4.codes)

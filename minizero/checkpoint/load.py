@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from minizero import backend
 from minizero.autograd.functional import manual_seed, set_rng_state
+from minizero.memory.fp8 import load_fp8_state
 from minizero.checkpoint.format import CheckpointError, read_manifest, resolve
 from minizero.checkpoint.layout import full_index, same_split, slots
 from minizero.ledger import MemoryLedger
@@ -157,6 +158,9 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     strategy.opt.step_count = man["applied"]
     if scaler is not None and man.get("scaler"):
         scaler.load_state_dict(man["scaler"])
+    fp8 = {name: h for f in man["files"] for name, h in f.get("fp8", {}).items()}  # by layer name, any layout
+    if load_fp8_state(strategy.stage, fp8):
+        notes.append("FP8 delayed scaling: no saved amax history for some layers; they start afresh")
     topo = strategy.topo
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
     mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None

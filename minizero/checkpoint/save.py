@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from minizero import backend
 from minizero.autograd.functional import get_rng_state
+from minizero.memory.fp8 import fp8_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
                                         folder_name, fsync_path, rank_file, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
@@ -111,6 +112,9 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     info = {"rank": comm.rank, "file": rank_file(comm.rank), "bytes": os.path.getsize(path), "sha256": sha256(path),
             "coords": [topo.dp_rank, topo.tp_rank, topo.pp_rank], "rng": get_rng_state(), "pieces": pieces,
             "params": params}
+    fp8 = fp8_state(strategy.stage)  # delayed scaling's amax histories (the same on every data rank)
+    if fp8:
+        info["fp8"] = fp8
     infos = gather_json(comm, info)
     if comm.rank == 0:
         manifest = dict(format=FORMAT, version=VERSION, step=step, **state)

@@ -13,6 +13,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
 from minizero.nn.module import Linear, Module
 
@@ -89,7 +90,7 @@ class ScaledCast:
     def __init__(self, fmt: FP8Format, scaling: str):
         if scaling not in SCALINGS:
             raise ValueError(f"FP8 scaling must be one of {SCALINGS}, got {scaling!r}")
-        self.fmt, self.scaling, self.history = fmt, scaling, None
+        self.fmt, self.scaling, self.history, self.pending = fmt, scaling, None, None
         self.elements, self.saturated, self.underflowed = 0, 0, 0  # device scalars once cast (no sync per cast)
 
     def cast(self, x):
@@ -108,7 +109,10 @@ class ScaledCast:
             past = self.history.max()
             ref = xp.where(past > 0, past, amax)  # the first cast has no history: its own amax
             if is_grad_enabled():  # training casts only: an evaluation (no_grad) must not move the scales
-                self.history = xp.concatenate([amax[None], self.history[:-1]])
+                if self.pending is None:
+                    self.record(amax[None])
+                else:
+                    self.pending.append(amax)
         else:
             ref = amax
         scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, np.float32(1e-38)), np.float32(1.0))
@@ -118,6 +122,13 @@ class ScaledCast:
         self.saturated = self.saturated + (xp.abs(scaled) > np.float32(self.fmt.rounds_to_max)).sum()
         self.underflowed = self.underflowed + ((q == 0) & (x != 0)).sum()
         return to_fp8_bits(q, self.fmt), scale.astype(xp.float32)
+
+    def record(self, amaxes) -> None:
+        """Put ``amaxes`` ((k,) float32, oldest first) into ``history`` ((AMAX_HISTORY,), newest first)."""
+        xp = backend.array_module(amaxes)
+        if self.history is None:
+            self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
+        self.history = xp.concatenate([amaxes[::-1].astype(xp.float32), self.history])[:AMAX_HISTORY]
 
     def stats(self) -> dict:
         """{"elements", "saturated", "underflowed"} over every cast so far, as host ints."""
@@ -163,6 +174,60 @@ class FP8Linear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         args = (x, self.weight, self.casts) + (() if self.bias is None else (self.bias,))
         return _FP8Linear.apply(*args)
+
+
+class AmaxReduction:
+    """Delayed scaling across data parallelism (TE's amax all-reduce(MAX) over ``fp8_group``): ``model``'s delayed
+    casts hold a step's amaxes in ``pending`` (the scale is fixed within a step); :meth:`reduce` (collective over
+    ``comm``, the data group, once per step after the backward) all-gathers them (label ``fp8_amax``) and puts
+    the max over ranks into every history. The first step casts with each rank's own amax (no history yet).
+    """
+
+    def __init__(self, model, comm=None):
+        self.comm = comm
+        self.casts = [c for _, m in model.named_modules() if isinstance(m, FP8Linear)
+                      for c in m.casts.values() if c.scaling == "delayed"]
+        for c in self.casts:
+            c.pending = []
+
+    def reduce(self) -> None:
+        counts = [len(c.pending) for c in self.casts]
+        if not sum(counts):
+            return
+        amax = backend.xp.stack([a for c in self.casts for a in c.pending])
+        if self.comm is not None and self.comm.world_size > 1:
+            with self.comm.traffic.op("fp8_amax"):
+                amax = all_gather(self.comm, amax).reshape(self.comm.world_size, -1).max(axis=0)
+        start = 0
+        for c, k in zip(self.casts, counts):
+            if k:
+                c.record(amax[start:start + k])
+            c.pending, start = [], start + k
+
+
+def fp8_state(model) -> dict:
+    """``{layer name: {"x" | "w" | "g": [AMAX_HISTORY floats]}}``: the delayed casts' histories (exact in JSON)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            hist = {k: [float(v) for v in backend.to_host(c.history)] for k, c in m.casts.items()
+                    if c.history is not None}
+            if hist:
+                out[name] = hist
+    return out
+
+
+def load_fp8_state(model, state: dict) -> list[str]:
+    """Set :func:`fp8_state`'s histories by layer name; returns the delayed FP8 layers it has none for."""
+    missing = []
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear) and any(c.scaling == "delayed" for c in m.casts.values()):
+            if name not in state:
+                missing.append(name)
+                continue
+            for k, values in state[name].items():
+                m.casts[k].history = backend.xp.asarray(np.array(values, dtype=np.float32))
+    return missing
 
 
 def use_fp8(model, scaling: str = "delayed") -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.autograd import Tensor, functional as F
+from minizero.autograd import Function, functional as F
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, Parameter
 from minizero.nf4 import NF4Tensor
@@ -32,7 +32,42 @@ class NF4Linear(Module):
             self.bias.requires_grad = False
 
     def forward(self, x):
-        return F.linear(x, Tensor(self.weight_nf4.dequantize(self.dtype)), self.bias)
+        args = (x, self.weight_nf4, self.dtype) + (() if self.bias is None else (self.bias,))
+        return _NF4Matmul.apply(*args)
+
+
+class _NF4Matmul(Function):
+    """y = x W~^T + b, W~ the NF4 weight dequantized to ``dtype``, and again in backward for dx = g W~: no array
+    saved, as bitsandbytes' ``MatMul4Bit`` (ctx keeps the :class:`NF4Tensor`, counted as ``parameters``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_nf4, dtype, bias=None):
+        ctx.weight_nf4, ctx.dtype = weight_nf4, dtype
+        y = backend.matmul(x, weight_nf4.dequantize(dtype).T)
+        if bias is not None:
+            y += bias
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        w = ctx.weight_nf4.dequantize(ctx.dtype)
+        dx = backend.matmul(backend.matmul_operand(g), backend.matmul_operand(w))
+        return (dx.astype(np.result_type(g.dtype, w.dtype), copy=False), None, None, None)[:len(ctx.needs_input_grad)]
+
+
+class LoRAAdapter(Module):
+    """``scale * (x A^T) B^T``, A (r, in) ~ N(0, 1/r), B (out, r) = 0: the trained part of a :class:`LoRALinear`,
+    a module of its own so that DP and ZeRO take the adapters alone (one ZeRO unit each)."""
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
+        super().__init__()
+        dt = backend.get_dtype(dtype)
+        self.scale = alpha / r
+        self.lora_A = Parameter(backend.to_device(rng.normal(0.0, r ** -0.5, (r, in_features)).astype(dt)))
+        self.lora_B = Parameter(backend.xp.zeros((out_features, r), dt))
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 
 
 class LoRALinear(Module):
@@ -45,17 +80,18 @@ class LoRALinear(Module):
         super().__init__()
         if r < 1 or not alpha > 0:
             raise ValueError(f"LoRA needs rank r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
-        dt = backend.get_dtype(dtype)
-        self.base, self.r, self.scale = base, r, alpha / r
-        self.lora_A = Parameter(backend.to_device(rng.normal(0.0, r ** -0.5, (r, in_features)).astype(dt)))
-        self.lora_B = Parameter(backend.xp.zeros((out_features, r), dt))
+        self.base, self.r = base, r
+        self.adapter = LoRAAdapter(in_features, out_features, r, alpha, rng, dtype)
+
+    lora_A = property(lambda self: self.adapter.lora_A)
+    lora_B = property(lambda self: self.adapter.lora_B)
 
     def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        return self.base(x) + self.adapter(x)
 
     def delta(self):
         """The adapter as a dense (out, in) array: scale * B A."""
-        return self.scale * (self.lora_B.data @ self.lora_A.data)
+        return self.adapter.scale * (self.lora_B.data @ self.lora_A.data)
 
 
 def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0) -> list:
@@ -78,6 +114,11 @@ def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "
     if not done:
         raise ValueError(f"no Linear named one of {tuple(targets)} to adapt")
     return done
+
+
+def adapters(model: Module) -> list:
+    """Every :class:`LoRAAdapter` of ``model``, in module order (what data parallelism and ZeRO synchronise)."""
+    return [m for _, m in model.named_modules() if isinstance(m, LoRAAdapter)]
 
 
 def trainable_parameters(model: Module) -> list:

@@ -20,7 +20,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
 from minizero.memory.bf16 import use_bf16
-from minizero.memory.fp8 import use_fp8
+from minizero.memory.fp8 import AmaxReduction, use_fp8
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT
 from minizero.nn.flash_attention import use_flash_attention
@@ -66,6 +66,7 @@ class Strategy:
         # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()
+        self.after_backward = []  #: what reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
         self._reduce = sync.reduce_gradients
         #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
         self.reducer = None
@@ -121,6 +122,8 @@ class Strategy:
         allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
         allreduce_sequence_parallel_grads(self.params, self.topo.tp_comm)
         self._reduce()
+        for hook in self.after_backward:  # after the gradient collectives: none of theirs is in flight
+            hook()
 
     def local_grads(self) -> list:
         """The gradient arrays this rank holds (every ``.grad``, or a ZeRO rank's gradient shards)."""
@@ -251,8 +254,11 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     overlap = args.overlap
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
-    return Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap, cp=cp,
-                    padded=args.documents == "pad")
+    strategy = Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap,
+                        cp=cp, padded=args.documents == "pad")
+    if args.precision == "fp8" and args.fp8_scaling == "delayed":  # every replica's scales the group's max
+        strategy.after_backward.append(AmaxReduction(stage, topo.dp_comm).reduce)
+    return strategy
 
 
 def describe_batch(args, cfg) -> str:

@@ -8,16 +8,19 @@ h, L, p, s, t, V, f; c context ranks) and ZeRO's Psi, N_d, K. ``accounting="pape
 tests/test_compare.py.
 
 Sources: ZeRO, arXiv:1910.02054, sections 3 and 5; Korthikanti et al., arXiv:2205.05198, sections 4-5;
-Narayanan et al., arXiv:2104.04473; ZeRO-Offload; ZeRO-Infinity; 8-bit optimizers, arXiv:2110.02861.
+Narayanan et al., arXiv:2104.04473; ZeRO-Offload; ZeRO-Infinity; 8-bit optimizers, arXiv:2110.02861; LoRA,
+arXiv:2106.09685; QLoRA, arXiv:2305.14314 (``lora.py``).
 """
 from __future__ import annotations
 
 from minizero.memory.estimator.model import (  # noqa: F401 (the package's API)
-    ACCOUNTINGS, ATTENTIONS, CATEGORIES, DEVICE_CATEGORIES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES, OFFLOAD_TIERS,
-    OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape, Strategy, _bytes, as_shape,
-    gb, gib, model_state_bytes, precision_for_dtype, stage_parameters)
+    ACCOUNTINGS, ATTENTIONS, CATEGORIES, DEVICE_CATEGORIES, LINEAR_SAVES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES,
+    OFFLOAD_TIERS, OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape, Strategy, _bytes,
+    activation_element, as_shape, gb, gib, model_state_bytes, precision_for_dtype, stage_parameters)
 from minizero.memory.estimator.activations import (  # noqa: F401
     Saved, activation_bytes, in_flight, layer_activation_bytes, layer_rows, saved_outside_layers, saved_per_layer)
+from minizero.memory.estimator.lora import (  # noqa: F401
+    LORA_BASES, LORA_TARGETS, adapted_matrices, lora_activation_bytes, lora_state_bytes, nf4_bytes)
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages  # noqa: F401
 from minizero.memory.estimator.traffic import (  # noqa: F401
     comm_bytes_per_step, kaplan_flops, korthikanti_flops, model_flops_per_step, ring_attention_bytes)

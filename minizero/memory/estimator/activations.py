@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from minizero.memory.estimator.model import ACCOUNTINGS, ATTENTIONS, OFFLOAD_MIN_BYTES, PRECISIONS, Strategy, as_shape
+from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES, Strategy,
+                                             activation_element, as_shape)
 
 
 # ---- activations: Korthikanti et al. 2022 -----------------------------------------------------
@@ -47,7 +48,7 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     m = as_shape(model)
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting {accounting!r} is not one of {ACCOUNTINGS}")
-    e = PRECISIONS[precision][2]
+    e = activation_element(precision, accounting)
     s, b, h, a, f, kv = seq_len, micro_batch, m.hidden, m.n_head, m.ffn_hidden, m.kv_hidden
     sbh, ass = s * b * h, a * s * s * b
     mask = 1 if m.dropout else 0
@@ -79,7 +80,7 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
                  Saved("SiLU x up (down projection input)", e * s * b * f, "tp", "post")]
     if mask:
         rows.append(Saved("MLP dropout mask", sbh, "sp", "post"))
-    return rows
+    return narrow_linear_rows(rows, m, precision, e)
 
 
 def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str = "paper",
@@ -95,7 +96,7 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
     Returns (embedding rows, head rows).
     """
     m = as_shape(model)
-    e = PRECISIONS[precision][2]
+    e = activation_element(precision, accounting)
     s, b, h, v = seq_len, micro_batch, m.hidden, m.vocab_size
     stat_e = max(e, 4)
     emb, head = [], []
@@ -113,11 +114,42 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
                  Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
     else:
         head.append(Saved("logits (fp32, for the loss)", 4 * s * b * v, "tp", "post"))
-    return emb, head
+    return emb, narrow_linear_rows(head, m, precision, e)
+
+
+def narrow_linear_rows(rows: list[Saved], model, precision: str, e: int) -> list[Saved]:
+    """``rows`` (``e`` bytes per element) with what each Linear saves under ``precision`` (:data:`LINEAR_SAVES`).
+
+    bf16 (``memory/bf16.py``): the input and the weight as uint16 bits, 2 bytes per element, a new weight copy per
+    call; fp8 (``memory/fp8.py``): their E4M3 codes, 1 byte, plus two 4-byte scales. The float32 input the
+    Linear read is then saved by nobody (its row's float bytes go). SwiGLU's gate and up read one input: two copies.
+    """
+    if precision not in LINEAR_SAVES:
+        return rows
+    m = as_shape(model)
+    h, f, kv, v = m.hidden, m.ffn_hidden, m.kv_hidden, m.vocab_size
+    weights = {"QKV matmul input (ln_1 output)": [(h + 2 * kv) * h], "attention projection input": [h * h],
+               "MLP input (ln_2 output)": [f * h] * (2 if m.mlp == "swiglu" else 1),
+               "GeLU output (second linear input)": [h * f], "SiLU x up (down projection input)": [h * f],
+               "output projection input": [v * h]}
+    per, scales = LINEAR_SAVES[precision]
+    out = []
+    for r in rows:
+        if r.name not in weights:
+            out.append(r)
+            continue
+        n = len(weights[r.name])
+        split = "rep" if r.name == "output projection input" else "tp"
+        out += [Saved(f"{r.name} ({precision})", per * r.nbytes // e * n, r.split, r.part, arrays=n),
+                Saved(f"{r.name}: its weight ({precision})", per * sum(weights[r.name]), split, r.part, arrays=n)]
+        if scales:
+            out.append(Saved(f"{r.name}: scales", scales * n, "rep", r.part, arrays=2 * n))
+    return out
 
 
 def context_parallel_rows(rows: list[Saved], model, local_seq: int, micro_batch: int,
-                          precision: str = "mixed", name: str = "ring attention") -> list[Saved]:
+                          precision: str = "mixed", name: str = "ring attention",
+                          accounting: str = "paper") -> list[Saved]:
     """A layer's rows with a blockwise attention core: ``rows`` (at the local length s/c under context
     parallelism) with the core's output and log-sum-exp in place of the (s, s) "core" rows.
 
@@ -126,7 +158,7 @@ def context_parallel_rows(rows: list[Saved], model, local_seq: int, micro_batch:
     their output (b, a, s, h/a) and the row log-sum-exp (b, a, s) in at least fp32.
     """
     m = as_shape(model)
-    e = PRECISIONS[precision][2]
+    e = activation_element(precision, accounting)
     s, b = local_seq, micro_batch
     return [r for r in rows if r.part != "core"] + [
         Saved(f"{name} output", e * s * b * m.hidden, "tp", "core"),
@@ -162,7 +194,7 @@ def layer_rows(model, seq_len: int, micro_batch: int, accounting: str = "paper",
     rows = saved_per_layer(model, s, micro_batch, accounting, precision)
     if cp > 1 or attention == "flash":
         return context_parallel_rows(rows, model, s, micro_batch, precision,
-                                     "ring attention" if cp > 1 else "flash attention")
+                                     "ring attention" if cp > 1 else "flash attention", accounting)
     return rows
 
 

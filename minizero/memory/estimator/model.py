@@ -17,8 +17,15 @@ DEVICE_CATEGORIES = CATEGORIES[:-1]
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 ATTENTIONS = ("dense", "flash")  #: the attention core: (s, s) probabilities kept, or FlashAttention's O and L
-#: bytes per element: (parameters, gradients, activations, fp32 master copy, one Adam moment)
-PRECISIONS = {"fp64": (8, 8, 8, 0, 8), "fp32": (4, 4, 4, 0, 4), "mixed": (2, 2, 2, 4, 4)}
+#: bytes per element: (parameters, gradients, activations, fp32 master copy, one Adam moment). "bf16" and "fp8" are
+#: torch.autocast's recipe (memory/bf16.py, fp8.py): FP32 weights (the masters), gradients and Adam state, 2-byte
+#: activations on a GPU (float32 arrays in minizero: :func:`activation_element`) but what a Linear saves
+#: (:data:`LINEAR_SAVES`). Megatron's bf16 (bf16 weights, FP32 masters) is "mixed".
+PRECISIONS = {"fp64": (8, 8, 8, 0, 8), "fp32": (4, 4, 4, 0, 4), "mixed": (2, 2, 2, 4, 4),
+              "bf16": (4, 4, 2, 0, 4), "fp8": (4, 4, 2, 0, 4)}
+#: what a Linear saves for backward, per precision: (bytes per element of its input and of its weight, bytes of
+#: scales per call): bf16 the uint16 bits of x and W; fp8 the E4M3 codes of x and W and their two fp32 scales
+LINEAR_SAVES = {"bf16": (2, 0), "fp8": (1, 8)}
 OPTIMIZERS = ("adam", "adam8bit")
 OFFLOAD = ("none", "optimizer", "params")
 #: where offloaded bytes go: "cpu" host memory (the ledger's ``offloaded``), "nvme" files (not in memory)
@@ -46,10 +53,16 @@ def gib(nbytes: float) -> float:
 def precision_for_dtype(dtype) -> str:
     """The :class:`Strategy` precision of a minizero training dtype: float64 -> "fp64", float32 -> "fp32"."""
     name = getattr(dtype, "name", str(dtype))
-    table = {"float64": "fp64", "float32": "fp32", "float16": "mixed"}
+    table = {"float64": "fp64", "float32": "fp32", "float16": "mixed"}  # bf16 and fp8 keep float32 weights
     if name not in table:
         raise ValueError(f"no precision for dtype {name!r}; allowed: {sorted(table)}")
     return table[name]
+
+
+def activation_element(precision: str, accounting: str) -> int:
+    """Bytes of one saved activation element: the precision's, but 4 for bf16 and fp8 in ``"minizero"``'s
+    accounting (their values live in float32 arrays there; a GPU keeps bf16 tensors)."""
+    return 4 if accounting == "minizero" and precision in LINEAR_SAVES else PRECISIONS[precision][2]
 
 
 # ---- the model --------------------------------------------------------------------------------
@@ -186,7 +199,8 @@ class Strategy:
     Fields:
         dp, tp, pp, cp: parallel sizes (gradients averaged and ZeRO sharded over :attr:`data_ranks` = dp x cp).
         zero: ZeRO stage 0-3 over the data ranks.  sequence_parallel: needs tp > 1.
-        recompute: "none", "selective" or "full".  precision: "mixed" (K = 12), "fp32" (K = 8), "fp64" (K = 16).
+        recompute: "none", "selective" or "full".  precision: "mixed" (K = 12), "fp32" (K = 8), "fp64" (K = 16),
+            "bf16" or "fp8" (K = 8; float32 weights, narrow Linear saves: :data:`LINEAR_SAVES`).
         optimizer: "adam" or "adam8bit".  attention: "dense" or "flash".
         offload: "none", "optimizer" (optimizer state; ZeRO-Offload) or "params" (needs zero 3; ZeRO-Infinity).
         offload_activations: saved activations in host memory.  offload_tier: "cpu" or "nvme".

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from minizero.memory.estimator.model import MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES, ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters
+from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
+    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters)
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
@@ -135,7 +136,7 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
     st = strategy.validate(m)
     if hasattr(model, "dtype") and not isinstance(model, ModelShape):
         want = precision_for_dtype(model.dtype)
-        if st.precision != want:
+        if st.precision != want and not (want == "fp32" and st.precision in LINEAR_SAVES):  # bf16, fp8: fp32 weights
             raise ValueError(f"strategy precision {st.precision!r} does not match the config's dtype "
                              f"{model.dtype!r} (use precision={want!r})")
     s = seq_len or m.seq_len

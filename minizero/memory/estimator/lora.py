@@ -1,0 +1,97 @@
+"""Bytes of LoRA and QLoRA fine-tuning: a frozen base (QLoRA: NF4), trained adapters of r(in + out) elements.
+
+Sources: Hu et al., arXiv:2106.09685, section 4.1; Dettmers et al., arXiv:2305.14314, section 3, appendix E.
+"""
+from __future__ import annotations
+
+import math
+
+from minizero.memory.estimator.activations import layer_rows, saved_outside_layers
+from minizero.memory.estimator.model import activation_element, as_shape
+
+NF4_BLOCK, NF4_BLOCK2 = 64, 256  #: weights per 8-bit absmax; 8-bit absmaxes per fp32 constant (QLoRA, bitsandbytes)
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
+LORA_BASES = ("nf4", "float")
+
+
+def nf4_bytes(n: int) -> int:
+    """Bytes of an n-element weight as NF4 with double-quantized block constants (:mod:`minizero.nf4`)."""
+    blocks = math.ceil(n / NF4_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCK2) + 4
+
+
+def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
+    """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, all layers, in model order: ``c_attn``
+    (h + 2kv, h), ``c_proj`` (h, h) and (h, f), ``c_fc`` (f, h), twice (gate, up) with SwiGLU. Raises ValueError:
+    a target outside :data:`LORA_TARGETS`."""
+    m = as_shape(model)
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad or not targets:
+        raise ValueError(f"LoRA targets {tuple(targets)}: allowed names are {', '.join(LORA_TARGETS)}")
+    h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
+    up = [("c_fc", (f, h))] * (2 if m.mlp == "swiglu" else 1)
+    layer = [(name, shape) for name, shape in [("c_attn", (h + 2 * kv, h)), ("c_proj", (h, h))] + up
+             + [("c_proj", (h, f))] if name in targets]
+    return [shape for _ in range(m.n_layer) for _, shape in layer]
+
+
+def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", element: int = 4,
+                     dp: int = 1, zero: int = 0, optimizer_bytes: float | None = None) -> dict:
+    """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank``: the frozen base (``base`` "nf4": adapted
+    matrices as :func:`nf4_bytes`, the rest ``element`` bytes; "float": all ``element`` bytes), adapters and their
+    gradients (``element``), AdamW state (``optimizer_bytes`` per adapter parameter, default 2 x element); under
+    ZeRO over ``dp`` ranks each adapter is one unit padded to a multiple of dp (minizero/zero/), the base whole.
+    Returns {"frozen", "adapters", "parameters", "gradients", "optimizer_state", "bytes_per_parameter"} (the
+    last: model states / Psi). Raises ValueError: rank < 1, an unknown base, dp < 1, zero outside 0..3.
+    """
+    m = as_shape(model)
+    if rank < 1 or base not in LORA_BASES or dp < 1 or zero not in (0, 1, 2, 3):
+        raise ValueError(f"need rank >= 1, base in {LORA_BASES}, dp >= 1, zero in 0..3; "
+                         f"got rank={rank}, base={base!r}, dp={dp}, zero={zero}")
+    mats = adapted_matrices(m, targets)
+    psi = m.num_parameters()
+    frozen = element * psi
+    if base == "nf4":
+        frozen += sum(nf4_bytes(o * i) - element * o * i for o, i in mats)
+    sizes = [rank * (o + i) for o, i in mats]
+    full = sum(math.ceil(n / dp) * dp if zero else n for n in sizes)  # a unit's flat buffer, padded
+    shard = sum(math.ceil(n / dp) for n in sizes)
+    adapters = element * (shard if zero >= 3 else full)
+    out = {"frozen": frozen, "adapters": adapters, "parameters": frozen + adapters,
+           "gradients": element * (shard if zero >= 2 else full),
+           "optimizer_state": round((2 * element if optimizer_bytes is None else optimizer_bytes)
+                                    * (shard if zero >= 1 else full))}
+    out["bytes_per_parameter"] = (out["parameters"] + out["gradients"] + out["optimizer_state"]) / psi
+    return out
+
+
+#: the Linear whose input a layer row is, by the row's name (minizero.nn.gpt): only an adapted one saves it
+_LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projection input": "c_proj",
+                 "MLP input (ln_2 output)": "c_fc", "GeLU output (second linear input)": "c_proj",
+                 "SiLU x up (down projection input)": "c_proj"}
+
+
+def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
+                          precision: str = "fp32", attention: str = "dense") -> int:
+    """Bytes a LoRA / QLoRA step saves for backward (one rank, no recompute; minizero's rows): full training's,
+    less what only frozen weights needed (the embeddings, block 0 before its first adapter, a frozen Linear's
+    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``)."""
+    m = as_shape(model)
+    per_layer = len(adapted_matrices(m, targets)) // m.n_layer
+    e = activation_element(precision, "minizero")
+    rows = [r for r in layer_rows(m, seq_len, micro_batch, "minizero", precision, 1, attention)
+            if _LINEAR_INPUT.get(r.name, targets[0]) in targets]
+    layer = sum(r.nbytes for r in rows) + per_layer * e * seq_len * micro_batch * rank
+    first = layer - sum(r.nbytes for r in rows if _upstream(r, targets))
+    _, head = saved_outside_layers(m, seq_len, micro_batch, "minizero", precision)
+    return first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input")
+
+
+def _upstream(row, targets) -> bool:
+    """Whether block 0 computes ``row`` before its first adapter: then nothing it saves needs a gradient."""
+    if "c_attn" in targets:
+        return row.name.startswith("ln_1")
+    if "c_proj" in targets:  # the attention projection comes first
+        return row.part in ("pre", "core")
+    return row.part in ("pre", "core") or row.name in (
+        "attention projection input", "attention output dropout mask", "ln_2 input", "ln_2 mean and rstd")
