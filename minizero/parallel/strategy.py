@@ -52,6 +52,7 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.expert_parallel import ExpertDataParallel, ExpertLoad, expert_groups, gather_experts, use_moe
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -84,8 +85,11 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
-                 predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False):
+                 predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False,
+                 expert_load=None, ep_comm=None, make_model=None):
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
+        # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
+        self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
@@ -178,6 +182,8 @@ class Strategy:
         self.opt.set_lr(lr)
         with trace.span("optimizer step", "optimizer"):
             self.opt.step(grad_scale=grad_scale)
+        if self.expert_load is not None:  # collective: the step's expert load; the routing bias moves
+            self.expert_load.after_step()
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -216,9 +222,9 @@ class Strategy:
         """Collective: the whole GPT — the local model itself when tp = pp = 1 (every rank), else
         gathered onto world rank 0 (None elsewhere; :func:`gather_full_model`)."""
         if self.model is not None:
-            return self.model
+            return self.model if self.ep_comm is None else gather_experts(self.model, self.make_model(), self.ep_comm)
         with self.full_parameters():
-            return gather_full_model(self.stage, self.topo, self.stage.config)
+            return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
     def traffic(self) -> dict:
         """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world."""
@@ -284,6 +290,18 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         use_bf16(stage)
     elif args.precision == "fp8":
         use_fp8(stage, args.fp8_scaling)
+    moe, ep_comm, edp_comm, expert_load, make_model = args.moe_config(), None, None, None, None
+    if moe is not None:  # before recompute wraps the blocks
+        if args.ep > 1:
+            ep_comm, edp_comm = expert_groups(topo.dp_comm, args.ep)
+        layers = use_moe(stage, moe, args.seed, ep_comm, grad_scale=1.0 / args.grad_accum)
+        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, moe.top_k, comm, topo.tp_rank == 0,
+                                 moe.bias_update)
+
+        def make_model():  # the whole model's shape, to gather into (ep 1)
+            model = GPT(cfg, seed=args.seed)
+            use_moe(model, moe, args.seed)
+            return model
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -298,6 +316,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                                        quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
                                        prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided,
                                        check_order=True if args.debug_collectives else None)  # None: the env switch
+    elif ep_comm is not None:
+        dp, opt = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20)), \
+            AdamW(params, lr=args.lr, weight_decay=args.weight_decay, store=store)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
@@ -316,7 +337,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
     return Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap, cp=cp,
-                    padded=args.documents == "pad")
+                    padded=args.documents == "pad", expert_load=expert_load, ep_comm=ep_comm, make_model=make_model)
 
 
 def describe_batch(args, cfg) -> str:
