@@ -10,7 +10,7 @@ A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on it
   (that slot adds nothing; the residual carries the token);
 * Switch balancing loss ``aux = E * sum_e f_e P_e`` with f_e the fraction of the T*k choices (before
   dropping) that picked e and P_e the mean router probability of e (Switch eq. 4; 1.0 when uniform);
-  ST-MoE's router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, eq. 5);
+  ST-MoE's router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, arXiv:2202.08906, section 3);
 * DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437, section 2.1.2): a per-expert ``bias``
   (host float64, not a parameter) added to the probabilities for the top-k choice only (gates stay
   p_e), moved by :meth:`MoELayer.update_bias` after each step by ``rate * sign(mean load - load_e)``.
