@@ -31,6 +31,7 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
                "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
+               "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
                "other": "other (loss, norm, flags, metrics)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"

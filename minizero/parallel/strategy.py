@@ -66,7 +66,7 @@ from minizero.zero import zero_optimizer
 GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
-                 "context_parallel_attention", "other")
+                 "context_parallel_attention", "expert_all_to_all", "other")
 
 
 class Strategy:
@@ -239,18 +239,20 @@ class Strategy:
         activations and their gradients between stages; ``tensor_parallel_activations``: the
         tensor group's f/g all-reduces; ``context_parallel_attention``: ring attention's key/value
         blocks and their gradients around the context group, or Ulysses' all-to-alls (``--cp``,
-        inside the data group);
+        inside the data group); ``expert_all_to_all``: MoE's dispatch and combine (and their counts);
         ``other``: the rest (metrics, the norm, overflow
         flags, optimizer bookkeeping, gathering the model for saving).
         """
         by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
+        a2a, moe = by["dp"].get("all_to_all", 0), self.expert_load is not None  # MoE refuses --cp: the all-to-alls are its
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
             "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS),
             # the embedding group is split from the pipeline group: its all-reduce is in both ledgers, counted once
             "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()),
             "tensor_parallel_activations": sum(by["tp"].values()),
-            "context_parallel_attention": by["dp"].get("ring_attention", 0) + by["dp"].get("all_to_all", 0),
+            "context_parallel_attention": by["dp"].get("ring_attention", 0) + (0 if moe else a2a),
+            "expert_all_to_all": a2a + by["dp"].get("all_to_all_counts", 0) if moe else 0,
         }
         kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
         return kinds
