@@ -214,8 +214,6 @@ def check_moe(args) -> None:
     m = "--moe-experts with"
     refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
                (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),
-               (args.recompute == "full", f"{m} --recompute full",
-                "the recomputed forward would route and count again (--recompute selective works)"),
                (args.precision != "fp32", f"{m} --precision {args.precision}", "the expert matmuls have no "
                 "mixed-precision path; use fp32 (--dtype float32 or float64)"),
                (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets"),
@@ -227,8 +225,6 @@ def check_moe(args) -> None:
         m = f"--ep {ep} with"
         refused += [(args.zero > 0, f"{m} --zero {args.zero}", "ZeRO shards over the whole data group, while "
                      "expert gradients belong to their expert-data group; use --ep 1 with --zero"),
-                    (args.tp * args.pp > 1, f"{m} --tp {args.tp} --pp {args.pp}", "the final model gather does not "
-                     "collect expert slices across tensor/pipeline ranks; use --ep 1 with --tp/--pp"),
                     (args.allreduce != "ring" or args.quantized_comm or args.native_comm,
                      f"{m} --allreduce hierarchical, --quantized-comm or --native-comm",
                      "the expert-data all-reduce is the plain ring"),

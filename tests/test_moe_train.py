@@ -68,6 +68,11 @@ CASES = {
     "ep1-tp2": (2, ["--tp", "2"], 1),
     "ep1-pp2": (2, ["--pp", "2"], 2),
     "ep1-dp2-every2": (2, ["--moe-every", "2"], None),
+    "ep2-tp2-dp2": (4, ["--ep", "2", "--tp", "2", "--dp", "2"], 2),
+    "ep2-pp2-dp2": (4, ["--ep", "2", "--pp", "2", "--dp", "2"], 4),
+    "ep2-recompute-full": (2, ["--ep", "2", "--recompute", "full"], 2),
+    "ep1-zero1-dp2": (2, ["--zero", "1"], 2),
+    "ep1-zero2-dp2": (2, ["--zero", "2"], 2),
 }
 
 
@@ -93,9 +98,6 @@ def test_the_losses_and_the_bias_change_the_result():
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
     (["--ep", "2", "--zero", "3"], 2, "--ep 2 with --zero 3 is not supported"),
-    (["--ep", "2", "--tp", "2", "--dp", "2"], 4, "--ep 2 with --tp 2 --pp 1 is not supported"),
-    (["--ep", "2", "--pp", "2", "--dp", "2"], 4, "--ep 2 with --tp 1 --pp 2 is not supported"),
-    (["--recompute", "full"], 1, "--moe-experts with --recompute full is not supported"),
     (["--precision", "bf16"], 1, "--moe-experts with --precision bf16 is not supported"),
 ])
 def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):

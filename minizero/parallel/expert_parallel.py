@@ -173,6 +173,21 @@ def gather_experts(model, whole, ep_comm):
     return whole
 
 
+@contextlib.contextmanager
+def whole_experts(module, ep_comm):
+    """Collective over ``ep_comm``: inside, every expert parameter of ``module`` holds all E experts
+    (all-gathered in rank order, label ``all_gather``); its own slice again on exit. None: nothing to do."""
+    params = [p for p in module.parameters() if is_expert(p)] if ep_comm is not None else []
+    mine = [p.data for p in params]
+    for p, w in zip(params, mine):
+        p.data = all_gather(ep_comm, backend.xp.ascontiguousarray(w).reshape(-1)).reshape((-1,) + w.shape[1:])
+    try:
+        yield
+    finally:
+        for p, w in zip(params, mine):
+            p.data = w
+
+
 class ExpertLoad:
     """After each step: every MoE layer's load summed over the world, the bias update, running totals.
 

@@ -52,7 +52,8 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.expert_parallel import ExpertDataParallel, ExpertLoad, expert_groups, gather_experts, use_moe
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, expert_groups, gather_experts, use_moe,
+                                              whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -223,7 +224,7 @@ class Strategy:
         gathered onto world rank 0 (None elsewhere; :func:`gather_full_model`)."""
         if self.model is not None:
             return self.model if self.ep_comm is None else gather_experts(self.model, self.make_model(), self.ep_comm)
-        with self.full_parameters():
+        with self.full_parameters(), whole_experts(self.stage, self.ep_comm):
             return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
     def traffic(self) -> dict:
