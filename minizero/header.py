@@ -69,7 +69,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     moe = args.moe_config()
     if moe is not None:
         ep = args.ep
-        lines.append(f"MoE: blocks {moe.layers(cfg.n_layer)}, {moe.experts} experts, top-{moe.top_k}, capacity factor "
+        total, active = moe.parameters(cfg)
+        lines.append(f"MoE: {total:,} parameters, {active:,} active per token; blocks {moe.layers(cfg.n_layer)}, "
+                     f"{moe.experts} experts, top-{moe.top_k}, capacity factor "
                      f"{moe.capacity_factor:g} per micro-batch; losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
                      f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}"
                      + (f": {topo.dp // ep} expert group(s) of {ep} data ranks, {moe.experts // ep} experts each, "

@@ -130,3 +130,16 @@ def test_expert_parallel_main_job_under_mpiexec(mpiexec, tmp_path):
     moe = json.loads((tmp_path / "summary.json").read_text())["moe"]
     assert moe["tokens_per_expert"] == [int(x) for x in sum(rload.values())[:-1]]
     assert moe["ep"] == 2 and 0 < moe["drop_rate"] < 1
+
+
+def test_the_header_counts_every_and_the_active_parameters():
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.expert_parallel import MoEConfig, use_moe
+
+    cfg, moe = get_config("tiny"), MoEConfig(4, top_k=2, every=2)
+    model = GPT(cfg)
+    use_moe(model, moe, seed=0)
+    total, active = moe.parameters(cfg)
+    assert total == model.num_parameters()
+    c = cfg.n_embd
+    assert total - active == len(moe.layers(cfg.n_layer)) * 8 * c * c * (4 - 2)

@@ -48,6 +48,13 @@ class MoEConfig:
         """The block indices whose MLP is an MoE layer."""
         return [i for i in range(n_layer) if i % self.every == self.every - 1]
 
+    def parameters(self, gpt) -> tuple[int, int]:
+        """(total, active per token) parameters of the GPT config ``gpt`` with these MoE layers: each
+        replaces an MLP (8C^2 + 5C) by a router (C E) and E (or top-k, active) experts of 8C^2 (no biases)."""
+        c, n = gpt.n_embd, len(self.layers(gpt.n_layer))
+        dense = gpt.num_parameters() - n * (8 * c * c + 5 * c)
+        return dense + n * (c * self.experts + 8 * c * c * self.experts), dense + n * (c * self.experts + 8 * c * c * self.top_k)
+
 
 class _AddAuxLoss(Function):
     """forward: y unchanged; backward: g to y, and ``weight`` as the gradient of the scalar ``aux``."""
