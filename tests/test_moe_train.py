@@ -2,7 +2,8 @@
 
 The single process routes the same groups: one micro-batch of b sequences per group, so a run of D data
 ranks with micro-batch b and k micro-batches equals one process with micro-batch b and D*k micro-batches
-(the same rows, the same capacity and drops, the same Switch and z losses). float64, 3 steps, capacity
+(the same rows, the same capacity and drops, the same Switch and z losses). Validation drops nothing, so its
+loss is the one process's too. float64, 3 steps, capacity
 factor 1.0 (choices are dropped), both losses and the bias update on; the final weights agree to 1e-9
 and the per-expert counts exactly.
 """
@@ -31,7 +32,7 @@ def _train(comm, flags):
     out = train(args, comm, log=lambda s: None, callbacks=[])
     with out.strategy.full_parameters():  # ZeRO-3: gathered
         state = None if out.model is None else {k: v.copy() for k, v in out.model.state_dict().items()}
-    return state, out.strategy.expert_load.total, out.train_losses
+    return state, out.strategy.expert_load.total, out.train_losses + [v for _, v in out.val_history]
 
 
 def _run(n, flags):

@@ -7,7 +7,8 @@ A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on it
   the Switch/GShard convention);
 * capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
   first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
-  (that slot adds nothing; the residual carries the token);
+  (that slot adds nothing; the residual carries the token); in eval mode (``module.eval()``) nothing is
+  dropped, so validation and sampling do not depend on how tokens are grouped;
 * Switch balancing loss ``aux = E * sum_e f_e P_e`` with f_e the fraction of the T*k choices (before
   dropping) that picked e and P_e the mean router probability of e (Switch eq. 4; 1.0 when uniform);
   ST-MoE's router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, arXiv:2202.08906, section 3);
@@ -134,7 +135,8 @@ class MoELayer(Module):
         lse = ez.sum(axis=1).log() + m.reshape(-1)  # logsumexp(logits), (T,)
         self.z_loss = (lse * lse).mean()
         p = backend.to_host(probs.data)
-        token, expert, kept = route(p, self.top_k, self.capacity(t), self.bias if self.bias.any() else None)
+        cap = self.capacity(t) if self.training else t  # eval mode drops nothing: no group dependence
+        token, expert, kept = route(p, self.top_k, cap, self.bias if self.bias.any() else None)
         self.expert_counts = np.bincount(expert, minlength=e)
         self.dropped = int((~kept).sum())
         if is_grad_enabled():
