@@ -73,7 +73,8 @@ class MoEMLP(Module):
     """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
 
     ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
-    losses; ``grad_scale``: their backward seed (the main loss's per micro-batch).
+    losses; ``grad_scale``: their backward seed (the main loss's per micro-batch). No dropout (the MLP's
+    output dropout goes with it).
     """
 
     def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
@@ -97,7 +98,9 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
     Returns ``{block index: MoELayer}`` of this stage.
     """
     mc, layers = stage.config, {}
-    for name, block in stage.transformer["h"]._modules.items():
+    for name, block in stage.transformer["h"].named_modules():
+        if not name or "." in name:  # the blocks themselves, named by their index in the model
+            continue
         i = int(name)
         if i not in cfg.layers(mc.n_layer):
             continue
