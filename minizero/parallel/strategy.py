@@ -91,6 +91,7 @@ class Strategy:
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
         # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
         self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
+        self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
@@ -183,8 +184,8 @@ class Strategy:
         self.opt.set_lr(lr)
         with trace.span("optimizer step", "optimizer"):
             self.opt.step(grad_scale=grad_scale)
-        if self.expert_load is not None:  # collective: the step's expert load; the routing bias moves
-            self.expert_load.after_step()
+        for hook in self.after_step:  # every rank, after each update (MoE: the step's expert load, the routing bias)
+            hook()
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
