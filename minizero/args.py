@@ -16,7 +16,7 @@ from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
-                                    check_sequence_parallel, check_zero_bubble, resolve_sizes)
+                                    check_moe, check_sequence_parallel, check_zero_bubble, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
@@ -348,4 +348,5 @@ def resolve_parallel_args(args, world_size: int) -> int:
     check_context_parallel(args, cfg)
     check_attention(args)
     check_bf16(args)
+    check_moe(args)
     return args.dp

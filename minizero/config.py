@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 
 from minizero.flags import build_parser
+from minizero.parallel.expert_parallel import MoEConfig
 
 _D = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}  # the flag table's defaults
 
@@ -83,6 +84,14 @@ class TrainConfig:
     optimizer: str = _D["optimizer"]
     adam8bit_block_size: int = _D["adam8bit_block_size"]
     quantized_comm: bool = _D["quantized_comm"]
+    moe_experts: int = _D["moe_experts"]
+    moe_top_k: int = _D["moe_top_k"]
+    moe_capacity_factor: float = _D["moe_capacity_factor"]
+    moe_every: int = _D["moe_every"]
+    moe_aux_loss: float = _D["moe_aux_loss"]
+    moe_z_loss: float = _D["moe_z_loss"]
+    moe_bias_update: float = _D["moe_bias_update"]
+    ep: int = _D["ep"]
     prune_sparsity: float = _D["prune_sparsity"]
     prune_scope: str = _D["prune_scope"]
     prune_step: int = _D["prune_step"]
@@ -103,6 +112,13 @@ class TrainConfig:
     resume: str | None = _D["resume"]
     # filled by parse_args
     world_size: int = 1
+
+    def moe_config(self) -> MoEConfig | None:
+        """The --moe-* flags as a :class:`MoEConfig`; None with --moe-experts 0 (dense MLPs)."""
+        if not self.moe_experts:
+            return None
+        return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_capacity_factor, self.moe_every,
+                         self.moe_aux_loss, self.moe_z_loss, self.moe_bias_update)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "TrainConfig":

@@ -166,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-comm", action="store_true",
                    help="INT8 on the wire for the gradient all-reduce (--zero 0), ZeRO's gradient "
                         "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
+    moe = p.add_argument_group("mixture of experts (Switch / GShard routing, parallel/moe.py)")
+    moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                     help="experts per MoE layer, replacing the blocks' MLPs (0: dense MLPs)")
+    moe.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts each token is routed to")
+    moe.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
+                     help="slots per expert = ceil(F x tokens x K / E) per micro-batch; choices past it are dropped")
+    moe.add_argument("--moe-every", type=int, default=1, choices=[1, 2],
+                     help="an MoE layer in every block (1) or every other block (2: blocks 1, 3, ...)")
+    moe.add_argument("--moe-aux-loss", type=float, default=0.01, metavar="COEF",
+                     help="coefficient of the Switch load-balancing loss (Fedus et al. 2021; 0: off)")
+    moe.add_argument("--moe-z-loss", type=float, default=0.001, metavar="COEF",
+                     help="coefficient of the router z-loss (ST-MoE, Zoph et al. 2022; 0: off)")
+    moe.add_argument("--moe-bias-update", type=float, default=0.0, metavar="RATE",
+                     help="DeepSeek-V3's auxiliary-loss-free balancing: after each step every expert's routing "
+                          "bias moves by RATE x sign(mean load - its load) (0: off)")
+    moe.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size: the experts split over groups of EP data ranks, tokens sent to "
+                          "their experts by all-to-all")
     p.add_argument("--prune-sparsity", type=float, default=0.0,
                    help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
     p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")

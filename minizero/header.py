@@ -66,6 +66,16 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      f"{formula}"
                      f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
                      f"{[peak_in_flight(ops) for ops in sched]}")
+    moe = args.moe_config()
+    if moe is not None:
+        ep = args.ep
+        total, active = moe.parameters(cfg)
+        lines.append(f"MoE: {total:,} parameters, {active:,} active per token; blocks {moe.layers(cfg.n_layer)}, "
+                     f"{moe.experts} experts, top-{moe.top_k}, capacity factor "
+                     f"{moe.capacity_factor:g} per micro-batch; losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
+                     f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}"
+                     + (f": {topo.dp // ep} expert group(s) of {ep} data ranks, {moe.experts // ep} experts each, "
+                        f"expert gradients summed over {topo.dp // ep} data rank(s)" if ep > 1 else ""))
     if args.zero and topo.dp == 1:
         lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
                      "running anyway")

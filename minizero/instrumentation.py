@@ -126,6 +126,18 @@ class SaveCheckpoints(Callback):
         self.resume.ckpt.maybe_save(step, run.strategy, run.applied, run.scaler, run.pruner)
 
 
+class ExpertLoadCallback(Callback):
+    """MoE: the last step's share of the choices per expert and the drop rate on each progress line; the run's
+    totals in ``result.moe`` (summary.json ``moe``). The counts are the strategy's (``expert_load``)."""
+
+    def on_step_end(self, run, step, rec):
+        line = run.strategy.expert_load.line()
+        rec.notes = f"{rec.notes}  {line}" if rec.notes else line
+
+    def on_train_end(self, run):
+        run.result.moe = run.strategy.expert_load.summary()
+
+
 def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
@@ -140,4 +152,6 @@ def default_callbacks(run) -> list[Callback]:
         callbacks.append(TraceCallback(args.trace))
     if args.check_replicas:
         callbacks.append(ReplicaCheck(args.check_replicas))
+    if run.strategy.expert_load is not None:
+        callbacks.append(ExpertLoadCallback())
     return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]

@@ -183,3 +183,55 @@ def check_interleaved(args, cfg) -> None:
     if m is not None and m % args.pp:
         raise ValueError(f"--schedule interleaved needs the micro-batches per step ({m}) to be a multiple of "
                          f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")
+
+
+MAX_EXPERTS = 1024  #: --moe-experts cap (each rank draws every expert at start)
+
+
+def check_moe(args) -> None:
+    """``--moe-*`` / ``--ep`` in range and a layout MoE is tested with (dp/tp/pp resolved, before any work)."""
+    e, ep = args.moe_experts, args.ep
+    if not 0 <= e <= MAX_EXPERTS:
+        raise ValueError(f"--moe-experts must be in 0..{MAX_EXPERTS} (0: dense MLPs), got {e}")
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    if not e:
+        if ep > 1:
+            raise ValueError(f"--ep {ep} splits experts: it needs --moe-experts > 0")
+        return
+    if not 1 <= args.moe_top_k <= e:
+        raise ValueError(f"--moe-top-k must be in 1..--moe-experts {e}, got {args.moe_top_k}")
+    if not (0 < args.moe_capacity_factor < float("inf")):
+        raise ValueError(f"--moe-capacity-factor must be a finite number > 0, got {args.moe_capacity_factor}")
+    for flag in ("moe_aux_loss", "moe_z_loss", "moe_bias_update"):
+        v = vars(args)[flag]
+        if not (0 <= v < float("inf")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if e % ep:
+        raise ValueError(f"--moe-experts {e} must be divisible by --ep {ep} (each expert-parallel rank holds E/ep)")
+    if args.dp % ep:
+        raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)")
+    m = "--moe-experts with"
+    refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
+               (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),
+               (args.precision != "fp32", f"{m} --precision {args.precision}", "the expert matmuls have no "
+                "mixed-precision path; use fp32 (--dtype float32 or float64)"),
+               (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets"),
+               (args.schedule not in ("1f1b", "gpipe"), f"{m} --schedule {args.schedule}",
+                "split or interleaved backward is not tested with the expert all-to-alls"),
+               (bool(args.save_every or args.resume), f"{m} --save-every/--resume",
+                "checkpoints do not record experts or routing biases yet")]
+    if ep > 1:
+        m = f"--ep {ep} with"
+        refused += [(args.zero > 0, f"{m} --zero {args.zero}", "ZeRO shards over the whole data group, while "
+                     "expert gradients belong to their expert-data group; use --ep 1 with --zero"),
+                    (args.allreduce != "ring" or args.quantized_comm or args.native_comm,
+                     f"{m} --allreduce hierarchical, --quantized-comm or --native-comm",
+                     "the expert-data all-reduce is the plain ring"),
+                    (args.check_replicas > 0, f"{m} --check-replicas", "data ranks hold different experts"),
+                    (args.optimizer != "adamw" or args.offload_optimizer != "none",
+                     f"{m} --optimizer {args.optimizer} / --offload-optimizer {args.offload_optimizer}",
+                     "expert parallelism runs AdamW on the device")]
+    for bad, what, why in refused:
+        if bad:
+            raise ValueError(f"{what} is not supported: {why}")

@@ -87,6 +87,7 @@ class TrainResult:
     module_peaks: object = None
     device_pool: list | None = None
     loss_spikes: list = dataclasses.field(default_factory=list)  # --loss-spike (minizero.debug.anomaly.LossSpikes)
+    moe: dict | None = None  # MoE: tokens per expert and drop rate over the run (ExpertLoad.summary)
     time_per_rank: dict | None = None  # --trace: rank -> ms per step (minizero.debug.timeline.rank_figures)
 
     @property

@@ -31,6 +31,7 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
                "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
+               "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
                "other": "other (loss, norm, flags, metrics)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
@@ -95,6 +96,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
               f"{result['skipped_steps']} step(s) skipped for inf/NaN gradients"
               + (f" (at {', '.join(map(str, result['skipped_at'][:10]))}"
                  f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
+    if result.moe is not None:
+        print(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "
+              f"{result.moe['tokens_per_expert']} (shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
+              f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     for kind in TRAFFIC_KINDS:
@@ -172,6 +177,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,
         "pruning": None if result.pruner is None else {
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
+        "moe": None if result.moe is None else dict(result.moe, experts=args.moe_experts, top_k=args.moe_top_k,
+                                                     ep=args.ep, capacity_factor=args.moe_capacity_factor),
         "sample": text,
         **mem_summary,  # activation_peaks_by_module (per rank), memory_timeline_peak_bytes, memory_plot
     }

@@ -5,6 +5,7 @@
   one-process layer on that rank's tokens; expert gradients equal the one-process gradients summed
   over the ranks' batches; the router's gradients summed over ranks equal the same sum; the Switch
   loss and the counts are the one-process ones. ep = 2 once under mpiexec.
+* The router z-loss (value and gradient against central differences); the bias moves the choice, not the gate.
 * Refused: experts not divisible by ep, top_k out of range.
 """
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from minizero.autograd import Tensor
+from minizero.autograd.functional import gelu
 from minizero.comm import run_in_threads
 from minizero.parallel.moe import MoELayer, route
 from tests.conftest import REPO_ROOT, mpi_env
@@ -101,3 +103,43 @@ def test_bad_arguments_are_refused():
         run_in_threads(2, lambda comm: MoELayer(4, 4, 3, comm=comm))
     with pytest.raises(ValueError, match="top_k=5"):
         MoELayer(4, 4, 4, top_k=5)
+
+
+def test_router_z_loss_is_mean_squared_logsumexp_and_its_gradient_is_right():
+    x = np.random.default_rng(4).normal(size=(12, KW["n_embd"]))
+    layer = MoELayer(top_k=2, **KW)
+
+    def z(router):
+        logits = x @ router
+        m = logits.max(axis=1, keepdims=True)
+        return float(np.mean((np.log(np.exp(logits - m).sum(axis=1)) + m[:, 0]) ** 2))
+
+    layer(Tensor(x))
+    assert abs(layer.z_loss.item() - z(layer.router.data)) <= 1e-14 * z(layer.router.data)
+    layer.z_loss.backward()
+    r, h = layer.router.data.copy(), 1e-6
+    num = np.zeros_like(r)
+    for i in np.ndindex(r.shape):
+        d = np.zeros_like(r)
+        d[i] = h
+        num[i] = (z(r + d) - z(r - d)) / (2 * h)
+    np.testing.assert_allclose(layer.router.grad, num, rtol=0, atol=1e-8 * np.abs(num).max())
+
+
+def test_the_bias_moves_the_choice_not_the_gate_and_moves_against_the_load():
+    probs = np.array([[0.5, 0.4, 0.1]])
+    assert route(probs, 1, 9)[1].tolist() == [0]
+    assert route(probs, 1, 9, bias=np.array([0.0, 0.2, 0.0]))[1].tolist() == [1]
+    layer = MoELayer(top_k=1, **KW)
+    layer.update_bias([10, 2, 4, 4], 0.01)  # mean 5: the busy expert down, the idle ones up
+    assert layer.bias.tolist() == [-0.01, 0.01, 0.01, 0.01]
+    x = np.random.default_rng(5).normal(size=(12, KW["n_embd"]))
+    layer.bias = np.array([0.0, 0.0, 0.0, 1.0])  # every token now picks expert 3 (capacity 3: the rest dropped)
+    out = layer(Tensor(x))
+    assert layer.expert_counts.tolist() == [0, 0, 0, 12] and layer.dropped == 9
+    logits = x @ layer.router.data
+    prob = np.exp(logits - logits.max(1, keepdims=True))
+    prob /= prob.sum(1, keepdims=True)
+    y = gelu(Tensor(x[:3]) @ Tensor(layer.w1.data[3])) @ Tensor(layer.w2.data[3])
+    np.testing.assert_allclose(out.data[:3], prob[:3, 3:] * y.data, rtol=1e-12)  # gate: the unbiased probability
+    assert np.abs(out.data[3:]).max() == 0  # dropped tokens: nothing added

@@ -278,9 +278,8 @@ class Concat(Function):
 
     @staticmethod
     def backward(ctx, g):
-        xp = backend.xp
-        cuts = xp.cumsum(xp.asarray(ctx.sizes))[:-1].tolist()
-        return tuple(xp.split(g, cuts, axis=ctx.axis))
+        cuts = np.cumsum(ctx.sizes)[:-1].tolist()  # host ints: the sizes are shapes, not device data
+        return tuple(backend.xp.split(g, cuts, axis=ctx.axis))
 
 
 def concat(tensors, axis: int = 0) -> Tensor:

@@ -7,9 +7,14 @@ A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on it
   the Switch/GShard convention);
 * capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
   first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
-  (that slot adds nothing; the residual carries the token);
+  (that slot adds nothing; the residual carries the token); in eval mode (``module.eval()``) nothing is
+  dropped, so validation and sampling do not depend on how tokens are grouped;
 * Switch balancing loss ``aux = E * sum_e f_e P_e`` with f_e the fraction of the T*k choices (before
-  dropping) that picked e and P_e the mean router probability of e (Switch eq. 4; 1.0 when uniform).
+  dropping) that picked e and P_e the mean router probability of e (Switch eq. 4; 1.0 when uniform);
+  ST-MoE's router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, arXiv:2202.08906, section 3);
+* DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437, section 2.1.2): a per-expert ``bias``
+  (host float64, not a parameter) added to the probabilities for the top-k choice only (gates stay
+  p_e), moved by :meth:`MoELayer.update_bias` after each step by ``rate * sign(mean load - load_e)``.
 
 Expert parallelism over ``comm`` (ep ranks): rank j holds experts j*E/ep .. (j+1)*E/ep - 1. Dispatch is
 an all-to-all with variable splits (the kept rows, grouped by expert, to the expert's owner, with a
@@ -26,21 +31,23 @@ import math
 import numpy as np
 
 from minizero import backend
-from minizero.autograd import Function
+from minizero.autograd import Function, is_grad_enabled
 from minizero.autograd.functional import gelu
 from minizero.autograd.ops import concat
 from minizero.comm.all_to_all import all_to_all, all_to_all_v
 from minizero.nn.module import Module, Parameter
 
 
-def route(probs: np.ndarray, k: int, capacity: int):
+def route(probs: np.ndarray, k: int, capacity: int, bias=None):
     """Top-k choices under a per-expert capacity.
 
-    ``probs``: (T, E) router probabilities. Returns ``(token, expert, kept)``: arrays of the T*k
-    choices in priority order (choice rank, then token), ``kept`` a bool mask of those within capacity.
+    ``probs``: (T, E) router probabilities; ``bias``: (E,) added for the choice only, or None. Returns
+    ``(token, expert, kept)``: arrays of the T*k choices in priority order (choice rank, then token),
+    ``kept`` a bool mask of those within capacity.
     """
     t, e = probs.shape
-    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (T, k)
+    scores = probs if bias is None else probs + bias
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # (T, k)
     token = np.tile(np.arange(t), k)
     expert = top.T.reshape(-1)
     kept = np.zeros(t * k, dtype=bool)
@@ -86,8 +93,9 @@ class MoELayer(Module):
     Args: ``comm`` the expert-parallel group (None: one rank, every expert here); ``top_k`` in
     1..num_experts; ``capacity_factor`` > 0; ``seed`` draws the router and all E experts
     identically on every rank (std 0.02), so ep ranks hold slices of the ep=1 experts; ``dtype``.
-    After each forward: ``aux_loss`` (a Tensor, the Switch loss), ``expert_counts`` (E,) choices per
-    expert before dropping, ``dropped`` (choices past capacity) on this rank.
+    After each forward: ``aux_loss`` and ``z_loss`` (Tensors), ``expert_counts`` (E,) choices per
+    expert before dropping, ``dropped`` (choices past capacity) on this rank; forwards with grad
+    enabled also add both into ``load`` ((E + 1,) int64: counts, then drops) until :meth:`take_load`.
     Raises ValueError when ep does not divide num_experts or an argument is out of range.
     """
 
@@ -111,6 +119,8 @@ class MoELayer(Module):
         w2 = rng.normal(0, 0.02, (num_experts, hidden, n_embd)).astype(dtype)
         self.w1 = Parameter(xp.asarray(w1[first:first + self.local]))
         self.w2 = Parameter(xp.asarray(w2[first:first + self.local]))
+        self.bias = np.zeros(num_experts)  # aux-loss-free balancing (selection only)
+        self.load = np.zeros(num_experts + 1, dtype=np.int64)
 
     def capacity(self, t: int) -> int:
         """Slots per expert for ``t`` tokens on this rank."""
@@ -119,12 +129,18 @@ class MoELayer(Module):
     def forward(self, x):
         t, e, ep = x.shape[0], self.num_experts, 1 if self.comm is None else self.comm.world_size
         logits = x @ self.router
-        z = logits - backend.xp.max(logits.data, axis=1, keepdims=True)
-        probs = z.exp() / z.exp().sum(axis=1, keepdims=True)
+        m = backend.xp.max(logits.data, axis=1, keepdims=True)
+        ez = (logits - m).exp()
+        probs = ez / ez.sum(axis=1, keepdims=True)
+        lse = ez.sum(axis=1).log() + m.reshape(-1)  # logsumexp(logits), (T,)
+        self.z_loss = (lse * lse).mean()
         p = backend.to_host(probs.data)
-        token, expert, kept = route(p, self.top_k, self.capacity(t))
+        cap = self.capacity(t) if self.training else t  # eval mode drops nothing: no group dependence
+        token, expert, kept = route(p, self.top_k, cap, self.bias if self.bias.any() else None)
         self.expert_counts = np.bincount(expert, minlength=e)
         self.dropped = int((~kept).sum())
+        if is_grad_enabled():
+            self.load += np.append(self.expert_counts, self.dropped)
         f = self.expert_counts / (t * self.top_k)
         self.aux_loss = (probs.mean(axis=0) * backend.xp.asarray(f * e)).sum()
         order = np.argsort(expert[kept], kind="stable")  # kept choices grouped by expert, priority order within
@@ -141,6 +157,16 @@ class MoELayer(Module):
         if ep > 1:
             y = _AllToAllV.apply(y, self.comm, got_counts.sum(axis=1))
         return _ScatterAdd.apply(y * gates.reshape(-1, 1), backend.xp.asarray(token), t)
+
+    def take_load(self) -> np.ndarray:
+        """(E + 1,) int64: choices per expert, then dropped choices, since the last call; resets them."""
+        load, self.load = self.load, np.zeros_like(self.load)
+        return load
+
+    def update_bias(self, counts, rate: float) -> None:
+        """DeepSeek-V3's update: ``bias += rate * sign(mean(counts) - counts)``; ``counts`` (E,) the step's load."""
+        counts = np.asarray(counts, dtype=np.float64)
+        self.bias += rate * np.sign(counts.mean() - counts)
 
     def _experts(self, rows, counts):
         """Rows in (source rank, local expert) blocks -> each block through its expert, same order."""

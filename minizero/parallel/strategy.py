@@ -28,6 +28,8 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, expert_groups, gather_experts, use_moe,
+                                              whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -41,7 +43,7 @@ from minizero.zero import zero_optimizer
 GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
-                 "context_parallel_attention", "other")
+                 "context_parallel_attention", "expert_all_to_all", "other")
 
 
 class Strategy:
@@ -53,8 +55,12 @@ class Strategy:
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
-                 predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False):
+                 predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False,
+                 expert_load=None, ep_comm=None, make_model=None):
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
+        # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
+        self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
+        self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
@@ -138,6 +144,8 @@ class Strategy:
         self.opt.set_lr(lr)
         with trace.span("optimizer step", "optimizer"):
             self.opt.step(grad_scale=grad_scale)
+        for hook in self.after_step:  # every rank, after each update (MoE: the step's expert load, the routing bias)
+            hook()
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -171,24 +179,27 @@ class Strategy:
         """Collective: the whole GPT — the local model itself when tp = pp = 1 (every rank), else
         gathered onto world rank 0 (None elsewhere; :func:`gather_full_model`)."""
         if self.model is not None:
-            return self.model
-        with self.full_parameters():
-            return gather_full_model(self.stage, self.topo, self.stage.config)
+            return self.model if self.ep_comm is None else gather_experts(self.model, self.make_model(), self.ep_comm)
+        with self.full_parameters(), whole_experts(self.stage, self.ep_comm):
+            return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
     def traffic(self) -> dict:
         """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world."""
         return traffic_by_group(self.topo)
 
     def traffic_by_kind(self) -> dict:
-        """Bytes this rank sent over the run, by purpose (:data:`TRAFFIC_KINDS`, from each group's traffic ledger)."""
+        """Bytes this rank sent over the run, by purpose (:data:`TRAFFIC_KINDS`, from each group's traffic ledger;
+        ``expert_all_to_all``: MoE's dispatch and combine)."""
         by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
+        a2a, moe = by["dp"].get("all_to_all", 0), self.expert_load is not None  # MoE refuses --cp: the all-to-alls are its
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
             "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS),
             # the embedding group is split from the pipeline group: its all-reduce is in both ledgers, counted once
             "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()),
             "tensor_parallel_activations": sum(by["tp"].values()),
-            "context_parallel_attention": by["dp"].get("ring_attention", 0) + by["dp"].get("all_to_all", 0),
+            "context_parallel_attention": by["dp"].get("ring_attention", 0) + (0 if moe else a2a),
+            "expert_all_to_all": a2a + by["dp"].get("all_to_all_counts", 0) if moe else 0,
         }
         kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
         return kinds
@@ -223,6 +234,18 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         use_bf16(stage)
     elif args.precision == "fp8":
         use_fp8(stage, args.fp8_scaling)
+    moe, ep_comm, edp_comm, expert_load, make_model = args.moe_config(), None, None, None, None
+    if moe is not None:  # before recompute wraps the blocks
+        if args.ep > 1:
+            ep_comm, edp_comm = expert_groups(topo.dp_comm, args.ep)
+        layers = use_moe(stage, moe, args.seed, ep_comm, grad_scale=1.0 / args.grad_accum)
+        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, moe.top_k, comm, topo.tp_rank == 0,
+                                 moe.bias_update)
+
+        def make_model():  # the whole model's shape, to gather into (ep 1)
+            model = GPT(cfg, seed=args.seed)
+            use_moe(model, moe, args.seed)
+            return model
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -237,6 +260,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                                        quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
                                        prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided,
                                        check_order=True if args.debug_collectives else None)  # None: the env switch
+    elif ep_comm is not None:
+        dp, opt = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20)), \
+            AdamW(params, lr=args.lr, weight_decay=args.weight_decay, store=store)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
@@ -255,7 +281,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
     strategy = Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap,
-                        cp=cp, padded=args.documents == "pad")
+                        cp=cp, padded=args.documents == "pad",
+                        expert_load=expert_load, ep_comm=ep_comm, make_model=make_model)
     if args.precision == "fp8" and args.fp8_scaling == "delayed":  # every replica's scales the group's max
         strategy.after_backward.append(AmaxReduction(stage, topo.dp_comm).reduce)
     return strategy

@@ -83,11 +83,12 @@ def grad_norm_sq(topo: Topology, sync) -> float:
     return sync.grad_norm_sq(lambda p: counts_in_norm(p, topo), topo.mp_comm, topo.world)
 
 
-def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
+def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, make_model=None):
     """Collective: world rank ``root`` (at dp 0, tp 0, pp 0) assembles the whole GPT; None elsewhere.
 
     Data rank 0's ranks send a header (int64 [partition_dim, stride]) and each array; traffic ``gather_model``:
-    the model's bytes once. Raises ValueError: ``root`` is not the rank at (0, 0, 0).
+    the model's bytes once. ``make_model``: builds the empty whole model on the root (default ``GPT(cfg)``;
+    MoE: expert_parallel.py). Raises ValueError: ``root`` is not the rank at (0, 0, 0).
     """
     comm = topo.world
     if root != topo.rank_of(0, 0, 0):
@@ -104,7 +105,7 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0):
     if comm.rank != root:
         return None
     with scratch_ledger():
-        full = GPT(cfg, seed=0)
+        full = GPT(cfg, seed=0) if make_model is None else make_model()
     local = dict(stage.named_parameters())
     for name, p in full.named_parameters():
         if name.startswith("transformer.h."):

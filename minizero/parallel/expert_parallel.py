@@ -1,0 +1,248 @@
+"""Mixture of experts in the GPT, and expert parallelism over the data group (layer: parallel/moe.py).
+
+``use_moe`` replaces the MLP of every ``every``-th block (blocks every-1, 2 every-1, ...; GShard and Switch
+put one in every other block) by :class:`MoEMLP`, a child module that routes the micro-batch's b*T
+tokens as one group. The Switch and z losses enter backward through :class:`_AddAuxLoss` (Megatron-Core's
+``MoEAuxLossAutoScaler``): forward returns the output unchanged, backward also seeds the layer's loss with
+``grad_scale`` (the main loss's seed per micro-batch, 1/m), so a pipeline stage needs no loss of its own.
+
+Expert parallelism (ep ranks) splits the data group (D ranks) into D/ep expert groups of ep consecutive
+data ranks (DeepSpeed's layout)::
+
+    data ranks   0 1 | 2 3          expert groups {0,1} {2,3}: all-to-all dispatch / combine
+    experts      a b | a b          expert-data groups {0,2} {1,3}: the same experts, other tokens
+
+Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averaged over the data group;
+an expert's gradient, already summed over its expert group by the combine's backward, summed over its
+expert-data group and divided by D. After each step (:class:`ExpertLoad`) every layer's counts are summed
+over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias
+update and the progress lines.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+
+from minizero import backend
+from minizero.autograd import Function, is_grad_enabled
+from minizero.comm.collectives import all_gather, all_reduce
+from minizero.nn.module import Module
+from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.moe import MoELayer
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Experts per MoE layer, top-k, capacity factor, every-th block, the losses' coefficients, the bias rate."""
+    experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    every: int = 1
+    aux_loss: float = 0.01
+    z_loss: float = 0.001
+    bias_update: float = 0.0
+
+    def layers(self, n_layer: int) -> list[int]:
+        """The block indices whose MLP is an MoE layer."""
+        return [i for i in range(n_layer) if i % self.every == self.every - 1]
+
+    def parameters(self, gpt) -> tuple[int, int]:
+        """(total, active per token) parameters of the GPT config ``gpt`` with these MoE layers: each
+        replaces an MLP (8C^2 + 5C) by a router (C E) and E (or top-k, active) experts of 8C^2 (no biases)."""
+        c, n = gpt.n_embd, len(self.layers(gpt.n_layer))
+        dense = gpt.num_parameters() - n * (8 * c * c + 5 * c)
+        return dense + n * (c * self.experts + 8 * c * c * self.experts), dense + n * (c * self.experts + 8 * c * c * self.top_k)
+
+
+class _AddAuxLoss(Function):
+    """forward: y unchanged; backward: g to y, and ``weight`` as the gradient of the scalar ``aux``."""
+
+    @staticmethod
+    def forward(ctx, y, aux, weight):
+        ctx.weight, ctx.dtype = weight, aux.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, backend.xp.full((), ctx.weight, dtype=ctx.dtype), None
+
+
+class MoEMLP(Module):
+    """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
+
+    ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
+    losses; ``grad_scale``: their backward seed (the main loss's per micro-batch). No dropout (the MLP's
+    output dropout goes with it).
+    """
+
+    def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
+        super().__init__()
+        self.moe, self.aux_coef, self.z_coef, self.grad_scale = moe, aux_coef, z_coef, grad_scale
+
+    def forward(self, x):
+        b, t, c = x.shape
+        y = self.moe(x.reshape(b * t, c)).reshape(b, t, c)
+        if is_grad_enabled() and (self.aux_coef or self.z_coef):
+            aux = self.moe.aux_loss * self.aux_coef + self.moe.z_loss * self.z_coef
+            y = _AddAuxLoss.apply(y, aux, self.grad_scale)
+        return y
+
+
+def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 1.0) -> dict:
+    """Assign ``block.mlp = MoEMLP(...)`` in the chosen blocks of ``stage`` (a GPT or a pipeline stage).
+
+    Layer i draws its router and all E experts from seed ``seed * 1000 + i`` on every rank (ep ranks keep
+    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``.
+    Returns ``{block index: MoELayer}`` of this stage.
+    """
+    mc, layers = stage.config, {}
+    for name, block in stage.transformer["h"].named_modules():
+        if not name or "." in name:  # the blocks themselves, named by their index in the model
+            continue
+        i = int(name)
+        if i not in cfg.layers(mc.n_layer):
+            continue
+        moe = MoELayer(mc.n_embd, 4 * mc.n_embd, cfg.experts, cfg.top_k, cfg.capacity_factor, comm=ep_comm,
+                       seed=seed * 1000 + i, dtype=mc.dtype)
+        moe.w1.expert = moe.w2.expert = True
+        block.mlp = MoEMLP(moe, cfg.aux_loss, cfg.z_loss, grad_scale)
+        layers[i] = moe
+    return layers
+
+
+def expert_groups(dp_comm, ep: int):
+    """Collective over the data group: ``(expert group, expert-data group)`` communicators (module docstring)."""
+    r = dp_comm.rank
+    return dp_comm.split(color=r // ep, key=r), dp_comm.split(color=r % ep, key=r)
+
+
+def is_expert(p) -> bool:
+    return getattr(p, "expert", False)
+
+
+class ExpertDataParallel:
+    """The gradient synchroniser with experts (the interface of :class:`DataParallel`).
+
+    Dense parameters: :class:`DataParallel` over ``dp_comm`` (D ranks); expert parameters: over
+    ``edp_comm`` (D/ep ranks), then times 1/ep, so both are means over the D data ranks' losses.
+    ``kw``: DataParallel's keyword arguments.
+    """
+
+    def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):
+        self.params, self.ep, self.edp = list(params), ep, edp_comm.world_size
+        self.dense = DataParallel([p for p in self.params if not is_expert(p)], dp_comm, **kw)
+        self.experts = DataParallel([p for p in self.params if is_expert(p)], edp_comm, **kw)
+
+    def reduce_gradients(self) -> None:
+        self.dense.allreduce_gradients()
+        self.experts.allreduce_gradients()
+        for p in self.experts.params:
+            if p.grad is not None:
+                p.grad *= 1.0 / self.ep
+
+    def local_grads(self) -> list:
+        return self.dense.local_grads() + self.experts.local_grads()
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective: the dense part over ``model_comm``; the experts' squares summed over ``world`` (one
+        float64, label ``grad_norm``) and divided by D/ep, the copies of each expert."""
+        dense = self.dense.grad_norm_sq(counts, model_comm, world)
+        local = backend.xp.zeros(1, dtype=np.float64)
+        for p in self.experts.params:
+            if p.grad is not None and counts(p):
+                local += (p.grad.astype(np.float64) ** 2).sum()
+        with world.traffic.op("grad_norm"):
+            return dense + float(backend.to_host(all_reduce(world, local))[0]) / self.edp
+
+    def full_parameters(self):
+        return contextlib.nullcontext()
+
+    def bytes_per_step(self, steps: int) -> float:
+        return self.dense.bytes_per_step(steps) + self.experts.bytes_per_step(steps)
+
+
+def gather_experts(model, whole, ep_comm):
+    """Collective over ``ep_comm``: ``whole`` (the same GPT with ep-1 MoE layers) filled from ``model``.
+
+    Expert slices (E/ep, ...) are all-gathered in rank order (label ``all_gather``); the rest, and each
+    layer's bias, copied. Returns ``whole``.
+    """
+    mine = dict(model.named_parameters())
+    for name, p in whole.named_parameters():
+        q = mine[name]
+        if is_expert(q):
+            p.data[...] = all_gather(ep_comm, backend.xp.ascontiguousarray(q.data).reshape(-1)).reshape(p.shape)
+        else:
+            p.data[...] = q.data
+    biases = {n: m.bias for n, m in model.named_modules() if isinstance(m, MoELayer)}
+    for n, m in whole.named_modules():
+        if isinstance(m, MoELayer):
+            m.bias = biases[n].copy()
+    return whole
+
+
+@contextlib.contextmanager
+def whole_experts(module, ep_comm):
+    """Collective over ``ep_comm``: inside, every expert parameter of ``module`` holds all E experts
+    (all-gathered in rank order, label ``all_gather``); its own slice again on exit. None: nothing to do."""
+    params = [p for p in module.parameters() if is_expert(p)] if ep_comm is not None else []
+    mine = [p.data for p in params]
+    for p, w in zip(params, mine):
+        p.data = all_gather(ep_comm, backend.xp.ascontiguousarray(w).reshape(-1)).reshape((-1,) + w.shape[1:])
+    try:
+        yield
+    finally:
+        for p, w in zip(params, mine):
+            p.data = w
+
+
+class ExpertLoad:
+    """After each step: every MoE layer's load summed over the world, the bias update, running totals.
+
+    ``layers``: this stage's ``{block index: MoELayer}``; ``counts_here``: whether this rank's counts
+    are added (False on tensor ranks > 0, which route the same tokens). Attributes after a step:
+    ``last`` and ``total``: {block index: (E + 1,) counts then drops} of the last step and of the run.
+    """
+
+    def __init__(self, layers: dict, all_layers: list, experts: int, top_k: int, world, counts_here: bool,
+                 rate: float = 0.0):
+        self.layers, self.all_layers, self.experts, self.top_k = layers, all_layers, experts, top_k
+        self.world, self.counts_here, self.rate = world, counts_here, rate
+        self.last, self.total = {}, {i: np.zeros(experts + 1) for i in all_layers}
+
+    def after_step(self) -> None:
+        """Collective over the world: one all-reduce of (MoE layers, E + 1) float64."""
+        table = np.zeros((len(self.all_layers), self.experts + 1))
+        for row, i in enumerate(self.all_layers):
+            if i in self.layers:
+                load = self.layers[i].take_load()
+                table[row] = load if self.counts_here else 0
+        with self.world.traffic.op("moe_load"):
+            table = backend.to_host(all_reduce(self.world, backend.to_device(table)))
+        for row, i in enumerate(self.all_layers):
+            self.last[i] = table[row]
+            self.total[i] = self.total[i] + table[row]
+            if self.rate and i in self.layers:
+                self.layers[i].update_bias(table[row, :self.experts], self.rate)
+
+    @staticmethod
+    def shares(loads: dict) -> tuple[np.ndarray, float]:
+        """(E,) fraction of the choices each expert got, summed over layers; the fraction dropped."""
+        t = sum(loads.values())
+        n = t[:-1].sum()
+        return t[:-1] / max(n, 1), float(t[-1] / max(n, 1))
+
+    def line(self) -> str:
+        """The last step's load for a progress line: ``experts 26/24/25/25%  dropped 1.2%``."""
+        f, drop = self.shares(self.last)
+        return f"experts {'/'.join(f'{100 * x:.0f}' for x in f)}%  dropped {100 * drop:.1f}%"
+
+    def summary(self) -> dict:
+        """The run's totals: tokens per expert and drop rate, over all MoE layers and per layer."""
+        f, drop = self.shares(self.total)
+        per = {str(i): {"tokens_per_expert": [int(x) for x in t[:-1]], "dropped": int(t[-1]),
+                        "drop_rate": float(t[-1] / max(t[:-1].sum(), 1))} for i, t in self.total.items()}
+        return {"tokens_per_expert": [int(x) for x in sum(self.total.values())[:-1]], "load_share": f.tolist(),
+                "drop_rate": drop, "layers": per}

@@ -1,0 +1,146 @@
+"""MoE in the GPT and the main job (parallel/expert_parallel.py): every layout equals one process.
+
+The single process routes the same groups: one micro-batch of b sequences per group, so a run of D data
+ranks with micro-batch b and k micro-batches equals one process with micro-batch b and D*k micro-batches
+(the same rows, the same capacity and drops, the same Switch and z losses). Validation drops nothing, so its
+loss is the one process's too. float64, 3 steps, capacity
+factor 1.0 (choices are dropped), both losses and the bias update on; the final weights agree to 1e-9
+and the per-expert counts exactly.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.flags import UsageError
+from minizero.loop import train
+from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+
+BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
+        "--progress", "none", "--lr", "1e-2", "--seed", "3", "--no-save", "--micro-batch-size", "2",
+        "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss", "0.1",
+        "--moe-z-loss", "0.01", "--moe-bias-update", "0.01"]
+
+
+def _train(comm, flags):
+    args = parse_args([*BASE, *flags], comm.world_size)
+    out = train(args, comm, log=lambda s: None, callbacks=[])
+    with out.strategy.full_parameters():  # ZeRO-3: gathered
+        state = None if out.model is None else {k: v.copy() for k, v in out.model.state_dict().items()}
+    return state, out.strategy.expert_load.total, out.train_losses + [v for _, v in out.val_history]
+
+
+def _run(n, flags):
+    return run_in_threads(n, _train, flags, timeout=240)[0]
+
+
+_REF = {}
+
+
+def _reference(k):
+    if k not in _REF:
+        _REF[k] = _run(1, ["--grad-accum", str(k)])
+    return _REF[k]
+
+
+def _assert_equal(got, ref):
+    (state, load, losses), (rstate, rload, rlosses) = got, ref
+    assert set(state) == set(rstate)
+    for name, a in rstate.items():
+        np.testing.assert_allclose(state[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    for i in rload:
+        assert load[i].tolist() == rload[i].tolist(), i  # counts and drops, exactly
+    assert sum(t[-1] for t in rload.values()) > 0  # choices were dropped
+    np.testing.assert_allclose(losses, rlosses, rtol=1e-10)
+
+
+#: (world size, flags, micro-batches of the one process)
+CASES = {
+    "ep1-dp2": (2, [], 2),
+    "ep2-dp2": (2, ["--ep", "2"], 2),
+    "ep2-dp4": (4, ["--ep", "2"], 4),
+    "ep4-dp4": (4, ["--ep", "4"], 4),
+    "ep1-zero3-dp2": (2, ["--zero", "3"], 2),
+    "ep1-tp2": (2, ["--tp", "2"], 1),
+    "ep1-pp2": (2, ["--pp", "2"], 2),
+    "ep1-dp2-every2": (2, ["--moe-every", "2"], None),
+    "ep2-tp2-dp2": (4, ["--ep", "2", "--tp", "2", "--dp", "2"], 2),
+    "ep2-pp2-dp2": (4, ["--ep", "2", "--pp", "2", "--dp", "2"], 4),
+    "ep2-recompute-full": (2, ["--ep", "2", "--recompute", "full"], 2),
+    "ep1-zero1-dp2": (2, ["--zero", "1"], 2),
+    "ep1-zero2-dp2": (2, ["--zero", "2"], 2),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_layout_equals_one_process(case):
+    n, flags, k = CASES[case]
+    ref = _run(1, ["--grad-accum", "2", "--moe-every", "2"]) if k is None else _reference(k)
+    _assert_equal(_run(n, flags), ref)
+
+
+def test_the_losses_and_the_bias_change_the_result():
+    """The equality above would hold trivially if the coefficients did nothing."""
+    base = _reference(1)
+    for flags in (["--moe-aux-loss", "0"], ["--moe-z-loss", "0"], ["--moe-bias-update", "0"]):
+        state, _, _ = _run(1, flags)
+        assert max(np.abs(state[k] - v).max() for k, v in base[0].items()) > 1e-8, flags
+
+
+@pytest.mark.parametrize("flags,n,words", [
+    (["--moe-experts", "3", "--ep", "2"], 2, "divisible by --ep 2"),
+    (["--moe-top-k", "5"], 1, "--moe-top-k must be in 1..--moe-experts 4"),
+    (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
+    (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
+    (["--ep", "2", "--zero", "3"], 2, "--ep 2 with --zero 3 is not supported"),
+    (["--precision", "bf16"], 1, "--moe-experts with --precision bf16 is not supported"),
+])
+def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
+    argv = [*BASE, *flags]
+    if "--dtype" in argv and "--precision" in flags:
+        argv[argv.index("--dtype") + 1] = "float32"
+    with pytest.raises(UsageError, match=None) as e:
+        parse_args(argv, n)
+    assert words in str(e.value)
+
+
+def test_ep_without_experts_is_refused():
+    with pytest.raises(UsageError, match="--ep 2 splits experts: it needs --moe-experts > 0"):
+        parse_args(["--ep", "2"], 2)
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_main_job_under_mpiexec(mpiexec, tmp_path):
+    """4 ranks, ep 2: the weights equal the in-process one process; per-expert load in the lines and the summary."""
+    flags = [a for a in BASE if a != "--no-save"] + ["--ep", "2", "--progress", "log", "--log-every", "1"]
+    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *flags, "--sample-tokens", "1",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("experts ") >= 3 and "dropped" in proc.stdout
+    state = dict(np.load(os.path.join(tmp_path, "model.npz")))
+    rstate, rload, _ = _reference(4)
+    for name, a in rstate.items():
+        np.testing.assert_allclose(state[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    moe = json.loads((tmp_path / "summary.json").read_text())["moe"]
+    assert moe["tokens_per_expert"] == [int(x) for x in sum(rload.values())[:-1]]
+    assert moe["ep"] == 2 and 0 < moe["drop_rate"] < 1
+
+
+def test_the_header_counts_every_and_the_active_parameters():
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.expert_parallel import MoEConfig, use_moe
+
+    cfg, moe = get_config("tiny"), MoEConfig(4, top_k=2, every=2)
+    model = GPT(cfg)
+    use_moe(model, moe, seed=0)
+    total, active = moe.parameters(cfg)
+    assert total == model.num_parameters()
+    c = cfg.n_embd
+    assert total - active == len(moe.layers(cfg.n_layer)) * 8 * c * c * (4 - 2)
