@@ -157,6 +157,10 @@ def shape_from_state(state: dict, weights: str = "weights") -> dict:
         n_layer += 1
     dims = dict(n_layer=n_layer, n_embd=int(wte.shape[1]), block_size=int(wpe.shape[0]), vocab_size=int(wte.shape[0]))
     want, have = expected_shapes(**dims), _shapes(state)
+    moe = sorted(k for k in have if ".mlp.moe." in k)
+    if moe:  # router and experts are not a dense GPT's: say so rather than 'names differ'
+        raise ValueError(f"--weights {weights!r} holds a mixture-of-experts model ({moe[0]!r}, ...); this program "
+                         f"reads dense GPT weights only (the main job prints an MoE sample at its end)")
     if n_layer == 0 or want != have:
         diff = sorted(set(want) ^ set(have)) or [k for k in sorted(want) if want[k] != have[k]]
         first = diff[0] if diff else "transformer.h.0.ln_1.weight"

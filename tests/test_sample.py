@@ -176,3 +176,15 @@ def test_model_json_disagreeing_with_the_weight_headers_is_refused_before_readin
     proc = run_sample("--weights", str(tmp_path / "model.npz"), "--tokens", "5")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "disagrees with the array headers: n_embd 32 vs 16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_moe_weights_are_named_as_moe_not_as_foreign(tmp_path):
+    """A main-job MoE model.npz is refused in one line that says it is MoE, not 'not written by minizero.train'."""
+    from minizero.nn import GPT, GPTConfig
+    state = {k: v.data for k, v in GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4)).state_dict().items()
+             if ".mlp.c_" not in k}
+    state["transformer.h.0.mlp.moe.router"] = np.zeros((8, 4), np.float32)
+    np.savez(tmp_path / "model.npz", **state)
+    proc = run_sample("--weights", str(tmp_path / "model.npz"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "mixture-of-experts" in proc.stderr and "not a model.npz" not in proc.stderr, proc.stderr
