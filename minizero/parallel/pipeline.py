@@ -117,6 +117,15 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
     all_reduce(embed_comm, p.grad, out=p.grad)
 
 
+def deferred_weights(chunk) -> list:
+    """The Parameters whose gradients a split backward leaves to W: the blocks' weight matrices (ndim >= 2).
+
+    Embeddings, head, layer norms and biases get theirs at B, so a W keeps only the (input, output gradient)
+    of the blocks' matrix products (Qi et al. 2023, section 2: W is the matmuls' weight gradients).
+    """
+    return [p for p in chunk.transformer["h"].parameters() if p.data.ndim >= 2]
+
+
 class PipelineEngine:
     """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
@@ -262,7 +271,9 @@ class PipelineEngine:
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
                     inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
                     get_ledger().track(inp.grad, "comm_buffers")
-                w = WeightGradients(chunk.parameters()) if (op.mb, c) in split else None
+                w = WeightGradients(deferred_weights(chunk)) if (op.mb, c) in split else None
+                if w is not None and not chunk.is_last:  # the received message may outlive B, kept by a W
+                    get_ledger().track(grad, "comm_buffers")
                 with w.deferring() if w is not None else contextlib.nullcontext():
                     backward(out, grad)
                 if w is not None:
