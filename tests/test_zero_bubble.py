@@ -10,6 +10,7 @@
   BF16 and FP8 one process's of that precision; ZB-V's messages turn at rank p-1; each schedule once
   under mpiexec.
 """
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from minizero.args import UsageError
 from minizero.comm import run_in_threads
 from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_schedule, one_f_one_b, peak_in_flight,
                                         simulate, zb_h1, zb_h1_bubble_ratio, zb_v)
-from minizero.train import parse_args
+from minizero.train import parse_args, train
 from tests.conftest import REPO_ROOT, mpi_env
 from minizero.ledger import get_ledger
 from minizero.memory.fp8 import FP8Linear, fp8_state, use_fp8
@@ -290,3 +291,20 @@ def test_zb_v_low_precision_equals_one_process_of_that_precision(precision):
         for name, p in r["params"].items() if precision != "fp16" else ():
             a = ref["params"][R._ref_name(name)]
             np.testing.assert_allclose(p, a, rtol=0, atol=1e-5 * np.abs(a).max(), err_msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_a_trace_shows_every_w_as_a_compute_span(tmp_path):
+    """``--trace`` under ZB-H1: each W is one span on the compute lane, so a trace's busy time counts it."""
+    path = str(tmp_path / "trace.json")
+
+    def run(comm):
+        argv = ["--model", "tiny", "--dtype", "float64", "--block-size", "16", "--steps", "1", "--eval-every", "0",
+                "--eval-batches", "1", "--no-progress", "--micro-batch-size", "2", "--pp", "2", "--micro-batches", "4",
+                "--schedule", "zb-h1", "--trace", path]
+        train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
+
+    run_in_threads(2, run)
+    events = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X" and e["name"].startswith("W ")]
+    assert sorted((e["pid"], e["name"], e["cat"], e["tid"]) for e in events) == sorted(
+        (r, f"W mb{i}", "backward", 0) for r in range(2) for i in range(4))

@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 
-from minizero import backend
+from minizero import backend, trace
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
@@ -283,7 +283,8 @@ class PipelineEngine:
                     inp.grad = None
                 del inp, out
             else:
-                weights.pop((c, op.mb)).run()
+                with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
+                    weights.pop((c, op.mb)).run()
             self.trace.append(op)
             self.peak_in_flight = max(self.peak_in_flight, len(held) + len(weights))
         self._flush()
