@@ -23,16 +23,16 @@ from threadpoolctl import threadpool_limits
 import tests.mp_reference as R
 from minizero.args import UsageError
 from minizero.comm import run_in_threads
-from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_schedule, one_f_one_b, peak_in_flight,
-                                        simulate, zb_h1, zb_h1_bubble_ratio, zb_v)
-from minizero.train import parse_args, train
-from tests.conftest import REPO_ROOT, mpi_env
 from minizero.ledger import get_ledger
 from minizero.memory.fp8 import FP8Linear, fp8_state, use_fp8
 from minizero.nn import get_config
 from minizero.parallel.pipeline import PipelineEngine
+from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_schedule, one_f_one_b, peak_in_flight,
+                                        simulate, zb_h1, zb_h1_bubble_ratio, zb_v)
 from minizero.parallel.three_d import build_stage
 from minizero.parallel.topology import Topology
+from minizero.train import parse_args, train
+from tests.conftest import REPO_ROOT, mpi_env
 from tests.test_pipeline import CFG, micro_batches, run_engine
 
 
