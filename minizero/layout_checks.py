@@ -93,12 +93,9 @@ def check_zero_bubble(args, cfg) -> None:
     if args.schedule == "zb-v" and 2 * args.pp > cfg.n_layer:
         raise UsageError(f"--schedule zb-v needs 2 x --pp {args.pp} = {2 * args.pp} virtual stages of at least one "
                          f"layer each, but the model has {cfg.n_layer} layers")
-    why = {f"--precision {args.precision}": (args.schedule == "zb-v" and args.precision in ("bf16", "fp8"),
-                                             "its gradients differ from one process's by more than rounding "
-                                             "(found in tests; zb-h1 and fp16/fp32 with zb-v are equal)"),
-           "--sequence-parallel": (args.sequence_parallel,
-                                   "its gathered linear all-gathers and reduce-scatters in one backward, which a "
-                                   "split backward would run twice"),
+    why = {"--sequence-parallel": (args.sequence_parallel,
+                                    "its gathered linear all-gathers and reduce-scatters in one backward, which a "
+                                    "split backward would run twice"),
            f"--cp {args.cp}": (args.cp > 1, "ring attention with a split backward is not tested"),
            f"--offload-activations {args.offload_activations}": (
                args.offload_activations != "none", "a split backward unpacks saved arrays twice (B and W), "

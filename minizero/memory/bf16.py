@@ -65,10 +65,10 @@ class _BF16Linear(Function):
     @staticmethod
     def backward(ctx, g):
         xr, wr = (from_bf16_bits(b) for b in ctx.saved_tensors)
-        g = round_bf16(g)
-        dx = round_bf16(backend.matmul(g, wr))
-        dw = round_bf16(backend.matmul(_flat2d(g).T, _flat2d(xr)))
-        db = round_bf16(_flat2d(g).sum(axis=0)) if ctx.has_bias else None
+        g, need = round_bf16(g), ctx.needs_input_grad  # a split backward asks for dx (B), then dW (W)
+        dx = round_bf16(backend.matmul(g, wr)) if need[0] else None
+        dw = round_bf16(backend.matmul(_flat2d(g).T, _flat2d(xr))) if need[1] else None
+        db = round_bf16(_flat2d(g).sum(axis=0)) if ctx.has_bias and need[2] else None
         return (dx, dw, db) if ctx.has_bias else (dx, dw)
 
 
@@ -94,10 +94,4 @@ def use_bf16(model) -> list[str]:
     for name, p in model.named_parameters():
         if p.dtype != np.float32:
             raise TypeError(f"BF16 compute keeps float32 parameters; {name} is {p.dtype}")
-    done = []
-    for prefix, parent in list(model.named_modules()):
-        for child_name, child in list(parent._modules.items()):
-            if type(child) is Linear:
-                setattr(parent, child_name, BF16Linear(child))
-                done.append(f"{prefix}.{child_name}" if prefix else child_name)
-    return done
+    return model.swap_modules(lambda m: BF16Linear(m) if type(m) is Linear else None)

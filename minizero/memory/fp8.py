@@ -15,6 +15,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
+from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module
 
 AMAX_HISTORY = 16  #: delayed scaling's window (TE's examples; its DelayedScaling default is 1024 in TE 1.x)
@@ -146,19 +147,28 @@ class _FP8Linear(Function):
     def forward(ctx, x, weight, casts, bias=None):
         (cx, sx), (cw, sw) = casts["x"].quantize(x), casts["w"].quantize(weight)
         ctx.save_for_backward(cx, sx, cw, sw)
-        ctx.casts, ctx.has_bias = casts, bias is not None
+        ctx.casts, ctx.has_bias, ctx.g8, ctx.wants_dw = casts, bias is not None, None, ctx.needs_input_grad[1]
         y = backend.matmul(from_fp8_bits(cx, E4M3) / sx, (from_fp8_bits(cw, E4M3) / sw).T)
         return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, g):
         cx, sx, cw, sw = ctx.saved_tensors
-        xq, wq = from_fp8_bits(cx, E4M3) / sx, from_fp8_bits(cw, E4M3) / sw
-        gq = ctx.casts["g"].cast(g)
+        need = ctx.needs_input_grad  # a split backward asks for dx (B), then dW (W): g is cast once, at B
+        if ctx.g8 is None:
+            ctx.g8 = ctx.casts["g"].quantize(g)
+        gq = from_fp8_bits(ctx.g8[0], E5M2) / ctx.g8[1]
+        if ctx.wants_dw and not need[1]:  # W comes later and takes these codes
+            get_ledger().track(ctx.g8[0], "activations")
+        else:
+            ctx.g8 = None
         rows = int(np.prod(g.shape[:-1]))
-        dx = backend.matmul(gq, wq)
-        dw = backend.matmul(gq.reshape(rows, g.shape[-1]).T, xq.reshape(rows, xq.shape[-1]))
-        db = g.reshape(rows, g.shape[-1]).sum(axis=0) if ctx.has_bias else None
+        dx = backend.matmul(gq, from_fp8_bits(cw, E4M3) / sw) if need[0] else None
+        dw = None
+        if need[1]:
+            xq = from_fp8_bits(cx, E4M3) / sx
+            dw = backend.matmul(gq.reshape(rows, g.shape[-1]).T, xq.reshape(rows, xq.shape[-1]))
+        db = g.reshape(rows, g.shape[-1]).sum(axis=0) if ctx.has_bias and need[3] else None
         return (dx, dw, None, db) if ctx.has_bias else (dx, dw, None)
 
 
@@ -240,10 +250,4 @@ def use_fp8(model, scaling: str = "delayed") -> list[str]:
     for name, p in model.named_parameters():
         if p.dtype != np.float32:
             raise TypeError(f"FP8 compute keeps float32 parameters; {name} is {p.dtype}")
-    done = []
-    for prefix, parent in list(model.named_modules()):
-        for child_name, child in list(parent._modules.items()):
-            if type(child) is Linear:
-                setattr(parent, child_name, FP8Linear(child, scaling))
-                done.append(f"{prefix}.{child_name}" if prefix else child_name)
-    return done
+    return model.swap_modules(lambda m: FP8Linear(m, scaling) if type(m) is Linear else None)

@@ -52,6 +52,25 @@ class Module:
         for name, m in self._modules.items():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
+    def swap_modules(self, fn, memo=None) -> list[str]:
+        """Replace every descendant ``child`` for which ``fn(child)`` is a Module by it, under each name that
+        holds it (one replacement per shared child; ``memo`` {id: (child, new)} shares them across calls).
+
+        Returns the dotted names replaced.
+        """
+        memo = {} if memo is None else memo
+        done = []
+        for prefix, parent in list(self.named_modules()):
+            for name, child in list(parent._modules.items()):
+                if id(child) not in memo:
+                    memo[id(child)] = (child, fn(child))
+                new = memo[id(child)][1]
+                if new is not None:
+                    memo[id(new)] = (new, None)  # a replacement is not replaced again
+                    setattr(parent, name, new)
+                    done.append(f"{prefix}.{name}" if prefix else name)
+        return done
+
     def children(self):
         """The direct sub-modules."""
         return list(self._modules.values())

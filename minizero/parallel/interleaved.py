@@ -61,6 +61,14 @@ class InterleavedStage(Module):
         """The pipeline rank holding block ``layer`` under this stage's placement."""
         return rank_of_layer(self.config.n_layer, self.num_stages, self.virtual_stages, layer, self.v_shape)
 
+    def swap_modules(self, fn, memo=None) -> list[str]:
+        """:meth:`Module.swap_modules`, the chunks' own references replaced too (by the same new modules)."""
+        memo = {} if memo is None else memo
+        done = super().swap_modules(fn, memo)
+        for chunk in self.chunks:
+            chunk.swap_modules(fn, memo)
+        return done
+
     def forward(self, x, targets=None):  # pragma: no cover - the engine runs the chunks
         raise TypeError("an InterleavedStage runs chunk by chunk: use PipelineEngine")
 

@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 
-from minizero import backend
+from minizero import backend, trace
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
 from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
@@ -115,6 +115,15 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
         p.grad = backend.xp.zeros_like(p.data)
         get_ledger().track(p.grad, "gradients")
     all_reduce(embed_comm, p.grad, out=p.grad)
+
+
+def deferred_weights(chunk) -> list:
+    """The Parameters whose gradients a split backward leaves to W: the blocks' weight matrices (ndim >= 2).
+
+    Embeddings, head, layer norms and biases get theirs at B, so a W keeps only the (input, output gradient)
+    of the blocks' matrix products (Qi et al. 2023, section 2: W is the matmuls' weight gradients).
+    """
+    return [p for p in chunk.transformer["h"].parameters() if p.data.ndim >= 2]
 
 
 class PipelineEngine:
@@ -262,7 +271,9 @@ class PipelineEngine:
                 if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
                     inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
                     get_ledger().track(inp.grad, "comm_buffers")
-                w = WeightGradients(chunk.parameters()) if (op.mb, c) in split else None
+                w = WeightGradients(deferred_weights(chunk)) if (op.mb, c) in split else None
+                if w is not None and not chunk.is_last:  # the received message may outlive B, kept by a W
+                    get_ledger().track(grad, "comm_buffers")
                 with w.deferring() if w is not None else contextlib.nullcontext():
                     backward(out, grad)
                 if w is not None:
@@ -272,7 +283,8 @@ class PipelineEngine:
                     inp.grad = None
                 del inp, out
             else:
-                weights.pop((c, op.mb)).run()
+                with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
+                    weights.pop((c, op.mb)).run()
             self.trace.append(op)
             self.peak_in_flight = max(self.peak_in_flight, len(held) + len(weights))
         self._flush()
