@@ -36,6 +36,7 @@ class TrainConfig:
     sequence_parallel: bool = _D["sequence_parallel"]
     cp: int = _D["cp"]
     cp_attention: str = _D["cp_attention"]
+    ulysses: int | None = _D["ulysses"]
     pp: int | None = _D["pp"]
     micro_batches: int | None = _D["micro_batches"]
     schedule: str = _D["schedule"]
@@ -62,7 +63,7 @@ class TrainConfig:
     allreduce: str = _D["allreduce"]
     flight_records: int = _D["flight_records"]  # debugging (minizero.debug)
     debug_collectives: bool = _D["debug_collectives"]
-    check_replicas: int = _D["check_replicas"]
+    check_replicas: int | None = _D["check_replicas"]
     detect_anomaly: bool = _D["detect_anomaly"]
     loss_spike: float = _D["loss_spike"]
     # memory

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-attention", default="ring", choices=["ring", "ulysses"],
                    help="with --cp: ring attention (k, v blocks around the ring) or DeepSpeed-Ulysses (all-to-all "
                         "from sequence shards to head shards and back)")
+    p.add_argument("--ulysses", type=int, default=None, metavar="N",
+                   help="DeepSpeed-Ulysses over N ranks: the same as --cp N --cp-attention ulysses")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
@@ -123,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-spike", type=float, default=0.0, metavar="K",
                    help="a step whose loss exceeds K x the running mean records every parameter's gradient norm "
                         "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
-    p.add_argument("--check-replicas", type=int, default=0, metavar="N",
-                   help="every N steps and after the last, hash every parameter and compare across the "
-                        "data-parallel replicas; a difference stops the job naming parameter, ranks, step (0: off)")
+    p.add_argument("--check-replicas", type=int, default=None, metavar="N",
+                   help="hash every parameter and compare across the data-parallel replicas at every checkpoint and "
+                        "after the last step (the default, where replicas hold parameters: not ZeRO-3, not --ep > 1), "
+                        "N: also every N steps; a difference stops the job naming parameter, ranks, step (0: off)")
     p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
                    help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
                         "inside each node again (NCCL/Horovod hierarchical)")

@@ -150,8 +150,9 @@ def default_callbacks(run) -> list[Callback]:
     callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
-    if args.check_replicas:
-        callbacks.append(ReplicaCheck(args.check_replicas))
+    replicated = args.zero < 3 and args.ep == 1  # ZeRO-3 shards and --ep experts differ across the data group
+    if args.check_replicas or (args.check_replicas is None and replicated):
+        callbacks.append(ReplicaCheck(args.check_replicas or None, args.save_every))
     if run.strategy.expert_load is not None:
         callbacks.append(ExpertLoadCallback())
     return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]

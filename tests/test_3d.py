@@ -120,7 +120,9 @@ def test_dp2_tp2_pp2_equals_single_process():
         assert set(t["tp"]["by_op"]) == ({"all_reduce", "all_gather"} if r["coords"][2] == 1 else {"all_reduce"})
         # (used_parameters: which parameters got a gradient on some data rank, one small all-gather a step;
         # the inner collective's label is listed with 0 bytes, as broadcast's inside broadcast_params)
-        assert set(t["dp"]["by_op"]) <= {"all_reduce", "broadcast", "broadcast_params", "used_parameters", "all_gather"}
+        # (replica_check: the default --check-replicas after the last step, one all-gather of 8-byte digests)
+        assert set(t["dp"]["by_op"]) <= {"all_reduce", "broadcast", "broadcast_params", "used_parameters", "all_gather",
+                                         "replica_check"}
         assert t["dp"]["by_op"].get("all_gather", 0) == 0 < t["dp"]["by_op"]["used_parameters"]
         # the embedding group is a split of the pipeline group: its all-reduce shows in both
         assert set(t["pp"]["by_op"]) <= {"pp_activation", "pp_gradient", "pp_eval", "all_reduce"}

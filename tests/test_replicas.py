@@ -63,3 +63,29 @@ def test_a_drifted_replica_is_caught_at_the_step_it_drifted(monkeypatch):
 def test_replicas_agree_in_ordinary_training_with_zero_1_and_tensor_parallelism():
     run_in_threads(4, _train, ["--check-replicas", "2", "--zero", "1", "--tp", "2"], timeout=240)
     run_in_threads(2, _train, ["--check-replicas", "1"], timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_by_default_the_replicas_are_checked_after_the_last_step_and_0_turns_it_off(monkeypatch):
+    """No flag: the check runs once, after the last step (step 3 of 4), and names the drift of step 2."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge")
+    with pytest.raises(ReplicaMismatchError, match=r"after step 3: parameter 'transformer.wte.weight'"):
+        run_in_threads(2, _train, [], timeout=240)
+    losses = run_in_threads(2, _train, ["--check-replicas", "0"], timeout=240)  # off: the drift trains on
+    assert len(losses[0]) == 4
+
+
+@pytest.mark.timeout(300)
+def test_by_default_each_checkpoint_is_checked_before_it_is_saved(monkeypatch, tmp_path):
+    """--save-every 2: the check after step 1 (the first save's step) finds step 0's drift; nothing is saved."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:diverge")
+    with pytest.raises(ReplicaMismatchError, match=r"after step 1: "):
+        run_in_threads(2, _train, ["--save-every", "2", "--save-dir", str(tmp_path / "ckpt")], timeout=240)
+    assert not any((tmp_path / "ckpt").glob("**/*.json"))
+
+
+def test_the_default_skips_layouts_whose_data_ranks_hold_different_parameters():
+    from minizero.train import parse_args
+    assert parse_args([]).check_replicas is None
+    with pytest.raises(ValueError, match="--ep 2 with --check-replicas"):
+        parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8)

@@ -59,20 +59,21 @@ def check_replicas(comm, named_arrays, step: int, members=None) -> int:
 
 
 class ReplicaCheck(Callback):
-    """The loop's ``--check-replicas N``: :func:`check_replicas` over the data group after every N-th step and
-    after the last, on the full parameters (ZeRO-3 gathers them: its shards are not replicated, so there the
-    check covers the gather, not the shards).
+    """The loop's ``--check-replicas``: :func:`check_replicas` over the data group after every ``every``-th step,
+    after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
+    parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather).
 
     Args:
-        every: steps between checks (>= 1).
+        every: steps between checks (>= 1), or None for checkpoints and the end only.
+        save_every: the run's ``--save-every`` (0: no checkpoints).
     Raises:
-        ValueError: ``every`` not an int >= 1.
+        ValueError: ``every`` not None or an int >= 1.
     """
 
-    def __init__(self, every: int):
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every={every!r}; allowed: an int >= 1 (steps between checks)")
-        self.every, self.checked = every, None
+    def __init__(self, every: int | None, save_every: int = 0):
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"every={every!r}; allowed: None or an int >= 1 (steps between checks)")
+        self.every, self.save_every, self.checked = every, save_every, None
 
     def _check(self, run, step: int) -> None:
         s = run.strategy
@@ -82,7 +83,7 @@ class ReplicaCheck(Callback):
         self.checked = step
 
     def on_step_end(self, run, step, record):
-        if (step + 1) % self.every == 0:
+        if any(n and (step + 1) % n == 0 for n in (self.every, self.save_every)):
             self._check(run, step)
 
     def on_train_end(self, run):
