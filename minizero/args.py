@@ -129,6 +129,13 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {vars(args)[name]}")
     if args.no_progress:
         args.progress = "none"
+    if args.ulysses is not None:  # DeepSpeed-Ulysses' own spelling of --cp N --cp-attention ulysses
+        if args.ulysses < 2:
+            raise UsageError(f"--ulysses must be >= 2 (the ranks one sequence is split over), got {args.ulysses}")
+        if args.cp not in (1, args.ulysses):
+            raise UsageError(f"--ulysses {args.ulysses} with --cp {args.cp}: --ulysses N means --cp N "
+                             f"--cp-attention ulysses; give one of them")
+        args.cp, args.cp_attention = args.ulysses, "ulysses"
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):

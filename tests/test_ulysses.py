@@ -19,7 +19,12 @@ from minizero.args import UsageError
 from minizero.autograd import Tensor
 from minizero.autograd.functional import causal_softmax
 from minizero.comm import run_in_threads
-from minizero.parallel.context_parallel import split_for_context_parallel, unsplit_from_context_parallel
+from minizero.memory.estimator import Strategy, comm_bytes_per_step
+from minizero.memory.recompute import apply_recompute
+from minizero.nn import GPT, get_config
+from minizero.parallel.context_parallel import (context_parallelize, split_for_context_parallel,
+                                                unsplit_from_context_parallel)
+from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.ulysses import UlyssesAttentionCore, sequence_order, ulysses_bytes
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
@@ -85,17 +90,68 @@ def test_ulysses_is_refused_where_heads_do_not_split():
         parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2)
 
 
+def test_ulysses_n_is_cp_n_with_ulysses_attention_and_a_conflict_is_refused():
+    args = parse_args(["--model", "default", "--ulysses", "2"], 2)
+    assert (args.cp, args.cp_attention) == (2, "ulysses")
+    assert (parse_args(["--model", "default", "--ulysses", "2", "--cp", "2"], 2).cp_attention) == "ulysses"
+    with pytest.raises(UsageError, match="--ulysses 2 with --cp 4: --ulysses N means --cp N --cp-attention ulysses"):
+        parse_args(["--model", "default", "--ulysses", "2", "--cp", "4"], 4)
+    with pytest.raises(UsageError, match="--ulysses must be >= 2 .*, got 1"):
+        parse_args(["--model", "default", "--ulysses", "1"], 1)
+
+
 @pytest.mark.timeout(300)
 def test_ulysses_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 python -m minizero.train --cp 2 --cp-attention ulysses``: the final weights are one process's."""
+    """``mpiexec -n 2 python -m minizero.train --ulysses 2`` (= ``--cp 2 --cp-attention ulysses``): the final weights
+    are one process's."""
     base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3",
             "--micro-batch-size", "2"]
     out = {}
-    for label, n, flags in [("par", 2, ["--cp", "2", "--cp-attention", "ulysses"]), ("one", 1, [])]:
+    for label, n, flags in [("par", 2, ["--ulysses", "2"]), ("one", 1, [])]:
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+def _ulysses_traffic(comm, cfg, b, mode):
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    context_parallelize(stage, comm, "ulysses")
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    stage(x, x).backward()
+    return comm.traffic.bytes_sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_ulysses_traffic_of_a_training_step_equals_the_estimator(cp, mode):
+    """Bytes each rank sends in one micro-batch's forward and backward (the traffic ledger) =
+    comm_bytes_per_step(..., cp_attention="ulysses")["cp"], the planner's figure: 4 (c-1)/c blocks per layer each way,
+    and the forward's again under recompute; below ring attention's 4(c-1) + 2c blocks."""
+    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    st = Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b, cp_attention="ulysses")
+    want = comm_bytes_per_step(cfg, st, 32)["cp"]
+    assert want > 0 and all(got == want for got in run_in_threads(cp, _ulysses_traffic, cfg, b, mode))
+    ring = comm_bytes_per_step(cfg, Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b), 32)["cp"]
+    assert want < ring
+
+
+def test_the_estimator_refuses_ulysses_where_heads_do_not_split():
+    with pytest.raises(ValueError, match="cp_attention='ulysses' needs cp=8 to divide the 4 heads and 4 KV heads per tensor rank"):
+        comm_bytes_per_step(get_config("default"), Strategy(cp=8, cp_attention="ulysses"), 64)
+    with pytest.raises(ValueError, match="Strategy.cp_attention='tree' is not one of"):
+        Strategy(cp=2, cp_attention="tree").validate()
+
+
+def test_ulysses_bytes_with_grouped_kv_heads_count_k_and_v_at_their_own_head_count():
+    """GQA (the planner's models): q and the output move H heads, k and v H_kv; with H_kv = H the formula is
+    parallel/ulysses.py's ulysses_bytes, which the trainer measures."""
+    from minizero.memory.estimator import ulysses_attention_bytes
+    assert ulysses_attention_bytes(2, 8, 8, 64, 16, 8, 4) == ulysses_bytes(2, 8, 64, 16, 8, 4)
+    got = ulysses_attention_bytes(1, 8, 2, 64, 16, 2, 4)["forward"]
+    assert got == 3 * (2 * 8 + 2 * 2) * 16 * 16 * 2 // 4 > 0

@@ -17,6 +17,7 @@ DEVICE_CATEGORIES = CATEGORIES[:-1]
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 ATTENTIONS = ("dense", "flash")  #: the attention core: (s, s) probabilities kept, or FlashAttention's O and L
+CP_ATTENTIONS = ("ring", "ulysses")  #: how a split sequence attends: ring attention or DeepSpeed-Ulysses' all-to-all
 #: bytes per element: (parameters, gradients, activations, fp32 master copy, one Adam moment). "bf16" and "fp8" are
 #: torch.autocast's recipe (memory/bf16.py, fp8.py): FP32 weights (the masters), gradients and Adam state, 2-byte
 #: activations on a GPU (float32 arrays in minizero: :func:`activation_element`) but what a Linear saves
@@ -205,6 +206,7 @@ class Strategy:
         offload: "none", "optimizer" (optimizer state; ZeRO-Offload) or "params" (needs zero 3; ZeRO-Infinity).
         offload_activations: saved activations in host memory.  offload_tier: "cpu" or "nvme".
         schedule: "1f1b", "gpipe" or "interleaved" (``virtual_stages`` chunks per rank).
+        cp_attention: "ring" or "ulysses" (all-to-all to head shards: cp must divide n_head / tp and n_kv_head / tp).
         bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
         overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
     """
@@ -228,6 +230,7 @@ class Strategy:
     overlap: bool = False
     cp: int = 1
     attention: str = "dense"
+    cp_attention: str = "ring"
 
     @property
     def world_size(self) -> int:
@@ -251,7 +254,8 @@ class Strategy:
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
         choices = [("zero", ZERO_STAGES), ("recompute", RECOMPUTE), ("precision", tuple(PRECISIONS)),
                    ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES),
-                   ("offload_tier", OFFLOAD_TIERS), ("attention", ATTENTIONS)]
+                   ("offload_tier", OFFLOAD_TIERS), ("attention", ATTENTIONS),
+                   ("cp_attention", CP_ATTENTIONS)]
         for f, allowed in choices:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"Strategy.{f}={getattr(self, f)!r} is not one of {allowed}")
@@ -273,6 +277,10 @@ class Strategy:
             for f in ("n_head", "n_kv_head", "ffn_hidden"):
                 if getattr(model, f) % self.tp:
                     raise ValueError(f"tp={self.tp} does not divide {f}={getattr(model, f)}")
+            if self.cp_attention == "ulysses" and ((model.n_head // self.tp) % self.cp
+                                                   or (model.n_kv_head // self.tp) % self.cp):
+                raise ValueError(f"cp_attention='ulysses' needs cp={self.cp} to divide the {model.n_head // self.tp} "
+                                 f"heads and {model.n_kv_head // self.tp} KV heads per tensor rank")
         return self
 
 

@@ -24,8 +24,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
     (ZeRO, section 7). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
     plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
-    way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` forward and backward (and forward
-    again under recompute). ``pcie``: offload traffic.
+    way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention=
+    "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
+    ``pcie``: offload traffic.
 
     Returns:
         {"dp", "tp", "pp", "cp", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
@@ -61,8 +62,11 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         pp = mb * boundaries * x / t
         if m.tied_embeddings and stage in (0, st.pp - 1):
             pp += gbytes * m.vocab_size * m.hidden / (t if vocab_parallel else 1)  # 2-rank all-reduce
-    ring = ring_attention_bytes(st.micro_batch, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
-    passes = ring["forward"] * (2 if st.recompute != "none" else 1) + ring["backward"]
+    if st.cp_attention == "ulysses":
+        attn = ulysses_attention_bytes(st.micro_batch, m.n_head // t, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
+    else:
+        attn = ring_attention_bytes(st.micro_batch, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
+    passes = attn["forward"] * (2 if st.recompute != "none" else 1) + attn["backward"]
     cp = mb * layers * passes  # every layer of the stage (all its chunks), every micro-batch
     pcie = 0.0
     shard = math.ceil(psi / n)
@@ -92,6 +96,21 @@ def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: i
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------
+def ulysses_attention_bytes(micro_batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
+                            itemsize: int, cp: int) -> dict:
+    """Bytes one rank sends in one DeepSpeed-Ulysses attention over ``cp`` ranks: {"forward", "backward"}.
+
+    Forward: q (``heads``), k and v (``kv_heads`` each) go from sequence to head shards and the output (``heads``)
+    comes back: four all-to-alls of (b, heads, s/cp, head_dim) arrays, of which a rank keeps 1/cp, so
+    (c-1)/c (2 heads + 2 kv_heads) b (s/c) head_dim itemsize (Jacobs et al. 2023, section 3.2). Backward: the
+    four inverse all-to-alls, the same bytes. 0 and 0 for cp = 1. The trainer's traffic ledger is checked
+    against this (tests/test_ulysses.py; minizero's GPT has kv_heads = heads).
+    """
+    rows = micro_batch * (seq_len // cp) * head_dim * itemsize * (2 * heads + 2 * kv_heads)
+    each = (cp - 1) * rows // cp
+    return {"forward": each, "backward": each}
+
+
 def korthikanti_flops(batch: int, seq_len: int, n_layer: int, hidden: int, vocab: int) -> float:
     """Model FLOPs of one step of a GPT, forward + backward (Korthikanti et al. 2022, appendix A).
 
