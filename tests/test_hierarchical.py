@@ -126,8 +126,9 @@ def test_in_process_dp2_tp2_on_two_fake_nodes_sends_only_gradients_across():
         assert topo.tp_comm.cross_node.bytes_sent == 0
         assert topo.dp_comm.cross_node.snapshot()["by_op"]["all_reduce"] == dp_bytes > 0
         world = topo.world.cross_node.snapshot()["by_op"]
-        # besides the gradients: set-up, metrics and the few bytes of the agreement on the parameters used
-        assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters"}
+        # besides the gradients: set-up, metrics, the few bytes of the agreement on the parameters used and the
+        # replica check's digests after the last step
+        assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters", "replica_check"}
         assert world["all_reduce"] == dp_bytes
     line = next(line for line in res[0][3] if "dp gradient all-reduce (ring) across nodes per step" in line)
     measured, computed = re.search(r"per step: (\S+ \S+); computed: flat ring (\S+ \S+),", line).groups()
