@@ -68,13 +68,15 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
     row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
     row += [_label(groups["dp"].traffic.snapshot(), *CP_LABELS), _label(_cross(groups["dp"]), *CP_LABELS)]
-    row += [_label(groups["dp"].traffic.snapshot(), USED), _label(_cross(groups["dp"]), USED)]
+    row += [_label(groups["dp"].traffic.snapshot(), USED, "replica_check"),
+            _label(_cross(groups["dp"]), USED, "replica_check")]
     with topo.world.traffic.op("metrics"):
         total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
-    total[2:4] -= total[10:12] + total[12:14]  # the dp row: without ring attention (the cp row) nor the agreement
+    total[2:4] -= total[10:12] + total[12:14]  # the dp row: without ring attention (the cp row), the agreement
+    # on the parameters used, nor the replica check's digests
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue
@@ -96,7 +98,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         cp_part = f" + cp {_fmt(total[11])}" if cp > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
-            f"+ other (loss, norm, validation sums) {_fmt(other)}" if known else "? across nodes"))
+            f"+ other (loss, norm, validation sums, replica digests) {_fmt(other)}" if known else "? across nodes"))
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
