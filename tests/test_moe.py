@@ -11,6 +11,7 @@
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -96,6 +97,22 @@ def test_expert_parallel_under_mpiexec(mpiexec, tmp_path):
                         d["w2_grad"]))
     want, ref = _one_process(2, 2)
     _compare(res, want, ref, 2)
+
+
+def test_an_expert_rank_holds_only_its_own_experts():
+    """ep 4: each rank's w1 and w2 own their E/ep experts; a view of the drawn (E, C, H) arrays kept all E alive
+    on every rank (tracemalloc: 4.4x the ranks' parameter bytes)."""
+    kw = dict(n_embd=64, hidden=256, num_experts=8, top_k=2, seed=0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        layers = run_in_threads(4, lambda comm: MoELayer(comm=comm, **kw))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    params = sum(p.data.nbytes for layer in layers for p in layer.parameters())
+    assert params <= held < 2 * params  # measured 1.4x (the thread ranks' own objects); without the copy 4.4x
+    assert all(layer.w1.data.base is None and layer.w2.data.base is None for layer in layers)
 
 
 def test_bad_arguments_are_refused():

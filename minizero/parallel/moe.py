@@ -117,8 +117,9 @@ class MoELayer(Module):
         self.router = Parameter(xp.asarray(rng.normal(0, 0.02, (n_embd, num_experts)).astype(dtype)))
         w1 = rng.normal(0, 0.02, (num_experts, n_embd, hidden)).astype(dtype)
         w2 = rng.normal(0, 0.02, (num_experts, hidden, n_embd)).astype(dtype)
-        self.w1 = Parameter(xp.asarray(w1[first:first + self.local]))
-        self.w2 = Parameter(xp.asarray(w2[first:first + self.local]))
+        # copies: a slice is a view that would keep all E experts alive on every rank (NumPy's asarray keeps it)
+        self.w1 = Parameter(xp.asarray(w1[first:first + self.local].copy()))
+        self.w2 = Parameter(xp.asarray(w2[first:first + self.local].copy()))
         self.bias = np.zeros(num_experts)  # aux-loss-free balancing (selection only)
         self.load = np.zeros(num_experts + 1, dtype=np.int64)
 
