@@ -220,9 +220,7 @@ def check_moe(args) -> None:
                 "checkpoints do not record experts or routing biases yet")]
     if ep > 1:
         m = f"--ep {ep} with"
-        refused += [(args.zero > 0, f"{m} --zero {args.zero}", "ZeRO shards over the whole data group, while "
-                     "expert gradients belong to their expert-data group; use --ep 1 with --zero"),
-                    (args.allreduce != "ring" or args.quantized_comm or args.native_comm,
+        refused += [(args.allreduce != "ring" or args.quantized_comm or args.native_comm,
                      f"{m} --allreduce hierarchical, --quantized-comm or --native-comm",
                      "the expert-data all-reduce is the plain ring"),
                     (bool(args.check_replicas), f"{m} --check-replicas", "data ranks hold different experts"),

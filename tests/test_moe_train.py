@@ -5,7 +5,8 @@ ranks with micro-batch b and k micro-batches equals one process with micro-batch
 (the same rows, the same capacity and drops, the same Switch and z losses). Validation drops nothing, so its
 loss is the one process's too. float64, 3 steps, capacity
 factor 1.0 (choices are dropped), both losses and the bias update on; the final weights agree to 1e-9
-and the per-expert counts exactly.
+and the per-expert counts exactly. --ep with --zero shards the experts over their expert-data group
+(ExpertZero), checked the same way.
 """
 import json
 import os
@@ -17,7 +18,11 @@ import pytest
 
 from minizero.comm import run_in_threads
 from minizero.flags import UsageError
+from minizero.ledger import get_ledger
 from minizero.loop import train
+from minizero.nn import get_config
+from minizero.parallel.expert_parallel import is_expert
+from minizero.parallel.strategy import build_strategy
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 
@@ -74,6 +79,14 @@ CASES = {
     "ep2-recompute-full": (2, ["--ep", "2", "--recompute", "full"], 2),
     "ep1-zero1-dp2": (2, ["--zero", "1"], 2),
     "ep1-zero2-dp2": (2, ["--zero", "2"], 2),
+    # experts sharded over their expert-data group, the rest over the data group (ExpertZero)
+    "ep2-zero1-dp4": (4, ["--ep", "2", "--zero", "1"], 4),
+    "ep2-zero2-dp4": (4, ["--ep", "2", "--zero", "2"], 4),
+    "ep2-zero3-dp2": (2, ["--ep", "2", "--zero", "3"], 2),
+    "ep2-zero3-dp4": (4, ["--ep", "2", "--zero", "3"], 4),
+    "ep4-zero3-dp4": (4, ["--ep", "4", "--zero", "3"], 4),
+    "ep2-zero1-pp2-dp2": (4, ["--ep", "2", "--zero", "1", "--pp", "2", "--dp", "2"], 4),
+    "ep2-zero3-tp2-dp2": (4, ["--ep", "2", "--zero", "3", "--tp", "2", "--dp", "2"], 2),
 }
 
 
@@ -98,7 +111,6 @@ def test_the_losses_and_the_bias_change_the_result():
     (["--moe-top-k", "5"], 1, "--moe-top-k must be in 1..--moe-experts 4"),
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
-    (["--ep", "2", "--zero", "3"], 2, "--ep 2 with --zero 3 is not supported"),
     (["--precision", "bf16"], 1, "--moe-experts with --precision bf16 is not supported"),
 ])
 def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
@@ -144,3 +156,25 @@ def test_the_header_counts_every_and_the_active_parameters():
     assert total == model.num_parameters()
     c = cfg.n_embd
     assert total - active == len(moe.layers(cfg.n_layer)) * 8 * c * c * (4 - 2)
+
+
+def _expert_zero_bytes(comm, flags):
+    args = parse_args([*BASE, *flags], comm.world_size)
+    cfg = get_config("tiny", dtype="float64")
+    strategy = build_strategy(args, comm, cfg)
+    opt = strategy.opt
+    experts = sum(p.size for p in strategy.params if is_expert(p))
+    return dict(groups=(opt.dense.shard_map.world_size, opt.experts.shard_map.world_size),
+                dense_padded=opt.dense.shard_map.padded, experts_padded=opt.experts.shard_map.padded,
+                experts=experts, expected=cfg.n_layer * 2 * 8 * cfg.n_embd ** 2,
+                parameters=get_ledger().current["parameters"])
+
+
+def test_zero3_with_experts_shards_them_over_the_expert_data_group():
+    """--ep 2 --zero 3 on 4 data ranks: dense parameters over 4 ranks, the rank's 2 of 4 experts over the 2
+    ranks holding them; the ledger's parameter bytes are exactly those two shards."""
+    for r in run_in_threads(4, _expert_zero_bytes, ["--ep", "2", "--zero", "3"], timeout=240):
+        assert r["groups"] == (4, 2)
+        assert r["experts"] == r["expected"]  # E/ep = 2 experts' w1 (C, 4C) and w2 (4C, C) in every layer
+        assert 0 <= r["experts_padded"] - r["experts"] < 2 * 4  # each MoE layer's unit padded to a multiple of 2
+        assert r["parameters"] == (r["dense_padded"] // 4 + r["experts_padded"] // 2) * 8  # float64 shards

@@ -14,7 +14,8 @@ data ranks (DeepSpeed's layout)::
 
 Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averaged over the data group;
 an expert's gradient, already summed over its expert group by the combine's backward, summed over its
-expert-data group and divided by D. After each step (:class:`ExpertLoad`) every layer's counts are summed
+expert-data group and divided by D. With ZeRO (:class:`ExpertZero`) the same split: the dense parameters
+sharded over the data group, the experts over their expert-data group (DeepSpeed-MoE's layout). After each step (:class:`ExpertLoad`) every layer's counts are summed
 over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias
 update and the progress lines.
 """
@@ -28,7 +29,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, is_grad_enabled
 from minizero.comm.collectives import all_gather, all_reduce
-from minizero.nn.module import Module
+from minizero.nn.module import Module, ModuleDict
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.moe import MoELayer
 
@@ -161,6 +162,76 @@ class ExpertDataParallel:
 
     def bytes_per_step(self, steps: int) -> float:
         return self.dense.bytes_per_step(steps) + self.experts.bytes_per_step(steps)
+
+
+class ExpertZero:
+    """ZeRO with experts: the gradient synchroniser and optimizer (the interfaces of a ZeRO stage).
+
+    Two ZeRO optimizers of the same ``zero_stage`` (``minizero.zero``): ``dense`` shards every non-expert
+    parameter of ``stage`` over ``dp_comm`` (D ranks); ``experts`` shards this rank's E/ep experts over
+    ``edp_comm`` (D/ep ranks holding the same experts), one unit per MoE layer. The experts' mean over
+    the expert-data group is then multiplied by 1/ep (a mean over the D data ranks, as
+    :class:`ExpertDataParallel`); with ``predivided`` (FP16's seed carries 1/D) both groups just sum.
+    Per rank: dense model states / D, expert model states / (D/ep). ``kw``: ZeroOptimizer's arguments.
+    Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5 (expert-data-parallel ZeRO groups).
+    """
+
+    shards_state = True
+
+    def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, **kw):
+        from minizero.zero import zero_optimizer  # the ZeRO package builds on parallel/'s collectives
+        layers = {f"h{n.split('.')[-3]}": m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
+        self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided,
+                                    include=lambda p: not is_expert(p), **kw)
+        self.experts = zero_optimizer(ModuleDict(layers), edp_comm, zero_stage, predivided=predivided,
+                                      include=is_expert, **kw)
+        self.scale = 1.0 if predivided else 1.0 / ep
+        self.parts = (self.dense, self.experts)
+
+    step_count = property(lambda self: self.dense.step_count)
+    shard_map = property(lambda self: self.dense.shard_map)  #: the dense map (--show-shards)
+
+    def reduce_gradients(self) -> None:
+        """Collective: the dense shards over the data group, the experts' over the expert-data group."""
+        for part in self.parts:
+            part.reduce_gradients()
+        for g in self.experts.grad_shards():
+            g *= g.dtype.type(self.scale)
+
+    def local_grads(self) -> list:
+        return self.dense.local_grads() + self.experts.local_grads()
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective over ``world``, twice: each element of either part is owned by one data rank."""
+        return sum(part.grad_norm_sq(counts, model_comm, world) for part in self.parts)
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        with self.dense.full_parameters(), self.experts.full_parameters():
+            yield
+
+    def bytes_per_step(self, steps: int | None = None) -> float:
+        return sum(part.bytes_per_step(steps) for part in self.parts)
+
+    def set_lr(self, lr: float) -> None:
+        for part in self.parts:
+            part.set_lr(lr)
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        for part in self.parts:
+            part.step(grad_scale)
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def views(self, which: str):
+        for part in self.parts:
+            yield from part.views(which)
+
+    def state_views(self, save: bool = True):
+        for part in self.parts:
+            yield from part.state_views(save)
 
 
 def gather_experts(model, whole, ep_comm):

@@ -28,8 +28,8 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, expert_groups, gather_experts, use_moe,
-                                              whole_experts)
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, expert_groups,
+                                              gather_experts, use_moe, whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -179,7 +179,10 @@ class Strategy:
         """Collective: the whole GPT — the local model itself when tp = pp = 1 (every rank), else
         gathered onto world rank 0 (None elsewhere; :func:`gather_full_model`)."""
         if self.model is not None:
-            return self.model if self.ep_comm is None else gather_experts(self.model, self.make_model(), self.ep_comm)
+            if self.ep_comm is None:
+                return self.model
+            with self.full_parameters():  # ZeRO-3: gathered first
+                return gather_experts(self.model, self.make_model(), self.ep_comm)
         with self.full_parameters(), whole_experts(self.stage, self.ep_comm):
             return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
@@ -255,11 +258,14 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
             return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
 
         state = adam8bit_state if args.optimizer == "adam8bit" else None
-        dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                                       native=args.native_comm, sharded_state=state,
-                                       quantized_comm=args.quantized_comm, master_weights=fp16, store=store,
-                                       prefetch=args.overlap, overlap_reduce=args.overlap, predivided=predivided,
-                                       check_order=True if args.debug_collectives else None)  # None: the env switch
+        kw = dict(lr=args.lr, weight_decay=args.weight_decay, native=args.native_comm, sharded_state=state,
+                  quantized_comm=args.quantized_comm, master_weights=fp16, store=store, prefetch=args.overlap,
+                  overlap_reduce=args.overlap, predivided=predivided,
+                  check_order=True if args.debug_collectives else None)  # None: the env switch
+        if ep_comm is not None:  # experts sharded over their expert-data group (expert_parallel.py)
+            dp, opt = None, ExpertZero(stage, topo.dp_comm, edp_comm, args.ep, args.zero, **kw)
+        else:
+            dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, **kw)
     elif ep_comm is not None:
         dp, opt = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20)), \
             AdamW(params, lr=args.lr, weight_decay=args.weight_decay, store=store)

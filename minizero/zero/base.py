@@ -54,6 +54,7 @@ class ZeroOptimizer:
         quantized_comm: INT8 on the wire (ZeRO++).  store: where m, v and masters live (offload).
         prefetch, overlap_reduce: taken by stages 2-3.  find_unused_parameters: as DataParallel's.
         predivided: gradients carry 1/N already.  check_order: the (unit, phase) header check (None: debug switch).
+        include: a predicate on parameters; only those are sharded (None: all; see :func:`find_units`).
     Attributes: ``stage``, ``shard_map``, ``units``, ``bytes_sent`` (phase -> bytes), ``step_bytes`` (per step).
     Raises ValueError: a hyper-parameter out of range; ``quantized_comm`` with ``native``.
     """
@@ -64,7 +65,7 @@ class ZeroOptimizer:
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
                  prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True,
-                 predivided: bool = False, check_order: bool | None = None):
+                 predivided: bool = False, check_order: bool | None = None, include=None):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
@@ -79,10 +80,10 @@ class ZeroOptimizer:
         self.bytes_sent = {ph: 0 for ph in PHASES}
         self.step_bytes = []
         self._step_mark = dict(self.bytes_sent)
-        self.shard_map = ShardMap.from_model(model, comm.world_size)
+        self.shard_map = ShardMap.from_model(model, comm.world_size, include)
         self.sharded_state = None if sharded_state is None else sharded_state(self.shard_map)
         self.units = [UnitState(i, self.shard_map.units[i], [p for _, p in params], [module])
-                      for i, (_, module, params) in enumerate(find_units(model))]
+                      for i, (_, module, params) in enumerate(find_units(model, include))]
         self.collectives = UnitCollectives(comm, self.units, self.bytes_sent, native, quantized_comm, predivided,
                                            check_order)
         self._unit_of = {id(p): st for st in self.units for p in st.params}

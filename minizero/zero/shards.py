@@ -23,10 +23,12 @@ from minizero.nn.init import is_meta
 
 
 # --------------------------------------------------------------------------- the shard map
-def find_units(model):
+def find_units(model, include=None):
     """``[(module_name, module, [(param_name, Parameter)])]``: ModuleList elements, other modules owning parameters.
 
     A shared parameter belongs to the first unit that reaches it (FSDP's transformer auto-wrap, generic).
+    ``include``: a predicate on parameters (None: all); the others belong to no unit (expert parallelism
+    shards the experts over another group: parallel/expert_parallel.py).
     """
     units, claimed = [], set()
     todo = [("", model, False)]  # (name, module, whole subtree?) in pre-order
@@ -34,7 +36,7 @@ def find_units(model):
         name, module, whole = todo.pop(0)
         prefix = f"{name}." if name else ""
         found = module.named_parameters() if whole else module._parameters.items()
-        own = [(prefix + n, p) for n, p in found if id(p) not in claimed]
+        own = [(prefix + n, p) for n, p in found if id(p) not in claimed and (include is None or include(p))]
         if own:
             claimed.update(id(p) for _, p in own)
             units.append((name, module, own))
@@ -78,10 +80,10 @@ class ShardMap:
         self.units, self.world_size = list(units), world_size
 
     @classmethod
-    def from_model(cls, model, world_size: int) -> "ShardMap":
-        """The shard map of ``model``'s units (:func:`find_units`) over ``world_size`` ranks."""
+    def from_model(cls, model, world_size: int, include=None) -> "ShardMap":
+        """The shard map of ``model``'s units (:func:`find_units`, ``include``) over ``world_size`` ranks."""
         units = []
-        for name, _, params in find_units(model):
+        for name, _, params in find_units(model, include):
             offsets, off = [], 0
             for _, p in params:
                 offsets.append(off)

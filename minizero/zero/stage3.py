@@ -113,7 +113,7 @@ class ZeroStage3(ZeroStage2):
             return outer[0](array) if outer else array
 
         def unpack(saved):
-            if isinstance(saved, _SavedParameter):
+            if isinstance(saved, _SavedParameter) and id(saved.param) in self._unit_of:  # not another ZeRO's
                 self._begin_backward(self._unit_of[id(saved.param)])  # gathers if not gathered yet
                 return saved.param.data
             return outer[1](saved) if outer else saved
