@@ -42,7 +42,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and gradients",
                    3: "optimizer state, gradients and parameters"}[args.zero]
-        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over the {topo.dp} rank(s) of the data group"
+        experts = (f" (the experts' over the {topo.dp // args.ep} rank(s) of their expert-data group)"
+                   if args.moe_experts and args.ep > 1 else "")
+        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over the {topo.dp} rank(s) of the data group{experts}"
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))

@@ -178,3 +178,15 @@ def test_zero3_with_experts_shards_them_over_the_expert_data_group():
         assert r["experts"] == r["expected"]  # E/ep = 2 experts' w1 (C, 4C) and w2 (4C, C) in every layer
         assert 0 <= r["experts_padded"] - r["experts"] < 2 * 4  # each MoE layer's unit padded to a multiple of 2
         assert r["parameters"] == (r["dense_padded"] // 4 + r["experts_padded"] // 2) * 8  # float64 shards
+
+
+def _parameters_after_the_run(comm, flags):
+    out = train(parse_args([*BASE, *flags], comm.world_size), comm, log=lambda s: None, callbacks=[])
+    return get_ledger().current["parameters"], sum(p.data.nbytes for p in out.strategy.params)
+
+
+def test_the_gathered_whole_model_is_not_counted_as_training_memory():
+    """--ep 2: the run ends by gathering every expert into a whole model (the output); the ledger's
+    parameters stay this rank's own (before, the whole copy was added to them)."""
+    for ledger, own in run_in_threads(2, _parameters_after_the_run, ["--ep", "2"], timeout=240):
+        assert ledger == own

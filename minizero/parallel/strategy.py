@@ -34,7 +34,7 @@ from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
-from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, traffic_by_group
+from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, scratch_ledger, traffic_by_group
 from minizero.parallel.topology import Topology
 from minizero.zero import zero_optimizer
 
@@ -181,8 +181,10 @@ class Strategy:
         if self.model is not None:
             if self.ep_comm is None:
                 return self.model
+            with scratch_ledger():  # the gathered copy is the output, not the training's memory
+                whole = self.make_model()
             with self.full_parameters():  # ZeRO-3: gathered first
-                return gather_experts(self.model, self.make_model(), self.ep_comm)
+                return gather_experts(self.model, whole, self.ep_comm)
         with self.full_parameters(), whole_experts(self.stage, self.ep_comm):
             return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
