@@ -23,16 +23,22 @@ class CommTimeoutError(TimeoutError):
     """A send, receive or collective waited longer than ``timeout``; names the operation, rank, peer and tag."""
 
 
-MAX_SLEEP_S = 0.002  #: longest sleep between two polls of a waiting rank (MPI and NCCL communicators)
+MAX_SLEEP_S = 0.0002  #: longest sleep between two polls in a wait's first LONG_WAIT_S (MPI and NCCL communicators)
+LONG_WAIT_S = 1.0  #: after this long a wait sleeps up to IDLE_SLEEP_S: a stalled peer, not a message on its way
+IDLE_SLEEP_S = 0.002  #: longest sleep between two polls of a long wait
 
 
 def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
-    """Call ``done()`` until it returns True: spin ``spin_s`` s, then sleep 10 us doubling to :data:`MAX_SLEEP_S`.
+    """Call ``done()`` until it returns True: spin ``spin_s`` s, then sleep 10 us doubling to :data:`MAX_SLEEP_S`
+    (to :data:`IDLE_SLEEP_S` once the wait is :data:`LONG_WAIT_S` old).
 
-    ``describe()`` returns the error's message. Raises CommTimeoutError: ``done()`` stayed False for ``timeout`` s.
+    When ranks outnumber cores a sleeping rank gives its core to the others, but a message that arrives while it
+    sleeps waits for it to wake, so the cap is short while a message is likely on its way (8 ranks on 2 cores:
+    docs/benchmarks.md, ``bench/bench_train.py``). ``describe()`` returns the error's message.
+    Raises CommTimeoutError: ``done()`` stayed False for ``timeout`` s.
     """
     start = time.monotonic()
-    deadline, spin_until, delay = start + timeout, start + spin_s, 0.0
+    deadline, spin_until, long_after, delay = start + timeout, start + spin_s, start + LONG_WAIT_S, 0.0
     while not done():
         now = time.monotonic()
         if now > deadline:
@@ -40,7 +46,7 @@ def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
         if now < spin_until:
             continue
         time.sleep(delay)
-        delay = min(max(2 * delay, 1e-5), MAX_SLEEP_S)
+        delay = min(max(2 * delay, 1e-5), MAX_SLEEP_S if now < long_after else IDLE_SLEEP_S)
 
 
 SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a core of its own
