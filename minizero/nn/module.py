@@ -1,4 +1,4 @@
-"""``Module`` and the basic layers: Linear, LayerNorm, Embedding, Dropout, containers.
+"""``Module`` and the basic layers: Linear, Matmul, LayerNorm, Embedding, Dropout, containers.
 
 Mirrors ``torch.nn.Module``: ``named_parameters`` (shared ones once), ``state_dict`` (shared ones under every
 name), ``load_state_dict``, ``train``/``eval``, forward pre- and post-hooks.
@@ -220,6 +220,18 @@ class Linear(Module):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class Matmul(Module):
+    """y = x @ w, with ``w`` held by the owner: x (N, in), w (in, out) -> (N, out); no parameters of its own.
+
+    A child module rather than an inline ``@`` so that a precision converts the product as it converts
+    :class:`Linear` (``swap_modules``: memory/bf16.py's BF16Matmul). The MoE layer's router and expert
+    products each run through one (parallel/moe.py).
+    """
+
+    def forward(self, x, w):
+        return x @ w
 
 
 class LayerNorm(Module):

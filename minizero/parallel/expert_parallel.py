@@ -4,7 +4,8 @@
 put one in every other block) by :class:`MoEMLP`, a child module that routes the micro-batch's b*T
 tokens as one group. The Switch and z losses enter backward through :class:`_AddAuxLoss` (Megatron-Core's
 ``MoEAuxLossAutoScaler``): forward returns the output unchanged, backward also seeds the layer's loss with
-``grad_scale`` (the main loss's seed per micro-batch, 1/m), so a pipeline stage needs no loss of its own.
+``grad_scale`` (the main loss's seed per micro-batch: 1/m, S/(m dp) under FP16), so a pipeline stage
+needs no loss of its own.
 
 Expert parallelism (ep ranks) splits the data group (D ranks) into D/ep expert groups of ep consecutive
 data ranks (DeepSpeed's layout)::
@@ -73,8 +74,9 @@ class MoEMLP(Module):
     """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
 
     ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
-    losses; ``grad_scale``: their backward seed (the main loss's per micro-batch). No dropout (the MLP's
-    output dropout goes with it).
+    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S / (m dp) under FP16's
+    loss scale S and pre-division), which :meth:`Strategy.forward_backward` sets before each step (Megatron-Core's
+    ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout (the MLP's output dropout goes with it).
     """
 
     def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
@@ -94,8 +96,8 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
     """Assign ``block.mlp = MoEMLP(...)`` in the chosen blocks of ``stage`` (a GPT or a pipeline stage).
 
     Layer i draws its router and all E experts from seed ``seed * 1000 + i`` on every rank (ep ranks keep
-    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``.
-    Returns ``{block index: MoELayer}`` of this stage.
+    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``. ``grad_scale``:
+    the losses' first seed (the main job's Strategy sets it at every step). Returns ``{block index: MoELayer}`` of this stage.
     """
     mc, layers = stage.config, {}
     for name, block in stage.transformer["h"].named_modules():
@@ -127,18 +129,20 @@ class ExpertDataParallel:
 
     Dense parameters: :class:`DataParallel` over ``dp_comm`` (D ranks); expert parameters: over
     ``edp_comm`` (D/ep ranks), then times 1/ep, so both are means over the D data ranks' losses.
-    ``kw``: DataParallel's keyword arguments.
+    ``kw``: DataParallel's keyword arguments; with ``predivided=True`` (FP16: every rank's seed carries
+    1/D) both groups just sum, and the experts' sum over D ranks' tokens is already the mean: no 1/ep.
     """
 
     def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):
         self.params, self.ep, self.edp = list(params), ep, edp_comm.world_size
+        self.predivided = kw.get("predivided", False)
         self.dense = DataParallel([p for p in self.params if not is_expert(p)], dp_comm, **kw)
         self.experts = DataParallel([p for p in self.params if is_expert(p)], edp_comm, **kw)
 
     def reduce_gradients(self) -> None:
         self.dense.allreduce_gradients()
         self.experts.allreduce_gradients()
-        for p in self.experts.params:
+        for p in () if self.predivided else self.experts.params:
             if p.grad is not None:
                 p.grad *= 1.0 / self.ep
 
