@@ -223,12 +223,8 @@ class Linear(Module):
 
 
 class Matmul(Module):
-    """y = x @ w, with ``w`` held by the owner: x (N, in), w (in, out) -> (N, out); no parameters of its own.
-
-    A child module rather than an inline ``@`` so that a precision converts the product as it converts
-    :class:`Linear` (``swap_modules``: memory/bf16.py's BF16Matmul). The MoE layer's router and expert
-    products each run through one (parallel/moe.py).
-    """
+    """y = x @ w, x (N, in), w (in, out) held by the owner (the MoE layer); a child module so that a precision
+    converts it as it converts :class:`Linear` (``swap_modules``: memory/bf16.py's BF16Matmul)."""
 
     def forward(self, x, w):
         return x @ w

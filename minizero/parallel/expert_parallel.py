@@ -74,9 +74,8 @@ class MoEMLP(Module):
     """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
 
     ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
-    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S / (m dp) under FP16's
-    loss scale S and pre-division), which :meth:`Strategy.forward_backward` sets before each step (Megatron-Core's
-    ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout (the MLP's output dropout goes with it).
+    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S/(m dp) under FP16), set by
+    ``Strategy.forward_backward`` (Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout.
     """
 
     def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
@@ -96,8 +95,8 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
     """Assign ``block.mlp = MoEMLP(...)`` in the chosen blocks of ``stage`` (a GPT or a pipeline stage).
 
     Layer i draws its router and all E experts from seed ``seed * 1000 + i`` on every rank (ep ranks keep
-    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``. ``grad_scale``:
-    the losses' first seed (the main job's Strategy sets it at every step). Returns ``{block index: MoELayer}`` of this stage.
+    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``.
+    Returns ``{block index: MoELayer}`` of this stage.
     """
     mc, layers = stage.config, {}
     for name, block in stage.transformer["h"].named_modules():
@@ -129,8 +128,7 @@ class ExpertDataParallel:
 
     Dense parameters: :class:`DataParallel` over ``dp_comm`` (D ranks); expert parameters: over
     ``edp_comm`` (D/ep ranks), then times 1/ep, so both are means over the D data ranks' losses.
-    ``kw``: DataParallel's keyword arguments; with ``predivided=True`` (FP16: every rank's seed carries
-    1/D) both groups just sum, and the experts' sum over D ranks' tokens is already the mean: no 1/ep.
+    ``kw``: DataParallel's keyword arguments; ``predivided=True`` (FP16: seeds carry 1/D): both just sum.
     """
 
     def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):

@@ -24,14 +24,10 @@ thus sum over every rank's tokens; the router's gradient is this rank's own (all
 data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
 ranks * C * itemsize (label ``all_to_all``), plus the counts.
 
-Precision: the router's product and the experts' products run through :class:`~minizero.nn.Matmul`
-children (``router_matmul``, ``expert_matmul``), which a precision converts as it converts every Linear
-(``--precision bf16``: memory/bf16.py's BF16Matmul; under fp16 they are float16 products like every
-Linear's, ``backend.matmul``). The logits are then widened to at least float32: the softmax, the top-k
-choice, the gates and both losses are float32, as in Megatron-Core (``topk_softmax_with_capacity``:
-``torch.softmax(logits, dim=-1, dtype=torch.float32)``) and DeepSeek-V3 (inference/model.py ``Gate``:
-``scores.softmax(dim=-1, dtype=torch.float32)``); the gates enter the combine in the activation dtype
-(their ``type_as``). float32 and float64 runs compute as before (no cast).
+Precision: the router's and experts' products are :class:`~minizero.nn.Matmul` children, converted as every
+Linear is (bf16: BF16Matmul; fp16: float16 ``backend.matmul``). Softmax, top-k, gates and both losses run in
+>= float32 (logits widened), as Megatron-Core's ``topk_softmax_with_capacity`` and DeepSeek-V3's ``Gate``
+(``softmax(dim=-1, dtype=torch.float32)``); the gates join the combine in the activation dtype (``type_as``).
 """
 from __future__ import annotations
 
