@@ -46,7 +46,7 @@ def _train(comm, flags, callbacks=()):
     def after_grads(step, params, opt):
         if step == 0:
             grads.update({id(p): _host(p.grad) for p in params if p.grad is not None})
-        if opt.masters is not None:  # FP16: the optimizer's state before each update
+        if getattr(opt, "masters", None) is not None:  # FP16 (AdamW): the optimizer's state before each update
             snaps[step] = [_host(a) for a in opt.masters + opt.m + opt.v]
 
     args = parse_args([*BASE, *flags], comm.world_size)
@@ -123,3 +123,16 @@ def test_fp16_moe_overflow_on_one_rank_skips_the_step_everywhere(monkeypatch):
         assert out.opt.step_count == 4
         for a, b in zip(r["snaps"][2], r["snaps"][3]):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("flags", [["--ep", "2", "--recompute", "full"], ["--pp", "2"], ["--zero", "3"]],
+                         ids=["ep2-recompute-full", "pp2", "zero3-dp2"])
+def test_moe_precision_composes_with_recompute_pipeline_and_zero(precision, flags):
+    """The same counts exactly and the same losses (LOSS_TOL) as the one process of that precision."""
+    ref = _reference(precision)[0]
+    got = run_in_threads(2, _train, ["--precision", precision, *flags], timeout=240)[-1]  # pp: the last stage
+    for i, counts in ref["load"].items():
+        assert got["load"][i].tolist() == counts.tolist(), i
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0, atol=LOSS_TOL[precision])
