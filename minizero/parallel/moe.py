@@ -149,8 +149,9 @@ class MoELayer(Module):
     def forward(self, x):
         t, e, ep = x.shape[0], self.num_experts, 1 if self.comm is None else self.comm.world_size
         logits = self.router_matmul(x, self.router)
-        if logits.dtype != np.promote_types(logits.dtype, np.float32):  # routing and losses in >= float32
-            logits = _ToDtype.apply(logits, np.promote_types(logits.dtype, np.float32))
+        wide = np.promote_types(logits.dtype, np.float32)  # routing and losses in >= float32
+        if logits.dtype != wide:
+            logits = _ToDtype.apply(logits, wide)
         m = backend.xp.max(logits.data, axis=1, keepdims=True)
         ez = (logits - m).exp()
         probs = ez / ez.sum(axis=1, keepdims=True)

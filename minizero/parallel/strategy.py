@@ -60,7 +60,7 @@ class Strategy:
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
         # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
         self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
-        self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # their losses' seed: forward_backward
+        self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # seeded in forward_backward
         self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
