@@ -211,8 +211,9 @@ def check_moe(args) -> None:
     m = "--moe-experts with"
     refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
                (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),
-               (args.precision != "fp32", f"{m} --precision {args.precision}", "the expert matmuls have no "
-                "mixed-precision path; use fp32 (--dtype float32 or float64)"),
+               (args.precision == "fp8", f"{m} --precision fp8", "FP8Linear keeps an amax history per tensor, "
+                "while the router and expert products (nn.Matmul children, which bf16 converts) would need one per "
+                "expert, reduced over its expert-data group; use --precision bf16 or fp16"),
                (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets"),
                (args.schedule not in ("1f1b", "gpipe"), f"{m} --schedule {args.schedule}",
                 "split or interleaved backward is not tested with the expert all-to-alls"),

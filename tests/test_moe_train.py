@@ -111,7 +111,7 @@ def test_the_losses_and_the_bias_change_the_result():
     (["--moe-top-k", "5"], 1, "--moe-top-k must be in 1..--moe-experts 4"),
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
-    (["--precision", "bf16"], 1, "--moe-experts with --precision bf16 is not supported"),
+    (["--precision", "fp8"], 1, "--moe-experts with --precision fp8 is not supported"),
 ])
 def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
     argv = [*BASE, *flags]

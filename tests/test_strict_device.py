@@ -39,6 +39,8 @@ CASES = {
                             "--schedule", "interleaved", "--virtual-stages", "2"]),
     "cp2": (2, ["--cp", "2", "--dropout", "0"]),  # ring attention has no attention dropout
     "moe-ep2": (2, ["--moe-experts", "4", "--ep", "2", "--moe-capacity-factor", "1.0", "--moe-bias-update", "0.01"]),
+    "moe-ep2-bf16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "bf16", "--dtype", "float32"]),
+    "moe-ep2-fp16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "fp16", "--dtype", "float32"]),
     "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2"]),
     "dp4-hierarchical-no-overlap": (4, ["--allreduce", "hierarchical", "--no-overlap"]),
     "dp2-native-comm": (2, ["--native-comm"]),

@@ -2,7 +2,8 @@
 
 Rounding: round-to-nearest-even on the uint32 view (``bits += 0x7FFF + ((bits >> 16) & 1)``, top 16 bits; NaN
 stays quiet). Recipe: ``torch.autocast(dtype=torch.bfloat16)``: every Linear takes bf16 x and W, accumulates
-in FP32 and returns bf16; layer norm, softmax and the loss stay FP32.
+in FP32 and returns bf16; layer norm, softmax and the loss stay FP32. A :class:`~minizero.nn.Matmul` (the MoE
+layer's router and expert products) becomes a :class:`BF16Matmul`, the same product without a bias.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
-from minizero.nn.module import Linear, Module
+from minizero.nn.module import Linear, Matmul, Module
 
 _ROUND, _KEEP, _QUIET = np.uint32(0x7FFF), np.uint32(0xFFFF0000), np.uint32(0x00400000)
 
@@ -86,12 +87,21 @@ class BF16Linear(Linear):
         return _BF16Linear.apply(*args)
 
 
+class BF16Matmul(Matmul):
+    """``x @ w`` in bf16: x (N, in), w (in, out) float32 -> (N, out), as :class:`_BF16Linear` with W = w^T (a view)."""
+
+    def forward(self, x: Tensor, w: Tensor) -> Tensor:
+        return _BF16Linear.apply(x, w.T)
+
+
 def use_bf16(model) -> list[str]:
-    """Replace every plain :class:`Linear` under ``model`` by a :class:`BF16Linear` (in place); returns their names.
+    """Replace every plain :class:`Linear` under ``model`` by a :class:`BF16Linear`, every plain :class:`Matmul` by
+    a :class:`BF16Matmul` (in place); returns their names.
 
     Raises: TypeError for a parameter that is not float32 (bf16 keeps FP32 weights).
     """
     for name, p in model.named_parameters():
         if p.dtype != np.float32:
             raise TypeError(f"BF16 compute keeps float32 parameters; {name} is {p.dtype}")
-    return model.swap_modules(lambda m: BF16Linear(m) if type(m) is Linear else None)
+    return model.swap_modules(lambda m: BF16Linear(m) if type(m) is Linear
+                              else BF16Matmul() if type(m) is Matmul else None)

@@ -1,4 +1,4 @@
-"""``Module`` and the basic layers: Linear, LayerNorm, Embedding, Dropout, containers.
+"""``Module`` and the basic layers: Linear, Matmul, LayerNorm, Embedding, Dropout, containers.
 
 Mirrors ``torch.nn.Module``: ``named_parameters`` (shared ones once), ``state_dict`` (shared ones under every
 name), ``load_state_dict``, ``train``/``eval``, forward pre- and post-hooks.
@@ -220,6 +220,14 @@ class Linear(Module):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class Matmul(Module):
+    """y = x @ w, x (N, in), w (in, out) held by the owner (the MoE layer); a child module so that a precision
+    converts it as it converts :class:`Linear` (``swap_modules``: memory/bf16.py's BF16Matmul)."""
+
+    def forward(self, x, w):
+        return x @ w
 
 
 class LayerNorm(Module):

@@ -4,7 +4,8 @@
 put one in every other block) by :class:`MoEMLP`, a child module that routes the micro-batch's b*T
 tokens as one group. The Switch and z losses enter backward through :class:`_AddAuxLoss` (Megatron-Core's
 ``MoEAuxLossAutoScaler``): forward returns the output unchanged, backward also seeds the layer's loss with
-``grad_scale`` (the main loss's seed per micro-batch, 1/m), so a pipeline stage needs no loss of its own.
+``grad_scale`` (the main loss's seed per micro-batch: 1/m, S/(m dp) under FP16), so a pipeline stage
+needs no loss of its own.
 
 Expert parallelism (ep ranks) splits the data group (D ranks) into D/ep expert groups of ep consecutive
 data ranks (DeepSpeed's layout)::
@@ -74,8 +75,8 @@ class MoEMLP(Module):
     """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
 
     ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
-    losses; ``grad_scale``: their backward seed (the main loss's per micro-batch). No dropout (the MLP's
-    output dropout goes with it).
+    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S/(m dp) under FP16), set by
+    ``Strategy.forward_backward`` (Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout.
     """
 
     def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
@@ -128,18 +129,19 @@ class ExpertDataParallel:
 
     Dense parameters: :class:`DataParallel` over ``dp_comm`` (D ranks); expert parameters: over
     ``edp_comm`` (D/ep ranks), then times 1/ep, so both are means over the D data ranks' losses.
-    ``kw``: DataParallel's keyword arguments.
+    ``kw``: DataParallel's keyword arguments; ``predivided=True`` (FP16: seeds carry 1/D): both just sum.
     """
 
     def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):
         self.params, self.ep, self.edp = list(params), ep, edp_comm.world_size
+        self.predivided = kw.get("predivided", False)
         self.dense = DataParallel([p for p in self.params if not is_expert(p)], dp_comm, **kw)
         self.experts = DataParallel([p for p in self.params if is_expert(p)], edp_comm, **kw)
 
     def reduce_gradients(self) -> None:
         self.dense.allreduce_gradients()
         self.experts.allreduce_gradients()
-        for p in self.experts.params:
+        for p in () if self.predivided else self.experts.params:
             if p.grad is not None:
                 p.grad *= 1.0 / self.ep
 

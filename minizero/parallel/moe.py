@@ -23,6 +23,11 @@ all-to-all; each is an autograd Function whose backward is the other direction. 
 thus sum over every rank's tokens; the router's gradient is this rank's own (all-reduce it over the
 data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
 ranks * C * itemsize (label ``all_to_all``), plus the counts.
+
+Precision: the router's and experts' products are :class:`~minizero.nn.Matmul` children, converted as every
+Linear is (bf16: BF16Matmul; fp16: float16 ``backend.matmul``). Softmax, top-k, gates and both losses run in
+>= float32 (logits widened), as Megatron-Core's ``topk_softmax_with_capacity`` and DeepSeek-V3's ``Gate``
+(``softmax(dim=-1, dtype=torch.float32)``); the gates join the combine in the activation dtype (``type_as``).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from minizero.autograd import Function, is_grad_enabled
 from minizero.autograd.functional import gelu
 from minizero.autograd.ops import concat
 from minizero.comm.all_to_all import all_to_all, all_to_all_v
-from minizero.nn.module import Module, Parameter
+from minizero.nn.module import Matmul, Module, Parameter
 
 
 def route(probs: np.ndarray, k: int, capacity: int, bias=None):
@@ -72,6 +77,19 @@ class _AllToAllV(Function):
         return all_to_all_v(ctx.comm, backend.xp.ascontiguousarray(g), ctx.recv_counts)[0], None, None
 
 
+class _ToDtype(Function):
+    """forward: a copy of x in ``dtype``; backward: the gradient back in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.astype(ctx.dtype), None
+
+
 class _ScatterAdd(Function):
     """forward: (R, C) rows added into zeros (T, C) at ``index``; backward: the gradient's rows at ``index``."""
 
@@ -93,7 +111,7 @@ class MoELayer(Module):
     Args: ``comm`` the expert-parallel group (None: one rank, every expert here); ``top_k`` in
     1..num_experts; ``capacity_factor`` > 0; ``seed`` draws the router and all E experts
     identically on every rank (std 0.02), so ep ranks hold slices of the ep=1 experts; ``dtype``.
-    After each forward: ``aux_loss`` and ``z_loss`` (Tensors), ``expert_counts`` (E,) choices per
+    After each forward: ``aux_loss`` and ``z_loss`` (Tensors, at least float32), ``expert_counts`` (E,) choices per
     expert before dropping, ``dropped`` (choices past capacity) on this rank; forwards with grad
     enabled also add both into ``load`` ((E + 1,) int64: counts, then drops) until :meth:`take_load`.
     Raises ValueError when ep does not divide num_experts or an argument is out of range.
@@ -120,6 +138,7 @@ class MoELayer(Module):
         # copies: a slice is a view that would keep all E experts alive on every rank (NumPy's asarray keeps it)
         self.w1 = Parameter(xp.asarray(w1[first:first + self.local].copy()))
         self.w2 = Parameter(xp.asarray(w2[first:first + self.local].copy()))
+        self.router_matmul, self.expert_matmul = Matmul(), Matmul()  # the products a precision converts
         self.bias = np.zeros(num_experts)  # aux-loss-free balancing (selection only)
         self.load = np.zeros(num_experts + 1, dtype=np.int64)
 
@@ -129,7 +148,10 @@ class MoELayer(Module):
 
     def forward(self, x):
         t, e, ep = x.shape[0], self.num_experts, 1 if self.comm is None else self.comm.world_size
-        logits = x @ self.router
+        logits = self.router_matmul(x, self.router)
+        wide = np.promote_types(logits.dtype, np.float32)  # routing and losses in >= float32
+        if logits.dtype != wide:
+            logits = _ToDtype.apply(logits, wide)
         m = backend.xp.max(logits.data, axis=1, keepdims=True)
         ez = (logits - m).exp()
         probs = ez / ez.sum(axis=1, keepdims=True)
@@ -143,11 +165,13 @@ class MoELayer(Module):
         if is_grad_enabled():
             self.load += np.append(self.expert_counts, self.dropped)
         f = self.expert_counts / (t * self.top_k)
-        self.aux_loss = (probs.mean(axis=0) * backend.xp.asarray(f * e)).sum()
+        self.aux_loss = (probs.mean(axis=0) * backend.xp.asarray(f * e, dtype=probs.dtype)).sum()
         order = np.argsort(expert[kept], kind="stable")  # kept choices grouped by expert, priority order within
         token, expert = token[kept][order], expert[kept][order]
         rows = x[backend.xp.asarray(token)]
         gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
+        if gates.dtype != x.dtype:  # float16 activations: the combine in float16
+            gates = _ToDtype.apply(gates, x.dtype)
         per_expert = np.bincount(expert, minlength=e)  # kept rows per expert, this rank
         if ep > 1:  # (ep, local) count matrix: what each owner receives from each rank, per local expert
             got_counts = all_to_all(self.comm, per_expert.reshape(ep, self.local).astype(np.int64))
@@ -178,7 +202,7 @@ class MoELayer(Module):
                                   for i in range(counts.shape[0])]).astype(np.int64)
             if idx.size:
                 xi = rows[backend.xp.asarray(idx)]
-                outs.append(gelu(xi @ self.w1[j]) @ self.w2[j])
+                outs.append(self.expert_matmul(gelu(self.expert_matmul(xi, self.w1[j])), self.w2[j]))
                 src.append(idx)
         if not outs:
             return rows * 0.0

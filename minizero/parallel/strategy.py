@@ -28,7 +28,7 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, expert_groups,
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, MoEMLP, expert_groups,
                                               gather_experts, use_moe, whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
@@ -60,6 +60,7 @@ class Strategy:
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
         # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
         self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
+        self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # seeded in forward_backward
         self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
@@ -112,7 +113,10 @@ class Strategy:
                 n = all_reduce(self.topo.dp_comm, backend.to_device(np.array([float(sum(counts))])))
             n = float(backend.to_host(n)[0])
             shares = [len(counts) * self.topo.dp * c / n for c in counts]
-        return self.engine.forward_backward(micro_batches, loss_scale=loss_scale / self.seed_divisor, shares=shares)
+        seed = loss_scale / self.seed_divisor
+        for mlp in self.moe_mlps:  # the MoE losses are seeded as the main loss is, per micro-batch (no --pad with MoE)
+            mlp.grad_scale = seed / len(micro_batches)
+        return self.engine.forward_backward(micro_batches, loss_scale=seed, shares=shares)
 
     def real_targets(self, y) -> int:
         """How many of the targets ``y`` (b, T) this rank's loss counts: not ``IGNORE_INDEX``, in its context chunks."""
@@ -235,15 +239,11 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         use_flash_attention(stage, args.attention_block)
     if cp > 1:
         context_parallelize(stage, cp_comm, args.cp_attention)  # either order with recompute: selective recompute wraps the ring core
-    if args.precision == "bf16":  # before recompute wraps the blocks
-        use_bf16(stage)
-    elif args.precision == "fp8":
-        use_fp8(stage, args.fp8_scaling)
     moe, ep_comm, edp_comm, expert_load, make_model = args.moe_config(), None, None, None, None
-    if moe is not None:  # before recompute wraps the blocks
+    if moe is not None:  # before the precision converts the products and recompute wraps the blocks
         if args.ep > 1:
             ep_comm, edp_comm = expert_groups(topo.dp_comm, args.ep)
-        layers = use_moe(stage, moe, args.seed, ep_comm, grad_scale=1.0 / args.grad_accum)
+        layers = use_moe(stage, moe, args.seed, ep_comm)
         expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, moe.top_k, comm, topo.tp_rank == 0,
                                  moe.bias_update)
 
@@ -251,6 +251,10 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
             model = GPT(cfg, seed=args.seed)
             use_moe(model, moe, args.seed)
             return model
+    if args.precision == "bf16":  # before recompute wraps the blocks
+        use_bf16(stage)
+    elif args.precision == "fp8":
+        use_fp8(stage, args.fp8_scaling)
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
@@ -269,8 +273,9 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         else:
             dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, **kw)
     elif ep_comm is not None:
-        dp, opt = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20)), \
-            AdamW(params, lr=args.lr, weight_decay=args.weight_decay, store=store)
+        dp = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20),
+                                predivided=predivided)
+        opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
