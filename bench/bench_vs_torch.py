@@ -16,6 +16,11 @@ step (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step`
 time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads, before and after the runs, the higher; the table
 is printed at the end).
 
+``--main-job`` adds a third side, the main job's path: ``minizero.loop.train`` as ``python -m
+minizero.train`` runs it on one process (its default instruments: memory monitor, replica check,
+progress off, no evaluation), ``--steps`` steps a round at micro-batch = batch; its time per step is
+the loop's own (``elapsed_s`` / steps, set-up excluded), against PyTorch's mean step of the same round.
+
 PyTorch is optional (never a dependency of minizero): without it the script says how to get it
 (the CPU wheel: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``) and prints
 minizero's side alone.
@@ -32,6 +37,9 @@ from threadpoolctl import threadpool_limits
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _machine  # noqa: E402
 
 from minizero.memory.estimator import model_flops_per_step  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
@@ -66,6 +74,21 @@ class MinizeroSide:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad()
+
+
+def main_job_seconds(batch: int, steps: int) -> float:
+    """Seconds per step of the main job's training loop on one process, micro-batch ``batch``, ``steps`` steps."""
+    from minizero.comm import run_in_threads
+    from minizero.loop import train
+    from minizero.train import parse_args
+
+    argv = ["--model", "default", "--steps", str(steps), "--micro-batch-size", str(batch), "--eval-every", "0",
+            "--eval-batches", "1", "--no-progress", "--no-save", "--sample-tokens", "0", "--warmup", "0"]
+
+    def run(comm):
+        out = train(parse_args(argv, 1), comm, log=lambda line: None)
+        return out.elapsed_s / steps
+    return run_in_threads(1, run)[0]
 
 
 def torch_side(cfg, device: str = "cpu", fp16: bool = False):
@@ -148,9 +171,9 @@ def bench(batch: int, args) -> tuple:
         for s in range(args.warmup):
             fn(*batches[s % 4])
     times = {name: [] for name in sides}
-    ratios = []
+    ratios, main_job, main_ratios = [], [], []
     for r in range(args.rounds):
-        med_round = {}
+        med_round, mean_torch = {}, None
         for name, fn in (sides.items() if r % 2 == 0 else reversed(sides.items())):  # alternate who goes first
             block = []
             for s in range(args.steps + 1):  # the first step of a block settles, not timed
@@ -161,22 +184,31 @@ def bench(batch: int, args) -> tuple:
                     block.append(time.perf_counter() - t)
             times[name] += block
             med_round[name] = float(np.median(block))
+            if name == "pytorch":
+                mean_torch = float(np.mean(block))
         if "pytorch" in med_round:
             ratios.append(med_round["pytorch"] / med_round["minizero"])
+        if args.main_job:  # the loop's own mean step, beside PyTorch's mean step of this round
+            main_job.append(main_job_seconds(batch, args.steps))
+            if mean_torch is not None:
+                main_ratios.append(mean_torch / main_job[-1])
     med = {name: float(np.median(t)) for name, t in times.items()}
-    return batch, cfg.block_size, model_flops_per_step(cfg, batch), med, ratios
+    if main_job:
+        med["main job"] = float(np.median(main_job))
+    return batch, cfg.block_size, model_flops_per_step(cfg, batch), med, ratios, main_ratios
 
 
-def row(batch, block, flops, med, ratios, peak) -> str:
+def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = False) -> str:
     """One Markdown row: tokens/s and MFU of each side, the median ratio of rounds and its range."""
     tokens = batch * block
     cells = [f"{batch} x {block}"]
-    for name in ("minizero", "pytorch"):
+    for name in ("minizero", "pytorch") + (("main job",) if main_job else ()):
         if name in med:
             cells += [f"{tokens / med[name]:,.0f}", f"{flops / med[name] / peak:.1%}"]
         else:
             cells += ["-", "-"]
-    cells.append(f"{np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+    for rs in (ratios, main_ratios) if main_job else (ratios,):
+        cells.append(f"{np.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})" if rs else "-")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -187,6 +219,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps per side per round")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds (the ratio is their median)")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps per side before the rounds")
+    p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
     args = p.parse_args()
     for name in ("steps", "rounds", "threads"):
         if getattr(args, name) < 1:
@@ -205,10 +238,15 @@ def main() -> None:
         print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
               f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s (the higher of before and after the "
               f"runs; {first / 1e9:.1f} before); {args.rounds} alternated rounds of {args.steps} steps per side; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
-        print("| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU | minizero / PyTorch (median of rounds, range) |")
-        print("|---|---:|---:|---:|---:|---:|")
+        head = "| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU |"
+        head += " main job tokens/s | main job MFU |" if args.main_job else ""
+        head += " minizero / PyTorch (median of rounds, range) |"
+        head += " main job / PyTorch (mean steps) |" if args.main_job else ""
+        print(_machine.header())  # date, CPU, BLAS library, kernel, threads (inside the limit)
+        print(head)
+        print("|---|" + "---:|" * (head.count("|") - 2))
         for r in results:
-            print(row(*r, peak), flush=True)
+            print(row(*r, peak, main_job=args.main_job), flush=True)
 
 
 if __name__ == "__main__":
