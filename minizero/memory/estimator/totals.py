@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters)
+    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters,
+    stage_state_bytes)
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
@@ -48,7 +49,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     pb, gbytes, e, _ = _bytes(st)
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
-    states = model_state_bytes(psi, st.data_ranks, st.zero, st.precision, st.optimizer)
+    states = stage_state_bytes(m, st, stage, vocab_parallel)
     params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
     if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
         # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
