@@ -48,3 +48,84 @@ def test_bad_ep_is_refused(kw, words):
         Strategy(**kw).validate(m)
     with pytest.raises(ValueError, match="a dense model: use ep=1"):
         Strategy(dp=2, ep=2).validate(ModelShape("y", 2, 16, 2, 2, 64, 256, 16))
+
+
+# ---- 2: the expert all-to-all and the model states against the trainer -------------------------
+import numpy as np  # noqa: E402
+
+from minizero.callbacks import Callback  # noqa: E402
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.ledger import get_ledger  # noqa: E402
+from minizero.loop import train  # noqa: E402
+from minizero.memory.estimator import (comm_bytes_per_step, estimate_memory, expert_all_to_all_bytes,  # noqa: E402
+                                       stage_state_bytes)
+from minizero.train import parse_args  # noqa: E402
+
+STEPS = 3
+#: capacity factor 0.25: each expert's C = ceil(0.5 T k / E) slots fill on every rank (the estimate is exact there)
+MOE = ["--model", "tiny", "--dtype", "float64", "--steps", str(STEPS), "--eval-batches", "1", "--eval-every", "0",
+       "--progress", "none", "--seed", "3", "--no-save", "--micro-batch-size", "2", "--moe-experts", "4",
+       "--moe-top-k", "2", "--moe-capacity-factor", "0.25"]
+
+
+class _Measure(Callback):
+    """The expert all-to-all bytes of the training steps only (validation routes without capacity) and the
+    ledger's model-state bytes in the second step, gradients reduced (Adam's state exists since the first)."""
+
+    def on_train_start(self, run):
+        self.start = run.strategy.traffic_by_kind()["expert_all_to_all"]
+
+    def after_grads(self, step, params, opt):
+        if step == 1:
+            cur = get_ledger().current
+            self.states = {c: cur[c] for c in ("parameters", "gradients", "optimizer_state")}
+
+    def on_train_end(self, run):
+        self.a2a = run.strategy.traffic_by_kind()["expert_all_to_all"] - self.start
+        self.dropped = sum(t[-1] for t in run.strategy.expert_load.total.values())
+
+
+def _measure(comm, flags):
+    args = parse_args([*MOE, *flags], comm.world_size)
+    m = _Measure()
+    train(args, comm, log=lambda s: None, after_grads=m.after_grads, callbacks=[m])
+    return m.a2a, m.states, m.dropped, args
+
+
+def _shape_and_strategy(args):
+    cfg = get_config("tiny")
+    moe = MoEConfig(args.moe_experts, args.moe_top_k, args.moe_capacity_factor, args.moe_every)
+    st = Strategy(dp=args.dp, ep=args.ep, precision="fp64", micro_batch=args.micro_batch_size,
+                  micro_batches=args.grad_accum, recompute=args.recompute)
+    return ModelShape.from_gpt_config(cfg, moe=moe), st
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n,flags", [
+    (2, ["--ep", "2"]),
+    (4, ["--ep", "4"]),
+    (4, ["--ep", "2", "--grad-accum", "2", "--moe-every", "2"]),
+    (2, ["--ep", "2", "--recompute", "full"]),
+])
+def test_expert_all_to_all_bytes_equal_the_traffic_ledger(n, flags):
+    results = run_in_threads(n, _measure, flags, timeout=300)
+    shape, st = _shape_and_strategy(results[0][3])
+    want = expert_all_to_all_bytes(shape, st)
+    assert want["total"] > 0 and comm_bytes_per_step(shape, st)["ep"] == want["total"]
+    for a2a, _, dropped, _ in results:
+        assert dropped > 0  # capacity bites: the regime where every expert is full
+        assert a2a == STEPS * want["total"]  # exactly, on every rank
+
+
+@pytest.mark.timeout(300)
+def test_expert_states_per_rank_equal_the_ledger_at_ep2():
+    results = run_in_threads(2, _measure, ["--ep", "2"], timeout=300)
+    shape, st = _shape_and_strategy(results[0][3])
+    want = stage_state_bytes(shape, st, vocab_parallel=False)
+    assert {k: v for k, v in estimate_memory(shape, st, accounting="minizero").as_dict().items()
+            if k in want} == want
+    # each rank holds E/ep = 2 of the 4 experts of each MoE block: the dense part plus half the expert weights
+    c = shape.hidden
+    assert want["parameters"] == 8 * (shape.num_parameters() - len(shape.moe_layers()) * 2 * 8 * c * c)
+    for _, states, _, _ in results:
+        assert states == want

@@ -24,5 +24,5 @@ from minizero.memory.estimator.lora import (  # noqa: F401
     LORA_BASES, LORA_TARGETS, adapted_matrices, lora_activation_bytes, lora_state_bytes, nf4_bytes)
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages  # noqa: F401
 from minizero.memory.estimator.traffic import (  # noqa: F401
-    comm_bytes_per_step, kaplan_flops, korthikanti_flops, model_flops_per_step, ring_attention_bytes,
+    comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step, ring_attention_bytes,
     ulysses_attention_bytes)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, _bytes, as_shape, stage_parameters
+from minizero.memory.estimator.model import (Strategy, _bytes, as_shape, stage_expert_parameters, stage_layers,
+                                             stage_parameters)
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
@@ -22,14 +23,15 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
-    (ZeRO, section 7). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
+    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead.
+    ``ep``: :func:`expert_all_to_all_bytes` (MoE's dispatch and combine). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
     plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
     way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention=
     "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
     ``pcie``: offload traffic.
 
     Returns:
-        {"dp", "tp", "pp", "cp", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
+        {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
     """
     m = as_shape(model)
     st = strategy.validate(m)
@@ -38,17 +40,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
-    P, G = pb * psi, gbytes * psi
-    if n == 1:
-        dp = 0.0
-    elif st.zero == 0:
-        dp = 2 * _ring(n) * G
-    elif st.zero == 1:
-        dp = _ring(n) * (G + P)
-    elif st.zero == 2:
-        dp = _ring(n) * (mb * G + P)
-    else:
-        dp = mb * _ring(n) * (2 * P + G)
+    experts = stage_expert_parameters(m, st, stage)
+    dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
+        + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
     tp = 0.0
@@ -77,7 +71,64 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
         rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c, st.attention)
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
-    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "pcie": round(pcie)}
+    ep = expert_all_to_all_bytes(m, st, s, stage)["total"]
+    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "ep": ep, "pcie": round(pcie)}
+
+
+def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
+    """Bytes a rank sends to reduce G (and gather P) over ``n`` ranks per step under ZeRO ``zero`` (see above)."""
+    if n == 1 or not P + G:
+        return 0.0
+    if zero == 0:
+        return 2 * _ring(n) * G
+    if zero == 1:
+        return _ring(n) * (G + P)
+    if zero == 2:
+        return _ring(n) * (mb * G + P)
+    return mb * _ring(n) * (2 * P + G)
+
+
+def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
+    """Bytes one rank sends per optimizer step in the MoE blocks' all-to-alls over its ep expert ranks.
+
+    Per MoE block of the stage and per micro-batch, with T = b s/cp tokens routed as one group, C =
+    ceil(cf T k / E) slots per expert (:meth:`ModelShape.capacity`), rows of h elements of e bytes:
+
+    * dispatch sends this rank's kept rows bound for the other ranks' experts: (E - E/ep) C rows;
+    * combine sends back the rows the other ranks sent here: (ep - 1)(E/ep) C rows;
+    * backward runs both in reverse with the same row counts; so 4 (ep-1)/ep E C h e bytes per block and
+      micro-batch (2 forward, 2 backward), and 2 more under full recompute (the forward again);
+    * the counts (minizero's ``parallel/moe.py`` and ``comm/all_to_all.py``): forward an all-to-all of the
+      (ep, E/ep) int64 count matrix, (ep-1) E/ep x 8 bytes, and each variable-split all-to-all (2 forward,
+      2 backward) first exchanges one int64 per peer, 8 (ep-1).
+
+    An upper bound on the rows: it is the trainer's traffic ledger exactly (``expert_all_to_all`` of
+    :meth:`minizero.parallel.strategy.Strategy.traffic_by_kind`, the ``all_to_all`` and
+    ``all_to_all_counts`` bytes of the data group) when every expert fills its C slots on every rank, every
+    micro-batch (a capacity factor below the load of the least-loaded expert; tests/test_plan_moe.py runs 0.25);
+    a less loaded expert sends fewer rows, as minizero exchanges only the kept rows (variable splits, no
+    padding), where GShard and DeepSpeed pad every expert's buffer to C. Experts are whole on every tensor rank
+    (as minizero's trainer keeps them), so each tensor rank sends its full rows.
+
+    Returns:
+        {"forward", "backward", "counts", "total"}: bytes per step; all 0 when ep = 1 or the model is dense.
+    """
+    m = as_shape(model)
+    st = strategy.validate(m)
+    blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))
+    ep = st.ep
+    if ep == 1 or not blocks:
+        return {"forward": 0, "backward": 0, "counts": 0, "total": 0}
+    s = seq_len or m.seq_len
+    e = _bytes(st)[2]
+    tokens = st.micro_batch * (s // st.cp)
+    rows = (m.experts - m.experts // ep) * m.capacity(tokens)  # dispatch's; combine's are as many
+    one_way = 2 * rows * m.hidden * e  # dispatch + combine
+    passes = 2 if st.recompute == "full" else 1
+    per = blocks * st.micro_batches
+    forward, backward = per * passes * one_way, per * one_way
+    counts = per * (passes * ((ep - 1) * (m.experts // ep) * 8 + 2 * 8 * (ep - 1)) + 2 * 8 * (ep - 1))
+    return {"forward": forward, "backward": backward, "counts": counts, "total": forward + backward + counts}
 
 
 def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: int, itemsize: int, cp: int) -> dict:
