@@ -74,6 +74,7 @@ class _Measure(Callback):
 
     def on_train_start(self, run):
         self.start = run.strategy.traffic_by_kind()["expert_all_to_all"]
+        get_ledger().reset_peaks()
 
     def after_grads(self, step, params, opt):
         if step == 1:
@@ -83,13 +84,14 @@ class _Measure(Callback):
     def on_train_end(self, run):
         self.a2a = run.strategy.traffic_by_kind()["expert_all_to_all"] - self.start
         self.dropped = sum(t[-1] for t in run.strategy.expert_load.total.values())
+        self.activations = get_ledger().peak["activations"]
 
 
 def _measure(comm, flags):
     args = parse_args([*MOE, *flags], comm.world_size)
     m = _Measure()
     train(args, comm, log=lambda s: None, after_grads=m.after_grads, callbacks=[m])
-    return m.a2a, m.states, m.dropped, args
+    return m.a2a, m.states, m.dropped, args, m.activations
 
 
 def _shape_and_strategy(args):
@@ -112,7 +114,7 @@ def test_expert_all_to_all_bytes_equal_the_traffic_ledger(n, flags):
     shape, st = _shape_and_strategy(results[0][3])
     want = expert_all_to_all_bytes(shape, st)
     assert want["total"] > 0 and comm_bytes_per_step(shape, st)["ep"] == want["total"]
-    for a2a, _, dropped, _ in results:
+    for a2a, _, dropped, *_ in results:
         assert dropped > 0  # capacity bites: the regime where every expert is full
         assert a2a == STEPS * want["total"]  # exactly, on every rank
 
@@ -127,5 +129,28 @@ def test_expert_states_per_rank_equal_the_ledger_at_ep2():
     # each rank holds E/ep = 2 of the 4 experts of each MoE block: the dense part plus half the expert weights
     c = shape.hidden
     assert want["parameters"] == 8 * (shape.num_parameters() - len(shape.moe_layers()) * 2 * 8 * c * c)
-    for _, states, _, _ in results:
+    for _, states, *_ in results:
         assert states == want
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n,flags", [(1, []), (2, ["--ep", "2"]), (4, ["--ep", "4"]), (1, ["--moe-every", "2"]),
+                                     (2, ["--ep", "2", "--recompute", "full"])])
+def test_routed_activations_equal_the_ledger_when_every_expert_is_full(n, flags):
+    results = run_in_threads(n, _measure, flags, timeout=300)
+    shape, st = _shape_and_strategy(results[0][3])
+    est = estimate_memory(shape, st, accounting="minizero").activations
+    assert [r[4] for r in results] == [est] * n
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,flags", [(1, []), (2, ["--ep", "2"])])
+def test_routed_activations_are_a_bound_when_experts_are_not_full(n, flags):
+    """Capacity factor 4: nothing is dropped and the experts' loads differ; the estimate counts full experts."""
+    results = run_in_threads(n, _measure, flags + ["--moe-capacity-factor", "4"], timeout=300)
+    shape, st = _shape_and_strategy(results[0][3])
+    est = estimate_memory(shape, st, accounting="minizero").activations
+    dense = estimate_memory(get_config("tiny", dtype="float64"), Strategy(dp=st.dp, precision="fp64", micro_batch=2),
+                            accounting="minizero").activations
+    for *_, measured in results:
+        assert dense < measured <= est  # routed top-2 rows outweigh the dense MLP's here
