@@ -154,3 +154,37 @@ def test_routed_activations_are_a_bound_when_experts_are_not_full(n, flags):
                             accounting="minizero").activations
     for *_, measured in results:
         assert dense < measured <= est  # routed top-2 rows outweigh the dense MLP's here
+
+
+# ---- 3: the presets ---------------------------------------------------------------------------
+from minizero.memory.estimator import model_flops_per_step  # noqa: E402
+from minizero.models import get_model  # noqa: E402
+
+
+@pytest.mark.parametrize("name,total,active,tol", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9, 0.005),  # Mistral AI: 46.7B total, 12.9B per token
+    # DeepSeek-V3 report: 671B total, 37B activated (rounded; MLA counted exactly, the input embedding as active)
+    ("deepseek-v3", 671e9, 37e9, 0.02),
+])
+def test_moe_presets_parameter_counts(name, total, active, tol):
+    m = get_model(name)
+    assert m.num_parameters() == pytest.approx(total, rel=tol)
+    assert m.active_parameters() == pytest.approx(active, rel=tol)
+
+
+def test_deepseek_v3_total_to_a_tenth_of_a_percent():
+    assert get_model("deepseek-v3").num_parameters() == pytest.approx(671e9, rel=0.001)
+    assert get_model("deepseek-v3").moe_layers() == list(range(3, 61))
+
+
+def test_moe_flops_follow_the_active_parameters():
+    """Less the attention core (QK^T and softmax x V, 3 x 2s x dims per token and layer), 6 x the active matrix
+    parameters x tokens: the input embedding is a lookup and the norms are no matmul (both < 0.01% here)."""
+    s = 4096
+    cores = {"mixtral-8x7b": 4 * s * 4096, "deepseek-v3": 2 * s * 128 * (128 + 64) + 2 * s * 128 * 128}
+    for name, core in cores.items():
+        m = get_model(name)
+        flops = model_flops_per_step(m, 1, s)
+        matmuls = flops - 3 * s * m.n_layer * core
+        assert matmuls == pytest.approx(6 * s * (m.active_parameters() - m.vocab_size * m.hidden), rel=1e-4)
+        assert flops < 6 * m.num_parameters() * s / 3  # far below the total's

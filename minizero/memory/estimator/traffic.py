@@ -94,19 +94,22 @@ def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = Non
     Per MoE block of the stage and per micro-batch, with T = b s/cp tokens routed as one group, C =
     ceil(cf T k / E) slots per expert (:meth:`ModelShape.capacity`), rows of h elements of e bytes:
 
-    * dispatch sends this rank's kept rows bound for the other ranks' experts: (E - E/ep) C rows;
-    * combine sends back the rows the other ranks sent here: (ep - 1)(E/ep) C rows;
-    * backward runs both in reverse with the same row counts; so 4 (ep-1)/ep E C h e bytes per block and
+    * dispatch sends this rank's kept rows bound for the other ranks' experts: (E - E/ep) C rows when every
+      expert is full (E C <= T k); with room to spare (E C > T k: nothing need be dropped) the T k choices
+      spread evenly, (ep - 1)/ep T k rows (rounded);
+    * combine sends back the rows the other ranks sent here, as many;
+    * backward runs both in reverse with the same row counts; so 4 x rows x h e bytes per block and
       micro-batch (2 forward, 2 backward), and 2 more under full recompute (the forward again);
     * the counts (minizero's ``parallel/moe.py`` and ``comm/all_to_all.py``): forward an all-to-all of the
       (ep, E/ep) int64 count matrix, (ep-1) E/ep x 8 bytes, and each variable-split all-to-all (2 forward,
       2 backward) first exchanges one int64 per peer, 8 (ep-1).
 
-    An upper bound on the rows: it is the trainer's traffic ledger exactly (``expert_all_to_all`` of
+    It EQUALS the trainer's traffic ledger (``expert_all_to_all`` of
     :meth:`minizero.parallel.strategy.Strategy.traffic_by_kind`, the ``all_to_all`` and
     ``all_to_all_counts`` bytes of the data group) when every expert fills its C slots on every rank, every
     micro-batch (a capacity factor below the load of the least-loaded expert; tests/test_plan_moe.py runs 0.25);
-    a less loaded expert sends fewer rows, as minizero exchanges only the kept rows (variable splits, no
+    otherwise an upper bound when E C <= T k, and the mean of balanced routing when E C > T k. A less loaded
+    expert sends fewer rows, as minizero exchanges only the kept rows (variable splits, no
     padding), where GShard and DeepSpeed pad every expert's buffer to C. Experts are whole on every tensor rank
     (as minizero's trainer keeps them), so each tensor rank sends its full rows.
 
@@ -122,7 +125,8 @@ def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = Non
     s = seq_len or m.seq_len
     e = _bytes(st)[2]
     tokens = st.micro_batch * (s // st.cp)
-    rows = (m.experts - m.experts // ep) * m.capacity(tokens)  # dispatch's; combine's are as many
+    slots, choices = m.experts * m.capacity(tokens), tokens * m.top_k
+    rows = (slots - slots // ep) if slots <= choices else round(choices * (ep - 1) / ep)  # dispatch's = combine's
     one_way = 2 * rows * m.hidden * e  # dispatch + combine
     passes = 2 if st.recompute == "full" else 1
     per = blocks * st.micro_batches
@@ -182,8 +186,9 @@ def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, r
 
     Per token, forward: 2 x (each layer's matrix parameters) + 4sh per layer for QK^T
     and softmax x V + 2hV for the logits; backward = 2 x forward (Korthikanti et al.
-    2022, appendix A, whose counting this generalises to grouped-query attention and
-    SwiGLU; for a GPT shape it equals :func:`korthikanti_flops` exactly).
+    2022, appendix A, whose counting this generalises to grouped-query attention,
+    SwiGLU, MLA and MoE blocks -- the router and the top-k + shared experts a token runs; for a GPT
+    shape it equals :func:`korthikanti_flops` exactly).
     ``recompute`` adds the hardware FLOPs of recomputation: "full" one more forward of
     every layer (not the logits) -- 96BsLh^2(1 + s/(6h) + V/(16hL)) for a GPT;
     "selective" one more forward of the attention core, 4Bs^2h per layer.
@@ -191,12 +196,20 @@ def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, r
     m = as_shape(model)
     s = seq_len or m.seq_len
     h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
-    mats = 2 * h * h + 2 * h * kv + (3 if m.mlp == "swiglu" else 2) * h * f
-    layer_fwd = 2 * mats + 4 * s * h  # per token
+    n_mats = 3 if m.mlp == "swiglu" else 2
+    if m.kv_lora_rank:  # MLA: its matrices, and QK^T over n_h (d_h + d_h^R) dims, softmax x V over n_h d_h
+        a, dh, dr, dc, dq = m.n_head, m.mla_head_dim, m.qk_rope_dim, m.kv_lora_rank, m.q_lora_rank
+        attn = (h * dq + dq * a * (dh + dr) if dq else h * a * (dh + dr)) + h * (dc + dr) + dc * 2 * a * dh + a * dh * h
+        core = 2 * s * a * (dh + dr) + 2 * s * a * dh
+    else:
+        attn, core = 2 * h * h + 2 * h * kv, 4 * s * h
+    dense = n_mats * h * f
+    routed = h * m.experts + (m.top_k + m.shared_experts) * n_mats * h * m.expert_hidden  # router + active experts
+    fwd = [2 * (attn + (routed if m.is_moe_layer(i) else dense)) + core for i in range(m.n_layer)]  # per token
     tokens = global_batch * s
-    total = 3 * tokens * (m.n_layer * layer_fwd + 2 * h * m.vocab_size)
+    total = 3 * tokens * (sum(fwd) + 2 * h * m.vocab_size)
     if recompute == "full":
-        total += tokens * m.n_layer * layer_fwd
+        total += tokens * sum(fwd)
     elif recompute == "selective":
-        total += tokens * m.n_layer * 4 * s * h
+        total += tokens * m.n_layer * core
     return float(total)
