@@ -188,3 +188,92 @@ def test_moe_flops_follow_the_active_parameters():
         matmuls = flops - 3 * s * m.n_layer * core
         assert matmuls == pytest.approx(6 * s * (m.active_parameters() - m.vocab_size * m.hidden), rel=1e-4)
         assert flops < 6 * m.num_parameters() * s / 3  # far below the total's
+
+
+# ---- 4: the planner searches ep and the attention kind -----------------------------------------
+from minizero import plan as P  # noqa: E402
+from minizero.plan_search import Hardware, enumerate_strategies, parse_strategy, plan  # noqa: E402
+
+
+def _main(capsys, *argv):
+    try:
+        code = P.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_mixtral_on_64_gpus_of_80gb_plans_with_expert_parallelism():
+    m = get_model("mixtral-8x7b")
+    fits, count, _ = plan(m, 64, Hardware(gpu_memory=80 * 10 ** 9), 4096, global_batch=1024)
+    assert fits and count > len(fits) > 0
+    assert all(c.memory.total <= 80 * 10 ** 9 for c in fits)
+    assert all(c.strategy.dp % c.strategy.ep == 0 and 8 % c.strategy.ep == 0 for c in fits)
+    best_ep = next(c for c in fits if c.strategy.ep > 1)
+    assert best_ep.comm["ep"] > 0 and best_ep.time["ep"] > 0
+    assert {c.strategy.ep for c in fits} >= {1, 2, 4, 8}
+    # on one mesh and ZeRO stage 0-2 the parameters per GPU shrink as ep grows: E/ep experts per rank (ZeRO-3's
+    # shard of them, E/ep experts over N/ep ranks, does not depend on ep)
+    groups = {}
+    for c in fits:
+        st = c.strategy
+        if st.offload == "none" and st.zero < 3:
+            groups.setdefault((st.tp, st.pp, st.cp, st.zero), {})[st.ep] = c.memory.parameters
+    assert max(len(g) for g in groups.values()) >= 3
+    for g in groups.values():
+        eps = sorted(g)
+        assert all(g[a] > g[b] for a, b in zip(eps, eps[1:])), g
+
+
+def test_the_search_tries_ulysses_where_heads_split_and_only_ep_1_for_dense_models():
+    m = get_model("llama3-8b")  # 32 heads, 8 KV heads
+    sts = list(enumerate_strategies(m, 16, seq_len=131072, global_batch=16))
+    assert {s.ep for s in sts} == {1}
+    kinds = {(s.cp, s.tp, s.cp_attention) for s in sts if s.cp > 1}
+    assert (2, 1, "ulysses") in kinds and (2, 1, "ring") in kinds
+    assert all(((8 // tp) % cp == 0) for cp, tp, kind in kinds if kind == "ulysses")
+    assert (16, 1, "ring") in kinds and (16, 1, "ulysses") not in kinds  # 8 KV heads do not split 16 ways
+
+
+def test_the_report_shows_ep_and_the_attention_kind(capsys):
+    code, out, _ = _main(capsys, "--model", "mixtral-8x7b", "--gpus", "64", "--gpu-memory", "80GB", "--seq-len",
+                         "4096", "--ep", "4", "--top", "3")
+    assert code == 0, out
+    head = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
+    assert head.split()[1:5] == ["dp", "ep", "cp", "attn"]
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert len(rows) == 3 and all(r[2] == "4" for r in rows)
+    assert "12.88 B active; 8 experts top-2" in out
+    code, out, _ = _main(capsys, "--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",
+                         "--strategy", "dp2 cp8 cp_attention=ulysses tp1")
+    assert code == 0 and "cp_attention=ulysses" in out and " ulys " in out
+
+
+def test_a_strategy_round_trips_through_describe():
+    m = get_model("mixtral-8x7b")
+    st = parse_strategy("dp8 ep4 cp2 cp_attention=ulysses tp4 zero1", m, 64, seq_len=32768)
+    assert (st.ep, st.cp, st.cp_attention) == (4, 2, "ulysses")
+    assert parse_strategy(P.describe(st), m, 64, seq_len=32768) == st
+
+
+import re  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--model", "mixtral-8x7b", "--gpus", "64", "--ep", "3"], "--ep 3 must divide mixtral-8x7b's 8 experts per MoE "
+                                                               "block; allowed: 1, 2, 4, 8"),
+    (["--model", "llama2-7b", "--gpus", "8", "--ep", "2"], "--ep 2: llama2-7b is a dense model"),
+    (["--model", "mixtral-8x7b", "--gpus", "8", "--ep", "0"], "--ep must be a positive integer, got 0"),
+    (["--model", "deepseek-v3", "--gpus", "8", "--ep", "16"], "--ep 16 must divide --gpus 8"),
+    (["--model", "mixtral-8x7b", "--gpus", "8", "--strategy", "dp2 tp4 ep4"], "ep 4 must divide dp 2"),
+    (["--model", "mixtral-8x7b", "--gpus", "16", "--strategy", "dp16 ep16"], "ep 16 must divide mixtral-8x7b's 8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--strategy", "dp8 cp_attention=ulysses"],
+     "cp_attention=ulysses needs cp > 1"),
+    (["--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072", "--strategy", "dp1 cp16 cp_attention=ulysses"],
+     "needs cp to divide the 32 heads and 8 KV heads"),
+])
+def test_bad_ep_values_are_one_line_errors(capsys, argv, words):
+    code, out, err = _main(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert words in err
