@@ -5,12 +5,9 @@ counts follow from the shapes (:meth:`ModelShape.num_parameters`). LLaMA: SwiGLU
 untied head, no dropout. GPT: GeLU MLP of 4h, LayerNorm, biases, learned positions, tied head, dropout.
 ``minizero-<preset>`` are the presets of :mod:`minizero.nn.gpt`.
 
-Mixtures of experts: ``mixtral-8x7b`` and ``deepseek-v3``, with a capacity factor of 1.0 although both train
-without dropping tokens: the estimator then counts the rows of balanced routing, T k per rank (a dropless
-layer's rows vary with the load; 1.0 is their mean). DeepSeek-V3's multi-head latent attention (MLA) is counted
-exactly in parameters and FLOPs; its activations and attention traffic are approximated by multi-head attention
-of 128 heads of hidden/128 = 56 dims (:class:`~minizero.memory.estimator.ModelShape`). Its multi-token
-prediction module (14B, not part of the 671B) is left out.
+MoE: ``mixtral-8x7b``, ``deepseek-v3`` at capacity factor 1.0 (both drop no tokens; 1.0 counts balanced
+routing's T k rows). DeepSeek-V3's MLA: parameters and FLOPs exact, activations and traffic APPROXIMATED as
+128 heads of 56 dims; its multi-token prediction module (14B, outside the 671B) left out.
 """
 from __future__ import annotations
 

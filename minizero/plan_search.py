@@ -12,9 +12,8 @@ import math
 import re
 
 from minizero.memory.estimator import (
-    ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
+    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
     stage_expert_parameters, stage_parameters)
-from minizero.memory.estimator.model import CP_ATTENTIONS
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
@@ -95,14 +94,12 @@ def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, t
 
 
 def expert_parallel_sizes(model: ModelShape, dp: int) -> list[int]:
-    """The expert-parallel sizes the search tries on ``dp`` data ranks: the divisors of dp that divide the
-    model's experts per MoE block (only 1 for a dense model)."""
+    """The ep sizes the search tries: divisors of ``dp`` that divide the experts (1 for a dense model)."""
     return [e for e in _divisors(dp) if e == 1 or (model.experts and model.experts % e == 0)]
 
 
 def ulysses_fits(model: ModelShape, cp: int, tp: int) -> bool:
-    """Whether DeepSpeed-Ulysses can split attention over ``cp`` ranks: cp divides the heads and the KV heads
-    of each of the ``tp`` tensor ranks (each rank attends with whole heads)."""
+    """Whether Ulysses splits over ``cp``: cp divides a tensor rank's heads and KV heads."""
     return (model.n_head // tp) % cp == 0 and (model.n_kv_head // tp) % cp == 0
 
 
@@ -170,7 +167,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 
 
 def _state_shard(model: ModelShape, st: Strategy) -> float:
-    """Elements of stage 0's model states on one rank after ZeRO's split: dense / N + experts / (N / ep)."""
+    """Stage 0's elements on one rank after ZeRO's split: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
     d = st.data_ranks
     if not experts:

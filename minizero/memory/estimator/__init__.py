@@ -14,7 +14,7 @@ arXiv:2106.09685; QLoRA, arXiv:2305.14314 (``lora.py``).
 from __future__ import annotations
 
 from minizero.memory.estimator.model import (  # noqa: F401 (the package's API)
-    ACCOUNTINGS, ATTENTIONS, CATEGORIES, DEVICE_CATEGORIES, LINEAR_SAVES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES,
+    ACCOUNTINGS, ATTENTIONS, CATEGORIES, CP_ATTENTIONS, DEVICE_CATEGORIES, LINEAR_SAVES, MIN_8BIT_SIZE, OFFLOAD, OFFLOAD_MIN_BYTES,
     OFFLOAD_TIERS, OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape, Strategy, _bytes,
     activation_element, as_shape, gb, gib, model_state_bytes, precision_for_dtype, stage_expert_parameters,
     stage_layers, stage_parameters, stage_state_bytes)

@@ -43,8 +43,7 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     ``"paper"``: Korthikanti et al. 2022, section 4.1 (2-byte activations, 1-byte masks; a GPT layer totals
     sbh(34 + 5as/h), equation 1), extended to grouped-query attention and SwiGLU. ``"minizero"``: the precision's
     element size, plus the layer norms' mean and rstd (2 x sb, at least fp32); Q, K, V counted once (views of one
-    c_attn output). ``moe``: an MoE block over ``ep`` expert ranks, its MLP rows replaced by
-    :func:`routed_rows` (a bound, not the ledger's figure).
+    c_attn output). ``moe``: an MoE block (``ep`` expert ranks), :func:`routed_rows` for the MLP's.
     """
     m = as_shape(model)
     if accounting not in ACCOUNTINGS:
@@ -87,21 +86,14 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
 
 
 def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int = 1) -> list[Saved]:
-    """What an MoE block saves for backward beyond its input, for a group of ``tokens`` routed together.
+    """What an MoE block saves beyond its input for ``tokens`` routed as one group: the most there can be.
 
-    How many rows the experts see depends on the routing; with C = ceil(cf T k / E) slots per expert
-    (:meth:`ModelShape.capacity`) this counts the most there can be: this rank's kept rows R_out = min(E C, T k)
-    and the rows its E/ep experts process R_in = min(E C, ep T k) (E/ep experts x C slots x ep source ranks).
-    Each processed row keeps the expert's input (h) and hidden activations (GeLU: input and output, 2 f_e;
-    SwiGLU: 4 f_e, as the dense MLP's rows); each kept row its expert output (h) and its gate for the gate
-    multiply. The router: ``"paper"`` its (T, E) probabilities; ``"minizero"`` what ``parallel/moe.py`` saves,
-    the softmax's exponentials (T, E), its row sums, the log-sum-exp's input and output (T each, the z-loss) and
-    the Switch loss's load fractions (E, float64). Each shared expert keeps a dense MLP's hidden rows of width
-    f_e over all T tokens. Index arrays are not counted (minizero keeps them outside ``save_for_backward``).
-
-    ``"minizero"``: EQUAL to the ledger's activation peak when every expert fills its C slots on every rank
-    (tests/test_plan_moe.py, ep 1, 2, 4), an UPPER BOUND otherwise. Expert hidden rows are split by tp
-    (Megatron-Core's expert tensor parallelism; minizero keeps experts whole on each tensor rank).
+    Rows kept here R_out = min(E C, T k), rows the E/ep local experts process R_in = min(E C, ep T k). Each
+    processed row keeps its input (h) and hidden rows (GeLU 2 f_e, SwiGLU 4 f_e); each kept row its expert
+    output (h) and gate. Router: ``"paper"`` the (T, E) probabilities; ``"minizero"`` the softmax exponentials
+    (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,) float64. Shared experts:
+    dense MLP rows of width f_e. ``"minizero"`` EQUALS the ledger's activation peak when every expert fills its
+    C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp.
     """
     m = as_shape(model)
     t, h, fe, k, n = tokens, m.hidden, m.expert_hidden, m.top_k, m.experts

@@ -79,16 +79,11 @@ class ModelShape:
     are saved; Korthikanti et al. count them, LLaMA trains without).
     ``seq_len`` is the model's context, the default sequence length.
 
-    Mixture of experts (``experts`` > 0; Switch, Fedus et al. 2021; GShard; Mixtral; DeepSeek-V3): block i's MLP
-    is an MoE layer when i >= ``dense_layers`` and i % ``moe_every`` == ``moe_every`` - 1 (minizero's
-    ``MoEConfig.layers`` when ``dense_layers`` = 0): a router (h x E, no bias, replicated over tp), ``experts``
-    routed experts of which each token uses ``top_k``, and ``shared_experts`` that every token uses, each expert
-    an MLP of ``mlp`` kind and width ``expert_ffn`` (0: ``ffn_hidden``) without biases. ``capacity_factor``:
-    slots per expert per group of T tokens, ceil(cf T k / E) (GShard section 2.2; minizero's ``MoELayer``).
-
-    Multi-head latent attention (``kv_lora_rank`` > 0; DeepSeek-V2, arXiv:2405.04434, section 2.1): its
-    parameters are counted exactly (:meth:`attention_parameters`); activations, FLOPs of the attention core and
-    attention traffic are those of multi-head attention of head dim hidden / n_head (an approximation).
+    MoE (``experts`` > 0): block i's MLP is a router (h x E) and ``experts`` bias-free experts of width
+    ``expert_ffn`` (0: ``ffn_hidden``), ``top_k`` per token, plus ``shared_experts``, when i >= ``dense_layers``
+    and i % ``moe_every`` == ``moe_every`` - 1 (minizero's ``MoEConfig.layers``); C = ceil(cf T k / E) slots.
+    MLA (``kv_lora_rank`` > 0; DeepSeek-V2, arXiv:2405.04434, section 2.1): parameters and FLOPs exact;
+    activations and attention traffic APPROXIMATED as multi-head attention of head dim hidden / n_head.
     """
 
     name: str
@@ -178,14 +173,9 @@ class ModelShape:
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
 
     def attention_parameters(self, tp: int = 1) -> tuple[int, int]:
-        """(split by tp, replicated) parameters of one attention block, norms excluded.
-
-        Standard / grouped-query: Wq, Wo (h x h), Wk, Wv (h x kv), and with biases the qkv bias (split) and the
-        output bias (replicated). MLA (DeepSeek-V2 section 2.1, the released config.json of DeepSeek-V3):
-        W^DQ (h x d_c'), its RMSNorm d_c', W^UQ (d_c' x n_h (d_h + d_h^R)) [or h x n_h (d_h + d_h^R) when
-        q_lora_rank = 0], W^DKV with W^KR (h x (d_c + d_h^R)), its RMSNorm d_c, W^UK and W^UV (d_c x 2 n_h d_h),
-        W^O (n_h d_h x h); the low-rank down-projections and their norms replicated, the rest split by tp.
-        """
+        """(split by tp, replicated) parameters of one attention block, norms excluded: Wq, Wo, Wk, Wv (+ biases);
+        MLA: W^DQ (h x d_c') + norm, W^UQ (d_c' x n_h(d_h + d_h^R)), W^DKV+W^KR (h x (d_c + d_h^R)) + norm,
+        W^UK, W^UV (d_c x 2 n_h d_h), W^O (n_h d_h x h), the down-projections replicated."""
         h, kv = self.hidden, self.kv_hidden
         if self.kv_lora_rank:
             a, dh, dr, dc, dq = self.n_head, self.mla_head_dim, self.qk_rope_dim, self.kv_lora_rank, self.q_lora_rank
@@ -210,9 +200,8 @@ class ModelShape:
 
         Matrices and the column-parallel biases are split by t; the row-parallel
         output biases and the norms are replicated (Shoeybi et al. 2019, section 3).
-        GPT (t = 1): 12h^2 + 13h. An MoE block holds the router, E/``ep`` routed experts and the shared
-        experts in place of the MLP (experts split by t as Megatron-Core's expert tensor parallelism;
-        minizero's trainer keeps them whole on every tensor rank). ``index`` None: the largest block.
+        GPT (t = 1): 12h^2 + 13h. An MoE block: router, E/``ep`` routed and the shared experts (split by t as
+        Megatron-Core's; minizero's trainer keeps them whole). ``index`` None: the largest block.
         """
         if index is None:
             return max(self.layer_parameters(tp, i, ep) for i in sorted({0, *self.moe_layers()[:1]}))
@@ -255,7 +244,7 @@ class ModelShape:
 
     def tensor_sizes(self) -> list[int]:
         """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2; an MoE
-        block's router, then each expert matrix of all E experts as one tensor (minizero's ``MoELayer``)."""
+        block's router and each matrix of its E experts as one tensor (``MoELayer``)."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
         norm = [h, h] if self.norm == "layernorm" else [h]
         if self.kv_lora_rank:
@@ -280,21 +269,19 @@ class ModelShape:
         return sizes
 
     def num_parameters(self) -> int:
-        """All distinct parameters Psi (tied head counted once). GPT: 12Lh^2 + 13Lh + (V + s + 2)h. With experts:
-        every expert counted (the total)."""
+        """All distinct parameters Psi (tied head counted once; every expert). GPT: 12Lh^2 + 13Lh + (V + s + 2)h."""
         layers = sum(self.layer_parameters(1, i) for i in range(self.n_layer))
         return layers + self.embedding_parameters() + self.head_parameters()
 
     def active_parameters(self) -> int:
-        """Parameters one token uses: the total less the E - k routed experts it skips in each MoE block (the
-        router and the shared experts counted). Equal to :meth:`num_parameters` for a dense model."""
+        """Parameters one token uses: the total less the E - k routed experts it skips per MoE block."""
         skipped = (self.experts - self.top_k) * self.expert_parameters() if self.experts else 0
         return self.num_parameters() - len(self.moe_layers()) * skipped
 
     @classmethod
     def from_gpt_config(cls, cfg, name: str = "minizero", moe=None) -> "ModelShape":
-        """The shape of a :class:`minizero.nn.gpt.GPTConfig` (GELU MLP of 4C, LayerNorm, biases, tied head), with
-        the MoE layers of ``moe`` (a :class:`minizero.parallel.expert_parallel.MoEConfig`) when given."""
+        """The shape of a :class:`minizero.nn.gpt.GPTConfig` (GELU MLP of 4C, LayerNorm, biases, tied head);
+        ``moe``: a ``MoEConfig``'s MoE layers."""
         extra = {} if moe is None else dict(experts=moe.experts, top_k=moe.top_k, moe_every=moe.every,
                                             capacity_factor=moe.capacity_factor)
         return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_head,
@@ -330,9 +317,7 @@ class Strategy:
         cp_attention: "ring" or "ulysses" (all-to-all to head shards: cp must divide n_head / tp and n_kv_head / tp).
         bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
         overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
-        ep: expert parallelism: each MoE block's routed experts split over groups of ep consecutive data ranks
-            (E/ep per rank), their gradients reduced (and ZeRO-sharded) over the dp x cp / ep expert-data ranks
-            (DeepSpeed-MoE's layout, minizero's ``--ep``); ep must divide dp and the model's experts.
+        ep: E/ep routed experts per rank, reduced and ZeRO-sharded over data_ranks / ep (``--ep``; divides dp, E).
     """
 
     dp: int = 1
@@ -443,8 +428,7 @@ def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: st
 
 
 def stage_layers(model, strategy: Strategy, stage: int = 0) -> list[int]:
-    """The block indices pipeline stage ``stage`` holds: its v chunks of L/(pv) consecutive blocks, chunk j*p + i
-    on stage i (Narayanan et al. 2021, section 2.2; v = 1: blocks iL/p .. (i+1)L/p - 1)."""
+    """Block indices of stage ``stage``: chunks j p + stage (j < v) of L/(pv) blocks (Narayanan et al. 2021, 2.2)."""
     m = as_shape(model)
     p, v = strategy.pp, strategy.virtual_stages
     per = m.n_layer // (p * v)
@@ -452,9 +436,7 @@ def stage_layers(model, strategy: Strategy, stage: int = 0) -> list[int]:
 
 
 def stage_expert_parameters(model, strategy: Strategy, stage: int = 0) -> int:
-    """Routed-expert parameters (elements) of pipeline stage ``stage`` on one rank: E/ep experts per MoE block,
-    split by tp. They are reduced and ZeRO-sharded over :attr:`Strategy.data_ranks` / ep ranks; the rest of
-    :func:`stage_parameters` over all data ranks."""
+    """Routed-expert parameters (elements) of stage ``stage`` on one rank: E/ep experts per MoE block, / tp."""
     m = as_shape(model)
     return sum(m.routed_expert_parameters(strategy.tp, strategy.ep)
                for i in stage_layers(m, strategy, stage) if m.is_moe_layer(i))
@@ -478,10 +460,8 @@ def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: 
 
 
 def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state of pipeline stage ``stage``: the dense part
-    (:func:`stage_parameters` less the routed experts) under ZeRO over the N = dp x cp data ranks, the routed
-    experts (:func:`stage_expert_parameters`) over the N/ep expert-data ranks (DeepSpeed-MoE; minizero's
-    ``ExpertDataParallel``). :func:`model_state_bytes` of each, summed; a dense model's is that of Psi over N."""
+    """:func:`model_state_bytes` of stage ``stage``: the dense part over the N data ranks plus the routed experts
+    (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertDataParallel``)."""
     st = strategy
     psi = stage_parameters(model, st, stage, vocab_parallel)
     experts = stage_expert_parameters(model, st, stage)

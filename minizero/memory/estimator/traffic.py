@@ -24,7 +24,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
     (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead.
-    ``ep``: :func:`expert_all_to_all_bytes` (MoE's dispatch and combine). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
+    ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
     plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
     way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention=
     "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
@@ -89,32 +89,15 @@ def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
 
 
 def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
-    """Bytes one rank sends per optimizer step in the MoE blocks' all-to-alls over its ep expert ranks.
+    """Bytes one rank sends per step in the MoE blocks' all-to-alls: {"forward", "backward", "counts", "total"}.
 
-    Per MoE block of the stage and per micro-batch, with T = b s/cp tokens routed as one group, C =
-    ceil(cf T k / E) slots per expert (:meth:`ModelShape.capacity`), rows of h elements of e bytes:
-
-    * dispatch sends this rank's kept rows bound for the other ranks' experts: (E - E/ep) C rows when every
-      expert is full (E C <= T k); with room to spare (E C > T k: nothing need be dropped) the T k choices
-      spread evenly, (ep - 1)/ep T k rows (rounded);
-    * combine sends back the rows the other ranks sent here, as many;
-    * backward runs both in reverse with the same row counts; so 4 x rows x h e bytes per block and
-      micro-batch (2 forward, 2 backward), and 2 more under full recompute (the forward again);
-    * the counts (minizero's ``parallel/moe.py`` and ``comm/all_to_all.py``): forward an all-to-all of the
-      (ep, E/ep) int64 count matrix, (ep-1) E/ep x 8 bytes, and each variable-split all-to-all (2 forward,
-      2 backward) first exchanges one int64 per peer, 8 (ep-1).
-
-    It EQUALS the trainer's traffic ledger (``expert_all_to_all`` of
-    :meth:`minizero.parallel.strategy.Strategy.traffic_by_kind`, the ``all_to_all`` and
-    ``all_to_all_counts`` bytes of the data group) when every expert fills its C slots on every rank, every
-    micro-batch (a capacity factor below the load of the least-loaded expert; tests/test_plan_moe.py runs 0.25);
-    otherwise an upper bound when E C <= T k, and the mean of balanced routing when E C > T k. A less loaded
-    expert sends fewer rows, as minizero exchanges only the kept rows (variable splits, no
-    padding), where GShard and DeepSpeed pad every expert's buffer to C. Experts are whole on every tensor rank
-    (as minizero's trainer keeps them), so each tensor rank sends its full rows.
-
-    Returns:
-        {"forward", "backward", "counts", "total"}: bytes per step; all 0 when ep = 1 or the model is dense.
+    Per MoE block and micro-batch (T = b s/cp tokens, C = ceil(cf T k / E) slots, rows of h x e bytes): dispatch
+    sends the kept rows bound for other ranks, (E - E/ep) C when every expert is full (E C <= T k), else the
+    balanced (ep-1)/ep T k; combine sends as many back; backward repeats both (full recompute: forward twice).
+    Counts (``parallel/moe.py``, ``comm/all_to_all.py``): the (ep, E/ep) int64 matrix forward, (ep-1) E/ep x 8,
+    and 8 (ep-1) before each of the 4 variable-split exchanges. EQUAL to the trainer's ledger (``expert_all_to_all``
+    of ``Strategy.traffic_by_kind``) when every expert fills its C slots on every rank (tests/test_plan_moe.py),
+    an upper bound when E C <= T k; minizero sends only kept rows (GShard and DeepSpeed pad to C). 0 at ep 1.
     """
     m = as_shape(model)
     st = strategy.validate(m)
