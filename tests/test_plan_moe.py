@@ -277,3 +277,12 @@ def test_bad_ep_values_are_one_line_errors(capsys, argv, words):
     code, out, err = _main(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert words in err
+
+
+def test_zero3_gathers_a_block_with_its_rank_s_experts_only():
+    """ZeRO-3 gathers one block at a time (and prefetches the next): under ep a block holds E/ep experts."""
+    m = get_model("mixtral-8x7b")
+    for ep in (1, 2, 8):
+        est = estimate_memory(m, Strategy(dp=64, ep=ep, zero=3), 4096)
+        assert est.gathered == 2 * 2 * m.layer_parameters(1, 0, ep)
+    assert m.layer_parameters(1, 0, 8) == m.layer_parameters(1, 0, 1) - 7 * m.expert_parameters()
