@@ -30,6 +30,7 @@ def test_a_dense_shape_is_unchanged_by_the_moe_fields():
     (dict(experts=4, top_k=5), "top_k must be in 1..experts=4"),
     (dict(experts=4, top_k=1, capacity_factor=0.0), "capacity_factor must be a finite number > 0"),
     (dict(experts=4, dense_layers=2), "no block has an MoE layer"),
+    (dict(experts=4, moe_every=0), "moe_every must be >= 1"),
     (dict(shared_experts=1), "need experts > 0"),
     (dict(experts=-1), "experts must be an integer >= 0"),
 ])

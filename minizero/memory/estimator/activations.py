@@ -8,7 +8,8 @@ import dataclasses
 import math
 
 from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES, Strategy,
-                                             activation_element, as_shape, stage_layers)
+                                             activation_element, as_shape)
+from minizero.memory.estimator.states import stage_layers
 
 
 # ---- activations: Korthikanti et al. 2022 -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""The model and the strategy the estimator takes, and model-state bytes (ZeRO, Rajbhandari et al. 2020, section 3).
+"""The model and the strategy the estimator takes (model states per rank: ``states.py``).
 
 Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
 """
@@ -132,22 +132,21 @@ class ModelShape:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"ModelShape.{f} must be an integer >= 0, got {v!r}")
-        if self.experts:
-            if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.experts):
-                raise ValueError(f"ModelShape.top_k must be in 1..experts={self.experts}, got {self.top_k!r}")
-            if not (isinstance(self.moe_every, int) and self.moe_every >= 1):
-                raise ValueError(f"ModelShape.moe_every must be a positive integer, got {self.moe_every!r}")
-            if not (0 < self.capacity_factor < math.inf):
-                raise ValueError(f"ModelShape.capacity_factor must be a finite number > 0, got {self.capacity_factor!r}")
-            if not self.moe_layers():
-                raise ValueError(f"{self.name}: experts={self.experts} but no block has an MoE layer (n_layer "
-                                 f"{self.n_layer}, dense_layers {self.dense_layers}, moe_every {self.moe_every})")
-        elif self.shared_experts or self.dense_layers or self.expert_ffn:
-            raise ValueError("shared_experts, dense_layers and expert_ffn need experts > 0")
-        if self.kv_lora_rank and not (self.mla_head_dim and self.qk_rope_dim):
-            raise ValueError("MLA (kv_lora_rank > 0) needs mla_head_dim > 0 and qk_rope_dim > 0")
-        if self.q_lora_rank and not self.kv_lora_rank:
-            raise ValueError("q_lora_rank needs kv_lora_rank > 0 (MLA)")
+        e, k, every = self.experts, self.top_k, self.moe_every
+        for bad, why in [
+                (e and not (isinstance(k, int) and 1 <= k <= e), f"ModelShape.top_k must be in 1..experts={e}, got {k!r}"),
+                (e and not (isinstance(every, int) and every >= 1), f"ModelShape.moe_every must be >= 1, got {every!r}"),
+                (e and not 0 < self.capacity_factor < math.inf,
+                 f"ModelShape.capacity_factor must be a finite number > 0, got {self.capacity_factor!r}"),
+                (not e and (self.shared_experts or self.dense_layers or self.expert_ffn),
+                 "shared_experts, dense_layers and expert_ffn need experts > 0"),
+                (self.kv_lora_rank and not (self.mla_head_dim and self.qk_rope_dim),
+                 "MLA (kv_lora_rank > 0) needs mla_head_dim > 0 and qk_rope_dim > 0"),
+                (self.q_lora_rank and not self.kv_lora_rank, "q_lora_rank needs kv_lora_rank > 0 (MLA)")]:
+            if bad:
+                raise ValueError(why)
+        if e and not self.moe_layers():
+            raise ValueError(f"{self.name}: experts={e} but no block has an MoE layer")
         return self
 
     # ---- mixture of experts -------------------------------------------------------------------
@@ -179,8 +178,7 @@ class ModelShape:
         h, kv = self.hidden, self.kv_hidden
         if self.kv_lora_rank:
             a, dh, dr, dc, dq = self.n_head, self.mla_head_dim, self.qk_rope_dim, self.kv_lora_rank, self.q_lora_rank
-            q = (h * dq + dq * a * (dh + dr)) if dq else h * a * (dh + dr)
-            q_split = (dq * a * (dh + dr)) if dq else q
+            q_split = dq * a * (dh + dr) if dq else h * a * (dh + dr)
             replicated = (h * dq + dq if dq else 0) + h * (dc + dr) + dc
             split = q_split + dc * 2 * a * dh + a * dh * h
             return split // tp, replicated
@@ -212,15 +210,10 @@ class ModelShape:
             routed = self.experts // ep * self.expert_parameters(tp)
             return split + replicated + h * self.experts + routed + self.shared_experts * self.expert_parameters(tp)
         n_mats = 3 if self.mlp == "swiglu" else 2
-        mlp = n_mats * h * f
+        mlp = n_mats * h * f + ((n_mats - 1) * f if self.bias else 0)  # matrices, fc (gate, up) biases
         if self.bias:
-            mlp += (n_mats - 1) * f  # fc (gate, up) biases
             replicated += h  # the MLP output bias
         return split + mlp // tp + replicated
-
-    def routed_expert_parameters(self, tp: int = 1, ep: int = 1) -> int:
-        """Routed-expert parameters of one MoE block on one rank: E/``ep`` experts / ``tp`` (0 for a dense model)."""
-        return self.experts // ep * self.expert_parameters(tp) if self.experts else 0
 
     def embedding_parameters(self, tp: int = 1, vocab_parallel: bool = True) -> int:
         """Token table plus the learned position table, on one tensor rank (elements).
@@ -256,10 +249,9 @@ class ModelShape:
             dense = [f * h] + ([f] if self.bias else []) + [h * f] + ([h] if self.bias else [])
         else:
             dense = [f * h, f * h, h * f] + ([f, f, h] if self.bias else [])
-        mats = 3 if self.mlp == "swiglu" else 2
-        fe = self.expert_hidden
-        moe = [h * self.experts] + [self.experts * h * fe] * mats + [self.shared_experts * h * fe] * (
-            mats if self.shared_experts else 0)
+        mats, fe = (3 if self.mlp == "swiglu" else 2), self.expert_hidden
+        moe = [h * self.experts] + [self.experts * h * fe] * mats + [self.shared_experts * h * fe] * mats * bool(
+            self.shared_experts)
         sizes = [self.vocab_size * h] + ([self.seq_len * h] if self.learned_pos else [])
         for i in range(self.n_layer):
             sizes += layer + (moe if self.is_moe_layer(i) else dense)
@@ -275,8 +267,7 @@ class ModelShape:
 
     def active_parameters(self) -> int:
         """Parameters one token uses: the total less the E - k routed experts it skips per MoE block."""
-        skipped = (self.experts - self.top_k) * self.expert_parameters() if self.experts else 0
-        return self.num_parameters() - len(self.moe_layers()) * skipped
+        return self.num_parameters() - len(self.moe_layers()) * (self.experts - self.top_k) * self.expert_parameters()
 
     @classmethod
     def from_gpt_config(cls, cfg, name: str = "minizero", moe=None) -> "ModelShape":
@@ -407,66 +398,3 @@ def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
     else:
         k = master + 2 * moment
     return p, g, act, k
-
-
-# ---- model states: ZeRO -----------------------------------------------------------------------
-def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: str = "mixed",
-                      optimizer: str = "adam") -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP (ZeRO section 5, Figure 1).
-
-    Psi = ``num_params``, N_d = ``dp``, K optimizer bytes per parameter: stage 0 (2 + 2 + K) Psi; 1 (2 + 2) Psi +
-    K Psi/N_d; 2 2 Psi + (2 + K) Psi/N_d; 3 (2 + 2 + K) Psi/N_d; a shard is ceil(Psi/N_d) elements. fp32 4 + 4 + 8,
-    fp64 8 + 8 + 16; 8-bit Adam K = master + 2 x (1 + 4/256).
-    Returns {"parameters", "gradients", "optimizer_state"} in bytes.
-    """
-    s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()
-    pb, gbytes, _, k = _bytes(s)
-    shard = math.ceil(num_params / dp)
-    return {"parameters": pb * (shard if zero >= 3 else num_params),
-            "gradients": gbytes * (shard if zero >= 2 else num_params),
-            "optimizer_state": round(k * (shard if zero >= 1 else num_params))}
-
-
-def stage_layers(model, strategy: Strategy, stage: int = 0) -> list[int]:
-    """Block indices of stage ``stage``: chunks j p + stage (j < v) of L/(pv) blocks (Narayanan et al. 2021, 2.2)."""
-    m = as_shape(model)
-    p, v = strategy.pp, strategy.virtual_stages
-    per = m.n_layer // (p * v)
-    return [c * per + k for j in range(v) for c in (j * p + stage,) for k in range(per)]
-
-
-def stage_expert_parameters(model, strategy: Strategy, stage: int = 0) -> int:
-    """Routed-expert parameters (elements) of stage ``stage`` on one rank: E/ep experts per MoE block, / tp."""
-    m = as_shape(model)
-    return sum(m.routed_expert_parameters(strategy.tp, strategy.ep)
-               for i in stage_layers(m, strategy, stage) if m.is_moe_layer(i))
-
-
-def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> int:
-    """Parameters (elements) of one pipeline stage on one tensor-parallel rank, before ZeRO sharding.
-
-    Stage i holds L/p layers (:func:`stage_layers`; MoE blocks with E/ep routed experts); stage 0 also the
-    embeddings, stage p-1 the final norm and head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``:
-    the embedding and the head are split by t (Megatron-LM) or replicated (minizero).
-    """
-    m = as_shape(model)
-    p, t = strategy.pp, strategy.tp
-    n = sum(m.layer_parameters(t, i, strategy.ep) for i in stage_layers(m, strategy, stage))
-    if stage == 0:
-        n += m.embedding_parameters(t, vocab_parallel)
-    if stage == p - 1:
-        n += m.head_parameters(t, p, vocab_parallel)
-    return n
-
-
-def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> dict:
-    """:func:`model_state_bytes` of stage ``stage``: the dense part over the N data ranks plus the routed experts
-    (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertDataParallel``)."""
-    st = strategy
-    psi = stage_parameters(model, st, stage, vocab_parallel)
-    experts = stage_expert_parameters(model, st, stage)
-    dense = model_state_bytes(psi - experts, st.data_ranks, st.zero, st.precision, st.optimizer)
-    if not experts:
-        return dense
-    routed = model_state_bytes(experts, st.data_ranks // st.ep, st.zero, st.precision, st.optimizer)
-    return {k: dense[k] + routed[k] for k in dense}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters,
-    stage_state_bytes)
+    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, precision_for_dtype)
+from minizero.memory.estimator.states import stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units

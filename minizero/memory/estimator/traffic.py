@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import (Strategy, _bytes, as_shape, stage_expert_parameters, stage_layers,
-                                             stage_parameters)
+from minizero.memory.estimator.model import Strategy, _bytes, as_shape
+from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
