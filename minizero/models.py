@@ -4,6 +4,10 @@ Each entry is a :class:`~minizero.memory.estimator.ModelShape` (sizes in element
 counts follow from the shapes (:meth:`ModelShape.num_parameters`). LLaMA: SwiGLU, RMSNorm, no biases, rotary,
 untied head, no dropout. GPT: GeLU MLP of 4h, LayerNorm, biases, learned positions, tied head, dropout.
 ``minizero-<preset>`` are the presets of :mod:`minizero.nn.gpt`.
+
+MoE: ``mixtral-8x7b``, ``deepseek-v3`` at capacity factor 1.0 (both drop no tokens; 1.0 counts balanced
+routing's T k rows). DeepSeek-V3's MLA: parameters and FLOPs exact, activations and traffic APPROXIMATED as
+128 heads of 56 dims; its multi-token prediction module (14B, outside the 671B) left out.
 """
 from __future__ import annotations
 
@@ -36,6 +40,22 @@ REAL_MODELS = {
         source="Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
                "Megatron-LM', Table 1 (1008 B: 128 layers, hidden 25600, 160 heads; vocabulary 51200, "
                "sequence 2048)"),
+    "mixtral-8x7b": ModelShape(
+        "mixtral-8x7b", n_layer=32, hidden=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, vocab_size=32000,
+        seq_len=32768, experts=8, top_k=2,
+        source="Jiang et al. 2024, 'Mixtral of Experts', arXiv:2401.04088, Table 1 (32 layers, dim 4096, 32 heads, "
+               "8 KV heads, hidden 14336, context 32768, vocabulary 32000, 8 experts, top-2) and the released "
+               "config.json (mistralai/Mixtral-8x7B-v0.1); Mistral AI's announcement: 46.7B total, 12.9B per token",
+        **_LLAMA),
+    "deepseek-v3": ModelShape(
+        "deepseek-v3", n_layer=61, hidden=7168, n_head=128, n_kv_head=128, ffn_hidden=18432, vocab_size=129280,
+        seq_len=4096, experts=256, top_k=8, shared_experts=1, dense_layers=3, expert_ffn=2048,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, mla_head_dim=128,
+        source="DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', arXiv:2412.19437, section 4.2 (61 layers, hidden "
+               "7168, 128 heads of 128 dims, MLA d_c 512, d_c' 1536, d_h^R 64; the first 3 FFNs dense; 1 shared and "
+               "256 routed experts of 2048, 8 routed per token; 671B total, 37B activated; pre-training sequence "
+               "4096) and the released config.json (deepseek-ai/DeepSeek-V3: dense FFN 18432, vocabulary 129280)",
+        **_LLAMA),
 }
 
 #: Every model the planner knows: the real ones and ``minizero-<preset>`` for minizero's presets.

@@ -1,7 +1,9 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
 Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 only without pipelining), recompute,
-sequence and context parallelism and offload; estimates each one's per-GPU bytes by category
+sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep dividing dp and
+the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep GPUs fit a
+node) and offload; estimates each one's per-GPU bytes by category
 (:mod:`minizero.memory.estimator`), bytes sent per step and step time (:func:`minizero.plan_search.step_time`);
 prints those that fit, fastest first (ties: less memory, then fewer techniques). ``--strategy`` evaluates one.
 Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value
@@ -122,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
     p.add_argument("--lora-rank", type=int, default=64, help="adapter rank r with --finetune (QLoRA's paper: 64)")
+    p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
+                   help="how layouts with cp > 1 attend: ring attention, DeepSpeed-Ulysses (where cp divides the "
+                        "heads and KV heads of a tensor rank), or both kinds searched")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert parallelism: only layouts with this ep (default: every ep that divides dp and the "
+                        "model's experts); with --strategy, the ep when its text names none")
     p.add_argument("--top", type=int, default=10, help="how many strategies to show (0: all that fit)")
     p.add_argument("--units", default="GB", choices=["GB", "GiB"],
                    help="unit of every size printed: GB = 10^9 bytes, GiB = 2^30 bytes")
@@ -163,6 +171,19 @@ def _check(parser, args):
         value = vars(args)[name]
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.ep is not None:
+        if args.ep < 1:
+            parser.error(f"--ep must be a positive integer, got {args.ep}")
+        if args.ep > 1 and not model.experts:
+            parser.error(f"--ep {args.ep}: {model.name} is a dense model (no experts to split); allowed: 1, or a "
+                         f"mixture of experts (mixtral-8x7b, deepseek-v3)")
+        if model.experts and model.experts % args.ep:
+            parser.error(f"--ep {args.ep} must divide {model.name}'s {model.experts} experts per MoE block; allowed: "
+                         f"{', '.join(str(e) for e in _divisors(model.experts))}")
+        if args.gpus % args.ep:
+            parser.error(f"--ep {args.ep} must divide --gpus {args.gpus} (an expert group is ep data-parallel GPUs)")
+        if args.finetune != "none" and args.ep > 1:
+            parser.error(f"--ep {args.ep} does not apply to --finetune (leave it out)")
     if args.gpus > MAX_GPUS:
         parser.error(f"--gpus {args.gpus} is too many; allowed: 1..{MAX_GPUS:,} (2^20)")
     if args.schedule == "interleaved":
@@ -212,17 +233,26 @@ def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]
                  f"have no pipeline" + ("; no layout with pp > 1 fits" if not piped else "") + ")")
     else:
         sched = f"{args.schedule} pipeline schedule"
+    def count(n):
+        return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
     n_psi = model.num_parameters()
-    count_text = f"{n_psi / 1e9:.2f} B" if n_psi >= 1e9 else f"{n_psi / 1e6:.2f} M" if n_psi >= 1e6 else f"{n_psi:,}"
-    return [f"minizero.plan: {model.name} ({count_text} parameters; {model.n_layer} layers, hidden {model.hidden}, "
-            f"{model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab {model.vocab_size})",
+    moe = ""
+    if model.experts:
+        moe = (f", {count(model.active_parameters())} active; {model.experts} experts top-{model.top_k}"
+               + (f" + {model.shared_experts} shared" if model.shared_experts else "")
+               + f" of FFN {model.expert_hidden} in {len(model.moe_layers())} of {model.n_layer} layers")
+    return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
+            f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
+            f"{model.vocab_size})",
             f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} ({args.gpus_per_node} per node), host "
             f"{hw.host_memory / scale:.2f} {unit} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
             f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
-            "columns: Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
+            "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
+            "Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
             "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"]
 
 
@@ -230,7 +260,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
     """The text for ``--strategy``: header, its row, whether it fits, its step time by component."""
     kw = dict(micro_batch=args.micro_batch, global_batch=gbatch, precision=args.precision, optimizer=args.optimizer,
               schedule=args.schedule, virtual_stages=args.virtual_stages, gpus_per_node=args.gpus_per_node,
-              bucket_bytes=sizes["bucket"], seq_len=seq, attention=args.attention)
+              bucket_bytes=sizes["bucket"], seq_len=seq, attention=args.attention, ep=args.ep)
     try:
         st = parse_strategy(args.strategy, model, args.gpus, **kw)
     except ValueError as e:
@@ -255,10 +285,12 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     fits, count, smallest = plan(model, args.gpus, hw, seq, micro_batch=args.micro_batch, global_batch=gbatch,
                                  precision=args.precision, optimizer=args.optimizer, schedule=args.schedule,
                                  virtual_stages=args.virtual_stages, bucket_bytes=sizes["bucket"],
-                                 attention=args.attention)
+                                 attention=args.attention, ep=args.ep,
+                                 cp_attention=None if args.cp_attention == "both" else args.cp_attention)
     if count == 0:
+        with_ep = f" and ep {args.ep} dividing dp" if args.ep else ""
         parser.error(f"--gpus {args.gpus}: no layout dp x tp x pp splits {model.name} ({model.n_layer} layers, "
-                     f"{model.n_head} heads) over {args.gpus} GPUs with tp <= {args.gpus_per_node}")
+                     f"{model.n_head} heads) over {args.gpus} GPUs with tp <= {args.gpus_per_node}{with_ep}")
     if not fits:
         st, device, host = smallest
         if device > hw.gpu_memory:
@@ -274,6 +306,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     args.shown = shown
     if args.json:
         return [json.dumps({"model": dataclasses.asdict(model), "parameters": model.num_parameters(),
+                            "active_parameters": model.active_parameters(),
                             "gpus": args.gpus, "seq_len": seq, "global_batch_requested": gbatch,
                             "hardware": dataclasses.asdict(hw), "units": "bytes", "ranking_rule": RANKING_RULE,
                             "enumerated": count, "fit": len(fits),

@@ -12,9 +12,11 @@ from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy
 from minizero.plan_search import Candidate
 
 def describe(st: Strategy) -> str:
-    """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``cp=4``
-    after dp when context parallel)."""
-    parts = [f"dp={st.dp}"] + ([f"cp={st.cp}"] if st.cp > 1 else []) + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
+    """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``ep=4``
+    after dp when expert parallel; ``cp=4 cp_attention=ring|ulysses`` when context parallel)."""
+    parts = [f"dp={st.dp}"] + ([f"ep={st.ep}"] if st.ep > 1 else []) \
+        + ([f"cp={st.cp}", f"cp_attention={st.cp_attention}"] if st.cp > 1 else []) \
+        + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
     if st.sequence_parallel:
         parts.append("sp")
     parts.append(f"recompute={st.recompute}")
@@ -28,7 +30,7 @@ def describe(st: Strategy) -> str:
 
 
 _WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp": "tensor-parallel traffic",
-        "cp": "context-parallel (ring attention) traffic",
+        "cp": "context-parallel (ring attention or Ulysses) traffic", "ep": "expert all-to-all traffic",
         "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
 
 
@@ -36,12 +38,12 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
     fields = [f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
-              for f in ("dp", "cp", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
+              for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
                         "offload_activations", "micro_batches") if getattr(a.strategy, f) != getattr(b.strategy, f)]
     diff = "; ".join(fields) or "same settings"
     gain = a.tokens_per_s / b.tokens_per_s - 1
     if gain > 1e-9:
-        delta = {k: a.time[k] - b.time[k] for k in _WHY}  # negative: a is quicker there
+        delta = {k: a.time.get(k, 0) - b.time.get(k, 0) for k in _WHY}  # negative: a is quicker there
         big = max(abs(d) for d in delta.values())
         wins = sorted((k for k in delta if delta[k] < -0.01 * big), key=delta.get)[:3]
         costs = sorted((k for k in delta if delta[k] > 0.01 * big), key=lambda k: -delta[k])[:2]
@@ -82,7 +84,8 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3, f
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
     """The fixed-width table of ``cands`` (memory columns divided by ``scale``)."""
-    head = (f"{'#':>3} {'dp':>4} {'cp':>3} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} {'offload':>13} {'m':>5} |"
+    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} "
+            f"{'offload':>13} {'m':>5} |"
             f"{'param':>7}{'grad':>7}{'optim':>7}{'acts':>7}{'bufs':>7}{'total':>8} |{'host':>7} |"
             f"{'net/step':>9} | {'step s':>7} {'tok/s':>9} {'MFU':>5}")
     lines = [head, "-" * len(head)]
@@ -92,9 +95,11 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         if st.offload_activations:
             off = (off + "+act") if off else "act"
         bufs = mem.comm_buffers + mem.gathered
-        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0)
+        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
+        attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
         lines.append(
-            f"{i:>3} {st.dp:>4} {st.cp:>3} {st.tp:>2} {st.pp:>3} {st.zero:>1} {'y' if st.sequence_parallel else '':>2} "
+            f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
+            f"{'y' if st.sequence_parallel else '':>2} "
             f"{st.recompute:>9} {off or 'none':>13} {st.micro_batches:>5} |"
             f"{mem.parameters / scale:7.2f}{mem.gradients / scale:7.2f}{mem.optimizer_state / scale:7.2f}"
             f"{mem.activations / scale:7.2f}{bufs / scale:7.2f}{mem.total / scale:8.2f} |{c.host / scale:7.1f} |"
@@ -104,7 +109,9 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
 
 def _short(st: Strategy) -> str:
     """A compact multi-line label: ``dp4 tp2 pp1 / Z3 sp / sel / off:params``."""
-    lines = [f"dp{st.dp}" + (f" cp{st.cp}" if st.cp > 1 else "") + f" tp{st.tp} pp{st.pp}", f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),
+    lines = [f"dp{st.dp}" + (f" ep{st.ep}" if st.ep > 1 else "") + (f" cp{st.cp}" if st.cp > 1 else "")
+             + (" ulys" if st.cp > 1 and st.cp_attention == "ulysses" else "") + f" tp{st.tp} pp{st.pp}",
+             f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),
              {"none": "no rc", "selective": "sel rc", "full": "full rc"}[st.recompute]]
     off = [o for o in (st.offload if st.offload != "none" else "", "act" if st.offload_activations else "") if o]
     if off:

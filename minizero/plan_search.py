@@ -12,8 +12,8 @@ import math
 import re
 
 from minizero.memory.estimator import (
-    ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
-    stage_parameters)
+    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
+    stage_expert_parameters, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
@@ -93,18 +93,36 @@ def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, t
                                                        and (seq_len // c) % tp == 0)]
 
 
+def expert_parallel_sizes(model: ModelShape, dp: int) -> list[int]:
+    """The ep sizes the search tries: divisors of ``dp`` that divide the experts (1 for a dense model)."""
+    return [e for e in _divisors(dp) if e == 1 or (model.experts and model.experts % e == 0)]
+
+
+def ulysses_fits(model: ModelShape, cp: int, tp: int) -> bool:
+    """Whether Ulysses splits over ``cp``: cp divides a tensor rank's heads and KV heads."""
+    return (model.n_head // tp) % cp == 0 and (model.n_kv_head // tp) % cp == 0
+
+
+def tp_divides(model: ModelShape, tp: int) -> bool:
+    """Whether tensor parallelism of ``tp`` splits the heads, the KV heads, the FFN and an expert's FFN."""
+    return not (model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp or model.expert_hidden % tp)
+
+
 def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                          precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                          virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
-                         seq_len: int | None = None, attention: str = "dense"):
+                         seq_len: int | None = None, attention: str = "dense", ep: int | None = None,
+                         cp_attention: str | None = None):
     """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` = dp x cp x tp x pp GPUs (a generator).
 
-    tp divides the heads, KV heads and FFN size and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
+    tp divides the heads, KV heads and FFN sizes and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
     on one data rank only with offload; ZeRO 2-3 not with pp > 1; sequence parallelism only with tp > 1; cp as
-    :func:`context_parallel_sizes` allows, with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank.
+    :func:`context_parallel_sizes` allows, with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring
+    attention and, where :func:`ulysses_fits`, by DeepSpeed-Ulysses (``cp_attention``: only that one); ep as
+    :func:`expert_parallel_sizes` allows (``ep``: only that size).
     """
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp:
+        if tp > gpus_per_node or not tp_divides(model, tp):
             continue
         for pp in _divisors(gpus // tp):
             sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
@@ -114,11 +132,19 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
             for cp in context_parallel_sizes(model, gpus // (tp * pp), seq_len, tp):
                 if cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK:
                     continue
-                yield from _layouts(tp, pp, cp, gpus // (tp * pp * cp), sched, v, micro_batch, global_batch,
-                                    precision, optimizer, bucket_bytes, attention)
+                dp = gpus // (tp * pp * cp)
+                kinds = [k for k in CP_ATTENTIONS if (k == "ring" or ulysses_fits(model, cp, tp))
+                         and cp_attention in (None, k)] if cp > 1 else ["ring"]
+                for e in expert_parallel_sizes(model, dp):
+                    if ep is not None and e != ep:
+                        continue
+                    for kind in kinds:
+                        yield from _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
+                                            bucket_bytes, attention, e, kind)
 
 
-def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention):
+def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
+             ep=1, cp_attention="ring"):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp mesh."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
@@ -136,7 +162,17 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                                        recompute=recompute, precision=precision, optimizer=optimizer,
                                        offload=offload, offload_activations=act_off,
                                        micro_batch=micro_batch, micro_batches=m, schedule=sched,
-                                       virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention)
+                                       virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention,
+                                       ep=ep, cp_attention=cp_attention)
+
+
+def _state_shard(model: ModelShape, st: Strategy) -> float:
+    """Stage 0's elements on one rank after ZeRO's split: dense / N + experts / (N / ep)."""
+    experts = stage_expert_parameters(model, st, 0)
+    d = st.data_ranks
+    if not experts:
+        return math.ceil(stage_parameters(model, st, 0) / d)
+    return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
@@ -153,16 +189,21 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     tp = comm["tp"] / hw.intra_node_bw
     pp = comm["pp"] / pp_bw
     cp = comm["cp"] / cp_bw  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
+    # an expert group is ep consecutive data ranks: tp x cp x ep GPUs; its all-to-alls wait for nothing to overlap
+    ep_bw = hw.intra_node_bw if st.tp * st.cp * st.ep <= node else hw.inter_node_bw
+    ep = comm.get("ep", 0) / ep_bw
     dp = 0.0
     if d > 1:
         pb = _bytes(st)[0]
-        gather_after_step = (d - 1) / d * pb * stage_parameters(model, st, 0) if st.zero in (1, 2) else 0.0
+        experts, de = stage_expert_parameters(model, st, 0), d // st.ep  # experts gather over their d/ep ranks
+        gathered = (d - 1) / d * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
+        gather_after_step = pb * gathered if st.zero in (1, 2) else 0.0
         overlappable = comm["dp"] - gather_after_step
         window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
                   2: 2 / 3 * compute, 3: compute}[st.zero]
         dp = max(0.0, overlappable / dp_bw - window) + gather_after_step / dp_bw
     offload = 0.0
-    shard = math.ceil(stage_parameters(model, st, 0) / d)
+    shard = _state_shard(model, st)
     pb, gbytes = _bytes(st)[:2]
     if st.offload != "none":
         offload += (gbytes + pb) * shard / hw.pcie_bw + shard / hw.cpu_adam
@@ -170,7 +211,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
         offload += max(0.0, overlapped / hw.pcie_bw - compute)
     elif st.offload_activations:
         offload += max(0.0, comm["pcie"] / hw.pcie_bw - compute)
-    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, pp=pp, dp=dp, offload=offload)
+    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pp, dp=dp, offload=offload)
     parts["step"] = sum(parts.values())
     return parts
 
@@ -183,7 +224,7 @@ def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int) -> Can
     t = step_time(model, st, hw, seq_len, comm_bytes_per_step(model, st, seq_len))
     tokens = st.dp * st.micro_batch * st.micro_batches * seq_len
     mfu = model_flops_per_step(model, tokens // seq_len, seq_len) / (t["step"] * st.world_size * hw.flops)
-    techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + (st.cp > 1) + st.sequence_parallel \
+    techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + (st.cp > 1) + (st.ep > 1) + st.sequence_parallel \
         + (st.recompute != "none") \
         + (st.offload != "none") + st.offload_activations
     return Candidate(st, mem, comm, t, tokens / t["step"], mfu, techniques, max(e.offloaded for e in stages))
@@ -211,30 +252,33 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
 
 
 # ---- one strategy the user names ---------------------------------------------------------------
-STRATEGY_FORMS = ("dpN cpN tpN ppN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
-                  "offload=none|optimizer|params|activations (joined with '+'), attention=dense|flash")
+STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
+                  "offload=none|optimizer|params|activations (joined with '+'), attention=dense|flash, "
+                  "cp_attention=ring|ulysses")
 
 
 def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                    precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                    virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
-                   seq_len: int | None = None, attention: str = "dense") -> Strategy:
+                   seq_len: int | None = None, attention: str = "dense", ep: int | None = None) -> Strategy:
     """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
 
     Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe`
     prints (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back.
-    Left out: cp = tp = pp = 1, dp = gpus / (cp x tp x pp), ZeRO 0, no recompute, no offload. The
+    Left out: cp = tp = pp = 1, dp = gpus / (cp x tp x pp), ep = ``ep`` or 1, ring attention, ZeRO 0, no
+    recompute, no offload. The
     micro-batches per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
     Raises:
         ValueError: an unknown word, dp x cp x tp x pp != gpus, or a rule of
             :func:`enumerate_strategies` broken (the rule named).
     """
-    sizes, zero, sp, recompute, offloads, said = {}, 0, False, "none", set(), {}
+    sizes, zero, sp, recompute, offloads, said, cp_attention = {}, 0, False, "none", set(), {}, "ring"
     for word in text.replace(",", " ").split():
         w = word.lower()
-        m = re.fullmatch(r"(dp|cp|tp|pp|zero|z)=?(\d+)", w)
+        m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z)=?(\d+)", w)
         key, _, value = w.partition("=")
-        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key in ("recompute", "attention") else None
+        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key in (
+            "recompute", "attention", "cp_attention") else None
         if name is not None and name in said:  # "cp2 cp4": one of them would be dropped without a word
             raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); give it once")
         said[name] = word
@@ -249,6 +293,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
             recompute = value
         elif key == "attention" and value in ATTENTIONS:
             attention = value
+        elif key == "cp_attention" and value in CP_ATTENTIONS:
+            cp_attention = value
         elif key == "offload" and value and set(value.split("+")) <= {"none", "optimizer", "params", "activations"}:
             offloads |= set(value.split("+")) - {"none"}  # several offload= words add up
         else:
@@ -259,8 +305,9 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                          "includes the optimizer state); give one")
     offload = kinds.pop() if kinds else "none"
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
-    if min([tp, pp, cp] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, cp, tp and pp must be >= 1")
+    ep = sizes.get("ep", ep or 1)
+    if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
+        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp and ep must be >= 1")
     dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
     if dp * cp * tp * pp != gpus:
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")
@@ -268,9 +315,18 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                          f"--gpus {gpus}")
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
-             (model.n_head % tp == 0 and model.n_kv_head % tp == 0 and model.ffn_hidden % tp == 0,
+             (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "
-              f"{model.ffn_hidden}"),
+              f"{model.ffn_hidden}" + (f" and expert FFN {model.expert_hidden}" if model.experts else "")),
+             (ep == 1 or model.experts, f"ep {ep}: {model.name} is a dense model (no experts to split); use ep 1"),
+             (not model.experts or model.experts % ep == 0,
+              f"ep {ep} must divide {model.name}'s {model.experts} experts per MoE block; allowed: "
+              f"{', '.join(str(e) for e in _divisors(model.experts or 1))}"),
+             (dp % ep == 0, f"ep {ep} must divide dp {dp} (an expert group is ep data-parallel ranks)"),
+             (cp_attention == "ring" or cp > 1, "cp_attention=ulysses needs cp > 1 (it splits the sequence)"),
+             (cp_attention == "ring" or ulysses_fits(model, cp, tp),
+              f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "
+              f"{model.n_kv_head // tp} KV heads of each of the tp {tp} ranks"),
              (not (sp and tp == 1), "sp (sequence parallelism) needs tp > 1"),
              (not (zero >= 2 and pp > 1), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
                                           "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
@@ -293,4 +349,5 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         m = math.ceil(m / pp) * pp
     return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
                     optimizer=optimizer, offload=offload, offload_activations=act, micro_batch=micro_batch,
-                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention)
+                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention,
+                    ep=ep, cp_attention=cp_attention)

@@ -84,7 +84,7 @@ def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama3-8b", "--gpus", "0"], "--gpus must be a positive integer, got 0"),
-    (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'; allowed: gpt3-175b"),
+    (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'; allowed: deepseek-v3, gpt3-175b"),
     (["--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "1MB"],
      "--gpu-memory 1MB (0.00 GB) is below the smallest per-GPU footprint"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80G"], "ambiguous: write GB"),
@@ -180,7 +180,7 @@ def test_plan_recommends_context_parallelism_for_a_long_sequence(capsys):
                                 "--strategy", "dp4 cp2")
     assert best["cp"] == 2
     code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--seq-len", "131072", "--top", "3")
-    assert code == 0 and re.search(r"#\s+dp\s+cp\s+tp\s+pp", out)
+    assert code == 0 and re.search(r"#\s+dp\s+ep\s+cp\s+attn\s+tp\s+pp", out)
 
 
 def test_context_parallel_step_time_charges_the_ring():

@@ -167,16 +167,10 @@ class ExpertDataParallel:
 
 
 class ExpertZero:
-    """ZeRO with experts: the gradient synchroniser and optimizer (the interfaces of a ZeRO stage).
-
-    Two ZeRO optimizers of the same ``zero_stage`` (``minizero.zero``): ``dense`` shards every non-expert
-    parameter of ``stage`` over ``dp_comm`` (D ranks); ``experts`` shards this rank's E/ep experts over
-    ``edp_comm`` (D/ep ranks holding the same experts), one unit per MoE layer. The experts' mean over
-    the expert-data group is then multiplied by 1/ep (a mean over the D data ranks, as
-    :class:`ExpertDataParallel`); with ``predivided`` (FP16's seed carries 1/D) both groups just sum.
-    Per rank: dense model states / D, expert model states / (D/ep). ``kw``: ZeroOptimizer's arguments.
-    Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5 (expert-data-parallel ZeRO groups).
-    """
+    """ZeRO with experts (a ZeRO stage's interfaces): ``dense``, a ZeRO optimizer of the non-expert parameters
+    over ``dp_comm`` (D ranks); ``experts``, one of this rank's E/ep experts over ``edp_comm`` (D/ep ranks),
+    a unit per MoE layer, its mean times 1/ep (``predivided``, FP16: both sum). ``kw``: ZeroOptimizer's.
+    Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5."""
 
     shards_state = True
 
@@ -194,7 +188,6 @@ class ExpertZero:
     shard_map = property(lambda self: self.dense.shard_map)  #: the dense map (--show-shards)
 
     def reduce_gradients(self) -> None:
-        """Collective: the dense shards over the data group, the experts' over the expert-data group."""
         for part in self.parts:
             part.reduce_gradients()
         for g in self.experts.grad_shards():

@@ -9,6 +9,7 @@ import math
 
 from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES, Strategy,
                                              activation_element, as_shape)
+from minizero.memory.estimator.states import stage_layers
 
 
 # ---- activations: Korthikanti et al. 2022 -----------------------------------------------------
@@ -37,13 +38,13 @@ class Saved:
 
 
 def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "paper",
-                    precision: str = "mixed") -> list[Saved]:
+                    precision: str = "mixed", moe: bool = False, ep: int = 1) -> list[Saved]:
     """What one transformer layer saves for backward, one row per array (bytes, one micro-batch).
 
     ``"paper"``: Korthikanti et al. 2022, section 4.1 (2-byte activations, 1-byte masks; a GPT layer totals
     sbh(34 + 5as/h), equation 1), extended to grouped-query attention and SwiGLU. ``"minizero"``: the precision's
     element size, plus the layer norms' mean and rstd (2 x sb, at least fp32); Q, K, V counted once (views of one
-    c_attn output).
+    c_attn output). ``moe``: an MoE block (``ep`` expert ranks), :func:`routed_rows` for the MLP's.
     """
     m = as_shape(model)
     if accounting not in ACCOUNTINGS:
@@ -70,6 +71,8 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     if stats:
         rows.append(Saved("ln_2 mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2))
     rows.append(Saved("MLP input (ln_2 output)", e * sbh, "sp", "post"))
+    if moe:
+        return rows + routed_rows(m, s * b, e, accounting, ep)
     if m.mlp == "gelu":
         rows += [Saved("GeLU input", e * s * b * f, "tp", "post"),
                  Saved("GeLU output (second linear input)", e * s * b * f, "tp", "post")]
@@ -81,6 +84,37 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     if mask:
         rows.append(Saved("MLP dropout mask", sbh, "sp", "post"))
     return narrow_linear_rows(rows, m, precision, e)
+
+
+def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int = 1) -> list[Saved]:
+    """What an MoE block saves beyond its input for ``tokens`` routed as one group: the most there can be.
+
+    Rows kept here R_out = min(E C, T k), rows the E/ep local experts process R_in = min(E C, ep T k). Each
+    processed row keeps its input (h) and hidden rows (GeLU 2 f_e, SwiGLU 4 f_e); each kept row its expert
+    output (h) and gate. Router: ``"paper"`` the (T, E) probabilities; ``"minizero"`` the softmax exponentials
+    (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,) float64. Shared experts:
+    dense MLP rows of width f_e. ``"minizero"`` EQUALS the ledger's activation peak when every expert fills its
+    C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp.
+    """
+    m = as_shape(model)
+    t, h, fe, k, n = tokens, m.hidden, m.expert_hidden, m.top_k, m.experts
+    r_out = min(n * m.capacity(t), t * k)
+    r_in = min(n * m.capacity(t), ep * t * k)
+    hidden = 2 if m.mlp == "gelu" else 4
+    if accounting == "minizero":
+        rows = [Saved("router softmax exponentials (T, E)", e * t * n, "rep", "post"),
+                Saved("router softmax sums, log-sum-exp input and output (T each)", 3 * e * t, "rep", "post",
+                      arrays=3),
+                Saved("Switch loss load fractions (E, float64)", 8 * n, "rep", "post")]
+    else:
+        rows = [Saved("router probabilities (T, E)", e * t * n, "rep", "post")]
+    rows += [Saved("expert inputs (R_in rows)", e * r_in * h, "rep", "post"),
+             Saved("expert hidden activations (R_in rows)", hidden * e * r_in * fe, "tp", "post", arrays=hidden),
+             Saved("expert outputs and gates (R_out rows)", e * r_out * (h + 1), "rep", "post", arrays=2)]
+    if m.shared_experts:
+        rows.append(Saved("shared experts' hidden activations", m.shared_experts * hidden * e * t * fe, "tp", "post",
+                          arrays=m.shared_experts * hidden))
+    return rows
 
 
 def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str = "paper",
@@ -182,16 +216,16 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
 
 
 def layer_rows(model, seq_len: int, micro_batch: int, accounting: str = "paper", precision: str = "mixed",
-               cp: int = 1, attention: str = "dense") -> list[Saved]:
+               cp: int = 1, attention: str = "dense", moe: bool = False, ep: int = 1) -> list[Saved]:
     """One layer's saved arrays on one of ``cp`` context-parallel ranks: :func:`saved_per_layer` at s/cp
     tokens, with ring attention's core when cp > 1 and FlashAttention's with ``attention="flash"``
-    (:func:`context_parallel_rows`). The one source of the per-layer rows for
-    :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic.
+    (:func:`context_parallel_rows`); ``moe``: an MoE block's (:func:`routed_rows`). The one source of the
+    per-layer rows for :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic.
     Raises: ValueError for an ``attention`` outside ``ATTENTIONS``."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
     s = seq_len // cp
-    rows = saved_per_layer(model, s, micro_batch, accounting, precision)
+    rows = saved_per_layer(model, s, micro_batch, accounting, precision, moe, ep)
     if cp > 1 or attention == "flash":
         return context_parallel_rows(rows, model, s, micro_batch, precision,
                                      "ring attention" if cp > 1 else "flash attention", accounting)
@@ -253,8 +287,25 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision)
     chunks, v = in_flight(st, stage)
     layers_per_chunk = m.n_layer // (st.pp * v)
+    moe_share = 0.0  # MoE blocks per chunk (a stage's chunks each hold the mean), their rows in place of the MLP's
+    if m.experts:
+        moe_rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention, True, st.ep)
+        moe_share = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage)) / v
+        if moe_share and _layer_transient(moe_rows, t, sp, st.recompute) > _layer_transient(rows, t, sp, st.recompute):
+            rows, moe_rows = moe_rows, rows  # the transient of the larger block; the mix below is symmetric
+            moe_share = layers_per_chunk - moe_share
     per_layer = _layer_stored(rows, t, sp, st.recompute)
-    stored = per_layer * layers_per_chunk * chunks
+    if moe_share:
+        per_moe = _layer_stored(moe_rows, t, sp, st.recompute)
+        stored = (per_layer * (layers_per_chunk - moe_share) + per_moe * moe_share) * chunks
+        per_layer = max(per_layer, per_moe)
+        if st.offload_activations and accounting == "minizero":
+            dense = _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v,
+                                           layers_per_chunk - moe_share)
+            routed = _offloaded_activations(moe_rows, [], [], st, -1, chunks, v, moe_share)
+            return dense[0] + routed[0], dense[1] + routed[1]
+    else:
+        stored = per_layer * layers_per_chunk * chunks
     head = 0.0
     if stage == 0:
         stored += sum(r.per_rank(t, sp) for r in emb_rows) * math.ceil(chunks / v)

@@ -1,4 +1,4 @@
-"""The model and the strategy the estimator takes, and model-state bytes (ZeRO, Rajbhandari et al. 2020, section 3).
+"""The model and the strategy the estimator takes (model states per rank: ``states.py``).
 
 Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
 """
@@ -78,6 +78,12 @@ class ModelShape:
     the token embedding. ``dropout``: dropout layers are active (their 1-byte masks
     are saved; Korthikanti et al. count them, LLaMA trains without).
     ``seq_len`` is the model's context, the default sequence length.
+
+    MoE (``experts`` > 0): block i's MLP is a router (h x E) and ``experts`` bias-free experts of width
+    ``expert_ffn`` (0: ``ffn_hidden``), ``top_k`` per token, plus ``shared_experts``, when i >= ``dense_layers``
+    and i % ``moe_every`` == ``moe_every`` - 1 (minizero's ``MoEConfig.layers``); C = ceil(cf T k / E) slots.
+    MLA (``kv_lora_rank`` > 0; DeepSeek-V2, arXiv:2405.04434, section 2.1): parameters and FLOPs exact;
+    activations and attention traffic APPROXIMATED as multi-head attention of head dim hidden / n_head.
     """
 
     name: str
@@ -95,6 +101,17 @@ class ModelShape:
     tied_embeddings: bool = True
     dropout: bool = True
     source: str = ""
+    experts: int = 0  #: routed experts per MoE layer (0: every MLP dense)
+    top_k: int = 1
+    moe_every: int = 1
+    capacity_factor: float = 1.0
+    shared_experts: int = 0
+    dense_layers: int = 0  #: the first blocks keep a dense MLP (DeepSeek-V3: 3)
+    expert_ffn: int = 0  #: an expert's hidden width (0: ``ffn_hidden``)
+    q_lora_rank: int = 0  #: MLA: query compression rank (0 with kv_lora_rank > 0: an uncompressed query)
+    kv_lora_rank: int = 0  #: MLA: key-value compression rank d_c (0: standard or grouped-query attention)
+    qk_rope_dim: int = 0  #: MLA: the decoupled rotary key/query dims per head d_h^R
+    mla_head_dim: int = 0  #: MLA: per-head dims of the non-rotary query/key and of the value d_h
 
     def validate(self) -> "ModelShape":
         """Check every field; return self. Raises ValueError naming the field and what is allowed."""
@@ -110,28 +127,93 @@ class ModelShape:
             raise ValueError(f"mlp {self.mlp!r} is not one of ('gelu', 'swiglu')")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm {self.norm!r} is not one of ('layernorm', 'rmsnorm')")
+        for f in ("experts", "shared_experts", "dense_layers", "expert_ffn", "q_lora_rank", "kv_lora_rank",
+                  "qk_rope_dim", "mla_head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"ModelShape.{f} must be an integer >= 0, got {v!r}")
+        e, k, every = self.experts, self.top_k, self.moe_every
+        for bad, why in [
+                (e and not (isinstance(k, int) and 1 <= k <= e), f"ModelShape.top_k must be in 1..experts={e}, got {k!r}"),
+                (e and not (isinstance(every, int) and every >= 1), f"ModelShape.moe_every must be >= 1, got {every!r}"),
+                (e and not 0 < self.capacity_factor < math.inf,
+                 f"ModelShape.capacity_factor must be a finite number > 0, got {self.capacity_factor!r}"),
+                (not e and (self.shared_experts or self.dense_layers or self.expert_ffn),
+                 "shared_experts, dense_layers and expert_ffn need experts > 0"),
+                (self.kv_lora_rank and not (self.mla_head_dim and self.qk_rope_dim),
+                 "MLA (kv_lora_rank > 0) needs mla_head_dim > 0 and qk_rope_dim > 0"),
+                (self.q_lora_rank and not self.kv_lora_rank, "q_lora_rank needs kv_lora_rank > 0 (MLA)")]:
+            if bad:
+                raise ValueError(why)
+        if e and not self.moe_layers():
+            raise ValueError(f"{self.name}: experts={e} but no block has an MoE layer")
         return self
+
+    # ---- mixture of experts -------------------------------------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` has an MoE layer (see the class docstring)."""
+        return bool(self.experts) and i >= self.dense_layers and i % self.moe_every == self.moe_every - 1
+
+    def moe_layers(self) -> list[int]:
+        """The block indices with an MoE layer (empty for a dense model)."""
+        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+
+    @property
+    def expert_hidden(self) -> int:
+        """An expert's hidden width f_e."""
+        return self.expert_ffn or self.ffn_hidden
+
+    def expert_parameters(self, tp: int = 1) -> int:
+        """One expert's parameters on one of ``tp`` ranks: its 2 (GeLU) or 3 (SwiGLU) h x f_e matrices, no biases."""
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden * self.expert_hidden // tp
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for a group of ``tokens``: ceil(capacity_factor x tokens x top_k / experts)."""
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+    def attention_parameters(self, tp: int = 1) -> tuple[int, int]:
+        """(split by tp, replicated) parameters of one attention block, norms excluded: Wq, Wo, Wk, Wv (+ biases);
+        MLA: W^DQ (h x d_c') + norm, W^UQ (d_c' x n_h(d_h + d_h^R)), W^DKV+W^KR (h x (d_c + d_h^R)) + norm,
+        W^UK, W^UV (d_c x 2 n_h d_h), W^O (n_h d_h x h), the down-projections replicated."""
+        h, kv = self.hidden, self.kv_hidden
+        if self.kv_lora_rank:
+            a, dh, dr, dc, dq = self.n_head, self.mla_head_dim, self.qk_rope_dim, self.kv_lora_rank, self.q_lora_rank
+            q_split = dq * a * (dh + dr) if dq else h * a * (dh + dr)
+            replicated = (h * dq + dq if dq else 0) + h * (dc + dr) + dc
+            split = q_split + dc * 2 * a * dh + a * dh * h
+            return split // tp, replicated
+        split, replicated = 2 * h * h + 2 * h * kv, 0
+        if self.bias:
+            split += h + 2 * kv
+            replicated += h
+        return split // tp, replicated
 
     @property
     def kv_hidden(self) -> int:
         """Width of K (and of V): n_kv_head * head_dim (= hidden without grouped-query attention)."""
         return self.n_kv_head * (self.hidden // self.n_head)
 
-    def layer_parameters(self, tp: int = 1) -> int:
-        """Parameters of one transformer layer held by one of ``tp`` tensor-parallel ranks (elements).
+    def layer_parameters(self, tp: int = 1, index: int | None = None, ep: int = 1) -> int:
+        """Parameters of transformer block ``index`` held by one of ``tp`` tensor-parallel ranks (elements).
 
         Matrices and the column-parallel biases are split by t; the row-parallel
         output biases and the norms are replicated (Shoeybi et al. 2019, section 3).
-        GPT (t = 1): 12h^2 + 13h.
+        GPT (t = 1): 12h^2 + 13h. An MoE block: router, E/``ep`` routed and the shared experts (split by t as
+        Megatron-Core's; minizero's trainer keeps them whole). ``index`` None: the largest block.
         """
-        h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
+        if index is None:
+            return max(self.layer_parameters(tp, i, ep) for i in sorted({0, *self.moe_layers()[:1]}))
+        h, f = self.hidden, self.ffn_hidden
+        split, replicated = self.attention_parameters(tp)
+        replicated += 2 * (2 * h if self.norm == "layernorm" else h)
+        if self.is_moe_layer(index):
+            routed = self.experts // ep * self.expert_parameters(tp)
+            return split + replicated + h * self.experts + routed + self.shared_experts * self.expert_parameters(tp)
         n_mats = 3 if self.mlp == "swiglu" else 2
-        split = 2 * h * h + 2 * h * kv + n_mats * h * f  # Wq, Wo, Wk, Wv, MLP matrices
-        replicated = 2 * (2 * h if self.norm == "layernorm" else h)
+        mlp = n_mats * h * f + ((n_mats - 1) * f if self.bias else 0)  # matrices, fc (gate, up) biases
         if self.bias:
-            split += h + 2 * kv + (n_mats - 1) * f  # qkv bias, fc (gate, up) biases
-            replicated += 2 * h  # attention and MLP output biases
-        return split // tp + replicated
+            replicated += h  # the MLP output bias
+        return split + mlp // tp + replicated
 
     def embedding_parameters(self, tp: int = 1, vocab_parallel: bool = True) -> int:
         """Token table plus the learned position table, on one tensor rank (elements).
@@ -154,31 +236,48 @@ class ModelShape:
         return norm + (rows * self.hidden if has_matrix else 0)
 
     def tensor_sizes(self) -> list[int]:
-        """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2."""
+        """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2; an MoE
+        block's router and each matrix of its E experts as one tensor (``MoELayer``)."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
         norm = [h, h] if self.norm == "layernorm" else [h]
-        layer = norm + [(h + 2 * kv) * h] + ([h + 2 * kv] if self.bias else []) + [h * h] + ([h] if self.bias else [])
-        layer += norm
-        if self.mlp == "gelu":
-            layer += [f * h] + ([f] if self.bias else []) + [h * f] + ([h] if self.bias else [])
+        if self.kv_lora_rank:
+            attn = [sum(self.attention_parameters())]  # MLA: counted as one tensor here
         else:
-            layer += [f * h, f * h, h * f] + ([f, f, h] if self.bias else [])
+            attn = [(h + 2 * kv) * h] + ([h + 2 * kv] if self.bias else []) + [h * h] + ([h] if self.bias else [])
+        layer = norm + attn + norm
+        if self.mlp == "gelu":
+            dense = [f * h] + ([f] if self.bias else []) + [h * f] + ([h] if self.bias else [])
+        else:
+            dense = [f * h, f * h, h * f] + ([f, f, h] if self.bias else [])
+        mats, fe = (3 if self.mlp == "swiglu" else 2), self.expert_hidden
+        moe = [h * self.experts] + [self.experts * h * fe] * mats + [self.shared_experts * h * fe] * mats * bool(
+            self.shared_experts)
         sizes = [self.vocab_size * h] + ([self.seq_len * h] if self.learned_pos else [])
-        sizes += layer * self.n_layer + norm
+        for i in range(self.n_layer):
+            sizes += layer + (moe if self.is_moe_layer(i) else dense)
+        sizes += norm
         if not self.tied_embeddings:
             sizes.append(self.vocab_size * h)
         return sizes
 
     def num_parameters(self) -> int:
-        """All distinct parameters Psi (tied head counted once). GPT: 12Lh^2 + 13Lh + (V + s + 2)h."""
-        return self.n_layer * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
+        """All distinct parameters Psi (tied head counted once; every expert). GPT: 12Lh^2 + 13Lh + (V + s + 2)h."""
+        layers = sum(self.layer_parameters(1, i) for i in range(self.n_layer))
+        return layers + self.embedding_parameters() + self.head_parameters()
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: the total less the E - k routed experts it skips per MoE block."""
+        return self.num_parameters() - len(self.moe_layers()) * (self.experts - self.top_k) * self.expert_parameters()
 
     @classmethod
-    def from_gpt_config(cls, cfg, name: str = "minizero") -> "ModelShape":
-        """The shape of a :class:`minizero.nn.gpt.GPTConfig` (GELU MLP of 4C, LayerNorm, biases, tied head)."""
+    def from_gpt_config(cls, cfg, name: str = "minizero", moe=None) -> "ModelShape":
+        """The shape of a :class:`minizero.nn.gpt.GPTConfig` (GELU MLP of 4C, LayerNorm, biases, tied head);
+        ``moe``: a ``MoEConfig``'s MoE layers."""
+        extra = {} if moe is None else dict(experts=moe.experts, top_k=moe.top_k, moe_every=moe.every,
+                                            capacity_factor=moe.capacity_factor)
         return cls(name=name, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_head,
                    ffn_hidden=4 * cfg.n_embd, vocab_size=cfg.vocab_size, seq_len=cfg.block_size,
-                   dropout=cfg.dropout > 0, source="minizero/nn/gpt.py").validate()
+                   dropout=cfg.dropout > 0, source="minizero/nn/gpt.py", **extra).validate()
 
 
 def as_shape(model) -> ModelShape:
@@ -209,6 +308,7 @@ class Strategy:
         cp_attention: "ring" or "ulysses" (all-to-all to head shards: cp must divide n_head / tp and n_kv_head / tp).
         bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
         overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
+        ep: E/ep routed experts per rank, reduced and ZeRO-sharded over data_ranks / ep (``--ep``; divides dp, E).
     """
 
     dp: int = 1
@@ -231,6 +331,7 @@ class Strategy:
     cp: int = 1
     attention: str = "dense"
     cp_attention: str = "ring"
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -248,7 +349,7 @@ class Strategy:
         Raises:
             ValueError: naming the bad field, its value, and what is allowed.
         """
-        for f in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"):
+        for f in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages", "ep"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
@@ -269,6 +370,8 @@ class Strategy:
             raise ValueError(f"Strategy.overlap must be True or False, got {self.overlap!r}")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 or None, got {self.bucket_bytes}")
+        if self.dp % self.ep:
+            raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if model is not None:
             chunks = self.pp * self.virtual_stages
             if model.n_layer % chunks:
@@ -277,6 +380,9 @@ class Strategy:
             for f in ("n_head", "n_kv_head", "ffn_hidden"):
                 if getattr(model, f) % self.tp:
                     raise ValueError(f"tp={self.tp} does not divide {f}={getattr(model, f)}")
+            if self.ep > 1 and (not model.experts or model.experts % self.ep):
+                raise ValueError(f"Strategy.ep={self.ep} must divide {model.name}'s {model.experts} experts per MoE "
+                                 f"layer" + ("" if model.experts else " (a dense model: use ep=1)"))
             if self.cp_attention == "ulysses" and ((model.n_head // self.tp) % self.cp
                                                    or (model.n_kv_head // self.tp) % self.cp):
                 raise ValueError(f"cp_attention='ulysses' needs cp={self.cp} to divide the {model.n_head // self.tp} "
@@ -292,38 +398,3 @@ def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
     else:
         k = master + 2 * moment
     return p, g, act, k
-
-
-# ---- model states: ZeRO -----------------------------------------------------------------------
-def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: str = "mixed",
-                      optimizer: str = "adam") -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO-DP (ZeRO section 5, Figure 1).
-
-    Psi = ``num_params``, N_d = ``dp``, K optimizer bytes per parameter: stage 0 (2 + 2 + K) Psi; 1 (2 + 2) Psi +
-    K Psi/N_d; 2 2 Psi + (2 + K) Psi/N_d; 3 (2 + 2 + K) Psi/N_d; a shard is ceil(Psi/N_d) elements. fp32 4 + 4 + 8,
-    fp64 8 + 8 + 16; 8-bit Adam K = master + 2 x (1 + 4/256).
-    Returns {"parameters", "gradients", "optimizer_state"} in bytes.
-    """
-    s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()
-    pb, gbytes, _, k = _bytes(s)
-    shard = math.ceil(num_params / dp)
-    return {"parameters": pb * (shard if zero >= 3 else num_params),
-            "gradients": gbytes * (shard if zero >= 2 else num_params),
-            "optimizer_state": round(k * (shard if zero >= 1 else num_params))}
-
-
-def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> int:
-    """Parameters (elements) of one pipeline stage on one tensor-parallel rank, before ZeRO sharding.
-
-    Stage i holds L/p layers; stage 0 also the embeddings, stage p-1 the final norm and
-    head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``: the embedding and the
-    head are split by t (Megatron-LM) or replicated (minizero).
-    """
-    m = as_shape(model)
-    p, t = strategy.pp, strategy.tp
-    n = (m.n_layer // p) * m.layer_parameters(t)
-    if stage == 0:
-        n += m.embedding_parameters(t, vocab_parallel)
-    if stage == p - 1:
-        n += m.head_parameters(t, p, vocab_parallel)
-    return n

@@ -50,10 +50,10 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         if t == 1 and st.pp == 1:
             n = largest_bucket(m.tensor_sizes(), g, bucket)
         else:
-            n = min(bucket // g, m.layer_parameters(t) * (m.n_layer // st.pp))
+            n = min(bucket // g, sum(m.layer_parameters(t, i, st.ep) for i in range(m.n_layer)) // st.pp)
         out.append(all_reduce_scratch(n, g, dp))
     if dp > 1 and st.zero >= 1:
-        units = [m.layer_parameters(t)]
+        units = [m.layer_parameters(t, ep=st.ep)]
         if stage == 0:
             units += [m.vocab_size * m.hidden // (t if st.tp > 1 else 1), m.seq_len * m.hidden]
         if stage == st.pp - 1:

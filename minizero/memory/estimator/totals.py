@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, model_state_bytes, precision_for_dtype, stage_parameters)
+    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, precision_for_dtype)
+from minizero.memory.estimator.states import stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
@@ -48,7 +49,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     pb, gbytes, e, _ = _bytes(st)
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
-    states = model_state_bytes(psi, st.data_ranks, st.zero, st.precision, st.optimizer)
+    states = stage_state_bytes(m, st, stage, vocab_parallel)
     params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
     if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
         # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
@@ -68,7 +69,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     act, act_host = activation_bytes(m, st, s, accounting, stage)
     host += act_host
     full_grads = gbytes * psi
-    largest_unit = m.layer_parameters(st.tp)  # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
+    largest_unit = m.layer_parameters(st.tp, ep=st.ep)  # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
     if stage == 0:
         largest_unit = max(largest_unit, m.embedding_parameters(st.tp, vocab_parallel))
     comm = gathered = 0
@@ -82,9 +83,9 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
         overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
-            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
+            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else m.layer_parameters(st.tp, ep=st.ep) + tied)
         if st.zero == 3:
-            gathered = pb * (prefetched_units(m, st, stage) if overlapped else m.layer_parameters(st.tp) + tied)
+            gathered = pb * (prefetched_units(m, st, stage) if overlapped else m.layer_parameters(st.tp, ep=st.ep) + tied)
     else:
         if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)

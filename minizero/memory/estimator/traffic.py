@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, _bytes, as_shape, stage_parameters
+from minizero.memory.estimator.model import Strategy, _bytes, as_shape
+from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
@@ -22,14 +23,15 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
-    (ZeRO, section 7). ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
+    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead.
+    ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2),
     plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
     way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention=
     "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
     ``pcie``: offload traffic.
 
     Returns:
-        {"dp", "tp", "pp", "cp", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
+        {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
     """
     m = as_shape(model)
     st = strategy.validate(m)
@@ -38,17 +40,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
-    P, G = pb * psi, gbytes * psi
-    if n == 1:
-        dp = 0.0
-    elif st.zero == 0:
-        dp = 2 * _ring(n) * G
-    elif st.zero == 1:
-        dp = _ring(n) * (G + P)
-    elif st.zero == 2:
-        dp = _ring(n) * (mb * G + P)
-    else:
-        dp = mb * _ring(n) * (2 * P + G)
+    experts = stage_expert_parameters(m, st, stage)
+    dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
+        + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
     tp = 0.0
@@ -77,7 +71,51 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
         rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c, st.attention)
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
-    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "pcie": round(pcie)}
+    ep = expert_all_to_all_bytes(m, st, s, stage)["total"]
+    return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "ep": ep, "pcie": round(pcie)}
+
+
+def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
+    """Bytes a rank sends to reduce G (and gather P) over ``n`` ranks per step under ZeRO ``zero`` (see above)."""
+    if n == 1 or not P + G:
+        return 0.0
+    if zero == 0:
+        return 2 * _ring(n) * G
+    if zero == 1:
+        return _ring(n) * (G + P)
+    if zero == 2:
+        return _ring(n) * (mb * G + P)
+    return mb * _ring(n) * (2 * P + G)
+
+
+def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
+    """Bytes one rank sends per step in the MoE blocks' all-to-alls: {"forward", "backward", "counts", "total"}.
+
+    Per MoE block and micro-batch (T = b s/cp tokens, C = ceil(cf T k / E) slots, rows of h x e bytes): dispatch
+    sends the kept rows bound for other ranks, (E - E/ep) C when every expert is full (E C <= T k), else the
+    balanced (ep-1)/ep T k; combine sends as many back; backward repeats both (full recompute: forward twice).
+    Counts (``parallel/moe.py``, ``comm/all_to_all.py``): the (ep, E/ep) int64 matrix forward, (ep-1) E/ep x 8,
+    and 8 (ep-1) before each of the 4 variable-split exchanges. EQUAL to the trainer's ledger (``expert_all_to_all``
+    of ``Strategy.traffic_by_kind``) when every expert fills its C slots on every rank (tests/test_plan_moe.py),
+    an upper bound when E C <= T k; minizero sends only kept rows (GShard and DeepSpeed pad to C). 0 at ep 1.
+    """
+    m = as_shape(model)
+    st = strategy.validate(m)
+    blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))
+    ep = st.ep
+    if ep == 1 or not blocks:
+        return {"forward": 0, "backward": 0, "counts": 0, "total": 0}
+    s = seq_len or m.seq_len
+    e = _bytes(st)[2]
+    tokens = st.micro_batch * (s // st.cp)
+    slots, choices = m.experts * m.capacity(tokens), tokens * m.top_k
+    rows = (slots - slots // ep) if slots <= choices else round(choices * (ep - 1) / ep)  # dispatch's = combine's
+    one_way = 2 * rows * m.hidden * e  # dispatch + combine
+    passes = 2 if st.recompute == "full" else 1
+    per = blocks * st.micro_batches
+    forward, backward = per * passes * one_way, per * one_way
+    counts = per * (passes * ((ep - 1) * (m.experts // ep) * 8 + 2 * 8 * (ep - 1)) + 2 * 8 * (ep - 1))
+    return {"forward": forward, "backward": backward, "counts": counts, "total": forward + backward + counts}
 
 
 def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: int, itemsize: int, cp: int) -> dict:
@@ -131,8 +169,9 @@ def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, r
 
     Per token, forward: 2 x (each layer's matrix parameters) + 4sh per layer for QK^T
     and softmax x V + 2hV for the logits; backward = 2 x forward (Korthikanti et al.
-    2022, appendix A, whose counting this generalises to grouped-query attention and
-    SwiGLU; for a GPT shape it equals :func:`korthikanti_flops` exactly).
+    2022, appendix A, whose counting this generalises to grouped-query attention,
+    SwiGLU, MLA and MoE blocks -- the router and the top-k + shared experts a token runs; for a GPT
+    shape it equals :func:`korthikanti_flops` exactly).
     ``recompute`` adds the hardware FLOPs of recomputation: "full" one more forward of
     every layer (not the logits) -- 96BsLh^2(1 + s/(6h) + V/(16hL)) for a GPT;
     "selective" one more forward of the attention core, 4Bs^2h per layer.
@@ -140,12 +179,20 @@ def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, r
     m = as_shape(model)
     s = seq_len or m.seq_len
     h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
-    mats = 2 * h * h + 2 * h * kv + (3 if m.mlp == "swiglu" else 2) * h * f
-    layer_fwd = 2 * mats + 4 * s * h  # per token
+    n_mats = 3 if m.mlp == "swiglu" else 2
+    if m.kv_lora_rank:  # MLA: its matrices, and QK^T over n_h (d_h + d_h^R) dims, softmax x V over n_h d_h
+        a, dh, dr, dc, dq = m.n_head, m.mla_head_dim, m.qk_rope_dim, m.kv_lora_rank, m.q_lora_rank
+        attn = (h * dq + dq * a * (dh + dr) if dq else h * a * (dh + dr)) + h * (dc + dr) + dc * 2 * a * dh + a * dh * h
+        core = 2 * s * a * (dh + dr) + 2 * s * a * dh
+    else:
+        attn, core = 2 * h * h + 2 * h * kv, 4 * s * h
+    dense = n_mats * h * f
+    routed = h * m.experts + (m.top_k + m.shared_experts) * n_mats * h * m.expert_hidden  # router + active experts
+    fwd = [2 * (attn + (routed if m.is_moe_layer(i) else dense)) + core for i in range(m.n_layer)]  # per token
     tokens = global_batch * s
-    total = 3 * tokens * (m.n_layer * layer_fwd + 2 * h * m.vocab_size)
+    total = 3 * tokens * (sum(fwd) + 2 * h * m.vocab_size)
     if recompute == "full":
-        total += tokens * m.n_layer * layer_fwd
+        total += tokens * sum(fwd)
     elif recompute == "selective":
-        total += tokens * m.n_layer * 4 * s * h
+        total += tokens * m.n_layer * core
     return float(total)
