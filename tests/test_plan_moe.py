@@ -98,7 +98,7 @@ def _measure(comm, flags):
 def _shape_and_strategy(args):
     cfg = get_config("tiny")
     moe = MoEConfig(args.moe_experts, args.moe_top_k, args.moe_capacity_factor, args.moe_every)
-    st = Strategy(dp=args.dp, ep=args.ep, precision="fp64", micro_batch=args.micro_batch_size,
+    st = Strategy(dp=args.dp, ep=args.ep, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
                   micro_batches=args.grad_accum, recompute=args.recompute)
     return ModelShape.from_gpt_config(cfg, moe=moe), st
 
@@ -130,6 +130,18 @@ def test_expert_states_per_rank_equal_the_ledger_at_ep2():
     # each rank holds E/ep = 2 of the 4 experts of each MoE block: the dense part plus half the expert weights
     c = shape.hidden
     assert want["parameters"] == 8 * (shape.num_parameters() - len(shape.moe_layers()) * 2 * 8 * c * c)
+    for _, states, *_ in results:
+        assert states == want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_expert_states_with_zero_equal_the_ledger(zero):
+    """--ep 2 --zero N on 4 ranks (ExpertZero: experts sharded over their 2 expert-data ranks): the estimate's
+    model states per rank equal the ledger's (the tiny model's units need no padding)."""
+    results = run_in_threads(4, _measure, ["--ep", "2", "--zero", zero], timeout=300)
+    shape, st = _shape_and_strategy(results[0][3])
+    want = stage_state_bytes(shape, st, vocab_parallel=False)
     for _, states, *_ in results:
         assert states == want
 
