@@ -28,7 +28,8 @@ from minizero.weights import SIDECAR
 SAMPLE_TEMPERATURE = 0.8
 #: how the report names each traffic kind (summary.json keeps the keys of TRAFFIC_KINDS)
 KIND_LABELS = {"gradient_reduction": "gradient reduction",
-               "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast)",
+               "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast; MoE: the final "
+                                    "gather of the experts)",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
                "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",

@@ -98,7 +98,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
         bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
     fig.suptitle(title or "ledger memory per rank by category (ranks with equal ledgers share a row)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title above the first row
     return fig
 
 
