@@ -145,19 +145,24 @@ def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple,
     return steps
 
 
-def ring_(comm: Communicator, buf, op: str, tmp=None) -> None:
+def ring_(comm: Communicator, buf, op: str, tmp=None, src=None) -> None:
     """Run the ring ``op`` in place on the flat (n,) ``buf``, blocking: one ``sendrecv`` per step.
 
     ``reduce_scatter``: chunk ``comm.rank`` ends as the sum; ``all_gather``: chunk ``comm.rank`` must be set,
     every chunk ends filled; ``all_reduce``: both. ``tmp``: receive scratch of at least the largest chunk.
+    ``src`` (reduce_scatter only): the flat input, read where ``buf`` would hold an untouched copy of it (the
+    first send, each step's own addend), so ``buf`` need not be filled first; the same sums, bitwise.
     """
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
-    for (send_off, send_size), (recv_off, recv_size), add in ring_steps(op, buf.size, comm.world_size, comm.rank):
+    for i, ((send_off, send_size), (recv_off, recv_size), add) in enumerate(
+            ring_steps(op, buf.size, comm.world_size, comm.rank)):
         incoming = tmp[:recv_size] if add else buf[recv_off:recv_off + recv_size]
-        comm.sendrecv(buf[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
+        sending = src if src is not None and i == 0 else buf  # reduce_scatter: later sends are sums made here
+        comm.sendrecv(sending[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
         if add:
             acc = buf[recv_off:recv_off + recv_size]
-            backend.array_module(acc).add(acc, incoming, out=acc)
+            mine = acc if src is None else src[recv_off:recv_off + recv_size]
+            backend.array_module(acc).add(mine, incoming, out=acc)
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -178,9 +183,10 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     with comm.traffic.op("reduce_scatter", x):
         if world_size == 1:  # nothing to reduce: the chunk is the whole of x
             return x.reshape(-1).copy()
-        buf = _scratch(x.reshape(-1).copy())
+        flat = x.reshape(-1)
+        buf = _scratch(backend.array_module(x).empty(n, dtype=x.dtype))  # the partial sums; x is only read
         tmp = _scratch(backend.array_module(x).empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
-        ring_(comm, buf, "reduce_scatter", tmp)
+        ring_(comm, buf, "reduce_scatter", tmp, src=flat)
         return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
 
 
