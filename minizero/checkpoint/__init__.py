@@ -19,8 +19,11 @@ __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding
 
 
 def run_layout(args) -> dict:
-    """What a checkpoint must agree on with the run resuming it: optimizer, precision, dtype."""
-    return {"optimizer": args.optimizer, "precision": args.precision, "dtype": args.dtype}
+    """What a checkpoint must agree on with the run resuming it: optimizer, precision, dtype (and MoE's shape)."""
+    out = {"optimizer": args.optimizer, "precision": args.precision, "dtype": args.dtype, "moe_experts": args.moe_experts}
+    if args.moe_experts:  # --ep may change: expert slices reshard as tensor-parallel shards do
+        out.update({k: vars(args)[k] for k in ("moe_top_k", "moe_every", "moe_capacity_factor")})
+    return out
 
 
 def manifest_state(args, cfg, applied: int, scaler=None) -> dict:

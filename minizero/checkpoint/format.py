@@ -270,6 +270,10 @@ def _piece_problem(pc: dict, params: dict) -> str | None:
     return None
 
 
+#: what a checkpoint written before a layout field existed means by its absence
+LAYOUT_DEFAULTS = {"moe_experts": 0}
+
+
 def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:
     """Check a checkpoint before any training; returns its folder.
 
@@ -288,8 +292,9 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
             raise CheckpointError(f"{mpath}: the checkpoint's model has {key}={man['model'].get(key)}, this run "
                                   f"{model.get(key)} (another model shape; pass the same --model/--block-size)")
     for key, value in (layout or {}).items():
-        if man["layout"].get(key) != value:
-            raise CheckpointError(f"{mpath}: the checkpoint was trained with {key} {man['layout'].get(key)!r}, this "
+        saved = man["layout"].get(key, LAYOUT_DEFAULTS.get(key))
+        if saved != value:
+            raise CheckpointError(f"{mpath}: the checkpoint was trained with {key} {saved!r}, this "
                                   f"run asks for {value!r}; resume with the same --{key.replace('_', '-')}")
     for entry in man["files"]:
         f = os.path.join(folder, entry["file"])

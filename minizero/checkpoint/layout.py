@@ -39,10 +39,23 @@ class Slot:
 
 
 def tp_of(p, topo):
-    """``(dim, stride, tp_rank, tp)`` of a tensor-parallel shard, or None for a parameter held whole."""
+    """``(dim, stride, index, parts)`` of a shard: a tensor-parallel one, an expert-parallel slice of the experts
+    (``p.expert_shard``, parallel/expert_parallel.py; experts are whole in the tensor group), or None (whole)."""
     if getattr(p, "tensor_model_parallel", False):
         return (int(p.partition_dim), int(p.partition_stride), topo.tp_rank, topo.tp)
-    return None
+    return getattr(p, "expert_shard", None)
+
+
+def _written_here(p, topo, shards_state: bool) -> bool:
+    """Whether this rank writes ``p``'s slots, so that each element is written once: tensor rank 0 for what the
+    tensor group replicates; data rank 0 for what the data group replicates (every data rank where the
+    optimizer shards its state), the first expert group for an expert slice (data ranks 0..ep-1)."""
+    if getattr(p, "shared_embedding_copy", False):
+        return False
+    if not getattr(p, "tensor_model_parallel", False) and topo.tp_rank != 0:
+        return False
+    expert = getattr(p, "expert_shard", None)
+    return shards_state or topo.dp_rank < (expert[3] if expert is not None else 1)
 
 
 def full_shape(local_shape, tp) -> tuple:
@@ -89,14 +102,11 @@ def slots(strategy, purpose: str = "save") -> list:
         raise ValueError(f"purpose={purpose!r}; allowed: 'save', 'load'")
     save = purpose == "save"
     topo, opt = strategy.topo, strategy.opt
-    if save and topo.dp_rank != 0 and not opt.shards_state:
-        return []  # data replicas hold the same numbers as data rank 0
     names = {id(p): name for name, p in strategy.stage.named_parameters()}
     out = []
     for kind, p, lo, hi, a in opt.state_views(save):
-        if getattr(p, "shared_embedding_copy", False) or (tp_of(p, topo) is None and topo.tp_rank != 0):
-            if save:
-                continue  # each element written once: tensor rank 0 for replicated ones, no tied copy
+        if save and not _written_here(p, topo, opt.shards_state):
+            continue
         name = TIED if getattr(p, "shared_embedding_copy", False) else names[id(p)]
         tp = tp_of(p, topo)
         out.append(Slot(kind, name, full_shape(p.shape, tp), tp, lo, hi, a))

@@ -21,6 +21,7 @@ from minizero.ledger import MemoryLedger
 from minizero.memory.sparsity import Pruner
 from minizero.optim.adam8bit import QuantizedState, make_codes
 from minizero.optim.adamw import state_dtype
+from minizero.parallel.expert_parallel import load_routing_state
 from minizero.quantization import dequantize_blockwise
 
 
@@ -146,7 +147,8 @@ def _assign(dest, values) -> None:
 def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None = None) -> dict:
     """Load a checkpoint into a built ``strategy`` on this rank (no collective: every rank reads its part).
 
-    Restores parameters, m, v, masters, step counts, the loss scaler, the dropout generator and pruning masks.
+    Restores parameters, m, v, masters, step counts, the loss scaler, the dropout generator, pruning masks and
+    MoE's routing biases.
     Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``.
     Raises CheckpointError: a piece is missing, or the model/optimizer do not match.
     """
@@ -161,6 +163,10 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     fp8 = {name: h for f in man["files"] for name, h in f.get("fp8", {}).items()}  # by layer name, any layout
     if load_fp8_state(strategy.stage, fp8):
         notes.append("FP8 delayed scaling: no saved amax history for some layers; they start afresh")
+    routing = {name: b for f in man["files"] for name, b in f.get("routing", {}).items()}
+    if load_routing_state(strategy.stage, routing):
+        raise CheckpointError(f"{reader.folder}: no saved routing biases for some MoE layers (a checkpoint of "
+                              "a model without them)")
     topo = strategy.topo
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
     mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None

@@ -21,6 +21,7 @@ from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VE
 from minizero.checkpoint.layout import host_arrays, slots
 from minizero.files import WriteError, atomic_write
 from minizero.optim.adam8bit import QuantizedState
+from minizero.parallel.expert_parallel import routing_state
 
 _LEN_TAG, _DATA_TAG = 1301, 1302
 
@@ -115,6 +116,9 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     fp8 = fp8_state(strategy.stage)  # delayed scaling's amax histories (the same on every data rank)
     if fp8:
         info["fp8"] = fp8
+    routing = routing_state(strategy.stage)  # MoE's routing biases (the same on every data rank)
+    if routing:
+        info["routing"] = routing
     infos = gather_json(comm, info)
     if comm.rank == 0:
         manifest = dict(format=FORMAT, version=VERSION, step=step, **state)

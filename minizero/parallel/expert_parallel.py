@@ -33,6 +33,7 @@ from minizero.comm.collectives import all_gather, all_reduce
 from minizero.nn.module import Module, ModuleDict
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.moe import MoELayer
+from minizero.zero import zero_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,8 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
     """Assign ``block.mlp = MoEMLP(...)`` in the chosen blocks of ``stage`` (a GPT or a pipeline stage).
 
     Layer i draws its router and all E experts from seed ``seed * 1000 + i`` on every rank (ep ranks keep
-    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True``.
+    their slice); hidden = 4C, the model's dtype. Expert parameters get ``p.expert = True`` and, over ep > 1
+    ranks, ``p.expert_shard = (0, 1, ep rank, ep)``: a dim-0 slice, as checkpoints describe shards.
     Returns ``{block index: MoELayer}`` of this stage.
     """
     mc, layers = stage.config, {}
@@ -109,6 +111,8 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
         moe = MoELayer(mc.n_embd, 4 * mc.n_embd, cfg.experts, cfg.top_k, cfg.capacity_factor, comm=ep_comm,
                        seed=seed * 1000 + i, dtype=mc.dtype)
         moe.w1.expert = moe.w2.expert = True
+        if ep_comm is not None and ep_comm.world_size > 1:
+            moe.w1.expert_shard = moe.w2.expert_shard = (0, 1, ep_comm.rank, ep_comm.world_size)
         block.mlp = MoEMLP(moe, cfg.aux_loss, cfg.z_loss, grad_scale)
         layers[i] = moe
     return layers
@@ -175,7 +179,6 @@ class ExpertZero:
     shards_state = True
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, **kw):
-        from minizero.zero import zero_optimizer  # the ZeRO package builds on parallel/'s collectives
         layers = {f"h{n.split('.')[-3]}": m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
         self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided,
                                     include=lambda p: not is_expert(p), **kw)
@@ -184,7 +187,14 @@ class ExpertZero:
         self.scale = 1.0 if predivided else 1.0 / ep
         self.parts = (self.dense, self.experts)
 
-    step_count = property(lambda self: self.dense.step_count)
+    @property
+    def step_count(self) -> int:
+        return self.dense.step_count
+
+    @step_count.setter
+    def step_count(self, n: int) -> None:  # a resumed checkpoint's applied steps (Adam's t), both parts
+        self.dense.step_count = self.experts.step_count = n
+
     shard_map = property(lambda self: self.dense.shard_map)  #: the dense map (--show-shards)
 
     def reduce_gradients(self) -> None:
@@ -262,6 +272,23 @@ def whole_experts(module, ep_comm):
     finally:
         for p, w in zip(params, mine):
             p.data = w
+
+
+def routing_state(model) -> dict:
+    """``{MoE layer name: [E floats]}``: the routing biases (the same on every rank; exact through JSON)."""
+    return {name: [float(b) for b in m.bias] for name, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+def load_routing_state(model, state: dict) -> list[str]:
+    """Set :func:`routing_state`'s biases by layer name; returns the MoE layers ``state`` has none for."""
+    missing = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoELayer):
+            if name in state:
+                m.bias = np.array(state[name], dtype=np.float64)
+            else:
+                missing.append(name)
+    return missing
 
 
 class ExpertLoad:

@@ -204,7 +204,7 @@ class MoELayer(Module):
                 xi = rows[backend.xp.asarray(idx)]
                 outs.append(self.expert_matmul(gelu(self.expert_matmul(xi, self.w1[j])), self.w2[j]))
                 src.append(idx)
-        if not outs:
-            return rows * 0.0
+        if not outs:  # no row for this rank's experts: w1, w2 still get a (zero) gradient, as one process's
+            return rows * 0.0 + (self.w1.sum() + self.w2.sum()) * 0.0  # whole (E, ...) tensors do, so AdamW steps
         back = np.argsort(np.concatenate(src), kind="stable")
         return concat(outs, axis=0)[backend.xp.asarray(back)]
