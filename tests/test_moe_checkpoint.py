@@ -5,12 +5,16 @@ weights to 1e-12 and the same losses) with choices dropped and the routing bias 
 dim-0 shard in the checkpoint's coordinates, so a 4-rank --ep 2 checkpoint resumes at --ep 1 on 2 ranks and
 at --ep 4 (the same groups are routed: micro-batch 2 everywhere). Another MoE shape is refused before any work.
 """
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from minizero.checkpoint import read_manifest
 from minizero.train import UsageError, parse_args
-from tests.test_checkpoint import F64, assert_same_run, run
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.test_checkpoint import BASE, F64, assert_same_run, run
 
 MOE = F64 + ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss", "0.1",
              "--moe-bias-update", "0.01", "--micro-batch-size", "2"]
@@ -62,3 +66,30 @@ def test_another_moe_shape_is_refused_before_any_work(tmp_path):
         parse_args(["--model", "tiny"] + MOE + ["--moe-top-k", "1", "--resume", folder], 2)
     with pytest.raises(UsageError, match="moe_experts 4, this run asks for 0"):  # a dense run
         parse_args(["--model", "tiny"] + F64 + ["--resume", folder], 2)
+
+
+@pytest.mark.timeout(600)
+def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
+    """``mpiexec -n 4 ... --ep 2 --save-every 3``, then ``mpiexec -n 2 ... --resume step 3`` (ep 1, 2 micro-batches):
+    the same final model.npz (1e-9); ``minizero.checkpoint consolidate`` of step 6 is the first run's model.npz."""
+    flags = [a for a in BASE if a != "--no-save"] + MOE + ["--sample-tokens", "1"]
+
+    def cli(n, out, extra):
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *flags, "--out", str(out), *extra]
+        done = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    cli(4, tmp_path / "a", ["--ep", "2", "--save-every", "3"])
+    resumed = cli(2, tmp_path / "b", ["--grad-accum", "2", "--resume", str(tmp_path / "a" / "checkpoints" / "step_00000003")])
+    assert "resumed from" in resumed.stdout
+    a, b = np.load(tmp_path / "a" / "model.npz"), np.load(tmp_path / "b" / "model.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-9 * max(1.0, np.abs(a[k]).max()), err_msg=k)
+    con = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(tmp_path / "a" / "checkpoints"),
+                          "--out", str(tmp_path / "c.npz")], env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert con.returncode == 0, con.stderr
+    c = np.load(tmp_path / "c.npz")
+    for k in a:
+        np.testing.assert_array_equal(c[k], a[k], err_msg=k)

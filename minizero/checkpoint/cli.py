@@ -17,6 +17,7 @@ from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import atomic_write, check_writable_folder
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
+from minizero.parallel.expert_parallel import MoEConfig, use_moe
 
 
 def describe(reader: ShardReader) -> str:
@@ -61,9 +62,12 @@ def consolidate(path: str, out: str) -> dict:
     """
     reader = ShardReader(path)
     cfg = GPTConfig(**reader.manifest["model"])
+    model, lay = GPT(cfg, seed=0), reader.manifest["layout"]
+    if lay.get("moe_experts"):  # the MoE layers' names and whole (E, ...) shapes
+        use_moe(model, MoEConfig(lay["moe_experts"], lay["moe_top_k"], lay["moe_capacity_factor"], lay["moe_every"]), 0)
     first = {}  # id(Parameter) -> its first name (the logical one), as the checkpoint names it
     state = {}
-    for name, p in GPT(cfg, seed=0)._named_parameters_all():
+    for name, p in model._named_parameters_all():
         first.setdefault(id(p), name)
         if first[id(p)] not in state:
             state[first[id(p)]] = full_tensor(reader, first[id(p)])
