@@ -32,8 +32,12 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy)."""
     topo = s.topo
     dp = f"dp {topo.dp // s.cp} x cp {s.cp}" if s.cp > 1 else f"dp {topo.dp}"
+    if args.moe_experts and args.ep > 1:
+        dp += f" (ep {args.ep} inside)"  # expert groups of ep data ranks
+    moe = args.moe_config()
+    n_params = cfg.num_parameters() if moe is None else moe.parameters(cfg)[0]  # MoE: with every expert
     lines = [f"minizero: {world} rank(s) as {dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
-             f"({cfg.num_parameters():,} parameters, {cfg.n_layer} layers, width {cfg.n_embd}, "
+             f"({n_params:,} parameters{', MoE' if moe is not None else ''}, {cfg.n_layer} layers, width {cfg.n_embd}, "
              f"context {cfg.block_size}), {precision_description(args)}",
              f"device {backend.device_description}; messages over {args.comm or 'mpi'}",
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
@@ -68,7 +72,6 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      f"{formula}"
                      f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
                      f"{[peak_in_flight(ops) for ops in sched]}")
-    moe = args.moe_config()
     if moe is not None:
         ep = args.ep
         total, active = moe.parameters(cfg)

@@ -28,8 +28,7 @@ from minizero.weights import SIDECAR
 SAMPLE_TEMPERATURE = 0.8
 #: how the report names each traffic kind (summary.json keeps the keys of TRAFFIC_KINDS)
 KIND_LABELS = {"gradient_reduction": "gradient reduction",
-               "parameter_gathers": "parameter gathers and broadcasts (ZeRO; the start-up broadcast; MoE: the final "
-                                    "gather of the experts)",
+               "parameter_gathers": "parameter gathers and broadcasts",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
                "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
@@ -103,9 +102,12 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
               f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
+    gathers = [w for w, here in (("the start-up broadcast", True), ("ZeRO's gathers", args.zero > 0),
+                                 ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1)) if here]
+    labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})")
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
-            notes.append(f"  {KIND_LABELS.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
+            notes.append(f"  {labels.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
                 [format_bytes(s["bytes_sent_by_kind"][kind]) for s in stats]))
     notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))

@@ -52,11 +52,12 @@ def _label(snapshot: dict | None, *labels: str) -> float:
 
 
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
-                 cp_attention: str = "ring") -> list[str]:
+                 cp_attention: str = "ring", ep: int = 1) -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table lines on world rank 0 ([] elsewhere).
 
-    ``steps``: optimizer steps (>= 1); ``dp``: DataParallel or None (ring-vs-hierarchical line); ``cp`` > 1:
-    its own row. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
+    ``steps``: optimizer steps (>= 1); ``dp``: DataParallel or None (ring-vs-hierarchical line); ``cp`` > 1 or
+    ``ep`` > 1 (MoE's expert groups, never with cp): its own row of the all-to-alls. Bytes: one small float64
+    all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; allowed: >= 1")
@@ -80,12 +81,13 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue
-        if k == "dp" and cp > 1:
-            cp_groups = [g[j:j + cp] for g in topo.all_groups("dp") for j in range(0, len(g), cp)]
-            lines.append(f"  cp    ({cp} rank(s) each): {max(topo.nodes.spans(g) for g in cp_groups)} node(s), "
-                         f"{_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   "
-                         f"({'ring attention' if cp_attention == 'ring' else 'Ulysses all-to-all'})")
-            if topo.dp == cp and not total[2]:
+        if k == "dp" and max(cp, ep) > 1:
+            n = max(cp, ep)
+            sub = [g[j:j + n] for g in topo.all_groups("dp") for j in range(0, len(g), n)]
+            what = "expert all-to-all" if ep > 1 else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all"
+            lines.append(f"  {'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
+                         f"node(s), {_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   ({what})")
+            if topo.dp == n and not total[2]:
                 continue
         across = _fmt(total[2 * i + 1]) if known else "?"
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
@@ -95,7 +97,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
     else:
-        cp_part = f" + cp {_fmt(total[11])}" if cp > 1 else ""
+        cp_part = f" + {'ep' if ep > 1 else 'cp'} {_fmt(total[11])}" if max(cp, ep) > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, validation sums, replica digests) {_fmt(other)}" if known else "? across nodes"))
