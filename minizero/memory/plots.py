@@ -76,7 +76,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
         ax.stackplot(x, *[mib[r, :, i] for i in used], colors=[colors[CATEGORIES[i]] for i in used], step="post")
         total = mib[r].sum(axis=1)
         k = int(total.argmax())
-        ax.plot([x[k]], [total[k]], "v", color="black")
+        ax.plot([x[k]], [total[k]], "v", color="black", clip_on=False)  # whole at the first step too
         ax.text(0.98, 0.95, f"peak {total[k]:.2f} MiB at step {x[k]}", transform=ax.transAxes, ha="right",
                 va="top", fontsize=8)
         ax.set_xlim(x[0] - 0.5, x[-1] + 0.5)
