@@ -179,7 +179,7 @@ class ExpertZero:
     shards_state = True
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, **kw):
-        layers = {f"h{n.split('.')[-3]}": m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
+        layers = {n.replace(".", "_"): m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
         self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided,
                                     include=lambda p: not is_expert(p), **kw)
         self.experts = zero_optimizer(ModuleDict(layers), edp_comm, zero_stage, predivided=predivided,

@@ -205,6 +205,6 @@ class MoELayer(Module):
                 outs.append(self.expert_matmul(gelu(self.expert_matmul(xi, self.w1[j])), self.w2[j]))
                 src.append(idx)
         if not outs:  # no row for this rank's experts: w1, w2 still get a (zero) gradient, as one process's
-            return rows * 0.0 + (self.w1.sum() + self.w2.sum()) * 0.0  # whole (E, ...) tensors do, so AdamW steps
+            return rows * 0.0 + self.w1[:0].sum() + self.w2[:0].sum()  # whole (E, ...) tensors do: AdamW steps
         back = np.argsort(np.concatenate(src), kind="stable")
         return concat(outs, axis=0)[backend.xp.asarray(back)]
