@@ -115,30 +115,63 @@ def get_dtype(dtype) -> np.dtype:
     return dt
 
 
-def matmul(a, b):
-    """``a @ b`` (shapes as ``numpy.matmul``); two float16 operands are multiplied the way tensor cores do it.
+def matmul(a, b, bias=None):
+    """``a @ b (+ bias)`` (shapes as ``numpy.matmul``, ``bias`` (N,) broadcast over the rows); two float16 operands
+    are multiplied the way tensor cores do it.
 
     FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, section 3.2): widened to float32
-    on NumPy, cuBLAS's half GEMM on CuPy. On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM and batched
-    operands are made C-contiguous; results change at most by rounding.
+    on NumPy, cuBLAS's half GEMM on CuPy. On NumPy the bias is added to the float32 accumulator before the one
+    rounding to float16 (the GEMM epilogue of cuBLASLt); CuPy's half GEMM rounds, then the bias is added in
+    float32 and rounded again. On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM and batched operands are
+    made C-contiguous; results change at most by rounding.
     """
     if name == "strict":  # the NumPy kernels on the wrapped arrays: bitwise what cpu computes
-        return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b)))
+        return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b),
+                                                None if bias is None else strict.device_array(bias)))
     if name != "numpy":
-        return a @ b
-    return _numpy_matmul(a, b)
+        y = a @ b
+        if bias is None:
+            return y
+        if y.dtype == np.float16:
+            return (y.astype(np.float32) + bias).astype(np.float16)
+        y += bias
+        return y
+    return _numpy_matmul(a, b, bias)
 
 
 def matmul_operand(a):
     """``a`` as :func:`matmul` multiplies it: float16 widened to float32 on NumPy (exact), else ``a``."""
-    return a.astype(np.float32) if name == "numpy" and a.dtype == np.float16 else a
+    return widen(a) if name == "numpy" else a
 
 
-def _numpy_matmul(a, b):
+_HALF_TO_FLOAT = None  # the float32 value of each of the 65,536 float16 bit patterns, built on first use
+
+
+def widen(a):
+    """float16 ``a`` as a new float32 array (exact, every bit pattern as ``a.astype(np.float32)``); else ``a``.
+
+    On NumPy a lookup of each half's bits in a 256 KiB table: NumPy casts float16 in a scalar loop on x86
+    (numpy/numpy#28753), about 2-4x slower than the lookup; an FP16 step converts tens of millions of values.
+    """
+    if a.dtype != np.float16:
+        return a
+    if name != "numpy" or not isinstance(a, np.ndarray) or a.ndim == 0:
+        return a.astype(np.float32)
+    if not a.flags.c_contiguous:  # the layout astype keeps (a GEMM's rounding depends on its operands' order)
+        return widen(a.T).T if a.flags.f_contiguous else a.astype(np.float32)
+    global _HALF_TO_FLOAT
+    if _HALF_TO_FLOAT is None:
+        _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    return np.take(_HALF_TO_FLOAT, a.view(np.uint16), mode="clip")  # every uint16 is in range: no bounds checks
+
+
+def _numpy_matmul(a, b, bias=None):
     """:func:`matmul` on NumPy arrays."""
-    if a.dtype == np.float16 and b.dtype == np.float16:
-        return _blas_matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
-    return _blas_matmul(a, b)
+    half = a.dtype == np.float16 and b.dtype == np.float16
+    y = _blas_matmul(widen(a), widen(b)) if half else _blas_matmul(a, b)  # a new array: the bias goes in in place
+    if bias is not None:
+        y += widen(bias)
+    return y.astype(np.float16) if half else y
 
 
 def _blas_matmul(a, b):

@@ -18,6 +18,30 @@ def test_half_matmul_accumulates_in_fp32():
     assert np.abs(got.astype(np.float64) - exact.astype(np.float64)).max() <= 2 * np.abs(exact).max() * 2 ** -10
 
 
+def test_widen_is_astype_for_every_half_and_keeps_the_layout():
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # NaNs and infs included
+    got = backend.widen(every)
+    assert got.dtype == np.float32 and got.tobytes() == every.astype(np.float32).tobytes()
+    w = every[:4096].reshape(64, 64)
+    for a in (w, w.T, w[:, ::2], w[5, 7]):  # C-order, F-order, strided, 0-d: the layout astype gives
+        g = backend.widen(a)
+        assert g.tobytes() == a.astype(np.float32).tobytes() and g.strides == a.astype(np.float32).strides
+    f32 = np.ones(3, np.float32)
+    assert backend.widen(f32) is f32  # not float16: no copy
+
+
+def test_fp16_linear_adds_its_bias_before_the_one_rounding():
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(2, 5, 64)).astype(np.float16), rng.normal(size=(32, 64)).astype(np.float16)
+    b = (rng.normal(size=32) * 100).astype(np.float16)
+    got = F.linear(Tensor(x), Tensor(w), Tensor(b)).data
+    want = ((x.astype(np.float32).reshape(10, 64) @ w.astype(np.float32).T) + b.astype(np.float32)).astype(np.float16)
+    assert got.dtype == np.float16 and got.reshape(10, 32).tobytes() == want.tobytes()
+    twice = ((x.astype(np.float32).reshape(10, 64) @ w.astype(np.float32).T).astype(np.float16).astype(np.float32)
+             + b.astype(np.float32)).astype(np.float16)
+    assert (twice != want).any()  # rounding the product first would change some outputs: the test can fail
+
+
 def test_fp16_statistics_in_fp32():
     x = Tensor((np.random.default_rng(1).normal(size=(4, 64)) * 300).astype(np.float16))
     y = F.layer_norm(x, Tensor(np.ones(64, np.float16)), Tensor(np.zeros(64, np.float16)))

@@ -29,13 +29,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        y = backend.matmul(x, weight.T)  # a new array: the bias is added in place
-        if bias is not None:
-            if y.dtype == np.float16:  # the GEMM epilogue adds the bias in FP32, then rounds once
-                y = (y.astype(np.float32) + bias).astype(np.float16)
-            else:
-                y += bias
-        return y
+        return backend.matmul(x, weight.T, bias)  # float16: the bias added in the GEMM's epilogue
 
     @staticmethod
     def backward(ctx, g):
@@ -90,7 +84,7 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp = backend.xp
         stat_dtype = np.promote_types(x.dtype, np.float32)
-        xs = x.astype(stat_dtype, copy=False)
+        xs = widen(x).astype(stat_dtype, copy=False)
         if x.shape[-1] == 0:  # width 0 (as PyTorch): an empty output, statistics of nothing taken as 0
             mean = xp.zeros(x.shape[:-1] + (1,), stat_dtype)
             var = xp.zeros_like(mean)
@@ -111,9 +105,9 @@ class LayerNorm(Function):
     @staticmethod
     def backward(ctx, g):
         x, w, mean, rstd = ctx.saved_tensors
-        xhat = x.astype(mean.dtype, copy=False) - mean
+        xhat = widen(x).astype(mean.dtype, copy=False) - mean
         xhat *= rstd
-        gs = g.astype(mean.dtype, copy=False)
+        gs = widen(g).astype(mean.dtype, copy=False)
         t = gs * xhat  # scratch, reused below
         dw = _flat2d(t).sum(axis=0).astype(w.dtype, copy=False)
         db = _flat2d(gs).sum(axis=0).astype(w.dtype, copy=False)

@@ -19,8 +19,8 @@ def compute_dtype(dtype) -> np.dtype:
 
 
 def widen(a):
-    """``a`` in its compute dtype (:func:`compute_dtype`); no copy unless it is float16."""
-    return a.astype(compute_dtype(a.dtype), copy=False)
+    """``a`` in its compute dtype (:func:`compute_dtype`); no copy unless it is float16 (:func:`backend.widen`)."""
+    return backend.widen(a)
 
 
 def scatter_add_rows(shape, idx, rows):
