@@ -39,3 +39,18 @@ def header() -> str:
     forced = os.environ.get("OPENBLAS_CORETYPE")
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
             f"{os.cpu_count()} cores | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced}")
+
+
+def set_malloc(default: bool) -> str:
+    """Keep freed memory for reuse in this process, as the main job does (``backend.keep_freed_memory``), unless
+    ``default``; returns how the process allocates, for the table's header (every side of an in-process
+    comparison, PyTorch's too, allocates under the same setting)."""
+    from minizero import backend
+
+    if default:
+        return "malloc: glibc's default (--default-malloc)"
+    if backend.keep_freed_memory():
+        return (f"malloc: freed memory kept for reuse, every side (mallopt M_MMAP_THRESHOLD "
+                f"{backend.MALLOC_MMAP_THRESHOLD // 2 ** 20} MiB, M_TRIM_THRESHOLD "
+                f"{backend.MALLOC_TRIM_THRESHOLD // 2 ** 20} MiB, as the main job)")
+    return "malloc: unchanged (no glibc mallopt here)"

@@ -220,7 +220,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds (the ratio is their median)")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps per side before the rounds")
     p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = p.parse_args()
+    malloc = _machine.set_malloc(args.default_malloc)
     for name in ("steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -242,7 +245,7 @@ def main() -> None:
         head += " main job tokens/s | main job MFU |" if args.main_job else ""
         head += " minizero / PyTorch (median of rounds, range) |"
         head += " main job / PyTorch (mean steps) |" if args.main_job else ""
-        print(_machine.header())  # date, CPU, BLAS library, kernel, threads (inside the limit)
+        print(_machine.header() + " | " + malloc)  # date, CPU, BLAS library, kernel, threads (inside the limit)
         print(head)
         print("|---|" + "---:|" * (head.count("|") - 2))
         for r in results:

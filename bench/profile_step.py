@@ -98,14 +98,17 @@ def main() -> None:
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
     p.add_argument("--steps", type=int, default=6, help="profiled steps (and timed steps of each side)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = p.parse_args()
+    malloc = _machine.set_malloc(args.default_malloc)
     if args.steps < 1 or args.threads < 1:
         p.error(f"--steps and --threads must be >= 1, got {args.steps} and {args.threads}")
     if torch is not None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
         rows = [(int(b), profile(int(b), args.steps)) for b in args.batch.split(",")]
-        print(_machine.header())
+        print(_machine.header() + " | " + malloc)
     print("| batch | matmul, s | elementwise, s | optimizer, s | python, s | minizero step, s | PyTorch step, s | "
           "matmul / PyTorch step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -20,6 +20,32 @@ device_description = "cpu (NumPy)"  #: the last :func:`set_device`'s one-line de
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
 
 
+MALLOC_MMAP_THRESHOLD = 32 * 2 ** 20  #: glibc's largest mmap threshold: smaller blocks come from the reused heap
+MALLOC_TRIM_THRESHOLD = 2 ** 30  #: free heap glibc keeps before returning memory to the system
+malloc_kept = False  #: True once :func:`keep_freed_memory` changed this process's malloc
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc (``mallopt(3)``) to keep freed memory for the next array instead of unmapping it.
+
+    By default glibc maps large blocks fresh and unmaps them on free, so each temporary of a step faults its
+    pages in again (docs/benchmarks.md, "Memory allocation"). Process-wide. Returns False without glibc.
+    """
+    global malloc_kept
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # no C library by that name, or one without mallopt
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    malloc_kept = bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
+        mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+    return malloc_kept
+
+
 def set_backend(backend: str) -> None:
     """Switch the array module for the whole process: ``"numpy"``, ``"cupy"`` or ``"strict"``.
 
@@ -116,14 +142,11 @@ def get_dtype(dtype) -> np.dtype:
 
 
 def matmul(a, b, bias=None):
-    """``a @ b (+ bias)`` (shapes as ``numpy.matmul``, ``bias`` (N,) broadcast over the rows); two float16 operands
-    are multiplied the way tensor cores do it.
+    """``a @ b (+ bias)`` (shapes as ``numpy.matmul``; ``bias`` (N,)); float16 operands as tensor cores take them.
 
-    FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, section 3.2): widened to float32
-    on NumPy, cuBLAS's half GEMM on CuPy. On NumPy the bias is added to the float32 accumulator before the one
-    rounding to float16 (the GEMM epilogue of cuBLASLt); CuPy's half GEMM rounds, then the bias is added in
-    float32 and rounded again. On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM and batched operands are
-    made C-contiguous; results change at most by rounding.
+    FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, 3.2): widened to float32 on NumPy,
+    the bias added before the one rounding (cuBLASLt's epilogue); CuPy: cuBLAS's half GEMM, then the bias.
+    On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM, batched operands made C-contiguous.
     """
     if name == "strict":  # the NumPy kernels on the wrapped arrays: bitwise what cpu computes
         return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b),
@@ -148,11 +171,8 @@ _HALF_TO_FLOAT = None  # the float32 value of each of the 65,536 float16 bit pat
 
 
 def widen(a):
-    """float16 ``a`` as a new float32 array (exact, every bit pattern as ``a.astype(np.float32)``); else ``a``.
-
-    On NumPy a lookup of each half's bits in a 256 KiB table: NumPy casts float16 in a scalar loop on x86
-    (numpy/numpy#28753), about 2-4x slower than the lookup; an FP16 step converts tens of millions of values.
-    """
+    """float16 ``a`` as a new float32 array, bitwise ``a.astype(np.float32)`` (layout too); else ``a``. NumPy:
+    a lookup in a 256 KiB table, 2-4x faster than NumPy's per-element half cast on x86 (numpy/numpy#28753)."""
     if a.dtype != np.float16:
         return a
     if name != "numpy" or not isinstance(a, np.ndarray) or a.ndim == 0:
@@ -163,6 +183,15 @@ def widen(a):
     if _HALF_TO_FLOAT is None:
         _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     return np.take(_HALF_TO_FLOAT, a.view(np.uint16), mode="clip")  # every uint16 is in range: no bounds checks
+
+
+def binary(op: str, a, b):
+    """``xp.<op>(a, b)`` (op "add", "subtract", "multiply"); float16 in float32, rounded once: NumPy's bits,
+    with whole-array casts in place of NumPy's per-element ones (about 7 ns an element on x86)."""
+    f = getattr(xp, op)
+    if name != "numpy" or np.result_type(a, b) != np.float16:
+        return f(a, b)
+    return f(widen(a), widen(b)).astype(np.float16)
 
 
 def _numpy_matmul(a, b, bias=None):

@@ -107,6 +107,7 @@ class TrainConfig:
     no_save: bool = _D["no_save"]
     tracemalloc: bool = _D["tracemalloc"]
     no_tracemalloc: bool = _D["no_tracemalloc"]
+    default_malloc: bool = _D["default_malloc"]
     save_every: int = _D["save_every"]
     save_dir: str | None = _D["save_dir"]
     keep: int = _D["keep"]

@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")
     p.add_argument("--no-tracemalloc", action="store_true",
                    help="tracemalloc off (the default; kept so older command lines run; wins over --tracemalloc)")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (default: keep freed memory for reuse, mallopt; "
+                        "docs/benchmarks.md, Memory allocation)")
     p.add_argument("--save-every", type=int, default=0,
                    help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
     p.add_argument("--save-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")

@@ -311,6 +311,8 @@ def main(argv=None) -> int:
         faulthandler.cancel_dump_traceback_later()
         return 2
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
+    if not args.default_malloc:
+        backend.keep_freed_memory()  # temporaries reuse freed memory instead of faulting in fresh pages
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)

@@ -115,3 +115,27 @@ def test_tracemalloc_is_off_unless_asked_and_rss_is_reported():
     assert peak_rss_bytes() > 10 * 2**20  # this interpreter with NumPy loaded
     text = memory_summary(None, [peak_rss_bytes()], process_peak_source="rss")
     assert "getrusage" in text and "tracemalloc traces" in text
+
+
+def test_keep_freed_memory_serves_a_large_array_from_the_heap():
+    """After ``keep_freed_memory`` a 4 MiB array is not an mmap of its own (glibc's mallinfo2: bytes in mmapped
+    blocks unchanged), so freeing it keeps its pages for the next array."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("no glibc >= 2.33 (mallinfo2) here")
+
+    class Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = Info
+    assert backend.keep_freed_memory() is True and backend.malloc_kept
+    before = mallinfo2().hblkhd
+    a = np.ones(2 ** 20, np.float32)
+    assert mallinfo2().hblkhd == before  # from the heap, not a fresh mmap
+    del a

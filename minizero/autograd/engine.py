@@ -334,7 +334,7 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
             else:
                 producer, i = e
                 slot = grads.setdefault(id(producer), [None] * producer.num_outputs)
-                slot[i] = g if slot[i] is None else slot[i] + g
+                slot[i] = g if slot[i] is None else backend.binary("add", slot[i], g)
 
 
 def call_backward(node: Context, outs, skip=()) -> tuple:

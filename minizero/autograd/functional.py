@@ -184,14 +184,15 @@ class ScaledMatMul(Function):
     def forward(ctx, a, b, scale):
         ctx.scale = scale
         ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
-        return backend.matmul(a * a.dtype.type(scale), b)
+        return backend.matmul(backend.binary("multiply", a, a.dtype.type(scale)), b)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         xp, s = backend.xp, ctx.scale
-        da = backend.matmul(g * g.dtype.type(s), xp.swapaxes(b, -1, -2)) if ctx.needs_input_grad[0] else None
-        db = backend.matmul(xp.swapaxes(a * a.dtype.type(s), -1, -2), g) if ctx.needs_input_grad[1] else None
+        scaled = lambda t: backend.binary("multiply", t, t.dtype.type(s))  # noqa: E731
+        da = backend.matmul(scaled(g), xp.swapaxes(b, -1, -2)) if ctx.needs_input_grad[0] else None
+        db = backend.matmul(xp.swapaxes(scaled(a), -1, -2), g) if ctx.needs_input_grad[1] else None
         return da, db, None
 
 
