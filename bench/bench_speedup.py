@@ -2,14 +2,17 @@
 
     python bench/bench_speedup.py --base e016dca --ranks 8 --steps 30 --repeats 3
     python bench/bench_speedup.py --precision --ranks 1 --micro-batch-size 8
+    python bench/bench_speedup.py --malloc --ranks 1,2,8
 
 ``--base REV``: runs ``mpiexec -n RANKS python -m minizero.train`` with its defaults (only
 ``--steps``, ``--sample-tokens 0`` and the output folder set) from this checkout and from
 ``git archive REV`` unpacked in a temporary folder, alternating A, B, A, B, ... so that a noisy
 machine slows both alike, and prints each run's tokens/s (the training loop's, from the JSON
 summary), the medians and their ratio. ``--precision``: the same with ``--precision fp16``
-against fp32 on this checkout (with ``--base``: both trees in fp16). ``--micro-batch-size N``: passed to every run (default: the
-main job's).
+against fp32 on this checkout (with ``--base``: both trees in fp16). ``--malloc``: the main job as it runs
+(freed memory kept for reuse, ``backend.keep_freed_memory``) against ``--default-malloc`` (glibc's own
+settings). ``--micro-batch-size N``: passed to every run (default: the main job's). ``--ranks`` takes a
+comma-separated list: one table row per count.
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="git revision to compare this checkout against")
     p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")
-    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--malloc", action="store_true", help="compare the main job with and without --default-malloc")
+    p.add_argument("--ranks", default="8", help="rank counts, comma-separated (one row each)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=None, help="passed to every run (default: the main job's)")
@@ -63,21 +67,28 @@ def main() -> None:
             sides = {args.base: (base_tree, fp16), "this checkout": (REPO_ROOT, fp16)}
         elif args.precision:
             sides = {"fp32": (REPO_ROOT, []), "fp16": (REPO_ROOT, ["--precision", "fp16"])}
+        elif args.malloc:
+            sides = {"glibc default": (REPO_ROOT, ["--default-malloc"]), "memory kept": (REPO_ROOT, [])}
         else:
-            p.error("give --base REV or --precision")
-        got = {name: [] for name in sides}
-        for _ in range(args.repeats):
-            for name, (tree, extra) in sides.items():
-                mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
-                got[name].append(run(tree, args.ranks, args.steps, extra + mb))
-                print(f"{name}: {got[name][-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
-    (a, ta), (b, tb) = ((n, float(np.median(t))) for n, t in got.items())
+            p.error("give --base REV, --precision or --malloc")
+        rows = []
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            got = {name: [] for name in sides}
+            for _ in range(args.repeats):
+                for name, (tree, extra) in sides.items():
+                    mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
+                    got[name].append(run(tree, ranks, args.steps, extra + mb))
+                    print(f"{ranks} rank(s), {name}: {got[name][-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
+            rows.append((ranks, got))
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; micro-batch "
           f"{args.micro_batch_size or 'default'}")
+    a, b = sides
     print(f"| ranks | steps | {a} tokens/s | {b} tokens/s | {b} / {a} |")
     print("|---:|---:|---:|---:|---:|")
-    print(f"| {args.ranks} | {args.steps} | {ta:,.0f} ({', '.join(f'{x:,.0f}' for x in got[a])}) | "
-          f"{tb:,.0f} ({', '.join(f'{x:,.0f}' for x in got[b])}) | {tb / ta:.2f}x |")
+    for ranks, got in rows:
+        ta, tb = (float(np.median(got[n])) for n in (a, b))
+        print(f"| {ranks} | {args.steps} | {ta:,.0f} ({', '.join(f'{x:,.0f}' for x in got[a])}) | "
+              f"{tb:,.0f} ({', '.join(f'{x:,.0f}' for x in got[b])}) | {tb / ta:.2f}x |")
 
 
 if __name__ == "__main__":

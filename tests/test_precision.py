@@ -30,6 +30,27 @@ def test_widen_is_astype_for_every_half_and_keeps_the_layout():
     assert backend.widen(f32) is f32  # not float16: no copy
 
 
+def test_narrow_is_astype_at_every_rounding_boundary():
+    """backend.narrow against NumPy's cast: every half, every tie between neighbours and the float32 values either
+    side of it, the overflow edge, specials, and random bit patterns (all 2^32 were checked once, off the suite)."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+    finite = np.sort(halves[np.isfinite(halves)])
+    ties = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact in float32 (12 significant bits)
+    near = [np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))]
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.996, 65520, -65520, 1e30, 2.0 ** -25,
+                        2.0 ** -24 * 1.5, 1e-45, -1e-45, 2.0 ** -14], np.float32)
+    rand = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([finite.astype(np.float32), ties, *near, special, rand])
+    with np.errstate(all="ignore"):
+        got, want = backend.narrow(x), x.astype(np.float16)
+    nan = np.isnan(want)
+    assert got.dtype == np.float16 and np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    m = x[:4096].reshape(64, 64)
+    for a in (m.T, m[:, ::2]):  # F-order and strided: astype's layout
+        assert backend.narrow(a).strides == a.astype(np.float16).strides
+
+
 def test_fp16_linear_adds_its_bias_before_the_one_rounding():
     rng = np.random.default_rng(3)
     x, w = rng.normal(size=(2, 5, 64)).astype(np.float16), rng.normal(size=(32, 64)).astype(np.float16)

@@ -37,8 +37,8 @@ class Linear(Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = len(ctx.needs_input_grad) > 2 and ctx.needs_input_grad[2]
         gm, op = backend.matmul_operand(g), backend.matmul_operand  # g widened once for both products
-        dx = backend.matmul(gm, op(w)).astype(np.result_type(g.dtype, w.dtype), copy=False) if need_x else None
-        dw = (backend.matmul(_flat2d(gm).T, _flat2d(op(x))).astype(np.result_type(g.dtype, x.dtype), copy=False)
+        dx = backend.to_dtype(backend.matmul(gm, op(w)), np.result_type(g.dtype, w.dtype)) if need_x else None
+        dw = (backend.to_dtype(backend.matmul(_flat2d(gm).T, _flat2d(op(x))), np.result_type(g.dtype, x.dtype))
               if need_w else None)
         db = _flat2d(g).sum(axis=0, dtype=compute_dtype(g.dtype)).astype(g.dtype, copy=False) if need_b else None
         return (dx, dw, db)[: len(ctx.needs_input_grad)]
@@ -100,7 +100,7 @@ class LayerNorm(Function):
         d *= rstd
         d *= weight
         d += bias
-        return d.astype(x.dtype, copy=False)
+        return backend.to_dtype(d, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -124,7 +124,7 @@ class LayerNorm(Function):
         gx -= m
         gx -= t
         gx *= rstd
-        return gx.astype(x.dtype, copy=False), dw, db, None
+        return backend.to_dtype(gx, x.dtype), dw, db, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -146,7 +146,7 @@ class GELU(Function):
         u += 1.0
         u *= xs
         u *= 0.5  # 0.5 * x * (1 + t): scaling by 0.5 is exact, so the order does not matter
-        return u.astype(x.dtype, copy=False)
+        return backend.to_dtype(u, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -166,7 +166,7 @@ class GELU(Function):
         t *= 0.5
         t += w
         t *= gs
-        return t.astype(g.dtype, copy=False)
+        return backend.to_dtype(t, g.dtype)
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -215,7 +215,7 @@ class CausalSoftmax(Function):
         e -= e.max(axis=-1, keepdims=True)
         xp.exp(e, out=e)
         e /= e.sum(axis=-1, keepdims=True)
-        y = e.astype(x.dtype, copy=False)
+        y = backend.to_dtype(e, x.dtype)
         ctx.save_for_backward(y)
         return y
 
@@ -229,7 +229,7 @@ class CausalSoftmax(Function):
         s = d.sum(axis=-1, keepdims=True)
         backend.xp.subtract(gs, s, out=d)
         d *= ys  # y * (g - sum(g * y))
-        return d.astype(g.dtype, copy=False)
+        return backend.to_dtype(d, g.dtype)
 
 
 def causal_softmax(scores: Tensor) -> Tensor:

@@ -60,4 +60,4 @@ def masked_scale(x, keep, scale: float):
     """x * keep * scale, in x's compute dtype, rounded to x's dtype once."""
     y = widen(x) * keep
     y *= y.dtype.type(scale)
-    return y.astype(x.dtype, copy=False)
+    return backend.to_dtype(y, x.dtype)

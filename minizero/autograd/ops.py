@@ -196,12 +196,10 @@ class MatMul(Function):
         a, b = ctx.saved_tensors
         sa, sb = ctx.shapes
         xp, gm, op = backend.xp, backend.matmul_operand(g), backend.matmul_operand  # g widened once for both
-        da = (unbroadcast(backend.matmul(gm, op(xp.swapaxes(b, -1, -2))).astype(np.result_type(g.dtype, b.dtype),
-                                                                                copy=False), sa)
-              if ctx.needs_input_grad[0] else None)
-        db = (unbroadcast(backend.matmul(op(xp.swapaxes(a, -1, -2)), gm).astype(np.result_type(a.dtype, g.dtype),
-                                                                               copy=False), sb)
-              if ctx.needs_input_grad[1] else None)
+        da = (unbroadcast(backend.to_dtype(backend.matmul(gm, op(xp.swapaxes(b, -1, -2))),
+                                           np.result_type(g.dtype, b.dtype)), sa) if ctx.needs_input_grad[0] else None)
+        db = (unbroadcast(backend.to_dtype(backend.matmul(op(xp.swapaxes(a, -1, -2)), gm),
+                                           np.result_type(a.dtype, g.dtype)), sb) if ctx.needs_input_grad[1] else None)
         return da, db
 
 
