@@ -174,7 +174,7 @@ def launch(world_sizes, args):
             path = os.path.join(tmp, f"n{n}.json")
             cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--json", path, "--op", args.op,
                    "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-                   "--warmup", str(args.warmup), "--quiet"]
+                   "--warmup", str(args.warmup), "--quiet"] + (["--default-malloc"] if args.default_malloc else [])
             print(f"running {' '.join(cmd[:3])} ...", file=sys.stderr, flush=True)
             subprocess.run(cmd, env=env, check=True, timeout=600)
             with open(path) as f:
@@ -191,13 +191,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = parser.parse_args()
+    malloc = _machine.set_malloc(args.default_malloc)  # every rank, both sides (MPI's calls too)
 
     if args.op == "all":
         if not args.launch:
             parser.error("--op all needs --launch")
         for op in OPS:
-            report(op, launch([int(n) for n in args.launch.split(",")], argparse.Namespace(**{**vars(args), "op": op})))
+            report(op, launch([int(n) for n in args.launch.split(",")], argparse.Namespace(**{**vars(args), "op": op})),
+                   malloc)
         return
     if args.launch:
         runs = launch([int(n) for n in args.launch.split(",")], args)
@@ -213,12 +217,12 @@ def main():
                 json.dump({"world_size": n, "results": results}, f)
         if args.quiet:
             return
-    report(args.op, runs)
+    report(args.op, runs, malloc)
 
 
-def report(op, runs):
+def report(op, runs, malloc):
     oversubscribed = [n for n in runs if n > (os.cpu_count() or 1)]
-    print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | "
+    print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | {malloc} | "
           + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
     print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
