@@ -263,7 +263,8 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
         lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source]
                      + ("; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""))
     if len(groups) < len(per_rank):
-        lines.append("(ranks in one column, e.g. r0-7, have equal ledgers in every category)")
+        shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
+        lines.append(f"(ranks in one column, e.g. {shared}, have equal ledgers in every category)")
     lines.extend(notes or [])
     return "\n".join(lines)
 
