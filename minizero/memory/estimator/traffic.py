@@ -30,8 +30,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
     ``pcie``: offload traffic.
 
-    Returns:
-        {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1 sequence-sized arrays are 1/cp as long.
+    Activation messages use the precision's activation itemsize (bf16/fp8: 2, a GPU's; minizero's emulation
+    sends float32, twice that). Returns: {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1
+    sequence-sized arrays are 1/cp as long.
     """
     m = as_shape(model)
     st = strategy.validate(m)
