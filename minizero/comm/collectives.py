@@ -7,6 +7,8 @@ records its bytes in ``comm.traffic`` under its own label, counts temporaries as
 """
 from __future__ import annotations
 
+import functools
+
 import numbers
 from typing import TYPE_CHECKING
 
@@ -125,7 +127,8 @@ def _scratch(a):
 RING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple, tuple, bool]]:
+@functools.lru_cache(maxsize=256)  # the same few (op, size) pairs every step: plan once
+def ring_steps(op: str, n: int, world_size: int, rank: int) -> tuple[tuple[tuple, tuple, bool], ...]:
     """The steps of the ring ``op`` on ``n`` elements for ``rank``: ``((send_off, send_size), (recv_off, recv_size), add)``.
 
     Send that chunk to rank+1 while receiving rank-1's into the other (``add``: reduce-scatter; else store).
@@ -142,7 +145,7 @@ def ring_steps(op: str, n: int, world_size: int, rank: int) -> list[tuple[tuple,
     if op in ("all_reduce", "all_gather"):
         steps += [(chunks[(rank - s) % world_size], chunks[(rank - s - 1) % world_size], False)
                   for s in range(world_size - 1)]
-    return steps
+    return tuple(steps)
 
 
 def ring_(comm: Communicator, buf, op: str, tmp=None, src=None) -> None:
