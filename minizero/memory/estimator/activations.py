@@ -275,7 +275,8 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     """Peak activation bytes of pipeline stage ``stage`` on one rank: (on the device, offloaded to host).
 
     peak = stored per layer x layers x micro-batches in flight (:func:`in_flight`) + embedding rows (stage 0) + head
-    rows (last stage) + max(0, recompute transient - head). With ``offload_activations``: ``"paper"`` keeps one
+    rows (last stage) + max(0, recompute transient - head); ``"minizero"`` (not gpipe) adds the token ids and
+    targets of the micro-batches already done, alive until the step ends. With ``offload_activations``: ``"paper"`` keeps one
     layer brought back plus the transient on the device; ``"minizero"`` keeps arrays under
     :data:`OFFLOAD_MIN_BYTES` and the recompute transient, the rest on the host once per buffer.
     """
@@ -312,6 +313,14 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     if stage == st.pp - 1:
         stored += sum(r.per_rank(t, sp) for r in head_rows) * (st.micro_batches if st.schedule == "gpipe" else 1)
         head = sum(r.per_rank(t, sp) for r in head_rows if r.part != "held")  # freed before the last layer's backward
+    if accounting == "minizero" and st.schedule != "gpipe":  # gpipe: every micro-batch is in flight already
+        # the step holds its m (x, y) pairs to its end (the loop's list; schedules index it), so the token ids and
+        # targets saved by micro-batches already done stay alive, and counted, until the last one's peak
+        if stage == 0:
+            ids = sum(r.per_rank(t, sp) for r in emb_rows if r.name.startswith("token ids"))
+            stored += ids * max(0, st.micro_batches - math.ceil(chunks / v))
+        if stage == st.pp - 1:
+            stored += sum(r.per_rank(t, sp) for r in head_rows if r.part == "held") * (st.micro_batches - 1)
     transient = _layer_transient(rows, t, sp, st.recompute)
     if st.offload_activations and accounting == "minizero":
         return _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v, layers_per_chunk)
