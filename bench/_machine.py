@@ -53,4 +53,4 @@ def set_malloc(default: bool) -> str:
         return (f"malloc: freed memory kept for reuse, every side (mallopt M_MMAP_THRESHOLD "
                 f"{backend.MALLOC_MMAP_THRESHOLD // 2 ** 20} MiB, M_TRIM_THRESHOLD "
                 f"{backend.MALLOC_TRIM_THRESHOLD // 2 ** 20} MiB, as the main job)")
-    return "malloc: unchanged (no glibc mallopt here)"
+    return "malloc: not kept (no glibc mallopt here, or it refused the settings)"

@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=None, help="passed to every run (default: the main job's)")
     args = p.parse_args()
+    if args.malloc and (args.base or args.precision):
+        p.error("--malloc compares the main job with --default-malloc on this checkout; not with --base or --precision")
     with tempfile.TemporaryDirectory() as base_tree:
         if args.base:
             archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", args.base], check=True, capture_output=True)

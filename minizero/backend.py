@@ -29,20 +29,20 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc (``mallopt(3)``) to keep freed memory for the next array instead of unmapping it.
 
     By default glibc maps large blocks fresh and unmaps them on free, so each temporary of a step faults its
-    pages in again (docs/benchmarks.md, "Memory allocation"). Process-wide. Returns False without glibc.
+    pages in again (docs/benchmarks.md, "Memory allocation"). Process-wide. Returns True if glibc took both
+    settings; False without glibc's mallopt, or where it refused one (e.g. a 32-bit glibc's lower ceiling).
     """
     global malloc_kept
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # no C library by that name, or one without mallopt
+    try:  # the process's own symbols (libc's among them): no ctypes.util.find_library, which runs ldconfig
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # no mallopt in this process: not glibc
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    malloc_kept = bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
-        mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h; each call returns 1 if accepted
+    set_mmap = bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD))
+    set_trim = bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+    malloc_kept = set_mmap and set_trim
     return malloc_kept
 
 
@@ -171,8 +171,8 @@ _HALF_TO_FLOAT = None  # the float32 value of each of the 65,536 float16 bit pat
 
 
 def widen(a):
-    """float16 ``a`` as a new float32 array, bitwise ``a.astype(np.float32)`` (layout too); else ``a``. NumPy:
-    a lookup in a 256 KiB table, 2-4x faster than NumPy's per-element half cast on x86 (numpy/numpy#28753)."""
+    """native float16 ``a`` as a new float32 array, bitwise ``a.astype(np.float32)`` (layout too); else ``a``.
+    NumPy: a lookup in a 256 KiB table, 2-4x faster than its per-element half cast on x86 (numpy/numpy#28753)."""
     if a.dtype != np.float16:
         return a
     if name != "numpy" or not isinstance(a, np.ndarray) or a.ndim == 0:
@@ -188,28 +188,30 @@ def widen(a):
 def narrow(a):
     """float32 ``a`` as float16, bitwise ``a.astype(np.float16)`` (nearest even; a NaN stays a NaN, not its payload).
 
-    NumPy: whole-array passes, where the float adds do the rounding ("magic number" rounding, as in F. Giesen's
-    float-to-half conversions), about 1.7x faster than NumPy's per-element cast; checked on all 2^32 inputs.
+    NumPy: whole-array passes where one float add does the rounding ("magic number" rounding, as in F. Giesen's
+    float-to-half conversions) and integers do the rest (no subnormal float arithmetic, so flush-to-zero modes do
+    not change it); faster than NumPy's per-element cast; checked on all 2^32 inputs. Native byte order only.
     """
     if name != "numpy" or a.dtype != np.float32 or not isinstance(a, np.ndarray) or a.ndim == 0:
         return a.astype(np.float16)
     if not a.flags.c_contiguous:  # the layout astype keeps
         return narrow(a.T).T if a.flags.f_contiguous else a.astype(np.float16)
-    r = np.clip(a, -65520.0, 65520.0)  # an inf becomes 65520, which rounds to inf below; a NaN stays
+    r = np.abs(a)
+    np.minimum(r, 65520.0, out=r)  # an inf becomes 65520, which rounds to inf below; a NaN stays
     bits = r.view(np.uint32)
-    m = bits & 0x7F800000  # r's exponent field, at least that of 2^-14 (below it float16's step is 2^-24) ...
+    m = bits & 0x7F800000  # |a|'s exponent field, at least that of 2^-14 (below it float16's step is 2^-24) ...
     np.clip(m, 113 << 23, 142 << 23, out=m)
-    m += 13 << 23  # ... times 2^13: M = +-2^(e + 13), whose ulp is float16's step at r
-    sign = bits & 0x80000000
+    m += 13 << 23  # ... times 2^13: M = 2^(e + 13), whose ulp is float16's step at |a|
+    r += m.view(np.float32)  # M + |a| rounded to nearest even by the FPU (a normal float: no subnormal here)
+    bits -= m  # |a| in float16 steps: 1024 + the 10 mantissa bits (2048 when it rounded up to 2^(e+1))
+    m -= 126 << 23  # float16's exponent field minus 1 (0 below 2^-14, where the steps are the subnormal's bits) ...
+    m >>= 13  # ... moved to bits 10-14
+    m += bits  # the half's bits: a carry into bit 10 moves the exponent, 65520 and up become 0x7C00 (inf)
+    np.minimum(m, 0x7E00, out=m)  # a NaN's bits are far above any half's: it becomes float16's NaN
+    sign = a.view(np.uint32) >> 16
+    sign &= 0x8000
     m |= sign
-    magic = m.view(np.float32)
-    r += magic  # rounded to nearest even by the FPU
-    r -= magic  # exact: r is now a float16 value, or 65536 for inf
-    r *= 2.0 ** -112  # rebias the exponent from float32's (127) to float16's (15): bits >> 13 are the half's
-    bits >>= 13
-    out = bits.astype(np.uint16)  # the sign (bit 18 here) is cut off ...
-    out |= (sign >> 16).astype(np.uint16)  # ... and put back at bit 15
-    return out.view(np.float16)
+    return m.astype(np.uint16).view(np.float16)
 
 
 def to_dtype(a, dtype):
@@ -223,7 +225,7 @@ def binary(op: str, a, b):
     """``xp.<op>(a, b)`` (op "add", "subtract", "multiply"); float16 in float32, rounded once: NumPy's bits,
     with whole-array casts in place of NumPy's per-element ones (about 7 ns an element on x86)."""
     f = getattr(xp, op)
-    if name != "numpy" or np.result_type(a, b) != np.float16:
+    if name != "numpy" or not (hasattr(a, "dtype") and hasattr(b, "dtype")) or np.result_type(a, b) != np.float16:
         return f(a, b)
     return narrow(f(widen(a), widen(b)))
 

@@ -51,6 +51,16 @@ def test_narrow_is_astype_at_every_rounding_boundary():
         assert backend.narrow(a).strides == a.astype(np.float16).strides
 
 
+def test_binary_is_numpys_float16_arithmetic():
+    rng = np.random.default_rng(5)
+    a, b = (rng.normal(size=(64, 33)) * 300).astype(np.float16), rng.normal(size=(64, 33)).astype(np.float16)
+    for op in ("add", "subtract", "multiply"):
+        for x, y in ((a, b), (a, np.float16(0.177)), (a, 1.5), (a, b.astype(np.float32))):  # Python float: NumPy's rule
+            want = getattr(np, op)(x, y)
+            got = backend.binary(op, x, y)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (op, type(y))
+
+
 def test_fp16_linear_adds_its_bias_before_the_one_rounding():
     rng = np.random.default_rng(3)
     x, w = rng.normal(size=(2, 5, 64)).astype(np.float16), rng.normal(size=(32, 64)).astype(np.float16)

@@ -119,23 +119,31 @@ def test_tracemalloc_is_off_unless_asked_and_rss_is_reported():
 
 def test_keep_freed_memory_serves_a_large_array_from_the_heap():
     """After ``keep_freed_memory`` a 4 MiB array is not an mmap of its own (glibc's mallinfo2: bytes in mmapped
-    blocks unchanged), so freeing it keeps its pages for the next array."""
-    import ctypes
-    import ctypes.util
+    blocks unchanged), so freeing it keeps its pages for the next array; before it, glibc maps it. In a child
+    process: the setting is process-wide and this test must not change the suite's own allocator."""
+    import subprocess
+    import sys
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
-        pytest.skip("no glibc >= 2.33 (mallinfo2) here")
-
-    class Info(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    mallinfo2.restype = Info
-    assert backend.keep_freed_memory() is True and backend.malloc_kept
+    child = """
+import ctypes, numpy as np
+from minizero import backend
+try:
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+except AttributeError:
+    raise SystemExit(3)  # no glibc >= 2.33
+class Info(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2.restype = Info
+def mapped_by_a_new_array():
     before = mallinfo2().hblkhd
-    a = np.ones(2 ** 20, np.float32)
-    assert mallinfo2().hblkhd == before  # from the heap, not a fresh mmap
-    del a
+    a = np.ones(2 ** 20, np.float32)  # 4 MiB
+    return mallinfo2().hblkhd - before
+print(mapped_by_a_new_array(), backend.keep_freed_memory(), mapped_by_a_new_array())
+"""
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    if run.returncode == 3:
+        pytest.skip("no glibc >= 2.33 (mallinfo2) here")
+    assert run.returncode == 0, run.stderr
+    default, kept, after = run.stdout.split()
+    assert int(default) >= 4 * 2 ** 20 and kept == "True" and int(after) == 0
