@@ -1,7 +1,7 @@
 """The memory ledger: every array minizero keeps alive, counted by category, one ledger per rank (thread-local).
 
 An array is counted by its owning buffer (``a.base`` to the root, once), under the first category that claims
-it, until freed (``weakref.finalize``); per module too (self and inclusive; (b, a, s, s) as ``<scope>:scores``).
+it, until freed (a ``weakref.ref`` callback); per module too (self and inclusive; (b, a, s, s) as ``<scope>:scores``).
 Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's model-state accounting (section 3).
 """
 from __future__ import annotations
@@ -116,12 +116,12 @@ class MemoryLedger:
         with self._lock:
             if key in self._live:
                 return False
-            self._live[key] = (category, nbytes, keys)
+            try:  # the entry holds the weak reference: untrack drops both, and no callback comes later
+                ref = weakref.ref(owner, lambda _ref, key=key: self._release(key))
+            except TypeError:  # object that cannot be weak-referenced: count, never release
+                ref = None
+            self._live[key] = (category, nbytes, keys, ref)
             self._add(category, nbytes, keys)
-        try:
-            weakref.finalize(owner, self._release, key)
-        except TypeError:  # object that cannot be weak-referenced: count, never release
-            pass
         return True
 
     def untrack(self, array) -> None:
@@ -161,7 +161,7 @@ class MemoryLedger:
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
-                category, nbytes, (name, incl) = entry
+                category, nbytes, (name, incl), _ref = entry
                 self.current[category] -= nbytes
                 self.by_module[(name, category)][0] -= nbytes
                 for n in incl:

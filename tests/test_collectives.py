@@ -178,6 +178,35 @@ def test_all_reduce_shapes_out_and_in_place():
         assert x.shape == (3, 4, 5)  # the input is untouched
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_into_out_reads_x_bitwise_as_in_place(world_size, algorithm):
+    """Both algorithms write every element of ``out`` and read ``x`` itself (no copy first): the in-place
+    bits, x intact (3 ranks: recursive doubling's fold)."""
+    from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES, all_reduce_algorithm
+
+    n = 1001 if algorithm == "recursive_doubling" else SMALL_ALLREDUCE_MAX_BYTES // 8 + 1001  # float64
+    assert all_reduce_algorithm(n * 8, world_size) == algorithm
+
+    def body(comm):
+        x = np.random.default_rng(comm.rank).standard_normal(n)
+        kept = x.copy()
+        out = all_reduce(comm, x, out=np.full(n, np.nan))
+        in_place = all_reduce(comm, x.copy(), out=None)
+        y = x.copy()
+        all_reduce(comm, y, out=y)
+        z = x.copy()
+        all_reduce(comm, z, out=z[...])  # another object over the same memory
+        return np.array_equal(x, kept), out, in_place, y, z
+
+    results = run_in_threads(world_size, body, timeout=30)
+    for untouched, out, in_place, y, z in results:
+        assert untouched
+        assert np.array_equal(out, y) and np.array_equal(in_place, y) and np.array_equal(z, y)
+        assert np.array_equal(out, results[0][1])  # the same bits on every rank
+
+
 # --------------------------------------------------------------------------- argument errors
 def _raises_in_rank(world_size, fn, exc_type, match):
     """Run ``fn(comm)``: the caller sees ``exc_type`` with ``match`` and the rank in its message."""
@@ -198,6 +227,13 @@ def test_clear_errors():
     _raises_in_rank(2, lambda c: c.send(np.zeros(2), 5), ValueError, "dest=5")
     _raises_in_rank(2, lambda c: c.send(np.zeros(2), 0, tag=-1), ValueError, "tag=-1")
     _raises_in_rank(2, lambda c: c.send([1.0], 0), TypeError, "must be an array")
+    _raises_in_rank(2, lambda c: c.recv(np.zeros(2), np.int64(5)), ValueError, "source=.*5.* is not a rank")  # NumPy ints are checked too
+
+    def read_only(c):
+        buf = np.zeros(2)
+        buf.flags.writeable = False
+        c.recv(buf, 1 - c.rank)
+    _raises_in_rank(2, read_only, ValueError, "recv buffer is read-only")
     _raises_in_rank(2, lambda c: c.native_allreduce(np.zeros(2 + c.rank)), ValueError, "different arrays")
 
 

@@ -10,6 +10,8 @@ import os
 import time
 import numbers
 
+import numpy as np
+
 from minizero import backend
 from minizero.comm import flight
 from minizero.comm.collectives import bytes_sent, shard_range
@@ -68,6 +70,8 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 # --------------------------------------------------------------------------- checks
 def _check_array(buf, what: str, writeable: bool = False) -> None:
     """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into."""
+    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable):
+        return  # the common case, checked first (every message)
     if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
@@ -75,6 +79,8 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
             f"{what} must be C-contiguous, got shape {buf.shape} with strides {buf.strides}; "
             "pass xp.ascontiguousarray(a) (messages are sent straight from the array's memory)"
         )
+    if writeable and not getattr(buf.flags, "writeable", True):
+        raise ValueError(f"{what} is read-only (shape {buf.shape}); received bytes need a writeable array")
 
 
 # --------------------------------------------------------------------------- interface
@@ -227,12 +233,16 @@ class Communicator(abc.ABC):
         return bytes_sent(op, x.size, x.itemsize, self.world_size, self.rank, root=root)
 
     def _check_rank(self, r, what: str) -> int:
+        if type(r) is int and 0 <= r < self.world_size:  # the common case, without numbers.Integral's ABC check
+            return r
         if not isinstance(r, numbers.Integral) or not 0 <= r < self.world_size:
             raise ValueError(f"{what}={r!r} is not a rank; allowed: 0..{self.world_size - 1}")
         return int(r)
 
     @staticmethod
     def _check_tag(tag) -> int:
+        if type(tag) is int and 0 <= tag <= MAX_TAG:
+            return tag
         if not isinstance(tag, numbers.Integral) or not 0 <= tag <= MAX_TAG:
             raise ValueError(f"tag={tag!r}; allowed: an int in [0, {MAX_TAG}]")
         return int(tag)

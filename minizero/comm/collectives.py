@@ -12,6 +12,8 @@ import functools
 import numbers
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from minizero import backend
 from minizero.comm.recursive_doubling import (all_reduce_algorithm, bytes_sent_recursive_doubling,
                                               recursive_doubling_all_reduce_)
@@ -108,6 +110,8 @@ def mean_scale_(x, world_size: int, before_sum: bool, predivided: bool = False):
 
 
 def _check_contiguous(x, what: str) -> None:
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, checked first
+        return
     if not (hasattr(x, "flags") and hasattr(x, "size")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(x).__name__}")
     if not x.flags.c_contiguous:
@@ -148,22 +152,23 @@ def ring_steps(op: str, n: int, world_size: int, rank: int) -> tuple[tuple[tuple
     return tuple(steps)
 
 
-def ring_(comm: Communicator, buf, op: str, tmp=None, src=None) -> None:
+def ring_(comm: Communicator, buf, op: str, tmp=None, src=None, out=None) -> None:
     """Run the ring ``op`` in place on the flat (n,) ``buf``, blocking: one ``sendrecv`` per step.
 
     ``reduce_scatter``: chunk ``comm.rank`` ends as the sum; ``all_gather``: chunk ``comm.rank`` must be set,
     every chunk ends filled; ``all_reduce``: both. ``tmp``: receive scratch of at least the largest chunk.
-    ``src`` (reduce_scatter only): the flat input, read where ``buf`` would hold an untouched copy of it (the
-    first send, each step's own addend), so ``buf`` need not be filled first; the same sums, bitwise.
+    ``src`` (reduce_scatter, all_reduce): the flat input, read where ``buf`` would hold an untouched copy of it
+    (the first send, each step's own addend), so ``buf`` need not be filled first; the same sums, bitwise.
+    ``out`` (reduce_scatter only): where the last step puts this rank's chunk of the sum, in place of ``buf``.
     """
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
-    for i, ((send_off, send_size), (recv_off, recv_size), add) in enumerate(
-            ring_steps(op, buf.size, comm.world_size, comm.rank)):
+    steps = ring_steps(op, buf.size, comm.world_size, comm.rank)
+    for i, ((send_off, send_size), (recv_off, recv_size), add) in enumerate(steps):
         incoming = tmp[:recv_size] if add else buf[recv_off:recv_off + recv_size]
         sending = src if src is not None and i == 0 else buf  # reduce_scatter: later sends are sums made here
         comm.sendrecv(sending[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
         if add:
-            acc = buf[recv_off:recv_off + recv_size]
+            acc = out if out is not None and i == len(steps) - 1 else buf[recv_off:recv_off + recv_size]
             mine = acc if src is None else src[recv_off:recv_off + recv_size]
             backend.array_module(acc).add(mine, incoming, out=acc)
 
@@ -182,15 +187,17 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     if native:
         return comm.native_reduce_scatter(x)
     n, world_size = x.size, comm.world_size
-    offset, size = shard_range(n, world_size, comm.rank)
+    size = shard_range(n, world_size, comm.rank)[1]
     with comm.traffic.op("reduce_scatter", x):
         if world_size == 1:  # nothing to reduce: the chunk is the whole of x
             return x.reshape(-1).copy()
         flat = x.reshape(-1)
-        buf = _scratch(backend.array_module(x).empty(n, dtype=x.dtype))  # the partial sums; x is only read
-        tmp = _scratch(backend.array_module(x).empty(shard_range(n, world_size, 0)[1], dtype=x.dtype))
-        ring_(comm, buf, "reduce_scatter", tmp, src=flat)
-        return buf[offset:offset + size].copy()  # a copy, so the full buffer can be freed
+        xp = backend.array_module(x)
+        # one scratch array: the partial sums (x is only read), then the receive buffer of the largest chunk
+        work = _scratch(xp.empty(n + shard_range(n, world_size, 0)[1], dtype=x.dtype))
+        out = xp.empty(size, dtype=x.dtype)  # the ring's last step adds this rank's chunk straight into it
+        ring_(comm, work[:n], "reduce_scatter", work[n:], src=flat, out=out)
+        return out
 
 
 def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = False):
@@ -238,16 +245,17 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     if out is None:
         out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
     with comm.traffic.op("all_reduce", x):
-        if out is not x:
-            out[...] = x
-        buf = out.reshape(-1)  # a view: the algorithm works in place in out
         if comm.world_size == 1:  # one rank: a copy, no scratch
+            if out is not x:
+                out[...] = x
             return out
+        buf = out.reshape(-1)  # a view: the algorithm works in place in out ...
+        src = None if out is x else x.reshape(-1)  # ... reading x itself where out would hold a copy of it
         if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
-            recursive_doubling_all_reduce_(comm, buf, _scratch(backend.array_module(buf).empty_like(buf)))
+            recursive_doubling_all_reduce_(comm, buf, _scratch(backend.array_module(buf).empty_like(buf)), src=src)
             return out
         tmp = _scratch(backend.array_module(x).empty(shard_range(buf.size, comm.world_size, 0)[1], dtype=x.dtype))
-        ring_(comm, buf, "all_reduce", tmp)
+        ring_(comm, buf, "all_reduce", tmp, src=src)
     return out
 
 

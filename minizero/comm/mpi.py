@@ -7,6 +7,7 @@ Mirrors: MPI-3.1, chapter 3 and section 5.12; PyTorch's process-group ``timeout`
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 
@@ -22,12 +23,18 @@ PACK_MAX_BYTES = 64 * 2 ** 10  #: payloads up to this go in one message with the
 
 
 def _header(buf) -> np.ndarray:
-    """The 64-byte description of ``buf`` sent ahead of its bytes: dtype, ndim, size, shape."""
+    """The 64-byte description of ``buf`` sent ahead of its bytes: dtype, ndim, size, shape (read-only)."""
+    return _header_of(buf.dtype.str, buf.shape)
+
+
+@functools.lru_cache(maxsize=1024)  # a job sends the same few shapes every step: build each header once
+def _header_of(dtype_str: str, shape: tuple) -> np.ndarray:
     h = np.zeros(_HEADER_WORDS, dtype=np.int64)
-    h[0] = int.from_bytes(buf.dtype.str.encode("ascii")[:8].ljust(8, b"\0"), "little")
-    h[1], h[2] = buf.ndim, buf.size
-    if buf.ndim <= _HEADER_WORDS - 3:
-        h[3:3 + buf.ndim] = buf.shape
+    h[0] = int.from_bytes(dtype_str.encode("ascii")[:8].ljust(8, b"\0"), "little")
+    h[1], h[2] = len(shape), int(np.prod(shape, dtype=np.int64))
+    if len(shape) <= _HEADER_WORDS - 3:
+        h[3:3 + len(shape)] = shape
+    h.flags.writeable = False
     return h
 
 
@@ -204,9 +211,11 @@ class MPICommunicator(Communicator):
 
     def _receive(self, buf, source, tag, op, pending=()):
         """Receive into ``buf`` (ValueError on a mismatch), then finish the requests ``pending``."""
-        self._poll(_Incoming(self, buf, source, tag, op).test, op, source, tag)
-        if pending:
-            self._wait(pending, op, source, tag)
+        incoming = _Incoming(self, buf, source, tag, op)
+        if pending:  # one wait for both: the receive (checked first) and the sends
+            self._poll(lambda: incoming.test() and _MPI.Request.Testall(pending), op, source, tag)
+        else:
+            self._poll(incoming.test, op, source, tag)
 
     def _send(self, buf, dest, tag):
         requests, _keep = self._post_send(buf, dest, tag)

@@ -52,28 +52,35 @@ def bytes_sent_recursive_doubling(n: int, itemsize: int, world_size: int, rank: 
     return messages * n * itemsize
 
 
-def recursive_doubling_all_reduce_(comm, buf, tmp) -> None:
-    """In place on the flat (n,) ``buf``: afterwards the sum over ranks; ``tmp``: n elements of buf's dtype."""
+def recursive_doubling_all_reduce_(comm, buf, tmp, src=None) -> None:
+    """In place on the flat (n,) ``buf``: afterwards the sum over ranks; ``tmp``: n elements of buf's dtype.
+
+    ``src``: the flat input, read until the first sum is written to ``buf`` (so ``buf`` need not hold a copy
+    of it first); None: ``buf`` holds the input. The same bits either way.
+    """
     xp, rank, world_size = backend.array_module(buf), comm.rank, comm.world_size
     p, rem = _fold(world_size)
+    mine = buf if src is None else src  # this rank's partial sum: the input until buf is written
     if rank < 2 * rem and rank % 2 == 0:  # folded out: hand the buffer on, get the sum back
-        comm.send(buf, rank + 1, tag=_RD_TAG)
+        comm.send(mine, rank + 1, tag=_RD_TAG)
         comm.recv(buf, rank + 1, tag=_RD_TAG)
         return
     if rank < 2 * rem:
         comm.recv(tmp, rank - 1, tag=_RD_TAG)
-        xp.add(tmp, buf, out=buf)  # x_2i + x_2i+1
+        xp.add(tmp, mine, out=buf)  # x_2i + x_2i+1
+        mine = buf
         v = rank // 2
     else:
         v = rank - rem
     mask = 1
     while mask < p:
         partner = _real_rank(v ^ mask, rem)
-        comm.sendrecv(buf, partner, tmp, partner, tag=_RD_TAG)
+        comm.sendrecv(mine, partner, tmp, partner, tag=_RD_TAG)
         if v & mask:  # the lower virtual rank's partial sum first (commutative: the same bits either way)
-            xp.add(tmp, buf, out=buf)
+            xp.add(tmp, mine, out=buf)
         else:
-            xp.add(buf, tmp, out=buf)
+            xp.add(mine, tmp, out=buf)
+        mine = buf
         mask <<= 1
     if rank < 2 * rem:
         comm.send(buf, rank - 1, tag=_RD_TAG)

@@ -50,30 +50,12 @@ class TrafficLedger:
         """The flight recorder of the root ledger (:mod:`minizero.comm.flight`), or None if it was removed."""
         return self.recorder if self.parent is None else self.parent.active_recorder()
 
-    @contextlib.contextmanager
-    def op(self, label: str, buf=None):
-        """Attribute bytes recorded inside the block to ``label`` (unless an outer block is open).
+    def op(self, label: str, buf=None) -> _OpBlock:
+        """A ``with`` block: bytes recorded inside it go to ``label`` (unless an outer block is open).
 
         The block is a trace span and one flight-recorder entry; ``buf`` (a whole-group collective's array) gives its shape.
         """
-        self._add(label, nbytes=0, calls=1)
-        recorder = self.active_recorder()
-        entry = recorder.post(self, label, buf) if recorder is not None else None
-        self._labels.append(label)
-        before = self.bytes_sent
-        try:
-            with self.span(label) as args:
-                yield self
-                args["bytes"] = self.bytes_sent - before
-        except BaseException as e:
-            if entry is not None:
-                recorder.end(entry, e)
-            raise
-        else:
-            if entry is not None:
-                recorder.end(entry)
-        finally:
-            self._labels.pop()
+        return _OpBlock(self, label, buf)
 
     def record(self, nbytes: int) -> None:
         """Record one message of ``nbytes`` bytes sent by this rank. Raises ValueError: negative ``nbytes``."""
@@ -117,3 +99,43 @@ class TrafficLedger:
     def __repr__(self) -> str:
         return f"TrafficLedger(bytes_sent={self.bytes_sent}, by_op={self.by_op})"
 
+
+
+class _OpBlock:
+    """:meth:`TrafficLedger.op`'s block (a class, not a generator: it opens around every collective call)."""
+
+    __slots__ = ("ledger", "label", "buf", "recorder", "entry", "before", "span", "args")
+
+    def __init__(self, ledger: TrafficLedger, label: str, buf):
+        self.ledger, self.label, self.buf = ledger, label, buf
+
+    def __enter__(self) -> TrafficLedger:
+        ledger, label = self.ledger, self.label
+        ledger._add(label, nbytes=0, calls=1)
+        self.recorder = ledger.active_recorder()
+        self.entry = self.recorder.post(ledger, label, self.buf) if self.recorder is not None else None
+        ledger._labels.append(label)
+        self.before = ledger.bytes_sent
+        tracer = ledger.active_tracer()
+        self.span = None
+        if tracer is not None:
+            try:
+                span = tracer.span(label, "comm", trace.COMM)
+                self.args = span.__enter__()
+            except BaseException:
+                ledger._labels.pop()
+                raise
+            self.span = span
+        return ledger
+
+    def __exit__(self, error_type, error, tb) -> bool:
+        try:
+            if self.span is not None:
+                if error_type is None:
+                    self.args["bytes"] = self.ledger.bytes_sent - self.before
+                self.span.__exit__(error_type, error, tb)
+        finally:
+            self.ledger._labels.pop()
+            if self.entry is not None:
+                self.recorder.end(self.entry, error)
+        return False
