@@ -177,12 +177,22 @@ def widen(a):
         return a
     if name != "numpy" or not isinstance(a, np.ndarray) or a.ndim == 0:
         return a.astype(np.float32)
-    if not a.flags.c_contiguous:  # the layout astype keeps (a GEMM's rounding depends on its operands' order)
-        return widen(a.T).T if a.flags.f_contiguous else a.astype(np.float32)
     global _HALF_TO_FLOAT
     if _HALF_TO_FLOAT is None:
         _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    if not a.flags.c_contiguous:  # the layout astype gives (a GEMM's rounding depends on its operands' order)
+        perm = _dense_order(a)
+        if perm is not None:  # e.g. a transpose: widen it in memory order, the same axes put back
+            return widen(a.transpose(perm)).transpose(np.argsort(perm))
+        out = np.empty_like(a, dtype=np.float32)  # a strided view: astype's layout, as empty_like orders it
+        return np.take(_HALF_TO_FLOAT, a.view(np.uint16), out=out, mode="clip")
     return np.take(_HALF_TO_FLOAT, a.view(np.uint16), mode="clip")  # every uint16 is in range: no bounds checks
+
+
+def _dense_order(a):
+    """The axis order that makes ``a`` C-contiguous (a transpose of a dense block, as a permuted copy is), or None."""
+    perm = tuple(sorted(range(a.ndim), key=lambda i: -a.strides[i]))
+    return perm if a.transpose(perm).flags.c_contiguous else None
 
 
 def narrow(a):
@@ -195,7 +205,8 @@ def narrow(a):
     if name != "numpy" or a.dtype != np.float32 or not isinstance(a, np.ndarray) or a.ndim == 0:
         return a.astype(np.float16)
     if not a.flags.c_contiguous:  # the layout astype keeps
-        return narrow(a.T).T if a.flags.f_contiguous else a.astype(np.float16)
+        perm = _dense_order(a)
+        return a.astype(np.float16) if perm is None else narrow(a.transpose(perm)).transpose(np.argsort(perm))
     r = np.abs(a)
     np.minimum(r, 65520.0, out=r)  # an inf becomes 65520, which rounds to inf below; a NaN stays
     bits = r.view(np.uint32)

@@ -30,6 +30,25 @@ def test_widen_is_astype_for_every_half_and_keeps_the_layout():
     assert backend.widen(f32) is f32  # not float16: no copy
 
 
+def _layouts(x):
+    """Views of the (8, 12, 24) ``x`` as attention makes them, and others: each must come back in astype's layout."""
+    heads = x[..., :8].reshape(8, 12, 2, 4).transpose(0, 2, 1, 3)  # a head split of one third of a fused projection
+    return [heads, heads.transpose(0, 1, 3, 2), x.transpose(1, 0, 2), x.T, x[:, :, 3:17], x[::2], x[:, ::-1],
+            x[..., :1], np.broadcast_to(x[0, 0], (3, 24)), x[0].T, x.transpose(2, 0, 1)[1:]]
+
+
+def test_widen_and_narrow_keep_astypes_layout_for_every_view():
+    x = np.random.default_rng(1).normal(size=(8, 12, 24)).astype(np.float16)
+    for a in _layouts(x):
+        want = a.astype(np.float32)
+        got = backend.widen(a)
+        assert got.strides == want.strides and got.tobytes() == want.tobytes(), (a.shape, a.strides)
+    for a in _layouts(x.astype(np.float32) * 1.001):  # float32 views, dense and not
+        want = a.astype(np.float16)
+        got = backend.narrow(a)
+        assert got.strides == want.strides and got.tobytes() == want.tobytes(), (a.shape, a.strides)
+
+
 def test_narrow_is_astype_at_every_rounding_boundary():
     """backend.narrow against NumPy's cast: every half, every tie between neighbours and the float32 values either
     side of it, the overflow edge, specials, and random bit patterns (all 2^32 were checked once, off the suite)."""
