@@ -59,9 +59,9 @@ class MemoryLedger:
 
     def __init__(self):
         # re-entrant: a garbage collection can run inside the locked block (any allocation may
-        # trigger one), and the finalizer of a collected array calls _release on this thread
+        # trigger one), and the weak reference's callback of a collected array calls _release on this thread
         self._lock = threading.RLock()
-        self._live: dict[int, tuple[str, int]] = {}
+        self._live: dict[int, tuple] = {}  # id(owner) -> (category, bytes, (self name, inclusive names), weakref)
         self.current = {c: 0 for c in CATEGORIES}
         self.peak = {c: 0 for c in CATEGORIES}
         self.peak_total = 0

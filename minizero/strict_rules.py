@@ -18,14 +18,15 @@ FUNCTIONS = """zeros empty ones full zeros_like empty_like ones_like full_like a
     broadcast_to broadcast_arrays expand_dims squeeze reshape ravel triu tril cumsum prod sum mean max min amax
     amin argmax argmin argsort sort bincount flatnonzero nonzero all any clip matmul dot einsum outer
     take take_along_axis tile repeat pad roll unique searchsorted copyto shape ndim size var std round
-    array_equal allclose isclose count_nonzero diff flip""".split()
+    array_equal allclose isclose count_nonzero diff flip may_share_memory""".split()
 
 #: the ufunc methods CuPy has beyond ``__call__`` and ``outer``, and the ufuncs that have each
 UFUNC_METHODS = {"reduce": ("add", "multiply"), "accumulate": ("add", "multiply"), "reduceat": ("add",),
                  "at": ("add", "subtract", "maximum", "minimum", "bitwise_and", "bitwise_or", "bitwise_xor")}
 #: functions whose every positional argument is an array operand (CuPy runs them as ufuncs or needs ndarrays),
 #: and those whose first one is not an array (a shape, a sequence of arrays, a subscript string)
-EVERY_OPERAND = frozenset("where clip matmul dot outer array_equal allclose isclose take_along_axis".split())
+EVERY_OPERAND = frozenset("where clip matmul dot outer array_equal allclose isclose take_along_axis "
+                           "may_share_memory".split())
 NOT_ARRAY_FIRST = frozenset("zeros empty ones full arange linspace eye concatenate stack hstack vstack "
                             "broadcast_arrays einsum".split())
 

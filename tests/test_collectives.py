@@ -198,13 +198,17 @@ def test_all_reduce_into_out_reads_x_bitwise_as_in_place(world_size, algorithm):
         all_reduce(comm, y, out=y)
         z = x.copy()
         all_reduce(comm, z, out=z[...])  # another object over the same memory
-        return np.array_equal(x, kept), out, in_place, y, z
+        shifted = np.concatenate([x, [0.0]])  # out overlaps x one element over: read x before out is written
+        all_reduce(comm, shifted[1:], out=shifted[:-1])
+        return np.array_equal(x, kept), out, in_place, y, z, shifted[:-1]
 
     results = run_in_threads(world_size, body, timeout=30)
-    for untouched, out, in_place, y, z in results:
+    total = sum(np.random.default_rng(k).standard_normal(n) for k in range(world_size))
+    for untouched, out, in_place, y, z, shifted in results:
         assert untouched
         assert np.array_equal(out, y) and np.array_equal(in_place, y) and np.array_equal(z, y)
         assert np.array_equal(out, results[0][1])  # the same bits on every rank
+        np.testing.assert_allclose(shifted, np.concatenate([total[1:], [0.0]]), rtol=1e-12, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- argument errors
@@ -234,6 +238,18 @@ def test_clear_errors():
         buf.flags.writeable = False
         c.recv(buf, 1 - c.rank)
     _raises_in_rank(2, read_only, ValueError, "recv buffer is read-only")
+
+    def read_only_out(c):
+        out = np.zeros(2)
+        out.flags.writeable = False
+        all_reduce(c, np.ones(2), out=out)
+    _raises_in_rank(2, read_only_out, ValueError, "out is read-only")
+
+    def read_only_root(c):  # the root of a broadcast only reads its array
+        x = np.arange(3.0) if c.rank == 0 else np.zeros(3)
+        x.flags.writeable = c.rank != 0
+        return c.native_bcast(x, root=0).copy()
+    assert all(np.array_equal(got, np.arange(3.0)) for got in run_in_threads(2, read_only_root, timeout=10))
     _raises_in_rank(2, lambda c: c.native_allreduce(np.zeros(2 + c.rank)), ValueError, "different arrays")
 
 

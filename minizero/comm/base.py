@@ -69,7 +69,10 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 
 # --------------------------------------------------------------------------- checks
 def _check_array(buf, what: str, writeable: bool = False) -> None:
-    """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into."""
+    """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into.
+
+    Raises TypeError: not an array; ValueError: not C-contiguous, or read-only where ``writeable``.
+    """
     if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable):
         return  # the common case, checked first (every message)
     if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
@@ -221,8 +224,8 @@ class Communicator(abc.ABC):
 
     def native_bcast(self, x, root: int = 0):
         """Library broadcast of root's ``x`` into ``x`` on every rank, in place; returns ``x`` (``"broadcast"``)."""
-        _check_array(x, "x", writeable=True)
         root = self._check_rank(root, "root")
+        _check_array(x, "x", writeable=self.rank != root)  # the root only reads x
         with self.traffic.op("broadcast", x):
             self.traffic.record(self._estimate("broadcast", x, root))
             self._native_bcast(x, root)

@@ -231,15 +231,19 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB, else the ring.
 
     Args:
-        x: any shape, C-contiguous, same shape and dtype on every rank.  out: optional array of x's shape (may be x).
+        x: any shape, C-contiguous, same shape and dtype on every rank.  out: optional array of x's shape (may be x
+        or overlap it).
     Returns ``out`` (a new array if None). Bytes (``"all_reduce"``): ring 2(N-1)/N * x.nbytes; recursive
-    doubling log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype.
+    doubling log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype
+    or read-only.
     """
     _check_contiguous(x, "x")
     if out is not None:
         _check_contiguous(out, "out")
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
+        if not getattr(out.flags, "writeable", True):
+            raise ValueError(f"out is read-only (shape {out.shape}); the sum is written into it")
     if native:
         return comm.native_allreduce(x, out=out)
     if out is None:
@@ -249,8 +253,10 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
             if out is not x:
                 out[...] = x
             return out
-        buf = out.reshape(-1)  # a view: the algorithm works in place in out ...
-        src = None if out is x else x.reshape(-1)  # ... reading x itself where out would hold a copy of it
+        buf = out.reshape(-1)  # a view: the algorithm works in place in out, reading x itself where out would
+        src = None if backend.array_module(x).may_share_memory(out, x) else x.reshape(-1)  # hold a copy of it
+        if src is None and out is not x:  # out overlaps x: copy first (the algorithm writes out before it reads x)
+            out[...] = x
         if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":
             recursive_doubling_all_reduce_(comm, buf, _scratch(backend.array_module(buf).empty_like(buf)), src=src)
             return out

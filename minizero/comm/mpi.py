@@ -213,7 +213,7 @@ class MPICommunicator(Communicator):
         """Receive into ``buf`` (ValueError on a mismatch), then finish the requests ``pending``."""
         incoming = _Incoming(self, buf, source, tag, op)
         if pending:  # one wait for both: the receive (checked first) and the sends
-            self._poll(lambda: incoming.test() and _MPI.Request.Testall(pending), op, source, tag)
+            self._poll(lambda: incoming.test() and _mpi().Request.Testall(pending), op, source, tag)
         else:
             self._poll(incoming.test, op, source, tag)
 

@@ -100,7 +100,6 @@ class TrafficLedger:
         return f"TrafficLedger(bytes_sent={self.bytes_sent}, by_op={self.by_op})"
 
 
-
 class _OpBlock:
     """:meth:`TrafficLedger.op`'s block (a class, not a generator: it opens around every collective call)."""
 
@@ -122,8 +121,10 @@ class _OpBlock:
             try:
                 span = tracer.span(label, "comm", trace.COMM)
                 self.args = span.__enter__()
-            except BaseException:
+            except BaseException as e:
                 ledger._labels.pop()
+                if self.entry is not None:
+                    self.recorder.end(self.entry, e)
                 raise
             self.span = span
         return ledger
