@@ -11,6 +11,7 @@ import math
 import os
 
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
+from minizero.checkpoint.format import complete as complete_checkpoints
 from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
@@ -30,6 +31,7 @@ MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
 #: micro-batches per step and sequences per step (the data of one step is held at once)
 MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
+MAX_BUCKET_MB = 2 ** 20  #: --bucket-mb: 1 TiB, far above any model here; a larger float overflows the byte count
 LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 
@@ -168,8 +170,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         raise UsageError(f"--loss-spike must be 0 (off) or a finite factor > 1, got {args.loss_spike}")
     if not (args.grad_clip >= 0):
         raise UsageError(f"--grad-clip must be >= 0 (0 disables), got {args.grad_clip}")
-    if not (args.bucket_mb * 2 ** 20 >= 1 and math.isfinite(args.bucket_mb)):
-        raise UsageError(f"--bucket-mb must be at least one byte (2**-20) and finite, got {args.bucket_mb}")
+    if not (args.bucket_mb * 2 ** 20 >= 1 and args.bucket_mb <= MAX_BUCKET_MB):
+        raise UsageError(f"--bucket-mb must be at least one byte (2**-20) and at most {MAX_BUCKET_MB:,} "
+                         f"(1 TiB), got {args.bucket_mb}")
     if args.show_shards and not args.zero:
         raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
     if args.precision == "fp16" and args.dtype != "float32":
@@ -286,6 +289,24 @@ def _check_checkpoint(args) -> None:
             verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+    _check_save_dir_is_this_runs(args)
+
+
+def _check_save_dir_is_this_runs(args) -> None:
+    """A save dir that already holds checkpoints takes this run's only when it resumes one of them: a fresh run
+    (or one resumed from elsewhere) would overwrite another run's steps and move its ``latest``."""
+    held = complete_checkpoints(args.save_dir) if args.save_every else []
+    if not held:
+        return
+    if args.resume:
+        resumed = os.path.dirname(os.path.abspath(resolve(args.resume)))
+        if resumed == os.path.abspath(args.save_dir):
+            return
+    names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
+    raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "
+                     + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else
+                        f"--resume {args.resume!r} is not one of them")
+                     + ", or give another --save-dir (or --out)")
 
 
 def check_steps_left(args) -> None:
@@ -357,3 +378,31 @@ def resolve_parallel_args(args, world_size: int) -> int:
     check_bf16(args)
     check_moe(args)
     return args.dp
+
+
+def differing_flags(every_flags, shown: int = 3) -> list[str]:
+    """``"--tp: 2 on rank 0, 1 on rank 1"`` for each setting whose value differs between ranks: the flags as
+    given first, then the settings parse_args derives from them; at most ``shown``. ``every_flags``: each
+    rank's ``(parsed flags, dataclasses.asdict of its TrainConfig)``. Ranks that train with different
+    layouts, precisions or step counts agree on nothing: a wrong loss, a hang or a mismatched message."""
+    names = []
+    for part in (0, 1):
+        for name in every_flags[0][part]:
+            values = [repr(f[part].get(name)) for f in every_flags]  # repr: a NaN equals a NaN
+            if len(set(values)) > 1 and name not in (n for n, _ in names):
+                names.append((name, values))
+    out = []
+    for name, values in names:
+        groups = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        out.append(f"--{name.replace('_', '-')}: " + ", ".join(
+            f"{'not given' if value == 'None' else value} on rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}"
+            for value, ranks in groups.items()))
+    return out[:shown] + ([f"and {len(out) - shown} more"] if len(out) > shown else [])
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``0`` / ``0-3`` / ``0, 2, 5``: a list of ranks, runs of consecutive ranks as a range."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \
+        ", ".join(map(str, ranks))

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from minizero import backend
+from minizero.args import differing_flags
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import atomic_write, check_output
@@ -163,16 +164,32 @@ def main(argv=None) -> int:
     prog = "python -m minizero.finetune: error:"
     comm = _world(args.zero)
     rank = 0 if comm is None else comm.rank
+    verdict = None
     try:
         check(args)
         if comm is not None and args.batch_size % comm.world_size:
             raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {comm.world_size} ranks")
         tokens = load_tokens(args.data)
-        _, val_tok = train_val_split(tokens)
         model0, _ = load_trained(args.weights)
         need = min_data_bytes(model0.config.block_size)
         if len(tokens) < need:
             raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
+    except (FileNotFoundError, ValueError) as e:
+        verdict = str(e)
+    if comm is not None:  # every rank's verdict and flags: one rank refusing, or started otherwise, ends them all
+        verdicts, flags = zip(*comm.mpi_comm.allgather((verdict, (vars(args), {}))))
+        bad = [r for r, v in enumerate(verdicts) if v is not None]
+        differ = differing_flags(flags)
+        if bad:
+            verdict = verdicts[0] if bad[0] == 0 else f"[rank {bad[0]}] {verdicts[bad[0]]}"
+        elif differ:
+            verdict = ("the ranks were started with different flags: " + "; ".join(differ)
+                       + "; start every rank with the same command")
+    if verdict is not None:
+        if rank == 0:
+            print(f"{prog} {verdict}", file=sys.stderr)
+        return 2
+    try:
         rows, state = [], None
         for method in (METHODS if args.table else (args.method,)):
             row, _, state = finetune(args, method, tokens, comm)

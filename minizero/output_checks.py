@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 from minizero.checkpoint import checkpoint_holding
+from minizero.files import check_writable_folder
 from minizero.flags import UsageError
 
 
@@ -62,12 +62,10 @@ def outside_checkpoints(flag: str, path: str, given: str) -> None:
 
 
 def probe(folder: str, flag: str) -> None:
-    """Create ``folder`` if missing, then create and remove a file in it (access() says yes for root on /proc)."""
+    """Create and remove a file in ``folder``, or in its nearest existing ancestor when it does not exist yet
+    (nothing is left behind: a run refused later finds no empty folder); access() says yes for root on /proc."""
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".minizero-probe.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
+        check_writable_folder(folder)
     except OSError as e:
         raise UsageError(f"{flag} {folder!r} cannot be written ({e.strerror or e}); "
                          "give a folder on a writable file system") from None

@@ -9,6 +9,7 @@ every run, and a rank whose arguments its peers accept left waiting for them.
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -129,6 +130,35 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.timeout(120)
+def test_ranks_started_with_different_flags_are_refused_naming_them(mpiexec, tmp_path):
+    """Before: rank 0 trained tensor-parallel and rank 1 data-parallel, and the job ended with exit 0 and a loss
+    twice the normal (other flags: a hang, or a traceback from inside a collective). Nothing is written."""
+    out = tmp_path / "out"
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--out", str(out)]
+    cmd = [mpiexec, "-n", "1", *good, "--tp", "2", ":", "-n", "1", *good]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("the ranks were started with different flags: --tp: 2 on rank 0, not given on rank 1;"
+            in proc.stderr) and "start every rank with the same command" in proc.stderr
+    assert not out.exists()  # refused before anything was made
+
+
+def test_differing_flags_names_the_given_flags_first_then_derived_ones():
+    from minizero.args import differing_flags
+
+    given = [{"tp": 2, "lr": float("nan"), "steps": 3}, {"tp": None, "lr": float("nan"), "steps": 3},
+             {"tp": None, "lr": float("nan"), "steps": 3}]
+    resolved = [{"dp": 1, "tp": 2, "lr": float("nan")}, {"dp": 3, "tp": 1, "lr": float("nan")},
+                {"dp": 3, "tp": 1, "lr": float("nan")}]
+    assert differing_flags(list(zip(given, resolved))) == [  # NaN equals NaN; ranks 1-2 as one group
+        "--tp: 2 on rank 0, not given on ranks 1, 2", "--dp: 1 on rank 0, 3 on ranks 1, 2"]
+    same = [({"a": 1}, {"a": 1})] * 4
+    assert differing_flags(same) == []
+    many = [({f"f{i}": r for i in range(5)}, {}) for r in range(4)]
+    assert differing_flags(many, shown=2)[-1] == "and 3 more" and "0 on rank 0, 1 on rank 1" in differing_flags(many)[0]
+
+
 # --------------------------------------------------------------------------- --resume
 @pytest.mark.timeout(120)
 def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
@@ -139,6 +169,23 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
         assert f"is at step 2; --steps {steps} leaves nothing to train" in proc.stderr
         assert "minizero: 1 rank(s)" not in proc.stdout  # nothing built
     check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
+
+
+def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path):
+    """Before: a fresh run with --save-every into a save dir of an earlier run overwrote its step 1, moved its
+    ``latest`` and left its step 2 beside: two runs mixed, one lost. Now refused unless resuming from there."""
+    before = _digests(saved)
+    flags = [*TINY, "--steps", "3", "--save-every", "1", "--save-dir", str(saved), "--out", str(tmp_path / "o")]
+    with pytest.raises(UsageError, match=r"already holds the checkpoints of an earlier run \(step_00000001, "
+                                         r"step_00000002\); continue that run with --resume"):
+        parse_args(flags)
+    other = tmp_path / "other"
+    shutil.copytree(saved, other)
+    with pytest.raises(UsageError, match="is not one of them"):  # resumed from elsewhere: still two runs mixed
+        parse_args([*flags, "--resume", str(other)])
+    parse_args([*flags, "--resume", str(saved)])  # continuing that run: its own save dir
+    parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])  # saves nothing
+    assert _digests(saved) == before
 
 
 @pytest.mark.parametrize("damage,needle", [
