@@ -239,6 +239,10 @@ def test_clear_errors():
         c.recv(buf, 1 - c.rank)
     _raises_in_rank(2, read_only, ValueError, "recv buffer is read-only")
 
+    _raises_in_rank(2, lambda c: all_reduce(c, np.array(["a", "b"])), ValueError, "dtype <U1; a sum over ranks")
+    _raises_in_rank(2, lambda c: reduce_scatter(c, np.array([None, 1])), ValueError, "dtype object; a sum")
+    _raises_in_rank(2, lambda c: c.send(np.array([None, 1]), 1 - c.rank), TypeError, "holds references")
+
     def read_only_out(c):
         out = np.zeros(2)
         out.flags.writeable = False

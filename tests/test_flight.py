@@ -109,6 +109,25 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
 
 
+@pytest.mark.parametrize("content,needle", [
+    (b"[1, 2]", "list indices must be integers"), (b'{"traceEvents": [{"ph": "X"}]}', "missing field 'pid'"),
+    (b"\xe1\x80 binary", "can't decode byte"), (b"", "Expecting value"),
+])
+def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, needle):
+    """Before: a TypeError traceback, ``error: 'pid'``, or a JSON message without the file's name."""
+    path = tmp_path / "trace.json"
+    path.write_bytes(content)
+    assert debug_main(["trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(path)!r} is not a timeline (the Chrome trace JSON that --trace writes)" in err and needle in err
+    flight = tmp_path / "flight"
+    flight.mkdir()
+    (flight / "rank_0.json").write_bytes(content or b"{}")
+    assert debug_main(["hang", str(flight)]) == 2
+    err = capsys.readouterr().err
+    assert "does not hold flight records" in err and str(flight / "rank_0.json") in err and "Traceback" not in err
+
+
 def test_a_labelled_exchange_of_some_ranks_does_not_shift_the_sequence(tmp_path):
     """Only whole-group collectives are numbered: a send under a label (what the trace gather and pipeline sends
     do) is recorded with seq None, so the ranks that did not enter it still match."""

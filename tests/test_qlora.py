@@ -79,6 +79,14 @@ def test_lora_starts_as_the_base_and_merges_back():
     np.testing.assert_allclose(base(x, y)[0].data, model(x, y)[0].data, rtol=0, atol=1e-12)
 
 
+def test_a_lora_rank_above_the_layers_smaller_side_is_refused():
+    """Before: --lora-rank 100000 on a width-16 model trained 51M adapter parameters."""
+    lin = Linear(6, 5, dtype="float64", rng=np.random.default_rng(0))
+    LoRALinear(lin, 6, 5, r=5, alpha=1.0, rng=np.random.default_rng(0))  # min(in, out): allowed
+    with pytest.raises(ValueError, match=r"r=6 is above min\(in, out\) = 5 of a \(5, 6\) Linear; allowed: 1..5"):
+        LoRALinear(lin, 6, 5, r=6, alpha=1.0, rng=np.random.default_rng(0))
+
+
 def test_adapter_gradients_are_the_dense_chain_rule():
     rng = np.random.default_rng(0)
     lin = Linear(6, 5, dtype="float64", rng=rng)

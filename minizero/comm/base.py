@@ -71,9 +71,11 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 def _check_array(buf, what: str, writeable: bool = False) -> None:
     """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into.
 
-    Raises TypeError: not an array; ValueError: not C-contiguous, or read-only where ``writeable``.
+    Raises TypeError: not an array, or an object array; ValueError: not C-contiguous, or read-only where
+    ``writeable``.
     """
-    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable):
+    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable) \
+            and buf.dtype.kind != "O":
         return  # the common case, checked first (every message)
     if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
         raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
@@ -82,6 +84,8 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
             f"{what} must be C-contiguous, got shape {buf.shape} with strides {buf.strides}; "
             "pass xp.ascontiguousarray(a) (messages are sent straight from the array's memory)"
         )
+    if buf.dtype.kind == "O":
+        raise TypeError(f"{what} has dtype object: it holds references, not bytes a message can carry")
     if writeable and not getattr(buf.flags, "writeable", True):
         raise ValueError(f"{what} is read-only (shape {buf.shape}); received bytes need a writeable array")
 

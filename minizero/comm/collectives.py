@@ -121,6 +121,12 @@ def _check_contiguous(x, what: str) -> None:
         )
 
 
+def _check_summable(x, what: str) -> None:
+    """Raise ValueError unless ``x`` holds numbers (bool, int, float, complex): a sum of strings or objects is none."""
+    if x.dtype.kind not in "biufc":
+        raise ValueError(f"{what} has dtype {x.dtype}; a sum over ranks needs numbers (bool, int, float, complex)")
+
+
 def _scratch(a):
     """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed); returns ``a``."""
     get_ledger().track(a, "comm_scratch")
@@ -184,6 +190,7 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     Bytes (``"reduce_scatter"``): (n - size) * itemsize. Raises ValueError: ``x`` not C-contiguous; sizes differ.
     """
     _check_contiguous(x, "x")
+    _check_summable(x, "x")
     if native:
         return comm.native_reduce_scatter(x)
     n, world_size = x.size, comm.world_size
@@ -238,6 +245,7 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     or read-only.
     """
     _check_contiguous(x, "x")
+    _check_summable(x, "x")
     if out is not None:
         _check_contiguous(out, "out")
         if out.shape != x.shape or out.dtype != x.dtype:

@@ -29,9 +29,24 @@ def main(argv=None) -> int:
                 p.error(f"--steps must be >= 1 and --tol > 0, got {args.steps} and {args.tol}")
             common = ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
             return parity.main(*args.layouts, common, args.tol)
-        return hang.main(args.folder) if args.command == "hang" else timeline.main(args.path)
-    except (FileNotFoundError, KeyError, ValueError) as e:
+        if args.command == "hang":
+            return hang.main(args.folder)
+        return timeline.main(args.path)
+    except FileNotFoundError as e:
         print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a file of another format (or damaged)
+        if args.command == "parity":
+            if not isinstance(e, (KeyError, ValueError)):  # parity reads no user file itself: a bug
+                raise
+            print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
+            return 2
+        if args.command == "hang":
+            what = f"{args.folder!r} does not hold flight records as minizero.train writes them (rank_R.json)"
+        else:
+            what = f"{args.path!r} is not a timeline (the Chrome trace JSON that --trace writes)"
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        print(f"python -m minizero.debug: error: {what}: {detail}", file=sys.stderr)
         return 2
 
 

@@ -19,7 +19,7 @@ def load(folder: str) -> dict[int, dict]:
     """``{rank: snapshot}`` of every ``rank_R.json`` in ``folder``.
 
     Raises:
-        FileNotFoundError: ``folder`` holds no ``rank_*.json``.
+        FileNotFoundError: ``folder`` holds no ``rank_*.json``; ValueError: one is not JSON or lacks its rank (named).
     """
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
     if not paths:
@@ -27,9 +27,12 @@ def load(folder: str) -> dict[int, dict]:
     out = {}
     for p in paths:
         if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
-            with open(p) as f:
-                snap = json.load(f)
-            out[int(snap["rank"])] = snap
+            try:
+                with open(p) as f:
+                    snap = json.load(f)
+                out[int(snap["rank"])] = snap
+            except (ValueError, KeyError, TypeError) as e:  # not JSON, not UTF-8, or no rank: another kind of file
+                raise ValueError(f"{p}: {'missing field ' + str(e) if isinstance(e, KeyError) else e}") from None
     return out
 
 

@@ -41,7 +41,11 @@ def ranks_of(words: list[str]) -> tuple[int, list[str]]:
 
 def run(layout: str, common: list[str], out: str) -> dict:
     """Run one layout into folder ``out``; returns ``{"loss", "norm", "params", "n"}`` or ``{"error": text}``."""
-    n, flags = ranks_of(shlex.split(layout))
+    try:
+        words = shlex.split(layout)
+    except ValueError as e:  # an unclosed quote
+        raise ValueError(f"layout {layout!r}: {e}") from None
+    n, flags = ranks_of(words)
     cmd = [mpiexec_path() or "mpiexec", "-n", str(n), sys.executable, "-m", "minizero.train", "--dtype", "float64",
            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *common,
            "--out", out, *flags]

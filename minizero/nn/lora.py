@@ -73,13 +73,16 @@ class LoRAAdapter(Module):
 class LoRALinear(Module):
     """``base(x) + (alpha / r) * (x A^T) B^T``; A (r, in) ~ N(0, 1/r), B (out, r) = 0; only A and B train.
 
-    Raises ValueError: r < 1 or alpha <= 0.
+    Raises ValueError: r < 1, r > min(in, out), or alpha <= 0.
     """
 
     def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
         super().__init__()
         if r < 1 or not alpha > 0:
             raise ValueError(f"LoRA needs rank r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
+        if r > min(in_features, out_features):  # B A would then have more parameters than the full update
+            raise ValueError(f"LoRA rank r={r} is above min(in, out) = {min(in_features, out_features)} of a "
+                             f"({out_features}, {in_features}) Linear; allowed: 1..{min(in_features, out_features)}")
         self.base, self.r = base, r
         self.adapter = LoRAAdapter(in_features, out_features, r, alpha, rng, dtype)
 
