@@ -175,6 +175,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
                          f"(1 TiB), got {args.bucket_mb}")
     if args.show_shards and not args.zero:
         raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
+    _refuse_idle_flags(args)
     if args.precision == "fp16" and args.dtype != "float32":
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
@@ -290,6 +291,26 @@ def _check_checkpoint(args) -> None:
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     _check_save_dir_is_this_runs(args)
+
+
+#: flags that act only with another setting: (flags, is that setting on, what it is); given without it they
+#: are refused, not ignored (a setting that does nothing would mislead the reader, as the loss-scale flags)
+DEPENDENT_FLAGS = (
+    (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8"),
+    (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
+     lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)"),
+)
+
+
+def _refuse_idle_flags(args) -> None:
+    """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
+    defaults = build_parser()
+    for names, on, what in DEPENDENT_FLAGS:
+        given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults.get_default(k)]
+        if given and not on(args):
+            raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; it is off in this run")
+    if args.json is not None and args.no_save:
+        raise UsageError(f"--json {args.json!r} with --no-save: --no-save writes no summary; drop one of them")
 
 
 def _check_save_dir_is_this_runs(args) -> None:

@@ -130,6 +130,17 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--fp8-scaling", "current"], "--fp8-scaling only apply(ies) with --precision fp8"),
+    (["--moe-every", "2", "--moe-z-loss", "0"], "--moe-every, --moe-z-loss only apply(ies) with --moe-experts > 0"),
+    (["--json", "s.json", "--no-save"], "--no-save writes no summary"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(flags, needle):
+    """Before: silently ignored (as --show-shards or the loss-scale flags are not)."""
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        parse_args([*TINY, *flags])
+
+
 @pytest.mark.timeout(120)
 def test_ranks_started_with_different_flags_are_refused_naming_them(mpiexec, tmp_path):
     """Before: rank 0 trained tensor-parallel and rank 1 data-parallel, and the job ended with exit 0 and a loss
