@@ -4,6 +4,11 @@ Bytes each rank sends: reduce-scatter and all-gather (N-1)/N * n * itemsize (exa
 all-reduce twice that. Sums in the input dtype, in ring order, bit-identical on every rank. Each function
 records its bytes in ``comm.traffic`` under its own label, counts temporaries as ``comm_scratch`` and takes
 ``native=True`` to call the library's collective instead. Source: Patarasuk & Yuan, JPDC 2009.
+
+Argument checks are each rank's own: a rank whose array differs from its peers' in size raises where a message
+does not fit, and its peers wait until the communicator's timeout; ranks calling different collectives on
+arrays of one size are not detected here (the flight recorder's ``check_collectives``, the main job's
+``--debug-collectives``, compares every call's op and shape across ranks first).
 """
 from __future__ import annotations
 
