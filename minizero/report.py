@@ -32,6 +32,7 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
                "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
+               "validation": "validation (the forward passes of the held-out batches, every group)",
                "other": "other (loss, norm, flags, metrics)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
@@ -103,7 +104,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     gathers = [w for w, here in (("the start-up broadcast", True), ("ZeRO's gathers", args.zero > 0),
-                                 ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1)) if here]
+                                 ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),
+                                 ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
     labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})")
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):

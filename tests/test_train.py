@@ -128,6 +128,24 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
+    """Before: the table divided the run's bytes, validation's forward passes included, by the steps, so the
+    same layout's "per step" moved with --steps and --eval-batches (up to 2x). Validation has its own kind now,
+    and the model's final gather onto rank 0 is a parameter gather (it was "other")."""
+    rows, kinds = [], []
+    for i, eval_batches in enumerate(("1", "3")):
+        out = tmp_path / str(i)
+        proc, _ = launch(mpiexec, 2, TINY + ["--tp", "2", "--eval-batches", eval_batches, "--out", str(out)])
+        assert proc.returncode == 0, proc.stderr
+        rows.append(next(line for line in proc.stdout.splitlines() if line.startswith("  tp    (2 rank(s) each)")))
+        kinds.append(json.loads((out / "summary.json").read_text())["bytes_sent_by_kind"])
+    assert rows[0] == rows[1]
+    assert kinds[0]["tensor_parallel_activations"] == kinds[1]["tensor_parallel_activations"]
+    assert 0 < kinds[0]["validation"][0] < kinds[1]["validation"][0]
+    assert kinds[0]["parameter_gathers"][1] > 0 and kinds[0]["other"][1] < 1024  # rank 1 sends its half to rank 0
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
     env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")

@@ -13,7 +13,8 @@ from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
 
 KINDS = ("tp", "dp", "pp")
-SETUP = ("broadcast_params",)  #: labels sent once before training, left out of "per step"
+#: labels left out of "per step": sent once before training, and the validation batches' forward passes
+SETUP = ("broadcast_params", "validation")
 
 
 def _fmt(n: float) -> str:

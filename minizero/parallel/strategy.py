@@ -43,7 +43,8 @@ from minizero.zero import zero_optimizer
 GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
 PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
-                 "context_parallel_attention", "expert_all_to_all", "other")
+                 "context_parallel_attention", "expert_all_to_all", "validation", "other")
+VALIDATION = "validation"  #: the traffic label of :meth:`Strategy.evaluate`: every byte its forward passes send
 
 
 class Strategy:
@@ -167,15 +168,16 @@ class Strategy:
         was_training = stage.training
         stage.eval()
         total = np.zeros(2)  # [sum of per-sequence (per real target) mean losses, number of sequences (targets)]
-        for x, y in batches:
-            rows = slice(topo.dp_rank // self.cp, None, topo.dp // self.cp)  # a context group shares its rows
-            xs, ys = x[rows], y[rows]
-            n = (self.real_targets(ys) if self.padded else len(xs)) if len(xs) else 0
-            loss = self.engine.forward_only(*((xs, ys) if len(xs) else (x[:1], y[:1])))
-            if self.holds_loss and n:
-                total += [loss * n, n]
-        with topo.world.traffic.op("metrics"):
-            total = backend.to_host(all_reduce(topo.world, backend.to_device(total)))  # host metrics, device collective
+        with topo.world.traffic.labelled(VALIDATION):  # in every group's ledger: kept out of the per-step figures
+            for x, y in batches:
+                rows = slice(topo.dp_rank // self.cp, None, topo.dp // self.cp)  # a context group shares its rows
+                xs, ys = x[rows], y[rows]
+                n = (self.real_targets(ys) if self.padded else len(xs)) if len(xs) else 0
+                loss = self.engine.forward_only(*((xs, ys) if len(xs) else (x[:1], y[:1])))
+                if self.holds_loss and n:
+                    total += [loss * n, n]
+            with topo.world.traffic.op("metrics"):
+                total = backend.to_host(all_reduce(topo.world, backend.to_device(total)))  # host metrics, device coll.
         stage.train(was_training)
         return float(total[0] / total[1])
 
@@ -203,12 +205,14 @@ class Strategy:
         a2a, moe = by["dp"].get("all_to_all", 0), self.expert_load is not None  # MoE refuses --cp: the all-to-alls are its
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
-            "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS),
+            "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS)  # + the model's final gather:
+            + self.topo.world.traffic.by_op.get("gather_model", 0),  # onto world rank 0, over the world
             # the embedding group is split from the pipeline group: its all-reduce is in both ledgers, counted once
-            "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()),
-            "tensor_parallel_activations": sum(by["tp"].values()),
+            "pipeline_activations": sum(by["pp"].values()) - sum(by["embed"].values()) - by["pp"].get(VALIDATION, 0),
+            "tensor_parallel_activations": sum(by["tp"].values()) - by["tp"].get(VALIDATION, 0),
             "context_parallel_attention": by["dp"].get("ring_attention", 0) + (0 if moe else a2a),
             "expert_all_to_all": a2a + by["dp"].get("all_to_all_counts", 0) if moe else 0,
+            VALIDATION: self.topo.world.traffic.by_op.get(VALIDATION, 0),  # every group's, through its parent
         }
         kinds["other"] = self.topo.world.traffic.bytes_sent - sum(kinds.values())
         return kinds
