@@ -101,7 +101,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         print(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "
               f"{result.moe['tokens_per_expert']} (shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
               f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
-    notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s))",
+    capped = threads < max(1, cores // max(1, local_ranks))  # the user's OPENBLAS/OMP/MKL_NUM_THREADS
+    notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s)"
+             + ("; capped by the environment's OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or MKL_NUM_THREADS)" if capped
+                else ")"),
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     gathers = [w for w, here in (("the start-up broadcast", True), ("ZeRO's gathers", args.zero > 0),
                                  ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),

@@ -72,9 +72,19 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+#: the variables a user sets to cap BLAS threads: honoured as an upper bound (the first one set and valid)
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _blas_threads(local_ranks: int) -> int:
-    """BLAS threads per rank: cores / ranks on this node, at least 1 (GUIDE: 8.5x slower oversubscribed)."""
-    return max(1, _cores() // max(1, local_ranks))
+    """BLAS threads per rank: cores / ranks on this node, at least 1 (GUIDE: 8.5x slower oversubscribed), and
+    no more than a positive integer the user set in :data:`BLAS_THREAD_VARIABLES` (the first one set)."""
+    threads = max(1, _cores() // max(1, local_ranks))
+    for name in BLAS_THREAD_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return min(threads, int(value)) if value.isdigit() and int(value) > 0 else threads
+    return threads
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:

@@ -127,6 +127,22 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
     assert any(line.startswith("  dp-cp (2 rank(s) each)") for line in proc.stdout.splitlines())
 
 
+def test_blas_threads_honour_the_users_cap(monkeypatch):
+    """Before: OPENBLAS_NUM_THREADS=1 was overridden by cores / ranks (and the report said so without a word)."""
+    import minizero.train as T
+
+    monkeypatch.setattr(T, "_cores", lambda: 8)
+    for name in T.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert T._blas_threads(2) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert T._blas_threads(2) == 3 and T._blas_threads(8) == 1  # a cap, never more than cores / ranks
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # the first one set wins
+    assert T._blas_threads(2) == 1
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "junk")  # not a positive integer: cores / ranks, as before
+    assert T._blas_threads(2) == 4
+
+
 @pytest.mark.timeout(120)
 def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
     """Before: the table divided the run's bytes, validation's forward passes included, by the steps, so the
