@@ -34,6 +34,9 @@ _WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp
         "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
 
 
+ACCURACY = 0.01  #: step times this close (relative) are within the first-order model's accuracy: a tie
+
+
 def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: str) -> str:
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
@@ -51,7 +54,8 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
         if costs:
             why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
                 f"{delta[k]:.3g} s more {_WHY[k]}" for k in costs)
-        return (f"#{ia} beats #{ib} by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step): "
+        tie = " (a tie within the model's accuracy of about 1%)" if gain < ACCURACY else ""
+        return (f"#{ia} beats #{ib} by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step){tie}: "
                 f"{why} ({diff})")
     saved = (b.memory.total - a.memory.total) / scale
     return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"
