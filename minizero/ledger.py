@@ -258,6 +258,9 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     for cat in CATEGORIES:
         lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in firsts]))
     lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
+    if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
+        lines.append("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
+                     "so their peaks add up to more)")
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
         lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source]
