@@ -192,7 +192,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     }
     text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
     atomic_write(args.json, lambda f: f.write(text), mode="w")
-    print(f"wrote {os.path.join(args.out, 'model.npz')} and {args.json}")
+    print(f"wrote {os.path.join(args.out, 'model.npz')}, {os.path.join(args.out, SIDECAR)} and {args.json}")
     loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
                             result["skipped_at"], f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
                             f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}")

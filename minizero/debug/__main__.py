@@ -16,7 +16,8 @@ def main(argv=None) -> int:
     h.add_argument("folder", help="the folder of rank_R.json files, e.g. out/flight")
     t = sub.add_parser("trace", help="per rank compute / exposed communication / overlap / bubble; the straggler")
     t.add_argument("path", help="the merged timeline --trace wrote, e.g. out/trace.json")
-    q = sub.add_parser("parity", help="two layouts from one seed in float64: the first step and parameter that differ")
+    q = sub.add_parser("parity", help="two layouts from one seed in float64: the first step and parameter that differ",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny")
     q.add_argument("--steps", type=int, default=5)
