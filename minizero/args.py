@@ -320,8 +320,8 @@ def _check_save_dir_is_this_runs(args) -> None:
     if not held:
         return
     if args.resume:
-        resumed = os.path.dirname(os.path.abspath(resolve(args.resume)))
-        if resumed == os.path.abspath(args.save_dir):
+        resumed = os.path.dirname(os.path.realpath(resolve(args.resume)))  # realpath: through links too
+        if resumed == os.path.realpath(args.save_dir):
             return
     names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
     raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "

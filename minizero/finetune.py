@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import sys
+import traceback
 
 import numpy as np
 
@@ -160,35 +161,48 @@ def _world(zero: int):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    from mpi4py import MPI
+
     prog = "python -m minizero.finetune: error:"
-    comm = _world(args.zero)
-    rank = 0 if comm is None else comm.rank
-    verdict = None
-    try:
+    world, args, verdict = MPI.COMM_WORLD, None, None
+    try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
+        args = build_parser().parse_args(argv)
         check(args)
-        if comm is not None and args.batch_size % comm.world_size:
-            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {comm.world_size} ranks")
+        if args.batch_size % world.Get_size():
+            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world.Get_size()} ranks")
         tokens = load_tokens(args.data)
         model0, _ = load_trained(args.weights)
         need = min_data_bytes(model0.config.block_size)
         if len(tokens) < need:
             raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
+        if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
+            raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
+                             f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank
+        verdict = e.code if isinstance(e.code, int) else 2
     except (FileNotFoundError, ValueError) as e:
         verdict = str(e)
-    if comm is not None:  # every rank's verdict and flags: one rank refusing, or started otherwise, ends them all
-        verdicts, flags = zip(*comm.mpi_comm.allgather((verdict, (vars(args), {}))))
-        bad = [r for r, v in enumerate(verdicts) if v is not None]
-        differ = differing_flags(flags)
-        if bad:
-            verdict = verdicts[0] if bad[0] == 0 else f"[rank {bad[0]}] {verdicts[bad[0]]}"
-        elif differ:
-            verdict = ("the ranks were started with different flags: " + "; ".join(differ)
-                       + "; start every rank with the same command")
-    if verdict is not None:
+    except Exception as e:  # a bug: its rank shows where, every rank stops
+        traceback.print_exc()
+        verdict = f"{type(e).__name__}: {e}"
+    verdicts = [verdict]
+    if world.Get_size() > 1:  # one rank refusing, or the ranks started with different flags, end them all
+        verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}))))
+        if all(v is None for v in verdicts):
+            differ = differing_flags(flags)
+            if differ:
+                verdicts = ["the ranks were started with different flags: " + "; ".join(differ)
+                            + "; start every rank with the same command"]
+    rank = world.Get_rank()
+    said = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, str)]
+    if said:
         if rank == 0:
-            print(f"{prog} {verdict}", file=sys.stderr)
+            r, v = said[0]
+            print(f"{prog} {'' if r == 0 else f'[rank {r}] '}{v}", file=sys.stderr)
         return 2
+    if any(v is not None for v in verdicts):  # argparse's exits: --help everywhere is 0, else 2
+        return 0 if all(v == 0 for v in verdicts) else 2
+    comm = _world(args.zero)
     try:
         rows, state = [], None
         for method in (METHODS if args.table else (args.method,)):

@@ -72,7 +72,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-#: the variables a user sets to cap BLAS threads: honoured as an upper bound (the first one set and valid)
+#: the variables a user sets to cap BLAS threads: the first one set is honoured as an upper bound (when it is
+#: a positive integer; OpenMP's list form "4,2" and other values leave cores / ranks)
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -83,7 +84,7 @@ def _blas_threads(local_ranks: int) -> int:
     for name in BLAS_THREAD_VARIABLES:
         value = os.environ.get(name, "").strip()
         if value:
-            return min(threads, int(value)) if value.isdigit() and int(value) > 0 else threads
+            return min(threads, int(value)) if value.isdecimal() and value.isascii() and int(value) > 0 else threads
     return threads
 
 

@@ -155,6 +155,18 @@ def test_ranks_started_with_different_flags_are_refused_naming_them(mpiexec, tmp
     assert not out.exists()  # refused before anything was made
 
 
+@pytest.mark.timeout(120)
+def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
+    """Before: rank 0's bad flag ended rank 0 (argparse's exit) while rank 1 waited for it forever."""
+    ft = [sys.executable, "-m", "minizero.finetune"]
+    cmd = [mpiexec, "-n", "1", *ft, "--steps", "x", ":", "-n", "1", *ft, "--weights", str(tmp_path / "none.npz")]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "invalid int value: 'x'" in proc.stderr and "[rank 1] --weights" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
 def test_differing_flags_names_the_given_flags_first_then_derived_ones():
     from minizero.args import differing_flags
 

@@ -110,8 +110,8 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content,needle", [
-    (b"[1, 2]", "list indices must be integers"), (b'{"traceEvents": [{"ph": "X"}]}', "missing field 'pid'"),
-    (b"\xe1\x80 binary", "can't decode byte"), (b"", "Expecting value"),
+    (b"[1, 2]", "has no traceEvents list"), (b'{"traceEvents": [{"ph": "X", "name": "f"}]}', "lacks 'cat'"),
+    (b"\xe1\x80 binary", "is not JSON: 'utf-8' codec can't decode"), (b"", "is not JSON: Expecting value"),
 ])
 def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, needle):
     """Before: a TypeError traceback, ``error: 'pid'``, or a JSON message without the file's name."""
@@ -119,13 +119,28 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
     path.write_bytes(content)
     assert debug_main(["trace", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{str(path)!r} is not a timeline (the Chrome trace JSON that --trace writes)" in err and needle in err
+    assert str(path) in err and needle in err and "a timeline is the Chrome trace JSON" in err
     flight = tmp_path / "flight"
     flight.mkdir()
     (flight / "rank_0.json").write_bytes(content or b"{}")
     assert debug_main(["hang", str(flight)]) == 2
     err = capsys.readouterr().err
-    assert "does not hold flight records" in err and str(flight / "rank_0.json") in err and "Traceback" not in err
+    assert str(flight / "rank_0.json") in err and ("is not JSON" in err or "is not a flight record" in err), err
+    assert debug_main(["trace", str(tmp_path)]) == 2  # a folder for a file: one line, no traceback
+    assert "Is a directory" in capsys.readouterr().err
+
+
+def test_a_flight_record_lacking_what_the_analysis_reads_is_named():
+    from minizero.debug.hang import _missing
+
+    good = {"rank": 0, "groups": {"world": {"members": [0], "last_seq": 1}},
+            "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",
+                         "bytes": 16, "state": "completed"}]}
+    assert _missing(good) is None
+    assert _missing({**good, "groups": {"world": {"members": [0]}}}) == "groups['world'].last_seq"
+    broken = dict(good["entries"][0])
+    del broken["op"]
+    assert _missing({**good, "entries": [broken]}) == "entries[0].op" and _missing([]) == "a JSON object"
 
 
 def test_a_labelled_exchange_of_some_ranks_does_not_shift_the_sequence(tmp_path):

@@ -33,21 +33,13 @@ def main(argv=None) -> int:
         if args.command == "hang":
             return hang.main(args.folder)
         return timeline.main(args.path)
-    except FileNotFoundError as e:
+    except OSError as e:  # no such file or folder, a folder given for a file, unreadable
         print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
         return 2
-    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a file of another format (or damaged)
-        if args.command == "parity":
-            if not isinstance(e, (KeyError, ValueError)):  # parity reads no user file itself: a bug
-                raise
-            print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
-            return 2
-        if args.command == "hang":
-            what = f"{args.folder!r} does not hold flight records as minizero.train writes them (rank_R.json)"
-        else:
-            what = f"{args.path!r} is not a timeline (the Chrome trace JSON that --trace writes)"
-        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        print(f"python -m minizero.debug: error: {what}: {detail}", file=sys.stderr)
+    except ValueError as e:  # the loaders name a file of another kind and what it lacks
+        what = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
+                "trace": " (a timeline is the Chrome trace JSON that --trace writes)"}.get(args.command, "")
+        print(f"python -m minizero.debug: error: {e}{what}", file=sys.stderr)
         return 2
 
 

@@ -19,7 +19,8 @@ def load(folder: str) -> dict[int, dict]:
     """``{rank: snapshot}`` of every ``rank_R.json`` in ``folder``.
 
     Raises:
-        FileNotFoundError: ``folder`` holds no ``rank_*.json``; ValueError: one is not JSON or lacks its rank (named).
+        FileNotFoundError: ``folder`` holds no ``rank_*.json``; ValueError: one is not JSON or lacks a field the
+        analysis reads (the file and the field named).
     """
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
     if not paths:
@@ -30,10 +31,36 @@ def load(folder: str) -> dict[int, dict]:
             try:
                 with open(p) as f:
                     snap = json.load(f)
-                out[int(snap["rank"])] = snap
-            except (ValueError, KeyError, TypeError) as e:  # not JSON, not UTF-8, or no rank: another kind of file
-                raise ValueError(f"{p}: {'missing field ' + str(e) if isinstance(e, KeyError) else e}") from None
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(f"{p} is not JSON: {e}") from None
+            missing = _missing(snap)
+            if missing:
+                raise ValueError(f"{p} is not a flight record: it lacks {missing}")
+            out[int(snap["rank"])] = snap
     return out
+
+
+SNAPSHOT_FIELDS = ("rank", "groups", "entries")  #: what the analysis reads of a rank's record ...
+GROUP_FIELDS = ("members", "last_seq")  #: ... of each group ...
+ENTRY_FIELDS = ("group", "seq", "op", "shape", "dtype", "bytes", "state")  #: ... and of each entry
+
+
+def _missing(snap) -> str | None:
+    """The first field :data:`SNAPSHOT_FIELDS` (and the group and entry fields) that ``snap`` lacks, or None."""
+    if not isinstance(snap, dict):
+        return "a JSON object"
+    for f in SNAPSHOT_FIELDS:
+        if f not in snap:
+            return repr(f)
+    if not isinstance(snap["groups"], dict) or not isinstance(snap["entries"], list):
+        return "'groups' as an object and 'entries' as a list"
+    for name, g in snap["groups"].items():
+        if not isinstance(g, dict) or any(f not in g for f in GROUP_FIELDS):
+            return f"groups[{name!r}].{next(f for f in GROUP_FIELDS if not isinstance(g, dict) or f not in g)}"
+    for i, e in enumerate(snap["entries"]):
+        if not isinstance(e, dict) or any(f not in e for f in ENTRY_FIELDS):
+            return f"entries[{i}].{next(f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e)}"
+    return None
 
 
 def _signature(e: dict) -> tuple:

@@ -75,10 +75,33 @@ def report(events) -> list[str]:
     return lines
 
 
+SPAN_FIELDS = ("name", "cat", "pid", "tid", "ts", "dur")  #: what :func:`report` reads of a complete ("X") event
+
+
+def load(path: str) -> list:
+    """The ``traceEvents`` of the timeline ``--trace`` wrote at ``path``.
+
+    Raises OSError: unreadable; ValueError: not JSON (or not UTF-8), no ``traceEvents`` list, or a complete
+    event without one of :data:`SPAN_FIELDS` (the file and the field named).
+    """
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path!r} is not JSON: {e}") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{path!r} has no traceEvents list")
+    for i, e in enumerate(events):
+        missing = [f for f in SPAN_FIELDS if f not in e] if isinstance(e, dict) and e.get("ph") == "X" else []
+        if not isinstance(e, dict) or missing:
+            raise ValueError(f"{path!r}: traceEvents[{i}] " + (f"lacks {missing[0]!r}" if missing else "is not an object"))
+    return events
+
+
 def main(path: str) -> int:
-    """Print :func:`report` for the trace file at ``path``; 0, or 2 when it cannot be read."""
-    with open(path) as fh:
-        events = json.load(fh)["traceEvents"]
+    """Print :func:`report` for the trace file at ``path``; 0 (:func:`load` raises for a file of another kind)."""
+    events = load(path)
     for line in report(events):
         print(line)
     return 0
