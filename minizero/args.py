@@ -11,7 +11,6 @@ import math
 import os
 
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
-from minizero.checkpoint.format import complete as complete_checkpoints
 from minizero.config import TrainConfig
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
@@ -21,10 +20,10 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
-from minizero.output_checks import check_outputs, check_trace, outside_checkpoints
+from minizero.output_checks import check_outputs, check_save_dir, check_trace, outside_checkpoints
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
-                            build_parser)
+                            build_parser, differing_flags, refuse_idle_flags)
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
@@ -175,7 +174,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
                          f"(1 TiB), got {args.bucket_mb}")
     if args.show_shards and not args.zero:
         raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
-    _refuse_idle_flags(args)
+    refuse_idle_flags(args)
     if args.precision == "fp16" and args.dtype != "float32":
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
@@ -290,44 +289,7 @@ def _check_checkpoint(args) -> None:
             verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-    _check_save_dir_is_this_runs(args)
-
-
-#: flags that act only with another setting: (flags, is that setting on, what it is); given without it they
-#: are refused, not ignored (a setting that does nothing would mislead the reader, as the loss-scale flags)
-DEPENDENT_FLAGS = (
-    (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8"),
-    (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
-     lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)"),
-)
-
-
-def _refuse_idle_flags(args) -> None:
-    """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
-    defaults = build_parser()
-    for names, on, what in DEPENDENT_FLAGS:
-        given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults.get_default(k)]
-        if given and not on(args):
-            raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; it is off in this run")
-    if args.json is not None and args.no_save:
-        raise UsageError(f"--json {args.json!r} with --no-save: --no-save writes no summary; drop one of them")
-
-
-def _check_save_dir_is_this_runs(args) -> None:
-    """A save dir that already holds checkpoints takes this run's only when it resumes one of them: a fresh run
-    (or one resumed from elsewhere) would overwrite another run's steps and move its ``latest``."""
-    held = complete_checkpoints(args.save_dir) if args.save_every else []
-    if not held:
-        return
-    if args.resume:
-        resumed = os.path.dirname(os.path.realpath(resolve(args.resume)))  # realpath: through links too
-        if resumed == os.path.realpath(args.save_dir):
-            return
-    names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
-    raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "
-                     + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else
-                        f"--resume {args.resume!r} is not one of them")
-                     + ", or give another --save-dir (or --out)")
+    check_save_dir(args)
 
 
 def check_steps_left(args) -> None:
@@ -399,31 +361,3 @@ def resolve_parallel_args(args, world_size: int) -> int:
     check_bf16(args)
     check_moe(args)
     return args.dp
-
-
-def differing_flags(every_flags, shown: int = 3) -> list[str]:
-    """``"--tp: 2 on rank 0, 1 on rank 1"`` for each setting whose value differs between ranks: the flags as
-    given first, then the settings parse_args derives from them; at most ``shown``. ``every_flags``: each
-    rank's ``(parsed flags, dataclasses.asdict of its TrainConfig)``. Ranks that train with different
-    layouts, precisions or step counts agree on nothing: a wrong loss, a hang or a mismatched message."""
-    names = []
-    for part in (0, 1):
-        for name in every_flags[0][part]:
-            values = [repr(f[part].get(name)) for f in every_flags]  # repr: a NaN equals a NaN
-            if len(set(values)) > 1 and name not in (n for n, _ in names):
-                names.append((name, values))
-    out = []
-    for name, values in names:
-        groups = {}
-        for r, v in enumerate(values):
-            groups.setdefault(v, []).append(r)
-        out.append(f"--{name.replace('_', '-')}: " + ", ".join(
-            f"{'not given' if value == 'None' else value} on rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}"
-            for value, ranks in groups.items()))
-    return out[:shown] + ([f"and {len(out) - shown} more"] if len(out) > shown else [])
-
-
-def _rank_list(ranks: list[int]) -> str:
-    """``0`` / ``0-3`` / ``0, 2, 5``: a list of ranks, runs of consecutive ranks as a range."""
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \
-        ", ".join(map(str, ranks))

@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 
 from minizero import backend
-from minizero.args import differing_flags
+from minizero.flags import differing_flags
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import atomic_write, check_output

@@ -223,3 +223,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: upper limits that keep a typo from becoming an out-of-memory kill minutes later
 MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
+
+
+#: flags that act only with another setting: (flags, is that setting on, what it is); given without it they
+#: are refused, not ignored (a setting that does nothing would mislead the reader, as the loss-scale flags)
+DEPENDENT_FLAGS = (
+    (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8"),
+    (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
+     lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)"),
+)
+
+
+def refuse_idle_flags(args) -> None:
+    """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
+    defaults = build_parser()
+    for names, on, what in DEPENDENT_FLAGS:
+        given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults.get_default(k)]
+        if given and not on(args):
+            raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; it is off in this run")
+    if args.json is not None and args.no_save:
+        raise UsageError(f"--json {args.json!r} with --no-save: --no-save writes no summary; drop one of them")
+
+
+def differing_flags(every_flags, shown: int = 3) -> list[str]:
+    """``"--tp: 2 on rank 0, 1 on rank 1"`` for each setting whose value differs between ranks: the flags as
+    given first, then the settings parse_args derives from them; at most ``shown``. ``every_flags``: each
+    rank's ``(parsed flags, dataclasses.asdict of its TrainConfig)``. Ranks that train with different
+    layouts, precisions or step counts agree on nothing: a wrong loss, a hang or a mismatched message."""
+    names = []
+    for part in (0, 1):
+        for name in every_flags[0][part]:
+            values = [repr(f[part].get(name)) for f in every_flags]  # repr: a NaN equals a NaN
+            if len(set(values)) > 1 and name not in (n for n, _ in names):
+                names.append((name, values))
+    out = []
+    for name, values in names:
+        groups = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        out.append(f"--{name.replace('_', '-')}: " + ", ".join(
+            f"{'not given' if value == 'None' else value} on rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}"
+            for value, ranks in groups.items()))
+    return out[:shown] + ([f"and {len(out) - shown} more"] if len(out) > shown else [])
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``0`` / ``0-3`` / ``0, 2, 5``: a list of ranks, runs of consecutive ranks as a range."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \
+        ", ".join(map(str, ranks))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from minizero.checkpoint import checkpoint_holding
+from minizero.checkpoint import checkpoint_holding, resolve
+from minizero.checkpoint.format import complete as complete_checkpoints
 from minizero.files import check_writable_folder
 from minizero.flags import UsageError
 
@@ -95,3 +96,20 @@ def check_trace(args) -> None:
     except UsageError:
         raise UsageError(f"--trace {path!r}: its folder {os.path.dirname(p)!r} cannot be created or take a file; "
                          "give a path on a writable file system") from None
+
+
+def check_save_dir(args) -> None:
+    """A save dir that already holds checkpoints takes this run's only when it resumes one of them: a fresh run
+    (or one resumed from elsewhere) would overwrite another run's steps and move its ``latest``."""
+    held = complete_checkpoints(args.save_dir) if args.save_every else []
+    if not held:
+        return
+    if args.resume:
+        resumed = os.path.dirname(os.path.realpath(resolve(args.resume)))  # realpath: through links too
+        if resumed == os.path.realpath(args.save_dir):
+            return
+    names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
+    raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "
+                     + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else
+                        f"--resume {args.resume!r} is not one of them")
+                     + ", or give another --save-dir (or --out)")

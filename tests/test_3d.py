@@ -116,16 +116,20 @@ def test_dp2_tp2_pp2_equals_single_process():
     R.assert_matches(ref, got, "dp2 tp2 pp2")
     for r in got:  # every group's messages went where they should
         t = r["traffic"]
-        # tensor group: the blocks' and the embedding's all-reduces, the loss's all-gather (last stage)
-        assert set(t["tp"]["by_op"]) == ({"all_reduce", "all_gather"} if r["coords"][2] == 1 else {"all_reduce"})
+        # tensor group: the blocks' and the embedding's all-reduces, the loss's all-gather (last stage); every
+        # group also holds "validation", the bytes of the validation batches' forward passes
+        assert set(t["tp"]["by_op"]) == ({"all_reduce", "all_gather"} if r["coords"][2] == 1 else {"all_reduce"}) | {
+            "validation"}
         # (used_parameters: which parameters got a gradient on some data rank, one small all-gather a step;
         # the inner collective's label is listed with 0 bytes, as broadcast's inside broadcast_params)
         # (replica_check: the default --check-replicas after the last step, one all-gather of 8-byte digests)
         assert set(t["dp"]["by_op"]) <= {"all_reduce", "broadcast", "broadcast_params", "used_parameters", "all_gather",
-                                         "replica_check"}
+                                         "replica_check", "validation"}
         assert t["dp"]["by_op"].get("all_gather", 0) == 0 < t["dp"]["by_op"]["used_parameters"]
         # the embedding group is a split of the pipeline group: its all-reduce shows in both
-        assert set(t["pp"]["by_op"]) <= {"pp_activation", "pp_gradient", "pp_eval", "all_reduce"}
+        assert set(t["pp"]["by_op"]) <= {"pp_activation", "pp_gradient", "pp_eval", "all_reduce", "validation"}
+        # the validation forwards' activations: under the outer label (pp_eval's sends, counted, hold 0 bytes)
+        assert t["pp"]["by_op"].get("pp_eval", 0) == 0 and (r["coords"][2] == 1 or t["pp"]["by_op"]["validation"] > 0)
 
 
 @pytest.mark.timeout(120)

@@ -168,7 +168,7 @@ def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
 
 
 def test_differing_flags_names_the_given_flags_first_then_derived_ones():
-    from minizero.args import differing_flags
+    from minizero.flags import differing_flags
 
     given = [{"tp": 2, "lr": float("nan"), "steps": 3}, {"tp": None, "lr": float("nan"), "steps": 3},
              {"tp": None, "lr": float("nan"), "steps": 3}]

@@ -128,7 +128,8 @@ def test_in_process_dp2_tp2_on_two_fake_nodes_sends_only_gradients_across():
         world = topo.world.cross_node.snapshot()["by_op"]
         # besides the gradients: set-up, metrics, the few bytes of the agreement on the parameters used and the
         # replica check's digests after the last step
-        assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters", "replica_check"}
+        assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters", "replica_check",
+                              "validation"}
         assert world["all_reduce"] == dp_bytes
     line = next(line for line in res[0][3] if "dp gradient all-reduce (ring) across nodes per step" in line)
     measured, computed = re.search(r"per step: (\S+ \S+); computed: flat ring (\S+ \S+),", line).groups()
