@@ -31,7 +31,6 @@ MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
 MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24
 MAX_BUCKET_MB = 2 ** 20  #: --bucket-mb: 1 TiB, far above any model here; a larger float overflows the byte count
-LOSS_SCALE_FLAGS = ("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis")  #: fp16's only
 MIN_COMM_TIMEOUT_S = 1.0  #: --comm-timeout's floor: below it, set-up and ordinary steps already time out
 
 
@@ -178,12 +177,6 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if args.precision == "fp16" and args.dtype != "float32":
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
-    if args.precision != "fp16":  # refused, not ignored: a scale that does nothing would mislead the reader
-        defaults = build_parser()
-        given = [f"--{k.replace('_', '-')}" for k in LOSS_SCALE_FLAGS if vars(args)[k] != defaults.get_default(k)]
-        if given:
-            raise UsageError(f"{', '.join(given)} only apply(ies) with --precision fp16 (loss scaling); "
-                             f"got --precision {args.precision}")
     if args.precision == "fp16":
         _check_loss_scaling(args)
         try:

@@ -225,22 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
 MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
 
 
-#: flags that act only with another setting: (flags, is that setting on, what it is); given without it they
-#: are refused, not ignored (a setting that does nothing would mislead the reader, as the loss-scale flags)
+#: flags that act only with another setting: (flags, is that setting on, what it is, what the run has); given
+#: without it they are refused, not ignored (a setting that does nothing would mislead the reader)
 DEPENDENT_FLAGS = (
-    (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8"),
+    (("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis"), lambda a: a.precision == "fp16",
+     "--precision fp16 (loss scaling)", lambda a: f"--precision {a.precision}"),
+    (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8", lambda a: f"--precision {a.precision}"),
     (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
-     lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)"),
+     lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)", lambda a: "--moe-experts 0"),
 )
 
 
 def refuse_idle_flags(args) -> None:
     """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
     defaults = build_parser()
-    for names, on, what in DEPENDENT_FLAGS:
+    for names, on, what, got in DEPENDENT_FLAGS:
         given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults.get_default(k)]
         if given and not on(args):
-            raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; it is off in this run")
+            raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; got {got(args)}")
     if args.json is not None and args.no_save:
         raise UsageError(f"--json {args.json!r} with --no-save: --no-save writes no summary; drop one of them")
 
