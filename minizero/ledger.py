@@ -258,13 +258,13 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     for cat in CATEGORIES:
         lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in firsts]))
     lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
-    if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
-        lines.append("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
-                     "so their peaks add up to more)")
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
         lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source]
                      + ("; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""))
+    if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
+        lines.append("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
+                     "so their peaks add up to more)")
     if len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
         lines.append(f"(ranks in one column, e.g. {shared}, have equal ledgers in every category)")
