@@ -23,7 +23,7 @@ from minizero.nn import PRESETS, get_config
 from minizero.output_checks import check_outputs, check_save_dir, check_trace, outside_checkpoints
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
-                            build_parser, differing_flags, refuse_idle_flags)
+                            build_parser, refuse_idle_flags)
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000

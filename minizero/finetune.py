@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 
 from minizero import backend
-from minizero.flags import differing_flags
+from minizero.flags import flags_refusal
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import atomic_write, check_output
@@ -188,11 +188,8 @@ def main(argv=None) -> int:
     verdicts = [verdict]
     if world.Get_size() > 1:  # one rank refusing, or the ranks started with different flags, end them all
         verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}))))
-        if all(v is None for v in verdicts):
-            differ = differing_flags(flags)
-            if differ:
-                verdicts = ["the ranks were started with different flags: " + "; ".join(differ)
-                            + "; start every rank with the same command"]
+        if all(v is None for v in verdicts) and flags_refusal(flags):
+            verdicts = [flags_refusal(flags)]
     rank = world.Get_rank()
     said = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, str)]
     if said:

@@ -269,6 +269,13 @@ def differing_flags(every_flags, shown: int = 3) -> list[str]:
     return out[:shown] + ([f"and {len(out) - shown} more"] if len(out) > shown else [])
 
 
+def flags_refusal(every_flags) -> str | None:
+    """The refusal of a job whose ranks were started with different flags (:func:`differing_flags`), or None."""
+    differ = differing_flags(every_flags)
+    return ("the ranks were started with different flags: " + "; ".join(differ)
+            + "; start every rank with the same command") if differ else None
+
+
 def _rank_list(ranks: list[int]) -> str:
     """``0`` / ``0-3`` / ``0, 2, 5``: a list of ranks, runs of consecutive ranks as a range."""
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \

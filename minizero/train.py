@@ -24,7 +24,8 @@ import tracemalloc
 
 from minizero import backend
 from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_fault_spec,  # noqa: F401
-                           check_steps_left, differing_flags, model_config, parse_args)
+                           check_steps_left, model_config, parse_args)
+from minizero.flags import flags_refusal
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
@@ -201,11 +202,8 @@ def _parse_everywhere(argv, comm, mpi_world):
     flags = None if verdict is not None else (vars(build_parser().parse_args(argv)), dataclasses.asdict(args))
     verdicts, every_flags = zip(*mpi_world.allgather((verdict, flags)))
     if all(v is None for v in verdicts):
-        differ = differing_flags(every_flags)
-        if differ:
-            return None, 2, ("the ranks were started with different flags: " + "; ".join(differ)
-                             + "; start every rank with the same command")
-        return args, None, None
+        refusal = flags_refusal(every_flags)
+        return (None, 2, refusal) if refusal else (args, None, None)
     if all(isinstance(v, int) for v in verdicts):
         return None, verdicts[0], None
     bad = [r for r, v in enumerate(verdicts) if isinstance(v, str)]
