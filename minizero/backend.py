@@ -209,20 +209,21 @@ def narrow(a):
         perm = _dense_order(a)
         return a.astype(np.float16) if perm is None else narrow(a.transpose(perm)).transpose(np.argsort(perm))
     r = np.abs(a)
-    np.minimum(r, 65520.0, out=r)  # an inf becomes 65520, which rounds to inf below; a NaN stays
+    np.clip(r, 0.0, 65520.0, out=r)  # an inf becomes 65520, which rounds to inf below; a NaN stays
     bits = r.view(np.uint32)
     m = bits & 0x7F800000  # |a|'s exponent field, at least that of 2^-14 (below it float16's step is 2^-24) ...
     np.clip(m, 113 << 23, 142 << 23, out=m)
     m += 13 << 23  # ... times 2^13: M = 2^(e + 13), whose ulp is float16's step at |a|
     r += m.view(np.float32)  # M + |a| rounded to nearest even by the FPU (a normal float: no subnormal here)
     bits -= m  # |a| in float16 steps: 1024 + the 10 mantissa bits (2048 when it rounded up to 2^(e+1))
-    m -= 126 << 23  # float16's exponent field minus 1 (0 below 2^-14, where the steps are the subnormal's bits) ...
-    m >>= 13  # ... moved to bits 10-14
-    m += bits  # the half's bits: a carry into bit 10 moves the exponent, 65520 and up become 0x7C00 (inf)
-    np.minimum(m, 0x7E00, out=m)  # a NaN's bits are far above any half's: it becomes float16's NaN
+    m -= (126 << 23) - (1 << 13)  # float16's exponent field minus 1 (0 below 2^-14, where the steps are the
+    m >>= 13  # subnormal's bits), moved to bits 10-14, plus 1 (clip's fast path needs a lower bound above 0)
+    m += bits  # 1 + the half's bits: a carry into bit 10 moves the exponent, 65520 and up become 0x7C00 (inf)
+    np.clip(m, 1, 0x7E01, out=m)  # a NaN's bits are far above any half's: it becomes float16's NaN
     sign = a.view(np.uint32) >> 16
     sign &= 0x8000
-    m |= sign
+    m += sign  # bit 15 is clear in m: the add sets the sign
+    m -= 1
     return m.astype(np.uint16).view(np.float16)
 
 
