@@ -15,6 +15,14 @@ The step of ``bench/bench_vs_torch.py`` (default model, float32, AdamW), run ``-
 Printed per batch: seconds per step of each part, minizero's step without the profiler, PyTorch's step
 (when installed) and the ratio PyTorch would need minizero's matmuls alone to beat. cProfile slows the
 Python part, so the parts are shares of the profiled step, scaled to the unprofiled step time.
+
+    python bench/profile_step.py --precision fp32,fp16 --batch 8
+
+profiles the main job's loop instead (``minizero.loop.train`` with its default callbacks, one process,
+micro-batch ``--batch``, the steps after ``--warmup``) in each precision, with one part more:
+
+    casts         float16 <-> float32 conversions: everything below ``backend.widen`` and ``backend.narrow``
+                  (the share of a function's own time below them follows cProfile's callers, level by level)
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
 from minizero.nn import get_config  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
+CAST_PARTS = ("matmul", "casts", "elementwise", "optimizer", "python")
 
 
 def part_of(filename: str, name: str, under_adamw: bool) -> str:
@@ -50,6 +59,19 @@ def part_of(filename: str, name: str, under_adamw: bool) -> str:
     if any(filename.endswith(f"minizero/autograd/{k}.py") for k in ("kernels", "functional", "ops")):
         return "elementwise"
     return "python"
+
+
+def share_below(stats: dict, roots: set) -> dict:
+    """{function: share of its own time spent in calls below one of ``roots`` (1.0 for a root)}.
+
+    cProfile keeps one level of callers with the own time each gave: a function's share is its callers' shares,
+    weighted by that time, propagated until it settles."""
+    share = {key: float(key in roots) for key in stats}
+    for _ in range(50):
+        for key, (_, _, own, _, callers) in stats.items():
+            if key not in roots and own > 0:
+                share[key] = min(1.0, sum(c[2] * share.get(who, 0.0) for who, c in callers.items()) / own)
+    return share
 
 
 def step_seconds(fn, batches, steps: int) -> float:
@@ -93,6 +115,85 @@ def profile(batch: int, steps: int) -> dict:
     return out
 
 
+def split_parts(stats: dict, parts: tuple, scale: float) -> dict:
+    """Own times of ``stats`` summed into ``parts`` (casts first, then AdamW, then :func:`part_of`), scaled so
+    they add up to ``scale`` seconds."""
+    def named(file_end, *names):
+        return {k for k in stats if k[0].endswith(file_end) and (not names or k[2] in names)}
+    below_casts = share_below(stats, named("minizero/backend.py", "widen", "narrow"))
+    below_adamw = share_below(stats, named("minizero/optim/adamw.py"))
+    out = dict.fromkeys(parts, 0.0)
+    for key, (_, _, own, _, _) in stats.items():
+        cast = own * below_casts[key] if "casts" in parts else 0.0
+        adamw = (own - cast) * below_adamw[key]
+        if cast:
+            out["casts"] += cast
+        out["optimizer"] += adamw
+        out[part_of(key[0], key[2], False)] += own - cast - adamw
+    total = sum(out.values())
+    return {p: scale * v / total for p, v in out.items()}
+
+
+class ProfiledSteps:
+    """The main job's default callbacks, with the steps after ``warmup`` run under ``profiler`` and timed."""
+
+    def __init__(self, profiler, warmup: int):
+        self.profiler, self.warmup, self.seen, self.started, self.callbacks = profiler, warmup, 0, None, None
+
+    def __getattr__(self, point):  # every other callback point goes to the default callbacks
+        return getattr(self.callbacks, point)
+
+    def setup(self, run):
+        from minizero.callbacks import CallbackList
+        from minizero.instrumentation import default_callbacks
+
+        self.callbacks = CallbackList(default_callbacks(run))
+        self.callbacks.setup(run)
+
+    def on_step_start(self, run, step):
+        self.callbacks.on_step_start(run, step)
+        self.seen += 1
+        if self.seen == self.warmup + 1:
+            self.started = time.perf_counter()
+            self.profiler.enable()
+
+    def on_step_end(self, run, step, record):
+        self.callbacks.on_step_end(run, step, record)
+
+
+def profile_main_job(precision: str, batch: int, steps: int, warmup: int) -> dict:
+    """{part: seconds per step} of the main job's loop in ``precision`` (one process, micro-batch ``batch``)."""
+    from minizero.comm import run_in_threads
+    from minizero.loop import train
+    from minizero.train import parse_args
+
+    argv = ["--model", "default", "--steps", str(warmup + steps), "--micro-batch-size", str(batch),
+            "--precision", precision, "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--no-save",
+            "--sample-tokens", "0", "--warmup", "0"]
+
+    def run(comm, profiler=None):  # unprofiled: the step time; profiled: the parts
+        hook = ProfiledSteps(profiler or cProfile.Profile(), warmup)
+        train(parse_args(argv, 1), comm, log=lambda line: None, callbacks=[hook])
+        hook.profiler.disable()
+        return (time.perf_counter() - hook.started) / steps, hook.profiler
+
+    plain, _ = run_in_threads(1, run)[0]
+    _, profiler = run_in_threads(1, lambda comm: run(comm, cProfile.Profile()))[0]
+    out = split_parts(pstats.Stats(profiler).stats, CAST_PARTS, plain)
+    out["minizero"] = plain
+    return out
+
+
+def main_precision(precisions: list, batch: int, steps: int, warmup: int) -> None:
+    rows = [(p, profile_main_job(p, batch, steps, warmup)) for p in precisions]
+    print(_machine.header() + f" | micro-batch {batch}, {steps} steps after {warmup}")
+    print("| precision | " + " | ".join(f"{k}, s" for k in CAST_PARTS) + " | step, s | step / first row's |")
+    print("|---|" + "---:|" * (len(CAST_PARTS) + 2))
+    for p, r in rows:
+        print(f"| {p} | " + " | ".join(f"{r[k]:.3f}" for k in CAST_PARTS) + f" | {r['minizero']:.3f} | "
+              f"{r['minizero'] / rows[0][1]['minizero']:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
@@ -100,10 +201,21 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
+    p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16, bf16): profile the "
+                   "main job's loop in each, with casts as a part, instead of the library step against PyTorch")
+    p.add_argument("--warmup", type=int, default=2, help="--precision: steps run before the profiled ones")
     args = p.parse_args()
     malloc = _machine.set_malloc(args.default_malloc)
-    if args.steps < 1 or args.threads < 1:
-        p.error(f"--steps and --threads must be >= 1, got {args.steps} and {args.threads}")
+    if args.steps < 1 or args.threads < 1 or args.warmup < 0:
+        p.error(f"--steps and --threads must be >= 1, --warmup >= 0, got {args.steps}, {args.threads}, {args.warmup}")
+    if args.precision is not None:
+        precisions = args.precision.split(",")
+        if not set(precisions) <= {"fp32", "fp16", "bf16"} or "," in args.batch:
+            p.error(f"--precision takes fp32, fp16 or bf16 (got {args.precision!r}) and one --batch (got {args.batch})")
+        with threadpool_limits(args.threads):
+            main_precision(precisions, int(args.batch), args.steps, args.warmup)
+        print(malloc)
+        return
     if torch is not None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
