@@ -186,6 +186,9 @@ def _check(parser, args):
             parser.error(f"--ep {args.ep} does not apply to --finetune (leave it out)")
     if args.gpus > MAX_GPUS:
         parser.error(f"--gpus {args.gpus} is too many; allowed: 1..{MAX_GPUS:,} (2^20)")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:  # the network model: whole nodes
+        parser.error(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}; "
+                     f"allowed: --gpus up to {args.gpus_per_node}, or a multiple of it")
     if args.schedule == "interleaved":
         v = args.virtual_stages
         ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]

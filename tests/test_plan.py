@@ -139,6 +139,8 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--gpu-memory=-80GB"], "--gpu-memory '-80GB' must be positive"),
     (["--schedule", "interleaved", "--virtual-stages", "100"], "--virtual-stages 100: with --schedule interleaved"),
     (["--plot", "x.pdf"], "must end in .png"),
+    (["--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3; allowed: --gpus up "
+                               "to 3, or a multiple of it"),
 ])
 def test_plan_refuses_more_bad_input(capsys, argv, message):
     code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
