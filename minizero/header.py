@@ -80,7 +80,8 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      f"{moe.capacity_factor:g} per micro-batch; losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
                      f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}"
                      + (f": {topo.dp // ep} expert group(s) of {ep} data ranks, {moe.experts // ep} experts each, "
-                        f"expert gradients summed over {topo.dp // ep} data rank(s)" if ep > 1 else ""))
+                        + (f"expert gradients summed over {topo.dp // ep} data ranks" if topo.dp > ep else
+                           "expert gradients not summed (each expert is on one data rank)") if ep > 1 else ""))
     if args.zero and topo.dp == 1:
         lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
                      "running anyway")
