@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
-from minizero.checkpoint.format import complete as complete_checkpoints
+from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.files import check_writable_folder
 from minizero.flags import UsageError
 
@@ -105,8 +105,16 @@ def check_save_dir(args) -> None:
     if not held:
         return
     if args.resume:
-        resumed = os.path.dirname(os.path.realpath(resolve(args.resume)))  # realpath: through links too
-        if resumed == os.path.realpath(args.save_dir):
+        resumed = os.path.realpath(resolve(args.resume))  # realpath: through links too
+        if os.path.dirname(resumed) == os.path.realpath(args.save_dir):
+            first, last = (step_of(os.path.basename(p)) for p in (resumed, resolve(args.save_dir)))
+            later = [os.path.basename(p) for p in held if first < step_of(os.path.basename(p)) <= last]
+            if later:  # a rewind past saved steps (not a save that died before its pointer moved: that one
+                # is redone); this run's steps would land beside and on the later steps of the first
+                raise UsageError(
+                    f"--resume {args.resume!r} is {os.path.basename(resumed)}, but --save-dir {args.save_dir!r} "
+                    f"also holds later steps of that run ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}"
+                    "): saving there would mix the two runs; to rewind, give this run another --save-dir")
             return
     names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
     raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "

@@ -207,6 +207,11 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
     with pytest.raises(UsageError, match="is not one of them"):  # resumed from elsewhere: still two runs mixed
         parse_args([*flags, "--resume", str(other)])
     parse_args([*flags, "--resume", str(saved)])  # continuing that run: its own save dir
+    with pytest.raises(UsageError, match=r"is step_00000001, but --save-dir .* also holds later steps of that run "
+                                         r"\(step_00000002\): .* give this run another --save-dir"):
+        parse_args([*flags, "--resume", str(saved / "step_00000001")])  # a rewind in place: two runs mixed
+    parse_args([*flags[:-4], "--save-dir", str(tmp_path / "rewound"), "--out", str(tmp_path / "o"),
+                "--resume", str(saved / "step_00000001")])  # the rewind into a save dir of its own
     parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])  # saves nothing
     assert _digests(saved) == before
 
