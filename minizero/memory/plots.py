@@ -65,21 +65,27 @@ def timeline_figure(timeline, title: str = "", peaks=None):
     plt = _pyplot()
     groups = rank_groups(t, peaks)
     colors = {c: f"C{i}" for i, c in enumerate(CATEGORIES)}
-    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 0.9 + 2.6 * len(groups)), squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 2]})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 0.6 + 2.6 * len(groups)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]}, layout="constrained")  # room for the titles
     mib = t / 2**20
     x = np.arange(1, t.shape[1] + 1)
     top = mib.sum(axis=2).max() * 1.5 or 1  # room above the stack for the notes
     for (ax, bx), ranks in zip(axes, groups):
         r = ranks[0]
         used = [i for i, _ in enumerate(CATEGORIES) if mib[r, :, i].any()]
-        ax.stackplot(x, *[mib[r, :, i] for i in used], colors=[colors[CATEGORIES[i]] for i in used], step="post")
+        edges = np.append(x - 0.5, x[-1] + 0.5)  # each step a block centred on it, the last one too
+        ax.stackplot(edges, *[np.append(mib[r, :, i], mib[r, -1, i]) for i in used],
+                     colors=[colors[CATEGORIES[i]] for i in used], step="post")
         total = mib[r].sum(axis=1)
         k = int(total.argmax())
         ax.plot([x[k]], [total[k]], "v", color="black", clip_on=False)  # whole at the first step too
         ax.text(0.98, 0.95, f"peak {total[k]:.2f} MiB at step {x[k]}", transform=ax.transAxes, ha="right",
                 va="top", fontsize=8)
         ax.set_xlim(x[0] - 0.5, x[-1] + 0.5)
+        if len(x) <= 12:  # steps are whole numbers: no tick at 1.5
+            ax.set_xticks(x)
+        else:
+            ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylim(0, top)
         ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked", fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
@@ -98,7 +104,6 @@ def timeline_figure(timeline, title: str = "", peaks=None):
         bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
     fig.suptitle(title or "ledger memory per rank by category (ranks with equal ledgers share a row)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title above the first row
     return fig
 
 
