@@ -146,9 +146,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         # the head count is in no array's shape: python -m minizero.sample reads it from here
         atomic_write(os.path.join(args.out, SIDECAR),
                      lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
-    text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE,
-                       seed=args.seed)
-    print("\nsample:\n" + printable(text) + "\n")
+    text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed)
+    if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
+        print("\nsample:\n" + printable(text) + "\n")
     if args.no_save:
         if no_memory_plot:
             print(INSTALL_HINT)

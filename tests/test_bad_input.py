@@ -37,6 +37,7 @@ def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("saved")
     proc, _ = _train([*TINY, "--steps", "2", "--save-every", "1", "--keep", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr
+    assert "sample:" not in proc.stdout  # --sample-tokens 0: no sample section (it printed the bare prompt)
     return out / "checkpoints"
 
 
