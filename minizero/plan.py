@@ -19,8 +19,8 @@ import math
 import os
 import re
 import sys
-import tempfile
 
+from minizero.files import check_output
 from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
@@ -149,15 +149,12 @@ def plot_path(path: str) -> str:
         raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
                          f"extension, and .png is added)")
     real = path if ext else path + ".png"
-    if os.path.isdir(real) or os.path.isdir(path) and not ext:
+    if os.path.isdir(path) and not ext:
         raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
-    d = os.path.dirname(os.path.abspath(real))
     try:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(real)}.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise ValueError(f"--plot {path!r}: cannot write the PNG in {d!r}: {e.strerror or e}") from None
+        check_output(real, "--plot")
+    except ValueError as e:
+        raise ValueError(f"cannot write the PNG: {e}") from None
     return real
 
 
