@@ -215,3 +215,25 @@ def test_per_rank_values_share_a_label_when_equal():
     assert per_rank_text(["1 B"] * 8) == "r0-7 1 B"
     assert per_rank_text(["9 B", "0 B", "3 B", "0 B", "6 B", "0 B", "3 B", "0 B"]) == "r0 9 B, r1,3,5,7 0 B, r2,6 3 B, r4 6 B"
     assert per_rank_text(["1 B", "2 B"]) == "r0 1 B, r1 2 B"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_low_precision_linears_per_module_equal_the_formula_terms(precision):
+    """bf16 and fp8 Linears save their input's and weight's codes (fp8: and two scales): each module its terms."""
+    from minizero.memory.bf16 import use_bf16
+    from minizero.memory.fp8 import use_fp8
+
+    cfg, b = get_config("small"), 2
+    set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    (use_bf16 if precision == "bf16" else use_fp8)(model)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    got = saved_by_module(model, x, x)
+    terms = layer_terms(cfg, cfg.block_size, b, precision=precision)
+    assert any(precision in t for rows in terms.values() for t, _ in rows)  # the low-precision rows, not fp32's
+    for i in range(cfg.n_layer):
+        rows = compare_layer(got, f"transformer.h.{i}", terms)
+        assert [r[3] for r in rows] == [r[2] for r in rows], rows
+    with pytest.raises(ValueError, match="precision 'fp13' is not one of"):
+        layer_terms(cfg, cfg.block_size, b, precision="fp13")

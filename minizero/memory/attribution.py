@@ -6,7 +6,7 @@ are untouched. Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot
 from __future__ import annotations
 
 from minizero.ledger import OUTSIDE, SCORES, format_bytes, get_ledger
-from minizero.memory.estimator import saved_per_layer
+from minizero.memory.estimator import PRECISIONS, saved_per_layer
 
 #: the module (relative to a block ``transformer.h.i``) whose forward saves each row of
 #: ``saved_per_layer(..., accounting="minizero")``; ``""`` is the block itself
@@ -27,6 +27,13 @@ ROW_MODULE = {
     "GeLU output (second linear input)": "mlp.c_proj",
     "MLP dropout mask": "mlp.dropout",
 }
+
+
+def _base_row(name: str) -> str:
+    """The fp32 row a bf16/fp8 Linear's row stands for: "X (bf16)", "X: its weight (fp8)", "X: scales" -> "X"."""
+    for tail in (" (bf16)", " (fp8)"):
+        name = name.removesuffix(tail)
+    return name.removesuffix(": its weight").removesuffix(": scales")
 
 
 def attach(model) -> callable:
@@ -79,21 +86,26 @@ def layer_terms(cfg, seq_len: int, micro_batch: int, recompute: str = "none", tp
                 precision: str | None = None) -> dict[str, list[tuple[str, int]]]:
     """The formula for one block by module: ``{module suffix: [(term, bytes on one rank)]}``, per recompute mode.
 
-    Raises ValueError: unknown recompute mode, or a row the mapping does not know.
+    ``precision``: the estimator's name (:data:`PRECISIONS`); None: from ``cfg.dtype`` (float64, float32, else
+    mixed), so bf16 and fp8, whose models hold float32, must be named. Raises ValueError: unknown recompute mode
+    or precision, or a row the mapping does not know.
     """
     if recompute not in ("none", "full", "selective"):
         raise ValueError(f"recompute {recompute!r} is not one of none, full, selective")
     precision = precision or {"float64": "fp64", "float32": "fp32"}.get(cfg.dtype, "mixed")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     rows = saved_per_layer(cfg, seq_len, micro_batch, "minizero", precision)
     out: dict[str, list[tuple[str, int]]] = {}
     for r in rows:
-        if r.name not in ROW_MODULE:
+        base = _base_row(r.name)
+        if base not in ROW_MODULE:
             raise ValueError(f"no module known for the formula's row {r.name!r}")
         if recompute == "full" and r is not rows[0]:
             continue
         if recompute == "selective" and r.part == "core":
             continue
-        module = "" if recompute == "full" else ROW_MODULE[r.name]
+        module = "" if recompute == "full" else ROW_MODULE[base]
         out.setdefault(module, []).append((r.name, round(r.per_rank(tp, False))))
     return out
 
