@@ -65,12 +65,15 @@ def share_below(stats: dict, roots: set) -> dict:
     """{function: share of its own time spent in calls below one of ``roots`` (1.0 for a root)}.
 
     cProfile keeps one level of callers with the own time each gave: a function's share is its callers' shares,
-    weighted by that time, propagated until it settles."""
+    weighted by that time (by the cumulative time where its own is 0), propagated until it settles. An
+    approximation: a caller's calls below a root are taken to be its own time's share."""
     share = {key: float(key in roots) for key in stats}
     for _ in range(50):
         for key, (_, _, own, _, callers) in stats.items():
-            if key not in roots and own > 0:
-                share[key] = min(1.0, sum(c[2] * share.get(who, 0.0) for who, c in callers.items()) / own)
+            weights = {who: c[2] if own > 0 else c[3] for who, c in callers.items()}
+            total = sum(weights.values())
+            if key not in roots and total > 0:
+                share[key] = min(1.0, sum(w * share.get(who, 0.0) for who, w in weights.items()) / total)
     return share
 
 
@@ -135,10 +138,12 @@ def split_parts(stats: dict, parts: tuple, scale: float) -> dict:
 
 
 class ProfiledSteps:
-    """The main job's default callbacks, with the steps after ``warmup`` run under ``profiler`` and timed."""
+    """The main job's default callbacks, with the steps after ``warmup`` run under ``profiler`` and timed
+    (``seconds``: from the first of them to the loop's end, before its final validation)."""
 
     def __init__(self, profiler, warmup: int):
-        self.profiler, self.warmup, self.seen, self.started, self.callbacks = profiler, warmup, 0, None, None
+        self.profiler, self.warmup, self.seen, self.callbacks = profiler, warmup, 0, None
+        self.started = self.seconds = None
 
     def __getattr__(self, point):  # every other callback point goes to the default callbacks
         return getattr(self.callbacks, point)
@@ -160,6 +165,14 @@ class ProfiledSteps:
     def on_step_end(self, run, step, record):
         self.callbacks.on_step_end(run, step, record)
 
+    def on_train_end(self, run):  # the steps are over: the final validation and the report are not timed
+        from minizero import backend
+
+        backend.synchronize()
+        self.profiler.disable()
+        self.seconds = time.perf_counter() - self.started
+        self.callbacks.on_train_end(run)
+
 
 def profile_main_job(precision: str, batch: int, steps: int, warmup: int) -> dict:
     """{part: seconds per step} of the main job's loop in ``precision`` (one process, micro-batch ``batch``)."""
@@ -174,8 +187,7 @@ def profile_main_job(precision: str, batch: int, steps: int, warmup: int) -> dic
     def run(comm, profiler=None):  # unprofiled: the step time; profiled: the parts
         hook = ProfiledSteps(profiler or cProfile.Profile(), warmup)
         train(parse_args(argv, 1), comm, log=lambda line: None, callbacks=[hook])
-        hook.profiler.disable()
-        return (time.perf_counter() - hook.started) / steps, hook.profiler
+        return hook.seconds / steps, hook.profiler
 
     plain, _ = run_in_threads(1, run)[0]
     _, profiler = run_in_threads(1, lambda comm: run(comm, cProfile.Profile()))[0]
@@ -196,30 +208,37 @@ def main_precision(precisions: list, batch: int, steps: int, warmup: int) -> Non
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
+    p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
+                   "(--precision: 8)")
     p.add_argument("--steps", type=int, default=6, help="profiled steps (and timed steps of each side)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
-    p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16, bf16): profile the "
+    p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16): profile the "
                    "main job's loop in each, with casts as a part, instead of the library step against PyTorch")
     p.add_argument("--warmup", type=int, default=2, help="--precision: steps run before the profiled ones")
     args = p.parse_args()
     malloc = _machine.set_malloc(args.default_malloc)
     if args.steps < 1 or args.threads < 1 or args.warmup < 0:
         p.error(f"--steps and --threads must be >= 1, --warmup >= 0, got {args.steps}, {args.threads}, {args.warmup}")
+    args.batch = args.batch or ("8" if args.precision else "8,32")
+    batches = args.batch.split(",")
+    if not all(b.isdigit() and int(b) >= 1 for b in batches):
+        p.error(f"--batch takes positive whole numbers separated by commas, got {args.batch!r}")
     if args.precision is not None:
         precisions = args.precision.split(",")
-        if not set(precisions) <= {"fp32", "fp16", "bf16"} or "," in args.batch:
-            p.error(f"--precision takes fp32, fp16 or bf16 (got {args.precision!r}) and one --batch (got {args.batch})")
+        if not set(precisions) <= {"fp32", "fp16"}:
+            p.error(f"--precision takes fp32 and fp16, separated by commas, got {args.precision!r}")
+        if len(batches) > 1:
+            p.error(f"--precision profiles one --batch, got {args.batch!r}")
         with threadpool_limits(args.threads):
-            main_precision(precisions, int(args.batch), args.steps, args.warmup)
+            main_precision(precisions, int(batches[0]), args.steps, args.warmup)
         print(malloc)
         return
     if torch is not None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
-        rows = [(int(b), profile(int(b), args.steps)) for b in args.batch.split(",")]
+        rows = [(int(b), profile(int(b), args.steps)) for b in batches]
         print(_machine.header() + " | " + malloc)
     print("| batch | matmul, s | elementwise, s | optimizer, s | python, s | minizero step, s | PyTorch step, s | "
           "matmul / PyTorch step |")

@@ -79,7 +79,8 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      f"{moe.experts} experts, top-{moe.top_k}, capacity factor "
                      f"{moe.capacity_factor:g} per micro-batch; losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
                      f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}"
-                     + (f": {topo.dp // ep} expert group(s) of {ep} data ranks, {moe.experts // ep} experts each, "
+                     + (f": {topo.dp // ep} expert group{'s' * (topo.dp > ep)} of {ep} data ranks, "
+                        f"{moe.experts // ep} expert{'s' * (moe.experts > ep)} each, "
                         + (f"expert gradients summed over {topo.dp // ep} data ranks" if topo.dp > ep else
                            "expert gradients not summed (each expert is on one data rank)") if ep > 1 else ""))
     if args.zero and topo.dp == 1:

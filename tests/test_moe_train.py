@@ -201,3 +201,21 @@ def test_experts_that_got_no_row_still_step_as_in_one_process(zero):
     their .grad stayed None and the update was skipped: 1.8e-3 apart after 6 steps)."""
     flags = ["--steps", "6", "--warmup", "2", "--moe-z-loss", "0.001"]
     _assert_equal(_run(4, flags + ["--ep", "2", "--zero", zero]), _run(1, flags + ["--grad-accum", "4"]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,words", [
+    (2, "ep 2: 1 expert group of 2 data ranks, 1 expert each, expert gradients not summed (each expert is on one "
+        "data rank)"),
+    (4, "ep 2: 2 expert groups of 2 data ranks, 1 expert each, expert gradients summed over 2 data ranks"),
+])
+def test_the_header_says_how_expert_gradients_are_summed(n, words):
+    argv = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+            "--no-save", "--moe-experts", "2", "--ep", "2"]
+
+    def run(comm):
+        lines = []
+        train(parse_args(argv, n), comm, log=lines.append)
+        return lines
+    header = run_in_threads(n, run, timeout=100)[0]
+    assert any(line.startswith("MoE: ") and line.endswith(words) for line in header), header

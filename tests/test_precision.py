@@ -56,7 +56,7 @@ def test_narrow_is_astype_at_every_rounding_boundary():
     finite = np.sort(halves[np.isfinite(halves)])
     ties = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact in float32 (12 significant bits)
     near = [np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))]
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.996, 65520, -65520, 1e30, 2.0 ** -25,
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504, 65519.996, 65520, -65520, 1e30, 2.0 ** -25,
                         2.0 ** -24 * 1.5, 1e-45, -1e-45, 2.0 ** -14], np.float32)
     rand = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
     x = np.concatenate([finite.astype(np.float32), ties, *near, special, rand])
@@ -64,6 +64,7 @@ def test_narrow_is_astype_at_every_rounding_boundary():
         got, want = backend.narrow(x), x.astype(np.float16)
     nan = np.isnan(want)
     assert got.dtype == np.float16 and np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(np.signbit(got), np.signbit(want))  # a NaN keeps its sign (not its payload)
     assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
     m = x[:4096].reshape(64, 64)
     for a in (m.T, m[:, ::2]):  # F-order and strided: astype's layout

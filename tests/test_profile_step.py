@@ -36,3 +36,33 @@ def test_split_parts_puts_the_time_below_casts_in_casts_and_keeps_the_total():
     assert parts["casts"] == pytest.approx(below)
     assert sum(parts.values()) == pytest.approx(5.5)  # own times add up to the step: nothing lost or counted twice
     assert parts["elementwise"] == pytest.approx(2.0 + 0.5)  # the kernel's own time and take's other half
+
+
+def test_profiled_steps_time_only_the_steps_after_warmup():
+    """The window opens at the first step after warm-up and closes at the loop's end (on_train_end), so the
+    final validation and the report that follow are neither timed nor profiled."""
+    import cProfile
+    import time
+
+    from minizero.callbacks import Callback, CallbackList
+
+    seen = []
+
+    class Record(Callback):
+        def on_step_start(self, run, step):
+            seen.append(("start", step))
+
+        def on_train_end(self, run):
+            seen.append(("end", None))
+
+    hook = profile_step.ProfiledSteps(cProfile.Profile(), warmup=1)
+    hook.callbacks = CallbackList([Record()])  # what setup() builds from the main job's defaults
+    hook.on_step_start(None, 0)
+    assert hook.started is None  # warm-up: not timed
+    hook.on_step_start(None, 1)
+    time.sleep(0.02)
+    hook.on_train_end(None)
+    after = hook.seconds
+    time.sleep(0.05)  # what the loop does after its end (validation, report)
+    assert after >= 0.02 and hook.seconds == after  # frozen at the end: the sleep below is not in it
+    assert seen == [("start", 0), ("start", 1), ("end", None)]  # every point still reaches the callbacks
