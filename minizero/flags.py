@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None, help="pipeline stages: the layers split (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
-                        "(default with tp x pp > 1: tp x pp, so the global batch is micro-batch-size x world size)")
+                        "(default: pp, 1 without a pipeline; tensor parallelism never changes the batch)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
                    help="pipeline schedule (zb-h1: zero bubble, backward split into B and W; "
                         "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")

@@ -62,7 +62,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
         lines.append(topo.describe())
     if s.cp > 1:
         lines.append(f"context parallel: cp {s.cp} (the data groups of {topo.dp} ranks are dp {topo.dp // s.cp} x cp "
-                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, ring attention")
+                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, "
+                     + ("Ulysses attention (all-to-all from sequence shards to head shards and back)"
+                        if args.cp_attention == "ulysses" else "ring attention"))
     if topo.pp > 1:
         m, v = args.grad_accum, args.virtual_stages
         sched = make_schedule(args.schedule, topo.pp, m, v)

@@ -211,7 +211,8 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
     if scaler is None:
         check_finite_loss(args.steps, "validation", out.val_history[-1][1])
     out.traffic, out.pruner, out.applied = s.traffic(), run.pruner, run.applied
-    for line in node_traffic(s.topo, args.steps, s.dp, args.allreduce, s.cp, args.cp_attention, args.ep):  # collective
+    ran = args.steps - run.start  # this job's steps (a resumed run: fewer than --steps; every rank alike)
+    for line in node_traffic(s.topo, ran, s.dp, args.allreduce, s.cp, args.cp_attention, args.ep) if ran else ():
         log(line)
     out.model = s.full_model()
     return out

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 
 import numpy as np
 
@@ -86,11 +87,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
           f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
-    recent = result["train_losses"][-20:]
-    if recent and val < sum(recent) / len(recent):
-        print(f"  below the training loss ({sum(recent) / len(recent):.4f}, mean of the last {len(recent)} steps) "
-              "because the held-out slice is the end of the text (its last 10%), which is easier to predict "
-              "than the rest: not a leak")
+    recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
+    if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
+        print(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
+              "after warmup) because the held-out slice is the end of the text (its last 10%), which is easier to "
+              "predict than the rest: not a leak")
     if args.precision == "fp16":
         scales = result["loss_scales"]
         print(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "

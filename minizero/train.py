@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         process_peak = (result.train_process_peak or tracemalloc.get_traced_memory()[1]
                         if tracemalloc.is_tracing() else peak_rss_bytes())
         strategy, opt = result.strategy, result.opt
-        per_step = strategy.model_state_bytes_per_step(args.steps)
+        per_step = strategy.model_state_bytes_per_step(max(1, args.steps - result.start_step))  # this job's steps
         stats = gather_stats(comm, process_peak, strategy.traffic_by_kind())
         store = getattr(opt, "store", None)  # optimizer state in files (--offload-optimizer nvme): in no ledger category
         zero = gather_figures(comm, dict(result.state_bytes, gathered_peak=get_ledger().peak["gathered"],

@@ -258,3 +258,24 @@ def test_divergence_is_diagnosed_before_the_update():
     args = parse_args(TINY + ["--lr", "1e300", "--no-save"], 2)
     with pytest.raises(TrainingDiverged, match="step 1: the gradient norm is nan; training diverged"):
         run_in_threads(2, lambda comm: train(args, comm, log=lambda s: None))
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, tmp_path):
+    """Per-step traffic of a run resumed at step 2 of 4 is the straight run's: divided by the 2 steps it ran, not
+    by --steps (before: 2x too small here, 31x for 10 steps resumed at 300)."""
+    flags = ["--model", "tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+             "--no-progress"]
+    straight, _ = launch(mpiexec, 2, [*flags, "--save-every", "2", "--out", str(tmp_path / "a")], timeout=240)
+    assert straight.returncode == 0, straight.stderr
+    resumed, _ = launch(mpiexec, 2, [*flags, "--out", str(tmp_path / "b"), "--resume",
+                                     str(tmp_path / "a" / "checkpoints" / "step_00000002")], timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def per_step(proc, out):  # (the world's KiB per step, each rank's gradient bytes per step)
+        world = re.search(r"^  world: ([\d.]+) KiB sent", proc.stdout, re.M)
+        figures = json.loads((tmp_path / out / "summary.json").read_text())["zero"]["per_rank"]
+        return float(world.group(1)), [f["bytes_sent_per_step"] for f in figures]
+    (world_a, grads_a), (world_b, grads_b) = per_step(straight, "a"), per_step(resumed, "b")
+    assert grads_a[0] > 0 and grads_b == grads_a  # the same all-reduces every step
+    assert world_b == pytest.approx(world_a, rel=0.05)  # the world's total includes set-up, spread over the steps
