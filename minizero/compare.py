@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="all",
                    help=f"comma list from: {', '.join(STRATEGIES)}; or 'all'")
     p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
-    p.add_argument("--json", default=None, help="path of the JSON results (default OUT/compare.json)")
+    p.add_argument("--json", default="OUT/compare.json", help="path of the JSON results (OUT: the --out folder)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one training run may take")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="every run's --device: cpu (NumPy), cuda (CuPy, GPU local rank %% count), strict (host leaks raise)")
@@ -260,7 +260,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--strategies {name} at --ranks {n}: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
-    if args.json is None:
+    if args.json == "OUT/compare.json":  # the default, in --out
         args.json = os.path.join(args.out, "compare.json")
     if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
                                                                     for name in ("compare.md", "compare.png")}:

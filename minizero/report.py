@@ -96,7 +96,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         scales = result["loss_scales"]
         print(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
               f"{result['skipped_steps']} step(s) skipped for inf/NaN gradients"
-              + (f" (at {', '.join(map(str, result['skipped_at'][:10]))}"
+              + (f" (at step {', '.join(str(k + 1) for k in result['skipped_at'][:10])}"  # 1-based, as progress
                  f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
     if result.moe is not None:
         print(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "

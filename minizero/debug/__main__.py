@@ -19,8 +19,8 @@ def main(argv=None) -> int:
     q = sub.add_parser("parity", help="two layouts from one seed in float64: the first step and parameter that differ",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
-    q.add_argument("--model", default="tiny")
-    q.add_argument("--steps", type=int, default=5)
+    q.add_argument("--model", default="tiny", help="model preset of both runs (python -m minizero.train --model)")
+    q.add_argument("--steps", type=int, default=5, help="optimizer steps of both runs")
     q.add_argument("--batch-size", type=int, default=8, help="global batch of both runs (the same data each step)")
     q.add_argument("--tol", type=float, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
     args = p.parse_args(argv)
