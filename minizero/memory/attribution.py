@@ -144,7 +144,7 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     """Text: per rank, the top ``n`` modules by peak activation bytes (self), attention scores as their own entries."""
     lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
              "':scores' = (b, a, s, s) arrays)"]
-    rows = [", ".join(f"{name or '(model)'} {format_bytes(b)}" for name, b in top_modules(peaks, n))
+    rows = [", ".join(f"{name or '(top level: the loss)'} {format_bytes(b)}" for name, b in top_modules(peaks, n))
             for peaks in per_rank]
     for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]
