@@ -110,7 +110,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     gathers = [w for w, here in (("the start-up broadcast", True), ("ZeRO's gathers", args.zero > 0),
                                  ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),
                                  ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
-    labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})")
+    reductions = [w for w, here in (("data parallel", args.dp * args.cp > 1),
+                                    ("the tied embedding between the first and last stage", args.pp > 1)) if here]
+    labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})",
+                  gradient_reduction=KIND_LABELS["gradient_reduction"] + (f" ({'; '.join(reductions)})"
+                                                                        if reductions else ""))
     for kind in TRAFFIC_KINDS:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
             notes.append(f"  {labels.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
