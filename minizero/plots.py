@@ -66,6 +66,7 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = ""):
     ax.text(len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
             va="bottom", fontsize=7, color="0.4")
     ax.set_xlabel("optimizer step")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers: no tick at 2.5
     ax.set_ylabel("loss (nats per byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
