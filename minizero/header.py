@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
-from minizero.parallel.schedule import bubble_formula, bubble_fraction, make_schedule, peak_in_flight, simulate
+from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
 
 
@@ -68,8 +68,10 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if topo.pp > 1:
         m, v = args.grad_accum, args.virtual_stages
         sched = make_schedule(args.schedule, topo.pp, m, v)
+        p = topo.pp  # the simulated bubble, then the closed form with this run's numbers in it
         formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
-                   f" = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = {bubble_formula(topo.pp, m, v):.3f}")
+                   f" (simulated) = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = ({p}-1)/({f'{v}x{m}' if v > 1 else m}"
+                   f"+{p}-1)")
         lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
                      f"{formula}"
                      f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
