@@ -12,6 +12,7 @@ import os
 
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.config import TrainConfig
+from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
@@ -115,6 +116,10 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     parser.quiet = quiet
     args = TrainConfig.from_namespace(parser.parse_args(argv))
     check_fault_spec()
+    try:
+        threshold_from_env()  # the all-reduce size rule's override (benchmarks, tests)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     _check_comm(args)
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")

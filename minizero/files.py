@@ -220,10 +220,29 @@ def mpiexec_path() -> str | None:
     return beside if os.path.exists(beside) else shutil.which("mpiexec")
 
 
-def check_output(path: str, flag: str = "--json") -> None:
-    """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file)."""
+#: files minizero's programs read back (weights, their config, a run's summary, a checkpoint's manifest):
+#: an output written over one loses it, so :func:`check_output` refuses them
+READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
+
+
+def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:
+    """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file) without
+    losing what the user has: not one of ``inputs`` ({flag: path} this program reads), not an existing file
+    another program reads back (:data:`READ_BACK`, any ``.npz``), not inside a checkpoint folder."""
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    real = os.path.realpath(path)
+    for other_flag, other in (inputs or {}).items():
+        if other and real == os.path.realpath(other):
+            raise ValueError(f"{flag} {path!r} would overwrite {other_flag} {other!r}; give another file")
+    if os.path.isfile(real) and (os.path.basename(real) in READ_BACK or real.endswith(".npz")):
+        raise ValueError(f"{flag} {path!r} would overwrite {os.path.basename(real)}, which minizero's programs read "
+                         "back (weights, config, summary or checkpoint manifest); give another file")
+    from minizero.checkpoint.format import checkpoint_holding  # noqa: PLC0415 (the checkpoint package imports this one)
+
+    folder = checkpoint_holding(real)
+    if folder:
+        raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")

@@ -23,6 +23,8 @@ from minizero import backend
 from minizero.flags import flags_refusal
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
+from minizero.args import MAX_EVAL_BATCHES
+from minizero.checkpoint.format import checkpoint_holding
 from minizero.files import atomic_write, check_output
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -71,10 +73,25 @@ def check(args) -> None:
     bad = [t for t in args.targets.split(",") if t not in TARGETS]
     if bad or not args.targets:
         raise ValueError(f"--targets {args.targets!r}: allowed names are {', '.join(TARGETS)}")
+    if not 1 <= args.eval_batches <= MAX_EVAL_BATCHES:
+        raise ValueError(f"--eval-batches must be in [1, {MAX_EVAL_BATCHES:,}] as train's, got {args.eval_batches:,}")
+    inputs = {"--weights": args.weights, "--weights' config": os.path.join(os.path.dirname(args.weights), SIDECAR),
+              "--data": args.data}
+    if args.out is not None:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out!r} exists and is not a folder")
+        for name in ("model.npz", SIDECAR):  # what --out receives: never the input, never inside a checkpoint
+            written = os.path.join(args.out, name)
+            for flag, other in inputs.items():
+                if other and os.path.realpath(written) == os.path.realpath(other):
+                    raise ValueError(f"--out {args.out!r} would overwrite {flag} {other!r} with the fine-tuned "
+                                     "model; give another folder")
+            if checkpoint_holding(os.path.realpath(written)):
+                raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
+                                 f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
+            inputs[f"--out's {name}"] = written
     if args.json:
-        check_output(args.json)
-    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} exists and is not a folder")
+        check_output(args.json, inputs=inputs)
 
 
 def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:

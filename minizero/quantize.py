@@ -161,11 +161,9 @@ def main(argv=None) -> int:
         parser.error(f"--outlier-threshold must be a positive number, got {args.outlier_threshold}")
     try:
         if args.json:
-            check_output(args.json)  # before any measuring
-            sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)
-            for flag, other in (("--weights", args.weights), ("--weights' config", sidecar), ("--data", args.data)):
-                if other and os.path.realpath(args.json) == os.path.realpath(other):
-                    raise ValueError(f"--json {args.json!r} would overwrite {flag} {other!r}; give another file")
+            sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)  # before any measuring:
+            check_output(args.json, inputs={"--weights": args.weights, "--weights' config": sidecar,
+                                            "--data": args.data})
         backend.set_device(args.device, backend.local_rank())
         result = run(args)
     except (FileNotFoundError, ValueError, backend.DeviceError) as e:

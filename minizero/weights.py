@@ -244,7 +244,8 @@ def _looks_like(state: dict) -> str:
 
 
 def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
-    """(model, summary dict or {}) from ``weights``; the shape from summary.json beside it, else ``preset``.
+    """(model, summary dict or {}) from ``weights``; the shape from ``preset``, else summary.json beside it, else
+    model.json beside it (finetune's merged model).
 
     Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a corrupt summary.json, no shape,
     or weights that do not fit the shape (file, first names and ``--model`` named).
@@ -275,9 +276,11 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
         except (TypeError, ValueError) as e:
             raise ValueError(f"{summary_path!r}: config.model is not a model shape ({e}); pass --model") from None
         source = summary_path
+    elif read_sidecar(weights) is not None:  # fine-tuned weights: model.json beside them, no summary
+        cfg, source = config_for(weights, state), os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
     else:
         guess = infer_preset(state)
-        raise ValueError(f"no summary.json beside --weights {weights!r}; pass --model "
+        raise ValueError(f"no summary.json or {SIDECAR} beside --weights {weights!r}; pass --model "
                          + (f"(these weights look like the {guess!r} preset)" if guess
                             else f"(one of {', '.join(sorted(PRESETS))}; no preset matches these shapes)"))
     model = GPT(cfg)

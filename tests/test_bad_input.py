@@ -513,3 +513,56 @@ def test_sizes_under_cp_name_the_world_and_the_context_split(flags, said):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *flags], 4)
     assert said in str(e.value)
+
+
+# --------------------------------------------------------------------------- outputs of the other programs
+def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monkeypatch, capsys):
+    """Before: finetune --json/--out, quantize --json and compare --json wrote over model.npz, model.json,
+    summary.json or a checkpoint's manifest (exit 0, the weights or the checkpoint lost); parity passed --out
+    through to train; consolidate's default --out replaced a model.npz. Now each is refused before any work."""
+    from minizero import compare, finetune
+    from minizero.checkpoint.cli import main as checkpoint_main
+    from minizero.debug.__main__ import main as debug_main
+    from minizero.files import check_output
+
+    run = saved.parent  # the run's folder: model.npz, model.json, summary.json, checkpoints/
+    before = {**_digests(saved), **{f: (run / f).read_bytes() for f in ("model.npz", "model.json", "summary.json")}}
+    manifest = saved / "step_00000002" / "manifest.json"
+    for path, needle in [(run / "model.npz", "would overwrite model.npz"), (run / "summary.json", "summary.json"),
+                         (manifest, "would overwrite manifest.json"),
+                         (saved / "step_00000002" / "new.json", "inside the checkpoint folder")]:
+        with pytest.raises(ValueError, match=needle):
+            check_output(str(path))  # quantize's, finetune's and compare's --json
+    weights = ["--weights", str(run / "model.npz")]
+    for argv, needle in [(["--out", str(run)], "would overwrite --weights"),
+                         (["--json", str(run / "model.json")], "would overwrite --weights' config"),
+                         (["--out", str(tmp_path / "ft"), "--json", str(tmp_path / "ft" / "model.json")],
+                          "would overwrite --out's model.json"),
+                         (["--out", str(saved / "step_00000002")], "inside the checkpoint folder"),
+                         (["--eval-batches", "1000000"], r"--eval-batches must be in \[1, 10,000\]")]:
+        with pytest.raises(ValueError, match=needle):
+            finetune.check(finetune.build_parser().parse_args([*weights, *argv]))
+    for argv, needle in [(["--json", str(run / "model.npz")], "would overwrite model.npz"),
+                         (["--out", str(saved / "step_00000002")], "inside the checkpoint folder")]:
+        with pytest.raises(compare.UsageError, match=needle):
+            compare.parse_args(["--model", "tiny", "--strategies", "baseline", *argv])
+    assert debug_main(["parity", "--dp 1 --out " + str(run), "--dp 1"]) == 2
+    assert "--out is parity's own" in capsys.readouterr().err
+    assert debug_main(["parity", "-n 1000", "--dp 1"]) == 2
+    assert "-n needs a number of ranks in [1, 64]" in capsys.readouterr().err
+    monkeypatch.chdir(run)  # consolidate's default --out: model.npz, here another run's weights
+    assert checkpoint_main(["consolidate", str(saved)]) == 2
+    assert "model.npz exists here" in capsys.readouterr().err
+    assert {**_digests(saved), **{f: (run / f).read_bytes() for f in ("model.npz", "model.json",
+                                                                       "summary.json")}} == before
+    from minizero.weights import SIDECAR, load_trained
+
+    ft = tmp_path / "ft"  # finetune's merged model: model.npz and model.json, no summary.json
+    ft.mkdir()
+    shutil.copy(run / "model.npz", ft / "model.npz")
+    shutil.copy(run / SIDECAR, ft / SIDECAR)
+    model, summary = load_trained(str(ft / "model.npz"))  # before: "no summary.json ...; pass --model" (finetune has
+    assert summary == {} and model.num_parameters() > 0   # no --model): a fine-tuned model could not be tuned again
+    monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "abc")  # before: a traceback at import, even --help
+    with pytest.raises(UsageError, match="MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='abc'; allowed: an integer >= -1"):
+        parse_args([*TINY, "--out", str(tmp_path / "o")])

@@ -11,6 +11,7 @@ import os
 import sys
 
 import numpy as np
+from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
@@ -106,16 +107,25 @@ def main(argv=None) -> int:
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
     con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)")
     con.add_argument("path")
-    con.add_argument("--out", default="model.npz", help="the .npz to write")
+    con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
     args = p.parse_args(argv)
     try:
         if args.command == "consolidate":
+            if args.out is None:  # the default: never over a model.npz already here (another run's weights)
+                if os.path.exists("model.npz"):
+                    raise CheckpointError("model.npz exists here (the weights of a run?); give --out PATH to write "
+                                          "elsewhere, or to replace it")
+                args.out = "model.npz"
             check_out(args.out)
         folder = verify(args.path)
         if args.command == "inspect":
             print(describe(ShardReader(folder)))
         else:
-            state = consolidate(folder, args.out)
+            try:
+                state = consolidate(folder, args.out)
+            except (KeyError, SafetensorError) as e:  # a shard whose bytes match its hash but not the manifest
+                raise CheckpointError(f"{folder}: the manifest names what its files do not hold "
+                                      f"({type(e).__name__}: {e}); the checkpoint is damaged") from None
             print(f"wrote {args.out}: {len(state)} tensors from {folder}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)

@@ -20,7 +20,25 @@ _RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broad
 #: the ring's bandwidth-optimal 2(N-1)/N bytes (log2(N) x the buffer would be 1.7x at N = 8),
 #: which is what matters on a real network. ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it
 #: (-1: always the ring), for benchmarks and for the tests that check the ring's own properties.
-SMALL_ALLREDUCE_MAX_BYTES = int(os.environ.get("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1024))
+THRESHOLD_ENV, DEFAULT_MAX_BYTES = "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1024
+
+
+def threshold_from_env() -> int:
+    """The all-reduce size rule's bytes from :data:`THRESHOLD_ENV` (unset: 256 KiB). Raises ValueError: not an
+    integer >= -1 (the programs check it with their arguments, so a bad value stops them before any work)."""
+    text = os.environ.get(THRESHOLD_ENV)
+    if text is None:
+        return DEFAULT_MAX_BYTES
+    value = int(text) if text.strip().lstrip("-").isdigit() else None
+    if value is None or value < -1:
+        raise ValueError(f"{THRESHOLD_ENV}={text!r}; allowed: an integer >= -1 (bytes; -1: always the ring)")
+    return value
+
+
+try:
+    SMALL_ALLREDUCE_MAX_BYTES = threshold_from_env()
+except ValueError:  # refused with the arguments (minizero.args), not here: importing must not fail
+    SMALL_ALLREDUCE_MAX_BYTES = DEFAULT_MAX_BYTES
 
 
 def all_reduce_algorithm(nbytes: int, world_size: int) -> str:

@@ -20,32 +20,49 @@ import numpy as np
 from minizero.files import mpiexec_path
 
 SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp")
+#: refused in a layout: what parity sets for both runs (its own flags) and what would write outside its temporary
+#: folder (--seed or --dtype in one layout are allowed: a difference parity should find)
+CONTROLLED = ("--out", "--json", "--save-dir", "--save-every", "--resume", "--trace", "--no-save", "--model",
+              "--steps", "--batch-size")
+MAX_RANKS = 64  #: ranks one layout may start (-n or the product of its sizes)
 
 
 def ranks_of(words: list[str]) -> tuple[int, list[str]]:
     """``(N, train flags)`` of a layout's words: ``-n K`` taken out, else N = the product of its size flags.
 
     Raises:
-        ValueError: ``-n`` without a positive integer.
+        ValueError: a flag of :data:`CONTROLLED`, ``-n`` without a number in [1, MAX_RANKS], more ranks.
     """
+    given = [w.split("=")[0] for w in words if w.split("=")[0] in CONTROLLED]
+    if given:
+        raise ValueError(f"layout {' '.join(words)!r}: {', '.join(given)} is parity's own (both runs share it, "
+                         "in a folder of their own); give layout flags only, and --model/--steps/--batch-size "
+                         "to parity itself")
     if words[:1] == ["-n"]:
-        if len(words) < 2 or not words[1].isdigit() or int(words[1]) < 1:
-            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks >= 1")
+        if len(words) < 2 or not words[1].isdigit() or not 1 <= int(words[1]) <= MAX_RANKS:
+            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}]")
         return int(words[1]), words[2:]
     n = 1
     for i, w in enumerate(words[:-1]):
         if w in SIZE_FLAGS and words[i + 1].isdigit():
             n *= int(words[i + 1])
+    if n > MAX_RANKS:
+        raise ValueError(f"layout {' '.join(words)!r} starts {n} ranks; allowed: at most {MAX_RANKS}")
     return n, words
 
 
-def run(layout: str, common: list[str], out: str) -> dict:
-    """Run one layout into folder ``out``; returns ``{"loss", "norm", "params", "n"}`` or ``{"error": text}``."""
+def layout_words(layout: str) -> tuple[int, list[str]]:
+    """:func:`ranks_of` a layout's text. Raises ValueError: an unclosed quote, or as :func:`ranks_of`."""
     try:
         words = shlex.split(layout)
     except ValueError as e:  # an unclosed quote
         raise ValueError(f"layout {layout!r}: {e}") from None
-    n, flags = ranks_of(words)
+    return ranks_of(words)
+
+
+def run(layout: str, common: list[str], out: str) -> dict:
+    """Run one layout into folder ``out``; returns ``{"loss", "norm", "params", "n"}`` or ``{"error": text}``."""
+    n, flags = layout_words(layout)
     cmd = [mpiexec_path() or "mpiexec", "-n", str(n), sys.executable, "-m", "minizero.train", "--dtype", "float64",
            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *common,
            "--out", out, *flags]
@@ -100,6 +117,8 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
 def main(layout_a: str, layout_b: str, common: list[str], tol: float) -> int:
     """Run both layouts, print the verdict; 0 same, 1 differ, 2 a run failed."""
     results = []
+    for layout in (layout_a, layout_b):  # both checked before either runs
+        layout_words(layout)
     with tempfile.TemporaryDirectory(prefix="parity_") as d:
         for i, layout in enumerate((layout_a, layout_b)):
             results.append(run(layout, common, os.path.join(d, str(i))))
