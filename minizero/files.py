@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -212,6 +213,20 @@ def check_writable_folder(folder: str) -> None:
         os.remove(tmp)
     except OSError as e:
         raise OSError(e.errno, f"{parent!r} takes no file: {e.strerror or e}") from None
+
+
+def read_json(path: str):
+    """The JSON value in the regular file ``path``. Raises OSError: unreadable; ValueError: not a regular file
+    (a FIFO or a device would block or never end), not JSON (or not UTF-8), or nested too deeply."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a regular file (a FIFO or a device); give the JSON file itself")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path!r} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path!r} is JSON nested too deeply for a file minizero writes") from None
 
 
 def mpiexec_path() -> str | None:

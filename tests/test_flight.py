@@ -112,6 +112,8 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
 @pytest.mark.parametrize("content,needle", [
     (b"[1, 2]", "has no traceEvents list"), (b'{"traceEvents": [{"ph": "X", "name": "f"}]}', "lacks 'cat'"),
     (b"\xe1\x80 binary", "is not JSON: 'utf-8' codec can't decode"), (b"", "is not JSON: Expecting value"),
+    (b'{"traceEvents": [{"ph": "X", "name": "f", "cat": "c", "ts": 0, "dur": "x", "pid": 0, "tid": 0}]}',
+     "traceEvents[0].dur is 'x', not a number"), (b"[" * 100000, "nested too deeply"),
 ])
 def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, needle):
     """Before: a TypeError traceback, ``error: 'pid'``, or a JSON message without the file's name."""
@@ -125,15 +127,19 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
     (flight / "rank_0.json").write_bytes(content or b"{}")
     assert debug_main(["hang", str(flight)]) == 2
     err = capsys.readouterr().err
-    assert str(flight / "rank_0.json") in err and ("is not JSON" in err or "is not a flight record" in err), err
+    assert str(flight / "rank_0.json") in err and ("is not JSON" in err or "is not a flight record" in err
+                                                   or "nested too deeply" in err), err
     assert debug_main(["trace", str(tmp_path)]) == 2  # a folder for a file: one line, no traceback
     assert "Is a directory" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "fifo")  # before: read forever
+    assert debug_main(["trace", str(tmp_path / "fifo")]) == 2
+    assert "is not a regular file (a FIFO or a device)" in capsys.readouterr().err
 
 
 def test_a_flight_record_lacking_what_the_analysis_reads_is_named():
     from minizero.debug.hang import _missing
 
-    good = {"rank": 0, "groups": {"world": {"members": [0], "last_seq": 1}},
+    good = {"rank": 0, "world_size": 1, "groups": {"world": {"members": [0], "last_seq": 1}},
             "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",
                          "bytes": 16, "state": "completed"}]}
     assert _missing(good) is None
@@ -141,6 +147,11 @@ def test_a_flight_record_lacking_what_the_analysis_reads_is_named():
     broken = dict(good["entries"][0])
     del broken["op"]
     assert _missing({**good, "entries": [broken]}) == "entries[0].op" and _missing([]) == "a JSON object"
+    # fields of another type: before, a TypeError traceback, or a hang building range(10^9)
+    assert "'world_size' in [1, 1,048,576]" in _missing({**good, "world_size": 10 ** 9})
+    assert "'world_size' in [1" in _missing({**good, "rank": 3})
+    assert "whole 'seq'" in _missing({**good, "entries": [dict(good["entries"][0], seq="x")]})
+    assert "whole 'last_seq'" in _missing({**good, "groups": {"world": {"members": [0], "last_seq": "1"}}})
 
 
 def test_a_labelled_exchange_of_some_ranks_does_not_shift_the_sequence(tmp_path):

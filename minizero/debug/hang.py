@@ -8,11 +8,11 @@ rank completed).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
 from minizero.comm.flight import describe
+from minizero.files import read_json
 
 
 def load(folder: str) -> dict[int, dict]:
@@ -28,11 +28,7 @@ def load(folder: str) -> dict[int, dict]:
     out = {}
     for p in paths:
         if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
-            try:
-                with open(p) as f:
-                    snap = json.load(f)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                raise ValueError(f"{p} is not JSON: {e}") from None
+            snap = read_json(p)
             missing = _missing(snap)
             if missing:
                 raise ValueError(f"{p} is not a flight record: it lacks {missing}")
@@ -40,7 +36,7 @@ def load(folder: str) -> dict[int, dict]:
     return out
 
 
-SNAPSHOT_FIELDS = ("rank", "groups", "entries")  #: what the analysis reads of a rank's record ...
+SNAPSHOT_FIELDS = ("rank", "world_size", "groups", "entries")  #: what the analysis reads of a rank's record ...
 GROUP_FIELDS = ("members", "last_seq")  #: ... of each group ...
 ENTRY_FIELDS = ("group", "seq", "op", "shape", "dtype", "bytes", "state")  #: ... and of each entry
 
@@ -54,13 +50,28 @@ def _missing(snap) -> str | None:
             return repr(f)
     if not isinstance(snap["groups"], dict) or not isinstance(snap["entries"], list):
         return "'groups' as an object and 'entries' as a list"
+    world = snap["world_size"]
+    if not (_whole(world) and 1 <= world <= MAX_WORLD and _whole(snap["rank"]) and 0 <= snap["rank"] < world):
+        return f"a 'world_size' in [1, {MAX_WORLD:,}] and a 'rank' below it"
     for name, g in snap["groups"].items():
         if not isinstance(g, dict) or any(f not in g for f in GROUP_FIELDS):
             return f"groups[{name!r}].{next(f for f in GROUP_FIELDS if not isinstance(g, dict) or f not in g)}"
+        if not (_whole(g["last_seq"]) and (g["members"] is None or isinstance(g["members"], list)
+                                          and all(_whole(m) for m in g["members"]))):
+            return f"groups[{name!r}] with a whole 'last_seq' and 'members' a list of ranks (or null)"
     for i, e in enumerate(snap["entries"]):
         if not isinstance(e, dict) or any(f not in e for f in ENTRY_FIELDS):
             return f"entries[{i}].{next(f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e)}"
+        if not (e["seq"] is None or _whole(e["seq"])) or not (e["shape"] is None or isinstance(e["shape"], list)):
+            return f"entries[{i}] with a whole 'seq' (or null) and 'shape' a list (or null)"
     return None
+
+
+MAX_WORLD = 1 << 20  #: the largest world a flight record may name (the planner's --gpus bound)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _signature(e: dict) -> tuple:

@@ -7,8 +7,8 @@ Names the slowest rank (most time not waiting on others) and the one that waits 
 """
 from __future__ import annotations
 
-import json
 
+from minizero.files import read_json
 from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
 
 PIPELINE_WAITS = ("recv ", "wait sends", "pp_")  #: blocking-lane span names that are a pipeline stage waiting
@@ -84,11 +84,7 @@ def load(path: str) -> list:
     Raises OSError: unreadable; ValueError: not JSON (or not UTF-8), no ``traceEvents`` list, or a complete
     event without one of :data:`SPAN_FIELDS` (the file and the field named).
     """
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{path!r} is not JSON: {e}") from None
+    data = read_json(path)
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise ValueError(f"{path!r} has no traceEvents list")
@@ -96,7 +92,14 @@ def load(path: str) -> list:
         missing = [f for f in SPAN_FIELDS if f not in e] if isinstance(e, dict) and e.get("ph") == "X" else []
         if not isinstance(e, dict) or missing:
             raise ValueError(f"{path!r}: traceEvents[{i}] " + (f"lacks {missing[0]!r}" if missing else "is not an object"))
+        wrong = [f for f in ("ts", "dur") if e.get("ph") == "X" and not _number(e[f])]
+        if wrong:
+            raise ValueError(f"{path!r}: traceEvents[{i}].{wrong[0]} is {e[wrong[0]]!r}, not a number of microseconds")
     return events
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def main(path: str) -> int:
