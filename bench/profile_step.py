@@ -198,7 +198,8 @@ def profile_main_job(precision: str, batch: int, steps: int, warmup: int) -> dic
 
 def main_precision(precisions: list, batch: int, steps: int, warmup: int) -> None:
     rows = [(p, profile_main_job(p, batch, steps, warmup)) for p in precisions]
-    print(_machine.header() + f" | micro-batch {batch}, {steps} steps after {warmup}")
+    print(_machine.header() + f" | micro-batch {batch}, {steps} steps after {warmup} | load average (1, 5, 15 min): "
+          + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     print("| precision | " + " | ".join(f"{k}, s" for k in CAST_PARTS) + " | step, s | step / first row's |")
     print("|---|" + "---:|" * (len(CAST_PARTS) + 2))
     for p, r in rows:
