@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check(args) -> None:
     """Raise ValueError naming the first bad value and what is allowed (before any work)."""
     for flag, v, lo in (("--lora-rank", args.lora_rank, 1), ("--steps", args.steps, 1),
-                        ("--batch-size", args.batch_size, 1), ("--eval-batches", args.eval_batches, 1)):
+                        ("--batch-size", args.batch_size, 1), ("--eval-batches", args.eval_batches, 1),
+                        ("--seed", args.seed, 0)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):

@@ -111,8 +111,8 @@ def check(args) -> str | None:
         return f"--tokens must be in 1..{MAX_TOKENS:,}, got {args.tokens}"
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         return f"--temperature must be a positive number, got {args.temperature}"
-    if args.top_k is not None and args.top_k < 1:
-        return f"--top-k must be >= 1, got {args.top_k}"
+    if args.top_k is not None and not 1 <= args.top_k <= 256:
+        return f"--top-k must be in [1, 256] (the byte vocabulary; 256 keeps every byte), got {args.top_k}"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
     return prompt_problem(args.prompt)
