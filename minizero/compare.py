@@ -24,8 +24,7 @@ from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, 
 from minizero.plan_search import step_time
 from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
                                      plot)
-from minizero.checkpoint.format import checkpoint_holding
-from minizero.files import WriteError, atomic_write, check_output, check_writable_folder, mpiexec_path
+from minizero.files import WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding, mpiexec_path
 from minizero.nn import PRESETS
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
@@ -261,21 +260,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--strategies {name} at --ranks {n}: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} exists and is not a directory")
-    if args.json == "OUT/compare.json":  # the default, in --out
-        args.json = os.path.join(args.out, "compare.json")
+    args.json = os.path.join(args.out, "compare.json") if args.json == "OUT/compare.json" else args.json  # default
     if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
                                                                     for name in ("compare.md", "compare.png")}:
         raise UsageError(f"--json {args.json!r} is a directory or OUT/compare.md or .png; give another file path")
-    for flag, given, path in (("--out", args.out, os.path.join(args.out, "compare.md")), ("--json", args.json,
-                                                                                          args.json)):
-        folder = checkpoint_holding(os.path.realpath(path))
-        if folder:
-            raise UsageError(f"{flag} {given!r} is inside the checkpoint folder {folder!r}; give a path outside it")
-    if os.path.isfile(args.json):  # weights, a config, a summary or a manifest: another program reads it back
-        try:
+    if checkpoint_holding(os.path.realpath(os.path.join(args.out, "compare.md"))):
+        raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")
+    try:  # an existing weights, config, summary or manifest file, or one inside a checkpoint folder (a folder
+        if os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # that does not exist yet holds none)
             check_output(args.json)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for flag, folder in (("--out", args.out), ("--json", os.path.dirname(os.path.abspath(args.json)))):
         try:  # the outputs are written after every run: a folder that takes no file is refused now
             check_writable_folder(folder)

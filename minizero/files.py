@@ -235,6 +235,24 @@ def mpiexec_path() -> str | None:
     return beside if os.path.exists(beside) else shutil.which("mpiexec")
 
 
+MANIFEST = "manifest.json"  #: the file that makes a folder a checkpoint (minizero.checkpoint writes it last)
+
+
+def checkpoint_holding(path: str) -> str | None:
+    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None.
+
+    What an output path is checked against, so that no output lands inside a checkpoint (a shard or the
+    manifest overwritten is the checkpoint lost). Also None for ``path`` itself being such a folder.
+    """
+    a = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isfile(os.path.join(a, MANIFEST)):
+            return a
+        if os.path.dirname(a) == a:
+            return None
+        a = os.path.dirname(a)
+
+
 #: files minizero's programs read back (weights, their config, a run's summary, a checkpoint's manifest):
 #: an output written over one loses it, so :func:`check_output` refuses them
 READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
@@ -253,8 +271,6 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     if os.path.isfile(real) and (os.path.basename(real) in READ_BACK or real.endswith(".npz")):
         raise ValueError(f"{flag} {path!r} would overwrite {os.path.basename(real)}, which minizero's programs read "
                          "back (weights, config, summary or checkpoint manifest); give another file")
-    from minizero.checkpoint.format import checkpoint_holding  # noqa: PLC0415 (the checkpoint package imports this one)
-
     folder = checkpoint_holding(real)
     if folder:
         raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")

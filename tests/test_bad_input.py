@@ -543,7 +543,7 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
         with pytest.raises(ValueError, match=needle):
             finetune.check(finetune.build_parser().parse_args([*weights, *argv]))
     for argv, needle in [(["--json", str(run / "model.npz")], "would overwrite model.npz"),
-                         (["--out", str(saved / "step_00000002")], "inside the checkpoint folder")]:
+                         (["--out", str(saved / "step_00000002")], "is inside a checkpoint folder")]:
         with pytest.raises(compare.UsageError, match=needle):
             compare.parse_args(["--model", "tiny", "--strategies", "baseline", *argv])
     assert debug_main(["parity", "--dp 1 --out " + str(run), "--dp 1"]) == 2

@@ -12,9 +12,11 @@ import os
 import shutil
 import stat
 
+from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
+
 FORMAT = "minizero-checkpoint"
 VERSION = 1  #: the manifest version this code writes and the newest it reads
-MANIFEST, LATEST = "manifest.json", "latest"
+LATEST = "latest"
 PREFIX, TMP, TRASH = "step_", ".tmp-", ".trash-"
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
 
@@ -76,21 +78,6 @@ def clean_partial(save_dir: str) -> list[str]:
                 shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
                 gone.append(n)
     return gone
-
-
-def checkpoint_holding(path: str) -> str | None:
-    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None.
-
-    What an output path is checked against, so that no output lands inside a checkpoint (a shard or the
-    manifest overwritten is the checkpoint lost). Also None for ``path`` itself being such a folder.
-    """
-    a = os.path.dirname(os.path.abspath(path))
-    while True:
-        if os.path.isfile(os.path.join(a, MANIFEST)):
-            return a
-        if os.path.dirname(a) == a:
-            return None
-        a = os.path.dirname(a)
 
 
 def resolve(path: str) -> str:
