@@ -24,8 +24,7 @@ from minizero.flags import flags_refusal
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.checkpoint.format import checkpoint_holding
-from minizero.files import atomic_write, check_output
+from minizero.files import atomic_write, check_output, checkpoint_holding
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
