@@ -253,6 +253,15 @@ def checkpoint_holding(path: str) -> str | None:
         a = os.path.dirname(a)
 
 
+def refuse_inputs(flag: str, given: str, path: str, inputs: dict, instead: str = "give another file") -> None:
+    """Raise ValueError when the output ``path`` (``flag given``) is one of ``inputs`` ({flag: path} read), links
+    followed."""
+    real = os.path.realpath(path)
+    for other_flag, other in inputs.items():
+        if other and real == os.path.realpath(other):
+            raise ValueError(f"{flag} {given!r} would overwrite {other_flag} {other!r}; {instead}")
+
+
 #: files minizero's programs read back (weights, their config, a run's summary, a checkpoint's manifest):
 #: an output written over one loses it, so :func:`check_output` refuses them
 READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
@@ -265,9 +274,7 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
     real = os.path.realpath(path)
-    for other_flag, other in (inputs or {}).items():
-        if other and real == os.path.realpath(other):
-            raise ValueError(f"{flag} {path!r} would overwrite {other_flag} {other!r}; give another file")
+    refuse_inputs(flag, path, path, inputs or {})
     if os.path.isfile(real) and (os.path.basename(real) in READ_BACK or real.endswith(".npz")):
         raise ValueError(f"{flag} {path!r} would overwrite {os.path.basename(real)}, which minizero's programs read "
                          "back (weights, config, summary or checkpoint manifest); give another file")

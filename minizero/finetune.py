@@ -24,7 +24,7 @@ from minizero.flags import flags_refusal
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.files import atomic_write, check_output, checkpoint_holding
+from minizero.files import atomic_write, check_output, checkpoint_holding, refuse_inputs
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
@@ -82,10 +82,7 @@ def check(args) -> None:
             raise ValueError(f"--out {args.out!r} exists and is not a folder")
         for name in ("model.npz", SIDECAR):  # what --out receives: never the input, never inside a checkpoint
             written = os.path.join(args.out, name)
-            for flag, other in inputs.items():
-                if other and os.path.realpath(written) == os.path.realpath(other):
-                    raise ValueError(f"--out {args.out!r} would overwrite {flag} {other!r} with the fine-tuned "
-                                     "model; give another folder")
+            refuse_inputs("--out", args.out, written, inputs, "give another folder for the fine-tuned model")
             if checkpoint_holding(os.path.realpath(written)):
                 raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
                                  f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
