@@ -77,6 +77,8 @@ def implementations(op, comm, x):
             return run
 
         impls = {name: ours(t) for name, t in IMPLS.items()}
+        if N & (N - 1) == 0:  # a power of two: recursive doubling has no fold
+            impls["p2p"] = bare_recursive_doubling(mpi, x)
         mpi_out = np.empty_like(x)
         impls["MPI"] = lambda: (mpi.Allreduce(x, mpi_out, op=MPI.SUM), mpi_out)[1]
     elif op == "reduce_scatter":
@@ -94,6 +96,24 @@ def implementations(op, comm, x):
         impls = {"ring": lambda: all_gather(comm, shard),
                  "MPI": lambda: (mpi.Allgather(shard, mpi_out), mpi_out)[1]}
     return impls
+
+
+def bare_recursive_doubling(mpi, x):
+    """The exchanges of minizero's recursive doubling (log2 N ``Sendrecv`` of the whole array, each followed by
+    one NumPy add) as bare mpi4py calls: none of minizero's checks, headers, waits or records. The floor of an
+    all_reduce written in Python over point-to-point messages; N a power of two."""
+    out, tmp = np.empty_like(x), np.empty_like(x)
+    rank, n = mpi.Get_rank(), mpi.Get_size()
+
+    def run():
+        out[...] = x
+        mask = 1
+        while mask < n:
+            mpi.Sendrecv(out, rank ^ mask, 0, tmp, rank ^ mask, 0)
+            np.add(out, tmp, out=out)
+            mask <<= 1
+        return out
+    return run
 
 
 def measure(op, min_bytes, max_bytes, warmup):
@@ -138,19 +158,20 @@ def busbw(op, nbytes, seconds, world_size):
 def table(op, runs):
     """Markdown table from {world_size: {nbytes: {impl: s}}}: busbw per implementation, and ratios to MPI."""
     world_sizes = sorted(runs)
-    names = list(next(iter(next(iter(runs.values())).values())))
+    names = list(dict.fromkeys(name for r in runs.values() for t in r.values() for name in t))  # p2p: not every N
     ours = [name for name in names if name != "MPI"]
     main = "auto" if "auto" in ours else ours[0]
-    head = "| size | " + " | ".join(" | ".join(f"N={n} {name}" for name in names) + f" | N={n} {main}/MPI"
-                                     for n in world_sizes) + " |"
-    rule = "|---:|" + ("---:|" * (len(names) + 1)) * len(world_sizes)
+    ratios = [main] + (["p2p"] if "p2p" in ours else [])
+    head = "| size | " + " | ".join(" | ".join(f"N={n} {name}" for name in names) + "".join(
+        f" | N={n} {r}/MPI" for r in ratios) for n in world_sizes) + " |"
+    rule = "|---:|" + ("---:|" * (len(names) + len(ratios))) * len(world_sizes)
     rows = [head, rule]
     for nbytes in sorted(next(iter(runs.values()))):
         cells = []
         for n in world_sizes:
             t = runs[n][nbytes]
-            cells += [f"{busbw(op, nbytes, t[name], n):.3g}" for name in names]
-            cells.append(f"{t['MPI'] / t[main]:.2f}")
+            cells += [f"{busbw(op, nbytes, t[name], n):.3g}" if name in t else "-" for name in names]
+            cells += [f"{t['MPI'] / t[r]:.2f}" if r in t else "-" for r in ratios]
         rows.append(f"| {fmt_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -226,7 +247,9 @@ def report(op, runs, malloc):
           + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
     print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
-             f"ring), ring / rd forced; " if op == "all_reduce" else "ring = minizero's; ")
+             f"ring), ring / rd forced; p2p = the same exchanges as recursive doubling in bare mpi4py calls (Sendrecv "
+             f"and a NumPy add, nothing of minizero's; N a power of two): the floor of a collective written in "
+             f"Python over point-to-point; " if op == "all_reduce" else "ring = minizero's; ")
           + "X/MPI = MPI's time / X's (above 1: minizero faster)\n")
     print(table(op, runs))
 
