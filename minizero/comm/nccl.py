@@ -178,7 +178,7 @@ class NcclCommunicator(Communicator):
         self.bootstrap.barrier()
 
     def split(self, color, key=0):
-        """MPI_Comm_split of the bootstrap, then one NCCL communicator per colour (its own unique id)."""
+        """MPI_Comm_split of the bootstrap, then one NCCL communicator per color (its own unique id)."""
         color, key = _check_color(color), int(key)
         return NcclCommunicator(self.bootstrap.split(color, key), traffic=TrafficLedger(parent=self.traffic),
                                 timeout=self.timeout, blocking=self.blocking, nccl=self.nccl, cuda=self.cuda)

@@ -87,7 +87,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
         else:
             ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylim(0, top)
-        ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked", fontsize=9)
+        ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked (colors as on the right)", fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.set_ylabel("MiB", fontsize=8)
         own = [peaks[r][c] if peaks is not None else t[r, :, i].max() for i, c in enumerate(CATEGORIES)]
