@@ -26,7 +26,8 @@ THRESHOLD_ENV, DEFAULT_MAX_BYTES = "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1
 
 def threshold_from_env() -> int:
     """The all-reduce size rule's bytes from :data:`THRESHOLD_ENV` (unset: 256 KiB). Raises ValueError: not an
-    integer >= -1 in ASCII digits (the programs check it with their arguments, so a bad value stops them before any work)."""
+    integer >= -1 in ASCII digits (the programs check it with their arguments, so a bad value stops them before
+    any work)."""
     text = os.environ.get(THRESHOLD_ENV)
     if text is None:
         return DEFAULT_MAX_BYTES

@@ -41,7 +41,8 @@ def ranks_of(words: list[str]) -> tuple[int, list[str]]:
                          "to parity itself")
     if words[:1] == ["-n"]:
         if len(words) < 2 or not is_count(words[1]) or not 1 <= int(words[1]) <= MAX_RANKS:
-            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}] (ASCII digits)")
+            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}] "
+                             "(ASCII digits)")
         return int(words[1]), words[2:]
     n = 1
     for i, w in enumerate(words[:-1]):
