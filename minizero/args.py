@@ -21,6 +21,8 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import DynamicLossScaler
 from minizero.nn import PRESETS, get_config
+from minizero.numerals import is_count
+from minizero.zero.collectives import debug_collectives
 from minizero.output_checks import check_outputs, check_save_dir, check_trace, outside_checkpoints
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
@@ -65,7 +67,7 @@ def check_fault_spec(world_size: int | None = None, steps: int | None = None) ->
     if not spec:
         return
     parts = spec.split(":")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_KINDS:
+    if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
         raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
     if world_size is not None and int(parts[0]) >= world_size:
         raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
@@ -118,6 +120,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     check_fault_spec()
     try:
         threshold_from_env()  # the all-reduce size rule's override (benchmarks, tests)
+        debug_collectives()  # MINIZERO_DEBUG_COLLECTIVES: "0" or "1", never a silent "off"
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_comm(args)

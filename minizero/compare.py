@@ -25,7 +25,9 @@ from minizero.plan_search import step_time
 from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
                                      plot)
 from minizero.files import WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding, mpiexec_path
+from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.nn import PRESETS
+from minizero.numerals import integer, is_count, real
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
 #: data-parallel FP32 baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy
@@ -157,7 +159,7 @@ def run_mpi(name: str, model: str, ranks: int, steps: int, micro_batch_size: int
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
         fault_rank = env.get("MINIZERO_FAULT", "").split(":")[0]
-        if fault_rank.isdigit() and int(fault_rank) >= ranks:  # the test hook names a rank this run lacks:
+        if is_count(fault_rank) and int(fault_rank) >= ranks:  # the test hook names a rank this run lacks:
             del env["MINIZERO_FAULT"]  # nothing to inject (train refuses a spec naming a rank it does not have)
         t0 = time.perf_counter()
         proc = None
@@ -212,25 +214,25 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help=f"model preset, one of {', '.join(sorted(PRESETS))}")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
-    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")
+    p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per step")
     p.add_argument("--strategies", default="all",
                    help=f"comma list from: {', '.join(STRATEGIES)}; or 'all'")
     p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
     p.add_argument("--json", default="OUT/compare.json", help="path of the JSON results (OUT: the --out folder)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one training run may take")
+    p.add_argument("--timeout", type=real, default=900.0, help="seconds one training run may take")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="every run's --device: cpu (NumPy), cuda (CuPy, GPU local rank %% count), strict (host leaks raise)")
     return p
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",")]  # an empty item ("2,,3", "2,") is an error too
+def _int_list(text: str, flag: str, cap: int) -> list[int]:
+    try:  # ASCII digits only (int() reads '٣' as 3); an empty item ("2,,3", "2,") is an error too
+        vals = [integer(v) for v in text.split(",")]
     except ValueError:
         vals = []
-    if not vals or any(v < 1 for v in vals):
-        raise UsageError(f"{flag} must be a comma list of integers >= 1, got {text!r}")
+    if not vals or any(not 1 <= v <= cap for v in vals):
+        raise UsageError(f"{flag} must be a comma list of world sizes (integers) in [1, {cap}], got {text!r}")
     return list(dict.fromkeys(vals))
 
 
@@ -239,7 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.model not in PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; allowed: {', '.join(sorted(PRESETS))}")
-    args.ranks = _int_list(args.ranks, "--ranks")
+    args.ranks = _int_list(args.ranks, "--ranks", MAX_RANKS)
     for name in ("steps", "micro_batch_size"):
         if vars(args)[name] < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {vars(args)[name]}")
@@ -318,8 +320,7 @@ def _main(argv=None) -> int:
     if max(args.ranks) > cores:
         print(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); the ranks "
               f"will be oversubscribed (slow, and tokens/s not comparable)", file=sys.stderr, flush=True)
-    title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} "
-             f"per rank")
+    title = f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} per rank"
     print(title, flush=True)
     from minizero.train import model_config, parse_args as train_args
 
@@ -367,8 +368,7 @@ def _main(argv=None) -> int:
     table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
                      hardware_line(profile) if profile is not None else None)
     print("\n" + table)
-    md = os.path.join(args.out, "compare.md")
-    png = os.path.join(args.out, "compare.png")
+    md, png = os.path.join(args.out, "compare.md"), os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
                   strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs,

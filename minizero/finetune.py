@@ -26,6 +26,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.files import atomic_write, check_output, checkpoint_holding, refuse_inputs
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
+from minizero.numerals import integer, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
@@ -33,6 +34,7 @@ from minizero.parallel.data_parallel import DataParallel
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained
 from minizero.zero import zero_optimizer
+from minizero.zero.collectives import debug_collectives
 
 METHODS = ("full", "lora", "qlora")
 
@@ -44,16 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
     p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained (see above)")
     p.add_argument("--table", action="store_true", help="run every method on the same data and print one table")
-    p.add_argument("--lora-rank", type=int, default=8, help="adapter rank r")
-    p.add_argument("--lora-alpha", type=float, default=16.0, help="adapter scale numerator (scale = alpha / r)")
+    p.add_argument("--lora-rank", type=integer, default=8, help="adapter rank r")
+    p.add_argument("--lora-alpha", type=real, default=16.0, help="adapter scale numerator (scale = alpha / r)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated Linear names to adapt")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
-    p.add_argument("--eval-batches", type=int, default=4, help="validation batches of 16 sequences")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+    p.add_argument("--steps", type=integer, default=100, help="optimizer steps")
+    p.add_argument("--batch-size", type=integer, default=8, help="sequences per step")
+    p.add_argument("--lr", type=real, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences")
+    p.add_argument("--zero", type=integer, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batches and the adapters' A")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the batches and the adapters' A")
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
     p.add_argument("--json", default=None, help="write the measurements here")
     return p
@@ -70,9 +72,15 @@ def check(args) -> None:
         raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
     if not (args.lr > 0 and np.isfinite(args.lr)):
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
-    bad = [t for t in args.targets.split(",") if t not in TARGETS]
+    names = args.targets.split(",")
+    bad = [t for t in names if t not in TARGETS]
     if bad or not args.targets:
         raise ValueError(f"--targets {args.targets!r}: allowed names are {', '.join(TARGETS)}")
+    twice = [t for t in TARGETS if names.count(t) > 1]
+    if twice:
+        raise ValueError(f"--targets {args.targets!r} names {twice[0]!r} twice; give each of {', '.join(TARGETS)} "
+                         "at most once")
+    debug_collectives()  # MINIZERO_DEBUG_COLLECTIVES, read by ZeRO (--zero): "0" or "1", else ValueError
     if not 1 <= args.eval_batches <= MAX_EVAL_BATCHES:
         raise ValueError(f"--eval-batches must be in [1, {MAX_EVAL_BATCHES:,}] as train's, got {args.eval_batches:,}")
     inputs = {"--weights": args.weights, "--weights' config": os.path.join(os.path.dirname(args.weights), SIDECAR),

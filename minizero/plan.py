@@ -24,6 +24,7 @@ from minizero.files import check_output
 from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
+from minizero.numerals import integer, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     candidate_json, describe, explain, format_table, plot, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
@@ -93,13 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
                         f"({', '.join(sorted(ALIASES))})")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (= dp x cp x tp x pp)")
+    p.add_argument("--gpus", type=integer, required=True, help="number of GPUs (= dp x cp x tp x pp)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, with a unit: 80GB = 80 x 10^9 bytes, "
                                                          "80GiB = 80 x 2^30 bytes")
     p.add_argument("--host-memory", default="128GB", help="host memory available to each GPU for offload")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per GPU (b)")
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--seq-len", type=integer, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--micro-batch", type=integer, default=1, help="sequences per micro-batch per GPU (b)")
+    p.add_argument("--global-batch", type=integer, default=None,
                    help="sequences per optimizer step (default: about 4M tokens, 2^22 / seq-len)")
     p.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS),
                    help="mixed: 16-bit weights, gradients and activations + fp32 master weights and Adam")
@@ -109,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention core of every strategy: dense keeps the (s, s) probabilities, flash "
                         "(FlashAttention) the output and row log-sum-exp instead")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per GPU with --schedule interleaved")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
-    p.add_argument("--gpu-flops", type=float, default="312e12", help="peak dense 16-bit FLOP/s per GPU (H100: 989e12)")
-    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak the matmuls reach")
+    p.add_argument("--virtual-stages", type=integer, default=2, help="model chunks per GPU with --schedule interleaved")
+    p.add_argument("--gpus-per-node", type=integer, default=8, help="GPUs per node; tensor parallelism stays inside one")
+    p.add_argument("--gpu-flops", type=real, default="312e12", help="peak dense 16-bit FLOP/s per GPU (H100: 989e12)")
+    p.add_argument("--efficiency", type=real, default=0.6, help="fraction of peak the matmuls reach")
     p.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
     p.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
     p.add_argument("--pcie-bw", default="25GB", help="host <-> device bytes/s per GPU")
@@ -123,14 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune", default="none", choices=["none", "lora", "qlora"],
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
-    p.add_argument("--lora-rank", type=int, default=64, help="adapter rank r with --finetune (QLoRA's paper: 64)")
+    p.add_argument("--lora-rank", type=integer, default=64, help="adapter rank r with --finetune (QLoRA's paper: 64)")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
                    help="how layouts with cp > 1 attend: ring attention, DeepSpeed-Ulysses (where cp divides the "
                         "heads and KV heads of a tensor rank), or both kinds searched")
-    p.add_argument("--ep", type=int, default=None, metavar="N",
+    p.add_argument("--ep", type=integer, default=None, metavar="N",
                    help="expert parallelism: only layouts with this ep (default: every ep that divides dp and the "
                         "model's experts); with --strategy, the ep when its text names none")
-    p.add_argument("--top", type=int, default=10, help="how many strategies to show (0: all that fit)")
+    p.add_argument("--top", type=integer, default=10, help="how many strategies to show (0: all that fit)")
     p.add_argument("--units", default="GB", choices=["GB", "GiB"],
                    help="unit of every size printed: GB = 10^9 bytes, GiB = 2^30 bytes")
     p.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of the table")

@@ -257,6 +257,19 @@ STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), sp, rec
                   "cp_attention=ring|ulysses")
 
 
+def _settings(word: str, size) -> list[str]:
+    """What a lower-case ``--strategy`` word sets (``size``: its match as dpN, zN, ...), each to be given once:
+    ``cp`` for cp2, ``zero`` for z1, ``sp``, ``recompute``, ``offload=params`` and ``offload=activations`` for
+    offload=params+activations (several offload words add up, each kind once)."""
+    key, _, value = word.partition("=")
+    if size:
+        return [{"z": "zero"}.get(size.group(1), size.group(1))]
+    if key == "offload":
+        return [f"offload={v}" for v in value.split("+")]
+    return [key] if key in ("recompute", "attention", "cp_attention") else ["sp"] if word in (
+        "sp", "sequence-parallel") else []
+
+
 def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                    precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                    virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
@@ -269,19 +282,19 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     recompute, no offload. The
     micro-batches per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
     Raises:
-        ValueError: an unknown word, dp x cp x tp x pp != gpus, or a rule of
-            :func:`enumerate_strategies` broken (the rule named).
+        ValueError: an unknown word (sizes in ASCII digits), a setting given twice, dp x cp x tp x pp != gpus,
+            or a rule of :func:`enumerate_strategies` broken (the rule named).
     """
     sizes, zero, sp, recompute, offloads, said, cp_attention = {}, 0, False, "none", set(), {}, "ring"
     for word in text.replace(",", " ").split():
         w = word.lower()
-        m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z)=?(\d+)", w)
+        m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z)=?([0-9]+)", w)  # ASCII digits: \d (and int) read '٣' as 3
         key, _, value = w.partition("=")
-        name = {"z": "zero"}.get(m.group(1), m.group(1)) if m else key if key in (
-            "recompute", "attention", "cp_attention") else None
-        if name is not None and name in said:  # "cp2 cp4": one of them would be dropped without a word
-            raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); give it once")
-        said[name] = word
+        for name in _settings(w, m):  # "cp2 cp4": one would be dropped without a word; "sp sp": said twice
+            if name in said:
+                raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); "
+                                 "give it once")
+            said[name] = word
         if m:
             if m.group(1) in ("zero", "z"):
                 zero = int(m.group(2))

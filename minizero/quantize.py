@@ -23,6 +23,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
+from minizero.numerals import integer, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
@@ -39,16 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
                    help="model preset (default: read from summary.json beside the weights)")
-    p.add_argument("--bits", type=int, default=8, choices=[8, 4], help="bits per weight")
+    p.add_argument("--bits", type=integer, default=8, choices=[8, 4], help="bits per weight")
     p.add_argument("--granularity", default="row", choices=list(GRANULARITIES), help="one scale per tensor/row/block")
-    p.add_argument("--block-size", type=int, default=64, help="elements per scale for --granularity block")
-    p.add_argument("--outlier-threshold", type=float, default=None,
+    p.add_argument("--block-size", type=integer, default=64, help="elements per scale for --granularity block")
+    p.add_argument("--outlier-threshold", type=real, default=None,
                    help="experiment with LLM.int8()'s outlier criterion: keep in FP32 the weight columns whose input "
                         "features reach this activation magnitude on 2 calibration batches (the paper's threshold: 6.0); "
                         "activations are never quantized here")
     p.add_argument("--table", action="store_true", help="measure every bits x granularity combination")
     p.add_argument("--data", default=None, help="text file (default: the trainer's --data, else the embedded corpus)")
-    p.add_argument("--eval-batches", type=int, default=None,
+    p.add_argument("--eval-batches", type=integer, default=None,
                    help="validation batches of 16 sequences (default: the trainer's number, so the FP32 loss "
                         "is the one it printed)")
     p.add_argument("--json", default=None, help="write the measurements here")

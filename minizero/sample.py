@@ -17,6 +17,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
+from minizero.numerals import integer, real
 from minizero.weights import load_gpt
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
@@ -95,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
     p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (1..100,000)")
-    p.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more predictable")
-    p.add_argument("--top-k", type=int, default=None,
+    p.add_argument("--tokens", type=integer, default=200, help="bytes to generate (1..100,000)")
+    p.add_argument("--temperature", type=real, default=0.8, help="> 0; lower is more predictable")
+    p.add_argument("--top-k", type=integer, default=None,
                    help="draw only among the K most likely bytes; None: all 256")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (the main job uses its --seed)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the sampling generator (the main job uses its --seed)")
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
                    help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
     return p

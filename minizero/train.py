@@ -38,6 +38,7 @@ from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F4
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
+from minizero.numerals import real
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
 
@@ -285,7 +286,7 @@ def _setup_timeout(argv) -> float:
     """
     from minizero.comm.base import DEFAULT_TIMEOUT_S  # noqa: PLC0415
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    p.add_argument("--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S)
     try:
         t = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))[0].comm_timeout
     except (argparse.ArgumentError, SystemExit, TypeError):

@@ -393,7 +393,7 @@ def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
 
     with pytest.raises(ValueError, match=f"{name} is given twice"):
         parse_strategy(text, MODELS["llama3-8b"], 8)
-    parse_strategy("dp2 tp2 pp2 sp sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # repeats that add up
+    parse_strategy("dp2 tp2 pp2 sp offload=activations offload=none", MODELS["llama3-8b"], 8)  # offload words add up
 
 
 # --------------------------------------------------------------------------- weight files' headers

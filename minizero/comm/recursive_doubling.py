@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from minizero import backend
+from minizero.numerals import is_count
 
 _RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broadcast 1002)
 
@@ -25,11 +26,12 @@ THRESHOLD_ENV, DEFAULT_MAX_BYTES = "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1
 
 def threshold_from_env() -> int:
     """The all-reduce size rule's bytes from :data:`THRESHOLD_ENV` (unset: 256 KiB). Raises ValueError: not an
-    integer >= -1 (the programs check it with their arguments, so a bad value stops them before any work)."""
+    integer >= -1 in ASCII digits (the programs check it with their arguments, so a bad value stops them before
+    any work)."""
     text = os.environ.get(THRESHOLD_ENV)
     if text is None:
         return DEFAULT_MAX_BYTES
-    value = int(text) if text.strip().lstrip("-").isdigit() else None
+    value = int(text) if is_count(text.strip().removeprefix("-")) else None
     if value is None or value < -1:
         raise ValueError(f"{THRESHOLD_ENV}={text!r}; allowed: an integer >= -1 (bytes; -1: always the ring)")
     return value

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from minizero.debug import hang, parity, timeline
+from minizero.numerals import integer, real
 
 
 def main(argv=None) -> int:
@@ -20,9 +21,9 @@ def main(argv=None) -> int:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny", help="model preset of both runs (python -m minizero.train --model)")
-    q.add_argument("--steps", type=int, default=5, help="optimizer steps of both runs")
-    q.add_argument("--batch-size", type=int, default=8, help="global batch of both runs (the same data each step)")
-    q.add_argument("--tol", type=float, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
+    q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")
+    q.add_argument("--batch-size", type=integer, default=8, help="global batch of both runs (the same data each step)")
+    q.add_argument("--tol", type=real, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
     args = p.parse_args(argv)
     try:
         if args.command == "parity":

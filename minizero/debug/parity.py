@@ -18,6 +18,7 @@ import tempfile
 import numpy as np
 
 from minizero.files import mpiexec_path
+from minizero.numerals import is_count
 
 SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp")
 #: refused in a layout: what parity sets for both runs (its own flags) and what would write outside its temporary
@@ -39,12 +40,13 @@ def ranks_of(words: list[str]) -> tuple[int, list[str]]:
                          "in a folder of their own); give layout flags only, and --model/--steps/--batch-size "
                          "to parity itself")
     if words[:1] == ["-n"]:
-        if len(words) < 2 or not words[1].isdigit() or not 1 <= int(words[1]) <= MAX_RANKS:
-            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}]")
+        if len(words) < 2 or not is_count(words[1]) or not 1 <= int(words[1]) <= MAX_RANKS:
+            raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}] "
+                             "(ASCII digits)")
         return int(words[1]), words[2:]
     n = 1
     for i, w in enumerate(words[:-1]):
-        if w in SIZE_FLAGS and words[i + 1].isdigit():
+        if w in SIZE_FLAGS and is_count(words[i + 1]):
             n *= int(words[i + 1])
     if n > MAX_RANKS:
         raise ValueError(f"layout {' '.join(words)!r} starts {n} ranks; allowed: at most {MAX_RANKS}")

@@ -1,0 +1,39 @@
+"""Numbers a user types (flags, layout words, environment variables): ASCII digits only.
+
+Python's ``int`` and ``float`` read every Unicode decimal digit (``int("٣") == 3``, fullwidth ``"８"`` is 8), and
+``str.isdigit`` is true for superscripts that ``int`` refuses (``"²"``). The programs read numbers through
+:func:`integer` and :func:`real` (argparse ``type=``) and test words with :func:`is_count`, so such text is
+refused, named, before any work.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+class NotANumber(argparse.ArgumentTypeError, ValueError):
+    """Text that is not a number in ASCII. A ValueError; as an argparse ``type=`` error its message is the flag's."""
+
+
+def integer(text) -> int:
+    """``int(text)`` of ASCII text (an optional sign, digits 0-9). Raises :class:`NotANumber` naming the text."""
+    try:
+        if str(text).isascii():
+            return int(text)
+    except ValueError:
+        pass
+    raise NotANumber(f"invalid int value: {text!r}; allowed: an integer in ASCII digits 0-9, e.g. 8")
+
+
+def real(text) -> float:
+    """``float(text)`` of ASCII text (``0.5``, ``3e-4``, ``inf``). Raises :class:`NotANumber` naming the text."""
+    try:
+        if str(text).isascii():
+            return float(text)
+    except ValueError:
+        pass
+    raise NotANumber(f"invalid float value: {text!r}; allowed: a number in ASCII digits, e.g. 0.5 or 3e-4")
+
+
+def is_count(text: str) -> bool:
+    """Whether ``text`` is digits 0-9 only (``"12"``; not ``""``, ``"+1"``, ``"٣"`` nor ``"²"``)."""
+    return text.isascii() and text.isdigit()

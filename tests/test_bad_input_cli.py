@@ -1,0 +1,122 @@
+"""Bad input found at the command lines (a switch, a list with a repeat, a non-ASCII number, a world size):
+each is refused before any work, with exit status 2 and a message naming the value and what is allowed."""
+import pathlib
+import re
+
+import pytest
+
+from minizero import compare, finetune
+from minizero.train import UsageError, parse_args
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+NOT_ASCII = ["٣", "８", "²", "1٣"]  # Arabic-Indic 3, fullwidth 8 (int() reads both), superscript 2, a mix
+
+
+# --------------------------------------------------------------------------- MINIZERO_DEBUG_COLLECTIVES
+@pytest.mark.parametrize("value", ["yes", "true", "on", "2", "", " 1"])
+def test_debug_collectives_other_than_0_or_1_is_refused_by_train(monkeypatch, tmp_path, value):
+    """Before: any value but "1" meant off without a word (ZeRO's order check silently skipped)."""
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", value)
+    with pytest.raises(UsageError, match=re.escape(f"MINIZERO_DEBUG_COLLECTIVES={value!r}; allowed: \"0\"")) as e:
+        parse_args([*TINY, "--out", str(tmp_path / "o")])
+    assert '"1"' in str(e.value)
+    args = finetune.build_parser().parse_args(["--weights", str(tmp_path / "w.npz")])
+    with pytest.raises(ValueError, match="MINIZERO_DEBUG_COLLECTIVES"):
+        finetune.check(args)  # ZeRO reads it there too (--zero)
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("1", True)])
+def test_debug_collectives_0_and_1_are_accepted(monkeypatch, tmp_path, value, on):
+    from minizero.zero.collectives import debug_collectives
+
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", value)
+    parse_args([*TINY, "--out", str(tmp_path / "o")])
+    assert debug_collectives() is on
+    monkeypatch.delenv("MINIZERO_DEBUG_COLLECTIVES")
+    assert debug_collectives() is False
+
+
+# --------------------------------------------------------------------------- finetune --targets
+@pytest.mark.parametrize("targets,twice", [("c_attn,c_attn", "c_attn"), ("c_fc,c_proj,c_fc", "c_fc")])
+def test_finetune_targets_named_twice_are_refused(capsys, targets, twice):
+    """Before: "c_attn,c_attn" was accepted (one name, given twice)."""
+    assert finetune.main(["--targets", targets]) == 2
+    err = capsys.readouterr().err
+    assert f"--targets {targets!r} names {twice!r} twice; give each of c_attn, c_proj, c_fc at most once" in err
+
+
+# --------------------------------------------------------------------------- plan --strategy
+@pytest.mark.parametrize("text,name", [("dp2 tp2 pp2 sp sp", "sp"), ("dp2 tp2 pp2 sp sequence-parallel", "sp"),
+                                       ("zero3 offload=params+params", "offload=params"),
+                                       ("offload=activations offload=activations", "offload=activations")])
+def test_plan_strategy_setting_a_switch_twice_is_refused(capsys, text, name):
+    """Before: "sp sp" and "offload=params+params" were accepted as if said once."""
+    from minizero import plan
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "llama3-8b", "--gpus", "8", "--strategy", text])
+    assert e.value.code == 2 and f"--strategy {text!r}: {name} is given twice" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- numbers in ASCII digits only
+def test_no_parser_reads_numbers_with_int_or_float():
+    """Every program's argparse numbers go through minizero.numerals (int/float read '٣' as 3)."""
+    found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "minizero").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"type=(int|float)\b", line)]
+    assert not found
+
+
+@pytest.mark.parametrize("digit", NOT_ASCII)
+def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
+    from minizero import plan, quantize, sample
+    from minizero.debug.__main__ import main as debug_main
+    from minizero.plan_search import parse_strategy
+    from minizero.models import MODELS
+
+    allowed = f"invalid int value: {digit!r}; allowed: an integer in ASCII digits 0-9"
+    for flags in (["--steps", digit], ["--dp", digit], ["--micro-batch-size", digit]):
+        with pytest.raises(UsageError, match=re.escape(allowed)):
+            parse_args([*TINY, "--out", str(tmp_path / "o"), *flags])
+    with pytest.raises(UsageError, match=re.escape(f"invalid float value: {digit!r}; allowed: a number in ASCII")):
+        parse_args([*TINY, "--out", str(tmp_path / "o"), "--lr", digit])
+    for main, argv in ((plan.main, ["--model", "llama3-8b", "--gpus", digit]),
+                       (sample.main, ["--tokens", digit]), (quantize.main, ["--bits", digit])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and allowed in capsys.readouterr().err
+    for main, argv in ((finetune.main, ["--steps", digit]), (compare.main, ["--steps", digit])):
+        assert main(argv) == 2 and allowed in capsys.readouterr().err
+    assert compare.main(["--ranks", f"2,{digit}"]) == 2
+    assert f"got '2,{digit}'" in capsys.readouterr().err
+    assert debug_main(["parity", f"-n {digit}", "--dp 1"]) == 2  # before: '٣' started 3 ranks, '²' a traceback
+    assert f"layout '-n {digit}': -n needs a number of ranks in [1, 64] (ASCII digits)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=re.escape(f"cannot read 'dp{digit}'")):
+        parse_strategy(f"dp{digit}", MODELS["llama3-8b"], 3)
+
+
+@pytest.mark.parametrize("var,value,needle", [
+    ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "٣", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='٣'; allowed: an integer >= -1"),
+    ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "²", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='²'; allowed: an integer >= -1"),
+    ("MINIZERO_FAULT", "٠:0:raise", "MINIZERO_FAULT='٠:0:raise'; expected RANK:STEP:KIND"),
+    ("MINIZERO_FAULT", "0:²:raise", "MINIZERO_FAULT='0:²:raise'; expected RANK:STEP:KIND"),
+])
+def test_non_ascii_digits_in_the_environment_are_refused(monkeypatch, tmp_path, var, value, needle):
+    """Before: '٣' read as 3, and '²' (isdigit() but not int()) ended in a traceback."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        parse_args([*TINY, "--out", str(tmp_path / "o")])
+
+
+# --------------------------------------------------------------------------- compare --ranks
+@pytest.mark.parametrize("ranks", ["1000", "2,65"])
+def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
+    """Before: --ranks 1000 printed an oversubscription note and started 1000 ranks."""
+    from minizero.debug.parity import MAX_RANKS
+
+    assert MAX_RANKS == 64
+    with pytest.raises(compare.UsageError, match=re.escape(f"--ranks must be a comma list of world sizes (integers) "
+                                                           f"in [1, {MAX_RANKS}], got {ranks!r}")):
+        compare.parse_args(["--ranks", ranks, "--out", str(tmp_path / "c")])
+    assert compare.parse_args(["--ranks", "1,64", "--strategies", "baseline", "--out", str(tmp_path / "c")]).ranks \
+        == [1, 64]
