@@ -63,6 +63,14 @@ def test_a_bad_model_json_field_is_named_with_the_file_and_what_is_allowed(tiny_
     assert err.endswith("fix or remove it\n")
 
 
+def test_finetune_refuses_a_bad_model_json_with_exit_2(tiny_weights):
+    (tiny_weights.parent / "model.json").write_text(json.dumps(dict(TINY, dtype="int8")))
+    proc = subprocess.run([sys.executable, "-m", "minizero.finetune", "--weights", str(tiny_weights), "--steps", "1"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "(beside --weights): dtype 'int8' is not allowed; allowed: float16, float32, float64" in proc.stderr
+
+
 def test_a_bad_summary_json_field_is_named_as_config_model(tiny_weights, capsys):
     (tiny_weights.parent / "summary.json").write_text(json.dumps({"config": {"model": dict(TINY, n_layer="2")}}))
     err = _programs_refuse(tiny_weights, capsys)
