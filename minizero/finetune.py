@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
 from minizero.quantized_model import evaluate_loss
-from minizero.weights import SIDECAR, load_trained
+from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
 
@@ -237,8 +236,7 @@ def main(argv=None) -> int:
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)
         atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
-        atomic_write(os.path.join(args.out, SIDECAR),
-                     lambda f: f.write(json.dumps(dataclasses.asdict(model0.config), indent=1) + "\n"), mode="w")
+        write_model_json(args.out, model0.config)
         print(f"wrote {os.path.join(args.out, 'model.npz')} (adapters merged) and {SIDECAR}")
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")

@@ -1,6 +1,6 @@
 """``python -m minizero.quantize``: store a trained GPT's linear weights in INT8 or INT4 and measure the cost.
 
-Loads ``OUT/model.npz`` (shape from ``OUT/summary.json``, else ``--model``), replaces every
+Loads ``OUT/model.npz`` (config by :func:`minizero.weights.model_config`'s rule, as sample), replaces every
 :class:`~minizero.nn.Linear` by a :class:`QuantizedLinear` (weight-only, dequantized in forward; embeddings,
 layer norms, biases and the tied head stay FP32) and prints validation loss and bytes before and after;
 ``--table`` for every bits x granularity. ``--outlier-threshold T`` keeps FP32 the weight columns whose input
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
-                   help="model preset (default: read from summary.json beside the weights)")
+                   help="model preset (default: model.json beside the weights, else summary.json's, else the preset "
+                        "of the arrays' shapes)")
     p.add_argument("--bits", type=integer, default=8, choices=[8, 4], help="bits per weight")
     p.add_argument("--granularity", default="row", choices=list(GRANULARITIES), help="one scale per tensor/row/block")
     p.add_argument("--block-size", type=integer, default=64, help="elements per scale for --granularity block")

@@ -7,7 +7,6 @@ temporary name and renamed (:func:`minizero.files.atomic_write`).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from minizero.memory.plots import INSTALL_HINT
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
-from minizero.weights import SIDECAR
+from minizero.weights import SIDECAR, write_model_json
 
 #: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
 SAMPLE_TEMPERATURE = 0.8
@@ -149,8 +148,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                                      f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
         atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
         # the head count is in no array's shape: python -m minizero.sample reads it from here
-        atomic_write(os.path.join(args.out, SIDECAR),
-                     lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
+        write_model_json(args.out, cfg)
     text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed)
     if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
         print("\nsample:\n" + printable(text) + "\n")

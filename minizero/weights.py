@@ -1,7 +1,8 @@
 """Reading a trained GPT back: ``OUT/model.npz`` (nanoGPT state_dict names) and the shape it needs.
 
-Loaded with ``allow_pickle=False``; the shape from ``model.json`` beside the weights, else from the arrays and
-the preset of those shapes. Errors name the file and what was expected.
+Loaded with ``allow_pickle=False``; the config by one rule for every program (:func:`model_config`): ``--model``,
+else ``model.json`` beside the weights, else ``summary.json``'s config.model, else the preset of the arrays' shapes.
+Both files' fields are checked in one place (:func:`check_model_fields`). Errors name the file and what was expected.
 """
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import zlib
 
 import numpy as np
 
+from minizero import backend
 from minizero.data import describe_non_file
+from minizero.files import atomic_write, read_json
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
 
-SIDECAR = "model.json"  #: the GPT config beside model.npz
+SIDECAR = "model.json"  #: the GPT config beside model.npz (written with the weights; see :func:`model_config`)
+SUMMARY = "summary.json"  #: a training run's summary beside its model.npz (config.model: the GPT config)
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  #: what decides the arrays and heads
 
 
 def _not_weights(weights: str, why: str) -> ValueError:
@@ -171,65 +176,151 @@ def shape_from_state(state: dict, weights: str = "weights") -> dict:
     return dims
 
 
-def read_sidecar(weights: str) -> dict | None:
-    """The GPT config in ``model.json`` beside ``weights``, or None. ValueError: not a JSON object of GPTConfig fields."""
-    path = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-        fields = {f.name for f in dataclasses.fields(GPTConfig)}
-        unknown = sorted(set(cfg) - fields)
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown}")
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{path!r} (beside --weights) is not a model config written by minizero.train ({e}); "
-                         f"fix or remove it") from None
+def _kind(v) -> str:
+    return {bool: "true/false", str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(v), type(v).__name__)
+
+
+def check_model_fields(cfg, path: str, where: str = "") -> dict:
+    """``cfg`` (a model config read from ``path``: model.json, or the section ``where`` of summary.json)
+    if every field is a :class:`GPTConfig` field of its type and range, else ValueError naming the file, the field,
+    the value and what is allowed. Fields may be missing (the arrays and the preset fill them); none may be extra.
+
+    Allowed: sizes integers in [1, the largest preset's] (JSON numbers, not strings), ``n_embd`` divisible by
+    ``n_head``, ``dropout`` a number in [0, 1), ``dtype`` one of :data:`minizero.backend.DTYPES` (the float dtypes
+    minizero trains and stores in).
+    """
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{path!r} (beside --weights): {why}; fix or remove it")
+    if not isinstance(cfg, dict):
+        raise bad(f"{where or 'the file'} is {_kind(cfg)}, not a JSON object of model fields")
+    where = f"{where}'s " if where else ""
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    unknown = sorted(set(cfg) - set(fields))
+    if unknown:
+        raise bad(f"{where}unknown field(s) {unknown}; allowed: {', '.join(fields)}")
+    for f in SHAPE_FIELDS:
+        v, cap = cfg.get(f), max(getattr(c, f) for c in PRESETS.values())
+        if f in cfg and (type(v) is not int or v < 1):
+            raise bad(f"{where}{f} {v!r} is {_kind(v) if type(v) is not int else 'below 1'}; allowed: an integer "
+                      f"in [1, {cap:,}] (a JSON number, no quotes)")
+        if f in cfg and too_large({f: v}):
+            raise bad(f"{where}{too_large({f: v})}")
+    if "n_embd" in cfg and "n_head" in cfg and cfg["n_embd"] % cfg["n_head"]:
+        raise bad(f"{where}n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}; allowed: n_head "
+                  f"dividing n_embd")
+    v = cfg.get("dropout", 0.0)
+    if type(v) not in (int, float) or not 0 <= v < 1:
+        raise bad(f"{where}dropout {v!r} is not allowed; allowed: a number in [0, 1)")
+    v = cfg.get("dtype", "float32")
+    if not isinstance(v, str) or v not in backend.DTYPES:
+        raise bad(f"{where}dtype {v!r} is not allowed; allowed: {', '.join(sorted(backend.DTYPES))} (the float "
+                  f"dtypes minizero trains and stores weights in)")
     return cfg
 
 
-def config_for(weights: str, state: dict) -> GPTConfig:
-    """The :class:`GPTConfig` of ``state`` (from ``weights``), in its dtype; heads from ``model.json`` or a preset.
+def _read_beside(weights: str, name: str):
+    """(path, JSON value) of the file ``name`` beside ``weights``, or (path, None) when there is none."""
+    path = os.path.join(os.path.dirname(os.path.abspath(weights)), name)
+    if not os.path.isfile(path):
+        return path, None
+    try:
+        return path, read_json(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path!r} (beside --weights) is not a file minizero.train writes ({e}); "
+                         f"fix or remove it") from None
 
-    Raises ValueError: not minizero's GPT, a disagreeing ``model.json``, or no way to know the head count.
+
+def read_sidecar(weights: str) -> dict | None:
+    """The GPT config in ``model.json`` beside ``weights`` (checked by :func:`check_model_fields`), or None."""
+    path, cfg = _read_beside(weights, SIDECAR)
+    return None if cfg is None else check_model_fields(cfg, path)
+
+
+def write_model_json(folder: str, cfg: GPTConfig) -> str:
+    """Write ``FOLDER/model.json`` (every field of ``cfg``), as train, finetune --out and checkpoint consolidate do
+    beside the model.npz they write; returns its path. Callers check first that it overwrites nothing of the user's."""
+    path = os.path.join(folder, SIDECAR)
+    atomic_write(path, lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
+    return path
+
+
+def _clash(a: dict, b: dict, fields) -> list:
+    return [f"{k} {a[k]!r} vs {b[k]!r}" for k in fields if k in a and k in b and a[k] != b[k]]
+
+
+def model_config(weights: str, state: dict, preset: str | None = None) -> tuple[GPTConfig, str, dict]:
+    """(the :class:`GPTConfig` of ``state`` read from ``weights``, where it came from, summary.json's dict or {}).
+
+    The one rule every program that reads a model.npz follows (sample, quantize, finetune):
+
+    1. ``preset`` (a program's ``--model``) when given; refused when model.json (else summary.json) disagrees.
+    2. else ``model.json`` beside the weights. It WINS over summary.json: train, finetune --out and checkpoint
+       consolidate write it with the weights, and :func:`read_weights` checks it against the array headers, while
+       summary.json may be another run's (one stopped between writing the weights and the summary, or a copy).
+    3. else summary.json's ``config.model`` (a run's folder without model.json).
+    4. else the preset whose names and shapes match the arrays exactly (only the head count is not in them).
+
+    Both files are checked (:func:`check_model_fields`) whether or not they are used; the dtype is the arrays'
+    (an FP16 run's weights are float16), and a file naming another dtype or other sizes is refused. The summary
+    is returned only when its config.model agrees with the config chosen ({} otherwise: it describes other weights).
+    Raises ValueError naming the file, the field and both values; or no way to know the head count.
     """
-    dims = shape_from_state(state, weights)
-    dtype = stored_dtype(state)
-    side = read_sidecar(weights)
-    if side is not None:
-        clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if k in side and side[k] != v]
+    dims, dtype = shape_from_state(state, weights), stored_dtype(state)
+    have = dict(dims, dtype=dtype)
+    side_path, side = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR), read_sidecar(weights)
+    summary_path, summary = _read_beside(weights, SUMMARY)
+    if summary is not None and not isinstance(summary, dict):
+        raise ValueError(f"{summary_path!r} (beside --weights) is {_kind(summary)}, not a summary written by "
+                         f"minizero.train; fix or remove it")
+    summary = summary or {}
+    run_cfg = summary.get("config").get("model") if isinstance(summary.get("config"), dict) else None
+    if run_cfg is not None:
+        check_model_fields(run_cfg, summary_path, "config.model")
+    files = [(p, c) for p, c in ((side_path, side), (summary_path, run_cfg)) if c is not None]
+    if preset is not None:
+        cfg, source = get_config(preset, dtype=dtype), f"--model {preset}"
+        clash = files and _clash(dataclasses.asdict(cfg), files[0][1], SHAPE_FIELDS)
         if clash:
-            raise ValueError(f"model.json beside --weights {weights!r} disagrees with the arrays: {', '.join(clash)}")
-        try:
-            return get_config("default", **dict(side, **dims, dtype=dtype))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"model.json beside --weights {weights!r}: {e}") from None
-    preset = infer_preset(state)
-    if preset is None:
-        raise ValueError(f"--weights {weights!r}: no {SIDECAR} beside it and no preset has these shapes "
+            raise ValueError(f"--model {preset} disagrees with {files[0][0]!r} beside --weights {weights!r}: "
+                             f"{', '.join(clash)}; drop --model (the file is read) or fix the file")
+    elif files:
+        source, found = files[0]
+        clash = _clash(found, have, have)
+        if clash:
+            raise ValueError(f"{source!r} disagrees with the arrays of --weights {weights!r}: {', '.join(clash)}; "
+                             f"fix or remove it")
+        cfg = get_config("default", **dict(found, **have))
+    elif summary:
+        raise ValueError(f"{summary_path!r} has no config.model section and there is no {SIDECAR}; write "
+                         f"{SIDECAR} beside the weights or pass --model{_looks_like(state)}")
+    elif infer_preset(state) is not None:
+        cfg, source = get_config(infer_preset(state), dtype=dtype), f"the {infer_preset(state)!r} preset's shapes"
+    else:
+        raise ValueError(f"--weights {weights!r}: no {SIDECAR} or {SUMMARY} beside it and no preset has these shapes "
                          f"({dims['n_layer']} layers, width {dims['n_embd']}, context {dims['block_size']}), so the "
-                         f"head count is unknown; write {SIDECAR} with n_head")
-    return get_config(preset, dtype=dtype)
+                         f"head count is unknown; write {SIDECAR} with n_head, or pass --model")
+    if run_cfg is not None and _clash(dataclasses.asdict(cfg), run_cfg, SHAPE_FIELDS):
+        summary = {}
+    return cfg, source, summary
+
+
+def config_for(weights: str, state: dict) -> GPTConfig:
+    """The :class:`GPTConfig` of ``state`` (from ``weights``), by :func:`model_config`'s rule."""
+    return model_config(weights, state)[0]
 
 
 def load_gpt(weights: str) -> GPT:
     """The GPT stored in ``weights`` (model.npz), in the file's dtype.
 
-    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`config_for`, or integer arrays.
+    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`, or integer arrays.
     """
     state = read_weights(weights)
     ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
     if ints:  # a GPT computes in floating point; integers would be cast silently and sample nonsense
         raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling needs "
                                     f"float16, float32 or float64 weights")
-    model = GPT(config_for(weights, state))
-    if "lm_head.weight" not in state:  # the tied head: the embedding matrix
-        state["lm_head.weight"] = state["transformer.wte.weight"]
-    model.load_state_dict(state)
-    return model
+    return load_trained(weights, None, state)[0]
 
 
 def stored_dtype(state: dict) -> str:
@@ -244,45 +335,17 @@ def _looks_like(state: dict) -> str:
 
 
 def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
-    """(model, summary dict or {}) from ``weights``; the shape from ``preset``, else summary.json beside it, else
-    model.json beside it (finetune's merged model).
+    """(model, summary dict or {}) from ``weights`` (``state``: its arrays, when already read); the config by
+    :func:`model_config`'s rule, ``preset`` being a program's ``--model``.
 
-    Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a corrupt summary.json, no shape,
-    or weights that do not fit the shape (file, first names and ``--model`` named).
+    Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a bad model.json or summary.json,
+    no shape, or weights that do not fit the shape (file, first names and ``--model`` named).
     """
     if state is None:
         state = read_weights(weights)
-    summary_path = os.path.join(os.path.dirname(os.path.abspath(weights)), "summary.json")
-    summary = {}
-    if os.path.isfile(summary_path):
-        try:
-            with open(summary_path) as f:
-                summary = json.load(f)
-            if not isinstance(summary, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"{summary_path!r} (beside --weights) is not a summary written by minizero.train "
-                             f"({e}); fix or remove it") from None
-    if preset is not None:  # in the dtype the arrays are stored in (float16 after --precision fp16)
-        cfg, source = get_config(preset, dtype=stored_dtype(state)), f"--model {preset}"
-    elif summary:
-        model_cfg = summary.get("config", {}).get("model") if isinstance(summary.get("config"), dict) else None
-        if not isinstance(model_cfg, dict):
-            raise ValueError(f"{summary_path!r} has no config.model section; pass --model{_looks_like(state)}")
-        if too_large(model_cfg):
-            raise ValueError(f"{summary_path!r}: config.model's {too_large(model_cfg)}; fix it or pass --model")
-        try:
-            cfg = get_config("default", **model_cfg)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{summary_path!r}: config.model is not a model shape ({e}); pass --model") from None
-        source = summary_path
-    elif read_sidecar(weights) is not None:  # fine-tuned weights: model.json beside them, no summary
-        cfg, source = config_for(weights, state), os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
-    else:
-        guess = infer_preset(state)
-        raise ValueError(f"no summary.json or {SIDECAR} beside --weights {weights!r}; pass --model "
-                         + (f"(these weights look like the {guess!r} preset)" if guess
-                            else f"(one of {', '.join(sorted(PRESETS))}; no preset matches these shapes)"))
+    cfg, source, summary = model_config(weights, state, preset)
+    if "lm_head.weight" not in state and "transformer.wte.weight" in state:  # the tied head: the embedding matrix
+        state = dict(state, **{"lm_head.weight": state["transformer.wte.weight"]})
     model = GPT(cfg)
     try:
         model.load_state_dict(state)

@@ -286,8 +286,14 @@ def test_quantize_without_summary_names_the_preset_and_nan_tensor(tmp_path, caps
 
     state = GPT(get_config("tiny")).state_dict()
     np.savez(tmp_path / "model.npz", **state)
-    code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz")])
-    assert code == 2 and "no summary.json" in err and "--model" in err and "'tiny'" in err and len(err) < 300
+    from minizero.weights import load_trained
+    assert load_trained(str(tmp_path / "model.npz"))[0].config == get_config("tiny")  # the preset of its shapes,
+    odd = tmp_path / "odd"  # as sample reads it (weights.model_config); of no preset's shapes, --model is named
+    odd.mkdir()
+    np.savez(odd / "model.npz", **GPT(get_config("tiny", block_size=8)).state_dict())
+    code, err = _q_error(capsys, ["--weights", str(odd / "model.npz")])
+    assert code == 2 and "no model.json or summary.json" in err and "head count is unknown" in err, err
+    assert "--model" in err and len(err) < 400
     code, err = _q_error(capsys, ["--weights", str(tmp_path / "model.npz"), "--model", "small"])
     assert code == 2 and "does not fit" in err and "--model" in err and "model.npz" in err
     (tmp_path / "summary.json").write_text("{oops")

@@ -1,12 +1,14 @@
 """``python -m minizero.checkpoint inspect PATH`` and ``consolidate PATH --out model.npz``.
 
 ``inspect``: layout, step, loss scale, bytes per rank by kind. ``consolidate``: every full parameter, one at a
-time, into nanoGPT-named ``model.npz`` (DeepSpeed's ``zero_to_fp32.py``). A bad checkpoint: exit 2, one line.
+time, into nanoGPT-named ``model.npz`` (DeepSpeed's ``zero_to_fp32.py``) and ``model.json`` beside it, as train
+writes them (sample and quantize then need no ``--model``). A bad checkpoint: exit 2, one line.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
@@ -15,10 +17,11 @@ from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import atomic_write, check_writable_folder
+from minizero.files import atomic_write, check_writable_folder, read_json
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
+from minizero.weights import SIDECAR, write_model_json
 
 
 def describe(reader: ShardReader) -> str:
@@ -98,6 +101,26 @@ def check_out(out: str) -> None:
         raise CheckpointError(f"--out {out!r}: cannot write there ({e.strerror})") from None
 
 
+def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
+    """The ``model.json`` to write beside ``out`` (train's config file, see :func:`minizero.weights.model_config`),
+    or None when one holding ``cfg`` is already there; checked before any tensor is read.
+
+    Raises CheckpointError: another file of that name is there (:data:`minizero.files.READ_BACK`: never
+    overwritten; it may be another model's config, or the user's).
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(out)), SIDECAR)
+    if not os.path.lexists(path):
+        return path
+    try:
+        if os.path.isfile(path) and read_json(path) == dataclasses.asdict(cfg):
+            return None
+    except (OSError, ValueError):
+        pass
+    raise CheckpointError(f"--out {out!r}: {path!r} exists beside it and says another model (or is not a file); "
+                          f"consolidate writes the weights' {SIDECAR} there and never overwrites one; remove it or "
+                          f"give --out in another folder")
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
     p = argparse.ArgumentParser(prog="python -m minizero.checkpoint",
@@ -121,12 +144,16 @@ def main(argv=None) -> int:
         if args.command == "inspect":
             print(describe(ShardReader(folder)))
         else:
+            cfg = GPTConfig(**ShardReader(folder).manifest["model"])
+            sidecar = sidecar_to_write(args.out, cfg)  # before any tensor is read
             try:
                 state = consolidate(folder, args.out)
             except (KeyError, SafetensorError) as e:  # a shard whose bytes match its hash but not the manifest
                 raise CheckpointError(f"{folder}: the manifest names what its files do not hold "
                                       f"({type(e).__name__}: {e}); the checkpoint is damaged") from None
-            print(f"wrote {args.out}: {len(state)} tensors from {folder}")
+            if sidecar is not None:
+                write_model_json(os.path.dirname(sidecar), cfg)
+            print(f"wrote {args.out}: {len(state)} tensors from {folder}" + (f", and {sidecar}" if sidecar else ""))
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
         for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)

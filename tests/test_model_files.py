@@ -1,0 +1,152 @@
+"""The files that describe a saved model: model.json (written with model.npz) and a run's summary.json.
+
+Their fields are checked in one place (``weights.check_model_fields``), every program reads them by one rule
+(``weights.model_config``: --model, model.json, summary.json's config.model, the preset of the shapes), and
+``python -m minizero.checkpoint consolidate`` writes model.json beside its model.npz as train does.
+"""
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.nn import GPT, get_config
+from minizero.weights import load_gpt, load_trained, read_weights
+from tests.conftest import mpi_env
+
+TINY = dataclasses.asdict(get_config("tiny"))
+
+
+@pytest.fixture
+def tiny_weights(tmp_path):
+    """A tiny GPT's model.npz and model.json, as train writes them."""
+    np.savez(tmp_path / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps(TINY))
+    return tmp_path / "model.npz"
+
+
+def _programs_refuse(weights, capsys):
+    """sample's and quantize's exit status and one-line error (the same for both), before any measuring."""
+    from minizero.quantize import main as quantize_main
+    from minizero.sample import main as sample_main
+    said = []
+    for main, argv in ((sample_main, ["--tokens", "2"]), (quantize_main, ["--eval-batches", "1"])):
+        assert main(["--weights", str(weights), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        said.append(err.split("error: ", 1)[1])
+    assert said[0] == said[1]
+    return said[0]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("dtype", "int8", "dtype 'int8' is not allowed; allowed: float16, float32, float64"),
+    ("dtype", 32, "dtype 32 is not allowed; allowed: float16, float32, float64"),
+    ("block_size", "16", "block_size '16' is a string; allowed: an integer in [1, 1,024] (a JSON number, no quotes)"),
+    ("n_layer", True, "n_layer True is true/false; allowed: an integer in [1, 12]"),
+    ("n_head", 0, "n_head 0 is below 1; allowed: an integer in [1, 12]"),
+    ("n_head", 3, "n_embd 16 is not divisible by n_head 3; allowed: n_head dividing n_embd"),
+    ("n_embd", 10 ** 6, "n_embd 1,000,000 exceeds 768, the largest any preset"),
+    ("dropout", 1.5, "dropout 1.5 is not allowed; allowed: a number in [0, 1)"),
+    ("heads", 2, "unknown field(s) ['heads']; allowed: n_layer, n_head, n_embd, block_size, vocab_size, dropout, dtype"),
+])
+def test_a_bad_model_json_field_is_named_with_the_file_and_what_is_allowed(tiny_weights, capsys, field, value,
+                                                                         needle):
+    """Before: dtype "int8" was accepted (the arrays' dtype silently used) and block_size "16" was refused as
+    "disagrees with the array headers: block_size 16 vs 16"."""
+    (tiny_weights.parent / "model.json").write_text(json.dumps(dict(TINY, **{field: value})))
+    err = _programs_refuse(tiny_weights, capsys)
+    assert err.startswith(f"{str(tiny_weights.parent / 'model.json')!r} (beside --weights): {needle}"), err
+    assert err.endswith("fix or remove it\n")
+
+
+def test_finetune_refuses_a_bad_model_json_with_exit_2(tiny_weights):
+    (tiny_weights.parent / "model.json").write_text(json.dumps(dict(TINY, dtype="int8")))
+    proc = subprocess.run([sys.executable, "-m", "minizero.finetune", "--weights", str(tiny_weights), "--steps", "1"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "(beside --weights): dtype 'int8' is not allowed; allowed: float16, float32, float64" in proc.stderr
+
+
+def test_a_bad_summary_json_field_is_named_as_config_model(tiny_weights, capsys):
+    (tiny_weights.parent / "summary.json").write_text(json.dumps({"config": {"model": dict(TINY, n_layer="2")}}))
+    err = _programs_refuse(tiny_weights, capsys)
+    assert err.startswith(f"{str(tiny_weights.parent / 'summary.json')!r} (beside --weights): config.model's "
+                          f"n_layer '2' is a string; allowed: an integer in [1, 12]"), err
+
+
+def test_model_json_disagreeing_with_the_arrays_dtype_is_refused(tiny_weights, capsys):
+    (tiny_weights.parent / "model.json").write_text(json.dumps(dict(TINY, dtype="float64")))
+    assert "disagrees with the arrays of --weights" in _programs_refuse(tiny_weights, capsys)
+
+
+@pytest.mark.parametrize("other", [{"n_layer": 3}, {"n_head": 4}])
+def test_sample_and_quantize_read_model_json_over_a_disagreeing_summary(tiny_weights, capsys, other):
+    """Before: sample read model.json, quantize summary.json: n_layer 3 made quantize fail ("does not fit the
+    model shape from summary.json") and n_head 4 made it measure another model than sample's (2 heads)."""
+    from minizero.quantize import build_parser, run
+    from minizero.sample import main as sample_main
+    from minizero.weights import model_config
+    summary = {"config": {"model": dict(TINY, **other), "train": {"eval_batches": 1}}}
+    (tiny_weights.parent / "summary.json").write_text(json.dumps(summary))
+    state = read_weights(str(tiny_weights))
+    cfg, source, kept = model_config(str(tiny_weights), state)
+    assert cfg == get_config("tiny") and source == str(tiny_weights.parent / "model.json")
+    assert kept == {}  # the summary describes other weights: its train section is not used either
+    assert load_gpt(str(tiny_weights)).config == load_trained(str(tiny_weights))[0].config == cfg
+    assert sample_main(["--weights", str(tiny_weights), "--tokens", "2"]) == 0
+    result = run(build_parser().parse_args(["--weights", str(tiny_weights), "--eval-batches", "1"]))
+    assert result["config"] == TINY
+    capsys.readouterr()
+    (tiny_weights.parent / "model.json").unlink()  # no model.json: the summary is the config, for both
+    want = get_config("tiny", **other)
+    if "n_layer" in other:
+        assert "summary.json' disagrees with the arrays of --weights" in _programs_refuse(tiny_weights, capsys)
+    else:
+        assert load_gpt(str(tiny_weights)).config == load_trained(str(tiny_weights))[0].config == want
+
+
+def test_model_flag_disagreeing_with_model_json_is_refused(tiny_weights, capsys):
+    from minizero.quantize import main as quantize_main
+    (tiny_weights.parent / "model.json").write_text(json.dumps(dict(TINY, n_head=4)))
+    assert quantize_main(["--weights", str(tiny_weights), "--model", "tiny", "--eval-batches", "1"]) == 2
+    assert "--model tiny disagrees with " in capsys.readouterr().err
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
+    """Before: consolidate wrote model.npz alone; a model of no preset's shape (--block-size 8) then could not be
+    sampled ("the head count is unknown") without writing model.json by hand."""
+    from minizero.checkpoint.cli import main as checkpoint_main
+    from minizero.sample import main as sample_main
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--block-size", "8",
+                           "--steps", "2", "--save-every", "2", "--eval-every", "0", "--eval-batches", "1",
+                           "--sample-tokens", "0", "--no-progress", "--out", str(run)],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "c" / "model.npz"
+    assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(out)]) == 0
+    assert json.loads((out.parent / "model.json").read_text()) == json.loads((run / "model.json").read_text())
+    capsys.readouterr()
+    texts = []
+    for weights in (run / "model.npz", out):  # the checkpoint of the last step is the run's model
+        assert sample_main(["--weights", str(weights), "--tokens", "20"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    # the same model.json already there: kept; another one: refused before any tensor is read, nothing written
+    assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(out)]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.json").write_text(json.dumps(TINY))
+    before = _sha(other / "model.json")
+    assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(other / "model.npz")]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(other / 'model.json')!r} exists beside it" in err and err.count("\n") == 1, err
+    assert _sha(other / "model.json") == before and not (other / "model.npz").exists()
