@@ -98,9 +98,10 @@ def test_sample_and_quantize_read_model_json_over_a_disagreeing_summary(tiny_wei
     assert kept == {}  # the summary describes other weights: its train section is not used either
     assert load_gpt(str(tiny_weights)).config == load_trained(str(tiny_weights))[0].config == cfg
     assert sample_main(["--weights", str(tiny_weights), "--tokens", "2"]) == 0
+    capsys.readouterr()
     result = run(build_parser().parse_args(["--weights", str(tiny_weights), "--eval-batches", "1"]))
     assert result["config"] == TINY
-    capsys.readouterr()
+    assert "summary.json' describes another model than --weights" in capsys.readouterr().err  # said, not silent
     (tiny_weights.parent / "model.json").unlink()  # no model.json: the summary is the config, for both
     want = get_config("tiny", **other)
     if "n_layer" in other:
