@@ -27,7 +27,7 @@ from minizero.numerals import integer, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
-from minizero.weights import SIDECAR, SUMMARY, infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
+from minizero.weights import SIDECAR, infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
 DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -68,14 +68,13 @@ def write_json_atomic(path: str, obj) -> None:
 def run(args) -> dict:
     """Measure the configurations ``args`` asks for; returns ``{"baseline": {...}, "rows": [...]}``."""
     state = read_weights(args.weights)
-    model, summary = load_trained(args.weights, args.model, state)
+    notes = []
+    model, summary = load_trained(args.weights, args.model, state, flag="--model", notes=notes)
     cfg = model.config
     train_cfg = summary.get("config", {}).get("train", {}) if isinstance(summary.get("config"), dict) else {}
-    beside = os.path.join(os.path.dirname(os.path.abspath(args.weights)), SUMMARY)
-    if not summary and os.path.isfile(beside):  # model_config set it aside: it describes other weights
-        print(f"python -m minizero.quantize: note: {beside!r} describes another model than --weights; its data, "
-              "seed and eval batches are not used (the built-in corpus, seed 0 and 4 batches unless given)",
-              file=sys.stderr)
+    for note in notes:  # model_config set summary.json aside: its data, seed and eval batches are not the run's
+        print(f"python -m minizero.quantize: note: {note}; its data, seed and eval batches are not used (the "
+              "built-in corpus, seed 0 and 4 batches unless given)", file=sys.stderr)
     data = args.data if args.data is not None else train_cfg.get("data")
     try:
         seed = int(train_cfg.get("seed", 0))
@@ -114,7 +113,7 @@ def run(args) -> dict:
         else:
             thresholds = [args.outlier_threshold]
         for threshold in thresholds:
-            qmodel, _ = load_trained(args.weights, args.model, state)
+            qmodel = load_trained(args.weights, args.model, state, flag="--model")[0]
             rep = quantize_model(qmodel, bits, gran, args.block_size, threshold, calib if threshold else None)
             loss = evaluate_loss(qmodel, val)
             rows.append({"bits": bits, "granularity": gran, "block_size": args.block_size if gran == "block" else None,

@@ -249,60 +249,70 @@ def _clash(a: dict, b: dict, fields) -> list:
     return [f"{k} {a[k]!r} vs {b[k]!r}" for k in fields if k in a and k in b and a[k] != b[k]]
 
 
-def model_config(weights: str, state: dict, preset: str | None = None) -> tuple[GPTConfig, str, dict]:
-    """(the :class:`GPTConfig` of ``state`` read from ``weights``, where it came from, summary.json's dict or {}).
+def model_config(weights: str, state: dict, preset: str | None = None,
+                 flag: str | None = None) -> tuple[GPTConfig, str, dict, str | None]:
+    """(the :class:`GPTConfig` of ``state`` read from ``weights``, where it came from, summary.json's dict or {},
+    a note saying why summary.json was set aside or None).
 
     The one rule every program that reads a model.npz follows (sample, quantize, finetune):
 
-    1. ``preset`` (a program's ``--model``) when given; refused when model.json (else summary.json) disagrees.
-    2. else ``model.json`` beside the weights. It WINS over summary.json: train, finetune --out and checkpoint
-       consolidate write it with the weights, and :func:`read_weights` checks it against the array headers, while
-       summary.json may be another run's (one stopped between writing the weights and the summary, or a copy).
+    1. ``preset`` (a program's ``--model``) when given; refused when the arrays or model.json disagree.
+    2. else ``model.json`` beside the weights, refused when it disagrees with the arrays. It WINS over summary.json:
+       train, finetune --out and checkpoint consolidate write it with the weights, while summary.json may be another
+       run's (one stopped between writing the weights and the summary, or a copy).
     3. else summary.json's ``config.model`` (a run's folder without model.json).
     4. else the preset whose names and shapes match the arrays exactly (only the head count is not in them).
 
-    Both files are checked (:func:`check_model_fields`) whether or not they are used; the dtype is the arrays'
-    (an FP16 run's weights are float16), and a file naming another dtype or other sizes is refused. The summary
-    is returned only when its config.model agrees with the config chosen ({} otherwise: it describes other weights).
+    model.json's fields are checked (:func:`check_model_fields`); summary.json is never fatal: one that is not a
+    run's summary, has no valid ``config.model``, or whose sizes contradict the arrays or the config chosen is set
+    aside ({} returned, with the note). The dtype is the arrays' (an FP16 run's weights are float16).
+    ``flag``: the caller's ``--model`` flag, named in the advice (None: the program has none).
     Raises ValueError naming the file, the field and both values; or no way to know the head count.
     """
     dims, dtype = shape_from_state(state, weights), stored_dtype(state)
-    have = dict(dims, dtype=dtype)
     side_path, side = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR), read_sidecar(weights)
-    summary_path, summary = _read_beside(weights, SUMMARY)
-    if summary is not None and not isinstance(summary, dict):
-        raise ValueError(f"{summary_path!r} (beside --weights) is {_kind(summary)}, not a summary written by "
-                         f"minizero.train; fix or remove it")
-    summary = summary or {}
-    run_cfg = summary.get("config").get("model") if isinstance(summary.get("config"), dict) else None
-    if run_cfg is not None:
-        check_model_fields(run_cfg, summary_path, "config.model")
-    files = [(p, c) for p, c in ((side_path, side), (summary_path, run_cfg)) if c is not None]
-    if preset is not None:
-        cfg, source = get_config(preset, dtype=dtype), f"--model {preset}"
-        clash = files and _clash(dataclasses.asdict(cfg), files[0][1], SHAPE_FIELDS)
+    if side is not None:
+        clash = _clash(side, dict(dims, dtype=dtype), list(dims) + ["dtype"])
         if clash:
-            raise ValueError(f"--model {preset} disagrees with {files[0][0]!r} beside --weights {weights!r}: "
-                             f"{', '.join(clash)}; drop --model (the file is read) or fix the file")
-    elif files:
-        source, found = files[0]
-        clash = _clash(found, have, have)
-        if clash:
-            raise ValueError(f"{source!r} disagrees with the arrays of --weights {weights!r}: {', '.join(clash)}; "
+            raise ValueError(f"{side_path!r} disagrees with the arrays of --weights {weights!r}: {', '.join(clash)}; "
                              f"fix or remove it")
-        cfg = get_config("default", **dict(found, **have))
-    elif summary:
-        raise ValueError(f"{summary_path!r} has no config.model section and there is no {SIDECAR}; write "
-                         f"{SIDECAR} beside the weights or pass --model{_looks_like(state)}")
+    summary_path = os.path.join(os.path.dirname(os.path.abspath(weights)), SUMMARY)
+    summary, run_cfg, note = None, None, None
+    try:
+        summary = _read_beside(weights, SUMMARY)[1]
+        run_cfg = summary.get("config").get("model") if isinstance(summary, dict) and isinstance(
+            summary.get("config"), dict) else None
+        if summary is not None and run_cfg is None:
+            raise ValueError("it has no config.model section")
+        if run_cfg is not None:
+            check_model_fields(run_cfg, summary_path, "config.model")
+            clash = _clash(run_cfg, dims, dims)
+            if clash:
+                raise ValueError(f"its config.model disagrees with the arrays: {', '.join(clash)}")
+    except ValueError as e:
+        summary, run_cfg, note = None, None, f"{summary_path!r} set aside: {e}"
+    advice = f"write {SIDECAR} with n_head beside the weights" + (f", or pass {flag}" if flag else "")
+    if preset is not None:
+        cfg, source = get_config(preset, dtype=dtype), f"{flag or '--model'} {preset}"
+        clash = _clash(dataclasses.asdict(cfg), dict(dims, **(side or {})), SHAPE_FIELDS)
+        if clash:
+            whose = f"{side_path!r} and the arrays" if side else "the arrays"
+            raise ValueError(f"{source} disagrees with {whose} of --weights {weights!r}: {', '.join(clash)}; drop "
+                             f"{flag or '--model'}{_looks_like(state)}")
+    elif side is not None:
+        cfg, source = get_config("default", **dict(side, **dims, dtype=dtype)), side_path
+    elif run_cfg is not None:
+        cfg, source = get_config("default", **dict(run_cfg, **dims, dtype=dtype)), summary_path
     elif infer_preset(state) is not None:
         cfg, source = get_config(infer_preset(state), dtype=dtype), f"the {infer_preset(state)!r} preset's shapes"
     else:
-        raise ValueError(f"--weights {weights!r}: no {SIDECAR} or {SUMMARY} beside it and no preset has these shapes "
-                         f"({dims['n_layer']} layers, width {dims['n_embd']}, context {dims['block_size']}), so the "
-                         f"head count is unknown; write {SIDECAR} with n_head, or pass --model")
+        files = f"no {SIDECAR} beside it ({note})" if note else f"no {SIDECAR} or {SUMMARY} beside it"
+        raise ValueError(f"--weights {weights!r}: {files} and no preset has these shapes ({dims['n_layer']} layers, "
+                         f"width {dims['n_embd']}, context {dims['block_size']}), so the head count is unknown; {advice}")
     if run_cfg is not None and _clash(dataclasses.asdict(cfg), run_cfg, SHAPE_FIELDS):
-        summary = {}
-    return cfg, source, summary
+        summary, note = None, (f"{summary_path!r} set aside: its config.model disagrees with {source}: "
+                               f"{', '.join(_clash(run_cfg, dataclasses.asdict(cfg), SHAPE_FIELDS))}")
+    return cfg, source, summary or {}, note
 
 
 def config_for(weights: str, state: dict) -> GPTConfig:
@@ -334,16 +344,20 @@ def _looks_like(state: dict) -> str:
     return f" (these weights look like the {guess!r} preset)" if guess else ""
 
 
-def load_trained(weights: str, preset: str | None = None, state: dict | None = None):
+def load_trained(weights: str, preset: str | None = None, state: dict | None = None, flag: str | None = None,
+                 notes: list | None = None):
     """(model, summary dict or {}) from ``weights`` (``state``: its arrays, when already read); the config by
-    :func:`model_config`'s rule, ``preset`` being a program's ``--model``.
+    :func:`model_config`'s rule, ``preset`` being the program's ``flag`` (its ``--model``; None: it has none).
+    ``notes``: a list that gets model_config's note, when summary.json was set aside.
 
     Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a bad model.json or summary.json,
     no shape, or weights that do not fit the shape (file, first names and ``--model`` named).
     """
     if state is None:
         state = read_weights(weights)
-    cfg, source, summary = model_config(weights, state, preset)
+    cfg, source, summary, note = model_config(weights, state, preset, flag)
+    if note and notes is not None:
+        notes.append(note)
     if "lm_head.weight" not in state and "transformer.wte.weight" in state:  # the tied head: the embedding matrix
         state = dict(state, **{"lm_head.weight": state["transformer.wte.weight"]})
     model = GPT(cfg)
@@ -358,5 +372,5 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
         else:
             detail = e.args[0] if e.args else str(e)
         raise ValueError(f"--weights {weights!r} does not fit the model shape from {source}: {detail}; "
-                         f"pass the --model the weights were trained with{_looks_like(state)}") from None
+                         f"fix {source}{_looks_like(state)}") from None
     return model, summary

@@ -466,7 +466,13 @@ def test_quantize_bounds_what_summary_json_says(saved, tmp_path, capsys, section
     summary = json.loads((tmp_path / "summary.json").read_text())
     summary["config"][section][field] = value
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    assert main(["--weights", str(tmp_path / "model.npz")]) == 2
+    if section == "model":  # summary.json set aside (model.json gives the config), and said
+        assert main(["--weights", str(tmp_path / "model.npz"), "--eval-batches", "1"]) == 0
+        assert "summary.json' set aside: " in capsys.readouterr().err
+        (tmp_path / "model.json").unlink()  # no model.json: the preset of the shapes, the summary still set aside
+        assert main(["--weights", str(tmp_path / "model.npz"), "--eval-batches", "1"]) == 0
+    else:
+        assert main(["--weights", str(tmp_path / "model.npz")]) == 2
     assert needle in capsys.readouterr().err
 
 
