@@ -286,15 +286,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
             or a rule of :func:`enumerate_strategies` broken (the rule named).
     """
     sizes, zero, sp, recompute, offloads, said, cp_attention = {}, 0, False, "none", set(), {}, "ring"
-    for word in text.replace(",", " ").split():
+    for i, word in enumerate(text.replace(",", " ").split()):
         w = word.lower()
         m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z)=?([0-9]+)", w)  # ASCII digits: \d (and int) read '٣' as 3
         key, _, value = w.partition("=")
-        for name in _settings(w, m):  # "cp2 cp4": one would be dropped without a word; "sp sp": said twice
-            if name in said:
-                raise ValueError(f"--strategy {text!r}: {name} is given twice ({said[name]!r} and {word!r}); "
-                                 "give it once")
-            said[name] = word
         if m:
             if m.group(1) in ("zero", "z"):
                 zero = int(m.group(2))
@@ -312,6 +307,11 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
             offloads |= set(value.split("+")) - {"none"}  # several offload= words add up
         else:
             raise ValueError(f"--strategy {text!r}: cannot read {word!r}; allowed words: {STRATEGY_FORMS}")
+        for name in _settings(w, m):  # "cp2 cp4": one would be dropped without a word; "sp sp": said twice
+            if name in said:
+                where = f"in {word!r}" if said[name][0] == i else f"({said[name][1]!r} and {word!r})"
+                raise ValueError(f"--strategy {text!r}: {name} is given twice {where}; give it once")
+            said[name] = (i, word)
     act, kinds = "activations" in offloads, offloads - {"activations"}
     if len(kinds) > 1:
         raise ValueError(f"--strategy {text!r}: offload names both optimizer and params (offloading the parameters "

@@ -59,6 +59,20 @@ def test_plan_strategy_setting_a_switch_twice_is_refused(capsys, text, name):
     assert e.value.code == 2 and f"--strategy {text!r}: {name} is given twice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text,said", [
+    ("recompute=full recompute=bogus", "cannot read 'recompute=bogus'"),  # the bad word first, not "twice"
+    ("zero3 offload=params+params", "offload=params is given twice in 'offload=params+params'"),
+    ("dp2 tp2 dp4", "dp is given twice ('dp2' and 'dp4')")])
+def test_plan_strategy_names_the_word_that_is_wrong(capsys, text, said):
+    """Review: an unreadable word was reported as a setting "given twice", and a repeat inside one word was
+    named as two words."""
+    from minizero import plan
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "llama3-8b", "--gpus", "8", "--strategy", text])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- numbers in ASCII digits only
 def test_no_parser_reads_numbers_with_int_or_float():
     """Every program's argparse numbers go through minizero.numerals (int/float read '٣' as 3)."""
