@@ -100,8 +100,9 @@ def implementations(op, comm, x):
 
 def bare_recursive_doubling(mpi, x):
     """The exchanges of minizero's recursive doubling (log2 N ``Sendrecv`` of the whole array, each followed by
-    one NumPy add) as bare mpi4py calls: none of minizero's checks, headers, waits or records. The floor of an
-    all_reduce written in Python over point-to-point messages; N a power of two."""
+    one NumPy add) as bare mpi4py calls: none of minizero's checks, headers, waits or records. For small arrays,
+    the least an all_reduce written in Python over point-to-point messages costs (for large ones the blocking
+    ``Sendrecv`` and the separate add make it slower than minizero's own); N a power of two."""
     out, tmp = np.empty_like(x), np.empty_like(x)
     rank, n = mpi.Get_rank(), mpi.Get_size()
 
@@ -248,8 +249,8 @@ def report(op, runs, malloc):
     print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
              f"ring), ring / rd forced; p2p = the same exchanges as recursive doubling in bare mpi4py calls (Sendrecv "
-             f"and a NumPy add, nothing of minizero's; N a power of two): the floor of a collective written in "
-             f"Python over point-to-point; " if op == "all_reduce" else "ring = minizero's; ")
+             f"and a NumPy add, nothing of minizero's; N a power of two): for small arrays, the least a collective "
+             f"written in Python over point-to-point costs; " if op == "all_reduce" else "ring = minizero's; ")
           + "X/MPI = MPI's time / X's (above 1: minizero faster)\n")
     print(table(op, runs))
 

@@ -8,9 +8,10 @@ column one layer more of minizero's path, from the bare exchange up to the call 
 
     MPI         MPICH's blocking ``MPI_Allreduce`` through mpi4py (the anchor)
     p2p         the exchanges recursive doubling makes, as bare mpi4py ``Sendrecv`` calls and a NumPy add:
-                the floor of any all_reduce written in Python over point-to-point messages
-    message     one ``comm.sendrecv`` of the array: minizero's checked message (the 64-byte header staged with
-                the payload, the receiver's header check, ``MPI_Test`` polls, the traffic count)
+                for small arrays, what any all_reduce written in Python over point-to-point messages costs at least
+    message     the same log2 N exchanges as minizero's checked messages (``comm.sendrecv``: the 64-byte header
+                staged with the payload, the receiver's header check, ``MPI_Test`` polls, the traffic count),
+                each followed by the same NumPy add
     algorithm   ``recursive_doubling_all_reduce_`` on preallocated buffers: log2 N messages and adds
     all_reduce  ``minizero.comm.all_reduce(comm, x, out=out)`` as shipped: adds the argument checks, the traffic
                 and flight-recorder entry, and the scratch buffer counted in the memory ledger
@@ -42,22 +43,23 @@ def layers(comm, x):
     from minizero.comm import all_reduce
     from minizero.comm.recursive_doubling import recursive_doubling_all_reduce_
 
+    from bench_allreduce import bare_recursive_doubling
+
     mpi, rank, n = comm.mpi_comm, comm.rank, comm.world_size
     out, tmp = np.empty_like(x), np.empty_like(x)
-    peer = rank ^ 1
 
-    def p2p():
+    def message():  # p2p's exchanges and adds, through minizero's checked sendrecv
         out[...] = x
         mask = 1
         while mask < n:
-            mpi.Sendrecv(out, rank ^ mask, 0, tmp, rank ^ mask, 0)
+            comm.sendrecv(out, rank ^ mask, tmp, rank ^ mask, tag=1)
             np.add(out, tmp, out=out)
             mask <<= 1
         return out
 
     return {"MPI": lambda: (mpi.Allreduce(x, out, op=MPI.SUM), out)[1],
-            "p2p": p2p,
-            "message": lambda: comm.sendrecv(x, peer, tmp, peer, tag=1),
+            "p2p": bare_recursive_doubling(mpi, x),
+            "message": message,
             "algorithm": lambda: (recursive_doubling_all_reduce_(comm, out, tmp, src=x), out)[1],
             "all_reduce": lambda: all_reduce(comm, x, out=out)}
 
@@ -74,7 +76,7 @@ def measure(sizes, runs, warmup):
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         calls = layers(comm, x)
         reference = calls["MPI"]().copy()
-        for name in ("p2p", "algorithm", "all_reduce"):  # each computes the same sum (to rounding)
+        for name in ("p2p", "message", "algorithm", "all_reduce"):  # each computes the same sum (to rounding)
             if not np.allclose(calls[name](), reference, rtol=1e-5, atol=1e-5 * comm.world_size):
                 raise AssertionError(f"{name} differs from MPI_Allreduce at {nbytes} bytes")
         times = {}
