@@ -25,11 +25,11 @@ THRESHOLD_ENV, DEFAULT_MAX_BYTES = "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1
 
 
 def threshold_from_env() -> int:
-    """The all-reduce size rule's bytes from :data:`THRESHOLD_ENV` (unset: 256 KiB). Raises ValueError: not an
+    """The all-reduce size rule's bytes from :data:`THRESHOLD_ENV` (unset or empty: 256 KiB). Raises ValueError: not an
     integer >= -1 in ASCII digits (the programs check it with their arguments, so a bad value stops them before
     any work)."""
     text = os.environ.get(THRESHOLD_ENV)
-    if text is None:
+    if not text:  # unset or empty
         return DEFAULT_MAX_BYTES
     value = int(text) if is_count(text.strip().removeprefix("-")) else None
     if value is None or value < -1:

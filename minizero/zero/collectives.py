@@ -27,13 +27,13 @@ DEBUG_COLLECTIVES_ENV = "MINIZERO_DEBUG_COLLECTIVES"
 
 
 def debug_collectives() -> bool:
-    """Whether the per-collective order check is on (``MINIZERO_DEBUG_COLLECTIVES=1``; unset or "0": off).
+    """Whether the per-collective order check is on (``MINIZERO_DEBUG_COLLECTIVES=1``; unset, empty or "0": off).
 
     Raises:
         ValueError: any other value ("yes", "true", "on" would otherwise mean off without a word); the programs
             check it with their arguments, so a bad value stops them before any work.
     """
-    text = os.environ.get(DEBUG_COLLECTIVES_ENV, "0")
+    text = os.environ.get(DEBUG_COLLECTIVES_ENV) or "0"  # empty: unset (as every MINIZERO_ variable)
     if text not in ("0", "1"):
         raise ValueError(f"{DEBUG_COLLECTIVES_ENV}={text!r}; allowed: \"0\" (off, the default) or \"1\" (every rank "
                          "checks each ZeRO collective's unit and phase)")
