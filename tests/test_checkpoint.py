@@ -254,13 +254,15 @@ def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening
         man["files"][0]["file"] = "../../../../etc/passwd"
     passwd = _edit_manifest(_copy(saved, tmp_path / "passwd"), file_outside)  # its pieces now name no files entry
     n = sum(pc["file"] == "rank00000.safetensors" for pc in read_manifest_json(passwd)["pieces"])
-    assert "files[0].file is '../../../../etc/passwd', expected a plain file name" in \
-        _resume_error(passwd, lines=1 + n).splitlines()[0]
+    first, pieces = _resume_error(passwd, lines=2).splitlines()  # before: 1 + n lines, the same one n times
+    assert "files[0].file is '../../../../etc/passwd', expected a plain file name" in first
+    assert ".file is 'rank00000.safetensors', expected one of the checked 'files' entries" in pieces
+    assert f"({n} entries)" in pieces and n > 5
 
     def absolute(man):
         man["files"][0]["file"] = "/etc/passwd"
     assert "files[0].file is '/etc/passwd'" in \
-        _resume_error(_edit_manifest(_copy(saved, tmp_path / "abs"), absolute), lines=1 + n).splitlines()[0]
+        _resume_error(_edit_manifest(_copy(saved, tmp_path / "abs"), absolute), lines=2).splitlines()[0]
     assert "field 'files' is empty" in _resume_error(
         _edit_manifest(_copy(saved, tmp_path / "empty"), lambda man: man.update(files=[], pieces=[])))
     fifo = _copy(saved, tmp_path / "fifo")
@@ -337,6 +339,53 @@ def test_every_problem_of_a_manifest_is_one_line_and_exit_2(saved, tmp_path):
     assert proc.returncode == 2 and len(got) == len(said), proc.stderr
     assert all(line.startswith("python -m minizero.checkpoint: error: ") for line in got), got
     assert not (tmp_path / "m.npz").exists()
+
+
+def _refused_everywhere(folder, said, tmp_path, lines=1):
+    """``--resume`` (UsageError) and both ``python -m minizero.checkpoint`` commands refuse ``folder``, saying ``said``."""
+    with pytest.raises(UsageError) as e:
+        parse_args(BASE + F64 + ["--resume", str(folder)], 2)
+    assert said in str(e.value) and str(e.value).count("\n") == lines - 1, str(e.value)
+    for cmd in (["inspect", str(folder)], ["consolidate", str(folder), "--out", str(tmp_path / "m.npz")]):
+        proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", *cmd], capture_output=True, text=True,
+                              timeout=50, cwd=REPO_ROOT)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == lines and said in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.npz").exists()
+
+
+def _drop_rank1(man):
+    man["files"] = man["files"][:1]
+    man["pieces"] = [pc for pc in man["pieces"] if pc["rank"] == 0]
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda man: man["layout"].update(zero=7), "layout.zero is 7, expected one of 0, 1, 2, 3"),
+    (lambda man: man["layout"].update(zero="1"), "layout.zero is '1', expected one of 0, 1, 2, 3"),
+    (lambda man: man["layout"].update(world_size=0), "layout.world_size is 0, expected an integer >= 1"),
+    (lambda man: man["layout"].update(tp=2), "layout.world_size is 2, expected dp x tp x pp = 4"),
+    (lambda man: man["files"][1].update(rank=0), "files has rank 0 more than once, expected one entry per rank"),
+    (_drop_rank1, "layout.world_size is 2 but files has 1 entries, rank(s) 1 missing; expected one entry for each "
+                  "rank 0..1"),
+    (lambda man: man["files"][1].update(rank=5), "rank(s) 1 missing, rank(s) 5 outside 0..1")])
+def test_the_layout_must_match_its_rank_files(saved, tmp_path, edit, said):
+    """Before: a world size, rank entries or ZeRO stage that disagree loaded (or failed later, unnamed)."""
+    twice = "more than once" in said  # and so another rank is missing: two lines
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path, 2 if twice else 1)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved, tmp_path, value):
+    """Before: its hash recomputed, a shard with NaN loaded and the run stopped later as diverged."""
+    from safetensors.numpy import load_file, save_file
+    folder = _copy(saved, tmp_path / "nan")
+    f = folder / "rank00000.safetensors"  # dp 2 without ZeRO: rank 0 writes every array
+    arrays = load_file(str(f))
+    key = sorted(k for k in arrays if k.startswith("v/"))[0]
+    arrays[key].reshape(-1)[-1] = value
+    save_file(arrays, str(f))
+    _edit_manifest(folder, lambda man: man["files"][0].update(sha256=sha256(str(f)), bytes=f.stat().st_size))
+    _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} holds 1 non-finite value(s) (NaN or inf)",
+                        tmp_path)
 
 
 def test_a_checkpoint_folder_that_is_a_symlink_is_refused(saved, tmp_path):

@@ -6,11 +6,16 @@ leaves the previous checkpoint valid. safetensors through its NumPy API (no pick
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
 
@@ -142,7 +147,24 @@ def _check_fields(path: str, man: dict) -> None:
     for problems in (_top_problems, _entry_problems, _value_problems):
         found = problems(man)
         if found:
-            raise CheckpointError("\n".join(f"{path}: {p}; the manifest is damaged" for p in found))
+            raise CheckpointError("\n".join(f"{path}: {p}; the manifest is damaged" for p in _collapse(found)))
+
+
+def _collapse(found: list[str]) -> list[str]:
+    """One line per distinct problem: lines that differ only in their entry's index (``pieces[3] ...``,
+    ``pieces[7] ...``) become one, ``pieces[3, 7] ... (2 entries)`` (the first five indices named)."""
+    groups = collections.OrderedDict()
+    for p in found:
+        m = re.match(r"(\w+)\[(\d+)\](.*)", p, re.S)
+        key = (m.group(1), m.group(3)) if m else (p, None)
+        groups.setdefault(key, []).append(m.group(2) if m else None)
+    out = []
+    for (head, rest), idx in groups.items():
+        if rest is None or len(idx) == 1:
+            out.append(head if rest is None else f"{head}[{idx[0]}]{rest}")
+        else:
+            out.append(f"{head}[{', '.join(idx[:5])}{', ...' if len(idx) > 5 else ''}]{rest} ({len(idx)} entries)")
+    return out
 
 
 def _top_problems(man: dict) -> list[str]:
@@ -190,6 +212,36 @@ def _value_problems(man: dict) -> list[str]:
         v = man[section].get(key)
         if not _is_int(v) or v < (0 if key == "seed" else 1):
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
+    return out + _layout_problems(man["layout"], man["files"])
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _layout_problems(layout: dict, files: list) -> list[str]:
+    """The layout against the rank files: ``zero`` in 0-3; ``world_size`` = dp x tp x pp, one files entry per
+    rank 0..world_size-1 (none missing, none twice)."""
+    out = []
+    if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
+        out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
+                   f"{', '.join(map(str, ZERO_STAGES))} (the ZeRO stage)")
+    ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
+    if not _is_int(ws) or ws < 1:
+        return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
+    if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:
+        out.append(f"layout.world_size is {ws}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}")
+    ranks = collections.Counter(f["rank"] for f in files if _is_int(f["rank"]))
+    twice = sorted(r for r, n in ranks.items() if n > 1)
+    if twice:
+        out.append(f"files has rank {', '.join(map(str, twice[:5]))} more than once, expected one entry per rank")
+    missing = [r for r in range(ws) if r not in ranks]
+    extra = sorted(r for r in ranks if r >= ws)
+    if missing or extra or len(files) != ws:
+        out.append(f"layout.world_size is {ws} but files has {len(files)} entries"
+                   + (f", rank(s) {', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''} missing"
+                      if missing else "")
+                   + (f", rank(s) {', '.join(map(str, extra[:5]))} outside 0..{ws - 1}" if extra else "")
+                   + f"; expected one entry for each rank 0..{ws - 1}")
     return out
 
 
@@ -265,8 +317,10 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
     """Check a checkpoint before any training; returns its folder.
 
     ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: ``{"optimizer", "precision",
-    "dtype"}`` must match; ``checksums``: SHA-256 every file. Raises CheckpointError naming the file and the
-    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, a checksum, another model.
+    "dtype"}`` must match; ``checksums``: SHA-256 every file and refuse NaN/inf in its arrays (one ``isfinite``
+    pass each). Raises CheckpointError naming the file and the
+    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, a checksum, a non-finite
+    value, another model.
     """
     folder = resolve(path)
     if os.path.islink(os.path.normpath(folder)):  # as a rank file: a link may lead anywhere, name the real folder
@@ -299,4 +353,25 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
         if checksums and sha256(f) != entry["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest's; the file is "
                                   f"corrupt)")
+        if checksums:
+            check_finite(f)
     return folder
+
+
+def check_finite(path: str) -> None:
+    """Refuse a rank file whose floating arrays (parameters, m, v, masters, 8-bit absmax) hold NaN or inf.
+
+    One ``isfinite`` pass per array, one array in memory at a time (as the checksum's read). Raises
+    CheckpointError naming the file, the array and the count; or the file is not safetensors.
+    """
+    try:
+        with safe_open(path, framework="numpy") as st:
+            for key in st.keys():
+                a = st.get_tensor(key)
+                if a.dtype.kind == "f" and not np.isfinite(a).all():
+                    bad = int(a.size - np.isfinite(a).sum())
+                    raise CheckpointError(f"{path}: array {key!r} holds {bad:,} non-finite value(s) (NaN or inf) of "
+                                          f"{a.size:,}, expected finite numbers; the checkpoint is damaged (resume "
+                                          "from an earlier one)")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
