@@ -277,9 +277,10 @@ def test_sigusr1_dumps_every_rank_on_demand_and_ctrl_c_dumps_again(mpiexec, tmp_
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         reasons = [json.loads(f.read_text())["reason"] for f in files]
-        # rank 0 dumps again; a peer may be ended by the launcher (rank 0's abort) before its own handler runs,
-        # in which case its file is still the SIGUSR1 one, whole (seen once in a CI run)
-        assert reasons[0] == "SIGINT" and reasons[1] in ("SIGINT", "SIGUSR1"), reasons
+        # the first rank to handle it dumps again; the other may be ended by the launcher (that rank's abort) before
+        # its own handler runs, in which case its file is still the SIGUSR1 one, whole (seen in CI runs with either
+        # rank first, under load)
+        assert "SIGINT" in reasons and set(reasons) <= {"SIGINT", "SIGUSR1"}, reasons
     finally:
         if proc.poll() is None:
             proc.kill()
