@@ -8,26 +8,28 @@ refused, named, before any work.
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class NotANumber(argparse.ArgumentTypeError, ValueError):
     """Text that is not a number in ASCII. A ValueError; as an argparse ``type=`` error its message is the flag's."""
 
 
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")  #: what int() reads, less '٣' and '1_000'
+
+
 def integer(text) -> int:
-    """``int(text)`` of ASCII text (an optional sign, digits 0-9). Raises :class:`NotANumber` naming the text."""
-    try:
-        if str(text).isascii():
-            return int(text)
-    except ValueError:
-        pass
+    """``int(text)`` of ASCII text (an optional sign, digits 0-9; no '_' separators). Raises :class:`NotANumber`
+    naming the text."""
+    if _INTEGER.fullmatch(str(text)):
+        return int(text)
     raise NotANumber(f"invalid int value: {text!r}; allowed: an integer in ASCII digits 0-9, e.g. 8")
 
 
 def real(text) -> float:
     """``float(text)`` of ASCII text (``0.5``, ``3e-4``, ``inf``). Raises :class:`NotANumber` naming the text."""
     try:
-        if str(text).isascii():
+        if str(text).isascii() and "_" not in str(text):
             return float(text)
     except ValueError:
         pass

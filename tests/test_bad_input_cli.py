@@ -10,7 +10,8 @@ from minizero.train import UsageError, parse_args
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
-NOT_ASCII = ["٣", "８", "²", "1٣"]  # Arabic-Indic 3, fullwidth 8 (int() reads both), superscript 2, a mix
+NOT_ASCII = ["٣", "８", "²", "1٣", "1_000"]  # Arabic-Indic 3, fullwidth 8 (int() reads both), superscript 2, a mix;
+# and '_' separators (int() reads 1_000; the message says digits 0-9)
 
 
 # --------------------------------------------------------------------------- MINIZERO_DEBUG_COLLECTIVES
@@ -112,6 +113,7 @@ def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
 @pytest.mark.parametrize("var,value,needle", [
     ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "٣", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='٣'; allowed: an integer >= -1"),
     ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "²", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='²'; allowed: an integer >= -1"),
+    ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "1_000", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='1_000'; allowed: an integer"),
     ("MINIZERO_FAULT", "٠:0:raise", "MINIZERO_FAULT='٠:0:raise'; expected RANK:STEP:KIND"),
     ("MINIZERO_FAULT", "0:²:raise", "MINIZERO_FAULT='0:²:raise'; expected RANK:STEP:KIND"),
 ])

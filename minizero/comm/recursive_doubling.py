@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from minizero import backend
-from minizero.numerals import is_count
+from minizero.numerals import integer
 
 _RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broadcast 1002)
 
@@ -31,7 +31,10 @@ def threshold_from_env() -> int:
     text = os.environ.get(THRESHOLD_ENV)
     if not text:  # unset or empty
         return DEFAULT_MAX_BYTES
-    value = int(text) if is_count(text.strip().removeprefix("-")) else None
+    try:
+        value = integer(text)  # the flags' rule: ASCII digits, an optional sign, no '_'
+    except ValueError:
+        value = None
     if value is None or value < -1:
         raise ValueError(f"{THRESHOLD_ENV}={text!r}; allowed: an integer >= -1 (bytes; -1: always the ring)")
     return value
