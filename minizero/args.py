@@ -25,8 +25,8 @@ from minizero.numerals import is_count
 from minizero.zero.collectives import debug_collectives
 from minizero.output_checks import check_outputs, check_save_dir, check_trace, outside_checkpoints
 
-from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, UsageError,  # noqa: F401
-                            build_parser, refuse_idle_flags)
+from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_FLIGHT_RECORDS, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS,  # noqa: F401
+                            UsageError, build_parser, refuse_idle_flags)
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
@@ -151,7 +151,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     for name, cap in (("grad_accum", MAX_GRAD_ACCUM), ("micro_batches", MAX_GRAD_ACCUM),
-                      ("batch_size", MAX_BATCH_SIZE)):
+                      ("batch_size", MAX_BATCH_SIZE), ("flight_records", MAX_FLIGHT_RECORDS)):
         v = vars(args)[name]
         if v is not None and v > cap:
             raise UsageError(f"--{name.replace('_', '-')} must be <= {cap:,}, got {v:,}")

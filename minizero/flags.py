@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: upper limits that keep a typo from becoming an out-of-memory kill minutes later
 MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
+MAX_FLIGHT_RECORDS = 1_000_000  #: flight-recorder entries kept per rank (500x the default)
 
 
 #: flags that act only with another setting: (flags, is that setting on, what it is, what the run has); given

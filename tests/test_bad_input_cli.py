@@ -136,3 +136,12 @@ def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
         compare.parse_args(["--ranks", ranks, "--out", str(tmp_path / "c")])
     assert compare.parse_args(["--ranks", "1,64", "--strategies", "baseline", "--out", str(tmp_path / "c")]).ranks \
         == [1, 64]
+
+
+def test_flight_records_are_capped_before_any_work(tmp_path):
+    """Attacker: --flight-records 10**30 passed the checks and ended in an OverflowError traceback at start-up."""
+    from minizero.flags import MAX_FLIGHT_RECORDS
+
+    with pytest.raises(UsageError, match=re.escape(f"--flight-records must be <= {MAX_FLIGHT_RECORDS:,}, got {10 ** 30:,}")):
+        parse_args([*TINY, "--out", str(tmp_path / "o"), "--flight-records", str(10 ** 30)])
+    assert parse_args([*TINY, "--out", str(tmp_path / "o"), "--flight-records", str(MAX_FLIGHT_RECORDS)])

@@ -150,7 +150,7 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 1, got -2"),
     (["--model", "huge"], "--model 'huge' is not a preset; allowed: deep, default, gpt2, small, tiny"),
-    (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+    (["--timeout", "0"], "--timeout must be in (0, 1e7] seconds (about 4 months), got 0"),
     (["--steps", "three"], "invalid int value: 'three'"),
 ])
 def test_bad_input_is_named(argv, needle, capsys):
