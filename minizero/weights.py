@@ -219,11 +219,14 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
     return cfg
 
 
+_NONE = object()  #: no such file (a file holding JSON null is not "no file")
+
+
 def _read_beside(weights: str, name: str):
-    """(path, JSON value) of the file ``name`` beside ``weights``, or (path, None) when there is none."""
+    """(path, JSON value) of the file ``name`` beside ``weights``, or (path, :data:`_NONE`) when there is none."""
     path = os.path.join(os.path.dirname(os.path.abspath(weights)), name)
     if not os.path.isfile(path):
-        return path, None
+        return path, _NONE
     try:
         return path, read_json(path)
     except (OSError, ValueError) as e:
@@ -234,7 +237,7 @@ def _read_beside(weights: str, name: str):
 def read_sidecar(weights: str) -> dict | None:
     """The GPT config in ``model.json`` beside ``weights`` (checked by :func:`check_model_fields`), or None."""
     path, cfg = _read_beside(weights, SIDECAR)
-    return None if cfg is None else check_model_fields(cfg, path)
+    return None if cfg is _NONE else check_model_fields(cfg, path)
 
 
 def write_model_json(folder: str, cfg: GPTConfig) -> str:
@@ -272,6 +275,9 @@ def model_config(weights: str, state: dict, preset: str | None = None,
     dims, dtype = shape_from_state(state, weights), stored_dtype(state)
     side_path, side = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR), read_sidecar(weights)
     if side is not None:
+        if "n_head" not in side:  # the one size the arrays cannot tell: never a default's
+            raise ValueError(f"{side_path!r} (beside --weights) has no n_head, the head count the arrays do not "
+                             f"hold; add it (\"n_head\": an integer dividing n_embd {dims['n_embd']})")
         clash = _clash(side, dict(dims, dtype=dtype), list(dims) + ["dtype"])
         if clash:
             raise ValueError(f"{side_path!r} disagrees with the arrays of --weights {weights!r}: {', '.join(clash)}; "
@@ -280,12 +286,15 @@ def model_config(weights: str, state: dict, preset: str | None = None,
     summary, run_cfg, note = None, None, None
     try:
         summary = _read_beside(weights, SUMMARY)[1]
+        summary = None if summary is _NONE else summary if summary is not None else {}  # null: no config.model
         run_cfg = summary.get("config").get("model") if isinstance(summary, dict) and isinstance(
             summary.get("config"), dict) else None
         if summary is not None and run_cfg is None:
             raise ValueError("it has no config.model section")
         if run_cfg is not None:
             check_model_fields(run_cfg, summary_path, "config.model")
+            if "n_head" not in run_cfg:
+                raise ValueError("its config.model has no n_head")
             clash = _clash(run_cfg, dims, dims)
             if clash:
                 raise ValueError(f"its config.model disagrees with the arrays: {', '.join(clash)}")

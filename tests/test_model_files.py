@@ -188,3 +188,21 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{str(other / 'model.json')!r} exists beside it" in err and err.count("\n") == 1, err
     assert _sha(other / "model.json") == before and not (other / "model.npz").exists()
+
+
+def test_model_json_without_n_head_or_holding_null_is_refused(tiny_weights, capsys):
+    """Attacker: without n_head every program built the model with a default head count (4, not the trained 2),
+    and a model.json of JSON null was taken for no file at all."""
+    side = tiny_weights.parent / "model.json"
+    side.write_text(json.dumps({k: v for k, v in TINY.items() if k != "n_head"}))
+    assert "has no n_head, the head count the arrays do not hold" in _programs_refuse(tiny_weights, capsys)
+    side.write_text("null")
+    assert "is null, not a JSON object of model fields" in _programs_refuse(tiny_weights, capsys)
+
+
+@pytest.mark.parametrize("text, why", [("null", "it has no config.model section"),
+                                       (json.dumps({"config": {"model": {"n_layer": 2}}}),
+                                        "its config.model has no n_head")])
+def test_a_summary_json_of_null_or_without_n_head_is_set_aside_with_a_note(tiny_weights, capsys, text, why):
+    (tiny_weights.parent / "summary.json").write_text(text)
+    assert why in _quantize_notes(tiny_weights, capsys)
