@@ -373,6 +373,17 @@ def test_the_layout_must_match_its_rank_files(saved, tmp_path, edit, said):
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path, 2 if twice else 1)
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda man: man["model"].update(n_embd=man["model"]["n_embd"] * 2), "params['transformer.wte.weight'].shape is"),
+    (lambda man: man["model"].update(n_layer="2"), "model.n_layer is '2', expected an integer >= 1"),
+    (lambda man: man["model"].update(n_layer=man["model"]["n_layer"] + 1), "but params holds"),
+    (lambda man: man["model"].update(dtype="float99"), "model.dtype is 'float99', expected float16, float32 or")])
+def test_the_model_section_must_match_the_arrays(saved, tmp_path, edit, said):
+    """Attacker: consolidate wrote a model.json of n_embd 32 beside width-16 arrays (sample then refused it), and
+    ill-typed sizes gave tracebacks in consolidate."""
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved, tmp_path, value):
     """Before: its hash recomputed, a shard with NaN loaded and the run stopped later as diverged."""

@@ -212,7 +212,30 @@ def _value_problems(man: dict) -> list[str]:
         v = man[section].get(key)
         if not _is_int(v) or v < (0 if key == "seed" else 1):
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
-    return out + _layout_problems(man["layout"], man["files"])
+    return out + _model_problems(man["model"], man["params"]) + _layout_problems(man["layout"], man["files"])
+
+
+def _model_problems(model: dict, params: dict) -> list[str]:
+    """The model section: sizes integers >= 1 (n_head dividing n_embd), a float dtype, and the embeddings' shapes in
+    ``params`` as its sizes say (what consolidate writes into model.json beside the arrays)."""
+    out = [f"model.{k} is {repr(model.get(k))[:20]}, expected an integer >= 1" for k in
+           ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if not _is_int(model.get(k)) or model[k] < 1]
+    if model.get("dtype") not in ("float16", "float32", "float64"):
+        out.append(f"model.dtype is {repr(model.get('dtype'))[:20]}, expected float16, float32 or float64")
+    if out:
+        return out
+    if model["n_embd"] % model["n_head"]:
+        out.append(f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}")
+    layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
+    if layers != model["n_layer"]:
+        out.append(f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)")
+    for name, rows in (("transformer.wte.weight", "vocab_size"), ("transformer.wpe.weight", "block_size")):
+        shape = params.get(name, {}).get("shape") if isinstance(params.get(name), dict) else None
+        if shape is not None and shape != [model[rows], model["n_embd"]]:
+            out.append(f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
+                       f"{model['n_embd']}] as the model section says")
+            break  # one line: the other embedding says the same
+    return out
 
 
 ZERO_STAGES = (0, 1, 2, 3)
