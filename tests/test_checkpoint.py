@@ -470,3 +470,15 @@ def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(sav
 
     assert run_in_threads(2, resume, timeout=60) == [2, 2]
     assert any("earlier PCG64" in line and "re-seeded" in line for line in logs), logs
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
+def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
+    """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir
+    (it found no manifest there, by luck). Either way the newest complete checkpoint is the one resumed."""
+    from minizero.checkpoint.format import resolve
+    save = tmp_path / "save"
+    save.mkdir()
+    _copy(saved, save / "step_00000002")
+    (save / "latest").write_bytes(pointer)
+    assert resolve(str(save)) == str(save / "step_00000002")

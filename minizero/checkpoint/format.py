@@ -95,11 +95,13 @@ def resolve(path: str) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint folder or save dir")
     pointer = os.path.join(path, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            target = os.path.join(path, f.read().strip())
-        if os.path.isfile(os.path.join(target, MANIFEST)):
-            return target
+    try:  # a pointer that is unreadable or names no step folder here is passed over: the newest complete one wins
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read(256).strip()
+        if name == os.path.basename(name) and os.path.isfile(os.path.join(path, name, MANIFEST)):
+            return os.path.join(path, name)
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
     found = complete(path)
     if not found:
         partial = sorted(n for n in os.listdir(path) if n.startswith(TMP))
@@ -222,19 +224,16 @@ def _model_problems(model: dict, params: dict) -> list[str]:
            ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if not _is_int(model.get(k)) or model[k] < 1]
     if model.get("dtype") not in ("float16", "float32", "float64"):
         out.append(f"model.dtype is {repr(model.get('dtype'))[:20]}, expected float16, float32 or float64")
-    if out:
-        return out
-    if model["n_embd"] % model["n_head"]:
-        out.append(f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}")
+    if out or model["n_embd"] % model["n_head"]:
+        return out or [f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}"]
     layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
     if layers != model["n_layer"]:
         out.append(f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)")
     for name, rows in (("transformer.wte.weight", "vocab_size"), ("transformer.wpe.weight", "block_size")):
         shape = params.get(name, {}).get("shape") if isinstance(params.get(name), dict) else None
         if shape is not None and shape != [model[rows], model["n_embd"]]:
-            out.append(f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
-                       f"{model['n_embd']}] as the model section says")
-            break  # one line: the other embedding says the same
+            return out + [f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
+                          f"{model['n_embd']}] as the model section says"]  # one line: the other says the same
     return out
 
 
