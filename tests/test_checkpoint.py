@@ -384,7 +384,7 @@ def test_the_model_section_must_match_the_arrays(saved, tmp_path, edit, said):
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -1.0])
 def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved, tmp_path, value):
     """Before: its hash recomputed, a shard with NaN loaded and the run stopped later as diverged."""
     from safetensors.numpy import load_file, save_file
@@ -395,8 +395,9 @@ def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved,
     arrays[key].reshape(-1)[-1] = value
     save_file(arrays, str(f))
     _edit_manifest(folder, lambda man: man["files"][0].update(sha256=sha256(str(f)), bytes=f.stat().st_size))
-    _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} holds 1 non-finite value(s) (NaN or inf)",
-                        tmp_path)
+    said = "holds negative values, expected Adam's second moment >= 0" if value == -1 else \
+        "holds 1 non-finite value(s) (NaN or inf)"  # -1 (attacker): a negative v loaded and the run diverged
+    _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} {said}", tmp_path)
 
 
 def test_a_checkpoint_folder_that_is_a_symlink_is_refused(saved, tmp_path):
@@ -482,3 +483,10 @@ def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(s
     _copy(saved, save / "step_00000002")
     (save / "latest").write_bytes(pointer)
     assert resolve(str(save)) == str(save / "step_00000002")
+
+
+def test_a_manifest_nested_too_deeply_is_refused_in_one_line(saved, tmp_path):
+    """Attacker: 100,000 nested brackets gave a RecursionError traceback in inspect and consolidate."""
+    folder = _copy(saved, tmp_path / "deep")
+    (folder / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused_everywhere(folder, "manifest.json: cannot be read as JSON (maximum recursion depth", tmp_path)

@@ -120,8 +120,8 @@ def read_manifest(folder: str) -> dict:
     try:
         with open(path) as f:
             man = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than any manifest
+        raise CheckpointError(f"{path}: cannot be read as JSON ({str(e)[:80]})") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {man.get('format')!r})"
                               if isinstance(man, dict) else f"{path}: not a minizero checkpoint manifest")
@@ -381,15 +381,16 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
 
 
 def check_finite(path: str) -> None:
-    """Refuse a rank file whose floating arrays (parameters, m, v, masters, 8-bit absmax) hold NaN or inf.
-
-    One ``isfinite`` pass per array, one array in memory at a time (as the checksum's read). Raises
-    CheckpointError naming the file, the array and the count; or the file is not safetensors.
-    """
+    """Refuse a rank file whose floating arrays (parameters, m, v, masters, 8-bit absmax) hold NaN or inf, or whose
+    Adam v holds a negative value: one pass per array, one array in memory at a time (as the checksum's read).
+    Raises CheckpointError naming the file, the array and the count; or the file is not safetensors."""
     try:
         with safe_open(path, framework="numpy") as st:
             for key in st.keys():
                 a = st.get_tensor(key)
+                if a.dtype.kind == "f" and key.startswith("v/") and (a < 0).any():  # Adam's v: squares' average
+                    raise CheckpointError(f"{path}: array {key!r} holds negative values, expected Adam's second "
+                                          "moment >= 0; the checkpoint is damaged (resume from an earlier one)")
                 if a.dtype.kind == "f" and not np.isfinite(a).all():
                     bad = int(a.size - np.isfinite(a).sum())
                     raise CheckpointError(f"{path}: array {key!r} holds {bad:,} non-finite value(s) (NaN or inf) of "
