@@ -233,6 +233,11 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     print(format_table(rows))
+    bad = sorted(k for k, v in (state or {}).items() if v.dtype.kind == "f" and not np.isfinite(v).all())
+    if args.out is not None and bad:  # diverged (a huge --lr or --lora-alpha): nothing written
+        print(f"{prog} the fine-tuned weights hold NaN or inf ({bad[0]}{', ...' if len(bad) > 1 else ''}): the run "
+              f"diverged; {args.out!r} is not written (lower --lr or --lora-alpha)", file=sys.stderr)
+        return 1
     if args.out is not None:
         os.makedirs(args.out, exist_ok=True)
         atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))

@@ -145,3 +145,20 @@ def test_flight_records_are_capped_before_any_work(tmp_path):
     with pytest.raises(UsageError, match=re.escape(f"--flight-records must be <= {MAX_FLIGHT_RECORDS:,}, got {10 ** 30:,}")):
         parse_args([*TINY, "--out", str(tmp_path / "o"), "--flight-records", str(10 ** 30)])
     assert parse_args([*TINY, "--out", str(tmp_path / "o"), "--flight-records", str(MAX_FLIGHT_RECORDS)])
+
+
+def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
+    """Attacker: --lr 1e30 ended with a validation loss of nan, exit 0, and a model.npz of NaN in --out."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    from minizero.nn import GPT, get_config
+
+    np.savez(tmp_path / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
+    out = tmp_path / "ft"
+    assert finetune.main(["--weights", str(tmp_path / "model.npz"), "--steps", "2", "--eval-batches", "1",
+                          "--out", str(out), "--lr", "1e30", "--method", "full"]) == 1
+    assert "the run diverged; " in capsys.readouterr().err and not out.exists()
