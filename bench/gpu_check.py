@@ -53,7 +53,7 @@ PEAKS = {"H200": (989.5e12, 66.9e12), "H100": (989.5e12, 66.9e12), "A100": (312e
          "V100": (125e12, 15.7e12)}
 TOL = 1e-9
 SHORT = ["--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--dropout", "0"]
-CHECKS = ["cupy == numpy, tiny", "cupy == numpy, default", "mpiexec -n 2 (--comm mpi) == 1 process",
+CHECKS = ["float16 matmul == float32 matmul", "cupy == numpy, tiny", "cupy == numpy, default", "mpiexec -n 2 (--comm mpi) == 1 process",
           "--comm nccl == --comm mpi, 1 rank", "NCCL collectives, 1 rank", "NCCL collectives, 2 ranks",
           "gpt2 8x1024 fp16", "gpt2 8x1024 fp32"]
 
@@ -168,6 +168,31 @@ def max_difference(a: dict, b: dict) -> float:
 def equal_runs(runner, first: list[str], second: list[str], ranks=(1, 1)) -> tuple[str, str]:
     d = max_difference(runner.train(first, ranks[0]), runner.train(second, ranks[1]))
     return ("pass" if d <= TOL else "FAIL"), f"max |difference| of losses and weights {d:.1e} (tolerance {TOL:g})"
+
+
+def half_gemms(backend_name: str) -> tuple[str, str]:
+    """``backend.matmul`` on float16 operands (a 2-D GEMM with a transposed operand, a (B, T, K) stack, an
+    attention batch and its transposed-operand forms) against the float32 product of the same values: every
+    element within float16's rounding of the result (relative 2^-11, 2^-10 allowed for the accumulation order),
+    dtype float16. ``backend_name``: "cupy" on the GPU (CuPy's ``@`` would widen batches to float32; minizero
+    calls cuBLAS's half GEMMs), "numpy" in the tests."""
+    from minizero import backend
+
+    backend.set_backend(backend_name)
+    xp, worst, rng = backend.xp, 0.0, np.random.default_rng(0)
+    half = lambda *shape: xp.asarray(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
+    cases = [(half(64, 96), half(80, 96).T), (half(4, 33, 96), half(96, 80)),
+             (half(2, 3, 33, 64), xp.swapaxes(half(2, 3, 40, 64), -1, -2)),
+             (xp.swapaxes(half(2, 3, 64, 33), -1, -2), half(2, 3, 64, 40))]
+    for a, b in cases:
+        got = backend.matmul(a, b)
+        want = backend.to_host(a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
+        if got.dtype != np.float16 or got.shape != want.shape:
+            return "FAIL", f"{got.dtype} {got.shape} for {a.shape} @ {b.shape}, not float16 {want.shape}"
+        err = np.abs(backend.to_host(got).astype(np.float64) - want) / (np.abs(want) + 1e-2)
+        worst = max(worst, float(err.max()))
+    return ("pass" if worst <= 2 ** -10 else "FAIL"), (f"2-D, (B, T, K) @ (K, N) and batched, transposed operands: "
+                                                       f"max relative |difference| {worst:.1e} (2^-10)")
 
 
 # --------------------------------------------------------------------------- NCCL collectives (worker)
@@ -371,6 +396,7 @@ def main(argv=None) -> int:
             runner = Runner(args.budget_s, tmp)
             f64 = ["--dtype", "float64", "--steps", "5", *SHORT]
             plans = {
+                "float16 matmul == float32 matmul": lambda: half_gemms("cupy"),
                 "cupy == numpy, tiny": lambda: equal_runs(runner, ["--model", "tiny", "--device", "cuda", "--comm", "mpi", *f64],
                                                           ["--model", "tiny", "--device", "cpu", *f64]),
                 "cupy == numpy, default": lambda: equal_runs(

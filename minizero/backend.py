@@ -7,6 +7,7 @@ Mirrors: ``cupy.get_array_module`` / the "xp" convention of the Array API.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -152,7 +153,7 @@ def matmul(a, b, bias=None):
         return strict.StrictArray(_numpy_matmul(strict.device_array(a), strict.device_array(b),
                                                 None if bias is None else strict.device_array(bias)))
     if name != "numpy":
-        y = a @ b
+        y = _cupy_matmul(a, b)
         if bias is None:
             return y
         if y.dtype == np.float16:
@@ -160,6 +161,37 @@ def matmul(a, b, bias=None):
         y += bias
         return y
     return _numpy_matmul(a, b, bias)
+
+
+def _cupy_matmul(a, b):
+    """:func:`matmul` on CuPy arrays, float16 on the tensor cores at every shape.
+
+    CuPy's ``@`` runs a 2-D float16 product as one cuBLAS half GEMM, but any operand of 3 or more axes as
+    float32 batched GEMMs on float32 copies (``cupy/_core/_routines_linalg.pyx``, ``matmul``): measured on an
+    H200 by bench/gpu_check.py's profile, a float16 linear layer then ran no faster than float32. So a
+    (..., K) @ (K, N) stack is one 2-D GEMM (the rows folded, as on NumPy), and a float16 batch (..., M, K) @
+    (..., K, N) with equal leading axes is one ``cublasGemmStridedBatchedEx`` on the half operands, float32
+    accumulation (CUBLAS_COMPUTE_32F), as cuBLAS's docs give for tensor-core half GEMMs.
+    """
+    if a.ndim > 2 and b.ndim == 2:
+        rows = math.prod(a.shape[:-1])
+        return _cupy_matmul(a.reshape(rows, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
+    if a.dtype != np.float16 or b.dtype != np.float16 or a.ndim < 3 or a.shape[:-2] != b.shape[:-2] or a.size == 0:
+        return a @ b
+    from cupy.cuda import device, runtime  # noqa: PLC0415  (optional dependency)
+    from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
+
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    c = xp.empty(a.shape[:-1] + (n,), dtype=np.float16)
+    one, zero = np.ones((), np.float32), np.zeros((), np.float32)  # host scalars (cuBLAS's default pointer mode)
+    # row-major C = A B is column-major C^T = B^T A^T: cuBLAS's A is our b (n x k), its B our a (k x m)
+    cublas.gemmStridedBatchedEx(
+        device.get_cublas_handle(), cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, one.ctypes.data,
+        b.data.ptr, runtime.CUDA_R_16F, n, k * n, a.data.ptr, runtime.CUDA_R_16F, k, m * k, zero.ctypes.data,
+        c.data.ptr, runtime.CUDA_R_16F, n, m * n, math.prod(a.shape[:-2]), cublas.CUBLAS_COMPUTE_32F,
+        cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+    return c
 
 
 def matmul_operand(a):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -72,6 +73,7 @@ def test_exceptions_with_empty_messages_still_give_the_table_and_the_json(tmp_pa
         def f(*args, **kwargs):
             raise e
         return f
+    monkeypatch.setattr(gpu_check, "half_gemms", raise_(ValueError("a\nb")))
     monkeypatch.setattr(gpu_check, "equal_runs", raise_(_Boom()))
     monkeypatch.setattr(gpu_check, "nccl_collectives", raise_(RuntimeError("\n\n")))
     monkeypatch.setattr(gpu_check, "throughput", raise_(RuntimeError()))
@@ -79,11 +81,12 @@ def test_exceptions_with_empty_messages_still_give_the_table_and_the_json(tmp_pa
     assert gpu_check.main(["--json", str(out)]) == 1
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == 1 + len(gpu_check.CHECKS)
-    assert table[1] == "| cupy == numpy, tiny | FAIL | _Boom: _Boom() |"
+    assert table[1] == "| float16 matmul == float32 matmul | FAIL | ValueError: a |"
+    assert table[2] == "| cupy == numpy, tiny | FAIL | _Boom: _Boom() |"
     assert "| NCCL collectives, 1 rank | FAIL | RuntimeError: (no message) |" in table
     assert "| gpt2 8x1024 fp16 | FAIL | RuntimeError: RuntimeError() |" in table
     result = json.loads(out.read_text())
-    assert [c["status"] for c in result["checks"]] == ["FAIL"] * 5 + ["not run"] + ["FAIL"] * 2
+    assert [c["status"] for c in result["checks"]] == ["FAIL"] * 6 + ["not run"] + ["FAIL"] * 2
 
 
 @pytest.mark.timeout(60)
@@ -161,3 +164,20 @@ def test_throughput_is_timed_from_the_difference_of_two_runs_after_a_warm_up():
 def test_a_step_time_of_zero_or_less_is_an_error(longer_s):
     with pytest.raises(RuntimeError, match="step time .* <= 0"):
         gpu_check.throughput(_Runner({"1": 30.0, "3": 10.0, "8": longer_s}), "fp32", 66.9e12, (3, 8))
+
+
+def test_the_float16_matmul_row_passes_numpys_product_and_fails_a_wrong_one(monkeypatch):
+    """The row's comparison on NumPy (on the GPU it runs on CuPy): minizero's float16 products pass, a product
+    rounded to float16 twice over (a float16 accumulation's error) or left in float32 fails."""
+    from minizero import backend
+
+    try:
+        assert gpu_check.half_gemms("numpy")[0] == "pass"
+        right = backend.matmul
+        monkeypatch.setattr(backend, "matmul", lambda a, b: right(a, b).astype(np.float32))
+        assert gpu_check.half_gemms("numpy")[0] == "FAIL"
+        monkeypatch.setattr(backend, "matmul", lambda a, b: (right(a, b) * np.float16(1.001)).astype(np.float16))
+        status, detail = gpu_check.half_gemms("numpy")
+        assert status == "FAIL" and "max relative" in detail
+    finally:
+        backend.set_backend("numpy")
