@@ -23,6 +23,13 @@ micro-batch ``--batch``, the steps after ``--warmup``) in each precision, with o
 
     casts         float16 <-> float32 conversions: everything below ``backend.widen`` and ``backend.narrow``
                   (the share of a function's own time below them follows cProfile's callers, level by level)
+
+    python bench/profile_step.py --precision fp16,fp32 --device cuda --model gpt2
+
+does the same on the GPU: the step time from an unprofiled run (the device synchronized at the loop's end),
+the parts from a second run in a child process with ``CUDA_LAUNCH_BLOCKING=1``, so that each kernel's time
+is the own time of the Python call that launched it (matmul: minizero's cuBLAS calls; elementwise: CuPy's
+kernels; python: the launches' and the tape's host time beyond that).
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ CAST_PARTS = ("matmul", "casts", "elementwise", "optimizer", "python")
 
 def part_of(filename: str, name: str, under_adamw: bool) -> str:
     """The part a profiled function's own time belongs to."""
-    if filename.endswith("minizero/backend.py") and name == "_blas_matmul":
+    if (filename.endswith("minizero/backend.py") and name in ("_blas_matmul", "_cupy_matmul")) or (
+            filename == "~" and "cublas" in name):
         return "matmul"
     if under_adamw:
         return "optimizer"
@@ -174,32 +182,84 @@ class ProfiledSteps:
         self.callbacks.on_train_end(run)
 
 
-def profile_main_job(precision: str, batch: int, steps: int, warmup: int) -> dict:
-    """{part: seconds per step} of the main job's loop in ``precision`` (one process, micro-batch ``batch``)."""
+def main_job_argv(precision: str, batch: int, steps: int, warmup: int, device: str, model: str) -> list:
+    """The main job's command line that :func:`profile_main_job` runs (one process, no evaluation or saving)."""
+    return ["--model", model, "--device", device, "--steps", str(warmup + steps), "--micro-batch-size", str(batch),
+            "--precision", precision, "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--no-save",
+            "--sample-tokens", "0", "--warmup", "0", "--dropout", "0"]
+
+
+def run_main_job(argv: list, warmup: int, profiler=None) -> tuple[float, cProfile.Profile]:
+    """(seconds from the first step after ``warmup`` to the loop's end, the profiler) of one main-job run."""
     from minizero.comm import run_in_threads
     from minizero.loop import train
     from minizero.train import parse_args
 
-    argv = ["--model", "default", "--steps", str(warmup + steps), "--micro-batch-size", str(batch),
-            "--precision", precision, "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--no-save",
-            "--sample-tokens", "0", "--warmup", "0"]
+    def run(comm):  # in the communicator's thread, which CuPy's current device belongs to
+        from minizero import backend
 
-    def run(comm, profiler=None):  # unprofiled: the step time; profiled: the parts
+        args = parse_args(argv, 1)
+        backend.set_device(args.device)  # as python -m minizero.train does before the loop
         hook = ProfiledSteps(profiler or cProfile.Profile(), warmup)
-        train(parse_args(argv, 1), comm, log=lambda line: None, callbacks=[hook])
-        return hook.seconds / steps, hook.profiler
+        try:
+            train(args, comm, log=lambda line: None, callbacks=[hook])
+        finally:
+            backend.set_device("cpu")
+        return hook.seconds, hook.profiler
+    return run_in_threads(1, run)[0]
 
-    plain, _ = run_in_threads(1, run)[0]
-    _, profiler = run_in_threads(1, lambda comm: run(comm, cProfile.Profile()))[0]
-    out = split_parts(pstats.Stats(profiler).stats, CAST_PARTS, plain)
+
+def profile_main_job(precision: str, batch: int, steps: int, warmup: int, device: str = "cpu",
+                     model: str = "default") -> dict:
+    """{part: seconds per step} of the main job's loop in ``precision`` (one process, micro-batch ``batch``).
+
+    ``device`` "cuda" (and "strict", which stands in for it in the tests): the profiled run is a child process
+    with ``CUDA_LAUNCH_BLOCKING=1`` (set before CUDA starts), which writes its profile to a file.
+    Raises RuntimeError: the child failed."""
+    import json
+    import subprocess
+    import tempfile
+
+    argv = main_job_argv(precision, batch, steps, warmup, device, model)
+    plain = run_main_job(argv, warmup)[0] / steps
+    if device == "cpu":
+        stats = pstats.Stats(run_main_job(argv, warmup, cProfile.Profile())[1]).stats
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "steps.prof")
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-worker",
+                                   json.dumps([argv, warmup, path])], capture_output=True, text=True,
+                                  env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+            if done.returncode:
+                raise RuntimeError(f"the profiled run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            stats = pstats.Stats(path).stats
+    out = split_parts(stats, CAST_PARTS, plain)
     out["minizero"] = plain
     return out
 
 
-def main_precision(precisions: list, batch: int, steps: int, warmup: int) -> None:
-    rows = [(p, profile_main_job(p, batch, steps, warmup)) for p in precisions]
-    print(_machine.header() + f" | micro-batch {batch}, {steps} steps after {warmup} | load average (1, 5, 15 min): "
-          + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+def profile_worker(spec: str) -> None:
+    """The child of :func:`profile_main_job` on CUDA: runs the main job under cProfile, dumps the stats."""
+    import json
+
+    argv, warmup, path = json.loads(spec)
+    run_main_job(argv, warmup, cProfile.Profile())[1].dump_stats(path)
+
+
+def gpu_name() -> str:
+    """GPU 0's name as CuPy reports it, with CuPy's version."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return f"{name.decode() if isinstance(name, bytes) else name}, CuPy {cupy.__version__}"
+
+
+def main_precision(precisions: list, batch: int, steps: int, warmup: int, device: str = "cpu",
+                   model: str = "default") -> None:
+    rows = [(p, profile_main_job(p, batch, steps, warmup, device, model)) for p in precisions]
+    where = f" | {gpu_name()}, CUDA_LAUNCH_BLOCKING=1 in the profiled run" if device == "cuda" else ""
+    print(_machine.header() + where + f" | --model {model}, micro-batch {batch}, {steps} steps after {warmup} | "
+          "load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     print("| precision | " + " | ".join(f"{k}, s" for k in CAST_PARTS) + " | step, s | step / first row's |")
     print("|---|" + "---:|" * (len(CAST_PARTS) + 2))
     for p, r in rows:
@@ -218,7 +278,19 @@ def main() -> None:
     p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16): profile the "
                    "main job's loop in each, with casts as a part, instead of the library step against PyTorch")
     p.add_argument("--warmup", type=int, default=2, help="--precision: steps run before the profiled ones")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
+                   help="--precision: where the main job runs (cuda: CuPy on GPU 0)")
+    p.add_argument("--model", default="default", help="--precision: the model preset (e.g. gpt2 on a GPU)")
+    p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.profile_worker:
+        profile_worker(args.profile_worker)
+        return
+    from minizero.nn import PRESETS
+    if args.model not in PRESETS:
+        p.error(f"--model {args.model!r}: allowed: {', '.join(sorted(PRESETS))}")
+    if args.precision is None and (args.device != "cpu" or args.model != "default"):
+        p.error("--device and --model profile the main job's loop: give --precision too")
     malloc = _machine.set_malloc(args.default_malloc)
     if args.steps < 1 or args.threads < 1 or args.warmup < 0:
         p.error(f"--steps and --threads must be >= 1, --warmup >= 0, got {args.steps}, {args.threads}, {args.warmup}")
@@ -233,7 +305,7 @@ def main() -> None:
         if len(batches) > 1:
             p.error(f"--precision profiles one --batch, got {args.batch!r}")
         with threadpool_limits(args.threads):
-            main_precision(precisions, int(batches[0]), args.steps, args.warmup)
+            main_precision(precisions, int(batches[0]), args.steps, args.warmup, args.device, args.model)
         print(malloc)
         return
     if torch is not None:

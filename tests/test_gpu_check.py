@@ -181,3 +181,19 @@ def test_the_float16_matmul_row_passes_numpys_product_and_fails_a_wrong_one(monk
         assert status == "FAIL" and "max relative" in detail
     finally:
         backend.set_backend("numpy")
+
+
+def test_the_measured_tables_in_docs_gpu_md_are_the_committed_outputs():
+    """No hand-typed number: docs/gpu.md's device-check table is the committed JSON rendered by the script's
+    own table_lines, and its profile table is the committed output of bench/profile_step.py."""
+    docs = os.path.join(REPO_ROOT, "docs")
+    page = open(os.path.join(docs, "gpu.md")).read()
+    with open(os.path.join(docs, "measured", "gpu_check_h200.json")) as f:
+        result = json.load(f)
+    assert result["hardware"]["name"] == "NVIDIA H200" and result["date"][:10] in page
+    table = "\n".join(gpu_check.table_lines(result["checks"], gpu=True))
+    assert table in page
+    with open(os.path.join(docs, "measured", "profile_step_h200.md")) as f:
+        printed = f.read().splitlines()
+    rows = [line for line in printed if line.startswith("|")]
+    assert len(rows) == 4 and "\n".join(rows) in page and printed[0] in page

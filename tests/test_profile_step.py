@@ -66,3 +66,30 @@ def test_profiled_steps_time_only_the_steps_after_warmup():
     time.sleep(0.05)  # what the loop does after its end (validation, report)
     assert after >= 0.02 and hook.seconds == after  # frozen at the end: the sleep below is not in it
     assert seen == [("start", 0), ("start", 1), ("end", None)]  # every point still reaches the callbacks
+
+
+def test_the_gpu_parts_name_minizeros_cublas_calls_matmul():
+    assert profile_step.part_of("/x/minizero/backend.py", "_cupy_matmul", False) == "matmul"
+    assert profile_step.part_of("~", "<built-in method cupy_backends.cuda.libs.cublas.gemmStridedBatchedEx>",
+                                False) == "matmul"
+    assert profile_step.part_of("~", "<method 'astype' of 'cupy._core.core._ndarray_base' objects>",
+                                False) == "elementwise"
+
+
+@pytest.mark.timeout(300)
+def test_a_device_profile_runs_its_profiled_steps_in_a_child_and_its_parts_add_up_to_the_step():
+    """--device strict takes the path --device cuda takes (the profiled run in a child process with
+    CUDA_LAUNCH_BLOCKING=1, its profile read back from a file), on the strict device arrays."""
+    out = profile_step.profile_main_job("fp16", batch=1, steps=2, warmup=1, device="strict", model="tiny")
+    parts = sum(out[p] for p in profile_step.CAST_PARTS)
+    assert out["minizero"] > 0 and parts == pytest.approx(out["minizero"])
+    assert out["casts"] > 0  # float16 storage is widened at every kernel
+
+
+def test_device_and_model_need_the_main_jobs_mode():
+    import subprocess
+    script = os.path.join(os.path.dirname(profile_step.__file__), "profile_step.py")
+    for argv, said in ((["--device", "cuda"], "give --precision too"), (["--precision", "fp16", "--model", "x"],
+                                                                        "--model 'x': allowed: deep, default")):
+        done = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
