@@ -123,3 +123,17 @@ def test_setup_never_holds_the_whole_model(mpiexec, model, flags, fraction):
     whole = rows[0]["model_bytes"]
     assert len(rows) == 8 and max(r["process_peak"] - r["process_kept"] for r in rows) < whole / 16
     assert max(r["params_peak"] for r in rows) < whole / (4 if fraction else 2)
+
+
+def test_each_row_is_its_own_philox_stream_across_draw_blocks():
+    """The module's rule, spelled out: row r is ``Philox(key, counter=[0, 0, r, 0])``'s first normals times std,
+    whichever rows are drawn together and wherever ROWS_PER_DRAW splits a piece."""
+    from minizero.nn import init
+
+    key, std, ncols = init._key(5, "h.0.mlp.c_fc.weight"), 0.02, 7
+    want = np.stack([np.random.Generator(np.random.Philox(key=key, counter=[0, 0, r, 0])).standard_normal(ncols) * std
+                     for r in range(600)])
+    assert np.array_equal(init.full_rows(5, "h.0.mlp.c_fc.weight", ncols, std, [3, 599, 0]), want[[3, 599, 0]])
+    p = init.ParamInit(5, "h.0.mlp.c_fc.weight", (600, ncols), ("normal", std), np.float64)
+    assert init.ParamInit.ROWS_PER_DRAW < 600  # the piece below spans blocks
+    assert np.array_equal(p.flat(5, 600 * ncols - 3), want.reshape(-1)[5:600 * ncols - 3])

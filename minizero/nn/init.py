@@ -70,11 +70,14 @@ def _key(seed: int, name: str) -> np.ndarray:
 
 def full_rows(seed: int, name: str, ncols: int, std: float, rows) -> np.ndarray:
     """Rows ``rows`` (ints) of the full (R, ncols) N(0, std^2) parameter ``name``: float64 (len(rows), ncols)."""
-    key = _key(seed, name)
+    bits = np.random.Philox(key=_key(seed, name))
+    gen, state = np.random.Generator(bits), bits.state  # one generator, its counter set per row (no new seeding)
     out = np.empty((len(rows), ncols), dtype=np.float64)
     for i, r in enumerate(rows):
-        gen = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, int(r), 0]))
-        out[i] = gen.standard_normal(ncols) * std
+        state["state"]["counter"] = np.array([0, 0, int(r), 0], dtype=np.uint64)
+        bits.state = state  # the buffer stays empty: the row's first draw is its counter's first block
+        gen.standard_normal(ncols, out=out[i])
+    out *= std
     return out
 
 
@@ -95,6 +98,7 @@ class ParamInit:
     rule: tuple
     dtype: object
     tp: tuple | None = None
+    ROWS_PER_DRAW = 256  #: rows drawn per call of :func:`full_rows` (bounds the float64 scratch)
 
     @property
     def local_shape(self) -> tuple:
@@ -116,14 +120,16 @@ class ParamInit:
         ncols_local, ncols = local[-1], self.shape[-1]
         out = np.empty(hi - lo, dtype=dt)
         r0, r1 = lo // ncols_local, -(-hi // ncols_local)
-        cols = np.arange(ncols_local)
+        cols = slice(0, ncols_local)  # the local columns of each full row: a view, or an index array under tp
         if self.tp is not None and self.tp[0] == 1:
-            cols = _full_coord(cols, ncols, self.tp[1], self.tp[2], self.tp[3])
-        for r in range(r0, r1):  # one local row at a time: its slice of [lo, hi)
-            fr = r if self.tp is None or self.tp[0] != 0 else _full_coord(r, self.shape[0], *self.tp[1:])
-            row = full_rows(self.seed, self.name, ncols, self.rule[1], [fr])[0][cols]
-            a, b = max(lo, r * ncols_local), min(hi, (r + 1) * ncols_local)
-            out[a - lo:b - lo] = row[a - r * ncols_local:b - r * ncols_local]
+            cols = _full_coord(np.arange(ncols_local), ncols, self.tp[1], self.tp[2], self.tp[3])
+        for c0 in range(r0, r1, self.ROWS_PER_DRAW):  # a block of local rows at a time: its slice of [lo, hi)
+            c1 = min(r1, c0 + self.ROWS_PER_DRAW)
+            rows = range(c0, c1) if self.tp is None or self.tp[0] != 0 else [
+                _full_coord(r, self.shape[0], *self.tp[1:]) for r in range(c0, c1)]
+            block = full_rows(self.seed, self.name, ncols, self.rule[1], rows)[:, cols].reshape(-1)
+            a, b = max(lo, c0 * ncols_local), min(hi, c1 * ncols_local)
+            out[a - lo:b - lo] = block[a - c0 * ncols_local:b - c0 * ncols_local]
         return backend.to_device(out)
 
 
