@@ -359,7 +359,7 @@ def _main(argv=None) -> int:
                       f"(estimate {_mib(run['estimate']['total'])})  worst deviation {worst:.1%}  "
                       f"{s['tokens_per_s']:,.0f} tokens/s", flush=True)
                 if "predicted_step_s" in run:
-                    print(f"  {'':21s} step {run['step_s']:.3f} s, predicted {run['predicted_step_s']:.3f} s "
+                    print(f"  {'':21s} step {run['step_s']:.3g} s, predicted {run['predicted_step_s']:.3g} s "
                           f"(measured / predicted {run['step_s'] / run['predicted_step_s']:.1f}x)", flush=True)
             else:
                 run["error"] = res["error"]

@@ -20,8 +20,8 @@ def _mib(n) -> str:
 def _step(r: dict) -> tuple[str, str]:
     """The cells "measured / predicted" step seconds and their ratio ("-" without a prediction)."""
     if "predicted_step_s" not in r:
-        return f"{r['step_s']:.3f} / -" if "step_s" in r else "-", "-"
-    return f"{r['step_s']:.3f} / {r['predicted_step_s']:.3f}", f"{r['step_s'] / r['predicted_step_s']:.1f}x"
+        return f"{r['step_s']:.3g} / -" if "step_s" in r else "-", "-"
+    return f"{r['step_s']:.3g} / {r['predicted_step_s']:.3g}", f"{r['step_s'] / r['predicted_step_s']:.1f}x"
 
 
 def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | None = None) -> str:
