@@ -164,19 +164,23 @@ def matmul(a, b, bias=None):
 
 
 def _cupy_matmul(a, b):
-    """:func:`matmul` on CuPy arrays, float16 on the tensor cores at every shape.
+    """:func:`matmul` on CuPy arrays: the float16 products the model makes run as cuBLAS half GEMMs.
 
-    CuPy's ``@`` runs a 2-D float16 product as one cuBLAS half GEMM, but any operand of 3 or more axes as
-    float32 batched GEMMs on float32 copies (``cupy/_core/_routines_linalg.pyx``, ``matmul``): measured on an
-    H200 by bench/gpu_check.py's profile, a float16 linear layer then ran no faster than float32. So a
-    (..., K) @ (K, N) stack is one 2-D GEMM (the rows folded, as on NumPy), and a float16 batch (..., M, K) @
-    (..., K, N) with equal leading axes is one ``cublasGemmStridedBatchedEx`` on the half operands, float32
-    accumulation (CUBLAS_COMPUTE_32F), as cuBLAS's docs give for tensor-core half GEMMs.
+    CuPy's ``@`` runs a 2-D float16 product as one cuBLAS half GEMM (float32 accumulation), but multiplies
+    any operand of 3 or more axes as float32 batches of float32 copies (``cupy/_core/_routines_linalg.pyx``,
+    ``matmul``); on an H200 float16 gpt2 then trained slower than float32 (docs/gpu.md). So:
+
+    - (..., K) @ (K, N): the rows folded into one 2-D product (as on NumPy), any dtype;
+    - float16 (..., M, K) @ (..., K, N) with the same leading axes (attention's batches): one
+      ``cublasGemmStridedBatchedEx`` on contiguous half operands, CUBLAS_COMPUTE_32F (cuBLAS's docs);
+    - anything else (broadcast or 1-D operands, mixed dtypes, mismatched or empty dimensions): CuPy's ``@``,
+      which also raises its own error for shapes that do not multiply.
     """
-    if a.ndim > 2 and b.ndim == 2:
+    if a.ndim > 2 and b.ndim == 2 and a.shape[-1] == b.shape[0]:
         rows = math.prod(a.shape[:-1])
         return _cupy_matmul(a.reshape(rows, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
-    if a.dtype != np.float16 or b.dtype != np.float16 or a.ndim < 3 or a.shape[:-2] != b.shape[:-2] or a.size == 0:
+    if (a.dtype != np.float16 or b.dtype != np.float16 or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]
+            or a.shape[-1] != b.shape[-2] or a.size == 0 or b.size == 0):
         return a @ b
     from cupy.cuda import device, runtime  # noqa: PLC0415  (optional dependency)
     from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
