@@ -34,11 +34,28 @@ def blas() -> str:
             f"(kernel {i.get('architecture', '?')}, {i.get('num_threads', '?')} threads)")
 
 
+def source() -> str:
+    """``minizero 54ffb13`` (the checkout's commit), ``+ changes`` when tracked files differ from it;
+    ``minizero (no git)`` outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "minizero (no git)"
+    return f"minizero {sha}" + (" + changes" if dirty else "")
+
+
 def header() -> str:
-    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE if set."""
+    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source."""
     forced = os.environ.get("OPENBLAS_CORETYPE")
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced}")
+            f"{os.cpu_count()} cores | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced} | "
+            f"{source()}")
 
 
 def set_malloc(default: bool) -> str:

@@ -1,4 +1,4 @@
-"""The device check of the GPU path (issue #15): equality with NumPy, MPI and NCCL, then throughput.
+"""The device check of the GPU path: equality with NumPy, MPI and NCCL, then throughput.
 
     python bench/gpu_check.py [--json gpu_check.json] [--peak-tflops 989.5,66.9] [--budget-s 450]
 
@@ -48,6 +48,9 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+import _machine  # noqa: E402  (the source line every benchmark prints)
 
 #: dense peak FLOP/s (FP16/BF16 tensor cores, FP32 without tensor cores) from the vendors' data sheets,
 #: keyed by a substring of the device name; --peak-tflops overrides
@@ -99,8 +102,25 @@ def probe() -> tuple[dict | None, str]:
     if listed:
         raise SystemExit(f"gpu_check: nvidia-smi lists {listed} GPU(s) but CuPy or NCCL will not load "
                          f"({detail}); {INSTALL}")
-    what = "CuPy not installed" if detail.startswith(("ImportError", "ModuleNotFoundError")) else "no device"
-    return None, f"no GPU: {what} ({detail}); {INSTALL}"
+    what = "CuPy not installed" if detail.startswith(("ImportError", "ModuleNotFoundError")) else "CuPy sees none"
+    return None, f"no GPU: nvidia-smi lists none and {what} ({detail}); on a machine with one, {INSTALL}"
+
+
+def versions() -> dict:
+    """{package: version} of Python, NumPy and, where installed, CuPy, mpi4py and PyTorch."""
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0], "numpy": np.__version__}
+    for name, dist in (("cupy", None), ("mpi4py", "mpi4py"), ("torch", "torch")):
+        try:
+            if dist is None:  # CuPy's distribution is named for its CUDA version (cupy-cuda12x, ...)
+                import cupy
+                out[name] = cupy.__version__
+            else:
+                out[name] = md.version(dist)
+        except Exception:  # not installed, or will not load: left out
+            pass
+    return out
 
 
 def first_line(e) -> str:
@@ -176,23 +196,36 @@ def half_gemms(backend_name: str) -> tuple[str, str]:
     """``backend.matmul`` on float16 operands (a 2-D GEMM with a transposed operand, a (B, T, K) stack, an
     attention batch and its transposed-operand forms) against the float32 product of the same values: every
     element within float16's rounding of the result (relative 2^-11, 2^-10 allowed for the accumulation order),
-    dtype float16. ``backend_name``: "cupy" on the GPU (CuPy's ``@`` would widen batches to float32; minizero
-    calls cuBLAS's half GEMMs), "numpy" in the tests."""
+    dtype float16; and shapes that do not multiply raise ValueError, an empty operand gives an empty product.
+    ``backend_name``: "cupy" on the GPU (CuPy's ``@`` would widen batches to float32; minizero calls cuBLAS's
+    half GEMMs), "numpy" in the tests. The results only: a slow path that computes them passes too."""
     from minizero import backend
 
+    before = backend.name
     backend.set_backend(backend_name)
-    xp, worst, rng = backend.xp, 0.0, np.random.default_rng(0)
-    half = lambda *shape: xp.asarray(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
-    cases = [(half(64, 96), half(80, 96).T), (half(4, 33, 96), half(96, 80)),
-             (half(2, 3, 33, 64), xp.swapaxes(half(2, 3, 40, 64), -1, -2)),
-             (xp.swapaxes(half(2, 3, 64, 33), -1, -2), half(2, 3, 64, 40))]
-    for a, b in cases:
-        got = backend.matmul(a, b)
-        want = backend.to_host(a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
-        if got.dtype != np.float16 or got.shape != want.shape:
-            return "FAIL", f"{got.dtype} {got.shape} for {a.shape} @ {b.shape}, not float16 {want.shape}"
-        err = np.abs(backend.to_host(got).astype(np.float64) - want) / (np.abs(want) + 1e-2)
-        worst = max(worst, float(err.max()))
+    try:
+        xp, worst, rng = backend.xp, 0.0, np.random.default_rng(0)
+        half = lambda *shape: xp.asarray(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
+        cases = [(half(64, 96), half(80, 96).T), (half(4, 33, 96), half(96, 80)),
+                 (half(2, 3, 33, 64), xp.swapaxes(half(2, 3, 40, 64), -1, -2)),
+                 (xp.swapaxes(half(2, 3, 64, 33), -1, -2), half(2, 3, 64, 40))]
+        for a, b in cases:
+            got = backend.matmul(a, b)
+            want = backend.to_host(a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
+            if got.dtype != np.float16 or got.shape != want.shape:
+                return "FAIL", f"{got.dtype} {got.shape} for {a.shape} @ {b.shape}, not float16 {want.shape}"
+            err = np.abs(backend.to_host(got).astype(np.float64) - want) / (np.abs(want) + 1e-2)
+            worst = max(worst, float(err.max()))
+        empty = backend.matmul(half(2, 3, 4, 5), half(2, 3, 5, 0))
+        if empty.shape != (2, 3, 4, 0):
+            return "FAIL", f"an empty operand's product has shape {empty.shape}, not (2, 3, 4, 0)"
+        try:
+            backend.matmul(half(2, 3, 4, 5), half(2, 3, 6, 7))
+            return "FAIL", "(2, 3, 4, 5) @ (2, 3, 6, 7) did not raise: K = 5 against 6"
+        except ValueError:
+            pass
+    finally:
+        backend.set_backend(before)
     return ("pass" if worst <= 2 ** -10 else "FAIL"), (f"2-D, (B, T, K) @ (K, N) and batched, transposed operands: "
                                                        f"max relative |difference| {worst:.1e} (2^-10)")
 
@@ -365,9 +398,10 @@ def check_flags(parser, args) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
-    p.add_argument("--peak-tflops", default=None, help="GPU peak TFLOP/s for MFU: FP16[,FP32] (default: by name)")
+    p.add_argument("--peak-tflops", default=None, help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")
     p.add_argument("--budget-s", type=float, default=450, help="time budget of the whole check (s)")
     p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
     p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
@@ -387,13 +421,15 @@ def main(argv=None) -> int:
         return 3
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows: dict[str, tuple[str, str]] = {name: ("not run", why) for name in CHECKS}
-    result = {"date": stamp, "hardware": hw, "reason_not_run": why or None, "throughput": []}
+    result = {"date": stamp, "source": _machine.source(), "versions": versions(), "hardware": hw,
+              "reason_not_run": why or None, "throughput": []}
     if hw is None:
         print(why)
     else:
         peaks = parse_peak(args.peak_tflops, hw["name"])
         print(f"{hw['name']} x {hw['count']}, CuPy {hw['cupy']}, CUDA runtime {hw['cuda_runtime']}, "
-              f"NCCL {hw['nccl']}; {stamp}")
+              f"NCCL {hw['nccl']}; {stamp}; {result['source']}; "
+              + ", ".join(f"{k} {v}" for k, v in result["versions"].items()))
         with tempfile.TemporaryDirectory() as tmp:
             runner = Runner(args.budget_s, tmp)
             f64 = ["--dtype", "float64", "--steps", "5", *SHORT]

@@ -29,7 +29,8 @@ micro-batch ``--batch``, the steps after ``--warmup``) in each precision, with o
 does the same on the GPU: the step time from an unprofiled run (the device synchronized at the loop's end),
 the parts from a second run in a child process with ``CUDA_LAUNCH_BLOCKING=1``, so that each kernel's time
 is the own time of the Python call that launched it (matmul: minizero's cuBLAS calls; elementwise: CuPy's
-kernels; python: the launches' and the tape's host time beyond that).
+kernels, its Python-level functions included; python: everything else, host time that the unprofiled
+run may overlap with the GPU's work). The parts are shares of that serialized run, scaled to the step.
 """
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def part_of(filename: str, name: str, under_adamw: bool) -> str:
         return "matmul"
     if under_adamw:
         return "optimizer"
-    if filename == "~" and ("numpy" in name or "ufunc" in name or "ndarray" in name):
+    if filename == "~" and ("numpy" in name or "ufunc" in name or "ndarray" in name or "cupy" in name):
+        return "elementwise"
+    if "/cupy/" in filename:  # CuPy's functions written in Python (where, zeros, concatenate): their kernels
         return "elementwise"
     if any(filename.endswith(f"minizero/autograd/{k}.py") for k in ("kernels", "functional", "ops")):
         return "elementwise"
@@ -189,8 +192,19 @@ def main_job_argv(precision: str, batch: int, steps: int, warmup: int, device: s
             "--sample-tokens", "0", "--warmup", "0", "--dropout", "0"]
 
 
+class NoProfiler:
+    """Stands in for cProfile in the timed run: ``enable``/``disable`` do nothing."""
+
+    def enable(self):
+        pass
+
+    def disable(self):
+        pass
+
+
 def run_main_job(argv: list, warmup: int, profiler=None) -> tuple[float, cProfile.Profile]:
-    """(seconds from the first step after ``warmup`` to the loop's end, the profiler) of one main-job run."""
+    """(seconds from the first step after ``warmup`` to the loop's end, the profiler) of one main-job run;
+    ``profiler`` None: timed without one."""
     from minizero.comm import run_in_threads
     from minizero.loop import train
     from minizero.train import parse_args
@@ -200,7 +214,7 @@ def run_main_job(argv: list, warmup: int, profiler=None) -> tuple[float, cProfil
 
         args = parse_args(argv, 1)
         backend.set_device(args.device)  # as python -m minizero.train does before the loop
-        hook = ProfiledSteps(profiler or cProfile.Profile(), warmup)
+        hook = ProfiledSteps(profiler or NoProfiler(), warmup)
         try:
             train(args, comm, log=lambda line: None, callbacks=[hook])
         finally:
@@ -209,13 +223,17 @@ def run_main_job(argv: list, warmup: int, profiler=None) -> tuple[float, cProfil
     return run_in_threads(1, run)[0]
 
 
+CHILD_TIMEOUT_S = 1800  #: the profiled child's limit (a hung GPU run must not hang the benchmark)
+
+
 def profile_main_job(precision: str, batch: int, steps: int, warmup: int, device: str = "cpu",
-                     model: str = "default") -> dict:
+                     model: str = "default", threads: int | None = None, default_malloc: bool = False) -> dict:
     """{part: seconds per step} of the main job's loop in ``precision`` (one process, micro-batch ``batch``).
 
     ``device`` "cuda" (and "strict", which stands in for it in the tests): the profiled run is a child process
-    with ``CUDA_LAUNCH_BLOCKING=1`` (set before CUDA starts), which writes its profile to a file.
-    Raises RuntimeError: the child failed."""
+    with ``CUDA_LAUNCH_BLOCKING=1`` (set before CUDA starts), which writes its profile to a file; it runs
+    under this process's BLAS ``threads`` and malloc setting (``default_malloc``).
+    Raises RuntimeError: the child failed or ran past :data:`CHILD_TIMEOUT_S`."""
     import json
     import subprocess
     import tempfile
@@ -225,11 +243,18 @@ def profile_main_job(precision: str, batch: int, steps: int, warmup: int, device
     if device == "cpu":
         stats = pstats.Stats(run_main_job(argv, warmup, cProfile.Profile())[1]).stats
     else:
+        if device == "cuda":  # the child needs the GPU memory this process's pool still holds
+            import cupy
+            cupy.get_default_memory_pool().free_all_blocks()
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "steps.prof")
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-worker",
-                                   json.dumps([argv, warmup, path])], capture_output=True, text=True,
-                                  env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+            spec = json.dumps([argv, warmup, path, threads, default_malloc])
+            try:
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-worker", spec],
+                                      capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                                      env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the profiled run took over {CHILD_TIMEOUT_S} s and was stopped") from None
             if done.returncode:
                 raise RuntimeError(f"the profiled run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
             stats = pstats.Stats(path).stats
@@ -242,8 +267,10 @@ def profile_worker(spec: str) -> None:
     """The child of :func:`profile_main_job` on CUDA: runs the main job under cProfile, dumps the stats."""
     import json
 
-    argv, warmup, path = json.loads(spec)
-    run_main_job(argv, warmup, cProfile.Profile())[1].dump_stats(path)
+    argv, warmup, path, threads, default_malloc = json.loads(spec)
+    _machine.set_malloc(default_malloc)
+    with threadpool_limits(threads):
+        run_main_job(argv, warmup, cProfile.Profile())[1].dump_stats(path)
 
 
 def gpu_name() -> str:
@@ -255,8 +282,9 @@ def gpu_name() -> str:
 
 
 def main_precision(precisions: list, batch: int, steps: int, warmup: int, device: str = "cpu",
-                   model: str = "default") -> None:
-    rows = [(p, profile_main_job(p, batch, steps, warmup, device, model)) for p in precisions]
+                   model: str = "default", threads: int | None = None, default_malloc: bool = False) -> None:
+    rows = [(p, profile_main_job(p, batch, steps, warmup, device, model, threads, default_malloc))
+            for p in precisions]
     where = f" | {gpu_name()}, CUDA_LAUNCH_BLOCKING=1 in the profiled run" if device == "cuda" else ""
     print(_machine.header() + where + f" | --model {model}, micro-batch {batch}, {steps} steps after {warmup} | "
           "load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
@@ -304,8 +332,15 @@ def main() -> None:
             p.error(f"--precision takes fp32 and fp16, separated by commas, got {args.precision!r}")
         if len(batches) > 1:
             p.error(f"--precision profiles one --batch, got {args.batch!r}")
+        if args.device == "cuda":
+            from minizero import backend
+            try:
+                backend.cuda_device_count()
+            except backend.DeviceError as e:
+                p.error(str(e))
         with threadpool_limits(args.threads):
-            main_precision(precisions, int(batches[0]), args.steps, args.warmup, args.device, args.model)
+            main_precision(precisions, int(batches[0]), args.steps, args.warmup, args.device, args.model,
+                           args.threads, args.default_malloc)
         print(malloc)
         return
     if torch is not None:

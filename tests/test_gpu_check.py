@@ -37,7 +37,7 @@ def _without_cupy(tmp_path, smi_listing: str | None):
 def test_without_cupy_every_check_is_not_run_and_the_exit_code_is_zero(tmp_path):
     done, out = _without_cupy(tmp_path, None)  # nvidia-smi without a driver: no GPU
     assert done.returncode == 0, done.stderr
-    assert "no GPU: CuPy not installed" in done.stdout
+    assert "no GPU: nvidia-smi lists none and CuPy not installed" in done.stdout
     result = json.loads(out.read_text())
     assert [c["check"] for c in result["checks"]] == gpu_check.CHECKS
     assert all(c["status"] == "not run" for c in result["checks"])
@@ -193,6 +193,9 @@ def test_the_measured_tables_in_docs_gpu_md_are_the_committed_outputs():
     assert result["hardware"]["name"] == "NVIDIA H200" and result["date"][:10] in page
     table = "\n".join(gpu_check.table_lines(result["checks"], gpu=True))
     assert table in page
+    with open(os.path.join(docs, "measured", "gpu_check_h200_first.json")) as f:
+        first = [c for c in json.load(f)["checks"] if c["check"].startswith("gpt2")]
+    assert len(first) == 2 and "\n".join(gpu_check.table_lines(first, gpu=True)) in page
     with open(os.path.join(docs, "measured", "profile_step_h200.md")) as f:
         printed = f.read().splitlines()
     rows = [line for line in printed if line.startswith("|")]

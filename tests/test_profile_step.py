@@ -74,22 +74,40 @@ def test_the_gpu_parts_name_minizeros_cublas_calls_matmul():
                                 False) == "matmul"
     assert profile_step.part_of("~", "<method 'astype' of 'cupy._core.core._ndarray_base' objects>",
                                 False) == "elementwise"
+    assert profile_step.part_of("~", "<built-in method cupy._core.core.ascontiguousarray>", False) == "elementwise"
+    assert profile_step.part_of("/site-packages/cupy/_sorting/search.py", "where", False) == "elementwise"
+    assert profile_step.part_of("/x/minizero/autograd/engine.py", "apply", False) == "python"
 
 
 @pytest.mark.timeout(300)
-def test_a_device_profile_runs_its_profiled_steps_in_a_child_and_its_parts_add_up_to_the_step():
-    """--device strict takes the path --device cuda takes (the profiled run in a child process with
-    CUDA_LAUNCH_BLOCKING=1, its profile read back from a file), on the strict device arrays."""
-    out = profile_step.profile_main_job("fp16", batch=1, steps=2, warmup=1, device="strict", model="tiny")
-    parts = sum(out[p] for p in profile_step.CAST_PARTS)
-    assert out["minizero"] > 0 and parts == pytest.approx(out["minizero"])
-    assert out["casts"] > 0  # float16 storage is widened at every kernel
+def test_a_device_profile_runs_its_profiled_steps_in_a_child_with_launch_blocking(monkeypatch):
+    """--device strict takes the path --device cuda takes: the profiled run in a child process with
+    CUDA_LAUNCH_BLOCKING=1 (and this process's threads and malloc setting), its profile read back from a file;
+    the timed run in this process has no profiler on."""
+    import subprocess
+
+    children, enabled, real_run = [], [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: children.append((cmd, kw)) or real_run(cmd, **kw))
+    real_enable = profile_step.cProfile.Profile.enable
+    monkeypatch.setattr(profile_step.cProfile.Profile, "enable", lambda self: enabled.append(1) or real_enable(self))
+    out = profile_step.profile_main_job("fp16", batch=1, steps=2, warmup=1, device="strict", model="tiny",
+                                        threads=1)
+    assert enabled == []  # no profiler in this process: the step time is unprofiled
+    (cmd, kw), = children
+    assert kw["env"]["CUDA_LAUNCH_BLOCKING"] == "1" and "--profile-worker" in cmd and kw["timeout"] > 0
+    assert '"--device", "strict"' in cmd[-1] and cmd[-1].endswith(", 1, false]")  # threads 1, malloc kept
+    assert out["minizero"] > 0 and out["casts"] > 0  # float16 storage is widened at every kernel (in the child)
 
 
 def test_device_and_model_need_the_main_jobs_mode():
     import subprocess
     script = os.path.join(os.path.dirname(profile_step.__file__), "profile_step.py")
-    for argv, said in ((["--device", "cuda"], "give --precision too"), (["--precision", "fp16", "--model", "x"],
-                                                                        "--model 'x': allowed: deep, default")):
+    cases = [(["--device", "cuda"], "give --precision too"),
+             (["--precision", "fp16", "--model", "x"], "--model 'x': allowed: deep, default")]
+    try:
+        import cupy  # noqa: F401
+    except ImportError:  # no CuPy: one line naming the install, not a DeviceError traceback
+        cases.append((["--precision", "fp16", "--device", "cuda"], "--device cuda needs CuPy"))
+    for argv, said in cases:
         done = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and said in done.stderr, done.stderr
