@@ -50,3 +50,14 @@ def test_lines_of_several_ranks_stay_whole(mpiexec):
     starts = [i for i, l in enumerate(lines) if l.startswith("rank ")]
     assert [lines[i][:8] for i in starts] == ["rank 0/2", "rank 1/2"]
     assert starts[1] - starts[0] == 5 and all(l.startswith("  ") for l in lines[1:5] + lines[6:10])
+
+
+@pytest.mark.timeout(120)
+def test_ring_allreduce_names_the_algorithm_each_size_ran(mpiexec):
+    """64 KiB takes recursive doubling, not the ring: the table must not call its row the ring's."""
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "mpi_examples/ring_allreduce.py"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split()[2] for line in proc.stdout.splitlines() if line.strip().endswith(
+        tuple("0123456789")) and " KiB " in line}
+    assert rows == {"64": "recursive_doubling", "1024": "ring", "16384": "ring"}, proc.stdout
