@@ -23,19 +23,19 @@ BUILDING = os.environ.get("MINIZERO_LESSON_BUILD") == "1"
 _values: dict[str, str] = {}
 
 
-def record(name: str, value, fmt: str = "{}") -> str:
-    """Record ``fmt.format(value)`` as the lesson's field ``name``; returns the text."""
+def record(name: str, value, fmt: str = "{}") -> None:
+    """Record ``fmt.format(value)`` as the lesson's field ``name``. Returns None, so a cell that ends with it
+    shows only what it printed, not the recorded text again."""
     text = fmt.format(value)
     if _values.get(name, text) != text:
         raise ValueError(f"lesson field {name!r} recorded twice with different text: {_values[name]!r}, {text!r}")
     _values[name] = text
-    return text
 
 
-def record_bound(name: str, value: float, bound: float, fmt: str = "{:.0e}") -> str:
+def record_bound(name: str, value: float, bound: float, fmt: str = "{:.0e}") -> None:
     """Assert ``abs(value) < bound`` and record the bound (a rounding-level figure moves with the BLAS kernel)."""
     assert abs(value) < bound, f"{name}: {value!r} is not below {bound!r}"
-    return record(name, bound, fmt)
+    record(name, bound, fmt)
 
 
 def figure_path(filename: str) -> pathlib.Path:
