@@ -6,8 +6,13 @@
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
+
+from minizero.checkpoint.layout import KINDS
+from minizero.memory.precision import PRECISIONS
+from minizero.optim import OPTIMIZERS
 
 
 def rank_file(rank: int) -> str:
@@ -73,32 +78,41 @@ def _entry_problems(man: dict) -> list[str]:
 
 
 def _value_problems(man: dict) -> list[str]:
-    out, names, refused = [], set(), set()
+    out, names, refused = [], set(), set()  # refused: the ranks of files entries reported (not their pieces)
     for i, entry in enumerate(man["files"]):
-        name = entry["file"]
-        if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.basename(name) != name \
-                or name in (".", ".."):
+        name, rank = entry["file"], entry["rank"]
+        if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(rank) or rank < 0:
+            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(rank)[:20]}, expected "
+                       "integers >= 0")
+        if not _plain(name):
             out.append(f"files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside the checkpoint "
                        "folder (no '..', no '/', not absolute)")
-            refused.add(str(name))
+            refused.add(rank if _is_int(rank) else None)
         else:
             names.add(name)
-        if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(entry["rank"]) or entry["rank"] < 0:
-            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(entry['rank'])[:20]}, expected "
-                       "integers >= 0")
         out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"])) if p]
+    seen = set()  # (file, key) and (kind, param, tp, lo, hi) of the pieces before
     for i, pc in enumerate(man["pieces"]):
-        if not isinstance(pc["file"], str) or pc["file"] not in names | refused:  # a refused entry is reported
-            out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
-                       f"({', '.join(sorted(names))[:80]})")
         problem = _piece_problem(pc, man["params"])
         if problem:
             out.append(f"pieces[{i}] {problem}")
+        if not (isinstance(pc["file"], str) and pc["file"] in names or _is_int(pc["rank"]) and pc["rank"] in refused):
+            out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
+                       f"({', '.join(sorted(names))[:80]})")
+        if not problem and isinstance(pc["file"], str):
+            same = {(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])}
+            if same & seen:
+                out.append(f"pieces[{i}] is listed twice (the same file and key, or kind, param, tp, lo and hi, as an "
+                           "earlier entry), expected each piece once")
+            seen |= same
     for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
         v = man[section].get(key)
         if not _is_int(v) or v < (0 if key == "seed" else 1):
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
-    return out + _model_problems(man["model"], man["params"]) + _layout_problems(man["layout"], man["files"])
+    if "lr" in man["train"] and not (_is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
+        out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
+    return out + _model_problems(man["model"], man["params"]) + _scaler_problems(man.get("scaler")) \
+        + _layout_problems(man["layout"], man["files"], man["pieces"])
 
 
 def _model_problems(model: dict, params: dict) -> list[str]:
@@ -124,13 +138,17 @@ def _model_problems(model: dict, params: dict) -> list[str]:
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def _layout_problems(layout: dict, files: list) -> list[str]:
-    """The layout against the rank files: ``zero`` in 0-3; ``world_size`` = dp x tp x pp, one files entry per
-    rank 0..world_size-1 (none missing, none twice)."""
+def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
+    """The layout against the rank files: ``zero`` in 0-3, a known optimizer and precision; ``world_size`` =
+    dp x tp x pp, one files entry per rank 0..world_size-1 (none missing, none twice), then each named as its rank."""
     out = []
     if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
         out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
                    f"{', '.join(map(str, ZERO_STAGES))} (the ZeRO stage)")
+    for key, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS)):
+        if layout.get(key) not in allowed:
+            out.append(f"layout.{key} is {layout.get(key)!r:.40}, expected one of {', '.join(allowed)} (train's "
+                       f"--{key} choices)")
     ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
     if not _is_int(ws) or ws < 1:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
@@ -148,7 +166,40 @@ def _layout_problems(layout: dict, files: list) -> list[str]:
                       if missing else "")
                    + (f", rank(s) {', '.join(map(str, extra[:5]))} outside 0..{ws - 1}" if extra else "")
                    + f"; expected one entry for each rank 0..{ws - 1}")
+    return out + ([] if twice or missing or extra or len(files) != ws else _rank_file_problems(files, pieces))
+
+
+def _rank_file_problems(files: list, pieces: list) -> list[str]:
+    """Each rank's file under its own rank (files 0..world_size-1, once each): its name as save gives it
+    (:func:`rank_file`), then each piece's rank that of the files entry it names (a swap is one fault: the
+    files entries are reported, not their pieces too)."""
+    out, names = [], {}
+    for i, entry in enumerate(files):
+        if _plain(entry["file"]):  # else reported
+            names[entry["file"]] = entry["rank"]
+            if entry["file"] != rank_file(entry["rank"]):
+                out.append(f"files[{i}].file is {entry['file'][:60]!r}, expected {rank_file(entry['rank'])!r} (the "
+                           f"file of its rank {entry['rank']})")
+    for i, pc in enumerate([] if out else pieces):
+        saved = names.get(pc["file"]) if isinstance(pc["file"], str) else None
+        if saved is not None and _is_int(pc["rank"]) and pc["rank"] != saved:
+            out.append(f"pieces[{i}] rank {pc['rank']}, but its file {pc['file']!r} is rank {saved}'s in files, "
+                       f"expected {saved}")
     return out
+
+
+#: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale
+SCALER_COUNTS = ("good_steps", "skipped", "hysteresis_left")
+
+
+def _scaler_problems(sc) -> list[str]:
+    """FP16's loss scaler: null (absent), or the scale (a finite number > 0) and its counts (integers >= 0)."""
+    if sc is None or isinstance(sc, dict) and _is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf and all(
+            _is_int(sc.get(k)) and sc[k] >= 0 for k in SCALER_COUNTS) and all(
+            _is_int(sc.get(k, 0)) and sc.get(k, 0) >= 0 for k in ("consecutive_skips", "skips_at_min")):
+        return []
+    return [f"scaler is {str(sc)[:60]}, expected null or {{'scale': a finite number > 0, "
+            f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
 
 
 def _rng_problem(rng) -> str | None:
@@ -180,12 +231,26 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _plain(name) -> bool:
+    """A plain file name inside the checkpoint folder: no '..', no '/', not absolute, not empty."""
+    return isinstance(name, str) and bool(name) and not os.path.isabs(name) and os.path.basename(name) == name \
+        and name not in (".", "..")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _piece_problem(pc: dict, params: dict) -> str | None:
     """What is wrong with one piece entry against the manifest's ``params``, or None (metadata only, no reads)."""
     info = params.get(pc["param"]) if isinstance(pc["param"], str) else None
     shape = info.get("shape") if isinstance(info, dict) else None
     if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
         return f"param {str(pc['param'])[:40]!r} is not a parameter of the manifest with a valid shape"
+    if pc["kind"] not in KINDS:
+        return f"kind {str(pc['kind'])[:20]!r}, expected one of {', '.join(KINDS)}"
+    if not isinstance(pc["key"], str):
+        return f"key {str(pc['key'])[:40]!r}, expected a string (the tensor's name in its file)"
     if pc["format"] not in PIECE_DTYPES:
         return f"format {str(pc['format'])[:20]!r}, expected one of {', '.join(PIECE_DTYPES)}"
     if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:

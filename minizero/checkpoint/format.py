@@ -138,8 +138,8 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
     ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: ``{"optimizer", "precision",
     "dtype"}`` must match; ``checksums``: SHA-256 every file and refuse NaN/inf in its arrays (one ``isfinite``
     pass each). Raises CheckpointError naming the file and the
-    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, a checksum, a non-finite
-    value, another model.
+    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, one whose header names another
+    rank, a checksum, a non-finite value, another model.
     """
     folder = resolve(path)
     if os.path.islink(os.path.normpath(folder)):  # as a rank file: a link may lead anywhere, name the real folder
@@ -169,12 +169,27 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
         if size != entry["bytes"]:
             raise CheckpointError(f"{f}: {size:,} bytes, the manifest says {entry['bytes']:,} (truncated or "
                                   f"overwritten)")
+        check_header(f, entry["rank"])
         if checksums and sha256(f) != entry["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest's; the file is "
                                   f"corrupt)")
         if checksums:
             check_finite(f)
     return folder
+
+
+def check_header(path: str, rank: int) -> None:
+    """Refuse a rank file whose safetensors header (save writes ``{"format", "rank"}`` there) names another rank
+    than its files entry: rank files swapped, or copied in from elsewhere. Reads the header only."""
+    try:
+        with safe_open(path, framework="numpy") as st:
+            meta = st.metadata() or {}
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
+    if meta.get("rank") != str(rank):
+        said = f"rank {meta['rank'][:20]}" if isinstance(meta.get("rank"), str) else "no rank"
+        raise CheckpointError(f"{path}: its header names {said}, expected rank {rank} (its files entry's rank); the "
+                              "rank files are swapped or from another checkpoint")
 
 
 def check_finite(path: str) -> None:
