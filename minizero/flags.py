@@ -10,6 +10,7 @@ import argparse
 
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.flight import DEFAULT_CAPACITY
+from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
@@ -159,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
                         "blockwise online softmax: keeps the output and the row log-sum-exp)")
     p.add_argument("--attention-block", type=integer, default=64, help="flash: rows per query and key/value block")
-    p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
+    p.add_argument("--offload-activations", default="none", choices=list(OFFLOADS),
                    help="move saved activations to host memory or to files until backward")
-    p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
+    p.add_argument("--offload-optimizer", default="none", choices=list(OFFLOADS),
                    help="keep master weights and Adam state (and run the update) on the host or on disk "
                         "(ZeRO-Offload / ZeRO-Infinity)")
     p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "

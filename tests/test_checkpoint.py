@@ -552,3 +552,34 @@ def test_rank_files_listed_under_another_rank_are_refused(saved, tmp_path):
     save_file(load_file(str(f)), str(f))
     _edit_manifest(bare, lambda man: man["files"][1].update(sha256=sha256(str(f)), bytes=f.stat().st_size))
     _refused_everywhere(bare, "rank00001.safetensors: its header names no rank, expected rank 1", tmp_path)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda man: man["layout"].pop("offload_optimizer"),
+     "layout.offload_optimizer is None, expected one of none, cpu, nvme"),
+    (lambda man: man["layout"].update(adam8bit_code=[1]), "layout.adam8bit_code is [1], expected one of dynamic, linear"),
+    (lambda man: man["files"][0].pop("coords"), "files[0] lacks coords"),
+    (lambda man: man.update(pruning=[1]), "pruning is [1], expected null or {'sparsity': a number in [0, 1), "),
+    (lambda man: man.update(pruning={"sparsity": "x"}), "pruning is {'sparsity': 'x'}, expected null or"),
+    (lambda man: man.update(pruning={"sparsity": 0.5, "scope": "global", "shapes": {}, "file": "../x"}),
+     "pruning is {'sparsity': 0.5, 'scope': 'global', 'shapes': {}, 'file': '../x'}, expected null or"),
+])
+def test_inspect_reads_no_field_the_manifest_check_let_through(saved, tmp_path, edit, said):
+    """Attacker (after the scaler): a layout without offload_optimizer, a files entry without coords, or a pruning
+    section that is not one were KeyError/TypeError tracebacks in ``inspect``; adam8bit_code [1] a ValueError
+    traceback in both commands; a pruning file '../x' was opened outside the folder on resume."""
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("fp8", [1], "files[0].fp8 is [1], expected {layer name: {'x' | 'w' | 'g': [finite numbers]}}"),
+    ("fp8", {"transformer.h.0.mlp.c_fc": {"x": []}}, "files[0].fp8 is {'transformer.h.0.mlp.c_fc': {'x': []}}"),
+    ("fp8", {"transformer.h.0.mlp.c_fc": {"q": [1.0]}}, "files[0].fp8 is {'transformer.h.0.mlp.c_fc': {'q'"),
+    ("routing", [1], "files[0].routing is [1], expected {layer name: [layout.moe_experts 0 finite numbers]}"),
+    ("routing", {"transformer.h.0.mlp": [float("nan")]}, "files[0].routing is {'transformer.h.0.mlp': [nan]}"),
+])
+def test_fp8_histories_and_routing_biases_are_checked(saved, tmp_path, field, value, said):
+    """Attacker: a files entry's fp8 or routing that is not an object was an AttributeError traceback on every rank
+    after the model was built (resume reads them by layer name)."""
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update({field: value}))
+    _refused_everywhere(folder, said, tmp_path)

@@ -11,8 +11,11 @@ import os
 import re
 
 from minizero.checkpoint.layout import KINDS
+from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
+from minizero.memory.sparsity import SCOPES
 from minizero.optim import OPTIMIZERS
+from minizero.optim.adam8bit import CODES
 
 
 def rank_file(rank: int) -> str:
@@ -24,7 +27,8 @@ def manifest_problems(man: dict) -> list[str]:
     """One line per problem a reader would trip on (missing, wrong type, out of range), or [] when none.
 
     In three passes, each needing the one before: the top-level fields, then each entry's fields
-    present, then their values (file names, sizes, pieces against the params, layout, rng, coords).
+    present, then their values (file names, sizes, pieces against the params and their files, layout against
+    train's choices and the rank files, train.lr, scaler, pruning, rng, coords, FP8 histories, routing biases).
     """
     for problems in (_top_problems, _entry_problems, _value_problems):
         found = problems(man)
@@ -37,7 +41,7 @@ def manifest_problems(man: dict) -> list[str]:
 FIELDS = {"step": int, "applied": int, "model": dict, "layout": dict, "train": dict, "params": dict, "pieces": list,
           "files": list}
 JSON_NAMES = {dict: "object", list: "array"}
-ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256"),
+ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256", "coords"),
                 "pieces": ("key", "kind", "param", "tp", "lo", "hi", "format", "dtype", "rank", "file")}
 
 
@@ -90,7 +94,8 @@ def _value_problems(man: dict) -> list[str]:
             refused.add(rank if _is_int(rank) else None)
         else:
             names.add(name)
-        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"])) if p]
+        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
+                                             *_saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
     seen = set()  # (file, key) and (kind, param, tp, lo, hi) of the pieces before
     for i, pc in enumerate(man["pieces"]):
         problem = _piece_problem(pc, man["params"])
@@ -112,7 +117,7 @@ def _value_problems(man: dict) -> list[str]:
     if "lr" in man["train"] and not (_is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
     return out + _model_problems(man["model"], man["params"]) + _scaler_problems(man.get("scaler")) \
-        + _layout_problems(man["layout"], man["files"], man["pieces"])
+        + _pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
 
 
 def _model_problems(model: dict, params: dict) -> list[str]:
@@ -145,8 +150,9 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
     if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
         out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
                    f"{', '.join(map(str, ZERO_STAGES))} (the ZeRO stage)")
-    for key, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS)):
-        if layout.get(key) not in allowed:
+    for key, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("offload_optimizer", OFFLOADS),
+                         ("adam8bit_code", CODES)):
+        if layout.get(key, "dynamic" if key == "adam8bit_code" else None) not in allowed:  # absent: dynamic
             out.append(f"layout.{key} is {layout.get(key)!r:.40}, expected one of {', '.join(allowed)} (train's "
                        f"--{key} choices)")
     ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
@@ -202,6 +208,37 @@ def _scaler_problems(sc) -> list[str]:
             f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
 
 
+def _pruning_problems(pr, names: set) -> list[str]:
+    """The pruning masks' section: absent or null, or ``{"sparsity" in [0, 1), "scope", "shapes": {name: [sizes]},
+    "file"}`` with ``file`` one of the checked files entries (its masks are read from there on resume)."""
+    if pr is None or isinstance(pr, dict) and _is_number(pr.get("sparsity")) and 0 <= pr["sparsity"] < 1 and \
+            pr.get("scope") in SCOPES and str(pr.get("file")) in names and isinstance(pr.get("shapes"), dict) and all(
+            isinstance(s, list) and all(_is_int(d) and d > 0 for d in s) for s in pr["shapes"].values()):
+        return []
+    return [f"pruning is {str(pr)[:80]}, expected null or {{'sparsity': a number in [0, 1), 'scope': "
+            f"{' or '.join(SCOPES)}, 'shapes': {{name: [sizes]}}, 'file': one of the files entries}}"]
+
+
+def _finite_numbers(values, n: int | None = None) -> bool:
+    return isinstance(values, list) and len(values) == (len(values) if n is None else n) > 0 and all(
+        _is_number(v) and math.isfinite(v) for v in values)
+
+
+def _saved_state_problems(entry: dict, experts) -> list[str]:
+    """A rank's FP8 amax histories and MoE routing biases by layer name (absent: none saved), as
+    ``memory.fp8.fp8_state`` and ``parallel.expert_parallel.routing_state`` write them."""
+    out, fp8, routing = [], entry.get("fp8", {}), entry.get("routing", {})
+    if not (isinstance(fp8, dict) and all(isinstance(h, dict) and h and all(
+            k in ("x", "w", "g") and _finite_numbers(v) for k, v in h.items()) for h in fp8.values())):
+        out.append(f"fp8 is {str(fp8)[:60]}, expected {{layer name: {{'x' | 'w' | 'g': [finite numbers]}}}} (FP8's "
+                   "amax histories)")
+    n = experts if _is_int(experts) and experts > 0 else None
+    if not (isinstance(routing, dict) and all(_finite_numbers(b, n) for b in routing.values())):
+        out.append(f"routing is {str(routing)[:60]}, expected {{layer name: [layout.moe_experts {experts!r:.20} finite "
+                   "numbers]}} (MoE's routing biases)")
+    return out
+
+
 def _rng_problem(rng) -> str | None:
     """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
     checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
@@ -213,10 +250,10 @@ def _rng_problem(rng) -> str | None:
 
 
 def _coords_problem(entry: dict, layout: dict) -> str | None:
-    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp (absent: not checked)."""
+    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp."""
     c = entry.get("coords")
     sizes = [layout.get(k) for k in ("dp", "tp", "pp")]
-    if "coords" not in entry or not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
+    if not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
         return None
     if not (isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v < n for v, n in zip(c, sizes))):
         return f"coords is {str(c)[:40]}, expected [dp rank, tp rank, pp rank] inside dp x tp x pp = {sizes}"
