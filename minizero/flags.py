@@ -10,10 +10,13 @@ import argparse
 
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.flight import DEFAULT_CAPACITY
+from minizero.memory.offload import OFFLOADS
+from minizero.memory.precision import PRECISIONS
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.numerals import integer, real
+from minizero.optim import OPTIMIZERS
 from minizero.progress import MODES as PROGRESS_MODES
 
 
@@ -136,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=integer, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
                         "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
                         "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale; "
@@ -157,14 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
                         "blockwise online softmax: keeps the output and the row log-sum-exp)")
     p.add_argument("--attention-block", type=integer, default=64, help="flash: rows per query and key/value block")
-    p.add_argument("--offload-activations", default="none", choices=["none", "cpu", "nvme"],
+    p.add_argument("--offload-activations", default="none", choices=list(OFFLOADS),
                    help="move saved activations to host memory or to files until backward")
-    p.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"],
+    p.add_argument("--offload-optimizer", default="none", choices=list(OFFLOADS),
                    help="keep master weights and Adam state (and run the update) on the host or on disk "
                         "(ZeRO-Offload / ZeRO-Infinity)")
     p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
                                                         "(default: the system temp directory)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
     p.add_argument("--adam8bit-block-size", type=integer, default=256, help="elements per absmax of 8-bit Adam's state")
     p.add_argument("--quantized-comm", action="store_true",

@@ -6,17 +6,16 @@ leaves the previous checkpoint valid. safetensors through its NumPy API (no pick
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
-import re
 import shutil
 import stat
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from minizero.checkpoint.fields import manifest_problems, rank_file  # noqa: F401 (rank_file: save's)
 from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
 
 FORMAT = "minizero-checkpoint"
@@ -33,11 +32,6 @@ class CheckpointError(ValueError):
 def folder_name(step: int) -> str:
     """``step_00000006``: the folder of the checkpoint taken after ``step`` loop steps."""
     return f"{PREFIX}{step:08d}"
-
-
-def rank_file(rank: int) -> str:
-    """``rank00003.safetensors``: rank ``rank``'s tensor file."""
-    return f"rank{rank:05d}.safetensors"
 
 
 def fsync_path(path: str) -> None:
@@ -128,207 +122,10 @@ def read_manifest(folder: str) -> dict:
     if not isinstance(man.get("version"), int) or man["version"] > VERSION:
         raise CheckpointError(f"{path}: format version {man.get('version')!r} is newer than this minizero reads "
                               f"(up to {VERSION}); update minizero")
-    _check_fields(path, man)
+    found = manifest_problems(man)
+    if found:
+        raise CheckpointError("\n".join(f"{path}: {p}; the manifest is damaged" for p in found))
     return man
-
-
-#: what a reader takes from a manifest: top-level fields, and the fields of each file and piece entry
-FIELDS = {"step": int, "applied": int, "model": dict, "layout": dict, "train": dict, "params": dict, "pieces": list,
-          "files": list}
-JSON_NAMES = {dict: "object", list: "array"}
-ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256"),
-                "pieces": ("key", "kind", "param", "tp", "lo", "hi", "format", "dtype", "rank", "file")}
-
-
-def _check_fields(path: str, man: dict) -> None:
-    """Raise CheckpointError with one line per problem a reader would trip on (missing, wrong type, out of range).
-
-    In three passes, each needing the one before: the top-level fields, then each entry's fields
-    present, then their values (file names, sizes, pieces against the params, layout, rng, coords).
-    """
-    for problems in (_top_problems, _entry_problems, _value_problems):
-        found = problems(man)
-        if found:
-            raise CheckpointError("\n".join(f"{path}: {p}; the manifest is damaged" for p in _collapse(found)))
-
-
-def _collapse(found: list[str]) -> list[str]:
-    """One line per distinct problem: lines that differ only in their entry's index (``pieces[3] ...``,
-    ``pieces[7] ...``) become one, ``pieces[3, 7] ... (2 entries)`` (the first five indices named)."""
-    groups = collections.OrderedDict()
-    for p in found:
-        m = re.match(r"(\w+)\[(\d+)\](.*)", p, re.S)
-        key = (m.group(1), m.group(3)) if m else (p, None)
-        groups.setdefault(key, []).append(m.group(2) if m else None)
-    out = []
-    for (head, rest), idx in groups.items():
-        if rest is None or len(idx) == 1:
-            out.append(head if rest is None else f"{head}[{idx[0]}]{rest}")
-        else:
-            out.append(f"{head}[{', '.join(idx[:5])}{', ...' if len(idx) > 5 else ''}]{rest} ({len(idx)} entries)")
-    return out
-
-
-def _top_problems(man: dict) -> list[str]:
-    return [f"field {key!r} is {'missing' if key not in man else repr(man[key])[:40]}, expected "
-            f"{'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}"
-            for key, kind in FIELDS.items()
-            if not isinstance(man.get(key), kind) or isinstance(man.get(key), bool) or kind is int and man[key] < 0]
-
-
-def _entry_problems(man: dict) -> list[str]:
-    out = []
-    for key, need in ENTRY_FIELDS.items():
-        for i, entry in enumerate(man[key]):
-            missing = [f for f in need if not isinstance(entry, dict) or f not in entry]
-            if missing:
-                out.append(f"{key}[{i}] lacks {', '.join(missing)}")
-    if not man["files"]:
-        out.append("field 'files' is empty, expected one entry per rank file")
-    return out
-
-
-def _value_problems(man: dict) -> list[str]:
-    out, names, refused = [], set(), set()
-    for i, entry in enumerate(man["files"]):
-        name = entry["file"]
-        if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.basename(name) != name \
-                or name in (".", ".."):
-            out.append(f"files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside the checkpoint "
-                       "folder (no '..', no '/', not absolute)")
-            refused.add(str(name))
-        else:
-            names.add(name)
-        if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(entry["rank"]) or entry["rank"] < 0:
-            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(entry['rank'])[:20]}, expected "
-                       "integers >= 0")
-        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"])) if p]
-    for i, pc in enumerate(man["pieces"]):
-        if not isinstance(pc["file"], str) or pc["file"] not in names | refused:  # a refused entry is reported
-            out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
-                       f"({', '.join(sorted(names))[:80]})")
-        problem = _piece_problem(pc, man["params"])
-        if problem:
-            out.append(f"pieces[{i}] {problem}")
-    for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
-        v = man[section].get(key)
-        if not _is_int(v) or v < (0 if key == "seed" else 1):
-            out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
-    return out + _model_problems(man["model"], man["params"]) + _layout_problems(man["layout"], man["files"])
-
-
-def _model_problems(model: dict, params: dict) -> list[str]:
-    """The model section: sizes integers >= 1 (n_head dividing n_embd), a float dtype, and the embeddings' shapes in
-    ``params`` as its sizes say (what consolidate writes into model.json beside the arrays)."""
-    out = [f"model.{k} is {repr(model.get(k))[:20]}, expected an integer >= 1" for k in
-           ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if not _is_int(model.get(k)) or model[k] < 1]
-    if model.get("dtype") not in ("float16", "float32", "float64"):
-        out.append(f"model.dtype is {repr(model.get('dtype'))[:20]}, expected float16, float32 or float64")
-    if out or model["n_embd"] % model["n_head"]:
-        return out or [f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}"]
-    layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
-    if layers != model["n_layer"]:
-        out.append(f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)")
-    for name, rows in (("transformer.wte.weight", "vocab_size"), ("transformer.wpe.weight", "block_size")):
-        shape = params.get(name, {}).get("shape") if isinstance(params.get(name), dict) else None
-        if shape is not None and shape != [model[rows], model["n_embd"]]:
-            return out + [f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
-                          f"{model['n_embd']}] as the model section says"]  # one line: the other says the same
-    return out
-
-
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-def _layout_problems(layout: dict, files: list) -> list[str]:
-    """The layout against the rank files: ``zero`` in 0-3; ``world_size`` = dp x tp x pp, one files entry per
-    rank 0..world_size-1 (none missing, none twice)."""
-    out = []
-    if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
-        out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
-                   f"{', '.join(map(str, ZERO_STAGES))} (the ZeRO stage)")
-    ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
-    if not _is_int(ws) or ws < 1:
-        return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
-    if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:
-        out.append(f"layout.world_size is {ws}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}")
-    ranks = collections.Counter(f["rank"] for f in files if _is_int(f["rank"]))
-    twice = sorted(r for r, n in ranks.items() if n > 1)
-    if twice:
-        out.append(f"files has rank {', '.join(map(str, twice[:5]))} more than once, expected one entry per rank")
-    missing = [r for r in range(ws) if r not in ranks]
-    extra = sorted(r for r in ranks if r >= ws)
-    if missing or extra or len(files) != ws:
-        out.append(f"layout.world_size is {ws} but files has {len(files)} entries"
-                   + (f", rank(s) {', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''} missing"
-                      if missing else "")
-                   + (f", rank(s) {', '.join(map(str, extra[:5]))} outside 0..{ws - 1}" if extra else "")
-                   + f"; expected one entry for each rank 0..{ws - 1}")
-    return out
-
-
-def _rng_problem(rng) -> str | None:
-    """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
-    checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
-    if rng is None or isinstance(rng, dict) and "key" not in rng:
-        return None
-    if not (isinstance(rng, dict) and all(_is_int(rng.get(k)) and 0 <= rng[k] < 2 ** 64 for k in ("key", "offset"))):
-        return f"rng is {str(rng)[:60]}, expected {{'key': int, 'offset': int}} in [0, 2**64)"
-    return None
-
-
-def _coords_problem(entry: dict, layout: dict) -> str | None:
-    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp (absent: not checked)."""
-    c = entry.get("coords")
-    sizes = [layout.get(k) for k in ("dp", "tp", "pp")]
-    if "coords" not in entry or not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
-        return None
-    if not (isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v < n for v, n in zip(c, sizes))):
-        return f"coords is {str(c)[:40]}, expected [dp rank, tp rank, pp rank] inside dp x tp x pp = {sizes}"
-    return None
-
-
-#: the dtypes a piece may hold, by format
-PIECE_DTYPES = {"dense": ("float16", "float32", "float64"), "8bit": ("uint8",)}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _piece_problem(pc: dict, params: dict) -> str | None:
-    """What is wrong with one piece entry against the manifest's ``params``, or None (metadata only, no reads)."""
-    info = params.get(pc["param"]) if isinstance(pc["param"], str) else None
-    shape = info.get("shape") if isinstance(info, dict) else None
-    if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
-        return f"param {str(pc['param'])[:40]!r} is not a parameter of the manifest with a valid shape"
-    if pc["format"] not in PIECE_DTYPES:
-        return f"format {str(pc['format'])[:20]!r}, expected one of {', '.join(PIECE_DTYPES)}"
-    if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:
-        return f"dtype {str(pc['dtype'])[:20]!r}, expected {' or '.join(PIECE_DTYPES[pc['format']])} for a " \
-               f"{pc['format']} piece"
-    size = 1
-    for d in shape:
-        size *= d
-    tp = pc["tp"]
-    if tp is not None:
-        if not (isinstance(tp, list) and len(tp) == 4 and all(_is_int(v) for v in tp)):
-            return f"tp {str(tp)[:40]}, expected null or [dim, stride, index, parts] integers"
-        dim, stride, index, parts = tp
-        if not (0 <= dim < len(shape) and stride > 0 and parts > 0 and 0 <= index < parts
-                and shape[dim] % (stride * parts) == 0):
-            return f"tp {tp} does not split shape {shape} (need 0 <= dim < {len(shape)}, 0 <= index < parts, " \
-                   "stride * parts dividing that dimension)"
-        size //= parts
-    lo, hi = pc["lo"], pc["hi"]
-    if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= size):
-        return f"lo {str(lo)[:20]}, hi {str(hi)[:20]}: expected integers with 0 <= lo <= hi <= {size:,} " \
-               f"(the elements of {pc['param']!r}{' shard' if tp is not None else ''})"
-    if not _is_int(pc["rank"]) or pc["rank"] < 0:
-        return f"rank {str(pc['rank'])[:20]}, expected an integer >= 0"
-    if pc["format"] == "8bit" and not (_is_int(pc.get("block_size")) and pc["block_size"] > 0):
-        return f"block_size {str(pc.get('block_size'))[:20]}, expected an integer > 0"
-    return None
 
 
 #: what a checkpoint written before a layout field existed means by its absence
@@ -341,8 +138,8 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
     ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: ``{"optimizer", "precision",
     "dtype"}`` must match; ``checksums``: SHA-256 every file and refuse NaN/inf in its arrays (one ``isfinite``
     pass each). Raises CheckpointError naming the file and the
-    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, a checksum, a non-finite
-    value, another model.
+    problem: a symbolic link, a damaged manifest, a missing or truncated rank file, one whose header names another
+    rank, a checksum, a non-finite value, another model.
     """
     folder = resolve(path)
     if os.path.islink(os.path.normpath(folder)):  # as a rank file: a link may lead anywhere, name the real folder
@@ -372,12 +169,27 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
         if size != entry["bytes"]:
             raise CheckpointError(f"{f}: {size:,} bytes, the manifest says {entry['bytes']:,} (truncated or "
                                   f"overwritten)")
+        check_header(f, entry["rank"])
         if checksums and sha256(f) != entry["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest's; the file is "
                                   f"corrupt)")
         if checksums:
             check_finite(f)
     return folder
+
+
+def check_header(path: str, rank: int) -> None:
+    """Refuse a rank file whose safetensors header (save writes ``{"format", "rank"}`` there) names another rank
+    than its files entry: rank files swapped, or copied in from elsewhere. Reads the header only."""
+    try:
+        with safe_open(path, framework="numpy") as st:
+            meta = st.metadata() or {}
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
+    if meta.get("rank") != str(rank):
+        said = f"rank {meta['rank'][:20]}" if isinstance(meta.get("rank"), str) else "no rank"
+        raise CheckpointError(f"{path}: its header names {said}, expected rank {rank} (its files entry's rank); the "
+                              "rank files are swapped or from another checkpoint")
 
 
 def check_finite(path: str) -> None:

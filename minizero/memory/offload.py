@@ -26,6 +26,8 @@ from minizero.optim.state_store import (  # noqa: F401 (re-exported)
     reserve,
 )
 
+OFFLOADS = ("none", "cpu", "nvme")  #: where train's --offload-activations / --offload-optimizer put their arrays
+
 
 class _OnDisk:
     """A saved array living in an unnamed file: shape, dtype, the open file object, and how many

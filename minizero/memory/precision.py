@@ -14,7 +14,7 @@ import numpy as np
 from minizero import backend
 from minizero.comm.collectives import all_reduce
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  #: train's --precision choices, a checkpoint's layout.precision
 
 
 class LossScaleError(FloatingPointError):

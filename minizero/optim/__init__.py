@@ -3,5 +3,7 @@ from minizero.optim.base import Optimizer
 from minizero.optim.adamw import (AdamW, adamw_update, clip_coefficient, clip_grad_norm_, cosine_lr,
                                   global_grad_norm_sq, state_dtype)
 
-__all__ = ["Optimizer", "AdamW", "adamw_update", "clip_coefficient", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq",
+OPTIMIZERS = ("adamw", "adam8bit")  #: train's --optimizer choices, a checkpoint's layout.optimizer
+
+__all__ = ["OPTIMIZERS", "Optimizer", "AdamW", "adamw_update", "clip_coefficient", "clip_grad_norm_", "cosine_lr", "global_grad_norm_sq",
            "state_dtype"]

@@ -1,0 +1,317 @@
+"""What a checkpoint manifest must hold: every field's type and range, checked before any file is read.
+
+:func:`manifest_problems` returns one line per distinct problem (none: the manifest can be read); the reader
+(:func:`minizero.checkpoint.format.read_manifest`) raises them as one ``CheckpointError``.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import re
+
+from minizero.checkpoint.layout import KINDS
+from minizero.memory.offload import OFFLOADS
+from minizero.memory.precision import PRECISIONS
+from minizero.memory.sparsity import SCOPES
+from minizero.optim import OPTIMIZERS
+from minizero.optim.adam8bit import CODES
+
+
+def rank_file(rank: int) -> str:
+    """``rank00003.safetensors``: rank ``rank``'s tensor file."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def manifest_problems(man: dict) -> list[str]:
+    """One line per problem a reader would trip on (missing, wrong type, out of range), or [] when none.
+
+    In three passes, each needing the one before: the top-level fields, then each entry's fields
+    present, then their values (file names, sizes, pieces against the params and their files, layout against
+    train's choices and the rank files, train.lr, scaler, pruning, rng, coords, FP8 histories, routing biases).
+    """
+    for problems in (_top_problems, _entry_problems, _value_problems):
+        found = problems(man)
+        if found:
+            return _collapse(found)
+    return []
+
+
+#: what a reader takes from a manifest: top-level fields, and the fields of each file and piece entry
+FIELDS = {"step": int, "applied": int, "model": dict, "layout": dict, "train": dict, "params": dict, "pieces": list,
+          "files": list}
+JSON_NAMES = {dict: "object", list: "array"}
+ENTRY_FIELDS = {"files": ("file", "rank", "bytes", "sha256", "coords"),
+                "pieces": ("key", "kind", "param", "tp", "lo", "hi", "format", "dtype", "rank", "file")}
+
+
+def _collapse(found: list[str]) -> list[str]:
+    """One line per distinct problem: lines that differ only in their entry's index (``pieces[3] ...``,
+    ``pieces[7] ...``) become one, ``pieces[3, 7] ... (2 entries)`` (the first five indices named)."""
+    groups = collections.OrderedDict()
+    for p in found:
+        m = re.match(r"(\w+)\[(\d+)\](.*)", p, re.S)
+        key = (m.group(1), m.group(3)) if m else (p, None)
+        groups.setdefault(key, []).append(m.group(2) if m else None)
+    out = []
+    for (head, rest), idx in groups.items():
+        if rest is None or len(idx) == 1:
+            out.append(head if rest is None else f"{head}[{idx[0]}]{rest}")
+        else:
+            out.append(f"{head}[{', '.join(idx[:5])}{', ...' if len(idx) > 5 else ''}]{rest} ({len(idx)} entries)")
+    return out
+
+
+def _top_problems(man: dict) -> list[str]:
+    return [f"field {key!r} is {'missing' if key not in man else repr(man[key])[:40]}, expected "
+            f"{'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}"
+            for key, kind in FIELDS.items()
+            if not isinstance(man.get(key), kind) or isinstance(man.get(key), bool) or kind is int and man[key] < 0]
+
+
+def _entry_problems(man: dict) -> list[str]:
+    out = []
+    for key, need in ENTRY_FIELDS.items():
+        for i, entry in enumerate(man[key]):
+            missing = [f for f in need if not isinstance(entry, dict) or f not in entry]
+            if missing:
+                out.append(f"{key}[{i}] lacks {', '.join(missing)}")
+    if not man["files"]:
+        out.append("field 'files' is empty, expected one entry per rank file")
+    return out
+
+
+def _value_problems(man: dict) -> list[str]:
+    out, names, refused = [], set(), set()  # refused: the ranks of files entries reported (not their pieces)
+    for i, entry in enumerate(man["files"]):
+        name, rank = entry["file"], entry["rank"]
+        if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(rank) or rank < 0:
+            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(rank)[:20]}, expected "
+                       "integers >= 0")
+        if not _plain(name):
+            out.append(f"files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside the checkpoint "
+                       "folder (no '..', no '/', not absolute)")
+            refused.add(rank if _is_int(rank) else None)
+        else:
+            names.add(name)
+        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
+                                             *_saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
+    seen = set()  # (file, key) and (kind, param, tp, lo, hi) of the pieces before
+    for i, pc in enumerate(man["pieces"]):
+        problem = _piece_problem(pc, man["params"])
+        if problem:
+            out.append(f"pieces[{i}] {problem}")
+        if not (isinstance(pc["file"], str) and pc["file"] in names or _is_int(pc["rank"]) and pc["rank"] in refused):
+            out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
+                       f"({', '.join(sorted(names))[:80]})")
+        if not problem and isinstance(pc["file"], str):
+            same = {(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])}
+            if same & seen:
+                out.append(f"pieces[{i}] is listed twice (the same file and key, or kind, param, tp, lo and hi, as an "
+                           "earlier entry), expected each piece once")
+            seen |= same
+    for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
+        v = man[section].get(key)
+        if not _is_int(v) or v < (0 if key == "seed" else 1):
+            out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
+    if "lr" in man["train"] and not (_is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
+        out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
+    return out + _model_problems(man["model"], man["params"]) + _scaler_problems(man.get("scaler")) \
+        + _pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
+
+
+def _model_problems(model: dict, params: dict) -> list[str]:
+    """The model section: sizes integers >= 1 (n_head dividing n_embd), a float dtype, and the embeddings' shapes in
+    ``params`` as its sizes say (what consolidate writes into model.json beside the arrays)."""
+    out = [f"model.{k} is {repr(model.get(k))[:20]}, expected an integer >= 1" for k in
+           ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if not _is_int(model.get(k)) or model[k] < 1]
+    if model.get("dtype") not in ("float16", "float32", "float64"):
+        out.append(f"model.dtype is {repr(model.get('dtype'))[:20]}, expected float16, float32 or float64")
+    if out or model["n_embd"] % model["n_head"]:
+        return out or [f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}"]
+    layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
+    if layers != model["n_layer"]:
+        out.append(f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)")
+    for name, rows in (("transformer.wte.weight", "vocab_size"), ("transformer.wpe.weight", "block_size")):
+        shape = params.get(name, {}).get("shape") if isinstance(params.get(name), dict) else None
+        if shape is not None and shape != [model[rows], model["n_embd"]]:
+            return out + [f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
+                          f"{model['n_embd']}] as the model section says"]  # one line: the other says the same
+    return out
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
+    """The layout against the rank files: ``zero`` in 0-3, a known optimizer and precision; ``world_size`` =
+    dp x tp x pp, one files entry per rank 0..world_size-1 (none missing, none twice), then each named as its rank."""
+    out = []
+    if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
+        out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
+                   f"{', '.join(map(str, ZERO_STAGES))} (the ZeRO stage)")
+    for key, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("offload_optimizer", OFFLOADS),
+                         ("adam8bit_code", CODES)):
+        if layout.get(key, "dynamic" if key == "adam8bit_code" else None) not in allowed:  # absent: dynamic
+            out.append(f"layout.{key} is {layout.get(key)!r:.40}, expected one of {', '.join(allowed)} (train's "
+                       f"--{key} choices)")
+    ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
+    if not _is_int(ws) or ws < 1:
+        return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
+    if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:
+        out.append(f"layout.world_size is {ws}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}")
+    ranks = collections.Counter(f["rank"] for f in files if _is_int(f["rank"]))
+    twice = sorted(r for r, n in ranks.items() if n > 1)
+    if twice:
+        out.append(f"files has rank {', '.join(map(str, twice[:5]))} more than once, expected one entry per rank")
+    missing = [r for r in range(ws) if r not in ranks]
+    extra = sorted(r for r in ranks if r >= ws)
+    if missing or extra or len(files) != ws:
+        out.append(f"layout.world_size is {ws} but files has {len(files)} entries"
+                   + (f", rank(s) {', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''} missing"
+                      if missing else "")
+                   + (f", rank(s) {', '.join(map(str, extra[:5]))} outside 0..{ws - 1}" if extra else "")
+                   + f"; expected one entry for each rank 0..{ws - 1}")
+    return out + ([] if twice or missing or extra or len(files) != ws else _rank_file_problems(files, pieces))
+
+
+def _rank_file_problems(files: list, pieces: list) -> list[str]:
+    """Each rank's file under its own rank (files 0..world_size-1, once each): its name as save gives it
+    (:func:`rank_file`), then each piece's rank that of the files entry it names (a swap is one fault: the
+    files entries are reported, not their pieces too)."""
+    out, names = [], {}
+    for i, entry in enumerate(files):
+        if _plain(entry["file"]):  # else reported
+            names[entry["file"]] = entry["rank"]
+            if entry["file"] != rank_file(entry["rank"]):
+                out.append(f"files[{i}].file is {entry['file'][:60]!r}, expected {rank_file(entry['rank'])!r} (the "
+                           f"file of its rank {entry['rank']})")
+    for i, pc in enumerate([] if out else pieces):
+        saved = names.get(pc["file"]) if isinstance(pc["file"], str) else None
+        if saved is not None and _is_int(pc["rank"]) and pc["rank"] != saved:
+            out.append(f"pieces[{i}] rank {pc['rank']}, but its file {pc['file']!r} is rank {saved}'s in files, "
+                       f"expected {saved}")
+    return out
+
+
+#: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale
+SCALER_COUNTS = ("good_steps", "skipped", "hysteresis_left")
+
+
+def _scaler_problems(sc) -> list[str]:
+    """FP16's loss scaler: null (absent), or the scale (a finite number > 0) and its counts (integers >= 0)."""
+    if sc is None or isinstance(sc, dict) and _is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf and all(
+            _is_int(sc.get(k)) and sc[k] >= 0 for k in SCALER_COUNTS) and all(
+            _is_int(sc.get(k, 0)) and sc.get(k, 0) >= 0 for k in ("consecutive_skips", "skips_at_min")):
+        return []
+    return [f"scaler is {str(sc)[:60]}, expected null or {{'scale': a finite number > 0, "
+            f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
+
+
+def _pruning_problems(pr, names: set) -> list[str]:
+    """The pruning masks' section: absent or null, or ``{"sparsity" in [0, 1), "scope", "shapes": {name: [sizes]},
+    "file"}`` with ``file`` one of the checked files entries (its masks are read from there on resume)."""
+    if pr is None or isinstance(pr, dict) and _is_number(pr.get("sparsity")) and 0 <= pr["sparsity"] < 1 and \
+            pr.get("scope") in SCOPES and str(pr.get("file")) in names and isinstance(pr.get("shapes"), dict) and all(
+            isinstance(s, list) and all(_is_int(d) and d > 0 for d in s) for s in pr["shapes"].values()):
+        return []
+    return [f"pruning is {str(pr)[:80]}, expected null or {{'sparsity': a number in [0, 1), 'scope': "
+            f"{' or '.join(SCOPES)}, 'shapes': {{name: [sizes]}}, 'file': one of the files entries}}"]
+
+
+def _finite_numbers(values, n: int | None = None) -> bool:
+    return isinstance(values, list) and len(values) == (len(values) if n is None else n) > 0 and all(
+        _is_number(v) and math.isfinite(v) for v in values)
+
+
+def _saved_state_problems(entry: dict, experts) -> list[str]:
+    """A rank's FP8 amax histories and MoE routing biases by layer name (absent: none saved), as
+    ``memory.fp8.fp8_state`` and ``parallel.expert_parallel.routing_state`` write them."""
+    out, fp8, routing = [], entry.get("fp8", {}), entry.get("routing", {})
+    if not (isinstance(fp8, dict) and all(isinstance(h, dict) and h and all(
+            k in ("x", "w", "g") and _finite_numbers(v) for k, v in h.items()) for h in fp8.values())):
+        out.append(f"fp8 is {str(fp8)[:60]}, expected {{layer name: {{'x' | 'w' | 'g': [finite numbers]}}}} (FP8's "
+                   "amax histories)")
+    n = experts if _is_int(experts) and experts > 0 else None
+    if not (isinstance(routing, dict) and all(_finite_numbers(b, n) for b in routing.values())):
+        out.append(f"routing is {str(routing)[:60]}, expected {{layer name: [layout.moe_experts {experts!r:.20} finite "
+                   "numbers]}} (MoE's routing biases)")
+    return out
+
+
+def _rng_problem(rng) -> str | None:
+    """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
+    checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
+    if rng is None or isinstance(rng, dict) and "key" not in rng:
+        return None
+    if not (isinstance(rng, dict) and all(_is_int(rng.get(k)) and 0 <= rng[k] < 2 ** 64 for k in ("key", "offset"))):
+        return f"rng is {str(rng)[:60]}, expected {{'key': int, 'offset': int}} in [0, 2**64)"
+    return None
+
+
+def _coords_problem(entry: dict, layout: dict) -> str | None:
+    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp."""
+    c = entry.get("coords")
+    sizes = [layout.get(k) for k in ("dp", "tp", "pp")]
+    if not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
+        return None
+    if not (isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v < n for v, n in zip(c, sizes))):
+        return f"coords is {str(c)[:40]}, expected [dp rank, tp rank, pp rank] inside dp x tp x pp = {sizes}"
+    return None
+
+
+#: the dtypes a piece may hold, by format
+PIECE_DTYPES = {"dense": ("float16", "float32", "float64"), "8bit": ("uint8",)}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain(name) -> bool:
+    """A plain file name inside the checkpoint folder: no '..', no '/', not absolute, not empty."""
+    return isinstance(name, str) and bool(name) and not os.path.isabs(name) and os.path.basename(name) == name \
+        and name not in (".", "..")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _piece_problem(pc: dict, params: dict) -> str | None:
+    """What is wrong with one piece entry against the manifest's ``params``, or None (metadata only, no reads)."""
+    info = params.get(pc["param"]) if isinstance(pc["param"], str) else None
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+        return f"param {str(pc['param'])[:40]!r} is not a parameter of the manifest with a valid shape"
+    if pc["kind"] not in KINDS:
+        return f"kind {str(pc['kind'])[:20]!r}, expected one of {', '.join(KINDS)}"
+    if not isinstance(pc["key"], str):
+        return f"key {str(pc['key'])[:40]!r}, expected a string (the tensor's name in its file)"
+    if pc["format"] not in PIECE_DTYPES:
+        return f"format {str(pc['format'])[:20]!r}, expected one of {', '.join(PIECE_DTYPES)}"
+    if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:
+        return f"dtype {str(pc['dtype'])[:20]!r}, expected {' or '.join(PIECE_DTYPES[pc['format']])} for a " \
+               f"{pc['format']} piece"
+    size = 1
+    for d in shape:
+        size *= d
+    tp = pc["tp"]
+    if tp is not None:
+        if not (isinstance(tp, list) and len(tp) == 4 and all(_is_int(v) for v in tp)):
+            return f"tp {str(tp)[:40]}, expected null or [dim, stride, index, parts] integers"
+        dim, stride, index, parts = tp
+        if not (0 <= dim < len(shape) and stride > 0 and parts > 0 and 0 <= index < parts
+                and shape[dim] % (stride * parts) == 0):
+            return f"tp {tp} does not split shape {shape} (need 0 <= dim < {len(shape)}, 0 <= index < parts, " \
+                   "stride * parts dividing that dimension)"
+        size //= parts
+    lo, hi = pc["lo"], pc["hi"]
+    if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= size):
+        return f"lo {str(lo)[:20]}, hi {str(hi)[:20]}: expected integers with 0 <= lo <= hi <= {size:,} " \
+               f"(the elements of {pc['param']!r}{' shard' if tp is not None else ''})"
+    if not _is_int(pc["rank"]) or pc["rank"] < 0:
+        return f"rank {str(pc['rank'])[:20]}, expected an integer >= 0"
+    if pc["format"] == "8bit" and not (_is_int(pc.get("block_size")) and pc["block_size"] > 0):
+        return f"block_size {str(pc.get('block_size'))[:20]}, expected an integer > 0"
+    return None
