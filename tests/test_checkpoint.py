@@ -497,9 +497,14 @@ SCALER = {"scale": 1024.0, "good_steps": 3, "skipped": 0, "hysteresis_left": 1}
 
 @pytest.mark.parametrize("edit, said", [
     (lambda man: man.update(scaler=[1]), "scaler is [1], expected null or {'scale': a finite number > 0, "),
-    (lambda man: man.update(scaler=dict(SCALER, scale="big")), "scaler is {'scale': 'big'"),
-    (lambda man: man.update(scaler=dict(SCALER, scale=float("nan"))), "scaler is {'scale': nan"),
-    (lambda man: man.update(scaler=dict(SCALER, skipped=-1)), "'skipped': -1"),
+    (lambda man: man.update(scaler=dict(SCALER, scale="big")),
+     "scaler.scale is 'big', expected a finite number > 0 (FP16's loss scale)"),
+    (lambda man: man.update(scaler=dict(SCALER, scale=float("nan"))), "scaler.scale is nan, expected a finite"),
+    (lambda man: man.update(scaler=dict(SCALER, skipped=-1)), "scaler.skipped is -1, expected an integer >= 0"),
+    (lambda man: man.update(scaler=dict(SCALER, consecutive_skips=-1)),
+     "scaler.consecutive_skips is -1, expected an integer >= 0"),
+    (lambda man: man.update(scaler={k: v for k, v in SCALER.items() if k != "good_steps"}),
+     "scaler.good_steps is missing, expected an integer >= 0"),
     (lambda man: man["layout"].update(optimizer="sgd"), "layout.optimizer is 'sgd', expected one of adamw, adam8bit"),
     (lambda man: man["layout"].update(precision="fp99"),
      "layout.precision is 'fp99', expected one of fp32, fp16, bf16, fp8"),
@@ -509,16 +514,17 @@ SCALER = {"scale": 1024.0, "good_steps": 3, "skipped": 0, "hysteresis_left": 1}
     (lambda man: man["train"].update(lr="1e-2"), "train.lr is '1e-2', expected a finite number > 0"),
     (lambda man: man["train"].update(lr=float("inf")), "train.lr is inf, expected a finite number > 0"),
     (lambda man: man["pieces"].append(dict(man["pieces"][3])),
-     "pieces[{n}] is listed twice (the same file and key, or kind, param, tp, lo and hi, as an earlier entry), "
-     "expected each piece once"),
+     "pieces[{n}] (key {key3!r} in 'rank00000.safetensors') repeats pieces[3] (the same file and key, or kind, "
+     "param, tp, lo and hi), expected each piece once"),
     (lambda man: man["pieces"][0].update(rank=1), "pieces[0] rank 1, but its file 'rank00000.safetensors' is rank "
                                                   "0's in files, expected 0"),
 ])
 def test_scaler_optimizer_precision_lr_and_pieces_are_checked(saved, tmp_path, edit, said):
     """Attacker: ``"scaler": [1]`` was a TypeError traceback in ``inspect``; an unknown optimizer or precision, a
     negative or infinite lr, a piece listed twice, or a piece credited to another rank than its file's, loaded."""
-    n = len(read_manifest_json(saved)["pieces"])
-    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said.replace("{n}", str(n)), tmp_path)
+    pieces = read_manifest_json(saved)["pieces"]
+    said = said.replace("{n}", str(len(pieces))).replace("{key3!r}", repr(pieces[3]["key"]))
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
 def _swap_entries(man):
@@ -556,13 +562,17 @@ def test_rank_files_listed_under_another_rank_are_refused(saved, tmp_path):
 
 @pytest.mark.parametrize("edit, said", [
     (lambda man: man["layout"].pop("offload_optimizer"),
-     "layout.offload_optimizer is None, expected one of none, cpu, nvme"),
-    (lambda man: man["layout"].update(adam8bit_code=[1]), "layout.adam8bit_code is [1], expected one of dynamic, linear"),
+     "layout.offload_optimizer is missing, expected one of none, cpu, nvme (train's --offload-optimizer choices)"),
+    (lambda man: man["layout"].update(adam8bit_code=[1]),
+     "layout.adam8bit_code is [1], expected one of dynamic, linear (8-bit Adam's codes, optim/adam8bit.py)"),
     (lambda man: man["files"][0].pop("coords"), "files[0] lacks coords"),
     (lambda man: man.update(pruning=[1]), "pruning is [1], expected null or {'sparsity': a number in [0, 1), "),
-    (lambda man: man.update(pruning={"sparsity": "x"}), "pruning is {'sparsity': 'x'}, expected null or"),
+    (lambda man: man.update(pruning={"sparsity": "x"}), "pruning.sparsity is 'x', expected a number in [0, 1)"),
     (lambda man: man.update(pruning={"sparsity": 0.5, "scope": "global", "shapes": {}, "file": "../x"}),
-     "pruning is {'sparsity': 0.5, 'scope': 'global', 'shapes': {}, 'file': '../x'}, expected null or"),
+     "pruning.file is '../x', expected one of the files entries (the masks' file)"),
+    (lambda man: man.update(pruning={"sparsity": 0.5, "scope": "global", "shapes": {"w": [2, 0]},
+                                     "file": "rank00000.safetensors"}),
+     "pruning.shapes['w'] is [2, 0], expected a list of sizes >= 1"),
 ])
 def test_inspect_reads_no_field_the_manifest_check_let_through(saved, tmp_path, edit, said):
     """Attacker (after the scaler): a layout without offload_optimizer, a files entry without coords, or a pruning
@@ -573,10 +583,15 @@ def test_inspect_reads_no_field_the_manifest_check_let_through(saved, tmp_path, 
 
 @pytest.mark.parametrize("field, value, said", [
     ("fp8", [1], "files[0].fp8 is [1], expected {layer name: {'x' | 'w' | 'g': [finite numbers]}}"),
-    ("fp8", {"transformer.h.0.mlp.c_fc": {"x": []}}, "files[0].fp8 is {'transformer.h.0.mlp.c_fc': {'x': []}}"),
-    ("fp8", {"transformer.h.0.mlp.c_fc": {"q": [1.0]}}, "files[0].fp8 is {'transformer.h.0.mlp.c_fc': {'q'"),
-    ("routing", [1], "files[0].routing is [1], expected {layer name: [layout.moe_experts 0 finite numbers]}"),
-    ("routing", {"transformer.h.0.mlp": [float("nan")]}, "files[0].routing is {'transformer.h.0.mlp': [nan]}"),
+    ("fp8", {"transformer.h.0.mlp.c_fc": {"x": []}},
+     "files[0].fp8['transformer.h.0.mlp.c_fc']['x'] is [], expected a non-empty list of finite numbers"),
+    ("fp8", {"transformer.h.0.mlp.c_fc": {"q": [1.0]}},
+     "files[0].fp8['transformer.h.0.mlp.c_fc'] has key 'q', expected 'x', 'w' or 'g'"),
+    ("fp8", {"a": {"x": [1.0]}, "b": {"g": [1.0, float("inf")]}},
+     "files[0].fp8['b']['g'] holds inf, expected finite numbers"),
+    ("routing", [1], "files[0].routing is [1], expected {layer name: [finite numbers, one per expert]}"),
+    ("routing", {"transformer.h.0.mlp": [float("nan")]},
+     "files[0].routing['transformer.h.0.mlp'] holds nan, expected finite numbers (MoE's routing biases)"),
 ])
 def test_fp8_histories_and_routing_biases_are_checked(saved, tmp_path, field, value, said):
     """Attacker: a files entry's fp8 or routing that is not an object was an AttributeError traceback on every rank

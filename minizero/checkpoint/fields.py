@@ -96,7 +96,7 @@ def _value_problems(man: dict) -> list[str]:
             names.add(name)
         out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
                                              *_saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
-    seen = set()  # (file, key) and (kind, param, tp, lo, hi) of the pieces before
+    seen = {}  # (file, key) and (kind, param, tp, lo, hi) of the pieces before -> the first index
     for i, pc in enumerate(man["pieces"]):
         problem = _piece_problem(pc, man["params"])
         if problem:
@@ -105,11 +105,13 @@ def _value_problems(man: dict) -> list[str]:
             out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
                        f"({', '.join(sorted(names))[:80]})")
         if not problem and isinstance(pc["file"], str):
-            same = {(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])}
-            if same & seen:
-                out.append(f"pieces[{i}] is listed twice (the same file and key, or kind, param, tp, lo and hi, as an "
-                           "earlier entry), expected each piece once")
-            seen |= same
+            same = [(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])]
+            first = next((seen[k] for k in same if k in seen), None)
+            if first is not None:
+                out.append(f"pieces[{i}] (key {str(pc['key'])[:60]!r} in {pc['file'][:40]!r}) repeats pieces[{first}] "
+                           "(the same file and key, or kind, param, tp, lo and hi), expected each piece once")
+            for k in same:
+                seen.setdefault(k, i)
     for key, section in (("dp", "layout"), ("tp", "layout"), ("pp", "layout"), ("seed", "train")):
         v = man[section].get(key)
         if not _is_int(v) or v < (0 if key == "seed" else 1):
@@ -153,8 +155,9 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
     for key, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("offload_optimizer", OFFLOADS),
                          ("adam8bit_code", CODES)):
         if layout.get(key, "dynamic" if key == "adam8bit_code" else None) not in allowed:  # absent: dynamic
-            out.append(f"layout.{key} is {layout.get(key)!r:.40}, expected one of {', '.join(allowed)} (train's "
-                       f"--{key} choices)")
+            whose = ("8-bit Adam's codes, optim/adam8bit.py" if key == "adam8bit_code" else
+                     f"train's --{key.replace('_', '-')} choices")
+            out.append(f"layout.{key} is {_shown(layout, key)}, expected one of {', '.join(allowed)} ({whose})")
     ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
     if not _is_int(ws) or ws < 1:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
@@ -194,49 +197,91 @@ def _rank_file_problems(files: list, pieces: list) -> list[str]:
     return out
 
 
-#: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale
+#: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale,
+#: then the counts a checkpoint may leave out (0)
 SCALER_COUNTS = ("good_steps", "skipped", "hysteresis_left")
+SCALER_OPTIONAL = ("consecutive_skips", "skips_at_min")
+
+
+def _shown(section: dict, key: str, width: int = 40) -> str:
+    """``section[key]`` as a message shows it (cut to ``width``), or "missing"."""
+    return repr(section[key])[:width] if key in section else "missing"
 
 
 def _scaler_problems(sc) -> list[str]:
-    """FP16's loss scaler: null (absent), or the scale (a finite number > 0) and its counts (integers >= 0)."""
-    if sc is None or isinstance(sc, dict) and _is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf and all(
-            _is_int(sc.get(k)) and sc[k] >= 0 for k in SCALER_COUNTS) and all(
-            _is_int(sc.get(k, 0)) and sc.get(k, 0) >= 0 for k in ("consecutive_skips", "skips_at_min")):
+    """FP16's loss scaler: null (absent), or the scale (a finite number > 0) and its counts (integers >= 0);
+    the first bad field is named."""
+    if sc is None:
         return []
-    return [f"scaler is {str(sc)[:60]}, expected null or {{'scale': a finite number > 0, "
-            f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
+    if not isinstance(sc, dict):
+        return [f"scaler is {str(sc)[:60]}, expected null or {{'scale': a finite number > 0, "
+                f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
+    if not (_is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf):
+        return [f"scaler.scale is {_shown(sc, 'scale')}, expected a finite number > 0 (FP16's loss scale)"]
+    for k in SCALER_COUNTS + SCALER_OPTIONAL:
+        v = sc.get(k, 0 if k in SCALER_OPTIONAL else None)
+        if not (_is_int(v) and v >= 0):
+            return [f"scaler.{k} is {_shown(sc, k)}, expected an integer >= 0 (a count of FP16's loss scaler)"]
+    return []
 
 
 def _pruning_problems(pr, names: set) -> list[str]:
     """The pruning masks' section: absent or null, or ``{"sparsity" in [0, 1), "scope", "shapes": {name: [sizes]},
-    "file"}`` with ``file`` one of the checked files entries (its masks are read from there on resume)."""
-    if pr is None or isinstance(pr, dict) and _is_number(pr.get("sparsity")) and 0 <= pr["sparsity"] < 1 and \
-            pr.get("scope") in SCOPES and str(pr.get("file")) in names and isinstance(pr.get("shapes"), dict) and all(
-            isinstance(s, list) and all(_is_int(d) and d > 0 for d in s) for s in pr["shapes"].values()):
+    "file"}`` with ``file`` one of the checked files entries (its masks are read from there on resume); the first
+    bad field is named."""
+    if pr is None:
         return []
-    return [f"pruning is {str(pr)[:80]}, expected null or {{'sparsity': a number in [0, 1), 'scope': "
-            f"{' or '.join(SCOPES)}, 'shapes': {{name: [sizes]}}, 'file': one of the files entries}}"]
+    if not isinstance(pr, dict):
+        return [f"pruning is {str(pr)[:60]}, expected null or {{'sparsity': a number in [0, 1), 'scope': "
+                f"{' or '.join(SCOPES)}, 'shapes': {{name: [sizes]}}, 'file': one of the files entries}}"]
+    if not (_is_number(pr.get("sparsity")) and 0 <= pr["sparsity"] < 1):
+        return [f"pruning.sparsity is {_shown(pr, 'sparsity')}, expected a number in [0, 1)"]
+    if pr.get("scope") not in SCOPES:
+        return [f"pruning.scope is {_shown(pr, 'scope')}, expected {' or '.join(map(repr, SCOPES))}"]
+    if not (isinstance(pr.get("file"), str) and pr["file"] in names):
+        return [f"pruning.file is {_shown(pr, 'file', 60)}, expected one of the files entries (the masks' file)"]
+    if not isinstance(pr.get("shapes"), dict):
+        return [f"pruning.shapes is {_shown(pr, 'shapes')}, expected {{parameter name: [sizes]}}"]
+    for name, shape in pr["shapes"].items():
+        if not (isinstance(shape, list) and all(_is_int(d) and d > 0 for d in shape)):
+            return [f"pruning.shapes[{name[:60]!r}] is {shape!r:.40}, expected a list of sizes >= 1"]
+    return []
 
 
-def _finite_numbers(values, n: int | None = None) -> bool:
-    return isinstance(values, list) and len(values) == (len(values) if n is None else n) > 0 and all(
-        _is_number(v) and math.isfinite(v) for v in values)
+def _bad_number(values, n: int | None = None) -> str | None:
+    """Why ``values`` is not a non-empty list of finite numbers (of length ``n`` when given), or None."""
+    if not isinstance(values, list) or not values:
+        return f"is {values!r:.40}, expected a non-empty list of finite numbers"
+    if n is not None and len(values) != n:
+        return f"has {len(values)} numbers, expected {n} (layout.moe_experts)"
+    bad = next((v for v in values if not (_is_number(v) and math.isfinite(v))), None)
+    return None if bad is None and all(_is_number(v) for v in values) else f"holds {bad!r:.30}, expected finite numbers"
 
 
 def _saved_state_problems(entry: dict, experts) -> list[str]:
     """A rank's FP8 amax histories and MoE routing biases by layer name (absent: none saved), as
-    ``memory.fp8.fp8_state`` and ``parallel.expert_parallel.routing_state`` write them."""
-    out, fp8, routing = [], entry.get("fp8", {}), entry.get("routing", {})
-    if not (isinstance(fp8, dict) and all(isinstance(h, dict) and h and all(
-            k in ("x", "w", "g") and _finite_numbers(v) for k, v in h.items()) for h in fp8.values())):
-        out.append(f"fp8 is {str(fp8)[:60]}, expected {{layer name: {{'x' | 'w' | 'g': [finite numbers]}}}} (FP8's "
-                   "amax histories)")
+    ``memory.fp8.fp8_state`` and ``parallel.expert_parallel.routing_state`` write them; the first bad one named.
+    (An FP8 history that recorded an overflow holds inf: such a run's weights are refused as non-finite too.)"""
+    fp8, routing = entry.get("fp8", {}), entry.get("routing", {})
+    if not isinstance(fp8, dict):
+        return [f"fp8 is {str(fp8)[:60]}, expected {{layer name: {{'x' | 'w' | 'g': [finite numbers]}}}} (FP8's "
+                "amax histories)"]
+    for layer, h in fp8.items():
+        if not (isinstance(h, dict) and h):
+            return [f"fp8[{layer[:60]!r}] is {h!r:.40}, expected {{'x' | 'w' | 'g': [finite numbers]}}"]
+        for k, v in h.items():
+            why = f"has key {k!r:.20}, expected 'x', 'w' or 'g'" if k not in ("x", "w", "g") else _bad_number(v)
+            if why:
+                return [f"fp8[{layer[:60]!r}]" + (f" {why}" if k not in ("x", "w", "g") else f"[{k!r}] {why}")]
+    if not isinstance(routing, dict):
+        return [f"routing is {str(routing)[:60]}, expected {{layer name: [finite numbers, one per expert]}} "
+                "(MoE's routing biases)"]
     n = experts if _is_int(experts) and experts > 0 else None
-    if not (isinstance(routing, dict) and all(_finite_numbers(b, n) for b in routing.values())):
-        out.append(f"routing is {str(routing)[:60]}, expected {{layer name: [layout.moe_experts {experts!r:.20} finite "
-                   "numbers]}} (MoE's routing biases)")
-    return out
+    for layer, biases in routing.items():
+        why = _bad_number(biases, n)
+        if why:
+            return [f"routing[{layer[:60]!r}] {why} (MoE's routing biases)"]
+    return []
 
 
 def _rng_problem(rng) -> str | None:
