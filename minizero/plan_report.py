@@ -54,9 +54,10 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
         if costs:
             why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
                 f"{delta[k]:.3g} s more {_WHY[k]}" for k in costs)
-        lead = (f"#{ia} beats #{ib} by" if gain >= ACCURACY else  # a lead the first-order model can resolve
-                f"#{ia} is ranked above #{ib}, a tie within the model's accuracy of about 1%, by")
-        return f"{lead} {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step): {why} ({diff})"
+        by = f"by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step)"
+        lead = (f"#{ia} beats #{ib} {by}" if gain >= ACCURACY else  # a lead the first-order model can resolve
+                f"#{ia} is ranked above #{ib} {by}, a tie within the model's accuracy of about 1%")
+        return f"{lead}: {why} ({diff})"
     saved = (b.memory.total - a.memory.total) / scale
     return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"
 

@@ -206,3 +206,20 @@ def test_plan_refuses_context_parallelism_where_it_cannot_run(capsys, model, tex
     code, out, err = run_main(capsys, "--model", model, "--gpus", "8" if "cp3" not in text else "3",
                               "--seq-len", "1024", "--strategy", text)
     assert code == 2 and message in err and out == "", err
+
+
+def test_why_says_tie_under_the_models_accuracy_and_beats_above_it():
+    """A lead under ACCURACY is a tie within the first-order model: the line must not say "beats"."""
+    import types
+
+    from minizero.memory.estimator import Strategy
+    from minizero.plan_report import ACCURACY, explain
+
+    def cand(tok, zero):
+        return types.SimpleNamespace(strategy=Strategy(zero=zero), tokens_per_s=tok, step_s=1e4 / tok,
+                                     time={"step": 1e4 / tok, "dp": 1e4 / tok}, memory=types.SimpleNamespace(total=0))
+    tie = explain(cand(1000 * (1 + ACCURACY / 2), 3), cand(1000, 2), 1, 2, 1e9, "GB")
+    assert tie.startswith("#1 is ranked above #2 by 0.5% tokens/s") and "a tie within the model's accuracy" in tie
+    assert "beats" not in tie
+    lead = explain(cand(1000 * (1 + 4 * ACCURACY), 3), cand(1000, 2), 1, 2, 1e9, "GB")
+    assert lead.startswith("#1 beats #2 by 4% tokens/s") and "tie" not in lead

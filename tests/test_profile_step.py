@@ -97,6 +97,7 @@ def test_a_device_profile_runs_its_profiled_steps_in_a_child_with_launch_blockin
     assert kw["env"]["CUDA_LAUNCH_BLOCKING"] == "1" and "--profile-worker" in cmd and kw["timeout"] > 0
     assert '"--device", "strict"' in cmd[-1] and cmd[-1].endswith(", 1, false]")  # threads 1, malloc kept
     assert out["minizero"] > 0 and out["casts"] > 0  # float16 storage is widened at every kernel (in the child)
+    assert sum(out[p] for p in profile_step.CAST_PARTS) == pytest.approx(out["minizero"])  # shares of the step
 
 
 def test_device_and_model_need_the_main_jobs_mode():

@@ -146,13 +146,13 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
              "':scores' = (b, a, s, s) arrays)"]
 
-    def row(peaks):
+    def line_of(peaks):
         everything = top_modules(peaks, len(peaks))
         shown = everything[:n]
         text = ", ".join(f"{name or '(top level: the loss)'} {format_bytes(b)}" for name, b in shown)
         ties = sum(b == shown[-1][1] for _, b in everything[n:]) if shown else 0
         return text + (f", and {ties} more at {format_bytes(shown[-1][1])}" if ties else "")
-    rows = [row(peaks) for peaks in per_rank]
+    rows = [line_of(peaks) for peaks in per_rank]
     for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]
         who = f"r{ranks[0]}" if len(ranks) == 1 else ("every rank" if len(ranks) == len(rows) else
