@@ -380,21 +380,49 @@ def check_flags(parser, args) -> tuple[int, int]:
         parse_peak(args.peak_tflops, "")
     except SystemExit as e:
         parser.error(str(e))
-    if not 0 < args.budget_s < float("inf"):
-        parser.error(f"--budget-s must be a positive finite number of seconds, got {args.budget_s}")
+    if not 0 < args.budget_s <= MAX_BUDGET_S:
+        parser.error(f"--budget-s must be a number of seconds in (0, {MAX_BUDGET_S}], got {args.budget_s}")
     try:
         steps = tuple(int(s) for s in args.steps.split(","))
     except ValueError:
         steps = ()
-    if len(steps) != 2 or not 1 <= steps[0] < steps[1]:
-        parser.error(f"--steps {args.steps!r}: give K,K+S, two integers with 1 <= K < K+S (e.g. 3,8)")
-    if os.path.isdir(args.json):
-        parser.error(f"--json {args.json!r} is a directory; give a file path")
-    try:
-        check_writable_folder(os.path.dirname(os.path.abspath(args.json)))
-    except OSError as e:
-        parser.error(f"--json {args.json!r}: cannot write there ({e.strerror}); give a path on a writable file system")
+    if len(steps) != 2 or not 1 <= steps[0] < steps[1] <= MAX_STEPS:
+        parser.error(f"--steps {args.steps!r}: give K,K+S, two integers with 1 <= K < K+S <= {MAX_STEPS} (e.g. 3,8)")
+    why = json_target_problem(args.json)
+    if why:
+        parser.error(f"--json {args.json!r}: {why}")
     return steps
+
+
+MAX_BUDGET_S = 86_400  #: --budget-s at most a day
+MAX_STEPS = 1000  #: --steps' longer run at most this many gpt2 steps
+
+
+def json_target_problem(path: str) -> str | None:
+    """Why the results may not go to ``path``, or None: it must be a new file, or an earlier gpu_check JSON
+    (nothing else the user wrote is replaced), in a folder that exists and takes a file."""
+    if not path:
+        return "give a file path"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"the folder {folder!r} does not exist; give a path in an existing folder"
+    if os.path.isdir(path):
+        return "is a directory; give a file path"
+    if os.path.lexists(path):
+        if not os.path.isfile(path):
+            return "is not a regular file (a device, FIFO or dangling link); give a new file path"
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            old = None
+        if not (isinstance(old, dict) and "checks" in old and "hardware" in old):
+            return "exists and is not an earlier gpu_check result; give a new path (only those are replaced)"
+    try:
+        check_writable_folder(folder)
+    except OSError as e:
+        return f"cannot write there ({e.strerror}); give a path on a writable file system"
+    return None
 
 
 def main(argv=None) -> int:

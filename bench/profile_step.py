@@ -53,6 +53,7 @@ from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
 from minizero.nn import get_config  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
+MAX_STEPS = 10_000  #: --steps and --warmup at most this many
 CAST_PARTS = ("matmul", "casts", "elementwise", "optimizer", "python")
 
 
@@ -320,16 +321,18 @@ def main() -> None:
     if args.precision is None and (args.device != "cpu" or args.model != "default"):
         p.error("--device and --model profile the main job's loop: give --precision too")
     malloc = _machine.set_malloc(args.default_malloc)
-    if args.steps < 1 or args.threads < 1 or args.warmup < 0:
-        p.error(f"--steps and --threads must be >= 1, --warmup >= 0, got {args.steps}, {args.threads}, {args.warmup}")
+    cores = os.cpu_count() or 1
+    if not (1 <= args.steps <= MAX_STEPS and 1 <= args.threads <= cores and 0 <= args.warmup <= MAX_STEPS):
+        p.error(f"--steps must be in 1..{MAX_STEPS}, --threads in 1..{cores} (this machine's cores), --warmup in "
+                f"0..{MAX_STEPS}; got {args.steps}, {args.threads}, {args.warmup}")
     args.batch = args.batch or ("8" if args.precision else "8,32")
     batches = args.batch.split(",")
-    if not all(b.isdigit() and int(b) >= 1 for b in batches):
-        p.error(f"--batch takes positive whole numbers separated by commas, got {args.batch!r}")
+    if not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches) or len(set(batches)) < len(batches):
+        p.error(f"--batch takes whole numbers in 1..4096, each once, separated by commas, got {args.batch!r}")
     if args.precision is not None:
         precisions = args.precision.split(",")
-        if not set(precisions) <= {"fp32", "fp16"}:
-            p.error(f"--precision takes fp32 and fp16, separated by commas, got {args.precision!r}")
+        if not set(precisions) <= {"fp32", "fp16"} or len(set(precisions)) != len(precisions):
+            p.error(f"--precision takes fp32 and fp16, each once, separated by commas, got {args.precision!r}")
         if len(batches) > 1:
             p.error(f"--precision profiles one --batch, got {args.batch!r}")
         if args.device == "cuda":

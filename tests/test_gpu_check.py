@@ -200,3 +200,19 @@ def test_the_measured_tables_in_docs_gpu_md_are_the_committed_outputs():
         printed = f.read().splitlines()
     rows = [line for line in printed if line.startswith("|")]
     assert len(rows) == 4 and "\n".join(rows) in page and printed[0] in page
+
+
+def test_the_results_never_replace_what_the_user_wrote(tmp_path):
+    """Attacker: --json pointed at a checkpoint's manifest.json (or its 'latest') replaced it after the whole
+    check; '' failed only at the end; a missing folder was created. Only a new file or an earlier result goes."""
+    (tmp_path / "manifest.json").write_text('{"format": "minizero-checkpoint"}')
+    (tmp_path / "latest").write_text("step_00000002")
+    (tmp_path / "old.json").write_text('{"checks": [], "hardware": null}')
+    problem = gpu_check.json_target_problem
+    assert "not an earlier gpu_check result" in problem(str(tmp_path / "manifest.json"))
+    assert "not an earlier gpu_check result" in problem(str(tmp_path / "latest"))
+    assert problem("") == "give a file path"
+    assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
+    assert "not a regular file" in problem("/dev/null")
+    assert "is a directory" in problem(str(tmp_path))
+    assert problem(str(tmp_path / "old.json")) is None and problem(str(tmp_path / "new.json")) is None
