@@ -20,13 +20,12 @@ import os
 import re
 import sys
 
-from minizero.files import check_output
 from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import integer, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, explain, format_table, plot, why_lines)
+    candidate_json, describe, explain, format_table, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
     parse_strategy, plan, step_time)
@@ -124,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune", default="none", choices=["none", "lora", "qlora"],
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
-    p.add_argument("--lora-rank", type=integer, default=64, help="adapter rank r with --finetune (QLoRA's paper: 64)")
+    p.add_argument("--lora-rank", type=integer, default=None,
+                   help="adapter rank r with --finetune (default 64, QLoRA's paper's)")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
                    help="how layouts with cp > 1 attend: ring attention, DeepSpeed-Ulysses (where cp divides the "
                         "heads and KV heads of a tensor rank), or both kinds searched")
@@ -137,26 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of the table")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a stacked-bar PNG of the shown strategies")
     return p
-
-
-def plot_path(path: str) -> str:
-    """The PNG path ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension.
-
-    Raises:
-        ValueError: another extension, a directory, or a folder that does not exist or takes no file.
-    """
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in ("", ".png"):
-        raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
-                         f"extension, and .png is added)")
-    real = path if ext else path + ".png"
-    if os.path.isdir(path) and not ext:
-        raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
-    try:
-        check_output(real, "--plot")
-    except ValueError as e:
-        raise ValueError(f"cannot write the PNG: {e}") from None
-    return real
 
 
 def _check(parser, args):
@@ -194,7 +174,9 @@ def _check(parser, args):
             parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages must divide "
                          f"{model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
                          f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
-    if args.plot:
+    if args.strategy is not None and not args.strategy.strip():
+        parser.error(f"--strategy {args.strategy!r}: give the strategy's words, e.g. \"dp2 tp4 pp1 zero3\"")
+    if args.plot is not None:
         try:
             args.plot = plot_path(args.plot)
         except ValueError as e:
@@ -205,8 +187,12 @@ def _check(parser, args):
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
-    if args.lora_rank < 1:
-        parser.error(f"--lora-rank must be a positive integer, got {args.lora_rank}")
+    if args.lora_rank is not None and args.finetune == "none":
+        parser.error(f"--lora-rank {args.lora_rank} sizes fine-tuning adapters: give --finetune lora or qlora too")
+    args.lora_rank = 64 if args.lora_rank is None else args.lora_rank
+    if args.finetune != "none" and not 1 <= args.lora_rank <= model.hidden:
+        parser.error(f"--lora-rank must be in 1..{model.hidden} ({model.name}'s width: an adapter of higher rank "
+                     f"than its matrix adds nothing), got {args.lora_rank}")
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")

@@ -6,8 +6,9 @@ GiB = 2^30 bytes), so a table never mixes unit families.
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from minizero.files import atomic_write
+from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy
 from minizero.plan_search import Candidate
 
@@ -157,3 +158,29 @@ def candidate_json(c: Candidate, rank: int) -> dict:
             "device_total_bytes": c.memory.total, "stage": c.memory.stage, "host_bytes_max": c.host,
             "comm_bytes_per_step": c.comm,
             "step_time_s": c.time, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu}
+
+
+def plot_path(path: str) -> str:
+    """The PNG path ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension.
+
+    Raises:
+        ValueError: another extension, a directory, or a folder that does not exist or takes no file.
+    """
+    if not path.strip():
+        raise ValueError(f"--plot {path!r}: give a file name for the PNG")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in ("", ".png"):
+        raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
+                         f"extension, and .png is added)")
+    real = path if ext else path + ".png"
+    if os.path.isdir(path) and not ext:
+        raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
+    if os.path.isfile(real):  # replace an earlier plot, never another file the user named .png
+        with open(real, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                raise ValueError(f"--plot {path!r}: {real!r} exists and is not a PNG; give a new file name")
+    try:
+        check_output(real, "--plot")
+    except ValueError as e:
+        raise ValueError(f"cannot write the PNG: {e}") from None
+    return real

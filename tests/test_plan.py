@@ -91,6 +91,10 @@ def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
     (["--model", "gpt3-175b", "--gpus", "8", "--seq-len", "4096"], "learned position table of 2048"),
     (["--model", "llama3-70b", "--gpus", "1", "--gpu-memory", "80GB"], "--host-memory 128GB"),
     (["--model", "llama3-8b", "--gpus", "8", "--units", "MB"], "invalid choice: 'MB'"),
+    (["--model", "tiny", "--gpus", "2", "--strategy", " "], "--strategy ' ': give the strategy's words"),
+    (["--model", "tiny", "--gpus", "2", "--plot", ""], "--plot '': give a file name for the PNG"),
+    (["--model", "tiny", "--gpus", "2", "--lora-rank", "4"], "give --finetune lora or qlora too"),
+    (["--model", "tiny", "--gpus", "2", "--finetune", "lora", "--lora-rank", "17"], "--lora-rank must be in 1..16"),
 ])
 def test_plan_refuses_bad_input(capsys, argv, message):
     code, out, err = run_main(capsys, *argv)
@@ -223,3 +227,15 @@ def test_why_says_tie_under_the_models_accuracy_and_beats_above_it():
     assert "beats" not in tie
     lead = explain(cand(1000 * (1 + 4 * ACCURACY), 3), cand(1000, 2), 1, 2, 1e9, "GB")
     assert lead.startswith("#1 beats #2 by 4% tokens/s") and "tie" not in lead
+
+
+def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
+    """Attacker: --plot user.png overwrote a file that was not a PNG."""
+    mine = tmp_path / "notes.png"
+    mine.write_text("my notes")
+    code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(mine))
+    assert code == 2 and "exists and is not a PNG" in err and mine.read_text() == "my notes"
+    plot = tmp_path / "plan.png"
+    for _ in range(2):  # the second run replaces the first run's PNG
+        code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(plot))
+        assert code == 0 and plot.read_bytes()[:4] == b"\x89PNG"
