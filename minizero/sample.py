@@ -45,7 +45,8 @@ def next_token_probs(logits, temperature: float, top_k: int | None = None):
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]  # the k-th largest of each row
         z = np.where(z < kth, -np.inf, z)
-    p = np.exp((z - z.max(axis=-1, keepdims=True)) / temperature)
+    with np.errstate(over="ignore"):  # a tiny temperature sends every logit but the largest to -inf: greedy
+        p = np.exp((z - z.max(axis=-1, keepdims=True)) / temperature)
     return p / p.sum(axis=-1, keepdims=True)
 
 

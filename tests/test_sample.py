@@ -189,3 +189,15 @@ def test_moe_weights_are_named_as_moe_not_as_foreign(tmp_path):
     proc = run_sample("--weights", str(tmp_path / "model.npz"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "mixture-of-experts" in proc.stderr and "not a model.npz" not in proc.stderr, proc.stderr
+
+
+def test_a_tiny_temperature_is_greedy_without_an_overflow_warning():
+    """Attacker: --temperature 1e-320 leaked numpy's 'overflow encountered in divide'."""
+    import warnings
+
+    from minizero.sample import next_token_probs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = next_token_probs(np.array([[0.5, 2.0, -1.0]]), 1e-320)
+    assert p.tolist() == [[0.0, 1.0, 0.0]]
