@@ -19,7 +19,7 @@ from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero_bubble, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
-from minizero.memory.precision import DynamicLossScaler
+from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
 from minizero.numerals import is_count
 from minizero.zero.collectives import debug_collectives
@@ -84,8 +84,8 @@ def _check_loss_scaling(args) -> None:
     if s0 > MAX_INITIAL_LOSS_SCALE:  # each step above what FP16 needs is a skipped step (halved on overflow)
         raise UsageError(f"--initial-loss-scale must be <= 2**24 = {MAX_INITIAL_LOSS_SCALE:,}; got "
                          f"--initial-loss-scale={s0:g}")
-    if not (0 < mn <= s0):
-        raise UsageError(f"--min-loss-scale must be in (0, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
+    if not (SCALE_RANGE[0] <= mn <= s0):  # below 2**-24 every FP16 gradient flushes to 0
+        raise UsageError(f"--min-loss-scale must be in [2**-24, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
     if args.loss_scale_window < 1:
         raise UsageError(f"--loss-scale-window must be >= 1; got --loss-scale-window={args.loss_scale_window}")
     if args.hysteresis < 1:

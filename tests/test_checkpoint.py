@@ -598,3 +598,84 @@ def test_fp8_histories_and_routing_biases_are_checked(saved, tmp_path, field, va
     after the model was built (resume reads them by layer name)."""
     folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update({field: value}))
     _refused_everywhere(folder, said, tmp_path)
+
+
+def _set_param_shape(name, shape):
+    return lambda man: man["params"][name].update(shape=shape)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda man: man["layout"].update(world_size=10 ** 12),
+     "layout.world_size is 1000000000000, expected dp x tp x pp = 2"),
+    (lambda man: man["model"].update(foo=1), "model.foo is 1, expected one of GPTConfig's fields"),
+    (lambda man: man["model"].update(dropout="x"), "model.dropout is 'x', expected a number in [0, 1)"),
+    (lambda man: man["model"].update(dropout=float("nan")), "model.dropout is nan, expected a number in [0, 1)"),
+    (lambda man: man["model"].update(dropout=5), "model.dropout is 5, expected a number in [0, 1)"),
+    (_set_param_shape("transformer.h.0.attn.c_attn.weight", [10 ** 12]),
+     "params['transformer.h.0.attn.c_attn.weight'].shape is [1000000000000], expected [48, 16] (as the model section"),
+    (_set_param_shape("transformer.h.0.attn.c_attn.weight", [16, 48]),
+     "params['transformer.h.0.attn.c_attn.weight'].shape is [16, 48], expected [48, 16] (as the model section"),
+    (lambda man: man["layout"].update(moe_experts=-1), "layout.moe_experts is -1, expected an integer in 0..")
+    , (lambda man: man["layout"].update(moe_experts="x"), "layout.moe_experts is 'x', expected an integer in 0..")
+    , (lambda man: man["layout"].update(moe_experts=4), "layout.moe_top_k is missing, expected an integer in 1..4")
+    , (lambda man: man["layout"].update(moe_experts=4, moe_top_k=5, moe_capacity_factor=1.0, moe_every=1),
+       "layout.moe_top_k is 5, expected an integer in 1..4")
+    , (lambda man: man["layout"].update(moe_experts=4, moe_top_k=1, moe_capacity_factor=float("nan"), moe_every=1),
+       "layout.moe_capacity_factor is nan, expected a finite number > 0")
+    , (lambda man: man["layout"].update(moe_experts=4, moe_top_k=1, moe_capacity_factor=1.0, moe_every=0),
+       "layout.moe_every is 0, expected one of 1, 2")
+    , (lambda man: man.update(applied=man["step"] + 1), "field 'applied' is 3, expected an integer in 0..step 2")
+    , (lambda man: man.update(scaler=dict(SCALER, scale=5e-324)), "scaler.scale is 5e-324, expected a number in [")
+    , (lambda man: man["files"][0].update(rank="0"), "files[0] has bytes {bytes0}, rank '0', expected integers >= 0")
+])
+def test_layout_model_shapes_moe_applied_and_scale_are_checked(saved, tmp_path, edit, said):
+    """Attacker: world_size 10**12 hung (range(ws) built first); an unknown or ill-typed model field, a parameter
+    shape the model does not have, ill-typed MoE fields were tracebacks in consolidate (or a swapped shape written
+    silently); applied > step, and a loss scale of 5e-324 (NaN in training), loaded; a rank "0" was shown as 0."""
+    said = said.replace("{bytes0}", str(read_manifest_json(saved)["files"][0]["bytes"]))
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
+
+
+def test_a_rank_is_shown_as_its_repr(saved):
+    man = read_manifest_json(saved)
+    man["files"][0]["rank"] = "0"
+    from minizero.checkpoint.fields import manifest_problems
+    assert "rank '0'" in manifest_problems(man)[0]
+
+
+@pytest.mark.parametrize("version", [0, -5, True, "1", 2])
+def test_the_version_must_be_one_this_minizero_reads(saved, tmp_path, version):
+    """Attacker: versions 0, -5 and true were accepted; "1" was called newer than this minizero reads."""
+    said = "newer than this minizero reads" if version == 2 else \
+        f"format version {version!r}, expected an integer in 1..1"
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man.update(version=version)), said,
+                        tmp_path)
+
+
+@pytest.mark.parametrize("block, said", [(10 ** 30, "block_size 1000000000000000000000000000000, expected an integer "
+                                                    "in 1.."), ("8", "block_size '8', expected an integer in 1..")])
+def test_an_8bit_piece_block_size_is_bounded(saved, block, said):
+    """Attacker: block_size 10**30 was an OverflowError traceback on resume."""
+    from minizero.checkpoint.fields import manifest_problems
+    man = read_manifest_json(saved)
+    man["pieces"][0].update(format="8bit", dtype="uint8", block_size=block)
+    assert said in manifest_problems(man)[0]
+
+
+def test_a_piece_tp_index_must_be_its_files_tp_rank(saved):
+    """Attacker: two tp pieces' indices swapped wrote permuted weights into model.npz silently."""
+    from minizero.checkpoint.fields import manifest_problems
+    man = read_manifest_json(saved)
+    man["layout"].update(dp=1, tp=2)
+    for r, f in enumerate(man["files"]):
+        f["coords"] = [0, r, 0]
+    i = next(i for i, pc in enumerate(man["pieces"]) if pc["param"].endswith("c_attn.weight") and pc["rank"] == 0)
+    man["pieces"][i]["tp"] = [0, 3, 1, 2]
+    assert any(f"pieces[{i}] tp index 1, expected 0 (the tp rank of its file" in p for p in manifest_problems(man))
+
+
+@pytest.mark.parametrize("out", ["/dev/null"])
+def test_consolidate_out_that_is_not_a_regular_file_is_refused(saved, out):
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(saved), "--out", out],
+                          capture_output=True, text=True, timeout=50, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr, proc.stderr

@@ -86,6 +86,9 @@ def check_out(out: str) -> None:
     Raises CheckpointError: naming ``out`` and why it would overwrite or lose something.
     """
     p = os.path.abspath(out) if out else ""
+    if p and os.path.lexists(p) and not os.path.isdir(p) and not os.path.isfile(p):  # /dev/null: model.json in /dev
+        raise CheckpointError(f"--out {out!r} exists and is not a regular file; give a new file path or an existing "
+                              "file such as model.npz")
     if not p or os.path.isdir(p):
         raise CheckpointError(f"--out {out!r} is {'empty' if not p else 'a directory'}; give a file path "
                               "such as model.npz")

@@ -6,15 +6,18 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 import re
 
 from minizero.checkpoint.layout import KINDS
+from minizero.checkpoint.model_fields import model_problems
 from minizero.memory.offload import OFFLOADS
-from minizero.memory.precision import PRECISIONS
+from minizero.memory.precision import PRECISIONS, SCALE_RANGE
 from minizero.memory.sparsity import SCOPES
 from minizero.optim import OPTIMIZERS
+from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.optim.adam8bit import CODES
 
 
@@ -63,10 +66,15 @@ def _collapse(found: list[str]) -> list[str]:
 
 
 def _top_problems(man: dict) -> list[str]:
-    return [f"field {key!r} is {'missing' if key not in man else repr(man[key])[:40]}, expected "
+    """Each top-level field of its JSON type (integers >= 0), then ``applied`` (the optimizer steps taken) <= step."""
+    out = [f"field {key!r} is {'missing' if key not in man else repr(man[key])[:40]}, expected "
             f"{'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}"
             for key, kind in FIELDS.items()
             if not isinstance(man.get(key), kind) or isinstance(man.get(key), bool) or kind is int and man[key] < 0]
+    if not out and man["applied"] > man["step"]:
+        out.append(f"field 'applied' is {man['applied']}, expected an integer in 0..step {man['step']} (the optimizer "
+                   "steps taken, at most the steps run)")
+    return out
 
 
 def _entry_problems(man: dict) -> list[str]:
@@ -86,7 +94,7 @@ def _value_problems(man: dict) -> list[str]:
     for i, entry in enumerate(man["files"]):
         name, rank = entry["file"], entry["rank"]
         if not _is_int(entry["bytes"]) or entry["bytes"] < 0 or not _is_int(rank) or rank < 0:
-            out.append(f"files[{i}] has bytes {str(entry['bytes'])[:20]}, rank {str(rank)[:20]}, expected "
+            out.append(f"files[{i}] has bytes {repr(entry['bytes'])[:20]}, rank {repr(rank)[:20]}, expected "
                        "integers >= 0")
         if not _plain(name):
             out.append(f"files[{i}].file is {str(name)[:60]!r}, expected a plain file name inside the checkpoint "
@@ -118,28 +126,8 @@ def _value_problems(man: dict) -> list[str]:
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
     if "lr" in man["train"] and not (_is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
-    return out + _model_problems(man["model"], man["params"]) + _scaler_problems(man.get("scaler")) \
+    return out + model_problems(man["model"], man["layout"], man["params"]) + _scaler_problems(man.get("scaler")) \
         + _pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
-
-
-def _model_problems(model: dict, params: dict) -> list[str]:
-    """The model section: sizes integers >= 1 (n_head dividing n_embd), a float dtype, and the embeddings' shapes in
-    ``params`` as its sizes say (what consolidate writes into model.json beside the arrays)."""
-    out = [f"model.{k} is {repr(model.get(k))[:20]}, expected an integer >= 1" for k in
-           ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if not _is_int(model.get(k)) or model[k] < 1]
-    if model.get("dtype") not in ("float16", "float32", "float64"):
-        out.append(f"model.dtype is {repr(model.get('dtype'))[:20]}, expected float16, float32 or float64")
-    if out or model["n_embd"] % model["n_head"]:
-        return out or [f"model.n_head {model['n_head']} does not divide model.n_embd {model['n_embd']}"]
-    layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
-    if layers != model["n_layer"]:
-        out.append(f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)")
-    for name, rows in (("transformer.wte.weight", "vocab_size"), ("transformer.wpe.weight", "block_size")):
-        shape = params.get(name, {}).get("shape") if isinstance(params.get(name), dict) else None
-        if shape is not None and shape != [model[rows], model["n_embd"]]:
-            return out + [f"params[{name!r}].shape is {str(shape)[:30]}, expected [{rows} {model[rows]}, n_embd "
-                          f"{model['n_embd']}] as the model section says"]  # one line: the other says the same
-    return out
 
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -161,13 +149,15 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
     ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
     if not _is_int(ws) or ws < 1:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
-    if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:
-        out.append(f"layout.world_size is {ws}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}")
-    ranks = collections.Counter(f["rank"] for f in files if _is_int(f["rank"]))
+    if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:  # before range(ws)
+        return out + [f"layout.world_size is {repr(ws)[:20]}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}"]
+    if not all(_is_int(f["rank"]) and f["rank"] >= 0 for f in files):
+        return out  # reported (files[i] has ... rank): not blamed again as a missing rank
+    ranks = collections.Counter(f["rank"] for f in files)
     twice = sorted(r for r, n in ranks.items() if n > 1)
     if twice:
         out.append(f"files has rank {', '.join(map(str, twice[:5]))} more than once, expected one entry per rank")
-    missing = [r for r in range(ws) if r not in ranks]
+    missing = list(itertools.islice((r for r in range(ws) if r not in ranks), 6))  # at most len(files) + 6 tried
     extra = sorted(r for r in ranks if r >= ws)
     if missing or extra or len(files) != ws:
         out.append(f"layout.world_size is {ws} but files has {len(files)} entries"
@@ -189,11 +179,17 @@ def _rank_file_problems(files: list, pieces: list) -> list[str]:
             if entry["file"] != rank_file(entry["rank"]):
                 out.append(f"files[{i}].file is {entry['file'][:60]!r}, expected {rank_file(entry['rank'])!r} (the "
                            f"file of its rank {entry['rank']})")
+    coords = {e["file"]: e.get("coords") for e in files if _plain(e["file"])}
     for i, pc in enumerate([] if out else pieces):
         saved = names.get(pc["file"]) if isinstance(pc["file"], str) else None
         if saved is not None and _is_int(pc["rank"]) and pc["rank"] != saved:
             out.append(f"pieces[{i}] rank {pc['rank']}, but its file {pc['file']!r} is rank {saved}'s in files, "
                        f"expected {saved}")
+        tp, c = pc["tp"], coords.get(pc["file"]) if saved is not None else None
+        if isinstance(tp, list) and len(tp) == 4 and isinstance(c, list) and len(c) == 3 and tp[2] != c[1] \
+                and not re.search(r"\.moe\.w[12]$", str(pc["param"])):  # an expert shard's index is its ep rank
+            out.append(f"pieces[{i}] tp index {tp[2]!r:.20}, expected {c[1]!r:.20} (the tp rank of its file "
+                       f"{pc['file']!r}, files coords[1])")
     return out
 
 
@@ -218,6 +214,9 @@ def _scaler_problems(sc) -> list[str]:
                 f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
     if not (_is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf):
         return [f"scaler.scale is {_shown(sc, 'scale')}, expected a finite number > 0 (FP16's loss scale)"]
+    if not SCALE_RANGE[0] <= sc["scale"] <= SCALE_RANGE[1]:
+        return [f"scaler.scale is {_shown(sc, 'scale')}, expected a number in [2**-24, 2**64] (the loss scales "
+                "DynamicLossScaler can hold, memory/precision.py)"]
     for k in SCALER_COUNTS + SCALER_OPTIONAL:
         v = sc.get(k, 0 if k in SCALER_OPTIONAL else None)
         if not (_is_int(v) and v >= 0):
@@ -357,6 +356,7 @@ def _piece_problem(pc: dict, params: dict) -> str | None:
                f"(the elements of {pc['param']!r}{' shard' if tp is not None else ''})"
     if not _is_int(pc["rank"]) or pc["rank"] < 0:
         return f"rank {str(pc['rank'])[:20]}, expected an integer >= 0"
-    if pc["format"] == "8bit" and not (_is_int(pc.get("block_size")) and pc["block_size"] > 0):
-        return f"block_size {str(pc.get('block_size'))[:20]}, expected an integer > 0"
+    if pc["format"] == "8bit" and not (_is_int(pc.get("block_size")) and 1 <= pc["block_size"] <= MAX_ADAM8BIT_BLOCK):
+        return f"block_size {repr(pc.get('block_size'))[:40]}, expected an integer in 1..{MAX_ADAM8BIT_BLOCK} " \
+               "(train's --adam8bit-block-size)"
     return None

@@ -119,7 +119,11 @@ def read_manifest(folder: str) -> dict:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {man.get('format')!r})"
                               if isinstance(man, dict) else f"{path}: not a minizero checkpoint manifest")
-    if not isinstance(man.get("version"), int) or man["version"] > VERSION:
+    v = man.get("version")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise CheckpointError(f"{path}: format version {v!r:.40}, expected an integer in 1..{VERSION} (the "
+                              "versions this minizero reads)")
+    if v > VERSION:
         raise CheckpointError(f"{path}: format version {man.get('version')!r} is newer than this minizero reads "
                               f"(up to {VERSION}); update minizero")
     found = manifest_problems(man)

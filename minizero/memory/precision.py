@@ -15,6 +15,9 @@ from minizero import backend
 from minizero.comm.collectives import all_reduce
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  #: train's --precision choices, a checkpoint's layout.precision
+#: the loss scales a run can hold: ``min_scale`` at least FP16's smallest subnormal 2**-24 (a lower scale flushes
+#: every gradient to 0), growth capped at 2**64 (no FP16 gradient needs more); a checkpoint's scaler.scale too
+SCALE_RANGE = (2.0 ** -24, 2.0 ** 64)
 
 
 class LossScaleError(FloatingPointError):
@@ -32,10 +35,11 @@ class DynamicLossScaler:
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  hysteresis=1, min_scale=1.0, max_skips_at_min=10):
         if not (0 < init_scale < math.inf and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
-                and hysteresis >= 1 and 0 < min_scale <= init_scale and max_skips_at_min >= 1):
+                and hysteresis >= 1 and SCALE_RANGE[0] <= min_scale <= init_scale <= SCALE_RANGE[1]
+                and max_skips_at_min >= 1):
             raise ValueError(
                 f"loss scaler needs a finite init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
-                f"hysteresis >= 1, 0 < min_scale <= init_scale, max_skips_at_min >= 1; got init_scale={init_scale}, "
+                f"hysteresis >= 1, 2**-24 <= min_scale <= init_scale <= 2**64, max_skips_at_min >= 1; got init_scale={init_scale}, "
                 f"growth_factor={growth_factor}, backoff_factor={backoff_factor}, growth_interval={growth_interval}, "
                 f"hysteresis={hysteresis}, min_scale={min_scale}, max_skips_at_min={max_skips_at_min}")
         self.scale = float(init_scale)
@@ -55,7 +59,7 @@ class DynamicLossScaler:
             self._skips_at_min = 0
             self._good_steps += 1
             if self._good_steps == self.growth_interval:
-                self.scale *= self.growth_factor
+                self.scale = min(self.scale * self.growth_factor, SCALE_RANGE[1])
                 self._good_steps = 0
                 self._hysteresis_left = self.hysteresis
             return False
