@@ -292,7 +292,7 @@ def test_every_piece_field_is_checked_against_the_model_before_any_read(saved, t
 
 def test_a_files_entry_with_bytes_lots_is_refused(saved, tmp_path):
     folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["files"][0].update(bytes="lots"))
-    assert "files[0] has bytes lots" in _resume_error(folder)
+    assert "files[0] has bytes 'lots', rank 0" in _resume_error(folder)  # repr: a string shown quoted
 
 
 @pytest.mark.parametrize("field, value, said", [
@@ -670,7 +670,7 @@ def test_a_piece_tp_index_must_be_its_files_tp_rank(saved):
     for r, f in enumerate(man["files"]):
         f["coords"] = [0, r, 0]
     i = next(i for i, pc in enumerate(man["pieces"]) if pc["param"].endswith("c_attn.weight") and pc["rank"] == 0)
-    man["pieces"][i]["tp"] = [0, 3, 1, 2]
+    man["pieces"][i].update(tp=[0, 3, 1, 2], lo=0, hi=48 * 16 // 2)  # otherwise a sound tp shard of rank 0's file
     assert any(f"pieces[{i}] tp index 1, expected 0 (the tp rank of its file" in p for p in manifest_problems(man))
 
 

@@ -104,6 +104,7 @@ def _value_problems(man: dict) -> list[str]:
             names.add(name)
         out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
                                              *_saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
+    coords = {e["file"]: e.get("coords") for e in man["files"] if _plain(e["file"])}
     seen = {}  # (file, key) and (kind, param, tp, lo, hi) of the pieces before -> the first index
     for i, pc in enumerate(man["pieces"]):
         problem = _piece_problem(pc, man["params"])
@@ -112,6 +113,11 @@ def _value_problems(man: dict) -> list[str]:
         if not (isinstance(pc["file"], str) and pc["file"] in names or _is_int(pc["rank"]) and pc["rank"] in refused):
             out.append(f"pieces[{i}].file is {str(pc['file'])[:60]!r}, expected one of the checked 'files' entries "
                        f"({', '.join(sorted(names))[:80]})")
+        tp, c = pc["tp"], coords.get(pc["file"]) if isinstance(pc["file"], str) else None
+        if not problem and tp is not None and isinstance(c, list) and len(c) == 3 and tp[2] != c[1] \
+                and not re.search(r"\.moe\.w[12]$", pc["param"]):  # an expert shard's index is its ep rank
+            out.append(f"pieces[{i}] tp index {tp[2]}, expected {c[1]!r:.20} (the tp rank of its file "
+                       f"{pc['file']!r}, files coords[1])")
         if not problem and isinstance(pc["file"], str):
             same = [(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])]
             first = next((seen[k] for k in same if k in seen), None)
@@ -179,17 +185,11 @@ def _rank_file_problems(files: list, pieces: list) -> list[str]:
             if entry["file"] != rank_file(entry["rank"]):
                 out.append(f"files[{i}].file is {entry['file'][:60]!r}, expected {rank_file(entry['rank'])!r} (the "
                            f"file of its rank {entry['rank']})")
-    coords = {e["file"]: e.get("coords") for e in files if _plain(e["file"])}
     for i, pc in enumerate([] if out else pieces):
         saved = names.get(pc["file"]) if isinstance(pc["file"], str) else None
         if saved is not None and _is_int(pc["rank"]) and pc["rank"] != saved:
             out.append(f"pieces[{i}] rank {pc['rank']}, but its file {pc['file']!r} is rank {saved}'s in files, "
                        f"expected {saved}")
-        tp, c = pc["tp"], coords.get(pc["file"]) if saved is not None else None
-        if isinstance(tp, list) and len(tp) == 4 and isinstance(c, list) and len(c) == 3 and tp[2] != c[1] \
-                and not re.search(r"\.moe\.w[12]$", str(pc["param"])):  # an expert shard's index is its ep rank
-            out.append(f"pieces[{i}] tp index {tp[2]!r:.20}, expected {c[1]!r:.20} (the tp rank of its file "
-                       f"{pc['file']!r}, files coords[1])")
     return out
 
 
