@@ -15,8 +15,10 @@ from minizero.memory.precision import PRECISIONS
 from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
+from minizero.parallel.expert_parallel import MOE_EVERY
 from minizero.numerals import integer, real
 from minizero.optim import OPTIMIZERS
+from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
 
 
@@ -179,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-top-k", type=integer, default=2, metavar="K", help="experts each token is routed to")
     moe.add_argument("--moe-capacity-factor", type=real, default=1.25, metavar="F",
                      help="slots per expert = ceil(F x tokens x K / E) per micro-batch; choices past it are dropped")
-    moe.add_argument("--moe-every", type=integer, default=1, choices=[1, 2],
+    moe.add_argument("--moe-every", type=integer, default=1, choices=list(MOE_EVERY),
                      help="an MoE layer in every block (1) or every other block (2: blocks 1, 3, ...)")
     moe.add_argument("--moe-aux-loss", type=real, default=0.01, metavar="COEF",
                      help="coefficient of the Switch load-balancing loss (Fedus et al. 2021; 0: off)")
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: upper limits that keep a typo from becoming an out-of-memory kill minutes later
-MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, 1 << 16
+MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS, MAX_ADAM8BIT_BLOCK = 4096, 100_000, MAX_BLOCK_SIZE
 MAX_FLIGHT_RECORDS = 1_000_000  #: flight-recorder entries kept per rank (500x the default)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero.flags import UsageError
+from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
 def check_sequence_parallel(args, cfg) -> None:
@@ -182,7 +183,6 @@ def check_interleaved(args, cfg) -> None:
                          f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")
 
 
-MAX_EXPERTS = 1024  #: --moe-experts cap (each rank draws every expert at start)
 
 
 def check_moe(args) -> None:

@@ -17,8 +17,7 @@ from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS, SCALE_RANGE
 from minizero.memory.sparsity import SCOPES
 from minizero.optim import OPTIMIZERS
-from minizero.flags import MAX_ADAM8BIT_BLOCK
-from minizero.optim.adam8bit import CODES
+from minizero.optim.adam8bit import CODES, MAX_BLOCK_SIZE as MAX_ADAM8BIT_BLOCK
 
 
 def rank_file(rank: int) -> str:

@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from minizero.layout_checks import MAX_EXPERTS
 from minizero.nn import GPT, GPTConfig
-from minizero.parallel.expert_parallel import MoEConfig
+from minizero.parallel.expert_parallel import MAX_EXPERTS, MOE_EVERY, MoEConfig
 
 SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 DTYPES = ("float16", "float32", "float64")
-#: train's --moe-every choices (flags.py)
-MOE_EVERY = (1, 2)
 
 
 def _is_int(v) -> bool:

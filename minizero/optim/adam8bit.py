@@ -22,6 +22,7 @@ from minizero.optim.base import Optimizer
 BLOCK_SIZE = 256  #: bitsandbytes' block size for blockwise 8-bit optimizers (the paper: 2048)
 MIN_8BIT_SIZE = 4096  #: tensors with fewer elements keep FP32 state (bitsandbytes' ``min_8bit_size``)
 CODES = ("dynamic", "linear")
+MAX_BLOCK_SIZE = 1 << 16  #: train's --adam8bit-block-size cap (and quantize's --block-size), a checkpoint's too
 
 
 def make_codes(code: str = "dynamic", device: bool = True):

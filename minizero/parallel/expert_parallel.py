@@ -35,6 +35,9 @@ from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.moe import MoELayer
 from minizero.zero import zero_optimizer
 
+MAX_EXPERTS = 1024  #: --moe-experts cap (each rank draws every expert at start), a checkpoint's layout.moe_experts too
+MOE_EVERY = (1, 2)  #: --moe-every choices: an MoE layer in every block, or every other block
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
