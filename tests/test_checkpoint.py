@@ -679,3 +679,23 @@ def test_consolidate_out_that_is_not_a_regular_file_is_refused(saved, out):
     proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(saved), "--out", out],
                           capture_output=True, text=True, timeout=50, cwd=REPO_ROOT)
     assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr, proc.stderr
+
+
+def _drop_piece(kind, half):
+    """Remove the first ``kind`` piece (``half``: keep its first half, a ZeRO-style partial piece)."""
+    def edit(man):
+        i = next(i for i, pc in enumerate(man["pieces"]) if pc["kind"] == kind and pc["hi"] - pc["lo"] > 1)
+        if half:
+            man["pieces"][i]["hi"] = (man["pieces"][i]["lo"] + man["pieces"][i]["hi"]) // 2
+        else:
+            del man["pieces"][i]
+    return edit
+
+
+@pytest.mark.parametrize("kind, half, said", [
+    ("param", False, "has no 'param' piece, expected its values saved in some rank's file"),
+    ("m", True, "pieces hold no m of 'transformer.wte.weight' element 2048 (of 4,096), expected every element saved")])
+def test_every_element_is_in_some_piece(saved, tmp_path, kind, half, said):
+    """Attacker: a piece removed was found only late (consolidate: "no saved 'param' of ..."; resume under ZeRO 2: one
+    rank aborted after "resumed")."""
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), _drop_piece(kind, half)), said, tmp_path)

@@ -30,9 +30,10 @@ def manifest_problems(man: dict) -> list[str]:
 
     In three passes, each needing the one before: the top-level fields, then each entry's fields
     present, then their values (file names, sizes, pieces against the params and their files, layout against
-    train's choices and the rank files, train.lr, scaler, pruning, rng, coords, FP8 histories, routing biases).
+    train's choices and the rank files, train.lr, scaler, pruning, rng, coords, FP8 histories, routing biases);
+    then each parameter's saved elements (:func:`_coverage_problems`).
     """
-    for problems in (_top_problems, _entry_problems, _value_problems):
+    for problems in (_top_problems, _entry_problems, _value_problems, _coverage_problems):
         found = problems(man)
         if found:
             return _collapse(found)
@@ -133,6 +134,38 @@ def _value_problems(man: dict) -> list[str]:
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
     return out + model_problems(man["model"], man["layout"], man["params"]) + _scaler_problems(man.get("scaler")) \
         + _pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
+
+
+def _coverage_problems(man: dict) -> list[str]:
+    """Every element of every parameter in a ``param`` piece, and of each optimizer kind (m, v, master) a
+    parameter has pieces of, in one of them: per tp shard index 0..parts-1 the pieces' [lo, hi) cover the shard.
+    (A kind absent for a whole parameter is not judged: a reader reports it by name.)"""
+    groups = collections.defaultdict(list)  # (kind, param) -> its pieces
+    for pc in man["pieces"]:
+        groups[(pc["kind"], pc["param"])].append(pc)
+    out = [f"params[{n[:60]!r}] has no 'param' piece, expected its values saved in some rank's file"
+           for n in man["params"] if ("param", n) not in groups]
+    for (kind, name), pcs in groups.items():
+        shape, tps = man["params"][name]["shape"], {pc["tp"] and (pc["tp"][0], pc["tp"][1], pc["tp"][3]) for pc in pcs}
+        if len(tps) > 1:  # one split per parameter in a checkpoint; else a reader reports the gap
+            continue
+        parts, size = (pcs[0]["tp"] or [0, 1, 0, 1])[3], math.prod(shape)
+        spans = collections.defaultdict(list)  # tp index -> (lo, hi)
+        for pc in pcs:
+            spans[pc["tp"][2] if pc["tp"] else 0].append((pc["lo"], pc["hi"]))
+        for index in [i for i in range(min(parts, len(spans) + 1)) if i not in spans][:1]:
+            out.append(f"pieces hold no {kind} of {name[:60]!r} tp shard {index} of {parts}, expected every shard saved")
+        for index, have in spans.items():
+            end = 0
+            for lo, hi in sorted(have):
+                if lo > end:
+                    break
+                end = max(end, hi)
+            if end < size // parts:
+                out.append(f"pieces hold no {kind} of {name[:60]!r}{f' tp shard {index}' if parts > 1 else ''} "
+                           f"element {end} (of {size // parts:,}), expected every element saved")
+                break
+    return out
 
 
 ZERO_STAGES = (0, 1, 2, 3)
