@@ -405,7 +405,8 @@ def json_target_problem(path: str) -> str | None:
         return "give a file path"
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        return f"the folder {folder!r} does not exist; give a path in an existing folder"
+        return (f"{folder!r} is not a directory" if os.path.exists(folder) else
+                f"the folder {folder!r} does not exist") + "; give a path in an existing folder"
     if os.path.isdir(path):
         return "is a directory; give a file path"
     if os.path.lexists(path):
