@@ -12,7 +12,7 @@ import os
 import re
 
 from minizero.checkpoint.layout import KINDS
-from minizero.checkpoint.model_fields import model_problems
+from minizero.checkpoint.model_fields import _is_int, model_problems
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS, SCALE_RANGE
 from minizero.memory.sparsity import SCOPES
@@ -338,10 +338,6 @@ def _coords_problem(entry: dict, layout: dict) -> str | None:
 
 #: the dtypes a piece may hold, by format
 PIECE_DTYPES = {"dense": ("float16", "float32", "float64"), "8bit": ("uint8",)}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _plain(name) -> bool:

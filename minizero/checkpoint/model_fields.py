@@ -19,6 +19,7 @@ DTYPES = ("float16", "float32", "float64")
 
 
 def _is_int(v) -> bool:
+    """An int, not a bool (JSON's true is not a count); fields.py uses it too."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
