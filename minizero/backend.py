@@ -21,6 +21,15 @@ device_description = "cpu (NumPy)"  #: the last :func:`set_device`'s one-line de
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: ``os.sched_getaffinity`` (what ``taskset``, a container's cpuset or
+    ``mpiexec``'s binding allow), else ``os.cpu_count()`` (macOS has no affinity call); at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 MALLOC_MMAP_THRESHOLD = 32 * 2 ** 20  #: glibc's largest mmap threshold: smaller blocks come from the reused heap
 MALLOC_TRIM_THRESHOLD = 2 ** 30  #: free heap glibc keeps before returning memory to the system
 malloc_kept = False  #: True once :func:`keep_freed_memory` changed this process's malloc

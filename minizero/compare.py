@@ -316,7 +316,7 @@ def _main(argv=None) -> int:
     except UsageError as e:
         print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
         return 2
-    cores = os.cpu_count() or 1
+    cores = backend.usable_cores()
     if max(args.ranks) > cores:
         print(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); the ranks "
               f"will be oversubscribed (slow, and tokens/s not comparable)", file=sys.stderr, flush=True)

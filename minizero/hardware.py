@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from minizero import backend
 from minizero.files import mpiexec_path
 from minizero.numerals import integer
 from minizero.plan_search import Hardware
@@ -173,7 +174,7 @@ def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> P
 
     Raises RuntimeError when a launched all-reduce job fails.
     """
-    cores = os.cpu_count() or 1
+    cores = backend.usable_cores()
     nparams = cfg.num_parameters()
     threads = sorted({max(1, cores // n) for n in world_sizes})
     return Profile(sgemm_flops={t: sgemm_flops(cfg, micro_batch, t) for t in threads}, copy_bw=copy_bandwidth(),

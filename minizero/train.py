@@ -68,10 +68,7 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+    return backend.usable_cores()
 
 
 #: the variables a user sets to cap BLAS threads: the first one set is honoured as an upper bound (when it is

@@ -147,3 +147,17 @@ print(mapped_by_a_new_array(), backend.keep_freed_memory(), mapped_by_a_new_arra
     assert run.returncode == 0, run.stderr
     default, kept, after = run.stdout.split()
     assert int(default) >= 4 * 2 ** 20 and kept == "True" and int(after) == 0
+
+
+def test_usable_cores_counts_the_cores_this_process_may_run_on(monkeypatch):
+    """taskset / a cpuset / mpiexec's binding, not the machine's count: a 16-core machine that lets a process
+    use 2 gives it 2 BLAS threads and no spinning for a third rank (the device run's profile ran 16 threads on 2)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert backend.usable_cores() == 2
+    from minizero.comm import base
+    assert base.spin_seconds(2) == base.SPIN_S and base.spin_seconds(3) == 0.0
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS: no affinity call
+    assert backend.usable_cores() == 16

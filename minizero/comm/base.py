@@ -6,7 +6,6 @@ The public methods record ``buf.nbytes`` of every send (an estimate for native c
 from __future__ import annotations
 
 import abc
-import os
 import time
 import numbers
 
@@ -56,8 +55,7 @@ SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a c
 
 def spin_seconds(ranks_on_this_node: int) -> float:
     """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank, else 0."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SPIN_S if ranks_on_this_node <= cores else 0.0
+    return SPIN_S if ranks_on_this_node <= backend.usable_cores() else 0.0
 
 
 def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None) -> str:
