@@ -400,6 +400,70 @@ def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved,
     _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} {said}", tmp_path)
 
 
+def test_verify_reads_each_rank_file_once(saved, monkeypatch):
+    """The checksum and the NaN/inf/negative-v checks share one read of each rank file, front to back: every byte
+    read once through one open, no array read again through safetensors (before: the SHA-256 read the file, then
+    safe_open read every array again). The header check reads the header only."""
+    import builtins
+
+    import minizero.checkpoint.format as fmt
+
+    opened, read, arrays = [], {}, []
+
+    class Counting:  # a file whose reads are counted per path
+        def __init__(self, f, path):
+            self.f, self.path = f, path
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read[self.path] = read.get(self.path, 0) + len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def counting_open(path, mode="r", *args, **kw):
+        opened.append(os.path.basename(path))
+        return Counting(builtins.open(path, mode, *args, **kw), os.path.basename(path))
+
+    real_safe_open = fmt.safe_open
+
+    class CountingSafeOpen:  # safetensors' reader: its arrays counted
+        def __init__(self, *args, **kw):
+            self.inner = real_safe_open(*args, **kw)
+
+        def __enter__(self):
+            self.st = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def metadata(self):
+            return self.st.metadata()
+
+        def keys(self):
+            return self.st.keys()
+
+        def get_tensor(self, key):
+            arrays.append(key)
+            return self.st.get_tensor(key)
+
+    monkeypatch.setattr(fmt, "open", counting_open, raising=False)
+    monkeypatch.setattr(fmt, "safe_open", CountingSafeOpen)
+    fmt.verify(str(saved))
+    files = sorted(e["file"] for e in read_manifest(str(saved))["files"])
+    assert [f for f in opened if f.endswith(".safetensors")] == files  # one open each
+    assert {f: read[f] for f in files} == {f: os.path.getsize(saved / f) for f in files}  # every byte once
+    assert arrays == []
+
+
 def test_a_checkpoint_folder_that_is_a_symlink_is_refused(saved, tmp_path):
     real = _copy(saved, tmp_path / "real")
     os.symlink(real, tmp_path / "link")
