@@ -763,3 +763,26 @@ def test_every_element_is_in_some_piece(saved, tmp_path, kind, half, said):
     """Attacker: a piece removed was found only late (consolidate: "no saved 'param' of ..."; resume under ZeRO 2: one
     rank aborted after "resumed")."""
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), _drop_piece(kind, half)), said, tmp_path)
+
+
+def _drop_kind(kind, param):
+    """Remove every ``kind`` piece of ``param`` (every rank's)."""
+    def edit(man):
+        man["pieces"] = [pc for pc in man["pieces"] if not (pc["kind"] == kind and pc["param"] == param)]
+    return edit
+
+
+@pytest.mark.parametrize("edit, said", [
+    (_drop_kind("m", "transformer.wte.weight"), "pieces hold no m of 'transformer.wte.weight', expected every "
+                                                "parameter's m (layout.optimizer adamw keeps Adam's m and v of each)"),
+    (_drop_kind("v", "transformer.ln_f.bias"), "pieces hold no v of 'transformer.ln_f.bias', expected every "
+                                               "parameter's v"),
+    (lambda man: man["layout"].update(precision="fp16"),
+     "pieces hold no master of 'transformer.wte.weight', 'transformer.wpe.weight', 'transformer.h.0.ln_1.weight', "
+     "... ({n} parameters), expected every parameter's master (layout.precision fp16 keeps an FP32 master of each)")])
+def test_a_parameter_without_a_kind_the_layout_keeps_is_refused(saved, tmp_path, edit, said):
+    """Attacker: every m piece of one parameter removed passed the manifest check (coverage was judged only for the
+    kinds a parameter had) and was found when resume read it ("no saved 'm' of ..."); the kinds come from the
+    layout: Adam's m and v for both optimizers, the master under fp16."""
+    said = said.replace("{n}", str(len(read_manifest_json(saved)["params"])))
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
