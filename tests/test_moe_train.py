@@ -252,3 +252,27 @@ def test_the_expert_gradient_reduction_is_the_edp_row_of_the_traffic_table():
     dp_row = next(line for line in table if line.startswith("  dp    (4 rank(s) each)"))
     assert f"{format_bytes(sum(r['experts'] for r in runs)):>9s}, " in edp_row
     assert dp_row.endswith(f"{format_bytes(sum(r['dense'] for r in runs)):>9s},         ?")
+
+
+def _table_on_fake_nodes(comm):
+    from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator
+    comm = NodeTrafficCommunicator(comm, NodeLayout((0, 0, 1, 1)))
+    lines = []
+    out = train(parse_args([*BASE, "--ep", "2"], comm.world_size), comm, log=lines.append, callbacks=[])
+    edp = out.strategy.edp_comm
+    return lines, edp.traffic.by_op["all_reduce"], edp.cross_node.by_op.get("all_reduce", 0), out.train_losses
+
+
+def test_the_edp_row_counts_its_bytes_across_nodes():
+    """Nodes {0, 1} and {2, 3}: the expert groups {0, 1}, {2, 3} stay in a node, the expert-data groups {0, 2},
+    {1, 3} cross; every expert-gradient byte crosses, and the world line lists the edp part."""
+    runs = run_in_threads(4, _table_on_fake_nodes, timeout=240)
+    steps = len(runs[0][3])
+    assert all(sent == crossed > 0 for _, sent, crossed, _ in runs)
+    edp = format_bytes(sum(sent for _, sent, _, _ in runs) / steps)
+    table = runs[0][0]
+    assert next(line for line in table if line.startswith("  edp   (2 rank(s) each): 2 node(s),")).endswith(
+        f"{edp:>9s}, {edp:>9s}   (expert gradients over the ranks holding the same experts)")
+    assert next(line for line in table if line.startswith("  ep    (2 rank(s) each): 1 node(s),")).split(",")[2] \
+        == f" {'0 B':>9s}   (expert all-to-all)"
+    assert f" + ep 0 B + edp {edp} + pp " in next(line for line in table if line.startswith("  world: "))
