@@ -212,7 +212,8 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
         check_finite_loss(args.steps, "validation", out.val_history[-1][1])
     out.traffic, out.pruner, out.applied = s.traffic(), run.pruner, run.applied
     ran = args.steps - run.start  # this job's steps (a resumed run: fewer than --steps; every rank alike)
-    for line in node_traffic(s.topo, ran, s.dp, args.allreduce, s.cp, args.cp_attention, args.ep) if ran else ():
+    for line in node_traffic(s.topo, ran, s.dp, args.allreduce, s.cp, args.cp_attention, args.ep,
+                                         s.edp_comm) if ran else ():
         log(line)
     out.model = s.full_model()
     return out

@@ -110,6 +110,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                                  ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),
                                  ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
     reductions = [w for w, here in (("data parallel", args.dp * args.cp > 1),
+                                    ("the experts' over their expert-data groups, the traffic table's edp row",
+                                     args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1),
                                     ("the tied embedding between the first and last stage", args.pp > 1)) if here]
     labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})",
                   gradient_reduction=KIND_LABELS["gradient_reduction"] + (f" ({'; '.join(reductions)})"

@@ -400,6 +400,70 @@ def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved,
     _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} {said}", tmp_path)
 
 
+def test_verify_reads_each_rank_file_once(saved, monkeypatch):
+    """The checksum and the NaN/inf/negative-v checks share one read of each rank file, front to back: every byte
+    read once through one open, no array read again through safetensors (before: the SHA-256 read the file, then
+    safe_open read every array again). The header check reads the header only."""
+    import builtins
+
+    import minizero.checkpoint.format as fmt
+
+    opened, read, arrays = [], {}, []
+
+    class Counting:  # a file whose reads are counted per path
+        def __init__(self, f, path):
+            self.f, self.path = f, path
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read[self.path] = read.get(self.path, 0) + len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def counting_open(path, mode="r", *args, **kw):
+        opened.append(os.path.basename(path))
+        return Counting(builtins.open(path, mode, *args, **kw), os.path.basename(path))
+
+    real_safe_open = fmt.safe_open
+
+    class CountingSafeOpen:  # safetensors' reader: its arrays counted
+        def __init__(self, *args, **kw):
+            self.inner = real_safe_open(*args, **kw)
+
+        def __enter__(self):
+            self.st = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def metadata(self):
+            return self.st.metadata()
+
+        def keys(self):
+            return self.st.keys()
+
+        def get_tensor(self, key):
+            arrays.append(key)
+            return self.st.get_tensor(key)
+
+    monkeypatch.setattr(fmt, "open", counting_open, raising=False)
+    monkeypatch.setattr(fmt, "safe_open", CountingSafeOpen)
+    fmt.verify(str(saved))
+    files = sorted(e["file"] for e in read_manifest(str(saved))["files"])
+    assert [f for f in opened if f.endswith(".safetensors")] == files  # one open each
+    assert {f: read[f] for f in files} == {f: os.path.getsize(saved / f) for f in files}  # every byte once
+    assert arrays == []
+
+
 def test_a_checkpoint_folder_that_is_a_symlink_is_refused(saved, tmp_path):
     real = _copy(saved, tmp_path / "real")
     os.symlink(real, tmp_path / "link")
@@ -699,3 +763,26 @@ def test_every_element_is_in_some_piece(saved, tmp_path, kind, half, said):
     """Attacker: a piece removed was found only late (consolidate: "no saved 'param' of ..."; resume under ZeRO 2: one
     rank aborted after "resumed")."""
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), _drop_piece(kind, half)), said, tmp_path)
+
+
+def _drop_kind(kind, param):
+    """Remove every ``kind`` piece of ``param`` (every rank's)."""
+    def edit(man):
+        man["pieces"] = [pc for pc in man["pieces"] if not (pc["kind"] == kind and pc["param"] == param)]
+    return edit
+
+
+@pytest.mark.parametrize("edit, said", [
+    (_drop_kind("m", "transformer.wte.weight"), "pieces hold no m of 'transformer.wte.weight', expected every "
+                                                "parameter's m (layout.optimizer adamw keeps Adam's m and v of each)"),
+    (_drop_kind("v", "transformer.ln_f.bias"), "pieces hold no v of 'transformer.ln_f.bias', expected every "
+                                               "parameter's v"),
+    (lambda man: man["layout"].update(precision="fp16"),
+     "pieces hold no master of 'transformer.wte.weight', 'transformer.wpe.weight', 'transformer.h.0.ln_1.weight', "
+     "... ({n} parameters), expected every parameter's master (layout.precision fp16 keeps an FP32 master of each)")])
+def test_a_parameter_without_a_kind_the_layout_keeps_is_refused(saved, tmp_path, edit, said):
+    """Attacker: every m piece of one parameter removed passed the manifest check (coverage was judged only for the
+    kinds a parameter had) and was found when resume read it ("no saved 'm' of ..."); the kinds come from the
+    layout: Adam's m and v for both optimizers, the master under fp16."""
+    said = said.replace("{n}", str(len(read_manifest_json(saved)["params"])))
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)

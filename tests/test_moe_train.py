@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from minizero.comm import run_in_threads
+from minizero.comm.collectives import bytes_sent
 from minizero.flags import UsageError
-from minizero.ledger import get_ledger
+from minizero.ledger import format_bytes, get_ledger
 from minizero.loop import train
 from minizero.nn import get_config
 from minizero.parallel.expert_parallel import is_expert
@@ -219,3 +220,59 @@ def test_the_header_says_how_expert_gradients_are_summed(n, words):
         return lines
     header = run_in_threads(n, run, timeout=100)[0]
     assert any(line.startswith("MoE: ") and line.endswith(words) for line in header), header
+
+
+def _gradient_traffic(comm, flags):
+    lines = []
+    out = train(parse_args([*BASE, *flags], comm.world_size), comm, log=lines.append, callbacks=[])
+    sync, topo = out.strategy.sync, out.strategy.topo
+    edp = out.strategy.edp_comm
+    dense = [flat.size for flat, _ in sync.dense.buckets]
+    experts = [flat.size for flat, _ in sync.experts.buckets]
+    return dict(traffic=out.traffic, lines=lines, steps=len(out.train_losses),
+                dense=sum(bytes_sent("all_reduce", n, 8, topo.dp, topo.dp_rank) for n in dense),
+                experts=sum(bytes_sent("all_reduce", n, 8, edp.world_size, edp.rank) for n in experts),
+                sizes=(sum(dense), sum(experts)), total=sum(p.size for p in out.strategy.params))
+
+
+def test_the_expert_gradient_reduction_is_the_edp_row_of_the_traffic_table():
+    """--ep 2 on 4 data ranks: the experts' gradients go over the expert-data group (2 ranks), the dense ones over
+    the data group (4); the table shows them as the edp and dp rows, each exactly minizero's all-reduce bytes of
+    its buckets (before, the dp row held both). The edp group's ledger is a child of the data group's."""
+    runs = run_in_threads(4, _gradient_traffic, ["--ep", "2"], timeout=240)
+    cfg = get_config("tiny")
+    experts = cfg.n_layer * 2 * (4 // 2) * cfg.n_embd * 4 * cfg.n_embd  # w1, w2 of E/ep experts per MoE layer
+    for r in runs:
+        steps, by_dp, by_edp = r["steps"], r["traffic"]["dp"]["by_op"], r["traffic"]["edp"]["by_op"]
+        assert r["sizes"] == (r["total"] - experts, experts)
+        assert by_edp["all_reduce"] == steps * r["experts"]  # the expert gradients, over 2 ranks
+        assert by_dp["all_reduce"] - by_edp["all_reduce"] == steps * r["dense"]  # the dense ones, over 4
+    table = runs[0]["lines"]
+    edp_row = next(line for line in table if line.startswith("  edp   (2 rank(s) each)"))
+    dp_row = next(line for line in table if line.startswith("  dp    (4 rank(s) each)"))
+    assert f"{format_bytes(sum(r['experts'] for r in runs)):>9s}, " in edp_row
+    assert dp_row.endswith(f"{format_bytes(sum(r['dense'] for r in runs)):>9s},         ?")
+
+
+def _table_on_fake_nodes(comm):
+    from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator
+    comm = NodeTrafficCommunicator(comm, NodeLayout((0, 0, 1, 1)))
+    lines = []
+    out = train(parse_args([*BASE, "--ep", "2"], comm.world_size), comm, log=lines.append, callbacks=[])
+    edp = out.strategy.edp_comm
+    return lines, edp.traffic.by_op["all_reduce"], edp.cross_node.by_op.get("all_reduce", 0), out.train_losses
+
+
+def test_the_edp_row_counts_its_bytes_across_nodes():
+    """Nodes {0, 1} and {2, 3}: the expert groups {0, 1}, {2, 3} stay in a node, the expert-data groups {0, 2},
+    {1, 3} cross; every expert-gradient byte crosses, and the world line lists the edp part."""
+    runs = run_in_threads(4, _table_on_fake_nodes, timeout=240)
+    steps = len(runs[0][3])
+    assert all(sent == crossed > 0 for _, sent, crossed, _ in runs)
+    edp = format_bytes(sum(sent for _, sent, _, _ in runs) / steps)
+    table = runs[0][0]
+    assert next(line for line in table if line.startswith("  edp   (2 rank(s) each): 2 node(s),")).endswith(
+        f"{edp:>9s}, {edp:>9s}   (expert gradients over the ranks holding the same experts)")
+    assert next(line for line in table if line.startswith("  ep    (2 rank(s) each): 1 node(s),")).split(",")[2] \
+        == f" {'0 B':>9s}   (expert all-to-all)"
+    assert f" + ep 0 B + edp {edp} + pp " in next(line for line in table if line.startswith("  world: "))

@@ -11,7 +11,7 @@ import math
 import os
 import re
 
-from minizero.checkpoint.layout import KINDS
+from minizero.checkpoint.layout import KINDS, saved_kinds
 from minizero.checkpoint.model_fields import _is_int, model_problems
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS, SCALE_RANGE
@@ -137,14 +137,24 @@ def _value_problems(man: dict) -> list[str]:
 
 
 def _coverage_problems(man: dict) -> list[str]:
-    """Every element of every parameter in a ``param`` piece, and of each optimizer kind (m, v, master) a
-    parameter has pieces of, in one of them: per tp shard index 0..parts-1 the pieces' [lo, hi) cover the shard.
-    (A kind absent for a whole parameter is not judged: a reader reports it by name.)"""
+    """Every parameter has every kind the layout keeps (:func:`~minizero.checkpoint.layout.saved_kinds`: param;
+    Adam's m, v; the master under fp16), one line per kind naming the parameters without it; and every element
+    of each kind of each parameter in one of its pieces: per tp shard index 0..parts-1 the pieces' [lo, hi)
+    cover the shard."""
     groups = collections.defaultdict(list)  # (kind, param) -> its pieces
     for pc in man["pieces"]:
         groups[(pc["kind"], pc["param"])].append(pc)
     out = [f"params[{n[:60]!r}] has no 'param' piece, expected its values saved in some rank's file"
            for n in man["params"] if ("param", n) not in groups]
+    layout = man["layout"]
+    for kind in saved_kinds(layout["optimizer"], layout["precision"])[1:]:
+        lack = [n for n in man["params"] if (kind, n) not in groups]
+        if lack:
+            why = f"layout.precision {layout['precision']} keeps an FP32 master" if kind == "master" else \
+                f"layout.optimizer {layout['optimizer']} keeps Adam's m and v"
+            out.append(f"pieces hold no {kind} of {', '.join(repr(n[:60]) for n in lack[:3])}"
+                       f"{', ...' if len(lack) > 3 else ''}{f' ({len(lack)} parameters)' if len(lack) > 1 else ''}, "
+                       f"expected every parameter's {kind} ({why} of each)")
     for (kind, name), pcs in groups.items():
         shape, tps = man["params"][name]["shape"], {pc["tp"] and (pc["tp"][0], pc["tp"][1], pc["tp"][3]) for pc in pcs}
         if len(tps) > 1:  # one split per parameter in a checkpoint; else a reader reports the gap

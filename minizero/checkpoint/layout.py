@@ -22,6 +22,18 @@ from minizero import backend
 from minizero.optim.adam8bit import QuantizedState
 
 KINDS = ("param", "m", "v", "master")
+#: the optimizer-state kinds each optimizer (train's ``--optimizer``, a manifest's layout.optimizer) keeps for every
+#: parameter: both are Adam (8-bit Adam's small parameters keep dense m and v, the same kinds)
+OPTIMIZER_KINDS = {"adamw": ("m", "v"), "adam8bit": ("m", "v")}
+#: the precisions that keep an FP32 master of every parameter (``build_strategy``'s ``master_weights``)
+MASTER_PRECISIONS = ("fp16",)
+
+
+def saved_kinds(optimizer: str, precision: str) -> tuple:
+    """The kinds a checkpoint holds for every parameter (each element in some piece, over the ranks): the values,
+    ``optimizer``'s state (:data:`OPTIMIZER_KINDS`), the master under ``precision`` in :data:`MASTER_PRECISIONS`
+    (frozen parameters do not exist in the main job, the one writer). Raises KeyError: an unknown optimizer."""
+    return ("param",) + OPTIMIZER_KINDS[optimizer] + (("master",) if precision in MASTER_PRECISIONS else ())
 TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (tied to the embedding)
 
 

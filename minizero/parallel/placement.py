@@ -44,7 +44,10 @@ def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     return ring, hier
 
 
-CP_LABELS = ("ring_attention", "all_to_all")  #: ledger labels of context-parallel attention (ring, Ulysses)
+#: ledger labels of the cp (ring, Ulysses) or ep (MoE dispatch, combine, their counts) row, taken out of the dp row
+CP_LABELS = ("ring_attention", "all_to_all", "all_to_all_counts")
+#: labels of the data group's ledger shown in no group's row (the used-parameter agreement, replica digests)
+NOT_GRADIENTS = (USED, "replica_check")
 
 
 def _label(snapshot: dict | None, *labels: str) -> float:
@@ -53,12 +56,14 @@ def _label(snapshot: dict | None, *labels: str) -> float:
 
 
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
-                 cp_attention: str = "ring", ep: int = 1) -> list[str]:
+                 cp_attention: str = "ring", ep: int = 1, edp=None) -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table lines on world rank 0 ([] elsewhere).
 
     ``steps``: optimizer steps (>= 1); ``dp``: DataParallel or None (ring-vs-hierarchical line); ``cp`` > 1 or
-    ``ep`` > 1 (MoE's expert groups, never with cp): its own row of the all-to-alls. Bytes: one small float64
-    all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
+    ``ep`` > 1 (MoE's expert groups, never with cp): its own row of the all-to-alls; ``edp``: MoE's expert-data
+    communicator (split from the data group; ``expert_groups``) or None: its ledger's bytes (the expert gradients'
+    reduction, ZeRO's expert shards) are the ``edp`` row, taken out of the ``dp`` row, which keeps the dense
+    parameters'. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; allowed: >= 1")
@@ -70,15 +75,17 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
     row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
     row += [_label(groups["dp"].traffic.snapshot(), *CP_LABELS), _label(_cross(groups["dp"]), *CP_LABELS)]
-    row += [_label(groups["dp"].traffic.snapshot(), USED, "replica_check"),
-            _label(_cross(groups["dp"]), USED, "replica_check")]
+    row += [_label(groups["dp"].traffic.snapshot(), *NOT_GRADIENTS), _label(_cross(groups["dp"]), *NOT_GRADIENTS)]
+    # the expert-data group's bytes are in the data group's ledger too (its parent): moved to their own row
+    row += [0.0, 0.0] if edp is None else [_per_run(s) - _label(s, *NOT_GRADIENTS)
+                                           for s in (edp.traffic.snapshot(), _cross(edp))]
     with topo.world.traffic.op("metrics"):
         total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
-    total[2:4] -= total[10:12] + total[12:14]  # the dp row: without ring attention (the cp row), the agreement
-    # on the parameters used, nor the replica check's digests
+    total[2:4] -= total[10:12] + total[12:14] + total[14:16]  # the dp row: without ring attention or the
+    # all-to-alls (the cp or ep row), the agreement on the parameters used, the replica check's digests, the edp row
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue
@@ -90,15 +97,21 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
                          f"node(s), {_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   ({what})")
             if topo.dp == n and not total[2]:
                 continue
+        if k == "dp" and edp is not None and edp.world_size > 1:
+            sub = [g[j::ep] for g in topo.all_groups("dp") for j in range(ep)]  # expert_groups' colour r % ep
+            lines.append(f"  {'edp':5s} ({edp.world_size} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
+                         f"node(s), {_fmt(total[14]):>9s}, {_fmt(total[15]) if known else '?':>9s}   "
+                         "(expert gradients over the ranks holding the same experts)")
         across = _fmt(total[2 * i + 1]) if known else "?"
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
         lines.append(f"  {label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
                      f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
-    other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS))) - total[11]
+    other = total[7] - sum(total[2 * i + 1] for i in range(len(KINDS))) - total[11] - total[15]
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
     else:
         cp_part = f" + {'ep' if ep > 1 else 'cp'} {_fmt(total[11])}" if max(cp, ep) > 1 else ""
+        cp_part += f" + edp {_fmt(total[15])}" if edp is not None and edp.world_size > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, validation sums, replica digests) {_fmt(other)}" if known else "? across nodes"))

@@ -57,10 +57,11 @@ class Strategy:
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
                  predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False,
-                 expert_load=None, ep_comm=None, make_model=None):
+                 expert_load=None, ep_comm=None, make_model=None, edp_comm=None):
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
-        # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape
-        self.expert_load, self.ep_comm, self.make_model = expert_load, ep_comm, make_model
+        # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape,
+        # the expert-data group (the traffic table's edp row)
+        self.expert_load, self.ep_comm, self.make_model, self.edp_comm = expert_load, ep_comm, make_model, edp_comm
         self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # seeded in forward_backward
         self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
@@ -195,8 +196,12 @@ class Strategy:
             return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
 
     def traffic(self) -> dict:
-        """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world."""
-        return traffic_by_group(self.topo)
+        """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world, and ``edp`` (MoE's
+        expert-data group, whose bytes are in dp's too) under ``--ep``."""
+        out = traffic_by_group(self.topo)
+        if self.edp_comm is not None:
+            out["edp"] = self.edp_comm.traffic.snapshot()
+        return out
 
     def traffic_by_kind(self) -> dict:
         """Bytes this rank sent over the run, by purpose (:data:`TRAFFIC_KINDS`, from each group's traffic ledger;
@@ -299,7 +304,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                             log=log_line, overlap=overlap)
     strategy = Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap,
                         cp=cp, padded=args.documents == "pad",
-                        expert_load=expert_load, ep_comm=ep_comm, make_model=make_model)
+                        expert_load=expert_load, ep_comm=ep_comm, make_model=make_model, edp_comm=edp_comm)
     if args.precision == "fp8" and args.fp8_scaling == "delayed":  # every replica's scales the group's max
         strategy.after_backward.append(AmaxReduction(stage, topo.dp_comm).reduce)
     return strategy
