@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.files import mpiexec_path  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402

@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 
-from minizero.comm.flight import FlightRecorder
-from minizero.comm.traffic import TrafficLedger
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.comm.flight import FlightRecorder  # noqa: E402
+from minizero.comm.traffic import TrafficLedger  # noqa: E402
+from minizero.files import mpiexec_path  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402

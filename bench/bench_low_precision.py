@@ -17,9 +17,10 @@ import sys
 
 import numpy as np
 
-from minizero.comm import run_in_threads
-from minizero.memory.fp8 import FP8Linear
-from minizero.train import parse_args, train
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.memory.fp8 import FP8Linear  # noqa: E402
+from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402

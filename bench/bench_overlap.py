@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 
-from minizero import trace
-from minizero.files import mpiexec_path
-from minizero.plots import plot_timelines
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero import trace  # noqa: E402
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402

@@ -12,11 +12,14 @@ usage: python bench/bench_precision.py [--model small] [--steps 200] [--micro-ba
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import numpy as np
 
-from minizero.comm import run_in_threads
-from minizero.train import parse_args, train
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.train import parse_args, train  # noqa: E402
 
 
 def main():

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minizero.autograd import manual_seed
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.recompute import MODES, apply_recompute
-from minizero.nn import GPT, get_config
-import os
-import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.autograd import manual_seed  # noqa: E402
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
+from minizero.nn import GPT, get_config  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402

@@ -28,21 +28,22 @@ usage: python bench/bench_seq_memory.py [--batch 4] [--png seq_memory.png]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.attribution import attach, attention_split, layer_bytes, saved_by_module
-from minizero.memory.estimator import layer_activation_bytes
-from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep
-from minizero.memory.recompute import MODES, apply_recompute
-from minizero.nn import GPT, get_config
-from minizero.nn.flash_attention import use_flash_attention
-import os
-import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.memory.attribution import attach, attention_split, layer_bytes, saved_by_module  # noqa: E402
+from minizero.memory.estimator import layer_activation_bytes  # noqa: E402
+from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep  # noqa: E402
+from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
+from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.nn.flash_attention import use_flash_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
