@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.memory.fp8 import FP8Linear  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,9 +46,9 @@ def main():
     print(_machine.header(), flush=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--window", type=int, default=40)
+    p.add_argument("--steps", type=integer, default=200)
+    p.add_argument("--micro-batch-size", type=integer, default=8)
+    p.add_argument("--window", type=integer, default=40)
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]

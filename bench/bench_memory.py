@@ -19,6 +19,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -64,9 +65,9 @@ def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--ranks", type=integer, default=1)
+    p.add_argument("--steps", type=integer, default=5)
+    p.add_argument("--micro-batch-size", type=integer, default=4)
     p.add_argument("--configs", default="all", help="comma-separated names from: " + ", ".join(CONFIGS))
     args = p.parse_args()
     names = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]

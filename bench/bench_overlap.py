@@ -28,6 +28,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero import trace  # noqa: E402
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer, real  # noqa: E402
 from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,9 +60,9 @@ def main() -> None:
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=integer, default=5)
     p.add_argument("--model", default="default")
-    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--bucket-mb", type=real, default=1.0)
     p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
     p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     args = p.parse_args()

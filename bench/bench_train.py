@@ -26,6 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -106,11 +107,11 @@ def main() -> None:
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,8", help="comma-separated world sizes")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=integer, default=30)
+    p.add_argument("--micro-batch-size", type=integer, default=2)
     p.add_argument("--model", default="default")
     p.add_argument("--against", metavar="REV", help="git revision to alternate with (the tree before a change)")
-    p.add_argument("--rounds", type=int, default=3, help="alternated runs per tree with --against")
+    p.add_argument("--rounds", type=integer, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()
     if args.against:
         return against(args)

@@ -43,6 +43,7 @@ import _machine  # noqa: E402
 
 from minizero.memory.estimator import model_flops_per_step  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.optim.adamw import AdamW  # noqa: E402
 
 try:
@@ -215,10 +216,10 @@ def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = Fa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per side per round")
-    p.add_argument("--rounds", type=int, default=5, help="alternated rounds (the ratio is their median)")
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps per side before the rounds")
+    p.add_argument("--threads", type=integer, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--steps", type=integer, default=4, help="timed steps per side per round")
+    p.add_argument("--rounds", type=integer, default=5, help="alternated rounds (the ratio is their median)")
+    p.add_argument("--warmup", type=integer, default=6, help="untimed steps per side before the rounds")
     p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")

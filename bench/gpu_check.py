@@ -48,6 +48,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
+from minizero.numerals import real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import _machine  # noqa: E402  (the source line every benchmark prints)
@@ -431,7 +432,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
     p.add_argument("--peak-tflops", default=None, help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")
-    p.add_argument("--budget-s", type=float, default=450, help="time budget of the whole check (s)")
+    p.add_argument("--budget-s", type=real, default=450, help="time budget of the whole check (s)")
     p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
     p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
