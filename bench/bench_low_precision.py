@@ -62,7 +62,8 @@ def main():
         results[name] = run_in_threads(1, run, extra)[0]
         print(f"{name}: done, validation loss {results[name][1]:.4f}", flush=True)
     ref = np.array(results["fp32"][0])
-    print(f"\nmodel {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; mean training loss per window")
+    print(f"\nmodel {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; "
+          "mean training loss per window")
     print("| steps | " + " | ".join(RUNS) + " |")
     print("|---|" + "---:|" * len(RUNS))
     for lo in range(0, a.steps, a.window):

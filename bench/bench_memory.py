@@ -51,7 +51,8 @@ def run(flags, args) -> dict:
         js = os.path.join(d, "s.json")
         cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "minizero.train", "--model", args.model,
                "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--eval-every", "0",
-               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--out", d, "--json", js, *flags]
+               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--out", d,
+               "--json", js, *flags]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(js) as f:
             return json.load(f)

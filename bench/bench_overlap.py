@@ -5,7 +5,7 @@ ZeRO-2's per-unit reduce-scatter, double-buffered), runs ``mpiexec -n N python -
 --trace T`` twice (``--no-overlap``, then overlap on, the default), reads the timeline
 (:func:`minizero.trace.summarize`, per rank, averaged over ranks) and prints a Markdown table:
 
-    ranks | strategy | overlap | ms/step | exposed comm ms/step | backward ms/step | collective in flight during backward
+  ranks | strategy | overlap | ms/step | exposed comm ms/step | backward ms/step | collective in flight during backward
 
 The anchor of each pair is its ``--no-overlap`` row (the ratio column: step time / that row's).
 

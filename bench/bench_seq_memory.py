@@ -96,7 +96,8 @@ def attention_main(png: str) -> None:
     cfg = get_config("small")
     print(f"one layer of the small model: h={cfg.n_embd} a={cfg.n_head} b=1, float16 activations, dropout 0.1; "
           "flash blocks of 256 rows")
-    print("| s | dense (ledger) | dense (formula) | flash (ledger) | flash (formula) | dense - flash | 5as²b | equal |")
+    print("| s | dense (ledger) | dense (formula) | flash (ledger) | flash (formula) | dense - flash | 5as²b "
+          "| equal |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     with threadpool_limits(limits=1):
         rows = attention_sweep()
@@ -203,7 +204,8 @@ def main():
     p.add_argument("--model", default="default")
     p.add_argument("--batch", type=integer, default=4)
     p.add_argument("--repeats", type=integer, default=15)
-    p.add_argument("--png", default=None, help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
+    p.add_argument("--png", default=None,
+                   help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
     if args.attention:

@@ -59,7 +59,8 @@ def main() -> None:
     p.add_argument("--ranks", default="8", help="rank counts, comma-separated (one row each)")
     p.add_argument("--steps", type=integer, default=30)
     p.add_argument("--repeats", type=integer, default=3)
-    p.add_argument("--micro-batch-size", type=integer, default=None, help="passed to every run (default: the main job's)")
+    p.add_argument("--micro-batch-size", type=integer, default=None,
+                   help="passed to every run (default: the main job's)")
     args = p.parse_args()
     if args.malloc and (args.base or args.precision):
         p.error("--malloc compares the main job with --default-malloc on this checkout; not with --base or --precision")

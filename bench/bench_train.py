@@ -99,8 +99,8 @@ def against(args) -> None:
                 diff.update(changes(new[k], old[k], k))
             ledger = ", ".join(f"{k} {d:+,} B" for k, d in diff.items()) or "unchanged"
             cell = {k: f"{statistics.median(v):,.0f} ({min(v):,.0f}-{max(v):,.0f})" for k, v in tps.items()}
-            print(f"| {n} | {cell['new']} | {cell['old']} | {statistics.median(tps['new']) / statistics.median(tps['old']):.2f} "
-                  f"| {ledger} |", flush=True)
+            ratio = statistics.median(tps["new"]) / statistics.median(tps["old"])
+            print(f"| {n} | {cell['new']} | {cell['old']} | {ratio:.2f} | {ledger} |", flush=True)
 
 
 def main() -> None:
@@ -115,8 +115,8 @@ def main() -> None:
     args = p.parse_args()
     if args.against:
         return against(args)
-    print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  ({args.model}, {args.steps} steps, "
-          f"{os.cpu_count()} cores)")
+    print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  "
+          f"({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
     print("|---:|---:|---:|---:|---:|")
     for n in [int(x) for x in args.ranks.split(",")]:
         s = run(n, args)

@@ -109,8 +109,10 @@ def table(results) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--launch", type=integer, metavar="N", help="run this script under mpiexec -n N (a power of two)")
-    parser.add_argument("--sizes", default="4096,16384,65536", help="comma-separated array sizes in bytes (multiples of 4)")
+    parser.add_argument("--launch", type=integer, metavar="N",
+                        help="run this script under mpiexec -n N (a power of two)")
+    parser.add_argument("--sizes", default="4096,16384,65536",
+                        help="comma-separated array sizes in bytes (multiples of 4)")
     parser.add_argument("--runs", type=integer, default=50, help="timed runs of 20 calls per layer and size")
     parser.add_argument("--warmup", type=integer, default=200, help="untimed calls per layer and size")
     args = parser.parse_args()

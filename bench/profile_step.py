@@ -328,7 +328,8 @@ def main() -> None:
                 f"0..{MAX_STEPS}; got {args.steps}, {args.threads}, {args.warmup}")
     args.batch = args.batch or ("8" if args.precision else "8,32")
     batches = args.batch.split(",")
-    if not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches) or len(set(batches)) < len(batches):
+    if (not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches)
+            or len(set(batches)) < len(batches)):
         p.error(f"--batch takes whole numbers in 1..4096, each once, separated by commas, got {args.batch!r}")
     if args.precision is not None:
         precisions = args.precision.split(",")

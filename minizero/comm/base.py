@@ -52,7 +52,8 @@ SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a c
 
 
 def spin_seconds(ranks_on_this_node: int) -> float:
-    """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank, else 0."""
+    """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank,
+    else 0."""
     return SPIN_S if ranks_on_this_node <= backend.usable_cores() else 0.0
 
 
@@ -123,9 +124,11 @@ class Communicator(abc.ABC):
 
     # -- non-blocking point to point (minizero.comm.nonblocking drives these) -------------
     def isend(self, buf, dest: int, tag: int = 0):
-        """Start sending ``buf`` to ``dest`` (MPI_Isend): a request with ``test()`` and ``wait()``; records ``buf.nbytes``.
+        """Start sending ``buf`` to ``dest`` (MPI_Isend): a request with ``test()`` and ``wait()``;
+        records ``buf.nbytes``.
 
-        ``buf`` must not change until ``test()`` is True. Raises as ``send``; NotImplementedError: no non-blocking transport.
+        ``buf`` must not change until ``test()`` is True. Raises as ``send``; NotImplementedError:
+        no non-blocking transport.
         """
         _check_message(buf, "send buffer")
         dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
@@ -159,7 +162,8 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def split(self, color: int, key: int = 0) -> Communicator:
-        """Collective: ranks with equal ``color`` form a new communicator ordered by ``key``, then old rank (MPI_Comm_split).
+        """Collective: ranks with equal ``color`` form a new communicator ordered by ``key``,
+        then old rank (MPI_Comm_split).
 
         Its ``traffic`` is a child of this one's (bytes show in both). Raises ValueError: ``color`` not an int >= 0.
         """

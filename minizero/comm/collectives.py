@@ -140,7 +140,8 @@ def _check_summable(x, what: str) -> None:
 
 
 def _scratch(a):
-    """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed); returns ``a``."""
+    """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed);
+    returns ``a``."""
     get_ledger().track(a, "comm_scratch")
     return a
 
@@ -151,7 +152,8 @@ RING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @functools.lru_cache(maxsize=256)  # the same few (op, size) pairs every step: plan once
 def ring_steps(op: str, n: int, world_size: int, rank: int) -> tuple[tuple[tuple, tuple, bool], ...]:
-    """The steps of the ring ``op`` on ``n`` elements for ``rank``: ``((send_off, send_size), (recv_off, recv_size), add)``.
+    """The steps of the ring ``op`` on ``n`` elements for ``rank``:
+    ``((send_off, send_size), (recv_off, recv_size), add)``.
 
     Send that chunk to rank+1 while receiving rank-1's into the other (``add``: reduce-scatter; else store).
     :func:`ring_` and :class:`~minizero.comm.nonblocking.RingCollective` both run these steps (bitwise equal).
