@@ -29,7 +29,9 @@ import subprocess
 import sys
 import tempfile
 
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -129,8 +131,8 @@ def stage_ranks(s: dict) -> list[tuple[range, str]]:
 def main() -> None:
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="the long runs (the trainer's default)")
-    p.add_argument("--short-steps", type=int, default=30)
+    p.add_argument("--steps", type=integer, default=300, help="the long runs (the trainer's default)")
+    p.add_argument("--short-steps", type=integer, default=30)
     p.add_argument("--keep", default=None, help="folder to keep the four runs in (default: a temporary one)")
     p.add_argument("--reuse", default=None, help="print from the runs already in this folder instead of running")
     a = p.parse_args()

@@ -83,7 +83,8 @@ def main():
     threadpool_limits(1)
     d = build_parser().parse_args([])
     default = (d.lr, "auto" if d.warmup is None else str(d.warmup), d.grad_clip)
-    settings = [(float(lr), w.strip(), float(c)) for lr, w, c in (s.split(",") for s in (a.settings or GRID).split(";"))]
+    settings = [(float(lr), w.strip(), float(c))
+                for lr, w, c in (s.split(",") for s in (a.settings or GRID).split(";"))]
     if a.settings is None and default not in settings:
         settings.append(default)
     print(machine())

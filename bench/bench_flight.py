@@ -20,9 +20,11 @@ import sys
 import tempfile
 import time
 
-from minizero.comm.flight import FlightRecorder
-from minizero.comm.traffic import TrafficLedger
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.comm.flight import FlightRecorder  # noqa: E402
+from minizero.comm.traffic import TrafficLedger  # noqa: E402
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -71,11 +73,11 @@ def ops_per_step(n: int, args) -> float:
 def main() -> None:
     print(_machine.header(), flush=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ranks", type=integer, default=2)
+    p.add_argument("--steps", type=integer, default=20)
+    p.add_argument("--rounds", type=integer, default=3)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--zero", type=integer, default=0)
     args = p.parse_args()
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")

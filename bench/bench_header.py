@@ -26,12 +26,13 @@ import _machine  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+from minizero.numerals import integer  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="4096,65536,1048576,16777216", help="comma list of message bytes")
-    p.add_argument("--runs", type=int, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
+    p.add_argument("--runs", type=integer, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
     args = p.parse_args()
     from mpi4py import MPI
 

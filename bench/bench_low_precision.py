@@ -17,9 +17,11 @@ import sys
 
 import numpy as np
 
-from minizero.comm import run_in_threads
-from minizero.memory.fp8 import FP8Linear
-from minizero.train import parse_args, train
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.memory.fp8 import FP8Linear  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
+from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -44,9 +46,9 @@ def main():
     print(_machine.header(), flush=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--window", type=int, default=40)
+    p.add_argument("--steps", type=integer, default=200)
+    p.add_argument("--micro-batch-size", type=integer, default=8)
+    p.add_argument("--window", type=integer, default=40)
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
@@ -60,7 +62,8 @@ def main():
         results[name] = run_in_threads(1, run, extra)[0]
         print(f"{name}: done, validation loss {results[name][1]:.4f}", flush=True)
     ref = np.array(results["fp32"][0])
-    print(f"\nmodel {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; mean training loss per window")
+    print(f"\nmodel {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; "
+          "mean training loss per window")
     print("| steps | " + " | ".join(RUNS) + " |")
     print("|---|" + "---:|" * len(RUNS))
     for lo in range(0, a.steps, a.window):

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -49,7 +51,8 @@ def run(flags, args) -> dict:
         js = os.path.join(d, "s.json")
         cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "minizero.train", "--model", args.model,
                "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--eval-every", "0",
-               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--out", d, "--json", js, *flags]
+               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--out", d,
+               "--json", js, *flags]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(js) as f:
             return json.load(f)
@@ -63,9 +66,9 @@ def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--ranks", type=integer, default=1)
+    p.add_argument("--steps", type=integer, default=5)
+    p.add_argument("--micro-batch-size", type=integer, default=4)
     p.add_argument("--configs", default="all", help="comma-separated names from: " + ", ".join(CONFIGS))
     args = p.parse_args()
     names = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]

@@ -5,7 +5,7 @@ ZeRO-2's per-unit reduce-scatter, double-buffered), runs ``mpiexec -n N python -
 --trace T`` twice (``--no-overlap``, then overlap on, the default), reads the timeline
 (:func:`minizero.trace.summarize`, per rank, averaged over ranks) and prints a Markdown table:
 
-    ranks | strategy | overlap | ms/step | exposed comm ms/step | backward ms/step | collective in flight during backward
+  ranks | strategy | overlap | ms/step | exposed comm ms/step | backward ms/step | collective in flight during backward
 
 The anchor of each pair is its ``--no-overlap`` row (the ratio column: step time / that row's).
 
@@ -25,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 
-from minizero import trace
-from minizero.files import mpiexec_path
-from minizero.plots import plot_timelines
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero import trace  # noqa: E402
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer, real  # noqa: E402
+from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -58,9 +60,9 @@ def main() -> None:
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=integer, default=5)
     p.add_argument("--model", default="default")
-    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--bucket-mb", type=real, default=1.0)
     p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
     p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     args = p.parse_args()

@@ -31,6 +31,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.ledger import get_ledger  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -212,9 +213,9 @@ def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--ranks", type=int, default=2, help="thread ranks for the quantized-communication runs")
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--steps", type=integer, default=200)
+    p.add_argument("--ranks", type=integer, default=2, help="thread ranks for the quantized-communication runs")
+    p.add_argument("--eval-batches", type=integer, default=8)
     p.add_argument("--weights", default=None, help="a trained model.npz (tables 1 and 5a)")
     p.add_argument("--only", default="1,2,3,4,5", help="comma-separated table numbers")
     a = p.parse_args()

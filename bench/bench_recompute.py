@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minizero.autograd import manual_seed
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.recompute import MODES, apply_recompute
-from minizero.nn import GPT, get_config
-import os
-import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.autograd import manual_seed  # noqa: E402
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
+from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.numerals import integer, real  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -77,10 +79,10 @@ def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="BLAS threads")
+    p.add_argument("--batch", type=integer, default=4)
+    p.add_argument("--dropout", type=real, default=0.1)
+    p.add_argument("--repeats", type=integer, default=5)
+    p.add_argument("--threads", type=integer, default=1, help="BLAS threads")
     args = p.parse_args()
     base = get_config(args.model, dropout=args.dropout)
     deep = dataclasses.replace(base, n_layer=2 * base.n_layer)

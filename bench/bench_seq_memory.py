@@ -28,21 +28,23 @@ usage: python bench/bench_seq_memory.py [--batch 4] [--png seq_memory.png]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.attribution import attach, attention_split, layer_bytes, saved_by_module
-from minizero.memory.estimator import layer_activation_bytes
-from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep
-from minizero.memory.recompute import MODES, apply_recompute
-from minizero.nn import GPT, get_config
-from minizero.nn.flash_attention import use_flash_attention
-import os
-import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.memory.attribution import attach, attention_split, layer_bytes, saved_by_module  # noqa: E402
+from minizero.memory.estimator import layer_activation_bytes  # noqa: E402
+from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep  # noqa: E402
+from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
+from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.nn.flash_attention import use_flash_attention  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -94,7 +96,8 @@ def attention_main(png: str) -> None:
     cfg = get_config("small")
     print(f"one layer of the small model: h={cfg.n_embd} a={cfg.n_head} b=1, float16 activations, dropout 0.1; "
           "flash blocks of 256 rows")
-    print("| s | dense (ledger) | dense (formula) | flash (ledger) | flash (formula) | dense - flash | 5as²b | equal |")
+    print("| s | dense (ledger) | dense (formula) | flash (ledger) | flash (formula) | dense - flash | 5as²b "
+          "| equal |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     with threadpool_limits(limits=1):
         rows = attention_sweep()
@@ -199,9 +202,10 @@ def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--png", default=None, help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
+    p.add_argument("--batch", type=integer, default=4)
+    p.add_argument("--repeats", type=integer, default=15)
+    p.add_argument("--png", default=None,
+                   help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
     if args.attention:

@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+from minizero.numerals import integer  # noqa: E402
 
 
 def mpiexec() -> str:
@@ -55,9 +57,10 @@ def main() -> None:
     p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")
     p.add_argument("--malloc", action="store_true", help="compare the main job with and without --default-malloc")
     p.add_argument("--ranks", default="8", help="rank counts, comma-separated (one row each)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="passed to every run (default: the main job's)")
+    p.add_argument("--steps", type=integer, default=30)
+    p.add_argument("--repeats", type=integer, default=3)
+    p.add_argument("--micro-batch-size", type=integer, default=None,
+                   help="passed to every run (default: the main job's)")
     args = p.parse_args()
     if args.malloc and (args.base or args.precision):
         p.error("--malloc compares the main job with --default-malloc on this checkout; not with --base or --precision")

@@ -24,7 +24,9 @@ import sys
 import tarfile
 import tempfile
 
-from minizero.files import mpiexec_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.files import mpiexec_path  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -97,24 +99,24 @@ def against(args) -> None:
                 diff.update(changes(new[k], old[k], k))
             ledger = ", ".join(f"{k} {d:+,} B" for k, d in diff.items()) or "unchanged"
             cell = {k: f"{statistics.median(v):,.0f} ({min(v):,.0f}-{max(v):,.0f})" for k, v in tps.items()}
-            print(f"| {n} | {cell['new']} | {cell['old']} | {statistics.median(tps['new']) / statistics.median(tps['old']):.2f} "
-                  f"| {ledger} |", flush=True)
+            ratio = statistics.median(tps["new"]) / statistics.median(tps["old"])
+            print(f"| {n} | {cell['new']} | {cell['old']} | {ratio:.2f} | {ledger} |", flush=True)
 
 
 def main() -> None:
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,8", help="comma-separated world sizes")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=integer, default=30)
+    p.add_argument("--micro-batch-size", type=integer, default=2)
     p.add_argument("--model", default="default")
     p.add_argument("--against", metavar="REV", help="git revision to alternate with (the tree before a change)")
-    p.add_argument("--rounds", type=int, default=3, help="alternated runs per tree with --against")
+    p.add_argument("--rounds", type=integer, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()
     if args.against:
         return against(args)
-    print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  ({args.model}, {args.steps} steps, "
-          f"{os.cpu_count()} cores)")
+    print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  "
+          f"({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
     print("|---:|---:|---:|---:|---:|")
     for n in [int(x) for x in args.ranks.split(",")]:
         s = run(n, args)

@@ -13,8 +13,8 @@ than alone). Both sides first run ``--warmup`` steps (PyTorch's first ~4 steps a
 allocator and kernels warm up). Printed per batch: tokens/s of each (median step over all
 rounds), the median over rounds of the per-round ratio, its range, and MFU = model FLOPs per
 step (Korthikanti et al. 2022, ``minizero.memory.estimator.model_flops_per_step``) / step
-time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads, before and after the runs, the higher; the table
-is printed at the end).
+time / the sgemm peak measured here (float32 1024^3 matmuls with the same threads, before and after the runs, the
+higher; the table is printed at the end).
 
 ``--main-job`` adds a third side, the main job's path: ``minizero.loop.train`` as ``python -m
 minizero.train`` runs it on one process (its default instruments: memory monitor, replica check,
@@ -43,6 +43,7 @@ import _machine  # noqa: E402
 
 from minizero.memory.estimator import model_flops_per_step  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.optim.adamw import AdamW  # noqa: E402
 
 try:
@@ -215,10 +216,10 @@ def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = Fa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per side per round")
-    p.add_argument("--rounds", type=int, default=5, help="alternated rounds (the ratio is their median)")
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps per side before the rounds")
+    p.add_argument("--threads", type=integer, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--steps", type=integer, default=4, help="timed steps per side per round")
+    p.add_argument("--rounds", type=integer, default=5, help="alternated rounds (the ratio is their median)")
+    p.add_argument("--warmup", type=integer, default=6, help="untimed steps per side before the rounds")
     p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
@@ -240,7 +241,8 @@ def main() -> None:
         peak = max(first, sgemm_peak())  # before and after: a busy moment at one end does not inflate MFU
         print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
               f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s (the higher of before and after the "
-              f"runs; {first / 1e9:.1f} before); {args.rounds} alternated rounds of {args.steps} steps per side; MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
+              f"runs; {first / 1e9:.1f} before); {args.rounds} alternated rounds of {args.steps} steps per side; "
+              "MFU = model FLOPs (Korthikanti et al. 2022) / time / sgemm peak\n")
         head = "| batch | minizero tokens/s | minizero MFU | PyTorch tokens/s | PyTorch MFU |"
         head += " main job tokens/s | main job MFU |" if args.main_job else ""
         head += " minizero / PyTorch (median of rounds, range) |"

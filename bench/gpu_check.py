@@ -48,6 +48,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
+from minizero.numerals import real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import _machine  # noqa: E402  (the source line every benchmark prints)
@@ -58,7 +59,8 @@ PEAKS = {"H200": (989.5e12, 66.9e12), "H100": (989.5e12, 66.9e12), "A100": (312e
          "V100": (125e12, 15.7e12)}
 TOL = 1e-9
 SHORT = ["--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--dropout", "0"]
-CHECKS = ["float16 matmul == float32 matmul", "cupy == numpy, tiny", "cupy == numpy, default", "mpiexec -n 2 (--comm mpi) == 1 process",
+CHECKS = ["float16 matmul == float32 matmul", "cupy == numpy, tiny", "cupy == numpy, default",
+          "mpiexec -n 2 (--comm mpi) == 1 process",
           "--comm nccl == --comm mpi, 1 rank", "NCCL collectives, 1 rank", "NCCL collectives, 2 ranks",
           "gpt2 8x1024 fp16", "gpt2 8x1024 fp32"]
 
@@ -279,9 +281,10 @@ def nccl_collectives(runner, ranks: int) -> tuple[str, str]:
     with open(path) as f:
         err = json.load(f)["max_error"]
     ok = err <= 1e-12
-    return ("pass" if ok else "FAIL"), (f"ring, recursive doubling and native all-reduce / reduce-scatter / all-gather / "
-                                        f"broadcast, float64, max |error| {err:.1e} (1e-12); ledgers equal" if ok else
-                                        f"max |error| {err:.1e} or ring and native ledgers differ")
+    note = (f"ring, recursive doubling and native all-reduce / reduce-scatter / all-gather / "
+            f"broadcast, float64, max |error| {err:.1e} (1e-12); ledgers equal" if ok else
+            f"max |error| {err:.1e} or ring and native ledgers differ")
+    return ("pass" if ok else "FAIL"), note
 
 
 # --------------------------------------------------------------------------- throughput
@@ -306,7 +309,8 @@ def throughput(runner, precision: str, peak: float | None, steps: tuple[int, int
     try:  # the PyTorch side: its own try, its own process, within the budget
         torch_s, torch_note = torch_step_s(precision, runner), "PyTorch with CUDA not installed"
     except Exception as e:
-        torch_s, torch_note = None, "PyTorch side " + ("not run (the time budget is spent)" if isinstance(e, TimeoutError)
+        torch_s, torch_note = None, "PyTorch side " + ("not run (the time budget is spent)"
+                                                       if isinstance(e, TimeoutError)
                                                        else f"failed ({type(e).__name__}: {first_line(e)})")
     if torch_s is not None:
         row.update(pytorch_tokens_per_s=tokens / torch_s, pytorch_mfu=flops / torch_s / peak if peak else None)
@@ -430,8 +434,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
-    p.add_argument("--peak-tflops", default=None, help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")
-    p.add_argument("--budget-s", type=float, default=450, help="time budget of the whole check (s)")
+    p.add_argument("--peak-tflops", default=None,
+                   help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")
+    p.add_argument("--budget-s", type=real, default=450, help="time budget of the whole check (s)")
     p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
     p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
@@ -464,8 +469,9 @@ def main(argv=None) -> int:
             f64 = ["--dtype", "float64", "--steps", "5", *SHORT]
             plans = {
                 "float16 matmul == float32 matmul": lambda: half_gemms("cupy"),
-                "cupy == numpy, tiny": lambda: equal_runs(runner, ["--model", "tiny", "--device", "cuda", "--comm", "mpi", *f64],
-                                                          ["--model", "tiny", "--device", "cpu", *f64]),
+                "cupy == numpy, tiny": lambda: equal_runs(
+                    runner, ["--model", "tiny", "--device", "cuda", "--comm", "mpi", *f64],
+                    ["--model", "tiny", "--device", "cpu", *f64]),
                 "cupy == numpy, default": lambda: equal_runs(
                     runner, ["--model", "default", "--device", "cuda", "--comm", "mpi", *f64],
                     ["--model", "default", "--device", "cpu", *f64]),

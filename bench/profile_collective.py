@@ -32,6 +32,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 LAYERS = ("MPI", "p2p", "message", "algorithm", "all_reduce")
 
@@ -108,10 +109,12 @@ def table(results) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--launch", type=int, metavar="N", help="run this script under mpiexec -n N (a power of two)")
-    parser.add_argument("--sizes", default="4096,16384,65536", help="comma-separated array sizes in bytes (multiples of 4)")
-    parser.add_argument("--runs", type=int, default=50, help="timed runs of 20 calls per layer and size")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed calls per layer and size")
+    parser.add_argument("--launch", type=integer, metavar="N",
+                        help="run this script under mpiexec -n N (a power of two)")
+    parser.add_argument("--sizes", default="4096,16384,65536",
+                        help="comma-separated array sizes in bytes (multiples of 4)")
+    parser.add_argument("--runs", type=integer, default=50, help="timed runs of 20 calls per layer and size")
+    parser.add_argument("--warmup", type=integer, default=200, help="untimed calls per layer and size")
     args = parser.parse_args()
     try:
         sizes = [int(s) for s in args.sizes.split(",")]

@@ -51,6 +51,7 @@ import _machine  # noqa: E402
 from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
 
 from minizero.nn import get_config  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
 MAX_STEPS = 10_000  #: --steps and --warmup at most this many
@@ -300,13 +301,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
                    "(--precision: 8)")
-    p.add_argument("--steps", type=int, default=6, help="profiled steps (and timed steps of each side)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--steps", type=integer, default=6, help="profiled steps (and timed steps of each side)")
+    p.add_argument("--threads", type=integer, default=os.cpu_count(), help="BLAS / torch intra-op threads")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16): profile the "
                    "main job's loop in each, with casts as a part, instead of the library step against PyTorch")
-    p.add_argument("--warmup", type=int, default=2, help="--precision: steps run before the profiled ones")
+    p.add_argument("--warmup", type=integer, default=2, help="--precision: steps run before the profiled ones")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="--precision: where the main job runs (cuda: CuPy on GPU 0)")
     p.add_argument("--model", default="default", help="--precision: the model preset (e.g. gpt2 on a GPU)")
@@ -327,7 +328,8 @@ def main() -> None:
                 f"0..{MAX_STEPS}; got {args.steps}, {args.threads}, {args.warmup}")
     args.batch = args.batch or ("8" if args.precision else "8,32")
     batches = args.batch.split(",")
-    if not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches) or len(set(batches)) < len(batches):
+    if (not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches)
+            or len(set(batches)) < len(batches)):
         p.error(f"--batch takes whole numbers in 1..4096, each once, separated by commas, got {args.batch!r}")
     if args.precision is not None:
         precisions = args.precision.split(",")

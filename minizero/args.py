@@ -85,7 +85,8 @@ def _check_loss_scaling(args) -> None:
         raise UsageError(f"--initial-loss-scale must be <= 2**24 = {MAX_INITIAL_LOSS_SCALE:,}; got "
                          f"--initial-loss-scale={s0:g}")
     if not (SCALE_RANGE[0] <= mn <= s0):  # below 2**-24 every FP16 gradient flushes to 0
-        raise UsageError(f"--min-loss-scale must be in [2**-24, --initial-loss-scale={s0:g}]; got --min-loss-scale={mn}")
+        raise UsageError(f"--min-loss-scale must be in [2**-24, --initial-loss-scale={s0:g}]; "
+                         f"got --min-loss-scale={mn}")
     if args.loss_scale_window < 1:
         raise UsageError(f"--loss-scale-window must be >= 1; got --loss-scale-window={args.loss_scale_window}")
     if args.hysteresis < 1:
@@ -99,8 +100,8 @@ def _check_comm(args) -> None:
     if args.comm is None:
         args.comm = "nccl" if device == "cuda" else "mpi"
     if args.comm == "nccl" and device != "cuda":
-        raise UsageError(f"--comm nccl moves device memory between GPUs and needs --device cuda; got --device {device}, "
-                         "which takes --comm mpi (its default)")
+        raise UsageError(f"--comm nccl moves device memory between GPUs and needs --device cuda; "
+                         f"got --device {device}, which takes --comm mpi (its default)")
     if args.comm == "nccl" and args.schedule == "interleaved":
         raise UsageError("--schedule interleaved sends with isend/irecv, which --comm nccl does not have; "
                          "use --comm mpi, or --schedule 1f1b or gpipe")
@@ -244,8 +245,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     args.batch_size = per_step * args.grad_accum
     args.micro_batches = args.grad_accum
     if args.schedule == "interleaved" and args.grad_accum % args.pp:  # m derived from --batch-size
-        raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) to be a multiple "
-                         f"of --pp {args.pp}")
+        raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) "
+                         f"to be a multiple of --pp {args.pp}")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.warmup is None:

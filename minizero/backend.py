@@ -99,7 +99,8 @@ def cuda_device_count() -> int:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); is there a GPU and a driver?") from e
+        raise DeviceError(f"--device cuda: CuPy cannot reach the CUDA driver ({e}); "
+                          "is there a GPU and a driver?") from e
     if count < 1:
         raise DeviceError("--device cuda: CuPy sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
     return count
@@ -335,7 +336,8 @@ def host_scalar(a):
 
 
 def pinned_zeros(shape, dtype) -> np.ndarray:
-    """A zero-filled host array, pinned (``cupyx.zeros_pinned``) on CuPy, else ``numpy.zeros`` (PyTorch's ``pin_memory``)."""
+    """A zero-filled host array, pinned (``cupyx.zeros_pinned``) on CuPy, else ``numpy.zeros``
+    (PyTorch's ``pin_memory``)."""
     if name == "cupy":
         import cupyx  # noqa: PLC0415  (optional dependency)
 

@@ -126,7 +126,8 @@ def deviations(measured: list[dict], est: dict) -> dict:
 
 
 def hardware_line(profile) -> str:
-    """One line of a :class:`minizero.hardware.Profile`: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s, AdamW."""
+    """One line of a :class:`minizero.hardware.Profile`: sgemm GFLOP/s per BLAS threads, copy GB/s, busbw GB/s,
+    AdamW."""
     flops = ", ".join(f"{v / 1e9:.1f} GFLOP/s ({t} thread{'s' * (t > 1)})"
                       for t, v in sorted(profile.sgemm_flops.items()))
     bw = ", ".join(f"{v / 1e9:.2f} GB/s ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)

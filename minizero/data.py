@@ -131,7 +131,8 @@ def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, see
 
 
 class DistributedSampler:
-    """One data-parallel rank's micro-batches: ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y) of (b, T) int64.
+    """One data-parallel rank's micro-batches: ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y) of (b, T)
+    int64.
 
     Rows [(k * dp_size + dp_rank) * b, + b) of step's global batch; ``pad``: windows stop at their document's end.
     """

@@ -198,7 +198,8 @@ class FolderLock:
 
 
 def check_writable_folder(folder: str) -> None:
-    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file: one is created and removed.
+    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file:
+    one is created and removed.
 
     Raises OSError: the ancestor is not a directory, or takes no file (``strerror`` names it).
     """

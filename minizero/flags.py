@@ -48,7 +48,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
-    p = _Parser(prog="python -m minizero.train", description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
+    p = _Parser(prog="python -m minizero.train",
+                description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
                 formatter_class=_HelpFormatter)
     p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global sequences per optimizer step; must equal micro-batch-size x data-parallel size x "
                         "grad-accum (grad-accum is derived when not given)")
     p.add_argument("--dp", type=integer, default=None, help="data-parallel size (default: world / (tp x pp))")
-    p.add_argument("--tp", type=integer, default=None, help="tensor-parallel size: every block's matrices split (default 1)")
+    p.add_argument("--tp", type=integer, default=None,
+                   help="tensor-parallel size: every block's matrices split (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
     p.add_argument("--cp", type=integer, default=1, help="context-parallel size: the sequence split, ring attention")
@@ -81,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
                    help="pipeline schedule (zb-h1: zero bubble, backward split into B and W; "
                         "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
-    p.add_argument("--virtual-stages", type=integer, default=1, help="model chunks per pipeline rank (--schedule interleaved)")
+    p.add_argument("--virtual-stages", type=integer, default=1,
+                   help="model chunks per pipeline rank (--schedule interleaved)")
     p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
     p.add_argument("--lr", type=real, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=real, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=integer, default=None, help="warmup steps (default: steps/10, at least 10, at most steps)")
+    p.add_argument("--warmup", type=integer, default=None,
+                   help="warmup steps (default: steps/10, at least 10, at most steps)")
     p.add_argument("--weight-decay", type=real, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
     p.add_argument("--grad-clip", type=real, default=1.0, help="global-norm clipping threshold (0 disables)")
     p.add_argument("--seed", type=integer, default=0, help="seed of the init, data and dropout generators")
@@ -120,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "is aborted with the operation and the rank waited on (PyTorch's NCCL default: 600)")
     p.add_argument("--flight-records", type=integer, default=DEFAULT_CAPACITY, metavar="N",
                    help="collectives each rank's flight recorder keeps, written to OUT/flight/rank_R.json when the "
-                        "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names who hung "
-                        "where; 0: off)")
+                        "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names "
+                        "who hung where; 0: off)")
     p.add_argument("--debug-collectives", action="store_true",
                    help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
                         "a mismatch stops the job naming both sides (one small all-gather per collective)")
@@ -220,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=integer, default=0,
                    help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
     p.add_argument("--save-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
-    p.add_argument("--keep", type=integer, default=2, help="complete checkpoints kept (older ones removed after a save)")
+    p.add_argument("--keep", type=integer, default=2,
+                   help="complete checkpoints kept (older ones removed after a save)")
     p.add_argument("--resume", default=None,
                    help="continue from a checkpoint folder, or from a save dir's latest complete checkpoint "
                         "(any layout: the state is resharded on load)")

@@ -83,7 +83,8 @@ def adam_rate(num_params: int, seconds: float = 0.2) -> float:
     return _median_rate(num_params, lambda: adamw_update(p, g, m, v, 1, 1e-3, 0.9, 0.95, 1e-8, 0.1), seconds)
 
 
-def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: int = 5, timeout: float = 120.0) -> float:
+def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: int = 5,
+                    timeout: float = 120.0) -> float:
     """busbw (bytes/s) of :func:`minizero.comm.all_reduce` on ``nbytes`` of float32 over ``ranks`` launched ranks.
 
     Launches ``mpiexec -n ranks python -m minizero.hardware --allreduce nbytes``. ``ranks`` 1: inf

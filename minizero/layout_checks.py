@@ -37,7 +37,8 @@ def check_context_parallel(args, cfg) -> None:
         raise ValueError(f"--cp must be >= 1, got {cp}")
     if cp == 1:
         if args.cp_attention != "ring":
-            raise ValueError(f"--cp-attention {args.cp_attention} chooses how a split sequence attends: it needs --cp > 1")
+            raise ValueError(f"--cp-attention {args.cp_attention} chooses how a split sequence attends: "
+                             "it needs --cp > 1")
         return
     t = args.block_size or cfg.block_size
     dropout = args.dropout if args.dropout is not None else cfg.dropout
@@ -176,7 +177,8 @@ def check_interleaved(args, cfg) -> None:
     if args.pp < 2 or v < 2:
         raise ValueError(f"--schedule interleaved needs --pp >= 2 and --virtual-stages >= 2, got pp {args.pp}, v {v}")
     if cfg.n_layer % (args.pp * v):
-        raise ValueError(f"--schedule interleaved: pp {args.pp} x {v} virtual stages must divide the {cfg.n_layer} layers")
+        raise ValueError(f"--schedule interleaved: pp {args.pp} x {v} virtual stages must divide "
+                         f"the {cfg.n_layer} layers")
     m = args.grad_accum
     if m is not None and m % args.pp:
         raise ValueError(f"--schedule interleaved needs the micro-batches per step ({m}) to be a multiple of "

@@ -260,8 +260,8 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
-        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source]
-                     + ("; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""))
+        several = "; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""
+        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source] + several)
     if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
         lines.append("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
                      "so their peaks add up to more)")

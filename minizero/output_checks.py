@@ -1,4 +1,5 @@
-"""Where ``python -m minizero.train`` writes: OUT, --json, --trace, checked before any work (UsageError naming the flag)."""
+"""Where ``python -m minizero.train`` writes: OUT, --json, --trace, checked before any work
+(UsageError naming the flag)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,8 @@ def check_outputs(args) -> None:
     if js in own:
         raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
     jparent = os.path.dirname(js)
-    if os.path.abspath(jparent) != os.path.abspath(out) and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK)):
+    if (os.path.abspath(jparent) != os.path.abspath(out)
+            and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK))):
         raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
     weights = os.path.join(out, "model.npz")
     outside_checkpoints("--out", weights, out)

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(FlashAttention) the output and row log-sum-exp instead")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
     p.add_argument("--virtual-stages", type=integer, default=2, help="model chunks per GPU with --schedule interleaved")
-    p.add_argument("--gpus-per-node", type=integer, default=8, help="GPUs per node; tensor parallelism stays inside one")
+    p.add_argument("--gpus-per-node", type=integer, default=8,
+                   help="GPUs per node; tensor parallelism stays inside one")
     p.add_argument("--gpu-flops", type=real, default="312e12", help="peak dense 16-bit FLOP/s per GPU (H100: 989e12)")
     p.add_argument("--efficiency", type=real, default=0.6, help="fraction of peak the matmuls reach")
     p.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")

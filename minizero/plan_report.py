@@ -42,8 +42,9 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
     fields = [f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
-              for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "sequence_parallel", "recompute", "offload",
-                        "offload_activations", "micro_batches") if getattr(a.strategy, f) != getattr(b.strategy, f)]
+              for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "sequence_parallel", "recompute",
+                        "offload", "offload_activations", "micro_batches")
+              if getattr(a.strategy, f) != getattr(b.strategy, f)]
     diff = "; ".join(fields) or "same settings"
     gain = a.tokens_per_s / b.tokens_per_s - 1
     if gain > 1e-9:
@@ -63,7 +64,8 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
     return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"
 
 
-def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3, fit_count: int | None = None) -> list[str]:
+def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3,
+              fit_count: int | None = None) -> list[str]:
     """One line for each of the first ``groups`` distinct step times: why its best strategy beats the
     best of the next slower group, and which strategies tie with it (same step time, more memory).
 

@@ -12,8 +12,8 @@ import math
 import re
 
 from minizero.memory.estimator import (
-    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages, model_flops_per_step,
-    stage_expert_parameters, stage_parameters)
+    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages,
+    model_flops_per_step, stage_expert_parameters, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
@@ -145,7 +145,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
              ep=1, cp_attention="ring"):
-    """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp mesh."""
+    """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
+    mesh."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
@@ -345,7 +346,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                                           "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
              (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),
              (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
-             (not (dp * cp == 1 and zero > 0 and offload == "none"), f"zero {zero} over dp 1 shards nothing; use zero 0"),
+             (not (dp * cp == 1 and zero > 0 and offload == "none"),
+              f"zero {zero} over dp 1 shards nothing; use zero 0"),
              (cp == 1 or not model.dropout, f"cp {cp}: {model.name} has dropout, which ring attention does not have"),
              (cp == 1 or seq_len is None or cp in context_parallel_sizes(model, cp, seq_len, tp),
               f"cp {cp} needs the sequence {seq_len} in 2 x cp = {2 * cp} equal chunks, each rank's two of a "
@@ -360,7 +362,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp
-    return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute, precision=precision,
-                    optimizer=optimizer, offload=offload, offload_activations=act, micro_batch=micro_batch,
-                    micro_batches=m, schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention,
-                    ep=ep, cp_attention=cp_attention)
+    return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute,
+                    precision=precision, optimizer=optimizer, offload=offload, offload_activations=act,
+                    micro_batch=micro_batch, micro_batches=m, schedule=sched, virtual_stages=v,
+                    bucket_bytes=bucket_bytes, attention=attention, ep=ep, cp_attention=cp_attention)

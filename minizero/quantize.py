@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=integer, default=64, help="elements per scale for --granularity block")
     p.add_argument("--outlier-threshold", type=real, default=None,
                    help="experiment with LLM.int8()'s outlier criterion: keep in FP32 the weight columns whose input "
-                        "features reach this activation magnitude on 2 calibration batches (the paper's threshold: 6.0); "
-                        "activations are never quantized here")
+                        "features reach this activation magnitude on 2 calibration batches "
+                        "(the paper's threshold: 6.0); activations are never quantized here")
     p.add_argument("--table", action="store_true", help="measure every bits x granularity combination")
     p.add_argument("--data", default=None, help="text file (default: the trainer's --data, else the embedded corpus)")
     p.add_argument("--eval-batches", type=integer, default=None,
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "is the one it printed)")
     p.add_argument("--json", default=None, help="write the measurements here")
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
-                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
+                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), "
+                        "strict (host leaks raise)")
     return p
 
 

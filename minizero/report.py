@@ -29,8 +29,10 @@ SAMPLE_TEMPERATURE = 0.8
 #: how the report names each traffic kind (summary.json keeps the keys of TRAFFIC_KINDS)
 KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "parameter_gathers": "parameter gathers and broadcasts",
-               "pipeline_activations": "pipeline activations", "tensor_parallel_activations": "tensor parallel activations",
-               "context_parallel_attention": "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
+               "pipeline_activations": "pipeline activations",
+               "tensor_parallel_activations": "tensor parallel activations",
+               "context_parallel_attention":
+                   "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
                "validation": "validation (the forward passes of the held-out batches, every group)",
                "other": "other (loss, norm, flags, metrics)"}
@@ -199,7 +201,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')}, {os.path.join(args.out, SIDECAR)} and {args.json}")
     loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                            result["skipped_at"], f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
+                            result["skipped_at"],
+                            f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
                             f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}")
     if loss_plot == MISSING and no_memory_plot:
         print(NO_PLOTS)

@@ -101,9 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=real, default=0.8, help="> 0; lower is more predictable")
     p.add_argument("--top-k", type=integer, default=None,
                    help="draw only among the K most likely bytes; None: all 256")
-    p.add_argument("--seed", type=integer, default=0, help="seed of the sampling generator (the main job uses its --seed)")
+    p.add_argument("--seed", type=integer, default=0,
+                   help="seed of the sampling generator (the main job uses its --seed)")
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
-                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), strict (host leaks raise)")
+                   help="where the model runs: cpu (NumPy), cuda (CuPy, GPU LOCAL_RANK %% count), "
+                        "strict (host leaks raise)")
     return p
 
 

@@ -212,7 +212,8 @@ for _n in ("neg", "pos", "abs", "invert"):
 
 
 def _unwrap(x, where: str):
-    """``x`` with every StrictArray replaced by its NumPy array (recursively). TypeError: a ``numpy.ndarray`` operand."""
+    """``x`` with every StrictArray replaced by its NumPy array (recursively). TypeError:
+    a ``numpy.ndarray`` operand."""
     if isinstance(x, StrictArray):
         return x._a
     if isinstance(x, np.ndarray):

@@ -351,7 +351,8 @@ def main(argv=None) -> int:
         strategy, opt = result.strategy, result.opt
         per_step = strategy.model_state_bytes_per_step(max(1, args.steps - result.start_step))  # this job's steps
         stats = gather_stats(comm, process_peak, strategy.traffic_by_kind())
-        store = getattr(opt, "store", None)  # optimizer state in files (--offload-optimizer nvme): in no ledger category
+        # optimizer state in files (--offload-optimizer nvme): in no ledger category
+        store = getattr(opt, "store", None)
         zero = gather_figures(comm, dict(result.state_bytes, gathered_peak=get_ledger().peak["gathered"],
                                          bytes_sent_per_step=per_step,
                                          optimizer_disk_bytes=getattr(store, "disk_bytes", 0)))

@@ -317,7 +317,8 @@ def model_config(weights: str, state: dict, preset: str | None = None,
     else:
         files = f"no {SIDECAR} beside it ({note})" if note else f"no {SIDECAR} or {SUMMARY} beside it"
         raise ValueError(f"--weights {weights!r}: {files} and no preset has these shapes ({dims['n_layer']} layers, "
-                         f"width {dims['n_embd']}, context {dims['block_size']}), so the head count is unknown; {advice}")
+                         f"width {dims['n_embd']}, context {dims['block_size']}), so the head count is unknown; "
+                         f"{advice}")
     if run_cfg is not None and _clash(dataclasses.asdict(cfg), run_cfg, SHAPE_FIELDS):
         summary, note = None, (f"{summary_path!r} set aside: its config.model disagrees with {source}: "
                                f"{', '.join(_clash(run_cfg, dataclasses.asdict(cfg), SHAPE_FIELDS))}")
@@ -332,7 +333,8 @@ def config_for(weights: str, state: dict) -> GPTConfig:
 def load_gpt(weights: str) -> GPT:
     """The GPT stored in ``weights`` (model.npz), in the file's dtype.
 
-    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`, or integer arrays.
+    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`,
+    or integer arrays.
     """
     state = read_weights(weights)
     ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")

@@ -27,6 +27,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 from minizero.comm import world  # noqa: E402
 from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.zero import gather_figures  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
@@ -58,7 +59,7 @@ def measure(comm, flags, model: str, steps: int) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="model preset (tiny, small, default, ...)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration")
+    parser.add_argument("--steps", type=integer, default=3, help="optimizer steps per configuration")
     opts = parser.parse_args()
     threadpool_limits(limits=1)  # several ranks on few cores: one BLAS thread each
     tracemalloc.start()

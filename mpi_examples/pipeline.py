@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from minizero.comm import world  # noqa: E402
 from minizero.ledger import format_bytes, get_ledger  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.parallel.pipeline import PipelineEngine, allreduce_tied_embedding_grads  # noqa: E402
 from minizero.parallel.schedule import ascii_timeline, bubble_formula, bubble_fraction, make_schedule, simulate  # noqa
 from minizero.parallel.three_d import build_stage, scratch_ledger  # noqa: E402
@@ -27,7 +28,7 @@ from minizero.parallel.topology import Topology  # noqa: E402
 from _common import print_in_rank_order, require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step (m)")
+parser.add_argument("--micro-batches", type=integer, default=8, help="micro-batches per optimizer step (m)")
 parser.add_argument("--verbose", action="store_true", help="print every message as an arrow")
 opts = parser.parse_args()
 if opts.micro_batches < 1:

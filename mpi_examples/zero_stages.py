@@ -29,6 +29,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 from minizero.comm import world  # noqa: E402
 from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import get_ledger  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 from minizero.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
 from minizero.nn import GPT  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402
@@ -52,7 +53,7 @@ def measure(comm, stage: int, model: str, accum: int, steps: int = 2) -> list[di
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="model preset (tiny, small, default, ...)")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (M)")
+    parser.add_argument("--grad-accum", type=integer, default=1, help="micro-batches per optimizer step (M)")
     opts = parser.parse_args()
     threadpool_limits(limits=1)  # many ranks on few cores: one BLAS thread each
     comm = world()

@@ -102,7 +102,8 @@ class Function:
 
 
 class Tensor:
-    """An array (``data``) with an optional gradient (``grad``, data's shape and dtype) and ``grad_fn`` (None for leaves).
+    """An array (``data``) with an optional gradient (``grad``, data's shape and dtype) and ``grad_fn``
+    (None for leaves).
 
     Operators and methods each apply one Function of :mod:`minizero.autograd.ops`.
     """
@@ -349,7 +350,8 @@ def call_backward(node: Context, outs, skip=()) -> tuple:
         node.needs_input_grad = need
     in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
     if len(in_grads) != len(node.edges):
-        raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients for {len(node.edges)} inputs")
+        raise RuntimeError(f"{node.fn.__name__}.backward returned {len(in_grads)} gradients "
+                           f"for {len(node.edges)} inputs")
     return in_grads
 
 

@@ -257,7 +257,8 @@ class Dropout(Function):
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ValueError: p outside [0, 1)."""
+    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ValueError:
+    p outside [0, 1)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
@@ -269,7 +270,8 @@ IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds n
 
 
 def check_targets(targets, n: int, vocab_size: int, where: str = "cross_entropy", ignore_index: int = IGNORE_INDEX):
-    """ValueError (first bad value and position) unless ``targets`` is (n,) ints in [0, vocab_size) or ``ignore_index``."""
+    """ValueError (first bad value and position) unless ``targets`` is (n,) ints in [0, vocab_size) or
+    ``ignore_index``."""
     xp = backend.xp
     if getattr(targets, "shape", None) != (n,):
         raise ValueError(f"{where}: targets must have shape ({n},), got {getattr(targets, 'shape', type(targets))}")

@@ -11,7 +11,8 @@ from minizero.autograd.engine import Function, Tensor
 
 
 def unbroadcast(grad, shape):
-    """Sum ``grad`` (the broadcast result's shape) over the axes broadcasting added or stretched: an array of ``shape``."""
+    """Sum ``grad`` (the broadcast result's shape) over the axes broadcasting added or stretched:
+    an array of ``shape``."""
     if grad.shape == tuple(shape):
         return grad
     extra = grad.ndim - len(shape)

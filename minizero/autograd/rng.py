@@ -99,7 +99,8 @@ def reserve(n: int) -> tuple[int, int]:
 
 
 def keep_mask_at(key: int, offset: int, index, p: float):
-    """Keep decisions of outputs ``index`` (uint64, C-order positions) of the mask drawn at (key, offset); stream unmoved."""
+    """Keep decisions of outputs ``index`` (uint64, C-order positions) of the mask drawn at (key, offset);
+    stream unmoved."""
     z = index + np.uint64((offset + 1) & _MASK)
     z *= np.uint64(GAMMA)
     z += np.uint64(key)
@@ -109,7 +110,8 @@ def keep_mask_at(key: int, offset: int, index, p: float):
 
 
 def dropout_keep_mask(shape, p: float):
-    """A bool mask of ``shape`` on the device, True with probability 1 - p: ``u >= p``, u the top 24 bits times 2**-24."""
+    """A bool mask of ``shape`` on the device, True with probability 1 - p: ``u >= p``,
+    u the top 24 bits times 2**-24."""
     shape = tuple(int(d) for d in shape)
     n = 1
     for d in shape:
@@ -121,7 +123,8 @@ def dropout_keep_mask(shape, p: float):
 
 @dataclasses.dataclass(frozen=True)
 class MaskStream:
-    """A dropout mask of ``shape`` reserved at (key, offset); ``block(slices)`` reads the caller's part from ``origin``."""
+    """A dropout mask of ``shape`` reserved at (key, offset); ``block(slices)`` reads the caller's part from
+    ``origin``."""
 
     key: int
     offset: int

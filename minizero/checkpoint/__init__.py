@@ -1,7 +1,8 @@
 """Checkpoint, resume and reshard: stop anywhere, continue anywhere, on any layout.
 
 Every rank writes what it holds to its own safetensors file; a JSON manifest names every piece in logical
-coordinates (:mod:`.layout`). Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``, PyTorch DCP.
+coordinates (:mod:`.layout`). Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``,
+PyTorch DCP.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding
 
 def run_layout(args) -> dict:
     """What a checkpoint must agree on with the run resuming it: optimizer, precision, dtype (and MoE's shape)."""
-    out = {"optimizer": args.optimizer, "precision": args.precision, "dtype": args.dtype, "moe_experts": args.moe_experts}
+    out = {"optimizer": args.optimizer, "precision": args.precision, "dtype": args.dtype,
+           "moe_experts": args.moe_experts}
     if args.moe_experts:  # --ep may change: expert slices reshard as tensor-parallel shards do
         out.update({k: vars(args)[k] for k in ("moe_top_k", "moe_every", "moe_capacity_factor")})
     return out
@@ -42,7 +44,8 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
 
 
 class Checkpointer:
-    """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start, ``maybe_save`` after each step."""
+    """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start,
+    ``maybe_save`` after each step."""
 
     def __init__(self, args, comm, cfg, log=print):
         self.args, self.comm, self.cfg, self.log = args, comm, cfg, log
@@ -52,7 +55,8 @@ class Checkpointer:
         self.saved = []
 
     def resume(self, strategy, scaler=None) -> tuple:
-        """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed); ``(start_step, applied, pruner)``.
+        """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed);
+        ``(start_step, applied, pruner)``.
 
         Raises CheckpointError: as :func:`restore`, or a shard file or tensor the manifest names is missing.
         """

@@ -81,7 +81,8 @@ def consolidate(path: str, out: str) -> dict:
 
 
 def check_out(out: str) -> None:
-    """``consolidate --out``: a file outside every checkpoint folder, in a folder that takes it; checked before any read.
+    """``consolidate --out``: a file outside every checkpoint folder, in a folder that takes it;
+    checked before any read.
 
     Raises CheckpointError: naming ``out`` and why it would overwrite or lose something.
     """

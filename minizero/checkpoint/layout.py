@@ -39,7 +39,8 @@ TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (ti
 
 @dataclasses.dataclass
 class Slot:
-    """One piece of one logical tensor on this rank; ``array``: ``hi - lo`` elements, or 8-bit Adam's ``QuantizedState``."""
+    """One piece of one logical tensor on this rank; ``array``: ``hi - lo`` elements,
+    or 8-bit Adam's ``QuantizedState``."""
 
     kind: str
     name: str
@@ -106,7 +107,8 @@ def full_index(tp, shape, lo: int, hi: int):
 
 
 def slots(strategy, purpose: str = "save") -> list:
-    """This rank's :class:`Slot` list to ``"save"`` (each model element once over all ranks) or ``"load"`` (all it holds).
+    """This rank's :class:`Slot` list to ``"save"`` (each model element once over all ranks) or ``"load"``
+    (all it holds).
 
     Raises ValueError: another ``purpose``.
     """

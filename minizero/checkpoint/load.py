@@ -28,7 +28,8 @@ from minizero.quantization import dequantize_blockwise
 class ShardReader:
     """Reads logical slices of a checkpoint's tensors from the pieces that hold them.
 
-    ``ledger`` counts the buffers read (``peak_total``: the transient peak). Attributes: folder, manifest, reads, bytes_read.
+    ``ledger`` counts the buffers read (``peak_total``: the transient peak). Attributes: folder, manifest, reads,
+    bytes_read.
     """
 
     def __init__(self, path: str, ledger: MemoryLedger | None = None):

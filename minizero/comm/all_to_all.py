@@ -19,7 +19,8 @@ _A2A_TAG, _COUNT_TAG = 1003, 1004
 
 
 def _exchange(comm, x, send_offsets, out, recv_offsets) -> None:
-    """The N-1 rounds: piece j of ``x`` (rows send_offsets[j]:[j+1]) to rank j, into rows recv_offsets[i]:[i+1] of out."""
+    """The N-1 rounds: piece j of ``x`` (rows send_offsets[j]:[j+1]) to rank j, into rows recv_offsets[i]:[i+1] of
+    out."""
     n, r = comm.world_size, comm.rank
     out[recv_offsets[r]:recv_offsets[r + 1]] = x[send_offsets[r]:send_offsets[r + 1]]
     for k in range(1, n):

@@ -9,11 +9,9 @@ import abc
 import time
 import numbers
 
-import numpy as np
-
 from minizero import backend
 from minizero.comm import flight
-from minizero.comm.collectives import bytes_sent, shard_range
+from minizero.comm.collectives import _check_array, bytes_sent, shard_range
 from minizero.comm.traffic import TrafficLedger
 
 MAX_TAG = 32767  #: the largest tag every MPI implementation must accept (MPI_TAG_UB >= 32767)
@@ -54,7 +52,8 @@ SPIN_S = 0.01  #: seconds a waiting rank polls without sleeping, when it has a c
 
 
 def spin_seconds(ranks_on_this_node: int) -> float:
-    """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank, else 0."""
+    """Seconds a waiting rank spins: :data:`SPIN_S` when the node has a core (``sched_getaffinity``) per rank,
+    else 0."""
     return SPIN_S if ranks_on_this_node <= backend.usable_cores() else 0.0
 
 
@@ -66,26 +65,13 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 
 
 # --------------------------------------------------------------------------- checks
-def _check_array(buf, what: str, writeable: bool = False) -> None:
-    """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into.
-
-    Raises TypeError: not an array, or an object array; ValueError: not C-contiguous, or read-only where
-    ``writeable``.
+def _check_message(buf, what: str, writeable: bool = False) -> None:
+    """:func:`~minizero.comm.collectives._check_array` (a C-contiguous array, writeable if received into), and
+    not an object array. Raises TypeError: not an array, or an object array; ValueError: as ``_check_array``.
     """
-    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable) \
-            and buf.dtype.kind != "O":
-        return  # the common case, checked first (every message)
-    if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
-        raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
-    if not buf.flags.c_contiguous:
-        raise ValueError(
-            f"{what} must be C-contiguous, got shape {buf.shape} with strides {buf.strides}; "
-            "pass xp.ascontiguousarray(a) (messages are sent straight from the array's memory)"
-        )
+    _check_array(buf, what, writeable)
     if buf.dtype.kind == "O":
         raise TypeError(f"{what} has dtype object: it holds references, not bytes a message can carry")
-    if writeable and not getattr(buf.flags, "writeable", True):
-        raise ValueError(f"{what} is read-only (shape {buf.shape}); received bytes need a writeable array")
 
 
 # --------------------------------------------------------------------------- interface
@@ -107,7 +93,7 @@ class Communicator(abc.ABC):
 
         Raises TypeError: not an array; ValueError: not C-contiguous, ``dest`` or ``tag`` (``[0, 32767]``) out of range.
         """
-        _check_array(buf, "send buffer")
+        _check_message(buf, "send buffer")
         dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
         self.traffic.record(buf.nbytes)
         self._send(buf, dest, tag)
@@ -118,7 +104,7 @@ class Communicator(abc.ABC):
         Raises ValueError: ``buf`` not C-contiguous or read-only, bad ``source``/``tag``, size mismatch;
         TimeoutError, GroupFailedError (``ThreadCommunicator``).
         """
-        _check_array(buf, "recv buffer", writeable=True)
+        _check_message(buf, "recv buffer", writeable=True)
         source, tag = self._check_rank(source, "source"), self._check_tag(tag)
         self._recv(buf, source, tag)
         return buf
@@ -128,8 +114,8 @@ class Communicator(abc.ABC):
 
         The buffers must not overlap. Returns ``recvbuf``; records ``sendbuf.nbytes``. Raises as ``send`` and ``recv``.
         """
-        _check_array(sendbuf, "send buffer")
-        _check_array(recvbuf, "recv buffer", writeable=True)
+        _check_message(sendbuf, "send buffer")
+        _check_message(recvbuf, "recv buffer", writeable=True)
         dest, source = self._check_rank(dest, "dest"), self._check_rank(source, "source")
         tag = self._check_tag(tag)
         self.traffic.record(sendbuf.nbytes)
@@ -138,11 +124,13 @@ class Communicator(abc.ABC):
 
     # -- non-blocking point to point (minizero.comm.nonblocking drives these) -------------
     def isend(self, buf, dest: int, tag: int = 0):
-        """Start sending ``buf`` to ``dest`` (MPI_Isend): a request with ``test()`` and ``wait()``; records ``buf.nbytes``.
+        """Start sending ``buf`` to ``dest`` (MPI_Isend): a request with ``test()`` and ``wait()``;
+        records ``buf.nbytes``.
 
-        ``buf`` must not change until ``test()`` is True. Raises as ``send``; NotImplementedError: no non-blocking transport.
+        ``buf`` must not change until ``test()`` is True. Raises as ``send``; NotImplementedError:
+        no non-blocking transport.
         """
-        _check_array(buf, "send buffer")
+        _check_message(buf, "send buffer")
         dest, tag = self._check_rank(dest, "dest"), self._check_tag(tag)
         self.traffic.record(buf.nbytes)
         return self._isend(buf, dest, tag)
@@ -152,7 +140,7 @@ class Communicator(abc.ABC):
 
         Raises as ``recv``; NotImplementedError without a non-blocking transport.
         """
-        _check_array(buf, "recv buffer", writeable=True)
+        _check_message(buf, "recv buffer", writeable=True)
         source, tag = self._check_rank(source, "source"), self._check_tag(tag)
         return self._irecv(buf, source, tag)
 
@@ -174,7 +162,8 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def split(self, color: int, key: int = 0) -> Communicator:
-        """Collective: ranks with equal ``color`` form a new communicator ordered by ``key``, then old rank (MPI_Comm_split).
+        """Collective: ranks with equal ``color`` form a new communicator ordered by ``key``,
+        then old rank (MPI_Comm_split).
 
         Its ``traffic`` is a child of this one's (bytes show in both). Raises ValueError: ``color`` not an int >= 0.
         """
@@ -194,7 +183,7 @@ class Communicator(abc.ABC):
 
         Records ``bytes_sent("all_reduce", ...)`` as ``"all_reduce"``. Raises ValueError: non-contiguous or mismatched.
         """
-        _check_array(x, "x")
+        _check_message(x, "x")
         out = _prepare_out(x, out)
         with self.traffic.op("all_reduce", x):
             self.traffic.record(self._estimate("all_reduce", x))
@@ -203,7 +192,7 @@ class Communicator(abc.ABC):
 
     def native_reduce_scatter(self, x):
         """Library reduce-scatter (sum) of ``x.reshape(-1)``; returns this rank's ``shard_range`` chunk."""
-        _check_array(x, "x")
+        _check_message(x, "x")
         with self.traffic.op("reduce_scatter", x):
             self.traffic.record(self._estimate("reduce_scatter", x))
             return self._native_reduce_scatter(x.reshape(-1))
@@ -213,7 +202,7 @@ class Communicator(abc.ABC):
 
         Raises ValueError: ``shard.size`` is not this rank's ``shard_range`` size.
         """
-        _check_array(shard, "shard")
+        _check_message(shard, "shard")
         size = shard_range(n, self.world_size, self.rank)[1]
         if shard.size != size:
             raise ValueError(
@@ -227,7 +216,7 @@ class Communicator(abc.ABC):
     def native_bcast(self, x, root: int = 0):
         """Library broadcast of root's ``x`` into ``x`` on every rank, in place; returns ``x`` (``"broadcast"``)."""
         root = self._check_rank(root, "root")
-        _check_array(x, "x", writeable=self.rank != root)  # the root only reads x
+        _check_message(x, "x", writeable=self.rank != root)  # the root only reads x
         with self.traffic.op("broadcast", x):
             self.traffic.record(self._estimate("broadcast", x, root))
             self._native_bcast(x, root)
@@ -287,7 +276,7 @@ def _prepare_out(x, out):
     """``out`` checked against ``x`` (same shape and dtype, contiguous), or a new array."""
     if out is None:
         return backend.array_module(x).empty(x.shape, dtype=x.dtype)
-    _check_array(out, "out", writeable=True)
+    _check_message(out, "out", writeable=True)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out has shape {out.shape} {out.dtype}, x has {x.shape} {x.dtype}; they must match")
     return out

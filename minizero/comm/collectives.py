@@ -114,16 +114,23 @@ def mean_scale_(x, world_size: int, before_sum: bool, predivided: bool = False):
     return x
 
 
-def _check_contiguous(x, what: str) -> None:
-    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, checked first
-        return
-    if not (hasattr(x, "flags") and hasattr(x, "size")):
-        raise TypeError(f"{what} must be an array (numpy/cupy), got {type(x).__name__}")
-    if not x.flags.c_contiguous:
+def _check_array(buf, what: str, writeable: bool = False) -> None:
+    """Raise unless ``buf`` is a C-contiguous array (a broadcast view is not); ``writeable``: it is received into.
+
+    The one array check of messages (``Communicator``) and collectives. Raises TypeError: not an array;
+    ValueError: not C-contiguous, or read-only where ``writeable``.
+    """
+    if type(buf) is np.ndarray and buf.flags.c_contiguous and (buf.flags.writeable or not writeable):
+        return  # the common case, checked first (every message)
+    if not (hasattr(buf, "flags") and hasattr(buf, "nbytes")):
+        raise TypeError(f"{what} must be an array (numpy/cupy), got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
         raise ValueError(
-            f"{what} must be C-contiguous, got shape {x.shape} with strides {x.strides}; "
-            "pass xp.ascontiguousarray(x)"
+            f"{what} must be C-contiguous, got shape {buf.shape} with strides {buf.strides}; "
+            "pass xp.ascontiguousarray(a) (messages are sent straight from the array's memory)"
         )
+    if writeable and not getattr(buf.flags, "writeable", True):
+        raise ValueError(f"{what} is read-only (shape {buf.shape}); received bytes need a writeable array")
 
 
 def _check_summable(x, what: str) -> None:
@@ -133,7 +140,8 @@ def _check_summable(x, what: str) -> None:
 
 
 def _scratch(a):
-    """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed); returns ``a``."""
+    """Count ``a``, a collective's temporary buffer, as ``comm_scratch`` in the ledger (until it is freed);
+    returns ``a``."""
     get_ledger().track(a, "comm_scratch")
     return a
 
@@ -144,7 +152,8 @@ RING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @functools.lru_cache(maxsize=256)  # the same few (op, size) pairs every step: plan once
 def ring_steps(op: str, n: int, world_size: int, rank: int) -> tuple[tuple[tuple, tuple, bool], ...]:
-    """The steps of the ring ``op`` on ``n`` elements for ``rank``: ``((send_off, send_size), (recv_off, recv_size), add)``.
+    """The steps of the ring ``op`` on ``n`` elements for ``rank``:
+    ``((send_off, send_size), (recv_off, recv_size), add)``.
 
     Send that chunk to rank+1 while receiving rank-1's into the other (``add``: reduce-scatter; else store).
     :func:`ring_` and :class:`~minizero.comm.nonblocking.RingCollective` both run these steps (bitwise equal).
@@ -194,7 +203,7 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         (size,) array of x's dtype: elements ``shard_range(n, world_size, rank)`` of the sum.
     Bytes (``"reduce_scatter"``): (n - size) * itemsize. Raises ValueError: ``x`` not C-contiguous; sizes differ.
     """
-    _check_contiguous(x, "x")
+    _check_array(x, "x")
     _check_summable(x, "x")
     if native:
         return comm.native_reduce_scatter(x)
@@ -220,7 +229,7 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     Returns (n,) of shard's dtype. Bytes (``"all_gather"``): (n - size of rank+1's shard) * itemsize.
     Raises ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
     """
-    _check_contiguous(shard, "shard")
+    _check_array(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
     if n is None:
         n = shard.size * world_size
@@ -249,10 +258,10 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     doubling log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype
     or read-only.
     """
-    _check_contiguous(x, "x")
+    _check_array(x, "x")
     _check_summable(x, "x")
     if out is not None:
-        _check_contiguous(out, "out")
+        _check_array(out, "out")
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
         if not getattr(out.flags, "writeable", True):
@@ -284,7 +293,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     Bytes (``"broadcast"``): ``x.nbytes`` per child. Raises ValueError: ``root`` out of range, ``x`` not
     C-contiguous. Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
     """
-    _check_contiguous(x, "x")
+    _check_array(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:
         raise ValueError(f"root={root!r} is not a rank; allowed: 0..{comm.world_size - 1}")
     if native:

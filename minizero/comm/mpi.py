@@ -186,7 +186,8 @@ class MPICommunicator(Communicator):
 
     # -- waiting: MPI_Test, spinning briefly where each rank has a core, then sleeping ---------
     def _wait(self, requests, op: str, peer=None, tag=None) -> None:
-        """Complete ``requests`` (``poll_until``: spin ``self.spin_s``, then sleep); CommTimeoutError after ``self.timeout`` s."""
+        """Complete ``requests`` (``poll_until``: spin ``self.spin_s``, then sleep);
+        CommTimeoutError after ``self.timeout`` s."""
         self._poll(lambda: _mpi().Request.Testall(requests), op, peer, tag)
 
     def _poll(self, done, op: str, peer=None, tag=None) -> None:

@@ -120,7 +120,8 @@ class CrossNodeLedger:
 
 
 class NodeTrafficCommunicator(Communicator):
-    """A Communicator over ``inner`` (sharing its ``traffic``) that also counts bytes sent across nodes in ``cross_node``.
+    """A Communicator over ``inner`` (sharing its ``traffic``) that also counts bytes sent across nodes in
+    ``cross_node``.
 
     Native collectives count ``bytes_sent`` when the ring's right neighbour is on another node.
     ``nodes``: None = :func:`discover_nodes` (collective). Raises ValueError: ``nodes`` of another world size.

@@ -86,7 +86,8 @@ class RingCollective:
         return True
 
     def wait(self) -> None:
-        """Progress until finished, sleeping between tests. Raises CommTimeoutError after the communicator's ``timeout``."""
+        """Progress until finished, sleeping between tests. Raises CommTimeoutError after the communicator's
+        ``timeout``."""
         _wait_until(self.comm, self.progress, f"{self.name} (tag {self.tag})", self.waiting_on)
 
     def waiting_on(self) -> int | None:
@@ -110,7 +111,8 @@ def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
 
 
 class Stream:
-    """Collectives run one at a time in :meth:`submit` order (a NCCL stream); each one's ``on_done()`` runs when it ends."""
+    """Collectives run one at a time in :meth:`submit` order (a NCCL stream); each one's ``on_done()`` runs when it
+    ends."""
 
     def __init__(self, comm):
         self.comm = comm

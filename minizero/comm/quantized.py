@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.collectives import _check_contiguous, all_gather, shard_range
+from minizero.comm.collectives import _check_array, all_gather, shard_range
 from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
@@ -46,7 +46,7 @@ def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BL
     Error at most scale/2 per element; one rank: an exact copy. Bytes: ``bytes_sent("all_gather")``.
     Raises ValueError: wrong shard size, non-contiguous or non-finite shard.
     """
-    _check_contiguous(shard, "shard")
+    _check_array(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
     n = shard.size * world_size if n is None else n
     off, size = shard_range(n, world_size, rank)
@@ -96,7 +96,7 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
     most the other ranks' scale/2; a block holding inf/NaN arrives as NaN. Bytes: ``bytes_sent("reduce_scatter")``.
     Raises ValueError: non-contiguous ``x``; sizes differing between ranks.
     """
-    _check_contiguous(x, "x")
+    _check_array(x, "x")
     world_size, rank, n = comm.world_size, comm.rank, x.size
     flat = x.reshape(-1)
     off, size = shard_range(n, world_size, rank)
@@ -126,10 +126,10 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     Returns ``out`` (new if None), equal on every rank. Bytes: ``bytes_sent("all_reduce")``.
     Raises ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape or dtype.
     """
-    _check_contiguous(x, "x")
+    _check_array(x, "x")
     if out is None:
         out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
-    _check_contiguous(out, "out")
+    _check_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
     if comm.world_size == 1:

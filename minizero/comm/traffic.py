@@ -1,4 +1,5 @@
-"""The ledger of the bytes each rank sends, by operation label (one per Communicator; Thakur et al. 2005's cost model)."""
+"""The ledger of the bytes each rank sends, by operation label
+(one per Communicator; Thakur et al. 2005's cost model)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,8 @@ from minizero.comm.flight import FlightRecorder
 
 
 class TrafficLedger:
-    """Bytes this rank sent (``bytes_sent``), by label (``by_op``) and calls per label (``calls``); one thread, no locks.
+    """Bytes this rank sent (``bytes_sent``), by label (``by_op``) and calls per label (``calls``); one thread,
+    no locks.
 
     ``record(nbytes)`` adds to the outermost open ``op(label)`` block, else ``"p2p"``, and to the ``parent`` ledger.
     """
@@ -53,7 +55,8 @@ class TrafficLedger:
     def op(self, label: str, buf=None) -> _OpBlock:
         """A ``with`` block: bytes recorded inside it go to ``label`` (unless an outer block is open).
 
-        The block is a trace span and one flight-recorder entry; ``buf`` (a whole-group collective's array) gives its shape.
+        The block is a trace span and one flight-recorder entry; ``buf`` (a whole-group collective's array) gives its
+        shape.
         """
         return _OpBlock(self, label, buf)
 

@@ -3,7 +3,8 @@
 From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute``
 (compute lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under
 compute), ``bubble`` (pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest).
-Names the slowest rank (most time not waiting on others) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
+Names the slowest rank (most time not waiting on others) and the one that waits most.
+Mirrors Holistic Trace Analysis (HTA).
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def load(path: str) -> list:
     for i, e in enumerate(events):
         missing = [f for f in SPAN_FIELDS if f not in e] if isinstance(e, dict) and e.get("ph") == "X" else []
         if not isinstance(e, dict) or missing:
-            raise ValueError(f"{path!r}: traceEvents[{i}] " + (f"lacks {missing[0]!r}" if missing else "is not an object"))
+            raise ValueError(f"{path!r}: traceEvents[{i}] "
+                             + (f"lacks {missing[0]!r}" if missing else "is not an object"))
         wrong = [f for f in ("ts", "dur") if e.get("ph") == "X" and not _number(e[f])]
         if wrong:
             raise ValueError(f"{path!r}: traceEvents[{i}].{wrong[0]} is {e[wrong[0]]!r}, not a number of microseconds")

@@ -162,7 +162,8 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
 
 
 def saved_by_module(model, *inputs) -> dict[str, int]:
-    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self), hooks removed."""
+    """Run ``model(*inputs)`` once with attribution on; ``{module: bytes it saved for backward}`` (self),
+    hooks removed."""
     store: dict = {}
     detach = attach(model)
     remove = model.register_forward_hook(after_forward_hook(store))

@@ -42,7 +42,8 @@ E5M2 = FP8Format("e5m2", 2, -14, 57344.0)
 
 
 def round_to_fp8(x, fmt: FP8Format):
-    """float32 -> float32 of the nearest values of ``fmt`` (ties to even), saturated at +-max. TypeError unless float32."""
+    """float32 -> float32 of the nearest values of ``fmt`` (ties to even), saturated at +-max.
+    TypeError unless float32."""
     xp = backend.array_module(x)
     if x.dtype != np.float32:
         raise TypeError(f"round_to_fp8 takes float32, got {x.dtype}")
@@ -86,7 +87,8 @@ def from_fp8_bits(b, fmt: FP8Format):
 
 
 class ScaledCast:
-    """One tensor's FP8 cast with its per-tensor scale; ``cast(x)`` -> float32 q / s; ``stats()``: saturated, underflowed."""
+    """One tensor's FP8 cast with its per-tensor scale; ``cast(x)`` -> float32 q / s; ``stats()``: saturated,
+    underflowed."""
 
     def __init__(self, fmt: FP8Format, scaling: str):
         if scaling not in SCALINGS:

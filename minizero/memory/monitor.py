@@ -69,7 +69,8 @@ class MemoryMonitor:
         with comm.traffic.op("metrics"):
             both = backend.to_host(all_gather(comm, backend.to_device(mine))).reshape(comm.world_size, 2)
         cur, peak = both.max(axis=0)
-        pool_text = "" if pool is None else f"; CuPy pool high-water {format_bytes(self.device_pool_peak['total'])} here"
+        pool_text = ("" if pool is None
+                     else f"; CuPy pool high-water {format_bytes(self.device_pool_peak['total'])} here")
         return f"mem {format_bytes(cur)} (peak {format_bytes(peak)}, max over ranks{pool_text})"
 
 

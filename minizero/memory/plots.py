@@ -1,4 +1,5 @@
-"""Pictures of where the bytes live: the per-rank memory timeline and the sequence-length sweep (matplotlib optional)."""
+"""Pictures of where the bytes live: the per-rank memory timeline and the sequence-length sweep
+(matplotlib optional)."""
 from __future__ import annotations
 
 import importlib.util

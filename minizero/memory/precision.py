@@ -38,8 +38,9 @@ class DynamicLossScaler:
                 and hysteresis >= 1 and SCALE_RANGE[0] <= min_scale <= init_scale <= SCALE_RANGE[1]
                 and max_skips_at_min >= 1):
             raise ValueError(
-                f"loss scaler needs a finite init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
-                f"hysteresis >= 1, 2**-24 <= min_scale <= init_scale <= 2**64, max_skips_at_min >= 1; got init_scale={init_scale}, "
+                f"loss scaler needs a finite init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                f"growth_interval >= 1, hysteresis >= 1, 2**-24 <= min_scale <= init_scale <= 2**64, "
+                f"max_skips_at_min >= 1; got init_scale={init_scale}, "
                 f"growth_factor={growth_factor}, backoff_factor={backoff_factor}, growth_interval={growth_interval}, "
                 f"hysteresis={hysteresis}, min_scale={min_scale}, max_skips_at_min={max_skips_at_min}")
         self.scale = float(init_scale)
@@ -53,7 +54,8 @@ class DynamicLossScaler:
         self._skips_at_min = 0
 
     def update(self, overflow: bool) -> bool:
-        """Record one step's outcome; True: skip it. Raises LossScaleError: ``max_skips_at_min`` skips at the minimum."""
+        """Record one step's outcome; True: skip it. Raises LossScaleError: ``max_skips_at_min`` skips at the
+        minimum."""
         if not overflow:
             self.consecutive_skips = 0
             self._skips_at_min = 0

@@ -14,7 +14,8 @@ MODES = ("none", "full", "selective")
 
 
 class Checkpoint(Function):
-    """forward: run ``run_fn`` without recording, save only the inputs (and the generator state); backward: recompute."""
+    """forward: run ``run_fn`` without recording, save only the inputs (and the generator state); backward:
+    recompute."""
 
     @staticmethod
     def forward(ctx, run_fn, *arrays):
@@ -93,7 +94,8 @@ class CheckpointWrapper(Module):
 
 
 def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
-    """Put a :class:`CheckpointWrapper` around every ``every``-th block (``"full"``) or its ``attn.core`` (``"selective"``).
+    """Put a :class:`CheckpointWrapper` around every ``every``-th block (``"full"``) or its ``attn.core``
+    (``"selective"``).
 
     In place on a GPT or (interleaved) stage; returns what is recomputed. Raises ValueError (before any change):
     unknown mode, ``every`` < 1, or recompute already applied.

@@ -85,7 +85,8 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
 
 
 def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
-    """Bytes ``{"nnz", "dense", "csr", "bitmap"}`` of a 2-D pruned matrix (int32 CSR indices, bitmap 1 bit per element)."""
+    """Bytes ``{"nnz", "dense", "csr", "bitmap"}`` of a 2-D pruned matrix
+    (int32 CSR indices, bitmap 1 bit per element)."""
     mask = mask if hasattr(mask, "dtype") else np.asarray(mask, bool)
     rows = mask.shape[0] if mask.ndim >= 1 else 1
     n, nnz = mask.size, int(backend.host_scalar(mask.sum()))
@@ -94,7 +95,8 @@ def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
 
 
 class Pruner:
-    """Fixed pruning masks for a model's :func:`prunable_weights` (full weights: under ZeRO-3 inside ``full_parameters()``)::
+    """Fixed pruning masks for a model's :func:`prunable_weights`
+    (full weights: under ZeRO-3 inside ``full_parameters()``)::
 
         pruner.prune_(opt)             # once: zero the pruned weights
         pruner.mask_gradients_(opt)    # after the gradient reduction, before clipping
@@ -116,7 +118,8 @@ class Pruner:
     @classmethod
     def from_masks(cls, model, packed: dict, shapes: dict, sparsity: float, scope: str) -> "Pruner":
         """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 :func:`packbits` of the
-        flat bool keep-mask (host arrays, copied to the device here), ``shapes`` name -> the weight's shape. Raises KeyError for a name ``model``
+        flat bool keep-mask (host arrays, copied to the device here), ``shapes`` name -> the weight's shape.
+        Raises KeyError for a name ``model``
         has no prunable weight of."""
         self = cls.__new__(cls)
         weights = prunable_weights(model)

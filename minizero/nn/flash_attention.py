@@ -15,12 +15,13 @@ from minizero.nn.module import Module
 ATTENTIONS = ("dense", "flash")  #: choices of ``--attention``
 
 
-# --------------------------------------------------------------------------- the block kernel (shared with ring attention)
+# --------------------------------------------------------------------------- the block kernel (ring attention's too)
 mm = backend.matmul  # BLAS-friendly (contiguous batched operands) on NumPy
 
 
 def block_scores(q, k, scale: float, mask=None):
-    """S = q k^T scale, -inf where ``mask`` (bool, True = keep) is False. q (..., n, D), k (..., m, D) -> (..., n, m)."""
+    """S = q k^T scale, -inf where ``mask`` (bool, True = keep) is False. q (..., n, D),
+    k (..., m, D) -> (..., n, m)."""
     s = mm(q, k.swapaxes(-1, -2)) * scale
     return s if mask is None else backend.xp.where(mask, s, -backend.xp.inf)
 

@@ -166,7 +166,8 @@ class GPT(Module):
             materialize_(self, get_ledger())
 
     def forward(self, idx, targets=None):
-        """idx: (B, T) ints, T <= block_size; targets (B, T) or None. Raises ValueError: T too long, ids out of range."""
+        """idx: (B, T) ints, T <= block_size; targets (B, T) or None. Raises ValueError: T too long,
+        ids out of range."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         b, t = idx.shape
         cfg = self.config

@@ -13,7 +13,8 @@ from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module, Parameter
 from minizero.nf4 import NF4Tensor
 
-TARGETS = ("c_attn", "c_proj", "c_fc")  #: the projections a GPT block has (attn.c_proj and mlp.c_proj both match c_proj)
+#: the projections a GPT block has (attn.c_proj and mlp.c_proj both match c_proj)
+TARGETS = ("c_attn", "c_proj", "c_fc")
 
 
 class NF4Linear(Module):

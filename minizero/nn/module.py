@@ -29,7 +29,8 @@ class Parameter(Tensor):
 
 
 class Module:
-    """Base class for layers and models: Parameters and Modules set as attributes; calls run pre-hooks, forward, hooks."""
+    """Base class for layers and models: Parameters and Modules set as attributes; calls run pre-hooks, forward,
+    hooks."""
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())

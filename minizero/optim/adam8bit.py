@@ -127,7 +127,8 @@ def new_state(shape_or_n, dtype, eight_bit: bool, block_size: int, codes, offset
 
 def state_nbytes(numels, param_dtype=np.float32, block_size: int = BLOCK_SIZE,
                  min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """Bytes of 8-bit Adam state: ``2n + 8 * ceil(n / B)`` per tensor (n >= ``min_8bit_size``), else ``2 n * itemsize``."""
+    """Bytes of 8-bit Adam state: ``2n + 8 * ceil(n / B)`` per tensor (n >= ``min_8bit_size``),
+    else ``2 n * itemsize``."""
     small = state_dtype(param_dtype).itemsize * 2
     return int(sum(2 * n + 8 * -(-n // block_size) if n >= min_8bit_size else small * n for n in numels))
 

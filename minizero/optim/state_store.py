@@ -19,7 +19,8 @@ class OffloadError(OSError):
 
 
 def check_offload_dir(path: str, need_bytes: int = 0) -> None:
-    """Fail early unless ``path`` is a writable directory with ``need_bytes`` free. Raises OffloadError (numbers given)."""
+    """Fail early unless ``path`` is a writable directory with ``need_bytes`` free.
+    Raises OffloadError (numbers given)."""
     if not os.path.isdir(path):
         raise OffloadError(errno.ENOENT, f"offload folder {path!r} is not an existing directory")
     try:
@@ -38,7 +39,8 @@ RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 def ram_backed(path: str, mounts: str = "/proc/mounts") -> str | None:
-    """The file-system type of ``path`` when it keeps files in RAM (tmpfs, ramfs) per ``mounts``, else None; never raises."""
+    """The file-system type of ``path`` when it keeps files in RAM (tmpfs, ramfs) per ``mounts``, else None;
+    never raises."""
     try:
         with open(mounts) as f:
             rows = [line.split() for line in f]

@@ -29,7 +29,8 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 
 
 def split_for_context_parallel(x, rank: int, cp: int, axis: int):
-    """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (new). Raises ValueError: 2 cp does not divide it."""
+    """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (new). Raises ValueError:
+    2 cp does not divide it."""
     xp, s = backend.xp, x.shape[axis]
     if s % (2 * cp):
         raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
@@ -160,7 +161,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
-    """Split a stage's sequence over the context group ``comm``, in place; returns the converted names (no-op for c = 1).
+    """Split a stage's sequence over the context group ``comm``, in place; returns the converted names
+    (no-op for c = 1).
 
     Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; every
     ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``.
@@ -208,7 +210,8 @@ def _context_parallelize_stage(stage, comm, attention: str) -> list[str]:
 
 
 class RingAttentionCore(Module):
-    """An attention core: q, k, v (b, H, 2n, D) -> (b, H, 2n, D) by :func:`ring_attention` over ``comm``; no parameters."""
+    """An attention core: q, k, v (b, H, 2n, D) -> (b, H, 2n, D) by :func:`ring_attention` over ``comm``;
+    no parameters."""
 
     def __init__(self, comm):
         super().__init__()

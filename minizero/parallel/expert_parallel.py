@@ -16,7 +16,8 @@ data ranks (DeepSpeed's layout)::
 Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averaged over the data group;
 an expert's gradient, already summed over its expert group by the combine's backward, summed over its
 expert-data group and divided by D. With ZeRO (:class:`ExpertZero`) the same split: the dense parameters
-sharded over the data group, the experts over their expert-data group (DeepSpeed-MoE's layout). After each step (:class:`ExpertLoad`) every layer's counts are summed
+sharded over the data group, the experts over their expert-data group (DeepSpeed-MoE's layout).
+After each step (:class:`ExpertLoad`) every layer's counts are summed
 over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias
 update and the progress lines.
 """
@@ -59,7 +60,8 @@ class MoEConfig:
         replaces an MLP (8C^2 + 5C) by a router (C E) and E (or top-k, active) experts of 8C^2 (no biases)."""
         c, n = gpt.n_embd, len(self.layers(gpt.n_layer))
         dense = gpt.num_parameters() - n * (8 * c * c + 5 * c)
-        return dense + n * (c * self.experts + 8 * c * c * self.experts), dense + n * (c * self.experts + 8 * c * c * self.top_k)
+        return (dense + n * (c * self.experts + 8 * c * c * self.experts),
+                dense + n * (c * self.experts + 8 * c * c * self.top_k))
 
 
 class _AddAuxLoss(Function):

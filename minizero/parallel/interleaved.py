@@ -74,7 +74,8 @@ class InterleavedStage(Module):
 
 
 def interleave(model, rank: int, pp: int, v: int, v_shape: bool = False) -> list:
-    """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank``, each with ``prev_rank``/``next_rank``."""
+    """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank``,
+    each with ``prev_rank``/``next_rank``."""
     ks = virtual_stages_of(rank, pp, v, v_shape)
     chunks = [PipelineStage(model, k, len(ks) * pp) for k in ks]
     for k, chunk in zip(ks, chunks):

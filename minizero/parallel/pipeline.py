@@ -293,7 +293,8 @@ class PipelineEngine:
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:
-        """Mean loss of one batch (x, y) (b, T) without a graph; 0.0 off the last stage. Traffic label ``pp_eval`` (``validation``
+        """Mean loss of one batch (x, y) (b, T) without a graph; 0.0 off the last stage.
+        Traffic label ``pp_eval`` (``validation``
         when :meth:`Strategy.evaluate` calls it: the outer label names the bytes)."""
         st, loss = self.stage, 0.0
         with no_grad():

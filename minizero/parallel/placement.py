@@ -34,7 +34,8 @@ def _cross(comm) -> dict | None:
 
 
 def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
-    """Cross-node bytes ``(ring, hierarchical)`` of one all-reduce of ``dp``'s buckets (hierarchical 0 for unequal nodes)."""
+    """Cross-node bytes ``(ring, hierarchical)`` of one all-reduce of ``dp``'s buckets
+    (hierarchical 0 for unequal nodes)."""
     nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])
     even = len({len(nodes.ranks_on(n)) for n in nodes.nodes}) == 1
     ring = hier = 0
@@ -92,7 +93,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         if k == "dp" and max(cp, ep) > 1:
             n = max(cp, ep)
             sub = [g[j:j + n] for g in topo.all_groups("dp") for j in range(0, len(g), n)]
-            what = "expert all-to-all" if ep > 1 else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all"
+            what = ("expert all-to-all" if ep > 1
+                    else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all")
             lines.append(f"  {'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
                          f"node(s), {_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   ({what})")
             if topo.dp == n and not total[2]:

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: which micro-batch each stage runs forward (F), backward (B) or weight-gradient (W), in order.
+"""Pipeline schedules as data: which micro-batch each stage runs forward (F), backward (B) or weight-gradient (W),
+in order.
 
 A schedule is a list per stage of :class:`Op` ``(kind, mb)`` (chunked: ``(kind, mb, chunk)``), run as is by
 :mod:`minizero.parallel.pipeline` and timed in slots by :func:`simulate` (sends free).
@@ -60,7 +61,8 @@ def gpipe(p: int, m: int) -> list[list[Op]]:
 
 
 def one_f_one_b(p: int, m: int) -> list[list[Op]]:
-    """1F1B: stage s runs w = min(p-s-1, m) warm-up forwards, F/B pairs, then w backwards; peak min(p - s, m) in flight."""
+    """1F1B: stage s runs w = min(p-s-1, m) warm-up forwards, F/B pairs, then w backwards;
+    peak min(p - s, m) in flight."""
     out = []
     for s in range(p):
         w = min(p - s - 1, m)
@@ -154,7 +156,8 @@ def zb_v(p: int, m: int) -> list[list[VChunkOp]]:
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The schedule ``name`` (:data:`ALL_SCHEDULES`; "interleaved" with v chunks per rank) for p stages, m micro-batches.
+    """The schedule ``name`` (:data:`ALL_SCHEDULES`; "interleaved" with v chunks per rank) for p stages,
+    m micro-batches.
 
     Raises ValueError: unknown name, p, m or v < 1, v > 1 except for "interleaved" (zb-v: 1 or 2), or
     (interleaved) m not a multiple of p.

@@ -42,7 +42,8 @@ def _gather_along_seq(comm, x):
 
 
 def _reduce_scatter_along_seq(comm, x):
-    """(b, s, h) partial sums -> rows [r s/t, (r+1) s/t) of their sum over the group, (b, s/t, h) (ring reduce-scatter)."""
+    """(b, s, h) partial sums -> rows [r s/t, (r+1) s/t) of their sum over the group,
+    (b, s/t, h) (ring reduce-scatter)."""
     xp, t = backend.xp, comm.world_size
     b, s, h = x.shape
     _check_seq(s, t)
@@ -178,7 +179,8 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
-    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out); forward reduce-scatter, backward all-gather."""
+    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out); forward reduce-scatter,
+    backward all-gather."""
 
     def forward(self, x):
         y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.comm)
@@ -186,7 +188,8 @@ class SequenceParallelRowLinear(RowParallelLinear):
 
 
 class SequenceParallelDropout(Module):
-    """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h); identity in eval or p == 0."""
+    """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h);
+    identity in eval or p == 0."""
 
     def __init__(self, p: float, comm):
         super().__init__()

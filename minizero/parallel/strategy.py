@@ -207,7 +207,8 @@ class Strategy:
         """Bytes this rank sent over the run, by purpose (:data:`TRAFFIC_KINDS`, from each group's traffic ledger;
         ``expert_all_to_all``: MoE's dispatch and combine)."""
         by = {name: c.traffic.snapshot()["by_op"] for name, c in self.topo.groups().items()}
-        a2a, moe = by["dp"].get("all_to_all", 0), self.expert_load is not None  # MoE refuses --cp: the all-to-alls are its
+        # MoE refuses --cp: the all-to-alls are its
+        a2a, moe = by["dp"].get("all_to_all", 0), self.expert_load is not None
         kinds = {
             "gradient_reduction": sum(by["dp"].get(op, 0) for op in GRADIENT_REDUCTIONS) + sum(by["embed"].values()),
             "parameter_gathers": sum(by["dp"].get(op, 0) for op in PARAMETER_GATHERS)  # + the model's final gather:
@@ -247,7 +248,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     if args.attention == "flash":  # before context parallelism and recompute replace or wrap the cores
         use_flash_attention(stage, args.attention_block)
     if cp > 1:
-        context_parallelize(stage, cp_comm, args.cp_attention)  # either order with recompute: selective recompute wraps the ring core
+        # either order with recompute: selective recompute wraps the ring core
+        context_parallelize(stage, cp_comm, args.cp_attention)
     moe, ep_comm, edp_comm, expert_load, make_model = args.moe_config(), None, None, None, None
     if moe is not None:  # before the precision converts the products and recompute wraps the blocks
         if args.ep > 1:

@@ -48,7 +48,8 @@ def unshard_arrays(shards, dim: int, stride: int = 1):
 
 
 def allreduce_bytes_per_block(batch: int, seq: int, n_embd: int, itemsize: int, tp: int, rank: int = 0) -> dict:
-    """Bytes one tensor rank sends for one block and micro-batch: ``forward``, ``backward``, ``calls_*`` (2 each way)."""
+    """Bytes one tensor rank sends for one block and micro-batch: ``forward``, ``backward``,
+    ``calls_*`` (2 each way)."""
     one = bytes_sent("all_reduce", batch * seq * n_embd, itemsize, tp, rank)
     return {"forward": 2 * one, "backward": 2 * one, "calls_forward": 2, "calls_backward": 2}
 
@@ -168,7 +169,8 @@ class _HeadSliceDropout(Function):
 
 
 class HeadParallelDropout(Module):
-    """Dropout of attention probabilities (B, H/tp, T, T): the (B, H, T, T) mask drawn whole, heads [lo, lo + H/tp) kept."""
+    """Dropout of attention probabilities (B, H/tp, T, T): the (B, H, T, T) mask drawn whole,
+    heads [lo, lo + H/tp) kept."""
 
     def __init__(self, p: float, n_head_total: int, lo: int):
         super().__init__()

@@ -72,7 +72,8 @@ def build_stage(cfg, seed: int, topo: Topology, sequence_parallel: bool = False,
 
 
 def counts_in_norm(p, topo: Topology) -> bool:
-    """Whether this rank adds ``p``'s gradient to the global norm: tensor-replicated on tensor rank 0, tied copy once."""
+    """Whether this rank adds ``p``'s gradient to the global norm: tensor-replicated on tensor rank 0,
+    tied copy once."""
     if getattr(p, "shared_embedding_copy", False):
         return False
     return topo.tp_rank == 0 or not is_tensor_parallel_duplicate(p)

@@ -62,7 +62,8 @@ class Topology:
         return {"tp": self.tp_comm, "dp": self.dp_comm, "pp": self.pp_comm, "embed": self.embed_comm}
 
     def all_groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (``"tp"``, ``"dp"``, ``"pp"``, ``"embed"``) as lists of world ranks (else ValueError)."""
+        """Every group of ``kind`` (``"tp"``, ``"dp"``, ``"pp"``, ``"embed"``) as lists of world ranks
+        (else ValueError)."""
         grid = mesh(self.dp, self.tp, self.pp)
         if kind == "tp":
             groups = grid.reshape(-1, self.tp)

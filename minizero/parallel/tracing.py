@@ -78,7 +78,8 @@ class TraceUnits:
 
 
 def write_trace(comm, tracer: trace.Tracer, path: str) -> int | None:
-    """Collective over ``comm``: rank 0 writes every rank's events to ``path`` (Chrome trace-event JSON, ``pid`` = rank).
+    """Collective over ``comm``: rank 0 writes every rank's events to ``path``
+    (Chrome trace-event JSON, ``pid`` = rank).
 
     Each rank sends an int64 length, then the JSON bytes. Returns the ``"X"`` events written on rank 0, None elsewhere.
     """

@@ -23,7 +23,8 @@ from minizero.nn.module import Module
 
 
 def sequence_order(cp: int, n: int) -> np.ndarray:
-    """``order`` (2cn,): ``gathered[..., order, :]`` puts the ranks' rows (rank i: chunks i, 2c-1-i) in sequence order."""
+    """``order`` (2cn,): ``gathered[..., order, :]`` puts the ranks' rows (rank i: chunks i, 2c-1-i) in sequence
+    order."""
     pos = np.concatenate([np.concatenate([np.arange(n) + c * n for c in (i, 2 * cp - 1 - i)]) for i in range(cp)])
     return np.argsort(pos)
 

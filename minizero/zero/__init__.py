@@ -19,7 +19,8 @@ __all__ = ["ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", 
 
 
 def zero_optimizer(model, comm, stage: int, **kwargs) -> ZeroOptimizer:
-    """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm`` (``kwargs``: :class:`ZeroOptimizer`'s); else ValueError."""
+    """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm`` (``kwargs``: :class:`ZeroOptimizer`'s);
+    else ValueError."""
     if stage not in STAGES:
         raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
     return STAGES[stage](model, comm, **kwargs)

@@ -45,7 +45,8 @@ class ZeroOrderError(RuntimeError):
 
 
 class UnitState:
-    """Arrays and flags of one unit on one rank: ``complete`` (all gradients arrived), ``reduced`` (this micro-batch)."""
+    """Arrays and flags of one unit on one rank: ``complete`` (all gradients arrived),
+    ``reduced`` (this micro-batch)."""
 
     def __init__(self, index, unit, params, users):
         self.index, self.unit, self.params, self.users = index, unit, params, users
@@ -80,7 +81,8 @@ class UnitCollectives:
             self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
 
     def agree(self, st, phase: str, prefetched: bool = False) -> None:
-        """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st``, blocking or ``prefetched``.
+        """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st``,
+        blocking or ``prefetched``.
 
         Raises ZeroOrderError on every rank, naming each rank's unit and phase.
         """
@@ -110,7 +112,8 @@ class UnitCollectives:
             return all_gather(self.comm, shard, st.unit.padded, native=self.native)
 
     def reduce_scatter(self, st, flat):
-        """Mean over ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk (``reduce_scatter_grads``)."""
+        """Mean over ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk
+        (``reduce_scatter_grads``)."""
         self.agree(st, "reduce_scatter_grads")
         n = self.comm.world_size
         with self.count("reduce_scatter_grads"):

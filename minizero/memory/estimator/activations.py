@@ -276,7 +276,8 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
 
     peak = stored per layer x layers x micro-batches in flight (:func:`in_flight`) + embedding rows (stage 0) + head
     rows (last stage) + max(0, recompute transient - head); ``"minizero"`` (not gpipe) adds the token ids and
-    targets of the micro-batches already done, alive until the step ends. With ``offload_activations``: ``"paper"`` keeps one
+    targets of the micro-batches already done, alive until the step ends. With ``offload_activations``:
+    ``"paper"`` keeps one
     layer brought back plus the transient on the device; ``"minizero"`` keeps arrays under
     :data:`OFFLOAD_MIN_BYTES` and the recompute transient, the rest on the host once per buffer.
     """

@@ -69,7 +69,8 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     act, act_host = activation_bytes(m, st, s, accounting, stage)
     host += act_host
     full_grads = gbytes * psi
-    largest_unit = m.layer_parameters(st.tp, ep=st.ep)  # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
+    # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
+    largest_unit = m.layer_parameters(st.tp, ep=st.ep)
     if stage == 0:
         largest_unit = max(largest_unit, m.embedding_parameters(st.tp, vocab_parallel))
     comm = gathered = 0
@@ -83,9 +84,11 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
         overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
-            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else m.layer_parameters(st.tp, ep=st.ep) + tied)
+            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped
+                              else m.layer_parameters(st.tp, ep=st.ep) + tied)
         if st.zero == 3:
-            gathered = pb * (prefetched_units(m, st, stage) if overlapped else m.layer_parameters(st.tp, ep=st.ep) + tied)
+            gathered = pb * (prefetched_units(m, st, stage) if overlapped
+                             else m.layer_parameters(st.tp, ep=st.ep) + tied)
     else:
         if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
