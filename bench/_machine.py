@@ -50,11 +50,18 @@ def source() -> str:
     return f"minizero {sha}" + (" + changes" if dirty else "")
 
 
+def cores() -> int:
+    """The cores this process may run on (``backend.usable_cores``: taskset, cpusets, mpiexec's binding)."""
+    from minizero.backend import usable_cores  # noqa: PLC0415  (the scripts put the checkout on sys.path first)
+
+    return usable_cores()
+
+
 def header() -> str:
     """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source."""
     forced = os.environ.get("OPENBLAS_CORETYPE")
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced} | "
+            f"{os.cpu_count()} cores{'' if cores() == os.cpu_count() else f' ({cores()} usable)'} | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced} | "
             f"{source()}")
 
 

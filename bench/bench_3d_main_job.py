@@ -157,7 +157,7 @@ def main() -> None:
         f"step {i} {g[i]:.1f} (loss {r['dp8_long']['train_loss'][i - 1]:.4f} -> {r['dp8_long']['train_loss'][i]:.4f})"
         for i in sorted(top) if i > 0))
     d8, t3 = r["dp8_short"], r["3d_short"]
-    print(f"\ntokens/s of the --steps {a.short_steps} runs (tracemalloc off; one run each, {os.cpu_count()} cores): "
+    print(f"\ntokens/s of the --steps {a.short_steps} runs (tracemalloc off; one run each, {_machine.cores()} cores): "
           f"dp 8 {d8['tokens_per_s']:,.0f}, 3D {t3['tokens_per_s']:,.0f}, 3D / dp 8 = "
           f"{t3['tokens_per_s'] / d8['tokens_per_s']:.2f}")
 

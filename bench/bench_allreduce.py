@@ -244,7 +244,7 @@ def main():
 
 
 def report(op, runs, malloc):
-    oversubscribed = [n for n in runs if n > (os.cpu_count() or 1)]
+    oversubscribed = [n for n in runs if n > _machine.cores()]
     print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | {malloc} | "
           + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
     print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "

@@ -55,7 +55,7 @@ def main():
     ways = {"checked": checked, "bare": bare}
     if r == 0:
         print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-        print(f"{n} ranks on {os.cpu_count()} cores; microseconds per ring exchange (median of the slowest rank's); "
+        print(f"{n} ranks on {_machine.cores()} cores; microseconds per ring exchange (median of the slowest rank's); "
               f"checked = comm.sendrecv as shipped, bare = the payload alone\n")
         print("| size | checked (us) | bare (us) | checked / bare |")
         print("|---:|---:|---:|---:|")

@@ -71,7 +71,7 @@ def main() -> None:
     if bad:
         p.error(f"--strategies: {bad} not in {list(STRATEGIES)}")
     print(f"| ranks | strategy | overlap | ms/step | vs --no-overlap | exposed comm ms/step | backward ms/step | "
-          f"collective in flight during backward |  ({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
+          f"collective in flight during backward |  ({args.model}, {args.steps} steps, {_machine.cores()} cores)")
     print("|---:|:---|:---|---:|---:|---:|---:|---:|")
     panels = []
     for n in [int(x) for x in args.ranks.split(",")]:

@@ -116,7 +116,7 @@ def main() -> None:
     if args.against:
         return against(args)
     print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  "
-          f"({args.model}, {args.steps} steps, {os.cpu_count()} cores)")
+          f"({args.model}, {args.steps} steps, {_machine.cores()} cores)")
     print("|---:|---:|---:|---:|---:|")
     for n in [int(x) for x in args.ranks.split(",")]:
         s = run(n, args)

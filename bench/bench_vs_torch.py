@@ -216,7 +216,7 @@ def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = Fa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
-    p.add_argument("--threads", type=integer, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--threads", type=integer, default=_machine.cores(), help="BLAS / torch intra-op threads")
     p.add_argument("--steps", type=integer, default=4, help="timed steps per side per round")
     p.add_argument("--rounds", type=integer, default=5, help="alternated rounds (the ratio is their median)")
     p.add_argument("--warmup", type=integer, default=6, help="untimed steps per side before the rounds")

@@ -145,7 +145,7 @@ def main():
         raise SystemExit(f"profile_collective.py: run it on a power-of-two number of ranks >= 2, got {n}")
     comm, results = measure(sizes, args.runs, args.warmup)
     if comm.rank == 0:
-        cores = os.cpu_count() or 1
+        cores = _machine.cores()
         print(f"all_reduce layer by layer, N={n} | {_machine.header()} | {malloc} | "
               + ("one core per rank or more" if n <= cores else f"oversubscribed ({n} ranks, {cores} cores)"))
         print("microseconds per call, median of runs of 20 back-to-back calls, slowest rank; recursive doubling "

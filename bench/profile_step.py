@@ -302,7 +302,7 @@ def main() -> None:
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
                    "(--precision: 8)")
     p.add_argument("--steps", type=integer, default=6, help="profiled steps (and timed steps of each side)")
-    p.add_argument("--threads", type=integer, default=os.cpu_count(), help="BLAS / torch intra-op threads")
+    p.add_argument("--threads", type=integer, default=_machine.cores(), help="BLAS / torch intra-op threads")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16): profile the "
@@ -322,7 +322,7 @@ def main() -> None:
     if args.precision is None and (args.device != "cpu" or args.model != "default"):
         p.error("--device and --model profile the main job's loop: give --precision too")
     malloc = _machine.set_malloc(args.default_malloc)
-    cores = os.cpu_count() or 1
+    cores = _machine.cores()
     if not (1 <= args.steps <= MAX_STEPS and 1 <= args.threads <= cores and 0 <= args.warmup <= MAX_STEPS):
         p.error(f"--steps must be in 1..{MAX_STEPS}, --threads in 1..{cores} (this machine's cores), --warmup in "
                 f"0..{MAX_STEPS}; got {args.steps}, {args.threads}, {args.warmup}")
