@@ -93,8 +93,8 @@ def implementations(op, comm, x):
                  "MPI": lambda: (mpi.Alltoall(x, mpi_out), mpi_out)[1]}
     else:
         shard = np.ascontiguousarray(x[:n // N])
-        mpi_out = np.empty(n, dtype=x.dtype)
-        impls = {"ring": lambda: all_gather(comm, shard),
+        out, mpi_out = np.empty(n, dtype=x.dtype), np.empty(n, dtype=x.dtype)  # both sides gather into an array
+        impls = {"ring": lambda: all_gather(comm, shard, out=out),  # allocated once (all_gather_into_tensor)
                  "MPI": lambda: (mpi.Allgather(shard, mpi_out), mpi_out)[1]}
     return impls
 
@@ -251,7 +251,8 @@ def report(op, runs, malloc):
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
              f"ring), ring / rd forced; p2p = the same exchanges as recursive doubling in bare mpi4py calls (Sendrecv "
              f"and a NumPy add, nothing of minizero's; N a power of two): for small arrays, the least a collective "
-             f"written in Python over point-to-point costs; " if op == "all_reduce" else "ring = minizero's; ")
+             f"written in Python over point-to-point costs; " if op == "all_reduce" else
+             "ring = minizero's, into a preallocated out as MPI's; " if op == "all_gather" else "ring = minizero's; ")
           + "X/MPI = MPI's time / X's (above 1: minizero faster)\n")
     print(table(op, runs))
 

@@ -178,6 +178,45 @@ def test_all_reduce_shapes_out_and_in_place():
         assert x.shape == (3, 4, 5)  # the input is untouched
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("native", [False, True])
+def test_all_gather_into_out_equals_a_new_array_and_may_hold_the_shard(native):
+    """``out=`` (PyTorch's all_gather_into_tensor): the same bits as a new array, also when ``out`` already
+    holds this rank's shard (ZeRO-1/2's flat buffer); a wrong ``out`` is refused on every rank before any message."""
+    n = 1001
+
+    def body(comm):
+        lo, hi = _span(n, comm.world_size, comm.rank)
+        flat = np.full(n, np.nan)
+        flat[lo:hi] = np.random.default_rng(comm.rank).standard_normal(hi - lo)
+        shard = flat[lo:hi]
+        new = all_gather(comm, shard.copy(), n, native=native)
+        into = all_gather(comm, shard.copy(), n, native=native, out=np.full(n, np.nan))
+        same = all_gather(comm, shard, n, native=native, out=flat)  # the shard is a view of out
+        errors = []
+        for bad in (np.empty(n + 1), np.empty(n, np.float32), np.empty((n, 2))[:, 0]):
+            try:
+                all_gather(comm, shard, n, native=native, out=bad)
+            except ValueError as e:
+                errors.append(str(e))
+        ro = np.empty(n)
+        ro.flags.writeable = False
+        try:
+            all_gather(comm, shard, n, out=ro)
+        except ValueError as e:
+            errors.append(str(e))
+        return new, into, same is flat, flat, errors, comm.traffic.calls.get("all_gather", 0)
+
+    results = run_in_threads(3, body, timeout=20)
+    for new, into, is_flat, flat, errors, calls in results:
+        assert np.array_equal(new, results[0][0]) and np.array_equal(into, new) and np.array_equal(flat, new)
+        assert is_flat and not np.isnan(new).any()
+        assert len(errors) == 4 and all("out" in e for e in errors), errors
+        assert "(1002,) float64" in errors[0] and "float32" in errors[1] and "C-contiguous" in errors[2]
+        assert "read-only" in errors[3]
+        assert calls == 3  # the three gathers; the refusals posted nothing
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -221,13 +221,16 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         return out
 
 
-def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = False):
+def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = False, out=None):
     """Concatenate every rank's shard, in rank order, on every rank (inverse of ``reduce_scatter``).
 
     Args:
         shard: C-contiguous, ``shard_range(n, world_size, rank)[1]`` elements.  n: total (None: shard.size * N).
-    Returns (n,) of shard's dtype. Bytes (``"all_gather"``): (n - size of rank+1's shard) * itemsize.
-    Raises ValueError: ``shard`` not C-contiguous, or not this rank's ``shard_range`` size for ``n``.
+        out: optional (n,) C-contiguous writeable array of shard's dtype to gather into (PyTorch's
+        ``all_gather_into_tensor``); it may hold ``shard`` itself, as ZeRO's flat buffer holds its owned shard.
+    Returns ``out`` (a new (n,) array if None). Bytes (``"all_gather"``): (n - size of rank+1's shard) * itemsize.
+    Raises ValueError: ``shard`` or ``out`` not C-contiguous, ``out`` read-only or not (n,) of shard's dtype,
+    ``shard`` not this rank's ``shard_range`` size for ``n``.
     """
     _check_array(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
@@ -239,11 +242,20 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
             f"rank {rank}: shard has {shard.size} elements, but shard_range(n={n}, "
             f"world_size={world_size}, rank={rank}) gives {size}"
         )
+    if out is not None:
+        _check_array(out, "out", writeable=True)
+        if out.shape != (n,) or out.dtype != shard.dtype:
+            raise ValueError(f"out is {out.shape} {out.dtype}; the gathered array is ({n},) {shard.dtype}")
     if native:
-        return comm.native_allgather(shard, n)
-    out = backend.array_module(shard).empty(n, dtype=shard.dtype)
+        gathered = comm.native_allgather(shard, n)
+        if out is None:
+            return gathered
+        out[...] = gathered
+        return out
+    if out is None:
+        out = backend.array_module(shard).empty(n, dtype=shard.dtype)
     with comm.traffic.op("all_gather", out):  # the whole (n,) result: the same on every rank, unlike the shards
-        out[offset:offset + size] = shard.reshape(-1)
+        out[offset:offset + size] = shard.reshape(-1)  # NumPy copies through a temporary where the two overlap
         ring_(comm, out, "all_gather")
         return out
 

@@ -102,14 +102,19 @@ class UnitCollectives:
                 "in the same order (stage 3 gathers each unit as its forward begins); stages 1-2 accept "
                 "any order and units skipped on some ranks")
 
-    def all_gather(self, st, shard, phase: str):
-        """(S,) shards -> the unit's (padded,) buffer, counted as ``phase``. INT8 with ``quantized_comm``
-        only for stage 3's forward/backward gathers (a gathered copy that *is* the parameter stays exact)."""
+    def all_gather(self, st, shard, phase: str, out=None):
+        """(S,) shards -> the unit's (padded,) buffer (into ``out`` when given), counted as ``phase``. INT8 with
+        ``quantized_comm`` only for stage 3's forward/backward gathers (a gathered copy that *is* the parameter
+        stays exact)."""
         self.agree(st, phase)
         with self.count(phase):
             if self.quantized_comm and phase in ("gather_forward", "gather_backward"):
-                return quantized_all_gather(self.comm, shard, st.unit.padded)
-            return all_gather(self.comm, shard, st.unit.padded, native=self.native)
+                full = quantized_all_gather(self.comm, shard, st.unit.padded)
+                if out is None:
+                    return full
+                out[...] = full
+                return out
+            return all_gather(self.comm, shard, st.unit.padded, native=self.native, out=out)
 
     def reduce_scatter(self, st, flat):
         """Mean over ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk

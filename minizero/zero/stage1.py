@@ -53,9 +53,10 @@ class ZeroStage1(ZeroOptimizer):
             st.grad_shard[...] = self.collectives.reduce_scatter(st, st.flat_grad)
 
     def _publish_params(self, phase: str) -> None:
-        """Every unit's owned shard to every rank: one all-gather per unit into its flat buffer."""
+        """Every unit's owned shard to every rank: one all-gather per unit, straight into its flat buffer
+        (which holds the owned shard itself)."""
         for st in self.units:
-            st.flat_param[...] = self.collectives.all_gather(st, st.param_shard, phase)
+            self.collectives.all_gather(st, st.param_shard, phase, out=st.flat_param)
 
     def _zero_grads(self) -> None:
         for st in self.units:
