@@ -60,9 +60,10 @@ def cores() -> int:
 def header() -> str:
     """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source."""
     forced = os.environ.get("OPENBLAS_CORETYPE")
+    usable = cores()
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores{'' if cores() == os.cpu_count() else f' ({cores()} usable)'} | {blas()} | OPENBLAS_CORETYPE={'unset' if forced is None else forced} | "
-            f"{source()}")
+            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | {blas()} | "
+            f"OPENBLAS_CORETYPE={'unset' if forced is None else forced} | {source()}")
 
 
 def set_malloc(default: bool) -> str:

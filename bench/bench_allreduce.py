@@ -252,7 +252,8 @@ def report(op, runs, malloc):
              f"ring), ring / rd forced; p2p = the same exchanges as recursive doubling in bare mpi4py calls (Sendrecv "
              f"and a NumPy add, nothing of minizero's; N a power of two): for small arrays, the least a collective "
              f"written in Python over point-to-point costs; " if op == "all_reduce" else
-             "ring = minizero's, into a preallocated out as MPI's; " if op == "all_gather" else "ring = minizero's; ")
+             "ring = minizero's, into a preallocated out as MPI's; " if op == "all_gather" else
+             "pairwise = minizero's; " if op == "all_to_all" else "ring = minizero's; ")
           + "X/MPI = MPI's time / X's (above 1: minizero faster)\n")
     print(table(op, runs))
 

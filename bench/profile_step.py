@@ -298,7 +298,8 @@ def main_precision(precisions: list, batch: int, steps: int, warmup: int, device
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
                    "(--precision: 8)")
     p.add_argument("--steps", type=integer, default=6, help="profiled steps (and timed steps of each side)")

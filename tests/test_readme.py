@@ -64,7 +64,7 @@ def test_outputs_measured_elsewhere_are_quoted_whole():
     stands in docs/benchmarks.md line for line, and the page links it."""
     text = _read("docs", "benchmarks.md")
     outputs = sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "measured", "xeon*.md")))
-    assert len(outputs) == 7
+    assert len(outputs) >= 7
     for path in outputs:
         printed = open(path).read().rstrip("\n")
         assert printed in text and "measured/" + os.path.basename(path) in text, path

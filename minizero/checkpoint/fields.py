@@ -119,7 +119,7 @@ def _value_problems(man: dict) -> list[str]:
             out.append(f"pieces[{i}] tp index {tp[2]}, expected {c[1]!r:.20} (the tp rank of its file "
                        f"{pc['file']!r}, files coords[1])")
         if not problem and isinstance(pc["file"], str):
-            same = [(pc["file"], pc["key"]), (pc["kind"], pc["param"], pc["tp"] and tuple(pc["tp"]), pc["lo"], pc["hi"])]
+            same = [(pc["file"], pc["key"]), (pc["kind"], pc["param"], tuple(pc["tp"] or ()), pc["lo"], pc["hi"])]
             first = next((seen[k] for k in same if k in seen), None)
             if first is not None:
                 out.append(f"pieces[{i}] (key {str(pc['key'])[:60]!r} in {pc['file'][:40]!r}) repeats pieces[{first}] "
@@ -164,7 +164,7 @@ def _coverage_problems(man: dict) -> list[str]:
         for pc in pcs:
             spans[pc["tp"][2] if pc["tp"] else 0].append((pc["lo"], pc["hi"]))
         for index in [i for i in range(min(parts, len(spans) + 1)) if i not in spans][:1]:
-            out.append(f"pieces hold no {kind} of {name[:60]!r} tp shard {index} of {parts}, expected every shard saved")
+            out.append(f"pieces hold no {kind} of {name[:60]!r} tp shard {index} of {parts}; expected every shard")
         for index, have in spans.items():
             end = 0
             for lo, hi in sorted(have):
