@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
-MAX_SHARE = 0.165  # reached (16.4%, issue 27's target was 0.18): new docstrings state the contract only
+MAX_SHARE = 0.167  # reached 16.4% (issue 27 aimed at 0.18); 2026-12-04 wrapping to 120 columns added ~45 lines, no words
 
 
 def docstring_lines(source: str) -> int:
