@@ -78,6 +78,12 @@ def test_one_rank_per_node_is_the_flat_ring_and_uneven_nodes_are_refused():
         run_in_threads(3, lambda c: HierarchicalAllReduce(c, NodeLayout((0, 0, 1))))
     with pytest.raises(ValueError, match="native"):
         run_in_threads(2, lambda c: HierarchicalAllReduce(c)(np.ones(3), native=True))
+    with pytest.raises(ValueError, match="x must be C-contiguous"):
+        run_in_threads(2, lambda c: HierarchicalAllReduce(c)(np.ones(6)[::2]))
+    read_only = np.ones(3)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        run_in_threads(2, lambda c: HierarchicalAllReduce(c)(np.ones(3), out=read_only))
 
 
 def test_threads_are_one_node_and_splits_keep_the_layout():

@@ -81,6 +81,19 @@ def test_ring_steps_are_the_blocking_ring_s_and_bad_ops_are_refused():
         ring_steps("broadcast", 10, 4, 1)
 
 
+def test_ring_collective_refuses_a_buffer_it_cannot_receive_into():
+    def rank(comm):
+        read_only = np.ones(4)
+        read_only.flags.writeable = False
+        for buf, match in ((np.ones((2, 2)), "1-D"), (np.ones(8)[::2], "C-contiguous"), (read_only, "read-only"),
+                           ([1.0, 2.0], "must be an array")):
+            with pytest.raises((ValueError, TypeError), match=match):
+                RingCollective(comm, buf, "all_reduce", tag=1006)
+        return True
+
+    assert all(run_in_threads(2, rank, timeout=30))
+
+
 def test_irecv_refuses_a_message_of_another_dtype():
     def rank(comm):
         if comm.rank == 0:

@@ -7,7 +7,7 @@ on every rank. Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802
 from __future__ import annotations
 
 from minizero import backend
-from minizero.comm.collectives import all_reduce, bytes_sent, ring_, shard_range
+from minizero.comm.collectives import _check_array, all_reduce, bytes_sent, ring_, shard_range
 from minizero.comm.communicator import Communicator
 from minizero.comm.nodes import NodeLayout, layout_of
 
@@ -37,16 +37,17 @@ class HierarchicalAllReduce:
         """Elementwise sum of ``x`` over ``comm``, bit-identical on every rank; returns ``out`` (new if None).
 
         Bytes (``"all_reduce"``): 2(L-1)/L of the buffer per rank inside the node; 2(n_nodes-1)/n_nodes of this
-        rank's 1/L chunk across nodes. Raises ValueError: ``native=True``; non-contiguous or mismatched arrays.
+        rank's 1/L chunk across nodes. Raises ValueError: ``native=True``; non-contiguous, read-only or mismatched
+        arrays.
         """
         if native:
             raise ValueError("the hierarchical all-reduce is minizero's own; native=True has no meaning here")
+        _check_array(x, "x")
         if out is None:
             out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
-        if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+        _check_array(out, "out", writeable=True)
+        if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"x must be C-contiguous, got strides {x.strides}")
         with self.comm.traffic.op("all_reduce"):
             if out is not x:
                 out[...] = x

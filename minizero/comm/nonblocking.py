@@ -5,23 +5,25 @@ equal to the blocking ring. Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP
 """
 from __future__ import annotations
 
-
 from minizero import backend, trace
 from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until, timeout_message
-from minizero.comm.collectives import bytes_sent, ring_steps, shard_range
+from minizero.comm.collectives import _check_array, bytes_sent, ring_steps, shard_range
+
 
 class RingCollective:
     """One ring collective in place on a flat C-contiguous (n,) ``buf``, advanced by :meth:`progress` (never waits).
 
     ``op``: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``; ``tag``: one collective in flight per tag
     (use a :class:`Stream`); ``label``: the traffic label (default ``op``). Bytes: as the blocking ring.
-    Raises ValueError: ``buf`` not 1-D C-contiguous, unknown ``op``; NotImplementedError: no non-blocking transport.
+    Raises TypeError: ``buf`` not an array; ValueError: not 1-D, C-contiguous and writeable, unknown ``op``;
+    NotImplementedError: no non-blocking transport.
     """
 
     def __init__(self, comm, buf, op: str, tag: int, label: str | None = None, name: str | None = None,
                  **trace_args):
-        if getattr(buf, "ndim", None) != 1 or not buf.flags.c_contiguous:
-            raise ValueError(f"buf must be a 1-D C-contiguous array, got {getattr(buf, 'shape', type(buf))}")
+        _check_array(buf, "buf", writeable=True)
+        if buf.ndim != 1:
+            raise ValueError(f"buf must be 1-D (a flat buffer), got shape {buf.shape}")
         if not comm.nonblocking:
             raise NotImplementedError(f"{type(comm).__name__} has no isend/irecv; use the blocking collectives")
         self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
