@@ -21,8 +21,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def blas() -> str:
-    """``openblas 0.3.27 (kernel SkylakeX, 2 threads)`` for NumPy's BLAS, as threadpoolctl sees it."""
+def blas(threads: str | None = None) -> str:
+    """``openblas 0.3.27 (kernel SkylakeX, 2 threads)`` for NumPy's BLAS, as threadpoolctl sees it; ``threads``
+    replaces the thread count (where the timed work runs in other processes, which set their own)."""
     import numpy as np  # noqa: F401  (loads the BLAS threadpoolctl inspects)
     from threadpoolctl import threadpool_info
 
@@ -31,7 +32,7 @@ def blas() -> str:
         return "BLAS unknown"
     i = libs[0]
     return (f"{i.get('internal_api', '?')} {i.get('version', '?')} "
-            f"(kernel {i.get('architecture', '?')}, {i.get('num_threads', '?')} threads)")
+            f"(kernel {i.get('architecture', '?')}, {threads or str(i.get('num_threads', '?')) + ' threads'})")
 
 
 def source() -> str:
@@ -57,12 +58,16 @@ def cores() -> int:
     return usable_cores()
 
 
-def header() -> str:
-    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source."""
+RANK_THREADS = "threads per rank: cores / ranks on the node, as the main job sets them"  #: train.py's rule
+
+
+def header(threads: str | None = None) -> str:
+    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source.
+    ``threads``: what to print for the BLAS threads instead of this process's (e.g. :data:`RANK_THREADS`)."""
     forced = os.environ.get("OPENBLAS_CORETYPE")
     usable = cores()
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | {blas()} | "
+            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | {blas(threads)} | "
             f"OPENBLAS_CORETYPE={'unset' if forced is None else forced} | {source()}")
 
 

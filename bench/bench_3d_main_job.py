@@ -129,7 +129,7 @@ def stage_ranks(s: dict) -> list[tuple[range, str]]:
 
 
 def main() -> None:
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=integer, default=300, help="the long runs (the trainer's default)")
     p.add_argument("--short-steps", type=integer, default=30)

@@ -57,7 +57,7 @@ def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
 
 
 def main() -> None:
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
     p.add_argument("--steps", type=integer, default=5)

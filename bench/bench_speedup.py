@@ -51,7 +51,7 @@ def run(tree: str, ranks: int, steps: int, extra: list[str]) -> float:
 
 
 def main() -> None:
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="git revision to compare this checkout against")
     p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")

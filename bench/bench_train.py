@@ -104,7 +104,7 @@ def against(args) -> None:
 
 
 def main() -> None:
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,8", help="comma-separated world sizes")
     p.add_argument("--steps", type=integer, default=30)

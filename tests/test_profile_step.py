@@ -114,3 +114,14 @@ def test_device_and_model_need_the_main_jobs_mode():
     for argv, said in cases:
         done = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_bench_header_names_this_process_s_blas_threads_or_the_ranks_rule():
+    import _machine
+    from threadpoolctl import threadpool_info
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    own, ranks = _machine.header(), _machine.header(_machine.RANK_THREADS)
+    if blas:
+        assert f"{blas[0]['num_threads']} threads)" in own and f"{_machine.RANK_THREADS})" in ranks
+    assert "threads)" not in ranks and "OPENBLAS_CORETYPE=" in ranks and "cores" in ranks
