@@ -185,8 +185,6 @@ def check_interleaved(args, cfg) -> None:
                          f"--pp {args.pp} (each group of pp micro-batches goes through a chunk together)")
 
 
-
-
 def check_moe(args) -> None:
     """``--moe-*`` / ``--ep`` in range and a layout MoE is tested with (dp/tp/pp resolved, before any work)."""
     e, ep = args.moe_experts, args.ep

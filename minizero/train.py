@@ -52,7 +52,6 @@ class Terminated(BaseException):
     """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
 
 
-
 def use_tracemalloc(args) -> bool:
     """True when ``--tracemalloc`` was asked for and ``--no-tracemalloc`` was not (off by default)."""
     return bool(args.tracemalloc) and not args.no_tracemalloc

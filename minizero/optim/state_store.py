@@ -75,7 +75,6 @@ def reserve(f, nbytes: int, folder: str, what: str) -> None:
                                                  f"{free:,} bytes are free: {why}") from None
 
 
-
 # ---- optimizer state offload (ZeRO-Offload / ZeRO-Infinity) ------------------------------
 class OptimizerStateStore:
     """Where an optimizer keeps its FP32 state (master weights, Adam m and v) and runs its update.
