@@ -3,9 +3,9 @@
 Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 only without pipelining), recompute,
 sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep dividing dp and
 the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep GPUs fit a
-node) and offload; estimates each one's per-GPU bytes by category
-(:mod:`minizero.memory.estimator`), bytes sent per step and step time (:func:`minizero.plan_search.step_time`);
-prints those that fit, fastest first (ties: less memory, then fewer techniques). ``--strategy`` evaluates one.
+node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
+sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first
+(equal step times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one.
 Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value
 and what is allowed. Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
 """
@@ -28,7 +28,7 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
     candidate_json, describe, explain, format_table, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
-    parse_strategy, plan, step_time)
+    parse_strategy, plan, rank, step_time)
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -303,7 +303,8 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     more = f"; the best {len(shown)} shown (--top 0: all)" if len(shown) < len(fits) else ""
     return (_header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
             + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
-               "(a first-order model: step times within about 1% of each other are within its accuracy)", ""]
+               "(a first-order model: step times within about 1% of each other are within its accuracy; such rows "
+               "stay in tok/s order, and a why line below says when one of them needs less memory)", ""]
             + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
             + ["  " + line for line in why_lines(shown, scale, unit, fit_count=len(fits))])
 

@@ -57,8 +57,11 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
             why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
                 f"{delta[k]:.3g} s more {_WHY[k]}" for k in costs)
         by = f"by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step)"
-        lead = (f"#{ia} beats #{ib} {by}" if gain >= ACCURACY else  # a lead the first-order model can resolve
-                f"#{ia} is ranked above #{ib} {by}, a tie within the model's accuracy of about 1%")
+        lead = f"#{ia} beats #{ib} {by}"  # a lead the first-order model can resolve
+        if gain < ACCURACY:  # kept in tok/s order (plan_search.rank); the user may trade it for memory
+            less = (b.memory.total - a.memory.total) / scale  # > 0: a needs less
+            mem = f", #{ia if less > 0 else ib} needing {abs(less):.2f} {unit} less per GPU" if round(less, 2) else ""
+            lead = f"#{ia} is ranked above #{ib} {by}, a tie within the model's accuracy of about 1%{mem}"
         return f"{lead}: {why} ({diff})"
     saved = (b.memory.total - a.memory.total) / scale
     return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"

@@ -16,7 +16,7 @@ from minizero.memory.estimator import (
     model_flops_per_step, stage_expert_parameters, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
-RANKING_RULE = ("fastest estimated step first (tokens/s); ties go to less device memory per GPU, "
+RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
                 "then to fewer techniques")
 
 
@@ -248,8 +248,17 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
             smallest = (st, device, host)
         if device <= hw.gpu_memory and host <= hw.host_memory:
             fits.append(evaluate(model, st, hw, seq_len))
-    fits.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.memory.total, c.techniques))
-    return fits, count, smallest
+    return rank(fits), count, smallest
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """``cands`` by :data:`RANKING_RULE`: tokens/s (to 10^-6) descending, then device bytes, then techniques.
+
+    A lead within the model's accuracy (~1%) is kept, not traded for memory: the tok/s column stays
+    monotonic, and a 1% band is not transitive (A ~ B ~ C with A, C 2% apart), so a band's order
+    would hang on where it starts. ``plan_report.explain`` marks such near-ties and their memory.
+    """
+    return sorted(cands, key=lambda c: (-round(c.tokens_per_s, 6), c.memory.total, c.techniques))
 
 
 # ---- one strategy the user names ---------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Weight-only quantization of a GPT: every Linear's weight as INT8/INT4 codes + FP32 scales.
 
 :class:`QuantizedLinear` dequantizes its :class:`~minizero.quantization.QuantizedTensor` in every forward;
-:func:`quantize_model` swaps a model's Linear layers for them in place (not the tied head);
+:func:`quantize_model` swaps a model's Linear layers for them in place (``Module.swap_modules``; not the tied head);
 :func:`calibrate_input_absmax` finds LLM.int8()'s outlier input features (arXiv:2208.07339, section 3.2);
 :func:`evaluate_loss` and :func:`model_nbytes` measure the result. Everything stays on ``backend.xp``.
 """
@@ -81,7 +81,7 @@ class QuantizedLinear(Module):
 
 # --------------------------------------------------------------------------- the model
 def _linear_slots(model: Module):
-    """``[(parent, attribute, dotted name, Linear)]`` for every Linear whose weight no other module owns."""
+    """``[(dotted name, Linear)]`` for every Linear whose weight no other module owns."""
     owners = {}
     for _, m in model.named_modules():
         for p in m._parameters.values():
@@ -90,7 +90,7 @@ def _linear_slots(model: Module):
     for pname, parent in model.named_modules():
         for attr, child in parent._modules.items():
             if isinstance(child, Linear) and owners[id(child.weight)] == 1:
-                slots.append((parent, attr, f"{pname}.{attr}" if pname else attr, child))
+                slots.append((f"{pname}.{attr}" if pname else attr, child))
     return slots
 
 
@@ -98,7 +98,7 @@ def calibrate_input_absmax(model: Module, batches) -> dict:
     """Per-input-feature max |x| of every quantizable Linear over ``batches`` [(x, y)]: name -> (in,) float64
     (device arrays)."""
     stats, removers = {}, []
-    for _, _, name, lin in _linear_slots(model):
+    for name, lin in _linear_slots(model):
         def hook(module, args, name=name):
             xp = backend.xp
             a = xp.abs(args[0].data).reshape(-1, module.in_features).max(axis=0).astype(np.float64)
@@ -130,17 +130,20 @@ def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block
         raise ValueError("outlier_threshold needs calibration batches")
     stats = calibrate_input_absmax(model, calibration) if outlier_threshold is not None else {}
     report = {"layers": [], "skipped": [], "dense_bytes": 0, "quantized_bytes": 0, "outlier_columns": 0}
-    slots = _linear_slots(model)
-    tied = {n for n, m in model.named_modules() if isinstance(m, Linear)} - {s[2] for s in slots}
-    report["skipped"] = sorted(tied)
-    for parent, attr, name, lin in slots:
+    slots = {id(lin): name for name, lin in _linear_slots(model)}
+    report["skipped"] = sorted({n for n, m in model.named_modules() if isinstance(m, Linear)} - set(slots.values()))
+
+    def quantized(lin):
+        if id(lin) not in slots:
+            return None
+        name = slots[id(lin)]
         cols = backend.xp.flatnonzero(stats[name] >= outlier_threshold) if name in stats else None
         q = QuantizedLinear.from_linear(lin, bits, granularity, block_size, cols)
-        setattr(parent, attr, q)
-        report["layers"].append(name)
         report["dense_bytes"] += lin.weight.data.nbytes
         report["quantized_bytes"] += q.weight_nbytes
         report["outlier_columns"] += 0 if q.outlier_columns is None else len(q.outlier_columns)
+        return q
+    report["layers"] = model.swap_modules(quantized)
     return report
 
 

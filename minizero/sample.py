@@ -3,7 +3,8 @@
 The shape comes from the file (:mod:`minizero.weights`), the weights keep their stored dtype. One byte at a time:
 last position's logits (float64) / temperature; with top-k, logits below the k-th largest become -inf; softmax;
 one draw from ``default_rng(seed)``; context the last ``block_size`` tokens (nanoGPT's ``sample.py``). Bad input
-exits with status 2 and one line naming the value and what is allowed.
+exits with status 2 and one line naming the value and what is allowed. One line on stderr names the weights and
+the settings (:func:`settings_line`); stdout holds the sample alone, so ``> file`` or ``| head`` gets only text.
 """
 from __future__ import annotations
 
@@ -122,6 +123,14 @@ def check(args) -> str | None:
     return prompt_problem(args.prompt)
 
 
+def settings_line(args, model) -> str:
+    """``python -m minizero.sample: out/model.npz (4 layers, ...); 200 tokens, temperature 0.8, ...`` -- what ran."""
+    c = model.config
+    return (f"python -m minizero.sample: {args.weights} ({c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, "
+            f"context {c.block_size}, {model.num_parameters():,} parameters, {c.dtype}); {args.tokens:,} tokens, "
+            f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}, seed {args.seed}, device {args.device}")
+
+
 def main(argv=None) -> int:
     """Entry point; returns the exit status (2: a bad value or an unusable weights file, one line on stderr)."""
     parser = build_parser()
@@ -140,6 +149,7 @@ def main(argv=None) -> int:
     if err is not None:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    print(settings_line(args, model), file=sys.stderr, flush=True)
     text = sample_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     try:
         print(printable(text), flush=True)

@@ -229,6 +229,31 @@ def test_why_says_tie_under_the_models_accuracy_and_beats_above_it():
     assert lead.startswith("#1 beats #2 by 4% tokens/s") and "tie" not in lead
 
 
+def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(capsys):
+    """The header's rule is the order: a 0.5% lead (within the model's ~1%) stays first although it needs more
+    memory; only equal tokens/s go to less memory, then fewer techniques; the why line names the smaller row."""
+    import types
+
+    from minizero.memory.estimator import Strategy
+    from minizero.plan_report import why_lines
+    from minizero.plan_search import RANKING_RULE, rank
+
+    def cand(name, tok, total, techniques=1):
+        return types.SimpleNamespace(name=name, tokens_per_s=tok, step_s=1e4 / tok, techniques=techniques,
+                                     strategy=Strategy(), time={"step": 1e4 / tok, "dp": 1e4 / tok},
+                                     memory=types.SimpleNamespace(total=total))
+    cands = [cand("small_slow", 1000.0, 40e9, 2), cand("big_fast", 1005.0, 80e9), cand("same_fewer", 1000.0, 40e9),
+             cand("same_bigger", 1000.0, 60e9), cand("far_smallest", 900.0, 10e9)]
+    ranked = [c.name for c in rank(cands)]
+    assert ranked == ["big_fast", "same_fewer", "small_slow", "same_bigger", "far_smallest"]
+    assert "equal step times go to less device memory" in RANKING_RULE and "ties go to" not in RANKING_RULE
+    first = why_lines(rank(cands), 1e9, "GB")[0]
+    assert first.startswith("#1 is ranked above #2 by 0.5% tokens/s") and "#2 needing 40.00 GB less per GPU" in first
+    code, out, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "8")
+    assert code == 0, err
+    assert "ranking: " + RANKING_RULE in out and "such rows stay in tok/s order" in out
+
+
 def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
     """Attacker: --plot user.png overwrote a file that was not a PNG."""
     mine = tmp_path / "notes.png"

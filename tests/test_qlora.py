@@ -79,6 +79,20 @@ def test_lora_starts_as_the_base_and_merges_back():
     np.testing.assert_allclose(base(x, y)[0].data, model(x, y)[0].data, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("base", ["float", "nf4"])
+def test_add_lora_replaces_layers_through_module_swap_modules(monkeypatch, base):
+    """add_lora goes through the one module-replacing seam (Module.swap_modules, which InterleavedStage extends
+    to its chunks' own references): one call, and the names it reports are the ones the seam replaced."""
+    from minizero.nn.module import Module
+    calls, original = [], Module.swap_modules
+    monkeypatch.setattr(Module, "swap_modules", lambda self, fn, memo=None: calls.append(original(self, fn, memo))
+                        or calls[-1])
+    model = GPT(get_config("tiny"), seed=1)
+    names = add_lora(model, 2, 4.0, base=base)
+    assert calls == [names] and len(names) == 4 * model.config.n_layer
+    assert all(isinstance(dict(model.named_modules())[n], LoRALinear) for n in names)
+
+
 def test_a_lora_rank_above_the_layers_smaller_side_is_refused():
     """Before: --lora-rank 100000 on a width-16 model trained 51M adapter parameters."""
     lin = Linear(6, 5, dtype="float64", rng=np.random.default_rng(0))

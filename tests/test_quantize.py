@@ -232,6 +232,22 @@ def test_quantize_model_replaces_linears_but_not_the_tied_head(trained_tiny):
     assert model_nbytes(model) == dense - rep["dense_bytes"] + rep["quantized_bytes"]
 
 
+def test_quantize_model_replaces_layers_through_module_swap_modules(monkeypatch):
+    """quantize_model goes through the one module-replacing seam (Module.swap_modules): one call, and the
+    report's layers are the names the seam replaced."""
+    from minizero.nn import GPT, get_config
+    from minizero.nn.module import Module
+    from minizero.quantize import QuantizedLinear, quantize_model
+    calls, original = [], Module.swap_modules
+    monkeypatch.setattr(Module, "swap_modules", lambda self, fn, memo=None: calls.append(original(self, fn, memo))
+                        or calls[-1])
+    model = GPT(get_config("tiny"), seed=1)
+    rep = quantize_model(model, 8, "row")
+    assert calls == [rep["layers"]] and len(rep["layers"]) == 4 * model.config.n_layer
+    assert rep["skipped"] == ["lm_head"]
+    assert all(isinstance(dict(model.named_modules())[n], QuantizedLinear) for n in rep["layers"])
+
+
 def test_quantize_command_table(trained_tiny, capsys):
     from minizero.quantize import main
 

@@ -107,14 +107,16 @@ def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "
         raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")
     for p in model.parameters():
         p.requires_grad = False
-    rng, dtype, done = np.random.default_rng(seed), model.config.dtype, []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent._modules.items()):
-            if isinstance(child, Linear) and name in targets and not parent_name.endswith("lm_head"):
-                out_f, in_f = child.weight.shape
-                frozen = NF4Linear(child, dtype) if base == "nf4" else child
-                setattr(parent, name, LoRALinear(frozen, in_f, out_f, r, alpha, rng, dtype))
-                done.append(f"{parent_name}.{name}" if parent_name else name)
+    rng, dtype = np.random.default_rng(seed), model.config.dtype
+    chosen = {id(m) for n, m in model.named_modules() if isinstance(m, Linear) and n.rpartition(".")[2] in targets
+              and not n.rpartition(".")[0].endswith("lm_head")}
+
+    def adapted(child):  # called once per module, in module order: the adapters draw from rng in that order
+        if id(child) not in chosen:
+            return None
+        out_f, in_f = child.weight.shape
+        return LoRALinear(NF4Linear(child, dtype) if base == "nf4" else child, in_f, out_f, r, alpha, rng, dtype)
+    done = model.swap_modules(adapted)
     if not done:
         raise ValueError(f"no Linear named one of {tuple(targets)} to adapt")
     return done
