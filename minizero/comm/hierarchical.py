@@ -36,9 +36,8 @@ class HierarchicalAllReduce:
     def __call__(self, x, native: bool = False, out=None):
         """Elementwise sum of ``x`` over ``comm``, bit-identical on every rank; returns ``out`` (new if None).
 
-        Bytes (``"all_reduce"``): 2(L-1)/L of the buffer per rank inside the node; 2(n_nodes-1)/n_nodes of this
-        rank's 1/L chunk across nodes. Raises ValueError: ``native=True``; non-contiguous, read-only or mismatched
-        arrays.
+        Bytes (``"all_reduce"``): 2(L-1)/L of the buffer per rank inside the node; 2(n_nodes-1)/n_nodes of
+        this rank's 1/L chunk across nodes. Raises ValueError: ``native=True``; bad (read-only...) arrays.
         """
         if native:
             raise ValueError("the hierarchical all-reduce is minizero's own; native=True has no meaning here")

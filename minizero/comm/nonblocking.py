@@ -15,8 +15,7 @@ class RingCollective:
 
     ``op``: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``; ``tag``: one collective in flight per tag
     (use a :class:`Stream`); ``label``: the traffic label (default ``op``). Bytes: as the blocking ring.
-    Raises TypeError: ``buf`` not an array; ValueError: not 1-D, C-contiguous and writeable, unknown ``op``;
-    NotImplementedError: no non-blocking transport.
+    Raises TypeError/ValueError: ``buf`` not a 1-D writeable C-contiguous array, unknown ``op``; NotImplementedError: no isend.
     """
 
     def __init__(self, comm, buf, op: str, tag: int, label: str | None = None, name: str | None = None,
