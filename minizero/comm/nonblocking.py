@@ -15,7 +15,7 @@ class RingCollective:
 
     ``op``: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``; ``tag``: one collective in flight per tag
     (use a :class:`Stream`); ``label``: the traffic label (default ``op``). Bytes: as the blocking ring.
-    Raises TypeError/ValueError: ``buf`` not a 1-D writeable C-contiguous array, unknown ``op``; NotImplementedError: no isend.
+    Raises TypeError/ValueError: ``buf`` not a flat writeable C-contiguous array, bad ``op``; NotImplementedError.
     """
 
     def __init__(self, comm, buf, op: str, tag: int, label: str | None = None, name: str | None = None,
