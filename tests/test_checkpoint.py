@@ -707,6 +707,18 @@ def test_a_rank_is_shown_as_its_repr(saved):
     assert "rank '0'" in manifest_problems(man)[0]
 
 
+def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
+    """Before: rank 1's 72-byte file showed "-" in every column and nothing said that rank 0 writes the replica."""
+    from minizero.checkpoint.cli import describe
+    reader = ShardReader(str(saved))  # dp 2, ZeRO 0
+    text = describe(reader)
+    assert "  rank 1: no arrays (a header only; RNG states are in the manifest)\n    at ZeRO 0 every data-parallel " \
+        "rank holds a full replica; the lowest data rank writes it\n" in text
+    for pc in reader.manifest["pieces"][::2]:  # every rank holds pieces (as at ZeRO 1): no note
+        pc["rank"] = 1
+    assert "no arrays" not in describe(reader) and "replica" not in describe(reader)
+
+
 @pytest.mark.parametrize("version", [0, -5, True, "1", 2])
 def test_the_version_must_be_one_this_minizero_reads(saved, tmp_path, version):
     """Attacker: versions 0, -5 and true were accepted; "1" was called newer than this minizero reads."""
