@@ -27,7 +27,7 @@ from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line
 from minizero.files import WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding, mpiexec_path
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.nn import PRESETS
-from minizero.numerals import integer, is_count, real
+from minizero.numerals import integer, is_count, negative_values_reach_checks, real
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
 #: data-parallel FP32 baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy
@@ -210,8 +210,8 @@ def measure_threads(name: str, model: str = "tiny", ranks: int = 2, steps: int =
 # ---- the command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.compare``."""
-    p = _Parser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
+                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     p.add_argument("--model", default="default", help=f"model preset, one of {', '.join(sorted(PRESETS))}")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")

@@ -16,7 +16,7 @@ from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.parallel.expert_parallel import MOE_EVERY
-from minizero.numerals import integer, real
+from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
@@ -48,9 +48,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
-    p = _Parser(prog="python -m minizero.train",
-                description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
-                formatter_class=_HelpFormatter)
+    p = negative_values_reach_checks(_Parser(
+        prog="python -m minizero.train", formatter_class=_HelpFormatter,
+        description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose."))
     p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
     p.add_argument("--dropout", type=real, default=None, help="dropout probability (default: the preset's)")

@@ -22,7 +22,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.files import mpiexec_path
-from minizero.numerals import integer
+from minizero.numerals import integer, negative_values_reach_checks
 from minizero.plan_search import Hardware
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
@@ -185,7 +185,8 @@ def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> P
 
 def main(argv=None) -> None:
     """``mpiexec -n N python -m minizero.hardware --allreduce BYTES``: the all-reduce timing job."""
-    p = argparse.ArgumentParser(prog="python -m minizero.hardware", description=__doc__.split("\n\n")[0])
+    p = negative_values_reach_checks(argparse.ArgumentParser(prog="python -m minizero.hardware",
+                                                             description=__doc__.split("\n\n")[0]))
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
     p.add_argument("--runs", type=integer, default=5, help="timed runs (>= 1); the median is reported")
     args = p.parse_args(argv)

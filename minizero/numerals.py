@@ -39,3 +39,16 @@ def real(text) -> float:
 def is_count(text: str) -> bool:
     """Whether ``text`` is digits 0-9 only (``"12"``; not ``""``, ``"+1"``, ``"٣"`` nor ``"²"``)."""
     return text.isascii() and text.isdigit()
+
+
+#: a word that starts with '-' then a digit (or '.' and a digit) is a value, not an option: "-1,5", "-1e-3", "-2x"
+VALUE_LIKE = re.compile(r"-\.?[0-9]")
+
+
+def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make ``parser`` (no option of its own starts with '-' and a digit) pass "-1,5" or "-1e-3" to the flag's
+    ``type=`` and checks, which name the value and what is allowed; returns ``parser``. argparse reads only "-1" and
+    "-.5" as negative numbers (its ``_negative_number_matcher``, set per parser) and answered "--steps -1,5" with
+    "expected one argument"."""
+    parser._negative_number_matcher = VALUE_LIKE
+    return parser

@@ -23,7 +23,7 @@ import sys
 from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
-from minizero.numerals import integer, real
+from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     candidate_json, describe, explain, format_table, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
@@ -89,7 +89,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.plan`` (every option has help; defaults shown once)."""
-    p = _Parser(prog="python -m minizero.plan", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p = negative_values_reach_checks(_Parser(prog="python -m minizero.plan", description=__doc__.split("\n\n")[0],
+                                             formatter_class=_HelpFormatter))
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
                         f"({', '.join(sorted(ALIASES))})")

@@ -18,7 +18,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import integer, real
+from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.weights import load_gpt
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
@@ -94,8 +94,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
-    p = _Parser(prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = negative_values_reach_checks(_Parser(prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
+                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
     p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
     p.add_argument("--tokens", type=integer, default=200, help="bytes to generate (1..100,000)")

@@ -163,3 +163,22 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
     assert finetune.main(["--weights", str(tmp_path / "model.npz"), "--steps", "2", "--eval-batches", "1",
                           "--out", str(out), "--lr", "1e30", "--method", "full"]) == 1
     assert "the run diverged; " in capsys.readouterr().err and not out.exists()
+
+
+# --------------------------------------------------------------------------- values that start with '-'
+@pytest.mark.parametrize("argv,said", [
+    (["--steps", "-1,5"], "argument --steps: invalid int value: '-1,5'; allowed: an integer in ASCII digits 0-9"),
+    (["--lr", "-1e-3"], "--lr must be a positive finite number, got -0.001"),
+    (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
+    (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
+])
+def test_a_value_starting_with_minus_reaches_the_flags_own_check(argv, said):
+    """Before: argparse read "-1,5" and "-1e-3" as unknown options: "argument --steps: expected one argument"."""
+    with pytest.raises(UsageError) as e:
+        parse_args([*TINY, *argv])
+    assert str(e.value).startswith(said), e.value
+
+
+def test_a_comma_list_starting_with_minus_reaches_compares_check():
+    with pytest.raises(compare.UsageError, match=r"--ranks must be a comma list of world sizes .* got '-1,2'"):
+        compare.parse_args(["--ranks", "-1,2"])

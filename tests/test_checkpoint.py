@@ -400,6 +400,53 @@ def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved,
     _refused_everywhere(folder, f"rank00000.safetensors: array {key!r} {said}", tmp_path)
 
 
+def _safetensors_file(path, entries: dict, data: bytes, header: bytes | None = None):
+    """A safetensors file written by hand (arrays in the order of their offsets, as any writer may place them)."""
+    import json
+    header = json.dumps(entries).encode() if header is None else header
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    return str(path)
+
+
+def test_a_nan_after_a_uint8_array_is_still_reported(tmp_path):
+    """3 bytes of U8 (8-bit Adam's codes) before an F32 array: the floats start at an odd offset and are still read."""
+    from safetensors import safe_open
+
+    from minizero.checkpoint.format import CheckpointError, check_contents
+    floats = np.array([1.0, np.nan, 2.0], dtype="<f4")
+    f = _safetensors_file(tmp_path / "r.safetensors", {
+        "m/w/0/codes": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "m/w/0/absmax": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]}},
+        np.arange(3, dtype=np.uint8).tobytes() + floats.tobytes())
+    with safe_open(f, framework="numpy") as st:  # a file safetensors itself reads
+        np.testing.assert_array_equal(st.get_tensor("m/w/0/absmax"), floats)
+    with pytest.raises(CheckpointError, match=r"array 'm/w/0/absmax' holds 1 non-finite value\(s\) \(NaN or inf\)"):
+        check_contents(f, sha256(f))
+
+
+@pytest.mark.parametrize("header,said", [
+    (b"{not json", "not JSON naming each array's dtype and data_offsets"),
+    (b'{"x": {"dtype": "F32", "shape": [1]}}', "not JSON naming each array's dtype and data_offsets"),
+    (b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "y": {"dtype": "F32", "shape": [1], '
+     b'"data_offsets": [4, 8]}}', "array 'y' at bytes 4..8 overlaps the one before or is reversed"),
+    (None, "a header of 1,000 bytes in a file of 18"),
+])
+def test_a_header_that_does_not_parse_is_refused_though_its_checksum_matches(tmp_path, header, said):
+    """Before: a header that did not parse was "left to the checksum"; with a matching checksum the file passed
+    and its arrays were never checked."""
+    from minizero.checkpoint.format import CheckpointError, check_contents
+    path = tmp_path / "r.safetensors"
+    f = _safetensors_file(path, {}, np.zeros(2, dtype="<f4").tobytes(), header)
+    if header is None:  # a length field that runs past the end of the file
+        path.write_bytes((1000).to_bytes(8, "little") + path.read_bytes()[8:])
+    with pytest.raises(CheckpointError) as e:
+        check_contents(f, sha256(f))
+    assert str(e.value) == f"{f}: its SHA-256 matches the manifest's, but its safetensors header does not parse " \
+        f"({said}), so its arrays cannot be checked; the checkpoint is damaged"
+    with pytest.raises(CheckpointError, match="checksum mismatch"):  # a corrupt file is named corrupt first
+        check_contents(f, "0" * 64)
+
+
 def test_verify_reads_each_rank_file_once(saved, monkeypatch):
     """The checksum and the NaN/inf/negative-v checks share one read of each rank file, front to back: every byte
     read once through one open, no array read again through safetensors (before: the SHA-256 read the file, then
@@ -705,6 +752,18 @@ def test_a_rank_is_shown_as_its_repr(saved):
     man["files"][0]["rank"] = "0"
     from minizero.checkpoint.fields import manifest_problems
     assert "rank '0'" in manifest_problems(man)[0]
+
+
+def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
+    """Before: rank 1's 72-byte file showed "-" in every column and nothing said that rank 0 writes the replica."""
+    from minizero.checkpoint.cli import describe
+    reader = ShardReader(str(saved))  # dp 2, ZeRO 0
+    text = describe(reader)
+    assert "  rank 1: no arrays (a header only; RNG states are in the manifest)\n    at ZeRO 0 every data-parallel " \
+        "rank holds a full replica; the lowest data rank writes it\n" in text
+    for pc in reader.manifest["pieces"][::2]:  # every rank holds pieces (as at ZeRO 1): no note
+        pc["rank"] = 1
+    assert "no arrays" not in describe(reader) and "replica" not in describe(reader)
 
 
 @pytest.mark.parametrize("version", [0, -5, True, "1", 2])

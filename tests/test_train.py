@@ -260,6 +260,32 @@ def test_divergence_is_diagnosed_before_the_update():
         run_in_threads(2, lambda comm: train(args, comm, log=lambda s: None))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--dp", "2"]])
+def test_the_traffic_table_names_what_it_leaves_out_in_bytes_of_the_run(layout):
+    """Before: validation (the start's and the final one even at --eval-every 0; at tp 2 four steps' worth) and the
+    start-up broadcast were left out of the per-step table without a word."""
+    from minizero.comm import run_in_threads
+    from minizero.ledger import format_bytes
+    from minizero.train import train
+
+    args = parse_args(TINY + ["--eval-every", "0", "--sample-tokens", "0", "--no-save", *layout], 2)
+
+    def one(comm):
+        lines = []
+        res = train(args, comm, log=lines.append)
+        by_op = res["strategy"].topo.world.traffic.by_op  # every group's bytes, through its parent ledger
+        return lines, by_op.get("validation", 0), by_op.get("broadcast_params", 0)
+    ranks = run_in_threads(2, one, timeout=120)
+    val, bcast = sum(r[1] for r in ranks), sum(r[2] for r in ranks)
+    assert val > 0 and (bcast > 0) == (layout[0] == "--dp")
+    note = f"  left out above, once per run: validation {format_bytes(val)} (at the start, each --eval-every, the end)"
+    note += f"; start-up broadcast of the parameters {format_bytes(bcast)}" if bcast else ""
+    lines = ranks[0][0]
+    start = next(i for i, line in enumerate(lines) if line.startswith("traffic per step"))
+    assert note in lines[start:start + 4], lines
+
+
 @pytest.mark.timeout(300)
 def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, tmp_path):
     """Per-step traffic of a run resumed at step 2 of 4 is the straight run's: divided by the 2 steps it ran, not

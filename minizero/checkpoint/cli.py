@@ -53,6 +53,12 @@ def describe(reader: ShardReader) -> str:
         c = per[f["rank"]]
         lines.append(f"  {f['rank']:>4} {str(tuple(f['coords'])):>11} {f['bytes']:>12,}  "
                      + "  ".join(f"{format_bytes(c[k]) if c[k] else '-':>10}" for k in kinds))
+    empty = [f["rank"] for f in man["files"] if not per[f["rank"]]]
+    if empty:  # replicas: save's _written_here puts each element in one rank's file
+        lines.append(f"  rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))}: no arrays (a header only; "
+                     "RNG states are in the manifest)")
+        if lay["zero"] == 0:
+            lines.append("    at ZeRO 0 every data-parallel rank holds a full replica; the lowest data rank writes it")
     lines.append(f"  {len(man['pieces'])} pieces of {len(man['params'])} parameters"
                  + (f"; pruning masks at {man['pruning']['sparsity']:.0%}" if man.get("pruning") else ""))
     return "\n".join(lines)

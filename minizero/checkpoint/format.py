@@ -209,24 +209,25 @@ def _array_problem(path: str, key: str, a) -> str | None:
     return None
 
 
-def _arrays_in_file_order(header: bytes) -> list[tuple[int, int, str, str]]:
+def _arrays_in_file_order(header: bytes) -> list[tuple[int, int, str, str]] | None:
     """``(begin, end, key, dtype code)`` of a safetensors JSON header's arrays, by offset (data section bytes);
-    [] for a header that does not parse (the checksum then decides)."""
+    None for a header that does not parse."""
     try:
         entries = json.loads(header)
         return sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), k, str(e["dtype"]))
                       for k, e in entries.items() if k != "__metadata__")
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
-        return []
+        return None
 
 
 def check_contents(path: str, expected_sha256: str, chunk: int = 1 << 20) -> None:
     """Read a rank file once, front to back: its SHA-256 against the manifest's, and its floating arrays
     (parameters, m, v, masters, 8-bit absmax) finite, Adam's v >= 0, each array decoded from the bytes as they
     pass (one array in memory at a time; the rest in ``chunk``-byte pieces). The checksum is judged first (a corrupt
-    file is named corrupt, whatever its bytes decode to), then the first bad array in key order. The header was
-    checked by :func:`check_header`. Raises CheckpointError naming the file (and the array, the count)."""
-    h, problems = hashlib.sha256(), {}
+    file is named corrupt, whatever its bytes decode to), then a header that does not parse (its arrays cannot be
+    checked), then the first bad array in key order. Raises CheckpointError naming the file (and the array, the
+    count)."""
+    h, problems, unparsed = hashlib.sha256(), {}, None
     with open(path, "rb") as f:
         def take(n: int) -> bytes:
             data = f.read(n)
@@ -240,10 +241,16 @@ def check_contents(path: str, expected_sha256: str, chunk: int = 1 << 20) -> Non
         head = take(8)
         size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        arrays = _arrays_in_file_order(take(n)) if n <= size - 8 else []
+        fits = len(head) == 8 and n <= size - 8
+        arrays = _arrays_in_file_order(take(n)) if fits else None
+        if arrays is None:
+            unparsed = "not JSON naming each array's dtype and data_offsets" if fits else \
+                f"a header of {n:,} bytes in a file of {size:,}"
+            arrays = []
         at = 0  # offset in the data section
         for begin, end, key, code in arrays:
-            if begin < at or end < begin:  # overlapping or reversed: a damaged header, left to the checksum
+            if begin < at or end < begin:  # overlapping or reversed: a damaged header
+                unparsed = f"array {key!r} at bytes {begin}..{end} overlaps the one before or is reversed"
                 continue
             skip(begin - at)
             at = end
@@ -259,5 +266,8 @@ def check_contents(path: str, expected_sha256: str, chunk: int = 1 << 20) -> Non
             pass
     if h.hexdigest() != expected_sha256:
         raise CheckpointError(f"{path}: checksum mismatch (SHA-256 differs from the manifest's; the file is corrupt)")
+    if unparsed:
+        raise CheckpointError(f"{path}: its SHA-256 matches the manifest's, but its safetensors header does not parse "
+                              f"({unparsed}), so its arrays cannot be checked; the checkpoint is damaged")
     if problems:
         raise CheckpointError(problems[min(problems)])

@@ -64,7 +64,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     ``ep`` > 1 (MoE's expert groups, never with cp): its own row of the all-to-alls; ``edp``: MoE's expert-data
     communicator (split from the data group; ``expert_groups``) or None: its ledger's bytes (the expert gradients'
     reduction, ZeRO's expert shards) are the ``edp`` row, taken out of the ``dp`` row, which keeps the dense
-    parameters'. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
+    parameters'. Validation and the start-up broadcast (:data:`SETUP`) are left out of the rows and named in a
+    note, in bytes per run. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; allowed: >= 1")
@@ -80,8 +81,10 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     # the expert-data group's bytes are in the data group's ledger too (its parent): moved to their own row
     row += [0.0, 0.0] if edp is None else [_per_run(s) - _label(s, *NOT_GRADIENTS)
                                            for s in (edp.traffic.snapshot(), _cross(edp))]
+    row += [_label(topo.world.traffic.snapshot(), label) for label in SETUP]  # every group's, through its parent
     with topo.world.traffic.op("metrics"):
-        total = all_reduce(topo.world, np.array(row, dtype=np.float64)) / steps
+        run = all_reduce(topo.world, np.array(row, dtype=np.float64))
+    total = run / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
@@ -117,6 +120,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, validation sums, replica digests) {_fmt(other)}" if known else "? across nodes"))
+    lines.append(f"  left out above, once per run: validation {_fmt(run[17])} (at the start, each --eval-every, the "
+                 "end)" + (f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""))
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
