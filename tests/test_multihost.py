@@ -121,7 +121,7 @@ def test_tensor_groups_stay_on_a_host_and_only_gradients_cross(mpiexec, tmp_path
     assert dp_across == dp_sent != "0 B"  # every data-group byte crosses: one rank per host
     assert _field(r"across nodes = tp (\S+ \S+) \+", out) == "0 B"
     assert _field(r"\+ dp (\S+ \S+) \+", out) == dp_across
-    other = _field(r"other \(loss, norm, validation sums, replica digests\) (\S+) B", out)
+    other = _field(r"other \(loss, norm, replica digests\) (\S+) B", out)
     # a few float64 sums per step and, once, the replica check's 8-byte digest per parameter: nothing model-sized
     assert 0 < int(other) < 1000, out
     measured = _field(r"dp gradient all-reduce \(ring\) across nodes per step: (\S+ \S+);", out)

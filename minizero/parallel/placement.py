@@ -119,7 +119,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         cp_part += f" + edp {_fmt(total[15])}" if edp is not None and edp.world_size > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
-            f"+ other (loss, norm, validation sums, replica digests) {_fmt(other)}" if known else "? across nodes"))
+            f"+ other (loss, norm, replica digests) {_fmt(other)}" if known else "? across nodes"))
     lines.append(f"  left out above, once per run: validation {_fmt(run[17])} (at the start, each --eval-every, the "
                  "end)" + (f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""))
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
