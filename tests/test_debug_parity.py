@@ -42,3 +42,15 @@ def test_data_and_tensor_parallel_agree_and_another_seed_is_located(mpiexec):
     assert other.returncode == 1 and other.stdout.startswith("differ: first at step 0:"), other.stdout + other.stderr
     bad = _parity("--dp 2", "--dp 3")  # 2 x micro-batch 2 does not divide the global batch of 8 with 3 ranks
     assert bad.returncode == 2 and "'--dp 3' failed" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("flag, value, said", [("--steps", "-1,5", "invalid int value: '-1,5'; allowed"),
+                                               ("--batch-size", "-8", "got 5, -8 and 1e-10"),
+                                               ("--tol", "-1e-3", "got 5, 8 and -0.001")])
+def test_a_bad_number_is_refused_by_the_parity_parser_before_any_run(capsys, flag, value, said):
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["parity", "--dp 2", "--tp 2", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and "python -m minizero.debug parity: error" in err, err

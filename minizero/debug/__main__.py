@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from minizero.debug import hang, parity, timeline
-from minizero.numerals import integer, real
+from minizero.numerals import integer, negative_values_reach_checks, real
 
 
 def main(argv=None) -> int:
@@ -17,8 +17,9 @@ def main(argv=None) -> int:
     h.add_argument("folder", help="the folder of rank_R.json files, e.g. out/flight")
     t = sub.add_parser("trace", help="per rank compute / exposed communication / overlap / bubble; the straggler")
     t.add_argument("path", help="the merged timeline --trace wrote, e.g. out/trace.json")
-    q = sub.add_parser("parity", help="two layouts from one seed in float64: the first step and parameter that differ",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = negative_values_reach_checks(sub.add_parser(
+        "parity", help="two layouts from one seed in float64: the first step and parameter that differ",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny", help="model preset of both runs (python -m minizero.train --model)")
     q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")
@@ -27,8 +28,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.command == "parity":
-            if args.steps < 1 or not args.tol > 0:
-                p.error(f"--steps must be >= 1 and --tol > 0, got {args.steps} and {args.tol}")
+            if args.steps < 1 or args.batch_size < 1 or not args.tol > 0:
+                q.error(f"--steps and --batch-size must be >= 1 and --tol > 0, got {args.steps}, {args.batch_size} "
+                        f"and {args.tol}")
             common = ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
             return parity.main(*args.layouts, common, args.tol)
         if args.command == "hang":
