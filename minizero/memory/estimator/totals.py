@@ -19,9 +19,8 @@ from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetche
 class MemoryEstimate:
     """Per-rank bytes by ledger category, for one pipeline stage.
 
-    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in
-    neither the device total nor the ledger's memory categories (minizero reports them as
-    the optimizer store's ``disk_bytes``).
+    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in neither the device total nor the
+    ledger's memory categories (minizero reports them as the optimizer store's ``disk_bytes``).
     """
 
     parameters: int
