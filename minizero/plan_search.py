@@ -274,10 +274,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                    seq_len: int | None = None, attention: str = "dense", ep: int | None = None) -> Strategy:
     """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
 
-    Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe` prints (``dp=8 tp=8 pp=1
-    zero=1 sp recompute=selective``), so a row can be pasted back. Left out: cp = tp = pp = 1, dp = gpus / (cp x tp x
-    pp), ep = ``ep`` or 1, ring attention, ZeRO 0, no recompute, no offload. The micro-batches per step follow from
-    ``global_batch`` as in :func:`enumerate_strategies`.
+    Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe` prints
+    (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back. Left out: cp = tp = pp = 1,
+    dp = gpus / (cp x tp x pp), ep = ``ep`` or 1, ring attention, ZeRO 0, no recompute, no offload. The micro-batches
+    per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
     Raises:
         ValueError: an unknown word (sizes in ASCII digits), a setting given twice, dp x cp x tp x pp != gpus,
             or a rule of :func:`enumerate_strategies` broken (the rule named).

@@ -2,9 +2,8 @@
 
 A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on its own T tokens):
 
-* a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts
-  (ties to the lower index); its gate for expert e is the softmax probability p_e (not renormalised,
-  the Switch/GShard convention);
+* a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts (ties to the lower
+  index); its gate for expert e is the softmax probability p_e (not renormalised, the Switch/GShard convention);
 * capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
   first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
   (that slot adds nothing; the residual carries the token); in eval mode (``module.eval()``) nothing is

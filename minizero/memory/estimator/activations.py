@@ -251,10 +251,10 @@ def _layer_transient(rows, tp, sp, recompute) -> float:
 def in_flight(strategy: Strategy, stage: int = 0) -> tuple[int, int]:
     """(micro-batch chunks whose activations pipeline stage ``stage`` holds at its peak, layers per chunk).
 
-    GPipe (Huang et al. 2019): all m micro-batches. 1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1): stage
-    i holds min(p - i, m). Interleaved with v chunks (section 2.2.2; Megatron-LM's warm-up count): stage i holds min(2(p
-    - i - 1) + (v - 1)p + 1, mv) chunks of L/(pv) layers, which for stage 0 is p(1 + (p-1)/(pv)) micro-batches' worth of
-    L/p layers (Korthikanti et al. 2022, section 4.2.3). Returns (chunks in flight, v); a chunk is L/(pv) layers.
+    GPipe (Huang et al. 2019): all m micro-batches. 1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1):
+    stage i holds min(p - i, m). Interleaved with v chunks (section 2.2.2; Megatron-LM's warm-up count): stage i holds
+    min(2(p - i - 1) + (v - 1)p + 1, mv) chunks of L/(pv) layers, which for stage 0 is p(1 + (p-1)/(pv)) micro-batches'
+    worth of L/p layers (Korthikanti et al. 2022, section 4.2.3). Returns (chunks in flight, v).
     """
     p, m, v = strategy.pp, strategy.micro_batches, strategy.virtual_stages
     if strategy.schedule == "gpipe":
