@@ -60,8 +60,7 @@ def use_tracemalloc(args) -> bool:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (``getrusage`` ru_maxrss: KiB on Linux, bytes on macOS).
 
-    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training),
-    counted by the kernel at no cost per allocation -- unlike tracemalloc, which traces every one.
+    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training), counted by the kernel.
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
@@ -178,11 +177,9 @@ def _release(locks) -> None:
 def _parse_everywhere(argv, comm, mpi_world):
     """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
 
-    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``:
-    status 2 and the first refusing rank's message (an unexpected exception counts, its traceback printed
-    by its rank), or ``--help``'s status 0 when every rank printed (rank 0) or skipped the help. A rank whose
-    files or environment differ (another node's file system, a per-rank variable) could otherwise accept
-    what its peers refuse and wait forever for them in the first collective.
+    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``: status 2
+    and the first refusing rank's message (an unexpected exception counts, its traceback printed by its rank), or
+    ``--help``'s status 0 when every rank printed (rank 0) or skipped the help.
     """
     args, verdict = None, None
     try:

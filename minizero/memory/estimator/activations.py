@@ -1,7 +1,4 @@
-"""Saved activation bytes per layer and per rank (Korthikanti et al. 2022, sections 4-5).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""Saved activation bytes per layer and per rank (Korthikanti et al. 2022, sections 4-5; units: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses

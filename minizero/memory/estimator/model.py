@@ -1,7 +1,4 @@
-"""The model and the strategy the estimator takes (model states per rank: ``states.py``).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""The model and the strategy the estimator takes (model states: ``states.py``; units, symbols: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,4 @@
-"""The whole rank: model states + activations + buffers, per pipeline stage.
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""The whole rank: model states + activations + buffers, per pipeline stage (units, symbols: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses

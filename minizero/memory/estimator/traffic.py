@@ -1,7 +1,4 @@
-"""Bytes sent per step per group, and FLOPs per step (Korthikanti et al. 2022, Kaplan et al. 2020).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""Bytes sent per group and FLOPs, per step (Korthikanti et al. 2022, Kaplan et al. 2020; units: ``__init__.py``)."""
 from __future__ import annotations
 
 import math
