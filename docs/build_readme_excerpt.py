@@ -54,9 +54,9 @@ def excerpt(out: str) -> list[str]:
     progress = [i for i, line in enumerate(lines) if re.match(r"step +\d+/\d+ +loss", line)]
     keep |= set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
     for i, line in enumerate(lines):
-        if line.startswith(("validation loss:", "  below the training loss", "minizero memory summary", "category ", "peak total",
-                            "process peak", "wrote ")) or re.match(r"(parameters|gradients|optimizer_state|"
-                                                                   r"activations|comm_buffers) ", line):
+        if line.startswith(("validation loss:", "  below the training loss", "minizero memory summary", "category ",
+                            "peak total", "process peak", "wrote ")) or re.match(
+                                r"(parameters|gradients|optimizer_state|activations|comm_buffers) ", line):
             keep.add(i)
     shown, last = [], -1
     for i in sorted(keep):

@@ -322,11 +322,10 @@ def model_config(args):
 def resolve_parallel_args(args, world_size: int) -> int:
     """Fill ``args.dp/tp/pp`` (and ``grad_accum`` from ``--micro-batches``) and check them; returns dp.
 
-    Called by :func:`parse_args` before the batch arithmetic. Rules: one of --dp/--tp/--pp
-    left out is derived from the world size (:func:`resolve_sizes`); ``--micro-batches`` is
-    the pipeline's name for ``--grad-accum`` (micro-batches per optimizer step per data
-    rank, k) and defaults to pp, so the global batch is b x dp x k: tensor parallelism
-    never changes it, and a pipeline of p stages gets p micro-batches to fill with.
+    Called by :func:`parse_args` before the batch arithmetic. Rules: one of --dp/--tp/--pp left out is derived from the
+    world size (:func:`resolve_sizes`); ``--micro-batches`` is the pipeline's name for ``--grad-accum`` (micro-batches
+    per optimizer step per data rank, k) and defaults to pp, so the global batch is b x dp x k: tensor parallelism never
+    changes it, and a pipeline of p stages gets p micro-batches to fill with.
     Raises:
         ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
         or different from --grad-accum, ZeRO 2/3 with --pp > 1.

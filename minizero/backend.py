@@ -176,9 +176,8 @@ def matmul(a, b, bias=None):
 def _cupy_matmul(a, b):
     """:func:`matmul` on CuPy arrays: the float16 products the model makes run as cuBLAS half GEMMs.
 
-    CuPy's ``@`` runs a 2-D float16 product as one cuBLAS half GEMM (float32 accumulation), but multiplies
-    any operand of 3 or more axes as float32 batches of float32 copies (``cupy/_core/_routines_linalg.pyx``,
-    ``matmul``); on an H200 float16 gpt2 then trained slower than float32 (docs/gpu.md). So:
+    CuPy's ``@`` runs a 2-D float16 product as one cuBLAS half GEMM (float32 accumulation), but multiplies any operand
+    of 3 or more axes as float32 batches of float32 copies (``cupy/_core/_routines_linalg.pyx``, ``matmul``). So:
 
     - (..., K) @ (K, N): the rows folded into one 2-D product (as on NumPy), any dtype;
     - float16 (..., M, K) @ (..., K, N) with the same leading axes (attention's batches): one

@@ -24,15 +24,15 @@ from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, 
 from minizero.plan_search import step_time
 from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
                                      plot)
-from minizero.files import WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding, mpiexec_path
+from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
+                            mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.nn import PRESETS
 from minizero.numerals import integer, is_count, negative_values_reach_checks, real
 
-#: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the
-#: data-parallel FP32 baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy
-#: (host memory *is* device memory) but would move them off a GPU; "nvme" really lowers the
-#: process peak (the bytes sit in files).
+#: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the data-parallel FP32
+#: baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy (host memory *is* device
+#: memory) but would move them off a GPU; "nvme" really lowers the process peak (the bytes sit in files).
 STRATEGIES = {
     "baseline": ([], "data parallel, FP32, AdamW"),
     "recompute": (["--recompute", "full"], "+ full activation recompute"),
@@ -299,8 +299,7 @@ def main(argv=None) -> int:
         return _main(argv)
     except (Interrupted, KeyboardInterrupt) as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"python -m minizero.compare: interrupted ({signal.Signals(signum).name})", file=sys.stderr,
-              flush=True)
+        print(f"python -m minizero.compare: interrupted ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
         return 128 + signum
     finally:
         for sig, handler in old.items():
@@ -320,7 +319,8 @@ def _main(argv=None) -> int:
     if max(args.ranks) > cores:
         print(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); the ranks "
               f"will be oversubscribed (slow, and tokens/s not comparable)", file=sys.stderr, flush=True)
-    title = f"minizero.compare: model {args.model!r}, {args.steps} step(s), micro-batch {args.micro_batch_size} per rank"
+    title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), "
+             f"micro-batch {args.micro_batch_size} per rank")
     print(title, flush=True)
     from minizero.train import model_config, parse_args as train_args
 

@@ -1,12 +1,11 @@
 """Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND``, installed by the training loop as a callback.
 
-KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or
-``inf`` (this rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after
-step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted) or ``slow`` (from step
-STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save``
-fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
-gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs
-before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
+KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this
+rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after step STEP's update, this
+rank's first parameter moves by 1e-3: a replica that drifted) or ``slow`` (from step STEP on, this rank sleeps 50 ms at
+every step start: a straggler); ``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not
+here. ``inf`` reaches the gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so
+it runs before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
 """
 from __future__ import annotations
 

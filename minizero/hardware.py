@@ -139,9 +139,8 @@ def _max_op():
 class Profile:
     """This machine, measured for one model and micro-batch (see the module docstring).
 
-    Fields: ``sgemm_flops`` {BLAS threads: FLOP/s}, ``copy_bw`` bytes/s, ``allreduce_busbw``
-    {world size: bytes/s} (inf at 1 rank), ``adam_params_per_s``, ``gradient_bytes`` (the
-    all-reduce's size), ``cores``.
+    Fields: ``sgemm_flops`` {BLAS threads: FLOP/s}, ``copy_bw`` bytes/s, ``allreduce_busbw`` {world size: bytes/s} (inf
+    at 1 rank), ``adam_params_per_s``, ``gradient_bytes`` (the all-reduce's size), ``cores``.
     """
 
     sgemm_flops: dict

@@ -113,15 +113,13 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
 
     Args:
         world_size: number of ranks.
-        dp, tp, pp: sizes or None. Exactly one None is derived as world / (product of the
-            others). With two or three left out, a missing ``tp`` or ``pp`` is 1 and ``dp``
-            (if missing) is derived.
+        dp, tp, pp: sizes or None. Exactly one None is derived as world / (product of the others). With two or three
+            left out, a missing ``tp`` or ``pp`` is 1 and ``dp`` (if missing) is derived.
         n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
         ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
     Raises:
-        ValueError naming the numbers: a size < 1; a product that is not the world size (or
-        a derivation that does not divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``;
-        ``pp`` larger than ``n_layer``.
+        ValueError naming the numbers: a size < 1; a product that is not the world size (or a derivation that does not
+        divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``; ``pp`` larger than ``n_layer``.
     """
     given = {"dp": dp, "tp": tp, "pp": pp}
     for name, v in given.items():

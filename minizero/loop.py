@@ -54,12 +54,11 @@ class TrainResult:
 
     ``model``: the whole GPT (the local one when tp = pp = 1, else gathered on rank 0, None elsewhere);
     ``train_losses``, ``grad_norms`` (nan for a skipped step), ``loss_scales``, ``lrs``: one per step run;
-    ``val_history``: [(step, loss)]; ``state_bytes``: ledger model-state bytes at the first step;
-    ``traffic``: bytes sent per group; ``setup_peak``: the ledger's peaks before the first step;
-    ``train_process_peak``: tracemalloc's peak over the steps (0 when off); ``start_step``: 0 or the
-    resumed checkpoint's; ``applied``: optimizer steps taken in all; ``checkpoints``: folders saved;
-    ``load_peak``: read-buffer bytes while resuming. The last four fields are filled by the main job
-    after the run (figures gathered from every rank for its report).
+    ``val_history``: [(step, loss)]; ``state_bytes``: ledger model-state bytes at the first step; ``traffic``: bytes
+    sent per group; ``setup_peak``: the ledger's peaks before the first step; ``train_process_peak``: tracemalloc's peak
+    over the steps (0 when off); ``start_step``: 0 or the resumed checkpoint's; ``applied``: optimizer steps taken in
+    all; ``checkpoints``: folders saved; ``load_peak``: read-buffer bytes while resuming. The last four fields are
+    filled by the main job after the run (figures gathered from every rank for its report).
     """
     model: object = None
     strategy: object = None

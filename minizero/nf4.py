@@ -1,11 +1,9 @@
 """NF4: 4-bit NormalFloat weights with double-quantized block constants (QLoRA's storage).
 
-Blocks of 64 get an absmax c1; codes are the nearest of 16 NF4 levels to W / c1, two per byte; c1 minus its mean
-is stored as 8-bit dynamic codes with one float32 absmax per 256. Bytes (:func:`nf4_nbytes`): 4.127 bits per
-parameter.
+Blocks of 64 get an absmax c1; codes are the nearest of 16 NF4 levels to W / c1, two per byte; c1 minus its mean is
+stored as 8-bit dynamic codes with one float32 absmax per 256. Bytes (:func:`nf4_nbytes`): 4.127 bits per parameter.
 
-Source: Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 and appendix E; bitsandbytes
-``create_normal_map``.
+Source: Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 and appendix E; bitsandbytes ``create_normal_map``.
 """
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ NF4_LEVELS = np.array([  # QLoRA appendix E / bitsandbytes: the 16 NF4 values, a
 def normal_float_levels(offset: float = 0.9677083) -> np.ndarray:
     """The NF4 construction: 8 positive and 7 negative standard-normal quantiles and an exact 0, scaled to [-1, 1].
 
-    Positive side: the quantiles at 8 evenly spaced probabilities from ``offset`` down to (not
-    including) 0.5; negative side: 7 from the same range; the asymmetry gives 0 an exact code.
-    Returns (16,) float64, ascending.
+    Positive side: the quantiles at 8 evenly spaced probabilities from ``offset`` down to (not including) 0.5; negative
+    side: 7 from the same range; the asymmetry gives 0 an exact code. Returns (16,) float64, ascending.
     """
     q = NormalDist().inv_cdf
     pos = [q(p) for p in np.linspace(offset, 0.5, 9)[:-1]]

@@ -1,9 +1,8 @@
 """The planner's search: every strategy for a model on N GPUs, its memory, traffic and step time, ranked.
 
-Used by ``python -m minizero.plan`` (:mod:`minizero.plan`, which states the step-time
-model and the placement rules) and printed by :mod:`minizero.plan_report`. Memory and
-traffic come from :mod:`minizero.memory.estimator` (the papers' accounting); here they
-are combined with a simple hardware model (:class:`Hardware`) into step times.
+Used by ``python -m minizero.plan`` (:mod:`minizero.plan`, which states the step-time model and the placement rules) and
+printed by :mod:`minizero.plan_report`. Memory and traffic come from :mod:`minizero.memory.estimator` (the papers'
+accounting); here they are combined with a simple hardware model (:class:`Hardware`) into step times.
 """
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to
 class Hardware:
     """One GPU and its links. Bytes, bytes per second, FLOP/s.
 
-    Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per
-    direction, one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s,
-    8 GPUs and 1 TB of host memory per node). ``efficiency``: fraction of peak the
-    matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores
-    updates (ZeRO-Offload's CPU-Adam, Ren et al. 2021, section 4.2; an assumption).
+    Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per direction, one 200 Gb/s HDR
+    InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs and 1 TB of host memory per node). ``efficiency``:
+    fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
+    (ZeRO-Offload's CPU-Adam, Ren et al. 2021, section 4.2; an assumption).
     """
 
     gpu_memory: int = 80 * 2 ** 30
@@ -235,9 +233,8 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
     """(strategies that fit, ranked by :data:`RANKING_RULE`; how many were enumerated; the smallest
     footprint as (strategy, device bytes, host bytes), or None when nothing was enumerated).
 
-    A strategy fits when, on its first and its last pipeline stage (which bound every
-    stage), the device total is at most ``hw.gpu_memory`` and what it offloads at most
-    ``hw.host_memory``. ``kw`` goes to :func:`enumerate_strategies`.
+    A strategy fits when, on its first and its last pipeline stage (which bound every stage), the device total is at
+    most ``hw.gpu_memory`` and what it offloads at most ``hw.host_memory``. ``kw`` goes to :func:`enumerate_strategies`.
     """
     fits, count, smallest = [], 0, None
     for st in enumerate_strategies(model, gpus, gpus_per_node=hw.gpus_per_node, seq_len=seq_len, **kw):
@@ -286,11 +283,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                    seq_len: int | None = None, attention: str = "dense", ep: int | None = None) -> Strategy:
     """The :class:`Strategy` ``text`` names, e.g. ``"dp2 tp4 pp1 zero3 recompute=selective"``.
 
-    Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe`
-    prints (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back.
-    Left out: cp = tp = pp = 1, dp = gpus / (cp x tp x pp), ep = ``ep`` or 1, ring attention, ZeRO 0, no
-    recompute, no offload. The
-    micro-batches per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
+    Accepts :data:`STRATEGY_FORMS`, separated by spaces or commas, and what :func:`describe` prints
+    (``dp=8 tp=8 pp=1 zero=1 sp recompute=selective``), so a row can be pasted back. Left out: cp = tp = pp = 1,
+    dp = gpus / (cp x tp x pp), ep = ``ep`` or 1, ring attention, ZeRO 0, no recompute, no offload. The micro-batches
+    per step follow from ``global_batch`` as in :func:`enumerate_strategies`.
     Raises:
         ValueError: an unknown word (sizes in ASCII digits), a setting given twice, dp x cp x tp x pp != gpus,
             or a rule of :func:`enumerate_strategies` broken (the rule named).

@@ -1,9 +1,8 @@
 """Pictures of a run: ``OUT/loss.png``, the training loss per step with the validation points.
 
-matplotlib is a dependency of ``pip install .``; where it cannot be imported anyway,
-:func:`plot_losses` writes nothing and returns the one line to print, which says how to
-get it. The figure is drawn with the non-interactive Agg backend (no display needed, safe
-under ``mpirun``) and written through :func:`minizero.files.atomic_write`, so a crash never
+matplotlib is a dependency of ``pip install .``; where it cannot be imported anyway, :func:`plot_losses` writes nothing
+and returns the one line to print, which says how to get it. The figure is drawn with the non-interactive Agg backend
+(no display needed, safe under ``mpirun``) and written through :func:`minizero.files.atomic_write`, so a crash never
 leaves half a PNG.
 """
 from __future__ import annotations

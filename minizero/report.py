@@ -1,9 +1,8 @@
 """What the main job shows and writes at the end: memory summary, sample, weights, summary.json.
 
-Every rank's ledger figures are gathered with the hand-written all-gather
-(:func:`gather_stats`); rank 0 prints them with :func:`minizero.ledger.memory_summary`,
-saves the weights (nanoGPT's state_dict names) and the JSON summary, each written to a
-temporary name and renamed (:func:`minizero.files.atomic_write`).
+Every rank's ledger figures are gathered with the hand-written all-gather (:func:`gather_stats`); rank 0 prints them
+with :func:`minizero.ledger.memory_summary`, saves the weights (nanoGPT's state_dict names) and the JSON summary, each
+written to a temporary name and renamed (:func:`minizero.files.atomic_write`).
 """
 from __future__ import annotations
 
@@ -78,9 +77,8 @@ def _json_safe(x):
 def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     """Rank 0: print the final report and write ``OUT/model.npz`` and the JSON summary.
 
-    ``stats``: :func:`gather_stats` of every rank; ``threads``, ``local_ranks``, ``cores``:
-    BLAS threads per rank, ranks and cores on this node; ``zero``: every rank's model-state
-    figures (:func:`minizero.zero.gather_figures`).
+    ``stats``: :func:`gather_stats` of every rank; ``threads``, ``local_ranks``, ``cores``: BLAS threads per rank, ranks
+    and cores on this node; ``zero``: every rank's model-state figures (:func:`minizero.zero.gather_figures`).
     Raises:
         FloatingPointError: a weight is inf/NaN (nothing is written; the previous file stays).
     """

@@ -59,9 +59,8 @@ def check(name: str, args, kwargs, operands: int) -> None:
 
 
 class Flags:
-    """``cupy.ndarray.flags`` as CuPy has it (``cupy/_core/flags.pyx`` through 14.2): ``c_contiguous``,
-    ``f_contiguous`` and ``owndata`` only (no ``writeable``: CuPy arrays, broadcast views included, are
-    never read-only)."""
+    """``cupy.ndarray.flags`` as CuPy has it (``cupy/_core/flags.pyx`` through 14.2): ``c_contiguous``, ``f_contiguous``
+    and ``owndata`` only (no ``writeable``: CuPy arrays, broadcast views included, are never read-only)."""
 
     __slots__ = ("c_contiguous", "f_contiguous", "owndata")
 

@@ -114,11 +114,10 @@ def covered_us(spans, within) -> int:
 def summarize(events, pid: int) -> dict:
     """Microsecond figures of rank ``pid``'s timeline (``"X"`` events of a training run).
 
-    ``steps``: optimizer-step spans; ``step_us``: mean wall time per step (first forward start to
-    last optimizer-step end, over ``steps``); ``backward_us``: union of backward spans;
-    ``in_flight_during_backward_us``: the part of it during which an overlapped collective was in
-    flight; ``overlap_fraction``: their ratio (0 when no backward); ``exposed_comm_us``: union of
-    the blocking-communication lane (time the rank waited on messages), per step.
+    ``steps``: optimizer-step spans; ``step_us``: mean wall time per step (first forward start to last optimizer-step
+    end, over ``steps``); ``backward_us``: union of backward spans; ``in_flight_during_backward_us``: the part of it
+    during which an overlapped collective was in flight; ``overlap_fraction``: their ratio (0 when no backward);
+    ``exposed_comm_us``: union of the blocking-communication lane (time the rank waited on messages), per step.
     """
     mine = [e for e in events if e.get("ph") == "X" and e["pid"] == pid]
     steps = sum(1 for e in mine if e["cat"] == "optimizer")

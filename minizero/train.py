@@ -1,10 +1,9 @@
 """The main job: ``mpirun -n 8 python -m minizero.train`` trains a small GPT on real text.
 
-Flags and checks: :mod:`minizero.args`; the loop: :mod:`minizero.loop`; the report: :mod:`minizero.report`.
-Writes ``OUT/model.npz`` (nanoGPT names) and a JSON summary. Bad arguments: one message and exit status 2 on
-every rank, before any work. An exception on any rank prints ``[rank r]`` and its traceback and aborts the job
-(``MPI_Abort``); a wait past ``--comm-timeout`` does the same, naming the operation and peer. Rank 0 locks OUT
-(a second job on it exits 2).
+Flags and checks: :mod:`minizero.args`; the loop: :mod:`minizero.loop`; the report: :mod:`minizero.report`. Writes
+``OUT/model.npz`` (nanoGPT names) and a JSON summary. Bad arguments: one message and exit status 2 on every rank, before
+any work. An exception on any rank prints ``[rank r]`` and its traceback and aborts the job (``MPI_Abort``); a wait past
+``--comm-timeout`` does the same, naming the operation and peer. Rank 0 locks OUT (a second job on it exits 2).
 """
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def use_tracemalloc(args) -> bool:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (``getrusage`` ru_maxrss: KiB on Linux, bytes on macOS).
 
-    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training),
-    counted by the kernel at no cost per allocation -- unlike tracemalloc, which traces every one.
+    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training), counted by the kernel.
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
@@ -178,11 +176,9 @@ def _release(locks) -> None:
 def _parse_everywhere(argv, comm, mpi_world):
     """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
 
-    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``:
-    status 2 and the first refusing rank's message (an unexpected exception counts, its traceback printed
-    by its rank), or ``--help``'s status 0 when every rank printed (rank 0) or skipped the help. A rank whose
-    files or environment differ (another node's file system, a per-rank variable) could otherwise accept
-    what its peers refuse and wait forever for them in the first collective.
+    Returns ``(args, None, None)`` when every rank accepted, else ``(None, exit status, message or None)``: status 2
+    and the first refusing rank's message (an unexpected exception counts, its traceback printed by its rank), or
+    ``--help``'s status 0 when every rank printed (rank 0) or skipped the help.
     """
     args, verdict = None, None
     try:
@@ -231,11 +227,10 @@ def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
 def _select_device(args, comm, mpi_world) -> str | None:
     """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
 
-    The GPU of a rank is its rank on its node (the communicator's ``MPI_COMM_TYPE_SHARED`` split,
-    right under any launcher) modulo the GPUs it sees. Returns None, or the first failing rank's
-    message on every rank (CuPy missing, no GPU; ``--comm nccl`` with a CuPy that has no NCCL, or
-    with more ranks on a node than GPUs: NCCL takes one GPU per rank), so that the whole job stops
-    before any work.
+    The GPU of a rank is its rank on its node (the communicator's ``MPI_COMM_TYPE_SHARED`` split, right under any
+    launcher) modulo the GPUs it sees. Returns None, or the first failing rank's message on every rank (CuPy missing, no
+    GPU; ``--comm nccl`` with a CuPy that has no NCCL, or with more ranks on a node than GPUs: NCCL takes one GPU per
+    rank), so that the whole job stops before any work.
     """
     from minizero.comm import nccl  # noqa: PLC0415  (imports without CuPy; CuPy's NCCL is looked for below)
 
@@ -293,10 +288,9 @@ def _setup_timeout(argv) -> float:
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.train``; returns the exit status.
 
-    0 success; 2 bad arguments or --out in use by another job (every rank, before any
-    work); 1 a rank failed (its message, then ``MPI_Abort`` of the whole job); 130/143
-    Ctrl-C/SIGTERM (one ``interrupted`` line for the job). Mirrors ``torchrun``'s contract:
-    a failing or stalled rank (``--comm-timeout``) ends the whole job.
+    0 success; 2 bad arguments or --out in use by another job (every rank, before any work); 1 a rank failed (its
+    message, then ``MPI_Abort`` of the whole job); 130/143 Ctrl-C/SIGTERM (one ``interrupted`` line for the job).
+    Mirrors ``torchrun``'s contract: a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
     if _launched_by_mpiexec():
         exit_with_parent()

@@ -260,9 +260,8 @@ def model_config(weights: str, state: dict, preset: str | None = None,
     The one rule every program that reads a model.npz follows (sample, quantize, finetune):
 
     1. ``preset`` (a program's ``--model``) when given; refused when the arrays or model.json disagree.
-    2. else ``model.json`` beside the weights, refused when it disagrees with the arrays. It WINS over summary.json:
-       train, finetune --out and checkpoint consolidate write it with the weights, while summary.json may be another
-       run's (one stopped between writing the weights and the summary, or a copy).
+    2. else ``model.json`` beside the weights, refused when it disagrees with the arrays. It wins over summary.json,
+       which may be another run's (one stopped between writing the weights and the summary, or a copy).
     3. else summary.json's ``config.model`` (a run's folder without model.json).
     4. else the preset whose names and shapes match the arrays exactly (only the head count is not in them).
 

@@ -12,6 +12,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MAX_LINES = 400
+MAX_COLUMNS = 120
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
 
 
@@ -49,6 +50,14 @@ def test_every_module_is_readable_in_one_sitting():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / "minizero").rglob("*.py")}
     too_long = {k: v for k, v in sizes.items() if v > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+
+
+def test_no_line_is_wider_than_max_columns():
+    """Every line of minizero/ and bench/ fits in MAX_COLUMNS characters (what a side-by-side reader shows)."""
+    wide = [f"{p.relative_to(REPO)}:{i}: {len(line)} columns"
+            for folder in ("minizero", "bench") for p in sorted((REPO / folder).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not wide, f"lines over {MAX_COLUMNS} columns: {wide}"
 
 
 def test_tensor_operators_are_defined_where_tensor_is():

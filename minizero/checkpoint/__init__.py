@@ -1,8 +1,7 @@
 """Checkpoint, resume and reshard: stop anywhere, continue anywhere, on any layout.
 
-Every rank writes what it holds to its own safetensors file; a JSON manifest names every piece in logical
-coordinates (:mod:`.layout`). Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``,
-PyTorch DCP.
+Every rank writes what it holds to its own safetensors file; a JSON manifest names every piece in logical coordinates
+(:mod:`.layout`). Mirrors: DeepSpeed's universal checkpoint, Megatron-LM ``dist_checkpointing``, PyTorch DCP.
 """
 from __future__ import annotations
 

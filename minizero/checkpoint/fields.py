@@ -137,10 +137,9 @@ def _value_problems(man: dict) -> list[str]:
 
 
 def _coverage_problems(man: dict) -> list[str]:
-    """Every parameter has every kind the layout keeps (:func:`~minizero.checkpoint.layout.saved_kinds`: param;
-    Adam's m, v; the master under fp16), one line per kind naming the parameters without it; and every element
-    of each kind of each parameter in one of its pieces: per tp shard index 0..parts-1 the pieces' [lo, hi)
-    cover the shard."""
+    """Every parameter has every kind the layout keeps (:func:`~minizero.checkpoint.layout.saved_kinds`: param; Adam's
+    m, v; the master under fp16), one line per kind naming the parameters without it; and every element of each kind of
+    each parameter in one of its pieces: per tp shard index 0..parts-1 the pieces' [lo, hi) cover the shard."""
     groups = collections.defaultdict(list)  # (kind, param) -> its pieces
     for pc in man["pieces"]:
         groups[(pc["kind"], pc["param"])].append(pc)

@@ -31,9 +31,8 @@ def poll_until(done, timeout: float, describe, spin_s: float = 0.0) -> None:
     """Call ``done()`` until it returns True: spin ``spin_s`` s, then sleep 10 us doubling to :data:`MAX_SLEEP_S`
     (to :data:`IDLE_SLEEP_S` once the wait is :data:`LONG_WAIT_S` old).
 
-    When ranks outnumber cores a sleeping rank gives its core to the others, but a message that arrives while it
-    sleeps waits for it to wake, so the cap is short while a message is likely on its way (8 ranks on 2 cores:
-    docs/benchmarks.md, ``bench/bench_train.py``). ``describe()`` returns the error's message.
+    The cap is short while a message is likely on its way: a sleeping rank frees its core for the others but answers
+    late (docs/benchmarks.md, ``bench/bench_train.py``). ``describe()`` returns the error's message.
     Raises CommTimeoutError: ``done()`` stayed False for ``timeout`` s.
     """
     start = time.monotonic()

@@ -266,9 +266,8 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     Args:
         x: any shape, C-contiguous, same shape and dtype on every rank.  out: optional array of x's shape (may be x
         or overlap it).
-    Returns ``out`` (a new array if None). Bytes (``"all_reduce"``): ring 2(N-1)/N * x.nbytes; recursive
-    doubling log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype
-    or read-only.
+    Returns ``out`` (a new array if None). Bytes (``"all_reduce"``): ring 2(N-1)/N * x.nbytes; recursive doubling
+    log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype or read-only.
     """
     _check_array(x, "x")
     _check_summable(x, "x")

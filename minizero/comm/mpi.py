@@ -86,9 +86,8 @@ def _bytes_of(buf) -> np.ndarray:
 
 
 class _SendRequest:
-    """``isend``'s request: the MPI_Isend(s) of one message and the arrays they send from (kept
-    alive); ``test()`` is MPI_Testall, ``wait()`` completes them as every MPI wait here does
-    (sleeping, with the communicator's timeout)."""
+    """``isend``'s request: the MPI_Isend(s) of one message and the arrays they send from (kept alive); ``test()`` is
+    MPI_Testall, ``wait()`` completes them as every MPI wait here does (sleeping, with the communicator's timeout)."""
 
     def __init__(self, comm, posted, dest, tag):
         (self.requests, self.keep), self.comm, self.dest, self.tag, self.done = posted, comm, dest, tag, False

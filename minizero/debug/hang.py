@@ -1,9 +1,8 @@
 """``python -m minizero.debug hang OUT/flight``: what the ranks' flight records say went wrong.
 
-Matches every ``rank_R.json`` by group and sequence number (PyTorch's ``fr_trace`` analyzer does the same) and
-prints one line per finding: ``missing`` (a rank wrote no file), ``mismatch`` (ranks in different operations at
-one sequence number), ``hang`` (who waits in what, who never posted it), ``last`` (the last operation every
-rank completed).
+Matches every ``rank_R.json`` by group and sequence number (PyTorch's ``fr_trace`` analyzer does the same) and prints
+one line per finding: ``missing`` (a rank wrote no file), ``mismatch`` (ranks in different operations at one sequence
+number), ``hang`` (who waits in what, who never posted it), ``last`` (the last operation every rank completed).
 """
 from __future__ import annotations
 

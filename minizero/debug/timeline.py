@@ -1,10 +1,9 @@
 """``python -m minizero.debug trace OUT/trace.json``: per rank, where each step's time went, and the straggler.
 
-From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute``
-(compute lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under
-compute), ``bubble`` (pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest).
-Names the slowest rank (most time not waiting on others) and the one that waits most.
-Mirrors Holistic Trace Analysis (HTA).
+From the ``--trace`` timeline (:mod:`minizero.trace` lanes), per rank and optimizer step in ms: ``compute`` (compute
+lane), ``exposed`` (blocking lane, pipeline waits excluded), ``overlapped`` (in-flight lane under compute), ``bubble``
+(pipeline ``recv``/``wait sends`` spans, with the stage waited for), ``other`` (the rest). Names the slowest rank (most
+time not waiting on others) and the one that waits most. Mirrors Holistic Trace Analysis (HTA).
 """
 from __future__ import annotations
 

@@ -47,9 +47,8 @@ def _buffer_key(a) -> tuple:
 class ActivationOffload:
     """The pack/unpack pair for one rank; use ``with offloader:`` around the forward pass.
 
-    ``kind``: ``"cpu"``, ``"nvme"`` or ``"none"``; ``min_bytes``: smaller arrays stay (1 KiB).
-    Attributes: bytes_offloaded; saves_shared. Raises ValueError: unknown kind; OffloadError
-    (:func:`check_offload_dir`).
+    ``kind``: ``"cpu"``, ``"nvme"`` or ``"none"``; ``min_bytes``: smaller arrays stay (1 KiB). Attributes:
+    bytes_offloaded; saves_shared. Raises ValueError: unknown kind; OffloadError (:func:`check_offload_dir`).
     """
 
     def __init__(self, kind: str = "cpu", offload_dir: str | None = None, rank: int = 0, min_bytes: int = 1024):

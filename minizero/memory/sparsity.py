@@ -117,10 +117,9 @@ class Pruner:
 
     @classmethod
     def from_masks(cls, model, packed: dict, shapes: dict, sparsity: float, scope: str) -> "Pruner":
-        """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 :func:`packbits` of the
-        flat bool keep-mask (host arrays, copied to the device here), ``shapes`` name -> the weight's shape.
-        Raises KeyError for a name ``model``
-        has no prunable weight of."""
+        """A Pruner with saved masks (a resumed checkpoint): ``packed`` name -> uint8 :func:`packbits` of the flat bool
+        keep-mask (host arrays, copied to the device here), ``shapes`` name -> the weight's shape. Raises KeyError for a
+        name ``model`` has no prunable weight of."""
         self = cls.__new__(cls)
         weights = prunable_weights(model)
         self.params = {k: weights[k] for k in packed}

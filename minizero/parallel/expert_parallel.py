@@ -1,11 +1,10 @@
 """Mixture of experts in the GPT, and expert parallelism over the data group (layer: parallel/moe.py).
 
-``use_moe`` replaces the MLP of every ``every``-th block (blocks every-1, 2 every-1, ...; GShard and Switch
-put one in every other block) by :class:`MoEMLP`, a child module that routes the micro-batch's b*T
-tokens as one group. The Switch and z losses enter backward through :class:`_AddAuxLoss` (Megatron-Core's
-``MoEAuxLossAutoScaler``): forward returns the output unchanged, backward also seeds the layer's loss with
-``grad_scale`` (the main loss's seed per micro-batch: 1/m, S/(m dp) under FP16), so a pipeline stage
-needs no loss of its own.
+``use_moe`` replaces the MLP of every ``every``-th block (blocks every-1, 2 every-1, ...; GShard and Switch put one in
+every other block) by :class:`MoEMLP`, a child module that routes the micro-batch's b*T tokens as one group. The Switch
+and z losses enter backward through :class:`_AddAuxLoss` (Megatron-Core's ``MoEAuxLossAutoScaler``): forward returns the
+output unchanged, backward also seeds the layer's loss with ``grad_scale`` (the main loss's seed per micro-batch: 1/m,
+S/(m dp) under FP16), so a pipeline stage needs no loss of its own.
 
 Expert parallelism (ep ranks) splits the data group (D ranks) into D/ep expert groups of ep consecutive
 data ranks (DeepSpeed's layout)::
@@ -13,13 +12,12 @@ data ranks (DeepSpeed's layout)::
     data ranks   0 1 | 2 3          expert groups {0,1} {2,3}: all-to-all dispatch / combine
     experts      a b | a b          expert-data groups {0,2} {1,3}: the same experts, other tokens
 
-Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averaged over the data group;
-an expert's gradient, already summed over its expert group by the combine's backward, summed over its
-expert-data group and divided by D. With ZeRO (:class:`ExpertZero`) the same split: the dense parameters
-sharded over the data group, the experts over their expert-data group (DeepSpeed-MoE's layout).
-After each step (:class:`ExpertLoad`) every layer's counts are summed
-over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias
-update and the progress lines.
+Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averaged over the data group; an expert's
+gradient, already summed over its expert group by the combine's backward, summed over its expert-data group and divided
+by D. With ZeRO (:class:`ExpertZero`) the same split: the dense parameters sharded over the data group, the experts over
+their expert-data group (DeepSpeed-MoE's layout). After each step (:class:`ExpertLoad`) every layer's counts are summed
+over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias update and the
+progress lines.
 """
 from __future__ import annotations
 

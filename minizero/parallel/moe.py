@@ -2,9 +2,8 @@
 
 A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on its own T tokens):
 
-* a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts
-  (ties to the lower index); its gate for expert e is the softmax probability p_e (not renormalised,
-  the Switch/GShard convention);
+* a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts (ties to the lower
+  index); its gate for expert e is the softmax probability p_e (not renormalised, the Switch/GShard convention);
 * capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
   first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
   (that slot adds nothing; the residual carries the token); in eval mode (``module.eval()``) nothing is
@@ -16,12 +15,11 @@ A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on it
   (host float64, not a parameter) added to the probabilities for the top-k choice only (gates stay
   p_e), moved by :meth:`MoELayer.update_bias` after each step by ``rate * sign(mean load - load_e)``.
 
-Expert parallelism over ``comm`` (ep ranks): rank j holds experts j*E/ep .. (j+1)*E/ep - 1. Dispatch is
-an all-to-all with variable splits (the kept rows, grouped by expert, to the expert's owner, with a
-count matrix first), the local experts run on what arrived, and the combine is the inverse
-all-to-all; each is an autograd Function whose backward is the other direction. Expert gradients
-thus sum over every rank's tokens; the router's gradient is this rank's own (all-reduce it over the
-data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
+Expert parallelism over ``comm`` (ep ranks): rank j holds experts j*E/ep .. (j+1)*E/ep - 1. Dispatch is an all-to-all
+with variable splits (the kept rows, grouped by expert, to the expert's owner, with a count matrix first), the local
+experts run on what arrived, and the combine is the inverse all-to-all; each is an autograd Function whose backward is
+the other direction. Expert gradients thus sum over every rank's tokens; the router's gradient is this rank's own
+(all-reduce it over the data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
 ranks * C * itemsize (label ``all_to_all``), plus the counts.
 
 Precision: the router's and experts' products are :class:`~minizero.nn.Matmul` children, converted as every

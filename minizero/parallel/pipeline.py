@@ -1,10 +1,9 @@
 """Pipeline parallelism: the layers split into ``pp`` stages, micro-batches streamed through them.
 
-Per op of a schedule (:mod:`minizero.parallel.schedule`): F(i) receives a (b, T, C) activation from the previous
-stage and sends its output on; B(i) receives dL/dy (last stage: S/m) and sends dL/dx back; W(i) computes B(i)'s
-weight gradients. A send and the next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock).
-Sources: GPipe, arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM
-``core/pipeline_parallel/schedules.py``.
+Per op of a schedule (:mod:`minizero.parallel.schedule`): F(i) receives a (b, T, C) activation from the previous stage
+and sends its output on; B(i) receives dL/dy (last stage: S/m) and sends dL/dx back; W(i) computes B(i)'s weight
+gradients. A send and the next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock). Sources: GPipe,
+arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM ``core/pipeline_parallel/schedules.py``.
 """
 from __future__ import annotations
 
@@ -293,9 +292,8 @@ class PipelineEngine:
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:
-        """Mean loss of one batch (x, y) (b, T) without a graph; 0.0 off the last stage.
-        Traffic label ``pp_eval`` (``validation``
-        when :meth:`Strategy.evaluate` calls it: the outer label names the bytes)."""
+        """Mean loss of one batch (x, y) (b, T) without a graph; 0.0 off the last stage. Traffic label ``pp_eval``
+        (``validation`` when :meth:`Strategy.evaluate` calls it: the outer label names the bytes)."""
         st, loss = self.stage, 0.0
         with no_grad():
             for chunk in self.chunks:

@@ -1,8 +1,7 @@
 """Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by tokens.
 
-Rank r holds rows [r V/tp, (r+1) V/tp) of wte; logits (b, T, V/tp) are never gathered.
-Source: Shoeybi et al., arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and
-``vocab_parallel_cross_entropy``.
+Rank r holds rows [r V/tp, (r+1) V/tp) of wte; logits (b, T, V/tp) are never gathered. Source: Shoeybi et al.,
+arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``.
 """
 from __future__ import annotations
 

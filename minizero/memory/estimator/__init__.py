@@ -1,11 +1,10 @@
 """The analytic model: per-rank bytes, messages and FLOPs of training a transformer, without running it.
 
-per rank = parameters + gradients + optimizer_state + activations + comm_buffers + gathered (offloaded and nvme
-bytes are reported apart). Every function returns bytes (Python ints) unless its name says otherwise; tensor
-sizes are elements; :func:`gb` is 10**9 bytes, :func:`gib` 2**30. Symbols as Korthikanti et al. Table 1 (a, b,
-h, L, p, s, t, V, f; c context ranks) and ZeRO's Psi, N_d, K. ``accounting="paper"`` follows the papers;
-``"minizero"`` what minizero's code keeps, checked against the ledger by tests/test_estimator.py and
-tests/test_compare.py.
+per rank = parameters + gradients + optimizer_state + activations + comm_buffers + gathered (offloaded and nvme bytes
+are reported apart). Every function returns bytes (Python ints) unless its name says otherwise; tensor sizes are
+elements; :func:`gb` is 10**9 bytes, :func:`gib` 2**30. Symbols as Korthikanti et al. Table 1 (a, b, h, L, p, s, t, V,
+f; c context ranks) and ZeRO's Psi, N_d, K. ``accounting="paper"`` follows the papers; ``"minizero"`` what minizero's
+code keeps, checked against the ledger by tests/test_estimator.py and tests/test_compare.py.
 
 Sources: ZeRO, arXiv:1910.02054, sections 3 and 5; Korthikanti et al., arXiv:2205.05198, sections 4-5;
 Narayanan et al., arXiv:2104.04473; ZeRO-Offload; ZeRO-Infinity; 8-bit optimizers, arXiv:2110.02861; LoRA,

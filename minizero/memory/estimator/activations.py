@@ -1,7 +1,4 @@
-"""Saved activation bytes per layer and per rank (Korthikanti et al. 2022, sections 4-5).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""Saved activation bytes per layer and per rank (Korthikanti et al. 2022, sections 4-5; units: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -121,13 +118,11 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
                          precision: str = "mixed") -> tuple[list[Saved], list[Saved]]:
     """What the embedding (first stage) and the head (last stage) save, one micro-batch (bytes).
 
-    ``"paper"``, following Korthikanti et al. 2022, section 4.3: the embedding
-    dropout mask sbh; the final norm input 2sbh and the output projection input
-    2sbh; the logits kept in fp32 for the cross-entropy, 4sbV (vocab-parallel, split
-    by t). ``"minizero"``: int64 token ids, positions and targets; the final norm's
-    input and statistics, the LM head input, the logits in the activation dtype and
-    the log-sum-exp (functional.py: Embedding, LayerNorm, Linear, CrossEntropy).
-    Returns (embedding rows, head rows).
+    ``"paper"``, following Korthikanti et al. 2022, section 4.3: the embedding dropout mask sbh; the final norm input
+    2sbh and the output projection input 2sbh; the logits kept in fp32 for the cross-entropy, 4sbV (vocab-parallel,
+    split by t). ``"minizero"``: int64 token ids, positions and targets; the final norm's input and statistics, the LM
+    head input, the logits in the activation dtype and the log-sum-exp (functional.py: Embedding, LayerNorm, Linear,
+    CrossEntropy). Returns (embedding rows, head rows).
     """
     m = as_shape(model)
     e = activation_element(precision, accounting)
@@ -253,12 +248,10 @@ def _layer_transient(rows, tp, sp, recompute) -> float:
 def in_flight(strategy: Strategy, stage: int = 0) -> tuple[int, int]:
     """(micro-batch chunks whose activations pipeline stage ``stage`` holds at its peak, layers per chunk).
 
-    GPipe (Huang et al. 2019): all m micro-batches. 1F1B (PipeDream-Flush;
-    Narayanan et al. 2021, section 2.2.1): stage i holds min(p - i, m). Interleaved
-    with v chunks (section 2.2.2; Megatron-LM's warm-up count): stage i holds
-    min(2(p - i - 1) + (v - 1)p + 1, mv) chunks of L/(pv) layers, which for stage 0
-    is p(1 + (p-1)/(pv)) micro-batches' worth of L/p layers (Korthikanti et al.
-    2022, section 4.2.3). Returns (chunks in flight, v); a chunk is L/(pv) layers.
+    GPipe (Huang et al. 2019): all m micro-batches. 1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1):
+    stage i holds min(p - i, m). Interleaved with v chunks (section 2.2.2; Megatron-LM's warm-up count): stage i holds
+    min(2(p - i - 1) + (v - 1)p + 1, mv) chunks of L/(pv) layers, which for stage 0 is p(1 + (p-1)/(pv)) micro-batches'
+    worth of L/p layers (Korthikanti et al. 2022, section 4.2.3). Returns (chunks in flight, v).
     """
     p, m, v = strategy.pp, strategy.micro_batches, strategy.virtual_stages
     if strategy.schedule == "gpipe":
@@ -275,11 +268,10 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     """Peak activation bytes of pipeline stage ``stage`` on one rank: (on the device, offloaded to host).
 
     peak = stored per layer x layers x micro-batches in flight (:func:`in_flight`) + embedding rows (stage 0) + head
-    rows (last stage) + max(0, recompute transient - head); ``"minizero"`` (not gpipe) adds the token ids and
-    targets of the micro-batches already done, alive until the step ends. With ``offload_activations``:
-    ``"paper"`` keeps one
-    layer brought back plus the transient on the device; ``"minizero"`` keeps arrays under
-    :data:`OFFLOAD_MIN_BYTES` and the recompute transient, the rest on the host once per buffer.
+    rows (last stage) + max(0, recompute transient - head); ``"minizero"`` (not gpipe) adds the token ids and targets of
+    the micro-batches already done, alive until the step ends. With ``offload_activations``: ``"paper"`` keeps one layer
+    brought back plus the transient on the device; ``"minizero"`` keeps arrays under :data:`OFFLOAD_MIN_BYTES` and the
+    recompute transient, the rest on the host once per buffer.
     """
     m = as_shape(model)
     s = seq_len or m.seq_len
@@ -341,11 +333,10 @@ def _offload_split(row: Saved, tp: int, sp: bool) -> tuple[float, float]:
 def _offloaded_activations(rows, emb_rows, head_rows, st, stage, chunks, v, layers_per_chunk):
     """(device, host) activation bytes under minizero's activation offload (see :func:`activation_bytes`).
 
-    The recompute transient: what the recomputed segment saves again, on the device. Its
-    inputs come back from the offload as the host copy (cpu: already counted as
-    ``offloaded``, so not again) or as a fresh array read from the file (nvme: counted
-    as activations when the recompute saves it). Full: the whole layer (its input only
-    with nvme); selective: the attention core (and Q, K, V with nvme).
+    The recompute transient: what the recomputed segment saves again, on the device. Its inputs come back from the
+    offload as the host copy (cpu: already counted as ``offloaded``, so not again) or as a fresh array read from the
+    file (nvme: counted as activations when the recompute saves it). Full: the whole layer (its input only with nvme);
+    selective: the attention core (and Q, K, V with nvme).
     """
     t, sp = st.tp, st.sequence_parallel
     fresh = st.offload_tier == "nvme"

@@ -1,7 +1,4 @@
-"""The model and the strategy the estimator takes (model states per rank: ``states.py``).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""The model and the strategy the estimator takes (model states: ``states.py``; units, symbols: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,13 +68,11 @@ def activation_element(precision: str, accounting: str) -> int:
 class ModelShape:
     """A decoder-only transformer's shape; sizes are element counts.
 
-    ``mlp``: ``"gelu"`` (two matrices h x f, GPT) or ``"swiglu"`` (three, LLaMA;
-    Shazeer 2020). ``norm``: ``"layernorm"`` (weight and bias) or ``"rmsnorm"``
-    (weight). ``learned_pos``: a learned position table of ``seq_len`` rows (GPT)
-    instead of rotary embeddings (LLaMA). ``tied_embeddings``: the LM head reuses
-    the token embedding. ``dropout``: dropout layers are active (their 1-byte masks
-    are saved; Korthikanti et al. count them, LLaMA trains without).
-    ``seq_len`` is the model's context, the default sequence length.
+    ``mlp``: ``"gelu"`` (two matrices h x f, GPT) or ``"swiglu"`` (three, LLaMA; Shazeer 2020). ``norm``:
+    ``"layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight). ``learned_pos``: a learned position table of
+    ``seq_len`` rows (GPT) instead of rotary embeddings (LLaMA). ``tied_embeddings``: the LM head reuses the token
+    embedding. ``dropout``: dropout layers are active (their 1-byte masks are saved; Korthikanti et al. count them,
+    LLaMA trains without). ``seq_len`` is the model's context, the default sequence length.
 
     MoE (``experts`` > 0): block i's MLP is a router (h x E) and ``experts`` bias-free experts of width
     ``expert_ffn`` (0: ``ffn_hidden``), ``top_k`` per token, plus ``shared_experts``, when i >= ``dense_layers``
@@ -134,8 +129,10 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{f} must be an integer >= 0, got {v!r}")
         e, k, every = self.experts, self.top_k, self.moe_every
         for bad, why in [
-                (e and not (isinstance(k, int) and 1 <= k <= e), f"ModelShape.top_k must be in 1..experts={e}, got {k!r}"),
-                (e and not (isinstance(every, int) and every >= 1), f"ModelShape.moe_every must be >= 1, got {every!r}"),
+                (e and not (isinstance(k, int) and 1 <= k <= e),
+                 f"ModelShape.top_k must be in 1..experts={e}, got {k!r}"),
+                (e and not (isinstance(every, int) and every >= 1),
+                 f"ModelShape.moe_every must be >= 1, got {every!r}"),
                 (e and not 0 < self.capacity_factor < math.inf,
                  f"ModelShape.capacity_factor must be a finite number > 0, got {self.capacity_factor!r}"),
                 (not e and (self.shared_experts or self.dense_layers or self.expert_ffn),

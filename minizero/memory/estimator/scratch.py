@@ -1,11 +1,10 @@
 """The collectives' temporary buffers (ledger category ``comm_scratch``): the largest one alive at a time.
 
-Per call on N ranks of n elements: all_reduce keeps ceil(n/N) elements (ring) or n (recursive doubling, up to
-256 KiB); reduce_scatter n + ceil(n/N); all_gather, broadcast and N = 1 nothing. The peak is the step's largest
-call: the largest DP bucket, ZeRO's largest padded unit (overlapped: padded/N), a (b, s, h) activation under
-tensor parallelism, the tied embedding's gradient between first and last stage, 8-byte scalars. Exact against
-the ledger for the DP and ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for native
-collectives and for the paper accounting.
+Per call on N ranks of n elements: all_reduce keeps ceil(n/N) elements (ring) or n (recursive doubling, up to 256 KiB);
+reduce_scatter n + ceil(n/N); all_gather, broadcast and N = 1 nothing. The peak is the step's largest call: the largest
+DP bucket, ZeRO's largest padded unit (overlapped: padded/N), a (b, s, h) activation under tensor parallelism, the tied
+embedding's gradient between first and last stage, 8-byte scalars. Exact against the ledger for the DP and ZeRO layouts
+of ``python -m minizero.compare``; a bound for TP and PP; 0 for native collectives and for the paper accounting.
 """
 from __future__ import annotations
 

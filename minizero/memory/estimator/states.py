@@ -1,7 +1,4 @@
-"""Model states per rank (ZeRO, Rajbhandari et al. 2020, section 3) and what each pipeline stage holds.
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""Model states per rank (ZeRO, Rajbhandari et al. 2020, section 3) and per pipeline stage (units: ``__init__.py``)."""
 from __future__ import annotations
 
 import math

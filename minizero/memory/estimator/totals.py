@@ -1,7 +1,4 @@
-"""The whole rank: model states + activations + buffers, per pipeline stage.
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""The whole rank: model states + activations + buffers, per pipeline stage (units, symbols: ``__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +16,8 @@ from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetche
 class MemoryEstimate:
     """Per-rank bytes by ledger category, for one pipeline stage.
 
-    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in
-    neither the device total nor the ledger's memory categories (minizero reports them as
-    the optimizer store's ``disk_bytes``).
+    ``offloaded`` is host memory; ``nvme`` is bytes in files (offload tier "nvme"), in neither the device total nor the
+    ledger's memory categories (minizero reports them as the optimizer store's ``disk_bytes``).
     """
 
     parameters: int

@@ -1,7 +1,4 @@
-"""Bytes sent per step per group, and FLOPs per step (Korthikanti et al. 2022, Kaplan et al. 2020).
-
-Part of :mod:`minizero.memory.estimator` (units, symbols and sources are in its docstring).
-"""
+"""Bytes sent per group and FLOPs, per step (Korthikanti et al. 2022, Kaplan et al. 2020; units: ``__init__.py``)."""
 from __future__ import annotations
 
 import math
@@ -23,13 +20,12 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
-    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead.
-    ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e,
-    2(t-1)/t each (full recompute +2),
-    plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk sbh e / t each
-    way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention=
-    "ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under recompute.
-    ``pcie``: offload traffic.
+    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead. ``ep``:
+    :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full
+    recompute +2), plus the vocab-parallel embedding and head under ``"paper"``. ``pp``: per micro-batch and chunk
+    sbh e / t each way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for
+    ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under
+    recompute. ``pcie``: offload traffic.
 
     Activation messages use the precision's activation itemsize (bf16/fp8: 2, a GPU's; minizero's emulation
     sends float32, twice that). Returns: {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1
@@ -169,14 +165,12 @@ def kaplan_flops(num_params: int, tokens: int) -> float:
 def model_flops_per_step(model, global_batch: int, seq_len: int | None = None, recompute: str = "none") -> float:
     """Matmul FLOPs of one step of ``global_batch`` sequences, forward + backward (+ recompute).
 
-    Per token, forward: 2 x (each layer's matrix parameters) + 4sh per layer for QK^T
-    and softmax x V + 2hV for the logits; backward = 2 x forward (Korthikanti et al.
-    2022, appendix A, whose counting this generalises to grouped-query attention,
-    SwiGLU, MLA and MoE blocks -- the router and the top-k + shared experts a token runs; for a GPT
-    shape it equals :func:`korthikanti_flops` exactly).
-    ``recompute`` adds the hardware FLOPs of recomputation: "full" one more forward of
-    every layer (not the logits) -- 96BsLh^2(1 + s/(6h) + V/(16hL)) for a GPT;
-    "selective" one more forward of the attention core, 4Bs^2h per layer.
+    Per token, forward: 2 x (each layer's matrix parameters) + 4sh per layer for QK^T and softmax x V + 2hV for the
+    logits; backward = 2 x forward (Korthikanti et al. 2022, appendix A, whose counting this generalises to
+    grouped-query attention, SwiGLU, MLA and MoE blocks -- the router and the top-k + shared experts a token runs; for a
+    GPT shape it equals :func:`korthikanti_flops` exactly).
+    ``recompute`` adds the hardware FLOPs of recomputation: "full" one more forward of every layer (not the logits) --
+    96BsLh^2(1 + s/(6h) + V/(16hL)) for a GPT; "selective" one more forward of the attention core, 4Bs^2h per layer.
     """
     m = as_shape(model)
     s = seq_len or m.seq_len
