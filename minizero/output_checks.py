@@ -6,7 +6,7 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.files import check_writable_folder
+from minizero.files import check_writable_folder, refuse_lost_or_blocking
 from minizero.flags import UsageError
 
 
@@ -37,10 +37,12 @@ def check_outputs(args) -> None:
     weights = os.path.join(out, "model.npz")
     outside_checkpoints("--out", weights, out)
     outside_checkpoints("--json", js, args.json)
+    if js != os.path.abspath(os.path.join(out, "summary.json")):  # OUT's own summary is this run's to replace
+        _refuse_lost_or_blocking(args.json, "--json")
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     probe(out, "--out")
-    special = os.path.exists(js) and not os.path.isfile(js)  # /dev/null, a FIFO: written straight into
+    special = os.path.exists(js) and not os.path.isfile(js)  # a device such as /dev/null: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:
         probe(jparent, "--json")
 
@@ -54,6 +56,14 @@ def run_files(args) -> dict:
     if args.data:
         files[os.path.abspath(args.data)] = "--data"
     return files
+
+
+def _refuse_lost_or_blocking(path: str, flag: str) -> None:
+    """:func:`minizero.files.refuse_lost_or_blocking` as a UsageError: another run's weights or summary, a FIFO."""
+    try:
+        refuse_lost_or_blocking(path, flag)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def outside_checkpoints(flag: str, path: str, given: str) -> None:
@@ -91,8 +101,9 @@ def check_trace(args) -> None:
     if p in own:
         raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
     outside_checkpoints("--trace", p, path)
+    _refuse_lost_or_blocking(path, "--trace")
     if os.path.exists(p) and not os.path.isfile(p):
-        return  # /dev/null, a FIFO: written straight into
+        return  # a device such as /dev/null: written straight into
     try:
         probe(os.path.dirname(p), "--trace")
     except UsageError:

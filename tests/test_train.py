@@ -47,6 +47,27 @@ def test_bad_arguments_are_named(argv, needle):
     assert needle in str(e.value)
 
 
+def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(tmp_path, monkeypatch):
+    from minizero.files import check_output
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("a")
+    for name in ("model.npz", "model.json", "summary.json"):
+        (tmp_path / "a" / name).write_text("another run's")
+    os.mkfifo("pipe")
+    for flag in ("--json", "--trace"):
+        for name in ("model.npz", "model.json", "summary.json"):
+            with pytest.raises(UsageError, match=f"{flag} 'a/{name}' would overwrite {name}, which minizero's"):
+                parse_args(["--out", "b", flag, f"a/{name}"], world_size=1)
+        with pytest.raises(UsageError, match=f"{flag} 'pipe' is a named pipe"):
+            parse_args(["--out", "b", flag, "pipe"], world_size=1)
+    with pytest.raises(ValueError, match="'pipe' is a named pipe"):  # finetune, quantize and compare's --json
+        check_output("pipe")
+    assert parse_args(["--out", "a", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"  # its own
+    assert parse_args(["--out", "a"], world_size=1).json == os.path.join("a", "summary.json")
+    assert all((tmp_path / "a" / n).read_text() == "another run's" for n in ("model.npz", "model.json", "summary.json"))
+
+
 def test_batch_size_derives_grad_accum():
     args = parse_args(["--batch-size", "24", "--micro-batch-size", "3"], world_size=4)
     assert args.grad_accum == 2 and args.batch_size == 24
