@@ -268,29 +268,38 @@ def refuse_inputs(flag: str, given: str, path: str, inputs: dict, instead: str =
 READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
 
 
-def refuse_lost_or_blocking(path: str, flag: str) -> None:
-    """Raise ValueError when writing ``path`` would lose a file minizero's programs read back (an existing
-    :data:`READ_BACK` name or ``.npz``) or block: a named pipe (FIFO) or socket waits for a reader after all the
-    work. A device such as /dev/null is written into."""
+def refuse_read_back(path: str, flag: str) -> None:
+    """Raise ValueError when writing ``path`` would lose a file minizero's programs read back: an existing
+    :data:`READ_BACK` name or ``.npz`` (a ``summary.json`` only beside a run's ``model.npz`` or ``model.json``)."""
     real = os.path.realpath(path)
-    if os.path.isfile(real) and (os.path.basename(real) in READ_BACK or real.endswith(".npz")):
-        raise ValueError(f"{flag} {path!r} would overwrite {os.path.basename(real)}, which minizero's programs read "
-                         "back (weights, config, summary or checkpoint manifest); give another file")
-    mode = os.stat(real).st_mode if os.path.exists(real) else 0
+    name, folder = os.path.basename(real), os.path.dirname(real)
+    if name == "summary.json" and not any(os.path.exists(os.path.join(folder, f)) for f in ("model.npz", "model.json")):
+        return  # a summary written on its own: nothing reads it with weights
+    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz")):
+        raise ValueError(f"{flag} {path!r} would overwrite {name}, which minizero's programs read back (weights, "
+                         "config, a run's summary or checkpoint manifest); give another file")
+
+
+def refuse_blocking(path: str, flag: str) -> None:
+    """Raise ValueError when ``path`` is a named pipe (FIFO), whose open would wait for a reader after all the
+    work, or a socket, which cannot be opened. A device such as /dev/null is written into."""
+    mode = os.stat(path).st_mode if os.path.exists(path) else 0
     if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        raise ValueError(f"{flag} {path!r} is a named pipe (FIFO) or socket: the write at the end would wait for a "
-                         "reader; give a regular file (or /dev/null)")
+        what = "a named pipe (FIFO): writing it would wait for a reader" if stat.S_ISFIFO(mode) else "a socket"
+        raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:
     """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file) without
     losing what the user has: not one of ``inputs`` ({flag: path} this program reads), not an existing file
-    another program reads back, nor a FIFO (:func:`refuse_lost_or_blocking`), not inside a checkpoint folder."""
+    another program reads back (:func:`refuse_read_back`), nor a FIFO (:func:`refuse_blocking`), not inside a
+    checkpoint folder."""
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
     real = os.path.realpath(path)
     refuse_inputs(flag, path, path, inputs or {})
-    refuse_lost_or_blocking(path, flag)
+    refuse_read_back(path, flag)
+    refuse_blocking(path, flag)
     folder = checkpoint_holding(real)
     if folder:
         raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")

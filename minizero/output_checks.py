@@ -6,7 +6,7 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.files import check_writable_folder, refuse_lost_or_blocking
+from minizero.files import check_writable_folder, refuse_blocking, refuse_read_back
 from minizero.flags import UsageError
 
 
@@ -37,8 +37,10 @@ def check_outputs(args) -> None:
     weights = os.path.join(out, "model.npz")
     outside_checkpoints("--out", weights, out)
     outside_checkpoints("--json", js, args.json)
-    if js != os.path.abspath(os.path.join(out, "summary.json")):  # OUT's own summary is this run's to replace
-        _refuse_lost_or_blocking(args.json, "--json")
+    if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
+        _usage(refuse_read_back, args.json, "--json")
+    for path, what in [(args.json, "--json"), *[(p, "--out") for p, w in run_files(args).items() if w != "--data"]]:
+        _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     probe(out, "--out")
@@ -58,10 +60,10 @@ def run_files(args) -> dict:
     return files
 
 
-def _refuse_lost_or_blocking(path: str, flag: str) -> None:
-    """:func:`minizero.files.refuse_lost_or_blocking` as a UsageError: another run's weights or summary, a FIFO."""
+def _usage(check, path: str, flag: str) -> None:
+    """``check(path, flag)`` (a :mod:`minizero.files` check raising ValueError) as a UsageError."""
     try:
-        refuse_lost_or_blocking(path, flag)
+        check(path, flag)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -101,7 +103,8 @@ def check_trace(args) -> None:
     if p in own:
         raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
     outside_checkpoints("--trace", p, path)
-    _refuse_lost_or_blocking(path, "--trace")
+    _usage(refuse_read_back, path, "--trace")
+    _usage(refuse_blocking, path, "--trace")
     if os.path.exists(p) and not os.path.isfile(p):
         return  # a device such as /dev/null: written straight into
     try:

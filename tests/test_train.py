@@ -66,6 +66,17 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
     assert parse_args(["--out", "a", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"  # its own
     assert parse_args(["--out", "a"], world_size=1).json == os.path.join("a", "summary.json")
     assert all((tmp_path / "a" / n).read_text() == "another run's" for n in ("model.npz", "model.json", "summary.json"))
+    os.mkdir("res")  # a summary on its own (no weights beside it) is no run's: a re-run may replace it
+    (tmp_path / "res" / "summary.json").write_text("{}")
+    assert parse_args(["--out", "b", "--json", "res/summary.json"], world_size=1).json == "res/summary.json"
+    os.symlink("a", "link")  # OUT's own summary through a link is still its own
+    assert parse_args(["--out", "link", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"
+    for name in ("summary.json", "model.npz"):  # OUT's own files as FIFOs: the default --json, the weights
+        os.makedirs("c", exist_ok=True)
+        os.mkfifo(os.path.join("c", name))
+        with pytest.raises(UsageError, match=f"c/{name}' is a named pipe"):
+            parse_args(["--out", "c"], world_size=1)
+        os.remove(os.path.join("c", name))
 
 
 def test_batch_size_derives_grad_accum():
