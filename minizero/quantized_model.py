@@ -130,7 +130,9 @@ def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block
         raise ValueError("outlier_threshold needs calibration batches")
     stats = calibrate_input_absmax(model, calibration) if outlier_threshold is not None else {}
     report = {"layers": [], "skipped": [], "dense_bytes": 0, "quantized_bytes": 0, "outlier_columns": 0}
-    slots = {id(lin): name for name, lin in _linear_slots(model)}
+    slots = {}
+    for name, lin in _linear_slots(model):  # a Linear held under two names: its first, as named_modules() gives
+        slots.setdefault(id(lin), name)
     report["skipped"] = sorted({n for n, m in model.named_modules() if isinstance(m, Linear)} - set(slots.values()))
 
     def quantized(lin):
