@@ -48,3 +48,18 @@ def positive_real(text) -> float:
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: allowed: a finite number > 0, e.g. 0.5")
     return x
+
+
+def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes) -> None:
+    """``parser.error`` (exit 2) with the refusal of ``python -m minizero.train`` when it would refuse ``flags``
+    (no ``--out``: a temporary folder is given) at any of ``world_sizes``; nothing is launched."""
+    import tempfile
+
+    from minizero.args import UsageError, parse_args
+
+    with tempfile.TemporaryDirectory() as out:
+        for n in world_sizes:
+            try:
+                parse_args([*flags, "--out", out], n, quiet=True)
+            except UsageError as e:
+                parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
