@@ -1,4 +1,4 @@
-"""Argparse ``type=`` checks the benchmark scripts share: counts, comma lists of counts, finite numbers.
+"""Argparse ``type=`` checks the benchmark scripts share: counts, world sizes, finite numbers.
 
 Each raises :class:`argparse.ArgumentTypeError` naming the text and what is allowed, so argparse answers
 ``error: argument --ranks: ...`` (exit 2) before any run is launched. Numbers are read by
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
 from minizero.numerals import integer, negative_values_reach_checks, real
 
 
@@ -31,14 +32,24 @@ def at_least(low: int):
 count = at_least(1)  #: ``type=``: an integer >= 1 (ranks, steps, repeats, runs)
 
 
-def counts(text) -> list[int]:
-    """``type=``: a comma list of integers >= 1 ("2,4"); an empty member ("2,,4", "2,") is refused."""
+def world_size(text) -> int:
+    """``type=``: a number of ranks, an integer in [1, MAX_RANKS]."""
+    n = integer(text)
+    if not 1 <= n <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number of ranks in [1, {MAX_RANKS}]")
+    return n
+
+
+def world_sizes(text) -> list[int]:
+    """``type=``: a comma list of world sizes in [1, MAX_RANKS] ("2,4"); an empty member ("2,,4", "2,") is
+    refused."""
     try:
         values = [integer(v) for v in str(text).split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated integers >= 1, e.g. 2,4")
+    if not values or not all(1 <= v <= MAX_RANKS for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated numbers of ranks in [1, {MAX_RANKS}], "
+                                         "e.g. 2,4")
     return values
 
 
@@ -63,3 +74,13 @@ def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_s
                 parse_args([*flags, "--out", out], n, quiet=True)
             except UsageError as e:
                 parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
+
+
+def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:
+    """``parser.error`` unless ``rev`` names a commit of the git repository ``repo`` (``git rev-parse --verify``)."""
+    import subprocess
+
+    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--end-of-options",
+                            rev + "^{commit}"], capture_output=True).returncode == 0
+    if not known:
+        parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")

@@ -30,7 +30,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
-from _args import at_least, count, counts, parser as make_parser  # noqa: E402
+import _args  # noqa: E402
 
 GB = 1e9
 
@@ -206,13 +206,13 @@ def launch(world_sizes, args):
 
 
 def main():
-    parser = make_parser(__doc__.split("\n")[0])
+    parser = _args.parser(__doc__.split("\n")[0])
     parser.add_argument("--op", choices=OPS + ("all",), default="all_reduce", help="collective (default all_reduce)")
-    parser.add_argument("--launch", metavar="N,N,...", type=counts,
+    parser.add_argument("--launch", metavar="N,N,...", type=_args.world_sizes,
                         help="driver mode: run under mpiexec at these world sizes")
-    parser.add_argument("--min-bytes", type=count, default=4 * 2**10, help="smallest array (default 4 KiB)")
-    parser.add_argument("--max-bytes", type=count, default=16 * 2**20, help="largest array (default 16 MiB)")
-    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed runs per size and implementation")
+    parser.add_argument("--min-bytes", type=_args.count, default=4 * 2**10, help="smallest array (default 4 KiB)")
+    parser.add_argument("--max-bytes", type=_args.count, default=16 * 2**20, help="largest array (default 16 MiB)")
+    parser.add_argument("--warmup", type=_args.at_least(0), default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
     parser.add_argument("--default-malloc", action="store_true",
