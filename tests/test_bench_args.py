@@ -117,3 +117,30 @@ def test_setup_peak_help_is_its_own():
     assert r.returncode == 0 and r.stdout.startswith("usage: bench_setup_peak.py")
     text = " ".join(r.stdout.split())  # argparse wraps at the terminal's width
     assert "--max-fraction F" in text and "python -m minizero.train --help" in text
+
+
+class Launched(Exception):
+    """The stub launcher was reached: every check passed."""
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("bench_allreduce", ["--launch", "2,4,8", "--op", "all"]),
+    ("bench_allreduce", ["--min-bytes", "8", "--max-bytes", "8", "--warmup", "0"]),
+    ("bench_overlap", ["--ranks", "4,2", "--steps", "5", "--figure", "x.png"]),
+    ("bench_speedup", ["--malloc", "--ranks", "1,2,8", "--steps", "20", "--repeats", "2"]),
+    ("bench_speedup", ["--base", "HEAD", "--precision", "--ranks", "1", "--micro-batch-size", "8"]),
+    ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
+    ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
+    ("bench_memory", []),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_flags_reach_the_run(monkeypatch, name, argv):
+    module = load(name)
+
+    def launched(*a, **k):
+        raise Launched
+
+    for fn in LAUNCHERS[name]:
+        monkeypatch.setattr(module, fn, launched)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(Launched):
+        module.main()
