@@ -32,6 +32,25 @@ def at_least(low: int):
 count = at_least(1)  #: ``type=``: an integer >= 1 (ranks, steps, repeats, runs)
 
 
+def counts(text) -> list[int]:
+    """``type=``: a comma list of integers >= 1 ("8,32"); an empty member ("8,,32", "8,") is refused."""
+    try:
+        values = [integer(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated integers >= 1, e.g. 8,32")
+    return values
+
+
+def stage(text) -> int:
+    """``type=``: a ZeRO stage, 0, 1, 2 or 3."""
+    n = integer(text)
+    if n not in (0, 1, 2, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a ZeRO stage, 0, 1, 2 or 3")
+    return n
+
+
 def world_size(text) -> int:
     """``type=``: a number of ranks, an integer in [1, MAX_RANKS]."""
     n = integer(text)
