@@ -22,8 +22,8 @@ def load(name):
     return module
 
 
-LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_overlap": ("run",), "bench_speedup": ("run",),
-             "bench_train": ("run",), "bench_memory": ("run",)}
+LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
+             "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",)}
 
 
 def refusal(monkeypatch, capsys, name, argv) -> str:
@@ -73,6 +73,9 @@ CASES = [
     ("bench_memory", ["--ranks", "-3"], "argument --ranks: '-3'"),
     ("bench_memory", ["--steps", "0"], "argument --steps: '0'"),
     ("bench_memory", ["--configs", "fp16,"], "unknown config ''"),
+    ("bench_defaults", ["--settings", "3e-3,auto"], "'3e-3,auto' in '3e-3,auto': allowed: ';'-separated"),
+    ("bench_defaults", ["--settings", "3e-3,auto,1;"], "'' in '3e-3,auto,1;'"),
+    ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a positive finite number, got nan"),
 ]
 
 
@@ -132,6 +135,8 @@ class Launched(Exception):
     ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
     ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
     ("bench_memory", []),
+    ("bench_defaults", []),
+    ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     module = load(name)
@@ -144,3 +149,16 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     with pytest.raises(Launched):
         module.main()
+
+
+@pytest.mark.parametrize("name,argv,says", [
+    ("bench_flight", ["--zero", "4"], "argument --zero: '4': allowed: a ZeRO stage, 0, 1, 2 or 3"),
+    ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
+    ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
+    ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
+    ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
+    ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
+])
+def test_other_scripts_refuse_bad_flags(name, argv, says):
+    r = script(name, *argv)
+    assert r.returncode == 2 and f"{name}.py: error: {says}" in r.stderr, r.stderr
