@@ -208,6 +208,9 @@ def table_sparse_training(a):
         print(f"{s:>9.2f}{r['val_history'][-1][1]:>10.4f}{tail(r):>17.4f}")
 
 
+TABLES = ("1", "2", "3", "4", "5", "5a", "5b")  #: --only: table 5 is 5a and 5b
+
+
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
@@ -221,6 +224,8 @@ def main():
     a = p.parse_args()
     threadpool_limits(1)
     only = set(a.only.split(","))
+    if not only <= set(TABLES):
+        p.error(f"--only {a.only!r}: allowed: comma-separated table numbers from {', '.join(TABLES)}")
     if "1" in only and a.weights:
         table_weights(a)
     if "2" in only:

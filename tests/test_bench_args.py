@@ -158,6 +158,8 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
     ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
     ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
+    ("bench_quantization", ["--only", "1,6"], "--only '1,6': allowed: comma-separated table numbers from 1, 2"),
+    ("profile_collective", ["--sizes", "-4,8"], "--sizes '-4,8': each size must be a positive multiple of 4"),
 ])
 def test_other_scripts_refuse_bad_flags(name, argv, says):
     r = script(name, *argv)
