@@ -21,7 +21,6 @@ GiB = 2**30 bytes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,10 +30,10 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 LAYOUTS = {"dp8": ["--dp", "8"], "3d": ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "4"]}
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -130,9 +129,9 @@ def stage_ranks(s: dict) -> list[tuple[range, str]]:
 
 def main() -> None:
     print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=integer, default=300, help="the long runs (the trainer's default)")
-    p.add_argument("--short-steps", type=integer, default=30)
+    p = _args.parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=_args.count, default=300, help="the long runs (the trainer's default)")
+    p.add_argument("--short-steps", type=_args.count, default=30)
     p.add_argument("--keep", default=None, help="folder to keep the four runs in (default: a temporary one)")
     p.add_argument("--reuse", default=None, help="print from the runs already in this folder instead of running")
     a = p.parse_args()

@@ -30,7 +30,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
+import _args  # noqa: E402
 
 GB = 1e9
 
@@ -206,28 +206,32 @@ def launch(world_sizes, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _args.parser(__doc__.split("\n")[0])
     parser.add_argument("--op", choices=OPS + ("all",), default="all_reduce", help="collective (default all_reduce)")
-    parser.add_argument("--launch", metavar="N,N,...", help="driver mode: run under mpiexec at these world sizes")
-    parser.add_argument("--min-bytes", type=integer, default=4 * 2**10, help="smallest array (default 4 KiB)")
-    parser.add_argument("--max-bytes", type=integer, default=16 * 2**20, help="largest array (default 16 MiB)")
-    parser.add_argument("--warmup", type=integer, default=2, help="untimed runs per size and implementation")
+    parser.add_argument("--launch", metavar="N,N,...", type=_args.world_sizes,
+                        help="driver mode: run under mpiexec at these world sizes")
+    parser.add_argument("--min-bytes", type=_args.count, default=4 * 2**10, help="smallest array (default 4 KiB)")
+    parser.add_argument("--max-bytes", type=_args.count, default=16 * 2**20, help="largest array (default 16 MiB)")
+    parser.add_argument("--warmup", type=_args.at_least(0), default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = parser.parse_args()
+    if args.min_bytes > args.max_bytes:
+        parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}; allowed: "
+                     "1 <= --min-bytes <= --max-bytes")
     malloc = _machine.set_malloc(args.default_malloc)  # every rank, both sides (MPI's calls too)
 
     if args.op == "all":
         if not args.launch:
             parser.error("--op all needs --launch")
         for op in OPS:
-            report(op, launch([int(n) for n in args.launch.split(",")], argparse.Namespace(**{**vars(args), "op": op})),
+            report(op, launch(args.launch, argparse.Namespace(**{**vars(args), "op": op})),
                    malloc)
         return
     if args.launch:
-        runs = launch([int(n) for n in args.launch.split(",")], args)
+        runs = launch(args.launch, args)
     else:
         n, results = measure(args.op, args.min_bytes, args.max_bytes, args.warmup)
         from minizero.comm import world

@@ -31,7 +31,8 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from minizero.comm import run_in_threads
-from minizero.flags import build_parser
+from minizero.flags import UsageError, build_parser
+from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.train import model_config, parse_args, train
 
 GRID = "3e-3,15,1.0;3e-3,auto,1.0;2e-3,30,1.0"  # the old default (warmup 15 at 300 steps), the default, a lower lr
@@ -62,29 +63,51 @@ def worst_jump(losses, warmup: int) -> tuple[float, int]:
     return best
 
 
-def run(lr: float, warmup: str, clip: float, extra: list[str]) -> dict:
+def train_argv(lr: float, warmup: str, clip: float, extra: list[str]) -> list[str]:
     argv = ["--lr", repr(lr), "--grad-clip", repr(clip), "--micro-batch-size", "16", "--batch-size", "16",
             "--eval-every", "0", "--no-progress", "--no-save"] + extra
-    if warmup != "auto":
-        argv += ["--warmup", warmup]
-    args = parse_args(argv, 1)
+    return argv + ([] if warmup == "auto" else ["--warmup", warmup])
+
+
+def run(lr: float, warmup: str, clip: float, extra: list[str]) -> dict:
+    args = parse_args(train_argv(lr, warmup, clip, extra), 1)
     t = time.perf_counter()
     r = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=7200)[0]
     r["args"], r["wall_s"] = args, time.perf_counter() - t
     return r
 
 
+def triples(text: str) -> list[tuple[float, str, float]]:
+    """``type=``: ';'-separated lr,warmup,clip triples; warmup an integer or 'auto'."""
+    out = []
+    for item in text.split(";"):
+        parts = [x.strip() for x in item.split(",")]
+        try:
+            if len(parts) != 3 or not (parts[1] == "auto" or integer(parts[1]) is not None):
+                raise ValueError
+            out.append((real(parts[0]), parts[1], real(parts[2])))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: allowed: ';'-separated lr,warmup,clip triples, "
+                                             "warmup an integer or auto, e.g. 3e-3,auto,1.0") from None
+    return out
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default=None, help="';'-separated lr,warmup,clip triples (warmup 'auto': the "
-                                                    f"default rule); default: {GRID} and the current default")
+    p = negative_values_reach_checks(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    p.add_argument("--settings", type=triples, default=None,
+                   help=f"';'-separated lr,warmup,clip triples (warmup 'auto': the default rule); default: {GRID} "
+                   "and the current default")
     p.add_argument("--fp16-all", action="store_true", help="measure fp16 - fp32 for every setting")
     a = p.parse_args()
     threadpool_limits(1)
     d = build_parser().parse_args([])
     default = (d.lr, "auto" if d.warmup is None else str(d.warmup), d.grad_clip)
-    settings = [(float(lr), w.strip(), float(c))
-                for lr, w, c in (s.split(",") for s in (a.settings or GRID).split(";"))]
+    settings = a.settings or triples(GRID)
+    for lr, warmup, clip in settings:  # the trainer's own checks (lr, warmup, clip), before any run
+        try:
+            parse_args(train_argv(lr, warmup, clip, []), 1)
+        except UsageError as e:
+            p.error(f"--settings {lr!r},{warmup},{clip!r}: {e}")
     if a.settings is None and default not in settings:
         settings.append(default)
     print(machine())

@@ -11,7 +11,6 @@ usage: python bench/bench_flight.py [--ranks 2] [--steps 20] [--rounds 3] [--mod
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,10 +23,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from minizero.comm.flight import FlightRecorder  # noqa: E402
 from minizero.comm.traffic import TrafficLedger  # noqa: E402
 from minizero.files import mpiexec_path  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 
 def job(n: int, args, records: int | None) -> tuple[float, float]:
@@ -72,12 +71,12 @@ def ops_per_step(n: int, args) -> float:
 
 def main() -> None:
     print(_machine.header(), flush=True)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=integer, default=2)
-    p.add_argument("--steps", type=integer, default=20)
-    p.add_argument("--rounds", type=integer, default=3)
+    p = _args.parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=_args.world_size, default=2)
+    p.add_argument("--steps", type=_args.count, default=20)
+    p.add_argument("--rounds", type=_args.count, default=3)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--zero", type=integer, default=0)
+    p.add_argument("--zero", type=_args.stage, default=0)
     args = p.parse_args()
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")

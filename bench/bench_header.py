@@ -14,7 +14,6 @@ turn), with a barrier before each run:
 
 Printed: microseconds per exchange (median of the slowest rank's times) and checked / bare.
 """
-import argparse
 import os
 import sys
 import time
@@ -23,16 +22,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.numerals import integer  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="4096,65536,1048576,16777216", help="comma list of message bytes")
-    p.add_argument("--runs", type=integer, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
+    p = _args.parser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=_args.counts, default="4096,65536,1048576,16777216",
+                   help="comma list of message bytes")
+    p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
     args = p.parse_args()
     from mpi4py import MPI
 
@@ -59,7 +59,7 @@ def main():
               f"checked = comm.sendrecv as shipped, bare = the payload alone\n")
         print("| size | checked (us) | bare (us) | checked / bare |")
         print("|---:|---:|---:|---:|")
-    for nbytes in (int(s) for s in args.sizes.split(",")):
+    for nbytes in args.sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
         y = np.empty_like(x)
         runs = max(10, min(args.runs, args.runs * 2**20 // max(nbytes, 1)))

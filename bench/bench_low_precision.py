@@ -11,7 +11,6 @@ usage: python bench/bench_low_precision.py [--model default] [--steps 200] [--mi
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -20,11 +19,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.memory.fp8 import FP8Linear  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 RUNS = {"fp32": [], "bf16": ["--precision", "bf16"], "fp8 delayed": ["--precision", "fp8", "--fp8-scaling", "delayed"],
         "fp8 current": ["--precision", "fp8", "--fp8-scaling", "current"]}
@@ -44,11 +43,11 @@ def fp8_stats(stage) -> dict:
 
 def main():
     print(_machine.header(), flush=True)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--steps", type=integer, default=200)
-    p.add_argument("--micro-batch-size", type=integer, default=8)
-    p.add_argument("--window", type=integer, default=40)
+    p.add_argument("--steps", type=_args.count, default=200)
+    p.add_argument("--micro-batch-size", type=_args.count, default=8)
+    p.add_argument("--window", type=_args.count, default=40)
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]

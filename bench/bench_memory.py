@@ -10,7 +10,6 @@ usage: python bench/bench_memory.py [--model default] [--ranks 1] [--steps 5] [-
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -19,10 +18,10 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+from _args import check_train_flags, count, parser, world_size  # noqa: E402
 
 CONFIGS = {
     "baseline": [],
@@ -49,13 +48,18 @@ def run(flags, args) -> dict:
     """One training run; returns its JSON summary."""
     with tempfile.TemporaryDirectory() as d:
         js = os.path.join(d, "s.json")
-        cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "minizero.train", "--model", args.model,
-               "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--eval-every", "0",
-               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--out", d,
-               "--json", js, *flags]
+        cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "minizero.train", *train_flags(flags, args),
+               "--out", d, "--json", js]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(js) as f:
             return json.load(f)
+
+
+def train_flags(flags, args) -> list[str]:
+    """The trainer's flags of one configuration's run, less ``--out`` and ``--json``."""
+    return ["--model", args.model, "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc",
+            *flags]
 
 
 def mib(n) -> str:
@@ -63,18 +67,20 @@ def mib(n) -> str:
 
 
 def main():
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--ranks", type=integer, default=1)
-    p.add_argument("--steps", type=integer, default=5)
-    p.add_argument("--micro-batch-size", type=integer, default=4)
+    p.add_argument("--ranks", type=world_size, default=1)
+    p.add_argument("--steps", type=count, default=5)
+    p.add_argument("--micro-batch-size", type=count, default=4)
     p.add_argument("--configs", default="all", help="comma-separated names from: " + ", ".join(CONFIGS))
     args = p.parse_args()
     names = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",")]
     for n in names:
         if n not in CONFIGS:
-            sys.exit(f"unknown config {n!r}; allowed: {', '.join(CONFIGS)}")
+            p.error(f"--configs: unknown config {n!r}; allowed: {', '.join(CONFIGS)} (or all)")
+    for n in names:
+        check_train_flags(p, train_flags(CONFIGS[n], args), [args.ranks])
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     print(f"model {args.model}, {args.ranks} rank(s), micro-batch {args.micro_batch_size}, {args.steps} steps; "
           "MiB (2^20 bytes) on rank 0")
     print("| config | parameters | gradients | optimizer | activations | offloaded | ledger peak total | "

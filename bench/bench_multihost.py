@@ -17,7 +17,6 @@ hierarchical one (NCCL/Horovod), n nodes, N ranks, S the buffer.
 The namespaces share one machine's cores and memory bus: times show the algorithms'
 message counts and sizes through the kernel's TCP stack, not a real network's speed.
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -27,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.numerals import integer, real  # noqa: E402
 
 
 def rank_main(mib: float, repeats: int) -> None:
@@ -102,11 +101,11 @@ def launch(hosts: int, slots: int, mib: float, repeats: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hosts", type=integer, default=2, help="namespace hosts (default 2)")
-    p.add_argument("--slots", type=integer, default=2, help="ranks per host (default 2)")
-    p.add_argument("--mib", type=real, default=4.0, help="buffer size in MiB (default 4)")
-    p.add_argument("--repeats", type=integer, default=5, help="timed all-reduces per algorithm (default 5)")
+    p = _args.parser(description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", type=_args.count, default=2, help="namespace hosts (default 2)")
+    p.add_argument("--slots", type=_args.count, default=2, help="ranks per host (default 2)")
+    p.add_argument("--mib", type=_args.positive_real, default=4.0, help="buffer size in MiB (default 4)")
+    p.add_argument("--repeats", type=_args.count, default=5, help="timed all-reduces per algorithm (default 5)")
     p.add_argument("--rank", action="store_true", help="run as one MPI rank (under mpiexec)")
     a = p.parse_args(argv)
     if a.rank:

@@ -18,7 +18,6 @@ usage: python bench/bench_overlap.py [--ranks 2,4] [--steps 5] [--model default]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,11 +27,11 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero import trace  # noqa: E402
 from minizero.files import mpiexec_path  # noqa: E402
-from minizero.numerals import integer, real  # noqa: E402
 from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+from _args import check_train_flags, count, parser, positive_real, world_sizes  # noqa: E402
 
 
 STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
@@ -45,10 +44,8 @@ def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     with tempfile.TemporaryDirectory() as d:
         t = os.path.join(d, "t.json")
-        cmd = [path, "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
-               "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
-               "--no-progress", "--no-tracemalloc", "--no-save", "--bucket-mb", str(args.bucket_mb),
-               "--out", d, "--trace", t, *STRATEGIES[strategy], *([] if overlap else ["--no-overlap"])]
+        cmd = [path, "-n", str(n), sys.executable, "-m", "minizero.train", *train_flags(args, strategy, overlap),
+               "--out", d, "--trace", t]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         with open(t) as f:
             events = json.load(f)["traceEvents"]
@@ -56,13 +53,19 @@ def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
     return {k: sum(s[k] for s in per_rank) / n for k in per_rank[0]}, events
 
 
+def train_flags(args, strategy: str, overlap: bool) -> list[str]:
+    """The trainer's flags of one run, less ``--out`` and ``--trace``."""
+    return ["--model", args.model, "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1",
+            "--sample-tokens", "0", "--no-progress", "--no-tracemalloc", "--no-save", "--bucket-mb",
+            str(args.bucket_mb), *STRATEGIES[strategy], *([] if overlap else ["--no-overlap"])]
+
+
 def main() -> None:
-    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
-    p.add_argument("--steps", type=integer, default=5)
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=world_sizes, default=[2, 4], help="comma-separated world sizes")
+    p.add_argument("--steps", type=count, default=5)
     p.add_argument("--model", default="default")
-    p.add_argument("--bucket-mb", type=real, default=1.0)
+    p.add_argument("--bucket-mb", type=positive_real, default=1.0)
     p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
     p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     args = p.parse_args()
@@ -70,11 +73,17 @@ def main() -> None:
     bad = [x for x in strategies if x not in STRATEGIES]
     if bad:
         p.error(f"--strategies: {bad} not in {list(STRATEGIES)}")
+    if args.figure and args.steps < 2:
+        p.error(f"--figure draws the last step from the end of the one before: needs --steps >= 2, got {args.steps}")
+    for strategy in strategies:
+        for overlap in (False, True):
+            check_train_flags(p, train_flags(args, strategy, overlap), args.ranks)
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     print(f"| ranks | strategy | overlap | ms/step | vs --no-overlap | exposed comm ms/step | backward ms/step | "
           f"collective in flight during backward |  ({args.model}, {args.steps} steps, {_machine.cores()} cores)")
     print("|---:|:---|:---|---:|---:|---:|---:|---:|")
     panels = []
-    for n in [int(x) for x in args.ranks.split(",")]:
+    for n in args.ranks:
         for strategy in strategies:
             anchor = None
             for overlap in (False, True):

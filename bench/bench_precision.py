@@ -11,25 +11,26 @@ usage: python bench/bench_precision.py [--model small] [--steps 200] [--micro-ba
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from minizero.comm import run_in_threads  # noqa: E402
-from minizero.numerals import integer, real  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
+
+import _args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--steps", type=integer, default=200)
-    p.add_argument("--micro-batch-size", type=integer, default=8)
-    p.add_argument("--window", type=integer, default=20)
-    p.add_argument("--initial-loss-scale", type=real, default=None,
+    p.add_argument("--steps", type=_args.count, default=200)
+    p.add_argument("--micro-batch-size", type=_args.count, default=8)
+    p.add_argument("--window", type=_args.count, default=20)
+    p.add_argument("--initial-loss-scale", type=_args.positive_real, default=None,
                    help="fp16's starting scale (default 2^16); a lower one that never overflows skips no batch")
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),

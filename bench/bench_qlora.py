@@ -21,18 +21,18 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 from minizero.finetune import main as finetune_main  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", default=None, help="model.npz to fine-tune (default: train the default model)")
     p.add_argument("--data", default=argparse.__file__, help="continuation text")
-    p.add_argument("--steps", type=integer, default=100)
-    p.add_argument("--base-steps", type=integer, default=200)
-    p.add_argument("--lora-rank", type=integer, default=8)
+    p.add_argument("--steps", type=_args.count, default=100)
+    p.add_argument("--base-steps", type=_args.count, default=200)
+    p.add_argument("--lora-rank", type=_args.count, default=8)
     args = p.parse_args()
     print(_machine.header())
     with tempfile.TemporaryDirectory() as tmp:

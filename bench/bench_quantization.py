@@ -19,7 +19,6 @@ BLAS thread each; losses in nats per byte on the validation split):
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -31,11 +30,11 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.ledger import get_ledger  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 
 def run(argv, ranks=1):
@@ -209,18 +208,24 @@ def table_sparse_training(a):
         print(f"{s:>9.2f}{r['val_history'][-1][1]:>10.4f}{tail(r):>17.4f}")
 
 
+TABLES = ("1", "2", "3", "4", "5", "5a", "5b")  #: --only: table 5 is 5a and 5b
+
+
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--steps", type=integer, default=200)
-    p.add_argument("--ranks", type=integer, default=2, help="thread ranks for the quantized-communication runs")
-    p.add_argument("--eval-batches", type=integer, default=8)
+    p.add_argument("--steps", type=_args.count, default=200)
+    p.add_argument("--ranks", type=_args.world_size, default=2,
+                   help="thread ranks for the quantized-communication runs")
+    p.add_argument("--eval-batches", type=_args.count, default=8)
     p.add_argument("--weights", default=None, help="a trained model.npz (tables 1 and 5a)")
     p.add_argument("--only", default="1,2,3,4,5", help="comma-separated table numbers")
     a = p.parse_args()
     threadpool_limits(1)
     only = set(a.only.split(","))
+    if not only <= set(TABLES):
+        p.error(f"--only {a.only!r}: allowed: comma-separated table numbers from {', '.join(TABLES)}")
     if "1" in only and a.weights:
         table_weights(a)
     if "2" in only:

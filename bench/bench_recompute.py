@@ -15,7 +15,6 @@ usage: python bench/bench_recompute.py [--model default] [--batch 4] [--dropout 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -30,10 +29,11 @@ from minizero.autograd import manual_seed  # noqa: E402
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
-from minizero.numerals import integer, real  # noqa: E402
+from minizero.numerals import real  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 
 def saved_after_forward(cfg, mode, batch):
@@ -77,12 +77,12 @@ def formula(cfg, mode, batch):
 
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--batch", type=integer, default=4)
+    p.add_argument("--batch", type=_args.count, default=4)
     p.add_argument("--dropout", type=real, default=0.1)
-    p.add_argument("--repeats", type=integer, default=5)
-    p.add_argument("--threads", type=integer, default=1, help="BLAS threads")
+    p.add_argument("--repeats", type=_args.count, default=5)
+    p.add_argument("--threads", type=_args.count, default=1, help="BLAS threads")
     args = p.parse_args()
     base = get_config(args.model, dropout=args.dropout)
     deep = dataclasses.replace(base, n_layer=2 * base.n_layer)

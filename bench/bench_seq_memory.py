@@ -27,7 +27,6 @@ usage: python bench/bench_seq_memory.py [--batch 4] [--png seq_memory.png]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -44,10 +43,10 @@ from minizero.memory.plots import INSTALL_HINT, have_matplotlib, plot_seq_sweep 
 from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
 from minizero.nn.flash_attention import use_flash_attention  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 SEQ_LENS = (64, 128, 256, 512)
 
@@ -200,10 +199,10 @@ def attribution_calls(model_name: str, b: int, s: int, reps: int = 2000) -> tupl
 
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--batch", type=integer, default=4)
-    p.add_argument("--repeats", type=integer, default=15)
+    p.add_argument("--batch", type=_args.count, default=4)
+    p.add_argument("--repeats", type=_args.count, default=15)
     p.add_argument("--png", default=None,
                    help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")

@@ -16,6 +16,7 @@ usage: mpiexec -n 8 python bench/bench_setup_peak.py --model gpt2 --zero 3 [--ch
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tracemalloc
@@ -24,15 +25,15 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from minizero.args import model_config, parse_args
+from minizero.args import UsageError, model_config, parse_args
 from minizero.comm import MPICommunicator
 from minizero.ledger import MemoryLedger, set_ledger
+from minizero.numerals import negative_values_reach_checks, real
 from minizero.parallel.strategy import build_strategy
 
 
-def measure(argv, comm) -> dict:
-    """Build this rank's strategy for ``argv`` (train flags); its set-up figures in bytes."""
-    args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
+def measure(args, comm) -> dict:
+    """Build this rank's strategy for ``args`` (train flags, parsed); its set-up figures in bytes."""
     cfg = model_config(args)
     ledger = MemoryLedger()
     set_ledger(ledger)
@@ -65,18 +66,56 @@ def check(rows, max_fraction=None) -> list[str]:
     return bad
 
 
+class _Parser(argparse.ArgumentParser):
+    """Rank 0 alone prints help and errors (every rank parses the same flags and exits alike)."""
+
+    def print_help(self, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super().print_help(file)
+
+    def error(self, message):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super().error(message)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This script's own flags; the rest go to ``python -m minizero.train``'s parser."""
+    p = negative_values_reach_checks(_Parser(
+        prog="bench_setup_peak.py", allow_abbrev=False,  # no prefix of ours takes a train flag
+        usage="%(prog)s [--check] [--max-fraction F] [--json] [train flags]",
+        description=__doc__.split("\n\n")[0], epilog="Every other flag is python -m minizero.train's "
+        "(python -m minizero.train --help), e.g. --model gpt2 --zero 3."))
+    p.add_argument("--check", action="store_true", help="exit 1 unless, on every rank, nothing was built "
+                   "that is not kept and the process peak exceeded what it keeps by less than the largest parameter")
+    p.add_argument("--max-fraction", type=fraction, metavar="F", default=None,
+                   help="with --check: the parameters' peak must stay below F x the whole model, 0 < F <= 1")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    return p
+
+
+def fraction(text) -> float:
+    """``type=``: a number in (0, 1]."""
+    x = real(text)
+    if not 0 < x <= 1:  # nan too
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number in (0, 1], e.g. 0.25")
+    return x
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    do_check = "--check" in argv
-    max_fraction, as_json = None, "--json" in argv
-    if "--max-fraction" in argv:
-        i = argv.index("--max-fraction")
-        max_fraction = float(argv[i + 1])
-        del argv[i:i + 2]
-    argv = [a for a in argv if a not in ("--check", "--json")]
-    threadpool_limits(limits=1)
+    parser = build_parser()
+    ours, argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     comm = MPICommunicator(MPI.COMM_WORLD)
-    rows = MPI.COMM_WORLD.gather(measure(argv, comm), root=0)
+    try:  # every rank checks the train flags; all refuse together (a lone refusal would leave the rest waiting)
+        args, refusal = parse_args(argv, comm.world_size, quiet=True), None
+    except UsageError as e:
+        args, refusal = None, str(e)
+    refusals = [r for r in MPI.COMM_WORLD.allgather(refusal) if r]
+    if refusals:
+        parser.error(refusals[0])
+    do_check, max_fraction, as_json = ours.check, ours.max_fraction, ours.json
+    threadpool_limits(limits=1)
+    rows = MPI.COMM_WORLD.gather(measure(args, comm), root=0)
     if comm.rank != 0:
         return 0
     if as_json:

@@ -16,7 +16,6 @@ comma-separated list: one table row per count.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+from _args import check_revision, check_train_flags, count, parser, world_sizes  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.numerals import integer  # noqa: E402
 
 
 def mpiexec() -> str:
@@ -51,19 +50,26 @@ def run(tree: str, ranks: int, steps: int, extra: list[str]) -> float:
 
 
 def main() -> None:
-    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--base", help="git revision to compare this checkout against")
     p.add_argument("--precision", action="store_true", help="compare --precision fp16 with fp32 instead")
     p.add_argument("--malloc", action="store_true", help="compare the main job with and without --default-malloc")
-    p.add_argument("--ranks", default="8", help="rank counts, comma-separated (one row each)")
-    p.add_argument("--steps", type=integer, default=30)
-    p.add_argument("--repeats", type=integer, default=3)
-    p.add_argument("--micro-batch-size", type=integer, default=None,
+    p.add_argument("--ranks", type=world_sizes, default=[8], help="rank counts, comma-separated (one row each)")
+    p.add_argument("--steps", type=count, default=30)
+    p.add_argument("--repeats", type=count, default=3)
+    p.add_argument("--micro-batch-size", type=count, default=None,
                    help="passed to every run (default: the main job's)")
     args = p.parse_args()
     if args.malloc and (args.base or args.precision):
         p.error("--malloc compares the main job with --default-malloc on this checkout; not with --base or --precision")
+    if not (args.base or args.precision or args.malloc):
+        p.error("give --base REV, --precision or --malloc")
+    if args.base:
+        check_revision(p, "--base", args.base, REPO_ROOT)
+    mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
+    for extra in (["--precision", "fp16"] if args.precision else [], ["--default-malloc"] if args.malloc else []):
+        check_train_flags(p, ["--steps", str(args.steps), "--sample-tokens", "0", *extra, *mb], args.ranks)
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     with tempfile.TemporaryDirectory() as base_tree:
         if args.base:
             archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", args.base], check=True, capture_output=True)
@@ -72,16 +78,13 @@ def main() -> None:
             sides = {args.base: (base_tree, fp16), "this checkout": (REPO_ROOT, fp16)}
         elif args.precision:
             sides = {"fp32": (REPO_ROOT, []), "fp16": (REPO_ROOT, ["--precision", "fp16"])}
-        elif args.malloc:
+        else:  # --malloc
             sides = {"glibc default": (REPO_ROOT, ["--default-malloc"]), "memory kept": (REPO_ROOT, [])}
-        else:
-            p.error("give --base REV, --precision or --malloc")
         rows = []
-        for ranks in (int(r) for r in args.ranks.split(",")):
+        for ranks in args.ranks:
             got = {name: [] for name in sides}
             for _ in range(args.repeats):
                 for name, (tree, extra) in sides.items():
-                    mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
                     got[name].append(run(tree, ranks, args.steps, extra + mb))
                     print(f"{ranks} rank(s), {name}: {got[name][-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
             rows.append((ranks, got))

@@ -15,7 +15,6 @@ usage: python bench/bench_train.py [--ranks 1,8] [--steps 30] [--model default] 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -26,10 +25,10 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+from _args import check_revision, check_train_flags, count, parser, world_sizes  # noqa: E402
 
 
 def mpiexec() -> str:
@@ -44,13 +43,17 @@ def run(n: int, args, tree: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=tree) if tree else None
     with tempfile.TemporaryDirectory() as d:
         js = os.path.join(d, "summary.json")
-        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "minizero.train", "--model", args.model,
-               "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--eval-every", "0",
-               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--no-tracemalloc",
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "minizero.train", *train_flags(args),
                "--out", d, "--json", js]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
         with open(js) as f:
             return json.load(f)
+
+
+def train_flags(args) -> list[str]:
+    """The trainer's flags of every run, less ``--out`` and ``--json``."""
+    return ["--model", args.model, "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--no-tracemalloc"]
 
 
 LEDGER_KEYS = ("ledger_peak_bytes", "ledger_setup_peak_bytes", "bytes_sent")
@@ -87,7 +90,7 @@ def against(args) -> None:
     print("|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as before:
         unpack(args.against, before)
-        for n in [int(x) for x in args.ranks.split(",")]:
+        for n in args.ranks:
             runs = {"new": [], "old": []}
             for _ in range(args.rounds):
                 runs["new"].append(run(n, args))
@@ -104,21 +107,24 @@ def against(args) -> None:
 
 
 def main() -> None:
-    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="1,8", help="comma-separated world sizes")
-    p.add_argument("--steps", type=integer, default=30)
-    p.add_argument("--micro-batch-size", type=integer, default=2)
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=world_sizes, default=[1, 8], help="comma-separated world sizes")
+    p.add_argument("--steps", type=count, default=30)
+    p.add_argument("--micro-batch-size", type=count, default=2)
     p.add_argument("--model", default="default")
     p.add_argument("--against", metavar="REV", help="git revision to alternate with (the tree before a change)")
-    p.add_argument("--rounds", type=integer, default=3, help="alternated runs per tree with --against")
+    p.add_argument("--rounds", type=count, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()
+    if args.against:
+        check_revision(p, "--against", args.against, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    check_train_flags(p, train_flags(args), args.ranks)
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     if args.against:
         return against(args)
     print(f"| ranks | global batch (seqs) | tokens/s | s/step | BLAS threads/rank |  "
           f"({args.model}, {args.steps} steps, {_machine.cores()} cores)")
     print("|---:|---:|---:|---:|---:|")
-    for n in [int(x) for x in args.ranks.split(",")]:
+    for n in args.ranks:
         s = run(n, args)
         step_s = s["elapsed_s"] / args.steps
         print(f"| {n} | {s['config']['train']['batch_size']} | {s['tokens_per_s']:,.0f} | {step_s:.3f} | "

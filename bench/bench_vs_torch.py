@@ -27,7 +27,6 @@ minizero's side alone.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -40,10 +39,10 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
+import _args  # noqa: E402
 
 from minizero.memory.estimator import model_flops_per_step  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 from minizero.optim.adamw import AdamW  # noqa: E402
 
 try:
@@ -214,12 +213,13 @@ def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = Fa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", default="8,32", help="comma-separated batch sizes (sequences of 128 bytes)")
-    p.add_argument("--threads", type=integer, default=_machine.cores(), help="BLAS / torch intra-op threads")
-    p.add_argument("--steps", type=integer, default=4, help="timed steps per side per round")
-    p.add_argument("--rounds", type=integer, default=5, help="alternated rounds (the ratio is their median)")
-    p.add_argument("--warmup", type=integer, default=6, help="untimed steps per side before the rounds")
+    p = _args.parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=_args.counts, default="8,32",
+                   help="comma-separated batch sizes (sequences of 128 bytes)")
+    p.add_argument("--threads", type=_args.count, default=_machine.cores(), help="BLAS / torch intra-op threads")
+    p.add_argument("--steps", type=_args.count, default=4, help="timed steps per side per round")
+    p.add_argument("--rounds", type=_args.count, default=5, help="alternated rounds (the ratio is their median)")
+    p.add_argument("--warmup", type=_args.at_least(0), default=6, help="untimed steps per side before the rounds")
     p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
@@ -237,7 +237,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
         first = sgemm_peak()
-        results = [bench(int(b), args) for b in args.batch.split(",")]
+        results = [bench(b, args) for b in args.batch]
         peak = max(first, sgemm_peak())  # before and after: a busy moment at one end does not inflate MFU
         print(f"default model ({get_config('default').num_parameters():,} parameters), float32, AdamW, "
               f"{args.threads} thread(s); sgemm peak {peak / 1e9:.1f} GFLOP/s (the higher of before and after the "

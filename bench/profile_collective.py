@@ -32,7 +32,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
+from minizero.numerals import integer, negative_values_reach_checks  # noqa: E402
 
 LAYERS = ("MPI", "p2p", "message", "algorithm", "all_reduce")
 
@@ -108,7 +108,7 @@ def table(results) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = negative_values_reach_checks(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--launch", type=integer, metavar="N",
                         help="run this script under mpiexec -n N (a power of two)")
     parser.add_argument("--sizes", default="4096,16384,65536",

@@ -1,0 +1,105 @@
+"""Argparse ``type=`` checks the benchmark scripts share: counts, world sizes, finite numbers.
+
+Each raises :class:`argparse.ArgumentTypeError` naming the text and what is allowed, so argparse answers
+``error: argument --ranks: ...`` (exit 2) before any run is launched. Numbers are read by
+:mod:`minizero.numerals` (ASCII digits only); :func:`parser` lets "-5" reach these checks.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
+from minizero.numerals import integer, negative_values_reach_checks, real
+
+
+def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """An ArgumentParser whose flags see "-5" or "-1,2" as their value (checked here), not as an option."""
+    return negative_values_reach_checks(argparse.ArgumentParser(prog=prog, description=description))
+
+
+def at_least(low: int):
+    """``type=``: an integer >= ``low``."""
+    def check(text) -> int:
+        n = integer(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {low}; allowed: an integer >= {low}")
+        return n
+    check.__name__ = f"integer >= {low}"
+    return check
+
+
+count = at_least(1)  #: ``type=``: an integer >= 1 (ranks, steps, repeats, runs)
+
+
+def counts(text) -> list[int]:
+    """``type=``: a comma list of integers >= 1 ("8,32"); an empty member ("8,,32", "8,") is refused."""
+    try:
+        values = [integer(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated integers >= 1, e.g. 8,32")
+    return values
+
+
+def stage(text) -> int:
+    """``type=``: a ZeRO stage, 0, 1, 2 or 3."""
+    n = integer(text)
+    if n not in (0, 1, 2, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a ZeRO stage, 0, 1, 2 or 3")
+    return n
+
+
+def world_size(text) -> int:
+    """``type=``: a number of ranks, an integer in [1, MAX_RANKS]."""
+    n = integer(text)
+    if not 1 <= n <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number of ranks in [1, {MAX_RANKS}]")
+    return n
+
+
+def world_sizes(text) -> list[int]:
+    """``type=``: a comma list of world sizes in [1, MAX_RANKS] ("2,4"); an empty member ("2,,4", "2,") is
+    refused."""
+    try:
+        values = [integer(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(1 <= v <= MAX_RANKS for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated numbers of ranks in [1, {MAX_RANKS}], "
+                                         "e.g. 2,4")
+    return values
+
+
+def positive_real(text) -> float:
+    """``type=``: a finite number > 0 (not nan, not inf)."""
+    x = real(text)
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a finite number > 0, e.g. 0.5")
+    return x
+
+
+def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes) -> None:
+    """``parser.error`` (exit 2) with the refusal of ``python -m minizero.train`` when it would refuse ``flags``
+    (no ``--out``: a temporary folder is given) at any of ``world_sizes``; nothing is launched."""
+    import tempfile
+
+    from minizero.args import UsageError, parse_args
+
+    with tempfile.TemporaryDirectory() as out:
+        for n in world_sizes:
+            try:
+                parse_args([*flags, "--out", out], n, quiet=True)
+            except UsageError as e:
+                parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
+
+
+def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:
+    """``parser.error`` unless ``rev`` names a commit of the git repository ``repo`` (``git rev-parse --verify``)."""
+    import subprocess
+
+    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--end-of-options",
+                            rev + "^{commit}"], capture_output=True).returncode == 0
+    if not known:
+        parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")

@@ -1,0 +1,166 @@
+"""bench/*.py refuse bad flags argparse-style (exit 2, the flag, the value, what is allowed) before any run.
+
+Each script's ``main`` runs in this process with its launching function replaced by one that fails the test,
+so a missing check shows as a failure here, never as a benchmark run.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO_ROOT, "bench")
+
+
+def load(name):
+    """bench/NAME.py as a module (its own sys.path set-up runs)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
+             "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",)}
+
+
+def refusal(monkeypatch, capsys, name, argv) -> str:
+    """``main()`` of bench/NAME.py with ``argv``: asserts exit 2 and nothing launched; returns stderr."""
+    module = load(name)
+
+    def launched(*a, **k):
+        raise AssertionError(f"{name} {argv} started a run")
+
+    for fn in LAUNCHERS[name]:
+        monkeypatch.setattr(module, fn, launched)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        module.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"{name}.py: error:" in err and "Traceback" not in err
+    return err
+
+
+CASES = [
+    ("bench_allreduce", ["--min-bytes", "0"], "'0' is below 1"),
+    ("bench_allreduce", ["--min-bytes", "-5"], "'-5' is below 1"),
+    ("bench_allreduce", ["--launch", "0"], "argument --launch: '0'"),
+    ("bench_allreduce", ["--launch", "2,,x"], "argument --launch: '2,,x'"),
+    ("bench_allreduce", ["--launch", "2,"], "argument --launch: '2,'"),
+    ("bench_allreduce", ["--min-bytes", "100", "--max-bytes", "8"], "--min-bytes 100 > --max-bytes 8"),
+    ("bench_allreduce", ["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    ("bench_overlap", ["--ranks", "0"], "argument --ranks: '0'"),
+    ("bench_overlap", ["--steps", "1", "--figure", "X"], "needs --steps >= 2, got 1"),
+    ("bench_overlap", ["--bucket-mb", "nan"], "argument --bucket-mb: 'nan'"),
+    ("bench_overlap", ["--bucket-mb", "-1"], "argument --bucket-mb: '-1'"),
+    ("bench_overlap", ["--strategies", "dp,"], "--strategies"),
+    ("bench_overlap", ["--model", "nosuch"], "'nosuch'"),
+    ("bench_speedup", ["--precision", "--ranks", "1,x"], "argument --ranks: '1,x'"),
+    ("bench_speedup", ["--precision", "--ranks", "0"], "argument --ranks: '0'"),
+    ("bench_speedup", ["--precision", "--ranks", "100000"], "in [1, 64]"),
+    ("bench_speedup", ["--precision", "--steps", "0"], "argument --steps: '0' is below 1"),
+    ("bench_speedup", ["--base", "nosuchrev"], "--base 'nosuchrev' is not a known revision"),
+    ("bench_speedup", ["--malloc", "--repeats", "0"], "argument --repeats: '0'"),
+    ("bench_speedup", [], "give --base REV, --precision or --malloc"),
+    ("bench_train", ["--steps", "0"], "argument --steps: '0' is below 1"),
+    ("bench_train", ["--ranks", "1,,8"], "argument --ranks: '1,,8'"),
+    ("bench_train", ["--against", "nosuchrev"], "--against 'nosuchrev' is not a known revision"),
+    ("bench_train", ["--model", "nosuch"], "python -m minizero.train refuses these flags at 1 rank(s)"),
+    ("bench_memory", ["--ranks", "0"], "argument --ranks: '0'"),
+    ("bench_memory", ["--ranks", "-3"], "argument --ranks: '-3'"),
+    ("bench_memory", ["--steps", "0"], "argument --steps: '0'"),
+    ("bench_memory", ["--configs", "fp16,"], "unknown config ''"),
+    ("bench_defaults", ["--settings", "3e-3,auto"], "'3e-3,auto' in '3e-3,auto': allowed: ';'-separated"),
+    ("bench_defaults", ["--settings", "3e-3,auto,1;"], "'' in '3e-3,auto,1;'"),
+    ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a positive finite number, got nan"),
+]
+
+
+@pytest.mark.parametrize("name,argv,says", CASES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in CASES])
+def test_bad_flag_is_refused_before_any_run(monkeypatch, capsys, name, argv, says):
+    assert says in refusal(monkeypatch, capsys, name, argv)
+
+
+def test_allowed_values_are_named(monkeypatch, capsys):
+    assert "allowed: an integer >= 1" in refusal(monkeypatch, capsys, "bench_allreduce", ["--min-bytes", "0"])
+    assert "allowed: a finite number > 0" in refusal(monkeypatch, capsys, "bench_overlap", ["--bucket-mb", "inf"])
+    assert "allowed: a number of ranks in [1, 64]" in refusal(monkeypatch, capsys, "bench_memory", ["--ranks", "0"])
+
+
+def script(name, *argv):
+    """``python bench/NAME.py ARGV`` as a process (short timeout: none of these may start a run)."""
+    return subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *argv], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT)
+
+
+def test_allreduce_min_bytes_zero_exits_at_once():  # it looped forever, allocating
+    r = script("bench_allreduce", "--min-bytes", "0")
+    assert r.returncode == 2 and "argument --min-bytes: '0' is below 1" in r.stderr
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--max-fraction"], "argument --max-fraction: expected one argument"),
+    (["--max-fraction", "abc"], "argument --max-fraction: invalid float value: 'abc'"),
+    (["--max-fraction", "nan"], "argument --max-fraction: 'nan': allowed: a number in (0, 1]"),
+    (["--max-fraction", "-1"], "argument --max-fraction: '-1'"),
+    (["--zero", "7"], "--zero"),
+])
+def test_setup_peak_refuses_bad_flags(argv, says):
+    r = script("bench_setup_peak", *argv)
+    assert r.returncode == 2 and "bench_setup_peak.py: error:" in r.stderr and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "UsageError" not in r.stderr
+
+
+def test_setup_peak_help_is_its_own():
+    r = script("bench_setup_peak", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: bench_setup_peak.py")
+    text = " ".join(r.stdout.split())  # argparse wraps at the terminal's width
+    assert "--max-fraction F" in text and "python -m minizero.train --help" in text
+
+
+class Launched(Exception):
+    """The stub launcher was reached: every check passed."""
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("bench_allreduce", ["--launch", "2,4,8", "--op", "all"]),
+    ("bench_allreduce", ["--min-bytes", "8", "--max-bytes", "8", "--warmup", "0"]),
+    ("bench_overlap", ["--ranks", "4,2", "--steps", "5", "--figure", "x.png"]),
+    ("bench_speedup", ["--malloc", "--ranks", "1,2,8", "--steps", "20", "--repeats", "2"]),
+    ("bench_speedup", ["--base", "HEAD", "--precision", "--ranks", "1", "--micro-batch-size", "8"]),
+    ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
+    ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
+    ("bench_memory", []),
+    ("bench_defaults", []),
+    ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_flags_reach_the_run(monkeypatch, name, argv):
+    module = load(name)
+
+    def launched(*a, **k):
+        raise Launched
+
+    for fn in LAUNCHERS[name]:
+        monkeypatch.setattr(module, fn, launched)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(Launched):
+        module.main()
+
+
+@pytest.mark.parametrize("name,argv,says", [
+    ("bench_flight", ["--zero", "4"], "argument --zero: '4': allowed: a ZeRO stage, 0, 1, 2 or 3"),
+    ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
+    ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
+    ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
+    ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
+    ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
+    ("bench_quantization", ["--only", "1,6"], "--only '1,6': allowed: comma-separated table numbers from 1, 2"),
+    ("profile_collective", ["--sizes", "-4,8"], "--sizes '-4,8': each size must be a positive multiple of 4"),
+])
+def test_other_scripts_refuse_bad_flags(name, argv, says):
+    r = script(name, *argv)
+    assert r.returncode == 2 and f"{name}.py: error: {says}" in r.stderr, r.stderr
