@@ -529,6 +529,19 @@ def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--granularity", "tensor", "--block-size", "4"], "--block-size only applies with --granularity block "
+     "(elements per scale); got --granularity tensor"),
+    (["--table", "--bits", "4"], "--table measures every bits x granularity and ignores --bits/--granularity"),
+])
+def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv, needle):
+    """Before: --granularity tensor --block-size 4 quantized per tensor and ignored the block size without a word."""
+    from minizero.quantize import main
+    with pytest.raises(SystemExit) as e:
+        main(["--weights", str(tmp_path / "none.npz"), *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag,value", [("--initial-loss-scale", "1024"), ("--min-loss-scale", "2"),
                                         ("--loss-scale-window", "10"), ("--hysteresis", "3")])
 def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
