@@ -36,6 +36,9 @@ _FORMS = ("a number with a unit, e.g. 80GB (80 x 10^9 bytes), 80GiB (80 x 2^30 b
           "MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB (powers of 2)")
 #: the most GPUs ``--gpus`` accepts (2**20 = 1,048,576), so enumeration stays interactive
 MAX_GPUS = 2 ** 20
+#: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
+#: sequences, thousands of times any published batch): larger is a typo, not a plan
+MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
 
@@ -164,6 +167,9 @@ def _check(parser, args):
             parser.error(f"--ep {args.ep} must divide --gpus {args.gpus} (an expert group is ep data-parallel GPUs)")
         if args.finetune != "none" and args.ep > 1:
             parser.error(f"--ep {args.ep} does not apply to --finetune (leave it out)")
+    for name, cap in MAX_SIZES.items():
+        if vars(args)[name] is not None and vars(args)[name] > cap:
+            parser.error(f"--{name.replace('_', '-')} {vars(args)[name]:,} is too large; allowed: 1..{cap:,} (2^24)")
     if args.gpus > MAX_GPUS:
         parser.error(f"--gpus {args.gpus} is too many; allowed: 1..{MAX_GPUS:,} (2^20)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:  # the network model: whole nodes
