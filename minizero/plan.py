@@ -249,7 +249,16 @@ def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]
             f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
             "Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
-            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"]
+            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"
+            ] + (_rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
+
+
+def _rounded_batch(gbatch, shown) -> list[str]:
+    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
+    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
+    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
+    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 
 
 def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:

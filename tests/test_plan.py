@@ -262,6 +262,15 @@ def test_plan_sizes_past_any_plan_are_refused_naming_the_flag(capsys, flag, valu
     assert code == 2 and f"{flag} {int(value):,} is too large; allowed: 1..16,777,216 (2^24)" in err
 
 
+def test_a_global_batch_rounded_up_is_said_per_row(capsys):
+    """Before: --gpus 8 --global-batch 7 planned batches of 8 without a word."""
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--global-batch", "7", "--strategy", "dp8")
+    assert code == 0 and ("--global-batch 7 is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+                          "rounds up, so these rows train more sequences per step: #1 8") in out
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--top", "3")
+    assert code == 0 and "is not a multiple" not in out
+
+
 def test_plot_naming_an_existing_file_without_extension_is_refused(tmp_path, capsys):
     """Before: --plot /dev/full wrote /dev/full.png."""
     mine = tmp_path / "notes"
