@@ -96,10 +96,10 @@ def _check_loss_scaling(args) -> None:
 
 
 def _check_lr(args) -> None:
-    """--lr must be a normal number of the weights' dtype (--dtype; FP16 keeps FP32 master weights): below
-    ``finfo.tiny`` it is a subnormal or 0 there (1e-320 is 0 in float32: nothing trains), above ``finfo.max`` it
-    is inf there (1e308 overflowed into a "gradient norm is nan" stop). A huge lr that the dtype holds is left
-    to the divergence diagnosis: any lower cap would be a guess about the model."""
+    """--lr must be a normal number of the weights' dtype (--dtype; FP16 keeps FP32 master weights)."""
+    # below finfo.tiny it is subnormal or 0 there (1e-320 is 0 in float32: nothing trains); above finfo.max, inf
+    # (1e308 overflowed into a "gradient norm is nan" stop). A huge lr the dtype holds is left to the divergence
+    # diagnosis (tests/test_train.py provokes it): any lower cap would be a guess about the model
     info = np.finfo(args.dtype)
     if not (float(info.tiny) <= args.lr <= float(info.max)):  # also NaN; Python floats: no overflow warning
         raise UsageError(f"--lr must be a normal {args.dtype} number, in [{info.tiny:.4g}, {info.max:.4g}] "
