@@ -168,7 +168,8 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
 # --------------------------------------------------------------------------- values that start with '-'
 @pytest.mark.parametrize("argv,said", [
     (["--steps", "-1,5"], "argument --steps: invalid int value: '-1,5'; allowed: an integer in ASCII digits 0-9"),
-    (["--lr", "-1e-3"], "--lr must be a positive finite number, got -0.001"),
+    (["--lr", "-1e-3"], "--lr must be a normal float32 number, in [1.175e-38, 3.403e+38] (--dtype float32), "
+     "got -0.001"),
     (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
     (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
 ])

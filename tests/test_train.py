@@ -31,7 +31,7 @@ def launch(mpiexec, n, args, timeout=120, env=None):
     (["--batch-size", "7"], "--batch-size 7 is not divisible by micro-batch-size x data-parallel size = 2 x 2 = 4"),
     (["--batch-size", "8", "--grad-accum", "3"], "!= micro-batch-size x data-parallel size x grad-accum"),
     (["--data", "/no/such/file.txt"], "'/no/such/file.txt': no such file"),
-    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a normal float32 number"),
     (["--dtype", "int8"], "'int8'"),
     (["--block-size", "4096"], "exceeds the 'default' preset's block_size 128"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
