@@ -10,6 +10,8 @@ import dataclasses
 import math
 import os
 
+import numpy as np
+
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
@@ -93,6 +95,17 @@ def _check_loss_scaling(args) -> None:
         raise UsageError(f"--hysteresis must be >= 1; got --hysteresis={args.hysteresis}")
 
 
+def _check_lr(args) -> None:
+    """--lr must be a normal number of the weights' dtype (--dtype; FP16 keeps FP32 master weights)."""
+    # below finfo.tiny it is subnormal or 0 there (1e-320 is 0 in float32: nothing trains); above finfo.max, inf
+    # (1e308 overflowed into a "gradient norm is nan" stop). A huge lr the dtype holds is left to the divergence
+    # diagnosis (tests/test_train.py provokes it): any lower cap would be a guess about the model
+    info = np.finfo(args.dtype)
+    if not (float(info.tiny) <= args.lr <= float(info.max)):  # also NaN; Python floats: no overflow warning
+        raise UsageError(f"--lr must be a normal {args.dtype} number, in [{info.tiny:.4g}, {info.max:.4g}] "
+                         f"(--dtype {args.dtype}), got {args.lr}")
+
+
 def _check_comm(args) -> None:
     """Resolve ``--comm`` (nccl on --device cuda, else mpi); nccl needs --device cuda (issue #15) and a
     schedule whose pipeline sends can block (not ``interleaved``: NcclCommunicator has no isend/irecv)."""
@@ -167,8 +180,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if args.warmup is not None and args.warmup > args.steps:
         raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}; the learning rate would never "
                          "reach --lr (give --warmup <= --steps)")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise UsageError(f"--lr must be a positive finite number, got {args.lr}")
+    _check_lr(args)
     if args.min_lr is not None and not (0 <= args.min_lr <= args.lr):
         raise UsageError(f"--min-lr must be in [0, lr={args.lr}], got {args.min_lr}")
     if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
@@ -182,7 +194,6 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
                          f"(1 TiB), got {args.bucket_mb}")
     if args.show_shards and not args.zero:
         raise UsageError("--show-shards needs --zero 1, 2 or 3 (stage 0 shards nothing)")
-    refuse_idle_flags(args)
     if args.precision == "fp16" and args.dtype != "float32":
         raise UsageError(f"--precision fp16 trains FP16 parameters with FP32 master weights; "
                          f"--dtype must stay float32, got {args.dtype}")
@@ -213,6 +224,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         dp = resolve_parallel_args(args, world_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    refuse_idle_flags(args)  # after the sizes: --schedule and --pp-verbose need the resolved pp
     if args.optimizer == "adam8bit" and args.offload_optimizer != "none":
         raise UsageError("--offload-optimizer works with --optimizer adamw; 8-bit Adam's state is already 4x smaller "
                          "and stays on the device")

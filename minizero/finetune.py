@@ -80,6 +80,14 @@ def check(args) -> None:
     if twice:
         raise ValueError(f"--targets {args.targets!r} names {twice[0]!r} twice; give each of {', '.join(TARGETS)} "
                          "at most once")
+    default = build_parser().get_default
+    if args.table and args.method != default("method"):
+        raise ValueError(f"--table runs every method ({', '.join(METHODS)}) and ignores --method; "
+                         f"got --method {args.method}: give one of them")
+    lora = [f"--{k.replace('_', '-')}" for k in ("lora_rank", "lora_alpha", "targets") if vars(args)[k] != default(k)]
+    if lora and args.method == "full" and not args.table:
+        raise ValueError(f"{', '.join(lora)} only apply(ies) with --method lora or qlora (adapters); "
+                         "--method full trains every parameter")
     debug_collectives()  # MINIZERO_DEBUG_COLLECTIVES, read by ZeRO (--zero): "0" or "1", else ValueError
     if not 1 <= args.eval_batches <= MAX_EVAL_BATCHES:
         raise ValueError(f"--eval-batches must be in [1, {MAX_EVAL_BATCHES:,}] as train's, got {args.eval_batches:,}")
@@ -243,7 +251,10 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
         write_model_json(args.out, model0.config)
-        print(f"wrote {os.path.join(args.out, 'model.npz')} (adapters merged) and {SIDECAR}")
+        method = rows[-1]["method"]  # --table: the last method of the table
+        what = "every parameter trained" if method == "full" else "adapters merged"
+        print(f"wrote {os.path.join(args.out, 'model.npz')} (--method {method}, {what}"
+              f"{'; --table writes its last method' if args.table else ''}) and {SIDECAR}")
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")
     return 0

@@ -238,13 +238,24 @@ MAX_FLIGHT_RECORDS = 1_000_000  #: flight-recorder entries kept per rank (500x t
 
 
 #: flags that act only with another setting: (flags, is that setting on, what it is, what the run has); given
-#: without it they are refused, not ignored (a setting that does nothing would mislead the reader)
+#: without it (a value other than the default) they are refused, not ignored (a setting that does nothing would
+#: mislead the reader). Read after --dp/--tp/--pp are resolved (the pipeline row needs the resolved pp)
 DEPENDENT_FLAGS = (
     (("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis"), lambda a: a.precision == "fp16",
      "--precision fp16 (loss scaling)", lambda a: f"--precision {a.precision}"),
     (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8", lambda a: f"--precision {a.precision}"),
     (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
      lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)", lambda a: "--moe-experts 0"),
+    (("keep",), lambda a: a.save_every > 0, "--save-every N > 0 (checkpoints)", lambda a: "--save-every 0"),
+    (("recompute_every",), lambda a: a.recompute != "none", "--recompute full or selective",
+     lambda a: "--recompute none"),
+    (("attention_block",), lambda a: a.attention == "flash", "--attention flash",
+     lambda a: f"--attention {a.attention}"),
+    (("adam8bit_block_size",), lambda a: a.optimizer == "adam8bit", "--optimizer adam8bit",
+     lambda a: f"--optimizer {a.optimizer}"),
+    (("prune_scope", "prune_step"), lambda a: a.prune_sparsity > 0, "--prune-sparsity > 0 (pruning)",
+     lambda a: "--prune-sparsity 0"),
+    (("schedule", "pp_verbose"), lambda a: a.pp > 1, "--pp > 1 (a pipeline)", lambda a: f"--pp {a.pp}"),
 )
 
 

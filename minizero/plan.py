@@ -36,6 +36,9 @@ _FORMS = ("a number with a unit, e.g. 80GB (80 x 10^9 bytes), 80GiB (80 x 2^30 b
           "MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB (powers of 2)")
 #: the most GPUs ``--gpus`` accepts (2**20 = 1,048,576), so enumeration stays interactive
 MAX_GPUS = 2 ** 20
+#: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
+#: sequences, thousands of times any published batch): larger is a typo, not a plan
+MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
 
@@ -164,6 +167,9 @@ def _check(parser, args):
             parser.error(f"--ep {args.ep} must divide --gpus {args.gpus} (an expert group is ep data-parallel GPUs)")
         if args.finetune != "none" and args.ep > 1:
             parser.error(f"--ep {args.ep} does not apply to --finetune (leave it out)")
+    for name, cap in MAX_SIZES.items():
+        if vars(args)[name] is not None and vars(args)[name] > cap:
+            parser.error(f"--{name.replace('_', '-')} {vars(args)[name]:,} is too large; allowed: 1..{cap:,} (2^24)")
     if args.gpus > MAX_GPUS:
         parser.error(f"--gpus {args.gpus} is too many; allowed: 1..{MAX_GPUS:,} (2^20)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:  # the network model: whole nodes
@@ -243,7 +249,16 @@ def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]
             f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
             "Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
-            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"]
+            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"
+            ] + (_rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
+
+
+def _rounded_batch(gbatch, shown) -> list[str]:
+    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
+    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
+    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
+    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 
 
 def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:

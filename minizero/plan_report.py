@@ -178,6 +178,9 @@ def plot_path(path: str) -> str:
         raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
                          f"extension, and .png is added)")
     real = path if ext else path + ".png"
+    if not ext and os.path.exists(path) and not os.path.isdir(path):  # /dev/full -> /dev/full.png: not asked for
+        raise ValueError(f"--plot {path!r} names an existing file, and the PNG would go to {real!r} beside it; give "
+                         "a name ending in .png")
     if os.path.isdir(path) and not ext:
         raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
     if os.path.isfile(real):  # replace an earlier plot, never another file the user named .png

@@ -162,6 +162,13 @@ def main(argv=None) -> int:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.block_size > MAX_ADAM8BIT_BLOCK:  # elements per scale, bounded as train's --adam8bit-block-size
         parser.error(f"--block-size must be <= {MAX_ADAM8BIT_BLOCK:,} elements per scale, got {args.block_size:,}")
+    default = parser.get_default
+    if args.table and (args.bits, args.granularity) != (default("bits"), default("granularity")):
+        parser.error(f"--table measures every bits x granularity and ignores --bits/--granularity; got --bits "
+                     f"{args.bits} --granularity {args.granularity}: give one of them")
+    if args.block_size != default("block_size") and args.granularity != "block" and not args.table:
+        parser.error(f"--block-size only applies with --granularity block (elements per scale); got --granularity "
+                     f"{args.granularity}, one scale per {args.granularity}")
     if args.eval_batches is not None and not 1 <= args.eval_batches <= MAX_EVAL_BATCHES:
         parser.error(f"--eval-batches must be in [1, {MAX_EVAL_BATCHES:,}] as train's, got {args.eval_batches:,}")
     threshold = args.outlier_threshold

@@ -135,11 +135,53 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--fp8-scaling", "current"], "--fp8-scaling only apply(ies) with --precision fp8"),
     (["--moe-every", "2", "--moe-z-loss", "0"], "--moe-every, --moe-z-loss only apply(ies) with --moe-experts > 0"),
     (["--json", "s.json", "--no-save"], "--no-save writes no summary"),
+    (["--moe-top-k", "1"], "--moe-top-k only apply(ies) with --moe-experts > 0"),
+    (["--keep", "5", "--save-dir", "ck"],
+     "--keep only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+    (["--recompute-every", "2"], "--recompute-every only apply(ies) with --recompute full or selective"),
+    (["--attention-block", "8"], "--attention-block only apply(ies) with --attention flash; got --attention dense"),
+    (["--adam8bit-block-size", "64"], "--adam8bit-block-size only apply(ies) with --optimizer adam8bit"),
+    (["--prune-scope", "global"], "--prune-scope only apply(ies) with --prune-sparsity > 0"),
+    (["--schedule", "gpipe"], "--schedule only apply(ies) with --pp > 1 (a pipeline); got --pp 1"),
+    (["--pp-verbose"], "--pp-verbose only apply(ies) with --pp > 1"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(flags, needle):
     """Before: silently ignored (as --show-shards or the loss-scale flags are not)."""
     with pytest.raises(UsageError, match=re.escape(needle)):
         parse_args([*TINY, *flags])
+
+
+@pytest.mark.timeout(120)
+def test_dependent_flags_with_their_setting_or_at_their_default_are_accepted():
+    """Only a value the user changed is refused: the defaults, and each flag with what enables it, parse."""
+    parse_args([*TINY, "--no-save", "--keep", "2", "--recompute-every", "1", "--schedule", "1f1b"])
+    for flags in (["--save-every", "2", "--keep", "5"], ["--recompute", "full", "--recompute-every", "2"],
+                  ["--attention", "flash", "--attention-block", "8"], ["--optimizer", "adam8bit",
+                  "--adam8bit-block-size", "64"], ["--prune-sparsity", "0.5", "--prune-scope", "global"]):
+        parse_args([*TINY, "--no-save", *flags])
+    assert parse_args([*TINY, "--no-save", "--pp", "2", "--schedule", "gpipe", "--pp-verbose"], 2).pp == 2
+
+
+@pytest.mark.parametrize("dtype,lr", [("float32", "1e308"), ("float32", "1e-320"), ("float32", "1e-39"),
+                                      ("float64", "1e-320"), ("float32", "nan"), ("float32", "0")])
+def test_lr_outside_the_dtypes_normal_range_is_refused(dtype, lr):
+    """Before: 1e308 (inf in float32) stopped with raw overflow warnings and "gradient norm is nan"; 1e-320
+    (0 in float32) trained nothing without a word."""
+    with pytest.raises(UsageError, match=f"--lr must be a normal {dtype} number, in \\[.*\\] \\(--dtype {dtype}\\)"):
+        parse_args([*TINY, "--no-save", "--dtype", dtype, "--lr", lr])
+    parse_args([*TINY, "--no-save", "--dtype", "float64", "--lr", "1e-300"])  # normal in float64
+
+
+def test_resume_or_inspect_of_a_file_says_it_is_a_file(tmp_path, capsys):
+    """Before: "no such checkpoint folder or save dir" for a file that exists."""
+    from minizero.checkpoint.cli import main
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(UsageError, match=f"--resume {re.escape(str(f))}: is a file, not a checkpoint folder"):
+        parse_args([*TINY, "--no-save", "--resume", str(f)])
+    assert main(["inspect", str(f)]) == 2
+    assert f"error: {f}: is a file, not a checkpoint folder or save dir" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -485,6 +527,19 @@ def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
     from minizero.quantize import main
     with pytest.raises(SystemExit) as e:
         main(["--weights", str(tmp_path / "none.npz"), flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--granularity", "tensor", "--block-size", "4"], "--block-size only applies with --granularity block "
+     "(elements per scale); got --granularity tensor"),
+    (["--table", "--bits", "4"], "--table measures every bits x granularity and ignores --bits/--granularity"),
+])
+def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv, needle):
+    """Before: --granularity tensor --block-size 4 quantized per tensor and ignored the block size without a word."""
+    from minizero.quantize import main
+    with pytest.raises(SystemExit) as e:
+        main(["--weights", str(tmp_path / "none.npz"), *argv])
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 

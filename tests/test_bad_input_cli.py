@@ -168,7 +168,8 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
 # --------------------------------------------------------------------------- values that start with '-'
 @pytest.mark.parametrize("argv,said", [
     (["--steps", "-1,5"], "argument --steps: invalid int value: '-1,5'; allowed: an integer in ASCII digits 0-9"),
-    (["--lr", "-1e-3"], "--lr must be a positive finite number, got -0.001"),
+    (["--lr", "-1e-3"], "--lr must be a normal float32 number, in [1.175e-38, 3.403e+38] (--dtype float32), "
+     "got -0.001"),
     (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
     (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
 ])
@@ -182,3 +183,15 @@ def test_a_value_starting_with_minus_reaches_the_flags_own_check(argv, said):
 def test_a_comma_list_starting_with_minus_reaches_compares_check():
     with pytest.raises(compare.UsageError, match=r"--ranks must be a comma list of world sizes .* got '-1,2'"):
         compare.parse_args(["--ranks", "-1,2"])
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--method", "full", "--lora-rank", "4", "--targets", "c_fc"],
+     "--lora-rank, --targets only apply(ies) with --method lora or qlora (adapters); --method full trains every"),
+    (["--method", "full", "--lora-alpha", "8"], "--lora-alpha only apply(ies) with --method lora or qlora"),
+    (["--table", "--method", "lora"], "--table runs every method (full, lora, qlora) and ignores --method; got "
+     "--method lora: give one of them")])
+def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv, said):
+    """Before: --method full with adapter flags trained every parameter without a word; --table ignored --method."""
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), *argv]) == 2
+    assert said in capsys.readouterr().err

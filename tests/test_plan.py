@@ -254,6 +254,33 @@ def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(cap
     assert "ranking: " + RANKING_RULE in out and "such rows stay in tok/s order" in out
 
 
+@pytest.mark.parametrize("flag,value", [("--seq-len", "1000000000000"), ("--micro-batch", "1000000000"),
+                                        ("--global-batch", "100000000")])
+def test_plan_sizes_past_any_plan_are_refused_naming_the_flag(capsys, flag, value):
+    """Before: no upper bound, and the error blamed --gpu-memory."""
+    code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", flag, value)
+    assert code == 2 and f"{flag} {int(value):,} is too large; allowed: 1..16,777,216 (2^24)" in err
+
+
+def test_a_global_batch_rounded_up_is_said_per_row(capsys):
+    """Before: --gpus 8 --global-batch 7 planned batches of 8 without a word."""
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--global-batch", "7", "--strategy", "dp8")
+    assert code == 0 and ("--global-batch 7 is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+                          "rounds up, so these rows train more sequences per step: #1 8") in out
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--global-batch", "8", "--top", "3")
+    assert code == 0 and "is not a multiple" not in out
+
+
+def test_plot_naming_an_existing_file_without_extension_is_refused(tmp_path, capsys):
+    """Before: --plot /dev/full wrote /dev/full.png."""
+    mine = tmp_path / "notes"
+    mine.write_text("my notes")
+    for path in (str(mine), "/dev/full"):
+        code, _, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", path)
+        assert code == 2 and f"--plot {path!r} names an existing file, and the PNG would go to {path + '.png'!r}" in err
+    assert not (tmp_path / "notes.png").exists()
+
+
 def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
     """Attacker: --plot user.png overwrote a file that was not a PNG."""
     mine = tmp_path / "notes.png"

@@ -178,6 +178,7 @@ def test_finetune_table_qlora_tracks_lora_and_writes_a_merged_model(trained, tmp
                            "--json", str(tmp_path / "ft.json")], capture_output=True, text=True, timeout=280,
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
+    assert "(--method qlora, adapters merged; --table writes its last method)" in proc.stdout
     import json
     rows = {r["method"]: r for r in json.load(open(tmp_path / "ft.json"))["rows"]}
     assert set(rows) == {"full", "lora", "qlora"}

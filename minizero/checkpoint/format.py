@@ -86,6 +86,9 @@ def resolve(path: str) -> str:
     """
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: is a file, not a checkpoint folder or save dir (give the folder "
+                              "that holds manifest.json, or the save dir above it)")
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint folder or save dir")
     pointer = os.path.join(path, LATEST)
