@@ -75,7 +75,7 @@ CASES = [
     ("bench_memory", ["--configs", "fp16,"], "unknown config ''"),
     ("bench_defaults", ["--settings", "3e-3,auto"], "'3e-3,auto' in '3e-3,auto': allowed: ';'-separated"),
     ("bench_defaults", ["--settings", "3e-3,auto,1;"], "'' in '3e-3,auto,1;'"),
-    ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a positive finite number, got nan"),
+    ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a normal float32 number"),
 ]
 
 
