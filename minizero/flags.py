@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_argument("--pad", dest="documents", action="store_const", const="pad",
                       help="each window stops at its document's separator; the rest is padding whose targets "
                            "(-100) the loss ignores, normalised by the real targets of the global batch")
-    p.add_argument("--eval-every", type=integer, default=100, help="validate every N steps (0: only at the end)")
+    p.add_argument("--eval-every", type=integer, default=100,
+                   help="validate every N steps (0: only before the first step and at the end)")
     p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences each")
     p.add_argument("--bucket-mb", type=real, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",

@@ -267,7 +267,8 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
                      "so their peaks add up to more)")
     if len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
-        lines.append(f"(ranks in one column, e.g. {shared}, have equal ledgers in every category)")
+        lines.append(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "
+                     "memory.png splits ranks whose bytes differ at some step)")
     lines.extend(notes or [])
     return "\n".join(lines)
 

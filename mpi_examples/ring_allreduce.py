@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.backend import usable_cores  # noqa: E402
 from minizero.comm import all_reduce, world  # noqa: E402
 from minizero.comm.recursive_doubling import all_reduce_algorithm  # noqa: E402
 from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
@@ -59,3 +60,6 @@ for nbytes in [64 * 2**10, 1 * 2**20, 16 * 2**20]:
     if rank == 0:
         print(f"{nbytes // 2**10:>5} KiB {all_reduce_algorithm(nbytes, N):>18} {busbw[False]:>15.2f} "
               f"{busbw[True]:>10.2f}")
+if rank == 0 and N > usable_cores():
+    print(f"({N} ranks on {usable_cores()} cores: the ranks take turns on the cores, so these timings say little "
+          "about either side; bench/bench_allreduce.py measures with one core per rank)")

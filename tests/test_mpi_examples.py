@@ -61,3 +61,17 @@ def test_ring_allreduce_names_the_algorithm_each_size_ran(mpiexec):
     rows = {line.split()[0]: line.split()[2] for line in proc.stdout.splitlines() if line.strip().endswith(
         tuple("0123456789")) and " KiB " in line}
     assert rows == {"64": "recursive_doubling", "1024": "ring", "16384": "ring"}, proc.stdout
+    from minizero.backend import usable_cores
+    assert ("2 ranks on 1 cores: the ranks take turns" in proc.stdout) == (usable_cores() < 2), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_ring_allreduce_says_when_its_ranks_share_cores(mpiexec):
+    from minizero.backend import usable_cores
+    n = usable_cores() + 1
+    if n > 5:
+        pytest.skip(f"{n} ranks to oversubscribe {n - 1} cores: too many for the suite")
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "mpi_examples/ring_allreduce.py"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=200, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"({n} ranks on {n - 1} cores: the ranks take turns on the cores" in proc.stdout, proc.stdout

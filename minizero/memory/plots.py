@@ -104,7 +104,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
             bx.text(v / 2**20, y, f" {format_bytes(v)}", va="center", fontsize=7)
         bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
-    fig.suptitle(title or "ledger memory per rank by category (ranks with equal ledgers share one row of plots)",
+    fig.suptitle(title or "ledger memory per rank by category (ranks equal at every step share one row of plots)",
                  fontsize=10)
     return fig
 
