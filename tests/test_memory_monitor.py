@@ -204,7 +204,7 @@ def test_memory_summary_puts_ranks_with_equal_ledgers_in_one_column():
     assert head == ["category", "r0-2", "current", "r0-2", "peak", "r3", "current", "r3", "peak"]
     peak_row = next(line for line in text.splitlines() if line.startswith("process peak"))
     assert peak_row.split()[-4:] == ["30.00", "MiB", "5.00", "MiB"]
-    assert "(ranks in one column, e.g. r0-2, have equal ledgers" in text  # the run's own column, not a fixed one
+    assert "(ranks in one column, e.g. r0-2, end with equal current and peak bytes" in text  # the run's own column, not a fixed one
     one = memory_summary([snap(0)])
     assert one.splitlines()[1].split() == ["category", "r0", "current", "r0", "peak"] and "equal ledgers" not in one
 
