@@ -106,14 +106,18 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
              + ("; capped by the environment's OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or MKL_NUM_THREADS)" if capped
                 else ")"),
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
-    gathers = [w for w, here in (("the start-up broadcast", True), ("ZeRO's gathers", args.zero > 0),
+    gathers = [w for w, here in (("the start-up broadcast", args.zero == 0 and args.dp * args.cp > 1),
+                                 ("ZeRO's gathers", 0 < args.zero < 3),
+                                 ("ZeRO's gathers; the final gather for the weights and the sample comes after these "
+                                  "figures", args.zero == 3),
                                  ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),
                                  ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
     reductions = [w for w, here in (("data parallel", args.dp * args.cp > 1),
                                     ("the experts' over their expert-data groups, the traffic table's edp row",
                                      args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1),
                                     ("the tied embedding between the first and last stage", args.pp > 1)) if here]
-    labels = dict(KIND_LABELS, parameter_gathers=f"{KIND_LABELS['parameter_gathers']} ({'; '.join(gathers)})",
+    labels = dict(KIND_LABELS, parameter_gathers=KIND_LABELS["parameter_gathers"] + (f" ({'; '.join(gathers)})"
+                                                                                    if gathers else ""),
                   gradient_reduction=KIND_LABELS["gradient_reduction"] + (f" ({'; '.join(reductions)})"
                                                                         if reductions else ""))
     for kind in TRAFFIC_KINDS:

@@ -98,6 +98,7 @@ def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
     proc, _ = launch(mpiexec, 2, TINY + ["--out", str(out)], timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "validation loss" in proc.stdout and "memory summary" in proc.stdout and "sample:" in proc.stdout
+    assert "  parameter gathers and broadcasts (the start-up broadcast): r0 " in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["config"]["model"]["n_layer"] == 2
     assert len(summary["train_loss"]) == 4 and summary["val_loss"] < summary["val_history"][0][1]
@@ -131,6 +132,11 @@ def test_header_names_every_layout_choice(mpiexec):
     assert "as dp 2 x tp 1 x pp 1," in plain.stdout and "device cpu (NumPy); messages over mpi" in plain.stdout
     assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
             "reduce-scatters overlap backward") in plain.stdout
+    assert "  parameter gathers and broadcasts (ZeRO's gathers): r0-1 " in plain.stdout  # no start-up broadcast
+    z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3"], timeout=90)
+    assert z3.returncode == 0, z3.stderr
+    assert ("  parameter gathers and broadcasts (ZeRO's gathers; the final gather for the weights and the sample "
+            "comes after these figures): r0-1 ") in z3.stdout, z3.stdout
 
 
 @pytest.mark.timeout(120)
