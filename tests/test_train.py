@@ -317,7 +317,8 @@ def test_the_traffic_table_names_what_it_leaves_out_in_bytes_of_the_run(layout):
     ranks = run_in_threads(2, one, timeout=120)
     val, bcast = sum(r[1] for r in ranks), sum(r[2] for r in ranks)
     assert val > 0 and (bcast > 0) == (layout[0] == "--dp")
-    note = f"  left out above, totals for the run: validation {format_bytes(val)} (at the start, each --eval-every, the end)"
+    note = (f"  left out above, totals for the run: validation {format_bytes(val)} (before the first step, each "
+            "periodic one, the end)")
     note += f"; start-up broadcast of the parameters {format_bytes(bcast)}" if bcast else ""
     lines = ranks[0][0]
     start = next(i for i, line in enumerate(lines) if line.startswith("traffic per step"))

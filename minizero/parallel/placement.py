@@ -120,8 +120,9 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, replica digests) {_fmt(other)}" if known else "? across nodes"))
-    lines.append(f"  left out above, totals for the run: validation {_fmt(run[17])} (at the start, each --eval-every, "
-                 "the end)" + (f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""))
+    setup = f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""
+    lines.append(f"  left out above, totals for the run: validation {_fmt(run[17])} (before the first step, "
+                 f"each periodic one, the end){setup}")
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
