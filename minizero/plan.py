@@ -320,7 +320,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     return (_header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
             + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
                "(a first-order model: step times within about 1% of each other are within its accuracy; such rows "
-               "stay in tok/s order, and a why line below says when one of them needs less memory)", ""]
+               "stay in tok/s order; the why lines below compare the first few and say when one needs less memory)", ""]
             + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
             + ["  " + line for line in why_lines(shown, scale, unit, fit_count=len(fits))])
 
