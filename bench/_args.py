@@ -32,15 +32,20 @@ def at_least(low: int):
 count = at_least(1)  #: ``type=``: an integer >= 1 (ranks, steps, repeats, runs)
 
 
-def counts(text) -> list[int]:
-    """``type=``: a comma list of integers >= 1 ("8,32"); an empty member ("8,,32", "8,") is refused."""
+def _integers(text, low: int, high: float, allowed: str) -> list[int]:
+    """A comma list of integers in [low, high]; an empty member ("8,,32", "8,") is refused."""
     try:
         values = [integer(v) for v in str(text).split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated integers >= 1, e.g. 8,32")
+    if not values or not all(low <= v <= high for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: {allowed}")
     return values
+
+
+def counts(text) -> list[int]:
+    """``type=``: a comma list of integers >= 1 ("8,32")."""
+    return _integers(text, 1, math.inf, "comma-separated integers >= 1, e.g. 8,32")
 
 
 def stage(text) -> int:
@@ -60,16 +65,8 @@ def world_size(text) -> int:
 
 
 def world_sizes(text) -> list[int]:
-    """``type=``: a comma list of world sizes in [1, MAX_RANKS] ("2,4"); an empty member ("2,,4", "2,") is
-    refused."""
-    try:
-        values = [integer(v) for v in str(text).split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(1 <= v <= MAX_RANKS for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: comma-separated numbers of ranks in [1, {MAX_RANKS}], "
-                                         "e.g. 2,4")
-    return values
+    """``type=``: a comma list of world sizes in [1, MAX_RANKS] ("2,4")."""
+    return _integers(text, 1, MAX_RANKS, f"comma-separated numbers of ranks in [1, {MAX_RANKS}], e.g. 2,4")
 
 
 def positive_real(text) -> float:
