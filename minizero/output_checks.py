@@ -31,9 +31,8 @@ def check_outputs(args) -> None:
     if js in own:
         raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
     jparent = os.path.dirname(js)
-    if (os.path.abspath(jparent) != os.path.abspath(out)
-            and not (os.path.isdir(jparent) and os.access(jparent, os.W_OK))):
-        raise UsageError(f"--json {args.json!r}: directory {jparent!r} does not exist or is not writable")
+    if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
+        existing_folder("--json", args.json, jparent)
     weights = os.path.join(out, "model.npz")
     outside_checkpoints("--out", weights, out)
     outside_checkpoints("--json", js, args.json)
@@ -68,6 +67,12 @@ def _usage(check, path: str, flag: str) -> None:
         raise UsageError(str(e)) from None
 
 
+def existing_folder(flag: str, given: str, folder: str) -> None:
+    """Refuse an output whose ``folder`` does not exist or is not writable: a typo is not made into a folder."""
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise UsageError(f"{flag} {given!r}: directory {folder!r} does not exist or is not writable")
+
+
 def outside_checkpoints(flag: str, path: str, given: str) -> None:
     """Refuse an output ``path`` inside a checkpoint folder (it would overwrite or add to the checkpoint)."""
     folder = checkpoint_holding(path)
@@ -88,7 +93,7 @@ def probe(folder: str, flag: str) -> None:
 
 def check_trace(args) -> None:
     """``--trace PATH`` is written by rank 0 after the last step: check now that it can be (a file path whose
-    folder exists or can be made, and takes a file), and that it overwrites none of the run's own files, so a
+    folder exists, or is OUT, and takes a file), and that it overwrites none of the run's own files, so a
     finished run is never lost to it."""
     path = args.trace
     if path is None:
@@ -107,6 +112,8 @@ def check_trace(args) -> None:
     _usage(refuse_blocking, path, "--trace")
     if os.path.exists(p) and not os.path.isfile(p):
         return  # a device such as /dev/null: written straight into
+    if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT is made unless --no-save
+        existing_folder("--trace", path, os.path.dirname(p))
     try:
         probe(os.path.dirname(p), "--trace")
     except UsageError:

@@ -49,7 +49,7 @@ def _digests(folder):
 @pytest.mark.parametrize("trace,needle", [
     ("", "--trace must name a file"),
     ("/proc/minizero-trace.json", "its folder '/proc' cannot be created or take a file"),
-    ("{file}/t.json", "cannot be created or take a file"),
+    ("{file}/t.json", "does not exist or is not writable"),
     ("{tmp}", "is a directory; give a file path"),
     ("{tmp}/o/model.npz", "would overwrite the weights"),
     ("{tmp}/o/summary.json", "would overwrite the --json summary"),
@@ -72,9 +72,22 @@ def test_no_output_overwrites_another_file_of_the_run(tmp_path, name, what):
             parse_args([*TINY, "--out", str(tmp_path / "o"), flag, str(tmp_path / "o" / name)])
 
 
-def test_trace_into_a_new_folder_or_a_device_file_is_accepted(tmp_path):
-    parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "new" / "deeper" / "t.json")])
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_an_output_in_a_missing_folder_is_refused_as_json_is(tmp_path, monkeypatch, flag):
+    """Before: --trace nodir/t.json made the folder while --json nodir/s.json was refused."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=re.escape(f"{flag} 'nodir/t.json': directory "
+                                                   f"{str(tmp_path / 'nodir')!r} does not exist or is not writable")):
+        parse_args([*TINY, "--out", "o", flag, "nodir/t.json"])
+    assert not (tmp_path / "nodir").exists() and not (tmp_path / "o").exists()
+
+
+def test_trace_into_out_an_existing_folder_or_a_device_file_is_accepted(tmp_path):
+    parse_args([*TINY, "--out", str(tmp_path / "new" / "o"), "--trace", str(tmp_path / "new" / "o" / "t.json")])
+    parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "t.json")])
     parse_args([*TINY, "--no-save", "--trace", os.devnull])
+    with pytest.raises(UsageError, match="does not exist"):  # --no-save: OUT is not made
+        parse_args([*TINY, "--no-save", "--out", str(tmp_path / "o"), "--trace", str(tmp_path / "o" / "t.json")])
 
 
 @pytest.mark.timeout(120)
