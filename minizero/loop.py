@@ -54,6 +54,8 @@ class TrainResult:
 
     ``model``: the whole GPT (the local one when tp = pp = 1, else gathered on rank 0, None elsewhere);
     ``train_losses``, ``grad_norms`` (nan for a skipped step), ``loss_scales``, ``lrs``: one per step run;
+    ``skipped_at``: the steps FP16 skipped, 0-based (step k is the progress log's "step k+1"), an index into the
+    per-step lists (k - ``start_step`` after ``--resume``: they hold only the steps this run ran);
     ``val_history``: [(step, loss)]; ``state_bytes``: ledger model-state bytes at the first step; ``traffic``: bytes
     sent per group; ``setup_peak``: the ledger's peaks before the first step; ``train_process_peak``: tracemalloc's peak
     over the steps (0 when off); ``start_step``: 0 or the resumed checkpoint's; ``applied``: optimizer steps taken in

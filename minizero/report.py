@@ -188,7 +188,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "precision": args.precision,
         "loss_scale": result["loss_scales"],
         "skipped_steps": result["skipped_steps"],
-        "skipped_at": result["skipped_at"],
+        "skipped_at": result["skipped_at"],  # 0-based: step k is the progress log's "step k+1" (see TrainResult)
         "loss_spikes": result.loss_spikes,
         "time_per_rank": result.time_per_rank,
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,

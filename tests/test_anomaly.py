@@ -38,6 +38,22 @@ def test_finite_runs_and_validation_forwards_are_not_reported():
     assert detector.finding is None
 
 
+@pytest.mark.parametrize("skipped_at,told", [([4], "skipped"), ([], "did not skip")])
+def test_under_fp16_the_finding_says_the_progress_log_s_step_number(capsys, skipped_at, told):
+    """Before: "rank 0 step 4: ...; the loss scaler skipped this step: True", step 4 being the log's step 5."""
+    from types import SimpleNamespace
+    model, idx = _model()
+    model.transformer.h[1].mlp.c_fc.weight.data[0, 0] = np.inf
+    detector = AnomalyDetector(model, rank=0, fp16=True)
+    detector.on_step_start(None, 4)
+    with np.errstate(all="ignore"):  # fp16 reports and goes on: the rest of the forward meets the inf
+        model(idx)
+    detector.on_step_end(SimpleNamespace(result=SimpleNamespace(skipped_at=skipped_at)), 4, None)
+    err = capsys.readouterr().err
+    assert err.startswith("minizero.train: rank 0 step 4: forward of module"), err
+    assert err.rstrip().endswith(f"; the loss scaler {told} this step (the progress log's step 5)"), err
+
+
 def _train(comm, extra):
     from minizero.train import parse_args, train
     args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1",

@@ -95,8 +95,9 @@ class AnomalyDetector(Callback):
 
     def on_step_end(self, run, step, record):
         if self.finding is not None and self.fp16:
-            print(f"minizero.train: {self.finding}; the loss scaler skipped this step: "
-                  f"{step in run.result.skipped_at}", file=sys.stderr, flush=True)
+            told = "skipped" if step in run.result.skipped_at else "did not skip"  # step: 0-based, as the finding's
+            print(f"minizero.train: {self.finding}; the loss scaler {told} this step (the progress log's step "
+                  f"{step + 1})", file=sys.stderr, flush=True)
         self.step = None  # validation forwards are not watched
 
 
