@@ -15,16 +15,17 @@ SMOOTH = 20  # steps in the running mean drawn over the training loss
 MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install matplotlib)"
 
 
-def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str = "") -> str:
+def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str = "", first_step: int = 0) -> str:
     """Write a PNG of the loss curves to ``path``; returns the line to print about it.
 
     Args:
         path: the PNG to write (its folder is created).
         train_losses: mean training loss of each optimizer step (nats per byte: a token is one byte),
-            step i at x = i + 1.
+            step i at x = first_step + i + 1.
         val_history: ``[(step, loss)]`` validation losses taken after ``step`` optimizer steps.
         skipped_at: 0-based steps FP16's loss scaler skipped (marked on the curve).
         title: the figure's title.
+        first_step: the step the run resumed at (``train_losses`` begins there; 0 for a fresh run).
     Returns:
         ``"wrote PATH"``, or :data:`MISSING` when matplotlib cannot be imported.
     Raises:
@@ -36,7 +37,7 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
         import matplotlib.pyplot as plt
     except ImportError:
         return MISSING
-    fig = loss_figure(plt, train_losses, val_history, skipped_at, title)
+    fig = loss_figure(plt, train_losses, val_history, skipped_at, title, first_step)
     try:
         atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
@@ -44,10 +45,10 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
     return f"wrote {path}"
 
 
-def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = ""):
+def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = "", first_step: int = 0):
     """The Figure :func:`plot_losses` writes (``plt``: ``matplotlib.pyplot``); same arguments."""
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    steps = range(1, len(train_losses) + 1)
+    steps = range(first_step + 1, first_step + len(train_losses) + 1)
     ax.plot(steps, train_losses, linewidth=0.8, alpha=0.45, color="C0", label="train: each step's batch")
     if len(train_losses) >= 5 * SMOOTH:  # shorter runs: too few points to smooth
         h = SMOOTH // 2  # centred: a trailing mean would lag the fast early fall
@@ -59,10 +60,10 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = ""):
         ax.plot(vs, vl, "o", markersize=5, color="C1",  # points only: a line between evaluations 100 steps
                 label="validation (held-out end of the text)")  # apart would draw a curve nobody measured
     if len(skipped_at):
-        ax.plot([s + 1 for s in skipped_at], [train_losses[s] for s in skipped_at], "x", color="red",
+        ax.plot([s + 1 for s in skipped_at], [train_losses[s - first_step] for s in skipped_at], "x", color="red",
                 label="step skipped (fp16 overflow)")
     ax.axhline(math.log(256), color="0.5", linewidth=0.8, linestyle=":")
-    ax.text(len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
+    ax.text(first_step + len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
             va="bottom", fontsize=7, color="0.4")
     ax.set_xlabel("optimizer step")
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers: no tick at 2.5

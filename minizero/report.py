@@ -205,7 +205,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
                             result["skipped_at"],
                             f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
-                            f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}")
+                            f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}",
+                            first_step=result.start_step)
     if loss_plot == MISSING and no_memory_plot:
         print(NO_PLOTS)
     else:

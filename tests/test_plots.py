@@ -100,3 +100,17 @@ def test_compare_png_axis_holds_every_bar_and_marker(tmp_path, monkeypatch):
     tallest = max(p.get_y() + p.get_height() for p in ax.patches)
     assert tallest == pytest.approx(max((3 + i) * (len(SHOWN) - 1) + off for i, off in enumerate([0, 17, 6])))
     assert ax.get_ylim()[1] > tallest and ax.get_ylim()[1] > max((3 + i) * 8 for i in range(3))
+
+
+def test_a_resumed_run_s_curve_and_skipped_steps_sit_at_their_own_steps():
+    """Before: a run resumed at step 100 drew its losses at steps 1-5, and a step skipped after the resume
+    (skipped_at holds step numbers, not list indices) raised IndexError after the weights were saved."""
+    losses = [3.0, 2.9, 2.8, 2.7, 2.6]
+    fig = loss_figure(plt, losses, [(100, 3.1), (105, 2.5)], skipped_at=[102], first_step=100)
+    try:
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        assert list(lines["train: each step's batch"].get_xdata()) == [101, 102, 103, 104, 105]
+        skipped = lines["step skipped (fp16 overflow)"]
+        assert list(skipped.get_xdata()) == [103] and list(skipped.get_ydata()) == [2.8]
+    finally:
+        plt.close(fig)
