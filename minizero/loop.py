@@ -2,8 +2,8 @@
 
 One step: ``strategy.forward_backward`` (m micro-batches, loss scaled by S), ``reduce_gradients``, the scaler's
 update (skip on any rank's overflow), norm = sqrt(``grad_norm_sq``)/S, ``step(lr, clip/S)``, ``zero_grad``. A
-skipped step advances neither Adam's t nor the schedule. Everything else is a callback at named points
-(:mod:`minizero.callbacks`; the main job's list: :func:`minizero.instrumentation.default_callbacks`).
+skipped step advances neither Adam's t nor the LR schedule (as DeepSpeed's engine). Everything else is a callback at
+named points (:mod:`minizero.callbacks`; the main job's list: :func:`minizero.instrumentation.default_callbacks`).
 """
 
 from __future__ import annotations

@@ -246,6 +246,8 @@ def test_injected_inf_on_one_rank_skips_the_step_everywhere(stage, monkeypatch):
         assert res["loss_scales"] == [1024.0, 1024.0, 1024.0, 512.0, 512.0]
         assert np.isnan(res["grad_norms"][2]) and np.isfinite(res["grad_norms"][3])
         assert res["opt"].step_count == 4
+        # nor the schedule (as DeepSpeed): step 3 gets the rate step 2 had, then the warmup goes on
+        assert res["lrs"][3] == res["lrs"][2] and len(set(res["lrs"])) == 4, res["lrs"]
     assert len(snaps) == 2
     for per_rank in snaps.values():
         for a, b in zip(per_rank[2], per_rank[3]):
