@@ -105,6 +105,9 @@ def fraction(text) -> float:
 def main(argv=None) -> int:
     parser = build_parser()
     ours, argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.max_fraction is not None and not ours.check:  # it did nothing: a check the user thinks ran
+        parser.error(f"--max-fraction {ours.max_fraction:g} only applies with --check (the limit --check tests); "
+                     "add --check or drop --max-fraction")
     comm = MPICommunicator(MPI.COMM_WORLD)
     try:  # every rank checks the train flags; all refuse together (a lone refusal would leave the rest waiting)
         args, refusal = parse_args(argv, comm.world_size, quiet=True), None

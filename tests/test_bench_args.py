@@ -108,6 +108,7 @@ def test_allreduce_min_bytes_zero_exits_at_once():  # it looped forever, allocat
     (["--max-fraction", "nan"], "argument --max-fraction: 'nan': allowed: a number in (0, 1]"),
     (["--max-fraction", "-1"], "argument --max-fraction: '-1'"),
     (["--zero", "7"], "--zero"),
+    (["--max-fraction", "0.25"], "--max-fraction 0.25 only applies with --check"),  # before: ran, checked nothing
 ])
 def test_setup_peak_refuses_bad_flags(argv, says):
     r = script("bench_setup_peak", *argv)
