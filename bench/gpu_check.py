@@ -48,7 +48,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
-from minizero.numerals import real, negative_values_reach_checks  # noqa: E402
+from minizero.numerals import integer, negative_values_reach_checks, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import _machine  # noqa: E402  (the source line every benchmark prints)
@@ -369,7 +369,7 @@ def parse_peak(text: str | None, name: str) -> tuple[float | None, float | None]
     """(FP16, FP32) peak FLOP/s: ``--peak-tflops X`` (both) or ``X,Y``, else :data:`PEAKS` by name."""
     if text:
         try:
-            vals = [float(v) * 1e12 for v in text.split(",")]
+            vals = [real(v) * 1e12 for v in text.split(",")]  # ASCII only: not '１' nor '1_0'
         except ValueError:
             vals = []
         if len(vals) not in (1, 2) or not all(0 < v < float("inf") for v in vals):
@@ -387,7 +387,7 @@ def check_flags(parser, args) -> tuple[int, int]:
     if not 0 < args.budget_s <= MAX_BUDGET_S:
         parser.error(f"--budget-s must be a number of seconds in (0, {MAX_BUDGET_S}], got {args.budget_s}")
     try:
-        steps = tuple(int(s) for s in args.steps.split(","))
+        steps = tuple(integer(s) for s in args.steps.split(","))
     except ValueError:
         steps = ()
     if len(steps) != 2 or not 1 <= steps[0] < steps[1] <= MAX_STEPS:

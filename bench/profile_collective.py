@@ -31,6 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _args  # noqa: E402
 import _machine  # noqa: E402
 from minizero.numerals import integer, negative_values_reach_checks  # noqa: E402
 
@@ -107,35 +108,43 @@ def table(results) -> str:
     return "\n".join(rows)
 
 
-def main():
-    parser = negative_values_reach_checks(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    parser.add_argument("--launch", type=integer, metavar="N",
-                        help="run this script under mpiexec -n N (a power of two)")
-    parser.add_argument("--sizes", default="4096,16384,65536",
-                        help="comma-separated array sizes in bytes (multiples of 4)")
-    parser.add_argument("--runs", type=integer, default=50, help="timed runs of 20 calls per layer and size")
-    parser.add_argument("--warmup", type=integer, default=200, help="untimed calls per layer and size")
-    args = parser.parse_args()
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    except ValueError:
-        parser.error(f"--sizes {args.sizes!r}: give comma-separated integers (bytes)")
+def float32_sizes(text) -> list[int]:
+    """``type=``: comma-separated array sizes in bytes, positive multiples of 4 (float32) up to the largest
+    all_reduce still sends by recursive doubling."""
     from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
 
-    if any(s > SMALL_ALLREDUCE_MAX_BYTES for s in sizes):
-        parser.error(f"--sizes {args.sizes!r}: at most {SMALL_ALLREDUCE_MAX_BYTES} bytes (above it all_reduce "
-                     "runs the ring, not the recursive doubling profiled here)")
-    if any(s <= 0 or s % 4 for s in sizes):
-        parser.error(f"--sizes {args.sizes!r}: each size must be a positive multiple of 4 bytes (float32)")
-    if args.runs < 1 or args.warmup < 0:
-        parser.error(f"--runs {args.runs} / --warmup {args.warmup}: need --runs >= 1 and --warmup >= 0")
+    try:
+        sizes = [integer(v) for v in str(text).split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(0 < s <= SMALL_ALLREDUCE_MAX_BYTES and s % 4 == 0 for s in sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: allowed: comma-separated sizes in bytes, positive multiples of 4 (float32) up to "
+            f"{SMALL_ALLREDUCE_MAX_BYTES} (above it all_reduce runs the ring, not the recursive doubling profiled "
+            "here), e.g. 4096,16384")
+    return sizes
+
+
+def main():
+    parser = negative_values_reach_checks(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--launch", type=_args.world_size, metavar="N",
+                        help="run this script under mpiexec -n N (a power of two)")
+    parser.add_argument("--sizes", type=float32_sizes, default="4096,16384,65536",
+                        help="comma-separated array sizes in bytes (multiples of 4)")
+    parser.add_argument("--runs", type=_args.count, default=50, help="timed runs of 20 calls per layer and size")
+    parser.add_argument("--warmup", type=_args.at_least(0), default=200, help="untimed calls per layer and size")
+    args = parser.parse_args()
+    sizes = args.sizes
+    from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
+
     if args.launch is not None:
         if args.launch < 2 or args.launch & (args.launch - 1):
             parser.error(f"--launch {args.launch}: needs a power of two >= 2 (recursive doubling without a fold)")
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.launch), sys.executable,
-               os.path.abspath(__file__), "--sizes", args.sizes, "--runs", str(args.runs), "--warmup", str(args.warmup)]
+               os.path.abspath(__file__), "--sizes", ",".join(map(str, sizes)), "--runs", str(args.runs),
+               "--warmup", str(args.warmup)]
         sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)
     malloc = _machine.set_malloc(False)  # as the main job
     from minizero.comm import world

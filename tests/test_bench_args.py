@@ -160,8 +160,46 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
     ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
     ("bench_quantization", ["--only", "1,6"], "--only '1,6': allowed: comma-separated table numbers from 1, 2"),
-    ("profile_collective", ["--sizes", "-4,8"], "--sizes '-4,8': each size must be a positive multiple of 4"),
+    ("profile_collective", ["--sizes", "-4,8"], "argument --sizes: '-4,8': allowed: comma-separated sizes in bytes"),
+    ("profile_collective", ["--sizes", "0"], "argument --sizes: '0': allowed: comma-separated sizes in bytes, "
+                                             "positive multiples of 4"),
+    ("profile_collective", ["--sizes", "4096,x"], "argument --sizes: '4096,x': allowed"),
+    ("profile_collective", ["--sizes", "４０９６"], "argument --sizes: '４０９６': allowed"),  # int() read it as 4096
+    ("profile_collective", ["--sizes", "4_096"], "argument --sizes: '4_096': allowed"),  # int() read it as 4096
+    ("profile_collective", ["--sizes", "1048576000"], "argument --sizes: '1048576000': allowed"),
+    ("profile_collective", ["--runs", "0"], "argument --runs: '0' is below 1; allowed: an integer >= 1"),
+    ("profile_collective", ["--runs", "nan"], "argument --runs: invalid int value: 'nan'; allowed: an integer"),
+    ("profile_collective", ["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    ("profile_collective", ["--launch", "０"], "argument --launch: invalid int value: '０'"),
+    ("profile_collective", ["--launch", "-2"], "argument --launch: '-2': allowed: a number of ranks in [1, 64]"),
+    ("profile_collective", ["--launch", "3"], "--launch 3: needs a power of two >= 2"),
 ])
 def test_other_scripts_refuse_bad_flags(name, argv, says):
     r = script(name, *argv)
     assert r.returncode == 2 and f"{name}.py: error: {says}" in r.stderr, r.stderr
+
+
+GPU_CHECK_CASES = [
+    (["--peak-tflops", "１００"], "--peak-tflops '１００': give one or two positive finite numbers"),
+    (["--peak-tflops", "1_000"], "--peak-tflops '1_000': give one or two positive finite numbers"),
+    (["--peak-tflops", "0"], "--peak-tflops '0': give one or two positive finite numbers"),
+    (["--peak-tflops", "100,-5"], "--peak-tflops '100,-5': give one or two positive finite"),
+    (["--peak-tflops", "nan"], "--peak-tflops 'nan': give one or two positive finite numbers"),
+    (["--peak-tflops", "fast"], "--peak-tflops 'fast': give one or two positive finite numbers"),
+    (["--steps", "３,８"], "--steps '３,８': give K,K+S, two integers with 1 <= K < K+S"),
+    (["--steps", "3,1_0"], "--steps '3,1_0': give K,K+S"),
+    (["--steps", "0,8"], "--steps '0,8': give K,K+S"),
+    (["--steps", "-3,8"], "--steps '-3,8': give K,K+S"),
+    (["--steps", "nan,8"], "--steps 'nan,8': give K,K+S"),
+    (["--budget-s", "０"], "argument --budget-s: invalid float value: '０'"),
+    (["--budget-s", "-1"], "--budget-s must be a number of seconds in (0, 86400], got -1.0"),
+    (["--budget-s", "nan"], "--budget-s must be a number of seconds in (0, 86400], got nan"),
+]
+
+
+@pytest.mark.parametrize("argv,says", GPU_CHECK_CASES)
+def test_gpu_check_reads_numbers_in_ascii_and_in_range(tmp_path, argv, says):
+    """Before: float()/int() read '１００', '1_000' and '３,８'; the check then ran on them."""
+    r = script("gpu_check", *argv, "--json", str(tmp_path / "g.json"))
+    assert r.returncode == 2 and f"gpu_check.py: error: {says}" in r.stderr, r.stderr
+    assert not (tmp_path / "g.json").exists()
