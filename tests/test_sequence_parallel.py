@@ -10,6 +10,7 @@ import tests.mp_reference as R
 from minizero.args import UsageError
 from minizero.autograd import Tensor
 from minizero.comm import run_in_threads
+from minizero.comm.collectives import bytes_sent
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
 from minizero.memory.estimator import layer_activation_bytes
@@ -106,6 +107,42 @@ def test_sequence_parallel_with_data_parallel_equals_single_process(extra):
     ref = run_in_threads(1, R.run_single, "tiny", 4, 1)[0]
     got = run_in_threads(4, R.run_parallel, "tiny", 2, 2, 2, 1, 1, "1f1b", ["--sequence-parallel", *extra])
     R.assert_matches(ref, got, f"dp 2 tp 2 sequence parallel {extra}")
+
+
+def _embedding_exit(comm, cfg, idx, g):
+    """The first stage's wte(idx) + wpe(pos) -> drop with sequence parallelism: output, grads, traffic each way."""
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    tensor_parallelize(stage, comm)
+    vocab_parallelize(stage, comm)
+    sequence_parallelize(stage, comm)
+    tr, n = stage.transformer, idx.shape[1] // comm.world_size
+    start = comm.traffic.snapshot()["by_op"]
+    x = tr["drop"](tr["wte"](idx) + tr["wpe"](np.arange(idx.shape[1])))
+    mid = comm.traffic.snapshot()["by_op"]
+    (x * Tensor(g[:, comm.rank * n:(comm.rank + 1) * n].copy())).sum().backward()
+    end = comm.traffic.snapshot()["by_op"]
+    diff = [{k: b[k] - a.get(k, 0) for k in b if b[k] != a.get(k, 0)} for a, b in ((start, mid), (mid, end))]
+    return x.data, tr["wte"].weight.grad, tr["wpe"].weight.grad, *diff
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_the_embedding_exit_is_a_reduce_scatter_along_the_sequence(t):
+    """Forward one reduce-scatter of (b, s, h), (t-1)/t of it (an all-reduce sends twice that), backward one
+    all-gather; wpe is counted once and every rank's wte rows and wpe get the unsplit model's gradients, bitwise."""
+    cfg = get_config("default", dtype="float64", block_size=32)
+    b, s, h = 2, cfg.block_size, cfg.n_embd
+    rng = np.random.default_rng(0)
+    idx, g = rng.integers(0, cfg.vocab_size, (b, s)), rng.normal(size=(b, s, h))
+    tr = GPT(cfg, seed=0).transformer
+    ref = tr["drop"](tr["wte"](idx) + tr["wpe"](np.arange(s)))
+    (ref * Tensor(g)).sum().backward()
+    for r, (x, gwte, gwpe, fwd, bwd) in enumerate(run_in_threads(t, _embedding_exit, cfg, idx, g)):
+        n = s // t
+        np.testing.assert_array_equal(x, ref.data[:, r * n:(r + 1) * n])
+        np.testing.assert_array_equal(gwte, shard_array(tr["wte"].weight.grad, 0, r, t))
+        np.testing.assert_array_equal(gwpe, tr["wpe"].weight.grad)
+        assert fwd == {"reduce_scatter": bytes_sent("reduce_scatter", b * s * h, 8, t, r)}  # no all_reduce
+        assert bwd == {"all_gather": bytes_sent("all_gather", b * s * h, 8, t, r)}
 
 
 def _measure_stage(comm, cfg, b, mode):

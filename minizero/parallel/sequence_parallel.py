@@ -3,8 +3,10 @@
 Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). f becomes ḡ, an all-gather along s (backward:
 reduce-scatter), fused with the column-parallel GEMM; g becomes a reduce-scatter along s (backward:
 all-gather). Bytes equal tensor parallelism's; activations outside the tensor region shrink by t.
+The embedding leaves by a reduce-scatter too: the vocabulary-parallel partial sums plus wpe, added on tensor
+rank 0 only (Megatron-core's ``LanguageModelEmbedding`` reduce-scatters only without learned positions).
 Source: Korthikanti et al., arXiv:2205.05198, section 4.2.2, figure 5, Table 2; Megatron-LM
-``core/tensor_parallel/mappings.py``, ``finalize_model_grads``.
+``core/tensor_parallel/mappings.py``, ``finalize_model_grads``, ``VocabParallelEmbedding(reduce_scatter_embeddings)``.
 """
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
-from minizero.nn.module import Module
+from minizero.nn.module import Embedding, Module
 from minizero.parallel.tensor_parallel import ColumnParallelLinear, ParallelCausalSelfAttention, RowParallelLinear
-from minizero.parallel.vocab_parallel import ParallelLMHead
+from minizero.parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 TRAFFIC_LABEL = "sequence_parallel_grads"  #: traffic label of the layer-norm / bias gradient all-reduce
 
@@ -91,6 +93,18 @@ class _ReduceScatterToSequenceParallelRegion(Function):
         return _gather_along_seq(ctx.comm, g), None
 
 
+class _OnceOverTensorGroup(Function):
+    """forward: x on tensor rank 0, zeros elsewhere (a sum over the group counts it once); backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return x if comm.rank == 0 else backend.xp.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class _GatheredLinear(Function):
     """ḡ fused with a column-parallel GEMM: y = all_gather_s(x) W^T + b, saving only x's slice.
 
@@ -149,6 +163,12 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
     return _ReduceScatterToSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
 
 
+def once_over_tensor_group(x: Tensor, comm) -> Tensor:
+    """A replicated x as one term of a sum over the group — forward: x on rank 0, zeros elsewhere, backward: identity
+    (every rank's replicated x gets the sum's whole gradient)."""
+    return _OnceOverTensorGroup.apply(x, comm) if comm.world_size > 1 else x
+
+
 def gathered_linear(x: Tensor, weight, comm, bias=None) -> Tensor:
     """all_gather_s(x) W^T + b, x (b, s/t, in) -> (b, s, out/t); forward: all-gather, backward: reduce-scatter."""
     args = (x, weight, comm) + ((bias,) if bias is not None else ())
@@ -202,15 +222,44 @@ class SequenceParallelDropout(Module):
         return _SequenceSliceDropout.apply(x, self.p, n * self.comm.world_size, self.comm.rank * n)
 
 
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """The vocabulary-parallel token embedding left unsummed: idx (b, s) -> this rank's partial (b, s, C).
+
+    :class:`EnterSequenceParallelRegion` sums the partials (Megatron-core: ``reduce_scatter_embeddings``).
+    """
+
+    def __init__(self, emb: VocabParallelEmbedding):
+        Module.__init__(self)
+        self.weight, self.comm, self.vocab_start = emb.weight, emb.comm, emb.vocab_start
+
+    def forward(self, idx):
+        return self.partial(idx)
+
+
+class SequenceParallelPositionEmbedding(Embedding):
+    """wpe (replicated) as one term of the partial sums: rows (s, C) on tensor rank 0, zeros on the others, so the
+    exit's reduce-scatter adds them once; backward identity: every rank's wpe gets the whole gradient, as before."""
+
+    def __init__(self, weight, comm):
+        Module.__init__(self)
+        self.weight, self.comm = weight, comm
+
+    def forward(self, pos):
+        return once_over_tensor_group(super().forward(pos), self.comm)
+
+
 class EnterSequenceParallelRegion(Module):
-    """The embedding's exit: (b, s, h) replicated -> this rank's rows (b, s/t, h), then dropout."""
+    """The embedding's exit: partial sums (b, s, h) -> this rank's rows of their sum (b, s/t, h), then dropout.
+
+    Forward: one reduce-scatter along s, (t-1)/t bsh e bytes (half an all-reduce); backward: one all-gather.
+    """
 
     def __init__(self, p: float, comm):
         super().__init__()
         self.comm, self.dropout = comm, SequenceParallelDropout(p, comm)
 
     def forward(self, x):
-        return self.dropout(scatter_to_sequence_parallel_region(x, self.comm))
+        return self.dropout(reduce_scatter_to_sequence_parallel_region(x, self.comm))
 
 
 class SequenceParallelAttention(ParallelCausalSelfAttention):
@@ -243,7 +292,7 @@ class SequenceParallelLMHead(ParallelLMHead):
 def sequence_parallelize(stage, comm) -> list[str]:
     """Split a tensor- and vocab-parallel stage over ``comm`` with sequence parallelism, in place (no-op for t = 1).
 
-    Returns the converted module names. Raises TypeError: the blocks are not tensor-parallel yet;
+    Returns the converted module names. Raises TypeError: the blocks not tensor-parallel, wte not vocab-parallel;
     ValueError (in forward): t does not divide the sequence length.
     """
     if comm.world_size == 1:
@@ -251,6 +300,8 @@ def sequence_parallelize(stage, comm) -> list[str]:
     if not all(isinstance(b.mlp.c_fc, ColumnParallelLinear) for b in stage.transformer["h"]):
         raise TypeError("sequence_parallelize needs a tensor-parallel stage: call tensor_parallelize first")
     tr, done = stage.transformer, []
+    if stage.is_first and not isinstance(tr["wte"], VocabParallelEmbedding):
+        raise TypeError("sequence_parallelize needs a vocabulary-parallel embedding: call vocab_parallelize first")
     for name, block in tr["h"]._modules.items():
         block.attn = SequenceParallelAttention(block.attn, comm)
         mlp = block.mlp
@@ -260,9 +311,11 @@ def sequence_parallelize(stage, comm) -> list[str]:
         _mark_sp(block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
                  block.attn.c_proj.bias, mlp.c_proj.bias)
         done += [f"transformer.h.{name}.attn", f"transformer.h.{name}.mlp"]
-    if stage.is_first:
+    if stage.is_first:  # wte(idx) + wpe(pos): partial sums, reduce-scattered by drop
+        tr.wte = SequenceParallelEmbedding(tr["wte"])
+        tr.wpe = SequenceParallelPositionEmbedding(tr["wpe"].weight, comm)
         tr.drop = EnterSequenceParallelRegion(tr["drop"].p, comm)
-        done.append("transformer.drop")
+        done += ["transformer.wte", "transformer.wpe", "transformer.drop"]
     if stage.is_last:
         _mark_sp(tr["ln_f"].weight, tr["ln_f"].bias)
         stage.lm_head = SequenceParallelLMHead(stage.lm_head.weight, comm)

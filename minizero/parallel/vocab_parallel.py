@@ -40,7 +40,8 @@ class _MaskedEmbedding(Function):
 class VocabParallelEmbedding(Module):
     """Token embedding, rows [lo, lo + V/tp) here (zeros elsewhere). idx (b, T) int -> (b, T, C) on every rank.
 
-    weight (V/tp, C), ``partition_dim`` 0. Forward: one all-reduce of (b, T, C) (g); backward: none.
+    weight (V/tp, C), ``partition_dim`` 0. Forward: one all-reduce of (b, T, C) (g); backward: none. (Sequence
+    parallelism sums :meth:`partial` by a reduce-scatter instead: ``sequence_parallel.SequenceParallelEmbedding``.)
     """
 
     def __init__(self, weight, comm, vocab_start: int):
@@ -54,11 +55,14 @@ class VocabParallelEmbedding(Module):
         w = shard_array(emb.weight.data, 0, comm.rank, comm.world_size)
         return cls(w, comm, comm.rank * w.shape[0])
 
-    def forward(self, idx):
+    def partial(self, idx):
+        """This rank's term of the sum, idx (b, T) -> (b, T, C): its tokens' rows, zero rows for the others'."""
         local = idx - self.vocab_start
         keep = (local >= 0) & (local < self.weight.shape[0])
-        out = _MaskedEmbedding.apply(self.weight, backend.xp.where(keep, local, 0), keep)
-        return reduce_from_tensor_parallel_region(out, self.comm)
+        return _MaskedEmbedding.apply(self.weight, backend.xp.where(keep, local, 0), keep)
+
+    def forward(self, idx):
+        return reduce_from_tensor_parallel_region(self.partial(idx), self.comm)
 
 
 class ParallelLMHead(Module):
