@@ -62,12 +62,16 @@ RANK_THREADS = "threads per rank: cores / ranks on the node, as the main job set
 
 
 def header(threads: str | None = None) -> str:
-    """One line: date (UTC), CPU and core count, BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source.
+    """One line: date (UTC), CPU and core count, NumPy's version (its casts and ufunc loops change between
+    releases), BLAS library/kernel/threads, OPENBLAS_CORETYPE, the source.
     ``threads``: what to print for the BLAS threads instead of this process's (e.g. :data:`RANK_THREADS`)."""
+    import numpy as np
+
     forced = os.environ.get("OPENBLAS_CORETYPE")
     usable = cores()
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | {blas(threads)} | "
+            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | numpy {np.__version__} | "
+            f"{blas(threads)} | "
             f"OPENBLAS_CORETYPE={'unset' if forced is None else forced} | {source()}")
 
 

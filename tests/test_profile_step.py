@@ -2,6 +2,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -126,3 +127,4 @@ def test_bench_header_names_this_process_s_blas_threads_or_the_ranks_rule():
     own, ranks = _machine.header(), _machine.header(_machine.RANK_THREADS)
     assert f"{blas[0]['num_threads']} threads)" in own and f"{_machine.RANK_THREADS})" in ranks
     assert "threads)" not in ranks and "OPENBLAS_CORETYPE=" in ranks
+    assert f"| numpy {np.__version__} |" in own  # casts and ufunc loops change speed between NumPy releases
