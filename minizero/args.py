@@ -74,8 +74,8 @@ def check_fault_spec(world_size: int | None = None, steps: int | None = None) ->
     if world_size is not None and int(parts[0]) >= world_size:
         raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
     if steps is not None and int(parts[1]) >= steps:
-        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {int(parts[1])}; --steps {steps} runs steps "
-                         f"0..{steps - 1}")
+        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {int(parts[1])} (0-based: the progress log's step "
+                         f"{int(parts[1]) + 1}); --steps {steps} allows 0..{steps - 1}")
 
 
 def _check_loss_scaling(args) -> None:
@@ -241,7 +241,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if not 0 <= args.prune_sparsity < 1:
         raise UsageError(f"--prune-sparsity must be in [0, 1), got {args.prune_sparsity}")
     if args.prune_sparsity and not 0 <= args.prune_step < args.steps:
-        raise UsageError(f"--prune-step must be in [0, steps={args.steps}), got {args.prune_step}")
+        raise UsageError(f"--prune-step must be in [0, steps={args.steps}) (the steps trained dense before the masks "
+                         f"are made), got {args.prune_step}")
     per_step = args.micro_batch_size * dp
     if args.batch_size is not None:
         if args.batch_size % per_step:
@@ -321,8 +322,8 @@ def check_steps_left(args) -> None:
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     if isinstance(step, int) and step >= args.steps:
-        raise UsageError(f"--resume {args.resume!r} is at step {step}; --steps {args.steps} leaves nothing to "
-                         f"train (give --steps > {step}, the total including the steps already run)")
+        raise UsageError(f"--resume {args.resume!r} was saved after step {step}; --steps {args.steps} leaves nothing "
+                         f"to train (give --steps > {step}, the total including the steps already run)")
 
 
 def model_config(args):

@@ -1,11 +1,12 @@
 """Fault injection for tests: ``MINIZERO_FAULT=RANK:STEP:KIND``, installed by the training loop as a callback.
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this
-rank's gradients become non-finite) at optimizer step STEP on rank RANK, or ``diverge`` (after step STEP's update, this
-rank's first parameter moves by 1e-3: a replica that drifted) or ``slow`` (from step STEP on, this rank sleeps 50 ms at
-every step start: a straggler); ``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not
-here. ``inf`` reaches the gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so
-it runs before the hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
+rank's gradients become non-finite) at optimizer step STEP on rank RANK (0-based: STEP 0 is the progress log's step 1),
+or ``diverge`` (after step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted) or ``slow``
+(from step STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save`` fires inside the
+checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
+post-accumulate-grad hook on every parameter (registered first, so it runs before the hooks with which data parallelism
+and ZeRO pack a finished gradient): no technique knows.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class FaultInjector(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "stop":  # a stalled rank: the others must time out (--comm-timeout), not hang
             os.kill(os.getpid(), signal.SIGSTOP)
-        raise RuntimeError(f"injected fault (MINIZERO_FAULT={self.spec})")
+        raise RuntimeError(f"injected fault at step {step + 1} (MINIZERO_FAULT={self.spec}: 0-based step {step})")
 
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False

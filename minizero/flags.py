@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prune-sparsity", type=real, default=0.0,
                    help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
     p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
-    p.add_argument("--prune-step", type=integer, default=0, help="optimizer step at whose start the masks are made")
+    p.add_argument("--prune-step", type=integer, default=0,
+                   help="steps trained dense before the masks are made (0: from the start; K: before step K+1)")
     p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
     p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
     p.add_argument("--sample-tokens", type=integer, default=200, help="bytes of text to generate at the end")

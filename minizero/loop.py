@@ -35,14 +35,16 @@ class TrainingDiverged(FloatingPointError):
 
 
 def check_finite_norm(step: int, norm: float) -> None:
-    """Raise :class:`TrainingDiverged` before an update that would write inf/NaN into the weights."""
+    """Raise :class:`TrainingDiverged` before an update that would write inf/NaN into the weights; ``step``: as the
+    progress log counts (1-based: the loop's step index + 1)."""
     if not math.isfinite(norm):
         raise TrainingDiverged(f"step {step}: the gradient norm is {norm}; training diverged (lower --lr, "
                                f"or use --precision fp16, whose loss scaler skips such steps); no update was applied")
 
 
 def check_finite_loss(step: int, what: str, loss: float) -> None:
-    """Raise :class:`TrainingDiverged` when a training or validation loss is inf/NaN (weights overflowed)."""
+    """Raise :class:`TrainingDiverged` when a training or validation loss is inf/NaN (weights overflowed); ``step``:
+    the progress log's number for that loss line (1-based; validation: the steps done)."""
     if not math.isfinite(loss):
         raise TrainingDiverged(f"step {step}: the {what} loss is {loss}; training diverged: the weights overflowed "
                                f"(lower --lr, or use --precision fp16, whose loss scaler skips such steps)")
@@ -54,8 +56,8 @@ class TrainResult:
 
     ``model``: the whole GPT (the local one when tp = pp = 1, else gathered on rank 0, None elsewhere);
     ``train_losses``, ``grad_norms`` (nan for a skipped step), ``loss_scales``, ``lrs``: one per step run;
-    ``skipped_at``: the steps FP16 skipped, 0-based (step k is the progress log's "step k+1"), an index into the
-    per-step lists (k - ``start_step`` after ``--resume``: they hold only the steps this run ran);
+    ``skipped_at``: the steps FP16 skipped, 0-based (k is the progress log's "step k+1"), index k - ``start_step``
+    into the per-step lists (they hold only this run's steps; ``start_step``, 0 unless resumed, is in summary.json);
     ``val_history``: [(step, loss)]; ``state_bytes``: ledger model-state bytes at the first step; ``traffic``: bytes
     sent per group; ``setup_peak``: the ledger's peaks before the first step; ``train_process_peak``: tracemalloc's peak
     over the steps (0 when off); ``start_step``: 0 or the resumed checkpoint's; ``applied``: optimizer steps taken in
@@ -183,7 +185,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
             out.skipped_at.append(step)
         else:  # clipping on the unscaled global norm, folded with 1/scale into the update
             norm = math.sqrt(s.grad_norm_sq()) / scale
-            check_finite_norm(step, norm)
+            check_finite_norm(step + 1, norm)  # the log's step number
             s.step(lr, grad_scale=clip_coefficient(norm, args.grad_clip) / scale)
             run.applied += 1
             if run.pruner is not None:  # Adam's momentum (and any state from before pruning) must not revive them
@@ -195,7 +197,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
             mean_loss = float(backend.to_host(all_reduce(comm, backend.to_device(np.array([mine]))))[0]) / s.topo.dp
         out.train_losses.append(mean_loss)
         if scaler is None:  # FP16 may see an inf loss on a step it skips; FP32 has no such excuse
-            check_finite_loss(step, "training", mean_loss)
+            check_finite_loss(step + 1, "training", mean_loss)
         cb.on_step_end(run, step, StepRecord(mean_loss, lr, scale, norm, len(out.skipped_at)))
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             out.val_history.append((step + 1, s.evaluate(val_set)))

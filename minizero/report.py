@@ -142,7 +142,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"],
-        category_peaks=[s["peak"] for s in stats])
+        category_peaks=[s["peak"] for s in stats], first_step=result.start_step)
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
@@ -188,7 +188,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "precision": args.precision,
         "loss_scale": result["loss_scales"],
         "skipped_steps": result["skipped_steps"],
-        "skipped_at": result["skipped_at"],  # 0-based: step k is the progress log's "step k+1" (see TrainResult)
+        "start_step": result.start_step,  # the step a resumed run started from (0: a fresh run); per-step lists
+        # (train_loss, grad_norm, loss_scale) hold this run's steps only: entry i is the progress log's step
+        # start_step + i + 1
+        "skipped_at": result["skipped_at"],  # 0-based: k is the progress log's "step k+1", list index k - start_step
         "loss_spikes": result.loss_spikes,
         "time_per_rank": result.time_per_rank,
         "optimizer": args.optimizer, "quantized_comm": args.quantized_comm,

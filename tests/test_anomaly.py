@@ -21,7 +21,7 @@ def test_an_inf_weight_is_named_at_the_module_that_used_it_with_the_ranges():
     with pytest.raises(AnomalyError) as e:
         model(idx)
     msg = str(e.value)
-    assert msg.startswith("rank 3 step 7: forward of module 'transformer.h.1.mlp.c_fc' (Linear) made non-finite "
+    assert msg.startswith("rank 3 step 8: forward of module 'transformer.h.1.mlp.c_fc' (Linear) made non-finite "
                           "values from finite inputs: inputs in ["), msg
     assert "parameters in [" in msg and "1 of " in msg and "not finite" in msg.split("output in")[1], msg
 
@@ -40,7 +40,8 @@ def test_finite_runs_and_validation_forwards_are_not_reported():
 
 @pytest.mark.parametrize("skipped_at,told", [([4], "skipped"), ([], "did not skip")])
 def test_under_fp16_the_finding_says_the_progress_log_s_step_number(capsys, skipped_at, told):
-    """Before: "rank 0 step 4: ...; the loss scaler skipped this step: True", step 4 being the log's step 5."""
+    """Before: "rank 0 step 4: ...; the loss scaler skipped this step: True", step 4 being the log's step 5; then
+    "rank 0 step 4: ...; the loss scaler skipped this step (the progress log's step 5)": two numbers for one step."""
     from types import SimpleNamespace
     model, idx = _model()
     model.transformer.h[1].mlp.c_fc.weight.data[0, 0] = np.inf
@@ -50,8 +51,8 @@ def test_under_fp16_the_finding_says_the_progress_log_s_step_number(capsys, skip
         model(idx)
     detector.on_step_end(SimpleNamespace(result=SimpleNamespace(skipped_at=skipped_at)), 4, None)
     err = capsys.readouterr().err
-    assert err.startswith("minizero.train: rank 0 step 4: forward of module"), err
-    assert err.rstrip().endswith(f"; the loss scaler {told} this step (the progress log's step 5)"), err
+    assert err.startswith("minizero.train: rank 0 step 5: forward of module"), err  # loop step 4: the log's step 5
+    assert err.rstrip().endswith(f"; the loss scaler {told} this step"), err
 
 
 def _train(comm, extra):
@@ -64,11 +65,26 @@ def _train(comm, extra):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra", [[], ["--zero", "2"]])
 def test_an_injected_inf_gradient_is_named_with_parameter_rank_and_step(monkeypatch, extra):
-    monkeypatch.setenv("MINIZERO_FAULT", "1:1:inf")  # rank 1's gradients become inf at step 1
+    monkeypatch.setenv("MINIZERO_FAULT", "1:1:inf")  # rank 1's gradients become inf at step 1 (0-based)
     with pytest.raises(AnomalyError) as e:
         run_in_threads(2, _train, extra, timeout=240)
     msg = str(e.value)
-    assert "rank 1 step 1: backward: the gradient of parameter 'transformer." in msg and "not finite" in msg, msg
+    assert "rank 1 step 2: backward: the gradient of parameter 'transformer." in msg and "not finite" in msg, msg
+
+
+@pytest.mark.timeout(120)
+def test_under_fp16_the_finding_names_the_log_line_that_shows_the_skip(monkeypatch, capsys):
+    """Before: the log's "step 2/3 ... skipped 1" line was told as "rank 0 step 1: ..." on stderr."""
+    from minizero.train import parse_args, train
+    monkeypatch.setenv("MINIZERO_FAULT", "0:1:inf")  # 0-based: the second step's gradients become inf
+    args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--no-save",
+                       "--precision", "fp16", "--detect-anomaly", "--progress", "log", "--log-every", "1"], 1)
+    run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=100)
+    out, err = capsys.readouterr()
+    skipped = [ln.split()[1] for ln in out.splitlines() if ln.startswith("step ") and "skipped 1]" in ln]
+    assert skipped[0] == "2/3", out
+    assert "minizero.train: rank 0 step 2: backward: the gradient of parameter" in err, err
+    assert err.rstrip().endswith("the loss scaler skipped this step"), err
 
 
 @pytest.mark.timeout(300)
@@ -99,10 +115,10 @@ def test_a_loss_spike_records_every_parameters_gradient_norm():
         wpe = float(np.sqrt((model.transformer.wpe.weight.grad.astype(np.float64) ** 2).sum()))
         for p in model.parameters():
             p.grad = None
-    assert [(s["step"], s["loss"], s["running_mean"]) for s in run.result.loss_spikes] == [(4, 9.0, 3.75)]
+    assert [(s["step"], s["loss"], s["running_mean"]) for s in run.result.loss_spikes] == [(4, 9.0, 3.75)]  # 0-based
     norms = run.result.loss_spikes[0]["grad_norms"]
     assert set(norms) == {n for n, _ in model.named_parameters()} and norms["transformer.wpe.weight"] == wpe
-    assert logged == ["loss spike at step 4: 9.0000 > 2 x running mean 3.7500; per-parameter gradient norms in "
+    assert logged == ["loss spike at step 5: 9.0000 > 2 x running mean 3.7500; per-parameter gradient norms in "
                       "summary.json (loss_spikes)"]
     with pytest.raises(ValueError, match="factor=1"):
         LossSpikes(model, factor=1)

@@ -245,7 +245,7 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
     for steps in ("1", "2"):
         proc, _ = _train([*TINY, "--steps", steps, "--out", str(tmp_path / "o"), "--resume", str(saved)])
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"is at step 2; --steps {steps} leaves nothing to train" in proc.stderr
+        assert f"was saved after step 2; --steps {steps} leaves nothing to train" in proc.stderr
         assert "minizero: 1 rank(s)" not in proc.stdout  # nothing built
     check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
 

@@ -151,6 +151,27 @@ def _cli(mpiexec, n, flags, env=None):
                           cwd=REPO_ROOT)
 
 
+@pytest.mark.timeout(300)
+def test_a_resumed_run_names_its_steps_as_the_progress_log_and_summary_json_says_where_it_started(mpiexec, tmp_path):
+    """summary.json's start_step maps skipped_at (0-based steps) to list indices; the resume line, the progress log,
+    the fp16 report line and skipped_at agree on one step. Before: no start_step, and "resumed from ...: step 2"."""
+    import json
+    fp16 = ["--precision", "fp16", "--dtype", "float32", "--progress", "log", "--log-every", "1", "--save-every", "2"]
+    first = _cli(mpiexec, 1, ["--out", str(tmp_path / "a"), "--steps", "2", *fp16])
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["start_step"] == 0
+    again = _cli(mpiexec, 1, ["--out", str(tmp_path / "b"), "--steps", "4", *fp16, "--resume",
+                              str(tmp_path / "a" / "checkpoints")], {"MINIZERO_FAULT": "0:2:inf"})  # 0-based 2
+    assert again.returncode == 0, again.stderr
+    assert "(saved after step 2 on dp 1" in again.stdout and "continuing at step 3" in again.stdout, again.stdout
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["start_step"] == 2 and summary["skipped_at"] == [2] and len(summary["train_loss"]) == 2
+    assert summary["grad_norm"][summary["skipped_at"][0] - summary["start_step"]] is None
+    logged = [ln for ln in again.stdout.splitlines() if ln.startswith("step ") and "  loss " in ln]
+    assert logged[0].startswith("step 3/4") and "skipped 1]" in logged[0], logged
+    assert "skipped for inf/NaN gradients (at step 3)" in again.stdout, again.stdout
+
+
 @pytest.mark.timeout(600)
 def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_path):
     """MINIZERO_FAULT=1:3:kill_in_save: rank 1 dies after writing its file of step 4, before the manifest."""
@@ -164,6 +185,7 @@ def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_pa
     resumed = _cli(mpiexec, 2, ["--out", str(out), "--save-every", "2", "--resume", str(ck)])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
+    assert "(saved after step 2 on dp 2" in resumed.stdout and "continuing at step 3" in resumed.stdout
     assert not (ck / ".tmp-step_00000004").exists()  # the partial save was cleaned
     assert sha256(str(ck / "step_00000002" / "rank00000.safetensors")) == before  # never overwritten
     a, b = np.load(tmp_path / "straight" / "model.npz"), np.load(out / "model.npz")

@@ -23,7 +23,7 @@ def test_compare_names_the_first_step_and_the_first_parameter():
     b = {"loss": [2.0, 1.5 + 1e-6, 1.3], "norm": [1.0, 0.9, 0.8], "params": {"a.w": w + 1e-17, "b.w": w + 1}}
     b["params"]["b.w"][1, 2] += 1e-3
     lines = compare(a, b, names=("X", "Y"))
-    assert lines[0].startswith("differ: first at step 1: training loss 1.5 (X) vs 1.500001 (Y)"), lines
+    assert lines[0].startswith("differ: first at step 2: training loss 1.5 (X) vs 1.500001 (Y)"), lines
     assert lines[1] == ("differ: after 3 steps the first parameter beyond 1e-10 is 'b.w' (2, 3): relative "
                         "difference 0.000167 at index (1, 2)"), lines
     assert compare(a, a)[0].startswith("same: 3 steps")
@@ -39,7 +39,7 @@ def test_data_and_tensor_parallel_agree_and_another_seed_is_located(mpiexec):
     same = _parity("--dp 2", "--tp 2")
     assert same.returncode == 0 and same.stdout.startswith("same: 3 steps"), same.stdout + same.stderr
     other = _parity("--dp 2", "--dp 2 --seed 1")
-    assert other.returncode == 1 and other.stdout.startswith("differ: first at step 0:"), other.stdout + other.stderr
+    assert other.returncode == 1 and other.stdout.startswith("differ: first at step 1:"), other.stdout + other.stderr
     bad = _parity("--dp 2", "--dp 3")  # 2 x micro-batch 2 does not divide the global batch of 8 with 3 ranks
     assert bad.returncode == 2 and "'--dp 3' failed" in bad.stderr, bad.stderr
 

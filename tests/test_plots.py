@@ -114,3 +114,18 @@ def test_a_resumed_run_s_curve_and_skipped_steps_sit_at_their_own_steps():
         assert list(skipped.get_xdata()) == [103] and list(skipped.get_ydata()) == [2.8]
     finally:
         plt.close(fig)
+
+
+def test_a_resumed_run_s_memory_peak_is_named_by_the_progress_log_s_step():
+    """Before: a run resumed after step 100 drew its memory at steps 1-5 and said "peak ... at step 3" for the
+    log's step 103."""
+    t, peaks = _timeline(ranks=1)
+    t[0, 2, CATEGORIES.index("activations")] *= 2  # the third step of this run holds the most
+    for first, step in ((0, 3), (100, 103)):
+        fig = timeline_figure(t, peaks=peaks, first_step=first)
+        try:
+            notes = " ".join(x.get_text() for x in fig.axes[0].texts)
+            assert f"MiB at step {step}" in notes, notes
+            assert fig.axes[0].get_xlim() == (first + 0.5, first + 5.5)
+        finally:
+            plt.close(fig)

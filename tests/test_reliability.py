@@ -227,7 +227,8 @@ def test_quantize_weights_given_a_folder_is_named(tmp_path):
         read_weights(str(tmp_path))
 
 
-@pytest.mark.parametrize("spec,needle", [("2:1:raise", "names rank 2"), ("1:4:kill", "names step 4")])
+@pytest.mark.parametrize("spec,needle", [
+    ("2:1:raise", "names rank 2"), ("1:4:kill", r"names step 4 \(0-based: the progress log's step 5\); --steps 4 allows 0..3")])
 def test_fault_spec_outside_the_job_is_refused(monkeypatch, spec, needle):
     from minizero.args import check_fault_spec
 

@@ -52,11 +52,11 @@ def _train(comm, extra):
 
 @pytest.mark.timeout(300)
 def test_a_drifted_replica_is_caught_at_the_step_it_drifted(monkeypatch):
-    monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge")  # rank 1's first parameter moves after step 2
+    monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge")  # rank 1's first parameter moves after 0-based step 2
     with pytest.raises(ReplicaMismatchError) as e:
         run_in_threads(2, _train, ["--check-replicas", "1"], timeout=240)
     msg = str(e.value)
-    assert "after step 2: parameter 'transformer.wte.weight'" in msg and "rank(s) [1] hold" in msg, msg
+    assert "after step 3: parameter 'transformer.wte.weight'" in msg and "rank(s) [1] hold" in msg, msg
 
 
 @pytest.mark.timeout(300)
@@ -67,9 +67,10 @@ def test_replicas_agree_in_ordinary_training_with_zero_1_and_tensor_parallelism(
 
 @pytest.mark.timeout(300)
 def test_by_default_the_replicas_are_checked_after_the_last_step_and_0_turns_it_off(monkeypatch):
-    """No flag: the check runs once, after the last step (step 3 of 4), and names the drift of step 2."""
+    """No flag: the check runs once, after the last step (the log's step 4 of 4), and finds the drift of step 3
+    (MINIZERO_FAULT's 0-based step 2)."""
     monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge")
-    with pytest.raises(ReplicaMismatchError, match=r"after step 3: parameter 'transformer.wte.weight'"):
+    with pytest.raises(ReplicaMismatchError, match=r"after step 4: parameter 'transformer.wte.weight'"):
         run_in_threads(2, _train, [], timeout=240)
     losses = run_in_threads(2, _train, ["--check-replicas", "0"], timeout=240)  # off: the drift trains on
     assert len(losses[0]) == 4
@@ -77,9 +78,10 @@ def test_by_default_the_replicas_are_checked_after_the_last_step_and_0_turns_it_
 
 @pytest.mark.timeout(300)
 def test_by_default_each_checkpoint_is_checked_before_it_is_saved(monkeypatch, tmp_path):
-    """--save-every 2: the check after step 1 (the first save's step) finds step 0's drift; nothing is saved."""
+    """--save-every 2: the check after step 2 (the first save's step) finds step 1's drift (0-based step 0 of
+    MINIZERO_FAULT); nothing is saved."""
     monkeypatch.setenv("MINIZERO_FAULT", "1:0:diverge")
-    with pytest.raises(ReplicaMismatchError, match=r"after step 1: "):
+    with pytest.raises(ReplicaMismatchError, match=r"after step 2: "):
         run_in_threads(2, _train, ["--save-every", "2", "--save-dir", str(tmp_path / "ckpt")], timeout=240)
     assert not any((tmp_path / "ckpt").glob("**/*.json"))
 

@@ -294,8 +294,24 @@ def test_divergence_is_diagnosed_before_the_update():
     from minizero.train import TrainingDiverged, train
 
     args = parse_args(TINY + ["--lr", "1e30", "--no-save"], 2)
-    with pytest.raises(TrainingDiverged, match="step 1: the gradient norm is nan; training diverged"):
+    with pytest.raises(TrainingDiverged, match="step 2: the gradient norm is nan; training diverged"):
         run_in_threads(2, lambda comm: train(args, comm, log=lambda s: None))
+
+
+@pytest.mark.timeout(120)
+def test_the_diverged_error_names_the_step_as_the_progress_log_does(monkeypatch, capsys):
+    """Before: loop step 2 (0-based), the log's "step 3/4", failed as "step 2: the gradient norm is nan", the number
+    of the log's last good line."""
+    from minizero.comm import run_in_threads
+    from minizero.train import TrainingDiverged, train
+
+    monkeypatch.setenv("MINIZERO_FAULT", "0:2:inf")  # 0-based: the third step's gradients become inf
+    args = parse_args([*TINY[:-1], "--no-save", "--progress", "log", "--log-every", "1"], 1)
+    with pytest.raises(TrainingDiverged) as e:
+        run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None))
+    logged = [ln.split()[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert "] step 3: the gradient norm is inf; training diverged" in str(e.value), e.value
+    assert logged[-1] == "2/4" and "3/4" not in logged, logged  # the log's next line would have been step 3
 
 
 @pytest.mark.timeout(120)

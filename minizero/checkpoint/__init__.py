@@ -72,9 +72,10 @@ class Checkpointer:
                                   f"({type(e).__name__}: {e}); the checkpoint is damaged") from e
         self.resumed_from, self.load_peak = out["folder"], out["load_peak"]
         man = out["manifest"]
-        self.log(f"resumed from {out['folder']}: step {out['step']} ({out['applied']} optimizer steps applied), "
-                 f"saved on dp {man['layout']['dp']} x tp {man['layout']['tp']} x pp {man['layout']['pp']}, "
-                 f"ZeRO {man['layout']['zero']}")
+        lay = man["layout"]
+        self.log(f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']} x tp {lay['tp']} x "
+                 f"pp {lay['pp']}, ZeRO {lay['zero']}; {out['applied']} optimizer steps applied): continuing at step "
+                 f"{out['step'] + 1}")
         for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
             if man["train"].get(key) != vars(self.args)[key]:
                 self.log(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "

@@ -64,7 +64,7 @@ class AnomalyDetector(Callback):
             p.register_post_accumulate_grad_hook(self._grad_hook(name), prepend=True)
 
     def _found(self, text: str) -> None:
-        self.finding = f"rank {self.rank} step {self.step}: {text} (--detect-anomaly)"
+        self.finding = f"rank {self.rank} step {self.step + 1}: {text} (--detect-anomaly)"  # as the progress log
         if not self.fp16:
             raise AnomalyError(self.finding)
 
@@ -95,16 +95,16 @@ class AnomalyDetector(Callback):
 
     def on_step_end(self, run, step, record):
         if self.finding is not None and self.fp16:
-            told = "skipped" if step in run.result.skipped_at else "did not skip"  # step: 0-based, as the finding's
-            print(f"minizero.train: {self.finding}; the loss scaler {told} this step (the progress log's step "
-                  f"{step + 1})", file=sys.stderr, flush=True)
+            told = "skipped" if step in run.result.skipped_at else "did not skip"  # both 0-based
+            print(f"minizero.train: {self.finding}; the loss scaler {told} this step", file=sys.stderr, flush=True)
         self.step = None  # validation forwards are not watched
 
 
 class LossSpikes(Callback):
     """``--loss-spike K``: when a step's loss exceeds K times the mean of the previous (up to) 20, record that
     step's gradient norm of every parameter of this rank (local, before the data-parallel reduction, as the
-    last micro-batch's backward left it) in ``run.result.loss_spikes`` (rank 0's go to ``summary.json``).
+    last micro-batch's backward left it) in ``run.result.loss_spikes`` (rank 0's go to ``summary.json``; their
+    ``step`` is 0-based, the progress log's and the logged line's step + 1).
 
     Args:
         stage: this rank's model or pipeline stage. factor: K > 1. warmup: steps before the first comparison.
@@ -136,6 +136,6 @@ class LossSpikes(Callback):
         if len(self.losses) >= self.warmup and record.loss > self.factor * mean:
             run.result.loss_spikes.append({"step": step, "loss": record.loss, "running_mean": mean,
                                            "grad_norms": {k: v ** 0.5 for k, v in self.sq.items()}})
-            run.log(f"loss spike at step {step}: {record.loss:.4f} > {self.factor:g} x running mean {mean:.4f}; "
+            run.log(f"loss spike at step {step + 1}: {record.loss:.4f} > {self.factor:g} x running mean {mean:.4f}; "
                     f"per-parameter gradient norms in summary.json (loss_spikes)")
         self.losses.append(record.loss)

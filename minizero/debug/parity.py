@@ -1,9 +1,9 @@
 """``python -m minizero.debug parity "--dp 2" "--tp 2"``: two layouts, one seed and global batch, in float64.
 
 Runs the main job per layout (N ranks from ``-n K`` or the product of ``--dp/--tp/--pp/--cp``) and prints the
-first step whose loss or gradient norm differ beyond ``--tol`` (relative to max(1, |value|)) and the first
-final parameter that does; exit 0 same, 1 differ, 2 a run failed. Correct layouts agree to ~1e-15 per step.
-Mirrors torchtitan's loss-comparison script, made exact by float64.
+first step (1-based, as the progress log) whose loss or gradient norm differ beyond ``--tol`` (relative to
+max(1, |value|)) and the first final parameter that does; exit 0 same, 1 differ, 2 a run failed. Correct layouts
+agree to ~1e-15 per step. Mirrors torchtitan's loss-comparison script, made exact by float64.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
     for step, (la, lb, na, nb) in enumerate(zip(a["loss"], b["loss"], a["norm"], b["norm"])):
         worst = max(_rel(la, lb), _rel(na, nb))
         if worst > tol:
-            lines.append(f"differ: first at step {step}: training loss {la!r} ({names[0]}) vs {lb!r} ({names[1]}), "
+            lines.append(f"differ: first at step {step + 1}: training loss {la!r} ({names[0]}) vs {lb!r} ({names[1]}), "
                          f"gradient norm {na!r} vs {nb!r} (relative difference {worst:.3g} > {tol:g})")
             break
     steps = len(a["loss"])

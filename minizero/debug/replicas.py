@@ -35,7 +35,8 @@ def check_replicas(comm, named_arrays, step: int, members=None) -> int:
     Collective over ``comm``: one all-gather of ``len(named_arrays)`` int64 digests per rank, counted under
     the traffic label ``replica_check``. ``members``: the world ranks of ``comm``'s ranks, for the message.
     Raises:
-        ReplicaMismatchError (on every rank): the first array whose digests differ, each digest's ranks, ``step``.
+        ReplicaMismatchError (on every rank): the first array whose digests differ, each digest's ranks, ``step``
+            (named as given: the loop passes the progress log's step number, 1-based).
         ValueError: ranks gave different numbers of arrays (the all-gather's size check).
     """
     names = [name for name, _ in named_arrays]
@@ -79,7 +80,7 @@ class ReplicaCheck(Callback):
         s = run.strategy
         members = next(g for g in s.topo.all_groups("dp") if run.comm.rank in g)
         with s.full_parameters():
-            check_replicas(s.topo.dp_comm, [(n, p.data) for n, p in s.stage.named_parameters()], step, members)
+            check_replicas(s.topo.dp_comm, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
         self.checked = step
 
     def on_step_end(self, run, step, record):

@@ -103,7 +103,7 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
 
 
 def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6,
-                  category_peaks: list[dict] | None = None) -> tuple[list[str], dict]:
+                  category_peaks: list[dict] | None = None, first_step: int = 0) -> tuple[list[str], dict]:
     """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib), summary entries.
 
     Returns (lines, ``{"activation_peaks_by_module", "memory_timeline_peak_bytes", "memory_plot"}``).
@@ -113,7 +113,7 @@ def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top:
     if out_dir is not None:
         if have_matplotlib():
             path = os.path.join(out_dir, "memory.png")
-            plot_timeline(path, timeline, peaks=category_peaks)
+            plot_timeline(path, timeline, peaks=category_peaks, first_step=first_step)
             lines.append(f"wrote {path} (ledger memory over the steps by category, and each category's peak)")
         else:
             lines.append(INSTALL_HINT)

@@ -47,18 +47,19 @@ def _label(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def plot_timeline(path: str, timeline, title: str = "", peaks=None) -> None:
+def plot_timeline(path: str, timeline, title: str = "", peaks=None, first_step: int = 0) -> None:
     """Write :func:`timeline_figure` as a PNG to ``path`` (same arguments and errors)."""
     plt = _pyplot()
-    fig = timeline_figure(timeline, title, peaks)
+    fig = timeline_figure(timeline, title, peaks, first_step)
     atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
 
 
-def timeline_figure(timeline, title: str = "", peaks=None):
+def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
     """A matplotlib Figure per group of equal ranks: bytes per category over the steps, and each category's peak.
 
-    ``timeline``: (ranks, steps, len(CATEGORIES)) bytes. Raises ImportError: no matplotlib; ValueError: bad shape.
+    ``timeline``: (ranks, steps, len(CATEGORIES)) bytes; ``first_step``: the steps before it (a resumed run).
+    Raises ImportError: no matplotlib; ValueError: bad shape.
     """
     t = np.asarray(timeline, dtype=np.float64)
     if t.ndim != 3 or t.shape[2] != len(CATEGORIES):
@@ -69,7 +70,7 @@ def timeline_figure(timeline, title: str = "", peaks=None):
     fig, axes = plt.subplots(len(groups), 2, figsize=(10, 0.6 + 2.6 * len(groups)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2]}, layout="constrained")  # room for the titles
     mib = t / 2**20
-    x = np.arange(1, t.shape[1] + 1)
+    x = np.arange(first_step + 1, first_step + t.shape[1] + 1)  # 1-based, as the progress log
     top = mib.sum(axis=2).max() * 1.5 or 1  # room above the stack for the notes
     for (ax, bx), ranks in zip(axes, groups):
         r = ranks[0]
