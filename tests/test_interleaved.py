@@ -59,6 +59,28 @@ def test_virtual_stages_are_dealt_round_robin():
     assert [rank_of_layer(8, 2, 2, i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
+def _wrap_then_look_inside(comm):
+    from minizero.nn import GPT, get_config
+    from minizero.nn.lora import add_lora
+    from minizero.parallel.context_parallel import context_parallelize
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    stages = [InterleavedStage(interleave(GPT(get_config("default"), seed=1), 0, 1, 2), 1) for _ in range(2)]
+    add_lora(stages[0], 4, 8.0, base="float")
+    context_parallelize(stages[1], comm, "ulysses")
+    for chunk in stages[0].chunks:
+        for blk in chunk.transformer["h"]:
+            assert type(blk.attn.c_attn.base).__name__ == "Linear"
+    for chunk in stages[1].chunks:
+        for blk in chunk.transformer["h"]:
+            assert type(blk.attn.core.inner).__name__ == "DenseAttentionCore"
+
+
+def test_a_replacement_holding_what_it_replaced_is_not_searched_by_the_chunks():
+    """LoRA's float base and Ulysses' inner core are the modules they replace: the chunks' own pass of
+    InterleavedStage.swap_modules must not replace them again (which made LoRALinear its own base)."""
+    run_in_threads(2, _wrap_then_look_inside)
+
+
 def test_interleaved_is_refused_where_it_cannot_run():
     base = ["--model", "default", "--schedule", "interleaved"]
     with pytest.raises(UsageError, match="needs --pp >= 2 and --virtual-stages >= 2"):

@@ -3,9 +3,12 @@ import numpy as np
 import pytest
 
 from minizero.autograd import Tensor, manual_seed
+from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import CheckpointWrapper, apply_recompute, checkpoint
 from minizero.nn import GPT, get_config
+from minizero.parallel.context_parallel import context_parallelize
+from minizero.parallel.pipeline import PipelineStage
 
 
 def grads_and_peak(mode, every, preset="tiny", dropout=0.1, dtype="float64", batch=2, offload=None):
@@ -87,6 +90,41 @@ def test_full_recompute_reaches_the_chunks_of_an_interleaved_stage():
     for chunk in stage.chunks:
         kinds = [isinstance(b, CheckpointWrapper) for b in chunk.transformer["h"]]
         assert kinds == [True, False], kinds  # the chunk runs its own list: it holds the wrapper too
+
+
+class _StageWithATable(PipelineStage):
+    """A stage holding its own (unregistered) name -> module table, kept current by ``swap_modules`` as an
+    interleaved stage keeps its chunks: a technique reaches it only through that seam."""
+
+    def __init__(self, model):
+        super().__init__(model, 0, 1)
+        object.__setattr__(self, "table", dict(self.named_modules()))
+
+    def swap_modules(self, fn, memo=None):
+        memo = {} if memo is None else memo
+        done = super().swap_modules(fn, memo)
+        for name, m in self.table.items():
+            new = memo.get(id(m), (m, None))[1]
+            self.table[name] = m if new is None else new
+        return done
+
+
+def _replace_and_compare_tables(comm, steps):
+    stage = _StageWithATable(GPT(get_config("tiny", dropout=0.0), seed=1))
+    for step in steps:
+        if step in ("ring", "ulysses"):
+            context_parallelize(stage, comm, step)
+        else:
+            apply_recompute(stage, step, 1)
+    now = dict(stage.named_modules())
+    return [name for name, m in stage.table.items() if now[name] is not m]
+
+
+@pytest.mark.parametrize("steps", [["full"], ["selective"], ["ring"], ["ulysses"], ["selective", "ring"],
+                                   ["full", "ulysses"], ["ulysses", "selective"]])
+def test_recompute_and_context_parallelism_replace_modules_through_swap_modules(steps):
+    """Every module they replace is replaced by ``Module.swap_modules``: a holder that overrides it sees them all."""
+    assert run_in_threads(2, _replace_and_compare_tables, steps) == [[], []]
 
 
 def test_checkpoint_rejects_bad_input():

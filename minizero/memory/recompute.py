@@ -72,11 +72,10 @@ class CheckpointWrapper(Module):
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "training"):
+        if name == "inner":  # its tables are inner's: a new inner is a new wrapper (Module.swap_modules)
+            raise AttributeError("a CheckpointWrapper's inner module is fixed; swap the wrapper instead")
+        if name == "training":
             object.__setattr__(self, name, value)
-            if name == "inner":  # a new inner module (context parallelism's ring core): share its tables
-                object.__setattr__(self, "_parameters", value._parameters)
-                object.__setattr__(self, "_modules", value._modules)
         else:
             setattr(self.inner, name, value)
 
@@ -95,7 +94,7 @@ class CheckpointWrapper(Module):
 
 def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
     """Put a :class:`CheckpointWrapper` around every ``every``-th block (``"full"``) or its ``attn.core``
-    (``"selective"``).
+    (``"selective"``), by ``model.swap_modules`` (an interleaved stage's chunks get the same wrappers).
 
     In place on a GPT or (interleaved) stage; returns what is recomputed. Raises ValueError (before any change):
     unknown mode, ``every`` < 1, or recompute already applied.
@@ -104,24 +103,10 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
         raise ValueError(f"recompute mode {mode!r} is not one of {MODES}")
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"recompute every K blocks needs K >= 1, got {every!r}")
-    done = []
     if mode == "none":
-        return done
+        return []
     for name, block in model.transformer["h"]._modules.items():
         if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
             raise ValueError(f"recompute is already applied to transformer.h.{name}")
-    holders = [model.transformer["h"]] + [c.transformer["h"] for c in getattr(model, "chunks", ())]
-    for i, (name, block) in enumerate(model.transformer["h"]._modules.items()):
-        if i % every:
-            continue
-        if mode == "full":  # an interleaved stage's chunks hold the same blocks: each holder gets the wrapper
-            wrapper = CheckpointWrapper(block)
-            for holder in holders:
-                for key, m in list(holder._modules.items()):
-                    if m is block:
-                        setattr(holder, key, wrapper)
-            done.append(f"transformer.h.{name}")
-        else:
-            block.attn.core = CheckpointWrapper(block.attn.core)
-            done.append(f"transformer.h.{name}.attn.core")
-    return done
+    chosen = {id(b if mode == "full" else b.attn.core) for b in list(model.transformer["h"])[::every]}
+    return model.swap_modules(lambda m: CheckpointWrapper(m) if id(m) in chosen else None)

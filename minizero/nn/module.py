@@ -55,13 +55,22 @@ class Module:
 
     def swap_modules(self, fn, memo=None) -> list[str]:
         """Replace every descendant ``child`` for which ``fn(child)`` is a Module by it, under each name that
-        holds it (one replacement per shared child; ``memo`` {id: (child, new)} shares them across calls).
+        holds it (one replacement per shared child; ``memo`` {id: (child, new)} shares them across calls, and a
+        replacement from an earlier call is neither replaced nor searched: it may hold the child it replaced).
 
         Returns the dotted names replaced.
         """
         memo = {} if memo is None else memo
+        made = {id(new) for _, new in memo.values() if new is not None}
+
+        def walk(prefix, module):  # named_modules, not into an earlier call's replacement
+            yield prefix, module
+            for name, child in module._modules.items():
+                if id(child) not in made:
+                    yield from walk(f"{prefix}.{name}" if prefix else name, child)
+
         done = []
-        for prefix, parent in list(self.named_modules()):
+        for prefix, parent in list(walk("", self)):
             for name, child in list(parent._modules.items()):
                 if id(child) not in memo:
                     memo[id(child)] = (child, fn(child))

@@ -165,8 +165,8 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     (no-op for c = 1).
 
     Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; every
-    ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``.
-    Raises ValueError: ``attention`` not "ring" or "ulysses".
+    ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``, by
+    ``swap_modules``. Raises ValueError: ``attention`` not "ring" or "ulysses".
     """
     if attention not in CP_ATTENTIONS:
         raise ValueError(f"unknown context-parallel attention {attention!r}; allowed: {CP_ATTENTIONS}")
@@ -175,12 +175,19 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
         return []
     done = []
     for part in getattr(stage, "chunks", [stage]):
-        done += _context_parallelize_stage(part, comm, attention)
-    return done
+        done += _split_sequence(part, comm)
+    cores = {id(block.attn.core) for block in stage.transformer["h"]}
+
+    def split_core(core):  # selective recompute came first: the new core inside a new wrapper
+        if isinstance(core, CheckpointWrapper):
+            return CheckpointWrapper(split_core(core.inner))
+        return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
+
+    return done + stage.swap_modules(lambda m: split_core(m) if id(m) in cores else None)
 
 
-def _context_parallelize_stage(stage, comm, attention: str) -> list[str]:
-    """:func:`context_parallelize` for one :class:`PipelineStage` (one chunk of an interleaved stage)."""
+def _split_sequence(stage, comm) -> list[str]:
+    """The hooks of :func:`context_parallelize` on one :class:`PipelineStage` (one chunk of an interleaved stage)."""
     cp, r = comm.world_size, comm.rank
 
     def local(a):
@@ -198,13 +205,6 @@ def _context_parallelize_stage(stage, comm, attention: str) -> list[str]:
 
         tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
-    for name, block in tr["h"]._modules.items():
-        holder, field = block.attn, "core"
-        if isinstance(block.attn.core, CheckpointWrapper):  # selective recompute came first: ring inside its wrapper
-            holder, field = block.attn.core, "inner"
-        old = getattr(holder, field)
-        setattr(holder, field, RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, old))
-        done.append(f"transformer.h.{name}.attn.core")
     stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done
 
