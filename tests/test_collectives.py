@@ -584,16 +584,23 @@ def _scratch_peaks(comm, n, op):
     return ledger.peak["comm_scratch"], ledger.current["comm_scratch"], ledger.peak_total
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("op, elements", [("all_reduce", lambda n, w: -(-n // w) if w > 1 else 0),
-                                          ("reduce_scatter", lambda n, w: n + -(-n // w) if w > 1 else 0)])
+def _reduce_scatter_chunks(n, w, r):
+    """Receive buffers of ceil(n/N): the last step receives into the result, the one before into a chunk, the
+    others alternate between a second chunk and the result where a largest chunk fits in it (n = 1001: rank 0)."""
+    return 0 if w <= 2 else 1 if w == 3 or shard_range(n, w, r)[1] == -(-n // w) else 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("op, elements", [("all_reduce", lambda n, w, r: -(-n // w) if w > 1 else 0),
+                                          ("reduce_scatter", lambda n, w, r: _reduce_scatter_chunks(n, w, r) *
+                                           -(-n // w))])
 def test_collective_scratch_is_in_the_ledger_peak(world, op, elements, ring_all_reduce):
-    """Issue 19: the ring's receive chunk (and reduce-scatter's working copy) count while they live."""
+    """Issue 19: the ring's receive chunk (reduce-scatter's one or two) count while they live."""
     from minizero.comm.threads import run_in_threads
 
     n = 1001
-    for peak, current, total in run_in_threads(world, _scratch_peaks, n, op):
-        assert peak == elements(n, world) * 8 and current == 0  # freed when the call returns
+    for rank, (peak, current, total) in enumerate(run_in_threads(world, _scratch_peaks, n, op)):
+        assert peak == elements(n, world, rank) * 8 and current == 0  # freed when the call returns
         assert total == n * 8 + peak  # the per-rank peak: the bucket and the scratch beside it
 
 
@@ -659,3 +666,66 @@ def test_blocking_ring_runs_exactly_ring_steps():
     collectives.ring_(comm, buf, "all_reduce", tmp=np.empty(3))
     steps = collectives.ring_steps("all_reduce", 10, 4, 1)
     assert comm.calls == [(ss, 2, rs, 0) for (_, ss), (_, rs), _ in steps]
+
+
+def _ring_order_reduce_scatter(xs, rank):
+    """The sums the ring reduce-scatter has always made, in its order: chunk c starts as rank c+1's and each rank
+    after it adds its own as ``add(mine, incoming)``: x_c + (x_{c-1} + (... + (x_{c+2} + x_{c+1})))."""
+    N = len(xs)
+    lo, hi = _span(xs[0].size, N, rank)
+    acc = xs[(rank + 1) % N][lo:hi].copy()
+    for k in range(2, N + 1):
+        acc = xs[(rank + k) % N][lo:hi] + acc
+    return acc
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7])
+def test_reduce_scatter_is_bitwise_the_ring_order_sum_whatever_its_scratch(world_size):
+    """The two-chunk scratch reduce-scatter adds the same numbers in the same order per element as the ring always
+    did (the old n + chunk scratch), for n divisible by N, not, and n < N; x is not modified."""
+    sizes = [0, 1, world_size - 1, world_size, world_size + 1, 4 * world_size, 1001, 4099]
+
+    def body(comm):
+        xs = [np.random.default_rng([q, 7]).standard_normal(max(sizes)) * 10.0 ** (np.arange(max(sizes)) % 33 - 16)
+              for q in range(comm.world_size)]  # magnitudes 1e-16..1e16: another association changes the bits
+        got = []
+        for n in sizes:
+            x = xs[comm.rank][:n].copy()
+            got.append((reduce_scatter(comm, x), np.array_equal(x, xs[comm.rank][:n])))
+        return xs, got
+
+    reordered = 0
+    for rank, (xs, got) in enumerate(run_in_threads(world_size, body)):
+        for n, (shard, untouched) in zip(sizes, got):
+            want = _ring_order_reduce_scatter([x[:n] for x in xs], rank)
+            assert untouched and shard.dtype == np.float64 and np.array_equal(shard, want), (n, rank)
+            reordered += not np.array_equal(want, np.sum([x[:n] for x in xs], axis=0)[slice(*_span(n, world_size,
+                                                                                                    rank))])
+    assert world_size == 2 or reordered  # the data tells one order of addition from another
+
+
+@pytest.mark.parametrize("n, world_size, rank", [(10, 4, 0), (10, 4, 3), (12, 4, 1), (9, 3, 2), (3, 5, 4), (7, 2, 1)])
+def test_reduce_scatter_runs_ring_steps_and_never_receives_into_what_it_sends(n, world_size, rank):
+    """The reduce-scatter without a working copy takes ring_steps' messages; each step sends the buffer the step
+    before received into and summed, and receives into another one (MPI's Sendrecv needs them apart)."""
+    from minizero.comm import collectives
+
+    calls = []
+
+    class Recorder:
+        def __init__(self):
+            self.world_size, self.rank = world_size, rank
+
+        def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+            assert not np.shares_memory(sendbuf, recvbuf)
+            calls.append((sendbuf, dest, recvbuf, source))
+            recvbuf[...] = 0
+
+    out = np.empty(shard_range(n, world_size, rank)[1])
+    tmp = np.empty(collectives.reduce_scatter_scratch(n, world_size, rank))
+    collectives.ring_reduce_scatter_into(Recorder(), np.arange(float(n)), out, tmp)
+    steps = collectives.ring_steps("reduce_scatter", n, world_size, rank)
+    assert [(s.size, d, r.size, q) for s, d, r, q in calls] == [
+        (ss, (rank + 1) % world_size, rs, (rank - 1) % world_size) for (_, ss), (_, rs), _ in steps]
+    assert all(calls[i][0] is calls[i - 1][2] for i in range(1, len(calls)))  # a partial sum is sent on as made
+    assert calls[-1][2].base is out or calls[-1][2] is out  # the last step receives into the result

@@ -345,7 +345,8 @@ def _cli_peaks(comm, flags):
 def test_minizero_accounting_matches_ledger_with_overlap(preset, n, zero, accum):
     """Issue 16: ZeRO 2-3 as the CLI runs them by default (overlapped reduce-scatter, double-buffered
     buckets; ZeRO-3 prefetch): every category of the ledger's peak equals the estimate to the byte,
-    and the overlapped buffers are not the blocking ones (so the flag is what makes it match). With
+    and the overlapped buckets are not the blocking ones (so the flag is what makes it match); the overlapped ring's
+    receive chunk is no less than the blocking reduce-scatter's scratch (its result and one chunk by turns). With
     --grad-accum 2 the first micro-batch's token ids and targets stay alive (the step's list holds them)."""
     from minizero.args import parse_args
     from minizero.train import model_config
@@ -358,7 +359,7 @@ def test_minizero_accounting_matches_ledger_with_overlap(preset, n, zero, accum)
                   overlap=True)
     est = estimate_memory(cfg, st, accounting="minizero").as_dict()
     blocking = estimate_memory(cfg, dataclasses.replace(st, overlap=False), accounting="minizero").as_dict()
-    assert est["comm_buffers"] > blocking["comm_buffers"] and est["comm_scratch"] < blocking["comm_scratch"]
+    assert est["comm_buffers"] > blocking["comm_buffers"] and est["comm_scratch"] >= blocking["comm_scratch"]
     assert (est["gathered"] > blocking["gathered"]) == (zero == 3)
     for rank, peak in enumerate(run_in_threads(n, _cli_peaks, flags, timeout=240)):
         for cat in E.CATEGORIES:

@@ -172,14 +172,13 @@ def ring_steps(op: str, n: int, world_size: int, rank: int) -> tuple[tuple[tuple
     return tuple(steps)
 
 
-def ring_(comm: Communicator, buf, op: str, tmp=None, src=None, out=None) -> None:
+def ring_(comm: Communicator, buf, op: str, tmp=None, src=None) -> None:
     """Run the ring ``op`` in place on the flat (n,) ``buf``, blocking: one ``sendrecv`` per step.
 
     ``reduce_scatter``: chunk ``comm.rank`` ends as the sum; ``all_gather``: chunk ``comm.rank`` must be set,
     every chunk ends filled; ``all_reduce``: both. ``tmp``: receive scratch of at least the largest chunk.
     ``src`` (reduce_scatter, all_reduce): the flat input, read where ``buf`` would hold an untouched copy of it
     (the first send, each step's own addend), so ``buf`` need not be filled first; the same sums, bitwise.
-    ``out`` (reduce_scatter only): where the last step puts this rank's chunk of the sum, in place of ``buf``.
     """
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     steps = ring_steps(op, buf.size, comm.world_size, comm.rank)
@@ -188,9 +187,39 @@ def ring_(comm: Communicator, buf, op: str, tmp=None, src=None, out=None) -> Non
         sending = src if src is not None and i == 0 else buf  # reduce_scatter: later sends are sums made here
         comm.sendrecv(sending[send_off:send_off + send_size], right, incoming, left, tag=_RING_TAG)
         if add:
-            acc = out if out is not None and i == len(steps) - 1 else buf[recv_off:recv_off + recv_size]
+            acc = buf[recv_off:recv_off + recv_size]
             mine = acc if src is None else src[recv_off:recv_off + recv_size]
             backend.array_module(acc).add(mine, incoming, out=acc)
+
+
+def reduce_scatter_scratch(n: int, world_size: int, rank: int) -> int:
+    """Elements of scratch :func:`reduce_scatter` takes on ``rank``: receive buffers of the largest chunk,
+    ceil(n/N) each; none for N <= 2, one for N = 3 or where ``rank``'s own chunk is a largest one, else two."""
+    largest, own = shard_range(n, world_size, 0)[1], shard_range(n, world_size, rank)[1]
+    return largest * ((world_size >= 3) + (world_size >= 4 and own < largest))
+
+
+def ring_reduce_scatter_into(comm: Communicator, src, out, tmp) -> None:
+    """The ring reduce-scatter of the flat (n,) ``src`` (only read) into ``out``, this rank's (size,) chunk of the sum.
+
+    The :func:`ring_steps` of ``ring_(buf, "reduce_scatter")``, bitwise, without its (n,) ``buf``: a partial sum is
+    made in the buffer it was received into and sent on at the next step, so receive buffers alternate. The last
+    step receives into ``out``; the ones before it into ``tmp``'s first chunk, ``out`` (where the largest chunk
+    fits) or ``tmp``'s second, so a step never receives into the buffer it sends. ``tmp``:
+    :func:`reduce_scatter_scratch` elements.
+    """
+    right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    steps = ring_steps("reduce_scatter", src.size, comm.world_size, comm.rank)
+    largest = shard_range(src.size, comm.world_size, 0)[1]
+    receivers = (out, tmp[:largest], out if out.size == largest else tmp[largest:])  # by steps to go: 0, odd, even
+    (send_off, send_size), _, _ = steps[0]
+    sending = src[send_off:send_off + send_size]  # first this rank's own addend, then the sums made here
+    for i, (_, (recv_off, recv_size), _) in enumerate(steps):
+        to_go = len(steps) - 1 - i
+        incoming = receivers[0 if to_go == 0 else 2 - to_go % 2][:recv_size]
+        comm.sendrecv(sending, right, incoming, left, tag=_RING_TAG)
+        backend.array_module(incoming).add(src[recv_off:recv_off + recv_size], incoming, out=incoming)
+        sending = incoming
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -201,7 +230,8 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
         x: any shape, C-contiguous, same size and dtype on every rank; not modified.
     Returns:
         (size,) array of x's dtype: elements ``shard_range(n, world_size, rank)`` of the sum.
-    Bytes (``"reduce_scatter"``): (n - size) * itemsize. Raises ValueError: ``x`` not C-contiguous; sizes differ.
+    Bytes (``"reduce_scatter"``): (n - size) * itemsize. Scratch: :func:`reduce_scatter_scratch`, at most two
+    largest chunks. Raises ValueError: ``x`` not C-contiguous; sizes differ.
     """
     _check_array(x, "x")
     _check_summable(x, "x")
@@ -212,12 +242,10 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     with comm.traffic.op("reduce_scatter", x):
         if world_size == 1:  # nothing to reduce: the chunk is the whole of x
             return x.reshape(-1).copy()
-        flat = x.reshape(-1)
         xp = backend.array_module(x)
-        # one scratch array: the partial sums (x is only read), then the receive buffer of the largest chunk
-        work = _scratch(xp.empty(n + shard_range(n, world_size, 0)[1], dtype=x.dtype))
-        out = xp.empty(size, dtype=x.dtype)  # the ring's last step adds this rank's chunk straight into it
-        ring_(comm, work[:n], "reduce_scatter", work[n:], src=flat, out=out)
+        out = xp.empty(size, dtype=x.dtype)  # the last step (and others, where it fits) receives and adds into it
+        tmp = _scratch(xp.empty(reduce_scatter_scratch(n, world_size, comm.rank), dtype=x.dtype))
+        ring_reduce_scatter_into(comm, x.reshape(-1), out, tmp)
         return out
 
 

@@ -1,21 +1,28 @@
 """The collectives' temporary buffers (ledger category ``comm_scratch``): the largest one alive at a time.
 
 Per call on N ranks of n elements: all_reduce keeps ceil(n/N) elements (ring) or n (recursive doubling, up to 256 KiB);
-reduce_scatter n + ceil(n/N); all_gather, broadcast and N = 1 nothing. The peak is the step's largest call: the largest
-DP bucket, ZeRO's largest padded unit (overlapped: padded/N), a (b, s, h) activation under tensor parallelism, the tied
-embedding's gradient between first and last stage, 8-byte scalars. Exact against the ledger for the DP and ZeRO layouts
-of ``python -m minizero.compare``; a bound for TP and PP; 0 for native collectives and for the paper accounting.
+reduce_scatter ceil(n/N) per receive buffer beside its result (``reduce_scatter_scratch``): none for N = 2, one for
+N = 3 or on a rank whose own chunk is a largest one (every rank where N divides n), else two; all_gather, broadcast
+and N = 1 nothing. The peak is the run's largest call: the largest DP bucket, ZeRO's largest padded unit (padded/N,
+none at N = 2 unless overlapped), a (b, s, h) activation under tensor parallelism, the tied embedding's gradient
+between first and last stage, the run's bookkeeping (:data:`METRICS_ROW`). Exact against the ledger for the DP and
+ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for native collectives and for the paper
+accounting.
 """
 from __future__ import annotations
 
 import math
 
+from minizero.comm.collectives import reduce_scatter_scratch
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import ModelShape, Strategy, _bytes
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
 DEFAULT_BUCKET_BYTES = 1 << 20
+#: float64 elements of the main job's largest bookkeeping all-reduce over the world: the traffic table's row at the
+#: end of the run (``parallel/placement.py`` ``node_traffic``; larger than evaluation's loss sum and count)
+METRICS_ROW = 18
 
 
 def largest_bucket(sizes, itemsize: int, bucket_bytes: int) -> int:
@@ -43,7 +50,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         return 0
     _, g, e, _ = _bytes(st)
     dp, t = st.data_ranks, st.tp
-    out = [8]  # a float64 scalar all-reduced (loss, gradient norm) over a group of more than one rank
+    out = [all_reduce_scratch(METRICS_ROW, 8, st.world_size)]  # loss, gradient norm: smaller (8 bytes)
     if dp > 1 and st.zero == 0:
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
         if t == 1 and st.pp == 1:
@@ -61,7 +68,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         if st.overlap and st.zero >= 2:  # the non-blocking ring's receive chunks instead (estimator/zero_overlap.py)
             out.append(overlapped_ring_scratch(m, st, stage) * g)
         else:
-            out.append((padded + padded // dp) * g)
+            out.append(reduce_scatter_scratch(padded, dp, 0) * g)
     if t > 1:
         out.append(all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t))
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):
