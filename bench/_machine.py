@@ -70,8 +70,8 @@ def header(threads: str | None = None) -> str:
     forced = os.environ.get("OPENBLAS_CORETYPE")
     usable = cores()
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | {cpu_model()}, "
-            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | numpy {np.__version__} | "
-            f"{blas(threads)} | "
+            f"{os.cpu_count()} cores{'' if usable == os.cpu_count() else f' ({usable} usable)'} | "
+            f"numpy {np.__version__} | {blas(threads)} | "
             f"OPENBLAS_CORETYPE={'unset' if forced is None else forced} | {source()}")
 
 

@@ -6,6 +6,8 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import tracemalloc
 
 from minizero import trace
@@ -20,6 +22,28 @@ from minizero.ledger import get_ledger
 from minizero.memory.monitor import MemoryMonitor
 from minizero.parallel.tracing import TraceUnits, write_trace
 from minizero.progress import Progress
+
+
+class CtrlC(Callback):
+    """Ctrl-C that Python dropped, raised again at the step's end. A KeyboardInterrupt raised inside a weakref
+    callback (the ledger's release of a freed array) is printed as "Exception ignored" and lost; the main job's
+    handler (:meth:`handler`, with :meth:`quiet_hook` as ``sys.unraisablehook``) remembers it and prints nothing."""
+
+    seen = threading.Event()
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.seen.set()
+        raise KeyboardInterrupt
+
+    @staticmethod
+    def quiet_hook(unraisable):
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            sys.__unraisablehook__(unraisable)
+
+    def on_step_end(self, run, step, record):
+        if self.seen.is_set():
+            raise KeyboardInterrupt
 
 
 class ProgressCallback(Callback):
@@ -142,7 +166,7 @@ def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
     every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
-    callbacks = [Header(), resume]
+    callbacks = [CtrlC(), Header(), resume]
     if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
         callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
     if args.loss_spike:

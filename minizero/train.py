@@ -7,14 +7,19 @@ any work. An exception on any rank prints ``[rank r]`` and its traceback and abo
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C before main()'s handler (imports, MPI's start): the signal's default action,
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # which ends a rank even inside MPI_Init (no traceback, no hang)
+
+# the imports below follow that handler on purpose: they take seconds, and Ctrl-C may come meanwhile
 import argparse
 import ctypes
 import dataclasses
 import faulthandler
-import os
 import resource
-import signal
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +37,7 @@ from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
+from minizero.instrumentation import CtrlC
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -289,7 +295,8 @@ def main(argv=None) -> int:
     """Entry point of ``python -m minizero.train``; returns the exit status.
 
     0 success; 2 bad arguments or --out in use by another job (every rank, before any work); 1 a rank failed (its
-    message, then ``MPI_Abort`` of the whole job); 130/143 Ctrl-C/SIGTERM (one ``interrupted`` line for the job).
+    message, then ``MPI_Abort`` of the whole job); 130/143 Ctrl-C/SIGTERM (one ``interrupted`` line for the job;
+    before set-up ends, the signal's default action: mpiexec's status, no line).
     Mirrors ``torchrun``'s contract: a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
     if _launched_by_mpiexec():
@@ -327,6 +334,9 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, CtrlC.handler)  # from here Ctrl-C unwinds through the except below
+        sys.unraisablehook = CtrlC.quiet_hook
     try:
         if rank == 0:
             _warn_ram_offload(args)

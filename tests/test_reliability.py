@@ -360,6 +360,47 @@ def test_ctrl_c_prints_one_interrupted_line(mpiexec):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.3, 0.5, 0.8, 1.2])
+def test_ctrl_c_while_the_ranks_start_prints_no_traceback(mpiexec, delay):
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",
+                             "--no-save", "--no-progress"], env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(delay)  # the ranks are importing NumPy and minizero, starting MPI, or training
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)  # a rank stuck in MPI_Init while its peer has gone: this times out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.count("minizero.train: interrupted") <= 1, err
+
+
+def test_a_ctrl_c_dropped_in_a_weakref_callback_is_raised_at_the_step_end(capsys):
+    import weakref
+
+    from minizero.instrumentation import CtrlC
+
+    class Owner:
+        pass
+
+    old = sys.unraisablehook
+    sys.unraisablehook = CtrlC.quiet_hook
+    try:
+        owner = Owner()
+        ref = weakref.ref(owner, lambda _ref: CtrlC.handler(signal.SIGINT, None))  # as a signal landing there
+        del owner  # the callback raises KeyboardInterrupt, which Python drops
+        assert ref() is None and CtrlC.seen.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            CtrlC().on_step_end(None, 0, None)
+    finally:
+        sys.unraisablehook = old
+        CtrlC.seen.clear()
+    assert "KeyboardInterrupt" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
 def test_zero_over_one_data_rank_says_it_saves_nothing(mpiexec):
     proc, _ = launch(mpiexec, 2, TINY + ["--zero", "3", "--tp", "2", "--no-save"], timeout=90)
     assert proc.returncode == 0, proc.stderr
