@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import tracemalloc
 
 from minizero import trace
@@ -24,26 +23,30 @@ from minizero.parallel.tracing import TraceUnits, write_trace
 from minizero.progress import Progress
 
 
-class CtrlC(Callback):
-    """Ctrl-C that Python dropped, raised again at the step's end. A KeyboardInterrupt raised inside a weakref
-    callback (the ledger's release of a freed array) is printed as "Exception ignored" and lost; the main job's
-    handler (:meth:`handler`, with :meth:`quiet_hook` as ``sys.unraisablehook``) remembers it and prints nothing."""
+class Interrupts(Callback):
+    """A signal's exception that Python dropped, raised again at the step's end. A KeyboardInterrupt (Ctrl-C) or
+    train's Terminated (SIGTERM) raised inside a weakref callback (the ledger's release of a freed array) is printed
+    as "Exception ignored" and lost, and the rank would train on; :meth:`handler`'s signal handlers remember what
+    they raised, and :meth:`quiet_hook` (``sys.unraisablehook``) keeps those dropped ones off stderr."""
 
-    seen = threading.Event()
+    raised: list = []  # the exception classes the handlers raised, first first
 
     @classmethod
-    def handler(cls, signum, frame):
-        cls.seen.set()
-        raise KeyboardInterrupt
+    def handler(cls, error):
+        """A signal handler raising ``error`` (an exception class) and remembering it."""
+        def raise_it(signum, frame):
+            cls.raised.append(error)
+            raise error()
+        return raise_it
 
-    @staticmethod
-    def quiet_hook(unraisable):
-        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+    @classmethod
+    def quiet_hook(cls, unraisable):
+        if unraisable.exc_type not in cls.raised:
             sys.__unraisablehook__(unraisable)
 
     def on_step_end(self, run, step, record):
-        if self.seen.is_set():
-            raise KeyboardInterrupt
+        if self.raised:
+            raise self.raised[0]()
 
 
 class ProgressCallback(Callback):
@@ -166,7 +169,7 @@ def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
     every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
-    callbacks = [CtrlC(), Header(), resume]
+    callbacks = [Interrupts(), Header(), resume]
     if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
         callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
     if args.loss_spike:

@@ -37,7 +37,7 @@ from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
-from minizero.instrumentation import CtrlC
+from minizero.instrumentation import Interrupts
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -114,10 +114,6 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 def _launched_by_mpiexec() -> bool:
     return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
 
 
 def _start_flight(comm, args) -> None:
@@ -326,8 +322,6 @@ def main(argv=None) -> int:
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if not args.default_malloc:
         backend.keep_freed_memory()  # temporaries reuse freed memory instead of faulting in fresh pages
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
     locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
     faulthandler.cancel_dump_traceback_later()  # set-up is over: the communicator's timeouts take over
     if refusal:
@@ -335,8 +329,9 @@ def main(argv=None) -> int:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, CtrlC.handler)  # from here Ctrl-C unwinds through the except below
-        sys.unraisablehook = CtrlC.quiet_hook
+        signal.signal(signal.SIGINT, Interrupts.handler(KeyboardInterrupt))  # from here both unwind through the
+        signal.signal(signal.SIGTERM, Interrupts.handler(Terminated))  # except below (before: their default action)
+        sys.unraisablehook = Interrupts.quiet_hook
     try:
         if rank == 0:
             _warn_ram_offload(args)

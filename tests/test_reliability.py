@@ -380,24 +380,30 @@ def test_ctrl_c_while_the_ranks_start_prints_no_traceback(mpiexec, delay):
 def test_a_ctrl_c_dropped_in_a_weakref_callback_is_raised_at_the_step_end(capsys):
     import weakref
 
-    from minizero.instrumentation import CtrlC
+    from minizero.instrumentation import Interrupts
 
     class Owner:
         pass
 
     old = sys.unraisablehook
-    sys.unraisablehook = CtrlC.quiet_hook
+    sys.unraisablehook = Interrupts.quiet_hook
+    handler = Interrupts.handler(KeyboardInterrupt)
     try:
         owner = Owner()
-        ref = weakref.ref(owner, lambda _ref: CtrlC.handler(signal.SIGINT, None))  # as a signal landing there
+        ref = weakref.ref(owner, lambda _ref: handler(signal.SIGINT, None))  # as a signal landing there
         del owner  # the callback raises KeyboardInterrupt, which Python drops
-        assert ref() is None and CtrlC.seen.is_set()
+        assert ref() is None and Interrupts.raised == [KeyboardInterrupt]
         with pytest.raises(KeyboardInterrupt):
-            CtrlC().on_step_end(None, 0, None)
+            Interrupts().on_step_end(None, 0, None)
+        other = Owner()
+        other_ref = weakref.ref(other, lambda _ref: int("other"))  # any other dropped exception still shows
+        del other
+        assert other_ref() is None
     finally:
         sys.unraisablehook = old
-        CtrlC.seen.clear()
-    assert "KeyboardInterrupt" not in capsys.readouterr().err
+        Interrupts.raised.clear()
+    err = capsys.readouterr().err
+    assert "KeyboardInterrupt" not in err and "ValueError: invalid literal" in err, err
 
 
 @pytest.mark.timeout(120)
