@@ -63,10 +63,26 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
             f"{cell('offloaded')} | {_mib(files)} / {_mib(e['nvme_optimizer'])} | {_mib(dev_total)} / "
             f"{_mib(e['total'])} | {worst:.1%} | {_mib(r['measured']['process_peak_bytes'][0])} | "
             f"{r['measured']['tokens_per_s']:,.0f} | {' | '.join(_step(r))} |")
+    lines += totals_by_world_size(runs)
     lines += ["", "files = optimizer state in NVMe files (the job's `optimizer_disk_bytes`; activation files are not "
                   "counted by the job). Strategies: " + "; ".join(
                       f"`{n}` {descriptions[n]}" for n in dict.fromkeys(r["strategy"] for r in runs))]
     return "\n".join(lines) + "\n"
+
+
+def totals_by_world_size(runs: list[dict]) -> list[str]:
+    """Rank 0's measured device total (MiB) per strategy, one column per world size; [] for one world size."""
+    sizes = list(dict.fromkeys(r["ranks"] for r in runs))
+    if len(sizes) < 2:
+        return []
+    total = {(r["strategy"], r["ranks"]): _mib(sum(r["measured"]["per_rank"][0][c] for c in DEVICE_CATEGORIES))
+             if r["ok"] else "failed" for r in runs}
+    lines = ["", "Device total, measured, MiB, rank 0:", "",
+             "| strategy | " + " | ".join(f"{n} rank{'s' * (n > 1)}" for n in sizes) + " |",
+             "|---|" + "---:|" * len(sizes)]
+    for name in dict.fromkeys(r["strategy"] for r in runs):
+        lines.append(f"| {name} | " + " | ".join(total.get((name, n), "-") for n in sizes) + " |")
+    return lines
 
 
 def plot(runs: list[dict], path: str, title: str) -> bool:

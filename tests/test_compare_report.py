@@ -8,3 +8,19 @@ def test_step_cells_keep_three_significant_digits_of_a_tiny_prediction():
     assert _step({"step_s": 0.0123, "predicted_step_s": 0.000217}) == ("0.0123 / 0.000217", "56.7x")
     assert _step({"step_s": 1.5}) == ("1.5 / -", "-")
     assert _step({}) == ("-", "-")
+
+
+def test_device_totals_by_world_size_pivot_rank_0_s_measured_bytes():
+    from minizero.compare_report import MIB, totals_by_world_size
+    from minizero.memory.estimator import DEVICE_CATEGORIES
+
+    def run(strategy, ranks, mib, ok=True):
+        per_rank = dict.fromkeys(DEVICE_CATEGORIES, 0)
+        per_rank["parameters"] = mib * MIB
+        return dict(strategy=strategy, ranks=ranks, ok=ok, measured=dict(per_rank=[per_rank]))
+
+    assert totals_by_world_size([run("baseline", 2, 1.0)]) == []  # one world size: the main table says it all
+    lines = totals_by_world_size([run("baseline", 1, 1.0), run("zero3", 1, 2.5), run("baseline", 2, 1.0),
+                                  run("zero3", 2, 1.25, ok=False)])
+    assert lines[3:] == ["| strategy | 1 rank | 2 ranks |", "|---|---:|---:|", "| baseline | 1.00 | 1.00 |",
+                         "| zero3 | 2.50 | failed |"]
