@@ -44,9 +44,17 @@ class Interrupts(Callback):
         if unraisable.exc_type not in cls.raised:
             sys.__unraisablehook__(unraisable)
 
+    @classmethod
+    def check(cls):
+        """Raise the first remembered exception, if any (the step's end, the run's end, after ``train``)."""
+        if cls.raised:
+            raise cls.raised[0]()
+
     def on_step_end(self, run, step, record):
-        if self.raised:
-            raise self.raised[0]()
+        self.check()
+
+    def on_train_end(self, run):  # a drop after the last step's check (its save, its later callbacks)
+        self.check()
 
 
 class ProgressCallback(Callback):

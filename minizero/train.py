@@ -329,6 +329,7 @@ def main(argv=None) -> int:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
     if threading.current_thread() is threading.main_thread():
+        Interrupts.raised.clear()  # this run's signals only
         signal.signal(signal.SIGINT, Interrupts.handler(KeyboardInterrupt))  # from here both unwind through the
         signal.signal(signal.SIGTERM, Interrupts.handler(Terminated))  # except below (before: their default action)
         sys.unraisablehook = Interrupts.quiet_hook
@@ -344,6 +345,7 @@ def main(argv=None) -> int:
         if use_tracemalloc(args):
             tracemalloc.start()
         result = train(args, comm, log=lambda s: print(s, flush=True))
+        Interrupts.check()  # dropped in the final evaluation or the traffic table: not a finished run
         process_peak = (result.train_process_peak or tracemalloc.get_traced_memory()[1]
                         if tracemalloc.is_tracing() else peak_rss_bytes())
         strategy, opt = result.strategy, result.opt

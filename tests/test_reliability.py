@@ -377,6 +377,21 @@ def test_ctrl_c_while_the_ranks_start_prints_no_traceback(mpiexec, delay):
     assert err.count("minizero.train: interrupted") <= 1, err
 
 
+def test_a_signal_dropped_after_the_last_steps_check_is_raised_at_the_run_end():
+    """Interrupts runs first at a step's end: a drop in that step's save or later callbacks is raised at the end."""
+    from minizero.instrumentation import Interrupts
+
+    Interrupts.raised.append(KeyboardInterrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Interrupts().on_train_end(None)
+        with pytest.raises(KeyboardInterrupt):
+            Interrupts.check()
+    finally:
+        Interrupts.raised.clear()
+    Interrupts().on_train_end(None)  # nothing dropped: nothing raised
+
+
 def test_a_ctrl_c_dropped_in_a_weakref_callback_is_raised_at_the_step_end(capsys):
     import weakref
 
