@@ -384,3 +384,16 @@ def test_overlap_estimate_and_trainer_share_one_bucket_constant(monkeypatch):
     for rank, peak in enumerate(run_in_threads(2, _cli_peaks, flags, timeout=240)):
         for cat in E.CATEGORIES:
             assert three[cat] == peak.get(cat, 0), (rank, cat, three[cat], peak.get(cat, 0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n, zero", [(2, 1), (3, 1)])
+def test_blocking_zero_scratch_matches_the_ledger_metrics_row_included(n, zero):
+    """Blocking ZeRO's reduce-scatter: no scratch at N = 2, where the end-of-run traffic row's all-reduce
+    (METRICS_ROW, kept by hand beside placement.node_traffic) is the peak; one chunk at N = 3; both to the byte."""
+    flags = ["--model", "tiny", "--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+             "--progress", "none", "--no-save", "--micro-batch-size", "1", "--zero", str(zero), "--no-overlap"]
+    st = Strategy(dp=n, zero=zero, precision="fp32", micro_batch=1, overlap=False)
+    est = estimate_memory(get_config("tiny"), st, accounting="minizero").as_dict()
+    for peak in run_in_threads(n, _cli_peaks, flags, timeout=240):
+        assert peak.get("comm_scratch", 0) == est["comm_scratch"]
