@@ -23,7 +23,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead. ``ep``:
     :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full
     recompute +2), plus the vocab-parallel embedding and head under ``"paper"`` (sequence parallelism: the same
-bytes, the embedding's exit a reduce-scatter forward and an all-gather backward). ``pp``: per micro-batch and chunk
+    bytes, the embedding's exit a reduce-scatter forward and an all-gather backward). ``pp``: per micro-batch and chunk
     sbh e / t each way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for
     ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under
     recompute. ``pcie``: offload traffic.
