@@ -38,6 +38,7 @@ from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.instrumentation import Interrupts
+from minizero.interrupts import Terminated
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -51,10 +52,6 @@ from minizero.report import gather_stats, printable, report  # noqa: F401 (the p
 DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
              CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
 
 
 def use_tracemalloc(args) -> bool:
