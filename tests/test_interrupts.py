@@ -108,3 +108,11 @@ def test_an_interrupt_dropped_in_a_weakref_callback_is_not_lost(monkeypatch, cap
             signal.signal(sig, handler)
     err = capsys.readouterr().err
     assert "Exception ignored" not in err and err.count("interrupted (SIGINT)") == 1, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tool,args", [("minizero.sample", ["--tokens", "100000"])])
+def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
+    status, err = _interrupt([sys.executable, "-m", tool, "--weights", str(weights[0]), *args], 6)
+    assert status == 130, err
+    _one_line(err, tool, "SIGINT")
