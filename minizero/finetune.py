@@ -34,6 +34,7 @@ from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
+from minizero.interrupts import WHOLE, Interrupts, interruptible
 
 METHODS = ("full", "lora", "qlora")
 
@@ -161,6 +162,7 @@ def _finetune(args, method, tokens, comm):
             clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
+        Interrupts.check()  # a Ctrl-C dropped in a weakref callback (the ledger's releases) stops here
     row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(p.size for p in params)),
            "num_parameters": n_params, "frozen_bytes": int(frozen),
            "trainable_bytes": int(ledger.current["parameters"] - frozen),  # this rank's (a ZeRO-3 shard)
@@ -261,4 +263,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible("minizero.finetune", WHOLE, main))

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ from minizero import backend
 from minizero.files import mpiexec_path
 from minizero.numerals import integer, negative_values_reach_checks
 from minizero.plan_search import Hardware
+from minizero.interrupts import NOTHING, interruptible, run_group
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
 
@@ -100,7 +100,7 @@ def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: i
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
     env.pop("MINIZERO_FAULT", None)  # the trainer's fault hook is not for this job
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    proc = run_group(cmd, env=env, timeout=timeout)  # Ctrl-C or the timeout: mpiexec and its ranks killed
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit status {proc.returncode}): {proc.stderr.strip()[-300:]}")
@@ -195,4 +195,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(interruptible("minizero.hardware", NOTHING, main))

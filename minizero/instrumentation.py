@@ -6,7 +6,6 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 from __future__ import annotations
 
 import json
-import sys
 import tracemalloc
 
 from minizero import trace
@@ -20,35 +19,13 @@ from minizero.header import Header
 from minizero.ledger import get_ledger
 from minizero.memory.monitor import MemoryMonitor
 from minizero.parallel.tracing import TraceUnits, write_trace
+from minizero.interrupts import Interrupts as _Signals
 from minizero.progress import Progress
 
 
-class Interrupts(Callback):
-    """A signal's exception that Python dropped, raised again at the step's end. A KeyboardInterrupt (Ctrl-C) or
-    train's Terminated (SIGTERM) raised inside a weakref callback (the ledger's release of a freed array) is printed
-    as "Exception ignored" and lost, and the rank would train on; :meth:`handler`'s signal handlers remember what
-    they raised, and :meth:`quiet_hook` (``sys.unraisablehook``) keeps those dropped ones off stderr."""
-
-    raised: list = []  # the exception classes the handlers raised, first first
-
-    @classmethod
-    def handler(cls, error):
-        """A signal handler raising ``error`` (an exception class) and remembering it."""
-        def raise_it(signum, frame):
-            cls.raised.append(error)
-            raise error()
-        return raise_it
-
-    @classmethod
-    def quiet_hook(cls, unraisable):
-        if unraisable.exc_type not in cls.raised:
-            sys.__unraisablehook__(unraisable)
-
-    @classmethod
-    def check(cls):
-        """Raise the first remembered exception, if any (the step's end, the run's end, after ``train``)."""
-        if cls.raised:
-            raise cls.raised[0]()
+class Interrupts(_Signals, Callback):
+    """:class:`minizero.interrupts.Interrupts` as a callback: a signal's exception that Python dropped in a weakref
+    callback is raised again at the step's end (the rank would train on) and at the run's end."""
 
     def on_step_end(self, run, step, record):
         self.check()

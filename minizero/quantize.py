@@ -28,6 +28,7 @@ from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
 from minizero.weights import SIDECAR, infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
+from minizero.interrupts import WHOLE, interruptible
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
 DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -196,4 +197,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible("minizero.quantize", WHOLE, main))

@@ -20,6 +20,7 @@ from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.weights import load_gpt
+from minizero.interrupts import NOTHING, interruptible
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
 MAX_TOKENS = 100_000
@@ -159,4 +160,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible("minizero.sample", NOTHING, main))

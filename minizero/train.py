@@ -38,6 +38,7 @@ from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.instrumentation import Interrupts
+from minizero.interrupts import Terminated
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -51,10 +52,6 @@ from minizero.report import gather_stats, printable, report  # noqa: F401 (the p
 DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
              CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
 
 
 def use_tracemalloc(args) -> bool:
@@ -328,11 +325,8 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
-    if threading.current_thread() is threading.main_thread():
-        Interrupts.raised.clear()  # this run's signals only
-        signal.signal(signal.SIGINT, Interrupts.handler(KeyboardInterrupt))  # from here both unwind through the
-        signal.signal(signal.SIGTERM, Interrupts.handler(Terminated))  # except below (before: their default action)
-        sys.unraisablehook = Interrupts.quiet_hook
+    Interrupts.raised.clear()  # this run's signals only
+    Interrupts.install()  # from here SIGINT and SIGTERM unwind through the except below (before: default action)
     try:
         if rank == 0:
             _warn_ram_offload(args)

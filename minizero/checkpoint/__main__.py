@@ -2,5 +2,6 @@
 import sys
 
 from minizero.checkpoint.cli import main
+from minizero.interrupts import WHOLE, interruptible
 
-sys.exit(main())
+sys.exit(interruptible("minizero.checkpoint", WHOLE, main))

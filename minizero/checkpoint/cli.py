@@ -22,6 +22,7 @@ from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
+from minizero.interrupts import WHOLE, interruptible
 
 
 def describe(reader: ShardReader) -> str:
@@ -176,4 +177,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(interruptible("minizero.checkpoint", WHOLE, main))

@@ -8,6 +8,7 @@ import sys
 
 from minizero.debug import hang, parity, timeline
 from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.interrupts import interruptible
 
 
 def main(argv=None) -> int:
@@ -47,4 +48,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible("minizero.debug", "nothing was written (parity: its runs are ended, their folder removed)",
+                           main))

@@ -11,13 +11,13 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
 from minizero.files import mpiexec_path
+from minizero.interrupts import run_group
 from minizero.numerals import is_count
 
 SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp")
@@ -68,7 +68,7 @@ def run(layout: str, common: list[str], out: str) -> dict:
     cmd = [mpiexec_path() or "mpiexec", "-n", str(n), sys.executable, "-m", "minizero.train", "--dtype", "float64",
            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *common,
            "--out", out, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_group(cmd)  # Ctrl-C: mpiexec and its ranks killed
     if proc.returncode != 0:
         said = [ln for ln in proc.stderr.splitlines() if "error" in ln or "failed" in ln] or proc.stderr.splitlines()
         return {"error": f"{layout!r} failed (exit {proc.returncode}): {(said or ['no message'])[0]}"}

@@ -1,0 +1,94 @@
+"""Ctrl-C (SIGINT) and SIGTERM in every command-line tool: one line naming the tool, the signal and what happened
+to its files, exit status 128 + the signal, no traceback (:func:`interruptible`; the main job: minizero.train)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+#: what a tool says of its files when interrupted
+WHOLE = "files already written are left as they were (each is written whole or not at all)"
+NOTHING = "nothing was written"
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (as KeyboardInterrupt is SIGINT): unwind, clean up, exit 128 + 15."""
+
+
+class Interrupts:
+    """Signal handlers that remember what they raised. A KeyboardInterrupt or Terminated raised inside a weakref
+    callback (the ledger's release of a freed array) is printed as "Exception ignored" and lost; :meth:`quiet_hook`
+    (``sys.unraisablehook``) keeps those off stderr and ``raised`` lets the caller raise it again."""
+
+    raised: list = []  # the exception classes the handlers raised, first first
+
+    @classmethod
+    def handler(cls, error):
+        """A signal handler raising ``error`` (an exception class) and remembering it."""
+        def raise_it(signum, frame):
+            cls.raised.append(error)
+            raise error()
+        return raise_it
+
+    @classmethod
+    def quiet_hook(cls, unraisable):
+        if unraisable.exc_type not in cls.raised:
+            sys.__unraisablehook__(unraisable)
+
+    @classmethod
+    def install(cls) -> None:
+        """SIGINT raises KeyboardInterrupt, SIGTERM Terminated (main thread only); dropped ones stay quiet."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, cls.handler(KeyboardInterrupt))
+            signal.signal(signal.SIGTERM, cls.handler(Terminated))
+            sys.unraisablehook = cls.quiet_hook
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise again a signal's exception that Python dropped in a weakref callback."""
+        if cls.raised:
+            raise cls.raised[0]()
+
+
+def _mpi_rank() -> int:
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def interruptible(tool: str, files: str, main, argv=None) -> int:
+    """``main(argv)`` with :meth:`Interrupts.install`; Ctrl-C / SIGTERM: one line on stderr (rank 0 only under
+    mpiexec, which signals every rank), ``"python -m {tool}: interrupted (SIGINT); {files}"``, then 130 / 143."""
+    Interrupts.install()
+    try:
+        code = main(argv)
+        Interrupts.check()  # an interrupt dropped in a weakref callback is still an interrupt
+        return code
+    except (KeyboardInterrupt, Terminated) as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+        if _mpi_rank() == 0:
+            print(f"python -m {tool}: interrupted ({name}); {files}", file=sys.stderr, flush=True)
+        return code
+
+
+def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in its own session; on any exception (Ctrl-C,
+    timeout) SIGKILL its whole process group (mpiexec and every rank it started), reap it, raise again."""
+    timeout = kwargs.pop("timeout", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

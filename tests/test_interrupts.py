@@ -1,0 +1,118 @@
+"""Ctrl-C and SIGTERM in the command-line tools other than the main job (that one: test_reliability.py): one
+``interrupted`` line naming the tool and the signal, exit 128 + the signal, no traceback, no half-written file, no
+mpiexec job left behind, and no interrupt lost in a weakref callback."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import weakref
+
+import pytest
+
+from tests.conftest import REPO_ROOT, mpi_env
+from minizero.interrupts import Interrupts, interruptible
+
+
+def _marked_processes(mark: str) -> list[int]:
+    """Processes whose environment holds ``mark`` (this test's launches and everything they started)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _interrupt(cmd, delay, sig=signal.SIGINT, mark=None):
+    """Start ``cmd`` (its own session, so SIGINT is not ignored), send ``sig`` after ``delay`` s; (status, stderr)."""
+    env = dict(mpi_env(), MINIZERO_TEST_MARK=mark or uuid.uuid4().hex)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+                            start_new_session=True)
+    try:
+        time.sleep(delay)
+        assert proc.poll() is None, f"ended before the signal: {proc.communicate()}"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err
+
+
+def _one_line(err, tool, name):
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.count("interrupted") == 1, err
+    assert f"python -m {tool}: interrupted ({name})" in err, err
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base")
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--out", str(out),
+                    "--progress", "none", "--sample-tokens", "1", "--eval-batches", "1"], check=True,
+                   capture_output=True, timeout=240, cwd=REPO_ROOT, env=mpi_env())
+    data = out / "finetune.txt"
+    data.write_text(open(os.__file__).read() * 3)
+    return out / "model.npz", data
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_finetune_interrupted_prints_one_line_and_writes_nothing(weights, tmp_path, sig, code, name):
+    out = tmp_path / "ft"
+    status, err = _interrupt([sys.executable, "-m", "minizero.finetune", "--weights", str(weights[0]), "--data",
+                              str(weights[1]), "--steps", "100000", "--batch-size", "2", "--eval-batches", "1",
+                              "--out", str(out), "--json", str(tmp_path / "ft.json")], 12, sig)
+    assert status == code, err
+    _one_line(err, "minizero.finetune", name)
+    assert not (tmp_path / "ft.json").exists() and not (out.exists() and os.listdir(out)), os.listdir(tmp_path)
+
+
+@pytest.mark.timeout(200)
+def test_debug_parity_interrupted_ends_its_mpiexec_job(mpiexec, tmp_path):
+    mark = uuid.uuid4().hex
+    status, err = _interrupt([sys.executable, "-m", "minizero.debug", "parity", "-n 2 --dp 2", "-n 1",
+                              "--steps", "100000", "--model", "tiny"], 10, mark=mark)
+    assert status == 130, err
+    _one_line(err, "minizero.debug", "SIGINT")
+    deadline = time.time() + 10
+    while _marked_processes(mark) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _marked_processes(mark), "the parity run's mpiexec or ranks outlived the interrupt"
+
+
+def test_an_interrupt_dropped_in_a_weakref_callback_is_not_lost(monkeypatch, capsys):
+    monkeypatch.setattr(Interrupts, "raised", [])
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    class Array:
+        pass
+
+    def main(argv):
+        a = Array()
+        ref = weakref.ref(a, lambda r: Interrupts.handler(KeyboardInterrupt)(signal.SIGINT, None))  # Ctrl-C there
+        del a  # Python prints the callback's KeyboardInterrupt as "Exception ignored" and goes on
+        assert ref() is None
+        return 0
+
+    try:
+        assert interruptible("minizero.sample", "nothing was written", main) == 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert "Exception ignored" not in err and err.count("interrupted (SIGINT)") == 1, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tool,args", [("minizero.sample", ["--tokens", "100000"])])
+def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
+    status, err = _interrupt([sys.executable, "-m", tool, "--weights", str(weights[0]), *args], 6)
+    assert status == 130, err
+    _one_line(err, tool, "SIGINT")
