@@ -98,9 +98,11 @@ def test_interleaved_is_refused_where_it_cannot_run():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dp, tp, m, extra", [(1, 1, 2, []), (1, 1, 4, ["--zero", "1"]),
-                                              (1, 2, 2, ["--sequence-parallel"]), (2, 1, 2, ["--zero", "1"])])
+                                              (1, 2, 2, ["--sequence-parallel"]), (2, 1, 2, ["--zero", "1"]),
+                                              (1, 2, 2, ["--attention", "flash", "--attention-block", "5"])])
 def test_interleaved_equals_single_process(dp, tp, m, extra):
-    """pp 2 x 2 virtual stages on the default model (4 layers: h.0, h.2 on rank 0; h.1, h.3 on rank 1)."""
+    """pp 2 x 2 virtual stages on the default model (4 layers: h.0, h.2 on rank 0; h.1, h.3 on rank 1); flash: both
+    runs (the chunks' cores are the stage's)."""
     ref = run_in_threads(1, R.run_single, "default", 2 * dp, m, [a for a in extra if a != "--sequence-parallel"])[0]
     got = run_in_threads(dp * tp * 2, R.run_parallel, "default", 2, dp, tp, 2, m, "interleaved",
                          ["--virtual-stages", "2", *extra])

@@ -163,11 +163,8 @@ class FlashAttentionCore(Module):
 
 
 def use_flash_attention(stage, block: int) -> list[str]:
-    """Make every block's ``attn.core`` a :class:`FlashAttentionCore` (before recompute, CP); returns the names."""
+    """Make every block's ``attn.core`` a :class:`FlashAttentionCore` (before recompute, CP), by ``swap_modules``
+    (an interleaved stage's chunks see the same cores); returns the names."""
     check_block(block)
-    done = []
-    for part in getattr(stage, "chunks", [stage]):
-        for name, blk in part.transformer["h"]._modules.items():
-            blk.attn.core = FlashAttentionCore(block)
-            done.append(f"transformer.h.{name}.attn.core")
-    return done
+    cores = {id(blk.attn.core) for blk in stage.transformer["h"]}
+    return stage.swap_modules(lambda m: FlashAttentionCore(block) if id(m) in cores else None)
