@@ -81,6 +81,25 @@ def test_a_replacement_holding_what_it_replaced_is_not_searched_by_the_chunks():
     run_in_threads(2, _wrap_then_look_inside)
 
 
+def _split_a_built_interleaved_stage(comm):
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    from minizero.parallel.sequence_parallel import sequence_parallelize
+    from minizero.parallel.vocab_parallel import vocab_parallelize
+    stage = InterleavedStage(interleave(GPT(get_config("default"), seed=1), comm.rank, 2, 2), 2)
+    before = {n: type(m) for n, m in stage.named_modules()}
+    for split in (vocab_parallelize, sequence_parallelize):
+        with pytest.raises(TypeError, match="InterleavedStage.*each of its chunks"):
+            split(stage, comm)
+    assert {n: type(m) for n, m in stage.named_modules()} == before
+
+
+def test_vocab_and_sequence_splitting_refuse_a_built_interleaved_stage():
+    """They replace the stage's own wte / lm_head and set its loss_fn: a built InterleavedStage's chunks would keep
+    the whole embedding and head. build_stage splits each chunk before building it; a built one is refused."""
+    run_in_threads(2, _split_a_built_interleaved_stage)
+
+
 def test_interleaved_is_refused_where_it_cannot_run():
     base = ["--model", "default", "--schedule", "interleaved"]
     with pytest.raises(UsageError, match="needs --pp >= 2 and --virtual-stages >= 2"):

@@ -72,6 +72,14 @@ class InterleavedStage(Module):
         raise TypeError("an InterleavedStage runs chunk by chunk: use PipelineEngine")
 
 
+def refuse_interleaved(stage, what: str) -> None:
+    """Raise TypeError for a built :class:`InterleavedStage`: ``what`` replaces a stage's own embedding and head
+    (not by ``swap_modules``) and sets its attributes, which its chunks would not see."""
+    if isinstance(stage, InterleavedStage):
+        raise TypeError(f"{what} splits one pipeline stage, not an InterleavedStage: call it on each of its chunks "
+                        "before building the InterleavedStage (as three_d.build_stage does)")
+
+
 def interleave(model, rank: int, pp: int, v: int, v_shape: bool = False) -> list:
     """The :class:`PipelineStage` chunks of ``model`` for pipeline rank ``rank``,
     each with ``prev_rank``/``next_rank``."""

@@ -15,6 +15,7 @@ from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.nn.module import Embedding, Module
+from minizero.parallel.interleaved import refuse_interleaved
 from minizero.parallel.tensor_parallel import ColumnParallelLinear, ParallelCausalSelfAttention, RowParallelLinear
 from minizero.parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -292,9 +293,10 @@ class SequenceParallelLMHead(ParallelLMHead):
 def sequence_parallelize(stage, comm) -> list[str]:
     """Split a tensor- and vocab-parallel stage over ``comm`` with sequence parallelism, in place (no-op for t = 1).
 
-    Returns the converted module names. Raises TypeError: the blocks not tensor-parallel, wte not vocab-parallel;
-    ValueError (in forward): t does not divide the sequence length.
+    Returns the converted module names. Raises TypeError: a built InterleavedStage, the blocks not tensor-parallel,
+    wte not vocab-parallel; ValueError (in forward): t does not divide the sequence length.
     """
+    refuse_interleaved(stage, "sequence_parallelize")
     if comm.world_size == 1:
         return []
     if not all(isinstance(b.mlp.c_fc, ColumnParallelLinear) for b in stage.transformer["h"]):

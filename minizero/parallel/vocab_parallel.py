@@ -14,6 +14,7 @@ from minizero.autograd import Function, Tensor
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
 from minizero.nn.module import Module, Parameter
+from minizero.parallel.interleaved import refuse_interleaved
 from minizero.parallel.tensor_parallel import (_mark, _reduce, copy_to_tensor_parallel_region,
                                                reduce_from_tensor_parallel_region, shard_array)
 
@@ -132,8 +133,9 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore
 def vocab_parallelize(stage, comm) -> list[str]:
     """Split a stage's ``wte``, tied ``lm_head`` and ``loss_fn`` over the tensor group, in place; returns the names.
 
-    Raises ValueError: the group size does not divide the vocabulary.
+    Raises ValueError: the group size does not divide the vocabulary; TypeError: a built InterleavedStage.
     """
+    refuse_interleaved(stage, "vocab_parallelize")
     tp, cfg = comm.world_size, stage.config
     if tp == 1:
         return []
