@@ -86,7 +86,7 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(cfg.dropout)
         self.resid_dropout = Dropout(cfg.dropout)
         self.n_head = cfg.n_head
-        self.core = DenseAttentionCore()  # context parallelism assigns a ring-attention core instead
+        self.core = DenseAttentionCore()  # flash attention and context parallelism swap in their own cores
 
     def forward(self, x):
         b, t, c = x.shape
