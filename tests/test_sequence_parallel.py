@@ -14,7 +14,7 @@ from minizero.comm import run_in_threads
 from minizero.comm.collectives import bytes_sent
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
-from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
+from minizero.memory.estimator import ModelShape, Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.pipeline import PipelineStage
@@ -118,17 +118,20 @@ def _assert_tensor_bytes_predicted(got, model, st, cfg=None):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, model, extra", [(2, "tiny", []), (2, "tiny", ["--recompute", "full"]),
                                               (2, "tiny", ["--sequence-parallel", "--recompute", "full"]),
-                                              (4, "default", []), (2, "tiny", ["--sequence-parallel", "--cp", "2"])])
+                                              (4, "default", []), (2, "tiny", ["--sequence-parallel", "--cp", "2"]),
+                                              (2, "tiny", ["--moe-experts", "2", "--moe-every", "2"])])
 def test_tensor_group_bytes_equal_the_estimator(tp, model, extra):
     """Bytes on the tensor group per step = the estimator's minizero accounting, exactly: the all-reduces (the
     recursive doubling of minizero's <= 256 KiB), the vocabulary-parallel loss, the re-forward of full recompute
     and, with sequence parallelism, the backward re-gathers of the column-parallel inputs for dW (lesson 10) and
-    the norms' gradient all-reduce. Sequence parallelism without them: tests/test_sequence_parallel.py's others."""
+    the norms' gradient all-reduce. An MoE block keeps its experts whole: only its attention's pair."""
     cp = int(extra[extra.index("--cp") + 1]) if "--cp" in extra else 1
     got = run_in_threads(tp * cp, R.run_parallel, model, 2, 1, tp, 1, 1, "1f1b", extra)
     recompute = extra[extra.index("--recompute") + 1] if "--recompute" in extra else "none"
+    moe = parse_args(R.base_argv(model, 2, extra) + ["--tp", str(tp)], tp * cp).moe_config()
+    shape = ModelShape.from_gpt_config(get_config(model, dtype="float64", block_size=16), moe=moe)
     _assert_tensor_bytes_predicted(got, model, Strategy(cp=cp, tp=tp, recompute=recompute,
-                                                 sequence_parallel="--sequence-parallel" in extra))
+                                                 sequence_parallel="--sequence-parallel" in extra), shape)
 
 
 @pytest.mark.timeout(300)

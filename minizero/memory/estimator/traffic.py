@@ -90,8 +90,9 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     the embedding's exit, an all-reduce forward (SP: a reduce-scatter, backward an all-gather); the last stage: the
     head's entry, an all-reduce backward (SP: an all-gather forward, a reduce-scatter and the re-gather backward),
     and the loss, an all-gather of the N = b s/c row maxima and 2 all-reduces of N (itemsize >= 4). ``grads``, SP
-    only, once per step: the all-reduce of the norms' and row-parallel biases' gradients. Equal to the trainer's
-    ``tensor_parallel_activations`` for dense GPT blocks (tests/test_sequence_parallel.py).
+    only, once per step: the all-reduce of the norms' and row-parallel biases' gradients. An MoE block (no SP) keeps
+    its experts whole: one all-reduce each way. Equal to the trainer's ``tensor_parallel_activations``
+    (tests/test_sequence_parallel.py).
     """
     m = as_shape(model)
     st = strategy.validate(m)
@@ -100,6 +101,7 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
         return {"forward": 0, "backward": 0, "loss": 0, "grads": 0, "total": 0}
     s, e = (seq_len or m.seq_len) // st.cp, activation_element(st.precision, "minizero")
     n, rows, layers = st.micro_batch * s * m.hidden, st.micro_batch * s, m.n_layer // st.pp
+    moe = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))  # experts whole: the attention's pair only
     first, last = stage == 0, stage == st.pp - 1
 
     def sent(op, count, itemsize=e):
@@ -110,7 +112,8 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
         forward = layers * passes * 2 * (ag + rs) + first * rs + last * ag
         backward = layers * (2 * rs + 4 * ag) + first * ag + last * (rs + ag)
     else:
-        forward, backward = (layers * passes * 2 + first) * ar, (layers * 2 + last) * ar
+        pairs = 2 * layers - moe
+        forward, backward = (pairs * passes + first) * ar, (pairs + last) * ar
     le = max(e, 4)
     loss = last * (sent("all_gather", t * rows, le) + 2 * sent("all_reduce", rows, le))
     grads = 0
