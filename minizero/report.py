@@ -106,10 +106,13 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
              + ("; capped by the environment's OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or MKL_NUM_THREADS)" if capped
                 else ")"),
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
+    copy = args.tp > 1 or args.pp > 1 or (args.moe_experts > 0 and args.ep > 1)  # the model below: a gathered copy
     gathers = [w for w, here in (("the start-up broadcast", args.zero == 0 and args.dp * args.cp > 1),
                                  ("ZeRO's gathers", 0 < args.zero < 3),
-                                 ("ZeRO's gathers; the final gather for the weights and the sample comes after these "
-                                  "figures", args.zero == 3),
+                                 ("ZeRO's gathers, its final gather for the model's copy included",
+                                  args.zero == 3 and copy),
+                                 ("ZeRO's gathers; the final gather for the weights and the sample, one forward's "
+                                  "gathers more, comes after these figures", args.zero == 3 and not copy),
                                  ("the final gather of the experts", args.moe_experts > 0 and args.ep > 1),
                                  ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
     reductions = [w for w, here in (("data parallel", args.dp * args.cp > 1),

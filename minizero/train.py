@@ -16,6 +16,7 @@ if __name__ == "__main__":  # Ctrl-C before main()'s handler (imports, MPI's sta
 
 # the imports below follow that handler on purpose: they take seconds, and Ctrl-C may come meanwhile
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import faulthandler
@@ -355,7 +356,9 @@ def main(argv=None) -> int:
         result.module_peaks = gather_module_peaks(comm)  # activation peak bytes per module, per rank
         pool_peak = result.memory_monitor.device_pool_peak  # CuPy's pool high-water, or None on the CPU
         result.device_pool = None if pool_peak is None else gather_figures(comm, pool_peak)
-        with strategy.full_parameters():  # ZeRO-3: gather for saving and sampling
+        # ZeRO-3: gather for saving and sampling; a gathered copy (tp, pp, expert groups) was gathered in train()
+        local = strategy.model is not None and strategy.ep_comm is None
+        with strategy.full_parameters() if local else contextlib.nullcontext():
             if rank == 0:
                 report(args, result, stats, threads, local_ranks, _cores(), zero)
     except BaseException as e:  # any rank: show the cause, then take the whole job down

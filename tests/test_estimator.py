@@ -199,8 +199,9 @@ def test_comm_bytes_zero_section_7():
     g = E.comm_bytes_per_step(GPT3, Strategy(tp=8, pp=96))["tp"]
     x = 2 * 2048 * 12288
     assert g == pytest.approx((4 + 1) * 2 * 7 / 8 * x)  # one layer + the embedding's all-reduce on stage 0
-    # sequence parallelism: the estimator counts tensor parallelism's bytes (the embedding's exit, a reduce-scatter
-    # forward and an all-gather backward, costs the all-reduce's); pinned here, measured in test_sequence_parallel.py
+    # sequence parallelism, paper accounting: Korthikanti et al.'s count, tensor parallelism's bytes (the embedding's
+    # exit, a reduce-scatter forward and an all-gather backward, costs the all-reduce's), without the backward
+    # re-gathers for dW that accounting="minizero" adds (measured in test_sequence_parallel.py)
     assert E.comm_bytes_per_step(GPT3, Strategy(tp=8, pp=96, sequence_parallel=True))["tp"] == g
 
 

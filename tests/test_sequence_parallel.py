@@ -1,4 +1,5 @@
 """Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): equal to one process, norms in step, bytes as the formula."""
+import json
 import os
 import subprocess
 import sys
@@ -13,13 +14,14 @@ from minizero.comm import run_in_threads
 from minizero.comm.collectives import bytes_sent
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
-from minizero.memory.estimator import layer_activation_bytes
+from minizero.memory.estimator import ModelShape, Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import (gather_from_sequence_parallel_region, gathered_linear,
                                                  reduce_scatter_to_sequence_parallel_region,
                                                  scatter_to_sequence_parallel_region, sequence_parallelize)
+from minizero.parallel.strategy import VALIDATION
 from minizero.parallel.tensor_parallel import shard_array, tensor_parallelize
 from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
@@ -93,10 +95,43 @@ def test_sequence_parallel_equals_single_process(tp, model, extra):
     ref = run_in_threads(1, R.run_single, model, 2, 2, extra)[0]
     got = run_in_threads(tp, R.run_parallel, model, 2, 1, tp, 1, 2, "1f1b", ["--sequence-parallel", *extra])
     R.assert_matches(ref, got, f"tp {tp} sequence parallel {extra}")
+    recompute = extra[extra.index("--recompute") + 1] if "--recompute" in extra else "none"
+    _assert_tensor_bytes_predicted(got, model, Strategy(tp=tp, sequence_parallel=True, micro_batches=2,
+                                                        recompute=recompute))
     for name in got[0]["params"]:
         if ".ln_" in name or name.endswith("c_proj.bias"):  # layer norms and row-parallel biases: bitwise identical
             for other in got[1:]:
                 np.testing.assert_array_equal(other["params"][name], got[0]["params"][name], err_msg=name)
+
+
+def _assert_tensor_bytes_predicted(got, model, st, cfg=None):
+    """Every rank's tensor-group bytes per step outside validation (the trainer's tensor_parallel_activations) =
+    the estimator's ``comm_bytes_per_step(..., accounting="minizero")["tp"]`` for its stage (R.base_argv's runs)."""
+    cfg = cfg or get_config(model, dtype="float64", block_size=16)
+    st = Strategy(**{**vars(st), "micro_batch": 2, "precision": "fp64"})
+    for r in got:
+        by = r["traffic"]["tp"]["by_op"]
+        want = comm_bytes_per_step(cfg, st, stage=r["coords"][2], accounting="minizero")["tp"]
+        assert sum(by.values()) - by.get(VALIDATION, 0) == R.STEPS * want, (r["coords"], by)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, model, extra", [(2, "tiny", []), (2, "tiny", ["--recompute", "full"]),
+                                              (2, "tiny", ["--sequence-parallel", "--recompute", "full"]),
+                                              (4, "default", []), (2, "tiny", ["--sequence-parallel", "--cp", "2"]),
+                                              (2, "tiny", ["--moe-experts", "2", "--moe-every", "2"])])
+def test_tensor_group_bytes_equal_the_estimator(tp, model, extra):
+    """Bytes on the tensor group per step = the estimator's minizero accounting, exactly: the all-reduces (the
+    recursive doubling of minizero's <= 256 KiB), the vocabulary-parallel loss, the re-forward of full recompute
+    and, with sequence parallelism, the backward re-gathers of the column-parallel inputs for dW (lesson 10) and
+    the norms' gradient all-reduce. An MoE block keeps its experts whole: only its attention's pair."""
+    cp = int(extra[extra.index("--cp") + 1]) if "--cp" in extra else 1
+    got = run_in_threads(tp * cp, R.run_parallel, model, 2, 1, tp, 1, 1, "1f1b", extra)
+    recompute = extra[extra.index("--recompute") + 1] if "--recompute" in extra else "none"
+    moe = parse_args(R.base_argv(model, 2, extra) + ["--tp", str(tp)], tp * cp).moe_config()
+    shape = ModelShape.from_gpt_config(get_config(model, dtype="float64", block_size=16), moe=moe)
+    _assert_tensor_bytes_predicted(got, model, Strategy(cp=cp, tp=tp, recompute=recompute,
+                                                 sequence_parallel="--sequence-parallel" in extra), shape)
 
 
 @pytest.mark.timeout(300)
@@ -184,7 +219,8 @@ def test_sequence_parallel_is_refused_where_it_cannot_run():
 
 @pytest.mark.timeout(300)
 def test_sequence_parallel_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 python -m minizero.train --tp 2 --sequence-parallel``: the final weights are one process's."""
+    """``mpiexec -n 2 python -m minizero.train --tp 2 --sequence-parallel``: the final weights are one process's;
+    summary.json's tensor-parallel bytes are the estimator's (minizero accounting: with the backward re-gathers)."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
     out = {}
@@ -193,6 +229,11 @@ def test_sequence_parallel_from_the_command_line(mpiexec, tmp_path):
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
+    with open(tmp_path / "par" / "summary.json") as f:
+        sent = json.load(f)["bytes_sent_by_kind"]["tensor_parallel_activations"]
+    st = Strategy(tp=2, sequence_parallel=True, micro_batch=2, precision="fp64")
+    want = comm_bytes_per_step(get_config("tiny", dtype="float64"), st, accounting="minizero")["tp"]
+    assert sent == [3 * want] * 2 and want > comm_bytes_per_step(get_config("tiny", dtype="float64"), st)["tp"]
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
 
@@ -203,5 +244,6 @@ def test_sequence_parallel_with_a_pipeline_sends_the_sequence_slices():
     ref = run_in_threads(1, R.run_single, "default", 2, 2, [])[0]
     got = run_in_threads(4, R.run_parallel, "default", 2, 1, 2, 2, 2, "1f1b", ["--sequence-parallel"])
     R.assert_matches(ref, got, "tp 2 pp 2 sequence parallel")
+    _assert_tensor_bytes_predicted(got, "default", Strategy(tp=2, pp=2, micro_batches=2, sequence_parallel=True))
     for r in got:
         assert r["traffic"]["pp"]["by_op"].get("pp_activation", 0) in (0, 3 * 2 * 2 * 8 * 128 * 8)  # 3 steps x m 2 x (2, 8, 128) f64

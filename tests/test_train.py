@@ -135,8 +135,8 @@ def test_header_names_every_layout_choice(mpiexec):
     assert "  parameter gathers and broadcasts (ZeRO's gathers): r0-1 " in plain.stdout  # no start-up broadcast
     z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3"], timeout=90)
     assert z3.returncode == 0, z3.stderr
-    assert ("  parameter gathers and broadcasts (ZeRO's gathers; the final gather for the weights and the sample "
-            "comes after these figures): r0-1 ") in z3.stdout, z3.stdout
+    assert ("  parameter gathers and broadcasts (ZeRO's gathers; the final gather for the weights and the sample, "
+            "one forward's gathers more, comes after these figures): r0-1 ") in z3.stdout, z3.stdout
 
 
 @pytest.mark.timeout(120)
@@ -164,6 +164,29 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
     assert ("(ring attention)" if attention == "ring" else "(Ulysses all-to-all)") in row
     assert any(line.startswith("  dp-cp (2 rank(s) each)") for line in proc.stdout.splitlines())
 
+
+@pytest.mark.timeout(180)
+def test_zero3_final_gather_is_in_the_figures_only_where_the_report_says(mpiexec, tmp_path):
+    """ZeRO-3's final gather (every unit once, for model.npz and the sample) sends (N-1) shards per rank. With tp = pp
+    = 1 it comes after the figures: parameter_gathers is the steps' gathers alone, 2m (N-1) shards per step (the
+    estimator's m (N-1)/N 2P). With --tp 2 the whole-model copy for rank 0 gathers first, inside the figures: once
+    more (N-1) shards (and before, the model was gathered again after the figures, for nothing)."""
+    from minizero.memory.estimator import Strategy, stage_state_bytes
+    for tp in (1, 2):
+        out = tmp_path / str(tp)
+        proc, _ = launch(mpiexec, 2 * tp, TINY + ["--steps", "2", "--zero", "3", "--dp", "2", "--tp", str(tp),
+                                                  "--out", str(out)], timeout=150)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        st = Strategy(dp=2, tp=tp, zero=3, precision="fp32", micro_batches=summary["micro_batches"])
+        shard = stage_state_bytes(get_config("tiny"), st)["parameters"]  # this rank's 1/N of the stage, bytes
+        want = 2 * (2 * st.micro_batches * shard) + (shard if tp > 1 else 0)  # 2 steps, N - 1 = 1
+        sent = summary["bytes_sent_by_kind"]["parameter_gathers"]
+        assert [sent[r] for r in range(2 * tp) if r != 1 or tp == 1] == [want] * (2 * tp - (tp > 1)), (sent, want)
+        label = ("ZeRO's gathers, its final gather for the model's copy included" if tp > 1 else
+                 "ZeRO's gathers; the final gather for the weights and the sample, one forward's gathers more, "
+                 "comes after these figures")
+        assert f"  parameter gathers and broadcasts ({label}" in proc.stdout, proc.stdout
 
 def test_blas_threads_honour_the_users_cap(monkeypatch):
     """Before: OPENBLAS_NUM_THREADS=1 was overridden by cores / ranks (and the report said so without a word)."""

@@ -25,4 +25,4 @@ from minizero.memory.estimator.lora import (  # noqa: F401
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages  # noqa: F401
 from minizero.memory.estimator.traffic import (  # noqa: F401
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
-    ring_attention_bytes, ulysses_attention_bytes)
+    ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)

@@ -6,8 +6,9 @@ N = 3 or on a rank whose own chunk is a largest one (every rank where N divides 
 and N = 1 nothing. The peak is the run's largest call: the largest DP bucket, ZeRO's largest padded unit (padded/N,
 none at N = 2 unless overlapped), a (b, s, h) activation under tensor parallelism, the tied embedding's gradient
 between first and last stage, the run's bookkeeping (:data:`METRICS_ROW`). Exact against the ledger for the DP and
-ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for native collectives and for the paper
-accounting.
+ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for the paper accounting. Native (library)
+collectives, which the trainer can use for DP and ZeRO, allocate no scratch of their own; the figure does not model
+them, so it bounds that ledger, whose peak is then the largest of the other entries (plain DP: the metrics row's).
 """
 from __future__ import annotations
 

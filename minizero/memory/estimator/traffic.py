@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, _bytes, as_shape
+from minizero.comm.collectives import bytes_sent
+from minizero.memory.estimator.model import Strategy, _bytes, activation_element, as_shape
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
@@ -22,8 +23,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
     (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead. ``ep``:
     :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full
-    recompute +2), plus the vocab-parallel embedding and head under ``"paper"`` (sequence parallelism: the same
-    bytes, the embedding's exit a reduce-scatter forward and an all-gather backward). ``pp``: per micro-batch and chunk
+    recompute +2), plus the vocab-parallel embedding's and head's (sequence parallelism: Korthikanti et al.'s count,
+    the same bytes; it leaves out the re-gathers for dW in backward that Megatron-LM and minizero send);
+    ``"minizero"``: :func:`tensor_parallel_bytes`, what the trainer sends. ``pp``: per micro-batch and chunk
     sbh e / t each way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes` (or, for
     ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under
     recompute. ``pcie``: offload traffic.
@@ -45,7 +47,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
     tp = 0.0
-    if t > 1:
+    if t > 1 and accounting == "minizero":
+        tp = tensor_parallel_bytes(m, st, s, stage)["total"]
+    elif t > 1:
         per_layer = 4 + (2 if st.recompute == "full" else 0)
         ends = ((stage == 0) + (stage == st.pp - 1)) if vocab_parallel else 0
         tp = mb * (layers * per_layer + ends) * 2 * _ring(t) * x
@@ -72,6 +76,54 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
     ep = expert_all_to_all_bytes(m, st, s, stage)["total"]
     return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "ep": ep, "pcie": round(pcie)}
+
+
+def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
+                          tp_rank: int = 0) -> dict:
+    """Bytes tensor rank ``tp_rank`` of stage ``stage`` sends per step on its tensor group in minizero's trainer
+    (vocabulary-parallel ends, minizero's algorithms: ``comm.collectives.bytes_sent``): {"forward", "backward",
+    "loss", "grads", "total"}.
+
+    One activation: n = b (s/c) h elements (activation itemsize). Per layer and micro-batch: forward 2 all-reduces
+    of n (sequence parallelism: 2 all-gathers and 2 reduce-scatters), again under full recompute; backward 2
+    all-reduces (SP: 2 reduce-scatters and 4 all-gathers, the column-parallel inputs re-gathered for dW). Stage 0:
+    the embedding's exit, an all-reduce forward (SP: a reduce-scatter, backward an all-gather); the last stage: the
+    head's entry, an all-reduce backward (SP: an all-gather forward, a reduce-scatter and the re-gather backward),
+    and the loss, an all-gather of the N = b s/c row maxima and 2 all-reduces of N (itemsize >= 4). ``grads``, SP
+    only, once per step: the all-reduce of the norms' and row-parallel biases' gradients. An MoE block (no SP) keeps
+    its experts whole: one all-reduce each way. Equal to the trainer's ``tensor_parallel_activations``
+    (tests/test_sequence_parallel.py).
+    """
+    m = as_shape(model)
+    st = strategy.validate(m)
+    t = st.tp
+    if t == 1:
+        return {"forward": 0, "backward": 0, "loss": 0, "grads": 0, "total": 0}
+    s, e = (seq_len or m.seq_len) // st.cp, activation_element(st.precision, "minizero")
+    n, rows, layers = st.micro_batch * s * m.hidden, st.micro_batch * s, m.n_layer // st.pp
+    moe = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))  # experts whole: the attention's pair only
+    first, last = stage == 0, stage == st.pp - 1
+
+    def sent(op, count, itemsize=e):
+        return bytes_sent(op, count, itemsize, t, tp_rank)
+    ag, rs, ar = sent("all_gather", n), sent("reduce_scatter", n), sent("all_reduce", n)
+    passes = 2 if st.recompute == "full" else 1
+    if st.sequence_parallel:
+        forward = layers * passes * 2 * (ag + rs) + first * rs + last * ag
+        backward = layers * (2 * rs + 4 * ag) + first * ag + last * (rs + ag)
+    else:
+        pairs = 2 * layers - moe
+        forward, backward = (pairs * passes + first) * ar, (pairs + last) * ar
+    le = max(e, 4)
+    loss = last * (sent("all_gather", t * rows, le) + 2 * sent("all_reduce", rows, le))
+    grads = 0
+    if st.sequence_parallel:
+        norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
+        count = layers * (2 * norm + (2 * m.hidden if m.bias else 0)) + last * norm
+        grads = sent("all_reduce", count, _bytes(st)[1])
+    mb = st.micro_batches
+    out = {"forward": mb * forward, "backward": mb * backward, "loss": mb * loss, "grads": grads}
+    return dict(out, total=sum(out.values()))
 
 
 def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
