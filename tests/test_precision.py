@@ -71,7 +71,9 @@ def test_narrow_is_astype_at_every_rounding_boundary():
         assert backend.narrow(a).strides == a.astype(np.float16).strides
 
 
-def test_binary_is_numpys_float16_arithmetic():
+@pytest.mark.parametrize("chunk", [backend.CAST_CHUNK, 100])  # 100: blocks of 100 elements, the last one short
+def test_binary_is_numpys_float16_arithmetic(chunk, monkeypatch):
+    monkeypatch.setattr(backend, "CAST_CHUNK", chunk)
     rng = np.random.default_rng(5)
     a, b = (rng.normal(size=(64, 33)) * 300).astype(np.float16), rng.normal(size=(64, 33)).astype(np.float16)
     for op in ("add", "subtract", "multiply"):
