@@ -283,10 +283,14 @@ def _narrow_into(a, out) -> None:
 
 
 def to_dtype(a, dtype):
-    """``a`` as ``dtype``, no copy when it already is; float32 to float16 by :func:`narrow`."""
+    """``a`` as ``dtype``, no copy when it already is; bitwise ``a.astype(dtype)``, with float32 to float16 by
+    :func:`narrow` and float16 to a wider float through :func:`widen` (exact), not NumPy's per-element casts."""
+    dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a
-    return narrow(a) if np.dtype(dtype) == np.float16 else a.astype(dtype)
+    if a.dtype == np.float16 and dtype.kind == "f" and dtype.itemsize >= 4:
+        return widen(a).astype(dtype, copy=False)
+    return narrow(a) if dtype == np.float16 and a.dtype == np.float32 else a.astype(dtype)
 
 
 def binary(op: str, a, b):

@@ -270,7 +270,7 @@ class CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index=IGNORE_INDEX):
         xp = backend.xp
-        ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
+        ls = backend.to_dtype(logits, np.promote_types(logits.dtype, np.float32))
         m = ls.max(axis=-1, keepdims=True)
         shifted = ls - m
         logsum = xp.log(xp.exp(shifted).sum(axis=-1))
@@ -285,12 +285,12 @@ class CrossEntropy(Function):
         xp = backend.xp
         logits, targets, logsum = ctx.saved_tensors
         keep = targets != ctx.ignore_index
-        ls = logits.astype(logsum.dtype, copy=False)
+        ls = backend.to_dtype(logits, logsum.dtype)
         p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum[:, None])
         p[xp.arange(logits.shape[0]), xp.where(keep, targets, 0)] -= 1.0
         p[~keep] = 0  # ignored rows: exactly zero
         n = xp.maximum(keep.sum(), 1).astype(p.dtype)
-        return (p * (g / n)).astype(logits.dtype, copy=False), None, None
+        return backend.to_dtype(p * (g / n), logits.dtype), None, None
 
 
 def cross_entropy(logits: Tensor, targets, ignore_index: int = IGNORE_INDEX) -> Tensor:
