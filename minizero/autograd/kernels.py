@@ -31,7 +31,7 @@ def scatter_add_rows(shape, idx, rows):
     xp = backend.xp
     v, c = shape
     bins = (idx.reshape(-1, 1) * c + xp.arange(c)).reshape(-1)
-    out = xp.bincount(bins, weights=rows.reshape(-1), minlength=v * c)
+    out = xp.bincount(bins, weights=backend.to_dtype(rows.reshape(-1), np.float64), minlength=v * c)  # exact
     return out.reshape(v, c).astype(rows.dtype, copy=False)
 
 
