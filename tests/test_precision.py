@@ -71,7 +71,9 @@ def test_narrow_is_astype_at_every_rounding_boundary():
         assert backend.narrow(a).strides == a.astype(np.float16).strides
 
 
-def test_binary_is_numpys_float16_arithmetic():
+@pytest.mark.parametrize("chunk", [backend.CAST_CHUNK, 100])  # 100: blocks of 100 elements, the last one short
+def test_binary_is_numpys_float16_arithmetic(chunk, monkeypatch):
+    monkeypatch.setattr(backend, "CAST_CHUNK", chunk)
     rng = np.random.default_rng(5)
     a, b = (rng.normal(size=(64, 33)) * 300).astype(np.float16), rng.normal(size=(64, 33)).astype(np.float16)
     for op in ("add", "subtract", "multiply"):
@@ -287,3 +289,22 @@ def test_fp16_loss_tracks_fp32_over_200_steps():
     tail16 = np.mean(fp16["train_losses"][-20:])
     assert abs(tail16 - tail32) < 0.05, (tail16, tail32)
     assert abs(fp16["val_history"][-1][1] - fp32["val_history"][-1][1]) < 0.05
+
+
+def test_to_dtype_is_astype_for_every_half_and_float():
+    """backend.to_dtype: every float16 bit pattern to float32 and float64 (through widen), float32 to float16 (narrow),
+    float64 to float16 (NumPy's cast: one rounding, not two), all bitwise astype but for a signaling NaN's payload
+    (float32 to float64 quiets it); the same dtype is no copy."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    nan = np.isnan(halves)
+    for dtype in (np.float32, np.float64):
+        with np.errstate(invalid="ignore"):
+            got, want = backend.to_dtype(halves, dtype), halves.astype(dtype)
+        assert got.dtype == dtype and got[~nan].tobytes() == want[~nan].tobytes()
+        assert np.isnan(got[nan]).all() and np.array_equal(np.signbit(got), np.signbit(want))
+    x = np.random.default_rng(2).standard_normal(5000) * 10.0 ** np.random.default_rng(3).integers(-9, 5, 5000)
+    for a in (x, x.astype(np.float32)):
+        with np.errstate(over="ignore"):
+            got, want = backend.to_dtype(a, np.float16), a.astype(np.float16)
+        assert got.dtype == np.float16 and got.tobytes() == want.tobytes()
+    assert backend.to_dtype(x, np.float64) is x

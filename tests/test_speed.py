@@ -8,9 +8,17 @@ import pytest
 from minizero import backend
 from minizero.autograd import Tensor
 from minizero.autograd import functional as F
+from minizero.autograd import kernels
 from minizero.autograd.kernels import scatter_add_rows
 
 C = math.sqrt(2.0 / math.pi)
+
+
+@pytest.fixture(params=[kernels.BLOCK_ELEMENTS, 50, 1], ids=["blocks", "uneven-blocks", "one-element-blocks"])
+def blocks(request, monkeypatch):
+    """The kernels' block size: as shipped (one block for these small arrays), 50 elements (blocks of a row or two,
+    the last one short) and 1 (one row per block)."""
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", request.param)
 
 
 def _run(fn, x, g, *extra):
@@ -20,7 +28,7 @@ def _run(fn, x, g, *extra):
     return y.data, t.grad
 
 
-def test_gelu_float64_is_bitwise_the_plain_formula():
+def test_gelu_float64_is_bitwise_the_plain_formula(blocks):
     rng = np.random.default_rng(0)
     x, g = rng.standard_normal((3, 5, 64)) * 3, rng.standard_normal((3, 5, 64))
     y, dx = _run(F.GELU, x, g)
@@ -30,7 +38,7 @@ def test_gelu_float64_is_bitwise_the_plain_formula():
     np.testing.assert_array_equal(dx, g * (0.5 * (1.0 + t) + 0.5 * x * dt))
 
 
-def test_softmax_float64_is_bitwise_the_plain_formula():
+def test_softmax_float64_is_bitwise_the_plain_formula(blocks):
     rng = np.random.default_rng(1)
     x, g = rng.standard_normal((2, 3, 7, 7)) * 4, rng.standard_normal((2, 3, 7, 7))
     y, dx = _run(F.CausalSoftmax, x, g)
@@ -41,7 +49,7 @@ def test_softmax_float64_is_bitwise_the_plain_formula():
     np.testing.assert_array_equal(dx, ref * (g - (g * ref).sum(axis=-1, keepdims=True)))
 
 
-def test_layer_norm_float64_is_bitwise_the_plain_formula():
+def test_layer_norm_float64_is_bitwise_the_plain_formula(blocks):
     rng = np.random.default_rng(2)
     x, g = rng.standard_normal((4, 6, 32)) + 1.5, rng.standard_normal((4, 6, 32))
     w, b = rng.standard_normal(32), rng.standard_normal(32)
@@ -82,7 +90,7 @@ def test_stacked_matmul_equals_numpy():
     assert backend.matmul(np.zeros((2, 3, 0)), np.zeros((0, 4))).shape == (2, 3, 4)
 
 
-def test_float16_gelu_computes_in_float32_and_rounds_once():
+def test_float16_gelu_computes_in_float32_and_rounds_once(blocks):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(4096) * 3).astype(np.float16)
     g = rng.standard_normal(4096).astype(np.float16)

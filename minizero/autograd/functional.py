@@ -14,8 +14,9 @@ from minizero import backend
 from minizero.autograd.engine import Function, Tensor
 from minizero.autograd.rng import (  # noqa: F401 (the generator's API, re-exported)
     dropout_keep_mask, fork_rng, get_rng_state, manual_seed, set_rng_state)
-from minizero.autograd.kernels import (GELU_C, causal_mask, compute_dtype, gelu_tanh, masked_scale, scatter_add_rows,
-                                      widen)
+from minizero.autograd.kernels import (blockwise, causal_mask, causal_softmax_rows, compute_dtype, gelu_backward,
+                                      gelu_forward, layer_norm_input_grad, layer_norm_rows, masked_scale, row_blocks,
+                                      scatter_add_rows, softmax_backward_rows, widen)
 
 
 def _flat2d(a):
@@ -82,25 +83,16 @@ class LayerNorm(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps=1e-5):
-        xp = backend.xp
-        stat_dtype = np.promote_types(x.dtype, np.float32)
-        xs = widen(x).astype(stat_dtype, copy=False)
-        if x.shape[-1] == 0:  # width 0 (as PyTorch): an empty output, statistics of nothing taken as 0
-            mean = xp.zeros(x.shape[:-1] + (1,), stat_dtype)
-            var = xp.zeros_like(mean)
-        else:
-            mean = xs.mean(axis=-1, keepdims=True)
-        d = xs - mean  # the one full-size temporary; every later step writes into it or into sq
-        sq = d * d  # == (xs - mean) ** 2 (NumPy's power 2 is a square)
-        if x.shape[-1]:
-            var = sq.mean(axis=-1, keepdims=True)
-        del sq
-        rstd = 1.0 / xp.sqrt(var + eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        d *= rstd
-        d *= weight
-        d += bias
-        return backend.to_dtype(d, x.dtype)
+        xp, stat_dtype = backend.xp, np.promote_types(x.dtype, np.float32)
+        x2 = _flat2d(x)
+        y = xp.empty(x2.shape, x.dtype)
+        mean, rstd = xp.empty((len(x2), 1), stat_dtype), xp.empty((len(x2), 1), stat_dtype)
+        for b in row_blocks(*x2.shape):  # a block of rows at a time: see kernels.row_blocks
+            yb, mean[b], rstd[b] = layer_norm_rows(widen(x2[b]).astype(stat_dtype, copy=False), weight, bias, eps)
+            y[b] = backend.to_dtype(yb, x.dtype)
+        stats = x.shape[:-1] + (1,)
+        ctx.save_for_backward(x, weight, mean.reshape(stats), rstd.reshape(stats))
+        return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, g):
@@ -108,23 +100,17 @@ class LayerNorm(Function):
         xhat = widen(x).astype(mean.dtype, copy=False) - mean
         xhat *= rstd
         gs = widen(g).astype(mean.dtype, copy=False)
-        t = gs * xhat  # scratch, reused below
-        dw = _flat2d(t).sum(axis=0).astype(w.dtype, copy=False)
+        t = gs * xhat
+        dw = _flat2d(t).sum(axis=0).astype(w.dtype, copy=False)  # sums over all rows at once: their bits
         db = _flat2d(gs).sum(axis=0).astype(w.dtype, copy=False)
-        gx = gs * w
-        c = x.shape[-1]
-        if c == 0:  # width 0: every gradient is empty
+        del t
+        if x.shape[-1] == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
-        # dx = rstd * (gx - mean(gx) - xhat * sum(gx * xhat) / c), the same operations in the same order
-        backend.xp.multiply(gx, xhat, out=t)
-        s = t.sum(axis=-1, keepdims=True)
-        backend.xp.multiply(xhat, s, out=t)
-        t /= c
-        m = gx.mean(axis=-1, keepdims=True)
-        gx -= m
-        gx -= t
-        gx *= rstd
-        return backend.to_dtype(gx, x.dtype), dw, db, None
+        xhat2, gs2, rstd2 = _flat2d(xhat), _flat2d(gs), _flat2d(rstd)
+        dx = backend.xp.empty(xhat2.shape, x.dtype)
+        for b in row_blocks(*xhat2.shape):
+            dx[b] = backend.to_dtype(layer_norm_input_grad(gs2[b] * w, xhat2[b], rstd2[b]), x.dtype)
+        return dx.reshape(x.shape), dw, db, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -141,32 +127,12 @@ class GELU(Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        xs = widen(x)
-        u = gelu_tanh(xs)
-        u += 1.0
-        u *= xs
-        u *= 0.5  # 0.5 * x * (1 + t): scaling by 0.5 is exact, so the order does not matter
-        return backend.to_dtype(u, x.dtype)
+        return blockwise(gelu_forward, x.dtype, x)
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        xs, gs = widen(x), widen(g)
-        t = gelu_tanh(xs)
-        dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
-        backend.xp.subtract(1.0, dt, out=dt)
-        dt *= GELU_C
-        w = xs * (3 * 0.044715)
-        w *= xs
-        w += 1.0
-        dt *= w
-        backend.xp.multiply(xs, 0.5, out=w)  # 0.5 x dt
-        w *= dt
-        t += 1.0  # 0.5 (1 + t) + 0.5 x dt
-        t *= 0.5
-        t += w
-        t *= gs
-        return backend.to_dtype(t, g.dtype)
+        return blockwise(gelu_backward, g.dtype, x, g)
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -210,26 +176,24 @@ class CausalSoftmax(Function):
 
     @staticmethod
     def forward(ctx, x):
-        xp = backend.xp
-        e = xp.where(causal_mask(x.shape[-2], x.shape[-1]), -xp.inf, widen(x))  # the one new array
-        e -= e.max(axis=-1, keepdims=True)
-        xp.exp(e, out=e)
-        e /= e.sum(axis=-1, keepdims=True)
-        y = backend.to_dtype(e, x.dtype)
+        t, s = x.shape[-2], x.shape[-1]
+        x3 = x.reshape(math.prod(x.shape[:-2]), t, s)
+        y = backend.xp.empty(x3.shape, x.dtype)
+        for b in row_blocks(len(x3), t * s):  # a block of (t, s) matrices at a time: see kernels.row_blocks
+            y[b] = backend.to_dtype(causal_softmax_rows(widen(x3[b]), causal_mask(t, s)), x.dtype)
+        y = y.reshape(x.shape)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        ys, gs = widen(y), widen(g)
-        if y.dtype.itemsize < 4:  # float16 probabilities do not sum to 1: renormalize, or a gradient common
-            ys /= ys.sum(axis=-1, keepdims=True)  # to a whole row leaks through the (g - sum) difference
-        d = gs * ys
-        s = d.sum(axis=-1, keepdims=True)
-        backend.xp.subtract(gs, s, out=d)
-        d *= ys  # y * (g - sum(g * y))
-        return backend.to_dtype(d, g.dtype)
+        y2, g2 = _flat2d(y), _flat2d(g)
+        dx = backend.xp.empty(g2.shape, g.dtype)
+        for b in row_blocks(*y2.shape):  # float16 probabilities do not sum to 1: renormalized, or a gradient
+            # common to a whole row would leak through the (g - sum) difference
+            dx[b] = backend.to_dtype(softmax_backward_rows(widen(y2[b]), widen(g2[b]), y.dtype.itemsize < 4), g.dtype)
+        return dx.reshape(g.shape)
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
@@ -306,7 +270,7 @@ class CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index=IGNORE_INDEX):
         xp = backend.xp
-        ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
+        ls = backend.to_dtype(logits, np.promote_types(logits.dtype, np.float32))
         m = ls.max(axis=-1, keepdims=True)
         shifted = ls - m
         logsum = xp.log(xp.exp(shifted).sum(axis=-1))
@@ -321,12 +285,12 @@ class CrossEntropy(Function):
         xp = backend.xp
         logits, targets, logsum = ctx.saved_tensors
         keep = targets != ctx.ignore_index
-        ls = logits.astype(logsum.dtype, copy=False)
+        ls = backend.to_dtype(logits, logsum.dtype)
         p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum[:, None])
         p[xp.arange(logits.shape[0]), xp.where(keep, targets, 0)] -= 1.0
         p[~keep] = 0  # ignored rows: exactly zero
         n = xp.maximum(keep.sum(), 1).astype(p.dtype)
-        return (p * (g / n)).astype(logits.dtype, copy=False), None, None
+        return backend.to_dtype(p * (g / n), logits.dtype), None, None
 
 
 def cross_entropy(logits: Tensor, targets, ignore_index: int = IGNORE_INDEX) -> Tensor:

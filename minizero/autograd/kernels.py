@@ -31,8 +31,32 @@ def scatter_add_rows(shape, idx, rows):
     xp = backend.xp
     v, c = shape
     bins = (idx.reshape(-1, 1) * c + xp.arange(c)).reshape(-1)
-    out = xp.bincount(bins, weights=rows.reshape(-1), minlength=v * c)
+    out = xp.bincount(bins, weights=backend.to_dtype(rows.reshape(-1), np.float64), minlength=v * c)  # exact
     return out.reshape(v, c).astype(rows.dtype, copy=False)
+
+
+BLOCK_ELEMENTS = 1 << 16  #: elements per block of a blockwise kernel (256 KiB of float32: the core's cache holds
+#: a block's few temporaries, so each pass after the first reads from cache, not memory)
+
+
+def row_blocks(rows: int, row_len: int) -> list[slice]:
+    """Slices of ``rows`` rows of ``row_len`` elements, about :data:`BLOCK_ELEMENTS` each (at least one row; one
+    empty slice for no rows). A row-wise kernel run block by block gives the bits of one run over all rows.
+    CuPy: one block (a GPU has no such cache to fit, and every block would launch its kernels again)."""
+    if backend.name == "cupy" or rows == 0:
+        return [slice(0, rows)]
+    step = max(1, BLOCK_ELEMENTS // max(row_len, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def blockwise(kernel, dtype, *arrays):
+    """``kernel`` of the same-shape ``arrays`` (widened to their compute dtype) as a new array of ``dtype``, computed
+    in flat blocks (:func:`row_blocks`); for elementwise kernels, whose every element depends on its own inputs only."""
+    flat = [a.reshape(-1) for a in arrays]
+    out = backend.xp.empty(flat[0].shape, dtype)
+    for b in row_blocks(out.size, 1):
+        out[b] = backend.to_dtype(kernel(*(widen(f[b]) for f in flat)), dtype)
+    return out.reshape(arrays[0].shape)
 
 
 def gelu_tanh(x):
@@ -43,6 +67,90 @@ def gelu_tanh(x):
     u += x
     u *= GELU_C
     return backend.xp.tanh(u, out=u)
+
+
+def gelu_forward(xs):
+    """0.5 x (1 + tanh(...)) of the compute-dtype ``xs``, a new array."""
+    u = gelu_tanh(xs)
+    u += 1.0
+    u *= xs
+    u *= 0.5  # 0.5 * x * (1 + t): scaling by 0.5 is exact, so the order does not matter
+    return u
+
+
+def gelu_backward(xs, gs):
+    """GELU's input gradient ``gs * d gelu / dx`` of the compute-dtype ``xs`` and ``gs``, a new array."""
+    t = gelu_tanh(xs)
+    dt = t * t  # dt = (1 - t^2) * c * (1 + 3 * 0.044715 * x^2)
+    backend.xp.subtract(1.0, dt, out=dt)
+    dt *= GELU_C
+    w = xs * (3 * 0.044715)
+    w *= xs
+    w += 1.0
+    dt *= w
+    backend.xp.multiply(xs, 0.5, out=w)  # 0.5 x dt
+    w *= dt
+    t += 1.0  # 0.5 (1 + t) + 0.5 x dt
+    t *= 0.5
+    t += w
+    t *= gs
+    return t
+
+
+def layer_norm_rows(xs, weight, bias, eps: float):
+    """Layer norm of the rows of ``xs`` (rows, C) in its statistics dtype: ``(y, mean, rstd)``, the last two
+    (rows, 1); a width of 0 takes the statistics of nothing as 0 (as PyTorch)."""
+    xp = backend.xp
+    if xs.shape[-1] == 0:
+        mean = xp.zeros(xs.shape[:-1] + (1,), xs.dtype)
+        var = xp.zeros_like(mean)
+    else:
+        mean = xs.mean(axis=-1, keepdims=True)
+    d = xs - mean  # the one full-size temporary; every later step writes into it or into sq
+    sq = d * d  # == (xs - mean) ** 2 (NumPy's power 2 is a square)
+    if xs.shape[-1]:
+        var = sq.mean(axis=-1, keepdims=True)
+    del sq
+    rstd = 1.0 / xp.sqrt(var + eps)
+    d *= rstd
+    d *= weight
+    d += bias
+    return d, mean, rstd
+
+
+def layer_norm_input_grad(gx, xhat, rstd):
+    """dx = rstd * (gx - mean(gx) - xhat * sum(gx * xhat) / C) of rows (rows, C), gx = g * w (overwritten)."""
+    t = gx * xhat
+    s = t.sum(axis=-1, keepdims=True)
+    backend.xp.multiply(xhat, s, out=t)
+    t /= gx.shape[-1]
+    m = gx.mean(axis=-1, keepdims=True)
+    gx -= m
+    gx -= t
+    gx *= rstd
+    return gx
+
+
+def causal_softmax_rows(xs, mask):
+    """Softmax over the last axis of the (n, t, s) compute-dtype ``xs`` with the (t, s) ``mask``'s True positions
+    at -inf, a new array."""
+    e = backend.xp.where(mask, -backend.xp.inf, xs)
+    e -= e.max(axis=-1, keepdims=True)
+    backend.xp.exp(e, out=e)
+    e /= e.sum(axis=-1, keepdims=True)
+    return e
+
+
+def softmax_backward_rows(ys, gs, renormalize: bool):
+    """y * (g - sum(g * y)) over the last axis of compute-dtype rows; ``renormalize``: ``ys`` (a copy) divided by its
+    sum first (a float16 softmax output does not sum to 1)."""
+    if renormalize:
+        ys /= ys.sum(axis=-1, keepdims=True)
+    d = gs * ys
+    s = d.sum(axis=-1, keepdims=True)
+    backend.xp.subtract(gs, s, out=d)
+    d *= ys
+    return d
 
 
 _MASKS = {}

@@ -167,7 +167,7 @@ class Adam8bit(Optimizer):
         adam8bit_update(target, p.grad, self.m[i], self.v[i], self.step_count, self.lr, *self.betas, self.eps,
                         weight_decay, grad_scale)
         if self.masters is not None:
-            p.data[...] = target.astype(p.dtype)
+            p.data[...] = backend.to_dtype(target, p.dtype)
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held (codes, absmax, FP32 small tensors, masters if any)."""

@@ -22,7 +22,7 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, e
     ``p`` (any float dtype; the FP32 master under mixed precision) and ``g`` (p's shape) are widened to ``m``'s
     dtype; the gradient used is ``g * grad_scale`` (1/loss-scale and clipping folded in). ``step``: 1-based t.
     """
-    gs = g.astype(m.dtype, copy=False)
+    gs = backend.to_dtype(g, m.dtype)
     if grad_scale != 1.0:
         gs = gs * m.dtype.type(grad_scale)
     m *= beta1
@@ -38,11 +38,11 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, e
             p *= 1.0 - lr * weight_decay
         p -= update
     else:  # low-precision p: compute in the state dtype, then round once
-        pw = p.astype(m.dtype)
+        pw = backend.to_dtype(p, m.dtype)  # p's dtype is not m's: a new array
         if weight_decay:
             pw *= 1.0 - lr * weight_decay
         pw -= update
-        p[...] = pw.astype(p.dtype)
+        p[...] = backend.to_dtype(pw, p.dtype)
 
 
 def state_dtype(param_dtype) -> np.dtype:
@@ -77,7 +77,7 @@ class AdamW(Optimizer):
         adamw_update(target, grad, self.m[i], self.v[i], self.step_count, self.lr, *self.betas, self.eps,
                      weight_decay, grad_scale)
         if self.masters is not None or target is not p.data:
-            p.data[...] = backend.to_device(target.astype(p.dtype, copy=False))
+            p.data[...] = backend.to_device(backend.to_dtype(target, p.dtype))
 
     def state_dict(self) -> dict:
         """Host copies: ``{"step": int, "m.i": array, "v.i": array}`` for parameter index i."""
@@ -102,7 +102,7 @@ def global_grad_norm_sq(grads) -> float:
     total = backend.xp.zeros((), dtype=np.float64)
     for g in grads:
         if g is not None:
-            total += (g.astype(np.float64) ** 2).sum()
+            total += (backend.to_dtype(g, np.float64) ** 2).sum()
     return float(total)
 
 

@@ -136,7 +136,7 @@ class DataParallel:
         local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
         for p in self.params:
             if p.grad is not None and counts(p):
-                local += (p.grad.astype(np.float64) ** 2).sum()
+                local += (backend.to_dtype(p.grad, np.float64) ** 2).sum()
         with model_comm.traffic.op("grad_norm"):
             return float(backend.to_host(all_reduce(model_comm, local))[0])
 

@@ -162,7 +162,7 @@ class ExpertDataParallel:
         local = backend.xp.zeros(1, dtype=np.float64)
         for p in self.experts.params:
             if p.grad is not None and counts(p):
-                local += (p.grad.astype(np.float64) ** 2).sum()
+                local += (backend.to_dtype(p.grad, np.float64) ** 2).sum()
         with world.traffic.op("grad_norm"):
             return dense + float(backend.to_host(all_reduce(world, local))[0]) / self.edp
 

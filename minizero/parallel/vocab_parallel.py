@@ -87,7 +87,7 @@ class _VocabParallelCrossEntropy(Function):
     def forward(ctx, logits, targets, comm, vocab_start, ignore_index=F.IGNORE_INDEX):
         xp = backend.xp
         n, v = logits.shape
-        ls = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
+        ls = backend.to_dtype(logits, np.promote_types(logits.dtype, np.float32))
         local_max = ls.max(axis=-1)
         maxima = all_gather(comm, xp.ascontiguousarray(local_max))  # (tp * N,), rank by rank
         m = maxima.reshape(comm.world_size, n).max(axis=0)
@@ -107,12 +107,12 @@ class _VocabParallelCrossEntropy(Function):
         xp = backend.xp
         logits, local, mine, logsum_r = ctx.saved_tensors
         keep = local >= 0
-        ls = logits.astype(logsum_r.dtype, copy=False)
+        ls = backend.to_dtype(logits, logsum_r.dtype)
         p = xp.exp((ls - ls.max(axis=-1, keepdims=True)) - logsum_r[:, None])
         p[xp.arange(logits.shape[0]), xp.where(keep, local, 0)] -= mine.astype(p.dtype)
         p[~keep] = 0  # ignored rows: exactly zero
         n = xp.maximum(keep.sum(), 1).astype(p.dtype)
-        return (p * (g / n)).astype(logits.dtype, copy=False), None, None, None, None
+        return backend.to_dtype(p * (g / n), logits.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore_index: int = F.IGNORE_INDEX):

@@ -175,7 +175,7 @@ class ZeroOptimizer:
         local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device; one transfer for the norm
         for st in self.units:
             for pc in st.pieces:
-                g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
+                g = backend.to_dtype(st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo], np.float64)
                 local += (g * g).sum()
         self.collectives.agree(None, "grad_norm")
         with self.collectives.count("grad_norm"):
@@ -208,7 +208,7 @@ class ZeroOptimizer:
                     self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
                                                  self.eps, self.weight_decay, grad_scale)
                 if st.master is not None:
-                    st.param_shard[...] = target.astype(st.param_shard.dtype)
+                    st.param_shard[...] = backend.to_dtype(target, st.param_shard.dtype)
                 continue
             # offloaded state: the update runs where the state lives, on host copies (same arrays on NumPy)
             grad = self.store.to_store(st.grad_shard)
@@ -221,7 +221,7 @@ class ZeroOptimizer:
                 adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
                              self.lr, b1, b2, self.eps, wd, grad_scale)
             if params is not st.param_shard:  # masters or a host copy: round/copy back to the device shard
-                st.param_shard[...] = backend.to_device(params.astype(st.param_shard.dtype, copy=False))
+                st.param_shard[...] = backend.to_device(backend.to_dtype(params, st.param_shard.dtype))
         self._publish_params("all_gather_params")
 
     def _publish_params(self, phase: str) -> None:
@@ -258,7 +258,7 @@ class ZeroOptimizer:
         for st in self.units:
             for pc in st.pieces:
                 if counts(self._param_of[pc.param]):
-                    g = st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo].astype(np.float64)
+                    g = backend.to_dtype(st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo], np.float64)
                     local += (g * g).sum()
         with world.traffic.op("grad_norm"):
             return float(backend.to_host(all_reduce(world, local))[0])
