@@ -231,6 +231,9 @@ def widen(a):
         perm = _dense_order(a)
         if perm is not None:  # e.g. a transpose: widen it in memory order, the same axes put back
             return widen(a.transpose(perm)).transpose(np.argsort(perm))
+        if all(s > 0 for s in a.strides):  # e.g. a head of the fused projection: a dense float16 copy in memory
+            perm = tuple(sorted(range(a.ndim), key=lambda i: -a.strides[i]))  # order (2 bytes an element), widened
+            return widen(np.ascontiguousarray(a.transpose(perm))).transpose(np.argsort(perm))  # as empty_like lays out
         out = np.empty_like(a, dtype=np.float32)  # a strided view: astype's layout, as empty_like orders it
         return np.take(_HALF_TO_FLOAT, a.view(np.uint16), out=out, mode="clip")
     return np.take(_HALF_TO_FLOAT, a.view(np.uint16), mode="clip")  # every uint16 is in range: no bounds checks
