@@ -84,15 +84,14 @@ class LayerNorm(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp, stat_dtype = backend.xp, np.promote_types(x.dtype, np.float32)
-        x2 = _flat2d(x)
-        y = xp.empty(x2.shape, x.dtype)
-        mean, rstd = xp.empty((len(x2), 1), stat_dtype), xp.empty((len(x2), 1), stat_dtype)
-        for b in row_blocks(*x2.shape):  # a block of rows at a time: see kernels.row_blocks
-            yb, mean[b], rstd[b] = layer_norm_rows(widen(x2[b]).astype(stat_dtype, copy=False), weight, bias, eps)
-            y[b] = backend.to_dtype(yb, x.dtype)
         stats = x.shape[:-1] + (1,)
-        ctx.save_for_backward(x, weight, mean.reshape(stats), rstd.reshape(stats))
-        return y.reshape(x.shape)
+        y, mean, rstd = xp.empty(x.shape, x.dtype), xp.empty(stats, stat_dtype), xp.empty(stats, stat_dtype)
+        x2, y2, mean2, rstd2 = _flat2d(x), _flat2d(y), _flat2d(mean), _flat2d(rstd)  # views but for a strided x
+        for b in row_blocks(*x2.shape):  # a block of rows at a time: see kernels.row_blocks
+            yb, mean2[b], rstd2[b] = layer_norm_rows(widen(x2[b]).astype(stat_dtype, copy=False), weight, bias, eps)
+            y2[b] = backend.to_dtype(yb, x.dtype)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, g):
@@ -106,11 +105,11 @@ class LayerNorm(Function):
         del t
         if x.shape[-1] == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
-        xhat2, gs2, rstd2 = _flat2d(xhat), _flat2d(gs), _flat2d(rstd)
-        dx = backend.xp.empty(xhat2.shape, x.dtype)
+        dx = backend.xp.empty(x.shape, x.dtype)
+        xhat2, gs2, rstd2, dx2 = _flat2d(xhat), _flat2d(gs), _flat2d(rstd), _flat2d(dx)
         for b in row_blocks(*xhat2.shape):
-            dx[b] = backend.to_dtype(layer_norm_input_grad(gs2[b] * w, xhat2[b], rstd2[b]), x.dtype)
-        return dx.reshape(x.shape), dw, db, None
+            dx2[b] = backend.to_dtype(layer_norm_input_grad(gs2[b] * w, xhat2[b], rstd2[b]), x.dtype)
+        return dx, dw, db, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -177,23 +176,22 @@ class CausalSoftmax(Function):
     @staticmethod
     def forward(ctx, x):
         t, s = x.shape[-2], x.shape[-1]
-        x3 = x.reshape(math.prod(x.shape[:-2]), t, s)
-        y = backend.xp.empty(x3.shape, x.dtype)
+        y = backend.xp.empty(x.shape, x.dtype)  # in its own shape: the ledger counts (b, h, t, s) arrays as scores
+        x3, y3 = (a.reshape(math.prod(x.shape[:-2]), t, s) for a in (x, y))
         for b in row_blocks(len(x3), t * s):  # a block of (t, s) matrices at a time: see kernels.row_blocks
-            y[b] = backend.to_dtype(causal_softmax_rows(widen(x3[b]), causal_mask(t, s)), x.dtype)
-        y = y.reshape(x.shape)
+            y3[b] = backend.to_dtype(causal_softmax_rows(widen(x3[b]), causal_mask(t, s)), x.dtype)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        y2, g2 = _flat2d(y), _flat2d(g)
-        dx = backend.xp.empty(g2.shape, g.dtype)
+        dx = backend.xp.empty(g.shape, g.dtype)
+        y2, g2, dx2 = _flat2d(y), _flat2d(g), _flat2d(dx)
         for b in row_blocks(*y2.shape):  # float16 probabilities do not sum to 1: renormalized, or a gradient
             # common to a whole row would leak through the (g - sum) difference
-            dx[b] = backend.to_dtype(softmax_backward_rows(widen(y2[b]), widen(g2[b]), y.dtype.itemsize < 4), g.dtype)
-        return dx.reshape(g.shape)
+            dx2[b] = backend.to_dtype(softmax_backward_rows(widen(y2[b]), widen(g2[b]), y.dtype.itemsize < 4), g.dtype)
+        return dx
 
 
 def causal_softmax(scores: Tensor) -> Tensor:

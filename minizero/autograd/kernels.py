@@ -53,10 +53,11 @@ def blockwise(kernel, dtype, *arrays):
     """``kernel`` of the same-shape ``arrays`` (widened to their compute dtype) as a new array of ``dtype``, computed
     in flat blocks (:func:`row_blocks`); for elementwise kernels, whose every element depends on its own inputs only."""
     flat = [a.reshape(-1) for a in arrays]
-    out = backend.xp.empty(flat[0].shape, dtype)
+    out = backend.xp.empty(arrays[0].shape, dtype)  # allocated in its own shape (the ledger reads it), filled flat
+    into = out.reshape(-1)
     for b in row_blocks(out.size, 1):
-        out[b] = backend.to_dtype(kernel(*(widen(f[b]) for f in flat)), dtype)
-    return out.reshape(arrays[0].shape)
+        into[b] = backend.to_dtype(kernel(*(widen(f[b]) for f in flat)), dtype)
+    return out
 
 
 def gelu_tanh(x):
