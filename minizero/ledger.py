@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+import numpy as np
+
 CATEGORIES = (
     "parameters",
     "gradients",
@@ -99,20 +101,31 @@ class MemoryLedger:
             self._keys[(scope, square)] = keys
         return keys
 
+    def _entry(self, array, category: str):
+        """``(owner, bytes, scope keys)`` of ``array`` counted under ``category``; None: not an array.
+        Raises ValueError: unknown category."""
+        if category not in self.current:
+            raise ValueError(f"unknown ledger category {category!r}; allowed: {CATEGORIES}")
+        if type(array) is np.ndarray and array.base is None:  # fast path: a NumPy array that owns its memory
+            owner, nbytes = array, array.nbytes
+        elif not hasattr(array, "nbytes") or not hasattr(array, "base"):
+            return None
+        else:
+            owner = _owner(array)
+            nbytes = allocation_bytes(owner)
+        shape = getattr(owner, "shape", ())
+        return owner, nbytes, self._scope_keys(category == "activations" and len(shape) == 4 and shape[-1] == shape[-2])
+
     def track(self, array, category: str) -> bool:
         """Count ``array``'s owning buffer under ``category`` until freed; False if already counted or not an array.
 
         Raises ValueError: unknown category.
         """
-        if category not in self.current:
-            raise ValueError(f"unknown ledger category {category!r}; allowed: {CATEGORIES}")
-        if not hasattr(array, "nbytes") or not hasattr(array, "base"):
+        entry = self._entry(array, category)
+        if entry is None:
             return False
-        owner = _owner(array)
+        owner, nbytes, keys = entry
         key = id(owner)
-        nbytes = allocation_bytes(owner)
-        shape = getattr(owner, "shape", ())
-        keys = self._scope_keys(category == "activations" and len(shape) == 4 and shape[-1] == shape[-2])
         with self._lock:
             if key in self._live:
                 return False
@@ -123,6 +136,23 @@ class MemoryLedger:
             self._live[key] = (category, nbytes, keys, ref)
             self._add(category, nbytes, keys)
         return True
+
+    def track_temporary(self, array, category: str) -> None:
+        """Count the new ``array`` under ``category`` at this moment only (added, then subtracted at once).
+
+        For a buffer freed before anything else is tracked, as a collective's scratch: its peaks are reached when it is
+        allocated, so current and every peak end as :meth:`track` leaves them once it is freed, without a weak
+        reference to set up and fire on every call. Nothing is counted for a buffer counted already.
+        Raises ValueError: unknown category.
+        """
+        entry = self._entry(array, category)
+        if entry is None:
+            return
+        owner, nbytes, keys = entry
+        with self._lock:
+            if id(owner) not in self._live:
+                self._add(category, nbytes, keys)
+                self._subtract(category, nbytes, keys)
 
     def untrack(self, array) -> None:
         """Stop counting ``array``'s buffer now (e.g. before re-tracking it elsewhere)."""
@@ -161,11 +191,15 @@ class MemoryLedger:
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
-                category, nbytes, (name, incl), _ref = entry
-                self.current[category] -= nbytes
-                self.by_module[(name, category)][0] -= nbytes
-                for n in incl:
-                    self.by_prefix[(n, category)][0] -= nbytes
+                category, nbytes, keys, _ref = entry
+                self._subtract(category, nbytes, keys)
+
+    def _subtract(self, category, nbytes, keys):
+        name, inclusive = keys
+        self.current[category] -= nbytes
+        self.by_module[(name, category)][0] -= nbytes
+        for n in inclusive:
+            self.by_prefix[(n, category)][0] -= nbytes
 
     def reset_peaks(self) -> None:
         """Set every peak to the current value (start a new measurement window), per module too."""

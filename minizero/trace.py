@@ -14,7 +14,11 @@ import time
 COMPUTE, COMM, IN_FLIGHT = 0, 1, 2  #: lanes (``tid``) of a rank's row
 LANE_NAMES = {COMPUTE: "compute", COMM: "communication (blocking)", IN_FLIGHT: "communication (in flight)"}
 
-_local = threading.local()
+class _Local(threading.local):
+    tracer = None  # a class default: reading it costs no AttributeError where no tracer was set (every collective)
+
+
+_local = _Local()
 
 
 def now_us() -> int:
@@ -68,7 +72,7 @@ def set_tracer(tracer: Tracer | None) -> None:
 
 def get_tracer() -> Tracer | None:
     """This thread's tracer, or None when tracing is off."""
-    return getattr(_local, "tracer", None)
+    return _local.tracer
 
 
 def span(name: str, cat: str, tid: int = COMPUTE, **args):

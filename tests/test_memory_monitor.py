@@ -98,6 +98,37 @@ def test_ledger_charges_arrays_outside_a_forward_to_no_module():
     assert get_ledger() is led
 
 
+@pytest.mark.parametrize("category, shape", [("comm_scratch", (7,)), ("activations", (1, 2, 3, 3)), ("gathered", (0,))])
+def test_track_temporary_leaves_the_figures_of_an_array_tracked_then_freed(category, shape):
+    """A collective's scratch (issue 33): counted at once instead of until freed, byte-identical figures."""
+    def figures(count):
+        led = MemoryLedger()
+        held = np.zeros(5)
+        led.track(held, "comm_buffers")
+        led.push_scope("a.b")
+        count(led, np.zeros(shape))
+        led.track(np.zeros(3), category)  # after it: a later, smaller array of the same category
+        led.pop_scope()
+        return (led.snapshot(), led.window_peak, led.window_at_peak, led.modules(category),
+                led.modules(category, inclusive=True))
+
+    def track_and_free(led, a):
+        led.track(a, category)
+        del a  # the caller's reference goes when count returns
+
+    tracked = figures(track_and_free)
+    assert tracked == figures(lambda led, a: led.track_temporary(a, category))
+    assert tracked[0]["peak"][category] == max(np.zeros(shape).nbytes, 24) and tracked[0]["current"][category] == 0
+
+
+def test_track_temporary_counts_nothing_for_a_buffer_counted_already():
+    led = MemoryLedger()
+    a = np.zeros(4)
+    led.track(a, "gradients")
+    led.track_temporary(a[1:], "comm_scratch")
+    assert led.peak["comm_scratch"] == 0 and led.current["gradients"] == 32
+
+
 @pytest.mark.timeout(180)
 def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
     out = tmp_path / "out"
