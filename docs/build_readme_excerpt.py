@@ -58,6 +58,11 @@ def excerpt(out: str) -> list[str]:
                             "peak total", "process peak", "wrote ")) or re.match(
                                 r"(parameters|gradients|optimizer_state|activations|comm_buffers) ", line):
             keep.add(i)
+            indent = len(line) - len(line.lstrip())
+            for j in range(i + 1, len(lines)):  # a wrapped line's continuation (indented deeper)
+                if not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) <= indent:
+                    break
+                keep.add(j)
     shown, last = [], -1
     for i in sorted(keep):
         if i != last + 1:

@@ -28,6 +28,31 @@ def documents_description(args) -> str:
     return "documents (ended by byte 0x03) packed (--pack): windows run across them"
 
 
+def run_techniques(args) -> str:
+    """A run's layout and what it changes from plain data parallelism, short, for plot titles:
+    ``"dp 4 x tp 1 x pp 1, ZeRO-3, recompute full, fp32"``."""
+    layout = f"dp {args.dp}" + (f" x cp {args.cp} ({args.cp_attention})" if args.cp > 1 else "")
+    layout += f" (ep {args.ep})" if args.moe_experts and args.ep > 1 else ""
+    words = [f"{layout} x tp {args.tp} x pp {args.pp}"]
+    if args.pp > 1:
+        words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
+    words += [w for w, here in ((f"ZeRO-{args.zero}", args.zero), ("sp", args.sequence_parallel),
+                                (f"MoE {args.moe_experts} experts top-{args.moe_top_k}", args.moe_experts),
+                                (f"recompute {args.recompute}" + (f" every {args.recompute_every}"
+                                                                  if args.recompute_every > 1 else ""),
+                                 args.recompute != "none"),
+                                ("flash attention", args.attention == "flash"),
+                                (f"activations offloaded to {args.offload_activations}",
+                                 args.offload_activations != "none"),
+                                (f"optimizer state offloaded to {args.offload_optimizer}",
+                                 args.offload_optimizer != "none"),
+                                (args.optimizer, args.optimizer != "adamw"), ("int8 comm", args.quantized_comm),
+                                ("hierarchical all-reduce", args.allreduce == "hierarchical"),
+                                (f"pruned {args.prune_sparsity:.0%}", args.prune_sparsity > 0)) if here]
+    words.append(args.dtype if args.precision == "fp32" and args.dtype != "float32" else args.precision)
+    return ", ".join(words)
+
+
 def header_lines(args, cfg, s, world: int) -> list[str]:
     """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy)."""
     topo = s.topo
@@ -102,4 +127,4 @@ class Header(Callback):
         for line in header_lines(run.args, run.cfg, run.strategy, run.comm.world_size):
             run.log(line)
         if run.args.show_shards:
-            run.log(run.strategy.opt.shard_map.format())
+            run.log(run.strategy.opt.shard_map.format(width=100))

@@ -6,6 +6,7 @@ Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's mode
 """
 from __future__ import annotations
 
+import textwrap
 import threading
 import weakref
 
@@ -295,16 +296,24 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
         several = "; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""
-        lines.append("* " + PROCESS_PEAK_SOURCES[process_peak_source] + several)
+        lines += wrap("* " + PROCESS_PEAK_SOURCES[process_peak_source] + several)
     if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
-        lines.append("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
-                     "so their peaks add up to more)")
+        lines += wrap("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
+                      "so their peaks add up to more)")
     if len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
-        lines.append(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "
-                     "memory.png splits ranks whose bytes differ at some step)")
-    lines.extend(notes or [])
+        lines += wrap(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "
+                      "memory.png splits ranks whose bytes differ at some step)")
+    for note in notes or []:
+        lines += wrap(note)
     return "\n".join(lines)
+
+
+def wrap(line: str, width: int = 100) -> list[str]:
+    """A prose line cut at ``width`` columns, the continuation lines indented two more than the first."""
+    indent = line[:len(line) - len(line.lstrip())]
+    return textwrap.wrap(line.lstrip(), width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False) or [line]
 
 
 def _equal_ranks(per_rank: list[dict]) -> list[list[int]]:

@@ -12,7 +12,7 @@ MODES = ("auto", "bar", "log", "none")
 
 
 def _duration(seconds: float) -> str:
-    """Seconds under a minute, minutes from there; 5 characters before the unit, so columns stay aligned."""
+    """Seconds under a minute, minutes from there; 5 characters before the unit (strip them to save columns)."""
     return f"{seconds:5.1f} s" if seconds < 60 else f"{seconds / 60:5.1f} min"
 
 
@@ -79,7 +79,7 @@ class Progress:
         eta = elapsed / done * (self.total - step - 1) if done else 0.0
         w = len(str(self.total))
         line = (f"step {step + 1:>{w}}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {tok_s:>6,.0f} tok/s  "
-                f"elapsed {_duration(elapsed)}  ETA {_duration(eta)}")
+                f"elapsed {_duration(elapsed).lstrip()}, ETA {_duration(eta).lstrip()}")
         if self.fp16:
             line += f"  [fp16: scale {scale:g}, skipped {skipped}]"
         self._say(line + (f"  {extra}" if extra else ""))

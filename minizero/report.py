@@ -10,12 +10,14 @@ import json
 import math
 import os
 import statistics
+import textwrap
 
 import numpy as np
 
 from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
-from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text
+from minizero.header import run_techniques
+from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text, wrap
 from minizero.memory.monitor import report_memory
 from minizero.memory.plots import INSTALL_HINT
 from minizero.parallel.strategy import TRAFFIC_KINDS
@@ -84,30 +86,34 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     """
     model, cfg = result["model"], result["config"]
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
-    print(f"\nvalidation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) "
-          f"after {args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")
+    def say(text):  # prose, wrapped at 100 columns
+        print("\n".join(wrap(text)))
+    print()
+    print(f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
+          f"{args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")  # one line
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
-        print(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
-              "after warmup) because the held-out slice is the end of the text (its last 10%), which is easier to "
-              "predict than the rest: not a leak")
+        say(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
+            "after warmup) because the held-out slice is the end of the text (its last 10%), which is easier to "
+            "predict than the rest: not a leak")
     if args.precision == "fp16":
         scales = result["loss_scales"]
-        print(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
-              f"{result['skipped_steps']} step(s) skipped for inf/NaN gradients"
-              + (f" (at step {', '.join(str(k + 1) for k in result['skipped_at'][:10])}"  # 1-based, as progress
-                 f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
+        say(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
+            f"{result['skipped_steps']} step(s) skipped for inf/NaN gradients"
+            + (f" (at step {', '.join(str(k + 1) for k in result['skipped_at'][:10])}"  # 1-based, as progress
+               f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
     if result.moe is not None:
-        print(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "
-              f"{result.moe['tokens_per_expert']} (shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
-              f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
+        say(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "
+            f"{result.moe['tokens_per_expert']} (shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
+            f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
     capped = threads < max(1, cores // max(1, local_ranks))  # the user's OPENBLAS/OMP/MKL_NUM_THREADS
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s)"
              + ("; capped by the environment's OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or MKL_NUM_THREADS)" if capped
                 else ")"),
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     copy = args.tp > 1 or args.pp > 1 or (args.moe_experts > 0 and args.ep > 1)  # the model below: a gathered copy
-    gathers = [w for w, here in (("the start-up broadcast", args.zero == 0 and args.dp * args.cp > 1),
+    tree = "" if args.native_comm else ": a binomial tree from rank 0, whose leaves send nothing"
+    gathers = [w for w, here in ((f"the start-up broadcast{tree}", args.zero == 0 and args.dp * args.cp > 1),
                                  ("ZeRO's gathers", 0 < args.zero < 3),
                                  ("ZeRO's gathers, its final gather for the model's copy included",
                                   args.zero == 3 and copy),
@@ -127,7 +133,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
             notes.append(f"  {labels.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
                 [format_bytes(s["bytes_sent_by_kind"][kind]) for s in stats]))
-    notes.append(f"ZeRO stage {args.zero}: model states per rank at the optimizer step " + per_rank_text(
+    plain = args.dp == args.world_size and not args.moe_experts  # every rank holds the whole model
+    notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step " if args.zero else
+                  "model states per rank at the optimizer step (" + ("every rank holds them all): " if plain else
+                                                                    "not sharded over the data ranks): "))
+                 + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))
     if result.setup_peaks:
         notes.append("peaks above: the training steps only; set-up (building the model, then copying it into its "
@@ -141,11 +151,12 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     if result.device_pool:
         notes.append("CuPy memory pool high-water at step ends (used / held): " + per_rank_text(
             [f"{format_bytes(p['used'])} / {format_bytes(p['total'])}" for p in result["device_pool"]]))
+    run = f"{args.model} model, {args.world_size} rank(s): {run_techniques(args)}"  # the plots' titles
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
         None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"],
-        category_peaks=[s["peak"] for s in stats], first_step=result.start_step)
+        category_peaks=[s["peak"] for s in stats], first_step=result.start_step, title=textwrap.fill(run, 110))
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
@@ -165,12 +176,13 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         if no_memory_plot:
             print(INSTALL_HINT)
         return
+    schedule = args.schedule if args.pp > 1 else None
     summary = {
         "world_size": args.world_size,
         "dp": args.dp, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
-        "schedule": args.schedule,
-        "config": {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-                   "train": {k: v for k, v in vars(args).items()}},
+        "schedule": schedule,  # null without pipeline stages
+        "config": {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},  # the flags, resolved:
+                   "train": dict(vars(args), block_size=cfg.block_size, dropout=cfg.dropout, schedule=schedule)},
         "num_parameters": model.num_parameters(),
         "train_loss": result["train_losses"],
         "grad_norm": result["grad_norms"],
@@ -210,8 +222,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print(f"wrote {os.path.join(args.out, 'model.npz')}, {os.path.join(args.out, SIDECAR)} and {args.json}")
     loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
                             result["skipped_at"],
-                            f"{args.model} model, {args.world_size} rank(s) as dp {args.dp} x tp {args.tp} x "
-                            f"pp {args.pp}, {args.precision}, {args.steps} steps, global batch {args.batch_size}",
+                            textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}", 100),
                             first_step=result.start_step)
     if loss_plot == MISSING and no_memory_plot:
         print(NO_PLOTS)

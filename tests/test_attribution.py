@@ -7,6 +7,17 @@ def test_hotspots_count_the_modules_left_out_that_tie_with_the_last_one_shown():
 
     peaks = {f"h.{i}.mlp": 512 * 1024 for i in range(4)} | {"": 2048, "h.0.attn": 100}
     text = format_top_modules([peaks, peaks], n=3)
-    assert text.splitlines()[1] == ("  every rank: h.0.mlp 512.00 KiB, h.1.mlp 512.00 KiB, h.2.mlp 512.00 KiB, "
-                                    "and 1 more at 512.00 KiB")
-    assert "more" not in format_top_modules([peaks], n=4)
+    assert text.splitlines()[1] == "  every rank: 4 modules at 512.00 KiB each: h.{0-3}.mlp"
+    assert format_top_modules([peaks], n=4).splitlines()[1] == "  r0: 4 modules at 512.00 KiB each: h.{0-3}.mlp"
+
+
+def test_hotspots_say_a_tie_once_and_fold_block_indices():
+    """Before: "h.0.mlp 512.00 KiB, h.1.mlp 512.00 KiB, ... and 6 more at 512.00 KiB" (one size said 7 times)."""
+    from minizero.memory.attribution import format_top_modules
+
+    peaks = {f"h.{i}.{m}": 512 * 1024 for i in range(4) for m in ("attn:scores", "mlp")} | {"lm_head": 600 * 1024,
+                                                                                          "h.0.attn": 100, "h.2.x": 1}
+    text = format_top_modules([peaks], n=3)
+    assert text.splitlines()[1] == ("  r0: lm_head 600.00 KiB; 8 modules at 512.00 KiB each: h.{0-3}.attn:scores, "
+                                    "h.{0-3}.mlp")
+    assert all(len(line) <= 100 for line in text.splitlines())

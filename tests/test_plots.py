@@ -47,7 +47,7 @@ def test_memory_figure_has_a_row_per_group_and_every_category():
         assert sorted(names) == sorted(CATEGORIES)  # gradients and the zero categories too
         bars = {n: p.get_width() for n, p in zip(names, axes[1].patches)}
         assert bars["gradients"] == pytest.approx(3.0) and bars["offloaded"] == 0  # MiB
-        notes = " ".join(x.get_text() for x in axes[0].texts)
+        notes = axes[0].get_title()  # in the title, not over the stack
         assert "gradients" in notes and "peak 22.00 MiB" in notes  # not alive at the peak, said so
         fig.canvas.draw()  # the title and labels fit inside the figure
         box = fig.bbox
@@ -124,8 +124,39 @@ def test_a_resumed_run_s_memory_peak_is_named_by_the_progress_log_s_step():
     for first, step in ((0, 3), (100, 103)):
         fig = timeline_figure(t, peaks=peaks, first_step=first)
         try:
-            notes = " ".join(x.get_text() for x in fig.axes[0].texts)
+            notes = fig.axes[0].get_title()
             assert f"MiB at step {step}" in notes, notes
-            assert fig.axes[0].get_xlim() == (first + 0.5, first + 5.5)
+            assert fig.axes[0].get_xlim() == (first + 0.5, first + 5.5)  # 5 steps: half a step either side
         finally:
             plt.close(fig)
+
+
+def test_memory_axes_fit_the_data_and_the_first_step_has_a_tick():
+    """Before: a 300-step run's flat 22.5 MiB band sat under a y-axis to 34 MiB (room for notes drawn over it),
+    the first tick was 50, and the peak marker at step 1 sat on the y-axis, half clipped."""
+    t, peaks = _timeline(ranks=2, steps=300)
+    fig = timeline_figure(t, title="default model, 2 rank(s): dp 2 x tp 1 x pp 1, ZeRO-3, fp32", peaks=peaks)
+    try:
+        ax = fig.axes[0]
+        tallest = t[0].sum(axis=1).max() / 2**20
+        assert tallest < ax.get_ylim()[1] <= 1.1 * tallest
+        assert ax.get_xticks()[0] == 1 and 50 in ax.get_xticks()
+        (marker,) = ax.get_lines()
+        assert marker.get_xdata()[0] == 1 and ax.get_xlim()[0] < 1 - 0.5 - 2  # clear of the axis
+        assert "ZeRO-3" in fig.texts[0].get_text()  # the run's techniques in the suptitle
+    finally:
+        plt.close(fig)
+
+
+def test_plot_titles_name_the_run_s_techniques():
+    """Before: loss.png of --zero 3 said "dp 4 x tp 1 x pp 1, fp32", as a plain data-parallel run's did."""
+    from minizero.config import TrainConfig
+    from minizero.header import run_techniques
+
+    plain = TrainConfig(dp=4, tp=1, pp=1, world_size=4)
+    assert run_techniques(plain) == "dp 4 x tp 1 x pp 1, fp32"
+    many = TrainConfig(dp=2, tp=2, pp=2, world_size=8, zero=3, recompute="selective", precision="bf16",
+                       offload_optimizer="cpu", schedule="gpipe", sequence_parallel=True)
+    assert run_techniques(many) == ("dp 2 x tp 2 x pp 2, gpipe, ZeRO-3, sp, recompute selective, "
+                                    "optimizer state offloaded to cpu, bf16")
+    assert "1f1b" not in run_techniques(TrainConfig(dp=1, tp=1, pp=1, world_size=1))  # no pipeline: no schedule

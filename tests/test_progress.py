@@ -10,8 +10,9 @@ import pytest
 from minizero.plots import MISSING, plot_losses
 from minizero.progress import Progress
 
-LINE = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d{4})  lr (\S+)  +([\d,]+) tok/s  elapsed +([\d.]+ (?:s|min))"
-                  r"  ETA +([\d.]+ (?:s|min))(  \[fp16: scale (\d+), skipped (\d+)\])?(  mem .* \(peak .*, max over ranks\))?$")
+LINE = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d{4})  lr (\S+)  +([\d,]+) tok/s  elapsed ([\d.]+ (?:s|min))"
+                  r", ETA ([\d.]+ (?:s|min))(  \[fp16: scale (\d+), skipped (\d+)\])?"
+                  r"(  mem [\d.]+ \S+, peak [\d.]+ \S+( \(max over ranks\))?)?$")
 
 
 class _Tty(io.StringIO):

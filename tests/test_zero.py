@@ -329,6 +329,15 @@ def test_zero_on_one_rank_runs_and_says_it_saves_nothing():
     argv = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--zero", "2", "--show-shards"]
     out = run_in_threads(1, _train_logged, argv)[0]
     assert "shards nothing" in out and "ZeRO shard map" in out
+    shards = out[out.index("ZeRO shard map"):].splitlines()
+    assert max(map(len, shards)) <= 100, shards  # before: one line per unit, 200+ columns
+
+
+def test_shard_map_text_wraps_each_unit_s_pieces_and_keeps_them():
+    sm = shard_map(2, "float32")
+    whole, wrapped = sm.format(), sm.format(width=60)
+    assert max(map(len, whole.splitlines())) > 60 and max(map(len, wrapped.splitlines())) <= 60
+    assert whole.split() == wrapped.split()  # the same pieces, in the same order
 
 
 def _misuse_stage1(comm):

@@ -5,6 +5,9 @@ are untouched. Mirrors: PyTorch's memory snapshot (``torch.cuda.memory._snapshot
 """
 from __future__ import annotations
 
+import re
+import textwrap
+
 from minizero.ledger import OUTSIDE, SCORES, format_bytes, get_ledger
 from minizero.memory.estimator import PRECISIONS, saved_per_layer
 
@@ -140,24 +143,49 @@ def top_modules(peaks: dict, n: int = 8, skip=(OUTSIDE,)) -> list[tuple[str, int
     return sorted(items, key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
+def _compact(names: list[str]) -> str:
+    """Module names with their first block index folded: ``h.0.mlp, h.1.mlp, h.0.attn`` -> ``h.{0-1}.mlp, h.0.attn``."""
+    folded: dict[str, list[int]] = {}
+    for name in names:
+        m = re.search(r"\.(\d+)(?=[.:]|$)", name)
+        key = name if m is None else name[:m.start(1)] + "{}" + name[m.end(1):]
+        folded.setdefault(key, []).append(-1 if m is None else int(m.group(1)))
+    out = []
+    for key, idx in folded.items():
+        if idx == [-1]:
+            out.append(key)
+            continue
+        runs: list[list[int]] = []
+        for i in sorted(idx):
+            runs.append([i]) if not runs or i != runs[-1][-1] + 1 else runs[-1].append(i)
+        text = ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+        out.append(key.replace("{}", f"{{{text}}}" if len(idx) > 1 else text))
+    return ", ".join(out)
+
+
 def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     """Text: per rank, the top ``n`` modules by peak activation bytes (self), attention scores as their own entries;
-    the modules left out that tie with the last one shown are counted ("and 6 more at 512.00 KiB")."""
-    lines = ["activation hotspots (ledger, peak bytes saved for backward by each module itself; "
-             "':scores' = (b, a, s, s) arrays)"]
+    modules that tie are said once ("12 modules at 512.00 KiB each: h.{0-3}.mlp, ..."), those that tie with the
+    last one shown included."""
+    lines = ["activation hotspots (ledger: peak bytes each module saved for backward itself; ':scores': (b,a,s,s))"]
 
     def line_of(peaks):
         everything = top_modules(peaks, len(peaks))
         shown = everything[:n]
-        text = ", ".join(f"{name or '(top level: the loss)'} {format_bytes(b)}" for name, b in shown)
-        ties = sum(b == shown[-1][1] for _, b in everything[n:]) if shown else 0
-        return text + (f", and {ties} more at {format_bytes(shown[-1][1])}" if ties else "")
+        shown += [(name, b) for name, b in everything[n:] if shown and b == shown[-1][1]]
+        groups: dict[int, list[str]] = {}
+        for name, b in shown:  # largest first: equal bytes are neighbours
+            groups.setdefault(b, []).append(name or "(top level: the loss)")
+        parts = [f"{names[0]} {format_bytes(b)}" if len(names) == 1 else
+                 f"{len(names)} modules at {format_bytes(b)} each: {_compact(names)}" for b, names in groups.items()]
+        return ("; " if len(groups) < len(shown) else ", ").join(parts)  # "; ": a part holds commas itself
     rows = [line_of(peaks) for peaks in per_rank]
     for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]
         who = f"r{ranks[0]}" if len(ranks) == 1 else ("every rank" if len(ranks) == len(rows) else
                                                        "r" + ", r".join(map(str, ranks)))
-        lines.append(f"  {who}: {row}")
+        lines += textwrap.wrap(f"{who}: {row}", 100, initial_indent="  ", subsequent_indent="    ",
+                               break_on_hyphens=False, break_long_words=False)
     return "\n".join(lines)
 
 

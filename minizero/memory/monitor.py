@@ -41,6 +41,7 @@ class MemoryMonitor:
         self.timeline: list[list[int]] = []
         self.after_forward: dict = {}
         self.device_pool_peak = device_pool_bytes()
+        self.said_max = False  # the first live text says its figures are the max over ranks
         self._detach = attach(model)
         self._remove = model.register_forward_hook(after_forward_hook(self.after_forward))
 
@@ -71,7 +72,9 @@ class MemoryMonitor:
         cur, peak = both.max(axis=0)
         pool_text = ("" if pool is None
                      else f"; CuPy pool high-water {format_bytes(self.device_pool_peak['total'])} here")
-        return f"mem {format_bytes(cur)} (peak {format_bytes(peak)}, max over ranks{pool_text})"
+        first, self.said_max = not self.said_max, True  # "max over ranks" once: the log lines stay short
+        text = f"mem {format_bytes(cur)}, peak {format_bytes(peak)}"
+        return text + (f" (max over ranks{pool_text})" if first else f" ({pool_text[2:]})" if pool_text else "")
 
 
 def gather_timeline(comm, timeline: list[list[int]]) -> np.ndarray:
@@ -103,8 +106,10 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
 
 
 def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6,
-                  category_peaks: list[dict] | None = None, first_step: int = 0) -> tuple[list[str], dict]:
-    """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib), summary entries.
+                  category_peaks: list[dict] | None = None, first_step: int = 0,
+                  title: str = "") -> tuple[list[str], dict]:
+    """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib; ``title``: the
+    run's words above the plots), summary entries.
 
     Returns (lines, ``{"activation_peaks_by_module", "memory_timeline_peak_bytes", "memory_plot"}``).
     """
@@ -113,7 +118,7 @@ def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top:
     if out_dir is not None:
         if have_matplotlib():
             path = os.path.join(out_dir, "memory.png")
-            plot_timeline(path, timeline, peaks=category_peaks, first_step=first_step)
+            plot_timeline(path, timeline, title, peaks=category_peaks, first_step=first_step)
             lines.append(f"wrote {path} (ledger memory over the steps by category, and each category's peak)")
         else:
             lines.append(INSTALL_HINT)

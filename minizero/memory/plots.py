@@ -67,11 +67,12 @@ def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
     plt = _pyplot()
     groups = rank_groups(t, peaks)
     colors = {c: f"C{i}" for i, c in enumerate(CATEGORIES)}
-    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 0.6 + 2.6 * len(groups)), squeeze=False,
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 1.0 + 2.8 * len(groups)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2]}, layout="constrained")  # room for the titles
     mib = t / 2**20
     x = np.arange(first_step + 1, first_step + t.shape[1] + 1)  # 1-based, as the progress log
-    top = mib.sum(axis=2).max() * 1.5 or 1  # room above the stack for the notes
+    top = mib.sum(axis=2).max() * 1.06 or 1  # just above the tallest stack: the peak marker sits on it
+    pad = max(0.5, 0.015 * len(x))  # a marker at the first or last step stays clear of the axis
     for (ax, bx), ranks in zip(axes, groups):
         r = ranks[0]
         used = [i for i, _ in enumerate(CATEGORIES) if mib[r, :, i].any()]
@@ -80,23 +81,25 @@ def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
                      colors=[colors[CATEGORIES[i]] for i in used], step="post")
         total = mib[r].sum(axis=1)
         k = int(total.argmax())
-        ax.plot([x[k]], [total[k]], "v", color="black", clip_on=False)  # whole at the first step too
-        ax.text(0.98, 0.95, f"peak {total[k]:.2f} MiB at step {x[k]}", transform=ax.transAxes, ha="right",
-                va="top", fontsize=8)
-        ax.set_xlim(x[0] - 0.5, x[-1] + 0.5)
-        if len(x) <= 12:  # steps are whole numbers: no tick at 1.5
-            ax.set_xticks(x)
-        else:
-            ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_ylim(0, top)
-        ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked (colors as on the right)", fontsize=9)
-        ax.set_xlabel("optimizer step", fontsize=8)
-        ax.set_ylabel("MiB", fontsize=8)
+        ax.plot([x[k]], [total[k]], "v", color="black", clip_on=False)
         own = [peaks[r][c] if peaks is not None else t[r, :, i].max() for i, c in enumerate(CATEGORIES)]
         absent = [c for i, c in enumerate(CATEGORIES) if own[i] and i not in used]
-        if absent:  # e.g. gradients: made during backward, as the activations that set the peak are freed
-            ax.text(0.98, 0.86, f"not alive at the step's peak: {', '.join(absent)}", transform=ax.transAxes,
-                    ha="right", va="top", fontsize=7, color="0.3")
+        # the notes go in the title, not over the stack, so the y-axis can end at the data
+        ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked (colors as on the right)\n"
+                     f"\u25bc peak {total[k]:.2f} MiB at step {x[k]}"
+                     # e.g. gradients: made during backward, as the activations that set the peak are freed
+                     + (f"; not alive at the step's peak: {', '.join(absent)}" if absent else ""), fontsize=9)
+        ax.set_xlim(x[0] - pad, x[-1] + pad)
+        if len(x) <= 12:  # steps are whole numbers: no tick at 1.5
+            ax.set_xticks(x)
+        else:  # the first step gets a tick too (the locator alone starts at 50 for 300 steps)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ticks = [v for v in ax.get_xticks() if x[0] < v <= x[-1]]
+            gap = (ticks[1] - ticks[0]) / 2 if len(ticks) > 1 else 0
+            ax.set_xticks([x[0], *[v for v in ticks if v - x[0] >= gap]])
+        ax.set_ylim(0, top)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.set_ylabel("MiB", fontsize=8)
         ys = np.arange(len(CATEGORIES))[::-1]
         bx.barh(ys, np.divide(own, 2**20), color=[colors[c] for c in CATEGORIES])
         bx.set_yticks(ys, CATEGORIES, fontsize=8)
@@ -105,8 +108,8 @@ def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
             bx.text(v / 2**20, y, f" {format_bytes(v)}", va="center", fontsize=7)
         bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
-    fig.suptitle(title or "ledger memory per rank by category (ranks equal at every step share one row of plots)",
-                 fontsize=10)
+    fig.suptitle((f"{title}\n" if title else "")
+                 + "ledger memory per rank by category (ranks equal at every step share one row of plots)", fontsize=10)
     return fig
 
 

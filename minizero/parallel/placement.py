@@ -4,6 +4,8 @@ Source: Narayanan et al., arXiv:2104.04473, section 3.2.
 """
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from minizero.comm.collectives import all_reduce
@@ -121,8 +123,9 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
             f"+ other (loss, norm, replica digests) {_fmt(other)}" if known else "? across nodes"))
     setup = f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""
-    lines.append(f"  left out above, totals for the run: validation {_fmt(run[17])} (before the first step, "
-                 f"each periodic one, the end){setup}")
+    lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(run[17])} (before the first "
+                           f"step, each periodic one, the end){setup}", 100, initial_indent="  ",
+                           subsequent_indent="    ")
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 
 import numpy as np
 
@@ -134,12 +135,13 @@ class ShardMap:
             flat[off:off + a.size] = a
         return flat
 
-    def format(self, ranks=None) -> str:
-        """Text: one line per unit, then each rank's pieces as ``name[lo:hi]`` (flat element ranges)."""
+    def format(self, ranks=None, width: int | None = None) -> str:
+        """Text: one line per unit, then each rank's pieces as ``name[lo:hi]`` (flat element ranges), a unit's
+        pieces wrapped at ``width`` columns when given (None: one line per unit)."""
         n = self.world_size
-        lines = [f"ZeRO shard map: {self.numel:,} parameters in {len(self.units)} flat units over N = {n} "
-                 f"rank(s); {self.padded - self.numel} padding elements; each rank owns "
-                 f"{self.shard_numel(0):,} elements",
+        first = (f"ZeRO shard map: {self.numel:,} parameters in {len(self.units)} flat units over N = {n} rank(s); "
+                 f"{self.padded - self.numel} padding elements; each rank owns {self.shard_numel(0):,} elements")
+        lines = [*(textwrap.wrap(first, width, subsequent_indent="  ") if width else [first]),
                  f"  {'unit':<28}{'elements':>10}{'padding':>9}{'per rank':>10}"]
         for u in self.units:
             lines.append(f"  {u.name:<28}{u.numel:>10,}{u.padded - u.numel:>9}{u.padded // n:>10,}")
@@ -148,7 +150,8 @@ class ShardMap:
             for i in range(len(self.units)):
                 pieces = self.pieces(r, i)
                 text = " ".join(f"{p.param}[{p.lo}:{p.hi}]" for p in pieces) or "(padding only)"
-                lines.append(f"  {text}")
+                lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ",
+                                       break_on_hyphens=False, break_long_words=False) if width else [f"  {text}"]
         return "\n".join(lines)
 
     def draw(self, width: int = 64) -> str:
