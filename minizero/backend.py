@@ -286,9 +286,8 @@ def _narrow_into(a, out) -> None:
 
 
 def to_dtype(a, dtype):
-    """``a`` as ``dtype``, no copy when it already is; bitwise ``a.astype(dtype)`` (a NaN stays a NaN, not its payload),
-    with float32 to float16 by :func:`narrow` and float16 to a wider float through :func:`widen` (exact), not NumPy's
-    per-element casts."""
+    """``a`` as ``dtype`` (no copy when it already is), bitwise ``a.astype(dtype)`` but for NaN payloads; float32 to
+    float16 by :func:`narrow`, float16 to wider floats through :func:`widen` (not NumPy's per-element casts)."""
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a

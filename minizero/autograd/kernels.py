@@ -40,9 +40,8 @@ BLOCK_ELEMENTS = 1 << 16  #: elements per block of a blockwise kernel (256 KiB o
 
 
 def row_blocks(rows: int, row_len: int) -> list[slice]:
-    """Slices of ``rows`` rows of ``row_len`` elements, about :data:`BLOCK_ELEMENTS` each (at least one row; one
-    empty slice for no rows). A row-wise kernel run block by block gives the bits of one run over all rows.
-    CuPy: one block (a GPU has no such cache to fit, and every block would launch its kernels again)."""
+    """Slices of ``rows`` rows of ``row_len`` elements, about :data:`BLOCK_ELEMENTS` each (at least one row; one empty
+    slice for no rows); CuPy: one block (no cache to fit; each block would launch its kernels again)."""
     if backend.name == "cupy" or rows == 0:
         return [slice(0, rows)]
     step = max(1, BLOCK_ELEMENTS // max(row_len, 1))
