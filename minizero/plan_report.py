@@ -156,7 +156,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             "per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
             "(not in bubble, exposed communication or offload) x model FLOPs / FLOPs done (recompute's extra): it "
-            "follows from the assumptions above, not a measurement"] + (rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
+            "follows from the assumptions above, not a measurement"
+            ] + (rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
 
 
 def rounded_batch(gbatch, shown) -> list[str]:
