@@ -36,6 +36,19 @@ def real(text) -> float:
     raise NotANumber(f"invalid float value: {text!r}; allowed: a number in ASCII digits, e.g. 0.5 or 3e-4")
 
 
+class Typed(float):
+    """A float that keeps the text it was read from (``.text``), so a check can echo what the user typed."""
+
+    text: str
+
+
+def real_as_typed(text) -> Typed:
+    """:func:`real`, remembering ``text``: ``real_as_typed("-2").text == "-2"``."""
+    value = Typed(real(text))
+    value.text = str(text)
+    return value
+
+
 def is_count(text: str) -> bool:
     """Whether ``text`` is digits 0-9 only (``"12"``; not ``""``, ``"+1"``, ``"٣"`` nor ``"²"``)."""
     return text.isascii() and text.isdigit()

@@ -25,7 +25,7 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, explain, format_table, plot, plot_path, why_lines)
+    candidate_json, describe, explain, format_table, header, plot, plot_path, why_lines, wrap)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
     parse_strategy, plan, rank, step_time)
@@ -221,47 +221,6 @@ def _check(parser, args):
     return model, sizes
 
 
-def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
-    p0 = _bytes(shown[0].strategy)
-    if args.schedule == "interleaved":
-        piped = sum(c.strategy.pp > 1 for c in fits)
-        sched = (f"interleaved pipeline schedule ({args.virtual_stages} virtual stages per GPU; pp = 1 layouts "
-                 f"have no pipeline" + ("; no layout with pp > 1 fits" if not piped else "") + ")")
-    else:
-        sched = f"{args.schedule} pipeline schedule"
-    def count(n):
-        return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
-
-    n_psi = model.num_parameters()
-    moe = ""
-    if model.experts:
-        moe = (f", {count(model.active_parameters())} active; {model.experts} experts top-{model.top_k}"
-               + (f" + {model.shared_experts} shared" if model.shared_experts else "")
-               + f" of FFN {model.expert_hidden} in {len(model.moe_layers())} of {model.n_layer} layers")
-    return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
-            f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
-            f"{model.vocab_size})",
-            f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} (--gpu-memory {args.gpu_memory}; "
-            f"{args.gpus_per_node} per node), host "
-            f"{hw.host_memory / scale:.2f} {unit} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
-            f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
-            f"bytes/parameter), {sched}",
-            f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
-            f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
-            "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
-            "Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
-            "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"
-            ] + (_rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
-
-
-def _rounded_batch(gbatch, shown) -> list[str]:
-    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
-    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
-    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
-    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
-            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
-
-
 def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:
     """The text for ``--strategy``: header, its row, whether it fits, its step time by component."""
     kw = dict(micro_batch=args.micro_batch, global_batch=gbatch, precision=args.precision, optimizer=args.optimizer,
@@ -281,7 +240,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
         f": device {c.memory.total / scale:.2f} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage {c.memory.stage},"
         f" the fullest), host {c.host / scale:.2f} of {hw.host_memory / scale:.2f} {unit}")
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
-    return (_header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
+    return (header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
             + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)", ""]
             + format_table([c], scale) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
 
@@ -318,12 +277,12 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                             "enumerated": count, "fit": len(fits),
                             "candidates": [candidate_json(c, i) for i, c in enumerate(shown, 1)]}, indent=1)]
     more = f"; the best {len(shown)} shown (--top 0: all)" if len(shown) < len(fits) else ""
-    return (_header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
+    return (header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
             + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
                "(a first-order model: step times within about 1% of each other are within its accuracy; such rows "
                "stay in tok/s order; the why lines below compare the first few and say when one needs less memory)", ""]
             + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
-            + ["  " + line for line in why_lines(shown, scale, unit, fit_count=len(fits))])
+            + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap(line)])
 
 
 def _finetune(args, model, hw, seq, scale, unit) -> list[str]:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 
 from minizero.files import atomic_write, check_output
-from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy
-from minizero.plan_search import Candidate
+from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, _bytes
+from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
     """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``ep=4``
@@ -116,6 +117,71 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
             f"{mem.activations / scale:7.2f}{bufs / scale:7.2f}{mem.total / scale:8.2f} |{c.host / scale:7.1f} |"
             f"{net / scale:9.2f} | {c.step_s:7.3f} {c.tokens_per_s:9,.0f} {c.mfu:5.1%}")
     return lines
+
+
+def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
+    """The lines above the table: model, GPUs and the assumed hardware, units, the columns' legend."""
+    p0 = _bytes(shown[0].strategy)
+    if args.schedule == "interleaved":
+        piped = sum(c.strategy.pp > 1 for c in fits)
+        sched = (f"interleaved pipeline schedule ({args.virtual_stages} virtual stages per GPU; pp = 1 layouts "
+                 f"have no pipeline" + ("; no layout with pp > 1 fits" if not piped else "") + ")")
+    else:
+        sched = f"{args.schedule} pipeline schedule"
+    def count(n):
+        return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+    n_psi = model.num_parameters()
+    binary = args.gpu_memory.strip().lower().endswith("ib")  # the flag's unit family, shown in the table's
+    given = f" = {hw.gpu_memory:,} bytes" if binary != (unit == "GiB") else ""
+    moe = ""
+    if model.experts:
+        moe = (f", {count(model.active_parameters())} active; {model.experts} experts top-{model.top_k}"
+               + (f" + {model.shared_experts} shared" if model.shared_experts else "")
+               + f" of FFN {model.expert_hidden} in {len(model.moe_layers())} of {model.n_layer} layers")
+    return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
+            f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
+            f"{model.vocab_size})",
+            f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} (--gpu-memory {args.gpu_memory}{given}; "
+            f"{args.gpus_per_node} per node), host "
+            f"{hw.host_memory / scale:.2f} {unit} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
+            f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
+            f"bytes/parameter), {sched}",
+            f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
+            f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
+            assumed(args, hw, scale, unit),
+            "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
+            "Z = ZeRO stage, sharding over the dp x cp data ranks (1: optimizer state, 2: + gradients, 3: + "
+            "parameters); SP = sequence parallelism (y: on); recomp = activation recompute; m = micro-batches per step "
+            "per data rank; acts = activations",
+            "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
+            "(not in bubble, exposed communication or offload) x model FLOPs / FLOPs done (recompute's extra): it "
+            "follows from the assumptions above, not a measurement"
+            ] + (rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
+
+
+def rounded_batch(gbatch, shown) -> list[str]:
+    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
+    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
+    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
+    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
+
+
+
+def assumed(args, hw, scale: float, unit: str) -> str:
+    """The GPU, links and efficiency the step times assume, in the table's units (the defaults: an A100's)."""
+    a100 = (hw.flops, hw.intra_node_bw, hw.gpu_memory) == (Hardware.flops, Hardware.intra_node_bw, Hardware.gpu_memory)
+    who = "an A100-80GB SXM's, the defaults" if a100 else "as given"
+    return (f"assumed ({who}; --gpu-flops, --efficiency, --intra-node-bw, --inter-node-bw, --pcie-bw): "
+            f"{hw.flops / 1e12:g} TFLOP/s peak dense 16-bit per GPU, matmuls at {hw.efficiency:.0%} of it; NVLink "
+            f"{hw.intra_node_bw / scale:.2f} {unit}/s per direction, network {hw.inter_node_bw / scale:.2f} {unit}/s "
+            f"and PCIe {hw.pcie_bw / scale:.2f} {unit}/s per GPU")
+
+
+def wrap(line: str, width: int = 100) -> list[str]:
+    """A long "why" line as lines of at most ``width`` columns, indented under its first."""
+    return textwrap.wrap(line, width, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
 
 
 def _short(st: Strategy) -> str:

@@ -2,7 +2,8 @@
 
 The shape comes from the file (:mod:`minizero.weights`), the weights keep their stored dtype. One byte at a time:
 last position's logits (float64) / temperature; with top-k, logits below the k-th largest become -inf; softmax;
-one draw from ``default_rng(seed)``; context the last ``block_size`` tokens (nanoGPT's ``sample.py``). Bad input
+one draw from ``default_rng(seed)``; context the last ``block_size`` tokens (nanoGPT's ``sample.py``). Temperature 0
+is greedy decoding: the most likely byte every time (argmax, the first of ties), no draw. Bad input
 exits with status 2 and one line naming the value and what is allowed. One line on stderr names the weights and
 the settings (:func:`settings_line`); stdout holds the sample alone, so ``> file`` or ``| head`` gets only text.
 """
@@ -18,7 +19,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.numerals import integer, negative_values_reach_checks, real_as_typed
 from minizero.weights import load_gpt
 from minizero.interrupts import NOTHING, interruptible
 
@@ -34,16 +35,19 @@ def printable(text: str) -> str:
 def next_token_probs(logits, temperature: float, top_k: int | None = None):
     """Sampling distribution from last-position logits. logits: (B, V) float -> (B, V) float64, rows sum to 1.
 
-    ``temperature`` > 0 divides the logits; ``top_k`` (>= 1, or None for all V) keeps the
-    k largest logits of each row (ties at the k-th value are all kept) and zeroes the rest.
+    ``temperature`` > 0 divides the logits, 0 puts all the mass on each row's largest (the first of ties: greedy);
+    ``top_k`` (>= 1, or None for all V) keeps the k largest logits of each row (ties at the k-th value are all kept)
+    and zeroes the rest.
     Raises:
-        ValueError: temperature <= 0 or not finite, top_k < 1.
+        ValueError: temperature < 0 or not finite, top_k < 1.
     """
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive number, got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be 0 (greedy) or a positive number, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return np.eye(z.shape[-1])[z.argmax(axis=-1)]
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]  # the k-th largest of each row
         z = np.where(z < kth, -np.inf, z)
@@ -73,7 +77,7 @@ def sample(model, idx, max_new_tokens: int, temperature: float = 0.8, top_k: int
                 ctx = idx[:, -model.config.block_size:]
                 logits = backend.to_host(model(backend.to_device(ctx)).data[:, -1, :])
                 p = next_token_probs(logits, temperature, top_k)
-                nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])
+                nxt = p.argmax(axis=-1) if temperature == 0 else np.array([rng.choice(p.shape[-1], p=row) for row in p])
                 idx = np.concatenate([idx, nxt[:, None]], axis=1)
     finally:
         model.train(was_training)
@@ -96,11 +100,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
     p = negative_values_reach_checks(_Parser(prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
-                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                             epilog="A \ufffd in the sample is a byte (or a run of them) that "
+                                                    "is not valid UTF-8, or a control character: the model writes "
+                                                    "bytes, not characters."))
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
     p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
     p.add_argument("--tokens", type=integer, default=200, help="bytes to generate (1..100,000)")
-    p.add_argument("--temperature", type=real, default=0.8, help="> 0; lower is more predictable")
+    p.add_argument("--temperature", type=real_as_typed, default="0.8",
+                   help="> 0: lower is more predictable; 0: greedy (always the most likely byte, no randomness)")
     p.add_argument("--top-k", type=integer, default=None,
                    help="draw only among the K most likely bytes; None: all 256")
     p.add_argument("--seed", type=integer, default=0,
@@ -115,8 +123,8 @@ def check(args) -> str | None:
     """The first bad value of ``args`` as one message, or None."""
     if not 1 <= args.tokens <= MAX_TOKENS:
         return f"--tokens must be in 1..{MAX_TOKENS:,}, got {args.tokens}"
-    if not (args.temperature > 0 and math.isfinite(args.temperature)):
-        return f"--temperature must be a positive number, got {args.temperature}"
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        return f"--temperature must be 0 (greedy) or a positive finite number, got {args.temperature.text!r}"
     if args.top_k is not None and not 1 <= args.top_k <= 256:
         return f"--top-k must be in [1, 256] (the byte vocabulary; 256 keeps every byte), got {args.top_k}"
     if args.seed < 0:

@@ -2,7 +2,8 @@
 
     mpirun -n 4 python mpi_examples/zero_stages.py [--model small] [--grad-accum 1]
 
-For each stage the main job's own loop (``minizero.train.train``) runs two optimizer steps.
+For each stage the main job's own loop (``minizero.train.train``) runs two optimizer steps, with
+``--no-overlap`` (blocking gathers: stage 3 holds one gathered block, where the default prefetch holds two).
 The memory ledger is read at the first optimizer step (parameters, gradients, optimizer
 state: what lives between steps) and its peaks give the transient buffers; the traffic
 ledger gives the bytes each rank sends per step for model states. Beside each measured
@@ -88,8 +89,10 @@ def main():
     print("\ngathered: peak of stage-3 all-gathered parameters; buckets: peak of gradient communication buffers")
     print("(stage 0: DataParallel's persistent all-reduce buckets; stages 2-3: one unit's bucket during its backward)."
           f"\nOne block is {max(u.padded for u in sm.units if '.h.' in u.name) * 4 / kib:.1f} KiB, the tied "
-          f"embedding {next(u.padded for u in sm.units if u.name == 'transformer.wte') * 4 / kib:.1f} KiB: "
-          "stage 3 never holds more than one block plus the embedding.")
+          f"embedding {next(u.padded for u in sm.units if u.name == 'transformer.wte') * 4 / kib:.1f} KiB.\n"
+          "This script runs with --no-overlap (blocking gathers): stage 3 holds at most one block plus the embedding;\n"
+          "the main job's default (prefetch: the next block's all-gather runs while one block computes) holds two "
+          "blocks plus the embedding (lesson 02, section 7).")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,14 @@ def test_ring_allreduce_says_when_its_ranks_share_cores(mpiexec):
                           capture_output=True, text=True, timeout=200, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"({n} ranks on {n - 1} cores: the ranks take turns on the cores" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_zero_stages_says_it_runs_without_prefetch(mpiexec):
+    """Its 'one block plus the embedding' holds only because it runs --no-overlap; it says so, and what the default
+    (prefetch) holds."""
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "mpi_examples/zero_stages.py", "--model", "tiny"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "runs with --no-overlap (blocking gathers): stage 3 holds at most one block plus the embedding" in proc.stdout
+    assert "default (prefetch" in proc.stdout and "holds two blocks plus the embedding" in proc.stdout

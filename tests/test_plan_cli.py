@@ -42,6 +42,23 @@ def test_one_unit_family_throughout(capsys, units, other):
     assert f"8 GPUs x {gpu:.2f} {units}" in out
 
 
+def test_header_names_the_assumed_gpu_and_what_mfu_and_zero_mean(capsys):
+    """The defaults (an A100's) are printed in the table's units; MFU is said to follow from --efficiency;
+    ZeRO's shards are over dp x cp; the why lines are wrapped."""
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0
+    assert "8 GPUs x 85.90 GB (--gpu-memory 80GiB = 85,899,345,920 bytes;" in out
+    assert "assumed (an A100-80GB SXM's, the defaults;" in out and "312 TFLOP/s" in out and "60%" in out
+    assert "NVLink 300.00 GB/s" in out and "PCIe 25.00 GB/s" in out
+    assert "= --efficiency x the share of the step spent computing" in out
+    assert "ZeRO stage, sharding over the dp x cp data ranks" in out
+    why = out.split("why:")[1].splitlines()[1:]
+    assert len(why) > 3 and max(len(line) for line in why) <= 100
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu-flops", "989e12", "--units", "GiB")
+    assert code == 0 and "assumed (as given;" in out and "989 TFLOP/s" in out and "279.40 GiB/s" in out
+    assert "80GiB;" in out  # the flag's unit is the table's: no conversion
+
+
 def test_trainer_preset_names_are_accepted(capsys):
     a = run_main(capsys, "--model", "gpt2", "--gpus", "4", "--json")
     b = run_main(capsys, "--model", "minizero-gpt2", "--gpus", "4", "--json")

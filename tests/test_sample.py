@@ -25,11 +25,23 @@ def test_top_k_keeps_the_k_largest():
     assert np.array_equal(next_token_probs(logits, 1.0, top_k=99), next_token_probs(logits, 1.0))
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
                                 dict(temperature=1.0, top_k=0)])
 def test_bad_sampling_values_raise(kw):
     with pytest.raises(ValueError):
         next_token_probs(np.zeros((1, 4)), **kw)
+
+
+def test_temperature_zero_is_greedy():
+    """Temperature 0 (how most tools ask for greedy decoding): all mass on the largest logit, the first of ties;
+    sample() then takes it without a draw, as GPT.generate(temperature=0) does."""
+    p = next_token_probs(np.array([[0.0, 3.0, 1.0, 3.0], [2.0, -1.0, 0.0, 1.0]]), 0.0)
+    assert np.array_equal(p, [[0, 1, 0, 0], [1, 0, 0, 0]])
+    model = GPT(get_config("tiny", dtype="float64"), seed=3)
+    idx = np.array([[84, 104, 101, 32]])
+    greedy = model.generate(idx, 20, temperature=0)
+    assert np.array_equal(sample(model, idx, 20, 0.0, None, np.random.default_rng(1)), greedy)
+    assert np.array_equal(sample(model, idx, 20, 0, 5, np.random.default_rng(2)), greedy)
 
 
 def test_sample_without_top_k_draws_as_generate_does():
@@ -140,8 +152,9 @@ def test_outputs_are_plain_files(fp16_run):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--tokens", "0"], "--tokens must be in 1..100,000, got 0"),
-    (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
-    (["--temperature", "-2"], "--temperature must be a positive number, got -2.0"),
+    (["--temperature", "-2"], "--temperature must be 0 (greedy) or a positive finite number, got '-2'"),
+    (["--temperature", "nan"], "--temperature must be 0 (greedy) or a positive finite number, got 'nan'"),
+    (["--temperature", "1e999"], "--temperature must be 0 (greedy) or a positive finite number, got '1e999'"),
     (["--top-k", "0"], "--top-k must be in [1, 256] (the byte vocabulary; 256 keeps every byte), got 0"),
     (["--top-k", "257"], "--top-k must be in [1, 256]"),
     (["--prompt", ""], "--prompt must hold at least one character"),
@@ -217,3 +230,11 @@ def test_one_stderr_line_names_the_weights_and_settings_and_stdout_is_the_sample
     assert proc.stdout.startswith("Th") and "minizero.sample" not in proc.stdout
     default = run_sample("--weights", str(weights), "--tokens", "3")
     assert "; 3 tokens, temperature 0.8, top-k all, seed 0, device cpu\n" in default.stderr
+
+
+def test_cli_temperature_zero_runs_greedy(tmp_path):
+    np.savez(tmp_path / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
+    outs = [run_sample("--weights", str(tmp_path / "model.npz"), "--temperature", "0", "--tokens", "12",
+                       "--seed", seed) for seed in ("0", "7")]
+    assert all(p.returncode == 0 for p in outs) and "temperature 0," in outs[0].stderr, outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout  # no draw: the seed changes nothing

@@ -372,3 +372,12 @@ def test_cli_zero3_writes_stage_and_per_rank_figures(mpiexec, tmp_path):
     weights = np.load(tmp_path / "model.npz")  # saved inside full_parameters(): whole, finite
     assert weights["transformer.wte.weight"].shape == (256, 16)
     assert all(np.isfinite(weights[k]).all() for k in weights.files)
+
+
+def test_the_drawing_names_parameters_too_small_for_a_column():
+    """Lesson 02's 64-column row of a tiny block: each column is 51.25 elements, so the 16-element biases and
+    ln_2.bias get no column; the drawing says so instead of letting them vanish."""
+    h0 = next(part for part in ShardMap.from_model(GPT(get_config("tiny")), 4).draw().split("transformer.")
+              if part.startswith("h.0:"))
+    assert "(scaled: 1 column = 51.25 elements; b, f, h, l are smaller and fall between columns;" in h0
+    assert "scaled" not in ShardMap.from_model(GPT(get_config("tiny")), 4).draw(width=4096)

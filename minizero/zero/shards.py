@@ -155,7 +155,8 @@ class ShardMap:
         return "\n".join(lines)
 
     def draw(self, width: int = 64) -> str:
-        """ASCII picture of every unit: a letter per parameter ('.' = padding) above the owning rank's digit."""
+        """ASCII picture of every unit: a letter per parameter ('.' = padding) above the owning rank's digit; a unit
+        wider than ``width`` is scaled down, and a line names the parameters too small to get a column."""
         lines = []
         for u in self.units:
             cols = min(width, u.padded)
@@ -172,6 +173,10 @@ class ShardMap:
                       "  params  " + params, "  ranks   " + ranks,
                       "  " + ", ".join(f"{chr(ord('a') + k % 26)} = {n} {tuple(shape)}"
                                        for k, (n, shape) in enumerate(zip(short, u.shapes)))]
+            hidden = [chr(ord("a") + k % 26) for k in range(len(u.shapes)) if chr(ord("a") + k % 26) not in params]
+            if hidden:  # a column shows the parameter of its first element only
+                lines.append(f"  (scaled: 1 column = {u.padded / cols:.4g} elements; {', '.join(hidden)} are smaller "
+                             "and fall between columns; format() lists every range exactly)")
         return "\n".join(lines)
 
 
