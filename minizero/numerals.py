@@ -43,7 +43,7 @@ def is_count(text: str) -> bool:
 
 #: a word that starts with '-' then a digit (or '.' and a digit), or is "-inf"/"-nan" (any case), is a value, not an
 #: option: "-1,5", "-1e-3", "-2x", "-inf"
-VALUE_LIKE = re.compile(r"(?:-\.?[0-9].*|-(?i:inf|infinity|nan))\Z")  # whole word: the same under match() and fullmatch()
+VALUE_LIKE = re.compile(r"(?:-\.?[0-9].*|-(?i:inf|infinity|nan))\Z")  # whole word (match() as fullmatch())
 
 
 def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, explain, format_table, plot, plot_path, why_lines)
+    candidate_json, describe, explain, format_table, plot, plot_path, rounded_batch, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
     parse_strategy, plan, rank, step_time)
@@ -40,8 +40,7 @@ MAX_GPUS = 2 ** 20
 #: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
 #: sequences, thousands of times any published batch): larger is a typo, not a plan
 MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
-#: --gpu-flops (1 GFLOP/s .. 1 EFLOP/s) and --efficiency floors/caps: outside them a step takes ~1e300 s or nan
-MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3
+MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
 
@@ -182,7 +181,7 @@ def _check(parser, args):
     if args.virtual_stages is not None and args.schedule != "interleaved":
         parser.error(f"--virtual-stages {args.virtual_stages} only applies with --schedule interleaved; got "
                      f"--schedule {args.schedule} (leave it out, or add --schedule interleaved)")
-    args.virtual_stages = 2 if args.virtual_stages is None else args.virtual_stages
+    args.virtual_stages = args.virtual_stages or 2  # None: the default (0 was refused above)
     if args.schedule == "interleaved":
         v = args.virtual_stages
         ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]
@@ -213,8 +212,8 @@ def _check(parser, args):
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
     if not MIN_GPU_FLOPS <= args.gpu_flops <= MAX_GPU_FLOPS:
-        parser.error(f"--gpu-flops must be in [{MIN_GPU_FLOPS:g}, {MAX_GPU_FLOPS:g}] FLOP/s (1 GFLOP/s .. "
-                     f"1 EFLOP/s per GPU; H100: 989e12), got {args.gpu_flops}")
+        parser.error(f"--gpu-flops must be in [{MIN_GPU_FLOPS:g}, {MAX_GPU_FLOPS:g}] FLOP/s per GPU, got "
+                     f"{args.gpu_flops}")
     if not MIN_EFFICIENCY <= args.efficiency <= 1:
         parser.error(f"--efficiency must be in [{MIN_EFFICIENCY:g}, 1] (a fraction of peak), got {args.efficiency}")
     try:
@@ -259,15 +258,7 @@ def _header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
             "Z = ZeRO stage; SP = sequence parallelism (y: on); recomp = activation recompute; m = "
             "micro-batches per step per data rank; acts = activations; MFU = model FLOPs / (step time x GPUs x peak)"
-            ] + (_rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
-
-
-def _rounded_batch(gbatch, shown) -> list[str]:
-    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
-    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
-    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
-    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
-            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
+            ] + (rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
 
 
 def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:

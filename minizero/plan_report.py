@@ -192,3 +192,11 @@ def plot_path(path: str) -> str:
     except ValueError as e:
         raise ValueError(f"cannot write the PNG: {e}") from None
     return real
+
+
+def rounded_batch(gbatch, shown) -> list[str]:
+    """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
+    got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
+    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
+    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+            f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
