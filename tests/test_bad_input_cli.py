@@ -124,6 +124,21 @@ def test_non_ascii_digits_in_the_environment_are_refused(monkeypatch, tmp_path, 
         parse_args([*TINY, "--out", str(tmp_path / "o")])
 
 
+@pytest.mark.parametrize("value", ["²", "٣", "x"])
+def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypatch, value):
+    """Before: LOCAL_RANK='²' (isdigit(), which int() refuses) ended sample --device strict and every Ctrl-C
+    (PMI_RANK) in a ValueError traceback, and a folder step_² in a save dir ended the run's save in one."""
+    from minizero import backend, interrupts
+    from minizero.checkpoint.format import step_of
+
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", value)
+    monkeypatch.setenv("PMI_RANK", value)
+    assert backend.local_rank() == 0 and interrupts._mpi_rank() == 0
+    assert step_of(f"step_{value}") is None and step_of("step_00000012") == 12
+
+
 # --------------------------------------------------------------------------- compare --ranks
 @pytest.mark.parametrize("ranks", ["1000", "2,65"])
 def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
