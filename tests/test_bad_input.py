@@ -250,6 +250,28 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
     check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
 
 
+@pytest.mark.timeout(120)
+def test_resume_refuses_pruning_it_would_skip_or_change(saved, tmp_path):
+    """Before: resuming an unpruned step 2 with --prune-step 1 never pruned, without a word; resuming a pruned
+    checkpoint with another (or no) --prune-sparsity kept applying its masks, without a word."""
+    def check(resume, *flags):
+        check_steps_left(parse_args([*TINY, "--steps", "4", "--out", str(tmp_path / "o"), "--resume", resume, *flags]))
+
+    with pytest.raises(UsageError, match=r"--prune-step 1 \(0-based\) is before --resume .* saved after step 2 "
+                                         r"unpruned: the run would never prune; give --prune-step in \[2, 4\)"):
+        check(str(saved), "--prune-sparsity", "0.5", "--prune-step", "1")
+    check(str(saved), "--prune-sparsity", "0.5", "--prune-step", "2")
+    pruned = ["--prune-sparsity", "0.5", "--prune-step", "0"]
+    proc, _ = _train([*TINY, "--steps", "2", "--save-every", "2", "--out", str(tmp_path / "p"), *pruned])
+    assert proc.returncode == 0, proc.stderr
+    ck = str(tmp_path / "p" / "checkpoints")
+    for flags in ([], ["--prune-sparsity", "0.3"], [*pruned, "--prune-scope", "global"]):
+        with pytest.raises(UsageError, match=r"was pruned to sparsity 0.5 \(scope layer\), this run asks for .*; its "
+                                             r"masks keep applying: resume with --prune-sparsity 0.5 --prune-scope layer"):
+            check(ck, *flags)
+    check(ck, *pruned)
+
+
 def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path):
     """Before: a fresh run with --save-every into a save dir of an earlier run overwrote its step 1, moved its
     ``latest`` and left its step 2 beside: two runs mixed, one lost. Now refused unless resuming from there."""
