@@ -139,6 +139,20 @@ def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypa
     assert step_of(f"step_{value}") is None and step_of("step_00000012") == 12
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--allreduce", "99999999999999999999"], "--allreduce 99999999999999999999: allowed: a multiple of 4 bytes"),
+    (["--allreduce", "5"], "--allreduce 5: allowed: a multiple of 4 bytes (float32) in [4, 4,294,967,296]"),
+    (["--allreduce", "8", "--runs", "99999999999"], "--runs 99999999999: allowed: 1..1000")])
+def test_the_hardware_job_bounds_its_array_and_runs_before_any_mpi(capsys, argv, said):
+    """Before: 1e20 bytes ended in a NumPy ValueError traceback (a few GB more, an out-of-memory kill), 5 bytes
+    timed 4, and 1e11 runs never ended."""
+    from minizero import hardware
+
+    with pytest.raises(SystemExit) as e:
+        hardware.main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- compare --ranks
 @pytest.mark.parametrize("ranks", ["1000", "2,65"])
 def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
