@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--ranks", type=_args.world_size, default=2)
     p.add_argument("--steps", type=_args.count, default=20)
     p.add_argument("--rounds", type=_args.count, default=3)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", type=_args.preset, default="tiny")
     p.add_argument("--zero", type=_args.stage, default=0)
     args = p.parse_args()
     if mpiexec_path() is None:

@@ -44,7 +44,7 @@ def fp8_stats(stage) -> dict:
 def main():
     print(_machine.header(), flush=True)
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--steps", type=_args.count, default=200)
     p.add_argument("--micro-batch-size", type=_args.count, default=8)
     p.add_argument("--window", type=_args.count, default=40)

@@ -26,7 +26,7 @@ import _args  # noqa: E402
 
 def main():
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", type=_args.preset, default="small")
     p.add_argument("--steps", type=_args.count, default=200)
     p.add_argument("--micro-batch-size", type=_args.count, default=8)
     p.add_argument("--window", type=_args.count, default=20)
