@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--model", type=_args.preset, default="tiny")
     p.add_argument("--zero", type=_args.stage, default=0)
     args = p.parse_args()
+    _args.check_train_flags(p, ["--model", args.model, "--steps", str(args.steps), "--zero", str(args.zero)],
+                            [args.ranks])  # the runs' flags, before the first one starts
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     off, on = [], []

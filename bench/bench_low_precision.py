@@ -51,6 +51,8 @@ def main():
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
+    for extra in RUNS.values():  # every run's flags, before the first one trains
+        _args.check_train_flags(p, common + extra, [1])
 
     def run(comm, extra):
         res = train(parse_args(common + extra, comm.world_size), comm, log=lambda s: None)

@@ -35,6 +35,9 @@ def main():
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
+    scale = ["--initial-loss-scale", str(a.initial_loss_scale)] if a.initial_loss_scale else []
+    for flags in (["--precision", "fp32"], ["--precision", "fp16", *scale]):  # both runs', before either trains
+        _args.check_train_flags(p, common + flags, [1])
 
     def run(comm, precision, drop=()):
         extra = []

@@ -177,6 +177,10 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     *[(name, ["--model", "nosuch"], "argument --model: 'nosuch': allowed: a model preset, one of deep, default")
       for name in ("bench_flight", "bench_low_precision", "bench_precision", "bench_quantization", "bench_recompute",
                    "bench_seq_memory")],
+    ("bench_flight", ["--zero", "3", "--ranks", "3", "--model", "tiny", "--steps", "2000000000"],
+     "python -m minizero.train refuses these flags at 3 rank(s): --steps must be <= 1,000,000,000"),
+    ("bench_low_precision", ["--micro-batch-size", "5000"], "python -m minizero.train refuses these flags at 1 rank"),
+    ("bench_precision", ["--initial-loss-scale", "1e30"], "python -m minizero.train refuses these flags at 1 rank"),
     ("bench_recompute", ["--dropout", "1.5"], "argument --dropout: '1.5': allowed: a probability in [0, 1)"),
 ])
 def test_other_scripts_refuse_bad_flags(name, argv, says):
