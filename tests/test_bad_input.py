@@ -212,6 +212,22 @@ def test_ranks_started_with_different_flags_are_refused_naming_them(mpiexec, tmp
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("var,first,second", [("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "0", "100000000"),
+                                              ("MINIZERO_DEBUG_COLLECTIVES", "1", "0")])
+def test_ranks_started_with_different_minizero_environment_are_refused(mpiexec, tmp_path, var, first, second):
+    """Before: one rank ran recursive doubling and the other the ring (or one ZeRO's order check): they waited
+    on each other for --comm-timeout (10 minutes by default), then blamed a stalled rank."""
+    out = tmp_path / "out"
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--zero", "2", "--out", str(out)]
+    cmd = [mpiexec, "-n", "1", "env", f"{var}={first}", *good, ":", "-n", "1", "env", f"{var}={second}", *good]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"the ranks were started with different flags: {var}: " in proc.stderr and "on rank 1" in proc.stderr
+    assert not out.exists() and time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(120)
 def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
     """Before: rank 0's bad flag ended rank 0 (argparse's exit) while rank 1 waited for it forever."""
     ft = [sys.executable, "-m", "minizero.finetune"]
@@ -232,6 +248,8 @@ def test_differing_flags_names_the_given_flags_first_then_derived_ones():
                 {"dp": 3, "tp": 1, "lr": float("nan")}]
     assert differing_flags(list(zip(given, resolved))) == [  # NaN equals NaN; ranks 1-2 as one group
         "--tp: 2 on rank 0, not given on ranks 1, 2", "--dp: 1 on rank 0, 3 on ranks 1, 2"]
+    env = [({}, {}, {"MINIZERO_X": 0}), ({}, {}, {"MINIZERO_X": 1})]  # a variable keeps its name
+    assert differing_flags(env) == ["MINIZERO_X: 0 on rank 0, 1 on rank 1"]
     same = [({"a": 1}, {"a": 1})] * 4
     assert differing_flags(same) == []
     many = [({f"f{i}": r for i in range(5)}, {}) for r in range(4)]
