@@ -77,6 +77,23 @@ def positive_real(text) -> float:
     return x
 
 
+def preset(text) -> str:
+    """``type=``: a model preset of ``python -m minizero.train --model`` ("tiny", "default", ...)."""
+    from minizero.nn import PRESETS
+
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a model preset, one of {', '.join(sorted(PRESETS))}")
+    return text
+
+
+def probability(text) -> float:
+    """``type=``: a dropout probability in [0, 1)."""
+    x = real(text)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a probability in [0, 1), e.g. 0.1")
+    return x
+
+
 def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes) -> None:
     """``parser.error`` (exit 2) with the refusal of ``python -m minizero.train`` when it would refuse ``flags``
     (no ``--out``: a temporary folder is given) at any of ``world_sizes``; nothing is launched."""

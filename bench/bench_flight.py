@@ -75,9 +75,11 @@ def main() -> None:
     p.add_argument("--ranks", type=_args.world_size, default=2)
     p.add_argument("--steps", type=_args.count, default=20)
     p.add_argument("--rounds", type=_args.count, default=3)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", type=_args.preset, default="tiny")
     p.add_argument("--zero", type=_args.stage, default=0)
     args = p.parse_args()
+    _args.check_train_flags(p, ["--model", args.model, "--steps", str(args.steps), "--zero", str(args.zero)],
+                            [args.ranks])  # the runs' flags, before the first one starts
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
     off, on = [], []

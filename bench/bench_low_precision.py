@@ -44,13 +44,15 @@ def fp8_stats(stage) -> dict:
 def main():
     print(_machine.header(), flush=True)
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--steps", type=_args.count, default=200)
     p.add_argument("--micro-batch-size", type=_args.count, default=8)
     p.add_argument("--window", type=_args.count, default=40)
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
+    for extra in RUNS.values():  # every run's flags, before the first one trains
+        _args.check_train_flags(p, common + extra, [1])
 
     def run(comm, extra):
         res = train(parse_args(common + extra, comm.world_size), comm, log=lambda s: None)

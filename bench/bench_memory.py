@@ -21,7 +21,7 @@ from minizero.files import mpiexec_path  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from _args import check_train_flags, count, parser, world_size  # noqa: E402
+from _args import check_train_flags, count, parser, preset, world_size  # noqa: E402
 
 CONFIGS = {
     "baseline": [],
@@ -68,7 +68,7 @@ def mib(n) -> str:
 
 def main():
     p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=preset, default="default")
     p.add_argument("--ranks", type=world_size, default=1)
     p.add_argument("--steps", type=count, default=5)
     p.add_argument("--micro-batch-size", type=count, default=4)

@@ -31,7 +31,7 @@ from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from _args import check_train_flags, count, parser, positive_real, world_sizes  # noqa: E402
+from _args import check_train_flags, count, parser, positive_real, preset, world_sizes  # noqa: E402
 
 
 STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
@@ -64,7 +64,7 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=world_sizes, default=[2, 4], help="comma-separated world sizes")
     p.add_argument("--steps", type=count, default=5)
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=preset, default="default")
     p.add_argument("--bucket-mb", type=positive_real, default=1.0)
     p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
     p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")

@@ -26,7 +26,7 @@ import _args  # noqa: E402
 
 def main():
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", type=_args.preset, default="small")
     p.add_argument("--steps", type=_args.count, default=200)
     p.add_argument("--micro-batch-size", type=_args.count, default=8)
     p.add_argument("--window", type=_args.count, default=20)
@@ -35,6 +35,9 @@ def main():
     a = p.parse_args()
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
+    scale = ["--initial-loss-scale", str(a.initial_loss_scale)] if a.initial_loss_scale else []
+    for flags in (["--precision", "fp32"], ["--precision", "fp16", *scale]):  # both runs', before either trains
+        _args.check_train_flags(p, common + flags, [1])
 
     def run(comm, precision, drop=()):
         extra = []

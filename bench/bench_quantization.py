@@ -214,7 +214,7 @@ TABLES = ("1", "2", "3", "4", "5", "5a", "5b")  #: --only: table 5 is 5a and 5b
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", type=_args.preset, default="small")
     p.add_argument("--steps", type=_args.count, default=200)
     p.add_argument("--ranks", type=_args.world_size, default=2,
                    help="thread ranks for the quantized-communication runs")

@@ -29,7 +29,6 @@ from minizero.autograd import manual_seed  # noqa: E402
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.memory.recompute import MODES, apply_recompute  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
-from minizero.numerals import real  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -78,9 +77,9 @@ def formula(cfg, mode, batch):
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--batch", type=_args.count, default=4)
-    p.add_argument("--dropout", type=real, default=0.1)
+    p.add_argument("--dropout", type=_args.probability, default=0.1)
     p.add_argument("--repeats", type=_args.count, default=5)
     p.add_argument("--threads", type=_args.count, default=1, help="BLAS threads")
     args = p.parse_args()

@@ -200,7 +200,7 @@ def attribution_calls(model_name: str, b: int, s: int, reps: int = 2000) -> tupl
 def main():
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--batch", type=_args.count, default=4)
     p.add_argument("--repeats", type=_args.count, default=15)
     p.add_argument("--png", default=None,

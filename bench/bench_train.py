@@ -28,7 +28,7 @@ from minizero.files import mpiexec_path  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from _args import check_revision, check_train_flags, count, parser, world_sizes  # noqa: E402
+from _args import check_revision, check_train_flags, count, parser, preset, world_sizes  # noqa: E402
 
 
 def mpiexec() -> str:
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--ranks", type=world_sizes, default=[1, 8], help="comma-separated world sizes")
     p.add_argument("--steps", type=count, default=30)
     p.add_argument("--micro-batch-size", type=count, default=2)
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", type=preset, default="default")
     p.add_argument("--against", metavar="REV", help="git revision to alternate with (the tree before a change)")
     p.add_argument("--rounds", type=count, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()

@@ -318,12 +318,29 @@ def check_steps_left(args) -> None:
     if not args.resume:
         return
     try:
-        step = read_manifest(resolve(args.resume)).get("step")
+        man = read_manifest(resolve(args.resume))
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+    step = man.get("step")
     if isinstance(step, int) and step >= args.steps:
         raise UsageError(f"--resume {args.resume!r} was saved after step {step}; --steps {args.steps} leaves nothing "
                          f"to train (give --steps > {step}, the total including the steps already run)")
+    _check_resumed_pruning(args, man.get("pruning"), step)
+
+
+def _check_resumed_pruning(args, pruned: dict | None, step) -> None:
+    """A pruned checkpoint resumes with its --prune-sparsity and --prune-scope (its masks keep applying); an unpruned
+    one with a --prune-step still ahead of it (the loop prunes at that step only: one already passed never comes)."""
+    if pruned:
+        if (args.prune_sparsity, args.prune_scope) != (pruned.get("sparsity"), pruned.get("scope")):
+            raise UsageError(f"--resume {args.resume!r} was pruned to sparsity {pruned.get('sparsity')} (scope "
+                             f"{pruned.get('scope')}), this run asks for --prune-sparsity {args.prune_sparsity} "
+                             f"--prune-scope {args.prune_scope}; its masks keep applying: resume with --prune-sparsity "
+                             f"{pruned.get('sparsity')} --prune-scope {pruned.get('scope')}")
+    elif args.prune_sparsity and isinstance(step, int) and args.prune_step < step:
+        raise UsageError(f"--prune-step {args.prune_step} (0-based) is before --resume {args.resume!r}, saved after "
+                         f"step {step} unpruned: the run would never prune; give --prune-step in [{step}, "
+                         f"{args.steps})")
 
 
 def model_config(args):

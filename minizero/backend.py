@@ -84,8 +84,9 @@ class DeviceError(RuntimeError):
 def local_rank(default: int = 0) -> int:
     """This process's rank on its node (``MPI_LOCALRANKID``, Open MPI's, Slurm's, ``LOCAL_RANK``), else ``default``."""
     for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+        value = os.environ.get(var, "")
+        if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
+            return int(value)
     return default
 
 

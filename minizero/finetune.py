@@ -19,7 +19,7 @@ import traceback
 import numpy as np
 
 from minizero import backend
-from minizero.flags import flags_refusal
+from minizero.flags import flags_refusal, job_environment
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     prog = "python -m minizero.finetune: error:"
-    world, args, verdict = MPI.COMM_WORLD, None, None
+    world, args, verdict, env = MPI.COMM_WORLD, None, None, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
         args = build_parser().parse_args(argv)
         check(args)
@@ -210,6 +210,7 @@ def main(argv=None) -> int:
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
+        env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank
         verdict = e.code if isinstance(e.code, int) else 2
     except (FileNotFoundError, ValueError) as e:
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
         verdict = f"{type(e).__name__}: {e}"
     verdicts = [verdict]
     if world.Get_size() > 1:  # one rank refusing, or the ranks started with different flags, end them all
-        verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}))))
+        verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}, env))))
         if all(v is None for v in verdicts) and flags_refusal(flags):
             verdicts = [flags_refusal(flags)]
     rank = world.Get_rank()

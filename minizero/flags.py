@@ -10,6 +10,7 @@ import argparse
 
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.flight import DEFAULT_CAPACITY
+from minizero.comm.recursive_doubling import THRESHOLD_ENV, threshold_from_env
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
 from minizero.memory.sparsity import SCOPES
@@ -20,6 +21,7 @@ from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
+from minizero.zero.collectives import DEBUG_COLLECTIVES_ENV, debug_collectives
 
 
 class UsageError(ValueError):
@@ -272,13 +274,21 @@ def refuse_idle_flags(args) -> None:
         raise UsageError(f"--json {args.json!r} with --no-save: --no-save writes no summary; drop one of them")
 
 
+def job_environment() -> dict:
+    """The environment settings every rank must share, by variable: the all-reduce size rule (ranks that disagree
+    run different algorithms and wait on each other until --comm-timeout) and ZeRO's order check (an extra
+    collective). Raises ValueError as :func:`threshold_from_env` and :func:`debug_collectives`."""
+    return {THRESHOLD_ENV: threshold_from_env(), DEBUG_COLLECTIVES_ENV: debug_collectives()}
+
+
 def differing_flags(every_flags, shown: int = 3) -> list[str]:
     """``"--tp: 2 on rank 0, 1 on rank 1"`` for each setting whose value differs between ranks: the flags as
-    given first, then the settings parse_args derives from them; at most ``shown``. ``every_flags``: each
-    rank's ``(parsed flags, dataclasses.asdict of its TrainConfig)``. Ranks that train with different
-    layouts, precisions or step counts agree on nothing: a wrong loss, a hang or a mismatched message."""
+    given first, then the settings parse_args derives from them, then :func:`job_environment`; at most ``shown``.
+    ``every_flags``: each rank's ``(parsed flags, dataclasses.asdict of its TrainConfig, job_environment())``.
+    Ranks that train with different layouts, precisions or step counts agree on nothing: a wrong loss, a hang or
+    a mismatched message."""
     names = []
-    for part in (0, 1):
+    for part in range(len(every_flags[0])):
         for name in every_flags[0][part]:
             values = [repr(f[part].get(name)) for f in every_flags]  # repr: a NaN equals a NaN
             if len(set(values)) > 1 and name not in (n for n, _ in names):
@@ -288,7 +298,7 @@ def differing_flags(every_flags, shown: int = 3) -> list[str]:
         groups = {}
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
-        out.append(f"--{name.replace('_', '-')}: " + ", ".join(
+        out.append((name if name.isupper() else f"--{name.replace('_', '-')}") + ": " + ", ".join(
             f"{'not given' if value == 'None' else value} on rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}"
             for value, ranks in groups.items()))
     return out[:shown] + ([f"and {len(out) - shown} more"] if len(out) > shown else [])

@@ -26,6 +26,8 @@ from minizero.plan_search import Hardware
 from minizero.interrupts import NOTHING, interruptible, run_group
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
+#: the all-reduce job's array (4 GiB: float32 gradients of a 1B-parameter model, two arrays per rank) and timed runs
+MAX_ALLREDUCE_BYTES, MAX_RUNS = 2 ** 32, 1000
 
 
 def _median_rate(work: float, run, seconds: float, min_runs: int = 3) -> float:
@@ -189,8 +191,11 @@ def main(argv=None) -> None:
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
     p.add_argument("--runs", type=integer, default=5, help="timed runs (>= 1); the median is reported")
     args = p.parse_args(argv)
-    if args.allreduce < 4 or args.runs < 1:
-        p.error(f"--allreduce must be >= 4 bytes and --runs >= 1, got {args.allreduce} and {args.runs}")
+    if not (4 <= args.allreduce <= MAX_ALLREDUCE_BYTES and args.allreduce % 4 == 0):
+        p.error(f"--allreduce {args.allreduce}: allowed: a multiple of 4 bytes (float32) in "
+                f"[4, {MAX_ALLREDUCE_BYTES:,}]")
+    if not 1 <= args.runs <= MAX_RUNS:
+        p.error(f"--runs {args.runs}: allowed: 1..{MAX_RUNS}")
     _allreduce_job(args.allreduce, args.runs)
 
 

@@ -54,8 +54,9 @@ class Interrupts:
 
 def _mpi_rank() -> int:
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
+        value = os.environ.get(name, "")
+        if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
+            return int(value)
     return 0
 
 

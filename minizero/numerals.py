@@ -54,8 +54,9 @@ def is_count(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-#: a word that starts with '-' then a digit (or '.' and a digit) is a value, not an option: "-1,5", "-1e-3", "-2x"
-VALUE_LIKE = re.compile(r"-\.?[0-9].*")  # whole word: the same under match() and fullmatch()
+#: a word that starts with '-' then a digit (or '.' and a digit), or is "-inf"/"-nan" (any case), is a value, not an
+#: option: "-1,5", "-1e-3", "-2x", "-inf"
+VALUE_LIKE = re.compile(r"(?:-\.?[0-9].*|-(?i:inf|infinity|nan))\Z")  # whole word (match() as fullmatch())
 
 
 def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

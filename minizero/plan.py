@@ -40,6 +40,7 @@ MAX_GPUS = 2 ** 20
 #: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
 #: sequences, thousands of times any published batch): larger is a typo, not a plan
 MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
+MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
 
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention core of every strategy: dense keeps the (s, s) probabilities, flash "
                         "(FlashAttention) the output and row log-sum-exp instead")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
-    p.add_argument("--virtual-stages", type=integer, default=2, help="model chunks per GPU with --schedule interleaved")
+    p.add_argument("--virtual-stages", type=integer, default=None,
+                   help="model chunks per GPU with --schedule interleaved (default: 2)")
     p.add_argument("--gpus-per-node", type=integer, default=8,
                    help="GPUs per node; tensor parallelism stays inside one")
     p.add_argument("--gpu-flops", type=real, default="312e12", help="peak dense 16-bit FLOP/s per GPU (H100: 989e12)")
@@ -176,6 +178,10 @@ def _check(parser, args):
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:  # the network model: whole nodes
         parser.error(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}; "
                      f"allowed: --gpus up to {args.gpus_per_node}, or a multiple of it")
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        parser.error(f"--virtual-stages {args.virtual_stages} only applies with --schedule interleaved; got "
+                     f"--schedule {args.schedule} (leave it out, or add --schedule interleaved)")
+    args.virtual_stages = args.virtual_stages or 2  # None: the default (0 was refused above)
     if args.schedule == "interleaved":
         v = args.virtual_stages
         ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]
@@ -205,10 +211,11 @@ def _check(parser, args):
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
-    if not (args.gpu_flops > 0 and math.isfinite(args.gpu_flops)):
-        parser.error(f"--gpu-flops must be a positive number, got {args.gpu_flops}")
-    if not 0 < args.efficiency <= 1:
-        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if not MIN_GPU_FLOPS <= args.gpu_flops <= MAX_GPU_FLOPS:
+        parser.error(f"--gpu-flops must be in [{MIN_GPU_FLOPS:g}, {MAX_GPU_FLOPS:g}] FLOP/s per GPU, got "
+                     f"{args.gpu_flops}")
+    if not MIN_EFFICIENCY <= args.efficiency <= 1:
+        parser.error(f"--efficiency must be in [{MIN_EFFICIENCY:g}, 1] (a fraction of peak), got {args.efficiency}")
     try:
         sizes = {k: parse_bytes(vars(args)[k], "--" + k.replace("_", "-"), unit_required=True)
                  for k in ("gpu_memory", "host_memory", "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket")}

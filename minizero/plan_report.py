@@ -258,3 +258,4 @@ def plot_path(path: str) -> str:
     except ValueError as e:
         raise ValueError(f"cannot write the PNG: {e}") from None
     return real
+

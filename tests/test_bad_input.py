@@ -212,6 +212,22 @@ def test_ranks_started_with_different_flags_are_refused_naming_them(mpiexec, tmp
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("var,first,second", [("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "0", "100000000"),
+                                              ("MINIZERO_DEBUG_COLLECTIVES", "1", "0")])
+def test_ranks_started_with_different_minizero_environment_are_refused(mpiexec, tmp_path, var, first, second):
+    """Before: one rank ran recursive doubling and the other the ring (or one ZeRO's order check): they waited
+    on each other for --comm-timeout (10 minutes by default), then blamed a stalled rank."""
+    out = tmp_path / "out"
+    good = [sys.executable, "-m", "minizero.train", *TINY, "--steps", "2", "--zero", "2", "--out", str(out)]
+    cmd = [mpiexec, "-n", "1", "env", f"{var}={first}", *good, ":", "-n", "1", "env", f"{var}={second}", *good]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"the ranks were started with different flags: {var}: " in proc.stderr and "on rank 1" in proc.stderr
+    assert not out.exists() and time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(120)
 def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
     """Before: rank 0's bad flag ended rank 0 (argparse's exit) while rank 1 waited for it forever."""
     ft = [sys.executable, "-m", "minizero.finetune"]
@@ -232,6 +248,8 @@ def test_differing_flags_names_the_given_flags_first_then_derived_ones():
                 {"dp": 3, "tp": 1, "lr": float("nan")}]
     assert differing_flags(list(zip(given, resolved))) == [  # NaN equals NaN; ranks 1-2 as one group
         "--tp: 2 on rank 0, not given on ranks 1, 2", "--dp: 1 on rank 0, 3 on ranks 1, 2"]
+    env = [({}, {}, {"MINIZERO_X": 0}), ({}, {}, {"MINIZERO_X": 1})]  # a variable keeps its name
+    assert differing_flags(env) == ["MINIZERO_X: 0 on rank 0, 1 on rank 1"]
     same = [({"a": 1}, {"a": 1})] * 4
     assert differing_flags(same) == []
     many = [({f"f{i}": r for i in range(5)}, {}) for r in range(4)]
@@ -248,6 +266,28 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
         assert f"was saved after step 2; --steps {steps} leaves nothing to train" in proc.stderr
         assert "minizero: 1 rank(s)" not in proc.stdout  # nothing built
     check_steps_left(parse_args([*TINY, "--steps", "3", "--out", str(tmp_path / "o"), "--resume", str(saved)]))
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_pruning_it_would_skip_or_change(saved, tmp_path):
+    """Before: resuming an unpruned step 2 with --prune-step 1 never pruned, without a word; resuming a pruned
+    checkpoint with another (or no) --prune-sparsity kept applying its masks, without a word."""
+    def check(resume, *flags):
+        check_steps_left(parse_args([*TINY, "--steps", "4", "--out", str(tmp_path / "o"), "--resume", resume, *flags]))
+
+    with pytest.raises(UsageError, match=r"--prune-step 1 \(0-based\) is before --resume .* saved after step 2 "
+                                         r"unpruned: the run would never prune; give --prune-step in \[2, 4\)"):
+        check(str(saved), "--prune-sparsity", "0.5", "--prune-step", "1")
+    check(str(saved), "--prune-sparsity", "0.5", "--prune-step", "2")
+    pruned = ["--prune-sparsity", "0.5", "--prune-step", "0"]
+    proc, _ = _train([*TINY, "--steps", "2", "--save-every", "2", "--out", str(tmp_path / "p"), *pruned])
+    assert proc.returncode == 0, proc.stderr
+    ck = str(tmp_path / "p" / "checkpoints")
+    for flags in ([], ["--prune-sparsity", "0.3"], [*pruned, "--prune-scope", "global"]):
+        with pytest.raises(UsageError, match=r"was pruned to sparsity 0.5 \(scope layer\), this run asks for .*; its "
+                                             r"masks keep applying: resume with --prune-sparsity 0.5 --prune-scope layer"):
+            check(ck, *flags)
+    check(ck, *pruned)
 
 
 def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path):

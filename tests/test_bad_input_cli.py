@@ -124,6 +124,35 @@ def test_non_ascii_digits_in_the_environment_are_refused(monkeypatch, tmp_path, 
         parse_args([*TINY, "--out", str(tmp_path / "o")])
 
 
+@pytest.mark.parametrize("value", ["²", "٣", "x"])
+def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypatch, value):
+    """Before: LOCAL_RANK='²' (isdigit(), which int() refuses) ended sample --device strict and every Ctrl-C
+    (PMI_RANK) in a ValueError traceback, and a folder step_² in a save dir ended the run's save in one."""
+    from minizero import backend, interrupts
+    from minizero.checkpoint.format import step_of
+
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", value)
+    monkeypatch.setenv("PMI_RANK", value)
+    assert backend.local_rank() == 0 and interrupts._mpi_rank() == 0
+    assert step_of(f"step_{value}") is None and step_of("step_00000012") == 12
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--allreduce", "99999999999999999999"], "--allreduce 99999999999999999999: allowed: a multiple of 4 bytes"),
+    (["--allreduce", "5"], "--allreduce 5: allowed: a multiple of 4 bytes (float32) in [4, 4,294,967,296]"),
+    (["--allreduce", "8", "--runs", "99999999999"], "--runs 99999999999: allowed: 1..1000")])
+def test_the_hardware_job_bounds_its_array_and_runs_before_any_mpi(capsys, argv, said):
+    """Before: 1e20 bytes ended in a NumPy ValueError traceback (a few GB more, an out-of-memory kill), 5 bytes
+    timed 4, and 1e11 runs never ended."""
+    from minizero import hardware
+
+    with pytest.raises(SystemExit) as e:
+        hardware.main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- compare --ranks
 @pytest.mark.parametrize("ranks", ["1000", "2,65"])
 def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
@@ -172,6 +201,9 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
      "got -0.001"),
     (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
     (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
+    (["--lr", "-inf"], "--lr must be a normal float32 number"),  # before: "argument --lr: expected one argument"
+    (["--dropout", "-NaN"], "--dropout must be in [0, 1), got nan"),
+    (["--grad-clip", "-Infinity"], "--grad-clip must be >= 0 (0 disables), got -inf"),
 ])
 def test_a_value_starting_with_minus_reaches_the_flags_own_check(argv, said):
     """Before: argparse read "-1,5" and "-1e-3" as unknown options: "argument --steps: expected one argument"."""

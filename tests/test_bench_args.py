@@ -68,7 +68,7 @@ CASES = [
     ("bench_train", ["--steps", "0"], "argument --steps: '0' is below 1"),
     ("bench_train", ["--ranks", "1,,8"], "argument --ranks: '1,,8'"),
     ("bench_train", ["--against", "nosuchrev"], "--against 'nosuchrev' is not a known revision"),
-    ("bench_train", ["--model", "nosuch"], "python -m minizero.train refuses these flags at 1 rank(s)"),
+    ("bench_train", ["--model", "nosuch"], "argument --model: 'nosuch': allowed: a model preset, one of deep, "),
     ("bench_memory", ["--ranks", "0"], "argument --ranks: '0'"),
     ("bench_memory", ["--ranks", "-3"], "argument --ranks: '-3'"),
     ("bench_memory", ["--steps", "0"], "argument --steps: '0'"),
@@ -173,6 +173,15 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("profile_collective", ["--launch", "０"], "argument --launch: invalid int value: '０'"),
     ("profile_collective", ["--launch", "-2"], "argument --launch: '-2': allowed: a number of ranks in [1, 64]"),
     ("profile_collective", ["--launch", "3"], "--launch 3: needs a power of two >= 2"),
+    # before: each started its work and ended in a traceback (a failed mpiexec job, a KeyError, a UsageError)
+    *[(name, ["--model", "nosuch"], "argument --model: 'nosuch': allowed: a model preset, one of deep, default")
+      for name in ("bench_flight", "bench_low_precision", "bench_precision", "bench_quantization", "bench_recompute",
+                   "bench_seq_memory")],
+    ("bench_flight", ["--zero", "3", "--ranks", "3", "--model", "tiny", "--steps", "2000000000"],
+     "python -m minizero.train refuses these flags at 3 rank(s): --steps must be <= 1,000,000,000"),
+    ("bench_low_precision", ["--micro-batch-size", "5000"], "python -m minizero.train refuses these flags at 1 rank"),
+    ("bench_precision", ["--initial-loss-scale", "1e30"], "python -m minizero.train refuses these flags at 1 rank"),
+    ("bench_recompute", ["--dropout", "1.5"], "argument --dropout: '1.5': allowed: a probability in [0, 1)"),
 ])
 def test_other_scripts_refuse_bad_flags(name, argv, says):
     r = script(name, *argv)

@@ -13,6 +13,9 @@ def test_ranks_of_a_layout():
     assert ranks_of(["--dp", "2", "--tp", "2"]) == (4, ["--dp", "2", "--tp", "2"])
     assert ranks_of(["-n", "3", "--zero", "1"]) == (3, ["--zero", "1"])
     assert ranks_of([]) == (1, [])
+    # before: 1 rank each, so train refused "--cp 2 must ... divide the world size 1" and "--dp 2 ... world 1"
+    assert ranks_of(["--ulysses", "2"]) == (2, ["--ulysses", "2"])
+    assert ranks_of(["--dp=2", "--tp=2"]) == (4, ["--dp=2", "--tp=2"])
     with pytest.raises(ValueError, match="-n needs a number of ranks"):
         ranks_of(["-n", "x"])
 

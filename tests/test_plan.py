@@ -143,6 +143,13 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--gpu-memory=-80GB"], "--gpu-memory '-80GB' must be positive"),
     (["--schedule", "interleaved", "--virtual-stages", "100"], "--virtual-stages 100: with --schedule interleaved"),
     (["--plot", "x.pdf"], "must end in .png"),
+    # before: accepted, a step of nan (or 1e300) seconds in the table
+    (["--gpu-flops", "1e-300"], "--gpu-flops must be in [1e+09, 1e+18] FLOP/s per GPU, got 1e-300"),
+    (["--gpu-flops", "inf"], "--gpu-flops must be in [1e+09, 1e+18]"),
+    (["--efficiency", "1e-300"], "--efficiency must be in [0.001, 1] (a fraction of peak), got 1e-300"),
+    (["--efficiency", "nan"], "--efficiency must be in [0.001, 1]"),
+    # before: accepted and ignored (the default 1f1b schedule has no virtual stages)
+    (["--virtual-stages", "4"], "--virtual-stages 4 only applies with --schedule interleaved; got --schedule 1f1b"),
     (["--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3; allowed: --gpus up "
                                "to 3, or a multiple of it"),
 ])

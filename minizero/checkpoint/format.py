@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from minizero.checkpoint.fields import manifest_problems, rank_file  # noqa: F401 (rank_file: save's)
+from minizero.numerals import is_count
 from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
 
 FORMAT = "minizero-checkpoint"
@@ -54,7 +55,7 @@ def sha256(path: str, chunk: int = 1 << 20) -> str:
 
 def step_of(name: str) -> int | None:
     """The step in a folder name ``step_N``, or None for any other name."""
-    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+    if name.startswith(PREFIX) and is_count(name[len(PREFIX):]):  # not "step_²" (isdigit, which int() refuses)
         return int(name[len(PREFIX):])
     return None
 

@@ -20,7 +20,7 @@ from minizero.files import mpiexec_path
 from minizero.interrupts import run_group
 from minizero.numerals import is_count
 
-SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp")
+SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ulysses")
 #: refused in a layout: what parity sets for both runs (its own flags) and what would write outside its temporary
 #: folder (--seed or --dtype in one layout are allowed: a difference parity should find)
 CONTROLLED = ("--out", "--json", "--save-dir", "--save-every", "--resume", "--trace", "--no-save", "--model",
@@ -44,10 +44,13 @@ def ranks_of(words: list[str]) -> tuple[int, list[str]]:
             raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}] "
                              "(ASCII digits)")
         return int(words[1]), words[2:]
-    n = 1
-    for i, w in enumerate(words[:-1]):
-        if w in SIZE_FLAGS and is_count(words[i + 1]):
-            n *= int(words[i + 1])
+    sizes = {}  # "--dp 2" or "--dp=2"; --ulysses N is --cp N
+    for i, w in enumerate(words):
+        flag, _, value = w.partition("=") if w.startswith("--") else (w, "", "")
+        value = value or (words[i + 1] if i + 1 < len(words) else "")
+        if flag in SIZE_FLAGS and is_count(value):
+            sizes[{"--ulysses": "--cp"}.get(flag, flag)] = int(value)
+    n = math.prod(sizes.values())
     if n > MAX_RANKS:
         raise ValueError(f"layout {' '.join(words)!r} starts {n} ranks; allowed: at most {MAX_RANKS}")
     return n, words
