@@ -85,6 +85,10 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp, stat_dtype = backend.xp, np.promote_types(x.dtype, np.float32)
         stats = x.shape[:-1] + (1,)
+        if len(row_blocks(math.prod(stats), x.shape[-1])) == 1:  # one block: the kernel's own arrays, no copies
+            y, mean, rstd = layer_norm_rows(widen(x).astype(stat_dtype, copy=False), weight, bias, eps)
+            ctx.save_for_backward(x, weight, mean, rstd)
+            return backend.to_dtype(y, x.dtype)
         y, mean, rstd = xp.empty(x.shape, x.dtype), xp.empty(stats, stat_dtype), xp.empty(stats, stat_dtype)
         x2, y2, mean2, rstd2 = _flat2d(x), _flat2d(y), _flat2d(mean), _flat2d(rstd)  # views but for a strided x
         for b in row_blocks(*x2.shape):  # a block of rows at a time: see kernels.row_blocks
@@ -105,6 +109,8 @@ class LayerNorm(Function):
         del t
         if x.shape[-1] == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
+        if len(row_blocks(math.prod(x.shape[:-1]), x.shape[-1])) == 1:
+            return backend.to_dtype(layer_norm_input_grad(gs * w, xhat, rstd), x.dtype), dw, db, None
         dx = backend.xp.empty(x.shape, x.dtype)
         xhat2, gs2, rstd2, dx2 = _flat2d(xhat), _flat2d(gs), _flat2d(rstd), _flat2d(dx)
         for b in row_blocks(*xhat2.shape):
@@ -176,6 +182,10 @@ class CausalSoftmax(Function):
     @staticmethod
     def forward(ctx, x):
         t, s = x.shape[-2], x.shape[-1]
+        if len(row_blocks(math.prod(x.shape[:-2]), t * s)) == 1:  # one block: the kernel's own array, no copy
+            y = backend.to_dtype(causal_softmax_rows(widen(x), causal_mask(t, s)), x.dtype)
+            ctx.save_for_backward(y)
+            return y
         y = backend.xp.empty(x.shape, x.dtype)  # in its own shape: the ledger counts (b, h, t, s) arrays as scores
         x3, y3 = (a.reshape(math.prod(x.shape[:-2]), t, s) for a in (x, y))
         for b in row_blocks(len(x3), t * s):  # a block of (t, s) matrices at a time: see kernels.row_blocks
@@ -186,6 +196,8 @@ class CausalSoftmax(Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
+        if len(row_blocks(math.prod(y.shape[:-1]), y.shape[-1])) == 1:
+            return backend.to_dtype(softmax_backward_rows(widen(y), widen(g), y.dtype.itemsize < 4), g.dtype)
         dx = backend.xp.empty(g.shape, g.dtype)
         y2, g2, dx2 = _flat2d(y), _flat2d(g), _flat2d(dx)
         for b in row_blocks(*y2.shape):  # float16 probabilities do not sum to 1: renormalized, or a gradient

@@ -37,12 +37,13 @@ def scatter_add_rows(shape, idx, rows):
 
 BLOCK_ELEMENTS = 1 << 16  #: elements per block of a blockwise kernel (256 KiB of float32: the core's cache holds
 #: a block's few temporaries, so each pass after the first reads from cache, not memory)
+BLOCKED_FROM = 4 * BLOCK_ELEMENTS  #: arrays smaller than this run as one block (blocks cost more than they save)
 
 
 def row_blocks(rows: int, row_len: int) -> list[slice]:
     """Slices of ``rows`` rows of ``row_len`` elements, about :data:`BLOCK_ELEMENTS` each (at least one row; one empty
     slice for no rows); CuPy: one block (no cache to fit; each block would launch its kernels again)."""
-    if backend.name == "cupy" or rows == 0:
+    if backend.name == "cupy" or rows * row_len < BLOCKED_FROM:
         return [slice(0, rows)]
     step = max(1, BLOCK_ELEMENTS // max(row_len, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
@@ -51,6 +52,8 @@ def row_blocks(rows: int, row_len: int) -> list[slice]:
 def blockwise(kernel, dtype, *arrays):
     """``kernel`` of the same-shape ``arrays`` (widened to their compute dtype) as a new array of ``dtype``, computed
     in flat blocks (:func:`row_blocks`); for elementwise kernels, whose every element depends on its own inputs only."""
+    if len(row_blocks(arrays[0].size, 1)) == 1:  # one block: the kernel's own result, no copy
+        return backend.to_dtype(kernel(*(widen(a) for a in arrays)), dtype)
     flat = [a.reshape(-1) for a in arrays]
     out = backend.xp.empty(arrays[0].shape, dtype)  # allocated in its own shape (the ledger reads it), filled flat
     into = out.reshape(-1)
