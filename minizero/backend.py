@@ -249,9 +249,10 @@ def _dense_order(a):
 def narrow(a):
     """float32 ``a`` as float16, bitwise ``a.astype(np.float16)`` (nearest even; a NaN stays a NaN, not its payload).
 
-    NumPy: whole-array passes where one float add does the rounding ("magic number" rounding, as in F. Giesen's
-    float-to-half conversions) and integers do the rest (no subnormal float arithmetic, so flush-to-zero modes do
-    not change it); faster than NumPy's per-element cast; checked on all 2^32 inputs. Native byte order only.
+    NumPy: passes over chunks of CAST_CHUNK elements where one float add does the rounding ("magic number" rounding,
+    as in F. Giesen's float-to-half conversions) and integers do the rest (no subnormal float arithmetic, so
+    flush-to-zero modes do not change it); faster than NumPy's per-element cast; checked on all 2^32 inputs.
+    Native byte order only.
     """
     if name != "numpy" or a.dtype != np.float32 or not isinstance(a, np.ndarray) or a.ndim == 0:
         return a.astype(np.float16)

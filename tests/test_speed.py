@@ -169,3 +169,21 @@ def test_usable_cores_counts_the_cores_this_process_may_run_on(monkeypatch):
     assert base.spin_seconds(2) == base.SPIN_S and base.spin_seconds(3) == 0.0
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS: no affinity call
     assert backend.usable_cores() == 16
+
+
+def test_blocked_layer_norm_keeps_a_strided_inputs_bits(monkeypatch):
+    """A transposed (strided) input is normalized in its own layout whatever the block size: blocks would copy it
+    C-contiguous first, which changes the order of each row's sum."""
+    rng = np.random.default_rng(6)
+    x, g = rng.standard_normal((3, 7, 40, 33)).transpose(0, 1, 3, 2), rng.standard_normal((3, 7, 33, 40))
+    w, b = rng.standard_normal(40), rng.standard_normal(40)
+    results = []
+    for block, blocked_from in ((kernels.BLOCK_ELEMENTS, kernels.BLOCKED_FROM), (50, 0)):  # one block; many
+        monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(kernels, "BLOCKED_FROM", blocked_from)
+        tx = Tensor(x, requires_grad=True)
+        y = F.layer_norm(tx, Tensor(w), Tensor(b))
+        y.backward(g)
+        results.append((y.data, tx.grad))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])

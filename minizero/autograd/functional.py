@@ -85,7 +85,8 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp, stat_dtype = backend.xp, np.promote_types(x.dtype, np.float32)
         stats = x.shape[:-1] + (1,)
-        if len(row_blocks(math.prod(stats), x.shape[-1])) == 1:  # one block: the kernel's own arrays, no copies
+        if not x.flags.c_contiguous or len(row_blocks(math.prod(stats), x.shape[-1])) == 1:  # one block (a strided
+            # x reduces in its own layout: a copy would change the rows' sums), the kernel's own arrays
             y, mean, rstd = layer_norm_rows(widen(x).astype(stat_dtype, copy=False), weight, bias, eps)
             ctx.save_for_backward(x, weight, mean, rstd)
             return backend.to_dtype(y, x.dtype)
@@ -109,7 +110,8 @@ class LayerNorm(Function):
         del t
         if x.shape[-1] == 0:  # width 0: every gradient is empty
             return backend.xp.zeros_like(x), dw, db, None
-        if len(row_blocks(math.prod(x.shape[:-1]), x.shape[-1])) == 1:
+        whole = not (x.flags.c_contiguous and g.flags.c_contiguous)  # strided: reduced in its own layout, as forward
+        if whole or len(row_blocks(math.prod(x.shape[:-1]), x.shape[-1])) == 1:
             return backend.to_dtype(layer_norm_input_grad(gs * w, xhat, rstd), x.dtype), dw, db, None
         dx = backend.xp.empty(x.shape, x.dtype)
         xhat2, gs2, rstd2, dx2 = _flat2d(xhat), _flat2d(gs), _flat2d(rstd), _flat2d(dx)
