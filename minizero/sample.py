@@ -124,7 +124,8 @@ def check(args) -> str | None:
     if not 1 <= args.tokens <= MAX_TOKENS:
         return f"--tokens must be in 1..{MAX_TOKENS:,}, got {args.tokens}"
     if not (args.temperature >= 0 and math.isfinite(args.temperature)):
-        return f"--temperature must be 0 (greedy) or a positive finite number, got {getattr(args.temperature, "text", args.temperature)!r}"
+        typed = getattr(args.temperature, "text", args.temperature)  # the text as typed, or a plain number
+        return f"--temperature must be 0 (greedy) or a positive finite number, got {typed!r}"
     if args.top_k is not None and not 1 <= args.top_k <= 256:
         return f"--top-k must be in [1, 256] (the byte vocabulary; 256 keeps every byte), got {args.top_k}"
     if args.seed < 0:
