@@ -85,8 +85,8 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp, stat_dtype = backend.xp, np.promote_types(x.dtype, np.float32)
         stats = x.shape[:-1] + (1,)
-        if not x.flags.c_contiguous or len(row_blocks(math.prod(stats), x.shape[-1])) == 1:  # one block (a strided
-            # x reduces in its own layout: a copy would change the rows' sums), the kernel's own arrays
+        whole = not x.flags.c_contiguous  # strided: reduced in its own layout (a copy would change the rows' sums)
+        if whole or len(row_blocks(math.prod(stats), x.shape[-1])) == 1:  # one block: the kernel's own arrays
             y, mean, rstd = layer_norm_rows(widen(x).astype(stat_dtype, copy=False), weight, bias, eps)
             ctx.save_for_backward(x, weight, mean, rstd)
             return backend.to_dtype(y, x.dtype)
