@@ -326,15 +326,20 @@ def _equal_ranks(per_rank: list[dict]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _rank_label(ranks: list[int]) -> str:
-    """``[0]`` -> ``r0``; ``[0, 1, 2, 3, 5]`` -> ``r0-3,5`` (runs of consecutive ranks joined)."""
+def rank_runs(ranks: list[int], sep: str = ",") -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``0-3,5``: runs of consecutive ranks joined, the runs by ``sep``."""
     runs: list[list[int]] = []
     for r in ranks:
         if runs and r == runs[-1][-1] + 1:
             runs[-1].append(r)
         else:
             runs.append([r])
-    return "r" + ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+    return sep.join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+
+
+def _rank_label(ranks: list[int]) -> str:
+    """``[0]`` -> ``r0``; ``[0, 1, 2, 3, 5]`` -> ``r0-3,5``."""
+    return "r" + rank_runs(ranks)
 
 
 def per_rank_text(texts: list[str]) -> str:

@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 
 from minizero.files import atomic_write
-from minizero.ledger import CATEGORIES, format_bytes
+from minizero.ledger import CATEGORIES, format_bytes, rank_runs
 
 INSTALL_HINT = "no memory plot: matplotlib is not installed (pip install matplotlib)"
 
@@ -37,14 +37,7 @@ def rank_groups(timeline, peaks=None) -> list[list[int]]:
 
 def _label(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(f"{u[0]}-{u[-1]}" if len(u) > 1 else f"{u[0]}" for u in runs)
-    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {rank_runs(ranks, ', ')}"
 
 
 def plot_timeline(path: str, timeline, title: str = "", peaks=None, first_step: int = 0) -> None:
