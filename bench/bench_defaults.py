@@ -22,36 +22,23 @@ BLAS runs one thread (the machine is shared; the numbers do not depend on speed)
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
+import sys
 import time
 
 import numpy as np
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_limits
 
-from minizero.comm import run_in_threads
-from minizero.flags import UsageError, build_parser
-from minizero.numerals import integer, negative_values_reach_checks, real
-from minizero.train import model_config, parse_args, train
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_machine.py
+import _machine  # noqa: E402
+
+from minizero.comm import run_in_threads  # noqa: E402
+from minizero.flags import UsageError, build_parser  # noqa: E402
+from minizero.numerals import integer, negative_values_reach_checks, real  # noqa: E402
+from minizero.train import model_config, parse_args, train  # noqa: E402
 
 GRID = "3e-3,15,1.0;3e-3,auto,1.0;2e-3,30,1.0"  # the old default (warmup 15 at 300 steps), the default, a lower lr
 JUMP_MAX, VAL_MAX, FP16_MAX, WINDOW, FP16_STEPS = 0.5, 2.2, 0.03, 20, 200
-
-
-def machine() -> str:
-    """One line: date, CPU, BLAS library, its kernel and threads (threadpoolctl), OPENBLAS_CORETYPE."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    blas = [f"{i['internal_api']} {i['version']} kernel {i.get('architecture')} {i['num_threads']} thread(s)"
-            for i in threadpool_info() if i["user_api"] == "blas"]
-    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {cpu}, {os.cpu_count()} cores, "
-            f"load average {os.getloadavg()[0]:.1f}; {'; '.join(blas) or 'no BLAS found'}; "
-            f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; NumPy {np.__version__}")
 
 
 def worst_jump(losses, warmup: int) -> tuple[float, int]:
@@ -110,7 +97,7 @@ def main():
             p.error(f"--settings {lr!r},{warmup},{clip!r}: {e}")
     if a.settings is None and default not in settings:
         settings.append(default)
-    print(machine())
+    print(f"{_machine.header()} | load average {os.getloadavg()[0]:.1f}")
     print(f"default model, global batch 16 x {model_config(parse_args(['--no-save'], 1)).block_size} as one process, "
           f"--steps {d.steps}, seed {d.seed}; goals: worst jump <= {JUMP_MAX}, val <= {VAL_MAX}, "
           f"|fp16 - fp32| <= {FP16_MAX} (nats/byte)\n", flush=True)

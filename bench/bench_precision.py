@@ -22,6 +22,7 @@ from minizero.comm import run_in_threads  # noqa: E402
 from minizero.train import parse_args, train  # noqa: E402
 
 import _args  # noqa: E402
+import _machine  # noqa: E402
 
 
 def main():
@@ -56,6 +57,7 @@ def main():
     r16 = run_in_threads(1, run, "fp16", timeout=3600)[0]
     drop = tuple(r16["skipped_at"])  # a skipped step drops its batch: compare with FP32 dropping the same
     r32d = run_in_threads(1, run, "fp32", drop, timeout=3600)[0] if drop else r32
+    print(_machine.header())
     print(f"model {a.model}, {a.steps} steps, micro-batch {a.micro_batch_size}, 1 rank; mean training loss (nats/byte)")
     print("| steps | fp32 | fp16 | fp16 - fp32 | fp32, fp16's skipped batches dropped | fp16 - that |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tracemalloc
 
@@ -25,11 +26,14 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from minizero.args import UsageError, model_config, parse_args
-from minizero.comm import MPICommunicator
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.numerals import negative_values_reach_checks, real
-from minizero.parallel.strategy import build_strategy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_machine.py
+import _machine  # noqa: E402
+
+from minizero.args import UsageError, model_config, parse_args  # noqa: E402
+from minizero.comm import MPICommunicator  # noqa: E402
+from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
+from minizero.numerals import negative_values_reach_checks, real  # noqa: E402
+from minizero.parallel.strategy import build_strategy  # noqa: E402
 
 
 def measure(args, comm) -> dict:
@@ -125,6 +129,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
     else:
         mb = 2.0 ** 20
+        print(_machine.header())
         print(f"whole model: {rows[0]['model_bytes'] / mb:.1f} MiB of parameters")
         print("rank  params peak  params kept  ledger peak  ledger kept  process peak  process kept  (MiB)")
         for r in rows:
