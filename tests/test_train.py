@@ -342,7 +342,8 @@ def test_the_diverged_error_names_the_step_as_the_progress_log_does(monkeypatch,
     with pytest.raises(TrainingDiverged) as e:
         run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None))
     logged = [ln.split()[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
-    assert "] step 3: the gradient norm is inf; training diverged" in str(e.value), e.value
+    # inf x a gradient's exact zero is NaN: whether one is exactly 0 depends on the BLAS kernel (Haswell: nan)
+    assert re.search(r"\] step 3: the gradient norm is (inf|nan); training diverged", str(e.value)), e.value
     assert logged[-1] == "2/4" and "3/4" not in logged, logged  # the log's next line would have been step 3
 
 
