@@ -165,6 +165,8 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
         assert sum(mine.values()) == summary["bytes_sent"][r], mine
         assert mine["context_parallel_attention"] > mine["other"], mine
     assert "context parallel ring attention" in proc.stdout
+    said = " ".join(proc.stdout.split())  # prose is wrapped at 100 columns
+    assert "model states per rank at the optimizer step (split over the ranks: each holds its pipeline stage)" in said
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
     row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
     value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
@@ -224,6 +226,7 @@ def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
         proc, _ = launch(mpiexec, 2, TINY + ["--tp", "2", "--eval-batches", eval_batches, "--out", str(out)])
         assert proc.returncode == 0, proc.stderr
         rows.append(next(line for line in proc.stdout.splitlines() if line.startswith("  tp    (2 rank(s) each)")))
+        assert "(split over the ranks: each holds its tensor-parallel shard)" in " ".join(proc.stdout.split())
         kinds.append(json.loads((out / "summary.json").read_text())["bytes_sent_by_kind"])
     assert rows[0] == rows[1]
     assert kinds[0]["tensor_parallel_activations"] == kinds[1]["tensor_parallel_activations"]
