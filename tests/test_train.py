@@ -129,17 +129,19 @@ def test_header_names_every_layout_choice(mpiexec):
     proc, _ = launch(mpiexec, 4, TINY + ["--steps", "1", "--no-save", "--cp", "2", "--tp", "2", "--sequence-parallel",
                                          "--zero", "1", "--device", "strict"], timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    head = proc.stdout.splitlines()
+    head = [line for line in proc.stdout.splitlines() if not line.startswith("  ")]  # wrapped lines' first rows
     assert head[0].startswith("minizero: 4 rank(s) as dp 1 x cp 2 x tp 2 x pp 1,"), head[0]
     assert head[1] == "device strict (NumPy underneath; implicit host transfers raise); messages over mpi"
     assert head[2].startswith("global batch 2 sequences x 16 tokens (32 tokens per step) = micro-batch 2 x 1 data")
     assert "ZeRO stage 1: optimizer state sharded over the 2 rank(s) of the data group" in head
     assert any(line.startswith("sequence parallel: ") for line in head)
+    header = proc.stdout.split("\ntraffic per step")[0].splitlines()
+    assert len(header) > 8 and max(len(line) for line in header) <= 100, header  # wrapped as the report
     plain, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "2"], timeout=90)
     assert plain.returncode == 0, plain.stderr
     assert "as dp 2 x tp 1 x pp 1," in plain.stdout and "device cpu (NumPy); messages over mpi" in plain.stdout
     assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
-            "reduce-scatters overlap backward") in plain.stdout
+            "reduce-scatters overlap backward") in " ".join(plain.stdout.split())  # wrapped at 100 columns
     assert "  parameter gathers and broadcasts (ZeRO's gathers): r0-1 " in plain.stdout  # no start-up broadcast
     z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3"], timeout=90)
     assert z3.returncode == 0, z3.stderr
