@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 
@@ -346,20 +345,17 @@ def main(argv=None) -> int:
         lines = _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
     else:
         lines = _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
-    try:
-        print("\n".join(lines), flush=True)
-        if args.plot and args.shown:
-            try:
-                plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
-                     f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
-            except ImportError:
-                parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
-            except OSError as e:
-                parser.error(f"--plot {args.plot!r}: cannot write the PNG: {e.strerror or e}")
-            if not args.json:
-                print(f"wrote {args.plot}", flush=True)
-    except BrokenPipeError:  # piped into head: end quietly (Python docs, "Note on SIGPIPE")
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("\n".join(lines), flush=True)
+    if args.plot and args.shown:
+        try:
+            plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
+                 f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
+        except OSError as e:
+            parser.error(f"--plot {args.plot!r}: cannot write the PNG: {e.strerror or e}")
+        if not args.json:
+            print(f"wrote {args.plot}", flush=True)
     return 0
 
 
