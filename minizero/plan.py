@@ -24,10 +24,10 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, explain, format_table, header, plot, plot_path, why_lines)
+    candidate_json, describe, format_table, header, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
-    RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
-    parse_strategy, plan, rank, step_time)
+    RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
+    step_time)
 from minizero.interrupts import WHOLE, interruptible
 from minizero.ledger import wrap
 
