@@ -251,7 +251,7 @@ def report(op, runs, malloc):
     oversubscribed = [n for n in runs if n > _machine.cores()]
     print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | {malloc} | "
           + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
-    print(f"busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
+    print("busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "
              f"ring), ring / rd forced; p2p = the same exchanges as recursive doubling in bare mpi4py calls (Sendrecv "
              f"and a NumPy add, nothing of minizero's; N a power of two): for small arrays, the least a collective "

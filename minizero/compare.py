@@ -22,7 +22,7 @@ from minizero import backend, hardware
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
-from minizero.compare_report import (MIB, SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
+from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
                                      plot)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)

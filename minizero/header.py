@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
+from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
 
@@ -124,7 +125,8 @@ class Header(Callback):
     def setup(self, run):
         if run.comm.rank != 0:
             return
-        for line in header_lines(run.args, run.cfg, run.strategy, run.comm.world_size):
-            run.log(line)
+        lines = header_lines(run.args, run.cfg, run.strategy, run.comm.world_size)
+        for row in (w for line in lines for part in line.split("\n") for w in wrap(part)):  # the mesh: several rows
+            run.log(row)  # at 100 columns, as the report
         if run.args.show_shards:
             run.log(run.strategy.opt.shard_map.format(width=100))

@@ -62,12 +62,16 @@ def _mpi_rank() -> int:
 
 def interruptible(tool: str, files: str, main, argv=None) -> int:
     """``main(argv)`` with :meth:`Interrupts.install`; Ctrl-C / SIGTERM: one line on stderr (rank 0 only under
-    mpiexec, which signals every rank), ``"python -m {tool}: interrupted (SIGINT); {files}"``, then 130 / 143."""
+    mpiexec, which signals every rank), ``"python -m {tool}: interrupted (SIGINT); {files}"``, then 130 / 143.
+    Stdout closed by its reader (``| head -1``): the rest of the output dropped, no traceback, 0."""
     Interrupts.install()
     try:
         code = main(argv)
         Interrupts.check()  # an interrupt dropped in a weakref callback is still an interrupt
         return code
+    except BrokenPipeError:  # Python docs, "Note on SIGPIPE": stdout to /dev/null, so the exit's flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (KeyboardInterrupt, Terminated) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -309,10 +309,10 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     return "\n".join(lines)
 
 
-def wrap(line: str, width: int = 100) -> list[str]:
-    """A prose line cut at ``width`` columns, the continuation lines indented two more than the first."""
+def wrap(line: str, width: int = 100, hang: int = 2) -> list[str]:
+    """A prose line cut at ``width`` columns, the continuation lines indented ``hang`` more than the first."""
     indent = line[:len(line) - len(line.lstrip())]
-    return textwrap.wrap(line.lstrip(), width, initial_indent=indent, subsequent_indent=indent + "  ",
+    return textwrap.wrap(line.lstrip(), width, initial_indent=indent, subsequent_indent=indent + " " * hang,
                          break_on_hyphens=False, break_long_words=False) or [line]
 
 

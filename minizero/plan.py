@@ -16,20 +16,20 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 
-from minizero.memory.estimator import PRECISIONS, Strategy, _bytes, lora_activation_bytes, lora_state_bytes
+from minizero.memory.estimator import PRECISIONS, Strategy, element_bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, explain, format_table, header, plot, plot_path, why_lines, wrap)
+    candidate_json, describe, format_table, header, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
-    RANKING_RULE, STRATEGY_FORMS, Candidate, Hardware, _divisors, enumerate_strategies, evaluate,
-    parse_strategy, plan, rank, step_time)
+    RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
+    step_time)
 from minizero.interrupts import WHOLE, interruptible
+from minizero.ledger import wrap
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -289,13 +289,14 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                "(a first-order model: step times within about 1% of each other are within its accuracy; such rows "
                "stay in tok/s order; the why lines below compare the first few and say when one needs less memory)", ""]
             + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
-            + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap(line)])
+            + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap("  " + line, hang=4)])
 
 
 def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
     """``--finetune lora|qlora``: per-GPU bytes of a fine-tune (:func:`lora_state_bytes`, the activations of
     :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus; no offload."""
-    element, k = PRECISIONS[args.precision][0], _bytes(Strategy(precision=args.precision, optimizer=args.optimizer))[3]
+    element = PRECISIONS[args.precision][0]
+    k = element_bytes(Strategy(precision=args.precision, optimizer=args.optimizer))[3]
     acts = lora_activation_bytes(model, args.lora_rank, seq, args.micro_batch, precision=args.precision,
                                  attention=args.attention)
     rows = []
@@ -344,20 +345,17 @@ def main(argv=None) -> int:
         lines = _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
     else:
         lines = _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
-    try:
-        print("\n".join(lines), flush=True)
-        if args.plot and args.shown:
-            try:
-                plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
-                     f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
-            except ImportError:
-                parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
-            except OSError as e:
-                parser.error(f"--plot {args.plot!r}: cannot write the PNG: {e.strerror or e}")
-            if not args.json:
-                print(f"wrote {args.plot}", flush=True)
-    except BrokenPipeError:  # piped into head: end quietly (Python docs, "Note on SIGPIPE")
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("\n".join(lines), flush=True)
+    if args.plot and args.shown:
+        try:
+            plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
+                 f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
+        except OSError as e:
+            parser.error(f"--plot {args.plot!r}: cannot write the PNG: {e.strerror or e}")
+        if not args.json:
+            print(f"wrote {args.plot}", flush=True)
     return 0
 
 

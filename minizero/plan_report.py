@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import textwrap
 
 from minizero.files import atomic_write, check_output
-from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, _bytes
+from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
@@ -121,7 +120,7 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
 
 def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     """The lines above the table: model, GPUs and the assumed hardware, units, the columns' legend."""
-    p0 = _bytes(shown[0].strategy)
+    p0 = element_bytes(shown[0].strategy)
     if args.schedule == "interleaved":
         piped = sum(c.strategy.pp > 1 for c in fits)
         sched = (f"interleaved pipeline schedule ({args.virtual_stages} virtual stages per GPU; pp = 1 layouts "
@@ -168,7 +167,6 @@ def rounded_batch(gbatch, shown) -> list[str]:
             f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 
 
-
 def assumed(args, hw, scale: float, unit: str) -> str:
     """The GPU, links and efficiency the step times assume, in the table's units (the defaults: an A100's)."""
     a100 = (hw.flops, hw.intra_node_bw, hw.gpu_memory) == (Hardware.flops, Hardware.intra_node_bw, Hardware.gpu_memory)
@@ -177,11 +175,6 @@ def assumed(args, hw, scale: float, unit: str) -> str:
             f"{hw.flops / 1e12:g} TFLOP/s peak dense 16-bit per GPU, matmuls at {hw.efficiency:.0%} of it; NVLink "
             f"{hw.intra_node_bw / scale:.2f} {unit}/s per direction, network {hw.inter_node_bw / scale:.2f} {unit}/s "
             f"and PCIe {hw.pcie_bw / scale:.2f} {unit}/s per GPU")
-
-
-def wrap(line: str, width: int = 100) -> list[str]:
-    """A long "why" line as lines of at most ``width`` columns, indented under its first."""
-    return textwrap.wrap(line, width, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
 
 
 def _short(st: Strategy) -> str:

@@ -11,7 +11,7 @@ import math
 import re
 
 from minizero.memory.estimator import (
-    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, _bytes, comm_bytes_per_step, estimate_stages,
+    ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
     model_flops_per_step, stage_expert_parameters, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
@@ -193,7 +193,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     ep = comm.get("ep", 0) / ep_bw
     dp = 0.0
     if d > 1:
-        pb = _bytes(st)[0]
+        pb = element_bytes(st)[0]
         experts, de = stage_expert_parameters(model, st, 0), d // st.ep  # experts gather over their d/ep ranks
         gathered = (d - 1) / d * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
         gather_after_step = pb * gathered if st.zero in (1, 2) else 0.0
@@ -203,7 +203,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
         dp = max(0.0, overlappable / dp_bw - window) + gather_after_step / dp_bw
     offload = 0.0
     shard = _state_shard(model, st)
-    pb, gbytes = _bytes(st)[:2]
+    pb, gbytes = element_bytes(st)[:2]
     if st.offload != "none":
         offload += (gbytes + pb) * shard / hw.pcie_bw + shard / hw.cpu_adam
         overlapped = comm["pcie"] - (gbytes + pb) * shard

@@ -27,7 +27,7 @@ from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
-from minizero.weights import SIDECAR, infer_preset, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
+from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
 from minizero.interrupts import WHOLE, interruptible
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16

@@ -133,10 +133,12 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         if any(s["bytes_sent_by_kind"][kind] for s in stats):
             notes.append(f"  {labels.get(kind, kind.replace('_', ' '))}: " + per_rank_text(
                 [format_bytes(s["bytes_sent_by_kind"][kind]) for s in stats]))
-    plain = args.dp == args.world_size and not args.moe_experts  # every rank holds the whole model
+    split = [w for w, here in (("its tensor-parallel shard", args.tp > 1), ("its pipeline stage", args.pp > 1),
+                               ("its experts", args.moe_experts > 0 and args.ep > 1)) if here]
+    holds = (f"split over the ranks: each holds {', '.join(split)}" if split else "every rank holds them all"
+             + (": context parallelism splits the sequence, not the model" if args.cp > 1 else ""))
     notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step " if args.zero else
-                  "model states per rank at the optimizer step (" + ("every rank holds them all): " if plain else
-                                                                    "not sharded over the data ranks): "))
+                  f"model states per rank at the optimizer step ({holds}): ")
                  + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))
     if result.setup_peaks:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import numpy as np
@@ -161,10 +160,7 @@ def main(argv=None) -> int:
         return 2
     print(settings_line(args, model), file=sys.stderr, flush=True)
     text = sample_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
-    try:
-        print(printable(text), flush=True)
-    except BrokenPipeError:  # piped into head: end quietly (Python docs, "Note on SIGPIPE")
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(printable(text), flush=True)
     return 0
 
 

@@ -340,10 +340,9 @@ for _n in FUNCTIONS:
     globals()[_n] = _function(_n)
 
 # dtypes, constants and dtype helpers: host objects, the same as NumPy's (as on CuPy)
-from numpy import (  # noqa: E402
-    bool_, dtype, e, finfo, float16, float32, float64, iinfo, inf, int8, int16, int32, int64, nan, newaxis, pi,
-    promote_types, result_type, can_cast, uint8, uint16, uint32, uint64, intp, integer, floating,
-)
+for _n in ("bool_ dtype e finfo float16 float32 float64 iinfo inf int8 int16 int32 int64 nan newaxis pi promote_types "
+           "result_type can_cast uint8 uint16 uint32 uint64 intp integer floating").split():
+    globals()[_n] = getattr(np, _n)
 
 
 def device_array(x) -> np.ndarray:

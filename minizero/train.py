@@ -41,13 +41,13 @@ from minizero.files import FolderLock, WriteError
 from minizero.instrumentation import Interrupts
 from minizero.interrupts import Terminated
 from minizero.ledger import get_ledger
-from minizero.loop import TrainingDiverged, check_finite_norm, train  # noqa: F401 (the public API)
+from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.numerals import real
 from minizero.zero import gather_figures
-from minizero.report import gather_stats, printable, report  # noqa: F401 (the public API)
+from minizero.report import gather_stats, report
 
 #: errors that are a diagnosis, not a bug: one line, no traceback
 DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,

@@ -28,7 +28,6 @@ import ctypes
 import itertools
 import queue
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np

@@ -30,7 +30,7 @@ from minizero.comm import (
     run_in_threads,
     shard_range,
 )
-from minizero.comm import communicator as communicator_module
+from minizero.comm.threads import _THREAD_START_HOOKS
 
 WORLD_SIZES = [1, 2, 3, 4, 5]
 
@@ -413,7 +413,7 @@ def test_thread_start_hooks_run_in_each_rank_thread():
     try:
         names = run_in_threads(3, lambda comm: local.name)
     finally:
-        communicator_module._THREAD_START_HOOKS.remove(hook)
+        _THREAD_START_HOOKS.remove(hook)
     assert names == [f"minizero-rank-{r}" for r in range(3)]
 
 

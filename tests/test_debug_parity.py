@@ -44,7 +44,17 @@ def test_data_and_tensor_parallel_agree_and_another_seed_is_located(mpiexec):
     other = _parity("--dp 2", "--dp 2 --seed 1")
     assert other.returncode == 1 and other.stdout.startswith("differ: first at step 1:"), other.stdout + other.stderr
     bad = _parity("--dp 2", "--dp 3")  # 2 x micro-batch 2 does not divide the global batch of 8 with 3 ranks
-    assert bad.returncode == 2 and "'--dp 3' failed" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "layout '--dp 3': --batch-size 8 is not divisible" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("layout_b, said", [("--tp 0", "--tp must be an integer >= 1, got 0"),
+                                            ("--dp 2 --bogus 1", "unrecognized arguments: --bogus 1")])
+def test_the_second_layouts_bad_flags_are_refused_before_the_first_runs(monkeypatch, layout_b, said):
+    from minizero.debug import parity
+
+    monkeypatch.setattr(parity, "run", lambda *a: pytest.fail("a layout ran before both were checked"))
+    with pytest.raises(ValueError, match=f"layout '{layout_b}': {said}"):
+        parity.main("--dp 2", layout_b, ["--model", "tiny", "--steps", "2", "--batch-size", "8"], 1e-10)
 
 
 @pytest.mark.parametrize("flag, value, said", [("--steps", "-1,5", "invalid int value: '-1,5'; allowed"),

@@ -116,3 +116,17 @@ def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
     status, err = _interrupt([sys.executable, "-m", tool, "--weights", str(weights[0]), *args], 6)
     assert status == 130, err
     _one_line(err, tool, "SIGINT")
+
+
+@pytest.mark.parametrize("printing", ["print('x' * 100_000)", "print('x', flush=True); print('y')"])
+def test_stdout_closed_by_its_reader_ends_quietly(printing):
+    """``python -m minizero.plan ... | head -1``: the rest dropped, exit 0, no BrokenPipeError traceback (every tool
+    runs in interruptible; before, only plan and sample caught it, and debug said "error: [Errno 32] Broken pipe")."""
+    code = ("import sys; from minizero.interrupts import interruptible\n"
+            f"def main(argv):\n    {printing}\n    return 0\n"
+            "sys.exit(interruptible('tool', 'nothing', main))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and err == "", err

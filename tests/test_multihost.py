@@ -85,7 +85,7 @@ def test_two_hosts_over_tcp_equal_one_process(mpiexec, tmp_path, case):
     assert _processes_mentioning(str(out)) == [] and _processes_mentioning(private) == []
     stdout = proc.stdout
     # MPI's shared-memory split saw two hosts, and BLAS threads count the ranks of each host
-    assert "nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]" in stdout, stdout
+    assert "nodes: 2 node(s) x 2 rank(s) per node, node of each rank [0, 0, 1, 1]" in " ".join(stdout.split()), stdout
     assert "(2 rank(s) on this node" in stdout
     got = dict(np.load(os.path.join(out, "model.npz")))
     ref = _single(mpiexec, ["--micro-batch-size", str(single_mb)], tmp_path / "one")

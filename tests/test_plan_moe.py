@@ -52,8 +52,6 @@ def test_bad_ep_is_refused(kw, words):
 
 
 # ---- 2: the expert all-to-all and the model states against the trainer -------------------------
-import numpy as np  # noqa: E402
-
 from minizero.callbacks import Callback  # noqa: E402
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.ledger import get_ledger  # noqa: E402

@@ -3,7 +3,6 @@
 Full disks are small tmpfs mounts (root only; skipped with the reason elsewhere), always
 unmounted. Every test that launches ranks has a timeout.
 """
-import json
 import os
 import signal
 import subprocess

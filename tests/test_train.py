@@ -129,17 +129,19 @@ def test_header_names_every_layout_choice(mpiexec):
     proc, _ = launch(mpiexec, 4, TINY + ["--steps", "1", "--no-save", "--cp", "2", "--tp", "2", "--sequence-parallel",
                                          "--zero", "1", "--device", "strict"], timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    head = proc.stdout.splitlines()
+    head = [line for line in proc.stdout.splitlines() if not line.startswith("  ")]  # wrapped lines' first rows
     assert head[0].startswith("minizero: 4 rank(s) as dp 1 x cp 2 x tp 2 x pp 1,"), head[0]
     assert head[1] == "device strict (NumPy underneath; implicit host transfers raise); messages over mpi"
     assert head[2].startswith("global batch 2 sequences x 16 tokens (32 tokens per step) = micro-batch 2 x 1 data")
     assert "ZeRO stage 1: optimizer state sharded over the 2 rank(s) of the data group" in head
     assert any(line.startswith("sequence parallel: ") for line in head)
+    header = proc.stdout.split("\ntraffic per step")[0].splitlines()
+    assert len(header) > 8 and max(len(line) for line in header) <= 100, header  # wrapped as the report
     plain, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "2"], timeout=90)
     assert plain.returncode == 0, plain.stderr
     assert "as dp 2 x tp 1 x pp 1," in plain.stdout and "device cpu (NumPy); messages over mpi" in plain.stdout
     assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
-            "reduce-scatters overlap backward") in plain.stdout
+            "reduce-scatters overlap backward") in " ".join(plain.stdout.split())  # wrapped at 100 columns
     assert "  parameter gathers and broadcasts (ZeRO's gathers): r0-1 " in plain.stdout  # no start-up broadcast
     z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3"], timeout=90)
     assert z3.returncode == 0, z3.stderr
@@ -165,6 +167,8 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
         assert sum(mine.values()) == summary["bytes_sent"][r], mine
         assert mine["context_parallel_attention"] > mine["other"], mine
     assert "context parallel ring attention" in proc.stdout
+    said = " ".join(proc.stdout.split())  # prose is wrapped at 100 columns
+    assert "model states per rank at the optimizer step (split over the ranks: each holds its pipeline stage)" in said
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
     row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
     value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
@@ -224,6 +228,7 @@ def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
         proc, _ = launch(mpiexec, 2, TINY + ["--tp", "2", "--eval-batches", eval_batches, "--out", str(out)])
         assert proc.returncode == 0, proc.stderr
         rows.append(next(line for line in proc.stdout.splitlines() if line.startswith("  tp    (2 rank(s) each)")))
+        assert "(split over the ranks: each holds its tensor-parallel shard)" in " ".join(proc.stdout.split())
         kinds.append(json.loads((out / "summary.json").read_text())["bytes_sent_by_kind"])
     assert rows[0] == rows[1]
     assert kinds[0]["tensor_parallel_activations"] == kinds[1]["tensor_parallel_activations"]

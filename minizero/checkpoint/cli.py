@@ -170,6 +170,8 @@ def main(argv=None) -> int:
         for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)
             print(f"python -m minizero.checkpoint: error: {line}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
+        raise
     except OSError as e:
         print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
         if args.command == "hang":
             return hang.main(args.folder)
         return timeline.main(args.path)
+    except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
+        raise
     except OSError as e:  # no such file or folder, a folder given for a file, unreadable
         print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
         return 2

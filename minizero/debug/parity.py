@@ -26,6 +26,10 @@ SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ulysses")
 CONTROLLED = ("--out", "--json", "--save-dir", "--save-every", "--resume", "--trace", "--no-save", "--model",
               "--steps", "--batch-size")
 MAX_RANKS = 64  #: ranks one layout may start (-n or the product of its sizes)
+#: train's own argument check of one layout, in a process of its own (minizero.args is a layer above this package)
+_CHECK = ("import sys; from minizero.args import UsageError, parse_args\n"
+          "try: parse_args(sys.argv[2:], int(sys.argv[1]), quiet=True)\n"
+          "except UsageError as e: sys.exit(str(e))")
 
 
 def ranks_of(words: list[str]) -> tuple[int, list[str]]:
@@ -65,12 +69,30 @@ def layout_words(layout: str) -> tuple[int, list[str]]:
     return ranks_of(words)
 
 
+def train_argv(flags: list[str], common: list[str], out: str) -> list[str]:
+    """The main job's arguments for one layout's ``flags``, writing into folder ``out``."""
+    return ["--dtype", "float64", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+            "--no-progress", *common, "--out", out, *flags]
+
+
+def check(layout: str, common: list[str], out: str) -> None:
+    """Refuse a layout the main job would refuse (its flags, sizes, batch), without starting it.
+
+    Raises:
+        ValueError: as :func:`layout_words`, or the main job's own message.
+    """
+    n, flags = layout_words(layout)
+    proc = run_group([sys.executable, "-c", _CHECK, str(n), *train_argv(flags, common, out)])
+    if proc.returncode != 0:
+        said = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
+        raise ValueError(f"layout {layout!r}: {said[-1]}")
+
+
 def run(layout: str, common: list[str], out: str) -> dict:
     """Run one layout into folder ``out``; returns ``{"loss", "norm", "params", "n"}`` or ``{"error": text}``."""
     n, flags = layout_words(layout)
-    cmd = [mpiexec_path() or "mpiexec", "-n", str(n), sys.executable, "-m", "minizero.train", "--dtype", "float64",
-           "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *common,
-           "--out", out, *flags]
+    cmd = [mpiexec_path() or "mpiexec", "-n", str(n), sys.executable, "-m", "minizero.train",
+           *train_argv(flags, common, out)]
     proc = run_group(cmd)  # Ctrl-C: mpiexec and its ranks killed
     if proc.returncode != 0:
         said = [ln for ln in proc.stderr.splitlines() if "error" in ln or "failed" in ln] or proc.stderr.splitlines()
@@ -122,9 +144,9 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
 def main(layout_a: str, layout_b: str, common: list[str], tol: float) -> int:
     """Run both layouts, print the verdict; 0 same, 1 differ, 2 a run failed."""
     results = []
-    for layout in (layout_a, layout_b):  # both checked before either runs
-        layout_words(layout)
     with tempfile.TemporaryDirectory(prefix="parity_") as d:
+        for i, layout in enumerate((layout_a, layout_b)):  # both checked before either runs
+            check(layout, common, os.path.join(d, str(i)))
         for i, layout in enumerate((layout_a, layout_b)):
             results.append(run(layout, common, os.path.join(d, str(i))))
             if "error" in results[-1]:

@@ -12,17 +12,29 @@ arXiv:2106.09685; QLoRA, arXiv:2305.14314 (``lora.py``).
 """
 from __future__ import annotations
 
-from minizero.memory.estimator.model import (  # noqa: F401 (the package's API)
+from minizero.memory.estimator.model import (
     ACCOUNTINGS, ATTENTIONS, CATEGORIES, CP_ATTENTIONS, DEVICE_CATEGORIES, LINEAR_SAVES, MIN_8BIT_SIZE, OFFLOAD,
     OFFLOAD_MIN_BYTES, OFFLOAD_TIERS, OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES,
-    ModelShape, Strategy, _bytes, activation_element, as_shape, gb, gib, precision_for_dtype)
-from minizero.memory.estimator.states import (  # noqa: F401
+    ModelShape, Strategy, element_bytes, activation_element, as_shape, gb, gib, precision_for_dtype)
+from minizero.memory.estimator.states import (
     model_state_bytes, stage_expert_parameters, stage_layers, stage_parameters, stage_state_bytes)
-from minizero.memory.estimator.activations import (  # noqa: F401
+from minizero.memory.estimator.activations import (
     Saved, activation_bytes, in_flight, layer_activation_bytes, layer_rows, saved_outside_layers, saved_per_layer)
-from minizero.memory.estimator.lora import (  # noqa: F401
+from minizero.memory.estimator.lora import (
     LORA_BASES, LORA_TARGETS, adapted_matrices, lora_activation_bytes, lora_state_bytes, nf4_bytes)
-from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages  # noqa: F401
-from minizero.memory.estimator.traffic import (  # noqa: F401
+from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages
+from minizero.memory.estimator.traffic import (
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
     ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
+
+__all__ = [  # the package's API, re-exported
+    "ACCOUNTINGS", "ATTENTIONS", "CATEGORIES", "CP_ATTENTIONS", "DEVICE_CATEGORIES", "LINEAR_SAVES",
+    "MIN_8BIT_SIZE", "OFFLOAD", "OFFLOAD_MIN_BYTES", "OFFLOAD_TIERS", "OPTIMIZERS", "PRECISIONS", "QUANT_BLOCK",
+    "RECOMPUTE", "SCHEDULES", "ZERO_STAGES", "ModelShape", "Strategy", "element_bytes", "activation_element",
+    "as_shape", "gb", "gib", "precision_for_dtype", "model_state_bytes", "stage_expert_parameters", "stage_layers",
+    "stage_parameters", "stage_state_bytes", "Saved", "activation_bytes", "in_flight", "layer_activation_bytes",
+    "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS", "adapted_matrices",
+    "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate", "estimate_memory",
+    "estimate_stages", "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops", "korthikanti_flops",
+    "model_flops_per_step", "ring_attention_bytes", "tensor_parallel_bytes", "ulysses_attention_bytes",
+]

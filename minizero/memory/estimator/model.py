@@ -387,7 +387,7 @@ class Strategy:
         return self
 
 
-def _bytes(strategy: Strategy) -> tuple[int, int, int, float]:
+def element_bytes(strategy: Strategy) -> tuple[int, int, int, float]:
     """(param, grad, activation, optimizer-state K) bytes per element for the strategy's precision."""
     p, g, act, master, moment = PRECISIONS[strategy.precision]
     if strategy.optimizer == "adam8bit":

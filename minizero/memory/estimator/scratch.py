@@ -16,7 +16,7 @@ import math
 
 from minizero.comm.collectives import reduce_scatter_scratch
 from minizero.comm.recursive_doubling import all_reduce_algorithm
-from minizero.memory.estimator.model import ModelShape, Strategy, _bytes
+from minizero.memory.estimator.model import ModelShape, Strategy, element_bytes
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
@@ -49,7 +49,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
     """Peak ``comm_scratch`` bytes on one rank of pipeline stage ``stage`` (see the module docstring)."""
     if accounting != "minizero" or st.world_size == 1:
         return 0
-    _, g, e, _ = _bytes(st)
+    _, g, e, _ = element_bytes(st)
     dp, t = st.data_ranks, st.tp
     out = [all_reduce_scratch(METRICS_ROW, 8, st.world_size)]  # loss, gradient norm: smaller (8 bytes)
     if dp > 1 and st.zero == 0:

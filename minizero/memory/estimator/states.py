@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, _bytes, as_shape
+from minizero.memory.estimator.model import Strategy, element_bytes, as_shape
 
 
 # ---- model states: ZeRO -----------------------------------------------------------------------
@@ -17,7 +17,7 @@ def model_state_bytes(num_params: int, dp: int = 1, zero: int = 0, precision: st
     Returns {"parameters", "gradients", "optimizer_state"} in bytes.
     """
     s = Strategy(dp=dp, zero=zero, precision=precision, optimizer=optimizer).validate()
-    pb, gbytes, _, k = _bytes(s)
+    pb, gbytes, _, k = element_bytes(s)
     shard = math.ceil(num_params / dp)
     return {"parameters": pb * (shard if zero >= 3 else num_params),
             "gradients": gbytes * (shard if zero >= 2 else num_params),

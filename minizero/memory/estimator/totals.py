@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, _bytes, as_shape, precision_for_dtype)
+    ModelShape, PRECISIONS, Strategy, element_bytes, as_shape, precision_for_dtype)
 from minizero.memory.estimator.states import stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
@@ -42,7 +42,7 @@ class MemoryEstimate:
 
 
 def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage: int) -> MemoryEstimate:
-    pb, gbytes, e, _ = _bytes(st)
+    pb, gbytes, e, _ = element_bytes(st)
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
     states = stage_state_bytes(m, st, stage, vocab_parallel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from minizero.comm.collectives import bytes_sent
-from minizero.memory.estimator.model import Strategy, _bytes, activation_element, as_shape
+from minizero.memory.estimator.model import Strategy, element_bytes, activation_element, as_shape
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
@@ -37,7 +37,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     m = as_shape(model)
     st = strategy.validate(m)
     s = seq_len or m.seq_len
-    pb, gbytes, e, _ = _bytes(st)
+    pb, gbytes, e, _ = element_bytes(st)
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
     vocab_parallel = accounting == "paper"
     psi = stage_parameters(m, st, stage, vocab_parallel)
@@ -120,7 +120,7 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     if st.sequence_parallel:
         norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
         count = layers * (2 * norm + (2 * m.hidden if m.bias else 0)) + last * norm
-        grads = sent("all_reduce", count, _bytes(st)[1])
+        grads = sent("all_reduce", count, element_bytes(st)[1])
     mb = st.micro_batches
     out = {"forward": mb * forward, "backward": mb * backward, "loss": mb * loss, "grads": grads}
     return dict(out, total=sum(out.values()))
@@ -157,7 +157,7 @@ def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = Non
     if ep == 1 or not blocks:
         return {"forward": 0, "backward": 0, "counts": 0, "total": 0}
     s = seq_len or m.seq_len
-    e = _bytes(st)[2]
+    e = element_bytes(st)[2]
     tokens = st.micro_batch * (s // st.cp)
     slots, choices = m.experts * m.capacity(tokens), tokens * m.top_k
     rows = (slots - slots // ep) if slots <= choices else round(choices * (ep - 1) / ep)  # dispatch's = combine's
