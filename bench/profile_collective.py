@@ -9,11 +9,9 @@ column one layer more of minizero's path, from the bare exchange up to the call 
     MPI         MPICH's blocking ``MPI_Allreduce`` through mpi4py (the anchor)
     p2p         the exchanges recursive doubling makes, as bare mpi4py ``Sendrecv`` calls and a NumPy add:
                 for small arrays, what any all_reduce written in Python over point-to-point messages costs at least
-    packed      the same log2 N exchanges as minizero's checked messages (``comm.sendrecv``: the 64-byte header,
-                the receiver's header check, ``MPI_Test`` polls, the traffic count), each followed by the same
-                NumPy add, with header and payload copied into one message at every size
-    message     the same, as shipped: one message up to ``PACK_MAX_BYTES`` of payload, else the header and the
-                payload as two messages, each sent from and received into its own array (no copies)
+    message     the same log2 N exchanges as minizero's checked messages (``comm.sendrecv``: the 64-byte header
+                staged with the payload, the receiver's header check, ``MPI_Test`` polls, the traffic count),
+                each followed by the same NumPy add
     algorithm   ``recursive_doubling_all_reduce_`` on preallocated buffers: log2 N messages and adds
     all_reduce  ``minizero.comm.all_reduce(comm, x, out=out)`` as shipped: adds the argument checks, the traffic
                 and flight-recorder entry, and the scratch buffer counted in the memory ledger
@@ -37,14 +35,13 @@ import _args  # noqa: E402
 import _machine  # noqa: E402
 from minizero.numerals import integer, negative_values_reach_checks  # noqa: E402
 
-LAYERS = ("MPI", "p2p", "packed", "message", "algorithm", "all_reduce")
+LAYERS = ("MPI", "p2p", "message", "algorithm", "all_reduce")
 
 
 def layers(comm, x):
     """{layer: callable} for the float32 (n,) ``x`` on ``comm`` (an MPICommunicator of a power-of-two size)."""
     from mpi4py import MPI
 
-    import minizero.comm.mpi as mpi_module
     from minizero.comm import all_reduce
     from minizero.comm.recursive_doubling import recursive_doubling_all_reduce_
 
@@ -62,16 +59,8 @@ def layers(comm, x):
             mask <<= 1
         return out
 
-    def packed():  # message, with the header and payload staged as one message whatever the size
-        shipped, mpi_module.PACK_MAX_BYTES = mpi_module.PACK_MAX_BYTES, x.nbytes
-        try:
-            return message()
-        finally:
-            mpi_module.PACK_MAX_BYTES = shipped
-
     return {"MPI": lambda: (mpi.Allreduce(x, out, op=MPI.SUM), out)[1],
             "p2p": bare_recursive_doubling(mpi, x),
-            "packed": packed,
             "message": message,
             "algorithm": lambda: (recursive_doubling_all_reduce_(comm, out, tmp, src=x), out)[1],
             "all_reduce": lambda: all_reduce(comm, x, out=out)}
@@ -89,7 +78,7 @@ def measure(sizes, runs, warmup):
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         calls = layers(comm, x)
         reference = calls["MPI"]().copy()
-        for name in LAYERS[1:]:  # each computes the same sum (to rounding)
+        for name in ("p2p", "message", "algorithm", "all_reduce"):  # each computes the same sum (to rounding)
             if not np.allclose(calls[name](), reference, rtol=1e-5, atol=1e-5 * comm.world_size):
                 raise AssertionError(f"{name} differs from MPI_Allreduce at {nbytes} bytes")
         times = {}

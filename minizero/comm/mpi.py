@@ -19,9 +19,7 @@ from minizero.comm.traffic import TrafficLedger
 
 _HEADER_WORDS = 8  #: int64 words: dtype string (8 ASCII bytes), ndim, size, up to 5 dimensions
 _HEADER_BYTES = 8 * _HEADER_WORDS
-#: payloads up to this go in one message with their header (a copy each side); above it the copies cost more
-#: than a second message (bench/profile_collective.py, its "packed" column: every size staged so)
-PACK_MAX_BYTES = 512
+PACK_MAX_BYTES = 64 * 2 ** 10  #: payloads up to this go in one message with their header (a copy each side)
 
 
 def _header(buf) -> np.ndarray:
