@@ -23,7 +23,7 @@ from minizero.flags import flags_refusal, job_environment
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.files import atomic_write, check_output, checkpoint_holding, refuse_inputs
+from minizero.files import atomic_write, check_output, check_writable_folder, checkpoint_holding, refuse_inputs
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -104,6 +104,11 @@ def check(args) -> None:
                 raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
                                  f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
             inputs[f"--out's {name}"] = written
+        try:  # the folder is made after training: refuse now one that cannot be made or written
+            check_writable_folder(args.out)
+        except OSError as e:
+            raise ValueError(f"--out {args.out!r} cannot be created or take files ({e.strerror}); give a folder "
+                             "on a writable file system") from None
     if args.json:
         check_output(args.json, inputs=inputs)
 
