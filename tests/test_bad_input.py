@@ -82,6 +82,13 @@ def test_an_output_in_a_missing_folder_is_refused_as_json_is(tmp_path, monkeypat
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "o").exists()
 
 
+def test_out_that_cannot_be_made_names_the_path_in_the_way(tmp_path):
+    """Before: "(no writable parent directory)", said of an --out that exists (read-only) or whose parent does."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match=re.escape(f"({str(tmp_path / 'afile')!r} is not a writable directory)")):
+        parse_args([*TINY, "--out", str(tmp_path / "afile" / "o")])
+
+
 def test_trace_into_out_an_existing_folder_or_a_device_file_is_accepted(tmp_path):
     parse_args([*TINY, "--out", str(tmp_path / "new" / "o"), "--trace", str(tmp_path / "new" / "o" / "t.json")])
     parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "t.json")])
