@@ -180,13 +180,17 @@ def _finetune(args, method, tokens, comm):
 
 
 def format_table(rows: list) -> str:
-    lines = [f"{'method':<7} {'trainable':>10} {'frozen':>12} {'trainable B':>12} {'optimizer B':>12} "
+    lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
              f"{'B/param':>8} {'val before':>10} {'val after':>10}"]
     for r in rows:
         per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
         lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
                      f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
                      f"{r['val_before']:>10.4f} {r['val_after']:>10.4f}")
+    lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
+              f"  weights and Adam's state; B/param: their sum over the model's {rows[0]['num_parameters']:,} parameters",
+              "val: validation loss (nats per byte) of the loaded weights (before) and of the fine-tuned model (after;",
+              "  qlora's on its NF4 base)"]
     return "\n".join(lines)
 
 
