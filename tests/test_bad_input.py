@@ -192,6 +192,15 @@ def test_lr_outside_the_dtypes_normal_range_is_refused(dtype, lr):
     parse_args([*TINY, "--no-save", "--dtype", "float64", "--lr", "1e-300"])  # normal in float64
 
 
+@pytest.mark.parametrize("flags", [["--weight-decay", "1e308"], ["--weight-decay", "inf"],
+                                   ["--lr", "0.5", "--weight-decay", "2"]])
+def test_weight_decay_that_zeroes_or_flips_the_weights_is_refused(flags):
+    """Before: --weight-decay 1e308 trained a step, then stopped as diverged telling the user to lower --lr."""
+    with pytest.raises(UsageError, match=re.escape("--weight-decay must be >= 0 with --lr x --weight-decay < 1")):
+        parse_args([*TINY, "--no-save", *flags])
+    parse_args([*TINY, "--no-save", "--lr", "0.5", "--weight-decay", "1.9"])  # 0.95: strong, still a decay
+
+
 def test_resume_or_inspect_of_a_file_says_it_is_a_file(tmp_path, capsys):
     """Before: "no such checkpoint folder or save dir" for a file that exists."""
     from minizero.checkpoint.cli import main
