@@ -183,8 +183,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     _check_lr(args)
     if args.min_lr is not None and not (0 <= args.min_lr <= args.lr):
         raise UsageError(f"--min-lr must be in [0, lr={args.lr}], got {args.min_lr}")
-    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
-        raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not (args.weight_decay >= 0 and args.weight_decay * args.lr < 1):  # AdamW: p *= 1 - lr * wd every step
+        raise UsageError(f"--weight-decay must be >= 0 with --lr x --weight-decay < 1 (each step scales the decayed "
+                         f"weights by 1 - lr x wd), got {args.weight_decay} at --lr {args.lr}")
     if not (args.loss_spike == 0 or (args.loss_spike > 1 and math.isfinite(args.loss_spike))):
         raise UsageError(f"--loss-spike must be 0 (off) or a finite factor > 1, got {args.loss_spike}")
     if not (args.grad_clip >= 0):

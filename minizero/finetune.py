@@ -23,7 +23,7 @@ from minizero.flags import flags_refusal, job_environment
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.files import atomic_write, check_output, checkpoint_holding, refuse_inputs
+from minizero.files import atomic_write, check_output, check_writable_folder, checkpoint_holding, refuse_inputs
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -104,6 +104,11 @@ def check(args) -> None:
                 raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
                                  f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
             inputs[f"--out's {name}"] = written
+        try:  # the folder is made after training: refuse now one that cannot be made or written
+            check_writable_folder(args.out)
+        except OSError as e:
+            raise ValueError(f"--out {args.out!r} cannot be created or take files ({e.strerror}); give a folder "
+                             "on a writable file system") from None
     if args.json:
         check_output(args.json, inputs=inputs)
 
@@ -175,13 +180,17 @@ def _finetune(args, method, tokens, comm):
 
 
 def format_table(rows: list) -> str:
-    lines = [f"{'method':<7} {'trainable':>10} {'frozen':>12} {'trainable B':>12} {'optimizer B':>12} "
+    lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
              f"{'B/param':>8} {'val before':>10} {'val after':>10}"]
     for r in rows:
         per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
         lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
                      f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
                      f"{r['val_before']:>10.4f} {r['val_after']:>10.4f}")
+    lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
+              f"  weights and Adam's state; B/param: their sum over the model's {rows[0]['num_parameters']:,} parameters",
+              "val: validation loss (nats per byte) of the loaded weights (before) and of the fine-tuned model (after;",
+              "  qlora's on its NF4 base)"]
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ def check_outputs(args) -> None:
     while not os.path.exists(parent):  # the nearest existing ancestor is where makedirs will start
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {out!r} cannot be created or written (no writable parent directory)")
+        raise UsageError(f"--out {out!r} cannot be created or written ({parent!r} is not a writable directory)")
     if args.json == "":
         raise UsageError("--json '': expected a file path for the JSON summary")
     js = os.path.abspath(args.json)

@@ -82,6 +82,13 @@ def test_an_output_in_a_missing_folder_is_refused_as_json_is(tmp_path, monkeypat
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "o").exists()
 
 
+def test_out_that_cannot_be_made_names_the_path_in_the_way(tmp_path):
+    """Before: "(no writable parent directory)", said of an --out that exists (read-only) or whose parent does."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match=re.escape(f"({str(tmp_path / 'afile')!r} is not a writable directory)")):
+        parse_args([*TINY, "--out", str(tmp_path / "afile" / "o")])
+
+
 def test_trace_into_out_an_existing_folder_or_a_device_file_is_accepted(tmp_path):
     parse_args([*TINY, "--out", str(tmp_path / "new" / "o"), "--trace", str(tmp_path / "new" / "o" / "t.json")])
     parse_args([*TINY, "--no-save", "--trace", str(tmp_path / "t.json")])
@@ -183,6 +190,15 @@ def test_lr_outside_the_dtypes_normal_range_is_refused(dtype, lr):
     with pytest.raises(UsageError, match=f"--lr must be a normal {dtype} number, in \\[.*\\] \\(--dtype {dtype}\\)"):
         parse_args([*TINY, "--no-save", "--dtype", dtype, "--lr", lr])
     parse_args([*TINY, "--no-save", "--dtype", "float64", "--lr", "1e-300"])  # normal in float64
+
+
+@pytest.mark.parametrize("flags", [["--weight-decay", "1e308"], ["--weight-decay", "inf"],
+                                   ["--lr", "0.5", "--weight-decay", "2"]])
+def test_weight_decay_that_zeroes_or_flips_the_weights_is_refused(flags):
+    """Before: --weight-decay 1e308 trained a step, then stopped as diverged telling the user to lower --lr."""
+    with pytest.raises(UsageError, match=re.escape("--weight-decay must be >= 0 with --lr x --weight-decay < 1")):
+        parse_args([*TINY, "--no-save", *flags])
+    parse_args([*TINY, "--no-save", "--lr", "0.5", "--weight-decay", "1.9"])  # 0.95: strong, still a decay
 
 
 def test_resume_or_inspect_of_a_file_says_it_is_a_file(tmp_path, capsys):

@@ -227,3 +227,12 @@ def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     """Before: --method full with adapter flags trained every parameter without a word; --table ignored --method."""
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), *argv]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, capsys):
+    """Before: --out under a file (or on a read-only file system) trained, then ended in a makedirs traceback."""
+    (tmp_path / "afile").write_text("x")
+    out = str(tmp_path / "afile" / "ft")
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out!r} cannot be created or take files (" in err and "is not a directory" in err, err

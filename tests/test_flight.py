@@ -131,6 +131,9 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
                                                    or "nested too deeply" in err), err
     assert debug_main(["trace", str(tmp_path)]) == 2  # a folder for a file: one line, no traceback
     assert "Is a directory" in capsys.readouterr().err
+    assert debug_main(["trace", str(tmp_path / "none.json")]) == 2  # before: "[Errno 2] No such file ...", no more
+    assert capsys.readouterr().err == (f"python -m minizero.debug: error: {str(tmp_path / 'none.json')!r}: No such "
+                                       "file or directory (a timeline is the Chrome trace JSON that --trace writes)\n")
     os.mkfifo(tmp_path / "fifo")  # before: read forever
     assert debug_main(["trace", str(tmp_path / "fifo")]) == 2
     assert "is not a regular file (a FIFO or a device)" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_every_layout_equals_one_process_from_the_command_line(mpiexec, tmp_path
 def test_divergence_under_python_m_is_one_line_not_a_traceback(mpiexec):
     """``python -m minizero.train`` loads the module once: the pipeline path's TrainingDiverged is recognised."""
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
-           "--lr", "1e6", "--warmup", "0", "--pp", "2", "--progress", "none", "--no-save", "--eval-batches", "1"]
+           "--lr", "1e30", "--weight-decay", "0", "--warmup", "0", "--pp", "2", "--progress", "none", "--no-save", "--eval-batches", "1"]
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "minizero.train stopped: step" in proc.stderr and "training diverged" in proc.stderr

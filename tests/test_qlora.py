@@ -192,6 +192,17 @@ def test_finetune_table_qlora_tracks_lora_and_writes_a_merged_model(trained, tmp
     assert sample.returncode == 0, sample.stderr
 
 
+def test_finetune_table_says_which_columns_are_bytes():
+    """Before: "trainable 65,536  frozen 630,016" read as two parameter counts (frozen is bytes); no legend."""
+    from minizero.finetune import format_table
+
+    row = {"method": "qlora", "trainable_parameters": 4, "num_parameters": 10, "frozen_bytes": 6, "trainable_bytes": 16,
+           "optimizer_bytes": 32, "val_before": 2.0, "val_after": 1.5}
+    text = format_table([row])
+    assert text.splitlines()[0].split()[:4] == ["method", "trainable", "frozen", "B"]
+    assert "B/param: their sum over the model's 10 parameters" in text and "val: validation loss" in text
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora-rank", "0"], "--lora-rank must be >= 1, got 0"),
     (["--lora-alpha", "-1"], "--lora-alpha must be a positive number, got -1.0"),

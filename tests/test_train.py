@@ -319,7 +319,7 @@ def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "model.npz").write_bytes(b"previous weights")
-    proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e30", "--out", str(out)], timeout=90)
+    proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e30", "--weight-decay", "0", "--out", str(out)], timeout=90)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr  # a diagnosis, not a crash
     assert (out / "model.npz").read_bytes() == b"previous weights"
@@ -330,7 +330,7 @@ def test_divergence_is_diagnosed_before_the_update():
     from minizero.comm import run_in_threads
     from minizero.train import TrainingDiverged, train
 
-    args = parse_args(TINY + ["--lr", "1e30", "--no-save"], 2)
+    args = parse_args(TINY + ["--lr", "1e30", "--weight-decay", "0", "--no-save"], 2)
     with pytest.raises(TrainingDiverged, match="step 2: the gradient norm is nan; training diverged"):
         run_in_threads(2, lambda comm: train(args, comm, log=lambda s: None))
 

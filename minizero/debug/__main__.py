@@ -10,6 +10,9 @@ from minizero.debug import hang, parity, timeline
 from minizero.numerals import integer, negative_values_reach_checks, real
 from minizero.interrupts import interruptible
 
+WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
+        "trace": " (a timeline is the Chrome trace JSON that --trace writes)"}  # what each command reads
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minizero.debug", description=__doc__)
@@ -40,12 +43,11 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
         raise
     except OSError as e:  # no such file or folder, a folder given for a file, unreadable
-        print(f"python -m minizero.debug: error: {e}", file=sys.stderr)
+        said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename else e
+        print(f"python -m minizero.debug: error: {said}", file=sys.stderr)
         return 2
     except ValueError as e:  # the loaders name a file of another kind and what it lacks
-        what = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
-                "trace": " (a timeline is the Chrome trace JSON that --trace writes)"}.get(args.command, "")
-        print(f"python -m minizero.debug: error: {e}{what}", file=sys.stderr)
+        print(f"python -m minizero.debug: error: {e}{WHAT.get(args.command, '')}", file=sys.stderr)
         return 2
 
 
