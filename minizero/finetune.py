@@ -188,7 +188,8 @@ def format_table(rows: list) -> str:
                      f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
                      f"{r['val_before']:>10.4f} {r['val_after']:>10.4f}")
     lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
-              f"  weights and Adam's state; B/param: their sum over the model's {rows[0]['num_parameters']:,} parameters",
+              "  weights and Adam's state; B/param: their sum over the model's "
+              f"{rows[0]['num_parameters']:,} parameters",
               "val: validation loss (nats per byte) of the loaded weights (before) and of the fine-tuned model (after;",
               "  qlora's on its NF4 base)"]
     return "\n".join(lines)
