@@ -114,7 +114,7 @@ def test_one_rank_sends_nothing_and_is_exact():
 def test_errors_are_named():
     with pytest.raises(ValueError, match="shard has 3 elements"):
         run_in_threads(2, lambda c: quantized_all_gather(c, np.ones(3, np.float32), 10))
-    with pytest.raises(ValueError, match="non-finite"):
+    with pytest.raises(ValueError, match=r"rank [01]'s shard has 1 non-finite"):
         run_in_threads(2, lambda c: quantized_all_gather(c, np.array([1.0, np.nan], np.float32)))
     with pytest.raises(ValueError, match="op='broadcast'"):  # (all_reduce became a valid op in issue 19)
         bytes_sent("broadcast", 10, 2, 0)
