@@ -5,8 +5,7 @@ For each world size and strategy of :data:`STRATEGIES` it runs ``mpiexec -n N py
 prediction (``accounting="minizero"``), tokens/s, and measured vs predicted step time on a hardware profile
 measured first (:mod:`minizero.hardware`). Writes ``OUT/compare.md``, ``OUT/compare.png`` and the JSON
 (bytes), each through a temporary name. A failed run is reported with its cause and the rest continue (exit
-status 1); bad arguments exit with status 2 and one line naming the value. MiB = 2**20 bytes.
-"""
+status 1); bad arguments exit with status 2 and one line naming the value. MiB = 2**20 bytes."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +26,7 @@ from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, mar
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
+from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
 from minizero.numerals import integer, is_count, negative_values_reach_checks, real
 
@@ -397,4 +397,4 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible("minizero.compare", WHOLE, main))
