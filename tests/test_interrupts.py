@@ -136,7 +136,8 @@ def test_every_tool_runs_in_interruptible():
     """Each ``python -m minizero.X`` but the main job (its own MPI-aware handling) ends its ``__main__`` block
     through ``interruptible``, so ``| head -1`` and Ctrl-C end every tool the same way (compare did not)."""
     import pathlib
-    tools = [p for p in pathlib.Path(REPO_ROOT, "minizero").rglob("*.py") if 'if __name__ == "__main__":' in p.read_text()]
+    tools = [p for p in pathlib.Path(REPO_ROOT, "minizero").rglob("*.py")
+             if 'if __name__ == "__main__":' in p.read_text()]
     assert len(tools) >= 8, tools
     bare = [p.name for p in tools if p.name != "train.py"
             and "interruptible(" not in p.read_text().split('if __name__ == "__main__":')[1]]
