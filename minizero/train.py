@@ -27,6 +27,8 @@ import time
 import traceback
 import tracemalloc
 
+import numpy as np
+
 from minizero import backend
 from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_fault_spec,  # noqa: F401
                            check_steps_left, model_config, parse_args)
@@ -340,7 +342,8 @@ def main(argv=None) -> int:
         threadpool_limits(limits=threads)
         if use_tracemalloc(args):
             tracemalloc.start()
-        result = train(args, comm, log=lambda s: print(s, flush=True))
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the loop's own one-line diagnosis
+            result = train(args, comm, log=lambda s: print(s, flush=True))
         Interrupts.check()  # dropped in the final evaluation or the traffic table: not a finished run
         process_peak = (result.train_process_peak or tracemalloc.get_traced_memory()[1]
                         if tracemalloc.is_tracing() else peak_rss_bytes())
