@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 
 class NotANumber(argparse.ArgumentTypeError, ValueError):
@@ -57,6 +58,14 @@ def is_count(text: str) -> bool:
 #: a word that starts with '-' then a digit (or '.' and a digit), or is "-inf"/"-nan" (any case), is a value, not an
 #: option: "-1,5", "-1e-3", "-2x", "-inf"
 VALUE_LIKE = re.compile(r"(?:-\.?[0-9].*|-(?i:inf|infinity|nan))\Z")  # whole word (match() as fullmatch())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it)."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
 
 
 def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

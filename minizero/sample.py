@@ -18,7 +18,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import integer, negative_values_reach_checks, real_as_typed
+from minizero.numerals import OneLineParser, integer, negative_values_reach_checks, real_as_typed
 from minizero.weights import load_gpt
 from minizero.interrupts import NOTHING, interruptible
 
@@ -90,19 +90,13 @@ def sample_text(model, prompt: str, max_new_tokens: int, temperature: float = 0.
     return decode(out[0])
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block above it
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
-    p = negative_values_reach_checks(_Parser(prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
-                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                             epilog="A \ufffd in the sample is a byte (or a run of them) that "
-                                                    "is not valid UTF-8, or a control character: the model writes "
-                                                    "bytes, not characters."))
+    p = negative_values_reach_checks(OneLineParser(
+        prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="A \ufffd in the sample is a byte (or a run of them) that is not valid UTF-8, or a control character: "
+               "the model writes bytes, not characters."))
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
     p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
     p.add_argument("--tokens", type=integer, default=200, help="bytes to generate (1..100,000)")

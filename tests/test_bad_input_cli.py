@@ -236,3 +236,17 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out]) == 2
     err = capsys.readouterr().err
     assert f"--out {out!r} cannot be created or take files (" in err and "is not a directory" in err, err
+
+
+@pytest.mark.parametrize("tool,argv", [("quantize", ["--bits", "3"]), ("quantize", ["--block-size", "0"]),
+                                       ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"])])
+def test_a_refusal_is_one_line_without_the_usage_block(capsys, tool, argv):
+    """quantize and finetune printed argparse's whole usage block (15 lines) above the error; every tool's is one
+    line naming the value, exit status 2 (numerals.OneLineParser)."""
+    import importlib
+    try:
+        code = importlib.import_module(f"minizero.{tool}").main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"python -m minizero.{tool}: error: "), err
