@@ -356,9 +356,13 @@ def test_a_traced_job_reports_the_straggler_and_keeps_time_per_rank(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_slow_rank_is_named_the_straggler(monkeypatch, tmp_path):
-    """MINIZERO_FAULT=1:0:slow: rank 1 sleeps 50 ms per step; rank 0 waits for it in the collectives."""
+    """MINIZERO_FAULT=1:0:slow: rank 1 sleeps per step; rank 0 waits for it in the collectives. The sleep is
+    made 0.25 s here (the fault's 50 ms): a loaded machine could stall rank 0's compute for that long, and
+    then rank 0 read as the straggler."""
+    from minizero import faults
     from minizero.train import parse_args, train
     monkeypatch.setenv("MINIZERO_FAULT", "1:0:slow")
+    monkeypatch.setattr(faults, "SLOW_S", 0.25)
     path, logged = str(tmp_path / "t.json"), []
 
     def body(comm):
