@@ -132,17 +132,18 @@ def unpack_int4(packed, n: int):
 
 
 # --------------------------------------------------------------------------- absmax INT8 / INT4
-def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64):
+def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64, what: str = "x"):
     """Symmetric absmax quantization: ``x`` -> ``(q, scale)``, ``|x - dequantize(q, scale)| <= scale/2`` exactly.
 
     Args: bits 8 (codes [-127, 127]) or 4 ([-7, 7]); granularity ``"tensor"``, ``"row"`` (2+ dims) or ``"block"``.
     Returns q (int8 of x's shape; bits 4: packed uint8) and float32 scale (), (rows,) or (blocks,).
-    Raises ValueError: inf/NaN in ``x``, bad ``bits``/``granularity``/``block_size``, 'row' on 1-D, too large a value.
+    Raises ValueError: inf/NaN in ``x`` (named ``what``), bad ``bits``/``granularity``/``block_size``, 'row' on 1-D,
+    too large a value.
     """
     _check_scheme(bits, granularity, block_size)
     x = _array(x)
     xp = backend.array_module(x)
-    check_finite(x)
+    check_finite(x, what)
     qmax = QMAX[bits]
     g = _groups(x.astype(np.float64), granularity, block_size)  # (groups, L)
     scale = absmax_scale(xp.abs(g).max(axis=1) if g.size else xp.zeros(g.shape[0]), bits)

@@ -10,7 +10,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.comm.collectives import _check_array, all_gather, shard_range
-from minizero.quantization import check_finite, dequantize, quantize
+from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
 _A2A_TAG = 1003  # message tag of the all-to-all, apart from the ring's 1001 and broadcast's 1002
@@ -55,9 +55,8 @@ def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BL
                          f"world_size={world_size}, rank={rank}) gives {size}")
     if world_size == 1:
         return shard.reshape(-1).copy()
-    check_finite(shard, f"rank {rank}'s shard")  # quantize would name it 'x'
     with comm.traffic.op("quantized_all_gather"):
-        q, scale = quantize(shard.reshape(-1), 8, "block", block_size)
+        q, scale = quantize(shard.reshape(-1), 8, "block", block_size, what=f"rank {rank}'s shard")
         return _gather_codes(comm, q, scale, n, shard.dtype, block_size)
 
 
