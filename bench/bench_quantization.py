@@ -38,18 +38,11 @@ import _args  # noqa: E402
 
 
 def run(argv, ranks=1):
-    """Train in-process on ``ranks`` thread ranks; rank 0's result plus every rank's traffic."""
+    """Train in-process on ``ranks`` thread ranks; every rank's :class:`minizero.loop.TrainResult`."""
     def job(comm):
         args = parse_args(argv + ["--no-progress", "--no-save"], comm.world_size)
-        ledger = get_ledger()
-        result = train(args, comm, log=lambda s: None)
-        result["ledger_peak"] = dict(ledger.peak)
-        result["traffic"] = comm.traffic.snapshot()
-        return result
-    t0 = time.perf_counter()
-    results = run_in_threads(ranks, job, timeout=3600)
-    results[0]["seconds"] = time.perf_counter() - t0
-    return results
+        return train(args, comm, log=lambda s: None)
+    return run_in_threads(ranks, job, timeout=3600)
 
 
 def common(a, ranks=1):

@@ -276,3 +276,19 @@ def test_data_parallel_with_int8_all_reduce_trains_like_fp32():
     ratio = q_ops["quantized_all_reduce"] / (e_ops["all_reduce"] - q_ops.get("all_reduce", 0))
     assert 0.25 < ratio < 0.3, ratio
     assert abs(quant - exact) < 0.05, (exact, quant)
+
+
+@pytest.mark.timeout(300)
+def test_bench_quantization_comm_and_sparse_tables_run():
+    """bench/bench_quantization.py's tables 4 and 5b end to end at the smallest size (table 4 once crashed on the
+    loop's TrainResult): every row printed, and INT8 gathers and reduce-scatters send fewer bytes per step."""
+    proc = subprocess.run([sys.executable, "bench/bench_quantization.py", "--model", "tiny", "--steps", "2",
+                           "--eval-batches", "1", "--ranks", "2", "--only", "4,5b"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line[:26].strip(): line[26:].split() for line in proc.stdout.splitlines() if line.startswith("ZeRO-")}
+    assert sorted(rows) == ["ZeRO-2", "ZeRO-2 + INT8 comm", "ZeRO-3", "ZeRO-3 + INT8 comm"], proc.stdout
+    for stage in (2, 3):
+        assert float(rows[f"ZeRO-{stage}"][1]) == 1.0
+        assert float(rows[f"ZeRO-{stage} + INT8 comm"][1]) < 1.0
+    assert "5b. sparse training" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].split()[0] == "0.75"
