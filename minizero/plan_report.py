@@ -169,8 +169,10 @@ def rounded_batch(gbatch, shown) -> list[str]:
 
 def assumed(args, hw, scale: float, unit: str) -> str:
     """The GPU, links and efficiency the step times assume, in the table's units (the defaults: an A100's)."""
-    a100 = (hw.flops, hw.intra_node_bw, hw.gpu_memory) == (Hardware.flops, Hardware.intra_node_bw, Hardware.gpu_memory)
-    who = "an A100-80GB SXM's, the defaults" if a100 else "as given"
+    flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",
+             "inter_node_bw": "--inter-node-bw", "pcie_bw": "--pcie-bw", "gpu_memory": "--gpu-memory"}
+    given = [flag for field, flag in flags.items() if getattr(hw, field) != getattr(Hardware, field)]
+    who = "an A100-80GB SXM's, the defaults" + (f", but {', '.join(given)} as given" if given else "")
     return (f"assumed ({who}; --gpu-flops, --efficiency, --intra-node-bw, --inter-node-bw, --pcie-bw): "
             f"{hw.flops / 1e12:g} TFLOP/s peak dense 16-bit per GPU, matmuls at {hw.efficiency:.0%} of it; NVLink "
             f"{hw.intra_node_bw / scale:.2f} {unit}/s per direction, network {hw.inter_node_bw / scale:.2f} {unit}/s "

@@ -55,8 +55,11 @@ def test_header_names_the_assumed_gpu_and_what_mfu_and_zero_mean(capsys):
     why = out.split("why:")[1].splitlines()[1:]
     assert len(why) > 3 and max(len(line) for line in why) <= 100
     code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu-flops", "989e12", "--units", "GiB")
-    assert code == 0 and "assumed (as given;" in out and "989 TFLOP/s" in out and "279.40 GiB/s" in out
+    assert code == 0 and "assumed (an A100-80GB SXM's, the defaults, but --gpu-flops as given;" in out
+    assert "989 TFLOP/s" in out and "279.40 GiB/s" in out
     assert "80GiB;" in out  # the flag's unit is the table's: no conversion
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--efficiency", "0.3", "--pcie-bw", "32GB")
+    assert code == 0 and "the defaults, but --efficiency, --pcie-bw as given;" in out and "30% of it" in out
 
 
 def test_trainer_preset_names_are_accepted(capsys):
