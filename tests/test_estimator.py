@@ -281,16 +281,19 @@ def test_minizero_accounting_data_parallel_and_zero(stage):
 
 def _tensor_parallel_peaks(comm, recompute):
     from minizero.parallel.tensor_parallel import tensor_parallelize
+    from minizero.parallel.pipeline import PipelineStage
+    from minizero.parallel.vocab_parallel import vocab_parallelize
 
     ledger = set_ledger(MemoryLedger())
     cfg = get_config("small", dropout=0.1)
-    model = GPT(cfg, seed=0)
-    tensor_parallelize(model, comm)
-    apply_recompute(model, recompute)
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    tensor_parallelize(stage, comm)  # as the trainer's build_stage does
+    vocab_parallelize(stage, comm)
+    apply_recompute(stage, recompute)
     manual_seed(0)
     x = np.random.default_rng(0).integers(0, 256, (2, cfg.block_size))
     ledger.reset_peaks()
-    model(x, x)[1].backward()
+    stage(x, x).backward()
     return dict(ledger.current), dict(ledger.peak)
 
 
@@ -299,7 +302,7 @@ def test_minizero_accounting_tensor_parallel(recompute):
     current, peak = run_in_threads(2, _tensor_parallel_peaks, recompute)[0]
     st = Strategy(tp=2, precision="fp32", micro_batch=2, recompute=recompute)
     est = estimate_memory(get_config("small", dropout=0.1), st, accounting="minizero")
-    assert est.parameters == current["parameters"]  # layers split, embedding and head replicated
+    assert est.parameters == current["parameters"]  # layers split, the vocabulary too (the position embedding not)
     assert est.activations == pytest.approx(peak["activations"], rel=0.05)
 
 
@@ -398,3 +401,36 @@ def test_blocking_zero_scratch_matches_the_ledger_metrics_row_included(n, zero):
     est = estimate_memory(get_config("tiny"), st, accounting="minizero").as_dict()
     for peak in run_in_threads(n, _cli_peaks, flags, timeout=240):
         assert peak.get("comm_scratch", 0) == est["comm_scratch"]
+
+
+def _trainer_states(comm, flags):
+    """The ledger's model-state bytes of the main job's loop after its second step's gradients (Adam's state
+    exists since the first)."""
+    from minizero.ledger import get_ledger
+    from minizero.loop import train
+    from minizero.train import parse_args
+
+    args = parse_args(["--model", "tiny", "--dtype", "float64", "--steps", "2", "--eval-batches", "1",
+                       "--eval-every", "0", "--progress", "none", "--no-save", *flags], comm.world_size)
+    seen = {}
+
+    def after_grads(step, params, opt):
+        if step == 1:
+            seen.update({c: get_ledger().current[c] for c in ("parameters", "gradients", "optimizer_state")})
+    train(args, comm, log=lambda s: None, after_grads=after_grads)
+    return args.pp, comm.rank // (comm.world_size // args.pp), seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,flags", [(2, ["--tp", "2"]), (4, ["--tp", "2", "--pp", "2"]),
+                                     (4, ["--tp", "2", "--dp", "2", "--zero", "1"])])
+def test_minizero_accounting_model_states_under_tp_equal_the_trainers_ledger(n, flags):
+    """The trainer splits the vocabulary over the tensor group (vocab_parallel.py), the estimate too: each stage's
+    parameters, gradients and Adam's state per rank, exactly (the tiny model's units need no padding)."""
+    a = dict(zip(flags[::2], (int(v) for v in flags[1::2])))
+    st = Strategy(dp=a.get("--dp", 1), tp=a["--tp"], pp=a.get("--pp", 1), zero=a.get("--zero", 0), precision="fp64",
+                  micro_batch=2)
+    for pp, stage, seen in run_in_threads(n, _trainer_states, flags, timeout=280):
+        est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
+        assert seen == {c: est[c] for c in seen}, (stage, seen)
+        assert pp == st.pp

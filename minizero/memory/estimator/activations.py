@@ -122,7 +122,8 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
     2sbh and the output projection input 2sbh; the logits kept in fp32 for the cross-entropy, 4sbV (vocab-parallel,
     split by t). ``"minizero"``: int64 token ids, positions and targets; the final norm's input and statistics, the LM
     head input, the logits in the activation dtype and the log-sum-exp (functional.py: Embedding, LayerNorm, Linear,
-    CrossEntropy). Returns (embedding rows, head rows).
+    CrossEntropy; under t > 1 vocab_parallel.py's, whose (N,) index and masks are left out). Returns (embedding rows,
+    head rows).
     """
     m = as_shape(model)
     e = activation_element(precision, accounting)
@@ -138,7 +139,7 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
         if m.learned_pos:
             emb.append(Saved("positions (int64)", 8 * s, "sp", "pre"))
         head += [Saved("final norm mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2),
-                 Saved("logits (the LM head is replicated)", e * s * b * v, "rep", "post"),
+                 Saved("logits (split by vocabulary over t)", e * s * b * v, "tp", "post"),
                  Saved("log-sum-exp", stat_e * s * b, "sp", "post"),
                  Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
     else:
@@ -168,9 +169,8 @@ def narrow_linear_rows(rows: list[Saved], model, precision: str, e: int) -> list
             out.append(r)
             continue
         n = len(weights[r.name])
-        split = "rep" if r.name == "output projection input" else "tp"
         out += [Saved(f"{r.name} ({precision})", per * r.nbytes // e * n, r.split, r.part, arrays=n),
-                Saved(f"{r.name}: its weight ({precision})", per * sum(weights[r.name]), split, r.part, arrays=n)]
+                Saved(f"{r.name}: its weight ({precision})", per * sum(weights[r.name]), "tp", r.part, arrays=n)]
         if scales:
             out.append(Saved(f"{r.name}: scales", scales * n, "rep", r.part, arrays=2 * n))
     return out

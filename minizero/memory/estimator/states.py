@@ -43,8 +43,8 @@ def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: 
     """Parameters (elements) of one pipeline stage on one tensor-parallel rank, before ZeRO sharding.
 
     Stage i holds L/p layers (:func:`stage_layers`; MoE blocks with E/ep routed experts); stage 0 also the
-    embeddings, stage p-1 the final norm and head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``:
-    the embedding and the head are split by t (Megatron-LM) or replicated (minizero).
+    embeddings, stage p-1 the final norm and head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``: the
+    embedding and the head are split by t (Megatron-LM; minizero's trainer: parallel/vocab_parallel.py) or replicated.
     """
     m = as_shape(model)
     p, t = strategy.pp, strategy.tp

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
     ModelShape, PRECISIONS, Strategy, element_bytes, as_shape, precision_for_dtype)
@@ -43,9 +44,8 @@ class MemoryEstimate:
 
 def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage: int) -> MemoryEstimate:
     pb, gbytes, e, _ = element_bytes(st)
-    vocab_parallel = accounting == "paper"
-    psi = stage_parameters(m, st, stage, vocab_parallel)
-    states = stage_state_bytes(m, st, stage, vocab_parallel)
+    psi = stage_parameters(m, st, stage)  # the vocabulary split by t, in both accountings (vocab_parallel.py)
+    states = stage_state_bytes(m, st, stage)
     params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
     if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
         # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
@@ -68,14 +68,14 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
     largest_unit = m.layer_parameters(st.tp, ep=st.ep)
     if stage == 0:
-        largest_unit = max(largest_unit, m.embedding_parameters(st.tp, vocab_parallel))
+        largest_unit = max(largest_unit, m.embedding_parameters(st.tp))
     comm = gathered = 0
     if accounting == "minizero":
         # minizero's own buffers (parallel/data_parallel.py, memory/zero.py): stage 0 keeps flat
         # buckets for every gradient; stages 2-3 open one unit's full-size gradient bucket at a
         # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
         # used at both ends of the model and stays open (gathered) in between.
-        tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
+        tied = math.ceil(m.vocab_size / st.tp) * m.hidden if m.tied_embeddings and st.pp == 1 else 0
         if st.data_ranks > 1 and st.zero == 0:
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
         overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)

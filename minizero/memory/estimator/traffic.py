@@ -39,8 +39,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     s = seq_len or m.seq_len
     pb, gbytes, e, _ = element_bytes(st)
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
-    vocab_parallel = accounting == "paper"
-    psi = stage_parameters(m, st, stage, vocab_parallel)
+    psi = stage_parameters(m, st, stage)  # the vocabulary split by t, in both accountings (vocab_parallel.py)
     experts = stage_expert_parameters(m, st, stage)
     dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
         + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
@@ -51,14 +50,14 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         tp = tensor_parallel_bytes(m, st, s, stage)["total"]
     elif t > 1:
         per_layer = 4 + (2 if st.recompute == "full" else 0)
-        ends = ((stage == 0) + (stage == st.pp - 1)) if vocab_parallel else 0
+        ends = (stage == 0) + (stage == st.pp - 1)
         tp = mb * (layers * per_layer + ends) * 2 * _ring(t) * x
     pp = 0.0
     if st.pp > 1:
         boundaries = (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
         pp = mb * boundaries * x / t
         if m.tied_embeddings and stage in (0, st.pp - 1):
-            pp += gbytes * m.vocab_size * m.hidden / (t if vocab_parallel else 1)  # 2-rank all-reduce
+            pp += gbytes * m.vocab_size * m.hidden / t  # 2-rank all-reduce
     if st.cp_attention == "ulysses":
         attn = ulysses_attention_bytes(st.micro_batch, m.n_head // t, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
     else:
