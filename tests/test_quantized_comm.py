@@ -191,7 +191,7 @@ def test_zero3_training_with_int8_comm_stays_within_005_nats():
     """The issue's check: 200 steps of ZeRO-3 over 2 ranks, INT8 gathers and reduce-scatters vs FP32 ones,
     with the main job's global batch (16) and learning rate. (The tiny model's 200-step loss moves by a few
     hundredths under any perturbation — float64 instead of float32 moves it 0.04 — so this is a loose check;
-    bench/bench_quantization.py measures the 'small' model: -0.009 for ZeRO-2, +0.050 for ZeRO-3, 2026-12-01.)"""
+    bench/bench_quantization.py measures the 'small' model: docs/benchmarks.md, "Quantization and sparsity".)"""
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):
