@@ -405,7 +405,8 @@ def test_blocking_zero_scratch_matches_the_ledger_metrics_row_included(n, zero):
 
 def _trainer_states(comm, flags):
     """The ledger's model-state bytes of the main job's loop after its second step's gradients (Adam's state
-    exists since the first)."""
+    exists since the first), and its peak ZeRO buffers over the steps."""
+    from minizero.callbacks import Callback
     from minizero.ledger import get_ledger
     from minizero.loop import train
     from minizero.train import parse_args
@@ -414,23 +415,31 @@ def _trainer_states(comm, flags):
                        "--eval-every", "0", "--progress", "none", "--no-save", *flags], comm.world_size)
     seen = {}
 
+    class Peaks(Callback):
+        def on_train_start(self, run):
+            get_ledger().reset_peaks()
+
+        def on_train_end(self, run):
+            seen.update({c: get_ledger().peak[c] for c in ("comm_buffers", "gathered")})
+
     def after_grads(step, params, opt):
         if step == 1:
             seen.update({c: get_ledger().current[c] for c in ("parameters", "gradients", "optimizer_state")})
-    train(args, comm, log=lambda s: None, after_grads=after_grads)
-    return args.pp, comm.rank // (comm.world_size // args.pp), seen
+    train(args, comm, log=lambda s: None, after_grads=after_grads, callbacks=[Peaks()])
+    return args, comm.rank // (comm.world_size // args.pp), seen
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n,flags", [(2, ["--tp", "2"]), (4, ["--tp", "2", "--pp", "2"]),
-                                     (4, ["--tp", "2", "--dp", "2", "--zero", "1"])])
-def test_minizero_accounting_model_states_under_tp_equal_the_trainers_ledger(n, flags):
+                                     (4, ["--tp", "2", "--dp", "2", "--zero", "1"]),
+                                     (4, ["--tp", "2", "--dp", "2", "--zero", "3"]),
+                                     (4, ["--tp", "2", "--dp", "2", "--zero", "3", "--no-overlap"])])
+def test_minizero_accounting_under_tp_equals_the_trainers_ledger(n, flags):
     """The trainer splits the vocabulary over the tensor group (vocab_parallel.py), the estimate too: each stage's
-    parameters, gradients and Adam's state per rank, exactly (the tiny model's units need no padding)."""
-    a = dict(zip(flags[::2], (int(v) for v in flags[1::2])))
-    st = Strategy(dp=a.get("--dp", 1), tp=a["--tp"], pp=a.get("--pp", 1), zero=a.get("--zero", 0), precision="fp64",
-                  micro_batch=2)
-    for pp, stage, seen in run_in_threads(n, _trainer_states, flags, timeout=280):
+    parameters, gradients, Adam's state and ZeRO's buckets and gathered units per rank, exactly (the tiny
+    model's units need no padding)."""
+    for args, stage, seen in run_in_threads(n, _trainer_states, flags, timeout=280):
+        st = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, precision="fp64", micro_batch=2,
+                      micro_batches=args.grad_accum, overlap=args.overlap)
         est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
         assert seen == {c: est[c] for c in seen}, (stage, seen)
-        assert pp == st.pp

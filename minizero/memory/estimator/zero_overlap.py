@@ -25,15 +25,16 @@ def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]
     other units' padded elements in backward order (see the module docstring)."""
     dp, t = st.data_ranks, st.tp  # ZeRO shards over dp x cp
     norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
+    vocab = math.ceil(m.vocab_size / t) * m.hidden  # the embedding and head split by t (parallel/vocab_parallel.py)
     chain = []
     if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
-        chain += ([m.vocab_size * m.hidden] if st.pp > 1 or not m.tied_embeddings else []) + [norm]
+        chain += ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [norm]
     chain += [m.layer_parameters(t, i, st.ep) for i in stage_layers(m, st, stage)]
-    tied = m.vocab_size * m.hidden if m.tied_embeddings and st.pp == 1 else 0
+    tied = vocab if m.tied_embeddings and st.pp == 1 else 0
     if stage == 0:
         bottom = m.seq_len * m.hidden if m.learned_pos else 0
         if st.pp > 1 or not m.tied_embeddings:
-            bottom += m.vocab_size * m.hidden
+            bottom += vocab
         if bottom:
             chain.append(bottom)
     return _padded(tied, dp), [_padded(u, dp) for u in chain]
