@@ -420,7 +420,7 @@ def _trainer_states(comm, flags):
             get_ledger().reset_peaks()
 
         def on_train_end(self, run):
-            seen.update({c: get_ledger().peak[c] for c in ("comm_buffers", "gathered")})
+            seen.update({c: get_ledger().peak[c] for c in ("comm_buffers", "gathered", "comm_scratch")})
 
     def after_grads(step, params, opt):
         if step == 1:
@@ -437,9 +437,10 @@ def _trainer_states(comm, flags):
 def test_minizero_accounting_under_tp_equals_the_trainers_ledger(n, flags):
     """The trainer splits the vocabulary over the tensor group (vocab_parallel.py), the estimate too: each stage's
     parameters, gradients, Adam's state and ZeRO's buckets and gathered units per rank, exactly (the tiny
-    model's units need no padding)."""
+    model's units need no padding); the collectives' scratch is bounded."""
     for args, stage, seen in run_in_threads(n, _trainer_states, flags, timeout=280):
         st = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, precision="fp64", micro_batch=2,
                       micro_batches=args.grad_accum, overlap=args.overlap)
         est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
+        assert 0 < seen.pop("comm_scratch") <= est["comm_scratch"]  # a bound under tp (estimator/scratch.py)
         assert seen == {c: est[c] for c in seen}, (stage, seen)

@@ -59,6 +59,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         else:
             n = min(bucket // g, sum(m.layer_parameters(t, i, st.ep) for i in range(m.n_layer)) // st.pp)
         out.append(all_reduce_scratch(n, g, dp))
+    tp_scratch = all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t) if t > 1 else 0
     if dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t, ep=st.ep)]
         if stage == 0:
@@ -66,12 +67,12 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         if stage == st.pp - 1:
             units.append(2 * m.hidden)
         padded = max(math.ceil(u / dp) * dp for u in units)
-        if st.overlap and st.zero >= 2:  # the non-blocking ring's receive chunks instead (estimator/zero_overlap.py)
-            out.append(overlapped_ring_scratch(m, st, stage) * g)
+        if st.overlap and st.zero >= 2:  # the non-blocking ring's receive chunks instead (estimator/zero_overlap.py),
+            # alive while backward's tensor-parallel all-reduces run
+            out.append(overlapped_ring_scratch(m, st, stage) * g + tp_scratch)
         else:
             out.append(reduce_scatter_scratch(padded, dp, 0) * g)
-    if t > 1:
-        out.append(all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t))
+    out.append(tp_scratch)
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):
         out.append(all_reduce_scratch(m.vocab_size * m.hidden // t, g, 2))
     return max(out)
