@@ -55,7 +55,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     pp = 0.0
     if st.pp > 1:
         boundaries = (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
-        pp = mb * boundaries * x / t
+        # each tensor rank sends its stage's whole output (paper: 1/t, Megatron's scatter-gather; minizero splits it
+        # only under sequence parallelism, parallel/pipeline.py)
+        pp = mb * boundaries * x / (t if accounting == "paper" or st.sequence_parallel else 1)
         if m.tied_embeddings and stage in (0, st.pp - 1):
             pp += gbytes * m.vocab_size * m.hidden / t  # 2-rank all-reduce
     if st.cp_attention == "ulysses":
