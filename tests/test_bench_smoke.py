@@ -1,0 +1,39 @@
+"""Every benchmark the docs quote runs end to end at its smallest size and prints its header and table.
+
+Timings are not checked (benchmarks measure; tests do not time). What is checked: the script exits 0, prints the
+machine header (``bench/_machine.py``) and at least one table row. bench_quantization (tests/test_quantized_comm.py),
+profile_step and profile_collective (their own tests) and the scripts that need PyTorch, mpiexec or minutes at
+any size (bench_vs_torch, bench_speedup, bench_3d_main_job, bench_allreduce, bench_multihost, bench_defaults,
+bench_qlora, bench_setup_peak, bench_header) are left to their own runs.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT, mpi_env
+
+SMOKE = {
+    "bench_recompute": ["--model", "tiny", "--batch", "2", "--repeats", "1"],
+    "bench_precision": ["--model", "tiny", "--steps", "4", "--window", "2"],
+    "bench_low_precision": ["--model", "tiny", "--steps", "4", "--window", "2"],
+    "bench_overlap": ["--ranks", "2", "--steps", "2", "--model", "tiny"],
+    "bench_flight": ["--ranks", "2", "--steps", "3", "--rounds", "1", "--model", "tiny"],
+    "bench_train": ["--ranks", "1", "--steps", "2", "--model", "tiny", "--rounds", "1"],
+    "bench_seq_memory": ["--model", "tiny", "--batch", "1", "--repeats", "1", "--png", "{tmp}/seq_memory.png"],
+    "bench_memory": ["--model", "tiny", "--ranks", "1", "--steps", "2", "--configs", "baseline,fp16"],
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_bench_runs_and_prints_its_table(name, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[name]]
+    proc = subprocess.run([sys.executable, os.path.join("bench", f"{name}.py"), *argv], cwd=REPO_ROOT,
+                          env=mpi_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(" UTC | " in line and "OPENBLAS_CORETYPE=" in line for line in lines), proc.stdout[:2000]
+    assert any(line.startswith("|") and line.count("|") >= 3 and "---" not in line for line in lines[1:]), \
+        proc.stdout[-2000:]
