@@ -115,15 +115,16 @@ def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int =
 
 
 def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str = "paper",
-                         precision: str = "mixed") -> tuple[list[Saved], list[Saved]]:
+                         precision: str = "mixed", tp: int = 1) -> tuple[list[Saved], list[Saved]]:
     """What the embedding (first stage) and the head (last stage) save, one micro-batch (bytes).
 
     ``"paper"``, following Korthikanti et al. 2022, section 4.3: the embedding dropout mask sbh; the final norm input
     2sbh and the output projection input 2sbh; the logits kept in fp32 for the cross-entropy, 4sbV (vocab-parallel,
     split by t). ``"minizero"``: int64 token ids, positions and targets; the final norm's input and statistics, the LM
     head input, the logits in the activation dtype and the log-sum-exp (functional.py: Embedding, LayerNorm, Linear,
-    CrossEntropy; under t > 1 vocab_parallel.py's, whose (N,) index and masks are left out). Returns (embedding rows,
-    head rows).
+    CrossEntropy). Under ``tp`` > 1 vocab_parallel.py's instead: each tensor rank saves token ids and targets local
+    to its vocabulary (int64, new arrays, not the caller's batch) and a bool mask beside each. Returns (embedding
+    rows, head rows).
     """
     m = as_shape(model)
     e = activation_element(precision, accounting)
@@ -134,14 +135,20 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
         emb.append(Saved("embedding dropout mask", s * b * h, "sp", "pre"))
     head += [Saved("final norm input", e * s * b * h, "sp", "post"),
              Saved("output projection input", e * s * b * h, "sp", "post")]
-    if accounting == "minizero":
+    if accounting == "minizero" and tp > 1:
+        emb += [Saved("local token ids (int64)", 8 * s * b, "rep", "pre"),
+                Saved("in-vocabulary mask", s * b, "rep", "pre")]
+        targets = [Saved("local targets (int64)", 8 * s * b, "rep", "post"),
+                   Saved("own-target mask", s * b, "rep", "post")]
+    else:
         emb.append(Saved("token ids (int64)", 8 * s * b, "sp", "pre"))
+        targets = [Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
+    if accounting == "minizero":
         if m.learned_pos:
-            emb.append(Saved("positions (int64)", 8 * s, "sp", "pre"))
+            emb.append(Saved("positions (int64)", 8 * s, "rep", "pre"))  # whole under sequence parallelism too
         head += [Saved("final norm mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2),
                  Saved("logits (split by vocabulary over t)", e * s * b * v, "tp", "post"),
-                 Saved("log-sum-exp", stat_e * s * b, "sp", "post"),
-                 Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
+                 Saved("log-sum-exp", stat_e * s * b, "rep", "post"), *targets]  # the head sees the whole sequence
     else:
         head.append(Saved("logits (fp32, for the loss)", 4 * s * b * v, "tp", "post"))
     return emb, narrow_linear_rows(head, m, precision, e)
@@ -278,7 +285,7 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     st = strategy
     t, sp = st.tp, st.sequence_parallel
     rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention)  # cp > 1: s/cp tokens
-    emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision)
+    emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision, t)
     chunks, v = in_flight(st, stage)
     layers_per_chunk = m.n_layer // (st.pp * v)
     moe_share = 0.0  # MoE blocks per chunk (a stage's chunks each hold the mean), their rows in place of the MLP's

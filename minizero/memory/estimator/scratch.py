@@ -17,6 +17,7 @@ import math
 from minizero.comm.collectives import reduce_scatter_scratch
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import ModelShape, Strategy, element_bytes
+from minizero.memory.estimator.states import stage_parameters
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
@@ -56,8 +57,8 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
         if t == 1 and st.pp == 1:
             n = largest_bucket(m.tensor_sizes(), g, bucket)
-        else:
-            n = min(bucket // g, sum(m.layer_parameters(t, i, st.ep) for i in range(m.n_layer)) // st.pp)
+        else:  # a bound: a bucket holds up to bucket bytes, or one larger tensor, and no more than the stage
+            n = min(stage_parameters(m, st, stage), max(bucket // g, max(m.tensor_sizes())))
         out.append(all_reduce_scratch(n, g, dp))
     tp_scratch = all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t) if t > 1 else 0
     if dp > 1 and st.zero >= 1:
