@@ -114,6 +114,9 @@ def test_pipeline_in_flight():
     core = sum(r.per_rank(8, True) for r in rows if r.part == "core")
     post = sum(r.per_rank(8, True) for r in rows if r.part == "post")
     emb, head = (sum(r.per_rank(8, True) for r in part) for part in E.saved_outside_layers(m, 2048, 1))
+    # section 4.3: the embedding's dropout mask sbh; the final norm's and output projection's inputs 2sbh each, the
+    # fp32 logits 4sbV; all split by t (sequence and vocabulary parallel)
+    assert (emb, head) == (2048 * m.hidden / 8, (4 * 2048 * m.hidden + 4 * 2048 * m.vocab_size) / 8)
     for p in (1, 4, 16):
         st = Strategy(tp=8, pp=p, sequence_parallel=True, recompute="selective", micro_batches=64)
         acts, _ = E.activation_bytes(m, st, 2048, stage=0)

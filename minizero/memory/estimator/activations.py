@@ -135,15 +135,15 @@ def saved_outside_layers(model, seq_len: int, micro_batch: int, accounting: str 
         emb.append(Saved("embedding dropout mask", s * b * h, "sp", "pre"))
     head += [Saved("final norm input", e * s * b * h, "sp", "post"),
              Saved("output projection input", e * s * b * h, "sp", "post")]
-    if accounting == "minizero" and tp > 1:
-        emb += [Saved("local token ids (int64)", 8 * s * b, "rep", "pre"),
-                Saved("in-vocabulary mask", s * b, "rep", "pre")]
-        targets = [Saved("local targets (int64)", 8 * s * b, "rep", "post"),
-                   Saved("own-target mask", s * b, "rep", "post")]
-    else:
-        emb.append(Saved("token ids (int64)", 8 * s * b, "sp", "pre"))
-        targets = [Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
     if accounting == "minizero":
+        if tp > 1:
+            emb += [Saved("local token ids (int64)", 8 * s * b, "rep", "pre"),
+                    Saved("in-vocabulary mask", s * b, "rep", "pre")]
+            targets = [Saved("local targets (int64)", 8 * s * b, "rep", "post"),
+                       Saved("own-target mask", s * b, "rep", "post")]
+        else:
+            emb.append(Saved("token ids (int64)", 8 * s * b, "sp", "pre"))
+            targets = [Saved("targets (int64; the caller's batch, alive all step)", 8 * s * b, "sp", "held")]
         if m.learned_pos:
             emb.append(Saved("positions (int64)", 8 * s, "rep", "pre"))  # whole under sequence parallelism too
         head += [Saved("final norm mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2),
