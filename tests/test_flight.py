@@ -318,6 +318,15 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
             "pipeline stage 1)") in out
 
 
+def test_trace_report_of_one_rank_names_no_straggler():
+    """Before: "slowest rank: 0 (...; 1.00x rank 0's ...)" and "most waiting: rank 0" for a single process."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "optimizer", "optimizer", 0, 1000, 1000)]
+    lines = timeline.report(events)
+    assert lines[-1] == "one rank: no straggler to name (working 2.00 ms/step, compute 2.00)"
+    assert not any(line.startswith(("slowest rank", "most waiting")) for line in lines)
+
+
 def _train_checked(comm, extra, check):
     from minizero.train import parse_args, train
     if check:
