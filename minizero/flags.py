@@ -17,7 +17,7 @@ from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.parallel.expert_parallel import MOE_EVERY
-from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
@@ -39,19 +39,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show ``(default: X)`` only where the help text does not already say what the default is."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
     p = negative_values_reach_checks(_Parser(
-        prog="python -m minizero.train", formatter_class=_HelpFormatter,
+        prog="python -m minizero.train", formatter_class=DefaultsOnce,
         description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose."))
     p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")

@@ -1,0 +1,16 @@
+"""Every program's --help says each option's default once, and never as a value one cannot type."""
+import re
+
+import pytest
+
+from minizero import compare, finetune, flags, plan, quantize, sample
+
+
+@pytest.mark.parametrize("module", [flags, plan, quantize, sample, finetune, compare], ids=lambda m: m.__name__)
+def test_help_says_each_default_once_and_never_none(module):
+    """Before: quantize's "--model ... (default: model.json beside the weights, ...) (default: None)", sample's
+    "--top-k ...; None: all 256 (default: None)" (--top-k None is refused)."""
+    text = module.build_parser().format_help()
+    for block in re.split(r"\n  (?=-)", text.split("options:")[1]):
+        assert block.count("default:") + block.count("default the") <= 1, block
+        assert "default: None" not in block and "default: False" not in block and "None:" not in block, block
