@@ -133,7 +133,8 @@ def format_table(result: dict) -> str:
     """The measurements as a text table (bytes exact, losses in nats per token)."""
     base, rows = result["baseline"], result["rows"]
     lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
-             f"{result['tokens']:,} tokens; linear layers quantized (skipped: {', '.join(rows[0]['skipped']) or '-'})",
+             f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
+             f"{', '.join(rows[0]['skipped']) or '-'})",
              f"{'weights':<22}{'linear bytes':>14}{'model bytes':>13}{'ratio':>7}{'val loss':>10}{'delta':>10}",
              f"{DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype')):<22}"
              f"{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"
