@@ -64,7 +64,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
     """``(default: X)`` once: not where the help already says the default, nor for None, False (a switch)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
