@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
-    p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained (see above)")
+    p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained: full (every parameter), "
+                   "lora (adapters on frozen float weights), qlora (adapters on frozen NF4 weights)")
     p.add_argument("--table", action="store_true", help="run every method on the same data and print one table")
     p.add_argument("--lora-rank", type=integer, default=8, help="adapter rank r")
     p.add_argument("--lora-alpha", type=real, default=16.0, help="adapter scale numerator (scale = alpha / r)")
