@@ -245,6 +245,7 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     assert proc.returncode != 0
     flight = out / "flight"
     assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
+    assert f"(who hung where: python -m minizero.debug hang {flight})" in proc.stderr, proc.stderr  # the next step
     for f in os.listdir(flight):  # each live rank wrote its file within --comm-timeout + 30 s of starting to wait
         snap = json.loads((flight / f).read_text())
         waiting_since = min(e["posted_us"] for e in snap["entries"] if e["state"] != "completed")
