@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
     p.add_argument("--virtual-stages", type=integer, default=1,
                    help="model chunks per pipeline rank (--schedule interleaved)")
-    p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
+    p.add_argument("--pp-verbose", action="store_true",
+                   help="print every message of one pipeline (data rank 0, tensor rank 0) as an arrow")
     p.add_argument("--lr", type=real, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=real, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup", type=integer, default=None,
