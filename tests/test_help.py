@@ -10,7 +10,10 @@ from minizero import compare, finetune, flags, plan, quantize, sample
 def test_help_says_each_default_once_and_never_none(module):
     """Before: quantize's "--model ... (default: model.json beside the weights, ...) (default: None)", sample's
     "--top-k ...; None: all 256 (default: None)" (--top-k None is refused)."""
-    text = module.build_parser().format_help()
+    _check_once(module.build_parser().format_help())
+
+
+def _check_once(text):
     for block in re.split(r"\n  (?=-)", text.split("options:")[1]):
         assert block.count("default:") + block.count("default the") <= 1, block
         assert "default: None" not in block and "default: False" not in block and "None:" not in block, block
