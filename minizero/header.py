@@ -84,13 +84,13 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.sequence_parallel:
         lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
                      "tensor rank (all-gather in, reduce-scatter out)")
-    if topo.tp * topo.pp > 1:
-        lines.append(topo.describe())
     if s.cp > 1:
-        lines.append(f"context parallel: cp {s.cp} (the data groups of {topo.dp} ranks are dp {topo.dp // s.cp} x cp "
-                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, "
+        lines.append(f"context parallel: cp {s.cp} (the mesh's data groups of {topo.dp} ranks are dp "
+                     f"{topo.dp // s.cp} x cp {s.cp}), each rank 2 of {2 * s.cp} sequence chunks, "
                      + ("Ulysses attention (all-to-all from sequence shards to head shards and back)"
                         if args.cp_attention == "ulysses" else "ring attention"))
+    if topo.tp * topo.pp > 1:
+        lines.append(topo.describe())
     if topo.pp > 1:
         m, v = args.grad_accum, args.virtual_stages
         sched = make_schedule(args.schedule, topo.pp, m, v)
