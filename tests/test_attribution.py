@@ -30,3 +30,11 @@ def test_hotspots_name_rank_groups_as_the_memory_table_does():
     first, last = {"h.0.mlp": 512 * 1024}, {"h.2.mlp": 256 * 1024}
     lines = format_top_modules([first] * 4 + [last] * 4, n=3).splitlines()
     assert lines[1].startswith("  r0-3: h.0.mlp") and lines[2].startswith("  r4-7: h.2.mlp")
+
+
+def test_hotspots_say_none_when_no_module_kept_activations():
+    """Before: "  every rank:" and nothing after it (--offload-activations cpu: the saved arrays are offloaded)."""
+    from minizero.memory.attribution import format_top_modules
+
+    assert format_top_modules([{"h.0.mlp": 0}, {}]).splitlines()[1] == (
+        "  every rank: none (no saved array stayed in the activations category)")

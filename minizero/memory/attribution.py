@@ -178,6 +178,8 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
             groups.setdefault(b, []).append(name or "(top level: the loss)")
         parts = [f"{names[0]} {format_bytes(b)}" if len(names) == 1 else
                  f"{len(names)} modules at {format_bytes(b)} each: {_compact(names)}" for b, names in groups.items()]
+        if not parts:  # e.g. --offload-activations: what forward saved is counted as offloaded
+            return "none (no saved array stayed in the activations category)"
         return ("; " if len(groups) < len(shown) else ", ").join(parts)  # "; ": a part holds commas itself
     rows = [line_of(peaks) for peaks in per_rank]
     for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
