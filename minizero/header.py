@@ -78,6 +78,20 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))
+    also = [w for w, here in (
+        (f"activation recompute {args.recompute}"
+         + (f" (every {args.recompute_every}-th block)" if args.recompute_every > 1 else ""), args.recompute != "none"),
+        (f"saved activations offloaded to {args.offload_activations}", args.offload_activations != "none"),
+        (f"optimizer state and update offloaded to {args.offload_optimizer}", args.offload_optimizer != "none"),
+        (f"8-bit Adam (an absmax per {args.adam8bit_block_size} elements)", args.optimizer == "adam8bit"),
+        ("INT8 on the wire for " + ("the gradient all-reduce" if not args.zero else "the gradient reduce-scatters"
+                                    + (" and parameter all-gathers" if args.zero == 3 else "")), args.quantized_comm),
+        ("hierarchical all-reduce", args.allreduce == "hierarchical"),
+        (f"magnitude pruning to {args.prune_sparsity:.0%} ({args.prune_scope}"
+         f"{f', masks made after step {args.prune_step}' if args.prune_step else ''})", args.prune_sparsity > 0),
+    ) if here]
+    if also:  # the techniques no other header line names
+        lines.append("also: " + "; ".join(also))
     if args.attention == "flash":
         lines.append(f"attention: flash, blocks of {args.attention_block} rows (online softmax; keeps the output and "
                      "the row log-sum-exp, no (T, T) array)")
