@@ -28,7 +28,7 @@ from minizero.files import (WriteError, atomic_write, check_output, check_writab
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
-from minizero.numerals import integer, is_count, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, integer, is_count, negative_values_reach_checks, real
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the data-parallel FP32
 #: baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy (host memory *is* device
@@ -38,8 +38,8 @@ STRATEGIES = {
     "recompute": (["--recompute", "full"], "+ full activation recompute"),
     "fp16": (["--precision", "fp16"], "+ FP16 mixed precision (2 + 2 + 12 bytes/param)"),
     "zero1": (["--zero", "1"], "+ ZeRO-1: optimizer state sharded"),
-    "zero2": (["--zero", "2"], "+ ZeRO-2: and gradients"),
-    "zero3": (["--zero", "3"], "+ ZeRO-3: and parameters"),
+    "zero2": (["--zero", "2"], "+ ZeRO-2: optimizer state and gradients sharded"),
+    "zero3": (["--zero", "3"], "+ ZeRO-3: optimizer state, gradients, parameters sharded"),
     "offload": (["--offload-optimizer", "cpu", "--offload-activations", "cpu"],
                 "+ optimizer state and saved activations in host memory"),
     "offload-nvme": (["--offload-optimizer", "nvme", "--offload-activations", "nvme"],
@@ -211,7 +211,7 @@ def measure_threads(name: str, model: str = "tiny", ranks: int = 2, steps: int =
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.compare``."""
     p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
-                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                                             formatter_class=DefaultsOnce))
     p.add_argument("--model", default="default", help=f"model preset, one of {', '.join(sorted(PRESETS))}")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")

@@ -25,7 +25,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.files import atomic_write, check_output, check_writable_folder, checkpoint_holding, refuse_inputs
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
-from minizero.numerals import OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
@@ -42,10 +42,11 @@ METHODS = ("full", "lora", "qlora")
 def build_parser() -> argparse.ArgumentParser:
     p = negative_values_reach_checks(OneLineParser(
         prog="python -m minizero.finetune", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
-    p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained (see above)")
+    p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained: full (every parameter), "
+                   "lora (adapters on frozen float weights), qlora (adapters on frozen NF4 weights)")
     p.add_argument("--table", action="store_true", help="run every method on the same data and print one table")
     p.add_argument("--lora-rank", type=integer, default=8, help="adapter rank r")
     p.add_argument("--lora-alpha", type=real, default=16.0, help="adapter scale numerator (scale = alpha / r)")

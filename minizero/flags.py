@@ -17,7 +17,7 @@ from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.parallel.expert_parallel import MOE_EVERY
-from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
@@ -39,19 +39,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show ``(default: X)`` only where the help text does not already say what the default is."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
     p = negative_values_reach_checks(_Parser(
-        prog="python -m minizero.train", formatter_class=_HelpFormatter,
+        prog="python -m minizero.train", formatter_class=DefaultsOnce,
         description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose."))
     p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
@@ -87,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
     p.add_argument("--virtual-stages", type=integer, default=1,
                    help="model chunks per pipeline rank (--schedule interleaved)")
-    p.add_argument("--pp-verbose", action="store_true", help="print every pipeline message as an arrow")
+    p.add_argument("--pp-verbose", action="store_true",
+                   help="print every message of one pipeline (data rank 0, tensor rank 0) as an arrow")
     p.add_argument("--lr", type=real, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=real, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup", type=integer, default=None,

@@ -78,19 +78,33 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))
+    also = [w for w, here in (
+        (f"activation recompute {args.recompute}"
+         + (f" (every {args.recompute_every}-th block)" if args.recompute_every > 1 else ""), args.recompute != "none"),
+        (f"saved activations offloaded to {args.offload_activations}", args.offload_activations != "none"),
+        (f"optimizer state and update offloaded to {args.offload_optimizer}", args.offload_optimizer != "none"),
+        (f"8-bit Adam (an absmax per {args.adam8bit_block_size} elements)", args.optimizer == "adam8bit"),
+        ("INT8 on the wire for " + ("the gradient all-reduce" if not args.zero else "the gradient reduce-scatters"
+                                    + (" and parameter all-gathers" if args.zero == 3 else "")), args.quantized_comm),
+        ("hierarchical all-reduce", args.allreduce == "hierarchical"),
+        (f"magnitude pruning to {args.prune_sparsity:.0%} ({args.prune_scope}"
+         f"{f', masks made after step {args.prune_step}' if args.prune_step else ''})", args.prune_sparsity > 0),
+    ) if here]
+    if also:  # the techniques no other header line names
+        lines.append("also: " + "; ".join(also))
     if args.attention == "flash":
         lines.append(f"attention: flash, blocks of {args.attention_block} rows (online softmax; keeps the output and "
                      "the row log-sum-exp, no (T, T) array)")
     if args.sequence_parallel:
         lines.append(f"sequence parallel: layer norms, dropouts and residuals on 1/{topo.tp} of the sequence per "
                      "tensor rank (all-gather in, reduce-scatter out)")
-    if topo.tp * topo.pp > 1:
-        lines.append(topo.describe())
     if s.cp > 1:
-        lines.append(f"context parallel: cp {s.cp} (the data groups of {topo.dp} ranks are dp {topo.dp // s.cp} x cp "
-                     f"{s.cp}), each rank 2 of {2 * s.cp} sequence chunks, "
+        lines.append(f"context parallel: cp {s.cp} (the mesh's data groups of {topo.dp} ranks are dp "
+                     f"{topo.dp // s.cp} x cp {s.cp}), each rank 2 of {2 * s.cp} sequence chunks, "
                      + ("Ulysses attention (all-to-all from sequence shards to head shards and back)"
                         if args.cp_attention == "ulysses" else "ring attention"))
+    if topo.tp * topo.pp > 1:
+        lines.append(topo.describe())
     if topo.pp > 1:
         m, v = args.grad_accum, args.virtual_stages
         sched = make_schedule(args.schedule, topo.pp, m, v)

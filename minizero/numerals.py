@@ -60,6 +60,15 @@ def is_count(text: str) -> bool:
 VALUE_LIKE = re.compile(r"(?:-\.?[0-9].*|-(?i:inf|infinity|nan))\Z")  # whole word (match() as fullmatch())
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` once: not where the help already says the default, nor for None, False (a switch)."""
+
+    def _get_help_string(self, action):
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it)."""
 

@@ -23,7 +23,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
-from minizero.numerals import OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.quantize``."""
     p = negative_values_reach_checks(OneLineParser(
         prog="python -m minizero.quantize", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
                    help="model preset (default: model.json beside the weights, else summary.json's, else the preset "
@@ -133,7 +133,8 @@ def format_table(result: dict) -> str:
     """The measurements as a text table (bytes exact, losses in nats per token)."""
     base, rows = result["baseline"], result["rows"]
     lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
-             f"{result['tokens']:,} tokens; linear layers quantized (skipped: {', '.join(rows[0]['skipped']) or '-'})",
+             f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
+             f"{', '.join(rows[0]['skipped']) or '-'})",
              f"{'weights':<22}{'linear bytes':>14}{'model bytes':>13}{'ratio':>7}{'val loss':>10}{'delta':>10}",
              f"{DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype')):<22}"
              f"{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"

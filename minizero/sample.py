@@ -18,7 +18,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import OneLineParser, integer, negative_values_reach_checks, real_as_typed
+from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real_as_typed
 from minizero.weights import load_gpt
 from minizero.interrupts import NOTHING, interruptible
 
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
     p = negative_values_reach_checks(OneLineParser(
         prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnce,
         epilog="A \ufffd in the sample is a byte (or a run of them) that is not valid UTF-8, or a control character: "
                "the model writes bytes, not characters."))
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=real_as_typed, default="0.8",
                    help="> 0: lower is more predictable; 0: greedy (always the most likely byte, no randomness)")
     p.add_argument("--top-k", type=integer, default=None,
-                   help="draw only among the K most likely bytes; None: all 256")
+                   help="draw only among the K most likely bytes (default: all 256, as --top-k 256)")
     p.add_argument("--seed", type=integer, default=0,
                    help="seed of the sampling generator (the main job uses its --seed)")
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),

@@ -125,15 +125,16 @@ def _start_flight(comm, args) -> None:
         signal.signal(signal.SIGUSR1, lambda signum, frame: _dump_flight(comm, args, "SIGUSR1"))
 
 
-def _dump_flight(comm, args, reason: str) -> None:
+def _dump_flight(comm, args, reason: str) -> str | None:
     """This rank's flight record into OUT/flight/rank_R.json (``python -m minizero.debug hang OUT/flight``); not
-    with --no-save."""
+    with --no-save. Returns the folder, or None."""
     recorder = comm.traffic.active_recorder()
     if recorder is not None and not args.no_save:
         try:
-            recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason)
+            return os.path.dirname(recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason))
         except OSError as e:
             _write_stderr(f"[rank {comm.rank}] flight record not written: {e}\n")
+    return None
 
 
 def _write_stderr(text: str) -> None:
@@ -368,7 +369,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
-        _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
+        flight = _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
             type(e), f"{type(e).__name__}: {e}"[:300]))
         _release(locks)
         if isinstance(e, (KeyboardInterrupt, Terminated)):
@@ -379,7 +380,10 @@ def main(argv=None) -> int:
                           "files already written are left as they were\n")
             comm.abort(code)
             return code
-        _write_stderr(failure_text(e, rank, MPI.Exception))
+        text = failure_text(e, rank, MPI.Exception)
+        if flight and isinstance(e, (CommTimeoutError, CollectiveMismatchError)):  # every rank's record says who
+            text = text.rstrip("\n") + f" (who hung where: python -m minizero.debug hang {flight})\n"
+        _write_stderr(text)
         time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1

@@ -58,10 +58,11 @@ for name, p in model.named_parameters():
 expect = allreduce_bytes_per_block(B, T, C, 4, tp, rank)
 held = get_ledger().current["parameters"]
 w = model.transformer["h"][0].attn.c_attn.weight
+first, last = rank * cfg.n_head // tp, (rank + 1) * cfg.n_head // tp - 1
+heads = f"head {first}" if first == last else f"heads {first}..{last}"
 lines = [f"rank {rank}/{tp}: loss {loss.item():.6f} (whole model {ref_loss.item():.6f}), "
          f"max relative gradient difference {err:.1e}",
-         f"  h.0.attn.c_attn.weight: {w.shape} of (3C, C) = {(3 * C, C)} (Q, K, V of heads "
-         f"{rank * cfg.n_head // tp}..{(rank + 1) * cfg.n_head // tp - 1})",
+         f"  h.0.attn.c_attn.weight: {w.shape} of (3C, C) = {(3 * C, C)} (Q, K, V of {heads})",
          f"  parameters held {format_bytes(held)} of {format_bytes(whole_bytes)} "
          f"(the split layers: 1/{tp}; embeddings, layer norms, second biases: whole)",
          f"  all-reduce forward  {fwd['calls']['all_reduce']:>2} calls {format_bytes(fwd['bytes_sent']):>10} "

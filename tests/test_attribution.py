@@ -21,3 +21,20 @@ def test_hotspots_say_a_tie_once_and_fold_block_indices():
     assert text.splitlines()[1] == ("  r0: lm_head 600.00 KiB; 8 modules at 512.00 KiB each: h.{0-3}.attn:scores, "
                                     "h.{0-3}.mlp")
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_hotspots_name_rank_groups_as_the_memory_table_does():
+    """Before: "r0, r1, r2, r3: ..." under a memory table whose columns read r0-3 and r4-7."""
+    from minizero.memory.attribution import format_top_modules
+
+    first, last = {"h.0.mlp": 512 * 1024}, {"h.2.mlp": 256 * 1024}
+    lines = format_top_modules([first] * 4 + [last] * 4, n=3).splitlines()
+    assert lines[1].startswith("  r0-3: h.0.mlp") and lines[2].startswith("  r4-7: h.2.mlp")
+
+
+def test_hotspots_say_none_when_no_module_kept_activations():
+    """Before: "  every rank:" and nothing after it (--offload-activations cpu: the saved arrays are offloaded)."""
+    from minizero.memory.attribution import format_top_modules
+
+    assert format_top_modules([{"h.0.mlp": 0}, {}]).splitlines()[1] == (
+        "  every rank: none (no saved array stayed in the activations category)")

@@ -245,6 +245,7 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     assert proc.returncode != 0
     flight = out / "flight"
     assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
+    assert f"(who hung where: python -m minizero.debug hang {flight})" in proc.stderr, proc.stderr  # the next step
     for f in os.listdir(flight):  # each live rank wrote its file within --comm-timeout + 30 s of starting to wait
         snap = json.loads((flight / f).read_text())
         waiting_since = min(e["posted_us"] for e in snap["entries"] if e["state"] != "completed")
@@ -316,6 +317,15 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00; 1.57x rank 0's 3.50)" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
+
+
+def test_trace_report_of_one_rank_names_no_straggler():
+    """Before: "slowest rank: 0 (...; 1.00x rank 0's ...)" and "most waiting: rank 0" for a single process."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "optimizer", "optimizer", 0, 1000, 1000)]
+    lines = timeline.report(events)
+    assert lines[-1] == "one rank: no straggler to name (working 2.00 ms/step, compute 2.00)"
+    assert not any(line.startswith(("slowest rank", "most waiting")) for line in lines)
 
 
 def _train_checked(comm, extra, check):

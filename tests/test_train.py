@@ -143,8 +143,12 @@ def test_header_names_every_layout_choice(mpiexec):
     assert ("ZeRO stage 2: optimizer state and gradients sharded over the 2 rank(s) of the data group; "
             "reduce-scatters overlap backward") in " ".join(plain.stdout.split())  # wrapped at 100 columns
     assert "  parameter gathers and broadcasts (ZeRO's gathers): r0-1 " in plain.stdout  # no start-up broadcast
-    z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3"], timeout=90)
+    z3, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "3", "--recompute", "full",
+                                       "--quantized-comm", "--optimizer", "adam8bit"], timeout=90)
     assert z3.returncode == 0, z3.stderr
+    assert ("also: activation recompute full; 8-bit Adam (an absmax per 256 elements); INT8 on the wire for the "
+            "gradient reduce-scatters and parameter all-gathers") in " ".join(z3.stdout.split()), z3.stdout
+    assert "also: " not in plain.stdout  # nothing beyond what the other lines name
     assert ("  parameter gathers and broadcasts (ZeRO's gathers; the final gather for the weights and the sample, "
             "one forward's gathers more, comes after these figures): r0-1 ") in z3.stdout.replace("\n    ", " "), \
         z3.stdout  # wrapped

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from minizero.debug import hang, parity, timeline
-from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real
 from minizero.interrupts import interruptible
 
 WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     t.add_argument("path", help="the merged timeline --trace wrote, e.g. out/trace.json")
     q = negative_values_reach_checks(sub.add_parser(
         "parity", help="two layouts from one seed in float64: the first step and parameter that differ",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=DefaultsOnce))
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny", help="model preset of both runs (python -m minizero.train --model)")
     q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")

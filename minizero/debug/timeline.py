@@ -63,6 +63,9 @@ def report(events) -> list[str]:
     lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
     lines += [f"| {p} | " + " | ".join(f"{figs[p][c]:.2f}" for c in cols) + " |" for p in pids]
     working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
+    if len(pids) == 1:
+        return lines + [f"one rank: no straggler to name (working {working[pids[0]]:.2f} ms/step, compute "
+                        f"{figs[pids[0]]['compute']:.2f})"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
     ratio = working[slow] / working[fast] if working[fast] else float("inf")
     lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f}; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import textwrap
 
-from minizero.ledger import OUTSIDE, SCORES, format_bytes, get_ledger
+from minizero.ledger import OUTSIDE, SCORES, format_bytes, get_ledger, rank_runs
 from minizero.memory.estimator import PRECISIONS, saved_per_layer
 
 #: the module (relative to a block ``transformer.h.i``) whose forward saves each row of
@@ -178,12 +178,13 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
             groups.setdefault(b, []).append(name or "(top level: the loss)")
         parts = [f"{names[0]} {format_bytes(b)}" if len(names) == 1 else
                  f"{len(names)} modules at {format_bytes(b)} each: {_compact(names)}" for b, names in groups.items()]
+        if not parts:  # e.g. --offload-activations: what forward saved is counted as offloaded
+            return "none (no saved array stayed in the activations category)"
         return ("; " if len(groups) < len(shown) else ", ").join(parts)  # "; ": a part holds commas itself
     rows = [line_of(peaks) for peaks in per_rank]
     for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]
-        who = f"r{ranks[0]}" if len(ranks) == 1 else ("every rank" if len(ranks) == len(rows) else
-                                                       "r" + ", r".join(map(str, ranks)))
+        who = "every rank" if len(ranks) == len(rows) > 1 else "r" + rank_runs(ranks)  # r4-7, as the memory table
         lines += textwrap.wrap(f"{who}: {row}", 100, initial_indent="  ", subsequent_indent="    ",
                                break_on_hyphens=False, break_long_words=False)
     return "\n".join(lines)
