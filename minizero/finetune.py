@@ -150,6 +150,7 @@ def _finetune(args, method, tokens, comm):
     if method != "full":
         add_lora(model, args.lora_rank, args.lora_alpha, tuple(args.targets.split(",")),
                  base="nf4" if method == "qlora" else "float", seed=args.seed)
+    base = evaluate_loss(model, val) if method == "qlora" else before  # B = 0: the adapted model is its base
     params = trainable_parameters(model)
     ledger = get_ledger()
     frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
@@ -174,7 +175,7 @@ def _finetune(args, method, tokens, comm):
            "trainable_bytes": int(ledger.current["parameters"] - frozen),  # this rank's (a ZeRO-3 shard)
            "optimizer_bytes": int(ledger.peak["optimizer_state"]), "ledger_peak_bytes": int(ledger.peak_total),
            "grad_sync_bytes_per_step": 0.0 if sync is None else float(sync.bytes_per_step(args.steps)),
-           "val_before": before, "val_after": evaluate_loss(model, val)}
+           "val_before": before, "val_base": base, "val_after": evaluate_loss(model, val)}
     with sync.full_parameters() if sync is not None else contextlib.nullcontext():
         merged = merged_state_dict(model)
     return row, model, merged
@@ -182,17 +183,17 @@ def _finetune(args, method, tokens, comm):
 
 def format_table(rows: list) -> str:
     lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
-             f"{'B/param':>8} {'val before':>10} {'val after':>10}"]
+             f"{'B/param':>8} {'val before':>10} {'val base':>9} {'val after':>10}"]
     for r in rows:
         per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
         lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
                      f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
-                     f"{r['val_before']:>10.4f} {r['val_after']:>10.4f}")
+                     f"{r['val_before']:>10.4f} {r['val_base']:>9.4f} {r['val_after']:>10.4f}")
     lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
               "  weights and Adam's state; B/param: their sum over the model's "
               f"{rows[0]['num_parameters']:,} parameters",
-              "val: validation loss (nats per byte) of the loaded weights (before) and of the fine-tuned model (after;",
-              "  qlora's on its NF4 base)"]
+              "val: validation loss (nats per byte) of the loaded weights (before), of the weights training starts",
+              "  from (base: qlora's NF4 copy, the others' the loaded weights) and of the fine-tuned model (after)"]
     return "\n".join(lines)
 
 

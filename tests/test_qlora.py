@@ -184,6 +184,9 @@ def test_finetune_table_qlora_tracks_lora_and_writes_a_merged_model(trained, tmp
     assert set(rows) == {"full", "lora", "qlora"}
     for r in rows.values():
         assert r["val_after"] < r["val_before"]
+    # training starts from the loaded weights (full, lora: B = 0) or their NF4 copy (qlora), which rounds them
+    assert rows["full"]["val_base"] == rows["lora"]["val_base"] == rows["lora"]["val_before"]
+    assert rows["qlora"]["val_base"] != rows["qlora"]["val_before"]
     assert abs(rows["qlora"]["val_after"] - rows["lora"]["val_after"]) < 0.05
     assert rows["qlora"]["frozen_bytes"] < rows["lora"]["frozen_bytes"]  # (tiny: the float embeddings dominate)
     assert rows["lora"]["optimizer_bytes"] == 2 * rows["lora"]["trainable_bytes"]  # Adam's m and v, adapters only
@@ -197,10 +200,11 @@ def test_finetune_table_says_which_columns_are_bytes():
     from minizero.finetune import format_table
 
     row = {"method": "qlora", "trainable_parameters": 4, "num_parameters": 10, "frozen_bytes": 6, "trainable_bytes": 16,
-           "optimizer_bytes": 32, "val_before": 2.0, "val_after": 1.5}
+           "optimizer_bytes": 32, "val_before": 2.0, "val_base": 2.1, "val_after": 1.5}
     text = format_table([row])
     assert text.splitlines()[0].split()[:4] == ["method", "trainable", "frozen", "B"]
     assert "B/param: their sum over the model's 10 parameters" in text and "val: validation loss" in text
+    assert text.splitlines()[1].split()[-3:] == ["2.0000", "2.1000", "1.5000"]  # before, base, after
 
 
 @pytest.mark.parametrize("flags, message", [
