@@ -161,6 +161,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         category_peaks=[s["peak"] for s in stats], first_step=result.start_step, title=textwrap.fill(run, 110))
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
+    if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time
+        what = "each block's saves" if args.recompute == "full" else "the attention cores' scores"
+        print(f"  (--recompute {args.recompute}: {what} exist only while backward recomputes them, one at a time)")
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()
