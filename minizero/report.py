@@ -149,7 +149,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         rep = result["pruner"].report()
         notes.append(f"pruned {rep['pruned']:,} of {rep['total']:,} linear weights ({rep['sparsity']:.1%}, "
                      f"{args.prune_scope}): stored dense {format_bytes(rep['dense'])} (NumPy keeps the zeros); "
-                     f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}")
+                     f"would be CSR {format_bytes(rep['csr'])}, bitmap {format_bytes(rep['bitmap'])}; the keep-masks "
+                     f"(one bit per weight) add {format_bytes(rep['mask_bytes'])} to parameters")
     if result.device_pool:
         notes.append("CuPy memory pool high-water at step ends (used / held): " + per_rank_text(
             [f"{format_bytes(p['used'])} / {format_bytes(p['total'])}" for p in result["device_pool"]]))

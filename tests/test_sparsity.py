@@ -131,3 +131,20 @@ def test_prune_flags_are_checked():
         parse_args(["--prune-sparsity", "1.0"])
     with pytest.raises(UsageError, match="--prune-step must be in"):
         parse_args(["--prune-sparsity", "0.5", "--steps", "10", "--prune-step", "10"])
+
+
+@pytest.mark.timeout(120)
+def test_main_job_says_what_the_masks_add_to_parameters():
+    """The report's pruning line names the keep-masks' bytes, which the ledger counts under parameters."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--eval-every",
+                           "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-save", "--no-progress",
+                           "--prune-sparsity", "0.5"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    linear = sum(w.size for w in prunable_weights(GPT(get_config("tiny"), seed=0)).values())
+    said = " ".join(proc.stdout.split())
+    assert f"the keep-masks (one bit per weight) add {-(-linear // 8):,} B to parameters" in said, said[-1500:]
