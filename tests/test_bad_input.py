@@ -549,6 +549,25 @@ def test_weights_headers_checked_before_any_array_is_read(tmp_path, monkeypatch)
         read_weights(other)
 
 
+@pytest.mark.parametrize("header,said", [
+    (b"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 2), ", "not the dictionary an .npy header holds"),
+    (b"(", "not the dictionary an .npy header holds"), (b"{'descr': '<f4'}" + b" " * 20000, "Header info length"),
+])
+def test_a_damaged_npy_header_is_one_line_naming_the_weights(tmp_path, capsys, header, said):
+    """Before: NumPy's header parser raised tokenize.TokenError / SyntaxError (a 45-line traceback from sample,
+    quantize, finetune), or a ValueError of three lines for a header over 10,000 bytes."""
+    import zipfile
+    from minizero.sample import main as sample_main
+    header = header.ljust(118) + b"\n" if len(header) < 118 else header + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(16)
+    path = tmp_path / "model.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("transformer.wte.weight.npy", raw)
+    assert sample_main(["--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--weights {str(path)!r} is not a model.npz" in err and said in err, err
+
+
 def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeypatch):
     """A consistent GPT whose depth (13) exceeds every preset's (12 at most) is named from the headers."""
     import zipfile
