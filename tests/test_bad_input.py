@@ -347,6 +347,9 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
     (lambda m: m.__setitem__("step", "2"), "field 'step' is '2', expected an integer >= 0"),
     (lambda m: m.pop("train"), "field 'train' is missing"),
     (lambda m: m["layout"].__setitem__("tp", None), "layout.tp is None, expected an integer"),
+    # before: a TypeError (a list as a dict key) and NumPy's ValueError building a GPT of width 10^30, tracebacks
+    (lambda m: m["pieces"][0].__setitem__("format", []), "pieces[0] format '[]', expected one of dense, 8bit"),
+    (lambda m: m["model"].__setitem__("n_embd", 10 ** 30), "too large for its arrays to exist"),
 ])
 def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, needle):
     """Before: KeyError/TypeError tracebacks on every rank, some after the model was built (MPI_Abort)."""
