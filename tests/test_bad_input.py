@@ -449,6 +449,48 @@ def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)] == before
 
 
+def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_path, capsys):
+    """Before: with --data left out, quantize read summary.json's config.train.data, then wrote --json over it."""
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the user's training text. " * 200)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["config"]["train"]["data"] = str(corpus)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz"), "--json", str(corpus)]) == 2
+    assert f"would overwrite summary.json's config.train.data {str(corpus)!r}" in capsys.readouterr().err
+    assert corpus.read_text() == "the user's training text. " * 200
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("train", [], "config.train is [], not an object"),  # before: AttributeError traceback
+    ("seed", float("inf"), "config.train.seed inf is not a whole number >= 0"),  # before: OverflowError traceback
+    ("seed", -1, "config.train.seed -1 is not"),  # before: NumPy's 'expected non-negative integer', nothing named
+    ("seed", "x", "config.train.seed 'x' is not"),  # before: seed 0 used, another FP32 loss than train printed
+    ("data", 1.5, "config.train.data 1.5 is not a file path"),  # before: TypeError traceback from os.stat
+    ("data", "none.txt", "summary.json's config.train.data: --data 'none.txt': no such file"),
+])
+def test_quantize_names_a_bad_summary_json_train_field(saved, tmp_path, capsys, field, value, said):
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    if field == "train":
+        summary["config"]["train"] = value
+    else:
+        summary["config"]["train"][field] = value
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
 # --------------------------------------------------------------------------- compare
 def test_compare_refuses_its_outputs_and_device_before_any_run(tmp_path, monkeypatch):
     """Before: a bad --out/--json failed after every run; --device cuda without CuPy failed every run; --timeout
