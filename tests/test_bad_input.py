@@ -413,6 +413,23 @@ def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
     assert (tmp_path / "new" / "model.npz").is_file()
 
 
+def test_consolidate_never_writes_over_a_runs_json(saved, tmp_path, capsys):
+    """Before: --out RUN/summary.json replaced the run's summary with the .npz; --out DIR/model.json wrote the .npz
+    there, then the model.json beside it over it: the consolidated weights were lost as it said 'wrote'."""
+    import shutil
+    from minizero.checkpoint.cli import main
+    run = tmp_path / "run"
+    shutil.copytree(saved.parent, run, ignore=shutil.ignore_patterns("checkpoints"))
+    before = _digests(run)
+    for name in ("summary.json", "model.json"):
+        assert main(["consolidate", str(saved), "--out", str(run / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is named as the {name} minizero's programs read back as JSON" in err, err
+    assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.json")]) == 2
+    assert "consolidate writes it beside the weights" in capsys.readouterr().err
+    assert _digests(run) == before and not (tmp_path / "new").exists()
+
+
 def test_no_output_of_the_trainer_lands_inside_a_checkpoint(saved, tmp_path):
     """Before: --json STEP/manifest.json replaced the manifest with the summary; the checkpoint was lost."""
     step2 = saved / "step_00000002"

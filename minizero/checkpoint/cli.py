@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import atomic_write, check_writable_folder, read_json
+from minizero.files import READ_BACK, atomic_write, check_writable_folder, read_json
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
@@ -106,6 +106,11 @@ def check_out(out: str) -> None:
                               "to it; give a path outside every checkpoint")
     if os.path.basename(p) == LATEST and os.path.exists(p):
         raise CheckpointError(f"--out {out!r} would overwrite a save dir's pointer to its latest checkpoint")
+    name = os.path.basename(p)  # an .npz may be replaced (consolidated again), a JSON file programs read back not
+    if name in READ_BACK and not name.endswith(".npz"):
+        raise CheckpointError(f"--out {out!r} is named as the {name} minizero's programs read back as JSON"
+                              + (" (consolidate writes it beside the weights)" if name == SIDECAR else "")
+                              + "; give an .npz file path such as model.npz")
     try:
         check_writable_folder(os.path.dirname(p))
     except OSError as e:
