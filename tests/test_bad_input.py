@@ -365,11 +365,46 @@ def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, ne
         parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
 
 
+@pytest.mark.parametrize("forge,said", [
+    (lambda a: a[:-1], "F32 of shape [{n1}], the manifest says F32 of shape [{n}]"),  # before: NumPy's broadcast
+    (lambda a: a.astype("float64"), "F64 of shape [{n}], the manifest says F32"),  # ValueError traceback, MPI_Abort;
+    (lambda a: a.astype("int32"), "I32 of shape [{n}], the manifest says F32"),  # these three were loaded, cast
+    (lambda a: a.reshape(1, -1), "F32 of shape [1, {n}], the manifest says F32 of shape [{n}]"),
+    (None, "no such array, the manifest says F32 of shape [{n}]"),
+])
+def test_a_rank_file_whose_arrays_disagree_with_the_manifest_is_named(saved, tmp_path, forge, said):
+    """A rank file rewritten with its checksum and size updated in the manifest (so both checks pass): its
+    header's arrays are compared with the manifest's pieces before any work."""
+    import json
+    import shutil
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    path = folder / "rank00000.safetensors"
+    with safe_open(str(path), framework="numpy") as st:
+        meta = st.metadata()
+    tensors = load_file(str(path))
+    key = next(k for k in tensors if k.startswith("m/"))
+    n = tensors[key].size
+    if forge is None:
+        del tensors[key]
+    else:
+        tensors[key] = np.ascontiguousarray(forge(tensors[key]))
+    save_file(tensors, str(path), metadata=meta)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"][0].update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UsageError, match=re.escape(f"{path}: array {key!r}: " + said.format(n=n, n1=n - 1))):
+        parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
+
+
 @pytest.mark.timeout(120)
 def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_path, mpiexec):
     """A manifest that names a shard file or tensor its files do not hold (hand-edited: the manifest has no
-    checksum) is found while loading, after the model is built. Before: FileNotFoundError / SafetensorError
-    tracebacks; now one line per rank, and the job ends (exit 1)."""
+    checksum). Before: FileNotFoundError / SafetensorError tracebacks; then one line per rank while loading, after
+    the model was built; now the rank files' headers are compared with the pieces before any work."""
     import json
     import shutil
 
@@ -380,7 +415,7 @@ def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_p
     (folder / "manifest.json").write_text(json.dumps(man))
     proc, elapsed = _train([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)], mpiexec, 2)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "the manifest names what its files do not hold" in proc.stderr and elapsed < 60
+    assert "array 'no-such-tensor': no such array, the manifest says F32" in proc.stderr and elapsed < 60
 
 
 @pytest.mark.timeout(120)
