@@ -24,7 +24,9 @@ def load(name):
 
 LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
              "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
-             "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load")}
+             "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
+             "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm",
+                                    "table_prune_one_shot", "table_sparse_training")}
 
 
 def refusal(monkeypatch, capsys, name, argv) -> str:
@@ -66,6 +68,11 @@ CASES = [
     ("bench_3d_main_job", ["--reuse", "/no-such-folder"], "--reuse '/no-such-folder' holds no dp8_short/summary"),
     ("bench_3d_main_job", ["--reuse", "/", "--keep", "x"], "with --reuse it makes none"),
     ("bench_3d_main_job", ["--keep", "/dev/null"], "--keep '/dev/null' exists and is not a folder"),
+    ("bench_allreduce", ["--json", "/"], "--json '/' is a directory"),  # before: the sweep, then IsADirectoryError
+    ("bench_allreduce", ["--json", "x.json", "--launch", "2"], "with --launch (which gives each run its own)"),
+    # before: tables 2-4 ran, then a FileNotFoundError traceback at table 5a; or --weights unused, unsaid
+    ("bench_quantization", ["--weights", "/no-such.npz", "--only", "2,5a"], "--weights '/no-such.npz': no such file"),
+    ("bench_quantization", ["--weights", "/no-such.npz", "--only", "2"], "--only '2' runs neither: drop --weights"),
     ("bench_speedup", ["--precision", "--ranks", "1,x"], "argument --ranks: '1,x'"),
     ("bench_speedup", ["--precision", "--ranks", "0"], "argument --ranks: '0'"),
     ("bench_speedup", ["--precision", "--ranks", "100000"], "in [1, 64]"),
