@@ -239,14 +239,19 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
 
 
 @pytest.mark.parametrize("tool,argv", [("quantize", ["--bits", "3"]), ("quantize", ["--block-size", "0"]),
-                                       ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"])])
+                                       ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"]),
+                                       # these printed a usage block of 1 to 3 lines above the error:
+                                       ("checkpoint", []), ("checkpoint", ["inspect"]), ("debug", ["hang"]),
+                                       ("debug", ["parity", "--dp 1", "--dp 1", "--tol", "nan"])])
 def test_a_refusal_is_one_line_without_the_usage_block(capsys, tool, argv):
     """quantize and finetune printed argparse's whole usage block (15 lines) above the error; every tool's is one
     line naming the value, exit status 2 (numerals.OneLineParser)."""
     import importlib
+    module = {"checkpoint": "checkpoint.cli", "debug": "debug.__main__"}.get(tool, tool)
     try:
-        code = importlib.import_module(f"minizero.{tool}").main(argv)
+        code = importlib.import_module(f"minizero.{module}").main(argv)
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith(f"python -m minizero.{tool}: error: "), err
+    prog = f"python -m minizero.{tool}" + (f" {argv[0]}" if tool in ("checkpoint", "debug") and argv else "")
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err

@@ -6,7 +6,6 @@ writes them (sample and quantize then need no ``--model``). A bad checkpoint: ex
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -20,6 +19,7 @@ from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import READ_BACK, atomic_write, check_writable_folder, read_json
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
+from minizero.numerals import OneLineParser
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
 from minizero.interrupts import WHOLE, interruptible
@@ -139,8 +139,8 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
 
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
-    p = argparse.ArgumentParser(prog="python -m minizero.checkpoint",
-                                description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
+    p = OneLineParser(prog="python -m minizero.checkpoint",  # its subcommands' parsers are OneLineParsers too
+                      description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
