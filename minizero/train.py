@@ -41,7 +41,7 @@ from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.instrumentation import Interrupts
-from minizero.interrupts import Terminated
+from minizero.interrupts import Terminated, stdout_unwritable, watch_stdout
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -379,7 +379,9 @@ def main(argv=None) -> int:
                           "files already written are left as they were\n")
             comm.abort(code)
             return code
-        _write_stderr(failure_text(e, rank, MPI.Exception))
+        full = stdout_unwritable(e)  # > /dev/full: print's OSError is no bug
+        _write_stderr(f"[rank {rank}] minizero.train failed: cannot write standard output ({e.strerror or e}); "
+                      "files already written are left as they were\n" if full else failure_text(e, rank, MPI.Exception))
         time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1
@@ -388,4 +390,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    watch_stdout()
     sys.exit(main())
