@@ -164,6 +164,9 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--prune-scope", "global"], "--prune-scope only apply(ies) with --prune-sparsity > 0"),
     (["--schedule", "gpipe"], "--schedule only apply(ies) with --pp > 1 (a pipeline); got --pp 1"),
     (["--pp-verbose"], "--pp-verbose only apply(ies) with --pp > 1"),
+    # before: accepted; no sample, so the prompt went unused; --progress bar silently replaced by none
+    (["--prompt", "Once"], "--prompt only apply(ies) with --sample-tokens > 0 (the closing sample)"),
+    (["--progress", "bar"], "--no-progress is --progress none, but --progress bar is given too; give one"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(flags, needle):
     """Before: silently ignored (as --show-shards or the loss-scale flags are not)."""
