@@ -217,7 +217,8 @@ def main(argv=None) -> int:
         model0, _ = load_trained(args.weights)
         need = min_data_bytes(model0.config.block_size)
         if len(tokens) < need:
-            raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
+            raise ValueError(f"--data {args.data!r} has {len(tokens):,} bytes; needs at least {need:,} (its last 10% "
+                             f"validates and must hold block_size + 2 = {model0.config.block_size + 2} tokens)")
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
