@@ -117,6 +117,20 @@ def test_hang_names_a_flight_field_of_the_wrong_type(tmp_path, capsys, field, va
     assert err.count("\n") == 1 and "is not a flight record" in err and needle in err, err
 
 
+def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
+    """Before: rank_1.json holding rank 0's record (a copy) replaced rank 0's, and the analysis said rank 1 never
+    posted what it did; rank_1.json and rank_01.json were both read as rank 1."""
+    import shutil
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    shutil.copy(tmp_path / "rank_0.json", tmp_path / "rank_1.json")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'rank_1.json'} holds rank 0's flight record, expected rank 1" in capsys.readouterr().err
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    shutil.copy(tmp_path / "rank_1.json", tmp_path / "rank_01.json")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert "is a second flight record of rank 1" in capsys.readouterr().err
+
+
 def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert _run_and_dump(2, lambda comm: [all_reduce(comm, np.ones(4)) for _ in range(3)], tmp_path) is None
     assert debug_main(["hang", str(tmp_path)]) == 0

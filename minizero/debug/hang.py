@@ -31,7 +31,12 @@ def load(folder: str) -> dict[int, dict]:
             missing = _missing(snap)
             if missing:
                 raise ValueError(f"{p} is not a flight record: it lacks {missing}")
-            out[int(snap["rank"])] = snap
+            named = int(os.path.basename(p)[5:-5])
+            if snap["rank"] != named:  # a copy or a rename would be read as another rank's record
+                raise ValueError(f"{p} holds rank {snap['rank']}'s flight record, expected rank {named} (its name)")
+            if named in out:  # rank_1.json and rank_01.json
+                raise ValueError(f"{p} is a second flight record of rank {named}; keep one file per rank")
+            out[named] = snap
     return out
 
 
