@@ -117,3 +117,14 @@ def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: s
                             rev + "^{commit}"], capture_output=True).returncode == 0
     if not known:
         parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")
+
+
+def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
+    """``parser.error`` unless ``path`` can be written at the end without losing anything
+    (:func:`minizero.files.check_output`: not a directory, its folder exists, not a file programs read back)."""
+    from minizero.files import check_output
+
+    try:
+        check_output(path, flag)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))

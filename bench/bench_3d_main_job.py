@@ -140,6 +140,14 @@ def main() -> None:
                  f"got {a.short_steps} and {a.steps}")
     names = {"dp8_short": ("dp8", a.short_steps), "3d_short": ("3d", a.short_steps),
              "dp8_long": ("dp8", a.steps), "3d_long": ("3d", a.steps)}
+    if a.reuse and a.keep:
+        p.error("--keep keeps the runs this script makes; with --reuse it makes none: give one of them")
+    lacking = [n for n in names if a.reuse and not os.path.isfile(os.path.join(a.reuse, n, "summary.json"))]
+    if lacking:
+        p.error(f"--reuse {a.reuse!r} holds no {lacking[0]}/summary.json; allowed: the --keep folder of an earlier "
+                f"run, with {', '.join(names)}")
+    if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
+        p.error(f"--keep {a.keep!r} exists and is not a folder")
     if a.reuse:
         r = {n: load(os.path.join(a.reuse, n)) for n in names}
     else:

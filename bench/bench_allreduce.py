@@ -221,6 +221,11 @@ def main():
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}; allowed: "
                      "1 <= --min-bytes <= --max-bytes")
+    if args.json and args.launch:
+        parser.error("--json writes the timings of the one world size this process runs; with --launch (which "
+                     "gives each run its own) it would write nothing: drop one of them")
+    if args.json:
+        _args.check_output_path(parser, "--json", args.json)
     malloc = _machine.set_malloc(args.default_malloc)  # every rank, both sides (MPI's calls too)
 
     if args.op == "all":

@@ -31,7 +31,7 @@ from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from _args import check_train_flags, count, parser, positive_real, preset, world_sizes  # noqa: E402
+from _args import check_output_path, check_train_flags, count, parser, positive_real, preset, world_sizes  # noqa: E402
 
 
 STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
@@ -75,6 +75,8 @@ def main() -> None:
         p.error(f"--strategies: {bad} not in {list(STRATEGIES)}")
     if args.figure and args.steps < 2:
         p.error(f"--figure draws the last step from the end of the one before: needs --steps >= 2, got {args.steps}")
+    if args.figure:
+        check_output_path(p, "--figure", args.figure)
     for strategy in strategies:
         for overlap in (False, True):
             check_train_flags(p, train_flags(args, strategy, overlap), args.ranks)

@@ -219,6 +219,14 @@ def main():
     only = set(a.only.split(","))
     if not only <= set(TABLES):
         p.error(f"--only {a.only!r}: allowed: comma-separated table numbers from {', '.join(TABLES)}")
+    if a.weights and not only & {"1", "5", "5a"}:
+        p.error(f"--weights is read by tables 1 and 5a only; --only {a.only!r} runs neither: drop --weights")
+    if a.weights:  # before any table: a bad file would otherwise end the script after the earlier tables
+        from minizero.weights import read_weights
+        try:
+            read_weights(a.weights)
+        except (ValueError, OSError) as e:
+            p.error(str(e))
     if "1" in only and a.weights:
         table_weights(a)
     if "2" in only:

@@ -207,9 +207,10 @@ def main():
                    help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
+    args.png = args.png or ("flash_memory.png" if args.attention else "seq_memory.png")
+    _args.check_output_path(p, "--png", args.png)
     if args.attention:
-        return attention_main(args.png or "flash_memory.png")
-    args.png = args.png or "seq_memory.png"
+        return attention_main(args.png)
     cfg = get_config(args.model)
     print(f"model {args.model}: h={cfg.n_embd} a={cfg.n_head} b={args.batch}, float32, no dropout; block 0")
     print("| recompute | s | saved by the layer (ledger) | of which a·s²·b scores | formula | equal |")

@@ -149,6 +149,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     for name in positive:
         if vars(args)[name] < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {vars(args)[name]}")
+    if args.no_progress and args.progress not in ("auto", "none"):  # auto: the default, not a choice
+        raise UsageError(f"--no-progress is --progress none, but --progress {args.progress} is given too; give one")
     if args.no_progress:
         args.progress = "none"
     if args.ulysses is not None:  # DeepSpeed-Ulysses' own spelling of --cp N --cp-attention ulysses

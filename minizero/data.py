@@ -97,6 +97,8 @@ def describe_non_file(path: str) -> str | None:
 
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
     """(train, val) as contiguous views: the last ``val_fraction`` of the tokens validate."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"train_val_split: val_fraction must be in [0, 1), got {val_fraction!r}")
     n_val = int(len(tokens) * val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
@@ -117,6 +119,10 @@ def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, see
 
     ``ends``: None (packed), or :func:`document_ends` (padded: targets after the first separator are ``IGNORE_INDEX``).
     """
+    if not (batch >= 1 and block_size >= 1 and step >= 0 and seed >= 0):
+        raise ValueError(f"global_batch: batch {batch!r} and block_size {block_size!r} must be >= 1, step {step!r} "
+                         f"and seed {seed!r} >= 0")
+    check_corpus(tokens, block_size, "global_batch: tokens")
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - block_size - 1, size=batch)
     idx = starts[:, None] + np.arange(block_size + 1)[None, :]

@@ -23,7 +23,8 @@ from minizero.flags import flags_refusal, job_environment
 from minizero.autograd import backward
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.files import atomic_write, check_output, check_writable_folder, checkpoint_holding, refuse_inputs
+from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
+                            refuse_inputs)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
         model0, _ = load_trained(args.weights)
         need = min_data_bytes(model0.config.block_size)
         if len(tokens) < need:
-            raise ValueError(f"--data has {len(tokens):,} bytes; needs at least {need:,} for a validation split")
+            raise ValueError(f"--data {args.data!r} has {len(tokens):,} bytes; needs at least {need:,} (its last 10% "
+                             f"validates and must hold block_size + 2 = {model0.config.block_size + 2} tokens)")
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
@@ -262,16 +264,22 @@ def main(argv=None) -> int:
         print(f"{prog} the fine-tuned weights hold NaN or inf ({bad[0]}{', ...' if len(bad) > 1 else ''}): the run "
               f"diverged; {args.out!r} is not written (lower --lr or --lora-alpha)", file=sys.stderr)
         return 1
-    if args.out is not None:
-        os.makedirs(args.out, exist_ok=True)
-        atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
-        write_model_json(args.out, model0.config)
-        method = rows[-1]["method"]  # --table: the last method of the table
-        what = "every parameter trained" if method == "full" else "adapters merged"
-        print(f"wrote {os.path.join(args.out, 'model.npz')} (--method {method}, {what}"
-              f"{'; --table writes its last method' if args.table else ''}) and {SIDECAR}")
-    if args.json:
-        atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")
+    try:  # a full disk or a device such as /dev/full: each file is written whole or not at all, as quantize says
+        if args.out is not None:
+            os.makedirs(args.out, exist_ok=True)
+            atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
+            write_model_json(args.out, model0.config)
+            method = rows[-1]["method"]  # --table: the last method of the table
+            what = "every parameter trained" if method == "full" else "adapters merged"
+            print(f"wrote {os.path.join(args.out, 'model.npz')} (--method {method}, {what}"
+                  f"{'; --table writes its last method' if args.table else ''}) and {SIDECAR}")
+        if args.json:
+            atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        print(f"{prog} {e.strerror if isinstance(e, WriteError) else e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -252,6 +252,8 @@ DEPENDENT_FLAGS = (
     (("prune_scope", "prune_step"), lambda a: a.prune_sparsity > 0, "--prune-sparsity > 0 (pruning)",
      lambda a: "--prune-sparsity 0"),
     (("schedule", "pp_verbose"), lambda a: a.pp > 1, "--pp > 1 (a pipeline)", lambda a: f"--pp {a.pp}"),
+    (("prompt",), lambda a: a.sample_tokens > 0, "--sample-tokens > 0 (the closing sample)",
+     lambda a: "--sample-tokens 0"),
 )
 
 

@@ -60,11 +60,47 @@ def _mpi_rank() -> int:
     return 0
 
 
+class WatchedStdout:
+    """``sys.stdout`` (:func:`watch_stdout`) that keeps the OSError its write or flush raised (a full disk)."""
+    failed = None
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def write(self, text):
+        return self._do(self.inner.write, text)
+
+    def flush(self):
+        return self._do(self.inner.flush)
+
+    def _do(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            WatchedStdout.failed = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def watch_stdout() -> None:
+    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only)."""
+    if not isinstance(sys.stdout, WatchedStdout):
+        sys.stdout = WatchedStdout(sys.stdout)
+
+
+def stdout_unwritable(e: BaseException) -> bool:
+    """True when ``e`` is what writing standard output raised (> /dev/full, a full disk): not a bug."""
+    return e is WatchedStdout.failed and not isinstance(e, BrokenPipeError)
+
+
 def interruptible(tool: str, files: str, main, argv=None) -> int:
     """``main(argv)`` with :meth:`Interrupts.install`; Ctrl-C / SIGTERM: one line on stderr (rank 0 only under
     mpiexec, which signals every rank), ``"python -m {tool}: interrupted (SIGINT); {files}"``, then 130 / 143.
-    Stdout closed by its reader (``| head -1``): the rest of the output dropped, no traceback, 0."""
+    Stdout closed by its reader (``| head -1``): the rest of the output dropped, no traceback, 0; stdout full: 1."""
     Interrupts.install()
+    watch_stdout()
     try:
         code = main(argv)
         Interrupts.check()  # an interrupt dropped in a weakref callback is still an interrupt
@@ -72,6 +108,12 @@ def interruptible(tool: str, files: str, main, argv=None) -> int:
     except BrokenPipeError:  # Python docs, "Note on SIGPIPE": stdout to /dev/null, so the exit's flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # stdout on a full disk (> /dev/full): one line, not print's traceback
+        if not stdout_unwritable(e):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"python -m {tool}: error: cannot write standard output ({e.strerror or e}); {files}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, Terminated) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

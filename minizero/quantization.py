@@ -257,8 +257,14 @@ def linear_code(signed: bool = True):
     return np.sort(vals).astype(np.float32)
 
 
+def _check_block_size(block_size) -> None:
+    if not (isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool) and block_size >= 1):
+        raise ValueError(f"block_size={block_size!r}; allowed: an int >= 1")
+
+
 def _block_view(x, block_size: int, offset: int):
     """``x`` (n,) zero-padded to whole blocks of a grid whose block 0 starts ``offset % B`` elements before x[0]."""
+    _check_block_size(block_size)
     head = offset % block_size
     nb = -(-(head + x.size) // block_size)
     padded = backend.array_module(x).zeros(nb * block_size, dtype=x.dtype)
@@ -304,6 +310,7 @@ def dequantize_blockwise(codes, absmax, code, block_size: int = 256, offset: int
     codes, absmax, code = _array(codes), _array(absmax), _array(code)
     xp = backend.array_module(codes)
     codes = codes.reshape(-1)
+    _check_block_size(block_size)
     head = offset % block_size
     block = (head + xp.arange(codes.size)) // block_size
     return code[codes].astype(dtype) * absmax.astype(np.float32, copy=False).astype(dtype)[block]

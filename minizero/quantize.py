@@ -74,16 +74,17 @@ def run(args) -> dict:
     notes = []
     model, summary = load_trained(args.weights, args.model, state, flag="--model", notes=notes)
     cfg = model.config
-    train_cfg = summary.get("config", {}).get("train", {}) if isinstance(summary.get("config"), dict) else {}
+    train_cfg = _train_section(summary, args.weights)
     for note in notes:  # model_config set summary.json aside: its data, seed and eval batches are not the run's
         print(f"python -m minizero.quantize: note: {note}; its data, seed and eval batches are not used (the "
               "built-in corpus, seed 0 and 4 batches unless given)", file=sys.stderr)
-    data = args.data if args.data is not None else train_cfg.get("data")
+    data, seed = args.data if args.data is not None else train_cfg.get("data"), train_cfg.get("seed", 0)
+    if args.json and data is not None and args.data is None:  # main checked --data; this is summary.json's
+        check_output(args.json, inputs={"summary.json's config.train.data": data})
     try:
-        seed = int(train_cfg.get("seed", 0))
-    except (TypeError, ValueError):
-        seed = 0
-    tokens = load_tokens(data)
+        tokens = load_tokens(data)
+    except (FileNotFoundError, ValueError) as e:  # say where a path the user did not type came from
+        raise ValueError(f"summary.json's config.train.data: {e}; fix it or pass --data") if args.data is None else e
     need = min_data_bytes(cfg.block_size)
     if len(tokens) < need:
         name = f"--data {data!r}" if data is not None else "the built-in corpus"
@@ -154,6 +155,20 @@ def format_table(result: dict) -> str:
                      f"reaching {result['outlier_threshold']}: {cal['columns_at_threshold']}, reaching 6.0 (the "
                      f"paper's threshold): {cal['columns_at_6']}")
     return "\n".join(lines)
+
+
+def _train_section(summary: dict, weights: str) -> dict:
+    """summary.json's ``config.train`` ({} if none), its ``seed`` and ``data`` (what :func:`run` reads) checked."""
+    train = summary["config"].get("train", {}) if isinstance(summary.get("config"), dict) else {}
+    where = f"summary.json beside --weights {weights!r}: config.train"
+    if not isinstance(train, dict):
+        raise ValueError(f"{where} is {repr(train)[:40]}, not an object; fix it or remove summary.json")
+    seed, data = train.get("seed", 0), train.get("data")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+        raise ValueError(f"{where}.seed {repr(seed)[:40]} is not a whole number >= 0 as train allows; fix it")
+    if not (data is None or isinstance(data, str)):
+        raise ValueError(f"{where}.data {repr(data)[:40]} is not a file path; fix it or pass --data")
+    return train
 
 
 def main(argv=None) -> int:

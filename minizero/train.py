@@ -41,7 +41,7 @@ from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError
 from minizero.instrumentation import Interrupts
-from minizero.interrupts import Terminated
+from minizero.interrupts import Terminated, stdout_unwritable, watch_stdout
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -380,7 +380,9 @@ def main(argv=None) -> int:
                           "files already written are left as they were\n")
             comm.abort(code)
             return code
-        text = failure_text(e, rank, MPI.Exception)
+        full = stdout_unwritable(e)  # > /dev/full: print's OSError is no bug
+        text = (f"[rank {rank}] minizero.train failed: cannot write standard output ({e.strerror or e}); "
+                "files already written are left as they were\n" if full else failure_text(e, rank, MPI.Exception))
         if flight and isinstance(e, (CommTimeoutError, CollectiveMismatchError)):  # every rank's record says who
             text = text.rstrip("\n") + f" (who hung where: python -m minizero.debug hang {flight})\n"
         _write_stderr(text)
@@ -392,4 +394,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    watch_stdout()
     sys.exit(main())

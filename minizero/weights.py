@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tokenize
 import zipfile
 import zlib
 
@@ -66,10 +67,11 @@ def _check_headers(weights: str) -> None:
                     raise _not_weights(weights, f"array {name!r}: header {shape} {dtype} needs {declared:,} bytes "
                                                 f"but the archive member holds {info.file_size:,}")
                 heads[name] = _Header(shape, dtype)
-    except ValueError as e:
+    except (ValueError, SyntaxError, tokenize.TokenError) as e:  # NumPy's header parser raises all three
         if str(e).startswith("--weights"):
             raise
-        raise _not_weights(weights, f"unreadable array header: {e}") from None
+        why = str(e).splitlines()[0] if isinstance(e, ValueError) else "not the dictionary an .npy header holds"
+        raise _not_weights(weights, f"unreadable array header: {why}") from None
     except (OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
         raise _not_weights(weights, f"unreadable or truncated archive: {type(e).__name__}: {e}") from None
     if not heads:

@@ -164,6 +164,9 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--prune-scope", "global"], "--prune-scope only apply(ies) with --prune-sparsity > 0"),
     (["--schedule", "gpipe"], "--schedule only apply(ies) with --pp > 1 (a pipeline); got --pp 1"),
     (["--pp-verbose"], "--pp-verbose only apply(ies) with --pp > 1"),
+    # before: accepted; no sample, so the prompt went unused; --progress bar silently replaced by none
+    (["--prompt", "Once"], "--prompt only apply(ies) with --sample-tokens > 0 (the closing sample)"),
+    (["--progress", "bar"], "--no-progress is --progress none, but --progress bar is given too; give one"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(flags, needle):
     """Before: silently ignored (as --show-shards or the loss-scale flags are not)."""
@@ -347,6 +350,9 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
     (lambda m: m.__setitem__("step", "2"), "field 'step' is '2', expected an integer >= 0"),
     (lambda m: m.pop("train"), "field 'train' is missing"),
     (lambda m: m["layout"].__setitem__("tp", None), "layout.tp is None, expected an integer"),
+    # before: a TypeError (a list as a dict key) and NumPy's ValueError building a GPT of width 10^30, tracebacks
+    (lambda m: m["pieces"][0].__setitem__("format", []), "pieces[0] format '[]', expected one of dense, 8bit"),
+    (lambda m: m["model"].__setitem__("n_embd", 10 ** 30), "too large for its arrays to exist"),
 ])
 def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, needle):
     """Before: KeyError/TypeError tracebacks on every rank, some after the model was built (MPI_Abort)."""
@@ -362,11 +368,46 @@ def test_a_damaged_manifest_is_named_not_a_traceback(saved, tmp_path, damage, ne
         parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
 
 
+@pytest.mark.parametrize("forge,said", [
+    (lambda a: a[:-1], "F32 of shape [{n1}], the manifest says F32 of shape [{n}]"),  # before: NumPy's broadcast
+    (lambda a: a.astype("float64"), "F64 of shape [{n}], the manifest says F32"),  # ValueError traceback, MPI_Abort;
+    (lambda a: a.astype("int32"), "I32 of shape [{n}], the manifest says F32"),  # these three were loaded, cast
+    (lambda a: a.reshape(1, -1), "F32 of shape [1, {n}], the manifest says F32 of shape [{n}]"),
+    (None, "no such array, the manifest says F32 of shape [{n}]"),
+])
+def test_a_rank_file_whose_arrays_disagree_with_the_manifest_is_named(saved, tmp_path, forge, said):
+    """A rank file rewritten with its checksum and size updated in the manifest (so both checks pass): its
+    header's arrays are compared with the manifest's pieces before any work."""
+    import json
+    import shutil
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "step_00000002", folder)
+    path = folder / "rank00000.safetensors"
+    with safe_open(str(path), framework="numpy") as st:
+        meta = st.metadata()
+    tensors = load_file(str(path))
+    key = next(k for k in tensors if k.startswith("m/"))
+    n = tensors[key].size
+    if forge is None:
+        del tensors[key]
+    else:
+        tensors[key] = np.ascontiguousarray(forge(tensors[key]))
+    save_file(tensors, str(path), metadata=meta)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"][0].update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UsageError, match=re.escape(f"{path}: array {key!r}: " + said.format(n=n, n1=n - 1))):
+        parse_args([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)])
+
+
 @pytest.mark.timeout(120)
 def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_path, mpiexec):
     """A manifest that names a shard file or tensor its files do not hold (hand-edited: the manifest has no
-    checksum) is found while loading, after the model is built. Before: FileNotFoundError / SafetensorError
-    tracebacks; now one line per rank, and the job ends (exit 1)."""
+    checksum). Before: FileNotFoundError / SafetensorError tracebacks; then one line per rank while loading, after
+    the model was built; now the rank files' headers are compared with the pieces before any work."""
     import json
     import shutil
 
@@ -377,7 +418,7 @@ def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_p
     (folder / "manifest.json").write_text(json.dumps(man))
     proc, elapsed = _train([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)], mpiexec, 2)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "the manifest names what its files do not hold" in proc.stderr and elapsed < 60
+    assert "array 'no-such-tensor': no such array, the manifest says F32" in proc.stderr and elapsed < 60
 
 
 @pytest.mark.timeout(120)
@@ -408,6 +449,23 @@ def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
     assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'missing'}: no such checkpoint folder or save dir\n")
     assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.npz")]) == 0
     assert (tmp_path / "new" / "model.npz").is_file()
+
+
+def test_consolidate_never_writes_over_a_runs_json(saved, tmp_path, capsys):
+    """Before: --out RUN/summary.json replaced the run's summary with the .npz; --out DIR/model.json wrote the .npz
+    there, then the model.json beside it over it: the consolidated weights were lost as it said 'wrote'."""
+    import shutil
+    from minizero.checkpoint.cli import main
+    run = tmp_path / "run"
+    shutil.copytree(saved.parent, run, ignore=shutil.ignore_patterns("checkpoints"))
+    before = _digests(run)
+    for name in ("summary.json", "model.json"):
+        assert main(["consolidate", str(saved), "--out", str(run / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is named as the {name} minizero's programs read back as JSON" in err, err
+    assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.json")]) == 2
+    assert "consolidate writes it beside the weights" in capsys.readouterr().err
+    assert _digests(run) == before and not (tmp_path / "new").exists()
 
 
 def test_no_output_of_the_trainer_lands_inside_a_checkpoint(saved, tmp_path):
@@ -444,6 +502,48 @@ def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
     assert main(["--weights", str(weights), "--json", str(config)]) == 2
     assert "would overwrite --weights' config" in capsys.readouterr().err
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)] == before
+
+
+def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_path, capsys):
+    """Before: with --data left out, quantize read summary.json's config.train.data, then wrote --json over it."""
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the user's training text. " * 200)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["config"]["train"]["data"] = str(corpus)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz"), "--json", str(corpus)]) == 2
+    assert f"would overwrite summary.json's config.train.data {str(corpus)!r}" in capsys.readouterr().err
+    assert corpus.read_text() == "the user's training text. " * 200
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("train", [], "config.train is [], not an object"),  # before: AttributeError traceback
+    ("seed", float("inf"), "config.train.seed inf is not a whole number >= 0"),  # before: OverflowError traceback
+    ("seed", -1, "config.train.seed -1 is not"),  # before: NumPy's 'expected non-negative integer', nothing named
+    ("seed", "x", "config.train.seed 'x' is not"),  # before: seed 0 used, another FP32 loss than train printed
+    ("data", 1.5, "config.train.data 1.5 is not a file path"),  # before: TypeError traceback from os.stat
+    ("data", "none.txt", "summary.json's config.train.data: --data 'none.txt': no such file"),
+])
+def test_quantize_names_a_bad_summary_json_train_field(saved, tmp_path, capsys, field, value, said):
+    import json
+    import shutil
+    from minizero.quantize import main
+    for name in ("model.npz", "model.json", "summary.json"):
+        shutil.copy(saved.parent / name, tmp_path / name)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    if field == "train":
+        summary["config"]["train"] = value
+    else:
+        summary["config"]["train"][field] = value
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["--weights", str(tmp_path / "model.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
 
 
 # --------------------------------------------------------------------------- compare
@@ -547,6 +647,25 @@ def test_weights_headers_checked_before_any_array_is_read(tmp_path, monkeypatch)
     other = archive("other.npz", {"notes.txt": b"hi"})
     with pytest.raises(ValueError, match=r"member 'notes.txt' is not an .npy array"):
         read_weights(other)
+
+
+@pytest.mark.parametrize("header,said", [
+    (b"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 2), ", "not the dictionary an .npy header holds"),
+    (b"(", "not the dictionary an .npy header holds"), (b"{'descr': '<f4'}" + b" " * 20000, "Header info length"),
+])
+def test_a_damaged_npy_header_is_one_line_naming_the_weights(tmp_path, capsys, header, said):
+    """Before: NumPy's header parser raised tokenize.TokenError / SyntaxError (a 45-line traceback from sample,
+    quantize, finetune), or a ValueError of three lines for a header over 10,000 bytes."""
+    import zipfile
+    from minizero.sample import main as sample_main
+    header = header.ljust(118) + b"\n" if len(header) < 118 else header + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(16)
+    path = tmp_path / "model.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("transformer.wte.weight.npy", raw)
+    assert sample_main(["--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--weights {str(path)!r} is not a model.npz" in err and said in err, err
 
 
 def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeypatch):

@@ -2,11 +2,14 @@
 each is refused before any work, with exit status 2 and a message naming the value and what is allowed."""
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 from minizero import compare, finetune
 from minizero.train import UsageError, parse_args
+from tests.conftest import mpi_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
@@ -239,14 +242,32 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
 
 
 @pytest.mark.parametrize("tool,argv", [("quantize", ["--bits", "3"]), ("quantize", ["--block-size", "0"]),
-                                       ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"])])
+                                       ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"]),
+                                       # these printed a usage block of 1 to 3 lines above the error:
+                                       ("checkpoint", []), ("checkpoint", ["inspect"]), ("debug", ["hang"]),
+                                       ("debug", ["parity", "--dp 1", "--dp 1", "--tol", "nan"])])
 def test_a_refusal_is_one_line_without_the_usage_block(capsys, tool, argv):
     """quantize and finetune printed argparse's whole usage block (15 lines) above the error; every tool's is one
     line naming the value, exit status 2 (numerals.OneLineParser)."""
     import importlib
+    module = {"checkpoint": "checkpoint.cli", "debug": "debug.__main__"}.get(tool, tool)
     try:
-        code = importlib.import_module(f"minizero.{tool}").main(argv)
+        code = importlib.import_module(f"minizero.{module}").main(argv)
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith(f"python -m minizero.{tool}: error: "), err
+    prog = f"python -m minizero.{tool}" + (f" {argv[0]}" if tool in ("checkpoint", "debug") and argv else "")
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err
+
+
+def test_finetune_names_the_data_file_too_short_to_validate(tmp_path, capsys):
+    """Before: '--data has 15 bytes; ...' without the file's name (quantize names it)."""
+    weights = tmp_path / "w"
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--eval-batches", "1",
+                    "--sample-tokens", "0", "--no-progress", "--out", str(weights)], check=True, capture_output=True,
+                   timeout=120, env=mpi_env())
+    short = tmp_path / "short.txt"
+    short.write_text("short text here")
+    assert finetune.main(["--weights", str(weights / "model.npz"), "--data", str(short)]) == 2
+    assert (f"--data {str(short)!r} has 15 bytes; needs at least 180 (its last 10% validates and must hold "
+            "block_size + 2 = 18 tokens)") in capsys.readouterr().err

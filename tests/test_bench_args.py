@@ -23,7 +23,10 @@ def load(name):
 
 
 LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
-             "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",)}
+             "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
+             "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
+             "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm",
+                                    "table_prune_one_shot", "table_sparse_training")}
 
 
 def refusal(monkeypatch, capsys, name, argv) -> str:
@@ -58,6 +61,18 @@ CASES = [
     ("bench_overlap", ["--bucket-mb", "-1"], "argument --bucket-mb: '-1'"),
     ("bench_overlap", ["--strategies", "dp,"], "--strategies"),
     ("bench_overlap", ["--model", "nosuch"], "'nosuch'"),
+    # before: the runs, then a WriteError (or FileNotFoundError) traceback at the end
+    ("bench_overlap", ["--figure", "/"], "--figure '/' is a directory; give a file path"),
+    ("bench_seq_memory", ["--png", "/no-such-folder/x.png"], "--png '/no-such-folder/x.png': folder "),
+    ("bench_seq_memory", ["--attention", "--png", "/"], "--png '/' is a directory"),
+    ("bench_3d_main_job", ["--reuse", "/no-such-folder"], "--reuse '/no-such-folder' holds no dp8_short/summary"),
+    ("bench_3d_main_job", ["--reuse", "/", "--keep", "x"], "with --reuse it makes none"),
+    ("bench_3d_main_job", ["--keep", "/dev/null"], "--keep '/dev/null' exists and is not a folder"),
+    ("bench_allreduce", ["--json", "/"], "--json '/' is a directory"),  # before: the sweep, then IsADirectoryError
+    ("bench_allreduce", ["--json", "x.json", "--launch", "2"], "with --launch (which gives each run its own)"),
+    # before: tables 2-4 ran, then a FileNotFoundError traceback at table 5a; or --weights unused, unsaid
+    ("bench_quantization", ["--weights", "/no-such.npz", "--only", "2,5a"], "--weights '/no-such.npz': no such file"),
+    ("bench_quantization", ["--weights", "/no-such.npz", "--only", "2"], "--only '2' runs neither: drop --weights"),
     ("bench_speedup", ["--precision", "--ranks", "1,x"], "argument --ranks: '1,x'"),
     ("bench_speedup", ["--precision", "--ranks", "0"], "argument --ranks: '0'"),
     ("bench_speedup", ["--precision", "--ranks", "100000"], "in [1, 64]"),

@@ -101,6 +101,36 @@ def test_ranks_in_different_collectives_at_one_sequence_number_are_named(tmp_pat
                         "128 bytes)"), lines
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("reason", None, "lacks 'reason' as text"), ("op", ["x"], "entries[0].op as text"),
+    ("state", None, "entries[0].state as text"), ("error", 5, "entries[0].error as text"),
+    ("posted_us", None, "entries[0] with a whole 'posted_us'"), ("shape", ["a"], "'shape' a list of whole numbers"),
+])
+def test_hang_names_a_flight_field_of_the_wrong_type(tmp_path, capsys, field, value, needle):
+    """Before: a KeyError, or a TypeError traceback from the analysis (unhashable list, None + str)."""
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    snap = json.loads((tmp_path / "rank_0.json").read_text())
+    (snap if field == "reason" else snap["entries"][0])[field] = value
+    (tmp_path / "rank_0.json").write_text(json.dumps(snap))
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a flight record" in err and needle in err, err
+
+
+def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
+    """Before: rank_1.json holding rank 0's record (a copy) replaced rank 0's, and the analysis said rank 1 never
+    posted what it did; rank_1.json and rank_01.json were both read as rank 1."""
+    import shutil
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    shutil.copy(tmp_path / "rank_0.json", tmp_path / "rank_1.json")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'rank_1.json'} holds rank 0's flight record, expected rank 1" in capsys.readouterr().err
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    shutil.copy(tmp_path / "rank_1.json", tmp_path / "rank_01.json")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert "is a second flight record of rank 1" in capsys.readouterr().err
+
+
 def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert _run_and_dump(2, lambda comm: [all_reduce(comm, np.ones(4)) for _ in range(3)], tmp_path) is None
     assert debug_main(["hang", str(tmp_path)]) == 0
@@ -114,6 +144,11 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     (b"\xe1\x80 binary", "is not JSON: 'utf-8' codec can't decode"), (b"", "is not JSON: Expecting value"),
     (b'{"traceEvents": [{"ph": "X", "name": "f", "cat": "c", "ts": 0, "dur": "x", "pid": 0, "tid": 0}]}',
      "traceEvents[0].dur is 'x', not a number"), (b"[" * 100000, "nested too deeply"),
+    *[(b'{"traceEvents": [{"ph": "X", "name": "f", "cat": "c", "ts": 0, "dur": 1, "pid": 0, "tid": 0, ' + bad + b"}]}",
+       needle) for bad, needle in [  # before: negative or NaN times reported, a TypeError for a pid or name of a type
+        (b'"dur": -5', "dur is -5, not a number of microseconds (finite, >= 0)"), (b'"ts": NaN', "ts is nan, not"),
+        (b'"pid": "a"', "pid is 'a', not a rank"), (b'"name": 5', "name is 5, not text"),
+        (b'"args": {"peer": [1]}', "args is {'peer': [1]}, not an object whose 'peer' is a rank")]],
 ])
 def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, needle):
     """Before: a TypeError traceback, ``error: 'pid'``, or a JSON message without the file's name."""
@@ -142,9 +177,9 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
 def test_a_flight_record_lacking_what_the_analysis_reads_is_named():
     from minizero.debug.hang import _missing
 
-    good = {"rank": 0, "world_size": 1, "groups": {"world": {"members": [0], "last_seq": 1}},
+    good = {"rank": 0, "world_size": 1, "reason": "end", "groups": {"world": {"members": [0], "last_seq": 1}},
             "entries": [{"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64",
-                         "bytes": 16, "state": "completed"}]}
+                         "bytes": 16, "state": "completed", "posted_us": 0}]}
     assert _missing(good) is None
     assert _missing({**good, "groups": {"world": {"members": [0]}}}) == "groups['world'].last_seq"
     broken = dict(good["entries"][0])

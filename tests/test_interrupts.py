@@ -142,3 +142,31 @@ def test_every_tool_runs_in_interruptible():
     bare = [p.name for p in tools if p.name != "train.py"
             and "interruptible(" not in p.read_text().split('if __name__ == "__main__":')[1]]
     assert bare == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("cmd,line", [
+    (["minizero.plan", "--model", "tiny", "--gpus", "1"], "python -m minizero.plan: error: cannot write standard "
+                                                          "output (No space left on device); files already written"),
+    (["minizero.train", "--model", "tiny", "--steps", "1", "--no-save", "--eval-batches", "1", "--progress", "none"],
+     "[rank 0] minizero.train failed: cannot write standard output (No space left on device)"),
+])
+def test_stdout_on_a_full_disk_is_one_line(cmd, line):
+    """``> /dev/full`` (a full disk): before, print's OSError traceback (plan, sample, quantize, compare, train)."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", *cmd], stdout=full, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO_ROOT, env=mpi_env(), timeout=100)
+    assert proc.returncode == 1 and line in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_finetune_json_on_a_full_disk_is_one_line(weights):
+    """Before: the runs, then a WriteError traceback (quantize said it in one line)."""
+    proc = subprocess.run([sys.executable, "-m", "minizero.finetune", "--weights", str(weights[0]), "--data",
+                           str(weights[1]), "--method", "full", "--steps", "1", "--eval-batches", "1", "--json",
+                           "/dev/full"], capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=180)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.endswith("python -m minizero.finetune: error: could not write '/dev/full': no space left on "
+                                "device (the disk is full)\n"), proc.stderr

@@ -6,7 +6,6 @@ writes them (sample and quantize then need no ``--model``). A bad checkpoint: ex
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -17,9 +16,10 @@ from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import atomic_write, check_writable_folder, read_json
+from minizero.files import READ_BACK, atomic_write, check_writable_folder, read_json
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
+from minizero.numerals import OneLineParser
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
 from minizero.interrupts import WHOLE, interruptible
@@ -106,6 +106,11 @@ def check_out(out: str) -> None:
                               "to it; give a path outside every checkpoint")
     if os.path.basename(p) == LATEST and os.path.exists(p):
         raise CheckpointError(f"--out {out!r} would overwrite a save dir's pointer to its latest checkpoint")
+    name = os.path.basename(p)  # an .npz may be replaced (consolidated again), a JSON file programs read back not
+    if name in READ_BACK and not name.endswith(".npz"):
+        raise CheckpointError(f"--out {out!r} is named as the {name} minizero's programs read back as JSON"
+                              + (" (consolidate writes it beside the weights)" if name == SIDECAR else "")
+                              + "; give an .npz file path such as model.npz")
     try:
         check_writable_folder(os.path.dirname(p))
     except OSError as e:
@@ -134,8 +139,8 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
 
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
-    p = argparse.ArgumentParser(prog="python -m minizero.checkpoint",
-                                description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
+    p = OneLineParser(prog="python -m minizero.checkpoint",  # its subcommands' parsers are OneLineParsers too
+                      description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")

@@ -369,7 +369,7 @@ def _piece_problem(pc: dict, params: dict) -> str | None:
         return f"kind {str(pc['kind'])[:20]!r}, expected one of {', '.join(KINDS)}"
     if not isinstance(pc["key"], str):
         return f"key {str(pc['key'])[:40]!r}, expected a string (the tensor's name in its file)"
-    if pc["format"] not in PIECE_DTYPES:
+    if not isinstance(pc["format"], str) or pc["format"] not in PIECE_DTYPES:
         return f"format {str(pc['format'])[:20]!r}, expected one of {', '.join(PIECE_DTYPES)}"
     if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:
         return f"dtype {str(pc['dtype'])[:20]!r}, expected {' or '.join(PIECE_DTYPES[pc['format']])} for a " \

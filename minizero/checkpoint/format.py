@@ -177,28 +177,37 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
         if size != entry["bytes"]:
             raise CheckpointError(f"{f}: {size:,} bytes, the manifest says {entry['bytes']:,} (truncated or "
                                   f"overwritten)")
-        check_header(f, entry["rank"])
+        check_header(f, entry["rank"], [pc for pc in man["pieces"] if pc["file"] == entry["file"]])
         if checksums:
             check_contents(f, entry["sha256"])
     return folder
 
 
-def check_header(path: str, rank: int) -> None:
+def check_header(path: str, rank: int, pieces=()) -> None:
     """Refuse a rank file whose safetensors header (save writes ``{"format", "rank"}`` there) names another rank
-    than its files entry: rank files swapped, or copied in from elsewhere. Reads the header only."""
+    than its files entry (rank files swapped, or copied in from elsewhere), or lacks one of its ``pieces`` as the
+    manifest gives it (a flat array of hi - lo elements of its dtype; 8-bit: uint8 codes). Reads the header only."""
     try:
         with safe_open(path, framework="numpy") as st:
             meta = st.metadata() or {}
+            held = {k: (st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in st.keys()}
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
     if meta.get("rank") != str(rank):
         said = f"rank {meta['rank'][:20]}" if isinstance(meta.get("rank"), str) else "no rank"
         raise CheckpointError(f"{path}: its header names {said}, expected rank {rank} (its files entry's rank); the "
                               "rank files are swapped or from another checkpoint")
+    for pc in pieces:
+        key, want = (pc["key"], CODES[pc["dtype"]]) if pc["format"] == "dense" else (pc["key"] + "/codes", "U8")
+        if held.get(key) != (want, [pc["hi"] - pc["lo"]]):
+            said = "no such array" if key not in held else f"{held[key][0]} of shape {held[key][1]}"
+            raise CheckpointError(f"{path}: array {key!r}: {said}, the manifest says {want} of shape "
+                                  f"[{pc['hi'] - pc['lo']}]; the checkpoint is damaged (resume from an earlier one)")
 
 
 #: safetensors' codes of the floating dtypes save writes (little-endian); other arrays are only hashed
 FLOAT_CODES = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}
+CODES = {"float16": "F16", "float32": "F32", "float64": "F64", "uint8": "U8"}  #: a piece's dtype, as its header says
 
 
 def _array_problem(path: str, key: str, a) -> str | None:

@@ -93,7 +93,11 @@ def _shape_problems(model: dict, layout: dict, params: dict) -> list[str]:
     layers = sum(1 for k in params if k.startswith("transformer.h.") and k.endswith(".ln_1.weight"))
     if layers != model["n_layer"]:
         return [f"model.n_layer is {model['n_layer']}, but params holds {layers} layer(s)"]
-    want = expected_shapes(model, layout)
+    try:  # sizes past what an array's shape can hold (NumPy: "Maximum allowed dimension exceeded")
+        want = expected_shapes(model, layout)
+    except (ValueError, OverflowError, MemoryError) as e:
+        sizes = ", ".join(f"{k} {model[k]:,}" for k in SIZES)
+        return [f"model has {sizes}: too large for its arrays to exist ({str(e)[:60]}); expected the saved sizes"]
     say = "as the model section" + (" and layout.moe_* say" if layout.get("moe_experts") else " says")
     bad = [n for n in want if n in params and (params[n].get("shape") if isinstance(params[n], dict) else None)
            != want[n]]

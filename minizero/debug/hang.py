@@ -31,13 +31,18 @@ def load(folder: str) -> dict[int, dict]:
             missing = _missing(snap)
             if missing:
                 raise ValueError(f"{p} is not a flight record: it lacks {missing}")
-            out[int(snap["rank"])] = snap
+            named = int(os.path.basename(p)[5:-5])
+            if snap["rank"] != named:  # a copy or a rename would be read as another rank's record
+                raise ValueError(f"{p} holds rank {snap['rank']}'s flight record, expected rank {named} (its name)")
+            if named in out:  # rank_1.json and rank_01.json
+                raise ValueError(f"{p} is a second flight record of rank {named}; keep one file per rank")
+            out[named] = snap
     return out
 
 
-SNAPSHOT_FIELDS = ("rank", "world_size", "groups", "entries")  #: what the analysis reads of a rank's record ...
+SNAPSHOT_FIELDS = ("rank", "world_size", "reason", "groups", "entries")  #: what the analysis reads of a record ...
 GROUP_FIELDS = ("members", "last_seq")  #: ... of each group ...
-ENTRY_FIELDS = ("group", "seq", "op", "shape", "dtype", "bytes", "state")  #: ... and of each entry
+ENTRY_FIELDS = ("group", "seq", "op", "shape", "dtype", "bytes", "state", "posted_us")  #: ... and of each entry
 
 
 def _missing(snap) -> str | None:
@@ -61,9 +66,15 @@ def _missing(snap) -> str | None:
     for i, e in enumerate(snap["entries"]):
         if not isinstance(e, dict) or any(f not in e for f in ENTRY_FIELDS):
             return f"entries[{i}].{next(f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e)}"
-        if not (e["seq"] is None or _whole(e["seq"])) or not (e["shape"] is None or isinstance(e["shape"], list)):
-            return f"entries[{i}] with a whole 'seq' (or null) and 'shape' a list (or null)"
-    return None
+        if not (e["seq"] is None or _whole(e["seq"])) or not (e["shape"] is None or isinstance(e["shape"], list)
+                                                             and all(_whole(d) for d in e["shape"])):
+            return f"entries[{i}] with a whole 'seq' (or null) and 'shape' a list of whole numbers (or null)"
+        texts = [f for f in ("group", "op", "state", "dtype", "within", "error")
+                 if not (isinstance(e.get(f), str) or f not in ("group", "op", "state") and e.get(f) is None)]
+        if texts or not (_whole(e["posted_us"]) and (e["bytes"] is None or _whole(e["bytes"]))):
+            return (f"entries[{i}].{texts[0]} as text" if texts else
+                    f"entries[{i}] with a whole 'posted_us' and 'bytes' (or null)")
+    return None if isinstance(snap["reason"], str) else "'reason' as text"
 
 
 MAX_WORLD = 1 << 20  #: the largest world a flight record may name (the planner's --gpus bound)

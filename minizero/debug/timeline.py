@@ -7,6 +7,7 @@ time not waiting on others) and the one that waits most. Mirrors Holistic Trace 
 """
 from __future__ import annotations
 
+import math
 
 from minizero.files import read_json
 from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
@@ -85,7 +86,7 @@ def load(path: str) -> list:
     """The ``traceEvents`` of the timeline ``--trace`` wrote at ``path``.
 
     Raises OSError: unreadable; ValueError: not JSON (or not UTF-8), no ``traceEvents`` list, or a complete
-    event without one of :data:`SPAN_FIELDS` (the file and the field named).
+    event without one of :data:`SPAN_FIELDS` or with one of another type (the file and the field named).
     """
     data = read_json(path)
     events = data.get("traceEvents") if isinstance(data, dict) else None
@@ -96,14 +97,27 @@ def load(path: str) -> list:
         if not isinstance(e, dict) or missing:
             raise ValueError(f"{path!r}: traceEvents[{i}] "
                              + (f"lacks {missing[0]!r}" if missing else "is not an object"))
-        wrong = [f for f in ("ts", "dur") if e.get("ph") == "X" and not _number(e[f])]
+        if e.get("ph") != "X":
+            continue
+        wrong = [(f, allowed) for f, ok, allowed in (
+            ("ts", _number(e["ts"]), "a number of microseconds (finite)"),
+            ("dur", _number(e["dur"]) and e["dur"] >= 0, "a number of microseconds (finite, >= 0)"),
+            ("pid", _whole(e["pid"]), "a rank (a whole number >= 0)"), ("tid", _whole(e["tid"]), "a lane number"),
+            ("name", isinstance(e["name"], str), "text"), ("cat", isinstance(e["cat"], str), "text"),
+            ("args", isinstance(e.get("args", {}), dict) and _whole(e.get("args", {}).get("peer", 0)),
+             "an object whose 'peer' is a rank")) if not ok]
         if wrong:
-            raise ValueError(f"{path!r}: traceEvents[{i}].{wrong[0]} is {e[wrong[0]]!r}, not a number of microseconds")
+            f, allowed = wrong[0]
+            raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {e[f]!r}, not {allowed}")
     return events
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def main(path: str) -> int:

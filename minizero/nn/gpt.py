@@ -38,7 +38,7 @@ class GPTConfig:
         """Check every field; return self."""
         for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GPTConfig.{f} must be a positive integer, got {v!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -140,6 +140,22 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def check_ids(idx, vocab_size: int, block_size: int) -> None:
+    """ValueError naming the first problem unless ``idx`` is (B, T) integers, 1 <= T <= block_size, in [0, V)."""
+    shape = getattr(idx, "shape", None)
+    if shape is None or len(shape) != 2 or 0 in shape:
+        raise ValueError(f"GPT: idx must be a (B, T) array of token ids, B and T >= 1, got shape {shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"GPT: idx must hold integer token ids, got dtype {idx.dtype}")
+    if shape[1] > block_size:
+        raise ValueError(f"sequence length {shape[1]} exceeds block_size {block_size}")
+    bad = backend.xp.flatnonzero((idx < 0) | (idx >= vocab_size))  # a negative id would index from the end
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"GPT: token ids must lie in [0, {vocab_size}); id {int(idx.reshape(-1)[i])} at position "
+                         f"{divmod(i, shape[1])} (batch, time) is outside ({int(bad.size)} bad in all)")
+
+
 class GPT(Module):
     """The decoder. ``model(idx)`` -> logits (B, T, V); ``model(idx, targets)`` -> (logits, mean loss).
 
@@ -166,13 +182,11 @@ class GPT(Module):
             materialize_(self, get_ledger())
 
     def forward(self, idx, targets=None):
-        """idx: (B, T) ints, T <= block_size; targets (B, T) or None. Raises ValueError: T too long,
-        ids out of range."""
+        """idx: (B, T) ints, T <= block_size; targets (B, T) or None. Raises ValueError (:func:`check_ids`)."""
         idx = idx.data if isinstance(idx, Tensor) else idx
-        b, t = idx.shape
         cfg = self.config
-        if t > cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
+        check_ids(idx, cfg.vocab_size, cfg.block_size)
+        b, t = idx.shape
         tr = self.transformer
         pos = backend.xp.arange(t)
         x = tr["drop"](tr["wte"](idx) + tr["wpe"](pos))
@@ -187,6 +201,9 @@ class GPT(Module):
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
         """Sample ``max_new_tokens`` tokens (no grad; temperature 0: greedy): (B, T) ints -> (B, T + new)."""
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0 and 0 <= temperature < math.inf):
+            raise ValueError(f"GPT.generate: max_new_tokens must be an int >= 0 and temperature a finite number >= 0 "
+                             f"(0: greedy), got {max_new_tokens!r} and {temperature!r}")
         rng = rng if rng is not None else np.random.default_rng(0)
         idx = np.asarray(backend.to_host(idx))
         was_training = self.training

@@ -5,6 +5,8 @@ is None is skipped entirely, as PyTorch's AdamW.
 """
 from __future__ import annotations
 
+import math
+
 
 class Optimizer:
     """Base of :class:`~minizero.optim.AdamW` and :class:`~minizero.optim.adam8bit.Adam8bit`.
@@ -14,8 +16,9 @@ class Optimizer:
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"{type(self).__name__}: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+        if not (0 <= lr < math.inf and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and 0 < eps < math.inf
+                and 0 <= weight_decay < math.inf):  # written so that NaN fails every comparison
+            raise ValueError(f"{type(self).__name__}: need finite lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.params = list(params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay

@@ -1,0 +1,72 @@
+"""The public Python API refuses bad input by name (ValueError), as the programs do."""
+import re
+
+import numpy as np
+import pytest
+
+from minizero.nn import GPT, GPTConfig, get_config
+from minizero.optim import AdamW
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return GPT(get_config("tiny"))
+
+
+@pytest.mark.parametrize("idx,said", [
+    (np.array([[-1, 1]]), "id -1 at position (0, 0) (batch, time) is outside (1 bad in all)"),  # before: row 255
+    (np.array([[1, 300, 300]]), "token ids must lie in [0, 256); id 300 at position (0, 1)"),  # before: IndexError
+    (np.zeros((1, 4), np.float32), "idx must hold integer token ids, got dtype float32"),  # IndexError
+    (np.zeros(4, np.int64), "idx must be a (B, T) array of token ids, B and T >= 1, got shape (4,)"),  # unpack error
+    (np.zeros((1, 0), np.int64), "got shape (1, 0)"),  # before: NumPy's 'zero-size array to reduction operation'
+    (np.zeros((1, 17), np.int64), "sequence length 17 exceeds block_size 16"),
+])
+def test_gpt_forward_names_bad_token_ids(tiny, idx, said):
+    with pytest.raises(ValueError) as e:
+        tiny(idx)
+    assert said in str(e.value)
+
+
+def test_gpt_config_sizes_are_counts_not_booleans():
+    """Before: n_layer=True built a one-layer GPT (bool is an int subclass)."""
+    with pytest.raises(ValueError, match="GPTConfig.n_layer must be a positive integer, got True"):
+        GPT(GPTConfig(n_layer=True, n_head=2, n_embd=16))
+
+
+@pytest.mark.parametrize("kw", [{"lr": float("nan")}, {"lr": float("inf")}, {"eps": float("nan")},
+                                {"weight_decay": float("nan")}, {"eps": float("inf")}])
+def test_adamw_refuses_non_finite_hyper_parameters(tiny, kw):
+    """Before: lr=nan (NaN fails ``lr < 0``) was accepted; the first step made every parameter NaN."""
+    with pytest.raises(ValueError, match="AdamW: need finite lr >= 0"):
+        AdamW(tiny.parameters(), **kw)
+
+
+@pytest.mark.parametrize("kw,said", [
+    ({"max_new_tokens": -1}, "got -1 and 1.0"),  # before: returned the prompt, nothing said
+    ({"temperature": float("nan")}, "got 2 and nan"),  # before: NumPy's 'Probabilities contain NaN'
+    ({"temperature": -1.0}, "got 2 and -1.0"),  # before: sampled from the inverted distribution
+])
+def test_generate_names_bad_length_or_temperature(tiny, kw, said):
+    with pytest.raises(ValueError, match="GPT.generate: max_new_tokens must be an int >= 0 and temperature a "
+                                         "finite number >= 0 .*" + re.escape(said)):
+        tiny.generate(np.array([[1]]), **{"max_new_tokens": 2, "temperature": 1.0, **kw})
+
+
+def test_data_and_quantization_helpers_name_bad_sizes():
+    """Before: block_size 0 was a ZeroDivisionError; global_batch with block 0 or batch 0 returned empty arrays,
+    a text shorter than a window NumPy's 'high <= 0', seed -1 its unnamed 'expected non-negative integer'."""
+    from minizero.data import encode, global_batch, train_val_split
+    from minizero.quantization import dequantize_blockwise, dynamic_code, quantize_blockwise
+    code = dynamic_code()
+    for call in (lambda: quantize_blockwise(np.ones(8, np.float32), code, block_size=0),
+                 lambda: dequantize_blockwise(np.zeros(8, np.uint8), np.ones(1, np.float32), code, block_size=0)):
+        with pytest.raises(ValueError, match=r"block_size=0; allowed: an int >= 1"):
+            call()
+    tokens = encode("hello world " * 10)
+    for args in ((0, 2, 0, 0), (0, 0, 8, 0), (-1, 2, 8, 0), (0, 2, 8, -1)):
+        with pytest.raises(ValueError, match=r"global_batch: batch .* must be >= 1, step .* >= 0"):
+            global_batch(tokens, args[0], args[1], args[2], args[3])
+    with pytest.raises(ValueError, match=r"global_batch: tokens has 120 tokens; needs more than block_size \+ 1"):
+        global_batch(tokens, 0, 2, 200, 0)
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got nan"):
+        train_val_split(tokens, float("nan"))
