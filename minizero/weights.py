@@ -121,7 +121,7 @@ def read_weights(weights: str) -> dict:
             bad = ~np.isfinite(v)
             if bad.any():
                 raise ValueError(f"--weights {weights!r}: tensor {k!r} has {int(bad.sum())} non-finite value(s) "
-                                 f"(NaN or inf) of {v.size}; quantization and evaluation need finite weights")
+                                 f"(NaN or inf) of {v.size}; sampling, quantizing and fine-tuning need finite weights")
     return state
 
 
