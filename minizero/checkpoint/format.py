@@ -190,7 +190,7 @@ def check_header(path: str, rank: int, pieces=()) -> None:
     try:
         with safe_open(path, framework="numpy") as st:
             meta = st.metadata() or {}
-            held = {k: (st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in st.keys()}
+            held = {k: (sl.get_dtype(), sl.get_shape()) for k, sl in ((k, st.get_slice(k)) for k in st.keys())}
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
     if meta.get("rank") != str(rank):
