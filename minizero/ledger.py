@@ -271,7 +271,12 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]
     groups = _equal_ranks(per_rank)  # ranks whose ledgers agree byte for byte share one column
-    show_cur = len(groups) <= 4  # 'current' columns only while the table stays narrow
+    every = len(groups)
+    if every > 4:  # too wide (e.g. MoE: routing makes every rank's activations differ): the extremes only
+        totals = [per_rank[g[0]]["peak_total"] for g in groups]
+        ends = {totals.index(min(totals)), totals.index(max(totals))}
+        groups = [g for i, g in enumerate(groups) if i in ends]
+    show_cur = every <= 4  # 'current' columns only while the table stays narrow
     labels = [_rank_label(g) for g in groups]
     width = max([12] + [len(f"{lab} current") + 1 for lab in labels])
     head = ["category".ljust(16)]
@@ -295,12 +300,17 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
     if process_peaks is not None:
         lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
-        several = "; a column of several ranks shows the largest of theirs" if len(groups) < len(per_rank) else ""
+        several = "; a column of several ranks shows the largest of theirs" if any(len(g) > 1 for g in groups) else ""
         lines += wrap("* " + PROCESS_PEAK_SOURCES[process_peak_source] + several)
     if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):
         lines += wrap("(peak total: the most bytes alive at one moment; each category peaks at its own moment, "
                       "so their peaks add up to more)")
-    if len(groups) < len(per_rank):
+    if every > 4:
+        by_total = sorted(groups, key=lambda g: per_rank[g[0]]["peak_total"])
+        lines += wrap(f"(the {len(per_rank)} ranks' ledgers differ ({every} kinds): shown are {_rank_label(by_total[-1])}, "
+                      f"the largest peak total, and {_rank_label(by_total[0])}, the smallest; summary.json has every "
+                      "rank's peaks)")
+    elif len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
         lines += wrap(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "
                       "memory.png splits ranks whose bytes differ at some step)")

@@ -9,6 +9,7 @@ import sys
 import time
 
 MODES = ("auto", "bar", "log", "none")
+LINE_MAX = 128  #: columns of a log line before its notes (memory, MoE loads) go on a line of their own
 
 
 def _duration(seconds: float) -> str:
@@ -82,7 +83,9 @@ class Progress:
                 f"elapsed {_duration(elapsed).lstrip()}, ETA {_duration(eta).lstrip()}")
         if self.fp16:
             line += f"  [fp16: scale {scale:g}, skipped {skipped}]"
-        self._say(line + (f"  {extra}" if extra else ""))
+        if extra:  # a line too long for a wide terminal (MoE's expert loads, FP16's scale) goes on below, indented
+            line += f"\n{' ' * (2 * w + 8)}{extra}" if len(line) + len(extra) > LINE_MAX else f"  {extra}"
+        self._say(line)
 
     def validation(self, step: int, loss: float) -> None:
         """A validation loss taken after ``step`` optimizer steps."""

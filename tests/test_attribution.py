@@ -38,3 +38,17 @@ def test_hotspots_say_none_when_no_module_kept_activations():
 
     assert format_top_modules([{"h.0.mlp": 0}, {}]).splitlines()[1] == (
         "  every rank: none (no saved array stayed in the activations category)")
+
+
+def test_hotspots_of_many_differing_ranks_show_the_largest_and_the_smallest():
+    """Before: 8 MoE ranks, 8 blocks of lines (routing makes every rank's bytes differ)."""
+    from minizero.memory.attribution import format_top_modules
+
+    per_rank = [{"h.0.mlp": 1000 + 100 * r, "h.1.mlp": 900} for r in range(8)]
+    per_rank[3]["h.1.mlp"] = 5000  # the most in all
+    per_rank[5]["h.1.mlp"] = 1  # the least
+    lines = format_top_modules(per_rank, n=2).splitlines()
+    assert lines[1].startswith("  (8 ranks, 8 kinds: shown r3, which saved the most bytes, and r5, the least")
+    shown = [line for line in lines if line.startswith("  r")]
+    assert [line.split(":")[0] for line in shown] == ["  r3", "  r5"]
+    assert all(len(line) <= 100 for line in lines)

@@ -242,6 +242,23 @@ def test_memory_summary_puts_ranks_with_equal_ledgers_in_one_column():
     assert one.splitlines()[1].split() == ["category", "r0", "current", "r0", "peak"] and "equal ledgers" not in one
 
 
+def test_memory_summary_of_many_differing_ranks_shows_the_largest_and_the_smallest():
+    """Before: 8 MoE ranks gave 8 peak columns, a table 125 columns wide."""
+    from minizero.ledger import memory_summary
+
+    def snap(extra):
+        led = MemoryLedger()
+        keep = [np.zeros(1000 + extra, dtype=np.uint8)]
+        led.track(keep[0], "activations")
+        return led.snapshot()
+
+    extras = [5, 1, 7, 3, 0, 6, 2, 4]  # r2 the largest, r4 the smallest
+    text = memory_summary([snap(e) for e in extras], [1 << 20] * 8, process_peak_source="rss")
+    assert text.splitlines()[1].split() == ["category", "r2", "peak", "r4", "peak"]
+    assert "shown are r2, the largest peak total, and r4, the smallest" in " ".join(text.split())
+    assert "largest of theirs" not in text and max(map(len, text.splitlines())) <= 100
+
+
 def test_per_rank_values_share_a_label_when_equal():
     from minizero.ledger import per_rank_text
 

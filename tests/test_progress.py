@@ -104,3 +104,15 @@ def test_progress_under_mpirun_to_a_file(mpiexec, tmp_path):
                                                                              r"\d+\.\d{4}$", line))}
     assert 20 in val and 40 in val and val[20] < val[40] < final
     assert os.path.isfile(tmp_path / "out" / "model.npz") and os.path.isfile(tmp_path / "out" / "loss.png")
+
+
+def test_long_notes_go_on_a_line_of_their_own():
+    """Before: MoE runs printed 160-column lines (memory plus expert loads after the step's fields)."""
+    out = io.StringIO()
+    progress = Progress("log", 20, 2048, out=out, every=1)
+    progress.step(0, 5.0, 1e-3, extra="mem 1.00 MiB, peak 2.00 MiB")  # short: stays on the step's line
+    progress.step(1, 5.0, 1e-3, extra="mem 1.00 MiB, peak 2.00 MiB  " + "experts 10/20/30/40%  dropped 1.0%" * 2)
+    lines = out.getvalue().splitlines()
+    assert LINE.match(lines[0]) and len(lines) == 3 and LINE.match(lines[1])
+    assert lines[2].startswith(" " * 12 + "mem 1.00 MiB") and lines[2][12] == "m"
+    assert all(len(line) <= 128 for line in lines)

@@ -182,7 +182,15 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
             return "none (no saved array stayed in the activations category)"
         return ("; " if len(groups) < len(shown) else ", ").join(parts)  # "; ": a part holds commas itself
     rows = [line_of(peaks) for peaks in per_rank]
-    for row in dict.fromkeys(rows):  # ranks with the same hotspots share one line (data parallelism: all of them)
+    kinds = list(dict.fromkeys(rows))
+    if len(kinds) > 4:  # e.g. MoE, whose routing differs on every rank: the ranks saving the most and the least
+        saved = [sum(peaks.values()) for peaks in per_rank]
+        ends = [saved.index(max(saved)), saved.index(min(saved))]
+        lines += textwrap.wrap(f"({len(rows)} ranks, {len(kinds)} kinds: shown r{ends[0]}, which saved the most "
+                               f"bytes, and r{ends[1]}, the least; summary.json has every rank's)", 100,
+                               initial_indent="  ", subsequent_indent="    ")
+        kinds = list(dict.fromkeys(rows[r] for r in ends))
+    for row in kinds:  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]
         who = "every rank" if len(ranks) == len(rows) > 1 else "r" + rank_runs(ranks)  # r4-7, as the memory table
         lines += textwrap.wrap(f"{who}: {row}", 100, initial_indent="  ", subsequent_indent="    ",
