@@ -257,6 +257,14 @@ def test_memory_summary_of_many_differing_ranks_shows_the_largest_and_the_smalle
     assert text.splitlines()[1].split() == ["category", "r2", "peak", "r4", "peak"]
     assert "shown are r2, the largest peak total, and r4, the smallest" in " ".join(text.split())
     assert "largest of theirs" not in text and max(map(len, text.splitlines())) <= 100
+    same_total = [MemoryLedger() for _ in range(6)]  # equal peak totals, six kinds of split: one column, no crash
+    keep = []
+    for r, led in enumerate(same_total):
+        keep += [np.zeros(100 + r, dtype=np.uint8), np.zeros(100 - r, dtype=np.uint8)]
+        led.track(keep[-2], "activations")
+        led.track(keep[-1], "gradients")
+    text = memory_summary([led.snapshot() for led in same_total])
+    assert text.splitlines()[1].split() == ["category", "r0", "peak"] and "shown are r0, the largest" in text
 
 
 def test_per_rank_values_share_a_label_when_equal():
