@@ -30,8 +30,8 @@ def check_sequence_parallel(args, cfg) -> None:
 
 
 def check_context_parallel(args, cfg) -> None:
-    """``--cp`` needs T divisible by 2 cp (two chunks per rank), no dropout (ring attention has none) and,
-    with --sequence-parallel, T / cp divisible by tp."""
+    """``--cp`` needs T divisible by 2 cp (two chunks per rank) and, with --sequence-parallel, T / cp divisible by
+    tp and no dropout."""
     cp = args.cp
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
@@ -44,9 +44,9 @@ def check_context_parallel(args, cfg) -> None:
     dropout = args.dropout if args.dropout is not None else cfg.dropout
     if t % (2 * cp):
         raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
-    if dropout:
-        raise ValueError(f"--cp {cp} with --dropout {dropout} is not supported: ring attention has no attention dropout"
-                         " (and Ulysses' head shards would draw other masks than one process)")
+    if dropout and args.sequence_parallel:
+        raise ValueError(f"--cp {cp} with --sequence-parallel and --dropout {dropout} is not supported: the sequence-"
+                         "parallel dropout would split a chunk pair as if it were the whole sequence; use --dropout 0")
     heads = cfg.n_head // args.tp
     if args.cp_attention == "ulysses" and heads % cp:
         raise ValueError(f"--cp {cp} --cp-attention ulysses needs the {heads} attention heads per tensor rank "

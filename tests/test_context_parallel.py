@@ -16,8 +16,11 @@ from minizero.memory.attribution import layer_bytes, saved_by_module
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
-from minizero.parallel.context_parallel import (chunk_ids, context_parallelize, ring_attention, ring_bytes,
-                                                split_for_context_parallel, unsplit_from_context_parallel)
+from minizero.autograd.rng import get_rng_state, manual_seed
+from minizero.nn.module import Dropout
+from minizero.parallel.context_parallel import (ContextParallelDropout, chunk_ids, context_parallelize,
+                                                ring_attention, ring_bytes, split_for_context_parallel,
+                                                unsplit_from_context_parallel)
 from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import tensor_parallelize
@@ -65,14 +68,65 @@ def test_ring_attention_equals_whole_causal_attention(cp):
         assert (r_[4], r_[5]) == (expect["forward"], expect["backward"])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_with_dropout_equals_dense_attention_with_the_same_mask(cp):
+    """The dense core's dropout (one process, the same seed) read by block on every rank: outputs and gradients
+    (1e-12); the generator ends where the dense core's ends."""
+    b, h, s, d, p = 2, 3, 16, 4, 0.3
+    rng = np.random.default_rng(1)
+    q, k, v, w = (rng.normal(size=(b, h, s, d)) for _ in range(4))
+    qt, kt, vt = (Tensor(a, requires_grad=True) for a in (q, k, v))
+    manual_seed(11)
+    ref = Dropout(p)(causal_softmax((qt @ kt.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(d)))) @ vt
+    (ref * Tensor(w)).sum().backward()
+    after = get_rng_state()
+
+    def rank(comm):
+        manual_seed(11)
+        ql, kl, vl = (Tensor(split_for_context_parallel(a, comm.rank, cp, 2), requires_grad=True) for a in (q, k, v))
+        out = ring_attention(ql, kl, vl, comm, Dropout(p))
+        (out * Tensor(split_for_context_parallel(w, comm.rank, cp, 2))).sum().backward()
+        return out.data, ql.grad, kl.grad, vl.grad, get_rng_state()
+
+    res = run_in_threads(cp, rank)
+    for i, want in enumerate([ref.data, qt.grad, kt.grad, vt.grad]):
+        got = unsplit_from_context_parallel([r_[i] for r_ in res], 2)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=str(i))
+    assert all(r_[4] == after for r_ in res)
+    no_drop = run_in_threads(cp, lambda comm: ring_attention(
+        *(Tensor(split_for_context_parallel(a, comm.rank, cp, 2)) for a in (q, k, v)), comm).data)
+    assert not np.allclose(unsplit_from_context_parallel(no_drop, 2), ref.data)  # the mask did something
+
+
+@pytest.mark.timeout(60)
+def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
+    """ContextParallelDropout's (b, 2n, h) mask = this rank's chunks of the mask one process draws for (b, T, h)."""
+    x = np.ones((2, 16, 5))
+    manual_seed(3)
+    want = Dropout(0.5)(Tensor(x)).data
+
+    def rank(comm):
+        manual_seed(3)
+        return ContextParallelDropout(0.5, comm)(Tensor(split_for_context_parallel(x, comm.rank, 4, 1))).data
+
+    np.testing.assert_array_equal(unsplit_from_context_parallel(run_in_threads(4, rank), 1), want)
+
+
 # --------------------------------------------------------------------------- in training (--cp)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cp, dp, tp, extra", [(2, 1, 1, []), (2, 1, 1, ["--zero", "1"]), (4, 1, 1, []),
                                                (4, 1, 1, ["--zero", "1", "--recompute", "selective"]),
-                                               (2, 2, 2, []), (2, 2, 2, ["--zero", "1"])])
+                                               (2, 2, 2, []), (2, 2, 2, ["--zero", "1"]),
+                                               (2, 1, 1, ["--dropout", "0.2"]), (2, 1, 2, ["--dropout", "0.2"]),
+                                               (2, 1, 1, ["--dropout", "0.2", "--recompute", "selective"]),
+                                               (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses"]),
+                                               (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses",
+                                                          "--recompute", "selective"])])
 def test_context_parallel_equals_single_process(cp, dp, tp, extra):
     """Gradients of step 0 (1e-12), weights after 3 steps (1e-9), the losses: one process's, on the same rows."""
-    ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, extra)[0]
+    one = [a for a in extra if a not in ("--cp-attention", "ulysses")]  # the dense core, the same masks
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, one)[0]
     got = run_in_threads(dp * tp * cp, R.run_parallel, "tiny", 2, dp, tp, 1, 1, "1f1b", ["--cp", str(cp), *extra])
     R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
 
@@ -114,8 +168,10 @@ def _measure(comm, cfg, b, mode, recompute_first=False):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode):
-    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode, dropout):
+    """With dropout: the (b, 2n, C) masks of ContextParallelDropout, none from the ring (it reads its by block)."""
+    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout), 2
     want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp)
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
     one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
@@ -210,8 +266,9 @@ def test_context_parallel_is_refused_where_it_cannot_run():
         parse_args(["--model", "tiny", "--cp", "3"], 4)
     with pytest.raises(UsageError, match="divisible by 2 x cp = 4"):
         parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
-    with pytest.raises(UsageError, match="no attention dropout"):
-        parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2)
+    with pytest.raises(UsageError, match="--cp 2 with --sequence-parallel and --dropout 0.1 is not supported"):
+        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--dropout", "0.1"], 4)
+    assert parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2).cp == 2  # without SP: the whole masks
     with pytest.raises(UsageError, match="T / cp = 6 divisible by --tp 4"):  # T=24: 24/4 = 6 local rows, 4 tensor ranks
         parse_args(["--model", "default", "--cp", "4", "--tp", "4", "--sequence-parallel", "--block-size", "24"], 16)
     with pytest.raises(UsageError, match="--zero 2 is not supported"):  # sequence parallelism's own rule
@@ -225,11 +282,12 @@ def test_context_parallel_is_refused_where_it_cannot_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n, flags, accum", [(2, ["--cp", "2"], "1"), (4, ["--cp", "2", "--pp", "2"], "2")])
-def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, accum):
-    """``mpiexec -n 2 python -m minizero.train --cp 2`` (and -n 4 with --pp 2): the final weights are one process's."""
+@pytest.mark.parametrize("n, flags, accum, drop", [(2, ["--cp", "2"], "1", "0.1"), (4, ["--cp", "2", "--pp", "2"], "2", "0")])
+def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, accum, drop):
+    """``mpiexec -n 2 python -m minizero.train --cp 2`` (with dropout; and -n 4 with --pp 2): the final weights are
+    one process's."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
-            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2"]
+            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2", "--dropout", drop]
     out = {}
     for label, n, flags in [("par", n, flags), ("one", 1, ["--grad-accum", accum])]:
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]

@@ -37,7 +37,8 @@ CASES = {
     "pp2-gpipe": (2, ["--pp", "2", "--grad-accum", "2", "--schedule", "gpipe"]),
     "pp2-interleaved": (2, ["--model", "default", "--block-size", "8", "--pp", "2", "--grad-accum", "2",
                             "--schedule", "interleaved", "--virtual-stages", "2"]),
-    "cp2": (2, ["--cp", "2", "--dropout", "0"]),  # ring attention has no attention dropout
+    "cp2": (2, ["--cp", "2"]),  # the dropout masks read by block and by chunk
+    "cp2-ulysses": (2, ["--cp", "2", "--cp-attention", "ulysses"]),
     "moe-ep2": (2, ["--moe-experts", "4", "--ep", "2", "--moe-capacity-factor", "1.0", "--moe-bias-update", "0.01"]),
     "moe-ep2-bf16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "bf16", "--dtype", "float32"]),
     "moe-ep2-fp16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "fp16", "--dtype", "float32"]),

@@ -71,6 +71,9 @@ def test_ulysses_equals_whole_causal_attention(cp):
     (2, 1, 1, 2, 2, []),
     (2, 1, 1, 1, 1, ["--recompute", "selective"]),
     (2, 1, 1, 1, 1, ["--attention", "flash", "--attention-block", "4"]),
+    (4, 1, 1, 1, 1, ["--dropout", "0.2"]),  # each head group's rows of the whole (b, H, T, T) mask
+    (2, 1, 2, 1, 1, ["--dropout", "0.2"]),  # the tensor rank's head offset kept
+    (2, 1, 1, 1, 1, ["--dropout", "0.2", "--attention", "flash", "--attention-block", "4"]),
 ])
 def test_ulysses_training_equals_single_process(cp, dp, tp, pp, m, extra):
     model = "default"  # 4 heads: 4 / (tp x cp) whole heads per rank
@@ -86,8 +89,7 @@ def test_ulysses_is_refused_where_heads_do_not_split():
         parse_args(["--model", "tiny", "--cp", "4", "--cp-attention", "ulysses", "--block-size", "16"], 4)
     with pytest.raises(UsageError, match="--cp-attention ulysses chooses how a split sequence attends: it needs --cp > 1"):
         parse_args(["--model", "default", "--cp-attention", "ulysses"], 1)
-    with pytest.raises(UsageError, match="with --dropout 0.1 is not supported"):
-        parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2)
+    assert parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2).cp == 2
 
 
 def test_ulysses_n_is_cp_n_with_ulysses_attention_and_a_conflict_is_refused():

@@ -3,7 +3,9 @@
 Rank i of the context group holds chunks i and 2c-1-i of 2c (causal load balance); q, k, v: (b, H, 2n, D),
 n = s/(2c). Key/value blocks travel the ring by ``sendrecv`` with an online softmax (a step holds a (2n, 2n)
 score block, never (s, s)); backward is FlashAttention's blockwise backward, dK, dV travelling with their block.
-Preconditions (:mod:`minizero.layout_checks`): no dropout, 2c divides T, tp divides T/c under sequence parallelism.
+Dropout draws the unsplit model's masks: each rank reads its chunks' elements (:class:`ContextParallelDropout`,
+and the attention's (B, H, T, T) mask by blocks). Preconditions (:mod:`minizero.layout_checks`): 2c divides T, tp
+divides T/c under sequence parallelism, no dropout with sequence parallelism.
 Sources: Liu et al., "Ring Attention", arXiv:2310.01889; Dao et al., FlashAttention, algorithm 4;
 Megatron-LM's context parallelism (chunk pairing, the "dp-cp" group).
 """
@@ -13,8 +15,10 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.autograd.functional import masked_scale
+from minizero.autograd.rng import MaskStream
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
-from minizero.nn.module import Module
+from minizero.nn.module import Dropout, Module
 from minizero.memory.recompute import CheckpointWrapper
 from minizero.parallel.ulysses import UlyssesAttentionCore
 
@@ -71,14 +75,21 @@ def _mask(qc: int, kc: int, n: int):
 
 
 def _blocks(rank: int, src: int, cp: int, n: int):
-    """(query rows, key rows, mask) for this rank's two query chunks against ``src``'s two key chunks."""
+    """(query rows, key rows, mask, the rows' and keys' slices of the whole sequence) for this rank's two query
+    chunks against ``src``'s two key chunks."""
     out = []
     for qi, qc in enumerate(chunk_ids(rank, cp)):
         for ki, kc in enumerate(chunk_ids(src, cp)):
             m = _mask(qc, kc, n)
             if not isinstance(m, str):
-                out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), m))
+                out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), m,
+                            slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)))
     return out
+
+
+def _keep(drop, q, rows, keys):
+    """The attention dropout's keep mask for one block (None without dropout): rows x keys of the whole mask."""
+    return None if drop is None else drop.block((slice(0, q.shape[0]), slice(0, q.shape[1]), rows, keys))
 
 
 def _ring_pass(comm, arrays):
@@ -99,16 +110,18 @@ def _ring_pass(comm, arrays):
 
 # --------------------------------------------------------------------------- the autograd Function
 class _RingAttention(Function):
-    """softmax(q k^T scale, causal) v over the context group. q, k, v (b, H, 2n, D) -> out (b, H, 2n, D).
+    """softmax(q k^T scale, causal) -> dropout -> @ v over the context group. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
 
-    Saves q, k, v, out and the row log-sum-exp (b, H, 2n) (at least float32).
+    ``drop``: a ``MaskStream`` of the whole (b, H, T, T) keep mask, or None. Saves q, k, v, out and the row
+    log-sum-exp (b, H, 2n) (at least float32), no mask.
     Forward: c-1 ring passes of (k, v); backward: c-1 of (k, v) and c of (dk, dv).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm):
+    def forward(ctx, q, k, v, comm, drop):
         xp, cp, r = backend.xp, comm.world_size, comm.rank
         n, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        keep_scale = 1.0 / (1.0 - drop.p) if drop is not None else 1.0
         acc_t = xp.promote_types(q.dtype, xp.float32)
         m = xp.full(q.shape[:3], -xp.inf, dtype=acc_t)  # running row maximum
         l = xp.zeros(q.shape[:3], dtype=acc_t)  # running sum of exp(score - m)
@@ -118,13 +131,14 @@ class _RingAttention(Function):
             if j:
                 kv = _ring_pass(comm, kv)
             kb, vb = kv
-            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):  # the flash block step (nn/flash_attention.py)
+            for qs, ks, mask, rows, keys in _blocks(r, (r - j) % cp, cp, n):  # flash's block step
                 sc = block_scores(q[:, :, qs].astype(acc_t, copy=False), kb[:, :, ks].astype(acc_t, copy=False),
                                   scale, mask)
                 m[:, :, qs], l[:, :, qs], o[:, :, qs] = online_softmax_step(
-                    m[:, :, qs], l[:, :, qs], o[:, :, qs], sc, vb[:, :, ks].astype(acc_t))
+                    m[:, :, qs], l[:, :, qs], o[:, :, qs], sc, vb[:, :, ks].astype(acc_t), _keep(drop, q, rows, keys),
+                    keep_scale)
         out = (o / l[..., None]).astype(q.dtype)
-        ctx.comm = comm
+        ctx.comm, ctx.drop, ctx.keep_scale = comm, drop, keep_scale
         ctx.save_for_backward(q, k, v, out, m + xp.log(l))
         return out
 
@@ -143,20 +157,27 @@ class _RingAttention(Function):
         for j in range(cp):
             if j:
                 kb, vb, dkb, dvb = _ring_pass(comm, (kb, vb, dkb, dvb))
-            for qs, ks, mask in _blocks(r, (r - j) % cp, cp, n):
+            for qs, ks, mask, rows, keys in _blocks(r, (r - j) % cp, cp, n):
                 kk, vv, qq = kb[:, :, ks].astype(acc_t), vb[:, :, ks].astype(acc_t), q[:, :, qs].astype(acc_t)
-                gq, gk, gv = attention_block_grads(qq, kk, vv, g[:, :, qs], lse[:, :, qs], dsum[:, :, qs], scale, mask)
+                gq, gk, gv = attention_block_grads(qq, kk, vv, g[:, :, qs], lse[:, :, qs], dsum[:, :, qs], scale, mask,
+                                                   _keep(ctx.drop, q, rows, keys), ctx.keep_scale)
                 dq[:, :, qs] += gq
                 dkb[:, :, ks] += gk
                 dvb[:, :, ks] += gv
         if cp > 1:  # the block held now is rank r+1's: one more pass brings every dk, dv home
             dkb, dvb = _ring_pass(comm, (dkb, dvb))
-        return dq.astype(q.dtype), dkb.astype(k.dtype), dvb.astype(v.dtype), None
+        return dq.astype(q.dtype), dkb.astype(k.dtype), dvb.astype(v.dtype), None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm) -> Tensor:
-    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D)."""
-    return _RingAttention.apply(q, k, v, comm)
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm, dropout=None) -> Tensor:
+    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
+
+    ``dropout``: the attention's dropout module (``reserve_mask``: the whole (b, H, T, T) mask); None or a module
+    without it (an identity): no dropout."""
+    b, h, t2, _ = q.shape
+    reserve, whole = getattr(dropout, "reserve_mask", None), t2 * comm.world_size
+    drop = reserve((b, h, whole, whole)) if reserve is not None else None
+    return _RingAttention.apply(q, k, v, comm, drop)
 
 
 # --------------------------------------------------------------------------- in the model
@@ -177,13 +198,19 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     for part in getattr(stage, "chunks", [stage]):
         done += _split_sequence(part, comm)
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
+    in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks
 
     def split_core(core):  # selective recompute came first: the new core inside a new wrapper
         if isinstance(core, CheckpointWrapper):
             return CheckpointWrapper(split_core(core.inner))
         return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
 
-    return done + stage.swap_modules(lambda m: split_core(m) if id(m) in cores else None)
+    def swap(m):  # the attention cores, and every (b, s, h) dropout
+        if id(m) in cores:
+            return split_core(m)
+        return ContextParallelDropout(m.p, comm) if type(m) is Dropout and id(m) not in in_cores else None
+
+    return done + stage.swap_modules(swap)
 
 
 def _split_sequence(stage, comm) -> list[str]:
@@ -217,8 +244,42 @@ class RingAttentionCore(Module):
         super().__init__()
         self.comm = comm
 
-    def forward(self, q, k, v, dropout=None):  # no attention dropout (the command line refuses it)
-        return ring_attention(q, k, v, self.comm)
+    def forward(self, q, k, v, dropout=None):
+        return ring_attention(q, k, v, self.comm, dropout)
+
+
+class _KeepMask(Function):
+    """Inverted dropout by a given keep mask: y = x * keep / (1 - p); the mask saved (bool)."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(keep)
+        return masked_scale(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return masked_scale(g, keep, ctx.scale), None, None
+
+
+class ContextParallelDropout(Module):
+    """Dropout of this rank's two chunks (b, 2n, h) with the mask the unsplit model draws for (b, T, h): the
+    stream advances by the whole mask, each rank computes its chunks' elements only. Identity in eval or p = 0."""
+
+    def __init__(self, p: float, comm):
+        super().__init__()
+        self.p, self.comm = p, comm
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        b, t2, h = x.shape
+        n, every = t2 // 2, (slice(0, b), slice(0, h))
+        drop = MaskStream.reserve((b, t2 * self.comm.world_size, h), self.p)
+        keep = backend.xp.concatenate([drop.block((every[0], slice(c * n, (c + 1) * n), every[1]))
+                                       for c in chunk_ids(self.comm.rank, self.comm.world_size)], axis=1)
+        return _KeepMask.apply(x, keep, 1.0 / (1.0 - self.p))
 
 
 def context_group(dp_comm, cp: int):

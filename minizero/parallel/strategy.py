@@ -237,7 +237,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     cp = args.cp
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
     cp_comm = context_group(topo.dp_comm, cp)
-    manual_seed(args.seed * 1000 + topo.dp_rank + topo.dp * topo.pp_rank)
+    manual_seed(args.seed * 1000 + topo.dp_rank // cp + topo.dp // cp * topo.pp_rank)  # a context group: one stream
     meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
     if args.tp * args.pp * cp == 1:  # the whole model, built as one process builds it
         model = GPT(cfg, seed=args.seed, meta=meta)

@@ -9,7 +9,8 @@ Context parallelism's layout (rank r holds chunks r and 2c-1-r) with another att
     y         (b, H, 2n, D)
 
 Traffic per rank, layer and step: 8 (c-1)/c * b*H*2n*D*itemsize (:func:`ulysses_bytes`), about 1/c of ring
-attention's at large c (Jacobs et al., section 3.2). c must divide H/tp.
+attention's at large c (Jacobs et al., section 3.2). c must divide H/tp. The attention dropout of head group j is
+the unsplit model's mask at those heads (:func:`head_group_dropout`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from minizero import backend
 from minizero.autograd import Function
 from minizero.comm.all_to_all import all_to_all
 from minizero.nn.gpt import DenseAttentionCore
-from minizero.nn.module import Module
+from minizero.nn.module import Dropout, Module
+from minizero.parallel.tensor_parallel import HeadParallelDropout
 
 
 def sequence_order(cp: int, n: int) -> np.ndarray:
@@ -73,6 +75,18 @@ class _HeadsToSeq(Function):
         return _seq_to_heads(ctx.comm, g, ctx.order), None, None, None
 
 
+def head_group_dropout(dropout, heads: int, comm):
+    """The attention dropout for this rank's head group, heads [r h/c, (r+1) h/c) of the ``heads`` (h) the
+    attention holds: a :class:`HeadParallelDropout` addressing the unsplit model's (b, H, T, T) mask (H: every
+    head of the model, the tensor rank's offset kept). Anything else, or an inactive dropout: returned as it is."""
+    if not isinstance(dropout, (Dropout, HeadParallelDropout)) or not dropout.training or dropout.p == 0.0:
+        return dropout
+    total, lo = (dropout.n_head_total, dropout.lo) if isinstance(dropout, HeadParallelDropout) else (heads, 0)
+    shard = HeadParallelDropout(dropout.p, total, lo + comm.rank * (heads // comm.world_size))
+    shard.training = dropout.training
+    return shard
+
+
 class UlyssesAttentionCore(Module):
     """An attention core: q, k, v (b, H, 2n, D) this rank's chunks -> (b, H, 2n, D), over ``comm`` (c ranks).
 
@@ -94,7 +108,8 @@ class UlyssesAttentionCore(Module):
             self._orders[t] = (backend.xp.asarray(order), backend.xp.asarray(np.argsort(order)))
         order, inverse = self._orders[t]
         q, k, v = (_SeqToHeads.apply(z, self.comm, order, inverse) for z in (q, k, v))
-        return _HeadsToSeq.apply(self.inner(q, k, v, dropout), self.comm, order, inverse)
+        y = self.inner(q, k, v, head_group_dropout(dropout, h, self.comm))
+        return _HeadsToSeq.apply(y, self.comm, order, inverse)
 
 
 def ulysses_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
