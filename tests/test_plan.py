@@ -298,3 +298,11 @@ def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
     for _ in range(2):  # the second run replaces the first run's PNG
         code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(plot))
         assert code == 0 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_cells_stay_apart_when_a_figure_is_wide():
+    """Before: 96.36 GB of optimizer state beside 1147.87 GB of activations printed as '96.361147.87'."""
+    from minizero.plan_report import _cell
+
+    assert _cell(96.36, 7) + _cell(1147.87, 7) == "  96.36   1148"
+    assert _cell(0.5, 7) == "   0.50" and _cell(1276.38, 8) == " 1276.38" and _cell(12345678.0, 7) == " 12345678"

@@ -19,7 +19,9 @@ from minizero.args import UsageError
 from minizero.autograd import Tensor
 from minizero.autograd.functional import causal_softmax
 from minizero.comm import run_in_threads
-from minizero.memory.estimator import Strategy, comm_bytes_per_step
+from minizero.ledger import MemoryLedger, set_ledger
+from minizero.memory.attribution import layer_bytes, saved_by_module
+from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.context_parallel import (context_parallelize, split_for_context_parallel,
@@ -157,3 +159,29 @@ def test_ulysses_bytes_with_grouped_kv_heads_count_k_and_v_at_their_own_head_cou
     assert ulysses_attention_bytes(2, 8, 8, 64, 16, 8, 4) == ulysses_bytes(2, 8, 64, 16, 8, 4)
     got = ulysses_attention_bytes(1, 8, 2, 64, 16, 2, 4)["forward"]
     assert got == 3 * (2 * 8 + 2 * 2) * 16 * 16 * 2 // 4 > 0
+
+
+def _layer_bytes(comm, cfg, b, mode):
+    set_ledger(MemoryLedger())
+    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
+    context_parallelize(stage, comm, "ulysses")
+    apply_recompute(stage, mode)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
+    return layer_bytes(saved_by_module(stage, x, x), "transformer.h.0")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_measured_bytes_per_layer_equal_the_ulysses_formula(cp, mode, dropout):
+    """Before: the estimator gave Ulysses ring attention's rows; its dense core keeps (b, H/c, T, T) probabilities
+    (and mask) of the whole length, which at long T is far more than the ring's output and log-sum-exp."""
+    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout), 2
+    want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp,
+                                  cp_attention="ulysses")
+    assert all(got == want for got in run_in_threads(cp, _layer_bytes, cfg, b, mode))
+    long = {k: layer_activation_bytes(cfg, 4096, b, accounting="minizero", precision="fp64", cp=cp, cp_attention=k)
+            for k in ("ring", "ulysses")}
+    assert long["ulysses"] > 4 * long["ring"]  # the s^2 term, / c
+

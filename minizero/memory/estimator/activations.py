@@ -204,30 +204,37 @@ def context_parallel_rows(rows: list[Saved], model, local_seq: int, micro_batch:
 def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int = 1, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            accounting: str = "paper", precision: str = "mixed", cp: int = 1,
-                           attention: str = "dense") -> int:
+                           attention: str = "dense", cp_attention: str = "ring") -> int:
     """Bytes one transformer layer keeps for backward on one of ``tp`` ranks, one micro-batch.
 
     Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); + sequence
     parallel sbh(34/t + 5as/(ht)); selective drops the 5as/h term; full recompute 2sbh (2sbh/t with sequence
     parallelism). cp > 1: rows of s/cp tokens, ring attention's output and log-sum-exp replacing the s^2 terms
-    (:func:`context_parallel_rows`), as ``attention="flash"`` does at any cp.
+    (:func:`context_parallel_rows`), as ``attention="flash"`` does at any cp (Ulysses' dense core: :func:`layer_rows`).
     """
     m = as_shape(model)
-    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp, attention)
+    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp, attention,
+                      cp_attention=cp_attention)
     return round(_layer_stored(rows, tp, sequence_parallel, recompute))
 
 
 def layer_rows(model, seq_len: int, micro_batch: int, accounting: str = "paper", precision: str = "mixed",
-               cp: int = 1, attention: str = "dense", moe: bool = False, ep: int = 1) -> list[Saved]:
+               cp: int = 1, attention: str = "dense", moe: bool = False, ep: int = 1,
+               cp_attention: str = "ring") -> list[Saved]:
     """One layer's saved arrays on one of ``cp`` context-parallel ranks: :func:`saved_per_layer` at s/cp
     tokens, with ring attention's core when cp > 1 and FlashAttention's with ``attention="flash"``
-    (:func:`context_parallel_rows`); ``moe``: an MoE block's (:func:`routed_rows`). The one source of the
+    (:func:`context_parallel_rows`); ``moe``: an MoE block's (:func:`routed_rows`). Ulysses (``cp_attention``)
+    with the dense core: that core's (s, s) rows at the whole length, for H/cp heads. The one source of the
     per-layer rows for :func:`layer_activation_bytes`, :func:`activation_bytes` and the offload traffic.
     Raises: ValueError for an ``attention`` outside ``ATTENTIONS``."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
     s = seq_len // cp
     rows = saved_per_layer(model, s, micro_batch, accounting, precision, moe, ep)
+    if cp > 1 and cp_attention == "ulysses" and attention == "dense":  # all T tokens of H/cp heads (ulysses.py)
+        whole = saved_per_layer(model, seq_len, micro_batch, accounting, precision, moe, ep)
+        return [r for r in rows if r.part != "core"] + [dataclasses.replace(r, nbytes=r.nbytes // cp)
+                                                        for r in whole if r.part == "core"]
     if cp > 1 or attention == "flash":
         return context_parallel_rows(rows, model, s, micro_batch, precision,
                                      "ring attention" if cp > 1 else "flash attention", accounting)
@@ -284,13 +291,15 @@ def activation_bytes(model, strategy: Strategy, seq_len: int | None = None, acco
     s = seq_len or m.seq_len
     st = strategy
     t, sp = st.tp, st.sequence_parallel
-    rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention)  # cp > 1: s/cp tokens
+    rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention,  # cp > 1: s/cp tokens
+                      cp_attention=st.cp_attention)
     emb_rows, head_rows = saved_outside_layers(m, s // st.cp, st.micro_batch, accounting, st.precision, t)
     chunks, v = in_flight(st, stage)
     layers_per_chunk = m.n_layer // (st.pp * v)
     moe_share = 0.0  # MoE blocks per chunk (a stage's chunks each hold the mean), their rows in place of the MLP's
     if m.experts:
-        moe_rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention, True, st.ep)
+        moe_rows = layer_rows(m, s, st.micro_batch, accounting, st.precision, st.cp, st.attention, True, st.ep,
+                              st.cp_attention)
         moe_share = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage)) / v
         if moe_share and _layer_transient(moe_rows, t, sp, st.recompute) > _layer_transient(rows, t, sp, st.recompute):
             rows, moe_rows = moe_rows, rows  # the transient of the larger block; the mix below is symmetric

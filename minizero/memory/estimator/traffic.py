@@ -73,7 +73,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if st.offload == "params":
         pcie += 2 * mb * pb * shard
     if st.offload_activations:  # every micro-batch's saved arrays go down in forward and come back in backward
-        rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c, st.attention)
+        rows = layer_rows(m, s, st.micro_batch, "paper", st.precision, c, st.attention, cp_attention=st.cp_attention)
         pcie += 2 * mb * layers * _layer_stored(rows, t, st.sequence_parallel, st.recompute)
     ep = expert_all_to_all_bytes(m, st, s, stage)["total"]
     return {"dp": round(dp), "tp": round(tp), "pp": round(pp), "cp": round(cp), "ep": ep, "pcie": round(pcie)}
