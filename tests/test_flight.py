@@ -146,7 +146,8 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
      "traceEvents[0].dur is 'x', not a number"), (b"[" * 100000, "nested too deeply"),
     *[(b'{"traceEvents": [{"ph": "X", "name": "f", "cat": "c", "ts": 0, "dur": 1, "pid": 0, "tid": 0, ' + bad + b"}]}",
        needle) for bad, needle in [  # before: negative or NaN times reported, a TypeError for a pid or name of a type
-        (b'"dur": -5', "dur is -5, not a number of microseconds (finite, >= 0)"), (b'"ts": NaN', "ts is nan, not"),
+        (b'"dur": -5', "dur is -5, not a number of microseconds (0 to 2**53)"), (b'"ts": NaN', "ts is nan, not"),
+        (b'"ts": 1e308', "ts is 1e+308, not a number of microseconds (at most 2**53"),  # before: 'infx' in the verdict
         (b'"pid": "a"', "pid is 'a', not a rank"), (b'"name": 5', "name is 5, not text"),
         (b'"args": {"peer": [1]}', "args is {'peer': [1]}, not an object whose 'peer' is a rank")]],
 ])

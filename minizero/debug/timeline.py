@@ -100,8 +100,8 @@ def load(path: str) -> list:
         if e.get("ph") != "X":
             continue
         wrong = [(f, allowed) for f, ok, allowed in (
-            ("ts", _number(e["ts"]), "a number of microseconds (finite)"),
-            ("dur", _number(e["dur"]) and e["dur"] >= 0, "a number of microseconds (finite, >= 0)"),
+            ("ts", _number(e["ts"]), "a number of microseconds (at most 2**53 in size)"),
+            ("dur", _number(e["dur"]) and e["dur"] >= 0, "a number of microseconds (0 to 2**53)"),
             ("pid", _whole(e["pid"]), "a rank (a whole number >= 0)"), ("tid", _whole(e["tid"]), "a lane number"),
             ("name", isinstance(e["name"], str), "text"), ("cat", isinstance(e["cat"], str), "text"),
             ("args", isinstance(e.get("args", {}), dict) and _whole(e.get("args", {}).get("peer", 0)),
@@ -112,8 +112,8 @@ def load(path: str) -> list:
     return events
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _number(v) -> bool:  # at most 2**53 (285 years of microseconds): sums of two stay finite and exact enough
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= 2 ** 53
 
 
 def _whole(v) -> bool:
