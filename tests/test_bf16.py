@@ -129,6 +129,21 @@ def test_bf16_run_tracks_fp32_within_a_bound():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_model_a_one_process_run_returns_computes_as_it_trained(precision):
+    """Before: the stage's head was converted, the GPT's (what the closing sample and evaluation use) not."""
+    from minizero.memory.bf16 import BF16Linear
+    from minizero.memory.fp8 import FP8Linear
+    from minizero.train import parse_args, train
+
+    argv = ["--model", "tiny", "--dtype", "float32", "--steps", "1", "--eval-every", "0", "--eval-batches", "1",
+            "--no-progress", "--precision", precision]
+    res = run_in_threads(1, lambda comm: train(parse_args(argv, 1), comm, log=lambda s: None))[0]
+    assert type(res.model.lm_head) is {"bf16": BF16Linear, "fp8": FP8Linear}[precision]
+    assert res.model.lm_head.weight is res.model.transformer["wte"].weight  # still tied
+
+
+@pytest.mark.timeout(300)
 def test_bf16_under_a_pipeline_equals_one_process():
     one = run_in_threads(1, _losses, ["--precision", "bf16", "--grad-accum", "2"], 3)[0]
     two = run_in_threads(2, _losses, ["--precision", "bf16", "--pp", "2"], 3)[0]

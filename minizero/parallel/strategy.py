@@ -266,6 +266,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         use_bf16(stage)
     elif args.precision == "fp8":
         use_fp8(stage, args.fp8_scaling)
+    if model is not None:  # the one stage shares the model's blocks, not its head attribute: the GPT samples with it
+        model.lm_head = stage.lm_head
     apply_recompute(stage, args.recompute, args.recompute_every)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
