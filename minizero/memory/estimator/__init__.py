@@ -15,7 +15,8 @@ from __future__ import annotations
 from minizero.memory.estimator.model import (
     ACCOUNTINGS, ATTENTIONS, CATEGORIES, CP_ATTENTIONS, DEVICE_CATEGORIES, LINEAR_SAVES, MIN_8BIT_SIZE, OFFLOAD,
     OFFLOAD_MIN_BYTES, OFFLOAD_TIERS, OPTIMIZERS, PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES,
-    ModelShape, Strategy, element_bytes, activation_element, as_shape, gb, gib, precision_for_dtype)
+    ModelShape, activation_element, as_shape, gb, gib, precision_for_dtype)
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import (
     model_state_bytes, stage_expert_parameters, stage_layers, stage_parameters, stage_state_bytes)
 from minizero.memory.estimator.activations import (

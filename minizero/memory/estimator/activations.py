@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES, Strategy,
+from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES,
                                              activation_element, as_shape)
+from minizero.memory.estimator.strategy import Strategy
 from minizero.memory.estimator.states import stage_layers
 
 

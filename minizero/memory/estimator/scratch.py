@@ -16,7 +16,8 @@ import math
 
 from minizero.comm.collectives import reduce_scatter_scratch
 from minizero.comm.recursive_doubling import all_reduce_algorithm
-from minizero.memory.estimator.model import ModelShape, Strategy, element_bytes
+from minizero.memory.estimator.model import ModelShape
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_parameters
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
 

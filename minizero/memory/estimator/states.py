@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, element_bytes, as_shape
+from minizero.memory.estimator.model import as_shape
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 
 
 # ---- model states: ZeRO -----------------------------------------------------------------------

@@ -5,7 +5,8 @@ import dataclasses
 import math
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, element_bytes, as_shape, precision_for_dtype)
+    ModelShape, PRECISIONS, as_shape, precision_for_dtype)
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from minizero.comm.collectives import bytes_sent
-from minizero.memory.estimator.model import Strategy, element_bytes, activation_element, as_shape
+from minizero.memory.estimator.model import activation_element, as_shape
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 

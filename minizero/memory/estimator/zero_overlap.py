@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import ModelShape, Strategy
+from minizero.memory.estimator.model import ModelShape
+from minizero.memory.estimator.strategy import Strategy
 from minizero.memory.estimator.states import stage_layers
 from minizero.zero.overlap import GATHERED_UNITS, REDUCE_BUCKETS
 
