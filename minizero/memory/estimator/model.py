@@ -190,22 +190,22 @@ class ModelShape:
         """Width of K (and of V): n_kv_head * head_dim (= hidden without grouped-query attention)."""
         return self.n_kv_head * (self.hidden // self.n_head)
 
-    def layer_parameters(self, tp: int = 1, index: int | None = None, ep: int = 1) -> int:
+    def layer_parameters(self, tp: int = 1, index: int | None = None, ep: int = 1, expert_tp: int | None = None) -> int:
         """Parameters of transformer block ``index`` held by one of ``tp`` tensor-parallel ranks (elements).
 
         Matrices and the column-parallel biases are split by t; the row-parallel
         output biases and the norms are replicated (Shoeybi et al. 2019, section 3).
-        GPT (t = 1): 12h^2 + 13h. An MoE block: router, E/``ep`` routed and the shared experts (split by t as
-        Megatron-Core's; minizero's trainer keeps them whole). ``index`` None: the largest block.
+        GPT (t = 1): 12h^2 + 13h. An MoE block: router, E/``ep`` routed and the shared experts, split by
+        ``expert_tp`` (None: t, Megatron-Core's; 1: minizero's trainer keeps them whole). ``index`` None: the largest.
         """
         if index is None:
-            return max(self.layer_parameters(tp, i, ep) for i in sorted({0, *self.moe_layers()[:1]}))
+            return max(self.layer_parameters(tp, i, ep, expert_tp) for i in sorted({0, *self.moe_layers()[:1]}))
         h, f = self.hidden, self.ffn_hidden
         split, replicated = self.attention_parameters(tp)
         replicated += 2 * (2 * h if self.norm == "layernorm" else h)
         if self.is_moe_layer(index):
-            routed = self.experts // ep * self.expert_parameters(tp)
-            return split + replicated + h * self.experts + routed + self.shared_experts * self.expert_parameters(tp)
+            one = self.expert_parameters(tp if expert_tp is None else expert_tp)
+            return split + replicated + h * self.experts + (self.experts // ep + self.shared_experts) * one
         n_mats = 3 if self.mlp == "swiglu" else 2
         mlp = n_mats * h * f + ((n_mats - 1) * f if self.bias else 0)  # matrices, fc (gate, up) biases
         if self.bias:
@@ -232,9 +232,10 @@ class ModelShape:
         rows = math.ceil(self.vocab_size / tp) if vocab_parallel else self.vocab_size
         return norm + (rows * self.hidden if has_matrix else 0)
 
-    def tensor_sizes(self) -> list[int]:
+    def tensor_sizes(self, ep: int = 1, part: str = "all") -> list[int]:
         """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2; an MoE
-        block's router and each matrix of its E experts as one tensor (``MoELayer``)."""
+        block's router and each matrix of its E/``ep`` experts as one tensor (``MoELayer``). ``part``: "all",
+        "dense" (no routed expert) or "experts" (only theirs: ``ExpertDataParallel``'s two sets)."""
         h, f, kv = self.hidden, self.ffn_hidden, self.kv_hidden
         norm = [h, h] if self.norm == "layernorm" else [h]
         if self.kv_lora_rank:
@@ -247,7 +248,10 @@ class ModelShape:
         else:
             dense = [f * h, f * h, h * f] + ([f, f, h] if self.bias else [])
         mats, fe = (3 if self.mlp == "swiglu" else 2), self.expert_hidden
-        moe = [h * self.experts] + [self.experts * h * fe] * mats + [self.shared_experts * h * fe] * mats * bool(
+        routed = [self.experts // ep * h * fe] * mats
+        if part == "experts":
+            return [n for i in self.moe_layers() for n in routed]
+        moe = [h * self.experts] + ([] if part == "dense" else routed) + [self.shared_experts * h * fe] * mats * bool(
             self.shared_experts)
         sizes = [self.vocab_size * h] + ([self.seq_len * h] if self.learned_pos else [])
         for i in range(self.n_layer):

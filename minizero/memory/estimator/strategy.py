@@ -117,3 +117,8 @@ def element_bytes(strategy: Strategy) -> tuple[int, int, int, float]:
         k = master + 2 * moment
     return p, g, act, k
 
+
+def expert_tp(strategy: Strategy, accounting: str) -> int:
+    """The tensor ranks an expert is split over: t in the paper accounting (Megatron-Core's expert tensor
+    parallelism), 1 in ``"minizero"``'s (its trainer replicates the MoE layer in the tensor group)."""
+    return strategy.tp if accounting == "paper" else 1

@@ -40,8 +40,8 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     s = seq_len or m.seq_len
     pb, gbytes, e, _ = element_bytes(st)
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
-    psi = stage_parameters(m, st, stage)  # the vocabulary split by t, in both accountings (vocab_parallel.py)
-    experts = stage_expert_parameters(m, st, stage)
+    psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
+    experts = stage_expert_parameters(m, st, stage, accounting)  # whole under tp in "minizero"'s
     dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
         + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
