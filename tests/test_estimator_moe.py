@@ -67,6 +67,7 @@ def _exact_but_scratch(results):
     (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"]),
     (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2", "--no-overlap", "--moe-every", "2"]),
     (8, ["--tp", "2", "--dp", "2", "--pp", "2", "--ep", "2", "--zero", "1"]),
+    (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "3"]),
 ])
 def test_moe_under_tp_equals_the_trainers_ledger(n, flags):
     """The trainer keeps each MoE layer whole in the tensor group: the estimate's parameters, gradients, Adam's
@@ -103,12 +104,17 @@ def test_moe_traffic_under_tp_equals_the_trainers(n, flags, monkeypatch):
 @pytest.mark.parametrize("flags", [["--ep", "2", "--zero", "2"], ["--ep", "2", "--zero", "2", "--moe-every", "2"],
                                    ["--ep", "2", "--zero", "2", "--no-overlap"], ["--ep", "2", "--zero", "1"],
                                    ["--ep", "2"], ["--ep", "4"],
-                                   ["--ep", "2", "--moe-every", "2", "--grad-accum", "2"]])
-def test_dp_and_zero_with_ep_equal_the_ledger(flags):
-    """--ep on 4 ranks: ExpertZero reduces the dense units over the 4 data ranks and each MoE layer's experts over
+                                   ["--ep", "2", "--moe-every", "2", "--grad-accum", "2"],
+                                   ["--ep", "2", "--zero", "3"], ["--ep", "2", "--zero", "3", "--no-overlap"],
+                                   ["--ep", "4", "--zero", "3", "--recompute", "full"],
+                                   ["--zero", "3"], ["--zero", "3", "--no-overlap", "--moe-every", "2"],
+                                   ["--zero", "3", "--recompute", "full"]])
+def test_dp_and_zero_with_moe_equal_the_ledger(flags):
+    """4 ranks: with --ep, ExpertZero reduces the dense units over the 4 data ranks and each MoE layer's experts over
     its 4/ep expert-data ranks, two optimizers with their own buckets and, overlapped, their own in-flight receive
-    chunks (a dense and an expert chunk alive together); ExpertDataParallel two sets of buckets (none over one
-    expert-data rank). Every category, the scratch included, to the byte."""
+    chunks (a dense and an expert chunk alive together) and prefetches; ExpertDataParallel two sets of buckets
+    (none over one expert-data rank). ZeRO-3 (any ep): each MoE unit's forward gather stays alive to its backward
+    (the expert products save slices of it). Every category, the scratch included, to the byte."""
     for args, _, seen, _ in run_in_threads(4, _run, flags, timeout=100):
         shape, st = _shape_and_strategy(args)
         est = estimate_memory(shape, st, accounting="minizero").as_dict()

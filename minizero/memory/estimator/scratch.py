@@ -22,7 +22,7 @@ from minizero.memory.estimator.model import ModelShape
 from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_parameters
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
-from minizero.memory.estimator.expert_zero import expert_zero_peaks, uses_expert_zero
+from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
 DEFAULT_BUCKET_BYTES = 1 << 20
@@ -70,7 +70,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         out.append(all_reduce_scratch(n, g, dp))
     tp_scratch = all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t) if t > 1 else 0
     if dp > 1 and st.zero >= 1 and uses_expert_zero(m, st):  # two optimizers (estimator/expert_zero.py)
-        chunks = expert_zero_peaks(m, st, stage)[1] * g
+        chunks = moe_zero_peaks(m, st, stage)["scratch"] * g
         out.append(chunks + tp_scratch if st.overlap and st.zero >= 2 else chunks)
     elif dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group

@@ -10,7 +10,7 @@ from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_t
 from minizero.memory.estimator.states import stage_expert_parameters, stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
-from minizero.memory.estimator.expert_zero import expert_zero_peaks, uses_expert_zero
+from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
 
 
@@ -85,10 +85,12 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         block = m.layer_parameters(st.tp, ep=st.ep, expert_tp=1)  # the MoE layer replicated in the tensor group
         if st.zero >= 2 and uses_expert_zero(m, st):  # two optimizers' buckets (estimator/expert_zero.py)
-            comm += gbytes * expert_zero_peaks(m, st, stage)[0]
+            comm += gbytes * moe_zero_peaks(m, st, stage)["buckets"]
         elif st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
             comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else block + tied)
-        if st.zero == 3:
+        if st.zero == 3 and m.experts:  # forward's expert gathers kept to backward (estimator/expert_zero.py)
+            gathered = pb * moe_zero_peaks(m, st, stage)["gathered"]
+        elif st.zero == 3:
             gathered = pb * (prefetched_units(m, st, stage) if overlapped else block + tied)
     else:
         if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
