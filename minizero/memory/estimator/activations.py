@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES, Strategy,
+from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES,
                                              activation_element, as_shape)
+from minizero.memory.estimator.strategy import Strategy
 from minizero.memory.estimator.states import stage_layers
 
 
@@ -91,13 +92,15 @@ def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int =
     output (h) and gate. Router: ``"paper"`` the (T, E) probabilities; ``"minizero"`` the softmax exponentials
     (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,) float64. Shared experts:
     dense MLP rows of width f_e. ``"minizero"`` EQUALS the ledger's activation peak when every expert fills its
-    C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp.
+    C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp in the paper
+    accounting (Megatron-Core), whole in ``"minizero"``'s (the MoE layer replicated in the tensor group).
     """
     m = as_shape(model)
     t, h, fe, k, n = tokens, m.hidden, m.expert_hidden, m.top_k, m.experts
     r_out = min(n * m.capacity(t), t * k)
     r_in = min(n * m.capacity(t), ep * t * k)
     hidden = 2 if m.mlp == "gelu" else 4
+    split = "tp" if accounting == "paper" else "rep"
     if accounting == "minizero":
         rows = [Saved("router softmax exponentials (T, E)", e * t * n, "rep", "post"),
                 Saved("router softmax sums, log-sum-exp input and output (T each)", 3 * e * t, "rep", "post",
@@ -106,10 +109,10 @@ def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int =
     else:
         rows = [Saved("router probabilities (T, E)", e * t * n, "rep", "post")]
     rows += [Saved("expert inputs (R_in rows)", e * r_in * h, "rep", "post"),
-             Saved("expert hidden activations (R_in rows)", hidden * e * r_in * fe, "tp", "post", arrays=hidden),
+             Saved("expert hidden activations (R_in rows)", hidden * e * r_in * fe, split, "post", arrays=hidden),
              Saved("expert outputs and gates (R_out rows)", e * r_out * (h + 1), "rep", "post", arrays=2)]
     if m.shared_experts:
-        rows.append(Saved("shared experts' hidden activations", m.shared_experts * hidden * e * t * fe, "tp", "post",
+        rows.append(Saved("shared experts' hidden activations", m.shared_experts * hidden * e * t * fe, split, "post",
                           arrays=m.shared_experts * hidden))
     return rows
 

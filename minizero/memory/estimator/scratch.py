@@ -5,10 +5,12 @@ reduce_scatter ceil(n/N) per receive buffer beside its result (``reduce_scatter_
 N = 3 or on a rank whose own chunk is a largest one (every rank where N divides n), else two; all_gather, broadcast
 and N = 1 nothing. The peak is the run's largest call: the largest DP bucket, ZeRO's largest padded unit (padded/N,
 none at N = 2 unless overlapped), a (b, s, h) activation under tensor parallelism, the tied embedding's gradient
-between first and last stage, the run's bookkeeping (:data:`METRICS_ROW`). Exact against the ledger for the DP and
-ZeRO layouts of ``python -m minizero.compare``; a bound for TP and PP; 0 for the paper accounting. Native (library)
-collectives, which the trainer can use for DP and ZeRO, allocate no scratch of their own; the figure does not model
-them, so it bounds that ledger, whose peak is then the largest of the other entries (plain DP: the metrics row's).
+between first and last stage, the run's bookkeeping (:data:`METRICS_ROW`); with ``ep`` > 1 the dense and the
+expert buckets apart (ZeRO: ``expert_zero.py``). Exact against the ledger for the DP and ZeRO layouts of
+``python -m minizero.compare`` and for DP and ZeRO with ``ep`` (tests/test_estimator_moe.py); a bound for TP and PP;
+0 for the paper accounting. Native (library) collectives, which the trainer can use for DP and ZeRO, allocate no
+scratch of their own; the figure does not model them, so it bounds that ledger, whose peak is then the largest of the
+other entries (plain DP: the metrics row's).
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import math
 
 from minizero.comm.collectives import reduce_scatter_scratch
 from minizero.comm.recursive_doubling import all_reduce_algorithm
-from minizero.memory.estimator.model import ModelShape, Strategy, element_bytes
+from minizero.memory.estimator.model import ModelShape
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_parameters
 from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
+from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
 DEFAULT_BUCKET_BYTES = 1 << 20
@@ -52,17 +56,24 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         return 0
     _, g, e, _ = element_bytes(st)
     dp, t = st.data_ranks, st.tp
-    out = [all_reduce_scratch(METRICS_ROW, 8, st.world_size)]  # loss, gradient norm: smaller (8 bytes)
+    out = [all_reduce_scratch(METRICS_ROW, 8, st.world_size),  # loss, gradient norm: smaller (8 bytes)
+           all_reduce_scratch(len(m.moe_layers()) * (m.experts + 1), 8, st.world_size)]  # ExpertLoad's counts
     if dp > 1 and st.zero == 0:
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
-        if t == 1 and st.pp == 1:
+        if t == 1 and st.pp == 1 and st.ep > 1:  # ExpertDataParallel: dense buckets over N, the experts' over N/ep
+            n = largest_bucket(m.tensor_sizes(part="dense"), g, bucket)
+            out.append(all_reduce_scratch(largest_bucket(m.tensor_sizes(st.ep, "experts"), g, bucket), g, dp // st.ep))
+        elif t == 1 and st.pp == 1:
             n = largest_bucket(m.tensor_sizes(), g, bucket)
         else:  # a bound: a bucket holds up to bucket bytes, or one larger tensor, and no more than the stage
-            n = min(stage_parameters(m, st, stage), max(bucket // g, max(m.tensor_sizes())))
+            n = min(stage_parameters(m, st, stage, accounting=accounting), max(bucket // g, max(m.tensor_sizes())))
         out.append(all_reduce_scratch(n, g, dp))
     tp_scratch = all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t) if t > 1 else 0
-    if dp > 1 and st.zero >= 1:
-        units = [m.layer_parameters(t, ep=st.ep)]
+    if dp > 1 and st.zero >= 1 and uses_expert_zero(m, st):  # two optimizers (estimator/expert_zero.py)
+        chunks = moe_zero_peaks(m, st, stage)["scratch"] * g
+        out.append(chunks + tp_scratch if st.overlap and st.zero >= 2 else chunks)
+    elif dp > 1 and st.zero >= 1:
+        units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group
         if stage == 0:
             units += [m.vocab_size * m.hidden // (t if st.tp > 1 else 1), m.seq_len * m.hidden]
         if stage == st.pp - 1:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import Strategy, element_bytes, as_shape
+from minizero.memory.estimator.model import as_shape
+from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp
 
 
 # ---- model states: ZeRO -----------------------------------------------------------------------
@@ -32,23 +33,26 @@ def stage_layers(model, strategy: Strategy, stage: int = 0) -> list[int]:
     return [c * per + k for j in range(v) for c in (j * p + stage,) for k in range(per)]
 
 
-def stage_expert_parameters(model, strategy: Strategy, stage: int = 0) -> int:
-    """Routed-expert parameters (elements) of stage ``stage`` on one rank: E/ep experts per MoE block, / tp."""
+def stage_expert_parameters(model, strategy: Strategy, stage: int = 0, accounting: str = "paper") -> int:
+    """Routed-expert parameters (elements) of stage ``stage`` on one rank: E/ep experts per MoE block, / tp
+    in the paper accounting (whole in ``"minizero"``'s: :func:`~minizero.memory.estimator.strategy.expert_tp`)."""
     m = as_shape(model)
     blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, strategy, stage))
-    return blocks * (m.experts // strategy.ep) * m.expert_parameters(strategy.tp)
+    return blocks * (m.experts // strategy.ep) * m.expert_parameters(expert_tp(strategy, accounting))
 
 
-def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> int:
+def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True,
+                     accounting: str = "paper") -> int:
     """Parameters (elements) of one pipeline stage on one tensor-parallel rank, before ZeRO sharding.
 
     Stage i holds L/p layers (:func:`stage_layers`; MoE blocks with E/ep routed experts); stage 0 also the
     embeddings, stage p-1 the final norm and head (Narayanan et al. 2021, section 2.2). ``vocab_parallel``: the
-    embedding and the head are split by t (Megatron-LM; minizero's trainer: parallel/vocab_parallel.py) or replicated.
+    embedding and the head are split by t (Megatron-LM; minizero's trainer: parallel/vocab_parallel.py) or replicated;
+    the experts by :func:`~minizero.memory.estimator.strategy.expert_tp` of ``accounting``.
     """
     m = as_shape(model)
-    p, t = strategy.pp, strategy.tp
-    n = sum(m.layer_parameters(t, i, strategy.ep) for i in stage_layers(m, strategy, stage))
+    p, t, et = strategy.pp, strategy.tp, expert_tp(strategy, accounting)
+    n = sum(m.layer_parameters(t, i, strategy.ep, et) for i in stage_layers(m, strategy, stage))
     if stage == 0:
         n += m.embedding_parameters(t, vocab_parallel)
     if stage == p - 1:
@@ -56,12 +60,13 @@ def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: 
     return n
 
 
-def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True) -> dict:
+def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True,
+                      accounting: str = "paper") -> dict:
     """:func:`model_state_bytes` of stage ``stage``: the dense part over the N data ranks plus the routed experts
     (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertDataParallel``)."""
     st = strategy
-    psi = stage_parameters(model, st, stage, vocab_parallel)
-    experts = stage_expert_parameters(model, st, stage)
+    psi = stage_parameters(model, st, stage, vocab_parallel, accounting)
+    experts = stage_expert_parameters(model, st, stage, accounting)
     dense = model_state_bytes(psi - experts, st.data_ranks, st.zero, st.precision, st.optimizer)
     if not experts:
         return dense

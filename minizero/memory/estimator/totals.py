@@ -5,10 +5,12 @@ import dataclasses
 import math
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
-    ModelShape, PRECISIONS, Strategy, element_bytes, as_shape, precision_for_dtype)
-from minizero.memory.estimator.states import stage_parameters, stage_state_bytes
+    ModelShape, PRECISIONS, as_shape, precision_for_dtype)
+from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp
+from minizero.memory.estimator.states import stage_expert_parameters, stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
+from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
 from minizero.memory.estimator.zero_overlap import overlapped_buckets, prefetched_units
 
 
@@ -44,8 +46,8 @@ class MemoryEstimate:
 
 def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage: int) -> MemoryEstimate:
     pb, gbytes, e, _ = element_bytes(st)
-    psi = stage_parameters(m, st, stage)  # the vocabulary split by t, in both accountings (vocab_parallel.py)
-    states = stage_state_bytes(m, st, stage)
+    psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
+    states = stage_state_bytes(m, st, stage, accounting=accounting)
     params, grads, optim = states["parameters"], states["gradients"], states["optimizer_state"]
     if accounting == "minizero" and st.optimizer == "adam8bit" and st.world_size == 1:
         # minizero.optim.adam8bit, tensor by tensor: 2n + 8 ceil(n/256) bytes, fp32 moments under 4096 elements
@@ -66,7 +68,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     host += act_host
     full_grads = gbytes * psi
     # ZeRO gathers and reduces unit by unit: a layer (or the embedding)
-    largest_unit = m.layer_parameters(st.tp, ep=st.ep)
+    largest_unit = m.layer_parameters(st.tp, ep=st.ep, expert_tp=expert_tp(st, accounting))
     if stage == 0:
         largest_unit = max(largest_unit, m.embedding_parameters(st.tp))
     comm = gathered = 0
@@ -76,15 +78,20 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
         # used at both ends of the model and stays open (gathered) in between.
         tied = math.ceil(m.vocab_size / st.tp) * m.hidden if m.tied_embeddings and st.pp == 1 else 0
-        if st.data_ranks > 1 and st.zero == 0:
-            comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
+        if st.data_ranks > 1 and st.zero == 0:  # ExpertDataParallel: no expert buckets over one expert-data rank
+            experts = gbytes * stage_expert_parameters(m, st, stage, accounting) if st.ep > 1 else 0
+            for part in (full_grads - experts, experts * (st.data_ranks // st.ep > 1)):
+                comm += part if st.bucket_bytes is None else min(st.bucket_bytes, part)
         overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
-        if st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
-            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped
-                              else m.layer_parameters(st.tp, ep=st.ep) + tied)
-        if st.zero == 3:
-            gathered = pb * (prefetched_units(m, st, stage) if overlapped
-                             else m.layer_parameters(st.tp, ep=st.ep) + tied)
+        block = m.layer_parameters(st.tp, ep=st.ep, expert_tp=1)  # the MoE layer replicated in the tensor group
+        if st.zero >= 2 and uses_expert_zero(m, st):  # two optimizers' buckets (estimator/expert_zero.py)
+            comm += gbytes * moe_zero_peaks(m, st, stage)["buckets"]
+        elif st.zero >= 2:  # ZeroOptimizer runs (and opens its buckets) over one rank too
+            comm += gbytes * (overlapped_buckets(m, st, stage) if overlapped else block + tied)
+        if st.zero == 3 and m.experts:  # forward's expert gathers kept to backward (estimator/expert_zero.py)
+            gathered = pb * moe_zero_peaks(m, st, stage)["gathered"]
+        elif st.zero == 3:
+            gathered = pb * (prefetched_units(m, st, stage) if overlapped else block + tied)
     else:
         if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from minizero.comm.collectives import bytes_sent
-from minizero.memory.estimator.model import Strategy, element_bytes, activation_element, as_shape
+from minizero.memory.estimator.model import activation_element, as_shape
+from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
@@ -39,8 +40,8 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     s = seq_len or m.seq_len
     pb, gbytes, e, _ = element_bytes(st)
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
-    psi = stage_parameters(m, st, stage)  # the vocabulary split by t, in both accountings (vocab_parallel.py)
-    experts = stage_expert_parameters(m, st, stage)
+    psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
+    experts = stage_expert_parameters(m, st, stage, accounting)  # whole under tp in "minizero"'s
     dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
         + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from minizero.memory.estimator.model import ModelShape, Strategy
+from minizero.memory.estimator.model import ModelShape
+from minizero.memory.estimator.strategy import Strategy
 from minizero.memory.estimator.states import stage_layers
 from minizero.zero.overlap import GATHERED_UNITS, REDUCE_BUCKETS
 
@@ -29,7 +30,7 @@ def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]
     chain = []
     if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
         chain += ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [norm]
-    chain += [m.layer_parameters(t, i, st.ep) for i in stage_layers(m, st, stage)]
+    chain += [m.layer_parameters(t, i, st.ep, 1) for i in stage_layers(m, st, stage)]  # the MoE layer whole
     tied = vocab if m.tied_embeddings and st.pp == 1 else 0
     if stage == 0:
         bottom = m.seq_len * m.hidden if m.learned_pos else 0
