@@ -167,8 +167,8 @@ def shape_from_state(state: dict, weights: str = "weights") -> dict:
     moe = sorted(k for k in have if ".mlp.moe." in k)
     if moe:  # router and experts are not a dense GPT's: say so rather than 'names differ'
         raise ValueError(f"--weights {weights!r} holds a mixture-of-experts model ({moe[0]!r}, ...); this program "
-                         f"reads dense GPT weights only: train without --moe-experts for them (an MoE run's text is the sample "
-                         "its main job prints at its end)")
+                         "reads dense GPT weights only: train without --moe-experts for them (an MoE run's text is "
+                         "the sample its main job prints at its end)")
     if n_layer == 0 or want != have:
         diff = sorted(set(want) ^ set(have)) or [k for k in sorted(want) if want[k] != have[k]]
         first = diff[0] if diff else "transformer.h.0.ln_1.weight"
