@@ -156,7 +156,7 @@ def get_dtype(dtype) -> np.dtype:
 def matmul(a, b, bias=None):
     """``a @ b (+ bias)`` (shapes as ``numpy.matmul``; ``bias`` (N,)); float16 operands as tensor cores take them.
 
-    FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, 3.2): widened to float32 on NumPy,
+    FP16 inputs, FP32 accumulation, FP16 result (Micikevicius et al. 2018, 3.3): widened to float32 on NumPy,
     the bias added before the one rounding (cuBLASLt's epilogue); CuPy: cuBLAS's half GEMM, then the bias.
     On NumPy a (B, T, K) @ (K, N) stack is one 2-D GEMM, batched operands made C-contiguous.
     """
