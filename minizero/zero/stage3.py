@@ -4,7 +4,8 @@
 
     forward pre-hook     all-gather the unit's shards -> (padded,) buffer; p.data = views of it;
                          open a saved-tensor pack hook for the module's forward
-    module forward       a gathered parameter a Function saves becomes a handle (_SavedParameter)
+    module forward       a gathered parameter a Function saves becomes a handle (_SavedParameter), and so does a
+                         contiguous view of one (MoE's expert slice w1[j]: _SavedParameter with its offset)
     forward hook         after the unit's last use p.data = NaN placeholders again: the buffer is freed
     backward             the unpack hook (or _RunBeforeBackward) re-gathers the unit;
                          freed again once its bucket is reduced (stage2.py)
@@ -30,12 +31,20 @@ from minizero.zero.stage2 import ZeroStage2
 
 
 class _SavedParameter:
-    """What a gathered parameter becomes when a Function saves it: a handle, not its array."""
+    """What a gathered parameter (or a contiguous view of one: ``view`` = (element offset, shape)) becomes when a
+    Function saves it: a handle, not its array."""
 
-    __slots__ = ("param",)
+    __slots__ = ("param", "view")
 
-    def __init__(self, param):
-        self.param = param
+    def __init__(self, param, view=None):
+        self.param, self.view = param, view
+
+    def array(self):
+        """The saved array, from the parameter's (re-)gathered data."""
+        if self.view is None:
+            return self.param.data
+        start, shape = self.view
+        return self.param.data.reshape(-1)[start:start + int(np.prod(shape))].reshape(shape)
 
 
 class ZeroStage3(ZeroStage2):
@@ -110,14 +119,30 @@ class ZeroStage3(ZeroStage2):
             p = self._gathered.get(id(array))
             if p is not None and p.data is array:
                 return _SavedParameter(p)
+            view = self._view_of_gathered(array)
+            if view is not None:
+                return view
             return outer[0](array) if outer else array
 
         def unpack(saved):
             if isinstance(saved, _SavedParameter) and id(saved.param) in self._unit_of:  # not another ZeRO's
                 self._begin_backward(self._unit_of[id(saved.param)])  # gathers if not gathered yet
-                return saved.param.data
+                return saved.array()
             return outer[1](saved) if outer else saved
         return saved_tensors_hooks(pack, unpack)
+
+    def _view_of_gathered(self, array):
+        """A :class:`_SavedParameter` for a C-contiguous view inside a gathered parameter (None otherwise): saved as
+        the array, it would keep the unit's whole buffer alive until backward."""
+        if getattr(array, "base", None) is None or not array.flags.c_contiguous or not array.size:
+            return None
+        at = backend.data_ptr(array)
+        for p in self._gathered.values():
+            start = backend.data_ptr(p.data)
+            if p.data.dtype == array.dtype and start <= at < start + p.data.nbytes:
+                offset = (at - start) // array.itemsize
+                return _SavedParameter(p, (offset, array.shape)) if offset + array.size <= p.data.size else None
+        return None
 
     def _gather_hook(self, st):
         """Forward pre-hook: gather the unit (if not yet) and route the module's saves through pack."""

@@ -6,9 +6,8 @@ buckets, reduce-scatters and gathers. Backward opens a block's dense unit, then 
 block), reduces the MoE unit, then the dense one. Blocking, a bucket lives from open to reduce and a reduce-scatter's
 scratch only during the call. Overlapped (``Strategy.overlap``, N > 1): per optimizer the last reduced buckets
 stay in flight (:data:`~minizero.zero.overlap.REDUCE_BUCKETS` - 1), each with a receive chunk of ceil(padded/N), and
-opening a unit prefetches the optimizer's next one (ZeRO-3). ZeRO-3 with any MoE block (ep = 1 too): the expert
-products save slices of the gathered experts, which keep the unit's forward gather alive until its backward reduces
-it (full recompute: only the recompute's, which under ep > 1 runs before the expert unit's backward gathers it again).
+opening a unit prefetches the optimizer's next one (ZeRO-3; the expert products' saved slices of the gathered
+experts are handles, zero/stage3.py, so no forward gather outlives its forward).
 Exact against the ledgers (tests/test_estimator_moe.py; under tp the scratch, with the tensor group's, a bound).
 """
 from __future__ import annotations
@@ -32,15 +31,15 @@ def _ranks(st: Strategy) -> dict:
 
 
 def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]:
-    """``(units, events)``: units ``(part, padded elements, holds experts)``, part "dense" or "experts" (its
+    """``(units, events)``: units ``(part, padded elements)``, part "dense" or "experts" (its
     optimizer; ep = 1: every unit "dense", an MoE block whole); events ``("open" | "reduce", unit index)`` in
     backward's order, the tied embedding opened first (at the head) and reduced last."""
     ranks, t, h = _ranks(st), st.tp, m.hidden
     vocab = math.ceil(m.vocab_size / t) * h
     units, events = [], []
 
-    def unit(part, n, experts=False):
-        units.append((part, math.ceil(n / ranks[part]) * ranks[part], experts))
+    def unit(part, n):
+        units.append((part, math.ceil(n / ranks[part]) * ranks[part]))
         return len(units) - 1
     tied = unit("dense", vocab) if m.tied_embeddings and st.pp == 1 else None
     if tied is not None:
@@ -52,8 +51,8 @@ def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]
     for i in reversed(stage_layers(m, st, stage)):
         moe = m.is_moe_layer(i)
         experts = m.experts // st.ep * m.expert_parameters() if moe and st.ep > 1 else 0
-        block = unit("dense", m.layer_parameters(t, i, st.ep, 1) - experts, moe and not experts)
-        inner = [("open", unit("experts", experts, True)), ("reduce", len(units) - 1)] if experts else []
+        block = unit("dense", m.layer_parameters(t, i, st.ep, 1) - experts)
+        inner = [("open", unit("experts", experts)), ("reduce", len(units) - 1)] if experts else []
         events += [("open", block), *inner, ("reduce", block)]
     bottom = (m.seq_len * h if m.learned_pos else 0) + (vocab if st.pp > 1 or not m.tied_embeddings else 0)
     if stage == 0 and bottom:
@@ -67,19 +66,16 @@ def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]
 def moe_zero_peaks(m: ModelShape, st: Strategy, stage: int) -> dict:
     """Elements alive at once at their peaks on a rank of ``stage``: {"buckets": gradient buckets (ZeRO 2-3),
     "scratch": receive chunks (overlapped: both optimizers' in flight; blocking: the largest call's),
-    "gathered": ZeRO-3's gathered units, the MoE units' forward gathers included}."""
+    "gathered": ZeRO-3's gathered units}."""
     ranks = _ranks(st)
     units, events = backward_units(m, st, stage)
     overlapped = {p: st.overlap and st.zero >= 2 and n > 1 for p, n in ranks.items()}
     order = {p: [u for kind, u in events if kind == "open" and units[u][0] == p] for p in ranks}
     open_, flight, gathered = set(), {p: [] for p in ranks}, set()
-    kept = {u for u, (_, _, experts) in enumerate(units) if experts and st.recompute != "full"}  # forward's gathers
     peaks = dict.fromkeys(("buckets", "scratch", "gathered"), 0)
     for kind, u in events:
-        part, padded, _ = units[u]
+        part, padded = units[u]
         if kind == "open":
-            if st.recompute == "full" and part == "experts":  # the block's recompute gathered it before backward did
-                kept.add(u)
             open_.add(u)
             gathered.add(u)
             later = order[part][order[part].index(u) + 1:]
@@ -88,7 +84,6 @@ def moe_zero_peaks(m: ModelShape, st: Strategy, stage: int) -> dict:
         else:
             open_.discard(u)
             gathered.discard(u)
-            kept.discard(u)
             if overlapped[part]:
                 while len(flight[part]) >= REDUCE_BUCKETS - 1:
                     flight[part].pop(0)
@@ -98,7 +93,7 @@ def moe_zero_peaks(m: ModelShape, st: Strategy, stage: int) -> dict:
         in_flight = [(v, p) for p in ranks for v in flight[p]]
         alive = {"buckets": sum(units[v][1] for v in open_) + sum(units[v][1] for v, _ in in_flight),
                  "scratch": sum(units[v][1] // ranks[p] for v, p in in_flight),
-                 "gathered": sum(units[v][1] for v in gathered) + sum(units[v][1] for v in kept)}
+                 "gathered": sum(units[v][1] for v in gathered)}
         for k, v in alive.items():
             peaks[k] = max(peaks[k], v)
     if st.zero < 2:
