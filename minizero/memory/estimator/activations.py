@@ -68,9 +68,10 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     rows.append(Saved("ln_2 input", e * sbh, "sp", "post"))
     if stats:
         rows.append(Saved("ln_2 mean and rstd", 2 * stat_e * s * b, "sp", "post", arrays=2))
+    if moe:  # the router's matmul saves ln_2's output; the experts save their dispatched rows (routed_rows)
+        rows.append(Saved("router input (ln_2 output)", e * sbh, "sp", "post"))
+        return narrow_linear_rows(rows, m, precision, e) + routed_rows(m, s * b, e, accounting, ep, precision)
     rows.append(Saved("MLP input (ln_2 output)", e * sbh, "sp", "post"))
-    if moe:
-        return rows + routed_rows(m, s * b, e, accounting, ep)
     if m.mlp == "gelu":
         rows += [Saved("GeLU input", e * s * b * f, "tp", "post"),
                  Saved("GeLU output (second linear input)", e * s * b * f, "tp", "post")]
@@ -84,13 +85,15 @@ def saved_per_layer(model, seq_len: int, micro_batch: int, accounting: str = "pa
     return narrow_linear_rows(rows, m, precision, e)
 
 
-def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int = 1) -> list[Saved]:
+def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int = 1,
+                precision: str = "mixed") -> list[Saved]:
     """What an MoE block saves beyond its input for ``tokens`` routed as one group: the most there can be.
 
     Rows kept here R_out = min(E C, T k), rows the E/ep local experts process R_in = min(E C, ep T k). Each
     processed row keeps its input (h) and hidden rows (GeLU 2 f_e, SwiGLU 4 f_e); each kept row its expert
     output (h) and gate. Router: ``"paper"`` the (T, E) probabilities; ``"minizero"`` the softmax exponentials
-    (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,) float64. Shared experts:
+    (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,), at least float32 (routing
+    runs in float32 under fp16), and under bf16 each expert product's input and weight as bits. Shared experts:
     dense MLP rows of width f_e. ``"minizero"`` EQUALS the ledger's activation peak when every expert fills its
     C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp in the paper
     accounting (Megatron-Core), whole in ``"minizero"``'s (the MoE layer replicated in the tensor group).
@@ -102,15 +105,24 @@ def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int =
     hidden = 2 if m.mlp == "gelu" else 4
     split = "tp" if accounting == "paper" else "rep"
     if accounting == "minizero":
-        rows = [Saved("router softmax exponentials (T, E)", e * t * n, "rep", "post"),
-                Saved("router softmax sums, log-sum-exp input and output (T each)", 3 * e * t, "rep", "post",
+        r_e = max(e, 4)
+        rows = [Saved("router softmax exponentials (T, E)", r_e * t * n, "rep", "post"),
+                Saved("router softmax sums, log-sum-exp input and output (T each)", 3 * r_e * t, "rep", "post",
                       arrays=3),
-                Saved("Switch loss load fractions (E, float64)", 8 * n, "rep", "post")]
+                Saved("Switch loss load fractions (E)", r_e * n, "rep", "post")]
     else:
         rows = [Saved("router probabilities (T, E)", e * t * n, "rep", "post")]
-    rows += [Saved("expert inputs (R_in rows)", e * r_in * h, "rep", "post"),
-             Saved("expert hidden activations (R_in rows)", hidden * e * r_in * fe, split, "post", arrays=hidden),
-             Saved("expert outputs and gates (R_out rows)", e * r_out * (h + 1), "rep", "post", arrays=2)]
+    if accounting == "minizero" and precision in LINEAR_SAVES and m.mlp == "gelu":  # BF16Matmul (memory/bf16.py)
+        per, local = LINEAR_SAVES[precision][0], n // ep
+        rows += [Saved(f"expert inputs (R_in rows, {precision})", per * r_in * h, "rep", "post"),
+                 Saved("GeLU input (R_in rows)", e * r_in * fe, "rep", "post"),
+                 Saved(f"GeLU output (R_in rows, {precision})", per * r_in * fe, "rep", "post"),
+                 Saved(f"the local experts' weights ({precision}, one copy per call)", per * local * 2 * h * fe, "rep",
+                       "post", arrays=2 * local)]
+    else:
+        rows += [Saved("expert inputs (R_in rows)", e * r_in * h, "rep", "post"),
+                 Saved("expert hidden activations (R_in rows)", hidden * e * r_in * fe, split, "post", arrays=hidden)]
+    rows.append(Saved("expert outputs and gates (R_out rows)", e * r_out * (h + 1), "rep", "post", arrays=2))
     if m.shared_experts:
         rows.append(Saved("shared experts' hidden activations", m.shared_experts * hidden * e * t * fe, split, "post",
                           arrays=m.shared_experts * hidden))
@@ -170,6 +182,7 @@ def narrow_linear_rows(rows: list[Saved], model, precision: str, e: int) -> list
     h, f, kv, v = m.hidden, m.ffn_hidden, m.kv_hidden, m.vocab_size
     weights = {"QKV matmul input (ln_1 output)": [(h + 2 * kv) * h], "attention projection input": [h * h],
                "MLP input (ln_2 output)": [f * h] * (2 if m.mlp == "swiglu" else 1),
+               "router input (ln_2 output)": [h * m.experts],
                "GeLU output (second linear input)": [h * f], "SiLU x up (down projection input)": [h * f],
                "output projection input": [v * h]}
     per, scales = LINEAR_SAVES[precision]
