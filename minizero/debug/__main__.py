@@ -3,7 +3,6 @@
 ``python -m minizero.debug parity "LAYOUT A" "LAYOUT B"``: the first step and parameter where two layouts differ."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from minizero.debug import hang, parity, timeline
