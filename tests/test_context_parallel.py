@@ -120,6 +120,7 @@ def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
                                                (2, 2, 2, []), (2, 2, 2, ["--zero", "1"]),
                                                (2, 1, 1, ["--dropout", "0.2"]), (2, 1, 2, ["--dropout", "0.2"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--recompute", "selective"]),
+                                               (2, 1, 1, ["--dropout", "0.2", "--recompute", "full"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses",
                                                           "--recompute", "selective"])])
