@@ -185,12 +185,13 @@ class FolderLock:
         self.fd = fd
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent; raises nothing: a lock file that cannot be removed,
+        the folder gone or read-only, stays behind unlocked, and the next :meth:`acquire` takes it)."""
         if self.fd is None:
             return
         try:
             os.remove(self.path)
-        except FileNotFoundError:
+        except OSError:
             pass
         finally:
             os.close(self.fd)

@@ -146,7 +146,7 @@ def _write_stderr(text: str) -> None:
 
 
 def _lock_output(args, comm, mpi_world):
-    """Rank 0 locks OUT and, when checkpoints go elsewhere, --save-dir (:class:`FolderLock` each) and
+    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too) and
     broadcasts the verdict (collective): two jobs on one folder would delete each other's files.
 
     Returns (the locks held on rank 0, the refusal message every rank shares or None).
@@ -155,8 +155,7 @@ def _lock_output(args, comm, mpi_world):
     if comm.rank == 0:
         wanted = [] if args.no_save else [("--out", args.out)]
         save = os.path.realpath(args.save_dir) if args.save_every and args.save_dir else None
-        if save and (args.no_save or os.path.commonpath([save, os.path.realpath(args.out)])
-                     != os.path.realpath(args.out)):
+        if save and (args.no_save or save != os.path.realpath(args.out)):  # inside OUT too: --out o2 --save-dir o/ck
             wanted.append(("--save-dir", args.save_dir))
         for flag, folder in wanted:
             lock = FolderLock(folder)
