@@ -72,7 +72,8 @@ class WriteError(OSError):
     """Writing an output file failed; ``str()`` names the path and the OS error (e.g. disk full)."""
 
 
-def _error(path: str, e: BaseException) -> WriteError:
+def write_error(path: str, e: BaseException) -> WriteError:
+    """``e`` as a WriteError naming ``path`` (a full disk said in words)."""
     code = getattr(e, "errno", None)
     why = getattr(e, "strerror", None) or str(e) or type(e).__name__
     if code == errno.ENOSPC:
@@ -95,7 +96,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
     except FileNotFoundError:
         st = None
     except OSError as e:
-        raise _error(path, e) from None
+        raise write_error(path, e) from None
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise WriteError(errno.EISDIR, f"could not write {path!r}: it is a directory")
     if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: write into it, never rename over it
@@ -103,7 +104,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
             with open(path, mode, encoding=enc) as f:
                 write(f)
         except OSError as e:
-            raise _error(path, e) from None
+            raise write_error(path, e) from None
         return
     tmp = None
     try:
@@ -121,7 +122,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         tmp = None
         _fsync_dir(d)
     except OSError as e:
-        raise _error(path, e) from None
+        raise write_error(path, e) from None
     finally:
         if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)

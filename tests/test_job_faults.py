@@ -44,3 +44,67 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
     _release(locks)
     assert refusal is None and len(locks) == 1
+
+
+def test_a_save_dir_that_refuses_the_next_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """rank 0's own steps of a save (the .tmp- folder, the renames, ``latest``) raised a bare OSError: a bug's
+    traceback for a read-only or vanished --save-dir."""
+    import minizero.checkpoint.save as save
+    from minizero.checkpoint import read_manifest
+    from minizero.files import WriteError
+    from tests.test_checkpoint import F64, run
+
+    real, calls = save.clean_partial, []
+
+    def read_only_after_the_first_save(save_dir):
+        calls.append(save_dir)
+        if len(calls) > 1:
+            raise OSError(errno.EROFS, "Read-only file system", os.path.join(save_dir, ".tmp-step_00000004"))
+        return real(save_dir)
+    monkeypatch.setattr(save, "clean_partial", read_only_after_the_first_save)
+    with pytest.raises(WriteError) as e:
+        run(2, F64 + ["--steps", "4", "--save-every", "2", "--save-dir", str(tmp_path)])
+    said = e.value.strerror
+    assert "\n" not in said and "Read-only file system; the previous checkpoint is kept" in said, said
+    assert ".tmp-step_00000004" in said
+    assert read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp_path):
+    """The attack itself: a read-only file system mounted over --save-dir while two ranks train (root only)."""
+    import subprocess
+    import sys
+    import time
+
+    from minizero.checkpoint import read_manifest
+    from tests.conftest import mpi_env
+
+    save = tmp_path / "ck"
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "100000",
+           "--eval-every", "0", "--progress", "log", "--log-every", "1000", "--comm-timeout", "20",
+           "--out", str(tmp_path / "o"), "--save-dir", str(save), "--save-every", "20", "--keep", "1"]
+    proc = subprocess.Popen(cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mounted = False
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint: saved"):
+                break
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(save)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {r.stderr.strip()}")
+        mounted, t0 = True, time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if mounted:
+            subprocess.run(["umount", str(save)], capture_output=True)
+    assert proc.returncode == 1 and elapsed < 15, (proc.returncode, elapsed, err)
+    said = [ln for ln in err.splitlines() if "minizero.train" in ln]
+    assert len(said) == 1 and said[0].startswith("[rank 0] minizero.train failed: could not write"), err
+    assert "Read-only file system; the previous checkpoint is kept" in said[0] and "Traceback" not in err, err
+    kept = [n for n in os.listdir(save) if n.startswith("step_")]
+    assert len(kept) == 1 and read_manifest(str(save / kept[0]))["step"] >= 20
