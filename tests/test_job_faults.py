@@ -108,3 +108,43 @@ def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp
     assert "Read-only file system; the previous checkpoint is kept" in said[0] and "Traceback" not in err, err
     kept = [n for n in os.listdir(save) if n.startswith("step_")]
     assert len(kept) == 1 and read_manifest(str(save / kept[0]))["step"] >= 20
+
+
+@pytest.fixture(scope="module")
+def base_weights(tmp_path_factory):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+
+    out = tmp_path_factory.mktemp("base")
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--out", str(out),
+                    "--progress", "none", "--sample-tokens", "1", "--eval-batches", "1"], check=True,
+                   capture_output=True, timeout=240, cwd=REPO_ROOT, env=mpi_env())
+    return out / "model.npz"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,said", [
+    ("raise", "[rank 1] python -m minizero.finetune: error: RuntimeError: injected fault at step 3"),
+    ("stop", "[rank 0] python -m minizero.finetune: error: rank 0: sendrecv (tag 1001) waited 2 s for rank 1"),
+])
+def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path, kind, said):
+    """A failing rank of fine-tuning returned alone; its peer waited in a collective until the communicator's
+    600 s (a stopped rank: the same, with no flag to shorten it). Now: one line naming the rank, every rank ends."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import mpi_env
+
+    env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.finetune", "--weights",
+                           str(base_weights), "--method", "lora", "--steps", "1000", "--batch-size", "2",
+                           "--eval-batches", "1", "--comm-timeout", "2", "--out", str(tmp_path / "ft")],
+                          env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
+    assert said in proc.stderr, proc.stderr
+    assert not (tmp_path / "ft").exists()  # nothing written
