@@ -19,14 +19,14 @@ import traceback
 import numpy as np
 
 from minizero import backend
-from minizero.flags import flags_refusal, job_environment
+from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.autograd import backward
-from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
+from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
-                            refuse_inputs)
+                            content_digest, refuse_inputs)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
 
 def _main(argv, world) -> int:
     prog = "python -m minizero.finetune: error:"
-    args, verdict, env = None, None, {}
+    args, verdict, env, inputs = None, None, {}, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
         args = build_parser().parse_args(argv)
         check(args)
@@ -240,6 +240,7 @@ def _main(argv, world) -> int:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
+        inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank
         verdict = e.code if isinstance(e.code, int) else 2
     except (FileNotFoundError, ValueError) as e:
@@ -249,9 +250,10 @@ def _main(argv, world) -> int:
         verdict = f"{type(e).__name__}: {e}"
     verdicts = [verdict]
     if world.Get_size() > 1:  # one rank refusing, or the ranks started with different flags, end them all
-        verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}, env))))
-        if all(v is None for v in verdicts) and flags_refusal(flags):
-            verdicts = [flags_refusal(flags)]
+        verdicts, flags, every_inputs = zip(*world.allgather((verdict, None if args is None else (vars(args), {}, env),
+                                                               inputs)))
+        if all(v is None for v in verdicts) and (flags_refusal(flags) or inputs_refusal(every_inputs)):
+            verdicts = [flags_refusal(flags) or inputs_refusal(every_inputs)]
     rank = world.Get_rank()
     said = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, str)]
     if said:

@@ -32,7 +32,8 @@ import numpy as np
 from minizero import backend
 from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_fault_spec,  # noqa: F401
                            check_steps_left, model_config, parse_args)
-from minizero.flags import flags_refusal, job_environment
+from minizero.data import data_digest
+from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
@@ -194,11 +195,13 @@ def _parse_everywhere(argv, comm, mpi_world):
     except Exception as e:  # a bug: its rank shows where, every rank stops
         _write_stderr(f"[rank {comm.rank}] " + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         verdict = f"{type(e).__name__}: {e}"
-    flags = None if verdict is not None else (vars(build_parser().parse_args(argv)), dataclasses.asdict(args),
-                                              job_environment())
-    verdicts, every_flags = zip(*mpi_world.allgather((verdict, flags)))
+    flags, inputs = None, None
+    if verdict is None:
+        flags = (vars(build_parser().parse_args(argv)), dataclasses.asdict(args), job_environment())
+        inputs = data_digest(args.data)
+    verdicts, every_flags, every_inputs = zip(*mpi_world.allgather((verdict, flags, inputs)))
     if all(v is None for v in verdicts):
-        refusal = flags_refusal(every_flags)
+        refusal = flags_refusal(every_flags) or inputs_refusal(every_inputs)
         return (None, 2, refusal) if refusal else (args, None, None)
     if all(isinstance(v, int) for v in verdicts):
         return None, verdicts[0], None

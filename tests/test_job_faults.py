@@ -148,3 +148,46 @@ def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path
     assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
     assert said in proc.stderr, proc.stderr
     assert not (tmp_path / "ft").exists()  # nothing written
+
+
+def test_inputs_refusal_names_each_ranks_bytes():
+    from minizero.flags import inputs_refusal
+
+    same = {"--data 'a.txt'": "10 bytes, SHA-256 0123"}
+    assert inputs_refusal([same, dict(same), dict(same)]) is None
+    said = inputs_refusal([same, {"--data 'a.txt'": "9 bytes, SHA-256 4567"}, dict(same)])
+    assert said == ("--data 'a.txt' differs between the ranks: 10 bytes, SHA-256 0123 on ranks 0, 2; 9 bytes, "
+                    "SHA-256 4567 on rank 1; every rank must read the same bytes")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("program", ["train", "finetune"])
+def test_ranks_whose_data_differs_under_one_name_are_refused_before_work(mpiexec, base_weights, tmp_path, program):
+    """One path, two contents (each node's own disk; here each rank's file descriptor 3): the ranks trained on
+    different texts and nothing said so. Now refused on every rank with each rank's bytes, exit 2."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    text = open(os.__file__).read()
+    (tmp_path / "a.txt").write_text(text * 2)
+    (tmp_path / "b.txt").write_text(text)
+    args = (["--model", "tiny", "--steps", "2", "--no-save", "--progress", "none"] if program == "train" else
+            ["--weights", str(base_weights), "--method", "lora", "--steps", "2", "--batch-size", "2"])
+    cmd = shlex.join([sys.executable, "-m", f"minizero.{program}", "--data", "/proc/self/fd/3", *args])
+    proc = subprocess.run([mpiexec, "-n", "1", "sh", "-c", f"exec {cmd} 3<{tmp_path / 'a.txt'}", ":",
+                           "-n", "1", "sh", "-c", f"exec {cmd} 3<{tmp_path / 'b.txt'}"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    n = len(text.encode())
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m minizero.{program}: error: --data '/proc/self/fd/3' differs between the ranks: {2 * n:,} bytes, "
+        f"SHA-256 {_sha(tmp_path / 'a.txt')} on rank 0; {n:,} bytes, SHA-256 {_sha(tmp_path / 'b.txt')} on rank 1; "
+        "every rank must read the same bytes"], proc.stderr
+
+
+def _sha(path):
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
