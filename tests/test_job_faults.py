@@ -191,3 +191,37 @@ def test_ranks_whose_data_differs_under_one_name_are_refused_before_work(mpiexec
 def _sha(path):
     import hashlib
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def _checkpoint_folder(folder):
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+
+
+def test_an_unfinished_save_given_to_resume_is_named_as_such(tmp_path):
+    """A killed or interrupted save leaves .tmp-step_N; given to --resume it said 'no complete checkpoint (no
+    step_N/manifest.json)', as for any empty folder."""
+    from minizero.checkpoint import CheckpointError, resolve
+
+    _checkpoint_folder(tmp_path / "step_00000002")
+    (tmp_path / ".tmp-step_00000004").mkdir()
+    with pytest.raises(CheckpointError) as e:
+        resolve(str(tmp_path / ".tmp-step_00000004") + "/")
+    assert str(e.value).endswith(".tmp-step_00000004/: an unfinished save (never renamed to step_N), never "
+                                 "resumed; complete ones beside it: step_00000002"), str(e.value)
+    _checkpoint_folder(tmp_path / ".trash-step_00000002")  # even one with a manifest: it is being replaced
+    with pytest.raises(CheckpointError, match="a replaced checkpoint, never resumed"):
+        resolve(str(tmp_path / ".trash-step_00000002"))
+
+
+def test_a_save_stopped_between_its_two_renames_gets_the_replaced_checkpoint_back(tmp_path):
+    """Saving step N over an older run's step N renames the old folder to .trash-step_N, then .tmp-step_N to
+    step_N. Stopped in between, the next save removed the .trash- folder: the older checkpoint was lost."""
+    from minizero.checkpoint.format import clean_partial
+
+    _checkpoint_folder(tmp_path / ".trash-step_00000004")
+    _checkpoint_folder(tmp_path / ".tmp-step_00000004")
+    _checkpoint_folder(tmp_path / "step_00000006")
+    _checkpoint_folder(tmp_path / ".trash-step_00000006")  # replaced and landed: removed
+    assert sorted(clean_partial(str(tmp_path))) == [".tmp-step_00000004", ".trash-step_00000006"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000006"]
