@@ -225,3 +225,31 @@ def test_a_save_stopped_between_its_two_renames_gets_the_replaced_checkpoint_bac
     _checkpoint_folder(tmp_path / ".trash-step_00000006")  # replaced and landed: removed
     assert sorted(clean_partial(str(tmp_path))) == [".tmp-step_00000004", ".trash-step_00000006"]
     assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000006"]
+
+
+def test_a_timeout_in_a_group_names_both_ranks_as_the_job_numbers_them():
+    from minizero.comm.base import timeout_message
+
+    world = {0: 2, 1: 3}.__getitem__  # the tp group [2, 3]
+    assert timeout_message(0, 2, "sendrecv", 2, 1, world).startswith(
+        "rank 0 (world rank 2): sendrecv waited 2 s for rank 1 (world rank 3) of a communicator of 2")
+    assert timeout_message(0, 2, "barrier", 2).startswith("rank 0: barrier waited 2 s for the other ranks")
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_of_a_group_is_named_by_its_world_rank(mpiexec, tmp_path):
+    """dp 1 x tp 2 x pp 2, rank 3 stopped: its peers said 'waited 2 s for rank 1 of a communicator of 2' (a rank of
+    their tp or pp group); no line named rank 3."""
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps",
+                           "6", "--tp", "2", "--pp", "2", "--comm-timeout", "2", "--progress", "none",
+                           "--out", str(tmp_path / "o")], env=dict(mpi_env(), MINIZERO_FAULT="3:2:stop"),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "minizero.train failed" in ln]
+    assert said and all("(world rank " in ln for ln in said), proc.stderr  # rank 0 may wait on rank 2, who waits on 3
+    assert any("for rank 1 (world rank 3) of a communicator of 2" in ln for ln in said), proc.stderr
