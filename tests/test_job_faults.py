@@ -7,6 +7,7 @@ import types
 import pytest
 
 from minizero.files import FolderLock, FolderLocked
+from tests.test_reliability import small_disk  # noqa: F401 (a fixture)
 
 
 def test_lock_release_raises_nothing_when_its_file_cannot_be_removed(tmp_path, monkeypatch):
@@ -253,3 +254,26 @@ def test_a_stalled_rank_of_a_group_is_named_by_its_world_rank(mpiexec, tmp_path)
     said = [ln for ln in proc.stderr.splitlines() if "minizero.train failed" in ln]
     assert said and all("(world rank " in ln for ln in said), proc.stderr  # rank 0 may wait on rank 2, who waits on 3
     assert any("for rank 1 (world rank 3) of a communicator of 2" in ln for ln in said), proc.stderr
+
+
+def test_consolidate_on_a_full_disk_is_one_line_and_exit_1(small_disk, tmp_path):
+    """It printed '[Errno 28] could not write ...' and exited 2, the status of a bad argument."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+    from tests.test_reliability import fill
+
+    ck = tmp_path / "ck"
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--save-every", "2",
+                    "--save-dir", str(ck), "--no-save", "--progress", "none", "--sample-tokens", "0"],
+                   check=True, capture_output=True, timeout=100, cwd=REPO_ROOT, env=mpi_env())
+    disk = small_disk("64k")
+    fill(disk)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(ck), "--out",
+                           str(disk / "m.npz")], capture_output=True, text=True, timeout=100, env=mpi_env())
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"python -m minizero.checkpoint: error: could not write '{disk / 'm.npz'}': no space left on device (the disk "
+        "is full); files already written are left as they were (each is written whole or not at all)"]
+    assert sorted(os.listdir(disk)) == ["filler"]
