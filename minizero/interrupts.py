@@ -137,6 +137,8 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
     except BaseException as e:
         if world is None or world.Get_size() < 2 or (isinstance(e, SystemExit) and not e.code):
             raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the line and the abort short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rank = world.Get_rank()
         if isinstance(e, (KeyboardInterrupt, Terminated)):
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")

@@ -371,6 +371,8 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C or SIGTERM must not cut this short: no abort
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         flight = _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
             type(e), f"{type(e).__name__}: {e}"[:300]))
         _release(locks)

@@ -277,3 +277,52 @@ def test_consolidate_on_a_full_disk_is_one_line_and_exit_1(small_disk, tmp_path)
         f"python -m minizero.checkpoint: error: could not write '{disk / 'm.npz'}': no space left on device (the disk "
         "is full); files already written are left as they were (each is written whole or not at all)"]
     assert sorted(os.listdir(disk)) == ["filler"]
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the rank ``rank`` whose command line holds ``marker`` (its PMI_RANK read in /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"PMI_RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_during_the_failure_line_still_ends_the_job(mpiexec, tmp_path):
+    """SIGINT to rank 1, then again while it waits to print its line: the second KeyboardInterrupt escaped the
+    failure handler (a traceback of 40 lines), MPI_Abort never ran, and rank 0 waited for --comm-timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import mpi_env
+
+    out = tmp_path / "o"
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny",
+                             "--steps", "1000000", "--eval-every", "0", "--progress", "log", "--log-every", "1",
+                             "--out", str(out)], env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and "loss" in line:
+                break
+        pid = _rank_pid(str(out), 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.3)  # rank 1 waits 1 s before its line (rank 0 speaks for a job that mpiexec signalled)
+        os.kill(pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "[rank 1] minizero.train: interrupted (SIGINT)" in err, err
