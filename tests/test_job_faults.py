@@ -326,3 +326,36 @@ def test_a_second_signal_during_the_failure_line_still_ends_the_job(mpiexec, tmp
             proc.communicate()
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "[rank 1] minizero.train: interrupted (SIGINT)" in err, err
+
+
+def test_running_out_of_memory_is_one_line_with_what_to_lower():
+    """NumPy's MemoryError on one rank printed a 60-line traceback through every module of the forward pass."""
+    from minizero.train import failure_text
+
+    try:
+        raise MemoryError("Unable to allocate 96.0 MiB for an array with shape (131072, 192) and data type float32")
+    except MemoryError as e:
+        text = failure_text(e, 1)
+    assert text == ("[rank 1] minizero.train failed: out of memory (Unable to allocate 96.0 MiB for an array with shape "
+                    "(131072, 192) and data type float32); lower --micro-batch-size, or use --recompute, --zero, "
+                    "--offload-activations or more ranks\n")
+    assert failure_text(MemoryError(), 0).startswith("[rank 0] minizero.train failed: out of memory (MemoryError);")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_out_of_address_space_ends_the_job_in_one_line(mpiexec):
+    """The attack: ranks limited by ``ulimit -v`` take a batch that does not fit."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    cmd = shlex.join([sys.executable, "-m", "minizero.train", "--model", "small", "--micro-batch-size", "2048",
+                      "--steps", "2", "--no-save", "--progress", "none", "--comm-timeout", "30"])
+    proc = subprocess.run([mpiexec, "-n", "2", "sh", "-c", f"ulimit -v 1200000 && exec {cmd}"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "minizero.train" in ln]
+    assert said and all("minizero.train failed: out of memory (Unable to allocate" in ln for ln in said), proc.stderr
+    assert "Traceback" not in proc.stderr
