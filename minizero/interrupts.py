@@ -146,8 +146,11 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
                 time.sleep(2 * grace_s)
             text = f"{'' if rank == 0 else f'[rank {rank}] '}python -m {tool}: interrupted ({name}); {files}\n"
         else:
-            code, text = 1, f"[rank {rank}] python -m {tool}: error: {e}\n"
-            if not isinstance(e, (ValueError, OSError)):  # a bug: its type and where
+            said = str(e).replace("the communicator's timeout", "--comm-timeout")  # a CommTimeoutError: the flag
+            code, text = 1, f"[rank {rank}] python -m {tool}: error: {said}\n"
+            if isinstance(e, MemoryError):
+                text = f"[rank {rank}] python -m {tool}: error: out of memory ({said or 'MemoryError'})\n"
+            elif not isinstance(e, (ValueError, OSError)):  # a bug: its type and where
                 text = f"[rank {rank}] python -m {tool}: error: {type(e).__name__}: {e}\n" + "".join(
                     traceback.format_exception(type(e), e, e.__traceback__))
         sys.stderr.flush()

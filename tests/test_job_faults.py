@@ -128,7 +128,8 @@ def base_weights(tmp_path_factory):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,said", [
     ("raise", "[rank 1] python -m minizero.finetune: error: RuntimeError: injected fault at step 3"),
-    ("stop", "[rank 0] python -m minizero.finetune: error: rank 0: sendrecv (tag 1001) waited 2 s for rank 1"),
+    ("stop", "[rank 0] python -m minizero.finetune: error: rank 0: sendrecv (tag 1001) waited 2 s for rank 1 of a "
+             "communicator of 2 (--comm-timeout)"),
 ])
 def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path, kind, said):
     """A failing rank of fine-tuning returned alone; its peer waited in a collective until the communicator's
@@ -359,3 +360,49 @@ def test_a_rank_out_of_address_space_ends_the_job_in_one_line(mpiexec):
     said = [ln for ln in proc.stderr.splitlines() if "minizero.train" in ln]
     assert said and all("minizero.train failed: out of memory (Unable to allocate" in ln for ln in said), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def signals_restored():
+    """SIGINT's and SIGTERM's handlers as they were after the test (every_rank_ends ignores both)."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in kept.items():
+        signal.signal(s, handler)
+
+
+def test_every_rank_ends_says_each_failure_in_one_line_and_aborts(capfd, signals_restored):
+    """finetune's wrapper: a diagnosis and running out of memory in one line, a bug with its traceback; then
+    MPI_Abort with 1 (or 130/143 for a signal) whatever the rank was doing."""
+    from minizero.comm.base import CommTimeoutError
+    from minizero.interrupts import Terminated, every_rank_ends
+
+    class World:
+        aborted = None
+
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 1
+
+        def Abort(self, code):
+            self.aborted = code
+
+    for error, code, said in [
+            (CommTimeoutError("rank 1: barrier waited 2 s for the other ranks (the communicator's timeout)"), 1,
+             "[rank 1] python -m tool: error: rank 1: barrier waited 2 s for the other ranks (--comm-timeout)\n"),
+            (MemoryError("Unable to allocate 1 GiB"), 1, "[rank 1] python -m tool: error: out of memory (Unable to "
+                                                        "allocate 1 GiB)\n"),
+            (Terminated(), 143, "[rank 1] python -m tool: interrupted (SIGTERM); files kept\n")]:
+        world = World()
+        with every_rank_ends("tool", "files kept", world, grace_s=0):
+            raise error
+        assert world.aborted == code and capfd.readouterr().err == said
+    world = World()
+    with every_rank_ends("tool", "files kept", world, grace_s=0):
+        raise KeyError("bug")
+    err = capfd.readouterr().err
+    assert world.aborted == 1 and err.startswith("[rank 1] python -m tool: error: KeyError: 'bug'\nTraceback")
