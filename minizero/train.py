@@ -132,7 +132,7 @@ def _dump_flight(comm, args, reason: str) -> str | None:
     if recorder is not None and not args.no_save:
         try:
             return os.path.dirname(recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason))
-        except OSError as e:
+        except Exception as e:  # a full disk, or a record that does not serialize: the abort must still come
             _write_stderr(f"[rank {comm.rank}] flight record not written: {e}\n")
     return None
 

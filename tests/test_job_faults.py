@@ -406,3 +406,27 @@ def test_every_rank_ends_says_each_failure_in_one_line_and_aborts(capfd, signals
         raise KeyError("bug")
     err = capfd.readouterr().err
     assert world.aborted == 1 and err.startswith("[rank 1] python -m tool: error: KeyError: 'bug'\nTraceback")
+
+
+def test_nothing_between_a_failure_and_the_abort_raises(tmp_path, monkeypatch, capfd):
+    """The main job's failure handler dumps the flight record before MPI_Abort: anything but an OSError from it
+    escaped the handler, and the other ranks waited. clean_partial on a read-only --save-dir: the same at resume."""
+    from minizero.checkpoint.format import clean_partial
+    from minizero.train import _dump_flight
+
+    class Recorder:
+        def dump(self, *a):
+            raise TypeError("Object of type float32 is not JSON serializable")
+
+    comm = types.SimpleNamespace(rank=1, world_size=2, traffic=types.SimpleNamespace(active_recorder=Recorder))
+    args = types.SimpleNamespace(no_save=False, out=str(tmp_path))
+    assert _dump_flight(comm, args, "RuntimeError: x") is None
+    assert capfd.readouterr().err == "[rank 1] flight record not written: Object of type float32 is not JSON " \
+                                     "serializable\n"
+
+    _checkpoint_folder(tmp_path / "ck" / ".trash-step_00000004")
+
+    def read_only(*a):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(os, "replace", read_only)
+    assert clean_partial(str(tmp_path / "ck")) == []

@@ -6,6 +6,7 @@ leaves the previous checkpoint valid. safetensors through its NumPy API (no pick
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -77,7 +78,8 @@ def clean_partial(save_dir: str) -> list[str]:
         for n in os.listdir(save_dir):
             here, back = os.path.join(save_dir, n), os.path.join(save_dir, n[len(TRASH):])
             if n.startswith(TRASH) and not os.path.lexists(back) and os.path.isfile(os.path.join(here, MANIFEST)):
-                os.replace(here, back)
+                with contextlib.suppress(OSError):  # a read-only --save-dir: left as it is, as rmtree leaves it
+                    os.replace(here, back)
             elif n.startswith((TMP, TRASH)):
                 shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
                 gone.append(n)
