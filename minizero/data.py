@@ -5,12 +5,14 @@ Rank r of N sees exactly one process's rows (``torch.utils.data.DistributedSampl
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 
 import numpy as np
 
 from minizero.autograd.functional import IGNORE_INDEX  # the target of a padding position
+from minizero.files import content_digest
 
 VOCAB_SIZE = 256
 DOCUMENT_SEPARATOR = 0x03  #: ASCII ETX ("end of text"): the byte that ends a document in --data
@@ -71,6 +73,16 @@ def load_tokens(path: str | None = None) -> np.ndarray:
     except UnicodeDecodeError as e:
         raise ValueError(f"--data {path!r} is not UTF-8 text ({e})") from None
     return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def data_digest(path: str | None) -> dict:
+    """``{what: digest}`` of the text ``path`` (the built-in corpus when None) for the ranks to compare
+    (:func:`minizero.flags.inputs_refusal`): each node has its own disk, and its own Python's corpus."""
+    if path is not None:
+        return {f"--data {path!r}": content_digest(path)}
+    raw = encode(builtin_corpus()).tobytes()
+    return {"the built-in corpus (pydoc_data.topics)": f"{len(raw):,} bytes, SHA-256 "
+                                                       f"{hashlib.sha256(raw).hexdigest()[:12]}"}
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),

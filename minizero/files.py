@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -72,7 +73,8 @@ class WriteError(OSError):
     """Writing an output file failed; ``str()`` names the path and the OS error (e.g. disk full)."""
 
 
-def _error(path: str, e: BaseException) -> WriteError:
+def write_error(path: str, e: BaseException) -> WriteError:
+    """``e`` as a WriteError naming ``path`` (a full disk said in words)."""
     code = getattr(e, "errno", None)
     why = getattr(e, "strerror", None) or str(e) or type(e).__name__
     if code == errno.ENOSPC:
@@ -95,7 +97,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
     except FileNotFoundError:
         st = None
     except OSError as e:
-        raise _error(path, e) from None
+        raise write_error(path, e) from None
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise WriteError(errno.EISDIR, f"could not write {path!r}: it is a directory")
     if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: write into it, never rename over it
@@ -103,7 +105,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
             with open(path, mode, encoding=enc) as f:
                 write(f)
         except OSError as e:
-            raise _error(path, e) from None
+            raise write_error(path, e) from None
         return
     tmp = None
     try:
@@ -121,7 +123,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         tmp = None
         _fsync_dir(d)
     except OSError as e:
-        raise _error(path, e) from None
+        raise write_error(path, e) from None
     finally:
         if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
@@ -185,12 +187,13 @@ class FolderLock:
         self.fd = fd
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent; raises nothing: a lock file that cannot be removed,
+        the folder gone or read-only, stays behind unlocked, and the next :meth:`acquire` takes it)."""
         if self.fd is None:
             return
         try:
             os.remove(self.path)
-        except FileNotFoundError:
+        except OSError:
             pass
         finally:
             os.close(self.fd)
@@ -228,6 +231,16 @@ def read_json(path: str):
         raise ValueError(f"{path!r} is not JSON: {e}") from None
     except RecursionError:
         raise ValueError(f"{path!r} is JSON nested too deeply for a file minizero writes") from None
+
+
+def content_digest(path: str, chunk: int = 1 << 20) -> str:
+    """``'1,024 bytes, SHA-256 0123456789ab'``: what ranks compare of an input each reads from its own disk."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            n += len(block)
+    return f"{n:,} bytes, SHA-256 {h.hexdigest()[:12]}"
 
 
 def mpiexec_path() -> str | None:

@@ -19,12 +19,14 @@ import traceback
 import numpy as np
 
 from minizero import backend
-from minizero.flags import flags_refusal, job_environment
+from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.autograd import backward
-from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
-from minizero.args import MAX_EVAL_BATCHES
+from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
+from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
+from minizero.comm.base import DEFAULT_TIMEOUT_S
+from minizero.faults import FaultInjector
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
-                            refuse_inputs)
+                            content_digest, refuse_inputs)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -35,7 +37,7 @@ from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
-from minizero.interrupts import WHOLE, Interrupts, interruptible
+from minizero.interrupts import WHOLE, Interrupts, every_rank_ends, interruptible
 
 METHODS = ("full", "lora", "qlora")
 
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=integer, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
     p.add_argument("--seed", type=integer, default=0, help="seed of the batches and the adapters' A")
+    p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S, help="under mpirun: seconds (at least 1) "
+                   "any one message or collective may wait for a peer before the job is ended, naming the rank")
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
     p.add_argument("--json", default=None, help="write the measurements here")
     return p
@@ -73,6 +77,9 @@ def check(args) -> None:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
         raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+    if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout < np.inf):
+        raise ValueError(f"--comm-timeout must be a finite number of seconds >= {MIN_COMM_TIMEOUT_S:g}, "
+                         f"got {args.comm_timeout}")
     if not (args.lr > 0 and np.isfinite(args.lr)):
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     names = args.targets.split(",")
@@ -158,7 +165,9 @@ def _finetune(args, method, tokens, comm):
     sync, opt = _optimizer(args, model, method, comm)
     world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
     rows = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
+    fault = FaultInjector.from_environment(rank, params)  # MINIZERO_FAULT, as in the main job's loop
     for step in range(args.steps):
+        fault.on_step_start(None, step)
         x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
         _, loss = model(backend.to_device(x[rows]), backend.to_device(y[rows]))
         backward(loss)
@@ -198,21 +207,27 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _world(zero: int):
+def _world(zero: int, timeout: float):
     """The MPI communicator when launched on several ranks or under ZeRO, else None (one process, no MPI needed)."""
     from mpi4py import MPI
     from minizero.comm import MPICommunicator
-    return MPICommunicator(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 or zero else None
+    return MPICommunicator(MPI.COMM_WORLD, timeout=timeout) if MPI.COMM_WORLD.Get_size() > 1 or zero else None
 
 
 def main(argv=None) -> int:
     from mpi4py import MPI
 
+    with every_rank_ends("minizero.finetune", WHOLE, MPI.COMM_WORLD):  # one rank failing ends them all
+        return _main(argv, MPI.COMM_WORLD)
+
+
+def _main(argv, world) -> int:
     prog = "python -m minizero.finetune: error:"
-    world, args, verdict, env = MPI.COMM_WORLD, None, None, {}
+    args, verdict, env, inputs = None, None, {}, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
         args = build_parser().parse_args(argv)
         check(args)
+        check_fault_spec(world.Get_size(), args.steps)
         if args.batch_size % world.Get_size():
             raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world.Get_size()} ranks")
         tokens = load_tokens(args.data)
@@ -225,6 +240,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
+        inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank
         verdict = e.code if isinstance(e.code, int) else 2
     except (FileNotFoundError, ValueError) as e:
@@ -234,9 +250,10 @@ def main(argv=None) -> int:
         verdict = f"{type(e).__name__}: {e}"
     verdicts = [verdict]
     if world.Get_size() > 1:  # one rank refusing, or the ranks started with different flags, end them all
-        verdicts, flags = zip(*world.allgather((verdict, None if args is None else (vars(args), {}, env))))
-        if all(v is None for v in verdicts) and flags_refusal(flags):
-            verdicts = [flags_refusal(flags)]
+        verdicts, flags, every_inputs = zip(*world.allgather((verdict, None if args is None else (vars(args), {}, env),
+                                                               inputs)))
+        if all(v is None for v in verdicts) and (flags_refusal(flags) or inputs_refusal(every_inputs)):
+            verdicts = [flags_refusal(flags) or inputs_refusal(every_inputs)]
     rank = world.Get_rank()
     said = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, str)]
     if said:
@@ -246,13 +263,15 @@ def main(argv=None) -> int:
         return 2
     if any(v is not None for v in verdicts):  # argparse's exits: --help everywhere is 0, else 2
         return 0 if all(v == 0 for v in verdicts) else 2
-    comm = _world(args.zero)
+    comm = _world(args.zero, args.comm_timeout)
     try:
         rows, state = [], None
         for method in (METHODS if args.table else (args.method,)):
             row, _, state = finetune(args, method, tokens, comm)
             rows.append(row)
     except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
+        if world.Get_size() > 1:  # unless it is not: every_rank_ends names the rank and ends the job
+            raise
         if rank == 0:
             print(f"{prog} {e}", file=sys.stderr)
         return 2

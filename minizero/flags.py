@@ -305,6 +305,21 @@ def flags_refusal(every_flags) -> str | None:
             + "; start every rank with the same command") if differ else None
 
 
+def inputs_refusal(every_inputs) -> str | None:
+    """The refusal of a job whose ranks read different bytes under one name (each rank's ``{what: digest}``, e.g.
+    :func:`minizero.data.data_digest`: a --data file that differs between nodes trains each data rank on its own
+    text, silently), or None."""
+    for what in every_inputs[0]:
+        groups = {}
+        for r, inputs in enumerate(every_inputs):
+            groups.setdefault(inputs.get(what), []).append(r)
+        if len(groups) > 1:
+            return (f"{what} differs between the ranks: " + "; ".join(
+                f"{digest} on rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}" for digest, ranks in
+                groups.items()) + "; every rank must read the same bytes")
+    return None
+
+
 def _rank_list(ranks: list[int]) -> str:
     """``0`` / ``0-3`` / ``0, 2, 5``: a list of ranks, runs of consecutive ranks as a range."""
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \

@@ -2,11 +2,14 @@
 to its files, exit status 128 + the signal, no traceback (:func:`interruptible`; the main job: minizero.train)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+import traceback
 
 #: what a tool says of its files when interrupted
 WHOLE = "files already written are left as they were (each is written whole or not at all)"
@@ -121,6 +124,39 @@ def interruptible(tool: str, files: str, main, argv=None) -> int:
         if _mpi_rank() == 0:
             print(f"python -m {tool}: interrupted ({name}); {files}", file=sys.stderr, flush=True)
         return code
+
+
+@contextlib.contextmanager
+def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
+    """Under mpiexec (``world``: MPI.COMM_WORLD of several ranks) an exception or a signal on this rank ends every
+    rank (``MPI_Abort``), as the main job does: a peer left waiting in a collective would wait for ever. One line
+    first: rank 0 speaks for an interrupted job (mpiexec signals every rank), any rank names its own error (a
+    traceback for a bug: not a ValueError or OSError)."""
+    try:
+        yield
+    except BaseException as e:
+        if world is None or world.Get_size() < 2 or (isinstance(e, SystemExit) and not e.code):
+            raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the line and the abort short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank = world.Get_rank()
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+            if rank != 0:  # rank 0 speaks for the job when every rank got the signal
+                time.sleep(2 * grace_s)
+            text = f"{'' if rank == 0 else f'[rank {rank}] '}python -m {tool}: interrupted ({name}); {files}\n"
+        else:
+            said = str(e).replace("the communicator's timeout", "--comm-timeout")  # a CommTimeoutError: the flag
+            code, text = 1, f"[rank {rank}] python -m {tool}: error: {said}\n"
+            if isinstance(e, MemoryError):
+                text = f"[rank {rank}] python -m {tool}: error: out of memory ({said or 'MemoryError'})\n"
+            elif not isinstance(e, (ValueError, OSError)):  # a bug: its type and where
+                text = f"[rank {rank}] python -m {tool}: error: {type(e).__name__}: {e}\n" + "".join(
+                    traceback.format_exception(type(e), e, e.__traceback__))
+        sys.stderr.flush()
+        os.write(2, text.encode("utf-8", "replace"))
+        time.sleep(grace_s)  # a peer's own message lands too
+        world.Abort(code)
 
 
 def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

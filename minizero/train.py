@@ -32,7 +32,8 @@ import numpy as np
 from minizero import backend
 from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_fault_spec,  # noqa: F401
                            check_steps_left, model_config, parse_args)
-from minizero.flags import flags_refusal, job_environment
+from minizero.data import data_digest
+from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
@@ -54,6 +55,7 @@ from minizero.report import gather_stats, report
 #: errors that are a diagnosis, not a bug: one line, no traceback
 DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTimeoutError, CheckpointError,
              CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
+MEMORY_HINT = "lower --micro-batch-size, or use --recompute, --zero, --offload-activations or more ranks"
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
 
 
@@ -63,10 +65,8 @@ def use_tracemalloc(args) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (``getrusage`` ru_maxrss: KiB on Linux, bytes on macOS).
-
-    The whole process's lifetime high-water mark (interpreter, libraries, set-up and training), counted by the kernel.
-    """
+    """This process's peak resident set size in bytes (``getrusage`` ru_maxrss: KiB on Linux, bytes on macOS): the
+    whole process's lifetime high-water mark (interpreter, libraries, set-up and training), counted by the kernel."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
@@ -132,7 +132,7 @@ def _dump_flight(comm, args, reason: str) -> str | None:
     if recorder is not None and not args.no_save:
         try:
             return os.path.dirname(recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason))
-        except OSError as e:
+        except Exception as e:  # a full disk, or a record that does not serialize: the abort must still come
             _write_stderr(f"[rank {comm.rank}] flight record not written: {e}\n")
     return None
 
@@ -146,17 +146,14 @@ def _write_stderr(text: str) -> None:
 
 
 def _lock_output(args, comm, mpi_world):
-    """Rank 0 locks OUT and, when checkpoints go elsewhere, --save-dir (:class:`FolderLock` each) and
+    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too) and
     broadcasts the verdict (collective): two jobs on one folder would delete each other's files.
-
-    Returns (the locks held on rank 0, the refusal message every rank shares or None).
-    """
+    Returns (the locks held on rank 0, the refusal message every rank shares or None)."""
     locks, refusal = [], None
     if comm.rank == 0:
         wanted = [] if args.no_save else [("--out", args.out)]
         save = os.path.realpath(args.save_dir) if args.save_every and args.save_dir else None
-        if save and (args.no_save or os.path.commonpath([save, os.path.realpath(args.out)])
-                     != os.path.realpath(args.out)):
+        if save and (args.no_save or save != os.path.realpath(args.out)):  # inside OUT too: --out o2 --save-dir o/ck
             wanted.append(("--save-dir", args.save_dir))
         for flag, folder in wanted:
             lock = FolderLock(folder)
@@ -183,11 +180,12 @@ def _parse_everywhere(argv, comm, mpi_world):
     and the first refusing rank's message (an unexpected exception counts, its traceback printed by its rank), or
     ``--help``'s status 0 when every rank printed (rank 0) or skipped the help.
     """
-    args, verdict = None, None
+    args, verdict, inputs = None, None, None
     try:
         args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
         check_fault_spec(comm.world_size, args.steps)
         check_steps_left(args)
+        inputs = data_digest(args.data)  # what this rank read under --data's name (each node has its own disk)
     except UsageError as e:
         verdict = str(e)
     except SystemExit as e:  # --help
@@ -197,9 +195,9 @@ def _parse_everywhere(argv, comm, mpi_world):
         verdict = f"{type(e).__name__}: {e}"
     flags = None if verdict is not None else (vars(build_parser().parse_args(argv)), dataclasses.asdict(args),
                                               job_environment())
-    verdicts, every_flags = zip(*mpi_world.allgather((verdict, flags)))
+    verdicts, every_flags, every_inputs = zip(*mpi_world.allgather((verdict, flags, inputs)))
     if all(v is None for v in verdicts):
-        refusal = flags_refusal(every_flags)
+        refusal = flags_refusal(every_flags) or inputs_refusal(every_inputs)
         return (None, 2, refusal) if refusal else (args, None, None)
     if all(isinstance(v, int) for v in verdicts):
         return None, verdicts[0], None
@@ -211,15 +209,17 @@ def _parse_everywhere(argv, comm, mpi_world):
 
 
 def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
-    """What rank ``rank`` prints for the exception that ends its run: one line for a diagnosis
-    (:data:`DIAGNOSES`) and for an MPI library error (a survivor whose peer died: MPICH's error stack
-    is dozens of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
+    """What rank ``rank`` prints for the exception that ends its run: one line for a diagnosis (:data:`DIAGNOSES`),
+    for running out of memory and for an MPI library error (a survivor whose peer died: MPICH's error stack is dozens
+    of lines, the launcher's report names the dead rank), a traceback for anything else (a bug)."""
     if isinstance(e, DIAGNOSES):  # a diagnosis, not a bug: no traceback
         verb = "stopped" if isinstance(e, (TrainingDiverged, LossScaleError)) else "failed"
         text = str(e.strerror if isinstance(e, OSError) and e.strerror else e)
         if isinstance(e, CommTimeoutError):  # the technique says "the communicator's timeout": name the flag
             text = text.replace("the communicator's timeout", "--comm-timeout")
         return f"[rank {rank}] minizero.train {verb}: {text}\n"
+    if isinstance(e, MemoryError):  # this machine's limit, not a bug: NumPy's text names the array
+        return f"[rank {rank}] minizero.train failed: out of memory ({str(e) or 'MemoryError'}); {MEMORY_HINT}\n"
     if mpi_exception and isinstance(e, mpi_exception):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return (f"[rank {rank}] minizero.train failed: the MPI library reported an error, most likely a peer rank "
@@ -276,9 +276,7 @@ def nccl_world(comm: NodeTrafficCommunicator, timeout: float) -> NodeTrafficComm
 
 def _setup_timeout(argv) -> float:
     """--comm-timeout as given in ``argv`` (read before MPI starts), else the default; set-up waits at most this.
-
-    Only that flag is read here (a bad value falls back to the default; :func:`parse_args` refuses it later).
-    """
+    Only that flag is read here (a bad value falls back to the default; :func:`parse_args` refuses it later)."""
     from minizero.comm.base import DEFAULT_TIMEOUT_S  # noqa: PLC0415
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S)
@@ -369,6 +367,8 @@ def main(argv=None) -> int:
     except BaseException as e:  # any rank: show the cause, then take the whole job down
         if isinstance(e, SystemExit) and not e.code:
             raise
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut this short: no abort, peers wait
+            signal.signal(sig, signal.SIG_IGN)
         flight = _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
             type(e), f"{type(e).__name__}: {e}"[:300]))
         _release(locks)

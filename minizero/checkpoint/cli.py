@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import READ_BACK, atomic_write, check_writable_folder, read_json
+from minizero.files import READ_BACK, WriteError, atomic_write, check_writable_folder, read_json
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser
@@ -177,6 +177,9 @@ def main(argv=None) -> int:
         return 2
     except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
         raise
+    except WriteError as e:  # a full disk: not a bad argument (exit 1, as quantize and finetune)
+        print(f"python -m minizero.checkpoint: error: {e.strerror}; {WHOLE}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ leaves the previous checkpoint valid. safetensors through its NumPy API (no pick
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -70,11 +71,16 @@ def complete(save_dir: str) -> list[str]:
 
 
 def clean_partial(save_dir: str) -> list[str]:
-    """Remove the ``.tmp-`` and ``.trash-`` folders a killed save left; returns their names."""
+    """Remove the ``.tmp-`` and ``.trash-`` folders a killed save left (a ``.trash-`` whose replacement never
+    landed is renamed back: a save stopped between its two renames); returns the removed names."""
     gone = []
     if os.path.isdir(save_dir):
         for n in os.listdir(save_dir):
-            if n.startswith((TMP, TRASH)):
+            here, back = os.path.join(save_dir, n), os.path.join(save_dir, n[len(TRASH):])
+            if n.startswith(TRASH) and not os.path.lexists(back) and os.path.isfile(os.path.join(here, MANIFEST)):
+                with contextlib.suppress(OSError):  # a read-only --save-dir: left as it is, as rmtree leaves it
+                    os.replace(here, back)
+            elif n.startswith((TMP, TRASH)):
                 shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
                 gone.append(n)
     return gone
@@ -85,6 +91,12 @@ def resolve(path: str) -> str:
 
     Raises CheckpointError: no such path, or no complete checkpoint in it (partial ones named).
     """
+    name = os.path.basename(os.path.normpath(path))
+    if name.startswith((TMP, TRASH)):  # never trusted: written by a save that did not finish, or being replaced
+        done = [os.path.basename(p) for p in complete(os.path.dirname(os.path.abspath(path)))]
+        what = "an unfinished save (never renamed to step_N)" if name.startswith(TMP) else "a replaced checkpoint"
+        raise CheckpointError(f"--resume {path}: {what}, never resumed; " + (
+            f"complete ones beside it: {', '.join(done[-3:])}" if done else "no complete checkpoint beside it"))
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     if os.path.exists(path) and not os.path.isdir(path):

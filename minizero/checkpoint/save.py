@@ -4,6 +4,7 @@ Mirrors: DeepSpeed's ``save_checkpoint``; PyTorch DCP's ``save``.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ from minizero.memory.fp8 import fp8_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
                                         folder_name, fsync_path, rank_file, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
-from minizero.files import WriteError, atomic_write
+from minizero.files import WriteError, atomic_write, write_error
 from minizero.optim.adam8bit import QuantizedState
 from minizero.parallel.expert_parallel import routing_state
 
@@ -53,6 +54,17 @@ def fault_in_save(rank: int, step: int) -> None:
     parts = spec.split(":")
     if len(parts) == 3 and parts[2] == "kill_in_save" and int(parts[0]) == rank and int(parts[1]) == step:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def previous_kept(path: str):
+    """An OSError inside (a read-only or vanished --save-dir, a full disk) becomes one WriteError naming the file
+    and saying that the previous checkpoint is kept."""
+    try:
+        yield
+    except OSError as e:
+        why = e.strerror if isinstance(e, WriteError) else write_error(e.filename or path, e).strerror
+        raise WriteError(e.errno or errno.EIO, f"{why}; the previous checkpoint is kept") from None
 
 
 def rank_tensors(strategy, pruner=None, rank: int = 0):
@@ -94,9 +106,10 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     if protect is not None and os.path.abspath(final) == os.path.abspath(protect):
         return None
     if comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        clean_partial(save_dir)
-        os.makedirs(tmp)
+        with previous_kept(tmp):
+            os.makedirs(save_dir, exist_ok=True)
+            clean_partial(save_dir)
+            os.makedirs(tmp)
     comm.barrier()
     tensors, pieces, params = rank_tensors(strategy, pruner, comm.rank)
     path = os.path.join(tmp, rank_file(comm.rank))
@@ -129,15 +142,16 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
             manifest["pruning"] = {"sparsity": pruner.sparsity, "scope": pruner.scope,
                                    "shapes": {k: list(v) for k, v in pruner.shapes.items()}, "file": rank_file(0)}
         text = json.dumps(manifest, indent=1)
-        atomic_write(os.path.join(tmp, MANIFEST), lambda f: f.write(text), mode="w")
-        fsync_path(tmp)
-        trash = None
-        if os.path.exists(final):  # an older run's checkpoint of the same step: replaced
-            trash = os.path.join(save_dir, TRASH + name)
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        fsync_path(save_dir)
-        atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(name), mode="w")
+        with previous_kept(final):
+            atomic_write(os.path.join(tmp, MANIFEST), lambda f: f.write(text), mode="w")
+            fsync_path(tmp)
+            trash = None
+            if os.path.exists(final):  # an older run's checkpoint of the same step: replaced
+                trash = os.path.join(save_dir, TRASH + name)
+                os.replace(final, trash)
+            os.replace(tmp, final)
+            fsync_path(save_dir)
+            atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(name), mode="w")
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         prune_old(save_dir, keep, protect)

@@ -56,10 +56,15 @@ def spin_seconds(ranks_on_this_node: int) -> float:
     return SPIN_S if ranks_on_this_node <= backend.usable_cores() else 0.0
 
 
-def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None) -> str:
-    """The CommTimeoutError text: who waited, for ``what``, for ``peer`` (None: any rank), how long."""
-    whom = f"rank {peer}" if peer is not None else "the other ranks"
-    return (f"rank {rank}: {what} waited {timeout:g} s for {whom} of a communicator of {world_size} "
+def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer: int | None = None,
+                    world_rank=None) -> str:
+    """The CommTimeoutError text: who waited, for ``what``, for ``peer`` (None: any rank), how long; ``world_rank``
+    (:meth:`Communicator.world_rank`) adds each rank's number in the job where a group's differs."""
+    def named(r: int) -> str:
+        w = r if world_rank is None else world_rank(r)
+        return f"rank {r}" if w == r else f"rank {r} (world rank {w})"
+    whom = named(peer) if peer is not None else "the other ranks"
+    return (f"{named(rank)}: {what} waited {timeout:g} s for {whom} of a communicator of {world_size} "
             "(the communicator's timeout); a rank is stalled or gone")
 
 
@@ -166,6 +171,10 @@ class Communicator(abc.ABC):
 
         Its ``traffic`` is a child of this one's (bytes show in both). Raises ValueError: ``color`` not an int >= 0.
         """
+
+    def world_rank(self, rank: int) -> int:
+        """This communicator's ``rank`` as a rank of the whole job (the same here; a split MPI group maps it)."""
+        return rank
 
     @abc.abstractmethod
     def abort(self, errorcode: int = 1) -> None:

@@ -206,8 +206,8 @@ class MPICommunicator(Communicator):
         if done():  # often so (a send already out, a message already here): no timeout or message to set up
             return
         what = op if tag is None else f"{op} (tag {tag})"
-        poll_until(done, self.timeout, lambda: timeout_message(self.rank, self.world_size, what, self.timeout, peer),
-                   self.spin_s)
+        poll_until(done, self.timeout, lambda: timeout_message(self.rank, self.world_size, what, self.timeout, peer,
+                                                               self.world_rank), self.spin_s)
 
     def _post_send(self, buf, dest, tag) -> tuple[list, np.ndarray]:
         """Post ``buf``'s message; returns ([its MPI requests], the array sent from, to keep alive until done)."""
@@ -257,6 +257,10 @@ class MPICommunicator(Communicator):
         color, key = _check_color(color), int(key)
         return MPICommunicator(self.mpi_comm.Split(color, key), traffic=TrafficLedger(parent=self.traffic),
                                timeout=self.timeout, spin_s=self.spin_s)
+
+    def world_rank(self, rank: int) -> int:
+        MPI = _mpi()
+        return self.mpi_comm.Get_group().Translate_ranks([rank], MPI.COMM_WORLD.Get_group())[0]
 
     def abort(self, errorcode=1):
         _mpi().COMM_WORLD.Abort(errorcode)

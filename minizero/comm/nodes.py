@@ -141,6 +141,9 @@ class NodeTrafficCommunicator(Communicator):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    def world_rank(self, rank: int) -> int:
+        return self.inner.world_rank(rank)
+
     @property
     def nonblocking(self) -> bool:
         """The wrapped communicator's: ``isend``/``irecv`` work here only if they work on ``inner``

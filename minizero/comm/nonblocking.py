@@ -107,7 +107,8 @@ def wait_all(comm, requests, what: str, peer: int | None = None) -> None:
 
 def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
     timeout = getattr(comm, "timeout", DEFAULT_TIMEOUT_S)
-    poll_until(done, timeout, lambda: timeout_message(comm.rank, comm.world_size, what, timeout, peer()),
+    poll_until(done, timeout, lambda: timeout_message(comm.rank, comm.world_size, what, timeout, peer(),
+                                                      getattr(comm, "world_rank", None)),
                getattr(comm, "spin_s", 0.0))
 
 

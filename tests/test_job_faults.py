@@ -1,0 +1,437 @@
+"""One rank's failure ends the whole job, and no file the user had is lost: locks, checkpoint saves on a
+read-only or missing folder, fine-tuning's failing rank, ranks reading different data."""
+import errno
+import os
+import types
+
+import pytest
+
+from minizero.files import FolderLock, FolderLocked
+from tests.test_reliability import small_disk  # noqa: F401 (a fixture)
+
+
+def test_lock_release_raises_nothing_when_its_file_cannot_be_removed(tmp_path, monkeypatch):
+    """A read-only OUT at the end (remounted, a full quota): release() raised EROFS inside the main job's
+    failure handler, a second traceback, and MPI_Abort was never called (the other ranks waited)."""
+    lock = FolderLock(str(tmp_path))
+    lock.acquire()
+
+    def refuse(path):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "remove", refuse)
+        lock.release()
+    assert lock.fd is None
+    FolderLock(str(tmp_path)).acquire()  # the file stayed behind, unlocked: taken again
+
+
+def test_the_default_save_dir_inside_out_is_locked(tmp_path):
+    """Two jobs: A with --out o (checkpoints in o/checkpoints), B with --out o2 --save-dir o/checkpoints. A locked
+    only o, so B's lock on o/checkpoints succeeded and they pruned each other's checkpoints."""
+    from minizero.train import _lock_output, _release
+
+    out = tmp_path / "o"
+    args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5)
+    world = types.SimpleNamespace(bcast=lambda obj, root: obj)
+    locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+    try:
+        assert refusal is None and len(locks) == 2
+        with pytest.raises(FolderLocked, match="in use by another minizero job"):
+            FolderLock(str(out / "checkpoints")).acquire()
+    finally:
+        _release(locks)
+    args.save_dir = str(out)  # checkpoints in OUT itself: one lock
+    locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+    _release(locks)
+    assert refusal is None and len(locks) == 1
+
+
+def test_a_save_dir_that_refuses_the_next_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """rank 0's own steps of a save (the .tmp- folder, the renames, ``latest``) raised a bare OSError: a bug's
+    traceback for a read-only or vanished --save-dir."""
+    import minizero.checkpoint.save as save
+    from minizero.checkpoint import read_manifest
+    from minizero.files import WriteError
+    from tests.test_checkpoint import F64, run
+
+    real, calls = save.clean_partial, []
+
+    def read_only_after_the_first_save(save_dir):
+        calls.append(save_dir)
+        if len(calls) > 1:
+            raise OSError(errno.EROFS, "Read-only file system", os.path.join(save_dir, ".tmp-step_00000004"))
+        return real(save_dir)
+    monkeypatch.setattr(save, "clean_partial", read_only_after_the_first_save)
+    with pytest.raises(WriteError) as e:
+        run(2, F64 + ["--steps", "4", "--save-every", "2", "--save-dir", str(tmp_path)])
+    said = e.value.strerror
+    assert "\n" not in said and "Read-only file system; the previous checkpoint is kept" in said, said
+    assert ".tmp-step_00000004" in said
+    assert read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp_path):
+    """The attack itself: a read-only file system mounted over --save-dir while two ranks train (root only)."""
+    import subprocess
+    import sys
+    import time
+
+    from minizero.checkpoint import read_manifest
+    from tests.conftest import mpi_env
+
+    save = tmp_path / "ck"
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "100000",
+           "--eval-every", "0", "--progress", "log", "--log-every", "1000", "--comm-timeout", "20",
+           "--out", str(tmp_path / "o"), "--save-dir", str(save), "--save-every", "20", "--keep", "1"]
+    proc = subprocess.Popen(cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mounted = False
+    try:
+        for line in proc.stdout:
+            if line.startswith("checkpoint: saved"):
+                break
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(save)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {r.stderr.strip()}")
+        mounted, t0 = True, time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if mounted:
+            subprocess.run(["umount", str(save)], capture_output=True)
+    assert proc.returncode == 1 and elapsed < 15, (proc.returncode, elapsed, err)
+    said = [ln for ln in err.splitlines() if "minizero.train" in ln]
+    assert len(said) == 1 and said[0].startswith("[rank 0] minizero.train failed: could not write"), err
+    assert "Read-only file system; the previous checkpoint is kept" in said[0] and "Traceback" not in err, err
+    kept = [n for n in os.listdir(save) if n.startswith("step_")]
+    assert len(kept) == 1 and read_manifest(str(save / kept[0]))["step"] >= 20
+
+
+@pytest.fixture(scope="module")
+def base_weights(tmp_path_factory):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+
+    out = tmp_path_factory.mktemp("base")
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--out", str(out),
+                    "--progress", "none", "--sample-tokens", "1", "--eval-batches", "1"], check=True,
+                   capture_output=True, timeout=240, cwd=REPO_ROOT, env=mpi_env())
+    return out / "model.npz"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,said", [
+    ("raise", "[rank 1] python -m minizero.finetune: error: RuntimeError: injected fault at step 3"),
+    ("stop", "[rank 0] python -m minizero.finetune: error: rank 0: sendrecv (tag 1001) waited 2 s for rank 1 of a "
+             "communicator of 2 (--comm-timeout)"),
+])
+def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path, kind, said):
+    """A failing rank of fine-tuning returned alone; its peer waited in a collective until the communicator's
+    600 s (a stopped rank: the same, with no flag to shorten it). Now: one line naming the rank, every rank ends."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import mpi_env
+
+    env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.finetune", "--weights",
+                           str(base_weights), "--method", "lora", "--steps", "1000", "--batch-size", "2",
+                           "--eval-batches", "1", "--comm-timeout", "2", "--out", str(tmp_path / "ft")],
+                          env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
+    assert said in proc.stderr, proc.stderr
+    assert not (tmp_path / "ft").exists()  # nothing written
+
+
+def test_inputs_refusal_names_each_ranks_bytes():
+    from minizero.flags import inputs_refusal
+
+    same = {"--data 'a.txt'": "10 bytes, SHA-256 0123"}
+    assert inputs_refusal([same, dict(same), dict(same)]) is None
+    said = inputs_refusal([same, {"--data 'a.txt'": "9 bytes, SHA-256 4567"}, dict(same)])
+    assert said == ("--data 'a.txt' differs between the ranks: 10 bytes, SHA-256 0123 on ranks 0, 2; 9 bytes, "
+                    "SHA-256 4567 on rank 1; every rank must read the same bytes")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("program", ["train", "finetune"])
+def test_ranks_whose_data_differs_under_one_name_are_refused_before_work(mpiexec, base_weights, tmp_path, program):
+    """One path, two contents (each node's own disk; here each rank's file descriptor 3): the ranks trained on
+    different texts and nothing said so. Now refused on every rank with each rank's bytes, exit 2."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    text = open(os.__file__).read()
+    (tmp_path / "a.txt").write_text(text * 2)
+    (tmp_path / "b.txt").write_text(text)
+    args = (["--model", "tiny", "--steps", "2", "--no-save", "--progress", "none"] if program == "train" else
+            ["--weights", str(base_weights), "--method", "lora", "--steps", "2", "--batch-size", "2"])
+    cmd = shlex.join([sys.executable, "-m", f"minizero.{program}", "--data", "/proc/self/fd/3", *args])
+    proc = subprocess.run([mpiexec, "-n", "1", "sh", "-c", f"exec {cmd} 3<{tmp_path / 'a.txt'}", ":",
+                           "-n", "1", "sh", "-c", f"exec {cmd} 3<{tmp_path / 'b.txt'}"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    n = len(text.encode())
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m minizero.{program}: error: --data '/proc/self/fd/3' differs between the ranks: {2 * n:,} bytes, "
+        f"SHA-256 {_sha(tmp_path / 'a.txt')} on rank 0; {n:,} bytes, SHA-256 {_sha(tmp_path / 'b.txt')} on rank 1; "
+        "every rank must read the same bytes"], proc.stderr
+
+
+def _sha(path):
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def _checkpoint_folder(folder):
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+
+
+def test_an_unfinished_save_given_to_resume_is_named_as_such(tmp_path):
+    """A killed or interrupted save leaves .tmp-step_N; given to --resume it said 'no complete checkpoint (no
+    step_N/manifest.json)', as for any empty folder."""
+    from minizero.checkpoint import CheckpointError, resolve
+
+    _checkpoint_folder(tmp_path / "step_00000002")
+    (tmp_path / ".tmp-step_00000004").mkdir()
+    with pytest.raises(CheckpointError) as e:
+        resolve(str(tmp_path / ".tmp-step_00000004") + "/")
+    assert str(e.value).endswith(".tmp-step_00000004/: an unfinished save (never renamed to step_N), never "
+                                 "resumed; complete ones beside it: step_00000002"), str(e.value)
+    _checkpoint_folder(tmp_path / ".trash-step_00000002")  # even one with a manifest: it is being replaced
+    with pytest.raises(CheckpointError, match="a replaced checkpoint, never resumed"):
+        resolve(str(tmp_path / ".trash-step_00000002"))
+
+
+def test_a_save_stopped_between_its_two_renames_gets_the_replaced_checkpoint_back(tmp_path):
+    """Saving step N over an older run's step N renames the old folder to .trash-step_N, then .tmp-step_N to
+    step_N. Stopped in between, the next save removed the .trash- folder: the older checkpoint was lost."""
+    from minizero.checkpoint.format import clean_partial
+
+    _checkpoint_folder(tmp_path / ".trash-step_00000004")
+    _checkpoint_folder(tmp_path / ".tmp-step_00000004")
+    _checkpoint_folder(tmp_path / "step_00000006")
+    _checkpoint_folder(tmp_path / ".trash-step_00000006")  # replaced and landed: removed
+    assert sorted(clean_partial(str(tmp_path))) == [".tmp-step_00000004", ".trash-step_00000006"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000006"]
+
+
+def test_a_timeout_in_a_group_names_both_ranks_as_the_job_numbers_them():
+    from minizero.comm.base import timeout_message
+
+    world = {0: 2, 1: 3}.__getitem__  # the tp group [2, 3]
+    assert timeout_message(0, 2, "sendrecv", 2, 1, world).startswith(
+        "rank 0 (world rank 2): sendrecv waited 2 s for rank 1 (world rank 3) of a communicator of 2")
+    assert timeout_message(0, 2, "barrier", 2).startswith("rank 0: barrier waited 2 s for the other ranks")
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_of_a_group_is_named_by_its_world_rank(mpiexec, tmp_path):
+    """dp 1 x tp 2 x pp 2, rank 3 stopped: its peers said 'waited 2 s for rank 1 of a communicator of 2' (a rank of
+    their tp or pp group); no line named rank 3."""
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps",
+                           "6", "--tp", "2", "--pp", "2", "--comm-timeout", "2", "--progress", "none",
+                           "--out", str(tmp_path / "o")], env=dict(mpi_env(), MINIZERO_FAULT="3:2:stop"),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "minizero.train failed" in ln]
+    assert said and all("(world rank " in ln for ln in said), proc.stderr  # rank 0 may wait on rank 2, who waits on 3
+    assert any("for rank 1 (world rank 3) of a communicator of 2" in ln for ln in said), proc.stderr
+
+
+def test_consolidate_on_a_full_disk_is_one_line_and_exit_1(small_disk, tmp_path):
+    """It printed '[Errno 28] could not write ...' and exited 2, the status of a bad argument."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, mpi_env
+    from tests.test_reliability import fill
+
+    ck = tmp_path / "ck"
+    subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--save-every", "2",
+                    "--save-dir", str(ck), "--no-save", "--progress", "none", "--sample-tokens", "0"],
+                   check=True, capture_output=True, timeout=100, cwd=REPO_ROOT, env=mpi_env())
+    disk = small_disk("64k")
+    fill(disk)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(ck), "--out",
+                           str(disk / "m.npz")], capture_output=True, text=True, timeout=100, env=mpi_env())
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"python -m minizero.checkpoint: error: could not write '{disk / 'm.npz'}': no space left on device (the disk "
+        "is full); files already written are left as they were (each is written whole or not at all)"]
+    assert sorted(os.listdir(disk)) == ["filler"]
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the rank ``rank`` whose command line holds ``marker`` (its PMI_RANK read in /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"PMI_RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_during_the_failure_line_still_ends_the_job(mpiexec, tmp_path):
+    """SIGINT to rank 1, then again while it waits to print its line: the second KeyboardInterrupt escaped the
+    failure handler (a traceback of 40 lines), MPI_Abort never ran, and rank 0 waited for --comm-timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import mpi_env
+
+    out = tmp_path / "o"
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny",
+                             "--steps", "1000000", "--eval-every", "0", "--progress", "log", "--log-every", "1",
+                             "--out", str(out)], env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and "loss" in line:
+                break
+        pid = _rank_pid(str(out), 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGINT)
+        flight = out / "flight" / "rank_1.json"  # dumped by the handler, which then waits 1 s before its line
+        for _ in range(100):  # (rank 0 speaks for a job that mpiexec signalled)
+            if flight.exists():
+                break
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    # 130 from rank 1's MPI_Abort (a hang before; killed here after 30 s). Its line is not asserted: on a loaded
+    # machine mpiexec's proxy lost all forwarded stderr of an aborted job in about 1 run of 20 (seen here)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_running_out_of_memory_is_one_line_with_what_to_lower():
+    """NumPy's MemoryError on one rank printed a 60-line traceback through every module of the forward pass."""
+    from minizero.train import failure_text
+
+    try:
+        raise MemoryError("Unable to allocate 96.0 MiB for an array with shape (131072, 192) and data type float32")
+    except MemoryError as e:
+        text = failure_text(e, 1)
+    assert text == ("[rank 1] minizero.train failed: out of memory (Unable to allocate 96.0 MiB for an array with shape "
+                    "(131072, 192) and data type float32); lower --micro-batch-size, or use --recompute, --zero, "
+                    "--offload-activations or more ranks\n")
+    assert failure_text(MemoryError(), 0).startswith("[rank 0] minizero.train failed: out of memory (MemoryError);")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_out_of_address_space_ends_the_job_in_one_line(mpiexec):
+    """The attack: ranks limited by ``ulimit -v`` take a batch that does not fit."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    cmd = shlex.join([sys.executable, "-m", "minizero.train", "--model", "small", "--micro-batch-size", "2048",
+                      "--steps", "2", "--no-save", "--progress", "none", "--comm-timeout", "30"])
+    proc = subprocess.run([mpiexec, "-n", "2", "sh", "-c", f"ulimit -v 1200000 && exec {cmd}"], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "minizero.train" in ln]
+    assert said and all("minizero.train failed: out of memory (Unable to allocate" in ln for ln in said), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def signals_restored():
+    """SIGINT's and SIGTERM's handlers as they were after the test (every_rank_ends ignores both)."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in kept.items():
+        signal.signal(s, handler)
+
+
+def test_every_rank_ends_says_each_failure_in_one_line_and_aborts(capfd, signals_restored):
+    """finetune's wrapper: a diagnosis and running out of memory in one line, a bug with its traceback; then
+    MPI_Abort with 1 (or 130/143 for a signal) whatever the rank was doing."""
+    from minizero.comm.base import CommTimeoutError
+    from minizero.interrupts import Terminated, every_rank_ends
+
+    class World:
+        aborted = None
+
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 1
+
+        def Abort(self, code):
+            self.aborted = code
+
+    for error, code, said in [
+            (CommTimeoutError("rank 1: barrier waited 2 s for the other ranks (the communicator's timeout)"), 1,
+             "[rank 1] python -m tool: error: rank 1: barrier waited 2 s for the other ranks (--comm-timeout)\n"),
+            (MemoryError("Unable to allocate 1 GiB"), 1, "[rank 1] python -m tool: error: out of memory (Unable to "
+                                                        "allocate 1 GiB)\n"),
+            (Terminated(), 143, "[rank 1] python -m tool: interrupted (SIGTERM); files kept\n")]:
+        world = World()
+        with every_rank_ends("tool", "files kept", world, grace_s=0):
+            raise error
+        assert world.aborted == code and capfd.readouterr().err == said
+    world = World()
+    with every_rank_ends("tool", "files kept", world, grace_s=0):
+        raise KeyError("bug")
+    err = capfd.readouterr().err
+    assert world.aborted == 1 and err.startswith("[rank 1] python -m tool: error: KeyError: 'bug'\nTraceback")
+
+
+def test_nothing_between_a_failure_and_the_abort_raises(tmp_path, monkeypatch, capfd):
+    """The main job's failure handler dumps the flight record before MPI_Abort: anything but an OSError from it
+    escaped the handler, and the other ranks waited. clean_partial on a read-only --save-dir: the same at resume."""
+    from minizero.checkpoint.format import clean_partial
+    from minizero.train import _dump_flight
+
+    class Recorder:
+        def dump(self, *a):
+            raise TypeError("Object of type float32 is not JSON serializable")
+
+    comm = types.SimpleNamespace(rank=1, world_size=2, traffic=types.SimpleNamespace(active_recorder=Recorder))
+    args = types.SimpleNamespace(no_save=False, out=str(tmp_path))
+    assert _dump_flight(comm, args, "RuntimeError: x") is None
+    assert capfd.readouterr().err == "[rank 1] flight record not written: Object of type float32 is not JSON " \
+                                     "serializable\n"
+
+    _checkpoint_folder(tmp_path / "ck" / ".trash-step_00000004")
+
+    def read_only(*a):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(os, "replace", read_only)
+    assert clean_partial(str(tmp_path / "ck")) == []
