@@ -133,6 +133,24 @@ def test_context_parallel_equals_single_process(cp, dp, tp, extra):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model, schedule, extra", [("tiny", "1f1b", ["--recompute", "full"]),
+                                                    ("tiny", "gpipe", ["--cp-attention", "ulysses"]),
+                                                    ("default", "interleaved", ["--virtual-stages", "2"])])
+def test_context_parallel_with_dropout_equals_the_same_pipeline_without_cp(model, schedule, extra):
+    """--pp 2 with dropout (whose stages draw their own streams, so no one-process reference): cp 2 draws the masks
+    cp 1 draws, in the schedule's order and in recompute's replay; losses and gathered weights (1e-9)."""
+    flags = ["--dropout", "0.2", *extra]
+    one = [a for a in flags if a not in ("--cp-attention", "ulysses")]
+    ref = run_in_threads(2, R.run_parallel, model, 2, 1, 1, 2, 2, schedule, one)
+    got = run_in_threads(4, R.run_parallel, model, 2, 1, 1, 2, 2, schedule, ["--cp", "2", *flags])
+    want, full = ([r["full"] for r in res if r["full"] is not None][0] for res in (ref, got))
+    for name, a in want.items():
+        np.testing.assert_allclose(full[name], a, rtol=0, atol=1e-9 * np.abs(a).max(), err_msg=name)
+    for r_ in got:
+        np.testing.assert_allclose(r_["losses"], ref[0]["losses"], rtol=1e-10)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp, extra", [(1, 2, []), (1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel"]),
                                            (2, 1, ["--sequence-parallel", "--zero", "1"]),
                                            (2, 2, ["--sequence-parallel"])])

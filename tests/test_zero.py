@@ -381,3 +381,23 @@ def test_the_drawing_names_parameters_too_small_for_a_column():
               if part.startswith("h.0:"))
     assert "(scaled: 1 column = 51.25 elements; b, f, h, l are smaller and fall between columns;" in h0
     assert "scaled" not in ShardMap.from_model(GPT(get_config("tiny")), 4).draw(width=4096)
+
+
+def test_stage3_saves_a_contiguous_view_of_one_gathered_parameter_as_a_handle_and_nothing_else():
+    """_view_of_gathered: a C-contiguous view inside one parameter -> (offset, shape) that reads the same elements;
+    a view over two parameters, a strided or re-typed one, or a stale entry (p.data re-pointed) -> None."""
+    from types import SimpleNamespace
+    from minizero.zero.stage3 import ZeroStage3
+    buf = np.arange(24.0)
+    p, q = SimpleNamespace(data=buf[:12].reshape(3, 4)), SimpleNamespace(data=buf[12:].reshape(3, 4))
+    fake = SimpleNamespace(_gathered={id(p.data): p, id(q.data): q})
+    handle = ZeroStage3._view_of_gathered(fake, q.data[1:])
+    assert handle.param is q and handle.view == (4, (2, 4))
+    np.testing.assert_array_equal(handle.array(), q.data[1:])
+    unaligned = buf.view(np.uint8)[4:36].view(np.float64)  # float64 elements 4 bytes into p
+    for other in (buf[10:14], p.data[:, 1], p.data.view(np.int64)[0], np.ones(3), unaligned):
+        assert ZeroStage3._view_of_gathered(fake, other) is None
+    # a placeholder (broadcast, nbytes of the whole parameter over one element) whose nominal range covers q
+    stale = SimpleNamespace(data=np.broadcast_to(buf[12:13], (3, 4)))
+    fake._gathered = {id(q.data): stale}  # its data re-pointed since it was gathered: never matched
+    assert ZeroStage3._view_of_gathered(fake, q.data[1:]) is None

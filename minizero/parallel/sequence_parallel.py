@@ -13,6 +13,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
+from minizero.autograd.rng import MaskStream
 from minizero.comm.collectives import all_gather, all_reduce, reduce_scatter
 from minizero.nn.module import Embedding, Module
 from minizero.parallel.interleaved import refuse_interleaved
@@ -131,13 +132,13 @@ class _GatheredLinear(Function):
 
 
 class _SequenceSliceDropout(Function):
-    """Inverted dropout on rows [lo, lo+n) of a (b, s, h) activation, the mask drawn for all s rows."""
+    """Inverted dropout on rows [lo, lo+n) of a (b, s, h) activation: their elements of the mask drawn for all s
+    rows (the stream advances by the whole mask)."""
 
     @staticmethod
     def forward(ctx, x, p, s_total, lo):
         b, n, h = x.shape
-        full = F.dropout_keep_mask((b, s_total, h), p)  # the unsplit model's draws (one function for every dropout)
-        keep = full[:, lo:lo + n].copy()  # on the device, as drawn
+        keep = MaskStream.reserve((b, s_total, h), p, (0, lo, 0)).block((slice(0, b), slice(0, n), slice(0, h)))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)

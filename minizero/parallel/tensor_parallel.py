@@ -151,13 +151,13 @@ class RowParallelLinear(Module):
 
 
 class _HeadSliceDropout(Function):
-    """Inverted dropout on heads [lo, lo+h) of an H-head tensor, with the mask drawn for all H heads."""
+    """Inverted dropout on heads [lo, lo+h) of an H-head tensor: those heads' elements of the mask drawn for all H
+    heads (the stream advances by the whole mask; only (b, h, t, s) draws are computed)."""
 
     @staticmethod
     def forward(ctx, x, p, n_head_total, lo):
         b, h, t, s = x.shape
-        full = F.dropout_keep_mask((b, n_head_total, t, s), p)  # same draws as the unsplit model
-        keep = full[:, lo:lo + h].copy()  # on the device, as drawn
+        keep = MaskStream.reserve((b, n_head_total, t, s), p, (0, lo, 0, 0)).block(tuple(slice(0, d) for d in x.shape))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)

@@ -137,11 +137,14 @@ class ZeroStage3(ZeroStage2):
         if getattr(array, "base", None) is None or not array.flags.c_contiguous or not array.size:
             return None
         at = backend.data_ptr(array)
-        for p in self._gathered.values():
+        for key, p in self._gathered.items():
+            if key != id(p.data) or p.data.dtype != array.dtype:  # a stale entry (p.data re-pointed), another dtype
+                continue
             start = backend.data_ptr(p.data)
-            if p.data.dtype == array.dtype and start <= at < start + p.data.nbytes:
-                offset = (at - start) // array.itemsize
-                return _SavedParameter(p, (offset, array.shape)) if offset + array.size <= p.data.size else None
+            if start <= at < start + p.data.nbytes:
+                offset, rest = divmod(at - start, array.itemsize)
+                fits = not rest and offset + array.size <= p.data.size
+                return _SavedParameter(p, (offset, array.shape)) if fits else None
         return None
 
     def _gather_hook(self, st):
