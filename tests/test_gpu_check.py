@@ -193,6 +193,10 @@ def test_the_measured_tables_in_docs_gpu_md_are_the_committed_outputs():
     assert result["hardware"]["name"] == "NVIDIA H200" and result["date"][:10] in page
     table = "\n".join(gpu_check.table_lines(result["checks"], gpu=True))
     assert table in page
+    with open(os.path.join(docs, "measured", "gpu_check_h100.json")) as f:  # the H100's, 2026-12-05
+        h100 = json.load(f)
+    assert h100["hardware"]["name"].startswith("NVIDIA H100") and h100["date"][:10] in page
+    assert "\n".join(gpu_check.table_lines(h100["checks"], gpu=True)) in page
     for earlier in ("gpu_check_h200_first.json", "gpu_check_h200_second.json"):  # their speed rows
         with open(os.path.join(docs, "measured", earlier)) as f:
             rows = [c for c in json.load(f)["checks"] if c["check"].startswith("gpt2")]
