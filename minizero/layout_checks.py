@@ -46,7 +46,8 @@ def check_context_parallel(args, cfg) -> None:
         raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
     if dropout and args.sequence_parallel:
         raise ValueError(f"--cp {cp} with --sequence-parallel and --dropout {dropout} is not supported: the sequence-"
-                         "parallel dropout would split a chunk pair as if it were the whole sequence; use --dropout 0")
+                         "parallel dropout would split a chunk pair as if it were the whole sequence; use --dropout 0 "
+                         "or leave out --sequence-parallel")
     heads = cfg.n_head // args.tp
     if args.cp_attention == "ulysses" and heads % cp:
         raise ValueError(f"--cp {cp} --cp-attention ulysses needs the {heads} attention heads per tensor rank "

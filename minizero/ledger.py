@@ -307,9 +307,10 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
                       "so their peaks add up to more)")
     if every > 4:
         ordered = [_rank_label(g) for g in sorted(groups, key=lambda g: -per_rank[g[0]]["peak_total"])]
-        big, small = ordered[0], ordered[-1]  # one column when every peak total is equal
-        lines += wrap(f"(the {len(per_rank)} ranks' ledgers differ ({every} kinds): shown are {big}, the largest peak "
-                      f"total, and {small}, the smallest; summary.json has every rank's peaks)")
+        shown = (f"{ordered[0]}, the largest peak total, and {ordered[-1]}, the smallest" if len(ordered) > 1 else
+                 f"{ordered[0]}: every peak total is equal")
+        lines += wrap(f"(the {len(per_rank)} ranks' ledgers differ ({every} kinds): shown are {shown}; summary.json "
+                      "has every rank's peaks)")
     elif len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
         lines += wrap(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "

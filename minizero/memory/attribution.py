@@ -186,9 +186,10 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     if len(kinds) > 4:  # e.g. MoE, whose routing differs on every rank: the ranks saving the most and the least
         saved = [sum(peaks.values()) for peaks in per_rank]
         ends = [saved.index(max(saved)), saved.index(min(saved))]
-        lines += textwrap.wrap(f"({len(rows)} ranks, {len(kinds)} kinds: shown r{ends[0]}, which saved the most "
-                               f"bytes, and r{ends[1]}, the least; summary.json has every rank's)", 100,
-                               initial_indent="  ", subsequent_indent="    ")
+        shown = (f"r{ends[0]}, which saved the most bytes, and r{ends[1]}, the least" if ends[0] != ends[1] else
+                 f"r{ends[0]}: every rank saved as many bytes")
+        lines += textwrap.wrap(f"({len(rows)} ranks, {len(kinds)} kinds: shown {shown}; summary.json has every "
+                               "rank's)", 100, initial_indent="  ", subsequent_indent="    ")
         kinds = list(dict.fromkeys(rows[r] for r in ends))
     for row in kinds:  # ranks with the same hotspots share one line (data parallelism: all of them)
         ranks = [r for r, other in enumerate(rows) if other == row]

@@ -93,7 +93,8 @@ def routed_rows(model, tokens: int, e: int, accounting: str = "paper", ep: int =
     processed row keeps its input (h) and hidden rows (GeLU 2 f_e, SwiGLU 4 f_e); each kept row its expert
     output (h) and gate. Router: ``"paper"`` the (T, E) probabilities; ``"minizero"`` the softmax exponentials
     (T, E), 3 (T,) arrays (row sums, log-sum-exp in and out) and the Switch loss's (E,), at least float32 (routing
-    runs in float32 under fp16), and under bf16 each expert product's input and weight as bits. Shared experts:
+    runs in float32 under fp16), and under bf16 (GeLU experts) each expert product's input and weight as bits
+    (SwiGLU experts under bf16: the float rows, a bound). Shared experts:
     dense MLP rows of width f_e. ``"minizero"`` EQUALS the ledger's activation peak when every expert fills its
     C slots on every rank (tests/test_plan_moe.py), an UPPER BOUND otherwise. Hidden rows split by tp in the paper
     accounting (Megatron-Core), whole in ``"minizero"``'s (the MoE layer replicated in the tensor group).
