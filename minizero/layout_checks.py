@@ -31,7 +31,7 @@ def check_sequence_parallel(args, cfg) -> None:
 
 def check_context_parallel(args, cfg) -> None:
     """``--cp`` needs T divisible by 2 cp (two chunks per rank) and, with --sequence-parallel, T / cp divisible by
-    tp and no dropout."""
+    tp."""
     cp = args.cp
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
@@ -41,13 +41,8 @@ def check_context_parallel(args, cfg) -> None:
                              "it needs --cp > 1")
         return
     t = args.block_size or cfg.block_size
-    dropout = args.dropout if args.dropout is not None else cfg.dropout
     if t % (2 * cp):
         raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
-    if dropout and args.sequence_parallel:
-        raise ValueError(f"--cp {cp} with --sequence-parallel and --dropout {dropout} is not supported: the sequence-"
-                         "parallel dropout would split a chunk pair as if it were the whole sequence; use --dropout 0 "
-                         "or leave out --sequence-parallel")
     heads = cfg.n_head // args.tp
     if args.cp_attention == "ulysses" and heads % cp:
         raise ValueError(f"--cp {cp} --cp-attention ulysses needs the {heads} attention heads per tensor rank "

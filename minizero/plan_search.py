@@ -136,13 +136,13 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                         continue
                     for kind in kinds:
                         yield from _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
-                                            bucket_bytes, attention, e, kind, not (cp > 1 and model.dropout))
+                                            bucket_bytes, attention, e, kind)
 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
-             ep=1, cp_attention="ring", sp_allowed=True):
-    """Every ZeRO / offload / recompute / sequence-parallel (where ``sp_allowed``) / activation-offload choice on
-    one dp x cp x tp x pp mesh."""
+             ep=1, cp_attention="ring"):
+    """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
+    mesh."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
@@ -153,7 +153,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
             if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
                 continue
             for recompute in RECOMPUTE:
-                for sp in ((False, True) if tp > 1 and sp_allowed else (False,)):
+                for sp in ((False, True) if tp > 1 else (False,)):
                     for act_off in (False, True):
                         yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp,
                                        recompute=recompute, precision=precision, optimizer=optimizer,
@@ -351,8 +351,6 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
              (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
              (not (dp * cp == 1 and zero > 0 and offload == "none"),
               f"zero {zero} over dp 1 shards nothing; use zero 0"),
-             (cp == 1 or not (model.dropout and sp), f"cp {cp} with sp: {model.name} has dropout, which minizero's "
-                                                     "sequence-parallel dropout does not split over a context group"),
              (cp == 1 or seq_len is None or cp in context_parallel_sizes(model, cp, seq_len, tp),
               f"cp {cp} needs the sequence {seq_len} in 2 x cp = {2 * cp} equal chunks, each rank's two of a "
               f"length divisible by tp {tp}")]

@@ -112,6 +112,20 @@ def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
 
     np.testing.assert_array_equal(unsplit_from_context_parallel(run_in_threads(4, rank), 1), want)
 
+    def sp_rank(comm):  # cp 2 x a sequence-parallel group of 3: rows of 2 of a chunk pair (n = 3), one straddling
+        cp_comm = comm.split(color=comm.rank % 3, key=comm.rank // 3)
+        sp_comm = comm.split(color=comm.rank // 3, key=comm.rank % 3)
+        manual_seed(3)
+        pair = split_for_context_parallel(x[:, :12], cp_comm.rank, 2, 1)
+        mine = pair[:, 2 * sp_comm.rank:2 * sp_comm.rank + 2]
+        return ContextParallelDropout(0.5, cp_comm, sp_comm)(Tensor(mine)).data
+
+    manual_seed(3)
+    want = Dropout(0.5)(Tensor(x[:, :12])).data
+    got = run_in_threads(6, sp_rank)
+    pairs = [np.concatenate(got[3 * c:3 * c + 3], axis=1) for c in range(2)]
+    np.testing.assert_array_equal(unsplit_from_context_parallel(pairs, 1), want)
+
 
 # --------------------------------------------------------------------------- in training (--cp)
 @pytest.mark.timeout(300)
@@ -121,12 +135,13 @@ def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
                                                (2, 1, 1, ["--dropout", "0.2"]), (2, 1, 2, ["--dropout", "0.2"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--recompute", "selective"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--recompute", "full"]),
+                                               (2, 1, 2, ["--dropout", "0.2", "--sequence-parallel"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses"]),
                                                (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses",
                                                           "--recompute", "selective"])])
 def test_context_parallel_equals_single_process(cp, dp, tp, extra):
     """Gradients of step 0 (1e-12), weights after 3 steps (1e-9), the losses: one process's, on the same rows."""
-    one = [a for a in extra if a not in ("--cp-attention", "ulysses")]  # the dense core, the same masks
+    one = [a for a in extra if a not in ("--cp-attention", "ulysses", "--sequence-parallel")]  # the same masks
     ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, one)[0]
     got = run_in_threads(dp * tp * cp, R.run_parallel, "tiny", 2, dp, tp, 1, 1, "1f1b", ["--cp", str(cp), *extra])
     R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
@@ -285,9 +300,7 @@ def test_context_parallel_is_refused_where_it_cannot_run():
         parse_args(["--model", "tiny", "--cp", "3"], 4)
     with pytest.raises(UsageError, match="divisible by 2 x cp = 4"):
         parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
-    with pytest.raises(UsageError, match="--cp 2 with --sequence-parallel and --dropout 0.1 is not supported"):
-        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--dropout", "0.1"], 4)
-    assert parse_args(["--model", "tiny", "--cp", "2", "--dropout", "0.1"], 2).cp == 2  # without SP: the whole masks
+    assert parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--dropout", "0.1"], 4).cp == 2
     with pytest.raises(UsageError, match="T / cp = 6 divisible by --tp 4"):  # T=24: 24/4 = 6 local rows, 4 tensor ranks
         parse_args(["--model", "default", "--cp", "4", "--tp", "4", "--sequence-parallel", "--block-size", "24"], 16)
     with pytest.raises(UsageError, match="--zero 2 is not supported"):  # sequence parallelism's own rule

@@ -5,7 +5,7 @@ n = s/(2c). Key/value blocks travel the ring by ``sendrecv`` with an online soft
 score block, never (s, s)); backward is FlashAttention's blockwise backward, dK, dV travelling with their block.
 Dropout draws the unsplit model's masks: each rank reads its chunks' elements (:class:`ContextParallelDropout`,
 and the attention's (B, H, T, T) mask by blocks). Preconditions (:mod:`minizero.layout_checks`): 2c divides T, tp
-divides T/c under sequence parallelism, no dropout with sequence parallelism.
+divides T/c under sequence parallelism.
 Sources: Liu et al., "Ring Attention", arXiv:2310.01889; Dao et al., FlashAttention, algorithm 4;
 Megatron-LM's context parallelism (chunk pairing, the "dp-cp" group).
 """
@@ -20,6 +20,7 @@ from minizero.autograd.rng import MaskStream
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Dropout, Module
 from minizero.memory.recompute import CheckpointWrapper
+from minizero.parallel.sequence_parallel import SequenceParallelDropout
 from minizero.parallel.ulysses import UlyssesAttentionCore
 
 CP_TAG = 1300  #: tag of the ring messages
@@ -208,6 +209,8 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     def swap(m):  # the attention cores, and every (b, s, h) dropout
         if id(m) in cores:
             return split_core(m)
+        if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
+            return ContextParallelDropout(m.p, comm, m.comm)
         return ContextParallelDropout(m.p, comm) if type(m) is Dropout and id(m) not in in_cores else None
 
     return done + stage.swap_modules(swap)
@@ -264,21 +267,27 @@ class _KeepMask(Function):
 
 
 class ContextParallelDropout(Module):
-    """Dropout of this rank's two chunks (b, 2n, h) with the mask the unsplit model draws for (b, T, h): the
-    stream advances by the whole mask, each rank computes its chunks' elements only. Identity in eval or p = 0."""
+    """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h),
+    or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
+    The stream advances by the whole mask, each rank computes its rows' elements only. Identity in eval or p = 0."""
 
-    def __init__(self, p: float, comm):
+    def __init__(self, p: float, comm, seq_comm=None):
         super().__init__()
-        self.p, self.comm = p, comm
+        self.p, self.comm, self.seq_comm = p, comm, seq_comm
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        b, t2, h = x.shape
-        n, every = t2 // 2, (slice(0, b), slice(0, h))
-        drop = MaskStream.reserve((b, t2 * self.comm.world_size, h), self.p)
-        keep = backend.xp.concatenate([drop.block((every[0], slice(c * n, (c + 1) * n), every[1]))
-                                       for c in chunk_ids(self.comm.rank, self.comm.world_size)], axis=1)
+        b, m, h = x.shape
+        t, r = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
+        n = m * t // 2  # rows per chunk
+        drop = MaskStream.reserve((b, 2 * n * self.comm.world_size, h), self.p)
+        keep = []
+        for i, c in enumerate(chunk_ids(self.comm.rank, self.comm.world_size)):  # local rows [i n, (i + 1) n)
+            lo, hi = max(r * m, i * n), min((r + 1) * m, (i + 1) * n)
+            if lo < hi:
+                keep.append(drop.block((slice(0, b), slice(c * n + lo - i * n, c * n + hi - i * n), slice(0, h))))
+        keep = keep[0] if len(keep) == 1 else backend.xp.concatenate(keep, axis=1)
         return _KeepMask.apply(x, keep, 1.0 / (1.0 - self.p))
 
 
