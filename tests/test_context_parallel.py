@@ -282,10 +282,11 @@ def _measure_3d(comm, cfg, b, mode, sp):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_parallel(sp, mode):
-    """cp 2 x tp 2 (4 ranks), with and without --sequence-parallel: the ledger's bytes per layer on every rank
-    equal ``layer_activation_bytes(..., tp=2, sequence_parallel=sp, cp=2)`` (sequence-parallel rows / (cp tp))."""
-    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_parallel(sp, mode, dropout):
+    """cp 2 x tp 2 (4 ranks), with and without --sequence-parallel and dropout: the ledger's bytes per layer on every
+    rank equal ``layer_activation_bytes(..., tp=2, sequence_parallel=sp, cp=2)`` (sequence-parallel rows / (cp tp))."""
+    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout), 2
     want = layer_activation_bytes(cfg, 32, b, tp=2, sequence_parallel=sp, recompute=mode, accounting="minizero",
                                   precision="fp64", cp=2)
     for got in run_in_threads(4, _measure_3d, cfg, b, mode, sp):
