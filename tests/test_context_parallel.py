@@ -187,12 +187,13 @@ def test_context_parallel_with_the_interleaved_schedule():
     R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2")
 
 
-def _measure(comm, cfg, b, mode, recompute_first=False):
+def _measure(comm, cfg, b, mode, recompute_first=False, attention="ring"):
+    """Bytes block 0 saves for backward on this rank (the ledger) under cp over ``comm`` (also tests/test_ulysses.py)."""
     set_ledger(MemoryLedger())
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
     if recompute_first:
         apply_recompute(stage, mode)
-    context_parallelize(stage, comm)
+    context_parallelize(stage, comm, attention)
     if not recompute_first:
         apply_recompute(stage, mode)
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))

@@ -19,8 +19,6 @@ from minizero.args import UsageError
 from minizero.autograd import Tensor
 from minizero.autograd.functional import causal_softmax
 from minizero.comm import run_in_threads
-from minizero.ledger import MemoryLedger, set_ledger
-from minizero.memory.attribution import layer_bytes, saved_by_module
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
@@ -30,6 +28,7 @@ from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.ulysses import UlyssesAttentionCore, sequence_order, ulysses_bytes
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
+from tests.test_context_parallel import _measure
 
 
 def test_gathered_rows_are_put_in_sequence_order():
@@ -161,15 +160,6 @@ def test_ulysses_bytes_with_grouped_kv_heads_count_k_and_v_at_their_own_head_cou
     assert got == 3 * (2 * 8 + 2 * 2) * 16 * 16 * 2 // 4 > 0
 
 
-def _layer_bytes(comm, cfg, b, mode):
-    set_ledger(MemoryLedger())
-    stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
-    context_parallelize(stage, comm, "ulysses")
-    apply_recompute(stage, mode)
-    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, cfg.block_size))
-    return layer_bytes(saved_by_module(stage, x, x), "transformer.h.0")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -180,7 +170,7 @@ def test_measured_bytes_per_layer_equal_the_ulysses_formula(cp, mode, dropout):
     cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout), 2
     want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp,
                                   cp_attention="ulysses")
-    assert all(got == want for got in run_in_threads(cp, _layer_bytes, cfg, b, mode))
+    assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode, False, "ulysses"))
     long = {k: layer_activation_bytes(cfg, 4096, b, accounting="minizero", precision="fp64", cp=cp, cp_attention=k)
             for k in ("ring", "ulysses")}
     assert long["ulysses"] > 4 * long["ring"]  # the s^2 term, / c
