@@ -148,6 +148,12 @@ def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, see
             np.where(inside[:, 1:], w[:, 1:], IGNORE_INDEX))
 
 
+def micro_batch_rows(k: int, b: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[int, int]:
+    """(lo, total): data rank ``dp_rank``'s micro-batch ``k`` of ``b`` rows is rows [lo, lo + b) of the step's
+    global batch of ``total`` = grad_accum * dp_size * b rows (:class:`DistributedSampler`'s rows)."""
+    return (k * dp_size + dp_rank) * b, grad_accum * dp_size * b
+
+
 class DistributedSampler:
     """One data-parallel rank's micro-batches: ``micro_batches(step)`` yields ``grad_accum`` pairs (x, y) of (b, T)
     int64.
@@ -176,7 +182,7 @@ class DistributedSampler:
         x, y = global_batch(self.tokens, step, self.global_batch_size, self.block_size, self.seed, self.ends)
         b = self.micro_batch
         for k in range(self.grad_accum):
-            lo = (k * self.dp_size + self.dp_rank) * b
+            lo, _ = micro_batch_rows(k, b, self.grad_accum, self.dp_rank, self.dp_size)
             yield x[lo:lo + b].copy(), y[lo:lo + b].copy()
 
 

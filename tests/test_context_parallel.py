@@ -152,8 +152,8 @@ def test_context_parallel_equals_single_process(cp, dp, tp, extra):
                                                     ("tiny", "gpipe", ["--cp-attention", "ulysses"]),
                                                     ("default", "interleaved", ["--virtual-stages", "2"])])
 def test_context_parallel_with_dropout_equals_the_same_pipeline_without_cp(model, schedule, extra):
-    """--pp 2 with dropout (whose stages draw their own streams, so no one-process reference): cp 2 draws the masks
-    cp 1 draws, in the schedule's order and in recompute's replay; losses and gathered weights (1e-9)."""
+    """--pp 2 with dropout: cp 2 reads the masks cp 1 reads, in the schedule's order and in recompute's replay;
+    losses and gathered weights (1e-9). (Both equal one process's too: tests/test_dropout_layouts.py.)"""
     flags = ["--dropout", "0.2", *extra]
     one = [a for a in flags if a not in ("--cp-attention", "ulysses")]
     ref = run_in_threads(2, R.run_parallel, model, 2, 1, 1, 2, 2, schedule, one)

@@ -13,7 +13,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd.engine import Function, Tensor
 from minizero.autograd.rng import (  # noqa: F401 (the generator's API, re-exported)
-    dropout_keep_mask, fork_rng, get_rng_state, manual_seed, set_rng_state)
+    MaskStream, dropout_keep_mask, fork_rng, get_rng_state, in_batch_rows, manual_seed, set_rng_state)
 from minizero.autograd.kernels import (blockwise, causal_mask, causal_softmax_rows, compute_dtype, gelu_backward,
                                       gelu_forward, layer_norm_input_grad, layer_norm_rows, masked_scale, row_blocks,
                                       scatter_add_rows, softmax_backward_rows, widen)
@@ -217,11 +217,15 @@ def causal_softmax(scores: Tensor) -> Tensor:
 
 
 class Dropout(Function):
-    """Inverted dropout: y = x * mask / (1 - p); mask from ``rng.dropout_keep_mask``, saved as bool."""
+    """Inverted dropout: y = x * mask / (1 - p); mask from ``rng.dropout_keep_mask`` (inside ``rng.batch_rows``:
+    site ``site``'s rows, ``MaskStream.reserve``), saved as bool."""
 
     @staticmethod
-    def forward(ctx, x, p):
-        keep = dropout_keep_mask(x.shape, p)
+    def forward(ctx, x, p, site=None):
+        if in_batch_rows():
+            keep = MaskStream.reserve(x.shape, p, site=site).block(tuple(slice(0, d) for d in x.shape))
+        else:
+            keep = dropout_keep_mask(x.shape, p)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return masked_scale(x, keep, ctx.scale)
@@ -229,17 +233,18 @@ class Dropout(Function):
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return masked_scale(g, keep, ctx.scale), None
+        return masked_scale(g, keep, ctx.scale), None, None
 
 
-def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ValueError:
-    p outside [0, 1)."""
+def dropout(x: Tensor, p: float, training: bool = True, site=None) -> Tensor:
+    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ``site``: the
+    dropout's number in the model (needed inside ``rng.batch_rows``). ValueError: p outside [0, 1), or no
+    ``site`` inside ``batch_rows``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    return Dropout.apply(x, p)
+    return Dropout.apply(x, p, site)
 
 
 IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds nothing to the loss

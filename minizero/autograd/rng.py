@@ -1,7 +1,9 @@
 """The dropout generator: counter-based, drawn on the device, the same bits on every array module.
 
 Output i of the stream with key k is SplitMix64's ``mix64(k + (i + 1) * GAMMA)``; state (key, offset);
-one stream per thread. Sources: Steele, Lea & Flood, OOPSLA 2014; Salmon et al., SC 2011.
+one stream per thread. Inside :func:`batch_rows` a mask is addressed instead of drawn: dropout site s of the
+step at offset o is the mask of the whole global batch at key ``fold_in(fold_in(k, o), s)``, a micro-batch reads
+its rows. Sources: Steele, Lea & Flood, OOPSLA 2014; Salmon et al., SC 2011; JAX's ``random.fold_in``.
 """
 from __future__ import annotations
 
@@ -46,22 +48,55 @@ def manual_seed(seed: int) -> None:
 
 
 def get_rng_state() -> dict:
-    """This thread's stream position ``{"key": int, "offset": int}`` (for recompute and checkpoints)."""
+    """This thread's stream position ``{"key": int, "offset": int}`` (for recompute and checkpoints), with
+    ``"rows": [lo, total]`` inside :func:`batch_rows`."""
     if getattr(_local, "state", None) is None:
         manual_seed(0)
     key, offset = _local.state
-    return {"key": key, "offset": offset}
+    rows = getattr(_local, "rows", None)
+    return {"key": key, "offset": offset} if rows is None else {"key": key, "offset": offset, "rows": list(rows)}
 
 
 def set_rng_state(state: dict) -> None:
-    """Continue from :func:`get_rng_state`'s state. Raises ValueError: not ``{"key", "offset"}`` ints in [0, 2**64)."""
+    """Continue from :func:`get_rng_state`'s state (no ``"rows"``: outside any :func:`batch_rows`).
+    Raises ValueError: not ``{"key", "offset"}`` ints in [0, 2**64), or ``"rows"`` not 0 <= lo < total."""
     try:
         key, offset = int(state["key"]), int(state["offset"])
-    except (KeyError, TypeError, ValueError):
+        rows = state.get("rows")
+        rows = None if rows is None else (int(rows[0]), int(rows[1]))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         raise ValueError(f"a dropout generator state is {{'key': int, 'offset': int}}, got {state!r}") from None
     if not (0 <= key <= _MASK and 0 <= offset <= _MASK):
         raise ValueError(f"dropout generator key and offset must lie in [0, 2**64), got {state!r}")
-    _local.state = (key, offset)
+    if rows is not None and not 0 <= rows[0] < rows[1]:
+        raise ValueError(f"dropout generator rows must be [lo, total] with 0 <= lo < total, got {state!r}")
+    _local.state, _local.rows = (key, offset), rows
+
+
+def fold_in(key: int, data: int) -> int:
+    """A key derived from ``key`` and a non-negative int, ``mix64(key ^ mix64(data))`` (as ``jax.random.fold_in``)."""
+    return mix64_int(key ^ mix64_int(data))
+
+
+def in_batch_rows() -> bool:
+    """Whether this thread is inside :func:`batch_rows` (dropout masks addressed by site and row)."""
+    return getattr(_local, "rows", None) is not None
+
+
+@contextlib.contextmanager
+def batch_rows(lo: int, total: int):
+    """Inside: the micro-batch holds rows [lo, lo + b) of a global batch of ``total`` rows, and a dropout site
+    reads its rows of the global batch's mask (:meth:`MaskStream.reserve` with ``site``) instead of drawing the
+    stream's next outputs; the stream does not move. Every layout (data, pipeline, tensor, context ranks,
+    micro-batch size) then reads one process's masks. Raises ValueError: not 0 <= lo < total."""
+    if not 0 <= lo < total:
+        raise ValueError(f"batch_rows: rows start {lo} must lie in [0, total {total})")
+    before = getattr(_local, "rows", None)
+    _local.rows = (int(lo), int(total))
+    try:
+        yield
+    finally:
+        _local.rows = before
 
 
 @contextlib.contextmanager
@@ -133,11 +168,24 @@ class MaskStream:
     p: float
 
     @classmethod
-    def reserve(cls, shape, p: float, origin=None) -> "MaskStream":
-        """Reserve prod(``shape``) draws of this thread's stream (it advances as a whole mask would)."""
+    def reserve(cls, shape, p: float, origin=None, site=None) -> "MaskStream":
+        """The mask of ``shape`` (axis 0: the micro-batch's rows), read from ``origin``: outside
+        :func:`batch_rows`, the stream's next prod(``shape``) draws (it advances as a whole mask would);
+        inside, dropout site ``site``'s mask of the global batch (total, *shape[1:]) at key
+        ``fold_in(fold_in(key, offset), site)``, from row ``lo``. Raises ValueError: inside, ``site`` is None
+        or the rows pass ``total``."""
         shape = tuple(int(d) for d in shape)
-        key, offset = reserve(math.prod(shape))
-        return cls(key, offset, shape, tuple(origin or (0,) * len(shape)), p)
+        origin = tuple(origin or (0,) * len(shape))
+        rows = getattr(_local, "rows", None)
+        if rows is None:
+            key, offset = reserve(math.prod(shape))
+            return cls(key, offset, shape, origin, p)
+        (lo, total), state = rows, get_rng_state()
+        if site is None or lo + origin[0] + shape[0] > total:
+            raise ValueError(f"a dropout mask inside batch_rows needs a site and rows inside the global batch: site "
+                             f"{site}, rows [{lo + origin[0]}, {lo + origin[0] + shape[0]}) of {total}")
+        key = fold_in(fold_in(state["key"], state["offset"]), site)
+        return cls(key, 0, (total,) + shape[1:], (lo + origin[0],) + origin[1:], p)
 
     def block(self, slices):
         """The bool keep mask of the caller's array at ``slices``, on the device."""

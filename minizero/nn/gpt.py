@@ -177,6 +177,9 @@ class GPT(Module):
         # weight tying (Press & Wolf 2017; nanoGPT): the LM head reuses wte's (V, C) matrix
         self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype,
                               weight=self.transformer["wte"].weight)
+        drops = (m for _, m in self.named_modules() if isinstance(m, Dropout))
+        for site, m in enumerate(drops):  # each dropout's mask address under rng.batch_rows, the same in every layout
+            m.site = site
         attach_inits(self, seed, cfg.n_layer)
         if not meta:
             materialize_(self, get_ledger())

@@ -275,16 +275,17 @@ class Embedding(Module):
 
 
 class Dropout(Module):
-    """Dropout with probability p while training (identity in eval mode)."""
+    """Dropout with probability p while training (identity in eval mode). ``site``: its number in the model
+    (GPT numbers its dropouts in module order), which addresses its mask inside ``rng.batch_rows``."""
 
-    def __init__(self, p=0.0):
+    def __init__(self, p=0.0, site=None):
         super().__init__()
-        self.p = p
+        self.p, self.site = p, site
 
     def forward(self, x):
-        return F.dropout(x, self.p, self.training)
+        return F.dropout(x, self.p, self.training, self.site)
 
     def reserve_mask(self, shape):
         """The mask ``forward`` would draw for an array of ``shape``, as a :class:`MaskStream` read by
         block (FlashAttention), the generator advanced as ``forward`` advances it; None if none is drawn."""
-        return None if not self.training or self.p == 0.0 else MaskStream.reserve(shape, self.p)
+        return None if not self.training or self.p == 0.0 else MaskStream.reserve(shape, self.p, site=self.site)

@@ -210,8 +210,8 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
         if id(m) in cores:
             return split_core(m)
         if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
-            return ContextParallelDropout(m.p, comm, m.comm)
-        return ContextParallelDropout(m.p, comm) if type(m) is Dropout and id(m) not in in_cores else None
+            return ContextParallelDropout(m.p, comm, m.comm, m.site)
+        return ContextParallelDropout(m.p, comm, site=m.site) if type(m) is Dropout and id(m) not in in_cores else None
 
     return done + stage.swap_modules(swap)
 
@@ -271,9 +271,9 @@ class ContextParallelDropout(Module):
     or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
     The stream advances by the whole mask, each rank computes its rows' elements only. Identity in eval or p = 0."""
 
-    def __init__(self, p: float, comm, seq_comm=None):
+    def __init__(self, p: float, comm, seq_comm=None, site=None):
         super().__init__()
-        self.p, self.comm, self.seq_comm = p, comm, seq_comm
+        self.p, self.comm, self.seq_comm, self.site = p, comm, seq_comm, site
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
@@ -281,7 +281,7 @@ class ContextParallelDropout(Module):
         b, m, h = x.shape
         t, r = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
         n = m * t // 2  # rows per chunk
-        drop = MaskStream.reserve((b, 2 * n * self.comm.world_size, h), self.p)
+        drop = MaskStream.reserve((b, 2 * n * self.comm.world_size, h), self.p, site=self.site)
         keep = []
         for i, c in enumerate(chunk_ids(self.comm.rank, self.comm.world_size)):  # local rows [i n, (i + 1) n)
             lo, hi = max(r * m, i * n), min((r + 1) * m, (i + 1) * n)

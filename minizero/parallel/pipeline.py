@@ -13,6 +13,7 @@ import numpy as np
 
 from minizero import backend, trace
 from minizero.autograd import Tensor, backward, cross_entropy, no_grad
+from minizero.autograd.rng import batch_rows, reserve
 from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
 from minizero.ledger import get_ledger
@@ -223,17 +224,21 @@ class PipelineEngine:
         return buf
 
     # -- one optimizer step ----------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, shares=None) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, shares=None, rows=None) -> float:
         """Forward and backward of every micro-batch by the schedule; gradients accumulate in ``.grad``.
 
         Args:
             micro_batches: m pairs (x, y) of (b, T) ids and targets, the same list on every stage.
             loss_scale: S; the last stage seeds each backward with S/m.
             shares: None, or m weights w_i (seed S w_i / m; the loss counts w_i times).
+            rows: m pairs (lo, total): micro-batch i is rows [lo, lo + b) of the step's global batch of ``total``
+                rows (default: one process's, (i b, m b)). Each forward runs in ``rng.batch_rows(lo, total)``, so
+                its dropout masks are those rows of one process's; the generator then moves by one (the step).
         Returns the sum of the (weighted) micro-batch mean losses on the last stage; 0.0 elsewhere.
         """
         st, r, p = self.stage, self.stage.stage, self.stage.num_stages
         mbs = list(micro_batches)
+        rows = [(i * len(x), len(mbs) * len(x)) for i, (x, _) in enumerate(mbs)] if rows is None else list(rows)
         ops = make_schedule(self.schedule, p, len(mbs), len(self.chunks))[r]
         split = split_backwards(ops)
         scale = loss_scale / len(mbs)
@@ -250,7 +255,7 @@ class PipelineEngine:
                 else:
                     inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), chunk.prev_rank, f"act {what}",
                                                    self.act_tag), requires_grad=True)
-                with self.forward_context():
+                with self.forward_context(), batch_rows(*rows[op.mb]):
                     out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
                 if chunk.is_last:
                     loss_sum += shares[op.mb] * out.item() if shares[op.mb] else 0.0  # 1.0 * x is x, bit for bit
@@ -288,6 +293,7 @@ class PipelineEngine:
             self.peak_in_flight = max(self.peak_in_flight, len(held) + len(weights))
         self._flush()
         assert self.peak_in_flight == peak_in_flight(ops)
+        reserve(1)  # the next step's masks: new keys (rng.fold_in of the offset)
         return loss_sum
 
     # -- evaluation ------------------------------------------------------------------------

@@ -136,9 +136,9 @@ class _SequenceSliceDropout(Function):
     rows (the stream advances by the whole mask)."""
 
     @staticmethod
-    def forward(ctx, x, p, s_total, lo):
+    def forward(ctx, x, p, s_total, lo, site):
         b, n, h = x.shape
-        keep = MaskStream.reserve((b, s_total, h), p, (0, lo, 0)).block((slice(0, b), slice(0, n), slice(0, h)))
+        keep = MaskStream.reserve((b, s_total, h), p, (0, lo, 0), site).block((slice(0, b), slice(0, n), slice(0, h)))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)
@@ -146,7 +146,7 @@ class _SequenceSliceDropout(Function):
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return g * keep * g.dtype.type(ctx.scale), None, None, None
+        return g * keep * g.dtype.type(ctx.scale), None, None, None, None
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -211,17 +211,17 @@ class SequenceParallelRowLinear(RowParallelLinear):
 
 class SequenceParallelDropout(Module):
     """Dropout of a (b, s/t, h) slice with the mask the unsplit model draws for (b, s, h);
-    identity in eval or p == 0."""
+    identity in eval or p == 0. ``site``: the replaced dropout's (``nn.Dropout``)."""
 
-    def __init__(self, p: float, comm):
+    def __init__(self, p: float, comm, site=None):
         super().__init__()
-        self.p, self.comm = p, comm
+        self.p, self.comm, self.site = p, comm, site
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
         n = x.shape[1]
-        return _SequenceSliceDropout.apply(x, self.p, n * self.comm.world_size, self.comm.rank * n)
+        return _SequenceSliceDropout.apply(x, self.p, n * self.comm.world_size, self.comm.rank * n, self.site)
 
 
 class SequenceParallelEmbedding(VocabParallelEmbedding):
@@ -256,9 +256,9 @@ class EnterSequenceParallelRegion(Module):
     Forward: one reduce-scatter along s, (t-1)/t bsh e bytes (half an all-reduce); backward: one all-gather.
     """
 
-    def __init__(self, p: float, comm):
+    def __init__(self, p: float, comm, site=None):
         super().__init__()
-        self.comm, self.dropout = comm, SequenceParallelDropout(p, comm)
+        self.comm, self.dropout = comm, SequenceParallelDropout(p, comm, site)
 
     def forward(self, x):
         return self.dropout(reduce_scatter_to_sequence_parallel_region(x, self.comm))
@@ -272,7 +272,7 @@ class SequenceParallelAttention(ParallelCausalSelfAttention):
         self.c_attn = SequenceParallelColumnLinear(*_arrays(attn.c_attn), comm, stride=3)
         self.c_proj = SequenceParallelRowLinear(*_arrays(attn.c_proj), comm)
         self.n_head, self.attn_dropout = attn.n_head, attn.attn_dropout
-        self.resid_dropout = SequenceParallelDropout(attn.resid_dropout.p, comm)
+        self.resid_dropout = SequenceParallelDropout(attn.resid_dropout.p, comm, attn.resid_dropout.site)
         self.core = attn.core
 
     def forward(self, x):
@@ -310,14 +310,14 @@ def sequence_parallelize(stage, comm) -> list[str]:
         mlp = block.mlp
         mlp.c_fc = SequenceParallelColumnLinear(*_arrays(mlp.c_fc), comm)
         mlp.c_proj = SequenceParallelRowLinear(*_arrays(mlp.c_proj), comm)
-        mlp.dropout = SequenceParallelDropout(mlp.dropout.p, comm)
+        mlp.dropout = SequenceParallelDropout(mlp.dropout.p, comm, mlp.dropout.site)
         _mark_sp(block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
                  block.attn.c_proj.bias, mlp.c_proj.bias)
         done += [f"transformer.h.{name}.attn", f"transformer.h.{name}.mlp"]
     if stage.is_first:  # wte(idx) + wpe(pos): partial sums, reduce-scattered by drop
         tr.wte = SequenceParallelEmbedding(tr["wte"])
         tr.wpe = SequenceParallelPositionEmbedding(tr["wpe"].weight, comm)
-        tr.drop = EnterSequenceParallelRegion(tr["drop"].p, comm)
+        tr.drop = EnterSequenceParallelRegion(tr["drop"].p, comm, tr["drop"].site)
         done += ["transformer.wte", "transformer.wpe", "transformer.drop"]
     if stage.is_last:
         _mark_sp(tr["ln_f"].weight, tr["ln_f"].bias)

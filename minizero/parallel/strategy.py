@@ -19,6 +19,7 @@ from minizero.autograd.functional import IGNORE_INDEX
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import HierarchicalAllReduce
 from minizero.comm.quantized import quantized_all_reduce
+from minizero.data import micro_batch_rows
 from minizero.memory.bf16 import use_bf16
 from minizero.memory.fp8 import AmaxReduction, use_fp8
 from minizero.memory.recompute import apply_recompute
@@ -118,7 +119,9 @@ class Strategy:
         seed = loss_scale / self.seed_divisor
         for mlp in self.moe_mlps:  # the MoE losses are seeded as the main loss is, per micro-batch (no --pad with MoE)
             mlp.grad_scale = seed / len(micro_batches)
-        return self.engine.forward_backward(micro_batches, loss_scale=seed, shares=shares)
+        data_rank, data_size, m = self.topo.dp_rank // self.cp, self.topo.dp // self.cp, len(micro_batches)
+        rows = [micro_batch_rows(k, len(x), m, data_rank, data_size) for k, (x, _) in enumerate(micro_batches)]
+        return self.engine.forward_backward(micro_batches, loss_scale=seed, shares=shares, rows=rows)
 
     def real_targets(self, y) -> int:
         """How many of the targets ``y`` (b, T) this rank's loss counts: not ``IGNORE_INDEX``, in its context chunks."""
@@ -237,7 +240,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     cp = args.cp
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
     cp_comm = context_group(topo.dp_comm, cp)
-    manual_seed(args.seed * 1000 + topo.dp_rank // cp + topo.dp // cp * topo.pp_rank)  # a context group: one stream
+    manual_seed(args.seed * 1000)  # one stream everywhere: masks are addressed by dropout site and global row
     meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
     if args.tp * args.pp * cp == 1:  # the whole model, built as one process builds it
         model = GPT(cfg, seed=args.seed, meta=meta)

@@ -155,9 +155,10 @@ class _HeadSliceDropout(Function):
     heads (the stream advances by the whole mask; only (b, h, t, s) draws are computed)."""
 
     @staticmethod
-    def forward(ctx, x, p, n_head_total, lo):
+    def forward(ctx, x, p, n_head_total, lo, site):
         b, h, t, s = x.shape
-        keep = MaskStream.reserve((b, n_head_total, t, s), p, (0, lo, 0, 0)).block(tuple(slice(0, d) for d in x.shape))
+        drop = MaskStream.reserve((b, n_head_total, t, s), p, (0, lo, 0, 0), site)
+        keep = drop.block(tuple(slice(0, d) for d in x.shape))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * x.dtype.type(ctx.scale)
@@ -165,28 +166,28 @@ class _HeadSliceDropout(Function):
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return g * keep * g.dtype.type(ctx.scale), None, None, None
+        return g * keep * g.dtype.type(ctx.scale), None, None, None, None
 
 
 class HeadParallelDropout(Module):
     """Dropout of attention probabilities (B, H/tp, T, T): the (B, H, T, T) mask drawn whole,
     heads [lo, lo + H/tp) kept."""
 
-    def __init__(self, p: float, n_head_total: int, lo: int):
+    def __init__(self, p: float, n_head_total: int, lo: int, site=None):
         super().__init__()
-        self.p, self.n_head_total, self.lo = p, n_head_total, lo
+        self.p, self.n_head_total, self.lo, self.site = p, n_head_total, lo, site
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        return _HeadSliceDropout.apply(x, self.p, self.n_head_total, self.lo)
+        return _HeadSliceDropout.apply(x, self.p, self.n_head_total, self.lo, self.site)
 
     def reserve_mask(self, shape):
         """As ``Dropout.reserve_mask``: this rank's heads of the (B, H, T, T) mask of every head, by block."""
         if not self.training or self.p == 0.0:
             return None
         b, _, t, s = shape
-        return MaskStream.reserve((b, self.n_head_total, t, s), self.p, (0, self.lo, 0, 0))
+        return MaskStream.reserve((b, self.n_head_total, t, s), self.p, (0, self.lo, 0, 0), self.site)
 
 
 class ParallelCausalSelfAttention(CausalSelfAttention):
@@ -201,7 +202,8 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, comm, stride=3)
         self.c_proj = RowParallelLinear.from_linear(attn.c_proj, comm)
         self.n_head = attn.n_head // tp  # local heads
-        self.attn_dropout = HeadParallelDropout(attn.attn_dropout.p, attn.n_head, r * self.n_head)
+        self.attn_dropout = HeadParallelDropout(attn.attn_dropout.p, attn.n_head, r * self.n_head,
+                                                attn.attn_dropout.site)
         self.resid_dropout = attn.resid_dropout  # after g: replicated, same mask on every tensor rank
         self.core = attn.core
 
