@@ -143,7 +143,8 @@ class NF4Shard(NF4Tensor):
         first, pitch, count, length = self.runs
         n = int(np.prod(self.shape))
         if n != count * length * BLOCK:
-            raise ValueError(f"an NF4 shard of {n} elements is not {count} run(s) of {length} whole block(s) of {BLOCK}")
+            raise ValueError(f"an NF4 shard of {n} elements is not {count} run(s) of {length} whole block(s) "
+                             f"of {BLOCK}")
         idx, c1 = _levels_and_absmax(x)
         blocks = self.blocks()
         if not bool((whole_absmax[blocks] == c1).all()):

@@ -57,7 +57,8 @@ class RowParallelLoRAAdapter(LoRAAdapter):
         self.lora_B = whole.lora_B
 
     def forward(self, x):
-        return F.linear(reduce_from_tensor_parallel_region(F.linear(x, self.lora_A), self.comm), self.lora_B) * self.scale
+        h = reduce_from_tensor_parallel_region(F.linear(x, self.lora_A), self.comm)
+        return F.linear(h, self.lora_B) * self.scale
 
 
 def _nf4_shard(weight, comm, dim: int, stride: int):
