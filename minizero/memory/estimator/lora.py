@@ -107,19 +107,20 @@ _LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projecti
 
 
 def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
-                          precision: str = "fp32", attention: str = "dense") -> int:
+                          precision: str = "fp32", attention: str = "dense", tp: int = 1) -> int:
     """Bytes a LoRA / QLoRA step saves for backward (one rank, no recompute; minizero's rows): full training's,
     less what only frozen weights needed (the embeddings, block 0 before its first adapter, a frozen Linear's
-    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``)."""
+    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``).
+    ``tp``: one tensor rank's (the rows tensor parallelism splits / tp; the adapters' (s, b, r) whole)."""
     m = as_shape(model)
     per_layer = len(adapted_matrices(m, targets)) // m.n_layer
     e = activation_element(precision, "minizero")
     rows = [r for r in layer_rows(m, seq_len, micro_batch, "minizero", precision, 1, attention)
             if _LINEAR_INPUT.get(r.name, targets[0]) in targets]
-    layer = sum(r.nbytes for r in rows) + per_layer * e * seq_len * micro_batch * rank
-    first = layer - sum(r.nbytes for r in rows if _upstream(r, targets))
+    layer = sum(r.per_rank(tp, False) for r in rows) + per_layer * e * seq_len * micro_batch * rank
+    first = layer - sum(r.per_rank(tp, False) for r in rows if _upstream(r, targets))
     _, head = saved_outside_layers(m, seq_len, micro_batch, "minizero", precision)
-    return first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input")
+    return round(first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input"))
 
 
 def _upstream(row, targets) -> bool:
