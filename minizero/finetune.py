@@ -36,6 +36,7 @@ from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.lora_tp import counts_in_norm, gather_merged, nf4_shard_refusal, tensor_parallel_lora
+from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
 from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
@@ -196,7 +197,8 @@ def _finetune(args, method, tokens, comm):
         opt.step()
         opt.zero_grad()
         Interrupts.check()  # a Ctrl-C dropped in a weakref callback (the ledger's releases) stops here
-    row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(p.size for p in params)),
+    whole = [p.size * (1 if topo is None or is_tensor_parallel_duplicate(p) else args.tp) for p in params]
+    row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(whole)),  # the model's, not a shard's
            "num_parameters": n_params, "frozen_bytes": int(frozen),
            "trainable_bytes": int(ledger.current["parameters"] - frozen),  # this rank's (a ZeRO-3 shard)
            "optimizer_bytes": int(ledger.peak["optimizer_state"]), "ledger_peak_bytes": int(ledger.peak_total),
