@@ -146,18 +146,19 @@ class NF4Shard(NF4Tensor):
             raise ValueError(f"an NF4 shard of {n} elements is not {count} run(s) of {length} whole block(s) "
                              f"of {BLOCK}")
         idx, c1 = _levels_and_absmax(x)
+        self.codes = _pack(idx)
         blocks = self.blocks()
         if not bool((whole_absmax[blocks] == c1).all()):
             raise ValueError(f"the NF4 shard's block absmax differ from the whole weight's at runs {self.runs}")
         mean, codes, c2 = _double_quantize(whole_absmax)
-        self.codes, self.c1_mean, self.c1_codes = _pack(idx), mean, codes[blocks]
+        self.c1_mean, self.c1_codes = mean, codes[blocks]
         self.first_group = first // BLOCK2
-        self.c2 = c2[self.first_group:int(blocks[-1]) // BLOCK2 + 1].copy()
+        self.c2 = c2[self.first_group:(first + (count - 1) * pitch + length - 1) // BLOCK2 + 1].copy()
 
     def blocks(self):
         """The whole weight's index of each of this shard's blocks, in order: (blocks,) int64."""
         first, pitch, count, length = self.runs
-        xp = backend.xp
+        xp = backend.array_module(self.codes)
         return (first + pitch * xp.arange(count)[:, None] + xp.arange(length)[None, :]).reshape(-1)
 
     def absmax(self):

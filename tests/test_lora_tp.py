@@ -4,6 +4,7 @@
 * ``finetune --tp 2`` (LoRA, QLoRA; alone, with data parallelism, with ZeRO 1 and 3) equals the one-process
   fine-tune in float64: each rank's adapter shards, the validation loss and the merged model to 1e-12; once under
   ``mpiexec -n 2`` (the merged model.npz against one process's).
+* On the strict array module (no host leak) the tp 2 QLoRA fine-tune is NumPy's bit for bit.
 * QLoRA's NF4 shard is the whole weight's quantization, bitwise: each element's level, its block's double-quantized
   absmax; its bytes are :func:`nf4_shard_nbytes` (the ranks differ by the groups of 256 blocks they span).
 * The ledger's frozen, adapter and optimizer bytes per rank equal ``lora_state_bytes(tp=2, tp_rank=r)``, the
@@ -119,6 +120,18 @@ def test_tp2_finetune_equals_one_process(base, method):
                     layer = dict(model.named_modules())[name]
                     np.testing.assert_allclose(layer.lora_A.data, a, rtol=0, atol=1e-12, err_msg=name)
                     np.testing.assert_allclose(layer.lora_B.data, b, rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.timeout(200)
+def test_qlora_tp2_on_the_strict_array_module_equals_numpy(base):
+    """Every array stays on the device (the strict module refuses host leaks), bit for bit NumPy's run."""
+    from tests.test_strict_techniques import _assert_same, _on
+    tokens = load_tokens(str(base[1]))
+
+    def run(comm):
+        row, _, merged = finetune(_args(base, "--tp", "2", "--steps", "2"), "qlora", tokens, comm)
+        return row["val_after"], merged
+    _assert_same(_on("numpy", run_in_threads, 2, run), _on("strict", run_in_threads, 2, run))
 
 
 @pytest.mark.parametrize("shape,dim,tp", [((300, 128), 0, 3), ((3 * 64, 256), 0, 2), ((96, 512), 1, 4)])
