@@ -137,9 +137,13 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
 
     ``comm``: None (one process) or a Communicator (collective: every rank calls): each rank takes its B/N rows
     of every batch; the trained parameters' gradients are all-reduced (mean) or, with ``args.zero``, handed to
-    ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). The merged state dict (host arrays,
-    nanoGPT names) is whole on every rank, ZeRO-3 included.
+    ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). ``args.tp`` > 1: N/tp data ranks
+    of tp tensor ranks each (:mod:`minizero.parallel.lora_tp`). The merged state dict (host arrays, nanoGPT
+    names) is whole on every rank, ZeRO-3 and tp included.
+    Raises ValueError: ``args.tp`` > 1 with no ``comm`` or one whose size it does not divide.
     """
+    if args.tp > 1 and (comm is None or comm.world_size % args.tp):
+        raise ValueError(f"--tp {args.tp} must divide the {1 if comm is None else comm.world_size} ranks")
     outer = get_ledger()
     set_ledger(MemoryLedger())  # this method's bytes only (the caller's ledger is back on return)
     try:

@@ -123,6 +123,24 @@ def test_tp2_finetune_equals_one_process(base, method):
 
 
 @pytest.mark.timeout(200)
+def test_tp2_lora_with_dropout_equals_one_process(tmp_path):
+    """Each tensor rank draws its heads' part of the one-process attention mask (HeadParallelDropout)."""
+    dropout = _write(tmp_path, dataclasses.replace(CFG, dropout=0.1))
+    tokens = load_tokens(str(dropout[1]))
+    row1, _, want = finetune(_args(dropout), "lora", tokens)
+    for row, _, merged in run_in_threads(2, lambda c: finetune(_args(dropout, "--tp", "2"), "lora", tokens, c),
+                                         timeout=150):
+        assert abs(row["val_after"] - row1["val_after"]) < 1e-12
+        for name, a in want.items():
+            np.testing.assert_allclose(merged[name], a, rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_finetune_refuses_a_tp_its_communicator_cannot_hold(base):
+    with pytest.raises(ValueError, match="--tp 2 must divide the 1 ranks"):
+        finetune(_args(base, "--tp", "2"), "lora", load_tokens(str(base[1])))
+
+
+@pytest.mark.timeout(200)
 def test_qlora_tp2_on_the_strict_array_module_equals_numpy(base):
     """Every array stays on the device (the strict module refuses host leaks), bit for bit NumPy's run."""
     from tests.test_strict_techniques import _assert_same, _on
