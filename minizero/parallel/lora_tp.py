@@ -61,24 +61,34 @@ class RowParallelLoRAAdapter(LoRAAdapter):
         return F.linear(h, self.lora_B) * self.scale
 
 
-def _nf4_shard(weight, comm, dim: int, stride: int):
-    """Collective over the tensor group: this rank's ``NF4Shard`` of a (out/tp, in) (``dim`` 0, Q/K/V ``stride``) or
-    (out, in/tp) (``dim`` 1) weight shard: its block absmax all-gathered (B/tp float32 per rank, traffic
-    ``all_gather``) into the whole weight's order, for the whole weight's double quantization."""
-    tp, rank = comm.world_size, comm.rank
+def nf4_runs(name: str, shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, rank: int = 0):
+    """(first, pitch, count, length) in whole NF4 blocks of tensor rank ``rank``'s shard of the whole (out, in)
+    weight ``name`` (:class:`NF4Shard`): column-parallel, ``stride`` runs of out/(stride tp) rows x in elements;
+    row-parallel, one run of in/tp elements per row. Raises ValueError: a run is not whole blocks of 64 (QLoRA
+    would quantize blocks across shards), naming the weight, the run and the block."""
+    out_f, in_f = shape
+    run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
+    if run % BLOCK:
+        raise ValueError(f"--tp {tp} splits the {name} weight {tuple(shape)} into runs of {run} elements per rank, not a "
+                         f"multiple of the NF4 block {BLOCK}: QLoRA would quantize blocks across shards; give a --tp "
+                         f"that leaves runs of a multiple of {BLOCK} (or --method lora)")
+    length = run // BLOCK
+    return rank * length, tp * length, out_f if row_parallel else stride, length
+
+
+def _nf4_shard(weight, comm, row_parallel: bool, stride: int):
+    """Collective over the tensor group: this rank's :class:`NF4Shard` of a column-parallel (out/tp, in) (Q/K/V
+    ``stride``) or row-parallel (out, in/tp) weight shard; its block absmax all-gathered (B/tp float32 per rank,
+    traffic ``all_gather``) into the whole weight's order, for the whole weight's double quantization."""
+    tp = comm.world_size
     out_f, in_f = weight.shape
-    if dim == 0:  # runs of out/(stride tp) rows, one per Q/K/V part
-        length = out_f // stride * in_f // BLOCK
-        runs = (rank * length, tp * length, stride, length)
-    else:  # one run of in/tp elements per row
-        length = in_f // BLOCK
-        runs = (rank * length, tp * length, out_f, length)
-    c1 = block_absmax(weight)
-    gathered = backend.xp.split(all_gather(comm, c1), tp)
-    if dim == 0:  # each rank's Q, K, V runs: interleave as the rows are
+    whole_shape = (out_f, in_f * tp) if row_parallel else (out_f * tp, in_f)
+    runs = nf4_runs("adapted", whole_shape, stride, row_parallel, tp, comm.rank)
+    gathered = backend.xp.split(all_gather(comm, block_absmax(weight)), tp)
+    if row_parallel:  # (rows, blocks per row) side by side
+        whole = unshard_arrays([g.reshape(out_f, runs[3]) for g in gathered], 1).reshape(-1)
+    else:  # each rank's Q, K, V runs: interleaved as the rows are
         whole = unshard_arrays(gathered, 0, stride)
-    else:  # (rows, blocks per row) side by side
-        whole = unshard_arrays([g.reshape(out_f, length) for g in gathered], 1).reshape(-1)
     return NF4Shard(weight, whole, runs)
 
 
@@ -90,7 +100,7 @@ class ColumnParallelNF4Linear(NF4Linear):
 
     def __init__(self, linear: ColumnParallelLinear, dtype: str = "float32"):
         stride = linear.weight.partition_stride
-        super().__init__(linear, dtype, _nf4_shard(linear.weight.data, linear.comm, 0, stride))
+        super().__init__(linear, dtype, _nf4_shard(linear.weight.data, linear.comm, False, stride))
         self.comm, self.partition_stride = linear.comm, stride
 
     def forward(self, x):
@@ -104,7 +114,7 @@ class RowParallelNF4Linear(NF4Linear):
     partition_dim, partition_stride = 1, 1
 
     def __init__(self, linear: RowParallelLinear, dtype: str = "float32"):
-        super().__init__(linear, dtype, _nf4_shard(linear.weight.data, linear.comm, 1, 1))
+        super().__init__(linear, dtype, _nf4_shard(linear.weight.data, linear.comm, True, 1))
         self.comm = linear.comm
 
     def forward(self, x):
@@ -137,16 +147,18 @@ class TensorParallelWrap:
 
 
 def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
-    """None, or one line: an adapted weight's shard whose runs (row-major, in the whole weight) are not whole NF4
-    blocks of 64 (c_attn: out/(3 tp) rows x in; c_fc: out/tp rows x in; c_proj: in/tp elements of each row)."""
+    """None, or one line (:func:`nf4_runs`): an adapted weight of ``cfg``'s GPT whose shards at ``tp`` are not
+    whole NF4 blocks (before any work: every rank checks the same config)."""
     c = cfg.n_embd
-    runs = {"c_attn": ("attn.c_attn", (3 * c, c), c // tp * c), "c_fc": ("mlp.c_fc", (4 * c, c), 4 * c // tp * c),
-            "c_proj": ("attn.c_proj", (c, c), c // tp), "mlp.c_proj": ("mlp.c_proj", (c, 4 * c), 4 * c // tp)}
-    for key, (name, shape, run) in runs.items():
-        if key.rpartition(".")[2] in targets and run % BLOCK:
-            return (f"--tp {tp} splits {name}'s {shape} weight into runs of {run} elements per rank, not a multiple "
-                    f"of the NF4 block {BLOCK}: QLoRA would quantize blocks across shards; give a --tp with "
-                    f"{name}'s runs a multiple of {BLOCK} (or --method lora)")
+    for key, name, shape, stride, row in (("c_attn", "attn.c_attn", (3 * c, c), 3, False),
+                                          ("c_proj", "attn.c_proj", (c, c), 1, True),
+                                          ("c_fc", "mlp.c_fc", (4 * c, c), 1, False),
+                                          ("c_proj", "mlp.c_proj", (c, 4 * c), 1, True)):
+        try:
+            if key in targets:
+                nf4_runs(name, shape, stride, row, tp)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -171,7 +183,7 @@ def gather_merged(merged: dict, model: Module, comm) -> dict:
     """Collective over the tensor group: ``merged`` (this rank's :func:`merged_state_dict`) with every split array
     whole (all-gather of each shard, in ``merged``'s order; traffic ``all_gather``). Host arrays."""
     split = {}
-    for name, p in model._named_parameters_all():
+    for name, p in model.named_parameters():
         if not is_tensor_parallel_duplicate(p) and ".lora_" not in name:
             split[name.replace(".base.", ".")] = (p.partition_dim, p.partition_stride)
     for prefix, mod in model.named_modules():
