@@ -70,8 +70,8 @@ def nf4_runs(name: str, shape: tuple[int, int], stride: int, row_parallel: bool,
     run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
     if run % BLOCK:
         raise ValueError(f"--tp {tp} splits the {name} weight {tuple(shape)} into runs of {run} elements per rank, "
-                         f"not a multiple of the NF4 block {BLOCK}: QLoRA would quantize blocks across shards; give a --tp "
-                         f"that leaves runs of a multiple of {BLOCK} (or --method lora)")
+                         f"not a multiple of the NF4 block {BLOCK}: QLoRA would quantize blocks across shards; give "
+                         f"a --tp that leaves runs of a multiple of {BLOCK} (or --method lora)")
     length = run // BLOCK
     return rank * length, tp * length, out_f if row_parallel else stride, length
 
