@@ -13,9 +13,10 @@ Row-parallel base (both c_proj: input columns split): A is split by columns, B r
 
 One all-reduce of (..., r) per adapter (column: backward; row: forward), beside the base's of (..., in) or (..., out).
 A and B are drawn whole with the one-process generator, in module order, then sliced: the same start as one process.
-QLoRA: each rank quantizes its own shard (an :class:`NF4Tensor` of the shard); the shard's runs in the whole
-weight's row-major order must hold whole NF4 blocks (:func:`nf4_shard_refusal`), so every element keeps the
-one-process level and block absmax; the absmax constants are double-quantized per shard (own mean and 256-groups).
+QLoRA: each rank quantizes its own shard (:class:`NF4Shard`): its runs in the whole weight's row-major order must
+be whole NF4 blocks (:func:`nf4_runs`), so each element's level and block absmax are the one-process ones; the
+block absmaxes are all-gathered (B/tp float32 per rank) and double-quantized as the whole weight's (its mean, its
+groups of 256), so the dequantized shard is the one-process weight's rows / columns bit for bit.
 Sources: Shoeybi et al., arXiv:1909.08053, section 3; Hu et al., arXiv:2106.09685; Dettmers et al., arXiv:2305.14314.
 """
 from __future__ import annotations
