@@ -6,6 +6,8 @@ after, trainable parameters and the ledger's bytes; ``--out DIR`` writes the mer
 trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
 (:class:`~minizero.parallel.data_parallel.DataParallel`) or, with ``--zero 1|2|3``, ZeRO-sharded: each
 :class:`~minizero.nn.lora.LoRAAdapter` is one ZeRO unit, so the frozen base is never reduced, sharded or gathered.
+``--tp N`` splits the blocks and their adapters over N tensor ranks (:mod:`minizero.parallel.lora_tp`); data
+parallelism and ZeRO then run over the world / N data ranks.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, tra
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.lora_tp import counts_in_norm, gather_merged, nf4_shard_refusal, tensor_parallel_lora
+from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
+from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences")
     p.add_argument("--zero", type=integer, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
+    p.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (lora, qlora): each block's "
+                   "matrices and adapters split over them; the other ranks / tp are data parallel")
     p.add_argument("--seed", type=integer, default=0, help="seed of the batches and the adapters' A")
     p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S, help="under mpirun: seconds (at least 1) "
                    "any one message or collective may wait for a peer before the job is ended, naming the rank")
@@ -72,7 +79,7 @@ def check(args) -> None:
     """Raise ValueError naming the first bad value and what is allowed (before any work)."""
     for flag, v, lo in (("--lora-rank", args.lora_rank, 1), ("--steps", args.steps, 1),
                         ("--batch-size", args.batch_size, 1), ("--eval-batches", args.eval_batches, 1),
-                        ("--seed", args.seed, 0)):
+                        ("--seed", args.seed, 0), ("--tp", args.tp, 1)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
@@ -95,6 +102,9 @@ def check(args) -> None:
         raise ValueError(f"--table runs every method ({', '.join(METHODS)}) and ignores --method; "
                          f"got --method {args.method}: give one of them")
     lora = [f"--{k.replace('_', '-')}" for k in ("lora_rank", "lora_alpha", "targets") if vars(args)[k] != default(k)]
+    if args.tp > 1 and (args.table or args.method == "full"):
+        raise ValueError(f"--tp {args.tp} splits the adapters (--method lora or qlora); --method full and --table "
+                         "run on data parallelism only (leave --tp out)")
     if lora and args.method == "full" and not args.table:
         raise ValueError(f"{', '.join(lora)} only apply(ies) with --method lora or qlora (adapters); "
                          "--method full trains every parameter")
@@ -127,9 +137,13 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
 
     ``comm``: None (one process) or a Communicator (collective: every rank calls): each rank takes its B/N rows
     of every batch; the trained parameters' gradients are all-reduced (mean) or, with ``args.zero``, handed to
-    ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). The merged state dict (host arrays,
-    nanoGPT names) is whole on every rank, ZeRO-3 included.
+    ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). ``args.tp`` > 1: N/tp data ranks
+    of tp tensor ranks each (:mod:`minizero.parallel.lora_tp`). The merged state dict (host arrays, nanoGPT
+    names) is whole on every rank, ZeRO-3 and tp included.
+    Raises ValueError: ``args.tp`` > 1 with no ``comm`` or one whose size it does not divide.
     """
+    if args.tp > 1 and (comm is None or comm.world_size % args.tp):
+        raise ValueError(f"--tp {args.tp} must divide the {1 if comm is None else comm.world_size} ranks")
     outer = get_ledger()
     set_ledger(MemoryLedger())  # this method's bytes only (the caller's ledger is back on return)
     try:
@@ -138,14 +152,15 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
         set_ledger(outer)
 
 
-def _optimizer(args, model, method, comm):
-    """(gradient synchroniser or None, optimizer): DataParallel + AdamW, or ZeRO's sharded AdamW (it is both)."""
+def _optimizer(args, model, method, comm, tp=False):
+    """(gradient synchroniser or None, optimizer): DataParallel + AdamW, or ZeRO's sharded AdamW (it is both).
+    ``comm``: the data-parallel group; ``tp``: tensor parallel (a synchroniser even on one data rank: the norm)."""
     params = trainable_parameters(model)
     if args.zero:
         trained = model if method == "full" else ModuleList(adapters(model))
         opt = zero_optimizer(trained, comm, args.zero, lr=args.lr, weight_decay=0.0)
         return opt, opt
-    dp = DataParallel(params, comm) if comm is not None and comm.world_size > 1 else None
+    dp = DataParallel(params, comm) if comm is not None and (comm.world_size > 1 or tp) else None
     return dp, AdamW(params, lr=args.lr, weight_decay=0.0)
 
 
@@ -155,16 +170,21 @@ def _finetune(args, method, tokens, comm):
     train_tok, val_tok = train_val_split(tokens)
     val = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
     before, n_params = evaluate_loss(model, val), model.num_parameters()
-    if method != "full":
+    topo = None if args.tp == 1 else Topology(comm, comm.world_size // args.tp, args.tp)
+    if topo is not None:
+        tensor_parallel_lora(model, topo.tp_comm, args.lora_rank, args.lora_alpha, tuple(args.targets.split(",")),
+                             base="nf4" if method == "qlora" else "float", seed=args.seed)
+    elif method != "full":
         add_lora(model, args.lora_rank, args.lora_alpha, tuple(args.targets.split(",")),
                  base="nf4" if method == "qlora" else "float", seed=args.seed)
     base = evaluate_loss(model, val) if method == "qlora" else before  # B = 0: the adapted model is its base
     params = trainable_parameters(model)
     ledger = get_ledger()
     frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
-    sync, opt = _optimizer(args, model, method, comm)
+    sync, opt = _optimizer(args, model, method, comm if topo is None else topo.dp_comm, topo is not None)
     world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
-    rows = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
+    dp_world, dp_rank = (world, rank) if topo is None else (topo.dp, topo.dp_rank)
+    rows = slice(dp_rank * args.batch_size // dp_world, (dp_rank + 1) * args.batch_size // dp_world)
     fault = FaultInjector.from_environment(rank, params)  # MINIZERO_FAULT, as in the main job's loop
     for step in range(args.steps):
         fault.on_step_start(None, step)
@@ -173,14 +193,16 @@ def _finetune(args, method, tokens, comm):
         backward(loss)
         if sync is not None:
             sync.reduce_gradients()
+        norm_sq = None if topo is None else sync.grad_norm_sq(counts_in_norm(topo.tp_comm), topo.tp_comm, comm)
         if args.zero:
-            opt.clip_grad_norm_(1.0)
+            opt.clip_grad_norm_(1.0, norm_sq)
         else:
-            clip_grad_norm_(params, 1.0)
+            clip_grad_norm_(params, 1.0, norm_sq)
         opt.step()
         opt.zero_grad()
         Interrupts.check()  # a Ctrl-C dropped in a weakref callback (the ledger's releases) stops here
-    row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(p.size for p in params)),
+    whole = [p.size * (1 if topo is None or is_tensor_parallel_duplicate(p) else args.tp) for p in params]
+    row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(whole)),  # the model's, not a shard's
            "num_parameters": n_params, "frozen_bytes": int(frozen),
            "trainable_bytes": int(ledger.current["parameters"] - frozen),  # this rank's (a ZeRO-3 shard)
            "optimizer_bytes": int(ledger.peak["optimizer_state"]), "ledger_peak_bytes": int(ledger.peak_total),
@@ -188,6 +210,8 @@ def _finetune(args, method, tokens, comm):
            "val_before": before, "val_base": base, "val_after": evaluate_loss(model, val)}
     with sync.full_parameters() if sync is not None else contextlib.nullcontext():
         merged = merged_state_dict(model)
+        if topo is not None:
+            merged = gather_merged(merged, model, topo.tp_comm)
     return row, model, merged
 
 
@@ -228,8 +252,11 @@ def _main(argv, world) -> int:
         args = build_parser().parse_args(argv)
         check(args)
         check_fault_spec(world.Get_size(), args.steps)
-        if args.batch_size % world.Get_size():
-            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world.Get_size()} ranks")
+        if world.Get_size() % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide the {world.Get_size()} ranks (data ranks = ranks / tp)")
+        dp = world.Get_size() // args.tp
+        if args.batch_size % dp:
+            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {dp} data-parallel ranks")
         tokens = load_tokens(args.data)
         model0, _ = load_trained(args.weights)
         need = min_data_bytes(model0.config.block_size)
@@ -239,6 +266,11 @@ def _main(argv, world) -> int:
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
+        cfg0 = model0.config
+        if cfg0.n_head % args.tp or cfg0.n_embd % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}")
+        if args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(",")):
+            raise ValueError(nf4_shard_refusal(cfg0, args.tp, args.targets.split(",")))
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
         inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank

@@ -42,6 +42,49 @@ def nf4_nbytes(n: int) -> int:
     return -(-n // 2) + blocks + 4 * -(-blocks // BLOCK2) + 4
 
 
+def _levels_and_absmax(x):
+    """(each element's nearest level (n,) uint8, each block's absmax (B,) float32) of x, the last block zero-padded.
+    Raises ValueError: x empty or not finite."""
+    xp = backend.array_module(x)
+    flat = xp.asarray(x, dtype=np.float32).reshape(-1)
+    if flat.size == 0:
+        raise ValueError("NF4Tensor needs at least one element")
+    if not bool(xp.isfinite(flat).all()):
+        raise ValueError(f"NF4Tensor of a tensor with {int((~xp.isfinite(flat)).sum())} non-finite elements")
+    n = flat.size
+    blocks = -(-n // BLOCK)
+    padded = xp.zeros(blocks * BLOCK, np.float32)
+    padded[:n] = flat
+    padded = padded.reshape(blocks, BLOCK)
+    c1 = xp.abs(padded).max(axis=1)
+    normed = padded / xp.where(c1 > 0, c1, 1)[:, None]
+    levels = xp.asarray(NF4_LEVELS)
+    mid = (levels[1:] + levels[:-1]) / 2  # nearest level: which midpoints lie below
+    return xp.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)[:n], c1
+
+
+def block_absmax(x):
+    """The first-level constants of x: each block of 64's absmax, (ceil(n/64),) float32 (what NF4 double-quantizes)."""
+    return _levels_and_absmax(x)[1]
+
+
+def _pack(idx):
+    """Two 4-bit levels per byte, element 2i in the low nibble: (ceil(n/2),) uint8."""
+    xp = backend.array_module(idx)
+    if idx.size % 2:
+        idx = xp.concatenate([idx, xp.zeros(1, np.uint8)])
+    return (idx[0::2] | (idx[1::2] << 4)).astype(np.uint8)
+
+
+def _double_quantize(c1):
+    """(mean (1,) float32, codes (B,) uint8, c2 (ceil(B/256),) float32): c1 less its mean, 8-bit signed dynamic codes
+    with one absmax per 256 (bitsandbytes' double quantization)."""
+    xp = backend.array_module(c1)
+    mean = c1.mean(keepdims=True).astype(np.float32)
+    codes, c2 = quantize_blockwise(c1 - mean, xp.asarray(dynamic_code(signed=True)), BLOCK2)
+    return mean, codes.copy(), c2  # the codes in their own buffer of B bytes, not a view of the padded blocks
+
+
 class NF4Tensor:
     """A frozen float tensor stored as NF4 codes with double-quantized absmax constants.
 
@@ -54,28 +97,10 @@ class NF4Tensor:
     """
 
     def __init__(self, x):
-        xp = backend.array_module(x)
-        flat = xp.asarray(x, dtype=np.float32).reshape(-1)
-        if flat.size == 0:
-            raise ValueError("NF4Tensor needs at least one element")
-        if not bool(xp.isfinite(flat).all()):
-            raise ValueError(f"NF4Tensor of a tensor with {int((~xp.isfinite(flat)).sum())} non-finite elements")
-        self.shape, n = tuple(x.shape), flat.size
-        blocks = -(-n // BLOCK)
-        padded = xp.zeros(blocks * BLOCK, np.float32)
-        padded[:n] = flat
-        padded = padded.reshape(blocks, BLOCK)
-        c1 = xp.abs(padded).max(axis=1)
-        normed = padded / xp.where(c1 > 0, c1, 1)[:, None]
-        levels = xp.asarray(NF4_LEVELS)
-        mid = (levels[1:] + levels[:-1]) / 2  # nearest level: which midpoints lie below
-        idx = xp.searchsorted(mid, normed.reshape(-1)).astype(np.uint8)[:n]
-        if n % 2:
-            idx = xp.concatenate([idx, xp.zeros(1, np.uint8)])
-        self.codes = (idx[0::2] | (idx[1::2] << 4)).astype(np.uint8)
-        self.c1_mean = c1.mean(keepdims=True).astype(np.float32)
-        c1_codes, self.c2 = quantize_blockwise(c1 - self.c1_mean, xp.asarray(dynamic_code(signed=True)), BLOCK2)
-        self.c1_codes = c1_codes.copy()  # its own buffer of B bytes, not a view of the padded blocks
+        idx, c1 = _levels_and_absmax(x)
+        self.shape = tuple(x.shape)
+        self.codes = _pack(idx)
+        self.c1_mean, self.c1_codes, self.c2 = _double_quantize(c1)
 
     @property
     def nbytes(self) -> int:
@@ -98,3 +123,55 @@ class NF4Tensor:
         idx = self.indices()
         c1 = xp.repeat(self.absmax(), BLOCK)[:idx.size]
         return (xp.asarray(NF4_LEVELS)[idx] * c1).astype(dtype).reshape(self.shape)
+
+
+class NF4Shard(NF4Tensor):
+    """A shard of a weight as NF4, quantized as the whole weight's blocks: runs of whole blocks of 64.
+
+    ``x``: the shard (any shape); ``whole_absmax``: :func:`block_absmax` of the whole weight (B,), gathered from the
+    shards; ``runs`` (first, pitch, count, length): the shard holds ``count`` runs of ``length`` whole blocks, run k
+    from whole block ``first + k * pitch``, in the shard's row-major order. Each element's level and block absmax are
+    the whole's; the absmax constants are the whole's double quantization (its mean, its groups of 256): this rank
+    keeps its blocks' 8-bit codes and the ``c2`` of groups ``first // 256 ..`` (its last block's). So
+    :meth:`dequantize` equals the whole :class:`NF4Tensor`'s rows/columns bitwise. Bytes: n/2 + blocks +
+    4 (groups spanned) + 4 (:func:`nf4_shard_nbytes`).
+    Raises ValueError: x's size is not ``count * length`` blocks of 64, or its absmax is not the whole's at ``runs``.
+    """
+
+    def __init__(self, x, whole_absmax, runs: tuple[int, int, int, int]):
+        self.shape, self.runs = tuple(x.shape), tuple(int(v) for v in runs)
+        first, pitch, count, length = self.runs
+        n = int(np.prod(self.shape))
+        if n != count * length * BLOCK:
+            raise ValueError(f"an NF4 shard of {n} elements is not {count} run(s) of {length} whole block(s) "
+                             f"of {BLOCK}")
+        idx, c1 = _levels_and_absmax(x)
+        self.codes = _pack(idx)
+        blocks = self.blocks()
+        if not bool((whole_absmax[blocks] == c1).all()):
+            raise ValueError(f"the NF4 shard's block absmax differ from the whole weight's at runs {self.runs}")
+        mean, codes, c2 = _double_quantize(whole_absmax)
+        self.c1_mean, self.c1_codes = mean, codes[blocks]
+        self.first_group = first // BLOCK2
+        self.c2 = c2[self.first_group:(first + (count - 1) * pitch + length - 1) // BLOCK2 + 1].copy()
+
+    def blocks(self):
+        """The whole weight's index of each of this shard's blocks, in order: (blocks,) int64."""
+        first, pitch, count, length = self.runs
+        xp = backend.array_module(self.codes)
+        return (first + pitch * xp.arange(count)[:, None] + xp.arange(length)[None, :]).reshape(-1)
+
+    def absmax(self):
+        """The shard's first-level constants as the whole's double quantization restores them: (blocks,) float32."""
+        xp = backend.array_module(self.codes)
+        group = self.blocks() // BLOCK2 - self.first_group
+        code = xp.asarray(dynamic_code(signed=True))
+        return code[self.c1_codes].astype(np.float32) * self.c2.astype(np.float32)[group] + self.c1_mean
+
+
+def nf4_shard_nbytes(runs: tuple[int, int, int, int]) -> int:
+    """Stored bytes of an :class:`NF4Shard` of ``runs`` (first, pitch, count, length)."""
+    first, pitch, count, length = runs
+    blocks = count * length
+    groups = (first + (count - 1) * pitch + length - 1) // BLOCK2 - first // BLOCK2 + 1
+    return blocks * BLOCK // 2 + blocks + 4 * groups + 4

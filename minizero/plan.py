@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
     p.add_argument("--lora-rank", type=integer, default=None,
                    help="adapter rank r with --finetune (default 64, QLoRA's paper's)")
+    p.add_argument("--tp", type=integer, default=1, help="with --finetune: tensor-parallel GPUs that split each "
+                   "block and its adapters (minizero.finetune --tp); --gpus / tp of them data parallel")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
                    help="how layouts with cp > 1 attend: ring attention, DeepSpeed-Ulysses (where cp divides the "
                         "heads and KV heads of a tensor rank), or both kinds searched")
@@ -191,6 +193,18 @@ def _check(parser, args):
     if args.finetune != "none" and not 1 <= args.lora_rank <= model.hidden:
         parser.error(f"--lora-rank must be in 1..{model.hidden} ({model.name}'s width: an adapter of higher rank "
                      f"than its matrix adds nothing), got {args.lora_rank}")
+    if args.tp != 1 and args.finetune == "none":
+        parser.error(f"--tp {args.tp} splits a fine-tune's blocks: give --finetune lora or qlora too (training "
+                     "layouts: --strategy, e.g. \"dp2 tp4 pp1 zero3\")")
+    if args.finetune != "none" and (args.tp < 1 or args.gpus % args.tp or model.n_head % args.tp
+                                    or model.hidden % args.tp or model.ffn_hidden % args.tp):
+        parser.error(f"--tp {args.tp} must divide --gpus {args.gpus} and {model.name}'s {model.n_head} heads, "
+                     f"width {model.hidden} and MLP width {model.ffn_hidden}")
+    if args.finetune == "qlora" and args.tp > 1:
+        try:
+            lora_state_bytes(model, args.lora_rank, base="nf4", tp=args.tp)
+        except ValueError as e:
+            parser.error(f"--tp {args.tp}: {model.name}: {e}")
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
@@ -277,29 +291,34 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
 
 def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
     """``--finetune lora|qlora``: per-GPU bytes of a fine-tune (:func:`lora_state_bytes`, the activations of
-    :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus; no offload."""
+    :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus / --tp; no offload.
+    Under --tp: the tensor rank with the most bytes (the NF4 shards' constants differ by a few bytes)."""
     element = PRECISIONS[args.precision][0]
     k = element_bytes(Strategy(precision=args.precision, optimizer=args.optimizer))[3]
     acts = lora_activation_bytes(model, args.lora_rank, seq, args.micro_batch, precision=args.precision,
-                                 attention=args.attention)
+                                 attention=args.attention, tp=args.tp)
     rows = []
     for zero in range(4):
-        b = lora_state_bytes(model, args.lora_rank, base="nf4" if args.finetune == "qlora" else "float",
-                             element=element, dp=args.gpus, zero=zero, optimizer_bytes=k)
+        b = max((lora_state_bytes(model, args.lora_rank, base="nf4" if args.finetune == "qlora" else "float",
+                                  element=element, dp=args.gpus // args.tp, zero=zero, optimizer_bytes=k, tp=args.tp,
+                                  tp_rank=t) for t in range(args.tp)), key=lambda b: b["frozen"])
         b.update(zero=zero, activations=acts, total=b["parameters"] + b["gradients"] + b["optimizer_state"] + acts)
         rows.append(b | {"fits": b["total"] <= hw.gpu_memory})
     if args.json:
         return [json.dumps({"model": dataclasses.asdict(model), "finetune": args.finetune, "lora_rank": args.lora_rank,
-                            "gpus": args.gpus, "seq_len": seq, "micro_batch": args.micro_batch, "units": "bytes",
+                            "gpus": args.gpus, "tp": args.tp, "seq_len": seq, "micro_batch": args.micro_batch,
+                            "units": "bytes",
                             "rows": rows}, indent=1)]
     psi = model.num_parameters()
     lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({psi / 1e9:.2f} B parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
              "projection; "
-             f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, data parallel; sequence {seq}, micro-batch "
+             f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, "
+             f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq}, micro-batch "
              f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
              "parameter)",
-             f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is whole on every GPU); "
+             f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is "
+             f"{f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
              "bytes/param = model states (all but acts) / parameters",
              f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'total':>9}  "
              f"{'bytes/param':>11}  fits"]

@@ -20,12 +20,13 @@ TARGETS = ("c_attn", "c_proj", "c_fc")
 class NF4Linear(Module):
     """y = x W~^T + b, W~ the NF4 weight dequantized per forward: x (..., in) -> (..., out); no weight gradient.
 
-    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen.
+    The weight is counted as ``parameters`` at its NF4 bytes; the bias stays, frozen. ``weight_nf4``: the NF4
+    weight when the caller quantized it (a tensor-parallel shard: ``NF4Shard``), else ``NF4Tensor`` of the weight.
     """
 
-    def __init__(self, linear: Linear, dtype: str = "float32"):
+    def __init__(self, linear: Linear, dtype: str = "float32", weight_nf4=None):
         super().__init__()
-        self.weight_nf4 = NF4Tensor(linear.weight.data)
+        self.weight_nf4 = NF4Tensor(linear.weight.data) if weight_nf4 is None else weight_nf4
         for a in (self.weight_nf4.codes, self.weight_nf4.c1_codes, self.weight_nf4.c2, self.weight_nf4.c1_mean):
             get_ledger().track(a, "parameters")
         self.bias, self.dtype = linear.bias, backend.get_dtype(dtype)
@@ -35,6 +36,10 @@ class NF4Linear(Module):
     def forward(self, x):
         args = (x, self.weight_nf4, self.dtype) + (() if self.bias is None else (self.bias,))
         return _NF4Matmul.apply(*args)
+
+    def project(self, x):
+        """x W~^T without the bias (a row-parallel shard adds it after the sum over the tensor group)."""
+        return _NF4Matmul.apply(x, self.weight_nf4, self.dtype)
 
 
 class _NF4Matmul(Function):
@@ -74,10 +79,13 @@ class LoRAAdapter(Module):
 class LoRALinear(Module):
     """``base(x) + (alpha / r) * (x A^T) B^T``; A (r, in) ~ N(0, 1/r), B (out, r) = 0; only A and B train.
 
+    ``adapter``: the trained part when given (a tensor-parallel shard, minizero/parallel/lora_tp.py), else a
+    :class:`LoRAAdapter` drawn from ``rng``; ``in_features``, ``out_features``: the whole matrix's.
     Raises ValueError: r < 1, r > min(in, out), or alpha <= 0.
     """
 
-    def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32"):
+    def __init__(self, base, in_features: int, out_features: int, r: int, alpha: float, rng, dtype="float32",
+                 adapter=None):
         super().__init__()
         if r < 1 or not alpha > 0:
             raise ValueError(f"LoRA needs rank r >= 1 and alpha > 0, got r={r}, alpha={alpha}")
@@ -85,7 +93,7 @@ class LoRALinear(Module):
             raise ValueError(f"LoRA rank r={r} is above min(in, out) = {min(in_features, out_features)} of a "
                              f"({out_features}, {in_features}) Linear; allowed: 1..{min(in_features, out_features)}")
         self.base, self.r = base, r
-        self.adapter = LoRAAdapter(in_features, out_features, r, alpha, rng, dtype)
+        self.adapter = LoRAAdapter(in_features, out_features, r, alpha, rng, dtype) if adapter is None else adapter
 
     lora_A = property(lambda self: self.adapter.lora_A)
     lora_B = property(lambda self: self.adapter.lora_B)
@@ -98,28 +106,36 @@ class LoRALinear(Module):
         return self.adapter.scale * (self.lora_B.data @ self.lora_A.data)
 
 
-def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0) -> list:
+def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0,
+             wrap=None) -> list:
     """Freeze ``model`` and put a :class:`LoRALinear` on every Linear named ``*targets`` (not the tied head).
 
-    ``base``: "nf4" or "float". Returns the names. Raises ValueError: unknown base, or no Linear matched.
+    ``base``: "nf4" or "float". ``wrap(child, r, alpha, rng, dtype, nf4)``: the LoRALinear for a chosen child, or
+    None to leave it (default :func:`wrap_linear`; tensor parallelism's shards: minizero/parallel/lora_tp.py).
+    Returns the names. Raises ValueError: unknown base, or no Linear matched.
     """
     if base not in ("nf4", "float"):
         raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")
     for p in model.parameters():
         p.requires_grad = False
-    rng, dtype = np.random.default_rng(seed), model.config.dtype
-    chosen = {id(m) for n, m in model.named_modules() if isinstance(m, Linear) and n.rpartition(".")[2] in targets
+    rng, dtype, wrap = np.random.default_rng(seed), model.config.dtype, wrap or wrap_linear
+    chosen = {id(m) for n, m in model.named_modules() if n.rpartition(".")[2] in targets
               and not n.rpartition(".")[0].endswith("lm_head")}
 
     def adapted(child):  # called once per module, in module order: the adapters draw from rng in that order
-        if id(child) not in chosen:
-            return None
-        out_f, in_f = child.weight.shape
-        return LoRALinear(NF4Linear(child, dtype) if base == "nf4" else child, in_f, out_f, r, alpha, rng, dtype)
+        return wrap(child, r, alpha, rng, dtype, base == "nf4") if id(child) in chosen else None
     done = model.swap_modules(adapted)
     if not done:
         raise ValueError(f"no Linear named one of {tuple(targets)} to adapt")
     return done
+
+
+def wrap_linear(child, r: int, alpha: float, rng, dtype, nf4: bool):
+    """The one-process :class:`LoRALinear` around a :class:`Linear` (its NF4 copy when ``nf4``); None for others."""
+    if not isinstance(child, Linear):
+        return None
+    out_f, in_f = child.weight.shape
+    return LoRALinear(NF4Linear(child, dtype) if nf4 else child, in_f, out_f, r, alpha, rng, dtype)
 
 
 def adapters(model: Module) -> list:

@@ -182,10 +182,11 @@ class ZeroOptimizer:
             total = math.sqrt(float(backend.to_host(all_reduce(self.comm, local))[0]))
         return total * grad_scale
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, norm_sq: float | None = None) -> float:
         """Global-norm clipping over the shards (``torch.nn.utils.clip_grad_norm_``'s coefficient
-        max_norm / (norm + 1e-6)); returns the norm before; ``max_norm`` <= 0 or inf: no clipping."""
-        total = self.grad_norm()
+        max_norm / (norm + 1e-6)); returns the norm before; ``max_norm`` <= 0 or inf: no clipping.
+        ``norm_sq``: the squared norm when the caller summed it over more ranks (:meth:`grad_norm_sq`)."""
+        total = self.grad_norm() if norm_sq is None else math.sqrt(norm_sq)
         if max_norm > 0 and math.isfinite(max_norm):
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:

@@ -24,36 +24,71 @@ def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
     """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, all layers, in model order: ``c_attn``
     (h + 2kv, h), ``c_proj`` (h, h) and (h, f), ``c_fc`` (f, h), twice (gate, up) with SwiGLU. Raises ValueError:
     a target outside :data:`LORA_TARGETS`."""
+    return [shape for _, shape, _ in _adapted(model, targets)]
+
+
+def _adapted(model, targets) -> list[tuple[str, tuple[int, int], int]]:
+    """(name, (out, in), stride) of every adapted matrix; stride 3 for a c_attn of equal Q, K, V (split by part)."""
     m = as_shape(model)
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets:
         raise ValueError(f"LoRA targets {tuple(targets)}: allowed names are {', '.join(LORA_TARGETS)}")
     h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
-    up = [("c_fc", (f, h))] * (2 if m.mlp == "swiglu" else 1)
-    layer = [(name, shape) for name, shape in [("c_attn", (h + 2 * kv, h)), ("c_proj", (h, h))] + up
-             + [("c_proj", (h, f))] if name in targets]
-    return [shape for _ in range(m.n_layer) for _, shape in layer]
+    up = [("c_fc", (f, h), 1)] * (2 if m.mlp == "swiglu" else 1)
+    layer = [row for row in [("c_attn", (h + 2 * kv, h), 3 if kv == h else 1), ("attn.c_proj", (h, h), 1)] + up
+             + [("mlp.c_proj", (h, f), 1)] if row[0].rpartition(".")[2] in targets]
+    return [row for _ in range(m.n_layer) for row in layer]
+
+
+def nf4_shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, tp_rank: int = 0):
+    """(first, pitch, count, length) of tensor rank ``tp_rank``'s NF4 shard of an (out, in) weight, in whole blocks
+    (:class:`minizero.nf4.NF4Shard`): column-parallel ``stride`` runs of out/(stride tp) rows, row-parallel one run
+    of in/tp per row. Raises ValueError: a run is not whole NF4 blocks (QLoRA would quantize across shards)."""
+    out_f, in_f = shape
+    run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
+    if run % NF4_BLOCK or (in_f if row_parallel else out_f // stride) % tp:
+        raise ValueError(f"tp {tp} splits an {shape} weight into runs of {run} elements per rank, not a multiple of "
+                         f"the NF4 block {NF4_BLOCK}")
+    length = run // NF4_BLOCK
+    return (tp_rank * length, tp * length, out_f if row_parallel else stride, length)
+
+
+def nf4_shard_bytes(runs) -> int:
+    """Bytes of an NF4 shard of ``runs``: n/2 codes, a byte per block, 4 per group of 256 blocks it spans, the mean."""
+    first, pitch, count, length = runs
+    groups = (first + (count - 1) * pitch + length - 1) // NF4_BLOCK2 - first // NF4_BLOCK2 + 1
+    return count * length * (NF4_BLOCK // 2 + 1) + 4 * groups + 4
 
 
 def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", element: int = 4,
-                     dp: int = 1, zero: int = 0, optimizer_bytes: float | None = None) -> dict:
+                     dp: int = 1, zero: int = 0, optimizer_bytes: float | None = None, tp: int = 1,
+                     tp_rank: int = 0) -> dict:
     """Per-rank bytes of fine-tuning ``model`` with adapters of ``rank``: the frozen base (``base`` "nf4": adapted
     matrices as :func:`nf4_bytes`, the rest ``element`` bytes; "float": all ``element`` bytes), adapters and their
     gradients (``element``), AdamW state (``optimizer_bytes`` per adapter parameter, default 2 x element); under
     ZeRO over ``dp`` ranks each adapter is one unit padded to a multiple of dp (minizero/zero/), the base whole.
+    ``tp``: tensor rank ``tp_rank``'s shards (minizero/parallel/lora_tp.py): the blocks' matrices and column biases
+    / tp, embeddings and norms whole; an adapter of a column-parallel matrix r (in + out/tp), of a row-parallel one
+    r (in/tp + out); NF4 shards as :func:`nf4_shard_bytes` (the ranks differ by the 256-groups their blocks span).
     Returns {"frozen", "adapters", "parameters", "gradients", "optimizer_state", "bytes_per_parameter"} (the
-    last: model states / Psi). Raises ValueError: rank < 1, an unknown base, dp < 1, zero outside 0..3.
+    last: model states / Psi). Raises ValueError: rank < 1, an unknown base, dp < 1, zero outside 0..3, tp < 1,
+    tp_rank outside 0..tp-1, or an NF4 shard that is not whole blocks.
     """
     m = as_shape(model)
-    if rank < 1 or base not in LORA_BASES or dp < 1 or zero not in (0, 1, 2, 3):
-        raise ValueError(f"need rank >= 1, base in {LORA_BASES}, dp >= 1, zero in 0..3; "
-                         f"got rank={rank}, base={base!r}, dp={dp}, zero={zero}")
-    mats = adapted_matrices(m, targets)
+    if rank < 1 or base not in LORA_BASES or dp < 1 or zero not in (0, 1, 2, 3) or not 0 <= tp_rank < tp:
+        raise ValueError(f"need rank >= 1, base in {LORA_BASES}, dp >= 1, zero in 0..3, 0 <= tp_rank < tp; "
+                         f"got rank={rank}, base={base!r}, dp={dp}, zero={zero}, tp={tp}, tp_rank={tp_rank}")
+    mats = _adapted(m, targets)
     psi = m.num_parameters()
-    frozen = element * psi
-    if base == "nf4":
-        frozen += sum(nf4_bytes(o * i) - element * o * i for o, i in mats)
-    sizes = [rank * (o + i) for o, i in mats]
+    frozen = element * (m.n_layer * m.layer_parameters(tp) + m.embedding_parameters(tp, vocab_parallel=False)
+                        + m.head_parameters(tp, vocab_parallel=False)) if tp > 1 else element * psi
+    sizes = []
+    for name, (o, i), stride in mats:
+        row = name.endswith("c_proj")
+        if base == "nf4":
+            nf4 = nf4_bytes(o * i) if tp == 1 else nf4_shard_bytes(nf4_shard_runs((o, i), stride, row, tp, tp_rank))
+            frozen += nf4 - element * o * i // tp
+        sizes.append(rank * (i // tp + o if row else i + o // tp))
     full = sum(math.ceil(n / dp) * dp if zero else n for n in sizes)  # a unit's flat buffer, padded
     shard = sum(math.ceil(n / dp) for n in sizes)
     adapters = element * (shard if zero >= 3 else full)
@@ -72,19 +107,20 @@ _LINEAR_INPUT = {"QKV matmul input (ln_1 output)": "c_attn", "attention projecti
 
 
 def lora_activation_bytes(model, rank: int, seq_len: int, micro_batch: int, targets=LORA_TARGETS,
-                          precision: str = "fp32", attention: str = "dense") -> int:
+                          precision: str = "fp32", attention: str = "dense", tp: int = 1) -> int:
     """Bytes a LoRA / QLoRA step saves for backward (one rank, no recompute; minizero's rows): full training's,
     less what only frozen weights needed (the embeddings, block 0 before its first adapter, a frozen Linear's
-    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``)."""
+    input, the LM head's), plus each adapter's x A^T (s, b, r). An NF4 base saves no weight (``_NF4Matmul``).
+    ``tp``: one tensor rank's (the rows tensor parallelism splits / tp; the adapters' (s, b, r) whole)."""
     m = as_shape(model)
     per_layer = len(adapted_matrices(m, targets)) // m.n_layer
     e = activation_element(precision, "minizero")
     rows = [r for r in layer_rows(m, seq_len, micro_batch, "minizero", precision, 1, attention)
             if _LINEAR_INPUT.get(r.name, targets[0]) in targets]
-    layer = sum(r.nbytes for r in rows) + per_layer * e * seq_len * micro_batch * rank
-    first = layer - sum(r.nbytes for r in rows if _upstream(r, targets))
+    layer = sum(r.per_rank(tp, False) for r in rows) + per_layer * e * seq_len * micro_batch * rank
+    first = layer - sum(r.per_rank(tp, False) for r in rows if _upstream(r, targets))
     _, head = saved_outside_layers(m, seq_len, micro_batch, "minizero", precision)
-    return first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input")
+    return round(first + (m.n_layer - 1) * layer + sum(r.nbytes for r in head if r.name != "output projection input"))
 
 
 def _upstream(row, targets) -> bool:

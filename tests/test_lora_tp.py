@@ -1,0 +1,247 @@
+"""LoRA and QLoRA under tensor parallelism (``finetune --tp N``, minizero/parallel/lora_tp.py).
+
+* The adapters start as one process's, sliced: A and B drawn whole with the same generator (bitwise).
+* ``finetune --tp 2`` (LoRA, QLoRA; alone, with data parallelism, with ZeRO 1 and 3) equals the one-process
+  fine-tune in float64: each rank's adapter shards, the validation loss and the merged model to 1e-12; once under
+  ``mpiexec -n 2`` (the merged model.npz against one process's).
+* On the strict array module (no host leak) the tp 2 QLoRA fine-tune is NumPy's bit for bit.
+* QLoRA's NF4 shard is the whole weight's quantization, bitwise: each element's level, its block's double-quantized
+  absmax; its bytes are :func:`nf4_shard_nbytes` (the ranks differ by the groups of 256 blocks they span).
+* The ledger's frozen, adapter and optimizer bytes per rank equal ``lora_state_bytes(tp=2, tp_rank=r)``, the
+  activations ``lora_activation_bytes(tp=2)``; ``plan --finetune qlora --tp 2`` prints those bytes.
+* Bad input (tp not dividing the ranks or heads, a shard that is not whole NF4 blocks) is one line, exit 2.
+"""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.autograd.rng import manual_seed
+from minizero.comm.threads import run_in_threads
+from minizero.data import load_tokens
+from minizero.finetune import build_parser, finetune
+from minizero.ledger import MemoryLedger, set_ledger
+from minizero.memory.estimator import lora_activation_bytes, lora_state_bytes
+from minizero.memory.estimator.lora import nf4_shard_bytes, nf4_shard_runs
+from minizero.nf4 import NF4Shard, NF4Tensor, block_absmax, nf4_shard_nbytes
+from minizero.nn import GPT, get_config
+from minizero.nn.gpt import GPTConfig
+from minizero.nn.lora import LoRALinear, add_lora
+from minizero.parallel.lora_tp import tensor_parallel_lora
+from minizero.parallel.tensor_parallel import shard_array
+from tests.conftest import REPO_ROOT, mpi_env
+
+#: one block of width 128: every shard at tp 2 is whole NF4 blocks (c_proj's rows: 64 elements per rank)
+CFG = GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=16, dtype="float64")
+
+
+def _write(out, cfg, seed=3):
+    state = {k: np.asarray(v) for k, v in GPT(cfg, seed=seed).state_dict().items()}
+    np.savez(out / "model.npz", **state)
+    (out / "summary.json").write_text(json.dumps({"config": {"model": dataclasses.asdict(cfg)}}))
+    (out / "data.txt").write_text(open(np.__file__).read() * 3)
+    return out / "model.npz", out / "data.txt"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("lora_tp"), CFG)
+
+
+def _args(base, *extra):
+    weights, data = base
+    return build_parser().parse_args(["--weights", str(weights), "--data", str(data), "--steps", "3",
+                                      "--batch-size", "4", "--eval-batches", "1", "--lr", "3e-3", *extra])
+
+
+def _lora_layers(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def _shards_of_whole(whole, tp, rank):
+    """name -> (A, B) this tensor rank holds of the one-process adapters (c_attn by Q, K, V parts)."""
+    out = {}
+    for name, m in _lora_layers(whole):
+        a, b = m.lora_A.data, m.lora_B.data
+        if name.endswith("c_proj"):
+            out[name] = (shard_array(a, 1, rank, tp), b)
+        else:
+            out[name] = (a, shard_array(b, 0, rank, tp, 3 if name.endswith("c_attn") else 1))
+    return out
+
+
+@pytest.mark.parametrize("base_kind", ["float", "nf4"])
+def test_the_adapters_start_as_one_process_sliced(base_kind):
+    whole = GPT(CFG, seed=1)
+    add_lora(whole, 8, 16.0, base=base_kind, seed=5)
+    for p in whole.parameters():  # a nonzero B, so that B's slicing is checked too
+        if p.requires_grad:
+            p.data[...] = np.random.default_rng(p.size).normal(size=p.shape)
+
+    def run(comm):
+        model = GPT(CFG, seed=1)
+        tensor_parallel_lora(model, comm, 8, 16.0, base=base_kind, seed=5)
+        return {n: (m.lora_A.data.copy(), m.lora_B.data.copy()) for n, m in _lora_layers(model)}
+    fresh = GPT(CFG, seed=1)
+    add_lora(fresh, 8, 16.0, base=base_kind, seed=5)  # B = 0, A drawn: compare the draws
+    for rank, got in enumerate(run_in_threads(2, run, timeout=60)):
+        for name, (a, b) in _shards_of_whole(fresh, 2, rank).items():
+            np.testing.assert_array_equal(got[name][0], a, err_msg=name)
+            np.testing.assert_array_equal(got[name][1], b, err_msg=name)
+
+
+def _estimated(row, method, tp_rank, dp=1, zero=0):
+    est = lora_state_bytes(CFG, 8, base="nf4" if method == "qlora" else "float", element=8, dp=dp, zero=zero, tp=2,
+                           tp_rank=tp_rank)
+    return (row["frozen_bytes"], row["trainable_bytes"], row["optimizer_bytes"]) == \
+        (est["frozen"], est["adapters"], est["optimizer_state"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_tp2_finetune_equals_one_process(base, method):
+    tokens = load_tokens(str(base[1]))
+    row1, model1, want = finetune(_args(base), method, tokens)
+    for extra, n, dp, zero in ((["--tp", "2"], 2, 1, 0), (["--tp", "2"], 4, 2, 0),
+                               (["--tp", "2", "--zero", "1"], 4, 2, 1), (["--tp", "2", "--zero", "3"], 4, 2, 3)):
+        out = run_in_threads(n, lambda comm: finetune(_args(base, *extra), method, tokens, comm), timeout=150)
+        for world_rank, (row, model, merged) in enumerate(out):
+            assert set(merged) == set(want)
+            for name, a in want.items():
+                np.testing.assert_allclose(merged[name], a, rtol=0, atol=1e-12, err_msg=f"{extra} {name}")
+            assert abs(row["val_after"] - row1["val_after"]) < 1e-12 and row["val_base"] == row1["val_base"]
+            assert row["trainable_parameters"] == row1["trainable_parameters"]  # the model's adapters, not a shard
+            assert _estimated(row, method, world_rank % 2, dp, zero), (extra, world_rank, row)
+            if zero < 3:  # the adapters each rank holds: the one-process run's, sliced
+                for name, (a, b) in _shards_of_whole(model1, 2, world_rank % 2).items():
+                    layer = dict(model.named_modules())[name]
+                    np.testing.assert_allclose(layer.lora_A.data, a, rtol=0, atol=1e-12, err_msg=name)
+                    np.testing.assert_allclose(layer.lora_B.data, b, rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.timeout(200)
+def test_tp2_lora_with_dropout_equals_one_process(tmp_path):
+    """Each tensor rank draws its heads' part of the one-process attention mask (HeadParallelDropout)."""
+    dropout = _write(tmp_path, dataclasses.replace(CFG, dropout=0.1))
+    tokens = load_tokens(str(dropout[1]))
+    row1, _, want = finetune(_args(dropout), "lora", tokens)
+    for row, _, merged in run_in_threads(2, lambda c: finetune(_args(dropout, "--tp", "2"), "lora", tokens, c),
+                                         timeout=150):
+        assert abs(row["val_after"] - row1["val_after"]) < 1e-12
+        for name, a in want.items():
+            np.testing.assert_allclose(merged[name], a, rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_finetune_refuses_a_tp_its_communicator_cannot_hold(base):
+    with pytest.raises(ValueError, match="--tp 2 must divide the 1 ranks"):
+        finetune(_args(base, "--tp", "2"), "lora", load_tokens(str(base[1])))
+
+
+@pytest.mark.timeout(200)
+def test_qlora_tp2_on_the_strict_array_module_equals_numpy(base):
+    """Every array stays on the device (the strict module refuses host leaks), bit for bit NumPy's run."""
+    from tests.test_strict_techniques import _assert_same, _on
+    tokens = load_tokens(str(base[1]))
+
+    def run(comm):
+        row, _, merged = finetune(_args(base, "--tp", "2", "--steps", "2"), "qlora", tokens, comm)
+        return row["val_after"], merged
+    _assert_same(_on("numpy", run_in_threads, 2, run), _on("strict", run_in_threads, 2, run))
+
+
+@pytest.mark.parametrize("shape,dim,tp", [((300, 128), 0, 3), ((3 * 64, 256), 0, 2), ((96, 512), 1, 4)])
+def test_an_nf4_shard_is_the_whole_weights_quantization(shape, dim, tp):
+    w = np.random.default_rng(0).normal(0, 0.02, shape).astype(np.float32)
+    stride = 3 if shape[0] == 3 * 64 else 1
+    whole = NF4Tensor(w)
+    sizes = set()
+    for r in range(tp):
+        part = shard_array(w, dim, r, tp, stride)
+        runs = nf4_shard_runs(shape, stride, dim == 1, tp, r)
+        shard = NF4Shard(part, block_absmax(w), runs)
+        np.testing.assert_array_equal(shard.dequantize(np.float64),
+                                      shard_array(whole.dequantize(np.float64), dim, r, tp, stride))
+        assert shard.nbytes == nf4_shard_nbytes(runs) == nf4_shard_bytes(runs)
+        sizes.add(shard.nbytes)
+    if shape == (300, 128):  # rank 0's 200 blocks lie in one group of 256, ranks 1 and 2 span two
+        assert len(sizes) == 2
+
+
+def _activation_peak(comm, cfg, targets, base):
+    ledger = set_ledger(MemoryLedger())
+    model = GPT(cfg, seed=0)
+    tensor_parallel_lora(model, comm, 4, 8.0, targets, base=base)
+    manual_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (2, cfg.block_size)) for _ in range(2))
+    ledger.reset_peaks()
+    model(x, y)[1].backward()
+    return ledger.peak["activations"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("dropout,targets", [(0.0, ("c_attn", "c_proj", "c_fc")), (0.1, ("c_proj",))])
+def test_tp_activations_equal_the_estimate(dropout, targets):
+    cfg = get_config("default", dropout=dropout)
+    want = lora_activation_bytes(cfg, 4, cfg.block_size, 2, targets, tp=2)
+    for base_kind in ("float", "nf4"):
+        assert run_in_threads(2, lambda c: _activation_peak(c, cfg, targets, base_kind), timeout=150) == [want] * 2
+
+
+def test_plan_finetune_tp_prints_the_estimators_bytes():
+    import contextlib
+    import io
+    from minizero.plan import ALIASES, get_model, main
+    gpt2 = get_model(ALIASES["gpt2"])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["--model", "gpt2", "--gpus", "8", "--finetune", "qlora", "--tp", "4", "--json"]) == 0
+    rows = json.loads(buf.getvalue())["rows"]
+    for r in rows:
+        want = max((lora_state_bytes(gpt2, 64, base="nf4", element=2, dp=2, zero=r["zero"],
+                                     optimizer_bytes=12, tp=4, tp_rank=t) for t in range(4)), key=lambda b: b["frozen"])
+        assert {k: r[k] for k in want} == want
+    one = lora_state_bytes(gpt2, 64, element=2, dp=2, optimizer_bytes=12)  # tp 1 (the embedding stays whole)
+    assert rows[0]["frozen"] < one["frozen"] and rows[0]["adapters"] < one["adapters"]
+
+
+def _finetune_cli(mpiexec, n, *argv, timeout=240):
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.finetune", *argv]
+    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(300)
+def test_qlora_tp2_under_mpiexec_writes_one_process_model(mpiexec, base, tmp_path):
+    common = ["--weights", str(base[0]), "--data", str(base[1]), "--method", "qlora", "--steps", "3",
+              "--batch-size", "4", "--lr", "3e-3", "--eval-batches", "1"]
+    got = {}
+    for n, extra in ((1, []), (2, ["--tp", "2"])):
+        proc = _finetune_cli(mpiexec, n, *common, *extra, "--out", str(tmp_path / f"ft{n}"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got[n] = dict(np.load(tmp_path / f"ft{n}" / "model.npz"))
+    assert set(got[1]) == set(got[2])
+    for name, a in got[1].items():
+        np.testing.assert_allclose(got[2][name], a, rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.timeout(200)
+def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
+    tiny = _write(tmp_path, get_config("tiny", dtype="float64"))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    three_heads = _write(odd, GPTConfig(n_layer=1, n_head=3, n_embd=192, block_size=16, dtype="float64"))
+    cases = [((1, *tiny, "--tp", "2"), "--tp 2 must divide the 1 ranks"),
+             ((2, *three_heads, "--tp", "2", "--method", "lora"), "--tp 2 must divide the model's n_head=3"),
+             ((2, *tiny, "--tp", "2", "--method", "qlora"),
+              "--tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of "
+              "the NF4 block 64"),
+             ((2, *tiny, "--tp", "2", "--method", "full"), "--tp 2 splits the adapters (--method lora or qlora)")]
+    for (n, weights, data, *argv), said in cases:
+        proc = _finetune_cli(mpiexec, n, "--weights", str(weights), "--data", str(data), "--steps", "1", *argv,
+                             timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
+        assert proc.stdout == "", proc.stdout  # nothing ran
