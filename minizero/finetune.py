@@ -28,7 +28,7 @@ from minizero.faults import FaultInjector
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             content_digest, refuse_inputs)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
@@ -44,7 +44,7 @@ METHODS = ("full", "lora", "qlora")
 
 def build_parser() -> argparse.ArgumentParser:
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.finetune", description=__doc__.split("\n\n")[0],
+        prog="python -m minizero.finetune", description=description(__doc__),
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")

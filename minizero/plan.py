@@ -22,7 +22,7 @@ import sys
 from minizero.memory.estimator import PRECISIONS, Strategy, element_bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     candidate_json, describe, format_table, header, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
@@ -77,7 +77,7 @@ def parse_bytes(text: str, what: str = "value", unit_required: bool = False) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.plan`` (every option has help; defaults shown once)."""
-    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.plan", description=__doc__.split("\n\n")[0],
+    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.plan", description=description(__doc__),
                                                    formatter_class=DefaultsOnce))
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "

@@ -23,7 +23,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
@@ -37,7 +37,7 @@ DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.quantize``."""
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.quantize", description=__doc__.split("\n\n")[0],
+        prog="python -m minizero.quantize", description=description(__doc__),
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
