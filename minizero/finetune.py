@@ -193,11 +193,11 @@ def _finetune(args, method, tokens, comm):
 
 def format_table(rows: list) -> str:
     lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
-             f"{'B/param':>8} {'val before':>10} {'val base':>9} {'val after':>10}"]
+             f"{'B/param':>8}  {'val before':>10} {'val base':>9} {'val after':>10}"]
     for r in rows:
         per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
         lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
-                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
+                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f}  "
                      f"{r['val_before']:>10.4f} {r['val_base']:>9.4f} {r['val_after']:>10.4f}")
     lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
               "  weights and Adam's state; B/param: their sum over the model's "
