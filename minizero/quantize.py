@@ -131,7 +131,8 @@ def run(args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """The measurements as a text table (bytes exact, losses in nats per token)."""
+    """The measurements as a text table (bytes exact, losses in nats per token), and a line saying what each
+    column holds."""
     base, rows = result["baseline"], result["rows"]
     lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
              f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
@@ -146,6 +147,9 @@ def format_table(result: dict) -> str:
             name += f" +{r['outlier_columns']} fp32 col"
         lines.append(f"{name:<22}{r['linear_bytes']:>14,}{r['model_bytes']:>13,}"
                      f"{r['model_bytes'] / base['model_bytes']:>7.2f}{r['val_loss']:>10.4f}{r['delta']:>+10.5f}")
+    lines.append(f"bytes: the linear layers' weights and the whole model's; ratio: model bytes / the "
+                 f"{lines[2].split()[0]} row's; val loss in nats per byte; delta: val loss minus the "
+                 f"{lines[2].split()[0]} row's")
     cal = result.get("calibration")
     if cal:
         top = max(cal["max_input_absmax"], key=cal["max_input_absmax"].get)
