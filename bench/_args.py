@@ -7,15 +7,31 @@ Each raises :class:`argparse.ArgumentTypeError` naming the text and what is allo
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
-from minizero.numerals import integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real
+from minizero.numerals import description as _description
+
+
+class _Help(DefaultsOnce):
+    """--help says every option's default once, an option without a help text too (``--steps STEPS (default:
+    5)``, where argparse printed ``--steps STEPS`` alone)."""
+
+    def _format_action(self, action):
+        if not action.help and action.option_strings and not any(
+                action.default is v for v in (None, False, argparse.SUPPRESS)):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
 
 
 def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser whose flags see "-5" or "-1,2" as their value (checked here), not as an option."""
-    return negative_values_reach_checks(argparse.ArgumentParser(prog=prog, description=description))
+    """An ArgumentParser whose flags see "-5" or "-1,2" as their value (checked here), not as an option; its
+    --help shows each default and ``description`` without reST's double backquotes."""
+    return negative_values_reach_checks(argparse.ArgumentParser(prog=prog, description=_description(description),
+                                                                formatter_class=_Help))
 
 
 def at_least(low: int):

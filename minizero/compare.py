@@ -28,7 +28,7 @@ from minizero.files import (WriteError, atomic_write, check_output, check_writab
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, integer, is_count, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, description, integer, is_count, negative_values_reach_checks, real
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the data-parallel FP32
 #: baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy (host memory *is* device
@@ -210,9 +210,9 @@ def measure_threads(name: str, model: str = "tiny", ranks: int = 2, steps: int =
 # ---- the command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.compare``."""
-    p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=__doc__.split("\n\n")[0],
+    p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=description(__doc__),
                                              formatter_class=DefaultsOnce))
-    p.add_argument("--model", default="default", help=f"model preset, one of {', '.join(sorted(PRESETS))}")
+    p.add_argument("--model", default="default", help=f"model preset: {', '.join(sorted(PRESETS))} (default: default)")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")
     p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per step")

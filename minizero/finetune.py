@@ -30,7 +30,7 @@ from minizero.faults import FaultInjector
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             content_digest, refuse_inputs)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
@@ -49,7 +49,7 @@ METHODS = ("full", "lora", "qlora")
 
 def build_parser() -> argparse.ArgumentParser:
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.finetune", description=__doc__.split("\n\n")[0],
+        prog="python -m minizero.finetune", description=description(__doc__),
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
@@ -217,11 +217,11 @@ def _finetune(args, method, tokens, comm):
 
 def format_table(rows: list) -> str:
     lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
-             f"{'B/param':>8} {'val before':>10} {'val base':>9} {'val after':>10}"]
+             f"{'B/param':>8}  {'val before':>10} {'val base':>9} {'val after':>10}"]
     for r in rows:
         per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
         lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
-                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f} "
+                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f}  "
                      f"{r['val_before']:>10.4f} {r['val_base']:>9.4f} {r['val_after']:>10.4f}")
     lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
               "  weights and Adam's state; B/param: their sum over the model's "

@@ -43,138 +43,154 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
     p = negative_values_reach_checks(_Parser(
         prog="python -m minizero.train", formatter_class=DefaultsOnce,
-        description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose."))
-    p.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
-    p.add_argument("--dropout", type=real, default=None, help="dropout probability (default: the preset's)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
-                   help="cpu: NumPy; cuda: CuPy, rank r on GPU (its rank on the node) %% (GPUs on the node); "
-                        "strict: NumPy arrays that refuse implicit host transfers (the CPU proof of the cuda path)")
-    p.add_argument("--steps", type=integer, default=300, help="optimizer steps")
-    p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per micro-step")
-    p.add_argument("--grad-accum", type=integer, default=None,
-                   help="micro-steps per optimizer step (default 1, or derived from --batch-size)")
-    p.add_argument("--batch-size", type=integer, default=None,
-                   help="global sequences per optimizer step; must equal micro-batch-size x data-parallel size x "
-                        "grad-accum (grad-accum is derived when not given)")
-    p.add_argument("--dp", type=integer, default=None, help="data-parallel size (default: world / (tp x pp))")
-    p.add_argument("--tp", type=integer, default=None,
-                   help="tensor-parallel size: every block's matrices split (default 1)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence (Korthikanti 2022)")
-    p.add_argument("--cp", type=integer, default=1, help="context-parallel size: the sequence split, ring attention")
-    p.add_argument("--cp-attention", default="ring", choices=["ring", "ulysses"],
-                   help="with --cp: ring attention (k, v blocks around the ring) or DeepSpeed-Ulysses (all-to-all "
-                        "from sequence shards to head shards and back)")
-    p.add_argument("--ulysses", type=integer, default=None, metavar="N",
-                   help="DeepSpeed-Ulysses over N ranks: the same as --cp N --cp-attention ulysses")
-    p.add_argument("--pp", type=integer, default=None, help="pipeline stages: the layers split (default 1)")
-    p.add_argument("--micro-batches", type=integer, default=None,
-                   help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
-                        "(default: pp, 1 without a pipeline; tensor parallelism never changes the batch)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
-                   help="pipeline schedule (zb-h1: zero bubble, backward split into B and W; "
-                        "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
-    p.add_argument("--virtual-stages", type=integer, default=1,
-                   help="model chunks per pipeline rank (--schedule interleaved)")
-    p.add_argument("--pp-verbose", action="store_true",
-                   help="print every message of one pipeline (data rank 0, tensor rank 0) as an arrow")
-    p.add_argument("--lr", type=real, default=3e-3, help="peak learning rate")
-    p.add_argument("--min-lr", type=real, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=integer, default=None,
-                   help="warmup steps (default: steps/10, at least 10, at most steps)")
-    p.add_argument("--weight-decay", type=real, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
-    p.add_argument("--grad-clip", type=real, default=1.0, help="global-norm clipping threshold (0 disables)")
-    p.add_argument("--seed", type=integer, default=0, help="seed of the init, data and dropout generators")
-    p.add_argument("--data", default=None,
-                   help="UTF-8 text file to train on (default: the embedded corpus); the byte 0x03 (ASCII ETX, "
-                        "'end of text') ends a document, e.g. printf 'one\\x03two\\x03' > docs.txt")
-    docs = p.add_mutually_exclusive_group()
+        description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
+        epilog="docs/techniques.md groups these flags by technique, with DeepSpeed's and Megatron-LM's names."))
+    # the groups follow docs/techniques.md's table; --help lists each group's flags together
+    run = p.add_argument_group("model, data and optimizer (AdamW, warmup + cosine learning rate)")
+    layout = p.add_argument_group("batch and rank layout", "world size (the ranks mpirun starts) = dp x cp x tp x "
+                                  "pp; global batch = micro-batch-size x dp x grad-accum sequences")
+    comm = p.add_argument_group("communication")
+    memory = p.add_argument_group("memory: ZeRO, activation recompute, attention core, offload")
+    numerics = p.add_argument_group("precision, 8-bit Adam, pruning")
+    moe = p.add_argument_group("mixture of experts (Switch / GShard routing, parallel/moe.py)")
+    debug = p.add_argument_group("debugging and measuring (lesson 13)")
+    output = p.add_argument_group("validation, progress, output files, checkpoints")
+    run.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
+    run.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
+    run.add_argument("--dropout", type=real, default=None, help="dropout probability (default: the preset's)")
+    run.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")
+    run.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
+                     help="cpu: NumPy; cuda: CuPy, rank r on GPU (its rank on the node) %% (GPUs on the node); "
+                          "strict: NumPy arrays that refuse implicit host transfers (the CPU proof of the cuda path)")
+    run.add_argument("--steps", type=integer, default=300, help="optimizer steps")
+    layout.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per micro-step")
+    layout.add_argument("--grad-accum", type=integer, default=None,
+                        help="micro-steps per optimizer step (default: 1, or derived from --batch-size)")
+    layout.add_argument("--batch-size", type=integer, default=None,
+                        help="global sequences per optimizer step (default: micro-batch-size x dp x grad-accum); "
+                             "given, it must equal that product, and grad-accum is derived from it when not given")
+    layout.add_argument("--dp", type=integer, default=None,
+                        help="data-parallel size (default: world size / (cp x tp x pp))")
+    layout.add_argument("--tp", type=integer, default=None,
+                        help="tensor-parallel size: every block's matrices split (default: 1)")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence "
+                             "(Korthikanti 2022)")
+    layout.add_argument("--cp", type=integer, default=1,
+                        help="context-parallel size: the sequence split, ring attention")
+    layout.add_argument("--cp-attention", default="ring", choices=["ring", "ulysses"],
+                        help="with --cp: ring attention (k, v blocks around the ring) or DeepSpeed-Ulysses (all-to-all "
+                             "from sequence shards to head shards and back)")
+    layout.add_argument("--ulysses", type=integer, default=None, metavar="N",
+                        help="DeepSpeed-Ulysses over N ranks: the same as --cp N --cp-attention ulysses")
+    layout.add_argument("--pp", type=integer, default=None, help="pipeline stages: the layers split (default: 1)")
+    layout.add_argument("--micro-batches", type=integer, default=None,
+                        help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
+                             "(default: pp, 1 without a pipeline; tensor parallelism never changes the batch)")
+    layout.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+                        help="pipeline schedule (zb-h1: zero bubble, backward split into B and W; "
+                             "zb-v: the same with two chunks per rank in a V, needs 2 x pp layers)")
+    layout.add_argument("--virtual-stages", type=integer, default=1,
+                        help="model chunks per pipeline rank (--schedule interleaved)")
+    layout.add_argument("--pp-verbose", action="store_true",
+                        help="print every message of one pipeline (data rank 0, tensor rank 0) as an arrow")
+    run.add_argument("--lr", type=real, default=3e-3, help="peak learning rate")
+    run.add_argument("--min-lr", type=real, default=None, help="final learning rate (default: lr/10)")
+    run.add_argument("--warmup", type=integer, default=None,
+                     help="warmup steps (default: steps/10, at least 10, at most steps)")
+    run.add_argument("--weight-decay", type=real, default=0.1, help="AdamW decoupled weight decay (2-D weights)")
+    run.add_argument("--grad-clip", type=real, default=1.0, help="global-norm clipping threshold (0 disables)")
+    run.add_argument("--seed", type=integer, default=0, help="seed of the init, data and dropout generators")
+    run.add_argument("--data", default=None,
+                     help="UTF-8 text file to train on (default: the embedded corpus); the byte 0x03 (ASCII ETX, "
+                          "'end of text') ends a document, e.g. printf 'one\\x03two\\x03' > docs.txt")
+    docs = run.add_mutually_exclusive_group()
     docs.add_argument("--pack", dest="documents", action="store_const", const="pack", default="pack",
                       help="windows run across documents, the separator a token like any other (default)")
     docs.add_argument("--pad", dest="documents", action="store_const", const="pad",
                       help="each window stops at its document's separator; the rest is padding whose targets "
                            "(-100) the loss ignores, normalised by the real targets of the global batch")
-    p.add_argument("--eval-every", type=integer, default=100,
-                   help="validate every N steps (0: only before the first step and at the end)")
-    p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences each")
-    p.add_argument("--bucket-mb", type=real, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="communicate blocking, after the work that needs it (default: data parallelism's bucket "
-                        "all-reduces and ZeRO 2-3's reduce-scatters start as soon as a bucket's last gradient is "
-                        "ready and run during the rest of backward; ZeRO-3 prefetches the next unit's all-gather; "
-                        "pipeline sends are non-blocking)")
-    p.add_argument("--trace", default=None, metavar="PATH",
-                   help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
-    p.add_argument("--native-comm", action="store_true",
-                   help="use the library's own collectives (MPI_Allreduce..., or NCCL's with --comm nccl) "
-                        "instead of the hand-written ring")
+    output.add_argument("--eval-every", type=integer, default=100,
+                        help="validate every N steps (0: only before the first step and at the end)")
+    output.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences each")
+    comm.add_argument("--bucket-mb", type=real, default=1.0, help="data-parallel all-reduce bucket size (MiB)")
+    comm.add_argument("--no-overlap", dest="overlap", action="store_false",
+                      help="communicate blocking, after the work that needs it (default: data parallelism's bucket "
+                           "all-reduces and ZeRO 2-3's reduce-scatters start as soon as a bucket's last gradient is "
+                           "ready and run during the rest of backward; ZeRO-3 prefetches the next unit's all-gather; "
+                           "pipeline sends are non-blocking)")
+    debug.add_argument("--trace", default=None, metavar="PATH",
+                       help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
+    comm.add_argument("--native-comm", action="store_true",
+                      help="use the library's own collectives (MPI_Allreduce..., or NCCL's with --comm nccl) "
+                           "instead of the hand-written ring")
     # -- communicator (issue #15: NCCL) ------------------------------------------------------------
-    p.add_argument("--comm", default=None, choices=["mpi", "nccl"],
-                   help="transport of every message: mpi (mpi4py), or nccl (cupy.cuda.nccl, one GPU per rank, "
-                        "set up through MPI); default nccl with --device cuda, else mpi")
-    p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S,
-                   help="seconds (at least 1) any one send, receive or collective may wait for a peer before the job "
-                        "is aborted with the operation and the rank waited on (PyTorch's NCCL default: 600)")
-    p.add_argument("--flight-records", type=integer, default=DEFAULT_CAPACITY, metavar="N",
-                   help="collectives each rank's flight recorder keeps, written to OUT/flight/rank_R.json when the "
-                        "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names "
-                        "who hung where; 0: off)")
-    p.add_argument("--debug-collectives", action="store_true",
-                   help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
-                        "a mismatch stops the job naming both sides (one small all-gather per collective)")
-    p.add_argument("--detect-anomaly", action="store_true",
-                   help="check every module's output and every gradient for inf/NaN; the first module (forward) or "
-                        "parameter (backward) that made one is named with rank, step and value ranges (slow)")
-    p.add_argument("--loss-spike", type=real, default=0.0, metavar="K",
-                   help="a step whose loss exceeds K x the running mean records every parameter's gradient norm "
-                        "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
-    p.add_argument("--check-replicas", type=integer, default=None, metavar="N",
-                   help="hash every parameter and compare across the data-parallel replicas at every checkpoint and "
-                        "after the last step (the default, where replicas hold parameters: not ZeRO-3, not --ep > 1), "
-                        "N: also every N steps; a difference stops the job naming parameter, ranks, step (0: off)")
-    p.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
-                   help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
-                        "inside each node again (NCCL/Horovod hierarchical)")
-    p.add_argument("--zero", type=integer, default=0, choices=[0, 1, 2, 3],
-                   help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
-    p.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
-                        "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
-                        "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale; "
-                        "fp8: E4M3 inputs and weights, E5M2 gradients, per-tensor scales, FP32 accumulation")
-    p.add_argument("--fp8-scaling", default="delayed", choices=["delayed", "current"],
-                   help="fp8: scale from the largest amax of the last 16 casts (Transformer Engine's delayed "
-                        "scaling) or from the tensor's own amax")
-    p.add_argument("--initial-loss-scale", type=real, default=2.0 ** 16, help="fp16: starting loss scale")
-    p.add_argument("--loss-scale-window", type=integer, default=2000,
-                   help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
-    p.add_argument("--hysteresis", type=integer, default=1,
-                   help="fp16: overflows before the scale halves (PyTorch 1, DeepSpeed 2)")
-    p.add_argument("--min-loss-scale", type=real, default=1.0, help="fp16: the scale never goes below this")
-    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
-                   help="activation recompute: every K-th block (full) or its attention core (selective)")
-    p.add_argument("--recompute-every", type=integer, default=1, help="K: recompute every K-th block")
-    p.add_argument("--attention", default="dense", choices=list(ATTENTIONS),
-                   help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
-                        "blockwise online softmax: keeps the output and the row log-sum-exp)")
-    p.add_argument("--attention-block", type=integer, default=64, help="flash: rows per query and key/value block")
-    p.add_argument("--offload-activations", default="none", choices=list(OFFLOADS),
-                   help="move saved activations to host memory or to files until backward")
-    p.add_argument("--offload-optimizer", default="none", choices=list(OFFLOADS),
-                   help="keep master weights and Adam state (and run the update) on the host or on disk "
-                        "(ZeRO-Offload / ZeRO-Infinity)")
-    p.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
-                                                        "(default: the system temp directory)")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
-                   help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
-    p.add_argument("--adam8bit-block-size", type=integer, default=256, help="elements per absmax of 8-bit Adam's state")
-    p.add_argument("--quantized-comm", action="store_true",
-                   help="INT8 on the wire for the gradient all-reduce (--zero 0), ZeRO's gradient "
-                        "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
-    moe = p.add_argument_group("mixture of experts (Switch / GShard routing, parallel/moe.py)")
+    comm.add_argument("--comm", default=None, choices=["mpi", "nccl"],
+                      help="transport of every message: mpi (mpi4py), or nccl (cupy.cuda.nccl, one GPU per rank, "
+                           "set up through MPI); default nccl with --device cuda, else mpi")
+    debug.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S,
+                       help="seconds (at least 1) any one send, receive or collective may wait for a peer before "
+                            "the job is aborted with the operation and the rank waited on (600 s is PyTorch's NCCL "
+                            "timeout too)")
+    debug.add_argument("--flight-records", type=integer, default=DEFAULT_CAPACITY, metavar="N",
+                       help="collectives each rank's flight recorder keeps, written to OUT/flight/rank_R.json when the "
+                            "job fails or on SIGUSR1, unless --no-save (python -m minizero.debug hang OUT/flight names "
+                            "who hung where; 0: off)")
+    debug.add_argument("--debug-collectives", action="store_true",
+                       help="before every collective its ranks agree on (operation, sequence number, shape, dtype); "
+                            "a mismatch stops the job naming both sides (one small all-gather per collective)")
+    debug.add_argument("--detect-anomaly", action="store_true",
+                       help="check every module's output and every gradient for inf/NaN; the first module (forward) or "
+                            "parameter (backward) that made one is named with rank, step and value ranges (slow)")
+    debug.add_argument("--loss-spike", type=real, default=0.0, metavar="K",
+                       help="a step whose loss exceeds K x the running mean records every parameter's gradient norm "
+                            "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
+    debug.add_argument("--check-replicas", type=integer, default=None, metavar="N",
+                       help="hash every parameter and compare across the data-parallel replicas at every checkpoint "
+                            "and after the last step (the default, where replicas hold parameters: not ZeRO-3, not "
+                            "--ep > 1), N: also every N steps; a difference stops the job naming parameter, ranks, "
+                            "step (0: off)")
+    comm.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
+                      help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
+                           "inside each node again (NCCL/Horovod hierarchical)")
+    memory.add_argument("--zero", type=integer, default=0, choices=[0, 1, 2, 3],
+                        help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
+    memory.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
+    numerics.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                          help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "
+                               "dynamic loss scaling; bf16: bfloat16 matmuls (inputs, outputs and their gradients "
+                               "rounded to bf16, FP32 accumulation), FP32 weights and Adam state, no loss scale; "
+                               "fp8: E4M3 inputs and weights, E5M2 gradients, per-tensor scales, FP32 accumulation")
+    numerics.add_argument("--fp8-scaling", default="delayed", choices=["delayed", "current"],
+                          help="fp8: scale from the largest amax of the last 16 casts (Transformer Engine's delayed "
+                               "scaling) or from the tensor's own amax")
+    numerics.add_argument("--initial-loss-scale", type=real, default=2.0 ** 16, help="fp16: starting loss scale")
+    numerics.add_argument("--loss-scale-window", type=integer, default=2000,
+                          help="fp16: clean steps before the scale doubles (PyTorch 2000, DeepSpeed 1000)")
+    numerics.add_argument("--hysteresis", type=integer, default=1,
+                          help="fp16: overflows before the scale halves (PyTorch 1, DeepSpeed 2)")
+    numerics.add_argument("--min-loss-scale", type=real, default=1.0, help="fp16: the scale never goes below this")
+    memory.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                        help="activation recompute: every K-th block (full) or its attention core (selective)")
+    memory.add_argument("--recompute-every", type=integer, default=1, help="K: recompute every K-th block")
+    memory.add_argument("--attention", default="dense", choices=list(ATTENTIONS),
+                        help="attention core: dense (keeps the (T, T) probabilities) or flash (FlashAttention's "
+                             "blockwise online softmax: keeps the output and the row log-sum-exp)")
+    memory.add_argument("--attention-block", type=integer, default=64, help="flash: rows per query and key/value block")
+    memory.add_argument("--offload-activations", default="none", choices=list(OFFLOADS),
+                        help="move saved activations to host memory or to files until backward")
+    memory.add_argument("--offload-optimizer", default="none", choices=list(OFFLOADS),
+                        help="keep master weights and Adam state (and run the update) on the host or on disk "
+                             "(ZeRO-Offload / ZeRO-Infinity)")
+    memory.add_argument("--offload-dir", default=None, help="directory of the anonymous offload files "
+                                                             "(default: the system temp directory)")
+    numerics.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
+                          help="adam8bit: m and v as 8-bit codes + one FP32 absmax per block (Dettmers et al. 2022)")
+    numerics.add_argument("--adam8bit-block-size", type=integer, default=256,
+                          help="elements per absmax of 8-bit Adam's state")
+    comm.add_argument("--quantized-comm", action="store_true",
+                      help="INT8 on the wire for the gradient all-reduce (--zero 0), ZeRO's gradient "
+                           "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
     moe.add_argument("--moe-experts", type=integer, default=0, metavar="E",
                      help="experts per MoE layer, replacing the blocks' MLPs (0: dense MLPs)")
     moe.add_argument("--moe-top-k", type=integer, default=2, metavar="K", help="experts each token is routed to")
@@ -192,39 +208,41 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--ep", type=integer, default=1,
                      help="expert-parallel size: the experts split over groups of EP data ranks, tokens sent to "
                           "their experts by all-to-all")
-    p.add_argument("--prune-sparsity", type=real, default=0.0,
-                   help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
-    p.add_argument("--prune-scope", default="layer", choices=list(SCOPES), help="rank weights per layer or globally")
-    p.add_argument("--prune-step", type=integer, default=0,
-                   help="steps trained dense before the masks are made (0: from the start; K: before step K+1)")
-    p.add_argument("--out", default="out", help="directory for model.npz and summary.json")
-    p.add_argument("--json", default=None, help="path of the JSON summary (default OUT/summary.json)")
-    p.add_argument("--sample-tokens", type=integer, default=200, help="bytes of text to generate at the end")
-    p.add_argument("--prompt", default="The ", help="text the closing sample continues (at least one character; "
-                                                     "python -m minizero.sample takes the same)")
-    p.add_argument("--progress", default="auto", choices=list(PROGRESS_MODES),
-                   help="rank 0's live progress: a tqdm bar, a log line every K steps, or nothing; auto: the bar "
-                        "when stdout is a terminal, else log lines (under mpirun stdout is never a terminal)")
-    p.add_argument("--log-every", type=integer, default=None,
-                   help="K: steps between progress log lines (default: about 15 lines per run)")
-    p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
-    p.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
-    p.add_argument("--tracemalloc", action="store_true",
-                   help="measure the process peak with tracemalloc (every NumPy allocation over the training "
-                        "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")
-    p.add_argument("--no-tracemalloc", action="store_true",
-                   help="tracemalloc off (the default; kept so older command lines run; wins over --tracemalloc)")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="leave glibc's malloc as it is (default: keep freed memory for reuse, mallopt; "
-                        "docs/benchmarks.md, Memory allocation)")
-    p.add_argument("--save-every", type=integer, default=0,
-                   help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
-    p.add_argument("--save-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
-    p.add_argument("--keep", type=integer, default=2,
-                   help="complete checkpoints kept (older ones removed after a save)")
-    p.add_argument("--resume", default=None,
-                   help="continue from a checkpoint folder, or from a save dir's latest complete checkpoint "
-                        "(any layout: the state is resharded on load)")
+    numerics.add_argument("--prune-sparsity", type=real, default=0.0,
+                          help="fraction of the linear weights pruned by magnitude and kept at zero (0: dense)")
+    numerics.add_argument("--prune-scope", default="layer", choices=list(SCOPES),
+                          help="rank weights per layer or globally")
+    numerics.add_argument("--prune-step", type=integer, default=0,
+                          help="steps trained dense before the masks are made (0: from the start; K: before step K+1)")
+    output.add_argument("--out", default="out", help="directory of the files the run writes (model.npz, "
+                                                      "model.json, summary.json, the plots, flight/)")
+    output.add_argument("--json", default=None, help="path of the JSON summary (default: OUT/summary.json)")
+    output.add_argument("--sample-tokens", type=integer, default=200, help="bytes of text to generate at the end")
+    output.add_argument("--prompt", default="The ", help="text the closing sample continues (at least one character; "
+                                                          "python -m minizero.sample takes the same)")
+    output.add_argument("--progress", default="auto", choices=list(PROGRESS_MODES),
+                        help="rank 0's live progress: a tqdm bar, a log line every K steps, or nothing; auto: the bar "
+                             "when stdout is a terminal, else log lines (under mpirun stdout is never a terminal)")
+    output.add_argument("--log-every", type=integer, default=None,
+                        help="K: steps between progress log lines (default: about 15 lines per run)")
+    output.add_argument("--no-progress", action="store_true", help="the same as --progress none")
+    output.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
+    debug.add_argument("--tracemalloc", action="store_true",
+                       help="measure the process peak with tracemalloc (every NumPy allocation over the training "
+                            "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")
+    debug.add_argument("--no-tracemalloc", action="store_true",
+                       help="tracemalloc off (the default; kept so older command lines run; wins over --tracemalloc)")
+    debug.add_argument("--default-malloc", action="store_true",
+                       help="leave glibc's malloc as it is (default: keep freed memory for reuse, mallopt; "
+                            "docs/benchmarks.md, Memory allocation)")
+    output.add_argument("--save-every", type=integer, default=0,
+                        help="write a sharded checkpoint every N optimizer steps and after the last (0: none)")
+    output.add_argument("--save-dir", default=None, help="checkpoint folder (default: OUT/checkpoints)")
+    output.add_argument("--keep", type=integer, default=2,
+                        help="complete checkpoints kept (older ones removed after a save)")
+    output.add_argument("--resume", default=None,
+                        help="continue from a checkpoint folder, or from a save dir's latest complete checkpoint "
+                             "(any layout: the state is resharded on load)")
     return p
 
 

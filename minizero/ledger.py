@@ -6,6 +6,7 @@ Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's mode
 """
 from __future__ import annotations
 
+import re
 import textwrap
 import threading
 import weakref
@@ -320,11 +321,18 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     return "\n".join(lines)
 
 
+#: a figure's pieces that a line break must not part: a rank label, its number and its unit ("r4-7 16.09 MiB")
+_UNBREAKABLE = re.compile(r"(?:\br[0-9][0-9,-]* )?[0-9][0-9.,]* (?:B|KiB|MiB|GiB|TiB|kB|MB|GB|TB|s|ms)\b")
+
+
 def wrap(line: str, width: int = 100, hang: int = 2) -> list[str]:
-    """A prose line cut at ``width`` columns, the continuation lines indented ``hang`` more than the first."""
+    """A prose line cut at ``width`` columns, the continuation lines indented ``hang`` more than the first; a
+    figure (``r4-7 16.09 MiB``) stays on one line."""
     indent = line[:len(line) - len(line.lstrip())]
-    return textwrap.wrap(line.lstrip(), width, initial_indent=indent, subsequent_indent=indent + " " * hang,
-                         break_on_hyphens=False, break_long_words=False) or [line]
+    glued = _UNBREAKABLE.sub(lambda m: m.group(0).replace(" ", "\0"), line.lstrip())
+    return [part.replace("\0", " ") for part in textwrap.wrap(
+        glued, width, initial_indent=indent, subsequent_indent=indent + " " * hang, break_on_hyphens=False,
+        break_long_words=False)] or [line]
 
 
 def _equal_ranks(per_rank: list[dict]) -> list[list[int]]:

@@ -69,6 +69,12 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def description(doc: str) -> str:
+    """The first paragraph of a program's module docstring as its --help shows it: without reST's double
+    backquotes (``python -m x`` reads as python -m x in a terminal)."""
+    return doc.split("\n\n")[0].replace("``", "")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it)."""
 

@@ -22,7 +22,7 @@ import sys
 from minizero.memory.estimator import PRECISIONS, Strategy, element_bytes, lora_activation_bytes, lora_state_bytes
 from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     candidate_json, describe, format_table, header, plot, plot_path, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
@@ -77,7 +77,7 @@ def parse_bytes(text: str, what: str = "value", unit_required: bool = False) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.plan`` (every option has help; defaults shown once)."""
-    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.plan", description=__doc__.split("\n\n")[0],
+    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.plan", description=description(__doc__),
                                                    formatter_class=DefaultsOnce))
     p.add_argument("--model", required=True, metavar="NAME",
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
@@ -244,8 +244,8 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
         f": device {c.memory.total / scale:.2f} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage {c.memory.stage},"
         f" the fullest), host {c.host / scale:.2f} of {hw.host_memory / scale:.2f} {unit}")
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
-    return (header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
-            + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)", ""]
+    return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
+                   + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
             + format_table([c], scale) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
 
 
@@ -281,10 +281,11 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                             "enumerated": count, "fit": len(fits),
                             "candidates": [candidate_json(c, i) for i, c in enumerate(shown, 1)]}, indent=1)]
     more = f"; the best {len(shown)} shown (--top 0: all)" if len(shown) < len(fits) else ""
-    return (header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
-            + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
-               "(a first-order model: step times within about 1% of each other are within its accuracy; such rows "
-               "stay in tok/s order; the why lines below compare the first few and say when one needs less memory)", ""]
+    return (_prose(header(args, model, hw, seq, gbatch, scale, unit, shown, fits)
+                   + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
+                      "(a first-order model: step times within about 1% of each other are within its accuracy; such "
+                      "rows stay in tok/s order; the why lines below compare the first few and say when one needs "
+                      "less memory)"]) + [""]
             + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
             + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap("  " + line, hang=4)])
 
@@ -319,14 +320,19 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
              "parameter)",
              f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is "
              f"{f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
-             "bytes/param = model states (all but acts) / parameters",
-             f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'total':>9}  "
-             f"{'bytes/param':>11}  fits"]
+             "bytes/param = model states (all but acts) / parameters"]
+    lines = _prose(lines) + [f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} "
+                             f"{'total':>9}  {'bytes/param':>11}  fits"]
     for r in rows:
         lines.append(f"{r['zero']:>2} " + " ".join(f"{r[c] / scale:>9.2f}" for c in (
             "frozen", "adapters", "gradients", "optimizer_state", "activations", "total"))
             + f"  {r['bytes_per_parameter']:>11.3f}  {'yes' if r['fits'] else 'no'}")
     return lines
+
+
+def _prose(lines: list[str]) -> list[str]:
+    """The explanatory lines above a table, wrapped at 100 columns as the why lines below it are."""
+    return [w for line in lines for w in wrap(line)]
 
 
 def main(argv=None) -> int:

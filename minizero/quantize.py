@@ -23,7 +23,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
@@ -37,7 +37,7 @@ DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.quantize``."""
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.quantize", description=__doc__.split("\n\n")[0],
+        prog="python -m minizero.quantize", description=description(__doc__),
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
@@ -131,7 +131,8 @@ def run(args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """The measurements as a text table (bytes exact, losses in nats per token)."""
+    """The measurements as a text table (bytes exact, losses in nats per token), and a line saying what each
+    column holds."""
     base, rows = result["baseline"], result["rows"]
     lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
              f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
@@ -146,6 +147,9 @@ def format_table(result: dict) -> str:
             name += f" +{r['outlier_columns']} fp32 col"
         lines.append(f"{name:<22}{r['linear_bytes']:>14,}{r['model_bytes']:>13,}"
                      f"{r['model_bytes'] / base['model_bytes']:>7.2f}{r['val_loss']:>10.4f}{r['delta']:>+10.5f}")
+    lines.append(f"bytes: the linear layers' weights and the whole model's; ratio: model bytes / the "
+                 f"{lines[2].split()[0]} row's; val loss in nats per byte; delta: val loss minus the "
+                 f"{lines[2].split()[0]} row's")
     cal = result.get("calibration")
     if cal:
         top = max(cal["max_input_absmax"], key=cal["max_input_absmax"].get)

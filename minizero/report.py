@@ -103,8 +103,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
             + (f" (at step {', '.join(str(k + 1) for k in result['skipped_at'][:10])}"  # 1-based, as progress
                f"{', ...' if len(result['skipped_at']) > 10 else ''})" if result["skipped_at"] else ""))
     if result.moe is not None:
-        say(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: tokens per expert over the run "
-            f"{result.moe['tokens_per_expert']} (shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
+        say(f"MoE: {args.moe_experts} experts, top-{args.moe_top_k}, ep {args.ep}: routing choices per expert over "
+            f"the run (top-{args.moe_top_k} per token, summed over the {len(result.moe['layers'])} MoE layers) "
+            f"{', '.join(f'{n:,}' for n in result.moe['tokens_per_expert'])} "
+            f"(shares {', '.join(f'{x:.1%}' for x in result.moe['load_share'])}), "
             f"{result.moe['drop_rate']:.2%} of the choices dropped past capacity")
     capped = threads < max(1, cores // max(1, local_ranks))  # the user's OPENBLAS/OMP/MKL_NUM_THREADS
     notes = [f"BLAS threads per rank: {threads} ({local_ranks} rank(s) on this node, {cores} core(s)"

@@ -18,7 +18,8 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real_as_typed
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks,
+                                real_as_typed)
 from minizero.weights import load_gpt
 from minizero.interrupts import NOTHING, interruptible
 
@@ -93,7 +94,7 @@ def sample_text(model, prompt: str, max_new_tokens: int, temperature: float = 0.
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.sample", description=__doc__.split("\n\n")[0],
+        prog="python -m minizero.sample", description=description(__doc__),
         formatter_class=DefaultsOnce,
         epilog="A \ufffd in the sample is a byte (or a run of them) that is not valid UTF-8, or a control character: "
                "the model writes bytes, not characters."))

@@ -55,6 +55,14 @@ def test_group_communicators_hold_the_right_ranks():
     assert got[2][1] == {"tp": [2, 3], "dp": [0, 2], "pp": [2, 6], "embed": [2, 6], "mp": [2, 3, 6, 7]}
 
 
+def test_the_node_line_of_one_process_and_of_several():
+    """Before: "nodes: all 1 rank(s) on one node (one machine)" for a single process."""
+    lines = run_in_threads(2, lambda comm: Topology(comm, 2, 1, 1).describe_nodes())
+    assert lines[0] == "nodes: all 2 rank(s) on one node (one machine): no message crosses a network"
+    assert run_in_threads(1, lambda comm: Topology(comm, 1, 1, 1).describe_nodes()) == [
+        "nodes: one process on one machine: no message crosses a network"]
+
+
 @pytest.mark.parametrize("world, given, expect", [
     (8, (None, 2, 2), (2, 2, 2)), (8, (2, 2, None), (2, 2, 2)), (8, (2, None, 2), (2, 2, 2)),
     (8, (None, None, None), (8, 1, 1)), (8, (None, 2, None), (4, 2, 1)), (8, (None, None, 4), (2, 1, 4)),

@@ -138,6 +138,16 @@ def test_setup_peak_help_is_its_own():
     assert "--max-fraction F" in text and "python -m minizero.train --help" in text
 
 
+@pytest.mark.parametrize("name", ["bench_memory", "bench_header", "bench_flight"])
+def test_bench_help_says_every_default(name):
+    """Before: "--steps STEPS" alone (no help text, so argparse showed no default), and bench_header's
+    description read "``MPICommunicator``"."""
+    r = script(name, "--help")
+    assert r.returncode == 0 and "``" not in r.stdout
+    blocks = [" ".join(b.split()) for b in r.stdout.split("options:")[1].split("\n  -")[1:]]
+    assert blocks and all("(default" in b for b in blocks if not b.startswith(("h, --help", "-json", "-check"))), blocks
+
+
 class Launched(Exception):
     """The stub launcher was reached: every check passed."""
 

@@ -350,8 +350,8 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert debug_main(["trace", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
-    assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00; 1.57x rank 0's 3.50)" in out
-    assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 in pipeline waits, most of it waiting for "
+    assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00 ms/step; 1.57x rank 0's 3.50 ms/step)" in out
+    assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
 
 
@@ -360,7 +360,7 @@ def test_trace_report_of_one_rank_names_no_straggler():
     from minizero.debug import timeline
     events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "optimizer", "optimizer", 0, 1000, 1000)]
     lines = timeline.report(events)
-    assert lines[-1] == "one rank: no straggler to name (working 2.00 ms/step, compute 2.00)"
+    assert lines[-1] == "one rank: no straggler to name (working 2.00 ms/step, compute 2.00 ms/step)"
     assert not any(line.startswith(("slowest rank", "most waiting")) for line in lines)
 
 

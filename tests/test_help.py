@@ -1,4 +1,5 @@
 """Every program's --help says each option's default once, and never as a value one cannot type."""
+import argparse
 import re
 
 import pytest
@@ -29,3 +30,39 @@ def test_a_default_of_zero_is_said(module):
     for action in zeros:
         block = " ".join(b for b in blocks if b.startswith(action.option_strings[-1] + " ")).split()
         assert "(default:" in block and block[block.index("(default:") + 1].startswith("0"), (action.dest, block)
+
+
+@pytest.mark.parametrize("module", [flags, plan, quantize, sample, finetune, compare], ids=lambda m: m.__name__)
+def test_every_option_with_a_default_says_it(module):
+    """Before: --comm-timeout's help named PyTorch's default ("PyTorch's NCCL default: 600"), so the formatter took
+    the word "default" for minizero's own and never printed it."""
+    parser = module.build_parser()
+    blocks = re.split(r"\n  (?=-)", parser.format_help().split("options:")[1])
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            block = next(b for b in blocks if b.startswith(action.option_strings[-1] + " ")
+                         or b.startswith(", ".join(action.option_strings)))
+            assert "(default" in " ".join(block.split()), (action.dest, block)
+
+
+def test_train_help_groups_the_flags_by_technique():
+    """Before: 72 flags in one list in definition order (only the MoE flags had a group of their own)."""
+    text = flags.build_parser().format_help().split("options:")[1]
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert len(titles) >= 8, titles
+    assert text.index("--zero {0,1,2,3}") > text.index("memory: ZeRO") > text.index("--tp TP")
+    assert "world size (the ranks mpirun starts) = dp x cp x tp x" in text
+
+
+@pytest.mark.parametrize("module", [plan, quantize, sample, finetune, compare], ids=lambda m: m.__name__)
+def test_help_shows_no_rest_markup(module):
+    """Before: "``python -m minizero.plan``: will this model fit..." at the top of --help (the docstring's reST)."""
+    assert "``" not in module.build_parser().format_help()
+
+
+def test_debug_help_shows_no_rest_markup(capsys):
+    from minizero.debug.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "python -m minizero.debug hang OUT/flight:" in " ".join(out.split())

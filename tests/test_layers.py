@@ -27,6 +27,21 @@ def test_import_contracts_are_kept():
     assert "2 kept, 0 broken" in proc.stdout
 
 
+def test_architecture_md_names_every_layer_in_order():
+    """Before: its diagram lacked debug/, compare_report, quantized_model and interrupts, which pyproject.toml's
+    layers hold, and had lines 130-180 columns wide."""
+    import re
+
+    pyproject = (REPO / "pyproject.toml").read_text()  # tomllib is Python >= 3.11; the project runs on 3.10
+    layers = re.findall(r'^    "(minizero\.[^"]+)",$', pyproject.split("layers = [")[1].split("]")[0], re.M)
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    block = text.split("## Layers")[1].split("```")[1]
+    assert max(len(line) for line in block.splitlines()) <= MAX_COLUMNS
+    names = re.findall(r"(?:^|\| )([a-z_]+)/?(?= |$)", "\n".join(line[:43] for line in block.splitlines()), re.M)
+    expected = [m.strip().removeprefix("minizero.") for layer in layers for m in layer.split("|")]
+    assert names == expected, (names, expected)
+
+
 @pytest.mark.parametrize("module,line,contract", [
     ("backend.py", "import minizero.train", "layers"),                       # the core importing a program
     ("optim/adamw.py", "import minizero.memory.offload", "layers"),          # optim reaching up into memory

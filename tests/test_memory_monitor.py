@@ -276,6 +276,21 @@ def test_per_rank_values_share_a_label_when_equal():
     assert per_rank_text(["1 B", "2 B"]) == "r0 1 B, r1 2 B"
 
 
+def test_wrap_keeps_a_rank_its_number_and_its_unit_on_one_line():
+    """Before: the 3D job's report read "r4-7 16.09" at a line's end and "MiB" alone on the next, and
+    "r2-3,6-7" apart from its "0 B"."""
+    from minizero.ledger import wrap
+
+    line = ("  validation (the forward passes of the held-out batches, every group): r0-3 24.00 MiB, r4-7 16.09 MiB"
+            "; parameter gathers: r0 905.50 KiB, r1 1.70 MiB, r2-3,6-7 0 B, r4-5 1,234 B")
+    for width in range(40, 110):
+        lines = wrap(line, width)
+        assert " ".join(" ".join(lines).split()) == " ".join(line.split()), width
+        for figure in ("r4-7 16.09 MiB", "r2-3,6-7 0 B", "r0 905.50 KiB", "r4-5 1,234 B"):
+            assert any(figure in part for part in lines), (width, figure, lines)
+        assert all(len(part) <= width for part in lines), (width, lines)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_low_precision_linears_per_module_equal_the_formula_terms(precision):

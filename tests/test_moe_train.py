@@ -144,6 +144,9 @@ def test_expert_parallel_main_job_under_mpiexec(mpiexec, tmp_path):
     moe = json.loads((tmp_path / "summary.json").read_text())["moe"]
     assert moe["tokens_per_expert"] == [int(x) for x in sum(rload.values())[:-1]]
     assert moe["ep"] == 2 and 0 < moe["drop_rate"] < 1
+    said = " ".join(proc.stdout.split())  # before: "tokens per expert over the run [72140, ...]", choices of 4 layers
+    assert (f"routing choices per expert over the run (top-2 per token, summed over the {len(moe['layers'])} MoE "
+            f"layers) {', '.join(f'{n:,}' for n in moe['tokens_per_expert'])} (shares") in said
 
 
 def test_the_header_counts_every_and_the_active_parameters():

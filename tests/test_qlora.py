@@ -205,6 +205,9 @@ def test_finetune_table_says_which_columns_are_bytes():
     assert text.splitlines()[0].split()[:4] == ["method", "trainable", "frozen", "B"]
     assert "B/param: their sum over the model's 10 parameters" in text and "val: validation loss" in text
     assert text.splitlines()[1].split()[-3:] == ["2.0000", "2.1000", "1.5000"]  # before, base, after
+    header = text.splitlines()[0]  # every column apart by two spaces: "B/param val before" read as one name
+    assert [name.strip() for name in header.split("  ") if name.strip()][-4:] == [
+        "B/param", "val before", "val base", "val after"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from minizero.debug import hang, parity, timeline
-from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.interrupts import interruptible
 
 WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
@@ -14,7 +14,7 @@ WHAT = {"hang": " (flight records are the rank_R.json files minizero.train write
 
 
 def main(argv=None) -> int:
-    p = OneLineParser(prog="python -m minizero.debug", description=__doc__)  # and its subcommands' parsers
+    p = OneLineParser(prog="python -m minizero.debug", description=description(__doc__))  # and its subcommands' parsers
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hang", help="compare every rank's flight record (OUT/flight/rank_R.json)")
     h.add_argument("folder", help="the folder of rank_R.json files, e.g. out/flight")

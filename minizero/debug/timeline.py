@@ -66,16 +66,16 @@ def report(events) -> list[str]:
     working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
     if len(pids) == 1:
         return lines + [f"one rank: no straggler to name (working {working[pids[0]]:.2f} ms/step, compute "
-                        f"{figs[pids[0]]['compute']:.2f})"]
+                        f"{figs[pids[0]]['compute']:.2f} ms/step)"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
     ratio = working[slow] / working[fast] if working[fast] else float("inf")
-    lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f}; "
-                 f"{ratio:.2f}x rank {fast}'s {working[fast]:.2f})")
+    lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f} "
+                 f"ms/step; {ratio:.2f}x rank {fast}'s {working[fast]:.2f} ms/step)")
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
-    lines.append(f"most waiting: rank {waiter} ({f['exposed']:.2f} ms/step in collectives, {f['bubble']:.2f} in "
-                 f"pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
+    lines.append(f"most waiting: rank {waiter} ({f['exposed']:.2f} ms/step in collectives, {f['bubble']:.2f} ms/step "
+                 f"in pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
     return lines
 
 

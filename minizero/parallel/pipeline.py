@@ -105,8 +105,8 @@ class PipelineStage(Module):
 def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
     """Sum the gradients of ``wte`` (first stage) and its copy ``lm_head.weight`` (last stage).
 
-    Collective over ``embed_comm``: one all-reduce of (V, C), V*C*itemsize bytes per rank; no-op where one rank
-    holds both ends.
+    Collective over ``embed_comm`` (the first and the last stage): one all-reduce of (V, C), V*C*itemsize bytes
+    per rank; no-op on a middle stage and where one rank holds both ends.
     """
     if stage.is_first == stage.is_last:
         return
@@ -258,7 +258,9 @@ class PipelineEngine:
                 with self.forward_context(), batch_rows(*rows[op.mb]):
                     out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
                 if chunk.is_last:
-                    loss_sum += shares[op.mb] * out.item() if shares[op.mb] else 0.0  # 1.0 * x is x, bit for bit
+                    # a weight-0 micro-batch (only padding) has a NaN mean loss and 0 * NaN is NaN: skipped;
+                    # the default weight 1.0 keeps the loss bit for bit (1.0 * x is x)
+                    loss_sum += shares[op.mb] * out.item() if shares[op.mb] else 0.0
                 else:
                     self._post(out.data, chunk.next_rank, "pp_activation", f"act {what}", self.act_tag)
                     # backward needs out's graph node, not its values: drop our reference to them

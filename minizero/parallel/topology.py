@@ -89,6 +89,8 @@ class Topology:
 
     def describe_nodes(self) -> str:
         """One line: the node layout and how many nodes each kind of group spans."""
+        if self.world.world_size == 1:
+            return "nodes: one process on one machine: no message crosses a network"
         if self.nodes.n_nodes == 1:
             return f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a network"
         names = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}

@@ -4,8 +4,9 @@ Per rank, Ψ parameters over N ranks, float32 parameters and gradients, Adam's m
 
     stage  file        sharded            bytes per parameter   bytes sent per step, one micro-batch
     1      stage1.py   optimizer state    4 + 4 + 8/N           2(N-1)/N x 4Ψ  reduce-scatter g, all-gather p
-    2      stage2.py   + gradients        4 + (4 + 8)/N         2(N-1)/N x 4Ψ  g reduce-scattered in backward
-    3      stage3.py   + parameters       (4 + 4 + 8)/N         3(N-1)/N x 4Ψ  gather p forward and backward
+    2      stage2.py   + gradients        4 + (4 + 8)/N         2(N-1)/N x 4Ψ  the same, g's during backward
+    3      stage3.py   + parameters       (4 + 4 + 8)/N         3(N-1)/N x 4Ψ  gather p in forward and in
+                                                                               backward, reduce-scatter g
 
 Ledger: ``parameters``, ``gradients``, ``optimizer_state``; transient ``gathered`` and ``comm_buffers``.
 Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054), section 5, Figure 1, section 7.2;

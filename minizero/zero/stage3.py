@@ -74,6 +74,8 @@ class ZeroStage3(ZeroStage2):
 
     def _home_params(self, st):
         get_ledger().track(st.param_shard, "parameters")
+        # a placeholder is one NaN broadcast to the parameter's shape: 0 bytes, the right shape for code that
+        # asks, and any use while the unit is not gathered turns the result into NaN instead of stale numbers
         st.placeholders = [backend.xp.broadcast_to(backend.xp.asarray(np.nan, dtype=st.param_shard.dtype), p.shape)
                            for p in st.params]
         for p, ph in zip(st.params, st.placeholders):
