@@ -22,7 +22,8 @@ import numpy as np
 
 from minizero import backend
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
-from minizero.autograd import backward
+from minizero.autograd import backward, manual_seed
+from minizero.autograd.rng import batch_rows, reserve
 from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
@@ -186,11 +187,14 @@ def _finetune(args, method, tokens, comm):
     dp_world, dp_rank = (world, rank) if topo is None else (topo.dp, topo.dp_rank)
     rows = slice(dp_rank * args.batch_size // dp_world, (dp_rank + 1) * args.batch_size // dp_world)
     fault = FaultInjector.from_environment(rank, params)  # MINIZERO_FAULT, as in the main job's loop
+    manual_seed(args.seed * 1000)  # dropout: one generator everywhere, masks addressed by site and row (rng.py)
     for step in range(args.steps):
         fault.on_step_start(None, step)
         x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
-        _, loss = model(backend.to_device(x[rows]), backend.to_device(y[rows]))
+        with batch_rows(rows.start, args.batch_size):  # one process's masks for these rows
+            _, loss = model(backend.to_device(x[rows]), backend.to_device(y[rows]))
         backward(loss)
+        reserve(1)  # the next step's masks
         if sync is not None:
             sync.reduce_gradients()
         norm_sq = None if topo is None else sync.grad_norm_sq(counts_in_norm(topo.tp_comm), topo.tp_comm, comm)

@@ -123,12 +123,14 @@ def test_tp2_finetune_equals_one_process(base, method):
 
 
 @pytest.mark.timeout(200)
-def test_tp2_lora_with_dropout_equals_one_process(tmp_path):
-    """Each tensor rank draws its heads' part of the one-process attention mask (HeadParallelDropout)."""
+@pytest.mark.parametrize("layout", [["--tp", "2"], [], ["--zero", "2"]], ids=["tp2", "dp2", "dp2-zero2"])
+def test_two_ranks_lora_with_dropout_equal_one_process(tmp_path, layout):
+    """Each tensor rank reads its heads' part of the one-process attention mask (HeadParallelDropout); each data
+    rank its rows of the global batch's masks (rng.batch_rows)."""
     dropout = _write(tmp_path, dataclasses.replace(CFG, dropout=0.1))
     tokens = load_tokens(str(dropout[1]))
     row1, _, want = finetune(_args(dropout), "lora", tokens)
-    for row, _, merged in run_in_threads(2, lambda c: finetune(_args(dropout, "--tp", "2"), "lora", tokens, c),
+    for row, _, merged in run_in_threads(2, lambda c: finetune(_args(dropout, *layout), "lora", tokens, c),
                                          timeout=150):
         assert abs(row["val_after"] - row1["val_after"]) < 1e-12
         for name, a in want.items():
