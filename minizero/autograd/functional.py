@@ -217,15 +217,11 @@ def causal_softmax(scores: Tensor) -> Tensor:
 
 
 class Dropout(Function):
-    """Inverted dropout: y = x * mask / (1 - p); mask from ``rng.dropout_keep_mask`` (inside ``rng.batch_rows``:
-    site ``site``'s rows, ``MaskStream.reserve``), saved as bool."""
+    """Inverted dropout by a bool keep mask of x's shape: y = x * keep / (1 - p), rounded to x's dtype once; the
+    mask saved (1 byte per element). Every dropout of minizero, whole or a shard's, ends here."""
 
     @staticmethod
-    def forward(ctx, x, p, site=None):
-        if in_batch_rows():
-            keep = MaskStream.reserve(x.shape, p, site=site).block(tuple(slice(0, d) for d in x.shape))
-        else:
-            keep = dropout_keep_mask(x.shape, p)
+    def forward(ctx, x, keep, p):
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return masked_scale(x, keep, ctx.scale)
@@ -237,14 +233,19 @@ class Dropout(Function):
 
 
 def dropout(x: Tensor, p: float, training: bool = True, site=None) -> Tensor:
-    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. ``site``: the
-    dropout's number in the model (needed inside ``rng.batch_rows``). ValueError: p outside [0, 1), or no
+    """Dropout with probability ``p`` in training mode; identity otherwise or when p == 0. The mask: the
+    stream's next draws (``rng.dropout_keep_mask``), or inside ``rng.batch_rows`` site ``site``'s rows
+    (``MaskStream.reserve``; ``site``: the dropout's number in the model). ValueError: p outside [0, 1), or no
     ``site`` inside ``batch_rows``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    return Dropout.apply(x, p, site)
+    if in_batch_rows():
+        keep = MaskStream.reserve(x.shape, p, site=site).block(tuple(slice(0, d) for d in x.shape))
+    else:
+        keep = dropout_keep_mask(x.shape, p)
+    return Dropout.apply(x, keep, p)
 
 
 IGNORE_INDEX = -100  #: PyTorch's default ``ignore_index``: a target that adds nothing to the loss

@@ -15,7 +15,7 @@ import math
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
-from minizero.autograd.functional import masked_scale
+from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Dropout, Module
@@ -251,21 +251,6 @@ class RingAttentionCore(Module):
         return ring_attention(q, k, v, self.comm, dropout)
 
 
-class _KeepMask(Function):
-    """Inverted dropout by a given keep mask: y = x * keep / (1 - p); the mask saved (bool)."""
-
-    @staticmethod
-    def forward(ctx, x, keep, scale):
-        ctx.scale = scale
-        ctx.save_for_backward(keep)
-        return masked_scale(x, keep, scale)
-
-    @staticmethod
-    def backward(ctx, g):
-        (keep,) = ctx.saved_tensors
-        return masked_scale(g, keep, ctx.scale), None, None
-
-
 class ContextParallelDropout(Module):
     """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h),
     or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
@@ -288,7 +273,7 @@ class ContextParallelDropout(Module):
             if lo < hi:
                 keep.append(drop.block((slice(0, b), slice(c * n + lo - i * n, c * n + hi - i * n), slice(0, h))))
         keep = keep[0] if len(keep) == 1 else backend.xp.concatenate(keep, axis=1)
-        return _KeepMask.apply(x, keep, 1.0 / (1.0 - self.p))
+        return F.Dropout.apply(x, keep, self.p)
 
 
 def context_group(dp_comm, cp: int):

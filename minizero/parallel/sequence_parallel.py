@@ -131,24 +131,6 @@ class _GatheredLinear(Function):
         return (dx, dw, None, g2.sum(axis=0)) if ctx.has_bias else (dx, dw, None)
 
 
-class _SequenceSliceDropout(Function):
-    """Inverted dropout on rows [lo, lo+n) of a (b, s, h) activation: their elements of the mask drawn for all s
-    rows (the stream advances by the whole mask)."""
-
-    @staticmethod
-    def forward(ctx, x, p, s_total, lo, site):
-        b, n, h = x.shape
-        keep = MaskStream.reserve((b, s_total, h), p, (0, lo, 0), site).block((slice(0, b), slice(0, n), slice(0, h)))
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(keep)
-        return x * keep * x.dtype.type(ctx.scale)
-
-    @staticmethod
-    def backward(ctx, g):
-        (keep,) = ctx.saved_tensors
-        return g * keep * g.dtype.type(ctx.scale), None, None, None, None
-
-
 # --------------------------------------------------------------------------- wrappers
 def scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
     """forward: keep this rank's rows (b, s, h) -> (b, s/t, h), backward: all-gather along s."""
@@ -220,8 +202,9 @@ class SequenceParallelDropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        n = x.shape[1]
-        return _SequenceSliceDropout.apply(x, self.p, n * self.comm.world_size, self.comm.rank * n, self.site)
+        b, n, h = x.shape  # rows [r n, (r + 1) n) of the mask of all s rows (the stream advances by the whole mask)
+        drop = MaskStream.reserve((b, n * self.comm.world_size, h), self.p, (0, self.comm.rank * n, 0), self.site)
+        return F.Dropout.apply(x, drop.block((slice(0, b), slice(0, n), slice(0, h))), self.p)
 
 
 class SequenceParallelEmbedding(VocabParallelEmbedding):

@@ -150,25 +150,6 @@ class RowParallelLinear(Module):
         return y + self.bias if self.bias is not None else y
 
 
-class _HeadSliceDropout(Function):
-    """Inverted dropout on heads [lo, lo+h) of an H-head tensor: those heads' elements of the mask drawn for all H
-    heads (the stream advances by the whole mask; only (b, h, t, s) draws are computed)."""
-
-    @staticmethod
-    def forward(ctx, x, p, n_head_total, lo, site):
-        b, h, t, s = x.shape
-        drop = MaskStream.reserve((b, n_head_total, t, s), p, (0, lo, 0, 0), site)
-        keep = drop.block(tuple(slice(0, d) for d in x.shape))
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(keep)
-        return x * keep * x.dtype.type(ctx.scale)
-
-    @staticmethod
-    def backward(ctx, g):
-        (keep,) = ctx.saved_tensors
-        return g * keep * g.dtype.type(ctx.scale), None, None, None, None
-
-
 class HeadParallelDropout(Module):
     """Dropout of attention probabilities (B, H/tp, T, T): the (B, H, T, T) mask drawn whole,
     heads [lo, lo + H/tp) kept."""
@@ -180,7 +161,8 @@ class HeadParallelDropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        return _HeadSliceDropout.apply(x, self.p, self.n_head_total, self.lo, self.site)
+        keep = self.reserve_mask(x.shape).block(tuple(slice(0, d) for d in x.shape))  # only (b, h, t, s) draws
+        return F.Dropout.apply(x, keep, self.p)
 
     def reserve_mask(self, shape):
         """As ``Dropout.reserve_mask``: this rank's heads of the (B, H, T, T) mask of every head, by block."""
