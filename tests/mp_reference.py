@@ -6,6 +6,9 @@ trains one process on the same global batches (micro-batch dp*b, M accumulation 
 ``assert_matches`` compares every rank's shards with the matching slices of the reference.
 """
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -118,3 +121,18 @@ def assert_matches(ref, results, label):
     for name, a in ref["params"].items():
         np.testing.assert_allclose(full[0][name], a, rtol=PARAM_RTOL, atol=PARAM_RTOL * np.abs(a).max(),
                                    err_msg=f"{label}: gathered {name}")
+
+
+def assert_command_lines_agree(mpiexec, folder, base, runs):
+    """Run ``mpiexec -n N python -m minizero.train *base *flags`` for each (label, N, flags) of ``runs`` (the
+    first label the parallel run, the last the reference); the model.npz files agree to 1e-9 (relative)."""
+    from tests.conftest import REPO_ROOT, mpi_env
+    out = {}
+    for label, n, flags in runs:
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(folder / label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(folder / label, "model.npz")))
+    got, want = out[runs[0][0]], out[runs[-1][0]]
+    for name, a in want.items():
+        np.testing.assert_allclose(got[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
