@@ -67,6 +67,20 @@ def test_the_block_reader_and_the_state_carry_the_rows():
             pass
 
 
+def test_a_block_of_whole_rows_equals_the_same_elements_read_by_pieces():
+    """A dropout's own rows (one run of the C order, read with one arange) are the elements a sliced reader
+    (sequence parallelism, flash attention) computes index by index."""
+    rng.set_rng_state({"key": 7, "offset": 3})
+    with rng.batch_rows(2, 6):
+        drop = rng.MaskStream.reserve((3, 4, 5), 0.4, site=2)
+        whole = drop.block((slice(0, 3), slice(0, 4), slice(0, 5)))
+        pieces = [drop.block((slice(0, 3), slice(0, 4), slice(lo, hi))) for lo, hi in ((0, 2), (2, 5))]
+        rows = [drop.block((slice(r, r + 1), slice(0, 4), slice(0, 5))) for r in range(3)]
+    assert whole.shape == (3, 4, 5) and 0.3 < whole.mean() < 0.9
+    np.testing.assert_array_equal(whole, np.concatenate(pieces, axis=2))
+    np.testing.assert_array_equal(whole, np.concatenate(rows, axis=0))
+
+
 def test_gpt_numbers_its_dropouts_in_module_order():
     model = GPT(get_config("tiny", dropout=0.1), meta=True)
     sites = [(n, m.site) for n, m in model.named_modules() if isinstance(m, Dropout)]

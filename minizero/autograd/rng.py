@@ -190,6 +190,12 @@ class MaskStream:
     def block(self, slices):
         """The bool keep mask of the caller's array at ``slices``, on the device."""
         xp = backend.xp
+        starts = [o + sl.start for sl, o in zip(slices, self.origin)]
+        counts = [sl.stop - sl.start for sl in slices]
+        if all(s == 0 and c == n for s, c, n in zip(starts[1:], counts[1:], self.shape[1:])):
+            inner = math.prod(self.shape[1:])  # whole rows (a dropout's micro-batch): one run of the C order
+            flat = xp.arange(starts[0] * inner, (starts[0] + counts[0]) * inner, dtype=xp.uint64)
+            return keep_mask_at(self.key, self.offset, flat, self.p).reshape(tuple(counts))
         flat = xp.zeros((1,) * len(self.shape), dtype=xp.uint64)
         for axis, (sl, n, o) in enumerate(zip(slices, self.shape, self.origin)):
             r = xp.arange(o + sl.start, o + sl.stop, dtype=xp.uint64)
