@@ -133,7 +133,7 @@ class _GatheredLinear(Function):
 
 class _SequenceSliceDropout(Function):
     """Inverted dropout on rows [lo, lo+n) of a (b, s, h) activation: their elements of the mask drawn for all s
-    rows (the stream advances by the whole mask)."""
+    rows (``MaskStream``: the site's addressed mask inside ``rng.batch_rows``; outside, the stream advances by it)."""
 
     @staticmethod
     def forward(ctx, x, p, s_total, lo, site):

@@ -152,7 +152,8 @@ class RowParallelLinear(Module):
 
 class _HeadSliceDropout(Function):
     """Inverted dropout on heads [lo, lo+h) of an H-head tensor: those heads' elements of the mask drawn for all H
-    heads (the stream advances by the whole mask; only (b, h, t, s) draws are computed)."""
+    heads (``MaskStream``: the site's addressed mask inside ``rng.batch_rows``, else the stream advances by the
+    whole mask; only (b, h, t, s) draws are computed)."""
 
     @staticmethod
     def forward(ctx, x, p, n_head_total, lo, site):
