@@ -6,11 +6,15 @@ trains one process on the same global batches (micro-batch dp*b, M accumulation 
 ``assert_matches`` compares every rank's shards with the matching slices of the reference.
 """
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 
 from minizero.parallel.tensor_parallel import shard_array
 from minizero.train import parse_args, train
+from tests.conftest import REPO_ROOT, mpi_env
 
 STEPS, CLIP = 3, 0.05  # CLIP is far below the gradient norm, so clipping (and the global norm) is exercised
 GRAD_RTOL, PARAM_RTOL = 1e-12, 1e-9
@@ -118,3 +122,20 @@ def assert_matches(ref, results, label):
     for name, a in ref["params"].items():
         np.testing.assert_allclose(full[0][name], a, rtol=PARAM_RTOL, atol=PARAM_RTOL * np.abs(a).max(),
                                    err_msg=f"{label}: gathered {name}")
+
+
+def cli_matches_one_process(mpiexec, folder, base, par, one=(), ranks=2):
+    """``mpiexec -n ranks python -m minizero.train *base *par`` and ``-n 1 ... *base *one`` (each ``--out`` a
+    folder of ``folder``: par/, one/): both exit 0 and their model.npz hold the same names with every weight
+    within 1e-9 of max(1, its largest magnitude). Returns the (par, one) output folders."""
+    out = {}
+    for label, n, flags in (("par", ranks, par), ("one", 1, one)):
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
+               "--out", os.path.join(folder, label)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = dict(np.load(os.path.join(folder, label, "model.npz")))
+    assert set(out["par"]) == set(out["one"])
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    return os.path.join(folder, "par"), os.path.join(folder, "one")

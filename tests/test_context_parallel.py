@@ -1,8 +1,5 @@
 """Ring attention (context parallelism): equal to whole causal attention in float64, load-balanced chunks."""
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,7 +23,6 @@ from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import tensor_parallelize
 from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
-from tests.conftest import REPO_ROOT, mpi_env
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk():
@@ -322,14 +318,7 @@ def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, acc
     one process's."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2", "--dropout", drop]
-    out = {}
-    for label, n, flags in [("par", n, flags), ("one", 1, ["--grad-accum", accum])]:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
-    for name, a in out["one"].items():
-        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, flags, ["--grad-accum", accum], ranks=n)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])

@@ -6,9 +6,6 @@ process's masks: float64 gradients (1e-12), weights after 3 steps (1e-9) and los
 with dropout 0.2; a checkpoint resumes them on another layout; ``mpiexec -n 2 --dp 2`` ends with one process's
 weights.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +15,6 @@ from minizero.autograd import Tensor, rng
 from minizero.comm import run_in_threads
 from minizero.nn import GPT, get_config
 from minizero.nn.module import Dropout
-from tests.conftest import REPO_ROOT, mpi_env
 from tests.test_checkpoint import F64, run as run_checkpointed
 
 DROP = ["--dropout", "0.2"]
@@ -149,11 +145,4 @@ def test_data_parallel_with_dropout_from_the_command_line(mpiexec, tmp_path):
     """``mpiexec -n 2 python -m minizero.train --dp 2 --dropout 0.1`` ends with one process's weights."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--seed", "3", "--micro-batch-size", "2", "--dropout", "0.1"]
-    out = {}
-    for label, n, flags in [("par", 2, ["--zero", "1"]), ("one", 1, ["--grad-accum", "2"])]:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
-    for name, a in out["one"].items():
-        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--zero", "1"], ["--grad-accum", "2"])

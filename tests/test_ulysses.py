@@ -7,9 +7,6 @@
 * Refused: heads not divisible by c, dropout.
 """
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,7 +24,6 @@ from minizero.parallel.context_parallel import (context_parallelize, split_for_c
 from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.ulysses import UlyssesAttentionCore, sequence_order, ulysses_bytes
 from minizero.train import parse_args
-from tests.conftest import REPO_ROOT, mpi_env
 from tests.test_context_parallel import _measure
 
 
@@ -110,14 +106,7 @@ def test_ulysses_from_the_command_line(mpiexec, tmp_path):
     base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3",
             "--micro-batch-size", "2"]
-    out = {}
-    for label, n, flags in [("par", 2, ["--ulysses", "2"]), ("one", 1, [])]:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
-    for name, a in out["one"].items():
-        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--ulysses", "2"])
 
 
 def _ulysses_traffic(comm, cfg, b, mode):
