@@ -612,6 +612,28 @@ def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(sav
     assert not any("layout changed" in line for line in logs), logs
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks, said", [(2, "each rank's own state restored"), (1, "the layout changed")])
+def test_a_checkpoint_with_per_rank_dropout_states_says_what_it_restored(saved, tmp_path, ranks, said):
+    """Checkpoints written before the masks were addressed hold a different (key, offset) on each rank: on their
+    layout each rank continues its own (with a note: not one process's masks), on another all are re-seeded."""
+    import json
+
+    old = _copy(saved, tmp_path / "per_rank")
+    man = json.loads((old / "manifest.json").read_text())
+    for i, f in enumerate(man["files"]):
+        f["rng"] = {"key": 1000 + i, "offset": 7}
+    (old / "manifest.json").write_text(json.dumps(man, indent=1))
+    logs = []
+
+    def resume(comm):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--dropout", "0.1", "--resume", str(old)], comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(ranks, resume, timeout=60) == [2] * ranks
+    assert sum(said in line for line in logs) == 1, logs
+
+
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
 def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
     """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir

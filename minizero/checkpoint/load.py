@@ -178,6 +178,9 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
         state = states[0]  # one generator on every rank (masks addressed by site and row): any layout
     elif not earlier and same:  # per-rank states (saved before the addressing): each rank its own
         state = next((f["rng"] for f in man["files"] if f["rank"] == comm.rank), None)
+        if strategy.stage.config.dropout > 0:
+            notes.append("dropout generator: each rank's own state restored (saved before masks were addressed by "
+                         "site and row), so the masks are not one process's")
     if state is not None:
         set_rng_state(state)  # the counter-based generator's (key, offset): plain ints, exact through JSON
     else:
