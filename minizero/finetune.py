@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
     p.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (lora, qlora): each block's "
                    "matrices and adapters split over them; the other ranks / tp are data parallel")
-    p.add_argument("--seed", type=integer, default=0, help="seed of the batches and the adapters' A")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the batches, the adapters' A and the dropout masks")
     p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S, help="under mpirun: seconds (at least 1) "
                    "any one message or collective may wait for a peer before the job is ended, naming the rank")
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")

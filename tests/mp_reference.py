@@ -14,6 +14,7 @@ import numpy as np
 
 from minizero.parallel.tensor_parallel import shard_array
 from minizero.train import parse_args, train
+from tests.conftest import REPO_ROOT, mpi_env
 
 STEPS, CLIP = 3, 0.05  # CLIP is far below the gradient norm, so clipping (and the global norm) is exercised
 GRAD_RTOL, PARAM_RTOL = 1e-12, 1e-9
@@ -123,16 +124,18 @@ def assert_matches(ref, results, label):
                                    err_msg=f"{label}: gathered {name}")
 
 
-def assert_command_lines_agree(mpiexec, folder, base, runs):
-    """Run ``mpiexec -n N python -m minizero.train *base *flags`` for each (label, N, flags) of ``runs`` (the
-    first label the parallel run, the last the reference); the model.npz files agree to 1e-9 (relative)."""
-    from tests.conftest import REPO_ROOT, mpi_env
+def cli_matches_one_process(mpiexec, folder, base, par, one=(), ranks=2):
+    """``mpiexec -n ranks python -m minizero.train *base *par`` and ``-n 1 ... *base *one`` (each ``--out`` a
+    folder of ``folder``: par/, one/): both exit 0 and their model.npz hold the same names with every weight
+    within 1e-9 of max(1, its largest magnitude). Returns the (par, one) output folders."""
     out = {}
-    for label, n, flags in runs:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(folder / label)]
+    for label, n, flags in (("par", ranks, par), ("one", 1, one)):
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
+               "--out", os.path.join(folder, label)]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(folder / label, "model.npz")))
-    got, want = out[runs[0][0]], out[runs[-1][0]]
-    for name, a in want.items():
-        np.testing.assert_allclose(got[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+        out[label] = dict(np.load(os.path.join(folder, label, "model.npz")))
+    assert set(out["par"]) == set(out["one"])
+    for name, a in out["one"].items():
+        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    return os.path.join(folder, "par"), os.path.join(folder, "one")

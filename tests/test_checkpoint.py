@@ -588,9 +588,11 @@ def test_resuming_never_overwrites_its_checkpoint(saved):
 
 
 @pytest.mark.timeout(120)
-def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(saved, tmp_path):
+@pytest.mark.parametrize("ranks", [2, 1], ids=["same-layout", "another-layout"])
+def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(saved, tmp_path, ranks):
     """Checkpoints written before the counter-based dropout generator hold NumPy PCG64's state in each rank's
-    "rng": resuming one re-seeds (with a note) instead of failing in set_rng_state."""
+    "rng": resuming one re-seeds (with a note naming that cause, on its layout or another) instead of failing in
+    set_rng_state."""
     import json
 
     old = _copy(saved, tmp_path / "pcg64")
@@ -605,8 +607,31 @@ def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(sav
         args = parse_args(BASE + F64 + ["--steps", "3", "--dropout", "0.1", "--resume", str(old)], comm.world_size)
         return train(args, comm, log=logs.append)["start_step"]
 
-    assert run_in_threads(2, resume, timeout=60) == [2, 2]
+    assert run_in_threads(ranks, resume, timeout=60) == [2] * ranks
     assert any("earlier PCG64" in line and "re-seeded" in line for line in logs), logs
+    assert not any("layout changed" in line for line in logs), logs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks, said", [(2, "each rank's own state restored"), (1, "the layout changed")])
+def test_a_checkpoint_with_per_rank_dropout_states_says_what_it_restored(saved, tmp_path, ranks, said):
+    """Checkpoints written before the masks were addressed hold a different (key, offset) on each rank: on their
+    layout each rank continues its own (with a note: not one process's masks), on another all are re-seeded."""
+    import json
+
+    old = _copy(saved, tmp_path / "per_rank")
+    man = json.loads((old / "manifest.json").read_text())
+    for i, f in enumerate(man["files"]):
+        f["rng"] = {"key": 1000 + i, "offset": 7}
+    (old / "manifest.json").write_text(json.dumps(man, indent=1))
+    logs = []
+
+    def resume(comm):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--dropout", "0.1", "--resume", str(old)], comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(ranks, resume, timeout=60) == [2] * ranks
+    assert sum(said in line for line in logs) == 1, logs
 
 
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])

@@ -63,6 +63,20 @@ def test_the_block_reader_and_the_state_carry_the_rows():
             pass
 
 
+def test_a_block_of_whole_rows_equals_the_same_elements_read_by_pieces():
+    """A dropout's own rows (one run of the C order, read with one arange) are the elements a sliced reader
+    (sequence parallelism, flash attention) computes index by index."""
+    rng.set_rng_state({"key": 7, "offset": 3})
+    with rng.batch_rows(2, 6):
+        drop = rng.MaskStream.reserve((3, 4, 5), 0.4, site=2)
+        whole = drop.block((slice(0, 3), slice(0, 4), slice(0, 5)))
+        pieces = [drop.block((slice(0, 3), slice(0, 4), slice(lo, hi))) for lo, hi in ((0, 2), (2, 5))]
+        rows = [drop.block((slice(r, r + 1), slice(0, 4), slice(0, 5))) for r in range(3)]
+    assert whole.shape == (3, 4, 5) and 0.3 < whole.mean() < 0.9
+    np.testing.assert_array_equal(whole, np.concatenate(pieces, axis=2))
+    np.testing.assert_array_equal(whole, np.concatenate(rows, axis=0))
+
+
 def test_gpt_numbers_its_dropouts_in_module_order():
     model = GPT(get_config("tiny", dropout=0.1), meta=True)
     sites = [(n, m.site) for n, m in model.named_modules() if isinstance(m, Dropout)]
@@ -131,4 +145,16 @@ def test_data_parallel_with_dropout_from_the_command_line(mpiexec, tmp_path):
     """``mpiexec -n 2 python -m minizero.train --dp 2 --dropout 0.1`` ends with one process's weights."""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
             "--sample-tokens", "1", "--progress", "none", "--seed", "3", "--micro-batch-size", "2", "--dropout", "0.1"]
-    R.assert_command_lines_agree(mpiexec, tmp_path, base, [("par", 2, ["--zero", "1"]), ("one", 1, ["--grad-accum", "2"])])
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--zero", "1"], ["--grad-accum", "2"])
+
+
+@pytest.mark.parametrize("p", [0.0, 2 ** -24, 0.1, 1 / 3, 0.5, 0.99999994, 0.9999999999])
+def test_the_integer_keep_test_is_the_float_one(p):
+    """``rng._keep`` compares the uint64 outputs with one integer; the float form, u = (z >> 40) 2**-24 >= float32(p),
+    decides every output the same way (edges: 0, the threshold and one below it, 2**64 - 1; p rounding to 1)."""
+    z = rng.uniform_bits(100_000)
+    t = int(np.ceil(float(np.float32(p)) * 2 ** 24))
+    edges = [0, 2 ** 64 - 1] + ([max(0, (t << 40) - 1), t << 40] if t < 2 ** 24 else [])
+    z = np.concatenate([z, np.array(edges, dtype=np.uint64)])
+    want = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24) >= np.float32(p)
+    np.testing.assert_array_equal(rng._keep(z.copy(), p), want)

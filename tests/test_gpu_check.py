@@ -221,3 +221,12 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     assert "not a regular file" in problem("/dev/null")
     assert "is a directory" in problem(str(tmp_path))
     assert problem(str(tmp_path / "old.json")) is None and problem(str(tmp_path / "new.json")) is None
+
+
+def test_the_equality_rows_train_with_dropout():
+    """Rows 1-3 (CuPy against NumPy, two ranks against one, NCCL against MPI) run with dropout, so a GPU session
+    checks the dropout generator's uint64 arithmetic on CuPy and the masks addressed by site and row; the
+    flags parse as the main job's."""
+    from minizero.args import parse_args
+    args = parse_args(["--model", "tiny", *gpu_check.EQUAL], 1)
+    assert args.dropout == 0.1 and args.dtype == "float64" and args.steps == 5

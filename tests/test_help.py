@@ -66,3 +66,10 @@ def test_debug_help_shows_no_rest_markup(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and "python -m minizero.debug hang OUT/flight:" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("module", [flags, finetune], ids=lambda m: m.__name__)
+def test_the_seed_says_it_seeds_dropout(module):
+    """Both programs seed their dropout masks from --seed (one generator on every rank, rng.batch_rows)."""
+    seed = next(a for a in module.build_parser()._actions if a.dest == "seed")
+    assert "dropout" in seed.help, seed.help

@@ -1,9 +1,5 @@
 """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): the schedule, its bubble, and training equal to one process."""
-import os
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 import tests.mp_reference as R
@@ -14,7 +10,6 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_f
                                         interleaved,
                                         make_schedule, one_f_one_b, peak_in_flight, simulate)
 from minizero.train import parse_args
-from tests.conftest import REPO_ROOT, mpi_env
 
 PMV = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 8, 4), (2, 6, 3), (8, 16, 2)]
 
@@ -133,17 +128,9 @@ def test_interleaved_from_the_command_line(mpiexec, tmp_path):
     """``mpiexec -n 2 ... --pp 2 --schedule interleaved --virtual-stages 2``: the final weights are one process's."""
     base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
-    out = {}
-    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
-                                        "--micro-batch-size", "2"]),
-                            ("one", 1, ["--micro-batch-size", "2", "--grad-accum", "2"])]:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
-    assert set(out["par"]) == set(out["one"])
-    for name, a in out["one"].items():
-        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages",
+                                                             "2", "--micro-batch-size", "2"],
+                              ["--micro-batch-size", "2", "--grad-accum", "2"])
 
 
 def _picture_slots(text: str, width: int) -> tuple[int, int]:

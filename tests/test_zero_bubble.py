@@ -11,9 +11,6 @@
   under mpiexec.
 """
 import json
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import numpy as np
@@ -32,7 +29,6 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_ratio, make_sched
 from minizero.parallel.three_d import build_stage
 from minizero.parallel.topology import Topology
 from minizero.train import parse_args, train
-from tests.conftest import REPO_ROOT, mpi_env
 from tests.test_pipeline import CFG, micro_batches, run_engine
 
 
@@ -222,17 +218,9 @@ def test_zero_bubble_from_the_command_line(mpiexec, tmp_path, schedule, model):
     """``mpiexec -n 2 ... --pp 2 --schedule zb-h1 / zb-v``: the final weights are one process's."""
     base = ["--model", model, "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
-    out = {}
-    for label, n, flags in [("par", 2, ["--pp", "2", "--schedule", schedule, "--micro-batch-size", "2",
-                                        "--micro-batches", "4"]),
-                            ("one", 1, ["--micro-batch-size", "2", "--grad-accum", "4"])]:
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", str(tmp_path / label)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(tmp_path / label, "model.npz")))
-    assert set(out["par"]) == set(out["one"])
-    for name, a in out["one"].items():
-        np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--pp", "2", "--schedule", schedule, "--micro-batch-size",
+                                                             "2", "--micro-batches", "4"],
+                              ["--micro-batch-size", "2", "--grad-accum", "4"])
 
 
 @pytest.mark.timeout(300)

@@ -133,27 +133,28 @@ def reserve(n: int) -> tuple[int, int]:
     return state["key"], state["offset"]
 
 
+def _keep(z, p: float):
+    """Keep decisions ``u >= p`` of stream outputs ``z`` (uint64), u = (z >> 40) 2**-24. u is exact in float32, so
+    u >= float32(p) exactly when z >= ceil(float32(p) 2**24) 2**40: one integer comparison (nothing is kept when
+    float32(p) rounds to 1)."""
+    t = math.ceil(float(np.float32(p)) * 2 ** 24) << 40
+    return z >= np.uint64(t) if t <= _MASK else backend.xp.zeros(z.shape, dtype=bool)
+
+
 def keep_mask_at(key: int, offset: int, index, p: float):
     """Keep decisions of outputs ``index`` (uint64, C-order positions) of the mask drawn at (key, offset);
-    stream unmoved."""
-    z = index + np.uint64((offset + 1) & _MASK)
-    z *= np.uint64(GAMMA)
-    z += np.uint64(key)
-    u = (_mix64(z) >> np.uint64(40)).astype(backend.xp.float32)
-    u *= np.float32(2.0 ** -24)
-    return u >= np.float32(p)
+    stream unmoved. ``index`` is overwritten (callers pass a fresh array)."""
+    index += np.uint64((offset + 1) & _MASK)
+    index *= np.uint64(GAMMA)
+    index += np.uint64(key)
+    return _keep(_mix64(index), p)
 
 
 def dropout_keep_mask(shape, p: float):
     """A bool mask of ``shape`` on the device, True with probability 1 - p: ``u >= p``,
     u the top 24 bits times 2**-24."""
     shape = tuple(int(d) for d in shape)
-    n = 1
-    for d in shape:
-        n *= d
-    u = (uniform_bits(n) >> np.uint64(40)).astype(backend.xp.float32)
-    u *= np.float32(2.0 ** -24)
-    return u.reshape(shape) >= np.float32(p)  # a new array of ``shape`` that owns its bytes (the ledger's unit)
+    return _keep(uniform_bits(math.prod(shape)), p).reshape(shape)  # a new array of ``shape`` (the ledger's unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +191,12 @@ class MaskStream:
     def block(self, slices):
         """The bool keep mask of the caller's array at ``slices``, on the device."""
         xp = backend.xp
+        starts = [o + sl.start for sl, o in zip(slices, self.origin)]
+        counts = [sl.stop - sl.start for sl in slices]
+        if all(s == 0 and c == n for s, c, n in zip(starts[1:], counts[1:], self.shape[1:])):
+            inner = math.prod(self.shape[1:])  # whole rows (a dropout's micro-batch): one run of the C order
+            flat = xp.arange(starts[0] * inner, (starts[0] + counts[0]) * inner, dtype=xp.uint64)
+            return keep_mask_at(self.key, self.offset, flat, self.p).reshape(tuple(counts))
         flat = xp.zeros((1,) * len(self.shape), dtype=xp.uint64)
         for axis, (sl, n, o) in enumerate(zip(slices, self.shape, self.origin)):
             r = xp.arange(o + sl.start, o + sl.stop, dtype=xp.uint64)

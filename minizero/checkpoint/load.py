@@ -170,14 +170,19 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
                               "a model without them)")
     topo = strategy.topo
     same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
-    mine = next((f for f in man["files"] if f["rank"] == comm.rank), None) if same else None
     states = [f.get("rng") for f in man["files"]]
-    if all(isinstance(r, dict) and "key" in r for r in states) and all(r == states[0] for r in states):
-        mine = {"rng": states[0]}  # one generator on every rank (masks addressed by site and row): any layout
     # a checkpoint written before the counter-based generator holds NumPy PCG64's state: no (key, offset)
-    earlier = mine is not None and not (isinstance(mine.get("rng"), dict) and "key" in mine["rng"])
-    if mine is not None and not earlier:
-        set_rng_state(mine["rng"])  # the counter-based generator's (key, offset): plain ints, exact through JSON
+    earlier = not all(isinstance(r, dict) and "key" in r for r in states)
+    state = None
+    if not earlier and all(r == states[0] for r in states):
+        state = states[0]  # one generator on every rank (masks addressed by site and row): any layout
+    elif not earlier and same:  # per-rank states (saved before the addressing): each rank its own
+        state = next((f["rng"] for f in man["files"] if f["rank"] == comm.rank), None)
+        if strategy.stage.config.dropout > 0:
+            notes.append("dropout generator: each rank's own state restored (saved before masks were addressed by "
+                         "site and row), so the masks are not one process's")
+    if state is not None:
+        set_rng_state(state)  # the counter-based generator's (key, offset): plain ints, exact through JSON
     else:
         manual_seed(int(np.random.SeedSequence([man["train"]["seed"], man["step"]]).generate_state(1)[0]))
         if strategy.stage.config.dropout > 0:

@@ -254,7 +254,8 @@ class RingAttentionCore(Module):
 class ContextParallelDropout(Module):
     """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h),
     or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
-    The stream advances by the whole mask, each rank computes its rows' elements only. Identity in eval or p = 0."""
+    Each rank computes its rows' elements only (``MaskStream``: inside ``rng.batch_rows`` the site's addressed mask,
+    outside it the stream advances by the whole mask). Identity in eval or p = 0."""
 
     def __init__(self, p: float, comm, seq_comm=None, site=None):
         super().__init__()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
+from minizero.memory.estimator.lora import nf4_shard_runs
 from minizero.nf4 import BLOCK, NF4Shard, block_absmax
 from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, wrap_linear
 from minizero.nn.module import Module, Parameter
@@ -64,17 +65,15 @@ class RowParallelLoRAAdapter(LoRAAdapter):
 
 def nf4_runs(name: str, shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, rank: int = 0):
     """(first, pitch, count, length) in whole NF4 blocks of tensor rank ``rank``'s shard of the whole (out, in)
-    weight ``name`` (:class:`NF4Shard`): column-parallel, ``stride`` runs of out/(stride tp) rows x in elements;
-    row-parallel, one run of in/tp elements per row. Raises ValueError: a run is not whole blocks of 64 (QLoRA
-    would quantize blocks across shards), naming the weight, the run and the block."""
-    out_f, in_f = shape
-    run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
-    if run % BLOCK:
-        raise ValueError(f"--tp {tp} splits the {name} weight {tuple(shape)} into runs of {run} elements per rank, "
-                         f"not a multiple of the NF4 block {BLOCK}: QLoRA would quantize blocks across shards; give "
-                         f"a --tp that leaves runs of a multiple of {BLOCK} (or --method lora)")
-    length = run // BLOCK
-    return rank * length, tp * length, out_f if row_parallel else stride, length
+    weight ``name`` (:class:`NF4Shard`; the arithmetic is the estimator's :func:`nf4_shard_runs`): column-parallel,
+    ``stride`` runs of out/(stride tp) rows x in elements; row-parallel, one run of in/tp elements per row.
+    Raises ValueError: a run is not whole blocks of 64 (QLoRA would quantize blocks across shards), naming the
+    weight, the run and the block, and what to give instead."""
+    try:
+        return nf4_shard_runs(shape, stride, row_parallel, tp, rank, name=f"the {name}")
+    except ValueError as e:
+        raise ValueError(f"--{e}: QLoRA would quantize blocks across shards; give a --tp that leaves runs of a "
+                         f"multiple of {BLOCK} (or --method lora)") from None
 
 
 def _nf4_shard(weight, comm, row_parallel: bool, stride: int):

@@ -40,15 +40,17 @@ def _adapted(model, targets) -> list[tuple[str, tuple[int, int], int]]:
     return [row for _ in range(m.n_layer) for row in layer]
 
 
-def nf4_shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, tp_rank: int = 0):
+def nf4_shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, tp_rank: int = 0,
+                   name: str = "a"):
     """(first, pitch, count, length) of tensor rank ``tp_rank``'s NF4 shard of an (out, in) weight, in whole blocks
     (:class:`minizero.nf4.NF4Shard`): column-parallel ``stride`` runs of out/(stride tp) rows, row-parallel one run
-    of in/tp per row. Raises ValueError: a run is not whole NF4 blocks (QLoRA would quantize across shards)."""
+    of in/tp per row. Raises ValueError: a run is not whole NF4 blocks (QLoRA would quantize across shards), naming
+    the weight (``name``, e.g. "the attn.c_proj"), its shape and the run."""
     out_f, in_f = shape
     run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
     if run % NF4_BLOCK or (in_f if row_parallel else out_f // stride) % tp:
-        raise ValueError(f"tp {tp} splits an {shape} weight into runs of {run} elements per rank, not a multiple of "
-                         f"the NF4 block {NF4_BLOCK}")
+        raise ValueError(f"tp {tp} splits {name} weight {tuple(shape)} into runs of {run} elements per rank, not a "
+                         f"multiple of the NF4 block {NF4_BLOCK}")
     length = run // NF4_BLOCK
     return (tp_rank * length, tp * length, out_f if row_parallel else stride, length)
 
@@ -86,7 +88,10 @@ def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", 
     for name, (o, i), stride in mats:
         row = name.endswith("c_proj")
         if base == "nf4":
-            nf4 = nf4_bytes(o * i) if tp == 1 else nf4_shard_bytes(nf4_shard_runs((o, i), stride, row, tp, tp_rank))
+            if tp == 1:
+                nf4 = nf4_bytes(o * i)
+            else:  # this rank's shard; a weight whose shards are not whole blocks is named
+                nf4 = nf4_shard_bytes(nf4_shard_runs((o, i), stride, row, tp, tp_rank, f"the {name}"))
             frozen += nf4 - element * o * i // tp
         sizes.append(rank * (i // tp + o if row else i + o // tp))
     full = sum(math.ceil(n / dp) * dp if zero else n for n in sizes)  # a unit's flat buffer, padded
