@@ -9,6 +9,11 @@ trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
 """
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # as minizero.train: Ctrl-C before set-up ends (imports, MPI's start) is the signal's
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # default action, which ends a rank even inside MPI_Init
+
 import argparse
 import contextlib
 import json
@@ -25,8 +30,8 @@ from minizero.data import data_digest, eval_batches, global_batch, load_tokens, 
 from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
-from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
-                            content_digest, refuse_inputs)
+from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
+                            checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -37,7 +42,7 @@ from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
-from minizero.interrupts import WHOLE, Interrupts, every_rank_ends, interruptible
+from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, guard_set_up, interruptible
 
 METHODS = ("full", "lora", "qlora")
 
@@ -215,10 +220,29 @@ def _world(zero: int, timeout: float):
 
 
 def main(argv=None) -> int:
-    from mpi4py import MPI
+    """Entry point; returns the exit status: 0, 2 bad arguments or an output in use by another job (every rank,
+    before any work), 1 a rank failed (every rank ended). Set-up is bounded as the main job's
+    (:func:`~minizero.interrupts.guard_set_up`): a stalled rank ends the job after --comm-timeout, a signal ends it."""
+    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)
+    try:
+        from mpi4py import MPI
 
-    with every_rank_ends("minizero.finetune", WHOLE, MPI.COMM_WORLD):  # one rank failing ends them all
-        return _main(argv, MPI.COMM_WORLD)
+        with every_rank_ends("minizero.finetune", WHOLE, MPI.COMM_WORLD):  # one rank failing ends them all
+            return _main(argv, MPI.COMM_WORLD)
+    finally:
+        end_set_up(install=False)  # a refusal before set-up's end: the timer goes too
+
+
+def _lock(args, world) -> tuple[list, str | None]:
+    """Rank 0 locks --out (:class:`FolderLock`) and a regular --json file (``.NAME.lock`` beside it) for the run and
+    broadcasts the verdict (collective): two jobs writing one output would mix or replace each other's files."""
+    locks, refusal = [], None
+    if world.Get_rank() == 0:
+        wanted = [] if args.out is None else [("--out", FolderLock(args.out))]
+        if args.json and (not os.path.exists(args.json) or os.path.isfile(args.json)):  # not /dev/null
+            wanted.append(("--json", FolderLock.for_file(args.json)))
+        locks, refusal = lock_outputs(wanted)
+    return locks, world.bcast(refusal, root=0) if world.Get_size() > 1 else refusal
 
 
 def _main(argv, world) -> int:
@@ -263,7 +287,22 @@ def _main(argv, world) -> int:
         return 2
     if any(v is not None for v in verdicts):  # argparse's exits: --help everywhere is 0, else 2
         return 0 if all(v == 0 for v in verdicts) else 2
+    locks, refusal = _lock(args, world)
+    if refusal:
+        if rank == 0:
+            print(f"{prog} {refusal}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, world, tokens, model0)
+    finally:
+        release_all(locks)
+
+
+def _run(args, world, tokens, model0) -> int:
+    """Fine-tune (every rank) and write the outputs (rank 0): :func:`main` after its checks and locks."""
+    prog, rank = "python -m minizero.finetune: error:", world.Get_rank()
     comm = _world(args.zero, args.comm_timeout)
+    end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
         rows, state = [], None
         for method in (METHODS if args.table else (args.method,)):
@@ -303,4 +342,4 @@ def _main(argv, world) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(interruptible("minizero.finetune", WHOLE, main))
+    sys.exit(interruptible("minizero.finetune", WHOLE, main, guarded=True))

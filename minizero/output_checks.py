@@ -6,7 +6,7 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.files import check_writable_folder, refuse_blocking, refuse_read_back
+from minizero.files import check_writable_folder, live_holder, refuse_blocking, refuse_read_back
 from minizero.flags import UsageError
 
 
@@ -146,3 +146,15 @@ def check_save_dir(args) -> None:
                      + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else
                         f"--resume {args.resume!r} is not one of them")
                      + ", or give another --save-dir (or --out)")
+
+
+def check_resume_source(args) -> None:
+    """Refuse --resume from a folder a running minizero job locks (:class:`~minizero.files.FolderLock`): the path or
+    the folder above it, its save dir (or OUT). That job's next save prunes old checkpoints (--keep) and moves
+    ``latest`` while this job reads shards: refused in one line rather than a read that races the pruning."""
+    path = os.path.realpath(args.resume)
+    for folder in (path, os.path.dirname(path)):
+        holder = live_holder(folder)
+        if holder:
+            raise UsageError(f"--resume {args.resume!r}: {folder!r} is in use by a running minizero job ({holder}), "
+                             "whose saves prune its checkpoints; wait for it to end or copy the checkpoint elsewhere")
