@@ -574,3 +574,25 @@ def test_resume_from_a_running_jobs_save_dir_is_refused(tmp_path, under):
                             "for it to end or copy the checkpoint elsewhere")
     (save / FolderLock.NAME).write_text("pid 1 on host gone\n")  # a killed job's lock file: no live holder
     assert live_holder(str(save)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_rank_can_be_named_from_the_launchers_pid(mpiexec):
+    """MPICH's report of a SIGKILLed rank names only its PID, and the launcher kills the other ranks at once (no
+    --comm-timeout can name the silent rank). The header now lists each rank's PID, so the PID names the rank."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps",
+                           "20", "--no-save", "--progress", "none", "--comm-timeout", "20"],
+                          env=dict(mpi_env(), MINIZERO_FAULT="1:2:kill"), capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    listed = re.search(r"process id of each\s+rank \[(\d+), (\d+)\]", proc.stdout)
+    assert listed, proc.stdout
+    killed = re.search(r"PID (\d+) RUNNING AT", proc.stdout + proc.stderr)
+    if killed is None:
+        pytest.skip("this launcher's report does not name the PID (Open MPI's names the rank itself)")
+    assert killed.group(1) == listed.group(2), (listed.groups(), killed.group(0))
