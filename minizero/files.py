@@ -253,6 +253,21 @@ def live_holder(folder: str) -> str | None:
         os.close(fd)
 
 
+def live_job_holding(path: str) -> tuple[str, str] | None:
+    """``(folder, holder)`` when ``path`` or the folder above it (a checkpoint's save dir, or OUT) is locked by a live
+    job (:func:`live_holder`), else None: a checkpoint there may be pruned while it is read."""
+    path = os.path.realpath(path)
+    for folder in (path, os.path.dirname(path)):
+        holder = live_holder(folder)
+        if holder:
+            return folder, holder
+    return None
+
+
+#: what a reader of a running job's checkpoints is told (after "FOLDER is in use by a running minizero job (HOLDER)")
+PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy the checkpoint elsewhere"
+
+
 def check_writable_folder(folder: str) -> None:
     """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file:
     one is created and removed.

@@ -6,7 +6,8 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.files import check_writable_folder, live_holder, refuse_blocking, refuse_read_back
+from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
+                            refuse_read_back)
 from minizero.flags import UsageError
 
 
@@ -152,9 +153,7 @@ def check_resume_source(args) -> None:
     """Refuse --resume from a folder a running minizero job locks (:class:`~minizero.files.FolderLock`): the path or
     the folder above it, its save dir (or OUT). That job's next save prunes old checkpoints (--keep) and moves
     ``latest`` while this job reads shards: refused in one line rather than a read that races the pruning."""
-    path = os.path.realpath(args.resume)
-    for folder in (path, os.path.dirname(path)):
-        holder = live_holder(folder)
-        if holder:
-            raise UsageError(f"--resume {args.resume!r}: {folder!r} is in use by a running minizero job ({holder}), "
-                             "whose saves prune its checkpoints; wait for it to end or copy the checkpoint elsewhere")
+    held = live_job_holding(args.resume)
+    if held:
+        raise UsageError(f"--resume {args.resume!r}: {held[0]!r} is in use by a running minizero job ({held[1]}), "
+                         + PRUNED_MID_READ)

@@ -596,3 +596,25 @@ def test_a_sigkilled_rank_can_be_named_from_the_launchers_pid(mpiexec):
     if killed is None:
         pytest.skip("this launcher's report does not name the PID (Open MPI's names the rank itself)")
     assert killed.group(1) == listed.group(2), (listed.groups(), killed.group(0))
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["consolidate", "--out", "m.npz"]])
+def test_the_checkpoint_tool_refuses_a_running_jobs_save_dir(tmp_path, capsys, monkeypatch, command):
+    """consolidate (or inspect) of a save dir that a job saving every step prunes failed at random, 16 times in
+    25, with "no such checkpoint folder" or "No such file or directory: .../rank00000.safetensors" for a folder that
+    was there when the command started. Now refused as train's --resume, naming the holder."""
+    from minizero.checkpoint.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    save = tmp_path / "ck"
+    lock = FolderLock(str(save))
+    lock.acquire()
+    try:
+        assert main([command[0], str(save), *command[1:]]) == 2
+    finally:
+        lock.release()
+    assert capsys.readouterr().err == (
+        f"python -m minizero.checkpoint: error: {save}: {str(save)!r} is in use by a running minizero job (pid "
+        f"{os.getpid()} on host {__import__('socket').gethostname()}), whose saves prune its checkpoints; wait for "
+        "it to end or copy the checkpoint elsewhere\n")
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written (the lock's folder gone with it)
