@@ -118,6 +118,7 @@ def check(args) -> None:
                 raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
                                  f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
             inputs[f"--out's {name}"] = written
+        inputs["--out"] = args.out  # the folder made after training: a --json there would fail after the work
         try:  # the folder is made after training: refuse now one that cannot be made or written
             check_writable_folder(args.out)
         except OSError as e:

@@ -39,7 +39,8 @@ def check_outputs(args) -> None:
     outside_checkpoints("--json", js, args.json)
     if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
         _usage(refuse_read_back, args.json, "--json")
-    for path, what in [(args.json, "--json"), *[(p, "--out") for p, w in run_files(args).items() if w != "--data"]]:
+    files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
+    for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
         _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
@@ -50,11 +51,17 @@ def check_outputs(args) -> None:
 
 
 def run_files(args) -> dict:
-    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
-    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
+    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, the save dir),
+    {absolute path: what it is}: another output given one of these paths would overwrite it or be overwritten by it
+    (the weights' config unreadable), or fail after the work (a file where the run made its folder)."""
     files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
         ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
         ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
+    if not args.no_save:  # a file where OUT goes: refused before the work, not after it
+        files[os.path.abspath(args.out)] = "--out, the folder the run writes into"
+    if args.save_every:
+        save = args.save_dir if args.save_dir is not None else os.path.join(args.out, "checkpoints")
+        files[os.path.abspath(save)] = "--save-dir, the folder the checkpoints go to"
     if args.data:
         files[os.path.abspath(args.data)] = "--data"
     return files

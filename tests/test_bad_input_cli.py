@@ -232,6 +232,25 @@ def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     assert said in capsys.readouterr().err
 
 
+def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_path, capsys):
+    """--json (or --trace) naming the --out folder the run makes, or train's save dir: every step ran, the weights
+    were written, then "could not write 'o': it is a directory" (exit 1)."""
+    from minizero.args import UsageError, parse_args
+
+    out, save = str(tmp_path / "o"), str(tmp_path / "o" / "checkpoints")
+    for argv, said in [(["--json", out], f"--json {out!r} would overwrite --out, the folder the run writes into"),
+                       (["--trace", out], f"--trace {out!r} would overwrite --out, the folder the run writes into"),
+                       (["--save-every", "1", "--json", save],
+                        f"--json {save!r} would overwrite --save-dir, the folder the checkpoints go to")]:
+        with pytest.raises(UsageError, match="^" + re.escape(said)):
+            parse_args(["--model", "tiny", "--out", out, *argv], world_size=1)
+    parse_args(["--model", "tiny", "--out", out, "--no-save", "--trace", out], world_size=1)  # no OUT made
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out, "--json", out]) == 2
+    assert capsys.readouterr().err == (f"python -m minizero.finetune: error: --json {out!r} would overwrite --out "
+                                       f"{out!r}; give another file\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, capsys):
     """Before: --out under a file (or on a read-only file system) trained, then ended in a makedirs traceback."""
     (tmp_path / "afile").write_text("x")
