@@ -189,9 +189,13 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
         self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        except OSError:  # a full disk: no lock file left behind (nor the folder made for it)
+            self.release()
+            raise
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; raises nothing: a lock file that cannot be removed,
@@ -220,9 +224,10 @@ def lock_outputs(wanted) -> tuple[list, str | None]:
     for flag, lock in wanted:
         try:
             lock.acquire()
-        except OSError as e:
+        except OSError as e:  # FolderLocked names the path and the holder; a full disk: the path and why
             release_all(locks)
-            return [], f"{flag} {e.strerror}" if e.strerror else f"{flag} {lock.subject!r}: {e}"
+            return [], f"{flag} {e.strerror}" if isinstance(e, FolderLocked) else (
+                f"{flag} {lock.subject!r}: {write_error(lock.path, e).strerror}")
         locks.append(lock)
     return locks, None
 
@@ -243,12 +248,10 @@ def live_holder(folder: str) -> str | None:
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped by the close
         return None
+    except BlockingIOError:
+        return os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
     finally:
         os.close(fd)
 

@@ -117,16 +117,22 @@ def _write_stderr(text: str) -> None:
 
 
 def _lock_output(args, comm, mpi_world):
-    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too) and
-    broadcasts the verdict (collective): two jobs on one folder would delete each other's files.
+    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too),
+    and a --json or --trace file outside OUT (:meth:`FolderLock.for_file`), then broadcasts the verdict
+    (collective): two jobs on one folder would delete each other's files, on one file replace each other's.
     Returns (the locks held on rank 0, the refusal message every rank shares or None)."""
     locks, refusal = [], None
     if comm.rank == 0:
-        wanted = [] if args.no_save else [("--out", args.out)]
+        out = os.path.realpath(args.out)
+        wanted = [] if args.no_save else [("--out", FolderLock(args.out))]
         save = os.path.realpath(args.save_dir) if args.save_every and args.save_dir else None
-        if save and (args.no_save or save != os.path.realpath(args.out)):  # inside OUT too: --out o2 --save-dir o/ck
-            wanted.append(("--save-dir", args.save_dir))
-        locks, refusal = lock_outputs([(flag, FolderLock(folder)) for flag, folder in wanted])
+        if save and (args.no_save or save != out):  # inside OUT too: --out o2 --save-dir o/ck
+            wanted.append(("--save-dir", FolderLock(args.save_dir)))
+        for flag, path in (("--json", args.json), ("--trace", args.trace)):
+            if path and (args.no_save or os.path.dirname(os.path.realpath(path)) != out) and (
+                    os.path.isfile(path) or not os.path.exists(path)):  # not /dev/null; OUT's lock covers OUT
+                wanted.append((flag, FolderLock.for_file(path)))
+        locks, refusal = lock_outputs(wanted)
     return locks, mpi_world.bcast(refusal, root=0)
 
 

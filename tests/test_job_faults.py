@@ -33,7 +33,8 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     from minizero.train import _lock_output
 
     out = tmp_path / "o"
-    args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5)
+    args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5,
+                                 json=str(out / "summary.json"), trace=None)
     world = types.SimpleNamespace(bcast=lambda obj, root: obj)
     locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
     try:
@@ -46,6 +47,30 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
     _release(locks)
     assert refusal is None and len(locks) == 1
+
+
+def test_a_json_or_trace_outside_out_is_locked_as_a_file(tmp_path):
+    """Two runs with their own OUT and one --json (or --trace) outside both: the later rename replaced the other's
+    summary without a word. Now the file is locked as finetune's and quantize's --json."""
+    from minizero.files import release_all
+    from minizero.train import _lock_output
+
+    world = types.SimpleNamespace(bcast=lambda obj, root: obj)
+    for flag in ("--json", "--trace"):
+        path = str(tmp_path / "shared.json")
+        args = types.SimpleNamespace(no_save=False, out=str(tmp_path / "o"), save_dir=None, save_every=0,
+                                     json=str(tmp_path / "o" / "summary.json"), trace=None)
+        setattr(args, flag[2:], path)
+        held = FolderLock.for_file(path)
+        held.acquire()
+        try:
+            locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+        finally:
+            held.release()
+        assert locks == [] and refusal.startswith(f"{flag} {path!r} is in use by another minizero job (pid "), refusal
+        locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+        assert refusal is None and [lock.subject for lock in locks] == [args.out, path]
+        release_all(locks)
 
 
 def test_a_save_dir_that_refuses_the_next_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

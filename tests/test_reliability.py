@@ -93,9 +93,9 @@ def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, 
     (d / "s.json").write_text('{"good": 1}')
     fill(d)
     proc, _ = launch(mpiexec, 2, TINY + ["--out", str(tmp_path / "o"), "--json", str(d / "s.json")], timeout=90)
-    assert proc.returncode != 0, proc.stdout
-    assert "s.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
-    assert "wrote" not in proc.stdout
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # refused before work: its lock cannot be written
+    assert proc.stderr == (f"python -m minizero.train: error: --json {str(d / 's.json')!r}: could not write "
+                           f"{str(d / '.s.json.lock')!r}: no space left on device (the disk is full)\n"), proc.stderr
     assert (d / "s.json").read_text() == '{"good": 1}'
     assert sorted(os.listdir(d)) == ["filler", "s.json"]
 
