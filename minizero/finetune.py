@@ -6,6 +6,8 @@ after, trainable parameters and the ledger's bytes; ``--out DIR`` writes the mer
 trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
 (:class:`~minizero.parallel.data_parallel.DataParallel`) or, with ``--zero 1|2|3``, ZeRO-sharded: each
 :class:`~minizero.nn.lora.LoRAAdapter` is one ZeRO unit, so the frozen base is never reduced, sharded or gathered.
+Rank 0 locks ``--out`` and ``--json`` for the run (another job on them: exit 2, one line naming it), and set-up is
+bounded as the main job's (:func:`~minizero.interrupts.guard_set_up`).
 """
 from __future__ import annotations
 

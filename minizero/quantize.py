@@ -5,7 +5,8 @@ Loads ``OUT/model.npz`` (config by :func:`minizero.weights.model_config`'s rule,
 layer norms, biases and the tied head stay FP32) and prints validation loss and bytes before and after;
 ``--table`` for every bits x granularity. ``--outlier-threshold T`` keeps FP32 the weight columns whose input
 feature reaches T on two calibration batches (LLM.int8()'s criterion, arXiv:2208.07339, section 3.2). The layer
-is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`.
+is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`. One process (several ranks under
+mpirun are refused: each would write the same ``--json``); ``--json`` is locked for the run (``.NAME.lock`` beside it).
 """
 from __future__ import annotations
 
