@@ -29,7 +29,7 @@ from minizero import backend
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.autograd import backward
 from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
-from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
+from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
@@ -82,6 +82,9 @@ def check(args) -> None:
                         ("--seed", args.seed, 0)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    for flag, v, hi in (("--steps", args.steps, MAX_STEPS), ("--batch-size", args.batch_size, MAX_BATCH_SIZE)):
+        if v > hi:  # as train's bounds: a batch of 10^8 sequences was killed by the kernel, without a word
+            raise ValueError(f"{flag} must be <= {hi:,} as train's, got {v:,}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
         raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
     if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout < np.inf):
@@ -308,9 +311,10 @@ def _run(args, world, tokens, model0) -> int:
     end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
         rows, state = [], None
-        for method in (METHODS if args.table else (args.method,)):
-            row, _, state = finetune(args, method, tokens, comm)
-            rows.append(row)
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the one-line NaN diagnosis below
+            for method in (METHODS if args.table else (args.method,)):
+                row, _, state = finetune(args, method, tokens, comm)
+                rows.append(row)
     except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
         if world.Get_size() > 1:  # unless it is not: every_rank_ends names the rank and ends the job
             raise
