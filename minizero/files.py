@@ -215,11 +215,9 @@ class FolderLock:
 
 
 def lock_outputs(wanted) -> tuple[list, str | None]:
-    """Take each ``(flag, lock)`` of ``wanted`` (:class:`FolderLock`) in order, for the job's life.
-
-    Returns (the locks held, None), or ([], ``"FLAG 'path' is in use by another minizero job (pid P on host H);
-    ..."``) when one cannot be taken (the ones taken before it released): the one line every program prints.
-    """
+    """Take each ``(flag, lock)`` of ``wanted`` (:class:`FolderLock`) in order, for the job's life. Returns (the
+    locks held, None), or ([], ``"FLAG 'path' is in use by another minizero job (pid P on host H); ..."``) when one
+    cannot be taken (the ones taken before it released): the one line every program prints."""
     locks = []
     for flag, lock in wanted:
         try:
@@ -239,10 +237,8 @@ def release_all(locks) -> None:
 
 
 def live_holder(folder: str) -> str | None:
-    """``"pid P on host H"`` when a live process holds ``folder``'s :class:`FolderLock`, else None.
-
-    Takes nothing and writes nothing: a shared ``flock`` tried and dropped at once on the existing lock file.
-    """
+    """``"pid P on host H"`` when a live process holds ``folder``'s :class:`FolderLock`, else None. Takes nothing
+    and writes nothing: a shared ``flock`` tried and dropped at once on the existing lock file."""
     try:
         fd = os.open(os.path.join(folder, FolderLock.NAME), os.O_RDONLY)
     except OSError:
@@ -354,14 +350,17 @@ READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
 
 def refuse_read_back(path: str, flag: str) -> None:
     """Raise ValueError when writing ``path`` would lose a file minizero's programs read back: an existing
-    :data:`READ_BACK` name or ``.npz`` (a ``summary.json`` only beside a run's ``model.npz`` or ``model.json``)."""
+    :data:`READ_BACK` name or ``.npz`` (a ``summary.json`` only beside a run's ``model.npz`` or ``model.json``), or
+    a save dir's ``latest`` (beside a ``step_N`` checkpoint)."""
     real = os.path.realpath(path)
     name, folder = os.path.basename(real), os.path.dirname(real)
     if name == "summary.json" and not any(os.path.exists(os.path.join(folder, f)) for f in ("model.npz", "model.json")):
         return  # a summary written on its own: nothing reads it with weights
-    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz")):
+    pointer = name == "latest" and any(os.path.isfile(os.path.join(folder, n, MANIFEST)) for n in os.listdir(folder)
+                                       if n.startswith("step_")) if os.path.isfile(real) else False
+    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz") or pointer):
         raise ValueError(f"{flag} {path!r} would overwrite {name}, which minizero's programs read back (weights, "
-                         "config, a run's summary or checkpoint manifest); give another file")
+                         "config, a run's summary, a checkpoint manifest or a save dir's latest); give another file")
 
 
 def refuse_blocking(path: str, flag: str) -> None:
