@@ -136,7 +136,6 @@ def _lock_output(args, comm, mpi_world):
     return locks, mpi_world.bcast(refusal, root=0)
 
 
-
 def _parse_everywhere(argv, comm, mpi_world):
     """Every rank parses and checks ``argv`` (:func:`parse_args`), then the ranks compare verdicts (collective).
 
