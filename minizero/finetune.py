@@ -11,11 +11,6 @@ bounded as the main job's (:func:`~minizero.interrupts.guard_set_up`).
 """
 from __future__ import annotations
 
-import signal
-
-if __name__ == "__main__":  # as minizero.train: Ctrl-C before set-up ends (imports, MPI's start) is the signal's
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # default action, which ends a rank even inside MPI_Init
-
 import argparse
 import contextlib
 import json

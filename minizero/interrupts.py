@@ -117,9 +117,9 @@ def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
     (stopped while importing: its peers wait in MPI_Init or a blocking exchange, where no Python code runs) must
     still end the job: faulthandler's own thread prints where this rank waited and exits 1 after --comm-timeout s
     (:func:`set_up_timeout`; ``default_s``, ``minimum_s``: the program's), and mpiexec then ends every rank.
-    Until :func:`end_set_up` Ctrl-C and SIGTERM keep their default action (the program's ``__main__`` sets SIGINT's
-    before its imports; a Python handler would never run inside MPI_Init): the rank ends, mpiexec's status, no
-    traceback, no hang.
+    Until :func:`end_set_up` Ctrl-C and SIGTERM keep their default action (``minizero/__init__.py`` sets SIGINT's
+    before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
+    ends, mpiexec's status, no traceback, no hang.
     """
     if launched_by_mpiexec():
         exit_with_parent()

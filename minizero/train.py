@@ -7,17 +7,12 @@ any work. An exception on any rank prints ``[rank r]`` and its traceback and abo
 """
 from __future__ import annotations
 
-import os
-import signal
-import sys
-
-if __name__ == "__main__":  # Ctrl-C before main()'s handler (imports, MPI's start): the signal's default action,
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # which ends a rank even inside MPI_Init (no traceback, no hang)
-
-# the imports below follow that handler on purpose: they take seconds, and Ctrl-C may come meanwhile
 import contextlib
 import dataclasses
+import os
 import resource
+import signal
+import sys
 import tempfile
 import threading
 import time

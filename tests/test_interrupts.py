@@ -219,3 +219,39 @@ def test_set_up_waits_at_most_the_comm_timeout_given(argv, seconds):
     from minizero.interrupts import set_up_timeout
 
     assert set_up_timeout(argv, 600.0, 1.0) == seconds
+
+
+@pytest.mark.parametrize("launch,default_action", [
+    (["-m", "minizero.sample"], True), (["-mminizero.quantize"], True), (["-m", "pytest"], False), ([], False)])
+def test_ctrl_c_while_a_tool_imports_ends_it_without_a_traceback(launch, default_action):
+    """``python -m minizero.sample`` (quantize, plan, ...) interrupted while importing NumPy and minizero printed a
+    KeyboardInterrupt traceback per rank: the tools' handlers come with main(). Now importing the package for
+    ``python -m minizero.X`` gives SIGINT its default action until the program installs its own; any other program
+    importing minizero keeps Python's handler."""
+    code = ("import signal, sys\n"
+            f"if {bool(launch)}:\n"
+            f"    sys.argv[:1] = ['-m']; sys.orig_argv[:] = [sys.executable, *{launch!r}]  # as runpy while it imports\n"
+            "import minizero\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_DFL)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(),
+                          timeout=60)
+    assert proc.stdout.strip() == str(default_action), proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tool", [["minizero.sample", "--tokens", "100000"], ["minizero.plan", "--model", "tiny",
+                                                                                "--gpus", "2"]])
+def test_ctrl_c_while_tool_ranks_start_prints_no_traceback(mpiexec, weights, tool):
+    argv = [*tool, "--weights", str(weights[0])] if tool[0] == "minizero.sample" else tool
+    for delay in (0.2, 0.5):
+        proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", *argv], env=mpi_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=REPO_ROOT)
+        try:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert "Traceback" not in err and "Exception ignored" not in err, err
