@@ -82,6 +82,11 @@ def check(args) -> None:
             raise ValueError(f"{flag} must be <= {hi:,} as train's, got {v:,}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
         raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+    tiny = float(np.finfo(np.float32).tiny)  # below it 0 or subnormal in float32 weights: nothing trains, silently
+    for flag, v in (("--lr", args.lr), ("--lora-alpha", args.lora_alpha)):
+        if 0 < v < tiny:
+            raise ValueError(f"{flag} {v:g} is below float32's smallest normal number {tiny:.4g}: 0 or subnormal in "
+                             "the weights, nothing would train; give a larger one")
     if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout < np.inf):
         raise ValueError(f"--comm-timeout must be a finite number of seconds >= {MIN_COMM_TIMEOUT_S:g}, "
                          f"got {args.comm_timeout}")
