@@ -3,3 +3,21 @@
 See README.md for the two commands, ARCHITECTURE.md for the seams, and lessons/ for one chapter per technique.
 """
 __version__ = "0.1.0"
+import signal as _signal
+import sys as _sys
+
+
+def _launched_as_tool() -> bool:
+    """True while ``python -m minizero.X`` imports this package (runpy's ``sys.argv[0]`` is "-m" until X runs)."""
+    for i, arg in enumerate(_sys.orig_argv):
+        if arg.startswith("-m"):
+            name = arg[2:] or (_sys.orig_argv[i + 1] if i + 1 < len(_sys.orig_argv) else "")
+            return _sys.argv[:1] == ["-m"] and name.startswith("minizero.")
+    return False
+
+
+# ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
+# KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
+# its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang.
+if _launched_as_tool():
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)

@@ -25,7 +25,8 @@ from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
 from minizero.numerals import is_count
 from minizero.zero.collectives import debug_collectives
-from minizero.output_checks import check_outputs, check_save_dir, check_trace, outside_checkpoints
+from minizero.output_checks import (check_outputs, check_resume_source, check_save_dir, check_trace,
+                                     outside_checkpoints)
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_FLIGHT_RECORDS, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS,  # noqa: F401
                             UsageError, build_parser, refuse_idle_flags)
@@ -303,6 +304,7 @@ def _check_checkpoint(args) -> None:
     if args.resume == "":
         raise UsageError("--resume '': expected a checkpoint folder or a save dir")
     if args.resume:
+        check_resume_source(args)  # not a running job's save dir: its pruning would race our reads
         try:
             verify(args.resume, dataclasses.asdict(model_config(args)), run_layout(args))
         except CheckpointError as e:

@@ -156,13 +156,19 @@ class FolderLock:
 
     NAME = ".lock"
 
-    def __init__(self, folder: str):
-        self.folder = folder
-        self.path = os.path.join(folder, self.NAME)
-        self.fd = None
+    def __init__(self, folder: str, name: str = NAME, subject: str | None = None):
+        self.folder, self.path, self.fd, self.made = folder, os.path.join(folder, name), None, False
+        self.subject = folder if subject is None else subject  # what the refusal names: the folder, or a file
+
+    @classmethod
+    def for_file(cls, path: str) -> FolderLock:
+        """The lock of one output file ``path``: ``.NAME.lock`` beside it (two jobs writing one --json)."""
+        folder, name = os.path.split(os.path.abspath(path))
+        return cls(folder, f".{name}.lock", path)
 
     def acquire(self) -> None:
         """Take the lock now or raise :class:`FolderLocked`; see the class docstring."""
+        self.made = not os.path.isdir(self.folder)  # release() removes a folder it made that stayed empty
         os.makedirs(self.folder, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -173,8 +179,9 @@ class FolderLock:
                     holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
                 finally:
                     os.close(fd)
-                raise FolderLocked(errno.EBUSY, f"{self.folder!r} is in use by another minizero job ({holder}); "
-                                                "wait for it to end or choose another folder") from None
+                other = "folder" if self.subject == self.folder else "file"
+                raise FolderLocked(errno.EBUSY, f"{self.subject!r} is in use by another minizero job ({holder}); "
+                                                f"wait for it to end or choose another {other}") from None
             try:  # the previous holder may have removed the file between our open and our flock
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -182,22 +189,82 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
         self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        except OSError:  # a full disk: no lock file left behind (nor the folder made for it)
+            self.release()
+            raise
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; raises nothing: a lock file that cannot be removed,
-        the folder gone or read-only, stays behind unlocked, and the next :meth:`acquire` takes it)."""
+        the folder gone or read-only, stays behind unlocked, and the next :meth:`acquire` takes it). A folder that
+        :meth:`acquire` made and that nothing was written into is removed too (a job that failed leaves nothing)."""
         if self.fd is None:
             return
         try:
             os.remove(self.path)
+            if self.made:
+                os.rmdir(self.folder)  # OSError unless empty
         except OSError:
             pass
         finally:
             os.close(self.fd)
             self.fd = None
+
+
+def lock_outputs(wanted) -> tuple[list, str | None]:
+    """Take each ``(flag, lock)`` of ``wanted`` (:class:`FolderLock`) in order, for the job's life. Returns (the
+    locks held, None), or ([], ``"FLAG 'path' is in use by another minizero job (pid P on host H); ..."``) when one
+    cannot be taken (the ones taken before it released): the one line every program prints."""
+    locks = []
+    for flag, lock in wanted:
+        try:
+            lock.acquire()
+        except OSError as e:  # FolderLocked names the path and the holder; a full disk: the path and why
+            release_all(locks)
+            return [], f"{flag} {e.strerror}" if isinstance(e, FolderLocked) else (
+                f"{flag} {lock.subject!r}: {write_error(lock.path, e).strerror}")
+        locks.append(lock)
+    return locks, None
+
+
+def release_all(locks) -> None:
+    """:meth:`FolderLock.release` each of ``locks`` (raises nothing)."""
+    for lock in locks:
+        lock.release()
+
+
+def live_holder(folder: str) -> str | None:
+    """``"pid P on host H"`` when a live process holds ``folder``'s :class:`FolderLock`, else None. Takes nothing
+    and writes nothing: a shared ``flock`` tried and dropped at once on the existing lock file."""
+    try:
+        fd = os.open(os.path.join(folder, FolderLock.NAME), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped by the close
+        return None
+    except BlockingIOError:
+        return os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+    finally:
+        os.close(fd)
+
+
+def live_job_holding(path: str) -> tuple[str, str] | None:
+    """``(folder, holder)`` when ``path`` or the folder above it (a checkpoint's save dir, or OUT) is locked by a live
+    job (:func:`live_holder`), else None: a checkpoint there may be pruned while it is read."""
+    path = os.path.realpath(path)
+    for folder in (path, os.path.dirname(path)):
+        holder = live_holder(folder)
+        if holder:
+            return folder, holder
+    return None
+
+
+#: what a reader of a running job's checkpoints is told (after "FOLDER is in use by a running minizero job (HOLDER)")
+PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy the checkpoint elsewhere"
 
 
 def check_writable_folder(folder: str) -> None:
@@ -283,14 +350,17 @@ READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
 
 def refuse_read_back(path: str, flag: str) -> None:
     """Raise ValueError when writing ``path`` would lose a file minizero's programs read back: an existing
-    :data:`READ_BACK` name or ``.npz`` (a ``summary.json`` only beside a run's ``model.npz`` or ``model.json``)."""
+    :data:`READ_BACK` name or ``.npz`` (a ``summary.json`` only beside a run's ``model.npz`` or ``model.json``), or
+    a save dir's ``latest`` (beside a ``step_N`` checkpoint)."""
     real = os.path.realpath(path)
     name, folder = os.path.basename(real), os.path.dirname(real)
     if name == "summary.json" and not any(os.path.exists(os.path.join(folder, f)) for f in ("model.npz", "model.json")):
         return  # a summary written on its own: nothing reads it with weights
-    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz")):
+    pointer = name == "latest" and any(os.path.isfile(os.path.join(folder, n, MANIFEST)) for n in os.listdir(folder)
+                                       if n.startswith("step_")) if os.path.isfile(real) else False
+    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz") or pointer):
         raise ValueError(f"{flag} {path!r} would overwrite {name}, which minizero's programs read back (weights, "
-                         "config, a run's summary or checkpoint manifest); give another file")
+                         "config, a run's summary, a checkpoint manifest or a save dir's latest); give another file")
 
 
 def refuse_blocking(path: str, flag: str) -> None:

@@ -8,6 +8,8 @@ trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
 :class:`~minizero.nn.lora.LoRAAdapter` is one ZeRO unit, so the frozen base is never reduced, sharded or gathered.
 ``--tp N`` splits the blocks and their adapters over N tensor ranks (:mod:`minizero.parallel.lora_tp`); data
 parallelism and ZeRO then run over the world / N data ranks.
+Rank 0 locks ``--out`` and ``--json`` for the run (another job on them: exit 2, one line naming it), and set-up is
+bounded as the main job's (:func:`~minizero.interrupts.guard_set_up`).
 """
 from __future__ import annotations
 
@@ -25,11 +27,11 @@ from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.autograd import backward, manual_seed
 from minizero.autograd.rng import batch_rows, reserve
 from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
-from minizero.args import MAX_EVAL_BATCHES, MIN_COMM_TIMEOUT_S, check_fault_spec
+from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
-from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
-                            content_digest, refuse_inputs)
+from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
+                            checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -43,7 +45,7 @@ from minizero.quantized_model import evaluate_loss
 from minizero.weights import SIDECAR, load_trained, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
-from minizero.interrupts import WHOLE, Interrupts, every_rank_ends, interruptible
+from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, guard_set_up, interruptible
 
 METHODS = ("full", "lora", "qlora")
 
@@ -83,8 +85,16 @@ def check(args) -> None:
                         ("--seed", args.seed, 0), ("--tp", args.tp, 1)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    for flag, v, hi in (("--steps", args.steps, MAX_STEPS), ("--batch-size", args.batch_size, MAX_BATCH_SIZE)):
+        if v > hi:  # as train's bounds: a batch of 10^8 sequences was killed by the kernel, without a word
+            raise ValueError(f"{flag} must be <= {hi:,} as train's, got {v:,}")
     if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
         raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
+    tiny = float(np.finfo(np.float32).tiny)  # below it 0 or subnormal in float32 weights: nothing trains, silently
+    for flag, v in (("--lr", args.lr), ("--lora-alpha", args.lora_alpha)):
+        if 0 < v < tiny:
+            raise ValueError(f"{flag} {v:g} is below float32's smallest normal number {tiny:.4g}: 0 or subnormal in "
+                             "the weights, nothing would train; give a larger one")
     if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout < np.inf):
         raise ValueError(f"--comm-timeout must be a finite number of seconds >= {MIN_COMM_TIMEOUT_S:g}, "
                          f"got {args.comm_timeout}")
@@ -124,6 +134,7 @@ def check(args) -> None:
                 raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
                                  f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
             inputs[f"--out's {name}"] = written
+        inputs["--out"] = args.out  # the folder made after training: a --json there would fail after the work
         try:  # the folder is made after training: refuse now one that cannot be made or written
             check_writable_folder(args.out)
         except OSError as e:
@@ -243,10 +254,29 @@ def _world(zero: int, timeout: float):
 
 
 def main(argv=None) -> int:
-    from mpi4py import MPI
+    """Entry point; returns the exit status: 0, 2 bad arguments or an output in use by another job (every rank,
+    before any work), 1 a rank failed (every rank ended). Set-up is bounded as the main job's
+    (:func:`~minizero.interrupts.guard_set_up`): a stalled rank ends the job after --comm-timeout, a signal ends it."""
+    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)
+    try:
+        from mpi4py import MPI
 
-    with every_rank_ends("minizero.finetune", WHOLE, MPI.COMM_WORLD):  # one rank failing ends them all
-        return _main(argv, MPI.COMM_WORLD)
+        with every_rank_ends("minizero.finetune", WHOLE, MPI.COMM_WORLD):  # one rank failing ends them all
+            return _main(argv, MPI.COMM_WORLD)
+    finally:
+        end_set_up(install=False)  # a refusal before set-up's end: the timer goes too
+
+
+def _lock(args, world) -> tuple[list, str | None]:
+    """Rank 0 locks --out (:class:`FolderLock`) and a regular --json file (``.NAME.lock`` beside it) for the run and
+    broadcasts the verdict (collective): two jobs writing one output would mix or replace each other's files."""
+    locks, refusal = [], None
+    if world.Get_rank() == 0:
+        wanted = [] if args.out is None else [("--out", FolderLock(args.out))]
+        if args.json and (not os.path.exists(args.json) or os.path.isfile(args.json)):  # not /dev/null
+            wanted.append(("--json", FolderLock.for_file(args.json)))
+        locks, refusal = lock_outputs(wanted)
+    return locks, world.bcast(refusal, root=0) if world.Get_size() > 1 else refusal
 
 
 def _main(argv, world) -> int:
@@ -299,12 +329,28 @@ def _main(argv, world) -> int:
         return 2
     if any(v is not None for v in verdicts):  # argparse's exits: --help everywhere is 0, else 2
         return 0 if all(v == 0 for v in verdicts) else 2
+    locks, refusal = _lock(args, world)
+    if refusal:
+        if rank == 0:
+            print(f"{prog} {refusal}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, world, tokens, model0)
+    finally:
+        release_all(locks)
+
+
+def _run(args, world, tokens, model0) -> int:
+    """Fine-tune (every rank) and write the outputs (rank 0): :func:`main` after its checks and locks."""
+    prog, rank = "python -m minizero.finetune: error:", world.Get_rank()
     comm = _world(args.zero, args.comm_timeout)
+    end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
         rows, state = [], None
-        for method in (METHODS if args.table else (args.method,)):
-            row, _, state = finetune(args, method, tokens, comm)
-            rows.append(row)
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the one-line NaN diagnosis below
+            for method in (METHODS if args.table else (args.method,)):
+                row, _, state = finetune(args, method, tokens, comm)
+                rows.append(row)
     except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
         if world.Get_size() > 1:  # unless it is not: every_rank_ends names the rank and ends the job
             raise
@@ -339,4 +385,4 @@ def _main(argv, world) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(interruptible("minizero.finetune", WHOLE, main))
+    sys.exit(interruptible("minizero.finetune", WHOLE, main, guarded=True))

@@ -3,6 +3,8 @@ to its files, exit status 128 + the signal, no traceback (:func:`interruptible`;
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import faulthandler
 import os
 import signal
 import subprocess
@@ -55,6 +57,84 @@ class Interrupts:
             raise cls.raised[0]()
 
 
+def launched_by_mpiexec() -> bool:
+    """True in a rank that a launcher (MPICH's, Open MPI's, a PMIx one) started."""
+    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def launched_ranks() -> int:
+    """The number of ranks the launcher started (``PMI_SIZE``, Open MPI's), 1 without one; MPI not started."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isascii() and value.isdigit():
+            return int(value)
+    return 1
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process within about ``poll_s`` seconds once its parent (the launcher's proxy) is gone.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (what ``torchrun`` and Open MPI's ``--enable-recovery`` rely on);
+    everywhere: a daemon thread that calls ``os._exit(129)`` when ``os.getppid()`` changes (the orphan was
+    re-parented). Raises nothing.
+    """
+    ppid = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == ppid:
+            time.sleep(poll_s)
+        os._exit(129)
+
+    threading.Thread(target=watch, name="minizero-parent-watch", daemon=True).start()
+
+
+def set_up_timeout(argv, default_s: float, minimum_s: float) -> float:
+    """--comm-timeout as given in ``argv`` (read before MPI starts; the last one, as argparse), else ``default_s``;
+    set-up waits at most this. Only that flag is read here (a value that is no ASCII number or lies outside
+    [minimum_s, 1000 x default_s) falls back to the default; the program's own checks refuse it later)."""
+    words, given = [str(w) for w in (sys.argv[1:] if argv is None else argv)], None
+    for i, word in enumerate(words):
+        if word == "--comm-timeout" and i + 1 < len(words):
+            given = words[i + 1]
+        elif word.startswith("--comm-timeout="):
+            given = word.split("=", 1)[1]
+    try:
+        t = float(given) if given and given.isascii() and "_" not in given else default_s
+    except ValueError:
+        return default_s
+    return t if minimum_s <= t < default_s * 1000 else default_s
+
+
+def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
+    """Bound an MPI program's set-up (MPI's start, the ranks' first exchanges, its locks); call it first in main.
+
+    Under mpiexec this rank ends with its launcher (:func:`exit_with_parent`). A rank stalled before set-up ends
+    (stopped while importing: its peers wait in MPI_Init or a blocking exchange, where no Python code runs) must
+    still end the job: faulthandler's own thread prints where this rank waited and exits 1 after --comm-timeout s
+    (:func:`set_up_timeout`; ``default_s``, ``minimum_s``: the program's), and mpiexec then ends every rank.
+    Until :func:`end_set_up` Ctrl-C and SIGTERM keep their default action (``minizero/__init__.py`` sets SIGINT's
+    before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
+    ends, mpiexec's status, no traceback, no hang.
+    """
+    if launched_by_mpiexec():
+        exit_with_parent()
+    faulthandler.dump_traceback_later(set_up_timeout(argv, default_s, minimum_s), exit=True, file=2)  # stderr (fd)
+
+
+def end_set_up(install: bool = True) -> None:
+    """Set-up is over: :func:`guard_set_up`'s timer cancelled (the communicator's timeouts take over) and, with
+    ``install``, SIGINT and SIGTERM unwind from here (:meth:`Interrupts.install`, this run's signals only)."""
+    faulthandler.cancel_dump_traceback_later()
+    if install:
+        Interrupts.raised.clear()
+        Interrupts.install()
+
+
 def _mpi_rank() -> int:
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         value = os.environ.get(name, "")
@@ -98,11 +178,13 @@ def stdout_unwritable(e: BaseException) -> bool:
     return e is WatchedStdout.failed and not isinstance(e, BrokenPipeError)
 
 
-def interruptible(tool: str, files: str, main, argv=None) -> int:
+def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False) -> int:
     """``main(argv)`` with :meth:`Interrupts.install`; Ctrl-C / SIGTERM: one line on stderr (rank 0 only under
     mpiexec, which signals every rank), ``"python -m {tool}: interrupted (SIGINT); {files}"``, then 130 / 143.
-    Stdout closed by its reader (``| head -1``): the rest of the output dropped, no traceback, 0; stdout full: 1."""
-    Interrupts.install()
+    Stdout closed by its reader (``| head -1``): the rest of the output dropped, no traceback, 0; stdout full: 1.
+    ``guarded``: ``main`` installs the handlers itself when its set-up ends (:func:`guard_set_up`)."""
+    if not guarded:
+        Interrupts.install()
     watch_stdout()
     try:
         code = main(argv)
@@ -129,9 +211,9 @@ def interruptible(tool: str, files: str, main, argv=None) -> int:
 @contextlib.contextmanager
 def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
     """Under mpiexec (``world``: MPI.COMM_WORLD of several ranks) an exception or a signal on this rank ends every
-    rank (``MPI_Abort``), as the main job does: a peer left waiting in a collective would wait for ever. One line
-    first: rank 0 speaks for an interrupted job (mpiexec signals every rank), any rank names its own error (a
-    traceback for a bug: not a ValueError or OSError)."""
+    rank (``MPI_Abort``, then SystemExit: MPICH's returns), as the main job does: a peer left waiting in a
+    collective would wait for ever. One line first: rank 0 speaks for an interrupted job (mpiexec signals every
+    rank), any rank names its own error (a traceback for a bug: not a ValueError or OSError)."""
     try:
         yield
     except BaseException as e:
@@ -157,6 +239,7 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
         os.write(2, text.encode("utf-8", "replace"))
         time.sleep(grace_s)  # a peer's own message lands too
         world.Abort(code)
+        raise SystemExit(code)  # MPICH's MPI_Abort returns (the launcher then kills the job): never run on
 
 
 def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

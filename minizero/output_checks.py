@@ -6,7 +6,8 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.files import check_writable_folder, refuse_blocking, refuse_read_back
+from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
+                            refuse_read_back)
 from minizero.flags import UsageError
 
 
@@ -38,7 +39,8 @@ def check_outputs(args) -> None:
     outside_checkpoints("--json", js, args.json)
     if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
         _usage(refuse_read_back, args.json, "--json")
-    for path, what in [(args.json, "--json"), *[(p, "--out") for p, w in run_files(args).items() if w != "--data"]]:
+    files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
+    for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
         _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
@@ -49,11 +51,17 @@ def check_outputs(args) -> None:
 
 
 def run_files(args) -> dict:
-    """The files a run reads or writes besides --json and --trace, {absolute path: what it is}: another output
-    given one of these paths would overwrite it or be overwritten by it (the weights' config unreadable)."""
+    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, the save dir),
+    {absolute path: what it is}: another output given one of these paths would overwrite it or be overwritten by it
+    (the weights' config unreadable), or fail after the work (a file where the run made its folder)."""
     files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
         ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
         ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
+    if not args.no_save:  # a file where OUT goes: refused before the work, not after it
+        files[os.path.abspath(args.out)] = "--out, the folder the run writes into"
+    if args.save_every:
+        save = args.save_dir if args.save_dir is not None else os.path.join(args.out, "checkpoints")
+        files[os.path.abspath(save)] = "--save-dir, the folder the checkpoints go to"
     if args.data:
         files[os.path.abspath(args.data)] = "--data"
     return files
@@ -146,3 +154,13 @@ def check_save_dir(args) -> None:
                      + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else
                         f"--resume {args.resume!r} is not one of them")
                      + ", or give another --save-dir (or --out)")
+
+
+def check_resume_source(args) -> None:
+    """Refuse --resume from a folder a running minizero job locks (:class:`~minizero.files.FolderLock`): the path or
+    the folder above it, its save dir (or OUT). That job's next save prunes old checkpoints (--keep) and moves
+    ``latest`` while this job reads shards: refused in one line rather than a read that races the pruning."""
+    held = live_job_holding(args.resume)
+    if held:
+        raise UsageError(f"--resume {args.resume!r}: {held[0]!r} is in use by a running minizero job ({held[1]}), "
+                         + PRUNED_MID_READ)

@@ -5,7 +5,8 @@ Loads ``OUT/model.npz`` (config by :func:`minizero.weights.model_config`'s rule,
 layer norms, biases and the tied head stay FP32) and prints validation loss and bytes before and after;
 ``--table`` for every bits x granularity. ``--outlier-threshold T`` keeps FP32 the weight columns whose input
 feature reaches T on two calibration batches (LLM.int8()'s criterion, arXiv:2208.07339, section 3.2). The layer
-is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`.
+is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`. One process (several ranks under
+mpirun are refused: each would write the same ``--json``); ``--json`` is locked for the run (``.NAME.lock`` beside it).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import sys
 from minizero import backend
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split  # noqa: F401
-from minizero.files import atomic_write, check_output  # noqa: F401 (check_output: tests import it from here)
+from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F401 (check_output: tests import it)
+                            lock_outputs, release_all)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
@@ -28,7 +30,7 @@ from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
 from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
-from minizero.interrupts import WHOLE, interruptible
+from minizero.interrupts import WHOLE, interruptible, launched_ranks
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
 DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -195,11 +197,28 @@ def main(argv=None) -> int:
     threshold = args.outlier_threshold
     if threshold is not None and not (threshold > 0 and math.isfinite(threshold)):
         parser.error(f"--outlier-threshold must be a positive number, got {args.outlier_threshold}")
+    if launched_ranks() > 1:  # every rank would measure the same model and write the same --json
+        parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun "
+                     "(or with -n 1)")
+    locks = []
+    try:
+        return _measure_and_write(args, locks)
+    finally:
+        release_all(locks)
+
+
+def _measure_and_write(args, locks: list) -> int:
+    """:func:`main` after the flag checks: lock and check --json, measure, print, write (``locks``: the held lock)."""
     try:
         if args.json:
             sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)  # before any measuring:
             check_output(args.json, inputs={"--weights": args.weights, "--weights' config": sidecar,
                                             "--data": args.data})
+            if os.path.isfile(args.json) or not os.path.exists(args.json):  # a device such as /dev/null: no lock
+                held, refusal = lock_outputs([("--json", FolderLock.for_file(args.json))])
+                if refusal:
+                    raise ValueError(refusal)
+                locks += held
         backend.set_device(args.device, backend.local_rank())
         result = run(args)
     except (FileNotFoundError, ValueError, backend.DeviceError) as e:

@@ -7,20 +7,12 @@ any work. An exception on any rank prints ``[rank r]`` and its traceback and abo
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import resource
 import signal
 import sys
-
-if __name__ == "__main__":  # Ctrl-C before main()'s handler (imports, MPI's start): the signal's default action,
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # which ends a rank even inside MPI_Init (no traceback, no hang)
-
-# the imports below follow that handler on purpose: they take seconds, and Ctrl-C may come meanwhile
-import argparse
-import contextlib
-import ctypes
-import dataclasses
-import faulthandler
-import resource
 import tempfile
 import threading
 import time
@@ -36,19 +28,19 @@ from minizero.data import data_digest
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
+from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
 from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
-from minizero.files import FolderLock, WriteError
+from minizero.files import FolderLock, WriteError, lock_outputs, release_all
 from minizero.instrumentation import Interrupts
-from minizero.interrupts import Terminated, stdout_unwritable, watch_stdout
+from minizero.interrupts import Terminated, end_set_up, guard_set_up, stdout_unwritable, watch_stdout
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
-from minizero.numerals import real
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -90,32 +82,6 @@ def _blas_threads(local_ranks: int) -> int:
     return threads
 
 
-def exit_with_parent(poll_s: float = 0.5) -> None:
-    """End this process within about ``poll_s`` seconds once its parent (the launcher's proxy) is gone.
-
-    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (what ``torchrun`` and Open MPI's
-    ``--enable-recovery`` rely on); everywhere: a daemon thread that calls ``os._exit(129)``
-    when ``os.getppid()`` changes (the orphan was re-parented). Raises nothing.
-    """
-    ppid = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-    def watch():
-        while os.getppid() == ppid:
-            time.sleep(poll_s)
-        os._exit(129)
-
-    threading.Thread(target=watch, name="minizero-parent-watch", daemon=True).start()
-
-
-def _launched_by_mpiexec() -> bool:
-    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
-
-
 def _start_flight(comm, args) -> None:
     """This rank's flight recorder as --flight-records and --debug-collectives ask; SIGUSR1 dumps it."""
     comm.traffic.recorder = FlightRecorder(args.flight_records) if args.flight_records else None
@@ -146,31 +112,23 @@ def _write_stderr(text: str) -> None:
 
 
 def _lock_output(args, comm, mpi_world):
-    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too) and
-    broadcasts the verdict (collective): two jobs on one folder would delete each other's files.
+    """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too),
+    and a --json or --trace file outside OUT (:meth:`FolderLock.for_file`), then broadcasts the verdict
+    (collective): two jobs on one folder would delete each other's files, on one file replace each other's.
     Returns (the locks held on rank 0, the refusal message every rank shares or None)."""
     locks, refusal = [], None
     if comm.rank == 0:
-        wanted = [] if args.no_save else [("--out", args.out)]
+        out = os.path.realpath(args.out)
+        wanted = [] if args.no_save else [("--out", FolderLock(args.out))]
         save = os.path.realpath(args.save_dir) if args.save_every and args.save_dir else None
-        if save and (args.no_save or save != os.path.realpath(args.out)):  # inside OUT too: --out o2 --save-dir o/ck
-            wanted.append(("--save-dir", args.save_dir))
-        for flag, folder in wanted:
-            lock = FolderLock(folder)
-            try:
-                lock.acquire()
-            except OSError as e:
-                refusal = f"{flag} {e.strerror}" if e.strerror else f"{flag} {folder!r}: {e}"
-                break
-            locks.append(lock)
-        if refusal:
-            _release(locks)
+        if save and (args.no_save or save != out):  # inside OUT too: --out o2 --save-dir o/ck
+            wanted.append(("--save-dir", FolderLock(args.save_dir)))
+        for flag, path in (("--json", args.json), ("--trace", args.trace)):
+            if path and (args.no_save or os.path.dirname(os.path.realpath(path)) != out) and (
+                    os.path.isfile(path) or not os.path.exists(path)):  # not /dev/null; OUT's lock covers OUT
+                wanted.append((flag, FolderLock.for_file(path)))
+        locks, refusal = lock_outputs(wanted)
     return locks, mpi_world.bcast(refusal, root=0)
-
-
-def _release(locks) -> None:
-    for lock in locks:
-        lock.release()
 
 
 def _parse_everywhere(argv, comm, mpi_world):
@@ -274,19 +232,6 @@ def nccl_world(comm: NodeTrafficCommunicator, timeout: float) -> NodeTrafficComm
     return NodeTrafficCommunicator(NcclCommunicator(comm.inner, timeout=timeout), nodes=comm.nodes)
 
 
-def _setup_timeout(argv) -> float:
-    """--comm-timeout as given in ``argv`` (read before MPI starts), else the default; set-up waits at most this.
-    Only that flag is read here (a bad value falls back to the default; :func:`parse_args` refuses it later)."""
-    from minizero.comm.base import DEFAULT_TIMEOUT_S  # noqa: PLC0415
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    p.add_argument("--comm-timeout", type=real, default=DEFAULT_TIMEOUT_S)
-    try:
-        t = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))[0].comm_timeout
-    except (argparse.ArgumentError, SystemExit, TypeError):
-        return DEFAULT_TIMEOUT_S
-    return t if MIN_COMM_TIMEOUT_S <= t < DEFAULT_TIMEOUT_S * 1000 else DEFAULT_TIMEOUT_S
-
-
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.train``; returns the exit status.
 
@@ -295,12 +240,7 @@ def main(argv=None) -> int:
     before set-up ends, the signal's default action: mpiexec's status, no line).
     Mirrors ``torchrun``'s contract: a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
-    if _launched_by_mpiexec():
-        exit_with_parent()
-    # A rank stalled before set-up ends (stopped while importing: its peers wait in MPI_Init or a blocking
-    # exchange, where no Python code runs) must still end the job: faulthandler's own thread prints where this
-    # rank waited and exits 1 after --comm-timeout s, and mpiexec then ends every rank.
-    faulthandler.dump_traceback_later(_setup_timeout(argv), exit=True)
+    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)  # a stalled or signalled rank still ends the job
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
@@ -311,25 +251,23 @@ def main(argv=None) -> int:
         if rank == 0 and refusal:
             for line in refusal.splitlines():  # a damaged manifest: one line per problem
                 print(f"python -m minizero.train: error: {line}", file=sys.stderr, flush=True)
-        faulthandler.cancel_dump_traceback_later()
+        end_set_up(install=False)
         return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
-        faulthandler.cancel_dump_traceback_later()
+        end_set_up(install=False)
         return 2
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if not args.default_malloc:
         backend.keep_freed_memory()  # temporaries reuse freed memory instead of faulting in fresh pages
     locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
-    faulthandler.cancel_dump_traceback_later()  # set-up is over: the communicator's timeouts take over
+    end_set_up(install=not refusal)  # from here SIGINT and SIGTERM unwind through the except below
     if refusal:
         if rank == 0:
             print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
         return 2
-    Interrupts.raised.clear()  # this run's signals only
-    Interrupts.install()  # from here SIGINT and SIGTERM unwind through the except below (before: default action)
     try:
         if rank == 0:
             _warn_ram_offload(args)
@@ -371,7 +309,7 @@ def main(argv=None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         flight = _dump_flight(comm, args, {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}.get(
             type(e), f"{type(e).__name__}: {e}"[:300]))
-        _release(locks)
+        release_all(locks)
         if isinstance(e, (KeyboardInterrupt, Terminated)):
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
             if rank != 0:  # every rank got the signal from mpiexec: rank 0 speaks for the job
@@ -389,7 +327,7 @@ def main(argv=None) -> int:
         time.sleep(_ABORT_GRACE_S)
         comm.abort(1)
         return 1
-    _release(locks)
+    release_all(locks)
     return 0
 
 

@@ -179,11 +179,12 @@ def test_flight_records_are_capped_before_any_work(tmp_path):
     assert parse_args([*TINY, "--out", str(tmp_path / "o"), "--flight-records", str(MAX_FLIGHT_RECORDS)])
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow this test provokes
 def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
-    """Attacker: --lr 1e30 ended with a validation loss of nan, exit 0, and a model.npz of NaN in --out."""
+    """Attacker: --lr 1e30 ended with a validation loss of nan, exit 0, and a model.npz of NaN in --out. Later:
+    the one-line diagnosis came after 17 lines of NumPy's overflow warnings (the main job silences them)."""
     import dataclasses
     import json
+    import warnings
 
     import numpy as np
 
@@ -192,8 +193,10 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
     np.savez(tmp_path / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
     (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
     out = tmp_path / "ft"
-    assert finetune.main(["--weights", str(tmp_path / "model.npz"), "--steps", "2", "--eval-batches", "1",
-                          "--out", str(out), "--lr", "1e30", "--method", "full"]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an overflow warning: an exception here
+        assert finetune.main(["--weights", str(tmp_path / "model.npz"), "--steps", "2", "--eval-batches", "1",
+                              "--out", str(out), "--lr", "1e30", "--method", "full"]) == 1
     assert "the run diverged; " in capsys.readouterr().err and not out.exists()
 
 
@@ -230,6 +233,25 @@ def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     """Before: --method full with adapter flags trained every parameter without a word; --table ignored --method."""
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), *argv]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_path, capsys):
+    """--json (or --trace) naming the --out folder the run makes, or train's save dir: every step ran, the weights
+    were written, then "could not write 'o': it is a directory" (exit 1)."""
+    from minizero.args import UsageError, parse_args
+
+    out, save = str(tmp_path / "o"), str(tmp_path / "o" / "checkpoints")
+    for argv, said in [(["--json", out], f"--json {out!r} would overwrite --out, the folder the run writes into"),
+                       (["--trace", out], f"--trace {out!r} would overwrite --out, the folder the run writes into"),
+                       (["--save-every", "1", "--json", save],
+                        f"--json {save!r} would overwrite --save-dir, the folder the checkpoints go to")]:
+        with pytest.raises(UsageError, match="^" + re.escape(said)):
+            parse_args(["--model", "tiny", "--out", out, *argv], world_size=1)
+    parse_args(["--model", "tiny", "--out", out, "--no-save", "--trace", out], world_size=1)  # no OUT made
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out, "--json", out]) == 2
+    assert capsys.readouterr().err == (f"python -m minizero.finetune: error: --json {out!r} would overwrite --out "
+                                       f"{out!r}; give another file\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, capsys):

@@ -59,7 +59,8 @@ def test_the_second_layouts_bad_flags_are_refused_before_the_first_runs(monkeypa
 
 @pytest.mark.parametrize("flag, value, said", [("--steps", "-1,5", "invalid int value: '-1,5'; allowed"),
                                                ("--batch-size", "-8", "got 5, -8 and 1e-10"),
-                                               ("--tol", "-1e-3", "got 5, 8 and -0.001")])
+                                               ("--tol", "-1e-3", "got 5, 8 and -0.001"),
+                                               ("--tol", "inf", "--tol a finite number > 0, got 5, 8 and inf")])
 def test_a_bad_number_is_refused_by_the_parity_parser_before_any_run(capsys, flag, value, said):
     from minizero.debug.__main__ import main
 

@@ -68,3 +68,18 @@ def test_a_killed_write_leaves_a_temporary_that_the_next_run_removes(tmp_path):
     assert len(left) == 1 and not (tmp_path / "model.npz").exists()
     assert remove_stale_temporaries(str(tmp_path)) == [str(tmp_path / left[0])]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_save_dirs_latest_pointer_is_never_an_output(tmp_path):
+    """--json (train, finetune, quantize) or --trace naming a save dir's ``latest`` replaced the pointer with JSON
+    (exit 0): the save dir's own record of its newest checkpoint lost. A file of that name elsewhere is written."""
+    from minizero.files import check_output, refuse_read_back
+
+    (tmp_path / "ck" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "ck" / "step_00000002" / "manifest.json").write_text("{}")
+    (tmp_path / "ck" / "latest").write_text("step_00000002\n")
+    (tmp_path / "latest").write_text("mine\n")
+    for check in (refuse_read_back, lambda path, flag: check_output(path, flag)):
+        with pytest.raises(ValueError, match="would overwrite latest, which minizero's programs read back"):
+            check(str(tmp_path / "ck" / "latest"), "--json")
+        check(str(tmp_path / "latest"), "--json")

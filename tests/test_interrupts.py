@@ -140,7 +140,7 @@ def test_every_tool_runs_in_interruptible():
              if 'if __name__ == "__main__":' in p.read_text()]
     assert len(tools) >= 8, tools
     bare = [p.name for p in tools if p.name != "train.py"
-            and "interruptible(" not in p.read_text().split('if __name__ == "__main__":')[1]]
+            and "interruptible(" not in p.read_text().split('if __name__ == "__main__":')[-1]]  # the last one
     assert bare == []
 
 
@@ -170,3 +170,88 @@ def test_finetune_json_on_a_full_disk_is_one_line(weights):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.endswith("python -m minizero.finetune: error: could not write '/dev/full': no space left on "
                                 "device (the disk is full)\n"), proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_finetune_rank_stalled_in_start_up_ends_the_job_after_comm_timeout(mpiexec, weights, tmp_path):
+    """As the main job (test_reliability): a rank stopped before Python runs left its peer in MPI_Init for ever;
+    fine-tuning had no set-up bound. Now faulthandler's timer (minizero.interrupts.guard_set_up) ends it."""
+    cmd = [sys.executable, "-m", "minizero.finetune", "--weights", str(weights[0]), "--data", str(weights[1]),
+           "--steps", "2", "--batch-size", "2", "--eval-batches", "1", "--comm-timeout", "3"]
+    stopped = "kill -STOP $$; exec " + " ".join(cmd)
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "1", *cmd, ":", "-n", "1", "sh", "-c", stopped], env=mpi_env(),
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode != 0 and "Timeout (0:00:03)!" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
+def test_ctrl_c_while_finetune_ranks_start_prints_no_traceback(mpiexec, weights, tmp_path, delay):
+    """Ctrl-C while the ranks imported printed a KeyboardInterrupt traceback per rank (fine-tuning's handlers came
+    with its imports); inside MPI_Init a Python handler never runs. Now the signal's default action until set-up
+    ends, as the main job: mpiexec's status, no traceback, no hang; after set-up, one line."""
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.finetune", "--weights",
+                             str(weights[0]), "--data", str(weights[1]), "--steps", "100000", "--batch-size", "2",
+                             "--eval-batches", "1", "--out", str(tmp_path / "ft")], env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=REPO_ROOT)
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.count("minizero.finetune: interrupted") <= 1, err
+    assert not (tmp_path / "ft").exists() or os.listdir(tmp_path / "ft") == [".lock"]
+
+
+@pytest.mark.parametrize("argv,seconds", [
+    (["--comm-timeout", "3"], 3.0), (["--comm-timeout=5"], 5.0), (["--comm-timeout", "2", "--comm-timeout", "7"], 7.0),
+    (["--comm-timeout", "\u0663"], 600.0), (["--comm-timeout", "0"], 600.0), (["--comm-timeout", "nan"], 600.0),
+    (["--comm-timeout", "1_0"], 600.0), (["--comm-timeout"], 600.0), ([], 600.0)])
+def test_set_up_waits_at_most_the_comm_timeout_given(argv, seconds):
+    """What train and finetune bound their set-up with, read before MPI starts (their parsers refuse bad values)."""
+    from minizero.interrupts import set_up_timeout
+
+    assert set_up_timeout(argv, 600.0, 1.0) == seconds
+
+
+@pytest.mark.parametrize("launch,default_action", [
+    (["-m", "minizero.sample"], True), (["-mminizero.quantize"], True), (["-m", "pytest"], False), ([], False)])
+def test_ctrl_c_while_a_tool_imports_ends_it_without_a_traceback(launch, default_action):
+    """``python -m minizero.sample`` (quantize, plan, ...) interrupted while importing NumPy and minizero printed a
+    KeyboardInterrupt traceback per rank: the tools' handlers come with main(). Now importing the package for
+    ``python -m minizero.X`` gives SIGINT its default action until the program installs its own; any other program
+    importing minizero keeps Python's handler."""
+    code = ("import signal, sys\n"
+            f"if {bool(launch)}:\n"
+            f"    sys.argv[:1] = ['-m']; sys.orig_argv[:] = [sys.executable, *{launch!r}]  # as runpy while it imports\n"
+            "import minizero\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_DFL)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(),
+                          timeout=60)
+    assert proc.stdout.strip() == str(default_action), proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tool", [["minizero.sample", "--tokens", "100000"], ["minizero.plan", "--model", "tiny",
+                                                                                "--gpus", "2"]])
+def test_ctrl_c_while_tool_ranks_start_prints_no_traceback(mpiexec, weights, tool):
+    argv = [*tool, "--weights", str(weights[0])] if tool[0] == "minizero.sample" else tool
+    for delay in (0.2, 0.5):
+        proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", *argv], env=mpi_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=REPO_ROOT)
+        try:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert "Traceback" not in err and "Exception ignored" not in err, err

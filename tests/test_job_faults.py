@@ -29,10 +29,12 @@ def test_lock_release_raises_nothing_when_its_file_cannot_be_removed(tmp_path, m
 def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     """Two jobs: A with --out o (checkpoints in o/checkpoints), B with --out o2 --save-dir o/checkpoints. A locked
     only o, so B's lock on o/checkpoints succeeded and they pruned each other's checkpoints."""
-    from minizero.train import _lock_output, _release
+    from minizero.files import release_all as _release
+    from minizero.train import _lock_output
 
     out = tmp_path / "o"
-    args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5)
+    args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5,
+                                 json=str(out / "summary.json"), trace=None)
     world = types.SimpleNamespace(bcast=lambda obj, root: obj)
     locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
     try:
@@ -45,6 +47,30 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
     _release(locks)
     assert refusal is None and len(locks) == 1
+
+
+def test_a_json_or_trace_outside_out_is_locked_as_a_file(tmp_path):
+    """Two runs with their own OUT and one --json (or --trace) outside both: the later rename replaced the other's
+    summary without a word. Now the file is locked as finetune's and quantize's --json."""
+    from minizero.files import release_all
+    from minizero.train import _lock_output
+
+    world = types.SimpleNamespace(bcast=lambda obj, root: obj)
+    for flag in ("--json", "--trace"):
+        path = str(tmp_path / "shared.json")
+        args = types.SimpleNamespace(no_save=False, out=str(tmp_path / "o"), save_dir=None, save_every=0,
+                                     json=str(tmp_path / "o" / "summary.json"), trace=None)
+        setattr(args, flag[2:], path)
+        held = FolderLock.for_file(path)
+        held.acquire()
+        try:
+            locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+        finally:
+            held.release()
+        assert locks == [] and refusal.startswith(f"{flag} {path!r} is in use by another minizero job (pid "), refusal
+        locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+        assert refusal is None and [lock.subject for lock in locks] == [args.out, path]
+        release_all(locks)
 
 
 def test_a_save_dir_that_refuses_the_next_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -149,7 +175,10 @@ def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
     assert said in proc.stderr, proc.stderr
-    assert not (tmp_path / "ft").exists()  # nothing written
+    # nothing written: no weights; the folder --out's lock made goes with it, unless MPI_Abort killed rank 0 (the
+    # lock's holder) first, which leaves the unlocked lock file, as train's OUT (the next job takes it)
+    ft = tmp_path / "ft"
+    assert not ft.exists() or os.listdir(ft) == [FolderLock.NAME], os.listdir(ft)
 
 
 def test_inputs_refusal_names_each_ranks_bytes():
@@ -403,14 +432,42 @@ def test_every_rank_ends_says_each_failure_in_one_line_and_aborts(capfd, signals
                                                         "allocate 1 GiB)\n"),
             (Terminated(), 143, "[rank 1] python -m tool: interrupted (SIGTERM); files kept\n")]:
         world = World()
-        with every_rank_ends("tool", "files kept", world, grace_s=0):
+        with pytest.raises(SystemExit) as ended, every_rank_ends("tool", "files kept", world, grace_s=0):
             raise error
-        assert world.aborted == code and capfd.readouterr().err == said
+        assert world.aborted == code == ended.value.code and capfd.readouterr().err == said
     world = World()
-    with every_rank_ends("tool", "files kept", world, grace_s=0):
+    with pytest.raises(SystemExit), every_rank_ends("tool", "files kept", world, grace_s=0):
         raise KeyError("bug")
     err = capfd.readouterr().err
     assert world.aborted == 1 and err.startswith("[rank 1] python -m tool: error: KeyError: 'bug'\nTraceback")
+
+
+def test_a_rank_whose_abort_returns_goes_no_further(signals_restored):
+    """MPICH's MPI_Abort returns to its caller and the launcher kills the job a moment later: every_rank_ends
+    swallowed the exception, so the aborting rank ran on (finetune's rank 0 printed "interrupted" a second time from
+    interruptible's check; a failing rank could have gone on to write). Now it raises SystemExit at once."""
+    from minizero.interrupts import every_rank_ends
+
+    ran_on = []
+
+    class World:
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 0
+
+        def Abort(self, code):
+            pass  # as MPICH's
+
+    def job():
+        with every_rank_ends("tool", "files kept", World(), grace_s=0):
+            raise KeyboardInterrupt
+        ran_on.append(True)
+
+    with pytest.raises(SystemExit) as e:
+        job()
+    assert e.value.code == 130 and not ran_on
 
 
 def test_nothing_between_a_failure_and_the_abort_raises(tmp_path, monkeypatch, capfd):
@@ -435,3 +492,154 @@ def test_nothing_between_a_failure_and_the_abort_raises(tmp_path, monkeypatch, c
         raise OSError(errno.EROFS, "Read-only file system")
     monkeypatch.setattr(os, "replace", read_only)
     assert clean_partial(str(tmp_path / "ck")) == []
+
+
+# --------------------------------------------------------------------------- outputs another job holds
+def _run_tool(cmd, timeout=100):
+    import subprocess
+    import time
+
+    from tests.conftest import REPO_ROOT, mpi_env
+
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_finetune_refuses_an_output_another_job_holds(mpiexec, base_weights, tmp_path, flag):
+    """Two fine-tuning jobs on one --out wrote model.npz and model.json at once (one job's weights beside the other's
+    config); one --json: the later rename silently replaced the other's table. Now, as train's OUT: refused on every
+    rank before any work, one line naming the path and the holder, the holder's files untouched."""
+    import sys
+
+    out, table = tmp_path / "ft", tmp_path / "ft.json"
+    out.mkdir()
+    (out / "mine.txt").write_text("the other job's")
+    held = FolderLock(str(out)) if flag == "--out" else FolderLock.for_file(str(table))
+    held.acquire()
+    try:
+        proc, elapsed = _run_tool([mpiexec, "-n", "2", sys.executable, "-m", "minizero.finetune", "--weights",
+                                   str(base_weights), "--method", "lora", "--steps", "2", "--batch-size", "2",
+                                   "--eval-batches", "1", "--out", str(out), "--json", str(table)])
+    finally:
+        held.release()
+    path = str(out) if flag == "--out" else str(table)
+    assert proc.returncode == 2 and elapsed < 60, (proc.returncode, elapsed, proc.stderr)
+    assert proc.stderr.splitlines() == [
+        f"python -m minizero.finetune: error: {flag} {path!r} is in use by another minizero job (pid {os.getpid()} "
+        f"on host {__import__('socket').gethostname()}); wait for it to end or choose another "
+        f"{'folder' if flag == '--out' else 'file'}"], proc.stderr
+    assert sorted(os.listdir(out)) == ["mine.txt"] and not table.exists(), os.listdir(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
+    import sys
+
+    table = tmp_path / "q.json"
+    table.write_text("{}")
+    held = FolderLock.for_file(str(table))
+    held.acquire()
+    try:
+        proc, _ = _run_tool([sys.executable, "-m", "minizero.quantize", "--weights", str(base_weights), "--json",
+                             str(table)])
+    finally:
+        held.release()
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert proc.stderr.splitlines() == [
+        f"python -m minizero.quantize: error: --json {str(table)!r} is in use by another minizero job (pid "
+        f"{os.getpid()} on host {__import__('socket').gethostname()}); wait for it to end or choose another file"]
+    assert table.read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["q.json"]  # the lock file gone too
+
+
+@pytest.mark.timeout(120)
+def test_quantize_under_several_ranks_is_refused_on_every_rank(mpiexec, base_weights, tmp_path):
+    """Every rank measured the same model and wrote the same --json (one job writing one file twice at once)."""
+    import sys
+
+    proc, _ = _run_tool([mpiexec, "-n", "2", sys.executable, "-m", "minizero.quantize", "--weights",
+                         str(base_weights), "--json", str(tmp_path / "q.json")])
+    assert proc.returncode == 2 and not (tmp_path / "q.json").exists(), proc.stderr
+    assert proc.stderr.splitlines() == ["python -m minizero.quantize: error: runs in one process; mpiexec started 2 "
+                                        "ranks: run it without mpirun (or with -n 1)"] * 2, proc.stderr
+
+
+def test_a_lock_removes_the_folder_it_made_when_nothing_was_written(tmp_path):
+    """A failed job's --out (made by its lock) stayed behind empty."""
+    made, kept = FolderLock(str(tmp_path / "new")), FolderLock(str(tmp_path / "used"))
+    made.acquire()
+    kept.acquire()
+    (tmp_path / "used" / "model.npz").write_bytes(b"x")
+    made.release()
+    kept.release()
+    assert sorted(os.listdir(tmp_path)) == ["used"] and os.listdir(tmp_path / "used") == ["model.npz"]
+
+
+@pytest.mark.parametrize("under", ["the save dir", "a checkpoint in it"])
+def test_resume_from_a_running_jobs_save_dir_is_refused(tmp_path, under):
+    """A job resumed from a save dir that a running job saves into: that job's next save pruned (--keep) the
+    checkpoint being read, and the reader failed mid-way with a missing shard. Now refused before any work."""
+    from minizero.args import UsageError, parse_args
+    from minizero.files import live_holder
+
+    save = tmp_path / "ck"
+    (save / "step_00000004").mkdir(parents=True)
+    lock = FolderLock(str(save))
+    lock.acquire()
+    given = str(save) if under == "the save dir" else str(save / "step_00000004")
+    try:
+        with pytest.raises(UsageError) as e:
+            parse_args(["--model", "tiny", "--resume", given, "--out", str(tmp_path / "o")], world_size=1)
+    finally:
+        lock.release()
+    assert str(e.value) == (f"--resume {given!r}: {str(save)!r} is in use by a running minizero job (pid {os.getpid()}"
+                            f" on host {__import__('socket').gethostname()}), whose saves prune its checkpoints; wait "
+                            "for it to end or copy the checkpoint elsewhere")
+    (save / FolderLock.NAME).write_text("pid 1 on host gone\n")  # a killed job's lock file: no live holder
+    assert live_holder(str(save)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_rank_can_be_named_from_the_launchers_pid(mpiexec):
+    """MPICH's report of a SIGKILLed rank names only its PID, and the launcher kills the other ranks at once (no
+    --comm-timeout can name the silent rank). The header now lists each rank's PID, so the PID names the rank."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps",
+                           "20", "--no-save", "--progress", "none", "--comm-timeout", "20"],
+                          env=dict(mpi_env(), MINIZERO_FAULT="1:2:kill"), capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    listed = re.search(r"process id of each\s+rank \[(\d+), (\d+)\]", proc.stdout)
+    assert listed, proc.stdout
+    killed = re.search(r"PID (\d+) RUNNING AT", proc.stdout + proc.stderr)
+    if killed is None:
+        pytest.skip("this launcher's report does not name the PID (Open MPI's names the rank itself)")
+    assert killed.group(1) == listed.group(2), (listed.groups(), killed.group(0))
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["consolidate", "--out", "m.npz"]])
+def test_the_checkpoint_tool_refuses_a_running_jobs_save_dir(tmp_path, capsys, monkeypatch, command):
+    """consolidate (or inspect) of a save dir that a job saving every step prunes failed at random, 16 times in
+    25, with "no such checkpoint folder" or "No such file or directory: .../rank00000.safetensors" for a folder that
+    was there when the command started. Now refused as train's --resume, naming the holder."""
+    from minizero.checkpoint.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    save = tmp_path / "ck"
+    lock = FolderLock(str(save))
+    lock.acquire()
+    try:
+        assert main([command[0], str(save), *command[1:]]) == 2
+    finally:
+        lock.release()
+    assert capsys.readouterr().err == (
+        f"python -m minizero.checkpoint: error: {save}: {str(save)!r} is in use by a running minizero job (pid "
+        f"{os.getpid()} on host {__import__('socket').gethostname()}), whose saves prune its checkpoints; wait for "
+        "it to end or copy the checkpoint elsewhere\n")
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written (the lock's folder gone with it)

@@ -215,6 +215,10 @@ def test_finetune_table_says_which_columns_are_bytes():
     (["--lora-alpha", "-1"], "--lora-alpha must be a positive number, got -1.0"),
     (["--targets", "c_attn,wte"], "--targets 'c_attn,wte': allowed names are c_attn, c_proj, c_fc"),
     (["--weights", "/nonexistent/model.npz"], "/nonexistent/model.npz"),
+    (["--batch-size", "100000000"], "--batch-size must be <= 65,536 as train's, got 100,000,000"),  # was: killed
+    (["--steps", "1000000000000"], "--steps must be <= 1,000,000,000 as train's, got 1,000,000,000,000"),
+    (["--lr", "1e-320"], "--lr 9.99989e-321 is below float32's smallest normal number 1.175e-38"),  # was: exit 0
+    (["--lora-alpha", "1e-320"], "--lora-alpha 9.99989e-321 is below float32's smallest normal number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
     from minizero.finetune import main

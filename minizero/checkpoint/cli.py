@@ -2,7 +2,8 @@
 
 ``inspect``: layout, step, loss scale, bytes per rank by kind. ``consolidate``: every full parameter, one at a
 time, into nanoGPT-named ``model.npz`` (DeepSpeed's ``zero_to_fp32.py``) and ``model.json`` beside it, as train
-writes them (sample and quantize then need no ``--model``). A bad checkpoint: exit 2, one line.
+writes them (sample and quantize then need no ``--model``). A bad checkpoint: exit 2, one line; so is one in a
+folder a running job locks (its next save may prune what is read, as train's ``--resume``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import READ_BACK, WriteError, atomic_write, check_writable_folder, read_json
+from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_folder,
+                            live_job_holding, read_json)
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
                                           "elsewhere, or to replace it")
                 args.out = "model.npz"
             check_out(args.out)
+        held = live_job_holding(args.path)  # its next save may prune what we read: refused as train's --resume
+        if held:
+            raise CheckpointError(f"{args.path}: {held[0]!r} is in use by a running minizero job ({held[1]}), "
+                                  + PRUNED_MID_READ)
         folder = verify(args.path)
         if args.command == "inspect":
             print(describe(ShardReader(folder)))

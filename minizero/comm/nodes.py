@@ -5,7 +5,8 @@ lowest world rank; in-process every rank is on node 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +23,8 @@ class NodeLayout:
     """
 
     node_of: tuple
+    #: each rank's process id where MPI discovered the layout, else (): MPICH's launcher names a killed rank by it
+    pids: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
         if not self.node_of or min(self.node_of) < 0:
@@ -85,8 +88,8 @@ def layout_of(comm: Communicator) -> NodeLayout:
 def discover_nodes(comm: Communicator) -> NodeLayout:
     """Collective: the :class:`NodeLayout` of ``comm``, equal on every rank.
 
-    MPI: split with ``MPI_COMM_TYPE_SHARED``, then one set-up all-gather of each node's lowest rank (not in the
-    traffic ledger). Any other communicator (threads of one process) is one node.
+    MPI: split with ``MPI_COMM_TYPE_SHARED``, then one set-up all-gather of each node's lowest rank and each
+    rank's process id (not in the traffic ledger). Any other communicator (threads of one process) is one node.
     """
     mpi_comm = getattr(comm, "mpi_comm", None)
     if mpi_comm is None:
@@ -96,9 +99,9 @@ def discover_nodes(comm: Communicator) -> NodeLayout:
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     leader = local.allreduce(mpi_comm.Get_rank(), op=MPI.MIN)
     local.Free()
-    leaders = mpi_comm.allgather(leader)
+    leaders, pids = zip(*mpi_comm.allgather((leader, os.getpid())))
     order = {lead: i for i, lead in enumerate(dict.fromkeys(leaders))}
-    return NodeLayout(tuple(order[lead] for lead in leaders))
+    return NodeLayout(tuple(order[lead] for lead in leaders), pids)
 
 
 class CrossNodeLedger:

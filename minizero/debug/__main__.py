@@ -31,9 +31,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.command == "parity":
-            if args.steps < 1 or args.batch_size < 1 or not args.tol > 0:
-                q.error(f"--steps and --batch-size must be >= 1 and --tol > 0, got {args.steps}, {args.batch_size} "
-                        f"and {args.tol}")
+            if args.steps < 1 or args.batch_size < 1 or not 0 < args.tol < float("inf"):  # inf: every pair agrees
+                q.error(f"--steps and --batch-size must be >= 1 and --tol a finite number > 0, got {args.steps}, "
+                        f"{args.batch_size} and {args.tol}")
             common = ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
             return parity.main(*args.layouts, common, args.tol)
         if args.command == "hang":

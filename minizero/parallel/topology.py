@@ -88,17 +88,21 @@ class Topology:
                 f"of tp = {self.tp} consecutive ranks" for g in self.all_groups("tp") if self.nodes.spans(g) > 1]
 
     def describe_nodes(self) -> str:
-        """One line: the node layout and how many nodes each kind of group spans."""
+        """One line: the node layout and how many nodes each kind of group spans; each rank's process id when known
+        (MPICH's launcher reports a killed rank by its PID only, and ends the others before they could name it)."""
         if self.world.world_size == 1:
             return "nodes: one process on one machine: no message crosses a network"
+        pids = (f"; process id of each rank {list(self.nodes.pids)} (a launcher's report of a killed process names "
+                "its PID)" if len(self.nodes.pids) > 1 else "")
         if self.nodes.n_nodes == 1:
-            return f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a network"
+            return (f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a "
+                    f"network{pids}")
         names = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline"}
         spans = ", ".join(f"each {names[k]} group stays inside one node" if self.nodes_spanned(k) == 1 else
                           f"a {names[k]} group spans up to {self.nodes_spanned(k)} nodes"
                           for k in ("tp", "dp", "pp") if getattr(self, k) > 1)
         return (f"nodes: {self.nodes.describe()}, node of each rank "
-                f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else ""))
+                f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else "") + pids)
 
     def describe(self) -> str:
         """The mesh as text, one line per (pipeline stage, data-parallel rank), with each tensor group's nodes."""
