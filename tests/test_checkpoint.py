@@ -210,6 +210,11 @@ def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_pa
     ins = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(ck)], env=mpi_env(),
                          capture_output=True, text=True, timeout=60)
     assert ins.returncode == 0 and "step 6" in ins.stdout and "dp 2 x tp 1 x pp 1, ZeRO 2" in ins.stdout
+    # before: inspect said "N parameters" and consolidate "N + 1 tensors", neither saying why
+    tied = "lm_head.weight tied to transformer.wte.weight"
+    assert f"{len(c)} tensors: {len(c) - 1} parameters, {tied} from " in con.stdout, con.stdout
+    assert f"pieces of {len(c) - 1} parameters (lm_head.weight is tied to transformer.wte.weight: saved once)" \
+        in ins.stdout, ins.stdout
 
 
 @pytest.mark.timeout(300)
