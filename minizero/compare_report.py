@@ -11,6 +11,9 @@ from minizero.memory.estimator import DEVICE_CATEGORIES
 SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
          "offloaded")
 MIB = 2 ** 20
+#: the line just above the table: why its process peak can be below its device total
+NOT_SIMULTANEOUS = ("Device total = sum of per-category peaks, not one simultaneous peak: it may exceed the "
+                    "process peak.")
 
 
 def _mib(n) -> str:
@@ -41,6 +44,7 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
              "planner's first-order model (matmul FLOPs, collective bytes, offload copies) says: it leaves out the "
              "elementwise kernels, the optimizer step, Python's overhead and FP16 emulated on NumPy, and it assumes "
              "data-parallel traffic hidden behind backward (lesson 08).", *(["", hardware] if hardware else []), "",
+             NOT_SIMULTANEOUS, "",
              "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
              "offloaded | files | device total | worst | process peak | tokens/s | step s | ratio |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

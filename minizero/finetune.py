@@ -32,7 +32,7 @@ from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
-from minizero.ledger import MemoryLedger, get_ledger, set_ledger
+from minizero.ledger import MemoryLedger, get_ledger, set_ledger, wrap
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated Linear names to adapt")
     p.add_argument("--steps", type=integer, default=100, help="optimizer steps")
     p.add_argument("--batch-size", type=integer, default=8, help="sequences per step")
-    p.add_argument("--lr", type=real, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--lr", type=real, default=1e-3, help="AdamW learning rate (constant, no warmup: a few steps "
+                   "can end above the starting loss, and the table then says so)")
     p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences")
     p.add_argument("--zero", type=integer, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
@@ -246,6 +247,19 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def rose_note(rows: list, lr: float, steps: int) -> list[str]:
+    """The note (wrapped lines; [] when none) naming the methods that ended above the validation loss they started
+    from (``val_after > val_base``), and why: a constant ``--lr`` with no warmup moves every trained weight by
+    about lr in Adam's first steps (m / sqrt(v) is about +-1 there), and a few steps do not make up for it."""
+    rose = [f"{r['method']} ({r['val_base']:.4f} -> {r['val_after']:.4f})" for r in rows
+            if not r["val_after"] <= r["val_base"]]  # NaN too: diverged
+    if not rose:
+        return []
+    return wrap(f"note: {', '.join(rose)} ended above the loss training started from: the constant --lr {lr:g} "
+                f"(no warmup) moves every trained weight by about lr in Adam's first steps, and {steps} step(s) do "
+                "not make up for it; give more --steps (the loss comes back down) or a smaller --lr")
+
+
 def _world(zero: int, timeout: float):
     """The MPI communicator when launched on several ranks or under ZeRO, else None (one process, no MPI needed)."""
     from mpi4py import MPI
@@ -359,7 +373,7 @@ def _run(args, world, tokens, model0) -> int:
         return 2
     if rank != 0:
         return 0
-    print(format_table(rows))
+    print("\n".join([format_table(rows)] + rose_note(rows, args.lr, args.steps)))
     bad = sorted(k for k, v in (state or {}).items() if v.dtype.kind == "f" and not np.isfinite(v).all())
     if args.out is not None and bad:  # diverged (a huge --lr or --lora-alpha): nothing written
         print(f"{prog} the fine-tuned weights hold NaN or inf ({bad[0]}{', ...' if len(bad) > 1 else ''}): the run "

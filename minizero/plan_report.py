@@ -93,29 +93,33 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3,
     return lines
 
 
+#: the table's short names: recompute ("rc") and offload ("off") values, so a row fits 128 columns
+RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
+OFFLOAD_SHORT = {"none": "", "optimizer": "opt", "params": "par"}
+
+
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
-    """The fixed-width table of ``cands`` (memory columns divided by ``scale``)."""
-    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'recomp':>9} "
-            f"{'offload':>13} {'m':>5} |"
-            f"{'param':>7}{'grad':>7}{'optim':>7}{'acts':>7}{'bufs':>7}{'total':>8} |{'host':>7} |"
-            f"{'net/step':>9} | {'step s':>7} {'tok/s':>9} {'MFU':>5}")
+    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), at most 128 columns wide:
+    settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
+    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'rc':>4} "
+            f"{'off':>7} {'m':>4} |"
+            f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>8}"
+            f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         st, mem = c.strategy, c.memory
-        off = st.offload if st.offload != "none" else ""
-        if st.offload_activations:
-            off = (off + "+act") if off else "act"
+        off = "+".join(o for o in (OFFLOAD_SHORT[st.offload], "act" if st.offload_activations else "") if o)
         bufs = mem.comm_buffers + mem.gathered
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
         lines.append(
             f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
             f"{'y' if st.sequence_parallel else '':>2} "
-            f"{st.recompute:>9} {off or 'none':>13} {st.micro_batches:>5} |"
-            + "".join(_cell(x / scale, 7) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
+            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {st.micro_batches:>4} |"
+            + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
-            + f"{_cell(mem.total / scale, 8)} |{_cell(c.host / scale, 7, 1)} |"
-            f"{_cell(net / scale, 9)} | {c.step_s:7.3f} {c.tokens_per_s:9,.0f} {c.mfu:5.1%}")
+            + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 8, 1)}"
+            f" {c.step_s:7.3f} {c.tokens_per_s:8,.0f} {c.mfu:5.1%}")
     return lines
 
 
@@ -155,12 +159,13 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
-            f"net/step = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
+            f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
             "Z = ZeRO stage, sharding over the dp x cp data ranks (1: optimizer state, 2: + gradients, 3: + "
-            "parameters); SP = sequence parallelism (y: on); recomp = activation recompute; m = micro-batches per step "
-            "per data rank; acts = activations",
+            "parameters); SP = sequence parallelism (y: on); rc = activation recompute (sel: selective); off = "
+            "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
+            "micro-batches per step per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
             "(not in bubble, exposed communication or offload) x model FLOPs / FLOPs done (recompute's extra): it "
             "follows from the assumptions above, not a measurement"

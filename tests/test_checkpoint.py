@@ -6,6 +6,7 @@ threads; reshard: saved at 4 ranks ZeRO-1, resumed at 2 ranks ZeRO-3 and at tp 2
 killed half-way under mpiexec leaves the previous checkpoint, from which the run finishes
 identically; bad checkpoints are one line and exit 2 before any training.
 """
+import itertools
 import os
 import shutil
 import subprocess
@@ -163,7 +164,13 @@ def test_a_resumed_run_names_its_steps_as_the_progress_log_and_summary_json_says
     again = _cli(mpiexec, 1, ["--out", str(tmp_path / "b"), "--steps", "4", *fp16, "--resume",
                               str(tmp_path / "a" / "checkpoints")], {"MINIZERO_FAULT": "0:2:inf"})  # 0-based 2
     assert again.returncode == 0, again.stderr
-    assert "(saved after step 2 on dp 1" in again.stdout and "continuing at step 3" in again.stdout, again.stdout
+    said = " ".join(again.stdout.split())  # the resume line is wrapped at 100 columns, as the header
+    assert "(saved after step 2 on dp 1" in said and "continuing at step 3" in said, again.stdout
+    lines = again.stdout.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("resumed from"))
+    block = [lines[first]] + list(itertools.takewhile(lambda ln: ln.startswith("  "), lines[first + 1:]))
+    assert len(block) > 1 and "continuing at step 3" in " ".join(block), block  # before: one line of ~200 columns
+    assert all(len(ln) <= 100 or " " not in ln.strip() for ln in block), block  # only a long path goes past 100
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["start_step"] == 2 and summary["skipped_at"] == [2] and len(summary["train_loss"]) == 2
     assert summary["grad_norm"][summary["skipped_at"][0] - summary["start_step"]] is None
@@ -185,7 +192,8 @@ def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_pa
     resumed = _cli(mpiexec, 2, ["--out", str(out), "--save-every", "2", "--resume", str(ck)])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
-    assert "(saved after step 2 on dp 2" in resumed.stdout and "continuing at step 3" in resumed.stdout
+    said = " ".join(resumed.stdout.split())
+    assert "(saved after step 2 on dp 2" in said and "continuing at step 3" in said
     assert not (ck / ".tmp-step_00000004").exists()  # the partial save was cleaned
     assert sha256(str(ck / "step_00000002" / "rank00000.safetensors")) == before  # never overwritten
     a, b = np.load(tmp_path / "straight" / "model.npz"), np.load(out / "model.npz")
@@ -202,6 +210,11 @@ def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_pa
     ins = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(ck)], env=mpi_env(),
                          capture_output=True, text=True, timeout=60)
     assert ins.returncode == 0 and "step 6" in ins.stdout and "dp 2 x tp 1 x pp 1, ZeRO 2" in ins.stdout
+    # before: inspect said "N parameters" and consolidate "N + 1 tensors", neither saying why
+    tied = "lm_head.weight tied to transformer.wte.weight"
+    assert f"{len(c)} tensors: {len(c) - 1} parameters, {tied} from " in con.stdout, con.stdout
+    assert f"pieces of {len(c) - 1} parameters (lm_head.weight is tied to transformer.wte.weight: saved once)" \
+        in ins.stdout, ins.stdout
 
 
 @pytest.mark.timeout(300)

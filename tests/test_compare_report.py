@@ -24,3 +24,13 @@ def test_device_totals_by_world_size_pivot_rank_0_s_measured_bytes():
                                   run("zero3", 2, 1.25, ok=False)])
     assert lines[3:] == ["| strategy | 1 rank | 2 ranks |", "|---|---:|---:|", "| baseline | 1.00 | 1.00 |",
                          "| zero3 | 2.50 | failed |"]
+
+
+def test_the_table_says_in_one_short_line_that_its_device_total_is_no_simultaneous_peak():
+    """Before: a process peak below the device total was explained only inside a caption of ~1,000 characters."""
+    from minizero.compare_report import markdown
+
+    lines = markdown([], "### title", {}).splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("| ranks |"))
+    near = lines[top - 2]  # one blank line between it and the table
+    assert "not one simultaneous peak" in near and "process peak" in near and len(near) <= 100, near

@@ -306,3 +306,23 @@ def test_table_cells_stay_apart_when_a_figure_is_wide():
 
     assert _cell(96.36, 7) + _cell(1147.87, 7) == "  96.36   1148"
     assert _cell(0.5, 7) == "   0.50" and _cell(1276.38, 8) == " 1276.38" and _cell(12345678.0, 7) == " 12345678"
+
+
+@pytest.mark.parametrize("argv", [
+    ("--model", "llama3-70b", "--gpus", "64", "--seq-len", "131072", "--top", "20"),
+    ("--model", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--ep", "4", "--top", "20"),
+    ("--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",
+     "--strategy", "dp2 cp8 cp_attention=ulysses tp1 zero3 recompute=selective offload=params+activations")])
+def test_the_table_fits_128_columns(capsys, argv):
+    """Before: 154 columns (recompute and offload spelled out, a separator before host, net/step and step s).
+    Now every table line fits a 128-column terminal, with the short names the legend explains."""
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0, err
+    lines = out.splitlines()
+    top = next(i for i, line in enumerate(lines) if re.match(r"\s+#\s+dp\s+ep\s+cp\s+attn\s+tp\s+pp", line))
+    table = lines[top:lines.index("", top)]
+    assert len(table) >= 3 and max(map(len, table)) <= 128, max(map(len, table))
+    said = " ".join(out.split())
+    assert "rc = activation recompute (sel: selective)" in said and "par: + parameters, act: activations" in said
+    if "--strategy" in argv:
+        assert re.search(r" ulys .* sel par\+act ", table[2]), table[2]

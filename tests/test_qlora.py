@@ -179,6 +179,7 @@ def test_finetune_table_qlora_tracks_lora_and_writes_a_merged_model(trained, tmp
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "(--method qlora, adapters merged; --table writes its last method)" in proc.stdout
+    assert "ended above the loss training started from" not in proc.stdout  # every method lowered it: no note
     import json
     rows = {r["method"]: r for r in json.load(open(tmp_path / "ft.json"))["rows"]}
     assert set(rows) == {"full", "lora", "qlora"}
@@ -208,6 +209,33 @@ def test_finetune_table_says_which_columns_are_bytes():
     header = text.splitlines()[0]  # every column apart by two spaces: "B/param val before" read as one name
     assert [name.strip() for name in header.split("  ") if name.strip()][-4:] == [
         "B/param", "val before", "val base", "val after"]
+
+
+def test_finetune_says_why_a_method_ended_above_its_start():
+    """Before: full fine-tuning went 1.789 -> 1.901 in 3 steps at --lr 1e-3 and nothing said why (a constant lr,
+    no warmup: Adam's first steps move every weight by about lr; measured: 100 steps at 1e-3 end lowest)."""
+    from minizero.finetune import rose_note
+
+    row = {"method": "full", "val_before": 1.789, "val_base": 1.789, "val_after": 1.901}
+    lines = rose_note([row, dict(row, method="lora", val_after=1.7)], 1e-3, 3)
+    said = " ".join(" ".join(lines).split())
+    assert said.startswith("note: full (1.7890 -> 1.9010) ended above the loss training started from") and \
+        "lora" not in said and "--lr 0.001 (no warmup)" in said and "3 step(s)" in said, said
+    assert all(len(line) <= 100 for line in lines) and len(lines) > 1  # wrapped as the other long lines
+    assert rose_note([dict(row, val_after=1.5)], 1e-3, 3) == []
+    assert rose_note([dict(row, val_after=float("nan"))], 1e-3, 3)  # diverged: said too
+    # qlora starts from its NF4 copy (val base), not from the loaded weights (val before)
+    assert rose_note([dict(row, method="qlora", val_base=1.95, val_after=1.9)], 1e-3, 3) == []
+
+
+@pytest.mark.timeout(240)
+def test_finetune_prints_the_note_when_full_ends_above_its_start(trained):
+    weights, data = trained
+    proc = subprocess.run([sys.executable, "-m", "minizero.finetune", "--weights", str(weights), "--data", str(data),
+                           "--method", "full", "--steps", "2", "--lr", "2", "--batch-size", "4", "--eval-batches",
+                           "1"], capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: full (" in proc.stdout and "--lr 2 (no warmup)" in " ".join(proc.stdout.split()), proc.stdout
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -13,6 +13,7 @@ from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, cle
                                         verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
+from minizero.ledger import wrap
 
 __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
            "read_manifest", "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
@@ -73,15 +74,15 @@ class Checkpointer:
         self.resumed_from, self.load_peak = out["folder"], out["load_peak"]
         man = out["manifest"]
         lay = man["layout"]
-        self.log(f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']} x tp {lay['tp']} x "
+        lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']} x tp {lay['tp']} x "
                  f"pp {lay['pp']}, ZeRO {lay['zero']}; {out['applied']} optimizer steps applied): continuing at step "
-                 f"{out['step'] + 1}")
+                 f"{out['step'] + 1}"]
         for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
             if man["train"].get(key) != vars(self.args)[key]:
-                self.log(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
-                         f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
-        for note in out["notes"]:
-            self.log(f"note: {note}")
+                lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
+                             f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
+        for row in (w for line in lines + [f"note: {note}" for note in out["notes"]] for w in wrap(line)):
+            self.log(row)  # at 100 columns, an indented continuation: as the header
         return out["step"], out["applied"], out["pruner"]
 
     def due(self, step: int) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
+from minizero.checkpoint.layout import TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_folder,
                             live_job_holding, read_json)
@@ -25,6 +26,9 @@ from minizero.numerals import OneLineParser
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
 from minizero.interrupts import WHOLE, interruptible
+
+
+TIED_HEAD = "lm_head.weight"  #: the LM head's own name: the same array as :data:`TIED` (weight tying)
 
 
 def describe(reader: ShardReader) -> str:
@@ -62,7 +66,8 @@ def describe(reader: ShardReader) -> str:
                      "RNG states are in the manifest)")
         if lay["zero"] == 0:
             lines.append("    at ZeRO 0 every data-parallel rank holds a full replica; the lowest data rank writes it")
-    lines.append(f"  {len(man['pieces'])} pieces of {len(man['params'])} parameters"
+    tied = f" ({TIED_HEAD} is tied to {TIED}: saved once)" if TIED in man["params"] else ""
+    lines.append(f"  {len(man['pieces'])} pieces of {len(man['params'])} parameters{tied}"
                  + (f"; pruning masks at {man['pruning']['sparsity']:.0%}" if man.get("pruning") else ""))
     return "\n".join(lines)
 
@@ -87,6 +92,14 @@ def consolidate(path: str, out: str) -> dict:
         state[name] = state[first[id(p)]]
     atomic_write(out, lambda f: np.savez(f, **state))
     return state
+
+
+def tensor_count(state: dict) -> str:
+    """``"53 tensors: 52 parameters, lm_head.weight tied to transformer.wte.weight"``: what :func:`consolidate`
+    wrote, a tied name (one array under two names, ``inspect`` counts it once) said with the array it repeats."""
+    first: dict = {}  # id(array) -> its first name
+    tied = [f"{name} tied to {first[id(a)]}" for name, a in state.items() if first.setdefault(id(a), name) != name]
+    return f"{len(state)} tensors" + (f": {len(state) - len(tied)} parameters, {', '.join(tied)}" if tied else "")
 
 
 def check_out(out: str) -> None:
@@ -175,7 +188,7 @@ def main(argv=None) -> int:
                                       f"({type(e).__name__}: {e}); the checkpoint is damaged") from None
             if sidecar is not None:
                 write_model_json(os.path.dirname(sidecar), cfg)
-            print(f"wrote {args.out}: {len(state)} tensors from {folder}" + (f", and {sidecar}" if sidecar else ""))
+            print(f"wrote {args.out}: {tensor_count(state)} from {folder}" + (f", and {sidecar}" if sidecar else ""))
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
         for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)
