@@ -3,13 +3,11 @@
 ``full`` trains every parameter; ``lora`` trains adapters (:mod:`minizero.nn.lora`) on frozen float weights;
 ``qlora`` on NF4 weights (:mod:`minizero.nf4`). ``--table`` prints per method the validation loss before and
 after, trainable parameters and the ledger's bytes; ``--out DIR`` writes the merged model. Under ``mpirun`` the
-trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel
-(:class:`~minizero.parallel.data_parallel.DataParallel`) or, with ``--zero 1|2|3``, ZeRO-sharded: each
-:class:`~minizero.nn.lora.LoRAAdapter` is one ZeRO unit, so the frozen base is never reduced, sharded or gathered.
-``--tp N`` splits the blocks and their adapters over N tensor ranks (:mod:`minizero.parallel.lora_tp`); data
-parallelism and ZeRO then run over the world / N data ranks.
-Rank 0 locks ``--out`` and ``--json`` for the run (another job on them: exit 2, one line naming it), and set-up is
-bounded as the main job's (:func:`~minizero.interrupts.guard_set_up`).
+trained parameters (the adapters alone under LoRA and QLoRA) are data-parallel (``DataParallel``) or, with ``--zero
+1|2|3``, ZeRO-sharded: each ``LoRAAdapter`` is one ZeRO unit, so the frozen base is never reduced, sharded or
+gathered. ``--tp N`` splits the blocks and their adapters over N tensor ranks (:mod:`minizero.parallel.lora_tp`);
+data parallelism and ZeRO then run over the world / N data ranks. Rank 0 locks ``--out`` and ``--json`` for the
+run (another job on them: exit 2, one line naming it); set-up is bounded as the main job's (``guard_set_up``).
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ import numpy as np
 
 from minizero import backend
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
-from minizero.autograd import backward, manual_seed
-from minizero.autograd.rng import batch_rows, reserve
+from minizero.autograd import backward
+from minizero.autograd.rng import batch_rows, manual_seed, reserve
 from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
@@ -314,11 +312,11 @@ def _main(argv, world) -> int:
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
-        cfg0 = model0.config
-        if cfg0.n_head % args.tp or cfg0.n_embd % args.tp:
+        if (cfg0 := model0.config).n_head % args.tp or cfg0.n_embd % args.tp:
             raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}")
-        if args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(",")):
-            raise ValueError(nf4_shard_refusal(cfg0, args.tp, args.targets.split(",")))
+        cut = args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(","))
+        if cut:
+            raise ValueError(f"--{cut}; give a --tp that leaves runs of a multiple of 64 (or --method lora)")
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
         inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank

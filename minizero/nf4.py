@@ -125,6 +125,18 @@ class NF4Tensor:
         return (xp.asarray(NF4_LEVELS)[idx] * c1).astype(dtype).reshape(self.shape)
 
 
+def shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, rank: int = 0, name: str = "a"):
+    """(first, pitch, count, length) in blocks of rank ``rank``'s :class:`NF4Shard` of an (out, in) weight split
+    by rows (``stride`` runs) or columns over ``tp``. ValueError: a run is not whole blocks, naming the weight."""
+    out_f, in_f = shape
+    run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
+    if run % BLOCK or (in_f if row_parallel else out_f // stride) % tp:
+        raise ValueError(f"tp {tp} splits {name} weight {tuple(shape)} into runs of {run} elements per rank, not a "
+                         f"multiple of the NF4 block {BLOCK}")
+    length = run // BLOCK
+    return (rank * length, tp * length, out_f if row_parallel else stride, length)
+
+
 class NF4Shard(NF4Tensor):
     """A shard of a weight as NF4, quantized as the whole weight's blocks: runs of whole blocks of 64.
 

@@ -211,15 +211,15 @@ def test_plan_finetune_tp_prints_the_estimators_bytes():
 
 
 def test_plan_and_finetune_refuse_a_qlora_split_in_the_same_words(capsys):
-    """One function computes an NF4 shard's runs (the estimator's ``nf4_shard_runs``): ``plan`` and ``finetune``
-    both name the weight whose shards are not whole NF4 blocks, with its shape and run."""
+    """The technique's ``nf4.shard_runs`` and the estimator's ``nf4_shard_runs`` (written apart, as the estimator's
+    formulas are): ``plan`` and ``finetune`` both name the weight whose shards are not whole NF4 blocks, with its shape and run."""
     from minizero.plan import main
     from minizero.parallel.lora_tp import nf4_shard_refusal
     said = "tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of the NF4"
     with pytest.raises(SystemExit):
         main(["--model", "tiny", "--gpus", "2", "--finetune", "qlora", "--tp", "2", "--lora-rank", "8"])
     assert said in capsys.readouterr().err
-    assert nf4_shard_refusal(get_config("tiny"), 2).startswith("--" + said)
+    assert nf4_shard_refusal(get_config("tiny"), 2).startswith(said)
 
 
 def _finetune_cli(mpiexec, n, *argv, timeout=240):

@@ -48,8 +48,7 @@ def manual_seed(seed: int) -> None:
 
 
 def get_rng_state() -> dict:
-    """This thread's stream position ``{"key": int, "offset": int}`` (for recompute and checkpoints), with
-    ``"rows": [lo, total]`` inside :func:`batch_rows`."""
+    """This thread's ``{"key": int, "offset": int}`` (+ ``"rows": [lo, total]`` inside :func:`batch_rows`)."""
     if getattr(_local, "state", None) is None:
         manual_seed(0)
     key, offset = _local.state
@@ -74,7 +73,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def fold_in(key: int, data: int) -> int:
-    """A key derived from ``key`` and a non-negative int, ``mix64(key ^ mix64(data))`` (as ``jax.random.fold_in``)."""
+    """``mix64(key ^ mix64(data))``: a key derived from ``key`` and an int ``data`` >= 0 (``jax.random.fold_in``)."""
     return mix64_int(key ^ mix64_int(data))
 
 
@@ -85,10 +84,8 @@ def in_batch_rows() -> bool:
 
 @contextlib.contextmanager
 def batch_rows(lo: int, total: int):
-    """Inside: the micro-batch holds rows [lo, lo + b) of a global batch of ``total`` rows, and a dropout site
-    reads its rows of the global batch's mask (:meth:`MaskStream.reserve` with ``site``) instead of drawing the
-    stream's next outputs; the stream does not move. Every layout (data, pipeline, tensor, context ranks,
-    micro-batch size) then reads one process's masks. Raises ValueError: not 0 <= lo < total."""
+    """Inside: the micro-batch is rows [lo, lo + b) of ``total``; a dropout reads its rows of its site's mask of the
+    global batch (:meth:`MaskStream.reserve`), the stream unmoved. Raises ValueError: not 0 <= lo < total."""
     if not 0 <= lo < total:
         raise ValueError(f"batch_rows: rows start {lo} must lie in [0, total {total})")
     before = getattr(_local, "rows", None)
@@ -134,16 +131,13 @@ def reserve(n: int) -> tuple[int, int]:
 
 
 def _keep(z, p: float):
-    """Keep decisions ``u >= p`` of stream outputs ``z`` (uint64), u = (z >> 40) 2**-24. u is exact in float32, so
-    u >= float32(p) exactly when z >= ceil(float32(p) 2**24) 2**40: one integer comparison (nothing is kept when
-    float32(p) rounds to 1)."""
+    """``u >= float32(p)``, u = (z >> 40) 2**-24 exact in float32, as z >= ceil(float32(p) 2**24) 2**40 (uint64)."""
     t = math.ceil(float(np.float32(p)) * 2 ** 24) << 40
     return z >= np.uint64(t) if t <= _MASK else backend.xp.zeros(z.shape, dtype=bool)
 
 
 def keep_mask_at(key: int, offset: int, index, p: float):
-    """Keep decisions of outputs ``index`` (uint64, C-order positions) of the mask drawn at (key, offset);
-    stream unmoved. ``index`` is overwritten (callers pass a fresh array)."""
+    """Keep decisions of outputs ``index`` (uint64 C-order positions, overwritten) of the mask at (key, offset)."""
     index += np.uint64((offset + 1) & _MASK)
     index *= np.uint64(GAMMA)
     index += np.uint64(key)
@@ -159,8 +153,7 @@ def dropout_keep_mask(shape, p: float):
 
 @dataclasses.dataclass(frozen=True)
 class MaskStream:
-    """A dropout mask of ``shape`` reserved at (key, offset); ``block(slices)`` reads the caller's part from
-    ``origin``."""
+    """A dropout mask of ``shape`` at (key, offset); ``block(slices)`` reads the caller's part from ``origin``."""
 
     key: int
     offset: int
@@ -170,11 +163,9 @@ class MaskStream:
 
     @classmethod
     def reserve(cls, shape, p: float, origin=None, site=None) -> "MaskStream":
-        """The mask of ``shape`` (axis 0: the micro-batch's rows), read from ``origin``: outside
-        :func:`batch_rows`, the stream's next prod(``shape``) draws (it advances as a whole mask would);
-        inside, dropout site ``site``'s mask of the global batch (total, *shape[1:]) at key
-        ``fold_in(fold_in(key, offset), site)``, from row ``lo``. Raises ValueError: inside, ``site`` is None
-        or the rows pass ``total``."""
+        """The mask of ``shape`` (axis 0: rows) read from ``origin``: the stream's next prod(``shape``) draws, or
+        inside :func:`batch_rows` site ``site``'s (total, *shape[1:]) mask at key fold_in(fold_in(key, offset), site)
+        from row lo. Raises ValueError: inside, ``site`` None or rows past ``total``."""
         shape = tuple(int(d) for d in shape)
         origin = tuple(origin or (0,) * len(shape))
         rows = getattr(_local, "rows", None)

@@ -14,7 +14,7 @@ Row-parallel base (both c_proj: input columns split): A is split by columns, B r
 One all-reduce of (..., r) per adapter (column: backward; row: forward), beside the base's of (..., in) or (..., out).
 A and B are drawn whole with the one-process generator, in module order, then sliced: the same start as one process.
 QLoRA: each rank quantizes its own shard (:class:`NF4Shard`): its runs in the whole weight's row-major order must
-be whole NF4 blocks (:func:`nf4_runs`), so each element's level and block absmax are the one-process ones; the
+be whole NF4 blocks (``nf4.shard_runs``), so each element's level and block absmax are the one-process ones; the
 block absmaxes are all-gathered (B/tp float32 per rank) and double-quantized as the whole weight's (its mean, its
 groups of 256), so the dequantized shard is the one-process weight's rows / columns bit for bit.
 Sources: Shoeybi et al., arXiv:1909.08053, section 3; Hu et al., arXiv:2106.09685; Dettmers et al., arXiv:2305.14314.
@@ -24,8 +24,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
-from minizero.memory.estimator.lora import nf4_shard_runs
-from minizero.nf4 import BLOCK, NF4Shard, block_absmax
+from minizero.nf4 import NF4Shard, block_absmax, shard_runs
 from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, wrap_linear
 from minizero.nn.module import Module, Parameter
 from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _mark,
@@ -63,19 +62,6 @@ class RowParallelLoRAAdapter(LoRAAdapter):
         return F.linear(h, self.lora_B) * self.scale
 
 
-def nf4_runs(name: str, shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, rank: int = 0):
-    """(first, pitch, count, length) in whole NF4 blocks of tensor rank ``rank``'s shard of the whole (out, in)
-    weight ``name`` (:class:`NF4Shard`; the arithmetic is the estimator's :func:`nf4_shard_runs`): column-parallel,
-    ``stride`` runs of out/(stride tp) rows x in elements; row-parallel, one run of in/tp elements per row.
-    Raises ValueError: a run is not whole blocks of 64 (QLoRA would quantize blocks across shards), naming the
-    weight, the run and the block, and what to give instead."""
-    try:
-        return nf4_shard_runs(shape, stride, row_parallel, tp, rank, name=f"the {name}")
-    except ValueError as e:
-        raise ValueError(f"--{e}: QLoRA would quantize blocks across shards; give a --tp that leaves runs of a "
-                         f"multiple of {BLOCK} (or --method lora)") from None
-
-
 def _nf4_shard(weight, comm, row_parallel: bool, stride: int):
     """Collective over the tensor group: this rank's :class:`NF4Shard` of a column-parallel (out/tp, in) (Q/K/V
     ``stride``) or row-parallel (out, in/tp) weight shard; its block absmax all-gathered (B/tp float32 per rank,
@@ -83,7 +69,7 @@ def _nf4_shard(weight, comm, row_parallel: bool, stride: int):
     tp = comm.world_size
     out_f, in_f = weight.shape
     whole_shape = (out_f, in_f * tp) if row_parallel else (out_f * tp, in_f)
-    runs = nf4_runs("adapted", whole_shape, stride, row_parallel, tp, comm.rank)
+    runs = shard_runs(whole_shape, stride, row_parallel, tp, comm.rank, "the adapted")
     gathered = backend.xp.split(all_gather(comm, block_absmax(weight)), tp)
     if row_parallel:  # (rows, blocks per row) side by side
         whole = unshard_arrays([g.reshape(out_f, runs[3]) for g in gathered], 1).reshape(-1)
@@ -147,8 +133,8 @@ class TensorParallelWrap:
 
 
 def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
-    """None, or one line (:func:`nf4_runs`): an adapted weight of ``cfg``'s GPT whose shards at ``tp`` are not
-    whole NF4 blocks (before any work: every rank checks the same config)."""
+    """None, or one line (:func:`minizero.nf4.shard_runs`): an adapted weight of ``cfg``'s GPT whose shards at
+    ``tp`` are not whole NF4 blocks, which QLoRA would quantize across shards (every rank checks the same config)."""
     c = cfg.n_embd
     for key, name, shape, stride, row in (("c_attn", "attn.c_attn", (3 * c, c), 3, False),
                                           ("c_proj", "attn.c_proj", (c, c), 1, True),
@@ -156,9 +142,9 @@ def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
                                           ("c_proj", "mlp.c_proj", (c, 4 * c), 1, True)):
         try:
             if key in targets:
-                nf4_runs(name, shape, stride, row, tp)
+                shard_runs(shape, stride, row, tp, name=f"the {name}")
         except ValueError as e:
-            return str(e)
+            return f"{e}: QLoRA would quantize blocks across shards"
     return None
 
 
