@@ -186,17 +186,10 @@ def test_finetune_rank_stalled_in_start_up_ends_the_job_after_comm_timeout(mpiex
     assert time.monotonic() - t0 < 60
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
-def test_ctrl_c_while_finetune_ranks_start_prints_no_traceback(mpiexec, weights, tmp_path, delay):
-    """Ctrl-C while the ranks imported printed a KeyboardInterrupt traceback per rank (fine-tuning's handlers came
-    with its imports); inside MPI_Init a Python handler never runs. Now the signal's default action until set-up
-    ends, as the main job: mpiexec's status, no traceback, no hang; after set-up, one line."""
-    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.finetune", "--weights",
-                             str(weights[0]), "--data", str(weights[1]), "--steps", "100000", "--batch-size", "2",
-                             "--eval-batches", "1", "--out", str(tmp_path / "ft")], env=mpi_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=REPO_ROOT)
+def _ctrl_c_after(mpiexec, argv, delay):
+    """``mpiexec -n 2 python -m *argv``, SIGINT (Ctrl-C) after ``delay`` s: the finished process and its stderr."""
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", *argv], env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO_ROOT)
     try:
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
@@ -204,6 +197,18 @@ def test_ctrl_c_while_finetune_ranks_start_prints_no_traceback(mpiexec, weights,
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, err
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
+def test_ctrl_c_while_finetune_ranks_start_prints_no_traceback(mpiexec, weights, tmp_path, delay):
+    """Ctrl-C while the ranks imported printed a KeyboardInterrupt traceback per rank (fine-tuning's handlers came
+    with its imports); inside MPI_Init a Python handler never runs. Now the signal's default action until set-up
+    ends, as the main job: mpiexec's status, no traceback, no hang; after set-up, one line."""
+    proc, err = _ctrl_c_after(mpiexec, ["minizero.finetune", "--weights", str(weights[0]), "--data", str(weights[1]),
+                                        "--steps", "100000", "--batch-size", "2", "--eval-batches", "1", "--out",
+                                        str(tmp_path / "ft")], delay)
     assert proc.returncode != 0
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert err.count("minizero.finetune: interrupted") <= 1, err
@@ -244,14 +249,5 @@ def test_ctrl_c_while_a_tool_imports_ends_it_without_a_traceback(launch, default
 def test_ctrl_c_while_tool_ranks_start_prints_no_traceback(mpiexec, weights, tool):
     argv = [*tool, "--weights", str(weights[0])] if tool[0] == "minizero.sample" else tool
     for delay in (0.2, 0.5):
-        proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", *argv], env=mpi_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                cwd=REPO_ROOT)
-        try:
-            time.sleep(delay)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        proc, err = _ctrl_c_after(mpiexec, argv, delay)
         assert "Traceback" not in err and "Exception ignored" not in err, err
