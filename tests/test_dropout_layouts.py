@@ -158,3 +158,14 @@ def test_the_integer_keep_test_is_the_float_one(p):
     z = np.concatenate([z, np.array(edges, dtype=np.uint64)])
     want = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24) >= np.float32(p)
     np.testing.assert_array_equal(rng._keep(z.copy(), p), want)
+
+
+def test_a_mask_owns_its_bytes_in_its_own_shape():
+    """The ledger counts a saved mask by its owner: a view of a flat array would be counted as another shape (the
+    attention's (b, a, s, s) mask then leaves the scores' row)."""
+    shape = (2, 3, 4, 4)
+    assert rng.dropout_keep_mask(shape, 0.1).base is None
+    with rng.batch_rows(2, 8):
+        for sl in [tuple(slice(0, d) for d in shape), (slice(0, 2), slice(1, 3), slice(0, 4), slice(0, 4))]:
+            keep = rng.MaskStream.reserve(shape, 0.1, site=1).block(sl)
+            assert keep.base is None and keep.shape == tuple(s.stop - s.start for s in sl)

@@ -148,7 +148,7 @@ def dropout_keep_mask(shape, p: float):
     """A bool mask of ``shape`` on the device, True with probability 1 - p: ``u >= p``,
     u the top 24 bits times 2**-24."""
     shape = tuple(int(d) for d in shape)
-    return _keep(uniform_bits(math.prod(shape)), p).reshape(shape)  # a new array of ``shape`` (the ledger's unit)
+    return _keep(uniform_bits(math.prod(shape)).reshape(shape), p)  # a new array of ``shape`` (the ledger's unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +186,8 @@ class MaskStream:
         counts = [sl.stop - sl.start for sl in slices]
         if all(s == 0 and c == n for s, c, n in zip(starts[1:], counts[1:], self.shape[1:])):
             inner = math.prod(self.shape[1:])  # whole rows (a dropout's micro-batch): one run of the C order
-            flat = xp.arange(starts[0] * inner, (starts[0] + counts[0]) * inner, dtype=xp.uint64)
-            return keep_mask_at(self.key, self.offset, flat, self.p).reshape(tuple(counts))
+            flat = xp.arange(starts[0] * inner, (starts[0] + counts[0]) * inner, dtype=xp.uint64).reshape(counts)
+            return keep_mask_at(self.key, self.offset, flat, self.p)  # a new array of the block's shape
         flat = xp.zeros((1,) * len(self.shape), dtype=xp.uint64)
         for axis, (sl, n, o) in enumerate(zip(slices, self.shape, self.origin)):
             r = xp.arange(o + sl.start, o + sl.stop, dtype=xp.uint64)
