@@ -51,7 +51,8 @@ def excerpt(out: str) -> list[str]:
     """The lines of rank 0's output a newcomer should see first (in order), '...' where lines were left out."""
     lines = out.splitlines()
     nodes = next((i for i, line in enumerate(lines) if line.startswith("nodes:")), 3)
-    keep = set(range(nodes + 1))  # the header (wrapped at 100 columns): layout and model, device, batch, nodes
+    keep = set(range(nodes))  # the header (wrapped at 100 columns): layout and model, device, batch; not the nodes
+    # line, whose wrapped list of every rank's process id would be cut short by the '...' after it
     progress = [i for i, line in enumerate(lines) if re.match(r"step +\d+/\d+ +loss", line)]
     keep |= set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
     for i, line in enumerate(lines):
