@@ -600,19 +600,16 @@ def test_resuming_never_overwrites_its_checkpoint(saved):
     assert {f: sha256(str(saved / f)) for f in os.listdir(saved)} == before
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("ranks", [2, 1], ids=["same-layout", "another-layout"])
-def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(saved, tmp_path, ranks):
-    """Checkpoints written before the counter-based dropout generator hold NumPy PCG64's state in each rank's
-    "rng": resuming one re-seeds (with a note naming that cause, on its layout or another) instead of failing in
-    set_rng_state."""
+def _resume_with_rng(saved, folder, ranks, rng_of):
+    """A copy of ``saved`` whose rank files' "rng" are ``rng_of(i, rng)``, resumed with dropout 0.1 on ``ranks``
+    rank threads (each starts at step 2); the logged lines."""
     import json
 
-    old = _copy(saved, tmp_path / "pcg64")
+    old = _copy(saved, folder)
     man = json.loads((old / "manifest.json").read_text())
-    for f in man["files"]:
+    for i, f in enumerate(man["files"]):
         assert set(f["rng"]) == {"key", "offset"}  # what this code writes
-        f["rng"] = {"bit_generator": "PCG64", "state": {"state": 1, "inc": 3}, "has_uint32": 0, "uinteger": 0}
+        f["rng"] = rng_of(i, f["rng"])
     (old / "manifest.json").write_text(json.dumps(man, indent=1))
     logs = []
 
@@ -621,6 +618,17 @@ def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(sav
         return train(args, comm, log=logs.append)["start_step"]
 
     assert run_in_threads(ranks, resume, timeout=60) == [2] * ranks
+    return logs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", [2, 1], ids=["same-layout", "another-layout"])
+def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(saved, tmp_path, ranks):
+    """Checkpoints written before the counter-based dropout generator hold NumPy PCG64's state in each rank's
+    "rng": resuming one re-seeds (with a note naming that cause, on its layout or another) instead of failing in
+    set_rng_state."""
+    pcg64 = {"bit_generator": "PCG64", "state": {"state": 1, "inc": 3}, "has_uint32": 0, "uinteger": 0}
+    logs = _resume_with_rng(saved, tmp_path / "pcg64", ranks, lambda i, rng: pcg64)
     assert any("earlier PCG64" in line and "re-seeded" in line for line in logs), logs
     assert not any("layout changed" in line for line in logs), logs
 
@@ -630,20 +638,7 @@ def test_a_checkpoint_with_the_earlier_pcg64_dropout_state_resumes_re_seeded(sav
 def test_a_checkpoint_with_per_rank_dropout_states_says_what_it_restored(saved, tmp_path, ranks, said):
     """Checkpoints written before the masks were addressed hold a different (key, offset) on each rank: on their
     layout each rank continues its own (with a note: not one process's masks), on another all are re-seeded."""
-    import json
-
-    old = _copy(saved, tmp_path / "per_rank")
-    man = json.loads((old / "manifest.json").read_text())
-    for i, f in enumerate(man["files"]):
-        f["rng"] = {"key": 1000 + i, "offset": 7}
-    (old / "manifest.json").write_text(json.dumps(man, indent=1))
-    logs = []
-
-    def resume(comm):
-        args = parse_args(BASE + F64 + ["--steps", "3", "--dropout", "0.1", "--resume", str(old)], comm.world_size)
-        return train(args, comm, log=logs.append)["start_step"]
-
-    assert run_in_threads(ranks, resume, timeout=60) == [2] * ranks
+    logs = _resume_with_rng(saved, tmp_path / "per_rank", ranks, lambda i, rng: {"key": 1000 + i, "offset": 7})
     assert sum(said in line for line in logs) == 1, logs
 
 
