@@ -8,6 +8,7 @@ arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
@@ -126,6 +127,21 @@ def deferred_weights(chunk) -> list:
     return [p for p in chunk.transformer["h"].parameters() if p.data.ndim >= 2]
 
 
+@dataclasses.dataclass
+class _Step:
+    """One :meth:`PipelineEngine.forward_backward`'s state: its micro-batches (x, y), their rows of the global
+    batch, loss weights and backward seed S/m, the (mb, chunk) pairs whose B is split from its W, then what is in
+    flight: ``held`` (chunk, mb) -> (input, output) after F, ``weights`` (chunk, mb) -> W's deferred work."""
+    micro_batches: list
+    rows: list
+    shares: list
+    scale: float
+    split: set
+    held: dict = dataclasses.field(default_factory=dict)
+    weights: dict = dataclasses.field(default_factory=dict)
+    loss_sum: float = 0.0
+
+
 class PipelineEngine:
     """Runs micro-batches through this rank's chunks by a schedule, exchanging activations and gradients.
 
@@ -236,67 +252,78 @@ class PipelineEngine:
                 its dropout masks are those rows of one process's; the generator then moves by one (the step).
         Returns the sum of the (weighted) micro-batch mean losses on the last stage; 0.0 elsewhere.
         """
-        st, r, p = self.stage, self.stage.stage, self.stage.num_stages
         mbs = list(micro_batches)
         rows = [(i * len(x), len(mbs) * len(x)) for i, (x, _) in enumerate(mbs)] if rows is None else list(rows)
-        ops = make_schedule(self.schedule, p, len(mbs), len(self.chunks))[r]
-        split = split_backwards(ops)
-        scale = loss_scale / len(mbs)
-        shares = [1.0] * len(mbs) if shares is None else list(shares)
-        held, weights, loss_sum = {}, {}, 0.0  # (chunk, mb) -> (input, output) after F; -> W work after a split B
+        ops = make_schedule(self.schedule, self.stage.num_stages, len(mbs), len(self.chunks))[self.stage.stage]
+        step = _Step(mbs, rows, [1.0] * len(mbs) if shares is None else list(shares), loss_scale / len(mbs),
+                     split_backwards(ops))
         self.trace, self.peak_in_flight = [], 0
         for op in ops:
-            x, y = mbs[op.mb]
-            c = getattr(op, "chunk", 0)
-            chunk, what = self.chunks[c], f"mb{op.mb}" + (f" chunk{c}" if len(self.chunks) > 1 else "")
-            if op.kind == "F":
-                if chunk.is_first:
-                    inp, x_in = None, backend.to_device(x)
-                else:
-                    inp = x_in = Tensor(self._recv(st.activation_shape(x.shape), chunk.prev_rank, f"act {what}",
-                                                   self.act_tag), requires_grad=True)
-                with self.forward_context(), batch_rows(*rows[op.mb]):
-                    out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
-                if chunk.is_last:
-                    # a weight-0 micro-batch (only padding) has a NaN mean loss and 0 * NaN is NaN: skipped;
-                    # the default weight 1.0 keeps the loss bit for bit (1.0 * x is x)
-                    loss_sum += shares[op.mb] * out.item() if shares[op.mb] else 0.0
-                else:
-                    self._post(out.data, chunk.next_rank, "pp_activation", f"act {what}", self.act_tag)
-                    # backward needs out's graph node, not its values: drop our reference to them
-                    # (Megatron's deallocate_output_tensor); the pending send still holds the array
-                    out.data = backend.xp.empty(0, out.dtype)
-                held[(c, op.mb)] = (inp, out)
-            elif op.kind == "B":
-                inp, out = held.pop((c, op.mb))
-                if chunk.is_last:
-                    # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
-                    grad = backend.xp.full((), scale * shares[op.mb], dtype=np.promote_types(out.dtype, np.float32))
-                else:
-                    grad = self._recv(st.activation_shape(x.shape), chunk.next_rank, f"grad {what}", self.grad_tag)
-                if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
-                    inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
-                    get_ledger().track(inp.grad, "comm_buffers")
-                w = WeightGradients(deferred_weights(chunk)) if (op.mb, c) in split else None
-                if w is not None and not chunk.is_last:  # the received message may outlive B, kept by a W
-                    get_ledger().track(grad, "comm_buffers")
-                with w.deferring() if w is not None else contextlib.nullcontext():
-                    backward(out, grad)
-                if w is not None:
-                    weights[(c, op.mb)] = w
-                if not chunk.is_first:
-                    self._post(inp.grad, chunk.prev_rank, "pp_gradient", f"grad {what}", self.grad_tag)
-                    inp.grad = None
-                del inp, out
-            else:
-                with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
-                    weights.pop((c, op.mb)).run()
+            {"F": self._forward, "B": self._backward, "W": self._weights}[op.kind](step, op)
             self.trace.append(op)
-            self.peak_in_flight = max(self.peak_in_flight, len(held) + len(weights))
+            self.peak_in_flight = max(self.peak_in_flight, len(step.held) + len(step.weights))
         self._flush()
         assert self.peak_in_flight == peak_in_flight(ops)
         reserve(1)  # the next step's masks: new keys (rng.fold_in of the offset)
-        return loss_sum
+        return step.loss_sum
+
+    def _chunk(self, op):
+        """op's chunk, its index and the micro-batch's name in messages (``mb3`` or ``mb3 chunk1``)."""
+        c = getattr(op, "chunk", 0)
+        return self.chunks[c], c, f"mb{op.mb}" + (f" chunk{c}" if len(self.chunks) > 1 else "")
+
+    def _forward(self, step, op) -> None:
+        """F: receive the input (or take the ids), run the chunk, send its output on (or add up the loss)."""
+        (x, y), (chunk, c, what) = step.micro_batches[op.mb], self._chunk(op)
+        if chunk.is_first:
+            inp, x_in = None, backend.to_device(x)
+        else:
+            inp = x_in = Tensor(self._recv(self.stage.activation_shape(x.shape), chunk.prev_rank, f"act {what}",
+                                           self.act_tag), requires_grad=True)
+        with self.forward_context(), batch_rows(*step.rows[op.mb]):
+            out = chunk(x_in, backend.to_device(y) if chunk.is_last else None)
+        if chunk.is_last:
+            # a weight-0 micro-batch (only padding) has a NaN mean loss and 0 * NaN is NaN: skipped;
+            # the default weight 1.0 keeps the loss bit for bit (1.0 * x is x)
+            share = step.shares[op.mb]
+            step.loss_sum += share * out.item() if share else 0.0
+        else:
+            self._post(out.data, chunk.next_rank, "pp_activation", f"act {what}", self.act_tag)
+            # backward needs out's graph node, not its values: drop our reference to them
+            # (Megatron's deallocate_output_tensor); the pending send still holds the array
+            out.data = backend.xp.empty(0, out.dtype)
+        step.held[(c, op.mb)] = (inp, out)
+
+    def _backward(self, step, op) -> None:
+        """B: receive dL/d(output) (last stage: the seed S w_i / m), backward, send dL/d(input) back; with a
+        split backward (zero-bubble schedules) the weight gradients wait for op's W."""
+        (x, _), (chunk, c, what) = step.micro_batches[op.mb], self._chunk(op)
+        inp, out = step.held.pop((c, op.mb))
+        if chunk.is_last:
+            # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
+            grad = backend.xp.full((), step.scale * step.shares[op.mb],
+                                   dtype=np.promote_types(out.dtype, np.float32))
+        else:
+            grad = self._recv(self.stage.activation_shape(x.shape), chunk.next_rank, f"grad {what}", self.grad_tag)
+        if inp is not None:  # dL/d(input) accumulates into the buffer we will send: a comm buffer
+            inp.grad = backend.xp.zeros(inp.shape, inp.dtype)
+            get_ledger().track(inp.grad, "comm_buffers")
+        w = WeightGradients(deferred_weights(chunk)) if (op.mb, c) in step.split else None
+        if w is not None and not chunk.is_last:  # the received message may outlive B, kept by a W
+            get_ledger().track(grad, "comm_buffers")
+        with w.deferring() if w is not None else contextlib.nullcontext():
+            backward(out, grad)
+        if w is not None:
+            step.weights[(c, op.mb)] = w
+        if not chunk.is_first:
+            self._post(inp.grad, chunk.prev_rank, "pp_gradient", f"grad {what}", self.grad_tag)
+            inp.grad = None
+
+    def _weights(self, step, op) -> None:
+        """W: the weight gradients a split B deferred."""
+        _, c, what = self._chunk(op)
+        with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
+            step.weights.pop((c, op.mb)).run()
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:
