@@ -129,9 +129,7 @@ def deferred_weights(chunk) -> list:
 
 @dataclasses.dataclass
 class _Step:
-    """One :meth:`PipelineEngine.forward_backward`'s state: its micro-batches (x, y), their rows of the global
-    batch, loss weights and backward seed S/m, the (mb, chunk) pairs whose B is split from its W, then what is in
-    flight: ``held`` (chunk, mb) -> (input, output) after F, ``weights`` (chunk, mb) -> W's deferred work."""
+    """A step's inputs; in flight: held (chunk, mb) -> (input, output) after F, weights -> a split B's W work."""
     micro_batches: list
     rows: list
     shares: list
@@ -247,9 +245,8 @@ class PipelineEngine:
             micro_batches: m pairs (x, y) of (b, T) ids and targets, the same list on every stage.
             loss_scale: S; the last stage seeds each backward with S/m.
             shares: None, or m weights w_i (seed S w_i / m; the loss counts w_i times).
-            rows: m pairs (lo, total): micro-batch i is rows [lo, lo + b) of the step's global batch of ``total``
-                rows (default: one process's, (i b, m b)). Each forward runs in ``rng.batch_rows(lo, total)``, so
-                its dropout masks are those rows of one process's; the generator then moves by one (the step).
+            rows: m pairs (lo, total): micro-batch i's rows of the step's global batch (default (i b, m b)); its
+                forward runs in ``rng.batch_rows(lo, total)``: one process's dropout masks of those rows.
         Returns the sum of the (weighted) micro-batch mean losses on the last stage; 0.0 elsewhere.
         """
         mbs = list(micro_batches)
@@ -295,8 +292,7 @@ class PipelineEngine:
         step.held[(c, op.mb)] = (inp, out)
 
     def _backward(self, step, op) -> None:
-        """B: receive dL/d(output) (last stage: the seed S w_i / m), backward, send dL/d(input) back; with a
-        split backward (zero-bubble schedules) the weight gradients wait for op's W."""
+        """B: dL/d(output) in (last stage: seed S w_i / m), backward, dL/d(input) out; a split B defers to W."""
         (x, _), (chunk, c, what) = step.micro_batches[op.mb], self._chunk(op)
         inp, out = step.held.pop((c, op.mb))
         if chunk.is_last:
