@@ -37,7 +37,10 @@ def run_techniques(args) -> str:
     words = [f"{layout} x tp {args.tp} x pp {args.pp}"]
     if args.pp > 1:
         words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
-    words += [w for w, here in ((f"ZeRO-{args.zero}", args.zero), ("sp", args.sequence_parallel),
+    hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py: shard groups x replicas
+    zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {args.dp_shard} x replicate {args.dp // args.dp_shard})"
+                                  if hybrid else "")
+    words += [w for w, here in ((zero, args.zero), ("sp", args.sequence_parallel),
                                 (f"MoE {args.moe_experts} experts top-{args.moe_top_k}", args.moe_experts),
                                 (f"recompute {args.recompute}" + (f" every {args.recompute_every}"
                                                                   if args.recompute_every > 1 else ""),
