@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from minizero.checkpoint import read_manifest
+from minizero.checkpoint import ShardReader, read_manifest
+from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.train import UsageError, parse_args
 from minizero.zero.hybrid import hybrid_formula
@@ -119,5 +120,7 @@ def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
     np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
     for k, a in straight["params"].items():
         np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
-    writers = {pc["rank"] for pc in read_manifest(str(tmp_path / "step_00000003"))["pieces"]}
+    saved = str(tmp_path / "step_00000003")
+    writers = {pc["rank"] for pc in read_manifest(saved)["pieces"]}
     assert writers == (set(range(N)) if "--dp-shard" in src else set(range(D)))  # the first shard group writes
+    assert ("the first group writes" in describe(ShardReader(saved))) == ("--dp-shard" in src)
