@@ -16,11 +16,14 @@ import pytest
 from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
+from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+from minizero.nn import get_config
 from minizero.train import UsageError, parse_args
 from minizero.zero.hybrid import hybrid_formula
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
 from tests.test_checkpoint import F64, run as run_ckpt
+from tests.test_estimator import _traffic, _trainer_states
 from tests.test_zero import GRAD_RTOL, MICRO, PARAM_RTOL, shard_map, single_process
 
 D, N = 4, 2
@@ -124,3 +127,38 @@ def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
     writers = {pc["rank"] for pc in read_manifest(saved)["pieces"]}
     assert writers == (set(range(N)) if "--dp-shard" in src else set(range(D)))  # the first shard group writes
     assert ("the first group writes" in describe(ShardReader(saved))) == ("--dp-shard" in src)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "1"], ["--zero", "2", "--dp-shard", "2"],
+                                   ["--zero", "3", "--dp-shard", "2", "--no-overlap"]])
+def test_estimator_equals_the_trainers_ledger_under_hybrid_sharding(flags):
+    """The estimator's ``dp_shard``: model states, ZeRO's buckets and gathered units exactly (as
+    test_estimator's tensor-parallel cases), the collectives' scratch a bound."""
+    for args, stage, seen in run_in_threads(D, _trainer_states, flags, timeout=280):
+        st = Strategy(dp=args.dp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
+                      micro_batches=args.grad_accum, overlap=args.overlap, dp_shard=args.dp_shard)
+        est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
+        assert 0 < seen.pop("comm_scratch") <= est["comm_scratch"]
+        assert seen == {c: est[c] for c in seen}, seen
+
+
+@pytest.mark.usefixtures("ring_all_reduce")  # the replica hop by the ring, as the formula counts
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "2"], ["--zero", "3", "--dp-shard", "2"]])
+def test_estimated_traffic_equals_the_trainers_under_hybrid_sharding(flags, monkeypatch):
+    """The data group's bytes per step (a 3-step run's minus a 2-step run's) within its few bytes of bookkeeping."""
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
+    short, long = (run_in_threads(D, _traffic, flags, steps, timeout=280) for steps in (2, 3))
+    for (args, stage, before), (_, _, after) in zip(short, long):
+        st = Strategy(dp=args.dp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
+                      micro_batches=args.grad_accum, overlap=args.overlap, dp_shard=args.dp_shard)
+        est = comm_bytes_per_step(get_config("tiny", dtype="float64"), st, stage=stage, accounting="minizero")
+        assert 0 <= (after["dp"] - before["dp"]) - est["dp"] <= 8, (after["dp"] - before["dp"], est["dp"])
+
+
+def test_estimator_refuses_bad_shard_degrees():
+    with pytest.raises(ValueError, match="dp_shard=3 must be None or a positive divisor of dp=4"):
+        Strategy(dp=4, zero=1, dp_shard=3).validate()
+    with pytest.raises(ValueError, match="needs zero >= 1"):
+        Strategy(dp=4, zero=0, dp_shard=2).validate()
