@@ -6,6 +6,7 @@ tolerances (tests/test_zero.py); N = dp is bitwise plain ZeRO; the ledger holds 
 traffic ledger splits into the shard group's ring and the replica group's all-reduce; bad values are one line; a
 checkpoint saved under hybrid sharding resumes on plain ZeRO and the other way round.
 """
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
 from tests.test_checkpoint import F64, run as run_ckpt
 from tests.test_estimator import _traffic, _trainer_states
+from tests.test_plan_cli import run_main
 from tests.test_zero import GRAD_RTOL, MICRO, PARAM_RTOL, shard_map, single_process
 
 D, N = 4, 2
@@ -162,3 +164,20 @@ def test_estimator_refuses_bad_shard_degrees():
         Strategy(dp=4, zero=1, dp_shard=3).validate()
     with pytest.raises(ValueError, match="needs zero >= 1"):
         Strategy(dp=4, zero=0, dp_shard=2).validate()
+
+
+def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
+    """16 GPUs on 2 nodes of 8: ZeRO-3 sharded inside each node holds twice the states of ZeRO-3 over all 16, and its
+    data-parallel time is shorter (the gathers stay on NVLink; only 1/8 of the gradient crosses the network)."""
+    argv = ["--model", "llama2-7b", "--gpus", "16", "--gpu-memory", "80GB", "--json", "--strategy"]
+    rows = {}
+    for text in ("dp16 zero3", "dp16 zero3 shard8"):
+        code, out, err = run_main(capsys, *argv, text)
+        assert code == 0, err
+        rows[text] = json.loads(out)["candidates"][0]
+    plain, hybrid = rows["dp16 zero3"], rows["dp16 zero3 shard8"]
+    assert hybrid["strategy"]["dp_shard"] == 8 and plain["strategy"]["dp_shard"] is None
+    assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
+    assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 shard4")
+    assert code == 2 and "shard 4 must divide dp 16, and below dp needs zero 1-3" in err and err.count("\n") == 1

@@ -143,6 +143,14 @@ def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
     return mb * _ring(n) * (2 * P + G)
 
 
+def replica_bytes(model, strategy: Strategy, stage: int = 0, accounting: str = "paper") -> float:
+    """The part of :func:`comm_bytes_per_step`'s ``"dp"`` a rank sends across the replicas under hybrid sharding
+    (``strategy.dp_shard``; 0 without): the plan's step time puts it on the slower link."""
+    m, st = as_shape(model), strategy
+    psi = stage_parameters(m, st, stage, accounting=accounting) - stage_expert_parameters(m, st, stage, accounting)
+    return _replica_bytes(element_bytes(st)[1] * psi, st, st.micro_batches)
+
+
 def _replica_bytes(G: float, st: Strategy, mb: int) -> float:
     """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/N gradient shard over the
     R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3)."""
