@@ -8,6 +8,8 @@ Per rank, Ψ parameters over N ranks, float32 parameters and gradients, Adam's m
     3      stage3.py   + parameters       (4 + 4 + 8)/N         3(N-1)/N x 4Ψ  gather p in forward and in
                                                                                backward, reduce-scatter g
 
+Hybrid sharding (``replicas``, hybrid.py): N is the shard group's size; each reduce adds an all-reduce of the
+(S,) shard over the R = D/N replicas, 2(R-1)/R x 4Ψ/N bytes.
 Ledger: ``parameters``, ``gradients``, ``optimizer_state``; transient ``gathered`` and ``comm_buffers``.
 Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054), section 5, Figure 1, section 7.2;
 DeepSpeed ``stage_1_and_2.py`` / ``stage3.py``, PyTorch FSDP's flat parameters.

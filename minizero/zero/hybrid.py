@@ -6,10 +6,11 @@ d % N, and in replica group d % N (the R ranks that hold the same shard)::
     D = 4, N = 2     shard groups  [0 1] [2 3]     ZeRO's comm: all-gathers, reduce-scatters, the norm
                      replica groups [0 2] [1 3]    one all-reduce of each rank's reduced gradient shard
 
-Per step (stages 2-3; stage 1 the same at the end of backward): the gradient bucket is reduce-scattered inside
-the shard group, (N-1)/N x 4Ψ bytes sent per rank, then each rank's (S,) shard, S = Ψ/N, is summed
-over its replica group, 2(R-1)/R x 4Ψ/N bytes; the mean divides by D once. Parameters are gathered inside the
-shard group only; every rank keeps 1/N of the optimizer state (and of gradients, parameters by stage).
+Per reduce (stages 2-3: each unit's bucket in every backward; stage 1: once a step) the gradient is
+reduce-scattered inside the shard group, (N-1)/N x 4Ψ bytes sent per rank, then each rank's (S,) shard,
+S = Ψ/N, is summed over its replica group, 2(R-1)/R x 4Ψ/N bytes; the mean divides by D once. Parameters
+are gathered inside the shard group only; every rank keeps 1/N of the optimizer state (and of gradients,
+parameters by stage).
 N = D is plain ZeRO (no replica group, bitwise the same); N = 1 keeps whole states and all-reduces gradients.
 
 Sources: PyTorch FSDP ``ShardingStrategy.HYBRID_SHARD`` (shard inside a node, replicate across nodes);
@@ -68,7 +69,7 @@ def hybrid_formula(stage: int, num_params: int, dp: int, shard: int, param_bytes
     replicas) under ZeRO ``stage`` with D = ``dp`` ranks in shard groups of N = ``shard``. Ring collectives."""
     out = model_state_formula(stage, num_params, shard, param_bytes, grad_bytes, state_bytes)
     n, r = shard, dp // shard
-    one = (n - 1) / n * num_params * param_bytes  # one reduce-scatter or all-gather inside the shard group
-    out["inside"] = (3 if stage == 3 else 2) * one
+    gathers = 2 if stage == 3 else 1  # stage 3: in forward and in backward; stages 1-2: after the step
+    out["inside"] = (n - 1) / n * num_params * (grad_bytes + gathers * param_bytes)
     out["across"] = 2 * (r - 1) / r * num_params * grad_bytes / n
     return out
