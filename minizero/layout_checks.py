@@ -28,8 +28,8 @@ def check_zero(args) -> None:
         raise ValueError(f"--dp-shard {n} must divide the data-parallel size {dp}; allowed: "
                          f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}")
     if n < dp and zero < 1:
-        raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data ranks: it needs --zero 1, 2 "
-                         f"or 3 (got --zero {zero}; plain data parallelism shards nothing)")
+        raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
+                         f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
     if n < dp:
         for bad, what in ((args.cp > 1, f"--cp {args.cp}"), (args.ep > 1, f"--ep {args.ep}")):
             if bad:

@@ -4,7 +4,8 @@ dp = 4, N = 2, float64, ranks as threads: every rank's owned gradient shard (the
 index inside the shard group), the gradient norms and the parameters after 3 steps equal one process to ZeRO's
 tolerances (tests/test_zero.py); N = dp is bitwise plain ZeRO; the ledger holds exactly 1/N of the states and the
 traffic ledger splits into the shard group's ring and the replica group's all-reduce; bad values are one line; a
-checkpoint saved under hybrid sharding resumes on plain ZeRO and the other way round.
+checkpoint saved under hybrid sharding resumes on plain ZeRO and the other way round; the estimator and the planner
+count the same bytes; the header names the groups. One test runs under mpiexec.
 """
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
+from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
 from minizero.nn import get_config
 from minizero.train import UsageError, parse_args
@@ -26,7 +28,7 @@ from tests.mpi_scripts import zero_check
 from tests.test_checkpoint import F64, run as run_ckpt
 from tests.test_estimator import _traffic, _trainer_states
 from tests.test_plan_cli import run_main
-from tests.test_zero import GRAD_RTOL, MICRO, PARAM_RTOL, shard_map, single_process
+from tests.test_zero import GRAD_RTOL, MICRO, PARAM_RTOL, _train_logged, shard_map, single_process
 
 D, N = 4, 2
 HYBRID = ("--dp-shard", str(N))
@@ -181,3 +183,11 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 shard4")
     assert code == 2 and "shard 4 must divide dp 16, and below dp needs zero 1-3" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_header_names_the_shard_and_replica_groups():
+    argv = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--zero", "2", *HYBRID]
+    out = " ".join(run_in_threads(D, _train_logged, argv)[0].split())
+    assert "sharded over groups of 2 consecutive data rank(s), replicated across the 2 groups" in out
+    assert run_techniques(parse_args(argv, D)).endswith("ZeRO-2 hybrid (shard 2 x replicate 2), fp32")
