@@ -22,7 +22,7 @@ from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
 from minizero.nn import get_config
 from minizero.train import UsageError, parse_args
-from minizero.zero.hybrid import hybrid_formula
+from minizero.zero.hybrid import hybrid_formula, hybrid_groups
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
 from tests.test_checkpoint import F64, run as run_ckpt
@@ -191,3 +191,16 @@ def test_header_names_the_shard_and_replica_groups():
     out = " ".join(run_in_threads(D, _train_logged, argv)[0].split())
     assert "sharded over groups of 2 consecutive data rank(s), replicated across the 2 groups" in out
     assert run_techniques(parse_args(argv, D)).endswith("ZeRO-2 hybrid (shard 2 x replicate 2), fp32")
+
+
+def _group_names(comm):
+    hybrid_groups(comm, N)
+    recorder = comm.traffic.active_recorder()
+    return [(g.name, g.members) for g in recorder.groups.values() if g.name.startswith("dp_")]
+
+
+def test_flight_recorder_names_the_shard_and_replica_groups():
+    """So that a hang report and --debug-collectives' descriptor check cover the two groups (world ranks)."""
+    got = run_in_threads(D, _group_names)
+    assert got[0] == [("dp_shard", [0, 1]), ("dp_replicate", [0, 2])]
+    assert got[3] == [("dp_shard", [2, 3]), ("dp_replicate", [1, 3])]

@@ -34,7 +34,13 @@ def hybrid_groups(comm, shard: int):
         raise ValueError(f"shard degree {shard} must be >= 1 and divide the data group's {d} ranks")
     if shard == d:
         return comm, None
-    return comm.split(color=r // shard, key=r), comm.split(color=r % shard, key=r)
+    groups = comm.split(color=r // shard, key=r), comm.split(color=r % shard, key=r)
+    recorder = comm.traffic.active_recorder()  # the flight recorder's names (and --debug-collectives' check)
+    if recorder is not None:
+        for name, group, members in zip(("dp_shard", "dp_replicate"), groups,
+                                        (range(r - r % shard, r - r % shard + shard), range(r % shard, d, shard))):
+            recorder.name_group(group, name, [comm.world_rank(k) for k in members])
+    return groups
 
 
 def replica_count(replicas) -> int:
