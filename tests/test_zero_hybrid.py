@@ -162,6 +162,7 @@ def test_estimated_traffic_equals_the_trainers_under_hybrid_sharding(flags, monk
 
 
 def test_estimator_refuses_bad_shard_degrees():
+    assert Strategy(dp=2, cp=2, zero=1, dp_shard=2).validate().shard_ranks == 4  # = dp: the whole dp x cp group
     with pytest.raises(ValueError, match="dp_shard=3 must be None or a positive divisor of dp=4"):
         Strategy(dp=4, zero=1, dp_shard=3).validate()
     with pytest.raises(ValueError, match="needs zero >= 1"):

@@ -66,8 +66,8 @@ class Strategy:
 
     @property
     def shard_ranks(self) -> int:
-        """N: the ranks ZeRO shards over (``dp_shard``, else :attr:`data_ranks`)."""
-        return self.data_ranks if self.dp_shard is None else self.dp_shard
+        """N: the ranks ZeRO shards over (``dp_shard`` below dp, else all :attr:`data_ranks`, dp x cp)."""
+        return self.dp_shard if self.dp_shard is not None and self.dp_shard < self.dp else self.data_ranks
 
     @property
     def replicas(self) -> int:
