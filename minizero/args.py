@@ -19,7 +19,7 @@ from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
-                                    check_moe, check_sequence_parallel, check_zero_bubble, resolve_sizes)
+                                    check_moe, check_sequence_parallel, check_zero, check_zero_bubble, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
@@ -363,7 +363,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
     changes it, and a pipeline of p stages gets p micro-batches to fill with.
     Raises:
         ValueError naming the numbers: sizes (see :func:`resolve_sizes`), --micro-batches < 1
-        or different from --grad-accum, ZeRO 2/3 with --pp > 1.
+        or different from --grad-accum, ZeRO 2/3 with --pp > 1, a bad --dp-shard (:func:`check_zero`).
     """
     cfg, cp = PRESETS[args.model], args.cp
     if cp < 1 or world_size % cp:
@@ -384,11 +384,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
     if args.prune_sparsity and args.tp * args.pp > 1:
         raise ValueError(f"--prune-sparsity with --tp {args.tp} --pp {args.pp} is not supported: magnitude "
                          "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks")
-    zero = args.zero
-    if zero >= 2 and args.pp > 1:
-        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
-                         f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
-                         "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
+    check_zero(args)
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)
     check_zero_bubble(args, cfg)

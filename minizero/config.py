@@ -68,6 +68,7 @@ class TrainConfig:
     loss_spike: float = _D["loss_spike"]
     # memory
     zero: int = _D["zero"]
+    dp_shard: int | None = _D["dp_shard"]  # None until resolve_parallel_args: dp
     show_shards: bool = _D["show_shards"]
     precision: str = _D["precision"]
     fp8_scaling: str = _D["fp8_scaling"]

@@ -37,7 +37,10 @@ def run_techniques(args) -> str:
     words = [f"{layout} x tp {args.tp} x pp {args.pp}"]
     if args.pp > 1:
         words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
-    words += [w for w, here in ((f"ZeRO-{args.zero}", args.zero), ("sp", args.sequence_parallel),
+    hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py: shard groups x replicas
+    zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {args.dp_shard} x replicate {args.dp // args.dp_shard})"
+                                  if hybrid else "")
+    words += [w for w, here in ((zero, args.zero), ("sp", args.sequence_parallel),
                                 (f"MoE {args.moe_experts} experts top-{args.moe_top_k}", args.moe_experts),
                                 (f"recompute {args.recompute}" + (f" every {args.recompute_every}"
                                                                   if args.recompute_every > 1 else ""),
@@ -74,7 +77,12 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                    3: "optimizer state, gradients and parameters"}[args.zero]
         experts = (f" (the experts' over the {topo.dp // args.ep} rank(s) of their expert-data group)"
                    if args.moe_experts and args.ep > 1 else "")
-        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over the {topo.dp} rank(s) of the data group{experts}"
+        group = f"the {topo.dp} rank(s) of the data group"
+        if args.dp_shard is not None and args.dp_shard < args.dp:  # zero/hybrid.py
+            group = (f"groups of {args.dp_shard} consecutive data rank(s), replicated across the "
+                     f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "
+                     "then all-reduced across)")
+        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over {group}{experts}"
                      + ("; reduce-scatters overlap backward" + ("; the next unit's all-gather is prefetched"
                                                               if args.zero == 3 else "")
                         if args.zero >= 2 and args.overlap else ""))

@@ -13,6 +13,30 @@ from minizero.flags import UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
+def check_zero(args) -> None:
+    """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, < dp
+    only with ZeRO, on one data group of whole replicas (not with --cp or --ep > 1)."""
+    zero = args.zero
+    if zero >= 2 and args.pp > 1:
+        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
+                         f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
+                         "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
+    if args.dp_shard is None:
+        args.dp_shard = args.dp  # plain ZeRO: shard over the whole data group
+    n, dp = args.dp_shard, args.dp
+    if not 1 <= n <= dp or dp % n:
+        raise ValueError(f"--dp-shard {n} must divide the data-parallel size {dp}; allowed: "
+                         f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}")
+    if n < dp and zero < 1:
+        raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
+                         f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
+    if n < dp:
+        for bad, what in ((args.cp > 1, f"--cp {args.cp}"), (args.ep > 1, f"--ep {args.ep}")):
+            if bad:
+                raise ValueError(f"--dp-shard {args.dp_shard} with {what} is not supported: hybrid sharding splits "
+                                 f"the plain data group (use --dp-shard {args.dp} or leave it out)")
+
+
 def check_sequence_parallel(args, cfg) -> None:
     """``--sequence-parallel`` needs tp > 1, ZeRO 0-1 (ZeRO 2-3 reduce gradients inside backward, before the
     tensor group sums the norms' sequence slices) and a context length T divisible by tp."""

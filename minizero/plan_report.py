@@ -17,7 +17,7 @@ def describe(st: Strategy) -> str:
     after dp when expert parallel; ``cp=4 cp_attention=ring|ulysses`` when context parallel)."""
     parts = [f"dp={st.dp}"] + ([f"ep={st.ep}"] if st.ep > 1 else []) \
         + ([f"cp={st.cp}", f"cp_attention={st.cp_attention}"] if st.cp > 1 else []) \
-        + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"]
+        + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"] + ([f"shard={st.dp_shard}"] if st.dp_shard else [])
     if st.sequence_parallel:
         parts.append("sp")
     parts.append(f"recompute={st.recompute}")

@@ -12,7 +12,7 @@ import re
 
 from minizero.memory.estimator import (
     ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
-    model_flops_per_step, stage_expert_parameters, stage_parameters)
+    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
@@ -179,8 +179,9 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     batch = st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
     bubble = compute * bubble_over_ideal(st.pp, st.micro_batches, st.virtual_stages)  # the simulator's formula
-    node, d = hw.gpus_per_node, st.data_ranks  # gradients are averaged over dp x cp ranks
+    node, d, ns = hw.gpus_per_node, st.data_ranks, st.shard_ranks  # gradients are averaged over dp x cp ranks
     dp_bw = hw.intra_node_bw if d * st.tp <= node else hw.inter_node_bw
+    shard_bw = hw.intra_node_bw if ns * st.tp <= node else hw.inter_node_bw  # ZeRO's group (hybrid: N data ranks)
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
     cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
     tp = comm["tp"] / hw.intra_node_bw
@@ -193,12 +194,13 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     if d > 1:
         pb = element_bytes(st)[0]
         experts, de = stage_expert_parameters(model, st, 0), d // st.ep  # experts gather over their d/ep ranks
-        gathered = (d - 1) / d * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
+        gathered = (ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
         gather_after_step = pb * gathered if st.zero in (1, 2) else 0.0
-        overlappable = comm["dp"] - gather_after_step
+        across = replica_bytes(model, st)  # hybrid sharding's all-reduce over the replicas (0 without)
+        overlappable = comm["dp"] - gather_after_step - across
         window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
                   2: 2 / 3 * compute, 3: compute}[st.zero]
-        dp = max(0.0, overlappable / dp_bw - window) + gather_after_step / dp_bw
+        dp = max(0.0, overlappable / shard_bw + across / dp_bw - window) + gather_after_step / shard_bw
     offload = 0.0
     shard = _state_shard(model, st)
     pb, gbytes = element_bytes(st)[:2]
@@ -257,7 +259,8 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 
 
 # ---- one strategy the user names ---------------------------------------------------------------
-STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), sp, recompute=none|selective|full, "
+STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), shardN (ZeRO over groups of N data ranks, "
+                  "replicated across: hybrid sharding), sp, recompute=none|selective|full, "
                   "offload=none|optimizer|params|activations (joined with '+'), attention=dense|flash, "
                   "cp_attention=ring|ulysses")
 
@@ -292,7 +295,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     sizes, zero, sp, recompute, offloads, said, cp_attention = {}, 0, False, "none", set(), {}, "ring"
     for i, word in enumerate(text.replace(",", " ").split()):
         w = word.lower()
-        m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z)=?([0-9]+)", w)  # ASCII digits: \d (and int) read '٣' as 3
+        m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z|shard)=?([0-9]+)", w)  # ASCII digits: \d (and int) read '٣' as 3
         key, _, value = w.partition("=")
         if m:
             if m.group(1) in ("zero", "z"):
@@ -330,7 +333,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")
         raise ValueError(f"--strategy {text!r}: {names} = {sizes.get('dp', '?')} x {values}{tp} x {pp} must equal "
                          f"--gpus {gpus}")
+    shard = sizes.pop("shard", None)  # hybrid sharding (zero/hybrid.py); None: ZeRO over all data ranks
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
+             (shard is None or (dp % shard == 0 and (shard == dp or (zero > 0 and cp == 1 and ep == 1))),
+              f"shard {shard} must divide dp {dp}, and below dp needs zero 1-3, cp 1 and ep 1"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "
@@ -367,4 +373,5 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute,
                     precision=precision, optimizer=optimizer, offload=offload, offload_activations=act,
                     micro_batch=micro_batch, micro_batches=m, schedule=sched, virtual_stages=v,
-                    bucket_bytes=bucket_bytes, attention=attention, ep=ep, cp_attention=cp_attention)
+                    bucket_bytes=bucket_bytes, attention=attention, ep=ep, cp_attention=cp_attention,
+                    dp_shard=shard if shard is not None and shard < dp else None)

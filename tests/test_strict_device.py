@@ -27,6 +27,7 @@ CASES = {
     "zero1": (2, ["--zero", "1"]),
     "zero2": (2, ["--zero", "2"]),
     "zero3": (2, ["--zero", "3"]),
+    "zero3-hybrid-dp4": (4, ["--zero", "3", "--dp-shard", "2"]),  # the replica all-reduce on the device too
     "tp2": (2, ["--tp", "2"]),
     "tp2-sequence-parallel": (2, ["--tp", "2", "--sequence-parallel"]),
     "pp2-1f1b": (2, ["--pp", "2", "--grad-accum", "2"]),

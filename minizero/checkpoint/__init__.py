@@ -34,8 +34,9 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
     ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded).
     """
     layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                  offload_optimizer=args.offload_optimizer, adam8bit_block_size=args.adam8bit_block_size,
-                  adam8bit_code="dynamic", micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
+                  dp_shard=args.dp_shard, offload_optimizer=args.offload_optimizer,
+                  adam8bit_block_size=args.adam8bit_block_size, adam8bit_code="dynamic",
+                  micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
     train = {k: vars(args)[k] for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
                                            "batch_size")}
     return {"model": dataclasses.asdict(cfg), "layout": layout, "applied": applied, "train": train,

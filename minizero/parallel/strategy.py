@@ -38,6 +38,7 @@ from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grad
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, scratch_ledger, traffic_by_group
 from minizero.parallel.topology import Topology
 from minizero.zero import zero_optimizer
+from minizero.zero.hybrid import hybrid_groups
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
@@ -276,8 +277,12 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     fp16 = args.precision == "fp16"
     predivided = fp16 and topo.dp > 1  # the backward seed carries 1/dp (Strategy.seed_divisor): reduce by a sum
     if args.zero:
+        # --dp-shard N < dp: ZeRO's group is N data ranks, the gradients summed across the replicas too (zero/hybrid.py)
+        hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # (refused with --cp, whose group is dp x cp)
+        shard_comm, replicas = hybrid_groups(topo.dp_comm, args.dp_shard if hybrid else topo.dp)
+
         def adam8bit_state(shard_map):  # with --optimizer adam8bit the 8-bit state is what gets sharded
-            return ShardedAdam8bit(shard_map, topo.dp_comm, cfg.dtype, block_size=args.adam8bit_block_size)
+            return ShardedAdam8bit(shard_map, shard_comm, cfg.dtype, block_size=args.adam8bit_block_size)
 
         state = adam8bit_state if args.optimizer == "adam8bit" else None
         kw = dict(lr=args.lr, weight_decay=args.weight_decay, native=args.native_comm, sharded_state=state,
@@ -287,7 +292,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         if ep_comm is not None:  # experts sharded over their expert-data group (expert_parallel.py)
             dp, opt = None, ExpertZero(stage, topo.dp_comm, edp_comm, args.ep, args.zero, **kw)
         else:
-            dp, opt = None, zero_optimizer(stage, topo.dp_comm, args.zero, **kw)
+            dp, opt = None, zero_optimizer(stage, shard_comm, args.zero, replicas=replicas, **kw)
     elif ep_comm is not None:
         dp = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20),
                                 predivided=predivided)

@@ -1,7 +1,8 @@
 """ZeRO: a base (units, shards, the sharded step) and three stages, each adding exactly its own work.
 
 Read ``shards.py``, ``base.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``; ``collectives.py`` and
-``overlap.py`` are helpers the stages hold. Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054).
+``overlap.py`` are helpers the stages hold; ``hybrid.py`` shards over groups of N data ranks and replicates across
+them (``--dp-shard``). Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054).
 """
 from minizero.zero.base import ZeroOptimizer, gather_figures, model_state_bytes
 from minizero.zero.collectives import PHASES, STEP_PHASES, ZeroOrderError

@@ -8,6 +8,8 @@ Per rank, Ψ parameters over N ranks, float32 parameters and gradients, Adam's m
     3      stage3.py   + parameters       (4 + 4 + 8)/N         3(N-1)/N x 4Ψ  gather p in forward and in
                                                                                backward, reduce-scatter g
 
+Hybrid sharding (``replicas``, hybrid.py): N is the shard group's size; each reduce adds an all-reduce of the
+(S,) shard over the R = D/N replicas, 2(R-1)/R x 4Ψ/N bytes.
 Ledger: ``parameters``, ``gradients``, ``optimizer_state``; transient ``gathered`` and ``comm_buffers``.
 Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054), section 5, Figure 1, section 7.2;
 DeepSpeed ``stage_1_and_2.py`` / ``stage3.py``, PyTorch FSDP's flat parameters.
@@ -26,6 +28,7 @@ from minizero.optim.adamw import adamw_update, state_dtype
 from minizero.optim.state_store import OptimizerStateStore
 from minizero.optim.used_parameters import used_anywhere
 from minizero.zero.collectives import PHASES, STEP_PHASES, UnitCollectives, UnitState
+from minizero.zero.hybrid import counts_once, used_over_replicas
 from minizero.zero.shards import ShardMap, find_units
 
 
@@ -48,7 +51,9 @@ class ZeroOptimizer:
     """AdamW on ZeRO-sharded model states, replacing ``DataParallel`` + ``AdamW``; the base of the three stages.
 
     Args:
-        model: a Module, same init on every rank (parameters re-homed into flat units).  comm: the data group.
+        model: a Module, same init on every rank (parameters re-homed into flat units).  comm: the data group, or
+        under hybrid sharding the shard group (N ranks), with ``replicas`` the replica group (R ranks; zero/hybrid.py:
+        gradients summed over it too, the mean over N x R; None: plain ZeRO).
         lr, betas, eps, weight_decay: as :class:`~minizero.optim.AdamW`.  native: the library's collectives.
         master_weights: an FP32 master of the owned shard (4/N bytes per parameter).
         sharded_state: None (AdamW's m, v) or ``factory(shard_map)`` with ``step_unit(...)`` (``ShardedAdam8bit``).
@@ -66,14 +71,14 @@ class ZeroOptimizer:
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
                  prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True,
-                 predivided: bool = False, check_order: bool | None = None, include=None):
+                 predivided: bool = False, check_order: bool | None = None, include=None, replicas=None):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
             raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
                              f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         if quantized_comm and native:
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")
-        self.comm, self.native, self.master_weights = comm, native, master_weights
+        self.comm, self.native, self.master_weights, self.replicas = comm, native, master_weights, replicas
         self.store = store if store is not None else OptimizerStateStore("none")  # where m, v, masters live
         self.quantized_comm, self.find_unused_parameters = quantized_comm, find_unused_parameters
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -86,7 +91,7 @@ class ZeroOptimizer:
         self.units = [UnitState(i, self.shard_map.units[i], [p for _, p in params], [module])
                       for i, (_, module, params) in enumerate(find_units(model, include))]
         self.collectives = UnitCollectives(comm, self.units, self.bytes_sent, native, quantized_comm, predivided,
-                                           check_order)
+                                           check_order, replicas)
         self._unit_of = {id(p): st for st in self.units for p in st.params}
         self._param_of = {n: p for st in self.units for n, p in zip(st.unit.param_names, st.params)}
         self._add_tied_users(model)
@@ -143,11 +148,13 @@ class ZeroOptimizer:
                 p.register_post_accumulate_grad_hook(lambda _p, name=name: self._with_grad.add(name))
 
     def _agree_on_used(self):
-        """Collective: the parameters *some* rank gave a gradient (one bitmask all-gather, ``used_parameters``)."""
+        """Collective: the parameters *some* rank gave a gradient (one bitmask all-gather, ``used_parameters``;
+        a second over the replica group under hybrid sharding)."""
         if not self.find_unused_parameters:
             return
         with self.collectives.count("used_parameters"):
             used = used_anywhere(self.comm, [name in self._with_grad for name in self._names])
+            used = used_over_replicas(self.replicas, used)
         self._with_grad = {name for name, u in zip(self._names, used) if u}
 
     @staticmethod
@@ -255,9 +262,10 @@ class ZeroOptimizer:
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective over ``world`` (data x model ranks; ``model_comm`` unused: each data rank owns a slice):
         the squared global norm (float64) of the owned pieces of the parameters ``counts(p)`` accepts,
-        padding excluded. Traffic label ``grad_norm``: one float64."""
+        padding excluded; under hybrid sharding only the first shard group's ranks add theirs (the replicas hold the
+        same shards: :func:`~minizero.zero.hybrid.counts_once`). Traffic label ``grad_norm``: one float64."""
         local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
-        for st in self.units:
+        for st in self.units if counts_once(self.replicas) else ():
             for pc in st.pieces:
                 if counts(self._param_of[pc.param]):
                     g = backend.to_dtype(st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo], np.float64)
@@ -272,7 +280,11 @@ class ZeroOptimizer:
             return 0.0
         return sum(sum(s[ph] for ph in STEP_PHASES) for s in self.step_bytes) / len(self.step_bytes)
 
-    shards_state = True  #: each data rank holds only its own part of m, v and the masters
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank writes its own part of m, v and the masters to a checkpoint: every data rank under plain
+        ZeRO, the first shard group's under hybrid sharding (the other groups hold copies)."""
+        return counts_once(self.replicas)
 
     def views(self, which: str):
         """``(param, lo, hi, array)``: the owned piece ``[lo, hi)`` (flat elements) of each parameter's

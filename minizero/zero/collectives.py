@@ -14,6 +14,7 @@ import numpy as np
 from minizero import backend
 from minizero.comm.collectives import all_gather, mean_scale_, reduce_scatter
 from minizero.comm.quantized import quantized_all_gather, quantized_reduce_scatter
+from minizero.zero.hybrid import replica_count, sum_over_replicas
 
 #: Traffic phases of a training step (per-step volume); the others are set-up, evaluation
 #: (``gather_no_grad``), saving (``gather_full``) and the one-scalar ``grad_norm`` all-reduce.
@@ -60,25 +61,31 @@ class UnitState:
 
 
 class UnitCollectives:
-    """The unit collectives of one ZeRO optimizer over ``comm``; bytes added to ``bytes_sent[phase]``.
+    """The unit collectives of one ZeRO optimizer over ``comm`` (the shard group); bytes added to ``bytes_sent[phase]``.
 
     ``quantized_comm``: INT8 on the wire; ``predivided``: plain sum; ``check_order``: None = :func:`debug_collectives`.
+    ``replicas``: hybrid sharding's replica group (zero/hybrid.py), or None; the gradient mean is over
+    ``data_ranks`` = N x R ranks.
     """
 
     def __init__(self, comm, units, bytes_sent, native=False, quantized_comm=False, predivided=False,
-                 check_order=None):
-        self.comm, self.units, self.bytes_sent = comm, units, bytes_sent
+                 check_order=None, replicas=None):
+        self.comm, self.units, self.bytes_sent, self.replicas = comm, units, bytes_sent, replicas
+        self.data_ranks = comm.world_size * replica_count(replicas)
         self.native, self.quantized_comm, self.predivided = native, quantized_comm, predivided
         self.check_order = debug_collectives() if check_order is None else check_order
 
     @contextlib.contextmanager
     def count(self, phase):
-        """Add the bytes sent inside the block to ``bytes_sent[phase]``."""
-        before = self.comm.traffic.bytes_sent
+        """Add the bytes sent inside the block (shard and replica group) to ``bytes_sent[phase]``."""
+        before = self._sent()
         try:
             yield
         finally:
-            self.bytes_sent[phase] += self.comm.traffic.bytes_sent - before
+            self.bytes_sent[phase] += self._sent() - before
+
+    def _sent(self) -> int:
+        return self.comm.traffic.bytes_sent + (0 if self.replicas is None else self.replicas.traffic.bytes_sent)
 
     def agree(self, st, phase: str, prefetched: bool = False) -> None:
         """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st``,
@@ -117,14 +124,16 @@ class UnitCollectives:
             return all_gather(self.comm, shard, st.unit.padded, native=self.native, out=out)
 
     def reduce_scatter(self, st, flat):
-        """Mean over ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk
-        (``reduce_scatter_grads``)."""
+        """Mean over the data ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk
+        (``reduce_scatter_grads``). Two hops under hybrid sharding: reduce-scatter inside the shard group, then
+        :func:`~minizero.zero.hybrid.sum_over_replicas` (plain FP32 ring even with ``quantized_comm``)."""
         self.agree(st, "reduce_scatter_grads")
-        n = self.comm.world_size
+        n = self.data_ranks
         with self.count("reduce_scatter_grads"):
             mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
             if self.quantized_comm:
                 mine = quantized_reduce_scatter(self.comm, flat)
             else:
                 mine = reduce_scatter(self.comm, flat, native=self.native)
+            sum_over_replicas(self.replicas, mine, self.native)
         return mean_scale_(mine, n, before_sum=False, predivided=self.predivided)

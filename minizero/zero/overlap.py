@@ -10,6 +10,7 @@ from minizero import backend
 from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
 from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
 from minizero.ledger import get_ledger
+from minizero.zero.hybrid import sum_over_replicas
 
 PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the blocking rings' and the DP overlap's)
 REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
@@ -38,33 +39,36 @@ class OverlappedReduceScatter:
         self.stream.progress()
 
     def start(self, st, flat) -> None:
-        """Submit the reduce-scatter of unit ``st``'s (padded,) bucket ``flat`` (consumed); when done, the
+        """Submit the reduce-scatter of unit ``st``'s (padded,) bucket ``flat`` (consumed); when retired, the
         mean chunk is added into ``st.grad_shard``. First retires buckets down to ``REDUCE_BUCKETS - 1``."""
         while len(self.in_flight) >= REDUCE_BUCKETS - 1:
             self.retire_oldest()
         c = self.collectives
         c.agree(st, "reduce_scatter_grads")
         n, rank = c.comm.world_size, c.comm.rank
-        mean_scale_(flat, n, before_sum=True, predivided=c.predivided)
+        mean_scale_(flat, c.data_ranks, before_sum=True, predivided=c.predivided)
         c.bytes_sent["reduce_scatter_grads"] += bytes_sent("reduce_scatter", flat.size, flat.itemsize, n, rank)
-        off, size = shard_range(flat.size, n, rank)
-
-        def done():
-            mine = flat[off:off + size].copy()
-            st.grad_shard += mean_scale_(mine, n, before_sum=False, predivided=c.predivided)
         coll = RingCollective(c.comm, flat, "reduce_scatter", REDUCE_TAG, name=f"reduce_scatter {st.unit.name}",
                               unit=st.index)
         get_ledger().track(coll.tmp, "comm_scratch")  # the receive chunk, alive until retired
-        self.in_flight.append((coll, flat))
-        self.stream.submit(coll, done)
+        self.in_flight.append((coll, flat, st))
+        self.stream.submit(coll)
 
     def retire_oldest(self) -> None:
-        """Wait for the oldest reduce-scatter (its chunk is then added), then drop its bucket."""
-        coll, _ = self.in_flight[0]
-        comm = self.collectives.comm
+        """Wait for the oldest reduce-scatter, add its mean chunk into the unit's shard (after the replica group's
+        blocking all-reduce under hybrid sharding: every rank retires in the same order), then drop its bucket."""
+        coll, flat, st = self.in_flight[0]
+        c = self.collectives
+        comm = c.comm
         if not coll.done:
             with comm.traffic.span("wait reduce_scatter"):
                 _wait_until(comm, lambda: self.stream.progress() or coll.done, coll.name, coll.waiting_on)
+        off, size = shard_range(flat.size, comm.world_size, comm.rank)
+        mine = flat[off:off + size].copy()
+        if c.replicas is not None:
+            with c.count("reduce_scatter_grads"):
+                sum_over_replicas(c.replicas, mine, c.native)
+        st.grad_shard += mean_scale_(mine, c.data_ranks, before_sum=False, predivided=c.predivided)
         self.in_flight.pop(0)  # the last reference: the bucket and the receive chunk are freed here
 
     def wait_all(self) -> None:

@@ -1,6 +1,6 @@
 """The ZeRO reference run: a few steps of train() at a given stage; also runnable under mpiexec.
 
-usage: mpiexec -n N python tests/mpi_scripts/zero_check.py OUT_DIR STAGE MICRO_BATCH
+usage: mpiexec -n N python tests/mpi_scripts/zero_check.py OUT_DIR STAGE MICRO_BATCH [TRAIN FLAGS...]
 writes OUT_DIR/rank{r}.npz (owned gradient shards at step 0, full parameters after the
 run, grad norms) and OUT_DIR/rank{r}.json (figures), compared by tests/test_zero.py.
 """
@@ -62,7 +62,7 @@ if __name__ == "__main__":
 
     out_dir, stage, micro = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     comm = world()
-    res = run(comm, stage, micro)
+    res = run(comm, stage, micro, extra=tuple(sys.argv[4:]))
     arrays = {f"g:{k}": v for k, v in res["grads0"].items()}
     arrays.update({f"p:{k}": v for k, v in res["params"].items()})
     arrays["grad_norms"] = res["grad_norms"]

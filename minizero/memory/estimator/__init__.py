@@ -26,7 +26,7 @@ from minizero.memory.estimator.lora import (
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages
 from minizero.memory.estimator.traffic import (
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
-    ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
+    replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
 
 __all__ = [  # the package's API, re-exported
     "ACCOUNTINGS", "ATTENTIONS", "CATEGORIES", "CP_ATTENTIONS", "DEVICE_CATEGORIES", "LINEAR_SAVES", "MIN_8BIT_SIZE",
@@ -37,5 +37,5 @@ __all__ = [  # the package's API, re-exported
     "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS", "adapted_matrices",
     "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate", "estimate_memory", "estimate_stages",
     "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops", "korthikanti_flops", "model_flops_per_step",
-    "ring_attention_bytes", "tensor_parallel_bytes", "ulysses_attention_bytes",
+    "replica_bytes", "ring_attention_bytes", "tensor_parallel_bytes", "ulysses_attention_bytes",
 ]

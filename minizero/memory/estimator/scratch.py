@@ -78,12 +78,14 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
             units += [m.vocab_size * m.hidden // (t if st.tp > 1 else 1), m.seq_len * m.hidden]
         if stage == st.pp - 1:
             units.append(2 * m.hidden)
-        padded = max(math.ceil(u / dp) * dp for u in units)
-        if st.overlap and st.zero >= 2:  # the non-blocking ring's receive chunks instead (estimator/zero_overlap.py),
-            # alive while backward's tensor-parallel all-reduces run
-            out.append(overlapped_ring_scratch(m, st, stage) * g + tp_scratch)
+        n = st.shard_ranks  # ZeRO's group; hybrid sharding all-reduces a shard over the replicas after (a bound then)
+        padded = max(math.ceil(u / n) * n for u in units)
+        replica = all_reduce_scratch(padded // n, g, st.replicas)
+        if st.overlap and st.zero >= 2 and n > 1:  # the non-blocking ring's receive chunks instead
+            # (estimator/zero_overlap.py), alive while backward's tensor-parallel all-reduces run
+            out.append(overlapped_ring_scratch(m, st, stage) * g + max(tp_scratch, replica))
         else:
-            out.append(reduce_scatter_scratch(padded, dp, 0) * g)
+            out.append(max(reduce_scatter_scratch(padded, n, 0) * g, replica))
     out.append(tp_scratch)
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):
         out.append(all_reduce_scratch(m.vocab_size * m.hidden // t, g, 2))

@@ -62,12 +62,13 @@ def stage_parameters(model, strategy: Strategy, stage: int = 0, vocab_parallel: 
 
 def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel: bool = True,
                       accounting: str = "paper") -> dict:
-    """:func:`model_state_bytes` of stage ``stage``: the dense part over the N data ranks plus the routed experts
+    """:func:`model_state_bytes` of stage ``stage``: the dense part over the N shard ranks (all data ranks, or
+    ``dp_shard`` under hybrid sharding) plus the routed experts
     (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertDataParallel``)."""
     st = strategy
     psi = stage_parameters(model, st, stage, vocab_parallel, accounting)
     experts = stage_expert_parameters(model, st, stage, accounting)
-    dense = model_state_bytes(psi - experts, st.data_ranks, st.zero, st.precision, st.optimizer)
+    dense = model_state_bytes(psi - experts, st.shard_ranks, st.zero, st.precision, st.optimizer)  # --dp-shard N
     if not experts:
         return dense
     routed = model_state_bytes(experts, st.data_ranks // st.ep, st.zero, st.precision, st.optimizer)

@@ -27,6 +27,8 @@ class Strategy:
         bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
         overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
         ep: E/ep routed experts per rank, reduced and ZeRO-sharded over data_ranks / ep (``--ep``; divides dp, E).
+        dp_shard: hybrid sharding (``--dp-shard``, zero/hybrid.py): ZeRO shards over groups of this many data ranks
+            (:attr:`shard_ranks`), replicated across the dp / dp_shard groups; None: over all data ranks.
     """
 
     dp: int = 1
@@ -50,6 +52,7 @@ class Strategy:
     attention: str = "dense"
     cp_attention: str = "ring"
     ep: int = 1
+    dp_shard: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -60,6 +63,16 @@ class Strategy:
     def data_ranks(self) -> int:
         """dp * cp: the ranks one parameter shard is replicated on (gradient average, ZeRO's shards)."""
         return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """N: the ranks ZeRO shards over (``dp_shard`` below dp, else all :attr:`data_ranks`, dp x cp)."""
+        return self.dp_shard if self.dp_shard is not None and self.dp_shard < self.dp else self.data_ranks
+
+    @property
+    def replicas(self) -> int:
+        """R = data_ranks / N: the shard groups each ZeRO shard is replicated on (1 without hybrid sharding)."""
+        return self.data_ranks // self.shard_ranks
 
     def validate(self, model: ModelShape | None = None) -> "Strategy":
         """Check every field (and divisibility by ``model``'s shape); return self.
@@ -88,6 +101,13 @@ class Strategy:
             raise ValueError(f"Strategy.overlap must be True or False, got {self.overlap!r}")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 or None, got {self.bucket_bytes}")
+        if self.dp_shard is not None:
+            n = self.dp_shard
+            if not isinstance(n, int) or n < 1 or self.dp % n:
+                raise ValueError(f"Strategy.dp_shard={n!r} must be None or a positive divisor of dp={self.dp}")
+            if n < self.dp and (self.zero < 1 or self.cp > 1 or self.ep > 1):
+                raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1, cp = 1 and "
+                                 f"ep = 1; got zero={self.zero}, cp={self.cp}, ep={self.ep}")
         if self.dp % self.ep:
             raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if model is not None:

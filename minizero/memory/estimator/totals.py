@@ -82,7 +82,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
             experts = gbytes * stage_expert_parameters(m, st, stage, accounting) if st.ep > 1 else 0
             for part in (full_grads - experts, experts * (st.data_ranks // st.ep > 1)):
                 comm += part if st.bucket_bytes is None else min(st.bucket_bytes, part)
-        overlapped = st.overlap and st.data_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
+        overlapped = st.overlap and st.shard_ranks > 1  # double-buffered buckets, prefetch (estimator/zero_overlap.py)
         block = m.layer_parameters(st.tp, ep=st.ep, expert_tp=1)  # the MoE layer replicated in the tensor group
         if st.zero >= 2 and uses_expert_zero(m, st):  # two optimizers' buckets (estimator/expert_zero.py)
             comm += gbytes * moe_zero_peaks(m, st, stage)["buckets"]

@@ -22,7 +22,8 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G)
-    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead. ``ep``:
+    (ZeRO, section 7); the routed experts' P and G over their N/ep expert-data ranks instead; hybrid sharding
+    (``dp_shard``): N = dp_shard, plus 2(R-1)/R G/N across the R replicas per reduce (zero/hybrid.py). ``ep``:
     :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full
     recompute +2), plus the vocab-parallel embedding's and head's (sequence parallelism: Korthikanti et al.'s count,
     the same bytes; it leaves out the re-gathers for dW in backward that Megatron-LM and minizero send);
@@ -42,7 +43,8 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
     psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
     experts = stage_expert_parameters(m, st, stage, accounting)  # whole under tp in "minizero"'s
-    dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), n, st.zero, mb) \
+    dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), st.shard_ranks, st.zero, mb) \
+        + _replica_bytes(gbytes * (psi - experts), st, mb) \
         + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
@@ -68,7 +70,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     passes = attn["forward"] * (2 if st.recompute != "none" else 1) + attn["backward"]
     cp = mb * layers * passes  # every layer of the stage (all its chunks), every micro-batch
     pcie = 0.0
-    shard = math.ceil(psi / n)
+    shard = math.ceil(psi / st.shard_ranks)
     if st.offload in ("optimizer", "params"):
         pcie += (gbytes + pb) * shard
     if st.offload == "params":
@@ -139,6 +141,22 @@ def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
     if zero == 2:
         return _ring(n) * (mb * G + P)
     return mb * _ring(n) * (2 * P + G)
+
+
+def replica_bytes(model, strategy: Strategy, stage: int = 0, accounting: str = "paper") -> float:
+    """The part of :func:`comm_bytes_per_step`'s ``"dp"`` a rank sends across the replicas under hybrid sharding
+    (``strategy.dp_shard``; 0 without): the plan's step time puts it on the slower link."""
+    m, st = as_shape(model), strategy
+    psi = stage_parameters(m, st, stage, accounting=accounting) - stage_expert_parameters(m, st, stage, accounting)
+    return _replica_bytes(element_bytes(st)[1] * psi, st, st.micro_batches)
+
+
+def _replica_bytes(G: float, st: Strategy, mb: int) -> float:
+    """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/N gradient shard over the
+    R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3)."""
+    if st.replicas == 1:
+        return 0.0
+    return (1 if st.zero == 1 else mb) * 2 * _ring(st.replicas) * G / st.shard_ranks
 
 
 def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:

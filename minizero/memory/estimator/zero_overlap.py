@@ -24,7 +24,7 @@ def _padded(n: int, dp: int) -> int:
 def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]:
     """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the
     other units' padded elements in backward order (see the module docstring)."""
-    dp, t = st.data_ranks, st.tp  # ZeRO shards over dp x cp
+    dp, t = st.shard_ranks, st.tp  # ZeRO shards over dp x cp (or dp_shard ranks: hybrid sharding)
     norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
     vocab = math.ceil(m.vocab_size / t) * m.hidden  # the embedding and head split by t (parallel/vocab_parallel.py)
     chain = []
@@ -65,4 +65,4 @@ def overlapped_ring_scratch(m: ModelShape, st: Strategy, stage: int) -> int:
     (the tied embedding is reduced last, after the chain's last unit)."""
     tied, chain = zero_units(m, st, stage)
     order = chain + ([tied] if tied else [])
-    return window_peak([u // st.data_ranks for u in order], REDUCE_BUCKETS - 1)
+    return window_peak([u // st.shard_ranks for u in order], REDUCE_BUCKETS - 1)

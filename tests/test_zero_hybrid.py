@@ -1,0 +1,207 @@
+"""Hybrid sharding (``--dp-shard N``, minizero/zero/hybrid.py): ZeRO over groups of N data ranks, replicated across.
+
+dp = 4, N = 2, float64, ranks as threads: every rank's owned gradient shard (the N-rank shard map's slice at its
+index inside the shard group), the gradient norms and the parameters after 3 steps equal one process to ZeRO's
+tolerances (tests/test_zero.py); N = dp is bitwise plain ZeRO; the ledger holds exactly 1/N of the states and the
+traffic ledger splits into the shard group's ring and the replica group's all-reduce; bad values are one line; a
+checkpoint saved under hybrid sharding resumes on plain ZeRO and the other way round; the estimator and the planner
+count the same bytes; the header names the groups. One test runs under mpiexec.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minizero.checkpoint import ShardReader, read_manifest
+from minizero.checkpoint.cli import describe
+from minizero.comm import run_in_threads
+from minizero.header import run_techniques
+from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+from minizero.nn import get_config
+from minizero.train import UsageError, parse_args
+from minizero.zero.hybrid import hybrid_formula, hybrid_groups
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.mpi_scripts import zero_check
+from tests.test_checkpoint import F64, run as run_ckpt
+from tests.test_estimator import _traffic, _trainer_states
+from tests.test_plan_cli import run_main
+from tests.test_zero import GRAD_RTOL, MICRO, PARAM_RTOL, _train_logged, shard_map, single_process
+
+D, N = 4, 2
+HYBRID = ("--dp-shard", str(N))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage,extra", [(1, ()), (2, ()), (2, ("--no-overlap",)), (3, ())],
+                         ids=["zero1", "zero2", "zero2-no-overlap", "zero3"])
+def test_hybrid_zero_equals_single_process(stage, extra):
+    for rank, got in enumerate(run_in_threads(D, zero_check.run, stage, MICRO, extra=HYBRID + extra)):
+        assert_matches_hybrid(got, rank)
+
+
+def assert_matches_hybrid(got, rank):
+    """Rank ``rank``'s step-0 owned gradient shard, norms and final parameters against one process (float64)."""
+    ref, sm = single_process(D), shard_map(N)
+    np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=GRAD_RTOL)
+    for i, unit in enumerate(sm.units):
+        flat = sm.flatten(i, ref["grads0"])
+        off, size = sm.shard(i, rank % N)  # index inside the shard group [rank - rank % N, ... + N)
+        np.testing.assert_allclose(got["grads0"][f"unit{i}"], flat[off:off + size], rtol=0,
+                                   atol=GRAD_RTOL * np.abs(flat).max(), err_msg=f"rank {rank}: {unit.name}")
+    for name, a in ref["params"].items():
+        np.testing.assert_allclose(got["params"][name], a, rtol=PARAM_RTOL, atol=PARAM_RTOL * np.abs(a).max(),
+                                   err_msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.timeout(300)
+def test_mpi_hybrid_zero3_equals_single_process(mpiexec, tmp_path):
+    """The same under mpiexec (the MPI communicator's splits): stage 3, dp 4 in 2 shard groups of 2."""
+    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "zero_check.py")
+    proc = subprocess.run([mpiexec, "-n", str(D), sys.executable, script, str(tmp_path), "3", str(MICRO), *HYBRID],
+                          env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(D):
+        data = np.load(tmp_path / f"rank{rank}.npz")
+        assert_matches_hybrid({"grads0": {k[2:]: data[k] for k in data.files if k.startswith("g:")},
+                               "params": {k[2:]: data[k] for k in data.files if k.startswith("p:")},
+                               "grad_norms": data["grad_norms"]}, rank)
+
+
+@pytest.mark.timeout(60)
+def test_shard_degree_equal_to_dp_is_bitwise_plain_zero():
+    plain = run_in_threads(D, zero_check.run, 2, MICRO)
+    same = run_in_threads(D, zero_check.run, 2, MICRO, extra=("--dp-shard", str(D)))
+    for a, b in zip(plain, same):
+        assert a["step_bytes"] == b["step_bytes"]
+        np.testing.assert_array_equal(a["grad_norms"], b["grad_norms"])
+        for name in a["params"]:
+            np.testing.assert_array_equal(a["params"][name], b["params"][name], err_msg=name)
+
+
+@pytest.mark.usefixtures("ring_all_reduce")  # the replica hop by the ring at every size, as the formula counts
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
+    sm = shard_map(N, "float32")
+    padded, own = sm.padded, sm.shard_numel(0)
+    exact = {1: dict(parameters=4 * padded, gradients=4 * padded, optimizer_state=8 * own),
+             2: dict(parameters=4 * padded, gradients=4 * own, optimizer_state=8 * own),
+             3: dict(parameters=4 * own, gradients=4 * own, optimizer_state=8 * own)}[stage]
+    want = hybrid_formula(stage, padded, D, N)  # padded: the formula of the buffers as they are sent
+    for rank, res in enumerate(run_in_threads(D, zero_check.run, stage, MICRO, "float32", 2, 1, extra=HYBRID)):
+        got = res["state_bytes"]
+        assert {k: got[k] for k in exact} == exact, f"stage {stage} rank {rank}"
+        assert all(abs(got[k] - want[k]) < 1e-6 for k in exact)
+        for step in res["step_bytes"]:
+            sent = sum(step[ph] for ph in ("gather_forward", "gather_backward", "reduce_scatter_grads",
+                                           "all_gather_params"))
+            assert sent == want["inside"] + want["across"], f"stage {stage} rank {rank}: {step}"
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--zero", "1", "--dp-shard", "3"], "--dp-shard 3 must divide the data-parallel size 4; allowed: 1, 2, 4"),
+    (["--zero", "1", "--dp-shard", "0"], "--dp-shard 0 must divide"),
+    (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
+    (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
+    (["--zero", "1", "--dp-shard", "1", "--cp", "2"], "--dp-shard 1 with --cp 2 is not supported")])
+def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
+    with pytest.raises(UsageError) as e:
+        parse_args(["--model", "tiny", *argv], D)
+    assert said in str(e.value) and "\n" not in str(e.value).strip()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("src,dst", [(["--zero", "2", "--dp-shard", "2"], ["--zero", "1"]),
+                                     (["--zero", "1"], ["--zero", "3", "--dp-shard", "2"])],
+                         ids=["hybrid-to-plain", "plain-to-hybrid"])
+def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
+    """Saved at step 3 of 6, resumed on the other layout (dp = 4, micro-batch 1): the last 3 steps equal the straight
+    run of the saving layout (1e-9, as test_checkpoint's reshard); the hybrid save wrote each element once."""
+    mb = ["--micro-batch-size", "1"]
+    straight = run_ckpt(D, F64 + mb + src + ["--save-every", "3", "--save-dir", str(tmp_path)])
+    resumed = run_ckpt(D, F64 + mb + dst + ["--resume", str(tmp_path / "step_00000003")])
+    assert resumed["start_step"] == 3
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
+    saved = str(tmp_path / "step_00000003")
+    writers = {pc["rank"] for pc in read_manifest(saved)["pieces"]}
+    assert writers == (set(range(N)) if "--dp-shard" in src else set(range(D)))  # the first shard group writes
+    assert ("the first group writes" in describe(ShardReader(saved))) == ("--dp-shard" in src)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "1"], ["--zero", "2", "--dp-shard", "2"],
+                                   ["--zero", "3", "--dp-shard", "2", "--no-overlap"]])
+def test_estimator_equals_the_trainers_ledger_under_hybrid_sharding(flags):
+    """The estimator's ``dp_shard``: model states, ZeRO's buckets and gathered units exactly (as
+    test_estimator's tensor-parallel cases), the collectives' scratch a bound."""
+    for args, stage, seen in run_in_threads(D, _trainer_states, flags, timeout=280):
+        st = Strategy(dp=args.dp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
+                      micro_batches=args.grad_accum, overlap=args.overlap, dp_shard=args.dp_shard)
+        est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
+        assert 0 < seen.pop("comm_scratch") <= est["comm_scratch"]
+        assert seen == {c: est[c] for c in seen}, seen
+
+
+@pytest.mark.usefixtures("ring_all_reduce")  # the replica hop by the ring, as the formula counts
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "2"], ["--zero", "3", "--dp-shard", "2"]])
+def test_estimated_traffic_equals_the_trainers_under_hybrid_sharding(flags, monkeypatch):
+    """The data group's bytes per step (a 3-step run's minus a 2-step run's) within its few bytes of bookkeeping."""
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
+    short, long = (run_in_threads(D, _traffic, flags, steps, timeout=280) for steps in (2, 3))
+    for (args, stage, before), (_, _, after) in zip(short, long):
+        st = Strategy(dp=args.dp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
+                      micro_batches=args.grad_accum, overlap=args.overlap, dp_shard=args.dp_shard)
+        est = comm_bytes_per_step(get_config("tiny", dtype="float64"), st, stage=stage, accounting="minizero")
+        assert 0 <= (after["dp"] - before["dp"]) - est["dp"] <= 8, (after["dp"] - before["dp"], est["dp"])
+
+
+def test_estimator_refuses_bad_shard_degrees():
+    assert Strategy(dp=2, cp=2, zero=1, dp_shard=2).validate().shard_ranks == 4  # = dp: the whole dp x cp group
+    with pytest.raises(ValueError, match="dp_shard=3 must be None or a positive divisor of dp=4"):
+        Strategy(dp=4, zero=1, dp_shard=3).validate()
+    with pytest.raises(ValueError, match="needs zero >= 1"):
+        Strategy(dp=4, zero=0, dp_shard=2).validate()
+
+
+def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
+    """16 GPUs on 2 nodes of 8: ZeRO-3 sharded inside each node holds twice the states of ZeRO-3 over all 16, and its
+    data-parallel time is shorter (the gathers stay on NVLink; only 1/8 of the gradient crosses the network)."""
+    argv = ["--model", "llama2-7b", "--gpus", "16", "--gpu-memory", "80GB", "--json", "--strategy"]
+    rows = {}
+    for text in ("dp16 zero3", "dp16 zero3 shard8"):
+        code, out, err = run_main(capsys, *argv, text)
+        assert code == 0, err
+        rows[text] = json.loads(out)["candidates"][0]
+    plain, hybrid = rows["dp16 zero3"], rows["dp16 zero3 shard8"]
+    assert hybrid["strategy"]["dp_shard"] == 8 and plain["strategy"]["dp_shard"] is None
+    assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
+    assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 shard4")
+    assert code == 2 and "shard 4 must divide dp 16, and below dp needs zero 1-3" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_header_names_the_shard_and_replica_groups():
+    argv = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--zero", "2", *HYBRID]
+    out = " ".join(run_in_threads(D, _train_logged, argv)[0].split())
+    assert "sharded over groups of 2 consecutive data rank(s), replicated across the 2 groups" in out
+    assert run_techniques(parse_args(argv, D)).endswith("ZeRO-2 hybrid (shard 2 x replicate 2), fp32")
+
+
+def _group_names(comm):
+    hybrid_groups(comm, N)
+    recorder = comm.traffic.active_recorder()
+    return [(g.name, g.members) for g in recorder.groups.values() if g.name.startswith("dp_")]
+
+
+def test_flight_recorder_names_the_shard_and_replica_groups():
+    """So that a hang report and --debug-collectives' descriptor check cover the two groups (world ranks)."""
+    got = run_in_threads(D, _group_names)
+    assert got[0] == [("dp_shard", [0, 1]), ("dp_replicate", [0, 2])]
+    assert got[3] == [("dp_shard", [2, 3]), ("dp_replicate", [1, 3])]
