@@ -48,10 +48,10 @@ from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, 
 METHODS = ("full", "lora", "qlora")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.finetune", description=description(__doc__),
-        formatter_class=DefaultsOnce))
+        prog="python -m minizero.finetune", description=description(__doc__), formatter_class=DefaultsOnce))
+    p.quiet = quiet  # ranks other than 0 (OneLineParser)
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
     p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained: full (every parameter), "
@@ -295,7 +295,7 @@ def _main(argv, world) -> int:
     prog = "python -m minizero.finetune: error:"
     args, verdict, env, inputs = None, None, {}, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
-        args = build_parser().parse_args(argv)
+        args = build_parser(quiet=world.Get_rank() != 0).parse_args(argv)  # --help, a bad flag: once, by rank 0
         check(args)
         check_fault_spec(world.Get_size(), args.steps)
         if world.Get_size() % args.tp:

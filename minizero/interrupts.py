@@ -135,7 +135,8 @@ def end_set_up(install: bool = True) -> None:
         Interrupts.install()
 
 
-def _mpi_rank() -> int:
+def launched_rank() -> int:
+    """This process's rank as the launcher numbered it (``PMI_RANK``, Open MPI's), 0 without one; MPI not started."""
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         value = os.environ.get(name, "")
         if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
@@ -203,7 +204,7 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        if _mpi_rank() == 0:
+        if launched_rank() == 0:
             print(f"python -m {tool}: interrupted ({name}); {files}", file=sys.stderr, flush=True)
         return code
 

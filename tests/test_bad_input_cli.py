@@ -138,7 +138,7 @@ def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypa
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOCAL_RANK", value)
     monkeypatch.setenv("PMI_RANK", value)
-    assert backend.local_rank() == 0 and interrupts._mpi_rank() == 0
+    assert backend.local_rank() == 0 and interrupts.launched_rank() == 0
     assert step_of(f"step_{value}") is None and step_of("step_00000012") == 12
 
 

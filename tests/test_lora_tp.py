@@ -252,7 +252,8 @@ def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
              ((2, *tiny, "--tp", "2", "--method", "qlora"),
               "--tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of "
               "the NF4 block 64"),
-             ((2, *tiny, "--tp", "2", "--method", "full"), "--tp 2 splits the adapters (--method lora or qlora)")]
+             ((2, *tiny, "--tp", "2", "--method", "full"), "--tp 2 splits the adapters (--method lora or qlora)"),
+             ((2, *tiny, "--tp", "abc"), "argument --tp: invalid int value: 'abc'")]  # argparse's: once, not per rank
     for (n, weights, data, *argv), said in cases:
         proc = _finetune_cli(mpiexec, n, "--weights", str(weights), "--data", str(data), "--steps", "1", *argv,
                              timeout=120)
