@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from minizero.autograd.rng import MAX_DROPOUT
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
@@ -218,8 +219,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         except OffloadError as e:
             # the message, without "[Errno N]", in the flag's words
             raise UsageError((e.strerror or str(e)).replace("offload folder", "--offload-dir", 1)) from None
-    if args.dropout is not None and not 0 <= args.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.dropout is not None and not 0 <= args.dropout <= MAX_DROPOUT:  # float32(p) = 1 dropped everything
+        raise UsageError(f"--dropout must be in [0, 1), at most {MAX_DROPOUT:.8g} in float32, got {args.dropout}")
     preset = PRESETS[args.model]
     if args.block_size is not None and args.block_size > preset.block_size:
         raise UsageError(f"--block-size {args.block_size} exceeds the {args.model!r} preset's "

@@ -208,7 +208,7 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
     (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
     (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
     (["--lr", "-inf"], "--lr must be a normal float32 number"),  # before: "argument --lr: expected one argument"
-    (["--dropout", "-NaN"], "--dropout must be in [0, 1), got nan"),
+    (["--dropout", "-NaN"], "--dropout must be in [0, 1), at most 0.99999994 in float32, got nan"),
     (["--grad-clip", "-Infinity"], "--grad-clip must be >= 0 (0 disables), got -inf"),
 ])
 def test_a_value_starting_with_minus_reaches_the_flags_own_check(argv, said):
