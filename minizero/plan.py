@@ -24,7 +24,8 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, format_table, header, plot, plot_path, why_lines)
+    POWERS, UNITS, candidate_json, count, describe, format_table, header, plot, plot_path, table_unit, unit_for,
+    why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
     step_time)
@@ -240,13 +241,14 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
                             "hardware": dataclasses.asdict(hw), "fits": c.memory.total <= hw.gpu_memory
                             and c.host <= hw.host_memory, "candidates": [candidate_json(c, 1)]}, indent=1)]
     fit_dev, fit_host = c.memory.total <= hw.gpu_memory, c.host <= hw.host_memory
+    ts, tu = table_unit([c], unit)  # the table's unit: MB or KB for a tiny model (0.00 GB before)
     verdict = ("fits" if fit_dev and fit_host else "does NOT fit") + (
-        f": device {c.memory.total / scale:.2f} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage {c.memory.stage},"
-        f" the fullest), host {c.host / scale:.2f} of {hw.host_memory / scale:.2f} {unit}")
+        f": device {c.memory.total / ts:.2f} {tu} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage "
+        f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {hw.host_memory / scale:.2f} {unit}")
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
                    + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
-            + format_table([c], scale) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
+            + format_table([c], ts) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
 
 
 def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:
@@ -286,8 +288,9 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                       "(a first-order model: step times within about 1% of each other are within its accuracy; such "
                       "rows stay in tok/s order; the why lines below compare the first few and say when one needs "
                       "less memory)"]) + [""]
-            + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
-            + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap("  " + line, hang=4)])
+            + format_table(shown, table_unit(shown, unit)[0]) + ["", "why: (each line compares rows shown above)"]
+            + [w for line in why_lines(shown, *table_unit(shown, unit), fit_count=len(fits))
+               for w in wrap("  " + line, hang=4)])
 
 
 def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
@@ -310,16 +313,16 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
                             "gpus": args.gpus, "tp": args.tp, "seq_len": seq, "micro_batch": args.micro_batch,
                             "units": "bytes",
                             "rows": rows}, indent=1)]
-    psi = model.num_parameters()
-    lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({psi / 1e9:.2f} B parameters, frozen"
+    psi, (scale, table) = model.num_parameters(), unit_for(max(r["total"] for r in rows), unit)
+    lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({count(psi)} parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
              "projection; "
-             f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, "
+             f"{args.gpus} GPU(s) x {hw.gpu_memory / UNITS[unit][unit]:.2f} {unit}, "
              f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq}, micro-batch "
              f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
              "parameter)",
-             f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is "
-             f"{f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
+             f"every size in {table} ({POWERS[table]} bytes) per GPU; Z = ZeRO stage over the adapters (the frozen "
+             f"base is {f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
              "bytes/param = model states (all but acts) / parameters"]
     lines = _prose(lines) + [f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} "
                              f"{'total':>9}  {'bytes/param':>11}  fits"]
@@ -356,7 +359,7 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     if args.plot and args.shown:
         try:
-            plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
+            plot(args.shown, args.plot, hw.gpu_memory, *table_unit(args.shown, unit),
                  f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
