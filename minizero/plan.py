@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
     p.add_argument("--lora-rank", type=integer, default=None,
-                   help="adapter rank r with --finetune (default 64, QLoRA's paper's)")
+                   help="adapter rank r with --finetune (default 64, QLoRA's paper's, or the model's "
+                   "width when smaller)")
     p.add_argument("--tp", type=integer, default=1, help="with --finetune: tensor-parallel GPUs that split each "
                    "block and its adapters (minizero.finetune --tp); --gpus / tp of them data parallel")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
@@ -190,7 +191,7 @@ def _check(parser, args):
         parser.error(f"--top must be >= 0, got {args.top}")
     if args.lora_rank is not None and args.finetune == "none":
         parser.error(f"--lora-rank {args.lora_rank} sizes fine-tuning adapters: give --finetune lora or qlora too")
-    args.lora_rank = 64 if args.lora_rank is None else args.lora_rank
+    args.lora_rank = min(64, model.hidden) if args.lora_rank is None else args.lora_rank  # tiny: 16, not refused
     if args.finetune != "none" and not 1 <= args.lora_rank <= model.hidden:
         parser.error(f"--lora-rank must be in 1..{model.hidden} ({model.name}'s width: an adapter of higher rank "
                      f"than its matrix adds nothing), got {args.lora_rank}")

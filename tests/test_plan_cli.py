@@ -57,6 +57,12 @@ def test_a_tiny_models_sizes_are_in_a_unit_they_reach(capsys, units, small):
     assert code == 0 and "(10,944 parameters, frozen)" in out and "every size in KB (10^3 bytes)" in out, out
 
 
+def test_finetune_s_default_rank_fits_a_narrow_model(capsys):
+    """Before: --model tiny --finetune lora was refused, "--lora-rank must be in 1..16, got 64", a flag not given."""
+    code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--finetune", "lora")
+    assert code == 0 and "adapters of rank 16 on" in " ".join(out.split()), err
+
+
 def test_header_names_the_assumed_gpu_and_what_mfu_and_zero_mean(capsys):
     """The defaults (an A100's) are printed in the table's units; MFU is said to follow from --efficiency;
     ZeRO's shards are over dp x cp; the header's prose and the why lines are wrapped at 100 columns (the header's
