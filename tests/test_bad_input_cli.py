@@ -293,3 +293,14 @@ def test_finetune_names_the_data_file_too_short_to_validate(tmp_path, capsys):
     assert finetune.main(["--weights", str(weights / "model.npz"), "--data", str(short)]) == 2
     assert (f"--data {str(short)!r} has 15 bytes; needs at least 180 (its last 10% validates and must hold "
             "block_size + 2 = 18 tokens)") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,commands", [("checkpoint.cli", "{inspect,consolidate}"),
+                                             ("debug.__main__", "{hang,trace,parity}")])
+def test_a_missing_subcommand_is_named_with_its_choices(capsys, module, commands):
+    """Before: "the following arguments are required: command", and no usage block (one line) to say which."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"minizero.{module}").main([])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"are required: {commands}\n")

@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)")
     con.add_argument("path")
     con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
     args = p.parse_args(argv)
     try:
         if args.command == "consolidate":

@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")
     q.add_argument("--batch-size", type=integer, default=8, help="global batch of both runs (the same data each step)")
     q.add_argument("--tol", type=real, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
     args = p.parse_args(argv)
     try:
         if args.command == "parity":
