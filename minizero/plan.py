@@ -24,7 +24,7 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    POWERS, UNITS, candidate_json, count, describe, format_table, header, plot, plot_path, table_unit, unit_for,
+    POWERS, UNITS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
     why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
@@ -266,14 +266,14 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     if not fits:
         st, device, host = smallest
         if device > hw.gpu_memory:
-            parser.error(f"--gpu-memory {args.gpu_memory} ({hw.gpu_memory / scale:.2f} {unit}) is below the smallest "
+            parser.error(f"--gpu-memory {args.gpu_memory} ({size(hw.gpu_memory, unit)}) is below the smallest "
                          f"per-GPU footprint of any of the {count:,} strategies for {model.name} on {args.gpus} GPUs: "
-                         f"{device / scale:.2f} {unit} ({describe(st)}). Allowed: --gpu-memory of at least "
-                         f"{device / scale:.2f} {unit}, or more GPUs, or a shorter --seq-len")
-        parser.error(f"--host-memory {args.host_memory} ({hw.host_memory / scale:.2f} {unit}) is too small: every "
-                     f"strategy that fits {hw.gpu_memory / scale:.2f} {unit} per GPU offloads more than that; the "
-                     f"smallest device footprint, {device / scale:.2f} {unit} ({describe(st)}), offloads "
-                     f"{host / scale:.2f} {unit}. Allowed: more --host-memory or --gpu-memory, or more GPUs")
+                         f"{size(device, unit)} ({describe(st)}). Allowed: --gpu-memory of at least "
+                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len")
+        parser.error(f"--host-memory {args.host_memory} ({size(hw.host_memory, unit)}) is too small: every "
+                     f"strategy that fits {size(hw.gpu_memory, unit)} per GPU offloads more than that; the "
+                     f"smallest device footprint, {size(device, unit)} ({describe(st)}), offloads "
+                     f"{size(host, unit)}. Allowed: more --host-memory or --gpu-memory, or more GPUs")
     shown = fits if args.top == 0 else fits[:args.top]
     args.shown = shown
     if args.json:

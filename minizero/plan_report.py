@@ -36,17 +36,24 @@ _WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp
 
 
 #: each --units family, largest unit first: GB and the smaller powers of 10, GiB and the smaller powers of 2
-UNITS = {"GB": {"GB": 1e9, "MB": 1e6, "KB": 1e3}, "GiB": {"GiB": 2.0 ** 30, "MiB": 2.0 ** 20, "KiB": 2.0 ** 10}}
-POWERS = {"GB": "10^9", "MB": "10^6", "KB": "10^3", "GiB": "2^30", "MiB": "2^20", "KiB": "2^10"}
+UNITS = {"GB": {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0},
+         "GiB": {"GiB": 2.0 ** 30, "MiB": 2.0 ** 20, "KiB": 2.0 ** 10, "B": 1.0}}
+POWERS = {"GB": "10^9", "MB": "10^6", "KB": "10^3", "GiB": "2^30", "MiB": "2^20", "KiB": "2^10", "B": "1"}
 
 
 def unit_for(largest: float, unit: str) -> tuple[float, str]:
     """(scale, unit) of a table whose largest size is ``largest`` bytes: ``unit`` (--units GB or GiB), or the first
-    smaller unit of its family that ``largest`` reaches (KB, KiB at the least): a tiny model's read 0.00 GB before."""
+    smaller unit of its family that ``largest`` reaches (bytes at the least): a tiny model's read 0.00 GB before."""
     for name, scale in UNITS[unit].items():
         if largest >= scale:
             break
     return scale, name
+
+
+def size(n: float, unit: str) -> str:
+    """``n`` bytes in the unit of ``unit``'s family it reaches (:func:`unit_for`): ``1.00 MB``, not ``0.00 GB``."""
+    scale, name = unit_for(n, unit)
+    return f"{n / scale:.2f} {name}"
 
 
 def table_unit(cands: list[Candidate], unit: str) -> tuple[float, str]:
