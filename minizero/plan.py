@@ -24,7 +24,7 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    POWERS, UNITS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
+    POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
     why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
@@ -244,8 +244,8 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
     fit_dev, fit_host = c.memory.total <= hw.gpu_memory, c.host <= hw.host_memory
     ts, tu = table_unit([c], unit)  # the table's unit: MB or KB for a tiny model (0.00 GB before)
     verdict = ("fits" if fit_dev and fit_host else "does NOT fit") + (
-        f": device {c.memory.total / ts:.2f} {tu} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage "
-        f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {hw.host_memory / scale:.2f} {unit}")
+        f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU (stage "
+        f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
                    + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
@@ -318,7 +318,7 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
     lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({count(psi)} parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
              "projection; "
-             f"{args.gpus} GPU(s) x {hw.gpu_memory / UNITS[unit][unit]:.2f} {unit}, "
+             f"{args.gpus} GPU(s) x {size(hw.gpu_memory, unit)}, "
              f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq}, micro-batch "
              f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
              "parameter)",

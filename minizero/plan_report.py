@@ -182,9 +182,9 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
             f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
             f"{model.vocab_size})",
-            f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} (--gpu-memory {args.gpu_memory}{given}; "
+            f"{args.gpus} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
             f"{args.gpus_per_node} per node), host "
-            f"{hw.host_memory / scale:.2f} {unit} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
+            f"{size(hw.host_memory, unit)} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "

@@ -53,6 +53,8 @@ def test_a_tiny_models_sizes_are_in_a_unit_they_reach(capsys, units, small):
     assert len(rows) == 3 and all(float(r[5]) >= 1 and float(r[8]) > 0 for r in rows), rows  # total; step s
     code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "2", "--strategy", "dp=2", "--units", units)
     assert code == 0 and re.search(rf"fits: device [1-9][0-9.]* {small} of [0-9.]+ {units} per GPU", out), out
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "1", "--gpu-memory", "500KB", "--host-memory", "1MB")
+    assert code == 0 and "1 GPUs x 500.00 KB (--gpu-memory 500KB;" in out and "host 1.00 MB per GPU" in out, out
     code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "2", "--finetune", "lora", "--lora-rank", "8")
     assert code == 0 and "(10,944 parameters, frozen)" in out and "every size in KB (10^3 bytes)" in out, out
 
