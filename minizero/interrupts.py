@@ -71,6 +71,16 @@ def launched_ranks() -> int:
     return 1
 
 
+def refuse_several_ranks(parser) -> None:
+    """A one-process program (quantize, sample, plan, checkpoint, debug) launched on several ranks stops before any
+    work: each rank would do the same work and print and write the same files at once (two ranks of checkpoint
+    consolidate raced on one model.npz). ``parser`` (a ``OneLineParser``) exits 2 on every rank, one line from 0."""
+    if launched_ranks() > 1:
+        parser.quiet = launched_rank() != 0
+        parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
+                     "-n 1)")
+
+
 def exit_with_parent(poll_s: float = 0.5) -> None:
     """End this process within about ``poll_s`` seconds once its parent (the launcher's proxy) is gone.
 

@@ -29,7 +29,7 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
     step_time)
-from minizero.interrupts import WHOLE, interruptible
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -342,6 +342,7 @@ def _prose(lines: list[str]) -> list[str]:
 def main(argv=None) -> int:
     """Run the planner; returns 0 (bad input exits 2 with one line on stderr, no usage block)."""
     parser = build_parser()
+    refuse_several_ranks(parser)
     args = parser.parse_args(argv)
     model, sizes = _check(parser, args)
     seq = args.seq_len or model.seq_len

@@ -304,3 +304,25 @@ def test_a_missing_subcommand_is_named_with_its_choices(capsys, module, commands
     with pytest.raises(SystemExit) as e:
         importlib.import_module(f"minizero.{module}").main([])
     assert e.value.code == 2 and capsys.readouterr().err.endswith(f"are required: {commands}\n")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("module,tool,argv", [("sample", "sample", []), ("plan", "plan", ["--model", "tiny"]),
+                                              ("checkpoint.cli", "checkpoint", ["consolidate", "ck"]),
+                                              ("debug.__main__", "debug", ["hang", "out/flight"]),
+                                              ("quantize", "quantize", ["--help"])])
+def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatch, capsys, rank, module, tool, argv):
+    """Before: each rank did the same work and printed it (two ranks of checkpoint consolidate raced on one
+    model.npz); now every rank exits 2 before parsing, rank 0 with one line (quantize refused, on every rank)."""
+    import importlib
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", rank)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"minizero.{module}").main(argv)
+    out = capsys.readouterr()
+    said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
+                                   "run it without mpirun (or with -n 1)"]
+    assert e.value.code == 2 and out.out == "" and out.err.splitlines() == said, out
