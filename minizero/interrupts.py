@@ -179,7 +179,14 @@ class WatchedStdout:
 
 
 def watch_stdout() -> None:
-    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only)."""
+    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only). Under ``PYTHONUNBUFFERED``
+    (or ``-u``) the process's stdout and stderr write through: ``print`` sent its text and its newline in two
+    writes, and MPICH's launcher let another rank's line in between; here each line is one write (line buffering:
+    flushed at every newline, as ``flush=True`` and tqdm's own flushes still are)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is getattr(sys, f"__{name}__") and getattr(stream, "write_through", False):  # not a test's capture
+            stream.reconfigure(write_through=False, line_buffering=True)
     if not isinstance(sys.stdout, WatchedStdout):
         sys.stdout = WatchedStdout(sys.stdout)
 
