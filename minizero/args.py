@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from minizero.autograd.rng import MAX_DROPOUT
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
@@ -19,7 +20,8 @@ from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
-                                    check_moe, check_sequence_parallel, check_zero, check_zero_bubble, resolve_sizes)
+                                    check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
+                                    resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
@@ -218,8 +220,8 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         except OffloadError as e:
             # the message, without "[Errno N]", in the flag's words
             raise UsageError((e.strerror or str(e)).replace("offload folder", "--offload-dir", 1)) from None
-    if args.dropout is not None and not 0 <= args.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.dropout is not None and not 0 <= args.dropout <= MAX_DROPOUT:  # float32(p) = 1 dropped everything
+        raise UsageError(f"--dropout must be in [0, 1), at most {MAX_DROPOUT:.8g} in float32, got {args.dropout}")
     preset = PRESETS[args.model]
     if args.block_size is not None and args.block_size > preset.block_size:
         raise UsageError(f"--block-size {args.block_size} exceeds the {args.model!r} preset's "
@@ -367,7 +369,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
     """
     cfg, cp = PRESETS[args.model], args.cp
     if cp < 1 or world_size % cp:
-        raise ValueError(f"--cp {cp} must be >= 1 and divide the world size {world_size}")
+        raise ValueError(f"{cp_flag(args)} must be >= 1 and divide the world size {world_size}")
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
                                               ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}")

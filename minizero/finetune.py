@@ -36,7 +36,8 @@ from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, tra
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.lora_tp import counts_in_norm, gather_merged, nf4_shard_refusal, tensor_parallel_lora
+from minizero.parallel.lora_tp import (counts_in_norm, gather_merged, nf4_shard_refusal, nf4_tensor_parallel_sizes,
+                                       tensor_parallel_lora)
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
 from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
@@ -48,10 +49,10 @@ from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, 
 METHODS = ("full", "lora", "qlora")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p = negative_values_reach_checks(OneLineParser(
-        prog="python -m minizero.finetune", description=description(__doc__),
-        formatter_class=DefaultsOnce))
+        prog="python -m minizero.finetune", description=description(__doc__), formatter_class=DefaultsOnce))
+    p.quiet = quiet  # ranks other than 0 (OneLineParser)
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--data", default=None, help="text to fine-tune on (default: the embedded corpus)")
     p.add_argument("--method", default="qlora", choices=METHODS, help="what is trained: full (every parameter), "
@@ -87,18 +88,16 @@ def check(args) -> None:
     for flag, v, hi in (("--steps", args.steps, MAX_STEPS), ("--batch-size", args.batch_size, MAX_BATCH_SIZE)):
         if v > hi:  # as train's bounds: a batch of 10^8 sequences was killed by the kernel, without a word
             raise ValueError(f"{flag} must be <= {hi:,} as train's, got {v:,}")
-    if not (args.lora_alpha > 0 and np.isfinite(args.lora_alpha)):
-        raise ValueError(f"--lora-alpha must be a positive number, got {args.lora_alpha}")
     tiny = float(np.finfo(np.float32).tiny)  # below it 0 or subnormal in float32 weights: nothing trains, silently
     for flag, v in (("--lr", args.lr), ("--lora-alpha", args.lora_alpha)):
-        if 0 < v < tiny:
+        if not (v > 0 and np.isfinite(v)):
+            raise ValueError(f"{flag} must be a positive number, got {v}")
+        if v < tiny:
             raise ValueError(f"{flag} {v:g} is below float32's smallest normal number {tiny:.4g}: 0 or subnormal in "
                              "the weights, nothing would train; give a larger one")
     if not (MIN_COMM_TIMEOUT_S <= args.comm_timeout < np.inf):
         raise ValueError(f"--comm-timeout must be a finite number of seconds >= {MIN_COMM_TIMEOUT_S:g}, "
                          f"got {args.comm_timeout}")
-    if not (args.lr > 0 and np.isfinite(args.lr)):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
     names = args.targets.split(",")
     bad = [t for t in names if t not in TARGETS]
     if bad or not args.targets:
@@ -295,7 +294,7 @@ def _main(argv, world) -> int:
     prog = "python -m minizero.finetune: error:"
     args, verdict, env, inputs = None, None, {}, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
-        args = build_parser().parse_args(argv)
+        args = build_parser(quiet=world.Get_rank() != 0).parse_args(argv)  # --help, a bad flag: once, by rank 0
         check(args)
         check_fault_spec(world.Get_size(), args.steps)
         if world.Get_size() % args.tp:
@@ -315,8 +314,9 @@ def _main(argv, world) -> int:
         if (cfg0 := model0.config).n_head % args.tp or cfg0.n_embd % args.tp:
             raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}")
         cut = args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(","))
-        if cut:
-            raise ValueError(f"--{cut}; give a --tp that leaves runs of a multiple of 64 (or --method lora)")
+        if cut:  # the sizes that work here (--model tiny: none above 1)
+            ok = " or ".join(str(t) for t in nf4_tensor_parallel_sizes(cfg0, world.Get_size(), args.targets.split(",")))
+            raise ValueError(f"--{cut}; allowed on {world.Get_size()} ranks: --tp {ok} (or --method lora)")
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
         inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank

@@ -71,6 +71,16 @@ def launched_ranks() -> int:
     return 1
 
 
+def refuse_several_ranks(parser) -> None:
+    """A one-process program (quantize, sample, plan, checkpoint, debug) launched on several ranks stops before any
+    work: each rank would do the same work and print and write the same files at once (two ranks of checkpoint
+    consolidate raced on one model.npz). ``parser`` (a ``OneLineParser``) exits 2 on every rank, one line from 0."""
+    if launched_ranks() > 1:
+        parser.quiet = launched_rank() != 0
+        parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
+                     "-n 1)")
+
+
 def exit_with_parent(poll_s: float = 0.5) -> None:
     """End this process within about ``poll_s`` seconds once its parent (the launcher's proxy) is gone.
 
@@ -135,7 +145,8 @@ def end_set_up(install: bool = True) -> None:
         Interrupts.install()
 
 
-def _mpi_rank() -> int:
+def launched_rank() -> int:
+    """This process's rank as the launcher numbered it (``PMI_RANK``, Open MPI's), 0 without one; MPI not started."""
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         value = os.environ.get(name, "")
         if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
@@ -168,7 +179,14 @@ class WatchedStdout:
 
 
 def watch_stdout() -> None:
-    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only)."""
+    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only). Under ``PYTHONUNBUFFERED``
+    (or ``-u``) the process's stdout and stderr write through: ``print`` sent its text and its newline in two
+    writes, and MPICH's launcher let another rank's line in between; here each line is one write (line buffering:
+    flushed at every newline, as ``flush=True`` and tqdm's own flushes still are)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is getattr(sys, f"__{name}__") and getattr(stream, "write_through", False):  # not a test's capture
+            stream.reconfigure(write_through=False, line_buffering=True)
     if not isinstance(sys.stdout, WatchedStdout):
         sys.stdout = WatchedStdout(sys.stdout)
 
@@ -203,7 +221,7 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        if _mpi_rank() == 0:
+        if launched_rank() == 0:
             print(f"python -m {tool}: interrupted ({name}); {files}", file=sys.stderr, flush=True)
         return code
 

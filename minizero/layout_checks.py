@@ -31,7 +31,7 @@ def check_zero(args) -> None:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
     if n < dp:
-        for bad, what in ((args.cp > 1, f"--cp {args.cp}"), (args.ep > 1, f"--ep {args.ep}")):
+        for bad, what in ((args.cp > 1, cp_flag(args)), (args.ep > 1, f"--ep {args.ep}")):
             if bad:
                 raise ValueError(f"--dp-shard {args.dp_shard} with {what} is not supported: hybrid sharding splits "
                                  f"the plain data group (use --dp-shard {args.dp} or leave it out)")
@@ -53,6 +53,12 @@ def check_sequence_parallel(args, cfg) -> None:
         raise ValueError(f"--sequence-parallel needs the context length {t} divisible by --tp {args.tp}")
 
 
+def cp_flag(args) -> str:
+    """The context-parallel size as the command line gave it, for the errors that name it: ``--ulysses N`` (which
+    sets cp; "--cp 4 must divide the world size" answered "--ulysses 4" before) or ``--cp N``."""
+    return f"--cp {args.cp}" if args.ulysses is None else f"--ulysses {args.ulysses}"
+
+
 def check_context_parallel(args, cfg) -> None:
     """``--cp`` needs T divisible by 2 cp (two chunks per rank) and, with --sequence-parallel, T / cp divisible by
     tp."""
@@ -66,13 +72,15 @@ def check_context_parallel(args, cfg) -> None:
         return
     t = args.block_size or cfg.block_size
     if t % (2 * cp):
-        raise ValueError(f"--cp {cp} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks per rank)")
+        raise ValueError(f"{cp_flag(args)} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks "
+                         "per rank)")
     heads = cfg.n_head // args.tp
     if args.cp_attention == "ulysses" and heads % cp:
-        raise ValueError(f"--cp {cp} --cp-attention ulysses needs the {heads} attention heads per tensor rank "
-                         f"(n_head {cfg.n_head} / --tp {args.tp}) divisible by --cp {cp}: the all-to-all splits heads")
+        said = cp_flag(args) + (" --cp-attention ulysses" if args.ulysses is None else "")
+        raise ValueError(f"{said} needs the {heads} attention heads per tensor rank (n_head {cfg.n_head} / --tp "
+                         f"{args.tp}) divisible by cp = {cp}: the all-to-all splits heads")
     if args.sequence_parallel and (t // cp) % args.tp:
-        raise ValueError(f"--cp {cp} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
+        raise ValueError(f"{cp_flag(args)} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
 

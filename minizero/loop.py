@@ -142,8 +142,9 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
     store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: state off-device
     s = build_strategy(args, comm, cfg, forward_context=offload, store=store)
     fp16 = args.precision == "fp16"
+    warn = (lambda note: log(f"warning: {note}")) if comm.rank == 0 else (lambda note: None)  # once per job
     scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale) if fp16 else None
+                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale, warn=warn) if fp16 else None
     pad = args.documents == "pad"  # --pad: windows stop at document ends; the sampler and validation alike
     sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
                                  dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed, pad=pad)

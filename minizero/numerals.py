@@ -76,10 +76,17 @@ def description(doc: str) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it)."""
+    """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it).
+    ``quiet`` (set by a program on launched ranks other than 0): the same exits, nothing printed (once per job)."""
+    quiet = False
+
+    def print_help(self, file=None):
+        if not self.quiet:
+            super().print_help(file)
 
     def error(self, message):
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        if not self.quiet:
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
 

@@ -24,11 +24,12 @@ from minizero.models import MODELS, get_model
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    candidate_json, describe, format_table, header, plot, plot_path, why_lines)
+    POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
+    why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
     step_time)
-from minizero.interrupts import WHOLE, interruptible
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
     p.add_argument("--lora-rank", type=integer, default=None,
-                   help="adapter rank r with --finetune (default 64, QLoRA's paper's)")
+                   help="adapter rank r with --finetune (default 64, QLoRA's paper's, or the model's "
+                   "width when smaller)")
     p.add_argument("--tp", type=integer, default=1, help="with --finetune: tensor-parallel GPUs that split each "
                    "block and its adapters (minizero.finetune --tp); --gpus / tp of them data parallel")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
@@ -189,7 +191,7 @@ def _check(parser, args):
         parser.error(f"--top must be >= 0, got {args.top}")
     if args.lora_rank is not None and args.finetune == "none":
         parser.error(f"--lora-rank {args.lora_rank} sizes fine-tuning adapters: give --finetune lora or qlora too")
-    args.lora_rank = 64 if args.lora_rank is None else args.lora_rank
+    args.lora_rank = min(64, model.hidden) if args.lora_rank is None else args.lora_rank  # tiny: 16, not refused
     if args.finetune != "none" and not 1 <= args.lora_rank <= model.hidden:
         parser.error(f"--lora-rank must be in 1..{model.hidden} ({model.name}'s width: an adapter of higher rank "
                      f"than its matrix adds nothing), got {args.lora_rank}")
@@ -240,13 +242,14 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
                             "hardware": dataclasses.asdict(hw), "fits": c.memory.total <= hw.gpu_memory
                             and c.host <= hw.host_memory, "candidates": [candidate_json(c, 1)]}, indent=1)]
     fit_dev, fit_host = c.memory.total <= hw.gpu_memory, c.host <= hw.host_memory
+    ts, tu = table_unit([c], unit)  # the table's unit: MB or KB for a tiny model (0.00 GB before)
     verdict = ("fits" if fit_dev and fit_host else "does NOT fit") + (
-        f": device {c.memory.total / scale:.2f} of {hw.gpu_memory / scale:.2f} {unit} per GPU (stage {c.memory.stage},"
-        f" the fullest), host {c.host / scale:.2f} of {hw.host_memory / scale:.2f} {unit}")
+        f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU (stage "
+        f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
                    + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
-            + format_table([c], scale) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
+            + format_table([c], ts) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
 
 
 def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:
@@ -263,14 +266,14 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     if not fits:
         st, device, host = smallest
         if device > hw.gpu_memory:
-            parser.error(f"--gpu-memory {args.gpu_memory} ({hw.gpu_memory / scale:.2f} {unit}) is below the smallest "
+            parser.error(f"--gpu-memory {args.gpu_memory} ({size(hw.gpu_memory, unit)}) is below the smallest "
                          f"per-GPU footprint of any of the {count:,} strategies for {model.name} on {args.gpus} GPUs: "
-                         f"{device / scale:.2f} {unit} ({describe(st)}). Allowed: --gpu-memory of at least "
-                         f"{device / scale:.2f} {unit}, or more GPUs, or a shorter --seq-len")
-        parser.error(f"--host-memory {args.host_memory} ({hw.host_memory / scale:.2f} {unit}) is too small: every "
-                     f"strategy that fits {hw.gpu_memory / scale:.2f} {unit} per GPU offloads more than that; the "
-                     f"smallest device footprint, {device / scale:.2f} {unit} ({describe(st)}), offloads "
-                     f"{host / scale:.2f} {unit}. Allowed: more --host-memory or --gpu-memory, or more GPUs")
+                         f"{size(device, unit)} ({describe(st)}). Allowed: --gpu-memory of at least "
+                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len")
+        parser.error(f"--host-memory {args.host_memory} ({size(hw.host_memory, unit)}) is too small: every "
+                     f"strategy that fits {size(hw.gpu_memory, unit)} per GPU offloads more than that; the "
+                     f"smallest device footprint, {size(device, unit)} ({describe(st)}), offloads "
+                     f"{size(host, unit)}. Allowed: more --host-memory or --gpu-memory, or more GPUs")
     shown = fits if args.top == 0 else fits[:args.top]
     args.shown = shown
     if args.json:
@@ -286,8 +289,9 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                       "(a first-order model: step times within about 1% of each other are within its accuracy; such "
                       "rows stay in tok/s order; the why lines below compare the first few and say when one needs "
                       "less memory)"]) + [""]
-            + format_table(shown, scale) + ["", "why: (each line compares rows shown above)"]
-            + [w for line in why_lines(shown, scale, unit, fit_count=len(fits)) for w in wrap("  " + line, hang=4)])
+            + format_table(shown, table_unit(shown, unit)[0]) + ["", "why: (each line compares rows shown above)"]
+            + [w for line in why_lines(shown, *table_unit(shown, unit), fit_count=len(fits))
+               for w in wrap("  " + line, hang=4)])
 
 
 def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
@@ -310,16 +314,16 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
                             "gpus": args.gpus, "tp": args.tp, "seq_len": seq, "micro_batch": args.micro_batch,
                             "units": "bytes",
                             "rows": rows}, indent=1)]
-    psi = model.num_parameters()
-    lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({psi / 1e9:.2f} B parameters, frozen"
+    psi, (scale, table) = model.num_parameters(), unit_for(max(r["total"] for r in rows), unit)
+    lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({count(psi)} parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
              "projection; "
-             f"{args.gpus} GPU(s) x {hw.gpu_memory / scale:.2f} {unit}, "
+             f"{args.gpus} GPU(s) x {size(hw.gpu_memory, unit)}, "
              f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq}, micro-batch "
              f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
              "parameter)",
-             f"every size in {unit} per GPU; Z = ZeRO stage over the adapters (the frozen base is "
-             f"{f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
+             f"every size in {table} ({POWERS[table]} bytes) per GPU; Z = ZeRO stage over the adapters (the frozen "
+             f"base is {f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
              "bytes/param = model states (all but acts) / parameters"]
     lines = _prose(lines) + [f"{'Z':>2} {'frozen':>9} {'adapters':>9} {'grads':>9} {'optim':>9} {'acts':>9} "
                              f"{'total':>9}  {'bytes/param':>11}  fits"]
@@ -338,6 +342,7 @@ def _prose(lines: list[str]) -> list[str]:
 def main(argv=None) -> int:
     """Run the planner; returns 0 (bad input exits 2 with one line on stderr, no usage block)."""
     parser = build_parser()
+    refuse_several_ranks(parser)
     args = parser.parse_args(argv)
     model, sizes = _check(parser, args)
     seq = args.seq_len or model.seq_len
@@ -356,7 +361,7 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     if args.plot and args.shown:
         try:
-            plot(args.shown, args.plot, hw.gpu_memory, scale, unit,
+            plot(args.shown, args.plot, hw.gpu_memory, *table_unit(args.shown, unit),
                  f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")

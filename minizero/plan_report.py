@@ -35,6 +35,32 @@ _WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp
         "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
 
 
+#: each --units family, largest unit first: GB and the smaller powers of 10, GiB and the smaller powers of 2
+UNITS = {"GB": {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0},
+         "GiB": {"GiB": 2.0 ** 30, "MiB": 2.0 ** 20, "KiB": 2.0 ** 10, "B": 1.0}}
+POWERS = {"GB": "10^9", "MB": "10^6", "KB": "10^3", "GiB": "2^30", "MiB": "2^20", "KiB": "2^10", "B": "1"}
+
+
+def unit_for(largest: float, unit: str) -> tuple[float, str]:
+    """(scale, unit) of a table whose largest size is ``largest`` bytes: ``unit`` (--units GB or GiB), or the first
+    smaller unit of its family that ``largest`` reaches (bytes at the least): a tiny model's read 0.00 GB before."""
+    for name, scale in UNITS[unit].items():
+        if largest >= scale:
+            break
+    return scale, name
+
+
+def size(n: float, unit: str) -> str:
+    """``n`` bytes in the unit of ``unit``'s family it reaches (:func:`unit_for`): ``1.00 MB``, not ``0.00 GB``."""
+    scale, name = unit_for(n, unit)
+    return f"{n / scale:.2f} {name}"
+
+
+def table_unit(cands: list[Candidate], unit: str) -> tuple[float, str]:
+    """:func:`unit_for` the largest device or host size of ``cands``: the unit of their table, why lines, plot."""
+    return unit_for(max(max(c.memory.total, c.host) for c in cands), unit)
+
+
 ACCURACY = 0.01  #: step times this close (relative) are within the first-order model's accuracy: a tie
 
 
@@ -112,6 +138,7 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         bufs = mem.comm_buffers + mem.gathered
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
+        step = f"{c.step_s:7.3f}" if c.step_s >= 1e-3 else f"{c.step_s:7.1e}"  # a tiny model's: 0.000 before
         lines.append(
             f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
             f"{'y' if st.sequence_parallel else '':>2} "
@@ -119,7 +146,7 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
             + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 8, 1)}"
-            f" {c.step_s:7.3f} {c.tokens_per_s:8,.0f} {c.mfu:5.1%}")
+            f" {step} {c.tokens_per_s:8,.0f} {c.mfu:5.1%}")
     return lines
 
 
@@ -130,18 +157,20 @@ def _cell(x: float, width: int, digits: int = 2) -> str:
     return " " + (text if len(text) < width else f"{x:.0f}").rjust(width - 1)
 
 
+def count(n: int) -> str:
+    """A parameter count: ``1.23 B``, ``4.56 M`` or ``10,944`` (a tiny model's read 0.00 B before)."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+
 def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     """The lines above the table: model, GPUs and the assumed hardware, units, the columns' legend."""
-    p0 = element_bytes(shown[0].strategy)
+    p0, tunit = element_bytes(shown[0].strategy), table_unit(shown, unit)[1]
     if args.schedule == "interleaved":
         piped = sum(c.strategy.pp > 1 for c in fits)
         sched = (f"interleaved pipeline schedule ({args.virtual_stages} virtual stages per GPU; pp = 1 layouts "
                  f"have no pipeline" + ("; no layout with pp > 1 fits" if not piped else "") + ")")
     else:
         sched = f"{args.schedule} pipeline schedule"
-    def count(n):
-        return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
-
     n_psi = model.num_parameters()
     binary = args.gpu_memory.strip().lower().endswith("ib")  # the flag's unit family, shown in the table's
     given = f" = {hw.gpu_memory:,} bytes" if binary != (unit == "GiB") else ""
@@ -153,12 +182,12 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
             f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
             f"{model.vocab_size})",
-            f"{args.gpus} GPUs x {hw.gpu_memory / scale:.2f} {unit} (--gpu-memory {args.gpu_memory}{given}; "
+            f"{args.gpus} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
             f"{args.gpus_per_node} per node), host "
-            f"{hw.host_memory / scale:.2f} {unit} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
+            f"{size(hw.host_memory, unit)} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
-            f"every size in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes): memory per GPU; host = offloaded; "
+            f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
             f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
@@ -221,7 +250,7 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit:
     ax.axhline(gpu_memory / scale, color="k", linestyle="--", linewidth=1, label="GPU memory")
     ax.set_xticks(xs)
     ax.set_xticklabels([f"#{i + 1}\n{_short(c.strategy)}" for i, c in enumerate(cands)], fontsize=7)
-    ax.set_ylabel(f"memory per GPU ({unit}, {'10^9' if unit == 'GB' else '2^30'} bytes)")
+    ax.set_ylabel(f"memory per GPU ({unit}, {POWERS[unit]} bytes)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -30,7 +30,7 @@ from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
 from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
-from minizero.interrupts import WHOLE, interruptible, launched_ranks
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
 DTYPE_LABELS = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -180,6 +180,7 @@ def _train_section(summary: dict, weights: str) -> dict:
 def main(argv=None) -> int:
     """Entry point; returns the exit status (2 for a bad argument or missing file)."""
     parser = build_parser()
+    refuse_several_ranks(parser)  # every rank would measure the same model and write the same --json
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
@@ -197,9 +198,6 @@ def main(argv=None) -> int:
     threshold = args.outlier_threshold
     if threshold is not None and not (threshold > 0 and math.isfinite(threshold)):
         parser.error(f"--outlier-threshold must be a positive number, got {args.outlier_threshold}")
-    if launched_ranks() > 1:  # every rank would measure the same model and write the same --json
-        parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun "
-                     "(or with -n 1)")
     locks = []
     try:
         return _measure_and_write(args, locks)

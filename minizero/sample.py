@@ -21,7 +21,7 @@ from minizero.data import decode, encode, prompt_problem
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks,
                                 real_as_typed)
 from minizero.weights import load_gpt
-from minizero.interrupts import NOTHING, interruptible
+from minizero.interrupts import NOTHING, interruptible, refuse_several_ranks
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
 MAX_TOKENS = 100_000
@@ -138,6 +138,7 @@ def settings_line(args, model) -> str:
 def main(argv=None) -> int:
     """Entry point; returns the exit status (2: a bad value or an unusable weights file, one line on stderr)."""
     parser = build_parser()
+    refuse_several_ranks(parser)
     args = parser.parse_args(argv)
     err = check(args)
     if err is None:

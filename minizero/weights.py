@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 
 from minizero import backend
+from minizero.autograd.rng import MAX_DROPOUT
 from minizero.data import describe_non_file
 from minizero.files import atomic_write, read_json
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
@@ -213,8 +214,9 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
         raise bad(f"{where}n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}; allowed: n_head "
                   f"dividing n_embd")
     v = cfg.get("dropout", 0.0)
-    if type(v) not in (int, float) or not 0 <= v < 1:
-        raise bad(f"{where}dropout {v!r} is not allowed; allowed: a number in [0, 1)")
+    if type(v) not in (int, float) or not 0 <= v <= MAX_DROPOUT:
+        raise bad(f"{where}dropout {v!r} is not allowed; allowed: a number in [0, 1), at most {MAX_DROPOUT:.8g} in "
+                  "float32 (the masks compare float32(p))")
     v = cfg.get("dtype", "float32")
     if not isinstance(v, str) or v not in backend.DTYPES:
         raise bad(f"{where}dtype {v!r} is not allowed; allowed: {', '.join(sorted(backend.DTYPES))} (the float "

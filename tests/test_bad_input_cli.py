@@ -138,7 +138,7 @@ def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypa
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOCAL_RANK", value)
     monkeypatch.setenv("PMI_RANK", value)
-    assert backend.local_rank() == 0 and interrupts._mpi_rank() == 0
+    assert backend.local_rank() == 0 and interrupts.launched_rank() == 0
     assert step_of(f"step_{value}") is None and step_of("step_00000012") == 12
 
 
@@ -208,7 +208,7 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
     (["--seed", "-2x"], "argument --seed: invalid int value: '-2x'"),
     (["--steps", "--lr", "1"], "argument --steps: expected one argument"),  # a real option is still an option
     (["--lr", "-inf"], "--lr must be a normal float32 number"),  # before: "argument --lr: expected one argument"
-    (["--dropout", "-NaN"], "--dropout must be in [0, 1), got nan"),
+    (["--dropout", "-NaN"], "--dropout must be in [0, 1), at most 0.99999994 in float32, got nan"),
     (["--grad-clip", "-Infinity"], "--grad-clip must be >= 0 (0 disables), got -inf"),
 ])
 def test_a_value_starting_with_minus_reaches_the_flags_own_check(argv, said):
@@ -293,3 +293,36 @@ def test_finetune_names_the_data_file_too_short_to_validate(tmp_path, capsys):
     assert finetune.main(["--weights", str(weights / "model.npz"), "--data", str(short)]) == 2
     assert (f"--data {str(short)!r} has 15 bytes; needs at least 180 (its last 10% validates and must hold "
             "block_size + 2 = 18 tokens)") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,commands", [("checkpoint.cli", "{inspect,consolidate}"),
+                                             ("debug.__main__", "{hang,trace,parity}")])
+def test_a_missing_subcommand_is_named_with_its_choices(capsys, module, commands):
+    """Before: "the following arguments are required: command", and no usage block (one line) to say which."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"minizero.{module}").main([])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"are required: {commands}\n")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("module,tool,argv", [("sample", "sample", []), ("plan", "plan", ["--model", "tiny"]),
+                                              ("checkpoint.cli", "checkpoint", ["consolidate", "ck"]),
+                                              ("debug.__main__", "debug", ["hang", "out/flight"]),
+                                              ("quantize", "quantize", ["--help"])])
+def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatch, capsys, rank, module, tool, argv):
+    """Before: each rank did the same work and printed it (two ranks of checkpoint consolidate raced on one
+    model.npz); now every rank exits 2 before parsing, rank 0 with one line (quantize refused, on every rank)."""
+    import importlib
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", rank)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"minizero.{module}").main(argv)
+    out = capsys.readouterr()
+    said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
+                                   "run it without mpirun (or with -n 1)"]
+    assert e.value.code == 2 and out.out == "" and out.err.splitlines() == said, out

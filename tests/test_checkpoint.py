@@ -642,6 +642,14 @@ def test_a_checkpoint_with_per_rank_dropout_states_says_what_it_restored(saved, 
     assert sum(said in line for line in logs) == 1, logs
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_with_another_dropout_says_so(saved, tmp_path):
+    """Saved with dropout 0, resumed with --dropout 0.1: a note as for --lr (before: silent, and a run resumed
+    without its --dropout silently went on with the preset's)."""
+    logs = _resume_with_rng(saved, tmp_path / "same", 2, lambda i, rng: rng)
+    assert sum("note: --dropout 0.1 differs from the checkpoint's 0.0" in line for line in logs) == 1, logs
+
+
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
 def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
     """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir

@@ -251,3 +251,35 @@ def test_ctrl_c_while_tool_ranks_start_prints_no_traceback(mpiexec, weights, too
     for delay in (0.2, 0.5):
         proc, err = _ctrl_c_after(mpiexec, argv, delay)
         assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_each_printed_line_is_one_write_under_pythonunbuffered(monkeypatch):
+    """Under PYTHONUNBUFFERED (set in many containers) stdout and stderr write through: print sent a line's text
+    and its newline in two writes, and MPICH's launcher put another rank's line between them ("[0] a[1] b" then
+    two newlines). A program's start (watch_stdout) makes each line one write."""
+    import io
+
+    from minizero.interrupts import watch_stdout
+
+    class Raw(io.RawIOBase):  # the file descriptor: records each write
+        def __init__(self):
+            self.writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    streams = {}
+    for name in ("stdout", "stderr"):
+        streams[name] = io.TextIOWrapper(Raw(), encoding="utf-8", write_through=True)  # what -u gives
+        monkeypatch.setattr(sys, name, streams[name])
+        monkeypatch.setattr(sys, f"__{name}__", streams[name])
+    watch_stdout()
+    print("[rank 1] [stage 1] act mb0 (2, 16, 16) <── stage 0")
+    print("error: one line", file=sys.stderr)
+    assert streams["stdout"].buffer.writes == [b"[rank 1] [stage 1] act mb0 (2, 16, 16) <\xe2\x94\x80\xe2\x94\x80 "
+                                               b"stage 0\n"]
+    assert streams["stderr"].buffer.writes == [b"error: one line\n"]

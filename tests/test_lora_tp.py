@@ -222,6 +222,13 @@ def test_plan_and_finetune_refuse_a_qlora_split_in_the_same_words(capsys):
     assert nf4_shard_refusal(get_config("tiny"), 2).startswith(said)
 
 
+def test_the_tensor_parallel_sizes_qlora_can_take_are_listed():
+    from minizero.parallel.lora_tp import nf4_tensor_parallel_sizes
+    assert nf4_tensor_parallel_sizes(get_config("tiny"), 2) == [1]  # (16, 16) rows: no shard is whole blocks
+    assert nf4_tensor_parallel_sizes(get_config("default"), 8) == [1, 2]  # 4 heads; (128, 128) / 4: runs of 32
+    assert nf4_tensor_parallel_sizes(get_config("default"), 8, ("c_attn", "c_fc")) == [1, 2, 4]
+
+
 def _finetune_cli(mpiexec, n, *argv, timeout=240):
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.finetune", *argv]
     return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
@@ -251,8 +258,10 @@ def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
              ((2, *three_heads, "--tp", "2", "--method", "lora"), "--tp 2 must divide the model's n_head=3"),
              ((2, *tiny, "--tp", "2", "--method", "qlora"),
               "--tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of "
-              "the NF4 block 64"),
-             ((2, *tiny, "--tp", "2", "--method", "full"), "--tp 2 splits the adapters (--method lora or qlora)")]
+              "the NF4 block 64: QLoRA would quantize blocks across shards; allowed on 2 ranks: --tp 1 (or --method "
+              "lora)"),  # before: "give a --tp that leaves runs of a multiple of 64", where none does
+             ((2, *tiny, "--tp", "2", "--method", "full"), "--tp 2 splits the adapters (--method lora or qlora)"),
+             ((2, *tiny, "--tp", "abc"), "argument --tp: invalid int value: 'abc'")]  # argparse's: once, not per rank
     for (n, weights, data, *argv), said in cases:
         proc = _finetune_cli(mpiexec, n, "--weights", str(weights), "--data", str(data), "--steps", "1", *argv,
                              timeout=120)

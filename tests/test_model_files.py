@@ -51,6 +51,7 @@ def _programs_refuse(weights, capsys):
     ("n_head", 3, "n_embd 16 is not divisible by n_head 3; allowed: n_head dividing n_embd"),
     ("n_embd", 10 ** 6, "n_embd 1,000,000 exceeds 768, the largest any preset"),
     ("dropout", 1.5, "dropout 1.5 is not allowed; allowed: a number in [0, 1)"),
+    ("dropout", 0.999999999, "dropout 0.999999999 is not allowed; allowed: a number in [0, 1), at most 0.99999994"),
     ("heads", 2, "unknown field(s) ['heads']; allowed: n_layer, n_head, n_embd, block_size, vocab_size, dropout, dtype"),
 ])
 def test_a_bad_model_json_field_is_named_with_the_file_and_what_is_allowed(tiny_weights, capsys, field, value,

@@ -86,7 +86,10 @@ def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
     (["--model", "llama3-8b", "--gpus", "0"], "--gpus must be a positive integer, got 0"),
     (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'; allowed: deepseek-v3, gpt3-175b"),
     (["--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "1MB"],
-     "--gpu-memory 1MB (0.00 GB) is below the smallest per-GPU footprint"),
+     "--gpu-memory 1MB (1.00 MB) is below the smallest per-GPU footprint"),  # 0.00 GB before
+    (["--model", "tiny", "--gpus", "1", "--gpu-memory", "1KB"], "Allowed: --gpu-memory of at least 47.49 KB"),
+    (["--model", "tiny", "--gpus", "1", "--gpu-memory", "100KiB", "--host-memory", "1B", "--units", "GiB"],
+     "--host-memory 1B (1.00 B) is too small: every strategy that fits 100.00 KiB per GPU"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80G"], "ambiguous: write GB"),
     (["--model", "gpt3-175b", "--gpus", "8", "--seq-len", "4096"], "learned position table of 2048"),
     (["--model", "llama3-70b", "--gpus", "1", "--gpu-memory", "80GB"], "--host-memory 128GB"),

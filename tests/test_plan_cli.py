@@ -42,6 +42,29 @@ def test_one_unit_family_throughout(capsys, units, other):
     assert f"8 GPUs x {gpu:.2f} {units}" in out
 
 
+@pytest.mark.parametrize("units,small", [("GB", "KB"), ("GiB", "KiB")])
+def test_a_tiny_models_sizes_are_in_a_unit_they_reach(capsys, units, small):
+    """Before: every memory column of --model tiny read 0.00 GB (and step s 0.000, --finetune's 0.00 B
+    parameters): the table, its why lines, --strategy's verdict and --finetune's rows take KB (KiB) instead."""
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--top", "3", "--units", units)
+    power = {"KB": "10^3", "KiB": "2^10"}[small]
+    assert code == 0 and f"every size in the table in {small} ({power} bytes)" in " ".join(out.split()), out
+    rows = [line.split("|")[1].split() for line in out.splitlines() if re.match(r"\s+[0-9]+ .*\|", line)]
+    assert len(rows) == 3 and all(float(r[5]) >= 1 and float(r[8]) > 0 for r in rows), rows  # total; step s
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "2", "--strategy", "dp=2", "--units", units)
+    assert code == 0 and re.search(rf"fits: device [1-9][0-9.]* {small} of [0-9.]+ {units} per GPU", out), out
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "1", "--gpu-memory", "500KB", "--host-memory", "1MB")
+    assert code == 0 and "1 GPUs x 500.00 KB (--gpu-memory 500KB;" in out and "host 1.00 MB per GPU" in out, out
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "2", "--finetune", "lora", "--lora-rank", "8")
+    assert code == 0 and "(10,944 parameters, frozen)" in out and "every size in KB (10^3 bytes)" in out, out
+
+
+def test_finetune_s_default_rank_fits_a_narrow_model(capsys):
+    """Before: --model tiny --finetune lora was refused, "--lora-rank must be in 1..16, got 64", a flag not given."""
+    code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--finetune", "lora")
+    assert code == 0 and "adapters of rank 16 on" in " ".join(out.split()), err
+
+
 def test_header_names_the_assumed_gpu_and_what_mfu_and_zero_mean(capsys):
     """The defaults (an A100's) are printed in the table's units; MFU is said to follow from --efficiency;
     ZeRO's shards are over dp x cp; the header's prose and the why lines are wrapped at 100 columns (the header's

@@ -308,3 +308,22 @@ def test_to_dtype_is_astype_for_every_half_and_float():
             got, want = backend.to_dtype(a, np.float16), a.astype(np.float16)
         assert got.dtype == np.float16 and got.tobytes() == want.tobytes()
     assert backend.to_dtype(x, np.float64) is x
+
+
+@pytest.mark.timeout(120)
+def test_overflow_at_the_minimum_scale_is_said_once_per_job_in_the_log():
+    """Before: every rank printed Python's two-line RuntimeWarning (its path and source line), N copies under
+    mpirun -n N; now rank 0's log says it once, as a line of the run's output."""
+    import warnings
+
+    logs = []
+    argv = ["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--eval-every", "0", "--progress", "none",
+            "--no-save", "--sample-tokens", "0", "--precision", "fp16", "--initial-loss-scale", "16777216",
+            "--min-loss-scale", "16777216"]  # loss x 2**24 overflows FP16 at every step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = run_in_threads(2, lambda comm: train(parse_args(argv, 2), comm, log=logs.append).skipped_at, timeout=60)
+    assert out == [[0, 1]] * 2
+    said = [line for line in logs if "minimum loss scale" in line]
+    assert said == ["warning: FP16 gradients overflow at the minimum loss scale 1.67772e+07; steps are being "
+                    "skipped"], logs

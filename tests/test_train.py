@@ -35,6 +35,7 @@ def launch(mpiexec, n, args, timeout=120, env=None):
     (["--dtype", "int8"], "'int8'"),
     (["--block-size", "4096"], "exceeds the 'default' preset's block_size 128"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--dropout", "0.999999999"], "at most 0.99999994 in float32, got 0.999999999"),  # before: float32(p) = 1 ran
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--micro-batch-size", "1000000000"], "--micro-batch-size must be <= 4,096"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must be at least one byte"),

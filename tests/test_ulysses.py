@@ -82,8 +82,14 @@ def test_ulysses_training_equals_single_process(cp, dp, tp, pp, m, extra):
 
 
 def test_ulysses_is_refused_where_heads_do_not_split():
-    with pytest.raises(UsageError, match="needs the 2 attention heads per tensor rank .* divisible by --cp 4"):
+    with pytest.raises(UsageError, match="--cp 4 --cp-attention ulysses needs the 2 attention heads per tensor "
+                       "rank .* divisible by cp = 4"):
         parse_args(["--model", "tiny", "--cp", "4", "--cp-attention", "ulysses", "--block-size", "16"], 4)
+    # the flag as given (before: "--cp 4 must be >= 1 and divide the world size 2" answered --ulysses 4)
+    with pytest.raises(UsageError, match="^--ulysses 4 needs the 2 attention heads"):
+        parse_args(["--model", "tiny", "--ulysses", "4", "--block-size", "16"], 4)
+    with pytest.raises(UsageError, match="^--ulysses 4 must be >= 1 and divide the world size 2$"):
+        parse_args(["--model", "tiny", "--ulysses", "4"], 2)
     with pytest.raises(UsageError, match="--cp-attention ulysses chooses how a split sequence attends: it needs --cp > 1"):
         parse_args(["--model", "default", "--cp-attention", "ulysses"], 1)
     assert parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2).cp == 2

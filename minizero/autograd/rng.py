@@ -19,6 +19,7 @@ from minizero import backend
 GAMMA = 0x9E3779B97F4A7C15  #: SplitMix64's increment, 2**64 / golden ratio (odd)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  #: the finalizer's multipliers (Stafford's "mix13")
 _MASK = 2 ** 64 - 1
+MAX_DROPOUT = float(np.nextafter(np.float32(1), np.float32(0)))  #: float32(p) below 1 (:func:`_keep` compares it)
 _local = threading.local()
 
 

@@ -82,6 +82,12 @@ class Checkpointer:
             if man["train"].get(key) != vars(self.args)[key]:
                 lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
                              f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
+        was = man["model"].get("dropout", 0.0)
+        if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
+            said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
+                f"dropout {self.cfg.dropout} (the {self.args.model!r} preset's, --dropout not given)"
+            lines.append(f"note: {said} differs from the checkpoint's {was}: the continuation is not the "
+                         "uninterrupted run's")
         for row in (w for line in lines + [f"note: {note}" for note in out["notes"]] for w in wrap(line)):
             self.log(row)  # at 100 columns, an indented continuation: as the header
         return out["step"], out["applied"], out["pruner"]

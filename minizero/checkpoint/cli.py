@@ -25,7 +25,7 @@ from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
-from minizero.interrupts import WHOLE, interruptible
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 
 
 TIED_HEAD = "lm_head.weight"  #: the LM head's own name: the same array as :data:`TIED` (weight tying)
@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)")
     con.add_argument("path")
     con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
+    refuse_several_ranks(p)
     args = p.parse_args(argv)
     try:
         if args.command == "consolidate":

@@ -7,7 +7,7 @@ import sys
 
 from minizero.debug import hang, parity, timeline
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
-from minizero.interrupts import interruptible
+from minizero.interrupts import interruptible, refuse_several_ranks
 
 WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
         "trace": " (a timeline is the Chrome trace JSON that --trace writes)"}  # what each command reads
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")
     q.add_argument("--batch-size", type=integer, default=8, help="global batch of both runs (the same data each step)")
     q.add_argument("--tol", type=real, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
+    refuse_several_ranks(p)
     args = p.parse_args(argv)
     try:
         if args.command == "parity":

@@ -29,11 +29,13 @@ class DynamicLossScaler:
 
     S starts at ``init_scale`` (2^16), *= ``backoff_factor`` after ``hysteresis`` overflows, *= ``growth_factor``
     after ``growth_interval`` clean steps, never below ``min_scale``. Attributes: scale, skipped, consecutive_skips.
+    ``warn(note)``: called once with a one-line note when gradients first overflow at ``min_scale`` (default: a
+    RuntimeWarning; the training loop passes rank 0's log, so a job of N ranks says it once, not N times).
     Raises ValueError: a factor or count out of range (named).
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 hysteresis=1, min_scale=1.0, max_skips_at_min=10):
+                 hysteresis=1, min_scale=1.0, max_skips_at_min=10, warn=None):
         if not (0 < init_scale < math.inf and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
                 and hysteresis >= 1 and SCALE_RANGE[0] <= min_scale <= init_scale <= SCALE_RANGE[1]
                 and max_skips_at_min >= 1):
@@ -47,6 +49,7 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
         self.max_skips_at_min = max_skips_at_min
+        self.warn = warn or (lambda note: warnings.warn(note, RuntimeWarning, stacklevel=3))
         self._good_steps = 0
         self._hysteresis_left = hysteresis
         self.skipped = 0
@@ -71,8 +74,8 @@ class DynamicLossScaler:
         if self.scale <= self.min_scale:
             self._skips_at_min += 1
             if self._skips_at_min == 1:
-                warnings.warn(f"FP16 gradients overflow at the minimum loss scale {self.min_scale}; "
-                              f"steps are being skipped", RuntimeWarning, stacklevel=2)
+                self.warn(f"FP16 gradients overflow at the minimum loss scale {self.min_scale:g}; steps are being "
+                          "skipped")
             if self._skips_at_min >= self.max_skips_at_min:
                 raise LossScaleError(
                     f"gradients overflowed in {self._skips_at_min} consecutive steps at the minimum loss scale "

@@ -14,6 +14,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Tensor, causal_softmax, cross_entropy, gelu, no_grad, split
 from minizero.autograd import functional as F
+from minizero.autograd.rng import MAX_DROPOUT
 from minizero.ledger import get_ledger
 from minizero.nn.init import META, attach_inits, materialize_
 from minizero.nn.module import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
@@ -42,8 +43,9 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{f} must be a positive integer, got {v!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.dropout <= MAX_DROPOUT:  # above it float32(p) is 1: every activation dropped
+            raise ValueError(f"dropout must be in [0, 1), at most {MAX_DROPOUT:.8g} (below 1 in float32, which the "
+                             f"masks compare), got {self.dropout}")
         backend.get_dtype(self.dtype)
         return self
 

@@ -148,6 +148,13 @@ def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
     return None
 
 
+def nf4_tensor_parallel_sizes(cfg, world: int, targets=TARGETS) -> list[int]:
+    """The tensor-parallel sizes QLoRA can take on ``world`` ranks for ``cfg``'s GPT: those dividing the ranks and
+    the heads whose shards are whole NF4 blocks (:func:`nf4_shard_refusal` None); 1 always."""
+    return [t for t in range(1, world + 1) if world % t == 0 and cfg.n_head % t == 0
+            and (t == 1 or nf4_shard_refusal(cfg, t, targets) is None)]  # one shard: the whole weight's blocks
+
+
 def tensor_parallel_lora(model: Module, comm, r: int, alpha: float, targets=TARGETS, base: str = "nf4",
                          seed: int = 0) -> list:
     """Split ``model``'s blocks over the tensor group ``comm`` (:func:`tensor_parallelize`), then adapt its shards
