@@ -72,9 +72,8 @@ def launched_ranks() -> int:
 
 
 def refuse_several_ranks(parser) -> None:
-    """A one-process program (quantize, sample, plan, checkpoint, debug) launched on several ranks stops before any
-    work: each rank would do the same work and print and write the same files at once (two ranks of checkpoint
-    consolidate raced on one model.npz). ``parser`` (a ``OneLineParser``) exits 2 on every rank, one line from 0."""
+    """A one-process program launched on several ranks exits 2 before any work, one line from rank 0 (each rank
+    would write the same files: two checkpoint consolidates raced on one model.npz)."""
     if launched_ranks() > 1:
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
@@ -179,10 +178,8 @@ class WatchedStdout:
 
 
 def watch_stdout() -> None:
-    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only). Under ``PYTHONUNBUFFERED``
-    (or ``-u``) the process's stdout and stderr write through: ``print`` sent its text and its newline in two
-    writes, and MPICH's launcher let another rank's line in between; here each line is one write (line buffering:
-    flushed at every newline, as ``flush=True`` and tqdm's own flushes still are)."""
+    """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only), each line one write (under
+    ``PYTHONUNBUFFERED`` print wrote text and newline apart, and MPICH's launcher put other ranks' lines between)."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is getattr(sys, f"__{name}__") and getattr(stream, "write_through", False):  # not a test's capture

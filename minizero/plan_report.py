@@ -42,8 +42,7 @@ POWERS = {"GB": "10^9", "MB": "10^6", "KB": "10^3", "GiB": "2^30", "MiB": "2^20"
 
 
 def unit_for(largest: float, unit: str) -> tuple[float, str]:
-    """(scale, unit) of a table whose largest size is ``largest`` bytes: ``unit`` (--units GB or GiB), or the first
-    smaller unit of its family that ``largest`` reaches (bytes at the least): a tiny model's read 0.00 GB before."""
+    """(scale, unit): ``unit`` or the first smaller unit of its family that ``largest`` bytes reach."""
     for name, scale in UNITS[unit].items():
         if largest >= scale:
             break

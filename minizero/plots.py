@@ -18,18 +18,9 @@ MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install m
 def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str = "", first_step: int = 0) -> str:
     """Write a PNG of the loss curves to ``path``; returns the line to print about it.
 
-    Args:
-        path: the PNG to write (its folder is created).
-        train_losses: mean training loss of each optimizer step (nats per byte: a token is one byte),
-            step i at x = first_step + i + 1.
-        val_history: ``[(step, loss)]`` validation losses taken after ``step`` optimizer steps.
-        skipped_at: 0-based steps FP16's loss scaler skipped (marked on the curve).
-        title: the figure's title.
-        first_step: the step the run resumed at (``train_losses`` begins there; 0 for a fresh run).
-    Returns:
-        ``"wrote PATH"``, or :data:`MISSING` when matplotlib cannot be imported.
-    Raises:
-        OSError: the file cannot be written (any previous ``path`` is left as it was).
+    ``train_losses``: each step's mean loss (nats per byte), step i at x = first_step + i + 1 (``first_step``: where
+    a resumed run began); ``val_history``: [(step, loss)]; ``skipped_at``: 0-based steps FP16 skipped (marked).
+    Returns ``"wrote PATH"`` or :data:`MISSING` (no matplotlib). Raises OSError (a previous ``path`` stays).
     """
     try:
         import matplotlib  # a dependency; an install with --no-deps may still lack it
@@ -78,15 +69,9 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = "", 
 def plot_timelines(path: str, panels, title: str = "") -> str:
     """Write a PNG of trace timelines: one panel per ``(label, events)``, per rank a compute and a comm lane.
 
-    Args:
-        path: the PNG to write.
-        panels: list of ``(label, events)``, ``events`` the ``"X"`` events of a ``--trace`` file
-            (:mod:`minizero.trace`; ``ts``/``dur`` in microseconds). Each panel starts at its own first event.
-        title: the figure's title.
-    Lanes: forward (blue) and backward (orange) spans; the optimizer step (green); blocking
-    communication, the rank waiting (red); collectives in flight while it computes (grey).
-    Returns:
-        ``"wrote PATH"``, or :data:`MISSING` when matplotlib cannot be imported.
+    ``events``: a ``--trace`` file's ``"X"`` events (``ts``/``dur`` in us); each panel starts at its first. Lanes:
+    forward (blue), backward (orange), optimizer (green), blocking comm (red), comm in flight (grey).
+    Returns ``"wrote PATH"`` or :data:`MISSING` (no matplotlib).
     """
     try:
         import matplotlib  # optional at run time: a third-party import, not a minizero module

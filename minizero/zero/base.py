@@ -52,8 +52,7 @@ class ZeroOptimizer:
 
     Args:
         model: a Module, same init on every rank (parameters re-homed into flat units).  comm: the data group, or
-        under hybrid sharding the shard group (N ranks), with ``replicas`` the replica group (R ranks; zero/hybrid.py:
-        gradients summed over it too, the mean over N x R; None: plain ZeRO).
+        the shard group, with ``replicas`` the replica group (hybrid.py; gradients summed over both).
         lr, betas, eps, weight_decay: as :class:`~minizero.optim.AdamW`.  native: the library's collectives.
         master_weights: an FP32 master of the owned shard (4/N bytes per parameter).
         sharded_state: None (AdamW's m, v) or ``factory(shard_map)`` with ``step_unit(...)`` (``ShardedAdam8bit``).
