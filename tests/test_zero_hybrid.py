@@ -205,3 +205,20 @@ def test_flight_recorder_names_the_shard_and_replica_groups():
     got = run_in_threads(D, _group_names)
     assert got[0] == [("dp_shard", [0, 1]), ("dp_replicate", [0, 2])]
     assert got[3] == [("dp_shard", [2, 3]), ("dp_replicate", [1, 3])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [("--optimizer", "adam8bit", "--quantized-comm"),
+                                   ("--precision", "fp16", "--offload-optimizer", "cpu", "--no-overlap")],
+                         ids=["adam8bit-quantized", "fp16-offload"])
+def test_hybrid_keeps_replicas_equal_and_norms_of_plain_zero(flags):
+    """The other techniques on the two hops (float32, ZeRO-2): the replicas (ranks d and d + N) hold bitwise equal
+    gradient shards and parameters, and the clipped norms (the overflow check's input) are plain ZeRO's: a mean over
+    N instead of N x R, or a norm that counts the replicas again, is off by a factor of 2 or sqrt(2)."""
+    plain, hybrid = (run_in_threads(D, zero_check.run, 2, MICRO, "float32", extra=flags + more)
+                     for more in ((), HYBRID))
+    for rank in range(N):
+        for key in ("grads0", "params"):
+            for name, a in hybrid[rank][key].items():
+                np.testing.assert_array_equal(hybrid[rank + N][key][name], a, err_msg=f"{key} {name}")
+    np.testing.assert_allclose(hybrid[0]["grad_norms"], plain[0]["grad_norms"], rtol=2e-2)
