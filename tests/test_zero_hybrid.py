@@ -21,7 +21,7 @@ from minizero.comm import run_in_threads
 from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
 from minizero.nn import get_config
-from minizero.train import UsageError, parse_args
+from minizero.train import UsageError, parse_args, train
 from minizero.zero.hybrid import hybrid_formula, hybrid_groups
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
@@ -224,3 +224,20 @@ def test_hybrid_keeps_replicas_equal_and_norms_of_plain_zero(flags):
             for name, a in hybrid[rank][key].items():
                 np.testing.assert_array_equal(hybrid[rank + N][key][name], a, err_msg=f"{key} {name}")
     np.testing.assert_allclose(hybrid[0]["grad_norms"], plain[0]["grad_norms"], rtol=2e-2)
+
+
+def _norms_and_losses(comm, extra):
+    argv = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--micro-batch-size", "1", "--grad-accum", "2",
+            "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--seed", "7", "--zero", "1", *extra]
+    result = train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
+    return np.array(result["grad_norms"]), np.array(result["train_losses"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_parallel", [("--tp", "2"), ("--pp", "2")])
+def test_hybrid_with_model_parallelism_equals_plain_zero(model_parallel):
+    """dp 4 x tp 2 or x pp 2, ZeRO-1: the norm summed over the world (tensor and pipeline ranks too) counts each
+    shard once; the losses and norms of plain ZeRO (float64)."""
+    plain, hybrid = (run_in_threads(2 * D, _norms_and_losses, model_parallel + more)[-1] for more in ((), HYBRID))
+    for got, want in zip(hybrid, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-9)
