@@ -20,8 +20,9 @@ from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
-from minizero.nn import get_config
+from minizero.nn import GPT, Parameter, get_config
 from minizero.train import UsageError, parse_args, train
+from minizero.zero import zero_optimizer
 from minizero.zero.hybrid import hybrid_formula, hybrid_groups
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
@@ -241,3 +242,30 @@ def test_hybrid_with_model_parallelism_equals_plain_zero(model_parallel):
     plain, hybrid = (run_in_threads(2 * D, _norms_and_losses, model_parallel + more)[-1] for more in ((), HYBRID))
     for got, want in zip(hybrid, plain):
         np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def _used_on_rank_2(comm, stage):
+    """Two ZeRO steps in shard groups of 2; block 0's extra parameter gets a gradient on data rank 2 only."""
+    model = GPT(get_config("tiny", dtype="float64"), seed=0)
+    model.transformer["h"][0].extra = Parameter(np.full((4, 4), 0.5))
+    shard_comm, replicas = hybrid_groups(comm, N)
+    opt = zero_optimizer(model, shard_comm, stage, lr=1e-2, replicas=replicas)
+    x = np.random.default_rng(0).integers(0, 256, (D, 16))
+    for _ in range(2):
+        loss = model(x[comm.rank:comm.rank + 1], x[comm.rank:comm.rank + 1])[1]
+        (loss + (model.transformer["h"][0].extra * 1e-3).sum() if comm.rank == 2 else loss).backward()
+        opt.reduce_gradients()
+        opt.step()
+        opt.zero_grad()
+    return {k: p.data.copy() for k, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_used_in_one_shard_group_is_updated_by_every_replica(stage):
+    """The used-parameter agreement spans the replicas too: the shard group [0 1] updates what only rank 2 used."""
+    out = run_in_threads(D, _used_on_rank_2, stage)
+    assert not np.array_equal(out[0]["transformer.h.0.extra"], np.full((4, 4), 0.5))
+    for rank, params in enumerate(out[1:], 1):
+        for name, a in out[0].items():
+            np.testing.assert_array_equal(params[name], a, err_msg=f"rank {rank}: {name}")
