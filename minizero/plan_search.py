@@ -335,8 +335,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                          f"--gpus {gpus}")
     shard = sizes.pop("shard", None)  # hybrid sharding (zero/hybrid.py); None: ZeRO over all data ranks
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
-             (shard is None or (dp % shard == 0 and (shard == dp or (zero > 0 and cp == 1 and ep == 1))),
-              f"shard {shard} must divide dp {dp}, and below dp needs zero 1-3, cp 1 and ep 1"),
+             (shard is None or dp % shard == 0,
+              f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
+             (shard is None or dp % shard or shard == dp or (zero > 0 and cp == 1 and ep == 1),
+              f"shard {shard} below dp {dp} needs zero 1-3, cp 1 and ep 1 (got zero {zero}, cp {cp}, ep {ep})"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "

@@ -20,8 +20,9 @@ from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
-from minizero.nn import get_config
-from minizero.train import UsageError, parse_args
+from minizero.nn import GPT, Parameter, get_config
+from minizero.train import UsageError, parse_args, train
+from minizero.zero import zero_optimizer
 from minizero.zero.hybrid import hybrid_formula, hybrid_groups
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.mpi_scripts import zero_check
@@ -182,8 +183,10 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["strategy"]["dp_shard"] == 8 and plain["strategy"]["dp_shard"] is None
     assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
-    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 shard4")
-    assert code == 2 and "shard 4 must divide dp 16, and below dp needs zero 1-3" in err and err.count("\n") == 1
+    for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3, cp 1 and ep 1 (got zero 0, cp 1, ep 1)"),
+                       ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16")):
+        code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
+        assert code == 2 and said in err and err.count("\n") == 1, err
 
 
 @pytest.mark.timeout(60)
@@ -205,3 +208,64 @@ def test_flight_recorder_names_the_shard_and_replica_groups():
     got = run_in_threads(D, _group_names)
     assert got[0] == [("dp_shard", [0, 1]), ("dp_replicate", [0, 2])]
     assert got[3] == [("dp_shard", [2, 3]), ("dp_replicate", [1, 3])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [("--optimizer", "adam8bit", "--quantized-comm"),
+                                   ("--precision", "fp16", "--offload-optimizer", "cpu", "--no-overlap")],
+                         ids=["adam8bit-quantized", "fp16-offload"])
+def test_hybrid_keeps_replicas_equal_and_norms_of_plain_zero(flags):
+    """The other techniques on the two hops (float32, ZeRO-2): the replicas (ranks d and d + N) hold bitwise equal
+    gradient shards and parameters, and the clipped norms (the overflow check's input) are plain ZeRO's: a mean over
+    N instead of N x R, or a norm that counts the replicas again, is off by a factor of 2 or sqrt(2)."""
+    plain, hybrid = (run_in_threads(D, zero_check.run, 2, MICRO, "float32", extra=flags + more)
+                     for more in ((), HYBRID))
+    for rank in range(N):
+        for key in ("grads0", "params"):
+            for name, a in hybrid[rank][key].items():
+                np.testing.assert_array_equal(hybrid[rank + N][key][name], a, err_msg=f"{key} {name}")
+    np.testing.assert_allclose(hybrid[0]["grad_norms"], plain[0]["grad_norms"], rtol=2e-2)
+
+
+def _norms_and_losses(comm, extra):
+    argv = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--micro-batch-size", "1", "--grad-accum", "2",
+            "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--seed", "7", "--zero", "1", *extra]
+    result = train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
+    return np.array(result["grad_norms"]), np.array(result["train_losses"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_parallel", [("--tp", "2"), ("--pp", "2")])
+def test_hybrid_with_model_parallelism_equals_plain_zero(model_parallel):
+    """dp 4 x tp 2 or x pp 2, ZeRO-1: the norm summed over the world (tensor and pipeline ranks too) counts each
+    shard once; the losses and norms of plain ZeRO (float64)."""
+    plain, hybrid = (run_in_threads(2 * D, _norms_and_losses, model_parallel + more)[-1] for more in ((), HYBRID))
+    for got, want in zip(hybrid, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def _used_on_rank_2(comm, stage):
+    """Two ZeRO steps in shard groups of 2; block 0's extra parameter gets a gradient on data rank 2 only."""
+    model = GPT(get_config("tiny", dtype="float64"), seed=0)
+    model.transformer["h"][0].extra = Parameter(np.full((4, 4), 0.5))
+    shard_comm, replicas = hybrid_groups(comm, N)
+    opt = zero_optimizer(model, shard_comm, stage, lr=1e-2, replicas=replicas)
+    x = np.random.default_rng(0).integers(0, 256, (D, 16))
+    for _ in range(2):
+        loss = model(x[comm.rank:comm.rank + 1], x[comm.rank:comm.rank + 1])[1]
+        (loss + (model.transformer["h"][0].extra * 1e-3).sum() if comm.rank == 2 else loss).backward()
+        opt.reduce_gradients()
+        opt.step()
+        opt.zero_grad()
+    return {k: p.data.copy() for k, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_used_in_one_shard_group_is_updated_by_every_replica(stage):
+    """The used-parameter agreement spans the replicas too: the shard group [0 1] updates what only rank 2 used."""
+    out = run_in_threads(D, _used_on_rank_2, stage)
+    assert not np.array_equal(out[0]["transformer.h.0.extra"], np.full((4, 4), 0.5))
+    for rank, params in enumerate(out[1:], 1):
+        for name, a in out[0].items():
+            np.testing.assert_array_equal(params[name], a, err_msg=f"rank {rank}: {name}")

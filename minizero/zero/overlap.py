@@ -65,9 +65,8 @@ class OverlappedReduceScatter:
                 _wait_until(comm, lambda: self.stream.progress() or coll.done, coll.name, coll.waiting_on)
         off, size = shard_range(flat.size, comm.world_size, comm.rank)
         mine = flat[off:off + size].copy()
-        if c.replicas is not None:
-            with c.count("reduce_scatter_grads"):
-                sum_over_replicas(c.replicas, mine, c.native)
+        with c.count("reduce_scatter_grads"):  # nothing sent without replicas
+            sum_over_replicas(c.replicas, mine, c.native)
         st.grad_shard += mean_scale_(mine, c.data_ranks, before_sum=False, predivided=c.predivided)
         self.in_flight.pop(0)  # the last reference: the bucket and the receive chunk are freed here
 
