@@ -66,9 +66,10 @@ ACCURACY = 0.01  #: step times this close (relative) are within the first-order 
 def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: str) -> str:
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
-    fields = [f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
-              for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "sequence_parallel", "recompute",
-                        "offload", "offload_activations", "micro_batches")
+    fields = [f"{f} {getattr(a.strategy, f) or 'none'} vs {getattr(b.strategy, f) or 'none'}" if f == "dp_shard"
+              else f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
+              for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "dp_shard", "sequence_parallel",
+                        "recompute", "offload", "offload_activations", "micro_batches")
               if getattr(a.strategy, f) != getattr(b.strategy, f)]
     diff = "; ".join(fields) or "same settings"
     gain = a.tokens_per_s / b.tokens_per_s - 1
@@ -126,9 +127,9 @@ OFFLOAD_SHORT = {"none": "", "optimizer": "opt", "params": "par"}
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
     """The fixed-width table of ``cands`` (memory columns divided by ``scale``), at most 128 columns wide:
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
-    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'rc':>4} "
+    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>2} {'SP':>2} {'rc':>4} "
             f"{'off':>7} {'m':>4} |"
-            f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>8}"
+            f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>7}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
@@ -138,14 +139,16 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
         step = f"{c.step_s:7.3f}" if c.step_s >= 1e-3 else f"{c.step_s:7.1e}"  # a tiny model's: 0.000 before
+        tok = f"{c.tokens_per_s:,.0f}" if c.tokens_per_s < 1e7 else f"{c.tokens_per_s / 1e6:,.1f} M"  # 9 columns
+        zero = f"{st.zero}{'h' if st.dp_shard else ''}"
         lines.append(
-            f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
+            f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {zero:>2} "
             f"{'y' if st.sequence_parallel else '':>2} "
             f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {st.micro_batches:>4} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
-            + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 8, 1)}"
-            f" {step} {c.tokens_per_s:8,.0f} {c.mfu:5.1%}")
+            + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 7, 1)}"
+            f" {step} {tok:>8} {c.mfu:5.1%}")
     return lines
 
 
@@ -191,7 +194,9 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
             "Z = ZeRO stage, sharding over the dp x cp data ranks (1: optimizer state, 2: + gradients, 3: + "
-            "parameters); SP = sequence parallelism (y: on); rc = activation recompute (sel: selective); off = "
+            "parameters; h: hybrid sharding, ZeRO over groups of the data ranks, replicated across groups; the search "
+            "tries the data ranks of one node); SP = sequence parallelism (y: on); rc = activation recompute (sel: "
+            "selective); off = "
             "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
             "micro-batches per step per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "

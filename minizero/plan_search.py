@@ -7,6 +7,7 @@ accounting); here they are combined with a simple hardware model (:class:`Hardwa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 
@@ -136,13 +137,23 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                         continue
                     for kind in kinds:
                         yield from _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
-                                            bucket_bytes, attention, e, kind)
+                                            bucket_bytes, attention, e, kind, hybrid_shard(dp, tp, gpus_per_node))
+
+
+def hybrid_shard(data_ranks: int, tp: int, gpus_per_node: int) -> int | None:
+    """The shard group size N the search tries for hybrid sharding (zero/hybrid.py), or None: the most data ranks
+    whose tp GPUs each fit in one node, where ZeRO over all ``data_ranks`` (dp, without cp or ep) would cross nodes:
+    gather and reduce-scatter on NVLink, only a 1/N shard's all-reduce between nodes (FSDP's HYBRID_SHARD)."""
+    if data_ranks * tp <= gpus_per_node:
+        return None
+    n = max((d for d in _divisors(data_ranks) if d * tp <= gpus_per_node), default=1)
+    return n if n > 1 else None
 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
-             ep=1, cp_attention="ring"):
+             ep=1, cp_attention="ring", shard=None):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
-    mesh."""
+    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where cp and ep are 1."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
@@ -152,21 +163,20 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                 continue
             if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
                 continue
-            for recompute in RECOMPUTE:
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for act_off in (False, True):
-                        yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp,
-                                       recompute=recompute, precision=precision, optimizer=optimizer,
-                                       offload=offload, offload_activations=act_off,
-                                       micro_batch=micro_batch, micro_batches=m, schedule=sched,
-                                       virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention,
-                                       ep=ep, cp_attention=cp_attention)
+            shards = (None, shard) if zero > 0 and shard and cp == 1 and ep == 1 else (None,)
+            for recompute, sp, act_off, dp_shard in itertools.product(
+                    RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
+                yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
+                               recompute=recompute, precision=precision, optimizer=optimizer, offload=offload,
+                               offload_activations=act_off, micro_batch=micro_batch, micro_batches=m, schedule=sched,
+                               virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention, ep=ep,
+                               cp_attention=cp_attention)
 
 
 def _state_shard(model: ModelShape, st: Strategy) -> float:
-    """Stage 0's elements on one rank after ZeRO's split: dense / N + experts / (N / ep)."""
+    """Stage 0's elements on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
-    d = st.data_ranks
+    d = st.shard_ranks
     if not experts:
         return math.ceil(stage_parameters(model, st, 0) / d)
     return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)

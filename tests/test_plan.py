@@ -329,3 +329,23 @@ def test_the_table_fits_128_columns(capsys, argv):
     assert "rc = activation recompute (sel: selective)" in said and "par: + parameters, act: activations" in said
     if "--strategy" in argv:
         assert re.search(r" ulys .* sel par\+act ", table[2]), table[2]
+
+
+def test_the_search_tries_hybrid_sharding_within_a_node(capsys):
+    """ZeRO over one node's data ranks, replicated across nodes (FSDP's HYBRID_SHARD), is a candidate where plain
+    ZeRO's group would cross nodes, never within one node; it holds a 1/N shard (the offload time's too), and the
+    table marks it 'h' within 128 columns (gpt2 on 64 GPUs: 14 M tokens/s, 10 characters with commas before)."""
+    from minizero.plan_search import _state_shard, stage_parameters
+
+    m = get_model("minizero-gpt2")
+    shards = {s.dp_shard for s in P.enumerate_strategies(m, 64, global_batch=64) if s.tp == 2 and s.pp == 1}
+    assert shards == {None, 4}  # dp 32 x tp 2: 4 data ranks of tp 2 fill a node of 8 GPUs
+    assert {s.dp_shard for s in P.enumerate_strategies(m, 8, global_batch=64)} == {None}  # one node: nothing to gain
+    hybrid = next(s for s in P.enumerate_strategies(m, 64, global_batch=64) if s.dp_shard and s.offload != "none")
+    assert _state_shard(m, hybrid) == -(-stage_parameters(m, hybrid, 0) // hybrid.dp_shard) < stage_parameters(m, hybrid, 0)
+    code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "64", "--top", "3")
+    assert code == 0, err
+    first = next(line for line in out.splitlines() if line.startswith("  1 "))  # lesson 02 says it ranks first
+    assert re.match(r"\s+1\s+64\s+1\s+1\s+-\s+1\s+1\s+\dh\s", first), first
+    assert max(map(len, out.splitlines())) <= 128
+    assert "h: hybrid sharding" in " ".join(out.split())
