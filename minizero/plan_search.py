@@ -327,7 +327,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
     ep = sizes.get("ep", ep or 1)
     if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp and ep must be >= 1")
+        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp, ep and shard must be >= 1")
     dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
     if dp * cp * tp * pp != gpus:
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")

@@ -184,7 +184,8 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
     for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3, cp 1 and ep 1 (got zero 0, cp 1, ep 1)"),
-                       ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16")):
+                       ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
+                       ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
 
