@@ -209,7 +209,7 @@ def rounded_batch(gbatch, shown) -> list[str]:
 
 
 def assumed(args, hw, scale: float, unit: str) -> str:
-    """The GPU, links and efficiency the step times assume, in the table's units (the defaults: an A100's)."""
+    """The GPU, links and efficiency the step times assume, bandwidths in ``unit``/s (the defaults: an A100's)."""
     flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",
              "inter_node_bw": "--inter-node-bw", "pcie_bw": "--pcie-bw", "gpu_memory": "--gpu-memory"}
     given = [flag for field, flag in flags.items() if getattr(hw, field) != getattr(Hardware, field)]
