@@ -166,7 +166,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 def _state_shard(model: ModelShape, st: Strategy) -> float:
     """Stage 0's elements on one rank after ZeRO's split: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
-    d = st.data_ranks
+    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group (ep = 1 there)
     if not experts:
         return math.ceil(stage_parameters(model, st, 0) / d)
     return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)

@@ -20,7 +20,9 @@ from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+from minizero.models import get_model
 from minizero.nn import GPT, Parameter, get_config
+from minizero.plan_search import Hardware, step_time
 from minizero.train import UsageError, parse_args, train
 from minizero.zero import zero_optimizer
 from minizero.zero.hybrid import hybrid_formula, hybrid_groups
@@ -188,6 +190,15 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
                        ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
+
+
+def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
+    """dp 4 in shard groups of 2 holds, copies over PCIe and updates on the CPU the states of plain dp 2 (it charged
+    1/4: _state_shard divided by all the data ranks)."""
+    model, hw = get_model("llama2-7b"), Hardware()
+    hybrid, plain = (step_time(model, Strategy(dp=d, zero=2, offload="optimizer", dp_shard=n).validate(), hw, 4096)
+                     for d, n in ((4, 2), (2, None)))
+    assert hybrid["offload"] == plain["offload"] > 0
 
 
 @pytest.mark.timeout(60)
