@@ -171,6 +171,7 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     else:
         sched = f"{args.schedule} pipeline schedule"
     n_psi = model.num_parameters()
+    hybrid = ", or groups of shard=N of them (hybrid sharding)" if any(c.strategy.dp_shard for c in shown) else ""
     binary = args.gpu_memory.strip().lower().endswith("ib")  # the flag's unit family, shown in the table's
     given = f" = {hw.gpu_memory:,} bytes" if binary != (unit == "GiB") else ""
     moe = ""
@@ -190,7 +191,7 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
-            "Z = ZeRO stage, sharding over the dp x cp data ranks (1: optimizer state, 2: + gradients, 3: + "
+            f"Z = ZeRO stage, sharding over the dp x cp data ranks{hybrid} (1: optimizer state, 2: + gradients, 3: + "
             "parameters); SP = sequence parallelism (y: on); rc = activation recompute (sel: selective); off = "
             "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
             "micro-batches per step per data rank; acts = activations",

@@ -185,6 +185,8 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["strategy"]["dp_shard"] == 8 and plain["strategy"]["dp_shard"] is None
     assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 zero3 shard8")
+    assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
     for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3, cp 1 and ep 1 (got zero 0, cp 1, ep 1)"),
                        ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
                        ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
