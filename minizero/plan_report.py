@@ -174,6 +174,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     else:
         sched = f"{args.schedule} pipeline schedule"
     n_psi = model.num_parameters()
+    hybrid = (", or groups of shard=N of them (hybrid sharding, Z 1h-3h: replicated across the groups; the search "
+              "tries one node's data ranks)") if any(c.strategy.dp_shard for c in shown) else ""
     binary = args.gpu_memory.strip().lower().endswith("ib")  # the flag's unit family, shown in the table's
     given = f" = {hw.gpu_memory:,} bytes" if binary != (unit == "GiB") else ""
     moe = ""
@@ -193,10 +195,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
-            "Z = ZeRO stage, sharding over the dp x cp data ranks (1: optimizer state, 2: + gradients, 3: + "
-            "parameters; h: hybrid sharding, ZeRO over groups of the data ranks, replicated across groups; the search "
-            "tries the data ranks of one node); SP = sequence parallelism (y: on); rc = activation recompute (sel: "
-            "selective); off = "
+            f"Z = ZeRO stage, sharding over the dp x cp data ranks{hybrid} (1: optimizer state, 2: + gradients, 3: + "
+            "parameters); SP = sequence parallelism (y: on); rc = activation recompute (sel: selective); off = "
             "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
             "micro-batches per step per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
@@ -214,7 +214,7 @@ def rounded_batch(gbatch, shown) -> list[str]:
 
 
 def assumed(args, hw, scale: float, unit: str) -> str:
-    """The GPU, links and efficiency the step times assume, in the table's units (the defaults: an A100's)."""
+    """The GPU, links and efficiency the step times assume, bandwidths in ``unit``/s (the defaults: an A100's)."""
     flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",
              "inter_node_bw": "--inter-node-bw", "pcie_bw": "--pcie-bw", "gpu_memory": "--gpu-memory"}
     given = [flag for field, flag in flags.items() if getattr(hw, field) != getattr(Hardware, field)]

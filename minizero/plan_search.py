@@ -176,7 +176,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 def _state_shard(model: ModelShape, st: Strategy) -> float:
     """Stage 0's elements on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
-    d = st.shard_ranks
+    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group (ep = 1 there)
     if not experts:
         return math.ceil(stage_parameters(model, st, 0) / d)
     return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)
@@ -337,7 +337,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
     ep = sizes.get("ep", ep or 1)
     if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp and ep must be >= 1")
+        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp, ep and shard must be >= 1")
     dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
     if dp * cp * tp * pp != gpus:
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")

@@ -348,4 +348,4 @@ def test_the_search_tries_hybrid_sharding_within_a_node(capsys):
     first = next(line for line in out.splitlines() if line.startswith("  1 "))  # lesson 02 says it ranks first
     assert re.match(r"\s+1\s+64\s+1\s+1\s+-\s+1\s+1\s+\dh\s", first), first
     assert max(map(len, out.splitlines())) <= 128
-    assert "h: hybrid sharding" in " ".join(out.split())
+    assert "(hybrid sharding, Z 1h-3h: replicated across the groups" in " ".join(out.split())

@@ -20,7 +20,9 @@ from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+from minizero.models import get_model
 from minizero.nn import GPT, Parameter, get_config
+from minizero.plan_search import Hardware, step_time
 from minizero.train import UsageError, parse_args, train
 from minizero.zero import zero_optimizer
 from minizero.zero.hybrid import hybrid_formula, hybrid_groups
@@ -183,10 +185,22 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["strategy"]["dp_shard"] == 8 and plain["strategy"]["dp_shard"] is None
     assert hybrid["memory_bytes"]["parameters"] == 2 * plain["memory_bytes"]["parameters"]
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 zero3 shard8")
+    assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
     for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3, cp 1 and ep 1 (got zero 0, cp 1, ep 1)"),
-                       ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16")):
+                       ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
+                       ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
+
+
+def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
+    """dp 4 in shard groups of 2 holds, copies over PCIe and updates on the CPU the states of plain dp 2 (it charged
+    1/4: _state_shard divided by all the data ranks)."""
+    model, hw = get_model("llama2-7b"), Hardware()
+    hybrid, plain = (step_time(model, Strategy(dp=d, zero=2, offload="optimizer", dp_shard=n).validate(), hw, 4096)
+                     for d, n in ((4, 2), (2, None)))
+    assert hybrid["offload"] == plain["offload"] > 0
 
 
 @pytest.mark.timeout(60)

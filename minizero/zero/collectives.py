@@ -126,7 +126,7 @@ class UnitCollectives:
     def reduce_scatter(self, st, flat):
         """Mean over the data ranks of a unit's (padded,) gradient ``flat``: this rank's (S,) chunk
         (``reduce_scatter_grads``). Two hops under hybrid sharding: reduce-scatter inside the shard group, then
-        :func:`~minizero.zero.hybrid.sum_over_replicas` (plain FP32 ring even with ``quantized_comm``)."""
+        :func:`~minizero.zero.hybrid.sum_over_replicas` (in the gradient's dtype, never INT8)."""
         self.agree(st, "reduce_scatter_grads")
         n = self.data_ranks
         with self.count("reduce_scatter_grads"):

@@ -33,7 +33,7 @@ class OverlappedReduceScatter:
     def __init__(self, collectives):
         self.collectives = collectives
         self.stream = Stream(collectives.comm)
-        self.in_flight = []  # (RingCollective, bucket) submitted and not yet retired, oldest first
+        self.in_flight = []  # (RingCollective, bucket, unit) submitted and not yet retired, oldest first
 
     def progress(self) -> None:
         self.stream.progress()
