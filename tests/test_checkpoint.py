@@ -64,6 +64,7 @@ CASES = {
     "offload-nvme": (2, F64 + ["--offload-optimizer", "nvme"]),
     "dropout-recompute": (2, F64 + ["--dropout", "0.1", "--recompute", "full"]),
     "pruned": (2, F64 + ["--prune-sparsity", "0.5", "--prune-step", "1"]),
+    "cp2-zero3": (4, F64 + ["--cp", "2", "--zero", "3"]),  # before: its manifest was refused as damaged (no cp)
 }
 
 
@@ -333,7 +334,7 @@ def test_a_files_entry_with_bytes_lots_is_refused(saved, tmp_path):
 @pytest.mark.parametrize("field, value, said", [
     ("rng", {"key": "x", "offset": 0}, "files[0].rng is {'key': 'x', 'offset': 0}, expected"),
     ("rng", {"key": 2 ** 64, "offset": 0}, "files[0].rng is"), ("rng", [1, 2], "files[0].rng is [1, 2]"),
-    ("coords", [0, 1, 0], "files[0].coords is [0, 1, 0], expected [dp rank, tp rank, pp rank] inside dp x tp x pp = "
+    ("coords", [0, 1, 0], "files[0].coords is [0, 1, 0], expected [data rank, tp rank, pp rank] inside dp x cp, tp, pp = "
                           "[2, 1, 1]"),
     ("coords", "00", "files[0].coords is 00")])
 def test_rng_and_coords_are_checked(saved, tmp_path, field, value, said):
@@ -394,7 +395,7 @@ def _drop_rank1(man):
     (lambda man: man["layout"].update(zero=7), "layout.zero is 7, expected one of 0, 1, 2, 3"),
     (lambda man: man["layout"].update(zero="1"), "layout.zero is '1', expected one of 0, 1, 2, 3"),
     (lambda man: man["layout"].update(world_size=0), "layout.world_size is 0, expected an integer >= 1"),
-    (lambda man: man["layout"].update(tp=2), "layout.world_size is 2, expected dp x tp x pp = 4"),
+    (lambda man: man["layout"].update(tp=2), "layout.world_size is 2, expected dp x cp x tp x pp = 4"),
     (lambda man: man["files"][1].update(rank=0), "files has rank 0 more than once, expected one entry per rank"),
     (_drop_rank1, "layout.world_size is 2 but files has 1 entries, rank(s) 1 missing; expected one entry for each "
                   "rank 0..1"),
@@ -783,7 +784,7 @@ def _set_param_shape(name, shape):
 
 @pytest.mark.parametrize("edit, said", [
     (lambda man: man["layout"].update(world_size=10 ** 12),
-     "layout.world_size is 1000000000000, expected dp x tp x pp = 2"),
+     "layout.world_size is 1000000000000, expected dp x cp x tp x pp = 2"),
     (lambda man: man["model"].update(foo=1), "model.foo is 1, expected one of GPTConfig's fields"),
     (lambda man: man["model"].update(dropout="x"), "model.dropout is 'x', expected a number in [0, 1)"),
     (lambda man: man["model"].update(dropout=float("nan")), "model.dropout is nan, expected a number in [0, 1)"),

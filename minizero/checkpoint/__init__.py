@@ -33,7 +33,8 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
 
     ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded).
     """
-    layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
+    layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
+                  zero=args.zero,
                   dp_shard=args.dp_shard, offload_optimizer=args.offload_optimizer,
                   adam8bit_block_size=args.adam8bit_block_size, adam8bit_code="dynamic",
                   micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
@@ -75,9 +76,10 @@ class Checkpointer:
         self.resumed_from, self.load_peak = out["folder"], out["load_peak"]
         man = out["manifest"]
         lay = man["layout"]
-        lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']} x tp {lay['tp']} x "
-                 f"pp {lay['pp']}, ZeRO {lay['zero']}; {out['applied']} optimizer steps applied): continuing at step "
-                 f"{out['step'] + 1}"]
+        cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""
+        lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']}{cp} x tp "
+                 f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}; {out['applied']} optimizer steps applied): "
+                 f"continuing at step {out['step'] + 1}"]
         for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
             if man["train"].get(key) != vars(self.args)[key]:
                 lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "

@@ -35,12 +35,13 @@ def describe(reader: ShardReader) -> str:
     """The ``inspect`` text of a checkpoint (a few lines, then one line per rank)."""
     man = reader.manifest
     lay, cfg = man["layout"], man["model"]
+    cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""  # absent before cp was written: 1
     lines = [f"checkpoint {reader.folder}",
              f"  step {man['step']} (loop steps done = data position), {man['applied']} optimizer steps applied, "
              f"format version {man['version']}",
              f"  model: {cfg['n_layer']} layers, width {cfg['n_embd']}, {cfg['n_head']} heads, context "
              f"{cfg['block_size']}, vocabulary {cfg['vocab_size']}, {cfg['dtype']}",
-             f"  layout: {lay['world_size']} rank(s) = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, ZeRO "
+             f"  layout: {lay['world_size']} rank(s) = dp {lay['dp']}{cp} x tp {lay['tp']} x pp {lay['pp']}, ZeRO "
              f"{lay['zero']}, {lay['precision']}, {lay['optimizer']}, optimizer offload {lay['offload_optimizer']}"]
     if man.get("scaler"):
         sc = man["scaler"]

@@ -182,7 +182,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
     """The layout against the rank files: ``zero`` in 0-3, a known optimizer and precision; ``world_size`` =
-    dp x tp x pp, one files entry per rank 0..world_size-1 (none missing, none twice), then each named as its rank."""
+    dp x cp x tp x pp (cp absent: 1), one files entry per rank 0..world_size-1 (none missing, none twice), then each
+    named as its rank."""
     out = []
     if layout.get("zero") not in ZERO_STAGES or isinstance(layout.get("zero"), bool):
         out.append(f"layout.zero is {repr(layout.get('zero'))[:20]}, expected one of "
@@ -193,11 +194,14 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
             whose = ("8-bit Adam's codes, optim/adam8bit.py" if key == "adam8bit_code" else
                      f"train's --{key.replace('_', '-')} choices")
             out.append(f"layout.{key} is {_shown(layout, key)}, expected one of {', '.join(allowed)} ({whose})")
-    ws, sizes = layout.get("world_size"), [layout.get(k) for k in ("dp", "tp", "pp")]
+    ws, sizes = layout.get("world_size"), _sizes(layout)
     if not _is_int(ws) or ws < 1:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
+    if not _is_int(layout.get("cp", 1)) or layout.get("cp", 1) < 1:
+        return out + [f"layout.cp is {_shown(layout, 'cp')}, expected an integer >= 1 (context-parallel size)"]
     if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:  # before range(ws)
-        return out + [f"layout.world_size is {repr(ws)[:20]}, expected dp x tp x pp = {sizes[0] * sizes[1] * sizes[2]}"]
+        return out + [f"layout.world_size is {repr(ws)[:20]}, expected dp x cp x tp x pp = "
+                      f"{sizes[0] * sizes[1] * sizes[2]}"]
     if not all(_is_int(f["rank"]) and f["rank"] >= 0 for f in files):
         return out  # reported (files[i] has ... rank): not blamed again as a missing rank
     ranks = collections.Counter(f["rank"] for f in files)
@@ -334,14 +338,20 @@ def _rng_problem(rng) -> str | None:
     return None
 
 
+def _sizes(layout: dict) -> list:
+    """[data group, tp, pp]: the data group is dp x cp ranks (--cp; a checkpoint without "cp" had none)."""
+    dp, cp = layout.get("dp"), layout.get("cp", 1)
+    return [dp * cp if _is_int(dp) and _is_int(cp) else dp, layout.get("tp"), layout.get("pp")]
+
+
 def _coords_problem(entry: dict, layout: dict) -> str | None:
-    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's dp x tp x pp."""
+    """A rank's (data, tensor, pipeline) coordinates: three ints inside the layout's (dp x cp) x tp x pp."""
     c = entry.get("coords")
-    sizes = [layout.get(k) for k in ("dp", "tp", "pp")]
+    sizes = _sizes(layout)
     if not all(_is_int(n) and n >= 1 for n in sizes):  # a bad layout is its own problem
         return None
     if not (isinstance(c, list) and len(c) == 3 and all(_is_int(v) and 0 <= v < n for v, n in zip(c, sizes))):
-        return f"coords is {str(c)[:40]}, expected [dp rank, tp rank, pp rank] inside dp x tp x pp = {sizes}"
+        return f"coords is {str(c)[:40]}, expected [data rank, tp rank, pp rank] inside dp x cp, tp, pp = {sizes}"
     return None
 
 

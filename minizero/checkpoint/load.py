@@ -169,7 +169,8 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
         raise CheckpointError(f"{reader.folder}: no saved routing biases for some MoE layers (a checkpoint of "
                               "a model without them)")
     topo = strategy.topo
-    same = [man["layout"][k] for k in ("dp", "tp", "pp")] == [topo.dp, topo.tp, topo.pp]
+    lay = man["layout"]  # topo.dp: the data group, dp x cp ranks
+    same = [lay["dp"] * lay.get("cp", 1), lay["tp"], lay["pp"]] == [topo.dp, topo.tp, topo.pp]
     states = [f.get("rng") for f in man["files"]]
     # a checkpoint written before the counter-based generator holds NumPy PCG64's state: no (key, offset)
     earlier = not all(isinstance(r, dict) and "key" in r for r in states)
