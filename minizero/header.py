@@ -79,7 +79,8 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                    if args.moe_experts and args.ep > 1 else "")
         group = f"the {topo.dp} rank(s) of the data group"
         if args.dp_shard is not None and args.dp_shard < args.dp:  # zero/hybrid.py
-            group = (f"groups of {args.dp_shard} consecutive data rank(s), replicated across the "
+            cp = f" x their cp {args.cp} = {args.dp_shard * args.cp} ranks" if args.cp > 1 else ""
+            group = (f"groups of {args.dp_shard} consecutive data rank(s){cp}, replicated across the "
                      f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "
                      "then all-reduced across)")
         lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over {group}{experts}"

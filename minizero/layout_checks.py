@@ -15,7 +15,7 @@ from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 def check_zero(args) -> None:
     """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, < dp
-    only with ZeRO, on one data group of whole replicas (not with --cp or --ep > 1)."""
+    only with ZeRO, not with --ep > 1 (with --cp a shard group is N data ranks' cp ranks)."""
     zero = args.zero
     if zero >= 2 and args.pp > 1:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
@@ -30,11 +30,9 @@ def check_zero(args) -> None:
     if n < dp and zero < 1:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
-    if n < dp:
-        for bad, what in ((args.cp > 1, cp_flag(args)), (args.ep > 1, f"--ep {args.ep}")):
-            if bad:
-                raise ValueError(f"--dp-shard {args.dp_shard} with {what} is not supported: hybrid sharding splits "
-                                 f"the plain data group (use --dp-shard {args.dp} or leave it out)")
+    if n < dp and args.ep > 1:
+        raise ValueError(f"--dp-shard {n} with --ep {args.ep} is not supported: hybrid sharding splits the plain "
+                         f"data group, expert parallelism its experts (use --dp-shard {dp} or leave it out)")
 
 
 def check_sequence_parallel(args, cfg) -> None:

@@ -174,8 +174,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     else:
         sched = f"{args.schedule} pipeline schedule"
     n_psi = model.num_parameters()
-    hybrid = (", or groups of shard=N of them (hybrid sharding, Z 1h-3h: replicated across the groups; the search "
-              "tries one node's data ranks)") if any(c.strategy.dp_shard for c in shown) else ""
+    hybrid = (", or groups of shard=N of them (x cp; hybrid sharding, Z 1h-3h: replicated across the groups; the "
+              "search tries one node's data ranks)") if any(c.strategy.dp_shard for c in shown) else ""
     binary = args.gpu_memory.strip().lower().endswith("ib")  # the flag's unit family, shown in the table's
     given = f" = {hw.gpu_memory:,} bytes" if binary != (unit == "GiB") else ""
     moe = ""

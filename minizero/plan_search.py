@@ -137,23 +137,23 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                         continue
                     for kind in kinds:
                         yield from _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
-                                            bucket_bytes, attention, e, kind, hybrid_shard(dp, tp, gpus_per_node))
+                                            bucket_bytes, attention, e, kind, hybrid_shard(dp, tp * cp, gpus_per_node))
 
 
-def hybrid_shard(data_ranks: int, tp: int, gpus_per_node: int) -> int | None:
-    """The shard group size N the search tries for hybrid sharding (zero/hybrid.py), or None: the most data ranks
-    whose tp GPUs each fit in one node, where ZeRO over all ``data_ranks`` (dp, without cp or ep) would cross nodes:
+def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
+    """The shard group size N the search tries for hybrid sharding (zero/hybrid.py), or None: the most of ``dp``
+    data ranks whose ``gpus`` GPUs each (tp x cp) fit in one node, where ZeRO over all of them would cross nodes:
     gather and reduce-scatter on NVLink, only a 1/N shard's all-reduce between nodes (FSDP's HYBRID_SHARD)."""
-    if data_ranks * tp <= gpus_per_node:
+    if dp * gpus <= gpus_per_node:
         return None
-    n = max((d for d in _divisors(data_ranks) if d * tp <= gpus_per_node), default=1)
+    n = max((d for d in _divisors(dp) if d * gpus <= gpus_per_node), default=1)
     return n if n > 1 else None
 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
              ep=1, cp_attention="ring", shard=None):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
-    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where cp and ep are 1."""
+    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where ep is 1."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
@@ -163,7 +163,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                 continue
             if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
                 continue
-            shards = (None, shard) if zero > 0 and shard and cp == 1 and ep == 1 else (None,)
+            shards = (None, shard) if zero > 0 and shard and ep == 1 else (None,)
             for recompute, sp, act_off, dp_shard in itertools.product(
                     RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
                 yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
@@ -347,8 +347,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
              (shard is None or dp % shard == 0,
               f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
-             (shard is None or dp % shard or shard == dp or (zero > 0 and cp == 1 and ep == 1),
-              f"shard {shard} below dp {dp} needs zero 1-3, cp 1 and ep 1 (got zero {zero}, cp {cp}, ep {ep})"),
+             (shard is None or dp % shard or shard == dp or (zero > 0 and ep == 1),
+              f"shard {shard} below dp {dp} needs zero 1-3 and ep 1 (got zero {zero}, ep {ep})"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "

@@ -45,13 +45,22 @@ def test_hybrid_zero_equals_single_process(stage, extra):
         assert_matches_hybrid(got, rank)
 
 
-def assert_matches_hybrid(got, rank):
-    """Rank ``rank``'s step-0 owned gradient shard, norms and final parameters against one process (float64)."""
-    ref, sm = single_process(D), shard_map(N)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_zero_with_context_parallelism_equals_single_process(stage):
+    """dp 2 x cp 2, --dp-shard 1: a shard group is one data rank's 2 cp ranks, the 2 groups replicas."""
+    for rank, got in enumerate(run_in_threads(D, zero_check.run, stage, MICRO, extra=("--cp", "2", "--dp-shard", "1"))):
+        assert_matches_hybrid(got, rank, n=2, data_ranks=2)
+
+
+def assert_matches_hybrid(got, rank, n=N, data_ranks=D):
+    """Rank ``rank``'s step-0 owned gradient shard (ZeRO over ``n`` ranks), norms and final parameters against one
+    process of the ``data_ranks`` ranks' batch (float64)."""
+    ref, sm = single_process(data_ranks), shard_map(n)
     np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=GRAD_RTOL)
     for i, unit in enumerate(sm.units):
         flat = sm.flatten(i, ref["grads0"])
-        off, size = sm.shard(i, rank % N)  # index inside the shard group [rank - rank % N, ... + N)
+        off, size = sm.shard(i, rank % n)  # index inside the shard group [rank - rank % n, ... + n)
         np.testing.assert_allclose(got["grads0"][f"unit{i}"], flat[off:off + size], rtol=0,
                                    atol=GRAD_RTOL * np.abs(flat).max(), err_msg=f"rank {rank}: {unit.name}")
     for name, a in ref["params"].items():
@@ -109,7 +118,7 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "0"], "--dp-shard 0 must divide"),
     (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
     (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
-    (["--zero", "1", "--dp-shard", "1", "--cp", "2"], "--dp-shard 1 with --cp 2 is not supported")])
+    (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"], "--dp-shard 1 with --ep 2 is not supported")])
 def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *argv], D)
@@ -138,12 +147,13 @@ def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "1"], ["--zero", "2", "--dp-shard", "2"],
-                                   ["--zero", "3", "--dp-shard", "2", "--no-overlap"]])
+                                   ["--zero", "3", "--dp-shard", "2", "--no-overlap"],
+                                   ["--zero", "3", "--cp", "2", "--dp-shard", "1"]])
 def test_estimator_equals_the_trainers_ledger_under_hybrid_sharding(flags):
     """The estimator's ``dp_shard``: model states, ZeRO's buckets and gathered units exactly (as
     test_estimator's tensor-parallel cases), the collectives' scratch a bound."""
     for args, stage, seen in run_in_threads(D, _trainer_states, flags, timeout=280):
-        st = Strategy(dp=args.dp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
+        st = Strategy(dp=args.dp, cp=args.cp, zero=args.zero, precision="fp64", micro_batch=args.micro_batch_size,
                       micro_batches=args.grad_accum, overlap=args.overlap, dp_shard=args.dp_shard)
         est = estimate_memory(get_config("tiny", dtype="float64"), st, accounting="minizero", stage=stage).as_dict()
         assert 0 < seen.pop("comm_scratch") <= est["comm_scratch"]
@@ -187,7 +197,7 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 zero3 shard8")
     assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
-    for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3, cp 1 and ep 1 (got zero 0, cp 1, ep 1)"),
+    for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3 and ep 1 (got zero 0, ep 1)"),
                        ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
                        ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both

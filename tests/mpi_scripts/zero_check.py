@@ -45,6 +45,7 @@ def run(comm, stage, micro_batch, dtype="float64", steps=STEPS, accum=ACCUM, cli
 
     result = train(args, comm, log=lambda s: None, after_grads=after_grads)
     model, opt, dp = result["model"], result["opt"], result["dp"]
+    model = model if model is not None else result["strategy"].stage  # cp: the whole model on rank 0 only
     peak = dict(get_ledger().peak)  # before full_parameters() gathers the whole model
     names = [n for n, _ in model.named_parameters()]  # the order of model.parameters()
     if dp is not None:

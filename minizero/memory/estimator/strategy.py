@@ -65,8 +65,8 @@ class Strategy:
 
     @property
     def shard_ranks(self) -> int:
-        """N: the ranks ZeRO shards over (``dp_shard`` below dp, else all :attr:`data_ranks`, dp x cp)."""
-        return self.dp_shard if self.dp_shard is not None and self.dp_shard < self.dp else self.data_ranks
+        """N: the ranks ZeRO shards over (``dp_shard`` below dp: its data ranks x cp; else all :attr:`data_ranks`)."""
+        return self.dp_shard * self.cp if self.dp_shard is not None and self.dp_shard < self.dp else self.data_ranks
 
     @property
     def replicas(self) -> int:
@@ -104,9 +104,9 @@ class Strategy:
             n = self.dp_shard
             if not isinstance(n, int) or n < 1 or self.dp % n:
                 raise ValueError(f"Strategy.dp_shard={n!r} must be None or a positive divisor of dp={self.dp}")
-            if n < self.dp and (self.zero < 1 or self.cp > 1 or self.ep > 1):
-                raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1, cp = 1 and "
-                                 f"ep = 1; got zero={self.zero}, cp={self.cp}, ep={self.ep}")
+            if n < self.dp and (self.zero < 1 or self.ep > 1):
+                raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1 and ep = 1; "
+                                 f"got zero={self.zero}, ep={self.ep}")
         if self.dp % self.ep:
             raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if model is not None:
