@@ -134,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fine_tune_tps(model, args) -> list[int]:
+    """The --tp a fine-tune of ``model`` takes on --gpus: dividing the GPUs, heads and widths (qlora: whole NF4
+    blocks per shard, as finetune's refusal lists them)."""
+    ok = []
+    for t in range(1, model.n_head + 1):
+        if args.gpus % t or model.n_head % t or model.hidden % t or model.ffn_hidden % t:
+            continue
+        try:
+            if args.finetune == "qlora" and t > 1:
+                lora_state_bytes(model, args.lora_rank, base="nf4", tp=t)
+            ok.append(t)
+        except ValueError:  # a shard of partial NF4 blocks
+            pass
+    return ok
+
+
 def _check(parser, args):
     """Every value, before any planning; returns (model, sizes in bytes). Bad values end in ``parser.error``."""
     try:
@@ -198,15 +214,17 @@ def _check(parser, args):
     if args.tp != 1 and args.finetune == "none":
         parser.error(f"--tp {args.tp} splits a fine-tune's blocks: give --finetune lora or qlora too (training "
                      "layouts: --strategy, e.g. \"dp2 tp4 pp1 zero3\")")
+    ok_tp = ", ".join(map(str, _fine_tune_tps(model, args))) if args.finetune != "none" else ""
     if args.finetune != "none" and (args.tp < 1 or args.gpus % args.tp or model.n_head % args.tp
                                     or model.hidden % args.tp or model.ffn_hidden % args.tp):
         parser.error(f"--tp {args.tp} must divide --gpus {args.gpus} and {model.name}'s {model.n_head} heads, "
-                     f"width {model.hidden} and MLP width {model.ffn_hidden}")
+                     f"width {model.hidden} and MLP width {model.ffn_hidden}; allowed: --tp {ok_tp}")
     if args.finetune == "qlora" and args.tp > 1:
         try:
             lora_state_bytes(model, args.lora_rank, base="nf4", tp=args.tp)
         except ValueError as e:
-            parser.error(f"--tp {args.tp}: {model.name}: {e}")
+            parser.error(f"--tp {args.tp}: {model.name}: {e}; allowed on {args.gpus} GPUs: --tp {ok_tp} "
+                         "(or --finetune lora)")
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")

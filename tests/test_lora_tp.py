@@ -222,6 +222,20 @@ def test_plan_and_finetune_refuse_a_qlora_split_in_the_same_words(capsys):
     assert nf4_shard_refusal(get_config("tiny"), 2).startswith(said)
 
 
+@pytest.mark.parametrize("argv, allowed", [
+    (["tiny", "--gpus", "2", "--finetune", "qlora", "--tp", "2"], "allowed on 2 GPUs: --tp 1 (or --finetune lora)"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "qlora", "--tp", "8"], "on 8 GPUs: --tp 1, 2, 4 (or --finetune"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "qlora", "--tp", "3"], "MLP width 11008; allowed: --tp 1, 2, 4"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "lora", "--tp", "3"], "MLP width 11008; allowed: --tp 1, 2, 4, 8")])
+def test_plan_lists_the_tp_a_fine_tune_takes(capsys, argv, allowed):
+    """Before: plan's QLoRA refusal named the split weight only (finetune's listed the --tp that work)."""
+    from minizero.plan import main
+    with pytest.raises(SystemExit):
+        main(["--model", *argv])
+    err = capsys.readouterr().err
+    assert allowed in err and err.count("\n") == 1, err
+
+
 def test_the_tensor_parallel_sizes_qlora_can_take_are_listed():
     from minizero.parallel.lora_tp import nf4_tensor_parallel_sizes
     assert nf4_tensor_parallel_sizes(get_config("tiny"), 2) == [1]  # (16, 16) rows: no shard is whole blocks
