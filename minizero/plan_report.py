@@ -10,6 +10,7 @@ import os
 
 from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
+from minizero.numerals import in_width
 from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
@@ -127,7 +128,7 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
     """The fixed-width table of ``cands`` (memory columns divided by ``scale``), at most 128 columns wide:
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
     head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'rc':>4} "
-            f"{'off':>7} {'m':>4} |"
+            f"{'off':>7} {'m':>5} |"
             f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>8}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -141,11 +142,11 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         lines.append(
             f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
             f"{'y' if st.sequence_parallel else '':>2} "
-            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {st.micro_batches:>4} |"
+            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {in_width(st.micro_batches, 5)} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
             + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 8, 1)}"
-            f" {step} {c.tokens_per_s:8,.0f} {c.mfu:5.1%}")
+            f" {step} {in_width(c.tokens_per_s, 8)} {c.mfu:5.1%}")
     return lines
 
 

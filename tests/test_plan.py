@@ -329,3 +329,16 @@ def test_the_table_fits_128_columns(capsys, argv):
     assert "rc = activation recompute (sel: selective)" in said and "par: + parameters, act: activations" in said
     if "--strategy" in argv:
         assert re.search(r" ulys .* sel par\+act ", table[2]), table[2]
+
+
+def test_tiny_models_tokens_per_second_fit_the_column(capsys):
+    """Before: --model tiny's 22,144,603,774 tok/s took 14 columns of 8 and its 32768 micro-batches 5 of 4."""
+    from minizero.numerals import in_width
+    assert in_width(22_144_603_774, 8) == "2.21e+10" and in_width(32_497, 8) == "  32,497"
+    assert in_width(32768, 5) == "32768" and in_width(2**24, 5) == "2e+07"
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--top", "3")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("tok/s   MFU"))
+    rows = lines[head + 2:head + 5]
+    assert code == 0 and len(rows) == 3 and all(len(r) == len(lines[head]) for r in rows), rows
+    assert all(r.split()[-2] == "2.21e+10" for r in rows[:2]), rows
