@@ -73,7 +73,8 @@ def check_fault_spec(world_size: int | None = None, steps: int | None = None) ->
         return
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
-        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
+        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND "
+                         f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}")
     if world_size is not None and int(parts[0]) >= world_size:
         raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
     if steps is not None and int(parts[1]) >= steps:
