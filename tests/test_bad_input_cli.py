@@ -327,3 +327,15 @@ def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatc
     said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
                                    "run it without mpirun (or with -n 1)"]
     assert e.value.code == 2 and out.out == "" and out.err.splitlines() == said, out
+
+
+@pytest.mark.parametrize("layouts, said", [
+    (["--sequence-parallel", "--dp 1"], "layout '--sequence-parallel': --sequence-parallel splits the sequence"),
+    (["--dp 1", "--bogus"], "layout '--bogus': unrecognized arguments: --bogus")])
+def test_parity_reads_a_one_flag_layout_as_a_layout(capsys, layouts, said):
+    """Before: a layout of one flag without a space was parity's unknown option: 'the following arguments are
+    required: LAYOUT', which named neither the layout nor what was wrong with it."""
+    from minizero.debug.__main__ import main as debug_main
+    assert debug_main(["parity", *layouts, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
