@@ -96,6 +96,7 @@ def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.Ar
     "-.5" as negative numbers (its ``_negative_number_matcher``, set per parser) and answered "--steps -1,5" with
     "expected one argument"."""
     parser._negative_number_matcher = VALUE_LIKE
+    parser.allow_abbrev = False  # and a flag is read whole: train took "--loss-scale 1024" as --loss-scale-window
     return parser
 
 

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     refuse_several_ranks(p)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["parity"]:  # a one-flag layout ("--sequence-parallel") read as parity's option: "LAYOUT required"
-        argv[1:] = [w + " " if w.startswith("--") and " " not in w and not any(
-            o.startswith(w.split("=")[0]) for o in q._option_string_actions) else w for w in argv[1:]]
+        argv[1:] = [w + " " if w.startswith("--") and " " not in w and w.split("=")[0] not in q._option_string_actions
+                    else w for w in argv[1:]]
     args = p.parse_args(argv)
     try:
         if args.command == "parity":
