@@ -122,13 +122,18 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3,
 #: the table's short names: recompute ("rc") and offload ("off") values, so a row fits 128 columns
 RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 OFFLOAD_SHORT = {"none": "", "optimizer": "opt", "params": "par"}
+#: the table's size columns and their widths, each widened by a larger size
+SIZE_WIDTHS = {"dp": 4, "ep": 3, "cp": 3, "tp": 2, "pp": 3}
 
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
-    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), at most 128 columns wide:
+    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), 128 columns wide where the sizes fit
+    (a size wider than its column widens it: 131072 ranks took 6 of dp's 4 columns, pushing the row past the header):
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
-    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>1} {'SP':>2} {'rc':>4} "
-            f"{'off':>7} {'m':>5} |"
+    w = {k: max([d] + [len(str(getattr(c.strategy, k))) for c in cands]) for k, d in SIZE_WIDTHS.items()}
+    wn = max(3, len(str(len(cands))))  # --top 0: row 1000
+    head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'attn':>4} {'tp':>{w['tp']}} "
+            f"{'pp':>{w['pp']}} {'Z':>1} {'SP':>2} {'rc':>4} {'off':>7} {'m':>5} |"
             f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>8}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -138,9 +143,11 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         bufs = mem.comm_buffers + mem.gathered
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
-        step = f"{c.step_s:7.3f}" if c.step_s >= 1e-3 else f"{c.step_s:7.1e}"  # a tiny model's: 0.000 before
+        step = (f"{c.step_s:7.3f}" if 1e-3 <= c.step_s < 1e3 else f"{c.step_s:7.1f}" if 1e3 <= c.step_s < 1e5
+                else f"{c.step_s:7.1e}")  # a tiny model's read 0.000, 1020.216 s took 8 of 7 columns
         lines.append(
-            f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {st.zero:>1} "
+            f"{i:>{wn}} {st.dp:>{w['dp']}} {st.ep:>{w['ep']}} {st.cp:>{w['cp']}} {attn:>4} {st.tp:>{w['tp']}} "
+            f"{st.pp:>{w['pp']}} {st.zero:>1} "
             f"{'y' if st.sequence_parallel else '':>2} "
             f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {in_width(st.micro_batches, 5)} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,

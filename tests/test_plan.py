@@ -342,3 +342,15 @@ def test_tiny_models_tokens_per_second_fit_the_column(capsys):
     rows = lines[head + 2:head + 5]
     assert code == 0 and len(rows) == 3 and all(len(r) == len(lines[head]) for r in rows), rows
     assert all(r.split()[-2] == "2.21e+10" for r in rows[:2]), rows
+
+
+@pytest.mark.parametrize("argv", [["--model", "tiny", "--gpus", "1048576", "--gpus-per-node", "8"],  # dp 131072
+                                  ["--model", "llama3-8b", "--gpus", "8"]])  # rows past 999, steps past 1000 s
+def test_every_row_of_the_table_is_as_wide_as_its_header(capsys, argv):
+    """Before: dp 131072 took 6 of its 4 columns, row 1000 4 of 3, a step of 1020.216 s 8 of 7."""
+    code, out, _ = run_main(capsys, *argv, "--top", "0")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("tok/s   MFU"))
+    rows = [r for r in lines[head + 2:] if " | " in r]
+    assert code == 0 and rows and {len(r) for r in rows} == {len(lines[head])}, [r for r in rows if len(r) !=
+                                                                                  len(lines[head])][:2]
