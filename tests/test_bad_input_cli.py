@@ -356,3 +356,17 @@ def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, 
     with pytest.raises(SystemExit) as e:
         main(["--weights", "missing.npz", *argv])
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
+    """Before: --out or --save-dir on a link to a missing folder passed the checks, then train and finetune said
+    "could not write 'LINK/.lock': File exists" (makedirs on the link)."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing" / "x")
+    said = f"({str(link)!r} links to the missing {str(tmp_path / 'missing' / 'x')!r})"
+    for argv in (["--out", str(link)], ["--out", str(tmp_path / "o"), "--save-every", "1", "--save-dir", str(link)]):
+        with pytest.raises(UsageError) as e:
+            parse_args([*TINY, *argv])
+        assert said in str(e.value), e.value
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", str(link / "sub")]) == 2
+    assert said in capsys.readouterr().err
