@@ -187,10 +187,10 @@ def _check(parser, args):
     args.virtual_stages = args.virtual_stages or 2  # None: the default (0 was refused above)
     if args.schedule == "interleaved":
         v = args.virtual_stages
-        ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]
+        ok_v = [d for d in _divisors(model.n_layer) if d >= 2 and model.n_layer // d >= 2]  # train's rule: v >= 2
         if v not in ok_v:
-            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages must divide "
-                         f"{model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
+            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages (2 or more) must "
+                         f"divide {model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
                          f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
     if args.strategy is not None and not args.strategy.strip():
         parser.error(f"--strategy {args.strategy!r}: give the strategy's words, e.g. \"dp2 tp4 pp1 zero3\"")
@@ -228,6 +228,9 @@ def _check(parser, args):
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
+    if args.plot is not None and (args.finetune != "none" or args.strategy is not None):  # drew nothing, said nothing
+        parser.error(f"--plot draws the searched strategies' memory; it does not apply to "
+                     f"{'--strategy' if args.strategy else '--finetune ' + args.finetune} (leave it out)")
     if not MIN_GPU_FLOPS <= args.gpu_flops <= MAX_GPU_FLOPS:
         parser.error(f"--gpu-flops must be in [{MIN_GPU_FLOPS:g}, {MAX_GPU_FLOPS:g}] FLOP/s per GPU, got "
                      f"{args.gpu_flops}")

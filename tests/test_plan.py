@@ -155,6 +155,12 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--virtual-stages", "4"], "--virtual-stages 4 only applies with --schedule interleaved; got --schedule 1f1b"),
     (["--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3; allowed: --gpus up "
                                "to 3, or a multiple of it"),
+    # before: accepted, where train refuses an interleaved schedule of one virtual stage
+    (["--schedule", "interleaved", "--virtual-stages", "1"], "32 layers with pp >= 2; allowed: 2, 4, 8, 16"),
+    # before: accepted, no PNG written and no word said
+    (["--strategy", "dp8", "--plot", "x.png"], "--plot draws the searched strategies' memory; it does not apply to "
+                                               "--strategy (leave it out)"),
+    (["--finetune", "lora", "--plot", "x.png"], "it does not apply to --finetune lora (leave it out)"),
 ])
 def test_plan_refuses_more_bad_input(capsys, argv, message):
     code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
