@@ -32,7 +32,8 @@ def check_zero(args) -> None:
     n, dp = args.dp_shard, args.dp
     if not 1 <= n <= dp or dp % n:
         raise ValueError(f"--dp-shard {n} must divide the data-parallel size {dp}; allowed: "
-                         f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}")
+                         f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}"
+                         + (launch(n * args.tp * args.pp * args.cp, "train") if n > dp else ""))
     if n < dp and zero < 1:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
@@ -242,7 +243,8 @@ def check_moe(args) -> None:
     if e % ep:
         raise ValueError(f"--moe-experts {e} must be divisible by --ep {ep} (each expert-parallel rank holds E/ep)")
     if args.dp % ep:
-        raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)")
+        raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)"
+                         + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))
     m = "--moe-experts with"
     refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
                (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),

@@ -96,7 +96,9 @@ def test_bad_sizes_fail_before_any_work_naming_the_numbers(world, argv, needle):
     (["--pp", "2"], "= 2; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
     (["--dp", "2", "--cp", "1"], "the world size; launch 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
     (["--cp", "2"], "the world size 1; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train"),
-    (["--dp", "1", "--cp", "2"], "the world size 1; launch a multiple of 2 ranks, e.g. mpirun -n 2")])
+    (["--dp", "1", "--cp", "2"], "the world size 1; launch a multiple of 2 ranks, e.g. mpirun -n 2"),
+    (["--dp-shard", "2"], "allowed: 1; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
+    (["--ep", "2", "--moe-experts", "4"], "ep data ranks); launch a multiple of 2 ranks, e.g. mpirun -n 2 python")])
 def test_sizes_in_one_process_name_the_launch(argv, needle):
     """Before: "the world has 1 rank(s)" for --tp 2 without mpirun, which did not say to start several ranks."""
     with pytest.raises(UsageError) as e:
