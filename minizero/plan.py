@@ -290,7 +290,8 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
             parser.error(f"--gpu-memory {args.gpu_memory} ({size(hw.gpu_memory, unit)}) is below the smallest "
                          f"per-GPU footprint of any of the {count:,} strategies for {model.name} on {args.gpus} GPUs: "
                          f"{size(device, unit)} ({describe(st)}). Allowed: --gpu-memory of at least "
-                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len")
+                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len"
+                         + (f", or a smaller --micro-batch than {args.micro_batch}" if args.micro_batch > 1 else ""))
         parser.error(f"--host-memory {args.host_memory} ({size(hw.host_memory, unit)}) is too small: every "
                      f"strategy that fits {size(hw.gpu_memory, unit)} per GPU offloads more than that; the "
                      f"smallest device footprint, {size(device, unit)} ({describe(st)}), offloads "

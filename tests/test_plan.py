@@ -161,6 +161,8 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--strategy", "dp8", "--plot", "x.png"], "--plot draws the searched strategies' memory; it does not apply to "
                                                "--strategy (leave it out)"),
     (["--finetune", "lora", "--plot", "x.png"], "it does not apply to --finetune lora (leave it out)"),
+    # before: the way out named --seq-len and more memory or GPUs only
+    (["--micro-batch", "16777216"], "or a shorter --seq-len, or a smaller --micro-batch than 16777216"),
 ])
 def test_plan_refuses_more_bad_input(capsys, argv, message):
     code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
