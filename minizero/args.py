@@ -21,7 +21,7 @@ from minizero.faults import FAULT_KINDS
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
-                                    resolve_sizes)
+                                    launch, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
@@ -73,7 +73,8 @@ def check_fault_spec(world_size: int | None = None, steps: int | None = None) ->
         return
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
-        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND one of {FAULT_KINDS}")
+        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND "
+                         f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}")
     if world_size is not None and int(parts[0]) >= world_size:
         raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
     if steps is not None and int(parts[1]) >= steps:
@@ -369,10 +370,12 @@ def resolve_parallel_args(args, world_size: int) -> int:
     """
     cfg, cp = PRESETS[args.model], args.cp
     if cp < 1 or world_size % cp:
-        raise ValueError(f"{cp_flag(args)} must be >= 1 and divide the world size {world_size}")
+        raise ValueError(f"{cp_flag(args)} must be >= 1 and divide the world size {world_size}"
+                         + (launch(cp, "train") if cp > 1 else ""))
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                                              ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}")
+                                              ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}",
+                                              cp=cp)
     m = args.micro_batches
     if m is not None:
         if m < 1:

@@ -275,6 +275,8 @@ def check_writable_folder(folder: str) -> None:
     """
     parent = os.path.abspath(folder)
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # dangling: makedirs answered "File exists"
+            raise NotADirectoryError(errno.ENOTDIR, f"{parent!r} links to the missing {os.readlink(parent)!r}")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise NotADirectoryError(errno.ENOTDIR, f"{parent!r} is not a directory")

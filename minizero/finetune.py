@@ -30,6 +30,7 @@ from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.faults import FaultInjector
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
+from minizero.layout_checks import launch
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger, wrap
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
@@ -149,8 +150,7 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
     of every batch; the trained parameters' gradients are all-reduced (mean) or, with ``args.zero``, handed to
     ZeRO, whose units are the adapters (LoRA, QLoRA) or the model's (full). ``args.tp`` > 1: N/tp data ranks
     of tp tensor ranks each (:mod:`minizero.parallel.lora_tp`). The merged state dict (host arrays, nanoGPT
-    names) is whole on every rank, ZeRO-3 and tp included.
-    Raises ValueError: ``args.tp`` > 1 with no ``comm`` or one whose size it does not divide.
+    names) is whole on every rank, ZeRO-3 and tp included. Raises ValueError: ``args.tp`` > 1 not dividing comm's size.
     """
     if args.tp > 1 and (comm is None or comm.world_size % args.tp):
         raise ValueError(f"--tp {args.tp} must divide the {1 if comm is None else comm.world_size} ranks")
@@ -298,7 +298,7 @@ def _main(argv, world) -> int:
         check(args)
         check_fault_spec(world.Get_size(), args.steps)
         if world.Get_size() % args.tp:
-            raise ValueError(f"--tp {args.tp} must divide the {world.Get_size()} ranks (data ranks = ranks / tp)")
+            raise ValueError(f"--tp {args.tp} must divide the {world.Get_size()} ranks" + launch(args.tp, "finetune"))
         dp = world.Get_size() // args.tp
         if args.batch_size % dp:
             raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {dp} data-parallel ranks")

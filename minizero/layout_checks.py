@@ -13,6 +13,12 @@ from minizero.flags import UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
+def launch(ranks: int, prog: str, exact: bool = False) -> str:
+    """The launch to name where a size does not fit the ranks (one process: the user left out mpirun)."""
+    return (f"; launch {'' if exact else 'a multiple of '}{ranks} ranks, e.g. "
+            f"mpirun -n {ranks} python -m minizero.{prog} ...")
+
+
 def check_zero(args) -> None:
     """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, < dp
     only with ZeRO, not with --ep > 1 (with --cp a shard group is N data ranks' cp ranks)."""
@@ -26,7 +32,8 @@ def check_zero(args) -> None:
     n, dp = args.dp_shard, args.dp
     if not 1 <= n <= dp or dp % n:
         raise ValueError(f"--dp-shard {n} must divide the data-parallel size {dp}; allowed: "
-                         f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}")
+                         f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}"
+                         + (launch(n * args.tp * args.pp * args.cp, "train") if n > dp else ""))
     if n < dp and zero < 1:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
@@ -134,7 +141,7 @@ def check_zero_bubble(args, cfg) -> None:
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
-                  n_layer=None, vocab_size=None, ranks=None) -> tuple[int, int, int]:
+                  n_layer=None, vocab_size=None, ranks=None, cp=1) -> tuple[int, int, int]:
     """Fill in the sizes left out and check them against the world and the model; returns (dp, tp, pp).
 
     Args:
@@ -143,6 +150,7 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
             left out, a missing ``tp`` or ``pp`` is 1 and ``dp`` (if missing) is derived.
         n_head, n_embd, n_layer, vocab_size: model shape to check against (skipped when None).
         ranks: how messages name ``world_size`` (None or False: "world size N"; --cp: "world size W / cp c = N").
+        cp: the context split, by which the ranks to launch are ``cp`` times the product.
     Raises:
         ValueError naming the numbers: a size < 1; a product that is not the world size (or a derivation that does not
         divide); ``tp`` not dividing ``n_head``, ``n_embd`` or ``vocab_size``; ``pp`` larger than ``n_layer``.
@@ -162,13 +170,15 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
         if world_size % prod:
             raise ValueError(
                 f"cannot derive --{k}: {ranks or f'world size {world_size}'} is not divisible by "
-                f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}")
+                f"--{others[0][0]} {others[0][1]} x --{others[1][0]} {others[1][1]} = {prod}"
+                + launch(prod * cp, "train"))
         given[k] = world_size // prod
     dp, tp, pp = given["dp"], given["tp"], given["pp"]
     if dp * tp * pp != world_size:
         raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but "
                          + (f"{ranks}; the product must equal that" if ranks else
-                            f"the world has {world_size} rank(s); the product must equal the world size"))
+                            f"the world has {world_size} rank(s); the product must equal the world size")
+                         + launch(dp * tp * pp * cp, "train", exact=True))
     if n_head is not None and n_head % tp:
         raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
                          "(tensor parallelism splits attention by heads)")
@@ -231,7 +241,8 @@ def check_moe(args) -> None:
     if e % ep:
         raise ValueError(f"--moe-experts {e} must be divisible by --ep {ep} (each expert-parallel rank holds E/ep)")
     if args.dp % ep:
-        raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)")
+        raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)"
+                         + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))
     m = "--moe-experts with"
     refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
                (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),

@@ -3,7 +3,7 @@
 Python's ``int`` and ``float`` read every Unicode decimal digit (``int("٣") == 3``, fullwidth ``"８"`` is 8), and
 ``str.isdigit`` is true for superscripts that ``int`` refuses (``"²"``). The programs read numbers through
 :func:`integer` and :func:`real` (argparse ``type=``) and test words with :func:`is_count`, so such text is
-refused, named, before any work.
+refused, named, before any work. Tables print numbers in a fixed width through :func:`in_width`.
 """
 from __future__ import annotations
 
@@ -96,4 +96,12 @@ def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.Ar
     "-.5" as negative numbers (its ``_negative_number_matcher``, set per parser) and answered "--steps -1,5" with
     "expected one argument"."""
     parser._negative_number_matcher = VALUE_LIKE
+    parser.allow_abbrev = False  # and a flag is read whole: train took "--loss-scale 1024" as --loss-scale-window
     return parser
+
+
+def in_width(x: float, width: int) -> str:
+    """``x`` right-aligned in ``width`` columns: ``22,144,603`` where it fits, else ``22144603``, else ``2.21e+10``
+    (plan's tokens/s and micro-batches of a tiny model pushed its rows past the header)."""
+    fits = [t for t in (f"{x:,.0f}", f"{x:.0f}") if len(t) <= width]
+    return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)

@@ -134,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fine_tune_tps(model, args) -> list[int]:
+    """The --tp a fine-tune of ``model`` takes on --gpus: dividing the GPUs, heads and widths (qlora: whole NF4
+    blocks per shard, as finetune's refusal lists them)."""
+    ok = []
+    for t in range(1, model.n_head + 1):
+        if args.gpus % t or model.n_head % t or model.hidden % t or model.ffn_hidden % t:
+            continue
+        try:
+            if args.finetune == "qlora" and t > 1:
+                lora_state_bytes(model, args.lora_rank, base="nf4", tp=t)
+            ok.append(t)
+        except ValueError:  # a shard of partial NF4 blocks
+            pass
+    return ok
+
+
 def _check(parser, args):
     """Every value, before any planning; returns (model, sizes in bytes). Bad values end in ``parser.error``."""
     try:
@@ -171,10 +187,10 @@ def _check(parser, args):
     args.virtual_stages = args.virtual_stages or 2  # None: the default (0 was refused above)
     if args.schedule == "interleaved":
         v = args.virtual_stages
-        ok_v = [d for d in _divisors(model.n_layer) if model.n_layer // d >= 2]
+        ok_v = [d for d in _divisors(model.n_layer) if d >= 2 and model.n_layer // d >= 2]  # train's rule: v >= 2
         if v not in ok_v:
-            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages must divide "
-                         f"{model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
+            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages (2 or more) must "
+                         f"divide {model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
                          f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
     if args.strategy is not None and not args.strategy.strip():
         parser.error(f"--strategy {args.strategy!r}: give the strategy's words, e.g. \"dp2 tp4 pp1 zero3\"")
@@ -198,18 +214,23 @@ def _check(parser, args):
     if args.tp != 1 and args.finetune == "none":
         parser.error(f"--tp {args.tp} splits a fine-tune's blocks: give --finetune lora or qlora too (training "
                      "layouts: --strategy, e.g. \"dp2 tp4 pp1 zero3\")")
+    ok_tp = ", ".join(map(str, _fine_tune_tps(model, args))) if args.finetune != "none" else ""
     if args.finetune != "none" and (args.tp < 1 or args.gpus % args.tp or model.n_head % args.tp
                                     or model.hidden % args.tp or model.ffn_hidden % args.tp):
         parser.error(f"--tp {args.tp} must divide --gpus {args.gpus} and {model.name}'s {model.n_head} heads, "
-                     f"width {model.hidden} and MLP width {model.ffn_hidden}")
+                     f"width {model.hidden} and MLP width {model.ffn_hidden}; allowed: --tp {ok_tp}")
     if args.finetune == "qlora" and args.tp > 1:
         try:
             lora_state_bytes(model, args.lora_rank, base="nf4", tp=args.tp)
         except ValueError as e:
-            parser.error(f"--tp {args.tp}: {model.name}: {e}")
+            parser.error(f"--tp {args.tp}: {model.name}: {e}; allowed on {args.gpus} GPUs: --tp {ok_tp} "
+                         "(or --finetune lora)")
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
+    if args.plot is not None and (args.finetune != "none" or args.strategy is not None):  # drew nothing, said nothing
+        parser.error(f"--plot draws the searched strategies' memory; it does not apply to "
+                     f"{'--strategy' if args.strategy else '--finetune ' + args.finetune} (leave it out)")
     if not MIN_GPU_FLOPS <= args.gpu_flops <= MAX_GPU_FLOPS:
         parser.error(f"--gpu-flops must be in [{MIN_GPU_FLOPS:g}, {MAX_GPU_FLOPS:g}] FLOP/s per GPU, got "
                      f"{args.gpu_flops}")
@@ -269,7 +290,8 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
             parser.error(f"--gpu-memory {args.gpu_memory} ({size(hw.gpu_memory, unit)}) is below the smallest "
                          f"per-GPU footprint of any of the {count:,} strategies for {model.name} on {args.gpus} GPUs: "
                          f"{size(device, unit)} ({describe(st)}). Allowed: --gpu-memory of at least "
-                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len")
+                         f"{size(device, unit)}, or more GPUs, or a shorter --seq-len"
+                         + (f", or a smaller --micro-batch than {args.micro_batch}" if args.micro_batch > 1 else ""))
         parser.error(f"--host-memory {args.host_memory} ({size(hw.host_memory, unit)}) is too small: every "
                      f"strategy that fits {size(hw.gpu_memory, unit)} per GPU offloads more than that; the "
                      f"smallest device footprint, {size(device, unit)} ({describe(st)}), offloads "

@@ -10,6 +10,7 @@ import os
 
 from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
+from minizero.numerals import in_width
 from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
@@ -122,13 +123,18 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3,
 #: the table's short names: recompute ("rc") and offload ("off") values, so a row fits 128 columns
 RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 OFFLOAD_SHORT = {"none": "", "optimizer": "opt", "params": "par"}
+#: the table's size columns and their widths, each widened by a larger size
+SIZE_WIDTHS = {"dp": 4, "ep": 3, "cp": 3, "tp": 2, "pp": 3}
 
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
-    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), at most 128 columns wide:
+    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), 128 columns wide where the sizes fit
+    (a size wider than its column widens it: 131072 ranks took 6 of dp's 4 columns, pushing the row past the header):
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
-    head = (f"{'#':>3} {'dp':>4} {'ep':>3} {'cp':>3} {'attn':>4} {'tp':>2} {'pp':>3} {'Z':>2} {'SP':>2} {'rc':>4} "
-            f"{'off':>7} {'m':>4} |"
+    w = {k: max([d] + [len(str(getattr(c.strategy, k))) for c in cands]) for k, d in SIZE_WIDTHS.items()}
+    wn = max(3, len(str(len(cands))))  # --top 0: row 1000
+    head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'attn':>4} {'tp':>{w['tp']}} "
+            f"{'pp':>{w['pp']}} {'Z':>2} {'SP':>2} {'rc':>4} {'off':>7} {'m':>5} |"
             f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>7}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -138,17 +144,18 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         bufs = mem.comm_buffers + mem.gathered
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
-        step = f"{c.step_s:7.3f}" if c.step_s >= 1e-3 else f"{c.step_s:7.1e}"  # a tiny model's: 0.000 before
-        tok = f"{c.tokens_per_s:,.0f}" if c.tokens_per_s < 1e7 else f"{c.tokens_per_s / 1e6:,.1f} M"  # 9 columns
-        zero = f"{st.zero}{'h' if st.dp_shard else ''}"
+        step = (f"{c.step_s:7.3f}" if 1e-3 <= c.step_s < 1e3 else f"{c.step_s:7.1f}" if 1e3 <= c.step_s < 1e5
+                else f"{c.step_s:7.1e}")  # a tiny model's read 0.000, 1020.216 s took 8 of 7 columns
+        zero = f"{st.zero}{'h' if st.dp_shard else ''}"  # h: hybrid sharding
         lines.append(
-            f"{i:>3} {st.dp:>4} {st.ep:>3} {st.cp:>3} {attn:>4} {st.tp:>2} {st.pp:>3} {zero:>2} "
+            f"{i:>{wn}} {st.dp:>{w['dp']}} {st.ep:>{w['ep']}} {st.cp:>{w['cp']}} {attn:>4} {st.tp:>{w['tp']}} "
+            f"{st.pp:>{w['pp']}} {zero:>2} "
             f"{'y' if st.sequence_parallel else '':>2} "
-            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {st.micro_batches:>4} |"
+            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {in_width(st.micro_batches, 5)} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
             + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 7, 1)}"
-            f" {step} {tok:>8} {c.mfu:5.1%}")
+            f" {step} {in_width(c.tokens_per_s, 8)} {c.mfu:5.1%}")
     return lines
 
 

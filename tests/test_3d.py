@@ -91,6 +91,34 @@ def test_bad_sizes_fail_before_any_work_naming_the_numbers(world, argv, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--tp", "2"], "= 2; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
+    (["--pp", "2"], "= 2; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
+    (["--dp", "2", "--cp", "1"], "the world size; launch 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
+    (["--cp", "2"], "the world size 1; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train"),
+    (["--dp", "1", "--cp", "2"], "the world size 1; launch a multiple of 2 ranks, e.g. mpirun -n 2"),
+    (["--dp-shard", "2"], "allowed: 1; launch a multiple of 2 ranks, e.g. mpirun -n 2 python -m minizero.train ..."),
+    (["--ep", "2", "--moe-experts", "4"], "ep data ranks); launch a multiple of 2 ranks, e.g. mpirun -n 2 python")])
+def test_sizes_in_one_process_name_the_launch(argv, needle):
+    """Before: "the world has 1 rank(s)" for --tp 2 without mpirun, which did not say to start several ranks."""
+    with pytest.raises(UsageError) as e:
+        parse_args(["--model", "tiny", *argv], 1)
+    assert needle in str(e.value)
+
+
+def test_sizes_under_cp_launch_cp_times_the_product():
+    with pytest.raises(UsageError, match="launch 8 ranks, e.g. mpirun -n 8 python"):
+        parse_args(["--model", "tiny", "--cp", "2", "--dp", "4"], 2)
+
+
+def test_finetune_tp_in_one_process_names_the_launch(capsys):
+    from minizero.finetune import main
+    assert main(["--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tp 2 must divide the 1 ranks; launch a multiple of 2 ranks, e.g. mpirun -n 2 " \
+        "python -m minizero.finetune ..." in err, err
+
+
 def test_hidden_size_must_split_too():
     with pytest.raises(ValueError, match="--tp 2 does not divide the hidden size n_embd=7"):
         resolve_sizes(2, tp=2, n_head=2, n_embd=7)

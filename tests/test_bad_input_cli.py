@@ -119,6 +119,7 @@ def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
     ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "1_000", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='1_000'; allowed: an integer"),
     ("MINIZERO_FAULT", "٠:0:raise", "MINIZERO_FAULT='٠:0:raise'; expected RANK:STEP:KIND"),
     ("MINIZERO_FAULT", "0:²:raise", "MINIZERO_FAULT='0:²:raise'; expected RANK:STEP:KIND"),
+    ("MINIZERO_FAULT", "0:0:boom", "KIND raise, kill, inf, stop, kill_in_save, diverge or slow"),  # a tuple before
 ])
 def test_non_ascii_digits_in_the_environment_are_refused(monkeypatch, tmp_path, var, value, needle):
     """Before: '٣' read as 3, and '²' (isdigit() but not int()) ended in a traceback."""
@@ -326,3 +327,46 @@ def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatc
     said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
                                    "run it without mpirun (or with -n 1)"]
     assert e.value.code == 2 and out.out == "" and out.err.splitlines() == said, out
+
+
+@pytest.mark.parametrize("layouts, said", [
+    (["--sequence-parallel", "--dp 1"], "layout '--sequence-parallel': --sequence-parallel splits the sequence"),
+    (["--dp 1", "--bogus"], "layout '--bogus': unrecognized arguments: --bogus")])
+def test_parity_reads_a_one_flag_layout_as_a_layout(capsys, layouts, said):
+    """Before: a layout of one flag without a space was parity's unknown option: 'the following arguments are
+    required: LAYOUT', which named neither the layout nor what was wrong with it."""
+    from minizero.debug.__main__ import main as debug_main
+    assert debug_main(["parity", *layouts, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("module, argv, said", [
+    ("train", ["--loss-scale", "1024"], "unrecognized arguments: --loss-scale 1024"),  # set --loss-scale-window
+    ("quantize", ["--out", "6"], "unrecognized arguments: --out 6"),  # set --outlier-threshold
+    ("sample", ["--top", "5"], "unrecognized arguments: --top 5")])  # set --top-k
+def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, said):
+    """Before: argparse's abbreviations took a flag of another tool ('--loss-scale', DeepSpeed's and Megatron's)
+    for the one of ours it starts, with no word said."""
+    if module == "train":
+        with pytest.raises(UsageError, match=said):
+            parse_args(argv, 1)
+        return
+    main = __import__(f"minizero.{module}", fromlist=["main"]).main
+    with pytest.raises(SystemExit) as e:
+        main(["--weights", "missing.npz", *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
+    """Before: --out or --save-dir on a link to a missing folder passed the checks, then train and finetune said
+    "could not write 'LINK/.lock': File exists" (makedirs on the link)."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing" / "x")
+    said = f"({str(link)!r} links to the missing {str(tmp_path / 'missing' / 'x')!r})"
+    for argv in (["--out", str(link)], ["--out", str(tmp_path / "o"), "--save-every", "1", "--save-dir", str(link)]):
+        with pytest.raises(UsageError) as e:
+            parse_args([*TINY, *argv])
+        assert said in str(e.value), e.value
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", str(link / "sub")]) == 2
+    assert said in capsys.readouterr().err

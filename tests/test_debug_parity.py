@@ -30,6 +30,7 @@ def test_compare_names_the_first_step_and_the_first_parameter():
     assert lines[1] == ("differ: after 3 steps the first parameter beyond 1e-10 is 'b.w' (2, 3): relative "
                         "difference 0.000167 at index (1, 2)"), lines
     assert compare(a, a)[0].startswith("same: 3 steps")
+    assert compare(a, a)[0].endswith("(largest parameter difference 0, 'a.w')")  # it named None when all were equal
 
 
 def _parity(*argv):

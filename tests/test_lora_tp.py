@@ -222,6 +222,20 @@ def test_plan_and_finetune_refuse_a_qlora_split_in_the_same_words(capsys):
     assert nf4_shard_refusal(get_config("tiny"), 2).startswith(said)
 
 
+@pytest.mark.parametrize("argv, allowed", [
+    (["tiny", "--gpus", "2", "--finetune", "qlora", "--tp", "2"], "allowed on 2 GPUs: --tp 1 (or --finetune lora)"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "qlora", "--tp", "8"], "on 8 GPUs: --tp 1, 2, 4 (or --finetune"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "qlora", "--tp", "3"], "MLP width 11008; allowed: --tp 1, 2, 4"),
+    (["llama2-7b", "--gpus", "8", "--finetune", "lora", "--tp", "3"], "MLP width 11008; allowed: --tp 1, 2, 4, 8")])
+def test_plan_lists_the_tp_a_fine_tune_takes(capsys, argv, allowed):
+    """Before: plan's QLoRA refusal named the split weight only (finetune's listed the --tp that work)."""
+    from minizero.plan import main
+    with pytest.raises(SystemExit):
+        main(["--model", *argv])
+    err = capsys.readouterr().err
+    assert allowed in err and err.count("\n") == 1, err
+
+
 def test_the_tensor_parallel_sizes_qlora_can_take_are_listed():
     from minizero.parallel.lora_tp import nf4_tensor_parallel_sizes
     assert nf4_tensor_parallel_sizes(get_config("tiny"), 2) == [1]  # (16, 16) rows: no shard is whole blocks
@@ -254,7 +268,8 @@ def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
     odd = tmp_path / "odd"
     odd.mkdir()
     three_heads = _write(odd, GPTConfig(n_layer=1, n_head=3, n_embd=192, block_size=16, dtype="float64"))
-    cases = [((1, *tiny, "--tp", "2"), "--tp 2 must divide the 1 ranks"),
+    cases = [((1, *tiny, "--tp", "2"), "--tp 2 must divide the 1 ranks; launch a multiple of 2 ranks, e.g. mpirun -n 2 "
+                                        "python -m minizero.finetune ..."),
              ((2, *three_heads, "--tp", "2", "--method", "lora"), "--tp 2 must divide the model's n_head=3"),
              ((2, *tiny, "--tp", "2", "--method", "qlora"),
               "--tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of "

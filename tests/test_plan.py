@@ -155,6 +155,14 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--virtual-stages", "4"], "--virtual-stages 4 only applies with --schedule interleaved; got --schedule 1f1b"),
     (["--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3; allowed: --gpus up "
                                "to 3, or a multiple of it"),
+    # before: accepted, where train refuses an interleaved schedule of one virtual stage
+    (["--schedule", "interleaved", "--virtual-stages", "1"], "32 layers with pp >= 2; allowed: 2, 4, 8, 16"),
+    # before: accepted, no PNG written and no word said
+    (["--strategy", "dp8", "--plot", "x.png"], "--plot draws the searched strategies' memory; it does not apply to "
+                                               "--strategy (leave it out)"),
+    (["--finetune", "lora", "--plot", "x.png"], "it does not apply to --finetune lora (leave it out)"),
+    # before: the way out named --seq-len and more memory or GPUs only
+    (["--micro-batch", "16777216"], "or a shorter --seq-len, or a smaller --micro-batch than 16777216"),
 ])
 def test_plan_refuses_more_bad_input(capsys, argv, message):
     code, out, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
@@ -349,3 +357,28 @@ def test_the_search_tries_hybrid_sharding_within_a_node(capsys):
     assert re.match(r"\s+1\s+64\s+1\s+1\s+-\s+1\s+1\s+\dh\s", first), first
     assert max(map(len, out.splitlines())) <= 128
     assert "hybrid sharding, Z 1h-3h: replicated across the groups" in " ".join(out.split())
+
+
+def test_tiny_models_tokens_per_second_fit_the_column(capsys):
+    """Before: --model tiny's 22,144,603,774 tok/s took 14 columns of 8 and its 32768 micro-batches 5 of 4."""
+    from minizero.numerals import in_width
+    assert in_width(22_144_603_774, 8) == "2.21e+10" and in_width(32_497, 8) == "  32,497"
+    assert in_width(32768, 5) == "32768" and in_width(2**24, 5) == "2e+07"
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--top", "3")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("tok/s   MFU"))
+    rows = lines[head + 2:head + 5]
+    assert code == 0 and len(rows) == 3 and all(len(r) == len(lines[head]) for r in rows), rows
+    assert all(r.split()[-2] == "2.21e+10" for r in rows[:2]), rows
+
+
+@pytest.mark.parametrize("argv", [["--model", "tiny", "--gpus", "1048576", "--gpus-per-node", "8"],  # dp 131072
+                                  ["--model", "llama3-8b", "--gpus", "8"]])  # rows past 999, steps past 1000 s
+def test_every_row_of_the_table_is_as_wide_as_its_header(capsys, argv):
+    """Before: dp 131072 took 6 of its 4 columns, row 1000 4 of 3, a step of 1020.216 s 8 of 7."""
+    code, out, _ = run_main(capsys, *argv, "--top", "0")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("tok/s   MFU"))
+    rows = [r for r in lines[head + 2:] if " | " in r]
+    assert code == 0 and rows and {len(r) for r in rows} == {len(lines[head])}, [r for r in rows if len(r) !=
+                                                                                  len(lines[head])][:2]

@@ -13,9 +13,10 @@ import re
 
 from minizero.checkpoint.layout import KINDS, saved_kinds
 from minizero.checkpoint.model_fields import _is_int, model_problems
+from minizero.checkpoint.state_fields import (is_number, pruning_problems, rng_problem, saved_state_problems,
+                                               scaler_problems, shown)
 from minizero.memory.offload import OFFLOADS
-from minizero.memory.precision import PRECISIONS, SCALE_RANGE
-from minizero.memory.sparsity import SCOPES
+from minizero.memory.precision import PRECISIONS
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import CODES, MAX_BLOCK_SIZE as MAX_ADAM8BIT_BLOCK
 
@@ -102,8 +103,8 @@ def _value_problems(man: dict) -> list[str]:
             refused.add(rank if _is_int(rank) else None)
         else:
             names.add(name)
-        out += [f"files[{i}].{p}" for p in (_rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
-                                             *_saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
+        out += [f"files[{i}].{p}" for p in (rng_problem(entry.get("rng")), _coords_problem(entry, man["layout"]),
+                                             *saved_state_problems(entry, man["layout"].get("moe_experts", 0))) if p]
     coords = {e["file"]: e.get("coords") for e in man["files"] if _plain(e["file"])}
     seen = {}  # (file, key) and (kind, param, tp, lo, hi) of the pieces before -> the first index
     for i, pc in enumerate(man["pieces"]):
@@ -130,10 +131,10 @@ def _value_problems(man: dict) -> list[str]:
         v = man[section].get(key)
         if not _is_int(v) or v < (0 if key == "seed" else 1):
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
-    if "lr" in man["train"] and not (_is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
+    if "lr" in man["train"] and not (is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
-    return out + model_problems(man["model"], man["layout"], man["params"]) + _scaler_problems(man.get("scaler")) \
-        + _pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
+    return out + model_problems(man["model"], man["layout"], man["params"]) + scaler_problems(man.get("scaler")) \
+        + pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
 
 
 def _coverage_problems(man: dict) -> list[str]:
@@ -193,12 +194,12 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
         if layout.get(key, "dynamic" if key == "adam8bit_code" else None) not in allowed:  # absent: dynamic
             whose = ("8-bit Adam's codes, optim/adam8bit.py" if key == "adam8bit_code" else
                      f"train's --{key.replace('_', '-')} choices")
-            out.append(f"layout.{key} is {_shown(layout, key)}, expected one of {', '.join(allowed)} ({whose})")
+            out.append(f"layout.{key} is {shown(layout, key)}, expected one of {', '.join(allowed)} ({whose})")
     ws, sizes = layout.get("world_size"), _sizes(layout)
     if not _is_int(ws) or ws < 1:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
     if not _is_int(layout.get("cp", 1)) or layout.get("cp", 1) < 1:
-        return out + [f"layout.cp is {_shown(layout, 'cp')}, expected an integer >= 1 (context-parallel size)"]
+        return out + [f"layout.cp is {shown(layout, 'cp')}, expected an integer >= 1 (context-parallel size)"]
     if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:  # before range(ws)
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected dp x cp x tp x pp = "
                       f"{sizes[0] * sizes[1] * sizes[2]}"]
@@ -238,106 +239,6 @@ def _rank_file_problems(files: list, pieces: list) -> list[str]:
     return out
 
 
-#: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale,
-#: then the counts a checkpoint may leave out (0)
-SCALER_COUNTS = ("good_steps", "skipped", "hysteresis_left")
-SCALER_OPTIONAL = ("consecutive_skips", "skips_at_min")
-
-
-def _shown(section: dict, key: str, width: int = 40) -> str:
-    """``section[key]`` as a message shows it (cut to ``width``), or "missing"."""
-    return repr(section[key])[:width] if key in section else "missing"
-
-
-def _scaler_problems(sc) -> list[str]:
-    """FP16's loss scaler: null (absent), or the scale (a finite number > 0) and its counts (integers >= 0);
-    the first bad field is named."""
-    if sc is None:
-        return []
-    if not isinstance(sc, dict):
-        return [f"scaler is {str(sc)[:60]}, expected null or {{'scale': a finite number > 0, "
-                f"{', '.join(repr(k) for k in SCALER_COUNTS)}: integers >= 0}} (FP16's loss scaler)"]
-    if not (_is_number(sc.get("scale")) and 0 < sc["scale"] < math.inf):
-        return [f"scaler.scale is {_shown(sc, 'scale')}, expected a finite number > 0 (FP16's loss scale)"]
-    if not SCALE_RANGE[0] <= sc["scale"] <= SCALE_RANGE[1]:
-        return [f"scaler.scale is {_shown(sc, 'scale')}, expected a number in [2**-24, 2**64] (the loss scales "
-                "DynamicLossScaler can hold, memory/precision.py)"]
-    for k in SCALER_COUNTS + SCALER_OPTIONAL:
-        v = sc.get(k, 0 if k in SCALER_OPTIONAL else None)
-        if not (_is_int(v) and v >= 0):
-            return [f"scaler.{k} is {_shown(sc, k)}, expected an integer >= 0 (a count of FP16's loss scaler)"]
-    return []
-
-
-def _pruning_problems(pr, names: set) -> list[str]:
-    """The pruning masks' section: absent or null, or ``{"sparsity" in [0, 1), "scope", "shapes": {name: [sizes]},
-    "file"}`` with ``file`` one of the checked files entries (its masks are read from there on resume); the first
-    bad field is named."""
-    if pr is None:
-        return []
-    if not isinstance(pr, dict):
-        return [f"pruning is {str(pr)[:60]}, expected null or {{'sparsity': a number in [0, 1), 'scope': "
-                f"{' or '.join(SCOPES)}, 'shapes': {{name: [sizes]}}, 'file': one of the files entries}}"]
-    if not (_is_number(pr.get("sparsity")) and 0 <= pr["sparsity"] < 1):
-        return [f"pruning.sparsity is {_shown(pr, 'sparsity')}, expected a number in [0, 1)"]
-    if pr.get("scope") not in SCOPES:
-        return [f"pruning.scope is {_shown(pr, 'scope')}, expected {' or '.join(map(repr, SCOPES))}"]
-    if not (isinstance(pr.get("file"), str) and pr["file"] in names):
-        return [f"pruning.file is {_shown(pr, 'file', 60)}, expected one of the files entries (the masks' file)"]
-    if not isinstance(pr.get("shapes"), dict):
-        return [f"pruning.shapes is {_shown(pr, 'shapes')}, expected {{parameter name: [sizes]}}"]
-    for name, shape in pr["shapes"].items():
-        if not (isinstance(shape, list) and all(_is_int(d) and d > 0 for d in shape)):
-            return [f"pruning.shapes[{name[:60]!r}] is {shape!r:.40}, expected a list of sizes >= 1"]
-    return []
-
-
-def _bad_number(values, n: int | None = None) -> str | None:
-    """Why ``values`` is not a non-empty list of finite numbers (of length ``n`` when given), or None."""
-    if not isinstance(values, list) or not values:
-        return f"is {values!r:.40}, expected a non-empty list of finite numbers"
-    if n is not None and len(values) != n:
-        return f"has {len(values)} numbers, expected {n} (layout.moe_experts)"
-    bad = next((v for v in values if not (_is_number(v) and math.isfinite(v))), None)
-    return None if bad is None and all(_is_number(v) for v in values) else f"holds {bad!r:.30}, expected finite numbers"
-
-
-def _saved_state_problems(entry: dict, experts) -> list[str]:
-    """A rank's FP8 amax histories and MoE routing biases by layer name (absent: none saved), as
-    ``memory.fp8.fp8_state`` and ``parallel.expert_parallel.routing_state`` write them; the first bad one named.
-    (An FP8 history that recorded an overflow holds inf: such a run's weights are refused as non-finite too.)"""
-    fp8, routing = entry.get("fp8", {}), entry.get("routing", {})
-    if not isinstance(fp8, dict):
-        return [f"fp8 is {str(fp8)[:60]}, expected {{layer name: {{'x' | 'w' | 'g': [finite numbers]}}}} (FP8's "
-                "amax histories)"]
-    for layer, h in fp8.items():
-        if not (isinstance(h, dict) and h):
-            return [f"fp8[{layer[:60]!r}] is {h!r:.40}, expected {{'x' | 'w' | 'g': [finite numbers]}}"]
-        for k, v in h.items():
-            why = f"has key {k!r:.20}, expected 'x', 'w' or 'g'" if k not in ("x", "w", "g") else _bad_number(v)
-            if why:
-                return [f"fp8[{layer[:60]!r}]" + (f" {why}" if k not in ("x", "w", "g") else f"[{k!r}] {why}")]
-    if not isinstance(routing, dict):
-        return [f"routing is {str(routing)[:60]}, expected {{layer name: [finite numbers, one per expert]}} "
-                "(MoE's routing biases)"]
-    n = experts if _is_int(experts) and experts > 0 else None
-    for layer, biases in routing.items():
-        why = _bad_number(biases, n)
-        if why:
-            return [f"routing[{layer[:60]!r}] {why} (MoE's routing biases)"]
-    return []
-
-
-def _rng_problem(rng) -> str | None:
-    """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
-    checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
-    if rng is None or isinstance(rng, dict) and "key" not in rng:
-        return None
-    if not (isinstance(rng, dict) and all(_is_int(rng.get(k)) and 0 <= rng[k] < 2 ** 64 for k in ("key", "offset"))):
-        return f"rng is {str(rng)[:60]}, expected {{'key': int, 'offset': int}} in [0, 2**64)"
-    return None
-
-
 def _sizes(layout: dict) -> list:
     """[data group, tp, pp]: the data group is dp x cp ranks (--cp; a checkpoint without "cp" had none)."""
     dp, cp = layout.get("dp"), layout.get("cp", 1)
@@ -363,10 +264,6 @@ def _plain(name) -> bool:
     """A plain file name inside the checkpoint folder: no '..', no '/', not absolute, not empty."""
     return isinstance(name, str) and bool(name) and not os.path.isabs(name) and os.path.basename(name) == name \
         and name not in (".", "..")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _piece_problem(pc: dict, params: dict) -> str | None:

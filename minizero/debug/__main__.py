@@ -30,6 +30,10 @@ def main(argv=None) -> int:
     q.add_argument("--tol", type=real, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
     refuse_several_ranks(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["parity"]:  # a one-flag layout ("--sequence-parallel") read as parity's option: "LAYOUT required"
+        argv[1:] = [w + " " if w.startswith("--") and " " not in w and w.split("=")[0] not in q._option_string_actions
+                    else w for w in argv[1:]]
     args = p.parse_args(argv)
     try:
         if args.command == "parity":
@@ -37,7 +41,7 @@ def main(argv=None) -> int:
                 q.error(f"--steps and --batch-size must be >= 1 and --tol a finite number > 0, got {args.steps}, "
                         f"{args.batch_size} and {args.tol}")
             common = ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-            return parity.main(*args.layouts, common, args.tol)
+            return parity.main(*(w.strip() for w in args.layouts), common, args.tol)
         if args.command == "hang":
             return hang.main(args.folder)
         return timeline.main(args.path)

@@ -128,7 +128,7 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
                          f"{None if pb is None else pb.shape} in {names[1]}")
             continue
         d = float(np.max(np.abs(pa - pb))) / max(1.0, float(np.max(np.abs(pa)))) if pa.size else 0.0
-        largest = max(largest, (d, name), key=lambda t: t[0])
+        largest = (d, name) if largest[1] is None or d > largest[0] else largest  # all equal: the first, not None
         if d > tol and first is None:
             first = (name, d, np.unravel_index(int(np.argmax(np.abs(pa - pb))), pa.shape))
     if first is not None:
