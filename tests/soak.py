@@ -4,7 +4,7 @@
 
 Each run trains the tiny model on 2 ranks into one OUT folder, with a fault injected at
 a random step: ``MINIZERO_FAULT`` raise / kill / stop (SIGSTOP: a stalled rank, found by
-``--comm-timeout 10``), or SIGINT / SIGTERM sent to ``mpiexec`` after a random delay.
+``--comm-timeout 3``), or SIGINT / SIGTERM sent to ``mpiexec`` after a random delay.
 Every run must end within 30 s, leave no process of its own behind (found by a marker
 in the environment), no temporary file in OUT, and OUT's previous ``model.npz`` and
 ``summary.json`` loadable. Prints one line per run; exit status 1 if any run broke a rule.
@@ -32,7 +32,7 @@ KINDS = ("raise", "kill", "stop", "sigint", "sigterm")
 DEADLINE_S = 30.0
 STEPS = 400
 ARGS = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--no-progress",
-        "--comm-timeout", "10"]
+        "--comm-timeout", "3"]  # as tests/test_flight.py's stopped rank: each stop run waits it out
 
 
 def own_processes(token: str) -> list[int]:

@@ -636,9 +636,15 @@ def test_weights_headers_checked_before_any_array_is_read(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"'transformer.wte.weight': header \(2000000, 2000000\) float32 needs "
                                          r"16,000,000,000,128 bytes but the archive member holds 128"):
         read_weights(forged)
-    # consistent headers but a GPT far wider than any preset: 1.6 GB of zeros that deflate to ~1.6 MB
-    c = 20_000
-    big = archive("inflates.npz", {"transformer.wte.weight.npy": _npy_bytes((c, c), data=bytes(4 * c * c))})
+    # consistent headers but a GPT far wider than any preset: 1.6 GB of zeros that deflate to ~7 MB (streamed in
+    # at zlib level 1: 1.9 s, where one 1.6 GB string at the default level took 7 s and 3.2 GB of memory)
+    c, chunk = 20_000, bytes(2 ** 24)
+    big = str(tmp_path / "inflates.npz")
+    with zipfile.ZipFile(big, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("transformer.wte.weight.npy", "w") as f:
+            f.write(_npy_bytes((c, c)))
+            for start in range(0, 4 * c * c, len(chunk)):
+                f.write(chunk[:4 * c * c - start])
     with pytest.raises(ValueError, match=r"no 2-D transformer.wte.weight and transformer.wpe.weight"):
         read_weights(big)
     pickled = archive("obj.npz", {"a.npy": _npy_bytes((1,), dtype="|O")})

@@ -28,12 +28,32 @@ def _marked_processes(mark: str) -> list[int]:
     return found
 
 
-def _interrupt(cmd, delay, sig=signal.SIGINT, mark=None):
-    """Start ``cmd`` (its own session, so SIGINT is not ignored), send ``sig`` after ``delay`` s; (status, stderr)."""
-    env = dict(mpi_env(), MINIZERO_TEST_MARK=mark or uuid.uuid4().hex)
+def _ranks_running(mark: str, module: str) -> int:
+    """How many of this test's processes run ``python -m module``: an mpiexec job's ranks (not mpiexec itself)."""
+    n = 0
+    for pid in _marked_processes(mark):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                n += f.read().split(b"\0")[1:3] == [b"-m", module.encode()]
+        except OSError:
+            pass
+    return n
+
+
+def _interrupt(cmd, delay, sig=signal.SIGINT, mark=None, ready=None):
+    """Start ``cmd`` (its own session, so SIGINT is not ignored), send ``sig`` ``delay`` s after ``ready()`` holds
+    (at most 60 s of waiting; no ``ready``: after start); (status, stderr).
+
+    The tools set up in under 0.5 s on an idle 2-core machine (``minizero.finetune --steps 1`` runs whole in
+    0.43 s): a delay of 3 s lands in the work loop with room for a loaded machine."""
+    mark = mark or uuid.uuid4().hex
+    env = dict(mpi_env(), MINIZERO_TEST_MARK=mark)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
                             start_new_session=True)
     try:
+        deadline = time.monotonic() + 60
+        while ready is not None and not ready() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
         time.sleep(delay)
         assert proc.poll() is None, f"ended before the signal: {proc.communicate()}"
         proc.send_signal(sig)
@@ -67,7 +87,7 @@ def test_finetune_interrupted_prints_one_line_and_writes_nothing(weights, tmp_pa
     out = tmp_path / "ft"
     status, err = _interrupt([sys.executable, "-m", "minizero.finetune", "--weights", str(weights[0]), "--data",
                               str(weights[1]), "--steps", "100000", "--batch-size", "2", "--eval-batches", "1",
-                              "--out", str(out), "--json", str(tmp_path / "ft.json")], 12, sig)
+                              "--out", str(out), "--json", str(tmp_path / "ft.json")], 3, sig)
     assert status == code, err
     _one_line(err, "minizero.finetune", name)
     assert not (tmp_path / "ft.json").exists() and not (out.exists() and os.listdir(out)), os.listdir(tmp_path)
@@ -77,7 +97,8 @@ def test_finetune_interrupted_prints_one_line_and_writes_nothing(weights, tmp_pa
 def test_debug_parity_interrupted_ends_its_mpiexec_job(mpiexec, tmp_path):
     mark = uuid.uuid4().hex
     status, err = _interrupt([sys.executable, "-m", "minizero.debug", "parity", "-n 2 --dp 2", "-n 1",
-                              "--steps", "100000", "--model", "tiny"], 10, mark=mark)
+                              "--steps", "100000", "--model", "tiny"], 2, mark=mark,
+                             ready=lambda: _ranks_running(mark, "minizero.train") == 2)  # its first job's ranks
     assert status == 130, err
     _one_line(err, "minizero.debug", "SIGINT")
     deadline = time.time() + 10
@@ -113,7 +134,7 @@ def test_an_interrupt_dropped_in_a_weakref_callback_is_not_lost(monkeypatch, cap
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tool,args", [("minizero.sample", ["--tokens", "100000"])])
 def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
-    status, err = _interrupt([sys.executable, "-m", tool, "--weights", str(weights[0]), *args], 6)
+    status, err = _interrupt([sys.executable, "-m", tool, "--weights", str(weights[0]), *args], 3)
     assert status == 130, err
     _one_line(err, tool, "SIGINT")
 

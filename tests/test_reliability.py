@@ -466,7 +466,7 @@ def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiex
     d = small_disk("64k")
     (d / "c.json").write_text('{"good": 1}')
     fill(d)
-    base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "2", "--steps", "1",
+    base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps", "1",
             "--strategies", "baseline", "--out", str(tmp_path / "cmp")]
     proc = subprocess.run(base + ["--json", str(d / "c.json")], env=mpi_env(), capture_output=True, text=True,
                           timeout=150)
