@@ -150,6 +150,7 @@ def test_header_names_every_layout_choice(mpiexec):
     assert ("also: activation recompute full; 8-bit Adam (an absmax per 256 elements); INT8 on the wire for the "
             "gradient reduce-scatters and parameter all-gathers") in " ".join(z3.stdout.split()), z3.stdout
     assert "also: " not in plain.stdout  # nothing beyond what the other lines name
+    assert "of the data group; reduce-scatters" not in " ".join(z3.stdout.split())  # INT8 comm: blocking, as built
     assert "  (--recompute full: each block's saves exist only while backward recomputes them" in z3.stdout
     assert "(--recompute" not in plain.stdout
     assert ("  parameter gathers and broadcasts (ZeRO's gathers; the final gather for the weights and the sample, "
