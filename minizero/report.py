@@ -207,7 +207,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         "bytes_sent": [s["bytes_sent"] for s in stats],
         "bytes_sent_grad_allreduce": [s["bytes_sent_grad_allreduce"] for s in stats],  # = gradient_reduction
         "bytes_sent_by_kind": {k: [s["bytes_sent_by_kind"][k] for s in stats] for k in TRAFFIC_KINDS},
-        "zero": {"stage": args.zero, "dp_shard": args.dp_shard, "per_rank": zero},
+        "zero": {"stage": args.zero, "dp_shard": args.dp_shard if args.zero else None, "per_rank": zero},
         "precision": args.precision,
         "loss_scale": result["loss_scales"],
         "skipped_steps": result["skipped_steps"],

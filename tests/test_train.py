@@ -403,7 +403,9 @@ def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, tmp
 
     def per_step(proc, out):  # (the world's KiB per step, each rank's gradient bytes per step)
         world = re.search(r"^  world: ([\d.]+) KiB sent", proc.stdout, re.M)
-        figures = json.loads((tmp_path / out / "summary.json").read_text())["zero"]["per_rank"]
+        zero = json.loads((tmp_path / out / "summary.json").read_text())["zero"]
+        figures = zero["per_rank"]
+        assert zero["stage"] == 0 and zero["dp_shard"] is None  # no ZeRO: no shard degree (it said dp)
         return float(world.group(1)), [f["bytes_sent_per_step"] for f in figures]
     (world_a, grads_a), (world_b, grads_b) = per_step(straight, "a"), per_step(resumed, "b")
     assert grads_a[0] > 0 and grads_b == grads_a  # the same all-reduces every step
