@@ -142,11 +142,11 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
 
 def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
     """The shard group size N the search tries for hybrid sharding (zero/hybrid.py), or None: the most of ``dp``
-    data ranks whose ``gpus`` GPUs each (tp x cp) fit in one node, where ZeRO over all of them would cross nodes:
+    data ranks whose ``gpus`` GPUs each (tp x cp) fill a node evenly, where ZeRO over all of them would cross nodes:
     gather and reduce-scatter on NVLink, only a 1/N shard's all-reduce between nodes (FSDP's HYBRID_SHARD)."""
     if dp * gpus <= gpus_per_node:
         return None
-    n = max((d for d in _divisors(dp) if d * gpus <= gpus_per_node), default=1)
+    n = max((d for d in _divisors(dp) if gpus_per_node % (d * gpus) == 0), default=1)  # 6 of 8: ranks 6-11 span 2
     return n if n > 1 else None
 
 

@@ -344,7 +344,8 @@ def test_parity_reads_a_one_flag_layout_as_a_layout(capsys, layouts, said):
 @pytest.mark.parametrize("module, argv, said", [
     ("train", ["--loss-scale", "1024"], "unrecognized arguments: --loss-scale 1024"),  # set --loss-scale-window
     ("quantize", ["--out", "6"], "unrecognized arguments: --out 6"),  # set --outlier-threshold
-    ("sample", ["--top", "5"], "unrecognized arguments: --top 5")])  # set --top-k
+    ("sample", ["--top", "5"], "unrecognized arguments: --top 5"),  # set --top-k
+    ("checkpoint", ["consolidate", "missing", "--ou", "x.npz"], "unrecognized arguments: --ou x.npz")])  # --out
 def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, said):
     """Before: argparse's abbreviations took a flag of another tool ('--loss-scale', DeepSpeed's and Megatron's)
     for the one of ours it starts, with no word said."""
@@ -352,9 +353,9 @@ def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, 
         with pytest.raises(UsageError, match=said):
             parse_args(argv, 1)
         return
-    main = __import__(f"minizero.{module}", fromlist=["main"]).main
+    main = __import__(f"minizero.{module}" + (".cli" if module == "checkpoint" else ""), fromlist=["main"]).main
     with pytest.raises(SystemExit) as e:
-        main(["--weights", "missing.npz", *argv])
+        main(argv if module == "checkpoint" else ["--weights", "missing.npz", *argv])
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 

@@ -912,3 +912,18 @@ def test_a_parameter_without_a_kind_the_layout_keeps_is_refused(saved, tmp_path,
     layout: Adam's m and v for both optimizers, the master under fp16."""
     said = said.replace("{n}", str(len(read_manifest_json(saved)["params"])))
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
+
+
+@pytest.mark.parametrize("cp, said", [(None, None), (0, "layout.cp is 0, expected an integer >= 1"),
+                                      ("2", "layout.cp is '2', expected an integer >= 1"),
+                                      (2, "layout.world_size is 2, expected dp x cp x tp x pp = 4")])
+def test_layout_cp_is_checked_and_may_be_absent(saved, tmp_path, cp, said):
+    """A manifest written before "cp" was recorded (None: no key) reads as cp 1; a bad one is named."""
+    from minizero.checkpoint.cli import describe
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"),
+                            lambda man: man["layout"].pop("cp") if cp is None else man["layout"].update(cp=cp))
+    if said is not None:
+        assert said in _resume_error(folder)
+        return
+    assert parse_args(BASE + F64 + ["--resume", str(folder)], 2).resume == str(folder)
+    assert "layout: 2 rank(s) = dp 2 x tp 1 x pp 1," in describe(ShardReader(str(folder)))

@@ -343,12 +343,13 @@ def test_the_search_tries_hybrid_sharding_within_a_node(capsys):
     """ZeRO over one node's data ranks, replicated across nodes (FSDP's HYBRID_SHARD), is a candidate where plain
     ZeRO's group would cross nodes, never within one node; it holds a 1/N shard (the offload time's too), and the
     table marks it 'h' within 128 columns (gpt2 on 64 GPUs: 14 M tokens/s, 10 characters with commas before)."""
-    from minizero.plan_search import _state_shard, stage_parameters
+    from minizero.plan_search import _state_shard, hybrid_shard, stage_parameters
 
     m = get_model("minizero-gpt2")
     shards = {s.dp_shard for s in P.enumerate_strategies(m, 64, global_batch=64) if s.tp == 2 and s.pp == 1}
     assert shards == {None, 4}  # dp 32 x tp 2: 4 data ranks of tp 2 fill a node of 8 GPUs
     assert {s.dp_shard for s in P.enumerate_strategies(m, 8, global_batch=64)} == {None}  # one node: nothing to gain
+    assert hybrid_shard(12, 1, 8) == 4  # a group of 6 (ranks 6-11) would cross the first node's edge
     hybrid = next(s for s in P.enumerate_strategies(m, 64, global_batch=64) if s.dp_shard and s.offload != "none")
     assert _state_shard(m, hybrid) == -(-stage_parameters(m, hybrid, 0) // (hybrid.dp_shard * hybrid.cp)) < stage_parameters(m, hybrid, 0)
     code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "64", "--top", "3")

@@ -127,11 +127,13 @@ def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("src,dst", [(["--zero", "2", "--dp-shard", "2"], ["--zero", "1"]),
-                                     (["--zero", "1"], ["--zero", "3", "--dp-shard", "2"])],
-                         ids=["hybrid-to-plain", "plain-to-hybrid"])
+                                     (["--zero", "1"], ["--zero", "3", "--dp-shard", "2"]),
+                                     (["--zero", "2", "--cp", "2", "--dp-shard", "1"], ["--zero", "1", "--cp", "2"])],
+                         ids=["hybrid-to-plain", "plain-to-hybrid", "hybrid-cp-to-plain-cp"])
 def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
-    """Saved at step 3 of 6, resumed on the other layout (dp = 4, micro-batch 1): the last 3 steps equal the straight
-    run of the saving layout (1e-9, as test_checkpoint's reshard); the hybrid save wrote each element once."""
+    """Saved at step 3 of 6, resumed on the other layout (4 data ranks, micro-batch 1): the last 3 steps equal the
+    straight run of the saving layout (1e-9, as test_checkpoint's reshard); the hybrid save wrote each element once
+    (under --cp 2 the first shard group is data rank 0's 2 cp ranks, world ranks 0-1)."""
     mb = ["--micro-batch-size", "1"]
     straight = run_ckpt(D, F64 + mb + src + ["--save-every", "3", "--save-dir", str(tmp_path)])
     resumed = run_ckpt(D, F64 + mb + dst + ["--resume", str(tmp_path / "step_00000003")])

@@ -159,11 +159,12 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
 def main(argv=None) -> int:
     """Entry point of ``python -m minizero.checkpoint``; returns the exit status (2: bad checkpoint)."""
     p = OneLineParser(prog="python -m minizero.checkpoint",  # its subcommands' parsers are OneLineParsers too
-                      description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.")
+                      description="Inspect a sharded minizero checkpoint, or consolidate it into model.npz.",
+                      allow_abbrev=False)  # a flag read whole, as every program's: "--ou" is not --out
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
-    con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)")
+    con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)", allow_abbrev=False)
     con.add_argument("path")
     con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")

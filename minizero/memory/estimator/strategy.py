@@ -27,7 +27,7 @@ class Strategy:
         bucket_bytes: gradient reduce buffer size; None: one flat buffer of all gradients.
         overlap: ZeRO 2-3 overlapped (two gradient buckets, ZeRO-3 prefetch), counted by "minizero" when dp > 1.
         ep: E/ep routed experts per rank, reduced and ZeRO-sharded over data_ranks / ep (``--ep``; divides dp, E).
-        dp_shard: ZeRO's shard group size (hybrid sharding, ``--dp-shard``; None: all data ranks).
+        dp_shard: hybrid sharding's group in dp ranks (ZeRO over dp_shard x cp ranks; ``--dp-shard``; None: all).
     """
 
     dp: int = 1

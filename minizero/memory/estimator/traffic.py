@@ -22,14 +22,14 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G) (ZeRO, section
-    7); the routed experts' P and G over their N/ep expert-data ranks instead; ``dp_shard``: N = dp_shard, + 2(R-1)/R
-    G/N across R replicas per reduce. ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and micro-batch 4
-    all-reduces of sbh e, 2(t-1)/t each (full recompute +2), plus the vocab-parallel embedding's and head's (sequence
-    parallelism: Korthikanti et al.'s count, the same bytes; it leaves out the re-gathers for dW in backward that
-    Megatron-LM and minizero send); ``"minizero"``: :func:`tensor_parallel_bytes`, what the trainer sends. ``pp``: per
-    micro-batch and chunk sbh e / t each way, plus the tied embedding's gradient. ``cp``: :func:`ring_attention_bytes`
-    (or, for ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and backward, and forward again under
-    recompute. ``pcie``: offload traffic.
+    7); the routed experts' P and G over their N/ep expert-data ranks instead; ``dp_shard``: N = dp_shard x cp,
+    + 2(R-1)/R G/N across R replicas per reduce. ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and
+    micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2), plus the vocab-parallel embedding's and
+    head's (sequence parallelism: Korthikanti et al.'s count, the same bytes; it leaves out the re-gathers for dW in
+    backward that Megatron-LM and minizero send); ``"minizero"``: :func:`tensor_parallel_bytes`, what the trainer sends.
+    ``pp``: per micro-batch and chunk sbh e / t each way, plus the tied embedding's gradient. ``cp``:
+    :func:`ring_attention_bytes` (or, for ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and
+    backward, and forward again under recompute. ``pcie``: offload traffic.
 
     Activation messages use the precision's activation itemsize (bf16/fp8: 2, a GPU's; minizero's emulation
     sends float32, twice that). Returns: {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1
