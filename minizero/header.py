@@ -38,8 +38,8 @@ def run_techniques(args) -> str:
     if args.pp > 1:
         words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
     hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py: shard groups x replicas
-    zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {args.dp_shard} x replicate {args.dp // args.dp_shard})"
-                                  if hybrid else "")
+    shard = f"{args.dp_shard}" + (f" x cp {args.cp}" if args.cp > 1 else "")  # a shard group: N data ranks' cp ranks
+    zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {shard} x replicate {args.dp // args.dp_shard})" if hybrid else "")
     words += [w for w, here in ((zero, args.zero), ("sp", args.sequence_parallel),
                                 (f"MoE {args.moe_experts} experts top-{args.moe_top_k}", args.moe_experts),
                                 (f"recompute {args.recompute}" + (f" every {args.recompute_every}"

@@ -223,6 +223,8 @@ def test_header_names_the_shard_and_replica_groups():
     assert run_techniques(parse_args(argv, D)).endswith("ZeRO-2 hybrid (shard 2 x replicate 2), fp32")
     cp = " ".join(run_in_threads(D, _train_logged, argv[:-2] + ["--cp", "2", "--dp-shard", "1"])[0].split())
     assert "groups of 1 consecutive data rank(s) x their cp 2 = 2 ranks, replicated across the 2 groups" in cp
+    assert run_techniques(parse_args(argv[:-2] + ["--cp", "2", "--dp-shard", "1"], D)).endswith(
+        "ZeRO-2 hybrid (shard 1 x cp 2 x replicate 2), fp32")
 
 
 def _group_names(comm):
