@@ -89,6 +89,7 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
             less = (b.memory.total - a.memory.total) / scale  # > 0: a needs less
             mem = f", #{ia if less > 0 else ib} needing {abs(less):.2f} {unit} less per GPU" if round(less, 2) else ""
             lead = f"#{ia} is ranked above #{ib} {by}, a tie within the model's accuracy of about 1%{mem}"
+            lead += f"; #{ia}" if mem and less < 0 else ""  # the reasons are #ia's, not the smaller row's
         return f"{lead}: {why} ({diff})"
     saved = (b.memory.total - a.memory.total) / scale
     return f"#{ia} ties #{ib} on step time and needs {saved:.2f} {unit} less per GPU ({diff})"

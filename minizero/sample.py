@@ -4,7 +4,7 @@ The shape comes from the file (:mod:`minizero.weights`), the weights keep their 
 last position's logits (float64) / temperature; with top-k, logits below the k-th largest become -inf; softmax;
 one draw from ``default_rng(seed)``; context the last ``block_size`` tokens (nanoGPT's ``sample.py``). Temperature 0
 is greedy decoding: the most likely byte every time (argmax, the first of ties), no draw. Bad input
-exits with status 2 and one line naming the value and what is allowed. One line on stderr names the weights and
+exits with status 2 and one line naming the value and what is allowed. Two lines on stderr name the weights and
 the settings (:func:`settings_line`); stdout holds the sample alone, so ``> file`` or ``| head`` gets only text.
 """
 from __future__ import annotations
@@ -128,10 +128,10 @@ def check(args) -> str | None:
 
 
 def settings_line(args, model) -> str:
-    """``python -m minizero.sample: out/model.npz (4 layers, ...); 200 tokens, temperature 0.8, ...`` -- what ran."""
+    """What ran: ``...sample: out/model.npz (4 layers, ...)``, then ``  200 tokens, temperature 0.8, ...``."""
     c = model.config
     return (f"python -m minizero.sample: {args.weights} ({c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, "
-            f"context {c.block_size}, {model.num_parameters():,} parameters, {c.dtype}); {args.tokens:,} tokens, "
+            f"context {c.block_size}, {model.num_parameters():,} parameters, {c.dtype})\n  {args.tokens:,} tokens, "
             f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}, seed {args.seed}, device {args.device}")
 
 

@@ -63,4 +63,4 @@ for nbytes in [64 * 2**10, 1 * 2**20, 16 * 2**20]:
               f"{busbw[True]:>10.2f}")
 if rank == 0 and N > usable_cores():
     print(f"({N} ranks on {usable_cores()} cores: the ranks take turns on the cores, so these timings say little "
-          "about either side; bench/bench_allreduce.py measures with one core per rank)")
+          "about either side;\n bench/bench_allreduce.py measures with one core per rank)")

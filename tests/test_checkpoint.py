@@ -213,7 +213,7 @@ def test_killed_during_save_resumes_from_the_previous_checkpoint(mpiexec, tmp_pa
     assert ins.returncode == 0 and "step 6" in ins.stdout and "dp 2 x tp 1 x pp 1, ZeRO 2" in ins.stdout
     # before: inspect said "N parameters" and consolidate "N + 1 tensors", neither saying why
     tied = "lm_head.weight tied to transformer.wte.weight"
-    assert f"{len(c)} tensors: {len(c) - 1} parameters, {tied} from " in con.stdout, con.stdout
+    assert f"\n  {len(c)} tensors: {len(c) - 1} parameters, {tied}\n" in con.stdout, con.stdout
     assert f"pieces of {len(c) - 1} parameters (lm_head.weight is tied to transformer.wte.weight: saved once)" \
         in ins.stdout, ins.stdout
 

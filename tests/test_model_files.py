@@ -173,7 +173,12 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     out = tmp_path / "c" / "model.npz"
     assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(out)]) == 0
     assert json.loads((out.parent / "model.json").read_text()) == json.loads((run / "model.json").read_text())
-    capsys.readouterr()
+    # what it wrote, then from where, then the count (before, one line read "...tied to transformer.wte.weight from
+    # RUN/checkpoints/step_00000002, and c/model.json", 163 columns for a short path)
+    step = run / "checkpoints" / "step_00000002"
+    n = len(np.load(out))
+    assert capsys.readouterr().out == (f"wrote {out} and {out.parent / 'model.json'} from {step}\n  {n} tensors: "
+                                       f"{n - 1} parameters, lm_head.weight tied to transformer.wte.weight\n")
     texts = []
     for weights in (run / "model.npz", out):  # the checkpoint of the last step is the run's model
         assert sample_main(["--weights", str(weights), "--tokens", "20"]) == 0

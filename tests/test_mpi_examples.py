@@ -75,6 +75,7 @@ def test_ring_allreduce_says_when_its_ranks_share_cores(mpiexec):
                           capture_output=True, text=True, timeout=200, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"({n} ranks on {n - 1} cores: the ranks take turns on the cores" in proc.stdout, proc.stdout
+    assert max(map(len, proc.stdout.splitlines())) <= 120, proc.stdout  # before: the note was one line of 160
 
 
 @pytest.mark.timeout(200)

@@ -266,6 +266,8 @@ def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(cap
     assert "equal step times go to less device memory" in RANKING_RULE and "ties go to" not in RANKING_RULE
     first = why_lines(rank(cands), 1e9, "GB")[0]
     assert first.startswith("#1 is ranked above #2 by 0.5% tokens/s") and "#2 needing 40.00 GB less per GPU" in first
+    # the reasons after it are #1's (before: "#2 needing 40.00 GB less per GPU: ... s less data-parallel traffic")
+    assert "#2 needing 40.00 GB less per GPU; #1: " in first, first
     code, out, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "8")
     assert code == 0, err
     said = " ".join(out.split())  # the header is wrapped at 100 columns

@@ -216,8 +216,9 @@ def test_a_tiny_temperature_is_greedy_without_an_overflow_warning():
     assert p.tolist() == [[0.0, 1.0, 0.0]]
 
 
-def test_one_stderr_line_names_the_weights_and_settings_and_stdout_is_the_sample_alone(tmp_path):
-    """A run says what it loaded and how it samples (stderr), and ``> file`` still gets only the text (stdout)."""
+def test_two_stderr_lines_name_the_weights_and_settings_and_stdout_is_the_sample_alone(tmp_path):
+    """A run says what it loaded and how it samples (stderr, two lines: one was 173 columns for the default model),
+    and ``> file`` still gets only the text (stdout)."""
     weights = tmp_path / "model.npz"
     model = GPT(get_config("tiny"), seed=1)
     np.savez(weights, **model.state_dict())
@@ -225,11 +226,11 @@ def test_one_stderr_line_names_the_weights_and_settings_and_stdout_is_the_sample
                       "--top-k", "40", "--seed", "7")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == (f"python -m minizero.sample: {weights} (2 layers, 2 heads, width 16, context 16, "
-                           f"{model.num_parameters():,} parameters, float32); 12 tokens, temperature 0.5, top-k 40, "
+                           f"{model.num_parameters():,} parameters, float32)\n  12 tokens, temperature 0.5, top-k 40, "
                            f"seed 7, device cpu\n")
     assert proc.stdout.startswith("Th") and "minizero.sample" not in proc.stdout
     default = run_sample("--weights", str(weights), "--tokens", "3")
-    assert "; 3 tokens, temperature 0.8, top-k all, seed 0, device cpu\n" in default.stderr
+    assert "float32)\n  3 tokens, temperature 0.8, top-k all, seed 0, device cpu\n" in default.stderr
 
 
 def test_cli_temperature_zero_runs_greedy(tmp_path):

@@ -195,7 +195,8 @@ def main(argv=None) -> int:
                                       f"({type(e).__name__}: {e}); the checkpoint is damaged") from None
             if sidecar is not None:
                 write_model_json(os.path.dirname(sidecar), cfg)
-            print(f"wrote {args.out}: {tensor_count(state)} from {folder}" + (f", and {sidecar}" if sidecar else ""))
+            written = f"{args.out} and {sidecar}" if sidecar else args.out
+            print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
         for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)
