@@ -46,7 +46,7 @@ def main() -> int:
               f"continuation data: {args.data}; {args.steps} steps, batch 8, lr 1e-3, LoRA rank {args.lora_rank} "
               "alpha 16 on c_attn, c_proj, c_fc\n")
         return finetune_main(["--weights", weights, "--data", args.data, "--table", "--steps", str(args.steps),
-                              "--lora-rank", str(args.lora_rank)])
+                              "--lora-rank", str(args.lora_rank), "--progress", "none"])  # the table only
 
 
 if __name__ == "__main__":

@@ -27,15 +27,18 @@ from minizero.autograd.rng import batch_rows, manual_seed, reserve
 from minizero.data import data_digest, eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
+from minizero.comm.collectives import all_reduce
 from minizero.faults import FaultInjector
+from minizero.finetune_report import format_table, rose_note  # noqa: F401 (tests import them from here)
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.layout_checks import launch
-from minizero.ledger import MemoryLedger, get_ledger, set_ledger, wrap
+from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
+from minizero.progress import MODES, Progress
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.lora_tp import (counts_in_norm, gather_merged, nf4_shard_refusal, nf4_tensor_parallel_sizes,
                                        tensor_parallel_lora)
@@ -76,6 +79,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
                    "any one message or collective may wait for a peer before the job is ended, naming the rank")
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
     p.add_argument("--json", default=None, help="write the measurements here")
+    p.add_argument("--progress", default="auto", choices=MODES, help="rank 0's live progress: a bar on a terminal "
+                   "(auto), else a line every steps/15 (log), or none")
     return p
 
 
@@ -143,7 +148,7 @@ def check(args) -> None:
         check_output(args.json, inputs=inputs)
 
 
-def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
+def finetune(args, method: str, tokens, comm=None, progress=None) -> tuple[dict, object, dict]:
     """Fine-tune one copy of the weights by ``method``; returns (the table row, the model, its merged state dict).
 
     ``comm``: None (one process) or a Communicator (collective: every rank calls): each rank takes its B/N rows
@@ -157,7 +162,7 @@ def finetune(args, method: str, tokens, comm=None) -> tuple[dict, object, dict]:
     outer = get_ledger()
     set_ledger(MemoryLedger())  # this method's bytes only (the caller's ledger is back on return)
     try:
-        return _finetune(args, method, tokens, comm)
+        return _finetune(args, method, tokens, comm, progress)
     finally:
         set_ledger(outer)
 
@@ -174,7 +179,7 @@ def _optimizer(args, model, method, comm, tp=False):
     return dp, AdamW(params, lr=args.lr, weight_decay=0.0)
 
 
-def _finetune(args, method, tokens, comm):
+def _finetune(args, method, tokens, comm, progress):
     model, _ = load_trained(args.weights)
     cfg = model.config
     train_tok, val_tok = train_val_split(tokens)
@@ -191,12 +196,15 @@ def _finetune(args, method, tokens, comm):
     params = trainable_parameters(model)
     ledger = get_ledger()
     frozen = ledger.current["parameters"] - sum(int(p.data.nbytes) for p in params)
-    sync, opt = _optimizer(args, model, method, comm if topo is None else topo.dp_comm, topo is not None)
+    sync_comm = comm if topo is None else topo.dp_comm
+    sync, opt = _optimizer(args, model, method, sync_comm, topo is not None)
     world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
     dp_world, dp_rank = (world, rank) if topo is None else (topo.dp, topo.dp_rank)
     rows = slice(dp_rank * args.batch_size // dp_world, (dp_rank + 1) * args.batch_size // dp_world)
     fault = FaultInjector.from_environment(rank, params)  # MINIZERO_FAULT, as in the main job's loop
     manual_seed(args.seed * 1000)  # dropout: one generator everywhere, masks addressed by site and row (rng.py)
+    if progress is not None:
+        progress.start_clock()  # tok/s and ETA from the first step, as the main job's
     for step in range(args.steps):
         fault.on_step_start(None, step)
         x, y = global_batch(train_tok, step, args.batch_size, cfg.block_size, args.seed)
@@ -213,6 +221,9 @@ def _finetune(args, method, tokens, comm):
             clip_grad_norm_(params, 1.0, norm_sq)
         opt.step()
         opt.zero_grad()
+        if progress is not None:  # the step's loss, the mean over the data ranks (one all-reduce of a float)
+            mean = backend.to_host(loss.data).reshape(1) / dp_world
+            progress.step(step, float(mean[0] if dp_world == 1 else all_reduce(sync_comm, mean)[0]), args.lr)
         Interrupts.check()  # a Ctrl-C dropped in a weakref callback (the ledger's releases) stops here
     whole = [p.size * (1 if topo is None or is_tensor_parallel_duplicate(p) else args.tp) for p in params]
     row = {"method": method, "zero": args.zero, "trainable_parameters": int(sum(whole)),  # the model's, not a shard's
@@ -226,35 +237,6 @@ def _finetune(args, method, tokens, comm):
         if topo is not None:
             merged = gather_merged(merged, model, topo.tp_comm)
     return row, model, merged
-
-
-def format_table(rows: list) -> str:
-    lines = [f"{'method':<7} {'trainable':>10} {'frozen B':>12} {'trainable B':>12} {'optimizer B':>12} "
-             f"{'B/param':>8}  {'val before':>10} {'val base':>9} {'val after':>10}"]
-    for r in rows:
-        per = (r["frozen_bytes"] + r["trainable_bytes"] + r["optimizer_bytes"]) / r["num_parameters"]
-        lines.append(f"{r['method']:<7} {r['trainable_parameters']:>10,} {r['frozen_bytes']:>12,} "
-                     f"{r['trainable_bytes']:>12,} {r['optimizer_bytes']:>12,} {per:>8.3f}  "
-                     f"{r['val_before']:>10.4f} {r['val_base']:>9.4f} {r['val_after']:>10.4f}")
-    lines += ["trainable: parameters trained; B: bytes per rank (the ledger) of the frozen weights, the trained",
-              "  weights and Adam's state; B/param: their sum over the model's "
-              f"{rows[0]['num_parameters']:,} parameters",
-              "val: validation loss (nats per byte) of the loaded weights (before), of the weights training starts",
-              "  from (base: qlora's NF4 copy, the others' the loaded weights) and of the fine-tuned model (after)"]
-    return "\n".join(lines)
-
-
-def rose_note(rows: list, lr: float, steps: int) -> list[str]:
-    """The note (wrapped lines; [] when none) naming the methods that ended above the validation loss they started
-    from (``val_after > val_base``), and why: a constant ``--lr`` with no warmup moves every trained weight by
-    about lr in Adam's first steps (m / sqrt(v) is about +-1 there), and a few steps do not make up for it."""
-    rose = [f"{r['method']} ({r['val_base']:.4f} -> {r['val_after']:.4f})" for r in rows
-            if not r["val_after"] <= r["val_base"]]  # NaN too: diverged
-    if not rose:
-        return []
-    return wrap(f"note: {', '.join(rose)} ended above the loss training started from: the constant --lr {lr:g} "
-                f"(no warmup) moves every trained weight by about lr in Adam's first steps, and {steps} step(s) do "
-                "not make up for it; give more --steps (the loss comes back down) or a smaller --lr")
 
 
 def _world(zero: int, timeout: float):
@@ -361,7 +343,12 @@ def _run(args, world, tokens, model0) -> int:
         rows, state = [], None
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the one-line NaN diagnosis below
             for method in (METHODS if args.table else (args.method,)):
-                row, _, state = finetune(args, method, tokens, comm)
+                shown = Progress(args.progress if rank == 0 else "none", args.steps,
+                                 args.batch_size * model0.config.block_size)
+                if args.table and shown.mode != "none":
+                    print(f"--method {method}", flush=True)  # the table's runs one after another
+                row, _, state = finetune(args, method, tokens, comm, progress=shown)
+                shown.close()
                 rows.append(row)
     except (FileNotFoundError, ValueError) as e:  # the same on every rank: the checks ran before any message
         if world.Get_size() > 1:  # unless it is not: every_rank_ends names the rank and ends the job

@@ -12,6 +12,7 @@
 * Bad input (tp not dividing the ranks or heads, a shard that is not whole NF4 blocks) is one line, exit 2.
 """
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from minizero.nn.gpt import GPTConfig
 from minizero.nn.lora import LoRALinear, add_lora
 from minizero.parallel.lora_tp import tensor_parallel_lora
 from minizero.parallel.tensor_parallel import shard_array
+from minizero.progress import Progress
 from tests.conftest import REPO_ROOT, mpi_env
 
 #: one block of width 128: every shard at tp 2 is whole NF4 blocks (c_proj's rows: 64 elements per rank)
@@ -283,3 +285,18 @@ def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr
         assert proc.stdout == "", proc.stdout  # nothing ran
+
+
+def test_progress_shows_the_step_loss_averaged_over_the_data_ranks(base):
+    """finetune's --progress (rank 0's lines): 2 data ranks print one process's losses (each rank's own half of
+    the batch before the all-reduce of the loss)."""
+    tokens = load_tokens(str(base[1]))
+
+    def shown(comm):
+        buf = io.StringIO()
+        mode = "log" if comm is None or comm.rank == 0 else "none"
+        finetune(_args(base), "lora", tokens, comm, progress=Progress(mode, 3, 64, every=1, out=buf))
+        return [line.split("  lr")[0] for line in buf.getvalue().splitlines()]
+
+    one = shown(None)
+    assert len(one) == 3 and one[0].startswith("step 1/3  loss ") and run_in_threads(2, shown)[0] == one
