@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters")
     memory.add_argument("--dp-shard", type=integer, default=None, metavar="N",
                         help="hybrid sharding: ZeRO shards over groups of N consecutive data ranks and replicates "
-                             "across the dp/N groups (FSDP HYBRID_SHARD, MiCS); N divides dp (default dp)")
+                             "across the dp/N groups (FSDP HYBRID_SHARD, MiCS); N divides dp, N x cp a multiple of "
+                             "--ep (default dp)")
     memory.add_argument("--show-shards", action="store_true", help="print the ZeRO shard map (needs --zero 1-3)")
     numerics.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                           help="fp16: FP16 parameters/activations/gradients, FP32 master weights and Adam state, "

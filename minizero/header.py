@@ -75,10 +75,12 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.zero:
         sharded = {1: "optimizer state", 2: "optimizer state and gradients",
                    3: "optimizer state, gradients and parameters"}[args.zero]
-        experts = (f" (the experts' over the {topo.dp // args.ep} rank(s) of their expert-data group)"
+        hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py
+        experts = (f" (the experts' over the {(args.dp_shard * args.cp if hybrid else topo.dp) // args.ep} rank(s) "
+                   f"of their expert-data group{' in a group' if hybrid else ''})"
                    if args.moe_experts and args.ep > 1 else "")
         group = f"the {topo.dp} rank(s) of the data group"
-        if args.dp_shard is not None and args.dp_shard < args.dp:  # zero/hybrid.py
+        if hybrid:
             cp = f" x their cp {args.cp} = {args.dp_shard * args.cp} ranks" if args.cp > 1 else ""
             group = (f"groups of {args.dp_shard} consecutive data rank(s){cp}, replicated across the "
                      f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "

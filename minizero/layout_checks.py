@@ -21,7 +21,7 @@ def launch(ranks: int, prog: str, exact: bool = False) -> str:
 
 def check_zero(args) -> None:
     """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, < dp
-    only with ZeRO, not with --ep > 1 (with --cp a shard group is N data ranks' cp ranks)."""
+    only with ZeRO, a multiple of ep in data ranks (with --cp a shard group is N data ranks' cp ranks)."""
     zero = args.zero
     if zero >= 2 and args.pp > 1:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
@@ -37,9 +37,10 @@ def check_zero(args) -> None:
     if n < dp and zero < 1:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
-    if n < dp and args.ep > 1:
-        raise ValueError(f"--dp-shard {n} with --ep {args.ep} is not supported: hybrid sharding splits the plain "
-                         f"data group, expert parallelism its experts (use --dp-shard {dp} or leave it out)")
+    if n < dp and (n * args.cp) % args.ep:
+        ok = [k for k in range(1, dp + 1) if dp % k == 0 and (k * args.cp) % args.ep == 0]
+        raise ValueError(f"--dp-shard {n} with --ep {args.ep}: a shard group's {n * args.cp} data rank(s) must hold "
+                         f"whole expert groups of {args.ep}; allowed: {', '.join(map(str, ok))}")
 
 
 def check_sequence_parallel(args, cfg) -> None:

@@ -153,7 +153,7 @@ def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
              ep=1, cp_attention="ring", shard=None):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
-    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where ep is 1."""
+    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where they hold whole expert groups."""
     m = math.ceil(global_batch / (dp * micro_batch))
     if sched == "interleaved":
         m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
@@ -163,7 +163,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                 continue
             if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
                 continue
-            shards = (None, shard) if zero > 0 and shard and ep == 1 else (None,)
+            shards = (None, shard) if zero > 0 and shard and shard * cp % ep == 0 else (None,)
             for recompute, sp, act_off, dp_shard in itertools.product(
                     RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
                 yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
@@ -347,8 +347,10 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
              (shard is None or dp % shard == 0,
               f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
-             (shard is None or dp % shard or shard == dp or (zero > 0 and ep == 1),
-              f"shard {shard} below dp {dp} needs zero 1-3 and ep 1 (got zero {zero}, ep {ep})"),
+             (shard is None or dp % shard or shard == dp or zero > 0,
+              f"shard {shard} below dp {dp} needs zero 1-3 (got zero {zero})"),
+             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,
+              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group)"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "

@@ -25,6 +25,7 @@ CASES = {
     "ep2-zero3": (2, ["--ep", "2", "--zero", "3"]),
     "ep2-tp2-dp2": (4, ["--ep", "2", "--tp", "2", "--dp", "2"]),
     "ep1-pp2": (2, ["--pp", "2", "--grad-accum", "2"]),
+    "ep2-zero3-dp4-shard2": (4, ["--ep", "2", "--zero", "3", "--dp-shard", "2"]),  # the first shard group writes
 }
 
 
@@ -54,6 +55,20 @@ def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, tmp_path):
     np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
     for k, a in straight["params"].items():
         np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_sharded_experts_resume_on_plain_zero_and_the_other_way(tmp_path):
+    """Saved at --ep 2 --zero 3 --dp-shard 2 on 4 ranks, resumed at --ep 2 --zero 1 (plain); saved plain,
+    resumed hybrid: the same last 3 steps (1e-9)."""
+    hybrid, plain = ["--ep", "2", "--zero", "3", "--dp-shard", "2"], ["--ep", "2", "--zero", "1"]
+    for i, (src, dst) in enumerate([(hybrid, plain), (plain, hybrid)]):
+        folder = tmp_path / str(i)
+        straight = run(4, MOE + src + ["--save-every", "3", "--save-dir", str(folder)])
+        resumed = run(4, MOE + dst + ["--resume", str(folder / "step_00000003")])
+        np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
+        for k, a in straight["params"].items():
+            np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
 
 
 @pytest.mark.timeout(300)

@@ -88,6 +88,10 @@ CASES = {
     "ep4-zero3-dp4": (4, ["--ep", "4", "--zero", "3"], 4),
     "ep2-zero1-pp2-dp2": (4, ["--ep", "2", "--zero", "1", "--pp", "2", "--dp", "2"], 4),
     "ep2-zero3-tp2-dp2": (4, ["--ep", "2", "--zero", "3", "--tp", "2", "--dp", "2"], 2),
+    # hybrid sharding: ZeRO over 2-rank shard groups (the experts over 1 rank of each), replicated twice
+    "ep2-zero1-dp4-shard2": (4, ["--ep", "2", "--zero", "1", "--dp-shard", "2"], 4),
+    "ep2-zero3-dp4-shard2": (4, ["--ep", "2", "--zero", "3", "--dp-shard", "2"], 4),
+    "ep2-zero2-dp8-shard4": (8, ["--ep", "2", "--zero", "2", "--dp-shard", "4"], 8),  # experts over 2 of 4
 }
 
 
@@ -182,6 +186,14 @@ def test_zero3_with_experts_shards_them_over_the_expert_data_group():
         assert r["experts"] == r["expected"]  # E/ep = 2 experts' w1 (C, 4C) and w2 (4C, C) in every layer
         assert 0 <= r["experts_padded"] - r["experts"] < 2 * 4  # each MoE layer's unit padded to a multiple of 2
         assert r["parameters"] == (r["dense_padded"] // 4 + r["experts_padded"] // 2) * 8  # float64 shards
+
+
+def test_hybrid_sharding_with_experts_shards_both_parts_over_the_shard_group():
+    """--ep 2 --zero 3 --dp-shard 2 on 4 data ranks: dense parameters over the 2-rank shard group, the rank's
+    experts over the 1 rank of it that holds them, both replicated on the other group."""
+    for r in run_in_threads(4, _expert_zero_bytes, ["--ep", "2", "--zero", "3", "--dp-shard", "2"], timeout=240):
+        assert r["groups"] == (2, 1)
+        assert r["parameters"] == (r["dense_padded"] // 2 + r["experts_padded"]) * 8
 
 
 def _parameters_after_the_run(comm, flags):

@@ -19,7 +19,8 @@ from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
-from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+from minizero.memory.estimator import (Strategy, comm_bytes_per_step, estimate_memory, stage_expert_parameters,
+                                       stage_parameters)
 from minizero.models import get_model
 from minizero.nn import GPT, Parameter, get_config
 from minizero.plan_search import Hardware, step_time
@@ -118,7 +119,8 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "0"], "--dp-shard 0 must divide"),
     (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
     (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
-    (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"], "--dp-shard 1 with --ep 2 is not supported")])
+    (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"],
+     "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4")])
 def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *argv], D)
@@ -201,11 +203,30 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert hybrid["step_time_s"]["dp"] < plain["step_time_s"]["dp"]
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp16 zero3 shard8")
     assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
-    for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3 and ep 1 (got zero 0, ep 1)"),
+    for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3 (got zero 0)"),
                        ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
                        ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
+
+
+def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
+    """mixtral-8x7b on 32 GPUs, ep 4, ZeRO-3: over shard groups of 8 data ranks the experts' shard is 1/2 (the 2 of 8
+    holding them), over all 32 it is 1/8; the dense part 1/8 vs 1/32; a shard group that splits an expert group
+    (shard 2 with ep 4) is refused in one line."""
+    argv = ["--model", "mixtral-8x7b", "--gpus", "32", "--gpu-memory", "80GB", "--json", "--strategy"]
+    rows = {}
+    for text in ("dp32 ep4 zero3", "dp32 ep4 zero3 shard8"):
+        code, out, err = run_main(capsys, *argv, text)
+        assert code == 0, err
+        rows[text] = json.loads(out)["candidates"][0]["memory_bytes"]["parameters"]
+    m, st = get_model("mixtral-8x7b"), Strategy(dp=32, ep=4, zero=3)
+    experts = stage_expert_parameters(m, st)  # one rank's E/ep experts
+    dense = stage_parameters(m, st) - experts
+    for text, n in (("dp32 ep4 zero3", 32), ("dp32 ep4 zero3 shard8", 8)):  # 2-byte parameters (mixed precision)
+        assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
+    assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
 
 
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
@@ -227,6 +248,9 @@ def test_header_names_the_shard_and_replica_groups():
     assert "groups of 1 consecutive data rank(s) x their cp 2 = 2 ranks, replicated across the 2 groups" in cp
     assert run_techniques(parse_args(argv[:-2] + ["--cp", "2", "--dp-shard", "1"], D)).endswith(
         "ZeRO-2 hybrid (shard 1 x cp 2 x replicate 2), fp32")
+    moe = " ".join(run_in_threads(D, _train_logged, argv + ["--moe-experts", "2", "--ep", "2"])[0].split())
+    assert ("replicated across the 2 groups (hybrid sharding: gradients reduce-scattered in a group, then all-reduced "
+            "across) (the experts' over the 1 rank(s) of their expert-data group in a group)") in moe
 
 
 def _group_names(comm):

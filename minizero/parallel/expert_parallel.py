@@ -33,6 +33,7 @@ from minizero.nn.module import Module, ModuleDict
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.moe import MoELayer
 from minizero.zero import zero_optimizer
+from minizero.zero.hybrid import hybrid_groups
 
 MAX_EXPERTS = 1024  #: --moe-experts cap (each rank draws every expert at start), a checkpoint's layout.moe_experts too
 MOE_EVERY = (1, 2)  #: --moe-every choices: an MoE layer in every block, or every other block
@@ -177,18 +178,25 @@ class ExpertZero:
     """ZeRO with experts (a ZeRO stage's interfaces): ``dense``, a ZeRO optimizer of the non-expert parameters
     over ``dp_comm`` (D ranks); ``experts``, one of this rank's E/ep experts over ``edp_comm`` (D/ep ranks),
     a unit per MoE layer, its mean times 1/ep (``predivided``, FP16: both sum). ``kw``: ZeroOptimizer's.
+    Hybrid sharding (zero/hybrid.py): ``dp_comm`` is the N-rank shard group and ``replicas`` its replica group;
+    the experts then shard over the N/ep ranks of the shard group that hold them (consecutive in ``edp_comm``,
+    split here), replicated across the same R = D/N groups. N must be a multiple of ep.
     Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5."""
 
-    shards_state = True
-
-    def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, **kw):
+    def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, replicas=None,
+                 **kw):
         layers = {n.replace(".", "_"): m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
-        self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided,
+        self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided, replicas=replicas,
                                     include=lambda p: not is_expert(p), **kw)
-        self.experts = zero_optimizer(ModuleDict(layers), edp_comm, zero_stage, predivided=predivided,
-                                      include=is_expert, **kw)
+        shard, expert_replicas = hybrid_groups(edp_comm, dp_comm.world_size // ep, ("edp_shard", "edp_replicate"))
+        self.experts = zero_optimizer(ModuleDict(layers), shard, zero_stage, predivided=predivided,
+                                      replicas=expert_replicas, include=is_expert, **kw)
         self.scale = 1.0 if predivided else 1.0 / ep
         self.parts = (self.dense, self.experts)
+
+    @property
+    def shards_state(self) -> bool:  # the first shard group writes (both parts' replica rank 0 are its ranks)
+        return self.dense.shards_state
 
     @property
     def step_count(self) -> int:

@@ -290,7 +290,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                   overlap_reduce=args.overlap, predivided=predivided,
                   check_order=True if args.debug_collectives else None)  # None: the env switch
         if ep_comm is not None:  # experts sharded over their expert-data group (expert_parallel.py)
-            dp, opt = None, ExpertZero(stage, topo.dp_comm, edp_comm, args.ep, args.zero, **kw)
+            dp, opt = None, ExpertZero(stage, shard_comm, edp_comm, args.ep, args.zero, replicas=replicas, **kw)
         else:
             dp, opt = None, zero_optimizer(stage, shard_comm, args.zero, replicas=replicas, **kw)
     elif ep_comm is not None:

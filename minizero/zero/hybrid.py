@@ -19,9 +19,9 @@ from minizero.optim.used_parameters import used_anywhere
 from minizero.zero.shards import model_state_formula
 
 
-def hybrid_groups(comm, shard: int):
-    """Collective over the data group ``comm``: (shard group, replica group or None when ``shard`` = D).
-    Raises ValueError: ``shard`` does not divide D."""
+def hybrid_groups(comm, shard: int, names=("dp_shard", "dp_replicate")):
+    """Collective over the data group ``comm``: (shard group, replica group or None when ``shard`` = D); ``names``:
+    the flight recorder's for the two. Raises ValueError: ``shard`` does not divide D."""
     d, r = comm.world_size, comm.rank
     if shard < 1 or d % shard:
         raise ValueError(f"shard degree {shard} must be >= 1 and divide the data group's {d} ranks")
@@ -30,7 +30,7 @@ def hybrid_groups(comm, shard: int):
     groups = comm.split(color=r // shard, key=r), comm.split(color=r % shard, key=r)
     recorder = comm.traffic.active_recorder()  # the flight recorder's names (and --debug-collectives' check)
     if recorder is not None:
-        for name, group, members in zip(("dp_shard", "dp_replicate"), groups,
+        for name, group, members in zip(names, groups,
                                         (range(r - r % shard, r - r % shard + shard), range(r % shard, d, shard))):
             recorder.name_group(group, name, [comm.world_rank(k) for k in members])
     return groups

@@ -1,7 +1,8 @@
 """ZeRO with MoE blocks (``"minizero"`` accounting): the units backward opens and reduces, replayed event by event.
 
 With ``ep`` > 1 (``ExpertZero``, parallel/expert_parallel.py) two ZeRO optimizers run: the dense parameters over the
-N data ranks, each MoE layer's E/ep experts (whole under tp) over the N/ep expert-data ranks, each with its own
+N data ranks, each MoE layer's E/ep experts (whole under tp) over the N/ep expert-data ranks (hybrid sharding: N is
+the shard group, zero/hybrid.py, and each shard is then all-reduced over the R replicas), each with its own
 buckets, reduce-scatters and gathers. Backward opens a block's dense unit, then its MoE unit (the MLP runs last in the
 block), reduces the MoE unit, then the dense one. Blocking, a bucket lives from open to reduce and a reduce-scatter's
 scratch only during the call. Overlapped (``Strategy.overlap``, N > 1): per optimizer the last reduced buckets
@@ -26,8 +27,8 @@ def uses_expert_zero(m: ModelShape, st: Strategy) -> bool:
     return bool(m.experts) and st.ep > 1 and st.zero >= 1
 
 
-def _ranks(st: Strategy) -> dict:
-    return {"dense": st.data_ranks, "experts": st.data_ranks // st.ep}
+def _ranks(st: Strategy) -> dict:  # each optimizer's shard group (hybrid sharding: N and N/ep)
+    return {"dense": st.shard_ranks, "experts": st.expert_shard_ranks}
 
 
 def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]:
@@ -66,13 +67,14 @@ def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]
 def moe_zero_peaks(m: ModelShape, st: Strategy, stage: int) -> dict:
     """Elements alive at once at their peaks on a rank of ``stage``: {"buckets": gradient buckets (ZeRO 2-3),
     "scratch": receive chunks (overlapped: both optimizers' in flight; blocking: the largest call's),
-    "gathered": ZeRO-3's gathered units}."""
+    "gathered": ZeRO-3's gathered units, "shard": the largest unit's shard (hybrid sharding's replica hop)}."""
     ranks = _ranks(st)
     units, events = backward_units(m, st, stage)
     overlapped = {p: st.overlap and st.zero >= 2 and n > 1 for p, n in ranks.items()}
     order = {p: [u for kind, u in events if kind == "open" and units[u][0] == p] for p in ranks}
     open_, flight, gathered = set(), {p: [] for p in ranks}, set()
     peaks = dict.fromkeys(("buckets", "scratch", "gathered"), 0)
+    peaks["shard"] = max((padded // ranks[part] for part, padded in units), default=0)
     for kind, u in events:
         part, padded = units[u]
         if kind == "open":

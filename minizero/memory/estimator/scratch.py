@@ -70,8 +70,9 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         out.append(all_reduce_scratch(n, g, dp))
     tp_scratch = all_reduce_scratch(st.micro_batch * m.seq_len * m.hidden, e, t) if t > 1 else 0
     if dp > 1 and st.zero >= 1 and uses_expert_zero(m, st):  # two optimizers (estimator/expert_zero.py)
-        chunks = moe_zero_peaks(m, st, stage)["scratch"] * g
-        out.append(chunks + tp_scratch if st.overlap and st.zero >= 2 else chunks)
+        peaks = moe_zero_peaks(m, st, stage)
+        chunks, replica = peaks["scratch"] * g, all_reduce_scratch(peaks["shard"], g, st.replicas)  # hybrid: a bound
+        out.append(chunks + max(tp_scratch, replica) if st.overlap and st.zero >= 2 else max(chunks, replica))
     elif dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group
         if stage == 0:

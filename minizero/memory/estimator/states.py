@@ -64,12 +64,12 @@ def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel:
                       accounting: str = "paper") -> dict:
     """:func:`model_state_bytes` of stage ``stage``: the dense part over the N shard ranks (all data ranks, or
     ``dp_shard`` under hybrid sharding) plus the routed experts
-    (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertDataParallel``)."""
+    (:func:`stage_expert_parameters`) over N/ep (DeepSpeed-MoE; minizero's ``ExpertZero``)."""
     st = strategy
     psi = stage_parameters(model, st, stage, vocab_parallel, accounting)
     experts = stage_expert_parameters(model, st, stage, accounting)
     dense = model_state_bytes(psi - experts, st.shard_ranks, st.zero, st.precision, st.optimizer)  # --dp-shard N
     if not experts:
         return dense
-    routed = model_state_bytes(experts, st.data_ranks // st.ep, st.zero, st.precision, st.optimizer)
+    routed = model_state_bytes(experts, st.expert_shard_ranks, st.zero, st.precision, st.optimizer)
     return {k: dense[k] + routed[k] for k in dense}

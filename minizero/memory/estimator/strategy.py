@@ -69,6 +69,11 @@ class Strategy:
         return self.dp_shard * self.cp if self.dp_shard is not None and self.dp_shard < self.dp else self.data_ranks
 
     @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks ZeRO shards a routed expert over: N/ep, the shard ranks that hold it (DeepSpeed-MoE)."""
+        return self.shard_ranks // self.ep
+
+    @property
     def replicas(self) -> int:
         """R = data_ranks / N: the shard groups each ZeRO shard is replicated on (1 without hybrid sharding)."""
         return self.data_ranks // self.shard_ranks
@@ -104,9 +109,9 @@ class Strategy:
             n = self.dp_shard
             if not isinstance(n, int) or n < 1 or self.dp % n:
                 raise ValueError(f"Strategy.dp_shard={n!r} must be None or a positive divisor of dp={self.dp}")
-            if n < self.dp and (self.zero < 1 or self.ep > 1):
-                raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1 and ep = 1; "
-                                 f"got zero={self.zero}, ep={self.ep}")
+            if n < self.dp and (self.zero < 1 or n * self.cp % self.ep):
+                raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1 and "
+                                 f"dp_shard x cp a multiple of ep; got zero={self.zero}, cp={self.cp}, ep={self.ep}")
         if self.dp % self.ep:
             raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if model is not None:

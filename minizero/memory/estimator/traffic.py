@@ -22,10 +22,10 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
     P, G: the stage's parameter and gradient bytes on this rank; N data ranks; m micro-batches; e itemsize.
     ``dp``: ZeRO 0 2(N-1)/N G; ZeRO 1 (N-1)/N (G + P); ZeRO 2 (N-1)/N (m G + P); ZeRO 3 m(N-1)/N (2P + G) (ZeRO, section
-    7); the routed experts' P and G over their N/ep expert-data ranks instead; ``dp_shard``: N = dp_shard x cp,
-    + 2(R-1)/R G/N across R replicas per reduce. ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per layer and
-    micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2), plus the vocab-parallel embedding's and
-    head's (sequence parallelism: Korthikanti et al.'s count, the same bytes; it leaves out the re-gathers for dW in
+    7); the routed experts' P and G over their N/ep expert-data ranks instead; ``dp_shard``: N = dp_shard x cp, +
+    2(R-1)/R G/N (experts: G/(N/ep)) across R replicas per reduce. ``ep``: :func:`expert_all_to_all_bytes`. ``tp``: per
+    layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2), plus the vocab-parallel embedding's
+    and head's (sequence parallelism: Korthikanti et al.'s count, the same bytes; it leaves out the re-gathers for dW in
     backward that Megatron-LM and minizero send); ``"minizero"``: :func:`tensor_parallel_bytes`, what the trainer sends.
     ``pp``: per micro-batch and chunk sbh e / t each way, plus the tied embedding's gradient. ``cp``:
     :func:`ring_attention_bytes` (or, for ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and
@@ -39,12 +39,13 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     st = strategy.validate(m)
     s = seq_len or m.seq_len
     pb, gbytes, e, _ = element_bytes(st)
-    n, t, mb, c = st.data_ranks, st.tp, st.micro_batches, st.cp
+    t, mb, c = st.tp, st.micro_batches, st.cp
     psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
     experts = stage_expert_parameters(m, st, stage, accounting)  # whole under tp in "minizero"'s
     dp = _zero_bytes(pb * (psi - experts), gbytes * (psi - experts), st.shard_ranks, st.zero, mb) \
         + _replica_bytes(gbytes * (psi - experts), st, mb) \
-        + _zero_bytes(pb * experts, gbytes * experts, n // st.ep, st.zero, mb)
+        + _zero_bytes(pb * experts, gbytes * experts, st.expert_shard_ranks, st.zero, mb) \
+        + _replica_bytes(gbytes * experts, st, mb, st.expert_shard_ranks)
     x = e * (s // c) * st.micro_batch * m.hidden  # one (b, s/cp, h) activation, bytes
     layers = m.n_layer // st.pp
     tp = 0.0
@@ -146,16 +147,19 @@ def replica_bytes(model, strategy: Strategy, stage: int = 0, accounting: str = "
     """The part of :func:`comm_bytes_per_step`'s ``"dp"`` a rank sends across the replicas under hybrid sharding
     (``strategy.dp_shard``; 0 without): the plan's step time puts it on the slower link."""
     m, st = as_shape(model), strategy
-    psi = stage_parameters(m, st, stage, accounting=accounting) - stage_expert_parameters(m, st, stage, accounting)
-    return _replica_bytes(element_bytes(st)[1] * psi, st, st.micro_batches)
+    experts = stage_expert_parameters(m, st, stage, accounting)
+    psi, gbytes = stage_parameters(m, st, stage, accounting=accounting) - experts, element_bytes(st)[1]
+    return _replica_bytes(gbytes * psi, st, st.micro_batches) \
+        + _replica_bytes(gbytes * experts, st, st.micro_batches, st.expert_shard_ranks)
 
 
-def _replica_bytes(G: float, st: Strategy, mb: int) -> float:
-    """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/N gradient shard over the
-    R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3)."""
-    if st.replicas == 1:
+def _replica_bytes(G: float, st: Strategy, mb: int, n: int | None = None) -> float:
+    """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/n gradient shard over the
+    R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3); ``n``: the shard group (N, or N/ep for the
+    routed experts)."""
+    if st.replicas == 1 or not G:
         return 0.0
-    return (1 if st.zero == 1 else mb) * 2 * _ring(st.replicas) * G / st.shard_ranks
+    return (1 if st.zero == 1 else mb) * 2 * _ring(st.replicas) * G / (n or st.shard_ranks)
 
 
 def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
