@@ -85,12 +85,8 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
             group = (f"groups of {args.dp_shard} consecutive data rank(s){cp}, replicated across the "
                      f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "
                      "then all-reduced across)")
-        zeros = getattr(s.opt, "parts", (s.opt,))  # MoE's ExpertZero: the dense and the experts' ZeRO
-        overlap = [w for w, attr in (("reduce-scatters overlap backward", "overlap_reduce"),
-                                     ("the next unit's all-gather is prefetched", "prefetch"))
-                   if any(getattr(z, attr, False) for z in zeros)]  # as built: not for 1 rank, native or INT8 comm
         lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over {group}{experts}"
-                     + "".join(f"; {w}" for w in overlap))
+                     + "".join(f"; {w}" for w in s.opt.overlap_words()))
     also = [w for w, here in (
         (f"activation recompute {args.recompute}"
          + (f" (every {args.recompute_every}-th block)" if args.recompute_every > 1 else ""), args.recompute != "none"),

@@ -137,6 +137,23 @@ def shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int,
     return (rank * length, tp * length, out_f if row_parallel else stride, length)
 
 
+def tensor_parallel_sizes(ranks: int, divided, nf4_splits=()) -> list[int]:
+    """The tensor-parallel sizes t on ``ranks`` ranks, ascending (1 always): t divides ``ranks`` and each size in
+    ``divided`` (heads, widths) and cuts each weight of ``nf4_splits`` ((name, (out, in), stride, row_parallel),
+    none for a float base) into whole NF4 blocks per rank (:func:`shard_runs`)."""
+    sizes = []
+    for t in range(1, min((ranks, *divided)) + 1):
+        if ranks % t or any(d % t for d in divided):
+            continue
+        try:
+            for _, shape, stride, row_parallel in nf4_splits if t > 1 else ():  # one shard: the whole's blocks
+                shard_runs(shape, stride, row_parallel, t)
+            sizes.append(t)
+        except ValueError:
+            pass
+    return sizes
+
+
 class NF4Shard(NF4Tensor):
     """A shard of a weight as NF4, quantized as the whole weight's blocks: runs of whole blocks of 64.
 

@@ -19,8 +19,10 @@ import math
 import re
 import sys
 
-from minizero.memory.estimator import PRECISIONS, Strategy, element_bytes, lora_activation_bytes, lora_state_bytes
+from minizero.memory.estimator import (PRECISIONS, Strategy, adapted_splits, element_bytes, lora_activation_bytes,
+                                       lora_state_bytes)
 from minizero.models import MODELS, get_model
+from minizero.nf4 import tensor_parallel_sizes
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
@@ -135,19 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fine_tune_tps(model, args) -> list[int]:
-    """The --tp a fine-tune of ``model`` takes on --gpus: dividing the GPUs, heads and widths (qlora: whole NF4
-    blocks per shard, as finetune's refusal lists them)."""
-    ok = []
-    for t in range(1, model.n_head + 1):
-        if args.gpus % t or model.n_head % t or model.hidden % t or model.ffn_hidden % t:
-            continue
-        try:
-            if args.finetune == "qlora" and t > 1:
-                lora_state_bytes(model, args.lora_rank, base="nf4", tp=t)
-            ok.append(t)
-        except ValueError:  # a shard of partial NF4 blocks
-            pass
-    return ok
+    """The --tp a fine-tune of ``model`` takes on --gpus (:func:`minizero.nf4.tensor_parallel_sizes`): dividing the
+    GPUs, heads and widths (qlora: whole NF4 blocks per shard, as finetune's refusal lists them)."""
+    nf4 = adapted_splits(model) if args.finetune == "qlora" else ()
+    return tensor_parallel_sizes(args.gpus, (model.n_head, model.hidden, model.ffn_hidden), nf4)
 
 
 def _check(parser, args):

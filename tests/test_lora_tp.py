@@ -28,7 +28,7 @@ from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.estimator import lora_activation_bytes, lora_state_bytes
 from minizero.memory.estimator.lora import nf4_shard_bytes, nf4_shard_runs
 from minizero.nf4 import NF4Shard, NF4Tensor, block_absmax, nf4_shard_nbytes
-from minizero.nn import GPT, get_config
+from minizero.nn import GPT, PRESETS, get_config
 from minizero.nn.gpt import GPTConfig
 from minizero.nn.lora import LoRALinear, add_lora
 from minizero.parallel.lora_tp import tensor_parallel_lora
@@ -243,6 +243,48 @@ def test_the_tensor_parallel_sizes_qlora_can_take_are_listed():
     assert nf4_tensor_parallel_sizes(get_config("tiny"), 2) == [1]  # (16, 16) rows: no shard is whole blocks
     assert nf4_tensor_parallel_sizes(get_config("default"), 8) == [1, 2]  # 4 heads; (128, 128) / 4: runs of 32
     assert nf4_tensor_parallel_sizes(get_config("default"), 8, ("c_attn", "c_fc")) == [1, 2, 4]
+
+
+def _fits_nf4(model, t) -> bool:
+    try:
+        lora_state_bytes(model, 8, base="nf4", tp=t)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("name, ranks", [("tiny", 2), ("default", 8), ("small", 4), ("gpt2", 12),
+                                         ("llama2-7b", 8), ("llama3-70b", 16), ("gpt3-175b", 96)])
+def test_one_rule_lists_the_tp_for_plan_and_finetune(name, ranks):
+    """Before: plan probed the estimator's ``lora_state_bytes`` and finetune looped over ``nf4_shard_refusal``, one
+    question asked twice; ``nf4.tensor_parallel_sizes`` on the sizes alone gives both callers' old answers."""
+    from minizero.memory.estimator import adapted_splits, as_shape
+    from minizero.models import get_model
+    from minizero.nf4 import tensor_parallel_sizes
+    from minizero.parallel.lora_tp import nf4_shard_refusal, nf4_tensor_parallel_sizes
+    from minizero.plan import _fine_tune_tps
+    m = as_shape(get_config(name)) if name in PRESETS else get_model(name)
+    widths = (m.n_head, m.hidden, m.ffn_hidden)
+    for method in ("lora", "qlora"):  # plan's old loop
+        old = [t for t in range(1, m.n_head + 1) if not any(n % t for n in (ranks, *widths))
+               and (method == "lora" or t == 1 or _fits_nf4(m, t))]
+        nf4 = adapted_splits(m) if method == "qlora" else ()
+        assert tensor_parallel_sizes(ranks, widths, nf4) == old
+        assert _fine_tune_tps(m, dataclasses.make_dataclass("A", ["gpus", "finetune"])(ranks, method)) == old
+    if name in PRESETS:  # finetune's old loop, on minizero's GPT
+        cfg = get_config(name)
+        old = [t for t in range(1, ranks + 1) if ranks % t == 0 and cfg.n_head % t == 0
+               and (t == 1 or nf4_shard_refusal(cfg, t) is None)]
+        assert tensor_parallel_sizes(ranks, (cfg.n_head,), adapted_splits(cfg)) == old
+        assert nf4_tensor_parallel_sizes(cfg, ranks) == old
+
+
+def test_the_rule_checks_nf4_blocks_only_when_split():
+    from minizero.nf4 import tensor_parallel_sizes
+    whole = [("w", (16, 16), 1, True)]  # 16 elements per row: no split of it is whole blocks of 64
+    assert tensor_parallel_sizes(4, (4, 16), whole) == [1]
+    assert tensor_parallel_sizes(4, (4, 16)) == [1, 2, 4]
+    assert tensor_parallel_sizes(16, (16,), [("w", (128, 256), 1, True)]) == [1, 2, 4]  # runs of 256 / t
 
 
 def _finetune_cli(mpiexec, n, *argv, timeout=240):

@@ -218,6 +218,31 @@ def _zero_steps(comm, stage, overlap_reduce, dtype):
         return {k: v.copy() for k, v in model.state_dict().items()}, tracer.events, opt.overlap_reduce
 
 
+def _overlap_words(comm, stage, overlap, native, ep):
+    from minizero.parallel.expert_parallel import ExpertZero, MoEConfig, expert_groups, use_moe
+    model = GPT(get_config("tiny", dtype="float64"), seed=1)
+    kw = dict(overlap_reduce=overlap, prefetch=overlap, native=native)
+    if ep == 1:
+        return zero_optimizer(model, comm, stage, **kw).overlap_words()
+    ep_comm, edp_comm = expert_groups(comm, ep)  # the experts' data group: 1 rank, which cannot overlap
+    use_moe(model, MoEConfig(4, top_k=2), 0, ep_comm)
+    opt = ExpertZero(model, comm, edp_comm, ep, stage, **kw)
+    return opt.overlap_words(), [part.overlap_words() for part in opt.parts]
+
+
+REDUCE, PREFETCH = "reduce-scatters overlap backward", "the next unit's all-gather is prefetched"
+
+
+@pytest.mark.parametrize("stage, overlap, native, words", [
+    (1, True, False, []), (2, True, False, [REDUCE]), (3, True, False, [REDUCE, PREFETCH]),
+    (3, False, False, []), (3, True, True, [])])  # native: MPI's blocking collectives
+def test_a_zero_optimizer_says_what_it_overlaps_as_built(stage, overlap, native, words):
+    """Before: the run header read ``overlap_reduce``, ``prefetch`` and ExpertZero's ``parts`` by getattr."""
+    assert run_in_threads(2, _overlap_words, stage, overlap, native, 1) == [words, words]
+    if stage > 1 and not native:  # ExpertZero: either part's words, once (here the dense part's)
+        assert run_in_threads(2, _overlap_words, stage, overlap, native, 2) == [(words, [words, []])] * 2
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,dtype", [(2, "float64"), (2, "float32"), (3, "float64")])
 def test_zero_overlapped_reduce_scatter_is_bitwise_and_in_flight_during_backward(stage, dtype):

@@ -229,6 +229,10 @@ class ExpertZero:
     def bytes_per_step(self, steps: int | None = None) -> float:
         return sum(part.bytes_per_step(steps) for part in self.parts)
 
+    def overlap_words(self) -> list[str]:
+        """Either part's :meth:`~minizero.zero.base.ZeroOptimizer.overlap_words`, once each."""
+        return list(dict.fromkeys(w for part in self.parts for w in part.overlap_words()))
+
     def set_lr(self, lr: float) -> None:
         for part in self.parts:
             part.set_lr(lr)

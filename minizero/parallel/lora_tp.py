@@ -24,7 +24,7 @@ from __future__ import annotations
 from minizero import backend
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
-from minizero.nf4 import NF4Shard, block_absmax, shard_runs
+from minizero.nf4 import NF4Shard, block_absmax, shard_runs, tensor_parallel_sizes
 from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, wrap_linear
 from minizero.nn.module import Module, Parameter
 from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _mark,
@@ -132,17 +132,20 @@ class TensorParallelWrap:
         return LoRALinear(base, in_f, out_f, r, alpha, rng, dtype, adapter=adapter)
 
 
+def _adapted_splits(cfg, targets) -> list[tuple[str, tuple[int, int], int, bool]]:
+    """(name, (out, in), stride, row_parallel) of each weight of ``cfg``'s GPT block that ``targets`` adapt."""
+    c = cfg.n_embd
+    return [(name, shape, stride, row) for key, name, shape, stride, row in (
+        ("c_attn", "attn.c_attn", (3 * c, c), 3, False), ("c_proj", "attn.c_proj", (c, c), 1, True),
+        ("c_fc", "mlp.c_fc", (4 * c, c), 1, False), ("c_proj", "mlp.c_proj", (c, 4 * c), 1, True)) if key in targets]
+
+
 def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
     """None, or one line (:func:`minizero.nf4.shard_runs`): an adapted weight of ``cfg``'s GPT whose shards at
     ``tp`` are not whole NF4 blocks, which QLoRA would quantize across shards (every rank checks the same config)."""
-    c = cfg.n_embd
-    for key, name, shape, stride, row in (("c_attn", "attn.c_attn", (3 * c, c), 3, False),
-                                          ("c_proj", "attn.c_proj", (c, c), 1, True),
-                                          ("c_fc", "mlp.c_fc", (4 * c, c), 1, False),
-                                          ("c_proj", "mlp.c_proj", (c, 4 * c), 1, True)):
+    for name, shape, stride, row in _adapted_splits(cfg, targets):
         try:
-            if key in targets:
-                shard_runs(shape, stride, row, tp, name=f"the {name}")
+            shard_runs(shape, stride, row, tp, name=f"the {name}")
         except ValueError as e:
             return f"{e}: QLoRA would quantize blocks across shards"
     return None
@@ -150,9 +153,8 @@ def nf4_shard_refusal(cfg, tp: int, targets=TARGETS) -> str | None:
 
 def nf4_tensor_parallel_sizes(cfg, world: int, targets=TARGETS) -> list[int]:
     """The tensor-parallel sizes QLoRA can take on ``world`` ranks for ``cfg``'s GPT: those dividing the ranks and
-    the heads whose shards are whole NF4 blocks (:func:`nf4_shard_refusal` None); 1 always."""
-    return [t for t in range(1, world + 1) if world % t == 0 and cfg.n_head % t == 0
-            and (t == 1 or nf4_shard_refusal(cfg, t, targets) is None)]  # one shard: the whole weight's blocks
+    the heads whose shards are whole NF4 blocks (:func:`minizero.nf4.tensor_parallel_sizes`); 1 always."""
+    return tensor_parallel_sizes(world, (cfg.n_head,), _adapted_splits(cfg, targets))
 
 
 def tensor_parallel_lora(model: Module, comm, r: int, alpha: float, targets=TARGETS, base: str = "nf4",

@@ -65,7 +65,6 @@ class ZeroOptimizer:
     """
 
     stage = 0  # set by each stage's class
-    prefetch = overlap_reduce = False  # stages 3 and 2-3 set their own
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
@@ -278,6 +277,11 @@ class ZeroOptimizer:
         if not self.step_bytes:
             return 0.0
         return sum(sum(s[ph] for ph in STEP_PHASES) for s in self.step_bytes) / len(self.step_bytes)
+
+    def overlap_words(self) -> list[str]:
+        """What this optimizer overlaps with computation, as built, in the run header's words (stages 2-3 add
+        theirs; none on 1 rank or over native or INT8 collectives, which block)."""
+        return []
 
     @property
     def shards_state(self) -> bool:

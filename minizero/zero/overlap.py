@@ -40,7 +40,8 @@ class OverlappedReduceScatter:
 
     def start(self, st, flat) -> None:
         """Submit the reduce-scatter of unit ``st``'s (padded,) bucket ``flat`` (consumed); when retired, the
-        mean chunk is added into ``st.grad_shard``. First retires buckets down to ``REDUCE_BUCKETS - 1``."""
+        mean chunk is added into ``st.grad_shard``. First retires the oldest until ``REDUCE_BUCKETS - 2`` are in
+        flight: with this one and the bucket backward fills next, ``REDUCE_BUCKETS`` are alive."""
         while len(self.in_flight) >= REDUCE_BUCKETS - 1:
             self.retire_oldest()
         c = self.collectives
@@ -88,7 +89,8 @@ class Prefetcher:
             self.stream.progress()
 
     def start(self, st, phase: str) -> None:
-        """Start unit ``st``'s all-gather (non-blocking) unless one is pending; the buffer is ``gathered`` now."""
+        """Start unit ``st``'s all-gather (non-blocking) unless one is pending; its buffer counts as ``gathered`` in
+        the ledger from now."""
         if st.index in self.pending:
             return
         c = self.collectives

@@ -53,6 +53,9 @@ class ZeroStage2(ZeroStage1):
         self.overlap_reduce = overlap_reduce and can_overlap(self.collectives)
         self.reducer = OverlappedReduceScatter(self.collectives) if self.overlap_reduce else None
 
+    def overlap_words(self) -> list[str]:
+        return ["reduce-scatters overlap backward"] if self.overlap_reduce else []
+
     def _register_unit_hooks(self, st, module):
         module.register_forward_hook(self._open_bucket_hook(st))
 

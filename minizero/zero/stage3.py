@@ -68,6 +68,9 @@ class ZeroStage3(ZeroStage2):
             for _, m in model.named_modules():  # progress between modules, whichever runs
                 m.register_forward_pre_hook(lambda module, args: self._progress())
 
+    def overlap_words(self) -> list[str]:
+        return super().overlap_words() + (["the next unit's all-gather is prefetched"] if self.prefetch else [])
+
     # ---- set-up: only the owned piece is ever built (meta parameters draw just it: nn/init.py) -----
     def _build_params(self, st, lo, size, dtype):
         st.param_shard = owned_shard(st.params, st.unit.offsets, lo, size, dtype)

@@ -24,20 +24,22 @@ def adapted_matrices(model, targets=LORA_TARGETS) -> list[tuple[int, int]]:
     """(out, in) of every matrix :func:`minizero.nn.lora.add_lora` adapts, all layers, in model order: ``c_attn``
     (h + 2kv, h), ``c_proj`` (h, h) and (h, f), ``c_fc`` (f, h), twice (gate, up) with SwiGLU. Raises ValueError:
     a target outside :data:`LORA_TARGETS`."""
-    return [shape for _, shape, _ in _adapted(model, targets)]
+    return [shape for _, shape, _, _ in adapted_splits(model, targets)]
 
 
-def _adapted(model, targets) -> list[tuple[str, tuple[int, int], int]]:
-    """(name, (out, in), stride) of every adapted matrix; stride 3 for a c_attn of equal Q, K, V (split by part)."""
+def adapted_splits(model, targets=LORA_TARGETS) -> list[tuple[str, tuple[int, int], int, bool]]:
+    """(name, (out, in), stride, row_parallel) of every matrix :func:`adapted_matrices` lists: how tensor
+    parallelism splits it (row-parallel: both c_proj; stride 3: a c_attn of equal Q, K, V, split by part)."""
     m = as_shape(model)
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets:
         raise ValueError(f"LoRA targets {tuple(targets)}: allowed names are {', '.join(LORA_TARGETS)}")
     h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
     up = [("c_fc", (f, h), 1)] * (2 if m.mlp == "swiglu" else 1)
-    layer = [row for row in [("c_attn", (h + 2 * kv, h), 3 if kv == h else 1), ("attn.c_proj", (h, h), 1)] + up
-             + [("mlp.c_proj", (h, f), 1)] if row[0].rpartition(".")[2] in targets]
-    return [row for _ in range(m.n_layer) for row in layer]
+    layer = [(name, shape, stride, name.endswith("c_proj")) for name, shape, stride in
+             [("c_attn", (h + 2 * kv, h), 3 if kv == h else 1), ("attn.c_proj", (h, h), 1)] + up
+             + [("mlp.c_proj", (h, f), 1)] if name.rpartition(".")[2] in targets]
+    return [split for _ in range(m.n_layer) for split in layer]
 
 
 def nf4_shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, tp_rank: int = 0,
@@ -80,13 +82,12 @@ def lora_state_bytes(model, rank: int, targets=LORA_TARGETS, base: str = "nf4", 
     if rank < 1 or base not in LORA_BASES or dp < 1 or zero not in (0, 1, 2, 3) or not 0 <= tp_rank < tp:
         raise ValueError(f"need rank >= 1, base in {LORA_BASES}, dp >= 1, zero in 0..3, 0 <= tp_rank < tp; "
                          f"got rank={rank}, base={base!r}, dp={dp}, zero={zero}, tp={tp}, tp_rank={tp_rank}")
-    mats = _adapted(m, targets)
+    mats = adapted_splits(m, targets)
     psi = m.num_parameters()
     frozen = element * (m.n_layer * m.layer_parameters(tp) + m.embedding_parameters(tp, vocab_parallel=False)
                         + m.head_parameters(tp, vocab_parallel=False)) if tp > 1 else element * psi
     sizes = []
-    for name, (o, i), stride in mats:
-        row = name.endswith("c_proj")
+    for name, (o, i), stride, row in mats:
         if base == "nf4":
             if tp == 1:
                 nf4 = nf4_bytes(o * i)
