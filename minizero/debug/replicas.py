@@ -42,12 +42,13 @@ def _gather(comm, host):  # (world_size, n) on the host: every rank's (n,) ``hos
             comm.world_size, -1)
 
 
-def _first_difference(comm, array) -> int:
-    """Collective over ``comm`` (the failing path only: all of ``array``'s bytes): the first flat element in
-    which some rank's ``array`` differs from rank 0's, bitwise (a NaN equals itself)."""
+def _first_difference(comm, array) -> str:
+    """Collective over ``comm`` (the failing path only: all of ``array``'s bytes): where some rank's ``array``
+    first differs from rank 0's, bitwise (a NaN equals itself), as the message's clause ("" if only the shape)."""
     host = np.ascontiguousarray(backend.to_host(array))
     every = _gather(comm, host.reshape(-1).view(np.uint8))
-    return int(np.flatnonzero((every != every[0]).any(axis=0))[0]) // max(host.itemsize, 1)
+    differ = np.flatnonzero((every != every[0]).any(axis=0))
+    return f", first at element {int(differ[0]) // host.itemsize}" if differ.size else ""
 
 
 def find_mismatch(comm, named_arrays, step: int, members=None, what: str = "parameter",
@@ -69,7 +70,7 @@ def find_mismatch(comm, named_arrays, step: int, members=None, what: str = "para
                 sides.setdefault(int(d), []).append(who[r])
             told = " but ".join(f"rank(s) {ranks} hold digest {d & 0xFFFFFFFFFFFFFFFF:016x}"
                                 for d, ranks in sorted(sides.items(), key=lambda kv: -len(kv[1])))
-            where = f", first at element {_first_difference(comm, named_arrays[j][1])}" if locate else ""
+            where = _first_difference(comm, named_arrays[j][1]) if locate else ""
             return (f"after step {step}: {what} {name!r} {tuple(named_arrays[j][1].shape)} differs across {among} "
                     f"{who}: {told}{where} (--check-replicas)")
     return None
