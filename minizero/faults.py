@@ -2,7 +2,8 @@
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this
 rank's gradients become non-finite) at optimizer step STEP on rank RANK (0-based: STEP 0 is the progress log's step 1),
-or ``diverge`` (after step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted) or ``slow``
+or ``diverge`` (after step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted), or
+``diverge_state`` (so does the first element of its optimizer's first held Adam m, or 8-bit code by 1), or ``slow``
 (from step STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save`` fires inside the
 checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
 post-accumulate-grad hook on every parameter (registered first, so it runs before the hooks with which data parallelism
@@ -18,7 +19,7 @@ import numpy as np
 
 from minizero.callbacks import Callback
 
-FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "slow")
+FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
 SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
@@ -56,7 +57,7 @@ class FaultInjector(Callback):
         self.armed = False
         if self.kind == "slow" and step >= self.step:
             time.sleep(SLOW_S)
-        if step != self.step or self.kind in ("kill_in_save", "diverge", "slow"):
+        if step != self.step or self.kind in ("kill_in_save", "diverge", "diverge_state", "slow"):
             return
         if self.kind == "inf":
             self.armed = True
@@ -71,3 +72,7 @@ class FaultInjector(Callback):
         self.armed = False
         if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
             self.params[0].data.reshape(-1)[0] += 1e-3
+        if step == self.step and self.kind == "diverge_state":
+            held = (getattr(a, "codes", a) for kind, *_, a in run.strategy.opt.state_views() if kind == "m")
+            flat = next(a for a in held if a.size).reshape(-1)  # 8-bit Adam: a QuantizedState's codes
+            flat[:1] += flat.dtype.type(1e-3 if flat.dtype.kind == "f" else 1)

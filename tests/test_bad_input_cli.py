@@ -119,7 +119,7 @@ def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
     ("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "1_000", "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='1_000'; allowed: an integer"),
     ("MINIZERO_FAULT", "٠:0:raise", "MINIZERO_FAULT='٠:0:raise'; expected RANK:STEP:KIND"),
     ("MINIZERO_FAULT", "0:²:raise", "MINIZERO_FAULT='0:²:raise'; expected RANK:STEP:KIND"),
-    ("MINIZERO_FAULT", "0:0:boom", "KIND raise, kill, inf, stop, kill_in_save, diverge or slow"),  # a tuple before
+    ("MINIZERO_FAULT", "0:0:boom", "KIND raise, kill, inf, stop, kill_in_save, diverge, diverge_state or slow"),  # a tuple before
 ])
 def test_non_ascii_digits_in_the_environment_are_refused(monkeypatch, tmp_path, var, value, needle):
     """Before: '٣' read as 3, and '²' (isdigit() but not int()) ended in a traceback."""

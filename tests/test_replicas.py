@@ -1,4 +1,6 @@
 """``--check-replicas``: a replica that drifted is caught, named (parameter, ranks, step); agreeing replicas pass."""
+import re
+
 import numpy as np
 import pytest
 
@@ -91,3 +93,61 @@ def test_the_default_skips_layouts_whose_data_ranks_hold_different_parameters():
     assert parse_args([]).check_replicas is None
     with pytest.raises(ValueError, match="--ep 2 with --check-replicas"):
         parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8)
+
+
+def _state_error(comm, extra):
+    """The ReplicaMismatchError text this rank raised (every rank must raise, or the others would hang)."""
+    try:
+        _train(comm, extra)
+    except ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+HYBRID = ["--zero", "1", "--dp-shard", "2", "--check-replicas", "1"]
+
+
+@pytest.mark.timeout(300)
+def test_a_drifted_optimizer_shard_is_caught_across_the_replica_group_under_hybrid_sharding(monkeypatch):
+    """dp 4, shard groups [0 1] [2 3]: rank 1's first Adam m element moves after 0-based step 1; its replica is
+    rank 3 (the parameters still agree); every data rank stops with the message that names the state."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:1:diverge_state")
+    got = run_in_threads(4, _state_error, HYBRID, timeout=240)
+    assert len(set(got)) == 1 and got[0] is not None, got
+    assert re.match(r"after step 2: optimizer state 'm of [\w.]+\[\d+:\d+\]' \(\d+,\) differs across the replicas "
+                    r"of this optimizer shard \[1, 3\]: rank\(s\) \[1\] hold digest [0-9a-f]{16} but rank\(s\) \[3\] "
+                    r"hold digest [0-9a-f]{16}, first at element 0 \(--check-replicas\)$", got[0]), got[0]
+
+
+@pytest.mark.timeout(300)
+def test_replicas_and_their_optimizer_shards_agree_in_ordinary_hybrid_training():
+    assert run_in_threads(4, _state_error, HYBRID[:1] + ["2"] + HYBRID[2:], timeout=240) == [None] * 4
+
+
+@pytest.mark.timeout(300)
+def test_a_drifted_optimizer_state_is_caught_under_plain_data_parallelism(monkeypatch):
+    monkeypatch.setenv("MINIZERO_FAULT", "1:2:diverge_state")
+    with pytest.raises(ReplicaMismatchError) as e:
+        run_in_threads(2, _train, ["--check-replicas", "1"], timeout=240)
+    msg = str(e.value)
+    assert ("after step 3: optimizer state 'm of transformer.wte.weight' (256, 16) differs across the data-parallel "
+            "replicas [0, 1]: rank(s) [0] hold digest") in msg and "but rank(s) [1] hold" in msg, msg
+    assert msg.endswith(", first at element 0 (--check-replicas)"), msg
+
+
+def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares_no_state():
+    from types import SimpleNamespace
+
+    from minizero.debug.replicas import raise_on_any, state_group
+
+    def fn(comm):
+        try:
+            raise_on_any(comm, "rank 2 saw it" if comm.rank == 2 else "rank 3 too" if comm.rank == 3 else None)
+        except ReplicaMismatchError as e:
+            return str(e)
+
+    assert run_in_threads(4, fn, timeout=10) == ["rank 2 saw it"] * 4
+    assert run_in_threads(2, lambda comm: raise_on_any(comm, None)) == [None, None]
+    data = object()
+    assert state_group(SimpleNamespace(replicas=None, shards_state=True), data) is None  # plain ZeRO: held once
+    assert state_group(SimpleNamespace(shards_state=False), data) is data  # plain data parallelism: every rank

@@ -1,9 +1,13 @@
-"""Replica consistency (``--check-replicas N``): every parameter hashed and compared across the data group.
+"""Replica consistency (``--check-replicas N``): parameters and optimizer state hashed and compared across the
+ranks that must hold them equal.
 
 Data-parallel replicas must hold bit-identical parameters; one that drifted (a parameter updated on one rank
 only, a bit flip) trains on silently. Each rank hashes each parameter (BLAKE2b, 8 bytes), the data group
 all-gathers the digests, and the first parameter that differs is named with both sides' ranks and the step.
-Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``.
+Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``. The optimizer state (m, v or 8-bit
+codes and absmax, masters, the step) is compared so over the ranks holding the same state: the data group
+(plain DP), the replica group (hybrid ZeRO: plus one int64 per data rank, so that all stop), none (plain ZeRO:
+each shard is held once). A skipped replica all-reduce desynchronises states steps before the parameters.
 """
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ import numpy as np
 from minizero import backend
 from minizero.callbacks import Callback
 from minizero.comm.collectives import all_gather
+from minizero.zero.hybrid import replica_members
+
+DATA_REPLICAS = "the data-parallel replicas"
+SHARD_REPLICAS = "the replicas of this optimizer shard"
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -28,23 +36,31 @@ def digest(array) -> int:
     return int(np.frombuffer(h.digest(), dtype=np.int64)[0])
 
 
-def check_replicas(comm, named_arrays, step: int, members=None) -> int:
-    """Compare every array of ``named_arrays`` (``[(name, array)]``, the same names in the same order on every
-    rank) across ``comm``, the group whose ranks must hold them equal; returns how many were compared.
+def _gather(comm, host):  # (world_size, n) on the host: every rank's (n,) ``host``, under ``replica_check``
+    with comm.traffic.op("replica_check"):
+        return backend.to_host(all_gather(comm, backend.to_device(np.ascontiguousarray(host)))).reshape(
+            comm.world_size, -1)
 
-    Collective over ``comm``: one all-gather of ``len(named_arrays)`` int64 digests per rank, counted under
-    the traffic label ``replica_check``. ``members``: the world ranks of ``comm``'s ranks, for the message.
-    Raises:
-        ReplicaMismatchError (on every rank): the first array whose digests differ, each digest's ranks, ``step``
-            (named as given: the loop passes the progress log's step number, 1-based).
-        ValueError: ranks gave different numbers of arrays (the all-gather's size check).
+
+def _first_difference(comm, array) -> str:
+    """Collective over ``comm`` (the failing path only: all of ``array``'s bytes): where some rank's ``array``
+    first differs from rank 0's, bitwise (a NaN equals itself), as the message's clause ("" if only the shape)."""
+    host = np.ascontiguousarray(backend.to_host(array))
+    every = _gather(comm, host.reshape(-1).view(np.uint8))
+    differ = np.flatnonzero((every != every[0]).any(axis=0))
+    return f", first at element {int(differ[0]) // host.itemsize}" if differ.size else ""
+
+
+def find_mismatch(comm, named_arrays, step: int, members=None, what: str = "parameter",
+                  among: str = DATA_REPLICAS, locate: bool = False) -> str | None:
+    """The message naming the first array of ``named_arrays`` whose digests differ across ``comm``, or None.
+    Collective over ``comm``: one all-gather of ``len(named_arrays)`` int64 digests per rank (``replica_check``);
+    ``locate``: on a mismatch, one of that array's bytes too. ``members``: ``comm``'s world ranks, for the message.
     """
     names = [name for name, _ in named_arrays]
-    mine = np.array([digest(a) for _, a in named_arrays], dtype=np.int64)
     if comm.world_size == 1 or not names:
-        return len(names)
-    with comm.traffic.op("replica_check"):
-        every = backend.to_host(all_gather(comm, backend.to_device(mine))).reshape(comm.world_size, len(names))
+        return None
+    every = _gather(comm, np.array([digest(a) for _, a in named_arrays], dtype=np.int64))
     who = list(members) if members is not None else list(range(comm.world_size))
     for j, name in enumerate(names):
         column = every[:, j]
@@ -54,15 +70,68 @@ def check_replicas(comm, named_arrays, step: int, members=None) -> int:
                 sides.setdefault(int(d), []).append(who[r])
             told = " but ".join(f"rank(s) {ranks} hold digest {d & 0xFFFFFFFFFFFFFFFF:016x}"
                                 for d, ranks in sorted(sides.items(), key=lambda kv: -len(kv[1])))
-            raise ReplicaMismatchError(f"after step {step}: parameter {name!r} {tuple(named_arrays[j][1].shape)} "
-                                       f"differs across the data-parallel replicas {who}: {told} (--check-replicas)")
-    return len(names)
+            where = _first_difference(comm, named_arrays[j][1]) if locate else ""
+            return (f"after step {step}: {what} {name!r} {tuple(named_arrays[j][1].shape)} differs across {among} "
+                    f"{who}: {told}{where} (--check-replicas)")
+    return None
+
+
+def check_replicas(comm, named_arrays, step: int, members=None, what: str = "parameter",
+                   among: str = DATA_REPLICAS, locate: bool = False) -> int:
+    """Compare every array of ``named_arrays`` (``[(name, array)]``, the same names in the same order on every
+    rank) across ``comm``, the group whose ranks must hold them equal (:func:`find_mismatch`); returns how many.
+    Raises:
+        ReplicaMismatchError (on every rank): the first array whose digests differ, each digest's ranks, ``step``
+            (named as given: the loop passes the progress log's step number, 1-based).
+        ValueError: ranks gave different numbers of arrays (the all-gather's size check).
+    """
+    error = find_mismatch(comm, named_arrays, step, members, what, among, locate)
+    if error is not None:
+        raise ReplicaMismatchError(error)
+    return len(named_arrays)
+
+
+def raise_on_any(comm, error: str | None) -> None:
+    """Collective over ``comm``: one all-gather of an int64 per rank (the length of its ``error``); where some
+    rank has one, a second of the longest's bytes, and every rank raises the lowest such rank's error."""
+    text = b"" if error is None else error.encode()
+    lengths = _gather(comm, np.array([len(text)], np.int64))[:, 0]
+    if not lengths.any():
+        return
+    mine = np.zeros(int(lengths.max()), np.uint8)
+    mine[:len(text)] = np.frombuffer(text, np.uint8)
+    first = int(np.flatnonzero(lengths)[0])
+    raise ReplicaMismatchError(_gather(comm, mine)[first, :lengths[first]].tobytes().decode())
+
+
+def optimizer_state(opt, names: dict) -> list:
+    """``[(name, array)]``: the optimizer state this rank holds, as a checkpoint writes it (``state_views``;
+    parameters left out: the parameter check has them), then Adam's step count. ``names``: id(param) -> name."""
+    out = []
+    for kind, p, lo, hi, a in opt.state_views(save=True):
+        if kind == "param":
+            continue
+        label = f"{kind} of {names.get(id(p), '?')}" + ("" if (lo, hi) == (0, int(p.size)) else f"[{lo}:{hi}]")
+        if hasattr(a, "codes"):  # 8-bit Adam's QuantizedState
+            out += [(f"{label} codes", a.codes), (f"{label} absmax", a.absmax)]
+        else:
+            out.append((label, a))
+    return out + [("step", np.array([opt.step_count], np.int64))]
+
+
+def state_group(opt, data_comm):
+    """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
+    replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
+    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py)
+        return opt.replicas
+    return None if opt.shards_state else data_comm  # expert parallelism's ZeRO shards: held once
 
 
 class ReplicaCheck(Callback):
     """The loop's ``--check-replicas``: :func:`check_replicas` over the data group after every ``every``-th step,
     after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
-    parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather).
+    parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather), then
+    on the optimizer state over :func:`state_group`.
 
     Args:
         every: steps between checks (>= 1), or None for checkpoints and the end only.
@@ -77,10 +146,20 @@ class ReplicaCheck(Callback):
         self.every, self.save_every, self.checked = every, save_every, None
 
     def _check(self, run, step: int) -> None:
-        s = run.strategy
+        s, data = run.strategy, run.strategy.topo.dp_comm
         members = next(g for g in s.topo.all_groups("dp") if run.comm.rank in g)
         with s.full_parameters():
-            check_replicas(s.topo.dp_comm, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
+            check_replicas(data, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
+        group = state_group(s.opt, data)
+        if group is not None:
+            state = optimizer_state(s.opt, {id(p): n for n, p in s.stage.named_parameters()})
+            if group is data:
+                check_replicas(data, state, step + 1, members, "optimizer state", locate=True)
+            else:
+                same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
+                who = [members[k] for k in same] if len(members) == data.world_size else list(same)
+                raise_on_any(data, find_mismatch(group, state, step + 1, who, "optimizer state", SHARD_REPLICAS,
+                                                 locate=True))
         self.checked = step
 
     def on_step_end(self, run, step, record):

@@ -31,9 +31,14 @@ def hybrid_groups(comm, shard: int, names=("dp_shard", "dp_replicate")):
     recorder = comm.traffic.active_recorder()  # the flight recorder's names (and --debug-collectives' check)
     if recorder is not None:
         for name, group, members in zip(names, groups,
-                                        (range(r - r % shard, r - r % shard + shard), range(r % shard, d, shard))):
+                                        (range(r - r % shard, r - r % shard + shard), replica_members(d, shard, r))):
             recorder.name_group(group, name, [comm.world_rank(k) for k in members])
     return groups
+
+
+def replica_members(d: int, shard: int, rank: int) -> range:
+    """Data rank ``rank``'s replica group (D = ``d``, N = ``shard``): the same index in every shard group."""
+    return range(rank % shard, d, shard)
 
 
 def replica_count(replicas) -> int:  # R: how many shard groups hold each shard
