@@ -175,13 +175,11 @@ class ExpertDataParallel:
 
 
 class ExpertZero:
-    """ZeRO with experts (a ZeRO stage's interfaces): ``dense``, a ZeRO optimizer of the non-expert parameters
-    over ``dp_comm`` (D ranks); ``experts``, one of this rank's E/ep experts over ``edp_comm`` (D/ep ranks),
-    a unit per MoE layer, its mean times 1/ep (``predivided``, FP16: both sum). ``kw``: ZeroOptimizer's.
-    Hybrid sharding (zero/hybrid.py): ``dp_comm`` is the N-rank shard group and ``replicas`` its replica group;
-    the experts then shard over the N/ep ranks of the shard group that hold them (consecutive in ``edp_comm``,
-    split here), replicated across the same R = D/N groups. N must be a multiple of ep.
-    Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5."""
+    """ZeRO with experts (a ZeRO stage's interfaces): ``dense``, a ZeRO optimizer of the non-expert parameters over
+    ``dp_comm`` (D ranks, or hybrid sharding's N-rank shard group with ``replicas``, zero/hybrid.py); ``experts``, one
+    of this rank's E/ep experts over its D/ep (hybrid: N/ep, N a multiple of ep) holders in ``edp_comm``, a unit per
+    MoE layer, its mean times 1/ep (``predivided``, FP16: both sum). ``kw``: ZeroOptimizer's. Source: Rajbhandari
+    et al., DeepSpeed-MoE (ICML 2022), section 5."""
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, replicas=None,
                  **kw):

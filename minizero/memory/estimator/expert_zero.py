@@ -1,14 +1,13 @@
 """ZeRO with MoE blocks (``"minizero"`` accounting): the units backward opens and reduces, replayed event by event.
 
-With ``ep`` > 1 (``ExpertZero``, parallel/expert_parallel.py) two ZeRO optimizers run: the dense parameters over the
-N data ranks, each MoE layer's E/ep experts (whole under tp) over the N/ep expert-data ranks (hybrid sharding: N is
-the shard group, zero/hybrid.py, and each shard is then all-reduced over the R replicas), each with its own
-buckets, reduce-scatters and gathers. Backward opens a block's dense unit, then its MoE unit (the MLP runs last in the
-block), reduces the MoE unit, then the dense one. Blocking, a bucket lives from open to reduce and a reduce-scatter's
-scratch only during the call. Overlapped (``Strategy.overlap``, N > 1): per optimizer the last reduced buckets
-stay in flight (:data:`~minizero.zero.overlap.REDUCE_BUCKETS` - 1), each with a receive chunk of ceil(padded/N), and
-opening a unit prefetches the optimizer's next one (ZeRO-3; the expert products' saved slices of the gathered
-experts are handles, zero/stage3.py, so no forward gather outlives its forward).
+With ``ep`` > 1 (``ExpertZero``, parallel/expert_parallel.py) two ZeRO optimizers run: the dense parameters over the N
+data ranks (hybrid sharding: the shard group), each MoE layer's E/ep experts (whole under tp) over the N/ep expert-data
+ranks, each with its own buckets, reduce-scatters and gathers. Backward opens a block's dense unit, then its MoE unit
+(the MLP runs last in the block), reduces the MoE unit, then the dense one. Blocking, a bucket lives from open to reduce
+and a reduce-scatter's scratch only during the call. Overlapped (``Strategy.overlap``, N > 1): per optimizer the last
+reduced buckets stay in flight (:data:`~minizero.zero.overlap.REDUCE_BUCKETS` - 1), each with a receive chunk of
+ceil(padded/N), and opening a unit prefetches the optimizer's next one (ZeRO-3; the expert products' saved slices of the
+gathered experts are handles, zero/stage3.py, so no forward gather outlives its forward).
 Exact against the ledgers (tests/test_estimator_moe.py; under tp the scratch, with the tensor group's, a bound).
 """
 from __future__ import annotations

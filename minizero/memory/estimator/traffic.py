@@ -154,9 +154,8 @@ def replica_bytes(model, strategy: Strategy, stage: int = 0, accounting: str = "
 
 
 def _replica_bytes(G: float, st: Strategy, mb: int, n: int | None = None) -> float:
-    """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/n gradient shard over the
-    R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3); ``n``: the shard group (N, or N/ep for the
-    routed experts)."""
+    """Hybrid sharding's second hop (zero/hybrid.py): the ring all-reduce of each rank's G/n gradient shard (n: N, or
+    N/ep for routed experts) over the R replicas, once a step (ZeRO-1) or once a micro-batch (ZeRO 2-3)."""
     if st.replicas == 1 or not G:
         return 0.0
     return (1 if st.zero == 1 else mb) * 2 * _ring(st.replicas) * G / (n or st.shard_ranks)
