@@ -622,6 +622,30 @@ def test_nonblocking_wait_times_out_naming_the_neighbour():
         run_in_threads(2, body, timeout=0.5)
 
 
+@pytest.mark.timeout(30)
+def test_a_stream_waits_for_one_collective_and_names_it_when_a_neighbour_never_joins():
+    """``Stream.wait_for`` (ZeRO's overlapped reduce-scatters and prefetches): advances the queue until the awaited
+    collective is done, and times out naming what was awaited and the peer the running collective waits on."""
+    from minizero.comm import CommTimeoutError
+    from minizero.comm.nonblocking import RingCollective, Stream
+
+    def body(comm):
+        stream = Stream(comm)
+        colls = [RingCollective(comm, np.full(4, 1.0 + i), "all_reduce", tag=80 + i) for i in range(2)]
+        for c in colls:
+            stream.submit(c)
+        stream.wait_for(colls[1])  # the first one runs (and ends) before it
+        assert [c.done for c in colls] == [True, True] and colls[1].buf.tolist() == [4.0] * 4
+        if comm.rank == 0:
+            stream.submit(late := RingCollective(comm, np.ones(4), "all_reduce", tag=90))
+            stream.wait_for(late, "prefetch of 'h.0'")
+        else:
+            time.sleep(1.5)
+
+    with pytest.raises(CommTimeoutError, match=r"^\[rank 0/2\] rank 0: prefetch of 'h.0' waited 0\.5 s for rank 1 "):
+        run_in_threads(2, body, timeout=0.5)
+
+
 # --------------------------------------------------------------------------- waiting: spin, then sleep
 def test_a_wait_spins_without_sleeping_for_spin_s_then_sleeps(monkeypatch):
     from minizero.comm import base

@@ -143,5 +143,11 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait until every submitted collective finished (CommTimeoutError after the comm's timeout)."""
-        _wait_until(self.comm, self.progress, "overlapped collectives",
-                    lambda: self.queue[0][0].waiting_on() if self.queue else None)
+        _wait_until(self.comm, self.progress, "overlapped collectives", self._head_waiting_on)
+
+    def wait_for(self, coll: RingCollective, what: str | None = None) -> None:
+        """Advance the stream until ``coll`` finished (CommTimeoutError naming ``what``, default its name)."""
+        _wait_until(self.comm, lambda: self.progress() or coll.done, what or coll.name, self._head_waiting_on)
+
+    def _head_waiting_on(self) -> int | None:
+        return self.queue[0][0].waiting_on() if self.queue else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.comm.collectives import bytes_sent, mean_scale_, shard_range
-from minizero.comm.nonblocking import RingCollective, Stream, _wait_until
+from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.ledger import get_ledger
 from minizero.zero.hybrid import sum_over_replicas
 
@@ -63,7 +63,7 @@ class OverlappedReduceScatter:
         comm = c.comm
         if not coll.done:
             with comm.traffic.span("wait reduce_scatter"):
-                _wait_until(comm, lambda: self.stream.progress() or coll.done, coll.name, coll.waiting_on)
+                self.stream.wait_for(coll)
         off, size = shard_range(flat.size, comm.world_size, comm.rank)
         mine = flat[off:off + size].copy()
         with c.count("reduce_scatter_grads"):  # nothing sent without replicas
@@ -112,7 +112,5 @@ class Prefetcher:
         if pend is None:
             return None
         coll, full, _ = pend
-        _wait_until(self.collectives.comm, lambda: self.stream.progress() or coll.done,
-                    f"prefetch of {st.unit.name!r}",
-                    lambda: self.stream.queue[0][0].waiting_on() if self.stream.queue else None)
+        self.stream.wait_for(coll, f"prefetch of {st.unit.name!r}")
         return full
