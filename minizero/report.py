@@ -41,6 +41,17 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
 
 
+
+def recompute_note(mode: str, every: int) -> str:
+    """The hotspots' footnote under ``--recompute`` (memory/recompute.py wraps blocks 0, K, 2K, ... of a stage)."""
+    what = "each block's saves" if mode == "full" else "the attention cores' scores"
+    if every > 1:
+        what = (f"the {'saves' if mode == 'full' else 'attention scores'} of blocks 0, {every}, {2 * every}, ... "
+                f"(--recompute-every {every}; the other blocks keep theirs)")
+    return textwrap.fill(f"(--recompute {mode}: {what} exist only while backward recomputes them, one at a time)",
+                         100, initial_indent="  ", subsequent_indent="    ")
+
+
 def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
     """Collective: every rank's ledger snapshot, process peak and bytes sent, via the hand-written all-gather.
 
@@ -165,8 +176,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time
-        what = "each block's saves" if args.recompute == "full" else "the attention cores' scores"
-        print(f"  (--recompute {args.recompute}: {what} exist only while backward recomputes them, one at a time)")
+        print(recompute_note(args.recompute, args.recompute_every))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()

@@ -174,3 +174,22 @@ def test_recompute_and_offload_bitwise_under_dp_and_zero(zero, n, tmp_path):
             assert len(got[r]) == len(ref[r])
             for i, (a, b) in enumerate(zip(ref[r], got[r])):
                 np.testing.assert_array_equal(a, b, err_msg=f"{recompute}/{every}/{offload}, rank {r}, array {i}")
+
+
+def test_the_hotspot_note_names_the_recomputed_blocks_under_recompute_every():
+    """The main job's footnote under the activation hotspots: with --recompute-every K only blocks 0, K, 2K, ...
+    (apply_recompute's [::K]) drop their saves; it said "each block's" for any K."""
+    from minizero.memory.recompute import apply_recompute
+    from minizero.nn import GPT, get_config
+    from minizero.report import recompute_note
+
+    model = GPT(get_config("tiny"), seed=0)
+    wrapped = apply_recompute(model, "full", every=2)
+    assert len(wrapped) == 1 and wrapped[0].endswith("h.0")  # tiny: 2 blocks, block 0 only
+    assert " ".join(recompute_note("full", 1).split()) == ("(--recompute full: each block's saves exist only while "
+                                                          "backward recomputes them, one at a time)")
+    note = " ".join(recompute_note("full", 2).split())
+    assert "the saves of blocks 0, 2, 4, ... (--recompute-every 2; the other blocks keep theirs)" in note
+    assert "attention scores of blocks 0, 3, 6, ..." in " ".join(recompute_note("selective", 3).split())
+    assert all(len(line) <= 100 for m in ("full", "selective") for k in (1, 2, 16)
+               for line in recompute_note(m, k).splitlines())
