@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-DEFAULT_CAPACITY = 2000  #: entries kept per rank (PyTorch's flight recorder keeps the last 2000 too)
+DEFAULT_CAPACITY = 2000  #: entries kept per rank (the TORCH_NCCL_TRACE_BUFFER_SIZE PyTorch's tutorial sets)
 _CHECK_TAG = 1400  #: tag of the descriptor exchange of ``check_collectives`` (apart from every other tag in minizero)
 _LABEL_BYTES, _MAX_DIMS = 48, 6
 
