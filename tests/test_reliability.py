@@ -476,3 +476,15 @@ def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiex
     proc = subprocess.run(base + ["--json", "/dev/null"], env=mpi_env(), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert os.stat("/dev/null").st_ino == before.st_ino
+
+
+def test_fault_spec_naming_a_rank_of_a_one_process_job_says_one_rank(monkeypatch):
+    """Before: 'this job has ranks 0..0'."""
+    from minizero.args import check_fault_spec
+
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:raise")
+    with pytest.raises(UsageError, match=r"names rank 1; this job has one rank, 0$"):
+        check_fault_spec(1, 4)
+    monkeypatch.setenv("MINIZERO_FAULT", "3:0:raise")
+    with pytest.raises(UsageError, match=r"names rank 3; this job has ranks 0\.\.2$"):
+        check_fault_spec(3, 4)
