@@ -105,6 +105,27 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> str:
     return f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else said
 
 
+ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indented line of its own
+
+
+def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
+    """``prog: error: message`` for each line of ``message``, each cut into lines of <= ``width`` columns (the
+    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half). The words
+    are the message's: the lines joined with one space are ``prog: error: message``."""
+    out = []
+    for problem in message.splitlines() or [""]:
+        line = f"{prog}: error: {problem}"
+        while len(line) > width:
+            cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
+            cut = next((c for c in cuts if c > width // 2), None)
+            if cut is None:
+                break
+            out.append(line[:cut].rstrip())
+            line = "  " + line[cut:].lstrip()
+        out.append(line)
+    return "\n".join(out)
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse whose ``unrecognized arguments`` message suggests the closest flag (:func:`unrecognized`): every
     program's parser is one."""

@@ -396,3 +396,19 @@ def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
         assert said in str(e.value), e.value
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", str(link / "sub")]) == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks, argv", [
+    (1, ["--tp", "3"]), (1, ["--dp", "2"]), (1, ["--cp", "2"]), (1, ["--dp-shard", "2"]),
+    (2, ["--tp", "2", "--cp", "2"]),
+    (2, ["--attention", "flash", "--cp", "2"]), (1, ["--comm", "nccl"]), (4, ["--dp-shard", "2"]),
+    (1, ["--precision", "fp16", "--dtype", "float64"]), (1, ["--schedule", "zb"])])
+def test_a_long_refusal_of_train_is_printed_in_lines_of_at_most_120_columns(tmp_path, ranks, argv):
+    """Before: one line of up to 292 columns ('--tp 3' on one process: 182). The words stay the message's."""
+    from minizero.numerals import error_lines
+    with pytest.raises(UsageError) as e:
+        parse_args([*TINY, "--out", str(tmp_path / "o"), *argv], ranks)
+    printed = error_lines("python -m minizero.train", str(e.value))
+    assert all(len(line) <= 120 for line in printed.splitlines()), printed
+    assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {e.value}"
+    assert all(line.startswith("  ") for line in printed.splitlines()[1:])
