@@ -50,7 +50,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
-from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real  # noqa: E402
+from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import _machine  # noqa: E402  (the source line every benchmark prints)
@@ -435,7 +435,7 @@ def json_target_problem(path: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = negative_values_reach_checks(argparse.ArgumentParser(
+    p = negative_values_reach_checks(FlagParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce))
     p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
     p.add_argument("--peak-tflops", default=None,

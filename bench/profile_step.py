@@ -51,7 +51,7 @@ import _machine  # noqa: E402
 from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
 
 from minizero.nn import get_config  # noqa: E402
-from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks  # noqa: E402
+from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
 MAX_STEPS = 10_000  #: --steps and --warmup at most this many
@@ -298,7 +298,7 @@ def main_precision(precisions: list, batch: int, steps: int, warmup: int, device
 
 
 def main() -> None:
-    p = negative_values_reach_checks(argparse.ArgumentParser(
+    p = negative_values_reach_checks(FlagParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce))
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
                    "(--precision: 8)")

@@ -17,7 +17,7 @@ from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_lay
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
-from minizero.faults import FAULT_KINDS
+from minizero.faults import spec_problem
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
@@ -25,7 +25,6 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
-from minizero.numerals import is_count
 from minizero.zero.collectives import debug_collectives
 from minizero.output_checks import (check_outputs, check_resume_source, check_save_dir, check_trace,
                                      outside_checkpoints)
@@ -61,25 +60,15 @@ def _check_data(args) -> None:
 
 
 def check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
-    """``MINIZERO_FAULT=RANK:STEP:KIND`` (tests' fault injection) must parse, name a rank < ``world_size``
-    and a step < ``steps`` (each checked when given). The main job calls it with its own sizes; other
-    callers of :func:`parse_args` (compare's estimates) only get the syntax checked.
+    """``MINIZERO_FAULT`` checked by :func:`minizero.faults.spec_problem` (the main job gives its sizes; other
+    callers of :func:`parse_args`, compare's estimates, only get the syntax checked).
 
     Raises:
         UsageError: naming the spec and what this job allows.
     """
     spec = os.environ.get("MINIZERO_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":")
-    if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
-        raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND "
-                         f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}")
-    if world_size is not None and int(parts[0]) >= world_size:
-        raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
-    if steps is not None and int(parts[1]) >= steps:
-        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {int(parts[1])} (0-based: the progress log's step "
-                         f"{int(parts[1]) + 1}); --steps {steps} allows 0..{steps - 1}")
+    if spec and (problem := spec_problem(spec, world_size, steps)):
+        raise UsageError(problem)
 
 
 def _check_loss_scaling(args) -> None:

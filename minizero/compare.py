@@ -28,7 +28,8 @@ from minizero.files import (WriteError, atomic_write, check_output, check_writab
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, description, integer, is_count, negative_values_reach_checks, real
+from minizero.numerals import (DefaultsOnce, FlagParser, description, integer, is_count, negative_values_reach_checks,
+                               real)
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the data-parallel FP32
 #: baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy (host memory *is* device
@@ -80,7 +81,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(FlagParser):
     def error(self, message):
         raise UsageError(message)
 
@@ -216,8 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")
     p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per step")
-    p.add_argument("--strategies", default="all",
-                   help=f"comma list from: {', '.join(STRATEGIES)}; or 'all'")
+    p.add_argument("--strategies", default="all", help=f"comma list from: {', '.join(STRATEGIES)}; or 'all'")
     p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
     p.add_argument("--json", default="OUT/compare.json", help="path of the JSON results (OUT: the --out folder)")
     p.add_argument("--timeout", type=real, default=900.0, help="seconds one training run may take")

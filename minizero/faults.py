@@ -18,13 +18,31 @@ import time
 import numpy as np
 
 from minizero.callbacks import Callback
+from minizero.numerals import is_count
 
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
 SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
+def spec_problem(spec: str, world_size: int | None = None, steps: int | None = None) -> str | None:
+    """What is wrong with ``spec`` (``RANK:STEP:KIND``) as one message, or None: it must parse, name a rank
+    < ``world_size`` and a step < ``steps`` (each checked when given)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
+        kinds = f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
+        return f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND {kinds}"
+    rank, step = int(parts[0]), int(parts[1])
+    if world_size is not None and rank >= world_size:
+        ranks = "one rank, 0" if world_size == 1 else f"ranks 0..{world_size - 1}"
+        return f"MINIZERO_FAULT={spec!r} names rank {rank}; this job has {ranks}"
+    if steps is not None and step >= steps:
+        return (f"MINIZERO_FAULT={spec!r} names step {step} (0-based: the progress log's step {step + 1}); "
+                f"--steps {steps} allows 0..{steps - 1}")
+    return None
+
+
 class FaultInjector(Callback):
-    """The loop's callback for ``MINIZERO_FAULT`` (spec checked by :func:`minizero.args.check_fault_spec`).
+    """The loop's callback for ``MINIZERO_FAULT`` (spec checked by :func:`spec_problem`).
 
     Args:
         rank: this rank (world).

@@ -17,7 +17,7 @@ from minizero.memory.sparsity import SCOPES
 from minizero.nn import PRESETS
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.parallel.expert_parallel import MOE_EVERY
-from minizero.numerals import DefaultsOnce, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.optim import OPTIMIZERS
 from minizero.optim.adam8bit import MAX_BLOCK_SIZE
 from minizero.progress import MODES as PROGRESS_MODES
@@ -28,15 +28,22 @@ class UsageError(ValueError):
     """A bad command-line value; the message names the value and what is allowed."""
 
 
-class _Parser(argparse.ArgumentParser):
-    quiet = False  # ranks other than 0 print no --help
-
-    def print_help(self, file=None):
-        if not self.quiet:
-            super().print_help(file)
-
+class _Parser(OneLineParser):  # a mistyped flag: "did you mean"; ranks other than 0 print no --help (quiet)
     def error(self, message):  # raise instead of exiting, so only rank 0 prints
         raise UsageError(message)
+
+
+#: other programs' names of train's flags (docs/techniques.md: Megatron-LM's, Hugging Face's) -> what a mistyped
+#: flag's "did you mean" names (minizero.numerals.unrecognized; close spellings are found without this table)
+SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "--tensor-parallel": "--tp",
+            "--pipeline-model-parallel-size": "--pp", "--pipeline-parallel": "--pp", "--data-parallel": "--dp",
+            "--context-parallel-size": "--cp", "--global-batch-size": "--batch-size", "--train-iters": "--steps",
+            "--gradient-accumulation-steps": "--grad-accum", "--zero-stage": "--zero", "--seq-length": "--block-size",
+            "--fp16": "--precision fp16", "--bf16": "--precision bf16", "--clip-grad": "--grad-clip",
+            "--recompute-granularity": "--recompute", "--gradient-checkpointing": "--recompute",
+            "--use-flash-attn": "--attention flash", "--warmup-steps": "--warmup", "--load": "--resume",
+            "--save-interval": "--save-every", "--log-interval": "--log-every", "--eval-interval": "--eval-every",
+            "--loss-scale": "--initial-loss-scale"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minizero.train", formatter_class=DefaultsOnce,
         description="Train a small GPT on real text across MPI ranks, with the techniques the flags choose.",
         epilog="docs/techniques.md groups these flags by technique, with DeepSpeed's and Megatron-LM's names."))
+    p.synonyms = SYNONYMS
     # the groups follow docs/techniques.md's table; --help lists each group's flags together
     run = p.add_argument_group("model, data and optimizer (AdamW, warmup + cosine learning rate)")
     layout = p.add_argument_group("batch and rank layout", "world size (the ranks mpirun starts) = dp x cp x tp x "

@@ -8,6 +8,7 @@ refused, named, before any work. Tables print numbers in a fixed width through :
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
 
@@ -75,7 +76,68 @@ def description(doc: str) -> str:
     return doc.split("\n\n")[0].replace("``", "")
 
 
-class OneLineParser(argparse.ArgumentParser):
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its subcommands' parsers."""
+    found = list(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [f for sub in action.choices.values() for f in _flags(sub)]
+    return list(dict.fromkeys(found))
+
+
+def unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> str:
+    """argparse's ``unrecognized arguments: ...``, with the closest flag for each word that looks like one:
+    ``--zer 3`` adds ``(did you mean --zero?)``. Close: difflib's ratio >= 0.7 without the leading dashes, case
+    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate)."""
+    flags, synonyms, hints = _flags(parser), getattr(parser, "synonyms", {}), []
+    bare = {f.lstrip("-"): f for f in flags}
+    for word in words:
+        typed = word.split("=")[0]
+        if not typed.startswith("-") or VALUE_LIKE.match(typed):
+            continue
+        norm = typed.lower().replace("_", "-")
+        close = [bare[m] for m in difflib.get_close_matches(norm.lstrip("-"), bare, n=1, cutoff=0.7)]
+        close = [synonyms[norm]] if norm in synonyms else [m for m in close if m != typed]
+        hints += [(typed, close[0])] if close else []
+    said = f"unrecognized arguments: {' '.join(words)}"
+    if len(hints) == 1:
+        return f"{said} (did you mean {hints[0][1]}?)"
+    return f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else said
+
+
+ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indented line of its own
+
+
+def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
+    """``prog: error: message`` for each line of ``message``, each cut into lines of <= ``width`` columns (the
+    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half). The words
+    are the message's: the lines joined with one space are ``prog: error: message``."""
+    out = []
+    for problem in message.splitlines() or [""]:
+        line = f"{prog}: error: {problem}"
+        while len(line) > width:
+            cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
+            cut = next((c for c in cuts if c > width // 2), None)
+            if cut is None:
+                break
+            out.append(line[:cut].rstrip())
+            line = "  " + line[cut:].lstrip()
+        out.append(line)
+    return "\n".join(out)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose ``unrecognized arguments`` message suggests the closest flag (:func:`unrecognized`): every
+    program's parser is one."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.error(unrecognized(self, extra))
+        return namespace
+
+
+class OneLineParser(FlagParser):
     """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it).
     ``quiet`` (set by a program on launched ranks other than 0): the same exits, nothing printed (once per job)."""
     quiet = False

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=real_as_typed, default="0.8",
                    help="> 0: lower is more predictable; 0: greedy (always the most likely byte, no randomness)")
     p.add_argument("--top-k", type=integer, default=None,
-                   help="draw only among the K most likely bytes (default: all 256, as --top-k 256)")
+                   help="draw only among the K most likely bytes (default: all 256, as --top-k 256); "
+                        "refused with --temperature 0, where it would have no effect")
     p.add_argument("--seed", type=integer, default=0,
                    help="seed of the sampling generator (the main job uses its --seed)")
     p.add_argument("--device", default="cpu", choices=list(backend.DEVICES),
@@ -122,6 +123,9 @@ def check(args) -> str | None:
         return f"--temperature must be 0 (greedy) or a positive finite number, got {typed!r}"
     if args.top_k is not None and not 1 <= args.top_k <= 256:
         return f"--top-k must be in [1, 256] (the byte vocabulary; 256 keeps every byte), got {args.top_k}"
+    if args.top_k is not None and args.temperature == 0:
+        typed = getattr(args.temperature, "text", args.temperature)
+        return f"--top-k {args.top_k} has no effect under greedy --temperature {typed}: drop one of the two"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
     return prompt_problem(args.prompt)

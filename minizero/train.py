@@ -41,6 +41,7 @@ from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
+from minizero.numerals import error_lines
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -249,14 +250,14 @@ def main(argv=None) -> int:
     args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)
     if code is not None:
         if rank == 0 and refusal:
-            for line in refusal.splitlines():  # a damaged manifest: one line per problem
-                print(f"python -m minizero.train: error: {line}", file=sys.stderr, flush=True)
+            # a damaged manifest: one line per problem; a long one goes on over indented lines of <= 120 columns
+            print(error_lines("python -m minizero.train", refusal), file=sys.stderr, flush=True)
         end_set_up(install=False)
         return code
     refusal = _select_device(args, comm, MPI.COMM_WORLD)
     if refusal:
         if rank == 0:
-            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+            print(error_lines("python -m minizero.train", refusal), file=sys.stderr, flush=True)
         end_set_up(install=False)
         return 2
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     end_set_up(install=not refusal)  # from here SIGINT and SIGTERM unwind through the except below
     if refusal:
         if rank == 0:
-            print(f"python -m minizero.train: error: {refusal}", file=sys.stderr, flush=True)
+            print(error_lines("python -m minizero.train", refusal), file=sys.stderr, flush=True)
         return 2
     try:
         if rank == 0:

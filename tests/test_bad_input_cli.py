@@ -359,6 +359,31 @@ def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, 
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["--zer", "3"], "unrecognized arguments: --zer 3 (did you mean --zero?)"),
+    (["--Micro_Batch_Size=4"], "(did you mean --micro-batch-size?)"),  # case and '_' ignored, '=VALUE' too
+    (["--learning-rate", "1e-3"], "unrecognized arguments: --learning-rate 1e-3 (did you mean --lr?)"),  # a synonym
+    (["--fp16", "--stpes", "3"], "(did you mean --precision fp16 for --fp16, --steps for --stpes?)"),
+    (["--tensor-parallel", "2"], "(did you mean --tp?)"),  # difflib alone said --sequence-parallel
+    (["--bogus"], "unrecognized arguments: --bogus")])
+def test_a_mistyped_flag_of_train_gets_a_did_you_mean(argv, hint):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, 1)
+    assert str(e.value).endswith(hint), str(e.value)
+
+
+def test_did_you_mean_in_sample_and_train_synonyms_name_real_flags(capsys):
+    from minizero.flags import SYNONYMS, build_parser
+    from minizero.sample import main as sample_main
+
+    with pytest.raises(SystemExit) as e:
+        sample_main(["--temprature", "0.5", "--tokens", "3"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "python -m minizero.sample: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n")
+    flags = build_parser()._option_string_actions
+    assert all(v.split()[0] in flags and k not in flags for k, v in SYNONYMS.items())
+
+
 def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
     """Before: --out or --save-dir on a link to a missing folder passed the checks, then train and finetune said
     "could not write 'LINK/.lock': File exists" (makedirs on the link)."""
@@ -371,3 +396,19 @@ def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
         assert said in str(e.value), e.value
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", str(link / "sub")]) == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks, argv", [
+    (1, ["--tp", "3"]), (1, ["--dp", "2"]), (1, ["--cp", "2"]), (1, ["--dp-shard", "2"]),
+    (2, ["--tp", "2", "--cp", "2"]),
+    (2, ["--attention", "flash", "--cp", "2"]), (1, ["--comm", "nccl"]), (4, ["--dp-shard", "2"]),
+    (1, ["--precision", "fp16", "--dtype", "float64"]), (1, ["--schedule", "zb"])])
+def test_a_long_refusal_of_train_is_printed_in_lines_of_at_most_120_columns(tmp_path, ranks, argv):
+    """Before: one line of up to 292 columns ('--tp 3' on one process: 182). The words stay the message's."""
+    from minizero.numerals import error_lines
+    with pytest.raises(UsageError) as e:
+        parse_args([*TINY, "--out", str(tmp_path / "o"), *argv], ranks)
+    printed = error_lines("python -m minizero.train", str(e.value))
+    assert all(len(line) <= 120 for line in printed.splitlines()), printed
+    assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {e.value}"
+    assert all(line.startswith("  ") for line in printed.splitlines()[1:])

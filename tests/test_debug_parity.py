@@ -31,6 +31,8 @@ def test_compare_names_the_first_step_and_the_first_parameter():
                         "difference 0.000167 at index (1, 2)"), lines
     assert compare(a, a)[0].startswith("same: 3 steps")
     assert compare(a, a)[0].endswith("(largest parameter difference 0, 'a.w')")  # it named None when all were equal
+    one = dict(a, loss=[2.0], norm=[1.0])
+    assert compare(one, one)[0].startswith("same: 1 step, every loss")  # it said "1 steps"
 
 
 def _parity(*argv):
@@ -68,3 +70,13 @@ def test_a_bad_number_is_refused_by_the_parity_parser_before_any_run(capsys, fla
         main(["parity", "--dp 2", "--tp 2", flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and said in err and "python -m minizero.debug parity: error" in err, err
+
+
+def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
+    """Before: 'unrecognized arguments: --bogus  --x ' (the space that lets a one-flag layout be a LAYOUT)."""
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["parity", "--sequence-parallel", "--tracemalloc", "--bogus", "--x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus --x\n"

@@ -41,6 +41,18 @@ def test_log_lines_every_k_steps_with_every_field():
     assert last.group(8) is None  # no fp16 fields without fp16
 
 
+def test_a_resumed_run_logs_on_the_same_steps_as_an_unresumed_one():
+    """Lines fall on multiples of steps/15 (and the last step) counted from step 0, not from the resume step:
+    405 steps log every 27, so a run resumed at 310 logs 324, 351, 378, 405 as the whole run does."""
+    def logged(start):
+        out = io.StringIO()
+        p = Progress("log", 405, 512, out=out, start_step=start)
+        for s in range(start, 405):
+            p.step(s, 5.0, 1e-3)
+        return [int(LINE.match(line).group(1)) for line in out.getvalue().splitlines()]
+    assert logged(310) == [324, 351, 378, 405] == [s for s in logged(0) if s > 310]
+
+
 def test_fp16_fields_and_log_every():
     out = io.StringIO()
     _drive(Progress("log", 25, 512, every=10, fp16=True, out=out), 25, fp16=True)

@@ -94,8 +94,9 @@ def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, 
     fill(d)
     proc, _ = launch(mpiexec, 2, TINY + ["--out", str(tmp_path / "o"), "--json", str(d / "s.json")], timeout=90)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # refused before work: its lock cannot be written
-    assert proc.stderr == (f"python -m minizero.train: error: --json {str(d / 's.json')!r}: could not write "
-                           f"{str(d / '.s.json.lock')!r}: no space left on device (the disk is full)\n"), proc.stderr
+    said = proc.stderr.replace("\n  ", " ")  # a refusal past 120 columns goes on over indented lines
+    assert said == (f"python -m minizero.train: error: --json {str(d / 's.json')!r}: could not write "
+                    f"{str(d / '.s.json.lock')!r}: no space left on device (the disk is full)\n"), proc.stderr
     assert (d / "s.json").read_text() == '{"good": 1}'
     assert sorted(os.listdir(d)) == ["filler", "s.json"]
 
@@ -160,7 +161,8 @@ def test_second_job_in_a_locked_out_is_refused_by_every_rank(mpiexec, tmp_path):
     finally:
         lock.release()
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count(f"pid {os.getpid()}") == 1 and "in use by another minizero job" in proc.stderr
+    said = proc.stderr.replace("\n  ", " ")  # a refusal past 120 columns goes on over indented lines
+    assert said.count(f"pid {os.getpid()}") == 1 and "in use by another minizero job" in said
     assert not (out / "model.npz").exists() and elapsed < 30
     assert not out.exists()  # released: the lock file is gone, and the folder the lock made with it
 
@@ -476,3 +478,15 @@ def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiex
     proc = subprocess.run(base + ["--json", "/dev/null"], env=mpi_env(), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert os.stat("/dev/null").st_ino == before.st_ino
+
+
+def test_fault_spec_naming_a_rank_of_a_one_process_job_says_one_rank(monkeypatch):
+    """Before: 'this job has ranks 0..0'."""
+    from minizero.args import check_fault_spec
+
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:raise")
+    with pytest.raises(UsageError, match=r"names rank 1; this job has one rank, 0$"):
+        check_fault_spec(1, 4)
+    monkeypatch.setenv("MINIZERO_FAULT", "3:0:raise")
+    with pytest.raises(UsageError, match=r"names rank 3; this job has ranks 0\.\.2$"):
+        check_fault_spec(3, 4)

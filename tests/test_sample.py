@@ -239,3 +239,15 @@ def test_cli_temperature_zero_runs_greedy(tmp_path):
                        "--seed", seed) for seed in ("0", "7")]
     assert all(p.returncode == 0 for p in outs) and "temperature 0," in outs[0].stderr, outs[0].stderr
     assert outs[0].stdout == outs[1].stdout  # no draw: the seed changes nothing
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.0"])
+def test_top_k_under_greedy_is_refused_naming_both_values(temperature):
+    """Greedy takes the largest logit whatever K is: --top-k with --temperature 0 is refused, not silently ignored."""
+    from minizero.sample import build_parser, check
+    parser = build_parser()
+    assert check(parser.parse_args(["--temperature", temperature, "--top-k", "5"])) == (
+        f"--top-k 5 has no effect under greedy --temperature {temperature}: drop one of the two")
+    assert check(parser.parse_args(["--temperature", temperature])) is None
+    assert check(parser.parse_args(["--temperature", "0.5", "--top-k", "5"])) is None
+    assert "refused with --temperature 0" in parser.format_help()

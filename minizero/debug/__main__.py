@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 from minizero.debug import hang, parity, timeline
-from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real,
+                               unrecognized)
 from minizero.interrupts import interruptible, refuse_several_ranks
 
 WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
@@ -34,7 +35,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["parity"]:  # a one-flag layout ("--sequence-parallel") read as parity's option: "LAYOUT required"
         argv[1:] = [w + " " if w.startswith("--") and " " not in w and w.split("=")[0] not in q._option_string_actions
                     else w for w in argv[1:]]
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:  # the words as typed, without the space added above ("--x  --y " before)
+        p.error(unrecognized(p, [w.strip() for w in extra]))
     try:
         if args.command == "parity":
             if args.steps < 1 or args.batch_size < 1 or not 0 < args.tol < float("inf"):  # inf: every pair agrees

@@ -120,6 +120,7 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
                          f"gradient norm {na!r} vs {nb!r} (relative difference {worst:.3g} > {tol:g})")
             break
     steps = len(a["loss"])
+    n_steps = f"{steps} step" + "s" * (steps != 1)
     first, largest = None, (0.0, None)
     for name, pa in a["params"].items():
         pb = b["params"].get(name)
@@ -133,10 +134,10 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
             first = (name, d, np.unravel_index(int(np.argmax(np.abs(pa - pb))), pa.shape))
     if first is not None:
         name, d, at = first
-        lines.append(f"differ: after {steps} steps the first parameter beyond {tol:g} is {name!r} "
+        lines.append(f"differ: after {n_steps} the first parameter beyond {tol:g} is {name!r} "
                      f"{a['params'][name].shape}: relative difference {d:.3g} at index {tuple(int(i) for i in at)}")
     if not lines:
-        lines.append(f"same: {steps} steps, every loss, gradient norm and parameter within {tol:g} "
+        lines.append(f"same: {n_steps}, every loss, gradient norm and parameter within {tol:g} "
                      f"(largest parameter difference {largest[0]:.3g}, {largest[1]!r})")
     return lines
 
