@@ -176,10 +176,19 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 def _state_shard(model: ModelShape, st: Strategy) -> float:
     """Stage 0's elements on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
-    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group (ep = 1 there)
+    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group
     if not experts:
         return math.ceil(stage_parameters(model, st, 0) / d)
     return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)
+
+
+def _gather_after_step(model: ModelShape, st: Strategy) -> float:
+    """Bytes a rank of stage 0 sends in ZeRO 1-2's all-gather after the step (0 otherwise): the dense part over the
+    N shard ranks, the experts over their N/ep holders (hybrid sharding: those of the shard group)."""
+    if st.zero not in (1, 2):
+        return 0.0
+    experts, ns, ne = stage_expert_parameters(model, st, 0), st.shard_ranks, st.expert_shard_ranks
+    return element_bytes(st)[0] * ((ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (ne - 1) / ne * experts)
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
@@ -202,10 +211,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     ep = comm.get("ep", 0) / ep_bw
     dp = 0.0
     if d > 1:
-        pb = element_bytes(st)[0]
-        experts, de = stage_expert_parameters(model, st, 0), d // st.ep  # experts gather over their d/ep ranks
-        gathered = (ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
-        gather_after_step = pb * gathered if st.zero in (1, 2) else 0.0
+        gather_after_step = _gather_after_step(model, st)
         across = replica_bytes(model, st)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
         window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,

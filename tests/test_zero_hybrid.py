@@ -19,8 +19,8 @@ from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
-from minizero.memory.estimator import (Strategy, comm_bytes_per_step, estimate_memory, stage_expert_parameters,
-                                       stage_parameters)
+from minizero.memory.estimator import (Strategy, comm_bytes_per_step, estimate_memory, replica_bytes,
+                                       stage_expert_parameters, stage_parameters)
 from minizero.models import get_model
 from minizero.nn import GPT, Parameter, get_config
 from minizero.plan_search import Hardware, step_time
@@ -229,6 +229,16 @@ def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
         assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
     assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
+
+
+def test_plan_times_the_experts_gather_after_the_step_over_their_holders_in_a_shard_group():
+    """ZeRO-1, mixtral-8x7b, dp 32, ep 4: with the matmuls' window covering the reduce-scatters the dp time is the
+    gather after the step, half the non-replica bytes; under shard 8 the experts gather over 2 ranks, not 32/4."""
+    m, hw = get_model("mixtral-8x7b"), Hardware(flops=1e3)  # the window: far longer than any message
+    for shard, bw in ((None, hw.inter_node_bw), (8, hw.intra_node_bw)):  # a shard group of 8 inside a node
+        st = Strategy(dp=32, ep=4, zero=1, dp_shard=shard, precision="fp32")  # parameters and gradients 4 bytes
+        gathered = (comm_bytes_per_step(m, st, 4096)["dp"] - replica_bytes(m, st)) / 2
+        assert step_time(m, st, hw, 4096)["dp"] == pytest.approx(gathered / bw, rel=1e-12), shard
 
 
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
