@@ -151,3 +151,24 @@ def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares
     data = object()
     assert state_group(SimpleNamespace(replicas=None, shards_state=True), data) is None  # plain ZeRO: held once
     assert state_group(SimpleNamespace(shards_state=False), data) is data  # plain data parallelism: every rank
+
+
+def _expert_state_groups(comm, shard):
+    from minizero.debug.replicas import state_group
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.expert_parallel import ExpertZero, MoEConfig, expert_groups, use_moe
+    from minizero.zero.hybrid import hybrid_groups
+    model = GPT(get_config("tiny", dtype="float64"), seed=1)
+    ep_comm, edp_comm = expert_groups(comm, 2)
+    use_moe(model, MoEConfig(4, top_k=2), 0, ep_comm)
+    shard_comm, replicas = hybrid_groups(comm, shard)
+    group = state_group(ExpertZero(model, shard_comm, edp_comm, 2, 1, replicas=replicas), comm)
+    return None if group is None else group.world_size
+
+
+def test_expert_zero_compares_its_state_over_the_replica_group_on_every_rank():
+    """ep 2 on 4 data ranks: hybrid shard groups of 2 (both parts' replicas are ranks d and d + 2) compare over the
+    2 replicas on every rank; plain ExpertZero holds each shard once. Before, the ranks of the first shard group
+    (they write checkpoints) compared nothing and the others the whole data group: a collective only some joined."""
+    assert run_in_threads(4, _expert_state_groups, 2, timeout=60) == [2] * 4
+    assert run_in_threads(4, _expert_state_groups, 4, timeout=60) == [None] * 4

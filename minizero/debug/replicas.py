@@ -122,9 +122,9 @@ def optimizer_state(opt, names: dict) -> list:
 def state_group(opt, data_comm):
     """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
     replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
-    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py)
+    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py; ExpertZero: both parts' replicas are the dense part's)
         return opt.replicas
-    return None if opt.shards_state else data_comm  # expert parallelism's ZeRO shards: held once
+    return data_comm  # DataParallel's optimizers: every data rank
 
 
 class ReplicaCheck(Callback):
