@@ -7,7 +7,7 @@ all-gathers the digests, and the first parameter that differs is named with both
 Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``. The optimizer state (m, v or 8-bit
 codes and absmax, masters, the step) is compared so over the ranks holding the same state: the data group
 (plain DP), the replica group (hybrid ZeRO: plus one int64 per data rank, so that all stop), none (plain ZeRO:
-each shard is held once). A skipped replica all-reduce desynchronises states steps before the parameters.
+each shard is held once). A state that drifted is named before the next update carries it into the parameters.
 """
 from __future__ import annotations
 
