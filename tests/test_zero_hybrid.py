@@ -262,7 +262,7 @@ def test_header_names_the_shard_and_replica_groups():
         "ZeRO-2 hybrid (shard 1 x cp 2 x replicate 2), fp32")
     moe = " ".join(run_in_threads(D, _train_logged, argv + ["--moe-experts", "2", "--ep", "2"])[0].split())
     assert ("replicated across the 2 groups (hybrid sharding: gradients reduce-scattered in a group, then all-reduced "
-            "across) (the experts' over the 1 rank(s) of their expert-data group in a group)") in moe
+            "across) (the experts' over the 1 rank(s) of a group that hold them)") in moe
 
 
 def _group_names(comm):
