@@ -229,6 +229,8 @@ def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
         assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
     assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep16 zero1 shard8")  # the ep is what is wrong
+    assert code == 2 and "ep 16 must divide mixtral-8x7b's 8 experts" in err and err.count("\n") == 1, err
 
 
 def test_plan_times_the_experts_gather_after_the_step_over_their_holders_in_a_shard_group():
