@@ -122,7 +122,8 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"],
      "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4"),
     (["--zero", "1", "--dp-shard", "2", "--ep", "8", "--moe-experts", "8"],  # not an empty "allowed:" list
-     "--ep 8 must divide the data-parallel size 4")])
+     "--ep 8 must divide the data-parallel size 4"),
+    (["--zero", "1", "--dp-shard", "1", "--ep", "2"], "--ep 2 splits experts: it needs --moe-experts > 0")])
 def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *argv], D)
