@@ -244,6 +244,11 @@ def test_plan_times_the_experts_gather_after_the_step_over_their_holders_in_a_sh
         assert step_time(m, st, hw, 4096)["dp"] == pytest.approx(gathered / bw, rel=1e-12), shard
 
 
+def test_the_estimators_strategy_names_an_ep_that_does_not_divide_dp_before_the_shard():
+    with pytest.raises(ValueError, match=r"^Strategy.ep=8 must divide dp=4"):
+        Strategy(dp=4, ep=8, zero=1, dp_shard=2).validate(get_model("mixtral-8x7b"))
+
+
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
     """dp 4 in shard groups of 2 holds, copies over PCIe and updates on the CPU the states of plain dp 2 (it charged
     1/4: _state_shard divided by all the data ranks)."""
