@@ -77,7 +77,7 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                    3: "optimizer state, gradients and parameters"}[args.zero]
         hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py
         experts = (f" (the experts' over the {(args.dp_shard * args.cp if hybrid else topo.dp) // args.ep} rank(s) "
-                   f"of their expert-data group{' in a group' if hybrid else ''})"
+                   f"{'of a group that hold them' if hybrid else 'of their expert-data group'})"
                    if args.moe_experts and args.ep > 1 else "")
         group = f"the {topo.dp} rank(s) of the data group"
         if hybrid:

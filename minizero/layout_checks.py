@@ -37,7 +37,7 @@ def check_zero(args) -> None:
     if n < dp and zero < 1:
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
-    if n < dp and (n * args.cp) % args.ep:
+    if n < dp and (n * args.cp) % args.ep and args.moe_experts and dp % args.ep == 0:  # else check_moe's refusal
         ok = [k for k in range(1, dp + 1) if dp % k == 0 and (k * args.cp) % args.ep == 0]
         raise ValueError(f"--dp-shard {n} with --ep {args.ep}: a shard group's {n * args.cp} data rank(s) must hold "
                          f"whole expert groups of {args.ep}; allowed: {', '.join(map(str, ok))}")

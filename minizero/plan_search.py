@@ -176,10 +176,19 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 def _state_shard(model: ModelShape, st: Strategy) -> float:
     """Stage 0's elements on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
     experts = stage_expert_parameters(model, st, 0)
-    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group (ep = 1 there)
+    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group
     if not experts:
         return math.ceil(stage_parameters(model, st, 0) / d)
     return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)
+
+
+def _gather_after_step(model: ModelShape, st: Strategy) -> float:
+    """Bytes a rank of stage 0 sends in ZeRO 1-2's all-gather after the step (0 otherwise): the dense part over the
+    N shard ranks, the experts over their N/ep holders (hybrid sharding: those of the shard group)."""
+    if st.zero not in (1, 2):
+        return 0.0
+    experts, ns, ne = stage_expert_parameters(model, st, 0), st.shard_ranks, st.expert_shard_ranks
+    return element_bytes(st)[0] * ((ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (ne - 1) / ne * experts)
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
@@ -202,10 +211,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     ep = comm.get("ep", 0) / ep_bw
     dp = 0.0
     if d > 1:
-        pb = element_bytes(st)[0]
-        experts, de = stage_expert_parameters(model, st, 0), d // st.ep  # experts gather over their d/ep ranks
-        gathered = (ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (de - 1) / de * experts
-        gather_after_step = pb * gathered if st.zero in (1, 2) else 0.0
+        gather_after_step = _gather_after_step(model, st)
         across = replica_bytes(model, st)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
         window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
@@ -349,8 +355,6 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
              (shard is None or dp % shard or shard == dp or zero > 0,
               f"shard {shard} below dp {dp} needs zero 1-3 (got zero {zero})"),
-             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,
-              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group)"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "
@@ -360,6 +364,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"ep {ep} must divide {model.name}'s {model.experts} experts per MoE block; allowed: "
               f"{', '.join(str(e) for e in _divisors(model.experts or 1))}"),
              (dp % ep == 0, f"ep {ep} must divide dp {dp} (an expert group is ep data-parallel ranks)"),
+             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,
+              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group)"),
              (cp_attention == "ring" or cp > 1, "cp_attention=ulysses needs cp > 1 (it splits the sequence)"),
              (cp_attention == "ring" or ulysses_fits(model, cp, tp),
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "

@@ -151,3 +151,54 @@ def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares
     data = object()
     assert state_group(SimpleNamespace(replicas=None, shards_state=True), data) is None  # plain ZeRO: held once
     assert state_group(SimpleNamespace(shards_state=False), data) is data  # plain data parallelism: every rank
+
+
+def _expert_state_groups(comm, shard):
+    from minizero.debug.replicas import state_group
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.expert_parallel import ExpertZero, MoEConfig, expert_groups, use_moe
+    from minizero.zero.hybrid import hybrid_groups
+    model = GPT(get_config("tiny", dtype="float64"), seed=1)
+    ep_comm, edp_comm = expert_groups(comm, 2)
+    use_moe(model, MoEConfig(4, top_k=2), 0, ep_comm)
+    shard_comm, replicas = hybrid_groups(comm, shard)
+    group = state_group(ExpertZero(model, shard_comm, edp_comm, 2, 1, replicas=replicas), comm)
+    return None if group is None else group.world_size
+
+
+def test_expert_zero_compares_its_state_over_the_replica_group_on_every_rank():
+    """ep 2 on 4 data ranks: hybrid shard groups of 2 (both parts' replicas are ranks d and d + 2) compare over the
+    2 replicas on every rank; plain ExpertZero holds each shard once. Before, the ranks of the first shard group
+    (they write checkpoints) compared nothing and the others the whole data group: a collective only some joined."""
+    assert run_in_threads(4, _expert_state_groups, 2, timeout=60) == [2] * 4
+    assert run_in_threads(4, _expert_state_groups, 4, timeout=60) == [None] * 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault,flags,said", [
+    ("3:1:diverge", ["--tp", "2", "--cp", "2", "--dp", "1"],  # data groups: world [0 2] [1 3]
+     "parameter 'transformer.wte.weight' (128, 16) differs across the data-parallel replicas [1, 3]: rank(s) [1]"),
+    ("1:1:diverge_state", ["--cp", "2", "--dp", "2", "--zero", "1", "--dp-shard", "1"],  # shard groups of cp 2
+     "differs across the replicas of this optimizer shard [1, 3]: rank(s) [1] hold")])
+def test_with_context_parallelism_the_message_names_world_ranks_of_the_dp_x_cp_data_group(monkeypatch, fault, flags,
+                                                                                         said):
+    """The data group holds dp x cp ranks (Topology(dp * cp)): all_groups("dp") lists them all, in world ranks.
+    Every rank stops, the other data group too (before, it waited in the next step's tensor-parallel collective)."""
+    monkeypatch.setenv("MINIZERO_FAULT", fault)
+    got = run_in_threads(4, _state_error, flags + ["--check-replicas", "1"], timeout=60)
+    assert len(set(got)) == 1 and said in got[0], got
+
+
+def _world_replica_bytes(comm, extra):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "1", "--eval-every", "0", "--eval-batches", "1",
+                       "--no-progress", *extra], comm.world_size)
+    return train(args, comm, log=lambda s: None).strategy.topo.world.traffic.by_op.get("replica_check", 0)
+
+
+@pytest.mark.timeout(120)
+def test_the_verdict_costs_nothing_where_the_data_group_is_one_rank():
+    """--tp 2 on 2 ranks: no replicas, nothing sent for the check (the world's verdict is skipped too); dp 2: the
+    digests and the verdict."""
+    assert run_in_threads(2, _world_replica_bytes, ["--tp", "2"], timeout=60) == [0, 0]
+    assert all(b > 0 for b in run_in_threads(2, _world_replica_bytes, [], timeout=60))

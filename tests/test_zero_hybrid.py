@@ -19,8 +19,8 @@ from minizero.checkpoint import ShardReader, read_manifest
 from minizero.checkpoint.cli import describe
 from minizero.comm import run_in_threads
 from minizero.header import run_techniques
-from minizero.memory.estimator import (Strategy, comm_bytes_per_step, estimate_memory, stage_expert_parameters,
-                                       stage_parameters)
+from minizero.memory.estimator import (Strategy, comm_bytes_per_step, estimate_memory, replica_bytes,
+                                       stage_expert_parameters, stage_parameters)
 from minizero.models import get_model
 from minizero.nn import GPT, Parameter, get_config
 from minizero.plan_search import Hardware, step_time
@@ -120,7 +120,10 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
     (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
     (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"],
-     "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4")])
+     "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4"),
+    (["--zero", "1", "--dp-shard", "2", "--ep", "8", "--moe-experts", "8"],  # not an empty "allowed:" list
+     "--ep 8 must divide the data-parallel size 4"),
+    (["--zero", "1", "--dp-shard", "1", "--ep", "2"], "--ep 2 splits experts: it needs --moe-experts > 0")])
 def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *argv], D)
@@ -227,6 +230,23 @@ def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
         assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
     assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
+    code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep16 zero1 shard8")  # the ep is what is wrong
+    assert code == 2 and "ep 16 must divide mixtral-8x7b's 8 experts" in err and err.count("\n") == 1, err
+
+
+def test_plan_times_the_experts_gather_after_the_step_over_their_holders_in_a_shard_group():
+    """ZeRO-1, mixtral-8x7b, dp 32, ep 4: with the matmuls' window covering the reduce-scatters the dp time is the
+    gather after the step, half the non-replica bytes; under shard 8 the experts gather over 2 ranks, not 32/4."""
+    m, hw = get_model("mixtral-8x7b"), Hardware(flops=1e3)  # the window: far longer than any message
+    for shard, bw in ((None, hw.inter_node_bw), (8, hw.intra_node_bw)):  # a shard group of 8 inside a node
+        st = Strategy(dp=32, ep=4, zero=1, dp_shard=shard, precision="fp32")  # parameters and gradients 4 bytes
+        gathered = (comm_bytes_per_step(m, st, 4096)["dp"] - replica_bytes(m, st)) / 2
+        assert step_time(m, st, hw, 4096)["dp"] == pytest.approx(gathered / bw, rel=1e-12), shard
+
+
+def test_the_estimators_strategy_names_an_ep_that_does_not_divide_dp_before_the_shard():
+    with pytest.raises(ValueError, match=r"^Strategy.ep=8 must divide dp=4"):
+        Strategy(dp=4, ep=8, zero=1, dp_shard=2).validate(get_model("mixtral-8x7b"))
 
 
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
@@ -250,7 +270,7 @@ def test_header_names_the_shard_and_replica_groups():
         "ZeRO-2 hybrid (shard 1 x cp 2 x replicate 2), fp32")
     moe = " ".join(run_in_threads(D, _train_logged, argv + ["--moe-experts", "2", "--ep", "2"])[0].split())
     assert ("replicated across the 2 groups (hybrid sharding: gradients reduce-scattered in a group, then all-reduced "
-            "across) (the experts' over the 1 rank(s) of their expert-data group in a group)") in moe
+            "across) (the experts' over the 1 rank(s) of a group that hold them)") in moe
 
 
 def _group_names(comm):

@@ -1,13 +1,12 @@
 """Replica consistency (``--check-replicas N``): parameters and optimizer state hashed and compared across the
 ranks that must hold them equal.
 
-Data-parallel replicas must hold bit-identical parameters; one that drifted (a parameter updated on one rank
-only, a bit flip) trains on silently. Each rank hashes each parameter (BLAKE2b, 8 bytes), the data group
-all-gathers the digests, and the first parameter that differs is named with both sides' ranks and the step.
-Mirrors Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``. The optimizer state (m, v or 8-bit
-codes and absmax, masters, the step) is compared so over the ranks holding the same state: the data group
-(plain DP), the replica group (hybrid ZeRO: plus one int64 per data rank, so that all stop), none (plain ZeRO:
-each shard is held once). A skipped replica all-reduce desynchronises states steps before the parameters.
+Data-parallel replicas must hold bit-identical parameters; one that drifted (a bit flip) trains on silently. Each
+rank hashes each parameter (BLAKE2b, 8 bytes), the data group all-gathers the digests, and the first that differs
+is named with both sides' ranks and the step (Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``).
+The optimizer state (m, v or 8-bit codes and absmax, masters, the step) is compared so over the data group (plain
+DP), the replica group (hybrid ZeRO) or none (plain ZeRO: held once): a drifted state is named before the next
+update carries it into the parameters. One int64 per rank over the world tells every rank the verdict.
 """
 from __future__ import annotations
 
@@ -122,16 +121,16 @@ def optimizer_state(opt, names: dict) -> list:
 def state_group(opt, data_comm):
     """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
     replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
-    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py)
+    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py; ExpertZero: both parts' replicas are the dense part's)
         return opt.replicas
-    return None if opt.shards_state else data_comm  # expert parallelism's ZeRO shards: held once
+    return data_comm  # DataParallel's optimizers: every data rank
 
 
 class ReplicaCheck(Callback):
-    """The loop's ``--check-replicas``: :func:`check_replicas` over the data group after every ``every``-th step,
+    """The loop's ``--check-replicas``: :func:`find_mismatch` over the data group after every ``every``-th step,
     after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
     parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather), then
-    on the optimizer state over :func:`state_group`.
+    on the optimizer state over :func:`state_group`; :func:`raise_on_any` over the world.
 
     Args:
         every: steps between checks (>= 1), or None for checkpoints and the end only.
@@ -147,19 +146,17 @@ class ReplicaCheck(Callback):
 
     def _check(self, run, step: int) -> None:
         s, data = run.strategy, run.strategy.topo.dp_comm
-        members = next(g for g in s.topo.all_groups("dp") if run.comm.rank in g)
+        members = next(g for g in s.topo.all_groups("dp") if s.topo.world.rank in g)
         with s.full_parameters():
-            check_replicas(data, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
+            error = find_mismatch(data, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
         group = state_group(s.opt, data)
-        if group is not None:
+        if error is None and group is not None:  # the same on every rank of the data group
             state = optimizer_state(s.opt, {id(p): n for n, p in s.stage.named_parameters()})
-            if group is data:
-                check_replicas(data, state, step + 1, members, "optimizer state", locate=True)
-            else:
-                same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
-                who = [members[k] for k in same] if len(members) == data.world_size else list(same)
-                raise_on_any(data, find_mismatch(group, state, step + 1, who, "optimizer state", SHARD_REPLICAS,
-                                                 locate=True))
+            same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
+            who, among = (members, DATA_REPLICAS) if group is data else ([members[k] for k in same], SHARD_REPLICAS)
+            error = find_mismatch(group, state, step + 1, who, "optimizer state", among, locate=True)
+        if data.world_size > 1:  # every data group's size: else no replicas, nothing sent
+            raise_on_any(s.topo.world, error)
         self.checked = step
 
     def on_step_end(self, run, step, record):

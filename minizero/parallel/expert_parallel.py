@@ -196,6 +196,8 @@ class ExpertZero:
     def shards_state(self) -> bool:  # the first shard group writes (both parts' replica rank 0 are its ranks)
         return self.dense.shards_state
 
+    replicas = property(lambda self: self.dense.replicas)  #: both parts' replica group: data ranks d + k N
+
     @property
     def step_count(self) -> int:
         return self.dense.step_count

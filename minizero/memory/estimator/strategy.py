@@ -105,6 +105,8 @@ class Strategy:
             raise ValueError(f"Strategy.overlap must be True or False, got {self.overlap!r}")
         if self.bucket_bytes is not None and self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 or None, got {self.bucket_bytes}")
+        if self.dp % self.ep:
+            raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if self.dp_shard is not None:
             n = self.dp_shard
             if not isinstance(n, int) or n < 1 or self.dp % n:
@@ -112,8 +114,6 @@ class Strategy:
             if n < self.dp and (self.zero < 1 or n * self.cp % self.ep):
                 raise ValueError(f"Strategy.dp_shard={n} < dp={self.dp} (hybrid sharding) needs zero >= 1 and "
                                  f"dp_shard x cp a multiple of ep; got zero={self.zero}, cp={self.cp}, ep={self.ep}")
-        if self.dp % self.ep:
-            raise ValueError(f"Strategy.ep={self.ep} must divide dp={self.dp} (an expert group is ep data ranks)")
         if model is not None:
             chunks = self.pp * self.virtual_stages
             if model.n_layer % chunks:
