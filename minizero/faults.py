@@ -2,10 +2,10 @@
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this
 rank's gradients become non-finite) at optimizer step STEP on rank RANK (0-based: STEP 0 is the progress log's step 1),
-or ``diverge`` (after step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted), or
-``diverge_state`` (so does the first element of its optimizer's first held Adam m, or 8-bit code by 1), or ``slow``
-(from step STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save`` fires inside the
-checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
+or ``diverge`` (after step STEP's update, this rank's first parameter, under ZeRO-3 its first shard held, moves by
+1e-3: a replica that drifted), or ``diverge_state`` (so does the first element of its optimizer's first held Adam m,
+or 8-bit code by 1), or ``slow`` (from step STEP on, this rank sleeps 50 ms at every step start: a straggler);
+``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
 post-accumulate-grad hook on every parameter (registered first, so it runs before the hooks with which data parallelism
 and ZeRO pack a finished gradient): no technique knows.
 """
@@ -71,7 +71,10 @@ class FaultInjector(Callback):
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False
         if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
-            self.params[0].data.reshape(-1)[0] += 1e-3
+            first = self.params[0].data
+            if 0 in first.strides:  # ZeRO-3 between uses: a broadcast placeholder; move the first shard held
+                first = next(a for kind, *_, a in run.strategy.opt.state_views() if kind == "param" and a.size)
+            first.reshape(-1)[0] += 1e-3
         if step == self.step and self.kind == "diverge_state":
             held = (getattr(a, "codes", a) for kind, *_, a in run.strategy.opt.state_views() if kind == "m")
             flat = next(a for a in held if a.size).reshape(-1)  # 8-bit Adam: a QuantizedState's codes

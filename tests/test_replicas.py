@@ -151,3 +151,16 @@ def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares
     data = object()
     assert state_group(SimpleNamespace(replicas=None, shards_state=True), data) is None  # plain ZeRO: held once
     assert state_group(SimpleNamespace(shards_state=False), data) is data  # plain data parallelism: every rank
+
+
+@pytest.mark.timeout(300)
+def test_a_drifted_zero3_shard_is_caught_across_the_replica_groups(monkeypatch):
+    """Before: under ZeRO-3 the diverge fault wrote into a parameter's read-only placeholder and the job died with
+    'ValueError: assignment destination is read-only'. Now rank 1's first shard moves, and the hybrid groups
+    [0 1] and [2 3] gather different parameters."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:diverge")
+    got = run_in_threads(4, _state_error, ["--zero", "3", "--dp-shard", "2", "--check-replicas", "1"], timeout=240)
+    assert got[0] is not None and set(got) == {got[0]}, got
+    assert got[0].startswith("after step 1: parameter 'transformer.wte.weight' (256, 16) differs across the "
+                             "data-parallel replicas [0, 1, 2, 3]: rank(s) [0, 1] hold digest "), got[0]
+    assert "but rank(s) [2, 3] hold digest" in got[0], got[0]
