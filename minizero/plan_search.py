@@ -349,8 +349,6 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
              (shard is None or dp % shard or shard == dp or zero > 0,
               f"shard {shard} below dp {dp} needs zero 1-3 (got zero {zero})"),
-             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,
-              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group)"),
              (tp <= gpus_per_node, f"tp {tp} exceeds the {gpus_per_node} GPUs of a node (--gpus-per-node)"),
              (tp_divides(model, tp),
               f"tp {tp} must divide {model.name}'s {model.n_head} heads, {model.n_kv_head} KV heads and FFN "
@@ -360,6 +358,9 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"ep {ep} must divide {model.name}'s {model.experts} experts per MoE block; allowed: "
               f"{', '.join(str(e) for e in _divisors(model.experts or 1))}"),
              (dp % ep == 0, f"ep {ep} must divide dp {dp} (an expert group is ep data-parallel ranks)"),
+             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,  # after ep's own rules
+              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group); allowed: "
+              f"{', '.join(str(k) for k in _divisors(dp) if k * cp % ep == 0)}"),
              (cp_attention == "ring" or cp > 1, "cp_attention=ulysses needs cp > 1 (it splits the sequence)"),
              (cp_attention == "ring" or ulysses_fits(model, cp, tp),
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "

@@ -226,7 +226,15 @@ def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
     for text, n in (("dp32 ep4 zero3", 32), ("dp32 ep4 zero3 shard8", 8)):  # 2-byte parameters (mixed precision)
         assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
-    assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "shard 2 x cp 1 must be a multiple of ep 4 (whole expert groups in a shard group); allowed: 4, 8, 16, 32" \
+        in err, err  # before: no allowed values
+
+
+def test_plan_names_an_ep_that_does_not_divide_the_experts_before_the_shard_it_makes_wrong(capsys):
+    """Before: 'dp32 ep3 zero3 shard8' said shard 8 must be a multiple of ep 3, though no shard fits ep 3."""
+    code, out, err = run_main(capsys, "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "dp32 ep3 zero3 shard8")
+    assert code == 2 and "ep 3 must divide mixtral-8x7b's 8 experts per MoE block; allowed: 1, 2, 4, 8" in err, err
 
 
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
