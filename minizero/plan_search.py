@@ -335,6 +335,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                          "includes the optimizer state); give one")
     offload = kinds.pop() if kinds else "none"
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
+    if ep is not None and sizes.get("ep", ep) != ep:  # "ep4" with ep=2 ran ep 4 silently
+        raise ValueError(f"--strategy {text!r}: ep {sizes['ep']} disagrees with --ep {ep}; give ep once")
     ep = sizes.get("ep", ep or 1)
     if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
         raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp, ep and shard must be >= 1")

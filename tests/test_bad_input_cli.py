@@ -77,6 +77,18 @@ def test_plan_strategy_names_the_word_that_is_wrong(capsys, text, said):
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_plan_strategy_ep_that_disagrees_with_the_ep_flag_is_refused(capsys):
+    """Before: --ep 2 beside "ep4" in --strategy was dropped without a word."""
+    from minizero import plan
+
+    text = "dp32 ep4 zero3 shard8"
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "mixtral-8x7b", "--gpus", "32", "--strategy", text, "--ep", "2"])
+    assert e.value.code == 2 and f"--strategy {text!r}: ep 4 disagrees with --ep 2; give ep once" in \
+        capsys.readouterr().err
+    plan.main(["--model", "mixtral-8x7b", "--gpus", "32", "--strategy", text, "--ep", "4"])  # the same: fine
+
+
 # --------------------------------------------------------------------------- numbers in ASCII digits only
 def test_no_parser_reads_numbers_with_int_or_float():
     """Every program's argparse numbers go through minizero.numerals (int/float read '٣' as 3)."""
