@@ -232,6 +232,18 @@ def saved(tmp_path_factory):
     return d / "step_00000002"
 
 
+def test_shards_are_written_with_the_umasks_mode_as_the_manifest_is(tmp_path):
+    """Before: safetensors made every rank's shard 0600 while the manifest beside it was 0644 (umask 022): another
+    user could read the manifest, not the tensors (inspect worked, consolidate and --resume failed)."""
+    old = os.umask(0o027)
+    try:
+        run(1, F64 + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "step_00000002").iterdir()}
+    assert modes == {"manifest.json": 0o640, "rank00000.safetensors": 0o640}, modes
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
