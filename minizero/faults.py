@@ -5,9 +5,9 @@ rank's gradients become non-finite) at optimizer step STEP on rank RANK (0-based
 or ``diverge`` (after step STEP's update, this rank's first parameter, under ZeRO-3 its first shard held, moves by
 1e-3: a replica that drifted), or ``diverge_state`` (so does the first element of its optimizer's first held Adam m,
 or 8-bit code by 1), or ``slow`` (from step STEP on, this rank sleeps 50 ms at every step start: a straggler);
-``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
-post-accumulate-grad hook on every parameter (registered first, so it runs before the hooks with which data parallelism
-and ZeRO pack a finished gradient): no technique knows.
+``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
+gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs before the
+hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
 """
 from __future__ import annotations
 
