@@ -60,26 +60,26 @@ def _check_data(args) -> None:
                          f"{need:,} (the last 10% is the validation split)")
 
 
-def check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
-    """``MINIZERO_FAULT=RANK:STEP:KIND`` (tests' fault injection) must parse, name a rank < ``world_size``
-    and a step < ``steps`` (each checked when given). The main job calls it with its own sizes; other
-    callers of :func:`parse_args` (compare's estimates) only get the syntax checked.
-
-    Raises:
-        UsageError: naming the spec and what this job allows.
-    """
-    spec = os.environ.get("MINIZERO_FAULT")
-    if not spec:
+def check_fault_spec(world_size: int | None = None, steps: int | None = None, save_every: int | None = None) -> None:
+    """``MINIZERO_FAULT=RANK:STEP:KIND`` (tests' fault injection) must parse, name a rank < ``world_size``, a step <
+    ``steps`` and for ``kill_in_save`` one ``save_every`` saves after, each when given; else UsageError naming it."""
+    if not (spec := os.environ.get("MINIZERO_FAULT")):
         return
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
         raise UsageError(f"MINIZERO_FAULT={spec!r}; expected RANK:STEP:KIND with KIND "
                          f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}")
-    if world_size is not None and int(parts[0]) >= world_size:
-        raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {int(parts[0])}; this job has ranks 0..{world_size - 1}")
-    if steps is not None and int(parts[1]) >= steps:
-        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {int(parts[1])} (0-based: the progress log's step "
-                         f"{int(parts[1]) + 1}); --steps {steps} allows 0..{steps - 1}")
+    rank, step = int(parts[0]), int(parts[1])
+    if world_size is not None and rank >= world_size:
+        raise UsageError(f"MINIZERO_FAULT={spec!r} names rank {rank}; this job has ranks 0..{world_size - 1}")
+    if steps is not None and step >= steps:
+        raise UsageError(f"MINIZERO_FAULT={spec!r} names step {step} (0-based: the progress log's step "
+                         f"{step + 1}); --steps {steps} allows 0..{steps - 1}")
+    k = save_every  # kill_in_save fires only in a save: after every k-th step and the last
+    if k is not None and parts[2] == "kill_in_save" and not (k and ((step + 1) % k == 0 or step + 1 == steps)):
+        raise UsageError(f"MINIZERO_FAULT={spec!r} never fires: no checkpoint is saved after step {step}; " + (
+            f"allowed: a step s with s + 1 a multiple of --save-every {k}, or the last, {steps - 1}" if k else
+            "give --save-every N"))
 
 
 def _check_loss_scaling(args) -> None:
