@@ -20,6 +20,8 @@ import numpy as np
 from minizero.callbacks import Callback
 
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
+#: the kinds that fire from :meth:`FaultInjector.on_step_start` alone (a loop without step ends or saves: finetune)
+STEP_START_KINDS = ("raise", "kill", "inf", "stop", "slow")
 SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 

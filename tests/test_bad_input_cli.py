@@ -248,6 +248,15 @@ def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     assert said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["diverge", "diverge_state", "kill_in_save"])
+def test_finetune_refuses_a_fault_kind_its_loop_never_fires(tmp_path, capsys, monkeypatch, kind):
+    """Before: accepted, then never fired (the fine-tune's loop has no step-end callbacks and no saves)."""
+    monkeypatch.setenv("MINIZERO_FAULT", f"0:0:{kind}")
+    assert finetune.main(["--weights", str(tmp_path / "none.npz")]) == 2
+    assert (f"MINIZERO_FAULT='0:0:{kind}' never fires in a fine-tune; allowed KIND: raise, kill, inf, stop, slow"
+            in capsys.readouterr().err)
+
+
 def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_path, capsys):
     """--json (or --trace) naming the --out folder the run makes, or train's save dir: every step ran, the weights
     were written, then "could not write 'o': it is a directory" (exit 1)."""
