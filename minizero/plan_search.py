@@ -338,8 +338,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
     if ep is not None and sizes.get("ep", ep) != ep:  # "ep4" with ep=2 ran ep 4 silently
         raise ValueError(f"--strategy {text!r}: ep {sizes['ep']} disagrees with --ep {ep}; give ep once")
     ep = sizes.get("ep", ep or 1)
-    if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp, ep and shard must be >= 1")
+    if low := [f"{k} {v}" for k, v in {**sizes, "ep": ep}.items() if v < 1]:  # the word named, not only the rule
+        raise ValueError(f"--strategy {text!r}: {low[0]}: dp, cp, tp, pp, ep and shard must be >= 1")
     dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
     if dp * cp * tp * pp != gpus:
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")

@@ -205,7 +205,8 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
     for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3 (got zero 0)"),
                        ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
-                       ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
+                       ("dp16 zero1 shard0", "shard 0: dp, cp, tp, pp, ep and shard must be >= 1"),
+                       ("dp16 ep0 zero1", "ep 0: dp, cp, tp, pp, ep and shard must be >= 1")):  # before: not which
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
 
