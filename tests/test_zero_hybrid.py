@@ -119,6 +119,7 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "0"], "--dp-shard 0 must divide"),
     (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
     (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
+    (["--dp-shard", "4"], "--dp-shard 4 shards ZeRO's states over groups of 4 data ranks: it needs --zero 1"),
     (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"],
      "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4")])
 def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
