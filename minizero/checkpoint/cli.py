@@ -76,7 +76,7 @@ def describe(reader: ShardReader) -> str:
                      "RNG states are in the manifest)")
         if lay["zero"] == 0:
             lines.append("    at ZeRO 0 every data-parallel rank holds a full replica; the lowest data rank writes it")
-        elif lay.get("dp_shard", lay["dp"]) < lay["dp"]:  # hybrid sharding (zero/hybrid.py)
+        elif (lay.get("dp_shard") or lay["dp"]) < lay["dp"]:  # hybrid sharding (zero/hybrid.py)
             lines.append(f"    hybrid sharding: ZeRO shards over groups of {lay['dp_shard']} data rank(s){cp}; the "
                          "first group writes, the others hold copies")
     tied = f" ({TIED_HEAD} is tied to {TIED}: saved once)" if TIED in man["params"] else ""
