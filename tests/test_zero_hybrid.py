@@ -349,3 +349,18 @@ def test_a_shard_group_of_one_rank_says_it_shards_nothing():
     note = "note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of ZeRO-2's states"
     assert note in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "1"], timeout=100)[0]
     assert "shards nothing" not in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "2"], timeout=100)[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_resume_line_names_the_hybrid_sharding_it_was_saved_under(tmp_path):
+    """Before: 'saved after step 1 on dp 2 x tp 1 x pp 1, ZeRO 1': a hybrid save read as plain ZeRO."""
+    def fn(comm, extra):
+        lines = []
+        train(parse_args(["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--no-progress", "--zero", "1",
+                          *extra], comm.world_size), comm, log=lines.append)
+        return "\n".join(lines)
+
+    run_in_threads(2, fn, ["--dp-shard", "1", "--save-every", "1", "--save-dir", str(tmp_path)], timeout=100)
+    out = run_in_threads(2, fn, ["--resume", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "o")],
+                         timeout=100)[0]
+    assert "on dp 2 x tp 1 x pp 1, ZeRO 1 over groups of 1 data rank; 1 optimizer steps" in " ".join(out.split()), out
