@@ -59,15 +59,12 @@ def _check_data(args) -> None:
                          f"{need:,} (the last 10% is the validation split)")
 
 
-def check_fault_spec(world_size: int | None = None, steps: int | None = None) -> None:
+def check_fault_spec(world_size: int | None = None, steps: int | None = None, save_every: int | None = None) -> None:
     """``MINIZERO_FAULT`` checked by :func:`minizero.faults.spec_problem` (the main job gives its sizes; other
-    callers of :func:`parse_args`, compare's estimates, only get the syntax checked).
-
-    Raises:
-        UsageError: naming the spec and what this job allows.
-    """
+    callers of :func:`parse_args`, compare's estimates, only get the syntax checked). Raises UsageError naming
+    the spec and what this job allows."""
     spec = os.environ.get("MINIZERO_FAULT")
-    if spec and (problem := spec_problem(spec, world_size, steps)):
+    if spec and (problem := spec_problem(spec, world_size, steps, save_every)):
         raise UsageError(problem)
 
 

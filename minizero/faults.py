@@ -2,12 +2,12 @@
 
 KIND ``raise`` (an exception), ``kill`` (SIGKILL of the process), ``stop`` (SIGSTOP: a stalled rank) or ``inf`` (this
 rank's gradients become non-finite) at optimizer step STEP on rank RANK (0-based: STEP 0 is the progress log's step 1),
-or ``diverge`` (after step STEP's update, this rank's first parameter moves by 1e-3: a replica that drifted), or
-``diverge_state`` (so does the first element of its optimizer's first held Adam m, or 8-bit code by 1), or ``slow``
-(from step STEP on, this rank sleeps 50 ms at every step start: a straggler); ``kill_in_save`` fires inside the
-checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the gradients through a seam, a
-post-accumulate-grad hook on every parameter (registered first, so it runs before the hooks with which data parallelism
-and ZeRO pack a finished gradient): no technique knows.
+or ``diverge`` (after step STEP's update, this rank's first parameter, under ZeRO-3 its first shard held, moves by
+1e-3: a replica that drifted), or ``diverge_state`` (so does the first element of its optimizer's first held Adam m,
+or 8-bit code by 1), or ``slow`` (from step STEP on, this rank sleeps 50 ms at every step start: a straggler);
+``kill_in_save`` fires inside the checkpoint save (:mod:`minizero.checkpoint.save`), not here. ``inf`` reaches the
+gradients through a seam, a post-accumulate-grad hook on every parameter (registered first, so it runs before the
+hooks with which data parallelism and ZeRO pack a finished gradient): no technique knows.
 """
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ from minizero.callbacks import Callback
 from minizero.numerals import is_count
 
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
+#: the kinds that fire from :meth:`FaultInjector.on_step_start` alone (a loop without step ends or saves: finetune)
+STEP_START_KINDS = ("raise", "kill", "inf", "stop", "slow")
 SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
-def spec_problem(spec: str, world_size: int | None = None, steps: int | None = None) -> str | None:
+def spec_problem(spec: str, world_size: int | None = None, steps: int | None = None,
+                 save_every: int | None = None) -> str | None:
     """What is wrong with ``spec`` (``RANK:STEP:KIND``) as one message, or None: it must parse, name a rank
-    < ``world_size`` and a step < ``steps`` (each checked when given)."""
+    < ``world_size``, a step < ``steps`` and for ``kill_in_save`` one that ``save_every`` saves after (each
+    checked when given)."""
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
         kinds = f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
@@ -38,6 +42,11 @@ def spec_problem(spec: str, world_size: int | None = None, steps: int | None = N
     if steps is not None and step >= steps:
         return (f"MINIZERO_FAULT={spec!r} names step {step} (0-based: the progress log's step {step + 1}); "
                 f"--steps {steps} allows 0..{steps - 1}")
+    k = save_every  # kill_in_save fires only in a save: after every k-th step and the last
+    if k is not None and parts[2] == "kill_in_save" and not (k and ((step + 1) % k == 0 or step + 1 == steps)):
+        return (f"MINIZERO_FAULT={spec!r} never fires: no checkpoint is saved after step {step}; " + (
+            f"allowed: a step s with s + 1 a multiple of --save-every {k}, or the last, {steps - 1}" if k else
+            "give --save-every N"))
     return None
 
 
@@ -89,7 +98,10 @@ class FaultInjector(Callback):
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False
         if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
-            self.params[0].data.reshape(-1)[0] += 1e-3
+            first = self.params[0].data
+            if 0 in first.strides:  # ZeRO-3 between uses: a broadcast placeholder; move the first shard held
+                first = next(a for kind, *_, a in run.strategy.opt.state_views() if kind == "param" and a.size)
+            first.reshape(-1)[0] += 1e-3
         if step == self.step and self.kind == "diverge_state":
             held = (getattr(a, "codes", a) for kind, *_, a in run.strategy.opt.state_views() if kind == "m")
             flat = next(a for a in held if a.size).reshape(-1)  # 8-bit Adam: a QuantizedState's codes

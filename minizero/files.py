@@ -22,7 +22,7 @@ _TMP_RE = re.compile(r"^\..*\." + _TMP_TAG + r"~(?P<host>.*)~(?P<pid>\d+)~[^~]*\
 STALE_AFTER_S = 3600
 
 
-def _umask() -> int:
+def umask() -> int:
     """This process's umask, read without changing it (Linux: /proc/self/status; elsewhere set and restore)."""
     try:
         with open("/proc/self/status") as f:
@@ -114,7 +114,7 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         remove_stale_temporaries(d)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.{_TMP_TAG}~{socket.gethostname()}~"
                                                  f"{os.getpid()}~", suffix=".tmp")
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask())  # mkstemp's is 0600
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~umask())  # mkstemp's is 0600
         with os.fdopen(fd, mode, encoding=enc) as f:
             write(f)
             f.flush()

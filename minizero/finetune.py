@@ -28,7 +28,7 @@ from minizero.data import data_digest, eval_batches, global_batch, load_tokens, 
 from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_TIMEOUT_S, check_fault_spec
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.collectives import all_reduce
-from minizero.faults import FaultInjector
+from minizero.faults import STEP_START_KINDS, FaultInjector
 from minizero.finetune_report import format_table, rose_note  # noqa: F401 (tests import them from here)
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
@@ -279,6 +279,10 @@ def _main(argv, world) -> int:
         args = build_parser(quiet=world.Get_rank() != 0).parse_args(argv)  # --help, a bad flag: once, by rank 0
         check(args)
         check_fault_spec(world.Get_size(), args.steps)
+        spec = os.environ.get("MINIZERO_FAULT") or "::raise"  # parsed above; fine-tunes call on_step_start only
+        if spec.rpartition(":")[2] not in STEP_START_KINDS:
+            raise ValueError(f"MINIZERO_FAULT={spec!r} never fires in a fine-tune; allowed KIND: "
+                             f"{', '.join(STEP_START_KINDS)}")
         if world.Get_size() % args.tp:
             raise ValueError(f"--tp {args.tp} must divide the {world.Get_size()} ranks" + launch(args.tp, "finetune"))
         dp = world.Get_size() // args.tp

@@ -139,6 +139,12 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.zero and topo.dp == 1:
         lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
                      "running anyway")
+    if args.zero and args.dp_shard == 1 and args.cp == 1 and topo.dp > 1:  # with cp a group shards over its cp ranks
+        lines.append(f"note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of "
+                     f"ZeRO-{args.zero}'s states; running anyway")
+    if args.check_replicas and topo.dp == 1:  # it was silent: the asked-for check compared nothing
+        lines.append(f"note: --check-replicas {args.check_replicas} with 1 data rank has no replica to compare; "
+                     "running anyway")
     return lines
 
 

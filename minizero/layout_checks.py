@@ -20,21 +20,20 @@ def launch(ranks: int, prog: str, exact: bool = False) -> str:
 
 
 def check_zero(args) -> None:
-    """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, < dp
+    """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, given
     only with ZeRO, a multiple of ep in data ranks (with --cp a shard group is N data ranks' cp ranks)."""
     zero = args.zero
     if zero >= 2 and args.pp > 1:
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
-    if args.dp_shard is None:
-        args.dp_shard = args.dp  # plain ZeRO: shard over the whole data group
-    n, dp = args.dp_shard, args.dp
+    given, args.dp_shard = args.dp_shard is not None, args.dp if args.dp_shard is None else args.dp_shard
+    n, dp = args.dp_shard, args.dp  # None became dp: plain ZeRO shards over the whole data group
     if not 1 <= n <= dp or dp % n:
         raise ValueError(f"--dp-shard {n} must divide the data-parallel size {dp}; allowed: "
                          f"{', '.join(str(k) for k in range(1, dp + 1) if dp % k == 0)}"
                          + (launch(n * args.tp * args.pp * args.cp, "train") if n > dp else ""))
-    if n < dp and zero < 1:
+    if given and zero < 1:  # N = dp too: it was accepted and ran plain data parallelism
         raise ValueError(f"--dp-shard {n} shards ZeRO's states over groups of {n} data rank{'s' * (n > 1)}: it needs "
                          f"--zero 1, 2 or 3 (got --zero {zero}; plain data parallelism shards nothing)")
     if n < dp and (n * args.cp) % args.ep and args.moe_experts and dp % args.ep == 0:  # else check_moe's refusal

@@ -341,9 +341,11 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
                          "includes the optimizer state); give one")
     offload = kinds.pop() if kinds else "none"
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
+    if ep is not None and sizes.get("ep", ep) != ep:  # "ep4" with ep=2 ran ep 4 silently
+        raise ValueError(f"--strategy {text!r}: ep {sizes['ep']} disagrees with --ep {ep}; give ep once")
     ep = sizes.get("ep", ep or 1)
-    if min([tp, pp, cp, ep] + list(sizes.values())) < 1:
-        raise ValueError(f"--strategy {text!r}: dp, cp, tp, pp, ep and shard must be >= 1")
+    if low := [f"{k} {v}" for k, v in {**sizes, "ep": ep}.items() if v < 1]:  # the word named, not only the rule
+        raise ValueError(f"--strategy {text!r}: {low[0]}: dp, cp, tp, pp, ep and shard must be >= 1")
     dp = sizes.get("dp", gpus // (cp * tp * pp) if gpus % (cp * tp * pp) == 0 else 0)
     if dp * cp * tp * pp != gpus:
         names, values = ("dp x cp x tp x pp", f"{cp} x ") if cp > 1 else ("dp x tp x pp", "")
@@ -364,8 +366,9 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"ep {ep} must divide {model.name}'s {model.experts} experts per MoE block; allowed: "
               f"{', '.join(str(e) for e in _divisors(model.experts or 1))}"),
              (dp % ep == 0, f"ep {ep} must divide dp {dp} (an expert group is ep data-parallel ranks)"),
-             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,
-              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group)"),
+             (shard is None or dp % shard or shard == dp or shard * cp % ep == 0,  # after ep's own rules
+              f"shard {shard} x cp {cp} must be a multiple of ep {ep} (whole expert groups in a shard group); allowed: "
+              f"{', '.join(str(k) for k in _divisors(dp) if k * cp % ep == 0)}"),
              (cp_attention == "ring" or cp > 1, "cp_attention=ulysses needs cp > 1 (it splits the sequence)"),
              (cp_attention == "ring" or ulysses_fits(model, cp, tp),
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "

@@ -77,6 +77,18 @@ def test_plan_strategy_names_the_word_that_is_wrong(capsys, text, said):
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_plan_strategy_ep_that_disagrees_with_the_ep_flag_is_refused(capsys):
+    """Before: --ep 2 beside "ep4" in --strategy was dropped without a word."""
+    from minizero import plan
+
+    text = "dp32 ep4 zero3 shard8"
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "mixtral-8x7b", "--gpus", "32", "--strategy", text, "--ep", "2"])
+    assert e.value.code == 2 and f"--strategy {text!r}: ep 4 disagrees with --ep 2; give ep once" in \
+        capsys.readouterr().err
+    plan.main(["--model", "mixtral-8x7b", "--gpus", "32", "--strategy", text, "--ep", "4"])  # the same: fine
+
+
 # --------------------------------------------------------------------------- numbers in ASCII digits only
 def test_no_parser_reads_numbers_with_int_or_float():
     """Every program's argparse numbers go through minizero.numerals (int/float read '٣' as 3)."""
@@ -234,6 +246,15 @@ def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     """Before: --method full with adapter flags trained every parameter without a word; --table ignored --method."""
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), *argv]) == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["diverge", "diverge_state", "kill_in_save"])
+def test_finetune_refuses_a_fault_kind_its_loop_never_fires(tmp_path, capsys, monkeypatch, kind):
+    """Before: accepted, then never fired (the fine-tune's loop has no step-end callbacks and no saves)."""
+    monkeypatch.setenv("MINIZERO_FAULT", f"0:0:{kind}")
+    assert finetune.main(["--weights", str(tmp_path / "none.npz")]) == 2
+    assert (f"MINIZERO_FAULT='0:0:{kind}' never fires in a fine-tune; allowed KIND: raise, kill, inf, stop, slow"
+            in capsys.readouterr().err)
 
 
 def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_path, capsys):

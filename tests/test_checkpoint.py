@@ -232,6 +232,18 @@ def saved(tmp_path_factory):
     return d / "step_00000002"
 
 
+def test_shards_are_written_with_the_umasks_mode_as_the_manifest_is(tmp_path):
+    """Before: safetensors made every rank's shard 0600 while the manifest beside it was 0644 (umask 022): another
+    user could read the manifest, not the tensors (inspect worked, consolidate and --resume failed)."""
+    old = os.umask(0o027)
+    try:
+        run(1, F64 + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "step_00000002").iterdir()}
+    assert modes == {"manifest.json": 0o640, "rank00000.safetensors": 0o640}, modes
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -805,11 +817,14 @@ def _set_param_shape(name, shape):
     , (lambda man: man.update(applied=man["step"] + 1), "field 'applied' is 3, expected an integer in 0..step 2")
     , (lambda man: man.update(scaler=dict(SCALER, scale=5e-324)), "scaler.scale is 5e-324, expected a number in [")
     , (lambda man: man["files"][0].update(rank="0"), "files[0] has bytes {bytes0}, rank '0', expected integers >= 0")
+    , (lambda man: man["layout"].update(dp_shard="x"), "layout.dp_shard is 'x', expected a divisor of layout.dp 2")
+    , (lambda man: man["layout"].update(dp_shard=0), "layout.dp_shard is 0, expected a divisor of layout.dp 2")
 ])
 def test_layout_model_shapes_moe_applied_and_scale_are_checked(saved, tmp_path, edit, said):
     """Attacker: world_size 10**12 hung (range(ws) built first); an unknown or ill-typed model field, a parameter
     shape the model does not have, ill-typed MoE fields were tracebacks in consolidate (or a swapped shape written
-    silently); applied > step, and a loss scale of 5e-324 (NaN in training), loaded; a rank "0" was shown as 0."""
+    silently); applied > step, and a loss scale of 5e-324 (NaN in training), loaded; a rank "0" was shown as 0; a
+    dp_shard "x" was a TypeError traceback in inspect, 0 shown as "groups of 0 data rank(s)"."""
     said = said.replace("{bytes0}", str(read_manifest_json(saved)["files"][0]["bytes"]))
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 

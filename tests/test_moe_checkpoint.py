@@ -81,6 +81,10 @@ def test_another_moe_shape_is_refused_before_any_work(tmp_path):
         parse_args(["--model", "tiny"] + MOE + ["--moe-top-k", "1", "--resume", folder], 2)
     with pytest.raises(UsageError, match="moe_experts 4, this run asks for 0"):  # a dense run
         parse_args(["--model", "tiny"] + F64 + ["--resume", folder], 2)
+    from minizero.checkpoint import ShardReader
+    from minizero.checkpoint.cli import describe
+    text = describe(ShardReader(folder))  # before: the dense model's lines, nothing of the experts
+    assert "float64\n  MoE in blocks [0, 1]: 4 experts, top-2, capacity factor 1\n  layout: 2 rank(s)" in text, text
 
 
 @pytest.mark.timeout(600)

@@ -4,6 +4,7 @@ Full disks are small tmpfs mounts (root only; skipped with the reason elsewhere)
 unmounted. Every test that launches ranks has a timeout.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -236,6 +237,22 @@ def test_fault_spec_outside_the_job_is_refused(monkeypatch, spec, needle):
     monkeypatch.setenv("MINIZERO_FAULT", spec)
     with pytest.raises(UsageError, match=needle):
         check_fault_spec(2, 4)
+
+
+@pytest.mark.parametrize("spec,save_every,needle", [
+    ("0:1:kill_in_save", 0, "no checkpoint is saved after step 1; give --save-every N"),
+    ("0:0:kill_in_save", 2,
+     "no checkpoint is saved after step 0; allowed: a step s with s + 1 a multiple of --save-every 2, or the last, 4")])
+def test_a_kill_in_save_that_no_save_follows_is_refused(monkeypatch, spec, save_every, needle):
+    """Before: it was accepted and never fired, so a test of a killed save passed without any kill."""
+    from minizero.args import check_fault_spec
+
+    monkeypatch.setenv("MINIZERO_FAULT", spec)
+    with pytest.raises(UsageError, match=re.escape(f"MINIZERO_FAULT={spec!r} never fires: {needle}")):
+        check_fault_spec(2, 5, save_every)
+    for ok in ("0:1:kill_in_save", "1:4:kill_in_save"):  # after step 2 (the 2nd) and the last
+        monkeypatch.setenv("MINIZERO_FAULT", ok)
+        check_fault_spec(2, 5, 2)
 
 
 @pytest.mark.timeout(60)

@@ -202,3 +202,32 @@ def test_the_verdict_costs_nothing_where_the_data_group_is_one_rank():
     digests and the verdict."""
     assert run_in_threads(2, _world_replica_bytes, ["--tp", "2"], timeout=60) == [0, 0]
     assert all(b > 0 for b in run_in_threads(2, _world_replica_bytes, [], timeout=60))
+
+
+@pytest.mark.timeout(300)
+def test_a_drifted_zero3_shard_is_caught_across_the_replica_groups(monkeypatch):
+    """Before: under ZeRO-3 the diverge fault wrote into a parameter's read-only placeholder and the job died with
+    'ValueError: assignment destination is read-only'. Now rank 1's first shard moves, and the hybrid groups
+    [0 1] and [2 3] gather different parameters."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:0:diverge")
+    got = run_in_threads(4, _state_error, ["--zero", "3", "--dp-shard", "2", "--check-replicas", "1"], timeout=240)
+    assert got[0] is not None and set(got) == {got[0]}, got
+    assert got[0].startswith("after step 1: parameter 'transformer.wte.weight' (256, 16) differs across the "
+                             "data-parallel replicas [0, 1, 2, 3]: rank(s) [0, 1] hold digest "), got[0]
+    assert "but rank(s) [2, 3] hold digest" in got[0], got[0]
+
+
+@pytest.mark.timeout(120)
+def test_an_asked_for_check_without_replicas_says_so():
+    """Before: --check-replicas 1 with --pp 2 on 2 ranks (or one process) ran without a word, comparing nothing."""
+    from minizero.train import parse_args, train
+
+    def fn(comm, extra):
+        lines = []
+        train(parse_args(["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", *extra],
+                         comm.world_size), comm, log=lines.append)
+        return "\n".join(lines)
+
+    note = "note: --check-replicas 1 with 1 data rank has no replica to compare; running anyway"
+    assert note in run_in_threads(2, fn, ["--pp", "2", "--check-replicas", "1"], timeout=100)[0]
+    assert "--check-replicas" not in run_in_threads(2, fn, ["--check-replicas", "1"], timeout=100)[0]

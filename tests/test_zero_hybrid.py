@@ -119,6 +119,7 @@ def test_ledger_holds_one_nth_and_traffic_splits_inside_and_across(stage):
     (["--zero", "1", "--dp-shard", "0"], "--dp-shard 0 must divide"),
     (["--zero", "1", "--dp-shard", "8"], "--dp-shard 8 must divide"),
     (["--dp-shard", "2"], "--dp-shard 2 shards ZeRO's states over groups of 2 data ranks: it needs --zero 1"),
+    (["--dp-shard", "4"], "--dp-shard 4 shards ZeRO's states over groups of 4 data ranks: it needs --zero 1"),
     (["--zero", "1", "--dp-shard", "1", "--ep", "2", "--moe-experts", "2"],
      "--dp-shard 1 with --ep 2: a shard group's 1 data rank(s) must hold whole expert groups of 2; allowed: 2, 4"),
     (["--zero", "1", "--dp-shard", "2", "--ep", "8", "--moe-experts", "8"],  # not an empty "allowed:" list
@@ -208,7 +209,8 @@ def test_plan_evaluates_hybrid_sharding_and_refuses_a_bad_shard(capsys):
     assert "sharding over the dp x cp data ranks, or groups of shard=N of them" in " ".join(out.split()), out
     for text, said in (("dp16 shard4", "shard 4 below dp 16 needs zero 1-3 (got zero 0)"),
                        ("dp16 zero1 shard3", "shard 3 must divide dp 16; allowed: 1, 2, 4, 8, 16"),
-                       ("dp16 zero1 shard0", "dp, cp, tp, pp, ep and shard must be >= 1")):  # shard0 named too
+                       ("dp16 zero1 shard0", "shard 0: dp, cp, tp, pp, ep and shard must be >= 1"),
+                       ("dp16 ep0 zero1", "ep 0: dp, cp, tp, pp, ep and shard must be >= 1")):  # before: not which
         code, out, err = run_main(capsys, *argv[:-2], "--strategy", text)  # the rule broken, not both
         assert code == 2 and said in err and err.count("\n") == 1, err
 
@@ -229,7 +231,9 @@ def test_plan_shards_experts_over_their_holders_in_a_shard_group(capsys):
     for text, n in (("dp32 ep4 zero3", 32), ("dp32 ep4 zero3 shard8", 8)):  # 2-byte parameters (mixed precision)
         assert abs(rows[text] - 2 * (dense / n + experts / (n // 4))) <= 2 * 2 * m.n_layer, text  # padding only
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep4 zero1 shard2")
-    assert code == 2 and "shard 2 x cp 1 must be a multiple of ep 4" in err and err.count("\n") == 1, err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "shard 2 x cp 1 must be a multiple of ep 4 (whole expert groups in a shard group); allowed: 4, 8, 16, 32" \
+        in err, err  # before: no allowed values
     code, out, err = run_main(capsys, *argv[:-2], "--strategy", "dp32 ep16 zero1 shard8")  # the ep is what is wrong
     assert code == 2 and "ep 16 must divide mixtral-8x7b's 8 experts" in err and err.count("\n") == 1, err
 
@@ -247,6 +251,12 @@ def test_plan_times_the_experts_gather_after_the_step_over_their_holders_in_a_sh
 def test_the_estimators_strategy_names_an_ep_that_does_not_divide_dp_before_the_shard():
     with pytest.raises(ValueError, match=r"^Strategy.ep=8 must divide dp=4"):
         Strategy(dp=4, ep=8, zero=1, dp_shard=2).validate(get_model("mixtral-8x7b"))
+
+
+def test_plan_names_an_ep_that_does_not_divide_the_experts_before_the_shard_it_makes_wrong(capsys):
+    """Before: 'dp32 ep3 zero3 shard8' said shard 8 must be a multiple of ep 3, though no shard fits ep 3."""
+    code, out, err = run_main(capsys, "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "dp32 ep3 zero3 shard8")
+    assert code == 2 and "ep 3 must divide mixtral-8x7b's 8 experts per MoE block; allowed: 1, 2, 4, 8" in err, err
 
 
 def test_plan_offloads_one_nth_of_the_states_under_hybrid_sharding():
@@ -345,3 +355,32 @@ def test_a_parameter_used_in_one_shard_group_is_updated_by_every_replica(stage):
     for rank, params in enumerate(out[1:], 1):
         for name, a in out[0].items():
             np.testing.assert_array_equal(params[name], a, err_msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_group_of_one_rank_says_it_shards_nothing():
+    """Before: --zero 2 --dp-shard 1 said the states were 'sharded over groups of 1' and nothing more."""
+    def fn(comm, extra):
+        lines = []
+        train(parse_args(["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", *extra],
+                         comm.world_size), comm, log=lines.append)
+        return "\n".join(lines)
+
+    note = "note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of ZeRO-2's states"
+    assert note in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "1"], timeout=100)[0]
+    assert "shards nothing" not in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "2"], timeout=100)[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_resume_line_names_the_hybrid_sharding_it_was_saved_under(tmp_path):
+    """Before: 'saved after step 1 on dp 2 x tp 1 x pp 1, ZeRO 1': a hybrid save read as plain ZeRO."""
+    def fn(comm, extra):
+        lines = []
+        train(parse_args(["--model", "tiny", "--steps", "2", "--eval-batches", "1", "--no-progress", "--zero", "1",
+                          *extra], comm.world_size), comm, log=lines.append)
+        return "\n".join(lines)
+
+    run_in_threads(2, fn, ["--dp-shard", "1", "--save-every", "1", "--save-dir", str(tmp_path)], timeout=100)
+    out = run_in_threads(2, fn, ["--resume", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "o")],
+                         timeout=100)[0]
+    assert "on dp 2 x tp 1 x pp 1, ZeRO 1 over groups of 1 data rank; 1 optimizer steps" in " ".join(out.split()), out

@@ -77,8 +77,10 @@ class Checkpointer:
         man = out["manifest"]
         lay = man["layout"]
         cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""
+        n = lay.get("dp_shard") or lay["dp"]  # hybrid sharding was left out: it read as plain ZeRO
+        shard = f" over groups of {n} data rank{'s' * (n > 1)}" if n < lay["dp"] else ""
         lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']}{cp} x tp "
-                 f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}; {out['applied']} optimizer steps applied): "
+                 f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}{shard}; {out['applied']} optimizer steps applied): "
                  f"continuing at step {out['step'] + 1}"]
         for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
             if man["train"].get(key) != vars(self.args)[key]:

@@ -31,6 +31,15 @@ from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 TIED_HEAD = "lm_head.weight"  #: the LM head's own name: the same array as :data:`TIED` (weight tying)
 
 
+def _moe(lay: dict, n_layer: int) -> str:
+    """The model line's MoE clause ("" for a dense model): it was left out, so a MoE checkpoint read as dense."""
+    if not lay.get("moe_experts"):
+        return ""
+    moe = MoEConfig(lay["moe_experts"], lay["moe_top_k"], lay["moe_capacity_factor"], lay["moe_every"])
+    return (f"\n  MoE in blocks {moe.layers(n_layer)}: {moe.experts} experts, top-{moe.top_k}, capacity factor "
+            f"{moe.capacity_factor:g}")
+
+
 def describe(reader: ShardReader) -> str:
     """The ``inspect`` text of a checkpoint (a few lines, then one line per rank)."""
     man = reader.manifest
@@ -40,7 +49,7 @@ def describe(reader: ShardReader) -> str:
              f"  step {man['step']} (loop steps done = data position), {man['applied']} optimizer steps applied, "
              f"format version {man['version']}",
              f"  model: {cfg['n_layer']} layers, width {cfg['n_embd']}, {cfg['n_head']} heads, context "
-             f"{cfg['block_size']}, vocabulary {cfg['vocab_size']}, {cfg['dtype']}",
+             f"{cfg['block_size']}, vocabulary {cfg['vocab_size']}, {cfg['dtype']}" + _moe(lay, cfg['n_layer']),
              f"  layout: {lay['world_size']} rank(s) = dp {lay['dp']}{cp} x tp {lay['tp']} x pp {lay['pp']}, ZeRO "
              f"{lay['zero']}, {lay['precision']}, {lay['optimizer']}, optimizer offload {lay['offload_optimizer']}"]
     if man.get("scaler"):
@@ -67,7 +76,7 @@ def describe(reader: ShardReader) -> str:
                      "RNG states are in the manifest)")
         if lay["zero"] == 0:
             lines.append("    at ZeRO 0 every data-parallel rank holds a full replica; the lowest data rank writes it")
-        elif lay.get("dp_shard", lay["dp"]) < lay["dp"]:  # hybrid sharding (zero/hybrid.py)
+        elif (lay.get("dp_shard") or lay["dp"]) < lay["dp"]:  # hybrid sharding (zero/hybrid.py)
             lines.append(f"    hybrid sharding: ZeRO shards over groups of {lay['dp_shard']} data rank(s){cp}; the "
                          "first group writes, the others hold copies")
     tied = f" ({TIED_HEAD} is tied to {TIED}: saved once)" if TIED in man["params"] else ""

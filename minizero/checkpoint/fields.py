@@ -200,6 +200,11 @@ def _layout_problems(layout: dict, files: list, pieces: list) -> list[str]:
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected an integer >= 1 (the number of ranks)"]
     if not _is_int(layout.get("cp", 1)) or layout.get("cp", 1) < 1:
         return out + [f"layout.cp is {shown(layout, 'cp')}, expected an integer >= 1 (context-parallel size)"]
+    dp, n = layout.get("dp"), layout.get("dp_shard")
+    n = dp if n is None else n  # absent (older saves) or None (a run that never resolved it): dp, plain ZeRO
+    if _is_int(dp) and dp >= 1 and (not _is_int(n) or n < 1 or dp % n):  # inspect crashed on "x", said "groups of 0"
+        out.append(f"layout.dp_shard is {shown(layout, 'dp_shard')}, expected a divisor of layout.dp {dp} (the ranks "
+                   "ZeRO shards over, zero/hybrid.py)")
     if all(_is_int(n) and n >= 1 for n in sizes) and ws != sizes[0] * sizes[1] * sizes[2]:  # before range(ws)
         return out + [f"layout.world_size is {repr(ws)[:20]}, expected dp x cp x tp x pp = "
                       f"{sizes[0] * sizes[1] * sizes[2]}"]

@@ -20,7 +20,7 @@ from minizero.memory.fp8 import fp8_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
                                         folder_name, fsync_path, rank_file, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
-from minizero.files import WriteError, atomic_write, write_error
+from minizero.files import WriteError, atomic_write, umask, write_error
 from minizero.optim.adam8bit import QuantizedState
 from minizero.parallel.expert_parallel import routing_state
 
@@ -120,6 +120,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
         raise WriteError(errno.ENOSPC if full else errno.EIO, f"could not write {path!r}: "
                          f"{'no space left on device (the disk is full)' if full else e}; the previous checkpoint "
                          "is kept") from None
+    os.chmod(path, 0o666 & ~umask())  # safetensors creates it 0600: a shard others could not read beside its manifest
     fsync_path(path)
     fault_in_save(comm.rank, step - 1)
     topo = strategy.topo
