@@ -76,20 +76,24 @@ def description(doc: str) -> str:
     return doc.split("\n\n")[0].replace("``", "")
 
 
-def _flags(parser: argparse.ArgumentParser) -> list[str]:
-    """Every option string of ``parser`` and of its subcommands' parsers."""
+def _flags(parser: argparse.ArgumentParser, namespace=None) -> list[str]:
+    """Every option string of ``parser`` and of its subcommands' parsers: only the chosen subcommand's where
+    ``namespace`` names one (checkpoint's 'inspect --ot' was offered consolidate's --out, which inspect refuses)."""
     found = list(parser._option_string_actions)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            found += [f for sub in action.choices.values() for f in _flags(sub)]
+            chosen = getattr(namespace, action.dest, None) if action.dest != argparse.SUPPRESS else None
+            subs = [action.choices[chosen]] if chosen in action.choices else action.choices.values()
+            found += [f for sub in subs for f in _flags(sub, namespace)]
     return list(dict.fromkeys(found))
 
 
-def unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> str:
+def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=None) -> str:
     """argparse's ``unrecognized arguments: ...``, with the closest flag for each word that looks like one:
     ``--zer 3`` adds ``(did you mean --zero?)``. Close: difflib's ratio >= 0.7 without the leading dashes, case
-    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate)."""
-    flags, synonyms, hints = _flags(parser), getattr(parser, "synonyms", {}), []
+    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate).
+    ``namespace`` (what was parsed): a subcommand's flags only when it is the one chosen."""
+    flags, synonyms, hints = _flags(parser, namespace), getattr(parser, "synonyms", {}), []
     bare = {f.lstrip("-"): f for f in flags}
     for word in words:
         typed = word.split("=")[0]
@@ -117,7 +121,7 @@ def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
         line = f"{prog}: error: {problem}"
         while len(line) > width:
             cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
-            cut = next((c for c in cuts if c > width // 2), None)
+            cut = next((c for c in cuts if c > max(width // 2, 2)), None)  # past the indent: each cut shortens
             if cut is None:
                 break
             out.append(line[:cut].rstrip())
@@ -133,7 +137,7 @@ class FlagParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         namespace, extra = self.parse_known_args(args, namespace)
         if extra:
-            self.error(unrecognized(self, extra))
+            self.error(unrecognized(self, extra, namespace))
         return namespace
 
 

@@ -433,3 +433,24 @@ def test_a_long_refusal_of_train_is_printed_in_lines_of_at_most_120_columns(tmp_
     assert all(len(line) <= 120 for line in printed.splitlines()), printed
     assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {e.value}"
     assert all(line.startswith("  ") for line in printed.splitlines()[1:])
+
+
+@pytest.mark.parametrize("module, argv, said", [
+    ("checkpoint.cli", ["inspect", "ckpt", "--ot", "x"], "unrecognized arguments: --ot x\n"),
+    ("checkpoint.cli", ["consolidate", "ckpt", "--outt", "x"], "--outt x (did you mean --out?)\n"),
+    ("debug.__main__", ["hang", "flight", "--step", "3"], "unrecognized arguments: --step 3\n")])
+def test_did_you_mean_names_only_a_flag_of_the_subcommand_given(capsys, module, argv, said):
+    """Before: 'inspect --ot' was offered consolidate's --out, 'hang --step' parity's --steps (both refused there)."""
+    main = __import__(f"minizero.{module}", fromlist=["main"]).main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(said)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("prog, width", [("", 1), ("p", 1), ("", 2), ("p", 3), ("p", 6)])
+def test_error_lines_ends_and_keeps_the_words_at_any_width(prog, width):
+    """Before: an empty prog at width 1 looped forever (a cut inside the 2-column indent shortened nothing)."""
+    from minizero.numerals import error_lines
+    printed = error_lines(prog, "a b; c: d, e f", width)
+    assert " ".join(printed.split()) == " ".join(f"{prog}: error: a b; c: d, e f".split())

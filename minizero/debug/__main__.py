@@ -37,7 +37,7 @@ def main(argv=None) -> int:
                     else w for w in argv[1:]]
     args, extra = p.parse_known_args(argv)
     if extra:  # the words as typed, without the space added above ("--x  --y " before)
-        p.error(unrecognized(p, [w.strip() for w in extra]))
+        p.error(unrecognized(p, [w.strip() for w in extra], args))
     try:
         if args.command == "parity":
             if args.steps < 1 or args.batch_size < 1 or not 0 < args.tol < float("inf"):  # inf: every pair agrees
