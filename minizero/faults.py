@@ -44,9 +44,9 @@ def spec_problem(spec: str, world_size: int | None = None, steps: int | None = N
                 f"--steps {steps} allows 0..{steps - 1}")
     k = save_every  # kill_in_save fires only in a save: after every k-th step and the last
     if k is not None and parts[2] == "kill_in_save" and not (k and ((step + 1) % k == 0 or step + 1 == steps)):
-        return (f"MINIZERO_FAULT={spec!r} never fires: no checkpoint is saved after step {step}; " + (
-            f"allowed: a step s with s + 1 a multiple of --save-every {k}, or the last, {steps - 1}" if k else
-            "give --save-every N"))
+        last = f", or the last, {steps - 1}" if steps is not None else ""
+        allowed = f"allowed: a step s with s + 1 a multiple of --save-every {k}{last}" if k else "give --save-every N"
+        return f"MINIZERO_FAULT={spec!r} never fires: no checkpoint is saved after step {step}; {allowed}"
     return None
 
 

@@ -507,3 +507,13 @@ def test_fault_spec_naming_a_rank_of_a_one_process_job_says_one_rank(monkeypatch
     monkeypatch.setenv("MINIZERO_FAULT", "3:0:raise")
     with pytest.raises(UsageError, match=r"names rank 3; this job has ranks 0\.\.2$"):
         check_fault_spec(3, 4)
+
+
+def test_a_kill_in_save_spec_is_checked_with_save_every_alone():
+    """Before: spec_problem given --save-every without --steps ('each checked when given') raised TypeError."""
+    from minizero.faults import spec_problem
+
+    assert spec_problem("0:0:kill_in_save", save_every=2) == (
+        "MINIZERO_FAULT='0:0:kill_in_save' never fires: no checkpoint is saved after step 0; allowed: a step s "
+        "with s + 1 a multiple of --save-every 2")
+    assert spec_problem("0:1:kill_in_save", save_every=2) is None
