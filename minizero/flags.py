@@ -40,7 +40,7 @@ SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "
             "--context-parallel-size": "--cp", "--global-batch-size": "--batch-size", "--train-iters": "--steps",
             "--gradient-accumulation-steps": "--grad-accum", "--zero-stage": "--zero", "--seq-length": "--block-size",
             "--fp16": "--precision fp16", "--bf16": "--precision bf16", "--clip-grad": "--grad-clip",
-            "--recompute-granularity": "--recompute", "--gradient-checkpointing": "--recompute",
+            "--recompute-granularity": "--recompute", "--gradient-checkpointing": "--recompute full",
             "--use-flash-attn": "--attention flash", "--warmup-steps": "--warmup", "--load": "--resume",
             "--save-interval": "--save-every", "--log-interval": "--log-every", "--eval-interval": "--eval-every",
             "--loss-scale": "--initial-loss-scale"}

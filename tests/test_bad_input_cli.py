@@ -386,6 +386,7 @@ def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, 
     (["--learning-rate", "1e-3"], "unrecognized arguments: --learning-rate 1e-3 (did you mean --lr?)"),  # a synonym
     (["--fp16", "--stpes", "3"], "(did you mean --precision fp16 for --fp16, --steps for --stpes?)"),
     (["--tensor-parallel", "2"], "(did you mean --tp?)"),  # difflib alone said --sequence-parallel
+    (["--gradient-checkpointing"], "(did you mean --recompute full?)"),  # a switch: the value too (was --recompute)
     (["--bogus"], "unrecognized arguments: --bogus")])
 def test_a_mistyped_flag_of_train_gets_a_did_you_mean(argv, hint):
     with pytest.raises(UsageError) as e:
