@@ -220,14 +220,9 @@ def test_a_drifted_zero3_shard_is_caught_across_the_replica_groups(monkeypatch):
 @pytest.mark.timeout(120)
 def test_an_asked_for_check_without_replicas_says_so():
     """Before: --check-replicas 1 with --pp 2 on 2 ranks (or one process) ran without a word, comparing nothing."""
-    from minizero.train import parse_args, train
+    from tests.test_zero import _train_logged
 
-    def fn(comm, extra):
-        lines = []
-        train(parse_args(["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", *extra],
-                         comm.world_size), comm, log=lines.append)
-        return "\n".join(lines)
-
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--check-replicas", "1"]
     note = "note: --check-replicas 1 with 1 data rank has no replica to compare; running anyway"
-    assert note in run_in_threads(2, fn, ["--pp", "2", "--check-replicas", "1"], timeout=100)[0]
-    assert "--check-replicas" not in run_in_threads(2, fn, ["--check-replicas", "1"], timeout=100)[0]
+    assert note in run_in_threads(2, _train_logged, base + ["--pp", "2"], timeout=100)[0]
+    assert "--check-replicas" not in run_in_threads(2, _train_logged, base, timeout=100)[0]

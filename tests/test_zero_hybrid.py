@@ -360,15 +360,10 @@ def test_a_parameter_used_in_one_shard_group_is_updated_by_every_replica(stage):
 @pytest.mark.timeout(120)
 def test_a_shard_group_of_one_rank_says_it_shards_nothing():
     """Before: --zero 2 --dp-shard 1 said the states were 'sharded over groups of 1' and nothing more."""
-    def fn(comm, extra):
-        lines = []
-        train(parse_args(["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", *extra],
-                         comm.world_size), comm, log=lines.append)
-        return "\n".join(lines)
-
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--zero", "2", "--dp-shard"]
     note = "note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of ZeRO-2's states"
-    assert note in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "1"], timeout=100)[0]
-    assert "shards nothing" not in run_in_threads(2, fn, ["--zero", "2", "--dp-shard", "2"], timeout=100)[0]
+    assert note in run_in_threads(2, _train_logged, base + ["1"], timeout=100)[0]
+    assert "shards nothing" not in run_in_threads(2, _train_logged, base + ["2"], timeout=100)[0]
 
 
 @pytest.mark.timeout(120)
