@@ -257,7 +257,6 @@ def check_moe(args) -> None:
         refused += [(args.allreduce != "ring" or args.quantized_comm or args.native_comm,
                      f"{m} --allreduce hierarchical, --quantized-comm or --native-comm",
                      "the expert-data all-reduce is the plain ring"),
-                    (bool(args.check_replicas), f"{m} --check-replicas", "data ranks hold different experts"),
                     (args.optimizer != "adamw" or args.offload_optimizer != "none",
                      f"{m} --optimizer {args.optimizer} / --offload-optimizer {args.offload_optimizer}",
                      "expert parallelism runs AdamW on the device")]

@@ -1,11 +1,14 @@
 """``--check-replicas``: a replica that drifted is caught, named (parameter, ranks, step); agreeing replicas pass."""
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from minizero.callbacks import Callback
 from minizero.comm import run_in_threads
 from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest
+from minizero.parallel.expert_parallel import is_expert
 
 
 def test_digest_sees_one_ulp_shape_and_dtype():
@@ -91,8 +94,39 @@ def test_by_default_each_checkpoint_is_checked_before_it_is_saved(monkeypatch, t
 def test_the_default_skips_layouts_whose_data_ranks_hold_different_parameters():
     from minizero.train import parse_args
     assert parse_args([]).check_replicas is None
-    with pytest.raises(ValueError, match="--ep 2 with --check-replicas"):
-        parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8)
+    assert parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8).check_replicas == 3  # refused
+
+
+class _MoveOneExpert(Callback):
+    """After 0-based step 1, rank 1 moves the first element of its first expert weight (its twin: rank 3)."""
+
+    def on_step_end(self, run, step, record):
+        if step == 1 and run.comm.rank == 1:
+            next(p for _, p in run.strategy.stage.named_parameters() if is_expert(p)).data.reshape(-1)[0] += 1e-3
+
+
+def _moe_error(comm, zero, move):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--moe-experts", "4", "--ep", "2", "--zero", *zero.split()], comm.world_size)
+    try:
+        train(args, comm, log=lambda s: None, callbacks=[*([_MoveOneExpert()] if move else []), ReplicaCheck(1)])
+    except ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", ["0", "1", "1 --dp-shard 2"])
+def test_with_experts_each_is_compared_over_the_ranks_that_hold_it(zero):
+    """--ep 2 on 4 data ranks: the dense parameters over all 4, each expert over its 2 holders (ranks 1 and 3 hold
+    experts 2-3); an unperturbed run passes (the experts differ across the expert group on purpose); a moved
+    expert is named on every rank."""
+    assert run_in_threads(4, _moe_error, zero, False, timeout=240) == [None] * 4
+    got = run_in_threads(4, _moe_error, zero, True, timeout=240)
+    assert len(set(got)) == 1 and got[0] is not None, got
+    assert got[0].startswith("after step 2: parameter 'transformer.h.0.mlp.moe.w1' ") and (
+        "differs across the expert-data replicas (the ranks holding these experts) [1, 3]: rank(s) [1]") in got[0]
 
 
 def _state_error(comm, extra):
@@ -136,7 +170,6 @@ def test_a_drifted_optimizer_state_is_caught_under_plain_data_parallelism(monkey
 
 
 def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares_no_state():
-    from types import SimpleNamespace
 
     from minizero.debug.replicas import raise_on_any, state_group
 

@@ -6,7 +6,8 @@ rank hashes each parameter (BLAKE2b, 8 bytes), the data group all-gathers the di
 is named with both sides' ranks and the step (Megatron-LM's ``check_weight_hash_across_dp_replicas_interval``).
 The optimizer state (m, v or 8-bit codes and absmax, masters, the step) is compared so over the data group (plain
 DP), the replica group (hybrid ZeRO) or none (plain ZeRO: held once): a drifted state is named before the next
-update carries it into the parameters. One int64 per rank over the world tells every rank the verdict.
+update carries it into the parameters. With ``--ep`` the experts (and their state) over their expert-data group.
+One int64 per rank over the world tells every rank the verdict.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import numpy as np
 from minizero import backend
 from minizero.callbacks import Callback
 from minizero.comm.collectives import all_gather
+from minizero.parallel.expert_parallel import is_expert
 from minizero.zero.hybrid import replica_members
 
 DATA_REPLICAS = "the data-parallel replicas"
 SHARD_REPLICAS = "the replicas of this optimizer shard"
+EXPERT_REPLICAS = "the expert-data replicas (the ranks holding these experts)"
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -103,12 +106,13 @@ def raise_on_any(comm, error: str | None) -> None:
     raise ReplicaMismatchError(_gather(comm, mine)[first, :lengths[first]].tobytes().decode())
 
 
-def optimizer_state(opt, names: dict) -> list:
-    """``[(name, array)]``: the optimizer state this rank holds, as a checkpoint writes it (``state_views``;
-    parameters left out: the parameter check has them), then Adam's step count. ``names``: id(param) -> name."""
+def optimizer_state(opt, names: dict, keep=lambda p: True) -> list:
+    """``[(name, array)]``: the optimizer state this rank holds of the parameters ``keep`` takes, as a checkpoint
+    writes it (``state_views``; parameters left out: the parameter check has them), then Adam's step count.
+    ``names``: id(param) -> name."""
     out = []
     for kind, p, lo, hi, a in opt.state_views(save=True):
-        if kind == "param":
+        if kind == "param" or not keep(p):
             continue
         label = f"{kind} of {names.get(id(p), '?')}" + ("" if (lo, hi) == (0, int(p.size)) else f"[{lo}:{hi}]")
         if hasattr(a, "codes"):  # 8-bit Adam's QuantizedState
@@ -145,16 +149,31 @@ class ReplicaCheck(Callback):
         self.every, self.save_every, self.checked = every, save_every, None
 
     def _check(self, run, step: int) -> None:
-        s, data = run.strategy, run.strategy.topo.dp_comm
+        s, data, edp = run.strategy, run.strategy.topo.dp_comm, run.strategy.edp_comm
         members = next(g for g in s.topo.all_groups("dp") if s.topo.world.rank in g)
+        named = list(s.stage.named_parameters())
+        split = [(data, members, lambda p: not is_expert(p))]
+        if edp is not None:  # --ep: a rank's experts are held by its expert-data group only, ep data ranks apart
+            ep = data.world_size // edp.world_size
+            split.append((edp, members[data.rank % ep::ep], is_expert))
         with s.full_parameters():
-            error = find_mismatch(data, [(n, p.data) for n, p in s.stage.named_parameters()], step + 1, members)
-        group = state_group(s.opt, data)
-        if error is None and group is not None:  # the same on every rank of the data group
-            state = optimizer_state(s.opt, {id(p): n for n, p in s.stage.named_parameters()})
+            for comm, who, keep in split:
+                error = find_mismatch(comm, [(n, p.data) for n, p in named if keep(p)], step + 1, who,
+                                      among=DATA_REPLICAS if comm is data else EXPERT_REPLICAS)
+                if error is not None:
+                    break
+        if edp is not None:  # expert-data groups' verdicts differ inside a data group: agree before the next checks
+            raise_on_any(s.topo.world, error)
+        group, names = state_group(s.opt, data), {id(p): n for n, p in named}
+        if error is None and group is not None and group is not data:  # hybrid ZeRO: every part over its replicas
             same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
-            who, among = (members, DATA_REPLICAS) if group is data else ([members[k] for k in same], SHARD_REPLICAS)
-            error = find_mismatch(group, state, step + 1, who, "optimizer state", among, locate=True)
+            error = find_mismatch(group, optimizer_state(s.opt, names), step + 1, [members[k] for k in same],
+                                  "optimizer state", SHARD_REPLICAS, locate=True)
+        for comm, who, keep in split if error is None and group is data else ():  # DP: as the parameters
+            error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step + 1, who, "optimizer state",
+                                  DATA_REPLICAS if comm is data else EXPERT_REPLICAS, locate=True)
+            if error is not None:
+                break
         if data.world_size > 1:  # every data group's size: else no replicas, nothing sent
             raise_on_any(s.topo.world, error)
         self.checked = step
