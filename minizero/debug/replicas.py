@@ -152,14 +152,13 @@ class ReplicaCheck(Callback):
         s, data, edp = run.strategy, run.strategy.topo.dp_comm, run.strategy.edp_comm
         members = next(g for g in s.topo.all_groups("dp") if s.topo.world.rank in g)
         named = list(s.stage.named_parameters())
-        split = [(data, members, lambda p: not is_expert(p))]
+        split = [(data, members, lambda p: not is_expert(p), DATA_REPLICAS)]
         if edp is not None:  # --ep: a rank's experts are held by its expert-data group only, ep data ranks apart
             ep = data.world_size // edp.world_size
-            split.append((edp, members[data.rank % ep::ep], is_expert))
+            split.append((edp, members[data.rank % ep::ep], is_expert, EXPERT_REPLICAS))
         with s.full_parameters():
-            for comm, who, keep in split:
-                error = find_mismatch(comm, [(n, p.data) for n, p in named if keep(p)], step + 1, who,
-                                      among=DATA_REPLICAS if comm is data else EXPERT_REPLICAS)
+            for comm, who, keep, among in split:
+                error = find_mismatch(comm, [(n, p.data) for n, p in named if keep(p)], step + 1, who, among=among)
                 if error is not None:
                     break
         if edp is not None:  # expert-data groups' verdicts differ inside a data group: agree before the next checks
@@ -169,9 +168,9 @@ class ReplicaCheck(Callback):
             same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
             error = find_mismatch(group, optimizer_state(s.opt, names), step + 1, [members[k] for k in same],
                                   "optimizer state", SHARD_REPLICAS, locate=True)
-        for comm, who, keep in split if error is None and group is data else ():  # DP: as the parameters
-            error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step + 1, who, "optimizer state",
-                                  DATA_REPLICAS if comm is data else EXPERT_REPLICAS, locate=True)
+        for comm, who, keep, among in split if error is None and group is data else ():  # DP: as the parameters
+            error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step + 1, who, "optimizer state", among,
+                                  locate=True)
             if error is not None:
                 break
         if data.world_size > 1:  # every data group's size: else no replicas, nothing sent
