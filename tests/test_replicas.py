@@ -8,7 +8,10 @@ import pytest
 from minizero.callbacks import Callback
 from minizero.comm import run_in_threads
 from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest
+from minizero.faults import FaultInjector
+from minizero.nn.module import Linear
 from minizero.parallel.expert_parallel import is_expert
+from minizero.zero import zero_optimizer
 
 
 def test_digest_sees_one_ulp_shape_and_dtype():
@@ -259,3 +262,23 @@ def test_an_asked_for_check_without_replicas_says_so():
     note = "note: --check-replicas 1 with 1 data rank has no replica to compare; running anyway"
     assert note in run_in_threads(2, _train_logged, base + ["--pp", "2"], timeout=100)[0]
     assert "--check-replicas" not in run_in_threads(2, _train_logged, base, timeout=100)[0]
+
+
+def test_a_diverge_fault_on_a_rank_holding_no_shard_is_refused_naming_it():
+    """Before: Linear(1, 1)'s 2 elements over 4 ranks leave ranks 2 and 3 padding only; their diverge fault raised
+    StopIteration at the fault's step."""
+    def fn(comm, stage, kind):
+        model = Linear(1, 1)
+        run = SimpleNamespace(strategy=SimpleNamespace(opt=zero_optimizer(model, comm, stage)))
+        fault = FaultInjector(comm.rank, model.parameters(), f"{comm.rank}:0:{kind}")
+        try:
+            fault.setup(run)
+        except ValueError as e:
+            return str(e)
+        fault.on_step_end(run, 0)
+        return "moved"
+    for stage, kind in ((3, "diverge"), (1, "diverge_state")):
+        got = run_in_threads(4, fn, stage, kind, timeout=30)
+        assert got[:2] == ["moved", "moved"], got
+        what = "parameter" if kind == "diverge" else "optimizer state"
+        assert f"MINIZERO_FAULT='3:0:{kind}' cannot fire: rank 3 holds no element of any {what}" in got[3], got
