@@ -27,10 +27,10 @@ SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
 def spec_problem(spec: str, world_size: int | None = None, steps: int | None = None,
-                 save_every: int | None = None) -> str | None:
+                 save_every: int | None = None, start: int = 0) -> str | None:
     """What is wrong with ``spec`` (``RANK:STEP:KIND``) as one message, or None: it must parse, name a rank
-    < ``world_size``, a step < ``steps`` and for ``kill_in_save`` one that ``save_every`` saves after (each
-    checked when given)."""
+    < ``world_size``, a step < ``steps`` and >= ``start`` (a resumed run's first step) and for ``kill_in_save``
+    one that ``save_every`` saves after (each checked when given)."""
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
         kinds = f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
@@ -42,6 +42,9 @@ def spec_problem(spec: str, world_size: int | None = None, steps: int | None = N
     if steps is not None and step >= steps:
         return (f"MINIZERO_FAULT={spec!r} names step {step} (0-based: the progress log's step {step + 1}); "
                 f"--steps {steps} allows 0..{steps - 1}")
+    if step < start:
+        return (f"MINIZERO_FAULT={spec!r} never fires: it names step {step} (0-based) and the resumed checkpoint "
+                f"starts this run at step {start}; give a step >= {start}")
     k = save_every  # kill_in_save fires only in a save: after every k-th step and the last
     if k is not None and parts[2] == "kill_in_save" and not (k and ((step + 1) % k == 0 or step + 1 == steps)):
         last = f", or the last, {steps - 1}" if steps is not None else ""
