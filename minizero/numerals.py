@@ -114,15 +114,19 @@ ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indent
 
 def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
     """``prog: error: message`` for each line of ``message``, each cut into lines of <= ``width`` columns (the
-    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half). The words
-    are the message's: the lines joined with one space are ``prog: error: message``."""
+    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half); where
+    none does, before the word that runs past ``width``, which then takes a line of its own however long. The
+    words are the message's: the lines joined with one space are ``prog: error: message``."""
     out = []
     for problem in message.splitlines() or [""]:
         line = f"{prog}: error: {problem}"
         while len(line) > width:
             cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
             cut = next((c for c in cuts if c > max(width // 2, 2)), None)  # past the indent: each cut shortens
-            if cut is None:
+            if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
+                cut = line.rfind(" ", 3, width + 1)
+                cut = cut if cut > 2 else line.find(" ", max(width, 3))
+            if cut <= 2:  # the rest is one word
                 break
             out.append(line[:cut].rstrip())
             line = "  " + line[cut:].lstrip()

@@ -455,3 +455,16 @@ def test_error_lines_ends_and_keeps_the_words_at_any_width(prog, width):
     from minizero.numerals import error_lines
     printed = error_lines(prog, "a b; c: d, e f", width)
     assert " ".join(printed.split()) == " ".join(f"{prog}: error: a b; c: d, e f".split())
+
+
+@pytest.mark.timeout(10)
+def test_error_lines_puts_a_word_longer_than_the_width_on_a_line_of_its_own():
+    """Before: a 150-column path after 'error: ' left the whole message on one line, its rest unwrapped too."""
+    from minizero.numerals import error_lines
+    path = "/" + "x" * 150
+    message = f"{path} is missing; " + "give another path " * 10
+    printed = error_lines("python -m minizero.train", message)
+    lines = printed.splitlines()
+    assert lines[:2] == ["python -m minizero.train: error:", f"  {path}"], printed
+    assert all(len(line) <= 120 for line in lines[2:]) and len(lines) > 3, printed
+    assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {message}"
