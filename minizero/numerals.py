@@ -91,22 +91,28 @@ def _flags(parser: argparse.ArgumentParser, namespace=None) -> list[str]:
 def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=None) -> str:
     """argparse's ``unrecognized arguments: ...``, with the closest flag for each word that looks like one:
     ``--zer 3`` adds ``(did you mean --zero?)``. Close: difflib's ratio >= 0.7 without the leading dashes, case
-    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate).
+    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate) to
+    a flag, or to a note (a value not starting with '-': what minizero has instead), said after '; '.
     ``namespace`` (what was parsed): a subcommand's flags only when it is the one chosen."""
-    flags, synonyms, hints = _flags(parser, namespace), getattr(parser, "synonyms", {}), []
+    flags, synonyms, hints, notes = _flags(parser, namespace), getattr(parser, "synonyms", {}), [], []
     bare = {f.lstrip("-"): f for f in flags}
     for word in words:
         typed = word.split("=")[0]
         if not typed.startswith("-") or VALUE_LIKE.match(typed):
             continue
         norm = typed.lower().replace("_", "-")
+        if not synonyms.get(norm, "-").startswith("-"):
+            notes.append(synonyms[norm])
+            continue
         close = [bare[m] for m in difflib.get_close_matches(norm.lstrip("-"), bare, n=1, cutoff=0.7)]
         close = [synonyms[norm]] if norm in synonyms else [m for m in close if m != typed]
         hints += [(typed, close[0])] if close else []
     said = f"unrecognized arguments: {' '.join(words)}"
     if len(hints) == 1:
-        return f"{said} (did you mean {hints[0][1]}?)"
-    return f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else said
+        said = f"{said} (did you mean {hints[0][1]}?)"
+    elif hints:
+        said = f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)"
+    return "; ".join([said, *dict.fromkeys(notes)])
 
 
 ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indented line of its own

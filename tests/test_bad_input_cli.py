@@ -402,8 +402,35 @@ def test_did_you_mean_in_sample_and_train_synonyms_name_real_flags(capsys):
         sample_main(["--temprature", "0.5", "--tokens", "3"])
     assert e.value.code == 2 and capsys.readouterr().err == (
         "python -m minizero.sample: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n")
-    flags = build_parser()._option_string_actions
-    assert all(v.split()[0] in flags and k not in flags for k, v in SYNONYMS.items())
+    from minizero.sample import SYNONYMS as SAMPLE_SYNONYMS, build_parser as sample_parser
+    for table, parser in ((SYNONYMS, build_parser()), (SAMPLE_SYNONYMS, sample_parser())):
+        flags = parser._option_string_actions
+        named = [(k, w.strip(",.;:")) for k, v in table.items() for w in v.split() if w.startswith("--")]
+        assert named and all(w in flags and k not in flags for k, w in named), named
+        assert all(v.startswith("--") or "minizero" in v for v in table.values())  # a flag, or a note
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--top-p", "0.9"], "--top-p 0.9; minizero has no nucleus (top-p) sampling; it has --top-k and --temperature\n"),
+    (["--max-new-tokens", "5"], "--max-new-tokens 5 (did you mean --tokens?)\n")])
+def test_sample_names_what_it_has_for_other_programs_sampling_flags(capsys, argv, said):
+    """Before: --top-p was offered --top-k (another technique); --max-new-tokens got no hint."""
+    from minizero.sample import main as sample_main
+    with pytest.raises(SystemExit) as e:
+        sample_main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"unrecognized arguments: {said}")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--num-epochs", "3"], "--num-epochs 3; minizero counts optimizer steps, not epochs: give --steps"),
+    (["--eval-steps", "5"], "(did you mean --eval-every?)"),  # difflib said --eval-batches
+    (["--save", "ck"], "(did you mean --save-dir?)"),  # difflib said --no-save
+    (["--per_device_train_batch_size", "4"], "(did you mean --micro-batch-size?)"),
+    (["--max-new-tokens", "9"], "(did you mean --sample-tokens?)")])
+def test_train_maps_other_programs_training_flags(argv, hint):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, 1)
+    assert str(e.value).endswith(hint), str(e.value)
 
 
 def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
