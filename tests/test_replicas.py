@@ -264,6 +264,18 @@ def test_an_asked_for_check_without_replicas_says_so():
     assert "--check-replicas" not in run_in_threads(2, _train_logged, base, timeout=100)[0]
 
 
+@pytest.mark.timeout(120)
+def test_an_asked_for_check_under_plain_zero_says_it_compares_parameters_only():
+    """Before: silent, though each optimizer-state shard is held once (no replica to compare it with)."""
+    from tests.test_zero import _train_logged
+
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--check-replicas", "1"]
+    note = "note: --check-replicas 1 under ZeRO-1 compares parameters only: each optimizer shard is held once"
+    assert note in run_in_threads(2, _train_logged, base + ["--zero", "1"], timeout=100)[0]
+    assert "compares parameters only" not in run_in_threads(  # hybrid: the state is compared over replicas
+        2, _train_logged, base + ["--zero", "1", "--dp-shard", "1"], timeout=100)[0]
+
+
 def test_a_diverge_fault_on_a_rank_holding_no_shard_is_refused_naming_it():
     """Before: Linear(1, 1)'s 2 elements over 4 ranks leave ranks 2 and 3 padding only; their diverge fault raised
     StopIteration at the fault's step."""
