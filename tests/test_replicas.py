@@ -294,3 +294,30 @@ def test_a_diverge_fault_on_a_rank_holding_no_shard_is_refused_naming_it():
         assert got[:2] == ["moved", "moved"], got
         what = "parameter" if kind == "diverge" else "optimizer state"
         assert f"MINIZERO_FAULT='3:0:{kind}' cannot fire: rank 3 holds no element of any {what}" in got[3], got
+
+
+class _DoubleTheLossScale(Callback):
+    def on_step_end(self, run, step, record):
+        if step == 1 and run.comm.rank == 1:
+            run.scaler.scale *= 2
+
+
+def _scale_error(comm, move):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--precision", "fp16", "--tp", "2"], comm.world_size)
+    try:
+        train(args, comm, log=lambda s: None, callbacks=[*([_DoubleTheLossScale()] if move else []), ReplicaCheck(1)])
+    except ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_fp16_loss_scale_differs_is_named():
+    """Before: the loss scale (each rank's own scaler, updated alike from the overflow anywhere) was not compared;
+    --tp 2: no data replicas, yet the two ranks must hold one scale."""
+    assert run_in_threads(2, _scale_error, False, timeout=100) == [None, None]
+    got = run_in_threads(2, _scale_error, True, timeout=100)
+    assert len(set(got)) == 1 and got[0] is not None, got
+    assert got[0].startswith("after step 2: loss scaler 'scale' (1,) differs across all ranks [0, 1]: "), got[0]
