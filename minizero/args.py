@@ -59,12 +59,13 @@ def _check_data(args) -> None:
                          f"{need:,} (the last 10% is the validation split)")
 
 
-def check_fault_spec(world_size: int | None = None, steps: int | None = None, save_every: int | None = None) -> None:
-    """``MINIZERO_FAULT`` checked by :func:`minizero.faults.spec_problem` (the main job gives its sizes; other
-    callers of :func:`parse_args`, compare's estimates, only get the syntax checked). Raises UsageError naming
-    the spec and what this job allows."""
+def check_fault_spec(world_size: int | None = None, steps: int | None = None, save_every: int | None = None,
+                     start: int = 0) -> None:
+    """``MINIZERO_FAULT`` checked by :func:`minizero.faults.spec_problem` (the main job gives its sizes and
+    ``start``, a resumed run's first step; other callers of :func:`parse_args`, compare's estimates, only get the
+    syntax checked). Raises UsageError naming the spec and what this job allows."""
     spec = os.environ.get("MINIZERO_FAULT")
-    if spec and (problem := spec_problem(spec, world_size, steps, save_every)):
+    if spec and (problem := spec_problem(spec, world_size, steps, save_every, start)):
         raise UsageError(problem)
 
 
@@ -301,16 +302,17 @@ def _check_checkpoint(args) -> None:
     check_save_dir(args)
 
 
-def check_steps_left(args) -> None:
+def check_steps_left(args) -> int:
     """The main job's rule for ``--resume``: the checkpoint's step is below ``--steps`` (the total, the steps
     already run included), so that the job trains and has steps to report. The library's ``train`` accepts a
-    resume with nothing left (it returns at once); the job's report has no step to describe.
+    resume with nothing left (it returns at once); the job's report has no step to describe. Returns the step
+    the run starts from (0 without ``--resume``).
 
     Raises:
         UsageError: naming the checkpoint's step and ``--steps``.
     """
     if not args.resume:
-        return
+        return 0
     try:
         man = read_manifest(resolve(args.resume))
     except CheckpointError as e:
@@ -320,6 +322,7 @@ def check_steps_left(args) -> None:
         raise UsageError(f"--resume {args.resume!r} was saved after step {step}; --steps {args.steps} leaves nothing "
                          f"to train (give --steps > {step}, the total including the steps already run)")
     _check_resumed_pruning(args, man.get("pruning"), step)
+    return step if isinstance(step, int) else 0
 
 
 def _check_resumed_pruning(args, pruned: dict | None, step) -> None:

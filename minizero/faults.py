@@ -27,10 +27,10 @@ SLOW_S = 0.05  #: seconds a ``slow`` rank sleeps per step
 
 
 def spec_problem(spec: str, world_size: int | None = None, steps: int | None = None,
-                 save_every: int | None = None) -> str | None:
+                 save_every: int | None = None, start: int = 0) -> str | None:
     """What is wrong with ``spec`` (``RANK:STEP:KIND``) as one message, or None: it must parse, name a rank
-    < ``world_size``, a step < ``steps`` and for ``kill_in_save`` one that ``save_every`` saves after (each
-    checked when given)."""
+    < ``world_size``, a step < ``steps`` and >= ``start`` (a resumed run's first step) and for ``kill_in_save``
+    one that ``save_every`` saves after (each checked when given)."""
     parts = spec.split(":")
     if len(parts) != 3 or not is_count(parts[0]) or not is_count(parts[1]) or parts[2] not in FAULT_KINDS:
         kinds = f"{', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
@@ -42,6 +42,9 @@ def spec_problem(spec: str, world_size: int | None = None, steps: int | None = N
     if steps is not None and step >= steps:
         return (f"MINIZERO_FAULT={spec!r} names step {step} (0-based: the progress log's step {step + 1}); "
                 f"--steps {steps} allows 0..{steps - 1}")
+    if step < start:
+        return (f"MINIZERO_FAULT={spec!r} never fires: it names step {step} (0-based) and the resumed checkpoint "
+                f"starts this run at step {start}; give a step >= {start}")
     k = save_every  # kill_in_save fires only in a save: after every k-th step and the last
     if k is not None and parts[2] == "kill_in_save" and not (k and ((step + 1) % k == 0 or step + 1 == steps)):
         last = f", or the last, {steps - 1}" if steps is not None else ""
@@ -61,7 +64,8 @@ class FaultInjector(Callback):
     """
 
     def __init__(self, rank: int, params, spec: str | None = None):
-        self.spec, self.armed, self.step, self.kind, self.params = spec, False, None, None, list(params)
+        self.spec, self.rank, self.armed, self.step, self.kind = spec, rank, False, None, None
+        self.params = list(params)
         if spec:
             r, s, kind = spec.split(":")
             if int(r) == rank:
@@ -95,14 +99,28 @@ class FaultInjector(Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault at step {step + 1} (MINIZERO_FAULT={self.spec}: 0-based step {step})")
 
+    def setup(self, run) -> None:
+        if self.kind in ("diverge", "diverge_state"):
+            self._target(run)  # a rank holding nothing to move is refused now, not at the fault's step
+
+    def _target(self, run):
+        """What ``diverge`` moves (this rank's first parameter; ZeRO-3 between uses, the first shard held) or
+        ``diverge_state`` (its first held Adam m, 8-bit Adam's codes): the first non-empty such array. Raises
+        ValueError naming the rank when it holds none (a tiny model's shards over many ranks: padding only)."""
+        first = self.params[0].data if self.params else None
+        if self.kind == "diverge" and first is not None and first.size and 0 not in first.strides:
+            return first  # 0 in strides: ZeRO-3's broadcast placeholder
+        kind = "param" if self.kind == "diverge" else "m"
+        held = (getattr(a, "codes", a) for k, *_, a in run.strategy.opt.state_views() if k == kind)
+        found = next((a for a in held if a.size), None)
+        if found is None:
+            what = "parameter" if kind == "param" else "optimizer state (Adam m)"
+            raise ValueError(f"MINIZERO_FAULT={self.spec!r} cannot fire: rank {self.rank} holds no element of any "
+                             f"{what} (its shards are padding only); name another rank")
+        return found
+
     def on_step_end(self, run, step: int, record=None) -> None:
         self.armed = False
-        if step == self.step and self.kind == "diverge" and self.params and self.params[0].data.size:
-            first = self.params[0].data
-            if 0 in first.strides:  # ZeRO-3 between uses: a broadcast placeholder; move the first shard held
-                first = next(a for kind, *_, a in run.strategy.opt.state_views() if kind == "param" and a.size)
-            first.reshape(-1)[0] += 1e-3
-        if step == self.step and self.kind == "diverge_state":
-            held = (getattr(a, "codes", a) for kind, *_, a in run.strategy.opt.state_views() if kind == "m")
-            flat = next(a for a in held if a.size).reshape(-1)  # 8-bit Adam: a QuantizedState's codes
+        if step == self.step and self.kind in ("diverge", "diverge_state"):
+            flat = self._target(run).reshape(-1)
             flat[:1] += flat.dtype.type(1e-3 if flat.dtype.kind == "f" else 1)

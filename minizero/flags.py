@@ -33,17 +33,29 @@ class _Parser(OneLineParser):  # a mistyped flag: "did you mean"; ranks other th
         raise UsageError(message)
 
 
-#: other programs' names of train's flags (docs/techniques.md: Megatron-LM's, Hugging Face's) -> what a mistyped
-#: flag's "did you mean" names (minizero.numerals.unrecognized; close spellings are found without this table)
+#: other programs' names of train's flags (docs/techniques.md: Megatron-LM's, DeepSpeed's, Hugging Face's) -> what a
+#: mistyped flag's "did you mean" names, or a note on what minizero has instead (minizero.numerals.unrecognized;
+#: close spellings are found without this table)
 SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "--tensor-parallel": "--tp",
             "--pipeline-model-parallel-size": "--pp", "--pipeline-parallel": "--pp", "--data-parallel": "--dp",
             "--context-parallel-size": "--cp", "--global-batch-size": "--batch-size", "--train-iters": "--steps",
             "--gradient-accumulation-steps": "--grad-accum", "--zero-stage": "--zero", "--seq-length": "--block-size",
-            "--fp16": "--precision fp16", "--bf16": "--precision bf16", "--clip-grad": "--grad-clip",
+            "--seq-len": "--block-size", "--max-seq-length": "--block-size", "--sequence-length": "--block-size",
+            "--fp16": "--precision fp16", "--bf16": "--precision bf16", "--fp8": "--precision fp8",
+            "--clip-grad": "--grad-clip", "--max-grad-norm": "--grad-clip", "--gradient-clipping": "--grad-clip",
             "--recompute-granularity": "--recompute", "--gradient-checkpointing": "--recompute full",
-            "--use-flash-attn": "--attention flash", "--warmup-steps": "--warmup", "--load": "--resume",
-            "--save-interval": "--save-every", "--log-interval": "--log-every", "--eval-interval": "--eval-every",
-            "--loss-scale": "--initial-loss-scale"}
+            "--checkpoint-activations": "--recompute full", "--use-distributed-optimizer": "--zero 1",
+            "--use-flash-attn": "--attention flash", "--warmup-steps": "--warmup", "--lr-warmup-iters": "--warmup",
+            "--load": "--resume", "--resume-from-checkpoint": "--resume", "--save": "--save-dir",
+            "--output-dir": "--out", "--data-path": "--data", "--save-interval": "--save-every",
+            "--save-steps": "--save-every", "--log-interval": "--log-every", "--logging-steps": "--log-every",
+            "--eval-interval": "--eval-every", "--eval-steps": "--eval-every",
+            "--per-device-train-batch-size": "--micro-batch-size",
+            "--train-micro-batch-size-per-gpu": "--micro-batch-size", "--expert-model-parallel-size": "--ep",
+            "--moe-router-topk": "--moe-top-k", "--max-new-tokens": "--sample-tokens",
+            "--tokens-to-generate": "--sample-tokens", "--loss-scale": "--initial-loss-scale",
+            **dict.fromkeys(("--num-epochs", "--num-train-epochs", "--epochs"),
+                            "minizero counts optimizer steps, not epochs: give --steps")}
 
 
 def build_parser() -> argparse.ArgumentParser:

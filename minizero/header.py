@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
+from minizero.debug.replicas import state_group
 from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
@@ -145,6 +146,9 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.check_replicas and topo.dp == 1:  # it was silent: the asked-for check compared nothing
         lines.append(f"note: --check-replicas {args.check_replicas} with 1 data rank has no replica to compare; "
                      "running anyway")
+    if args.check_replicas and topo.dp > 1 and state_group(s.opt, topo.dp_comm) is None:  # plain ZeRO
+        lines.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters only: "
+                     "each optimizer shard is held once")
     return lines
 
 

@@ -91,22 +91,28 @@ def _flags(parser: argparse.ArgumentParser, namespace=None) -> list[str]:
 def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=None) -> str:
     """argparse's ``unrecognized arguments: ...``, with the closest flag for each word that looks like one:
     ``--zer 3`` adds ``(did you mean --zero?)``. Close: difflib's ratio >= 0.7 without the leading dashes, case
-    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate).
+    and '_' vs '-' ignored; ``parser.synonyms`` (a dict, if set) maps other programs' names (--learning-rate) to
+    a flag, or to a note (a value not starting with '-': what minizero has instead), said after '; '.
     ``namespace`` (what was parsed): a subcommand's flags only when it is the one chosen."""
-    flags, synonyms, hints = _flags(parser, namespace), getattr(parser, "synonyms", {}), []
+    flags, synonyms, hints, notes = _flags(parser, namespace), getattr(parser, "synonyms", {}), [], []
     bare = {f.lstrip("-"): f for f in flags}
     for word in words:
         typed = word.split("=")[0]
         if not typed.startswith("-") or VALUE_LIKE.match(typed):
             continue
         norm = typed.lower().replace("_", "-")
+        if not synonyms.get(norm, "-").startswith("-"):
+            notes.append(synonyms[norm])
+            continue
         close = [bare[m] for m in difflib.get_close_matches(norm.lstrip("-"), bare, n=1, cutoff=0.7)]
         close = [synonyms[norm]] if norm in synonyms else [m for m in close if m != typed]
         hints += [(typed, close[0])] if close else []
     said = f"unrecognized arguments: {' '.join(words)}"
     if len(hints) == 1:
-        return f"{said} (did you mean {hints[0][1]}?)"
-    return f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)" if hints else said
+        said = f"{said} (did you mean {hints[0][1]}?)"
+    elif hints:
+        said = f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)"
+    return "; ".join([said, *dict.fromkeys(notes)])
 
 
 ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indented line of its own
@@ -114,15 +120,19 @@ ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indent
 
 def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
     """``prog: error: message`` for each line of ``message``, each cut into lines of <= ``width`` columns (the
-    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half). The words
-    are the message's: the lines joined with one space are ``prog: error: message``."""
+    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half); where
+    none does, before the word that runs past ``width``, which then takes a line of its own however long. The
+    words are the message's: the lines joined with one space are ``prog: error: message``."""
     out = []
     for problem in message.splitlines() or [""]:
         line = f"{prog}: error: {problem}"
         while len(line) > width:
             cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
             cut = next((c for c in cuts if c > max(width // 2, 2)), None)  # past the indent: each cut shortens
-            if cut is None:
+            if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
+                cut = line.rfind(" ", 3, width + 1)
+                cut = cut if cut > 2 else line.find(" ", max(width, 3))
+            if cut <= 2:  # the rest is one word
                 break
             out.append(line[:cut].rstrip())
             line = "  " + line[cut:].lstrip()

@@ -91,6 +91,12 @@ def sample_text(model, prompt: str, max_new_tokens: int, temperature: float = 0.
     return decode(out[0])
 
 
+#: Hugging Face's generate and Megatron-LM's names -> a flag here, or what minizero has instead (numerals.unrecognized)
+SYNONYMS = {"--max-new-tokens": "--tokens", "--tokens-to-generate": "--tokens", "--temp": "--temperature",
+            "--greedy": "--temperature 0", "--load": "--weights", "--model": "--weights",
+            "--top-p": "minizero has no nucleus (top-p) sampling; it has --top-k and --temperature"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m minizero.sample``."""
     p = negative_values_reach_checks(OneLineParser(
@@ -98,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsOnce,
         epilog="A \ufffd in the sample is a byte (or a run of them) that is not valid UTF-8, or a control character: "
                "the model writes bytes, not characters."))
+    p.synonyms = SYNONYMS
     p.add_argument("--weights", default="out/model.npz", help="model.npz written by python -m minizero.train")
     p.add_argument("--prompt", default="The ", help="text the sample continues (UTF-8; at least one byte)")
     p.add_argument("--tokens", type=integer, default=200, help="bytes to generate (1..100,000)")

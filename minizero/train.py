@@ -142,8 +142,7 @@ def _parse_everywhere(argv, comm, mpi_world):
     args, verdict, inputs = None, None, None
     try:
         args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
-        check_fault_spec(comm.world_size, args.steps, args.save_every)
-        check_steps_left(args)
+        check_fault_spec(comm.world_size, args.steps, args.save_every, start=check_steps_left(args))
         inputs = data_digest(args.data)  # what this rank read under --data's name (each node has its own disk)
     except UsageError as e:
         verdict = str(e)

@@ -289,6 +289,20 @@ def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_fault_before_the_resumed_step_is_refused_before_work(saved, tmp_path, monkeypatch):
+    """Before: MINIZERO_FAULT=0:1:raise with a resume of step 2 trained on and never fired, without a word."""
+    from minizero.args import check_fault_spec
+    argv = [*TINY, "--steps", "4", "--out", str(tmp_path / "o"), "--resume", str(saved)]
+    monkeypatch.setenv("MINIZERO_FAULT", "0:1:raise")
+    proc, _ = _train(argv)
+    assert proc.returncode == 2 and "minizero: 1 rank(s)" not in proc.stdout, proc.stderr
+    assert ("MINIZERO_FAULT='0:1:raise' never fires: it names step 1 (0-based) and the resumed checkpoint starts this "
+            "run at step 2; give a step >= 2") in proc.stderr.replace("\n  ", " "), proc.stderr
+    monkeypatch.setenv("MINIZERO_FAULT", "0:2:raise")  # the resumed run's first step: fires
+    check_fault_spec(1, 4, 0, start=check_steps_left(parse_args(argv)))
+
+
+@pytest.mark.timeout(120)
 def test_resume_refuses_pruning_it_would_skip_or_change(saved, tmp_path):
     """Before: resuming an unpruned step 2 with --prune-step 1 never pruned, without a word; resuming a pruned
     checkpoint with another (or no) --prune-sparsity kept applying its masks, without a word."""

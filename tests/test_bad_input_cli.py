@@ -402,8 +402,35 @@ def test_did_you_mean_in_sample_and_train_synonyms_name_real_flags(capsys):
         sample_main(["--temprature", "0.5", "--tokens", "3"])
     assert e.value.code == 2 and capsys.readouterr().err == (
         "python -m minizero.sample: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n")
-    flags = build_parser()._option_string_actions
-    assert all(v.split()[0] in flags and k not in flags for k, v in SYNONYMS.items())
+    from minizero.sample import SYNONYMS as SAMPLE_SYNONYMS, build_parser as sample_parser
+    for table, parser in ((SYNONYMS, build_parser()), (SAMPLE_SYNONYMS, sample_parser())):
+        flags = parser._option_string_actions
+        named = [(k, w.strip(",.;:")) for k, v in table.items() for w in v.split() if w.startswith("--")]
+        assert named and all(w in flags and k not in flags for k, w in named), named
+        assert all(v.startswith("--") or "minizero" in v for v in table.values())  # a flag, or a note
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--top-p", "0.9"], "--top-p 0.9; minizero has no nucleus (top-p) sampling; it has --top-k and --temperature\n"),
+    (["--max-new-tokens", "5"], "--max-new-tokens 5 (did you mean --tokens?)\n")])
+def test_sample_names_what_it_has_for_other_programs_sampling_flags(capsys, argv, said):
+    """Before: --top-p was offered --top-k (another technique); --max-new-tokens got no hint."""
+    from minizero.sample import main as sample_main
+    with pytest.raises(SystemExit) as e:
+        sample_main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"unrecognized arguments: {said}")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--num-epochs", "3"], "--num-epochs 3; minizero counts optimizer steps, not epochs: give --steps"),
+    (["--eval-steps", "5"], "(did you mean --eval-every?)"),  # difflib said --eval-batches
+    (["--save", "ck"], "(did you mean --save-dir?)"),  # difflib said --no-save
+    (["--per_device_train_batch_size", "4"], "(did you mean --micro-batch-size?)"),
+    (["--max-new-tokens", "9"], "(did you mean --sample-tokens?)")])
+def test_train_maps_other_programs_training_flags(argv, hint):
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, 1)
+    assert str(e.value).endswith(hint), str(e.value)
 
 
 def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
@@ -455,3 +482,16 @@ def test_error_lines_ends_and_keeps_the_words_at_any_width(prog, width):
     from minizero.numerals import error_lines
     printed = error_lines(prog, "a b; c: d, e f", width)
     assert " ".join(printed.split()) == " ".join(f"{prog}: error: a b; c: d, e f".split())
+
+
+@pytest.mark.timeout(10)
+def test_error_lines_puts_a_word_longer_than_the_width_on_a_line_of_its_own():
+    """Before: a 150-column path after 'error: ' left the whole message on one line, its rest unwrapped too."""
+    from minizero.numerals import error_lines
+    path = "/" + "x" * 150
+    message = f"{path} is missing; " + "give another path " * 10
+    printed = error_lines("python -m minizero.train", message)
+    lines = printed.splitlines()
+    assert lines[:2] == ["python -m minizero.train: error:", f"  {path}"], printed
+    assert all(len(line) <= 120 for line in lines[2:]) and len(lines) > 3, printed
+    assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {message}"

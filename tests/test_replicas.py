@@ -8,7 +8,10 @@ import pytest
 from minizero.callbacks import Callback
 from minizero.comm import run_in_threads
 from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest
+from minizero.faults import FaultInjector
+from minizero.nn.module import Linear
 from minizero.parallel.expert_parallel import is_expert
+from minizero.zero import zero_optimizer
 
 
 def test_digest_sees_one_ulp_shape_and_dtype():
@@ -259,3 +262,62 @@ def test_an_asked_for_check_without_replicas_says_so():
     note = "note: --check-replicas 1 with 1 data rank has no replica to compare; running anyway"
     assert note in run_in_threads(2, _train_logged, base + ["--pp", "2"], timeout=100)[0]
     assert "--check-replicas" not in run_in_threads(2, _train_logged, base, timeout=100)[0]
+
+
+@pytest.mark.timeout(120)
+def test_an_asked_for_check_under_plain_zero_says_it_compares_parameters_only():
+    """Before: silent, though each optimizer-state shard is held once (no replica to compare it with)."""
+    from tests.test_zero import _train_logged
+
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--check-replicas", "1"]
+    note = "note: --check-replicas 1 under ZeRO-1 compares parameters only: each optimizer shard is held once"
+    assert note in run_in_threads(2, _train_logged, base + ["--zero", "1"], timeout=100)[0]
+    assert "compares parameters only" not in run_in_threads(  # hybrid: the state is compared over replicas
+        2, _train_logged, base + ["--zero", "1", "--dp-shard", "1"], timeout=100)[0]
+
+
+def test_a_diverge_fault_on_a_rank_holding_no_shard_is_refused_naming_it():
+    """Before: Linear(1, 1)'s 2 elements over 4 ranks leave ranks 2 and 3 padding only; their diverge fault raised
+    StopIteration at the fault's step."""
+    def fn(comm, stage, kind):
+        model = Linear(1, 1)
+        run = SimpleNamespace(strategy=SimpleNamespace(opt=zero_optimizer(model, comm, stage)))
+        fault = FaultInjector(comm.rank, model.parameters(), f"{comm.rank}:0:{kind}")
+        try:
+            fault.setup(run)
+        except ValueError as e:
+            return str(e)
+        fault.on_step_end(run, 0)
+        return "moved"
+    for stage, kind in ((3, "diverge"), (1, "diverge_state")):
+        got = run_in_threads(4, fn, stage, kind, timeout=30)
+        assert got[:2] == ["moved", "moved"], got
+        what = "parameter" if kind == "diverge" else "optimizer state"
+        assert f"MINIZERO_FAULT='3:0:{kind}' cannot fire: rank 3 holds no element of any {what}" in got[3], got
+
+
+class _DoubleTheLossScale(Callback):
+    def on_step_end(self, run, step, record):
+        if step == 1 and run.comm.rank == 1:
+            run.scaler.scale *= 2
+
+
+def _scale_error(comm, move):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--precision", "fp16", "--tp", "2"], comm.world_size)
+    try:
+        train(args, comm, log=lambda s: None, callbacks=[*([_DoubleTheLossScale()] if move else []), ReplicaCheck(1)])
+    except ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_fp16_loss_scale_differs_is_named():
+    """Before: the loss scale (each rank's own scaler, updated alike from the overflow anywhere) was not compared;
+    --tp 2: no data replicas, yet the two ranks must hold one scale."""
+    assert run_in_threads(2, _scale_error, False, timeout=100) == [None, None]
+    got = run_in_threads(2, _scale_error, True, timeout=100)
+    assert len(set(got)) == 1 and got[0] is not None, got
+    assert got[0].startswith("after step 2: loss scaler 'scale' (1,) differs across all ranks [0, 1]: "), got[0]

@@ -7,7 +7,8 @@ is named with both sides' ranks and the step (Megatron-LM's ``check_weight_hash_
 The optimizer state (m, v or 8-bit codes and absmax, masters, the step) is compared so over the data group (plain
 DP), the replica group (hybrid ZeRO) or none (plain ZeRO: held once): a drifted state is named before the next
 update carries it into the parameters. With ``--ep`` the experts (and their state) over their expert-data group.
-One int64 per rank over the world tells every rank the verdict.
+One int64 per rank over the world tells every rank the verdict. FP16's loss scaler (scale and counters) is compared
+over the world: every rank skips and grows the scale together.
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ class ReplicaCheck(Callback):
     """The loop's ``--check-replicas``: :func:`find_mismatch` over the data group after every ``every``-th step,
     after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
     parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather), then
-    on the optimizer state over :func:`state_group`; :func:`raise_on_any` over the world.
+    on the optimizer state over :func:`state_group`; :func:`raise_on_any` over the world; FP16's loss scaler over
+    the world.
 
     Args:
         every: steps between checks (>= 1), or None for checkpoints and the end only.
@@ -175,6 +177,9 @@ class ReplicaCheck(Callback):
                 break
         if data.world_size > 1:  # every data group's size: else no replicas, nothing sent
             raise_on_any(s.topo.world, error)
+        if run.scaler is not None:  # FP16: one loss scale for the whole job, held by every rank
+            state = [(k, np.array([v], np.float64)) for k, v in run.scaler.state_dict().items()]
+            check_replicas(s.topo.world, state, step + 1, what="loss scaler", among="all ranks")
         self.checked = step
 
     def on_step_end(self, run, step, record):

@@ -6,8 +6,9 @@ ranks, each with its own buckets, reduce-scatters and gathers. Backward opens a 
 (the MLP runs last in the block), reduces the MoE unit, then the dense one. Blocking, a bucket lives from open to reduce
 and a reduce-scatter's scratch only during the call. Overlapped (``Strategy.overlap``, N > 1): per optimizer the last
 reduced buckets stay in flight (:data:`~minizero.zero.overlap.REDUCE_BUCKETS` - 1), each with a receive chunk of
-ceil(padded/N), and opening a unit prefetches the optimizer's next one (ZeRO-3; the expert products' saved slices of the
-gathered experts are handles, zero/stage3.py, so no forward gather outlives its forward).
+padded/n, n its optimizer's group (N dense, N/ep experts), and opening a unit prefetches the optimizer's next one
+(ZeRO-3; the expert products' saved slices of the gathered experts are handles, zero/stage3.py, so no forward gather
+outlives its forward).
 Exact against the ledgers (tests/test_estimator_moe.py; under tp the scratch, with the tensor group's, a bound).
 """
 from __future__ import annotations
