@@ -17,8 +17,8 @@ time / the sgemm peak measured here (float32 1024^3 matmuls with the same thread
 higher; the table is printed at the end).
 
 ``--main-job`` adds a third side, the main job's path: ``minizero.loop.train`` as ``python -m
-minizero.train`` runs it on one process (its default instruments: memory monitor, replica check,
-progress off, no evaluation), ``--steps`` steps a round at micro-batch = batch; its time per step is
+minizero.train`` runs it on one process (its default instruments: memory monitor, no replica check at one
+data rank, progress off, no evaluation), ``--steps`` steps a round at micro-batch = batch; its time per step is
 the loop's own (``elapsed_s`` / steps, set-up excluded), against PyTorch's mean step of the same round.
 
 PyTorch is optional (never a dependency of minizero): without it the script says how to get it

@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(rank 0's, in summary.json loss_spikes; 0: off, else K > 1)")
     debug.add_argument("--check-replicas", type=integer, default=None, metavar="N",
                        help="hash every parameter and the optimizer state and compare across the replicas at every "
-                            "checkpoint and after the last step (the default, where replicas hold parameters: not "
-                            "ZeRO-3, not --ep > 1), N: also every N steps; a difference stops the job naming parameter "
-                            "or state, ranks, step (0: off)")
+                            "checkpoint and after the last step (the default wherever a rank's parameters have a "
+                            "replica: 2+ data ranks, --ep and hybrid --dp-shard included, not plain ZeRO-3, whose "
+                            "shards are each held once), N: also every N steps; a difference stops the job naming "
+                            "parameter or state, ranks, step (0: off)")
     comm.add_argument("--allreduce", default="ring", choices=["ring", "hierarchical"],
                       help="data-parallel gradient all-reduce: one flat ring, or inside each node, across nodes, "
                            "inside each node again (NCCL/Horovod hierarchical)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
-from minizero.debug.replicas import state_group
+from minizero.debug.replicas import has_replicas, state_group
 from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
@@ -143,10 +143,12 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.zero and args.dp_shard == 1 and args.cp == 1 and topo.dp > 1:  # with cp a group shards over its cp ranks
         lines.append(f"note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of "
                      f"ZeRO-{args.zero}'s states; running anyway")
-    if args.check_replicas and topo.dp == 1:  # it was silent: the asked-for check compared nothing
-        lines.append(f"note: --check-replicas {args.check_replicas} with 1 data rank has no replica to compare; "
+    if args.check_replicas and not has_replicas(topo.dp, args.dp_shard * args.cp, args.zero):  # off by default
+        why = ("1 data rank" if topo.dp == 1 else "plain ZeRO-3 (each shard is held once: it compares only the "
+               "gathered parameters, equal by construction)")
+        lines.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare; "
                      "running anyway")
-    if args.check_replicas and topo.dp > 1 and state_group(s.opt, topo.dp_comm) is None:  # plain ZeRO
+    elif args.check_replicas and state_group(s.opt, topo.dp_comm) is None:  # plain ZeRO 1-2
         lines.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters only: "
                      "each optimizer shard is held once")
     return lines

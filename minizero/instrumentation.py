@@ -13,7 +13,7 @@ from minizero.callbacks import Callback
 from minizero.checkpoint import Checkpointer
 from minizero.debug import timeline
 from minizero.debug.anomaly import AnomalyDetector, LossSpikes
-from minizero.debug.replicas import ReplicaCheck
+from minizero.debug.replicas import ReplicaCheck, has_replicas
 from minizero.faults import FaultInjector
 from minizero.header import Header
 from minizero.ledger import get_ledger
@@ -162,7 +162,7 @@ def default_callbacks(run) -> list[Callback]:
     callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
-    replicated = args.zero < 3 and args.ep == 1  # ZeRO-3 shards and --ep experts differ across the data group
+    replicated = has_replicas(args.dp * args.cp, args.dp_shard * args.cp, args.zero)  # not plain ZeRO-3, not 1 rank
     if args.check_replicas or (args.check_replicas is None and replicated):
         callbacks.append(ReplicaCheck(args.check_replicas or None, args.save_every))
     if run.strategy.expert_load is not None:

@@ -94,10 +94,24 @@ def test_by_default_each_checkpoint_is_checked_before_it_is_saved(monkeypatch, t
     assert not any((tmp_path / "ckpt").glob("**/*.json"))
 
 
-def test_the_default_skips_layouts_whose_data_ranks_hold_different_parameters():
+def test_the_default_is_on_wherever_some_ranks_parameters_have_a_replica():
+    """Before: off with --ep and under hybrid ZeRO-3, whose dense parameters / shards are replicated too."""
+    from minizero.debug.replicas import has_replicas
     from minizero.train import parse_args
+
+    def default(flags, world):
+        args = parse_args(flags, world)
+        return has_replicas(args.dp * args.cp, args.dp_shard * args.cp, args.zero)
+
     assert parse_args([]).check_replicas is None
-    assert parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8).check_replicas == 3  # refused
+    assert parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8).check_replicas == 3
+    moe = ["--moe-experts", "4", "--ep", "2"]
+    on = [([], 2), (["--zero", "1", "--dp-shard", "2"], 4), (["--zero", "3", "--dp-shard", "2"], 4), (moe, 4),
+          (moe + ["--zero", "1"], 2), (moe + ["--zero", "3", "--dp-shard", "2"], 4), (["--cp", "2"], 2)]
+    off = [([], 1), (["--tp", "2"], 2), (["--zero", "3"], 4), (moe + ["--zero", "3"], 4),
+           (["--cp", "2", "--zero", "3", "--dp-shard", "1"], 2)]
+    assert [default(f, w) for f, w in on] == [True] * len(on)
+    assert [default(f, w) for f, w in off] == [False] * len(off)
 
 
 class _MoveOneExpert(Callback):
@@ -241,6 +255,16 @@ def test_the_verdict_costs_nothing_where_the_data_group_is_one_rank():
 
 
 @pytest.mark.timeout(300)
+def test_by_default_expert_parallel_and_hybrid_zero3_runs_are_checked_and_plain_zero3_is_not():
+    """Before: the default skipped --ep (its dense parameters have replicas) and hybrid ZeRO-3 (its shard groups
+    replicate each other): nothing was sent under ``replica_check``."""
+    moe = ["--moe-experts", "4", "--ep", "2"]
+    for flags in (moe, ["--zero", "3", "--dp-shard", "2"], moe + ["--zero", "3", "--dp-shard", "2"]):
+        assert all(b > 0 for b in run_in_threads(4, _world_replica_bytes, flags, timeout=120)), flags
+    assert run_in_threads(2, _world_replica_bytes, ["--zero", "3"], timeout=60) == [0, 0]
+
+
+@pytest.mark.timeout(300)
 def test_a_drifted_zero3_shard_is_caught_across_the_replica_groups(monkeypatch):
     """Before: under ZeRO-3 the diverge fault wrote into a parameter's read-only placeholder and the job died with
     'ValueError: assignment destination is read-only'. Now rank 1's first shard moves, and the hybrid groups
@@ -262,6 +286,11 @@ def test_an_asked_for_check_without_replicas_says_so():
     note = "note: --check-replicas 1 with 1 data rank has no replica to compare; running anyway"
     assert note in run_in_threads(2, _train_logged, base + ["--pp", "2"], timeout=100)[0]
     assert "--check-replicas" not in run_in_threads(2, _train_logged, base, timeout=100)[0]
+    zero3 = ("note: --check-replicas 1 with plain ZeRO-3 (each shard is held once: it compares only the gathered "
+             "parameters, equal by construction) has no replica to compare; running anyway")
+    assert zero3 in " ".join(run_in_threads(2, _train_logged, base + ["--zero", "3"], timeout=100)[0].split())
+    assert "--check-replicas" not in run_in_threads(2, _train_logged, base + ["--zero", "3", "--dp-shard", "1"],
+                                                    timeout=100)[0]
 
 
 @pytest.mark.timeout(120)

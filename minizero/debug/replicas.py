@@ -123,6 +123,14 @@ def optimizer_state(opt, names: dict, keep=lambda p: True) -> list:
     return out + [("step", np.array([opt.step_count], np.int64))]
 
 
+def has_replicas(data_ranks: int, shard_ranks: int, zero: int) -> bool:
+    """Whether some rank's parameters are held bitwise equal by another (the default of ``--check-replicas``): a data
+    group (dp x cp) of ``data_ranks`` > 1, below ZeRO-3 (the dense parameters, with ``--ep`` too) or under hybrid
+    ZeRO-3 (``shard_ranks`` < ``data_ranks``: the shard groups replicate each other). Plain ZeRO-3 holds each shard
+    once (the gathered parameters are equal by construction of the gather); one data rank holds everything once."""
+    return data_ranks > 1 and (zero < 3 or shard_ranks < data_ranks)
+
+
 def state_group(opt, data_comm):
     """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
     replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
