@@ -87,3 +87,10 @@ def test_every_positional_argument_says_what_it_takes(program, command, capsys):
     block = capsys.readouterr().out.split("positional arguments:\n")[1].split("\n\n")[0]
     entries = re.split(r"\n  (?=\S)", block.strip("\n")[2:])
     assert entries and all(len(e.split()) > 1 for e in entries), block
+
+
+def test_no_save_names_every_file_out_holds():
+    """Before: "write neither model.npz nor the summary", while --no-save also leaves out the plots and flight/."""
+    actions = {a.dest: a for a in flags.build_parser()._actions}
+    listed = actions["out"].help.split("(")[1]
+    assert listed in actions["no_save"].help, (listed, actions["no_save"].help)
