@@ -21,8 +21,8 @@ from minizero import backend, hardware
 from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
                                        precision_for_dtype)
 from minizero.plan_search import step_time
-from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, markdown,  # noqa: F401 (public API)
-                                     plot)
+from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
+                                     markdown, plot)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
@@ -332,7 +332,7 @@ def _main(argv=None) -> int:
         print(f"python -m minizero.compare: note: the hardware profile failed ({e}); no predicted step time",
               file=sys.stderr, flush=True)
     if profile is not None:
-        print("  " + hardware_line(profile), flush=True)
+        print(hardware_lines(profile), flush=True)
     runs = []
     for n in args.ranks:
         for name in args.strategies:

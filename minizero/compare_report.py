@@ -5,6 +5,7 @@ Units: MiB = 2**20 bytes in the table and the figure; the runs hold bytes.
 from __future__ import annotations
 
 from minizero.files import atomic_write
+from minizero.ledger import wrap
 from minizero.memory.estimator import DEVICE_CATEGORIES
 
 #: categories shown per rank (the ledger's), and the unit of the table
@@ -154,3 +155,8 @@ def hardware_line(profile) -> str:
     return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops}; copy "
             f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
             f"gradient {bw or '- (1 rank)'}; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")
+
+
+def hardware_lines(profile) -> str:
+    """:func:`hardware_line` as the live output shows it: indented, wrapped at 100 columns."""
+    return "\n".join(wrap("  " + hardware_line(profile)))

@@ -29,7 +29,7 @@ from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.collectives import all_reduce
 from minizero.faults import STEP_START_KINDS, FaultInjector
-from minizero.finetune_report import format_table, rose_note  # noqa: F401 (tests import them from here)
+from minizero.finetune_report import format_table, header, rose_note  # noqa: F401 (tests import them from here)
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.layout_checks import launch
@@ -345,6 +345,8 @@ def _run(args, world, tokens, model0) -> int:
     end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
         rows, state = [], None
+        if rank == 0 and args.progress != "none":  # the validation passes before the first step take a while
+            print("\n".join(header(args, model0.config, model0.num_parameters(), world.Get_size())), flush=True)
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the one-line NaN diagnosis below
             for method in (METHODS if args.table else (args.method,)):
                 shown = Progress(args.progress if rank == 0 else "none", args.steps,

@@ -1,7 +1,25 @@
-"""What ``python -m minizero.finetune`` prints after its runs: the table of methods and the note on a loss that rose."""
+"""What ``python -m minizero.finetune`` prints: the header before its runs, then the table of methods and the note
+on a loss that rose."""
 from __future__ import annotations
 
 from minizero.ledger import wrap
+
+
+def header(args, cfg, n_params: int, world_size: int) -> list[str]:
+    """Rank 0's wrapped lines before any work: what is trained, on what, how long, and on which ranks (the first
+    step comes only after the validation passes the line's end names)."""
+    methods = ("full", "lora", "qlora") if args.table else (args.method,)
+    what = "--table: full, lora, qlora in turn" if args.table else f"--method {args.method}"
+    targets = args.targets.replace(",", ", ")
+    adapters = f"; adapters of rank {args.lora_rank}, alpha {args.lora_alpha:g} on {targets}"
+    data = "the embedded corpus" if args.data is None else repr(args.data)
+    nf4 = ", then of the NF4 copy" if "qlora" in methods else ""
+    return wrap(f"python -m minizero.finetune: {what} on {args.weights} ({n_params:,} parameters; {cfg.n_layer} "
+                f"layers, width {cfg.n_embd}, context {cfg.block_size}); data: {data}; {args.steps} steps x "
+                f"{args.batch_size} sequences x {cfg.block_size} tokens, lr {args.lr:g} (constant)"
+                f"{adapters if methods != ('full',) else ''}; {world_size} rank(s): dp {world_size // args.tp} x tp "
+                f"{args.tp}, ZeRO {args.zero}; before the first step, the validation loss ({args.eval_batches} "
+                f"batch(es) of 16 sequences) of the loaded weights{nf4}")
 
 
 def format_table(rows: list) -> str:

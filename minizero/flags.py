@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--log-every", type=integer, default=None,
                         help="K: steps between progress log lines (default: about 15 lines per run)")
     output.add_argument("--no-progress", action="store_true", help="the same as --progress none")
-    output.add_argument("--no-save", action="store_true", help="write neither model.npz nor the summary")
+    output.add_argument("--no-save", action="store_true", help="write none of the files --out holds (model.npz, "
+                        "model.json, summary.json, the plots, flight/)")
     debug.add_argument("--tracemalloc", action="store_true",
                        help="measure the process peak with tracemalloc (every NumPy allocation over the training "
                             "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")

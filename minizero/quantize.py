@@ -24,6 +24,7 @@ from minizero.data import eval_batches, global_batch, load_tokens, min_data_byte
 from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F401 (check_output: tests import it)
                             lock_outputs, release_all)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
+from minizero.ledger import wrap
 from minizero.nn import PRESETS
 from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.quantization import GRANULARITIES
@@ -136,30 +137,29 @@ def format_table(result: dict) -> str:
     """The measurements as a text table (bytes exact, losses in nats per token), and a line saying what each
     column holds."""
     base, rows = result["baseline"], result["rows"]
-    lines = [f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
-             f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
-             f"{', '.join(rows[0]['skipped']) or '-'})",
-             f"{'weights':<22}{'linear bytes':>14}{'model bytes':>13}{'ratio':>7}{'val loss':>10}{'delta':>10}",
-             f"{DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype')):<22}"
-             f"{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"
-             f"{base['val_loss']:>10.4f}{'':>10}"]
+    label = DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype'))
+    lines = wrap(f"{result['weights']}: {result['num_parameters']:,} parameters; validation loss on "
+                 f"{result['tokens']:,} tokens; linear layers quantized (skipped, tied to another module's weight: "
+                 f"{', '.join(rows[0]['skipped']) or '-'})")
+    lines += [f"{'weights':<22}{'linear bytes':>14}{'model bytes':>13}{'ratio':>7}{'val loss':>10}{'delta':>10}",
+              f"{label:<22}{rows[0]['linear_dense_bytes']:>14,}{base['model_bytes']:>13,}{1:>7.2f}"
+              f"{base['val_loss']:>10.4f}{'':>10}"]
     for r in rows:
         name = f"int{r['bits']} {r['granularity']}" + (f" {r['block_size']}" if r["block_size"] else "")
         if r["outlier_threshold"] is not None:
             name += f" +{r['outlier_columns']} fp32 col"
         lines.append(f"{name:<22}{r['linear_bytes']:>14,}{r['model_bytes']:>13,}"
                      f"{r['model_bytes'] / base['model_bytes']:>7.2f}{r['val_loss']:>10.4f}{r['delta']:>+10.5f}")
-    lines.append(f"bytes: the linear layers' weights and the whole model's; ratio: model bytes / the "
-                 f"{lines[2].split()[0]} row's; val loss in nats per byte; delta: val loss minus the "
-                 f"{lines[2].split()[0]} row's")
+    lines += wrap(f"bytes: the linear layers' weights and the whole model's; ratio: model bytes / the {label} row's; "
+                  f"val loss in nats per byte; delta: val loss minus the {label} row's")
     cal = result.get("calibration")
     if cal:
         top = max(cal["max_input_absmax"], key=cal["max_input_absmax"].get)
         per_layer = sorted(cal["max_input_absmax"].values())
-        lines.append(f"outlier calibration (2 training batches): largest input |x| per layer {per_layer[0]:.2f} .. "
-                     f"{per_layer[-1]:.2f} ({top}), median {per_layer[len(per_layer) // 2]:.2f}; input features "
-                     f"reaching {result['outlier_threshold']}: {cal['columns_at_threshold']}, reaching 6.0 (the "
-                     f"paper's threshold): {cal['columns_at_6']}")
+        lines += wrap(f"outlier calibration (2 training batches): largest input |x| per layer {per_layer[0]:.2f} .. "
+                      f"{per_layer[-1]:.2f} ({top}), median {per_layer[len(per_layer) // 2]:.2f}; input features "
+                      f"reaching {result['outlier_threshold']}: {cal['columns_at_threshold']}, reaching 6.0 (the "
+                      f"paper's threshold): {cal['columns_at_6']}")
     return "\n".join(lines)
 
 

@@ -78,7 +78,7 @@ for name in ("gpipe", "1f1b"):
     sent = {k: after["by_op"].get(k, 0) - before["by_op"].get(k, 0) for k in ("pp_activation", "pp_gradient")}
     calls = {k: after["calls"].get(k, 0) - before["calls"].get(k, 0) for k in sent}
     each(f"  rank {s}: {engine.peak_in_flight} micro-batch(es) in flight, peak activations "
-         f"{format_bytes(get_ledger().peak['activations'])}; sent {calls['pp_activation']} activations "
+         f"{format_bytes(get_ledger().peak['activations'])};\n    sent {calls['pp_activation']} activations "
          f"({format_bytes(sent['pp_activation'])}), {calls['pp_gradient']} gradients "
          f"({format_bytes(sent['pp_gradient'])})")
     if s == p - 1:

@@ -72,9 +72,9 @@ def main():
     if comm.rank:
         return
     print(f"ZeRO on N = {n} ranks: model {opts.model!r}, Ψ = {psi:,} parameters in {len(sm.units)} flat units "
-          f"({sm.padded - psi} padding elements), float32 + Adam, M = {opts.grad_accum} micro-batch(es) per step")
-    print("per rank, KiB (1 KiB = 1024 bytes); 'formula' = the ZeRO paper's formulas (Rajbhandari et al. 2020) for "
-          "FP32 + Adam, 4 + 4 + 8 bytes per parameter,\nnot its Figure 1 row (mixed precision, 2 + 2 + 12); "
+          f"({sm.padded - psi} padding elements),\nfloat32 + Adam, M = {opts.grad_accum} micro-batch(es) per step")
+    print("per rank, KiB (1 KiB = 1024 bytes); 'formula' = the ZeRO paper's formulas (Rajbhandari et al. 2020)\n"
+          "for FP32 + Adam, 4 + 4 + 8 bytes per parameter, not its Figure 1 row (mixed precision, 2 + 2 + 12);\n"
           "bytes sent: its section 7 volumes, times M micro-batches where a stage pays per micro-batch\n")
     print(f"{'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9} {'formula':>9} {'B/param':>8} "
           f"{'gathered':>9} {'buckets':>9} {'sent/step':>10} {'formula':>9} {'x grads':>8}")
@@ -91,7 +91,7 @@ def main():
           f"\nOne block is {max(u.padded for u in sm.units if '.h.' in u.name) * 4 / kib:.1f} KiB, the tied "
           f"embedding {next(u.padded for u in sm.units if u.name == 'transformer.wte') * 4 / kib:.1f} KiB.\n"
           "This script runs with --no-overlap (blocking gathers): stage 3 holds at most one block plus the embedding;\n"
-          "the main job's default (prefetch: the next block's all-gather runs while one block computes) holds two "
+          "the main job's default (prefetch: the next block's all-gather runs while one block computes) holds two\n"
           "blocks plus the embedding (lesson 02, section 7).")
 
 

@@ -90,6 +90,8 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     rows = [ln for ln in md.splitlines() if ln.startswith("| 2 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["baseline", "zero3"]
     assert md in proc.stdout  # the table printed is the table written
+    live = proc.stdout.split(md)[0].splitlines()  # the runs as they end; before: the hardware line ran to 190
+    assert max(map(len, live)) <= 120 and any("hardware profile (minizero.hardware)" in ln for ln in live), live
     result = json.loads((out / "compare.json").read_text())
     assert [r["strategy"] for r in result["runs"]] == ["baseline", "zero3"]
     for r in result["runs"]:

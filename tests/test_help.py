@@ -73,3 +73,24 @@ def test_the_seed_says_it_seeds_dropout(module):
     """Both programs seed their dropout masks from --seed (one generator on every rank, rng.batch_rows)."""
     seed = next(a for a in module.build_parser()._actions if a.dest == "seed")
     assert "dropout" in seed.help, seed.help
+
+
+@pytest.mark.parametrize("program, command", [("checkpoint", "inspect"), ("checkpoint", "consolidate"),
+                                              ("debug", "hang"), ("debug", "trace"), ("debug", "parity")])
+def test_every_positional_argument_says_what_it_takes(program, command, capsys):
+    """Before: ``python -m minizero.checkpoint consolidate --help`` listed ``path`` with no word on what it reads."""
+    import importlib
+
+    module = importlib.import_module(f"minizero.{program}.{'cli' if program == 'checkpoint' else '__main__'}")
+    with pytest.raises(SystemExit):
+        module.main([command, "--help"])
+    block = capsys.readouterr().out.split("positional arguments:\n")[1].split("\n\n")[0]
+    entries = re.split(r"\n  (?=\S)", block.strip("\n")[2:])
+    assert entries and all(len(e.split()) > 1 for e in entries), block
+
+
+def test_no_save_names_every_file_out_holds():
+    """Before: "write neither model.npz nor the summary", while --no-save also leaves out the plots and flight/."""
+    actions = {a.dest: a for a in flags.build_parser()._actions}
+    listed = actions["out"].help.split("(")[1]
+    assert listed in actions["no_save"].help, (listed, actions["no_save"].help)

@@ -86,4 +86,16 @@ def test_zero_stages_says_it_runs_without_prefetch(mpiexec):
                           env=mpi_env(), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "runs with --no-overlap (blocking gathers): stage 3 holds at most one block plus the embedding" in proc.stdout
-    assert "default (prefetch" in proc.stdout and "holds two blocks plus the embedding" in proc.stdout
+    said = " ".join(proc.stdout.split())
+    assert "default (prefetch" in said and "holds two blocks plus the embedding" in said
+    assert max(map(len, proc.stdout.splitlines())) <= 120, proc.stdout  # before: four lines of 143 to 152
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_lines_stay_within_120_columns(mpiexec):
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "mpi_examples/pipeline.py", "--micro-batches", "4"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 1: 4 micro-batch(es) in flight" in proc.stdout and "sent 0 activations (0 B), 4 gradients" in (
+        proc.stdout)
+    assert max(map(len, proc.stdout.splitlines())) <= 120, proc.stdout  # before: 123 for the middle stages

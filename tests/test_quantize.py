@@ -256,6 +256,7 @@ def test_quantize_command_table(trained_tiny, capsys):
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "int8 row" in text and "int4 block 64" in text and "fp32 col" in text
+    assert max(map(len, text.splitlines())) <= 120, text  # before: the first and the last two lines ran to 160
     assert "ratio: model bytes / the fp32 row's; val loss in nats per byte; delta: val loss minus the fp32 row's" in (
         " ".join(text.split()))  # before: no column said its unit
     result = json.loads(out.read_text())

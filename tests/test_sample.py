@@ -135,7 +135,8 @@ def test_quantize_labels_an_fp16_baseline(fp16_run):
     proc = subprocess.run([sys.executable, "-m", "minizero.quantize", "--weights", str(out / "model.npz"),
                            "--eval-batches", "1"], env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    base = proc.stdout.splitlines()[2]
+    lines = proc.stdout.splitlines()
+    base = lines[[line.split()[:1] for line in lines].index(["weights"]) + 1]  # the row under the column names
     assert base.split()[0] == "fp16" and "fp32" not in proc.stdout
 
 

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
     con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)", allow_abbrev=False)
-    con.add_argument("path")
+    con.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
     con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
     refuse_several_ranks(p)
