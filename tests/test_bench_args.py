@@ -25,6 +25,7 @@ def load(name):
 LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
              "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
              "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
+             "bench_qlora": ("train_base", "finetune_main"),
              "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm",
                                     "table_prune_one_shot", "table_sparse_training")}
 
@@ -91,6 +92,11 @@ CASES = [
     ("bench_defaults", ["--settings", "3e-3,auto"], "'3e-3,auto' in '3e-3,auto': allowed: ';'-separated"),
     ("bench_defaults", ["--settings", "3e-3,auto,1;"], "'' in '3e-3,auto,1;'"),
     ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a normal float32 number"),
+    # before: the base model trained (minutes), then fine-tune refused what it was given
+    ("bench_qlora", ["--data", "/no-such.txt"], "--data '/no-such.txt': no such file"),
+    ("bench_qlora", ["--data", "/"], "--data '/' is a directory"),
+    ("bench_qlora", ["--data", os.path.abspath(__file__), "--lora-rank", "129"], "--lora-rank 129 is above the "
+                                                                                  "default model's width 128"),
 ]
 
 
