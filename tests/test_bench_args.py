@@ -97,6 +97,9 @@ CASES = [
     ("bench_qlora", ["--data", "/"], "--data '/' is a directory"),
     ("bench_qlora", ["--data", os.path.abspath(__file__), "--lora-rank", "129"], "--lora-rank 129 is above the "
                                                                                   "default model's width 128"),
+    # before: a CalledProcessError traceback (train refused the steps); the base trained, then fine-tune refused
+    ("bench_qlora", ["--base-steps", "2000000000"], "refuses these flags at 1 rank(s): --steps must be <= 1,000,"),
+    ("bench_qlora", ["--steps", "2000000000"], "--steps 2,000,000,000 is above fine-tune's 1,000,000,000"),
 ]
 
 
