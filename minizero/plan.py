@@ -221,6 +221,9 @@ def _check(parser, args):
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
+    if args.strategy is not None and args.cp_attention != "both":  # parse_strategy never read it: ring, unsaid
+        parser.error(f"--cp-attention {args.cp_attention} chooses among the searched strategies; with --strategy "
+                     f"name it in its words: cp_attention={args.cp_attention}")
     if args.plot is not None and (args.finetune != "none" or args.strategy is not None):  # drew nothing, said nothing
         parser.error(f"--plot draws the searched strategies' memory; it does not apply to "
                      f"{'--strategy' if args.strategy else '--finetune ' + args.finetune} (leave it out)")
