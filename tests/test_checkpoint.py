@@ -663,6 +663,24 @@ def test_a_resume_with_another_dropout_says_so(saved, tmp_path):
     assert sum("note: --dropout 0.1 differs from the checkpoint's 0.0" in line for line in logs) == 1, logs
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_on_another_text_says_so(saved, tmp_path):
+    """Saved on the built-in corpus, resumed with --data of another text: a note as for --seed (before: silent, the
+    data position went on in the other text)."""
+    text = tmp_path / "other.txt"
+    text.write_text(open(os.__file__).read())
+    logs = []
+
+    def resume(comm, data):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(saved)] + data, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, [], timeout=60) == [2] and not any("built-in" in line for line in logs), logs
+    assert run_in_threads(1, resume, ["--data", str(text)], timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    assert f"note: --data {str(text)!r} (" in said and "differs from the checkpoint's text (" in said, logs
+
+
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
 def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
     """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir
