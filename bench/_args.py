@@ -64,6 +64,14 @@ def counts(text) -> list[int]:
     return _integers(text, 1, math.inf, "comma-separated integers >= 1, e.g. 8,32")
 
 
+def micro_batches(text) -> list[int]:
+    """``type=``: a comma list of micro-batch sizes in 1..4096, train's --micro-batch-size bound ("8,32")."""
+    from minizero.flags import MAX_MICRO_BATCH
+
+    return _integers(text, 1, MAX_MICRO_BATCH, f"comma-separated micro-batch sizes in 1..{MAX_MICRO_BATCH} (train's "
+                     "--micro-batch-size bound)")
+
+
 def stage(text) -> int:
     """``type=``: a ZeRO stage, 0, 1, 2 or 3."""
     n = integer(text)

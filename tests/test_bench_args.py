@@ -193,6 +193,9 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
     ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
     ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
+    # before: accepted, then a (B, 128, 256) logits array of 13 GB for --batch 100000
+    ("bench_vs_torch", ["--batch", "8,100000"], "argument --batch: '8,100000': allowed: comma-separated micro-batch "
+                                                "sizes in 1..4096 (train's --micro-batch-size bound)"),
     ("bench_quantization", ["--only", "1,6"], "--only '1,6': allowed: comma-separated table numbers from 1, 2"),
     ("profile_collective", ["--sizes", "-4,8"], "argument --sizes: '-4,8': allowed: comma-separated sizes in bytes"),
     ("profile_collective", ["--sizes", "0"], "argument --sizes: '0': allowed: comma-separated sizes in bytes, "
