@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
 from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks, real
@@ -57,6 +58,20 @@ def _integers(text, low: int, high: float, allowed: str) -> list[int]:
     if not values or not all(low <= v <= high for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: allowed: {allowed}")
     return values
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes: no benchmark buffer can be larger."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def in_memory(text) -> int:
+    """``type=``: a number of bytes >= 1 and at most :func:`memory_bytes`."""
+    n = count(text)
+    if n > memory_bytes():
+        raise argparse.ArgumentTypeError(f"{text!r} is above this machine's memory; allowed: 1..{memory_bytes():,} "
+                                         "bytes")
+    return n
 
 
 def counts(text) -> list[int]:

@@ -211,7 +211,7 @@ def main():
     parser.add_argument("--launch", metavar="N,N,...", type=_args.world_sizes,
                         help="driver mode: run under mpiexec at these world sizes")
     parser.add_argument("--min-bytes", type=_args.count, default=4 * 2**10, help="smallest array (default 4 KiB)")
-    parser.add_argument("--max-bytes", type=_args.count, default=16 * 2**20, help="largest array (default 16 MiB)")
+    parser.add_argument("--max-bytes", type=_args.in_memory, default=16 * 2**20, help="largest array (default 16 MiB)")
     parser.add_argument("--warmup", type=_args.at_least(0), default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")

@@ -56,6 +56,9 @@ CASES = [
     ("bench_allreduce", ["--launch", "2,"], "argument --launch: '2,'"),
     ("bench_allreduce", ["--min-bytes", "100", "--max-bytes", "8"], "--min-bytes 100 > --max-bytes 8"),
     ("bench_allreduce", ["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    # before: the sweep ran, doubling its arrays until one did not fit in memory: a MemoryError traceback
+    ("bench_allreduce", ["--max-bytes", "99999999999999"], "argument --max-bytes: '99999999999999' is above this "
+                                                           "machine's memory"),
     ("bench_overlap", ["--ranks", "0"], "argument --ranks: '0'"),
     ("bench_overlap", ["--steps", "1", "--figure", "X"], "needs --steps >= 2, got 1"),
     ("bench_overlap", ["--bucket-mb", "nan"], "argument --bucket-mb: 'nan'"),
@@ -190,6 +193,7 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("bench_flight", ["--zero", "4"], "argument --zero: '4': allowed: a ZeRO stage, 0, 1, 2 or 3"),
     ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
     ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
+    ("bench_multihost", ["--mib", "1e12"], "--mib 1e+12 is above this machine's memory"),  # before: MemoryError
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
     ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
     ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
