@@ -74,6 +74,12 @@ def in_memory(text) -> int:
     return n
 
 
+def byte_sizes(text) -> list[int]:
+    """``type=``: a comma list of byte counts in 1..:func:`memory_bytes` ("4096,65536")."""
+    return _integers(text, 1, memory_bytes(), f"comma-separated byte counts in 1..{memory_bytes():,} (this machine's "
+                     "memory), e.g. 4096,65536")
+
+
 def counts(text) -> list[int]:
     """``type=``: a comma list of integers >= 1 ("8,32")."""
     return _integers(text, 1, math.inf, "comma-separated integers >= 1, e.g. 8,32")
