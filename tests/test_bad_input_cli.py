@@ -455,3 +455,14 @@ def test_error_lines_ends_and_keeps_the_words_at_any_width(prog, width):
     from minizero.numerals import error_lines
     printed = error_lines(prog, "a b; c: d, e f", width)
     assert " ".join(printed.split()) == " ".join(f"{prog}: error: a b; c: d, e f".split())
+
+
+def test_parity_refuses_an_unknown_model_as_its_own_flag(capsys):
+    """Before: the check ran train's parser on the first layout, so the error blamed it ("layout '--dp 1': argument
+    --model: invalid choice"), a flag that layout never gave."""
+    from minizero.debug.__main__ import main as debug_main
+
+    with pytest.raises(SystemExit) as e:
+        debug_main(["parity", "--dp 1", "--dp 1", "--model", "nosuch"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --model: invalid choice: 'nosuch'" in err and "layout" not in err, err
