@@ -681,6 +681,23 @@ def test_a_resume_on_another_text_says_so(saved, tmp_path):
     assert f"note: --data {str(text)!r} (" in said and "differs from the checkpoint's text (" in said, logs
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
+    """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a
+    note (one came only when the layout changed)."""
+    small = ["--model", "small", "--optimizer", "adam8bit", "--steps", "3"]
+    run(1, F64 + small + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    logs = []
+
+    def resume(comm, extra):
+        args = parse_args(BASE + F64 + small + ["--resume", str(tmp_path)] + extra, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, [], timeout=60) == [2] and not any("8-bit Adam state" in x for x in logs), logs
+    assert run_in_threads(1, resume, ["--adam8bit-block-size", "128"], timeout=60) == [2]
+    assert any("note: 8-bit Adam state:" in x for x in logs), logs
+
+
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
 def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
     """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir
