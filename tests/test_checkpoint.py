@@ -682,6 +682,22 @@ def test_a_resume_on_another_text_says_so(saved, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_with_another_weight_decay_or_grad_clip_says_so(saved):
+    """Both are in the manifest's train section beside --lr, whose change is noted: theirs went unsaid."""
+    logs = []
+
+    def resume(comm):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(saved), "--weight-decay", "0.5",
+                                        "--grad-clip", "0.25"], comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    assert "note: --weight-decay 0.5 differs from the checkpoint's 0.1" in said, logs
+    assert "note: --grad-clip 0.25 differs from the checkpoint's 1.0" in said, logs
+
+
+@pytest.mark.timeout(120)
 def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
     """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a
     note (one came only when the layout changed)."""

@@ -92,8 +92,8 @@ class Checkpointer:
         lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']}{cp} x tp "
                  f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}{shard}; {out['applied']} optimizer steps applied): "
                  f"continuing at step {out['step'] + 1}"]
-        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
-            if man["train"].get(key) != vars(self.args)[key]:
+        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed", "weight_decay", "grad_clip"):
+            if key in man["train"] and man["train"][key] != vars(self.args)[key]:  # absent in older ones: unknown
                 lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
                              f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
