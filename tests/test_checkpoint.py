@@ -698,6 +698,26 @@ def test_a_resume_with_another_weight_decay_or_grad_clip_says_so(saved):
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_with_other_windows_or_moe_losses_says_so(saved, tmp_path):
+    """--pad after --pack cuts the text into other windows at the same data position; the MoE loss coefficients
+    change the loss: both went unsaid (not in the manifest)."""
+    moe = ["--moe-experts", "2", "--steps", "3"]
+    run(1, F64 + moe + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    logs = []
+
+    def resume(comm, old, extra):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(old)] + extra, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, saved, ["--pad"], timeout=60) == [2]
+    assert run_in_threads(1, resume, tmp_path, moe + ["--moe-aux-loss", "0.5", "--moe-z-loss", "0"], timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    for note in ("--pad differs from the checkpoint's --pack", "--moe-aux-loss 0.5 differs from the checkpoint's 0.01",
+                 "--moe-z-loss 0.0 differs from the checkpoint's 0.001"):
+        assert f"note: {note}: the continuation" in said, logs
+
+
+@pytest.mark.timeout(120)
 def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
     """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a
     note (one came only when the layout changed)."""

@@ -41,7 +41,7 @@ def manifest_state(args, cfg, applied: int, scaler=None, text: str | None = None
                   adam8bit_block_size=args.adam8bit_block_size, adam8bit_code="dynamic",
                   micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
     train = {k: vars(args)[k] for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
-                                           "batch_size")}
+                                           "batch_size", "documents", "moe_aux_loss", "moe_z_loss", "moe_bias_update")}
     return {"model": dataclasses.asdict(cfg), "layout": layout, "applied": applied, "train": train,
             "data": {"seed": args.seed, "global_batch": args.batch_size, "block_size": cfg.block_size, "text": text},
             "scaler": None if scaler is None else scaler.state_dict()}
@@ -92,10 +92,13 @@ class Checkpointer:
         lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']}{cp} x tp "
                  f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}{shard}; {out['applied']} optimizer steps applied): "
                  f"continuing at step {out['step'] + 1}"]
-        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed", "weight_decay", "grad_clip"):
-            if key in man["train"] and man["train"][key] != vars(self.args)[key]:  # absent in older ones: unknown
-                lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
-                             f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
+        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed", "weight_decay", "grad_clip", "documents",
+                    "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
+            now, was = vars(self.args)[key], man["train"].get(key)
+            if key in man["train"] and was != now:  # absent in older manifests: unknown
+                said = f"--{now}" if key == "documents" else f"--{key.replace('_', '-')} {now}"  # --pack | --pad
+                lines.append(f"note: {said} differs from the checkpoint's {'--' * (key == 'documents')}{was}: the "
+                             "continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
             said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
