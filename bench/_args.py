@@ -154,6 +154,17 @@ def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_s
                 parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
 
 
+def check_environment(parser: argparse.ArgumentParser) -> None:
+    """``parser.error`` with train's refusal of a MINIZERO_ setting the collectives read (the all-reduce size rule,
+    ZeRO's order check): a bad one was ignored, the default measured."""
+    from minizero.flags import job_environment
+
+    try:
+        job_environment()
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:
     """``parser.error`` unless ``rev`` names a commit of the git repository ``repo`` (``git rev-parse --verify``)."""
     import subprocess

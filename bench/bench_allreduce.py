@@ -218,6 +218,7 @@ def main():
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = parser.parse_args()
+    _args.check_environment(parser)
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}; allowed: "
                      "1 <= --min-bytes <= --max-bytes")

@@ -256,3 +256,13 @@ def test_gpu_check_reads_numbers_in_ascii_and_in_range(tmp_path, argv, says):
     r = script("gpu_check", *argv, "--json", str(tmp_path / "g.json"))
     assert r.returncode == 2 and f"gpu_check.py: error: {says}" in r.stderr, r.stderr
     assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.parametrize("name", ["bench_allreduce", "profile_collective"])
+def test_a_bad_all_reduce_size_rule_in_the_environment_is_refused(monkeypatch, capsys, name):
+    """Before: MINIZERO_SMALL_ALLREDUCE_MAX_BYTES=foo was ignored (the default rule measured, and the table said it
+    ran recursive doubling up to 262144 bytes); train and finetune refuse it."""
+    monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "foo")
+    r = script(name)
+    assert r.returncode == 2 and f"{name}.py: error: MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='foo'; allowed: an integer " \
+                                  ">= -1" in r.stderr, r.stderr
