@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
 from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks, real
@@ -59,9 +60,37 @@ def _integers(text, low: int, high: float, allowed: str) -> list[int]:
     return values
 
 
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes: no benchmark buffer can be larger."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def in_memory(text) -> int:
+    """``type=``: a number of bytes >= 1 and at most :func:`memory_bytes`."""
+    n = count(text)
+    if n > memory_bytes():
+        raise argparse.ArgumentTypeError(f"{text!r} is above this machine's memory; allowed: 1..{memory_bytes():,} "
+                                         "bytes")
+    return n
+
+
+def byte_sizes(text) -> list[int]:
+    """``type=``: a comma list of byte counts in 1..:func:`memory_bytes` ("4096,65536")."""
+    return _integers(text, 1, memory_bytes(), f"comma-separated byte counts in 1..{memory_bytes():,} (this machine's "
+                     "memory), e.g. 4096,65536")
+
+
 def counts(text) -> list[int]:
     """``type=``: a comma list of integers >= 1 ("8,32")."""
     return _integers(text, 1, math.inf, "comma-separated integers >= 1, e.g. 8,32")
+
+
+def micro_batches(text) -> list[int]:
+    """``type=``: a comma list of micro-batch sizes in 1..4096, train's --micro-batch-size bound ("8,32")."""
+    from minizero.flags import MAX_MICRO_BATCH
+
+    return _integers(text, 1, MAX_MICRO_BATCH, f"comma-separated micro-batch sizes in 1..{MAX_MICRO_BATCH} (train's "
+                     "--micro-batch-size bound)")
 
 
 def stage(text) -> int:
@@ -123,6 +152,17 @@ def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_s
                 parse_args([*flags, "--out", out], n, quiet=True)
             except UsageError as e:
                 parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
+
+
+def check_environment(parser: argparse.ArgumentParser) -> None:
+    """``parser.error`` with train's refusal of a MINIZERO_ setting the collectives read (the all-reduce size rule,
+    ZeRO's order check): a bad one was ignored, the default measured."""
+    from minizero.flags import job_environment
+
+    try:
+        job_environment()
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:

@@ -211,13 +211,14 @@ def main():
     parser.add_argument("--launch", metavar="N,N,...", type=_args.world_sizes,
                         help="driver mode: run under mpiexec at these world sizes")
     parser.add_argument("--min-bytes", type=_args.count, default=4 * 2**10, help="smallest array (default 4 KiB)")
-    parser.add_argument("--max-bytes", type=_args.count, default=16 * 2**20, help="largest array (default 16 MiB)")
+    parser.add_argument("--max-bytes", type=_args.in_memory, default=16 * 2**20, help="largest array (default 16 MiB)")
     parser.add_argument("--warmup", type=_args.at_least(0), default=2, help="untimed runs per size and implementation")
     parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     args = parser.parse_args()
+    _args.check_environment(parser)
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}; allowed: "
                      "1 <= --min-bytes <= --max-bytes")

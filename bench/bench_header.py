@@ -30,7 +30,7 @@ sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 
 def main():
     p = _args.parser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=_args.counts, default="4096,65536,1048576,16777216",
+    p.add_argument("--sizes", type=_args.byte_sizes, default="4096,65536,1048576,16777216",
                    help="comma list of message bytes")
     p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
     args = p.parse_args()

@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=_args.count, default=5, help="timed all-reduces per algorithm (default 5)")
     p.add_argument("--rank", action="store_true", help="run as one MPI rank (under mpiexec)")
     a = p.parse_args(argv)
+    if a.mib * 2 ** 20 > _args.memory_bytes():  # each rank's buffer: a MemoryError in every rank
+        p.error(f"--mib {a.mib:g} is above this machine's memory; allowed: up to "
+                f"{_args.memory_bytes() / 2 ** 20:,.0f} MiB")
     if a.rank:
         rank_main(a.mib, a.repeats)
         return 0

@@ -23,7 +23,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
 import _args  # noqa: E402
 
+from minizero.args import MAX_STEPS  # noqa: E402
+from minizero.data import load_tokens, min_data_bytes  # noqa: E402
 from minizero.finetune import main as finetune_main  # noqa: E402
+from minizero.nn import PRESETS  # noqa: E402
+
+
+def base_refusal(args) -> str | None:
+    """What fine-tuning the default model would refuse, said before it trains (minutes): --steps, --data,
+    --lora-rank."""
+    base = PRESETS["default"]  # what train_base trains
+    if args.steps > MAX_STEPS:
+        return f"--steps {args.steps:,} is above fine-tune's {MAX_STEPS:,}; allowed: 1..{MAX_STEPS:,}"
+    if args.lora_rank > base.n_embd:
+        return (f"--lora-rank {args.lora_rank} is above the default model's width {base.n_embd}; "
+                f"allowed: 1..{base.n_embd}")
+    try:
+        n = len(load_tokens(args.data))
+    except (OSError, ValueError) as e:
+        return str(e)
+    if n < min_data_bytes(base.block_size):
+        return f"--data {args.data!r} has {n:,} bytes; needs at least {min_data_bytes(base.block_size):,}"
+    return None
+
+
+def train_base(steps: int, out: str) -> None:
+    """The default model, ``steps`` steps on the embedded corpus, written into folder ``out``."""
+    subprocess.run([sys.executable, "-m", "minizero.train", "--steps", str(steps), "--out", out,
+                    "--progress", "none", "--sample-tokens", "1"], check=True, capture_output=True)
 
 
 def main() -> int:
@@ -34,13 +61,16 @@ def main() -> int:
     p.add_argument("--base-steps", type=_args.count, default=200)
     p.add_argument("--lora-rank", type=_args.count, default=8)
     args = p.parse_args()
+    if args.weights is None:
+        _args.check_train_flags(p, ["--steps", str(args.base_steps)], [1])
+        if refused := base_refusal(args):
+            p.error(refused)
     print(_machine.header())
     with tempfile.TemporaryDirectory() as tmp:
         weights = args.weights
         if weights is None:
             out = os.path.join(tmp, "base")
-            subprocess.run([sys.executable, "-m", "minizero.train", "--steps", str(args.base_steps), "--out", out,
-                            "--progress", "none", "--sample-tokens", "1"], check=True, capture_output=True)
+            train_base(args.base_steps, out)
             weights = os.path.join(out, "model.npz")
         print(f"base: {weights if args.weights else f'default model, {args.base_steps} steps on the embedded corpus'}; "
               f"continuation data: {args.data}; {args.steps} steps, batch 8, lr 1e-3, LoRA rank {args.lora_rank} "

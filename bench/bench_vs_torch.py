@@ -214,7 +214,7 @@ def row(batch, block, flops, med, ratios, main_ratios, peak, main_job: bool = Fa
 
 def main() -> None:
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=_args.counts, default="8,32",
+    p.add_argument("--batch", type=_args.micro_batches, default="8,32",
                    help="comma-separated batch sizes (sequences of 128 bytes)")
     p.add_argument("--threads", type=_args.count, default=_machine.cores(), help="BLAS / torch intra-op threads")
     p.add_argument("--steps", type=_args.count, default=4, help="timed steps per side per round")

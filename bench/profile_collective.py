@@ -134,6 +134,7 @@ def main():
     parser.add_argument("--runs", type=_args.count, default=50, help="timed runs of 20 calls per layer and size")
     parser.add_argument("--warmup", type=_args.at_least(0), default=200, help="untimed calls per layer and size")
     args = parser.parse_args()
+    _args.check_environment(parser)
     sizes = args.sizes
     from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
 

@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(lessons()))
     if unknown:
         parser.error(f"no template for {', '.join(unknown)}; templates: {', '.join(lessons())}")
+    twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if twice:  # each would be executed again (minutes), to the same result
+        parser.error(f"lesson(s) named more than once: {', '.join(twice)}; give each lesson once")
     for name in names:
         if not args.no_execute:
             t0 = time.perf_counter()

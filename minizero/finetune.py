@@ -298,7 +298,10 @@ def _main(argv, world) -> int:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
         if (cfg0 := model0.config).n_head % args.tp or cfg0.n_embd % args.tp:
-            raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}")
+            ok = [t for t in range(1, world.Get_size() + 1)
+                  if world.Get_size() % t == cfg0.n_head % t == cfg0.n_embd % t == 0]
+            raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}; "
+                             f"allowed on {world.Get_size()} ranks: --tp {' or '.join(map(str, ok))}")
         cut = args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(","))
         if cut:  # the sizes that work here (--model tiny: none above 1)
             ok = " or ".join(str(t) for t in nf4_tensor_parallel_sizes(cfg0, world.Get_size(), args.targets.split(",")))

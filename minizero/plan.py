@@ -43,6 +43,8 @@ MAX_GPUS = 2 ** 20
 #: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
 #: sequences, thousands of times any published batch): larger is a typo, not a plan
 MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
+FINETUNE_UNREAD = ("top", "cp_attention", "schedule", "global_batch", "gpus_per_node", "gpu_flops", "efficiency",
+                   "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory")  #: --finetune reads none
 MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model chunks per GPU with --schedule interleaved (default: 2)")
     p.add_argument("--gpus-per-node", type=integer, default=8,
                    help="GPUs per node; tensor parallelism stays inside one")
-    p.add_argument("--gpu-flops", type=real, default="312e12", help="peak dense 16-bit FLOP/s per GPU (H100: 989e12)")
+    p.add_argument("--gpu-flops", type=real, default=312e12,
+                   help="peak dense 16-bit FLOP/s per GPU (H100: 989e12) (default: 312e12)")
     p.add_argument("--efficiency", type=real, default=0.6, help="fraction of peak the matmuls reach")
     p.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
     p.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
@@ -118,8 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan fine-tuning instead: adapters of --lora-rank on every projection over a frozen base "
                         "(qlora: NF4), data parallel over --gpus with ZeRO 0-3 over the adapters")
     p.add_argument("--lora-rank", type=integer, default=None,
-                   help="adapter rank r with --finetune (default 64, QLoRA's paper's, or the model's "
-                   "width when smaller)")
+                   help="adapter rank r with --finetune (default 64, QLoRA's paper's, or the model's width if less)")
     p.add_argument("--tp", type=integer, default=1, help="with --finetune: tensor-parallel GPUs that split each "
                    "block and its adapters (minizero.finetune --tp); --gpus / tp of them data parallel")
     p.add_argument("--cp-attention", default="both", choices=["both", "ring", "ulysses"],
@@ -221,6 +223,13 @@ def _check(parser, args):
     if args.finetune != "none" and args.strategy is not None:
         parser.error(f"--finetune {args.finetune} plans data parallelism with ZeRO 0-3 over the adapters; "
                      "--strategy does not apply to it (leave it out)")
+    if args.strategy is not None and args.cp_attention != "both":  # parse_strategy never read it: ring, unsaid
+        parser.error(f"--cp-attention {args.cp_attention} chooses among the searched strategies; with --strategy "
+                     f"name it in its words: cp_attention={args.cp_attention}")
+    unread = [f"--{k.replace('_', '-')}" for k in FINETUNE_UNREAD if vars(args)[k] != parser.get_default(k)]
+    if args.finetune != "none" and unread:  # its table (memory per ZeRO stage): said, not ignored
+        parser.error(f"{', '.join(unread)} do(es) not apply to --finetune {args.finetune} (it tabulates memory per "
+                     "ZeRO stage: no search, no step time); leave it out")
     if args.plot is not None and (args.finetune != "none" or args.strategy is not None):  # drew nothing, said nothing
         parser.error(f"--plot draws the searched strategies' memory; it does not apply to "
                      f"{'--strategy' if args.strategy else '--finetune ' + args.finetune} (leave it out)")

@@ -316,7 +316,8 @@ def main(argv=None) -> int:
                 time.sleep(2 * _ABORT_GRACE_S)
             _write_stderr(f"{'' if rank == 0 else f'[rank {rank}] '}minizero.train: interrupted ({name}); "
                           "files already written are left as they were\n")
-            comm.abort(code)
+            if comm.world_size > 1:  # one process has no peer to stop (MPICH would add an "Abort(130)" line)
+                comm.abort(code)
             return code
         full = stdout_unwritable(e)  # > /dev/full: print's OSError is no bug
         text = (f"[rank {rank}] minizero.train failed: cannot write standard output ({e.strerror or e}); "
@@ -324,8 +325,9 @@ def main(argv=None) -> int:
         if flight and isinstance(e, (CommTimeoutError, CollectiveMismatchError)):  # every rank's record says who
             text = text.rstrip("\n") + f" (who hung where: python -m minizero.debug hang {flight})\n"
         _write_stderr(text)
-        time.sleep(_ABORT_GRACE_S)
-        comm.abort(1)
+        if comm.world_size > 1:
+            time.sleep(_ABORT_GRACE_S)
+            comm.abort(1)
         return 1
     release_all(locks)
     return 0

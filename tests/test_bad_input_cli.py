@@ -495,3 +495,28 @@ def test_error_lines_puts_a_word_longer_than_the_width_on_a_line_of_its_own():
     assert lines[:2] == ["python -m minizero.train: error:", f"  {path}"], printed
     assert all(len(line) <= 120 for line in lines[2:]) and len(lines) > 3, printed
     assert printed.replace("\n  ", " ") == f"python -m minizero.train: error: {message}"
+
+
+def test_parity_refuses_an_unknown_model_as_its_own_flag(capsys):
+    """Before: the check ran train's parser on the first layout, so the error blamed it ("layout '--dp 1': argument
+    --model: invalid choice"), a flag that layout never gave."""
+    from minizero.debug.__main__ import main as debug_main
+
+    with pytest.raises(SystemExit) as e:
+        debug_main(["parity", "--dp 1", "--dp 1", "--model", "nosuch"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --model: invalid choice: 'nosuch'" in err and "layout" not in err, err
+
+
+def test_hang_given_one_flight_file_names_its_folder(tmp_path, capsys):
+    """Before: "'.../rank_0.json' holds no rank_R.json flight files", as if the file were an empty folder."""
+    from minizero.debug.__main__ import main as debug_main
+
+    record = tmp_path / "flight" / "rank_0.json"
+    record.parent.mkdir()
+    record.write_text("{}")
+    assert debug_main(["hang", str(record)]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(record)!r} is a file; give the folder of every rank's rank_R.json, here {str(record.parent)!r}" in err
+    assert debug_main(["hang", str(tmp_path / "nope")]) == 2
+    assert f"{str(tmp_path / 'nope')!r}: no such folder" in capsys.readouterr().err

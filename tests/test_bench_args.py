@@ -25,6 +25,7 @@ def load(name):
 LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
              "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
              "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
+             "bench_qlora": ("train_base", "finetune_main"),
              "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm",
                                     "table_prune_one_shot", "table_sparse_training")}
 
@@ -55,6 +56,9 @@ CASES = [
     ("bench_allreduce", ["--launch", "2,"], "argument --launch: '2,'"),
     ("bench_allreduce", ["--min-bytes", "100", "--max-bytes", "8"], "--min-bytes 100 > --max-bytes 8"),
     ("bench_allreduce", ["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    # before: the sweep ran, doubling its arrays until one did not fit in memory: a MemoryError traceback
+    ("bench_allreduce", ["--max-bytes", "99999999999999"], "argument --max-bytes: '99999999999999' is above this "
+                                                           "machine's memory"),
     ("bench_overlap", ["--ranks", "0"], "argument --ranks: '0'"),
     ("bench_overlap", ["--steps", "1", "--figure", "X"], "needs --steps >= 2, got 1"),
     ("bench_overlap", ["--bucket-mb", "nan"], "argument --bucket-mb: 'nan'"),
@@ -91,6 +95,14 @@ CASES = [
     ("bench_defaults", ["--settings", "3e-3,auto"], "'3e-3,auto' in '3e-3,auto': allowed: ';'-separated"),
     ("bench_defaults", ["--settings", "3e-3,auto,1;"], "'' in '3e-3,auto,1;'"),
     ("bench_defaults", ["--settings", "nan,auto,1"], "--lr must be a normal float32 number"),
+    # before: the base model trained (minutes), then fine-tune refused what it was given
+    ("bench_qlora", ["--data", "/no-such.txt"], "--data '/no-such.txt': no such file"),
+    ("bench_qlora", ["--data", "/"], "--data '/' is a directory"),
+    ("bench_qlora", ["--data", os.path.abspath(__file__), "--lora-rank", "129"], "--lora-rank 129 is above the "
+                                                                                  "default model's width 128"),
+    # before: a CalledProcessError traceback (train refused the steps); the base trained, then fine-tune refused
+    ("bench_qlora", ["--base-steps", "2000000000"], "refuses these flags at 1 rank(s): --steps must be <= 1,000,"),
+    ("bench_qlora", ["--steps", "2000000000"], "--steps 2,000,000,000 is above fine-tune's 1,000,000,000"),
 ]
 
 
@@ -180,10 +192,17 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
 @pytest.mark.parametrize("name,argv,says", [
     ("bench_flight", ["--zero", "4"], "argument --zero: '4': allowed: a ZeRO stage, 0, 1, 2 or 3"),
     ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
+    # before: accepted; under mpiexec every rank then failed to allocate the 100 TB message (MemoryError)
+    ("bench_header", ["--sizes", "4096,99999999999999"], "argument --sizes: '4096,99999999999999': allowed: "
+                                                         "comma-separated byte counts in 1.."),
     ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
+    ("bench_multihost", ["--mib", "1e12"], "--mib 1e+12 is above this machine's memory"),  # before: MemoryError
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
     ("bench_quantization", ["--ranks", "-2"], "argument --ranks: '-2': allowed: a number of ranks in [1, 64]"),
     ("bench_vs_torch", ["--batch", "8,,32"], "argument --batch: '8,,32'"),
+    # before: accepted, then a (B, 128, 256) logits array of 13 GB for --batch 100000
+    ("bench_vs_torch", ["--batch", "8,100000"], "argument --batch: '8,100000': allowed: comma-separated micro-batch "
+                                                "sizes in 1..4096 (train's --micro-batch-size bound)"),
     ("bench_quantization", ["--only", "1,6"], "--only '1,6': allowed: comma-separated table numbers from 1, 2"),
     ("profile_collective", ["--sizes", "-4,8"], "argument --sizes: '-4,8': allowed: comma-separated sizes in bytes"),
     ("profile_collective", ["--sizes", "0"], "argument --sizes: '0': allowed: comma-separated sizes in bytes, "
@@ -237,3 +256,13 @@ def test_gpu_check_reads_numbers_in_ascii_and_in_range(tmp_path, argv, says):
     r = script("gpu_check", *argv, "--json", str(tmp_path / "g.json"))
     assert r.returncode == 2 and f"gpu_check.py: error: {says}" in r.stderr, r.stderr
     assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.parametrize("name", ["bench_allreduce", "profile_collective"])
+def test_a_bad_all_reduce_size_rule_in_the_environment_is_refused(monkeypatch, capsys, name):
+    """Before: MINIZERO_SMALL_ALLREDUCE_MAX_BYTES=foo was ignored (the default rule measured, and the table said it
+    ran recursive doubling up to 262144 bytes); train and finetune refuse it."""
+    monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "foo")
+    r = script(name)
+    assert r.returncode == 2 and f"{name}.py: error: MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='foo'; allowed: an integer " \
+                                  ">= -1" in r.stderr, r.stderr

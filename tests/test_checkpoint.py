@@ -663,6 +663,77 @@ def test_a_resume_with_another_dropout_says_so(saved, tmp_path):
     assert sum("note: --dropout 0.1 differs from the checkpoint's 0.0" in line for line in logs) == 1, logs
 
 
+@pytest.mark.timeout(120)
+def test_a_resume_on_another_text_says_so(saved, tmp_path):
+    """Saved on the built-in corpus, resumed with --data of another text: a note as for --seed (before: silent, the
+    data position went on in the other text)."""
+    text = tmp_path / "other.txt"
+    text.write_text(open(os.__file__).read())
+    logs = []
+
+    def resume(comm, data):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(saved)] + data, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, [], timeout=60) == [2] and not any("built-in" in line for line in logs), logs
+    assert run_in_threads(1, resume, ["--data", str(text)], timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    assert f"note: --data {str(text)!r} (" in said and "differs from the checkpoint's text (" in said, logs
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_with_another_weight_decay_or_grad_clip_says_so(saved):
+    """Both are in the manifest's train section beside --lr, whose change is noted: theirs went unsaid."""
+    logs = []
+
+    def resume(comm):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(saved), "--weight-decay", "0.5",
+                                        "--grad-clip", "0.25"], comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    assert "note: --weight-decay 0.5 differs from the checkpoint's 0.1" in said, logs
+    assert "note: --grad-clip 0.25 differs from the checkpoint's 1.0" in said, logs
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_with_other_windows_or_moe_losses_says_so(saved, tmp_path):
+    """--pad after --pack cuts the text into other windows at the same data position; the MoE loss coefficients
+    change the loss: both went unsaid (not in the manifest)."""
+    moe = ["--moe-experts", "2", "--steps", "3"]
+    run(1, F64 + moe + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    logs = []
+
+    def resume(comm, old, extra):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(old)] + extra, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, saved, ["--pad"], timeout=60) == [2]
+    assert run_in_threads(1, resume, tmp_path, moe + ["--moe-aux-loss", "0.5", "--moe-z-loss", "0"], timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    for note in ("--pad differs from the checkpoint's --pack", "--moe-aux-loss 0.5 differs from the checkpoint's 0.01",
+                 "--moe-z-loss 0.0 differs from the checkpoint's 0.001"):
+        assert f"note: {note}: the continuation" in said, logs
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
+    """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a
+    note (one came only when the layout changed)."""
+    small = ["--model", "small", "--optimizer", "adam8bit", "--steps", "3"]
+    run(1, F64 + small + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    logs = []
+
+    def resume(comm, extra):
+        args = parse_args(BASE + F64 + small + ["--resume", str(tmp_path)] + extra, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, [], timeout=60) == [2] and not any("8-bit Adam state" in x for x in logs), logs
+    assert run_in_threads(1, resume, ["--adam8bit-block-size", "128"], timeout=60) == [2]
+    assert any("note: 8-bit Adam state:" in x for x in logs), logs
+
+
 @pytest.mark.parametrize("pointer", [b"\xff\xfe", b"../../etc", b"step_00000099"])
 def test_a_latest_pointer_that_is_unreadable_or_leads_elsewhere_is_passed_over(saved, tmp_path, pointer):
     """Attacker: a non-UTF-8 'latest' gave a UnicodeDecodeError traceback; '../..' was followed out of the save dir

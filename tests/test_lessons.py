@@ -28,6 +28,14 @@ def test_some_lessons_are_generated():
         assert (ROOT / "notebooks" / f"{name}.ipynb").exists(), f"template {name}.md has no notebook"
 
 
+def test_build_refuses_a_lesson_named_twice(monkeypatch, capsys):  # it executed the notebook twice (minutes)
+    monkeypatch.setattr(build, "execute", lambda name: pytest.fail(f"executed {name}"))
+    with pytest.raises(SystemExit) as e:
+        build.main([GENERATED[0], GENERATED[0]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"named more than once: {GENERATED[0]}; give each lesson once" in err
+
+
 @pytest.mark.parametrize("name", GENERATED)
 def test_committed_lesson_is_its_build(name):
     committed = (ROOT / "lessons" / f"{name}.md").read_text()

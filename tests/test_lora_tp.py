@@ -314,7 +314,8 @@ def test_bad_tp_is_one_line_on_every_rank_before_any_work(mpiexec, tmp_path):
     three_heads = _write(odd, GPTConfig(n_layer=1, n_head=3, n_embd=192, block_size=16, dtype="float64"))
     cases = [((1, *tiny, "--tp", "2"), "--tp 2 must divide the 1 ranks; launch a multiple of 2 ranks, e.g. mpirun -n 2 "
                                         "python -m minizero.finetune ..."),
-             ((2, *three_heads, "--tp", "2", "--method", "lora"), "--tp 2 must divide the model's n_head=3"),
+             ((2, *three_heads, "--tp", "2", "--method", "lora"),  # before: what is allowed went unsaid
+              "--tp 2 must divide the model's n_head=3 and n_embd=192; allowed on 2 ranks: --tp 1"),
              ((2, *tiny, "--tp", "2", "--method", "qlora"),
               "--tp 2 splits the attn.c_proj weight (16, 16) into runs of 8 elements per rank, not a multiple of "
               "the NF4 block 64: QLoRA would quantize blocks across shards; allowed on 2 ranks: --tp 1 (or --method "

@@ -161,6 +161,14 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--strategy", "dp8", "--plot", "x.png"], "--plot draws the searched strategies' memory; it does not apply to "
                                                "--strategy (leave it out)"),
     (["--finetune", "lora", "--plot", "x.png"], "it does not apply to --finetune lora (leave it out)"),
+    # before: accepted and ignored, the same table printed
+    (["--finetune", "lora", "--top", "3", "--bucket", "1MB", "--gpu-flops", "1e15"],
+     "--top, --gpu-flops, --bucket do(es) not apply to --finetune lora (it tabulates memory per ZeRO stage: no search,"
+     " no step time); leave it out"),
+    # before: accepted and ignored, "dp4 cp2" planned with ring attention
+    (["--strategy", "dp4 cp2", "--cp-attention", "ulysses"], "--cp-attention ulysses chooses among the searched "
+                                                             "strategies; with --strategy name it in its words: "
+                                                             "cp_attention=ulysses"),
     # before: the way out named --seq-len and more memory or GPUs only
     (["--micro-batch", "16777216"], "or a shorter --seq-len, or a smaller --micro-batch than 16777216"),
 ])

@@ -378,6 +378,28 @@ def test_ctrl_c_prints_one_interrupted_line(mpiexec):
 
 
 @pytest.mark.timeout(120)
+def test_one_process_that_fails_or_is_interrupted_says_nothing_of_mpi_abort():
+    """One process has no peer to stop: MPI_Abort added MPICH's "Abort(130) on node 0 (rank 0 in comm 0):
+    application called MPI_Abort(MPI_COMM_WORLD, 130) - process 0" under the run's own line."""
+    cmd = [sys.executable, "-m", "minizero.train", *TINY, "--no-save"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100,
+                          env=dict(mpi_env(), MINIZERO_FAULT="0:1:raise"))
+    assert proc.returncode == 1 and "injected fault" in proc.stderr and "Abort" not in proc.stderr, proc.stderr
+    proc = subprocess.Popen([*cmd, "--steps", "100000"], env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        while not proc.stdout.readline().startswith("minizero:"):  # the header: training has started
+            assert proc.poll() is None, proc.stderr.read()
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "minizero.train: interrupted (SIGINT)" in err and "Abort" not in err, err
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0.3, 0.5, 0.8, 1.2])
 def test_ctrl_c_while_the_ranks_start_prints_no_traceback(mpiexec, delay):
     proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",

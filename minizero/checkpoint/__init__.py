@@ -13,6 +13,7 @@ from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, cle
                                         verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
+from minizero.data import data_digest
 from minizero.ledger import wrap
 
 __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
@@ -28,10 +29,11 @@ def run_layout(args) -> dict:
     return out
 
 
-def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
+def manifest_state(args, cfg, applied: int, scaler=None, text: str | None = None) -> dict:
     """Rank 0's manifest fields besides the pieces: model, layout, schedule, data, loss scaler.
 
-    ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded).
+    ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded); ``text``:
+    the training text's bytes and SHA-256 (:meth:`Checkpointer.text`).
     """
     layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
                   zero=args.zero,
@@ -39,9 +41,9 @@ def manifest_state(args, cfg, applied: int, scaler=None) -> dict:
                   adam8bit_block_size=args.adam8bit_block_size, adam8bit_code="dynamic",
                   micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum)
     train = {k: vars(args)[k] for k in ("seed", "lr", "min_lr", "warmup", "steps", "weight_decay", "grad_clip",
-                                           "batch_size")}
+                                           "batch_size", "documents", "moe_aux_loss", "moe_z_loss", "moe_bias_update")}
     return {"model": dataclasses.asdict(cfg), "layout": layout, "applied": applied, "train": train,
-            "data": {"seed": args.seed, "global_batch": args.batch_size, "block_size": cfg.block_size},
+            "data": {"seed": args.seed, "global_batch": args.batch_size, "block_size": cfg.block_size, "text": text},
             "scaler": None if scaler is None else scaler.state_dict()}
 
 
@@ -55,6 +57,14 @@ class Checkpointer:
         self.resumed_from = None
         self.load_peak = 0
         self.saved = []
+        self._text = None
+
+    def text(self) -> str:
+        """``'465,123 bytes, SHA-256 0123456789ab'`` of the training text (:func:`minizero.data.data_digest`), read
+        once."""
+        if self._text is None:
+            self._text = next(iter(data_digest(self.args.data).values()))
+        return self._text
 
     def resume(self, strategy, scaler=None) -> tuple:
         """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed);
@@ -82,16 +92,24 @@ class Checkpointer:
         lines = [f"resumed from {out['folder']} (saved after step {out['step']} on dp {lay['dp']}{cp} x tp "
                  f"{lay['tp']} x pp {lay['pp']}, ZeRO {lay['zero']}{shard}; {out['applied']} optimizer steps applied): "
                  f"continuing at step {out['step'] + 1}"]
-        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed"):
-            if man["train"].get(key) != vars(self.args)[key]:
-                lines.append(f"note: --{key.replace('_', '-')} {vars(self.args)[key]} differs from the checkpoint's "
-                             f"{man['train'].get(key)}: the continuation is not the uninterrupted run's")
+        for key in ("steps", "lr", "min_lr", "warmup", "batch_size", "seed", "weight_decay", "grad_clip", "documents",
+                    "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
+            now, was = vars(self.args)[key], man["train"].get(key)
+            if key in man["train"] and was != now:  # absent in older manifests: unknown
+                said = f"--{now}" if key == "documents" else f"--{key.replace('_', '-')} {now}"  # --pack | --pad
+                lines.append(f"note: {said} differs from the checkpoint's {'--' * (key == 'documents')}{was}: the "
+                             "continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
             said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
                 f"dropout {self.cfg.dropout} (the {self.args.model!r} preset's, --dropout not given)"
             lines.append(f"note: {said} differs from the checkpoint's {was}: the continuation is not the "
                          "uninterrupted run's")
+        was = man.get("data", {}).get("text")  # absent before it was written: nothing to compare
+        if was is not None and was != self.text():
+            said = f"--data {self.args.data!r}" if self.args.data else "the built-in corpus"
+            lines.append(f"note: {said} ({self.text()}) differs from the checkpoint's text ({was}): the continuation "
+                         "is not the uninterrupted run's")
         for row in (w for line in lines + [f"note: {note}" for note in out["notes"]] for w in wrap(line)):
             self.log(row)  # at 100 columns, an indented continuation: as the header
         return out["step"], out["applied"], out["pruner"]
@@ -104,7 +122,7 @@ class Checkpointer:
         """Collective: save after loop step ``step`` when :meth:`due`; returns the folder or None."""
         if not self.due(step):
             return None
-        state = manifest_state(self.args, self.cfg, applied, scaler) if self.comm.rank == 0 else {}
+        state = manifest_state(self.args, self.cfg, applied, scaler, self.text()) if self.comm.rank == 0 else {}
         folder = save_checkpoint(strategy, self.comm, self.args.save_dir, step + 1, state, pruner=pruner,
                                  keep=self.args.keep, protect=self.resumed_from)
         if folder is None:

@@ -42,6 +42,7 @@ class ShardReader:
             self.by_param[(pc["kind"], pc["param"])].append(pc)
         self._open = {}
         self.reads, self.bytes_read = 0, 0
+        self.requantized = False  # some 8-bit state went onto another block grid (load_into)
         self._codes = make_codes(self.manifest["layout"].get("adam8bit_code", "dynamic"), device=False)
 
     def shape(self, name: str) -> tuple:
@@ -137,6 +138,7 @@ class ShardReader:
             first = (np.arange(a.absmax.size) + slot.lo // b) * b  # each block's first element
             a.absmax[...] = backend.to_device(per_element[np.maximum(first, slot.lo) - slot.lo])
         else:  # another block grid: logical values, requantized
+            self.requantized = True
             a.requantize(backend.to_device(self.gather(*args, state_dtype(np.float32))))
 
 
@@ -197,7 +199,7 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
         packed = {k: reader._tensor(pr["file"], f"mask/{k}") for k in pr["shapes"]}
         pruner = Pruner.from_masks(strategy.stage, packed, {k: tuple(v) for k, v in pr["shapes"].items()},
                                    pr["sparsity"], pr["scope"])
-    if not same and any(pc["format"] == "8bit" for pc in man["pieces"]):
+    if (not same or reader.requantized) and any(pc["format"] == "8bit" for pc in man["pieces"]):  # or block size
         notes.append("8-bit Adam state: copied exactly where the block grid is unchanged, else dequantized and "
                      "requantized")
     return {"folder": reader.folder, "step": man["step"], "applied": man["applied"], "pruner": pruner,

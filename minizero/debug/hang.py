@@ -18,9 +18,14 @@ def load(folder: str) -> dict[int, dict]:
     """``{rank: snapshot}`` of every ``rank_R.json`` in ``folder``.
 
     Raises:
-        FileNotFoundError: ``folder`` holds no ``rank_*.json``; ValueError: one is not JSON or lacks a field the
-        analysis reads (the file and the field named).
+        FileNotFoundError: ``folder`` is missing or holds no ``rank_*.json``; ValueError: ``folder`` is a file, or
+        one is not JSON or lacks a field the analysis reads (the file and the field named).
     """
+    if os.path.isfile(folder):  # one rank's record: the analysis compares them all
+        raise ValueError(f"{folder!r} is a file; give the folder of every rank's rank_R.json, here "
+                         f"{os.path.dirname(folder) or '.'!r}")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder!r}: no such folder (a failing job writes OUT/flight)")
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
     if not paths:
         raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)")
