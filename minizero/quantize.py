@@ -156,10 +156,11 @@ def format_table(result: dict) -> str:
     if cal:
         top = max(cal["max_input_absmax"], key=cal["max_input_absmax"].get)
         per_layer = sorted(cal["max_input_absmax"].values())
+        counts = f"reaching {result['outlier_threshold']}: {cal['columns_at_threshold']}, " * (
+            result["outlier_threshold"] != 6.0)  # the paper's threshold given: said once
         lines += wrap(f"outlier calibration (2 training batches): largest input |x| per layer {per_layer[0]:.2f} .. "
                       f"{per_layer[-1]:.2f} ({top}), median {per_layer[len(per_layer) // 2]:.2f}; input features "
-                      f"reaching {result['outlier_threshold']}: {cal['columns_at_threshold']}, reaching 6.0 (the "
-                      f"paper's threshold): {cal['columns_at_6']}")
+                      f"{counts}reaching 6.0 (the paper's threshold): {cal['columns_at_6']}")
     return "\n".join(lines)
 
 

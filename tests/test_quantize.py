@@ -338,3 +338,21 @@ def test_quantize_short_data_and_bad_json_fail_before_work(tmp_path, capsys, tra
     code, err = _q_error(capsys, ["--weights", weights, "--json", str(tmp_path / "no" / "x.json")])
     assert code == 2 and "does not exist" in err
     assert capsys.readouterr().out == ""  # nothing measured
+
+
+def test_the_calibration_line_says_the_papers_threshold_once_when_it_is_the_one_given():
+    """Before: --outlier-threshold 6 printed 'reaching 6.0: 0, reaching 6.0 (the paper's threshold): 0'."""
+    from minizero.quantize import format_table
+
+    row = {"skipped": [], "bits": 8, "granularity": "row", "outlier_threshold": None, "outlier_columns": 0,
+           "linear_bytes": 1, "linear_dense_bytes": 4, "model_bytes": 2, "val_loss": 1.0, "delta": 0.0,
+           "block_size": None}
+    cal = {"max_input_absmax": {"a": 7.0, "b": 1.0}, "columns_at_threshold": 3, "columns_at_6": 1}
+
+    def line(threshold):
+        result = {"weights": "w", "num_parameters": 1, "tokens": 1, "baseline": {"model_bytes": 4, "val_loss": 1.0},
+                  "rows": [row], "calibration": cal, "outlier_threshold": threshold}
+        return " ".join(format_table(result).split("outlier calibration")[1].split())
+
+    assert line(6.0).endswith("input features reaching 6.0 (the paper's threshold): 1"), line(6.0)
+    assert line(2.0).endswith("input features reaching 2.0: 3, reaching 6.0 (the paper's threshold): 1"), line(2.0)
