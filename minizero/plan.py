@@ -151,13 +151,11 @@ def _check(parser, args):
         model = get_model(ALIASES.get(args.model, args.model))
     except ValueError as e:
         parser.error(f"--model: {e} (or minizero's presets by the trainer's names: {', '.join(sorted(ALIASES))})")
-    for name in ("gpus", "seq_len", "micro_batch", "global_batch", "virtual_stages", "gpus_per_node"):
+    for name in ("gpus", "seq_len", "micro_batch", "global_batch", "virtual_stages", "gpus_per_node", "ep"):
         value = vars(args)[name]
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.ep is not None:
-        if args.ep < 1:
-            parser.error(f"--ep must be a positive integer, got {args.ep}")
         if args.ep > 1 and not model.experts:
             parser.error(f"--ep {args.ep}: {model.name} is a dense model (no experts to split); allowed: 1, or a "
                          f"mixture of experts (mixtral-8x7b, deepseek-v3)")
@@ -198,8 +196,9 @@ def _check(parser, args):
             import matplotlib  # noqa: F401  (optional: a third-party import, not a minizero module)
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
-    if args.top < 0:
-        parser.error(f"--top must be >= 0, got {args.top}")
+    if args.top < 0 or (args.strategy is not None and args.top != parser.get_default("top")):  # was ignored
+        parser.error(f"--top must be >= 0, got {args.top}" if args.top < 0 else f"--top {args.top} chooses how many "
+                     "searched strategies to show; --strategy plans one (leave it out)")
     if args.lora_rank is not None and args.finetune == "none":
         parser.error(f"--lora-rank {args.lora_rank} sizes fine-tuning adapters: give --finetune lora or qlora too")
     args.lora_rank = min(64, model.hidden) if args.lora_rank is None else args.lora_rank  # tiny: 16, not refused

@@ -169,6 +169,10 @@ def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
     (["--strategy", "dp4 cp2", "--cp-attention", "ulysses"], "--cp-attention ulysses chooses among the searched "
                                                              "strategies; with --strategy name it in its words: "
                                                              "cp_attention=ulysses"),
+    # before: accepted and ignored, the one strategy printed
+    (["--strategy", "dp8", "--top", "3"], "--top 3 chooses how many searched strategies to show; --strategy plans one "
+                                          "(leave it out)"),
+    (["--ep", "0"], "--ep must be a positive integer, got 0"),
     # before: the way out named --seq-len and more memory or GPUs only
     (["--micro-batch", "16777216"], "or a shorter --seq-len, or a smaller --micro-batch than 16777216"),
 ])
@@ -189,7 +193,7 @@ def test_plot_reports_the_real_path_and_header_the_real_schedule(capsys, tmp_pat
 
 # ---- context parallelism -----------------------------------------------------------------------
 def _best_and_all(capsys, *argv):
-    code, out, err = run_main(capsys, *argv, "--json", "--top", "0")
+    code, out, err = run_main(capsys, *argv, "--json", *(() if "--strategy" in argv else ("--top", "0")))
     assert code == 0, err
     d = json.loads(out)
     return d["candidates"][0]["strategy"], [c["strategy"] for c in d["candidates"]]
