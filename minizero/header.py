@@ -143,14 +143,16 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.zero and args.dp_shard == 1 and args.cp == 1 and topo.dp > 1:  # with cp a group shards over its cp ranks
         lines.append(f"note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of "
                      f"ZeRO-{args.zero}'s states; running anyway")
+    fp16 = args.precision == "fp16" and world > 1  # ReplicaCheck compares the loss scaler over the world too
+    scaler, also = ("; FP16's loss scaler is compared over all ranks", " and FP16's loss scaler") if fp16 else ("", "")
     if args.check_replicas and not has_replicas(topo.dp, args.dp_shard * args.cp, args.zero):  # off by default
         why = ("1 data rank" if topo.dp == 1 else "plain ZeRO-3 (each shard is held once: it compares only the "
                "gathered parameters, equal by construction)")
-        lines.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare; "
+        lines.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare{scaler}; "
                      "running anyway")
     elif args.check_replicas and state_group(s.opt, topo.dp_comm) is None:  # plain ZeRO 1-2
-        lines.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters only: "
-                     "each optimizer shard is held once")
+        lines.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters{also} "
+                     "only: each optimizer shard is held once")
     return lines
 
 

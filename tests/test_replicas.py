@@ -294,6 +294,21 @@ def test_an_asked_for_check_without_replicas_says_so():
 
 
 @pytest.mark.timeout(120)
+def test_an_asked_for_check_without_replicas_names_the_fp16_loss_scaler_it_still_compares():
+    """Before: under FP16 the note said there was nothing to compare, while the check compared the loss scaler over
+    all ranks (and stops the job where it differs: test_a_rank_whose_fp16_loss_scale_differs_is_named)."""
+    from tests.test_zero import _train_logged
+
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--check-replicas", "1",
+            "--precision", "fp16"]
+    note = ("note: --check-replicas 1 with 1 data rank has no replica to compare; FP16's loss scaler is compared over "
+            "all ranks; running anyway")
+    assert note in " ".join(run_in_threads(2, _train_logged, base + ["--pp", "2"], timeout=100)[0].split())
+    zero1 = "note: --check-replicas 1 under ZeRO-1 compares parameters and FP16's loss scaler only: each optimizer"
+    assert zero1 in " ".join(run_in_threads(2, _train_logged, base + ["--zero", "1"], timeout=100)[0].split())
+
+
+@pytest.mark.timeout(120)
 def test_an_asked_for_check_under_plain_zero_says_it_compares_parameters_only():
     """Before: silent, though each optimizer-state shard is held once (no replica to compare it with)."""
     from tests.test_zero import _train_logged
