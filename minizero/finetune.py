@@ -29,7 +29,7 @@ from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.collectives import all_reduce
 from minizero.faults import STEP_START_KINDS, FaultInjector
-from minizero.finetune_report import format_table, header, rose_note  # noqa: F401 (tests import them from here)
+from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_note  # noqa: F401 (tests import them)
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.layout_checks import launch
@@ -69,7 +69,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=integer, default=8, help="sequences per step")
     p.add_argument("--lr", type=real, default=1e-3, help="AdamW learning rate (constant, no warmup: a few steps "
                    "can end above the starting loss, and the table then says so)")
-    p.add_argument("--eval-batches", type=integer, default=4, help="validation batches of 16 sequences")
+    p.add_argument("--eval-batches", type=integer, default=4, help=f"validation batches of {EVAL_SEQUENCES} sequences")
     p.add_argument("--zero", type=integer, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the trained parameters (0: data parallelism, every rank the whole state)")
     p.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (lora, qlora): each block's "
@@ -183,7 +183,7 @@ def _finetune(args, method, tokens, comm, progress):
     model, _ = load_trained(args.weights)
     cfg = model.config
     train_tok, val_tok = train_val_split(tokens)
-    val = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1)
+    val = eval_batches(val_tok, cfg.block_size, args.eval_batches, EVAL_SEQUENCES, seed=args.seed + 1)
     before, n_params = evaluate_loss(model, val), model.num_parameters()
     topo = None if args.tp == 1 else Topology(comm, comm.world_size // args.tp, args.tp)
     if topo is not None:
@@ -348,8 +348,9 @@ def _run(args, world, tokens, model0) -> int:
     end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
         rows, state = [], None
-        if rank == 0 and args.progress != "none":  # the validation passes before the first step take a while
-            print("\n".join(header(args, model0.config, model0.num_parameters(), world.Get_size())), flush=True)
+        said = header(args, model0.config, model0.num_parameters(), world.Get_size()) if rank == 0 else []
+        if said:  # the validation passes before the first step take a while
+            print("\n".join(said), flush=True)
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging run: the one-line NaN diagnosis below
             for method in (METHODS if args.table else (args.method,)):
                 shown = Progress(args.progress if rank == 0 else "none", args.steps,

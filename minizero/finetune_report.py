@@ -5,9 +5,14 @@ from __future__ import annotations
 from minizero.ledger import wrap
 
 
+EVAL_SEQUENCES = 16  #: sequences per validation batch (--eval-batches counts these)
+
+
 def header(args, cfg, n_params: int, world_size: int) -> list[str]:
     """Rank 0's wrapped lines before any work: what is trained, on what, how long, and on which ranks (the first
-    step comes only after the validation passes the line's end names)."""
+    step comes only after the validation passes the line's end names); none with ``--progress none``."""
+    if args.progress == "none":
+        return []
     methods = ("full", "lora", "qlora") if args.table else (args.method,)
     what = "--table: full, lora, qlora in turn" if args.table else f"--method {args.method}"
     targets = args.targets.replace(",", ", ")
@@ -15,11 +20,11 @@ def header(args, cfg, n_params: int, world_size: int) -> list[str]:
     data = "the embedded corpus" if args.data is None else repr(args.data)
     nf4 = ", then of the NF4 copy" if "qlora" in methods else ""
     return wrap(f"python -m minizero.finetune: {what} on {args.weights} ({n_params:,} parameters; {cfg.n_layer} "
-                f"layers, width {cfg.n_embd}, context {cfg.block_size}); data: {data}; {args.steps} steps x "
+                f"layers, width {cfg.n_embd}, context {cfg.block_size}); data: {data}; {args.steps} step(s) x "
                 f"{args.batch_size} sequences x {cfg.block_size} tokens, lr {args.lr:g} (constant)"
                 f"{adapters if methods != ('full',) else ''}; {world_size} rank(s): dp {world_size // args.tp} x tp "
-                f"{args.tp}, ZeRO {args.zero}; before the first step, the validation loss ({args.eval_batches} "
-                f"batch(es) of 16 sequences) of the loaded weights{nf4}")
+                f"{args.tp}, {f'ZeRO-{args.zero}' if args.zero else 'no ZeRO'}; before the first step, the validation "
+                f"loss ({args.eval_batches} batch(es) of {EVAL_SEQUENCES} sequences) of the loaded weights{nf4}")
 
 
 def format_table(rows: list) -> str:

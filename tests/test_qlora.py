@@ -238,7 +238,7 @@ def test_finetune_prints_the_note_when_full_ends_above_its_start(trained):
     said = " ".join(proc.stdout.split("\nstep ")[0].split())  # before: nothing until the first step, after two
     # validation passes
     assert said.startswith(f"python -m minizero.finetune: --method full on {weights} (") and "dp 1 x tp 1" in said
-    assert "2 steps x 4 sequences x" in said and "lr 2 (constant); 1 rank(s)" in said and "NF4" not in said
+    assert "2 step(s) x 4 sequences x" in said and "lr 2 (constant); 1 rank(s)" in said and "NF4" not in said
     assert "note: full (" in proc.stdout and "--lr 2 (no warmup)" in " ".join(proc.stdout.split()), proc.stdout
 
 
@@ -247,11 +247,15 @@ def test_finetune_header_names_the_method_data_steps_and_adapters():
     from minizero.nn import get_config
 
     args = build_parser().parse_args(["--table", "--data", "notes.txt", "--lora-rank", "4", "--tp", "2"])
-    said = " ".join(header(args, get_config("tiny"), 1234, 4))
+    said = " ".join(" ".join(header(args, get_config("tiny"), 1234, 4)).split())
     assert said.startswith("python -m minizero.finetune: --table: full, lora, qlora in turn on out/model.npz (1,234 ")
-    assert "data: 'notes.txt'; 100 steps x 8 sequences x" in said and "adapters of rank 4, alpha 16 on c_attn" in said
-    assert "4 rank(s): dp 2 x tp 2, ZeRO 0" in said and said.endswith("then of the NF4 copy")
+    assert "data: 'notes.txt'; 100 step(s) x 8 sequences x" in said and "adapters of rank 4, alpha 16 on c_attn" in said
+    assert "4 rank(s): dp 2 x tp 2, no ZeRO;" in said and said.endswith("then of the NF4 copy")  # before: "ZeRO 0"
     assert max(map(len, header(args, get_config("tiny"), 1234, 4))) <= 120
+    args = build_parser().parse_args(["--steps", "1", "--zero", "2", "--method", "full"])
+    said = " ".join(" ".join(header(args, get_config("tiny"), 1234, 2)).split())
+    assert "; 1 step(s) x 8 sequences" in said and "dp 2 x tp 1, ZeRO-2;" in said, said  # before: "1 steps"
+    assert header(build_parser().parse_args(["--progress", "none"]), get_config("tiny"), 1, 1) == []  # bench_qlora
 
 
 @pytest.mark.parametrize("flags, message", [
