@@ -96,19 +96,17 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=No
     ``namespace`` (what was parsed): a subcommand's flags only when it is the one chosen."""
     flags, synonyms, hints, notes = _flags(parser, namespace), getattr(parser, "synonyms", {}), [], []
     bare = {f.lstrip("-"): f for f in flags}
-    for word in words:
-        typed = word.split("=")[0]
-        if not typed.startswith("-") or VALUE_LIKE.match(typed):
-            continue
+    typos = [t for t in (w.split("=")[0] for w in words) if t.startswith("-") and not VALUE_LIKE.match(t)]
+    for typed in typos:
         norm = typed.lower().replace("_", "-")
-        if not synonyms.get(norm, "-").startswith("-"):
-            notes.append(synonyms[norm])
+        if not synonyms.get(norm, "-").startswith("-"):  # with several flags, each note names its own
+            notes.append(f"{typed}: {synonyms[norm]}" if len(typos) > 1 else synonyms[norm])
             continue
         close = [bare[m] for m in difflib.get_close_matches(norm.lstrip("-"), bare, n=1, cutoff=0.7)]
         close = [synonyms[norm]] if norm in synonyms else [m for m in close if m != typed]
         hints += [(typed, close[0])] if close else []
     said = f"unrecognized arguments: {' '.join(words)}"
-    if len(hints) == 1:
+    if len(hints) == 1 and len(typos) == 1:
         said = f"{said} (did you mean {hints[0][1]}?)"
     elif hints:
         said = f"{said} (did you mean {', '.join(f'{m} for {w}' for w, m in hints)}?)"

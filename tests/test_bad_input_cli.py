@@ -426,7 +426,11 @@ def test_sample_names_what_it_has_for_other_programs_sampling_flags(capsys, argv
     (["--eval-steps", "5"], "(did you mean --eval-every?)"),  # difflib said --eval-batches
     (["--save", "ck"], "(did you mean --save-dir?)"),  # difflib said --no-save
     (["--per_device_train_batch_size", "4"], "(did you mean --micro-batch-size?)"),
-    (["--max-new-tokens", "9"], "(did you mean --sample-tokens?)")])
+    (["--max-new-tokens", "9"], "(did you mean --sample-tokens?)"),
+    # before: "... --save x (did you mean --save-dir?); minizero counts ...": which flag each part was for, unsaid
+    (["--num-epochs", "3", "--save", "x"], "--num-epochs 3 --save x (did you mean --save-dir for --save?); "
+                                           "--num-epochs: minizero counts optimizer steps, not epochs: give --steps"),
+    (["--zer", "3", "--bogus"], "--zer 3 --bogus (did you mean --zero for --zer?)")])
 def test_train_maps_other_programs_training_flags(argv, hint):
     with pytest.raises(UsageError) as e:
         parse_args(argv, 1)
