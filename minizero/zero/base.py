@@ -213,29 +213,38 @@ class ZeroOptimizer:
         """AdamW on the owned shard, one ``adamw_update`` per parameter piece (padding is in none), then
         the stage's :meth:`_publish_params`. ``grad_scale`` multiplies the gradient (1/loss-scale)."""
         self.step_count += 1
-        b1, b2 = self.betas
         for st in self.units:
-            if self.sharded_state is not None:  # another optimizer's update of the whole owned shard
-                target = st.param_shard if st.master is None else st.master
-                with self.collectives.count("optimizer_sync"):
-                    self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
-                                                 self.eps, self.weight_decay, grad_scale)
-                if st.master is not None:
-                    st.param_shard[...] = backend.to_dtype(target, st.param_shard.dtype)
-                continue
-            # offloaded state: the update runs where the state lives, on host copies (same arrays on NumPy)
-            grad = self.store.to_store(st.grad_shard)
-            params = self.store.to_store(st.param_shard) if st.master is None else st.master
-            for pc in st.pieces:
-                if pc.param not in self._with_grad:  # no gradient this step: left as it is
-                    continue
-                sl = pc.shard_slice
-                wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
-                adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
-                             self.lr, b1, b2, self.eps, wd, grad_scale)
-            if params is not st.param_shard:  # masters or a host copy: round/copy back to the device shard
-                st.param_shard[...] = backend.to_device(backend.to_dtype(params, st.param_shard.dtype))
+            if self.sharded_state is not None:
+                self._step_sharded_state(st, grad_scale)
+            else:
+                self._step_adamw(st, grad_scale)
         self._publish_params("all_gather_params")
+
+    def _step_sharded_state(self, st, grad_scale: float) -> None:
+        """Another optimizer's update (8-bit Adam) of ``st``'s whole owned shard (or its master), then the shard."""
+        b1, b2 = self.betas
+        target = st.param_shard if st.master is None else st.master
+        with self.collectives.count("optimizer_sync"):
+            self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
+                                         self.eps, self.weight_decay, grad_scale)
+        if st.master is not None:
+            st.param_shard[...] = backend.to_dtype(target, st.param_shard.dtype)
+
+    def _step_adamw(self, st, grad_scale: float) -> None:
+        """AdamW on each owned piece of ``st`` that got a gradient, where the state lives (offload: host copies,
+        the same arrays on NumPy), then the device shard rounded/copied from masters or the host copy."""
+        b1, b2 = self.betas
+        grad = self.store.to_store(st.grad_shard)
+        params = self.store.to_store(st.param_shard) if st.master is None else st.master
+        for pc in st.pieces:
+            if pc.param not in self._with_grad:  # no gradient this step: left as it is
+                continue
+            sl = pc.shard_slice
+            wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
+            adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count, self.lr, b1, b2, self.eps, wd,
+                         grad_scale)
+        if params is not st.param_shard:
+            st.param_shard[...] = backend.to_device(backend.to_dtype(params, st.param_shard.dtype))
 
     def _publish_params(self, phase: str) -> None:
         """Make the updated owned shards what every rank computes with (``phase``: setup or all_gather_params)."""
