@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
-from minizero.debug.replicas import has_replicas, state_group
+from minizero.debug.replicas import has_replicas
 from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
@@ -125,7 +125,7 @@ def note_lines(args, topo, opt) -> list[str]:
                "gathered parameters, equal by construction)")
         notes.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare; "
                      "running anyway")
-    elif args.check_replicas and state_group(opt, topo.dp_comm) is None:  # plain ZeRO 1-2
+    elif args.check_replicas and opt.state_replicas(topo.dp_comm) is None:  # plain ZeRO 1-2
         notes.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters only: "
                      "each optimizer shard is held once")
     return notes

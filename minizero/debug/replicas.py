@@ -131,20 +131,12 @@ def has_replicas(data_ranks: int, shard_ranks: int, zero: int) -> bool:
     return data_ranks > 1 and (zero < 3 or shard_ranks < data_ranks)
 
 
-def state_group(opt, data_comm):
-    """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
-    replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
-    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py; ExpertZero: both parts' replicas are the dense part's)
-        return opt.replicas
-    return data_comm  # DataParallel's optimizers: every data rank
-
-
 class ReplicaCheck(Callback):
     """The loop's ``--check-replicas``: :func:`find_mismatch` over the data group after every ``every``-th step,
     after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
     parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather), then
-    on the optimizer state over :func:`state_group`; :func:`raise_on_any` over the world; FP16's loss scaler over
-    the world.
+    on the optimizer state over the optimizer's ``state_replicas``; :func:`raise_on_any` over the world; FP16's
+    loss scaler over the world.
 
     Args:
         every: steps between checks (>= 1), or None for checkpoints and the end only.
@@ -196,8 +188,8 @@ class ReplicaCheck(Callback):
         return None
 
     @staticmethod
-    def _state_mismatch(s, groups, step: int) -> str | None:  # over state_group: hybrid ZeRO's replicas, DP's groups
-        data, group = s.topo.dp_comm, state_group(s.opt, s.topo.dp_comm)
+    def _state_mismatch(s, groups, step: int) -> str | None:  # over opt.state_replicas: hybrid ZeRO's, DP's groups
+        data, group = s.topo.dp_comm, s.opt.state_replicas(s.topo.dp_comm)
         names = {id(p): n for n, p in s.stage.named_parameters()}
         if group is None:  # plain ZeRO: every optimizer shard is held once
             return None

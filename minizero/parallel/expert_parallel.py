@@ -202,6 +202,9 @@ class ExpertZero:
     def replicas(self):  # both parts' replica group: data ranks d + k N
         return self.dense.replicas
 
+    def state_replicas(self, data_comm):  # both parts' (ZeroOptimizer.state_replicas)
+        return self.dense.state_replicas(data_comm)
+
     @property
     def step_count(self) -> int:
         return self.dense.step_count

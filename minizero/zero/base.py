@@ -299,6 +299,11 @@ class ZeroOptimizer:
         ZeRO, the first shard group's under hybrid sharding (the other groups hold copies)."""
         return counts_once(self.replicas)
 
+    def state_replicas(self, data_comm):
+        """The ranks holding this rank's m, v and masters bitwise equal: the replica group under hybrid sharding, None
+        under plain ZeRO (each shard is held once); ``data_comm`` unused (as :class:`~minizero.optim.Optimizer`'s)."""
+        return self.replicas
+
     def views(self, which: str):
         """``(param, lo, hi, array)``: the owned piece ``[lo, hi)`` (flat elements) of each parameter's
         ``which`` ("param", "grad", "master"); ``array`` a (hi - lo,) view into the shard."""
