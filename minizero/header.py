@@ -30,11 +30,6 @@ def documents_description(args) -> str:
     return "documents (ended by byte 0x03) packed (--pack): windows run across them"
 
 
-def is_hybrid(args) -> bool:
-    """Whether ZeRO shards over groups smaller than the data group and replicates across them (zero/hybrid.py)."""
-    return args.dp_shard is not None and args.dp_shard < args.dp
-
-
 def run_techniques(args) -> str:
     """A run's layout and what it changes from plain data parallelism, short, for plot titles:
     ``"dp 4 x tp 1 x pp 1, ZeRO-3, recompute full, fp32"``."""
@@ -43,7 +38,7 @@ def run_techniques(args) -> str:
     words = [f"{layout} x tp {args.tp} x pp {args.pp}"]
     if args.pp > 1:
         words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
-    hybrid = is_hybrid(args)
+    hybrid = args.hybrid_sharding()
     shard = f"{args.dp_shard}" + (f" x cp {args.cp}" if args.cp > 1 else "")  # a shard group: N data ranks' cp ranks
     zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {shard} x replicate {args.dp // args.dp_shard})" if hybrid else "")
     words += [w for w, here in ((zero, args.zero), ("sp", args.sequence_parallel),
@@ -67,7 +62,7 @@ def zero_line(args, topo, opt) -> str:
     """The header's ZeRO line: what is sharded over which ranks (plain, hybrid, the experts'), what overlaps."""
     sharded = {1: "optimizer state", 2: "optimizer state and gradients",
                3: "optimizer state, gradients and parameters"}[args.zero]
-    hybrid, experts = is_hybrid(args), ""
+    hybrid, experts = args.hybrid_sharding(), ""
     if args.moe_experts and args.ep > 1:  # an expert is sharded over the ranks that hold it
         holders = (args.dp_shard * args.cp if hybrid else topo.dp) // args.ep
         experts = (f" (the experts' over the {holders} rank(s) "
