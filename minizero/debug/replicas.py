@@ -195,7 +195,8 @@ class ReplicaCheck(Callback):
             return None
         if group is not data:  # hybrid ZeRO: every part (ExpertZero's too) over the dense part's replica group
             same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
-            return find_mismatch(group, optimizer_state(s.opt, names), step, [groups[0][1][k] for k in same],
+            data_members = groups[0][1]  # the data group's world ranks (_replica_groups)
+            return find_mismatch(group, optimizer_state(s.opt, names), step, [data_members[k] for k in same],
                                  "optimizer state", SHARD_REPLICAS, locate=True)
         for comm, who, keep, among in groups:  # DP: over the parameters' groups
             error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step, who, "optimizer state", among,
