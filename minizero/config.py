@@ -116,6 +116,10 @@ class TrainConfig:
     # filled by parse_args
     world_size: int = 1
 
+    def hybrid_sharding(self) -> bool:
+        """Whether ZeRO shards over groups of --dp-shard data ranks and replicates across them (zero/hybrid.py)."""
+        return self.dp_shard is not None and self.dp_shard < self.dp
+
     def moe_config(self) -> MoEConfig | None:
         """The --moe-* flags as a :class:`MoEConfig`; None with --moe-experts 0 (dense MLPs)."""
         if not self.moe_experts:

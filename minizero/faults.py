@@ -88,7 +88,7 @@ class FaultInjector(Callback):
         self.armed = False
         if self.kind == "slow" and step >= self.step:
             time.sleep(SLOW_S)
-        if step != self.step or self.kind in ("kill_in_save", "diverge", "diverge_state", "slow"):
+        if step != self.step or self.kind not in ("raise", "kill", "inf", "stop"):  # others: above, step end, saves
             return
         if self.kind == "inf":
             self.armed = True

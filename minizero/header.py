@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from minizero import backend
 from minizero.callbacks import Callback
-from minizero.debug.replicas import has_replicas, state_group
+from minizero.debug.replicas import has_replicas
 from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
@@ -38,7 +38,7 @@ def run_techniques(args) -> str:
     words = [f"{layout} x tp {args.tp} x pp {args.pp}"]
     if args.pp > 1:
         words.append(args.schedule + (f" ({args.virtual_stages} virtual stages)" if args.virtual_stages > 1 else ""))
-    hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py: shard groups x replicas
+    hybrid = args.hybrid_sharding()
     shard = f"{args.dp_shard}" + (f" x cp {args.cp}" if args.cp > 1 else "")  # a shard group: N data ranks' cp ranks
     zero = f"ZeRO-{args.zero}" + (f" hybrid (shard {shard} x replicate {args.dp // args.dp_shard})" if hybrid else "")
     words += [w for w, here in ((zero, args.zero), ("sp", args.sequence_parallel),
@@ -58,6 +58,76 @@ def run_techniques(args) -> str:
     return ", ".join(words)
 
 
+def zero_line(args, topo, opt) -> str:
+    """The header's ZeRO line: what is sharded over which ranks (plain, hybrid, the experts'), what overlaps."""
+    sharded = {1: "optimizer state", 2: "optimizer state and gradients",
+               3: "optimizer state, gradients and parameters"}[args.zero]
+    hybrid, experts = args.hybrid_sharding(), ""
+    if args.moe_experts and args.ep > 1:  # an expert is sharded over the ranks that hold it
+        holders = (args.dp_shard * args.cp if hybrid else topo.dp) // args.ep
+        experts = (f" (the experts' over the {holders} rank(s) "
+                   + ("of a group that hold them)" if hybrid else "of their expert-data group)"))
+    group = f"the {topo.dp} rank(s) of the data group"
+    if hybrid:
+        cp = f" x their cp {args.cp} = {args.dp_shard * args.cp} ranks" if args.cp > 1 else ""
+        group = (f"groups of {args.dp_shard} consecutive data rank(s){cp}, replicated across the "
+                 f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "
+                 "then all-reduced across)")
+    return (f"ZeRO stage {args.zero}: {sharded} sharded over {group}{experts}"
+            + "".join(f"; {w}" for w in opt.overlap_words()))
+
+
+def moe_line(args, cfg, dp: int, moe) -> str:
+    """The header's MoE line: parameters, blocks, routing, losses and the expert groups over ``dp`` data ranks."""
+    ep = args.ep
+    total, active = moe.parameters(cfg)
+    line = (f"MoE: {total:,} parameters, {active:,} active per token; blocks {moe.layers(cfg.n_layer)}, "
+            f"{moe.experts} experts, top-{moe.top_k}, capacity factor {moe.capacity_factor:g} per micro-batch; "
+            f"losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
+            f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}")
+    if ep == 1:
+        return line
+    summed = (f"expert gradients summed over {dp // ep} data ranks" if dp > ep
+              else "expert gradients not summed (each expert is on one data rank)")
+    return (line + f": {dp // ep} expert group{'s' * (dp > ep)} of {ep} data ranks, "
+            f"{moe.experts // ep} expert{'s' * (moe.experts > ep)} each, {summed}")
+
+
+def pipeline_line(args, p: int) -> str:
+    """The header's pipeline line over ``p`` stages: the simulated bubble, the closed form with the run's numbers."""
+    m, v = args.grad_accum, args.virtual_stages
+    sched = make_schedule(args.schedule, p, m, v)
+    formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
+               f" (simulated) = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = ({p}-1)/({f'{v}x{m}' if v > 1 else m}"
+               f"+{p}-1)")
+    return (f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
+            f"{formula}"
+            f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
+            f"{[peak_in_flight(ops) for ops in sched]}")
+
+
+def note_lines(args, topo, opt, world: int) -> list[str]:
+    """The header's notes: flags asked for that do nothing on this layout (the run goes on)."""
+    notes = []
+    fp16 = args.precision == "fp16" and world > 1  # ReplicaCheck compares the loss scaler over the world too
+    scaler, also = ("; FP16's loss scaler is compared over all ranks", " and FP16's loss scaler") if fp16 else ("", "")
+    if args.zero and topo.dp == 1:
+        notes.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
+                     "running anyway")
+    if args.zero and args.dp_shard == 1 and args.cp == 1 and topo.dp > 1:  # with cp a group shards over its cp ranks
+        notes.append(f"note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of "
+                     f"ZeRO-{args.zero}'s states; running anyway")
+    if args.check_replicas and not has_replicas(topo.dp, args.dp_shard * args.cp, args.zero):  # asked for: off here
+        why = ("1 data rank" if topo.dp == 1 else "plain ZeRO-3 (each shard is held once: it compares only the "
+               "gathered parameters, equal by construction)")
+        notes.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare{scaler}; "
+                     "running anyway")
+    elif args.check_replicas and opt.state_replicas(topo.dp_comm) is None:  # plain ZeRO 1-2
+        notes.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters{also} "
+                     "only: each optimizer shard is held once")
+    return notes
+
+
 def header_lines(args, cfg, s, world: int) -> list[str]:
     """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy)."""
     topo = s.topo
@@ -74,20 +144,7 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if args.data or args.documents == "pad":
         lines.append(documents_description(args))
     if args.zero:
-        sharded = {1: "optimizer state", 2: "optimizer state and gradients",
-                   3: "optimizer state, gradients and parameters"}[args.zero]
-        hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # zero/hybrid.py
-        experts = (f" (the experts' over the {(args.dp_shard * args.cp if hybrid else topo.dp) // args.ep} rank(s) "
-                   f"{'of a group that hold them' if hybrid else 'of their expert-data group'})"
-                   if args.moe_experts and args.ep > 1 else "")
-        group = f"the {topo.dp} rank(s) of the data group"
-        if hybrid:
-            cp = f" x their cp {args.cp} = {args.dp_shard * args.cp} ranks" if args.cp > 1 else ""
-            group = (f"groups of {args.dp_shard} consecutive data rank(s){cp}, replicated across the "
-                     f"{args.dp // args.dp_shard} groups (hybrid sharding: gradients reduce-scattered in a group, "
-                     "then all-reduced across)")
-        lines.append(f"ZeRO stage {args.zero}: {sharded} sharded over {group}{experts}"
-                     + "".join(f"; {w}" for w in s.opt.overlap_words()))
+        lines.append(zero_line(args, topo, s.opt))
     also = [w for w, here in (
         (f"activation recompute {args.recompute}"
          + (f" (every {args.recompute_every}-th block)" if args.recompute_every > 1 else ""), args.recompute != "none"),
@@ -116,44 +173,10 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     if topo.tp * topo.pp > 1:
         lines.append(topo.describe())
     if topo.pp > 1:
-        m, v = args.grad_accum, args.virtual_stages
-        sched = make_schedule(args.schedule, topo.pp, m, v)
-        p = topo.pp  # the simulated bubble, then the closed form with this run's numbers in it
-        formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
-                   f" (simulated) = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = ({p}-1)/({f'{v}x{m}' if v > 1 else m}"
-                   f"+{p}-1)")
-        lines.append(f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
-                     f"{formula}"
-                     f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "
-                     f"{[peak_in_flight(ops) for ops in sched]}")
+        lines.append(pipeline_line(args, topo.pp))
     if moe is not None:
-        ep = args.ep
-        total, active = moe.parameters(cfg)
-        lines.append(f"MoE: {total:,} parameters, {active:,} active per token; blocks {moe.layers(cfg.n_layer)}, "
-                     f"{moe.experts} experts, top-{moe.top_k}, capacity factor "
-                     f"{moe.capacity_factor:g} per micro-batch; losses: Switch x {moe.aux_loss:g}, z x {moe.z_loss:g}"
-                     f"{f'; bias update {moe.bias_update:g}' if moe.bias_update else ''}; ep {ep}"
-                     + (f": {topo.dp // ep} expert group{'s' * (topo.dp > ep)} of {ep} data ranks, "
-                        f"{moe.experts // ep} expert{'s' * (moe.experts > ep)} each, "
-                        + (f"expert gradients summed over {topo.dp // ep} data ranks" if topo.dp > ep else
-                           "expert gradients not summed (each expert is on one data rank)") if ep > 1 else ""))
-    if args.zero and topo.dp == 1:
-        lines.append(f"note: --zero {args.zero} over 1 data rank shards nothing (the shard is the whole model); "
-                     "running anyway")
-    if args.zero and args.dp_shard == 1 and args.cp == 1 and topo.dp > 1:  # with cp a group shards over its cp ranks
-        lines.append(f"note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of "
-                     f"ZeRO-{args.zero}'s states; running anyway")
-    fp16 = args.precision == "fp16" and world > 1  # ReplicaCheck compares the loss scaler over the world too
-    scaler, also = ("; FP16's loss scaler is compared over all ranks", " and FP16's loss scaler") if fp16 else ("", "")
-    if args.check_replicas and not has_replicas(topo.dp, args.dp_shard * args.cp, args.zero):  # off by default
-        why = ("1 data rank" if topo.dp == 1 else "plain ZeRO-3 (each shard is held once: it compares only the "
-               "gathered parameters, equal by construction)")
-        lines.append(f"note: --check-replicas {args.check_replicas} with {why} has no replica to compare{scaler}; "
-                     "running anyway")
-    elif args.check_replicas and state_group(s.opt, topo.dp_comm) is None:  # plain ZeRO 1-2
-        lines.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters{also} "
-                     "only: each optimizer shard is held once")
-    return lines
+        lines.append(moe_line(args, cfg, topo.dp, moe))
+    return lines + note_lines(args, topo, s.opt, world)
 
 
 class Header(Callback):

@@ -188,7 +188,10 @@ def test_a_drifted_optimizer_state_is_caught_under_plain_data_parallelism(monkey
 
 def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares_no_state():
 
-    from minizero.debug.replicas import raise_on_any, state_group
+    from minizero.debug.replicas import raise_on_any
+    from minizero.nn import GPT, get_config
+    from minizero.optim import AdamW
+    from minizero.zero import zero_optimizer
 
     def fn(comm):
         try:
@@ -199,12 +202,12 @@ def test_every_rank_raises_the_first_failing_ranks_error_and_plain_zero_compares
     assert run_in_threads(4, fn, timeout=10) == ["rank 2 saw it"] * 4
     assert run_in_threads(2, lambda comm: raise_on_any(comm, None)) == [None, None]
     data = object()
-    assert state_group(SimpleNamespace(replicas=None, shards_state=True), data) is None  # plain ZeRO: held once
-    assert state_group(SimpleNamespace(shards_state=False), data) is data  # plain data parallelism: every rank
+    plain_zero = run_in_threads(1, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, 1).state_replicas(comm))
+    assert plain_zero == [None]  # plain ZeRO: each shard held once
+    assert AdamW([]).state_replicas(data) is data  # plain data parallelism: every data rank
 
 
 def _expert_state_groups(comm, shard):
-    from minizero.debug.replicas import state_group
     from minizero.nn import GPT, get_config
     from minizero.parallel.expert_parallel import ExpertZero, MoEConfig, expert_groups, use_moe
     from minizero.zero.hybrid import hybrid_groups
@@ -212,7 +215,7 @@ def _expert_state_groups(comm, shard):
     ep_comm, edp_comm = expert_groups(comm, 2)
     use_moe(model, MoEConfig(4, top_k=2), 0, ep_comm)
     shard_comm, replicas = hybrid_groups(comm, shard)
-    group = state_group(ExpertZero(model, shard_comm, edp_comm, 2, 1, replicas=replicas), comm)
+    group = ExpertZero(model, shard_comm, edp_comm, 2, 1, replicas=replicas).state_replicas(comm)
     return None if group is None else group.world_size
 
 

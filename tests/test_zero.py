@@ -292,6 +292,7 @@ def test_shard_map_covers_every_element_once(model_name, n):
         assert sm.shard_numel(rank) == sm.padded // n
         for pc in sm.pieces(rank):
             seen.setdefault(pc.param, []).append((pc.lo, pc.hi))
+            assert pc.shard_slice == slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
     for u in sm.units:
         for name, shape in zip(u.param_names, u.shapes):
             ranges = sorted(seen[name])

@@ -274,6 +274,7 @@ def test_header_names_the_shard_and_replica_groups():
     out = " ".join(run_in_threads(D, _train_logged, argv)[0].split())
     assert "sharded over groups of 2 consecutive data rank(s), replicated across the 2 groups" in out
     assert run_techniques(parse_args(argv, D)).endswith("ZeRO-2 hybrid (shard 2 x replicate 2), fp32")
+    assert parse_args(argv, D).hybrid_sharding() and not parse_args(argv[:-2], D).hybrid_sharding()
     cp = " ".join(run_in_threads(D, _train_logged, argv[:-2] + ["--cp", "2", "--dp-shard", "1"])[0].split())
     assert "groups of 1 consecutive data rank(s) x their cp 2 = 2 ranks, replicated across the 2 groups" in cp
     assert run_techniques(parse_args(argv[:-2] + ["--cp", "2", "--dp-shard", "1"], D)).endswith(

@@ -131,20 +131,12 @@ def has_replicas(data_ranks: int, shard_ranks: int, zero: int) -> bool:
     return data_ranks > 1 and (zero < 3 or shard_ranks < data_ranks)
 
 
-def state_group(opt, data_comm):
-    """The group whose ranks must hold this rank's optimizer state bitwise equal: the data group, ZeRO's
-    replica group (hybrid sharding), or None (plain ZeRO: every shard is held once)."""
-    if hasattr(opt, "replicas"):  # ZeRO (zero/base.py; ExpertZero: both parts' replicas are the dense part's)
-        return opt.replicas
-    return data_comm  # DataParallel's optimizers: every data rank
-
-
 class ReplicaCheck(Callback):
     """The loop's ``--check-replicas``: :func:`find_mismatch` over the data group after every ``every``-th step,
     after each checkpoint's step (``save_every``, checked before the save) and after the last, on the full
     parameters (ZeRO-3 gathers them: its shards are not replicated, so there the check covers the gather), then
-    on the optimizer state over :func:`state_group`; :func:`raise_on_any` over the world; FP16's loss scaler over
-    the world.
+    on the optimizer state over the optimizer's ``state_replicas``; :func:`raise_on_any` over the world; FP16's
+    loss scaler over the world.
 
     Args:
         every: steps between checks (>= 1), or None for checkpoints and the end only.
@@ -159,36 +151,59 @@ class ReplicaCheck(Callback):
         self.every, self.save_every, self.checked = every, save_every, None
 
     def _check(self, run, step: int) -> None:
-        s, data, edp = run.strategy, run.strategy.topo.dp_comm, run.strategy.edp_comm
-        members = next(g for g in s.topo.all_groups("dp") if s.topo.world.rank in g)
-        named = list(s.stage.named_parameters())
-        split = [(data, members, lambda p: not is_expert(p), DATA_REPLICAS)]
-        if edp is not None:  # --ep: a rank's experts are held by its expert-data group only, ep data ranks apart
-            ep = data.world_size // edp.world_size
-            split.append((edp, members[data.rank % ep::ep], is_expert, EXPERT_REPLICAS))
-        with s.full_parameters():
-            for comm, who, keep, among in split:
-                error = find_mismatch(comm, [(n, p.data) for n, p in named if keep(p)], step + 1, who, among=among)
-                if error is not None:
-                    break
-        if edp is not None:  # expert-data groups' verdicts differ inside a data group: agree before the next checks
-            raise_on_any(s.topo.world, error)
-        group, names = state_group(s.opt, data), {id(p): n for n, p in named}
-        if error is None and group is not None and group is not data:  # hybrid ZeRO: every part over its replicas
-            same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
-            error = find_mismatch(group, optimizer_state(s.opt, names), step + 1, [members[k] for k in same],
-                                  "optimizer state", SHARD_REPLICAS, locate=True)
-        for comm, who, keep, among in split if error is None and group is data else ():  # DP: as the parameters
-            error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step + 1, who, "optimizer state", among,
-                                  locate=True)
-            if error is not None:
-                break
-        if data.world_size > 1:  # every data group's size: else no replicas, nothing sent
-            raise_on_any(s.topo.world, error)
+        s, world = run.strategy, run.strategy.topo.world
+        groups = self._replica_groups(s)
+        error = self._parameter_mismatch(s, groups, step + 1)
+        if s.edp_comm is not None:  # expert-data groups' verdicts differ inside a data group: agree before the state
+            raise_on_any(world, error)
+        if error is None:
+            error = self._state_mismatch(s, groups, step + 1)
+        if s.topo.dp_comm.world_size > 1:  # every data group's size: else no replicas, nothing sent
+            raise_on_any(world, error)
         if run.scaler is not None:  # FP16: one loss scale for the whole job, held by every rank
             state = [(k, np.array([v], np.float64)) for k, v in run.scaler.state_dict().items()]
-            check_replicas(s.topo.world, state, step + 1, what="loss scaler", among="all ranks")
+            check_replicas(world, state, step + 1, what="loss scaler", among="all ranks")
         self.checked = step
+
+    @staticmethod
+    def _replica_groups(s) -> list:
+        """``[(comm, its world ranks, keep(param), among)]``: the data group holds the dense parameters equal; with
+        ``--ep`` a rank's experts are held by its expert-data group only (ep data ranks apart)."""
+        data, edp = s.topo.dp_comm, s.edp_comm
+        members = next(g for g in s.topo.all_groups("dp") if s.topo.world.rank in g)
+        groups = [(data, members, lambda p: not is_expert(p), DATA_REPLICAS)]
+        if edp is not None:
+            ep = data.world_size // edp.world_size
+            groups.append((edp, members[data.rank % ep::ep], is_expert, EXPERT_REPLICAS))
+        return groups
+
+    @staticmethod
+    def _parameter_mismatch(s, groups, step: int) -> str | None:  # the full parameters (ZeRO-3 gathers them)
+        named = list(s.stage.named_parameters())
+        with s.full_parameters():
+            for comm, who, keep, among in groups:
+                error = find_mismatch(comm, [(n, p.data) for n, p in named if keep(p)], step, who, among=among)
+                if error is not None:
+                    return error
+        return None
+
+    @staticmethod
+    def _state_mismatch(s, groups, step: int) -> str | None:  # over opt.state_replicas: hybrid ZeRO's, DP's groups
+        data, group = s.topo.dp_comm, s.opt.state_replicas(s.topo.dp_comm)
+        names = {id(p): n for n, p in s.stage.named_parameters()}
+        if group is None:  # plain ZeRO: every optimizer shard is held once
+            return None
+        if group is not data:  # hybrid ZeRO: every part (ExpertZero's too) over the dense part's replica group
+            same = replica_members(data.world_size, data.world_size // group.world_size, data.rank)
+            data_members = groups[0][1]  # the data group's world ranks (_replica_groups)
+            return find_mismatch(group, optimizer_state(s.opt, names), step, [data_members[k] for k in same],
+                                 "optimizer state", SHARD_REPLICAS, locate=True)
+        for comm, who, keep, among in groups:  # DP: over the parameters' groups
+            error = find_mismatch(comm, optimizer_state(s.opt, names, keep), step, who, "optimizer state", among,
+                                  locate=True)
+            if error is not None:
+                return error
+        return None
 
     def on_step_end(self, run, step, record):
         if any(n and (step + 1) % n == 0 for n in (self.every, self.save_every)):

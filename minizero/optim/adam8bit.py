@@ -238,7 +238,7 @@ class ShardedAdam8bit:
         shared = self.shared[unit]
         pending = []
         for pc, (m, v) in zip(self.pieces[unit], self.state[unit]):
-            sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+            sl = pc.shard_slice
             wd = weight_decay if pc.ndim >= 2 else 0.0
             if not isinstance(m, QuantizedState):
                 adamw_update(param_shard[sl], grad_shard[sl], m, v, step, lr, beta1, beta2, eps, wd, grad_scale)

@@ -51,6 +51,9 @@ class Optimizer:
     #: whether each data rank holds only its own part of the state (ZeRO); here every rank holds all
     shards_state = False
 
+    def state_replicas(self, data_comm):  # the ranks holding this state bitwise equal: every data rank
+        return data_comm
+
     def views(self, which: str):
         """``(param, lo, hi, array)`` for what this rank holds of ``which`` ("param", "grad", "master"):
         here the whole arrays (lo = 0, hi = param.size, ``array`` in the parameter's shape)."""

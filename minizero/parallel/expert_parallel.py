@@ -149,7 +149,9 @@ class ExpertDataParallel:
     def reduce_gradients(self) -> None:
         self.dense.allreduce_gradients()
         self.experts.allreduce_gradients()
-        for p in () if self.predivided else self.experts.params:
+        if self.predivided:
+            return
+        for p in self.experts.params:  # the sum over D/ep ranks -> the mean over D
             if p.grad is not None:
                 p.grad *= 1.0 / self.ep
 
@@ -175,11 +177,11 @@ class ExpertDataParallel:
 
 
 class ExpertZero:
-    """ZeRO with experts (a ZeRO stage's interfaces): ``dense``, a ZeRO optimizer of the non-expert parameters over
-    ``dp_comm`` (D ranks, or hybrid sharding's N-rank shard group with ``replicas``, zero/hybrid.py); ``experts``, one
-    of this rank's E/ep experts over its D/ep (hybrid: N/ep, N a multiple of ep) holders in ``edp_comm``, a unit per
-    MoE layer, its mean times 1/ep (``predivided``, FP16: both sum). ``kw``: ZeroOptimizer's. Source: Rajbhandari
-    et al., DeepSpeed-MoE (ICML 2022), section 5."""
+    """ZeRO with experts (a ZeRO stage's interfaces) as two ZeRO optimizers of one stage. ``dense``: the non-expert
+    parameters over ``dp_comm`` (D ranks, or hybrid sharding's N-rank shard group with ``replicas``, zero/hybrid.py).
+    ``experts``: this rank's E/ep experts, a unit per MoE layer, over the D/ep ranks of ``edp_comm`` that hold them
+    (hybrid: N/ep, N a multiple of ep); their mean times 1/ep, so both are means over D (``predivided``, FP16: both
+    sums). ``kw``: ZeroOptimizer's. Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5."""
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, replicas=None,
                  **kw):
@@ -189,14 +191,19 @@ class ExpertZero:
         shard, expert_replicas = hybrid_groups(edp_comm, dp_comm.world_size // ep, ("edp_shard", "edp_replicate"))
         self.experts = zero_optimizer(ModuleDict(layers), shard, zero_stage, predivided=predivided,
                                       replicas=expert_replicas, include=is_expert, **kw)
-        self.scale = 1.0 if predivided else 1.0 / ep
+        self.expert_grad_factor = 1.0 if predivided else 1.0 / ep  # the experts' sum over D/ep ranks -> mean over D
         self.parts = (self.dense, self.experts)
 
     @property
     def shards_state(self) -> bool:  # the first shard group writes (both parts' replica rank 0 are its ranks)
         return self.dense.shards_state
 
-    replicas = property(lambda self: self.dense.replicas)  #: both parts' replica group: data ranks d + k N
+    @property
+    def replicas(self):  # both parts' replica group: data ranks d + k N
+        return self.dense.replicas
+
+    def state_replicas(self, data_comm):  # both parts' (ZeroOptimizer.state_replicas)
+        return self.dense.state_replicas(data_comm)
 
     @property
     def step_count(self) -> int:
@@ -206,13 +213,15 @@ class ExpertZero:
     def step_count(self, n: int) -> None:  # a resumed checkpoint's applied steps (Adam's t), both parts
         self.dense.step_count = self.experts.step_count = n
 
-    shard_map = property(lambda self: self.dense.shard_map)  #: the dense map (--show-shards)
+    @property
+    def shard_map(self):  # the dense part's (--show-shards)
+        return self.dense.shard_map
 
     def reduce_gradients(self) -> None:
         for part in self.parts:
             part.reduce_gradients()
         for g in self.experts.grad_shards():
-            g *= g.dtype.type(self.scale)
+            g *= g.dtype.type(self.expert_grad_factor)
 
     def local_grads(self) -> list:
         return self.dense.local_grads() + self.experts.local_grads()
@@ -254,8 +263,13 @@ class ExpertZero:
             yield from part.state_views(save)
 
 
+def _all_experts(mine, ep_comm):
+    """Collective over ``ep_comm``: this rank's (E/ep, ...) expert slice ``mine`` -> (E, ...), rank order."""
+    return all_gather(ep_comm, backend.xp.ascontiguousarray(mine).reshape(-1)).reshape((-1,) + mine.shape[1:])
+
+
 def gather_experts(model, whole, ep_comm):
-    """Collective over ``ep_comm``: ``whole`` (the same GPT with ep-1 MoE layers) filled from ``model``.
+    """Collective over ``ep_comm``: ``whole`` (the same GPT with ep = 1 MoE layers) filled from ``model``.
 
     Expert slices (E/ep, ...) are all-gathered in rank order (label ``all_gather``); the rest, and each
     layer's bias, copied. Returns ``whole``.
@@ -264,7 +278,7 @@ def gather_experts(model, whole, ep_comm):
     for name, p in whole.named_parameters():
         q = mine[name]
         if is_expert(q):
-            p.data[...] = all_gather(ep_comm, backend.xp.ascontiguousarray(q.data).reshape(-1)).reshape(p.shape)
+            p.data[...] = _all_experts(q.data, ep_comm)
         else:
             p.data[...] = q.data
     biases = {n: m.bias for n, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -277,11 +291,11 @@ def gather_experts(model, whole, ep_comm):
 @contextlib.contextmanager
 def whole_experts(module, ep_comm):
     """Collective over ``ep_comm``: inside, every expert parameter of ``module`` holds all E experts
-    (all-gathered in rank order, label ``all_gather``); its own slice again on exit. None: nothing to do."""
+    (all-gathered in rank order, label ``all_gather``); its own slice again on exit. ``ep_comm`` None: nothing to do."""
     params = [p for p in module.parameters() if is_expert(p)] if ep_comm is not None else []
     mine = [p.data for p in params]
     for p, w in zip(params, mine):
-        p.data = all_gather(ep_comm, backend.xp.ascontiguousarray(w).reshape(-1)).reshape((-1,) + w.shape[1:])
+        p.data = _all_experts(w, ep_comm)
     try:
         yield
     finally:

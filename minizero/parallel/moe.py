@@ -126,7 +126,7 @@ class MoELayer(Module):
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0")
         self.comm, self.num_experts, self.top_k, self.capacity_factor = comm, num_experts, top_k, capacity_factor
-        self.local = num_experts // ep
+        self.ep, self.local = ep, num_experts // ep
         first = (0 if comm is None else comm.rank) * self.local
         rng = np.random.default_rng(seed)
         xp = backend.xp
@@ -145,7 +145,21 @@ class MoELayer(Module):
         return math.ceil(self.capacity_factor * t * self.top_k / self.num_experts)
 
     def forward(self, x):
-        t, e, ep = x.shape[0], self.num_experts, 1 if self.comm is None else self.comm.world_size
+        t = x.shape[0]
+        probs = self._probabilities(x)
+        token, expert = self._choose(probs, t)
+        rows = x[backend.xp.asarray(token)]
+        gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
+        if gates.dtype != x.dtype:  # float16 activations: the combine in float16
+            gates = _ToDtype.apply(gates, x.dtype)
+        rows, got_counts = self._dispatch(rows, np.bincount(expert, minlength=self.num_experts))
+        y = self._experts(rows, got_counts)
+        if self.ep > 1:  # combine: the dispatch's inverse exchange
+            y = _AllToAllV.apply(y, self.comm, got_counts.sum(axis=1))
+        return _ScatterAdd.apply(y * gates.reshape(-1, 1), backend.xp.asarray(token), t)
+
+    def _probabilities(self, x):
+        """(T, E) softmax of the router's logits, in >= float32; sets ``z_loss``."""
         logits = self.router_matmul(x, self.router)
         wide = np.promote_types(logits.dtype, np.float32)  # routing and losses in >= float32
         if logits.dtype != wide:
@@ -155,8 +169,14 @@ class MoELayer(Module):
         probs = ez / ez.sum(axis=1, keepdims=True)
         lse = ez.sum(axis=1).log() + m.reshape(-1)  # logsumexp(logits), (T,)
         self.z_loss = (lse * lse).mean()
-        p = backend.to_host(probs.data)
+        return probs
+
+    def _choose(self, probs, t: int):
+        """The kept choices ``(token, expert)`` (host int arrays) grouped by expert, priority order within; sets
+        ``expert_counts``, ``dropped``, ``load`` (grad enabled) and ``aux_loss``."""
+        e = self.num_experts
         cap = self.capacity(t) if self.training else t  # eval mode drops nothing: no group dependence
+        p = backend.to_host(probs.data)
         token, expert, kept = route(p, self.top_k, cap, self.bias if self.bias.any() else None)
         self.expert_counts = np.bincount(expert, minlength=e)
         self.dropped = int((~kept).sum())
@@ -164,22 +184,17 @@ class MoELayer(Module):
             self.load += np.append(self.expert_counts, self.dropped)
         f = self.expert_counts / (t * self.top_k)
         self.aux_loss = (probs.mean(axis=0) * backend.xp.asarray(f * e, dtype=probs.dtype)).sum()
-        order = np.argsort(expert[kept], kind="stable")  # kept choices grouped by expert, priority order within
-        token, expert = token[kept][order], expert[kept][order]
-        rows = x[backend.xp.asarray(token)]
-        gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
-        if gates.dtype != x.dtype:  # float16 activations: the combine in float16
-            gates = _ToDtype.apply(gates, x.dtype)
-        per_expert = np.bincount(expert, minlength=e)  # kept rows per expert, this rank
-        if ep > 1:  # (ep, local) count matrix: what each owner receives from each rank, per local expert
-            got_counts = all_to_all(self.comm, per_expert.reshape(ep, self.local).astype(np.int64))
-            rows = _AllToAllV.apply(rows, self.comm, per_expert.reshape(ep, self.local).sum(axis=1))
-        else:
-            got_counts = per_expert.reshape(1, e)
-        y = self._experts(rows, got_counts)
-        if ep > 1:
-            y = _AllToAllV.apply(y, self.comm, got_counts.sum(axis=1))
-        return _ScatterAdd.apply(y * gates.reshape(-1, 1), backend.xp.asarray(token), t)
+        order = np.argsort(expert[kept], kind="stable")
+        return token[kept][order], expert[kept][order]
+
+    def _dispatch(self, rows, per_expert):
+        """Collective over ``comm`` (ep > 1): ``rows`` grouped by expert, ``per_expert`` (E,) of them, to the
+        experts' owners. Returns the rows this rank's experts got and the (ep, local) count matrix of their blocks."""
+        if self.ep == 1:
+            return rows, per_expert.reshape(1, self.num_experts)
+        by_rank = per_expert.reshape(self.ep, self.local)
+        got_counts = all_to_all(self.comm, by_rank.astype(np.int64))  # [i, j]: rows rank i sends local expert j
+        return _AllToAllV.apply(rows, self.comm, by_rank.sum(axis=1)), got_counts
 
     def take_load(self) -> np.ndarray:
         """(E + 1,) int64: choices per expert, then dropped choices, since the last call; resets them."""

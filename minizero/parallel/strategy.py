@@ -278,7 +278,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     predivided = fp16 and topo.dp > 1  # the backward seed carries 1/dp (Strategy.seed_divisor): reduce by a sum
     if args.zero:
         # --dp-shard N < dp: ZeRO's group is N data ranks, the gradients summed across the replicas too (zero/hybrid.py)
-        hybrid = args.dp_shard is not None and args.dp_shard < args.dp  # data group dp x cp: N x cp ranks a group
+        hybrid = args.hybrid_sharding()  # data group dp x cp: N x cp ranks a group
         shard_comm, replicas = hybrid_groups(topo.dp_comm, args.dp_shard * args.cp if hybrid else topo.dp)
 
         def adam8bit_state(shard_map):  # with --optimizer adam8bit the 8-bit state is what gets sharded

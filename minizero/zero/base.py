@@ -178,15 +178,21 @@ class ZeroOptimizer:
     def grad_norm(self, grad_scale: float = 1.0) -> float:
         """Collective: global L2 norm of ``gradient * grad_scale`` (float). Each rank sums g^2 over its owned
         pieces (padding excluded) in float64; one all-reduce of that scalar (``grad_norm``)."""
-        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device; one transfer for the norm
-        for st in self.units:
-            for pc in st.pieces:
-                g = backend.to_dtype(st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo], np.float64)
-                local += (g * g).sum()
+        local = self._owned_grad_sq(self.units, keep=lambda p: True)
         self.collectives.agree(None, "grad_norm")
         with self.collectives.count("grad_norm"):
             total = math.sqrt(float(backend.to_host(all_reduce(self.comm, local))[0]))
         return total * grad_scale
+
+    def _owned_grad_sq(self, units, keep):
+        """(1,) float64 on the device: sum of g^2 over the owned pieces of ``units``' parameters ``keep(p)`` takes."""
+        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
+        for st in units:
+            for pc in st.pieces:
+                if keep(self._param_of[pc.param]):
+                    g = backend.to_dtype(st.grad_shard[pc.shard_slice], np.float64)
+                    local += (g * g).sum()
+        return local
 
     def clip_grad_norm_(self, max_norm: float, norm_sq: float | None = None) -> float:
         """Global-norm clipping over the shards (``torch.nn.utils.clip_grad_norm_``'s coefficient
@@ -207,29 +213,38 @@ class ZeroOptimizer:
         """AdamW on the owned shard, one ``adamw_update`` per parameter piece (padding is in none), then
         the stage's :meth:`_publish_params`. ``grad_scale`` multiplies the gradient (1/loss-scale)."""
         self.step_count += 1
-        b1, b2 = self.betas
         for st in self.units:
-            if self.sharded_state is not None:  # another optimizer's update of the whole owned shard
-                target = st.param_shard if st.master is None else st.master
-                with self.collectives.count("optimizer_sync"):
-                    self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
-                                                 self.eps, self.weight_decay, grad_scale)
-                if st.master is not None:
-                    st.param_shard[...] = backend.to_dtype(target, st.param_shard.dtype)
-                continue
-            # offloaded state: the update runs where the state lives, on host copies (same arrays on NumPy)
-            grad = self.store.to_store(st.grad_shard)
-            params = self.store.to_store(st.param_shard) if st.master is None else st.master
-            for pc in st.pieces:
-                if pc.param not in self._with_grad:  # no gradient this step: left as it is
-                    continue
-                sl = slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
-                wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
-                adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count,
-                             self.lr, b1, b2, self.eps, wd, grad_scale)
-            if params is not st.param_shard:  # masters or a host copy: round/copy back to the device shard
-                st.param_shard[...] = backend.to_device(backend.to_dtype(params, st.param_shard.dtype))
+            if self.sharded_state is not None:
+                self._step_sharded_state(st, grad_scale)
+            else:
+                self._step_adamw(st, grad_scale)
         self._publish_params("all_gather_params")
+
+    def _step_sharded_state(self, st, grad_scale: float) -> None:
+        """Another optimizer's update (8-bit Adam) of ``st``'s whole owned shard (or its master), then the shard."""
+        b1, b2 = self.betas
+        target = st.param_shard if st.master is None else st.master
+        with self.collectives.count("optimizer_sync"):
+            self.sharded_state.step_unit(st.index, target, st.grad_shard, self.step_count, self.lr, b1, b2,
+                                         self.eps, self.weight_decay, grad_scale)
+        if st.master is not None:
+            st.param_shard[...] = backend.to_dtype(target, st.param_shard.dtype)
+
+    def _step_adamw(self, st, grad_scale: float) -> None:
+        """AdamW on each owned piece of ``st`` that got a gradient, where the state lives (offload: host copies,
+        the same arrays on NumPy), then the device shard rounded/copied from masters or the host copy."""
+        b1, b2 = self.betas
+        grad = self.store.to_store(st.grad_shard)
+        params = self.store.to_store(st.param_shard) if st.master is None else st.master
+        for pc in st.pieces:
+            if pc.param not in self._with_grad:  # no gradient this step: left as it is
+                continue
+            sl = pc.shard_slice
+            wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
+            adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count, self.lr, b1, b2, self.eps, wd,
+                         grad_scale)
+        if params is not st.param_shard:
+            st.param_shard[...] = backend.to_device(backend.to_dtype(params, st.param_shard.dtype))
 
     def _publish_params(self, phase: str) -> None:
         """Make the updated owned shards what every rank computes with (``phase``: setup or all_gather_params)."""
@@ -262,12 +277,7 @@ class ZeroOptimizer:
         the squared global norm (float64) of the owned pieces of the parameters ``counts(p)`` accepts,
         padding excluded; under hybrid sharding only the first shard group's ranks add theirs (the replicas hold the
         same shards: :func:`~minizero.zero.hybrid.counts_once`). Traffic label ``grad_norm``: one float64."""
-        local = backend.xp.zeros(1, dtype=np.float64)  # summed on the device: one transfer a step
-        for st in self.units if counts_once(self.replicas) else ():
-            for pc in st.pieces:
-                if counts(self._param_of[pc.param]):
-                    g = backend.to_dtype(st.grad_shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo], np.float64)
-                    local += (g * g).sum()
+        local = self._owned_grad_sq(self.units if counts_once(self.replicas) else (), keep=counts)
         with world.traffic.op("grad_norm"):
             return float(backend.to_host(all_reduce(world, local))[0])
 
@@ -289,13 +299,18 @@ class ZeroOptimizer:
         ZeRO, the first shard group's under hybrid sharding (the other groups hold copies)."""
         return counts_once(self.replicas)
 
+    def state_replicas(self, data_comm):
+        """The ranks holding this rank's m, v and masters bitwise equal: the replica group under hybrid sharding, None
+        under plain ZeRO (each shard is held once); ``data_comm`` unused (as :class:`~minizero.optim.Optimizer`'s)."""
+        return self.replicas
+
     def views(self, which: str):
         """``(param, lo, hi, array)``: the owned piece ``[lo, hi)`` (flat elements) of each parameter's
         ``which`` ("param", "grad", "master"); ``array`` a (hi - lo,) view into the shard."""
         for st in self.units:
             shard = {"param": st.param_shard, "grad": st.grad_shard, "master": st.master}[which]
             for pc in st.pieces if shard is not None else ():
-                yield self._param_of[pc.param], pc.lo, pc.hi, shard[pc.shard_lo:pc.shard_lo + pc.hi - pc.lo]
+                yield self._param_of[pc.param], pc.lo, pc.hi, shard[pc.shard_slice]
 
     def state_views(self, save: bool = True):
         """``(kind, param, lo, hi, array)`` a checkpoint writes (``save``) or reads on this rank: the owned
@@ -305,7 +320,7 @@ class ZeroOptimizer:
         yield from (("param", p, 0, int(p.size), p.data) for p in whole)
         for st in self.units:
             for j, pc in enumerate(st.pieces):
-                p, sl = self._param_of[pc.param], slice(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+                p, sl = self._param_of[pc.param], pc.shard_slice
                 if not whole:  # saved as owned pieces; read so too where the stage holds only those
                     yield "param", p, pc.lo, pc.hi, st.param_shard[sl]
                 m, v = (st.m[sl], st.v[sl]) if self.sharded_state is None else self.sharded_state.state[st.index][j]

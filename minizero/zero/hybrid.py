@@ -28,11 +28,11 @@ def hybrid_groups(comm, shard: int, names=("dp_shard", "dp_replicate")):
     if shard == d:
         return comm, None
     groups = comm.split(color=r // shard, key=r), comm.split(color=r % shard, key=r)
+    members = range(r - r % shard, r - r % shard + shard), replica_members(d, shard, r)  # data ranks of each
     recorder = comm.traffic.active_recorder()  # the flight recorder's names (and --debug-collectives' check)
     if recorder is not None:
-        for name, group, members in zip(names, groups,
-                                        (range(r - r % shard, r - r % shard + shard), replica_members(d, shard, r))):
-            recorder.name_group(group, name, [comm.world_rank(k) for k in members])
+        for name, group, ranks in zip(names, groups, members):
+            recorder.name_group(group, name, [comm.world_rank(k) for k in ranks])
     return groups
 
 

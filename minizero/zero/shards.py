@@ -71,6 +71,10 @@ class Piece:
     hi: int
     shard_lo: int
 
+    @property
+    def shard_slice(self) -> slice:  # where the piece sits in its owner's flat shard
+        return slice(self.shard_lo, self.shard_lo + self.hi - self.lo)
+
 
 class ShardMap:
     """Which rank owns which elements of which parameter (llm.c's ``offset, size``, per unit; :meth:`from_model`)."""
