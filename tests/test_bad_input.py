@@ -433,7 +433,8 @@ def test_a_manifest_naming_what_its_files_lack_is_one_line_per_rank(saved, tmp_p
     (folder / "manifest.json").write_text(json.dumps(man))
     proc, elapsed = _train([*TINY, "--steps", "4", "--no-save", "--resume", str(folder)], mpiexec, 2)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "array 'no-such-tensor': no such array, the manifest says F32" in proc.stderr and elapsed < 60
+    said = " ".join(proc.stderr.split())  # train wraps its refusals at 120 columns; the cut moves with the path
+    assert "array 'no-such-tensor': no such array, the manifest says F32" in said and elapsed < 60, proc.stderr
 
 
 @pytest.mark.timeout(120)
