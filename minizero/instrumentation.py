@@ -150,6 +150,14 @@ class ExpertLoadCallback(Callback):
         run.result.moe = run.strategy.expert_load.summary()
 
 
+def replica_check(args) -> ReplicaCheck | None:
+    """The replica check the flags ask for: ``--check-replicas N``, else by default wherever a replica exists."""
+    replicated = has_replicas(args.dp * args.cp, args.dp_shard * args.cp, args.zero)  # not plain ZeRO-3, not 1 rank
+    if args.check_replicas or (args.check_replicas is None and replicated):
+        return ReplicaCheck(args.check_replicas or None, args.save_every)
+    return None
+
+
 def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
@@ -162,9 +170,7 @@ def default_callbacks(run) -> list[Callback]:
     callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]
     if args.trace:
         callbacks.append(TraceCallback(args.trace))
-    replicated = has_replicas(args.dp * args.cp, args.dp_shard * args.cp, args.zero)  # not plain ZeRO-3, not 1 rank
-    if args.check_replicas or (args.check_replicas is None and replicated):
-        callbacks.append(ReplicaCheck(args.check_replicas or None, args.save_every))
+    callbacks += [c for c in (replica_check(args),) if c is not None]
     if run.strategy.expert_load is not None:
         callbacks.append(ExpertLoadCallback())
     return callbacks + [ProgressCallback(args.batch_size * run.cfg.block_size, every), SaveCheckpoints(resume)]

@@ -96,12 +96,11 @@ def test_by_default_each_checkpoint_is_checked_before_it_is_saved(monkeypatch, t
 
 def test_the_default_is_on_wherever_some_ranks_parameters_have_a_replica():
     """Before: off with --ep and under hybrid ZeRO-3, whose dense parameters / shards are replicated too."""
-    from minizero.debug.replicas import has_replicas
+    from minizero.instrumentation import replica_check
     from minizero.train import parse_args
 
-    def default(flags, world):
-        args = parse_args(flags, world)
-        return has_replicas(args.dp * args.cp, args.dp_shard * args.cp, args.zero)
+    def default(flags, world):  # what the main job's callbacks get (default_callbacks)
+        return isinstance(replica_check(parse_args(flags, world)), ReplicaCheck)
 
     assert parse_args([]).check_replicas is None
     assert parse_args(["--moe-experts", "4", "--ep", "2", "--check-replicas", "3"], 8).check_replicas == 3
@@ -367,4 +366,6 @@ def test_a_rank_whose_fp16_loss_scale_differs_is_named():
     assert run_in_threads(2, _scale_error, False, timeout=100) == [None, None]
     got = run_in_threads(2, _scale_error, True, timeout=100)
     assert len(set(got)) == 1 and got[0] is not None, got
-    assert got[0].startswith("after step 2: loss scaler 'scale' (1,) differs across all ranks [0, 1]: "), got[0]
+    assert got[0].startswith("after step 2: loss scaler 'scale' differs across all ranks [0, 1]: "), got[0]
+    held = re.search(r"rank\(s\) \[0\] hold ([0-9.]+) but rank\(s\) \[1\] hold ([0-9.]+) ", got[0])
+    assert held and float(held[2]) == 2 * float(held[1]), got[0]  # before: two digests, and the shape (1,)

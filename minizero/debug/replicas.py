@@ -58,7 +58,8 @@ def find_mismatch(comm, named_arrays, step: int, members=None, what: str = "para
                   among: str = DATA_REPLICAS, locate: bool = False) -> str | None:
     """The message naming the first array of ``named_arrays`` whose digests differ across ``comm``, or None.
     Collective over ``comm``: one all-gather of ``len(named_arrays)`` int64 digests per rank (``replica_check``);
-    ``locate``: on a mismatch, one of that array's bytes too. ``members``: ``comm``'s world ranks, for the message.
+    ``locate``: on a mismatch, one of that array's bytes too; a one-element array's values instead of digests (one
+    more all-gather). ``members``: ``comm``'s world ranks, for the message.
     """
     names = [name for name, _ in named_arrays]
     if comm.world_size == 1 or not names:
@@ -66,16 +67,20 @@ def find_mismatch(comm, named_arrays, step: int, members=None, what: str = "para
     every = _gather(comm, np.array([digest(a) for _, a in named_arrays], dtype=np.int64))
     who = list(members) if members is not None else list(range(comm.world_size))
     for j, name in enumerate(names):
-        column = every[:, j]
+        column, array = every[:, j], named_arrays[j][1]
         if (column != column[0]).any():
+            one = array.size == 1  # a number (the loss scale, the step): its values say more than its digests
+            values = _gather(comm, np.ascontiguousarray(backend.to_host(array)).reshape(1))[:, 0] if one else None
             sides: dict[int, list[int]] = {}
             for r, d in enumerate(column):
-                sides.setdefault(int(d), []).append(who[r])
-            told = " but ".join(f"rank(s) {ranks} hold digest {d & 0xFFFFFFFFFFFFFFFF:016x}"
-                                for d, ranks in sorted(sides.items(), key=lambda kv: -len(kv[1])))
-            where = _first_difference(comm, named_arrays[j][1]) if locate else ""
-            return (f"after step {step}: {what} {name!r} {tuple(named_arrays[j][1].shape)} differs across {among} "
-                    f"{who}: {told}{where} (--check-replicas)")
+                sides.setdefault(int(d), []).append(r)
+            told = " but ".join(f"rank(s) {[who[r] for r in rs]} hold "
+                                + (f"{values[rs[0]].item()}" if one else f"digest {d & 0xFFFFFFFFFFFFFFFF:016x}")
+                                for d, rs in sorted(sides.items(), key=lambda kv: -len(kv[1])))
+            where = _first_difference(comm, array) if locate and not one else ""
+            shape = "" if one else f" {tuple(array.shape)}"
+            return (f"after step {step}: {what} {name!r}{shape} differs across {among} {who}: {told}{where} "
+                    "(--check-replicas)")
     return None
 
 
