@@ -1,4 +1,5 @@
-"""8-bit Adam, quantization, offload and quantized communication under the strict array module.
+"""8-bit Adam, quantization, offload, quantized communication, the replica check and its faults, checkpoints
+(saved, resharded, resumed), anomaly detection and data-parallel fine-tuning under the strict array module.
 
 ``backend.set_backend("strict")`` makes ``backend.xp`` :mod:`minizero.strict`: NumPy underneath,
 but its arrays raise on every implicit host transfer (``np.asarray``, ``float`` of a vector,
@@ -337,3 +338,146 @@ def test_quantize_cli_strict_equals_cpu(tmp_path):
         out[device] = json.load(open(tmp_path / f"{device}.json"))
     assert out["cpu"]["rows"] and out["cpu"]["calibration"]["columns_at_threshold"] > 0
     assert out["strict"] == out["cpu"]
+
+
+# --------------------------------------------------------------------------- replica check, faults, checkpoints
+def _error_of(device, world, flags):
+    """The message (without its ``[rank r/N]`` prefix: whichever rank raised first) a run on ``device`` ends with."""
+    from tests.test_strict_device import run_on
+
+    with pytest.raises(Exception) as e:
+        run_on(device, world, flags)
+    return type(e.value).__name__, str(e.value).split("] ", 1)[-1]
+
+
+#: MINIZERO_FAULT spec -> (rank threads, flags): a replica drifts; --check-replicas 1 names it the next step
+DIVERGE = {
+    "1:1:diverge": (2, []),
+    "1:1:diverge_state": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48"]),  # a code moves by 1
+    "3:1:diverge_state": (4, ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--dp-shard", "2"]),  # ExpertZero
+    "2:0:diverge_state": (4, ["--zero", "1", "--dp-shard", "2", "--precision", "fp16", "--dtype", "float32"]),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec", list(DIVERGE))
+def test_a_diverged_replica_is_named_the_same_under_strict(monkeypatch, spec):
+    """The fault moves a device array in place; the check hashes on the host and locates the first element."""
+    world, flags = DIVERGE[spec]
+    monkeypatch.setenv("MINIZERO_FAULT", spec)
+    flags = flags + ["--check-replicas", "1"]
+    want = _error_of("cpu", world, flags)
+    assert want[0] == "ReplicaMismatchError" and ("optimizer state" in want[1]) == spec.endswith("state"), want
+    assert _error_of("strict", world, flags) == want
+
+
+@pytest.mark.timeout(60)
+def test_an_fp16_overflow_fault_on_one_replica_skips_the_step_on_both_devices(monkeypatch):
+    """``inf`` on one rank of hybrid ExpertZero: every rank skips the step and halves the scale together."""
+    from tests.test_strict_device import assert_same_bits, run_on
+
+    monkeypatch.setenv("MINIZERO_FAULT", "1:1:inf")
+    flags = ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--dp-shard", "2", "--precision", "fp16",
+             "--dtype", "float32"]
+    want = run_on("cpu", 4, flags)
+    assert np.isnan(want[0]["grad_norms"][1]) and want[0]["loss_scales"][1] == 2 * want[0]["loss_scales"][2]
+    assert_same_bits(run_on("strict", 4, flags), want)
+
+
+def _saved_and_resumed(device, folder, saved, resumed):
+    """Train ``saved`` = (ranks, flags) 2 steps with a checkpoint each step; resume it as ``resumed`` for step 3.
+    Returns the resumed run's per-rank results and the checkpoint: {file: its tensors, or the manifest without
+    the files' SHA-256 (safetensors writes its metadata's keys in either order, so a file's bytes may differ)}."""
+    import json
+    import os
+
+    from safetensors.numpy import load_file
+
+    from tests.test_strict_device import run_on
+
+    run_on(device, saved[0], saved[1] + ["--out", str(folder), "--save-every", "1", "--steps", "2"])
+    got = run_on(device, resumed[0], resumed[1] + ["--out", str(folder / "resumed"),
+                                                   "--resume", str(folder / "checkpoints"), "--steps", "3"])
+    step = folder / "checkpoints" / "step_00000002"
+    manifest = json.loads((step / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        entry.pop("sha256")
+    files = {name: load_file(str(step / name)) for name in os.listdir(step) if name.endswith(".safetensors")}
+    return got, {"manifest.json": manifest, **files}
+
+
+#: name -> (saved as (ranks, flags), resumed as (ranks, flags)): the layout changes between them (resharding)
+RESUMED = {
+    "moe-ep2-zero3-hybrid-fp16-to-ep1-zero1": (
+        (4, ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--dp-shard", "2", "--moe-bias-update", "0.01",
+             "--precision", "fp16", "--dtype", "float32"]),
+        (2, ["--moe-experts", "4", "--zero", "1", "--moe-bias-update", "0.01", "--precision", "fp16",
+             "--dtype", "float32"])),
+    "adam8bit-zero3-pad-to-one-rank": ((2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--zero", "3",
+                                            "--pad"]),
+                                       (1, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--pad"])),
+    "prune-zero2-to-dp2": ((2, ["--prune-sparsity", "0.5", "--prune-step", "1", "--zero", "2"]),
+                           (2, ["--prune-sparsity", "0.5", "--prune-step", "1"])),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(RESUMED))
+def test_a_checkpoint_saved_and_resumed_under_strict_is_numpys(tmp_path, case):
+    """The checkpoint (manifest: data digest, --pack/--pad, MoE coefficients and routing biases, the loss scaler;
+    shards: parameters, optimizer state, masks) holds the same bits, and the resharded run goes on the same."""
+    from tests.test_strict_device import assert_same_bits
+
+    saved, resumed = RESUMED[case]
+    want, want_files = _saved_and_resumed("cpu", tmp_path / "cpu", saved, resumed)
+    got, got_files = _saved_and_resumed("strict", tmp_path / "strict", saved, resumed)
+    assert len(want[0]["train_losses"]) == 1  # it resumed after step 2
+    assert got_files.keys() == want_files.keys() and len(want_files) == saved[0] + 1  # the manifest, a file per rank
+    assert want_files["manifest.json"]["data"]["text"]  # the data text's digest
+    _assert_same(want_files, got_files, "checkpoint")
+    assert_same_bits(got, want)
+
+
+# --------------------------------------------------------------------------- anomaly detection, fine-tuning
+@pytest.mark.timeout(60)
+def test_detect_anomaly_finds_the_same_non_finite_gradient_under_strict(monkeypatch):
+    """The finding's ranges (finite min and max, the non-finite count) come to the host as single numbers."""
+    monkeypatch.setenv("MINIZERO_FAULT", "1:1:inf")
+    want = _error_of("cpu", 2, ["--detect-anomaly"])
+    assert want[0] == "AnomalyError" and "not finite" in want[1]
+    assert _error_of("strict", 2, ["--detect-anomaly"]) == want
+
+
+def _finetune(comm, folder, method, flags):
+    import io
+    import re
+
+    from minizero.data import load_tokens
+    from minizero.finetune import build_parser, finetune
+    from minizero.progress import Progress
+
+    args = build_parser().parse_args(["--weights", str(folder / "model.npz"), "--data", str(folder / "data.txt"),
+                                      "--steps", "2", "--batch-size", "4", "--eval-batches", "1", *flags])
+    shown = io.StringIO()
+    row, _, merged = finetune(args, method, load_tokens(args.data), comm, Progress("log", 2, 64, out=shown, every=1))
+    return row["val_before"], row["val_after"], merged, re.findall(r"loss \S+", shown.getvalue())  # not tok/s
+
+
+@pytest.fixture(scope="module")
+def finetune_weights(tmp_path_factory):
+    from minizero.nn.gpt import GPTConfig
+    from tests.test_lora_tp import _write
+
+    folder = tmp_path_factory.mktemp("strict_finetune")
+    _write(folder, GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, dropout=0.1, dtype="float64"))
+    return folder
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method, flags", [("full", []), ("lora", ["--zero", "1"]), ("full", ["--zero", "3"])],
+                         ids=["full-dp2", "lora-zero1", "full-zero3"])
+def test_data_parallel_finetune_with_progress_equals_numpy(finetune_weights, method, flags):
+    """``finetune`` on 2 rank threads (the progress line's loss: an all-reduce of one host number)."""
+    want = _on("numpy", run_in_threads, 2, _finetune, finetune_weights, method, flags)
+    assert len(want[0][3]) == 2  # the progress lines' losses
+    _assert_same(want, _on("strict", run_in_threads, 2, _finetune, finetune_weights, method, flags))
