@@ -232,6 +232,19 @@ def saved(tmp_path_factory):
     return d / "step_00000002"
 
 
+def test_the_same_state_saves_to_the_same_bytes(tmp_path):
+    """Before: safetensors wrote the rank file's two metadata keys in a random order, so two saves of one state
+    differed in bytes and in the manifest's sha256 (a user comparing two runs' checksums saw a false difference)."""
+    import json
+
+    for name in ("a", "b"):
+        run(1, F64 + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path / name)])
+    a, b = (tmp_path / name / "step_00000002" / "rank00000.safetensors" for name in ("a", "b"))
+    assert a.read_bytes() == b.read_bytes()
+    header = json.loads(a.read_bytes()[8:8 + int.from_bytes(a.read_bytes()[:8], "little")])
+    assert header["__metadata__"] == {"rank": "0"}  # one key: nothing for safetensors to reorder
+
+
 def test_shards_are_written_with_the_umasks_mode_as_the_manifest_is(tmp_path):
     """Before: safetensors made every rank's shard 0600 while the manifest beside it was 0644 (umask 022): another
     user could read the manifest, not the tensors (inspect worked, consolidate and --resume failed)."""

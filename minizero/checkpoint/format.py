@@ -196,7 +196,7 @@ def verify(path: str, model: dict | None = None, layout: dict | None = None, che
 
 
 def check_header(path: str, rank: int, pieces=()) -> None:
-    """Refuse a rank file whose safetensors header (save writes ``{"format", "rank"}`` there) names another rank
+    """Refuse a rank file whose safetensors header (save writes ``{"rank"}`` there) names another rank
     than its files entry (rank files swapped, or copied in from elsewhere), or lacks one of its ``pieces`` as the
     manifest gives it (a flat array of hi - lo elements of its dtype; 8-bit: uint8 codes). Reads the header only."""
     try:

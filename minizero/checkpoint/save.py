@@ -114,7 +114,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     tensors, pieces, params = rank_tensors(strategy, pruner, comm.rank)
     path = os.path.join(tmp, rank_file(comm.rank))
     try:
-        save_file(tensors, path, metadata={"format": FORMAT, "rank": str(comm.rank)})
+        save_file(tensors, path, metadata={"rank": str(comm.rank)})  # one key: safetensors orders several at random
     except Exception as e:  # safetensors' SafetensorError carries no errno: "... (os error 28)"
         full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e)
         raise WriteError(errno.ENOSPC if full else errno.EIO, f"could not write {path!r}: "
