@@ -8,6 +8,7 @@ factor 1.0 (choices are dropped), both losses and the bias update on; the final 
 and the per-expert counts exactly. --ep with --zero shards the experts over their expert-data group
 (ExpertZero), checked the same way.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from minizero.flags import UsageError
 from minizero.ledger import format_bytes, get_ledger
 from minizero.loop import train
 from minizero.nn import get_config
-from minizero.parallel.expert_parallel import is_expert
+from minizero.parallel.expert_parallel import DenseAndExperts, ExpertDataParallel, ExpertZero, is_expert
 from minizero.parallel.strategy import build_strategy
 from minizero.train import parse_args
 from tests.conftest import REPO_ROOT, mpi_env
@@ -194,6 +195,46 @@ def test_hybrid_sharding_with_experts_shards_both_parts_over_the_shard_group():
     for r in run_in_threads(4, _expert_zero_bytes, ["--ep", "2", "--zero", "3", "--dp-shard", "2"], timeout=240):
         assert r["groups"] == (2, 1)
         assert r["parameters"] == (r["dense_padded"] // 2 + r["experts_padded"]) * 8
+
+
+class _Part:  # a synchroniser's calls, recorded
+    def __init__(self, name, grad, nbytes, norm_sq, calls):
+        self.name, self.grad, self.nbytes, self.norm_sq, self.calls = name, grad, nbytes, norm_sq, calls
+
+    def reduce_gradients(self):
+        self.calls.append(f"reduce {self.name}")
+
+    def local_grads(self):
+        return [self.grad]
+
+    def grad_norm_sq(self, counts, model_comm, world):
+        return self.norm_sq
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        self.calls.append(f"gather {self.name}")
+        yield
+        self.calls.append(f"free {self.name}")
+
+    def bytes_per_step(self, steps):
+        return self.nbytes / steps
+
+
+@pytest.mark.parametrize("predivided,factor", [(False, 0.5), (True, 1.0)])
+def test_expert_data_parallel_and_expert_zero_share_one_two_part_composite(predivided, factor):
+    """Both are a DenseAndExperts (before, each wrote the same forwarding): every call goes to the dense part, then
+    the experts; the experts' summed gradients times 1/ep (FP16's predivided sums: 1), lists joined, sums added."""
+    assert issubclass(ExpertDataParallel, DenseAndExperts) and issubclass(ExpertZero, DenseAndExperts)
+    calls = []
+    both = DenseAndExperts(_Part("dense", np.ones(2), 8.0, 1.0, calls), _Part("experts", np.full(3, 4.0), 4.0, 2.0,
+                                                                                    calls), ep=2, predivided=predivided)
+    both.reduce_gradients()
+    with both.full_parameters():
+        calls.append("inside")
+    assert calls == ["reduce dense", "reduce experts", "gather dense", "gather experts", "inside", "free experts",
+                     "free dense"]
+    assert [g.tolist() for g in both.local_grads()] == [[1.0, 1.0], [4.0 * factor] * 3]
+    assert both.grad_norm_sq(None, None, None) == 3.0 and both.bytes_per_step(2) == 6.0
 
 
 def _parameters_after_the_run(comm, flags):

@@ -132,31 +132,51 @@ def is_expert(p) -> bool:
     return getattr(p, "expert", False)
 
 
-class ExpertDataParallel:
-    """The gradient synchroniser with experts (the interface of :class:`DataParallel`).
+class DenseAndExperts:
+    """Two parts behind one interface: ``dense`` (the non-expert parameters, over the data group) and ``experts`` (over
+    the expert-data group), two gradient synchronisers or two ZeRO optimizers. Each call goes to both, dense first:
+    lists joined, bytes and squared norms added, gathers nested. The experts' gradients, summed over the D/ep ranks
+    that hold them, are then multiplied by 1/ep: both parts' are means over the D data ranks (``predivided``, FP16:
+    both sums, factor 1)."""
 
-    Dense parameters: :class:`DataParallel` over ``dp_comm`` (D ranks); expert parameters: over
-    ``edp_comm`` (D/ep ranks), then times 1/ep, so both are means over the D data ranks' losses.
-    ``kw``: DataParallel's keyword arguments; ``predivided=True`` (FP16: seeds carry 1/D): both just sum.
-    """
-
-    def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):
-        self.params, self.ep, self.edp = list(params), ep, edp_comm.world_size
-        self.predivided = kw.get("predivided", False)
-        self.dense = DataParallel([p for p in self.params if not is_expert(p)], dp_comm, **kw)
-        self.experts = DataParallel([p for p in self.params if is_expert(p)], edp_comm, **kw)
+    def __init__(self, dense, experts, ep: int, predivided: bool):
+        self.dense, self.experts = dense, experts
+        self.parts = (dense, experts)
+        self.expert_grad_factor = 1.0 if predivided else 1.0 / ep
 
     def reduce_gradients(self) -> None:
-        self.dense.allreduce_gradients()
-        self.experts.allreduce_gradients()
-        if self.predivided:
-            return
-        for p in self.experts.params:  # the sum over D/ep ranks -> the mean over D
-            if p.grad is not None:
-                p.grad *= 1.0 / self.ep
+        for part in self.parts:
+            part.reduce_gradients()
+        for g in self.experts.local_grads():
+            g *= g.dtype.type(self.expert_grad_factor)
 
     def local_grads(self) -> list:
         return self.dense.local_grads() + self.experts.local_grads()
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective, once per part (ZeRO: over ``world``; each element of either part is owned by one data rank)."""
+        return sum(part.grad_norm_sq(counts, model_comm, world) for part in self.parts)
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        with self.dense.full_parameters(), self.experts.full_parameters():
+            yield
+
+    def bytes_per_step(self, steps: int | None = None) -> float:
+        return sum(part.bytes_per_step(steps) for part in self.parts)
+
+
+class ExpertDataParallel(DenseAndExperts):
+    """The gradient synchroniser with experts (the interface of :class:`DataParallel`): the dense parameters'
+    :class:`DataParallel` over ``dp_comm`` (D ranks), the experts' over ``edp_comm`` (D/ep ranks). ``kw``:
+    DataParallel's keyword arguments (``predivided=True`` under FP16: seeds carry 1/D)."""
+
+    def __init__(self, params, dp_comm, edp_comm, ep: int, **kw):
+        params = list(params)
+        super().__init__(DataParallel([p for p in params if not is_expert(p)], dp_comm, **kw),
+                         DataParallel([p for p in params if is_expert(p)], edp_comm, **kw),
+                         ep, kw.get("predivided", False))
+        self.edp = edp_comm.world_size
 
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective: the dense part over ``model_comm``; the experts' squares summed over ``world`` (one
@@ -169,30 +189,22 @@ class ExpertDataParallel:
         with world.traffic.op("grad_norm"):
             return dense + float(backend.to_host(all_reduce(world, local))[0]) / self.edp
 
-    def full_parameters(self):
-        return contextlib.nullcontext()
 
-    def bytes_per_step(self, steps: int) -> float:
-        return self.dense.bytes_per_step(steps) + self.experts.bytes_per_step(steps)
-
-
-class ExpertZero:
+class ExpertZero(DenseAndExperts):
     """ZeRO with experts (a ZeRO stage's interfaces) as two ZeRO optimizers of one stage. ``dense``: the non-expert
     parameters over ``dp_comm`` (D ranks, or hybrid sharding's N-rank shard group with ``replicas``, zero/hybrid.py).
     ``experts``: this rank's E/ep experts, a unit per MoE layer, over the D/ep ranks of ``edp_comm`` that hold them
-    (hybrid: N/ep, N a multiple of ep); their mean times 1/ep, so both are means over D (``predivided``, FP16: both
-    sums). ``kw``: ZeroOptimizer's. Source: Rajbhandari et al., DeepSpeed-MoE (ICML 2022), section 5."""
+    (hybrid: N/ep, N a multiple of ep). ``kw``: ZeroOptimizer's. Source: Rajbhandari et al., DeepSpeed-MoE (ICML
+    2022), section 5."""
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, replicas=None,
                  **kw):
         layers = {n.replace(".", "_"): m for n, m in stage.named_modules() if isinstance(m, MoELayer)}
-        self.dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided, replicas=replicas,
-                                    include=lambda p: not is_expert(p), **kw)
+        dense = zero_optimizer(stage, dp_comm, zero_stage, predivided=predivided, replicas=replicas,
+                               include=lambda p: not is_expert(p), **kw)
         shard, expert_replicas = hybrid_groups(edp_comm, dp_comm.world_size // ep, ("edp_shard", "edp_replicate"))
-        self.experts = zero_optimizer(ModuleDict(layers), shard, zero_stage, predivided=predivided,
-                                      replicas=expert_replicas, include=is_expert, **kw)
-        self.expert_grad_factor = 1.0 if predivided else 1.0 / ep  # the experts' sum over D/ep ranks -> mean over D
-        self.parts = (self.dense, self.experts)
+        super().__init__(dense, zero_optimizer(ModuleDict(layers), shard, zero_stage, predivided=predivided,
+                                               replicas=expert_replicas, include=is_expert, **kw), ep, predivided)
 
     @property
     def shards_state(self) -> bool:  # the first shard group writes (both parts' replica rank 0 are its ranks)
@@ -216,27 +228,6 @@ class ExpertZero:
     @property
     def shard_map(self):  # the dense part's (--show-shards)
         return self.dense.shard_map
-
-    def reduce_gradients(self) -> None:
-        for part in self.parts:
-            part.reduce_gradients()
-        for g in self.experts.grad_shards():
-            g *= g.dtype.type(self.expert_grad_factor)
-
-    def local_grads(self) -> list:
-        return self.dense.local_grads() + self.experts.local_grads()
-
-    def grad_norm_sq(self, counts, model_comm, world) -> float:
-        """Collective over ``world``, twice: each element of either part is owned by one data rank."""
-        return sum(part.grad_norm_sq(counts, model_comm, world) for part in self.parts)
-
-    @contextlib.contextmanager
-    def full_parameters(self):
-        with self.dense.full_parameters(), self.experts.full_parameters():
-            yield
-
-    def bytes_per_step(self, steps: int | None = None) -> float:
-        return sum(part.bytes_per_step(steps) for part in self.parts)
 
     def overlap_words(self) -> list[str]:
         """Either part's :meth:`~minizero.zero.base.ZeroOptimizer.overlap_words`, once each."""
