@@ -19,6 +19,7 @@ import numpy as np
 
 from minizero.callbacks import Callback
 from minizero.numerals import is_count
+from minizero.optim.adam8bit import state_arrays
 
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
 #: the kinds that fire from :meth:`FaultInjector.on_step_start` alone (a loop without step ends or saves: finetune)
@@ -111,7 +112,8 @@ class FaultInjector(Callback):
         if self.kind == "diverge" and first is not None and first.size and 0 not in first.strides:
             return first  # 0 in strides: ZeRO-3's broadcast placeholder
         kind = "param" if self.kind == "diverge" else "m"
-        held = (getattr(a, "codes", a) for k, *_, a in run.strategy.opt.state_views() if k == kind)
+        states = (state_arrays(a) for k, *_, a in run.strategy.opt.state_views() if k == kind)
+        held = (next(iter(arrays.values())) for arrays in states)  # the values: the array itself, 8-bit Adam's codes
         found = next((a for a in held if a.size), None)
         if found is None:
             what = "parameter" if kind == "param" else "optimizer state (Adam m)"
