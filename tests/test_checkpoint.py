@@ -730,6 +730,13 @@ def test_a_resume_with_other_windows_or_moe_losses_says_so(saved, tmp_path):
         assert f"note: {note}: the continuation" in said, logs
 
 
+def test_a_resume_note_says_each_train_field_as_typed():
+    """Before: the notes' loop spelled the --pack/--pad exception inline, twice."""
+    from minizero.checkpoint import _as_typed
+    assert (_as_typed("weight_decay", 0.5), _as_typed("weight_decay", 0.1, False)) == ("--weight-decay 0.5", "0.1")
+    assert (_as_typed("documents", "pad"), _as_typed("documents", "pack", False)) == ("--pad", "--pack")
+
+
 @pytest.mark.timeout(120)
 def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
     """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a

@@ -47,6 +47,14 @@ def manifest_state(args, cfg, applied: int, scaler=None, text: str | None = None
             "scaler": None if scaler is None else scaler.state_dict()}
 
 
+def _as_typed(key: str, value, flag: bool = True) -> str:
+    """A train field's ``value`` as the command line gives it: ``--lr 0.001`` (``flag=False``: ``0.001``); the field
+    ``documents`` is a switch per value, ``--pack`` or ``--pad``, with or without ``flag``."""
+    if key == "documents":
+        return f"--{value}"
+    return f"--{key.replace('_', '-')} {value}" if flag else f"{value}"
+
+
 class Checkpointer:
     """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start,
     ``maybe_save`` after each step."""
@@ -96,9 +104,8 @@ class Checkpointer:
                     "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
             now, was = vars(self.args)[key], man["train"].get(key)
             if key in man["train"] and was != now:  # absent in older manifests: unknown
-                said = f"--{now}" if key == "documents" else f"--{key.replace('_', '-')} {now}"  # --pack | --pad
-                lines.append(f"note: {said} differs from the checkpoint's {'--' * (key == 'documents')}{was}: the "
-                             "continuation is not the uninterrupted run's")
+                lines.append(f"note: {_as_typed(key, now)} differs from the checkpoint's {_as_typed(key, was, False)}: "
+                             "the continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
             said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
