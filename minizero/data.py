@@ -80,9 +80,13 @@ def data_digest(path: str | None) -> dict:
     (:func:`minizero.flags.inputs_refusal`): each node has its own disk, and its own Python's corpus."""
     if path is not None:
         return {f"--data {path!r}": content_digest(path)}
-    raw = encode(builtin_corpus()).tobytes()
-    return {"the built-in corpus (pydoc_data.topics)": f"{len(raw):,} bytes, SHA-256 "
-                                                       f"{hashlib.sha256(raw).hexdigest()[:12]}"}
+    return {"the built-in corpus (pydoc_data.topics)": text_digest(encode(builtin_corpus()))}
+
+
+def text_digest(tokens: np.ndarray) -> str:
+    """``'465,123 bytes, SHA-256 0123456789ab'`` of tokens :func:`load_tokens` read: what :func:`data_digest` says
+    of their text (the same bytes), without reading it again."""
+    return f"{tokens.size:,} bytes, SHA-256 {hashlib.sha256(np.ascontiguousarray(tokens)).hexdigest()[:12]}"
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),

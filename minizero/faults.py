@@ -19,6 +19,8 @@ import numpy as np
 
 from minizero.callbacks import Callback
 from minizero.numerals import is_count
+from minizero.optim.adam8bit import state_arrays
+from minizero.zero.stage3 import is_placeholder
 
 FAULT_KINDS = ("raise", "kill", "inf", "stop", "kill_in_save", "diverge", "diverge_state", "slow")
 #: the kinds that fire from :meth:`FaultInjector.on_step_start` alone (a loop without step ends or saves: finetune)
@@ -108,10 +110,11 @@ class FaultInjector(Callback):
         ``diverge_state`` (its first held Adam m, 8-bit Adam's codes): the first non-empty such array. Raises
         ValueError naming the rank when it holds none (a tiny model's shards over many ranks: padding only)."""
         first = self.params[0].data if self.params else None
-        if self.kind == "diverge" and first is not None and first.size and 0 not in first.strides:
-            return first  # 0 in strides: ZeRO-3's broadcast placeholder
+        if self.kind == "diverge" and first is not None and first.size and not is_placeholder(first):
+            return first
         kind = "param" if self.kind == "diverge" else "m"
-        held = (getattr(a, "codes", a) for k, *_, a in run.strategy.opt.state_views() if k == kind)
+        states = (state_arrays(a) for k, *_, a in run.strategy.opt.state_views() if k == kind)
+        held = (next(iter(arrays.values())) for arrays in states)  # the values: the array itself, 8-bit Adam's codes
         found = next((a for a in held if a.size), None)
         if found is None:
             what = "parameter" if kind == "param" else "optimizer state (Adam m)"

@@ -122,7 +122,8 @@ class Resume(Callback):
     the data position: step k draws global batch (seed, k)), ``run.applied`` (updates taken), ``run.pruner``."""
 
     def setup(self, run):
-        self.ckpt = Checkpointer(run.args, run.comm, run.cfg, run.log if run.comm.rank == 0 else (lambda line: None))
+        self.ckpt = Checkpointer(run.args, run.comm, run.cfg, run.text_digest,
+                                 run.log if run.comm.rank == 0 else (lambda line: None))
         run.start, run.applied, run.pruner = self.ckpt.resume(run.strategy, run.scaler)
         run.result.start_step, run.result.load_peak = run.start, self.ckpt.load_peak
         run.result.checkpoints = self.ckpt.saved

@@ -19,7 +19,7 @@ from minizero import backend
 from minizero.args import model_config
 from minizero.callbacks import CallbackList, StepRecord
 from minizero.comm.collectives import all_reduce
-from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, train_val_split
+from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, text_digest, train_val_split
 from minizero.instrumentation import default_callbacks
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
 from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
@@ -121,6 +121,7 @@ class Run:
     start: int = 0
     applied: int = 0
     pruner: object = None
+    text_digest: str = ""  #: the training text's bytes and SHA-256, of the tokens loaded (checkpoints keep it)
 
 
 def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResult:
@@ -136,7 +137,8 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
         LossScaleError: FP16 overflowed at the minimum loss scale too many times in a row.
     """
     cfg = model_config(args)
-    train_tok, val_tok = train_val_split(load_tokens(args.data))
+    tokens = load_tokens(args.data)
+    train_tok, val_tok = train_val_split(tokens)
     check_corpus(val_tok, cfg.block_size, "validation split (last 10% of the text)")
     offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=comm.rank)
     store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: state off-device
@@ -150,7 +152,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
                                  dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed, pad=pad)
     val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1, pad=pad)
     out = TrainResult(strategy=s, config=cfg)
-    run = Run(args, comm, cfg, s, scaler, log, out)
+    run = Run(args, comm, cfg, s, scaler, log, out, text_digest=text_digest(tokens))
     cb = CallbackList(default_callbacks(run) if callbacks is None else callbacks)
     cb.setup(run)  # the header; --resume sets run.start, run.applied, run.pruner
     out.val_history.append((run.start, s.evaluate(val_set)))

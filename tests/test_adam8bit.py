@@ -12,7 +12,7 @@ from minizero.quantization import dynamic_code
 from minizero.nn import GPT, get_config
 from minizero.optim import AdamW, adamw_update
 from minizero.optim.adam8bit import (Adam8bit, QuantizedState, ShardedAdam8bit, adam8bit_update, make_codes,
-                                     state_nbytes)
+                                     state_arrays, state_nbytes)
 
 
 def test_quantized_state_starts_at_zero_and_counts_bytes():
@@ -23,6 +23,26 @@ def test_quantized_state_starts_at_zero_and_counts_bytes():
     x = np.random.default_rng(0).standard_normal(100)
     cut.requantize(x)
     assert np.abs(cut.dequantize(np.float64) - x).max() <= np.abs(x).max() * 0.01
+
+
+def test_state_arrays_name_what_a_state_entry_is_kept_as_values_first():
+    """Before: the replica check and the fault injector told 8-bit state by ``hasattr(a, "codes")``."""
+    s = QuantizedState(300, dynamic_code(True))
+    assert list(state_arrays(s)) == ["codes", "absmax"]
+    assert state_arrays(s)["codes"] is s.codes and state_arrays(s)["absmax"] is s.absmax
+    dense = np.zeros(3)
+    assert list(state_arrays(dense)) == [""] and state_arrays(dense)[""] is dense
+
+
+def test_the_replica_check_compares_8bit_state_as_its_codes_and_absmax():
+    from minizero.debug.replicas import optimizer_state
+    from minizero.nn.module import Linear
+    model = Linear(64, 64)  # weight 4096 elements: 8-bit; bias: dense
+    opt = Adam8bit(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = [n for n, _ in optimizer_state(opt, names)]
+    assert got == ["m of weight codes", "m of weight absmax", "v of weight codes", "v of weight absmax",
+                   "m of bias", "v of bias", "step"], got
 
 
 def test_small_tensors_run_exactly_adamw():

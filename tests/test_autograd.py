@@ -97,6 +97,16 @@ def test_shape_ops():
     check_op(lambda a, b: A.concat([a, b], axis=1), r(2, 3), r(2, 2))
 
 
+def test_to_dtype_copies_forward_and_returns_the_gradient_in_the_input_dtype():
+    """Before: MoE kept this Function to itself (parallel/moe.py's ``_ToDtype``)."""
+    from minizero.autograd.ops import ToDtype
+    x = Tensor(np.array([1.0, 2.5, -3.0], np.float16), requires_grad=True)
+    y = ToDtype.apply(x, np.float32)
+    assert y.dtype == np.float32 and y.data.tolist() == [1.0, 2.5, -3.0]
+    (y * Tensor(np.array([2.0, 3.0, 4.0], np.float32))).sum().backward()
+    assert x.grad.dtype == np.float16 and x.grad.tolist() == [2.0, 3.0, 4.0]
+
+
 def test_split_all_outputs_used():
     check_op(lambda a: (lambda q, k, v: q * k + v)(*A.split(a, 3, axis=-1)), r(2, 9))
 

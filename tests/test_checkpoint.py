@@ -730,6 +730,34 @@ def test_a_resume_with_other_windows_or_moe_losses_says_so(saved, tmp_path):
         assert f"note: {note}: the continuation" in said, logs
 
 
+def test_the_training_text_is_read_once_per_run_and_its_digest_saved_and_compared(tmp_path, monkeypatch):
+    """Before: the checkpointer read and hashed --data again on save and on resume (the loop had read it)."""
+    import builtins
+    from minizero.files import content_digest
+    text = tmp_path / "text.txt"
+    text.write_text(open(os.__file__).read())
+    data, opened, real_open = ["--data", str(text)], [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(f) if f == str(text) else None)
+                        or real_open(f, *a, **k))
+
+    def once(argv):
+        args = parse_args(BASE + data + argv, 1)  # parse_args checks the text: before the count
+        opened.clear()
+        run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=60)
+        return len(opened)
+
+    assert once(["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path / "ck")]) == 1
+    assert read_manifest(str(tmp_path / "ck" / "step_00000002"))["data"]["text"] == content_digest(str(text))
+    assert once(["--steps", "3", "--resume", str(tmp_path / "ck")]) == 1
+
+
+def test_a_resume_note_says_each_train_field_as_typed():
+    """Before: the notes' loop spelled the --pack/--pad exception inline, twice."""
+    from minizero.checkpoint import _as_typed
+    assert (_as_typed("weight_decay", 0.5), _as_typed("weight_decay", 0.1, False)) == ("--weight-decay 0.5", "0.1")
+    assert (_as_typed("documents", "pad"), _as_typed("documents", "pack", False)) == ("--pad", "--pack")
+
+
 @pytest.mark.timeout(120)
 def test_a_resume_with_another_adam8bit_block_size_says_it_requantized(tmp_path):
     """Same layout, --adam8bit-block-size 256 -> 128: the 8-bit state was requantized on the new grid without a

@@ -342,6 +342,31 @@ def test_a_diverge_fault_on_a_rank_holding_no_shard_is_refused_naming_it():
         assert f"MINIZERO_FAULT='3:0:{kind}' cannot fire: rank 3 holds no element of any {what}" in got[3], got
 
 
+def _moved_by_diverge(comm, stage):
+    from minizero.zero.stage3 import is_placeholder
+    model = Linear(4, 4)
+    opt = zero_optimizer(model, comm, stage)
+    run = SimpleNamespace(strategy=SimpleNamespace(opt=opt))
+    fault = FaultInjector(comm.rank, model.parameters(), f"{comm.rank}:0:diverge")
+    with opt.full_parameters():
+        before = [p.data.copy() for p in model.parameters()]
+    fault.setup(run)
+    fault.on_step_end(run, 0)
+    with opt.full_parameters():
+        moved = [np.flatnonzero(p.data != b).tolist() for p, b in zip(model.parameters(), before)]
+    return moved, [is_placeholder(p.data) for p in model.parameters()]
+
+
+def test_diverge_moves_the_first_parameter_and_under_zero3_the_first_shard_held():
+    """A ZeRO-3 placeholder taken for the parameter is a write into a read-only broadcast; a parameter taken for a
+    placeholder moves an owned piece instead of the first parameter's element 0."""
+    for rank, (moved, between) in enumerate(run_in_threads(2, _moved_by_diverge, 1, timeout=30)):
+        assert moved == [[0], []] and between == [False, False], (rank, moved)
+    for rank, (moved, between) in enumerate(run_in_threads(2, _moved_by_diverge, 3, timeout=30)):
+        # gathered: rank 0's first shard element (0) and rank 1's (10: 20 elements over 2 ranks) moved
+        assert moved == [[0, 10], []] and between == [True, True], (rank, moved, between)
+
+
 class _DoubleTheLossScale(Callback):
     def on_step_end(self, run, step, record):
         if step == 1 and run.comm.rank == 1:

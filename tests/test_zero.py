@@ -262,6 +262,30 @@ def test_stage3_frees_gathered_parameters_between_uses():
         assert all(np.abs(g).max() > 0 for g in res["grads"])
 
 
+def _placeholders(comm):
+    from minizero.nn.module import Linear
+    from minizero.zero.stage3 import is_placeholder
+    model = Linear(4, 4)
+    opt = zero_optimizer(model, comm, 3)
+    between = [is_placeholder(p.data) for p in model.parameters()]
+    with opt.full_parameters():
+        gathered = [is_placeholder(p.data) for p in model.parameters()]
+    return between, gathered
+
+
+def test_stage3_says_which_arrays_are_its_placeholders():
+    """Before: the fault injector told ZeRO-3's placeholder by ``0 in strides``, which meta arrays and any other
+    broadcast share."""
+    from minizero.nn.init import meta
+    from minizero.zero.stage3 import is_placeholder, placeholder
+    for between, gathered in run_in_threads(2, _placeholders, timeout=30):
+        assert between == [True, True] and gathered == [False, False], (between, gathered)
+    assert is_placeholder(placeholder((2, 3), np.float32))
+    others = (np.broadcast_to(np.asarray(np.nan, np.float32), (2, 3)), meta((2, 3), np.float32), np.zeros((2, 3)),
+              np.zeros((2, 3))[1:])
+    assert not any(is_placeholder(a) for a in others)
+
+
 def _tied_gradient(comm, stage):
     model = GPT(get_config("tiny", dtype="float64"), seed=1)
     opt = zero_optimizer(model, comm, stage) if stage else None

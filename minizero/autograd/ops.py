@@ -217,6 +217,19 @@ class Reshape(Function):
         return g.reshape(ctx.shape), None
 
 
+class ToDtype(Function):
+    """forward: a copy of x in ``dtype``; backward: the gradient back in x's dtype (PyTorch's ``x.to(dtype)``)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.astype(ctx.dtype), None
+
+
 class Transpose(Function):
     """Permute axes (``axes`` as in ``numpy.transpose``; None reverses them)."""
 

@@ -13,7 +13,6 @@ from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, cle
                                         verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
-from minizero.data import data_digest
 from minizero.ledger import wrap
 
 __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
@@ -33,7 +32,7 @@ def manifest_state(args, cfg, applied: int, scaler=None, text: str | None = None
     """Rank 0's manifest fields besides the pieces: model, layout, schedule, data, loss scaler.
 
     ``applied``: optimizer steps taken (Adam's t; the schedule runs on it, skipped FP16 steps excluded); ``text``:
-    the training text's bytes and SHA-256 (:meth:`Checkpointer.text`).
+    the training text's bytes and SHA-256 (:func:`minizero.data.text_digest`).
     """
     layout = dict(run_layout(args), world_size=args.world_size, dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
                   zero=args.zero,
@@ -47,24 +46,25 @@ def manifest_state(args, cfg, applied: int, scaler=None, text: str | None = None
             "scaler": None if scaler is None else scaler.state_dict()}
 
 
+def _as_typed(key: str, value, flag: bool = True) -> str:
+    """A train field's ``value`` as the command line gives it: ``--lr 0.001`` (``flag=False``: ``0.001``); the field
+    ``documents`` is a switch per value, ``--pack`` or ``--pad``, with or without ``flag``."""
+    if key == "documents":
+        return f"--{value}"
+    return f"--{key.replace('_', '-')} {value}" if flag else f"{value}"
+
+
 class Checkpointer:
     """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start,
-    ``maybe_save`` after each step."""
+    ``maybe_save`` after each step. ``text``: ``'465,123 bytes, SHA-256 0123456789ab'`` of the training text, from
+    the tokens the loop loaded (:func:`minizero.data.text_digest`): saved in the manifest, compared on resume."""
 
-    def __init__(self, args, comm, cfg, log=print):
-        self.args, self.comm, self.cfg, self.log = args, comm, cfg, log
+    def __init__(self, args, comm, cfg, text: str, log=print):
+        self.args, self.comm, self.cfg, self.text, self.log = args, comm, cfg, text, log
         self.every = args.save_every or 0
         self.resumed_from = None
         self.load_peak = 0
         self.saved = []
-        self._text = None
-
-    def text(self) -> str:
-        """``'465,123 bytes, SHA-256 0123456789ab'`` of the training text (:func:`minizero.data.data_digest`), read
-        once."""
-        if self._text is None:
-            self._text = next(iter(data_digest(self.args.data).values()))
-        return self._text
 
     def resume(self, strategy, scaler=None) -> tuple:
         """Load ``--resume`` into the built strategy (killed saves' ``.tmp-`` removed);
@@ -96,9 +96,8 @@ class Checkpointer:
                     "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
             now, was = vars(self.args)[key], man["train"].get(key)
             if key in man["train"] and was != now:  # absent in older manifests: unknown
-                said = f"--{now}" if key == "documents" else f"--{key.replace('_', '-')} {now}"  # --pack | --pad
-                lines.append(f"note: {said} differs from the checkpoint's {'--' * (key == 'documents')}{was}: the "
-                             "continuation is not the uninterrupted run's")
+                lines.append(f"note: {_as_typed(key, now)} differs from the checkpoint's {_as_typed(key, was, False)}: "
+                             "the continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
             said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
@@ -106,9 +105,9 @@ class Checkpointer:
             lines.append(f"note: {said} differs from the checkpoint's {was}: the continuation is not the "
                          "uninterrupted run's")
         was = man.get("data", {}).get("text")  # absent before it was written: nothing to compare
-        if was is not None and was != self.text():
+        if was is not None and was != self.text:
             said = f"--data {self.args.data!r}" if self.args.data else "the built-in corpus"
-            lines.append(f"note: {said} ({self.text()}) differs from the checkpoint's text ({was}): the continuation "
+            lines.append(f"note: {said} ({self.text}) differs from the checkpoint's text ({was}): the continuation "
                          "is not the uninterrupted run's")
         for row in (w for line in lines + [f"note: {note}" for note in out["notes"]] for w in wrap(line)):
             self.log(row)  # at 100 columns, an indented continuation: as the header
@@ -122,7 +121,7 @@ class Checkpointer:
         """Collective: save after loop step ``step`` when :meth:`due`; returns the folder or None."""
         if not self.due(step):
             return None
-        state = manifest_state(self.args, self.cfg, applied, scaler, self.text()) if self.comm.rank == 0 else {}
+        state = manifest_state(self.args, self.cfg, applied, scaler, self.text) if self.comm.rank == 0 else {}
         folder = save_checkpoint(strategy, self.comm, self.args.save_dir, step + 1, state, pruner=pruner,
                                  keep=self.args.keep, protect=self.resumed_from)
         if folder is None:

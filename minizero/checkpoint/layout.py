@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from minizero import backend
-from minizero.optim.adam8bit import QuantizedState
+from minizero.optim.adam8bit import state_arrays
 
 KINDS = ("param", "m", "v", "master")
 #: the optimizer-state kinds each optimizer (train's ``--optimizer``, a manifest's layout.optimizer) keeps for every
@@ -129,8 +129,4 @@ def slots(strategy, purpose: str = "save") -> list:
 
 def host_arrays(slot) -> dict:
     """What a slot writes: ``{"": array}`` (flat, host), or ``{"codes": uint8, "absmax": float32}`` (8-bit)."""
-    a = slot.array
-    if isinstance(a, QuantizedState):
-        return {"codes": np.ascontiguousarray(backend.to_host(a.codes)),
-                "absmax": np.ascontiguousarray(backend.to_host(a.absmax))}
-    return {"": np.ascontiguousarray(backend.to_host(a)).reshape(-1)}
+    return {part: np.ascontiguousarray(backend.to_host(x)).reshape(-1) for part, x in state_arrays(slot.array).items()}

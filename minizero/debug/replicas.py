@@ -19,6 +19,7 @@ import numpy as np
 from minizero import backend
 from minizero.callbacks import Callback
 from minizero.comm.collectives import all_gather
+from minizero.optim.adam8bit import state_arrays
 from minizero.parallel.expert_parallel import is_expert
 from minizero.zero.hybrid import replica_members
 
@@ -121,10 +122,7 @@ def optimizer_state(opt, names: dict, keep=lambda p: True) -> list:
         if kind == "param" or not keep(p):
             continue
         label = f"{kind} of {names.get(id(p), '?')}" + ("" if (lo, hi) == (0, int(p.size)) else f"[{lo}:{hi}]")
-        if hasattr(a, "codes"):  # 8-bit Adam's QuantizedState
-            out += [(f"{label} codes", a.codes), (f"{label} absmax", a.absmax)]
-        else:
-            out.append((label, a))
+        out += [(f"{label} {part}" if part else label, x) for part, x in state_arrays(a).items()]  # 8-bit: 2 parts
     return out + [("step", np.array([opt.step_count], np.int64))]
 
 

@@ -72,6 +72,12 @@ class QuantizedState:
         self.codes[...], self.absmax[...] = quantize_blockwise(x, self.code, self.block_size, self.offset, absmax)
 
 
+def state_arrays(a) -> dict:
+    """The arrays one optimizer-state entry (``state_views``' last item) is kept as, by name, its values first:
+    ``{"": a}`` for a float array; ``{"codes": uint8 (n,), "absmax": float32 (blocks,)}`` for a QuantizedState."""
+    return {"codes": a.codes, "absmax": a.absmax} if isinstance(a, QuantizedState) else {"": a}
+
+
 def _flat(a, what):
     if not a.flags.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous (it is updated through a flat view), got strides {a.strides}")

@@ -36,7 +36,7 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, is_grad_enabled
 from minizero.autograd.functional import gelu
-from minizero.autograd.ops import concat
+from minizero.autograd.ops import ToDtype, concat
 from minizero.comm.all_to_all import all_to_all, all_to_all_v
 from minizero.nn.module import Matmul, Module, Parameter
 
@@ -73,19 +73,6 @@ class _AllToAllV(Function):
     @staticmethod
     def backward(ctx, g):
         return all_to_all_v(ctx.comm, backend.xp.ascontiguousarray(g), ctx.recv_counts)[0], None, None
-
-
-class _ToDtype(Function):
-    """forward: a copy of x in ``dtype``; backward: the gradient back in x's dtype."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.dtype = x.dtype
-        return x.astype(dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.astype(ctx.dtype), None
 
 
 class _ScatterAdd(Function):
@@ -151,7 +138,7 @@ class MoELayer(Module):
         rows = x[backend.xp.asarray(token)]
         gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
         if gates.dtype != x.dtype:  # float16 activations: the combine in float16
-            gates = _ToDtype.apply(gates, x.dtype)
+            gates = ToDtype.apply(gates, x.dtype)
         rows, got_counts = self._dispatch(rows, np.bincount(expert, minlength=self.num_experts))
         y = self._experts(rows, got_counts)
         if self.ep > 1:  # combine: the dispatch's inverse exchange
@@ -163,7 +150,7 @@ class MoELayer(Module):
         logits = self.router_matmul(x, self.router)
         wide = np.promote_types(logits.dtype, np.float32)  # routing and losses in >= float32
         if logits.dtype != wide:
-            logits = _ToDtype.apply(logits, wide)
+            logits = ToDtype.apply(logits, wide)
         m = backend.xp.max(logits.data, axis=1, keepdims=True)
         ez = (logits - m).exp()
         probs = ez / ez.sum(axis=1, keepdims=True)

@@ -47,6 +47,25 @@ class _SavedParameter:
         return self.param.data.reshape(-1)[start:start + int(np.prod(shape))].reshape(shape)
 
 
+#: (array module name, dtype) -> the one 0-d NaN every placeholder of that module and dtype broadcasts
+_NANS: dict = {}
+
+
+def placeholder(shape, dtype):
+    """What a parameter's ``data`` is while its unit is not gathered: one shared NaN broadcast to ``shape`` (0 bytes,
+    the right shape for code that asks; any use turns the result into NaN instead of stale numbers)."""
+    xp = backend.xp
+    key = (xp.__name__, np.dtype(dtype).str)
+    if key not in _NANS:
+        _NANS[key] = xp.asarray(np.nan, dtype=dtype)
+    return xp.broadcast_to(_NANS[key], shape)
+
+
+def is_placeholder(a) -> bool:
+    """Whether ``a`` is a :func:`placeholder`: a parameter between uses that holds no values on this rank."""
+    return a.base is not None and any(a.base is nan for nan in _NANS.values())
+
+
 class ZeroStage3(ZeroStage2):
     """Stage 3 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); ``prefetch``: gather the next unit meanwhile.
 
@@ -77,10 +96,7 @@ class ZeroStage3(ZeroStage2):
 
     def _home_params(self, st):
         get_ledger().track(st.param_shard, "parameters")
-        # a placeholder is one NaN broadcast to the parameter's shape: 0 bytes, the right shape for code that
-        # asks, and any use while the unit is not gathered turns the result into NaN instead of stale numbers
-        st.placeholders = [backend.xp.broadcast_to(backend.xp.asarray(np.nan, dtype=st.param_shard.dtype), p.shape)
-                           for p in st.params]
+        st.placeholders = [placeholder(p.shape, st.param_shard.dtype) for p in st.params]
         for p, ph in zip(st.params, st.placeholders):
             p.data = ph  # the full array is freed here; the shard is all that stays
 
