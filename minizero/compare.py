@@ -22,14 +22,14 @@ from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, 
                                        precision_for_dtype)
 from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
-                                     markdown, plot)
+                                     markdown, on_terminal, plot)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
-from minizero.numerals import (DefaultsOnce, FlagParser, description, integer, is_count, negative_values_reach_checks,
-                               real)
+from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
+                               negative_values_reach_checks, real, unwrapped, wrapped)
 
 #: name -> (flags of ``python -m minizero.train``, what it adds). Each adds one technique to the data-parallel FP32
 #: baseline; "combined" switches them all on. Offload "cpu" only relabels bytes on NumPy (host memory *is* device
@@ -143,7 +143,7 @@ def predict_step_s(name: str, model: str, ranks: int, micro_batch_size: int, pro
 # ---- measuring: under MPI, or in-process threads ---------------------------------------------------
 def _cause(stderr: str, rc: int) -> str:
     """The lines of a failed job's stderr that say why (the ``[rank r] ... failed`` line, or the last ones)."""
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in unwrapped(stderr.strip()) if ln.strip()]  # a long line printed over several, whole
     said = [ln for ln in lines if "failed:" in ln or "error:" in ln]
     return "; ".join(said[:2]) if said else (" | ".join(lines[-3:]) if lines else f"exit status {rc}, no output")
 
@@ -313,12 +313,12 @@ def _main(argv=None) -> int:
         if mpiexec is None:
             raise UsageError("mpiexec not found beside this Python or on PATH (pip install mpich, or a system MPI)")
     except UsageError as e:
-        print(f"python -m minizero.compare: error: {e}", file=sys.stderr)
+        print(error_lines("python -m minizero.compare", str(e)), file=sys.stderr)
         return 2
     cores = backend.usable_cores()
     if max(args.ranks) > cores:
-        print(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); the ranks "
-              f"will be oversubscribed (slow, and tokens/s not comparable)", file=sys.stderr, flush=True)
+        print(wrapped(f"python -m minizero.compare: note: --ranks {max(args.ranks)} exceeds the {cores} CPU core(s); "
+                      "the ranks will be oversubscribed (slow, and tokens/s not comparable)"), file=sys.stderr)
     title = (f"minizero.compare: model {args.model!r}, {args.steps} step(s), "
              f"micro-batch {args.micro_batch_size} per rank")
     print(title, flush=True)
@@ -329,7 +329,7 @@ def _main(argv=None) -> int:
         profile = hardware.measure(cfg, args.micro_batch_size, args.ranks, mpiexec)
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # no prediction then; the memory comparison goes on
         profile = None
-        print(f"python -m minizero.compare: note: the hardware profile failed ({e}); no predicted step time",
+        print(wrapped(f"python -m minizero.compare: note: the hardware profile failed ({e}); no predicted step time"),
               file=sys.stderr, flush=True)
     if profile is not None:
         print(hardware_lines(profile), flush=True)
@@ -363,11 +363,11 @@ def _main(argv=None) -> int:
                           f"(measured / predicted {run['step_s'] / run['predicted_step_s']:.1f}x)", flush=True)
             else:
                 run["error"] = res["error"]
-                print(f"  {n} rank(s) {name:13s} FAILED: {res['error']} -- continuing", file=sys.stderr, flush=True)
+                print(wrapped(f"  {n} rank(s) {name:13s} FAILED: {res['error']} -- continuing"), file=sys.stderr)
             runs.append(run)
     table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
                      hardware_line(profile) if profile is not None else None)
-    print("\n" + table)
+    print("\n" + on_terminal(table))
     md, png = os.path.join(args.out, "compare.md"), os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
@@ -379,7 +379,7 @@ def _main(argv=None) -> int:
         wrote_png = any_ok and plot(runs, png, title)
         atomic_write(args.json, lambda f: f.write(text), mode="w")
     except WriteError as e:  # a full disk, a read-only folder: the previous files are left as they were
-        print(f"python -m minizero.compare: error: {e.strerror}", file=sys.stderr)
+        print(error_lines("python -m minizero.compare", str(e.strerror)), file=sys.stderr)
         return 1
     why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
     print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
@@ -387,11 +387,11 @@ def _main(argv=None) -> int:
     off = [r for r in runs if r["ok"] and not r["within_tolerance"]]
     for r in off:
         bad = ", ".join(f"{c} {r['deviation'][c]:.1%}" for c in CHECKED if r["deviation"][c] > TOLERANCE)
-        print(f"note: {r['strategy']} at {r['ranks']} rank(s): the estimate is off by more than {TOLERANCE:.0%} "
-              f"({bad})", file=sys.stderr)
+        print(wrapped(f"note: {r['strategy']} at {r['ranks']} rank(s): the estimate is off by more than "
+                      f"{TOLERANCE:.0%} ({bad})"), file=sys.stderr)
     if failed:
-        print(f"{len(failed)} of {len(runs)} run(s) failed: " + ", ".join(f"{r['strategy']}@{r['ranks']}"
-                                                                         for r in failed), file=sys.stderr)
+        print(wrapped(f"{len(failed)} of {len(runs)} run(s) failed: "
+                      + ", ".join(f"{r['strategy']}@{r['ranks']}" for r in failed)), file=sys.stderr)
         return 1
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from minizero.files import atomic_write
 from minizero.ledger import wrap
 from minizero.memory.estimator import DEVICE_CATEGORIES
+from minizero.numerals import wrapped
 
 #: categories shown per rank (the ledger's), and the unit of the table
 SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
@@ -73,6 +74,12 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
                   "counted by the job). Strategies: " + "; ".join(
                       f"`{n}` {descriptions[n]}" for n in dict.fromkeys(r["strategy"] for r in runs))]
     return "\n".join(lines) + "\n"
+
+
+def on_terminal(text: str) -> str:
+    """:func:`markdown`'s text as the terminal shows it: each paragraph over lines of <= 120 columns, the tables'
+    rows as they are (a row cut in two is no row)."""
+    return "\n".join(line if line.startswith("|") else wrapped(line) for line in text.splitlines())
 
 
 def totals_by_world_size(runs: list[dict]) -> list[str]:

@@ -34,7 +34,8 @@ from minizero.files import (FolderLock, WriteError, atomic_write, check_output, 
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
 from minizero.layout_checks import launch
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
-from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
+                               negative_values_reach_checks, real)
 from minizero.nn.lora import TARGETS, adapters, add_lora, merged_state_dict, trainable_parameters
 from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
@@ -273,7 +274,7 @@ def _lock(args, world) -> tuple[list, str | None]:
 
 
 def _main(argv, world) -> int:
-    prog = "python -m minizero.finetune: error:"
+    prog = "python -m minizero.finetune"
     args, verdict, env, inputs = None, None, {}, {}
     try:  # every check on every rank, then one verdict for all: no rank waits for one that stopped
         args = build_parser(quiet=world.Get_rank() != 0).parse_args(argv)  # --help, a bad flag: once, by rank 0
@@ -326,14 +327,14 @@ def _main(argv, world) -> int:
     if said:
         if rank == 0:
             r, v = said[0]
-            print(f"{prog} {'' if r == 0 else f'[rank {r}] '}{v}", file=sys.stderr)
+            print(error_lines(prog, v if r == 0 else f"[rank {r}] {v}"), file=sys.stderr)
         return 2
     if any(v is not None for v in verdicts):  # argparse's exits: --help everywhere is 0, else 2
         return 0 if all(v == 0 for v in verdicts) else 2
     locks, refusal = _lock(args, world)
     if refusal:
         if rank == 0:
-            print(f"{prog} {refusal}", file=sys.stderr)
+            print(error_lines(prog, refusal), file=sys.stderr)
         return 2
     try:
         return _run(args, world, tokens, model0)
@@ -343,7 +344,7 @@ def _main(argv, world) -> int:
 
 def _run(args, world, tokens, model0) -> int:
     """Fine-tune (every rank) and write the outputs (rank 0): :func:`main` after its checks and locks."""
-    prog, rank = "python -m minizero.finetune: error:", world.Get_rank()
+    prog, rank = "python -m minizero.finetune", world.Get_rank()
     comm = _world(args.zero, args.comm_timeout)
     end_set_up()  # set-up is over: the communicator's timeouts bound every wait, signals unwind
     try:
@@ -364,15 +365,16 @@ def _run(args, world, tokens, model0) -> int:
         if world.Get_size() > 1:  # unless it is not: every_rank_ends names the rank and ends the job
             raise
         if rank == 0:
-            print(f"{prog} {e}", file=sys.stderr)
+            print(error_lines(prog, str(e)), file=sys.stderr)
         return 2
     if rank != 0:
         return 0
     print("\n".join([format_table(rows)] + rose_note(rows, args.lr, args.steps)))
     bad = sorted(k for k, v in (state or {}).items() if v.dtype.kind == "f" and not np.isfinite(v).all())
     if args.out is not None and bad:  # diverged (a huge --lr or --lora-alpha): nothing written
-        print(f"{prog} the fine-tuned weights hold NaN or inf ({bad[0]}{', ...' if len(bad) > 1 else ''}): the run "
-              f"diverged; {args.out!r} is not written (lower --lr or --lora-alpha)", file=sys.stderr)
+        said = f"({bad[0]}{', ...' if len(bad) > 1 else ''}): the run diverged; {args.out!r} is not written"
+        print(error_lines(prog, f"the fine-tuned weights hold NaN or inf {said} (lower --lr or --lora-alpha)"),
+              file=sys.stderr)
         return 1
     try:  # a full disk or a device such as /dev/full: each file is written whole or not at all, as quantize says
         if args.out is not None:
@@ -388,7 +390,7 @@ def _run(args, world, tokens, model0) -> int:
     except BrokenPipeError:
         raise
     except OSError as e:
-        print(f"{prog} {e.strerror if isinstance(e, WriteError) else e}", file=sys.stderr)
+        print(error_lines(prog, str(e.strerror if isinstance(e, WriteError) else e)), file=sys.stderr)
         return 1
     return 0
 

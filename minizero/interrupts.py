@@ -13,6 +13,8 @@ import threading
 import time
 import traceback
 
+from minizero.numerals import error_lines, wrapped
+
 #: what a tool says of its files when interrupted
 WHOLE = "files already written are left as they were (each is written whole or not at all)"
 NOTHING = "nothing was written"
@@ -212,14 +214,15 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
         if not stdout_unwritable(e):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"python -m {tool}: error: cannot write standard output ({e.strerror or e}); {files}", file=sys.stderr)
+        print(error_lines(f"python -m {tool}", f"cannot write standard output ({e.strerror or e}); {files}"),
+              file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
         if launched_rank() == 0:
-            print(f"python -m {tool}: interrupted ({name}); {files}", file=sys.stderr, flush=True)
+            print(wrapped(f"python -m {tool}: interrupted ({name}); {files}"), file=sys.stderr, flush=True)
         return code
 
 
@@ -241,14 +244,16 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
             if rank != 0:  # rank 0 speaks for the job when every rank got the signal
                 time.sleep(2 * grace_s)
-            text = f"{'' if rank == 0 else f'[rank {rank}] '}python -m {tool}: interrupted ({name}); {files}\n"
+            who = "" if rank == 0 else f"[rank {rank}] "
+            text = wrapped(f"{who}python -m {tool}: interrupted ({name}); {files}") + "\n"
         else:
             said = str(e).replace("the communicator's timeout", "--comm-timeout")  # a CommTimeoutError: the flag
-            code, text = 1, f"[rank {rank}] python -m {tool}: error: {said}\n"
+            prog = f"[rank {rank}] python -m {tool}"
+            code, text = 1, error_lines(prog, said) + "\n"
             if isinstance(e, MemoryError):
-                text = f"[rank {rank}] python -m {tool}: error: out of memory ({said or 'MemoryError'})\n"
+                text = error_lines(prog, f"out of memory ({said or 'MemoryError'})") + "\n"
             elif not isinstance(e, (ValueError, OSError)):  # a bug: its type and where
-                text = f"[rank {rank}] python -m {tool}: error: {type(e).__name__}: {e}\n" + "".join(
+                text = error_lines(prog, f"{type(e).__name__}: {e}") + "\n" + "".join(
                     traceback.format_exception(type(e), e, e.__traceback__))
         sys.stderr.flush()
         os.write(2, text.encode("utf-8", "replace"))

@@ -113,29 +113,50 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=No
     return "; ".join([said, *dict.fromkeys(notes)])
 
 
-ERROR_WIDTH = 120  #: columns of an error line before the rest goes on an indented line of its own
+ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on an indented line of its own
+
+
+def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
+    """Each line of ``text`` cut into lines of <= ``width`` columns, each further line indented 2 more than its
+    own: after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half); where none does, before the
+    word that runs past ``width``, which then takes a line of its own however long. The words are the text's: the
+    lines joined with one space are the line (``" ".join(printed.split())`` reads a wrapped line whole)."""
+    out = []
+    for line in text.splitlines() or [""]:
+        indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+        k = len(indent)
+        while len(line) > width:
+            cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
+            cut = next((c for c in cuts if c > max(width // 2, k)), None)  # past the indent: each cut shortens
+            if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
+                cut = line.rfind(" ", k + 1, width + 1)
+                cut = cut if cut > k else line.find(" ", max(width, k + 1))
+            if cut <= k:  # the rest is one word
+                break
+            out.append(line[:cut].rstrip())
+            line = indent + line[cut:].lstrip()
+        out.append(line)
+    return "\n".join(out)
+
+
+def unwrapped(text: str) -> list[str]:
+    """The lines of ``text`` with each line :func:`wrapped` cut whole again (a line indented 2 more than the line it
+    goes on joins it, with one space): how compare and parity read the cause in a failed run's stderr."""
+    out, base = [], []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if out and line.strip() and indent == base[-1] + 2:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+            base.append(indent)
+    return out
 
 
 def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
-    """``prog: error: message`` for each line of ``message``, each cut into lines of <= ``width`` columns (the
-    rest indented by 2): after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half); where
-    none does, before the word that runs past ``width``, which then takes a line of its own however long. The
-    words are the message's: the lines joined with one space are ``prog: error: message``."""
-    out = []
-    for problem in message.splitlines() or [""]:
-        line = f"{prog}: error: {problem}"
-        while len(line) > width:
-            cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
-            cut = next((c for c in cuts if c > max(width // 2, 2)), None)  # past the indent: each cut shortens
-            if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
-                cut = line.rfind(" ", 3, width + 1)
-                cut = cut if cut > 2 else line.find(" ", max(width, 3))
-            if cut <= 2:  # the rest is one word
-                break
-            out.append(line[:cut].rstrip())
-            line = "  " + line[cut:].lstrip()
-        out.append(line)
-    return "\n".join(out)
+    """``prog: error: message`` for each line of ``message``, :func:`wrapped` to ``width`` columns (every
+    program's refusals: :class:`OneLineParser`'s and the programs' own)."""
+    return wrapped("\n".join(f"{prog}: error: {problem}" for problem in message.splitlines() or [""]), width)
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -150,7 +171,8 @@ class FlagParser(argparse.ArgumentParser):
 
 
 class OneLineParser(FlagParser):
-    """argparse whose errors are one line, ``prog: error: message``, exit status 2 (no usage block above it).
+    """argparse whose errors are ``prog: error: message`` (:func:`error_lines`: lines of <= 120 columns), exit
+    status 2 (no usage block above it).
     ``quiet`` (set by a program on launched ranks other than 0): the same exits, nothing printed (once per job)."""
     quiet = False
 
@@ -160,7 +182,7 @@ class OneLineParser(FlagParser):
 
     def error(self, message):
         if not self.quiet:
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.write(error_lines(self.prog, message) + "\n")
         sys.exit(2)
 
 

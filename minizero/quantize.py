@@ -26,7 +26,8 @@ from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F40
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.ledger import wrap
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
+                               negative_values_reach_checks, real, wrapped)
 from minizero.quantization import GRANULARITIES
 from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
@@ -79,8 +80,8 @@ def run(args) -> dict:
     cfg = model.config
     train_cfg = _train_section(summary, args.weights)
     for note in notes:  # model_config set summary.json aside: its data, seed and eval batches are not the run's
-        print(f"python -m minizero.quantize: note: {note}; its data, seed and eval batches are not used (the "
-              "built-in corpus, seed 0 and 4 batches unless given)", file=sys.stderr)
+        print(wrapped(f"python -m minizero.quantize: note: {note}; its data, seed and eval batches are not used (the "
+                      "built-in corpus, seed 0 and 4 batches unless given)"), file=sys.stderr)
     data, seed = args.data if args.data is not None else train_cfg.get("data"), train_cfg.get("seed", 0)
     if args.json and data is not None and args.data is None:  # main checked --data; this is summary.json's
         check_output(args.json, inputs={"summary.json's config.train.data": data})
@@ -221,14 +222,14 @@ def _measure_and_write(args, locks: list) -> int:
         backend.set_device(args.device, backend.local_rank())
         result = run(args)
     except (FileNotFoundError, ValueError, backend.DeviceError) as e:
-        print(f"python -m minizero.quantize: error: {e}", file=sys.stderr)
+        print(error_lines("python -m minizero.quantize", str(e)), file=sys.stderr)
         return 2
     print(format_table(result))
     if args.json:
         try:
             write_json_atomic(args.json, result)
         except OSError as e:
-            print(f"python -m minizero.quantize: error: --json {args.json!r}: cannot write ({e.strerror or e})",
+            print(error_lines("python -m minizero.quantize", f"--json {args.json!r}: cannot write ({e.strerror or e})"),
                   file=sys.stderr)
             return 2
     return 0

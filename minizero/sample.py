@@ -18,8 +18,8 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
-from minizero.numerals import (DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks,
-                                real_as_typed)
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
+                               negative_values_reach_checks, real_as_typed, wrapped)
 from minizero.weights import load_gpt
 from minizero.interrupts import NOTHING, interruptible, refuse_several_ranks
 
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
         except (FileNotFoundError, ValueError) as e:
             err = str(e)
     if err is not None:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        print(error_lines(parser.prog, err), file=sys.stderr)
         return 2
-    print(settings_line(args, model), file=sys.stderr, flush=True)
+    print(wrapped(settings_line(args, model)), file=sys.stderr, flush=True)
     text = sample_text(model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(printable(text), flush=True)
     return 0

@@ -41,7 +41,7 @@ from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
-from minizero.numerals import error_lines
+from minizero.numerals import error_lines, wrapped
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -100,7 +100,7 @@ def _dump_flight(comm, args, reason: str) -> str | None:
         try:
             return os.path.dirname(recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason))
         except Exception as e:  # a full disk, or a record that does not serialize: the abort must still come
-            _write_stderr(f"[rank {comm.rank}] flight record not written: {e}\n")
+            _write_stderr(wrapped(f"[rank {comm.rank}] flight record not written: {e}") + "\n")
     return None
 
 
@@ -216,8 +216,8 @@ def _warn_ram_offload(args) -> None:
         d = args.offload_dir or tempfile.gettempdir()
         fs = ram_backed(d)
         if fs:
-            print(f"warning: --offload-dir {d!r} is on {fs}, a file system in RAM: the offloaded bytes stay in "
-                  "memory (they only leave the ledger); give a folder on a disk", file=sys.stderr, flush=True)
+            print(wrapped(f"warning: --offload-dir {d!r} is on {fs}, a file system in RAM: the offloaded bytes stay "
+                          "in memory (they only leave the ledger); give a folder on a disk"), file=sys.stderr)
 
 
 def nccl_world(comm: NodeTrafficCommunicator, timeout: float) -> NodeTrafficCommunicator:
@@ -324,7 +324,8 @@ def main(argv=None) -> int:
                 "files already written are left as they were\n" if full else failure_text(e, rank, MPI.Exception))
         if flight and isinstance(e, (CommTimeoutError, CollectiveMismatchError)):  # every rank's record says who
             text = text.rstrip("\n") + f" (who hung where: python -m minizero.debug hang {flight})\n"
-        _write_stderr(text)
+        said, _, where = text.partition("\n")  # the diagnosis over lines of <= 120 columns; a bug's traceback as is
+        _write_stderr(wrapped(said) + "\n" + where)
         if comm.world_size > 1:
             time.sleep(_ABORT_GRACE_S)
             comm.abort(1)

@@ -19,6 +19,12 @@ import pytest
 from minizero.train import UsageError, check_steps_left, parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 
+
+def joined(printed: str) -> str:
+    """What a program printed, read whole: its lines of <= 120 columns (numerals.wrapped) joined by one space."""
+    return " ".join(printed.split())
+
+
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
 
 
@@ -127,7 +133,7 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_training(tmp_path, capsys):
     with pytest.raises(UsageError, match="is not UTF-8 text"):
         parse_args([*TINY, "--no-save", "--prompt", "\ud800"])
     assert sample_main(["--weights", str(tmp_path / "none.npz"), "--prompt", bad]) == 2
-    assert "--prompt b'ab\\xff' is not UTF-8 text" in capsys.readouterr().err
+    assert "--prompt b'ab\\xff' is not UTF-8 text" in joined(capsys.readouterr().err)
 
 
 def test_offload_dir_message_is_one_plain_line():
@@ -213,7 +219,7 @@ def test_resume_or_inspect_of_a_file_says_it_is_a_file(tmp_path, capsys):
     with pytest.raises(UsageError, match=f"--resume {re.escape(str(f))}: is a file, not a checkpoint folder"):
         parse_args([*TINY, "--no-save", "--resume", str(f)])
     assert main(["inspect", str(f)]) == 2
-    assert f"error: {f}: is a file, not a checkpoint folder or save dir" in capsys.readouterr().err
+    assert f"error: {f}: is a file, not a checkpoint folder or save dir" in joined(capsys.readouterr().err)
 
 
 @pytest.mark.timeout(120)
@@ -459,10 +465,10 @@ def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
                         (saved, "is a directory"), ("", "is empty"),
                         ("/proc/model.npz", "cannot write there")]:
         assert main(["consolidate", str(saved), "--out", str(out)]) == 2
-        assert needle in capsys.readouterr().err
+        assert needle in joined(capsys.readouterr().err)
     assert _digests(saved) == before
     assert main(["inspect", str(tmp_path / "missing")]) == 2  # PATH is positional: no "--resume" in the message
-    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'missing'}: no such checkpoint folder or save dir\n")
+    assert joined(capsys.readouterr().err).endswith(f"error: {tmp_path / 'missing'}: no such checkpoint folder or save dir")
     assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.npz")]) == 0
     assert (tmp_path / "new" / "model.npz").is_file()
 
@@ -477,10 +483,10 @@ def test_consolidate_never_writes_over_a_runs_json(saved, tmp_path, capsys):
     before = _digests(run)
     for name in ("summary.json", "model.json"):
         assert main(["consolidate", str(saved), "--out", str(run / name)]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"is named as the {name} minizero's programs read back as JSON" in err, err
+        err = joined(capsys.readouterr().err)
+        assert err.count("error:") == 1 and f"is named as the {name} minizero's programs read back as JSON" in err, err
     assert main(["consolidate", str(saved), "--out", str(tmp_path / "new" / "model.json")]) == 2
-    assert "consolidate writes it beside the weights" in capsys.readouterr().err
+    assert "consolidate writes it beside the weights" in joined(capsys.readouterr().err)
     assert _digests(run) == before and not (tmp_path / "new").exists()
 
 
@@ -514,9 +520,9 @@ def test_quantize_json_never_overwrites_the_weights_or_the_data(saved, capsys):
     config = saved.parent / "model.json"
     before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)]
     assert main(["--weights", str(weights), "--json", str(weights)]) == 2
-    assert "would overwrite --weights" in capsys.readouterr().err
+    assert "would overwrite --weights" in joined(capsys.readouterr().err)
     assert main(["--weights", str(weights), "--json", str(config)]) == 2
-    assert "would overwrite --weights' config" in capsys.readouterr().err
+    assert "would overwrite --weights' config" in joined(capsys.readouterr().err)
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (weights, config)] == before
 
 
@@ -533,7 +539,7 @@ def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_p
     summary["config"]["train"]["data"] = str(corpus)
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(["--weights", str(tmp_path / "model.npz"), "--json", str(corpus)]) == 2
-    assert f"would overwrite summary.json's config.train.data {str(corpus)!r}" in capsys.readouterr().err
+    assert f"would overwrite summary.json's config.train.data {str(corpus)!r}" in joined(capsys.readouterr().err)
     assert corpus.read_text() == "the user's training text. " * 200
 
 
@@ -558,8 +564,8 @@ def test_quantize_names_a_bad_summary_json_train_field(saved, tmp_path, capsys, 
         summary["config"]["train"][field] = value
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(["--weights", str(tmp_path / "model.npz")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and said in err, err
+    err = joined(capsys.readouterr().err)
+    assert err.count("error:") == 1 and said in err, err
 
 
 # --------------------------------------------------------------------------- compare
@@ -607,7 +613,7 @@ def test_gpu_check_refuses_bad_flags_before_the_probe(tmp_path, capsys, argv, ne
         argv += ["--json", str(tmp_path / "g.json")]
     with pytest.raises(SystemExit) as e:
         gpu_check.main(argv)
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert e.value.code == 2 and needle in joined(capsys.readouterr().err)
     assert not (tmp_path / "g.json").exists()
 
 
@@ -686,8 +692,8 @@ def test_a_damaged_npy_header_is_one_line_naming_the_weights(tmp_path, capsys, h
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("transformer.wte.weight.npy", raw)
     assert sample_main(["--weights", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--weights {str(path)!r} is not a model.npz" in err and said in err, err
+    err = joined(capsys.readouterr().err)
+    assert err.count("error:") == 1 and f"--weights {str(path)!r} is not a model.npz" in err and said in err, err
 
 
 def test_weights_larger_than_every_preset_refused_from_headers(tmp_path, monkeypatch):
@@ -721,12 +727,12 @@ def test_quantize_bounds_what_summary_json_says(saved, tmp_path, capsys, section
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     if section == "model":  # summary.json set aside (model.json gives the config), and said
         assert main(["--weights", str(tmp_path / "model.npz"), "--eval-batches", "1"]) == 0
-        assert "summary.json' set aside: " in capsys.readouterr().err
+        assert "summary.json' set aside: " in joined(capsys.readouterr().err)
         (tmp_path / "model.json").unlink()  # no model.json: the preset of the shapes, the summary still set aside
         assert main(["--weights", str(tmp_path / "model.npz"), "--eval-batches", "1"]) == 0
     else:
         assert main(["--weights", str(tmp_path / "model.npz")]) == 2
-    assert needle in capsys.readouterr().err
+    assert needle in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("flag,value,needle", [
@@ -737,7 +743,7 @@ def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
     from minizero.quantize import main
     with pytest.raises(SystemExit) as e:
         main(["--weights", str(tmp_path / "none.npz"), flag, value])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert e.value.code == 2 and needle in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -750,7 +756,7 @@ def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv
     from minizero.quantize import main
     with pytest.raises(SystemExit) as e:
         main(["--weights", str(tmp_path / "none.npz"), *argv])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert e.value.code == 2 and needle in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("flag,value", [("--initial-loss-scale", "1024"), ("--min-loss-scale", "2"),
@@ -771,8 +777,8 @@ def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
     with np.load(saved.parent / "model.npz") as z:
         np.savez(tmp_path / "model.npz", **{k: z[k].astype(np.int32) for k in z.files})
     assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
-    err = capsys.readouterr().err
-    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("\n") == 1
+    err = joined(capsys.readouterr().err)
+    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("error:") == 1
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -819,12 +825,12 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
         with pytest.raises(compare.UsageError, match=needle):
             compare.parse_args(["--model", "tiny", "--strategies", "baseline", *argv])
     assert debug_main(["parity", "--dp 1 --out " + str(run), "--dp 1"]) == 2
-    assert "--out is parity's own" in capsys.readouterr().err
+    assert "--out is parity's own" in joined(capsys.readouterr().err)
     assert debug_main(["parity", "-n 1000", "--dp 1"]) == 2
-    assert "-n needs a number of ranks in [1, 64]" in capsys.readouterr().err
+    assert "-n needs a number of ranks in [1, 64]" in joined(capsys.readouterr().err)
     monkeypatch.chdir(run)  # consolidate's default --out: model.npz, here another run's weights
     assert checkpoint_main(["consolidate", str(saved)]) == 2
-    assert "model.npz exists here" in capsys.readouterr().err
+    assert "model.npz exists here" in joined(capsys.readouterr().err)
     assert {**_digests(saved), **{f: (run / f).read_bytes() for f in ("model.npz", "model.json",
                                                                        "summary.json")}} == before
     from minizero.weights import SIDECAR, load_trained

@@ -13,6 +13,11 @@ from tests.conftest import mpi_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+
+
+def joined(printed: str) -> str:
+    """What a program printed, read whole: its lines of <= 120 columns (numerals.wrapped) joined by one space."""
+    return " ".join(printed.split())
 NOT_ASCII = ["٣", "８", "²", "1٣", "1_000"]  # Arabic-Indic 3, fullwidth 8 (int() reads both), superscript 2, a mix;
 # and '_' separators (int() reads 1_000; the message says digits 0-9)
 
@@ -46,7 +51,7 @@ def test_debug_collectives_0_and_1_are_accepted(monkeypatch, tmp_path, value, on
 def test_finetune_targets_named_twice_are_refused(capsys, targets, twice):
     """Before: "c_attn,c_attn" was accepted (one name, given twice)."""
     assert finetune.main(["--targets", targets]) == 2
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert f"--targets {targets!r} names {twice!r} twice; give each of c_attn, c_proj, c_fc at most once" in err
 
 
@@ -60,7 +65,7 @@ def test_plan_strategy_setting_a_switch_twice_is_refused(capsys, text, name):
 
     with pytest.raises(SystemExit) as e:
         plan.main(["--model", "llama3-8b", "--gpus", "8", "--strategy", text])
-    assert e.value.code == 2 and f"--strategy {text!r}: {name} is given twice" in capsys.readouterr().err
+    assert e.value.code == 2 and f"--strategy {text!r}: {name} is given twice" in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("text,said", [
@@ -114,9 +119,9 @@ def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
                        (sample.main, ["--tokens", digit]), (quantize.main, ["--bits", digit])):
         with pytest.raises(SystemExit) as e:
             main(argv)
-        assert e.value.code == 2 and allowed in capsys.readouterr().err
+        assert e.value.code == 2 and allowed in joined(capsys.readouterr().err)
     for main, argv in ((finetune.main, ["--steps", digit]), (compare.main, ["--steps", digit])):
-        assert main(argv) == 2 and allowed in capsys.readouterr().err
+        assert main(argv) == 2 and allowed in joined(capsys.readouterr().err)
     assert compare.main(["--ranks", f"2,{digit}"]) == 2
     assert f"got '2,{digit}'" in capsys.readouterr().err
     assert debug_main(["parity", f"-n {digit}", "--dp 1"]) == 2  # before: '٣' started 3 ranks, '²' a traceback
@@ -210,7 +215,7 @@ def test_finetune_that_diverges_writes_nothing(tmp_path, capsys):
         warnings.simplefilter("error", RuntimeWarning)  # an overflow warning: an exception here
         assert finetune.main(["--weights", str(tmp_path / "model.npz"), "--steps", "2", "--eval-batches", "1",
                               "--out", str(out), "--lr", "1e30", "--method", "full"]) == 1
-    assert "the run diverged; " in capsys.readouterr().err and not out.exists()
+    assert "the run diverged; " in joined(capsys.readouterr().err) and not out.exists()
 
 
 # --------------------------------------------------------------------------- values that start with '-'
@@ -245,7 +250,7 @@ def test_a_comma_list_starting_with_minus_reaches_compares_check():
 def test_finetune_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv, said):
     """Before: --method full with adapter flags trained every parameter without a word; --table ignored --method."""
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), *argv]) == 2
-    assert said in capsys.readouterr().err
+    assert said in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("kind", ["diverge", "diverge_state", "kill_in_save"])
@@ -254,7 +259,7 @@ def test_finetune_refuses_a_fault_kind_its_loop_never_fires(tmp_path, capsys, mo
     monkeypatch.setenv("MINIZERO_FAULT", f"0:0:{kind}")
     assert finetune.main(["--weights", str(tmp_path / "none.npz")]) == 2
     assert (f"MINIZERO_FAULT='0:0:{kind}' never fires in a fine-tune; allowed KIND: raise, kill, inf, stop, slow"
-            in capsys.readouterr().err)
+            in joined(capsys.readouterr().err))
 
 
 def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_path, capsys):
@@ -271,8 +276,8 @@ def test_an_output_file_where_a_run_makes_its_folder_is_refused_before_work(tmp_
             parse_args(["--model", "tiny", "--out", out, *argv], world_size=1)
     parse_args(["--model", "tiny", "--out", out, "--no-save", "--trace", out], world_size=1)  # no OUT made
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out, "--json", out]) == 2
-    assert capsys.readouterr().err == (f"python -m minizero.finetune: error: --json {out!r} would overwrite --out "
-                                       f"{out!r}; give another file\n")
+    assert joined(capsys.readouterr().err) == (f"python -m minizero.finetune: error: --json {out!r} would overwrite "
+                                               f"--out {out!r}; give another file")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -281,7 +286,7 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
     (tmp_path / "afile").write_text("x")
     out = str(tmp_path / "afile" / "ft")
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out]) == 2
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert f"--out {out!r} cannot be created or take files (" in err and "is not a directory" in err, err
 
 
@@ -292,7 +297,8 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
                                        ("debug", ["parity", "--dp 1", "--dp 1", "--tol", "nan"])])
 def test_a_refusal_is_one_line_without_the_usage_block(capsys, tool, argv):
     """quantize and finetune printed argparse's whole usage block (15 lines) above the error; every tool's is one
-    line naming the value, exit status 2 (numerals.OneLineParser)."""
+    line naming the value (a long one goes on over indented lines of <= 120 columns), exit status 2
+    (numerals.OneLineParser)."""
     import importlib
     module = {"checkpoint": "checkpoint.cli", "debug": "debug.__main__"}.get(tool, tool)
     try:
@@ -301,7 +307,9 @@ def test_a_refusal_is_one_line_without_the_usage_block(capsys, tool, argv):
         code = e.code
     err = capsys.readouterr().err
     prog = f"python -m minizero.{tool}" + (f" {argv[0]}" if tool in ("checkpoint", "debug") and argv else "")
-    assert code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err
+    lines = err.splitlines()
+    assert code == 2 and err.count("error:") == 1 and err.startswith(f"{prog}: error: "), err
+    assert all(len(line) <= 120 for line in lines) and all(line.startswith("  ") for line in lines[1:]), err
 
 
 def test_finetune_names_the_data_file_too_short_to_validate(tmp_path, capsys):
@@ -314,7 +322,7 @@ def test_finetune_names_the_data_file_too_short_to_validate(tmp_path, capsys):
     short.write_text("short text here")
     assert finetune.main(["--weights", str(weights / "model.npz"), "--data", str(short)]) == 2
     assert (f"--data {str(short)!r} has 15 bytes; needs at least 180 (its last 10% validates and must hold "
-            "block_size + 2 = 18 tokens)") in capsys.readouterr().err
+            "block_size + 2 = 18 tokens)") in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("module,commands", [("checkpoint.cli", "{inspect,consolidate}"),
@@ -359,7 +367,7 @@ def test_parity_reads_a_one_flag_layout_as_a_layout(capsys, layouts, said):
     from minizero.debug.__main__ import main as debug_main
     assert debug_main(["parity", *layouts, "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert said in err and err.count("\n") == 1, err
+    assert said in joined(err) and err.count("error:") == 1 and max(map(len, err.splitlines())) <= 120, err
 
 
 @pytest.mark.parametrize("module, argv, said", [
@@ -411,14 +419,14 @@ def test_did_you_mean_in_sample_and_train_synonyms_name_real_flags(capsys):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--top-p", "0.9"], "--top-p 0.9; minizero has no nucleus (top-p) sampling; it has --top-k and --temperature\n"),
-    (["--max-new-tokens", "5"], "--max-new-tokens 5 (did you mean --tokens?)\n")])
+    (["--top-p", "0.9"], "--top-p 0.9; minizero has no nucleus (top-p) sampling; it has --top-k and --temperature"),
+    (["--max-new-tokens", "5"], "--max-new-tokens 5 (did you mean --tokens?)")])
 def test_sample_names_what_it_has_for_other_programs_sampling_flags(capsys, argv, said):
     """Before: --top-p was offered --top-k (another technique); --max-new-tokens got no hint."""
     from minizero.sample import main as sample_main
     with pytest.raises(SystemExit) as e:
         sample_main(argv)
-    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"unrecognized arguments: {said}")
+    assert e.value.code == 2 and joined(capsys.readouterr().err).endswith(f"unrecognized arguments: {said}")
 
 
 @pytest.mark.parametrize("argv, hint", [
@@ -448,7 +456,7 @@ def test_an_output_folder_that_is_a_dangling_link_is_named(tmp_path, capsys):
             parse_args([*TINY, *argv])
         assert said in str(e.value), e.value
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", str(link / "sub")]) == 2
-    assert said in capsys.readouterr().err
+    assert said in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("ranks, argv", [
@@ -508,7 +516,7 @@ def test_parity_refuses_an_unknown_model_as_its_own_flag(capsys):
 
     with pytest.raises(SystemExit) as e:
         debug_main(["parity", "--dp 1", "--dp 1", "--model", "nosuch"])
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert e.value.code == 2 and "argument --model: invalid choice: 'nosuch'" in err and "layout" not in err, err
 
 
@@ -520,7 +528,38 @@ def test_hang_given_one_flight_file_names_its_folder(tmp_path, capsys):
     record.parent.mkdir()
     record.write_text("{}")
     assert debug_main(["hang", str(record)]) == 2
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert f"{str(record)!r} is a file; give the folder of every rank's rank_R.json, here {str(record.parent)!r}" in err
     assert debug_main(["hang", str(tmp_path / "nope")]) == 2
-    assert f"{str(tmp_path / 'nope')!r}: no such folder" in capsys.readouterr().err
+    assert f"{str(tmp_path / 'nope')!r}: no such folder" in joined(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("module, argv", [  # each printed one line of 125 to 339 columns before
+    ("plan", ["--model", "nosuch", "--gpus", "8"]),
+    ("sample", ["--device", "no-such-device-here"]),
+    ("quantize", ["--table", "--bits", "4", "--granularity", "row"]),
+    ("debug.__main__", ["nosuch"]), ("debug.__main__", ["parity", "--dp 1", "--dp 1", "--model", "nosuch"]),
+    ("checkpoint.cli", ["nosuch"]),
+    ("finetune", ["--weights", "none.npz", "--table", "--method", "lora"]),
+    ("compare", ["--ranks", ",".join(["x"] * 30)])])
+def test_a_long_refusal_of_every_program_is_printed_in_lines_of_at_most_120_columns(capsys, module, argv):
+    """train's refusals were wrapped (numerals.error_lines); the other programs' went on one line."""
+    import importlib
+    try:
+        code = importlib.import_module(f"minizero.{module}").main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert code == 2 and len(lines) > 1 and max(map(len, lines)) <= 120, err
+    assert err.count("error:") == 1 and all(line.startswith("  ") for line in lines[1:]), err
+
+
+def test_wrapped_lines_are_read_whole_again():
+    """What compare and parity read in a failed run's stderr: each long line whole (numerals.unwrapped)."""
+    from minizero.numerals import unwrapped, wrapped
+    line = "[rank 1] minizero.train failed: " + "; ".join(f"cause {i}" for i in range(40))
+    printed = wrapped(line) + "\nTraceback (most recent call last):\n    x = 1\n  File y\n  " + "z " * 70
+    assert max(map(len, wrapped(line).splitlines())) <= 120 and unwrapped(printed)[0] == line
+    assert unwrapped(printed)[1:] == printed.splitlines()[-4:]  # a traceback's lines, deeper or not, kept
+    assert wrapped("    " + line).splitlines()[1].startswith("      cause")  # 2 more than the line's own indent

@@ -89,8 +89,10 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     md = (out / "compare.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| 2 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["baseline", "zero3"]
-    assert md in proc.stdout  # the table printed is the table written
-    live = proc.stdout.split(md)[0].splitlines()  # the runs as they end; before: the hardware line ran to 190
+    from minizero.compare_report import on_terminal
+    shown = on_terminal(md)  # the table printed is the table written, its paragraphs over lines of <= 120 columns
+    assert shown in proc.stdout and md.splitlines()[-1] != shown.splitlines()[-1]
+    live = proc.stdout.split(shown)[0].splitlines()  # the runs as they end; before: the hardware line ran to 190
     assert max(map(len, live)) <= 120 and any("hardware profile (minizero.hardware)" in ln for ln in live), live
     result = json.loads((out / "compare.json").read_text())
     assert [r["strategy"] for r in result["runs"]] == ["baseline", "zero3"]
@@ -135,7 +137,7 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
     proc = run_compare(["--model", "tiny", "--ranks", "1,2", "--steps", "1", "--strategies", "baseline",
                         "--out", str(tmp_path)], env=env)
     assert proc.returncode == 1
-    assert "[rank 1] minizero.train failed: RuntimeError: injected fault" in proc.stderr
+    assert "[rank 1] minizero.train failed: RuntimeError: injected fault" in " ".join(proc.stderr.split())
     runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
     assert [(r["ranks"], r["ok"]) for r in runs] == [(1, True), (2, False)]  # 1 rank has no rank 1: it ran
     assert "injected fault" in runs[1]["error"]
@@ -158,7 +160,7 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
 def test_bad_input_is_named(argv, needle, capsys):
     assert compare.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m minizero.compare: error: ") and needle in err
+    assert err.startswith("python -m minizero.compare: error: ") and needle in " ".join(err.split())
     assert "Traceback" not in err
 
 
@@ -166,7 +168,7 @@ def test_cuda_without_cupy_is_refused_once_before_any_run(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError, as where it is not installed
     assert compare.main(["--device", "cuda"]) == 2
     captured = capsys.readouterr()
-    assert captured.err.count("\n") == 1 and "--device cuda needs CuPy" in captured.err and "'.[gpu]'" in captured.err
+    assert captured.err.count("error:") == 1 and "--device cuda needs CuPy" in captured.err and "'.[gpu]'" in captured.err
     assert captured.out == ""  # no hardware profile, no run launched
 
 
@@ -176,7 +178,7 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
     proc = run_compare(["--out", str(afile)])
     assert proc.returncode == 2
     expected = f"python -m minizero.compare: error: --out {str(afile)!r} exists and is not a directory"
-    assert proc.stderr.strip() == expected  # one line, no traceback
+    assert " ".join(proc.stderr.split()) == expected  # one refusal (over lines of <= 120 columns), no traceback
 
 
 def _procs_mentioning(text: str, but: int) -> list[int]:

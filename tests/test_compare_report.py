@@ -34,3 +34,15 @@ def test_the_table_says_in_one_short_line_that_its_device_total_is_no_simultaneo
     top = next(i for i, line in enumerate(lines) if line.startswith("| ranks |"))
     near = lines[top - 2]  # one blank line between it and the table
     assert "not one simultaneous peak" in near and "process peak" in near and len(near) <= 100, near
+
+
+def test_the_terminal_shows_the_paragraphs_in_lines_of_at_most_120_columns_and_the_tables_whole():
+    """Before: compare printed compare.md as is, its caption one line of ~960 columns."""
+    from minizero.compare_report import markdown, on_terminal
+
+    text = markdown([], "### title", {})
+    shown = on_terminal(text).splitlines()
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert rows and [line for line in shown if line.startswith("|")] == rows  # a table row cut in two is no row
+    assert max(len(line) for line in shown if not line.startswith("|")) <= 120
+    assert " ".join(on_terminal(text).split()) == " ".join(text.split())  # the same words

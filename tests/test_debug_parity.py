@@ -46,7 +46,7 @@ def _parity(*argv):
 @pytest.mark.timeout(300)
 def test_a_layout_the_main_job_refuses_ends_parity_with_status_2_before_any_run():
     bad = _parity("--dp 2", "--dp 3")  # 2 x micro-batch 2 does not divide the global batch of 8 with 3 ranks
-    assert bad.returncode == 2 and "layout '--dp 3': --batch-size 8 is not divisible" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "layout '--dp 3': --batch-size 8 is not divisible" in " ".join(bad.stderr.split()), bad.stderr
 
 
 @pytest.mark.parametrize("layout_b, said", [("--tp 0", "--tp must be an integer >= 1, got 0"),
@@ -69,7 +69,7 @@ def test_a_bad_number_is_refused_by_the_parity_parser_before_any_run(capsys, fla
     with pytest.raises(SystemExit) as e:
         main(["parity", "--dp 2", "--tp 2", flag, value])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and said in err and "python -m minizero.debug parity: error" in err, err
+    assert e.value.code == 2 and said in " ".join(err.split()) and "python -m minizero.debug parity: error" in err, err
 
 
 def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
@@ -80,3 +80,14 @@ def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
         main(["parity", "--sequence-parallel", "--tracemalloc", "--bogus", "--x"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus --x\n"
+
+
+def test_the_verdict_is_printed_in_lines_of_at_most_120_columns(monkeypatch, capsys):
+    """Before: 'same: ...' was one line of 136-143 columns (a long parameter name)."""
+    from minizero.debug import parity
+    result = {"loss": [1.0], "norm": [2.0], "params": {"transformer.h.11.mlp.c_proj.weight_with_a_long_name": np.ones(2)}}
+    monkeypatch.setattr(parity, "check", lambda *a: None)
+    monkeypatch.setattr(parity, "run", lambda *a: result)
+    assert parity.main("--dp 2", "--tp 2", [], 1e-10) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120 and " ".join(out.split()).startswith("same: 1 step, every loss"), out

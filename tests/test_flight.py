@@ -18,7 +18,13 @@ from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_
 from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.debug import hang
 from minizero.debug.__main__ import main as debug_main
+from minizero.numerals import unwrapped
 from tests.conftest import mpi_env
+
+
+def joined(printed: str) -> str:
+    """What a program printed, read whole: its lines of <= 120 columns (numerals.wrapped) joined by one space."""
+    return " ".join(printed.split())
 
 
 def _run_and_dump(world, fn, folder, timeout=1.0):
@@ -113,8 +119,8 @@ def test_hang_names_a_flight_field_of_the_wrong_type(tmp_path, capsys, field, va
     (snap if field == "reason" else snap["entries"][0])[field] = value
     (tmp_path / "rank_0.json").write_text(json.dumps(snap))
     assert debug_main(["hang", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not a flight record" in err and needle in err, err
+    err = joined(capsys.readouterr().err)
+    assert err.count("error:") == 1 and "is not a flight record" in err and needle in err, err
 
 
 def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
@@ -124,11 +130,25 @@ def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
     _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
     shutil.copy(tmp_path / "rank_0.json", tmp_path / "rank_1.json")
     assert debug_main(["hang", str(tmp_path)]) == 2
-    assert f"{tmp_path / 'rank_1.json'} holds rank 0's flight record, expected rank 1" in capsys.readouterr().err
+    assert f"{tmp_path / 'rank_1.json'} holds rank 0's flight record, expected rank 1" in joined(capsys.readouterr().err)
     _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
     shutil.copy(tmp_path / "rank_1.json", tmp_path / "rank_01.json")
     assert debug_main(["hang", str(tmp_path)]) == 2
-    assert "is a second flight record of rank 1" in capsys.readouterr().err
+    assert "is a second flight record of rank 1" in joined(capsys.readouterr().err)
+
+
+def test_the_hang_cli_prints_each_finding_in_lines_of_at_most_120_columns(tmp_path, capsys):
+    """Before: one line per finding of up to 302 columns."""
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        if comm.rank != 1:
+            all_reduce(comm, np.ones(5))
+
+    _run_and_dump(4, fn, tmp_path)
+    assert debug_main(["hang", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert hang.analyze(hang.load(str(tmp_path))) == [ln for ln in unwrapped(out) if not ln.startswith("rank ")]
 
 
 def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
@@ -156,23 +176,24 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
     path = tmp_path / "trace.json"
     path.write_bytes(content)
     assert debug_main(["trace", str(path)]) == 2
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert str(path) in err and needle in err and "a timeline is the Chrome trace JSON" in err
     flight = tmp_path / "flight"
     flight.mkdir()
     (flight / "rank_0.json").write_bytes(content or b"{}")
     assert debug_main(["hang", str(flight)]) == 2
-    err = capsys.readouterr().err
+    err = joined(capsys.readouterr().err)
     assert str(flight / "rank_0.json") in err and ("is not JSON" in err or "is not a flight record" in err
                                                    or "nested too deeply" in err), err
     assert debug_main(["trace", str(tmp_path)]) == 2  # a folder for a file: one line, no traceback
-    assert "Is a directory" in capsys.readouterr().err
+    assert "Is a directory" in joined(capsys.readouterr().err)
     assert debug_main(["trace", str(tmp_path / "none.json")]) == 2  # before: "[Errno 2] No such file ...", no more
-    assert capsys.readouterr().err == (f"python -m minizero.debug: error: {str(tmp_path / 'none.json')!r}: No such "
-                                       "file or directory (a timeline is the Chrome trace JSON that --trace writes)\n")
+    assert joined(capsys.readouterr().err) == (f"python -m minizero.debug: error: {str(tmp_path / 'none.json')!r}: No "
+                                               "such file or directory (a timeline is the Chrome trace JSON that --trace "
+                                               "writes)")
     os.mkfifo(tmp_path / "fifo")  # before: read forever
     assert debug_main(["trace", str(tmp_path / "fifo")]) == 2
-    assert "is not a regular file (a FIFO or a device)" in capsys.readouterr().err
+    assert "is not a regular file (a FIFO or a device)" in joined(capsys.readouterr().err)
 
 
 def test_a_flight_record_lacking_what_the_analysis_reads_is_named():
@@ -281,7 +302,8 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     assert proc.returncode != 0
     flight = out / "flight"
     assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
-    assert f"(who hung where: python -m minizero.debug hang {flight})" in proc.stderr, proc.stderr  # the next step
+    said = " ".join(proc.stderr.split())  # a long line goes on over indented lines of <= 120 columns
+    assert f"(who hung where: python -m minizero.debug hang {flight})" in said, proc.stderr  # the next step
     for f in os.listdir(flight):  # each live rank wrote its file within --comm-timeout + 30 s of starting to wait
         snap = json.loads((flight / f).read_text())
         waiting_since = min(e["posted_us"] for e in snap["entries"] if e["state"] != "completed")
@@ -289,7 +311,8 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     report = subprocess.run([sys.executable, "-m", "minizero.debug", "hang", str(flight)], env=mpi_env(),
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 1
-    lines = report.stdout.splitlines()
+    assert max(map(len, report.stdout.splitlines() + proc.stderr.splitlines())) <= 120, (report.stdout, proc.stderr)
+    lines = unwrapped(report.stdout)  # each finding whole
     assert "missing: rank 1 wrote no flight file (stopped or killed before it could)" in lines, report.stdout
     found = [ln for ln in lines if ln.startswith("hang: group dp [0, 1, 2, 3]: rank(s) [0, 2, 3] wait in ")]
     assert found and "rank 1 left no record (no flight file)" in found[0], report.stdout

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from minizero.files import FolderLock, FolderLocked
+from minizero.numerals import unwrapped
 from tests.test_reliability import small_disk  # noqa: F401 (a fixture)
 
 
@@ -130,7 +131,7 @@ def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp
         if mounted:
             subprocess.run(["umount", str(save)], capture_output=True)
     assert proc.returncode == 1 and elapsed < 15, (proc.returncode, elapsed, err)
-    said = [ln for ln in err.splitlines() if "minizero.train" in ln]
+    said = [ln for ln in unwrapped(err) if "minizero.train" in ln]  # each long line whole
     assert len(said) == 1 and said[0].startswith("[rank 0] minizero.train failed: could not write"), err
     assert "Read-only file system; the previous checkpoint is kept" in said[0] and "Traceback" not in err, err
     kept = [n for n in os.listdir(save) if n.startswith("step_")]
@@ -174,7 +175,7 @@ def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path
                           env=env, capture_output=True, text=True, timeout=100)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
-    assert said in proc.stderr, proc.stderr
+    assert said in " ".join(proc.stderr.split()), proc.stderr  # a long line goes on over indented lines
     # nothing written: no weights; the folder --out's lock made goes with it, unless MPI_Abort killed rank 0 (the
     # lock's holder) first, which leaves the unlocked lock file, as train's OUT (the next job takes it)
     ft = tmp_path / "ft"
@@ -283,7 +284,7 @@ def test_a_stalled_rank_of_a_group_is_named_by_its_world_rank(mpiexec, tmp_path)
                            "--out", str(tmp_path / "o")], env=dict(mpi_env(), MINIZERO_FAULT="3:2:stop"),
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stderr
-    said = [ln for ln in proc.stderr.splitlines() if "minizero.train failed" in ln]
+    said = [ln for ln in unwrapped(proc.stderr) if "minizero.train failed" in ln]  # each long line whole
     assert said and all("(world rank " in ln for ln in said), proc.stderr  # rank 0 may wait on rank 2, who waits on 3
     assert any("for rank 1 (world rank 3) of a communicator of 2" in ln for ln in said), proc.stderr
 
@@ -305,7 +306,7 @@ def test_consolidate_on_a_full_disk_is_one_line_and_exit_1(small_disk, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(ck), "--out",
                            str(disk / "m.npz")], capture_output=True, text=True, timeout=100, env=mpi_env())
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.splitlines() == [
+    assert unwrapped(proc.stderr) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.checkpoint: error: could not write '{disk / 'm.npz'}': no space left on device (the disk "
         "is full); files already written are left as they were (each is written whole or not at all)"]
     assert sorted(os.listdir(disk)) == ["filler"]
@@ -393,7 +394,7 @@ def test_a_rank_out_of_address_space_ends_the_job_in_one_line(mpiexec):
     proc = subprocess.run([mpiexec, "-n", "2", "sh", "-c", f"ulimit -v 1200000 && exec {cmd}"], env=mpi_env(),
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stderr
-    said = [ln for ln in proc.stderr.splitlines() if "minizero.train" in ln]
+    said = [ln for ln in unwrapped(proc.stderr) if "minizero.train" in ln]  # each long line whole
     assert said and all("minizero.train failed: out of memory (Unable to allocate" in ln for ln in said), proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -437,6 +438,12 @@ def test_every_rank_ends_says_each_failure_in_one_line_and_aborts(capfd, signals
         with pytest.raises(SystemExit) as ended, every_rank_ends("tool", "files kept", world, grace_s=0):
             raise error
         assert world.aborted == code == ended.value.code and capfd.readouterr().err == said
+    world = World()  # a long message: over indented lines of <= 120 columns, as every program's
+    with pytest.raises(SystemExit), every_rank_ends("tool", "files kept", world, grace_s=0):
+        raise CommTimeoutError("rank 1: sendrecv (tag 1001) waited 2 s for rank 0 of a communicator of 2 (the "
+                               "communicator's timeout); a rank is stalled or gone")
+    err = capfd.readouterr().err
+    assert max(map(len, err.splitlines())) <= 120 and " ".join(err.split()).endswith("a rank is stalled or gone"), err
     world = World()
     with pytest.raises(SystemExit), every_rank_ends("tool", "files kept", world, grace_s=0):
         raise KeyError("bug")
@@ -529,7 +536,7 @@ def test_finetune_refuses_an_output_another_job_holds(mpiexec, base_weights, tmp
         held.release()
     path = str(out) if flag == "--out" else str(table)
     assert proc.returncode == 2 and elapsed < 60, (proc.returncode, elapsed, proc.stderr)
-    assert proc.stderr.splitlines() == [
+    assert unwrapped(proc.stderr) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.finetune: error: {flag} {path!r} is in use by another minizero job (pid {os.getpid()} "
         f"on host {__import__('socket').gethostname()}); wait for it to end or choose another "
         f"{'folder' if flag == '--out' else 'file'}"], proc.stderr
@@ -550,7 +557,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     finally:
         held.release()
     assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
-    assert proc.stderr.splitlines() == [
+    assert unwrapped(proc.stderr) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.quantize: error: --json {str(table)!r} is in use by another minizero job (pid "
         f"{os.getpid()} on host {__import__('socket').gethostname()}); wait for it to end or choose another file"]
     assert table.read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["q.json"]  # the lock file gone too
@@ -641,8 +648,8 @@ def test_the_checkpoint_tool_refuses_a_running_jobs_save_dir(tmp_path, capsys, m
         assert main([command[0], str(save), *command[1:]]) == 2
     finally:
         lock.release()
-    assert capsys.readouterr().err == (
+    assert unwrapped(capsys.readouterr().err) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.checkpoint: error: {save}: {str(save)!r} is in use by a running minizero job (pid "
         f"{os.getpid()} on host {__import__('socket').gethostname()}), whose saves prune its checkpoints; wait for "
-        "it to end or copy the checkpoint elsewhere\n")
+        "it to end or copy the checkpoint elsewhere"]
     assert sorted(os.listdir(tmp_path)) == []  # nothing written (the lock's folder gone with it)

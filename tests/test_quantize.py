@@ -283,8 +283,9 @@ def _q_error(capsys, argv):
     from minizero.quantize import main
 
     code = main(argv)
-    err = capsys.readouterr().err.strip()
-    return code, err
+    err = capsys.readouterr().err
+    assert max(map(len, err.splitlines()), default=0) <= 120, err  # a long refusal over lines of <= 120 columns
+    return code, " ".join(err.split())
 
 
 def test_quantize_rejects_files_that_are_not_weights(tmp_path, capsys, trained_tiny):

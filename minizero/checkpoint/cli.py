@@ -22,7 +22,7 @@ from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write
                             live_job_holding, read_json)
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
-from minizero.numerals import OneLineParser
+from minizero.numerals import OneLineParser, error_lines
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
 from minizero.weights import SIDECAR, write_model_json
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
@@ -208,16 +208,16 @@ def main(argv=None) -> int:
             print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
-        for line in msg.splitlines():  # one line per problem (a damaged manifest may have several)
-            print(f"python -m minizero.checkpoint: error: {line}", file=sys.stderr)
+        # one line per problem (a damaged manifest may have several), a long one over indented lines
+        print(error_lines("python -m minizero.checkpoint", msg), file=sys.stderr)
         return 2
     except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
         raise
     except WriteError as e:  # a full disk: not a bad argument (exit 1, as quantize and finetune)
-        print(f"python -m minizero.checkpoint: error: {e.strerror}; {WHOLE}", file=sys.stderr)
+        print(error_lines("python -m minizero.checkpoint", f"{e.strerror}; {WHOLE}"), file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"python -m minizero.checkpoint: error: {e}", file=sys.stderr)
+        print(error_lines("python -m minizero.checkpoint", str(e)), file=sys.stderr)
         return 2
     return 0
 

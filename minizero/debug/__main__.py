@@ -7,8 +7,8 @@ import sys
 
 from minizero.debug import hang, parity, timeline
 from minizero.nn import PRESETS
-from minizero.numerals import (DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real,
-                               unrecognized)
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
+                               negative_values_reach_checks, real, unrecognized)
 from minizero.interrupts import interruptible, refuse_several_ranks
 
 WHAT = {"hang": " (flight records are the rank_R.json files minizero.train writes)",
@@ -54,10 +54,10 @@ def main(argv=None) -> int:
         raise
     except OSError as e:  # no such file or folder, a folder given for a file, unreadable
         said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename else e
-        print(f"python -m minizero.debug: error: {said}", file=sys.stderr)
+        print(error_lines("python -m minizero.debug", str(said)), file=sys.stderr)
         return 2
     except ValueError as e:  # the loaders name a file of another kind and what it lacks
-        print(f"python -m minizero.debug: error: {e}{WHAT.get(args.command, '')}", file=sys.stderr)
+        print(error_lines("python -m minizero.debug", f"{e}{WHAT.get(args.command, '')}"), file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ import re
 
 from minizero.comm.flight import describe
 from minizero.files import read_json
+from minizero.numerals import wrapped
 
 
 def load(folder: str) -> dict[int, dict]:
@@ -191,8 +192,8 @@ def main(folder: str) -> int:
     """Print the reasons of the dumps and the findings; exit status 0 (nothing found) or 1."""
     snaps = load(folder)
     for r, s in sorted(snaps.items()):
-        print(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded")
+        print(wrapped(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded"))
     lines = analyze(snaps)
-    for line in lines:
-        print(line)
+    for line in lines:  # one line per finding, a long one over indented lines
+        print(wrapped(line))
     return 0 if lines[0].startswith("ok:") else 1

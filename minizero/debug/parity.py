@@ -18,7 +18,7 @@ import numpy as np
 
 from minizero.files import mpiexec_path
 from minizero.interrupts import run_group
-from minizero.numerals import is_count
+from minizero.numerals import error_lines, is_count, unwrapped, wrapped
 
 SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ulysses")
 #: refused in a layout: what parity sets for both runs (its own flags) and what would write outside its temporary
@@ -95,7 +95,8 @@ def run(layout: str, common: list[str], out: str) -> dict:
            *train_argv(flags, common, out)]
     proc = run_group(cmd)  # Ctrl-C: mpiexec and its ranks killed
     if proc.returncode != 0:
-        said = [ln for ln in proc.stderr.splitlines() if "error" in ln or "failed" in ln] or proc.stderr.splitlines()
+        lines = unwrapped(proc.stderr)  # a long line printed over several, whole
+        said = [ln for ln in lines if "error" in ln or "failed" in ln] or lines
         return {"error": f"{layout!r} failed (exit {proc.returncode}): {(said or ['no message'])[0]}"}
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
@@ -151,9 +152,9 @@ def main(layout_a: str, layout_b: str, common: list[str], tol: float) -> int:
         for i, layout in enumerate((layout_a, layout_b)):
             results.append(run(layout, common, os.path.join(d, str(i))))
             if "error" in results[-1]:
-                print(f"python -m minizero.debug parity: error: {results[-1]['error']}", file=sys.stderr)
+                print(error_lines("python -m minizero.debug parity", results[-1]["error"]), file=sys.stderr)
                 return 2
     lines = compare(*results, names=(layout_a, layout_b), tol=tol)
     for line in lines:
-        print(line)
+        print(wrapped(line))
     return 0 if lines[0].startswith("same:") else 1
