@@ -131,3 +131,39 @@ def test_where_to_look_names_exist():
     problems = [f"lessons/{lesson}.md: `{name}`: {why}" for lesson, name in names
                 if (why := _missing(name, defined, sources))]
     assert not problems, "\n".join(problems)
+
+
+# --- the main job's and the planner's command lines a lesson prints parse as printed -----------------
+
+COMMAND = re.compile(r"^(?:(?:mpirun|mpiexec) -n (\d+) )?python -m minizero\.(train|plan) (.+)$")
+PLACEHOLDER = re.compile(r"\.\.\.|[{}]|\b(PATH|DIR|N)\b")
+
+
+def printed_commands() -> list[tuple[str, int, str, str]]:
+    """``(lesson, ranks, module, command)`` for each `python -m minizero.train|plan ARGS` in lessons/*.md (inline
+    code or a bash block; a bare module name is a name, and a command with a placeholder is a pattern)."""
+    found = []
+    for path in sorted((ROOT / "lessons").glob("*.md")):
+        text = path.read_text()
+        spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", text)
+        spans += [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
+        for span in (" ".join(s.split()).split(" #")[0] for s in spans):
+            if (m := COMMAND.match(span)) and not PLACEHOLDER.search(span):
+                found.append((path.stem, int(m.group(1) or 1), m.group(2), span))
+    return found
+
+
+def test_printed_commands_parse():
+    """A student copies them: `minizero.plan --strategy "..."` without --model and --gpus stopped at argparse."""
+    import shlex
+
+    from minizero import plan
+    from minizero.args import parse_args
+    commands = printed_commands()
+    assert len(commands) > 10 and {c[2] for c in commands} == {"train", "plan"}
+    for lesson, ranks, module, command in commands:
+        argv = shlex.split(COMMAND.match(command).group(3))
+        try:
+            plan.build_parser().parse_args(argv) if module == "plan" else parse_args(argv, ranks, quiet=True)
+        except SystemExit:
+            pytest.fail(f"lessons/{lesson}.md prints `{command}`, which stops at its argument check")
