@@ -167,3 +167,23 @@ def test_printed_commands_parse():
             plan.build_parser().parse_args(argv) if module == "plan" else parse_args(argv, ranks, quiet=True)
         except SystemExit:
             pytest.fail(f"lessons/{lesson}.md prints `{command}`, which stops at its argument check")
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_every_exercise_answer_is_a_figure_its_notebook_asserts(name):
+    """Each numbered solution quotes a recorded figure (none typed by hand), recorded by a notebook cell that
+    asserts: nbmake then fails when the code stops giving the answer the lesson prints."""
+    template = (build.TEMPLATES / f"{name}.md").read_text()
+    exercises = re.search(r"^## Exercises\n(.*?)(?=^## )", template, re.M | re.S)
+    assert exercises, f"lessons/templates/{name}.md has no '## Exercises' section"
+    solutions = re.search(r"<details><summary>\w+</summary>(.*?)</details>", exercises.group(1), re.S)
+    answers = [a for a in re.split(r"^(?=\d+\. )", solutions.group(1), flags=re.M) if re.match(r"\d+\. ", a)]
+    questions = re.findall(r"^\d+\. ", exercises.group(1)[:solutions.start()], re.M)
+    assert answers and len(answers) == len(questions), f"{name}: {len(questions)} exercises, {len(answers)} answers"
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    for answer in answers:
+        fields = re.findall(r"\{\{\s*(\w+)\s*\}\}", answer)
+        assert any(re.search(rf"record(_bound)?\(\s*[\"']{f}[\"']", c) and "assert" in c for f in fields for c in cells), (
+            f"lessons/templates/{name}.md, answer {answer[:2]} quotes no figure that a notebook cell records and "
+            f"asserts (fields: {fields})")
