@@ -139,18 +139,22 @@ COMMAND = re.compile(r"^(?:(?:mpirun|mpiexec) -n (\d+) )?python -m minizero\.(tr
 PLACEHOLDER = re.compile(r"\.\.\.|[{}]|\b(PATH|DIR|N)\b")
 
 
-def printed_commands() -> list[tuple[str, int, str, str]]:
-    """``(lesson, ranks, module, command)`` for each `python -m minizero.train|plan ARGS` in lessons/*.md (inline
-    code or a bash block; a bare module name is a name, and a command with a placeholder is a pattern)."""
+def printed_spans() -> list[tuple[str, str]]:
+    """``(lesson, text)`` for each inline code span and each line of a shell block in lessons/*.md, comments cut."""
     found = []
     for path in sorted((ROOT / "lessons").glob("*.md")):
         text = path.read_text()
         spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", text)
-        spans += [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
-        for span in (" ".join(s.split()).split(" #")[0] for s in spans):
-            if (m := COMMAND.match(span)) and not PLACEHOLDER.search(span):
-                found.append((path.stem, int(m.group(1) or 1), m.group(2), span))
+        spans += [line for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S) for line in block.splitlines()]
+        found += [(path.stem, " ".join(s.split()).split(" #")[0]) for s in spans]
     return found
+
+
+def printed_commands() -> list[tuple[str, int, str, str]]:
+    """``(lesson, ranks, module, command)`` for each `python -m minizero.train|plan ARGS` in lessons/*.md (a bare
+    module name is a name, and a command with a placeholder is a pattern)."""
+    return [(lesson, int(m.group(1) or 1), m.group(2), span) for lesson, span in printed_spans()
+            if (m := COMMAND.match(span)) and not PLACEHOLDER.search(span)]
 
 
 def test_printed_commands_parse():
@@ -159,12 +163,15 @@ def test_printed_commands_parse():
 
     from minizero import plan
     from minizero.args import parse_args
+    from minizero.flags import UsageError
     commands = printed_commands()
     assert len(commands) > 10 and {c[2] for c in commands} == {"train", "plan"}
     for lesson, ranks, module, command in commands:
         argv = shlex.split(COMMAND.match(command).group(3))
         try:
             plan.build_parser().parse_args(argv) if module == "plan" else parse_args(argv, ranks, quiet=True)
+        except UsageError as e:  # a folder an earlier command of the lesson writes (--resume) is not here
+            assert "no such" in str(e), f"lessons/{lesson}.md prints `{command}`: {e}"
         except SystemExit:
             pytest.fail(f"lessons/{lesson}.md prints `{command}`, which stops at its argument check")
 
@@ -187,3 +194,21 @@ def test_every_exercise_answer_is_a_figure_its_notebook_asserts(name):
         assert any(re.search(rf"record(_bound)?\(\s*[\"']{f}[\"']", c) and "assert" in c for f in fields for c in cells), (
             f"lessons/templates/{name}.md, answer {answer[:2]} quotes no figure that a notebook cell records and "
             f"asserts (fields: {fields})")
+
+
+def test_printed_script_and_tool_flags_exist():
+    """The flags of `python bench/X.py`, `python mpi_examples/X.py` and `python -m minizero.TOOL` a lesson prints
+    are defined: in the script (or its folder's _*.py helpers), or for a tool, in minizero/."""
+    tools = "\n".join(p.read_text() for p in (ROOT / "minizero").rglob("*.py"))
+    pattern = re.compile(r"python (?:((?:bench|mpi_examples)/\w+\.py)|-m minizero\.(?!train\b|plan\b)\w+)((?: [^#]*)?)")
+    checked, problems = 0, []
+    for lesson, span in printed_spans():
+        for m in pattern.finditer(span):
+            script = ROOT / m.group(1) if m.group(1) else None
+            source = (script.read_text() + "".join(p.read_text() for p in script.parent.glob("_*.py"))) if script \
+                else tools
+            for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", m.group(2)):
+                checked += 1
+                if f'"{flag}"' not in source:
+                    problems.append(f"lessons/{lesson}.md: `{span}`: no {flag} in {m.group(1) or 'minizero/'}")
+    assert checked > 10 and not problems, "\n".join(problems)
