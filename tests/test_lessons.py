@@ -212,3 +212,21 @@ def test_printed_script_and_tool_flags_exist():
                 if f'"{flag}"' not in source:
                     problems.append(f"lessons/{lesson}.md: `{span}`: no {flag} in {m.group(1) or 'minizero/'}")
     assert checked > 10 and not problems, "\n".join(problems)
+
+
+def _questions(markdown: str) -> list[str]:
+    """The numbered questions of a '## Exercises' section (up to its solutions), whitespace joined."""
+    section = re.search(r"^## Exercises[^\n]*\n(.*?)(?=<details>|\Z)", markdown, re.M | re.S).group(1)
+    return [" ".join(q.split()) for q in re.split(r"^\d+\. ", section, flags=re.M)[1:]]
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_notebook_asks_the_lessons_exercises(name):
+    """A student reads the exercises in the notebook: the same questions as the lesson (notebook 06 asked for the
+    default model at tp 8, which its 4 heads refuse; notebook 05 for `offloaded` alone, which the answer is not)."""
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    markdown = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    asked = [text for text in markdown if "## Exercises" in text]
+    assert len(asked) == 1, f"notebooks/{name}.ipynb has {len(asked)} '## Exercises' cells"
+    assert _questions(asked[0]) == _questions((ROOT / "lessons" / f"{name}.md").read_text()), (
+        f"notebooks/{name}.ipynb asks other exercises than lessons/{name}.md: copy the lesson's questions")
