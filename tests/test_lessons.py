@@ -131,3 +131,102 @@ def test_where_to_look_names_exist():
     problems = [f"lessons/{lesson}.md: `{name}`: {why}" for lesson, name in names
                 if (why := _missing(name, defined, sources))]
     assert not problems, "\n".join(problems)
+
+
+# --- the main job's and the planner's command lines a lesson prints parse as printed -----------------
+
+COMMAND = re.compile(r"^(?:(?:mpirun|mpiexec) -n (\d+) )?python -m minizero\.(train|plan) (.+)$")
+PLACEHOLDER = re.compile(r"\.\.\.|[{}]|\b(PATH|DIR|N)\b")
+
+
+def printed_spans() -> list[tuple[str, str]]:
+    """``(lesson, text)`` for each inline code span and each line of a shell block in lessons/*.md, comments cut."""
+    found = []
+    for path in sorted((ROOT / "lessons").glob("*.md")):
+        text = path.read_text()
+        spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", text)
+        spans += [line for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S) for line in block.splitlines()]
+        found += [(path.stem, " ".join(s.split()).split(" #")[0]) for s in spans]
+    return found
+
+
+def printed_commands() -> list[tuple[str, int, str, str]]:
+    """``(lesson, ranks, module, command)`` for each `python -m minizero.train|plan ARGS` in lessons/*.md (a bare
+    module name is a name, and a command with a placeholder is a pattern)."""
+    return [(lesson, int(m.group(1) or 1), m.group(2), span) for lesson, span in printed_spans()
+            if (m := COMMAND.match(span)) and not PLACEHOLDER.search(span)]
+
+
+def test_printed_commands_parse():
+    """A student copies them: `minizero.plan --strategy "..."` without --model and --gpus stopped at argparse."""
+    import shlex
+
+    from minizero import plan
+    from minizero.args import parse_args
+    from minizero.flags import UsageError
+    commands = printed_commands()
+    assert len(commands) > 10 and {c[2] for c in commands} == {"train", "plan"}
+    for lesson, ranks, module, command in commands:
+        argv = shlex.split(COMMAND.match(command).group(3))
+        try:
+            plan.build_parser().parse_args(argv) if module == "plan" else parse_args(argv, ranks, quiet=True)
+        except UsageError as e:  # a folder an earlier command of the lesson writes (--resume) is not here
+            assert "no such" in str(e), f"lessons/{lesson}.md prints `{command}`: {e}"
+        except SystemExit:
+            pytest.fail(f"lessons/{lesson}.md prints `{command}`, which stops at its argument check")
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_every_exercise_answer_is_a_figure_its_notebook_asserts(name):
+    """Each numbered solution quotes a recorded figure (none typed by hand), recorded by a notebook cell that
+    asserts: nbmake then fails when the code stops giving the answer the lesson prints."""
+    template = (build.TEMPLATES / f"{name}.md").read_text()
+    exercises = re.search(r"^## Exercises\n(.*?)(?=^## )", template, re.M | re.S)
+    assert exercises, f"lessons/templates/{name}.md has no '## Exercises' section"
+    solutions = re.search(r"<details><summary>\w+</summary>(.*?)</details>", exercises.group(1), re.S)
+    answers = [a for a in re.split(r"^(?=\d+\. )", solutions.group(1), flags=re.M) if re.match(r"\d+\. ", a)]
+    questions = re.findall(r"^\d+\. ", exercises.group(1)[:solutions.start()], re.M)
+    assert answers and len(answers) == len(questions), f"{name}: {len(questions)} exercises, {len(answers)} answers"
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    for answer in answers:
+        fields = re.findall(r"\{\{\s*(\w+)\s*\}\}", answer)
+        assert any(re.search(rf"record(_bound)?\(\s*[\"']{f}[\"']", c) and "assert" in c for f in fields for c in cells), (
+            f"lessons/templates/{name}.md, answer {answer[:2]} quotes no figure that a notebook cell records and "
+            f"asserts (fields: {fields})")
+
+
+def test_printed_script_and_tool_flags_exist():
+    """The flags of `python bench/X.py`, `python mpi_examples/X.py` and `python -m minizero.TOOL` a lesson prints
+    are defined: in the script (or its folder's _*.py helpers), or for a tool, in minizero/."""
+    tools = "\n".join(p.read_text() for p in (ROOT / "minizero").rglob("*.py"))
+    pattern = re.compile(r"python (?:((?:bench|mpi_examples)/\w+\.py)|-m minizero\.(?!train\b|plan\b)\w+)((?: [^#]*)?)")
+    checked, problems = 0, []
+    for lesson, span in printed_spans():
+        for m in pattern.finditer(span):
+            script = ROOT / m.group(1) if m.group(1) else None
+            source = (script.read_text() + "".join(p.read_text() for p in script.parent.glob("_*.py"))) if script \
+                else tools
+            for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", m.group(2)):
+                checked += 1
+                if f'"{flag}"' not in source:
+                    problems.append(f"lessons/{lesson}.md: `{span}`: no {flag} in {m.group(1) or 'minizero/'}")
+    assert checked > 10 and not problems, "\n".join(problems)
+
+
+def _questions(markdown: str) -> list[str]:
+    """The numbered questions of a '## Exercises' section (up to its solutions), whitespace joined."""
+    section = re.search(r"^## Exercises[^\n]*\n(.*?)(?=<details>|\Z)", markdown, re.M | re.S).group(1)
+    return [" ".join(q.split()) for q in re.split(r"^\d+\. ", section, flags=re.M)[1:]]
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_notebook_asks_the_lessons_exercises(name):
+    """A student reads the exercises in the notebook: the same questions as the lesson (notebook 06 asked for the
+    default model at tp 8, which its 4 heads refuse; notebook 05 for `offloaded` alone, which the answer is not)."""
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    markdown = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    asked = [text for text in markdown if "## Exercises" in text]
+    assert len(asked) == 1, f"notebooks/{name}.ipynb has {len(asked)} '## Exercises' cells"
+    assert _questions(asked[0]) == _questions((ROOT / "lessons" / f"{name}.md").read_text()), (
+        f"notebooks/{name}.ipynb asks other exercises than lessons/{name}.md: copy the lesson's questions")
