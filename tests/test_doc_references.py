@@ -324,6 +324,21 @@ def test_every_allowed_entry_is_still_used():
     assert not set(ALLOWED) - spans, set(ALLOWED) - spans
 
 
+CODE = ("minizero/**/*.py", "bench/*.py", "mpi_examples/*.py", "lessons/*.py", "docs/*.py")
+
+
+def test_every_path_in_the_code_comments_and_docstrings_exists():
+    """A ``dir/file.py`` a comment or docstring of the code names (``parallel/data_parallel.py``) exists; names with
+    a placeholder (``notebooks/NN_name.ipynb``) are not checked."""
+    stale = []
+    for path in (p for pattern in CODE for p in sorted(glob.glob(os.path.join(REPO_ROOT, pattern), recursive=True))):
+        for n, line in enumerate(open(path).read().splitlines(), 1):
+            for m in re.finditer(r"(?<![\w/.-])((?:\w+/)+\w+\.(?:py|ipynb|md))\b", line):
+                if not re.search(r"\bNN_|\bNAME\b|/name\.", m.group(1)):
+                    stale += [f"{os.path.relpath(path, REPO_ROOT)}:{n}: {p}" for p in problems_in(m.group(1))]
+    assert not stale, "stale paths in the code's comments or docstrings:\n" + "\n".join(stale)
+
+
 @pytest.mark.parametrize("span", ["minizero.zero.stage9", "minizero.loop.no_such_function", "minizero/zero/stage9.py",
                                   "zero/stage9.py", "stage3.no_such_name", "Strategy.no_such_method", "NoSuchClass.x",
                                   "python -m minizero.train --no-such-flag", "--no-such-flag", "bench/bench_nope.py",
