@@ -319,6 +319,35 @@ def test_every_code_reference_in_the_prose_resolves():
     assert not stale, "stale references (fix the prose, or add to ALLOWED with a reason):\n" + "\n".join(stale)
 
 
+def table_problems(row: str) -> list[str]:
+    """In a table row's cell such as "`minizero/zero/stage3.py`: `ZeroStage3` (`_gather_hook`, `full_parameters`)",
+    each bare name after a path (up to a ';') occurs in that file (a base name: in any file of that name)."""
+    problems = []
+    for part in re.split(r"[|;]", row):
+        files = []
+        for m in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", part):
+            span = m.group(1).strip().rstrip(":")
+            if re.fullmatch(r"[\w/]+\.py", span):
+                files = [f for f in _files() if ("/" + f).endswith("/" + span)]
+                continue
+            name = re.fullmatch(r"([A-Za-z_]\w*)(?:\(.*\))?", span)
+            if files and name and not any(re.search(rf"\b{name.group(1)}\b", _text(f)) for f in files):
+                problems.append(f"{name.group(1)} is not in {' / '.join(files)}")
+    return problems
+
+
+@lru_cache(maxsize=None)
+def _text(path: str) -> str:
+    return open(os.path.join(REPO_ROOT, path)).read()
+
+
+def test_names_listed_after_a_file_in_a_table_are_in_that_file():
+    stale = [f"{os.path.relpath(path, REPO_ROOT)}:{n}: {p}" for path in _prose()
+             for n, line in enumerate(open(path).read().splitlines(), 1) if line.startswith("|")
+             for p in table_problems(line)]
+    assert not stale, "stale names in the tables (fix the prose):\n" + "\n".join(stale)
+
+
 def test_every_allowed_entry_is_still_used():
     spans = {span.strip() for path in _prose() for _, span, _ in references(open(path).read())}
     assert not set(ALLOWED) - spans, set(ALLOWED) - spans
@@ -351,6 +380,11 @@ def test_every_path_in_the_code_comments_and_docstrings_exists():
                                   "python -m minizero.train --zero-stage 3"])
 def test_a_stale_name_is_caught(span):
     assert problems_in(span)
+
+
+def test_a_name_missing_from_the_file_a_table_names_is_caught():
+    row = "| stage 3 | `minizero/zero/stage3.py`: `ZeroStage3` (`_gather_hook`, `_no_such_hook`); `Topology` |"
+    assert table_problems(row) == ["_no_such_hook is not in minizero/zero/stage3.py"]
 
 
 @pytest.mark.parametrize("span", ["minizero.zero.stage3", "minizero/zero/stage3.py", "zero/stage3.py",
