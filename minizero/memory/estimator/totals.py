@@ -73,7 +73,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         largest_unit = max(largest_unit, m.embedding_parameters(st.tp))
     comm = gathered = 0
     if accounting == "minizero":
-        # minizero's own buffers (parallel/data_parallel.py, memory/zero.py): stage 0 keeps flat
+        # minizero's own buffers (parallel/data_parallel.py, zero/stage2.py, zero/stage3.py): stage 0 keeps flat
         # buckets for every gradient; stages 2-3 open one unit's full-size gradient bucket at a
         # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
         # used at both ends of the model and stays open (gathered) in between.
