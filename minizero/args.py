@@ -377,7 +377,8 @@ def resolve_parallel_args(args, world_size: int) -> int:
         args.grad_accum = args.pp  # one rule: k = pp (1 without a pipeline); tensor parallelism never changes B
     if args.prune_sparsity and args.tp * args.pp > 1:
         raise ValueError(f"--prune-sparsity with --tp {args.tp} --pp {args.pp} is not supported: magnitude "
-                         "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks")
+                         "pruning ranks whole weights, which tensor and pipeline parallelism split across ranks; "
+                         "use --tp 1 --pp 1 (--dp, --zero and --cp compose with pruning)")
     check_zero(args)
     check_sequence_parallel(args, cfg)
     check_interleaved(args, cfg)

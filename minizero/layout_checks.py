@@ -137,7 +137,8 @@ def check_zero_bubble(args, cfg) -> None:
                "which offload's hooks are not tested for")}
     for flag, (bad, reason) in why.items():
         if bad:
-            raise UsageError(f"--schedule {args.schedule} with {flag} is not supported: {reason}")
+            raise UsageError(f"--schedule {args.schedule} with {flag} is not supported: {reason}; "
+                             "use --schedule 1f1b (the same pipeline, its backward not split)")
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,
@@ -244,14 +245,19 @@ def check_moe(args) -> None:
         raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)"
                          + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))
     m = "--moe-experts with"
-    refused = [(args.cp > 1, f"{m} --cp {args.cp}", "a rank would route its sequence chunks, not the micro-batch"),
-               (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences"),
+    cp_flag = f"--ulysses {args.cp}" if args.ulysses is not None else f"--cp {args.cp}"
+    refused = [(args.cp > 1, f"{m} {cp_flag}", "a rank would route its sequence chunks, not the micro-batch; "
+                f"run without {cp_flag.split()[0]} (--dp, --ep, --tp and --pp compose with MoE)"),
+               (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences; "
+                "leave --sequence-parallel off (--tp alone composes with MoE)"),
                (args.precision == "fp8", f"{m} --precision fp8", "FP8Linear keeps an amax history per tensor, "
                 "while the router and expert products (nn.Matmul children, which bf16 converts) would need one per "
                 "expert, reduced over its expert-data group; use --precision bf16 or fp16"),
-               (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets"),
+               (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets; "
+                "use --pack"),
                (args.schedule not in ("1f1b", "gpipe"), f"{m} --schedule {args.schedule}",
-                "split or interleaved backward is not tested with the expert all-to-alls")]
+                "split or interleaved backward is not tested with the expert all-to-alls; "
+                "use --schedule 1f1b or gpipe")]
     if ep > 1:
         m = f"--ep {ep} with"
         refused += [(args.allreduce != "ring" or args.quantized_comm or args.native_comm,

@@ -84,6 +84,7 @@ def test_left_out_sizes_are_derived(world, given, expect):
     (4, ["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 is not supported"),
     (4, ["--pp", "2", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (4, ["--pp", "2", "--prune-sparsity", "0.5"], "--prune-sparsity with --tp 1 --pp 2 is not supported"),
+    (2, ["--tp", "2", "--prune-sparsity", "0.5"], "across ranks; use --tp 1 --pp 1 (--dp, --zero and --cp compose"),
 ])
 def test_bad_sizes_fail_before_any_work_naming_the_numbers(world, argv, needle):
     with pytest.raises(UsageError) as e:

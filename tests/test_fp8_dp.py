@@ -78,3 +78,13 @@ def test_replicas_agree_under_mpiexec(mpiexec, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = read_manifest(str(tmp_path / "out" / "checkpoints" / "step_00000003"))["files"]
     assert len(files) == 2 and files[0]["fp8"] == files[1]["fp8"] and files[0]["fp8"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout,scaling", [(["--cp", "2"], "current"), (["--ulysses", "2"], "delayed")])
+def test_context_parallel_casts_take_the_whole_sequences_amax(layout, scaling):
+    """Under --cp / --ulysses a Linear sees T/cp rows per rank: its x and g casts take the context group's max amax,
+    so 2 ranks equal one process to float32 rounding (with each chunk's own amax the first loss moved by 2e-4)."""
+    argv = ["--no-save", "--steps", "2", "--fp8-scaling", scaling]
+    one, two = _run(1, argv), _run(2, argv + layout)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-7)

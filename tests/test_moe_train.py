@@ -118,6 +118,11 @@ def test_the_losses_and_the_bias_change_the_result():
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
     (["--precision", "fp8"], 1, "--moe-experts with --precision fp8 is not supported"),
+    (["--ulysses", "2"], 2, "--moe-experts with --ulysses 2 is not supported: a rank would route its sequence "
+     "chunks, not the micro-batch; run without --ulysses (--dp, --ep, --tp and --pp compose with MoE)"),
+    (["--cp", "2"], 2, "--moe-experts with --cp 2 is not supported: a rank would route its sequence chunks, not "
+     "the micro-batch; run without --cp (--dp"),
+    (["--pad"], 1, "not weighed by real targets; use --pack"),
 ])
 def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
     argv = [*BASE, *flags]

@@ -103,7 +103,7 @@ def test_zero_bubble_is_refused_where_it_does_not_run():
         parse_args([*base, "--schedule", "zb-h1"], 1)
     with pytest.raises(UsageError, match="with --sequence-parallel is not supported"):
         parse_args([*base, "--pp", "2", "--tp", "2", "--schedule", "zb-h1", "--sequence-parallel"], 4)
-    with pytest.raises(UsageError, match="with --offload-activations cpu is not supported"):
+    with pytest.raises(UsageError, match="with --offload-activations cpu is not supported: .*; use --schedule 1f1b"):
         parse_args([*base, "--pp", "2", "--schedule", "zb-h1", "--offload-activations", "cpu"], 2)
     with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):
         parse_args([*base, "--pp", "2", "--schedule", "zb-h1", "--zero", "2"], 2)

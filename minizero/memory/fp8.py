@@ -88,12 +88,14 @@ def from_fp8_bits(b, fmt: FP8Format):
 
 class ScaledCast:
     """One tensor's FP8 cast with its per-tensor scale; ``cast(x)`` -> float32 q / s; ``stats()``: saturated,
-    underflowed."""
+    underflowed. ``group``: the ranks holding slices of one tensor (context parallelism's sequence chunks); each
+    cast's amax is their max (all-gather, label ``fp8_amax``), the whole tensor's, as one process casts it."""
 
-    def __init__(self, fmt: FP8Format, scaling: str):
+    def __init__(self, fmt: FP8Format, scaling: str, group=None):
         if scaling not in SCALINGS:
             raise ValueError(f"FP8 scaling must be one of {SCALINGS}, got {scaling!r}")
         self.fmt, self.scaling, self.history, self.pending = fmt, scaling, None, None
+        self.group = group if group is not None and group.world_size > 1 else None
         self.elements, self.saturated, self.underflowed = 0, 0, 0  # device scalars once cast (no sync per cast)
 
     def cast(self, x):
@@ -106,6 +108,9 @@ class ScaledCast:
         (delayed scaling) when gradients are enabled, so evaluation leaves it as training left it."""
         xp = backend.array_module(x)
         amax = xp.abs(x).max().astype(xp.float32)
+        if self.group is not None:
+            with self.group.traffic.op("fp8_amax"):
+                amax = all_gather(self.group, amax[None]).max()
         if self.scaling == "delayed":
             if self.history is None:
                 self.history = xp.zeros(AMAX_HISTORY, dtype=xp.float32)
@@ -175,13 +180,15 @@ class _FP8Linear(Function):
 
 
 class FP8Linear(Linear):
-    """A Linear computing in FP8 (:class:`_FP8Linear`), its three casts' scales kept here; same Parameters."""
+    """A Linear computing in FP8 (:class:`_FP8Linear`), its three casts' scales kept here; same Parameters.
+    ``group``: the ranks that split x and g along the sequence (W is whole on each)."""
 
-    def __init__(self, linear: Linear, scaling: str):
+    def __init__(self, linear: Linear, scaling: str, group=None):
         Module.__init__(self)
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.casts = {"x": ScaledCast(E4M3, scaling), "w": ScaledCast(E4M3, scaling), "g": ScaledCast(E5M2, scaling)}
+        self.casts = {"x": ScaledCast(E4M3, scaling, group), "w": ScaledCast(E4M3, scaling),
+                      "g": ScaledCast(E5M2, scaling, group)}
 
     def forward(self, x: Tensor) -> Tensor:
         args = (x, self.weight, self.casts) + (() if self.bias is None else (self.bias,))
@@ -242,8 +249,9 @@ def load_fp8_state(model, state: dict) -> list[str]:
     return missing
 
 
-def use_fp8(model, scaling: str = "delayed") -> list[str]:
+def use_fp8(model, scaling: str = "delayed", group=None) -> list[str]:
     """Replace every plain :class:`Linear` under ``model`` by an :class:`FP8Linear` (in place); their names.
+    ``group``: the context-parallel ranks (collective: the casts of x and g take the max amax over it).
 
     Raises: ValueError for an unknown ``scaling``; TypeError for a parameter that is not float32.
     """
@@ -252,4 +260,4 @@ def use_fp8(model, scaling: str = "delayed") -> list[str]:
     for name, p in model.named_parameters():
         if p.dtype != np.float32:
             raise TypeError(f"FP8 compute keeps float32 parameters; {name} is {p.dtype}")
-    return model.swap_modules(lambda m: FP8Linear(m, scaling) if type(m) is Linear else None)
+    return model.swap_modules(lambda m: FP8Linear(m, scaling, group) if type(m) is Linear else None)

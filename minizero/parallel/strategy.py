@@ -269,7 +269,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     if args.precision == "bf16":  # before recompute wraps the blocks
         use_bf16(stage)
     elif args.precision == "fp8":
-        use_fp8(stage, args.fp8_scaling)
+        use_fp8(stage, args.fp8_scaling, cp_comm)  # a sequence chunk's casts take the whole sequence's amax
     if model is not None:  # the one stage shares the model's blocks, not its head attribute: the GPT samples with it
         model.lm_head = stage.lm_head
     apply_recompute(stage, args.recompute, args.recompute_every)
