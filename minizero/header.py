@@ -125,6 +125,9 @@ def note_lines(args, topo, opt, world: int) -> list[str]:
     elif args.check_replicas and opt.state_replicas(topo.dp_comm) is None:  # plain ZeRO 1-2
         notes.append(f"note: --check-replicas {args.check_replicas} under ZeRO-{args.zero} compares parameters{also} "
                      "only: each optimizer shard is held once")
+    if args.optimizer == "adam8bit" and topo.tp > 1:  # the grid of 256-element blocks is each shard's
+        notes.append(f"note: --optimizer adam8bit with --tp {topo.tp} quantizes m and v in blocks of each tensor "
+                     "shard, not of the whole tensor: the results differ from --tp 1's at 8-bit rounding")
     return notes
 
 

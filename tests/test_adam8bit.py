@@ -266,3 +266,14 @@ def test_train_flags_are_checked():
         parse_args(["--optimizer", "adam8bit", "--adam8bit-block-size", "0"])
     with pytest.raises(UsageError, match="'adam16bit'"):
         parse_args(["--optimizer", "adam16bit"])
+
+
+@pytest.mark.timeout(120)
+def test_the_header_says_tp_cuts_the_8bit_blocks():
+    """Before: --optimizer adam8bit --tp 2 differed from one process at 8-bit rounding (its blocks are each shard's)
+    without a word, where every other layout is equal to one process."""
+    from tests.test_zero import _train_logged
+    base = ["--model", "tiny", "--steps", "1", "--eval-batches", "1", "--no-progress", "--optimizer", "adam8bit"]
+    out = " ".join(run_in_threads(2, _train_logged, base + ["--tp", "2"], timeout=100)[0].split())
+    assert "note: --optimizer adam8bit with --tp 2 quantizes m and v in blocks of each tensor shard" in out
+    assert "blocks of each tensor shard" not in run_in_threads(2, _train_logged, base + ["--dp", "2"], timeout=100)[0]
