@@ -103,6 +103,20 @@ def saved_state_problems(entry: dict, experts) -> list[str]:
     return []
 
 
+def data_problems(man: dict) -> list[str]:
+    """The data section (absent in older saves): a JSON object whose ``text`` (resume compares it) is null or the
+    string save writes."""
+    if "data" not in man:
+        return []
+    data = man["data"]
+    if not isinstance(data, dict):
+        return [f"data is {str(data)[:40]}, expected a JSON object {{'seed', 'global_batch', 'block_size', 'text'}}"]
+    if not (data.get("text") is None or isinstance(data["text"], str)):
+        return [f"data.text is {shown(data, 'text')}, expected null or a string (the training text's bytes and "
+                "SHA-256)"]
+    return []
+
+
 def rng_problem(rng) -> str | None:
     """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
     checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
