@@ -762,17 +762,22 @@ def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
     parse_args([*TINY, "--out", str(tmp_path / "o"), "--precision", "fp16", flag, value])
 
 
-def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
-    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from."""
+@pytest.mark.parametrize("program, argv", [("sample", ["--tokens", "5"]), ("quantize", ["--eval-batches", "1"]),
+                                           ("finetune", ["--steps", "1"])])
+def test_int32_weights_are_refused_by_every_program_that_reads_them(saved, tmp_path, capsys, program, argv):
+    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from; after sample refused
+    them, quantize still measured them and finetune trained them and wrote a model.npz."""
+    import importlib
     import shutil
     import numpy as np
-    from minizero.sample import main as sample_main
     shutil.copy(saved.parent / "model.json", tmp_path / "model.json")
     with np.load(saved.parent / "model.npz") as z:
         np.savez(tmp_path / "model.npz", **{k: z[k].astype(np.int32) for k in z.files})
-    assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
+    main = importlib.import_module(f"minizero.{program}").main
+    assert main(["--weights", str(tmp_path / "model.npz"), *argv]) == 2
     err = capsys.readouterr().err
-    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("\n") == 1
+    assert "has dtype int32; sampling, quantizing and fine-tuning need float16, float32 or float64 weights" in err \
+        and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flags, said", [
