@@ -286,7 +286,7 @@ DEPENDENT_FLAGS = (
     (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8", lambda a: f"--precision {a.precision}"),
     (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
      lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)", lambda a: "--moe-experts 0"),
-    (("keep",), lambda a: a.save_every > 0, "--save-every N > 0 (checkpoints)", lambda a: "--save-every 0"),
+    (("keep", "save_dir"), lambda a: a.save_every > 0, "--save-every N > 0 (checkpoints)", lambda a: "--save-every 0"),
     (("recompute_every",), lambda a: a.recompute != "none", "--recompute full or selective",
      lambda a: "--recompute none"),
     (("attention_block",), lambda a: a.attention == "flash", "--attention flash",

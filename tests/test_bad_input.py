@@ -157,7 +157,9 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--json", "s.json", "--no-save"], "--no-save writes no summary"),
     (["--moe-top-k", "1"], "--moe-top-k only apply(ies) with --moe-experts > 0"),
     (["--keep", "5", "--save-dir", "ck"],
-     "--keep only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+     "--keep, --save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+    # before: accepted; a run given --save-dir alone saved no checkpoint (it reads as if it did)
+    (["--save-dir", "ck"], "--save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
     (["--recompute-every", "2"], "--recompute-every only apply(ies) with --recompute full or selective"),
     (["--attention-block", "8"], "--attention-block only apply(ies) with --attention flash; got --attention dense"),
     (["--adam8bit-block-size", "64"], "--adam8bit-block-size only apply(ies) with --optimizer adam8bit"),
@@ -353,7 +355,8 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
     shutil.copytree(died / "step_00000001", died / "good")  # a copy under another name: not one of its steps
     with pytest.raises(UsageError, match="is not one of them"):
         parse_args([*again, "--resume", str(died / "good")])
-    parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])  # saves nothing
+    with pytest.raises(UsageError, match="--save-dir only apply"):  # saves nothing: refused as an idle flag
+        parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])
     assert _digests(saved) == before
 
 
