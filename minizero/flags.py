@@ -315,8 +315,9 @@ def refuse_idle_flags(args) -> None:
 def job_environment() -> dict:
     """The environment settings every rank must share, by variable: the all-reduce size rule (ranks that disagree
     run different algorithms and wait on each other until --comm-timeout) and ZeRO's order check (an extra
-    collective). Raises ValueError as :func:`threshold_from_env` and :func:`debug_collectives`."""
-    return {THRESHOLD_ENV: threshold_from_env(), DEBUG_COLLECTIVES_ENV: debug_collectives()}
+    collective), as a refusal shows them (the switch as the 0 or 1 it is set to). Raises ValueError as
+    :func:`threshold_from_env` and :func:`debug_collectives`."""
+    return {THRESHOLD_ENV: threshold_from_env(), DEBUG_COLLECTIVES_ENV: int(debug_collectives())}
 
 
 def differing_flags(every_flags, shown: int = 3) -> list[str]:

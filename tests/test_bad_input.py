@@ -261,6 +261,18 @@ def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_ranks_with_different_debug_switches_are_named_with_the_values_typed(monkeypatch):
+    """Before: MINIZERO_DEBUG_COLLECTIVES=1 on rank 0 and unset on rank 1 was refused as 'True on rank 0, False on
+    rank 1': values the variable does not take (it allows "0" or "1")."""
+    from minizero.flags import flags_refusal, job_environment
+
+    envs = []
+    for value in ("1", "0"):
+        monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", value)
+        envs.append(({}, {}, job_environment()))
+    assert "MINIZERO_DEBUG_COLLECTIVES: 1 on rank 0, 0 on rank 1;" in flags_refusal(envs)
+
+
 def test_differing_flags_names_the_given_flags_first_then_derived_ones():
     from minizero.flags import differing_flags
 
