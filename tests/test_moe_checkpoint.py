@@ -87,6 +87,25 @@ def test_another_moe_shape_is_refused_before_any_work(tmp_path):
     assert "float64\n  MoE in blocks [0, 1]: 4 experts, top-2, capacity factor 1\n  layout: 2 rank(s)" in text, text
 
 
+@pytest.mark.timeout(120)
+def test_a_manifest_without_an_moe_layers_routing_biases_is_refused_before_any_work(tmp_path):
+    """Attacker: the routing section dropped from every files entry (or its layers renamed) passed the manifest
+    check; --resume built the model, then failed in restore (exit 1, MPI_Abort under mpiexec)."""
+    import json
+    run(1, MOE + ["--steps", "1", "--warmup", "1", "--save-every", "1", "--save-dir", str(tmp_path)])
+    folder = tmp_path / "step_00000001"
+    man = json.loads((folder / "manifest.json").read_text())
+    for f in man["files"]:
+        f["routing"] = {"transformer.h.9.mlp.moe": f["routing"]["transformer.h.0.mlp.moe"]}  # a layer renamed
+    (folder / "manifest.json").write_text(json.dumps(man))
+    said = "files hold no routing biases of 'transformer.h.0.mlp.moe', 'transformer.h.1.mlp.moe', expected"
+    with pytest.raises(UsageError, match=said):
+        parse_args(["--model", "tiny"] + MOE + ["--resume", str(folder)], 1)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(folder)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
 @pytest.mark.timeout(600)
 def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
     """``mpiexec -n 4 ... --ep 2 --save-every 3``, then ``mpiexec -n 2 ... --resume step 3`` (ep 1, 2 micro-batches):

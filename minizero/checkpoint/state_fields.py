@@ -103,6 +103,18 @@ def saved_state_problems(entry: dict, experts) -> list[str]:
     return []
 
 
+def routing_problems(man: dict) -> list[str]:
+    """Every MoE layer (a ``.moe.router`` in the checked ``params``) has its routing biases in some files entry (a
+    rank saves its stage's layers; resume sets them by name and stops after the model is built when one lacks)."""
+    layers = sorted(n[:-len(".router")] for n in man["params"] if n.endswith(".moe.router"))
+    saved = {k for f in man["files"] if isinstance(f.get("routing"), dict) for k in f["routing"]}
+    lack = [n for n in layers if n not in saved]
+    if not lack:
+        return []
+    return [f"files hold no routing biases of {', '.join(repr(n[:60]) for n in lack[:3])}"
+            f"{', ...' if len(lack) > 3 else ''}, expected every MoE layer's (save writes them in its ranks' entries)"]
+
+
 def data_problems(man: dict) -> list[str]:
     """The data section (absent in older saves): a JSON object whose ``text`` (resume compares it) is null or the
     string save writes."""
