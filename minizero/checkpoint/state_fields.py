@@ -105,10 +105,17 @@ def saved_state_problems(entry: dict, experts) -> list[str]:
 
 def routing_problems(man: dict) -> list[str]:
     """Every MoE layer (a ``.moe.router`` in the checked ``params``) has its routing biases in some files entry (a
-    rank saves its stage's layers; resume sets them by name and stops after the model is built when one lacks)."""
+    rank saves its stage's layers; resume sets them by name and stops after the model is built when one lacks),
+    the same biases in each entry that holds them (one state, every rank's copy; resume took the last)."""
     layers = sorted(n[:-len(".router")] for n in man["params"] if n.endswith(".moe.router"))
-    saved = {k for f in man["files"] if isinstance(f.get("routing"), dict) for k in f["routing"]}
-    lack = [n for n in layers if n not in saved]
+    first = {}  # layer -> the index of the first files entry holding it
+    for i, f in enumerate(man["files"]):
+        for name, biases in (f["routing"] if isinstance(f.get("routing"), dict) else {}).items():
+            j = first.setdefault(name, i)
+            if biases != man["files"][j]["routing"][name]:
+                return [f"files[{i}].routing[{name[:60]!r}] differs from files[{j}]'s, expected one state in every "
+                        "file (MoE's routing biases: each rank saves its copy)"]
+    lack = [n for n in layers if n not in first]
     if not lack:
         return []
     return [f"files hold no routing biases of {', '.join(repr(n[:60]) for n in lack[:3])}"
