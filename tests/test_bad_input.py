@@ -160,6 +160,9 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
      "--keep, --save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
     # before: accepted; a run given --save-dir alone saved no checkpoint (it reads as if it did)
     (["--save-dir", "ck"], "--save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+    # before: "got --save-every 0", a value not given
+    (["--save-every", "-1", "--keep", "3"], "--keep only apply(ies) with --save-every N > 0 (checkpoints); got "
+                                            "--save-every -1"),
     (["--recompute-every", "2"], "--recompute-every only apply(ies) with --recompute full or selective"),
     (["--attention-block", "8"], "--attention-block only apply(ies) with --attention flash; got --attention dense"),
     (["--adam8bit-block-size", "64"], "--adam8bit-block-size only apply(ies) with --optimizer adam8bit"),
