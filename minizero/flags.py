@@ -286,7 +286,8 @@ DEPENDENT_FLAGS = (
     (("fp8_scaling",), lambda a: a.precision == "fp8", "--precision fp8", lambda a: f"--precision {a.precision}"),
     (("moe_top_k", "moe_capacity_factor", "moe_every", "moe_aux_loss", "moe_z_loss", "moe_bias_update"),
      lambda a: a.moe_experts > 0, "--moe-experts > 0 (a mixture of experts)", lambda a: "--moe-experts 0"),
-    (("keep",), lambda a: a.save_every > 0, "--save-every N > 0 (checkpoints)", lambda a: "--save-every 0"),
+    (("keep", "save_dir"), lambda a: a.save_every > 0, "--save-every N > 0 (checkpoints)",
+     lambda a: f"--save-every {a.save_every}"),
     (("recompute_every",), lambda a: a.recompute != "none", "--recompute full or selective",
      lambda a: "--recompute none"),
     (("attention_block",), lambda a: a.attention == "flash", "--attention flash",
@@ -315,8 +316,9 @@ def refuse_idle_flags(args) -> None:
 def job_environment() -> dict:
     """The environment settings every rank must share, by variable: the all-reduce size rule (ranks that disagree
     run different algorithms and wait on each other until --comm-timeout) and ZeRO's order check (an extra
-    collective). Raises ValueError as :func:`threshold_from_env` and :func:`debug_collectives`."""
-    return {THRESHOLD_ENV: threshold_from_env(), DEBUG_COLLECTIVES_ENV: debug_collectives()}
+    collective), as a refusal shows them (the switch as the 0 or 1 it is set to). Raises ValueError as
+    :func:`threshold_from_env` and :func:`debug_collectives`."""
+    return {THRESHOLD_ENV: threshold_from_env(), DEBUG_COLLECTIVES_ENV: int(debug_collectives())}
 
 
 def differing_flags(every_flags, shown: int = 3) -> list[str]:

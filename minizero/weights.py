@@ -337,15 +337,9 @@ def config_for(weights: str, state: dict) -> GPTConfig:
 def load_gpt(weights: str) -> GPT:
     """The GPT stored in ``weights`` (model.npz), in the file's dtype.
 
-    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`,
-    or integer arrays.
+    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`.
     """
-    state = read_weights(weights)
-    ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
-    if ints:  # a GPT computes in floating point; integers would be cast silently and sample nonsense
-        raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling needs "
-                                    f"float16, float32 or float64 weights")
-    return load_trained(weights, None, state)[0]
+    return load_trained(weights, None, read_weights(weights))[0]
 
 
 def stored_dtype(state: dict) -> str:
@@ -365,11 +359,15 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
     :func:`model_config`'s rule, ``preset`` being the program's ``flag`` (its ``--model``; None: it has none).
     ``notes``: a list that gets model_config's note, when summary.json was set aside.
 
-    Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, a bad model.json or summary.json,
-    no shape, or weights that do not fit the shape (file, first names and ``--model`` named).
+    Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, integer arrays, a bad model.json or
+    summary.json, no shape, or weights that do not fit the shape (file, first names and ``--model`` named).
     """
     if state is None:
         state = read_weights(weights)
+    ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
+    if ints:  # a GPT computes in floating point; integers would be cast silently (truncated values) and used
+        raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling, quantizing and "
+                                    "fine-tuning need float16, float32 or float64 weights")
     cfg, source, summary, note = model_config(weights, state, preset, flag)
     if note and notes is not None:
         notes.append(note)

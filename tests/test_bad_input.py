@@ -163,7 +163,12 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--json", "s.json", "--no-save"], "--no-save writes no summary"),
     (["--moe-top-k", "1"], "--moe-top-k only apply(ies) with --moe-experts > 0"),
     (["--keep", "5", "--save-dir", "ck"],
-     "--keep only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+     "--keep, --save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+    # before: accepted; a run given --save-dir alone saved no checkpoint (it reads as if it did)
+    (["--save-dir", "ck"], "--save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
+    # before: "got --save-every 0", a value not given
+    (["--save-every", "-1", "--keep", "3"], "--keep only apply(ies) with --save-every N > 0 (checkpoints); got "
+                                            "--save-every -1"),
     (["--recompute-every", "2"], "--recompute-every only apply(ies) with --recompute full or selective"),
     (["--attention-block", "8"], "--attention-block only apply(ies) with --attention flash; got --attention dense"),
     (["--adam8bit-block-size", "64"], "--adam8bit-block-size only apply(ies) with --optimizer adam8bit"),
@@ -265,6 +270,18 @@ def test_finetune_ranks_that_refuse_differently_end_together(mpiexec, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_ranks_with_different_debug_switches_are_named_with_the_values_typed(monkeypatch):
+    """Before: MINIZERO_DEBUG_COLLECTIVES=1 on rank 0 and unset on rank 1 was refused as 'True on rank 0, False on
+    rank 1': values the variable does not take (it allows "0" or "1")."""
+    from minizero.flags import flags_refusal, job_environment
+
+    envs = []
+    for value in ("1", "0"):
+        monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", value)
+        envs.append(({}, {}, job_environment()))
+    assert "MINIZERO_DEBUG_COLLECTIVES: 1 on rank 0, 0 on rank 1;" in flags_refusal(envs)
+
+
 def test_differing_flags_names_the_given_flags_first_then_derived_ones():
     from minizero.flags import differing_flags
 
@@ -359,7 +376,8 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
     shutil.copytree(died / "step_00000001", died / "good")  # a copy under another name: not one of its steps
     with pytest.raises(UsageError, match="is not one of them"):
         parse_args([*again, "--resume", str(died / "good")])
-    parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])  # saves nothing
+    with pytest.raises(UsageError, match="--save-dir only apply"):  # saves nothing: refused as an idle flag
+        parse_args([*TINY, "--steps", "3", "--save-dir", str(saved), "--out", str(tmp_path / "o")])
     assert _digests(saved) == before
 
 
@@ -768,17 +786,22 @@ def test_loss_scale_flags_refused_without_fp16(tmp_path, flag, value):
     parse_args([*TINY, "--out", str(tmp_path / "o"), "--precision", "fp16", flag, value])
 
 
-def test_sample_refuses_int32_weights(saved, tmp_path, capsys):
-    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from."""
+@pytest.mark.parametrize("program, argv", [("sample", ["--tokens", "5"]), ("quantize", ["--eval-batches", "1"]),
+                                           ("finetune", ["--steps", "1"])])
+def test_int32_weights_are_refused_by_every_program_that_reads_them(saved, tmp_path, capsys, program, argv):
+    """Before: int32 weights (the float32 file's values truncated) were cast and sampled from; after sample refused
+    them, quantize still measured them and finetune trained them and wrote a model.npz."""
+    import importlib
     import shutil
     import numpy as np
-    from minizero.sample import main as sample_main
     shutil.copy(saved.parent / "model.json", tmp_path / "model.json")
     with np.load(saved.parent / "model.npz") as z:
         np.savez(tmp_path / "model.npz", **{k: z[k].astype(np.int32) for k in z.files})
-    assert sample_main(["--weights", str(tmp_path / "model.npz"), "--tokens", "5"]) == 2
+    main = importlib.import_module(f"minizero.{program}").main
+    assert main(["--weights", str(tmp_path / "model.npz"), *argv]) == 2
     err = joined(capsys.readouterr().err)
-    assert "has dtype int32; sampling needs float16, float32 or float64 weights" in err and err.count("error:") == 1
+    assert "has dtype int32; sampling, quantizing and fine-tuning need float16, float32 or float64 weights" in err \
+        and err.count("error:") == 1, err
 
 
 @pytest.mark.parametrize("flags, said", [

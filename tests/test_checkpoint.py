@@ -883,6 +883,18 @@ def test_inspect_reads_no_field_the_manifest_check_let_through(saved, tmp_path, 
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
+@pytest.mark.parametrize("data, said", [
+    (None, "data is None, expected a JSON object {'seed', 'global_batch', 'block_size', 'text'}"),
+    ([1], "data is [1], expected a JSON object {'seed', 'global_batch', 'block_size', 'text'}"),
+    ({"text": 5}, "data.text is 5, expected null or a string (the training text's bytes and SHA-256)"),
+])
+def test_a_data_section_that_is_not_one_is_refused(saved, tmp_path, data, said):
+    """Attacker: ``"data": null`` (or a list) passed every check and was an AttributeError traceback in
+    ``--resume`` after the model was built; ``"text": 5`` printed a note that the text differs from 5."""
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man.update(data=data)), said,
+                        tmp_path)
+
+
 @pytest.mark.parametrize("field, value, said", [
     ("fp8", [1], "files[0].fp8 is [1], expected {layer name: {'x' | 'w' | 'g': [finite numbers]}}"),
     ("fp8", {"transformer.h.0.mlp.c_fc": {"x": []}},

@@ -5,6 +5,7 @@ weights to 1e-12 and the same losses) with choices dropped and the routing bias 
 dim-0 shard in the checkpoint's coordinates, so a 4-rank --ep 2 checkpoint resumes at --ep 1 on 2 ranks and
 at --ep 4 (the same groups are routed: micro-batch 2 everywhere). Another MoE shape is refused before any work.
 """
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,39 @@ def test_another_moe_shape_is_refused_before_any_work(tmp_path):
     from minizero.checkpoint.cli import describe
     text = describe(ShardReader(folder))  # before: the dense model's lines, nothing of the experts
     assert "float64\n  MoE in blocks [0, 1]: 4 experts, top-2, capacity factor 1\n  layout: 2 rank(s)" in text, text
+
+
+def _rename_layer0(files):
+    for f in files:
+        f["routing"] = {"transformer.h.9.mlp.moe": f["routing"]["transformer.h.0.mlp.moe"]}
+
+
+def _move_rank1s_bias(files):
+    files[1]["routing"]["transformer.h.1.mlp.moe"][2] += 0.5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n, edit, said", [
+    (1, _rename_layer0, "files hold no routing biases of 'transformer.h.0.mlp.moe', 'transformer.h.1.mlp.moe', "
+                        "expected"),
+    (2, _move_rank1s_bias, "files[1].routing['transformer.h.1.mlp.moe'] differs from files[0]'s, expected one "
+                           "state in every file"),
+], ids=["layer-renamed", "ranks-differ"])
+def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_work(tmp_path, n, edit, said):
+    """Attacker: the routing section dropped from every files entry (or its layers renamed) passed the manifest
+    check; --resume built the model, then failed in restore (exit 1, MPI_Abort under mpiexec). Two files with
+    different biases for one layer (save writes each rank's copy of one state) loaded the last file's, silently."""
+    import json
+    run(n, MOE + ["--steps", "1", "--warmup", "1", "--save-every", "1", "--save-dir", str(tmp_path)])
+    folder = tmp_path / "step_00000001"
+    man = json.loads((folder / "manifest.json").read_text())
+    edit(man["files"])
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UsageError, match=re.escape(said)):
+        parse_args(["--model", "tiny"] + MOE + ["--resume", str(folder)], n)
+    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(folder)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 @pytest.mark.timeout(600)

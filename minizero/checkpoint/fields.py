@@ -13,8 +13,8 @@ import re
 
 from minizero.checkpoint.layout import KINDS, saved_kinds
 from minizero.checkpoint.model_fields import _is_int, model_problems
-from minizero.checkpoint.state_fields import (is_number, pruning_problems, rng_problem, saved_state_problems,
-                                               scaler_problems, shown)
+from minizero.checkpoint.state_fields import (data_problems, is_number, pruning_problems, rng_problem,
+                                               routing_problems, saved_state_problems, scaler_problems, shown)
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
 from minizero.optim import OPTIMIZERS
@@ -133,7 +133,8 @@ def _value_problems(man: dict) -> list[str]:
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
     if "lr" in man["train"] and not (is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
-    return out + model_problems(man["model"], man["layout"], man["params"]) + scaler_problems(man.get("scaler")) \
+    model = model_problems(man["model"], man["layout"], man["params"])  # sound: params are the model's
+    return out + (model or routing_problems(man)) + scaler_problems(man.get("scaler")) + data_problems(man) \
         + pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
 
 

@@ -103,6 +103,39 @@ def saved_state_problems(entry: dict, experts) -> list[str]:
     return []
 
 
+def routing_problems(man: dict) -> list[str]:
+    """Every MoE layer (a ``.moe.router`` in the checked ``params``) has its routing biases in some files entry (a
+    rank saves its stage's layers; resume sets them by name and stops after the model is built when one lacks),
+    the same biases in each entry that holds them (one state, every rank's copy; resume took the last)."""
+    layers = sorted(n[:-len(".router")] for n in man["params"] if n.endswith(".moe.router"))
+    first = {}  # layer -> the index of the first files entry holding it
+    for i, f in enumerate(man["files"]):
+        for name, biases in (f["routing"] if isinstance(f.get("routing"), dict) else {}).items():
+            j = first.setdefault(name, i)
+            if biases != man["files"][j]["routing"][name]:
+                return [f"files[{i}].routing[{name[:60]!r}] differs from files[{j}]'s, expected one state in every "
+                        "file (MoE's routing biases: each rank saves its copy)"]
+    lack = [n for n in layers if n not in first]
+    if not lack:
+        return []
+    return [f"files hold no routing biases of {', '.join(repr(n[:60]) for n in lack[:3])}"
+            f"{', ...' if len(lack) > 3 else ''}, expected every MoE layer's (save writes them in its ranks' entries)"]
+
+
+def data_problems(man: dict) -> list[str]:
+    """The data section (absent in older saves): a JSON object whose ``text`` (resume compares it) is null or the
+    string save writes."""
+    if "data" not in man:
+        return []
+    data = man["data"]
+    if not isinstance(data, dict):
+        return [f"data is {str(data)[:40]}, expected a JSON object {{'seed', 'global_batch', 'block_size', 'text'}}"]
+    if not (data.get("text") is None or isinstance(data["text"], str)):
+        return [f"data.text is {shown(data, 'text')}, expected null or a string (the training text's bytes and "
+                "SHA-256)"]
+    return []
+
+
 def rng_problem(rng) -> str | None:
     """A rank's dropout generator state: ``{"key", "offset"}`` ints in [0, 2**64); absent or an earlier
     checkpoint's NumPy PCG64 state (a dict without ``key``) is re-seeded instead (load.py)."""
