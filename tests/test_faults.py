@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from minizero.numerals import unwrapped
+
 from minizero.autograd import Function, Tensor, backward
 from minizero.autograd import functional as F
 from minizero.comm import run_in_threads
@@ -380,7 +382,7 @@ def test_a_survivors_mpi_error_is_one_line_a_bug_keeps_its_traceback():
         def __str__(self):
             return stack
     text = failure_text(Stacked(MPI.ERR_OTHER), 1, MPI.Exception)
-    assert text.count("\n") == 1 and text.startswith("[rank 1] minizero.train failed: the MPI library reported an "
+    assert len(unwrapped(text)) == 1 and " ".join(text.split()).startswith("[rank 1] minizero.train failed: the MPI library reported an "
                                                      "error, most likely a peer rank died"), text
     assert "Other MPI error" in text
     try:
