@@ -22,6 +22,12 @@ def test_offload_gradients_bitwise_equal(kind, recompute, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_estimator_keeps_the_offloads_small_array_threshold():
+    from minizero.memory.estimator.model import OFFLOAD_MIN_BYTES
+    from minizero.memory.offload import MIN_BYTES
+    assert ActivationOffload("cpu").min_bytes == MIN_BYTES == OFFLOAD_MIN_BYTES
+
+
 def test_cpu_offload_moves_bytes_to_offloaded_category(tmp_path):
     _, none_peak, _ = grads_and_peak("none", 1, "small", 0.0, "float32")
     _, cpu_peak, _ = grads_and_peak("none", 1, "small", 0.0, "float32", offload=ActivationOffload("cpu"))

@@ -70,6 +70,11 @@ def test_timeline_pictures(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_every_op_names_its_chunk_one_chunk_schedules_chunk_0():
+    assert {op.chunk for ops in make_schedule("1f1b", 2, 4) for op in ops} == {0}
+    assert {op.chunk for ops in make_schedule("zb-v", 2, 4) for op in ops} == {0, 1}
+
+
 def test_unknown_schedule_and_sizes_are_refused():
     with pytest.raises(ValueError, match="'zigzag'.*gpipe"):
         make_schedule("zigzag", 2, 2)

@@ -26,7 +26,8 @@ from minizero.optim.state_store import (  # noqa: F401 (re-exported)
     reserve,
 )
 
-OFFLOADS = ("none", "cpu", "nvme")  #: where train's --offload-activations / --offload-optimizer put their arrays
+OFFLOADS = KINDS  #: "none", or where offloaded arrays go: "cpu" host memory, "nvme" files
+MIN_BYTES = 1024  #: saved arrays smaller than this stay on the device (the estimator's OFFLOAD_MIN_BYTES)
 
 
 class _OnDisk:
@@ -45,13 +46,13 @@ def _buffer_key(a) -> tuple:
 
 
 class ActivationOffload:
-    """The pack/unpack pair for one rank; use ``with offloader:`` around the forward pass.
+    """The pack/unpack pair for one rank; use ``with offloader():`` around the forward pass.
 
-    ``kind``: ``"cpu"``, ``"nvme"`` or ``"none"``; ``min_bytes``: smaller arrays stay (1 KiB). Attributes:
+    ``kind``: ``"cpu"``, ``"nvme"`` or ``"none"``; ``min_bytes``: smaller arrays stay. Attributes:
     bytes_offloaded; saves_shared. Raises ValueError: unknown kind; OffloadError (:func:`check_offload_dir`).
     """
 
-    def __init__(self, kind: str = "cpu", offload_dir: str | None = None, rank: int = 0, min_bytes: int = 1024):
+    def __init__(self, kind: str = "cpu", offload_dir: str | None = None, rank: int = 0, min_bytes: int = MIN_BYTES):
         if kind not in KINDS:
             raise ValueError(f"activation offload {kind!r} is not one of {KINDS}")
         self.kind, self.min_bytes, self.bytes_offloaded = kind, min_bytes, 0

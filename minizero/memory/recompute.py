@@ -10,7 +10,7 @@ from minizero.autograd import Function, Tensor, enable_grad, no_grad
 from minizero.autograd.functional import fork_rng, get_rng_state, set_rng_state
 from minizero.nn.module import Module
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective")  #: full: whole blocks; selective: only attention's core (Korthikanti et al.)
 
 
 class Checkpoint(Function):
@@ -67,7 +67,7 @@ class CheckpointWrapper(Module):
         object.__setattr__(self, "_modules", inner._modules)
 
     def __getattr__(self, name):  # only called when normal lookup fails
-        if name == "inner":
+        if name == "inner":  # not set yet (copy and pickle build the object first): raise, not recurse
             raise AttributeError(name)
         return getattr(self.inner, name)
 

@@ -59,6 +59,7 @@ def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
     """Bytes one rank sends per call, {"forward", "backward"}, for (b, h, s/cp, d) blocks of ``itemsize``.
 
     Forward: (cp-1) passes of (k, v); backward: (cp-1) of (k, v, dk, dv) and one more of (dk, dv). 0 for cp = 1.
+    Exact from float32 up; backward's passes travel in float32, twice this for float16 inputs.
     """
     if cp == 1:
         return {"forward": 0, "backward": 0}
@@ -66,25 +67,18 @@ def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
     return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
 
 
-def _mask(qc: int, kc: int, n: int):
-    """Which (query, key) pairs of chunk qc x chunk kc the causal mask keeps: None (all), 'none', or (n, n) bool."""
-    if qc > kc:
-        return None
-    if qc < kc:
-        return "none"
-    return backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
-
-
 def _blocks(rank: int, src: int, cp: int, n: int):
     """(query rows, key rows, mask, the rows' and keys' slices of the whole sequence) for this rank's two query
-    chunks against ``src``'s two key chunks."""
+    chunks against ``src``'s two key chunks; mask None (every key precedes every query) or (n, n) causal (the same
+    chunk). A key chunk after the query chunk is skipped: the causal mask keeps none of it."""
     out = []
     for qi, qc in enumerate(chunk_ids(rank, cp)):
         for ki, kc in enumerate(chunk_ids(src, cp)):
-            m = _mask(qc, kc, n)
-            if not isinstance(m, str):
-                out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), m,
-                            slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)))
+            if qc < kc:
+                continue
+            mask = None if qc > kc else backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
+            out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), mask,
+                        slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)))
     return out
 
 
@@ -115,7 +109,7 @@ class _RingAttention(Function):
 
     ``drop``: a ``MaskStream`` of the whole (b, H, T, T) keep mask, or None. Saves q, k, v, out and the row
     log-sum-exp (b, H, 2n) (at least float32), no mask.
-    Forward: c-1 ring passes of (k, v); backward: c-1 of (k, v) and c of (dk, dv).
+    Forward: c-1 ring passes of (k, v); backward: c-1 of (k, v) and c of (dk, dv), all in the accumulation dtype.
     """
 
     @staticmethod
@@ -201,7 +195,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
     in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks
 
-    def split_core(core):  # selective recompute came first: the new core inside a new wrapper
+    def split_core(core):  # a core under selective recompute: the new core inside a new wrapper
         if isinstance(core, CheckpointWrapper):
             return CheckpointWrapper(split_core(core.inner))
         return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
@@ -211,7 +205,9 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
             return split_core(m)
         if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
             return ContextParallelDropout(m.p, comm, m.comm, m.site)
-        return ContextParallelDropout(m.p, comm, site=m.site) if type(m) is Dropout and id(m) not in in_cores else None
+        if type(m) is Dropout and id(m) not in in_cores:
+            return ContextParallelDropout(m.p, comm, site=m.site)
+        return None
 
     return done + stage.swap_modules(swap)
 

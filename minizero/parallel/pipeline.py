@@ -2,13 +2,15 @@
 
 Per op of a schedule (:mod:`minizero.parallel.schedule`): F(i) receives a (b, T, C) activation from the previous stage
 and sends its output on; B(i) receives dL/dy (last stage: S/m) and sends dL/dx back; W(i) computes B(i)'s weight
-gradients. A send and the next receive to the same neighbour are one ``sendrecv`` (no 1F1B deadlock). Sources: GPipe,
-arXiv:1811.06965; Narayanan et al., arXiv:2104.04473, section 2.2; Megatron-LM ``core/pipeline_parallel/schedules.py``.
+gradients. A blocking send and the next receive from the same neighbour are one ``sendrecv`` (no 1F1B deadlock); with
+``overlap`` every send is an ``isend``. Sources: GPipe, arXiv:1811.06965; Narayanan et al., arXiv:2104.04473,
+section 2.2; Megatron-LM ``core/pipeline_parallel/schedules.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -129,15 +131,24 @@ def deferred_weights(chunk) -> list:
 
 @dataclasses.dataclass
 class _Step:
-    """A step's inputs; in flight: held (chunk, mb) -> (input, output) after F, weights -> a split B's W work."""
+    """A step's inputs; in flight, by (chunk, mb): ``held`` (input, output) from F to B, ``deferred`` a split B's W."""
     micro_batches: list
     rows: list
     shares: list
     scale: float
     split: set
     held: dict = dataclasses.field(default_factory=dict)
-    weights: dict = dataclasses.field(default_factory=dict)
+    deferred: dict = dataclasses.field(default_factory=dict)
     loss_sum: float = 0.0
+
+
+class _PendingSend(NamedTuple):
+    """A blocking send held back to pair it with the next receive from ``dest`` (one ``sendrecv``)."""
+    array: object
+    dest: int
+    label: str
+    what: str
+    tag: int
 
 
 class PipelineEngine:
@@ -146,11 +157,12 @@ class PipelineEngine:
     Args:
         stage: a :class:`PipelineStage` (v = 1) or an ``InterleavedStage`` (v > 1).  comm: the pipeline group.
         schedule: a name of :data:`~minizero.parallel.schedule.ALL_SCHEDULES`.  verbose: log every message.
-        pair_sends: a send goes with the next receive from the same neighbour (``sendrecv``).
+        log: where ``verbose`` writes.  pair_sends: a send goes with the next receive from the same neighbour.
         forward_context: callable returning a context entered around every forward.  overlap: sends are ``isend``.
     Attributes: peak_in_flight (most micro-batches held in the last step); trace (the last step's ops).
     Traffic: per micro-batch and chunk one (b, T, C) ``pp_activation`` forward and one ``pp_gradient`` backward.
-    Raises ValueError: ``comm`` not this stage's pipeline group; unknown schedule; v > 1 without isend/irecv.
+    Raises ValueError: ``comm`` not this stage's pipeline group; unknown schedule; a zb-v schedule and a stage not
+    built in a V (or the reverse); v > 1 without isend/irecv.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str = "1f1b", verbose: bool = False, log=print,
@@ -171,7 +183,7 @@ class PipelineEngine:
         self.verbose, self.log, self.pair_sends = verbose, log, pair_sends
         self.forward_context = forward_context or contextlib.nullcontext
         self.peak_in_flight, self.trace = 0, []
-        self._pending = None  # (array, dest, label, what, tag): a send waiting to be paired with the next receive
+        self._pending = None  # a _PendingSend, without overlap
         #: overlap: every send is an isend posted at once, so the stage computes while it travels
         #: (Megatron's p2p_communication with async ops); completed ones are dropped, the rest waited
         #: for at the end of the step. Receives wait (their data is needed now). Off: blocking, paired.
@@ -193,13 +205,16 @@ class PipelineEngine:
             return
         if self.nonblocking:
             array = backend.xp.ascontiguousarray(array)
-            self._sends = [(r, a) for r, a in self._sends if not r.test()]
+            self._drop_completed_sends()
             self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest} (isend)")
             with self.comm.traffic.op(label):
                 self._sends.append((self.comm.isend(array, dest, tag=tag), array))
             return
         self._flush()
-        self._pending = (backend.xp.ascontiguousarray(array), dest, label, what, tag)
+        self._pending = _PendingSend(backend.xp.ascontiguousarray(array), dest, label, what, tag)
+
+    def _drop_completed_sends(self) -> None:
+        self._sends = [(r, a) for r, a in self._sends if not r.test()]
 
     def _flush(self) -> None:
         if self._sends:
@@ -207,11 +222,10 @@ class PipelineEngine:
                 wait_all(self.comm, [r for r, _ in self._sends], "pipeline sends")
             self._sends = []
         if self._pending is not None:
-            array, dest, label, what, tag = self._pending
-            self._pending = None
-            self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest}")
-            with self.comm.traffic.op(label):
-                self.comm.send(array, dest, tag=tag)
+            send, self._pending = self._pending, None
+            self._say(f"{send.what} {send.array.shape} {send.array.nbytes} B ──> stage {send.dest}")
+            with self.comm.traffic.op(send.label):
+                self.comm.send(send.array, send.dest, tag=send.tag)
 
     def _recv(self, shape, source: int, what: str, tag: int):
         if source == self.comm.rank:
@@ -221,16 +235,16 @@ class PipelineEngine:
             with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
                 wait_all(self.comm, [self.comm.irecv(buf, source, tag=tag)], f"pipeline receive of {what}",
                          peer=source)
-            self._sends = [(r, a) for r, a in self._sends if not r.test()]
+            self._drop_completed_sends()
             self._say(f"{what} {shape} <── stage {source}")
             return buf
-        pend = self._pending
-        if pend is not None and pend[1] == source and pend[4] == tag and self.pair_sends:  # one sendrecv for both
+        send = self._pending
+        if send is not None and send.dest == source and send.tag == tag and self.pair_sends:  # one sendrecv for both
             self._pending = None
-            self._say(f"{pend[3]} {pend[0].shape} {pend[0].nbytes} B ──> stage {source}, and "
+            self._say(f"{send.what} {send.array.shape} {send.array.nbytes} B ──> stage {source}, and "
                       f"{what} <── stage {source} (sendrecv)")
-            with self.comm.traffic.op(pend[2]):
-                self.comm.sendrecv(pend[0], source, buf, source, tag=tag)
+            with self.comm.traffic.op(send.label):
+                self.comm.sendrecv(send.array, source, buf, source, tag=tag)
         else:
             self._flush()
             self.comm.recv(buf, source, tag=tag)
@@ -258,7 +272,7 @@ class PipelineEngine:
         for op in ops:
             {"F": self._forward, "B": self._backward, "W": self._weights}[op.kind](step, op)
             self.trace.append(op)
-            self.peak_in_flight = max(self.peak_in_flight, len(step.held) + len(step.weights))
+            self.peak_in_flight = max(self.peak_in_flight, len(step.held) + len(step.deferred))
         self._flush()
         assert self.peak_in_flight == peak_in_flight(ops)
         reserve(1)  # the next step's masks: new keys (rng.fold_in of the offset)
@@ -266,7 +280,7 @@ class PipelineEngine:
 
     def _chunk(self, op):
         """op's chunk, its index and the micro-batch's name in messages (``mb3`` or ``mb3 chunk1``)."""
-        c = getattr(op, "chunk", 0)
+        c = op.chunk
         return self.chunks[c], c, f"mb{op.mb}" + (f" chunk{c}" if len(self.chunks) > 1 else "")
 
     def _forward(self, step, op) -> None:
@@ -310,7 +324,7 @@ class PipelineEngine:
         with w.deferring() if w is not None else contextlib.nullcontext():
             backward(out, grad)
         if w is not None:
-            step.weights[(c, op.mb)] = w
+            step.deferred[(c, op.mb)] = w
         if not chunk.is_first:
             self._post(inp.grad, chunk.prev_rank, "pp_gradient", f"grad {what}", self.grad_tag)
             inp.grad = None
@@ -319,7 +333,7 @@ class PipelineEngine:
         """W: the weight gradients a split B deferred."""
         _, c, what = self._chunk(op)
         with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
-            step.weights.pop((c, op.mb)).run()
+            step.deferred.pop((c, op.mb)).run()
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:

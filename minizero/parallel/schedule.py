@@ -22,6 +22,7 @@ class Op(NamedTuple):
 
     kind: str
     mb: int
+    chunk = 0  # not a field: a one-chunk schedule's ops all run the stage's one chunk
 
     def __str__(self):
         return f"{self.kind}{self.mb}"
@@ -83,7 +84,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
     if m % p:
         raise ValueError(f"the interleaved schedule needs the micro-batches m={m} to be a multiple of pp={p}")
 
-    def op(kind, k):
+    def op(kind, k):  # the rank's k-th F (or B): groups of p micro-batches per chunk; B walks the chunks backwards
         c = (k // p) % v
         return ChunkOp(kind, (k // (p * v)) * p + k % p, c if kind == "F" else v - 1 - c)
 
@@ -99,7 +100,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
 
 
 def zb_h1(p: int, m: int) -> list[list[Op]]:
-    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with each B split into B and W, stage s's W's s backwards late.
+    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with each B split into B and W; stage s runs W(i) after B(i+s).
 
     Peak in flight (F run, W not): min(p, m) on every stage.
     """
@@ -177,14 +178,17 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
 
 def split_backwards(ops) -> set:
     """(mb, chunk) of the ops whose backward is split: a W of theirs is in the list."""
-    return {(op.mb, getattr(op, "chunk", 0)) for op in ops if op.kind == "W"}
+    return {(op.mb, op.chunk) for op in ops if op.kind == "W"}
 
 
 def peak_in_flight(ops: list[Op]) -> int:
     """Most micro-batches (chunks) forwarded and not yet backwarded (W included) on one stage: its live activations."""
     split, live, peak = split_backwards(ops), 0, 0
     for op in ops:
-        live += 1 if op.kind == "F" else -1 if op.kind == "W" or (op.mb, getattr(op, "chunk", 0)) not in split else 0
+        if op.kind == "F":
+            live += 1
+        elif op.kind == "W" or (op.mb, op.chunk) not in split:  # the op that frees F's activations (a split B's W)
+            live -= 1
         peak = max(peak, live)
     return peak
 
@@ -196,7 +200,7 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2, w: float = 1)
     An op starts when its stage is free and its input exists. Raises ValueError: an op waits forever.
     """
     p = len(schedule)
-    last = p * (1 + max(getattr(op, "chunk", 0) for ops in schedule for op in ops)) - 1  # the last virtual stage
+    last = p * (1 + max(op.chunk for ops in schedule for op in ops)) - 1  # the last virtual stage
     split = [split_backwards(ops) for ops in schedule]
     done: dict[tuple[int, str, int], float] = {}  # (virtual stage, kind, mb) -> end time
     times = [[] for _ in range(p)]
@@ -217,7 +221,7 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2, w: float = 1)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[s], done[dep] if dep is not None else 0.0)
-                cost = {"F": f, "W": w}.get(op.kind, b - w if (op.mb, getattr(op, "chunk", 0)) in split[s] else b)
+                cost = {"F": f, "W": w}.get(op.kind, b - w if (op.mb, op.chunk) in split[s] else b)
                 end = start + cost
                 done[(vs, op.kind, op.mb)] = clock[s] = end
                 times[s].append((op, start, end))

@@ -82,9 +82,7 @@ def head_group_dropout(dropout, heads: int, comm):
     if not isinstance(dropout, (Dropout, HeadParallelDropout)) or not dropout.training or dropout.p == 0.0:
         return dropout
     total, lo = (dropout.n_head_total, dropout.lo) if isinstance(dropout, HeadParallelDropout) else (heads, 0)
-    shard = HeadParallelDropout(dropout.p, total, lo + comm.rank * (heads // comm.world_size), dropout.site)
-    shard.training = dropout.training
-    return shard
+    return HeadParallelDropout(dropout.p, total, lo + comm.rank * (heads // comm.world_size), dropout.site)
 
 
 class UlyssesAttentionCore(Module):
