@@ -19,5 +19,23 @@ def _launched_as_tool() -> bool:
 # ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
 # KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
 # its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang.
+_DEPENDENCIES = {"numpy", "mpi4py", "tqdm", "threadpoolctl", "safetensors", "matplotlib"}  # pyproject's
+
+
+def _missing_dependency_hook(kind, error, tb, _default=_sys.excepthook):
+    """A tool run by a Python without minizero's dependencies (a new shell, the environment not activated) says so
+    in one line instead of a traceback ending in "No module named ...", and exits with status 1."""
+    if not (isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in _DEPENDENCIES):
+        return _default(kind, error, tb)
+    from minizero.numerals import error_lines  # the standard library only: importable without the dependencies
+
+    tool = next((a.removeprefix("-m") for a in _sys.orig_argv if a.removeprefix("-m").startswith("minizero.")), "")
+    print(error_lines(f"python -m {tool}", f"no module named {error.name!r} in {_sys.executable}: activate the "
+                      "environment minizero was installed in (. .venv/bin/activate), or install minizero into this "
+                      "Python (pip install .)"), file=_sys.stderr)
+    _sys.exit(1)
+
+
 if _launched_as_tool():
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _sys.excepthook = _missing_dependency_hook

@@ -1,5 +1,6 @@
 """Bad input found at the command lines (a switch, a list with a repeat, a non-ASCII number, a world size):
 each is refused before any work, with exit status 2 and a message naming the value and what is allowed."""
+import os
 import pathlib
 import re
 import subprocess
@@ -563,3 +564,23 @@ def test_wrapped_lines_are_read_whole_again():
     assert max(map(len, wrapped(line).splitlines())) <= 120 and unwrapped(printed)[0] == line
     assert unwrapped(printed)[1:] == printed.splitlines()[-4:]  # a traceback's lines, deeper or not, kept
     assert wrapped("    " + line).splitlines()[1].startswith("      cause")  # 2 more than the line's own indent
+
+
+# --------------------------------------------------------------------------- a Python without the dependencies
+@pytest.mark.parametrize("tool", ["minizero.train", "minizero.checkpoint"])
+def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):
+    """In a new shell without ``. .venv/bin/activate``, ``python -m minizero.train`` is the system Python: it printed
+    a 10-line traceback ending in "No module named 'safetensors'". Now one line names the module, the Python that
+    lacks it and the fix. A stub package that fails to import stands in for the missing dependency."""
+    (tmp_path / "safetensors").mkdir()
+    (tmp_path / "safetensors" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'safetensors'\", name='safetensors')\n")
+    env = mpi_env()
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", tool, "--help"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    said = joined(proc.stderr)
+    assert f"python -m {tool}: error: no module named 'safetensors' in {sys.executable}" in said, said
+    assert ". .venv/bin/activate" in said and "pip install ." in said, said
+    assert all(len(line) <= 120 for line in proc.stderr.splitlines()), proc.stderr
