@@ -55,7 +55,9 @@ SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "
             "--moe-router-topk": "--moe-top-k", "--max-new-tokens": "--sample-tokens",
             "--tokens-to-generate": "--sample-tokens", "--loss-scale": "--initial-loss-scale",
             **dict.fromkeys(("--num-epochs", "--num-train-epochs", "--epochs"),
-                            "minizero counts optimizer steps, not epochs: give --steps")}
+                            "minizero counts optimizer steps, not epochs: give --steps"),
+            **{f: f"mpirun's {f} (the number of ranks) goes before python: mpirun {f} RANKS python -m minizero.train "
+               "[flags]" for f in ("-n", "-np")}}
 
 
 def build_parser() -> argparse.ArgumentParser:

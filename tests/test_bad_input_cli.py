@@ -396,6 +396,10 @@ def test_a_flag_is_read_whole_not_as_the_start_of_another(capsys, module, argv, 
     (["--fp16", "--stpes", "3"], "(did you mean --precision fp16 for --fp16, --steps for --stpes?)"),
     (["--tensor-parallel", "2"], "(did you mean --tp?)"),  # difflib alone said --sequence-parallel
     (["--gradient-checkpointing"], "(did you mean --recompute full?)"),  # a switch: the value too (was --recompute)
+    (["-n", "8"], "unrecognized arguments: -n 8; mpirun's -n (the number of ranks) goes before python: "
+                  "mpirun -n RANKS python -m minizero.train [flags]"),  # the README's command, half-remembered
+    (["-np", "4"], "unrecognized arguments: -np 4; mpirun's -np (the number of ranks) goes before python: "
+                   "mpirun -np RANKS python -m minizero.train [flags]"),
     (["--bogus"], "unrecognized arguments: --bogus")])
 def test_a_mistyped_flag_of_train_gets_a_did_you_mean(argv, hint):
     with pytest.raises(UsageError) as e:
