@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--dp", type=integer, default=None,
                         help="data-parallel size (default: world size / (cp x tp x pp))")
     layout.add_argument("--tp", type=integer, default=None,
-                        help="tensor-parallel size: every block's matrices split (default: 1)")
+                        help="tensor-parallel size: every block's matrices split (default: 1; with --dp and --pp "
+                             "given, world size / (cp x dp x pp))")
     layout.add_argument("--sequence-parallel", action="store_true",
                         help="with --tp: layer norms, dropouts and residuals on 1/tp of the sequence "
                              "(Korthikanti 2022)")
@@ -105,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "from sequence shards to head shards and back)")
     layout.add_argument("--ulysses", type=integer, default=None, metavar="N",
                         help="DeepSpeed-Ulysses over N ranks: the same as --cp N --cp-attention ulysses")
-    layout.add_argument("--pp", type=integer, default=None, help="pipeline stages: the layers split (default: 1)")
+    layout.add_argument("--pp", type=integer, default=None,
+                        help="pipeline stages: the layers split (default: 1; with --dp and --tp given, "
+                             "world size / (cp x dp x tp))")
     layout.add_argument("--micro-batches", type=integer, default=None,
                         help="pipeline micro-batches per optimizer step per data rank, the same number as --grad-accum "
                              "(default: pp, 1 without a pipeline; tensor parallelism never changes the batch)")

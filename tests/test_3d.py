@@ -73,6 +73,16 @@ def test_left_out_sizes_are_derived(world, given, expect):
     assert resolve_sizes(world, *given) == expect
 
 
+@pytest.mark.parametrize("flag, given, derived", [("--tp", "--dp and --pp", "cp x dp x pp"),
+                                                  ("--pp", "--dp and --tp", "cp x dp x tp")])
+def test_help_says_which_left_out_size_is_derived(flag, given, derived):
+    """mpirun -n 8 ... --dp 2 --tp 2 ran a 2-stage pipeline while --help said --pp's default is 1."""
+    from minizero.flags import build_parser
+
+    said = " ".join(build_parser()._option_string_actions[flag].help.split())
+    assert f"default: 1; with {given} given, world size / ({derived})" in said, said
+
+
 @pytest.mark.parametrize("world, argv, needle", [
     (4, ["--dp", "2", "--tp", "2", "--pp", "2"], "--dp 2 x --tp 2 x --pp 2 = 8, but the world has 4 rank(s)"),
     (8, ["--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2, but the world has 8"),
