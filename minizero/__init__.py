@@ -16,10 +16,7 @@ def _launched_as_tool() -> bool:
     return False
 
 
-# ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
-# KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
-# its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang.
-_DEPENDENCIES = {"numpy", "mpi4py", "tqdm", "threadpoolctl", "safetensors", "matplotlib"}  # pyproject's
+_DEPENDENCIES = {"numpy", "mpi4py", "tqdm", "threadpoolctl", "safetensors", "matplotlib"}  #: pyproject's, importable
 
 
 def _missing_dependency_hook(kind, error, tb, _default=_sys.excepthook):
@@ -36,6 +33,9 @@ def _missing_dependency_hook(kind, error, tb, _default=_sys.excepthook):
     _sys.exit(1)
 
 
+# ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
+# KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
+# its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang.
 if _launched_as_tool():
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
     _sys.excepthook = _missing_dependency_hook

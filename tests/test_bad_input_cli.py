@@ -588,3 +588,11 @@ def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):
     assert f"python -m {tool}: error: no module named 'safetensors' in {sys.executable}" in said, said
     assert ". .venv/bin/activate" in said and "pip install ." in said, said
     assert all(len(line) <= 120 for line in proc.stderr.splitlines()), proc.stderr
+
+
+def test_the_dependency_hook_knows_every_importable_dependency_of_pyproject():
+    """minizero._DEPENDENCIES is a copy of pyproject's dependencies (less the mpich wheel, which has no module)."""
+    import minizero
+    text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    listed = re.findall(r'^    "([a-z0-9_]+)', text.split("dependencies = [")[1].split("]")[0], re.M)
+    assert minizero._DEPENDENCIES == {name.replace("-", "_") for name in listed} - {"mpich"}
