@@ -47,3 +47,10 @@ def strict_backend():
         yield backend
     finally:
         backend.set_backend("numpy")
+
+
+def one_refusal(err: str) -> str:
+    """A program's refusal read whole: one ``prog: error: ...`` whose lines (numerals.wrapped cuts it at 120 columns,
+    each further line indented) are joined with one space. Asserts there is exactly one and no line is wider."""
+    assert err.count(": error: ") == 1 and all(len(line) <= 120 for line in err.splitlines()), err
+    return " ".join(err.split())
