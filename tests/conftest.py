@@ -52,5 +52,6 @@ def strict_backend():
 def one_refusal(err: str) -> str:
     """A program's refusal read whole: one ``prog: error: ...`` whose lines (numerals.wrapped cuts it at 120 columns,
     each further line indented) are joined with one space. Asserts there is exactly one and no line is wider."""
-    assert err.count(": error: ") == 1 and all(len(line) <= 120 for line in err.splitlines()), err
-    return " ".join(err.split())
+    whole = " ".join(err.split())
+    assert whole.count(": error: ") == 1 and all(len(line) <= 120 for line in err.splitlines()), err
+    return whole
