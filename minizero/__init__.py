@@ -22,7 +22,7 @@ _DEPENDENCIES = {"numpy", "mpi4py", "tqdm", "threadpoolctl", "safetensors", "mat
 def _missing_dependency_hook(kind, error, tb, _default=_sys.excepthook):
     """A tool run by a Python without minizero's dependencies (a new shell, the environment not activated) says so
     in one line instead of a traceback ending in "No module named ...", and exits with status 1."""
-    if not (isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in _DEPENDENCIES):
+    if not (isinstance(error, ModuleNotFoundError) and error.name in _DEPENDENCIES):  # missing, not broken
         return _default(kind, error, tb)
     from minizero.numerals import error_lines  # the standard library only: importable without the dependencies
 

@@ -138,7 +138,8 @@ def check_zero_bubble(args, cfg) -> None:
     for flag, (bad, reason) in why.items():
         if bad:
             raise UsageError(f"--schedule {args.schedule} with {flag} is not supported: {reason}; "
-                             "use --schedule 1f1b (the same pipeline, its backward not split)")
+                             "use --schedule 1f1b (its backward not split" +
+                             (")" if args.schedule == "zb-h1" else "; one chunk per stage, not zb-v's two)"))
 
 
 def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_embd=None,

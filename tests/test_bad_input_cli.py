@@ -596,3 +596,13 @@ def test_the_dependency_hook_knows_every_importable_dependency_of_pyproject():
     text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     listed = re.findall(r'^    "([a-z0-9_]+)', text.split("dependencies = [")[1].split("]")[0], re.M)
     assert minizero._DEPENDENCIES == {name.replace("-", "_") for name in listed} - {"mpich"}
+
+
+def test_a_broken_dependency_keeps_its_traceback():
+    """The hook speaks only for a missing package: numpy present but its submodule missing (a broken or too-old
+    install) keeps Python's own traceback (the reviewer: 'numpy.foo' said "activate the environment")."""
+    import minizero
+    seen = []
+    error = ModuleNotFoundError("No module named 'numpy.foo'", name="numpy.foo")
+    minizero._missing_dependency_hook(ModuleNotFoundError, error, None, _default=lambda *a: seen.append(a[1]))
+    assert seen == [error]
