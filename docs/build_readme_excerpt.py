@@ -2,6 +2,7 @@
 
     python docs/build_readme_excerpt.py            # run the main job, rewrite the README's block
     python docs/build_readme_excerpt.py --suite    # also time the test suite (tens of minutes)
+    python docs/build_readme_excerpt.py --suite-log ci.log   # the suite line from a run's log (CI's first pass)
 
 Runs the README's command, ``mpirun -n 8 python -m minizero.train`` with no flags (its output
 folder a temporary one), times it from launch to exit, and replaces the text between the
@@ -9,7 +10,9 @@ folder a temporary one), times it from launch to exit, and replaces the text bet
 what rank 0 printed (the header, a few progress lines, the validation loss, the memory table) and
 one line on how it ran: the date, the CPU and cores, the BLAS library, its kernel and threads
 (threadpoolctl, in this process), the load average, and the wall time. ``--suite`` also runs
-``python -m pytest -q`` and rewrites the ``<!-- suite-time -->`` line with its wall time.
+``python -m pytest -q`` and rewrites the ``<!-- suite-time -->`` line with its wall time; ``--suite-log FILE``
+takes that line from the first pytest summary in FILE (``.ci/run``'s output: its first pass is the whole suite),
+with the time pytest measured.
 """
 from __future__ import annotations
 
@@ -81,10 +84,30 @@ def replace_block(text: str, block: str) -> str:
     return head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1]
 
 
+def suite_from_log(path: str) -> tuple[str, float]:
+    """(pytest's summary, its seconds) of the first ``=== N passed ... in S.SSs ... ===`` line in the log ``path``;
+    exits naming the file when it holds none or the run failed."""
+    try:
+        text = open(path, errors="replace").read()
+    except OSError as e:
+        sys.exit(f"--suite-log {path!r}: {e.strerror or e}")
+    m = re.search(r"^=+ ((?:\d+ \w+, )*\d+ \w+ in ([\d.]+)s(?: \([\d:]+\))?) =+$", text, re.M)
+    if m is None:
+        sys.exit(f"--suite-log {path!r} holds no pytest summary line ('=== N passed ... in S.SSs ===')")
+    if "failed" in m.group(1) or "error" in m.group(1):
+        sys.exit(f"--suite-log {path!r}: the run did not pass ({m.group(1)})")
+    return m.group(1), float(m.group(2))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", action="store_true", help="also time `python -m pytest -q` (tens of minutes)")
+    p.add_argument("--suite-log", metavar="FILE", help="the suite line from the first pytest summary in FILE (a log "
+                   "of .ci/run or python -m pytest), instead of running the suite")
     a = p.parse_args()
+    if a.suite and a.suite_log:
+        p.error("--suite runs the suite, --suite-log reads a run of it: give one")
+    logged = suite_from_log(a.suite_log) if a.suite_log else None
     mpirun = shutil.which("mpirun") or sys.exit("mpirun not found: activate the virtual environment first")
     with tempfile.TemporaryDirectory() as tmp:
         how = machine()
@@ -106,6 +129,10 @@ def main():
         summary = (suite.stdout.strip().splitlines() or ["?"])[-1].strip("= ")
         text = SUITE.sub(f"<!-- suite-time -->the suite took {(time.perf_counter() - t) / 60:.0f} minutes "
                          f"({summary}; {machine()})<!-- /suite-time -->", text)
+    if logged:
+        summary, seconds = logged
+        text = SUITE.sub(f"<!-- suite-time -->the suite took {seconds / 60:.0f} minutes ({summary}; {machine()}; "
+                         "read from .ci/run's log)<!-- /suite-time -->", text)
     with open(README, "w") as f:
         f.write(text)
     print(block)

@@ -81,3 +81,22 @@ def test_relative_links_in_docs_point_to_files():
             if not os.path.exists(os.path.join(os.path.dirname(doc), target)):
                 broken.append(f"{os.path.relpath(doc, REPO_ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_the_suite_line_can_come_from_a_ci_log(tmp_path):
+    """docs/build_readme_excerpt.py --suite-log reads .ci/run's first pytest summary (the whole suite), with the time
+    pytest measured, and refuses a log whose run failed or that holds none."""
+    import importlib.util
+
+    import pytest
+    spec = importlib.util.spec_from_file_location("excerpt", os.path.join(REPO_ROOT, "docs", "build_readme_excerpt.py"))
+    excerpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(excerpt)
+    log = tmp_path / "ci.log"
+    log.write_text("pip ...\n====== 3248 passed, 4 skipped in 1060.59s (0:17:40) ======\nsecond pass\n"
+                   "178 passed in 98.08s (0:01:38)\n")
+    assert excerpt.suite_from_log(str(log)) == ("3248 passed, 4 skipped in 1060.59s (0:17:40)", 1060.59)
+    for text, said in (("== 1 failed, 3 passed in 10.00s ==\n", "did not pass"), ("nothing\n", "no pytest summary")):
+        log.write_text(text)
+        with pytest.raises(SystemExit, match=said):
+            excerpt.suite_from_log(str(log))
