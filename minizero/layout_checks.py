@@ -260,13 +260,14 @@ def check_moe(args) -> None:
                 "split or interleaved backward is not tested with the expert all-to-alls; "
                 "use --schedule 1f1b or gpipe")]
     if ep > 1:
-        m = f"--ep {ep} with"
-        refused += [(args.allreduce != "ring" or args.quantized_comm or args.native_comm,
-                     f"{m} --allreduce hierarchical, --quantized-comm or --native-comm",
-                     "the expert-data all-reduce is the plain ring"),
-                    (args.optimizer != "adamw" or args.offload_optimizer != "none",
-                     f"{m} --optimizer {args.optimizer} / --offload-optimizer {args.offload_optimizer}",
-                     "expert parallelism runs AdamW on the device")]
+        m, ring, adamw = f"--ep {ep} with", "the expert-data all-reduce is the plain ring", "expert parallelism runs AdamW"
+        refused += [(bad, f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for bad, flag, why, fix in (
+            (args.allreduce != "ring", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
+            (args.quantized_comm, "--quantized-comm", ring, "drop --quantized-comm"),
+            (args.native_comm, "--native-comm", ring, "drop --native-comm"),
+            (args.optimizer != "adamw", f"--optimizer {args.optimizer}", adamw, "--optimizer adamw"),
+            (args.offload_optimizer != "none", f"--offload-optimizer {args.offload_optimizer}",
+             f"{adamw} on the device", "--offload-optimizer none"))]
     for bad, what, why in refused:
         if bad:
             raise ValueError(f"{what} is not supported: {why}")

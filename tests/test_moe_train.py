@@ -123,6 +123,15 @@ def test_the_losses_and_the_bias_change_the_result():
     (["--cp", "2"], 2, "--moe-experts with --cp 2 is not supported: a rank would route its sequence chunks, not "
      "the micro-batch; run without --cp (--dp"),
     (["--pad"], 1, "not weighed by real targets; use --pack"),
+    (["--ep", "2", "--allreduce", "hierarchical"], 2, "--ep 2 with --allreduce hierarchical is not supported: the "
+     "expert-data all-reduce is the plain ring; allowed: --allreduce ring, or --ep 1"),
+    (["--ep", "2", "--quantized-comm"], 2, "--ep 2 with --quantized-comm is not supported: the expert-data "
+     "all-reduce is the plain ring; allowed: drop --quantized-comm, or --ep 1"),
+    (["--ep", "2", "--native-comm"], 2, "allowed: drop --native-comm, or --ep 1"),
+    (["--ep", "2", "--optimizer", "adam8bit"], 2, "--ep 2 with --optimizer adam8bit is not supported: expert "
+     "parallelism runs AdamW; allowed: --optimizer adamw, or --ep 1"),
+    (["--ep", "2", "--offload-optimizer", "cpu"], 2, "--ep 2 with --offload-optimizer cpu is not supported: expert "
+     "parallelism runs AdamW on the device; allowed: --offload-optimizer none, or --ep 1"),
 ])
 def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
     argv = [*BASE, *flags]
