@@ -12,7 +12,7 @@ import math
 import os
 
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's and compare's
-from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks, real
+from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
 from minizero.numerals import description as _description
 
 
@@ -31,7 +31,7 @@ class _Help(DefaultsOnce):
 def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser whose flags see "-5" or "-1,2" as their value (checked here), not as an option; its
     --help shows each default and ``description`` without reST's double backquotes."""
-    return negative_values_reach_checks(FlagParser(prog=prog, description=_description(description),
+    return negative_values_reach_checks(OneLineParser(prog=prog, description=_description(description),
                                                    formatter_class=_Help))
 
 

@@ -30,11 +30,12 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_machine.py
+import _args  # noqa: E402
 import _machine  # noqa: E402
 
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.flags import UsageError, build_parser  # noqa: E402
-from minizero.numerals import FlagParser, integer, negative_values_reach_checks, real  # noqa: E402
+from minizero.numerals import integer, real  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402
 
 GRID = "3e-3,15,1.0;3e-3,auto,1.0;2e-3,30,1.0"  # the old default (warmup 15 at 300 steps), the default, a lower lr
@@ -80,7 +81,7 @@ def triples(text: str) -> list[tuple[float, str, float]]:
 
 
 def main():
-    p = negative_values_reach_checks(FlagParser(description=__doc__.split("\n\n")[0]))
+    p = _args.parser(__doc__)
     p.add_argument("--settings", type=triples, default=None,
                    help=f"';'-separated lr,warmup,clip triples (warmup 'auto': the default rule); default: {GRID} "
                    "and the current default")

@@ -32,7 +32,7 @@ import _machine  # noqa: E402
 from minizero.args import UsageError, model_config, parse_args  # noqa: E402
 from minizero.comm import MPICommunicator  # noqa: E402
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
-from minizero.numerals import negative_values_reach_checks, real  # noqa: E402
+from minizero.numerals import OneLineParser, negative_values_reach_checks, real  # noqa: E402
 from minizero.parallel.strategy import build_strategy  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def check(rows, max_fraction=None) -> list[str]:
     return bad
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """Rank 0 alone prints help and errors (every rank parses the same flags and exits alike)."""
 
     def print_help(self, file=None):

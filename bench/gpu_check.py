@@ -50,9 +50,10 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_folder  # noqa: E402
-from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks, real  # noqa: E402
+from minizero.numerals import integer, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+import _args  # noqa: E402  (the parser every bench script has)
 import _machine  # noqa: E402  (the source line every benchmark prints)
 
 #: dense peak FLOP/s (FP16/BF16 tensor cores, FP32 without tensor cores) from the vendors' data sheets,
@@ -435,8 +436,7 @@ def json_target_problem(path: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = negative_values_reach_checks(FlagParser(
-        description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce))
+    p = _args.parser(__doc__)
     p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
     p.add_argument("--peak-tflops", default=None,
                    help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")

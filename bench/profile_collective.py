@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _args  # noqa: E402
 import _machine  # noqa: E402
-from minizero.numerals import FlagParser, integer, negative_values_reach_checks  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 LAYERS = ("MPI", "p2p", "message", "algorithm", "all_reduce")
 
@@ -126,7 +126,7 @@ def float32_sizes(text) -> list[int]:
 
 
 def main():
-    parser = negative_values_reach_checks(FlagParser(description=__doc__.split("\n")[0]))
+    parser = _args.parser(__doc__)
     parser.add_argument("--launch", type=_args.world_size, metavar="N",
                         help="run this script under mpiexec -n N (a power of two)")
     parser.add_argument("--sizes", type=float32_sizes, default="4096,16384,65536",

@@ -47,11 +47,12 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _args  # noqa: E402
 import _machine  # noqa: E402
 from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
 
 from minizero.nn import get_config  # noqa: E402
-from minizero.numerals import DefaultsOnce, FlagParser, integer, negative_values_reach_checks  # noqa: E402
+from minizero.numerals import integer  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
 MAX_STEPS = 10_000  #: --steps and --warmup at most this many
@@ -298,8 +299,7 @@ def main_precision(precisions: list, batch: int, steps: int, warmup: int, device
 
 
 def main() -> None:
-    p = negative_values_reach_checks(FlagParser(
-        description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce))
+    p = _args.parser(__doc__)
     p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
                    "(--precision: 8)")
     p.add_argument("--steps", type=integer, default=6, help="profiled steps (and timed steps of each side)")

@@ -10,7 +10,7 @@ import pytest
 
 from minizero import compare, finetune
 from minizero.train import UsageError, parse_args
-from tests.conftest import mpi_env
+from tests.conftest import mpi_env, one_refusal
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
@@ -167,12 +167,14 @@ def test_a_launchers_rank_variable_that_is_not_ascii_digits_is_not_read(monkeypa
     (["--allreduce", "8", "--runs", "99999999999"], "--runs 99999999999: allowed: 1..1000")])
 def test_the_hardware_job_bounds_its_array_and_runs_before_any_mpi(capsys, argv, said):
     """Before: 1e20 bytes ended in a NumPy ValueError traceback (a few GB more, an out-of-memory kill), 5 bytes
-    timed 4, and 1e11 runs never ended."""
+    timed 4, and 1e11 runs never ended. One ``prog: error:`` line, as every program's (argparse's usage block was
+    printed above it)."""
     from minizero import hardware
 
     with pytest.raises(SystemExit) as e:
         hardware.main(argv)
-    assert e.value.code == 2 and said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in one_refusal(err) and err.startswith("python -m minizero.hardware: error: ")
 
 
 # --------------------------------------------------------------------------- compare --ranks

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.conftest import one_refusal
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO_ROOT, "bench")
 
@@ -31,7 +33,8 @@ LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",
 
 
 def refusal(monkeypatch, capsys, name, argv) -> str:
-    """``main()`` of bench/NAME.py with ``argv``: asserts exit 2 and nothing launched; returns stderr."""
+    """``main()`` of bench/NAME.py with ``argv``: asserts exit 2 and nothing launched; returns stderr, its lines
+    joined (one refusal, wrapped at 120 columns: conftest.one_refusal)."""
     module = load(name)
 
     def launched(*a, **k):
@@ -44,8 +47,8 @@ def refusal(monkeypatch, capsys, name, argv) -> str:
         module.main()
     err = capsys.readouterr().err
     assert e.value.code == 2, err
-    assert f"{name}.py: error:" in err and "Traceback" not in err
-    return err
+    assert err.startswith(f"{name}.py: error:") and "Traceback" not in err  # no usage block above it
+    return one_refusal(err)
 
 
 CASES = [
@@ -139,7 +142,7 @@ def test_allreduce_min_bytes_zero_exits_at_once():  # it looped forever, allocat
 ])
 def test_setup_peak_refuses_bad_flags(argv, says):
     r = script("bench_setup_peak", *argv)
-    assert r.returncode == 2 and "bench_setup_peak.py: error:" in r.stderr and says in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("bench_setup_peak.py: error:") and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "UsageError" not in r.stderr
 
 
@@ -229,7 +232,7 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
 ])
 def test_other_scripts_refuse_bad_flags(name, argv, says):
     r = script(name, *argv)
-    assert r.returncode == 2 and f"{name}.py: error: {says}" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith(f"{name}.py: error: ") and says in one_refusal(r.stderr), r.stderr
 
 
 GPU_CHECK_CASES = [
@@ -254,7 +257,7 @@ GPU_CHECK_CASES = [
 def test_gpu_check_reads_numbers_in_ascii_and_in_range(tmp_path, argv, says):
     """Before: float()/int() read '１００', '1_000' and '３,８'; the check then ran on them."""
     r = script("gpu_check", *argv, "--json", str(tmp_path / "g.json"))
-    assert r.returncode == 2 and f"gpu_check.py: error: {says}" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith(f"gpu_check.py: error: {says}"), r.stderr
     assert not (tmp_path / "g.json").exists()
 
 
