@@ -118,15 +118,18 @@ ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on
 
 def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
     """Each line of ``text`` cut into lines of <= ``width`` columns, each further line indented 2 more than its
-    own: after the last '; ' that fits, else ': ', ', ', ' ' (never in the first half); where none does, before the
-    word that runs past ``width``, which then takes a line of its own however long. The words are the text's: the
-    lines joined with one space are the line (``" ".join(printed.split())`` reads a wrapped line whole)."""
+    own: after the last '; ' that fits, else ': ', else the last ', ' or before the last ' (' (a list is cut between
+    items, and its last item stays with it, not with a parenthesis after it), else ' ' (never in the first half); where
+    none does, before the word that runs past ``width``, which then takes a line of its own however long. The words
+    are the text's: the lines joined with one space are the line (``" ".join(printed.split())`` reads it whole)."""
     out = []
     for line in text.splitlines() or [""]:
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
         k = len(indent)
         while len(line) > width:
-            cuts = [line.rfind(sep, 0, width + 1) + len(sep) - 1 for sep in ("; ", ": ", ", ", " ")]
+            semi, colon, comma, paren, space = (line.rfind(sep, 0, width + 1) + len(sep) - 1
+                                                for sep in ("; ", ": ", ", ", " (", " "))
+            cuts = [semi, colon, max(comma, paren), space]
             cut = next((c for c in cuts if c > max(width // 2, k)), None)  # past the indent: each cut shortens
             if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
                 cut = line.rfind(" ", k + 1, width + 1)

@@ -572,6 +572,16 @@ def test_wrapped_lines_are_read_whole_again():
     assert wrapped("    " + line).splitlines()[1].startswith("      cause")  # 2 more than the line's own indent
 
 
+def test_a_wrapped_list_is_cut_between_items_and_keeps_its_last_one():
+    """Before: plan's unknown --model cut its list after 'minizero-tiny,' and put the last model, mixtral-8x7b, on
+    the line of the parenthesis after the list: a parenthesis after the list is as good a cut as a comma."""
+    from minizero.numerals import wrapped
+    names = ", ".join(f"name-{i:02d}" for i in range(22))
+    lines = wrapped(f"prog: error: unknown 'x'; allowed: {names} (or a short name that another program takes: a, b, "
+                    "c)").splitlines()
+    assert lines[1].endswith(", name-21") and lines[2] == "  (or a short name that another program takes: a, b, c)"
+
+
 # --------------------------------------------------------------------------- a Python without the dependencies
 @pytest.mark.parametrize("tool", ["minizero.train", "minizero.checkpoint"])
 def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):
