@@ -162,15 +162,32 @@ def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
     return wrapped("\n".join(f"{prog}: error: {problem}" for problem in message.splitlines() or [""]), width)
 
 
+def did_you_mean(value, allowed) -> str:
+    """`` (did you mean 'gpt2'?)`` for the one of ``allowed`` closest to ``value`` (difflib's ratio >= 0.6, its
+    default; written as argparse writes a choice, ``3`` for the number 3), else ''."""
+    by_text = {str(a): a for a in allowed}
+    close = difflib.get_close_matches(str(value), by_text, n=1)
+    return f" (did you mean {by_text[close[0]]!r}?)" if close else ""
+
+
 class FlagParser(argparse.ArgumentParser):
-    """argparse whose ``unrecognized arguments`` message suggests the closest flag (:func:`unrecognized`): every
-    program's parser is one."""
+    """argparse whose ``unrecognized arguments`` message suggests the closest flag (:func:`unrecognized`) and whose
+    ``invalid choice`` message the closest choice (:func:`did_you_mean`): every program's parser is one."""
 
     def parse_args(self, args=None, namespace=None):
         namespace, extra = self.parse_known_args(args, namespace)
         if extra:
             self.error(unrecognized(self, extra, namespace))
         return namespace
+
+    def _check_value(self, action, value):  # argparse's choices check (a subcommand's name too)
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            hint = did_you_mean(value, action.choices)
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, e.message + hint) from None
 
 
 class OneLineParser(FlagParser):

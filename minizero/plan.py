@@ -24,7 +24,8 @@ from minizero.memory.estimator import (PRECISIONS, Strategy, adapted_splits, ele
 from minizero.models import MODELS, get_model
 from minizero.nf4 import tensor_parallel_sizes
 from minizero.nn import PRESETS
-from minizero.numerals import DefaultsOnce, OneLineParser, description, integer, negative_values_reach_checks, real
+from minizero.numerals import (DefaultsOnce, OneLineParser, description, did_you_mean, integer,
+                               negative_values_reach_checks, real)
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
     why_lines)
@@ -149,8 +150,9 @@ def _check(parser, args):
     """Every value, before any planning; returns (model, sizes in bytes). Bad values end in ``parser.error``."""
     try:
         model = get_model(ALIASES.get(args.model, args.model))
-    except ValueError as e:
-        parser.error(f"--model: {e} (or minizero's presets by the trainer's names: {', '.join(sorted(ALIASES))})")
+    except ValueError as e:  # and the closest of both lists' names
+        parser.error(f"--model: {e} (or minizero's presets by the trainer's names: {', '.join(sorted(ALIASES))})"
+                     + did_you_mean(args.model, [*MODELS, *ALIASES]))
     for name in ("gpus", "seq_len", "micro_batch", "global_batch", "virtual_stages", "gpus_per_node", "ep"):
         value = vars(args)[name]
         if value is not None and value < 1:
@@ -335,8 +337,7 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
     if args.json:
         return [json.dumps({"model": dataclasses.asdict(model), "finetune": args.finetune, "lora_rank": args.lora_rank,
                             "gpus": args.gpus, "tp": args.tp, "seq_len": seq, "micro_batch": args.micro_batch,
-                            "units": "bytes",
-                            "rows": rows}, indent=1)]
+                            "units": "bytes", "rows": rows}, indent=1)]
     psi, (scale, table) = model.num_parameters(), unit_for(max(r["total"] for r in rows), unit)
     lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({count(psi)} parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "

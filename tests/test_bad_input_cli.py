@@ -409,6 +409,27 @@ def test_a_mistyped_flag_of_train_gets_a_did_you_mean(argv, hint):
     assert str(e.value).endswith(hint), str(e.value)
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["--model", "gpt-2"], "invalid choice: 'gpt-2' (choose from 'deep', 'default', 'gpt2', 'small', 'tiny') "
+                           "(did you mean 'gpt2'?)"),
+    (["--schedule", "1f1"], "(did you mean '1f1b'?)"),
+    (["--zero", "33"], "invalid choice: 33 (choose from 0, 1, 2, 3) (did you mean 3?)"),  # a number as argparse says it
+    (["--precision", "int4"], "invalid choice: 'int4' (choose from 'fp32', 'fp16', 'bf16', 'fp8')")])  # none close
+def test_a_near_miss_of_a_choice_gets_a_did_you_mean(argv, hint):
+    """Before: '--model gpt-2' got the list alone (numerals.FlagParser: every program's choices)."""
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, 1)
+    assert str(e.value).endswith(hint), str(e.value)
+
+
+def test_a_mistyped_subcommand_gets_a_did_you_mean(capsys):
+    from minizero.checkpoint.cli import main as checkpoint_main
+
+    with pytest.raises(SystemExit) as e:
+        checkpoint_main(["inspet", "x"])
+    assert e.value.code == 2 and joined(capsys.readouterr().err).endswith("(did you mean 'inspect'?)")
+
+
 def test_did_you_mean_in_sample_and_train_synonyms_name_real_flags(capsys):
     from minizero.flags import SYNONYMS, build_parser
     from minizero.sample import main as sample_main

@@ -103,7 +103,7 @@ def test_trainer_preset_names_are_accepted(capsys):
     assert a[0] == b[0] == 0 and json.loads(a[1]) == json.loads(b[1])
     assert json.loads(a[1])["model"]["name"] == "minizero-gpt2"
     code, _, err = run_main(capsys, "--model", "gpt-2", "--gpus", "4")
-    assert code == 2 and "unknown model 'gpt-2'" in err and "gpt2" in err
+    assert code == 2 and "unknown model 'gpt-2'" in err and " ".join(err.split()).endswith("(did you mean 'gpt2'?)")
 
 
 def test_why_names_only_rows_shown(capsys):
