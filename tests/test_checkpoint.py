@@ -974,6 +974,17 @@ def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
     assert "no arrays" not in describe(reader) and "replica" not in describe(reader)
 
 
+def test_inspect_names_the_cp_axis_of_its_rank_column(saved):
+    """Before: under --cp / --ulysses the column read "(dp,tp,pp)" over a first coordinate that counts dp x cp ranks;
+    now the data rank d is split into (d // cp, d % cp), the dp and cp ranks (context_parallel.context_group)."""
+    from minizero.checkpoint.cli import describe
+    reader = ShardReader(str(saved))  # dp 2
+    assert " (dp,tp,pp)   file bytes" in describe(reader)
+    reader.manifest["layout"].update(dp=1, cp=2)  # the same 2 ranks as one dp rank's 2 cp ranks
+    rows = describe(reader).splitlines()
+    assert "rank  (dp,cp,tp,pp)   file bytes" in rows[4] and "(0, 1, 0, 0)" in rows[6] and "x cp 2" in rows[3], rows
+
+
 @pytest.mark.parametrize("version", [0, -5, True, "1", 2])
 def test_the_version_must_be_one_this_minizero_reads(saved, tmp_path, version):
     """Attacker: versions 0, -5 and true were accepted; "1" was called newer than this minizero reads."""

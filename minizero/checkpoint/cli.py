@@ -65,10 +65,14 @@ def describe(reader: ShardReader) -> str:
             nbytes += 4 * ((pc["lo"] % b + n + b - 1) // b)
         per[pc["rank"]][pc["kind"]] += nbytes
     kinds = ("param", "m", "v", "master")
-    lines.append(f"  {'rank':>4} {'(dp,tp,pp)':>11} {'file bytes':>12}  " + "  ".join(f"{k:>10}" for k in kinds))
+    n = lay.get("cp", 1)  # coords' data rank d is (dp rank, cp rank) = divmod(d, cp) (context_group)
+    at = (lambda c: (*divmod(c[0], n), *c[1:])) if cp else tuple
+    w = 14 if cp else 11
+    lines.append(f"  {'rank':>4} {'(dp,cp,tp,pp)' if cp else '(dp,tp,pp)':>{w}} {'file bytes':>12}  "
+                 + "  ".join(f"{k:>10}" for k in kinds))
     for f in man["files"]:
         c = per[f["rank"]]
-        lines.append(f"  {f['rank']:>4} {str(tuple(f['coords'])):>11} {f['bytes']:>12,}  "
+        lines.append(f"  {f['rank']:>4} {str(at(f['coords'])):>{w}} {f['bytes']:>12,}  "
                      + "  ".join(f"{format_bytes(c[k]) if c[k] else '-':>10}" for k in kinds))
     empty = [f["rank"] for f in man["files"] if not per[f["rank"]]]
     if empty:  # replicas: save's _written_here puts each element in one rank's file
