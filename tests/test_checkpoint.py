@@ -974,6 +974,29 @@ def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
     assert "no arrays" not in describe(reader) and "replica" not in describe(reader)
 
 
+@pytest.mark.parametrize("section, key, value, said", [
+    ("layout", "micro_batch_size", 0, "layout.micro_batch_size is 0, expected an integer >= 1"),
+    ("layout", "grad_accum", -3, "layout.grad_accum is -3, expected an integer >= 1"),
+    ("layout", "adam8bit_block_size", 2 ** 40, "layout.adam8bit_block_size is 1099511627776, expected an integer in "
+                                               "1..65,536"),
+    ("train", "warmup", 2.5, "train.warmup is 2.5, expected an integer >= 0"),
+    ("train", "weight_decay", float("nan"), "train.weight_decay is nan, expected a finite number >= 0"),
+    ("data", "global_batch", "8", "data.global_batch is '8', expected an integer >= 1")])
+def test_a_forged_number_the_loop_never_reads_is_refused(saved, section, key, value, said):
+    """Attacker: micro_batch_size 0, a negative grad_accum, ... passed the manifest check (nothing reads them, resume
+    shows train's as notes)."""
+    from minizero.checkpoint.fields import manifest_problems
+    man = read_manifest_json(saved)
+    assert manifest_problems(man) == [] and key in man[section]
+    man[section][key] = value
+    assert manifest_problems(man) == [said]
+
+
+def test_a_forged_micro_batch_size_stops_resume(saved, tmp_path):
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["layout"].update(micro_batch_size=-1))
+    assert "layout.micro_batch_size is -1, expected an integer >= 1" in _resume_error(folder)
+
+
 def test_inspect_names_the_cp_axis_of_its_rank_column(saved):
     """Before: under --cp / --ulysses the column read "(dp,tp,pp)" over a first coordinate that counts dp x cp ranks;
     now the data rank d is split into (d // cp, d % cp), the dp and cp ranks (context_parallel.context_group)."""

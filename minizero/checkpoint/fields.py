@@ -13,8 +13,9 @@ import re
 
 from minizero.checkpoint.layout import KINDS, saved_kinds
 from minizero.checkpoint.model_fields import _is_int, model_problems
-from minizero.checkpoint.state_fields import (data_problems, is_number, pruning_problems, rng_problem,
-                                               routing_problems, saved_state_problems, scaler_problems, shown)
+from minizero.checkpoint.state_fields import (data_problems, is_number, number_problems, pruning_problems,
+                                               rng_problem, routing_problems, saved_state_problems, scaler_problems,
+                                               shown)
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
 from minizero.optim import OPTIMIZERS
@@ -135,7 +136,8 @@ def _value_problems(man: dict) -> list[str]:
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
     model = model_problems(man["model"], man["layout"], man["params"])  # sound: params are the model's
     return out + (model or routing_problems(man)) + scaler_problems(man.get("scaler")) + data_problems(man) \
-        + pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"])
+        + pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"]) \
+        + number_problems(man)
 
 
 def _coverage_problems(man: dict) -> list[str]:

@@ -7,6 +7,7 @@ import math
 from minizero.checkpoint.model_fields import _is_int
 from minizero.memory.precision import SCALE_RANGE
 from minizero.memory.sparsity import SCOPES
+from minizero.optim.adam8bit import MAX_BLOCK_SIZE as MAX_ADAM8BIT_BLOCK
 
 
 def is_number(v) -> bool:
@@ -120,6 +121,33 @@ def routing_problems(man: dict) -> list[str]:
         return []
     return [f"files hold no routing biases of {', '.join(repr(n[:60]) for n in lack[:3])}"
             f"{', ...' if len(lack) > 3 else ''}, expected every MoE layer's (save writes them in its ranks' entries)"]
+
+
+#: the manifest's numbers that no other check reads, as train's checks bound its flags: (section, key) -> (kind, least,
+#: most); "number" may be inf (--grad-clip). Absent (an older save) passes: resume compares and shows only those present
+NUMBERS = {("layout", "micro_batch_size"): ("integer", 1, None), ("layout", "grad_accum"): ("integer", 1, None),
+           ("layout", "adam8bit_block_size"): ("integer", 1, MAX_ADAM8BIT_BLOCK),
+           ("train", "steps"): ("integer", 1, None), ("train", "warmup"): ("integer", 0, None),
+           ("train", "batch_size"): ("integer", 1, None), ("train", "min_lr"): ("finite number", 0, None),
+           ("train", "weight_decay"): ("finite number", 0, None), ("train", "grad_clip"): ("number", 0, None),
+           **{("train", k): ("finite number", 0, None) for k in ("moe_aux_loss", "moe_z_loss", "moe_bias_update")},
+           ("data", "seed"): ("integer", 0, None), ("data", "global_batch"): ("integer", 1, None),
+           ("data", "block_size"): ("integer", 1, None)}
+
+
+def number_problems(man: dict) -> list[str]:
+    """Each of :data:`NUMBERS` present: of its kind, in its range (a forged micro_batch_size 0 passed)."""
+    out = []
+    for (section, key), (kind, least, most) in NUMBERS.items():
+        part = man.get(section)
+        if not isinstance(part, dict) or key not in part:
+            continue
+        v = part[key]
+        typed = _is_int(v) if kind == "integer" else is_number(v) and (kind == "number" or math.isfinite(v))
+        if not (typed and least <= v <= (math.inf if most is None else most)):
+            out.append(f"{section}.{key} is {shown(part, key)}, expected {'an' if kind == 'integer' else 'a'} {kind} "
+                       + (f">= {least}" if most is None else f"in {least}..{most:,}"))
+    return out
 
 
 def data_problems(man: dict) -> list[str]:
