@@ -185,7 +185,8 @@ def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> P
 
 def main(argv=None) -> None:
     """``mpiexec -n N python -m minizero.hardware --allreduce BYTES``: the all-reduce timing job."""
-    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.hardware", description=description(__doc__)))
+    p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.hardware",
+                                                   description=description(__doc__)))
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
     p.add_argument("--runs", type=integer, default=5, help="timed runs (>= 1); the median is reported")
     args = p.parse_args(argv)

@@ -260,7 +260,8 @@ def check_moe(args) -> None:
                 "split or interleaved backward is not tested with the expert all-to-alls; "
                 "use --schedule 1f1b or gpipe")]
     if ep > 1:
-        m, ring, adamw = f"--ep {ep} with", "the expert-data all-reduce is the plain ring", "expert parallelism runs AdamW"
+        m, adamw = f"--ep {ep} with", "expert parallelism runs AdamW"
+        ring = "the expert-data all-reduce is the plain ring"
         refused += [(bad, f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for bad, flag, why, fix in (
             (args.allreduce != "ring", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
             (args.quantized_comm, "--quantized-comm", ring, "drop --quantized-comm"),
