@@ -6,6 +6,8 @@ threads; reshard: saved at 4 ranks ZeRO-1, resumed at 2 ranks ZeRO-3 and at tp 2
 killed half-way under mpiexec leaves the previous checkpoint, from which the run finishes
 identically; bad checkpoints are one line and exit 2 before any training.
 """
+import contextlib
+import io
 import itertools
 import os
 import shutil
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from minizero.checkpoint import ShardReader, read_manifest
+from minizero.checkpoint.cli import main as checkpoint_main
 from minizero.checkpoint.format import sha256
 from minizero.comm import run_in_threads
 from minizero.nn import get_config
@@ -405,11 +408,13 @@ def _refused_everywhere(folder, said, tmp_path, lines=1):
         parse_args(BASE + F64 + ["--resume", str(folder)], 2)
     assert said in str(e.value) and str(e.value).count("\n") == lines - 1, str(e.value)
     for cmd in (["inspect", str(folder)], ["consolidate", str(folder), "--out", str(tmp_path / "m.npz")]):
-        proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", *cmd], capture_output=True, text=True,
-                              timeout=50, cwd=REPO_ROOT)
-        problems = [line for line in proc.stderr.splitlines() if not line.startswith("  ")]  # wrapped: indented
-        said_whole = " ".join(said.split()) in " ".join(proc.stderr.split())  # read across the 120-column cuts
-        assert proc.returncode == 2 and len(problems) == lines and said_whole, proc.stderr
+        # in-process (the CI budget): the tests above run `python -m minizero.checkpoint` itself
+        with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+            status = checkpoint_main(cmd)
+        stderr = err.getvalue()
+        problems = [line for line in stderr.splitlines() if not line.startswith("  ")]  # wrapped: indented
+        said_whole = " ".join(said.split()) in " ".join(stderr.split())  # read across the 120-column cuts
+        assert status == 2 and len(problems) == lines and said_whole, stderr
     assert not (tmp_path / "m.npz").exists()
 
 
