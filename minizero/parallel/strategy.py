@@ -29,8 +29,8 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, MoEMLP, expert_groups,
-                                              gather_experts, use_moe, whole_experts)
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, aux_loss_seeder,
+                                              expert_groups, gather_experts, use_moe, whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -64,7 +64,8 @@ class Strategy:
         # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape,
         # the expert-data group (the traffic table's edp row)
         self.expert_load, self.ep_comm, self.make_model, self.edp_comm = expert_load, ep_comm, make_model, edp_comm
-        self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # seeded in forward_backward
+        #: hook(seed) before the step's forward passes, ``seed`` one micro-batch's backward seed (MoE's aux losses)
+        self.before_forward = []
         self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
         self.dp = dp = sync if isinstance(sync, DataParallel) else None
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
@@ -118,8 +119,8 @@ class Strategy:
             n = float(backend.to_host(n)[0])
             shares = [len(counts) * self.topo.dp * c / n for c in counts]
         seed = loss_scale / self.seed_divisor
-        for mlp in self.moe_mlps:  # the MoE losses are seeded as the main loss is, per micro-batch (no --pad with MoE)
-            mlp.grad_scale = seed / len(micro_batches)
+        for hook in self.before_forward:  # per micro-batch, as the main loss is seeded (no --pad with MoE)
+            hook(seed / len(micro_batches))
         data_rank, data_size, m = self.topo.dp_rank // self.cp, self.topo.dp // self.cp, len(micro_batches)
         rows = [micro_batch_rows(k, len(x), m, data_rank, data_size) for k, (x, _) in enumerate(micro_batches)]
         return self.engine.forward_backward(micro_batches, loss_scale=seed, shares=shares, rows=rows)
@@ -317,6 +318,8 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     strategy = Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap,
                         cp=cp, padded=args.documents == "pad",
                         expert_load=expert_load, ep_comm=ep_comm, make_model=make_model, edp_comm=edp_comm)
+    if moe is not None:  # the Switch and z losses seeded as the main loss is
+        strategy.before_forward.append(aux_loss_seeder(stage))
     if args.precision == "fp8" and args.fp8_scaling == "delayed":  # every replica's scales the group's max
         strategy.after_backward.append(AmaxReduction(stage, topo.dp_comm).reduce)
     return strategy
