@@ -220,3 +220,23 @@ def test_the_table_check_catches_an_injected_read(line):
 
 def test_the_table_check_allows_self():
     assert module_table_reads(ast.parse("class M:\n    def f(self):\n        return self._modules\n")) == []
+
+
+#: the one loop and the strategy it talks to: they ask a technique through its seams, never its type
+ASKS_NO_TYPE = ("loop.py", "parallel/strategy.py")
+
+
+def isinstance_calls(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``isinstance(...)`` call in ``tree``."""
+    return [f"{filename}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id == "isinstance"]
+
+
+def test_the_loop_and_the_strategy_never_ask_a_techniques_type():
+    found = [v for name in ASKS_NO_TYPE for v in isinstance_calls(ast.parse((ROOT / name).read_text()), name)]
+    assert found == []
+
+
+def test_the_type_check_catches_an_injected_call():
+    tree = ast.parse("def f(sync, DataParallel):\n    return sync if isinstance(sync, DataParallel) else None\n")
+    assert len(isinstance_calls(tree)) == 1
