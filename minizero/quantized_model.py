@@ -84,11 +84,11 @@ def _linear_slots(model: Module):
     """``[(dotted name, Linear)]`` for every Linear whose weight no other module owns."""
     owners = {}
     for _, m in model.named_modules():
-        for p in m._parameters.values():
+        for _, p in m.named_parameters(recurse=False, remove_duplicate=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     slots = []
     for pname, parent in model.named_modules():
-        for attr, child in parent._modules.items():
+        for attr, child in parent.named_children():
             if isinstance(child, Linear) and owners[id(child.weight)] == 1:
                 slots.append((f"{pname}.{attr}" if pname else attr, child))
     return slots

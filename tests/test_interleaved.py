@@ -54,6 +54,18 @@ def test_virtual_stages_are_dealt_round_robin():
     assert [rank_of_layer(8, 2, 2, i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
+def test_a_pipeline_stage_and_an_interleaved_stage_answer_the_engine_alike():
+    """The engine and context parallelism read ``stage.chunks`` and ``stage.v_shape`` of either kind of stage."""
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    from minizero.parallel.pipeline import PipelineStage
+    model = GPT(get_config("default"), seed=1)
+    one, chunks = PipelineStage(model, 0, 2), interleave(model, 0, 1, 2, v_shape=True)
+    assert one.chunks == [one] and one.v_shape is False
+    both = InterleavedStage(chunks, 1, v_shape=True)
+    assert both.chunks == chunks and both.v_shape is True
+
+
 def _wrap_then_look_inside(comm):
     from minizero.nn import GPT, get_config
     from minizero.nn.lora import add_lora

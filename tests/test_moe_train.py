@@ -347,3 +347,16 @@ def test_the_edp_row_counts_its_bytes_across_nodes():
     assert next(line for line in table if line.startswith("  ep    (2 rank(s) each): 1 node(s),")).split(",")[2] \
         == f" {'0 B':>9s}   (expert all-to-all)"
     assert f" + ep 0 B + edp {edp} + pp " in next(line for line in table if line.startswith("  world: "))
+
+
+def test_the_strategy_seeds_the_aux_losses_through_the_moe_hook():
+    """Strategy knows no MoE module: build_strategy installs MoE's seeder in ``before_forward``, which sets
+    every MoEMLP's backward seed to one micro-batch's (1/m here: no FP16, one data rank)."""
+    from minizero.parallel.expert_parallel import MoEMLP
+
+    def build(comm):
+        s = build_strategy(parse_args([*BASE, "--grad-accum", "2"], 1), comm, get_config("tiny", dtype="float64"))
+        s.before_forward[0](0.125)
+        return len(s.before_forward), {m.grad_scale for _, m in s.stage.named_modules() if isinstance(m, MoEMLP)}
+
+    assert run_in_threads(1, build, timeout=60)[0] == (1, {0.125})

@@ -190,3 +190,53 @@ def test_the_flag_check_catches_an_injected_string(line):
 
 def test_the_flag_check_leaves_docstrings_and_negative_numbers():
     assert not flag_strings(ast.parse('def f():\n    """``--pp`` stages."""\n    return "x --1 y", "a-b--c"'))
+
+
+#: a Module's own tables: read through named_children / named_parameters(recurse=False, remove_duplicate=False)
+MODULE_TABLES = {"_modules", "_parameters", "_named_parameters_all"}
+#: CheckpointWrapper shares its inner module's tables on purpose (inner's children are the wrapper's, same names)
+SHARES_TABLES = {"minizero/nn/module.py", "minizero/memory/recompute.py"}
+
+
+def module_table_reads(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x._modules`` / ``x._parameters`` / ``x._named_parameters_all`` with ``x`` not
+    ``self``: a technique reaching into another module's private tables instead of its public traversal."""
+    return [f"{filename}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in MODULE_TABLES
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+
+
+def test_no_module_reads_another_modules_tables():
+    files = [f for f in sorted(ROOT.rglob("*.py")) if str(f.relative_to(ROOT.parent)) not in SHARES_TABLES]
+    found = [v for f in files for v in module_table_reads(ast.parse(f.read_text()), str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["for n, c in m._modules.items(): pass", "ps = list(m._parameters.values())",
+                                  "names = dict(model._named_parameters_all())", "x = blocks[0]._modules"])
+def test_the_table_check_catches_an_injected_read(line):
+    assert len(module_table_reads(ast.parse("def f(m, model, blocks):\n    " + line + "\n"))) == 1
+
+
+def test_the_table_check_allows_self():
+    assert module_table_reads(ast.parse("class M:\n    def f(self):\n        return self._modules\n")) == []
+
+
+#: the one loop and the strategy it talks to: they ask a technique through its seams, never its type
+ASKS_NO_TYPE = ("loop.py", "parallel/strategy.py")
+
+
+def isinstance_calls(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``isinstance(...)`` call in ``tree``."""
+    return [f"{filename}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id == "isinstance"]
+
+
+def test_the_loop_and_the_strategy_never_ask_a_techniques_type():
+    found = [v for name in ASKS_NO_TYPE for v in isinstance_calls(ast.parse((ROOT / name).read_text()), name)]
+    assert found == []
+
+
+def test_the_type_check_catches_an_injected_call():
+    tree = ast.parse("def f(sync, DataParallel):\n    return sync if isinstance(sync, DataParallel) else None\n")
+    assert len(isinstance_calls(tree)) == 1

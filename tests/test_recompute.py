@@ -82,6 +82,18 @@ def test_recompute_wraps_modules_and_keeps_every_name(mode, every):
         apply_recompute(model, mode, every)
 
 
+def test_module_traversal_is_public_and_a_wrapper_shows_its_inner_modules_tables():
+    plain, model = GPT(get_config("tiny"), seed=1), GPT(get_config("tiny"), seed=1)
+    apply_recompute(model, "full", 1)
+    wrapped, block = model.transformer["h"][0], plain.transformer["h"][0]
+    assert [n for n, _ in wrapped.named_children()] == [n for n, _ in block.named_children()] == \
+        ["ln_1", "attn", "ln_2", "mlp"]
+    assert [n for n, _ in block.ln_1.named_parameters(recurse=False)] == ["weight", "bias"]
+    assert list(block.named_parameters(recurse=False)) == []  # a block owns no parameter itself
+    every = [n for n, _ in plain.named_parameters(remove_duplicate=False)]  # the tied head's alias too
+    assert every == list(plain.state_dict()) and len(every) == len(list(plain.named_parameters())) + 1
+
+
 def test_full_recompute_reaches_the_chunks_of_an_interleaved_stage():
     from minizero.parallel.interleaved import InterleavedStage, interleave
     model = GPT(get_config("default"), seed=1)  # 4 layers: chunks hold layers (0, 1) and (2, 3) at pp = 1, v = 2

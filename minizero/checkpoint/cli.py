@@ -102,7 +102,7 @@ def consolidate(path: str, out: str) -> dict:
         use_moe(model, MoEConfig(lay["moe_experts"], lay["moe_top_k"], lay["moe_capacity_factor"], lay["moe_every"]), 0)
     first = {}  # id(Parameter) -> its first name (the logical one), as the checkpoint names it
     state = {}
-    for name, p in model._named_parameters_all():
+    for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
         if first[id(p)] not in state:
             state[first[id(p)]] = full_tensor(reader, first[id(p)])

@@ -77,7 +77,7 @@ def expected_shapes(model: dict, layout: dict) -> dict:
     moe = set(MoEConfig(e, layout["moe_top_k"], layout["moe_capacity_factor"], layout["moe_every"]).layers(
         cfg.n_layer)) if e else set()
     c, h = cfg.n_embd, 4 * cfg.n_embd
-    for name, p in gpt._named_parameters_all():
+    for name, p in gpt.named_parameters(remove_duplicate=False):
         if id(p) in seen or any(name.startswith(f"transformer.h.{i}.mlp.") for i in moe):
             continue
         seen.add(id(p))

@@ -105,7 +105,7 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
         raise ValueError(f"recompute every K blocks needs K >= 1, got {every!r}")
     if mode == "none":
         return []
-    for name, block in model.transformer["h"]._modules.items():
+    for name, block in model.transformer["h"].named_children():
         if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
             raise ValueError(f"recompute is already applied to transformer.h.{name}")
     chosen = {id(b if mode == "full" else b.attn.core) for b in list(model.transformer["h"])[::every]}

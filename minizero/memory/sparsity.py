@@ -21,7 +21,7 @@ def prunable_weights(model) -> dict:
     """``{name: Parameter}`` of every Linear weight that no other module shares (not the tied LM head)."""
     owners = {}
     for _, m in model.named_modules():
-        for p in m._parameters.values():
+        for _, p in m.named_parameters(recurse=False, remove_duplicate=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return {f"{name}.weight" if name else "weight": m.weight for name, m in model.named_modules()
             if isinstance(m, Linear) and owners[id(m.weight)] == 1}

@@ -158,7 +158,7 @@ def merged_state_dict(model: Module) -> dict:
             out[f"{prefix}.weight"] = backend.to_host(w + mod.delta())
             if b.bias is not None:
                 out[f"{prefix}.bias"] = backend.to_host(b.bias.data)
-    for name, p in model._named_parameters_all():  # every name, the tied head's alias too
+    for name, p in model.named_parameters(remove_duplicate=False):  # every name, the tied head's alias too
         if ".lora_" not in name and ".base." not in name:
             out[name] = backend.to_host(p.data)
     return out

@@ -85,17 +85,22 @@ class Module:
         """The direct sub-modules."""
         return list(self._modules.values())
 
-    def _named_parameters_all(self, prefix=""):
+    def named_children(self):
+        """Yield ``(name, module)`` for each direct sub-module, in registration order."""
+        yield from self._modules.items()
+
+    def _named_parameters_all(self, prefix="", recurse=True):
         for name, p in self._parameters.items():
             yield (f"{prefix}.{name}" if prefix else name), p
-        for name, m in self._modules.items():
+        for name, m in self._modules.items() if recurse else ():
             yield from m._named_parameters_all(f"{prefix}.{name}" if prefix else name)
 
-    def named_parameters(self):
-        """Yield ``(dotted_name, Parameter)``; a shared parameter appears once, under its first name."""
+    def named_parameters(self, recurse: bool = True, remove_duplicate: bool = True):
+        """Yield ``(dotted_name, Parameter)``; a shared parameter appears once, under its first name (every name
+        with ``remove_duplicate=False``); ``recurse=False``: this module's own parameters only."""
         seen = set()
-        for name, p in self._named_parameters_all():
-            if id(p) not in seen:
+        for name, p in self._named_parameters_all(recurse=recurse):
+            if not remove_duplicate or id(p) not in seen:
                 seen.add(id(p))
                 yield name, p
 
@@ -110,14 +115,15 @@ class Module:
     # ---- state ------------------------------------------------------------------
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
         """Name -> host array copy, every name including aliases of shared parameters."""
-        return OrderedDict((name, backend.to_host(p.data).copy()) for name, p in self._named_parameters_all())
+        return OrderedDict((name, backend.to_host(p.data).copy())
+                           for name, p in self.named_parameters(remove_duplicate=False))
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Copy arrays into the parameters in place, keeping dtype.
 
         Raises KeyError: ``strict`` and names missing or unexpected; ValueError: a shape differs.
         """
-        own = dict(self._named_parameters_all())
+        own = dict(self.named_parameters(remove_duplicate=False))
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         if strict and (missing or unexpected):

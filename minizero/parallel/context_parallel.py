@@ -190,7 +190,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     if cp == 1:
         return []
     done = []
-    for part in getattr(stage, "chunks", [stage]):
+    for part in stage.chunks:
         done += _split_sequence(part, comm)
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
     in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks

@@ -80,8 +80,8 @@ class MoEMLP(Module):
     """The block's MLP as an MoE layer: x (b, T, C) -> (b, T, C), the b*T tokens routed as one group.
 
     ``moe``: the :class:`MoELayer`; ``aux_coef``, ``z_coef``: the coefficients of its Switch and z
-    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S/(m dp) under FP16), set by
-    ``Strategy.forward_backward`` (Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout.
+    losses; ``grad_scale``: their backward seed, the main loss's per micro-batch (S/(m dp) under FP16), set each
+    step by :func:`aux_loss_seeder` (Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``). No dropout.
     """
 
     def __init__(self, moe: MoELayer, aux_coef: float, z_coef: float, grad_scale: float):
@@ -120,6 +120,17 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
         block.mlp = MoEMLP(moe, cfg.aux_loss, cfg.z_loss, grad_scale)
         layers[i] = moe
     return layers
+
+
+def aux_loss_seeder(stage):
+    """A hook ``(seed)`` setting every :class:`MoEMLP` of ``stage``'s ``grad_scale``: the backward seed of one
+    micro-batch's loss (``Strategy.before_forward``), so the Switch and z losses are seeded as the main loss is."""
+    mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]
+
+    def seed_aux_losses(seed: float) -> None:
+        for mlp in mlps:
+            mlp.grad_scale = seed
+    return seed_aux_losses
 
 
 def expert_groups(dp_comm, ep: int):

@@ -47,7 +47,7 @@ class InterleavedStage(Module):
         self.transformer = ModuleDict(mods)
         if last.is_last:
             self.lm_head = last.lm_head
-        object.__setattr__(self, "chunks", list(chunks))  # not submodules: their modules are registered above
+        self.chunks = list(chunks)  # a list, not submodules: their modules are registered above
 
     @property
     def sequence_shards(self) -> int:

@@ -70,6 +70,7 @@ class PipelineStage(Module):
             mods["ln_f"] = tr["ln_f"]
         self.transformer = ModuleDict(mods)
         self.sequence_shards = 1  # sequence_parallel.py: activations between stages are (b, T/shards, C)
+        self.v_shape = False  # an InterleavedStage's chunks may sit in a V (ZB-V); one stage is one chunk
         self.loss_fn = cross_entropy  # (N, V) logits, (N,) targets -> mean loss; vocab_parallel.py replaces it
         if self.is_last and self.is_first:
             self.lm_head = model.lm_head  # weight shared with wte: one Parameter
@@ -80,6 +81,11 @@ class PipelineStage(Module):
         #: the pipeline ranks of the previous and next stage (None past an end); interleave() sets them for chunks
         self.prev_rank = None if self.is_first else stage - 1
         self.next_rank = None if self.is_last else stage + 1
+
+    @property
+    def chunks(self) -> list:
+        """``[self]``: one stage is its own one chunk (an ``InterleavedStage`` holds v, in chunk order)."""
+        return [self]
 
     def rank_of_layer(self, layer: int) -> int:
         """The pipeline rank holding block ``layer`` (one stage per rank)."""
@@ -170,9 +176,9 @@ class PipelineEngine:
         if comm.world_size != stage.num_stages or comm.rank != stage.stage:
             raise ValueError(f"pipeline communicator rank {comm.rank}/{comm.world_size} does not match "
                              f"stage {stage.stage}/{stage.num_stages}")
-        self.chunks = getattr(stage, "chunks", [stage])  # v = 1: the stage is its one chunk
+        self.chunks = stage.chunks  # v = 1: the stage is its one chunk
         v = len(self.chunks)
-        if (schedule in V_SHAPED) != getattr(stage, "v_shape", False):
+        if (schedule in V_SHAPED) != stage.v_shape:
             raise ValueError(f"the {schedule!r} schedule needs a stage built with v_shape="
                              f"{schedule in V_SHAPED} (build_stage): zb-v runs chunks placed in a V, the others not")
         make_schedule(schedule, stage.num_stages, stage.num_stages, v)  # validates the name and v

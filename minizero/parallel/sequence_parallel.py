@@ -288,7 +288,7 @@ def sequence_parallelize(stage, comm) -> list[str]:
     tr, done = stage.transformer, []
     if stage.is_first and not isinstance(tr["wte"], VocabParallelEmbedding):
         raise TypeError("sequence_parallelize needs a vocabulary-parallel embedding: call vocab_parallelize first")
-    for name, block in tr["h"]._modules.items():
+    for name, block in tr["h"].named_children():
         block.attn = SequenceParallelAttention(block.attn, comm)
         mlp = block.mlp
         mlp.c_fc = SequenceParallelColumnLinear(*_arrays(mlp.c_fc), comm)

@@ -29,8 +29,8 @@ from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, MoEMLP, expert_groups,
-                                              gather_experts, use_moe, whole_experts)
+from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, aux_loss_seeder,
+                                              expert_groups, gather_experts, use_moe, whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
@@ -53,20 +53,21 @@ class Strategy:
     """One rank's part of a training layout, behind the five calls the training loop makes.
 
     Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
-    engine; sync (the gradient synchroniser); dp (``sync`` if a DataParallel, else None); opt (the optimizer,
-    which is ``sync`` under ZeRO); params (this rank's parameters).
+    engine; sync (the gradient synchroniser); dp (``sync`` when the builder made it a plain DataParallel, else
+    None); opt (the optimizer, which is ``sync`` under ZeRO); params (this rank's parameters).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
                  predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False,
-                 expert_load=None, ep_comm=None, make_model=None, edp_comm=None):
+                 expert_load=None, ep_comm=None, make_model=None, edp_comm=None, dp: DataParallel | None = None):
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
         # MoE (expert_parallel.py): the per-step load and bias update, the expert group, the whole model's shape,
         # the expert-data group (the traffic table's edp row)
         self.expert_load, self.ep_comm, self.make_model, self.edp_comm = expert_load, ep_comm, make_model, edp_comm
-        self.moe_mlps = [m for _, m in stage.named_modules() if isinstance(m, MoEMLP)]  # seeded in forward_backward
+        #: hook(seed) before the step's forward passes, ``seed`` one micro-batch's backward seed (MoE's aux losses)
+        self.before_forward = []
         self.after_step = [] if expert_load is None else [expert_load.after_step]  #: collectives after opt.step
-        self.dp = dp = sync if isinstance(sync, DataParallel) else None
+        self.dp = dp  # the overlapped reducer and the traffic table's ring-vs-hierarchical line read its buckets
         self.cp = cp  # --cp: the data group (topo.dp ranks) is dp x cp; the rows are the data rank's, dp_rank // cp
         # --pad: targets may be IGNORE_INDEX, so a step counts its real targets (one all-reduce); without it
         # every target is real, the count is B*T and each micro-batch's mean weighs 1/m as it always did
@@ -118,8 +119,8 @@ class Strategy:
             n = float(backend.to_host(n)[0])
             shares = [len(counts) * self.topo.dp * c / n for c in counts]
         seed = loss_scale / self.seed_divisor
-        for mlp in self.moe_mlps:  # the MoE losses are seeded as the main loss is, per micro-batch (no --pad with MoE)
-            mlp.grad_scale = seed / len(micro_batches)
+        for hook in self.before_forward:  # per micro-batch, as the main loss is seeded (no --pad with MoE)
+            hook(seed / len(micro_batches))
         data_rank, data_size, m = self.topo.dp_rank // self.cp, self.topo.dp // self.cp, len(micro_batches)
         rows = [micro_batch_rows(k, len(x), m, data_rank, data_size) for k, (x, _) in enumerate(micro_batches)]
         return self.engine.forward_backward(micro_batches, loss_scale=seed, shares=shares, rows=rows)
@@ -276,6 +277,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     params = stage.parameters()
     fp16 = args.precision == "fp16"
     predivided = fp16 and topo.dp > 1  # the backward seed carries 1/dp (Strategy.seed_divisor): reduce by a sum
+    dp = None  # a plain DataParallel (Strategy.dp): not under ZeRO, not MoE's two-part synchroniser
     if args.zero:
         # --dp-shard N < dp: ZeRO's group is N data ranks, the gradients summed across the replicas too (zero/hybrid.py)
         hybrid = args.hybrid_sharding()  # data group dp x cp: N x cp ranks a group
@@ -290,20 +292,20 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
                   overlap_reduce=args.overlap, predivided=predivided,
                   check_order=True if args.debug_collectives else None)  # None: the env switch
         if ep_comm is not None:  # experts sharded over their expert-data group (expert_parallel.py)
-            dp, opt = None, ExpertZero(stage, shard_comm, edp_comm, args.ep, args.zero, replicas=replicas, **kw)
+            sync = opt = ExpertZero(stage, shard_comm, edp_comm, args.ep, args.zero, replicas=replicas, **kw)
         else:
-            dp, opt = None, zero_optimizer(stage, shard_comm, args.zero, replicas=replicas, **kw)
+            sync = opt = zero_optimizer(stage, shard_comm, args.zero, replicas=replicas, **kw)
     elif ep_comm is not None:
-        dp = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20),
-                                predivided=predivided)
+        sync = ExpertDataParallel(params, topo.dp_comm, edp_comm, args.ep, bucket_bytes=int(args.bucket_mb * 2 ** 20),
+                                  predivided=predivided)
         opt = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, master_weights=fp16, store=store)
     else:
         hierarchical = args.allreduce == "hierarchical"
         allreduce = HierarchicalAllReduce(topo.dp_comm) if hierarchical else None
         if args.quantized_comm:  # INT8 on the wire (comm/quantized.py)
             allreduce = functools.partial(quantized_all_reduce, topo.dp_comm)
-        dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20), native=args.native_comm,
-                          allreduce=allreduce, predivided=predivided)
+        sync = dp = DataParallel(params, topo.dp_comm, bucket_bytes=int(args.bucket_mb * 2 ** 20),
+                                 native=args.native_comm, allreduce=allreduce, predivided=predivided)
         if args.optimizer == "adam8bit":
             opt = Adam8bit(params, lr=args.lr, weight_decay=args.weight_decay, block_size=args.adam8bit_block_size,
                            master_weights=fp16)
@@ -314,9 +316,11 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     overlap = args.overlap
     engine = PipelineEngine(stage, topo.pp_comm, args.schedule, verbose=verbose, forward_context=forward_context,
                             log=log_line, overlap=overlap)
-    strategy = Strategy(topo, stage, model, engine, dp if dp is not None else opt, opt, predivide=fp16, overlap=overlap,
+    strategy = Strategy(topo, stage, model, engine, sync, opt, predivide=fp16, overlap=overlap,
                         cp=cp, padded=args.documents == "pad",
-                        expert_load=expert_load, ep_comm=ep_comm, make_model=make_model, edp_comm=edp_comm)
+                        expert_load=expert_load, ep_comm=ep_comm, make_model=make_model, edp_comm=edp_comm, dp=dp)
+    if moe is not None:  # the Switch and z losses seeded as the main loss is
+        strategy.before_forward.append(aux_loss_seeder(stage))
     if args.precision == "fp8" and args.fp8_scaling == "delayed":  # every replica's scales the group's max
         strategy.after_backward.append(AmaxReduction(stage, topo.dp_comm).reduce)
     return strategy

@@ -210,7 +210,7 @@ def tensor_parallelize(model: Module, comm) -> list[str]:
     if tp == 1:
         return done
     blocks = model.transformer["h"]
-    for name, block in blocks._modules.items():
+    for name, block in blocks.named_children():
         n_head, c = block.attn.n_head, block.attn.c_proj.out_features
         if n_head % tp or c % tp:
             raise ValueError(f"tensor parallel size {tp} must divide n_head={n_head} and n_embd={c}")

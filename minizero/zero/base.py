@@ -104,7 +104,8 @@ class ZeroOptimizer:
             inside = {id(m) for _, m in st.users[0].named_modules()}
             mine = {id(p) for p in st.params}
             for _, m in model.named_modules():
-                if id(m) not in inside and any(id(p) in mine for p in m._parameters.values()):
+                owned = m.named_parameters(recurse=False, remove_duplicate=False)
+                if id(m) not in inside and any(id(p) in mine for _, p in owned):
                     st.users.append(m)
 
     def _build(self, st):

@@ -36,13 +36,13 @@ def find_units(model, include=None):
     while todo:
         name, module, whole = todo.pop(0)
         prefix = f"{name}." if name else ""
-        found = module.named_parameters() if whole else module._parameters.items()
+        found = module.named_parameters() if whole else module.named_parameters(recurse=False, remove_duplicate=False)
         own = [(prefix + n, p) for n, p in found if id(p) not in claimed and (include is None or include(p))]
         if own:
             claimed.update(id(p) for _, p in own)
             units.append((name, module, own))
         if not whole:
-            children = [(prefix + n, m, isinstance(module, ModuleList)) for n, m in module._modules.items()]
+            children = [(prefix + n, m, isinstance(module, ModuleList)) for n, m in module.named_children()]
             todo[:0] = children
     return units
 
