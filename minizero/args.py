@@ -25,6 +25,7 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
+from minizero.memory.plots import plots_on
 from minizero.zero.collectives import debug_collectives
 from minizero.output_checks import (check_outputs, check_resume_source, check_save_dir, check_trace,
                                      outside_checkpoints)
@@ -126,6 +127,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     try:
         threshold_from_env()  # the all-reduce size rule's override (benchmarks, tests)
         debug_collectives()  # MINIZERO_DEBUG_COLLECTIVES: "0" or "1", never a silent "off"
+        plots_on()  # MINIZERO_PLOTS: "0" or "1"
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_comm(args)

@@ -19,7 +19,7 @@ from minizero.files import atomic_write
 from minizero.header import run_techniques
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text, wrap
 from minizero.memory.monitor import report_memory
-from minizero.memory.plots import INSTALL_HINT
+from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
@@ -170,8 +170,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     run = f"{args.model} model, {args.world_size} rank(s): {run_techniques(args)}"  # the plots' titles
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
+    plots = plots_on()
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
-        None if args.no_save else args.out, result["memory_timeline"], result["module_peaks"],
+        args.out if plots and not args.no_save else None, result["memory_timeline"], result["module_peaks"],
         category_peaks=[s["peak"] for s in stats], first_step=result.start_step, title=textwrap.fill(run, 110))
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
@@ -238,13 +239,16 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
     atomic_write(args.json, lambda f: f.write(text), mode="w")
     print(f"wrote {os.path.join(args.out, 'model.npz')}, {os.path.join(args.out, SIDECAR)} and {args.json}")
-    loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                            result["skipped_at"],
-                            textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}", 100),
-                            first_step=result.start_step)
-    if loss_plot == MISSING and no_memory_plot:
-        print(NO_PLOTS)
+    if not plots:
+        print(PLOTS_OFF)
     else:
-        print("\n".join([loss_plot, *([INSTALL_HINT] if no_memory_plot else [])]))
+        loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
+                                result["skipped_at"],
+                                textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}", 100),
+                                first_step=result.start_step)
+        if loss_plot == MISSING and no_memory_plot:
+            print(NO_PLOTS)
+        else:
+            print("\n".join([loss_plot, *([INSTALL_HINT] if no_memory_plot else [])]))
     for line in wrote_later:
         print(line)

@@ -8,6 +8,9 @@ from minizero.files import mpiexec_path  # noqa: F401  (re-exported for tests)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ZeRO's per-collective order check (off in the main job) runs in every test, here and in launched ranks
 os.environ.setdefault("MINIZERO_DEBUG_COLLECTIVES", "1")
+# The main job's two pictures (importing matplotlib and drawing: much of a short run) only where a test looks at
+# them: it sets MINIZERO_PLOTS=1 (tests/test_memory_monitor.py, test_sample.py, test_progress.py)
+os.environ.setdefault("MINIZERO_PLOTS", "0")
 
 
 def mpi_env():

@@ -47,6 +47,14 @@ def test_debug_collectives_0_and_1_are_accepted(monkeypatch, tmp_path, value, on
     assert debug_collectives() is False
 
 
+@pytest.mark.parametrize("value", ["yes", "off", "2"])
+def test_plots_other_than_0_or_1_is_refused_by_train(monkeypatch, tmp_path, value):
+    """MINIZERO_PLOTS (the suite sets "0"): anything but "0" or "1" is refused with the arguments, before any work."""
+    monkeypatch.setenv("MINIZERO_PLOTS", value)
+    with pytest.raises(UsageError, match=re.escape(f"MINIZERO_PLOTS={value!r}; allowed: \"1\" (draw")):
+        parse_args([*TINY, "--out", str(tmp_path / "o")])
+
+
 # --------------------------------------------------------------------------- finetune --targets
 @pytest.mark.parametrize("targets,twice", [("c_attn,c_attn", "c_attn"), ("c_fc,c_proj,c_fc", "c_fc")])
 def test_finetune_targets_named_twice_are_refused(capsys, targets, twice):

@@ -134,7 +134,7 @@ def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
     out = tmp_path / "out"
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--steps", "4", "--log-every", "2",
            "--eval-batches", "1", "--sample-tokens", "4", "--out", str(out)]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
     mem = [line[line.index("  mem "):] for line in proc.stdout.splitlines() if "  mem " in line]
     assert len(mem) == 2 and mem[0].endswith(" (max over ranks)") and ", peak " in mem[1]  # said once: short lines

@@ -102,7 +102,7 @@ def test_progress_under_mpirun_to_a_file(mpiexec, tmp_path):
     log = tmp_path / "log"
     with open(log, "w") as f:
         proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny",
-                               "--steps", "60", "--eval-every", "20"], env=mpi_env(), stdout=f,
+                               "--steps", "60", "--eval-every", "20"], env=dict(mpi_env(), MINIZERO_PLOTS="1"), stdout=f,
                               stderr=subprocess.PIPE, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = log.read_text().splitlines()

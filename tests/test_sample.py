@@ -97,7 +97,7 @@ def fp16_run(tmp_path_factory):
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "12",
            "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "40", "--precision", "fp16",
            "--prompt", "Th", "--seed", "3", "--out", str(out), "--progress", "log"]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, out
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from minizero.nn import GPT, get_config
+from minizero.memory.plots import PLOTS_OFF
 from minizero.train import UsageError, parse_args
 from tests.conftest import mpi_env
 
@@ -103,6 +104,8 @@ def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
     assert ("parameter gathers and broadcasts (the start-up broadcast: a binomial tree from rank 0, whose leaves "
             "send nothing): r0 ") in said
     assert "ZeRO" not in proc.stdout  # not asked for: no "ZeRO stage 0"
+    # the suite's MINIZERO_PLOTS=0 (tests/conftest.py): said, and nothing drawn (test_memory_monitor draws both)
+    assert PLOTS_OFF in proc.stdout and not {"loss.png", "memory.png"} & set(os.listdir(out))
     assert "model states per rank at the optimizer step (every rank holds them all)" in said
     report = proc.stdout[proc.stdout.index("validation loss:"):proc.stdout.index("sample:")]
     assert max(len(line) for line in report.splitlines()[1:]) <= 100, report  # the headline stays one line

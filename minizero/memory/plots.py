@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 
@@ -10,6 +11,23 @@ from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, format_bytes, rank_runs
 
 INSTALL_HINT = "no memory plot: matplotlib is not installed (pip install matplotlib)"
+#: the environment variable that turns the main job's two pictures (OUT/loss.png, OUT/memory.png) off ("0")
+PLOTS_ENV = "MINIZERO_PLOTS"
+PLOTS_OFF = f"{PLOTS_ENV}=0: neither loss.png nor memory.png was drawn"
+
+
+def plots_on() -> bool:
+    """Whether the main job draws ``OUT/loss.png`` and ``OUT/memory.png`` (``MINIZERO_PLOTS``: unset, empty or
+    "1": on; "0": off, for many short runs, where importing matplotlib and drawing are much of each run: the test
+    suite sets it).
+
+    Raises ValueError: any other value; the trainer checks it with its arguments, before any work.
+    """
+    text = os.environ.get(PLOTS_ENV) or "1"  # empty: unset (as every MINIZERO_ variable)
+    if text not in ("0", "1"):
+        raise ValueError(f"{PLOTS_ENV}={text!r}; allowed: \"1\" (draw loss.png and memory.png, the default) or "
+                         "\"0\" (draw neither)")
+    return text == "1"
 
 
 def have_matplotlib() -> bool:
