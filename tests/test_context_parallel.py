@@ -65,6 +65,27 @@ def test_ring_attention_equals_whole_causal_attention(cp):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_ring_attention_sends_what_ring_bytes_counts(dtype):
+    """The communicator's ledger, forward and backward, equals ring_bytes: k, v in their own dtype, dk, dv
+    accumulated and sent in float32 (float16 inputs: 2-byte k, v blocks beside 4-byte dk, dv)."""
+    b, h, s, d, cp = 2, 4, 64, 16, 2
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.normal(size=(b, h, s, d)).astype(dtype) for _ in range(3))
+
+    def rank(comm):
+        ql, kl, vl = (Tensor(split_for_context_parallel(a, comm.rank, cp, 2), requires_grad=True) for a in (q, k, v))
+        out = ring_attention(ql, kl, vl, comm)
+        sent = comm.traffic.bytes_sent
+        out.sum().backward()
+        assert kl.grad.dtype == np.dtype(dtype)
+        return sent, comm.traffic.bytes_sent - sent
+
+    expect = ring_bytes(b, h, s, d, np.dtype(dtype).itemsize, cp)
+    assert run_in_threads(cp, rank) == [(expect["forward"], expect["backward"])] * cp
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_dropout_equals_dense_attention_with_the_same_mask(cp):
     """The dense core's dropout (one process, the same seed) read by block on every rank: outputs and gradients

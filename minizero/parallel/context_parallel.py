@@ -2,7 +2,8 @@
 
 Rank i of the context group holds chunks i and 2c-1-i of 2c (causal load balance); q, k, v: (b, H, 2n, D),
 n = s/(2c). Key/value blocks travel the ring by ``sendrecv`` with an online softmax (a step holds a (2n, 2n)
-score block, never (s, s)); backward is FlashAttention's blockwise backward, dK, dV travelling with their block.
+score block, never (s, s)); backward is FlashAttention's blockwise backward, dK, dV (float32 for 16-bit inputs)
+travelling with their block.
 Dropout draws the unsplit model's masks: each rank reads its chunks' elements (:class:`ContextParallelDropout`,
 and the attention's (B, H, T, T) mask by blocks). Preconditions (:mod:`minizero.layout_checks`): 2c divides T, tp
 divides T/c under sequence parallelism.
@@ -56,15 +57,16 @@ def unsplit_from_context_parallel(shards, axis: int):
 
 
 def ring_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per call, {"forward", "backward"}, for (b, h, s/cp, d) blocks of ``itemsize``.
+    """Bytes one rank sends per call, {"forward", "backward"}, for (b, h, s/cp, d) blocks of k and v (``itemsize``)
+    and of dk and dv (at least float32: 4 bytes for 16-bit inputs, ``itemsize`` from float32 up).
 
-    Forward: (cp-1) passes of (k, v); backward: (cp-1) of (k, v, dk, dv) and one more of (dk, dv). 0 for cp = 1.
-    Exact from float32 up; backward's passes travel in float32, twice this for float16 inputs.
+    Forward: (cp-1) passes of (k, v); backward: (cp-1) of (k, v) and cp of (dk, dv). 0 for cp = 1.
     """
     if cp == 1:
         return {"forward": 0, "backward": 0}
-    blk = b * h * (s // cp) * d * itemsize
-    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
+    blk = b * h * (s // cp) * d
+    kv = 2 * (cp - 1) * blk * itemsize
+    return {"forward": kv, "backward": kv + 2 * cp * blk * max(itemsize, 4)}
 
 
 def _blocks(rank: int, src: int, cp: int, n: int):
@@ -88,7 +90,8 @@ def _keep(drop, q, rows, keys):
 
 
 def _ring_pass(comm, arrays):
-    """Send ``arrays`` (a tuple) to the right neighbour, receive the left neighbour's (same shapes)."""
+    """Send ``arrays`` (a tuple of one dtype: concatenate would promote a mix) to the right neighbour as one message,
+    receive the left neighbour's (same shapes)."""
     if comm.world_size == 1:
         return arrays
     xp = backend.xp
@@ -109,7 +112,9 @@ class _RingAttention(Function):
 
     ``drop``: a ``MaskStream`` of the whole (b, H, T, T) keep mask, or None. Saves q, k, v, out and the row
     log-sum-exp (b, H, 2n) (at least float32), no mask.
-    Forward: c-1 ring passes of (k, v); backward: c-1 of (k, v) and c of (dk, dv), all in the accumulation dtype.
+    Forward: c-1 ring passes of (k, v). Backward: c-1 of (k, v) in their own dtype and c of (dk, dv) in the
+    accumulation dtype (float32 for 16-bit inputs, as ring-flash-attention's accumulators): two messages a pass
+    rather than one buffer of two dtypes packed as bytes.
     """
 
     @staticmethod
@@ -151,7 +156,8 @@ class _RingAttention(Function):
         dkb, dvb = xp.zeros(k.shape, dtype=acc_t), xp.zeros(v.shape, dtype=acc_t)
         for j in range(cp):
             if j:
-                kb, vb, dkb, dvb = _ring_pass(comm, (kb, vb, dkb, dvb))
+                kb, vb = _ring_pass(comm, (kb, vb))  # in their own dtype
+                dkb, dvb = _ring_pass(comm, (dkb, dvb))  # in acc_t
             for qs, ks, mask, rows, keys in _blocks(r, (r - j) % cp, cp, n):
                 kk, vv, qq = kb[:, :, ks].astype(acc_t), vb[:, :, ks].astype(acc_t), q[:, :, qs].astype(acc_t)
                 gq, gk, gv = attention_block_grads(qq, kk, vv, g[:, :, qs], lse[:, :, qs], dsum[:, :, qs], scale, mask,

@@ -194,16 +194,18 @@ def expert_all_to_all_bytes(model, strategy: Strategy, seq_len: int | None = Non
 def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: int, itemsize: int, cp: int) -> dict:
     """Bytes one rank sends in one ring-attention call over ``cp`` ranks: {"forward", "backward"}.
 
-    A block is one rank's K (or V, dK, dV): (b, heads, s/cp, head_dim) x itemsize bytes. Forward:
-    c-1 passes of (K, V), 2(c-1) blocks (Liu et al. 2023, section 3: each block visits every rank).
-    Backward (minizero's ``_RingAttention.backward``): c-1 passes of (K, V, dK, dV) and one more of
-    (dK, dV) that brings every gradient block home, 2(c-1) + 2c blocks. 0 and 0 for cp = 1 (no ring).
+    A block is one rank's K (or V, dK, dV): (b, heads, s/cp, head_dim) elements; K and V of ``itemsize`` bytes,
+    dK and dV of at least float32's 4 (accumulated in float32 for 16-bit inputs, as ring-flash-attention does).
+    Forward: c-1 passes of (K, V), 2(c-1) blocks (Liu et al. 2023, section 3: each block visits every rank).
+    Backward (minizero's ``_RingAttention.backward``): c-1 passes of (K, V), and c of (dK, dV), the last bringing
+    every gradient block home: 2(c-1) K, V blocks + 2c gradient blocks. 0 and 0 for cp = 1 (no ring).
     The trainer's traffic ledger is checked against this (tests/test_context_parallel.py).
     """
     if cp == 1:
         return {"forward": 0, "backward": 0}
-    blk = micro_batch * heads * (seq_len // cp) * head_dim * itemsize
-    return {"forward": 2 * (cp - 1) * blk, "backward": 2 * (cp - 1) * blk + 2 * cp * blk}
+    blk = micro_batch * heads * (seq_len // cp) * head_dim
+    kv = 2 * (cp - 1) * blk * itemsize
+    return {"forward": kv, "backward": kv + 2 * cp * blk * max(itemsize, 4)}
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------
