@@ -280,3 +280,21 @@ def test_every_optimizer_kind_sets_its_step():
     opt.set_step(7)
     assert opt.step_count == 7
     assert [run_in_threads(1, _zero_set_step, s)[0] for s in (1, 2, 3)] == [7, 7, 7]
+
+
+def precision_tests(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every comparison with the string ``"fp16"``: the loop keys on the loss scaler's presence
+    (memory/precision.py's ``loss_scaler`` decides which precision needs one), never on the precision's name."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and c.value == "fp16"]
+
+
+def test_the_loop_does_not_name_the_precision():
+    found = [v for name in ("loop.py", "instrumentation.py")
+             for v in precision_tests(ast.parse((ROOT / name).read_text()), name)]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['fp16 = args.precision == "fp16"', 'x = 1 if "fp16" != p else 2'])
+def test_the_precision_check_catches_an_injected_test(line):
+    assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1
