@@ -165,7 +165,7 @@ def default_callbacks(run) -> list[Callback]:
     every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
     callbacks = [Interrupts(), Header(), resume]
     if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
-        callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=args.precision == "fp16"))
+        callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=run.scaler is not None))
     if args.loss_spike:
         callbacks.append(LossSpikes(run.strategy.stage, args.loss_spike))
     callbacks += [FaultInjector.from_environment(run.comm.rank, run.strategy.params), MemoryCallback(every)]

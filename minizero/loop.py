@@ -22,7 +22,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, text_digest, train_val_split
 from minizero.instrumentation import default_callbacks
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
-from minizero.memory.precision import DynamicLossScaler, local_overflow, overflow_anywhere
+from minizero.memory.precision import local_overflow, loss_scaler, overflow_anywhere
 from minizero.memory.sparsity import Pruner
 from minizero.zero import model_state_bytes
 from minizero.optim import clip_coefficient, cosine_lr
@@ -143,10 +143,9 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
     offload = ActivationOffload(args.offload_activations, args.offload_dir, rank=comm.rank)
     store = OptimizerStateStore(args.offload_optimizer, args.offload_dir)  # --offload-optimizer: state off-device
     s = build_strategy(args, comm, cfg, forward_context=offload, store=store)
-    fp16 = args.precision == "fp16"
     warn = (lambda note: log(f"warning: {note}")) if comm.rank == 0 else (lambda note: None)  # once per job
-    scaler = DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                               hysteresis=args.hysteresis, min_scale=args.min_loss_scale, warn=warn) if fp16 else None
+    scaler = loss_scaler(args.precision, args.initial_loss_scale, args.loss_scale_window, args.hysteresis,
+                         args.min_loss_scale, warn)  # FP16's; None for the other precisions
     pad = args.documents == "pad"  # --pad: windows stop at document ends; the sampler and validation alike
     sampler = DistributedSampler(train_tok, cfg.block_size, args.micro_batch_size, args.grad_accum,
                                  dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed, pad=pad)
@@ -167,7 +166,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
                 run.pruner = Pruner(s.stage, args.prune_sparsity, args.prune_scope)
             run.pruner.prune_(s.opt)
         scale = scaler.scale if scaler is not None else 1.0
-        with np.errstate(over="ignore", invalid="ignore") if fp16 else contextlib.nullcontext():
+        with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
             # FP16 overflow is expected now and then: the loss scaler detects it and skips the step
             loss_sum = s.forward_backward(list(sampler.micro_batches(step)), loss_scale=scale)
             s.reduce_gradients()

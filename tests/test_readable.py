@@ -240,3 +240,61 @@ def test_the_loop_and_the_strategy_never_ask_a_techniques_type():
 def test_the_type_check_catches_an_injected_call():
     tree = ast.parse("def f(sync, DataParallel):\n    return sync if isinstance(sync, DataParallel) else None\n")
     assert len(isinstance_calls(tree)) == 1
+
+
+def step_count_writes(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x.step_count = ...`` (or ``+=``) with ``x`` not ``self``: Adam's t is set from
+    outside only through the optimizer's ``set_step`` (a resumed checkpoint's applied steps)."""
+    targets = [t for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    return [f"{filename}:{t.lineno}" for t in targets for sub in ast.walk(t)
+            if isinstance(sub, ast.Attribute) and sub.attr == "step_count"
+            and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")]
+
+
+def test_no_one_writes_an_optimizers_step_count_from_outside():
+    found = [v for f in sorted(ROOT.rglob("*.py"))
+             for v in step_count_writes(ast.parse(f.read_text()), str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["strategy.opt.step_count = 3", "opt.step_count += 1",
+                                  "a.step_count = b.step_count = 2"])
+def test_the_step_count_check_catches_an_injected_write(line):
+    assert len(step_count_writes(ast.parse("def f(strategy, opt, a, b):\n    " + line + "\n"))) >= 1
+
+
+def _zero_set_step(comm, stage):
+    from minizero.nn import GPT, get_config
+    from minizero.zero import zero_optimizer
+    opt = zero_optimizer(GPT(get_config("tiny")), comm, stage, lr=1e-3)
+    opt.set_step(7)
+    return opt.step_count
+
+
+def test_every_optimizer_kind_sets_its_step():
+    from minizero.comm import run_in_threads
+    from minizero.nn import GPT, get_config
+    from minizero.optim import AdamW
+    opt = AdamW(GPT(get_config("tiny")).parameters(), lr=1e-3)
+    opt.set_step(7)
+    assert opt.step_count == 7
+    assert [run_in_threads(1, _zero_set_step, s)[0] for s in (1, 2, 3)] == [7, 7, 7]
+
+
+def precision_tests(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every comparison with the string ``"fp16"``: the loop keys on the loss scaler's presence
+    (memory/precision.py's ``loss_scaler`` decides which precision needs one), never on the precision's name."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Compare)
+            for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and c.value == "fp16"]
+
+
+def test_the_loop_does_not_name_the_precision():
+    found = [v for name in ("loop.py", "instrumentation.py")
+             for v in precision_tests(ast.parse((ROOT / name).read_text()), name)]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['fp16 = args.precision == "fp16"', 'x = 1 if "fp16" != p else 2'])
+def test_the_precision_check_catches_an_injected_test(line):
+    assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1

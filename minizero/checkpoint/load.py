@@ -160,7 +160,7 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     man, notes = reader.manifest, []
     for slot in slots(strategy, "load"):
         reader.load_into(slot)
-    strategy.opt.step_count = man["applied"]
+    strategy.opt.set_step(man["applied"])
     if scaler is not None and man.get("scaler"):
         scaler.load_state_dict(man["scaler"])
     fp8 = {name: h for f in man["files"] for name, h in f.get("fp8", {}).items()}  # by layer name, any layout

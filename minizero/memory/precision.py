@@ -103,6 +103,15 @@ class DynamicLossScaler:
         self._skips_at_min = int(state.get("skips_at_min", 0))
 
 
+def loss_scaler(precision: str, initial_scale: float, growth_interval: int, hysteresis: int, min_scale: float,
+                warn=None) -> DynamicLossScaler | None:
+    """The loss scaler ``precision`` needs: FP16's dynamic one; None for the others (their range needs none)."""
+    if precision != "fp16":
+        return None
+    return DynamicLossScaler(initial_scale, growth_interval=growth_interval, hysteresis=hysteresis,
+                             min_scale=min_scale, warn=warn)
+
+
 def local_overflow(grads) -> bool:
     """True if any of ``grads`` (arrays, None skipped) holds an inf or NaN on this rank.
 

@@ -33,6 +33,10 @@ class Optimizer:
         """Set the learning rate for the next step."""
         self.lr = lr
 
+    def set_step(self, n: int) -> None:
+        """Set Adam's t to ``n`` applied steps (a resumed checkpoint's); the next step is ``n + 1``."""
+        self.step_count = n
+
     def step(self, grad_scale: float = 1.0) -> None:
         """Apply one update to every parameter that has a gradient (using ``grad * grad_scale``)."""
         self.step_count += 1

@@ -232,9 +232,9 @@ class ExpertZero(DenseAndExperts):
     def step_count(self) -> int:
         return self.dense.step_count
 
-    @step_count.setter
-    def step_count(self, n: int) -> None:  # a resumed checkpoint's applied steps (Adam's t), both parts
-        self.dense.step_count = self.experts.step_count = n
+    def set_step(self, n: int) -> None:  # a resumed checkpoint's applied steps (Adam's t), both parts
+        self.dense.set_step(n)
+        self.experts.set_step(n)
 
     @property
     def shard_map(self):  # the dense part's (--show-shards)

@@ -210,6 +210,9 @@ class ZeroOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
+    def set_step(self, n: int) -> None:  # a resumed checkpoint's applied steps (Adam's t)
+        self.step_count = n
+
     def step(self, grad_scale: float = 1.0) -> None:
         """AdamW on the owned shard, one ``adamw_update`` per parameter piece (padding is in none), then
         the stage's :meth:`_publish_params`. ``grad_scale`` multiplies the gradient (1/loss-scale)."""
