@@ -164,7 +164,9 @@ def error_lines(prog: str, message: str, width: int = ERROR_WIDTH) -> str:
 
 def did_you_mean(value, allowed) -> str:
     """`` (did you mean 'gpt2'?)`` for the one of ``allowed`` closest to ``value`` (difflib's ratio >= 0.6, its
-    default; written as argparse writes a choice, ``3`` for the number 3), else ''."""
+    default), else ''; '' for numbers too (letters compared, --zero 12 would read as "did you mean 2?")."""
+    if not isinstance(value, str) or not all(isinstance(a, str) for a in allowed):
+        return ""
     by_text = {str(a): a for a in allowed}
     close = difflib.get_close_matches(str(value), by_text, n=1)
     return f" (did you mean {by_text[close[0]]!r}?)" if close else ""

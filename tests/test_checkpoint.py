@@ -986,6 +986,7 @@ def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
                                                "1..65,536"),
     ("train", "warmup", 2.5, "train.warmup is 2.5, expected an integer >= 0"),
     ("train", "weight_decay", float("nan"), "train.weight_decay is nan, expected a finite number >= 0"),
+    ("train", "min_lr", 10 ** 400, "train.min_lr is " + "1" + "0" * 39 + ", expected a finite number >= 0"),
     ("data", "global_batch", "8", "data.global_batch is '8', expected an integer >= 1")])
 def test_a_forged_number_the_loop_never_reads_is_refused(saved, section, key, value, said):
     """Attacker: micro_batch_size 0, a negative grad_accum, ... passed the manifest check (nothing reads them, resume

@@ -355,8 +355,10 @@ def test_the_strategy_seeds_the_aux_losses_through_the_moe_hook():
     from minizero.parallel.expert_parallel import MoEMLP
 
     def build(comm):
-        s = build_strategy(parse_args([*BASE, "--grad-accum", "2"], 1), comm, get_config("tiny", dtype="float64"))
-        s.before_forward[0](0.125)
+        cfg = get_config("tiny", dtype="float64")
+        s = build_strategy(parse_args([*BASE, "--grad-accum", "2"], 1), comm, cfg)
+        x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.block_size))
+        s.forward_backward([(x[:1], x[:1]), (x[1:], x[1:])], loss_scale=1.0)  # m = 2: each seeded 1/2
         return len(s.before_forward), {m.grad_scale for _, m in s.stage.named_modules() if isinstance(m, MoEMLP)}
 
-    assert run_in_threads(1, build, timeout=60)[0] == (1, {0.125})
+    assert run_in_threads(1, build, timeout=60)[0] == (1, {0.5})

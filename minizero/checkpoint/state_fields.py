@@ -3,6 +3,7 @@ checks, one line a problem."""
 from __future__ import annotations
 
 import math
+import sys
 
 from minizero.checkpoint.model_fields import _is_int
 from minizero.memory.precision import SCALE_RANGE
@@ -12,6 +13,12 @@ from minizero.optim.adam8bit import MAX_BLOCK_SIZE as MAX_ADAM8BIT_BLOCK
 
 def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_finite(v) -> bool:
+    """A number within float's range: not inf, not NaN, not a JSON integer past it (math.isfinite would raise
+    OverflowError there; an int compares with a float exactly)."""
+    return is_number(v) and abs(v) <= sys.float_info.max
 
 
 #: the loss scaler's state (memory/precision.py ``DynamicLossScaler.state_dict``): its counts, besides the scale,
@@ -74,7 +81,7 @@ def _bad_number(values, n: int | None = None) -> str | None:
         return f"is {values!r:.40}, expected a non-empty list of finite numbers"
     if n is not None and len(values) != n:
         return f"has {len(values)} numbers, expected {n} (layout.moe_experts)"
-    bad = next((v for v in values if not (is_number(v) and math.isfinite(v))), None)
+    bad = next((v for v in values if not is_finite(v)), None)
     return None if bad is None and all(is_number(v) for v in values) else f"holds {bad!r:.30}, expected finite numbers"
 
 
@@ -143,7 +150,7 @@ def number_problems(man: dict) -> list[str]:
         if not isinstance(part, dict) or key not in part:
             continue
         v = part[key]
-        typed = _is_int(v) if kind == "integer" else is_number(v) and (kind == "number" or math.isfinite(v))
+        typed = _is_int(v) if kind == "integer" else is_finite(v) or kind == "number" and is_number(v)
         if not (typed and least <= v <= (math.inf if most is None else most)):
             out.append(f"{section}.{key} is {shown(part, key)}, expected {'an' if kind == 'integer' else 'a'} {kind} "
                        + (f">= {least}" if most is None else f"in {least}..{most:,}"))

@@ -54,7 +54,9 @@ class Strategy:
 
     Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
     engine; sync (the gradient synchroniser); dp (``sync`` when the builder made it a plain DataParallel, else
-    None); opt (the optimizer, which is ``sync`` under ZeRO); params (this rank's parameters).
+    None); opt (the optimizer, which is ``sync`` under ZeRO); params (this rank's parameters); before_forward,
+    after_backward, after_step (hook lists: a step's backward seed per micro-batch before its forwards; after
+    the gradients are reduced; after ``opt.step``).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
@@ -96,7 +98,8 @@ class Strategy:
         return self.stage.is_last and self.topo.tp_rank == 0
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
-        """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``.
+        """Forward and backward of the step's m micro-batches; gradients accumulate in ``.grad``. Each
+        ``before_forward`` hook gets one micro-batch's backward seed first (S / :attr:`seed_divisor` / m).
 
         Args:
             micro_batches: m pairs (x, y) of (b, T) int64 ids and targets (``IGNORE_INDEX`` allowed if ``padded``).
