@@ -23,9 +23,9 @@ from minizero.layout_checks import (check_attention, check_bf16, check_context_p
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
                                     launch, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
+from minizero.memory.plots import plots_on
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
 from minizero.nn import PRESETS, get_config
-from minizero.memory.plots import plots_on
 from minizero.zero.collectives import debug_collectives
 from minizero.output_checks import (check_outputs, check_resume_source, check_save_dir, check_trace,
                                      outside_checkpoints)
