@@ -7,6 +7,7 @@ from minizero.debug.replicas import has_replicas
 from minizero.ledger import wrap
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
+from minizero.zero import stage_class
 
 
 def precision_description(args) -> str:
@@ -60,8 +61,7 @@ def run_techniques(args) -> str:
 
 def zero_line(args, topo, opt) -> str:
     """The header's ZeRO line: what is sharded over which ranks (plain, hybrid, the experts'), what overlaps."""
-    sharded = {1: "optimizer state", 2: "optimizer state and gradients",
-               3: "optimizer state, gradients and parameters"}[args.zero]
+    sharded = stage_class(args.zero).shards
     hybrid, experts = args.hybrid_sharding(), ""
     if args.moe_experts and args.ep > 1:  # an expert is sharded over the ranks that hold it
         holders = (args.dp_shard * args.cp if hybrid else topo.dp) // args.ep
@@ -154,8 +154,8 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
         (f"saved activations offloaded to {args.offload_activations}", args.offload_activations != "none"),
         (f"optimizer state and update offloaded to {args.offload_optimizer}", args.offload_optimizer != "none"),
         (f"8-bit Adam (an absmax per {args.adam8bit_block_size} elements)", args.optimizer == "adam8bit"),
-        ("INT8 on the wire for " + ("the gradient all-reduce" if not args.zero else "the gradient reduce-scatters"
-                                    + (" and parameter all-gathers" if args.zero == 3 else "")), args.quantized_comm),
+        ("INT8 on the wire for " + (stage_class(args.zero).quantized_collectives if args.zero
+                                    else "the gradient all-reduce"), args.quantized_comm),
         ("hierarchical all-reduce", args.allreduce == "hierarchical"),
         (f"magnitude pruning to {args.prune_sparsity:.0%} ({args.prune_scope}"
          f"{f', masks made after step {args.prune_step}' if args.prune_step else ''})", args.prune_sparsity > 0),

@@ -298,3 +298,31 @@ def test_the_loop_does_not_name_the_precision():
 @pytest.mark.parametrize("line", ['fp16 = args.precision == "fp16"', 'x = 1 if "fp16" != p else 2'])
 def test_the_precision_check_catches_an_injected_test(line):
     assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1
+
+
+def zero_stage_tests(tree, filename: str = "<source>") -> list:
+    """``"file:line"`` for every comparison with ``args.zero`` and every ``x[args.zero]``: the header and the report
+    ask the stage's class what it does (minizero.zero's ``stage_class``: what it shards, whether it holds the full
+    parameters, what INT8 comm carries); only ZeRO or no ZeRO (``if args.zero``) is theirs to test."""
+    def is_stage(n):
+        return (isinstance(n, ast.Attribute) and n.attr == "zero" and isinstance(n.value, ast.Name)
+                and n.value.id == "args")
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree)
+            if (isinstance(n, ast.Compare) and any(map(is_stage, [n.left, *n.comparators])))
+            or (isinstance(n, ast.Subscript) and is_stage(n.slice))]
+
+
+def test_the_header_and_the_report_do_not_compare_the_zero_stage():
+    found = [v for name in ("report.py", "header.py")
+             for v in zero_stage_tests(ast.parse((ROOT / name).read_text()), name)]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["x = args.zero == 3", "x = 0 < args.zero < 3", "x = args.zero in (1, 2)",
+                                  'x = {1: "a", 2: "b"}[args.zero]', "x = 3 != args.zero"])
+def test_the_zero_stage_check_catches_an_injected_test(line):
+    assert len(zero_stage_tests(ast.parse("def f(args):\n    " + line + "\n"))) == 1
+
+
+def test_the_zero_stage_check_allows_zero_or_not():
+    assert zero_stage_tests(ast.parse("def f(args):\n    return 1 if args.zero else f'ZeRO-{args.zero}'\n")) == []

@@ -23,6 +23,12 @@ class ZeroStage1(ZeroOptimizer):
     """
 
     stage = 1
+    #: what this stage shards (the header's ZeRO line: "... sharded over ...")
+    shards = "optimizer state"
+    #: every rank holds the full parameters between steps (stage 3: only its shards; the model needs a final gather)
+    holds_full_parameters = True
+    #: the collectives ``quantized_comm`` carries in INT8
+    quantized_collectives = "the gradient reduce-scatters"
 
     def __init__(self, model, comm, **kwargs):
         super().__init__(model, comm, **kwargs)

@@ -40,6 +40,7 @@ class ZeroStage2(ZeroStage1):
     bucket's reduce-scatter and goes on with backward (at most ``REDUCE_BUCKETS`` buckets alive)."""
 
     stage = 2
+    shards = "optimizer state and gradients"
 
     def __init__(self, model, comm, overlap_reduce: bool = False, **kwargs):
         super().__init__(model, comm, **kwargs)

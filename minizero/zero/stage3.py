@@ -73,6 +73,9 @@ class ZeroStage3(ZeroStage2):
     """
 
     stage = 3
+    shards = "optimizer state, gradients and parameters"
+    holds_full_parameters = False
+    quantized_collectives = "the gradient reduce-scatters and parameter all-gathers"
 
     def __init__(self, model, comm, prefetch: bool = False, **kwargs):
         self._pinned = False  # inside full_parameters()
