@@ -174,7 +174,7 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
                      + ("Ulysses attention (all-to-all from sequence shards to head shards and back)"
                         if args.cp_attention == "ulysses" else "ring attention"))
     if topo.tp * topo.pp > 1:
-        lines.append(topo.describe())
+        lines.append(topo.describe(s.cp))
     if topo.pp > 1:
         lines.append(pipeline_line(args, topo.pp))
     if moe is not None:

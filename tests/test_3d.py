@@ -65,6 +65,20 @@ def test_the_node_line_of_one_process_and_of_several():
         "nodes: one process on one machine: no message crosses a network"]
 
 
+def test_the_mesh_names_context_parallel_ranks_apart_from_data_parallel_ones():
+    """Before: under cp the mesh line said dp=2 for dp 1 x cp 2 (the topology's data axis holds dp x cp ranks)."""
+    topos = run_in_threads(4, lambda comm: Topology(comm, 2, 2, 1))
+    assert topos[0].describe().splitlines()[:2] == [
+        "mesh: dp=2 x tp=2 x pp=1 = 4 ranks, grid = arange(4).reshape(pp=1, dp=2, tp=2)",
+        "  stage 0  dp 0:  tensor group [0, 1]  on node 0"]
+    assert topos[0].describe(2).splitlines() == [
+        "mesh: dp=1 x cp=2 x tp=2 x pp=1 = 4 ranks, grid = arange(4).reshape(pp=1, dp*cp=2, tp=2)",
+        "  stage 0  dp 0 cp 0:  tensor group [0, 1]  on node 0",
+        "  stage 0  dp 0 cp 1:  tensor group [2, 3]  on node 0"]
+    with pytest.raises(ValueError, match="cp=3 does not divide the data axis of 2 ranks"):
+        topos[0].describe(3)
+
+
 @pytest.mark.parametrize("world, given, expect", [
     (8, (None, 2, 2), (2, 2, 2)), (8, (2, 2, None), (2, 2, 2)), (8, (2, None, 2), (2, 2, 2)),
     (8, (None, None, None), (8, 1, 1)), (8, (None, 2, None), (4, 2, 1)), (8, (None, None, 4), (2, 1, 4)),

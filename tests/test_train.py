@@ -129,7 +129,7 @@ def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_header_names_every_layout_choice(mpiexec):
-    """The header says cp beside dp (not folded into it), the device, ZeRO and sequence parallelism."""
+    """The header says cp beside dp (not folded into it, the mesh line too), the device, ZeRO, sequence parallelism."""
     proc, _ = launch(mpiexec, 4, TINY + ["--steps", "1", "--no-save", "--cp", "2", "--tp", "2", "--sequence-parallel",
                                          "--zero", "1", "--device", "strict"], timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,6 +139,7 @@ def test_header_names_every_layout_choice(mpiexec):
     assert head[2].startswith("global batch 2 sequences x 16 tokens (32 tokens per step) = micro-batch 2 x 1 data")
     assert "ZeRO stage 1: optimizer state sharded over the 2 rank(s) of the data group" in head
     assert any(line.startswith("sequence parallel: ") for line in head)
+    assert "mesh: dp=1 x cp=2 x tp=2 x pp=1 = 4 ranks, grid = arange(4).reshape(pp=1, dp*cp=2, tp=2)" in head
     header = proc.stdout.split("\ntraffic per step")[0].splitlines()
     assert len(header) > 8 and max(len(line) for line in header) <= 100, header  # wrapped as the report
     plain, _ = launch(mpiexec, 2, TINY + ["--steps", "1", "--no-save", "--zero", "2"], timeout=90)

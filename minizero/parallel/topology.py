@@ -104,17 +104,22 @@ class Topology:
         return (f"nodes: {self.nodes.describe()}, node of each rank "
                 f"{list(self.nodes.node_of)}" + (f"; {spans}" if spans else "") + pids)
 
-    def describe(self) -> str:
-        """The mesh as text, one line per (pipeline stage, data-parallel rank), with each tensor group's nodes."""
-        grid = mesh(self.dp, self.tp, self.pp)
-        lines = [f"mesh: dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world.world_size} ranks, "
-                 f"grid = arange({self.world.world_size}).reshape(pp={self.pp}, dp={self.dp}, tp={self.tp})"]
+    def describe(self, cp: int = 1) -> str:
+        """The mesh as text, one line per (pipeline stage, data-parallel rank), with each tensor group's nodes. ``cp``:
+        the context-parallel ranks inside the data axis (runs of ``cp`` consecutive data ranks), named apart from dp.
+        Raises ValueError: ``cp`` does not divide ``dp``."""
+        if self.dp % cp:
+            raise ValueError(f"cp={cp} does not divide the data axis of {self.dp} ranks")
+        grid, world = mesh(self.dp, self.tp, self.pp), self.world.world_size
+        dp, axis = (f"dp={self.dp // cp} x cp={cp}", f"dp*cp={self.dp}") if cp > 1 else (f"dp={self.dp}",) * 2
+        lines = [f"mesh: {dp} x tp={self.tp} x pp={self.pp} = {world} ranks, "
+                 f"grid = arange({world}).reshape(pp={self.pp}, {axis}, tp={self.tp})"]
         for p in range(self.pp):
             for d in range(self.dp):
                 group = list(map(int, grid[p, d]))
                 on = sorted({self.nodes.node_of[r] for r in group})
-                lines.append(f"  stage {p}  dp {d}:  tensor group {group}  on node{'s' if len(on) > 1 else ''} "
-                             f"{', '.join(map(str, on))}")
+                lines.append(f"  stage {p}  dp {d // cp}{f' cp {d % cp}' if cp > 1 else ''}:  tensor group {group}  "
+                             f"on node{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
