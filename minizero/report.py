@@ -24,7 +24,7 @@ from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
 from minizero.weights import SIDECAR, write_model_json
-from minizero.zero import stage_class
+from minizero.zero import shards_parameters
 
 #: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
 SAMPLE_TEMPERATURE = 0.8
@@ -127,7 +127,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     copy = args.tp > 1 or args.pp > 1 or (args.moe_experts > 0 and args.ep > 1)  # the model below: a gathered copy
     tree = "" if args.native_comm else ": a binomial tree from rank 0, whose leaves send nothing"
-    params_sharded = args.zero and not stage_class(args.zero).holds_full_parameters  # the model needs a final gather
+    params_sharded = shards_parameters(args.zero)  # the model needs a final gather
     gathers = [w for w, here in ((f"the start-up broadcast{tree}", not args.zero and args.dp * args.cp > 1),
                                  ("ZeRO's gathers", args.zero and not params_sharded),
                                  ("ZeRO's gathers, its final gather for the model's copy included",

@@ -301,9 +301,10 @@ def test_the_precision_check_catches_an_injected_test(line):
 
 
 def zero_stage_tests(tree, filename: str = "<source>") -> list:
-    """``"file:line"`` for every comparison with ``args.zero`` and every ``x[args.zero]``: the header and the report
-    ask the stage's class what it does (minizero.zero's ``stage_class``: what it shards, whether it holds the full
-    parameters, what INT8 comm carries); only ZeRO or no ZeRO (``if args.zero``) is theirs to test."""
+    """``"file:line"`` for every comparison with ``args.zero`` and every ``x[args.zero]``: the header, the report and
+    the strategy's build ask the stage's class what it does (minizero.zero's ``stage_class`` / ``shards_parameters``:
+    what it shards, whether it holds the full parameters, what INT8 comm carries); only ZeRO or no ZeRO
+    (``if args.zero``) is theirs to test."""
     def is_stage(n):
         return (isinstance(n, ast.Attribute) and n.attr == "zero" and isinstance(n.value, ast.Name)
                 and n.value.id == "args")
@@ -313,7 +314,7 @@ def zero_stage_tests(tree, filename: str = "<source>") -> list:
 
 
 def test_the_header_and_the_report_do_not_compare_the_zero_stage():
-    found = [v for name in ("report.py", "header.py")
+    found = [v for name in ("report.py", "header.py", "parallel/strategy.py")
              for v in zero_stage_tests(ast.parse((ROOT / name).read_text()), name)]
     assert found == []
 

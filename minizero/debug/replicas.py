@@ -21,6 +21,7 @@ from minizero.callbacks import Callback
 from minizero.comm.collectives import all_gather
 from minizero.optim.adam8bit import state_arrays
 from minizero.parallel.expert_parallel import is_expert
+from minizero.zero import shards_parameters
 from minizero.zero.hybrid import replica_members
 
 DATA_REPLICAS = "the data-parallel replicas"
@@ -131,7 +132,7 @@ def has_replicas(data_ranks: int, shard_ranks: int, zero: int) -> bool:
     group (dp x cp) of ``data_ranks`` > 1, below ZeRO-3 (the dense parameters, with ``--ep`` too) or under hybrid
     ZeRO-3 (``shard_ranks`` < ``data_ranks``: the shard groups replicate each other). Plain ZeRO-3 holds each shard
     once (the gathered parameters are equal by construction of the gather); one data rank holds everything once."""
-    return data_ranks > 1 and (zero < 3 or shard_ranks < data_ranks)
+    return data_ranks > 1 and (not shards_parameters(zero) or shard_ranks < data_ranks)
 
 
 class ReplicaCheck(Callback):

@@ -37,7 +37,7 @@ from minizero.parallel.schedule import V_SHAPED
 from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, scratch_ledger, traffic_by_group
 from minizero.parallel.topology import Topology
-from minizero.zero import zero_optimizer
+from minizero.zero import shards_parameters, zero_optimizer
 from minizero.zero.hybrid import hybrid_groups
 
 
@@ -246,7 +246,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
     topo = Topology(comm, args.dp * cp, args.tp, args.pp)  # --cp: the data group holds dp x cp ranks
     cp_comm = context_group(topo.dp_comm, cp)
     manual_seed(args.seed * 1000)  # one stream everywhere: masks are addressed by dropout site and global row
-    meta = args.zero == 3  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
+    meta = shards_parameters(args.zero)  # ZeRO-3 draws only the owned pieces of meta parameters (nn/init.py)
     if args.tp * args.pp * cp == 1:  # the whole model, built as one process builds it
         model = GPT(cfg, seed=args.seed, meta=meta)
         stage = PipelineStage(model, 0, 1)

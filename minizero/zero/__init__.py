@@ -16,13 +16,18 @@ STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 __all__ = ["ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", "zero_optimizer", "ZeroOrderError",
            "ShardMap", "Unit", "Piece", "find_units", "model_state_formula", "traffic_formula", "model_state_bytes",
-           "gather_figures", "STEP_PHASES", "PHASES", "stage_class"]
+           "gather_figures", "STEP_PHASES", "PHASES", "stage_class", "shards_parameters"]
 
 
 def stage_class(stage: int):
     """The class of ZeRO ``stage`` (its ``shards``, ``holds_full_parameters``, ``quantized_collectives`` say what the
     stage does, for the header and the report); None for stage 0 (no ZeRO)."""
     return STAGES.get(stage)
+
+
+def shards_parameters(stage: int) -> bool:
+    """Whether ZeRO ``stage`` keeps only a shard of the parameters between steps (stage 3; not 0, no ZeRO)."""
+    return stage in STAGES and not STAGES[stage].holds_full_parameters
 
 
 def zero_optimizer(model, comm, stage: int, **kwargs) -> ZeroOptimizer:
