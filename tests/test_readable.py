@@ -298,3 +298,62 @@ def test_the_loop_does_not_name_the_precision():
 @pytest.mark.parametrize("line", ['fp16 = args.precision == "fp16"', 'x = 1 if "fp16" != p else 2'])
 def test_the_precision_check_catches_an_injected_test(line):
     assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1
+
+
+#: where the gradient synchronisers are built: each ``sync = X(...)`` there calls one of :func:`synchronisers`' keys
+BUILDS_SYNC = ("parallel/strategy.py", "finetune.py")
+
+
+def sync_builders(tree) -> set:
+    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``) assignment in ``tree``."""
+    return {n.value.func.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Name)
+            and any(isinstance(t, ast.Name) and t.id == "sync" for t in n.targets)}
+
+
+def synchronisers() -> dict:
+    """``{builder name: [the classes it builds]}`` for every synchroniser the code builds."""
+    from minizero.parallel.data_parallel import DataParallel
+    from minizero.parallel.expert_parallel import ExpertDataParallel, ExpertZero
+    from minizero.zero import STAGES
+    return {"DataParallel": [DataParallel], "ExpertDataParallel": [ExpertDataParallel], "ExpertZero": [ExpertZero],
+            "zero_optimizer": list(STAGES.values())}
+
+
+def protocol_gaps(protocol, cls) -> list:
+    """The members of ``protocol`` that ``cls`` lacks or takes other parameters for (names, ``self`` included)."""
+    import inspect
+    members = [n for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")]
+    params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    return [f"{cls.__name__}.{n}" for n in members
+            if not callable(getattr(cls, n, None)) or params(getattr(cls, n)) != params(vars(protocol)[n])]
+
+
+def test_every_synchroniser_the_code_builds_has_every_member_of_the_protocol():
+    from minizero.parallel.strategy import Synchroniser
+    built = set().union(*(sync_builders(ast.parse((ROOT / name).read_text())) for name in BUILDS_SYNC))
+    known = synchronisers()
+    assert built == set(known), f"synchronisers built by {sorted(built ^ set(known))}: add them to synchronisers()"
+    assert [gap for classes in known.values() for cls in classes for gap in protocol_gaps(Synchroniser, cls)] == []
+
+
+def test_the_protocol_check_catches_a_missing_member_and_other_parameters():
+    from typing import Protocol
+
+    class Wider(Protocol):
+        def reduce_gradients(self) -> None:
+            """..."""
+
+        def gather(self, x) -> None:
+            """..."""
+
+    class Lacks:
+        def reduce_gradients(self):
+            pass
+
+    class Differs(Lacks):
+        def gather(self, y):
+            pass
+    assert protocol_gaps(Wider, Lacks) == ["Lacks.gather"] and protocol_gaps(Wider, Differs) == ["Differs.gather"]
+    assert sync_builders(ast.parse("sync = opt = Mine(x)\nsync = dp = DataParallel(p)\nother = Y()\n")) \
+        == {"Mine", "DataParallel"}
