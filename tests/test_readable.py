@@ -357,3 +357,35 @@ def test_the_protocol_check_catches_a_missing_member_and_other_parameters():
     assert protocol_gaps(Wider, Lacks) == ["Lacks.gather"] and protocol_gaps(Wider, Differs) == ["Differs.gather"]
     assert sync_builders(ast.parse("sync = opt = Mine(x)\nsync = dp = DataParallel(p)\nother = Y()\n")) \
         == {"Mine", "DataParallel"}
+
+
+def private_methods(tree, cls: str) -> set:
+    """The ``_name`` (not dunder) methods defined in class ``cls`` of ``tree``."""
+    return {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")}
+
+
+def private_calls(tree, names: set, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x._m(...)`` with ``_m`` in ``names`` and ``x`` not ``self``: a checkpoint's
+    ShardReader is read through its public methods (``gather``, ``pruning_masks``, ...), not its ``_tensor``."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and n.func.attr in names
+            and not (isinstance(n.func.value, ast.Name) and n.func.value.id == "self")]
+
+
+def test_no_one_calls_the_checkpoint_readers_private_methods():
+    names = private_methods(ast.parse((ROOT / "checkpoint/load.py").read_text()), "ShardReader")
+    assert "_tensor" in names
+    found = [v for f in sorted(ROOT.rglob("*.py"))
+             for v in private_calls(ast.parse(f.read_text()), names, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['packed = {k: reader._tensor(f, "mask/" + k) for k in ks}',
+                                  'x = ShardReader(p)._fetch(pc, "values", d)'])
+def test_the_private_call_check_catches_an_injected_call(line):
+    names = private_methods(ast.parse("class ShardReader:\n    def _tensor(self): pass\n    def _fetch(self): pass\n"
+                                      "    def __init__(self): pass\n    def gather(self): pass\n"), "ShardReader")
+    assert names == {"_tensor", "_fetch"}
+    assert len(private_calls(ast.parse(f"def f(reader, ShardReader, p, pc, d, f, ks):\n    {line}\n"), names)) == 1
+    assert private_calls(ast.parse("def f(self):\n    return self._tensor(1, 2)\n"), names) == []
