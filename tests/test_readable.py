@@ -321,12 +321,13 @@ def synchronisers() -> dict:
 
 
 def protocol_gaps(protocol, cls) -> list:
-    """The members of ``protocol`` that ``cls`` lacks or takes other parameters for (names, ``self`` included)."""
+    """The members of ``protocol`` that ``cls`` lacks, takes other parameters for (names, ``self`` included) or
+    gives no docstring (its contract: shapes, what it returns)."""
     import inspect
     members = [n for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")]
     params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
-    return [f"{cls.__name__}.{n}" for n in members
-            if not callable(getattr(cls, n, None)) or params(getattr(cls, n)) != params(vars(protocol)[n])]
+    return [f"{cls.__name__}.{n}" for n in members if not callable(getattr(cls, n, None))
+            or params(getattr(cls, n)) != params(vars(protocol)[n]) or not getattr(cls, n).__doc__]
 
 
 def test_every_synchroniser_the_code_builds_has_every_member_of_the_protocol():
@@ -349,12 +350,17 @@ def test_the_protocol_check_catches_a_missing_member_and_other_parameters():
 
     class Lacks:
         def reduce_gradients(self):
-            pass
+            """Documented."""
 
     class Differs(Lacks):
         def gather(self, y):
+            """Documented."""
+
+    class Undocumented(Lacks):
+        def gather(self, x):
             pass
     assert protocol_gaps(Wider, Lacks) == ["Lacks.gather"] and protocol_gaps(Wider, Differs) == ["Differs.gather"]
+    assert protocol_gaps(Wider, Undocumented) == ["Undocumented.gather"]
     assert sync_builders(ast.parse("sync = opt = Mine(x)\nsync = dp = DataParallel(p)\nother = Y()\n")) \
         == {"Mine", "DataParallel"}
 
