@@ -158,3 +158,18 @@ def test_evaluation_does_not_move_the_delayed_scales():
     np.testing.assert_array_equal(cast.history, before)
     cast.quantize(np.full(8, 3.0, np.float32))
     assert cast.history[0] == 3.0 and cast.history[1] == 2.0
+
+
+def _cast_slices(comm, scaling, sizes):
+    x = np.arange(1, 4 * sizes[comm.rank] + 1, dtype=np.float32).reshape(sizes[comm.rank], 4)
+    codes, scale = ScaledCast(E4M3, scaling, comm).quantize(x)
+    return float(scale), codes.shape
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_an_empty_slice_casts_with_amax_zero_and_still_joins_the_all_gather(scaling):
+    """A rank whose slice of the tensor is empty (0 rows) took the max of nothing: ValueError there, while the other
+    rank waited in the amax all-gather. Now its amax is 0: every rank gets the whole tensor's scale; none, 1."""
+    got = run_in_threads(2, _cast_slices, scaling, [0, 2], timeout=5)
+    assert got == [(E4M3.max / 8.0, (0, 4)), (E4M3.max / 8.0, (2, 4))]
+    assert run_in_threads(2, _cast_slices, scaling, [0, 0], timeout=5) == [(1.0, (0, 4))] * 2

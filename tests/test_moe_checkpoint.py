@@ -148,3 +148,19 @@ def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
     c = np.load(tmp_path / "c.npz")
     for k in a:
         np.testing.assert_array_equal(c[k], a[k], err_msg=k)
+
+
+def test_equal_routing_biases_holding_nan_are_not_reported_as_differing():
+    """Two files' copies of one layer's biases, both [nan, 1.0] as float("nan") objects (a manifest built in memory;
+    json.load shares one NaN object, which compares equal by identity): NaN != NaN read them as "differs" on top of
+    the entry check's "holds nan". A real difference beside the NaN is still one."""
+    from minizero.checkpoint.state_fields import routing_problems
+    layer = "transformer.h.0.mlp.moe"
+
+    def manifest(second):
+        return {"params": {layer + ".router": {}},
+                "files": [{"routing": {layer: [float("nan"), 1.0]}}, {"routing": {layer: second}}]}
+    assert routing_problems(manifest([float("nan"), 1.0])) == []
+    assert routing_problems(manifest([float("nan"), 2.0])) == [
+        f"files[1].routing[{layer!r}] differs from files[0]'s, expected one state in every file (MoE's routing "
+        "biases: each rank saves its copy)"]

@@ -327,3 +327,100 @@ def test_the_zero_stage_check_catches_an_injected_test(line):
 
 def test_the_zero_stage_check_allows_zero_or_not():
     assert zero_stage_tests(ast.parse("def f(args):\n    return 1 if args.zero else f'ZeRO-{args.zero}'\n")) == []
+
+
+#: where the gradient synchronisers are built: each ``sync = X(...)`` there calls one of :func:`synchronisers`' keys
+BUILDS_SYNC = ("parallel/strategy.py", "finetune.py")
+
+
+def sync_builders(tree) -> set:
+    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``) assignment in ``tree``."""
+    return {n.value.func.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Name)
+            and any(isinstance(t, ast.Name) and t.id == "sync" for t in n.targets)}
+
+
+def synchronisers() -> dict:
+    """``{builder name: [the classes it builds]}`` for every synchroniser the code builds."""
+    from minizero.parallel.data_parallel import DataParallel
+    from minizero.parallel.expert_parallel import ExpertDataParallel, ExpertZero
+    from minizero.zero import STAGES
+    return {"DataParallel": [DataParallel], "ExpertDataParallel": [ExpertDataParallel], "ExpertZero": [ExpertZero],
+            "zero_optimizer": list(STAGES.values())}
+
+
+def protocol_gaps(protocol, cls) -> list:
+    """The members of ``protocol`` that ``cls`` lacks, takes other parameters for (names, ``self`` included) or
+    gives no docstring (its contract: shapes, what it returns)."""
+    import inspect
+    members = [n for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")]
+    params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    return [f"{cls.__name__}.{n}" for n in members if not callable(getattr(cls, n, None))
+            or params(getattr(cls, n)) != params(vars(protocol)[n]) or not getattr(cls, n).__doc__]
+
+
+def test_every_synchroniser_the_code_builds_has_every_member_of_the_protocol():
+    from minizero.parallel.strategy import Synchroniser
+    built = set().union(*(sync_builders(ast.parse((ROOT / name).read_text())) for name in BUILDS_SYNC))
+    known = synchronisers()
+    assert built == set(known), f"synchronisers built by {sorted(built ^ set(known))}: add them to synchronisers()"
+    assert [gap for classes in known.values() for cls in classes for gap in protocol_gaps(Synchroniser, cls)] == []
+
+
+def test_the_protocol_check_catches_a_missing_member_and_other_parameters():
+    from typing import Protocol
+
+    class Wider(Protocol):
+        def reduce_gradients(self) -> None:
+            """..."""
+
+        def gather(self, x) -> None:
+            """..."""
+
+    class Lacks:
+        def reduce_gradients(self):
+            """Documented."""
+
+    class Differs(Lacks):
+        def gather(self, y):
+            """Documented."""
+
+    class Undocumented(Lacks):
+        def gather(self, x):
+            pass
+    assert protocol_gaps(Wider, Lacks) == ["Lacks.gather"] and protocol_gaps(Wider, Differs) == ["Differs.gather"]
+    assert protocol_gaps(Wider, Undocumented) == ["Undocumented.gather"]
+    assert sync_builders(ast.parse("sync = opt = Mine(x)\nsync = dp = DataParallel(p)\nother = Y()\n")) \
+        == {"Mine", "DataParallel"}
+
+
+def private_methods(tree, cls: str) -> set:
+    """The ``_name`` (not dunder) methods defined in class ``cls`` of ``tree``."""
+    return {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")}
+
+
+def private_calls(tree, names: set, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x._m(...)`` with ``_m`` in ``names`` and ``x`` not ``self``: a checkpoint's
+    ShardReader is read through its public methods (``gather``, ``pruning_masks``, ...), not its ``_tensor``."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and n.func.attr in names
+            and not (isinstance(n.func.value, ast.Name) and n.func.value.id == "self")]
+
+
+def test_no_one_calls_the_checkpoint_readers_private_methods():
+    names = private_methods(ast.parse((ROOT / "checkpoint/load.py").read_text()), "ShardReader")
+    assert "_tensor" in names
+    found = [v for f in sorted(ROOT.rglob("*.py"))
+             for v in private_calls(ast.parse(f.read_text()), names, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['packed = {k: reader._tensor(f, "mask/" + k) for k in ks}',
+                                  'x = ShardReader(p)._fetch(pc, "values", d)'])
+def test_the_private_call_check_catches_an_injected_call(line):
+    names = private_methods(ast.parse("class ShardReader:\n    def _tensor(self): pass\n    def _fetch(self): pass\n"
+                                      "    def __init__(self): pass\n    def gather(self): pass\n"), "ShardReader")
+    assert names == {"_tensor", "_fetch"}
+    assert len(private_calls(ast.parse(f"def f(reader, ShardReader, p, pc, d, f, ks):\n    {line}\n"), names)) == 1
+    assert private_calls(ast.parse("def f(self):\n    return self._tensor(1, 2)\n"), names) == []

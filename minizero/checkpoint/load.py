@@ -59,6 +59,11 @@ class ShardReader:
         self.reads, self.bytes_read = self.reads + 1, self.bytes_read + a.nbytes
         return a
 
+    def pruning_masks(self) -> dict:
+        """``{parameter name: packed uint8 mask}`` as save wrote them (manifest ``pruning``); {} when none."""
+        pr = self.manifest.get("pruning")
+        return {k: self._tensor(pr["file"], f"mask/{k}") for k in pr["shapes"]} if pr else {}
+
     def _fetch(self, pc, what: str, dtype):
         """A saved piece, element-wise: ``"values"`` (8-bit dequantized), ``"codes"`` or ``"absmax"`` per element."""
         if pc["format"] == "dense":
@@ -196,9 +201,8 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
     pruner = None
     if man.get("pruning"):
         pr = man["pruning"]
-        packed = {k: reader._tensor(pr["file"], f"mask/{k}") for k in pr["shapes"]}
-        pruner = Pruner.from_masks(strategy.stage, packed, {k: tuple(v) for k, v in pr["shapes"].items()},
-                                   pr["sparsity"], pr["scope"])
+        shapes = {k: tuple(v) for k, v in pr["shapes"].items()}
+        pruner = Pruner.from_masks(strategy.stage, reader.pruning_masks(), shapes, pr["sparsity"], pr["scope"])
     if (not same or reader.requantized) and any(pc["format"] == "8bit" for pc in man["pieces"]):  # or block size
         notes.append("8-bit Adam state: copied exactly where the block grid is unchanged, else dequantized and "
                      "requantized")

@@ -111,6 +111,11 @@ def saved_state_problems(entry: dict, experts) -> list[str]:
     return []
 
 
+def _same_numbers(a, b) -> bool:  # a == b, but NaN equals NaN (two float("nan") objects compare unequal)
+    return a == b or isinstance(a, list) and isinstance(b, list) and len(a) == len(b) \
+        and all(x == y or x != x and y != y for x, y in zip(a, b))
+
+
 def routing_problems(man: dict) -> list[str]:
     """Every MoE layer (a ``.moe.router`` in the checked ``params``) has its routing biases in some files entry (a
     rank saves its stage's layers; resume sets them by name and stops after the model is built when one lacks),
@@ -120,7 +125,7 @@ def routing_problems(man: dict) -> list[str]:
     for i, f in enumerate(man["files"]):
         for name, biases in (f["routing"] if isinstance(f.get("routing"), dict) else {}).items():
             j = first.setdefault(name, i)
-            if biases != man["files"][j]["routing"][name]:
+            if not _same_numbers(biases, man["files"][j]["routing"][name]):  # a NaN is the entry check's to report
                 return [f"files[{i}].routing[{name[:60]!r}] differs from files[{j}]'s, expected one state in every "
                         "file (MoE's routing biases: each rank saves its copy)"]
     lack = [n for n in layers if n not in first]

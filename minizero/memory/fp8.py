@@ -107,7 +107,8 @@ class ScaledCast:
         """x float32 -> (uint8 codes of q = fp8(x s), the scale s as a 0-d float32 array); updates the history
         (delayed scaling) when gradients are enabled, so evaluation leaves it as training left it."""
         xp = backend.array_module(x)
-        amax = xp.abs(x).max().astype(xp.float32)
+        # the amax of nothing is 0 (an empty slice on some rank): it still joins the group's all-gather below
+        amax = xp.abs(x).max().astype(xp.float32) if x.size else xp.zeros((), dtype=xp.float32)
         if self.group is not None:
             with self.group.traffic.op("fp8_amax"):
                 amax = all_gather(self.group, amax[None]).max()

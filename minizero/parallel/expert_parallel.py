@@ -144,11 +144,8 @@ def is_expert(p) -> bool:
 
 
 class DenseAndExperts:
-    """Two parts behind one interface: ``dense`` (the non-expert parameters, over the data group) and ``experts`` (over
-    the expert-data group), two gradient synchronisers or two ZeRO optimizers. Each call goes to both, dense first:
-    lists joined, bytes and squared norms added, gathers nested. The experts' gradients, summed over the D/ep ranks
-    that hold them, are then multiplied by 1/ep: both parts' are means over the D data ranks (``predivided``, FP16:
-    both sums, factor 1)."""
+    """Two parts behind one synchroniser interface (``strategy.Synchroniser``): ``dense`` (the non-expert parameters,
+    over the data group) and ``experts`` (over the expert-data group), two DataParallels or two ZeRO optimizers."""
 
     def __init__(self, dense, experts, ep: int, predivided: bool):
         self.dense, self.experts = dense, experts
@@ -156,12 +153,15 @@ class DenseAndExperts:
         self.expert_grad_factor = 1.0 if predivided else 1.0 / ep
 
     def reduce_gradients(self) -> None:
+        """Collective: each part's, dense first; then the experts' gradients (summed over the D/ep ranks that hold
+        them) times 1/ep, so both parts' are means over the D data ranks (``predivided``, FP16: sums, factor 1)."""
         for part in self.parts:
             part.reduce_gradients()
         for g in self.experts.local_grads():
             g *= g.dtype.type(self.expert_grad_factor)
 
     def local_grads(self) -> list:
+        """The dense part's gradient arrays, then the experts' (every ``.grad``, or a ZeRO rank's owned shards)."""
         return self.dense.local_grads() + self.experts.local_grads()
 
     def grad_norm_sq(self, counts, model_comm, world) -> float:
@@ -170,10 +170,12 @@ class DenseAndExperts:
 
     @contextlib.contextmanager
     def full_parameters(self):
+        """Collective context: both parts' nested, dense outside (each whole inside: ZeRO-3 gathers)."""
         with self.dense.full_parameters(), self.experts.full_parameters():
             yield
 
     def bytes_per_step(self, steps: int | None = None) -> float:
+        """Both parts' bytes sent per optimizer step (over ``steps`` steps), added."""
         return sum(part.bytes_per_step(steps) for part in self.parts)
 
 

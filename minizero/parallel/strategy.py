@@ -2,14 +2,15 @@
 
 The loop calls ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` and ``zero_grad``
 (ARCHITECTURE.md, "The loop and the strategy"); :func:`build_strategy` composes a :class:`Topology`, a
-:class:`PipelineStage`, a :class:`PipelineEngine`, a gradient synchroniser (DataParallel or a ZeRO stage:
-``reduce_gradients``, ``local_grads``, ``grad_norm_sq``, ``full_parameters``, ``bytes_per_step``) and an optimizer.
-Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3; Megatron-LM's ``finalize_model_grads``
-and ``clip_grad_norm_fp32``.
+:class:`PipelineStage`, a :class:`PipelineEngine`, a :class:`Synchroniser` (DataParallel, a ZeRO stage, MoE's
+two-part ones) and an optimizer. Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3; Megatron-LM's
+``finalize_model_grads`` and ``clip_grad_norm_fp32``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +50,25 @@ TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activation
 VALIDATION = "validation"  #: the traffic label of :meth:`Strategy.evaluate`: every byte its forward passes send
 
 
+class Synchroniser(Protocol):
+    """The gradient synchroniser a :class:`Strategy` holds; ``tests/test_readable.py`` checks every one built."""
+
+    def reduce_gradients(self) -> None:
+        """Collective, once a step after backward: this rank's gradients (or owned shards) become the group's mean."""
+
+    def local_grads(self) -> list:
+        """The gradient arrays this rank holds after :meth:`reduce_gradients` (the FP16 overflow check reads them)."""
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective: the squared global norm (float64) of the gradients of the parameters ``counts(p)`` accepts."""
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Collective context in which every parameter's ``.data`` is whole (ZeRO-3 gathers)."""
+
+    def bytes_per_step(self, steps: int) -> float:
+        """Bytes this rank sent per optimizer step for gradient reduction (and ZeRO's parameter gathers)."""
+
+
 class Strategy:
     """One rank's part of a training layout, behind the five calls the training loop makes.
 
@@ -59,7 +79,7 @@ class Strategy:
     the gradients are reduced; after ``opt.step``).
     """
 
-    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync, opt,
+    def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync: Synchroniser, opt,
                  predivide: bool = False, overlap: bool = False, cp: int = 1, padded: bool = False,
                  expert_load=None, ep_comm=None, make_model=None, edp_comm=None, dp: DataParallel | None = None):
         self.topo, self.stage, self.model, self.engine, self.sync, self.opt = topo, stage, model, engine, sync, opt
