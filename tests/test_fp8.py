@@ -77,6 +77,17 @@ def test_current_scaling_maps_the_amax_to_the_format_max():
     assert cast.stats() == {"elements": 4, "saturated": 0, "underflowed": 0}
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_a_tiny_amax_keeps_the_scale_finite(fmt):
+    """An amax below max / 2^127 (448 / 1e-37 is past float32's range) scales by 2^127: finite, no warning."""
+    x = np.array([1e-37, -3e-38, 0.0], np.float32)
+    with np.errstate(all="raise"):
+        codes, scale = ScaledCast(fmt, "current").quantize(x)
+        q = ScaledCast(fmt, "current").cast(x)
+    assert float(scale) == 2.0 ** 127 and np.isfinite(q).all()
+    np.testing.assert_allclose(q, x, rtol=2 ** -2)  # E5M2 keeps 2 mantissa bits
+
+
 def test_delayed_scaling_uses_the_largest_amax_of_the_history():
     cast = ScaledCast(E4M3, "delayed")
     cast.cast(np.array([4.0], np.float32))  # first cast: its own amax; history [4]

@@ -124,7 +124,8 @@ class ScaledCast:
                     self.pending.append(amax)
         else:
             ref = amax
-        scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, np.float32(1e-38)), np.float32(1.0))
+        floor = np.float32(self.fmt.max * 2.0 ** -127)  # an amax below it scales by 2^127: finite in float32
+        scale = xp.where(ref > 0, np.float32(self.fmt.max) / xp.maximum(ref, floor), np.float32(1.0))
         scaled = x * scale
         q = round_to_fp8(scaled.astype(xp.float32, copy=False), self.fmt)
         self.elements += int(x.size)
