@@ -242,14 +242,19 @@ def test_the_type_check_catches_an_injected_call():
     assert len(isinstance_calls(tree)) == 1
 
 
-def step_count_writes(tree, filename: str = "<source>") -> list:
-    """``"file:line"`` for every ``x.step_count = ...`` (or ``+=``) with ``x`` not ``self``: Adam's t is set from
-    outside only through the optimizer's ``set_step`` (a resumed checkpoint's applied steps)."""
+def outside_writes(tree, attrs, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x.a = ...`` (or ``+=``, ``*=``) with ``a`` in ``attrs`` and ``x`` not ``self``."""
     targets = [t for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
     return [f"{filename}:{t.lineno}" for t in targets for sub in ast.walk(t)
-            if isinstance(sub, ast.Attribute) and sub.attr == "step_count"
+            if isinstance(sub, ast.Attribute) and sub.attr in attrs
             and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")]
+
+
+def step_count_writes(tree, filename: str = "<source>") -> list:
+    """``x.step_count = ...`` from outside: Adam's t is set from outside only through the optimizer's ``set_step``
+    (a resumed checkpoint's applied steps)."""
+    return outside_writes(tree, {"step_count"}, filename)
 
 
 def test_no_one_writes_an_optimizers_step_count_from_outside():
@@ -298,3 +303,19 @@ def test_the_loop_does_not_name_the_precision():
 @pytest.mark.parametrize("line", ['fp16 = args.precision == "fp16"', 'x = 1 if "fp16" != p else 2'])
 def test_the_precision_check_catches_an_injected_test(line):
     assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1
+
+
+#: a pipeline stage's own fields: a technique gives the stage a child module (vocab_parallel.py: ``stage.loss``)
+#: or declares through the stage's methods, never writes these from outside
+STAGE_FIELDS = {"loss_fn"}
+
+
+def test_no_technique_writes_a_stages_fields():
+    found = [v for f in sorted(ROOT.rglob("*.py"))
+             for v in outside_writes(ast.parse(f.read_text()), STAGE_FIELDS, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)"])
+def test_the_stage_field_check_catches_an_injected_write(line):
+    assert len(outside_writes(ast.parse("def f(stage, comm):\n    " + line + "\n"), STAGE_FIELDS)) == 1
