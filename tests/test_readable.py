@@ -319,3 +319,28 @@ def test_no_technique_writes_a_stages_fields():
 @pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)"])
 def test_the_stage_field_check_catches_an_injected_write(line):
     assert len(outside_writes(ast.parse("def f(stage, comm):\n    " + line + "\n"), STAGE_FIELDS)) == 1
+
+
+#: a class only its own technique names; another technique reaches what it wraps through Module.map_wrapped
+OWN_CLASSES = {"CheckpointWrapper": "minizero/memory/recompute.py"}
+
+
+def class_mentions(tree, name: str, filename: str = "<source>") -> list:
+    """``"file:line"`` for every use of ``name`` in code (a name, an attribute, an import), strings left out."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree)
+            if (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+            or (isinstance(n, ast.ImportFrom) and any(a.name == name for a in n.names))]
+
+
+def test_no_technique_names_another_ones_wrapper():
+    found = [v for name, home in OWN_CLASSES.items() for f in sorted(ROOT.rglob("*.py"))
+             if str(f.relative_to(ROOT.parent)) != home
+             for v in class_mentions(ast.parse(f.read_text()), name, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["from minizero.memory.recompute import CheckpointWrapper",
+                                  "ok = isinstance(core, CheckpointWrapper)", "w = recompute.CheckpointWrapper(core)"])
+def test_the_wrapper_check_catches_an_injected_mention(line):
+    tree = ast.parse("def f(core, recompute):\n    " + line + "\n    return '''CheckpointWrapper'''\n")
+    assert len(class_mentions(tree, "CheckpointWrapper")) == 1

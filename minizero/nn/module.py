@@ -81,6 +81,11 @@ class Module:
                     done.append(f"{prefix}.{name}" if prefix else name)
         return done
 
+    def map_wrapped(self, fn) -> "Module":
+        """``fn(self)``; a wrapper (recompute's) returns a new wrapper around ``inner.map_wrapped(fn)`` instead,
+        so a technique replaces a wrapped module without naming the wrapper."""
+        return fn(self)
+
     def children(self):
         """The direct sub-modules."""
         return list(self._modules.values())
