@@ -305,9 +305,10 @@ def test_the_precision_check_catches_an_injected_test(line):
     assert len(precision_tests(ast.parse("def f(args, p):\n    " + line + "\n"))) == 1
 
 
-#: a pipeline stage's own fields: a technique gives the stage a child module (vocab_parallel.py: ``stage.loss``)
-#: or declares through the stage's methods, never writes these from outside
-STAGE_FIELDS = {"loss_fn"}
+#: a pipeline stage's own fields, never written from outside: a technique gives the stage a child module
+#: (vocab_parallel.py: ``stage.loss``) or declares through its methods (``add_sequence_split``: sequence and context
+#: parallelism each their own factor, in either order)
+STAGE_FIELDS = {"loss_fn", "sequence_shards"}
 
 
 def test_no_technique_writes_a_stages_fields():
@@ -316,7 +317,8 @@ def test_no_technique_writes_a_stages_fields():
     assert found == []
 
 
-@pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)"])
+@pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)",
+                                  "stage.sequence_shards = comm.world_size", "stage.sequence_shards *= 2"])
 def test_the_stage_field_check_catches_an_injected_write(line):
     assert len(outside_writes(ast.parse("def f(stage, comm):\n    " + line + "\n"), STAGE_FIELDS)) == 1
 

@@ -234,7 +234,7 @@ def _split_sequence(stage, comm) -> list[str]:
 
         tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
-    stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
+    stage.add_sequence_split("context_parallel", cp)  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -69,7 +70,7 @@ class PipelineStage(Module):
         if self.is_last:
             mods["ln_f"] = tr["ln_f"]
         self.transformer = ModuleDict(mods)
-        self.sequence_shards = 1  # sequence_parallel.py: activations between stages are (b, T/shards, C)
+        self.sequence_splits = {}  # {technique: ways} each technique that splits the sequence declares
         self.v_shape = False  # an InterleavedStage's chunks may sit in a V (ZB-V); one stage is one chunk
         if self.is_last and self.is_first:
             self.lm_head = model.lm_head  # weight shared with wte: one Parameter
@@ -106,6 +107,15 @@ class PipelineStage(Module):
             return logits
         b, t, v = logits.shape
         return self.loss(logits.reshape(b * t, v), targets.reshape(b * t))
+
+    def add_sequence_split(self, technique: str, ways: int) -> None:
+        """``technique`` (sequence_parallel.py: t, context_parallel.py: c) splits the sequence ``ways`` ways."""
+        self.sequence_splits[technique] = ways
+
+    @property
+    def sequence_shards(self) -> int:
+        """The product of the declared splits: activations between stages are (b, T/shards, C)."""
+        return math.prod(self.sequence_splits.values())
 
     def activation_shape(self, idx_shape) -> tuple:
         """Shape (b, T, C) of the activation between stages for token ids of shape (b, T) ((b, T/t, C) under SP)."""
