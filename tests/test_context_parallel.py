@@ -260,6 +260,23 @@ def test_context_parallel_and_recompute_compose_in_either_order(mode):
     assert all(got == want for got in run_in_threads(2, _measure, cfg, b, mode, True))
 
 
+def _cores_after_selective_recompute(comm, attention):
+    stage = PipelineStage(GPT(get_config("tiny"), seed=0), 0, 1)
+    apply_recompute(stage, "selective")
+    dense = [block.attn.core.inner for block in stage.transformer["h"]]
+    context_parallelize(stage, comm, attention)
+    return [(type(c).__name__, type(c.inner).__name__, getattr(c.inner, "inner", None) is d)
+            for c, d in zip((block.attn.core for block in stage.transformer["h"]), dense)]
+
+
+@pytest.mark.parametrize("attention, core, keeps_dense", [("ring", "RingAttentionCore", False),
+                                                          ("ulysses", "UlyssesAttentionCore", True)])
+def test_context_parallelism_swaps_the_core_inside_a_recompute_wrapper(attention, core, keeps_dense):
+    """Recompute first: the new core goes into a new wrapper (Module.map_wrapped); Ulysses wraps the dense core."""
+    for cores in run_in_threads(2, _cores_after_selective_recompute, attention):
+        assert cores == [("CheckpointWrapper", core, keeps_dense)] * 2
+
+
 def _ring_traffic(comm, cfg, b, mode):
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)
     context_parallelize(stage, comm)

@@ -102,7 +102,7 @@ def _split_a_built_interleaved_stage(comm):
 
 
 def test_vocab_and_sequence_splitting_refuse_a_built_interleaved_stage():
-    """They replace the stage's own wte / lm_head and set its loss_fn: a built InterleavedStage's chunks would keep
+    """They replace the stage's own wte / lm_head / loss: a built InterleavedStage's chunks would keep
     the whole embedding and head. build_stage splits each chunk before building it; a built one is refused."""
     run_in_threads(2, _split_a_built_interleaved_stage)
 

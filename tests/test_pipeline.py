@@ -143,6 +143,23 @@ def run_engine(comm, pp, m, schedule, sync=False, pair=True, verbose_log=None):
             "layers": list(stage.layers), "grads": {n: p.grad.copy() for n, p in stage.named_parameters()}}
 
 
+def test_sequence_splits_multiply_in_either_order():
+    """Sequence parallelism (t) and context parallelism (c) each declare their factor: (b, T / (t c), C) between
+    stages whichever declares first; the product is read, never written."""
+    from minizero.nn import GPT
+    from minizero.parallel.pipeline import PipelineStage
+
+    cfg = get_config("tiny")
+    first, second = PipelineStage(GPT(cfg), 0, 2), PipelineStage(GPT(cfg), 0, 2)
+    first.add_sequence_split("sequence_parallel", 2)
+    first.add_sequence_split("context_parallel", 4)
+    second.add_sequence_split("context_parallel", 4)
+    second.add_sequence_split("sequence_parallel", 2)
+    assert first.activation_shape((3, 16)) == second.activation_shape((3, 16)) == (3, 2, cfg.n_embd)
+    with pytest.raises(AttributeError):
+        first.sequence_shards = 1
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_one_activation_and_one_gradient_per_boundary_per_micro_batch(schedule):

@@ -242,14 +242,19 @@ def test_the_type_check_catches_an_injected_call():
     assert len(isinstance_calls(tree)) == 1
 
 
-def step_count_writes(tree, filename: str = "<source>") -> list:
-    """``"file:line"`` for every ``x.step_count = ...`` (or ``+=``) with ``x`` not ``self``: Adam's t is set from
-    outside only through the optimizer's ``set_step`` (a resumed checkpoint's applied steps)."""
+def outside_writes(tree, attrs, filename: str = "<source>") -> list:
+    """``"file:line"`` for every ``x.a = ...`` (or ``+=``, ``*=``) with ``a`` in ``attrs`` and ``x`` not ``self``."""
     targets = [t for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
     return [f"{filename}:{t.lineno}" for t in targets for sub in ast.walk(t)
-            if isinstance(sub, ast.Attribute) and sub.attr == "step_count"
+            if isinstance(sub, ast.Attribute) and sub.attr in attrs
             and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")]
+
+
+def step_count_writes(tree, filename: str = "<source>") -> list:
+    """``x.step_count = ...`` from outside: Adam's t is set from outside only through the optimizer's ``set_step``
+    (a resumed checkpoint's applied steps)."""
+    return outside_writes(tree, {"step_count"}, filename)
 
 
 def test_no_one_writes_an_optimizers_step_count_from_outside():
@@ -424,3 +429,46 @@ def test_the_private_call_check_catches_an_injected_call(line):
     assert names == {"_tensor", "_fetch"}
     assert len(private_calls(ast.parse(f"def f(reader, ShardReader, p, pc, d, f, ks):\n    {line}\n"), names)) == 1
     assert private_calls(ast.parse("def f(self):\n    return self._tensor(1, 2)\n"), names) == []
+
+
+#: a pipeline stage's own fields, never written from outside: a technique gives the stage a child module
+#: (vocab_parallel.py: ``stage.loss``) or declares through its methods (``add_sequence_split``: sequence and context
+#: parallelism each their own factor, in either order)
+STAGE_FIELDS = {"loss_fn", "sequence_shards"}
+
+
+def test_no_technique_writes_a_stages_fields():
+    found = [v for f in sorted(ROOT.rglob("*.py"))
+             for v in outside_writes(ast.parse(f.read_text()), STAGE_FIELDS, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)",
+                                  "stage.sequence_shards = comm.world_size", "stage.sequence_shards *= 2"])
+def test_the_stage_field_check_catches_an_injected_write(line):
+    assert len(outside_writes(ast.parse("def f(stage, comm):\n    " + line + "\n"), STAGE_FIELDS)) == 1
+
+
+#: a class only its own technique names; another technique reaches what it wraps through Module.map_wrapped
+OWN_CLASSES = {"CheckpointWrapper": "minizero/memory/recompute.py"}
+
+
+def class_mentions(tree, name: str, filename: str = "<source>") -> list:
+    """``"file:line"`` for every use of ``name`` in code (a name, an attribute, an import), strings left out."""
+    return [f"{filename}:{n.lineno}" for n in ast.walk(tree)
+            if (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+            or (isinstance(n, ast.ImportFrom) and any(a.name == name for a in n.names))]
+
+
+def test_no_technique_names_another_ones_wrapper():
+    found = [v for name, home in OWN_CLASSES.items() for f in sorted(ROOT.rglob("*.py"))
+             if str(f.relative_to(ROOT.parent)) != home
+             for v in class_mentions(ast.parse(f.read_text()), name, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["from minizero.memory.recompute import CheckpointWrapper",
+                                  "ok = isinstance(core, CheckpointWrapper)", "w = recompute.CheckpointWrapper(core)"])
+def test_the_wrapper_check_catches_an_injected_mention(line):
+    tree = ast.parse("def f(core, recompute):\n    " + line + "\n    return '''CheckpointWrapper'''\n")
+    assert len(class_mentions(tree, "CheckpointWrapper")) == 1

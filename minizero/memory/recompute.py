@@ -79,6 +79,9 @@ class CheckpointWrapper(Module):
         else:
             setattr(self.inner, name, value)
 
+    def map_wrapped(self, fn) -> Module:
+        return CheckpointWrapper(self.inner.map_wrapped(fn))
+
     def forward(self, *args):
         pos = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         inner = self.inner

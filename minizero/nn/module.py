@@ -1,4 +1,4 @@
-"""``Module`` and the basic layers: Linear, Matmul, LayerNorm, Embedding, Dropout, containers.
+"""``Module`` and the basic layers: Linear, Matmul, LayerNorm, Embedding, Dropout, CrossEntropyLoss, containers.
 
 Mirrors ``torch.nn.Module``: ``named_parameters`` (shared ones once), ``state_dict`` (shared ones under every
 name), ``load_state_dict``, ``train``/``eval``, forward pre- and post-hooks.
@@ -80,6 +80,11 @@ class Module:
                     setattr(parent, name, new)
                     done.append(f"{prefix}.{name}" if prefix else name)
         return done
+
+    def map_wrapped(self, fn) -> "Module":
+        """``fn(self)``; a wrapper (recompute's) returns a new wrapper around ``inner.map_wrapped(fn)`` instead,
+        so a technique replaces a wrapped module without naming the wrapper."""
+        return fn(self)
 
     def children(self):
         """The direct sub-modules."""
@@ -295,3 +300,10 @@ class Dropout(Module):
         """The mask ``forward`` would draw for an array of ``shape``, as a :class:`MaskStream` read by
         block (FlashAttention), the generator advanced as ``forward`` advances it; None if none is drawn."""
         return None if not self.training or self.p == 0.0 else MaskStream.reserve(shape, self.p, site=self.site)
+
+
+class CrossEntropyLoss(Module):
+    """Mean cross-entropy: logits (N, V), targets (N,) -> () (:func:`~minizero.autograd.functional.cross_entropy`)."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits, targets)

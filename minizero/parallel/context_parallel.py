@@ -20,7 +20,6 @@ from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Dropout, Module
-from minizero.memory.recompute import CheckpointWrapper
 from minizero.parallel.sequence_parallel import SequenceParallelDropout
 from minizero.parallel.ulysses import UlyssesAttentionCore
 
@@ -201,14 +200,12 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
     in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks
 
-    def split_core(core):  # a core under selective recompute: the new core inside a new wrapper
-        if isinstance(core, CheckpointWrapper):
-            return CheckpointWrapper(split_core(core.inner))
+    def split_core(core):
         return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
 
     def swap(m):  # the attention cores, and every (b, s, h) dropout
-        if id(m) in cores:
-            return split_core(m)
+        if id(m) in cores:  # a core under selective recompute: the new core inside a new wrapper
+            return m.map_wrapped(split_core)
         if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
             return ContextParallelDropout(m.p, comm, m.comm, m.site)
         if type(m) is Dropout and id(m) not in in_cores:
@@ -237,7 +234,7 @@ def _split_sequence(stage, comm) -> list[str]:
 
         tr["wpe"].register_forward_pre_hook(global_positions)
         done.append("transformer.wpe")
-    stage.sequence_shards *= cp  # activations between stages: (b, T / (cp [x tp under SP]), C)
+    stage.add_sequence_split("context_parallel", cp)  # activations between stages: (b, T / (cp [x tp under SP]), C)
     return done
 
 

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import NamedTuple
 
 import numpy as np
 
 from minizero import backend, trace
-from minizero.autograd import Tensor, backward, cross_entropy, no_grad
+from minizero.autograd import Tensor, backward, no_grad
 from minizero.autograd.rng import batch_rows, reserve
 from minizero.comm.collectives import all_reduce, shard_range
 from minizero.comm.nonblocking import wait_all
 from minizero.ledger import get_ledger
-from minizero.nn.module import Linear, Module, ModuleDict, ModuleList, Parameter
+from minizero.nn.module import CrossEntropyLoss, Linear, Module, ModuleDict, ModuleList, Parameter
 from minizero.nn.init import copy_or_meta
 from minizero.autograd.split_backward import WeightGradients
 from minizero.parallel.schedule import V_SHAPED, make_schedule, peak_in_flight, split_backwards
@@ -69,15 +70,16 @@ class PipelineStage(Module):
         if self.is_last:
             mods["ln_f"] = tr["ln_f"]
         self.transformer = ModuleDict(mods)
-        self.sequence_shards = 1  # sequence_parallel.py: activations between stages are (b, T/shards, C)
+        self.sequence_splits = {}  # {technique: ways} each technique that splits the sequence declares
         self.v_shape = False  # an InterleavedStage's chunks may sit in a V (ZB-V); one stage is one chunk
-        self.loss_fn = cross_entropy  # (N, V) logits, (N,) targets -> mean loss; vocab_parallel.py replaces it
         if self.is_last and self.is_first:
             self.lm_head = model.lm_head  # weight shared with wte: one Parameter
         elif self.is_last:
             w = Parameter(copy_or_meta(model.lm_head.weight.data))  # a meta weight stays 0 bytes
             w.shared_embedding_copy = True
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, weight=w)
+        if self.is_last:  # a child: vocab_parallel.py puts its split loss in beside its split head
+            self.loss = CrossEntropyLoss()
         #: the pipeline ranks of the previous and next stage (None past an end); interleave() sets them for chunks
         self.prev_rank = None if self.is_first else stage - 1
         self.next_rank = None if self.is_last else stage + 1
@@ -104,7 +106,16 @@ class PipelineStage(Module):
         if targets is None:
             return logits
         b, t, v = logits.shape
-        return self.loss_fn(logits.reshape(b * t, v), targets.reshape(b * t))
+        return self.loss(logits.reshape(b * t, v), targets.reshape(b * t))
+
+    def add_sequence_split(self, technique: str, ways: int) -> None:
+        """``technique`` (sequence_parallel.py: t, context_parallel.py: c) splits the sequence ``ways`` ways."""
+        self.sequence_splits[technique] = ways
+
+    @property
+    def sequence_shards(self) -> int:
+        """The product of the declared splits: activations between stages are (b, T/shards, C)."""
+        return math.prod(self.sequence_splits.values())
 
     def activation_shape(self, idx_shape) -> tuple:
         """Shape (b, T, C) of the activation between stages for token ids of shape (b, T) ((b, T/t, C) under SP)."""

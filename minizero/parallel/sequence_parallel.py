@@ -306,7 +306,7 @@ def sequence_parallelize(stage, comm) -> list[str]:
         _mark_sp(tr["ln_f"].weight, tr["ln_f"].bias)
         stage.lm_head = SequenceParallelLMHead(stage.lm_head.weight, comm)
         done.append("lm_head")
-    stage.sequence_shards = comm.world_size
+    stage.add_sequence_split("sequence_parallel", comm.world_size)
     return done
 
 

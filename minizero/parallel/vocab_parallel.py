@@ -5,8 +5,6 @@ arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and ``vocab_
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from minizero import backend
@@ -130,8 +128,19 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int, ignore
     return _VocabParallelCrossEntropy.apply(logits, t, comm, vocab_start, ignore_index)
 
 
+class VocabParallelCrossEntropyLoss(Module):
+    """:func:`vocab_parallel_cross_entropy` over ``comm``: logits (N, V/tp), tokens [vocab_start, +V/tp) -> ()."""
+
+    def __init__(self, comm, vocab_start: int):
+        super().__init__()
+        self.comm, self.vocab_start = comm, vocab_start
+
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, self.vocab_start)
+
+
 def vocab_parallelize(stage, comm) -> list[str]:
-    """Split a stage's ``wte``, tied ``lm_head`` and ``loss_fn`` over the tensor group, in place; returns the names.
+    """Split a stage's ``wte``, tied ``lm_head`` and ``loss`` over the tensor group, in place; returns the names.
 
     Raises ValueError: the group size does not divide the vocabulary; TypeError: a built InterleavedStage.
     """
@@ -153,6 +162,6 @@ def vocab_parallelize(stage, comm) -> list[str]:
             w = _mark(Parameter(shard_array(stage.lm_head.weight.data, 0, comm.rank, tp)), 0, 1)
             w.shared_embedding_copy = True
         stage.lm_head = ParallelLMHead(w, comm)
-        stage.loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=comm, vocab_start=start)
-        done.append("lm_head")
+        stage.loss = VocabParallelCrossEntropyLoss(comm, start)
+        done += ["lm_head", "loss"]
     return done
