@@ -128,7 +128,6 @@ def stage_ranks(s: dict) -> list[tuple[range, str]]:
 
 
 def main() -> None:
-    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=_args.count, default=300, help="the long runs (the trainer's default)")
     p.add_argument("--short-steps", type=_args.count, default=30)
@@ -136,8 +135,8 @@ def main() -> None:
     p.add_argument("--reuse", default=None, help="print from the runs already in this folder instead of running")
     a = p.parse_args()
     if a.short_steps < 21 or a.steps < a.short_steps:
-        sys.exit(f"need --short-steps >= 21 (losses at steps 0/10/20) and --steps >= --short-steps, "
-                 f"got {a.short_steps} and {a.steps}")
+        p.error(f"--short-steps {a.short_steps} with --steps {a.steps}; allowed: --short-steps >= 21 (losses at "
+                "steps 0/10/20) and --steps >= --short-steps")
     names = {"dp8_short": ("dp8", a.short_steps), "3d_short": ("3d", a.short_steps),
              "dp8_long": ("dp8", a.steps), "3d_long": ("3d", a.steps)}
     if a.reuse and a.keep:
@@ -148,6 +147,9 @@ def main() -> None:
                 f"run, with {', '.join(names)}")
     if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
         p.error(f"--keep {a.keep!r} exists and is not a folder")
+    for lay, steps in [] if a.reuse else sorted(set(names.values())):  # the runs' flags, before the first one starts
+        _args.check_train_flags(p, [*LAYOUTS[lay], "--steps", str(steps)], [8])
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     if a.reuse:
         r = {n: load(os.path.join(a.reuse, n)) for n in names}
     else:

@@ -222,6 +222,8 @@ def main():
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}; allowed: "
                      "1 <= --min-bytes <= --max-bytes")
+    if args.op == "all" and not args.launch:
+        parser.error("--op all needs --launch")
     if args.json and args.launch:
         parser.error("--json writes the timings of the one world size this process runs; with --launch (which "
                      "gives each run its own) it would write nothing: drop one of them")
@@ -230,8 +232,6 @@ def main():
     malloc = _machine.set_malloc(args.default_malloc)  # every rank, both sides (MPI's calls too)
 
     if args.op == "all":
-        if not args.launch:
-            parser.error("--op all needs --launch")
         for op in OPS:
             report(op, launch(args.launch, argparse.Namespace(**{**vars(args), "op": op})),
                    malloc)

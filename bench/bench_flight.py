@@ -70,7 +70,6 @@ def ops_per_step(n: int, args) -> float:
 
 
 def main() -> None:
-    print(_machine.header(), flush=True)
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=_args.world_size, default=2)
     p.add_argument("--steps", type=_args.count, default=20)
@@ -82,6 +81,7 @@ def main() -> None:
                             [args.ranks])  # the runs' flags, before the first one starts
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
+    print(_machine.header(), flush=True)
     off, on = [], []
     for _ in range(args.rounds):
         off.append(job(args.ranks, args, 0))

@@ -42,7 +42,6 @@ def fp8_stats(stage) -> dict:
 
 
 def main():
-    print(_machine.header(), flush=True)
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--steps", type=_args.count, default=200)
@@ -53,6 +52,7 @@ def main():
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
     for extra in RUNS.values():  # every run's flags, before the first one trains
         _args.check_train_flags(p, common + extra, [1])
+    print(_machine.header(), flush=True)
 
     def run(comm, extra):
         res = train(parse_args(common + extra, comm.world_size), comm, log=lambda s: None)

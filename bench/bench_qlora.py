@@ -27,17 +27,24 @@ from minizero.args import MAX_STEPS  # noqa: E402
 from minizero.data import load_tokens, min_data_bytes  # noqa: E402
 from minizero.finetune import main as finetune_main  # noqa: E402
 from minizero.nn import PRESETS  # noqa: E402
+from minizero.weights import load_trained  # noqa: E402
 
 
 def base_refusal(args) -> str | None:
-    """What fine-tuning the default model would refuse, said before it trains (minutes): --steps, --data,
-    --lora-rank."""
-    base = PRESETS["default"]  # what train_base trains
+    """What fine-tuning would refuse, said before the header and the base's training (minutes): --steps, --weights
+    (the default model when None), --lora-rank, --data."""
     if args.steps > MAX_STEPS:
         return f"--steps {args.steps:,} is above fine-tune's {MAX_STEPS:,}; allowed: 1..{MAX_STEPS:,}"
+    base = PRESETS["default"]  # what train_base trains
+    if args.weights is not None:
+        try:
+            base = load_trained(args.weights)[0].config
+        except (OSError, ValueError) as e:
+            return str(e)
     if args.lora_rank > base.n_embd:
-        return (f"--lora-rank {args.lora_rank} is above the default model's width {base.n_embd}; "
-                f"allowed: 1..{base.n_embd}")
+        width = (f"the default model's width {base.n_embd}" if args.weights is None else
+                 f"the width {base.n_embd} of --weights {args.weights!r}")
+        return f"--lora-rank {args.lora_rank} is above {width}; allowed: 1..{base.n_embd}"
     try:
         n = len(load_tokens(args.data))
     except (OSError, ValueError) as e:
@@ -63,8 +70,8 @@ def main() -> int:
     args = p.parse_args()
     if args.weights is None:
         _args.check_train_flags(p, ["--steps", str(args.base_steps)], [1])
-        if refused := base_refusal(args):
-            p.error(refused)
+    if refused := base_refusal(args):
+        p.error(refused)
     print(_machine.header())
     with tempfile.TemporaryDirectory() as tmp:
         weights = args.weights

@@ -205,7 +205,6 @@ TABLES = ("1", "2", "3", "4", "5", "5a", "5b")  #: --only: table 5 is 5a and 5b
 
 
 def main():
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=_args.preset, default="small")
     p.add_argument("--steps", type=_args.count, default=200)
@@ -215,7 +214,6 @@ def main():
     p.add_argument("--weights", default=None, help="a trained model.npz (tables 1 and 5a)")
     p.add_argument("--only", default="1,2,3,4,5", help="comma-separated table numbers")
     a = p.parse_args()
-    threadpool_limits(1)
     only = set(a.only.split(","))
     if not only <= set(TABLES):
         p.error(f"--only {a.only!r}: allowed: comma-separated table numbers from {', '.join(TABLES)}")
@@ -227,6 +225,8 @@ def main():
             read_weights(a.weights)
         except (ValueError, OSError) as e:
             p.error(str(e))
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    threadpool_limits(1)
     if "1" in only and a.weights:
         table_weights(a)
     if "2" in only:

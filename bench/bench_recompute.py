@@ -75,7 +75,6 @@ def formula(cfg, mode, batch):
 
 
 def main():
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--batch", type=_args.count, default=4)
@@ -83,6 +82,7 @@ def main():
     p.add_argument("--repeats", type=_args.count, default=5)
     p.add_argument("--threads", type=_args.count, default=1, help="BLAS threads")
     args = p.parse_args()
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     base = get_config(args.model, dropout=args.dropout)
     deep = dataclasses.replace(base, n_layer=2 * base.n_layer)
     print(f"model {args.model}: s={base.block_size} b={args.batch} h={base.n_embd} a={base.n_head} "

@@ -198,7 +198,6 @@ def attribution_calls(model_name: str, b: int, s: int, reps: int = 2000) -> tupl
 
 
 def main():
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--batch", type=_args.count, default=4)
@@ -209,6 +208,7 @@ def main():
     args = p.parse_args()
     args.png = args.png or ("flash_memory.png" if args.attention else "seq_memory.png")
     _args.check_output_path(p, "--png", args.png)
+    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     if args.attention:
         return attention_main(args.png)
     cfg = get_config(args.model)

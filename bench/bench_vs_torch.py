@@ -45,10 +45,15 @@ from minizero.memory.estimator import model_flops_per_step  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
 from minizero.optim.adamw import AdamW  # noqa: E402
 
-try:
-    import torch
-except ImportError:  # optional
-    torch = None
+
+def import_torch():
+    """PyTorch, or None where it is not installed (optional). Imported once the flags are checked: it takes
+    seconds, and a bad flag is refused at once."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def sgemm_peak(seconds: float = 1.0) -> float:
@@ -96,6 +101,7 @@ def torch_side(cfg, device: str = "cpu", fp16: bool = False):
 
     ``device``: where it runs ("cuda" from bench/gpu_check.py); ``fp16``: eager mixed precision
     (``torch.autocast`` float16 + ``GradScaler``, PyTorch's AMP recipe), CUDA only."""
+    torch = import_torch()
     if torch is None:
         return None
     nn, F = torch.nn, torch.nn.functional
@@ -223,13 +229,9 @@ def main() -> None:
     p.add_argument("--main-job", action="store_true", help="also time the main job's training loop (one process)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
-    args = p.parse_args()
+    args = p.parse_args()  # every flag checked by its type (_args), before PyTorch, malloc and timing
     malloc = _machine.set_malloc(args.default_malloc)
-    for name in ("steps", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    torch = import_torch()
     if torch is None:
         print("PyTorch is not installed: minizero's side only. For the comparison install the CPU wheel:\n"
               "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n")

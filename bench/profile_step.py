@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _args  # noqa: E402
 import _machine  # noqa: E402
-from bench_vs_torch import MinizeroSide, torch, torch_side  # noqa: E402
+from bench_vs_torch import MinizeroSide, import_torch, torch_side  # noqa: E402
 
 from minizero.nn import get_config  # noqa: E402
 from minizero.numerals import integer  # noqa: E402
@@ -322,7 +322,6 @@ def main() -> None:
         p.error(f"--model {args.model!r}: allowed: {', '.join(sorted(PRESETS))}")
     if args.precision is None and (args.device != "cpu" or args.model != "default"):
         p.error("--device and --model profile the main job's loop: give --precision too")
-    malloc = _machine.set_malloc(args.default_malloc)
     cores = _machine.cores()
     if not (1 <= args.steps <= MAX_STEPS and 1 <= args.threads <= cores and 0 <= args.warmup <= MAX_STEPS):
         p.error(f"--steps must be in 1..{MAX_STEPS}, --threads in 1..{cores} (this machine's cores), --warmup in "
@@ -338,17 +337,20 @@ def main() -> None:
             p.error(f"--precision takes fp32 and fp16, each once, separated by commas, got {args.precision!r}")
         if len(batches) > 1:
             p.error(f"--precision profiles one --batch, got {args.batch!r}")
-        if args.device == "cuda":
-            from minizero import backend
-            try:
-                backend.cuda_device_count()
-            except backend.DeviceError as e:
-                p.error(str(e))
+    if args.precision is not None and args.device == "cuda":
+        from minizero import backend
+        try:
+            backend.cuda_device_count()
+        except backend.DeviceError as e:
+            p.error(str(e))
+    malloc = _machine.set_malloc(args.default_malloc)  # every flag checked: set-up and work from here
+    if args.precision is not None:
         with threadpool_limits(args.threads):
             main_precision(precisions, int(batches[0]), args.steps, args.warmup, args.device, args.model,
                            args.threads, args.default_malloc)
         print(malloc)
         return
+    torch = import_torch()
     if torch is not None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):

@@ -119,9 +119,10 @@ ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on
 def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
     """Each line of ``text`` cut into lines of <= ``width`` columns, each further line indented 2 more than its
     own: after the last '; ' that fits, else ': ', else the last ', ' or before the last ' (' (a list is cut between
-    items, and its last item stays with it, not with a parenthesis after it), else ' ' (never in the first half); where
-    none does, before the word that runs past ``width``, which then takes a line of its own however long. The words
-    are the text's: the lines joined with one space are the line (``" ".join(printed.split())`` reads it whole)."""
+    items, and its last item stays with it, not with a parenthesis after it; "item (note)" stays whole), else ' '
+    (never in the first half); where none does, before the word that runs past ``width``, which then takes a line of
+    its own however long. The words are the text's: the lines joined with one space are the line
+    (``" ".join(printed.split())`` reads it whole)."""
     out = []
     for line in text.splitlines() or [""]:
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
@@ -129,6 +130,8 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
         while len(line) > width:
             semi, colon, comma, paren, space = (line.rfind(sep, 0, width + 1) + len(sep) - 1
                                                 for sep in ("; ", ": ", ", ", " (", " "))
+            if paren > comma > max(width // 2, k) and _an_items_note(line, paren):  # "a (x), b (y), c (z)": after
+                paren = -1  # "b (y),", not in "c (z)" (with no ', ' past half: before the ' (', never inside it)
             cuts = [semi, colon, max(comma, paren), space]
             cut = next((c for c in cuts if c > max(width // 2, k)), None)  # past the indent: each cut shortens
             if cut is None:  # a word runs past the width: cut before it, or after it where it starts the line
@@ -140,6 +143,13 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
             line = indent + line[cut:].lstrip()
         out.append(line)
     return "\n".join(out)
+
+
+def _an_items_note(line: str, at: int) -> bool:
+    """Whether the parenthesis at ``line[at]`` is an item's note in a comma list, not the whole list's: another item
+    follows it ("), ") or the item before it has one too ("), c (")."""
+    close, before = line.find(")", at), line.rfind(", ", 0, at)
+    return (close > 0 and line.startswith(", ", close + 1)) or (before > 0 and line[before - 1] == ")")
 
 
 def unwrapped(text: str) -> list[str]:

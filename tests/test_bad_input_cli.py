@@ -611,6 +611,24 @@ def test_a_wrapped_list_is_cut_between_items_and_keeps_its_last_one():
     assert lines[1].endswith(", name-21") and lines[2] == "  (or a short name that another program takes: a, b, c)"
 
 
+@pytest.mark.parametrize("pad", range(0, 19, 3))
+def test_a_wrapped_list_keeps_each_item_with_its_own_note(pad):
+    """Before: "item-04 (note 4)" (or "item-03 (note 3)") was cut before its parenthesis: the cut before the last ' ('
+    meant for a note after the whole list."""
+    from minizero.numerals import wrapped
+    items = ", ".join(f"item-{i:02d} (note {i})" for i in range(12))
+    lines = wrapped(f"prog: error: unknown 'x'; allowed: {'y' * pad}{items}").splitlines()
+    assert all(line.endswith("),") for line in lines[:-1]) and lines[-1].endswith("item-11 (note 11)"), lines
+
+
+def test_a_note_with_no_list_cut_before_it_is_not_cut_itself():
+    """Where no ', ' is past half the line, the cut stays before ' (', not at a space inside the parenthesis."""
+    from minizero.numerals import wrapped
+    line = "bench_header.py: error: argument --sizes: '0': allowed: comma-separated byte counts in 1..25,276,194,816"
+    assert wrapped(line + " (this machine's memory), e.g. 4096").splitlines() == [
+        line, "  (this machine's memory), e.g. 4096"]
+
+
 # --------------------------------------------------------------------------- a Python without the dependencies
 @pytest.mark.parametrize("tool", ["minizero.train", "minizero.checkpoint"])
 def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):

@@ -45,8 +45,8 @@ def refusal(monkeypatch, capsys, name, argv) -> str:
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     with pytest.raises(SystemExit) as e:
         module.main()
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", (out, err)  # no header (date, CPU, BLAS) above the refusal
     assert err.startswith(f"{name}.py: error:") and "Traceback" not in err  # no usage block above it
     return one_refusal(err)
 
@@ -178,6 +178,7 @@ class Launched(Exception):
     ("bench_memory", []),
     ("bench_defaults", []),
     ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
+    ("bench_3d_main_job", []),  # both layouts' flags pass train's checks at 8 ranks
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     module = load(name)
@@ -233,6 +234,44 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
 def test_other_scripts_refuse_bad_flags(name, argv, says):
     r = script(name, *argv)
     assert r.returncode == 2 and r.stderr.startswith(f"{name}.py: error: ") and says in one_refusal(r.stderr), r.stderr
+    assert r.stdout == "", r.stdout  # before: bench_flight, bench_low_precision, ... printed their header first
+
+
+ONE_BAD_FLAG = {  # per script, a flag refused after argparse's own checks (the ones that were late), else a type
+    "bench_3d_main_job": ["--short-steps", "5"], "bench_allreduce": ["--op", "all"],
+    "bench_defaults": ["--settings", "nan,auto,1"], "bench_flight": ["--zero", "9"], "bench_header": ["--runs", "0"],
+    "bench_low_precision": ["--window", "0"], "bench_memory": ["--configs", "x"], "bench_multihost": ["--mib", "nan"],
+    "bench_overlap": ["--strategies", "x"], "bench_precision": ["--initial-loss-scale", "1e30"],
+    "bench_qlora": ["--weights", "/no-such.npz"], "bench_quantization": ["--only", "9"],
+    "bench_recompute": ["--threads", "0"], "bench_seq_memory": ["--png", "/"], "bench_setup_peak": ["--zero", "7"],
+    "bench_speedup": ["--ranks", "x"], "bench_train": ["--model", "x"], "bench_vs_torch": ["--threads", "-1"],
+    "gpu_check": ["--budget-s", "-1"], "profile_collective": ["--runs", "0"], "profile_step": ["--threads", "-1"],
+}
+IN_A_PROCESS = {"bench_setup_peak"}  # imports mpi4py's MPI (MPI_Init) when loaded: not in the test process
+
+
+def test_every_script_is_in_the_bad_flag_sweep():
+    assert sorted(ONE_BAD_FLAG) == sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py") and f[0] != "_")
+
+
+@pytest.mark.parametrize("name", sorted(ONE_BAD_FLAG))
+def test_a_bad_flag_is_the_only_output(monkeypatch, capsys, name):
+    """One refusal on stderr, nothing on stdout, exit 2, before any work. Before: bench_flight, bench_recompute,
+    bench_seq_memory, bench_quantization, bench_low_precision and bench_3d_main_job printed their header (date, CPU,
+    BLAS) on stdout first; bench_qlora --weights a missing file printed the header and the plan, then fine-tune's
+    refusal; bench_3d_main_job's --short-steps exited 1 without its name."""
+    argv = ONE_BAD_FLAG[name]
+    if name in IN_A_PROCESS:
+        r = script(name, *argv)
+        code, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        module = load(name)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            module.main()
+        (out, err), code = capsys.readouterr(), e.value.code
+    assert code == 2 and out == "" and err.startswith(f"{name}.py: error: "), (code, out, err)
+    one_refusal(err)  # one refusal, its lines <= 120 columns
 
 
 GPU_CHECK_CASES = [
