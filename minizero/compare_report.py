@@ -47,8 +47,9 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
              "elementwise kernels, the optimizer step, Python's overhead and FP16 emulated on NumPy, and it assumes "
              "data-parallel traffic hidden behind backward (lesson 08).", *(["", hardware] if hardware else []), "",
              NOT_SIMULTANEOUS, "",
-             "| ranks | strategy | parameters | gradients | optimizer state | activations | comm + gathered | "
-             "offloaded | files | device total | worst | process peak | tokens/s | step s | ratio |",
+             "| ranks | strategy | parameters | gradients | optimizer state | activations | "
+             "comm + scratch + gathered | offloaded | files | device total | worst | process peak | "
+             "tokens/s | step s | ratio |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         if not r["ok"]:

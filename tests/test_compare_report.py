@@ -46,3 +46,15 @@ def test_the_terminal_shows_the_paragraphs_in_lines_of_at_most_120_columns_and_t
     assert rows and [line for line in shown if line.startswith("|")] == rows  # a table row cut in two is no row
     assert max(len(line) for line in shown if not line.startswith("|")) <= 120
     assert " ".join(on_terminal(text).split()) == " ".join(text.split())  # the same words
+
+
+def test_the_comm_column_names_every_category_it_sums():
+    """Before: headed 'comm + gathered' while its cells summed comm_buffers, comm_scratch and gathered."""
+    import re
+
+    from minizero.compare_report import markdown
+
+    header = next(line for line in markdown([], "### title", {}).splitlines() if line.startswith("| ranks |"))
+    source = (__import__("pathlib").Path(__file__).parent.parent / "minizero" / "compare_report.py").read_text()
+    summed = re.search(r"cell\(('comm_buffers'[^)]*)\)", source).group(1)
+    assert summed == "'comm_buffers', 'comm_scratch', 'gathered'" and "| comm + scratch + gathered |" in header
