@@ -323,9 +323,11 @@ def main() -> None:
     if args.precision is None and (args.device != "cpu" or args.model != "default"):
         p.error("--device and --model profile the main job's loop: give --precision too")
     cores = _machine.cores()
-    if not (1 <= args.steps <= MAX_STEPS and 1 <= args.threads <= cores and 0 <= args.warmup <= MAX_STEPS):
-        p.error(f"--steps must be in 1..{MAX_STEPS}, --threads in 1..{cores} (this machine's cores), --warmup in "
-                f"0..{MAX_STEPS}; got {args.steps}, {args.threads}, {args.warmup}")
+    for flag, value, low, high in (("--steps", args.steps, 1, MAX_STEPS), ("--threads", args.threads, 1, cores),
+                                   ("--warmup", args.warmup, 0, MAX_STEPS)):
+        if not low <= value <= high:
+            cores_note = " (this machine's cores)" if flag == "--threads" else ""
+            p.error(f"{flag} {value} must be in {low}..{high}{cores_note}")
     args.batch = args.batch or ("8" if args.precision else "8,32")
     batches = args.batch.split(",")
     if (not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches)
