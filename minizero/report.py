@@ -37,7 +37,7 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
                    "context parallel ring attention (K, V, their gradients) or Ulysses all-to-alls",
                "expert_all_to_all": "expert all-to-all (MoE dispatch, combine and their counts)",
                "validation": "validation (the forward passes of the held-out batches, every group)",
-               "other": "other (loss, norm, flags, metrics)"}
+               "other": "other (loss, norm, flags, metrics, replica digests)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
 

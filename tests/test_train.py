@@ -181,6 +181,7 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
     assert "context parallel ring attention" in proc.stdout
     said = " ".join(proc.stdout.split())  # prose is wrapped at 100 columns
     assert "model states per rank at the optimizer step (split over the ranks: each holds its pipeline stage)" in said
+    assert "other (loss, norm, flags, metrics, replica digests): r0-1 " in said  # the default replica check's bytes
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
     row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
     value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
