@@ -277,14 +277,28 @@ def _zero_set_step(comm, stage):
     return opt.step_count
 
 
+def _expert_zero_set_step(comm, stage):
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.expert_parallel import ExpertZero, MoEConfig, expert_groups, use_moe
+    model = GPT(get_config("tiny"), seed=1)
+    ep_comm, edp_comm = expert_groups(comm, 2)
+    use_moe(model, MoEConfig(4, top_k=2), 0, ep_comm)
+    opt = ExpertZero(model, comm, edp_comm, 2, stage, lr=1e-3)
+    opt.set_step(7)
+    return [part.step_count for part in opt.parts]  # both parts: Adam's t of the dense and the expert states
+
+
 def test_every_optimizer_kind_sets_its_step():
     from minizero.comm import run_in_threads
     from minizero.nn import GPT, get_config
     from minizero.optim import AdamW
-    opt = AdamW(GPT(get_config("tiny")).parameters(), lr=1e-3)
-    opt.set_step(7)
-    assert opt.step_count == 7
+    from minizero.optim.adam8bit import Adam8bit
+    for kind in (AdamW, Adam8bit):
+        opt = kind(GPT(get_config("tiny")).parameters(), lr=1e-3)
+        opt.set_step(7)
+        assert opt.step_count == 7
     assert [run_in_threads(1, _zero_set_step, s)[0] for s in (1, 2, 3)] == [7, 7, 7]
+    assert run_in_threads(2, _expert_zero_set_step, 1) == [[7, 7], [7, 7]]
 
 
 def precision_tests(tree, filename: str = "<source>") -> list:
