@@ -174,10 +174,10 @@ def _optimizer(args, model, method, comm, tp=False):
     params = trainable_parameters(model)
     if args.zero:
         trained = model if method == "full" else ModuleList(adapters(model))
-        opt = zero_optimizer(trained, comm, args.zero, lr=args.lr, weight_decay=0.0)
-        return opt, opt
-    dp = DataParallel(params, comm) if comm is not None and (comm.world_size > 1 or tp) else None
-    return dp, AdamW(params, lr=args.lr, weight_decay=0.0)
+        sync = opt = zero_optimizer(trained, comm, args.zero, lr=args.lr, weight_decay=0.0)
+        return sync, opt
+    sync = DataParallel(params, comm) if comm is not None and (comm.world_size > 1 or tp) else None
+    return sync, AdamW(params, lr=args.lr, weight_decay=0.0)
 
 
 def _finetune(args, method, tokens, comm, progress):

@@ -117,12 +117,12 @@ ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on
 
 
 def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
-    """Each line of ``text`` cut into lines of <= ``width`` columns, each further line indented 2 more than its
-    own: after the last '; ' that fits, else ': ', else the last ', ' or before the last ' (' (a list is cut between
-    items, and its last item stays with it, not with a parenthesis after it; "item (note)" stays whole), else ' '
-    (never in the first half); where none does, before the word that runs past ``width``, which then takes a line of
-    its own however long. The words are the text's: the lines joined with one space are the line
-    (``" ".join(printed.split())`` reads it whole)."""
+    """Each line of ``text`` cut into lines of <= ``width`` columns, each further line indented 2 more than its own:
+    after the last '; ' that fits, else ': ', else the last ', ' or before the last ' (' (a list is cut between items,
+    and its last item stays with it, not with a parenthesis after it; "item (note)" stays whole where a ', ' past half
+    the line can be cut instead), else ' ' (never in the first half); where none does, before the word that runs past
+    ``width``, which then takes a line of its own however long. The words are the text's: the lines joined with one
+    space are the line (``" ".join(printed.split())`` reads it whole)."""
     out = []
     for line in text.splitlines() or [""]:
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)

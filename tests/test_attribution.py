@@ -52,3 +52,12 @@ def test_hotspots_of_many_differing_ranks_show_the_largest_and_the_smallest():
     shown = [line for line in lines if line.startswith("  r")]
     assert [line.split(":")[0] for line in shown] == ["  r3", "  r5"]
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_the_root_modules_own_arrays_are_not_called_the_loss():
+    """A pipeline stage's loss is its child ``loss`` now; the root's own forward (a plain GPT computes its loss
+    inline) keeps a neutral label, and the stage's loss is named as a module."""
+    from minizero.memory.attribution import format_top_modules
+
+    text = format_top_modules([{"": 2048, "loss": 1024}], n=2)
+    assert text.splitlines()[1] == "  r0: (top level: the root module's own forward) 2.00 KiB, loss 1.00 KiB"

@@ -266,6 +266,12 @@ def test_a_bad_flag_is_the_only_output(monkeypatch, capsys, name):
         code, out, err = r.returncode, r.stdout, r.stderr
     else:
         module = load(name)
+
+        def launched(*a, **k):  # a regression that accepts the flag fails here, before any run
+            raise AssertionError(f"{name} {argv} started a run")
+
+        for fn in LAUNCHERS.get(name, ()):
+            monkeypatch.setattr(module, fn, launched)
         monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
         with pytest.raises(SystemExit) as e:
             module.main()

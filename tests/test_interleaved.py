@@ -66,6 +66,19 @@ def test_a_pipeline_stage_and_an_interleaved_stage_answer_the_engine_alike():
     assert both.chunks == chunks and both.v_shape is True
 
 
+def test_the_last_chunks_loss_is_a_module_of_the_interleaved_stage():
+    """Before: only lm_head was registered, so the loss had no name (no ledger label, no anomaly hook) under
+    --schedule interleaved while a plain last stage names it ``loss``."""
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.interleaved import InterleavedStage, interleave
+    model = GPT(get_config("default"), seed=1)
+    last = InterleavedStage(interleave(model, 1, 2, 2), 2)  # rank 1 of 2 holds the last virtual stage
+    assert dict(last.named_modules())["loss"] is last.chunks[-1].loss
+    from minizero.nn import CrossEntropyLoss  # exported beside the other basic layers
+    assert isinstance(last.loss, CrossEntropyLoss)
+    assert "loss" not in dict(InterleavedStage(interleave(model, 0, 2, 2), 2).named_modules())
+
+
 def _wrap_then_look_inside(comm):
     from minizero.nn import GPT, get_config
     from minizero.nn.lora import add_lora

@@ -353,10 +353,12 @@ BUILDS_SYNC = ("parallel/strategy.py", "finetune.py")
 
 
 def sync_builders(tree) -> set:
-    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``) assignment in ``tree``."""
-    return {n.value.func.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-            and isinstance(n.value.func, ast.Name)
-            and any(isinstance(t, ast.Name) and t.id == "sync" for t in n.targets)}
+    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``) assignment in ``tree``,
+    either branch of a conditional (``sync = X(...) if ... else None``) included."""
+    values = [v for n in ast.walk(tree) if isinstance(n, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "sync" for t in n.targets)
+              for v in ([n.value.body, n.value.orelse] if isinstance(n.value, ast.IfExp) else [n.value])]
+    return {v.func.id for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)}
 
 
 def synchronisers() -> dict:
@@ -411,6 +413,10 @@ def test_the_protocol_check_catches_a_missing_member_and_other_parameters():
     assert protocol_gaps(Wider, Undocumented) == ["Undocumented.gather"]
     assert sync_builders(ast.parse("sync = opt = Mine(x)\nsync = dp = DataParallel(p)\nother = Y()\n")) \
         == {"Mine", "DataParallel"}
+    both = ast.parse("sync = Mine(x) if a else None\nsync = None if a else Yours(x)\n")
+    assert sync_builders(both) == {"Mine", "Yours"}
+    finetune = sync_builders(ast.parse((ROOT / "finetune.py").read_text()))
+    assert finetune == {"zero_optimizer", "DataParallel"}, finetune  # before: its builders were found by nothing
 
 
 def private_methods(tree, cls: str) -> set:
@@ -448,7 +454,7 @@ def test_the_private_call_check_catches_an_injected_call(line):
 #: a pipeline stage's own fields, never written from outside: a technique gives the stage a child module
 #: (vocab_parallel.py: ``stage.loss``) or declares through its methods (``add_sequence_split``: sequence and context
 #: parallelism each their own factor, in either order)
-STAGE_FIELDS = {"loss_fn", "sequence_shards"}
+STAGE_FIELDS = {"loss_fn", "sequence_shards", "sequence_splits"}
 
 
 def test_no_technique_writes_a_stages_fields():
@@ -458,7 +464,8 @@ def test_no_technique_writes_a_stages_fields():
 
 
 @pytest.mark.parametrize("line", ["stage.loss_fn = functools.partial(f, comm=comm)",
-                                  "stage.sequence_shards = comm.world_size", "stage.sequence_shards *= 2"])
+                                  "stage.sequence_shards = comm.world_size", "stage.sequence_shards *= 2",
+                                  "stage.sequence_splits['cp'] = 2", "stage.sequence_splits = {}"])
 def test_the_stage_field_check_catches_an_injected_write(line):
     assert len(outside_writes(ast.parse("def f(stage, comm):\n    " + line + "\n"), STAGE_FIELDS)) == 1
 

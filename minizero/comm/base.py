@@ -71,8 +71,7 @@ def timeout_message(rank: int, world_size: int, what: str, timeout: float, peer:
 # --------------------------------------------------------------------------- checks
 def _check_message(buf, what: str, writeable: bool = False) -> None:
     """:func:`~minizero.comm.collectives._check_array` (a C-contiguous array, writeable if received into), and
-    not an object array. Raises TypeError: not an array, or an object array; ValueError: as ``_check_array``.
-    """
+    not an object array. Raises TypeError: not an array, or an object array; ValueError: as ``_check_array``."""
     _check_array(buf, what, writeable)
     if buf.dtype.kind == "O":
         raise TypeError(f"{what} has dtype object: it holds references, not bytes a message can carry")

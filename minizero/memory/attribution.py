@@ -175,7 +175,7 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
         shown += [(name, b) for name, b in everything[n:] if shown and b == shown[-1][1]]
         groups: dict[int, list[str]] = {}
         for name, b in shown:  # largest first: equal bytes are neighbours
-            groups.setdefault(b, []).append(name or "(top level: the loss)")
+            groups.setdefault(b, []).append(name or "(top level: the root module's own forward)")
         parts = [f"{names[0]} {format_bytes(b)}" if len(names) == 1 else
                  f"{len(names)} modules at {format_bytes(b)} each: {_compact(names)}" for b, names in groups.items()]
         if not parts:  # e.g. --offload-activations: what forward saved is counted as offloaded

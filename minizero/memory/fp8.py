@@ -201,8 +201,7 @@ class AmaxReduction:
     """Delayed scaling across data parallelism (TE's amax all-reduce(MAX) over ``fp8_group``): ``model``'s delayed
     casts hold a step's amaxes in ``pending`` (the scale is fixed within a step); :meth:`reduce` (collective over
     ``comm``, the data group, once per step after the backward) all-gathers them (label ``fp8_amax``) and puts
-    the max over ranks into every history. The first step casts with each rank's own amax (no history yet).
-    """
+    the max over ranks into every history. The first step casts with each rank's own amax (no history yet)."""
 
     def __init__(self, model, comm=None):
         self.comm = comm

@@ -79,7 +79,7 @@ class CheckpointWrapper(Module):
         else:
             setattr(self.inner, name, value)
 
-    def map_wrapped(self, fn) -> Module:
+    def map_wrapped(self, fn) -> Module:  # Module.map_wrapped: this wrapper, around fn's replacement of the inner
         return CheckpointWrapper(self.inner.map_wrapped(fn))
 
     def forward(self, *args):

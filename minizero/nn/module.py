@@ -82,8 +82,8 @@ class Module:
         return done
 
     def map_wrapped(self, fn) -> "Module":
-        """``fn(self)``; a wrapper (recompute's) returns a new wrapper around ``inner.map_wrapped(fn)`` instead,
-        so a technique replaces a wrapped module without naming the wrapper."""
+        """``fn(self)``: the Module replacing this one (``fn`` must return one, never None); a wrapper (recompute's)
+        returns a new wrapper around ``inner.map_wrapped(fn)``: a technique replaces a wrapped module unnamed."""
         return fn(self)
 
     def children(self):

@@ -46,7 +46,7 @@ class InterleavedStage(Module):
             mods["ln_f"] = last.transformer["ln_f"]
         self.transformer = ModuleDict(mods)
         if last.is_last:
-            self.lm_head = last.lm_head
+            self.lm_head, self.loss = last.lm_head, last.loss
         self.chunks = list(chunks)  # a list, not submodules: their modules are registered above
 
     @property
