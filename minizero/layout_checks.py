@@ -90,7 +90,7 @@ def check_context_parallel(args, cfg) -> None:
 
 
 def check_attention(args) -> None:
-    """``--attention-block`` must be a positive integer; ``--attention flash`` does not combine with ``--cp``."""
+    """``--attention-block`` must be a positive integer; ``--attention flash`` does not combine with ring attention."""
     if args.attention_block < 1:
         raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
                          f"got {args.attention_block}")

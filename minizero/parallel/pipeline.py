@@ -118,7 +118,7 @@ class PipelineStage(Module):
         return math.prod(self.sequence_splits.values())
 
     def activation_shape(self, idx_shape) -> tuple:
-        """Shape (b, T, C) of the activation between stages for token ids of shape (b, T) ((b, T/t, C) under SP)."""
+        """Shape (b, T / sequence_shards, C) of the activation between stages for token ids of shape (b, T)."""
         return (idx_shape[0], idx_shape[1] // self.sequence_shards, self.config.n_embd)
 
 

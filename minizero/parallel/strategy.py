@@ -70,7 +70,7 @@ class Synchroniser(Protocol):
 
 
 class Strategy:
-    """One rank's part of a training layout, behind the five calls the training loop makes.
+    """One rank's part of a training layout, behind the six calls the training loop makes.
 
     Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
     engine; sync (the gradient synchroniser); dp (``sync`` when the builder made it a plain DataParallel, else
