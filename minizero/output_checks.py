@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
+from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
                             refuse_read_back)
@@ -132,6 +133,8 @@ def check_trace(args) -> None:
 def check_save_dir(args) -> None:
     """A save dir that already holds checkpoints takes this run's only when it resumes one of them: a fresh run
     (or one resumed from elsewhere) would overwrite another run's steps and move its ``latest``."""
+    if args.save_every:
+        _usage(refuse_pipes, args.save_dir, "--save-dir")
     held = complete_checkpoints(args.save_dir) if args.save_every else []
     if not held:
         return
@@ -160,6 +163,7 @@ def check_resume_source(args) -> None:
     """Refuse --resume from a folder a running minizero job locks (:class:`~minizero.files.FolderLock`): the path or
     the folder above it, its save dir (or OUT). That job's next save prunes old checkpoints (--keep) and moves
     ``latest`` while this job reads shards: refused in one line rather than a read that races the pruning."""
+    _usage(refuse_pipes, args.resume, "--resume")
     held = live_job_holding(args.resume)
     if held:
         raise UsageError(f"--resume {args.resume!r}: {held[0]!r} is in use by a running minizero job ({held[1]}), "

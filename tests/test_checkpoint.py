@@ -340,6 +340,27 @@ def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening
     assert not (tmp_path / "m.npz").exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_fifo_latest_or_lock_in_a_save_dir_is_refused_before_opening(saved, tmp_path, capsys):
+    """Before: opening a FIFO ``latest`` or ``.lock`` waited for a writer: train, inspect and consolidate hung."""
+    for name in ("latest", ".lock"):
+        d = _copy(saved.parent, tmp_path / name)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(d / name)
+        os.mkfifo(d / name)
+        said = f"{d / name} is a named pipe (FIFO), not a regular file"
+        assert said in _resume_error(d)
+        if name == ".lock":  # the lock above a checkpoint folder is read too
+            assert said in _resume_error(d / "step_00000002")
+        assert checkpoint_main(["inspect", str(d)]) == 2 and said in capsys.readouterr().err.replace("\n  ", " ")
+        with pytest.raises(UsageError, match="FIFO"):
+            parse_args(BASE + ["--save-every", "1", "--save-dir", str(d), "--resume", str(d)], 1)
+    os.mkdir(tmp_path / "fresh")
+    os.mkfifo(tmp_path / "fresh" / "latest")  # no checkpoint yet: the first save would write into it
+    with pytest.raises(UsageError, match="latest is a named pipe"):
+        parse_args(BASE + ["--save-every", "1", "--save-dir", str(tmp_path / "fresh")], 1)
+
+
 @pytest.mark.parametrize("field, value, said", [
     ("hi", 10**12, "hi 1000000000000: expected integers with 0 <= lo <= hi"),
     ("lo", "0", "lo 0, hi"), ("dtype", "float99", "dtype 'float99', expected float16 or float32 or float64"),

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 from safetensors import SafetensorError
 
-from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, verify
+from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, refuse_pipes, verify
 from minizero.checkpoint.layout import TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_folder,
@@ -191,6 +191,7 @@ def main(argv=None) -> int:
                                           "elsewhere, or to replace it")
                 args.out = "model.npz"
             check_out(args.out)
+        refuse_pipes(args.path)  # before live_job_holding opens a .lock
         held = live_job_holding(args.path)  # its next save may prune what we read: refused as train's --resume
         if held:
             raise CheckpointError(f"{args.path}: {held[0]!r} is in use by a running minizero job ({held[1]}), "

@@ -17,7 +17,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from minizero.checkpoint.fields import manifest_problems, rank_file  # noqa: F401 (rank_file: save's)
+from minizero.data import describe_non_file
 from minizero.numerals import is_count
+from minizero.files import FolderLock
 from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
 
 FORMAT = "minizero-checkpoint"
@@ -86,6 +88,18 @@ def clean_partial(save_dir: str) -> list[str]:
     return gone
 
 
+def refuse_pipes(path: str, flag: str = "--resume") -> None:
+    """Raise CheckpointError when ``path``'s ``latest`` or the ``.lock`` in it or above it is not a regular file: a
+    FIFO's open waits for a writer (no error, no timeout), so the job would hang before any work."""
+    folder = os.path.abspath(path)
+    for f in (os.path.join(folder, LATEST), os.path.join(folder, FolderLock.NAME),
+              os.path.join(os.path.dirname(folder), FolderLock.NAME)):
+        why = describe_non_file(f) if os.path.exists(f) else None  # absent, or a dangling link: nothing to open
+        if why:
+            raise CheckpointError(f"{flag} {path}: {f}{why}; remove it (a save dir's {LATEST} and {FolderLock.NAME} "
+                                  "are files minizero writes)")
+
+
 def resolve(path: str) -> str:
     """The checkpoint folder ``path`` names: itself, or a save dir's ``latest`` (else its complete highest step).
 
@@ -104,6 +118,7 @@ def resolve(path: str) -> str:
                               "that holds manifest.json, or the save dir above it)")
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint folder or save dir")
+    refuse_pipes(path)
     pointer = os.path.join(path, LATEST)
     try:  # a pointer that is unreadable or names no step folder here is passed over: the newest complete one wins
         with open(pointer, encoding="utf-8") as f:
