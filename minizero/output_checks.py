@@ -142,16 +142,15 @@ def check_save_dir(args) -> None:
         resumed = os.path.realpath(resolve(args.resume))  # realpath: through links too
         if os.path.dirname(resumed) == os.path.realpath(args.save_dir):
             first = step_of(os.path.basename(resumed))
-            last = step_of(os.path.basename(resolve(args.save_dir)))  # where ``latest`` points
             later = [os.path.basename(p) for p in held if first is not None and step_of(os.path.basename(p)) > first]
-            died = first == last and len(later) == 1  # a save that died before moving ``latest``: redone
-            if first is not None and (not later or died):
+            if first is not None and not later:
                 return
-            if first is not None:  # a rewind: this run's steps would land beside and on the first run's later ones
+            if first is not None:  # a rewind (or a stale ``latest``): this run's steps would land on the later ones
                 raise UsageError(
                     f"--resume {args.resume!r} is {os.path.basename(resumed)}, but --save-dir {args.save_dir!r} "
                     f"also holds later steps of that run ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}"
-                    "): saving there would mix the two runs; to rewind, give this run another --save-dir")
+                    "): saving there would mix the two runs; to rewind, give this run another --save-dir; to "
+                    f"continue, --resume {os.path.join(args.save_dir, later[-1])!r}")
     names = ", ".join(os.path.basename(p) for p in held[:3]) + (", ..." if len(held) > 3 else "")
     raise UsageError(f"--save-dir {args.save_dir!r} already holds the checkpoints of an earlier run ({names}); "
                      + ("continue that run with --resume " + repr(args.save_dir) if not args.resume else

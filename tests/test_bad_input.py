@@ -365,11 +365,14 @@ def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path)
         parse_args([*flags, "--resume", str(saved / "step_00000001")])  # a rewind in place: two runs mixed
     parse_args([*flags[:-4], "--save-dir", str(tmp_path / "rewound"), "--out", str(tmp_path / "o"),
                 "--resume", str(saved / "step_00000001")])  # the rewind into a save dir of its own
-    died = tmp_path / "died"  # a save of step 2 that died before it moved ``latest``: step 2 is redone
+    died = tmp_path / "died"  # ``latest`` names step 1 beside a complete step 2 (a save that died before moving it)
     shutil.copytree(saved, died)
     (died / "latest").write_text("step_00000001")
     again = [*flags[:-4], "--save-dir", str(died), "--out", str(tmp_path / "o")]
-    parse_args([*again, "--resume", str(died)])
+    with pytest.raises(UsageError, match=r"also holds later steps of that run \(step_00000002\): .*; to continue, "
+                                         r"--resume '.*step_00000002'"):  # before: step 2 overwritten, no word
+        parse_args([*again, "--resume", str(died)])
+    parse_args([*again, "--resume", str(died / "step_00000002")])
     shutil.copytree(died / "step_00000002", died / "step_00000003")  # two steps past ``latest``: a rewind
     with pytest.raises(UsageError, match=r"also holds later steps of that run \(step_00000002, step_00000003\)"):
         parse_args([*again, "--resume", str(died)])
