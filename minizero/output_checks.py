@@ -9,6 +9,7 @@ from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
                             refuse_read_back)
+from minizero.data import describe_non_file
 from minizero.flags import UsageError
 
 
@@ -45,10 +46,22 @@ def check_outputs(args) -> None:
         _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
+    flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
+    if flight:  # found after the failure, the flight records would be lost
+        raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
     probe(out, "--out")
     special = os.path.exists(js) and not os.path.isfile(js)  # a device such as /dev/null: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:
         probe(jparent, "--json")
+
+
+def not_a_folder(path: str) -> str | None:
+    """``"PATH is a named pipe (FIFO), not a folder"`` when ``path`` is there and no folder (a file, a link to
+    nothing: makedirs fails), else None."""
+    if not os.path.lexists(path) or os.path.isdir(path):
+        return None
+    what = (describe_non_file(path) or " is a file").split(", not")[0] if os.path.exists(path) else " is a broken link"
+    return f"{path}{what}, not a folder"
 
 
 def run_files(args) -> dict:

@@ -42,6 +42,7 @@ from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.numerals import error_lines, wrapped
+from minizero.output_checks import not_a_folder
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -97,10 +98,15 @@ def _dump_flight(comm, args, reason: str) -> str | None:
     with --no-save. Returns the folder, or None."""
     recorder = comm.traffic.active_recorder()
     if recorder is not None and not args.no_save:
+        folder = os.path.join(args.out, "flight")
         try:
-            return os.path.dirname(recorder.dump(os.path.join(args.out, "flight"), comm.rank, comm.world_size, reason))
+            why = not_a_folder(folder)  # made after the checks: said in words, not as errno 17
+            if why is None:
+                return os.path.dirname(recorder.dump(folder, comm.rank, comm.world_size, reason))
+            why += ": flight records not written"
         except Exception as e:  # a full disk, or a record that does not serialize: the abort must still come
-            _write_stderr(wrapped(f"[rank {comm.rank}] flight record not written: {e}") + "\n")
+            why = f"flight record not written: {e}"
+        _write_stderr(wrapped(f"[rank {comm.rank}] {why}") + "\n")
     return None
 
 

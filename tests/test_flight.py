@@ -442,3 +442,18 @@ def test_a_slow_rank_is_named_the_straggler(monkeypatch, tmp_path):
     run_in_threads(2, body, timeout=240)
     assert any(line.startswith("slowest rank: 1 (") for line in logged), logged
     assert any(line.startswith("most waiting: rank 0 (") for line in logged), logged
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO"])
+def test_an_out_flight_that_is_no_folder_is_said_in_words_before_the_run_and_at_the_dump(tmp_path, capfd, kind):
+    """Before: "[rank 0] flight record not written: [Errno 17] File exists: '.../flight'", after the failed run."""
+    from types import SimpleNamespace
+    from minizero.train import UsageError, _dump_flight, parse_args
+    flight = tmp_path / "flight"
+    flight.write_text("x") if kind == "file" else os.mkfifo(flight)
+    said = f"{flight} is {'a file' if kind == 'file' else 'a named pipe (FIFO)'}, not a folder"
+    with pytest.raises(UsageError, match="not a folder; the flight records of a failed job go there"):
+        parse_args(["--model", "tiny", "--out", str(tmp_path)], 1)
+    comm = SimpleNamespace(rank=0, world_size=1, traffic=SimpleNamespace(active_recorder=lambda: FlightRecorder(4)))
+    assert _dump_flight(comm, SimpleNamespace(no_save=False, out=str(tmp_path)), "x") is None
+    assert joined(capfd.readouterr().err) == f"[rank 0] {said}: flight records not written"
