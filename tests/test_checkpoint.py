@@ -822,6 +822,15 @@ def test_a_manifest_nested_too_deeply_is_refused_in_one_line(saved, tmp_path):
     _refused_everywhere(folder, "manifest.json: cannot be read as JSON (maximum recursion depth", tmp_path)
 
 
+def test_an_exception_quoted_in_a_refusal_is_cut_at_a_word_with_an_ellipsis(tmp_path):
+    """Before: "(Exceeds the limit ... value has 5001 di)": the JSON reader's text cut at 80 characters, mid-word."""
+    from minizero.checkpoint import CheckpointError
+    (tmp_path / "manifest.json").write_text('{"format": ' + "9" * 5001 + "}")
+    with pytest.raises(CheckpointError) as e:
+        read_manifest(str(tmp_path))
+    assert "value has 5001 digits" in str(e.value) and str(e.value).endswith("; ...)"), e.value
+
+
 SCALER = {"scale": 1024.0, "good_steps": 3, "skipped": 0, "hysteresis_left": 1}
 
 

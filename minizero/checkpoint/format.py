@@ -17,6 +17,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from minizero.checkpoint.fields import manifest_problems, rank_file  # noqa: F401 (rank_file: save's)
+from minizero.checkpoint.model_fields import clipped
 from minizero.data import describe_non_file
 from minizero.numerals import is_count
 from minizero.files import FolderLock
@@ -146,7 +147,7 @@ def read_manifest(folder: str) -> dict:
         with open(path) as f:
             man = json.load(f)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than any manifest
-        raise CheckpointError(f"{path}: cannot be read as JSON ({str(e)[:80]})") from None
+        raise CheckpointError(f"{path}: cannot be read as JSON ({clipped(e, 90)})") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a minizero checkpoint manifest (format {man.get('format')!r})"
                               if isinstance(man, dict) else f"{path}: not a minizero checkpoint manifest")

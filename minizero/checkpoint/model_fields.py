@@ -18,6 +18,15 @@ SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 DTYPES = ("float16", "float32", "float64")
 
 
+def clipped(text, width: int = 80) -> str:
+    """``str(text)`` whole if it fits in ``width`` columns, else cut at a space before them and ended by "..."."""
+    text = " ".join(str(text).split())
+    if len(text) <= width:
+        return text
+    cut = text.rfind(" ", 0, width - 3)
+    return (text[:cut] if cut > 0 else text[:width - 4]) + " ..."
+
+
 def _is_int(v) -> bool:
     """An int, not a bool (JSON's true is not a count); fields.py uses it too."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -45,7 +54,7 @@ def _config_problems(model: dict) -> list[str]:
     try:  # anything validate refuses that the lines above do not name
         GPTConfig(**model).validate()
     except (TypeError, ValueError) as e:
-        return [f"model is {repr(model)[:60]}: {str(e)[:80]}"]
+        return [f"model is {repr(model)[:60]}: {clipped(e)}"]
     return []
 
 
@@ -97,7 +106,7 @@ def _shape_problems(model: dict, layout: dict, params: dict) -> list[str]:
         want = expected_shapes(model, layout)
     except (ValueError, OverflowError, MemoryError) as e:
         sizes = ", ".join(f"{k} {model[k]:,}" for k in SIZES)
-        return [f"model has {sizes}: too large for its arrays to exist ({str(e)[:60]}); expected the saved sizes"]
+        return [f"model has {sizes}: too large for its arrays to exist ({clipped(e, 60)}); expected the saved sizes"]
     say = "as the model section" + (" and layout.moe_* say" if layout.get("moe_experts") else " says")
     bad = [n for n in want if n in params and (params[n].get("shape") if isinstance(params[n], dict) else None)
            != want[n]]
