@@ -102,7 +102,7 @@ def refuse_pipes(path: str, flag: str = "--resume") -> None:
 
 
 def resolve(path: str) -> str:
-    """The checkpoint folder ``path`` names: itself, or a save dir's ``latest`` (else its complete highest step).
+    """The checkpoint folder ``path`` names: itself, or a save dir's ``latest`` unless a complete step is newer.
 
     Raises CheckpointError: no such path, or no complete checkpoint in it (partial ones named).
     """
@@ -120,15 +120,18 @@ def resolve(path: str) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint folder or save dir")
     refuse_pipes(path)
+    found = complete(path)
+    newest = step_of(os.path.basename(found[-1])) if found else None
     pointer = os.path.join(path, LATEST)
-    try:  # a pointer that is unreadable or names no step folder here is passed over: the newest complete one wins
-        with open(pointer, encoding="utf-8") as f:
+    try:  # a pointer that is unreadable, names no checkpoint here or lags a newer complete step (a save killed
+        with open(pointer, encoding="utf-8") as f:  # between its rename and the pointer's move) is passed over
             name = f.read(256).strip()
-        if name == os.path.basename(name) and os.path.isfile(os.path.join(path, name, MANIFEST)):
+        step = step_of(name)
+        if (name == os.path.basename(name) and os.path.isfile(os.path.join(path, name, MANIFEST))
+                and (newest is None or step is None or step >= newest)):
             return os.path.join(path, name)
     except (OSError, UnicodeDecodeError, ValueError):
         pass
-    found = complete(path)
     if not found:
         partial = sorted(n for n in os.listdir(path) if n.startswith(TMP))
         raise CheckpointError(f"--resume {path}: no complete checkpoint (no {PREFIX}N/{MANIFEST})"
