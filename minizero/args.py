@@ -152,6 +152,11 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         if args.cp not in (1, args.ulysses):
             raise UsageError(f"--ulysses {args.ulysses} with --cp {args.cp}: --ulysses N means --cp N "
                              f"--cp-attention ulysses; give one of them")
+        probe = build_parser()  # the default ring is --cp-attention not given; an explicit ring contradicts
+        probe.set_defaults(cp_attention=None)
+        if probe.parse_args(argv).cp_attention == "ring":
+            raise UsageError(f"--ulysses {args.ulysses} with --cp-attention ring: --ulysses N means --cp N "
+                             f"--cp-attention ulysses; give one of them")
         args.cp, args.cp_attention = args.ulysses, "ulysses"
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
