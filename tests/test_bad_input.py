@@ -848,7 +848,8 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
         with pytest.raises(compare.UsageError, match=needle):
             compare.parse_args(["--model", "tiny", "--strategies", "baseline", *argv])
     assert debug_main(["parity", "--dp 1 --out " + str(run), "--dp 1"]) == 2
-    assert "--out is parity's own" in joined(capsys.readouterr().err)
+    assert "--out sets what a run writes or reads; parity runs each layout in a temporary folder of its own" \
+        in joined(capsys.readouterr().err)  # it said "--out is parity's own": parity has no --out
     assert debug_main(["parity", "-n 1000", "--dp 1"]) == 2
     assert "-n needs a number of ranks in [1, 64]" in joined(capsys.readouterr().err)
     monkeypatch.chdir(run)  # consolidate's default --out: model.npz, here another run's weights
