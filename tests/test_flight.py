@@ -137,6 +137,18 @@ def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
     assert "is a second flight record of rank 1" in joined(capsys.readouterr().err)
 
 
+def test_hang_refuses_a_group_member_outside_the_world(tmp_path, capsys):
+    """Before: members [0, 99] in a world of 2 were analysed as if rank 99 existed."""
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    snap = json.loads((tmp_path / "rank_0.json").read_text())
+    name = next(n for n, g in snap["groups"].items() if g["members"])
+    snap["groups"][name]["members"] = [0, 99]
+    (tmp_path / "rank_0.json").write_text(json.dumps(snap))
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert (f"{tmp_path / 'rank_0.json'} is a damaged flight record: groups[{name!r}] names member 99, outside the "
+            "world of 2 (ranks 0..1)") in joined(capsys.readouterr().err)
+
+
 def test_the_hang_cli_prints_each_finding_in_lines_of_at_most_120_columns(tmp_path, capsys):
     """Before: one line per finding of up to 302 columns."""
     def fn(comm):
