@@ -203,6 +203,9 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
     assert joined(capsys.readouterr().err) == (f"python -m minizero.debug: error: {str(tmp_path / 'none.json')!r}: No "
                                                "such file or directory (a timeline is the Chrome trace JSON that --trace "
                                                "writes)")
+    assert debug_main(["trace", ""]) == 2  # before: "[Errno 2] No such file or directory: ''" (a falsy filename)
+    assert joined(capsys.readouterr().err) == ("python -m minizero.debug: error: '': No such file or directory (a "
+                                               "timeline is the Chrome trace JSON that --trace writes)")
     os.mkfifo(tmp_path / "fifo")  # before: read forever
     assert debug_main(["trace", str(tmp_path / "fifo")]) == 2
     assert "is not a regular file (a FIFO or a device)" in joined(capsys.readouterr().err)

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
         return timeline.main(args.path)
     except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
         raise
-    except OSError as e:  # no such file or folder, a folder given for a file, unreadable
-        said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename else e
+    except OSError as e:  # no such file or folder (named: '' too), a folder given for a file, unreadable
+        said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename is not None else e
         print(error_lines("python -m minizero.debug", str(said)), file=sys.stderr)
         return 2
     except ValueError as e:  # the loaders name a file of another kind and what it lacks
