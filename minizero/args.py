@@ -262,7 +262,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) "
                          f"to be a multiple of --pp {args.pp}")
     if args.min_lr is None:
-        args.min_lr = args.lr / 10
+        args.min_lr = float(f"{args.lr / 10:.15g}")  # 0.0003, shown as such (3e-3 / 10 is 0.00030000000000000003)
     if args.warmup is None:
         # steps/10: with 15 warmup steps (steps/20) at lr 3e-3 the default 300-step run's loss jumped 2.2 nats
         # at step 17, and a spike turns float32 rounding differences into 1e-2 loss gaps (bench/bench_defaults.py)
