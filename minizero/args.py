@@ -152,6 +152,11 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         if args.cp not in (1, args.ulysses):
             raise UsageError(f"--ulysses {args.ulysses} with --cp {args.cp}: --ulysses N means --cp N "
                              f"--cp-attention ulysses; give one of them")
+        probe = build_parser()  # the default ring is --cp-attention not given; an explicit ring contradicts
+        probe.set_defaults(cp_attention=None)
+        if probe.parse_args(argv).cp_attention == "ring":
+            raise UsageError(f"--ulysses {args.ulysses} with --cp-attention ring: --ulysses N means --cp N "
+                             f"--cp-attention ulysses; give one of them")
         args.cp, args.cp_attention = args.ulysses, "ulysses"
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
@@ -257,7 +262,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
         raise UsageError(f"--schedule interleaved needs the micro-batches per step ({args.grad_accum}) "
                          f"to be a multiple of --pp {args.pp}")
     if args.min_lr is None:
-        args.min_lr = args.lr / 10
+        args.min_lr = float(f"{args.lr / 10:.15g}")  # 0.0003, shown as such (3e-3 / 10 is 0.00030000000000000003)
     if args.warmup is None:
         # steps/10: with 15 warmup steps (steps/20) at lr 3e-3 the default 300-step run's loss jumped 2.2 nats
         # at step 17, and a spike turns float32 rounding differences into 1e-2 loss gaps (bench/bench_defaults.py)

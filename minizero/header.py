@@ -5,6 +5,8 @@ from minizero import backend
 from minizero.callbacks import Callback
 from minizero.debug.replicas import has_replicas
 from minizero.ledger import wrap
+from minizero.memory.recompute import recomputed_blocks
+from minizero.numerals import ordinal
 from minizero.parallel.schedule import bubble_fraction, make_schedule, peak_in_flight, simulate
 from minizero.parallel.strategy import describe_batch
 from minizero.zero import stage_class
@@ -148,9 +150,10 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
         lines.append(documents_description(args))
     if args.zero:
         lines.append(zero_line(args, topo, s.opt))
+    k, n = args.recompute_every, cfg.n_layer // topo.pp  # a stage's blocks 0, k, 2k, ... (it said "every 2-th")
+    which = f" (every {ordinal(k)} block: {recomputed_blocks(n, k)} of {'each stage' if topo.pp > 1 else 'the model'}"
     also = [w for w, here in (
-        (f"activation recompute {args.recompute}"
-         + (f" (every {args.recompute_every}-th block)" if args.recompute_every > 1 else ""), args.recompute != "none"),
+        (f"activation recompute {args.recompute}" + (f"{which}'s {n})" if k > 1 else ""), args.recompute != "none"),
         (f"saved activations offloaded to {args.offload_activations}", args.offload_activations != "none"),
         (f"optimizer state and update offloaded to {args.offload_optimizer}", args.offload_optimizer != "none"),
         (f"8-bit Adam (an absmax per {args.adam8bit_block_size} elements)", args.optimizer == "adam8bit"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minizero.flags import UsageError
+from minizero.flags import UsageError, build_parser
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
@@ -232,8 +232,12 @@ def check_moe(args) -> None:
         if ep > 1:
             raise ValueError(f"--ep {ep} splits experts: it needs --moe-experts > 0")
         return
-    if not 1 <= args.moe_top_k <= e:
-        raise ValueError(f"--moe-top-k must be in 1..--moe-experts {e}, got {args.moe_top_k}")
+    k = args.moe_top_k
+    if k > e and k == build_parser().get_default("moe_top_k"):  # the default: --moe-top-k not given
+        raise ValueError(f"--moe-experts {e} is fewer than the {k} experts each token is routed to (--moe-top-k "
+                         f"{k}, the default); allowed: --moe-experts >= {k}, or give --moe-top-k {e}")
+    if not 1 <= k <= e:
+        raise ValueError(f"--moe-top-k must be in 1..--moe-experts {e}, got {k}")
     if not (0 < args.moe_capacity_factor < float("inf")):
         raise ValueError(f"--moe-capacity-factor must be a finite number > 0, got {args.moe_capacity_factor}")
     for flag in ("moe_aux_loss", "moe_z_loss", "moe_bias_update"):

@@ -228,6 +228,11 @@ def negative_values_reach_checks(parser: argparse.ArgumentParser) -> argparse.Ar
     return parser
 
 
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``7th``, ``12th``, ``22nd`` (it said "2-th")."""
+    return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def in_width(x: float, width: int) -> str:
     """``x`` right-aligned in ``width`` columns: ``22,144,603`` where it fits, else ``22144603``, else ``2.21e+10``
     (plan's tokens/s and micro-batches of a tiny model pushed its rows past the header)."""

@@ -121,7 +121,7 @@ def why_lines(fits: list[Candidate], scale: float, unit: str, groups: int = 3,
     return lines
 
 
-#: the table's short names: recompute ("rc") and offload ("off") values, so a row fits 128 columns
+#: the table's short names: recompute ("rc") and offload ("off") values, so a row fits 120 columns
 RECOMPUTE_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 OFFLOAD_SHORT = {"none": "", "optimizer": "opt", "params": "par"}
 #: the table's size columns and their widths, each widened by a larger size
@@ -129,30 +129,31 @@ SIZE_WIDTHS = {"dp": 4, "ep": 3, "cp": 3, "tp": 2, "pp": 3}
 
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
-    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), 128 columns wide where the sizes fit
+    """The fixed-width table of ``cands`` (memory columns divided by ``scale``), 120 columns wide where the sizes fit
     (a size wider than its column widens it: 131072 ranks took 6 of dp's 4 columns, pushing the row past the header):
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
-    w = {k: max([d] + [len(str(getattr(c.strategy, k))) for c in cands]) for k, d in SIZE_WIDTHS.items()}
+    marked = [{"cp": f"{c.strategy.cp}{'u' if c.strategy.cp > 1 and c.strategy.cp_attention == 'ulysses' else ''}",
+               "tp": f"{c.strategy.tp}{'s' if c.strategy.sequence_parallel else ''}"} for c in cands]  # 128 before
+    w = {k: max([d] + [len(m.get(k, str(getattr(c.strategy, k)))) for c, m in zip(cands, marked)])
+         for k, d in SIZE_WIDTHS.items()}
     wn = max(3, len(str(len(cands))))  # --top 0: row 1000
-    head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'attn':>4} {'tp':>{w['tp']}} "
-            f"{'pp':>{w['pp']}} {'Z':>2} {'SP':>2} {'rc':>4} {'off':>7} {'m':>5} |"
+    head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'tp':>{w['tp']}} "
+            f"{'pp':>{w['pp']}} {'Z':>2} {'rc':>4} {'off':>7} {'m':>5} |"
             f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>7}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
-    for i, c in enumerate(cands, 1):
+    for i, (c, m) in enumerate(zip(cands, marked), 1):
         st, mem = c.strategy, c.memory
         off = "+".join(o for o in (OFFLOAD_SHORT[st.offload], "act" if st.offload_activations else "") if o)
         bufs = mem.comm_buffers + mem.gathered
         net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
-        attn = {"ring": "ring", "ulysses": "ulys"}[st.cp_attention] if st.cp > 1 else "-"
         step = (f"{c.step_s:7.3f}" if 1e-3 <= c.step_s < 1e3 else f"{c.step_s:7.1f}" if 1e3 <= c.step_s < 1e5
                 else f"{c.step_s:7.1e}")  # a tiny model's read 0.000, 1020.216 s took 8 of 7 columns
         zero = f"{st.zero}{'h' if st.dp_shard else ''}"  # h: hybrid sharding
         lines.append(
-            f"{i:>{wn}} {st.dp:>{w['dp']}} {st.ep:>{w['ep']}} {st.cp:>{w['cp']}} {attn:>4} {st.tp:>{w['tp']}} "
-            f"{st.pp:>{w['pp']}} {zero:>2} "
-            f"{'y' if st.sequence_parallel else '':>2} "
-            f"{RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} {in_width(st.micro_batches, 5)} |"
+            f"{i:>{wn}} {st.dp:>{w['dp']}} {st.ep:>{w['ep']}} {m['cp']:>{w['cp']}} {m['tp']:>{w['tp']}} "
+            f"{st.pp:>{w['pp']}} {zero:>2} {RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} "
+            f"{in_width(st.micro_batches, 5)} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
             + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 7, 1)}"
@@ -202,9 +203,10 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
             f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
-            "columns: ep = expert parallelism; attn = how cp > 1 attends (ring attention or ulys = DeepSpeed-Ulysses); "
+            "columns: ep = expert parallelism; cp = context parallelism (4u: DeepSpeed-Ulysses, 4: ring attention); "
+            "tp = tensor parallelism (2s: with sequence parallelism); "
             f"Z = ZeRO stage, sharding over the dp x cp data ranks{hybrid} (1: optimizer state, 2: + gradients, 3: + "
-            "parameters); SP = sequence parallelism (y: on); rc = activation recompute (sel: selective); off = "
+            "parameters); rc = activation recompute (sel: selective); off = "
             "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
             "micro-batches per step per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "

@@ -20,6 +20,7 @@ from minizero.header import run_techniques
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text, wrap
 from minizero.memory.monitor import report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
+from minizero.memory.recompute import recomputed_blocks
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
@@ -43,11 +44,12 @@ NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was 
 
 
 
-def recompute_note(mode: str, every: int) -> str:
-    """The hotspots' footnote under ``--recompute`` (memory/recompute.py wraps blocks 0, K, 2K, ... of a stage)."""
+def recompute_note(mode: str, every: int, n_blocks: int) -> str:
+    """The hotspots' footnote under ``--recompute`` (memory/recompute.py wraps blocks 0, K, 2K, ... of a stage's
+    ``n_blocks``: those named, never one past the last; it said "blocks 0, 7, 14, ..." of 2)."""
     what = "each block's saves" if mode == "full" else "the attention cores' scores"
     if every > 1:
-        what = (f"the {'saves' if mode == 'full' else 'attention scores'} of blocks 0, {every}, {2 * every}, ... "
+        what = (f"the {'saves' if mode == 'full' else 'attention scores'} of {recomputed_blocks(n_blocks, every)} "
                 f"(--recompute-every {every}; the other blocks keep theirs)")
     return textwrap.fill(f"(--recompute {mode}: {what} exist only while backward recomputes them, one at a time)",
                          100, initial_indent="  ", subsequent_indent="    ")
@@ -179,7 +181,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time
-        print(recompute_note(args.recompute, args.recompute_every))
+        print(recompute_note(args.recompute, args.recompute_every, cfg.n_layer // args.pp))
     wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
     if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
         state = model.state_dict()

@@ -300,6 +300,18 @@ def test_differing_flags_names_the_given_flags_first_then_derived_ones():
     assert differing_flags(many, shown=2)[-1] == "and 3 more" and "0 on rank 0, 1 on rank 1" in differing_flags(many)[0]
 
 
+def test_the_derived_min_lr_reads_as_typed():
+    """Before: --lr 0.003 derived --min-lr 0.00030000000000000003 (lr / 10 in binary), shown so in the ranks'
+    refusal ("--min-lr: 0.00030000000000000003 on rank 0, ...") and in a resumed run's note on the checkpoint's."""
+    import dataclasses
+    from minizero.flags import differing_flags
+
+    ranks = [parse_args(["--model", "tiny", "--lr", lr]) for lr in ("0.003", "0.03")]
+    assert repr(ranks[0].min_lr) == repr(parse_args(["--model", "tiny"]).min_lr) == "0.0003"  # the default lr: 3e-3
+    every = [({}, {"min_lr": dataclasses.asdict(a)["min_lr"]}) for a in ranks]
+    assert differing_flags(every) == ["--min-lr: 0.0003 on rank 0, 0.003 on rank 1"]
+
+
 # --------------------------------------------------------------------------- --resume
 @pytest.mark.timeout(120)
 def test_resume_with_nothing_left_to_train_is_refused(saved, tmp_path):
@@ -850,7 +862,8 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
         with pytest.raises(compare.UsageError, match=needle):
             compare.parse_args(["--model", "tiny", "--strategies", "baseline", *argv])
     assert debug_main(["parity", "--dp 1 --out " + str(run), "--dp 1"]) == 2
-    assert "--out is parity's own" in joined(capsys.readouterr().err)
+    assert "--out sets what a run writes or reads; parity runs each layout in a temporary folder of its own" \
+        in joined(capsys.readouterr().err)  # it said "--out is parity's own": parity has no --out
     assert debug_main(["parity", "-n 1000", "--dp 1"]) == 2
     assert "-n needs a number of ranks in [1, 64]" in joined(capsys.readouterr().err)
     monkeypatch.chdir(run)  # consolidate's default --out: model.npz, here another run's weights

@@ -82,6 +82,24 @@ def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
     assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus --x\n"
 
 
+def test_a_stray_flag_before_two_quoted_layouts_is_named(capsys):
+    """Before: 'unrecognized arguments: --tp 1 --tp 1' (the layouts, not --bogus)."""
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["parity", "--bogus", "3", "--tp 1", "--tp 1"])
+    assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus 3\n"
+
+
+def test_a_layout_with_a_flag_parity_sets_says_what_parity_does_with_it():
+    with pytest.raises(ValueError, match="^layout '--steps 3': --steps is parity's own flag .one value for both runs.; "
+                       "give it to parity, outside the layouts' quotes$"):
+        ranks_of(["--steps", "3"])
+    with pytest.raises(ValueError, match="--out sets what a run writes or reads; parity runs each layout in a "
+                       "temporary folder of its own and removes it"):  # it said "--out is parity's own"
+        ranks_of(["--dp", "2", "--out", "/tmp/x"])
+
+
 def test_the_verdict_is_printed_in_lines_of_at_most_120_columns(monkeypatch, capsys):
     """Before: 'same: ...' was one line of 136-143 columns (a long parameter name)."""
     from minizero.debug import parity

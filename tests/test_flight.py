@@ -137,6 +137,18 @@ def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
     assert "is a second flight record of rank 1" in joined(capsys.readouterr().err)
 
 
+def test_hang_refuses_a_group_member_outside_the_world(tmp_path, capsys):
+    """Before: members [0, 99] in a world of 2 were analysed as if rank 99 existed."""
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    snap = json.loads((tmp_path / "rank_0.json").read_text())
+    name = next(n for n, g in snap["groups"].items() if g["members"])
+    snap["groups"][name]["members"] = [0, 99]
+    (tmp_path / "rank_0.json").write_text(json.dumps(snap))
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert (f"{tmp_path / 'rank_0.json'} is a damaged flight record: groups[{name!r}] names member 99, outside the "
+            "world of 2 (ranks 0..1)") in joined(capsys.readouterr().err)
+
+
 def test_the_hang_cli_prints_each_finding_in_lines_of_at_most_120_columns(tmp_path, capsys):
     """Before: one line per finding of up to 302 columns."""
     def fn(comm):
@@ -191,6 +203,9 @@ def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, n
     assert joined(capsys.readouterr().err) == (f"python -m minizero.debug: error: {str(tmp_path / 'none.json')!r}: No "
                                                "such file or directory (a timeline is the Chrome trace JSON that --trace "
                                                "writes)")
+    assert debug_main(["trace", ""]) == 2  # before: "[Errno 2] No such file or directory: ''" (a falsy filename)
+    assert joined(capsys.readouterr().err) == ("python -m minizero.debug: error: '': No such file or directory (a "
+                                               "timeline is the Chrome trace JSON that --trace writes)")
     os.mkfifo(tmp_path / "fifo")  # before: read forever
     assert debug_main(["trace", str(tmp_path / "fifo")]) == 2
     assert "is not a regular file (a FIFO or a device)" in joined(capsys.readouterr().err)

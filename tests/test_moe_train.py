@@ -115,6 +115,9 @@ def test_the_losses_and_the_bias_change_the_result():
 @pytest.mark.parametrize("flags,n,words", [
     (["--moe-experts", "3", "--ep", "2"], 2, "divisible by --ep 2"),
     (["--moe-top-k", "5"], 1, "--moe-top-k must be in 1..--moe-experts 4"),
+    # the default top-k named as the default (before: "--moe-top-k must be in 1..--moe-experts 1, got 2")
+    (["--moe-experts", "1"], 1, "--moe-experts 1 is fewer than the 2 experts each token is routed to (--moe-top-k 2, "
+     "the default); allowed: --moe-experts >= 2, or give --moe-top-k 1"),
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
     (["--precision", "fp8"], 1, "--moe-experts with --precision fp8 is not supported"),

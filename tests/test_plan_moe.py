@@ -259,13 +259,13 @@ def test_the_report_shows_ep_and_the_attention_kind(capsys):
                          "4096", "--ep", "4", "--top", "3")
     assert code == 0, out
     head = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
-    assert head.split()[1:5] == ["dp", "ep", "cp", "attn"]
+    assert head.split()[1:5] == ["dp", "ep", "cp", "tp"]
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
     assert len(rows) == 3 and all(r[2] == "4" for r in rows)
     assert "12.88 B active; 8 experts top-2" in out
     code, out, _ = _main(capsys, "--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",
                          "--strategy", "dp2 cp8 cp_attention=ulysses tp1")
-    assert code == 0 and "cp_attention=ulysses" in out and " ulys " in out
+    assert code == 0 and "cp_attention=ulysses" in out and re.search(r"^\s+1\s+2\s+1\s+8u\s+1\s", out, re.M)
 
 
 def test_a_strategy_round_trips_through_describe():

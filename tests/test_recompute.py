@@ -198,10 +198,28 @@ def test_the_hotspot_note_names_the_recomputed_blocks_under_recompute_every():
     model = GPT(get_config("tiny"), seed=0)
     wrapped = apply_recompute(model, "full", every=2)
     assert len(wrapped) == 1 and wrapped[0].endswith("h.0")  # tiny: 2 blocks, block 0 only
-    assert " ".join(recompute_note("full", 1).split()) == ("(--recompute full: each block's saves exist only while "
-                                                          "backward recomputes them, one at a time)")
-    note = " ".join(recompute_note("full", 2).split())
-    assert "the saves of blocks 0, 2, 4, ... (--recompute-every 2; the other blocks keep theirs)" in note
-    assert "attention scores of blocks 0, 3, 6, ..." in " ".join(recompute_note("selective", 3).split())
+    assert " ".join(recompute_note("full", 1, 2).split()) == ("(--recompute full: each block's saves exist only "
+                                                             "while backward recomputes them, one at a time)")
+    note = " ".join(recompute_note("full", 2, 6).split())
+    assert "the saves of blocks 0, 2, 4 (--recompute-every 2; the other blocks keep theirs)" in note
+    assert "attention scores of blocks 0, 3, 6, ..., 45 (" in " ".join(recompute_note("selective", 3, 48).split())
+    # the blocks that exist (before: "the saves of blocks 0, 7, 14, ..." of the 2-block tiny model)
+    assert "the saves of block 0 (--recompute-every 7;" in " ".join(recompute_note("full", 7, 2).split())
     assert all(len(line) <= 100 for m in ("full", "selective") for k in (1, 2, 16)
-               for line in recompute_note(m, k).splitlines())
+               for line in recompute_note(m, k, 64).splitlines())
+
+
+def test_the_header_names_the_recomputed_blocks_with_an_ordinal():
+    """Before: "(every 2-th block)"; and every 7-th of the 2-block tiny model named no existing block."""
+    from minizero.args import parse_args
+    from minizero.header import header_lines
+    from minizero.nn import get_config
+    from minizero.numerals import ordinal
+    from types import SimpleNamespace as NS
+
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 102, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "102nd", "111th"]
+    args = parse_args(["--model", "tiny", "--recompute", "full", "--recompute-every", "7"])
+    topo = NS(dp=1, tp=1, pp=1, describe_nodes=lambda: "", placement_warnings=lambda: [])
+    text = " ".join(header_lines(args, get_config("tiny"), NS(topo=topo, cp=1, opt=None), 1))
+    assert "activation recompute full (every 7th block: block 0 of the model's 2)" in text, text

@@ -171,3 +171,12 @@ def test_measured_bytes_per_layer_equal_the_ulysses_formula(cp, mode, dropout):
             for k in ("ring", "ulysses")}
     assert long["ulysses"] > 4 * long["ring"]  # the s^2 term, / c
 
+
+
+def test_ulysses_refuses_an_explicit_ring():
+    # before: --ulysses 2 --cp-attention ring ran Ulysses silently; the explicit ulysses stays accepted
+    with pytest.raises(UsageError, match="^--ulysses 2 with --cp-attention ring: --ulysses N means --cp N "
+                       "--cp-attention ulysses; give one of them$"):
+        parse_args(["--model", "tiny", "--ulysses", "2", "--cp-attention=ring"], 2)
+    assert parse_args(["--model", "tiny", "--ulysses", "2", "--cp-attention", "ulysses"], 2).cp_attention == "ulysses"
+    assert parse_args(["--model", "tiny", "--ulysses", "2"], 2).cp_attention == "ulysses"

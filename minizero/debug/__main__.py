@@ -39,7 +39,9 @@ def main(argv=None) -> int:
                     else w for w in argv[1:]]
     args, extra = p.parse_known_args(argv)
     if extra:  # the words as typed, without the space added above ("--x  --y " before)
-        p.error(unrecognized(p, [w.strip() for w in extra], args))
+        words = [w.strip() for w in (*(args.layouts if args.command == "parity" else ()), *extra)]
+        quoted = [w for w in words if " " in w]  # two: the layouts; the loose words are the stray ones (--bogus 3)
+        p.error(unrecognized(p, [w for w in words if " " not in w] if len(quoted) == 2 else words[-len(extra):], args))
     try:
         if args.command == "parity":
             if args.steps < 1 or args.batch_size < 1 or not 0 < args.tol < float("inf"):  # inf: every pair agrees
@@ -52,8 +54,8 @@ def main(argv=None) -> int:
         return timeline.main(args.path)
     except BrokenPipeError:  # stdout closed by its reader: interruptible ends quietly
         raise
-    except OSError as e:  # no such file or folder, a folder given for a file, unreadable
-        said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename else e
+    except OSError as e:  # no such file or folder (named: '' too), a folder given for a file, unreadable
+        said = f"{e.filename!r}: {e.strerror}{WHAT.get(args.command, '')}" if e.filename is not None else e
         print(error_lines("python -m minizero.debug", str(said)), file=sys.stderr)
         return 2
     except ValueError as e:  # the loaders name a file of another kind and what it lacks

@@ -37,6 +37,11 @@ def load(folder: str) -> dict[int, dict]:
             missing = _missing(snap)
             if missing:
                 raise ValueError(f"{p} is not a flight record: it lacks {missing}")
+            world, odd = snap["world_size"], [(name, m) for name, g in snap["groups"].items()
+                                              for m in g["members"] or () if not 0 <= m < snap["world_size"]]
+            if odd:  # the analysis would name a rank that does not exist
+                raise ValueError(f"{p} is a damaged flight record: groups[{odd[0][0]!r}] names member {odd[0][1]}, "
+                                 f"outside the world of {world} (ranks 0..{world - 1})")
             named = int(os.path.basename(p)[5:-5])
             if snap["rank"] != named:  # a copy or a rename would be read as another rank's record
                 raise ValueError(f"{p} holds rank {snap['rank']}'s flight record, expected rank {named} (its name)")

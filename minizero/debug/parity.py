@@ -39,10 +39,13 @@ def ranks_of(words: list[str]) -> tuple[int, list[str]]:
         ValueError: a flag of :data:`CONTROLLED`, ``-n`` without a number in [1, MAX_RANKS], more ranks.
     """
     given = [w.split("=")[0] for w in words if w.split("=")[0] in CONTROLLED]
+    own = [w for w in given if w in CONTROLLED[-3:]]  # parity's --model/--steps/--batch-size: both runs'
+    if own:
+        raise ValueError(f"layout {' '.join(words)!r}: {', '.join(own)} is parity's own flag (one value for both "
+                         "runs); give it to parity, outside the layouts' quotes")
     if given:
-        raise ValueError(f"layout {' '.join(words)!r}: {', '.join(given)} is parity's own (both runs share it, "
-                         "in a folder of their own); give layout flags only, and --model/--steps/--batch-size "
-                         "to parity itself")
+        raise ValueError(f"layout {' '.join(words)!r}: {', '.join(given)} sets what a run writes or reads; parity "
+                         "runs each layout in a temporary folder of its own and removes it; give layout flags only")
     if words[:1] == ["-n"]:
         if len(words) < 2 or not is_count(words[1]) or not 1 <= int(words[1]) <= MAX_RANKS:
             raise ValueError(f"layout {' '.join(words)!r}: -n needs a number of ranks in [1, {MAX_RANKS}] "

@@ -113,3 +113,9 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
             raise ValueError(f"recompute is already applied to transformer.h.{name}")
     chosen = {id(b if mode == "full" else b.attn.core) for b in list(model.transformer["h"])[::every]}
     return model.swap_modules(lambda m: CheckpointWrapper(m) if id(m) in chosen else None)
+
+
+def recomputed_blocks(n_blocks: int, every: int) -> str:
+    """Which of a stage's ``n_blocks`` :func:`apply_recompute` wraps: ``block 0``, ``blocks 0, 7, 14, ..., 63``."""
+    ks = list(range(0, n_blocks, every))
+    return f"block{'s' * (len(ks) > 1)} {', '.join(map(str, ks if len(ks) <= 5 else [*ks[:3], '...', ks[-1]]))}"
