@@ -1,0 +1,32 @@
+"""Every program's output paths are checked as train's are, before any work: '' refused, nothing the user has lost."""
+import pytest
+
+from minizero import compare, finetune
+from minizero.quantize import main as quantize_main
+
+
+def one_line(printed: str) -> str:
+    return " ".join(printed.split())
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--json", ""], "--json '': expected a file path"),  # before: every run trained, then "could not write ''"
+    (["--out", ""], "--out must name a directory, got ''"),  # before: compare.md written into the current folder
+])
+def test_compare_refuses_empty_outputs_before_any_run(argv, says):
+    with pytest.raises(compare.UsageError, match=says):
+        compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", *argv])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--json", ""], "--json '': expected a file path"),  # before: trained, rc 0, nothing written
+    (["--out", ""], "--out must name a directory, got ''"),  # before: "could not write '.lock'"
+])
+def test_finetune_refuses_empty_outputs(argv, says):
+    with pytest.raises(ValueError, match=says):
+        finetune.check(finetune.build_parser().parse_args(argv))
+
+
+def test_quantize_refuses_an_empty_json_before_measuring(tmp_path, capsys):
+    assert quantize_main(["--weights", str(tmp_path / "none.npz"), "--json", ""]) == 2  # before: measured, rc 0
+    assert "--json '': expected a file path" in one_line(capsys.readouterr().err)
