@@ -1,4 +1,6 @@
 """Every program's output paths are checked as train's are, before any work: '' refused, nothing the user has lost."""
+import os
+
 import pytest
 
 from minizero import compare, finetune
@@ -30,3 +32,14 @@ def test_finetune_refuses_empty_outputs(argv, says):
 def test_quantize_refuses_an_empty_json_before_measuring(tmp_path, capsys):
     assert quantize_main(["--weights", str(tmp_path / "none.npz"), "--json", ""]) == 2  # before: measured, rc 0
     assert "--json '': expected a file path" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_link_to_the_data_is_not_written_over(tmp_path, monkeypatch, flag):
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.txt").write_text("the user's text. " * 200)
+    os.symlink("data.txt", "link.txt")  # before: the run wrote its JSON over the link, the data's name lost
+    with pytest.raises(UsageError, match=f"{flag} 'link.txt' would overwrite --data"):
+        parse_args(["--data", "data.txt", "--out", "o", flag, "link.txt"], world_size=1)
