@@ -355,10 +355,31 @@ def refuse_blocking(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
+KEEPS = {"--json": "a JSON object", "--trace": "a trace (JSON with a traceEvents list)"}  #: other flags: a PNG
+
+
+def refuse_foreign(path: str, flag: str) -> None:
+    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`):
+    an output replaces an earlier output, never the user's notes or data."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
+        data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
+    except (OSError, ValueError):
+        data = None
+    if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
+            flag != "--trace" or isinstance(data.get("traceEvents"), list))):
+        raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
+                         "only such a file (an earlier output); give another file, or move that one away")
+
+
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:
     """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file) without
-    losing what the user has: not '', not one of ``inputs`` ({flag: path} read), not a file another program reads
-    back (:func:`refuse_read_back`) nor a FIFO (:func:`refuse_blocking`), not inside a checkpoint folder."""
+    losing what the user has: not '', not one of ``inputs`` ({flag: path} read), a file programs read back
+    (:func:`refuse_read_back`), a FIFO (:func:`refuse_blocking`), another kind's (:func:`refuse_foreign`), nor
+    inside a checkpoint folder."""
     if not path:
         raise ValueError(f"{flag} '': expected a file path")
     if os.path.isdir(path):
@@ -366,6 +387,7 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     refuse_inputs(flag, path, path, inputs or {})
     refuse_read_back(path, flag)
     refuse_blocking(path, flag)
+    refuse_foreign(path, flag)
     folder = checkpoint_holding(os.path.realpath(path))
     if folder:
         raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")

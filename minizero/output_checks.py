@@ -7,7 +7,7 @@ import os
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
-                            refuse_read_back)
+                            refuse_foreign, refuse_read_back)
 from minizero.flags import UsageError
 
 
@@ -39,6 +39,7 @@ def check_outputs(args) -> None:
     outside_checkpoints("--json", js, args.json)
     if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
         _usage(refuse_read_back, args.json, "--json")
+        _usage(refuse_foreign, args.json, "--json")  # the user's notes, not an earlier summary
     files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
     for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
         _usage(refuse_blocking, path, what)
@@ -118,6 +119,7 @@ def check_trace(args) -> None:
     outside_checkpoints("--trace", p, path)
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
+    _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace
     if os.path.exists(p) and not os.path.isfile(p):
         return  # a device such as /dev/null: written straight into
     if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT is made unless --no-save
