@@ -175,6 +175,13 @@ def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: s
         parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")
 
 
+def file_path(text) -> str:
+    """``type=``: an output file's path; '' is refused (it was ignored: nothing written after all the work)."""
+    if not text:
+        raise argparse.ArgumentTypeError("'': expected a file path")
+    return text
+
+
 def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
     """``parser.error`` unless ``path`` can be written at the end without losing anything
     (:func:`minizero.files.check_output`: not a directory, its folder exists, not a file programs read back)."""

@@ -213,7 +213,7 @@ def main():
     parser.add_argument("--min-bytes", type=_args.count, default=4 * 2**10, help="smallest array (default 4 KiB)")
     parser.add_argument("--max-bytes", type=_args.in_memory, default=16 * 2**20, help="largest array (default 16 MiB)")
     parser.add_argument("--warmup", type=_args.at_least(0), default=2, help="untimed runs per size and implementation")
-    parser.add_argument("--json", metavar="PATH", help="also write the timings as JSON (rank 0)")
+    parser.add_argument("--json", metavar="PATH", type=_args.file_path, help="also write the timings as JSON (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="do not print the table (driver mode uses --json)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")

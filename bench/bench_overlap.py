@@ -31,7 +31,8 @@ from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from _args import check_output_path, check_train_flags, count, parser, positive_real, preset, world_sizes  # noqa: E402
+from _args import (check_output_path, check_train_flags, count, file_path, parser, positive_real,  # noqa: E402
+                   preset, world_sizes)
 
 
 STRATEGIES = {"dp": [], "zero2": ["--zero", "2"]}  #: strategy name -> its train flags
@@ -66,7 +67,8 @@ def main() -> None:
     p.add_argument("--steps", type=count, default=5)
     p.add_argument("--model", type=preset, default="default")
     p.add_argument("--bucket-mb", type=positive_real, default=1.0)
-    p.add_argument("--figure", default=None, help="PNG: the last step at the first world size, overlap off and on")
+    p.add_argument("--figure", default=None, type=file_path,
+                   help="PNG: the last step at the first world size, overlap off and on")
     p.add_argument("--strategies", default="dp,zero2", help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     args = p.parse_args()
     strategies = args.strategies.split(",")

@@ -202,7 +202,7 @@ def main():
     p.add_argument("--model", type=_args.preset, default="default")
     p.add_argument("--batch", type=_args.count, default=4)
     p.add_argument("--repeats", type=_args.count, default=15)
-    p.add_argument("--png", default=None,
+    p.add_argument("--png", default=None, type=_args.file_path,
                    help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()

@@ -88,11 +88,8 @@ class _Parser(FlagParser):
 
 # ---- one strategy: the train flags, the estimate --------------------------------------------------
 def train_argv(name: str, model: str, steps: int, micro_batch_size: int) -> list[str]:
-    """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json).
-
-    ``--no-overlap``: the estimator counts the blocking path's buffers (ZeRO-3 gathers one unit at a
-    time; its prefetch, the default, holds two).
-    """
+    """The ``python -m minizero.train`` arguments of strategy ``name`` (no --out/--json). ``--no-overlap``: the
+    estimator counts the blocking path's buffers (ZeRO-3 gathers one unit at a time; its prefetch holds two)."""
     return ["--model", model, "--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--eval-every", "0",
             "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--tracemalloc", "--no-overlap",
             *STRATEGIES[name][0]]
@@ -260,16 +257,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             train_args(train_argv(name, args.model, args.steps, args.micro_batch_size) + ["--no-save"], n)
         except TrainUsageError as e:
             raise UsageError(f"--strategies {name} at --ranks {n}: {e}") from None
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    if not args.out or (os.path.exists(args.out) and not os.path.isdir(args.out)):  # '': train's refusal
+        raise UsageError(f"--out {args.out!r} exists and is not a directory" if args.out else
+                         "--out must name a directory, got ''")
     args.json = os.path.join(args.out, "compare.json") if args.json == "OUT/compare.json" else args.json  # default
     if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
                                                                     for name in ("compare.md", "compare.png")}:
         raise UsageError(f"--json {args.json!r} is a directory or OUT/compare.md or .png; give another file path")
     if checkpoint_holding(os.path.realpath(os.path.join(args.out, "compare.md"))):
         raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")
-    try:  # an existing weights, config, summary or manifest file, or one inside a checkpoint folder (a folder
-        if os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # that does not exist yet holds none)
+    try:  # '', an existing weights, config, summary, manifest or other file, one inside a checkpoint folder (a
+        if not args.json or os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # new folder holds none)
             check_output(args.json)
     except ValueError as e:
         raise UsageError(str(e)) from None

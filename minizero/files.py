@@ -26,14 +26,11 @@ def umask() -> int:
     """This process's umask, read without changing it (Linux: /proc/self/status; elsewhere set and restore)."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def _pid_alive(pid: int) -> bool:
@@ -41,9 +38,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+    return True  # PermissionError too: someone else's live process
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
@@ -52,16 +47,14 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     try:
         names = os.listdir(folder)
     except OSError:
-        return removed
+        names = []
     for name in names:
-        m = _TMP_RE.match(name)
-        if m is None:
+        if (m := _TMP_RE.match(name)) is None:
             continue
         path = os.path.join(folder, name)
-        try:
-            old = now - os.path.getmtime(path) > STALE_AFTER_S
-            dead = m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"]))
-            if old or dead:
+        try:  # stale, or its writer on this host is dead
+            if now - os.path.getmtime(path) > STALE_AFTER_S or (
+                    m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"]))):
                 os.remove(path)
                 removed.append(path)
         except OSError:
@@ -149,10 +142,8 @@ class FolderLocked(OSError):
 
 class FolderLock:
     """An exclusive ``fcntl.flock`` on ``FOLDER/.lock`` for a job's life (``flock(1)``; git's ``index.lock``).
-
     ``acquire()`` creates the folder, locks without waiting, writes ``pid P on host H``; the kernel drops the lock
-    when the process dies. Raises (acquire) FolderLocked naming the holder; OSError: cannot create.
-    """
+    when the process dies. Raises (acquire) FolderLocked naming the holder; OSError: cannot create."""
 
     NAME = ".lock"
 
@@ -183,11 +174,10 @@ class FolderLock:
                 raise FolderLocked(errno.EBUSY, f"{self.subject!r} is in use by another minizero job ({holder}); "
                                                 f"wait for it to end or choose another {other}") from None
             try:  # the previous holder may have removed the file between our open and our flock
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
             except FileNotFoundError:
-                same = False
-            if same:
-                break
+                pass
             os.close(fd)
         self.fd = fd
         try:
@@ -256,11 +246,7 @@ def live_job_holding(path: str) -> tuple[str, str] | None:
     """``(folder, holder)`` when ``path`` or the folder above it (a checkpoint's save dir, or OUT) is locked by a live
     job (:func:`live_holder`), else None: a checkpoint there may be pruned while it is read."""
     path = os.path.realpath(path)
-    for folder in (path, os.path.dirname(path)):
-        holder = live_holder(folder)
-        if holder:
-            return folder, holder
-    return None
+    return next(((folder, h) for folder in (path, os.path.dirname(path)) if (h := live_holder(folder))), None)
 
 
 #: what a reader of a running job's checkpoints is told (after "FOLDER is in use by a running minizero job (HOLDER)")
@@ -268,11 +254,8 @@ PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy
 
 
 def check_writable_folder(folder: str) -> None:
-    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file:
-    one is created and removed.
-
-    Raises OSError: the ancestor is not a directory, or takes no file (``strerror`` names it).
-    """
+    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file: one is created and
+    removed. Raises OSError: the ancestor is not a directory, or takes no file (``strerror`` names it)."""
     parent = os.path.abspath(folder)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # dangling: makedirs answered "File exists"
@@ -337,16 +320,14 @@ def checkpoint_holding(path: str) -> str | None:
 
 
 def refuse_inputs(flag: str, given: str, path: str, inputs: dict, instead: str = "give another file") -> None:
-    """Raise ValueError when the output ``path`` (``flag given``) is one of ``inputs`` ({flag: path} read), links
-    followed."""
+    """Raise ValueError when output ``path`` (``flag given``) is one of ``inputs`` ({flag: path}), links followed."""
     real = os.path.realpath(path)
     for other_flag, other in inputs.items():
         if other and real == os.path.realpath(other):
             raise ValueError(f"{flag} {given!r} would overwrite {other_flag} {other!r}; {instead}")
 
 
-#: files minizero's programs read back (weights, their config, a run's summary, a checkpoint's manifest):
-#: an output written over one loses it, so :func:`check_output` refuses them
+#: files minizero's programs read back (weights, config, a run's summary, a manifest): :func:`check_output` keeps them
 READ_BACK = ("model.npz", "model.json", "summary.json", "manifest.json")
 
 
@@ -374,26 +355,46 @@ def refuse_blocking(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
+KEEPS = {"--json": "a JSON object", "--trace": "a trace (JSON with a traceEvents list)"}  #: other flags: a PNG
+
+
+def refuse_foreign(path: str, flag: str) -> None:
+    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`):
+    an output replaces an earlier output, never the user's notes or data."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
+        data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
+    except (OSError, ValueError):
+        data = None
+    if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
+            flag != "--trace" or isinstance(data.get("traceEvents"), list))):
+        raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
+                         "only such a file (an earlier output); give another file, or move that one away")
+
+
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:
     """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file) without
-    losing what the user has: not one of ``inputs`` ({flag: path} this program reads), not an existing file
-    another program reads back (:func:`refuse_read_back`), nor a FIFO (:func:`refuse_blocking`), not inside a
-    checkpoint folder."""
+    losing what the user has: not '', not one of ``inputs`` ({flag: path} read), a file programs read back
+    (:func:`refuse_read_back`), a FIFO (:func:`refuse_blocking`), another kind's (:func:`refuse_foreign`), nor
+    inside a checkpoint folder."""
+    if not path:
+        raise ValueError(f"{flag} '': expected a file path")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
-    real = os.path.realpath(path)
     refuse_inputs(flag, path, path, inputs or {})
     refuse_read_back(path, flag)
     refuse_blocking(path, flag)
-    folder = checkpoint_holding(real)
+    refuse_foreign(path, flag)
+    folder = checkpoint_holding(os.path.realpath(path))
     if folder:
         raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
+        check_writable_folder(d)
     except OSError as e:
-        raise ValueError(f"{flag} {path!r}: cannot write in {d!r} ({e.strerror or e})") from None
+        raise ValueError(f"{flag} {path!r}: cannot write there ({e.strerror or e})") from None

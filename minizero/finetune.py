@@ -130,8 +130,9 @@ def check(args) -> None:
     inputs = {"--weights": args.weights, "--weights' config": os.path.join(os.path.dirname(args.weights), SIDECAR),
               "--data": args.data}
     if args.out is not None:
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out!r} exists and is not a folder")
+        if not args.out or (os.path.exists(args.out) and not os.path.isdir(args.out)):  # '': as train refuses it
+            raise ValueError(f"--out {args.out!r} exists and is not a folder" if args.out else
+                             "--out must name a directory, got ''")
         for name in ("model.npz", SIDECAR):  # what --out receives: never the input, never inside a checkpoint
             written = os.path.join(args.out, name)
             refuse_inputs("--out", args.out, written, inputs, "give another folder for the fine-tuned model")
@@ -145,7 +146,7 @@ def check(args) -> None:
         except OSError as e:
             raise ValueError(f"--out {args.out!r} cannot be created or take files ({e.strerror}); give a folder "
                              "on a writable file system") from None
-    if args.json:
+    if args.json is not None:  # '' too: refused
         check_output(args.json, inputs=inputs)
 
 

@@ -8,7 +8,7 @@ from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
-                            refuse_read_back)
+                            refuse_foreign, refuse_read_back)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
 
@@ -31,8 +31,8 @@ def check_outputs(args) -> None:
     if os.path.isdir(js):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
     own = run_files(args)
-    if js in own:
-        raise UsageError(f"--json {args.json!r} would overwrite {own[js]}; give another file")
+    if os.path.realpath(js) in own:  # a link to --data too
+        raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
         existing_folder("--json", args.json, jparent)
@@ -41,6 +41,7 @@ def check_outputs(args) -> None:
     outside_checkpoints("--json", js, args.json)
     if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
         _usage(refuse_read_back, args.json, "--json")
+        _usage(refuse_foreign, args.json, "--json")  # the user's notes, not an earlier summary
     files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
     for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
         _usage(refuse_blocking, path, what)
@@ -67,17 +68,17 @@ def not_a_folder(path: str) -> str | None:
 def run_files(args) -> dict:
     """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, the save dir),
     {absolute path: what it is}: another output given one of these paths would overwrite it or be overwritten by it
-    (the weights' config unreadable), or fail after the work (a file where the run made its folder)."""
-    files = {os.path.abspath(os.path.join(args.out, name)): what for name, what in (
+    (the weights' config unreadable), or fail after the work (a file where the run made its folder); links followed."""
+    files = {os.path.realpath(os.path.join(args.out, name)): what for name, what in (
         ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
         ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
     if not args.no_save:  # a file where OUT goes: refused before the work, not after it
-        files[os.path.abspath(args.out)] = "--out, the folder the run writes into"
+        files[os.path.realpath(args.out)] = "--out, the folder the run writes into"
     if args.save_every:
         save = args.save_dir if args.save_dir is not None else os.path.join(args.out, "checkpoints")
-        files[os.path.abspath(save)] = "--save-dir, the folder the checkpoints go to"
+        files[os.path.realpath(save)] = "--save-dir, the folder the checkpoints go to"
     if args.data:
-        files[os.path.abspath(args.data)] = "--data"
+        files[os.path.realpath(args.data)] = "--data"
     return files
 
 
@@ -126,12 +127,13 @@ def check_trace(args) -> None:
     if os.path.isdir(p):
         raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
                          f"{os.path.join(path, 'trace.json')!r}")
-    own = dict(run_files(args), **{os.path.abspath(args.json): "the --json summary"})
-    if p in own:
-        raise UsageError(f"--trace {path!r} would overwrite {own[p]}; give another file")
+    own = dict(run_files(args), **{os.path.realpath(args.json): "the --json summary"})
+    if os.path.realpath(p) in own:  # links followed
+        raise UsageError(f"--trace {path!r} would overwrite {own[os.path.realpath(p)]}; give another file")
     outside_checkpoints("--trace", p, path)
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
+    _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace
     if os.path.exists(p) and not os.path.isfile(p):
         return  # a device such as /dev/null: written straight into
     if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT is made unless --no-save

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
 def _measure_and_write(args, locks: list) -> int:
     """:func:`main` after the flag checks: lock and check --json, measure, print, write (``locks``: the held lock)."""
     try:
-        if args.json:
+        if args.json is not None:  # '' too: refused
             sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)  # before any measuring:
             check_output(args.json, inputs={"--weights": args.weights, "--weights' config": sidecar,
                                             "--data": args.data})

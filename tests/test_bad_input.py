@@ -566,13 +566,14 @@ def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_p
     for name in ("model.npz", "model.json", "summary.json"):
         shutil.copy(saved.parent / name, tmp_path / name)
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the user's training text. " * 200)
+    text = json.dumps({"text": "the user's training text. " * 200})  # an object: --json would replace it but for this
+    corpus.write_text(text)
     summary = json.loads((tmp_path / "summary.json").read_text())
     summary["config"]["train"]["data"] = str(corpus)
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(["--weights", str(tmp_path / "model.npz"), "--json", str(corpus)]) == 2
     assert f"would overwrite summary.json's config.train.data {str(corpus)!r}" in joined(capsys.readouterr().err)
-    assert corpus.read_text() == "the user's training text. " * 200
+    assert corpus.read_text() == text
 
 
 @pytest.mark.parametrize("field,value,said", [

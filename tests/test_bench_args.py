@@ -76,6 +76,10 @@ CASES = [
     ("bench_3d_main_job", ["--reuse", "/", "--keep", "x"], "with --reuse it makes none"),
     ("bench_3d_main_job", ["--keep", "/dev/null"], "--keep '/dev/null' exists and is not a folder"),
     ("bench_allreduce", ["--json", "/"], "--json '/' is a directory"),  # before: the sweep, then IsADirectoryError
+    # before: '' ignored, the runs done and nothing written (seq_memory: its default file written instead)
+    ("bench_allreduce", ["--launch", "2", "--json", ""], "argument --json: '': expected a file path"),
+    ("bench_overlap", ["--figure", ""], "argument --figure: '': expected a file path"),
+    ("bench_seq_memory", ["--png", ""], "argument --png: '': expected a file path"),
     ("bench_allreduce", ["--json", "x.json", "--launch", "2"], "with --launch (which gives each run its own)"),
     # before: tables 2-4 ran, then a FileNotFoundError traceback at table 5a; or --weights unused, unsaid
     ("bench_quantization", ["--weights", "/no-such.npz", "--only", "2,5a"], "--weights '/no-such.npz': no such file"),
