@@ -1082,6 +1082,23 @@ def test_consolidate_out_that_is_not_a_regular_file_is_refused(saved, out):
     assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr, proc.stderr
 
 
+def test_consolidate_out_replaces_earlier_weights_only(tmp_path):
+    """Attacker: ``consolidate --out notes.txt`` turned the user's notes into NPZ bytes; an .npz (a zip archive, an
+    earlier consolidation's) or an empty file may be replaced."""
+    from minizero.checkpoint.cli import check_out
+    from minizero.checkpoint.format import CheckpointError
+    notes, weights, empty = tmp_path / "notes.txt", tmp_path / "model.npz", tmp_path / "new.npz"
+    notes.write_text("my notes")
+    np.savez(weights, a=np.zeros(2))
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="notes.txt' exists and is not an .npz .a zip archive.: consolidate "
+                                              "replaces only earlier weights"):
+        check_out(str(notes))
+    check_out(str(weights))
+    check_out(str(empty))
+    assert notes.read_text() == "my notes"
+
+
 def _drop_piece(kind, half):
     """Remove the first ``kind`` piece (``half``: keep its first half, a ZeRO-style partial piece)."""
     def edit(man):

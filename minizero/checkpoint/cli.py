@@ -143,6 +143,11 @@ def check_out(out: str) -> None:
         raise CheckpointError(f"--out {out!r} is named as the {name} minizero's programs read back as JSON"
                               + (" (consolidate writes it beside the weights)" if name == SIDECAR else "")
                               + "; give an .npz file path such as model.npz")
+    if os.path.isfile(p) and os.path.getsize(p):  # replaced only when it is earlier weights (an .npz: a zip archive)
+        with open(p, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise CheckpointError(f"--out {out!r} exists and is not an .npz (a zip archive): consolidate replaces "
+                                      "only earlier weights; give another file, or move that one away")
     try:
         check_writable_folder(os.path.dirname(p))
     except OSError as e:
