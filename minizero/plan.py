@@ -65,9 +65,9 @@ def parse_bytes(text: str, what: str = "value", unit_required: bool = False) -> 
     unit = mt.group(2).lower() if mt else None
     if mt is None or unit not in _UNITS:
         hint = " (ambiguous: write GB for 10^9 bytes or GiB for 2^30)" if unit in ("g", "m", "k", "t") else ""
-        raise ValueError(f"{what} {text!r} is not a byte size{hint}; allowed: a number with an optional unit "
-                         f"B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), "
-                         f"e.g. 80GB, 80GiB, 8e10")
+        raise ValueError(f"{what} {text!r} is not a byte size{hint}; allowed: " + (_FORMS if unit_required else
+                         "a number with an optional unit B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB "
+                         "(powers of 2), e.g. 80GB, 80GiB, 8e10"))
     value = float(mt.group(1)) * _UNITS[unit]
     if not math.isfinite(value):
         raise ValueError(f"{what} {text!r} is infinite (too large for a float); allowed: a finite byte size, "
@@ -187,7 +187,7 @@ def _check(parser, args):
             parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages (2 or more) must "
                          f"divide {model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
                          f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
-    if args.strategy is not None and not args.strategy.strip():
+    if args.strategy is not None and not args.strategy.replace(",", " ").strip():  # no words: "" or ",,,"
         parser.error(f"--strategy {args.strategy!r}: give the strategy's words, e.g. \"dp2 tp4 pp1 zero3\"")
     if args.plot is not None:
         try:

@@ -36,6 +36,9 @@ def test_parse_bytes_units():
         P.parse_bytes("80G")
     with pytest.raises(ValueError, match="'lots' is not a byte size"):
         P.parse_bytes("lots")
+    # the command line's rule needs a unit: its refusal of '80XB' must not offer the bare 8e10 (before: it did)
+    with pytest.raises(ValueError, match=r"'80XB' is not a byte size; allowed: a number with a unit, .*8e10B"):
+        P.parse_bytes("80XB", unit_required=True)
     with pytest.raises(ValueError, match="at least 1 byte"):
         P.parse_bytes("0GB")
 
@@ -95,6 +98,7 @@ def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
     (["--model", "llama3-70b", "--gpus", "1", "--gpu-memory", "80GB"], "--host-memory 128GB"),
     (["--model", "llama3-8b", "--gpus", "8", "--units", "MB"], "invalid choice: 'MB'"),
     (["--model", "tiny", "--gpus", "2", "--strategy", " "], "--strategy ' ': give the strategy's words"),
+    (["--model", "tiny", "--gpus", "2", "--strategy", ",,,"], "--strategy ',,,': give the strategy's words"),
     (["--model", "tiny", "--gpus", "2", "--plot", ""], "--plot '': give a file name for the PNG"),
     (["--model", "tiny", "--gpus", "2", "--lora-rank", "4"], "give --finetune lora or qlora too"),
     (["--model", "tiny", "--gpus", "2", "--finetune", "lora", "--lora-rank", "17"], "--lora-rank must be in 1..16"),
