@@ -249,7 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [s for s in names if s not in STRATEGIES]
     if not names or unknown:
         bad = f": unknown strategy {unknown[0]!r}" if unknown else f" names no strategy, got {args.strategies!r}"
-        raise UsageError(f"--strategies{bad}; allowed: {', '.join(STRATEGIES)} (or all)")
+        raise UsageError(f"--strategies{bad}; allowed: {', '.join(STRATEGIES)} (or all, alone)")
     args.strategies = list(dict.fromkeys(names))
     from minizero.train import UsageError as TrainUsageError, parse_args as train_args
     for n, name in ((n, name) for n in args.ranks for name in args.strategies):  # as the trainer checks, now

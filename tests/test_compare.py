@@ -146,6 +146,8 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
 
 @pytest.mark.parametrize("argv,needle", [
     (["--strategies", "baseline,zero4"], "unknown strategy 'zero4'; allowed: baseline, recompute, fp16"),
+    (["--strategies", "all,baseline"], "unknown strategy 'all'; allowed: baseline, recompute, fp16, zero1, zero2, "
+                                        "zero3, offload, offload-nvme, combined (or all, alone)"),
     (["--strategies", ","], "--strategies names no strategy"),
     (["--ranks", "0"], "--ranks must be a comma list of world sizes (integers) in [1, 64], got '0'"),
     (["--ranks", "2,two"], "--ranks must be a comma list of world sizes (integers) in [1, 64], got '2,two'"),
