@@ -194,7 +194,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         write_model_json(args.out, cfg)
     text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed)
     if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
-        print("\nsample:\n" + printable(text) + "\n")
+        print("\nsample:\n" + printable(text, width=100) + "\n")  # a long line cut, as the rest of the report
     if args.no_save:
         if no_memory_plot:
             print(INSTALL_HINT)

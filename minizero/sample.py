@@ -27,9 +27,11 @@ from minizero.interrupts import NOTHING, interruptible, refuse_several_ranks
 MAX_TOKENS = 100_000
 
 
-def printable(text: str) -> str:
-    """``text`` with control characters (a barely trained byte model emits them) shown as U+FFFD."""
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+def printable(text: str, width: int | None = None) -> str:
+    """``text`` with control characters (a barely trained model emits them) as U+FFFD; lines cut at ``width``."""
+    shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+    return shown if width is None else "\n".join(line[i:i + width] for line in shown.split("\n")
+                                                  for i in range(0, max(len(line), 1), width))
 
 
 def next_token_probs(logits, temperature: float, top_k: int | None = None):

@@ -260,3 +260,12 @@ def test_top_k_under_greedy_is_refused_naming_both_values(temperature):
     assert check(parser.parse_args(["--temperature", temperature])) is None
     assert check(parser.parse_args(["--temperature", "0.5", "--top-k", "5"])) is None
     assert "refused with --temperature 0" in parser.format_help()
+
+
+def test_the_reports_sample_cuts_long_lines_and_keeps_every_character():
+    """A newcomer saw a 188-column sample line in the main job's output (the rest of it keeps to 120 columns)."""
+    from minizero.sample import printable
+    text = "ab\x01" + "x" * 247 + "\nshort\n"
+    shown = printable(text, width=100)
+    assert [len(line) for line in shown.split("\n")] == [100, 100, 50, 5, 0]
+    assert shown.replace("\n", "") == printable(text).replace("\n", "") and "\ufffd" in shown
