@@ -108,8 +108,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
         say(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
-            "after warmup) because the held-out slice is the end of the text (its last 10%), which is easier to "
-            "predict than the rest: not a leak")
+            "after warmup) because the held-out slice is the end of the text (its last 10%; "
+            + ("--data's file" if args.data else "the Python language reference that ships with CPython")
+            + "), which is easier to predict than the rest: not a leak")
     if args.precision == "fp16":
         scales = result["loss_scales"]
         say(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "

@@ -49,6 +49,8 @@ def test_readme_excerpt_is_a_real_run_of_the_current_defaults():
     assert steps == {defaults.steps}, (steps, defaults.steps)
     assert re.search(r"^validation loss: [\d.]+ nats/byte", block, re.M)
     assert "python docs/build_readme_excerpt.py" in block and "kernel" in block
+    if "below the training loss" in block:  # the note says which text's end is held out (a newcomer asked)
+        assert "the Python language reference that ships with CPython" in " ".join(block.split())
 
 
 def test_benchmark_sections_name_the_script_that_made_them():
