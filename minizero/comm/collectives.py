@@ -341,7 +341,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     if native:
         return comm.native_bcast(x, root)
     parent, children = _binomial_tree(comm.rank, root, comm.world_size)
-    with comm.traffic.op("broadcast", x):
+    with comm.traffic.op("broadcast", x, root=root):
         if parent is not None:
             comm.recv(x, parent, tag=_BCAST_TAG)
         for child in children:
