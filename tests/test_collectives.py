@@ -389,6 +389,8 @@ def test_recv_timeout_names_ranks_and_tag():
     def body(comm):
         if comm.rank == 0:
             comm.recv(np.empty(1), 1, tag=5)  # rank 1 never sends
+        else:
+            time.sleep(1.0)  # still there: a returned rank would fail the wait at once
 
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="rank 0 .*from rank 1 with tag 5"):
@@ -557,6 +559,24 @@ def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(mpiexec, tmp_
     assert "recv (tag 7)" in got["recv"]["message"] and "rank 1" in got["recv"]["message"]
     assert 0.9 < got["wall_s"] < 5
     assert got["cpu_s"] < 0.5 * got["wall_s"], f"the waiting rank spun: {got}"
+
+
+@pytest.mark.timeout(30)
+def test_threads_wait_for_a_returned_rank_fails_at_once_and_an_infinite_timeout_is_refused():
+    from minizero.comm import all_reduce
+    from minizero.comm.threads import GroupFailedError
+
+    def early(comm):
+        if comm.rank == 0:
+            all_reduce(comm, np.ones(4))
+
+    start = time.monotonic()
+    with pytest.raises(GroupFailedError, match="all_reduce waits for rank 1, which has already returned"):
+        run_in_threads(2, early)
+    assert time.monotonic() - start < 5
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            run_in_threads(2, early, timeout=bad)
 
 
 @pytest.mark.timeout(30)
