@@ -6,6 +6,7 @@ the result files each rank writes.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -56,6 +57,18 @@ def test_shard_range_matches_array_split(n, world_size):
 def test_shard_range_rejects_bad_arguments(args):
     with pytest.raises(ValueError):
         shard_range(*args)
+
+
+@pytest.mark.parametrize("call, said", [
+    (lambda: bytes_sent("broadcast", 10, 4, 2, 0, root=5), "root=5; allowed: 0..1"),
+    (lambda: bytes_sent("all_reduce", 10, 4, 2, 7), "rank=7; allowed: 0..1"),
+    (lambda: bytes_sent("all_gather", -3, 4, 2, 0), "n=-3; allowed: an int >= 0"),
+    (lambda: bytes_sent("reduce_scatter", 10, 4, 0, 0), "world_size=0; allowed: an int >= 1"),
+    (lambda: shard_range(10.5, 2, 0), "n=10.5; allowed: an int >= 0")])
+def test_bytes_sent_and_shard_range_name_a_bad_argument(call, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        call()
+    assert bytes_sent("broadcast", 10, 4, 2, 0, root=np.int64(1)) == 0 and shard_range(np.int64(5), 2, 1) == (3, 2)
 
 
 # --------------------------------------------------------------------------- collectives on threads
