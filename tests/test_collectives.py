@@ -71,6 +71,16 @@ def test_bytes_sent_and_shard_range_name_a_bad_argument(call, said):
     assert bytes_sent("broadcast", 10, 4, 2, 0, root=np.int64(1)) == 0 and shard_range(np.int64(5), 2, 1) == (3, 2)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("native", [False, True])
+def test_all_gather_names_a_float_n_before_any_message(native):
+    def body(comm):
+        all_gather(comm, np.ones(2), n=4.0, native=native)
+
+    with pytest.raises(ValueError, match=re.escape("n=4.0; allowed: an int >= 0")):
+        run_in_threads(2, body, timeout=10)
+
+
 # --------------------------------------------------------------------------- collectives on threads
 def _all_collectives(comm, n):
     """Every collective, hand-written and native, on distinct float64 data per rank."""
