@@ -6,6 +6,7 @@ the result files each rank writes.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -56,6 +57,28 @@ def test_shard_range_matches_array_split(n, world_size):
 def test_shard_range_rejects_bad_arguments(args):
     with pytest.raises(ValueError):
         shard_range(*args)
+
+
+@pytest.mark.parametrize("call, said", [
+    (lambda: bytes_sent("broadcast", 10, 4, 2, 0, root=5), "root=5; allowed: 0..1"),
+    (lambda: bytes_sent("all_reduce", 10, 4, 2, 7), "rank=7; allowed: 0..1"),
+    (lambda: bytes_sent("all_gather", -3, 4, 2, 0), "n=-3; allowed: an int >= 0"),
+    (lambda: bytes_sent("reduce_scatter", 10, 4, 0, 0), "world_size=0; allowed: an int >= 1"),
+    (lambda: shard_range(10.5, 2, 0), "n=10.5; allowed: an int >= 0")])
+def test_bytes_sent_and_shard_range_name_a_bad_argument(call, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        call()
+    assert bytes_sent("broadcast", 10, 4, 2, 0, root=np.int64(1)) == 0 and shard_range(np.int64(5), 2, 1) == (3, 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("native", [False, True])
+def test_all_gather_names_a_float_n_before_any_message(native):
+    def body(comm):
+        all_gather(comm, np.ones(2), n=4.0, native=native)
+
+    with pytest.raises(ValueError, match=re.escape("n=4.0; allowed: an int >= 0")):
+        run_in_threads(2, body, timeout=10)
 
 
 # --------------------------------------------------------------------------- collectives on threads
@@ -389,6 +412,8 @@ def test_recv_timeout_names_ranks_and_tag():
     def body(comm):
         if comm.rank == 0:
             comm.recv(np.empty(1), 1, tag=5)  # rank 1 never sends
+        else:
+            time.sleep(1.0)  # still there: a returned rank would fail the wait at once
 
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="rank 0 .*from rank 1 with tag 5"):
@@ -557,6 +582,24 @@ def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(mpiexec, tmp_
     assert "recv (tag 7)" in got["recv"]["message"] and "rank 1" in got["recv"]["message"]
     assert 0.9 < got["wall_s"] < 5
     assert got["cpu_s"] < 0.5 * got["wall_s"], f"the waiting rank spun: {got}"
+
+
+@pytest.mark.timeout(30)
+def test_threads_wait_for_a_returned_rank_fails_at_once_and_an_infinite_timeout_is_refused():
+    from minizero.comm import all_reduce
+    from minizero.comm.threads import GroupFailedError
+
+    def early(comm):
+        if comm.rank == 0:
+            all_reduce(comm, np.ones(4))
+
+    start = time.monotonic()
+    with pytest.raises(GroupFailedError, match="all_reduce waits for rank 1, which has already returned"):
+        run_in_threads(2, early)
+    assert time.monotonic() - start < 5
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            run_in_threads(2, early, timeout=bad)
 
 
 @pytest.mark.timeout(30)

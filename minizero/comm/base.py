@@ -224,7 +224,7 @@ class Communicator(abc.ABC):
         """Library broadcast of root's ``x`` into ``x`` on every rank, in place; returns ``x`` (``"broadcast"``)."""
         root = self._check_rank(root, "root")
         _check_message(x, "x", writeable=self.rank != root)  # the root only reads x
-        with self.traffic.op("broadcast", x):
+        with self.traffic.op("broadcast", x, root=root):
             self.traffic.record(self._estimate("broadcast", x, root))
             self._native_bcast(x, root)
         return x

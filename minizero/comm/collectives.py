@@ -36,16 +36,24 @@ def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
     """This rank's ``(offset, size)`` of ``n`` elements split ``world_size`` ways, as ``np.array_split``.
 
     Example: ``[shard_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]``.
-    Raises ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` not in ``[0, world_size)``.
+    Raises ValueError: ``n`` not an int >= 0, ``world_size`` not an int >= 1 or ``rank`` not in ``[0, world_size)``.
     """
-    if n < 0:
-        raise ValueError(f"n={n}; allowed: n >= 0")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size}; allowed: world_size >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}; allowed: 0..{world_size - 1}")
+    _check_int(n, "n", 0)
+    _check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
     base, extra = divmod(n, world_size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def _check_int(value, what: str, low: int) -> int:  # an int >= low (NumPy's too; no bool, no float)
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < low:
+        raise ValueError(f"{what}={value!r}; allowed: an int >= {low}")
+    return value
+
+
+def _check_rank(value, what: str, world_size: int) -> None:
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) \
+            or not 0 <= value < world_size:
+        raise ValueError(f"{what}={value!r}; allowed: 0..{world_size - 1}")
 
 
 def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, list[int]]:
@@ -70,8 +78,14 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
     """Bytes ``rank`` sends in minizero's algorithm for ``op`` on ``n`` elements of ``itemsize``.
 
     ``op``: ``"reduce_scatter"``, ``"all_gather"``, ``"all_reduce"`` (the algorithm :func:`all_reduce` picks
-    for n * itemsize bytes) or ``"broadcast"``. Raises ValueError: unknown ``op``.
+    for n * itemsize bytes) or ``"broadcast"``. Raises ValueError: unknown ``op``, or an argument out of range.
     """
+    if op not in ("reduce_scatter", "all_gather", "all_reduce", "broadcast"):
+        raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
+    _check_int(n, "n", 0)
+    _check_int(itemsize, "itemsize", 1)
+    _check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
+    _check_rank(root, "root", world_size)
     def chunk(r):
         return shard_range(n, world_size, r % world_size)[1]
 
@@ -83,10 +97,8 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
         return bytes_sent_recursive_doubling(n, itemsize, world_size, rank)
     elif op == "all_reduce":
         elems = 2 * n - chunk(rank) - chunk(rank + 1)
-    elif op == "broadcast":
+    else:  # broadcast
         elems = n * len(_binomial_tree(rank, root, world_size)[1])
-    else:
-        raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
     return elems * itemsize
 
 
@@ -341,7 +353,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     if native:
         return comm.native_bcast(x, root)
     parent, children = _binomial_tree(comm.rank, root, comm.world_size)
-    with comm.traffic.op("broadcast", x):
+    with comm.traffic.op("broadcast", x, root=root):
         if parent is not None:
             comm.recv(x, parent, tag=_BCAST_TAG)
         for child in children:

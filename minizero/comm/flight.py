@@ -20,7 +20,7 @@ _LABEL_BYTES, _MAX_DIMS = 48, 6
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks of one group called different collectives (op, sequence number, shape or dtype) at the same point."""
+    """Ranks of one group called different collectives (op, sequence number, shape, dtype or root) at one point."""
 
 
 class Described:
@@ -34,10 +34,10 @@ class Described:
 class Entry:
     """One operation of one group on this rank (see the module docstring for the fields)."""
     __slots__ = ("group", "seq", "op", "within", "shape", "dtype", "nbytes", "state", "posted_us", "ended_us",
-                 "error")
+                 "error", "root")
 
-    def __init__(self, group, seq, op, buf, state, within):  # kept as given: converted to text only by as_dict
-        self.group, self.seq, self.op, self.state, self.within = group, seq, op, state, within
+    def __init__(self, group, seq, op, buf, state, within, root=None):  # kept as given: text only in as_dict
+        self.group, self.seq, self.op, self.state, self.within, self.root = group, seq, op, state, within, root
         self.shape, self.dtype, self.nbytes = (None, None, None) if buf is None else (buf.shape, buf.dtype, buf.nbytes)
         self.posted_us, self.ended_us, self.error = time.time_ns() // 1000, None, None
 
@@ -46,7 +46,7 @@ class Entry:
         return {"group": self.group.name, "seq": self.seq, "op": self.op, "within": self.within, "shape": shape,
                 "dtype": None if self.dtype is None else str(self.dtype),
                 "bytes": None if self.nbytes is None else int(self.nbytes), "state": self.state,
-                "posted_us": self.posted_us, "ended_us": self.ended_us, "error": self.error}
+                "posted_us": self.posted_us, "ended_us": self.ended_us, "error": self.error, "root": self.root}
 
 
 class _Group:
@@ -84,12 +84,12 @@ class FlightRecorder:
         g.name, g.members, g.comm = name, [int(m) for m in members], comm
 
     # -- recording (called by TrafficLedger.op / count_call and the overlapped ring) -----------------------------
-    def post(self, ledger, op: str, buf=None, state: str = "started") -> Entry:
-        """Record the start of ``op`` on ``ledger``'s group (``buf``: its array, or None); returns the entry."""
+    def post(self, ledger, op: str, buf=None, state: str = "started", root=None) -> Entry:
+        """Record the start of ``op`` on ``ledger``'s group (``buf``: its array or None; a rooted op's ``root``)."""
         g = self._group(ledger)
         if buf is not None:
             g.seq += 1
-        entry = Entry(g, g.seq if buf is not None else None, op, buf, state, ledger.current_label())
+        entry = Entry(g, g.seq if buf is not None else None, op, buf, state, ledger.current_label(), root)
         self.entries.append(entry)
         checked = self.check_collectives and state == "started" and buf is not None and g.comm is not None
         if checked and g.comm.world_size > 1:
@@ -141,11 +141,12 @@ def check_collectives(comm, on: bool = True) -> FlightRecorder:
     return recorder
 
 
-def describe(d: dict) -> str:
+def describe(d: dict, root: bool = False) -> str:
     """``all_reduce #5 (shape (4,), float64, 32 bytes) in metrics`` for a descriptor or an entry's dict."""
     text = f"{d['op']} #{d['seq']}"
     if d.get("shape") is not None:
-        text += f" (shape {tuple(d['shape'])}, {d['dtype']}, {d['bytes']} bytes)"
+        root = f", root {d['root']}" if root and d.get("root") is not None else ""
+        text += f" (shape {tuple(d['shape'])}, {d['dtype']}, {d['bytes']} bytes{root})"
     return text + (f" in {d['within']}" if d.get("within") and d["within"] != d["op"] else "")
 
 
@@ -153,16 +154,18 @@ def describe(d: dict) -> str:
 def _encode(entry: Entry) -> np.ndarray:
     label = entry.op.encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
     dims = list(entry.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
-    head = np.array([entry.seq, len(entry.shape), entry.nbytes] + dims, dtype=np.int64)
+    root = -1 if entry.root is None else entry.root
+    head = np.array([entry.seq, len(entry.shape), entry.nbytes, root] + dims, dtype=np.int64)
     dtype = np.frombuffer(str(entry.dtype).encode()[:8].ljust(8, b"\0"), dtype=np.int64)
     return np.concatenate([head, dtype, np.frombuffer(label, dtype=np.int64)])
 
 
 def _decode(row: np.ndarray) -> dict:
-    seq, ndim, nbytes = (int(v) for v in row[:3])
-    shape = [int(v) for v in row[3:3 + min(ndim, _MAX_DIMS)]]
-    text = row[3 + _MAX_DIMS:].tobytes()
-    return {"seq": seq, "shape": shape, "bytes": nbytes, "dtype": text[:8].rstrip(b"\0").decode(),
+    seq, ndim, nbytes, root = (int(v) for v in row[:4])
+    shape = [int(v) for v in row[4:4 + min(ndim, _MAX_DIMS)]]
+    text = row[4 + _MAX_DIMS:].tobytes()
+    return {"seq": seq, "shape": shape, "bytes": nbytes, "root": None if root < 0 else root,
+            "dtype": text[:8].rstrip(b"\0").decode(),
             "op": text[8:].rstrip(b"\0").decode()}
 
 
@@ -173,7 +176,7 @@ def agree(group: _Group, entry: Entry) -> None:
     """
     from minizero import backend  # noqa: PLC0415  (comm imports no array policy at module level)
     comm, n = group.comm, group.comm.world_size
-    rows = np.empty((n, 1 + 3 + _MAX_DIMS + _LABEL_BYTES // 8), dtype=np.int64)
+    rows = np.empty((n, 1 + 4 + _MAX_DIMS + _LABEL_BYTES // 8), dtype=np.int64)
     rows[comm.rank] = _encode(entry)
     right, left = (comm.rank + 1) % n, (comm.rank - 1) % n
     with comm.traffic.labelled("debug_collectives"):
@@ -186,7 +189,8 @@ def agree(group: _Group, entry: Entry) -> None:
     for r in range(n):
         other = _decode(rows[r])
         if other != mine:
+            roots = other["op"] == mine["op"] and other["root"] != mine["root"]  # show roots where they differ
             who = group.members or list(range(n))
             raise CollectiveMismatchError(
-                f"group {group.name} {who}: rank {who[comm.rank]} calls {describe(mine)} but rank {who[r]} "
-                f"calls {describe(other)} (the descriptor check before each collective)")
+                f"group {group.name} {who}: rank {who[comm.rank]} calls {describe(mine, roots)} but rank {who[r]} "
+                f"calls {describe(other, roots)} (the descriptor check before each collective)")

@@ -5,6 +5,8 @@ MPI semantics plus prompt failure when any rank raises, so a buggy algorithm fai
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import queue
 import threading
 import time
@@ -20,12 +22,13 @@ class GroupFailedError(RuntimeError):
 
 
 class _ThreadGroup:
-    """What the rank threads of one ``run_in_threads`` call share: the first failure."""
+    """What the rank threads of one ``run_in_threads`` call share: the first failure, the ranks that returned."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.failed = threading.Event()
         self.failure: tuple[int, BaseException] | None = None  # (thread rank, exception)
+        self.returned: set[int] = set()  # thread ranks whose fn returned: a wait for one of them fails at once
         self.contexts: list[_Context] = []
         self.ids = itertools.count()
 
@@ -33,9 +36,15 @@ class _ThreadGroup:
         ctx = _Context(size, next(self.ids))
         with self.lock:
             self.contexts.append(ctx)
-            if self.failed.is_set():
-                ctx.barrier.abort()
         return ctx
+
+    def finish(self, thread_rank: int) -> None:  # thread_rank returned: wake every waiting rank to check on it
+        with self.lock:
+            self.returned.add(thread_rank)
+            contexts = list(self.contexts)
+        for ctx in contexts:
+            with ctx.arrival:
+                ctx.arrival.notify_all()
 
     def fail(self, thread_rank: int, exc: BaseException) -> None:
         """Remember the first failure and wake every waiting rank."""
@@ -45,16 +54,17 @@ class _ThreadGroup:
             self.failed.set()
             contexts = list(self.contexts)
         for ctx in contexts:
-            ctx.barrier.abort()  # ranks waiting in barrier()/native_*/split() raise
+            with ctx.arrival:
+                ctx.arrival.notify_all()  # ranks waiting in barrier()/native_*/split() raise
 
 
 class _Context:
-    """One communicator's shared state: message queues, a barrier, exchange slots."""
+    """One communicator's shared state: message queues, a barrier (``arrival``, counts), exchange slots."""
 
     def __init__(self, size: int, context_id: int):
         self.size = size
         self.id = context_id
-        self.barrier = threading.Barrier(size)
+        self.arrival, self.arrived, self.generation = threading.Condition(), 0, 0
         self.slots: list = [None] * size
         self.lock = threading.Lock()
         self.queues: dict[tuple[int, int, int], queue.Queue] = {}
@@ -91,7 +101,12 @@ class _QueueRecvRequest:
         except queue.Empty:
             if c._group.failed.is_set():
                 raise c._failed_error(f"a message from rank {self.source} with tag {self.tag} (irecv)") from None
-            return False
+            if c._returned([self.source]) is None:
+                return False
+            try:  # a message sent before it returned is in the queue by now
+                msg = c._ctx.queue(self.source, c.rank, self.tag).get_nowait()
+            except queue.Empty:
+                raise c._returned_error(self.source, "irecv") from None
         if msg.shape != self.buf.shape or msg.dtype != self.buf.dtype:
             raise ValueError(f"{c._who()}: irecv message from rank {self.source} (tag {self.tag}) is {msg.shape} "
                              f"{msg.dtype}, the receive buffer is {self.buf.shape} {self.buf.dtype}; they must match")
@@ -141,6 +156,12 @@ class ThreadCommunicator(Communicator):
             except queue.Empty:
                 if self._group.failed.is_set():
                     raise self._failed_error(what) from None
+                if self._returned([source]) is not None:
+                    try:  # a message sent before it returned is in the queue by now
+                        msg = q.get_nowait()
+                        break
+                    except queue.Empty:
+                        raise self._returned_error(source, op) from None
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(f"{self._who()} waited {self.timeout} s for {what}") from None
         if msg.shape != buf.shape or msg.dtype != buf.dtype:
@@ -162,13 +183,31 @@ class ThreadCommunicator(Communicator):
         self._recv(recvbuf, source, tag, "sendrecv")
 
     # -- group management ------------------------------------------------------------
+    def _returned(self, peers) -> int | None:  # the first of peers (ranks here) whose thread returned, or None
+        return next((r for r in peers if r != self.rank and self._thread_ranks[r] in self._group.returned), None)
+
+    def _returned_error(self, peer: int, what: str) -> GroupFailedError:
+        label = self.traffic.current_label() or what
+        return GroupFailedError(f"{self._who()}: {label} waits for rank {peer}, which has already returned")
+
     def _wait(self, what: str) -> None:
-        try:
-            self._ctx.barrier.wait(timeout=self.timeout)
-        except threading.BrokenBarrierError:
-            if self._group.failed.is_set():
-                raise self._failed_error(what) from None
-            raise CommTimeoutError(f"{self._who()} waited {self.timeout} s in {what}") from None
+        ctx, deadline = self._ctx, time.monotonic() + self.timeout
+        with ctx.arrival:
+            generation, ctx.arrived = ctx.generation, ctx.arrived + 1
+            if ctx.arrived == ctx.size:  # the last to arrive releases the others
+                ctx.arrived, ctx.generation = 0, generation + 1
+                ctx.arrival.notify_all()
+            while ctx.generation == generation:
+                ctx.arrival.wait(self._POLL_S)
+                if ctx.generation != generation:
+                    break
+                if self._group.failed.is_set():
+                    raise self._failed_error(what)
+                gone = self._returned(range(ctx.size))  # not arrived: it cannot return while waiting here
+                if gone is not None:
+                    raise self._returned_error(gone, what)
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(f"{self._who()} waited {self.timeout} s in {what}")
 
     def _exchange(self, obj, combine, what: str):
         """Every rank deposits ``obj``; returns ``combine(objs by rank)`` computed on each rank."""
@@ -259,13 +298,13 @@ def register_thread_start_hook(fn):
 def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` rank threads; return results by rank.
 
-    ``timeout`` (seconds) bounds every single wait. Raises ValueError: ``world_size`` < 1 or ``timeout`` <= 0;
-    else the first exception any rank raised, its message prefixed with ``[rank r/N]``.
+    ``timeout`` (seconds) bounds every single wait. Raises ValueError: ``world_size`` < 1, ``timeout`` not finite > 0;
+    else the first exception any rank raised (GroupFailedError: one waits for a returned rank), prefixed [rank r/N].
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; allowed: an int >= 1")
-    if not timeout > 0:
-        raise ValueError(f"timeout={timeout!r}; allowed: seconds > 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r}; timeout must be a finite number of seconds > 0")
     group = _ThreadGroup()
     ctx = group.new_context(world_size)
     results = [None] * world_size
@@ -276,6 +315,7 @@ def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) 
                 hook()
             comm = ThreadCommunicator(group, ctx, rank, list(range(world_size)), timeout=timeout)
             results[rank] = fn(comm, *args, **kwargs)
+            group.finish(rank)
         except BaseException as exc:  # noqa: BLE001  (reported in the caller below)
             group.fail(rank, exc)
 

@@ -52,13 +52,13 @@ class TrafficLedger:
         """The flight recorder of the root ledger (:mod:`minizero.comm.flight`), or None if it was removed."""
         return self.recorder if self.parent is None else self.parent.active_recorder()
 
-    def op(self, label: str, buf=None) -> _OpBlock:
+    def op(self, label: str, buf=None, root=None) -> _OpBlock:
         """A ``with`` block: bytes recorded inside it go to ``label`` (unless an outer block is open).
 
         The block is a trace span and one flight-recorder entry; ``buf`` (a whole-group collective's array) gives its
-        shape.
+        shape; ``root`` a rooted collective's root (the descriptor check compares it).
         """
-        return _OpBlock(self, label, buf)
+        return _OpBlock(self, label, buf, root)
 
     def record(self, nbytes: int) -> None:
         """Record one message of ``nbytes`` bytes sent by this rank. Raises ValueError: negative ``nbytes``."""
@@ -106,16 +106,16 @@ class TrafficLedger:
 class _OpBlock:
     """:meth:`TrafficLedger.op`'s block (a class, not a generator: it opens around every collective call)."""
 
-    __slots__ = ("ledger", "label", "buf", "recorder", "entry", "before", "span", "args")
+    __slots__ = ("ledger", "label", "buf", "root", "recorder", "entry", "before", "span", "args")
 
-    def __init__(self, ledger: TrafficLedger, label: str, buf):
-        self.ledger, self.label, self.buf = ledger, label, buf
+    def __init__(self, ledger: TrafficLedger, label: str, buf, root=None):
+        self.ledger, self.label, self.buf, self.root = ledger, label, buf, root
 
     def __enter__(self) -> TrafficLedger:
         ledger, label = self.ledger, self.label
         ledger._add(label, nbytes=0, calls=1)
         self.recorder = ledger.active_recorder()
-        self.entry = self.recorder.post(ledger, label, self.buf) if self.recorder is not None else None
+        self.entry = self.recorder.post(ledger, label, self.buf, root=self.root) if self.recorder is not None else None
         ledger._labels.append(label)
         self.before = ledger.bytes_sent
         tracer = ledger.active_tracer()
