@@ -27,6 +27,13 @@ def test_gpt_forward_names_bad_token_ids(tiny, idx, said):
     assert said in str(e.value)
 
 
+def test_gpt_forward_refuses_targets_of_another_shape(tiny):
+    """Before: targets.T of a (2, 3) idx was reshaped to b*t and paired with the wrong positions."""
+    idx = np.arange(6).reshape(2, 3)
+    with pytest.raises(ValueError, match=re.escape("targets must have idx's shape (2, 3), got (3, 2)")):
+        tiny(idx, idx.T)
+
+
 def test_gpt_config_sizes_are_counts_not_booleans():
     """Before: n_layer=True built a one-layer GPT (bool is an int subclass)."""
     with pytest.raises(ValueError, match="GPTConfig.n_layer must be a positive integer, got True"):
