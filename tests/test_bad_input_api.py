@@ -77,3 +77,10 @@ def test_data_and_quantization_helpers_name_bad_sizes():
         global_batch(tokens, 0, 2, 200, 0)
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got nan"):
         train_val_split(tokens, float("nan"))
+
+
+def test_generate_names_a_prompt_that_is_not_b_by_t(tiny):
+    """Before: a 1-d prompt was a bare IndexError; now forward's (B, T) message."""
+    with pytest.raises(ValueError, match=re.escape("idx must be a (B, T) array of token ids, B and T >= 1, got "
+                                                   "shape (2,)")):
+        tiny.generate(np.array([1, 2]), 2)

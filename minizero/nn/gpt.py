@@ -213,6 +213,8 @@ class GPT(Module):
                              f"(0: greedy), got {max_new_tokens!r} and {temperature!r}")
         rng = rng if rng is not None else np.random.default_rng(0)
         idx = np.asarray(backend.to_host(idx))
+        check_ids(idx[:, -self.config.block_size:] if idx.ndim == 2 else idx, self.config.vocab_size,
+                  self.config.block_size)  # forward's message, before any sampling; a long prompt is cropped
         was_training = self.training
         self.eval()
         with no_grad():
