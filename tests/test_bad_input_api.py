@@ -84,3 +84,15 @@ def test_generate_names_a_prompt_that_is_not_b_by_t(tiny):
     with pytest.raises(ValueError, match=re.escape("idx must be a (B, T) array of token ids, B and T >= 1, got "
                                                    "shape (2,)")):
         tiny.generate(np.array([1, 2]), 2)
+
+
+@pytest.mark.parametrize("ids,said", [
+    (np.array([-1]), "id -1 at position (0,) is outside"),  # before: the last row, nothing said
+    (np.array([[3, 4], [10, 2]]), "ids must lie in [0, 10); id 10 at position (1, 0)"),  # before: a bare IndexError
+])
+def test_embedding_names_the_first_id_out_of_range(ids, said):
+    from minizero.nn import Embedding
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Embedding(10, 4)(ids)
+    with pytest.raises(TypeError, match=re.escape("ids must be integers in [0, 10), got dtype float64")):
+        Embedding(10, 4)(np.zeros(2))

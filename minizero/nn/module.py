@@ -282,7 +282,17 @@ class Embedding(Module):
         self.weight = Parameter(backend.to_device(w))
 
     def forward(self, idx):
-        return F.embedding(idx, self.weight)
+        ids = idx.data if isinstance(idx, Tensor) else idx
+        ids = ids if isinstance(ids, backend.xp.ndarray) else backend.xp.asarray(ids)
+        n = self.weight.shape[0]
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"Embedding: ids must be integers in [0, {n}), got dtype {ids.dtype}")
+        if ids.size and not (int(ids.min()) >= 0 and int(ids.max()) < n):  # -1 would index from the end
+            i = int(backend.xp.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= n))[0])
+            at = tuple(int(j) for j in np.unravel_index(i, ids.shape))
+            raise ValueError(f"Embedding({n}, ...): ids must lie in [0, {n}); id {int(ids.reshape(-1)[i])} at "
+                             f"position {at} is outside")
+        return F.embedding(ids, self.weight)
 
 
 class Dropout(Module):
