@@ -96,3 +96,23 @@ def test_embedding_names_the_first_id_out_of_range(ids, said):
         Embedding(10, 4)(ids)
     with pytest.raises(TypeError, match=re.escape("ids must be integers in [0, 10), got dtype float64")):
         Embedding(10, 4)(np.zeros(2))
+
+
+@pytest.mark.parametrize("args,kw,said", [
+    ((-1, 4), {}, "in_features must be an integer >= 0, got -1"),  # before: NumPy's 'negative dimensions'
+    ((2.5, 3), {}, "in_features must be an integer >= 0, got 2.5"),
+    (("4", 3), {}, "in_features must be an integer >= 0, got '4'"),
+    ((True, 3), {}, "in_features must be an integer >= 0, got True"),  # before: a (3, 1) weight
+    ((4, 3), {"std": float("nan")}, "std must be a finite number >= 0, got nan"),  # before: NaN weights
+])
+def test_linear_names_bad_sizes_and_std(args, kw, said):
+    from minizero.nn import Linear
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Linear(*args, **kw)
+
+
+def test_linear_names_an_input_of_another_width():
+    from minizero.autograd import Tensor
+    from minizero.nn import Linear
+    with pytest.raises(ValueError, match=re.escape("Linear(in_features=4): x's last dimension is 5")):
+        Linear(4, 3)(Tensor(np.ones((2, 5))))

@@ -219,11 +219,17 @@ class Linear(Module):
     """y = x W^T + b. W: (out_features, in_features), b: (out_features,).
 
     ``rng``: generator for W ~ N(0, std^2) (b = 0), or ``nn.init.META``; ``weight``: an existing (out, in) Parameter.
-    Raises ValueError: ``weight`` of the wrong shape.
+    Raises ValueError: sizes not ints >= 0, std not finite >= 0, ``weight`` of the wrong shape, x of another width.
     """
 
     def __init__(self, in_features, out_features, bias=True, dtype="float32", rng=None, std=0.02, weight=None):
         super().__init__()
+        # bool is an int subclass; 0 is allowed: zero-width layers work, as in PyTorch (test_faults)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"Linear: {name} must be an integer >= 0, got {v!r}")
+        if isinstance(std, bool) or not isinstance(std, (int, float, np.number)) or not 0 <= std < np.inf:
+            raise ValueError(f"Linear: std must be a finite number >= 0, got {std!r}")
         dt = backend.get_dtype(dtype)
         if weight is not None:  # share an existing Parameter (weight tying); no init drawn
             if weight.shape != (out_features, in_features):
@@ -240,6 +246,9 @@ class Linear(Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x):
+        if x.shape[-1:] != (self.in_features,):  # named here, not deep in the matmul
+            raise ValueError(f"Linear(in_features={self.in_features}): x's last dimension is "
+                             f"{x.shape[-1] if x.shape else None} (x has shape {x.shape})")
         return F.linear(x, self.weight, self.bias)
 
 
