@@ -276,3 +276,13 @@ def test_broadcast_reduction_property(shape, ones, drop):
     expected = expected.sum(axis=tuple(range(lead)))
     expected = expected.sum(axis=tuple(i for i, n in enumerate(sa) if n == 1), keepdims=True)
     np.testing.assert_allclose(ta.grad, expected.reshape(sa) * np.ones(sa))
+
+
+def test_backward_refuses_a_grad_of_another_shape():
+    a = Tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    for bad in (np.arange(6.).reshape(3, 2), np.ones((7, 2, 3))):
+        with pytest.raises(ValueError, match=r"grad has shape \(.*\); the root has shape \(2, 3\)"):
+            (a * 1).backward(bad)
+    assert a.grad is None
+    (a * 1).backward([[1, 2, 3], [4, 5, 6]])  # an array-like converts, as Tensor(data) does
+    np.testing.assert_array_equal(a.grad, [[1, 2, 3], [4, 5, 6]])

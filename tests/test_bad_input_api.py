@@ -27,6 +27,13 @@ def test_gpt_forward_names_bad_token_ids(tiny, idx, said):
     assert said in str(e.value)
 
 
+def test_gpt_forward_refuses_targets_of_another_shape(tiny):
+    """Before: targets.T of a (2, 3) idx was reshaped to b*t and paired with the wrong positions."""
+    idx = np.arange(6).reshape(2, 3)
+    with pytest.raises(ValueError, match=re.escape("targets must have idx's shape (2, 3), got (3, 2)")):
+        tiny(idx, idx.T)
+
+
 def test_gpt_config_sizes_are_counts_not_booleans():
     """Before: n_layer=True built a one-layer GPT (bool is an int subclass)."""
     with pytest.raises(ValueError, match="GPTConfig.n_layer must be a positive integer, got True"):
@@ -70,3 +77,42 @@ def test_data_and_quantization_helpers_name_bad_sizes():
         global_batch(tokens, 0, 2, 200, 0)
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got nan"):
         train_val_split(tokens, float("nan"))
+
+
+def test_generate_names_a_prompt_that_is_not_b_by_t(tiny):
+    """Before: a 1-d prompt was a bare IndexError; now forward's (B, T) message."""
+    with pytest.raises(ValueError, match=re.escape("idx must be a (B, T) array of token ids, B and T >= 1, got "
+                                                   "shape (2,)")):
+        tiny.generate(np.array([1, 2]), 2)
+
+
+@pytest.mark.parametrize("ids,said", [
+    (np.array([-1]), "id -1 at position (0,) is outside"),  # before: the last row, nothing said
+    (np.array([[3, 4], [10, 2]]), "ids must lie in [0, 10); id 10 at position (1, 0)"),  # before: a bare IndexError
+])
+def test_embedding_names_the_first_id_out_of_range(ids, said):
+    from minizero.nn import Embedding
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Embedding(10, 4)(ids)
+    with pytest.raises(TypeError, match=re.escape("ids must be integers in [0, 10), got dtype float64")):
+        Embedding(10, 4)(np.zeros(2))
+
+
+@pytest.mark.parametrize("args,kw,said", [
+    ((-1, 4), {}, "in_features must be an integer >= 0, got -1"),  # before: NumPy's 'negative dimensions'
+    ((2.5, 3), {}, "in_features must be an integer >= 0, got 2.5"),
+    (("4", 3), {}, "in_features must be an integer >= 0, got '4'"),
+    ((True, 3), {}, "in_features must be an integer >= 0, got True"),  # before: a (3, 1) weight
+    ((4, 3), {"std": float("nan")}, "std must be a finite number >= 0, got nan"),  # before: NaN weights
+])
+def test_linear_names_bad_sizes_and_std(args, kw, said):
+    from minizero.nn import Linear
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Linear(*args, **kw)
+
+
+def test_linear_names_an_input_of_another_width():
+    from minizero.autograd import Tensor
+    from minizero.nn import Linear
+    with pytest.raises(ValueError, match=re.escape("Linear(in_features=4): x's last dimension is 5")):
+        Linear(4, 3)(Tensor(np.ones((2, 5))))

@@ -254,7 +254,7 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
 
     ``grad``: d(objective)/d(root), root's shape (default 1 for one element); ``retain_graph``: keep saved tensors.
     :func:`queue_callback`'s callbacks run when the outermost backward returns.
-    Raises RuntimeError: ``root`` does not require grad, or ``grad`` is missing for a non-scalar root.
+    RuntimeError: ``root`` does not require grad, or no ``grad`` for a non-scalar root; ValueError: grad's shape.
     """
     depth = getattr(_running, "depth", 0)
     if depth == 0:
@@ -285,6 +285,11 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
         if root.data.size != 1:
             raise RuntimeError(f"grad must be given for a non-scalar root of shape {root.shape}")
         grad = xp.ones_like(root.data)
+    grad = grad if isinstance(grad, xp.ndarray) else xp.asarray(grad)  # array-likes convert, as Tensor(data) does
+    # never reshaped or broadcast; the recorded shape: a pipeline frees a sent output's data (Megatron's deallocate)
+    want = root.grad_fn.output_meta[root._out_index][0] if root.grad_fn is not None else root.shape
+    if grad.shape != want:
+        raise ValueError(f"grad has shape {grad.shape}; the root has shape {want} (grad must have it too)")
     nodes = _topological_nodes(root)
     # how many times each leaf will receive a gradient, so hooks fire after the last one
     pending = {}

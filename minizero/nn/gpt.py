@@ -191,6 +191,9 @@ class GPT(Module):
         idx = idx.data if isinstance(idx, Tensor) else idx
         cfg = self.config
         check_ids(idx, cfg.vocab_size, cfg.block_size)
+        tg = targets.data if isinstance(targets, Tensor) else targets
+        if tg is not None and getattr(tg, "shape", None) != idx.shape:  # the loss pairs them by position
+            raise ValueError(f"GPT: targets must have idx's shape {idx.shape}, got {getattr(tg, 'shape', type(tg))}")
         b, t = idx.shape
         tr = self.transformer
         pos = backend.xp.arange(t)
@@ -200,7 +203,6 @@ class GPT(Module):
         logits = self.lm_head(tr["ln_f"](x))  # (B, T, V)
         if targets is None:
             return logits
-        tg = targets.data if isinstance(targets, Tensor) else targets
         loss = cross_entropy(logits.reshape(b * t, cfg.vocab_size), tg.reshape(b * t))
         return logits, loss
 
@@ -211,6 +213,8 @@ class GPT(Module):
                              f"(0: greedy), got {max_new_tokens!r} and {temperature!r}")
         rng = rng if rng is not None else np.random.default_rng(0)
         idx = np.asarray(backend.to_host(idx))
+        check_ids(idx[:, -self.config.block_size:] if idx.ndim == 2 else idx, self.config.vocab_size,
+                  self.config.block_size)  # forward's message, before any sampling; a long prompt is cropped
         was_training = self.training
         self.eval()
         with no_grad():

@@ -219,11 +219,17 @@ class Linear(Module):
     """y = x W^T + b. W: (out_features, in_features), b: (out_features,).
 
     ``rng``: generator for W ~ N(0, std^2) (b = 0), or ``nn.init.META``; ``weight``: an existing (out, in) Parameter.
-    Raises ValueError: ``weight`` of the wrong shape.
+    Raises ValueError: sizes not ints >= 0, std not finite >= 0, ``weight`` of the wrong shape, x of another width.
     """
 
     def __init__(self, in_features, out_features, bias=True, dtype="float32", rng=None, std=0.02, weight=None):
         super().__init__()
+        # bool is an int subclass; 0 is allowed: zero-width layers work, as in PyTorch (test_faults)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"Linear: {name} must be an integer >= 0, got {v!r}")
+        if isinstance(std, bool) or not isinstance(std, (int, float, np.number)) or not 0 <= std < np.inf:
+            raise ValueError(f"Linear: std must be a finite number >= 0, got {std!r}")
         dt = backend.get_dtype(dtype)
         if weight is not None:  # share an existing Parameter (weight tying); no init drawn
             if weight.shape != (out_features, in_features):
@@ -240,6 +246,9 @@ class Linear(Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x):
+        if x.shape[-1:] != (self.in_features,):  # named here, not deep in the matmul
+            raise ValueError(f"Linear(in_features={self.in_features}): x's last dimension is "
+                             f"{x.shape[-1] if x.shape else None} (x has shape {x.shape})")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -282,7 +291,17 @@ class Embedding(Module):
         self.weight = Parameter(backend.to_device(w))
 
     def forward(self, idx):
-        return F.embedding(idx, self.weight)
+        ids = idx.data if isinstance(idx, Tensor) else idx
+        ids = ids if isinstance(ids, backend.xp.ndarray) else backend.xp.asarray(ids)
+        n = self.weight.shape[0]
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"Embedding: ids must be integers in [0, {n}), got dtype {ids.dtype}")
+        if ids.size and not (int(ids.min()) >= 0 and int(ids.max()) < n):  # -1 would index from the end
+            i = int(backend.xp.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= n))[0])
+            at = tuple(int(j) for j in np.unravel_index(i, ids.shape))
+            raise ValueError(f"Embedding({n}, ...): ids must lie in [0, {n}); id {int(ids.reshape(-1)[i])} at "
+                             f"position {at} is outside")
+        return F.embedding(ids, self.weight)
 
 
 class Dropout(Module):
