@@ -254,7 +254,7 @@ def backward(root: Tensor, grad=None, retain_graph: bool = False) -> None:
 
     ``grad``: d(objective)/d(root), root's shape (default 1 for one element); ``retain_graph``: keep saved tensors.
     :func:`queue_callback`'s callbacks run when the outermost backward returns.
-    RuntimeError: ``root`` does not require grad, or no ``grad`` for a non-scalar root; ValueError: grad's shape.
+    Raises RuntimeError: ``root`` needs no grad, or no ``grad`` for a non-scalar root; ValueError: grad's shape.
     """
     depth = getattr(_running, "depth", 0)
     if depth == 0:

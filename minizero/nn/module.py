@@ -292,12 +292,13 @@ class Embedding(Module):
 
     def forward(self, idx):
         ids = idx.data if isinstance(idx, Tensor) else idx
-        ids = ids if isinstance(ids, backend.xp.ndarray) else backend.xp.asarray(ids)
+        ids = ids if isinstance(ids, backend.xp.ndarray) else np.asarray(ids)
         n = self.weight.shape[0]
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"Embedding: ids must be integers in [0, {n}), got dtype {ids.dtype}")
-        if ids.size and not (int(ids.min()) >= 0 and int(ids.max()) < n):  # -1 would index from the end
-            i = int(backend.xp.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= n))[0])
+        # ids on the host (NumPy's, or given so) are range-checked; a device's would cost a sync per forward
+        if isinstance(ids, np.ndarray) and ids.size and not (ids.min() >= 0 and ids.max() < n):  # -1: from the end
+            i = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= n))[0])
             at = tuple(int(j) for j in np.unravel_index(i, ids.shape))
             raise ValueError(f"Embedding({n}, ...): ids must lie in [0, {n}); id {int(ids.reshape(-1)[i])} at "
                              f"position {at} is outside")
