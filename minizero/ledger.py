@@ -271,7 +271,7 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     """
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]
-    groups = _equal_ranks(per_rank)  # ranks whose ledgers agree byte for byte share one column
+    groups = equal_ranks(per_rank)  # ranks whose ledgers agree byte for byte share one column (and memory.png row)
     every = len(groups)
     if every > 4:  # too wide (e.g. MoE: routing makes every rank's activations differ): the extremes only
         totals = [per_rank[g[0]]["peak_total"] for g in groups]
@@ -315,7 +315,7 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     elif len(groups) < len(per_rank):
         shared = next(lab for lab, g in zip(labels, groups) if len(g) > 1)
         lines += wrap(f"(ranks in one column, e.g. {shared}, end with equal current and peak bytes in every category; "
-                      "memory.png splits ranks whose bytes differ at some step)")
+                      "memory.png groups its rows the same way)")
     for note in notes or []:
         lines += wrap(note)
     return "\n".join(lines)
@@ -335,9 +335,10 @@ def wrap(line: str, width: int = 100, hang: int = 2) -> list[str]:
         break_long_words=False)] or [line]
 
 
-def _equal_ranks(per_rank: list[dict]) -> list[list[int]]:
-    """Ranks grouped by equal ledger snapshots (every category's current and peak, and the peak total),
-    in order of their first rank: ``[[0, 1, 2, 3]]`` when four data-parallel replicas agree."""
+def equal_ranks(per_rank: list[dict]) -> list[list[int]]:
+    """Ranks grouped by equal ledger snapshots (every category's current and peak, and the peak total), in order
+    of their first rank: ``[[0, 1, 2, 3]]`` when four data-parallel replicas agree (the table's columns, memory.png's
+    rows)."""
     groups: dict[tuple, list[int]] = {}
     for r, s in enumerate(per_rank):
         key = (tuple(s["current"][c] for c in CATEGORIES), tuple(s["peak"][c] for c in CATEGORIES), s["peak_total"])

@@ -178,7 +178,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     plots = plots_on()
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
         args.out if plots and not args.no_save else None, result["memory_timeline"], result["module_peaks"],
-        category_peaks=[s["peak"] for s in stats], first_step=result.start_step, title=textwrap.fill(run, 110))
+        ledgers=stats, first_step=result.start_step, title=textwrap.fill(run, 110))
     no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
     print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
     if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time

@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from minizero.ledger import CATEGORIES
+from minizero.ledger import CATEGORIES, equal_ranks
 
 plt = pytest.importorskip("matplotlib.pyplot")  # a dependency of pip install .; importorskip for --no-deps installs
 
-from minizero.memory.plots import plot_timeline, rank_groups, timeline_figure  # noqa: E402
+from minizero.memory.plots import ledgers_of, plot_timeline, timeline_figure  # noqa: E402
 from minizero.plots import loss_figure, plot_losses  # noqa: E402
 
 
@@ -20,25 +20,58 @@ def _timeline(ranks=8, steps=5):
     for c, nbytes in {"parameters": 3 << 20, "optimizer_state": 6 << 20, "activations": 10 << 20,
                       "comm_buffers": 3 << 20}.items():
         t[:, :, CATEGORIES.index(c)] = nbytes
-    peaks = [{c: int(t[r, :, i].max()) for i, c in enumerate(CATEGORIES)} for r in range(ranks)]
-    for p in peaks:
-        p["gradients"], p["comm_scratch"] = 3 << 20, 96
-    return t, peaks
+    return t
 
 
-def test_equal_ranks_share_a_row_and_different_ones_do_not():
-    t, peaks = _timeline()
-    assert rank_groups(t, peaks) == [list(range(8))]
-    t[4:, 2, CATEGORIES.index("activations")] //= 2  # pipeline-like: ranks 4-7 hold less at step 2
-    assert rank_groups(t, peaks) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    peaks[1]["gradients"] += 1  # one byte of difference in a peak is a different ledger
-    assert rank_groups(t, peaks) == [[0, 2, 3], [1], [4, 5, 6, 7]]
+def _ledgers(t):
+    """The ranks' ledger snapshots at the end of ``t``'s run, as the memory table gets them."""
+    ledgers = ledgers_of(t)
+    for s in ledgers:
+        s["peak"]["gradients"], s["peak"]["comm_scratch"] = 3 << 20, 96
+    return ledgers
+
+
+def _titles(fig) -> list[str]:
+    return [ax.get_title() for ax in fig.axes[::2]]
+
+
+def test_memory_rows_merge_ranks_as_the_memory_table_s_columns_do():
+    """Before: a dp 2 x tp 2 x pp 2 run drew 4 rows (ranks 0-3, rank 4, rank 5, ranks 6-7) under a table of 2
+    columns (r0-3, r4-7): rank 5 held 128 KiB less comm_buffers at its second step's peak (when a message buffer is
+    freed moves from run to run), with equal peaks and end bytes."""
+    t = _timeline()
+    t[4:, :, CATEGORIES.index("activations")] //= 2  # the last pipeline stage
+    ledgers = _ledgers(t)
+    t[5, 1, CATEGORIES.index("comm_buffers")] -= 128 << 10
+    assert equal_ranks(ledgers) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the table's columns
+    fig = timeline_figure(t, ledgers=ledgers)
+    try:
+        titles = _titles(fig)
+        assert [t.split(":")[0] for t in titles] == ["ranks 0-3", "ranks 4-7"]
+        assert "steps drawn" not in titles[0]
+        assert "steps drawn: rank 4's; the others' differ by up to 128.00 KiB in a category" in titles[1]
+    finally:
+        plt.close(fig)
+    ledgers[1]["peak"]["gradients"] += 1  # one byte of difference in a peak is a different ledger
+    fig = timeline_figure(t, ledgers=ledgers)
+    try:
+        assert [t.split(":")[0] for t in _titles(fig)] == ["ranks 0, 2-3", "rank 1", "ranks 4-7"]
+    finally:
+        plt.close(fig)
+
+
+def test_without_ledgers_ranks_merge_by_the_timeline_s_peaks_and_last_step():
+    t = _timeline()
+    t[4:, 2, CATEGORIES.index("activations")] //= 2  # less at a middle step only: the same peaks and end
+    assert equal_ranks(ledgers_of(t)) == [list(range(8))]
+    t[4:, -1, CATEGORIES.index("activations")] //= 2  # the last step's bytes differ
+    assert equal_ranks(ledgers_of(t)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_memory_figure_has_a_row_per_group_and_every_category():
-    t, peaks = _timeline()
+    t = _timeline()
     t[4:, :, CATEGORIES.index("activations")] //= 2
-    fig = timeline_figure(t, peaks=peaks)
+    fig = timeline_figure(t, ledgers=_ledgers(t))
     try:
         axes = fig.axes
         assert len(axes) == 4  # 2 groups x (timeline, per-category peaks)
@@ -60,8 +93,8 @@ def test_memory_figure_has_a_row_per_group_and_every_category():
 
 
 def test_memory_png_is_written(tmp_path):
-    t, peaks = _timeline(ranks=2)
-    plot_timeline(str(tmp_path / "memory.png"), t, peaks=peaks)
+    t = _timeline(ranks=2)
+    plot_timeline(str(tmp_path / "memory.png"), t, ledgers=_ledgers(t))
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="timeline must be"):
         plot_timeline(str(tmp_path / "bad.png"), t[:, :, :3])
@@ -119,10 +152,10 @@ def test_a_resumed_run_s_curve_and_skipped_steps_sit_at_their_own_steps():
 def test_a_resumed_run_s_memory_peak_is_named_by_the_progress_log_s_step():
     """Before: a run resumed after step 100 drew its memory at steps 1-5 and said "peak ... at step 3" for the
     log's step 103."""
-    t, peaks = _timeline(ranks=1)
+    t = _timeline(ranks=1)
     t[0, 2, CATEGORIES.index("activations")] *= 2  # the third step of this run holds the most
     for first, step in ((0, 3), (100, 103)):
-        fig = timeline_figure(t, peaks=peaks, first_step=first)
+        fig = timeline_figure(t, ledgers=_ledgers(t), first_step=first)
         try:
             notes = fig.axes[0].get_title()
             assert f"MiB at step {step}" in notes, notes
@@ -134,8 +167,8 @@ def test_a_resumed_run_s_memory_peak_is_named_by_the_progress_log_s_step():
 def test_memory_axes_fit_the_data_and_the_first_step_has_a_tick():
     """Before: a 300-step run's flat 22.5 MiB band sat under a y-axis to 34 MiB (room for notes drawn over it),
     the first tick was 50, and the peak marker at step 1 sat on the y-axis, half clipped."""
-    t, peaks = _timeline(ranks=2, steps=300)
-    fig = timeline_figure(t, title="default model, 2 rank(s): dp 2 x tp 1 x pp 1, ZeRO-3, fp32", peaks=peaks)
+    t = _timeline(ranks=2, steps=300)
+    fig = timeline_figure(t, title="default model, 2 rank(s): dp 2 x tp 1 x pp 1, ZeRO-3, fp32", ledgers=_ledgers(t))
     try:
         ax = fig.axes[0]
         tallest = t[0].sum(axis=1).max() / 2**20

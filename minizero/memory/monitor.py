@@ -106,10 +106,11 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
 
 
 def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6,
-                  category_peaks: list[dict] | None = None, first_step: int = 0,
+                  ledgers: list[dict] | None = None, first_step: int = 0,
                   title: str = "") -> tuple[list[str], dict]:
     """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib; ``title``: the
-    run's words above the plots), summary entries.
+    run's words above the plots; ``ledgers``: each rank's ledger snapshot, grouped as in the memory table), summary
+    entries.
 
     Returns (lines, ``{"activation_peaks_by_module", "memory_timeline_peak_bytes", "memory_plot"}``).
     """
@@ -118,7 +119,7 @@ def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top:
     if out_dir is not None:
         if have_matplotlib():
             path = os.path.join(out_dir, "memory.png")
-            plot_timeline(path, timeline, title, peaks=category_peaks, first_step=first_step)
+            plot_timeline(path, timeline, title, ledgers=ledgers, first_step=first_step)
             lines.append(f"wrote {path} (ledger memory over the steps by category, and each category's peak)")
         else:
             lines.append(INSTALL_HINT)

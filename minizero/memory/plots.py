@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from minizero.files import atomic_write
-from minizero.ledger import CATEGORIES, format_bytes, rank_runs
+from minizero.ledger import CATEGORIES, equal_ranks, format_bytes, rank_runs
 
 INSTALL_HINT = "no memory plot: matplotlib is not installed (pip install matplotlib)"
 #: the environment variable that turns the main job's two pictures (OUT/loss.png, OUT/memory.png) off ("0")
@@ -44,13 +44,13 @@ def _pyplot():
     return plt
 
 
-def rank_groups(timeline, peaks=None) -> list[list[int]]:
-    """Ranks whose timelines (and peaks) are equal, in order of their first rank (eight replicas: ``[[0, ..., 7]]``)."""
-    groups: dict[tuple, list[int]] = {}
-    for r, rows in enumerate(np.asarray(timeline)):
-        key = (rows.tobytes(), None if peaks is None else tuple(peaks[r][c] for c in CATEGORIES))
-        groups.setdefault(key, []).append(r)
-    return list(groups.values())
+def ledgers_of(timeline) -> list[dict]:
+    """Ledger snapshots made from a (ranks, steps, categories) timeline alone: the last step as current, each
+    category's largest step as its peak (for a picture drawn without the ledgers' own snapshots)."""
+    t = np.asarray(timeline)
+    return [{"current": dict(zip(CATEGORIES, rows[-1].tolist())),
+             "peak": dict(zip(CATEGORIES, rows.max(axis=0).tolist())), "peak_total": int(rows.sum(axis=1).max())}
+            for rows in t]
 
 
 def _label(ranks: list[int]) -> str:
@@ -58,25 +58,28 @@ def _label(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {rank_runs(ranks, ', ')}"
 
 
-def plot_timeline(path: str, timeline, title: str = "", peaks=None, first_step: int = 0) -> None:
+def plot_timeline(path: str, timeline, title: str = "", ledgers=None, first_step: int = 0) -> None:
     """Write :func:`timeline_figure` as a PNG to ``path`` (same arguments and errors)."""
     plt = _pyplot()
-    fig = timeline_figure(timeline, title, peaks, first_step)
+    fig = timeline_figure(timeline, title, ledgers, first_step)
     atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
 
 
-def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
-    """A matplotlib Figure per group of equal ranks: bytes per category over the steps, and each category's peak.
+def timeline_figure(timeline, title: str = "", ledgers=None, first_step: int = 0):
+    """A matplotlib Figure, a row per group of equal ranks: bytes per category over the steps, each category's peak.
 
-    ``timeline``: (ranks, steps, len(CATEGORIES)) bytes; ``first_step``: the steps before it (a resumed run).
-    Raises ImportError: no matplotlib; ValueError: bad shape.
+    ``timeline``: (ranks, steps, len(CATEGORIES)) bytes; ``ledgers``: each rank's ledger snapshot, whose equal ones
+    share a row as they share a column of the memory table (:func:`equal_ranks`; default :func:`ledgers_of`); a row
+    draws its first rank's steps and says how far the others' differ (e.g. when a message buffer is freed);
+    ``first_step``: the steps before it (a resumed run). Raises ImportError: no matplotlib; ValueError: bad shape.
     """
     t = np.asarray(timeline, dtype=np.float64)
     if t.ndim != 3 or t.shape[2] != len(CATEGORIES):
         raise ValueError(f"timeline must be (ranks, steps, {len(CATEGORIES)}), got {t.shape}")
     plt = _pyplot()
-    groups = rank_groups(t, peaks)
+    ledgers = ledgers_of(t) if ledgers is None else ledgers
+    groups = equal_ranks(ledgers)
     colors = {c: f"C{i}" for i, c in enumerate(CATEGORIES)}
     fig, axes = plt.subplots(len(groups), 2, figsize=(10, 1.0 + 2.8 * len(groups)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2]}, layout="constrained")  # room for the titles
@@ -93,13 +96,16 @@ def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
         total = mib[r].sum(axis=1)
         k = int(total.argmax())
         ax.plot([x[k]], [total[k]], "v", color="black", clip_on=False)
-        own = [peaks[r][c] if peaks is not None else t[r, :, i].max() for i, c in enumerate(CATEGORIES)]
+        own = [ledgers[r]["peak"][c] for c in CATEGORIES]
+        apart = int(np.abs(t[ranks] - t[r]).max())  # the group's other ranks at the same steps
         absent = [c for i, c in enumerate(CATEGORIES) if own[i] and i not in used]
         # the notes go in the title, not over the stack, so the y-axis can end at the data
         ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked (colors as on the right)\n"
                      f"\u25bc peak {total[k]:.2f} MiB at step {x[k]}"
                      # e.g. gradients: made during backward, as the activations that set the peak are freed
-                     + (f"; not alive at the step's peak: {', '.join(absent)}" if absent else ""), fontsize=9)
+                     + (f"; not alive at the step's peak: {', '.join(absent)}" if absent else "")
+                     + (f"\nsteps drawn: rank {r}'s; the others' differ by up to {format_bytes(apart)} in a category"
+                        if apart else ""), fontsize=9)
         ax.set_xlim(x[0] - pad, x[-1] + pad)
         if len(x) <= 12:  # steps are whole numbers: no tick at 1.5
             ax.set_xticks(x)
@@ -119,8 +125,8 @@ def timeline_figure(timeline, title: str = "", peaks=None, first_step: int = 0):
             bx.text(v / 2**20, y, f" {format_bytes(v)}", va="center", fontsize=7)
         bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
-    fig.suptitle((f"{title}\n" if title else "")
-                 + "ledger memory per rank by category (ranks equal at every step share one row of plots)", fontsize=10)
+    fig.suptitle((f"{title}\n" if title else "") + "ledger memory per rank by category (ranks with equal peaks and "
+                 "end bytes share a row, as the memory table's columns)", fontsize=10)
     return fig
 
 
