@@ -65,6 +65,20 @@ def test_the_node_line_of_one_process_and_of_several():
         "nodes: one process on one machine: no message crosses a network"]
 
 
+def test_the_node_line_gives_the_ranks_pids_as_ranges():
+    """Before: "process id of each rank [10802, 10803, 10804, 10805] (a launcher's report of a killed process names
+    its PID)", 8 numbers over two lines at 8 ranks; now a range when consecutive, in rank order either way."""
+    from minizero.comm.nodes import NodeLayout
+
+    topo = run_in_threads(4, lambda comm: Topology(comm, 4, 1, 1))[0]
+    topo.nodes = NodeLayout((0,) * 4, pids=(10802, 10803, 10804, 10805))
+    assert topo.describe_nodes() == ("nodes: all 4 rank(s) on one node (one machine): no message crosses a network; "
+                                     "PIDs in rank order 10802-10805 (a launcher names a killed rank by its PID)")
+    topo.nodes = NodeLayout((0, 0, 1, 1), pids=(10802, 10803, 311, 310))
+    assert topo.describe_nodes().endswith("; PIDs in rank order 10802-10803,311,310 (a launcher names a killed rank "
+                                          "by its PID)")
+
+
 def test_the_mesh_names_context_parallel_ranks_apart_from_data_parallel_ones():
     """Before: under cp the mesh line said dp=2 for dp 1 x cp 2 (the topology's data axis holds dp x cp ranks)."""
     topos = run_in_threads(4, lambda comm: Topology(comm, 2, 2, 1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero.comm.nodes import NodeLayout, layout_of
+from minizero.ledger import rank_runs
 
 
 def mesh(dp: int, tp: int, pp: int) -> np.ndarray:
@@ -88,12 +89,17 @@ class Topology:
                 f"of tp = {self.tp} consecutive ranks" for g in self.all_groups("tp") if self.nodes.spans(g) > 1]
 
     def describe_nodes(self) -> str:
-        """One line: the node layout and how many nodes each kind of group spans; each rank's process id when known
-        (MPICH's launcher reports a killed rank by its PID only, and ends the others before they could name it)."""
+        """One line: the node layout and how many nodes each kind of group spans; the ranks' process ids when known.
+
+        The PIDs stay in the header, the one output a killed job has printed (summary.json is written at the end):
+        MPICH's launcher reports a killed rank by its PID only and ends the others, and ``py-spy``/``kill`` on a hung
+        rank need its PID. They are short: in rank order, consecutive ones as a range (``PIDs in rank order
+        4100-4107``; else ``4100-4101,4230,...``, rank 0 first).
+        """
         if self.world.world_size == 1:
             return "nodes: one process on one machine: no message crosses a network"
-        pids = (f"; process id of each rank {list(self.nodes.pids)} (a launcher's report of a killed process names "
-                "its PID)" if len(self.nodes.pids) > 1 else "")
+        pids = (f"; PIDs in rank order {rank_runs(list(self.nodes.pids))} (a launcher names a killed rank by its PID)"
+                if len(self.nodes.pids) > 1 else "")
         if self.nodes.n_nodes == 1:
             return (f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a "
                     f"network{pids}")
