@@ -55,7 +55,7 @@ def excerpt(out: str) -> list[str]:
     lines = out.splitlines()
     nodes = next((i for i, line in enumerate(lines) if line.startswith("nodes:")), 3)
     keep = set(range(nodes))  # the header (wrapped at 100 columns): layout and model, device, batch; not the nodes
-    # line, whose wrapped list of every rank's process id would be cut short by the '...' after it
+    # line (which nodes, and the ranks' process ids: a run's detail, not what a newcomer reads first)
     progress = [i for i, line in enumerate(lines) if re.match(r"step +\d+/\d+ +loss", line)]
     keep |= set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
     for i, line in enumerate(lines):
