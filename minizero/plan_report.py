@@ -108,7 +108,7 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
               for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "dp_shard", "sequence_parallel",
                         "recompute", "offload", "offload_activations", "micro_batches")
               if getattr(a.strategy, f) != getattr(b.strategy, f)]
-    diff = "settings: " + "; ".join(fields) if fields else "same settings"  # told apart from the figures' parentheses before it
+    diff = "settings: " + "; ".join(fields) if fields else "same settings"  # apart from the figures' parentheses
     gain = a.tokens_per_s / b.tokens_per_s - 1
     if gain > 1e-9:
         delta = {k: a.time.get(k, 0) - b.time.get(k, 0) for k in _WHY}  # negative: a is quicker there
