@@ -3,7 +3,8 @@
 Python's ``int`` and ``float`` read every Unicode decimal digit (``int("٣") == 3``, fullwidth ``"８"`` is 8), and
 ``str.isdigit`` is true for superscripts that ``int`` refuses (``"²"``). The programs read numbers through
 :func:`integer` and :func:`real` (argparse ``type=``) and test words with :func:`is_count`, so such text is
-refused, named, before any work. Tables print numbers in a fixed width through :func:`in_width`.
+refused, named, before any work. Tables print numbers in a fixed width through :func:`in_width`, prose in
+:func:`significant` digits.
 """
 from __future__ import annotations
 
@@ -238,3 +239,10 @@ def in_width(x: float, width: int) -> str:
     (plan's tokens/s and micro-batches of a tiny model pushed its rows past the header)."""
     fits = [t for t in (f"{x:,.0f}", f"{x:.0f}") if len(t) <= width]
     return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)
+
+
+def significant(x: float, digits: int = 3) -> str:
+    """``x`` in ``digits`` significant digits, whole with thousands commas where that would need an exponent:
+    ``0.0468``, ``36.9``, ``1,354`` (plan's seconds read 1.35e+03 before), ``1,000`` for 999.7."""
+    text = f"{x:.{digits}g}"
+    return f"{x:,.0f}" if "e+" in text else text

@@ -28,7 +28,7 @@ from minizero.numerals import (DefaultsOnce, OneLineParser, description, did_you
                                negative_values_reach_checks, real)
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
     POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
-    why_lines)
+    step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
     step_time)
@@ -270,10 +270,9 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
     verdict = ("fits" if fit_dev and fit_host else "does NOT fit") + (
         f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU (stage "
         f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
-    parts = ", ".join(f"{k} {v:.3g} s" for k, v in c.time.items() if k != "step" and v > 0)
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
                    + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
-            + format_table([c], ts) + ["", verdict, f"step {c.step_s:.3g} s = {parts or '0'}"])
+            + format_table([c], ts) + ["", verdict] + wrap(step_line(c, ts, tu)))
 
 
 def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[str]:

@@ -10,7 +10,7 @@ import os
 
 from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
-from minizero.numerals import in_width
+from minizero.numerals import in_width, significant
 from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
@@ -31,9 +31,44 @@ def describe(st: Strategy) -> str:
     return " ".join(parts)
 
 
-_WHY = {"compute": "compute (recompute FLOPs)", "bubble": "pipeline bubble", "tp": "tensor-parallel traffic",
-        "cp": "context-parallel (ring attention or Ulysses) traffic", "ep": "expert all-to-all traffic",
-        "pp": "pipeline traffic", "dp": "exposed data-parallel traffic", "offload": "offload (PCIe, CPU Adam)"}
+_WHY = {"compute": "compute", "bubble": "pipeline bubble", "tp": "tensor-parallel traffic",
+        "cp": "context-parallel traffic", "ep": "expert all-to-all traffic", "pp": "pipeline traffic",
+        "dp": "exposed data-parallel traffic", "offload": "exposed offload"}
+#: the step-time parts that move bytes, and their key in ``Candidate.comm`` (the table's net sums all but pcie)
+_SENT = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp", "offload": "pcie"}
+#: the step-time model overlaps dp traffic and offload with compute in part (their seconds are the exposed rest, as
+#: the legend says), the other traffic not at all; the bytes are all sent, hidden or not
+_HIDDEN = {"dp": "", "offload": "", **{k: ", all exposed" for k in ("tp", "cp", "ep", "pp")}}
+
+
+def _amounts(xs: list[float], scale: float, unit: str) -> str:
+    """Byte counts in the table's unit (``5808.70 vs 2225.10 GB``), or the unit of its family they reach."""
+    if max(xs) / scale < 0.01:  # 0.00 vs 0.00 GB says nothing
+        scale, unit = unit_for(max(xs), "GiB" if unit.endswith("iB") else "GB")
+    return " vs ".join(f"{x / scale:.2f}" for x in xs) + f" {unit}"
+
+
+def _part(k: str, cands: list[Candidate], scale: float, unit: str) -> str:
+    """One step-time part of ``cands`` (one or two rows), every figure named: ``exposed data-parallel traffic (0.12
+    vs 0.17 s; 5808.70 vs 2225.10 GB sent per GPU)``. The seconds are what the step time counts, the bytes all a GPU
+    sends (or copies over PCIe), overlapped with compute or not."""
+    secs = " vs ".join(significant(c.time.get(k, 0)) for c in cands) + " s"
+    if k == "compute":
+        extra = ", recompute's extra FLOPs included" if any(c.strategy.recompute != "none" for c in cands) else ""
+        return f"compute ({secs}{extra})"
+    if k == "bubble":
+        return f"pipeline bubble ({secs} idle)"
+    sent = _amounts([c.comm.get(_SENT[k], 0) for c in cands], scale, unit)
+    where = "copied over PCIe" if k == "offload" else "sent"
+    return f"{_WHY[k]} ({secs}{_HIDDEN[k]}; {sent} {where} per GPU)"
+
+
+def step_line(c: Candidate, scale: float, unit: str) -> str:
+    """``--strategy``'s step time by part, seconds and bytes named (:func:`_part`): dp traffic wholly overlapped with
+    compute shows as 0 s exposed of its bytes, not as nothing."""
+    parts = ", ".join(_part(k, [c], scale, unit) for k, v in c.time.items()
+                      if k != "step" and (v > 0 or c.comm.get(_SENT.get(k), 0) > 0))
+    return f"step {significant(c.step_s)} s = {parts or '0'}"
 
 
 #: each --units family, largest unit first: GB and the smaller powers of 10, GiB and the smaller powers of 2
@@ -72,18 +107,18 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
               for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "dp_shard", "sequence_parallel",
                         "recompute", "offload", "offload_activations", "micro_batches")
               if getattr(a.strategy, f) != getattr(b.strategy, f)]
-    diff = "; ".join(fields) or "same settings"
+    diff = "settings: " + "; ".join(fields) if fields else "same settings"  # apart from the figures' parentheses
     gain = a.tokens_per_s / b.tokens_per_s - 1
     if gain > 1e-9:
         delta = {k: a.time.get(k, 0) - b.time.get(k, 0) for k in _WHY}  # negative: a is quicker there
         big = max(abs(d) for d in delta.values())
         wins = sorted((k for k in delta if delta[k] < -0.01 * big), key=delta.get)[:3]
         costs = sorted((k for k in delta if delta[k] > 0.01 * big), key=lambda k: -delta[k])[:2]
-        why = " and ".join(f"{-delta[k]:.3g} s less {_WHY[k]}" for k in wins)
+        why = " and ".join(f"{significant(-delta[k])} s less {_part(k, [a, b], scale, unit)}" for k in wins)
         if costs:
             why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
-                f"{delta[k]:.3g} s more {_WHY[k]}" for k in costs)
-        by = f"by {100 * gain:.2g}% tokens/s ({b.step_s - a.step_s:.3g} s per step)"
+                f"{significant(delta[k])} s more {_part(k, [a, b], scale, unit)}" for k in costs)
+        by = f"by {100 * gain:.2g}% tokens/s ({significant(b.step_s - a.step_s)} s per step)"
         lead = f"#{ia} beats #{ib} {by}"  # a lead the first-order model can resolve
         if gain < ACCURACY:  # kept in tok/s order (plan_search.rank); the user may trade it for memory
             less = (b.memory.total - a.memory.total) / scale  # > 0: a needs less
@@ -201,7 +236,9 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
-            f"net = bytes each GPU sends per step; bufs = comm buffers + ZeRO-3 gathered layer",
+            "net = all bytes each GPU sends per step (dp + tp + pp + cp + ep), overlapped with compute or not, while "
+            "step s counts only the exposed traffic (not overlapped with compute), so a row with more net can be "
+            "quicker (the why lines name both); bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; cp = context parallelism (4u: DeepSpeed-Ulysses, 4: ring attention); "
             "tp = tensor parallelism (2s: with sequence parallelism); "

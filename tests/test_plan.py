@@ -253,7 +253,7 @@ def test_why_says_tie_under_the_models_accuracy_and_beats_above_it():
     from minizero.plan_report import ACCURACY, explain
 
     def cand(tok, zero):
-        return types.SimpleNamespace(strategy=Strategy(zero=zero), tokens_per_s=tok, step_s=1e4 / tok,
+        return types.SimpleNamespace(strategy=Strategy(zero=zero), tokens_per_s=tok, step_s=1e4 / tok, comm={"dp": 0},
                                      time={"step": 1e4 / tok, "dp": 1e4 / tok}, memory=types.SimpleNamespace(total=0))
     tie = explain(cand(1000 * (1 + ACCURACY / 2), 3), cand(1000, 2), 1, 2, 1e9, "GB")
     assert tie.startswith("#1 is ranked above #2 by 0.5% tokens/s") and "a tie within the model's accuracy" in tie
@@ -273,7 +273,7 @@ def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(cap
 
     def cand(name, tok, total, techniques=1):
         return types.SimpleNamespace(name=name, tokens_per_s=tok, step_s=1e4 / tok, techniques=techniques,
-                                     strategy=Strategy(), time={"step": 1e4 / tok, "dp": 1e4 / tok},
+                                     strategy=Strategy(), time={"step": 1e4 / tok, "dp": 1e4 / tok}, comm={"dp": 0},
                                      memory=types.SimpleNamespace(total=total))
     cands = [cand("small_slow", 1000.0, 40e9, 2), cand("big_fast", 1005.0, 80e9), cand("same_fewer", 1000.0, 40e9),
              cand("same_bigger", 1000.0, 60e9), cand("far_smallest", 900.0, 10e9)]
@@ -383,6 +383,9 @@ def test_tiny_models_tokens_per_second_fit_the_column(capsys):
     from minizero.numerals import in_width
     assert in_width(22_144_603_774, 8) == "2.21e+10" and in_width(32_497, 8) == "  32,497"
     assert in_width(32768, 5) == "32768" and in_width(2**24, 5) == "2e+07"
+    from minizero.numerals import significant  # plan's seconds in prose: 1.35e+03 before
+    assert [significant(x) for x in (0.0468, 36.94, 999.7, 1353.6, 1.15e-5)] == ["0.0468", "36.9", "1,000", "1,354",
+                                                                                    "1.15e-05"]
     code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "8", "--top", "3")
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("tok/s   MFU"))
