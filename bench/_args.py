@@ -93,6 +93,17 @@ def micro_batches(text) -> list[int]:
                      "--micro-batch-size bound)")
 
 
+def micro_batch(text) -> int:
+    """``type=``: a micro-batch size in 1..4096, train's --micro-batch-size bound."""
+    from minizero.flags import MAX_MICRO_BATCH
+
+    n = integer(text)
+    if not 1 <= n <= MAX_MICRO_BATCH:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a micro-batch size in 1..{MAX_MICRO_BATCH} (train's "
+                                         "--micro-batch-size bound)")
+    return n
+
+
 def stage(text) -> int:
     """``type=``: a ZeRO stage, 0, 1, 2 or 3."""
     n = integer(text)

@@ -191,6 +191,15 @@ CASES = [
     ("bench_setup_peak", ["--max-fraction", "-1"], "argument --max-fraction: '-1'"),
     ("bench_setup_peak", ["--zero", "7"], "--zero"),
     ("bench_setup_peak", ["--max-fraction", "0.25"], "--max-fraction 0.25 only applies with --check"),  # it ran
+    # before: accepted; a MemoryError after the header (bench_multihost: after both runs, a ZeroDivisionError; as
+    # root, 64 namespace hosts and 4,096 ranks); seq_memory --attention ignored --batch
+    ("bench_recompute", ["--batch", "100000"], "argument --batch: '100000': allowed: a micro-batch size in 1..4096"),
+    ("bench_seq_memory", ["--batch", "5000"], "argument --batch: '5000': allowed: a micro-batch size in 1..4096"),
+    ("bench_seq_memory", ["--attention", "--batch", "8"], "--batch: --attention measures one layer of the small "
+                                                          "model at b = 1 and takes none of --model, --batch"),
+    ("bench_multihost", ["--hosts", "64", "--slots", "64"], "--hosts 64 x --slots 64 is 4,096 ranks; allowed: at "
+                                                            "most 64"),
+    ("bench_multihost", ["--mib", "1e-9"], "--mib 1e-09 is below one float32 (4 bytes); allowed: at least 3.815e-06"),
     ("gpu_check", ["--budget-s", "-1"], "--budget-s must be a number of seconds in (0, 86400], got -1.0"),
     ("gpu_check", ["--steps", "8,3"], "--steps '8,3': give K,K+S, two integers with 1 <= K < K+S"),
     ("profile_step", ["--threads", "0"], "--threads 0 must be in 1.."),
@@ -261,7 +270,11 @@ class Launched(Exception):
     ("bench_precision", ["--model", "tiny"]),
     ("bench_multihost", []),
     ("bench_multihost", ["--rank"]),
+    ("bench_multihost", ["--hosts", "8", "--slots", "8", "--mib", "3.815e-06"]),  # the largest and the smallest
     ("bench_recompute", ["--model", "tiny"]),
+    ("bench_recompute", ["--batch", "4096"]),
+    ("bench_seq_memory", ["--attention"]),
+    ("bench_seq_memory", ["--batch", "4096", "--model", "tiny", "--repeats", "1"]),
     ("bench_setup_peak", ["--model", "tiny"]),
     ("bench_vs_torch", ["--default-malloc"]),
     ("gpu_check", ["--json", "g.json"]),
