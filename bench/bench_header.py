@@ -28,6 +28,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 
 
+def size_label(nbytes: int) -> str:
+    """``nbytes`` in the table: "16 MiB", "4 KiB", "100 B" (the unit that shows it whole)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes:,} B"
+
+
 def exchange(sizes: list, runs: int) -> None:
     """Under mpiexec: time both ways at each of ``sizes`` (bytes); rank 0 prints the table."""
     from mpi4py import MPI
@@ -75,8 +83,7 @@ def exchange(sizes: list, runs: int) -> None:
             comm.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
             med[w] = float(np.median(t))
         if r == 0:
-            size = f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
-            print(f"| {size} | {med['checked'] * 1e6:.1f} | {med['bare'] * 1e6:.1f} | "
+            print(f"| {size_label(nbytes)} | {med['checked'] * 1e6:.1f} | {med['bare'] * 1e6:.1f} | "
                   f"{med['checked'] / med['bare']:.2f} |", flush=True)
 
 

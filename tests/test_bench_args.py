@@ -151,7 +151,10 @@ CASES = [
     ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
     # before: accepted; under mpiexec every rank then failed to allocate the 100 TB message (MemoryError)
     ("bench_header", ["--sizes", "4096,99999999999999"], "argument --sizes: '4096,99999999999999': allowed: "
-                                                         "comma-separated byte counts in 1.."),
+                                                         "comma-separated byte counts in 4.."),
+    # before: accepted; 5 bytes sent 4 (a float32 array of 5 // 4), 2 bytes an empty message, shown as "0 KiB"
+    ("bench_header", ["--sizes", "4096,5"], "argument --sizes: '4096,5': allowed: comma-separated byte counts in 4.."),
+    ("bench_header", ["--sizes", "2"], "multiples of 4 (float32 messages), e.g. 4096,65536"),
     ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
     ("bench_multihost", ["--mib", "1e12"], "--mib 1e+12 is above this machine's memory"),  # before: MemoryError
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
@@ -246,6 +249,12 @@ def test_bench_help_says_every_default(name):
     assert r.returncode == 0 and "``" not in r.stdout
     blocks = [" ".join(b.split()) for b in r.stdout.split("options:")[1].split("\n  -")[1:]]
     assert blocks and all("(default" in b for b in blocks if not b.startswith(("h, --help", "-json", "-check"))), blocks
+
+
+def test_header_table_shows_each_size_whole():
+    """Before: 100 bytes showed as "0 KiB", 1,536 as "1 KiB"."""
+    label = load("bench_header").size_label
+    assert [label(n) for n in (100, 1536, 4096, 3 * 2**20)] == ["100 B", "1,536 B", "4 KiB", "3 MiB"]
 
 
 class Launched(Exception):
