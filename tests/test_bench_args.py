@@ -1,7 +1,8 @@
 """bench/*.py refuse bad flags argparse-style (exit 2, the flag, the value, what is allowed) before any run.
 
-Each script's ``main`` runs in this process with its launching function replaced by one that fails the test,
-so a missing check shows as a failure here, never as a benchmark run.
+Each script's ``main`` runs in this process (bench_setup_peak, which starts MPI on import, in a child) with the
+functions that start its work (LAUNCHERS) replaced by ones that fail the test, so a missing check shows as a failure
+here, never as a benchmark run. Every script that takes flags must be in LAUNCHERS, with a case in CASES.
 """
 import importlib.util
 import os
