@@ -75,9 +75,14 @@ def in_memory(text) -> int:
 
 
 def byte_sizes(text) -> list[int]:
-    """``type=``: a comma list of byte counts in 1..:func:`memory_bytes` ("4096,65536")."""
-    return _integers(text, 1, memory_bytes(), f"comma-separated byte counts in 1..{memory_bytes():,} (this machine's "
-                     "memory), e.g. 4096,65536")
+    """``type=``: a comma list of float32 message sizes, byte counts in 4..:func:`memory_bytes` that are multiples
+    of 4 ("4096,65536")."""
+    allowed = f"comma-separated byte counts in 4..{memory_bytes():,} (this machine's memory), multiples of 4 " \
+              "(float32 messages), e.g. 4096,65536"
+    sizes = _integers(text, 4, memory_bytes(), allowed)
+    if any(n % 4 for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: {allowed}")
+    return sizes
 
 
 def counts(text) -> list[int]:
@@ -91,6 +96,17 @@ def micro_batches(text) -> list[int]:
 
     return _integers(text, 1, MAX_MICRO_BATCH, f"comma-separated micro-batch sizes in 1..{MAX_MICRO_BATCH} (train's "
                      "--micro-batch-size bound)")
+
+
+def micro_batch(text) -> int:
+    """``type=``: a micro-batch size in 1..4096, train's --micro-batch-size bound."""
+    from minizero.flags import MAX_MICRO_BATCH
+
+    n = integer(text)
+    if not 1 <= n <= MAX_MICRO_BATCH:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a micro-batch size in 1..{MAX_MICRO_BATCH} (train's "
+                                         "--micro-batch-size bound)")
+    return n
 
 
 def stage(text) -> int:

@@ -28,12 +28,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 
 
-def main():
-    p = _args.parser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=_args.byte_sizes, default="4096,65536,1048576,16777216",
-                   help="comma list of message bytes")
-    p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
-    args = p.parse_args()
+def size_label(nbytes: int) -> str:
+    """``nbytes`` in the table: "16 MiB", "4 KiB", "100 B" (the unit that shows it whole)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes:,} B"
+
+
+def exchange(sizes: list, runs: int) -> None:
+    """Under mpiexec: time both ways at each of ``sizes`` (bytes); rank 0 prints the table."""
     from mpi4py import MPI
 
     from minizero.comm import world
@@ -59,16 +63,16 @@ def main():
               f"checked = comm.sendrecv as shipped, bare = the payload alone\n")
         print("| size | checked (us) | bare (us) | checked / bare |")
         print("|---:|---:|---:|---:|")
-    for nbytes in args.sizes:
+    for nbytes in sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
         y = np.empty_like(x)
-        runs = max(10, min(args.runs, args.runs * 2**20 // max(nbytes, 1)))
-        times = {w: np.empty(runs) for w in ways}
+        n_runs = max(10, min(runs, runs * 2**20 // max(nbytes, 1)))
+        times = {w: np.empty(n_runs) for w in ways}
         names = list(ways)
         for fn in ways.values():  # warm-up
             for _ in range(3):
                 fn(x, y)
-        for i in range(runs):
+        for i in range(n_runs):
             for w in names[i % 2:] + names[:i % 2]:
                 comm.barrier()
                 t = time.perf_counter()
@@ -79,9 +83,17 @@ def main():
             comm.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
             med[w] = float(np.median(t))
         if r == 0:
-            size = f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
-            print(f"| {size} | {med['checked'] * 1e6:.1f} | {med['bare'] * 1e6:.1f} | "
+            print(f"| {size_label(nbytes)} | {med['checked'] * 1e6:.1f} | {med['bare'] * 1e6:.1f} | "
                   f"{med['checked'] / med['bare']:.2f} |", flush=True)
+
+
+def main():
+    p = _args.parser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=_args.byte_sizes, default="4096,65536,1048576,16777216",
+                   help="comma list of message bytes")
+    p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
+    args = p.parse_args()
+    exchange(args.sizes, args.runs)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,11 @@ def main(argv=None) -> int:
     if a.mib * 2 ** 20 > _args.memory_bytes():  # each rank's buffer: a MemoryError in every rank
         p.error(f"--mib {a.mib:g} is above this machine's memory; allowed: up to "
                 f"{_args.memory_bytes() / 2 ** 20:,.0f} MiB")
+    if a.mib * 2 ** 20 < 4:  # before: an empty buffer, both algorithms run, then a ZeroDivisionError in the table
+        p.error(f"--mib {a.mib:g} is below one float32 (4 bytes); allowed: at least {4 / 2 ** 20:.4g} MiB")
+    if not a.rank and a.hosts * a.slots > _args.MAX_RANKS:  # before: as root, that many hosts and ranks started
+        p.error(f"--hosts {a.hosts} x --slots {a.slots} is {a.hosts * a.slots:,} ranks; allowed: at most "
+                f"{_args.MAX_RANKS}")
     if a.rank:
         rank_main(a.mib, a.repeats)
         return 0

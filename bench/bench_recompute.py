@@ -77,7 +77,7 @@ def formula(cfg, mode, batch):
 def main():
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=_args.preset, default="default")
-    p.add_argument("--batch", type=_args.count, default=4)
+    p.add_argument("--batch", type=_args.micro_batch, default=4)
     p.add_argument("--dropout", type=_args.probability, default=0.1)
     p.add_argument("--repeats", type=_args.count, default=5)
     p.add_argument("--threads", type=_args.count, default=1, help="BLAS threads")

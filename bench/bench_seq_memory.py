@@ -199,13 +199,18 @@ def attribution_calls(model_name: str, b: int, s: int, reps: int = 2000) -> tupl
 
 def main():
     p = _args.parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=_args.preset, default="default")
-    p.add_argument("--batch", type=_args.count, default=4)
-    p.add_argument("--repeats", type=_args.count, default=15)
+    p.add_argument("--model", type=_args.preset, default=None, help="(default: default; not with --attention)")
+    p.add_argument("--batch", type=_args.micro_batch, default=None, help="(default: 4; not with --attention)")
+    p.add_argument("--repeats", type=_args.count, default=None, help="(default: 15; not with --attention)")
     p.add_argument("--png", default=None, type=_args.file_path,
                    help="default seq_memory.png (flash_memory.png with --attention) in the current folder")
     p.add_argument("--attention", action="store_true", help="dense vs flash attention, s = 256 ... 8192")
     args = p.parse_args()
+    given = [f"--{k}" for k in ("model", "batch", "repeats") if getattr(args, k) is not None]
+    if args.attention and given:  # before: ignored, the small model's one layer at b = 1 measured
+        p.error(f"{' and '.join(given)}: --attention measures one layer of the small model at b = 1 and takes none "
+                "of --model, --batch, --repeats; drop them or --attention")
+    args.model, args.batch, args.repeats = args.model or "default", args.batch or 4, args.repeats or 15
     args.png = args.png or ("flash_memory.png" if args.attention else "seq_memory.png")
     _args.check_output_path(p, "--png", args.png)
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads

@@ -125,6 +125,35 @@ def float32_sizes(text) -> list[int]:
     return sizes
 
 
+def launch(n: int, sizes, runs: int, warmup: int) -> int:
+    """Runs this script under ``mpiexec -n n`` with the same flags; its exit status."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(n), sys.executable,
+           os.path.abspath(__file__), "--sizes", ",".join(map(str, sizes)), "--runs", str(runs),
+           "--warmup", str(warmup)]
+    return subprocess.run(cmd, env=env, timeout=600).returncode
+
+
+def profile(sizes, runs: int, warmup: int) -> None:
+    """Under mpiexec: measure every layer at each size; rank 0 prints the table."""
+    from minizero.comm import world
+    from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
+
+    malloc = _machine.set_malloc(False)  # as the main job
+    n = world().world_size
+    if n < 2 or n & (n - 1):
+        raise SystemExit(f"profile_collective.py: run it on a power-of-two number of ranks >= 2, got {n}")
+    comm, results = measure(sizes, runs, warmup)
+    if comm.rank == 0:
+        cores = _machine.cores()
+        print(f"all_reduce layer by layer, N={n} | {_machine.header()} | {malloc} | "
+              + ("one core per rank or more" if n <= cores else f"oversubscribed ({n} ranks, {cores} cores)"))
+        print("microseconds per call, median of runs of 20 back-to-back calls, slowest rank; recursive doubling "
+              f"(minizero's all_reduce up to {SMALL_ALLREDUCE_MAX_BYTES} bytes)\n")
+        print(table(results))
+
+
 def main():
     parser = _args.parser(__doc__)
     parser.add_argument("--launch", type=_args.world_size, metavar="N",
@@ -135,32 +164,11 @@ def main():
     parser.add_argument("--warmup", type=_args.at_least(0), default=200, help="untimed calls per layer and size")
     args = parser.parse_args()
     _args.check_environment(parser)
-    sizes = args.sizes
-    from minizero.comm.recursive_doubling import SMALL_ALLREDUCE_MAX_BYTES
-
     if args.launch is not None:
         if args.launch < 2 or args.launch & (args.launch - 1):
             parser.error(f"--launch {args.launch}: needs a power of two >= 2 (recursive doubling without a fold)")
-        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.launch), sys.executable,
-               os.path.abspath(__file__), "--sizes", ",".join(map(str, sizes)), "--runs", str(args.runs),
-               "--warmup", str(args.warmup)]
-        sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)
-    malloc = _machine.set_malloc(False)  # as the main job
-    from minizero.comm import world
-
-    n = world().world_size
-    if n < 2 or n & (n - 1):
-        raise SystemExit(f"profile_collective.py: run it on a power-of-two number of ranks >= 2, got {n}")
-    comm, results = measure(sizes, args.runs, args.warmup)
-    if comm.rank == 0:
-        cores = _machine.cores()
-        print(f"all_reduce layer by layer, N={n} | {_machine.header()} | {malloc} | "
-              + ("one core per rank or more" if n <= cores else f"oversubscribed ({n} ranks, {cores} cores)"))
-        print("microseconds per call, median of runs of 20 back-to-back calls, slowest rank; recursive doubling "
-              f"(minizero's all_reduce up to {SMALL_ALLREDUCE_MAX_BYTES} bytes)\n")
-        print(table(results))
+        sys.exit(launch(args.launch, args.sizes, args.runs, args.warmup))
+    profile(args.sizes, args.runs, args.warmup)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """bench/*.py refuse bad flags argparse-style (exit 2, the flag, the value, what is allowed) before any run.
 
-Each script's ``main`` runs in this process with its launching function replaced by one that fails the test,
-so a missing check shows as a failure here, never as a benchmark run.
+Each script's ``main`` runs in this process (bench_setup_peak, which starts MPI on import, in a child) with the
+functions that start its work (LAUNCHERS) replaced by ones that fail the test, so a missing check shows as a failure
+here, never as a benchmark run. Every script that takes flags must be in LAUNCHERS, with a case in CASES.
 """
 import importlib.util
 import os
@@ -24,30 +25,67 @@ def load(name):
     return module
 
 
-LAUNCHERS = {"bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
-             "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
-             "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
-             "bench_qlora": ("train_base", "finetune_main"),
-             "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm",
-                                    "table_prune_one_shot", "table_sparse_training")}
+LAUNCHERS = {  # per script, the functions that start its work: a test replaces them, so no bad flag can start a run
+    "bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
+    "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
+    "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
+    "bench_qlora": ("train_base", "finetune_main"),
+    "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm", "table_prune_one_shot",
+                           "table_sparse_training"),
+    "bench_flight": ("job", "per_op_us", "ops_per_step"), "bench_header": ("exchange",),
+    "bench_low_precision": ("run_in_threads",), "bench_precision": ("run_in_threads",),
+    "bench_multihost": ("rank_main", "launch"), "bench_recompute": ("saved_after_forward", "step_time"),
+    "bench_setup_peak": ("measure",), "bench_vs_torch": ("import_torch", "sgemm_peak", "bench"),
+    "gpu_check": ("probe", "nccl_worker", "torch_worker"), "profile_collective": ("launch", "profile"),
+    "profile_step": ("profile_worker", "main_precision", "import_torch", "profile"),
+}
+IN_A_PROCESS = {"bench_setup_peak"}  # imports mpi4py's MPI (MPI_Init) when loaded: not in the test process
+
+# a child process that runs bench/NAME.py's main with LAUNCHERS[NAME] replaced: each exits 3, saying so
+PATCHED = """import importlib.util, sys
+path, launchers, argv = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+spec = importlib.util.spec_from_file_location("_bench", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+def launched(*a, **k):
+    print(f"{argv[0]} {argv[1:]} started a run", file=sys.stderr)
+    sys.exit(3)
+for fn in launchers:
+    getattr(module, fn)  # AttributeError: LAUNCHERS names a function the script lacks
+    setattr(module, fn, launched)
+sys.argv = argv
+sys.exit(module.main())
+"""
+
+
+def patched_process(name, argv) -> subprocess.CompletedProcess:
+    """``main()`` of bench/NAME.py with ``argv`` in a child process, its launchers replaced (exit 3 when one is
+    reached)."""
+    cmd = [sys.executable, "-c", PATCHED, os.path.join(BENCH, f"{name}.py"), ",".join(LAUNCHERS[name]), f"{name}.py"]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
 
 
 def refusal(monkeypatch, capsys, name, argv) -> str:
-    """``main()`` of bench/NAME.py with ``argv``: asserts exit 2 and nothing launched; returns stderr, its lines
-    joined (one refusal, wrapped at 120 columns: conftest.one_refusal)."""
-    module = load(name)
+    """``main()`` of bench/NAME.py with ``argv`` (in a child process for IN_A_PROCESS): asserts exit 2 and nothing
+    launched; returns stderr, its lines joined (one refusal, wrapped at 120 columns: conftest.one_refusal)."""
+    if name in IN_A_PROCESS:
+        r = patched_process(name, argv)
+        code, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        module = load(name)
 
-    def launched(*a, **k):
-        raise AssertionError(f"{name} {argv} started a run")
+        def launched(*a, **k):
+            raise AssertionError(f"{name} {argv} started a run")
 
-    for fn in LAUNCHERS[name]:
-        monkeypatch.setattr(module, fn, launched)
-    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
-    with pytest.raises(SystemExit) as e:
-        module.main()
-    out, err = capsys.readouterr()
-    assert e.value.code == 2 and out == "", (out, err)  # no header (date, CPU, BLAS) above the refusal
-    assert err.startswith(f"{name}.py: error:") and "Traceback" not in err  # no usage block above it
+        for fn in LAUNCHERS[name]:
+            monkeypatch.setattr(module, fn, launched)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            module.main()
+        (out, err), code = capsys.readouterr(), e.value.code
+    assert code == 2 and out == "", (code, out, err)  # no header (date, CPU, BLAS) above the refusal
+    assert err.startswith(f"{name}.py: error:"), err  # no usage block above it
+    assert "Traceback" not in err and "UsageError" not in err, err
     return one_refusal(err)
 
 
@@ -110,99 +148,14 @@ CASES = [
     # before: a CalledProcessError traceback (train refused the steps); the base trained, then fine-tune refused
     ("bench_qlora", ["--base-steps", "2000000000"], "refuses these flags at 1 rank(s): --steps must be <= 1,000,"),
     ("bench_qlora", ["--steps", "2000000000"], "--steps 2,000,000,000 is above fine-tune's 1,000,000,000"),
-]
-
-
-@pytest.mark.parametrize("name,argv,says", CASES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in CASES])
-def test_bad_flag_is_refused_before_any_run(monkeypatch, capsys, name, argv, says):
-    assert says in refusal(monkeypatch, capsys, name, argv)
-
-
-def test_allowed_values_are_named(monkeypatch, capsys):
-    assert "allowed: an integer >= 1" in refusal(monkeypatch, capsys, "bench_allreduce", ["--min-bytes", "0"])
-    assert "allowed: a finite number > 0" in refusal(monkeypatch, capsys, "bench_overlap", ["--bucket-mb", "inf"])
-    assert "allowed: a number of ranks in [1, 64]" in refusal(monkeypatch, capsys, "bench_memory", ["--ranks", "0"])
-
-
-def script(name, *argv):
-    """``python bench/NAME.py ARGV`` as a process (short timeout: none of these may start a run)."""
-    return subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *argv], capture_output=True,
-                          text=True, timeout=60, cwd=REPO_ROOT)
-
-
-def test_allreduce_min_bytes_zero_exits_at_once():  # it looped forever, allocating
-    r = script("bench_allreduce", "--min-bytes", "0")
-    assert r.returncode == 2 and "argument --min-bytes: '0' is below 1" in r.stderr
-
-
-@pytest.mark.parametrize("argv,says", [
-    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
-    (["--max-fraction"], "argument --max-fraction: expected one argument"),
-    (["--max-fraction", "abc"], "argument --max-fraction: invalid float value: 'abc'"),
-    (["--max-fraction", "nan"], "argument --max-fraction: 'nan': allowed: a number in (0, 1]"),
-    (["--max-fraction", "-1"], "argument --max-fraction: '-1'"),
-    (["--zero", "7"], "--zero"),
-    (["--max-fraction", "0.25"], "--max-fraction 0.25 only applies with --check"),  # before: ran, checked nothing
-])
-def test_setup_peak_refuses_bad_flags(argv, says):
-    r = script("bench_setup_peak", *argv)
-    assert r.returncode == 2 and r.stderr.startswith("bench_setup_peak.py: error:") and says in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and "UsageError" not in r.stderr
-
-
-def test_setup_peak_help_is_its_own():
-    r = script("bench_setup_peak", "--help")
-    assert r.returncode == 0 and r.stdout.startswith("usage: bench_setup_peak.py")
-    text = " ".join(r.stdout.split())  # argparse wraps at the terminal's width
-    assert "--max-fraction F" in text and "python -m minizero.train --help" in text
-
-
-@pytest.mark.parametrize("name", ["bench_memory", "bench_header", "bench_flight"])
-def test_bench_help_says_every_default(name):
-    """Before: "--steps STEPS" alone (no help text, so argparse showed no default), and bench_header's
-    description read "``MPICommunicator``"."""
-    r = script(name, "--help")
-    assert r.returncode == 0 and "``" not in r.stdout
-    blocks = [" ".join(b.split()) for b in r.stdout.split("options:")[1].split("\n  -")[1:]]
-    assert blocks and all("(default" in b for b in blocks if not b.startswith(("h, --help", "-json", "-check"))), blocks
-
-
-class Launched(Exception):
-    """The stub launcher was reached: every check passed."""
-
-
-@pytest.mark.parametrize("name,argv", [
-    ("bench_allreduce", ["--launch", "2,4,8", "--op", "all"]),
-    ("bench_allreduce", ["--min-bytes", "8", "--max-bytes", "8", "--warmup", "0"]),
-    ("bench_overlap", ["--ranks", "4,2", "--steps", "5", "--figure", "x.png"]),
-    ("bench_speedup", ["--malloc", "--ranks", "1,2,8", "--steps", "20", "--repeats", "2"]),
-    ("bench_speedup", ["--base", "HEAD", "--precision", "--ranks", "1", "--micro-batch-size", "8"]),
-    ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
-    ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
-    ("bench_memory", []),
-    ("bench_defaults", []),
-    ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
-    ("bench_3d_main_job", []),  # both layouts' flags pass train's checks at 8 ranks
-], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
-def test_documented_flags_reach_the_run(monkeypatch, name, argv):
-    module = load(name)
-
-    def launched(*a, **k):
-        raise Launched
-
-    for fn in LAUNCHERS[name]:
-        monkeypatch.setattr(module, fn, launched)
-    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
-    with pytest.raises(Launched):
-        module.main()
-
-
-@pytest.mark.parametrize("name,argv,says", [
     ("bench_flight", ["--zero", "4"], "argument --zero: '4': allowed: a ZeRO stage, 0, 1, 2 or 3"),
     ("bench_header", ["--sizes", "4096,"], "argument --sizes: '4096,'"),
     # before: accepted; under mpiexec every rank then failed to allocate the 100 TB message (MemoryError)
     ("bench_header", ["--sizes", "4096,99999999999999"], "argument --sizes: '4096,99999999999999': allowed: "
-                                                         "comma-separated byte counts in 1.."),
+                                                         "comma-separated byte counts in 4.."),
+    # before: accepted; 5 bytes sent 4 (a float32 array of 5 // 4), 2 bytes an empty message, shown as "0 KiB"
+    ("bench_header", ["--sizes", "4096,5"], "argument --sizes: '4096,5': allowed: comma-separated byte counts in 4.."),
+    ("bench_header", ["--sizes", "2"], "multiples of 4 (float32 messages), e.g. 4096,65536"),
     ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
     ("bench_multihost", ["--mib", "1e12"], "--mib 1e+12 is above this machine's memory"),  # before: MemoryError
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),
@@ -234,11 +187,140 @@ def test_documented_flags_reach_the_run(monkeypatch, name, argv):
     ("bench_low_precision", ["--micro-batch-size", "5000"], "python -m minizero.train refuses these flags at 1 rank"),
     ("bench_precision", ["--initial-loss-scale", "1e30"], "python -m minizero.train refuses these flags at 1 rank"),
     ("bench_recompute", ["--dropout", "1.5"], "argument --dropout: '1.5': allowed: a probability in [0, 1)"),
-])
-def test_other_scripts_refuse_bad_flags(name, argv, says):
-    r = script(name, *argv)
-    assert r.returncode == 2 and r.stderr.startswith(f"{name}.py: error: ") and says in one_refusal(r.stderr), r.stderr
-    assert r.stdout == "", r.stdout  # before: bench_flight, bench_low_precision, ... printed their header first
+    # bench_setup_peak: in a child process (MPI_Init), its launcher replaced
+    ("bench_setup_peak", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    ("bench_setup_peak", ["--max-fraction"], "argument --max-fraction: expected one argument"),
+    ("bench_setup_peak", ["--max-fraction", "abc"], "argument --max-fraction: invalid float value: 'abc'"),
+    ("bench_setup_peak", ["--max-fraction", "nan"], "argument --max-fraction: 'nan': allowed: a number in (0, 1]"),
+    ("bench_setup_peak", ["--max-fraction", "-1"], "argument --max-fraction: '-1'"),
+    ("bench_setup_peak", ["--zero", "7"], "--zero"),
+    ("bench_setup_peak", ["--max-fraction", "0.25"], "--max-fraction 0.25 only applies with --check"),  # it ran
+    # before: accepted; a MemoryError after the header (bench_multihost: after both runs, a ZeroDivisionError; as
+    # root, 64 namespace hosts and 4,096 ranks); seq_memory --attention ignored --batch
+    ("bench_recompute", ["--batch", "100000"], "argument --batch: '100000': allowed: a micro-batch size in 1..4096"),
+    ("bench_seq_memory", ["--batch", "5000"], "argument --batch: '5000': allowed: a micro-batch size in 1..4096"),
+    ("bench_seq_memory", ["--attention", "--batch", "8"], "--batch: --attention measures one layer of the small "
+                                                          "model at b = 1 and takes none of --model, --batch"),
+    ("bench_multihost", ["--hosts", "64", "--slots", "64"], "--hosts 64 x --slots 64 is 4,096 ranks; allowed: at "
+                                                            "most 64"),
+    ("bench_multihost", ["--mib", "1e-9"], "--mib 1e-09 is below one float32 (4 bytes); allowed: at least 3.815e-06"),
+    ("gpu_check", ["--budget-s", "-1"], "--budget-s must be a number of seconds in (0, 86400], got -1.0"),
+    ("gpu_check", ["--steps", "8,3"], "--steps '8,3': give K,K+S, two integers with 1 <= K < K+S"),
+    ("profile_step", ["--threads", "0"], "--threads 0 must be in 1.."),
+    ("profile_step", ["--batch", "8,8"], "--batch takes whole numbers in 1..4096, each once"),
+    ("profile_step", ["--precision", "fp8"], "--precision takes fp32 and fp16, each once"),
+    ("profile_step", ["--device", "strict"], "--device and --model profile the main job's loop: give --precision too"),
+]
+
+
+@pytest.mark.parametrize("name,argv,says", CASES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in CASES])
+def test_bad_flag_is_refused_before_any_run(monkeypatch, capsys, name, argv, says):
+    assert says in refusal(monkeypatch, capsys, name, argv)
+
+
+def test_allowed_values_are_named(monkeypatch, capsys):
+    assert "allowed: an integer >= 1" in refusal(monkeypatch, capsys, "bench_allreduce", ["--min-bytes", "0"])
+    assert "allowed: a finite number > 0" in refusal(monkeypatch, capsys, "bench_overlap", ["--bucket-mb", "inf"])
+    assert "allowed: a number of ranks in [1, 64]" in refusal(monkeypatch, capsys, "bench_memory", ["--ranks", "0"])
+
+
+def script(name, *argv):
+    """``python bench/NAME.py ARGV`` as a process (short timeout: none of these may start a run)."""
+    return subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *argv], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT)
+
+
+def test_allreduce_min_bytes_zero_exits_at_once():  # it looped forever, allocating
+    r = script("bench_allreduce", "--min-bytes", "0")
+    assert r.returncode == 2 and "argument --min-bytes: '0' is below 1" in r.stderr
+
+
+def test_setup_peak_help_is_its_own():
+    r = script("bench_setup_peak", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: bench_setup_peak.py")
+    text = " ".join(r.stdout.split())  # argparse wraps at the terminal's width
+    assert "--max-fraction F" in text and "python -m minizero.train --help" in text
+
+
+@pytest.mark.parametrize("name", ["bench_memory", "bench_header", "bench_flight"])
+def test_bench_help_says_every_default(name):
+    """Before: "--steps STEPS" alone (no help text, so argparse showed no default), and bench_header's
+    description read "``MPICommunicator``"."""
+    r = script(name, "--help")
+    assert r.returncode == 0 and "``" not in r.stdout
+    blocks = [" ".join(b.split()) for b in r.stdout.split("options:")[1].split("\n  -")[1:]]
+    assert blocks and all("(default" in b for b in blocks if not b.startswith(("h, --help", "-json", "-check"))), blocks
+
+
+def test_header_table_shows_each_size_whole():
+    """Before: 100 bytes showed as "0 KiB", 1,536 as "1 KiB"."""
+    label = load("bench_header").size_label
+    assert [label(n) for n in (100, 1536, 4096, 3 * 2**20)] == ["100 B", "1,536 B", "4 KiB", "3 MiB"]
+
+
+class Launched(Exception):
+    """The stub launcher was reached: every check passed."""
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("bench_allreduce", ["--launch", "2,4,8", "--op", "all"]),
+    ("bench_allreduce", ["--min-bytes", "8", "--max-bytes", "8", "--warmup", "0"]),
+    ("bench_overlap", ["--ranks", "4,2", "--steps", "5", "--figure", "x.png"]),
+    ("bench_speedup", ["--malloc", "--ranks", "1,2,8", "--steps", "20", "--repeats", "2"]),
+    ("bench_speedup", ["--base", "HEAD", "--precision", "--ranks", "1", "--micro-batch-size", "8"]),
+    ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
+    ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
+    ("bench_memory", []),
+    ("bench_defaults", []),
+    ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
+    ("bench_3d_main_job", []),  # both layouts' flags pass train's checks at 8 ranks
+    ("bench_flight", ["--model", "tiny"]),
+    ("bench_header", []),
+    ("bench_low_precision", ["--model", "tiny"]),
+    ("bench_precision", ["--model", "tiny"]),
+    ("bench_multihost", []),
+    ("bench_multihost", ["--rank"]),
+    ("bench_multihost", ["--hosts", "8", "--slots", "8", "--mib", "3.815e-06"]),  # the largest and the smallest
+    ("bench_recompute", ["--model", "tiny"]),
+    ("bench_recompute", ["--batch", "4096"]),
+    ("bench_seq_memory", ["--attention"]),
+    ("bench_seq_memory", ["--batch", "4096", "--model", "tiny", "--repeats", "1"]),
+    ("bench_setup_peak", ["--model", "tiny"]),
+    ("bench_vs_torch", ["--default-malloc"]),
+    ("gpu_check", ["--json", "g.json"]),
+    ("profile_collective", []),
+    ("profile_collective", ["--launch", "2"]),
+    ("profile_step", ["--default-malloc"]),
+    ("profile_step", ["--precision", "fp32", "--default-malloc"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_flags_reach_the_run(monkeypatch, tmp_path, name, argv):
+    """Good flags reach one of LAUNCHERS[name]: the functions listed are the ones that start the work."""
+    if name in IN_A_PROCESS:
+        r = patched_process(name, argv)
+        assert r.returncode == 3 and "started a run" in r.stderr, (r.returncode, r.stderr)
+        return
+    monkeypatch.chdir(tmp_path)  # gpu_check's --json, bench_overlap's figure: paths in a fresh folder
+    module = load(name)
+
+    def launched(*a, **k):
+        raise Launched
+
+    for fn in LAUNCHERS[name]:
+        monkeypatch.setattr(module, fn, launched)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(Launched):
+        module.main()
+
+
+def scripts() -> list:
+    """The names of bench/*.py that are programs (not the shared _args, _machine)."""
+    return sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py") and f[0] != "_")
+
+
+def takes_flags(name) -> bool:
+    """bench/NAME.py declares an argparse flag."""
+    with open(os.path.join(BENCH, f"{name}.py")) as f:
+        return ".add_argument(" in f.read()
 
 
 ONE_BAD_FLAG = {  # per script, a flag refused after argparse's own checks (the ones that were late), else a type
@@ -251,11 +333,10 @@ ONE_BAD_FLAG = {  # per script, a flag refused after argparse's own checks (the 
     "bench_speedup": ["--ranks", "x"], "bench_train": ["--model", "x"], "bench_vs_torch": ["--threads", "-1"],
     "gpu_check": ["--budget-s", "-1"], "profile_collective": ["--runs", "0"], "profile_step": ["--threads", "-1"],
 }
-IN_A_PROCESS = {"bench_setup_peak"}  # imports mpi4py's MPI (MPI_Init) when loaded: not in the test process
 
 
 def test_every_script_is_in_the_bad_flag_sweep():
-    assert sorted(ONE_BAD_FLAG) == sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py") and f[0] != "_")
+    assert sorted(ONE_BAD_FLAG) == scripts()
 
 
 @pytest.mark.parametrize("name", sorted(ONE_BAD_FLAG))
@@ -264,24 +345,17 @@ def test_a_bad_flag_is_the_only_output(monkeypatch, capsys, name):
     bench_seq_memory, bench_quantization, bench_low_precision and bench_3d_main_job printed their header (date, CPU,
     BLAS) on stdout first; bench_qlora --weights a missing file printed the header and the plan, then fine-tune's
     refusal; bench_3d_main_job's --short-steps exited 1 without its name."""
-    argv = ONE_BAD_FLAG[name]
-    if name in IN_A_PROCESS:
-        r = script(name, *argv)
-        code, out, err = r.returncode, r.stdout, r.stderr
-    else:
-        module = load(name)
+    refusal(monkeypatch, capsys, name, ONE_BAD_FLAG[name])
 
-        def launched(*a, **k):  # a regression that accepts the flag fails here, before any run
-            raise AssertionError(f"{name} {argv} started a run")
 
-        for fn in LAUNCHERS.get(name, ()):
-            monkeypatch.setattr(module, fn, launched)
-        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
-        with pytest.raises(SystemExit) as e:
-            module.main()
-        (out, err), code = capsys.readouterr(), e.value.code
-    assert code == 2 and out == "" and err.startswith(f"{name}.py: error: "), (code, out, err)
-    one_refusal(err)  # one refusal, its lines <= 120 columns
+def test_every_script_with_flags_has_its_launchers_listed():
+    """A script missing from LAUNCHERS would really run (minutes) when a regression accepts a test's bad flag."""
+    assert [n for n in scripts() if takes_flags(n) and n not in LAUNCHERS] == []
+    assert sorted(set(LAUNCHERS) - set(scripts())) == []  # no entry for a removed script
+
+
+def test_every_listed_script_has_a_bad_flag_case():
+    assert sorted(set(LAUNCHERS) - {name for name, _, _ in CASES}) == []
 
 
 GPU_CHECK_CASES = [
