@@ -242,6 +242,6 @@ def in_width(x: float, width: int, decimals: int = 0) -> str:
 
 
 def significant(x: float, width: int, digits: int = 3) -> str:
-    """``x`` to ``digits`` significant digits, right-aligned in ``width`` columns: ``0.0612``, ``9.05e-05`` (a step
-    time well under a millisecond must not read 0.000)."""
-    return f"{x:.{digits}g}".rjust(width)
+    """``x`` to ``digits`` significant digits, trailing zeros kept, right-aligned in ``width`` columns: ``0.140``,
+    ``9.05e-05`` (a step time well under a millisecond must not read 0.000), ``100``."""
+    return f"{x:#.{digits}g}".rstrip(".").rjust(width)

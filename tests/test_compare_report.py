@@ -70,6 +70,8 @@ def test_the_terminal_shows_the_essential_columns_in_120_and_compare_md_keeps_ev
     assert row.split()[2:] == ["845.16", "941.90", "0.0%", "1,177.38", "123,457", "12.3", "0.000217", "56892.5x"]
     ends = [sum(w + 2 for _, w in COLUMNS[:i + 1]) - 2 for i in range(len(COLUMNS))]
     assert all(line[e - 1] != " " for line in shown[:3] for e in ends[2:])  # numbers under their header, right
+    from minizero.numerals import significant
+    assert [significant(x, 6) for x in (0.14, 100, 9.05e-05)] == [" 0.140", "   100", "9.05e-05"]  # 0.14 beside 0.109
     assert "failed: exit status 1" in shown[5] and shown[6].startswith("      ")  # the cause wrapped, indented
     assert {h.split()[0] for h, _ in COLUMNS} - {"ranks", "strategy", "predicted"} <= {
         line.split()[0] for line in shown if line.startswith("  ")}  # the key names every column
