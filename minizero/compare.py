@@ -1,10 +1,11 @@
 """``python -m minizero.compare``: every memory technique, measured, beside the estimator's prediction.
 
 For each world size and strategy of :data:`STRATEGIES` it runs ``mpiexec -n N python -m minizero.train ...
---json PATH`` and prints per rank the ledger's peak bytes by category, the tracemalloc peak, the estimator's
-prediction (``accounting="minizero"``), tokens/s, and measured vs predicted step time on a hardware profile
-measured first (:mod:`minizero.hardware`). Writes ``OUT/compare.md``, ``OUT/compare.png`` and the JSON
-(bytes), each through a temporary name. A failed run is reported with its cause and the rest continue (exit
+--json PATH``, then writes to ``OUT/compare.md`` a table of rank 0's ledger peak bytes by category beside the
+estimator's prediction (``accounting="minizero"``), the tracemalloc peak, tokens/s, and measured vs predicted step
+time on a hardware profile measured first (:mod:`minizero.hardware`). The terminal shows in 120 columns the totals,
+the speed and the file's name (compare_report.terminal says why these). Also writes ``OUT/compare.png`` and the
+JSON (bytes), each through a temporary name. A failed run is reported with its cause and the rest continue (exit
 status 1); bad arguments exit with status 2 and one line naming the value. MiB = 2**20 bytes."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, 
                                        precision_for_dtype)
 from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
-                                     markdown, on_terminal, plot)
+                                     markdown, plot, terminal)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
@@ -365,7 +366,7 @@ def _main(argv=None) -> int:
             runs.append(run)
     table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
                      hardware_line(profile) if profile is not None else None)
-    print("\n" + on_terminal(table))
+    print("\n" + terminal(runs), flush=True)
     md, png = os.path.join(args.out, "compare.md"), os.path.join(args.out, "compare.png")
     any_ok = any(r["ok"] for r in runs)
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
@@ -380,7 +381,8 @@ def _main(argv=None) -> int:
         print(error_lines("python -m minizero.compare", str(e.strerror)), file=sys.stderr)
         return 1
     why = "no run succeeded" if not any_ok else "matplotlib is not installed; pip install matplotlib"
-    print(f"wrote {md}, {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})"))
+    print(wrapped(f"\nthe whole table (memory by category, measured / estimated; what each column means): {md}\n"
+                  f"also wrote {args.json}" + (f", {png}" if wrote_png else f" (no PNG: {why})")))
     failed = [r for r in runs if not r["ok"]]
     off = [r for r in runs if r["ok"] and not r["within_tolerance"]]
     for r in off:

@@ -1,4 +1,5 @@
-"""The report of ``python -m minizero.compare``: its Markdown table and its figure.
+"""The report of ``python -m minizero.compare``: its Markdown table (``OUT/compare.md``, every column), the
+terminal's table (the essentials in 120 columns, :func:`terminal`) and its figure.
 
 Units: MiB = 2**20 bytes in the table and the figure; the runs hold bytes.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 from minizero.files import atomic_write
 from minizero.ledger import wrap
 from minizero.memory.estimator import DEVICE_CATEGORIES
-from minizero.numerals import wrapped
+from minizero.numerals import in_width, significant_column, wrapped
 
 #: categories shown per rank (the ledger's), and the unit of the table
 SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
@@ -77,10 +78,50 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
     return "\n".join(lines) + "\n"
 
 
-def on_terminal(text: str) -> str:
-    """:func:`markdown`'s text as the terminal shows it: each paragraph over lines of <= 120 columns, the tables'
-    rows as they are (a row cut in two is no row)."""
-    return "\n".join(line if line.startswith("|") else wrapped(line) for line in text.splitlines())
+#: the terminal table's columns, (header, width), each separated by two spaces; 103 columns in all
+COLUMNS = (("ranks", 5), ("strategy", 12), ("device MiB", 10), ("estimate", 8), ("worst", 6), ("process MiB", 11),
+           ("tokens/s", 8), ("step s", 8), ("predicted", 9), ("ratio", 8))
+KEY = ("Columns (rank 0; MiB = 2^20 bytes):",
+       "  device       the ledger's peaks summed over the categories except offloaded (not one simultaneous peak)",
+       "  estimate     the same total as estimate_memory(..., accounting=\"minizero\") predicts it",
+       "  worst        the largest |estimate - measured| / measured over categories and ranks",
+       "  process      tracemalloc's peak: every NumPy allocation of the process",
+       "  tokens/s     over these few steps, the first included: rough",
+       "  step s       seconds per step, the first included; predicted: the planner's, on the hardware profile above",
+       "  ratio        step s / predicted (lesson 08: what the planner leaves out)")
+
+
+def terminal(runs: list[dict]) -> str:
+    """The comparison as the terminal shows it: one fixed-width row per run (:data:`COLUMNS`), a blank line between
+    world sizes, then :data:`KEY`; every line <= 120 columns.
+
+    The columns are the memory/speed trade-off a reader weighs: rank 0's device total measured beside the estimate
+    and the worst per-category gap (does the memory model hold?), the process peak (what the machine holds: on NumPy
+    cpu offload does not lower it, nvme does), tokens/s, and seconds per step measured beside the planner's
+    prediction, with their ratio. Why a total moved (the per-category cells), NVMe files, the device totals by world
+    size and the caption are in :func:`markdown`'s table, which compare writes to ``OUT/compare.md``: its 15 columns
+    take 170-190, and a Markdown row cut in two is no row.
+    """
+    def row(*cells):
+        return "  ".join(c.ljust(w) if h == "strategy" else c.rjust(w) for c, (h, w) in zip(cells, COLUMNS)).rstrip()
+
+    lines = [row(*(h for h, _ in COLUMNS))]
+    for i, r in enumerate(runs):
+        if i and r["ranks"] != runs[i - 1]["ranks"]:
+            lines.append("")
+        if not r["ok"]:
+            lines.append(wrapped(f"{r['ranks']:>5}  {r['strategy']:<12}  failed: {r['error']}"))
+            continue
+        m = r["measured"]
+        device = sum(m["per_rank"][0][c] for c in DEVICE_CATEGORIES)
+        pred = r.get("predicted_step_s")
+        lines.append(row(str(r["ranks"]), r["strategy"], in_width(device / MIB, 10, 2),
+                         in_width(r["estimate"]["total"] / MIB, 8, 2),
+                         in_width(100 * max(r["deviation"].values()), 5, 1) + "%",
+                         in_width(m["process_peak_bytes"][0] / MIB, 11, 2), in_width(m["tokens_per_s"], 8),
+                         significant_column(r["step_s"], 8), "-" if pred is None else significant_column(pred, 9),
+                         "-" if pred is None else in_width(r["step_s"] / pred, 7, 1) + "x"))
+    return "\n".join(lines + ["", *KEY])
 
 
 def totals_by_world_size(runs: list[dict]) -> list[str]:

@@ -234,10 +234,11 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def in_width(x: float, width: int) -> str:
-    """``x`` right-aligned in ``width`` columns: ``22,144,603`` where it fits, else ``22144603``, else ``2.21e+10``
-    (plan's tokens/s and micro-batches of a tiny model pushed its rows past the header)."""
-    fits = [t for t in (f"{x:,.0f}", f"{x:.0f}") if len(t) <= width]
+def in_width(x: float, width: int, decimals: int = 0) -> str:
+    """``x`` right-aligned in ``width`` columns with ``decimals`` digits after the point: ``22,144,603`` where it
+    fits, else ``22144603``, else ``2.21e+10`` (plan's tokens/s and micro-batches of a tiny model pushed its rows
+    past the header)."""
+    fits = [t for t in (f"{x:,.{decimals}f}", f"{x:.{decimals}f}") if len(t) <= width]
     return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)
 
 
@@ -246,3 +247,9 @@ def significant(x: float, digits: int = 3) -> str:
     ``0.0468``, ``36.9``, ``1,354`` (plan's seconds read 1.35e+03 before), ``1,000`` for 999.7."""
     text = f"{x:.{digits}g}"
     return f"{x:,.0f}" if "e+" in text else text
+
+
+def significant_column(x: float, width: int, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, trailing zeros kept, right-aligned in ``width`` columns: ``0.140``,
+    ``9.05e-05`` (a step time well under a millisecond must not read 0.000), ``100``."""
+    return f"{x:#.{digits}g}".rstrip(".").rjust(width)

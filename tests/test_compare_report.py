@@ -36,16 +36,45 @@ def test_the_table_says_in_one_short_line_that_its_device_total_is_no_simultaneo
     assert "not one simultaneous peak" in near and "process peak" in near and len(near) <= 100, near
 
 
-def test_the_terminal_shows_the_paragraphs_in_lines_of_at_most_120_columns_and_the_tables_whole():
-    """Before: compare printed compare.md as is, its caption one line of ~960 columns."""
-    from minizero.compare_report import markdown, on_terminal
+def _run(strategy, ranks, ok=True):
+    """A record of compare's shape (bytes, seconds), with 15-column-wide cells in compare.md."""
+    from minizero.compare_report import MIB, SHOWN
 
-    text = markdown([], "### title", {})
-    shown = on_terminal(text).splitlines()
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    assert rows and [line for line in shown if line.startswith("|")] == rows  # a table row cut in two is no row
-    assert max(len(line) for line in shown if not line.startswith("|")) <= 120
-    assert " ".join(on_terminal(text).split()) == " ".join(text.split())  # the same words
+    if not ok:
+        return dict(strategy=strategy, ranks=ranks, ok=False, error="exit status 1: [rank 1] minizero.train failed: "
+                    "RuntimeError: injected fault, " + "and a cause long enough to need more than one line " * 2)
+    peaks = {c: 123_456_789 + i * MIB for i, c in enumerate(SHOWN)}
+    return dict(strategy=strategy, ranks=ranks, ok=True, estimate=dict(peaks, total=987_654_321, nvme_optimizer=0),
+                measured=dict(per_rank=[peaks], process_peak_bytes=[1_234_567_890], optimizer_disk_bytes=[0],
+                              tokens_per_s=123_456.7),
+                deviation=dict.fromkeys(SHOWN, 0.0), step_s=12.345678, predicted_step_s=0.000217)
+
+
+def test_the_terminal_shows_the_essential_columns_in_120_and_compare_md_keeps_every_column():
+    """Before: compare printed compare.md's table whole, rows of 173-191 columns that a terminal wraps mid-row (a
+    Markdown row cut in two is no row): the terminal now gets a fixed-width table of the essentials."""
+    from minizero.compare_report import COLUMNS, markdown, terminal
+
+    runs = [_run("baseline", 1), _run("offload-nvme", 1), _run("zero3", 8), _run("combined", 8, ok=False)]
+    shown = terminal(runs).splitlines()
+    md = markdown(runs, "### title", dict.fromkeys(("baseline", "offload-nvme", "zero3", "combined"), "adds"))
+    assert max(map(len, shown)) <= 120 and not [line for line in shown if line.startswith("|")]
+    assert max(len(line) for line in md.splitlines() if line.startswith("| 1 |")) > 120  # the file: every column
+    header = next(line for line in md.splitlines() if line.startswith("| ranks |"))
+    assert header.count("|") == 16 and "| optimizer state | activations |" in header
+    assert shown[0].split() == ("ranks strategy device MiB estimate worst process MiB tokens/s step s predicted "
+                                "ratio").split()
+    assert [line.split()[:2] for line in shown[1:6]] == [["1", "baseline"], ["1", "offload-nvme"], [], ["8", "zero3"],
+                                                         ["8", "combined"]]  # a blank line between world sizes
+    row = shown[1]
+    assert row.split()[2:] == ["845.16", "941.90", "0.0%", "1,177.38", "123,457", "12.3", "0.000217", "56892.5x"]
+    ends = [sum(w + 2 for _, w in COLUMNS[:i + 1]) - 2 for i in range(len(COLUMNS))]
+    assert all(line[e - 1] != " " for line in shown[:3] for e in ends[2:])  # numbers under their header, right
+    from minizero.numerals import significant_column
+    assert [significant_column(x, 6) for x in (0.14, 100, 9.05e-05)] == [" 0.140", "   100", "9.05e-05"]  # 0.14 beside 0.109
+    assert "failed: exit status 1" in shown[5] and shown[6].startswith("      ")  # the cause wrapped, indented
+    assert {h.split()[0] for h, _ in COLUMNS} - {"ranks", "strategy", "predicted"} <= {
+        line.split()[0] for line in shown if line.startswith("  ")}  # the key names every column
 
 
 def test_the_comm_column_names_every_category_it_sums():
