@@ -206,8 +206,16 @@ CASES = [
     ("bench_multihost", ["--mib", "1e-9"], "--mib 1e-09 is below one float32 (4 bytes); allowed: at least 3.815e-06"),
     ("gpu_check", ["--budget-s", "-1"], "--budget-s must be a number of seconds in (0, 86400], got -1.0"),
     ("gpu_check", ["--steps", "8,3"], "--steps '8,3': give K,K+S, two integers with 1 <= K < K+S"),
-    ("profile_step", ["--threads", "0"], "--threads 0 must be in 1.."),
-    ("profile_step", ["--batch", "8,8"], "--batch takes whole numbers in 1..4096, each once"),
+    ("profile_step", ["--threads", "0"], "argument --threads: '0' is below 1; allowed: 1.."),
+    # before: accepted, 100,000 BLAS threads on this machine's cores (profile_step alone refused it)
+    *[(name, ["--threads", "100000"], "argument --threads: '100000' is above ")
+      for name in ("bench_vs_torch", "bench_recompute", "profile_step")],
+    ("profile_step", ["--batch", "8,8"], "--batch gives 8 twice; allowed: each batch size once"),
+    ("profile_step", ["--batch", "8,5000"], "argument --batch: '8,5000': allowed: comma-separated micro-batch sizes"),
+    ("profile_step", ["--steps", "100000"], "argument --steps: '100000' is above 10,000; allowed: an integer in 1.."),
+    ("profile_step", ["--precision", "fp32", "--model", "x"], "argument --model: 'x': allowed: a model preset, one "),
+    # before: the worker ran first, its other flags unchecked
+    ("profile_step", ["--profile-worker", "[]", "--device", "strict"], "give --precision too"),
     ("profile_step", ["--precision", "fp8"], "--precision takes fp32 and fp16, each once"),
     ("profile_step", ["--device", "strict"], "--device and --model profile the main job's loop: give --precision too"),
 ]
