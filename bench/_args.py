@@ -75,6 +75,13 @@ def threads(text) -> int:
     return _bounded(text, 1, cores, f"1..{cores} threads (this machine's cores)")
 
 
+def check_window(parser: argparse.ArgumentParser, window: int, steps: int) -> None:
+    """``parser.error`` unless ``--window`` (steps per row of the loss table) is at most ``--steps``: a larger one
+    gives the one row that ``--window STEPS`` gives."""
+    if window > steps:
+        parser.error(f"--window {window} is above --steps {steps}; allowed: 1..{steps} (steps per row of the table)")
+
+
 def _integers(text, low: int, high: float, allowed: str) -> list[int]:
     """A comma list of integers in [low, high]; an empty member ("8,,32", "8,") is refused."""
     try:

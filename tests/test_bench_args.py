@@ -216,6 +216,9 @@ CASES = [
     ("profile_step", ["--precision", "fp32", "--model", "x"], "argument --model: 'x': allowed: a model preset, one "),
     # before: the worker ran first, its other flags unchecked
     ("profile_step", ["--profile-worker", "[]", "--device", "strict"], "give --precision too"),
+    # before: accepted, one row of the loss table (the same as --window STEPS)
+    ("bench_low_precision", ["--steps", "10", "--window", "11"], "--window 11 is above --steps 10; allowed: 1..10"),
+    ("bench_precision", ["--steps", "10", "--window", "40"], "--window 40 is above --steps 10; allowed: 1..10"),
     ("profile_step", ["--precision", "fp8"], "--precision takes fp32 and fp16, each once"),
     ("profile_step", ["--device", "strict"], "--device and --model profile the main job's loop: give --precision too"),
 ]
