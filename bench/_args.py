@@ -49,6 +49,39 @@ def at_least(low: int):
 count = at_least(1)  #: ``type=``: an integer >= 1 (ranks, steps, repeats, runs)
 
 
+def _bounded(text, low: int, high: int, allowed: str) -> int:
+    """The integer ``text`` when in [low, high]; else ``ArgumentTypeError`` naming the bound it crossed."""
+    n = integer(text)
+    if not low <= n <= high:
+        side, bound = ("below", low) if n < low else ("above", f"{high:,}")
+        raise argparse.ArgumentTypeError(f"{text!r} is {side} {bound}; allowed: {allowed}")
+    return n
+
+
+def between(low: int, high: int):
+    """``type=``: an integer in [low, high]."""
+    def check(text) -> int:
+        return _bounded(text, low, high, f"an integer in {low}..{high:,}")
+    check.__name__ = f"integer in {low}..{high}"
+    return check
+
+
+def threads(text) -> int:
+    """``type=``: a number of BLAS / torch threads, 1 to this machine's cores (``backend.usable_cores``: more
+    only oversubscribe them)."""
+    from minizero.backend import usable_cores
+
+    cores = usable_cores()
+    return _bounded(text, 1, cores, f"1..{cores} threads (this machine's cores)")
+
+
+def check_window(parser: argparse.ArgumentParser, window: int, steps: int) -> None:
+    """``parser.error`` unless ``--window`` (steps per row of the loss table) is at most ``--steps``: a larger one
+    gives the one row that ``--window STEPS`` gives."""
+    if window > steps:
+        parser.error(f"--window {window} is above --steps {steps}; allowed: 1..{steps} (steps per row of the table)")
+
+
 def _integers(text, low: int, high: float, allowed: str) -> list[int]:
     """A comma list of integers in [low, high]; an empty member ("8,,32", "8,") is refused."""
     try:

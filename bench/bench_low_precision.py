@@ -48,6 +48,7 @@ def main():
     p.add_argument("--micro-batch-size", type=_args.count, default=8)
     p.add_argument("--window", type=_args.count, default=40)
     a = p.parse_args()
+    _args.check_window(p, a.window, a.steps)
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
     for extra in RUNS.values():  # every run's flags, before the first one trains

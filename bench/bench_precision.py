@@ -34,6 +34,7 @@ def main():
     p.add_argument("--initial-loss-scale", type=_args.positive_real, default=None,
                    help="fp16's starting scale (default 2^16); a lower one that never overflows skips no batch")
     a = p.parse_args()
+    _args.check_window(p, a.window, a.steps)
     common = ["--model", a.model, "--steps", str(a.steps), "--micro-batch-size", str(a.micro_batch_size),
               "--eval-every", "0", "--eval-batches", "4", "--no-progress", "--no-save"]
     scale = ["--initial-loss-scale", str(a.initial_loss_scale)] if a.initial_loss_scale else []

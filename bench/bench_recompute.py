@@ -80,7 +80,7 @@ def main():
     p.add_argument("--batch", type=_args.micro_batch, default=4)
     p.add_argument("--dropout", type=_args.probability, default=0.1)
     p.add_argument("--repeats", type=_args.count, default=5)
-    p.add_argument("--threads", type=_args.count, default=1, help="BLAS threads")
+    p.add_argument("--threads", type=_args.threads, default=1, help="BLAS threads")
     args = p.parse_args()
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
     base = get_config(args.model, dropout=args.dropout)

@@ -222,7 +222,7 @@ def main() -> None:
     p = _args.parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=_args.micro_batches, default="8,32",
                    help="comma-separated batch sizes (sequences of 128 bytes)")
-    p.add_argument("--threads", type=_args.count, default=_machine.cores(), help="BLAS / torch intra-op threads")
+    p.add_argument("--threads", type=_args.threads, default=_machine.cores(), help="BLAS / torch intra-op threads")
     p.add_argument("--steps", type=_args.count, default=4, help="timed steps per side per round")
     p.add_argument("--rounds", type=_args.count, default=5, help="alternated rounds (the ratio is their median)")
     p.add_argument("--warmup", type=_args.at_least(0), default=6, help="untimed steps per side before the rounds")

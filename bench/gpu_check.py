@@ -397,7 +397,7 @@ def check_flags(parser, args) -> tuple[int, int]:
         steps = ()
     if len(steps) != 2 or not 1 <= steps[0] < steps[1] <= MAX_STEPS:
         parser.error(f"--steps {args.steps!r}: give K,K+S, two integers with 1 <= K < K+S <= {MAX_STEPS} (e.g. 3,8)")
-    why = json_target_problem(args.json)
+    why = args.json is not None and json_target_problem(args.json)
     if why:
         parser.error(f"--json {args.json!r}: {why}")
     return steps
@@ -437,21 +437,27 @@ def json_target_problem(path: str) -> str | None:
 
 def main(argv=None) -> int:
     p = _args.parser(__doc__)
-    p.add_argument("--json", default="gpu_check.json", help="where the results go (JSON)")
+    p.add_argument("--json", default=None, help="where the results go (JSON; default: gpu_check.json)")
     p.add_argument("--peak-tflops", default=None,
                    help="GPU peak TFLOP/s for MFU: FP16[,FP32]; unset: by the GPU's name (PEAKS)")
     p.add_argument("--budget-s", type=real, default=450, help="time budget of the whole check (s)")
     p.add_argument("--steps", default="3,8", help="K,K+S: the two gpt2 run lengths whose difference is timed")
-    p.add_argument("--nccl-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
+    # gpu_check's own children (nccl_collectives, torch_step_s): checked with every other flag, then run
+    p.add_argument("--nccl-worker", type=_args.file_path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--torch-worker", choices=["fp16", "fp32"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.nccl_worker:
+    worker = args.nccl_worker is not None or args.torch_worker is not None
+    if args.json is None and not worker:  # a worker writes no --json: its default folder need not take one
+        args.json = "gpu_check.json"
+    steps = check_flags(p, args)
+    if args.nccl_worker is not None and args.torch_worker is not None:
+        p.error("--nccl-worker and --torch-worker: give one")
+    if args.nccl_worker is not None:
         nccl_worker(args.nccl_worker)
         return 0
-    if args.torch_worker:
+    if args.torch_worker is not None:
         torch_worker(args.torch_worker)
         return 0
-    steps = check_flags(p, args)
     try:
         hw, why = probe()
     except SystemExit as e:  # a GPU is listed but CuPy or NCCL will not load: one line, non-zero

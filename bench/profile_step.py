@@ -52,7 +52,6 @@ import _machine  # noqa: E402
 from bench_vs_torch import MinizeroSide, import_torch, torch_side  # noqa: E402
 
 from minizero.nn import get_config  # noqa: E402
-from minizero.numerals import integer  # noqa: E402
 
 PARTS = ("matmul", "elementwise", "optimizer", "python")
 MAX_STEPS = 10_000  #: --steps and --warmup at most this many
@@ -300,45 +299,38 @@ def main_precision(precisions: list, batch: int, steps: int, warmup: int, device
 
 def main() -> None:
     p = _args.parser(__doc__)
-    p.add_argument("--batch", default=None, help="comma-separated batch sizes (sequences of 128 bytes); default 8,32 "
-                   "(--precision: 8)")
-    p.add_argument("--steps", type=integer, default=6, help="profiled steps (and timed steps of each side)")
-    p.add_argument("--threads", type=integer, default=_machine.cores(), help="BLAS / torch intra-op threads")
+    p.add_argument("--batch", type=_args.micro_batches, default=None, help="comma-separated batch sizes (sequences "
+                   "of 128 bytes), each once; default 8,32 (--precision: 8)")
+    p.add_argument("--steps", type=_args.between(1, MAX_STEPS), default=6,
+                   help="profiled steps (and timed steps of each side)")
+    p.add_argument("--threads", type=_args.threads, default=_machine.cores(), help="BLAS / torch intra-op threads")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep freed memory, as the main job does)")
     p.add_argument("--precision", default=None, help="comma-separated precisions (fp32, fp16): profile the "
                    "main job's loop in each, with casts as a part, instead of the library step against PyTorch")
-    p.add_argument("--warmup", type=integer, default=2, help="--precision: steps run before the profiled ones")
+    p.add_argument("--warmup", type=_args.between(0, MAX_STEPS), default=2,
+                   help="--precision: steps run before the profiled ones")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="--precision: where the main job runs (cuda: CuPy on GPU 0)")
-    p.add_argument("--model", default="default", help="--precision: the model preset (e.g. gpt2 on a GPU)")
+    p.add_argument("--model", type=_args.preset, default="default",
+                   help="--precision: the model preset (e.g. gpt2 on a GPU)")
     p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.profile_worker:
-        profile_worker(args.profile_worker)
-        return
-    from minizero.nn import PRESETS
-    if args.model not in PRESETS:
-        p.error(f"--model {args.model!r}: allowed: {', '.join(sorted(PRESETS))}")
     if args.precision is None and (args.device != "cpu" or args.model != "default"):
         p.error("--device and --model profile the main job's loop: give --precision too")
-    cores = _machine.cores()
-    for flag, value, low, high in (("--steps", args.steps, 1, MAX_STEPS), ("--threads", args.threads, 1, cores),
-                                   ("--warmup", args.warmup, 0, MAX_STEPS)):
-        if not low <= value <= high:
-            cores_note = " (this machine's cores)" if flag == "--threads" else ""
-            p.error(f"{flag} {value} must be in {low}..{high}{cores_note}")
-    args.batch = args.batch or ("8" if args.precision else "8,32")
-    batches = args.batch.split(",")
-    if (not all(b.isascii() and b.isdigit() and 1 <= int(b) <= 4096 for b in batches)
-            or len(set(batches)) < len(batches)):
-        p.error(f"--batch takes whole numbers in 1..4096, each once, separated by commas, got {args.batch!r}")
+    batches = args.batch or ([8] if args.precision else [8, 32])
+    twice = [b for i, b in enumerate(batches) if b in batches[:i]]
+    if twice:
+        p.error(f"--batch gives {twice[0]} twice; allowed: each batch size once")
     if args.precision is not None:
         precisions = args.precision.split(",")
         if not set(precisions) <= {"fp32", "fp16"} or len(set(precisions)) != len(precisions):
             p.error(f"--precision takes fp32 and fp16, each once, separated by commas, got {args.precision!r}")
         if len(batches) > 1:
-            p.error(f"--precision profiles one --batch, got {args.batch!r}")
+            p.error(f"--precision profiles one --batch, got {','.join(map(str, batches))!r}")
+    if args.profile_worker:  # profile_main_job's child on CUDA: its flags are checked first, as the others are
+        profile_worker(args.profile_worker)
+        return
     if args.precision is not None and args.device == "cuda":
         from minizero import backend
         try:
@@ -348,7 +340,7 @@ def main() -> None:
     malloc = _machine.set_malloc(args.default_malloc)  # every flag checked: set-up and work from here
     if args.precision is not None:
         with threadpool_limits(args.threads):
-            main_precision(precisions, int(batches[0]), args.steps, args.warmup, args.device, args.model,
+            main_precision(precisions, batches[0], args.steps, args.warmup, args.device, args.model,
                            args.threads, args.default_malloc)
         print(malloc)
         return
@@ -356,7 +348,7 @@ def main() -> None:
     if torch is not None:
         torch.set_num_threads(args.threads)
     with threadpool_limits(args.threads):
-        rows = [(int(b), profile(int(b), args.steps)) for b in batches]
+        rows = [(b, profile(b, args.steps)) for b in batches]
         print(_machine.header() + " | " + malloc)
     print("| batch | matmul, s | elementwise, s | optimizer, s | python, s | minizero step, s | PyTorch step, s | "
           "matmul / PyTorch step |")

@@ -206,8 +206,24 @@ CASES = [
     ("bench_multihost", ["--mib", "1e-9"], "--mib 1e-09 is below one float32 (4 bytes); allowed: at least 3.815e-06"),
     ("gpu_check", ["--budget-s", "-1"], "--budget-s must be a number of seconds in (0, 86400], got -1.0"),
     ("gpu_check", ["--steps", "8,3"], "--steps '8,3': give K,K+S, two integers with 1 <= K < K+S"),
-    ("profile_step", ["--threads", "0"], "--threads 0 must be in 1.."),
-    ("profile_step", ["--batch", "8,8"], "--batch takes whole numbers in 1..4096, each once"),
+    ("profile_step", ["--threads", "0"], "argument --threads: '0' is below 1; allowed: 1.."),
+    # before: accepted, 100,000 BLAS threads on this machine's cores (profile_step alone refused it)
+    *[(name, ["--threads", "100000"], "argument --threads: '100000' is above ")
+      for name in ("bench_vs_torch", "bench_recompute", "profile_step")],
+    ("profile_step", ["--batch", "8,8"], "--batch gives 8 twice; allowed: each batch size once"),
+    ("profile_step", ["--batch", "8,5000"], "argument --batch: '8,5000': allowed: comma-separated micro-batch sizes"),
+    ("profile_step", ["--steps", "100000"], "argument --steps: '100000' is above 10,000; allowed: an integer in 1.."),
+    ("profile_step", ["--precision", "fp32", "--model", "x"], "argument --model: 'x': allowed: a model preset, one "),
+    # before: the worker ran first, its other flags unchecked
+    ("profile_step", ["--profile-worker", "[]", "--device", "strict"], "give --precision too"),
+    # before: accepted, one row of the loss table (the same as --window STEPS)
+    ("bench_low_precision", ["--steps", "10", "--window", "11"], "--window 11 is above --steps 10; allowed: 1..10"),
+    ("bench_precision", ["--steps", "10", "--window", "40"], "--window 40 is above --steps 10; allowed: 1..10"),
+    # before: the hidden worker modes (gpu_check's own children) ran before any other flag was checked
+    ("gpu_check", ["--nccl-worker", "n.json", "--json", "/"], "--json '/': is a directory"),
+    ("gpu_check", ["--torch-worker", "fp16", "--budget-s", "-1"], "--budget-s must be a number of seconds in (0,"),
+    ("gpu_check", ["--torch-worker", "fp8"], "argument --torch-worker: invalid choice: 'fp8'"),
+    ("gpu_check", ["--nccl-worker", "n.json", "--torch-worker", "fp16"], "--nccl-worker and --torch-worker: give one"),
     ("profile_step", ["--precision", "fp8"], "--precision takes fp32 and fp16, each once"),
     ("profile_step", ["--device", "strict"], "--device and --model profile the main job's loop: give --precision too"),
 ]
@@ -288,6 +304,8 @@ class Launched(Exception):
     ("bench_setup_peak", ["--model", "tiny"]),
     ("bench_vs_torch", ["--default-malloc"]),
     ("gpu_check", ["--json", "g.json"]),
+    ("gpu_check", ["--nccl-worker", "n.json"]),
+    ("gpu_check", ["--torch-worker", "fp32"]),
     ("profile_collective", []),
     ("profile_collective", ["--launch", "2"]),
     ("profile_step", ["--default-malloc"]),
@@ -392,3 +410,17 @@ def test_a_bad_all_reduce_size_rule_in_the_environment_is_refused(monkeypatch, c
     r = script(name)
     assert r.returncode == 2 and f"{name}.py: error: MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='foo'; allowed: an integer " \
                                   ">= -1" in r.stderr, r.stderr
+
+
+def test_gpu_check_workers_need_no_writable_default_json(monkeypatch, tmp_path):
+    """A worker writes no --json, so the default gpu_check.json in its folder is not checked there (the main run
+    refuses a gpu_check.json that is not its own); one given with the worker flags is (CASES)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpu_check.json").write_text("{}")
+    module = load("gpu_check")
+    monkeypatch.setattr(module, "probe", lambda: pytest.fail("the main run passed its --json check"))
+    monkeypatch.setattr(module, "torch_worker", lambda precision: print("worker ran"))
+    assert module.main(["--torch-worker", "fp16"]) == 0
+    with pytest.raises(SystemExit) as e:
+        module.main([])
+    assert e.value.code == 2

@@ -105,11 +105,11 @@ def test_device_and_model_need_the_main_jobs_mode():
     import subprocess
     script = os.path.join(os.path.dirname(profile_step.__file__), "profile_step.py")
     cases = [(["--device", "cuda"], "give --precision too"),
-             (["--threads", "100000"], "--threads 100000 must be in 1.."),
-             (["--steps", "100000000000"], "--steps 100000000000 must be in 1..10000"),
-             (["--warmup", "-1"], "--warmup -1 must be in 0..10000"),
-             (["--precision", "fp16,fp16"], "each once"), (["--batch", "8,8"], "each once"),
-             (["--precision", "fp16", "--model", "x"], "--model 'x': allowed: deep, default")]
+             (["--threads", "100000"], "argument --threads: '100000' is above "),
+             (["--steps", "100000000000"], "argument --steps: '100000000000' is above 10,000"),
+             (["--warmup", "-1"], "argument --warmup: '-1' is below 0; allowed: an integer in 0..10,000"),
+             (["--precision", "fp16,fp16"], "each once"), (["--batch", "8,8"], "each batch size once"),
+             (["--precision", "fp16", "--model", "x"], "argument --model: 'x': allowed: a model preset, one of deep")]
     try:
         import cupy  # noqa: F401
     except ImportError:  # no CuPy: one line naming the install, not a DeviceError traceback
