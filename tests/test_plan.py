@@ -235,6 +235,21 @@ def test_context_parallel_step_time_charges_the_ring():
     assert "cp=4" in P.describe(P.parse_strategy("dp2 cp4 tp8", m, 64, seq_len=8192))
 
 
+def test_lesson_08_names_the_compute_each_zero_stage_hides_data_parallel_traffic_behind():
+    """Before, lesson 08: dp traffic is exposed "beyond what hides behind backward"; step_time lets ZeRO-3's hide
+    behind forward and backward, ZeRO-2's behind every backward, ZeRO-0/1's behind the last micro-batch's."""
+    m, hw, s = get_model("llama3-8b"), P.Hardware(), 8192
+    for z, hidden in ((0, 2 / 3 / 8), (2, 2 / 3), (3, 1)):  # m = 64 / dp 8 = 8 micro-batches
+        st = P.parse_strategy(f"dp8 zero{z}", m, 8, seq_len=s, global_batch=64)
+        c = P.step_time(m, st, hw, s)["compute"]
+        comm = {"dp": 0.9 * c * hw.intra_node_bw, "tp": 0, "pp": 0, "cp": 0, "pcie": 0}  # 0.9 c of dp traffic
+        assert P.step_time(m, st, hw, s, comm)["dp"] == pytest.approx(max(0, 0.9 - hidden) * c, rel=1e-9, abs=1e-12), z
+    with open(os.path.join(REPO_ROOT, "lessons", "templates", "08_putting_it_together.md")) as f:
+        said = " ".join(f.read().split())
+    assert "ZeRO-3's gathers and reduce-scatters behind forward and backward" in said
+    assert "behind the last micro-batch's backward, ZeRO-2's behind every backward" in said
+
+
 @pytest.mark.parametrize("model, text, message", [
     ("llama3-8b", "dp1 cp3", "2 x cp = 6 equal chunks"),
     ("llama3-8b", "dp2 cp4 tp2", "dp x cp x tp x pp = 2 x 4 x 2 x 1 must equal --gpus 8"),
