@@ -68,7 +68,8 @@ def step_line(c: Candidate, scale: float, unit: str) -> str:
     compute shows as 0 s exposed of its bytes, not as nothing."""
     parts = ", ".join(_part(k, [c], scale, unit) for k, v in c.time.items()
                       if k != "step" and (v > 0 or c.comm.get(_SENT.get(k), 0) > 0))
-    return f"step {significant(c.step_s)} s = {parts or '0'}"
+    where = f" (pipeline stage {c.stage}, the slowest of {c.strategy.pp})" if c.strategy.pp > 1 else ""
+    return f"step {significant(c.step_s)} s{where} = {parts or '0'}"
 
 
 #: each --units family, largest unit first: GB and the smaller powers of 10, GiB and the smaller powers of 2
@@ -238,7 +239,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
             "net = all bytes each GPU sends per step (dp + tp + pp + cp + ep), overlapped with compute or not, while "
             "step s counts only the exposed traffic (not overlapped with compute), so a row with more net can be "
-            "quicker (the why lines name both); bufs = comm buffers + ZeRO-3 gathered layer",
+            "quicker (the why lines name both); net and step s are the slowest pipeline stage's (it sets the step), "
+            "memory the fullest stage's; bufs = comm buffers + ZeRO-3 gathered layer",
             assumed(args, hw, scale, unit),
             "columns: ep = expert parallelism; cp = context parallelism (4u: DeepSpeed-Ulysses, 4: ring attention); "
             "tp = tensor parallelism (2s: with sequence parallelism); "
@@ -315,7 +317,7 @@ def candidate_json(c: Candidate, rank: int) -> dict:
     """One candidate as JSON-ready data (every size in bytes), with its rank."""
     return {"rank": rank, "strategy": dataclasses.asdict(c.strategy), "memory_bytes": c.memory.as_dict(),
             "device_total_bytes": c.memory.total, "stage": c.memory.stage, "host_bytes_max": c.host,
-            "comm_bytes_per_step": c.comm,
+            "comm_bytes_per_step": c.comm, "slowest_stage": c.stage,
             "step_time_s": c.time, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu}
 
 

@@ -13,7 +13,7 @@ import re
 
 from minizero.memory.estimator import (
     ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
-    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_parameters)
+    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_layers, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
@@ -54,6 +54,7 @@ class Candidate:
     mfu: float
     techniques: int
     host: int  # the most any stage offloads (bytes)
+    stage: int = 0  # the pipeline stage whose bytes ``comm`` and ``time`` are: the slowest (:func:`evaluate`)
 
     @property
     def step_s(self) -> float:
@@ -173,29 +174,29 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                                cp_attention=cp_attention)
 
 
-def _state_shard(model: ModelShape, st: Strategy) -> float:
-    """Stage 0's elements on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
-    experts = stage_expert_parameters(model, st, 0)
+def _state_shard(model: ModelShape, st: Strategy, stage: int = 0) -> float:
+    """Elements of ``stage`` on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
+    experts, psi = stage_expert_parameters(model, st, stage), stage_parameters(model, st, stage)
     d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group
-    if not experts:
-        return math.ceil(stage_parameters(model, st, 0) / d)
-    return math.ceil((stage_parameters(model, st, 0) - experts) / d) + math.ceil(experts * st.ep / d)
+    return math.ceil((psi - experts) / d) + (math.ceil(experts * st.ep / d) if experts else 0)
 
 
-def _gather_after_step(model: ModelShape, st: Strategy) -> float:
-    """Bytes a rank of stage 0 sends in ZeRO 1-2's all-gather after the step (0 otherwise): the dense part over the
+def _gather_after_step(model: ModelShape, st: Strategy, stage: int = 0) -> float:
+    """Bytes a rank of ``stage`` sends in ZeRO 1-2's all-gather after the step (0 otherwise): the dense part over the
     N shard ranks, the experts over their N/ep holders (hybrid sharding: those of the shard group)."""
     if st.zero not in (1, 2):
         return 0.0
-    experts, ns, ne = stage_expert_parameters(model, st, 0), st.shard_ranks, st.expert_shard_ranks
-    return element_bytes(st)[0] * ((ns - 1) / ns * (stage_parameters(model, st, 0) - experts) + (ne - 1) / ne * experts)
+    experts, ns, ne = stage_expert_parameters(model, st, stage), st.shard_ranks, st.expert_shard_ranks
+    psi = stage_parameters(model, st, stage)
+    return element_bytes(st)[0] * ((ns - 1) / ns * (psi - experts) + (ne - 1) / ne * experts)
 
 
-def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None) -> dict:
-    """Seconds per optimizer step by component (see the module docstring); key "step" is the sum."""
-    comm = comm or comm_bytes_per_step(model, st, seq_len)
-    n = st.world_size
-    batch = st.dp * st.micro_batch * st.micro_batches
+def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None,
+              stage: int = 0) -> dict:
+    """Seconds per step by part on pipeline stage ``stage`` (``comm``: its bytes, by default computed); "step" sums
+    them. Compute: the model's FLOPs / GPUs, stages balanced (Narayanan et al. 2021; the head's extra unmodelled)."""
+    comm = comm or comm_bytes_per_step(model, st, seq_len, stage=stage)
+    n, batch = st.world_size, st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
     bubble = compute * bubble_over_ideal(st.pp, st.micro_batches, st.virtual_stages)  # the simulator's formula
     node, d, ns = hw.gpus_per_node, st.data_ranks, st.shard_ranks  # gradients are averaged over dp x cp ranks
@@ -203,22 +204,19 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     shard_bw = hw.intra_node_bw if ns * st.tp <= node else hw.inter_node_bw  # ZeRO's group (hybrid: N data ranks)
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
     cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
-    tp = comm["tp"] / hw.intra_node_bw
-    pp = comm["pp"] / pp_bw
+    tp, pp = comm["tp"] / hw.intra_node_bw, comm["pp"] / pp_bw
     cp = comm["cp"] / cp_bw  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
     # an expert group is ep consecutive data ranks: tp x cp x ep GPUs; its all-to-alls wait for nothing to overlap
     ep_bw = hw.intra_node_bw if st.tp * st.cp * st.ep <= node else hw.inter_node_bw
     ep = comm.get("ep", 0) / ep_bw
     dp = 0.0
     if d > 1:
-        gather_after_step = _gather_after_step(model, st)
-        across = replica_bytes(model, st)  # hybrid sharding's all-reduce over the replicas (0 without)
+        gather_after_step = _gather_after_step(model, st, stage)
+        across = replica_bytes(model, st, stage)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
-        window = {0: 2 / 3 * compute / st.micro_batches, 1: 2 / 3 * compute / st.micro_batches,
-                  2: 2 / 3 * compute, 3: compute}[st.zero]
+        window = 2 / 3 * compute / st.micro_batches if st.zero < 2 else 2 / 3 * compute if st.zero == 2 else compute
         dp = max(0.0, overlappable / shard_bw + across / dp_bw - window) + gather_after_step / shard_bw
-    offload = 0.0
-    shard = _state_shard(model, st)
+    offload, shard = 0.0, _state_shard(model, st, stage)
     pb, gbytes = element_bytes(st)[:2]
     if st.offload != "none":
         offload += (gbytes + pb) * shard / hw.pcie_bw + shard / hw.cpu_adam
@@ -232,17 +230,19 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
 
 
 def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int) -> Candidate:
-    """Memory (the stage with the most device bytes), communication, step time, throughput and MFU."""
+    """Memory (the fullest stage's), traffic and step time (the slowest stage's: all stages run the same schedule, so
+    the step lasts as long as the one with the most exposed traffic; Narayanan et al. 2021), throughput, MFU."""
     stages = estimate_stages(model, st, seq_len)
     mem = max(stages, key=lambda e: e.total)
-    comm = comm_bytes_per_step(model, st, seq_len, stage=mem.stage)
-    t = step_time(model, st, hw, seq_len, comm_bytes_per_step(model, st, seq_len))
+    kinds = {(i == 0, i == st.pp - 1, tuple(map(model.is_moe_layer, stage_layers(model, st, i)))): i
+             for i in reversed(range(st.pp))}  # the first stage of each kind (ends, MoE blocks): their bytes differ
+    t, comm, slowest = max(((step_time(model, st, hw, seq_len, c, i), c, i) for i in sorted(kinds.values())
+                            for c in [comm_bytes_per_step(model, st, seq_len, stage=i)]), key=lambda r: r[0]["step"])
     tokens = st.dp * st.micro_batch * st.micro_batches * seq_len
     mfu = model_flops_per_step(model, tokens // seq_len, seq_len) / (t["step"] * st.world_size * hw.flops)
     techniques = (st.zero > 0) + (st.tp > 1) + (st.pp > 1) + (st.cp > 1) + (st.ep > 1) + st.sequence_parallel \
-        + (st.recompute != "none") \
-        + (st.offload != "none") + st.offload_activations
-    return Candidate(st, mem, comm, t, tokens / t["step"], mfu, techniques, max(e.offloaded for e in stages))
+        + (st.recompute != "none") + (st.offload != "none") + st.offload_activations
+    return Candidate(st, mem, comm, t, tokens / t["step"], mfu, techniques, max(e.offloaded for e in stages), slowest)
 
 
 def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tuple[list[Candidate], int, tuple]:

@@ -36,6 +36,13 @@ def test_the_table_says_in_one_short_line_that_its_device_total_is_no_simultaneo
     assert "not one simultaneous peak" in near and "process peak" in near and len(near) <= 100, near
 
 
+def test_the_caption_says_the_planner_hides_data_parallel_traffic_behind_compute_not_only_backward():
+    """Before: "hidden behind backward"; the planner's step_time hides ZeRO-3's behind forward as well (lesson 08)."""
+    from minizero.compare_report import markdown
+
+    assert "data-parallel traffic partly hidden behind compute" in " ".join(markdown([], "### title", {}).split())
+
+
 def _run(strategy, ranks, ok=True):
     """A record of compare's shape (bytes, seconds), with 15-column-wide cells in compare.md."""
     from minizero.compare_report import MIB, SHOWN

@@ -235,6 +235,44 @@ def test_context_parallel_step_time_charges_the_ring():
     assert "cp=4" in P.describe(P.parse_strategy("dp2 cp4 tp8", m, 64, seq_len=8192))
 
 
+def test_a_pipelined_row_shows_the_bytes_its_step_time_counts(capsys):
+    """Before: a row's bytes (net, why lines) were its fullest stage's and its step time stage 0's. Under GPipe the
+    fullest is the last stage; under pp 4 the middle stages, which send activations both ways, are the slowest. Now
+    both are the slowest stage's: every stage runs the same schedule, so the slowest sets the step."""
+    m, hw, s = get_model("llama3-8b"), P.Hardware(), 8192
+    for text, schedule, fullest, slowest in (("dp1 cp2 pp4", "1f1b", 0, 1), ("dp4 pp2 zero1", "gpipe", 1, 1)):
+        st = P.parse_strategy(text, m, 8, seq_len=s, global_batch=64, schedule=schedule)
+        c = P.evaluate(m, st, hw, s)
+        per_stage = [P.step_time(m, st, hw, s, stage=i) for i in range(st.pp)]
+        assert (c.memory.stage, c.stage) == (fullest, slowest), text
+        assert c.comm == comm_bytes_per_step(m, st, s, stage=slowest), text
+        assert c.time == P.step_time(m, st, hw, s, c.comm, slowest) == max(per_stage, key=lambda t: t["step"]), text
+    assert per_stage[1]["dp"] > per_stage[0]["dp"]  # ZeRO-1's all-gather of its own stage's (head's) parameters
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--strategy", "dp1 cp2 pp4", "--json")
+    row = json.loads(out)["candidates"][0]
+    assert code == 0 and row["slowest_stage"] == 1 and row["stage"] == 0
+    st = P.parse_strategy("dp1 cp2 pp4", m, 8, seq_len=s, global_batch=2 ** 22 // s)  # the CLI's default batch
+    assert row["comm_bytes_per_step"] == comm_bytes_per_step(m, st, s, stage=1)
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--strategy", "dp1 cp2 pp4")
+    said = " ".join(out.split())
+    assert "net and step s are the slowest pipeline stage's" in said and "(pipeline stage 1, the slowest of 4)" in said
+
+
+def test_lesson_08_names_the_compute_each_zero_stage_hides_data_parallel_traffic_behind():
+    """Before, lesson 08: dp traffic is exposed "beyond what hides behind backward"; step_time lets ZeRO-3's hide
+    behind forward and backward, ZeRO-2's behind every backward, ZeRO-0/1's behind the last micro-batch's."""
+    m, hw, s = get_model("llama3-8b"), P.Hardware(), 8192
+    for z, hidden in ((0, 2 / 3 / 8), (2, 2 / 3), (3, 1)):  # m = 64 / dp 8 = 8 micro-batches
+        st = P.parse_strategy(f"dp8 zero{z}", m, 8, seq_len=s, global_batch=64)
+        c = P.step_time(m, st, hw, s)["compute"]
+        comm = {"dp": 0.9 * c * hw.intra_node_bw, "tp": 0, "pp": 0, "cp": 0, "pcie": 0}  # 0.9 c of dp traffic
+        assert P.step_time(m, st, hw, s, comm)["dp"] == pytest.approx(max(0, 0.9 - hidden) * c, rel=1e-9, abs=1e-12), z
+    with open(os.path.join(REPO_ROOT, "lessons", "templates", "08_putting_it_together.md")) as f:
+        said = " ".join(f.read().split())
+    assert "ZeRO-3's gathers and reduce-scatters behind forward and backward" in said
+    assert "behind the last micro-batch's backward, ZeRO-2's behind every backward" in said
+
+
 @pytest.mark.parametrize("model, text, message", [
     ("llama3-8b", "dp1 cp3", "2 x cp = 6 equal chunks"),
     ("llama3-8b", "dp2 cp4 tp2", "dp x cp x tp x pp = 2 x 4 x 2 x 1 must equal --gpus 8"),
