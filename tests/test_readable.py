@@ -18,13 +18,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
 ALWAYS = {"forward", "backward", "__class__"}
 
 
+def is_property(node) -> bool:
+    """``@property`` or ``@name.setter``: a data attribute (``CheckpointWrapper.training``), not a method."""
+    return any((isinstance(d, ast.Name) and d.id == "property") or (isinstance(d, ast.Attribute) and d.attr == "setter")
+               for d in node.decorator_list)
+
+
 def method_names(trees) -> set:
-    """Every name defined with ``def`` directly in a class body, over ``trees``."""
+    """Every name defined with ``def`` directly in a class body (properties aside), over ``trees``."""
     names = set()
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                names |= {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                names |= {n.name for n in node.body
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_property(n)}
     return names
 
 
@@ -85,6 +92,14 @@ def test_the_checker_allows_data_attributes_and_self_forward_calls():
               "        return self.core(x)\n")
     tree = ast.parse(source)
     assert violations(tree, method_names([tree])) == []
+
+
+def test_the_checker_allows_setting_a_property():
+    source = ("class W:\n    @property\n    def training(self):\n        return True\n\n"
+              "    @training.setter\n    def training(self, mode):\n        pass\n\n"
+              "def f(m):\n    object.__setattr__(m, 'training', False)\n")
+    tree = ast.parse(source)
+    assert method_names([tree]) == set() and violations(tree, method_names([tree])) == []
 
 
 #: techniques: the planner's analytic estimator is above them (it models them; they never ask it)
