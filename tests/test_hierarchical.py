@@ -122,7 +122,7 @@ def _train(layout, flags):
                            "--eval-every", "0", "--progress", "none", "--seed", "5", *flags], c.world_size, quiet=True)
         lines = []
         r = train(args, c, log=lines.append)
-        return r["model"] and r["model"].state_dict(), r["topo"], r["dp"].bytes_sent, lines
+        return r["model"] and r["model"].state_dict(), r["topo"], r["strategy"].sync.bytes_sent, lines
     return run_in_threads(len(layout), f)
 
 

@@ -136,6 +136,22 @@ def test_overlap_gives_bitwise_the_weights_of_no_overlap(n, flags):
         assert np.array_equal(on[name], off[name]), name
 
 
+@pytest.mark.timeout(120)
+def test_the_overlapped_reducer_is_the_synchroniser_and_counts_its_own_bytes():
+    """With overlap the strategy's synchroniser is the reducer: it counts the gradient bytes (the report reads
+    ``model_state_bytes_per_step``) and leaves its DataParallel's counter alone; the figure is --no-overlap's."""
+    from minizero.parallel.overlap import OverlappedReducer
+
+    def rank(comm, flags):
+        s = train(parse_args(BASE + ["--dtype", "float64", *flags], world_size=2, quiet=True), comm,
+                  log=lambda s: None)["strategy"]
+        return type(s.sync), s.dp.bytes_sent, s.model_state_bytes_per_step(2)
+
+    on, off = run_in_threads(2, rank, []), run_in_threads(2, rank, ["--no-overlap"])
+    assert [r[:2] for r in on] == [(OverlappedReducer, 0)] * 2 and {r[0] for r in off} != {OverlappedReducer}
+    assert [r[2] for r in on] == [r[2] for r in off] and on[0][2] > 0
+
+
 # ------------------------------------------------------------------------------ the timeline
 def _overlap_fraction(events, pid):
     """(microseconds of backward during which an all-reduce was in flight, backward microseconds)."""

@@ -18,13 +18,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "minizero"
 ALWAYS = {"forward", "backward", "__class__"}
 
 
+def is_property(node) -> bool:
+    """``@property`` or ``@name.setter``: a data attribute (``CheckpointWrapper.training``), not a method."""
+    return any((isinstance(d, ast.Name) and d.id == "property") or (isinstance(d, ast.Attribute) and d.attr == "setter")
+               for d in node.decorator_list)
+
+
 def method_names(trees) -> set:
-    """Every name defined with ``def`` directly in a class body, over ``trees``."""
+    """Every name defined with ``def`` directly in a class body (properties aside), over ``trees``."""
     names = set()
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                names |= {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                names |= {n.name for n in node.body
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_property(n)}
     return names
 
 
@@ -85,6 +92,14 @@ def test_the_checker_allows_data_attributes_and_self_forward_calls():
               "        return self.core(x)\n")
     tree = ast.parse(source)
     assert violations(tree, method_names([tree])) == []
+
+
+def test_the_checker_allows_setting_a_property():
+    source = ("class W:\n    @property\n    def training(self):\n        return True\n\n"
+              "    @training.setter\n    def training(self, mode):\n        pass\n\n"
+              "def f(m):\n    object.__setattr__(m, 'training', False)\n")
+    tree = ast.parse(source)
+    assert method_names([tree]) == set() and violations(tree, method_names([tree])) == []
 
 
 #: techniques: the planner's analytic estimator is above them (it models them; they never ask it)
@@ -353,10 +368,11 @@ BUILDS_SYNC = ("parallel/strategy.py", "finetune.py")
 
 
 def sync_builders(tree) -> set:
-    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``) assignment in ``tree``,
-    either branch of a conditional (``sync = X(...) if ... else None``) included."""
-    values = [v for n in ast.walk(tree) if isinstance(n, ast.Assign)
-              and any(isinstance(t, ast.Name) and t.id == "sync" for t in n.targets)
+    """The names called on the right of every ``sync = ...`` (or ``sync = opt = ...``, ``self.sync = ...``)
+    assignment in ``tree``, either branch of a conditional (``sync = X(...) if ... else None``) included."""
+    is_sync = lambda t: (isinstance(t, ast.Name) and t.id == "sync") or (  # noqa: E731
+        isinstance(t, ast.Attribute) and t.attr == "sync")
+    values = [v for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(is_sync(t) for t in n.targets)
               for v in ([n.value.body, n.value.orelse] if isinstance(n.value, ast.IfExp) else [n.value])]
     return {v.func.id for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)}
 
@@ -365,9 +381,10 @@ def synchronisers() -> dict:
     """``{builder name: [the classes it builds]}`` for every synchroniser the code builds."""
     from minizero.parallel.data_parallel import DataParallel
     from minizero.parallel.expert_parallel import ExpertDataParallel, ExpertZero
+    from minizero.parallel.overlap import OverlappedReducer
     from minizero.zero import STAGES
     return {"DataParallel": [DataParallel], "ExpertDataParallel": [ExpertDataParallel], "ExpertZero": [ExpertZero],
-            "zero_optimizer": list(STAGES.values())}
+            "zero_optimizer": list(STAGES.values()), "OverlappedReducer": [OverlappedReducer]}
 
 
 def protocol_gaps(protocol, cls) -> list:
@@ -386,6 +403,23 @@ def test_every_synchroniser_the_code_builds_has_every_member_of_the_protocol():
     known = synchronisers()
     assert built == set(known), f"synchronisers built by {sorted(built ^ set(known))}: add them to synchronisers()"
     assert [gap for classes in known.values() for cls in classes for gap in protocol_gaps(Synchroniser, cls)] == []
+
+
+def test_the_builder_check_sees_a_synchroniser_assigned_to_an_attribute():
+    assert sync_builders(ast.parse("def f(self, dp):\n    self.sync = self.reducer = Reducer(dp)\n")) == {"Reducer"}
+
+
+def test_no_class_writes_another_ones_bytes_sent_counter():
+    """Each synchroniser counts its own bytes (``bytes_per_step``): the overlapped reducer has its own counter and
+    does not add to its DataParallel's (``self.dp.bytes_sent += ...``); the report reads whichever one ran."""
+    found = [v for f in sorted((ROOT / "parallel").rglob("*.py"))
+             for v in outside_writes(ast.parse(f.read_text()), {"bytes_sent"}, str(f.relative_to(ROOT.parent)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ["self.dp.bytes_sent += n", "dp.bytes_sent = 0", "c.bytes_sent['grads'] += n"])
+def test_the_counter_check_catches_an_injected_write(line):
+    assert len(outside_writes(ast.parse("def f(self, dp, c, n):\n    " + line + "\n"), {"bytes_sent"})) == 1
 
 
 def test_the_protocol_check_catches_a_missing_member_and_other_parameters():

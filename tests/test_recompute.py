@@ -7,6 +7,7 @@ from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import CheckpointWrapper, apply_recompute, checkpoint
 from minizero.nn import GPT, get_config
+from minizero.nn.module import Linear, Module, ModuleDict, Parameter
 from minizero.parallel.context_parallel import context_parallelize
 from minizero.parallel.pipeline import PipelineStage
 
@@ -92,6 +93,44 @@ def test_module_traversal_is_public_and_a_wrapper_shows_its_inner_modules_tables
     assert list(block.named_parameters(recurse=False)) == []  # a block owns no parameter itself
     every = [n for n, _ in plain.named_parameters(remove_duplicate=False)]  # the tied head's alias too
     assert every == list(plain.state_dict()) and len(every) == len(list(plain.named_parameters())) + 1
+
+
+class _ReadsItsMode(Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(self.training)  # as a core with its own dropout would
+        return x * 2.0
+
+
+def test_a_wrapped_module_follows_train_and_eval_of_the_model_around_it():
+    """train/eval meet the wrapper where the inner module was, never the inner module: the wrapper's mode is
+    inner's (before: inner kept training=True under model.eval(), and a wrapper of an eval module said True)."""
+    inner = _ReadsItsMode()
+    parent = ModuleDict({"core": inner})
+    parent.swap_modules(lambda m: CheckpointWrapper(m) if m is inner else None)
+    parent.eval()
+    parent["core"](Tensor(np.ones(2), requires_grad=True))
+    parent.train()
+    parent["core"](Tensor(np.ones(2), requires_grad=True))
+    assert inner.seen == [False, True] and parent["core"].training and inner.training
+    inner.eval()
+    assert not CheckpointWrapper(inner).training and not inner.training  # wrapping keeps the inner's mode
+
+
+def test_parameters_registered_later_on_either_side_appear_once_under_the_same_names():
+    """The wrapper shares inner's tables (the same dicts) and forwards attribute writes: nothing registered
+    later is missing on one side or doubled (why it is not PyTorch's prefixed child: names stay the module's)."""
+    inner = _ReadsItsMode()
+    parent = ModuleDict({"core": inner})
+    parent.swap_modules(lambda m: CheckpointWrapper(m) if m is inner else None)
+    inner.w = Parameter(np.ones(2))
+    parent["core"].v = Parameter(np.zeros(3))
+    parent["core"].sub = Linear(2, 2, bias=False)
+    assert [n for n, _ in parent.named_parameters()] == ["core.w", "core.v", "core.sub.weight"]
+    assert [n for n, _ in inner.named_parameters()] == ["w", "v", "sub.weight"] and parent["core"].v is inner.v
 
 
 def test_full_recompute_reaches_the_chunks_of_an_interleaved_stage():

@@ -66,6 +66,15 @@ class CheckpointWrapper(Module):
         object.__setattr__(self, "_parameters", inner._parameters)
         object.__setattr__(self, "_modules", inner._modules)
 
+    @property
+    def training(self) -> bool:  # inner's: Module.train meets the wrapper where inner was, never inner itself
+        return self.inner.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "inner" in vars(self):  # not Module.__init__'s default (inner is set after it): inner keeps its mode
+            self.inner.training = mode
+
     def __getattr__(self, name):  # only called when normal lookup fails
         if name == "inner":  # not set yet (copy and pickle build the object first): raise, not recurse
             raise AttributeError(name)
@@ -74,10 +83,7 @@ class CheckpointWrapper(Module):
     def __setattr__(self, name, value):
         if name == "inner":  # its tables are inner's: a new inner is a new wrapper (Module.swap_modules)
             raise AttributeError("a CheckpointWrapper's inner module is fixed; swap the wrapper instead")
-        if name == "training":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
+        setattr(self.inner, name, value)
 
     def map_wrapped(self, fn) -> Module:  # Module.map_wrapped: this wrapper, around fn's replacement of the inner
         return CheckpointWrapper(self.inner.map_wrapped(fn))

@@ -23,6 +23,7 @@ def can_overlap(dp) -> bool:
 class OverlappedReducer:
     """Launch each bucket's all-reduce from the hook of its last gradient; :meth:`finish` before the step.
 
+    A synchroniser (``strategy.Synchroniser``) in place of ``dp``, with its own ``bytes_sent``.
     ``dp``: the DataParallel whose buckets to reduce; ``defer``: parameters whose gradient changes after
     backward (the tied embedding's): their buckets start in :meth:`finish`.
     Raises ValueError: :func:`can_overlap` is False for ``dp``.
@@ -35,7 +36,7 @@ class OverlappedReducer:
         self.dp, self.stream = dp, Stream(dp.comm)
         deferred = {id(p) for p in defer}
         self.deferred = [any(id(p) in deferred for p, _ in layout) for _, layout in dp.buckets]
-        self.micro_steps = 1
+        self.micro_steps, self.bytes_sent = 1, 0  # bytes: the gradient all-reduces this rank sent, all steps
         self.order = [b for b in range(len(dp.buckets)) if not self.deferred[b]]  # launched from the hooks
         self._reset()
         for b, (_, layout) in enumerate(dp.buckets):
@@ -96,6 +97,25 @@ class OverlappedReducer:
             if all_reduce_algorithm(flat.nbytes, n) != "ring":
                 all_reduce(comm, flat, out=flat)
             mean_scale_(flat, n, before_sum=False, predivided=self.dp.predivided)  # float32/64: divide the sum
-            self.dp.bytes_sent += bytes_sent("all_reduce", flat.size, flat.itemsize, n, comm.rank)
+            self.bytes_sent += bytes_sent("all_reduce", flat.size, flat.itemsize, n, comm.rank)
         self.dp.write_back(used)
         self._reset()
+
+    # ---- the gradient synchroniser's interface: the buckets' own reduction, the rest is dp's ----------
+    reduce_gradients = finish
+
+    def local_grads(self) -> list:
+        """Every ``.grad`` that is not None (:meth:`DataParallel.local_grads`)."""
+        return self.dp.local_grads()
+
+    def grad_norm_sq(self, counts, model_comm, world) -> float:
+        """Collective over ``model_comm``: :meth:`DataParallel.grad_norm_sq`."""
+        return self.dp.grad_norm_sq(counts, model_comm, world)
+
+    def full_parameters(self):
+        """:meth:`DataParallel.full_parameters`: every parameter is whole, nothing to gather."""
+        return self.dp.full_parameters()
+
+    def bytes_per_step(self, steps: int) -> float:
+        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps (its own count, not ``dp``'s)."""
+        return self.bytes_sent / steps

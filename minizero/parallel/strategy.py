@@ -73,10 +73,10 @@ class Strategy:
     """One rank's part of a training layout, behind the six calls the training loop makes.
 
     Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
-    engine; sync (the gradient synchroniser); dp (``sync`` when the builder made it a plain DataParallel, else
-    None); opt (the optimizer, which is ``sync`` under ZeRO); params (this rank's parameters); before_forward,
-    after_backward, after_step (hook lists: a step's backward seed per micro-batch before its forwards; after
-    the gradients are reduced; after ``opt.step``).
+    engine; sync (the gradient synchroniser: ``reducer`` when overlapping); dp (the plain DataParallel the builder
+    made, the given ``sync`` or what ``reducer`` reduces, else None); opt (the optimizer, which is ``sync`` under
+    ZeRO); params (this rank's parameters); before_forward, after_backward, after_step (hook lists: a step's
+    backward seed per micro-batch before its forwards; after the gradients are reduced; after ``opt.step``).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync: Synchroniser, opt,
@@ -101,16 +101,14 @@ class Strategy:
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()
         self.after_backward = []  #: what reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
-        self._reduce = sync.reduce_gradients
-        #: the overlapped bucket all-reduce (DDP's Reducer), or None: blocking, after backward (--no-overlap)
+        #: the overlapped bucket all-reduce (DDP's Reducer) and then ``sync``, or None: ``dp`` reduces after backward
         self.reducer = None
         if overlap and can_overlap(dp):
             tied = [stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight] \
                 if stage.num_stages > 1 and (stage.is_first or stage.is_last) else []
             # the sequence-parallel norms' and biases' gradients are summed over the tensor group after backward too
             sliced = [p for p in self.params if getattr(p, "sequence_parallel", False)]
-            self.reducer = OverlappedReducer(dp, defer=tied + sliced)
-            self._reduce = self.reducer.finish
+            self.sync = self.reducer = OverlappedReducer(dp, defer=tied + sliced)
 
     @property
     def holds_loss(self) -> bool:
@@ -161,7 +159,7 @@ class Strategy:
         biases' gradients summed over the tensor group (--sequence-parallel), then the data-group average."""
         allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
         allreduce_sequence_parallel_grads(self.params, self.topo.tp_comm)
-        self._reduce()
+        self.sync.reduce_gradients()
         for hook in self.after_backward:  # after the gradient collectives: none of theirs is in flight
             hook()
 

@@ -54,7 +54,8 @@ def run(comm, stage, micro_batch, dtype="float64", steps=STEPS, accum=ACCUM, cli
         params = {n: p.data.copy() for n, p in model.named_parameters()}
     return {"grads0": grads0, "params": params, "grad_norms": np.array(result["grad_norms"]),
             "train_losses": np.array(result["train_losses"]), "state_bytes": result["state_bytes"],
-            "step_bytes": opt.step_bytes if dp is None else [{"all_reduce": dp.bytes_sent / steps}] * steps,
+            "step_bytes": opt.step_bytes if dp is None  # stage 0: the synchroniser that ran (overlapped or not)
+            else [{"all_reduce": result["strategy"].sync.bytes_per_step(steps)}] * steps,
             "peak": peak, "num_params": model.num_parameters()}
 
 
