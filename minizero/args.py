@@ -31,7 +31,7 @@ from minizero.output_checks import (check_outputs, check_resume_source, check_sa
                                      outside_checkpoints)
 
 from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_FLIGHT_RECORDS, MAX_MICRO_BATCH, MAX_SAMPLE_TOKENS,  # noqa: F401
-                            UsageError, build_parser, refuse_idle_flags)
+                            LATE_DEFAULTS, UsageError, build_parser, refuse_idle_flags)
 
 
 MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
@@ -149,15 +149,15 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if args.ulysses is not None:  # DeepSpeed-Ulysses' own spelling of --cp N --cp-attention ulysses
         if args.ulysses < 2:
             raise UsageError(f"--ulysses must be >= 2 (the ranks one sequence is split over), got {args.ulysses}")
-        if args.cp not in (1, args.ulysses):
-            raise UsageError(f"--ulysses {args.ulysses} with --cp {args.cp}: --ulysses N means --cp N "
-                             f"--cp-attention ulysses; give one of them")
-        probe = build_parser()  # the default ring is --cp-attention not given; an explicit ring contradicts
-        probe.set_defaults(cp_attention=None)
-        if probe.parse_args(argv).cp_attention == "ring":
-            raise UsageError(f"--ulysses {args.ulysses} with --cp-attention ring: --ulysses N means --cp N "
-                             f"--cp-attention ulysses; give one of them")
+        said = f"--cp {args.cp}" if args.cp not in (1, args.ulysses) else \
+            "--cp-attention ring" if args.cp_attention == "ring" else None  # given: its default is resolved below
+        if said:
+            raise UsageError(f"--ulysses {args.ulysses} with {said}: --ulysses N means --cp N --cp-attention ulysses; "
+                             "give one of them")
         args.cp, args.cp_attention = args.ulysses, "ulysses"
+    for name, value in LATE_DEFAULTS.items():  # flags parsed as None so that a given value shows
+        if vars(args)[name] is None:
+            setattr(args, name, value)
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from minizero.flags import build_parser
+from minizero.flags import flag_defaults
 from minizero.parallel.expert_parallel import MoEConfig
 
-_D = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}  # the flag table's defaults
+_D = flag_defaults()  # the flag table's defaults (--cp-attention's "ring", which the parser leaves None)
 
 
 @dataclasses.dataclass

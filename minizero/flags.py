@@ -60,6 +60,16 @@ SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "
                "[flags]" for f in ("-n", "-np")}}
 
 
+#: flags parsed with the default None, so that "given" is "not None" (--ulysses N refuses an explicit --cp-attention
+#: ring, not the default), and the value parse_args gives them when not given (--help and TrainConfig show it)
+LATE_DEFAULTS = {"cp_attention": "ring"}
+
+
+def flag_defaults() -> dict:
+    """Every flag's default as a run sees it: the parser's, or :data:`LATE_DEFAULTS`' for a flag parsed as None."""
+    return {a.dest: a.default for a in build_parser()._actions if a.dest != "help"} | LATE_DEFAULTS
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.train``."""
     p = negative_values_reach_checks(_Parser(
@@ -101,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(Korthikanti 2022)")
     layout.add_argument("--cp", type=integer, default=1,
                         help="context-parallel size: the sequence split, ring attention")
-    layout.add_argument("--cp-attention", default="ring", choices=["ring", "ulysses"],
+    layout.add_argument("--cp-attention", default=None, choices=["ring", "ulysses"],  # None: not given
                         help="with --cp: ring attention (k, v blocks around the ring) or DeepSpeed-Ulysses (all-to-all "
-                             "from sequence shards to head shards and back)")
+                             "from sequence shards to head shards and back) "
+                             f"(default: {LATE_DEFAULTS['cp_attention']})")
     layout.add_argument("--ulysses", type=integer, default=None, metavar="N",
                         help="DeepSpeed-Ulysses over N ranks: the same as --cp N --cp-attention ulysses")
     layout.add_argument("--pp", type=integer, default=None,
@@ -309,9 +320,9 @@ DEPENDENT_FLAGS = (
 
 def refuse_idle_flags(args) -> None:
     """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
-    defaults = build_parser()
+    defaults = flag_defaults()  # args are resolved: a flag of LATE_DEFAULTS holds its late default, not None
     for names, on, what, got in DEPENDENT_FLAGS:
-        given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults.get_default(k)]
+        given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults[k]]
         if given and not on(args):
             raise UsageError(f"{', '.join(given)} only apply(ies) with {what}; got {got(args)}")
     if args.json is not None and args.no_save:

@@ -165,11 +165,12 @@ def test_every_flag_is_one_typed_config_field_with_the_tables_default():
 
     from minizero.args import parse_args
     from minizero.config import TrainConfig
-    from minizero.flags import build_parser
+    from minizero.flags import LATE_DEFAULTS, build_parser
 
     actions = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    assert fields == dict(actions, world_size=1)
+    assert fields == dict(actions, **LATE_DEFAULTS, world_size=1)  # a late default: None to the parser (not given)
+    assert all(actions[name] is None for name in LATE_DEFAULTS)
     args = parse_args(["--model", "tiny", "--zero", "1"], world_size=2)
     assert isinstance(args, TrainConfig) and (args.zero, args.dp, args.world_size) == (1, 2, 2)
     with pytest.raises(TypeError, match="'new_flag'.*no TrainConfig field"):  # a flag added without its field

@@ -180,3 +180,28 @@ def test_ulysses_refuses_an_explicit_ring():
         parse_args(["--model", "tiny", "--ulysses", "2", "--cp-attention=ring"], 2)
     assert parse_args(["--model", "tiny", "--ulysses", "2", "--cp-attention", "ulysses"], 2).cp_attention == "ulysses"
     assert parse_args(["--model", "tiny", "--ulysses", "2"], 2).cp_attention == "ulysses"
+
+
+def test_cp_attention_not_given_is_none_to_the_parser_and_ring_to_the_run(monkeypatch):
+    """--cp-attention is parsed with the default None (given = not None, which --ulysses N refuses as ring; before,
+    argv was parsed a second time to tell), resolved to ring after the --ulysses check; --help still says ring."""
+    import minizero.flags as flags
+    from minizero.config import TrainConfig
+
+    assert flags.build_parser().parse_args([]).cp_attention is None
+    assert parse_args(["--model", "tiny"]).cp_attention == TrainConfig().cp_attention == "ring"
+    assert parse_args(["--model", "tiny", "--cp", "2", "--cp-attention", "ring"], 2).cp_attention == "ring"
+    with pytest.raises(UsageError, match="^--ulysses 2 with --cp 4: --ulysses N means --cp N --cp-attention ulysses; "
+                       "give one of them$"):  # the --cp conflict is named first
+        parse_args(["--model", "tiny", "--ulysses", "2", "--cp", "4", "--cp-attention", "ring"], 4)
+    with pytest.raises(UsageError, match="^--ulysses 2 with --cp-attention ring: "):
+        parse_args(["--model", "tiny", "--ulysses", "2", "--cp", "2", "--cp-attention", "ring"], 2)
+    said = flags.build_parser().format_help().split("--cp-attention {ring,ulysses}")[-1].split("--ulysses N")[0]
+    said = " ".join(said.split())
+    assert said.endswith("shards to head shards and back) (default: ring)") and said.count("default") == 1, said
+    # refuse_idle_flags compares the resolved args with the late default, not the parser's None
+    monkeypatch.setattr(flags, "DEPENDENT_FLAGS", ((("cp_attention",), lambda a: a.cp > 1, "--cp > 1",
+                                                     lambda a: f"--cp {a.cp}"),))
+    flags.refuse_idle_flags(parse_args(["--model", "tiny"]))  # not given: not refused
+    with pytest.raises(UsageError, match="^--cp-attention only apply"):
+        flags.refuse_idle_flags(TrainConfig(cp_attention="ulysses"))
