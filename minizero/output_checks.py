@@ -7,6 +7,7 @@ import os
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
+from minizero.comm.flight import records
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
                             refuse_foreign, refuse_read_back)
 from minizero.data import describe_non_file
@@ -50,6 +51,10 @@ def check_outputs(args) -> None:
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
+    foreign = records(os.path.join(out, "flight"))[1] if args.flight_records else []
+    if foreign:  # the run removes an earlier run's records, and a failed one's dump would replace this file
+        raise UsageError(f"--out {out!r}: {foreign[0]!r} exists and is no flight record; a failed job's record "
+                         "replaces only an earlier one (an earlier output): move that file away")
     probe(out, "--out")
     special = os.path.exists(js) and not os.path.isfile(js)  # a device such as /dev/null: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:

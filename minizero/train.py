@@ -29,7 +29,7 @@ from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.base import DEFAULT_TIMEOUT_S
-from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives, clear, run_id
 from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
@@ -84,9 +84,10 @@ def _blas_threads(local_ranks: int) -> int:
     return threads
 
 
-def _start_flight(comm, args) -> None:
-    """This rank's flight recorder as --flight-records and --debug-collectives ask; SIGUSR1 dumps it."""
-    comm.traffic.recorder = FlightRecorder(args.flight_records) if args.flight_records else None
+def _start_flight(comm, args, run: str) -> None:
+    """This rank's flight recorder as --flight-records and --debug-collectives ask, its records named ``run``;
+    SIGUSR1 dumps it."""
+    comm.traffic.recorder = FlightRecorder(args.flight_records, run) if args.flight_records else None
     if args.debug_collectives:
         check_collectives(comm)
     if comm.traffic.recorder is not None and threading.current_thread() is threading.main_thread():
@@ -122,8 +123,10 @@ def _lock_output(args, comm, mpi_world):
     """Rank 0 locks OUT and, when it saves checkpoints, --save-dir (:class:`FolderLock` each; OUT/checkpoints too),
     and a --json or --trace file outside OUT (:meth:`FolderLock.for_file`), then broadcasts the verdict
     (collective): two jobs on one folder would delete each other's files, on one file replace each other's.
-    Returns (the locks held on rank 0, the refusal message every rank shares or None)."""
-    locks, refusal = [], None
+    Then it removes the previous run's flight records from OUT/flight (this run's replace them, as its other outputs
+    do) and names the run (:func:`~minizero.comm.flight.run_id`, in the same broadcast).
+    Returns (the locks held on rank 0, the refusal message every rank shares or None, the run id)."""
+    locks, refusal, run = [], None, None
     if comm.rank == 0:
         out = os.path.realpath(args.out)
         wanted = [] if args.no_save else [("--out", FolderLock(args.out))]
@@ -135,7 +138,10 @@ def _lock_output(args, comm, mpi_world):
                     os.path.isfile(path) or not os.path.exists(path)):  # not /dev/null; OUT's lock covers OUT
                 wanted.append((flag, FolderLock.for_file(path)))
         locks, refusal = lock_outputs(wanted)
-    return locks, mpi_world.bcast(refusal, root=0)
+        if refusal is None and not args.no_save:  # OUT is this job's now: no second job is in it
+            clear(os.path.join(args.out, "flight"))
+        run = run_id()
+    return locks, *mpi_world.bcast((refusal, run), root=0)
 
 
 def _parse_everywhere(argv, comm, mpi_world):
@@ -268,7 +274,7 @@ def main(argv=None) -> int:
     comm.inner.timeout = args.comm_timeout  # the MPI communicator under the node-aware wrapper
     if not args.default_malloc:
         backend.keep_freed_memory()  # temporaries reuse freed memory instead of faulting in fresh pages
-    locks, refusal = _lock_output(args, comm, MPI.COMM_WORLD)
+    locks, refusal, run = _lock_output(args, comm, MPI.COMM_WORLD)
     end_set_up(install=not refusal)  # from here SIGINT and SIGTERM unwind through the except below
     if refusal:
         if rank == 0:
@@ -279,7 +285,7 @@ def main(argv=None) -> int:
             _warn_ram_offload(args)
         if args.comm == "nccl":  # the same ranks and node layout, messages over NCCL (set up through MPI)
             comm = nccl_world(comm, args.comm_timeout)
-        _start_flight(comm, args)
+        _start_flight(comm, args, run)
         local_ranks = comm.nodes.local_size(rank)  # ranks on this rank's node (MPI_COMM_TYPE_SHARED)
         threads = _blas_threads(local_ranks)
         threadpool_limits(limits=threads)

@@ -298,6 +298,75 @@ def test_debug_collectives_passes_agreeing_ranks_and_leaves_results_unchanged():
         assert np.array_equal(a, c) and np.array_equal(b, d)
         assert nbytes > 0  # the descriptors are counted under their own label
 
+def test_records_of_another_run_or_world_size_are_set_aside_and_named(tmp_path, capsys):
+    """Before: a clean 4-rank run's rank_1.json and rank_3.json beside a failed 2-rank run's rank_0.json were merged
+    ("ok: 3 rank(s) ... every one completed"): the failed run's rank 1, which wrote nothing, looked fine."""
+    def run(name, world, fn):
+        def named(comm):
+            comm.traffic.recorder.run = name
+            fn(comm)
+        _run_and_dump(world, named, tmp_path)
+
+    run("old", 4, lambda comm: all_reduce(comm, np.ones(4)))
+    os.remove(tmp_path / "rank_0.json")
+    run("new", 2, lambda comm: comm.rank == 1 or all_reduce(comm, np.ones(4)))
+    os.remove(tmp_path / "rank_1.json")  # the new run's rank 1 wrote nothing: the old run's rank_1.json is not it
+    (tmp_path / "rank_1.json").write_text(json.dumps(dict(json.loads((tmp_path / "rank_3.json").read_text()),
+                                                          rank=1)))
+    assert debug_main(["hang", str(tmp_path)]) == 1
+    lines = unwrapped(capsys.readouterr().out)
+    aside = [ln for ln in lines if ln.startswith("set aside:")]
+    assert [ln.split()[2] for ln in aside] == ["rank_1.json", "rank_2.json", "rank_3.json"], lines
+    assert "another job's record (run old, world size 4, written " in aside[0] and "analysed: run new" in aside[0]
+    assert "missing: rank 1 wrote no flight file (stopped or killed before it could)" in lines, lines
+    snaps, _ = hang.newest_job(hang.load(str(tmp_path)))
+    assert sorted(snaps) == [0] and snaps[0]["run"] == "new"
+
+
+def test_a_rank_whose_write_was_cut_short_is_named_with_its_tmp_file(tmp_path, capsys):
+    """Before: SIGTERM in the middle of rank 1's dump left rank_1.json.tmp, and the analyzer said rank 1 "wrote no
+    flight file"."""
+    assert _run_and_dump(2, lambda comm: comm.rank == 1 or all_reduce(comm, np.ones(4)), tmp_path) is not None
+    whole = (tmp_path / "rank_1.json").read_bytes()
+    os.remove(tmp_path / "rank_1.json")
+    (tmp_path / "rank_1.json.tmp").write_bytes(whole[:60])
+    assert debug_main(["hang", str(tmp_path)]) == 1
+    lines = unwrapped(capsys.readouterr().out)
+    assert "missing: rank 1: its flight file was cut short while being written (rank_1.json.tmp)" in lines, lines
+    assert "rank 1 left no record (flight file cut short)" in " ".join(lines)
+    os.remove(tmp_path / "rank_0.json")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert "rank_1.json.tmp was cut short while being written" in joined(capsys.readouterr().err)
+
+
+def test_a_new_run_removes_the_previous_runs_flight_records_and_nothing_else(tmp_path):
+    """Before: a clean run left the previous failed run's flight/rank_1.json in OUT, for the analyzer to merge with
+    the next run's. A file there that minizero did not write is kept, and refused before any work when a dump
+    would replace it."""
+    import types
+    from minizero.files import release_all
+    from minizero.train import UsageError, _lock_output, parse_args
+    flight = tmp_path / "out" / "flight"
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), flight)
+    os.rename(flight / "rank_1.json", flight / "rank_1.json.tmp")  # a dump cut short
+    (flight / "notes.txt").write_text("mine")
+    args = types.SimpleNamespace(no_save=False, out=str(tmp_path / "out"), save_dir=None, save_every=0,
+                                 json=str(tmp_path / "out" / "summary.json"), trace=None)
+    locks, refusal, run = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(
+        bcast=lambda obj, root: obj))
+    release_all(locks)
+    assert refusal is None and sorted(os.listdir(flight)) == ["notes.txt"] and run
+    os.remove(flight / "notes.txt")
+    _run_and_dump(1, lambda comm: all_reduce(comm, np.ones(4)), flight)
+    locks, _, _ = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(bcast=lambda o, root: o))
+    release_all(locks)
+    assert not flight.exists()  # emptied: removed, as the run found OUT
+    flight.mkdir()
+    (flight / "rank_2.json").write_text('{"my": "notes"}')
+    with pytest.raises(UsageError, match="rank_2.json' exists and is no flight record; a failed job's record replaces"):
+        parse_args(["--model", "tiny", "--out", str(tmp_path / "out")], 1)
+    parse_args(["--model", "tiny", "--out", str(tmp_path / "out"), "--flight-records", "0"], 1)  # nothing dumped
+
 
 # -- the main job under mpiexec ------------------------------------------------------------------------------
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--no-progress"]
@@ -319,10 +388,13 @@ def test_stopped_rank_under_zero3_is_named_by_the_hang_analyzer(mpiexec, tmp_pat
     assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json", "rank_3.json"], proc.stderr
     said = " ".join(proc.stderr.split())  # a long line goes on over indented lines of <= 120 columns
     assert f"(who hung where: python -m minizero.debug hang {flight})" in said, proc.stderr  # the next step
+    runs = set()
     for f in os.listdir(flight):  # each live rank wrote its file within --comm-timeout + 30 s of starting to wait
         snap = json.loads((flight / f).read_text())
+        runs.add(snap["run"])
         waiting_since = min(e["posted_us"] for e in snap["entries"] if e["state"] != "completed")
         assert "CommTimeoutError" in snap["reason"] and snap["time_us"] - waiting_since < (timeout + 30) * 1e6
+    assert len(runs) == 1 and None not in runs, runs  # one run id, rank 0's, on every rank's record
     report = subprocess.run([sys.executable, "-m", "minizero.debug", "hang", str(flight)], env=mpi_env(),
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 1

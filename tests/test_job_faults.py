@@ -37,7 +37,7 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     args = types.SimpleNamespace(no_save=False, out=str(out), save_dir=str(out / "checkpoints"), save_every=5,
                                  json=str(out / "summary.json"), trace=None)
     world = types.SimpleNamespace(bcast=lambda obj, root: obj)
-    locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+    locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), world)
     try:
         assert refusal is None and len(locks) == 2
         with pytest.raises(FolderLocked, match="in use by another minizero job"):
@@ -45,7 +45,7 @@ def test_the_default_save_dir_inside_out_is_locked(tmp_path):
     finally:
         _release(locks)
     args.save_dir = str(out)  # checkpoints in OUT itself: one lock
-    locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+    locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), world)
     _release(locks)
     assert refusal is None and len(locks) == 1
 
@@ -65,11 +65,11 @@ def test_a_json_or_trace_outside_out_is_locked_as_a_file(tmp_path):
         held = FolderLock.for_file(path)
         held.acquire()
         try:
-            locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+            locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), world)
         finally:
             held.release()
         assert locks == [] and refusal.startswith(f"{flag} {path!r} is in use by another minizero job (pid "), refusal
-        locks, refusal = _lock_output(args, types.SimpleNamespace(rank=0), world)
+        locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), world)
         assert refusal is None and [lock.subject for lock in locks] == [args.out, path]
         release_all(locks)
 

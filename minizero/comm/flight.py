@@ -2,7 +2,8 @@
 
 Each ``traffic.op(label, buf)`` block and overlapped ring collective is one :class:`Entry`; ``seq`` counts one
 group's collectives on this rank (rank r's #k and rank s's #k must be the same call), None for labelled blocks
-without an array. States: ``posted``, ``started``, ``completed``, ``failed``.
+without an array. States: ``posted``, ``started``, ``completed``, ``failed``. A record names its job's ``run``
+(:func:`run_id`, rank 0's, shared at start-up), so that records of two jobs in one folder are never merged.
 Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
+import socket
 import time
 
 import numpy as np
@@ -17,6 +20,8 @@ import numpy as np
 DEFAULT_CAPACITY = 2000  #: entries kept per rank (the TORCH_NCCL_TRACE_BUFFER_SIZE PyTorch's tutorial sets)
 _CHECK_TAG = 1400  #: tag of the descriptor exchange of ``check_collectives`` (apart from every other tag in minizero)
 _LABEL_BYTES, _MAX_DIMS = 48, 6
+RECORD_NAME = re.compile(r"rank_(\d+)\.json(\.tmp)?")  #: a rank's record, or its write cut short
+_HEAD = re.compile(rb'\{"rank": (\d+), "world_size": (\d+)(?:, "run": ("(?:[^"\\]|\\.)*"|null))?')  # dump's start
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -64,9 +69,10 @@ class FlightRecorder:
     Raises ValueError: ``capacity`` not an int >= 1.
     """
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, run: str | None = None):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity={capacity!r}; allowed: an int >= 1")
+        self.run = run  # the job's run id (:func:`run_id`), the same on every rank
         self.entries: collections.deque = collections.deque(maxlen=capacity)
         self.groups: dict[int, _Group] = {}
         self.check_collectives = False
@@ -111,13 +117,14 @@ class FlightRecorder:
 
     # -- output ------------------------------------------------------------------------------------------------
     def snapshot(self, rank: int, world_size: int, reason: str = "on demand") -> dict:
-        """This rank's record as a JSON-able dict: rank, world_size, reason, groups, entries (oldest first)."""
+        """This rank's record as a JSON-able dict: rank, world_size, run, reason, groups, entries (oldest first)."""
         groups = {}
         for g in self.groups.values():
             members = g.members if g.members is not None else (list(range(world_size)) if g.name == "world" else None)
             groups[g.name] = {"members": members, "last_seq": g.seq}
-        return {"rank": int(rank), "world_size": int(world_size), "reason": reason, "time_us": time.time_ns() // 1000,
-                "capacity": self.entries.maxlen, "groups": groups, "entries": [e.as_dict() for e in self.entries]}
+        return {"rank": int(rank), "world_size": int(world_size), "run": self.run, "reason": reason,  # dump's start:
+                "time_us": time.time_ns() // 1000, "capacity": self.entries.maxlen, "groups": groups,  # see _HEAD
+                "entries": [e.as_dict() for e in self.entries]}
 
     def dump(self, folder: str, rank: int, world_size: int, reason: str = "on demand") -> str:
         """Write :meth:`snapshot` to ``folder/rank_R.json`` (atomically, by rename); returns the path."""
@@ -127,6 +134,56 @@ class FlightRecorder:
             json.dump(self.snapshot(rank, world_size, reason), f)
         os.replace(path + ".tmp", path)
         return path
+
+
+def run_id() -> str:
+    """``2026-12-06T20:00:27.123456Z host pid 4321``: when and where a job started (rank 0 makes it, every rank
+    records it)."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+    return f"{stamp} {socket.gethostname()} pid {os.getpid()}"
+
+
+def peek(path: str) -> dict | None:
+    """``{"rank", "world_size", "run"}`` from the start of a record :meth:`FlightRecorder.dump` wrote, whole or cut
+    short (``.tmp``; run None: not recorded, or cut off); None for a file that does not start like a record."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    m = _HEAD.match(head)
+    return m and {"rank": int(m[1]), "world_size": int(m[2]), "run": m[3] and json.loads(m[3])}
+
+
+def records(folder: str) -> tuple[list[str], list[str]]:
+    """The ``rank_R.json`` and ``rank_R.json.tmp`` files in ``folder``: (minizero's records, whole or cut short, and
+    empty ones; the others: files a dump would replace that minizero did not write)."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if RECORD_NAME.fullmatch(n))
+    except OSError:
+        return [], []
+    paths = [os.path.join(folder, n) for n in names]
+    ours = [p for p in paths if os.path.isfile(p) and (os.path.getsize(p) == 0 or peek(p) is not None)]
+    return ours, [p for p in paths if p not in ours]
+
+
+def clear(folder: str) -> list[str]:
+    """Remove the flight records of an earlier job from ``folder`` (:func:`records`, never another file), and the
+    folder if that empties it; returns the paths removed (one that cannot be removed stays)."""
+    removed = []
+    for p in records(folder)[0]:
+        try:
+            os.remove(p)
+            removed.append(p)
+        except OSError:
+            continue
+    if removed:
+        try:
+            os.rmdir(folder)  # OSError unless empty
+        except OSError:
+            pass
+    return removed
 
 
 def check_collectives(comm, on: bool = True) -> FlightRecorder:

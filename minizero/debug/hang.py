@@ -3,14 +3,18 @@
 Matches every ``rank_R.json`` by group and sequence number (PyTorch's ``fr_trace`` analyzer does the same) and prints
 one line per finding: ``missing`` (a rank wrote no file), ``mismatch`` (ranks in different operations at one sequence
 number), ``hang`` (who waits in what, who never posted it), ``last`` (the last operation every rank completed).
+Records of another job (run id or world size) than the newest record's are set aside, each named, not refused: the
+newest job is the one asked about, and an older file beside it says nothing of that job. A rank whose only file is
+``rank_R.json.tmp`` was cut short while writing it.
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
+import time
 
-from minizero.comm.flight import describe
+from minizero.comm.flight import RECORD_NAME, describe, peek
 from minizero.files import read_json
 from minizero.numerals import wrapped
 
@@ -29,7 +33,9 @@ def load(folder: str) -> dict[int, dict]:
         raise FileNotFoundError(f"{folder!r}: no such folder (a failing job writes OUT/flight)")
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
     if not paths:
-        raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)")
+        cut = sorted(glob.glob(os.path.join(folder, "rank_*.json.tmp")))
+        raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)"
+                                + (f"; {os.path.basename(cut[0])} was cut short while being written" if cut else ""))
     out = {}
     for p in paths:
         if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
@@ -48,6 +54,38 @@ def load(folder: str) -> dict[int, dict]:
             if named in out:  # rank_1.json and rank_01.json
                 raise ValueError(f"{p} is a second flight record of rank {named}; keep one file per rank")
             out[named] = snap
+    return out
+
+
+def _job(snap: dict) -> tuple:
+    return snap.get("run"), snap["world_size"]
+
+
+def newest_job(snaps: dict[int, dict]) -> tuple[dict[int, dict], list[str]]:
+    """The records of the job (run id, world size) that wrote the newest record, and a line per other record."""
+    last = max(snaps.values(), key=lambda s: s.get("time_us") or 0)
+    kept = {r: s for r, s in snaps.items() if _job(s) == _job(last)}
+    return kept, [f"set aside: rank_{r}.json is another job's record ({_said(s)}; analysed: {_said(last)})"
+                  for r, s in sorted(snaps.items()) if r not in kept]
+
+
+def _said(snap: dict) -> str:
+    when = snap.get("time_us")
+    written = "" if when is None else time.strftime(", written %Y-%m-%d %H:%M:%S UTC", time.gmtime(when / 1e6))
+    return f"run {snap.get('run') or '(not recorded)'}, world size {snap['world_size']}{written}"
+
+
+def cut_short(folder: str, snaps: dict[int, dict]) -> dict[int, str]:
+    """``{rank: "rank_R.json.tmp"}`` for the ranks of ``snaps``' job whose only file in ``folder`` is a write cut
+    short (not another job's, when its start names that job)."""
+    run, world = _job(next(iter(snaps.values())))
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        m = RECORD_NAME.fullmatch(name)
+        if m and m[2] and int(m[1]) < world and int(m[1]) not in snaps:
+            head = peek(os.path.join(folder, name))
+            if head is None or head["run"] is None or (head["run"], head["world_size"]) == (run, world):
+                out[int(m[1])] = name
     return out
 
 
@@ -85,6 +123,9 @@ def _missing(snap) -> str | None:
         if texts or not (_whole(e["posted_us"]) and (e["bytes"] is None or _whole(e["bytes"]))):
             return (f"entries[{i}].{texts[0]} as text" if texts else
                     f"entries[{i}] with a whole 'posted_us' and 'bytes' (or null)")
+    if not (snap.get("run") is None or isinstance(snap["run"], str)) or not (
+            snap.get("time_us") is None or _whole(snap["time_us"]) and 0 <= snap["time_us"] <= 1 << 53):
+        return "'run' as text and 'time_us' microseconds in [0, 2**53] (or null)"
     return None if isinstance(snap["reason"], str) else "'reason' as text"
 
 
@@ -156,7 +197,9 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
         line += (f"; rank {r} never posted #{k} (its last: "
                  f"{describe(last) + ', ' + last['state'] if last else 'nothing recorded'})")
     for r in absent:
-        line += f"; rank {r} left no record ({'no flight file' if r in no_file else 'never used this group'})"
+        why = ("never used this group" if r not in no_file else
+               "flight file cut short" if no_file[r] else "no flight file")
+        line += f"; rank {r} left no record ({why})"
     if not never and not absent and mismatch:
         line += f"; every rank posted #{k}: see the mismatch"
     elif not never and not absent:
@@ -169,12 +212,15 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     return out
 
 
-def analyze(snaps: dict[int, dict]) -> list[str]:
+def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None) -> list[str]:
     """The findings, one readable line each (``missing``, ``mismatch``, ``hang``, ``last``); hangs ordered
-    by when their operation was posted (the earliest is the likely cause); ``["ok: ..."]`` if none."""
+    by when their operation was posted (the earliest is the likely cause); ``["ok: ..."]`` if none.
+    ``cut``: :func:`cut_short`'s ``{rank: file}``."""
     world = max(s["world_size"] for s in snaps.values())
-    no_file = [r for r in range(world) if r not in snaps]
-    lines = [f"missing: rank {r} wrote no flight file (stopped or killed before it could)" for r in no_file]
+    no_file = {r: (cut or {}).get(r) for r in range(world) if r not in snaps}
+    lines = [f"missing: rank {r}: its flight file was cut short while being written ({tmp})" if tmp else
+             f"missing: rank {r} wrote no flight file (stopped or killed before it could)"
+             for r, tmp in no_file.items()]
     hangs = []
     for (name, members), per in sorted(_groups(snaps).items()):
         mismatch = _first_mismatch(name, members, per)
@@ -194,11 +240,13 @@ def analyze(snaps: dict[int, dict]) -> list[str]:
 
 
 def main(folder: str) -> int:
-    """Print the reasons of the dumps and the findings; exit status 0 (nothing found) or 1."""
-    snaps = load(folder)
+    """Print the records set aside, the reasons of the dumps and the findings; exit status 0 (nothing found) or 1."""
+    snaps, aside = newest_job(load(folder))
+    for line in aside:
+        print(wrapped(line))
     for r, s in sorted(snaps.items()):
         print(wrapped(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded"))
-    lines = analyze(snaps)
+    lines = analyze(snaps, cut_short(folder, snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
     return 0 if lines[0].startswith("ok:") else 1
