@@ -254,6 +254,8 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+TABLE_WIDTH = 120  #: columns of :func:`memory_summary`'s lines (more groups of ranks go into blocks below)
+
 #: what the "process peak" row of :func:`memory_summary` measured, by source name
 PROCESS_PEAK_SOURCES = {
     "tracemalloc": "measured by tracemalloc over the training steps: every allocation of the process, "
@@ -268,6 +270,7 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
     """A text table as ``torch.cuda.memory_summary()``; ranks with equal ledgers share a column (KiB = 2**10 bytes).
 
     ``per_rank``: :meth:`MemoryLedger.snapshot` dicts (default this rank's); ``process_peaks``: measured peaks.
+    Columns that would pass :data:`TABLE_WIDTH` go into blocks stacked below (tp 2 x pp 4: r0-1, r2-3 | r4-5, r6-7).
     """
     if per_rank is None:
         per_rank = [get_ledger().snapshot()]
@@ -279,28 +282,30 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
         groups = [g for i, g in enumerate(groups) if i in ends]
     show_cur = every <= 4  # 'current' columns only while the table stays narrow
     labels = [_rank_label(g) for g in groups]
+    kinds = ("current", "peak") if show_cur else ("peak",)
     width = max([12] + [len(f"{lab} current") + 1 for lab in labels])
-    head = ["category".ljust(16)]
-    for lab in labels:
-        if show_cur:
-            head.append(f"{lab} current".rjust(width))
-        head.append(f"{lab} peak".rjust(width))
-    lines = ["minizero memory summary (ledger, per rank; peak = high-water mark)", " ".join(head)]
+    lines = ["minizero memory summary (ledger, per rank; peak = high-water mark)"]
+    if 16 + len(kinds) * (width + 1) > TABLE_WIDTH:  # a rank label too long for a column: a letter, named here
+        lines += wrap("(columns: " + "; ".join(f"{chr(65 + i)} = ranks {rank_runs(g, ', ')}"
+                                                for i, g in enumerate(groups)) + ")")
+        labels, width = [chr(65 + i) for i in range(len(groups))], 12
 
-    def row(label, values_by_group):
-        cells = [label.ljust(16)]
-        for cur, peak in values_by_group:
-            if show_cur:
-                cells.append(("" if cur is None else format_bytes(cur)).rjust(width))
-            cells.append(format_bytes(peak).rjust(width))
-        return " ".join(cells)
+    def row(label, values, cols):  # values: (current or None, peak) per group; cols: the groups this block shows
+        return " ".join([label.ljust(16)] + [("" if v is None else format_bytes(v)).rjust(width)
+                                             for i in cols for v in values[i][-len(kinds):]])
 
+    fit = (TABLE_WIDTH - 16) // (len(kinds) * (width + 1))  # groups side by side; the rest in blocks below
+    per_block = -(-len(groups) // -(-len(groups) // fit))  # blocks as even as they can be: 4 groups as 2 + 2
     firsts = [per_rank[g[0]] for g in groups]
-    for cat in CATEGORIES:
-        lines.append(row(cat, [(s["current"][cat], s["peak"][cat]) for s in firsts]))
-    lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts]))
+    for start in range(0, len(groups), per_block):
+        cols = range(start, min(start + per_block, len(groups)))
+        lines += [""] * (start > 0)
+        lines.append(" ".join(["category".ljust(16)] + [f"{labels[i]} {k}".rjust(width) for i in cols for k in kinds]))
+        lines += [row(cat, [(s["current"][cat], s["peak"][cat]) for s in firsts], cols) for cat in CATEGORIES]
+        lines.append(row("peak total", [(None, s["peak_total"]) for s in firsts], cols))
+        if process_peaks is not None:
+            lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups], cols))
     if process_peaks is not None:
-        lines.append(row("process peak*", [(None, max(process_peaks[r] for r in g)) for g in groups]))
         several = "; a column of several ranks shows the largest of theirs" if any(len(g) > 1 for g in groups) else ""
         lines += wrap("* " + PROCESS_PEAK_SOURCES[process_peak_source] + several)
     if any(sum(s["peak"].values()) > s["peak_total"] for s in firsts):

@@ -242,6 +242,27 @@ def test_memory_summary_puts_ranks_with_equal_ledgers_in_one_column():
     assert one.splitlines()[1].split() == ["category", "r0", "current", "r0", "peak"] and "equal ledgers" not in one
 
 
+def test_memory_summary_of_four_rank_groups_fits_120_columns_in_blocks():
+    """Before: tp 2 x pp 4 (columns r0-1, r2-3, r4-5, r6-7) printed 128 columns; now two blocks of two groups,
+    and rank labels too long for any column (64 ranks, 4 stages) become letters named above the table."""
+    from minizero.ledger import CATEGORIES, memory_summary
+
+    def snap(r):  # stage r's ledger, a GiB-ish figure in every cell
+        cells = {c: (1000 << 20) + (r << 10) for c in CATEGORIES}
+        return {"current": dict(cells), "peak": dict(cells), "peak_total": 8 * cells["parameters"]}
+
+    text = memory_summary([snap(r // 2) for r in range(8)], [1000 << 20] * 8, process_peak_source="rss")
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 120 and lines.count("") == 1
+    heads = [line.split() for line in lines if line.startswith("category")]
+    assert heads == [["category", "r0-1", "current", "r0-1", "peak", "r2-3", "current", "r2-3", "peak"],
+                     ["category", "r4-5", "current", "r4-5", "peak", "r6-7", "current", "r6-7", "peak"]]
+    assert [line.split()[-2:] for line in lines if line.startswith("parameters")] == [["1000.00", "MiB"]] * 2
+    wide = memory_summary([snap(r % 4) for r in range(64)], [1 << 20] * 64)
+    assert max(map(len, wide.splitlines())) <= 120 and "A = ranks 0, 4, 8," in wide
+    assert [line.split()[1::2] for line in wide.splitlines() if line.startswith("category")] == [list("AABBCCDD")]
+
+
 def test_memory_summary_of_many_differing_ranks_shows_the_largest_and_the_smallest():
     """Before: 8 MoE ranks gave 8 peak columns, a table 125 columns wide."""
     from minizero.ledger import memory_summary
