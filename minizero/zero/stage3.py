@@ -7,8 +7,9 @@
     module forward       a gathered parameter a Function saves becomes a handle (_SavedParameter), and so does a
                          contiguous view of one (MoE's expert slice w1[j]: _SavedParameter with its offset)
     forward hook         after the unit's last use p.data = NaN placeholders again: the buffer is freed
-    backward             the unpack hook (or _RunBeforeBackward) re-gathers the unit;
-                         freed again once its bucket is reduced (stage2.py)
+    stage2.py's hook     puts _RunBeforeBackward on the output; its backward calls _begin_backward: re-gather
+    backward             the unpack hook hands back the re-gathered array; freed again once stage2.py's
+                         _grad_ready has reduce-scattered the unit's bucket (_end_backward)
 
 Per micro-batch: two all-gathers and one reduce-scatter, 3(N-1)/N of the parameter bytes per rank.
 Every rank runs the units in the same order. Source: Rajbhandari et al., SC 2020, section 7.2.2;
@@ -52,8 +53,9 @@ _NANS: dict = {}
 
 
 def placeholder(shape, dtype):
-    """What a parameter's ``data`` is while its unit is not gathered: one shared NaN broadcast to ``shape`` (0 bytes,
-    the right shape for code that asks; any use turns the result into NaN instead of stale numbers)."""
+    """What a parameter's ``data`` is while its unit is not gathered: one shared NaN broadcast to ``shape`` (0 bytes of
+    its own: the ledger counts the shared NaN's buffer, one element per array module and dtype, whatever ``nbytes``
+    says; the right shape for code that asks; any use turns the result into NaN instead of stale numbers)."""
     xp = backend.xp
     key = (xp.__name__, np.dtype(dtype).str)
     if key not in _NANS:
