@@ -24,13 +24,11 @@ def cpu_model() -> str:
 def blas(threads: str | None = None) -> str:
     """``openblas 0.3.27 (kernel SkylakeX, 2 threads)`` for NumPy's BLAS, as threadpoolctl sees it; ``threads``
     replaces the thread count (where the timed work runs in other processes, which set their own)."""
-    import numpy as np  # noqa: F401  (loads the BLAS threadpoolctl inspects)
-    from threadpoolctl import threadpool_info
+    from minizero.backend import blas_info  # noqa: PLC0415  (the scripts put the checkout on sys.path first)
 
-    libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
-    if not libs:
+    i = blas_info()
+    if not i:
         return "BLAS unknown"
-    i = libs[0]
     return (f"{i.get('internal_api', '?')} {i.get('version', '?')} "
             f"(kernel {i.get('architecture', '?')}, {threads or str(i.get('num_threads', '?')) + ' threads'})")
 

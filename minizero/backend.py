@@ -30,6 +30,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def blas_info() -> dict:
+    """NumPy's BLAS as threadpoolctl sees it: ``internal_api`` (openblas, mkl, blis), ``version``, ``architecture``
+    (the kernel, OpenBLAS only) and ``num_threads`` (this process's, after any limit); ``{}`` where it finds none."""
+    from threadpoolctl import threadpool_info  # noqa: PLC0415  (scans the loaded libraries: only when asked)
+    return next((i for i in threadpool_info() if i.get("user_api") == "blas"), {})
+
+
 MALLOC_MMAP_THRESHOLD = 32 * 2 ** 20  #: glibc's largest mmap threshold: smaller blocks come from the reused heap
 MALLOC_TRIM_THRESHOLD = 2 ** 30  #: free heap glibc keeps before returning memory to the system
 malloc_kept = False  #: True once :func:`keep_freed_memory` changed this process's malloc

@@ -25,6 +25,22 @@ def precision_description(args) -> str:
     return args.dtype
 
 
+def device_description() -> str:
+    """The device, and on NumPy its BLAS: ``cpu (NumPy, OpenBLAS 0.3.27 Haswell kernel, 2 threads per rank)``.
+    The kernel sets float32 speed and rounding; BLAS threads competing with other work for the cores slow a step
+    many-fold (the main job sets cores / ranks on the node, capped by OPENBLAS_NUM_THREADS and its kin)."""
+    cpu = backend.device_description.removesuffix(")")
+    if backend.name != "numpy":  # CuPy's matmuls run on the GPU; strict is for tests, not speed
+        return backend.device_description
+    blas = backend.blas_info()
+    if not blas:
+        return f"{cpu}, BLAS unknown)"
+    api, threads = blas.get("internal_api", "?"), blas.get("num_threads", "?")
+    kernel = f" {blas['architecture']} kernel" if blas.get("architecture") else ""
+    name = {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(api, api)
+    return f"{cpu}, {name} {blas.get('version', '?')}{kernel}, {threads} thread{'s' * (threads != 1)} per rank)"
+
+
 def documents_description(args) -> str:
     """The header's words for --pack / --pad."""
     if args.documents == "pad":
@@ -144,7 +160,7 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
     lines = [f"minizero: {world} rank(s) as {dp} x tp {topo.tp} x pp {topo.pp}, model {args.model!r} "
              f"({n_params:,} parameters{', MoE' if moe is not None else ''}, {cfg.n_layer} layers, width {cfg.n_embd}, "
              f"context {cfg.block_size}), {precision_description(args)}",
-             f"device {backend.device_description}; messages over {args.comm or 'mpi'}",
+             f"device {device_description()}; messages over {args.comm or 'mpi'}",
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
     if args.data or args.documents == "pad":
         lines.append(documents_description(args))

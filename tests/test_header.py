@@ -1,0 +1,33 @@
+"""The run header's lines, built in-process (the main job's header under mpiexec: tests/test_train.py -k header)."""
+from types import SimpleNamespace as NS
+
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from minizero import backend
+from minizero.args import parse_args
+from minizero.header import header_lines
+from minizero.nn import get_config
+
+
+def _device_line() -> str:
+    topo = NS(dp=1, tp=1, pp=1, describe_nodes=lambda: "", placement_warnings=lambda: [])
+    return header_lines(parse_args(["--model", "tiny"]), get_config("tiny"), NS(topo=topo, cp=1, opt=None), 1)[1]
+
+
+def test_the_device_line_names_numpys_blas_its_kernel_and_threads_per_rank(monkeypatch):
+    """A slow run's first clue (a newcomer's 2 BLAS threads fought other work: 20x slower than 1 thread). Before:
+    ``device cpu (NumPy); messages over mpi``, the threads only in the report's last lines; CuPy's line stays."""
+    blas = next(i for i in threadpool_info() if i["user_api"] == "blas")
+    with threadpool_limits(limits=1):
+        line = _device_line()
+    if blas["internal_api"] == "openblas":
+        assert line == (f"device cpu (NumPy, OpenBLAS {blas['version']} {blas['architecture']} kernel, 1 thread per "
+                        "rank); messages over mpi"), line
+    assert line.endswith(", 1 thread per rank); messages over mpi") and len(line) <= 100, line
+    monkeypatch.setattr(backend, "blas_info", lambda: {"internal_api": "mkl", "version": "2024.0", "num_threads": 2})
+    assert _device_line() == "device cpu (NumPy, MKL 2024.0, 2 threads per rank); messages over mpi"
+    monkeypatch.setattr(backend, "blas_info", dict)  # threadpoolctl found no BLAS
+    assert _device_line() == "device cpu (NumPy, BLAS unknown); messages over mpi"
+    monkeypatch.setattr(backend, "name", "cupy")
+    monkeypatch.setattr(backend, "device_description", "cuda:0 (CuPy, 1 device(s) visible)")
+    assert _device_line() == "device cuda:0 (CuPy, 1 device(s) visible); messages over mpi"
