@@ -3,6 +3,7 @@
 See README.md for the two commands, ARCHITECTURE.md for the seams, and lessons/ for one chapter per technique.
 """
 __version__ = "0.1.0"
+import os as _os
 import signal as _signal
 import sys as _sys
 
@@ -33,9 +34,20 @@ def _missing_dependency_hook(kind, error, tb, _default=_sys.excepthook):
     _sys.exit(1)
 
 
+def _end_as_sigterm(signum, frame):
+    """SIGINT while one of several MPICH ranks starts: end the process as SIGTERM's default action does. MPICH's
+    launcher ORs its ranks' wait statuses: SIGINT's 2 with the SIGKILL (9) it sends the others read "Segmentation
+    fault (signal 11)"; SIGTERM's 15 absorbs both, so the job reads "Terminated (signal 15)"."""
+    _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)
+    _os.kill(_os.getpid(), _signal.SIGTERM)
+
+
 # ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
 # KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
-# its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang.
+# its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang; one of
+# several ranks under MPICH's launcher (PMI_SIZE) ends as by SIGTERM (inside MPI_Init: once MPI_Init returns).
 if _launched_as_tool():
-    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _size = _os.environ.get("PMI_SIZE", "")
+    _signal.signal(_signal.SIGINT, _end_as_sigterm if _size.isascii() and _size.isdigit() and int(_size) > 1
+                   else _signal.SIG_DFL)
     _sys.excepthook = _missing_dependency_hook

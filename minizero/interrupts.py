@@ -130,7 +130,7 @@ def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
     (:func:`set_up_timeout`; ``default_s``, ``minimum_s``: the program's), and mpiexec then ends every rank.
     Until :func:`end_set_up` Ctrl-C and SIGTERM keep their default action (``minizero/__init__.py`` sets SIGINT's
     before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
-    ends, mpiexec's status, no traceback, no hang.
+    ends, mpiexec's status, no traceback, no hang (SIGINT to one of several MPICH ranks: as SIGTERM, see there).
     """
     if launched_by_mpiexec():
         exit_with_parent()

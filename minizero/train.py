@@ -249,7 +249,8 @@ def main(argv=None) -> int:
 
     0 success; 2 bad arguments or --out in use by another job (every rank, before any work); 1 a rank failed (its
     message, then ``MPI_Abort`` of the whole job); 130/143 Ctrl-C/SIGTERM (one ``interrupted`` line for the job;
-    before set-up ends, the signal's default action: mpiexec's status, no line).
+    before set-up ends, the signal's default action, SIGTERM's for SIGINT on one of several MPICH ranks: mpiexec's
+    status, no line).
     Mirrors ``torchrun``'s contract: a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
     guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)  # a stalled or signalled rank still ends the job

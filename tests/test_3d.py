@@ -67,16 +67,18 @@ def test_the_node_line_of_one_process_and_of_several():
 
 def test_the_node_line_gives_the_ranks_pids_as_ranges():
     """Before: "process id of each rank [10802, 10803, 10804, 10805] (a launcher's report of a killed process names
-    its PID)", 8 numbers over two lines at 8 ranks; now a range when consecutive, in rank order either way."""
+    its PID)", 8 numbers over two lines at 8 ranks; now a range when consecutive, in rank order either way. Then
+    "(a launcher names a killed rank by its PID)": MPICH's names whichever rank's bad exit it handled first."""
     from minizero.comm.nodes import NodeLayout
 
     topo = run_in_threads(4, lambda comm: Topology(comm, 4, 1, 1))[0]
     topo.nodes = NodeLayout((0,) * 4, pids=(10802, 10803, 10804, 10805))
     assert topo.describe_nodes() == ("nodes: all 4 rank(s) on one node (one machine): no message crosses a network; "
-                                     "PIDs in rank order 10802-10805 (a launcher names a killed rank by its PID)")
+                                     "PIDs in rank order 10802-10805 (for kill or py-spy on a rank; the kernel's "
+                                     "OOM-killer lines in dmesg name PIDs)")
     topo.nodes = NodeLayout((0, 0, 1, 1), pids=(10802, 10803, 311, 310))
-    assert topo.describe_nodes().endswith("; PIDs in rank order 10802-10803,311,310 (a launcher names a killed rank "
-                                          "by its PID)")
+    assert topo.describe_nodes().endswith("; PIDs in rank order 10802-10803,311,310 (for kill or py-spy on a rank; "
+                                          "the kernel's OOM-killer lines in dmesg name PIDs)")
 
 
 def test_the_mesh_names_context_parallel_ranks_apart_from_data_parallel_ones():

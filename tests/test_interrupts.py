@@ -265,6 +265,20 @@ def test_ctrl_c_while_a_tool_imports_ends_it_without_a_traceback(launch, default
     assert proc.stdout.strip() == str(default_action), proc.stderr
 
 
+@pytest.mark.parametrize("size,status", [("2", -signal.SIGTERM), ("1", -signal.SIGINT), ("", -signal.SIGINT)])
+def test_ctrl_c_while_one_of_several_mpich_ranks_imports_ends_it_as_sigterm(size, status):
+    """SIGINT's default action on one MPICH rank (2), ORed by the launcher with the SIGKILL it sends the others (9),
+    read "Segmentation fault (signal 11)". Now one of several ranks (PMI_SIZE > 1) ends by SIGTERM (15 | 9 = 15)."""
+    code = ("import os, signal, sys, time\n"
+            "sys.argv[:1] = ['-m']; sys.orig_argv[:] = [sys.executable, '-m', 'minizero.train']\n"
+            "import minizero\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(mpi_env(), PMI_SIZE=size), timeout=60)
+    assert proc.returncode == status and not proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tool", [["minizero.sample", "--tokens", "100000"], ["minizero.plan", "--model", "tiny",
                                                                                 "--gpus", "2"]])

@@ -612,9 +612,11 @@ def test_resume_from_a_running_jobs_save_dir_is_refused(tmp_path, under):
 
 
 @pytest.mark.timeout(120)
-def test_a_sigkilled_rank_can_be_named_from_the_launchers_pid(mpiexec):
-    """MPICH's report of a SIGKILLed rank names only its PID, and the launcher kills the other ranks at once (no
-    --comm-timeout can name the silent rank). The header now lists each rank's PID, so the PID names the rank."""
+def test_the_launchers_pid_for_a_sigkilled_rank_is_one_of_the_headers_pids(mpiexec):
+    """The header's PIDs are the ranks' real process ids: MPICH's report of a SIGKILLed rank names one of them. Not
+    necessarily the killed rank's: the launcher SIGKILLs the others and reports whichever bad exit it handled first
+    (this test asserted rank 1's PID, and the header said "a launcher names a killed rank by its PID": at 4 ranks,
+    rank 3 killed, 7 of 10 reports named another rank)."""
     import re
     import subprocess
     import sys
@@ -625,14 +627,14 @@ def test_a_sigkilled_rank_can_be_named_from_the_launchers_pid(mpiexec):
                            "20", "--no-save", "--progress", "none", "--comm-timeout", "20"],
                           env=dict(mpi_env(), MINIZERO_FAULT="1:2:kill"), capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0
-    listed = re.search(r"PIDs\s+in\s+rank\s+order\s+(\d+)(-|,)(\d+)", proc.stdout)  # the header may wrap anywhere
+    listed = re.search(r"PIDs\s+in\s+rank\s+order\s+(\d+)(-|,)\s*(\d+)", proc.stdout)  # the header may wrap anywhere
     assert listed, proc.stdout
     first, how, last = listed.groups()
-    rank1 = str(int(first) + 1) if how == "-" else last  # "4100-4101": a range; "4100,4230": rank 1 is 4230
+    pids = {first, str(int(first) + 1) if how == "-" else last}  # "4100-4101": a range; "4100,4230": two
     killed = re.search(r"PID (\d+) RUNNING AT", proc.stdout + proc.stderr)
     if killed is None:
         pytest.skip("this launcher's report does not name the PID (Open MPI's names the rank itself)")
-    assert killed.group(1) == rank1, (listed.groups(), killed.group(0))
+    assert killed.group(1) in pids, (listed.groups(), killed.group(0))
 
 
 @pytest.mark.parametrize("command", [["inspect"], ["consolidate", "--out", "m.npz"]])

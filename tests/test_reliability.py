@@ -417,6 +417,41 @@ def test_ctrl_c_while_the_ranks_start_prints_no_traceback(mpiexec, delay):
     assert err.count("minizero.train: interrupted") <= 1, err
 
 
+@pytest.mark.timeout(120)
+def test_sigint_to_one_rank_while_it_starts_ends_the_job_as_sigterm_does(mpiexec, tmp_path):
+    """SIGINT to rank 1 alone while it imported: MPICH's launcher said "Segmentation fault (signal 11)" and exited 11.
+    It ORs its ranks' wait statuses, and SIGINT's 2 | the SIGKILL (9) it sends rank 0 is 11. Now a rank of several
+    ends as SIGTERM's default action until set-up ends (15 | 9 = 15), as SIGTERM in that window did."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",
+                             "--no-save", "--no-progress"], env=dict(mpi_env(), MINIZERO_TEST_MARK=mark),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=tmp_path)
+    try:
+        rank1, deadline = None, time.monotonic() + 60
+        while rank1 is None and time.monotonic() < deadline:  # rank 1 once NumPy is loaded: minizero's init has run
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as env, open(f"/proc/{pid}/maps") as maps:
+                        names = env.read().split(b"\0")
+                        if f"MINIZERO_TEST_MARK={mark}".encode() in names and b"PMI_RANK=1" in names and \
+                                "_multiarray_umath" in maps.read():
+                            rank1 = int(pid)
+                except OSError:
+                    pass
+            time.sleep(0.02)
+        assert rank1 is not None and proc.poll() is None, "rank 1 did not start within 60 s"
+        os.kill(rank1, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "minizero:" not in out, out  # set-up had not ended: the header comes after it
+    assert proc.returncode == 15 and "Terminated (signal 15)" in out + err and "Traceback" not in err, (out, err)
+
+
 def test_a_signal_dropped_after_the_last_steps_check_is_raised_at_the_run_end():
     """Interrupts runs first at a step's end: a drop in that step's save or later callbacks is raised at the end."""
     from minizero.instrumentation import Interrupts

@@ -23,7 +23,7 @@ class NodeLayout:
     """
 
     node_of: tuple
-    #: each rank's process id where MPI discovered the layout, else (): MPICH's launcher names a killed rank by it
+    #: each rank's process id where MPI discovered the layout, else (): for kill, py-spy, dmesg's OOM-killer lines
     pids: tuple = field(default=(), compare=False)
 
     def __post_init__(self):

@@ -92,13 +92,15 @@ class Topology:
         """One line: the node layout and how many nodes each kind of group spans; the ranks' process ids when known.
 
         The PIDs stay in the header, the one output a killed job has printed (summary.json is written at the end):
-        MPICH's launcher reports a killed rank by its PID only and ends the others, and ``py-spy``/``kill`` on a hung
-        rank need its PID. They are short: in rank order, consecutive ones as a range (``PIDs in rank order
-        4100-4107``; else ``4100-4101,4230,...``, rank 0 first).
+        the kernel's OOM-killer lines (``dmesg``) name the process killed by PID, and ``kill``/``py-spy`` on a hung rank
+        need it. MPICH's launcher does not name the killed rank: it SIGKILLs the others and reports the PID of whichever
+        bad exit it handled first. In rank order, consecutive ones as a range (``PIDs in rank order 4100-4107``; else
+        ``4100-4101,4230,...``, rank 0 first).
         """
         if self.world.world_size == 1:
             return "nodes: one process on one machine: no message crosses a network"
-        pids = (f"; PIDs in rank order {rank_runs(list(self.nodes.pids))} (a launcher names a killed rank by its PID)"
+        pids = (f"; PIDs in rank order {rank_runs(list(self.nodes.pids))} (for kill or py-spy on a rank; "
+                "the kernel's OOM-killer lines in dmesg name PIDs)"
                 if len(self.nodes.pids) > 1 else "")
         if self.nodes.n_nodes == 1:
             return (f"nodes: all {self.world.world_size} rank(s) on one node (one machine): no message crosses a "
