@@ -66,6 +66,11 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = "", 
     return fig
 
 
+LEGEND = {"tab:blue": "forward", "tab:orange": "backward", "tab:green": "optimizer step",
+          "tab:red": "blocking communication (waiting)", "0.6": "all-reduce in flight (overlapped)",
+          "tab:purple": "other"}
+
+
 def plot_timelines(path: str, panels, title: str = "") -> str:
     """Write a PNG of trace timelines: one panel per ``(label, events)``, per rank a compute and a comm lane.
 
@@ -80,6 +85,7 @@ def plot_timelines(path: str, panels, title: str = "") -> str:
     except ImportError:
         return MISSING
     colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
+    used = set()  # the legend lists only the colours some bar has
     fig, axes = plt.subplots(len(panels), 1, figsize=(9.0, 1.2 + 1.3 * len(panels) * max(
         len({e["pid"] for e in ev}) for _, ev in panels) / 2), squeeze=False)
     try:
@@ -96,6 +102,7 @@ def plot_timelines(path: str, panels, title: str = "") -> str:
                         y, c = base + 1, colors.get(e["cat"], "tab:purple")
                     else:
                         y, c = base, "tab:red" if e["tid"] == 1 else "0.6"
+                    used.add(c)
                     ax.broken_barh([(x, w)], (y + (0.45 if e["tid"] == 2 else 0.05), 0.45 if e["tid"] else 0.9),
                                    color=c, linewidth=0)
                 ticks += [base + 0.5, base + 1.5]
@@ -104,10 +111,9 @@ def plot_timelines(path: str, panels, title: str = "") -> str:
             ax.set_yticklabels(names, fontsize=7)
             ax.set_title(label, fontsize=9)
             ax.set_xlabel("time (ms)", fontsize=8)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in
-                   ("tab:blue", "tab:orange", "tab:green", "tab:red", "0.6")]
-        fig.legend(handles, ["forward", "backward", "optimizer step", "blocking communication (waiting)",
-                             "all-reduce in flight (overlapped)"], loc="lower center", ncol=5, fontsize=7)
+        shown = [(c, name) for c, name in LEGEND.items() if c in used]
+        fig.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in shown], [name for _, name in shown],
+                   loc="lower center", ncol=len(shown), fontsize=7)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout(rect=(0, 0.06, 1, 1))
         atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))

@@ -66,15 +66,16 @@ each(f"  rank {s}: stage {s}, blocks {list(stage.layers)}" + (" + wte, wpe" if s
 for name in ("gpipe", "1f1b"):
     engine = PipelineEngine(stage, topo.pp_comm, name, verbose=opts.verbose,
                             log=lambda t: (sys.stdout.write(f"[rank {s}] {t}\n"), sys.stdout.flush()))
+    timeline = simulate(make_schedule(name, p, m))
+    say(f"\n{name}: bubble {bubble_fraction(timeline):.3f} from the timeline, (p-1)/(m+p-1) = "
+        f"{bubble_formula(p, m):.3f}  (F = 1 slot, B = 2 slots)\n" + ascii_timeline(timeline))
+    comm.barrier()  # the schedule's name and timeline before any rank's --verbose arrows of its run
     stage.zero_grad()
     before = comm.traffic.snapshot()
     get_ledger().reset_peaks()
     loss = engine.forward_backward(batches)
     allreduce_tied_embedding_grads(stage, topo.embed_comm)
     after = comm.traffic.snapshot()
-    timeline = simulate(make_schedule(name, p, m))
-    say(f"\n{name}: bubble {bubble_fraction(timeline):.3f} from the timeline, (p-1)/(m+p-1) = "
-        f"{bubble_formula(p, m):.3f}  (F = 1 slot, B = 2 slots)\n" + ascii_timeline(timeline))
     sent = {k: after["by_op"].get(k, 0) - before["by_op"].get(k, 0) for k in ("pp_activation", "pp_gradient")}
     calls = {k: after["calls"].get(k, 0) - before["calls"].get(k, 0) for k in sent}
     each(f"  rank {s}: {engine.peak_in_flight} micro-batch(es) in flight, peak activations "

@@ -92,10 +92,17 @@ def test_zero_stages_says_it_runs_without_prefetch(mpiexec):
 
 
 @pytest.mark.timeout(200)
-def test_pipeline_lines_stay_within_120_columns(mpiexec):
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "mpi_examples/pipeline.py", "--micro-batches", "4"],
-                          env=mpi_env(), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+def test_pipeline_lines_stay_within_120_columns_and_name_each_schedule_before_its_arrows(mpiexec):
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "mpi_examples/pipeline.py", "--micro-batches", "4",
+                           "--verbose"], env=mpi_env(), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1: 4 micro-batch(es) in flight" in proc.stdout and "sent 0 activations (0 B), 4 gradients" in (
         proc.stdout)
-    assert max(map(len, proc.stdout.splitlines())) <= 120, proc.stdout  # before: 123 for the middle stages
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 120, proc.stdout  # before: 123 for the middle stages
+    gpipe, f1b = (next(i for i, line in enumerate(lines) if line.startswith(f"{name}: bubble"))
+                  for name in ("gpipe", "1f1b"))
+    arrows = [i for i, line in enumerate(lines) if line.startswith("[rank ") and "stage" in line]
+    # before: every GPipe arrow came before the line naming GPipe
+    assert arrows and gpipe < min(arrows) and any(gpipe < i < f1b for i in arrows) and max(arrows) > f1b, (
+        proc.stdout)

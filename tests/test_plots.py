@@ -10,7 +10,7 @@ from minizero.ledger import CATEGORIES, equal_ranks
 plt = pytest.importorskip("matplotlib.pyplot")  # a dependency of pip install .; importorskip for --no-deps installs
 
 from minizero.memory.plots import ledgers_of, plot_timeline, timeline_figure  # noqa: E402
-from minizero.plots import loss_figure, plot_losses  # noqa: E402
+from minizero.plots import loss_figure, plot_losses, plot_timelines  # noqa: E402
 
 
 def _timeline(ranks=8, steps=5):
@@ -193,3 +193,18 @@ def test_plot_titles_name_the_run_s_techniques():
     assert run_techniques(many) == ("dp 2 x tp 2 x pp 2, gpipe, ZeRO-3, sp, recompute selective, "
                                     "optimizer state offloaded to cpu, bf16")
     assert "1f1b" not in run_techniques(TrainConfig(dp=1, tp=1, pp=1, world_size=1))  # no pipeline: no schedule
+
+
+def test_trace_timeline_legend_lists_only_the_colours_it_draws(tmp_path, monkeypatch):
+    """Lesson 06's pipeline trace has forwards, backwards and waits: before, its legend also listed an optimizer
+    step and an all-reduce in flight, which it never drew."""
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    events = [{"ph": "X", "pid": r, "tid": tid, "cat": cat, "ts": 10 * k, "dur": 8, "name": cat}
+              for r in range(2) for k, (tid, cat) in enumerate([(0, "forward"), (1, "comm"), (0, "backward")])]
+    assert plot_timelines(str(tmp_path / "trace.png"), [("1F1B", events)]).startswith("wrote")
+    try:
+        assert [t.get_text() for t in figures[0].legends[0].get_texts()] == [
+            "forward", "backward", "blocking communication (waiting)"]
+    finally:
+        close(figures[0])
