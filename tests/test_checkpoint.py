@@ -470,6 +470,14 @@ def test_the_model_section_must_match_the_arrays(saved, tmp_path, edit, said):
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
+def test_a_step_no_run_reaches_is_refused_by_resume_inspect_and_consolidate(saved, tmp_path):
+    """Before: inspect printed step 10**30 and consolidate wrote its model; only --resume refused it, asking for a
+    --steps above 10**30 (--steps stops at 10**9)."""
+    edit = lambda man: man.update(step=10 ** 30)  # noqa: E731
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), f"field 'step' is {10 ** 30}, expected an "
+                        "integer in 0..1,000,000,000 (the most steps a run takes)", tmp_path)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -1.0])
 def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved, tmp_path, value):
     """Before: its hash recomputed, a shard with NaN loaded and the run stopped later as diverged."""
