@@ -14,6 +14,7 @@ import numpy as np
 
 from minizero.autograd.rng import MAX_DROPOUT
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
+from minizero.checkpoint.fields import MAX_STEPS  # a manifest's step is refused beyond it
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
@@ -34,7 +35,7 @@ from minizero.flags import (MAX_ADAM8BIT_BLOCK, MAX_FLIGHT_RECORDS, MAX_MICRO_BA
                             LATE_DEFAULTS, UsageError, build_parser, refuse_idle_flags)
 
 
-MAX_STEPS, MAX_EVAL_BATCHES = 10 ** 9, 10_000
+MAX_EVAL_BATCHES = 10_000
 #: micro-batches per step and sequences per step (the data of one step is held at once)
 MAX_GRAD_ACCUM, MAX_BATCH_SIZE = 1024, 65_536
 MAX_INITIAL_LOSS_SCALE = 2 ** 24

@@ -1,4 +1,4 @@
-"""What the main job shows and writes at the end: memory summary, sample, weights, summary.json.
+"""What the main job shows and writes at the end: memory summary; weights, summary.json, plots, sample.
 
 Every rank's ledger figures are gathered with the hand-written all-gather (:func:`gather_stats`); rank 0 prints them
 with :func:`minizero.ledger.memory_summary`, saves the weights (nanoGPT's state_dict names) and the JSON summary, each
@@ -18,7 +18,7 @@ from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
 from minizero.header import run_techniques
 from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary, per_rank_text, wrap
-from minizero.memory.monitor import report_memory
+from minizero.memory.monitor import draw_memory, report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
 from minizero.parallel.strategy import TRAFFIC_KINDS
@@ -91,7 +91,8 @@ def _json_safe(x):
 
 
 def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
-    """Rank 0: print the final report and write ``OUT/model.npz`` and the JSON summary.
+    """Rank 0: print the final report; write ``OUT/model.npz``, the JSON summary, the plots, then the sample's text
+    into the summary (cheap and precious first).
 
     ``stats``: :func:`gather_stats` of every rank; ``threads``, ``local_ranks``, ``cores``: BLAS threads per rank, ranks
     and cores on this node; ``zero``: every rank's model-state figures (:func:`minizero.zero.gather_figures`).
@@ -175,31 +176,24 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     run = f"{args.model} model, {args.world_size} rank(s): {run_techniques(args)}"  # the plots' titles
     source = "tracemalloc" if args.tracemalloc and not args.no_tracemalloc else "rss"
     print(memory_summary(stats, [s["process_peak"] for s in stats], notes, process_peak_source=source))
-    plots = plots_on()
     mem_lines, mem_summary = ([], {}) if result.module_peaks is None else report_memory(
-        args.out if plots and not args.no_save else None, result["memory_timeline"], result["module_peaks"],
-        ledgers=stats, first_step=result.start_step, title=textwrap.fill(run, 110))
-    no_memory_plot = INSTALL_HINT in mem_lines  # said at the end, with the loss plot's note
-    print("\n".join(line for line in mem_lines if not line.startswith("wrote ") and line != INSTALL_HINT))
+        result["memory_timeline"], result["module_peaks"])
+    print("\n".join(mem_lines))
     if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time
         print(recompute_note(args.recompute, args.recompute_every, cfg.n_layer // args.pp))
-    wrote_later = [line for line in mem_lines if line.startswith("wrote ")]  # said once everything is written
-    if not args.no_save:  # the weights first: an interrupted sample must not cost the training run
-        state = model.state_dict()
-        bad = [k for k, v in state.items() if not np.isfinite(v).all()]
-        if bad:
-            raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
-                                     f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
-        atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
-        # the head count is in no array's shape: python -m minizero.sample reads it from here
-        write_model_json(args.out, cfg)
-    text = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed)
-    if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
-        print("\nsample:\n" + printable(text, width=100) + "\n")  # a long line cut, as the rest of the report
     if args.no_save:
-        if no_memory_plot:
-            print(INSTALL_HINT)
+        _print_sample(args, sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed))
         return
+    # cheap and precious first, so that a signal or a full disk costs the least: the weights, summary.json, the
+    # pictures (drawn again from summary.json), last the sample (one forward per byte; python -m minizero.sample
+    # draws it again from the weights), which then completes summary.json
+    state = model.state_dict()
+    bad = [k for k, v in state.items() if not np.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
+                                 f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
+    atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
+    write_model_json(args.out, cfg)  # the head count is in no array's shape: python -m minizero.sample reads it
     schedule = args.schedule if args.pp > 1 else None
     summary = {
         "world_size": args.world_size,
@@ -238,22 +232,43 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
             k: v for k, v in result["pruner"].report().items() if k != "layers"},
         "moe": None if result.moe is None else dict(result.moe, experts=args.moe_experts, top_k=args.moe_top_k,
                                                      ep=args.ep, capacity_factor=args.moe_capacity_factor),
-        "sample": text,
+        "sample": None,  # written last (null in a summary.json whose run stopped before it)
         **mem_summary,  # activation_peaks_by_module (per rank), memory_timeline_peak_bytes, memory_plot
     }
-    text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
-    atomic_write(args.json, lambda f: f.write(text), mode="w")
+    _write_summary(args.json, summary, final=False)
+    pictures, memory_plot = _draw_pictures(args, result, stats, run)
+    if mem_summary:
+        summary["memory_plot"] = memory_plot
+    summary["sample"] = sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed)
+    _print_sample(args, summary["sample"])
+    _write_summary(args.json, summary, final=True)
     print(f"wrote {os.path.join(args.out, 'model.npz')}, {os.path.join(args.out, SIDECAR)} and {args.json}")
-    if not plots:
-        print(PLOTS_OFF)
-    else:
-        loss_plot = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                                result["skipped_at"],
-                                textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}", 100),
-                                first_step=result.start_step)
-        if loss_plot == MISSING and no_memory_plot:
-            print(NO_PLOTS)
-        else:
-            print("\n".join([loss_plot, *([INSTALL_HINT] if no_memory_plot else [])]))
-    for line in wrote_later:
-        print(line)
+    print("\n".join(pictures))
+
+
+def _print_sample(args, text: str) -> None:
+    if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
+        print("\nsample:\n" + printable(text, width=100) + "\n")  # a long line cut, as the rest of the report
+
+
+def _write_summary(path: str, summary: dict, final: bool) -> None:
+    """``--json``, whole; a device or FIFO (``--json /dev/stdout``) takes one document, the final one."""
+    if final or not os.path.exists(path) or os.path.isfile(path):
+        text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
+        atomic_write(path, lambda f: f.write(text), mode="w")
+
+
+def _draw_pictures(args, result, stats, run: str) -> tuple[list[str], str | None]:
+    """``OUT/memory.png`` then ``OUT/loss.png``: the lines to print once everything is written, memory.png's path."""
+    if not plots_on():
+        return [PLOTS_OFF], None
+    memory, path = None, None
+    if result.module_peaks is not None:
+        memory, path = draw_memory(args.out, result["memory_timeline"], ledgers=stats, first_step=result.start_step,
+                                   title=textwrap.fill(run, 110))
+    loss = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
+                       result["skipped_at"], textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}",
+                                                           100), first_step=result.start_step)
+    if loss == MISSING and memory == INSTALL_HINT:
+        return [NO_PLOTS], path
+    return [loss] + ([memory] if memory else []), path

@@ -470,6 +470,14 @@ def test_the_model_section_must_match_the_arrays(saved, tmp_path, edit, said):
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
+def test_a_step_no_run_reaches_is_refused_by_resume_inspect_and_consolidate(saved, tmp_path):
+    """Before: inspect printed step 10**30 and consolidate wrote its model; only --resume refused it, asking for a
+    --steps above 10**30 (--steps stops at 10**9)."""
+    edit = lambda man: man.update(step=10 ** 30)  # noqa: E731
+    _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), f"field 'step' is {10 ** 30}, expected an "
+                        "integer in 0..1,000,000,000 (the most steps a run takes)", tmp_path)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -1.0])
 def test_a_shard_with_nan_or_inf_is_refused_naming_the_file_and_the_array(saved, tmp_path, value):
     """Before: its hash recomputed, a shard with NaN loaded and the run stopped later as diverged."""
@@ -633,7 +641,40 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp
     with pytest.raises(WriteError) as e:
         run(2, F64 + ["--steps", "4", "--save-every", "2", "--save-dir", str(tmp_path)])
     assert "\n" not in str(e.value) and "no space left on device (the disk is full)" in str(e.value)
+    assert f"; the previous checkpoint {tmp_path / 'step_00000002'} is kept" in str(e.value)  # named
     assert read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_first_save_that_fails_says_there_is_no_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    """Before: a full disk at the run's first save said "the previous checkpoint is kept", and there was none."""
+    from safetensors import SafetensorError
+
+    import minizero.checkpoint.save as save
+    from minizero.files import WriteError
+
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+    monkeypatch.setattr(save, "save_file", full)
+    with pytest.raises(WriteError) as e:
+        run(1, F64 + ["--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path)])
+    said = str(e.value)
+    assert said.endswith(f"(the disk is full); there is no complete checkpoint in {tmp_path} to resume from"), said
+    assert "previous" not in said
+
+
+def test_a_save_that_fails_after_its_rename_names_itself_as_kept(tmp_path):
+    """A failure past the rename (writing ``latest``): the new folder is complete, not "the previous checkpoint"."""
+    from minizero.checkpoint.save import what_is_kept
+
+    for step in (2, 4):
+        (tmp_path / f"step_0000000{step}").mkdir()
+        (tmp_path / f"step_0000000{step}" / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text("step_00000002")
+    four = tmp_path / "step_00000004"
+    assert what_is_kept(str(four)) == f"this save's {four} is complete and kept"
+    (tmp_path / ".tmp-step_00000006").mkdir()  # a save of step 6 that failed before its rename
+    assert what_is_kept(str(tmp_path / "step_00000006")) == f"the previous checkpoint {four} is kept"
 
 
 @pytest.mark.timeout(120)

@@ -418,3 +418,64 @@ def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, tmp
     (world_a, grads_a), (world_b, grads_b) = per_step(straight, "a"), per_step(resumed, "b")
     assert grads_a[0] > 0 and grads_b == grads_a  # the same all-reduces every step
     assert world_b == pytest.approx(world_a, rel=0.05)  # the world's total includes set-up, spread over the steps
+
+
+#: the main job in one process, os.replace (every atomic write's last step) and the closing sample recorded in
+#: OUT/order.txt; argv[1] "full": memory.png meets a full disk
+_RECORD_ORDER = """
+import errno, os, sys
+import minizero.memory.monitor as monitor, minizero.report as report
+from minizero.files import WriteError
+from minizero.train import main
+out, replace, sample = sys.argv[2], os.replace, report.sample_text
+def note(name):
+    with open(os.path.join(out, "order.txt"), "a") as f:
+        f.write(name + "\\n")
+def recorded(src, dst, **kw):
+    replace(src, dst, **kw)
+    if os.path.dirname(os.path.abspath(dst)) == os.path.abspath(out):
+        note(os.path.basename(dst))
+def full(path, *args, **kw):
+    raise WriteError(errno.ENOSPC, f"could not write {path!r}: no space left on device (the disk is full)")
+os.replace = recorded
+report.sample_text = lambda *a, **kw: (note("sample"), sample(*a, **kw))[1]
+if sys.argv[1] == "full":
+    monitor.plot_timeline = full
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_final_outputs_are_written_cheap_and_precious_first(tmp_path):
+    """Before: memory.png was drawn before model.npz, so a SIGTERM or a full disk there cost the trained weights."""
+    argv = ["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "4",
+            "--no-progress"]
+    runs = {}
+    for case in ("whole", "full"):
+        out = tmp_path / case
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", _RECORD_ORDER, case, str(out), *argv, "--out", str(out)],
+                              env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=100)
+        written = (out / "order.txt").read_text().split() if (out / "order.txt").exists() else []
+        runs[case] = proc, written, json.loads((out / "summary.json").read_text()) if "summary.json" in written else {}
+    proc, order, summary = runs["whole"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert order == ["model.npz", "model.json", "summary.json", "memory.png", "loss.png", "sample", "summary.json"]
+    assert summary["sample"] and summary["memory_plot"] == str(tmp_path / "whole" / "memory.png")
+    proc, order, summary = runs["full"]
+    assert proc.returncode == 1 and "memory.png': no space left on device" in " ".join(proc.stderr.split()), proc.stderr
+    assert order == ["model.npz", "model.json", "summary.json"]  # the weights and the figures are kept
+    assert summary["sample"] is None and summary["memory_plot"] is None and summary["val_loss"] > 0
+
+
+def test_a_json_device_takes_one_summary_the_final_one(tmp_path, monkeypatch):
+    """summary.json is written before the plots and the sample, then again complete; ``--json /dev/stdout`` (or a
+    FIFO) would have taken two documents."""
+    import minizero.report as report
+
+    calls = []
+    monkeypatch.setattr(report, "atomic_write", lambda path, write, mode="wb": calls.append(path))
+    for path in ("/dev/null", str(tmp_path / "s.json")):
+        report._write_summary(path, {"sample": None}, final=False)
+        report._write_summary(path, {"sample": "x"}, final=True)
+    assert calls == ["/dev/null", str(tmp_path / "s.json"), str(tmp_path / "s.json")]

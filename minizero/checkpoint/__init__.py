@@ -122,6 +122,8 @@ class Checkpointer:
         if not self.due(step):
             return None
         state = manifest_state(self.args, self.cfg, applied, scaler, self.text) if self.comm.rank == 0 else {}
+        # a failed save ends the run (exit status 1) even when --out has room, by decision: the user asked for
+        # checkpoints, and a run that went on without them could lose more later
         folder = save_checkpoint(strategy, self.comm, self.args.save_dir, step + 1, state, pruner=pruner,
                                  keep=self.args.keep, protect=self.resumed_from)
         if folder is None:

@@ -42,6 +42,8 @@ def manifest_problems(man: dict) -> list[str]:
     return []
 
 
+MAX_STEPS = 10 ** 9  #: --steps' largest value: no minizero run saves a later step
+
 #: what a reader takes from a manifest: top-level fields, and the fields of each file and piece entry
 FIELDS = {"step": int, "applied": int, "model": dict, "layout": dict, "train": dict, "params": dict, "pieces": list,
           "files": list}
@@ -73,6 +75,9 @@ def _top_problems(man: dict) -> list[str]:
             f"{'an integer >= 0' if kind is int else 'a JSON ' + JSON_NAMES[kind]}"
             for key, kind in FIELDS.items()
             if not isinstance(man.get(key), kind) or isinstance(man.get(key), bool) or kind is int and man[key] < 0]
+    if not out and man["step"] > MAX_STEPS:  # inspect and consolidate printed it; resume said "give --steps > it"
+        out.append(f"field 'step' is {repr(man['step'])[:40]}, expected an integer in 0..{MAX_STEPS:,} (the most "
+                   "steps a run takes)")
     if not out and man["applied"] > man["step"]:
         out.append(f"field 'applied' is {man['applied']}, expected an integer in 0..step {man['step']} (the optimizer "
                    "steps taken, at most the steps run)")

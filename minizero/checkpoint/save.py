@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 from minizero import backend
 from minizero.autograd.functional import get_rng_state
 from minizero.memory.fp8 import fp8_state
-from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, clean_partial, complete,
-                                        folder_name, fsync_path, rank_file, sha256)
+from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, CheckpointError, clean_partial,
+                                        complete, folder_name, fsync_path, rank_file, resolve, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
 from minizero.files import WriteError, atomic_write, umask, write_error
 from minizero.optim.adam8bit import QuantizedState
@@ -56,15 +56,28 @@ def fault_in_save(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def what_is_kept(final: str) -> str:
+    """After a failed save of ``final``: the checkpoint ``--resume SAVE_DIR`` would take, or that there is none."""
+    save_dir = os.path.dirname(final)
+    try:
+        folder = resolve(save_dir)
+    except (CheckpointError, OSError):
+        return f"there is no complete checkpoint in {save_dir} to resume from"
+    tmp = os.path.join(save_dir, TMP + os.path.basename(final))
+    if os.path.abspath(folder) == os.path.abspath(final) and not os.path.exists(tmp):
+        return f"this save's {folder} is complete and kept"  # it failed after its rename (``latest``, pruning)
+    return f"the previous checkpoint {folder} is kept"
+
+
 @contextlib.contextmanager
-def previous_kept(path: str):
+def previous_kept(path: str, final: str):
     """An OSError inside (a read-only or vanished --save-dir, a full disk) becomes one WriteError naming the file
-    and saying that the previous checkpoint is kept."""
+    and what is kept to resume from (:func:`what_is_kept`)."""
     try:
         yield
     except OSError as e:
         why = e.strerror if isinstance(e, WriteError) else write_error(e.filename or path, e).strerror
-        raise WriteError(e.errno or errno.EIO, f"{why}; the previous checkpoint is kept") from None
+        raise WriteError(e.errno or errno.EIO, f"{why}; {what_is_kept(final)}") from None
 
 
 def rank_tensors(strategy, pruner=None, rank: int = 0):
@@ -106,7 +119,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     if protect is not None and os.path.abspath(final) == os.path.abspath(protect):
         return None
     if comm.rank == 0:
-        with previous_kept(tmp):
+        with previous_kept(tmp, final):
             os.makedirs(save_dir, exist_ok=True)
             clean_partial(save_dir)
             os.makedirs(tmp)
@@ -118,8 +131,8 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     except Exception as e:  # safetensors' SafetensorError carries no errno: "... (os error 28)"
         full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e)
         raise WriteError(errno.ENOSPC if full else errno.EIO, f"could not write {path!r}: "
-                         f"{'no space left on device (the disk is full)' if full else e}; the previous checkpoint "
-                         "is kept") from None
+                         f"{'no space left on device (the disk is full)' if full else e}; {what_is_kept(final)}"
+                         ) from None
     os.chmod(path, 0o666 & ~umask())  # safetensors creates it 0600: a shard others could not read beside its manifest
     fsync_path(path)
     fault_in_save(comm.rank, step - 1)
@@ -143,7 +156,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
             manifest["pruning"] = {"sparsity": pruner.sparsity, "scope": pruner.scope,
                                    "shapes": {k: list(v) for k, v in pruner.shapes.items()}, "file": rank_file(0)}
         text = json.dumps(manifest, indent=1)
-        with previous_kept(final):
+        with previous_kept(final, final):
             atomic_write(os.path.join(tmp, MANIFEST), lambda f: f.write(text), mode="w")
             fsync_path(tmp)
             trash = None

@@ -105,24 +105,24 @@ def gather_module_peaks(comm, category: str = "activations") -> list[dict[str, i
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(allv, lengths)]
 
 
-def report_memory(out_dir: str | None, timeline, peaks_by_rank: list[dict], top: int = 6,
-                  ledgers: list[dict] | None = None, first_step: int = 0,
-                  title: str = "") -> tuple[list[str], dict]:
-    """Rank 0, at the end: the hotspot lines, ``OUT/memory.png`` (when ``out_dir`` and matplotlib; ``title``: the
-    run's words above the plots; ``ledgers``: each rank's ledger snapshot, grouped as in the memory table), summary
-    entries.
+def report_memory(timeline, peaks_by_rank: list[dict], top: int = 6) -> tuple[list[str], dict]:
+    """Rank 0, at the end: the hotspot lines and the summary entries (``memory_plot`` None until
+    :func:`draw_memory` has drawn it).
 
     Returns (lines, ``{"activation_peaks_by_module", "memory_timeline_peak_bytes", "memory_plot"}``).
     """
-    lines = [format_top_modules(peaks_by_rank, top)]
-    path = None
-    if out_dir is not None:
-        if have_matplotlib():
-            path = os.path.join(out_dir, "memory.png")
-            plot_timeline(path, timeline, title, ledgers=ledgers, first_step=first_step)
-            lines.append(f"wrote {path} (ledger memory over the steps by category, and each category's peak)")
-        else:
-            lines.append(INSTALL_HINT)
     t = np.asarray(timeline)
-    return lines, {"activation_peaks_by_module": peaks_by_rank,
-                   "memory_timeline_peak_bytes": t.sum(axis=2).astype(int).tolist(), "memory_plot": path}
+    return [format_top_modules(peaks_by_rank, top)], {"activation_peaks_by_module": peaks_by_rank,
+                                                      "memory_timeline_peak_bytes": t.sum(axis=2).astype(int).tolist(),
+                                                      "memory_plot": None}
+
+
+def draw_memory(out_dir: str, timeline, ledgers: list[dict] | None = None, first_step: int = 0,
+                title: str = "") -> tuple[str, str | None]:
+    """Rank 0: ``OUT/memory.png`` when matplotlib is installed (``title``: the run's words above the plots;
+    ``ledgers``: each rank's ledger snapshot, grouped as in the memory table). Returns (the line, its path or None)."""
+    if not have_matplotlib():
+        return INSTALL_HINT, None
+    path = os.path.join(out_dir, "memory.png")
+    plot_timeline(path, timeline, title, ledgers=ledgers, first_step=first_step)
+    return f"wrote {path} (ledger memory over the steps by category, and each category's peak)", path
