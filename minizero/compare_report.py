@@ -8,7 +8,7 @@ from __future__ import annotations
 from minizero.files import atomic_write
 from minizero.ledger import wrap
 from minizero.memory.estimator import DEVICE_CATEGORIES
-from minizero.numerals import in_width, significant, significant_column, wrapped
+from minizero.numerals import in_width, significant_column, wrapped
 
 #: categories shown per rank (the ledger's), and the unit of the table
 SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
@@ -126,10 +126,11 @@ def terminal(runs: list[dict]) -> str:
 
 
 def progress(k: int, of: int, run: dict) -> str:
-    """The line compare prints as run ``k`` of ``of`` ends: ``[3/18] zero3 on 2 ranks: ok, 12.3 s``, or ``failed:``
+    """The line compare prints as run ``k`` of ``of`` ends: ``[ 3/18] zero3 on 2 ranks: ok, 12.3 s``, or ``failed:``
     and its cause (:func:`wrapped`: whole, lines of <= 120 columns). Its numbers are in :func:`terminal`'s table."""
-    head = f"[{k}/{of}] {run['strategy']} on {run['ranks']} rank{'s' * (run['ranks'] > 1)}"
-    return f"{head}: ok, {significant(run['wall_s'])} s" if run["ok"] else wrapped(f"{head}: failed: {run['error']}")
+    head = f"[{k:>{len(str(of))}}/{of}] {run['strategy']} on {run['ranks']} rank{'s' * (run['ranks'] > 1)}"
+    return (f"{head}: ok, {significant_column(run['wall_s'], 0)} s" if run["ok"] else
+            wrapped(f"{head}: failed: {run['error']}"))
 
 
 def totals_by_world_size(runs: list[dict]) -> list[str]:
