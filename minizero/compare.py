@@ -19,11 +19,10 @@ import tempfile
 import time
 
 from minizero import backend, hardware
-from minizero.memory.estimator import (DEVICE_CATEGORIES, ModelShape, Strategy, activation_bytes, estimate_memory,
-                                       precision_for_dtype)
+from minizero.memory.estimator import ModelShape, Strategy, activation_bytes, estimate_memory, precision_for_dtype
 from minizero.plan_search import step_time
-from minizero.compare_report import (SHOWN, _mib, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
-                                     markdown, plot, terminal)
+from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
+                                     markdown, plot, progress, terminal)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
                             mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
@@ -332,7 +331,7 @@ def _main(argv=None) -> int:
               file=sys.stderr, flush=True)
     if profile is not None:
         print(hardware_lines(profile), flush=True)
-    runs = []
+    runs, n_runs = [], len(args.ranks) * len(args.strategies)
     for n in args.ranks:
         for name in args.strategies:
             res = run_mpi(name, args.model, n, args.steps, args.micro_batch_size, args.timeout, mpiexec,
@@ -352,18 +351,10 @@ def _main(argv=None) -> int:
                 if profile is not None:
                     run["predicted_step_s"] = predict_step_s(name, args.model, n, args.micro_batch_size, profile)
                 run["within_tolerance"] = all(run["deviation"][c] <= TOLERANCE for c in CHECKED)
-                worst = max(run["deviation"][c] for c in CHECKED)
-                device = sum(per_rank[0][c] for c in DEVICE_CATEGORIES)
-                print(f"  {n} rank(s) {name:13s} {res['wall_s']:6.1f} s  device {_mib(device)} MiB "
-                      f"(estimate {_mib(run['estimate']['total'])})  worst deviation {worst:.1%}  "
-                      f"{s['tokens_per_s']:,.0f} tokens/s", flush=True)
-                if "predicted_step_s" in run:
-                    print(f"  {'':21s} step {run['step_s']:.3g} s, predicted {run['predicted_step_s']:.3g} s "
-                          f"(measured / predicted {run['step_s'] / run['predicted_step_s']:.1f}x)", flush=True)
             else:
                 run["error"] = res["error"]
-                print(wrapped(f"  {n} rank(s) {name:13s} FAILED: {res['error']} -- continuing"), file=sys.stderr)
-            runs.append(run)
+            runs.append(run)  # one short line per run (ok: to stdout; failed, with its cause: to stderr)
+            print(progress(len(runs), n_runs, run), file=sys.stdout if run["ok"] else sys.stderr, flush=True)
     table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
                      hardware_line(profile) if profile is not None else None)
     print("\n" + terminal(runs), flush=True)

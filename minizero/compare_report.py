@@ -125,6 +125,14 @@ def terminal(runs: list[dict]) -> str:
     return "\n".join(lines + ["", *KEY])
 
 
+def progress(k: int, of: int, run: dict) -> str:
+    """The line compare prints as run ``k`` of ``of`` ends: ``[ 3/18] zero3 on 2 ranks: ok, 12.3 s``, or ``failed:``
+    and its cause (:func:`wrapped`: whole, lines of <= 120 columns). Its numbers are in :func:`terminal`'s table."""
+    head = f"[{k:>{len(str(of))}}/{of}] {run['strategy']} on {run['ranks']} rank{'s' * (run['ranks'] > 1)}"
+    return (f"{head}: ok, {significant_column(run['wall_s'], 0)} s" if run["ok"] else
+            wrapped(f"{head}: failed: {run['error']}"))
+
+
 def totals_by_world_size(runs: list[dict]) -> list[str]:
     """Rank 0's measured device total (MiB) per strategy, one column per world size; [] for one world size."""
     sizes = list(dict.fromkeys(r["ranks"] for r in runs))

@@ -95,6 +95,9 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     assert max(map(len, shown)) <= 120 and not [ln for ln in shown if ln.startswith("|")], proc.stdout
     assert sum("hardware profile (minizero.hardware)" in ln for ln in shown) == 1
     top = next(i for i, ln in enumerate(shown) if ln.split()[:3] == ["ranks", "strategy", "device"])
+    # while it works, one short line per run (before: two, repeating the table's numbers), then the table once
+    live = [ln for ln in shown[1:top] if ln.strip() and "hardware profile" not in ln and not ln.startswith("    ")]
+    assert [ln.split(": ok, ")[0] for ln in live] == ["[1/2] baseline on 2 ranks", "[2/2] zero3 on 2 ranks"], live
     assert [ln.split()[:2] for ln in shown[top + 1:top + 3]] == [["2", "baseline"], ["2", "zero3"]]
     pointer = f"the whole table (memory by category, measured / estimated; what each column means): {out}/compare.md"
     assert pointer in " ".join(proc.stdout.split()) and "| activations | comm + scratch + gathered |" in md
@@ -141,7 +144,10 @@ def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path
     proc = run_compare(["--model", "tiny", "--ranks", "1,2", "--steps", "1", "--strategies", "baseline",
                         "--out", str(tmp_path)], env=env)
     assert proc.returncode == 1
-    assert "[rank 1] minizero.train failed: RuntimeError: injected fault" in " ".join(proc.stderr.split())
+    said = " ".join(proc.stderr.split())  # as the run ends, its one-line cause (the table below has it too)
+    assert "[2/2] baseline on 2 ranks: failed: exit status 1: [rank 1] minizero.train failed: RuntimeError: " \
+           "injected fault" in said
+    assert "\n[1/2] baseline on 1 rank: ok, " in proc.stdout and max(map(len, proc.stderr.splitlines())) <= 120
     runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
     assert [(r["ranks"], r["ok"]) for r in runs] == [(1, True), (2, False)]  # 1 rank has no rank 1: it ran
     assert "injected fault" in runs[1]["error"]

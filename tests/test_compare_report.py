@@ -94,3 +94,18 @@ def test_the_comm_column_names_every_category_it_sums():
     source = (__import__("pathlib").Path(__file__).parent.parent / "minizero" / "compare_report.py").read_text()
     summed = re.search(r"cell\(('comm_buffers'[^)]*)\)", source).group(1)
     assert summed == "'comm_buffers', 'comm_scratch', 'gathered'" and "| comm + scratch + gathered |" in header
+
+
+def test_a_run_s_progress_is_one_short_line_and_a_failure_keeps_its_whole_cause():
+    """Before: two lines per run (~105 columns each) that repeated the final table's numbers."""
+    from minizero.compare_report import progress
+
+    def ok(strategy, ranks, wall_s):
+        return dict(strategy=strategy, ranks=ranks, ok=True, wall_s=wall_s)
+
+    assert progress(3, 18, ok("zero3", 2, 12.34)) == "[ 3/18] zero3 on 2 ranks: ok, 12.3 s"  # [k/of] aligned
+    assert progress(1, 2, ok("baseline", 1, 8.9)) == "[1/2] baseline on 1 rank: ok, 8.90 s"  # 3 digits, as step s
+    cause = "exit status 1: [rank 1] minizero.train failed: RuntimeError: injected fault; " + " ".join(["more words"] * 12)
+    shown = progress(2, 2, dict(strategy="baseline", ranks=2, ok=False, error=cause)).splitlines()
+    assert max(map(len, shown)) <= 120
+    assert " ".join(" ".join(shown).split()) == f"[2/2] baseline on 2 ranks: failed: {cause}"  # whole
