@@ -19,7 +19,7 @@ from minizero.comm import run_in_threads
 from minizero.comm.collectives import all_reduce, reduce_scatter
 from minizero.comm.nonblocking import RingCollective, Stream, ring_steps
 from minizero.loop import train
-from minizero.zero import zero_optimizer
+from minizero.zero import ShardMap, zero_optimizer
 from minizero.nn import GPT, get_config
 from minizero.parallel.tracing import TraceUnits
 from tests.conftest import REPO_ROOT, mpi_env
@@ -273,6 +273,23 @@ def test_zero_overlapped_reduce_scatter_is_bitwise_and_in_flight_during_backward
         bwd = trace.intervals(events, events[0]["pid"], lambda e: e["cat"] == "backward")
         assert rs and trace.covered_us(rs, bwd) > 0
         assert not [e for e in events_off if e["tid"] == trace.IN_FLIGHT]
+
+
+def test_every_zero3_unit_collective_names_its_unit_and_phase_in_the_trace_blocking_or_in_flight():
+    """A blocking gather or reduce-scatter (UnitCollectives) is a span with the args of an overlapped one."""
+    units = [u.name for u in ShardMap.from_model(GPT(get_config("tiny")), 2).units]
+    ops = {"gather_forward": "all_gather", "gather_backward": "all_gather", "reduce_scatter_grads": "reduce_scatter"}
+    for overlap in (False, True):
+        _, events, _ = run_in_threads(2, _zero_steps, 3, overlap, "float64", timeout=120)[0]
+        named = [e for e in events if "unit" in e["args"]]
+        for e in named:
+            assert e["name"] == f"{ops[e['args']['phase']]} {e['args']['unit']}", e
+        blocking = {(e["args"]["unit"], e["args"]["phase"]) for e in named if e["tid"] == trace.COMM}
+        assert len(named) == 3 * 2 * 3 * len(units)  # per micro-batch: 2 gathers and a reduce-scatter per unit
+        if overlap:  # the tied embedding's gathers stay blocking; everything else is in flight
+            assert blocking == {(units[0], "gather_forward"), (units[0], "gather_backward")}, blocking
+        else:
+            assert blocking == {(u, ph) for u in units for ph in ops}, blocking
 
 
 @pytest.mark.timeout(300)

@@ -87,6 +87,11 @@ class UnitCollectives:
     def _sent(self) -> int:
         return self.comm.traffic.bytes_sent + (0 if self.replicas is None else self.replicas.traffic.bytes_sent)
 
+    def unit_span(self, op: str, st, phase: str):
+        """A trace span ``"{op} {unit name}"`` with args ``unit`` (name), ``phase`` (as the overlapped ones of
+        zero/overlap.py): a blocking collective's unit on the timeline; a no-op when tracing is off."""
+        return self.comm.traffic.span(f"{op} {st.unit.name}", unit=st.unit.name, phase=phase)
+
     def agree(self, st, phase: str, prefetched: bool = False) -> None:
         """Collective when ``check_order``: every rank is about to run ``phase`` on unit ``st``,
         blocking or ``prefetched``.
@@ -114,7 +119,7 @@ class UnitCollectives:
         ``quantized_comm`` only for stage 3's forward/backward gathers (a gathered copy that *is* the parameter
         stays exact)."""
         self.agree(st, phase)
-        with self.count(phase):
+        with self.unit_span("all_gather", st, phase), self.count(phase):
             if self.quantized_comm and phase in ("gather_forward", "gather_backward"):
                 full = quantized_all_gather(self.comm, shard, st.unit.padded)
                 if out is None:
@@ -129,7 +134,7 @@ class UnitCollectives:
         :func:`~minizero.zero.hybrid.sum_over_replicas` (in the gradient's dtype, never INT8)."""
         self.agree(st, "reduce_scatter_grads")
         n = self.data_ranks
-        with self.count("reduce_scatter_grads"):
+        with self.unit_span("reduce_scatter", st, "reduce_scatter_grads"), self.count("reduce_scatter_grads"):
             mean_scale_(flat, n, before_sum=True, predivided=self.predivided)
             if self.quantized_comm:
                 mine = quantized_reduce_scatter(self.comm, flat)

@@ -50,7 +50,7 @@ class OverlappedReduceScatter:
         mean_scale_(flat, c.data_ranks, before_sum=True, predivided=c.predivided)
         c.bytes_sent["reduce_scatter_grads"] += bytes_sent("reduce_scatter", flat.size, flat.itemsize, n, rank)
         coll = RingCollective(c.comm, flat, "reduce_scatter", REDUCE_TAG, name=f"reduce_scatter {st.unit.name}",
-                              unit=st.index)
+                              unit=st.unit.name, phase="reduce_scatter_grads")
         get_ledger().track(coll.tmp, "comm_scratch")  # the receive chunk, alive until retired
         self.in_flight.append((coll, flat, st))
         self.stream.submit(coll)
@@ -102,7 +102,7 @@ class Prefetcher:
         get_ledger().track(full, "gathered")
         c.bytes_sent[phase] += bytes_sent("all_gather", padded, full.itemsize, n, c.comm.rank)
         coll = RingCollective(c.comm, full, "all_gather", PREFETCH_TAG, name=f"all_gather {st.unit.name}",
-                              unit=st.index, phase=phase)
+                              unit=st.unit.name, phase=phase)
         self.pending[st.index] = (coll, full, phase)
         self.stream.submit(coll)
 
