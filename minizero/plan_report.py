@@ -234,7 +234,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"{args.gpus} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
             f"{args.gpus_per_node} per node), host "
             f"{size(hw.host_memory, unit)} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
-            f"batch {gbatch} sequences requested; {args.precision} precision, {args.optimizer} (K = {p0[3]:g} "
+            f"batch {gbatch} sequences requested; {args.precision} precision, {args.attention} attention, "
+            f"{args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
             "net = all bytes each GPU sends per step (dp + tp + pp + cp + ep), overlapped with compute or not, while "

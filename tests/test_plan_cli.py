@@ -196,3 +196,10 @@ def test_piping_into_head_ends_quietly(tmp_path):
                           shell=True, capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=120)
     assert proc.stdout.count("\n") == 2 and proc.stdout.startswith("minizero.plan: llama2-7b")
     assert err.read_text() == ""  # no BrokenPipeError traceback
+
+
+def test_the_header_names_the_attention_searched(capsys):
+    """The header named the precision but not --attention flash, which changes which strategies fit."""
+    for attention in ("dense", "flash"):
+        code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--top", "1", "--attention", attention)
+        assert code == 0 and f"precision, {attention} attention," in " ".join(out.split()), out
