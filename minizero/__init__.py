@@ -45,7 +45,8 @@ def _end_as_sigterm(signum, frame):
 # ``python -m minizero.X`` imports this package, then X's imports take seconds: Ctrl-C meanwhile printed a
 # KeyboardInterrupt traceback per rank (and inside MPI_Init a Python handler never runs). Until a program installs
 # its own handlers (minizero.interrupts) the signal's default action ends the process: no traceback, no hang; one of
-# several ranks under MPICH's launcher (PMI_SIZE) ends as by SIGTERM (inside MPI_Init: once MPI_Init returns).
+# several ranks under MPICH's launcher (PMI_SIZE; other PMI launchers set it too, and SIGTERM's default action
+# ends a rank as plainly there) ends as by SIGTERM (inside MPI_Init: once MPI_Init returns).
 if _launched_as_tool():
     _size = _os.environ.get("PMI_SIZE", "")
     _signal.signal(_signal.SIGINT, _end_as_sigterm if _size.isascii() and _size.isdigit() and int(_size) > 1

@@ -6,6 +6,8 @@ Mirrors: ``torch.cuda.memory_summary()``, PyTorch's memory snapshot, ZeRO's mode
 """
 from __future__ import annotations
 
+import math
+
 import re
 import textwrap
 import threading
@@ -291,11 +293,13 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
         labels, width = [chr(65 + i) for i in range(len(groups))], 12
 
     def row(label, values, cols):  # values: (current or None, peak) per group; cols: the groups this block shows
+        shown = [values[i] if show_cur else values[i][1:] for i in cols]  # (current, peak), or (peak,) alone
         return " ".join([label.ljust(16)] + [("" if v is None else format_bytes(v)).rjust(width)
-                                             for i in cols for v in values[i][-len(kinds):]])
+                                             for cells in shown for v in cells])
 
     fit = (TABLE_WIDTH - 16) // (len(kinds) * (width + 1))  # groups side by side; the rest in blocks below
-    per_block = -(-len(groups) // -(-len(groups) // fit))  # blocks as even as they can be: 4 groups as 2 + 2
+    blocks = math.ceil(len(groups) / fit)
+    per_block = math.ceil(len(groups) / blocks)  # blocks as even as they can be: 4 groups as 2 + 2
     firsts = [per_rank[g[0]] for g in groups]
     for start in range(0, len(groups), per_block):
         cols = range(start, min(start + per_block, len(groups)))

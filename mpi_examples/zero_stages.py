@@ -44,8 +44,7 @@ def measure(comm, stage: int, model: str, accum: int, steps: int = 2) -> list[di
                        "--eval-every", "0", "--no-progress", "--zero", str(stage), "--no-overlap"],
                       comm.world_size)  # blocking gathers: ZeRO-3's prefetch would hold two units
     result = train(args, comm, log=lambda s: None)
-    dp, opt = result["dp"], result["opt"]
-    sent = dp.bytes_sent / steps if dp is not None else opt.bytes_per_step()
+    sent = result.strategy.model_state_bytes_per_step(steps)  # whichever synchroniser ran (DP, overlap, ZeRO)
     peak = get_ledger().peak
     return gather_figures(comm, dict(result["state_bytes"], sent_per_step=sent, gathered_peak=peak["gathered"],
                                      buckets_peak=peak["comm_buffers"]))

@@ -78,7 +78,8 @@ def test_the_terminal_shows_the_essential_columns_in_120_and_compare_md_keeps_ev
     ends = [sum(w + 2 for _, w in COLUMNS[:i + 1]) - 2 for i in range(len(COLUMNS))]
     assert all(line[e - 1] != " " for line in shown[:3] for e in ends[2:])  # numbers under their header, right
     from minizero.numerals import significant_column
-    assert [significant_column(x, 6) for x in (0.14, 100, 9.05e-05)] == [" 0.140", "   100", "9.05e-05"]  # 0.14 beside 0.109
+    # 0.140 beside 0.109, not 0.14
+    assert [significant_column(x, 6) for x in (0.14, 100, 9.05e-05)] == [" 0.140", "   100", "9.05e-05"]
     assert "failed: exit status 1" in shown[5] and shown[6].startswith("      ")  # the cause wrapped, indented
     assert {h.split()[0] for h, _ in COLUMNS} - {"ranks", "strategy", "predicted"} <= {
         line.split()[0] for line in shown if line.startswith("  ")}  # the key names every column
@@ -105,7 +106,8 @@ def test_a_run_s_progress_is_one_short_line_and_a_failure_keeps_its_whole_cause(
 
     assert progress(3, 18, ok("zero3", 2, 12.34)) == "[ 3/18] zero3 on 2 ranks: ok, 12.3 s"  # [k/of] aligned
     assert progress(1, 2, ok("baseline", 1, 8.9)) == "[1/2] baseline on 1 rank: ok, 8.90 s"  # 3 digits, as step s
-    cause = "exit status 1: [rank 1] minizero.train failed: RuntimeError: injected fault; " + " ".join(["more words"] * 12)
+    cause = ("exit status 1: [rank 1] minizero.train failed: RuntimeError: injected fault; "
+             + " ".join(["more words"] * 12))
     shown = progress(2, 2, dict(strategy="baseline", ranks=2, ok=False, error=cause)).splitlines()
     assert max(map(len, shown)) <= 120
     assert " ".join(" ".join(shown).split()) == f"[2/2] baseline on 2 ranks: failed: {cause}"  # whole

@@ -120,9 +120,9 @@ def test_why_names_only_rows_shown(capsys):
 
 def test_why_names_exposed_seconds_and_all_bytes_sent(capsys):
     """ZeRO-3 ranked above ZeRO-2 for "less exposed data-parallel traffic" beside a larger net column read as a
-    contradiction: the line names both rows' exposed seconds (the step time's, not overlapped with compute) and all the bytes they
-    send, and the legend says net counts all of them. --strategy's step line names dp traffic hidden in full as 0 s of
-    its bytes (before: "step 1.2 s = compute 1.2 s", the 175 GB it sends unmentioned)."""
+    contradiction: the line names both rows' exposed seconds (the step time's, not overlapped with compute) and all
+    the bytes they send, and the legend says net counts all of them. --strategy's step line names dp traffic hidden
+    in full as 0 s of its bytes (before: "step 1.2 s = compute 1.2 s", the 175 GB it sends unmentioned)."""
     from minizero.numerals import significant
 
     argv = ["--model", "llama3-8b", "--gpus", "8", "--top", "2"]
