@@ -368,6 +368,19 @@ def test_a_new_run_removes_the_previous_runs_flight_records_and_nothing_else(tmp
     parse_args(["--model", "tiny", "--out", str(tmp_path / "out"), "--flight-records", "0"], 1)  # nothing dumped
 
 
+def test_hang_on_a_folder_of_no_rank_named_file_says_so(tmp_path, capsys):
+    """Before: a folder holding only rank_x.json: "error: max() arg is an empty sequence"."""
+    (tmp_path / "rank_x.json").write_text("{}")
+    (tmp_path / "rank_x.json.tmp").write_text("{}")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    err = joined(capsys.readouterr().err)
+    assert f"{str(tmp_path)!r} holds no rank_R.json flight files (a failing job writes OUT/flight)" in err, err
+    assert "cut short" not in err  # rank_x.json.tmp is no rank's write either
+    (tmp_path / "rank_3.json.tmp").write_text("{}")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert "; rank_3.json.tmp was cut short while being written" in joined(capsys.readouterr().err)
+
+
 # -- the main job under mpiexec ------------------------------------------------------------------------------
 TINY = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--no-progress"]
 
