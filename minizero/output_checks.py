@@ -7,7 +7,7 @@ import os
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
-from minizero.comm.flight import records
+from minizero.comm.flight import clear, records
 from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
                             refuse_foreign, refuse_read_back)
 from minizero.data import describe_non_file
@@ -51,14 +51,23 @@ def check_outputs(args) -> None:
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
-    foreign = records(os.path.join(out, "flight"))[1] if args.flight_records else []
-    if foreign:  # the run removes an earlier run's records, and a failed one's dump would replace this file
-        raise UsageError(f"--out {out!r}: {foreign[0]!r} exists and is no flight record; a failed job's record "
-                         "replaces only an earlier one (an earlier output): move that file away")
     probe(out, "--out")
     special = os.path.exists(js) and not os.path.isfile(js)  # a device such as /dev/null: written straight into
     if os.path.abspath(jparent) != os.path.abspath(out) and not special:
         probe(jparent, "--json")
+
+
+def clear_flight(args) -> str | None:
+    """Rank 0, holding OUT's lock (no other job writes there now): the refusal when OUT/flight holds a
+    ``rank_R.json`` minizero did not write (a failed job's dump would replace it), else None, the previous run's
+    flight records removed (this run's replace them); one read of the folder."""
+    folder = os.path.join(args.out, "flight")
+    ours, foreign = records(folder)
+    if foreign and args.flight_records:
+        return (f"--out {args.out!r}: {foreign[0]!r} exists and is no flight record; a failed job's record "
+                "replaces only an earlier one (an earlier output): move that file away")
+    clear(folder, ours)
+    return None
 
 
 def not_a_folder(path: str) -> str | None:

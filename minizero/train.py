@@ -29,7 +29,7 @@ from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.checkpoint import CheckpointError
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.base import DEFAULT_TIMEOUT_S
-from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives, clear, run_id
+from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives, run_id
 from minizero.debug.anomaly import AnomalyError
 from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
@@ -42,7 +42,7 @@ from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.numerals import error_lines, wrapped
-from minizero.output_checks import not_a_folder
+from minizero.output_checks import clear_flight, not_a_folder
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -124,7 +124,8 @@ def _lock_output(args, comm, mpi_world):
     and a --json or --trace file outside OUT (:meth:`FolderLock.for_file`), then broadcasts the verdict
     (collective): two jobs on one folder would delete each other's files, on one file replace each other's.
     Then it removes the previous run's flight records from OUT/flight (this run's replace them, as its other outputs
-    do) and names the run (:func:`~minizero.comm.flight.run_id`, in the same broadcast).
+    do), or refuses a file there that minizero did not write (:func:`~minizero.output_checks.clear_flight`), and
+    names the run (:func:`~minizero.comm.flight.run_id`, in the same broadcast).
     Returns (the locks held on rank 0, the refusal message every rank shares or None, the run id)."""
     locks, refusal, run = [], None, None
     if comm.rank == 0:
@@ -139,7 +140,10 @@ def _lock_output(args, comm, mpi_world):
                 wanted.append((flag, FolderLock.for_file(path)))
         locks, refusal = lock_outputs(wanted)
         if refusal is None and not args.no_save:  # OUT is this job's now: no second job is in it
-            clear(os.path.join(args.out, "flight"))
+            refusal = clear_flight(args)
+            if refusal:  # refused before any work, as a lock would be
+                release_all(locks)
+                locks = []
         run = run_id()
     return locks, *mpi_world.bcast((refusal, run), root=0)
 

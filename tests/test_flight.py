@@ -342,10 +342,11 @@ def test_a_rank_whose_write_was_cut_short_is_named_with_its_tmp_file(tmp_path, c
 def test_a_new_run_removes_the_previous_runs_flight_records_and_nothing_else(tmp_path):
     """Before: a clean run left the previous failed run's flight/rank_1.json in OUT, for the analyzer to merge with
     the next run's. A file there that minizero did not write is kept, and refused before any work when a dump
-    would replace it."""
+    would replace it: by rank 0 under OUT's lock (checked before it, another job's dump could rename a .tmp between
+    the listing and the look: a traceback instead of "in use")."""
     import types
-    from minizero.files import release_all
-    from minizero.train import UsageError, _lock_output, parse_args
+    from minizero.files import FolderLock, release_all
+    from minizero.train import _lock_output, parse_args
     flight = tmp_path / "out" / "flight"
     _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), flight)
     os.rename(flight / "rank_1.json", flight / "rank_1.json.tmp")  # a dump cut short
@@ -361,11 +362,46 @@ def test_a_new_run_removes_the_previous_runs_flight_records_and_nothing_else(tmp
     locks, _, _ = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(bcast=lambda o, root: o))
     release_all(locks)
     assert not flight.exists()  # emptied: removed, as the run found OUT
-    flight.mkdir()
+    _run_and_dump(1, lambda comm: all_reduce(comm, np.ones(4)), flight)
     (flight / "rank_2.json").write_text('{"my": "notes"}')
-    with pytest.raises(UsageError, match="rank_2.json' exists and is no flight record; a failed job's record replaces"):
-        parse_args(["--model", "tiny", "--out", str(tmp_path / "out")], 1)
-    parse_args(["--model", "tiny", "--out", str(tmp_path / "out"), "--flight-records", "0"], 1)  # nothing dumped
+    args.flight_records = 16
+    locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(
+        bcast=lambda obj, root: obj))
+    assert locks == [] and "rank_2.json' exists and is no flight record; a failed job's record replaces" in refusal
+    assert sorted(os.listdir(flight)) == ["rank_0.json", "rank_2.json"]  # refused before any work: nothing removed
+    lock = FolderLock(args.out)  # released: the next job may take OUT
+    lock.acquire()
+    lock.release()
+    parse_args(["--model", "tiny", "--out", str(tmp_path / "out")], 1)  # checked under the lock, not here
+    args.flight_records = 0  # nothing dumped: nothing replaced
+    locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(
+        bcast=lambda obj, root: obj))
+    release_all(locks)
+    assert refusal is None and sorted(os.listdir(flight)) == ["rank_2.json"]
+
+
+
+def test_a_flight_file_gone_while_listed_is_skipped(tmp_path, monkeypatch):
+    """Before: a rank_R.json.tmp renamed by another job's dump between the listing and the look was called
+    "no flight record" (or getsize raised FileNotFoundError: a bug's traceback)."""
+    from minizero.comm import flight
+    _run_and_dump(1, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    listdir = os.listdir
+    monkeypatch.setattr(flight.os, "listdir", lambda folder: listdir(folder) + ["rank_1.json.tmp"])
+    assert flight.records(str(tmp_path)) == ([str(tmp_path / "rank_0.json")], [])
+
+
+def test_hang_on_a_folder_of_no_rank_named_file_says_so(tmp_path, capsys):
+    """Before: a folder holding only rank_x.json: "error: max() arg is an empty sequence"."""
+    (tmp_path / "rank_x.json").write_text("{}")
+    (tmp_path / "rank_x.json.tmp").write_text("{}")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    err = joined(capsys.readouterr().err)
+    assert f"{str(tmp_path)!r} holds no rank_R.json flight files (a failing job writes OUT/flight)" in err, err
+    assert "cut short" not in err  # rank_x.json.tmp is no rank's write either
+    (tmp_path / "rank_3.json.tmp").write_text("{}")
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    assert "; rank_3.json.tmp was cut short while being written" in joined(capsys.readouterr().err)
 
 
 # -- the main job under mpiexec ------------------------------------------------------------------------------

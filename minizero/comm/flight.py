@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 
 import numpy as np
@@ -148,12 +149,15 @@ def peek(path: str) -> dict | None:
     """``{"rank", "world_size", "run"}`` from the start of a record :meth:`FlightRecorder.dump` wrote, whole or cut
     short (``.tmp``; run None: not recorded, or cut off); None for a file that does not start like a record."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        m = _HEAD.match(_head(path))
     except OSError:
         return None
-    m = _HEAD.match(head)
     return m and {"rank": int(m[1]), "world_size": int(m[2]), "run": m[3] and json.loads(m[3])}
+
+
+def _head(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4096)
 
 
 def records(folder: str) -> tuple[list[str], list[str]]:
@@ -163,16 +167,24 @@ def records(folder: str) -> tuple[list[str], list[str]]:
         names = sorted(n for n in os.listdir(folder) if RECORD_NAME.fullmatch(n))
     except OSError:
         return [], []
-    paths = [os.path.join(folder, n) for n in names]
-    ours = [p for p in paths if os.path.isfile(p) and (os.path.getsize(p) == 0 or peek(p) is not None)]
-    return ours, [p for p in paths if p not in ours]
+    ours, others = [], []
+    for path in (os.path.join(folder, n) for n in names):
+        try:  # a regular file (a FIFO's open would block), empty or starting like a record
+            st = os.stat(path)
+            mine = stat.S_ISREG(st.st_mode) and (st.st_size == 0 or _HEAD.match(_head(path)) is not None)
+        except FileNotFoundError:  # renamed or removed while looked at (a dump's .tmp): not there
+            continue
+        except OSError:
+            mine = False
+        (ours if mine else others).append(path)
+    return ours, others
 
 
-def clear(folder: str) -> list[str]:
-    """Remove the flight records of an earlier job from ``folder`` (:func:`records`, never another file), and the
-    folder if that empties it; returns the paths removed (one that cannot be removed stays)."""
+def clear(folder: str, ours: list[str] | None = None) -> list[str]:
+    """Remove the flight records of an earlier job from ``folder`` (:func:`records`, or ``ours`` when given, never
+    another file), and the folder if that empties it; returns the paths removed (one that cannot be removed stays)."""
     removed = []
-    for p in records(folder)[0]:
+    for p in records(folder)[0] if ours is None else ours:
         try:
             os.remove(p)
             removed.append(p)

@@ -9,9 +9,7 @@ newest job is the one asked about, and an older file beside it says nothing of t
 """
 from __future__ import annotations
 
-import glob
 import os
-import re
 import time
 
 from minizero.comm.flight import RECORD_NAME, describe, peek
@@ -31,29 +29,29 @@ def load(folder: str) -> dict[int, dict]:
                          f"{os.path.dirname(folder) or '.'!r}")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{folder!r}: no such folder (a failing job writes OUT/flight)")
-    paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
+    names = sorted(n for n in os.listdir(folder) if RECORD_NAME.fullmatch(n))  # not rank_x.json
+    paths = [os.path.join(folder, n) for n in names if not n.endswith(".tmp")]
     if not paths:
-        cut = sorted(glob.glob(os.path.join(folder, "rank_*.json.tmp")))
+        cut = [n for n in names if n.endswith(".tmp")]
         raise FileNotFoundError(f"{folder!r} holds no rank_R.json flight files (a failing job writes OUT/flight)"
-                                + (f"; {os.path.basename(cut[0])} was cut short while being written" if cut else ""))
+                                + (f"; {cut[0]} was cut short while being written" if cut else ""))
     out = {}
     for p in paths:
-        if re.fullmatch(r"rank_\d+\.json", os.path.basename(p)):
-            snap = read_json(p)
-            missing = _missing(snap)
-            if missing:
-                raise ValueError(f"{p} is not a flight record: it lacks {missing}")
-            world, odd = snap["world_size"], [(name, m) for name, g in snap["groups"].items()
-                                              for m in g["members"] or () if not 0 <= m < snap["world_size"]]
-            if odd:  # the analysis would name a rank that does not exist
-                raise ValueError(f"{p} is a damaged flight record: groups[{odd[0][0]!r}] names member {odd[0][1]}, "
-                                 f"outside the world of {world} (ranks 0..{world - 1})")
-            named = int(os.path.basename(p)[5:-5])
-            if snap["rank"] != named:  # a copy or a rename would be read as another rank's record
-                raise ValueError(f"{p} holds rank {snap['rank']}'s flight record, expected rank {named} (its name)")
-            if named in out:  # rank_1.json and rank_01.json
-                raise ValueError(f"{p} is a second flight record of rank {named}; keep one file per rank")
-            out[named] = snap
+        snap = read_json(p)
+        missing = _missing(snap)
+        if missing:
+            raise ValueError(f"{p} is not a flight record: it lacks {missing}")
+        world, odd = snap["world_size"], [(name, m) for name, g in snap["groups"].items()
+                                          for m in g["members"] or () if not 0 <= m < snap["world_size"]]
+        if odd:  # the analysis would name a rank that does not exist
+            raise ValueError(f"{p} is a damaged flight record: groups[{odd[0][0]!r}] names member {odd[0][1]}, "
+                             f"outside the world of {world} (ranks 0..{world - 1})")
+        named = int(os.path.basename(p)[5:-5])
+        if snap["rank"] != named:  # a copy or a rename would be read as another rank's record
+            raise ValueError(f"{p} holds rank {snap['rank']}'s flight record, expected rank {named} (its name)")
+        if named in out:  # rank_1.json and rank_01.json
+            raise ValueError(f"{p} is a second flight record of rank {named}; keep one file per rank")
+        out[named] = snap
     return out
 
 
