@@ -230,3 +230,17 @@ def test_notebook_asks_the_lessons_exercises(name):
     assert len(asked) == 1, f"notebooks/{name}.ipynb has {len(asked)} '## Exercises' cells"
     assert _questions(asked[0]) == _questions((ROOT / "lessons" / f"{name}.md").read_text()), (
         f"notebooks/{name}.ipynb asks other exercises than lessons/{name}.md: copy the lesson's questions")
+
+
+def test_lesson_08_names_every_flag_compare_adds_to_its_runs():
+    """Lesson 08's table lists each strategy's flags; compare runs each with --no-overlap and --tracemalloc too,
+    which change what the device holds (overlap keeps two buckets and two gathered units): the lesson must say so
+    (an audit found it silent)."""
+    from minizero.compare import STRATEGIES, train_argv
+
+    plumbing = ("--model", "--steps", "--micro-batch-size", "--eval-every", "--eval-batches", "--sample-tokens",
+                "--no-progress")  # the run's size and output, not what it holds
+    added = [f for f in train_argv("baseline", "tiny", 1, 1)
+             if f.startswith("--") and f not in STRATEGIES["baseline"][0] and f not in plumbing]
+    text = (ROOT / "lessons" / "08_putting_it_together.md").read_text()
+    assert added and all(f"`{f}`" in text for f in added), added
