@@ -156,9 +156,6 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
             raise UsageError(f"--ulysses {args.ulysses} with {said}: --ulysses N means --cp N --cp-attention ulysses; "
                              "give one of them")
         args.cp, args.cp_attention = args.ulysses, "ulysses"
-    for name, value in LATE_DEFAULTS.items():  # flags parsed as None so that a given value shows
-        if vars(args)[name] is None:
-            setattr(args, name, value)
     if prompt_problem(args.prompt):
         raise UsageError(prompt_problem(args.prompt))
     for name in ("grad_accum", "batch_size", "block_size", "log_every"):
@@ -227,6 +224,9 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     except ValueError as e:
         raise UsageError(str(e)) from None
     refuse_idle_flags(args)  # after the sizes: --schedule and --pp-verbose need the resolved pp
+    for name, value in LATE_DEFAULTS.items():  # flags parsed as None so that a given value shows (until here)
+        if vars(args)[name] is None:
+            setattr(args, name, value)
     if args.optimizer == "adam8bit" and args.offload_optimizer != "none":
         raise UsageError("--offload-optimizer works with --optimizer adamw; 8-bit Adam's state is already 4x smaller "
                          "and stays on the device")

@@ -14,7 +14,7 @@ import dataclasses
 from minizero.flags import flag_defaults
 from minizero.parallel.expert_parallel import MoEConfig
 
-_D = flag_defaults()  # the flag table's defaults (--cp-attention's "ring", which the parser leaves None)
+_D = flag_defaults()  # the flag table's defaults (LATE_DEFAULTS' for the flags the parser leaves None)
 
 
 @dataclasses.dataclass

@@ -60,9 +60,11 @@ SYNONYMS = {"--learning-rate": "--lr", "--tensor-model-parallel-size": "--tp", "
                "[flags]" for f in ("-n", "-np")}}
 
 
-#: flags parsed with the default None, so that "given" is "not None" (--ulysses N refuses an explicit --cp-attention
-#: ring, not the default), and the value parse_args gives them when not given (--help and TrainConfig show it)
-LATE_DEFAULTS = {"cp_attention": "ring"}
+#: flags parsed as None, so "given" is "not None" even for the default's value (refused idle: --cp-attention ring
+#: at --cp 1, --moe-top-k 2 without experts; --ulysses N with an explicit ring; check_moe's "the default"), and the
+#: value parse_args gives them after those checks (--help and TrainConfig show it). Kept, not a plain
+#: `value or default`: those refusals need to know what was given
+LATE_DEFAULTS = {"cp_attention": "ring", "moe_top_k": 2}
 
 
 def flag_defaults() -> dict:
@@ -234,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "reduce-scatters and ZeRO-3's gathers (ZeRO++)")
     moe.add_argument("--moe-experts", type=integer, default=0, metavar="E",
                      help="experts per MoE layer, replacing the blocks' MLPs (0: dense MLPs)")
-    moe.add_argument("--moe-top-k", type=integer, default=2, metavar="K", help="experts each token is routed to")
+    moe.add_argument("--moe-top-k", type=integer, default=None, metavar="K",  # None: not given
+                     help=f"experts each token is routed to (default: {LATE_DEFAULTS['moe_top_k']})")
     moe.add_argument("--moe-capacity-factor", type=real, default=1.25, metavar="F",
                      help="slots per expert = ceil(F x tokens x K / E) per micro-batch; choices past it are dropped")
     moe.add_argument("--moe-every", type=integer, default=1, choices=list(MOE_EVERY),
@@ -294,8 +297,9 @@ MAX_FLIGHT_RECORDS = 1_000_000  #: flight-recorder entries kept per rank (500x t
 
 
 #: flags that act only with another setting: (flags, is that setting on, what it is, what the run has); given
-#: without it (a value other than the default) they are refused, not ignored (a setting that does nothing would
-#: mislead the reader). Read after --dp/--tp/--pp are resolved (the pipeline row needs the resolved pp)
+#: without it (a value other than the parser's default: any, for :data:`LATE_DEFAULTS`) they are refused, not
+#: ignored (a setting that does nothing would mislead the reader). Read after --dp/--tp/--pp are resolved (the
+#: pipeline row needs the resolved pp)
 DEPENDENT_FLAGS = (
     (("initial_loss_scale", "loss_scale_window", "min_loss_scale", "hysteresis"), lambda a: a.precision == "fp16",
      "--precision fp16 (loss scaling)", lambda a: f"--precision {a.precision}"),
@@ -315,12 +319,14 @@ DEPENDENT_FLAGS = (
     (("schedule", "pp_verbose"), lambda a: a.pp > 1, "--pp > 1 (a pipeline)", lambda a: f"--pp {a.pp}"),
     (("prompt",), lambda a: a.sample_tokens > 0, "--sample-tokens > 0 (the closing sample)",
      lambda a: "--sample-tokens 0"),
+    (("cp_attention",), lambda a: a.cp > 1, "--cp > 1 (context parallelism)", lambda a: f"--cp {a.cp}"),
 )
 
 
 def refuse_idle_flags(args) -> None:
-    """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save."""
-    defaults = flag_defaults()  # args are resolved: a flag of LATE_DEFAULTS holds its late default, not None
+    """UsageError naming a flag of :data:`DEPENDENT_FLAGS` given without its setting, and --json with --no-save.
+    Before parse_args fills :data:`LATE_DEFAULTS` (their parser default None: any value given counts)."""
+    defaults = {a.dest: a.default for a in build_parser()._actions}
     for names, on, what, got in DEPENDENT_FLAGS:
         given = [f"--{k.replace('_', '-')}" for k in names if vars(args)[k] != defaults[k]]
         if given and not on(args):

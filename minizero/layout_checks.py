@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minizero.flags import UsageError, build_parser
+from minizero.flags import LATE_DEFAULTS, UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
@@ -70,10 +70,7 @@ def check_context_parallel(args, cfg) -> None:
     cp = args.cp
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
-    if cp == 1:
-        if args.cp_attention != "ring":
-            raise ValueError(f"--cp-attention {args.cp_attention} chooses how a split sequence attends: "
-                             "it needs --cp > 1")
+    if cp == 1:  # --cp-attention given here: refused by minizero.flags.refuse_idle_flags
         return
     t = args.block_size or cfg.block_size
     if t % (2 * cp):
@@ -94,7 +91,7 @@ def check_attention(args) -> None:
     if args.attention_block < 1:
         raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
                          f"got {args.attention_block}")
-    if args.attention == "flash" and args.cp > 1 and args.cp_attention == "ring":
+    if args.attention == "flash" and args.cp > 1 and args.cp_attention != "ulysses":  # None: ring, not given
         raise ValueError(f"--attention flash with --cp {args.cp} is not supported: ring attention already runs the "
                          "flash recurrence across ranks, one (T/cp)-row block each (the same block kernel), and does "
                          "not tile that block further; use --attention dense with --cp (or --cp-attention ulysses)")
@@ -232,11 +229,12 @@ def check_moe(args) -> None:
         if ep > 1:
             raise ValueError(f"--ep {ep} splits experts: it needs --moe-experts > 0")
         return
-    k = args.moe_top_k
-    if k > e and k == build_parser().get_default("moe_top_k"):  # the default: --moe-top-k not given
+    k = args.moe_top_k  # None: not given (LATE_DEFAULTS fills it after these checks)
+    if k is None and e < LATE_DEFAULTS["moe_top_k"]:
+        k = LATE_DEFAULTS["moe_top_k"]
         raise ValueError(f"--moe-experts {e} is fewer than the {k} experts each token is routed to (--moe-top-k "
                          f"{k}, the default); allowed: --moe-experts >= {k}, or give --moe-top-k {e}")
-    if not 1 <= k <= e:
+    if k is not None and not 1 <= k <= e:
         raise ValueError(f"--moe-top-k must be in 1..--moe-experts {e}, got {k}")
     if not (0 < args.moe_capacity_factor < float("inf")):
         raise ValueError(f"--moe-capacity-factor must be a finite number > 0, got {args.moe_capacity_factor}")

@@ -163,6 +163,11 @@ def test_a_rank_refusing_what_its_peers_accept_ends_the_job(mpiexec, tmp_path):
     (["--moe-every", "2", "--moe-z-loss", "0"], "--moe-every, --moe-z-loss only apply(ies) with --moe-experts > 0"),
     (["--json", "s.json", "--no-save"], "--no-save writes no summary"),
     (["--moe-top-k", "1"], "--moe-top-k only apply(ies) with --moe-experts > 0"),
+    # before: accepted, as it equals the default (given = not None: LATE_DEFAULTS), as --cp-attention ring at --cp 1
+    (["--moe-top-k", "2"], "--moe-top-k only apply(ies) with --moe-experts > 0 (a mixture of experts); got "
+                           "--moe-experts 0"),
+    (["--cp-attention", "ring"], "--cp-attention only apply(ies) with --cp > 1 (context parallelism); got --cp 1"),
+    (["--cp-attention", "ulysses"], "--cp-attention only apply(ies) with --cp > 1 (context parallelism); got --cp 1"),
     (["--keep", "5", "--save-dir", "ck"],
      "--keep, --save-dir only apply(ies) with --save-every N > 0 (checkpoints); got --save-every 0"),
     # before: accepted; a run given --save-dir alone saved no checkpoint (it reads as if it did)

@@ -115,9 +115,8 @@ def test_the_losses_and_the_bias_change_the_result():
 @pytest.mark.parametrize("flags,n,words", [
     (["--moe-experts", "3", "--ep", "2"], 2, "divisible by --ep 2"),
     (["--moe-top-k", "5"], 1, "--moe-top-k must be in 1..--moe-experts 4"),
-    # the default top-k named as the default (before: "--moe-top-k must be in 1..--moe-experts 1, got 2")
-    (["--moe-experts", "1"], 1, "--moe-experts 1 is fewer than the 2 experts each token is routed to (--moe-top-k 2, "
-     "the default); allowed: --moe-experts >= 2, or give --moe-top-k 1"),
+    # BASE gives --moe-top-k 2: not called the default (before: "(--moe-top-k 2, the default)", it equals it)
+    (["--moe-experts", "1"], 1, "--moe-top-k must be in 1..--moe-experts 1, got 2"),
     (["--ep", "4"], 2, "--ep 4 must divide the data-parallel size 2"),
     (["--moe-capacity-factor", "0"], 1, "--moe-capacity-factor must be"),
     (["--precision", "fp8"], 1, "--moe-experts with --precision fp8 is not supported"),
@@ -143,6 +142,14 @@ def test_bad_moe_flags_are_refused_before_any_work(flags, n, words):
     with pytest.raises(UsageError, match=None) as e:
         parse_args(argv, n)
     assert words in str(e.value)
+
+
+def test_the_default_top_k_above_the_experts_is_named_as_the_default():
+    # --moe-top-k not given (None until parse_args fills LATE_DEFAULTS; before: "must be in 1..1, got 2")
+    with pytest.raises(UsageError, match=r"^--moe-experts 1 is fewer than the 2 experts each token is routed to "
+                       r"\(--moe-top-k 2, the default\); allowed: --moe-experts >= 2, or give --moe-top-k 1$"):
+        parse_args(["--model", "tiny", "--moe-experts", "1"])
+    assert parse_args(["--model", "tiny", "--moe-experts", "4"]).moe_top_k == 2
 
 
 def test_ep_without_experts_is_refused():

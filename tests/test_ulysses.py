@@ -7,6 +7,7 @@
 * Refused: heads not divisible by c, dropout.
 """
 import math
+import re
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def test_ulysses_is_refused_where_heads_do_not_split():
     with pytest.raises(UsageError, match="^--ulysses 4 must be >= 1 and divide the world size 2; launch a multiple of 4 "
                        r"ranks, e\.g\. mpirun -n 4 python -m minizero\.train \.\.\.$"):
         parse_args(["--model", "tiny", "--ulysses", "4"], 2)
-    with pytest.raises(UsageError, match="--cp-attention ulysses chooses how a split sequence attends: it needs --cp > 1"):
+    with pytest.raises(UsageError, match=re.escape("--cp-attention only apply(ies) with --cp > 1")):
         parse_args(["--model", "default", "--cp-attention", "ulysses"], 1)
     assert parse_args(["--model", "default", "--cp", "2", "--cp-attention", "ulysses", "--dropout", "0.1"], 2).cp == 2
 
@@ -182,7 +183,7 @@ def test_ulysses_refuses_an_explicit_ring():
     assert parse_args(["--model", "tiny", "--ulysses", "2"], 2).cp_attention == "ulysses"
 
 
-def test_cp_attention_not_given_is_none_to_the_parser_and_ring_to_the_run(monkeypatch):
+def test_cp_attention_not_given_is_none_to_the_parser_and_ring_to_the_run():
     """--cp-attention is parsed with the default None (given = not None, which --ulysses N refuses as ring; before,
     argv was parsed a second time to tell), resolved to ring after the --ulysses check; --help still says ring."""
     import minizero.flags as flags
@@ -199,9 +200,8 @@ def test_cp_attention_not_given_is_none_to_the_parser_and_ring_to_the_run(monkey
     said = flags.build_parser().format_help().split("--cp-attention {ring,ulysses}")[-1].split("--ulysses N")[0]
     said = " ".join(said.split())
     assert said.endswith("shards to head shards and back) (default: ring)") and said.count("default") == 1, said
-    # refuse_idle_flags compares the resolved args with the late default, not the parser's None
-    monkeypatch.setattr(flags, "DEPENDENT_FLAGS", ((("cp_attention",), lambda a: a.cp > 1, "--cp > 1",
-                                                     lambda a: f"--cp {a.cp}"),))
-    flags.refuse_idle_flags(parse_args(["--model", "tiny"]))  # not given: not refused
-    with pytest.raises(UsageError, match="^--cp-attention only apply"):
-        flags.refuse_idle_flags(TrainConfig(cp_attention="ulysses"))
+    # given = not None, so the default's value given at --cp 1 is refused (before: accepted, while ulysses was not)
+    with pytest.raises(UsageError, match="^" + re.escape("--cp-attention only apply(ies) with --cp > 1 (context "
+                                                         "parallelism); got --cp 1") + "$"):
+        parse_args(["--model", "tiny", "--cp-attention", "ring"])
+    assert parse_args(["--model", "tiny", "--ulysses", "2"], 2).cp == 2  # --ulysses N sets cp: not idle
