@@ -13,7 +13,7 @@ import re
 
 from minizero.memory.estimator import (
     ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
-    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_layers, stage_parameters)
+    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
@@ -229,14 +229,13 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     return parts
 
 
-def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int) -> Candidate:
-    """Memory (the fullest stage's), traffic and step time (the slowest stage's: all stages run the same schedule, so
-    the step lasts as long as the one with the most exposed traffic; Narayanan et al. 2021), throughput, MFU."""
-    stages = estimate_stages(model, st, seq_len)
+def evaluate(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, stages: list | None = None) -> Candidate:
+    """Memory (the fullest stage's; ``stages``: :func:`estimate_stages`'), traffic and step time (the slowest stage's:
+    all stages run the same schedule, so the step lasts as long as the one with the most exposed traffic; Narayanan
+    et al. 2021) over :func:`stage_kinds` (ends, MoE blocks: their bytes differ), throughput, MFU."""
+    stages = stages or estimate_stages(model, st, seq_len)
     mem = max(stages, key=lambda e: e.total)
-    kinds = {(i == 0, i == st.pp - 1, tuple(map(model.is_moe_layer, stage_layers(model, st, i)))): i
-             for i in reversed(range(st.pp))}  # the first stage of each kind (ends, MoE blocks): their bytes differ
-    t, comm, slowest = max(((step_time(model, st, hw, seq_len, c, i), c, i) for i in sorted(kinds.values())
+    t, comm, slowest = max(((step_time(model, st, hw, seq_len, c, i), c, i) for i in stage_kinds(model, st)
                             for c in [comm_bytes_per_step(model, st, seq_len, stage=i)]), key=lambda r: r[0]["step"])
     tokens = st.dp * st.micro_batch * st.micro_batches * seq_len
     mfu = model_flops_per_step(model, tokens // seq_len, seq_len) / (t["step"] * st.world_size * hw.flops)
@@ -249,18 +248,19 @@ def plan(model: ModelShape, gpus: int, hw: Hardware, seq_len: int, **kw) -> tupl
     """(strategies that fit, ranked by :data:`RANKING_RULE`; how many were enumerated; the smallest
     footprint as (strategy, device bytes, host bytes), or None when nothing was enumerated).
 
-    A strategy fits when, on its first and its last pipeline stage (which bound every stage), the device total is at
-    most ``hw.gpu_memory`` and what it offloads at most ``hw.host_memory``. ``kw`` goes to :func:`enumerate_strategies`.
+    A strategy fits when every pipeline stage's device total is at most ``hw.gpu_memory`` and what it offloads at most
+    ``hw.host_memory`` (:func:`stage_kinds` bound the stages; the middle ones, for speed, only where the ends fit or
+    may be the smallest footprint: the ends alone missed MoE stages). ``kw`` goes to :func:`enumerate_strategies`.
     """
     fits, count, smallest = [], 0, None
     for st in enumerate_strategies(model, gpus, gpus_per_node=hw.gpus_per_node, seq_len=seq_len, **kw):
         count += 1
-        stages = estimate_stages(model, st, seq_len)
+        stages = estimate_stages(model, st, seq_len, within=max(hw.gpu_memory, smallest[1]) if smallest else None)
         device, host = max(e.total for e in stages), max(e.offloaded for e in stages)
         if smallest is None or (device, host) < smallest[1:]:
             smallest = (st, device, host)
         if device <= hw.gpu_memory and host <= hw.host_memory:
-            fits.append(evaluate(model, st, hw, seq_len))
+            fits.append(evaluate(model, st, hw, seq_len, stages))
     return rank(fits), count, smallest
 
 

@@ -183,7 +183,7 @@ def test_strategy_validation_names_the_field():
 def test_estimate_stage_choice_and_offload():
     m = get_model("llama3-70b")
     st = Strategy(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True, recompute="selective", micro_batches=16)
-    first, last = E.estimate_stages(m, st, 4096)
+    first, last, middle = E.estimate_stages(m, st, 4096)  # stage 1: the middle stages' kind
     assert first.activations > last.activations  # p micro-batches in flight on the first stage, 1 on the last
     assert estimate_memory(m, st, 4096).total == max(first.total, last.total)
     off = estimate_memory(m, Strategy(dp=8, zero=3, offload="params", offload_activations=True), 4096)

@@ -260,7 +260,7 @@ def test_the_report_shows_ep_and_the_attention_kind(capsys):
     assert code == 0, out
     head = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
     assert head.split()[1:5] == ["dp", "ep", "cp", "tp"]
-    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]  # not "  12 bytes/"
     assert len(rows) == 3 and all(r[2] == "4" for r in rows)
     assert "12.88 B active; 8 experts top-2" in out
     code, out, _ = _main(capsys, "--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",

@@ -23,7 +23,7 @@ from minizero.memory.estimator.activations import (
     Saved, activation_bytes, in_flight, layer_activation_bytes, layer_rows, saved_outside_layers, saved_per_layer)
 from minizero.memory.estimator.lora import (
     LORA_BASES, LORA_TARGETS, adapted_matrices, adapted_splits, lora_activation_bytes, lora_state_bytes, nf4_bytes)
-from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages
+from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages, stage_kinds
 from minizero.memory.estimator.traffic import (
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
     replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
@@ -36,6 +36,7 @@ __all__ = [  # the package's API, re-exported
     "stage_parameters", "stage_state_bytes", "Saved", "activation_bytes", "in_flight", "layer_activation_bytes",
     "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS", "adapted_matrices",
     "adapted_splits", "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate", "estimate_memory",
-    "estimate_stages", "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops", "korthikanti_flops",
-    "model_flops_per_step", "replica_bytes", "ring_attention_bytes", "tensor_parallel_bytes", "ulysses_attention_bytes",
+    "estimate_stages", "stage_kinds", "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops",
+    "korthikanti_flops", "model_flops_per_step", "replica_bytes", "ring_attention_bytes", "tensor_parallel_bytes",
+    "ulysses_attention_bytes",
 ]

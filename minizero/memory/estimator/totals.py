@@ -7,7 +7,7 @@ import math
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
     ModelShape, PRECISIONS, as_shape, precision_for_dtype)
 from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp
-from minizero.memory.estimator.states import stage_expert_parameters, stage_parameters, stage_state_bytes
+from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
 from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
@@ -113,13 +113,23 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
     return MemoryEstimate(params, grads, optim, act, comm, gathered, host, stage, comm_scratch=scratch)
 
 
-def estimate_stages(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper") -> list:
-    """:class:`MemoryEstimate` of the first and the last pipeline stage (one entry when pp = 1).
+def stage_kinds(model, strategy: Strategy) -> list[int]:
+    """The first pipeline stage of each kind (first, last, middle by its blocks' MoE pattern), ascending. Stages of
+    a kind differ only in micro-batches in flight, fewer with each index (:func:`activation_bytes`): these bound all."""
+    m = as_shape(model)
+    return sorted({(i == 0, i == strategy.pp - 1, tuple(map(m.is_moe_layer, stage_layers(m, strategy, i)))): i
+                   for i in reversed(range(strategy.pp))}.values())
 
-    Every middle stage needs less than the first (fewer micro-batches in flight, no
-    embedding), so these two bound every rank: a plan fits when both do.
-    """
-    return [estimate_memory(model, strategy, seq_len, accounting, stage=i) for i in sorted({0, strategy.pp - 1})]
+
+def estimate_stages(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper",
+                    within: float | None = None) -> list:
+    """:class:`MemoryEstimate` of the first, the last, then the middle :func:`stage_kinds` (a middle one can be the
+    fullest: stage 1 keeps p - 1 micro-batches, MoE blocks differ); the middle ones only if the ends fit ``within``."""
+    ends = [estimate_memory(model, strategy, seq_len, accounting, stage=i) for i in sorted({0, strategy.pp - 1})]
+    if within is not None and max(e.total for e in ends) > within:
+        return ends
+    return ends + [estimate_memory(model, strategy, seq_len, accounting, stage=i)
+                   for i in stage_kinds(model, strategy)[1:-1]]
 
 
 def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accounting: str = "paper",
@@ -153,5 +163,5 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
         if not 0 <= stage < st.pp:
             raise ValueError(f"stage must be in [0, {st.pp}), got {stage}")
         return _stage_estimate(m, st, s, accounting, stage)
-    ests = [_stage_estimate(m, st, s, accounting, i) for i in sorted({0, st.pp - 1})]
+    ests = [_stage_estimate(m, st, s, accounting, i) for i in stage_kinds(m, st)]
     return max(ests, key=lambda x: x.total)
