@@ -231,9 +231,15 @@ def test_finetune_rank_stalled_in_start_up_ends_the_job_after_comm_timeout(mpiex
            "--steps", "2", "--batch-size", "2", "--eval-batches", "1", "--comm-timeout", "3"]
     stopped = "kill -STOP $$; exec " + " ".join(cmd)
     t0 = time.monotonic()
-    proc = subprocess.run([mpiexec, "-n", "1", *cmd, ":", "-n", "1", "sh", "-c", stopped], env=mpi_env(),
-                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
-    assert proc.returncode != 0 and "Timeout (0:00:03)!" in proc.stderr, proc.stderr
+    proc = subprocess.Popen([mpiexec, "-n", "1", *cmd, ":", "-n", "1", "sh", "-c", stopped], env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:  # a hang must not leave the launcher's proxy (it spun a core for ever) and the stopped rank behind
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "Timeout (0:00:03)!" in err, err
     assert time.monotonic() - t0 < 60
 
 
