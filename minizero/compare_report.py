@@ -118,7 +118,7 @@ def terminal(runs: list[dict]) -> str:
         pred = r.get("predicted_step_s")
         lines.append(row(str(r["ranks"]), r["strategy"], in_width(device / MIB, 10, 2),
                          in_width(r["estimate"]["total"] / MIB, 8, 2),
-                         in_width(100 * max(r["deviation"].values()), 5, 1) + "%",
+                         in_width(worst := 100 * max(r["deviation"].values()), 5, int(worst < 1000)) + "%",
                          in_width(m["process_peak_bytes"][0] / MIB, 11, 2), in_width(m["tokens_per_s"], 8),
                          significant_column(r["step_s"], 8), "-" if pred is None else significant_column(pred, 9),
                          "-" if pred is None else in_width(r["step_s"] / pred, 7, 1) + "x"))

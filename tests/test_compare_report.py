@@ -111,3 +111,14 @@ def test_a_run_s_progress_is_one_short_line_and_a_failure_keeps_its_whole_cause(
     shown = progress(2, 2, dict(strategy="baseline", ranks=2, ok=False, error=cause)).splitlines()
     assert max(map(len, shown)) <= 120
     assert " ".join(" ".join(shown).split()) == f"[2/2] baseline on 2 ranks: failed: {cause}"  # whole
+
+
+def test_a_worst_gap_of_1000_percent_or_more_is_a_whole_number_not_an_exponent():
+    """Before: 1e+03% in the worst column (one decimal did not fit 5 columns)."""
+    from minizero.compare_report import terminal
+
+    runs = [_run("baseline", 1), _run("zero3", 1)]
+    runs[0]["deviation"] = dict(runs[0]["deviation"], activations=12.345)
+    runs[1]["deviation"] = dict(runs[1]["deviation"], activations=0.1234)
+    rows = terminal(runs).splitlines()[1:3]
+    assert [r.split()[4] for r in rows] == ["1,234%", "12.3%"], rows
