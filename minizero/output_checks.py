@@ -66,7 +66,8 @@ def clear_flight(args) -> str | None:
     if foreign and args.flight_records:
         return (f"--out {args.out!r}: {foreign[0]!r} exists and is no flight record; a failed job's record "
                 "replaces only an earlier one (an earlier output): move that file away")
-    clear(folder, ours)
+    if not os.path.islink(folder):  # a link may lead to kept records (an archive): none removed through it; the
+        clear(folder, ours)  # analyzer sets other runs' records aside
     return None
 
 
