@@ -367,7 +367,8 @@ def resolve_parallel_args(args, world_size: int) -> int:
     """
     cfg, cp = PRESETS[args.model], args.cp
     if cp < 1 or world_size % cp:
-        raise ValueError(f"{cp_flag(args)} must be >= 1 and divide the world size {world_size}"
+        raise ValueError(f"{cp_flag(args)} must be >= {1 if args.ulysses is None else 2} and divide the world size "
+                         f"{world_size}"
                          + (launch(cp, "train") if cp > 1 else ""))
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,

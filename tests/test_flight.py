@@ -318,7 +318,8 @@ def test_records_of_another_run_or_world_size_are_set_aside_and_named(tmp_path, 
     aside = [ln for ln in lines if ln.startswith("set aside:")]
     assert [ln.split()[2] for ln in aside] == ["rank_1.json", "rank_2.json", "rank_3.json"], lines
     assert "another job's record (run old, world size 4, written " in aside[0] and "analysed: run new" in aside[0]
-    assert "missing: rank 1 wrote no flight file (stopped or killed before it could)" in lines, lines
+    # before: "rank 1 wrote no flight file", beside its set-aside file
+    assert "missing: rank 1: its rank_1.json is another job's record (set aside above)" in lines, lines
     snaps, _ = hang.newest_job(hang.load(str(tmp_path)))
     assert sorted(snaps) == [0] and snaps[0]["run"] == "new"
 
@@ -379,6 +380,23 @@ def test_a_new_run_removes_the_previous_runs_flight_records_and_nothing_else(tmp
     release_all(locks)
     assert refusal is None and sorted(os.listdir(flight)) == ["rank_2.json"]
 
+
+
+def test_a_run_removes_no_record_through_a_linked_flight_folder(tmp_path):
+    """Before: OUT/flight linked to a folder of kept records (another job's, or /) had them removed by a new run."""
+    import types
+    from minizero.files import release_all
+    from minizero.train import _lock_output
+    kept = tmp_path / "archive"
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), kept)
+    (tmp_path / "out").mkdir()
+    os.symlink(kept, tmp_path / "out" / "flight")
+    args = types.SimpleNamespace(no_save=False, out=str(tmp_path / "out"), save_dir=None, save_every=0,
+                                 json=str(tmp_path / "out" / "summary.json"), trace=None, flight_records=16)
+    locks, refusal, _ = _lock_output(args, types.SimpleNamespace(rank=0), types.SimpleNamespace(
+        bcast=lambda obj, root: obj))
+    release_all(locks)
+    assert refusal is None and sorted(os.listdir(kept)) == ["rank_0.json", "rank_1.json"]
 
 
 def test_a_flight_file_gone_while_listed_is_skipped(tmp_path, monkeypatch):

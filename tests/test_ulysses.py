@@ -89,7 +89,7 @@ def test_ulysses_is_refused_where_heads_do_not_split():
     # the flag as given (before: "--cp 4 must be >= 1 and divide the world size 2" answered --ulysses 4)
     with pytest.raises(UsageError, match="^--ulysses 4 needs the 2 attention heads"):
         parse_args(["--model", "tiny", "--ulysses", "4", "--block-size", "16"], 4)
-    with pytest.raises(UsageError, match="^--ulysses 4 must be >= 1 and divide the world size 2; launch a multiple of 4 "
+    with pytest.raises(UsageError, match="^--ulysses 4 must be >= 2 and divide the world size 2; launch a multiple of 4 "
                        r"ranks, e\.g\. mpirun -n 4 python -m minizero\.train \.\.\.$"):
         parse_args(["--model", "tiny", "--ulysses", "4"], 2)
     with pytest.raises(UsageError, match=re.escape("--cp-attention only apply(ies) with --cp > 1")):

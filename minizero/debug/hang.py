@@ -210,13 +210,14 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     return out
 
 
-def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None) -> list[str]:
+def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=()) -> list[str]:
     """The findings, one readable line each (``missing``, ``mismatch``, ``hang``, ``last``); hangs ordered
     by when their operation was posted (the earliest is the likely cause); ``["ok: ..."]`` if none.
-    ``cut``: :func:`cut_short`'s ``{rank: file}``."""
+    ``cut``: :func:`cut_short`'s ``{rank: file}``; ``aside``: ranks whose file is another job's."""
     world = max(s["world_size"] for s in snaps.values())
     no_file = {r: (cut or {}).get(r) for r in range(world) if r not in snaps}
     lines = [f"missing: rank {r}: its flight file was cut short while being written ({tmp})" if tmp else
+             f"missing: rank {r}: its rank_{r}.json is another job's record (set aside above)" if r in aside else
              f"missing: rank {r} wrote no flight file (stopped or killed before it could)"
              for r, tmp in no_file.items()]
     hangs = []
@@ -239,12 +240,13 @@ def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None) -> list[s
 
 def main(folder: str) -> int:
     """Print the records set aside, the reasons of the dumps and the findings; exit status 0 (nothing found) or 1."""
-    snaps, aside = newest_job(load(folder))
+    every = load(folder)
+    snaps, aside = newest_job(every)
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
         print(wrapped(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded"))
-    lines = analyze(snaps, cut_short(folder, snaps))
+    lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
     return 0 if lines[0].startswith("ok:") else 1
