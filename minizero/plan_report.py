@@ -100,11 +100,17 @@ def table_unit(cands: list[Candidate], unit: str) -> tuple[float, str]:
 ACCURACY = 0.01  #: step times this close (relative) are within the first-order model's accuracy: a tie
 
 
+_SETTING = {"cp_attention": "cp attention", "dp_shard": "shard", "sequence_parallel": "sp",
+            "offload_activations": "activation offload", "micro_batches": "micro-batches"}  #: as the table's key
+
+
 def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: str) -> str:
     """One line: why candidate ``a`` (rank ia) ranks above ``b`` (rank ib) -- the step-time components
     that differ most, and the settings that differ."""
-    fields = [f"{f} {getattr(a.strategy, f) or 'none'} vs {getattr(b.strategy, f) or 'none'}" if f == "dp_shard"
-              else f"{f} {getattr(a.strategy, f)} vs {getattr(b.strategy, f)}"
+    def said(v):  # a switch as on/off, dp_shard's None (no hybrid sharding) as none
+        return "none" if v is None else {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    fields = [f"{_SETTING.get(f, f)} {said(getattr(a.strategy, f))} vs {said(getattr(b.strategy, f))}"
               for f in ("dp", "ep", "cp", "cp_attention", "tp", "pp", "zero", "dp_shard", "sequence_parallel",
                         "recompute", "offload", "offload_activations", "micro_batches")
               if getattr(a.strategy, f) != getattr(b.strategy, f)]

@@ -203,3 +203,11 @@ def test_the_header_names_the_attention_searched(capsys):
     for attention in ("dense", "flash"):
         code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--top", "1", "--attention", attention)
         assert code == 0 and f"precision, {attention} attention," in " ".join(out.split()), out
+
+
+def test_why_lines_name_settings_as_words_not_python_fields(capsys):
+    """Before: '(settings: offload_activations False vs True)' and 'micro_batches 128 vs 256' in the why lines."""
+    code, out, _ = run_main(capsys, "--model", "tiny", "--gpus", "1", "--global-batch", "1", "--seq-len", "1")
+    said = " ".join(out.split())
+    assert code == 0 and "(settings: " in said, said
+    assert not re.search(r"\b(True|False)\b|offload_activations|micro_batches|sequence_parallel|dp_shard", said), said
