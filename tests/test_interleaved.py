@@ -11,7 +11,7 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_f
                                         interleaved,
                                         make_schedule, one_f_one_b, peak_in_flight, simulate)
 from minizero.train import parse_args
-from tests.test_pipeline import add_deep_tiny_presets
+from tests.test_pipeline import add_deep_narrow_presets
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +152,7 @@ def test_interleaved_is_refused_where_it_cannot_run():
 def test_interleaved_equals_single_process(monkeypatch, dp, tp, m, extra):
     """pp 2 x 2 virtual stages on the tiny model 4 layers deep (h.0, h.2 on rank 0; h.1, h.3 on rank 1); flash: both
     runs (the chunks' cores are the stage's)."""
-    add_deep_tiny_presets(monkeypatch)
+    add_deep_narrow_presets(monkeypatch)
     ref = run_in_threads(1, R.run_single, "tiny4", 2 * dp, m, [a for a in extra if a != "--sequence-parallel"])[0]
     got = run_in_threads(dp * tp * 2, R.run_parallel, "tiny4", 2, dp, tp, 2, m, "interleaved",
                          ["--virtual-stages", "2", *extra])

@@ -130,12 +130,13 @@ class SyncSendComm(Communicator):
 CFG = get_config("tiny", n_layer=4, dtype="float64")
 
 
-def add_deep_tiny_presets(monkeypatch):
+def add_deep_narrow_presets(monkeypatch):
     """Presets ``tiny4`` and ``tiny12``: the tiny model (width 16, 2 heads, context 16) 4 and 12 layers deep, for
     pp 4 (a block per stage) and ZB-V at pp 4 (8 virtual stages of 1 or 2 blocks) at a fraction of the time of
-    ``default`` and ``deep`` (width 128)."""
+    ``default`` and ``deep`` (width 128); ``small4``: the small model (width 64) 4 layers deep."""
     for n in (4, 12):
         monkeypatch.setitem(PRESETS, f"tiny{n}", dataclasses.replace(PRESETS["tiny"], n_layer=n))
+    monkeypatch.setitem(PRESETS, "small4", dataclasses.replace(PRESETS["small"], n_layer=4))
 
 
 def micro_batches(m, b=2, t=16):
@@ -248,7 +249,7 @@ def test_verbose_prints_every_message_as_an_arrow():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_equals_single_process(monkeypatch, pp, m, schedule):
     """tiny (2 layers) for pp = 2; tiny 4 layers deep for pp = 4."""
-    add_deep_tiny_presets(monkeypatch)
+    add_deep_narrow_presets(monkeypatch)
     model = "tiny" if pp == 2 else "tiny4"
     ref = run_in_threads(1, R.run_single, model, 1, m)[0]
     got = run_in_threads(pp, R.run_parallel, model, 1, 1, 1, pp, m, schedule)
