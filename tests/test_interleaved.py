@@ -1,6 +1,7 @@
 """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): the schedule, its bubble, and training equal to one process."""
 
 import pytest
+from threadpoolctl import threadpool_limits
 
 import tests.mp_reference as R
 from minizero.args import UsageError
@@ -10,6 +11,15 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_f
                                         interleaved,
                                         make_schedule, one_f_one_b, peak_in_flight, simulate)
 from minizero.train import parse_args
+from tests.test_pipeline import add_deep_narrow_presets
+
+
+@pytest.fixture(autouse=True)
+def one_blas_thread():
+    """Ranks are threads here: one BLAS thread each (oversubscribed BLAS is ~100x slower on 2 cores)."""
+    with threadpool_limits(limits=1):
+        yield
+
 
 PMV = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 8, 4), (2, 6, 3), (8, 16, 2)]
 
@@ -139,11 +149,12 @@ def test_interleaved_is_refused_where_it_cannot_run():
 @pytest.mark.parametrize("dp, tp, m, extra", [(1, 1, 2, []), (1, 1, 4, ["--zero", "1"]),
                                               (1, 2, 2, ["--sequence-parallel"]), (2, 1, 2, ["--zero", "1"]),
                                               (1, 2, 2, ["--attention", "flash", "--attention-block", "5"])])
-def test_interleaved_equals_single_process(dp, tp, m, extra):
-    """pp 2 x 2 virtual stages on the default model (4 layers: h.0, h.2 on rank 0; h.1, h.3 on rank 1); flash: both
+def test_interleaved_equals_single_process(monkeypatch, dp, tp, m, extra):
+    """pp 2 x 2 virtual stages on the tiny model 4 layers deep (h.0, h.2 on rank 0; h.1, h.3 on rank 1); flash: both
     runs (the chunks' cores are the stage's)."""
-    ref = run_in_threads(1, R.run_single, "default", 2 * dp, m, [a for a in extra if a != "--sequence-parallel"])[0]
-    got = run_in_threads(dp * tp * 2, R.run_parallel, "default", 2, dp, tp, 2, m, "interleaved",
+    add_deep_narrow_presets(monkeypatch)
+    ref = run_in_threads(1, R.run_single, "tiny4", 2 * dp, m, [a for a in extra if a != "--sequence-parallel"])[0]
+    got = run_in_threads(dp * tp * 2, R.run_parallel, "tiny4", 2, dp, tp, 2, m, "interleaved",
                          ["--virtual-stages", "2", *extra])
     R.assert_matches(ref, got, f"interleaved dp {dp} tp {tp} m {m} {extra}")
 

@@ -9,14 +9,19 @@
   the next receive (sendrecv), 1F1B deadlocks.
 * Equivalence (float64, tests/mp_reference.py): pp in {2, 4} x m in {1, 4, 6} x both
   schedules against one process accumulating the same m micro-batches.
+
+The engine runs on the tiny model's width (16, 2 heads) at 4 layers: the width adds nothing here, the depth gives
+each of 4 stages a block.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
 from minizero.comm import Communicator, run_in_threads
 from minizero.ledger import get_ledger
-from minizero.nn import get_config
+from minizero.nn import PRESETS, get_config
 from minizero.parallel.pipeline import PipelineEngine, stage_layers
 from minizero.parallel.schedule import (SCHEDULES, ascii_timeline, bubble_formula, bubble_fraction, make_schedule,
                                         peak_in_flight, plot_timeline, simulate)
@@ -122,7 +127,16 @@ class SyncSendComm(Communicator):
     _native_allreduce = _native_reduce_scatter = _native_allgather = _native_bcast = None
 
 
-CFG = get_config("default", dtype="float64", block_size=16)
+CFG = get_config("tiny", n_layer=4, dtype="float64")
+
+
+def add_deep_narrow_presets(monkeypatch):
+    """Presets ``tiny4`` and ``tiny12``: the tiny model (width 16, 2 heads, context 16) 4 and 12 layers deep, for
+    pp 4 (a block per stage) and ZB-V at pp 4 (8 virtual stages of 1 or 2 blocks) at a fraction of the time of
+    ``default`` and ``deep`` (width 128); ``small4``: the small model (width 64) 4 layers deep."""
+    for n in (4, 12):
+        monkeypatch.setitem(PRESETS, f"tiny{n}", dataclasses.replace(PRESETS["tiny"], n_layer=n))
+    monkeypatch.setitem(PRESETS, "small4", dataclasses.replace(PRESETS["small"], n_layer=4))
 
 
 def micro_batches(m, b=2, t=16):
@@ -223,7 +237,7 @@ def test_verbose_prints_every_message_as_an_arrow():
         return run_engine(comm, 2, 2, "1f1b", verbose_log=lines[comm.rank].append)
 
     run_in_threads(2, rank)
-    assert lines[0][0] == "[stage 0] act mb0 (2, 16, 128) 32768 B ──> stage 1"
+    assert lines[0][0] == "[stage 0] act mb0 (2, 16, 16) 4096 B ──> stage 1"
     assert any("(sendrecv)" in line for line in lines[1])
     assert sum("──>" in line for line in lines[0] + lines[1]) == 4  # 2 activations + 2 gradients
 
@@ -233,9 +247,10 @@ def test_verbose_prints_every_message_as_an_arrow():
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("m", [1, 4, 6])
 @pytest.mark.parametrize("pp", [2, 4])
-def test_pipeline_equals_single_process(pp, m, schedule):
-    """tiny (2 layers) for pp = 2; the default model (4 layers) at context 16 for pp = 4."""
-    model = "tiny" if pp == 2 else "default"
+def test_pipeline_equals_single_process(monkeypatch, pp, m, schedule):
+    """tiny (2 layers) for pp = 2; tiny 4 layers deep for pp = 4."""
+    add_deep_narrow_presets(monkeypatch)
+    model = "tiny" if pp == 2 else "tiny4"
     ref = run_in_threads(1, R.run_single, model, 1, m)[0]
     got = run_in_threads(pp, R.run_parallel, model, 1, 1, 1, pp, m, schedule)
     R.assert_matches(ref, got, f"pp {pp} m {m} {schedule}")
