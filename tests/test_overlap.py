@@ -325,11 +325,11 @@ def test_tracer_refuses_bad_events():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flags", [["--dp", "2", "--pp", "2"], ["--zero", "3"]], ids=["dp2-pp2", "zero3"])
-def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, tmp_path, flags):
+@pytest.mark.parametrize("n, flags", [(4, ["--dp", "2", "--pp", "2"]), (2, ["--zero", "3"])], ids=["dp2-pp2", "zero3"])
+def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, tmp_path, n, flags):
     """Non-blocking pipeline sends, DP buckets and ZeRO-3 prefetch over real MPI requests."""
     def run(extra, out):
-        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
                "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
                "--progress", "none", "--bucket-mb", "0.01", "--out", str(out), *flags, *extra]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
@@ -343,7 +343,7 @@ def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype,accum", [("float64", 1), ("float32", 1), ("float64", 2), ("float32", 2)])
+@pytest.mark.parametrize("dtype,accum", [("float64", 1), ("float32", 2)])
 def test_zero2_overlapped_reduce_scatter_under_mpiexec_is_bitwise_and_overlaps_backward(mpiexec, tmp_path, dtype,
                                                                                         accum):
     """``--zero 2`` (reduce-scatters during backward, two buckets alive) against ``--no-overlap`` (blocking):

@@ -87,12 +87,12 @@ def test_header_names_the_assumed_gpu_and_what_mfu_and_zero_mean(capsys):
     assert len(header) > 8 and max(len(line) for line in header) <= 100
     why = out.split("why:")[1].splitlines()[1:]
     assert len(why) > 3 and max(len(line) for line in why) <= 100
-    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu-flops", "989e12", "--units", "GiB")
+    code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--gpu-flops", "989e12", "--units", "GiB")
     said = " ".join(out.split())
     assert code == 0 and "assumed (an A100-80GB SXM's, the defaults, but --gpu-flops as given;" in said
     assert "989 TFLOP/s" in said and "279.40 GiB/s" in said
     assert "80GiB;" in said  # the flag's unit is the table's: no conversion
-    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--efficiency", "0.3", "--pcie-bw", "32GB")
+    code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--efficiency", "0.3", "--pcie-bw", "32GB")
     said = " ".join(out.split())
     assert code == 0 and "the defaults, but --efficiency, --pcie-bw as given;" in said and "30% of it" in said
 
@@ -108,13 +108,13 @@ def test_trainer_preset_names_are_accepted(capsys):
 
 def test_why_names_only_rows_shown(capsys):
     for top in (2, 3, 4):
-        code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB",
+        code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "80GB",
                                 "--top", str(top))
         assert code == 0
         why = out.split("why:")[1]
         named = {int(n) for n in re.findall(r"#(\d+)", why)}
         assert named and max(named) <= top, (top, why)
-    code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80GB", "--top", "1")
+    code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "80GB", "--top", "1")
     assert "nothing to compare" in out
 
 

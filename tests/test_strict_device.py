@@ -17,7 +17,7 @@ from minizero.comm import run_in_threads
 from minizero.train import parse_args, train
 from tests.conftest import REPO_ROOT, mpi_env
 
-BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "2",
+BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--eval-batches", "1", "--eval-every", "1",
         "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "5", "--dropout", "0.1",
         "--micro-batch-size", "2"]
 
