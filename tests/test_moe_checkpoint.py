@@ -17,7 +17,7 @@ from minizero.numerals import unwrapped
 from minizero.checkpoint import read_manifest
 from minizero.train import UsageError, parse_args
 from tests.conftest import REPO_ROOT, mpi_env
-from tests.test_checkpoint import BASE, F64, assert_same_run, run
+from tests.test_checkpoint import BASE, F64, SharedRuns, assert_same_run, run
 
 MOE = F64 + ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss", "0.1",
              "--moe-bias-update", "0.01", "--micro-batch-size", "2"]
@@ -32,28 +32,34 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Each save run once: the cases below resume from it on its own layout, the tests after them on others."""
+    return SharedRuns(tmp_path_factory)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
-def test_six_steps_equal_three_save_resume_three(case, tmp_path):
+def test_six_steps_equal_three_save_resume_three(case, shared):
     n, flags = CASES[case]
-    straight = run(n, MOE + flags)
-    run(n, MOE + flags + ["--save-every", "3", "--save-dir", str(tmp_path)])
-    man = read_manifest(str(tmp_path / "step_00000003"))
+    straight = shared.get(n, MOE + flags)
+    _, folder = shared.saved(n, MOE + flags)
+    man = read_manifest(str(folder))
     routing = {name: b for f in man["files"] for name, b in f.get("routing", {}).items()}
     assert len(routing) == 2 and any(any(x != 0 for x in b) for b in routing.values())  # both layers, moved
     experts = [pc for pc in man["pieces"] if pc["param"].endswith("moe.w1") and pc["kind"] == "param"]
     assert sum(pc["hi"] - pc["lo"] for pc in experts) == 2 * np.prod(man["params"][experts[0]["param"]]["shape"])
-    resumed = run(n, MOE + flags + ["--resume", str(tmp_path / "step_00000003")])
+    resumed = run(n, MOE + flags + ["--resume", str(folder)])
     assert_same_run(straight, resumed)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n,flags", [(2, ["--grad-accum", "2"]), (4, ["--ep", "4"]), (4, ["--ep", "4", "--zero", "3"])],
                          ids=["ep1-2ranks", "ep4", "ep4-zero3"])
-def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, tmp_path):
+def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, shared):
     """Saved at --ep 2 on 4 ranks; resumed on another layout: the same state, so the same last 3 steps (1e-9)."""
-    straight = run(4, MOE + ["--ep", "2", "--save-every", "3", "--save-dir", str(tmp_path)])
-    resumed = run(n, MOE + flags + ["--resume", str(tmp_path / "step_00000003")])
+    straight, folder = shared.saved(4, MOE + ["--ep", "2"])
+    resumed = run(n, MOE + flags + ["--resume", str(folder)])
     assert resumed["start_step"] == 3
     np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
     for k, a in straight["params"].items():
@@ -61,23 +67,22 @@ def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_hybrid_sharded_experts_resume_on_plain_zero_and_the_other_way(tmp_path):
+def test_hybrid_sharded_experts_resume_on_plain_zero_and_the_other_way(shared):
     """Saved at --ep 2 --zero 3 --dp-shard 2 on 4 ranks, resumed at --ep 2 --zero 1 (plain); saved plain,
     resumed hybrid: the same last 3 steps (1e-9)."""
-    hybrid, plain = ["--ep", "2", "--zero", "3", "--dp-shard", "2"], ["--ep", "2", "--zero", "1"]
-    for i, (src, dst) in enumerate([(hybrid, plain), (plain, hybrid)]):
-        folder = tmp_path / str(i)
-        straight = run(4, MOE + src + ["--save-every", "3", "--save-dir", str(folder)])
-        resumed = run(4, MOE + dst + ["--resume", str(folder / "step_00000003")])
+    hybrid, plain = CASES["ep2-zero3-dp4-shard2"][1], CASES["ep2-zero1-dp4"][1]
+    for src, dst in [(hybrid, plain), (plain, hybrid)]:
+        straight, folder = shared.saved(4, MOE + src)
+        resumed = run(4, MOE + dst + ["--resume", str(folder)])
         np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
         for k, a in straight["params"].items():
             np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
 
 
 @pytest.mark.timeout(300)
-def test_another_moe_shape_is_refused_before_any_work(tmp_path):
-    run(2, MOE + ["--ep", "2", "--save-every", "3", "--save-dir", str(tmp_path)])
-    folder = str(tmp_path / "step_00000003")
+def test_another_moe_shape_is_refused_before_any_work(shared):
+    n, flags = CASES["ep2"]  # its save run: 2 ranks, --ep 2
+    folder = str(shared.saved(n, MOE + flags)[1])
     with pytest.raises(UsageError, match="moe_experts 4, this run asks for 8; resume with the same --moe-experts"):
         parse_args(["--model", "tiny"] + MOE + ["--moe-experts", "8", "--resume", folder], 2)
     with pytest.raises(UsageError, match="moe_top_k 2, this run asks for 1"):
