@@ -40,11 +40,11 @@ def test_estimator_matches_ledger_for_every_strategy(ranks):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_estimator_matches_ledger_on_a_larger_model(ranks):
-    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny'
+def test_estimator_matches_ledger_on_a_larger_model():
+    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny' (a threshold
+    # that does not depend on the ranks: 4 ranks' shards and padding are the tiny and default models' tests')
     for name in compare.STRATEGIES:
-        check_run(name, "small", ranks)
+        check_run(name, "small", 2)
 
 
 def test_what_each_strategy_moves():
