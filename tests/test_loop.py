@@ -22,12 +22,11 @@ BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches
         "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
 B = 2  # micro-batch per data rank
 
-#: (world size, flags, flags of the single process on the same global batches)
+#: (world size, flags, flags of the single process on the same global batches); dp 2 x tp 2 x pp 2 (8 ranks) is
+#: tests/test_3d.py's, through this loop under mpiexec and in threads, and its command line's tp 2 x pp 2
 CASES = {
     "tp2": (2, ["--tp", "2"], ["--micro-batch-size", str(B)]),
     "pp2": (2, ["--pp", "2"], ["--micro-batch-size", str(B), "--grad-accum", "2"]),
-    "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2"],
-                    ["--micro-batch-size", str(2 * B), "--grad-accum", "2"]),
     "zero3-3ranks": (3, ["--zero", "3"], ["--micro-batch-size", str(3 * B)]),
     "zero1-pp2-dp2": (4, ["--zero", "1", "--pp", "2", "--dp", "2"],
                       ["--micro-batch-size", str(2 * B), "--grad-accum", "2"]),
@@ -43,20 +42,13 @@ def _run(mpiexec, n, flags, out):
     return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
 
 
-_REFERENCES = {}
-
-
 def _one_process(single):
-    """The single process's weights, trained in this process (one thread rank; its command line is every other
-    test's) and kept: two layouts share the global batches of micro-batch 4 x 2 micro-batches."""
-    key = tuple(single)
-    if key not in _REFERENCES:
-        from minizero.train import train
+    """The single process's weights, trained in this process (one thread rank: the same loop; the command line
+    around it is every other test's)."""
+    from minizero.train import train
 
-        args = parse_args([*BASE, *single, "--no-save"], 1)
-        result = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=240)[0]
-        _REFERENCES[key] = result.model.state_dict()
-    return _REFERENCES[key]
+    args = parse_args([*BASE, *single, "--no-save"], 1)
+    return run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=240)[0].model.state_dict()
 
 
 @pytest.mark.timeout(600)
