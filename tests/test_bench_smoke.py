@@ -18,11 +18,11 @@ SMOKE = {
     "bench_recompute": ["--model", "tiny", "--batch", "2", "--repeats", "1"],
     "bench_precision": ["--model", "tiny", "--steps", "4", "--window", "2"],
     "bench_low_precision": ["--model", "tiny", "--steps", "4", "--window", "2"],
-    "bench_overlap": ["--ranks", "2", "--steps", "2", "--model", "tiny"],
+    "bench_overlap": ["--ranks", "2", "--steps", "2", "--model", "tiny", "--strategies", "dp"],
     "bench_flight": ["--ranks", "2", "--steps", "3", "--rounds", "1", "--model", "tiny"],
     "bench_train": ["--ranks", "1", "--steps", "2", "--model", "tiny", "--rounds", "1"],
     "bench_seq_memory": ["--model", "tiny", "--batch", "1", "--repeats", "1", "--png", "{tmp}/seq_memory.png"],
-    "bench_memory": ["--model", "tiny", "--ranks", "1", "--steps", "2", "--configs", "baseline,fp16"],
+    "bench_memory": ["--model", "tiny", "--ranks", "1", "--steps", "2", "--configs", "baseline"],
 }
 
 

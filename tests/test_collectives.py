@@ -471,7 +471,7 @@ def _tolerance(dtype, world_size, ref):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [3, 4])  # odd and not a power of two; even; (2: every 2-rank job's ring)
 def test_mpi_ring_matches_native_and_numpy(world_size, mpiexec, tmp_path):
     script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "collectives_check.py")
     proc = subprocess.run([mpiexec, "-n", str(world_size), sys.executable, script, str(tmp_path)],
@@ -511,18 +511,46 @@ def test_mpi_ring_matches_native_and_numpy(world_size, mpiexec, tmp_path):
 
 
 # --------------------------------------------------------------------------- mismatched messages, stalled peers
-def _comm_faults(mpiexec, tmp_path, mode):
-    script = os.path.join(REPO_ROOT, "tests", "mpi_scripts", "comm_faults.py")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, str(tmp_path), mode],
-                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+#: tests/mpi_scripts/comm_faults.py's modes, in one job (one launch for the four tests below), a barrier between
+#: them: dtypes first (it counts the world ledger's bytes), stall last (it sets a 1 s timeout that its rank 1 sleeps
+#: through)
+_MODES = ("dtypes", "native", "kinds", "stall")
+_ALL_MODES = """
+import os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests", "mpi_scripts"))
+import comm_faults
+from minizero.comm import world
+for i, mode in enumerate(sys.argv[3:]):
+    if i:
+        world().barrier()
+    os.makedirs(os.path.join(sys.argv[2], mode), exist_ok=True)
+    comm_faults.main(os.path.join(sys.argv[2], mode), mode)
+"""
+
+
+@pytest.fixture(scope="module")
+def comm_faults_job(tmp_path_factory):
+    from minizero.files import mpiexec_path
+
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+    out = tmp_path_factory.mktemp("comm_faults")
+    # the ring at every size (small buffers would take recursive doubling): what the dtypes mode checks
+    env = dict(mpi_env(), MINIZERO_SMALL_ALLREDUCE_MAX_BYTES="-1")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", _ALL_MODES, REPO_ROOT, str(out), *_MODES],
+                          env=env, capture_output=True, text=True, timeout=80)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return out
 
 
-@pytest.mark.usefixtures("ring_all_reduce")  # the ring at every size (small buffers would take recursive doubling)
+def _comm_faults(out, mode):
+    return [json.loads((out / mode / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.mark.timeout(90)
-def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
-    ranks = _comm_faults(mpiexec, tmp_path, "dtypes")
+def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(comm_faults_job):
+    ranks = _comm_faults(comm_faults_job, "dtypes")
     for r, (mine, theirs) in enumerate([("float32", "int32"), ("int32", "float32")]):
         got = ranks[r]["same_size"]
         assert got["error"] == "ValueError", got
@@ -533,9 +561,9 @@ def test_mpi_dtypes_of_one_byte_size_are_refused_by_name(mpiexec, tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_mpi_native_collectives_of_unequal_lengths_raise_on_every_rank(mpiexec, tmp_path):
+def test_mpi_native_collectives_of_unequal_lengths_raise_on_every_rank(comm_faults_job):
     """Issue 26: MPI's Iallreduce of 10 against 9 elements used to succeed, leaving one element unreduced."""
-    for got in _comm_faults(mpiexec, tmp_path, "native"):
+    for got in _comm_faults(comm_faults_job, "native"):
         for op in ("allreduce", "reduce_scatter", "bcast"):
             assert got[op]["error"] == "ValueError", (op, got[op])
             assert "(10,) float32" in got[op]["message"] and "(9,) float32" in got[op]["message"], got[op]
@@ -551,12 +579,12 @@ def test_thread_native_collectives_of_unequal_lengths_raise_on_every_rank():
 
 
 @pytest.mark.timeout(90)
-def test_mpi_messages_of_another_size_are_refused_across_both_kinds(mpiexec, tmp_path):
+def test_mpi_messages_of_another_size_are_refused_across_both_kinds(comm_faults_job):
     """One-message (up to PACK_MAX_BYTES) and two-message payloads: any size mismatch, either way, is a
     ValueError naming both on the receiver; the sender completes; a matching message then arrives whole."""
     from minizero.comm.mpi import PACK_MAX_BYTES
 
-    sender, receiver = _comm_faults(mpiexec, tmp_path, "kinds")
+    sender, receiver = _comm_faults(comm_faults_job, "kinds")
     big = PACK_MAX_BYTES // 4 + 10
     for sent, room in [(16, big), (big, 16), (big, big + 5), (big + 5, big), (16, 8)]:
         got = receiver[f"{sent}->{room}"]
@@ -576,8 +604,8 @@ def test_threads_dtypes_of_one_byte_size_are_refused_by_name():
 
 
 @pytest.mark.timeout(90)
-def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(mpiexec, tmp_path):
-    got = _comm_faults(mpiexec, tmp_path, "stall")[0]
+def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(comm_faults_job):
+    got = _comm_faults(comm_faults_job, "stall")[0]
     assert got["recv"]["error"] == "CommTimeoutError", got
     assert "recv (tag 7)" in got["recv"]["message"] and "rank 1" in got["recv"]["message"]
     assert 0.9 < got["wall_s"] < 5

@@ -40,11 +40,11 @@ def test_estimator_matches_ledger_for_every_strategy(ranks):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_estimator_matches_ledger_on_a_larger_model(ranks):
-    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny'
+def test_estimator_matches_ledger_on_a_larger_model():
+    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny' (a threshold
+    # that does not depend on the ranks: 4 ranks' shards and padding are the tiny and default models' tests')
     for name in compare.STRATEGIES:
-        check_run(name, "small", ranks)
+        check_run(name, "small", 2)
 
 
 def test_what_each_strategy_moves():
@@ -140,18 +140,22 @@ def test_hardware_profile_of_one_rank_feeds_the_planner():
 
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path):
+    hide = tmp_path / "hide"  # matplotlib hidden: no compare.png drawn (the test above's), the table as ever
+    hide.mkdir()
+    (hide / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
     env = dict(mpi_env(), MINIZERO_FAULT="1:0:raise")  # rank 1 raises at step 0, in every run
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), env["PYTHONPATH"]])
     proc = run_compare(["--model", "tiny", "--ranks", "1,2", "--steps", "1", "--strategies", "baseline",
-                        "--out", str(tmp_path)], env=env)
+                        "--out", str(tmp_path / "cmp")], env=env)
     assert proc.returncode == 1
     said = " ".join(proc.stderr.split())  # as the run ends, its one-line cause (the table below has it too)
     assert "[2/2] baseline on 2 ranks: failed: exit status 1: [rank 1] minizero.train failed: RuntimeError: " \
            "injected fault" in said
     assert "\n[1/2] baseline on 1 rank: ok, " in proc.stdout and max(map(len, proc.stderr.splitlines())) <= 120
-    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    runs = json.loads((tmp_path / "cmp" / "compare.json").read_text())["runs"]
     assert [(r["ranks"], r["ok"]) for r in runs] == [(1, True), (2, False)]  # 1 rank has no rank 1: it ran
     assert "injected fault" in runs[1]["error"]
-    assert "failed: exit status 1" in (tmp_path / "compare.md").read_text()
+    assert "failed: exit status 1" in (tmp_path / "cmp" / "compare.md").read_text()
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -332,11 +332,15 @@ def test_malformed_fault_spec_is_a_usage_error(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
+    """Also: ``python -m minizero.train`` loads the module once: the pipeline path's TrainingDiverged is recognised,
+    one line, not a traceback (the path without a pipeline: test_divergence_is_diagnosed_before_the_update)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "model.npz").write_bytes(b"previous weights")
-    proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e30", "--weight-decay", "0", "--out", str(out)], timeout=90)
-    assert proc.returncode != 0
+    proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e30", "--weight-decay", "0", "--warmup", "0", "--pp", "2",
+                                         "--out", str(out)], timeout=90)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "minizero.train stopped: step" in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr  # a diagnosis, not a crash
     assert "RuntimeWarning" not in proc.stderr + proc.stdout  # NumPy's overflow lines before it: noise
     assert "training diverged" in " ".join((proc.stderr + proc.stdout).split())
