@@ -106,10 +106,11 @@ def _estimated(row, method, tp_rank, dp=1, zero=0):
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_tp2_finetune_equals_one_process(base, method):
     tokens = load_tokens(str(base[1]))
-    row1, model1, want = finetune(_args(base), method, tokens)
+    row1, model1, want = finetune(_args(base, "--steps", "2"), method, tokens)
     for extra, n, dp, zero in ((["--tp", "2"], 2, 1, 0), (["--tp", "2"], 4, 2, 0),
                                (["--tp", "2", "--zero", "1"], 4, 2, 1), (["--tp", "2", "--zero", "3"], 4, 2, 3)):
-        out = run_in_threads(n, lambda comm: finetune(_args(base, *extra), method, tokens, comm), timeout=150)
+        out = run_in_threads(n, lambda comm: finetune(_args(base, *extra, "--steps", "2"), method, tokens, comm),
+                             timeout=150)
         for world_rank, (row, model, merged) in enumerate(out):
             assert set(merged) == set(want)
             for name, a in want.items():
@@ -189,7 +190,7 @@ def _activation_peak(comm, cfg, targets, base):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("dropout,targets", [(0.0, ("c_attn", "c_proj", "c_fc")), (0.1, ("c_proj",))])
 def test_tp_activations_equal_the_estimate(dropout, targets):
-    cfg = get_config("default", dropout=dropout)
+    cfg = get_config("default", dropout=dropout, n_layer=2)
     want = lora_activation_bytes(cfg, 4, cfg.block_size, 2, targets, tp=2)
     for base_kind in ("float", "nf4"):
         assert run_in_threads(2, lambda c: _activation_peak(c, cfg, targets, base_kind), timeout=150) == [want] * 2

@@ -19,7 +19,8 @@ from minizero.autograd.functional import causal_softmax
 from minizero.comm import run_in_threads
 from minizero.memory.estimator import Strategy, comm_bytes_per_step, layer_activation_bytes
 from minizero.memory.recompute import apply_recompute
-from minizero.nn import GPT, get_config
+from minizero.nn import GPT, PRESETS, get_config
+from minizero.nn.gpt import GPTConfig
 from minizero.parallel.context_parallel import (context_parallelize, split_for_context_parallel,
                                                 unsplit_from_context_parallel)
 from minizero.parallel.pipeline import PipelineStage
@@ -62,19 +63,17 @@ def test_ulysses_equals_whole_causal_attention(cp):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cp, dp, tp, pp, m, extra", [
-    (2, 1, 1, 1, 1, []),
-    (4, 1, 1, 1, 1, []),
+    (2, 1, 1, 1, 1, []),  # (cp 4, tp 2 and flash without dropout: the same paths as the dropout cases below)
     (2, 2, 1, 1, 1, ["--zero", "1"]),
-    (2, 1, 2, 1, 1, []),
     (2, 1, 1, 2, 2, []),
     (2, 1, 1, 1, 1, ["--recompute", "selective"]),
-    (2, 1, 1, 1, 1, ["--attention", "flash", "--attention-block", "4"]),
     (4, 1, 1, 1, 1, ["--dropout", "0.2"]),  # each head group's rows of the whole (b, H, T, T) mask
     (2, 1, 2, 1, 1, ["--dropout", "0.2"]),  # the tensor rank's head offset kept
     (2, 1, 1, 1, 1, ["--dropout", "0.2", "--attention", "flash", "--attention-block", "4"]),
 ])
-def test_ulysses_training_equals_single_process(cp, dp, tp, pp, m, extra):
-    model = "default"  # 4 heads: 4 / (tp x cp) whole heads per rank
+def test_ulysses_training_equals_single_process(monkeypatch, cp, dp, tp, pp, m, extra):
+    model = "four-heads"  # 4 / (tp x cp) whole heads per rank; 2 layers (one per stage at pp 2), width 32
+    monkeypatch.setitem(PRESETS, model, GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16))
     ref = run_in_threads(1, R.run_single, model, 2 * dp, m, [a for a in extra if a not in ("--attention", "flash",
                                                                                           "--attention-block", "4")])[0]
     got = run_in_threads(dp * tp * pp * cp, R.run_parallel, model, 2, dp, tp, pp, m, "1f1b",
@@ -133,7 +132,7 @@ def test_ulysses_traffic_of_a_training_step_equals_the_estimator(cp, mode):
     """Bytes each rank sends in one micro-batch's forward and backward (the traffic ledger) =
     comm_bytes_per_step(..., cp_attention="ulysses")["cp"], the planner's figure: 4 (c-1)/c blocks per layer each way,
     and the forward's again under recompute; below ring attention's 4(c-1) + 2c blocks."""
-    cfg, b = get_config("default", dtype="float64", block_size=32), 2
+    cfg, b = get_config("default", dtype="float64", block_size=32, n_layer=2), 2
     st = Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b, cp_attention="ulysses")
     want = comm_bytes_per_step(cfg, st, 32)["cp"]
     assert want > 0 and all(got == want for got in run_in_threads(cp, _ulysses_traffic, cfg, b, mode))
@@ -164,7 +163,7 @@ def test_ulysses_bytes_with_grouped_kv_heads_count_k_and_v_at_their_own_head_cou
 def test_measured_bytes_per_layer_equal_the_ulysses_formula(cp, mode, dropout):
     """Before: the estimator gave Ulysses ring attention's rows; its dense core keeps (b, H/c, T, T) probabilities
     (and mask) of the whole length, which at long T is far more than the ring's output and log-sum-exp."""
-    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout), 2
+    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout, n_layer=1), 2  # block 0 measured
     want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp,
                                   cp_attention="ulysses")
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode, False, "ulysses"))
