@@ -27,7 +27,6 @@ CASES = {
     "zero1": (2, ["--zero", "1"]),
     "zero2": (2, ["--zero", "2"]),
     "zero3": (2, ["--zero", "3"]),
-    "zero3-hybrid-dp4": (4, ["--zero", "3", "--dp-shard", "2"]),  # the replica all-reduce on the device too
     "tp2": (2, ["--tp", "2"]),
     "tp2-sequence-parallel": (2, ["--tp", "2", "--sequence-parallel"]),
     "pp2-1f1b": (2, ["--pp", "2", "--grad-accum", "2"]),
@@ -43,8 +42,10 @@ CASES = {
     "moe-ep2": (2, ["--moe-experts", "4", "--ep", "2", "--moe-capacity-factor", "1.0", "--moe-bias-update", "0.01"]),
     "moe-ep2-bf16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "bf16", "--dtype", "float32"]),
     "moe-ep2-fp16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "fp16", "--dtype", "float32"]),
-    # ExpertZero under hybrid sharding: the dense part and the experts each sharded over 2 and replicated; the
-    # replica check (on by default here) compares both parts' optimizer state and, under FP16, the loss scaler
+    # ExpertZero under hybrid sharding: the dense part and the experts each sharded over 2 and replicated (the
+    # dense part is the plain ZeRO optimizer with its replica group: hybrid ZeRO-3's replica all-reduce on the
+    # device); the replica check (on by default here) compares both parts' optimizer state and, under FP16, the
+    # loss scaler
     "moe-ep2-zero1-hybrid-dp4": (4, ["--moe-experts", "4", "--ep", "2", "--zero", "1", "--dp-shard", "2"]),
     "moe-ep2-zero3-hybrid-dp4-fp16": (4, ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--dp-shard", "2",
                                           "--precision", "fp16", "--dtype", "float32"]),
