@@ -327,7 +327,7 @@ def test_quantize_cli_strict_equals_cpu(tmp_path):
     from tests.conftest import REPO_ROOT, mpi_env
     from tests.test_strict_device import _cli
 
-    _cli(None, 1, "cpu", [], tmp_path / "run")
+    _cli(None, 1, "cpu", ["--steps", "1", "--sample-tokens", "0"], tmp_path / "run")  # weights to quantize: 1 step
     out = {}
     for device in ("cpu", "strict"):
         cmd = [sys.executable, "-m", "minizero.quantize", "--weights", str(tmp_path / "run" / "model.npz"), "--table",
