@@ -166,8 +166,7 @@ def test_context_parallel_equals_single_process(cp, dp, tp, extra):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model, schedule, extra", [("tiny", "1f1b", ["--recompute", "full"]),
-                                                    ("tiny", "gpipe", ["--cp-attention", "ulysses"]),
-                                                    ("default", "interleaved", ["--virtual-stages", "2"])])
+                                                    ("tiny", "gpipe", ["--cp-attention", "ulysses"])])
 def test_context_parallel_with_dropout_equals_the_same_pipeline_without_cp(model, schedule, extra):
     """--pp 2 with dropout: cp 2 reads the masks cp 1 reads, in the schedule's order and in recompute's replay;
     losses and gathered weights (1e-9). (Both equal one process's too: tests/test_dropout_layouts.py.)"""
@@ -198,10 +197,12 @@ def test_context_parallel_composes_with_pipeline_and_sequence_parallel(tp, pp, e
 
 @pytest.mark.timeout(300)
 def test_context_parallel_with_the_interleaved_schedule():
-    """--cp 2 --pp 2 --schedule interleaved --virtual-stages 2 (4 layers): every chunk splits its sequence."""
-    ref = run_in_threads(1, R.run_single, "default", 2, 2)[0]
-    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 1, 2, 2, "interleaved", ["--cp", "2", "--virtual-stages", "2"])
-    R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2")
+    """--cp 2 --pp 2 --schedule interleaved --virtual-stages 2 (4 layers) with dropout: every chunk splits its
+    sequence and reads one process's masks in the schedule's order (the dropout cases above, for interleaved)."""
+    ref = run_in_threads(1, R.run_single, "default", 2, 2, ["--dropout", "0.2"])[0]
+    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 1, 2, 2, "interleaved",
+                         ["--cp", "2", "--virtual-stages", "2", "--dropout", "0.2"])
+    R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2 dropout")
 
 
 def _measure(comm, cfg, b, mode, recompute_first=False, attention="ring"):

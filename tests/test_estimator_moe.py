@@ -44,6 +44,23 @@ def _run(comm, flags, steps=2):
     return args, comm.rank // (comm.world_size // args.pp), seen, {g: sent[-1][g] - sent[-2][g] for g in sent[-1]}
 
 
+#: (n, flags) -> the results of a 3-step run with the order check off: the ledger and traffic tests' shared case
+_SHARED = {}
+
+
+def _runs(n, flags, steps):
+    """``run_in_threads(n, _run, flags, steps)``; the case both tests below check runs once (3 steps: the second
+    step's states are the same, the peaks a steady state's)."""
+    shared = (n, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"])
+    if (n, flags) != shared:
+        return run_in_threads(n, _run, flags, steps, timeout=100)
+    if not _SHARED:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")  # ZeRO's order check would add its headers' bytes
+            _SHARED["runs"] = run_in_threads(n, _run, flags, 3, timeout=100)
+    return _SHARED["runs"]
+
+
 def _shape_and_strategy(args):
     moe = MoEConfig(args.moe_experts, args.moe_top_k, args.moe_capacity_factor, args.moe_every)
     st = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero, precision="fp64",
@@ -54,6 +71,7 @@ def _shape_and_strategy(args):
 
 def _exact_but_scratch(results):
     for args, stage, seen, _ in results:
+        seen = dict(seen)  # (a shared run's: left as it was)
         shape, st = _shape_and_strategy(args)
         est = estimate_memory(shape, st, accounting="minizero", stage=stage).as_dict()
         assert 0 < seen.pop("comm_scratch") <= est.pop("comm_scratch")  # a bound under tp (estimator/scratch.py)
@@ -77,7 +95,7 @@ def test_moe_under_tp_equals_the_trainers_ledger(n, flags):
     state, routed activations, DP and ZeRO buckets per rank and stage equal the ledger's (the paper accounting
     splits the experts by t, as Megatron-Core does); the collectives' scratch is a bound under tp, as for dense
     models."""
-    _exact_but_scratch(run_in_threads(n, _run, flags, timeout=100))
+    _exact_but_scratch(_runs(n, flags, 2))
     shape, st = _shape_and_strategy(parse_args([*MOE, *flags], n))
     paper, mine = (stage_parameters(shape, st, accounting=a) for a in ("paper", "minizero"))
     assert mine - paper == stage_expert_parameters(shape, st, accounting="minizero") // 2 > 0  # t = 2: half each
@@ -93,7 +111,7 @@ def test_moe_traffic_under_tp_equals_the_trainers(n, flags, monkeypatch):
     bytes of its per-step bookkeeping (the experts' gradients whole on each tensor rank; ZeRO, whose rings the
     formula counts: plain DP's small all-reduces are recursive doubling, more bytes at N = 4)."""
     monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")  # ZeRO's order check would add its headers' bytes
-    for args, _, _, step in run_in_threads(n, _run, flags, 3, timeout=100):
+    for args, _, _, step in _runs(n, flags, 3):
         shape, st = _shape_and_strategy(args)
         est = comm_bytes_per_step(shape, st, accounting="minizero")
         assert step["tp"] == est["tp"], (step, est)

@@ -42,8 +42,8 @@ def shared(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_six_steps_equal_three_save_resume_three(case, shared):
     n, flags = CASES[case]
-    straight = shared.get(n, MOE + flags)
-    _, folder = shared.saved(n, MOE + flags)
+    straight, folder = shared.saved(n, MOE + flags)  # its own 6 steps are the straight run (the dense cases in
+    # tests/test_checkpoint.py also check that a save leaves the run it is taken from as a run without one)
     man = read_manifest(str(folder))
     routing = {name: b for f in man["files"] for name, b in f.get("routing", {}).items()}
     assert len(routing) == 2 and any(any(x != 0 for x in b) for b in routing.values())  # both layers, moved
@@ -57,8 +57,9 @@ def test_six_steps_equal_three_save_resume_three(case, shared):
 @pytest.mark.parametrize("n,flags", [(2, ["--grad-accum", "2"]), (4, ["--ep", "4"]), (4, ["--ep", "4", "--zero", "3"])],
                          ids=["ep1-2ranks", "ep4", "ep4-zero3"])
 def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, shared):
-    """Saved at --ep 2 on 4 ranks; resumed on another layout: the same state, so the same last 3 steps (1e-9)."""
-    straight, folder = shared.saved(4, MOE + ["--ep", "2"])
+    """Saved at --ep 2 --zero 1 on 4 ranks (the case above's save run: its optimizer state in shards); resumed on
+    another layout: the same state, so the same last 3 steps (1e-9)."""
+    straight, folder = shared.saved(4, MOE + CASES["ep2-zero1-dp4"][1])
     resumed = run(n, MOE + flags + ["--resume", str(folder)])
     assert resumed["start_step"] == 3
     np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)

@@ -153,11 +153,11 @@ def test_mpi_demo_runs(mpiexec):
 
 
 # --------------------------------------------------------------------------- inside ZeRO: --quantized-comm
-def _zero_run(comm, stage, quantized, steps, micro_batch=4):
+def _zero_run(comm, stage, quantized, steps, micro_batch=4, eval_batches=8):
     from minizero.train import parse_args, train
 
     argv = ["--model", "tiny", "--steps", str(steps), "--micro-batch-size", str(micro_batch), "--eval-every", "0",
-            "--eval-batches", "8", "--no-progress", "--zero", str(stage)]
+            "--eval-batches", str(eval_batches), "--no-progress", "--zero", str(stage)]
     result = train(parse_args(argv + (["--quantized-comm"] if quantized else []), comm.world_size), comm,
                    log=lambda s: None)
     return result["opt"].step_bytes, result["val_history"][-1][1], comm.traffic.snapshot()
@@ -171,8 +171,8 @@ def test_zero_sends_a_quarter_by_the_ledger(stage):
 
     n = 2
     sm = ShardMap.from_model(GPT(get_config("tiny")), n)
-    exact = run_in_threads(n, _zero_run, stage, False, 1)
-    quant = run_in_threads(n, _zero_run, stage, True, 1)
+    exact = run_in_threads(n, _zero_run, stage, False, 1, 4, 1)  # the step's bytes: one validation batch will do
+    quant = run_in_threads(n, _zero_run, stage, True, 1, 4, 1)
     for r in range(n):
         e, q = exact[r][0][0], quant[r][0][0]
         rs = sum(bytes_sent("reduce_scatter", u.padded, n, r) for u in sm.units)
