@@ -1,7 +1,6 @@
 """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): the schedule, its bubble, and training equal to one process."""
 
 import pytest
-from threadpoolctl import threadpool_limits
 
 import tests.mp_reference as R
 from minizero.args import UsageError
@@ -12,13 +11,6 @@ from minizero.parallel.schedule import (ascii_timeline, bubble_formula, bubble_f
                                         make_schedule, one_f_one_b, peak_in_flight, simulate)
 from minizero.train import parse_args
 from tests.test_pipeline import add_deep_narrow_presets
-
-
-@pytest.fixture(autouse=True)
-def one_blas_thread():
-    """Ranks are threads here: one BLAS thread each (oversubscribed BLAS is ~100x slower on 2 cores)."""
-    with threadpool_limits(limits=1):
-        yield
 
 
 PMV = [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 8, 4), (2, 6, 3), (8, 16, 2)]
