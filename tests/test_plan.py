@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -77,12 +76,13 @@ def test_plan_json_is_ranked_and_fits(capsys):
             assert a["device_total_bytes"] <= b["device_total_bytes"]
 
 
-def test_plan_one_trillion_on_1024_gpus_is_fast(capsys):
-    t0 = time.perf_counter()
+def test_plan_one_trillion_on_1024_gpus_searches_a_bounded_space(capsys):
+    # The search's size, counted, not timed (a wall-time bound failed on a loaded machine): 1,230 strategies for
+    # 1024 GPUs, each estimated once; an enumeration that grew with the GPU count would change the count.
     code, out, _ = run_main(capsys, "--model", "megatron-1t", "--gpus", "1024", "--gpu-memory", "80GB")
     assert code == 0
-    assert time.perf_counter() - t0 < 5.0
     assert "1008.04 B parameters" in out
+    assert "1,230 strategies enumerated, 174 fit" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -136,13 +136,16 @@ def test_enumeration_respects_constraints():
     assert all(s.dp * s.micro_batch * s.micro_batches >= 512 for s in seen)
 
 
-def test_plan_huge_gpu_counts_are_fast_or_refused(capsys):
+def test_plan_huge_gpu_counts_are_refused_before_the_search(capsys, monkeypatch):
     assert P._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and P._divisors(1) == [1]
-    t0 = time.perf_counter()
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched before refusing --gpus")
+    monkeypatch.setattr(P, "plan", no_search)
+    monkeypatch.setattr(P, "enumerate_strategies", no_search)
     code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "1000000007")
     assert code == 2 and "--gpus 1000000007 is too many; allowed: 1..1,048,576" in " ".join(err.split())
-    assert P._divisors(1000000007) == [1, 1000000007]
-    assert time.perf_counter() - t0 < 5.0
+    assert P._divisors(1000000007) == [1, 1000000007]  # trial division to sqrt(n): 31,623 tries for a prime
 
 
 @pytest.mark.parametrize("argv,message", [
