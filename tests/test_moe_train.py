@@ -11,6 +11,7 @@ and the per-expert counts exactly. --ep with --zero shards the experts over thei
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -373,3 +374,21 @@ def test_the_strategy_seeds_the_aux_losses_through_the_moe_hook():
         return len(s.before_forward), {m.grad_scale for _, m in s.stage.named_modules() if isinstance(m, MoEMLP)}
 
     assert run_in_threads(1, build, timeout=60)[0] == (1, {0.5})
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_first_fp16_step_is_named_and_its_choices_count_with_the_next(monkeypatch, capsys):
+    """Before: an FP16 overflow on the first step ended an MoE run with a TypeError (the progress line read the
+    expert load of a step never counted). A skipped step counts nothing; the next step counts both steps' choices."""
+    from minizero.train import train as train_main
+    monkeypatch.setenv("MINIZERO_FAULT", "0:0:inf")  # the first step's gradients become inf: FP16 skips it
+    args = parse_args(["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--no-save",
+                       "--precision", "fp16", "--moe-experts", "4", "--progress", "log", "--log-every", "1"], 1)
+    result, = run_in_threads(1, lambda comm: train_main(args, comm, log=lambda s: None), timeout=100)
+    out = capsys.readouterr().out
+    assert result["skipped_at"] == [0], out
+    assert "experts: step skipped, its choices count with the next step's" in out, out
+    assert re.search(r"experts \d+/\d+/\d+/\d+%  dropped", out), out  # the second step: counted
+    per_step = args.batch_size * get_config("tiny").block_size * 2 * len(result.moe["layers"])  # x top-2 x blocks
+    counted = sum(sum(layer["tokens_per_expert"]) + layer["dropped"] for layer in result.moe["layers"].values())
+    assert counted == 2 * per_step, (counted, per_step)

@@ -330,6 +330,7 @@ class ExpertLoad:
     ``layers``: this stage's ``{block index: MoELayer}``; ``counts_here``: whether this rank's counts
     are added (False on tensor ranks > 0, which route the same tokens). Attributes after a step:
     ``last`` and ``total``: {block index: (E + 1,) counts then drops} of the last step and of the run.
+    A step FP16 skips runs no :meth:`after_step`: its choices count with the next step's.
     """
 
     def __init__(self, layers: dict, all_layers: list, experts: int, top_k: int, world, counts_here: bool,
