@@ -590,8 +590,9 @@ def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiex
     (tmp_path / "hide").mkdir()  # matplotlib hidden: no compare.png drawn (tests/test_compare.py's), the JSON as ever
     (tmp_path / "hide" / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
     env = dict(mpi_env(), PYTHONPATH=os.pathsep.join([str(tmp_path / "hide"), mpi_env()["PYTHONPATH"]]))
-    proc = subprocess.run(base + ["--json", str(d / "c.json")], env=env, capture_output=True, text=True,
-                          timeout=150)
+    # its run cut at once (--timeout: killed, a failed run): the results are written as after any run, the JSON last
+    proc = subprocess.run(base + ["--timeout", "0.001", "--json", str(d / "c.json")], env=env, capture_output=True,
+                          text=True, timeout=150)
     assert proc.returncode == 1 and "c.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
     assert (d / "c.json").read_text() == '{"good": 1}' and sorted(os.listdir(d)) == ["c.json", "filler"]
     before = os.stat("/dev/null")
