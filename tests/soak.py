@@ -50,11 +50,12 @@ def own_processes(token: str) -> list[int]:
     return found
 
 
-def launch(mpiexec: str, out: str, steps: int, token: str, fault: str | None = None):
+def launch(mpiexec: str, out: str, steps: int, token: str, fault: str | None = None, ranks: int = 2):
     env = dict(mpi_env(), MINIZERO_SOAK=token)
     if fault:
         env["MINIZERO_FAULT"] = fault
-    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *ARGS, "--steps", str(steps), "--out", out]
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "minizero.train", *ARGS, "--steps", str(steps),
+           "--out", out]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -72,10 +73,11 @@ def check_outputs(out: str) -> list[str]:
     return problems
 
 
-def one_run(mpiexec: str, out: str, kind: str, rng: random.Random) -> dict:
-    """One faulty run; returns {kind, step/delay, rc, elapsed_s, problems}."""
+def one_run(mpiexec: str, out: str, kind: str, rng: random.Random, last_step: int = 59) -> dict:
+    """One faulty run (the fault at a step in 1..``last_step``); returns {kind, fault (spec or delay), rank (the
+    faulty one; None for a signal), rc, elapsed_s, problems, stdout, stderr}."""
     token = uuid.uuid4().hex
-    rank, step = rng.randrange(2), rng.randrange(1, 60)
+    rank, step = rng.randrange(2), rng.randrange(1, last_step + 1)
     fault = f"{rank}:{step}:{kind}" if kind in ("raise", "kill", "stop") else None
     t0 = time.monotonic()
     proc = launch(mpiexec, out, STEPS, token, fault)
@@ -89,10 +91,10 @@ def one_run(mpiexec: str, out: str, kind: str, rng: random.Random) -> dict:
             proc.send_signal(signal.SIGINT if kind == "sigint" else signal.SIGTERM)
     problems = []
     try:
-        _, err = proc.communicate(timeout=max(1.0, DEADLINE_S - (time.monotonic() - t0)))
+        out_text, err = proc.communicate(timeout=max(1.0, DEADLINE_S - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+        out_text, err = proc.communicate()
         problems.append(f"did not end within {DEADLINE_S:.0f} s")
     elapsed = time.monotonic() - t0
     if proc.returncode == 0 and fault:
@@ -112,23 +114,25 @@ def one_run(mpiexec: str, out: str, kind: str, rng: random.Random) -> dict:
             except ProcessLookupError:
                 pass
     problems += check_outputs(out)
-    return dict(kind=kind, fault=what, rc=proc.returncode, elapsed_s=elapsed, problems=problems)
+    return dict(kind=kind, fault=what, rank=rank if fault else None, rc=proc.returncode, elapsed_s=elapsed,
+                problems=problems, stdout=out_text, stderr=err)
 
 
-def soak(runs: int, seed: int = 0, out: str | None = None, log=print) -> list[dict]:
-    """A good run into OUT, then ``runs`` faulty runs (kinds in turn, steps/delays from ``seed``)."""
+def soak(runs: int, seed: int = 0, out: str | None = None, log=print, last_step: int = 59) -> list[dict]:
+    """A good run into OUT (one rank: it only leaves the outputs that must stay loadable), then ``runs`` faulty runs
+    (kinds in turn, steps in 1..``last_step`` and delays from ``seed``)."""
     mpiexec = mpiexec_path()
     if mpiexec is None:
         raise RuntimeError("mpiexec not found (pip install mpich)")
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() if out is None else _nullctx(out) as d:
-        good = launch(mpiexec, d, 2, uuid.uuid4().hex)
+        good = launch(mpiexec, d, 2, uuid.uuid4().hex, ranks=1)
         _, err = good.communicate(timeout=120)
         if good.returncode != 0:
             raise RuntimeError(f"the first (good) run failed: {err}")
         results = []
         for i in range(runs):
-            r = one_run(mpiexec, d, KINDS[i % len(KINDS)], rng)
+            r = one_run(mpiexec, d, KINDS[i % len(KINDS)], rng, last_step)
             log(f"run {i + 1:2d}: {r['kind']:8s} {r['fault']:18s} rc {r['rc']:4d}  {r['elapsed_s']:5.1f} s  "
                 + ("ok" if not r["problems"] else "; ".join(r["problems"])))
             results.append(r)
