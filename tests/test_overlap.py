@@ -6,7 +6,6 @@ backward span on every rank (with ``--no-overlap`` none does, which the test als
 it can fail).
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -311,20 +310,26 @@ def test_every_zero3_unit_collective_names_its_unit_and_phase_in_the_trace_block
             assert blocking == {(u, ph) for u in units for ph in ops}, blocking
 
 
+def _on_and_off(mpiexec, n, on, off):
+    """One mpiexec launch of ``n`` ranks that runs the main job twice, ``minizero.train.main(on)`` then
+    ``main(off)`` (as ``python -m minizero.train`` does): one start-up (imports, MPI_Init) for an overlapped run
+    and its --no-overlap reference. Both exit 0; returns their stdout."""
+    code = f"import sys; from minizero.train import main; sys.exit(main({on!r}) or main({off!r}))"
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-c", code], env=mpi_env(), capture_output=True,
+                          text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.timeout(300)
 def test_trace_under_mpiexec_4_ranks_overlaps_on_every_rank_and_weights_match(mpiexec, tmp_path, ring_all_reduce):
     """--dp 2 --pp 2: non-blocking pipeline sends and each stage's DP buckets (by the ring) over real MPI
     requests; the weights bitwise --no-overlap's, and an all-reduce in flight during backward on every rank."""
-    def run(flags, out):
-        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
-               "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
-               "--progress", "none", "--bucket-mb", "0.01", "--dp", "2", "--pp", "2", "--out", str(out), *flags]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
-
-    on, stdout = run(["--trace", str(tmp_path / "t.json")], tmp_path / "on")
-    off, _ = run(["--no-overlap"], tmp_path / "off")
+    base = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0",
+            "--sample-tokens", "1", "--progress", "none", "--bucket-mb", "0.01", "--dp", "2", "--pp", "2"]
+    stdout = _on_and_off(mpiexec, 4, [*base, "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "on")],
+                         [*base, "--no-overlap", "--out", str(tmp_path / "off")])
+    on, off = (dict(np.load(tmp_path / d / "model.npz")) for d in ("on", "off"))
     assert "wrote" in stdout and "t.json" in stdout
     assert set(on) == set(off)
     for name in on:
@@ -350,15 +355,11 @@ def test_tracer_refuses_bad_events():
 @pytest.mark.parametrize("n, flags", [(2, ["--zero", "3"])], ids=["zero3"])
 def test_overlap_under_mpiexec_gives_bitwise_the_weights_of_no_overlap(mpiexec, tmp_path, n, flags):
     """ZeRO-3 prefetch over real MPI requests (pipeline sends and DP buckets: the 4-rank trace test above)."""
-    def run(extra, out):
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
-               "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1",
-               "--progress", "none", "--bucket-mb", "0.01", "--out", str(out), *flags, *extra]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return dict(np.load(os.path.join(out, "model.npz")))
-
-    on, off = run([], tmp_path / "on"), run(["--no-overlap"], tmp_path / "off")
+    base = ["--model", "tiny", "--steps", "2", "--dtype", "float64", "--eval-batches", "1", "--eval-every", "0",
+            "--sample-tokens", "1", "--progress", "none", "--bucket-mb", "0.01", *flags]
+    _on_and_off(mpiexec, n, [*base, "--out", str(tmp_path / "on")],
+                [*base, "--no-overlap", "--out", str(tmp_path / "off")])
+    on, off = (dict(np.load(tmp_path / d / "model.npz")) for d in ("on", "off"))
     assert set(on) == set(off)
     for name in on:
         assert np.array_equal(on[name], off[name]), name
@@ -372,17 +373,12 @@ def test_zero2_overlapped_reduce_scatter_under_mpiexec_is_bitwise_and_overlaps_b
     the same final weights bit for bit, over real MPI requests, float32 with 2 micro-batches (float64 without
     accumulation: in threads above); both traces read: with overlap a reduce-scatter is in flight during a
     backward span on every rank, without none is."""
-    def run(extra, out):
-        trace_flags = ["--trace", str(out) + ".json"]
-        cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2",
-               "--dtype", dtype, "--grad-accum", str(accum), "--zero", "2", "--eval-batches", "1", "--eval-every",
-               "0", "--sample-tokens", "1", "--progress", "none", "--out", str(out), *trace_flags, *extra]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        events = _check_trace_format(json.load(open(str(out) + ".json")), 2)
-        return dict(np.load(os.path.join(out, "model.npz"))), events
-
-    (on, events), (off, events_off) = run([], tmp_path / "on"), run(["--no-overlap"], tmp_path / "off")
+    base = ["--model", "tiny", "--steps", "2", "--dtype", dtype, "--grad-accum", str(accum), "--zero", "2",
+            "--eval-batches", "1", "--eval-every", "0", "--sample-tokens", "1", "--progress", "none"]
+    _on_and_off(mpiexec, 2, [*base, "--trace", str(tmp_path / "on.json"), "--out", str(tmp_path / "on")],
+                [*base, "--no-overlap", "--trace", str(tmp_path / "off.json"), "--out", str(tmp_path / "off")])
+    on, off = (dict(np.load(tmp_path / d / "model.npz")) for d in ("on", "off"))
+    events, events_off = (_check_trace_format(json.load(open(tmp_path / f"{d}.json")), 2) for d in ("on", "off"))
     assert set(on) == set(off)
     for name in on:
         assert np.array_equal(on[name], off[name]), name
