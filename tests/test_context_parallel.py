@@ -1,5 +1,7 @@
 """Ring attention (context parallelism): equal to whole causal attention in float64, load-balanced chunks."""
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +24,10 @@ from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import tensor_parallelize
 from minizero.parallel.vocab_parallel import vocab_parallelize
+from minizero.loop import train
 from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
+from tests.test_pipeline import add_deep_narrow_presets
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk():
@@ -145,8 +150,19 @@ def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
 
 
 # --------------------------------------------------------------------------- in training (--cp)
+_REF = {}
+
+
+def _reference(micro_batch, flags, m=1):
+    """One process on the same rows (``R.run_single``), run once per module for the cases that share it."""
+    key = (micro_batch, m, *flags)
+    if key not in _REF:
+        _REF[key] = run_in_threads(1, R.run_single, "tiny", micro_batch, m, flags)[0]
+    return _REF[key]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cp, dp, tp, extra", [(2, 1, 1, []), (2, 1, 1, ["--zero", "1"]),
+@pytest.mark.parametrize("cp, dp, tp, extra", [(2, 1, 1, ["--zero", "1"]),
                                                (4, 1, 1, ["--zero", "1", "--recompute", "selective"]),
                                                (2, 2, 2, []),
                                                (2, 1, 1, ["--dropout", "0.2"]), (2, 1, 2, ["--dropout", "0.2"]),
@@ -157,9 +173,10 @@ def test_context_parallel_dropout_keeps_the_whole_masks_chunks():
                                                (2, 1, 1, ["--dropout", "0.2", "--cp-attention", "ulysses",
                                                           "--recompute", "selective"])])
 def test_context_parallel_equals_single_process(cp, dp, tp, extra):
-    """Gradients of step 0 (1e-12), weights after 3 steps (1e-9), the losses: one process's, on the same rows."""
+    """Gradients of step 0 (1e-12), weights after 3 steps (1e-9), the losses: one process's, on the same rows.
+    (Plain --cp 2: the dropout case's layout without its masks.)"""
     one = [a for a in extra if a not in ("--cp-attention", "ulysses", "--sequence-parallel")]  # the same masks
-    ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 1, one)[0]
+    ref = _reference(2 * dp, one)
     got = run_in_threads(dp * tp * cp, R.run_parallel, "tiny", 2, dp, tp, 1, 1, "1f1b", ["--cp", str(cp), *extra])
     R.assert_matches(ref, got, f"cp {cp} dp {dp} tp {tp} {extra}")
 
@@ -182,27 +199,34 @@ def test_context_parallel_with_dropout_equals_the_same_pipeline_without_cp(model
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp, pp, extra", [(1, 2, []), (1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel"]),
-                                           (2, 1, ["--sequence-parallel", "--zero", "1"]),
+@pytest.mark.parametrize("tp, pp, extra", [(1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel", "--zero", "1"]),
                                            (2, 2, ["--sequence-parallel"])])
 def test_context_parallel_composes_with_pipeline_and_sequence_parallel(tp, pp, extra):
     """--cp 2 with --pp 2 (activations (b, T/2, C) between stages, cp rank to cp rank) and with --tp 2
     --sequence-parallel (each rank's two chunks split again over the tensor group): one process's
-    gradients (1e-12), weights after 3 steps (1e-9) and losses."""
+    gradients (1e-12), weights after 3 steps (1e-9) and losses. (Without ZeRO-1: --pp 2 in the dropout cases
+    below, --tp 2 --sequence-parallel in test_context_parallel_equals_single_process.)"""
     m = pp  # the pipeline's default: pp micro-batches per step
-    ref = run_in_threads(1, R.run_single, "tiny", 2, m, [a for a in extra if a != "--sequence-parallel"])[0]
+    ref = _reference(2, [a for a in extra if a != "--sequence-parallel"], m)
     got = run_in_threads(2 * tp * pp, R.run_parallel, "tiny", 2, 1, tp, pp, m, "1f1b", ["--cp", "2", *extra])
     R.assert_matches(ref, got, f"cp 2 tp {tp} pp {pp} {extra}")
 
 
 @pytest.mark.timeout(300)
-def test_context_parallel_with_the_interleaved_schedule():
+def test_context_parallel_with_the_interleaved_schedule(monkeypatch):
     """--cp 2 --pp 2 --schedule interleaved --virtual-stages 2 (4 layers) with dropout: every chunk splits its
-    sequence and reads one process's masks in the schedule's order (the dropout cases above, for interleaved)."""
-    ref = run_in_threads(1, R.run_single, "default", 2, 2, ["--dropout", "0.2"])[0]
-    got = run_in_threads(4, R.run_parallel, "default", 2, 1, 1, 2, 2, "interleaved",
+    sequence and reads one process's masks in the schedule's order (the dropout cases above, for interleaved);
+    the tiny model 4 layers deep."""
+    add_deep_narrow_presets(monkeypatch)
+    ref = run_in_threads(1, R.run_single, "tiny4", 2, 2, ["--dropout", "0.2"])[0]
+    got = run_in_threads(4, R.run_parallel, "tiny4", 2, 1, 1, 2, 2, "interleaved",
                          ["--cp", "2", "--virtual-stages", "2", "--dropout", "0.2"])
     R.assert_matches(ref, got, "cp 2 pp 2 interleaved v 2 dropout")
+
+
+#: the measured layers' width: the default model's 4 heads at width 48, not 128 (every term of the formulas stays
+#: apart from T = 32, h = 4 and b = 2, at about half the time)
+WIDTH = 48
 
 
 def _measure(comm, cfg, b, mode, recompute_first=False, attention="ring"):
@@ -224,7 +248,8 @@ def _measure(comm, cfg, b, mode, recompute_first=False, attention="ring"):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_measured_bytes_per_layer_equal_the_context_parallel_formula(cp, mode, dropout):
     """With dropout: the (b, 2n, C) masks of ContextParallelDropout, none from the ring (it reads its by block)."""
-    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout, n_layer=1), 2  # block 0 measured
+    cfg = get_config("default", dtype="float64", block_size=32, n_embd=WIDTH, dropout=dropout, n_layer=1)
+    b = 2  # block 0 measured
     want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=cp)
     assert all(got == want for got in run_in_threads(cp, _measure, cfg, b, mode))
     one = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64")
@@ -256,7 +281,7 @@ def test_context_parallel_and_recompute_compose_in_either_order(mode):
         assert bytes_a == bytes_b > 0
         for g, h in zip(grads_a, grads_b):
             np.testing.assert_array_equal(g, h)
-    cfg = get_config("default", dtype="float64", block_size=32, n_layer=1)
+    cfg = get_config("default", dtype="float64", block_size=32, n_embd=WIDTH, n_layer=1)
     want = layer_activation_bytes(cfg, 32, b, recompute=mode, accounting="minizero", precision="fp64", cp=2)
     assert all(got == want for got in run_in_threads(2, _measure, cfg, b, mode, True))
 
@@ -293,7 +318,7 @@ def _ring_traffic(comm, cfg, b, mode):
 def test_ring_traffic_of_a_training_step_equals_the_estimator(cp, mode):
     """Bytes each rank sends in one micro-batch's forward and backward = comm_bytes_per_step(...)["cp"]
     (the planner's figure): per layer the ring's forward and backward, and its forward again under recompute."""
-    cfg, b = get_config("default", dtype="float64", block_size=32, n_layer=2), 2
+    cfg, b = get_config("default", dtype="float64", block_size=32, n_embd=WIDTH, n_layer=2), 2
     want = comm_bytes_per_step(cfg, Strategy(cp=cp, recompute=mode, precision="fp64", micro_batch=b), 32)["cp"]
     assert want > 0 and all(got == want for got in run_in_threads(cp, _ring_traffic, cfg, b, mode))
 
@@ -322,7 +347,7 @@ def _measure_3d(comm, cfg, b, mode, sp):
 def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_parallel(sp, mode, dropout):
     """cp 2 x tp 2 (4 ranks), with and without --sequence-parallel and dropout: the ledger's bytes per layer on every
     rank equal ``layer_activation_bytes(..., tp=2, sequence_parallel=sp, cp=2)`` (sequence-parallel rows / (cp tp))."""
-    cfg, b = get_config("default", dtype="float64", block_size=32, dropout=dropout, n_layer=2), 2
+    cfg, b = get_config("default", dtype="float64", block_size=32, n_embd=WIDTH, dropout=dropout, n_layer=2), 2
     want = layer_activation_bytes(cfg, 32, b, tp=2, sequence_parallel=sp, recompute=mode, accounting="minizero",
                                   precision="fp64", cp=2)
     for got in run_in_threads(4, _measure_3d, cfg, b, mode, sp):
@@ -351,13 +376,22 @@ def test_context_parallel_is_refused_where_it_cannot_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n, flags, accum, drop", [(2, ["--cp", "2"], "1", "0.1")])
-def test_context_parallel_from_the_command_line(mpiexec, tmp_path, n, flags, accum, drop):
-    """``mpiexec -n 2 python -m minizero.train --cp 2`` (with dropout): the final weights are one process's.
-    (--cp 2 --pp 2: in threads, test_context_parallel_composes_with_pipeline_and_sequence_parallel.)"""
+def test_context_parallel_from_the_command_line(mpiexec, tmp_path):
+    """``mpiexec -n 2 python -m minizero.train --cp 2`` (with dropout): the final weights are one process's (trained
+    in this process on the same flags: weights within 1e-9 of max(1, the largest magnitude), as
+    ``R.cli_matches_one_process``). (--cp 2 --pp 2: in threads, test_context_parallel_composes_with_pipeline_...)"""
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--eval-batches", "1", "--eval-every", "0",
-            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2", "--dropout", drop]
-    R.cli_matches_one_process(mpiexec, str(tmp_path), base, flags, ["--grad-accum", accum], ranks=n)
+            "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3", "--micro-batch-size", "2",
+            "--dropout", "0.1"]
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *base, "--cp", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = dict(np.load(tmp_path / "model.npz"))
+    one = run_in_threads(1, lambda comm: dict(train(parse_args([*base, "--no-save"], 1), comm,
+                                                    log=lambda s: None).model.state_dict()))[0]
+    assert set(got) == set(one)
+    for name, a in one.items():
+        np.testing.assert_allclose(got[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])

@@ -44,21 +44,23 @@ def _run(comm, flags, steps=2):
     return args, comm.rank // (comm.world_size // args.pp), seen, {g: sent[-1][g] - sent[-2][g] for g in sent[-1]}
 
 
-#: (n, flags) -> the results of a 3-step run with the order check off: the ledger and traffic tests' shared case
+#: the cases both tests below check: (n, flags) -> the results of one 3-step run with the order check off
+SHARED = [(4, ["--tp", "2"]), (4, ["--tp", "2", "--ep", "2", "--moe-every", "2", "--grad-accum", "2"]),
+          (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"])]
 _SHARED = {}
 
 
 def _runs(n, flags, steps):
-    """``run_in_threads(n, _run, flags, steps)``; the case both tests below check runs once (3 steps: the second
+    """``run_in_threads(n, _run, flags, steps)``; a case both tests below check runs once (3 steps: the second
     step's states are the same, the peaks a steady state's)."""
-    shared = (n, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"])
-    if (n, flags) != shared:
+    if (n, flags) not in SHARED:
         return run_in_threads(n, _run, flags, steps, timeout=100)
-    if not _SHARED:
+    key = (n, *flags)
+    if key not in _SHARED:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")  # ZeRO's order check would add its headers' bytes
-            _SHARED["runs"] = run_in_threads(n, _run, flags, 3, timeout=100)
-    return _SHARED["runs"]
+            _SHARED[key] = run_in_threads(n, _run, flags, 3, timeout=100)
+    return _SHARED[key]
 
 
 def _shape_and_strategy(args):
@@ -80,12 +82,11 @@ def _exact_but_scratch(results):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,flags", [
-    (2, ["--tp", "2"]),
-    (4, ["--tp", "2", "--ep", "2", "--moe-every", "2", "--grad-accum", "2"]),
+    *SHARED[:2],  # (--tp 2 with a data group of 2: its plain DP buckets too)
     (4, ["--tp", "2", "--ep", "2", "--recompute", "full"]),
     (4, ["--tp", "2", "--ep", "2", "--zero", "1"]),
     (4, ["--tp", "2", "--ep", "2", "--zero", "2"]),
-    (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"]),
+    SHARED[2],
     (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2", "--no-overlap", "--moe-every", "2"]),
     (8, ["--tp", "2", "--dp", "2", "--pp", "2", "--ep", "2", "--zero", "1"]),
     (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "3"]),
@@ -102,8 +103,7 @@ def test_moe_under_tp_equals_the_trainers_ledger(n, flags):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,flags", [(4, ["--tp", "2"]), (4, ["--tp", "2", "--ep", "2", "--moe-every", "2"]),
-                                     (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "2"]),
+@pytest.mark.parametrize("n,flags", [*SHARED,  # (the second with 2 micro-batches a step)
                                      (8, ["--tp", "2", "--dp", "4", "--ep", "2", "--zero", "1", "--moe-every", "2"])])
 def test_moe_traffic_under_tp_equals_the_trainers(n, flags, monkeypatch):
     """Bytes per step and rank (the third step's, as _run counts them): the tensor group's exactly (the attention's
