@@ -5,6 +5,7 @@ CuPy does, so a technique that runs here also runs on a GPU without a hidden cop
 that leaks fails on a CPU-only CI. Each case trains the tiny model in float64 twice -- NumPy,
 then strict -- and every parameter, loss and gradient norm must be the same bits.
 """
+import json
 import os
 import subprocess
 import sys
@@ -117,25 +118,65 @@ def test_a_host_leak_fails_under_strict(strict_backend):
 
 
 def _cli(mpiexec, n, device, flags, out):
-    argv = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--progress", "none", "--sample-tokens", "8",
-            "--device", device, *flags, "--out", str(out)]
+    argv = [*CLI_ARGV, "--device", device, *flags, "--out", str(out)]
     cmd = ([mpiexec, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "minizero.train", *argv]
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
 
 
+CLI_ARGV = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--progress", "none", "--sample-tokens", "8"]
+#: id -> flags of test_cli_strict_equals_cpu_bitwise's cases, each trained on strict, then on cpu, in one launch
+CLI_CASES = {"zero3": ["--zero", "3"], "tp2": ["--tp", "2"], "pp2-isend-irecv": ["--pp", "2", "--grad-accum", "2"],
+             "native-mpi-collectives": ["--native-comm", "--zero", "2"]}
+#: the command line's main per case and device, one after another in the same two ranks (one MPI start-up, not
+#: eight); rank 0 keeps each run's standard output beside its --out folder
+_CLI_JOB = """
+import contextlib, io, json, os, sys
+from mpi4py import MPI
+from minizero.train import main
+out, argv = sys.argv[1], json.loads(sys.argv[2])
+for case, flags in json.loads(sys.argv[3]).items():
+    for device in ("strict", "cpu"):
+        folder, shown = os.path.join(out, case, device), io.StringIO()
+        with contextlib.redirect_stdout(shown):
+            code = main(argv + ["--device", device, *flags, "--out", folder])
+        if code:
+            sys.exit(code)
+        if MPI.COMM_WORLD.rank == 0:
+            with open(folder + ".stdout", "w") as f:
+                f.write(shown.getvalue())
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_job(tmp_path_factory):
+    """The folder of _CLI_JOB's runs under ``mpiexec -n 2``: CASE/DEVICE/model.npz and CASE/DEVICE.stdout."""
+    from minizero.files import mpiexec_path
+
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+    out = tmp_path_factory.mktemp("strict_cli")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", _CLI_JOB, str(out), json.dumps(CLI_ARGV),
+                           json.dumps(CLI_CASES)], env=mpi_env(), capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n, flags", [(2, ["--zero", "3"]), (2, ["--tp", "2"]),
-                                     (2, ["--pp", "2", "--grad-accum", "2"]), (2, ["--native-comm", "--zero", "2"])],
-                         ids=["zero3", "tp2", "pp2-isend-irecv", "native-mpi-collectives"])
-def test_cli_strict_equals_cpu_bitwise(mpiexec, tmp_path, n, flags):
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_strict_equals_cpu_bitwise(cli_job, case):
     """The issue's check: ``python -m minizero.train --device strict --model tiny --steps 3 --dtype float64``
     writes the same model.npz bits as ``--device cpu``, under ``mpiexec -n 2`` with ZeRO-3 and TP (and the
-    pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host). One process
-    alone, without mpiexec: test_strict_techniques' CLI cases (offload, 8-bit Adam) through this _cli."""
-    want, out_cpu = _cli(mpiexec, n, "cpu", flags, tmp_path / "cpu")
-    got, out_strict = _cli(mpiexec, n, "strict", flags, tmp_path / "strict")
+    pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host): the
+    program's main, each case and device in turn in one launch (strict first: nothing ran before it on the
+    device but the previous cases). One process alone, without mpiexec: test_strict_techniques' CLI cases
+    (offload, 8-bit Adam) through this _cli."""
+    want, got = (dict(np.load(cli_job / case / device / "model.npz")) for device in ("cpu", "strict"))
+    out_cpu, out_strict = ((cli_job / case / f"{device}.stdout").read_text() for device in ("cpu", "strict"))
+    assert "device cpu (NumPy" in out_cpu and "device strict (NumPy underneath" in out_strict  # each on its own
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
