@@ -242,26 +242,37 @@ def test_a_step_moves_a_few_values_not_one_per_parameter(strict_backend, flags):
 
 
 @pytest.mark.timeout(300)
-def test_sample_and_quantize_on_strict_equal_cpu(tmp_path):
-    """``--device`` on the other programs: the same text and the same table on strict as on cpu; cuda without
-    CuPy is one line and exit 2."""
-    def run(*argv):
-        return subprocess.run([sys.executable, "-m", *argv], env=mpi_env(), capture_output=True, text=True,
-                              timeout=120, cwd=REPO_ROOT)
-    trained = run("minizero.train", "--model", "tiny", "--steps", "2", "--dtype", "float64", "--progress", "none",
-                  "--sample-tokens", "1", "--out", str(tmp_path))
-    assert trained.returncode == 0, trained.stderr
+def test_sample_and_quantize_on_strict_equal_cpu(tmp_path, capsys):
+    """``--device`` on the other programs (their main, in this process, on a tiny float64 model as train writes
+    it): the same text and the same table on strict as on cpu; cuda without CuPy is one line and exit 2."""
+    import dataclasses
+
+    from minizero.nn import GPT, get_config
+    from minizero.quantize import main as quantize_main
+    from minizero.sample import main as sample_main
+
+    def run(main, *argv):
+        try:
+            code = main(list(argv))
+        finally:
+            backend.set_backend("numpy")
+        said = capsys.readouterr()
+        return code, said.out, said.err
+
+    cfg = get_config("tiny", dtype="float64")
+    np.savez(tmp_path / "model.npz", **GPT(cfg, seed=5).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     weights = str(tmp_path / "model.npz")
-    for program, argv in (("minizero.sample", ["--tokens", "16"]), ("minizero.quantize", ["--bits", "4"])):
-        cpu = run(program, "--weights", weights, *argv, "--device", "cpu")
-        on_strict = run(program, "--weights", weights, *argv, "--device", "strict")
-        assert cpu.returncode == on_strict.returncode == 0, cpu.stderr + on_strict.stderr
-        assert on_strict.stdout == cpu.stdout and cpu.stdout
+    for main, argv in ((sample_main, ["--tokens", "16"]), (quantize_main, ["--bits", "4"])):
+        cpu = run(main, "--weights", weights, *argv, "--device", "cpu")
+        on_strict = run(main, "--weights", weights, *argv, "--device", "strict")
+        assert cpu[0] == on_strict[0] == 0, cpu[2] + on_strict[2]
+        assert on_strict[1] == cpu[1] and cpu[1]
         try:
             import cupy  # noqa: F401
         except ImportError:
-            cuda = run(program, "--weights", weights, *argv, "--device", "cuda")
-            assert cuda.returncode == 2 and "CuPy" in cuda.stderr and "Traceback" not in cuda.stderr
+            cuda = run(main, "--weights", weights, *argv, "--device", "cuda")
+            assert cuda[0] == 2 and "CuPy" in cuda[2] and "Traceback" not in cuda[2]
 
 
 def _ledger_peaks(comm, argv):
