@@ -116,20 +116,12 @@ def test_a_host_leak_fails_under_strict(strict_backend):
         t.data + np.ones((2, 3))
 
 
-def _cli(mpiexec, n, device, flags, out):
-    argv = [*CLI_ARGV, "--device", device, *flags, "--out", str(out)]
-    cmd = ([mpiexec, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "minizero.train", *argv]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
-
-
 CLI_ARGV = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--progress", "none", "--sample-tokens", "8"]
 #: id -> flags of test_cli_strict_equals_cpu_bitwise's cases, each trained on strict, then on cpu, in one launch
 CLI_CASES = {"zero3": ["--zero", "3"], "tp2": ["--tp", "2"], "pp2-isend-irecv": ["--pp", "2", "--grad-accum", "2"],
              "native-mpi-collectives": ["--native-comm", "--zero", "2"]}
-#: the command line's main per case and device, one after another in the same two ranks (one MPI start-up, not
-#: eight); rank 0 keeps each run's standard output beside its --out folder
+#: the command line's main per case and device, one after another in the same process(es) (one start-up, not one
+#: per run); rank 0 keeps each run's standard output beside its --out folder
 _CLI_JOB = """
 import contextlib, io, json, os, sys
 from mpi4py import MPI
@@ -148,20 +140,37 @@ for case, flags in json.loads(sys.argv[3]).items():
 """
 
 
-@pytest.fixture(scope="module")
-def cli_job(tmp_path_factory):
-    """The folder of _CLI_JOB's runs under ``mpiexec -n 2``: CASE/DEVICE/model.npz and CASE/DEVICE.stdout."""
+def run_cli_job(out, cases: dict, n: int = 1):
+    """_CLI_JOB on CLI_ARGV and ``cases`` (id -> flags) under ``mpiexec -n n``, or one process without a launcher
+    (n = 1); returns ``out``, which holds CASE/DEVICE/model.npz and CASE/DEVICE.stdout."""
     from minizero.files import mpiexec_path
 
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
-    out = tmp_path_factory.mktemp("strict_cli")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", _CLI_JOB, str(out), json.dumps(CLI_ARGV),
-                           json.dumps(CLI_CASES)], env=mpi_env(), capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)
+    cmd = [sys.executable, "-c", _CLI_JOB, str(out), json.dumps(CLI_ARGV), json.dumps(cases)]
+    if n > 1:
+        if mpiexec_path() is None:
+            pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+        cmd = [mpiexec_path(), "-n", str(n), *cmd]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
+
+
+def assert_cli_same_bits(out, case):
+    """Case ``case`` of :func:`run_cli_job`: each run on its device, the same model.npz bits, the same validation
+    loss printed (from host values)."""
+    want, got = (dict(np.load(out / case / device / "model.npz")) for device in ("cpu", "strict"))
+    out_cpu, out_strict = ((out / case / f"{device}.stdout").read_text() for device in ("cpu", "strict"))
+    assert "device cpu (NumPy" in out_cpu and "device strict (NumPy underneath" in out_strict  # each on its own
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+    loss = [line for line in out_cpu.splitlines() if line.startswith("validation loss")]
+    assert loss and loss[0].split(" after")[0] in out_strict
+
+
+@pytest.fixture(scope="module")
+def cli_job(tmp_path_factory):
+    return run_cli_job(tmp_path_factory.mktemp("strict_cli"), CLI_CASES, n=2)
 
 
 @pytest.mark.timeout(400)
@@ -172,15 +181,8 @@ def test_cli_strict_equals_cpu_bitwise(cli_job, case):
     pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host): the
     program's main, each case and device in turn in one launch (strict first: nothing ran before it on the
     device but the previous cases). One process alone, without mpiexec: test_strict_techniques' CLI cases
-    (offload, 8-bit Adam) through this _cli."""
-    want, got = (dict(np.load(cli_job / case / device / "model.npz")) for device in ("cpu", "strict"))
-    out_cpu, out_strict = ((cli_job / case / f"{device}.stdout").read_text() for device in ("cpu", "strict"))
-    assert "device cpu (NumPy" in out_cpu and "device strict (NumPy underneath" in out_strict  # each on its own
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].tobytes() == want[name].tobytes(), name
-    loss = [line for line in out_cpu.splitlines() if line.startswith("validation loss")]
-    assert loss and loss[0].split(" after")[0] in out_strict  # same validation loss, printed from host values
+    (offload, 8-bit Adam) through run_cli_job."""
+    assert_cli_same_bits(cli_job, case)
 
 
 def test_device_cuda_without_cupy_is_one_clear_line(tmp_path):
