@@ -272,13 +272,11 @@ def test_pruning_equals_numpy(strict_backend, scope):
 
 
 # --------------------------------------------------------------------------- whole training runs
-#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end
+#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end. Activation
+#: offload (cpu, nvme) and unsharded 8-bit Adam on one rank: the CLI cases below (train on strict and cpu, 3 steps)
 TRAINING = {
-    "offload-activations-cpu": (1, ["--offload-activations", "cpu"]),
-    "offload-activations-nvme": (1, ["--offload-activations", "nvme"]),
     "offload-optimizer-cpu-fp16": (1, ["--offload-optimizer", "cpu", "--precision", "fp16", "--dtype", "float32"]),
     "offload-optimizer-nvme-zero2": (2, ["--offload-optimizer", "nvme", "--zero", "2"]),
-    "adam8bit-dp2": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--grad-accum", "2"]),
     "adam8bit-zero3-cut-blocks": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--zero", "3"]),
     "quantized-comm-dp2": (2, ["--quantized-comm"]),
     "quantized-comm-zero3": (2, ["--quantized-comm", "--zero", "3"]),
