@@ -30,12 +30,12 @@ CASES = {
     "zero3": (2, ["--zero", "3"]),
     "tp2": (2, ["--tp", "2"]),
     "tp2-sequence-parallel": (2, ["--tp", "2", "--sequence-parallel"]),
+    # GPipe's schedule is other data for the same engine (schedule.py): no case of its own
     "pp2-1f1b": (2, ["--pp", "2", "--grad-accum", "2"]),
     "recompute-full": (1, ["--recompute", "full"]),
     "recompute-selective-dp2": (2, ["--recompute", "selective"]),
     "fp16": (1, ["--precision", "fp16", "--dtype", "float32"]),
     "fp16-zero2-dp2": (2, ["--precision", "fp16", "--dtype", "float32", "--zero", "2"]),
-    "pp2-gpipe": (2, ["--pp", "2", "--grad-accum", "2", "--schedule", "gpipe"]),
     "pp2-interleaved": (2, ["--model", "default", "--block-size", "8", "--pp", "2", "--grad-accum", "2",
                             "--schedule", "interleaved", "--virtual-stages", "2"]),
     "cp2": (2, ["--cp", "2"]),  # the dropout masks read by block and by chunk
