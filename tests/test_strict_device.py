@@ -5,6 +5,7 @@ CuPy does, so a technique that runs here also runs on a GPU without a hidden cop
 that leaks fails on a CPU-only CI. Each case trains the tiny model in float64 twice -- NumPy,
 then strict -- and every parameter, loss and gradient norm must be the same bits.
 """
+import json
 import os
 import subprocess
 import sys
@@ -29,12 +30,12 @@ CASES = {
     "zero3": (2, ["--zero", "3"]),
     "tp2": (2, ["--tp", "2"]),
     "tp2-sequence-parallel": (2, ["--tp", "2", "--sequence-parallel"]),
+    # GPipe's schedule is other data for the same engine (schedule.py): no case of its own
     "pp2-1f1b": (2, ["--pp", "2", "--grad-accum", "2"]),
     "recompute-full": (1, ["--recompute", "full"]),
     "recompute-selective-dp2": (2, ["--recompute", "selective"]),
     "fp16": (1, ["--precision", "fp16", "--dtype", "float32"]),
     "fp16-zero2-dp2": (2, ["--precision", "fp16", "--dtype", "float32", "--zero", "2"]),
-    "pp2-gpipe": (2, ["--pp", "2", "--grad-accum", "2", "--schedule", "gpipe"]),
     "pp2-interleaved": (2, ["--model", "default", "--block-size", "8", "--pp", "2", "--grad-accum", "2",
                             "--schedule", "interleaved", "--virtual-stages", "2"]),
     "cp2": (2, ["--cp", "2"]),  # the dropout masks read by block and by chunk
@@ -43,12 +44,11 @@ CASES = {
     "moe-ep2-bf16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "bf16", "--dtype", "float32"]),
     "moe-ep2-fp16": (2, ["--moe-experts", "4", "--ep", "2", "--precision", "fp16", "--dtype", "float32"]),
     # ExpertZero under hybrid sharding: the dense part and the experts each sharded over 2 and replicated (the
-    # dense part is the plain ZeRO optimizer with its replica group: hybrid ZeRO-3's replica all-reduce on the
-    # device); the replica check (on by default here) compares both parts' optimizer state and, under FP16, the
-    # loss scaler
+    # dense part is the plain ZeRO optimizer with its replica group: hybrid ZeRO's replica all-reduce on the
+    # device); the replica check (on by default here) compares both parts' optimizer state. Its ZeRO-3 FP16 twin
+    # (the loss scaler in the check too) is test_strict_techniques' FP16 overflow test: these flags and BASE, 3 steps
+    # on both devices, the same bits (the step after the skipped one included)
     "moe-ep2-zero1-hybrid-dp4": (4, ["--moe-experts", "4", "--ep", "2", "--zero", "1", "--dp-shard", "2"]),
-    "moe-ep2-zero3-hybrid-dp4-fp16": (4, ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--dp-shard", "2",
-                                          "--precision", "fp16", "--dtype", "float32"]),
     "dp2-tp2-pp2": (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2"]),
     "dp4-hierarchical-no-overlap": (4, ["--allreduce", "hierarchical", "--no-overlap"]),
     "dp2-native-comm": (2, ["--native-comm"]),
@@ -116,31 +116,73 @@ def test_a_host_leak_fails_under_strict(strict_backend):
         t.data + np.ones((2, 3))
 
 
-def _cli(mpiexec, n, device, flags, out):
-    argv = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--progress", "none", "--sample-tokens", "8",
-            "--device", device, *flags, "--out", str(out)]
-    cmd = ([mpiexec, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "minizero.train", *argv]
-    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
+CLI_ARGV = ["--model", "tiny", "--steps", "3", "--dtype", "float64", "--progress", "none", "--sample-tokens", "8"]
+#: id -> flags of test_cli_strict_equals_cpu_bitwise's cases, each trained on strict, then on cpu, in one launch
+CLI_CASES = {"zero3": ["--zero", "3"], "tp2": ["--tp", "2"], "pp2-isend-irecv": ["--pp", "2", "--grad-accum", "2"],
+             "native-mpi-collectives": ["--native-comm", "--zero", "2"]}
+#: the command line's main per case and device, one after another in the same process(es) (one start-up, not one
+#: per run); rank 0 keeps each run's standard output beside its --out folder
+_CLI_JOB = """
+import contextlib, io, json, os, sys
+from mpi4py import MPI
+from minizero.train import main
+out, argv = sys.argv[1], json.loads(sys.argv[2])
+for case, flags in json.loads(sys.argv[3]).items():
+    for device in ("strict", "cpu"):
+        folder, shown = os.path.join(out, case, device), io.StringIO()
+        with contextlib.redirect_stdout(shown):
+            code = main(argv + ["--device", device, *flags, "--out", folder])
+        if code:
+            sys.exit(code)
+        if MPI.COMM_WORLD.rank == 0:
+            with open(folder + ".stdout", "w") as f:
+                f.write(shown.getvalue())
+"""
+
+
+def run_cli_job(out, cases: dict, n: int = 1):
+    """_CLI_JOB on CLI_ARGV and ``cases`` (id -> flags) under ``mpiexec -n n``, or one process without a launcher
+    (n = 1); returns ``out``, which holds CASE/DEVICE/model.npz and CASE/DEVICE.stdout."""
+    from minizero.files import mpiexec_path
+
+    cmd = [sys.executable, "-c", _CLI_JOB, str(out), json.dumps(CLI_ARGV), json.dumps(cases)]
+    if n > 1:
+        if mpiexec_path() is None:
+            pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+        cmd = [mpiexec_path(), "-n", str(n), *cmd]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(np.load(os.path.join(out, "model.npz"))), proc.stdout
+    return out
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("n, flags", [(2, ["--zero", "3"]), (2, ["--tp", "2"]),
-                                     (2, ["--pp", "2", "--grad-accum", "2"]), (2, ["--native-comm", "--zero", "2"])],
-                         ids=["zero3", "tp2", "pp2-isend-irecv", "native-mpi-collectives"])
-def test_cli_strict_equals_cpu_bitwise(mpiexec, tmp_path, n, flags):
-    """The issue's check: ``python -m minizero.train --device strict --model tiny --steps 3 --dtype float64``
-    writes the same model.npz bits as ``--device cpu``, under ``mpiexec -n 2`` with ZeRO-3 and TP (and the
-    pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host). One process
-    alone, without mpiexec: test_strict_techniques' CLI cases (offload, 8-bit Adam) through this _cli."""
-    want, out_cpu = _cli(mpiexec, n, "cpu", flags, tmp_path / "cpu")
-    got, out_strict = _cli(mpiexec, n, "strict", flags, tmp_path / "strict")
+def assert_cli_same_bits(out, case):
+    """Case ``case`` of :func:`run_cli_job`: each run on its device, the same model.npz bits, the same validation
+    loss printed (from host values)."""
+    want, got = (dict(np.load(out / case / device / "model.npz")) for device in ("cpu", "strict"))
+    out_cpu, out_strict = ((out / case / f"{device}.stdout").read_text() for device in ("cpu", "strict"))
+    assert "device cpu (NumPy" in out_cpu and "device strict (NumPy underneath" in out_strict  # each on its own
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
     loss = [line for line in out_cpu.splitlines() if line.startswith("validation loss")]
-    assert loss and loss[0].split(" after")[0] in out_strict  # same validation loss, printed from host values
+    assert loss and loss[0].split(" after")[0] in out_strict
+
+
+@pytest.fixture(scope="module")
+def cli_job(tmp_path_factory):
+    return run_cli_job(tmp_path_factory.mktemp("strict_cli"), CLI_CASES, n=2)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_strict_equals_cpu_bitwise(cli_job, case):
+    """The issue's check: ``python -m minizero.train --device strict --model tiny --steps 3 --dtype float64``
+    writes the same model.npz bits as ``--device cpu``, under ``mpiexec -n 2`` with ZeRO-3 and TP (and the
+    pipeline's isend/irecv and MPI's own collectives, which stage device buffers through the host): the
+    program's main, each case and device in turn in one launch (strict first: nothing ran before it on the
+    device but the previous cases). One process alone, without mpiexec: test_strict_techniques' CLI cases
+    (offload, 8-bit Adam) through run_cli_job."""
+    assert_cli_same_bits(cli_job, case)
 
 
 def test_device_cuda_without_cupy_is_one_clear_line(tmp_path):
@@ -201,26 +243,37 @@ def test_a_step_moves_a_few_values_not_one_per_parameter(strict_backend, flags):
 
 
 @pytest.mark.timeout(300)
-def test_sample_and_quantize_on_strict_equal_cpu(tmp_path):
-    """``--device`` on the other programs: the same text and the same table on strict as on cpu; cuda without
-    CuPy is one line and exit 2."""
-    def run(*argv):
-        return subprocess.run([sys.executable, "-m", *argv], env=mpi_env(), capture_output=True, text=True,
-                              timeout=120, cwd=REPO_ROOT)
-    trained = run("minizero.train", "--model", "tiny", "--steps", "2", "--dtype", "float64", "--progress", "none",
-                  "--sample-tokens", "1", "--out", str(tmp_path))
-    assert trained.returncode == 0, trained.stderr
+def test_sample_and_quantize_on_strict_equal_cpu(tmp_path, capsys):
+    """``--device`` on the other programs (their main, in this process, on a tiny float64 model as train writes
+    it): the same text and the same table on strict as on cpu; cuda without CuPy is one line and exit 2."""
+    import dataclasses
+
+    from minizero.nn import GPT, get_config
+    from minizero.quantize import main as quantize_main
+    from minizero.sample import main as sample_main
+
+    def run(main, *argv):
+        try:
+            code = main(list(argv))
+        finally:
+            backend.set_backend("numpy")
+        said = capsys.readouterr()
+        return code, said.out, said.err
+
+    cfg = get_config("tiny", dtype="float64")
+    np.savez(tmp_path / "model.npz", **GPT(cfg, seed=5).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     weights = str(tmp_path / "model.npz")
-    for program, argv in (("minizero.sample", ["--tokens", "16"]), ("minizero.quantize", ["--bits", "4"])):
-        cpu = run(program, "--weights", weights, *argv, "--device", "cpu")
-        on_strict = run(program, "--weights", weights, *argv, "--device", "strict")
-        assert cpu.returncode == on_strict.returncode == 0, cpu.stderr + on_strict.stderr
-        assert on_strict.stdout == cpu.stdout and cpu.stdout
+    for main, argv in ((sample_main, ["--tokens", "16"]), (quantize_main, ["--bits", "4"])):
+        cpu = run(main, "--weights", weights, *argv, "--device", "cpu")
+        on_strict = run(main, "--weights", weights, *argv, "--device", "strict")
+        assert cpu[0] == on_strict[0] == 0, cpu[2] + on_strict[2]
+        assert on_strict[1] == cpu[1] and cpu[1]
         try:
             import cupy  # noqa: F401
         except ImportError:
-            cuda = run(program, "--weights", weights, *argv, "--device", "cuda")
-            assert cuda.returncode == 2 and "CuPy" in cuda.stderr and "Traceback" not in cuda.stderr
+            cuda = run(main, "--weights", weights, *argv, "--device", "cuda")
+            assert cuda[0] == 2 and "CuPy" in cuda[2] and "Traceback" not in cuda[2]
 
 
 def _ledger_peaks(comm, argv):

@@ -272,13 +272,11 @@ def test_pruning_equals_numpy(strict_backend, scope):
 
 
 # --------------------------------------------------------------------------- whole training runs
-#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end
+#: name -> (rank threads, flags), run by tests/test_strict_device.py's harness: these techniques end to end. Activation
+#: offload (cpu, nvme) and unsharded 8-bit Adam on one rank: the CLI cases below (train on strict and cpu, 3 steps)
 TRAINING = {
-    "offload-activations-cpu": (1, ["--offload-activations", "cpu"]),
-    "offload-activations-nvme": (1, ["--offload-activations", "nvme"]),
     "offload-optimizer-cpu-fp16": (1, ["--offload-optimizer", "cpu", "--precision", "fp16", "--dtype", "float32"]),
     "offload-optimizer-nvme-zero2": (2, ["--offload-optimizer", "nvme", "--zero", "2"]),
-    "adam8bit-dp2": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--grad-accum", "2"]),
     "adam8bit-zero3-cut-blocks": (2, ["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--zero", "3"]),
     "quantized-comm-dp2": (2, ["--quantized-comm"]),
     "quantized-comm-zero3": (2, ["--quantized-comm", "--zero", "3"]),
@@ -300,41 +298,53 @@ def test_training_with_the_technique_equals_numpy(case, tmp_path):
     assert_same_bits(got, want)
 
 
+#: id -> flags: ``python -m minizero.train``'s main with these on strict, then on cpu, in one process (no mpiexec)
+CLI = {"adam8bit-offload-activations-nvme": ["--optimizer", "adam8bit", "--adam8bit-block-size", "48",
+                                             "--offload-activations", "nvme"],
+       "offload-optimizer-and-activations-cpu": ["--offload-optimizer", "cpu", "--offload-activations", "cpu"]}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    from tests.test_strict_device import run_cli_job
+
+    out = tmp_path_factory.mktemp("strict_cli_one_process")
+    return run_cli_job(out, {case: flags + (["--offload-dir", str(out)] if "nvme" in flags else [])
+                             for case, flags in CLI.items()})
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flags", [["--optimizer", "adam8bit", "--adam8bit-block-size", "48", "--offload-activations",
-                                    "nvme"], ["--offload-optimizer", "cpu", "--offload-activations", "cpu"]],
-                         ids=["adam8bit-offload-activations-nvme", "offload-optimizer-and-activations-cpu"])
-def test_cli_strict_equals_cpu_with_offload_and_8bit_adam(tmp_path, flags):
-    """``python -m minizero.train --device strict`` with offload / 8-bit Adam writes ``--device cpu``'s model.npz bits."""
-    from tests.test_strict_device import _cli
+@pytest.mark.parametrize("case", list(CLI))
+def test_cli_strict_equals_cpu_with_offload_and_8bit_adam(cli_runs, case):
+    """``python -m minizero.train --device strict`` with offload / 8-bit Adam writes ``--device cpu``'s model.npz bits
+    (the program's main, in one process for both cases and devices: test_strict_device's run_cli_job)."""
+    from tests.test_strict_device import assert_cli_same_bits
 
-    flags = flags + (["--offload-dir", str(tmp_path)] if "nvme" in flags else [])
-    want, _ = _cli(None, 1, "cpu", flags, tmp_path / "cpu")
-    got, _ = _cli(None, 1, "strict", flags, tmp_path / "strict")
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].tobytes() == want[name].tobytes(), name
+    assert_cli_same_bits(cli_runs, case)
 
 
 @pytest.mark.timeout(300)
-def test_quantize_cli_strict_equals_cpu(tmp_path):
+def test_quantize_cli_strict_equals_cpu(tmp_path, capsys):
     """``python -m minizero.quantize --device strict`` (weight-only INT8/INT4 with FP32 outlier columns:
-    calibration, quantization and evaluation on the device) measures what ``--device cpu`` does."""
+    calibration, quantization and evaluation on the device) measures what ``--device cpu`` does: its main, in this
+    process, on a tiny float64 model as train writes it (model.npz and model.json)."""
+    import dataclasses
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO_ROOT, mpi_env
-    from tests.test_strict_device import _cli
+    from minizero.nn import GPT, get_config
+    from minizero.quantize import main
 
-    _cli(None, 1, "cpu", ["--steps", "1", "--sample-tokens", "0"], tmp_path / "run")  # weights to quantize: 1 step
+    cfg = get_config("tiny", dtype="float64")
+    np.savez(tmp_path / "model.npz", **GPT(cfg, seed=5).state_dict())
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     out = {}
     for device in ("cpu", "strict"):
-        cmd = [sys.executable, "-m", "minizero.quantize", "--weights", str(tmp_path / "run" / "model.npz"), "--table",
-               "--outlier-threshold", "0.5", "--eval-batches", "1", "--device", device,
-               "--json", str(tmp_path / f"{device}.json")]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        try:
+            code = main(["--weights", str(tmp_path / "model.npz"), "--table", "--outlier-threshold", "0.5",
+                         "--eval-batches", "1", "--device", device, "--json", str(tmp_path / f"{device}.json")])
+        finally:
+            backend.set_backend("numpy")
+        assert code == 0, capsys.readouterr().err
         out[device] = json.load(open(tmp_path / f"{device}.json"))
     assert out["cpu"]["rows"] and out["cpu"]["calibration"]["columns_at_threshold"] > 0
     assert out["strict"] == out["cpu"]
