@@ -12,7 +12,7 @@ import pytest
 from minizero.nn import GPT, get_config
 from minizero.memory.plots import PLOTS_OFF
 from minizero.train import UsageError, parse_args
-from tests.conftest import mpi_env
+from tests.conftest import mpi_env, mpiexec_path
 
 TINY = ["--model", "tiny", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "8",
         "--no-progress"]
@@ -94,10 +94,20 @@ def test_bad_argument_under_mpi_fails_fast_and_once(mpiexec):
     assert elapsed < 60
 
 
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """``mpiexec -n 2`` the main job (TINY, a checkpoint at step 2): (process, OUT). One run for the test of its
+    outputs and the straight run of the resumed-traffic test."""
+    if mpiexec_path() is None:
+        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+    out = tmp_path_factory.mktemp("main_job") / "run"
+    proc, _ = launch(mpiexec_path(), 2, TINY + ["--save-every", "2", "--out", str(out)], timeout=240)
+    return proc, out
+
+
 @pytest.mark.timeout(300)
-def test_main_job_writes_weights_and_summary(mpiexec, tmp_path):
-    out = tmp_path / "run"
-    proc, _ = launch(mpiexec, 2, TINY + ["--out", str(out)], timeout=240)
+def test_main_job_writes_weights_and_summary(main_job):
+    proc, out = main_job
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "validation loss" in proc.stdout and "memory summary" in proc.stdout and "sample:" in proc.stdout
     said = " ".join(proc.stdout.split())  # prose is wrapped at 100 columns
@@ -166,24 +176,26 @@ def test_header_names_every_layout_choice(mpiexec):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("attention", ["ring", "ulysses"])
-def test_traffic_kinds_add_up_with_cp_and_pp(attention, mpiexec, tmp_path):
+@pytest.mark.parametrize("attention, pp", [("ring", 2), ("ulysses", 1)])
+def test_traffic_kinds_add_up_with_cp_and_pp(attention, pp, mpiexec, tmp_path):
     """Every byte in exactly one kind: ring attention (or Ulysses' all-to-alls) has its own, the tied embedding's
     all-reduce (its group is split from the pipeline group) is gradient reduction only; so no kind is negative and
-    they sum to the total."""
-    proc, _ = launch(mpiexec, 4, TINY + ["--steps", "2", "--cp", "2", "--cp-attention", attention, "--pp", "2",
-                                         "--out", str(tmp_path)], timeout=90)
+    they sum to the total. (The pipeline's bytes do not depend on the attention: Ulysses runs without it.)"""
+    proc, _ = launch(mpiexec, 2 * pp, TINY + ["--steps", "2", "--cp", "2", "--cp-attention", attention, "--pp", str(pp),
+                                              "--out", str(tmp_path)], timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = summary["bytes_sent_by_kind"]
-    for r in range(4):
+    for r in range(2 * pp):
         mine = {k: v[r] for k, v in kinds.items()}
         assert all(v >= 0 for v in mine.values()), mine
         assert sum(mine.values()) == summary["bytes_sent"][r], mine
         assert mine["context_parallel_attention"] > mine["other"], mine
     assert "context parallel ring attention" in proc.stdout
     said = " ".join(proc.stdout.split())  # prose is wrapped at 100 columns
-    assert "model states per rank at the optimizer step (split over the ranks: each holds its pipeline stage)" in said
+    holds = ("split over the ranks: each holds its pipeline stage" if pp > 1 else
+             "every rank holds them all: context parallelism splits the sequence, not the model")
+    assert f"model states per rank at the optimizer step ({holds})" in said
     assert "other (loss, norm, flags, metrics, replica digests): r0-1 " in said  # the default replica check's bytes
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
     row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
@@ -256,7 +268,7 @@ def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_one_rank_failing_ends_the_job(mpiexec, kind, tmp_path):
     env = dict(mpi_env(), MINIZERO_FAULT=f"1:2:{kind}")
-    proc, elapsed = launch(mpiexec, 3, TINY + ["--steps", "50", "--no-save"], timeout=90, env=env)
+    proc, elapsed = launch(mpiexec, 2, TINY + ["--steps", "50", "--no-save"], timeout=90, env=env)
     assert proc.returncode != 0
     assert elapsed < 60, f"job took {elapsed:.1f} s to end after a rank failed"
     if kind == "raise":
@@ -402,36 +414,35 @@ def test_the_traffic_table_names_what_it_leaves_out_in_bytes_of_the_run(layout):
 
 
 @pytest.mark.timeout(300)
-def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, tmp_path):
-    """Per-step traffic of a run resumed at step 2 of 4 is the straight run's: divided by the 2 steps it ran, not
-    by --steps (before: 2x too small here, 31x for 10 steps resumed at 300)."""
-    flags = ["--model", "tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
-             "--no-progress"]
-    straight, _ = launch(mpiexec, 2, [*flags, "--save-every", "2", "--out", str(tmp_path / "a")], timeout=240)
+def test_a_resumed_run_reports_traffic_per_step_of_the_steps_it_ran(mpiexec, main_job, tmp_path):
+    """Per-step traffic of a run resumed at step 2 of 4 is the straight run's (the main job's): divided by the 2
+    steps it ran, not by --steps (before: 2x too small here, 31x for 10 steps resumed at 300)."""
+    straight, a = main_job
     assert straight.returncode == 0, straight.stderr
-    resumed, _ = launch(mpiexec, 2, [*flags, "--out", str(tmp_path / "b"), "--resume",
-                                     str(tmp_path / "a" / "checkpoints" / "step_00000002")], timeout=240)
+    resumed, _ = launch(mpiexec, 2, [*TINY, "--out", str(tmp_path / "b"), "--resume",
+                                     str(a / "checkpoints" / "step_00000002")], timeout=240)
     assert resumed.returncode == 0, resumed.stderr
 
     def per_step(proc, out):  # (the world's KiB per step, each rank's gradient bytes per step)
         world = re.search(r"^  world: ([\d.]+) KiB sent", proc.stdout, re.M)
-        zero = json.loads((tmp_path / out / "summary.json").read_text())["zero"]
+        zero = json.loads((out / "summary.json").read_text())["zero"]
         figures = zero["per_rank"]
         assert zero["stage"] == 0 and zero["dp_shard"] is None  # no ZeRO: no shard degree (it said dp)
         return float(world.group(1)), [f["bytes_sent_per_step"] for f in figures]
-    (world_a, grads_a), (world_b, grads_b) = per_step(straight, "a"), per_step(resumed, "b")
+    (world_a, grads_a), (world_b, grads_b) = per_step(straight, a), per_step(resumed, tmp_path / "b")
     assert grads_a[0] > 0 and grads_b == grads_a  # the same all-reduces every step
     assert world_b == pytest.approx(world_a, rel=0.05)  # the world's total includes set-up, spread over the steps
 
 
-#: the main job in one process, os.replace (every atomic write's last step) and the closing sample recorded in
-#: OUT/order.txt; argv[1] "full": memory.png meets a full disk
+#: the main job in one process, twice: argv[1] the "whole" run's OUT, argv[2] the "full" run's (memory.png meets a
+#: full disk), the flags after; os.replace (every atomic write's last step) and the closing sample recorded in
+#: OUT/order.txt, main's exit status in OUT/status.txt; "--- full ---" on stderr between the runs
 _RECORD_ORDER = """
 import errno, os, sys
 import minizero.memory.monitor as monitor, minizero.report as report
 from minizero.files import WriteError
 from minizero.train import main
-out, replace, sample = sys.argv[2], os.replace, report.sample_text
+replace, sample = os.replace, report.sample_text
 def note(name):
     with open(os.path.join(out, "order.txt"), "a") as f:
         f.write(name + "\\n")
@@ -443,9 +454,13 @@ def full(path, *args, **kw):
     raise WriteError(errno.ENOSPC, f"could not write {path!r}: no space left on device (the disk is full)")
 os.replace = recorded
 report.sample_text = lambda *a, **kw: (note("sample"), sample(*a, **kw))[1]
-if sys.argv[1] == "full":
-    monitor.plot_timeline = full
-sys.exit(main(sys.argv[3:]))
+for out in sys.argv[1:3]:
+    if out == sys.argv[2]:
+        os.write(2, b"\\n--- full ---\\n")
+        monitor.plot_timeline = full
+    status = main([*sys.argv[3:], "--out", out])
+    with open(os.path.join(out, "status.txt"), "w") as f:
+        f.write(str(status))
 """
 
 
@@ -454,20 +469,25 @@ def test_the_final_outputs_are_written_cheap_and_precious_first(tmp_path):
     """Before: memory.png was drawn before model.npz, so a SIGTERM or a full disk there cost the trained weights."""
     argv = ["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "4",
             "--no-progress"]
+    for case in ("whole", "full"):
+        (tmp_path / case).mkdir()
+    proc = subprocess.run([sys.executable, "-c", _RECORD_ORDER, str(tmp_path / "whole"), str(tmp_path / "full"),
+                           *argv], env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stderr = dict(zip(("whole", "full"), proc.stderr.split("\n--- full ---\n")))
     runs = {}
     for case in ("whole", "full"):
         out = tmp_path / case
-        out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", _RECORD_ORDER, case, str(out), *argv, "--out", str(out)],
-                              env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=100)
         written = (out / "order.txt").read_text().split() if (out / "order.txt").exists() else []
-        runs[case] = proc, written, json.loads((out / "summary.json").read_text()) if "summary.json" in written else {}
-    proc, order, summary = runs["whole"]
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[case] = (int((out / "status.txt").read_text()), stderr.get(case, ""), written,
+                      json.loads((out / "summary.json").read_text()) if "summary.json" in written else {})
+    status, err, order, summary = runs["whole"]
+    assert status == 0, proc.stdout + proc.stderr
     assert order == ["model.npz", "model.json", "summary.json", "memory.png", "loss.png", "sample", "summary.json"]
     assert summary["sample"] and summary["memory_plot"] == str(tmp_path / "whole" / "memory.png")
-    proc, order, summary = runs["full"]
-    assert proc.returncode == 1 and "memory.png': no space left on device" in " ".join(proc.stderr.split()), proc.stderr
+    status, err, order, summary = runs["full"]
+    assert status == 1 and "memory.png': no space left on device" in " ".join(err.split()), proc.stderr
+    assert "no space left on device" not in runs["whole"][1]
     assert order == ["model.npz", "model.json", "summary.json"]  # the weights and the figures are kept
     assert summary["sample"] is None and summary["memory_plot"] is None and summary["val_loss"] > 0
 
