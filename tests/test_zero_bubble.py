@@ -9,7 +9,7 @@
   schedule code at any m), ZB-V at pp 2 m 4 (m >= 2p-1) and pp 4 m 4 (m < 2p-1: ops dropped), alone; at
   pp 2 m 4 with dp 2 and ZeRO-1 (ZeRO acts after the schedule, whatever its p and m), dp 2 alone, TP and
   recompute; ZB-H1's FP16, BF16 and FP8 bitwise 1F1B's; ZB-V's FP16, BF16 and FP8 one process's of that
-  precision; ZB-V's messages turn at rank p-1; ZB-V under mpiexec. The engine and equivalence
+  precision; ZB-V's messages turn at rank p-1; each schedule once under mpiexec. The engine and equivalence
   tests run the tiny model's width (16) at the depths pp needs (tests/test_pipeline.add_deep_narrow_presets).
 """
 import json
@@ -211,13 +211,12 @@ def test_zb_h1_fp16_is_1f1b_bitwise():
 
 
 @pytest.mark.timeout(300)
-def test_zero_bubble_from_the_command_line(mpiexec, tmp_path):
-    """``mpiexec -n 2 ... --pp 2 --schedule zb-v``: the final weights are one process's. ZB-V's ranks run split
-    backwards (B, then W) over MPI as ZB-H1's do, in two chunks each (ZB-H1's one-chunk stage is 1F1B's, under
-    mpiexec in tests/test_3d); ZB-H1 equals one process in threads above."""
-    base = ["--model", "default", "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
+@pytest.mark.parametrize("schedule, model", [("zb-h1", "tiny"), ("zb-v", "default")])
+def test_zero_bubble_from_the_command_line(mpiexec, tmp_path, schedule, model):
+    """``mpiexec -n 2 ... --pp 2 --schedule zb-h1 / zb-v``: the final weights are one process's."""
+    base = ["--model", model, "--block-size", "16", "--dtype", "float64", "--steps", "3", "--eval-batches", "1",
             "--eval-every", "0", "--sample-tokens", "1", "--progress", "none", "--lr", "1e-2", "--seed", "3"]
-    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--pp", "2", "--schedule", "zb-v", "--micro-batch-size",
+    R.cli_matches_one_process(mpiexec, str(tmp_path), base, ["--pp", "2", "--schedule", schedule, "--micro-batch-size",
                                                              "2", "--micro-batches", "4"],
                               ["--micro-batch-size", "2", "--grad-accum", "4"])
 
