@@ -50,10 +50,10 @@ def run(n, argv, lines=None):
 
 class SharedRuns:
     """``run(n, argv)`` once per module for the tests that check it: ``get(n, argv)`` its result; ``saved(n, argv)``
-    the run with ``--save-every 3`` into a folder of its own: (its result, that folder's step_00000003)."""
+    the run with ``--save-every save_at`` (3) into a folder of its own: (its result, that folder's step_0000000N)."""
 
-    def __init__(self, tmp_path_factory):
-        self.factory, self.done = tmp_path_factory, {}
+    def __init__(self, tmp_path_factory, save_at=3):
+        self.factory, self.done, self.save_at = tmp_path_factory, {}, save_at
 
     def get(self, n, argv):
         key = (n, tuple(argv), False)
@@ -65,7 +65,8 @@ class SharedRuns:
         key = (n, tuple(argv), True)
         if key not in self.done:
             d = self.factory.mktemp("saved")
-            self.done[key] = run(n, argv + ["--save-every", "3", "--save-dir", str(d)]), d / "step_00000003"
+            self.done[key] = run(n, argv + ["--save-every", str(self.save_at), "--save-dir", str(d)]), \
+                d / f"step_{self.save_at:08d}"
         return self.done[key]
 
 
@@ -76,10 +77,10 @@ def shared(tmp_path_factory):
         yield SharedRuns(tmp_path_factory)
 
 
-def assert_same_run(straight, resumed, atol=1e-12):
-    assert resumed["start_step"] == 3
-    np.testing.assert_array_equal(resumed["train_losses"], straight["train_losses"][3:])
-    np.testing.assert_array_equal(resumed["lrs"], straight["lrs"][3:])  # the schedule continues, not restarts
+def assert_same_run(straight, resumed, atol=1e-12, at=3):
+    assert resumed["start_step"] == at
+    np.testing.assert_array_equal(resumed["train_losses"], straight["train_losses"][at:])
+    np.testing.assert_array_equal(resumed["lrs"], straight["lrs"][at:])  # the schedule continues, not restarts
     assert set(resumed["params"]) == set(straight["params"])
     for k, a in straight["params"].items():
         np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=atol, err_msg=k)
