@@ -15,12 +15,13 @@ import pytest
 from minizero.numerals import unwrapped
 
 from minizero.checkpoint import read_manifest
+from minizero.checkpoint.cli import main as checkpoint_main
 from minizero.train import UsageError, parse_args
 from tests.conftest import REPO_ROOT, mpi_env
 from tests.test_checkpoint import BASE, F64, SharedRuns, assert_same_run, run
 
-MOE = F64 + ["--steps", "4", "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss", "0.1",
-             "--moe-bias-update", "0.01", "--micro-batch-size", "2"]
+MOE = F64 + ["--steps", "4", "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
+             "--moe-aux-loss", "0.1", "--moe-bias-update", "0.01", "--micro-batch-size", "2"]
 
 CASES = {
     "ep2": (2, ["--ep", "2"]),
@@ -114,10 +115,11 @@ def _move_rank1s_bias(files):
     (2, _move_rank1s_bias, "files[1].routing['transformer.h.1.mlp.moe'] differs from files[0]'s, expected one "
                            "state in every file"),
 ], ids=["layer-renamed", "ranks-differ"])
-def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_work(tmp_path, n, edit, said):
+def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_work(tmp_path, capsys, n, edit, said):
     """Attacker: the routing section dropped from every files entry (or its layers renamed) passed the manifest
     check; --resume built the model, then failed in restore (exit 1, MPI_Abort under mpiexec). Two files with
-    different biases for one layer (save writes each rank's copy of one state) loaded the last file's, silently."""
+    different biases for one layer (save writes each rank's copy of one state) loaded the last file's, silently.
+    inspect in-process (the CI budget; ``python -m minizero.checkpoint``: test_checkpoint's refusal tests)."""
     import json
     run(n, MOE + ["--steps", "1", "--warmup", "1", "--save-every", "1", "--save-dir", str(tmp_path)])
     folder = tmp_path / "step_00000001"
@@ -126,9 +128,8 @@ def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_
     (folder / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(UsageError, match=re.escape(said)):
         parse_args(["--model", "tiny"] + MOE + ["--resume", str(folder)], n)
-    proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "inspect", str(folder)], capture_output=True,
-                          text=True, timeout=60, cwd=REPO_ROOT)
-    assert proc.returncode == 2 and said in " ".join(proc.stderr.split()) and len(unwrapped(proc.stderr)) == 1, proc.stderr
+    code, err = checkpoint_main(["inspect", str(folder)]), capsys.readouterr().err
+    assert code == 2 and said in " ".join(err.split()) and len(unwrapped(err)) == 1, err
 
 
 @pytest.mark.timeout(300)
@@ -138,8 +139,8 @@ def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
     test_a_resumed_run_...): the first run's final model.npz (1e-9); ``minizero.checkpoint consolidate`` of step 4 is
     that model.npz, name for name."""
     flags = [a for a in BASE if a != "--no-save"] + MOE + ["--sample-tokens", "1"]
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *flags, "--out", str(tmp_path / "a"), "--ep", "2",
-           "--save-every", "2"]
+    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *flags, "--out", str(tmp_path / "a"),
+           "--ep", "2", "--save-every", "2"]
     done = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = []
