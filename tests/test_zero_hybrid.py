@@ -39,9 +39,10 @@ HYBRID = ("--dp-shard", str(N))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,extra", [(1, ()), (2, ()), (2, ("--no-overlap",)), (3, ())],
-                         ids=["zero1", "zero2", "zero2-no-overlap", "zero3"])
+@pytest.mark.parametrize("stage,extra", [(1, ()), (2, ()), (2, ("--no-overlap",))],
+                         ids=["zero1", "zero2", "zero2-no-overlap"])
 def test_hybrid_zero_equals_single_process(stage, extra):
+    """Stage 3: test_mpi_hybrid_zero3_equals_single_process (the same run and checks under mpiexec)."""
     for rank, got in enumerate(run_in_threads(D, zero_check.run, stage, MICRO, extra=HYBRID + extra)):
         assert_matches_hybrid(got, rank)
 
@@ -137,17 +138,18 @@ def test_bad_shard_degrees_are_refused_in_one_line(argv, said):
                                      (["--zero", "2", "--cp", "2", "--dp-shard", "1"], ["--zero", "1", "--cp", "2"])],
                          ids=["hybrid-to-plain", "plain-to-hybrid", "hybrid-cp-to-plain-cp"])
 def test_checkpoint_moves_between_hybrid_and_plain_layouts(src, dst, tmp_path):
-    """Saved at step 3 of 6, resumed on the other layout (4 data ranks, micro-batch 1): the last 3 steps equal the
+    """Saved at step 2 of 4, resumed on the other layout (4 data ranks, micro-batch 1): the last 2 steps equal the
     straight run of the saving layout (1e-9, as test_checkpoint's reshard); the hybrid save wrote each element once
-    (under --cp 2 the first shard group is data rank 0's 2 cp ranks, world ranks 0-1)."""
-    mb = ["--micro-batch-size", "1"]
-    straight = run_ckpt(D, F64 + mb + src + ["--save-every", "3", "--save-dir", str(tmp_path)])
-    resumed = run_ckpt(D, F64 + mb + dst + ["--resume", str(tmp_path / "step_00000003")])
-    assert resumed["start_step"] == 3
-    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-9)
+    (under --cp 2 the first shard group is data rank 0's 2 cp ranks, world ranks 0-1). 4 steps, not
+    test_checkpoint's 6: a resumed step from the loaded state and one from its own show all that 3 would."""
+    mb = ["--micro-batch-size", "1", "--steps", "4"]
+    straight = run_ckpt(D, F64 + mb + src + ["--save-every", "2", "--save-dir", str(tmp_path)])
+    resumed = run_ckpt(D, F64 + mb + dst + ["--resume", str(tmp_path / "step_00000002")])
+    assert resumed["start_step"] == 2
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][2:], rtol=0, atol=1e-9)
     for k, a in straight["params"].items():
         np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
-    saved = str(tmp_path / "step_00000003")
+    saved = str(tmp_path / "step_00000002")
     writers = {pc["rank"] for pc in read_manifest(saved)["pieces"]}
     assert writers == (set(range(N)) if "--dp-shard" in src else set(range(D)))  # the first shard group writes
     assert ("the first group writes" in describe(ShardReader(saved))) == ("--dp-shard" in src)
@@ -314,7 +316,7 @@ def test_hybrid_keeps_replicas_equal_and_norms_of_plain_zero(flags):
 
 
 def _norms_and_losses(comm, extra):
-    argv = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--micro-batch-size", "1", "--grad-accum", "2",
+    argv = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--micro-batch-size", "1", "--grad-accum", "1",
             "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--seed", "7", "--zero", "1", *extra]
     result = train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
     return np.array(result["grad_norms"]), np.array(result["train_losses"])
@@ -324,7 +326,8 @@ def _norms_and_losses(comm, extra):
 @pytest.mark.parametrize("model_parallel", [("--tp", "2"), ("--pp", "2")])
 def test_hybrid_with_model_parallelism_equals_plain_zero(model_parallel):
     """dp 4 x tp 2 or x pp 2, ZeRO-1: the norm summed over the world (tensor and pipeline ranks too) counts each
-    shard once; the losses and norms of plain ZeRO (float64)."""
+    shard once; the losses and norms of plain ZeRO (float64; one micro-batch of 1 per step: more add nothing to the
+    norm's sum over the groups)."""
     plain, hybrid = (run_in_threads(2 * D, _norms_and_losses, model_parallel + more)[-1] for more in ((), HYBRID))
     for got, want in zip(hybrid, plain):
         np.testing.assert_allclose(got, want, rtol=1e-9)
