@@ -31,7 +31,9 @@ CASES = {
     "tp2": (2, ["--tp", "2"]),
     "tp2-sequence-parallel": (2, ["--tp", "2", "--sequence-parallel"]),
     # GPipe's schedule is other data for the same engine (schedule.py): no case of its own
-    "pp2-1f1b": (2, ["--pp", "2", "--grad-accum", "2"]),
+    # blocking sends (one sendrecv per send and the next receive); the isends: pp2-interleaved, dp2-tp2-pp2 and the
+    # command line's pp2-isend-irecv
+    "pp2-1f1b-blocking": (2, ["--pp", "2", "--grad-accum", "2", "--no-overlap"]),
     "recompute-full": (1, ["--recompute", "full"]),
     "recompute-selective-dp2": (2, ["--recompute", "selective"]),
     "fp16": (1, ["--precision", "fp16", "--dtype", "float32"]),
