@@ -6,7 +6,6 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 from __future__ import annotations
 
 import json
-import math
 import tracemalloc
 
 from minizero import trace
@@ -145,10 +144,7 @@ class ExpertLoadCallback(Callback):
     totals in ``result.moe`` (summary.json ``moe``). The counts are the strategy's (``expert_load``)."""
 
     def on_step_end(self, run, step, rec):
-        if math.isnan(rec.norm):  # FP16 skipped it: no update, nothing counted (not even a first step's)
-            line = "experts: step skipped, its choices count with the next step's"
-        else:
-            line = run.strategy.expert_load.line()
+        line = run.strategy.expert_load.line()
         rec.notes = f"{rec.notes}  {line}" if rec.notes else line
 
     def on_train_end(self, run):

@@ -1,9 +1,10 @@
 """The one training loop: every strategy (dp, tp, pp, ZeRO, recompute, FP16, offload, 8-bit Adam).
 
 One step: ``strategy.forward_backward`` (m micro-batches, loss scaled by S), ``reduce_gradients``, the scaler's
-update (skip on any rank's overflow), norm = sqrt(``grad_norm_sq``)/S, ``step(lr, clip/S)``, ``zero_grad``. A
-skipped step advances neither Adam's t nor the LR schedule (as DeepSpeed's engine). Everything else is a callback at
-named points (:mod:`minizero.callbacks`; the main job's list: :func:`minizero.instrumentation.default_callbacks`).
+update (skip on any rank's overflow), norm = sqrt(``grad_norm_sq``)/S, ``step(lr, clip/S)`` (or ``skip_step``),
+``zero_grad``. A skipped step advances neither Adam's t nor the LR schedule (as DeepSpeed's engine). Everything
+else is a callback at named points (:mod:`minizero.callbacks`; the main job's list:
+:func:`minizero.instrumentation.default_callbacks`).
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
         norm = math.nan
         if skip:
             out.skipped_at.append(step)
+            s.skip_step()
         else:  # clipping on the unscaled global norm, folded with 1/scale into the update
             norm = math.sqrt(s.grad_norm_sq()) / scale
             check_finite_norm(step + 1, norm)  # the log's step number

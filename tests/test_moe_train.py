@@ -376,19 +376,48 @@ def test_the_strategy_seeds_the_aux_losses_through_the_moe_hook():
     assert run_in_threads(1, build, timeout=60)[0] == (1, {0.5})
 
 
+_SKIP_ARGV = ["--model", "tiny", "--eval-every", "0", "--eval-batches", "1", "--precision", "fp16",
+              "--moe-experts", "4", "--moe-bias-update", "0.01", "--moe-capacity-factor", "1.0"]
+
+
 @pytest.mark.timeout(120)
-def test_a_skipped_first_fp16_step_is_named_and_its_choices_count_with_the_next(monkeypatch, capsys):
+@pytest.mark.parametrize("skipped", [0, 1], ids=["first-step", "last-step"])
+def test_a_skipped_fp16_step_counts_its_choices_and_keeps_the_bias(monkeypatch, capsys, skipped):
     """Before: an FP16 overflow on the first step ended an MoE run with a TypeError (the progress line read the
-    expert load of a step never counted). A skipped step counts nothing; the next step counts both steps' choices."""
+    expert load of a step never counted), and a later skipped step's choices waited for the next step (lost by a
+    checkpoint between, never counted when the last step). Every step's choices count at that step."""
     from minizero.train import train as train_main
-    monkeypatch.setenv("MINIZERO_FAULT", "0:0:inf")  # the first step's gradients become inf: FP16 skips it
-    args = parse_args(["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--no-save",
-                       "--precision", "fp16", "--moe-experts", "4", "--progress", "log", "--log-every", "1"], 1)
+    monkeypatch.setenv("MINIZERO_FAULT", f"0:{skipped}:inf")  # that step's gradients become inf: FP16 skips it
+    args = parse_args([*_SKIP_ARGV, "--steps", "2", "--no-save", "--progress", "log", "--log-every", "1"], 1)
     result, = run_in_threads(1, lambda comm: train_main(args, comm, log=lambda s: None), timeout=100)
     out = capsys.readouterr().out
-    assert result["skipped_at"] == [0], out
-    assert "experts: step skipped, its choices count with the next step's" in out, out
-    assert re.search(r"experts \d+/\d+/\d+/\d+%  dropped", out), out  # the second step: counted
+    assert result["skipped_at"] == [skipped], out
+    lines = [ln for ln in out.splitlines() if re.search(r"experts \d+/\d+/\d+/\d+%  dropped", ln)]
+    assert len(lines) == 2 and ["(step skipped: routing bias kept)" in ln for ln in lines] == [
+        skipped == 0, skipped == 1], out
     per_step = args.batch_size * get_config("tiny").block_size * 2 * len(result.moe["layers"])  # x top-2 x blocks
-    counted = sum(sum(layer["tokens_per_expert"]) + layer["dropped"] for layer in result.moe["layers"].values())
+    counted = sum(sum(layer["tokens_per_expert"]) for layer in result.moe["layers"].values())  # dropped ones too
     assert counted == 2 * per_step, (counted, per_step)
+    load = result["strategy"].expert_load  # the bias moved once, by the applied step's counts alone
+    for i, layer in load.layers.items():
+        applied = load.last[i][:4] if skipped == 0 else load.total[i][:4] - load.last[i][:4]
+        assert np.array_equal(layer.bias, 0.01 * np.sign(applied.mean() - applied)), (i, layer.bias, applied)
+
+
+@pytest.mark.timeout(200)
+def test_a_resume_after_a_skipped_fp16_step_equals_the_straight_run(monkeypatch, tmp_path):
+    """Before: the skipped step's choices, not in the checkpoint, moved the straight run's next bias update only."""
+    def run(flags):
+        def rank(comm):
+            res = train(parse_args([*_SKIP_ARGV, "--steps", "4", "--progress", "none", "--lr", "1e-2", *flags],
+                                   comm.world_size), comm, log=lambda s: None)
+            biases = [m.bias.copy() for _, m in res["strategy"].stage.named_modules() if hasattr(m, "take_load")]
+            return {k: v.copy() for k, v in res["model"].state_dict().items()}, biases
+        return run_in_threads(1, rank, timeout=150)[0]
+    monkeypatch.setenv("MINIZERO_FAULT", "0:1:inf")  # the second step skipped, before the checkpoint at step 2
+    straight, straight_bias = run(["--save-every", "2", "--save-dir", str(tmp_path)])
+    monkeypatch.delenv("MINIZERO_FAULT")
+    resumed, resumed_bias = run(["--no-save", "--resume", str(tmp_path / "step_00000002")])
+    assert len(straight_bias) == 2 and all(np.array_equal(a, b) for a, b in zip(straight_bias, resumed_bias))
+    for name in straight:
+        assert np.array_equal(straight[name], resumed[name]), name

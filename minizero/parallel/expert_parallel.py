@@ -329,18 +329,19 @@ class ExpertLoad:
 
     ``layers``: this stage's ``{block index: MoELayer}``; ``counts_here``: whether this rank's counts
     are added (False on tensor ranks > 0, which route the same tokens). Attributes after a step:
-    ``last`` and ``total``: {block index: (E + 1,) counts then drops} of the last step and of the run.
-    A step FP16 skips runs no :meth:`after_step`: its choices count with the next step's.
+    ``last`` and ``total``: {block index: (E + 1,) counts then drops} of the last step and of the run;
+    ``applied``: whether the last step was applied (a step FP16 skips is counted, its bias update left out).
     """
 
     def __init__(self, layers: dict, all_layers: list, experts: int, top_k: int, world, counts_here: bool,
                  rate: float = 0.0):
         self.layers, self.all_layers, self.experts, self.top_k = layers, all_layers, experts, top_k
         self.world, self.counts_here, self.rate = world, counts_here, rate
-        self.last, self.total = {}, {i: np.zeros(experts + 1) for i in all_layers}
+        self.last, self.total, self.applied = {}, {i: np.zeros(experts + 1) for i in all_layers}, True
 
-    def after_step(self) -> None:
-        """Collective over the world: one all-reduce of (MoE layers, E + 1) float64."""
+    def after_step(self, applied: bool = True) -> None:
+        """Collective over the world: one all-reduce of (MoE layers, E + 1) float64; the bias update if ``applied``
+        (every step drains the counts, so a checkpoint after a skipped step holds none of them)."""
         table = np.zeros((len(self.all_layers), self.experts + 1))
         for row, i in enumerate(self.all_layers):
             if i in self.layers:
@@ -348,10 +349,11 @@ class ExpertLoad:
                 table[row] = load if self.counts_here else 0
         with self.world.traffic.op("moe_load"):
             table = backend.to_host(all_reduce(self.world, backend.to_device(table)))
+        self.applied = applied
         for row, i in enumerate(self.all_layers):
             self.last[i] = table[row]
             self.total[i] = self.total[i] + table[row]
-            if self.rate and i in self.layers:
+            if self.rate and applied and i in self.layers:
                 self.layers[i].update_bias(table[row, :self.experts], self.rate)
 
     @staticmethod
@@ -364,7 +366,8 @@ class ExpertLoad:
     def line(self) -> str:
         """The last step's load for a progress line: ``experts 26/24/25/25%  dropped 1.2%``."""
         f, drop = self.shares(self.last)
-        return f"experts {'/'.join(f'{100 * x:.0f}' for x in f)}%  dropped {100 * drop:.1f}%"
+        kept = "" if self.applied or not self.rate else " (step skipped: routing bias kept)"
+        return f"experts {'/'.join(f'{100 * x:.0f}' for x in f)}%  dropped {100 * drop:.1f}%{kept}"
 
     def summary(self) -> dict:
         """The run's totals: tokens per expert and drop rate, over all MoE layers and per layer."""

@@ -70,13 +70,14 @@ class Synchroniser(Protocol):
 
 
 class Strategy:
-    """One rank's part of a training layout, behind the six calls the training loop makes.
+    """One rank's part of a training layout, behind the seven calls the training loop makes.
 
     Attributes: topo; stage (the whole GPT when pp = 1); model (the whole GPT when tp = pp = 1, else None);
     engine; sync (the gradient synchroniser: ``reducer`` when overlapping); dp (the plain DataParallel the builder
     made, the given ``sync`` or what ``reducer`` reduces, else None); opt (the optimizer, which is ``sync`` under
     ZeRO); params (this rank's parameters); before_forward, after_backward, after_step (hook lists: a step's
-    backward seed per micro-batch before its forwards; after the gradients are reduced; after ``opt.step``).
+    backward seed per micro-batch before its forwards; after the gradients are reduced; after ``opt.step``, and
+    after a skipped step, with ``applied=False``).
     """
 
     def __init__(self, topo: Topology, stage: PipelineStage, model, engine: PipelineEngine, sync: Synchroniser, opt,
@@ -177,7 +178,13 @@ class Strategy:
         with trace.span("optimizer step", "optimizer"):
             self.opt.step(grad_scale=grad_scale)
         for hook in self.after_step:  # every rank, after each update (MoE: the step's expert load, the routing bias)
-            hook()
+            hook(applied=True)
+
+    def skip_step(self) -> None:
+        """A step the loss scaler skipped: no update; the after-step collectives still run (MoE: the load counted,
+        the routing bias kept), on every rank, as after an update."""
+        for hook in self.after_step:
+            hook(applied=False)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
