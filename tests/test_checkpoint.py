@@ -105,8 +105,9 @@ CASES = {
     "offload-nvme": (2, F64 + ["--offload-optimizer", "nvme"]),
     "dropout-recompute": (2, F64 + ["--dropout", "0.1", "--recompute", "full"]),
     "pruned": (2, F64 + ["--prune-sparsity", "0.5", "--prune-step", "1"]),
-    "cp2-zero3": (2, F64 + ["--cp", "2", "--zero", "3"]),  # before: its manifest was refused as damaged (no cp);
-    # ZeRO-3 over the 2 cp ranks of dp 1 (dp 2 x cp 2 on 4 ranks: the hybrid-cp case of tests/test_zero_hybrid.py)
+    # ZeRO-3 sharded over dp 2 x cp 2 (4 ranks: a shard group of data and context ranks, which no other checkpoint
+    # test saves; tests/test_zero_hybrid.py's hybrid-cp case shards ZeRO-2 over the cp ranks alone)
+    "cp2-zero3": (4, F64 + ["--cp", "2", "--zero", "3"]),  # before: its manifest was refused as damaged (no cp)
 }
 
 
