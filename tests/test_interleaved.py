@@ -201,4 +201,7 @@ def test_the_pictures_show_the_simulated_bubble(p, m, v, f, b):
     bars = sum(path.get_extents().width for coll in ax.collections for path in coll.get_paths())
     assert bars == pytest.approx(busy, abs=1e-9) and len(ax.collections) == 2 * m * v * p
     assert f"idle / busy = {float(want):.4g}" in ax.get_title()  # the drawn picture says it
+    cells = sorted(t.get_text() for t in ax.texts)  # each cell names its micro-batch and chunk, as the text does
+    assert cells == sorted(str(op)[1:] for stage in timeline for op, _, _ in stage) and "0.1" in cells
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["forward", "backward"]
     plt.close(fig)

@@ -285,26 +285,31 @@ def ascii_timeline(timeline, f: float = 1, b: float = 2, w: float = 1) -> str:
 
 
 def plot_timeline(timeline, path: str | None = None, title: str = "", f: float = 1, b: float = 2):
-    """Draw the timeline with matplotlib (F blue, B green, W orange), saved to ``path``; returns the Figure."""
+    """Draw the timeline with matplotlib, saved to ``path``; returns the Figure. Colours as the trace plots'
+    (``minizero.plots``): F blue, B orange, W brown; a cell reads its micro-batch, ``3.1`` on chunk 1."""
     import matplotlib
 
     if path is not None:
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    p = len(timeline)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * max(e for st in timeline for _, _, e in st)), 0.5 + 0.5 * p))
+    p, colors = len(timeline), {"F": "tab:blue", "B": "tab:orange", "W": "tab:brown"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * max(e for st in timeline for _, _, e in st)), 1.0 + 0.5 * p))
     for s, stage in enumerate(timeline):
         for op, start, end in stage:
-            color = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}[op.kind]
-            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=color, edgecolors="white")
-            ax.text((start + end) / 2, s, str(op.mb), ha="center", va="center", color="white", fontsize=8)
+            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=colors[op.kind], edgecolors="white")
+            ax.text((start + end) / 2, s, str(op)[1:], ha="center", va="center", color="white", fontsize=7)
+    kinds = {"F": "forward", "B": "backward" + (" (input gradients)" if any(
+        op.kind == "W" for st in timeline for op, _, _ in st) else ""), "W": "weight gradients"}
+    shown = [k for k in kinds if any(op.kind == k for st in timeline for op, _, _ in st)]
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in shown], [kinds[k] for k in shown],
+               loc="lower center", ncol=len(shown), fontsize=8, frameon=False)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time (slots; forward = {f}, backward = {b})")
     ax.set_title(title or f"bubble: idle / busy = {bubble_ratio(timeline):.4g} "
                           f"(idle share of the time {bubble_fraction(timeline):.4g})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 / (1.0 + 0.5 * p), 1, 1))  # the legend's row below the axis label
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
