@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from minizero.ledger import CATEGORIES, equal_ranks
+from minizero.ledger import CATEGORIES, equal_ranks, format_bytes
 
 plt = pytest.importorskip("matplotlib.pyplot")  # a dependency of pip install .; importorskip for --no-deps installs
 
@@ -78,6 +78,7 @@ def test_memory_figure_has_a_row_per_group_and_every_category():
         assert axes[0].get_title().startswith("ranks 0-3") and axes[2].get_title().startswith("ranks 4-7")
         names = [label.get_text() for label in axes[1].get_yticklabels()]
         assert sorted(names) == sorted(CATEGORIES)  # gradients and the zero categories too
+        assert axes[1].get_xlim() == axes[3].get_xlim()  # the peak bars of every row on one scale
         bars = {n: p.get_width() for n, p in zip(names, axes[1].patches)}
         assert bars["gradients"] == pytest.approx(3.0) and bars["offloaded"] == 0  # MiB
         notes = axes[0].get_title()  # in the title, not over the stack
@@ -158,7 +159,7 @@ def test_a_resumed_run_s_memory_peak_is_named_by_the_progress_log_s_step():
         fig = timeline_figure(t, ledgers=_ledgers(t), first_step=first)
         try:
             notes = fig.axes[0].get_title()
-            assert f"MiB at step {step}" in notes, notes
+            assert f"peak {format_bytes(int(t[0, 2].sum()))} at step {step}" in notes, notes  # the table's units
             assert fig.axes[0].get_xlim() == (first + 0.5, first + 5.5)  # 5 steps: half a step either side
         finally:
             plt.close(fig)

@@ -87,6 +87,7 @@ def timeline_figure(timeline, title: str = "", ledgers=None, first_step: int = 0
     x = np.arange(first_step + 1, first_step + t.shape[1] + 1)  # 1-based, as the progress log
     top = mib.sum(axis=2).max() * 1.06 or 1  # just above the tallest stack: the peak marker sits on it
     pad = max(0.5, 0.015 * len(x))  # a marker at the first or last step stays clear of the axis
+    widest = max(max(ledgers[r]["peak"][c] for c in CATEGORIES) for ranks in groups for r in ranks) / 2**20
     for (ax, bx), ranks in zip(axes, groups):
         r = ranks[0]
         used = [i for i, _ in enumerate(CATEGORIES) if mib[r, :, i].any()]
@@ -101,7 +102,7 @@ def timeline_figure(timeline, title: str = "", ledgers=None, first_step: int = 0
         absent = [c for i, c in enumerate(CATEGORIES) if own[i] and i not in used]
         # the notes go in the title, not over the stack, so the y-axis can end at the data
         ax.set_title(f"{_label(ranks)}: memory at each step's peak, stacked (colors as on the right)\n"
-                     f"\u25bc peak {total[k]:.2f} MiB at step {x[k]}"
+                     f"\u25bc peak {format_bytes(int(t[r, k].sum()))} at step {x[k]}"
                      # e.g. gradients: made during backward, as the activations that set the peak are freed
                      + (f"; not alive at the step's peak: {', '.join(absent)}" if absent else "")
                      + (f"\nsteps drawn: rank {r}'s; the others' differ by up to {format_bytes(apart)} in a category"
@@ -120,10 +121,10 @@ def timeline_figure(timeline, title: str = "", ledgers=None, first_step: int = 0
         ys = np.arange(len(CATEGORIES))[::-1]
         bx.barh(ys, np.divide(own, 2**20), color=[colors[c] for c in CATEGORIES])
         bx.set_yticks(ys, CATEGORIES, fontsize=8)
-        bx.set_xlim(0, max(own) / 2**20 * 1.5 or 1)
+        bx.set_xlim(0, widest * 1.5 or 1)  # one scale for every row: rows compare at a glance
         for y, v in zip(ys, own):
             bx.text(v / 2**20, y, f" {format_bytes(v)}", va="center", fontsize=7)
-        bx.set_title("each category's own peak over the run (MiB)", fontsize=9)
+        bx.set_title("each category's own peak over the run (axis in MiB)", fontsize=9)
         bx.tick_params(axis="x", labelsize=8)
     fig.suptitle((f"{title}\n" if title else "") + "ledger memory per rank by category (ranks with equal peaks and "
                  "end bytes share a row, as the memory table's columns)", fontsize=10)
