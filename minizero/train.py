@@ -26,7 +26,7 @@ from minizero.args import (MIN_COMM_TIMEOUT_S, UsageError, build_parser, check_f
                            check_steps_left, model_config, parse_args)
 from minizero.data import data_digest
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
-from minizero.checkpoint import CheckpointError
+from minizero.checkpoint import CheckpointError, checkpoint_digest
 from minizero.comm import CommTimeoutError, MPICommunicator
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.flight import CollectiveMismatchError, FlightRecorder, check_collectives, run_id
@@ -160,7 +160,8 @@ def _parse_everywhere(argv, comm, mpi_world):
         args = parse_args(argv, comm.world_size, quiet=comm.rank != 0)
         check_fault_spec(comm.world_size, args.steps, args.save_every, start=check_steps_left(args))
         inputs = data_digest(args.data)  # what this rank read under --data's name (each node has its own disk)
-    except UsageError as e:
+        inputs.update(checkpoint_digest(args.resume) if args.resume else {})  # and found under --resume's
+    except (UsageError, CheckpointError) as e:  # CheckpointError: --resume's changed since check_steps_left read it
         verdict = str(e)
     except SystemExit as e:  # --help
         verdict = e.code or 0

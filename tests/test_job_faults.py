@@ -229,6 +229,31 @@ def test_ranks_whose_data_differs_under_one_name_are_refused_before_work(mpiexec
     assert proc.stderr.count("error:") == 1 and (program != "train" or max(map(len, lines)) <= 120), proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_ranks_whose_resume_finds_different_checkpoints_under_one_name_are_refused_before_work(mpiexec, tmp_path):
+    """Each rank's own disk, one --resume name: rank 0 finds step 2, rank 1 step 1. The ranks trained from different
+    states and failed at the end (a mismatched replica check, or a hang to --comm-timeout without it)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import mpi_env
+
+    train = [sys.executable, "-m", "minizero.train", "--model", "tiny", "--progress", "none"]
+    subprocess.run([*train, "--steps", "2", "--save-every", "1", "--save-dir", str(tmp_path / "d0" / "ck"),
+                    "--out", str(tmp_path / "o")], env=mpi_env(), check=True, capture_output=True, timeout=100)
+    shutil.copytree(tmp_path / "d0", tmp_path / "d1")
+    shutil.rmtree(tmp_path / "d1" / "ck" / "step_00000002")
+    (tmp_path / "d1" / "ck" / "latest").write_text("step_00000001\n")
+    resume = [*train, "--steps", "3", "--no-save", "--resume", "ck"]
+    proc = subprocess.run([mpiexec, "-n", "1", "-wdir", str(tmp_path / "d0"), *resume, ":",
+                           "-n", "1", "-wdir", str(tmp_path / "d1"), *resume],
+                          env=mpi_env(), capture_output=True, text=True, timeout=100)
+    said = " ".join(line.strip() for line in proc.stderr.splitlines())
+    assert proc.returncode == 2 and "--resume 'ck' differs between the ranks: step_00000002, manifest SHA-256" in said
+    assert "on rank 0; step_00000001, manifest SHA-256" in said and "Traceback" not in said, proc.stderr
+
+
 def _sha(path):
     import hashlib
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]

@@ -9,14 +9,14 @@ import dataclasses
 
 from safetensors import SafetensorError
 
-from minizero.checkpoint.format import (CheckpointError, checkpoint_holding, clean_partial, read_manifest, resolve,
-                                        verify)
+from minizero.checkpoint.format import (CheckpointError, checkpoint_digest, checkpoint_holding, clean_partial,
+                                        read_manifest, resolve, verify)
 from minizero.checkpoint.load import ShardReader, full_tensor, restore
 from minizero.checkpoint.save import save_checkpoint
 from minizero.ledger import wrap
 
 __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "checkpoint_holding", "full_tensor", "manifest_state",
-           "read_manifest", "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
+           "checkpoint_digest", "read_manifest", "resolve", "restore", "save_checkpoint", "verify", "run_layout"]
 
 
 def run_layout(args) -> dict:

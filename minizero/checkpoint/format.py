@@ -139,6 +139,19 @@ def resolve(path: str) -> str:
     return found[-1]
 
 
+def checkpoint_digest(path: str) -> dict:
+    """``{"--resume PATH": "step_00000002, manifest SHA-256 0123456789ab"}``: the checkpoint :func:`resolve` finds
+    under ``path``, for the ranks to compare (:func:`minizero.flags.inputs_refusal`; node-local disks may hold
+    different ones under one name); the manifest lists every shard's SHA-256, so its digest covers the shards.
+    Raises CheckpointError (as :func:`resolve`; an unreadable manifest)."""
+    folder = resolve(path)
+    try:
+        digest = sha256(os.path.join(folder, MANIFEST))[:12]
+    except OSError as e:
+        raise CheckpointError(f"{os.path.join(folder, MANIFEST)}: cannot be read ({clipped(e, 90)})") from None
+    return {f"--resume {path!r}": f"{os.path.basename(os.path.normpath(folder))}, manifest SHA-256 {digest}"}
+
+
 def read_manifest(folder: str) -> dict:
     """The parsed ``manifest.json`` of ``folder``, its format and version checked.
 
