@@ -57,22 +57,25 @@ def builtin_corpus() -> str:
 def load_tokens(path: str | None = None) -> np.ndarray:
     """Tokens (uint8, (n,)) of the text file ``path``, or of the built-in corpus when None.
 
-    Raises FileNotFoundError: ``path`` missing; ValueError: empty or not UTF-8 text.
+    Raises FileNotFoundError: ``path`` missing; ValueError: empty, not UTF-8 text, or larger than memory.
     """
     if path is None:
         return encode(builtin_corpus())
     what = describe_non_file(path)
     if what:
         raise (FileNotFoundError if what == ": no such file" else ValueError)(f"--data {path!r}{what}")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw:
-        raise ValueError(f"--data {path!r} is empty")
     try:
-        raw.decode("utf-8")
+        tokens = np.fromfile(path, dtype=np.uint8)  # read straight into the array: one copy of the file
+        if not tokens.size:
+            raise ValueError(f"--data {path!r} is empty")
+        if tokens.max() >= 0x80:  # ASCII is UTF-8; else decode the array's own bytes (a str, dropped at once)
+            str(tokens.data, "utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"--data {path!r} is not UTF-8 text ({e})") from None
-    return np.frombuffer(raw, dtype=np.uint8).copy()
+    except MemoryError:
+        raise ValueError(f"--data {path!r} has {os.path.getsize(path):,} bytes, more than this process can hold: "
+                         "every rank reads the file whole, so it must fit in each rank's memory") from None
+    return tokens
 
 
 def data_digest(path: str | None) -> dict:

@@ -179,20 +179,35 @@ class WatchedStdout:
         return getattr(self.inner, name)
 
 
-def watch_stdout() -> None:
+def watch_stdout(tool: str = "minizero") -> None:
     """Wrap ``sys.stdout`` in :class:`WatchedStdout` (a program's ``__main__`` only), each line one write (under
-    ``PYTHONUNBUFFERED`` print wrote text and newline apart, and MPICH's launcher put other ranks' lines between)."""
+    ``PYTHONUNBUFFERED`` print wrote text and newline apart, and MPICH's launcher put other ranks' lines between),
+    any text printable (``PYTHONIOENCODING=ascii``: a sample's U+FFFD shows as ``\\ufffd``, UTF-8 unchanged).
+    Stdout closed (``>&-``, ``sys.stdout`` None): one line on stderr, exit 2 before any work (a file opened later
+    would get descriptor 1, and whatever writes to stdout would write into it)."""
+    if sys.stdout is None:
+        print(error_lines(f"python -m {tool}", "standard output is closed (>&-); send it to a file or to /dev/null "
+                                               "(> /dev/null)"), file=sys.stderr)
+        raise SystemExit(2)
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is getattr(sys, f"__{name}__") and getattr(stream, "write_through", False):  # not a test's capture
             stream.reconfigure(write_through=False, line_buffering=True)
+    if sys.stdout is sys.__stdout__ and hasattr(sys.stdout, "reconfigure"):  # stderr's default already is this
+        sys.stdout.reconfigure(errors="backslashreplace")
     if not isinstance(sys.stdout, WatchedStdout):
         sys.stdout = WatchedStdout(sys.stdout)
 
 
 def stdout_unwritable(e: BaseException) -> bool:
-    """True when ``e`` is what writing standard output raised (> /dev/full, a full disk): not a bug."""
+    """True when ``e`` is what writing standard output raised (> /dev/full, a full disk): not a bug. Not for its
+    reader gone (:func:`stdout_reader_gone`), which ends a program quietly."""
     return e is WatchedStdout.failed and not isinstance(e, BrokenPipeError)
+
+
+def stdout_reader_gone(e: BaseException) -> bool:
+    """True when ``e`` is the BrokenPipeError writing standard output raised: its reader went away (``| head``)."""
+    return e is WatchedStdout.failed and isinstance(e, BrokenPipeError)
 
 
 def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False) -> int:
@@ -202,7 +217,7 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
     ``guarded``: ``main`` installs the handlers itself when its set-up ends (:func:`guard_set_up`)."""
     if not guarded:
         Interrupts.install()
-    watch_stdout()
+    watch_stdout(tool)
     try:
         code = main(argv)
         Interrupts.check()  # an interrupt dropped in a weakref callback is still an interrupt

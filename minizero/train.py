@@ -35,7 +35,8 @@ from minizero.debug.replicas import ReplicaMismatchError
 from minizero.comm.nodes import NodeTrafficCommunicator
 from minizero.files import FolderLock, WriteError, lock_outputs, release_all
 from minizero.instrumentation import Interrupts
-from minizero.interrupts import Terminated, end_set_up, guard_set_up, stdout_unwritable, watch_stdout
+from minizero.interrupts import (Terminated, end_set_up, guard_set_up, stdout_reader_gone, stdout_unwritable,
+                                 watch_stdout)
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
 from minizero.memory.offload import OffloadError, ram_backed
@@ -337,6 +338,14 @@ def main(argv=None) -> int:
             if comm.world_size > 1:  # one process has no peer to stop (MPICH would add an "Abort(130)" line)
                 comm.abort(code)
             return code
+        if stdout_reader_gone(e):  # | head -2: the Unix way, no traceback, 141 = 128 + SIGPIPE; the abort ends every
+            # rank now. One line, as the run ended early (the tools, whose product is their output, end quietly, 0)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the exit's flush of stdout goes nowhere, quietly
+            _write_stderr(wrapped(f"[rank {rank}] minizero.train stopped: standard output's reader went away (broken "
+                                  "pipe); files already written are left as they were") + "\n")
+            if comm.world_size > 1:
+                comm.abort(141)
+            return 141
         full = stdout_unwritable(e)  # > /dev/full: print's OSError is no bug
         text = (f"[rank {rank}] minizero.train failed: cannot write standard output ({e.strerror or e}); "
                 "files already written are left as they were\n" if full else failure_text(e, rank, MPI.Exception))
@@ -353,5 +362,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    watch_stdout()
+    watch_stdout("minizero.train")
     sys.exit(main())

@@ -888,3 +888,22 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
     monkeypatch.setenv("MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", "abc")  # before: a traceback at import, even --help
     with pytest.raises(UsageError, match="MINIZERO_SMALL_ALLREDUCE_MAX_BYTES='abc'; allowed: an integer >= -1"):
         parse_args([*TINY, "--out", str(tmp_path / "o")])
+
+
+def test_data_larger_than_memory_is_a_usage_error(tmp_path, monkeypatch):
+    """A --data file larger than memory: before, a MemoryError traceback and then "error: MemoryError: " (train,
+    finetune and quantize read it through load_tokens)."""
+    import numpy as np
+
+    from minizero.data import load_tokens
+
+    text = tmp_path / "big.txt"
+    text.write_text("hello world\n" * 1000)
+    assert bytes(load_tokens(str(text))) == text.read_bytes()  # read once, into the array
+
+    def no_room(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(np, "fromfile", no_room)
+    with pytest.raises(UsageError, match=re.escape(f"--data {str(text)!r} has 12,000 bytes, more than this process "
+                                                   "can hold: every rank reads the file whole, so it must fit")):
+        parse_args(["--model", "tiny", "--data", str(text)])

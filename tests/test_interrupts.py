@@ -372,3 +372,55 @@ def test_each_printed_line_is_one_write_under_pythonunbuffered(monkeypatch):
     assert streams["stdout"].buffer.writes == [b"[rank 1] [stage 1] act mb0 (2, 16, 16) <\xe2\x94\x80\xe2\x94\x80 "
                                                b"stage 0\n"]
     assert streams["stderr"].buffer.writes == [b"error: one line\n"]
+
+
+def test_closed_stdout_is_one_line_and_exit_2_before_any_work(monkeypatch, capsys):
+    """``python -m minizero.X >&-`` (every tool, through interruptible): before, watch_stdout wrapped None and each
+    print raised AttributeError (tracebacks, exit 120)."""
+    from minizero.interrupts import watch_stdout
+
+    monkeypatch.setattr(sys, "stdout", None)
+    ran = []
+    with pytest.raises(SystemExit) as stop:
+        interruptible("minizero.plan", "nothing", lambda argv: ran.append(1) or 0)
+    assert stop.value.code == 2 and ran == []
+    assert capsys.readouterr().err == ("python -m minizero.plan: error: standard output is closed (>&-); send it to "
+                                       "a file or to /dev/null (> /dev/null)\n")
+    with pytest.raises(SystemExit):
+        watch_stdout("minizero.train")  # the main job's __main__ (below)
+
+
+@pytest.mark.timeout(120)
+def test_main_job_with_closed_stdout_or_its_reader_gone_says_one_line():
+    """``>&-``: exit 2, one line. ``| head -2``: before, "minizero.train failed: BrokenPipeError" and a traceback
+    through progress.py, exit 1; now one line and 141 (128 + SIGPIPE)."""
+    cmd = [sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--no-save"]
+    closed = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=100,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2 and closed.stderr.startswith("python -m minizero.train: error: standard output "
+                                                               "is closed"), closed.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env=mpi_env())
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=100) == 141 and "Traceback" not in err, err
+    assert " ".join(err.split()) == ("[rank 0] minizero.train stopped: standard output's reader went away (broken "
+                                     "pipe); files already written are left as they were")
+
+
+@pytest.mark.parametrize("encoding,shown", [("ascii", b"sample: a\\ufffdb\n"), ("latin-1", b"sample: a\\ufffdb\n"),
+                                            ("utf-8", "sample: a\ufffdb\n".encode())])
+def test_any_stdout_encoding_prints_the_sample(monkeypatch, encoding, shown):
+    """``PYTHONIOENCODING=ascii python -m minizero.train``: before, it trained, wrote its files, then raised
+    UnicodeEncodeError printing the sample (U+FFFD); a UTF-8 terminal shows what it showed."""
+    import io
+
+    from minizero.interrupts import watch_stdout
+
+    stream = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "__stdout__", stream)
+    watch_stdout()
+    print("sample: a\ufffdb")
+    sys.stdout.flush()
+    assert stream.buffer.getvalue() == shown
