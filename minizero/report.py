@@ -79,6 +79,23 @@ def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
     return out
 
 
+def validation_lines(args, result) -> list[str]:
+    """The report's validation loss line (one line), then why it sits below the training loss, wrapped at 100
+    columns, when it does. A resumed run's time and tokens/s are this run's steps only, and it says so."""
+    val0, val = result["val_history"][0][1], result["val_history"][-1][1]
+    ran = len(result["train_losses"])
+    timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
+    lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
+             f"{args.steps} steps" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
+    recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
+    if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
+        lines += wrap(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} "
+                      "steps after warmup) because the held-out slice is the end of the text (its last 10%; "
+                      + ("--data's file" if args.data else "the Python language reference that ships with CPython")
+                      + "), which is easier to predict than the rest: not a leak")
+    return lines
+
+
 def _json_safe(x):
     """``x`` with NaN/inf floats as None, so the summary is strict JSON (a skipped FP16 step has no norm)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -100,18 +117,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         FloatingPointError: a weight is inf/NaN (nothing is written; the previous file stays).
     """
     model, cfg = result["model"], result["config"]
-    val0, val = result["val_history"][0][1], result["val_history"][-1][1]
+    val = result["val_history"][-1][1]
     def say(text):  # prose, wrapped at 100 columns
         print("\n".join(wrap(text)))
     print()
-    print(f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-          f"{args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")  # one line
-    recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
-    if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
-        say(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
-            "after warmup) because the held-out slice is the end of the text (its last 10%; "
-            + ("--data's file" if args.data else "the Python language reference that ships with CPython")
-            + "), which is easier to predict than the rest: not a leak")
+    print("\n".join(validation_lines(args, result)))
     if args.precision == "fp16":
         scales = result["loss_scales"]
         say(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
