@@ -23,7 +23,7 @@ from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
 from minizero.numerals import significant
 from minizero.parallel.strategy import TRAFFIC_KINDS
-from minizero.plots import MISSING, plot_losses
+from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
 from minizero.weights import SIDECAR, write_model_json
 from minizero.zero import shards_parameters
@@ -287,9 +287,10 @@ def _draw_pictures(args, result, stats, run: str) -> tuple[list[str], str | None
     if result.module_peaks is not None:
         memory, path = draw_memory(args.out, result["memory_timeline"], ledgers=stats, first_step=result.start_step,
                                    title=textwrap.fill(run, 110))
+    steps = steps_drawn(result.start_step, len(result["train_losses"]), args.steps)  # a resumed run's own steps
     loss = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                       result["skipped_at"], textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}",
-                                                           100), first_step=result.start_step)
+                       result["skipped_at"], textwrap.fill(f"{run}; {steps}, global batch {args.batch_size}", 100),
+                       first_step=result.start_step)
     if loss == MISSING and memory == INSTALL_HINT:
         return [NO_PLOTS], path
     return [loss] + ([memory] if memory else []), path

@@ -43,3 +43,16 @@ def test_only_the_built_in_corpus_is_said_to_end_easier():
     own = " ".join(" ".join(_lines([5.0] * 20, 4.5, data="mine.txt")[1:]).split())
     assert "last 10% of --data's file" in own and "because" not in own and "not a leak" not in own, own
     assert _lines([5.0] * 20, 5.0)[1:] == [] and _lines([5.0] * 5, 4.0, warmup=10)[1:] == []  # none after warmup
+
+
+def test_a_resumed_run_s_loss_plot_title_names_the_steps_it_draws(tmp_path, monkeypatch):
+    """Resumed at step 10 of 20, loss.png draws steps 11-20: its title said '20 steps'."""
+    import minizero.report as report
+    titles = []
+    monkeypatch.setenv("MINIZERO_PLOTS", "1")
+    monkeypatch.setattr(report, "plot_losses", lambda path, losses, val, skipped, title, **kw: titles.append(title))
+    for start in (0, 10):
+        args = TrainConfig(model="tiny", steps=20, out=str(tmp_path), batch_size=2)
+        report._draw_pictures(args, TrainResult(train_losses=[5.0] * (20 - start), start_step=start), [], "run")
+    assert titles == ["run; 20 steps, global batch 2",
+                      "run; steps 11-20 of 20 (resumed from step 10), global batch 2"], titles
