@@ -245,6 +245,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     if args.prune_sparsity and not 0 <= args.prune_step < args.steps:
         raise UsageError(f"--prune-step must be in [0, steps={args.steps}) (the steps trained dense before the masks "
                          f"are made), got {args.prune_step}")
+    args.derived = tuple(k for k in ("batch_size", "warmup", "min_lr") if vars(args)[k] is None)  # for notes
     per_step = args.micro_batch_size * dp
     if args.batch_size is not None:
         if args.batch_size % per_step:

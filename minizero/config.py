@@ -3,8 +3,9 @@
 The command line (:mod:`minizero.flags`, one ``add_argument`` per flag) is the one table of flags and
 their defaults; each flag has one field here of the same name, whose default is read from that table,
 so adding a flag is one table entry plus one field. :func:`minizero.args.parse_args` fills the fields
-the flags leave open (dp/tp/pp, grad_accum, batch_size, warmup, min_lr, json, save_dir, comm) and
-``world_size``; the loop, the strategy and the report read attributes, never ``getattr`` with a default.
+the flags leave open (dp/tp/pp, grad_accum, batch_size, warmup, min_lr, json, save_dir, comm),
+``world_size`` and ``derived`` (which of those it computed); the loop, the strategy and the report read
+attributes, never ``getattr`` with a default.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class TrainConfig:
     resume: str | None = _D["resume"]
     # filled by parse_args
     world_size: int = 1
+    derived: tuple = ()  # of batch_size, warmup, min_lr: those parse_args computed, their flag not given
 
     def hybrid_sharding(self) -> bool:
         """Whether ZeRO shards over groups of --dp-shard data ranks and replicates across them (zero/hybrid.py)."""

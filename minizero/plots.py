@@ -15,6 +15,15 @@ SMOOTH = 20  # steps in the running mean drawn over the training loss
 MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install matplotlib)"
 
 
+def steps_drawn(first_step: int, drawn: int, steps: int) -> str:
+    """The title's words for the steps :func:`loss_figure` draws: ``'20 steps'``, or where a run resumed (or
+    stopped early) draws only its own, ``'steps 11-20 of 20 (resumed from step 10)'``."""
+    if first_step == 0 and drawn == steps:
+        return f"{steps} steps"
+    return (f"steps {first_step + 1}-{first_step + drawn} of {steps}"
+            + (f" (resumed from step {first_step})" if first_step else ""))
+
+
 def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str = "", first_step: int = 0) -> str:
     """Write a PNG of the loss curves to ``path``; returns the line to print about it.
 

@@ -21,8 +21,9 @@ from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.monitor import draw_memory, report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
+from minizero.numerals import significant
 from minizero.parallel.strategy import TRAFFIC_KINDS
-from minizero.plots import MISSING, plot_losses
+from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
 from minizero.weights import SIDECAR, write_model_json
 from minizero.zero import shards_parameters
@@ -79,6 +80,33 @@ def gather_stats(comm, process_peak: int, by_kind: dict) -> list[dict]:
     return out
 
 
+def validation_lines(args, result) -> list[str]:
+    """The report's validation loss line (one line), then why it sits below the training loss, wrapped at 100
+    columns, when it does. A resumed run's time and tokens/s are this run's steps only, and it says so."""
+    val0, val = result["val_history"][0][1], result["val_history"][-1][1]
+    ran = len(result["train_losses"])
+    timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
+    lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
+             f"{args.steps} steps" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
+    recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
+    if not recent or val >= statistics.median(recent):  # the median: a spike in the window does not move it
+        return lines
+    median = statistics.median(recent)
+    half = len(recent) // 2  # the median lags a falling loss by about how far it fell from one half to the other
+    fell = statistics.median(recent[:half]) - statistics.median(recent[half:]) if half else 0.0
+    said = f"  below the training loss ({median:.4f}, median of the last {len(recent)} steps after warmup)"
+    if val >= median - fell:
+        said += (f": the loss fell {significant(fell)} over those steps (their first half's median to their "
+                 "second's), so their median lags the model validated after the last one")
+    elif args.data:  # the user's text: nothing is known about its end
+        said += ("; the held-out slice is the last 10% of --data's file: an end easier to predict than the rest, "
+                 "or passages repeated from the part trained on, would put it there")
+    else:  # the built-in corpus: its end is easier, and a falling loss does not explain the gap
+        said += (" because the held-out slice is the end of the text (its last 10%; the Python language reference "
+                 "that ships with CPython), which is easier to predict than the rest: not a leak")
+    return lines + wrap(said)
+
+
 def _json_safe(x):
     """``x`` with NaN/inf floats as None, so the summary is strict JSON (a skipped FP16 step has no norm)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -100,18 +128,11 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
         FloatingPointError: a weight is inf/NaN (nothing is written; the previous file stays).
     """
     model, cfg = result["model"], result["config"]
-    val0, val = result["val_history"][0][1], result["val_history"][-1][1]
+    val = result["val_history"][-1][1]
     def say(text):  # prose, wrapped at 100 columns
         print("\n".join(wrap(text)))
     print()
-    print(f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-          f"{args.steps} steps, {result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s")  # one line
-    recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
-    if recent and val < statistics.median(recent):  # the median: a spike in the window does not move it
-        say(f"  below the training loss ({statistics.median(recent):.4f}, median of the last {len(recent)} steps "
-            "after warmup) because the held-out slice is the end of the text (its last 10%; "
-            + ("--data's file" if args.data else "the Python language reference that ships with CPython")
-            + "), which is easier to predict than the rest: not a leak")
+    print("\n".join(validation_lines(args, result)))
     if args.precision == "fp16":
         scales = result["loss_scales"]
         say(f"fp16: loss scale {scales[-1]:g} used at the last step (started {scales[0]:g}, lowest {min(scales):g}); "
@@ -266,9 +287,10 @@ def _draw_pictures(args, result, stats, run: str) -> tuple[list[str], str | None
     if result.module_peaks is not None:
         memory, path = draw_memory(args.out, result["memory_timeline"], ledgers=stats, first_step=result.start_step,
                                    title=textwrap.fill(run, 110))
+    steps = steps_drawn(result.start_step, len(result["train_losses"]), args.steps)  # a resumed run's own steps
     loss = plot_losses(os.path.join(args.out, "loss.png"), result["train_losses"], result["val_history"],
-                       result["skipped_at"], textwrap.fill(f"{run}; {args.steps} steps, global batch {args.batch_size}",
-                                                           100), first_step=result.start_step)
+                       result["skipped_at"], textwrap.fill(f"{run}; {steps}, global batch {args.batch_size}", 100),
+                       first_step=result.start_step)
     if loss == MISSING and memory == INSTALL_HINT:
         return [NO_PLOTS], path
     return [loss] + ([memory] if memory else []), path

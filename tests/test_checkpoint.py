@@ -811,6 +811,29 @@ def test_a_resume_on_another_text_says_so(saved, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_names_a_flag_only_where_the_user_gave_it(saved):
+    """Saved on 2 ranks (global batch 4), resumed on 1 without --batch-size: the note said '--batch-size 2 differs',
+    a flag nobody typed; the derived batch says where it comes from. Given, the flag is named."""
+    logs = []
+
+    def resume(comm, extra):
+        args = parse_args(BASE + F64 + ["--steps", "3", "--resume", str(saved)] + extra, comm.world_size)
+        return train(args, comm, log=logs.append)["start_step"]
+
+    assert run_in_threads(1, resume, [], timeout=60) == [2]
+    said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
+    assert "--batch-size 2" not in said, logs
+    assert ("note: global batch 2 (micro-batch size 2 x 1 data rank(s) x grad-accum 1, --batch-size not given) "
+            "differs from the checkpoint's 4") in said, logs
+    logs.clear()
+    assert run_in_threads(1, resume, ["--batch-size", "2"], timeout=60) == [2]
+    assert "note: --batch-size 2 differs from the checkpoint's 4" in " ".join(" ".join(logs).split()), logs
+    from minizero.checkpoint import _derived  # the other fields parse_args derives: --steps 300's warmup
+    warmup = _derived(parse_args(["--steps", "300"]), "warmup")
+    assert warmup == "warmup 30 (--steps 300 / 10, at least 10, --warmup not given)", warmup
+
+
+@pytest.mark.timeout(120)
 def test_a_resume_with_another_weight_decay_or_grad_clip_says_so(saved):
     """Both are in the manifest's train section beside --lr, whose change is noted: theirs went unsaid."""
     logs = []

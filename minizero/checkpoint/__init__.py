@@ -54,6 +54,17 @@ def _as_typed(key: str, value, flag: bool = True) -> str:
     return f"--{key.replace('_', '-')} {value}" if flag else f"{value}"
 
 
+def _derived(args, key: str) -> str:
+    """A field the user did not give, as parse_args derived it: ``global batch 2 (micro-batch size 2 x 1 data
+    rank(s) x grad-accum 1, --batch-size not given)``; ``key``: batch_size, warmup or min_lr."""
+    a = args
+    value, source = {"batch_size": ("global batch", f"micro-batch size {a.micro_batch_size} x {a.dp} data rank(s) x "
+                                                    f"grad-accum {a.grad_accum}"),
+                     "warmup": ("warmup", f"--steps {a.steps} / 10, at least 10"),
+                     "min_lr": ("min-lr", f"--lr {a.lr} / 10")}[key]
+    return f"{value} {vars(args)[key]} ({source}, --{key.replace('_', '-')} not given)"
+
+
 class Checkpointer:
     """The training loop's view of checkpoints: ``resume(strategy, scaler)`` at the start,
     ``maybe_save`` after each step. ``text``: ``'465,123 bytes, SHA-256 0123456789ab'`` of the training text, from
@@ -96,7 +107,8 @@ class Checkpointer:
                     "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
             now, was = vars(self.args)[key], man["train"].get(key)
             if key in man["train"] and was != now:  # absent in older manifests: unknown
-                lines.append(f"note: {_as_typed(key, now)} differs from the checkpoint's {_as_typed(key, was, False)}: "
+                said = _derived(self.args, key) if key in self.args.derived else _as_typed(key, now)
+                lines.append(f"note: {said} differs from the checkpoint's {_as_typed(key, was, False)}: "
                              "the continuation is not the uninterrupted run's")
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
