@@ -353,7 +353,7 @@ def differing_flags(every_flags, shown: int = 3) -> list[str]:
     for part in range(len(every_flags[0])):
         for name in every_flags[0][part]:
             values = [repr(f[part].get(name)) for f in every_flags]  # repr: a NaN equals a NaN
-            if len(set(values)) > 1 and name not in (n for n, _ in names):
+            if len(set(values)) > 1 and name != "derived" and name not in (n for n, _ in names):  # derived: a note
                 names.append((name, values))
     out = []
     for name, values in names:

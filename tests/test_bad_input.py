@@ -293,8 +293,9 @@ def test_differing_flags_names_the_given_flags_first_then_derived_ones():
 
     given = [{"tp": 2, "lr": float("nan"), "steps": 3}, {"tp": None, "lr": float("nan"), "steps": 3},
              {"tp": None, "lr": float("nan"), "steps": 3}]
-    resolved = [{"dp": 1, "tp": 2, "lr": float("nan")}, {"dp": 3, "tp": 1, "lr": float("nan")},
-                {"dp": 3, "tp": 1, "lr": float("nan")}]
+    resolved = [{"dp": 1, "tp": 2, "lr": float("nan"), "derived": ()},  # derived: which notes name a flag, no flag
+                {"dp": 3, "tp": 1, "lr": float("nan"), "derived": ("warmup",)},
+                {"dp": 3, "tp": 1, "lr": float("nan"), "derived": ("warmup",)}]
     assert differing_flags(list(zip(given, resolved))) == [  # NaN equals NaN; ranks 1-2 as one group
         "--tp: 2 on rank 0, not given on ranks 1, 2", "--dp: 1 on rank 0, 3 on ranks 1, 2"]
     env = [({}, {}, {"MINIZERO_X": 0}), ({}, {}, {"MINIZERO_X": 1})]  # a variable keeps its name
