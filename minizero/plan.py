@@ -1,13 +1,13 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
-Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 only without pipelining), recompute,
-sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep dividing dp and
-the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep GPUs fit a
-node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
-sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first
-(equal step times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one.
-Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value
-and what is allowed. Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
+Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 without pipelining or sequence parallelism, as in
+training), recompute, sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep
+dividing dp and the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep
+GPUs fit a node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
+sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first (equal step
+times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one. Sizes need a unit
+(``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value and what is allowed.
+Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
 """
 
 from __future__ import annotations
