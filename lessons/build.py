@@ -23,8 +23,13 @@ import pathlib
 import sys
 import time
 
-import jinja2
-import jinja2.meta
+try:
+    import jinja2
+    import jinja2.meta
+except ModuleNotFoundError as e:  # a plain `pip install .` has no extras: one line, not a traceback
+    print(f"lessons/build.py: needs {e.name}, which pyproject's test extra installs: pip install -e \".[test]\"",
+          file=sys.stderr)
+    sys.exit(2)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "lessons" / "templates"

@@ -133,6 +133,12 @@ def document_ends(tokens: np.ndarray) -> np.ndarray:
     return np.flatnonzero(tokens == DOCUMENT_SEPARATOR)
 
 
+def count_documents(tokens: np.ndarray) -> int:
+    """Documents in ``tokens``: one per byte 0x03, plus the text after the last one (1 without any 0x03)."""
+    ends = document_ends(tokens)
+    return ends.size + int(ends.size == 0 or ends[-1] < tokens.size - 1)
+
+
 def global_batch(tokens: np.ndarray, step: int, batch: int, block_size: int, seed: int, ends=None):
     """Step ``step``'s global batch, seeded by (seed, step): (x, y) of (batch, block_size) int64, y = x shifted by one.
 

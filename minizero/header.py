@@ -1,6 +1,8 @@
 """The lines rank 0 prints before training: layout, model, precision, batch, ZeRO, pipeline (a loop callback)."""
 from __future__ import annotations
 
+import os
+
 from minizero import backend
 from minizero.callbacks import Callback
 from minizero.debug.replicas import has_replicas
@@ -41,12 +43,16 @@ def device_description() -> str:
     return f"{cpu}, {name} {blas.get('version', '?')}{kernel}, {threads} thread{'s' * (threads != 1)} per rank)"
 
 
-def documents_description(args) -> str:
-    """The header's words for --pack / --pad."""
+def documents_description(args, documents: int) -> str:
+    """The header's words for the text (``--data``'s file and size) and its ``documents``, --pack / --pad."""
+    text = f"--data {args.data!r} ({os.path.getsize(args.data):,} bytes)" if args.data else "the embedded corpus"
+    if documents == 1:  # it said "documents (ended by byte 0x03) packed" of a file with none
+        pads = "; --pad pads nothing" if args.documents == "pad" else ""
+        return f"{text}: one document (no 0x03 byte splits it){pads}"
     if args.documents == "pad":
-        return ("documents (ended by byte 0x03) padded (--pad): each window stops at its document's end, padding "
-                "targets ignored, the loss normalised by the real targets of the global batch")
-    return "documents (ended by byte 0x03) packed (--pack): windows run across them"
+        return (f"{text}: {documents:,} documents (ended by byte 0x03) padded (--pad): each window stops at its "
+                "document's end, padding targets ignored, the loss normalised by the real targets of the global batch")
+    return f"{text}: {documents:,} documents (ended by byte 0x03) packed (--pack): windows run across them"
 
 
 def run_techniques(args) -> str:
@@ -149,8 +155,9 @@ def note_lines(args, topo, opt, world: int) -> list[str]:
     return notes
 
 
-def header_lines(args, cfg, s, world: int) -> list[str]:
-    """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy)."""
+def header_lines(args, cfg, s, world: int, documents: int = 1) -> list[str]:
+    """What the run is: ``args`` (the parsed flags), ``cfg`` (GPTConfig), ``s`` (the built Strategy), ``documents``
+    (in the training text)."""
     topo = s.topo
     dp = f"dp {topo.dp // s.cp} x cp {s.cp}" if s.cp > 1 else f"dp {topo.dp}"
     if args.moe_experts and args.ep > 1:
@@ -163,7 +170,7 @@ def header_lines(args, cfg, s, world: int) -> list[str]:
              f"device {device_description()}; messages over {args.comm or 'mpi'}",
              describe_batch(args, cfg), topo.describe_nodes(), *topo.placement_warnings()]
     if args.data or args.documents == "pad":
-        lines.append(documents_description(args))
+        lines.append(documents_description(args, documents))
     if args.zero:
         lines.append(zero_line(args, topo, s.opt))
     k, n = args.recompute_every, cfg.n_layer // topo.pp  # a stage's blocks 0, k, 2k, ... (it said "every 2-th")
@@ -207,7 +214,7 @@ class Header(Callback):
     def setup(self, run):
         if run.comm.rank != 0:
             return
-        lines = header_lines(run.args, run.cfg, run.strategy, run.comm.world_size)
+        lines = header_lines(run.args, run.cfg, run.strategy, run.comm.world_size, run.documents)
         for row in (w for line in lines for part in line.split("\n") for w in wrap(part)):  # the mesh: several rows
             run.log(row)  # at 100 columns, as the report
         if run.args.show_shards:

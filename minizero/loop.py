@@ -20,7 +20,8 @@ from minizero import backend
 from minizero.args import model_config
 from minizero.callbacks import CallbackList, StepRecord
 from minizero.comm.collectives import all_reduce
-from minizero.data import DistributedSampler, check_corpus, eval_batches, load_tokens, text_digest, train_val_split
+from minizero.data import (DistributedSampler, check_corpus, count_documents, eval_batches, load_tokens, text_digest,
+                           train_val_split)
 from minizero.instrumentation import default_callbacks
 from minizero.memory.offload import ActivationOffload, OptimizerStateStore
 from minizero.memory.precision import local_overflow, loss_scaler, overflow_anywhere
@@ -123,6 +124,7 @@ class Run:
     applied: int = 0
     pruner: object = None
     text_digest: str = ""  #: the training text's bytes and SHA-256, of the tokens loaded (checkpoints keep it)
+    documents: int = 1  #: the documents in the training text (ended by byte 0x03), for the header
 
 
 def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResult:
@@ -152,7 +154,7 @@ def train(args, comm, log=print, after_grads=None, callbacks=None) -> TrainResul
                                  dp_rank=s.topo.dp_rank // s.cp, dp_size=s.topo.dp // s.cp, seed=args.seed, pad=pad)
     val_set = eval_batches(val_tok, cfg.block_size, args.eval_batches, 16, seed=args.seed + 1, pad=pad)
     out = TrainResult(strategy=s, config=cfg)
-    run = Run(args, comm, cfg, s, scaler, log, out, text_digest=text_digest(tokens))
+    run = Run(args, comm, cfg, s, scaler, log, out, text_digest=text_digest(tokens), documents=count_documents(tokens))
     cb = CallbackList(default_callbacks(run) if callbacks is None else callbacks)
     cb.setup(run)  # the header; --resume sets run.start, run.applied, run.pruner
     out.val_history.append((run.start, s.evaluate(val_set)))

@@ -237,9 +237,18 @@ def ordinal(n: int) -> str:
 def in_width(x: float, width: int, decimals: int = 0) -> str:
     """``x`` right-aligned in ``width`` columns with ``decimals`` digits after the point: ``22,144,603`` where it
     fits, else ``22144603``, else ``2.21e+10`` (plan's tokens/s and micro-batches of a tiny model pushed its rows
-    past the header)."""
+    past the header). A column of several rows: :func:`column`."""
     fits = [t for t in (f"{x:,.{decimals}f}", f"{x:.{decimals}f}") if len(t) <= width]
     return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)
+
+
+def column(xs: list[float], width: int, decimals: int = 0) -> list[str]:
+    """A table column's numbers in one form, each right-aligned in ``width`` columns: all with thousands commas
+    where the widest fits, else all as ``2.21e+10`` (plan's tok/s printed 3504572 beside another table's 25,642)."""
+    texts = [f"{x:,.{decimals}f}" for x in xs]
+    if all(len(t) <= width for t in texts):
+        return [t.rjust(width) for t in texts]
+    return [f"{x:.{max(0, width - 6)}e}".rjust(width) for x in xs]
 
 
 def significant(x: float, digits: int = 3) -> str:

@@ -1,13 +1,13 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
-Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 only without pipelining), recompute,
-sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep dividing dp and
-the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep GPUs fit a
-node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
-sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first
-(equal step times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one.
-Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value
-and what is allowed. Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
+Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 without pipelining or sequence parallelism, as in
+training), recompute, sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep
+dividing dp and the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep
+GPUs fit a node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
+sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first (equal step
+times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one. Sizes need a unit
+(``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value and what is allowed.
+Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
         f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU (stage "
         f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
-                   + [f"strategy: {describe(st)} (m = {st.micro_batches} micro-batches per step)"]) + [""]
+                   + [f"strategy: {describe(st)} (m = {st.micro_batches:,} micro-batches per step)"]) + [""]
             + format_table([c], ts) + ["", verdict] + wrap(step_line(c, ts, tu)))
 
 
@@ -341,9 +341,9 @@ def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
     lines = [f"minizero.plan --finetune {args.finetune}: {model.name} ({count(psi)} parameters, frozen"
              f"{' as NF4' if args.finetune == 'qlora' else ''}), adapters of rank {args.lora_rank} on every "
              "projection; "
-             f"{args.gpus} GPU(s) x {size(hw.gpu_memory, unit)}, "
-             f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq}, micro-batch "
-             f"{args.micro_batch}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
+             f"{args.gpus:,} GPU(s) x {size(hw.gpu_memory, unit)}, "
+             f"{f'tp {args.tp} x ' if args.tp > 1 else ''}data parallel; sequence {seq:,}, micro-batch "
+             f"{args.micro_batch:,}; {args.precision} precision, {args.optimizer} (K = {k:g} bytes per adapter "
              "parameter)",
              f"every size in {table} ({POWERS[table]} bytes) per GPU; Z = ZeRO stage over the adapters (the frozen "
              f"base is {f'split over the {args.tp} tensor GPUs' if args.tp > 1 else 'whole on every GPU'}); "
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     if args.plot and args.shown:
         try:
             plot(args.shown, args.plot, hw.gpu_memory, *table_unit(args.shown, unit),
-                 f"{model.name} on {args.gpus} GPUs, seq {seq}: per-GPU memory of the best {len(args.shown)}")
+                 f"{model.name} on {args.gpus:,} GPUs, seq {seq:,}: per-GPU memory of the best {len(args.shown)}")
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
         except OSError as e:

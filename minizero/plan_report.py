@@ -10,7 +10,7 @@ import os
 
 from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
-from minizero.numerals import in_width, significant
+from minizero.numerals import column, significant
 from minizero.plan_search import Candidate, Hardware
 
 def describe(st: Strategy) -> str:
@@ -172,15 +172,17 @@ SIZE_WIDTHS = {"dp": 4, "ep": 3, "cp": 3, "tp": 2, "pp": 3}
 
 def format_table(cands: list[Candidate], scale: float) -> list[str]:
     """The fixed-width table of ``cands`` (memory columns divided by ``scale``), 120 columns wide where the sizes fit
-    (a size wider than its column widens it: 131072 ranks took 6 of dp's 4 columns, pushing the row past the header):
+    (a size wider than its column widens it, as m of 10,000 or more: 131072 ranks took 6 of dp's 4 columns before):
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
     marked = [{"cp": f"{c.strategy.cp}{'u' if c.strategy.cp > 1 and c.strategy.cp_attention == 'ulysses' else ''}",
                "tp": f"{c.strategy.tp}{'s' if c.strategy.sequence_parallel else ''}"} for c in cands]  # 128 before
     w = {k: max([d] + [len(m.get(k, str(getattr(c.strategy, k)))) for c, m in zip(cands, marked)])
          for k, d in SIZE_WIDTHS.items()}
     wn = max(3, len(str(len(cands))))  # --top 0: row 1000
+    w["m"] = max([5] + [len(f"{c.strategy.micro_batches:,}") for c in cands])  # 16384 beside 4,096 before
+    tokens = column([c.tokens_per_s for c in cands], 8)  # one form: 3504572 beside 25,642 (another table) before
     head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'tp':>{w['tp']}} "
-            f"{'pp':>{w['pp']}} {'Z':>2} {'rc':>4} {'off':>7} {'m':>5} |"
+            f"{'pp':>{w['pp']}} {'Z':>2} {'rc':>4} {'off':>7} {'m':>{w['m']}} |"
             f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>7}"
             f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -195,11 +197,11 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
         lines.append(
             f"{i:>{wn}} {st.dp:>{w['dp']}} {st.ep:>{w['ep']}} {m['cp']:>{w['cp']}} {m['tp']:>{w['tp']}} "
             f"{st.pp:>{w['pp']}} {zero:>2} {RECOMPUTE_SHORT[st.recompute]:>4} {off or 'none':>7} "
-            f"{in_width(st.micro_batches, 5)} |"
+            f"{st.micro_batches:>{w['m']},} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
             + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 7, 1)}"
-            f" {step} {in_width(c.tokens_per_s, 8)} {c.mfu:5.1%}")
+            f" {step} {tokens[i - 1]} {c.mfu:5.1%}")
     return lines
 
 
@@ -233,14 +235,14 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     if model.experts:
         moe = (f", {count(model.active_parameters())} active; {model.experts} experts top-{model.top_k}"
                + (f" + {model.shared_experts} shared" if model.shared_experts else "")
-               + f" of FFN {model.expert_hidden} in {len(model.moe_layers())} of {model.n_layer} layers")
+               + f" of FFN {model.expert_hidden:,} in {len(model.moe_layers())} of {model.n_layer} layers")
     return [f"minizero.plan: {model.name} ({count(n_psi)} parameters{moe}; {model.n_layer} layers, hidden "
-            f"{model.hidden}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden}, vocab "
-            f"{model.vocab_size})",
-            f"{args.gpus} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
+            f"{model.hidden:,}, {model.n_head} heads / {model.n_kv_head} KV, FFN {model.ffn_hidden:,}, vocab "
+            f"{model.vocab_size:,})",
+            f"{args.gpus:,} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
             f"{args.gpus_per_node} per node), host "
-            f"{size(hw.host_memory, unit)} per GPU; sequence {seq}, micro-batch {args.micro_batch}, global "
-            f"batch {gbatch} sequences requested; {args.precision} precision, {args.attention} attention, "
+            f"{size(hw.host_memory, unit)} per GPU; sequence {seq:,}, micro-batch {args.micro_batch:,}, global "
+            f"batch {gbatch:,} sequences requested; {args.precision} precision, {args.attention} attention, "
             f"{args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "
@@ -264,7 +266,7 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
 def rounded_batch(gbatch, shown) -> list[str]:
     """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
     got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
-    off = [f"#{i} {g}" for i, g in enumerate(got, 1) if g != gbatch]
+    off = [f"#{i} {g:,}" for i, g in enumerate(got, 1) if g != gbatch]
     return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
             f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 

@@ -20,7 +20,7 @@ from minizero.autograd import no_grad
 from minizero.data import decode, encode, prompt_problem
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real_as_typed, wrapped)
-from minizero.weights import load_gpt
+from minizero.weights import MoEWeights, load_gpt
 from minizero.interrupts import NOTHING, interruptible, refuse_several_ranks
 
 #: the most tokens one call generates (as the main job's --sample-tokens)
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     if err is None:
         try:
             model = load_gpt(args.weights)
+        except MoEWeights as e:  # the advice only sample can give
+            err = f"{e} (an MoE run's text is the sample its main job prints at its end)"
         except (FileNotFoundError, ValueError) as e:
             err = str(e)
     if err is not None:

@@ -155,6 +155,10 @@ def infer_preset(state: dict) -> str | None:
     return None
 
 
+class MoEWeights(ValueError):
+    """A mixture-of-experts model.npz, which sample, quantize and finetune refuse (each adds its own advice)."""
+
+
 def shape_from_state(state: dict, weights: str = "weights") -> dict:
     """``{n_layer, n_embd, block_size, vocab_size}`` from the arrays' shapes; ValueError: not minizero's GPT."""
     wte, wpe = state.get("transformer.wte.weight"), state.get("transformer.wpe.weight")
@@ -167,9 +171,8 @@ def shape_from_state(state: dict, weights: str = "weights") -> dict:
     want, have = expected_shapes(**dims), _shapes(state)
     moe = sorted(k for k in have if ".mlp.moe." in k)
     if moe:  # router and experts are not a dense GPT's: say so rather than 'names differ'
-        raise ValueError(f"--weights {weights!r} holds a mixture-of-experts model ({moe[0]!r}, ...); this program "
-                         "reads dense GPT weights only: train without --moe-experts for them (an MoE run's text is "
-                         "the sample its main job prints at its end)")
+        raise MoEWeights(f"--weights {weights!r} holds a mixture-of-experts model ({moe[0]!r}, ...); this program "
+                         "reads dense GPT weights only: train without --moe-experts for them")
     if n_layer == 0 or want != have:
         diff = sorted(set(want) ^ set(have)) or [k for k in sorted(want) if want[k] != have[k]]
         first = diff[0] if diff else "transformer.h.0.ln_1.weight"

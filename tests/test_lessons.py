@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -34,6 +35,15 @@ def test_build_refuses_a_lesson_named_twice(monkeypatch, capsys):  # it executed
         build.main([GENERATED[0], GENERATED[0]])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"named more than once: {GENERATED[0]}; give each lesson once" in err
+
+
+def test_build_without_jinja2_names_the_extra_in_one_line(monkeypatch, capsys):  # a traceback after `pip install .`
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 raises ModuleNotFoundError
+    fresh = importlib.util.module_from_spec(spec)
+    with pytest.raises(SystemExit) as e:
+        spec.loader.exec_module(fresh)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and 'needs jinja2' in err and 'pip install -e ".[test]"' in err
 
 
 @pytest.mark.parametrize("name", GENERATED)

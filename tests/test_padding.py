@@ -225,7 +225,7 @@ def test_a_padded_run_under_mpiexec_equals_one_process(mpiexec, docs, tmp_path):
                "--out", str(tmp_path / name), "--json", str(tmp_path / f"{name}.json")]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "documents (ended by byte 0x03) padded (--pad)" in proc.stdout
+        assert "documents (ended by byte 0x03) padded (--pad)" in " ".join(proc.stdout.split())  # wrapped at 100
         outs[name] = dict(np.load(os.path.join(tmp_path / name, "model.npz")))
     for k, a in outs["one"].items():
         np.testing.assert_allclose(outs["par"][k], a, rtol=0, atol=1e-9 * np.abs(a).max(), err_msg=k)
@@ -281,3 +281,25 @@ def test_fp16_seed_follows_the_global_count(docs):
     for g in got:
         for i, a in ref.items():
             np.testing.assert_allclose(g[i], a, rtol=0, atol=2e-2 * np.abs(a).max(), err_msg=f"parameter {i}")
+
+
+def _header(comm, argv):
+    lines = []
+    R.train(parse_args(R.base_argv("tiny", 2, argv) + ["--steps", "1", "--sample-tokens", "1"], 1), comm,
+            log=lines.append)
+    return " ".join(" ".join(lines).split())
+
+
+def test_the_header_names_the_data_file_its_size_and_its_documents(docs, tmp_path):
+    """Before: "documents (ended by byte 0x03) packed (--pack)" of a file without one, and no file name or size."""
+    from minizero.data import count_documents
+    assert [count_documents(encode(t)) for t in ("one", "one\x03", "one\x03two", "one\x03two\x03")] == [1, 1, 2, 2]
+    plain = tmp_path / "plain.txt"
+    plain.write_text(builtin_corpus()[:5000])
+    size = os.path.getsize(plain)
+    said = run_in_threads(1, _header, ["--data", str(plain)])[0]
+    assert f"--data {str(plain)!r} ({size:,} bytes): one document (no 0x03 byte splits it)" in said, said
+    assert "packed" not in said
+    n = count_documents(np.fromfile(docs, np.uint8))
+    said = run_in_threads(1, _header, ["--data", docs, "--pad"])[0]
+    assert f"({os.path.getsize(docs):,} bytes): {n:,} documents (ended by byte 0x03) padded (--pad)" in said, said

@@ -174,7 +174,8 @@ def test_given_strategy_text_and_refusals(capsys):
                          ("dp4 pp2 zero3", "zero 3 with pp 2 > 1"),
                          ("tp4 sp zero0 offload=params", "offload=params needs zero 3"),
                          ("tp8", "tp 8 must divide minizero-gpt2's 12 heads"),
-                         ("dp8 sp", "sp (sequence parallelism) needs tp > 1")]:
+                         ("dp8 sp", "sp (sequence parallelism) needs tp > 1"),
+                         ("dp2 tp4 sp zero2", "needs tp > 1 and zero 0-1")]:  # planned before; train refuses it
         code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", text)
         assert code == 2 and out == "" and needle in " ".join(err.split()) and one_refusal(err), (text, err)
 

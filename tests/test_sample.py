@@ -1,5 +1,7 @@
 """Sampling: top-k, the weights' shape read back, ``python -m minizero.sample`` and the main job's sample."""
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -210,6 +212,14 @@ def test_moe_weights_are_named_as_moe_not_as_foreign(tmp_path):
     proc = run_sample("--weights", str(tmp_path / "model.npz"))
     assert proc.returncode == 2 and one_refusal(proc.stderr), proc.stderr
     assert "mixture-of-experts" in proc.stderr and "not a model.npz" not in " ".join(proc.stderr.split()), proc.stderr
+    assert "the sample its main job prints" in " ".join(proc.stderr.split())
+    from minizero import finetune, quantize
+    for program in (quantize, finetune):  # before: sample's advice ("an MoE run's text is the sample ...") too
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert program.main(["--weights", str(tmp_path / "model.npz")]) == 2
+        said = " ".join(err.getvalue().split())
+        assert "mixture-of-experts" in said and "train without --moe-experts" in said and "sample" not in said, said
 
 
 def test_a_tiny_temperature_is_greedy_without_an_overflow_warning():
