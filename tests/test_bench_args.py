@@ -440,3 +440,9 @@ def test_bench_allreduce_json_is_written_whole_or_not_at_all(tmp_path):
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert r.returncode == 1 and "not JSON serializable" in r.stderr, r.stderr
     assert path.read_text() == '{"world_size": 2, "results": {}}'  # the previous file, whole
+
+
+def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
+    """Before: its folder was probed with a short name: a 240-character --json ran every check, then failed."""
+    problem = load("gpu_check").json_target_problem(str(tmp_path / ("g" * 235 + ".json")))
+    assert "longer than the file system's" in problem, problem

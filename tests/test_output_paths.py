@@ -152,3 +152,12 @@ def test_a_link_is_written_through_to_its_target(tmp_path):
     os.symlink("real.json", tmp_path / "link.json")
     atomic_write(str(tmp_path / "link.json"), lambda f: f.write('{"new": 2}'), mode="w")
     assert os.path.islink(tmp_path / "link.json") and (tmp_path / "real.json").read_text() == '{"new": 2}'
+
+
+def test_consolidate_probes_its_files_own_temporary(tmp_path):
+    """Before: its folder was probed with a short name; a 244-character --out read every shard, then failed."""
+    from minizero.checkpoint import CheckpointError
+    from minizero.checkpoint.cli import check_out
+
+    with pytest.raises(CheckpointError, match="cannot write there .*longer than the file system's"):
+        check_out(str(tmp_path / ("m" * 240 + ".npz")))
