@@ -246,8 +246,10 @@ def main():
             return
         runs = {n: results}
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"world_size": n, "results": results}, f)
+            from minizero.files import atomic_write
+
+            text = json.dumps({"world_size": n, "results": results})
+            atomic_write(args.json, lambda f: f.write(text), mode="w")  # a crash leaves the previous file whole
         if args.quiet:
             return
     report(args.op, runs, malloc)

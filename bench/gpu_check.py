@@ -49,7 +49,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.files import atomic_write, check_writable_folder  # noqa: E402
+from minizero.files import atomic_write, check_writable_file  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
@@ -429,7 +429,7 @@ def json_target_problem(path: str) -> str | None:
         if not (isinstance(old, dict) and "checks" in old and "hardware" in old):
             return "exists and is not an earlier gpu_check result; give a new path (only those are replaced)"
     try:
-        check_writable_folder(folder)
+        check_writable_file(path)
     except OSError as e:
         return f"cannot write there ({e.strerror}); give a path on a writable file system"
     return None

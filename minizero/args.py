@@ -15,6 +15,7 @@ import numpy as np
 from minizero.autograd.rng import MAX_DROPOUT
 from minizero.checkpoint import CheckpointError, read_manifest, resolve, run_layout, verify
 from minizero.checkpoint.fields import MAX_STEPS  # a manifest's step is refused beyond it
+from minizero.checkpoint.format import MANIFEST, TMP, folder_name
 from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
@@ -296,7 +297,7 @@ def _check_checkpoint(args) -> None:
             raise UsageError(f"--save-dir {args.save_dir!r} exists and is not a directory")
         outside_checkpoints("--save-dir", os.path.join(args.save_dir, "x"), args.save_dir)
         try:
-            check_writable_folder(args.save_dir)
+            check_writable_folder(args.save_dir, os.path.join(TMP + folder_name(MAX_STEPS), MANIFEST))  # the longest
         except OSError as e:
             raise UsageError(f"--save-dir {args.save_dir!r} cannot be created or take files ({e.strerror}); give a "
                              "folder on a writable file system") from None

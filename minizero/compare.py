@@ -23,8 +23,8 @@ from minizero.memory.estimator import ModelShape, Strategy, activation_bytes, es
 from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
                                      markdown, plot, progress, terminal)
-from minizero.files import (WriteError, atomic_write, check_output, check_writable_folder, checkpoint_holding,
-                            mpiexec_path)
+from minizero.files import (WriteError, atomic_write, check_output, check_writable_file, check_writable_folder,
+                            checkpoint_holding, mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
 from minizero.nn import PRESETS
@@ -271,9 +271,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             check_output(args.json)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    for flag, folder in (("--out", args.out), ("--json", os.path.dirname(os.path.abspath(args.json)))):
-        try:  # the outputs are written after every run: a folder that takes no file is refused now
-            check_writable_folder(folder)
+    for flag, check, folder in (("--out", check_writable_folder, args.out), ("--json", check_writable_file, args.json)):
+        try:  # the outputs are written after every run: a folder that takes no file (that name) is refused now
+            check(folder)
         except OSError as e:
             raise UsageError(f"{flag}: cannot write in {folder!r} ({e.strerror}); give a folder on a writable "
                              "file system") from None

@@ -6,20 +6,12 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import socket
 import stat
 import sys
-import tempfile
-import time
 
-
-#: temporary names: ``.NAME.minizero~HOST~PID~RANDOM.tmp`` (HOST and PID say whose write it is)
-_TMP_TAG = "minizero"
-_TMP_RE = re.compile(r"^\..*\." + _TMP_TAG + r"~(?P<host>.*)~(?P<pid>\d+)~[^~]*\.tmp$")
-#: a temporary file this old is stale whoever wrote it (a write that takes an hour is not expected)
-STALE_AFTER_S = 3600
+from minizero.temporaries import check_writable_folder, make_temporary, nearest_existing, remove_stale_temporaries
 
 
 def umask() -> int:
@@ -31,35 +23,6 @@ def umask() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
         return mask
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True  # PermissionError too: someone else's live process
-
-
-def remove_stale_temporaries(folder: str) -> list[str]:
-    """Remove temporaries of killed :func:`atomic_write` calls in ``folder`` (stale or dead writer); returns them."""
-    removed, host, now = [], socket.gethostname(), time.time()
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        names = []
-    for name in names:
-        if (m := _TMP_RE.match(name)) is None:
-            continue
-        path = os.path.join(folder, name)
-        try:  # stale, or its writer on this host is dead
-            if now - os.path.getmtime(path) > STALE_AFTER_S or (
-                    m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"]))):
-                os.remove(path)
-                removed.append(path)
-        except OSError:
-            continue
-    return removed
 
 
 class WriteError(OSError):
@@ -78,7 +41,9 @@ def write_error(path: str, e: BaseException) -> WriteError:
 def atomic_write(path: str, write, mode: str = "wb") -> None:
     """Write ``path`` through ``write(f)`` (``mode`` ``"wb"``/``"w"``): temporary, fsync, rename, fsync folder.
 
-    ``path`` then holds the previous or the whole new file; a non-regular ``path`` (``/dev/null``) is written into.
+    ``path`` then holds the previous or the whole new file; a non-regular ``path`` (``/dev/null``) is written into;
+    a link is written through, its target replaced (as editors do: the link stays a link). The temporary is
+    :func:`~minizero.temporaries.make_temporary`'s, the name that ``check_writable_folder`` probes before the work.
     Raises WriteError (an OSError, naming ``path``; previous file kept): a step failed or ``path`` is a directory;
     ValueError: another ``mode``; whatever else ``write`` raises (the temporary removed).
     """
@@ -100,19 +65,18 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         except OSError as e:
             raise write_error(path, e) from None
         return
-    tmp = None
+    tmp, real = None, os.path.realpath(path)  # a link's target (a dangling link's too)
     try:
-        d = os.path.dirname(os.path.abspath(path))
+        d = os.path.dirname(real)
         os.makedirs(d, exist_ok=True)
         remove_stale_temporaries(d)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.{_TMP_TAG}~{socket.gethostname()}~"
-                                                 f"{os.getpid()}~", suffix=".tmp")
+        fd, tmp = make_temporary(d, os.path.basename(real))
         os.fchmod(fd, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~umask())  # mkstemp's is 0600
         with os.fdopen(fd, mode, encoding=enc) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, real)
         tmp = None
         _fsync_dir(d)
     except OSError as e:
@@ -253,22 +217,12 @@ def live_job_holding(path: str) -> tuple[str, str] | None:
 PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy the checkpoint elsewhere"
 
 
-def check_writable_folder(folder: str) -> None:
-    """Check, making nothing, that ``folder`` (or its nearest existing ancestor) takes a file: one is created and
-    removed. Raises OSError: the ancestor is not a directory, or takes no file (``strerror`` names it)."""
-    parent = os.path.abspath(folder)
-    while not os.path.exists(parent):
-        if os.path.islink(parent):  # dangling: makedirs answered "File exists"
-            raise NotADirectoryError(errno.ENOTDIR, f"{parent!r} links to the missing {os.readlink(parent)!r}")
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise NotADirectoryError(errno.ENOTDIR, f"{parent!r} is not a directory")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".minizero-probe.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise OSError(e.errno, f"{parent!r} takes no file: {e.strerror or e}") from None
+def check_writable_file(path: str) -> None:
+    """:func:`check_writable_folder` for the file ``path``, written through a link to its target as
+    :func:`atomic_write` does. Raises OSError: see there."""
+    nearest_existing(os.path.abspath(path))  # a loop is named as such, not probed as a new file
+    real = os.path.realpath(path)
+    check_writable_folder(os.path.dirname(real), os.path.basename(real))
 
 
 def read_json(path: str):
@@ -395,6 +349,7 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     if not os.path.isdir(d):
         raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
     try:
-        check_writable_folder(d)
+        if not os.path.exists(path) or os.path.isfile(path):  # a device such as /dev/null is written into
+            check_writable_file(path)
     except OSError as e:
         raise ValueError(f"{flag} {path!r}: cannot write there ({e.strerror or e})") from None

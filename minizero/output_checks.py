@@ -8,8 +8,8 @@ from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.comm.flight import clear, records
-from minizero.files import (PRUNED_MID_READ, check_writable_folder, live_job_holding, refuse_blocking,
-                            refuse_foreign, refuse_read_back)
+from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable_folder, live_job_holding,
+                            refuse_blocking, refuse_foreign, refuse_read_back)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
 
@@ -52,9 +52,8 @@ def check_outputs(args) -> None:
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
     probe(out, "--out")
-    special = os.path.exists(js) and not os.path.isfile(js)  # a device such as /dev/null: written straight into
-    if os.path.abspath(jparent) != os.path.abspath(out) and not special:
-        probe(jparent, "--json")
+    if not os.path.exists(js) or os.path.isfile(js):  # a device such as /dev/null: written straight into
+        probe(args.json, "--json", check_writable_file)
 
 
 def clear_flight(args) -> str | None:
@@ -119,14 +118,15 @@ def outside_checkpoints(flag: str, path: str, given: str) -> None:
                          "it; give a path outside every checkpoint")
 
 
-def probe(folder: str, flag: str) -> None:
-    """Create and remove a file in ``folder``, or in its nearest existing ancestor when it does not exist yet
-    (nothing is left behind: a run refused later finds no empty folder); access() says yes for root on /proc."""
+def probe(path: str, flag: str, check=check_writable_folder) -> None:
+    """``check(path)``: the temporary of a write created and removed where the write puts it, or in the nearest
+    existing folder above (nothing is left behind: a run refused later finds no empty folder); the whole path and
+    every name within the file system's limits; access() says yes for root on /proc. UsageError names ``flag``."""
     try:
-        check_writable_folder(folder)
+        check(path)
     except OSError as e:
-        raise UsageError(f"{flag} {folder!r} cannot be written ({e.strerror or e}); "
-                         "give a folder on a writable file system") from None
+        advice = "give a folder on a writable file system" if check is check_writable_folder else "give another path"
+        raise UsageError(f"{flag} {path!r} cannot be written ({e.strerror or e}); {advice}") from None
 
 
 def check_trace(args) -> None:
@@ -153,11 +153,7 @@ def check_trace(args) -> None:
         return  # a device such as /dev/null: written straight into
     if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT is made unless --no-save
         existing_folder("--trace", path, os.path.dirname(p))
-    try:
-        probe(os.path.dirname(p), "--trace")
-    except UsageError:
-        raise UsageError(f"--trace {path!r}: its folder {os.path.dirname(p)!r} cannot be created or take a file; "
-                         "give a path on a writable file system") from None
+    probe(path, "--trace", check_writable_file)
 
 
 def check_save_dir(args) -> None:

@@ -55,7 +55,7 @@ def _digests(folder):
 # --------------------------------------------------------------------------- --trace
 @pytest.mark.parametrize("trace,needle", [
     ("", "--trace must name a file"),
-    ("/proc/minizero-trace.json", "its folder '/proc' cannot be created or take a file"),
+    ("/proc/minizero-trace.json", "'/proc' takes no file named 'minizero-trace.json'"),
     ("{file}/t.json", "does not exist or is not writable"),
     ("{tmp}", "is a directory; give a file path"),
     ("{tmp}/o/model.npz", "would overwrite the weights"),

@@ -424,3 +424,25 @@ def test_gpu_check_workers_need_no_writable_default_json(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as e:
         module.main([])
     assert e.value.code == 2
+
+
+def test_bench_allreduce_json_is_written_whole_or_not_at_all(tmp_path):
+    """Before: open(--json, "w") emptied the previous file first, and a write that failed part-way left half of it."""
+    code = ("import importlib.util, sys\nimport minizero.comm as comm\n"
+            "spec = importlib.util.spec_from_file_location('_bench', sys.argv[1])\n"
+            "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+            "m.measure = lambda *a: (1, {8: {'ring': object()}})  # not JSON: the write fails part-way\n"
+            "comm.world = lambda: type('W', (), {'rank': 0})()\n"
+            "sys.argv = ['bench_allreduce.py', '--json', sys.argv[2], '--quiet']\nm.main()\n")
+    path = tmp_path / "timings.json"
+    path.write_text('{"world_size": 2, "results": {}}')
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(BENCH, "bench_allreduce.py"), str(path)],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert r.returncode == 1 and "not JSON serializable" in r.stderr, r.stderr
+    assert path.read_text() == '{"world_size": 2, "results": {}}'  # the previous file, whole
+
+
+def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
+    """Before: its folder was probed with a short name: a 240-character --json ran every check, then failed."""
+    problem = load("gpu_check").json_target_problem(str(tmp_path / ("g" * 235 + ".json")))
+    assert "longer than the file system's" in problem, problem

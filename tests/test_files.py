@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from minizero import files
-from minizero.files import STALE_AFTER_S, atomic_write, remove_stale_temporaries
+from minizero import temporaries
+from minizero.files import atomic_write
+from minizero.temporaries import STALE_AFTER_S, remove_stale_temporaries
 
 
 def _write_under_umask(path, mask):
@@ -49,7 +50,7 @@ def test_stale_temporaries_are_removed_by_the_next_write(tmp_path):
     atomic_write(str(tmp_path / "summary.json"), lambda f: f.write("{}"), mode="w")
     assert not old.exists()
     assert live_other_host.exists() and live_here.exists() and unrelated.exists()
-    if not files._pid_alive(int(dead.name.split("~")[2])):  # a reused pid would rightly keep it
+    if not temporaries._pid_alive(int(dead.name.split("~")[2])):  # a reused pid would rightly keep it
         assert not dead.exists()
     assert sorted(os.listdir(tmp_path)) == sorted(
         [p.name for p in (live_other_host, live_here, unrelated)] + ["summary.json"]

@@ -1,10 +1,15 @@
 """Every program's output paths are checked as train's are, before any work: '' refused, nothing the user has lost."""
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from minizero import compare, finetune
+from minizero.files import atomic_write, check_output, check_writable_file
 from minizero.quantize import main as quantize_main
+from tests.conftest import REPO_ROOT
 
 
 def one_line(printed: str) -> str:
@@ -50,7 +55,6 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     import json
 
     from minizero.args import UsageError, parse_args
-    from minizero.files import check_output
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("notes\n")
@@ -70,3 +74,90 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     assert quantize_main(["--weights", "none.npz", "--json", "notes.txt"]) == 2
     assert "--json 'notes.txt' exists and does not hold a JSON object" in one_line(capsys.readouterr().err)
     assert (tmp_path / "notes.txt").read_text() == "notes\n"
+
+
+def _written(path) -> bool:
+    try:
+        atomic_write(str(path), lambda f: f.write("{}"), mode="w")
+        return True
+    except OSError:
+        return False
+
+
+def _checked(path) -> bool:
+    try:
+        check_writable_file(str(path))
+        return True
+    except OSError:
+        return False
+
+
+def test_a_symlink_loop_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Before: exists() said no, so a loop passed as a new file; train, finetune, quantize, compare and the bench
+    scripts did all the work, then 'could not write loopA: Too many levels of symbolic links'."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    os.symlink("loopB", "loopA")
+    os.symlink("loopA", "loopB")
+    for flag in ("--json", "--trace"):
+        with pytest.raises(UsageError, match=f"{flag} 'loopA' cannot be written .* is a loop of symbolic links"):
+            parse_args(["--out", "o", flag, "loopA"], world_size=1)
+    with pytest.raises(ValueError, match="--png 'loopA': cannot write there .* is a loop of symbolic links"):
+        check_output("loopA", "--png")  # finetune, quantize, compare, plan and the bench scripts
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out", "o",
+                           "--json", "loopA"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert proc.returncode == 2 and "is a loop of symbolic links" in proc.stderr, proc.stderr
+    assert not os.path.exists("o")  # nothing trained, nothing written
+
+
+def test_a_name_that_fits_but_whose_temporary_does_not_is_refused(tmp_path):
+    """Before: the probe's name (.minizero-probe.X.tmp) was shorter than the write's temporary
+    (.NAME.minizero~HOST~PID~RANDOM.tmp): a 240-character --json passed, and failed after training."""
+    from minizero.args import UsageError, parse_args
+
+    for n in range(200, 256):  # the check says yes exactly where the write succeeds
+        assert _checked(tmp_path / ("j" * n)) == _written(tmp_path / ("j" * n)), n
+    long = str(tmp_path / ("j" * 240))
+    for flag in ("--json", "--trace"):
+        with pytest.raises(UsageError, match=f"{flag} .* cannot be written .*longer than the file system's"):
+            parse_args(["--out", str(tmp_path / "o"), flag, long], world_size=1)
+    with pytest.raises(ValueError, match="--json .*longer than the file system's"):
+        check_output(long)  # finetune's, quantize's, compare's --json
+
+
+def test_a_path_near_path_max_is_refused(tmp_path):
+    """Before: an --out of 4,058 characters passed and its first write (the weights) failed after training."""
+    from minizero.args import UsageError, parse_args
+
+    deep = str(tmp_path)
+    while len(deep) < 3950:
+        deep = os.path.join(deep, "d" * min(200, 3950 - len(deep)))
+    os.makedirs(deep)
+    for n in range(60, 160, 3):  # the check says yes exactly where the write succeeds
+        assert _checked(os.path.join(deep, "f" * n)) == _written(os.path.join(deep, "f" * n)), n
+    out = os.path.join(deep, "o" * (4058 - len(deep) - 1))
+    with pytest.raises(UsageError, match="--out .* cannot be written .*paths must stay under"):
+        parse_args(["--out", out], world_size=1)
+    temporary = len(f".manifest.json.minizero~{socket.gethostname()}~{os.getpid()}~XXXXXXXX.tmp")
+    save = os.path.join(deep, "s" * (4095 - temporary - 5 - len(deep) - 1))  # its manifest fits, not in .tmp-step_N/
+    with pytest.raises(UsageError, match="--save-dir .* cannot be created or take files .*paths must stay under"):
+        parse_args(["--out", str(tmp_path / "o"), "--save-every", "1", "--save-dir", save], world_size=1)
+
+
+def test_a_link_is_written_through_to_its_target(tmp_path):
+    """Before: the rename replaced the link with a regular file and left its target stale."""
+    (tmp_path / "real.json").write_text('{"old": 1}')
+    os.symlink("real.json", tmp_path / "link.json")
+    atomic_write(str(tmp_path / "link.json"), lambda f: f.write('{"new": 2}'), mode="w")
+    assert os.path.islink(tmp_path / "link.json") and (tmp_path / "real.json").read_text() == '{"new": 2}'
+
+
+def test_consolidate_probes_its_files_own_temporary(tmp_path):
+    """Before: its folder was probed with a short name; a 244-character --out read every shard, then failed."""
+    from minizero.checkpoint import CheckpointError
+    from minizero.checkpoint.cli import check_out
+
+    with pytest.raises(CheckpointError, match="cannot write there .*longer than the file system's"):
+        check_out(str(tmp_path / ("m" * 240 + ".npz")))

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, refuse_pipes, verify
 from minizero.checkpoint.layout import TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_folder,
+from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_file,
                             live_job_holding, read_json)
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
@@ -149,7 +149,7 @@ def check_out(out: str) -> None:
                 raise CheckpointError(f"--out {out!r} exists and is not an .npz (a zip archive): consolidate replaces "
                                       "only earlier weights; give another file, or move that one away")
     try:
-        check_writable_folder(os.path.dirname(p))
+        check_writable_file(p)
     except OSError as e:
         raise CheckpointError(f"--out {out!r}: cannot write there ({e.strerror})") from None
 
