@@ -288,8 +288,7 @@ def _check_checkpoint(args) -> None:
         raise UsageError(f"--save-every must be >= 0 (0: no checkpoints), got {args.save_every}")
     if args.keep < 1:
         raise UsageError(f"--keep must be >= 1, got {args.keep}")
-    if args.save_dir is None:
-        args.save_dir = os.path.join(args.out, "checkpoints")
+    args.save_dir = os.path.join(args.out, "checkpoints") if args.save_dir is None else args.save_dir
     if args.save_every:  # the first save comes after N steps: a folder that takes no file is refused now
         if not args.save_dir:
             raise UsageError("--save-dir must name a folder, got ''")
