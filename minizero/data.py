@@ -5,6 +5,7 @@ Rank r of N sees exactly one process's rows (``torch.utils.data.DistributedSampl
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import stat
@@ -68,10 +69,12 @@ def load_tokens(path: str | None = None) -> np.ndarray:
         tokens = np.fromfile(path, dtype=np.uint8)  # read straight into the array: one copy of the file
         if not tokens.size:
             raise ValueError(f"--data {path!r} is empty")
-        if tokens.max() >= 0x80:  # ASCII is UTF-8; else decode the array's own bytes (a str, dropped at once)
-            str(tokens.data, "utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data {path!r} is not UTF-8 text ({e})") from None
+        if tokens.max() >= 0x80:  # ASCII is UTF-8; else decode the array's own bytes, 16 MiB at a time
+            check = codecs.getincrementaldecoder("utf-8")()
+            for i in range(0, tokens.size, 1 << 24):
+                check.decode(tokens.data[i:i + (1 << 24)], final=i + (1 << 24) >= tokens.size)
+    except UnicodeDecodeError as e:  # its position is within the piece at byte i
+        raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {i + e.start:,})") from None
     except MemoryError:
         raise ValueError(f"--data {path!r} has {os.path.getsize(path):,} bytes, more than this process can hold: "
                          "every rank reads the file whole, so it must fit in each rank's memory") from None

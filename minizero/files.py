@@ -220,7 +220,12 @@ PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy
 def check_writable_file(path: str) -> None:
     """:func:`check_writable_folder` for the file ``path``, written through a link to its target as
     :func:`atomic_write` does. Raises OSError: see there."""
-    nearest_existing(os.path.abspath(path))  # a loop is named as such, not probed as a new file
+    try:
+        os.stat(path)
+    except FileNotFoundError:  # new, or a link to a file not there yet, whose target the write makes
+        pass
+    except OSError:
+        nearest_existing(os.path.abspath(path))  # a loop is named as such, not probed as a new file
     real = os.path.realpath(path)
     check_writable_folder(os.path.dirname(real), os.path.basename(real))
 

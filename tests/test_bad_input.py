@@ -901,6 +901,10 @@ def test_data_larger_than_memory_is_a_usage_error(tmp_path, monkeypatch):
     text = tmp_path / "big.txt"
     text.write_text("hello world\n" * 1000)
     assert bytes(load_tokens(str(text))) == text.read_bytes()  # read once, into the array
+    late = tmp_path / "late.txt"  # UTF-8 checked by 16 MiB pieces: a bad byte past the first named by its place
+    late.write_bytes("é".encode() * (1 << 23) + b"ab\xff")
+    with pytest.raises(ValueError, match=re.escape("is not UTF-8 text (invalid start byte at byte 16,777,218)")):
+        load_tokens(str(late))
 
     def no_room(*args, **kwargs):
         raise MemoryError()

@@ -830,7 +830,8 @@ def test_a_resume_names_a_flag_only_where_the_user_gave_it(saved):
     assert "note: --batch-size 2 differs from the checkpoint's 4" in " ".join(" ".join(logs).split()), logs
     from minizero.checkpoint import _derived  # the other fields parse_args derives: --steps 300's warmup
     warmup = _derived(parse_args(["--steps", "300"]), "warmup")
-    assert warmup == "warmup 30 (--steps 300 / 10, at least 10, --warmup not given)", warmup
+    assert warmup == "warmup 30 (--steps 300 / 10, at least 10 and at most --steps, --warmup not given)", warmup
+    assert _derived(parse_args(["--micro-batch-size", "1024"]), "batch_size").startswith("global batch 1,024 (")
 
 
 @pytest.mark.timeout(120)

@@ -152,6 +152,10 @@ def test_a_link_is_written_through_to_its_target(tmp_path):
     os.symlink("real.json", tmp_path / "link.json")
     atomic_write(str(tmp_path / "link.json"), lambda f: f.write('{"new": 2}'), mode="w")
     assert os.path.islink(tmp_path / "link.json") and (tmp_path / "real.json").read_text() == '{"new": 2}'
+    os.symlink("later/new.json", tmp_path / "ahead.json")  # a link to a file the write makes: the check agrees
+    check_writable_file(str(tmp_path / "ahead.json"))
+    atomic_write(str(tmp_path / "ahead.json"), lambda f: f.write("{}"), mode="w")
+    assert (tmp_path / "later" / "new.json").read_text() == "{}"
 
 
 def test_consolidate_probes_its_files_own_temporary(tmp_path):

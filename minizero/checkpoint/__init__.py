@@ -60,9 +60,11 @@ def _derived(args, key: str) -> str:
     a = args
     value, source = {"batch_size": ("global batch", f"micro-batch size {a.micro_batch_size} x {a.dp} data rank(s) x "
                                                     f"grad-accum {a.grad_accum}"),
-                     "warmup": ("warmup", f"--steps {a.steps} / 10, at least 10"),
+                     "warmup": ("warmup", f"--steps {a.steps} / 10, at least 10 and at most --steps"),
                      "min_lr": ("min-lr", f"--lr {a.lr} / 10")}[key]
-    return f"{value} {vars(args)[key]} ({source}, --{key.replace('_', '-')} not given)"
+    n = vars(args)[key]
+    return f"{value} {n:,} ({source}, --{key.replace('_', '-')} not given)" if key == "batch_size" else \
+        f"{value} {n} ({source}, --{key.replace('_', '-')} not given)"
 
 
 class Checkpointer:
