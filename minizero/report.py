@@ -102,9 +102,9 @@ def validation_lines(args, result) -> list[str]:
         said += ("; the held-out slice is the last 10% of --data's file: an end easier to predict than the rest, "
                  "or passages repeated from the part trained on, would put it there")
     else:  # the built-in corpus: its end is easier, and a falling loss does not explain the gap
-        said += (" because the held-out slice is the end of the text (its last 10%; the Python language reference "
-                 f"that ships with CPython), which is easier to predict than the rest, and {args.eval_batches} batches "
-                 "of 16 sequences sample only part of it: not a leak")
+        said += (": the held-out slice is the end of the text (its last 10%; the Python language reference that "
+                 f"ships with CPython), easier to predict than the rest, and {args.eval_batches} batches of 16 "
+                 "sequences sample part of it; not a leak")
     return lines + wrap(said)
 
 
