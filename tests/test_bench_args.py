@@ -431,14 +431,27 @@ def test_bench_allreduce_json_is_written_whole_or_not_at_all(tmp_path):
     code = ("import importlib.util, sys\nimport minizero.comm as comm\n"
             "spec = importlib.util.spec_from_file_location('_bench', sys.argv[1])\n"
             "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
-            "m.measure = lambda *a: (1, {8: {'ring': object()}})  # not JSON: the write fails part-way\n"
+            "m.measure = lambda *a: (1, {8: {'ring': 1.0}})\n"
+            "import builtins, errno, os\n"  # a file opened for writing takes half its text, then the disk is full
+            "def half(opener):\n"
+            "    def opened(*a, **k):\n"
+            "        f = opener(*a, **k)\n"
+            "        if 'w' in str(a[1] if len(a) > 1 else k.get('mode', 'r')):\n"
+            "            put = f.write\n"
+            "            def write(t):\n"
+            "                put(t[:len(t) // 2])\n"
+            "                raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "            f.write = write\n"
+            "        return f\n"
+            "    return opened\n"
+            "builtins.open, os.fdopen = half(builtins.open), half(os.fdopen)\n"
             "comm.world = lambda: type('W', (), {'rank': 0})()\n"
             "sys.argv = ['bench_allreduce.py', '--json', sys.argv[2], '--quiet']\nm.main()\n")
     path = tmp_path / "timings.json"
     path.write_text('{"world_size": 2, "results": {}}')
     r = subprocess.run([sys.executable, "-c", code, os.path.join(BENCH, "bench_allreduce.py"), str(path)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
-    assert r.returncode == 1 and "not JSON serializable" in r.stderr, r.stderr
+    assert r.returncode == 1 and "no space left on device" in r.stderr, r.stderr
     assert path.read_text() == '{"world_size": 2, "results": {}}'  # the previous file, whole
 
 
