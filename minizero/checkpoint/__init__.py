@@ -63,8 +63,7 @@ def _derived(args, key: str) -> str:
                      "warmup": ("warmup", f"--steps {a.steps} / 10, at least 10 and at most --steps"),
                      "min_lr": ("min-lr", f"--lr {a.lr} / 10")}[key]
     n = vars(args)[key]
-    return f"{value} {n:,} ({source}, --{key.replace('_', '-')} not given)" if key == "batch_size" else \
-        f"{value} {n} ({source}, --{key.replace('_', '-')} not given)"
+    return f"{value} {f'{n:,}' if key == 'batch_size' else n} ({source}, --{key.replace('_', '-')} not given)"
 
 
 class Checkpointer:
