@@ -10,6 +10,7 @@ recorded as the bound it is asserted against (``record_bound``), so that it hold
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -36,6 +37,23 @@ def record_bound(name: str, value: float, bound: float, fmt: str = "{:.0e}") -> 
     """Assert ``abs(value) < bound`` and record the bound (a rounding-level figure moves with the BLAS kernel)."""
     assert abs(value) < bound, f"{name}: {value!r} is not below {bound!r}"
     record(name, bound, fmt)
+
+
+def source_constant(path: str, name: str) -> str:
+    """The literal a module-level ``NAME = ...`` (or ``A, NAME = ..., ...``) in ``path`` (from the repository root)
+    assigns, as typed: a tolerance a test holds, quoted from its source. Read, not imported: importing a test
+    module would run tests/conftest.py, which sets the suite's switches (MINIZERO_DEBUG_COLLECTIVES)."""
+    text = (ROOT / path).read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+            pairs = zip(target.elts, value.elts) if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                else [(target, value)]
+            for t, v in pairs:
+                if isinstance(t, ast.Name) and t.id == name:
+                    ast.literal_eval(v)  # a literal, not an expression
+                    return ast.get_source_segment(text, v)
+    raise LookupError(f"{path} assigns no module-level constant {name}")
 
 
 def figure_path(filename: str) -> pathlib.Path:
