@@ -43,7 +43,7 @@ def source_constant(path: str, name: str) -> str:
     """The literal a module-level ``NAME = ...`` (or ``A, NAME = ..., ...``) in ``path`` (from the repository root)
     assigns, as typed: a tolerance a test holds, quoted from its source. Read, not imported: importing a test
     module would run tests/conftest.py, which sets the suite's switches (MINIZERO_DEBUG_COLLECTIVES)."""
-    text = (ROOT / path).read_text()
+    text, found = (ROOT / path).read_text(), []
     for node in ast.parse(text).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value = node.targets[0], node.value
@@ -53,7 +53,8 @@ def source_constant(path: str, name: str) -> str:
                 if isinstance(t, ast.Name) and t.id == name:
                     ast.literal_eval(v)  # a literal, not an expression
                     return ast.get_source_segment(text, v)
-    raise LookupError(f"{path} assigns no module-level constant {name}")
+                found += [t.id] if isinstance(t, ast.Name) else []
+    raise LookupError(f"{path} assigns no module-level constant {name}; it assigns {', '.join(found) or 'none'}")
 
 
 def figure_path(filename: str) -> pathlib.Path:

@@ -69,6 +69,16 @@ def test_notebook_checks_its_lesson(name):
     assert f'finish("{name}")' in code[-1], f"the last cell of notebooks/{name}.ipynb must call finish({name!r})"
 
 
+def test_source_constant_quotes_a_tests_tolerance_as_typed():  # lessons 02 and 06 quote test tolerances through it
+    spec_lv = importlib.util.spec_from_file_location("lesson_values", ROOT / "notebooks" / "lesson_values.py")
+    lesson_values = importlib.util.module_from_spec(spec_lv)
+    spec_lv.loader.exec_module(lesson_values)
+    assert lesson_values.source_constant("tests/mp_reference.py", "PARAM_RTOL") == "1e-9"  # `A, B = 1e-12, 1e-9`
+    assert lesson_values.source_constant("tests/mp_reference.py", "STEPS") == "3"
+    with pytest.raises(LookupError, match=r"assigns no module-level constant TOL; it assigns .*GRAD_RTOL"):
+        lesson_values.source_constant("tests/mp_reference.py", "TOL")
+
+
 ENV_WRITE = re.compile(r"os\.environ\s*\[[^\]]*\]\s*=|os\.environ\.(setdefault|update)|os\.putenv|^\s*%env", re.M)
 
 
