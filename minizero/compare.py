@@ -334,6 +334,7 @@ def _main(argv=None) -> int:
     runs, n_runs = [], len(args.ranks) * len(args.strategies)
     for n in args.ranks:
         for name in args.strategies:
+            print(progress(len(runs) + 1, n_runs, dict(strategy=name, ranks=n)), flush=True)  # before minutes of work
             res = run_mpi(name, args.model, n, args.steps, args.micro_batch_size, args.timeout, mpiexec,
                           args.device)
             run = dict(strategy=name, ranks=n, flags=STRATEGIES[name][0], ok=res["ok"], wall_s=round(res["wall_s"], 2),
@@ -353,7 +354,7 @@ def _main(argv=None) -> int:
                 run["within_tolerance"] = all(run["deviation"][c] <= TOLERANCE for c in CHECKED)
             else:
                 run["error"] = res["error"]
-            runs.append(run)  # one short line per run (ok: to stdout; failed, with its cause: to stderr)
+            runs.append(run)  # as it ends, one short line (ok: to stdout; failed, with its cause: to stderr)
             print(progress(len(runs), n_runs, run), file=sys.stdout if run["ok"] else sys.stderr, flush=True)
     table = markdown(runs, f"### {title}", {n: d for n, (_, d) in STRATEGIES.items()},
                      hardware_line(profile) if profile is not None else None)

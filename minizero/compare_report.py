@@ -126,9 +126,12 @@ def terminal(runs: list[dict]) -> str:
 
 
 def progress(k: int, of: int, run: dict) -> str:
-    """The line compare prints as run ``k`` of ``of`` ends: ``[ 3/18] zero3 on 2 ranks: ok, 12.3 s``, or ``failed:``
-    and its cause (:func:`wrapped`: whole, lines of <= 120 columns). Its numbers are in :func:`terminal`'s table."""
+    """The line compare prints as run ``k`` of ``of`` starts (``run`` without "ok": ``[ 3/18] zero3 on 2 ranks:
+    starting``) and as it ends: ``... ok, 12.3 s``, or ``failed:`` and its cause (:func:`wrapped`: whole, lines of
+    <= 120 columns). Its numbers are in :func:`terminal`'s table."""
     head = f"[{k:>{len(str(of))}}/{of}] {run['strategy']} on {run['ranks']} rank{'s' * (run['ranks'] > 1)}"
+    if "ok" not in run:
+        return f"{head}: starting"
     return (f"{head}: ok, {significant_column(run['wall_s'], 0)} s" if run["ok"] else
             wrapped(f"{head}: failed: {run['error']}"))
 

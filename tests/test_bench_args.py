@@ -27,7 +27,7 @@ def load(name):
 
 LAUNCHERS = {  # per script, the functions that start its work: a test replaces them, so no bad flag can start a run
     "bench_allreduce": ("launch", "measure"), "bench_defaults": ("run",), "bench_memory": ("run",),
-    "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",),
+    "bench_overlap": ("run",), "bench_speedup": ("run",), "bench_train": ("run",), "bench_heldout": ("measure",),
     "bench_seq_memory": ("sweep", "attention_main"), "bench_3d_main_job": ("run", "load"),
     "bench_qlora": ("train_base", "finetune_main"),
     "bench_quantization": ("table_weights", "table_adam", "table_codes", "table_comm", "table_prune_one_shot",
@@ -130,6 +130,11 @@ CASES = [
     ("bench_speedup", ["--malloc", "--repeats", "0"], "argument --repeats: '0'"),
     ("bench_speedup", [], "give --base REV, --precision or --malloc"),
     ("bench_train", ["--steps", "0"], "argument --steps: '0' is below 1"),
+    ("bench_heldout", ["--slices", "0"], "argument --slices: '0' is below 1"),
+    # the corpus (CPython's pydoc_data.topics) has another length on another Python: its numbers are not asserted
+    ("bench_heldout", ["--slices", "100000"], "--slices 100000 cuts the training split ("),
+    ("bench_heldout", ["--slices", "99999"], "bytes) below one 129-byte window of model 'default'; allowed: 1.."),
+    ("bench_heldout", ["--model", "tiny", "--steps", "2000000000"], "python -m minizero.train refuses these flags"),
     ("bench_train", ["--ranks", "1,,8"], "argument --ranks: '1,,8'"),
     ("bench_train", ["--against", "nosuchrev"], "--against 'nosuchrev' is not a known revision"),
     ("bench_train", ["--model", "nosuch"], "argument --model: 'nosuch': allowed: a model preset, one of deep, "),
@@ -180,8 +185,8 @@ CASES = [
     ("profile_collective", ["--launch", "3"], "--launch 3: needs a power of two >= 2"),
     # before: each started its work and ended in a traceback (a failed mpiexec job, a KeyError, a UsageError)
     *[(name, ["--model", "nosuch"], "argument --model: 'nosuch': allowed: a model preset, one of deep, default")
-      for name in ("bench_flight", "bench_low_precision", "bench_precision", "bench_quantization", "bench_recompute",
-                   "bench_seq_memory")],
+      for name in ("bench_flight", "bench_heldout", "bench_low_precision", "bench_precision", "bench_quantization",
+                   "bench_recompute", "bench_seq_memory")],
     ("bench_flight", ["--zero", "3", "--ranks", "3", "--model", "tiny", "--steps", "2000000000"],
      "python -m minizero.train refuses these flags at 3 rank(s): --steps must be <= 1,000,000,000"),
     ("bench_low_precision", ["--micro-batch-size", "5000"], "python -m minizero.train refuses these flags at 1 rank"),
@@ -286,6 +291,8 @@ class Launched(Exception):
     ("bench_speedup", ["--base", "HEAD", "--precision", "--ranks", "1", "--micro-batch-size", "8"]),
     ("bench_train", ["--ranks", "1,2,4,8", "--steps", "30"]),
     ("bench_train", ["--against", "HEAD", "--ranks", "1,8"]),
+    ("bench_heldout", []),
+    ("bench_heldout", ["--model", "small", "--steps", "100"]),
     ("bench_memory", []),
     ("bench_defaults", []),
     ("bench_defaults", ["--settings", "3e-3,auto,1.0;2e-3,30,0"]),
@@ -344,6 +351,7 @@ def takes_flags(name) -> bool:
 ONE_BAD_FLAG = {  # per script, a flag refused after argparse's own checks (the ones that were late), else a type
     "bench_3d_main_job": ["--short-steps", "5"], "bench_allreduce": ["--op", "all"],
     "bench_defaults": ["--settings", "nan,auto,1"], "bench_flight": ["--zero", "9"], "bench_header": ["--runs", "0"],
+    "bench_heldout": ["--slices", "100000"],
     "bench_low_precision": ["--window", "0"], "bench_memory": ["--configs", "x"], "bench_multihost": ["--mib", "nan"],
     "bench_overlap": ["--strategies", "x"], "bench_precision": ["--initial-loss-scale", "1e30"],
     "bench_qlora": ["--weights", "/no-such.npz"], "bench_quantization": ["--only", "9"],

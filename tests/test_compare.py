@@ -95,9 +95,12 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     assert max(map(len, shown)) <= 120 and not [ln for ln in shown if ln.startswith("|")], proc.stdout
     assert sum("hardware profile (minizero.hardware)" in ln for ln in shown) == 1
     top = next(i for i, ln in enumerate(shown) if ln.split()[:3] == ["ranks", "strategy", "device"])
-    # while it works, one short line per run (before: two, repeating the table's numbers), then the table once
+    # while it works, one short line as each run starts and one as it ends (before: two as it ended, repeating the
+    # table's numbers), then the table once
     live = [ln for ln in shown[1:top] if ln.strip() and "hardware profile" not in ln and not ln.startswith("    ")]
-    assert [ln.split(": ok, ")[0] for ln in live] == ["[1/2] baseline on 2 ranks", "[2/2] zero3 on 2 ranks"], live
+    assert [ln.split(": ok, ")[0] for ln in live] == ["[1/2] baseline on 2 ranks: starting",
+                                                      "[1/2] baseline on 2 ranks", "[2/2] zero3 on 2 ranks: starting",
+                                                      "[2/2] zero3 on 2 ranks"], live
     assert [ln.split()[:2] for ln in shown[top + 1:top + 3]] == [["2", "baseline"], ["2", "zero3"]]
     pointer = f"the whole table (memory by category, measured / estimated; what each column means): {out}/compare.md"
     assert pointer in " ".join(proc.stdout.split()) and "| activations | comm + scratch + gathered |" in md
@@ -186,6 +189,26 @@ def test_cuda_without_cupy_is_refused_once_before_any_run(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.err.count("error:") == 1 and "--device cuda needs CuPy" in captured.err and "'.[gpu]'" in captured.err
     assert captured.out == ""  # no hardware profile, no run launched
+
+
+def test_each_run_says_it_starts_before_it_runs(monkeypatch, tmp_path, capsys):
+    """Before: nothing on stdout after the hardware profile until the first run ended (minutes at the default)."""
+    shown = []
+
+    def run_mpi(*args, **kwargs):  # what the terminal showed as the run began; no job launched
+        shown.append(capsys.readouterr().out.splitlines()[-1])
+        return dict(ok=False, error="not run (test)", wall_s=0.0, command=["mpiexec"])
+
+    def no_profile(*args, **kwargs):
+        raise RuntimeError("not measured (test)")
+
+    monkeypatch.setattr(compare, "mpiexec_path", lambda: "mpiexec")
+    monkeypatch.setattr(compare.hardware, "measure", no_profile)
+    monkeypatch.setattr(compare, "run_mpi", run_mpi)
+    assert compare.main(["--model", "tiny", "--ranks", "1,2", "--steps", "1", "--strategies", "baseline,zero1",
+                         "--out", str(tmp_path)]) == 1
+    assert shown == ["[1/4] baseline on 1 rank: starting", "[2/4] zero1 on 1 rank: starting",
+                     "[3/4] baseline on 2 ranks: starting", "[4/4] zero1 on 2 ranks: starting"]
 
 
 def test_bad_input_exits_2_without_traceback(tmp_path, capsys):

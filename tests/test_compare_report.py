@@ -106,6 +106,7 @@ def test_a_run_s_progress_is_one_short_line_and_a_failure_keeps_its_whole_cause(
 
     assert progress(3, 18, ok("zero3", 2, 12.34)) == "[ 3/18] zero3 on 2 ranks: ok, 12.3 s"  # [k/of] aligned
     assert progress(1, 2, ok("baseline", 1, 8.9)) == "[1/2] baseline on 1 rank: ok, 8.90 s"  # 3 digits, as step s
+    assert progress(3, 18, dict(strategy="zero3", ranks=2)) == "[ 3/18] zero3 on 2 ranks: starting"  # as it starts
     cause = ("exit status 1: [rank 1] minizero.train failed: RuntimeError: injected fault; "
              + " ".join(["more words"] * 12))
     shown = progress(2, 2, dict(strategy="baseline", ranks=2, ok=False, error=cause)).splitlines()
