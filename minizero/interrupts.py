@@ -73,10 +73,26 @@ def launched_ranks() -> int:
     return 1
 
 
+def launcher_connected() -> bool:
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open descriptor) or PMI_PORT, PMIx's server."""
+    fd = os.environ.get("PMI_FD", "")
+    if fd.isascii() and fd.isdigit():
+        try:
+            return os.fstat(int(fd)) is not None
+        except OSError:
+            pass
+    return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
+
+
 def refuse_several_ranks(parser) -> None:
     """A one-process program launched on several ranks exits 2 before any work, one line from rank 0 (each rank
     would write the same files: two checkpoint consolidates raced on one model.npz)."""
     if launched_ranks() > 1:
+        if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
+            names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+                     if k in os.environ]
+            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} are set, but no MPI launcher started this "
+                         f"process: unset {' '.join(names)} (this program runs in one process, without mpiexec)")
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
                      "-n 1)")
@@ -236,7 +252,7 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        if launched_rank() == 0:
+        if launched_rank() == 0 or not launcher_connected():  # a stale PMI_RANK=1 (no launcher): quiet before
             print(wrapped(f"python -m {tool}: interrupted ({name}); {files}"), file=sys.stderr, flush=True)
         return code
 

@@ -168,6 +168,17 @@ def test_an_interrupt_dropped_in_a_weakref_callback_is_not_lost(monkeypatch, cap
     assert "Exception ignored" not in err and err.count("interrupted (SIGINT)") == 1, err
 
 
+def test_a_stale_launcher_rank_still_says_it_was_interrupted():
+    """PMI_SIZE=2 PMI_RANK=1 left in a shell, no launcher (compare, finetune, hardware run): Ctrl-C printed nothing."""
+    code = ("import sys; from minizero.interrupts import interruptible\n"
+            "def main(argv):\n    raise KeyboardInterrupt\n"
+            "sys.exit(interruptible('minizero.compare', 'nothing', main))")
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(env, PMI_SIZE="2", PMI_RANK="1"), timeout=60)
+    assert proc.returncode == 130 and "python -m minizero.compare: interrupted (SIGINT)" in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tool,args", [("minizero.sample", ["--tokens", "100000"])])
 def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
