@@ -202,8 +202,8 @@ def watch_stdout(tool: str = "minizero") -> None:
     Stdout closed (``>&-``, ``sys.stdout`` None): one line on stderr, exit 2 before any work (a file opened later
     would get descriptor 1, and whatever writes to stdout would write into it)."""
     if sys.stdout is None:
-        print(error_lines(f"python -m {tool}", "standard output is closed (>&-); send it to a file or to /dev/null "
-                                               "(> /dev/null)"), file=sys.stderr)
+        print(error_lines(tool if tool.endswith(".py") else f"python -m {tool}", "standard output is closed (>&-); "
+                          "send it to a file or to /dev/null (> /dev/null)"), file=sys.stderr)
         raise SystemExit(2)
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
@@ -224,6 +224,24 @@ def stdout_unwritable(e: BaseException) -> bool:
 def stdout_reader_gone(e: BaseException) -> bool:
     """True when ``e`` is the BrokenPipeError writing standard output raised: its reader went away (``| head``)."""
     return e is WatchedStdout.failed and isinstance(e, BrokenPipeError)
+
+
+def run_script(main) -> int:
+    """``main()`` of a script (bench/, lessons/build.py) with :func:`watch_stdout`, as the tools run: ``| head -1``
+    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2)."""
+    name = os.path.basename(sys.argv[0])
+    watch_stdout(name)
+    try:
+        code = main()
+        sys.stdout.flush()  # what print left in the buffer fails here, not in the exit's flush
+        return code
+    except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
+        if not (stdout_reader_gone(e) or stdout_unwritable(e)):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if stdout_unwritable(e):
+            print(error_lines(name, f"cannot write standard output ({e.strerror or e})"), file=sys.stderr)
+        return int(stdout_unwritable(e))
 
 
 def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False) -> int:
