@@ -542,4 +542,5 @@ def failure(e: BaseException) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minizero.interrupts import run_script  # | head -1, > /dev/full, >&-: as the tools
+    sys.exit(run_script(main))

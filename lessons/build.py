@@ -100,4 +100,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minizero.interrupts import run_script  # | head -1, > /dev/full, >&-: as the tools
+    sys.exit(run_script(main))

@@ -73,10 +73,26 @@ def launched_ranks() -> int:
     return 1
 
 
+def launcher_connected() -> bool:
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open descriptor) or PMI_PORT, PMIx's server."""
+    fd = os.environ.get("PMI_FD", "")
+    if fd.isascii() and fd.isdigit():
+        try:
+            return os.fstat(int(fd)) is not None
+        except OSError:
+            pass
+    return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
+
+
 def refuse_several_ranks(parser) -> None:
     """A one-process program launched on several ranks exits 2 before any work, one line from rank 0 (each rank
     would write the same files: two checkpoint consolidates raced on one model.npz)."""
     if launched_ranks() > 1:
+        if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
+            names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+                     if k in os.environ]
+            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} are set, but no MPI launcher started this "
+                         f"process: unset {' '.join(names)} (this program runs in one process, without mpiexec)")
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
                      "-n 1)")
@@ -186,8 +202,8 @@ def watch_stdout(tool: str = "minizero") -> None:
     Stdout closed (``>&-``, ``sys.stdout`` None): one line on stderr, exit 2 before any work (a file opened later
     would get descriptor 1, and whatever writes to stdout would write into it)."""
     if sys.stdout is None:
-        print(error_lines(f"python -m {tool}", "standard output is closed (>&-); send it to a file or to /dev/null "
-                                               "(> /dev/null)"), file=sys.stderr)
+        print(error_lines(tool if tool.endswith(".py") else f"python -m {tool}", "standard output is closed (>&-); "
+                          "send it to a file or to /dev/null (> /dev/null)"), file=sys.stderr)
         raise SystemExit(2)
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
@@ -208,6 +224,24 @@ def stdout_unwritable(e: BaseException) -> bool:
 def stdout_reader_gone(e: BaseException) -> bool:
     """True when ``e`` is the BrokenPipeError writing standard output raised: its reader went away (``| head``)."""
     return e is WatchedStdout.failed and isinstance(e, BrokenPipeError)
+
+
+def run_script(main) -> int:
+    """``main()`` of a script (bench/, lessons/build.py) with :func:`watch_stdout`, as the tools run: ``| head -1``
+    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2)."""
+    name = os.path.basename(sys.argv[0])
+    watch_stdout(name)
+    try:
+        code = main()
+        sys.stdout.flush()  # what print left in the buffer fails here, not in the exit's flush
+        return code
+    except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
+        if not (stdout_reader_gone(e) or stdout_unwritable(e)):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if stdout_unwritable(e):
+            print(error_lines(name, f"cannot write standard output ({e.strerror or e})"), file=sys.stderr)
+        return int(stdout_unwritable(e))
 
 
 def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False) -> int:
@@ -236,7 +270,7 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        if launched_rank() == 0:
+        if launched_rank() == 0 or not launcher_connected():  # a stale PMI_RANK=1 (no launcher): quiet before
             print(wrapped(f"python -m {tool}: interrupted ({name}); {files}"), file=sys.stderr, flush=True)
         return code
 

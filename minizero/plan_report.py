@@ -176,21 +176,22 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
     settings | device memory by category, host, net; step time, tokens/s, MFU (the legend: :func:`header`)."""
     marked = [{"cp": f"{c.strategy.cp}{'u' if c.strategy.cp > 1 and c.strategy.cp_attention == 'ulysses' else ''}",
                "tp": f"{c.strategy.tp}{'s' if c.strategy.sequence_parallel else ''}"} for c in cands]  # 128 before
-    w = {k: max([d] + [len(m.get(k, str(getattr(c.strategy, k)))) for c, m in zip(cands, marked)])
-         for k, d in SIZE_WIDTHS.items()}
+    need = {k: max([len(k)] + [len(m.get(k, str(getattr(c.strategy, k)))) for c, m in zip(cands, marked)])
+            for k in SIZE_WIDTHS}
+    w = {k: max(d, need[k]) for k, d in SIZE_WIDTHS.items()}
     wn = max(3, len(str(len(cands))))  # --top 0: row 1000
     w["m"] = max([5] + [len(f"{c.strategy.micro_batches:,}") for c in cands])  # 16384 beside 4,096 before
+    nets = [sum(c.comm.get(k, 0) for k in ("dp", "tp", "pp", "cp", "ep")) / scale for c in cands]
+    w["net"] = max([7] + [len(_cell(n, 7, 1)) for n in nets])  # tiny's 1434463 KB: 8 columns
+    for k in ("dp", "ep", "cp", "pp"):  # a wide m or net takes the room these do not use (tiny: 122)
+        w[k] -= min(w[k] - need[k], max(0, len(_head(wn, w)) - 120))
     tokens = column([c.tokens_per_s for c in cands], 8)  # one form: 3504572 beside 25,642 (another table) before
-    head = (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'tp':>{w['tp']}} "
-            f"{'pp':>{w['pp']}} {'Z':>2} {'rc':>4} {'off':>7} {'m':>{w['m']}} |"
-            f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>7}"
-            f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
+    head = _head(wn, w)
     lines = [head, "-" * len(head)]
     for i, (c, m) in enumerate(zip(cands, marked), 1):
         st, mem = c.strategy, c.memory
         off = "+".join(o for o in (OFFLOAD_SHORT[st.offload], "act" if st.offload_activations else "") if o)
         bufs = mem.comm_buffers + mem.gathered
-        net = c.comm["dp"] + c.comm["tp"] + c.comm["pp"] + c.comm.get("cp", 0) + c.comm.get("ep", 0)
         step = (f"{c.step_s:7.3f}" if 1e-3 <= c.step_s < 1e3 else f"{c.step_s:7.1f}" if 1e3 <= c.step_s < 1e5
                 else f"{c.step_s:7.1e}")  # a tiny model's read 0.000, 1020.216 s took 8 of 7 columns
         zero = f"{st.zero}{'h' if st.dp_shard else ''}"  # h: hybrid sharding
@@ -200,9 +201,16 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
             f"{st.micro_batches:>{w['m']},} |"
             + "".join(_cell(x / scale, 6) for x in (mem.parameters, mem.gradients, mem.optimizer_state,
                                                    mem.activations, bufs))
-            + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(net / scale, 7, 1)}"
+            + f"{_cell(mem.total / scale, 7)}{_cell(c.host / scale, 6, 1)}{_cell(nets[i - 1], w['net'], 1)}"
             f" {step} {tokens[i - 1]} {c.mfu:5.1%}")
     return lines
+
+
+def _head(wn: int, w: dict) -> str:
+    return (f"{'#':>{wn}} {'dp':>{w['dp']}} {'ep':>{w['ep']}} {'cp':>{w['cp']}} {'tp':>{w['tp']}} "
+            f"{'pp':>{w['pp']}} {'Z':>2} {'rc':>4} {'off':>7} {'m':>{w['m']}} |"
+            f"{'param':>6}{'grad':>6}{'optim':>6}{'acts':>6}{'bufs':>6}{'total':>7}{'host':>6}{'net':>{w['net']}}"
+            f"{'step s':>8}{'tok/s':>9}{'MFU':>6}")
 
 
 def _cell(x: float, width: int, digits: int = 2) -> str:

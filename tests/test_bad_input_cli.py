@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from minizero import compare, finetune
+from minizero.numerals import unwrapped
 from minizero.train import UsageError, parse_args
 from tests.conftest import mpi_env, one_refusal
 
@@ -361,12 +362,34 @@ def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatc
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("PMI_RANK", rank)
+    monkeypatch.setenv("PMI_FD", "2")  # MPICH's launcher's connection: an open descriptor (here stderr)
     with pytest.raises(SystemExit) as e:
         importlib.import_module(f"minizero.{module}").main(argv)
     out = capsys.readouterr()
     said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
                                    "run it without mpirun (or with -n 1)"]
     assert e.value.code == 2 and out.out == "" and out.err.splitlines() == said, out
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("module,tool,argv", [("sample", "sample", []), ("plan", "plan", ["--model", "tiny"]),
+                                              ("checkpoint.cli", "checkpoint", ["consolidate", "ck"]),
+                                              ("debug.__main__", "debug", ["hang", "out/flight"]),
+                                              ("quantize", "quantize", ["--help"])])
+def test_a_stale_launcher_environment_is_named_on_every_rank(monkeypatch, capsys, rank, module, tool, argv):
+    """PMI_SIZE=2 PMI_RANK=1 left in a shell, no launcher (no PMI_FD): before, "rank 1" exited 2 and said nothing."""
+    import importlib
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_FD", "PMI_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", rank)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"minizero.{module}").main(argv)
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "" and unwrapped(out.err) == [
+        f"python -m minizero.{tool}: error: PMI_SIZE=2 PMI_RANK={rank} are set, but no MPI launcher started this "
+        "process: unset PMI_SIZE PMI_RANK (this program runs in one process, without mpiexec)"], out
 
 
 @pytest.mark.parametrize("layouts, said", [

@@ -181,7 +181,11 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
         (b'"dur": -5', "dur is -5, not a number of microseconds (0 to 2**53)"), (b'"ts": NaN', "ts is nan, not"),
         (b'"ts": 1e308', "ts is 1e+308, not a number of microseconds (at most 2**53"),  # before: 'infx' in the verdict
         (b'"pid": "a"', "pid is 'a', not a rank"), (b'"name": 5', "name is 5, not text"),
-        (b'"args": {"peer": [1]}', "args is {'peer': [1]}, not an object whose 'peer' is a rank")]],
+        (b'"args": {"peer": [1]}', "args is {'peer': [1]}, not an object whose 'peer' is a rank"),
+        (b'"pid": 1000000000000000000000000000000', "pid is 1000000000000000000000000000000, not a rank (a whole "
+                                                    "number 0 to 2,147,483,647)"),  # before: a rank
+        (b'"args": {"peer": 2147483648}', "args is {'peer': 2147483648}, not an object whose 'peer' is a rank (0 to "
+                                          "2,147,483,647)")]],
 ])
 def test_the_debug_cli_names_a_file_of_another_kind(tmp_path, capsys, content, needle):
     """Before: a TypeError traceback, ``error: 'pid'``, or a JSON message without the file's name."""
@@ -517,6 +521,17 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00 ms/step; 1.57x rank 0's 3.50 ms/step)" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
+
+
+def test_trace_report_of_a_rank_without_working_time_prints_no_infinite_ratio():
+    """Before: "slowest rank: 0 (...; infx rank 7's 0.00 ms/step)" for a rank with no forward-to-optimizer window."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "optimizer", "optimizer", 0, 1000, 1000),
+              _ev(7, "something", "other", 0, 0, 5)]
+    lines = timeline.report(events)
+    assert "slowest rank: 0 (working 2.00 ms/step, compute 2.00 ms/step; no ratio: rank 7 has no working time (no " \
+           "forward-to-optimizer window))" in lines, lines
+    assert not any("inf" in line for line in lines), lines
 
 
 def test_trace_report_of_one_rank_names_no_straggler():

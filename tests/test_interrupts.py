@@ -168,6 +168,17 @@ def test_an_interrupt_dropped_in_a_weakref_callback_is_not_lost(monkeypatch, cap
     assert "Exception ignored" not in err and err.count("interrupted (SIGINT)") == 1, err
 
 
+def test_a_stale_launcher_rank_still_says_it_was_interrupted():
+    """PMI_SIZE=2 PMI_RANK=1 left in a shell, no launcher (compare, finetune, hardware run): Ctrl-C printed nothing."""
+    code = ("import sys; from minizero.interrupts import interruptible\n"
+            "def main(argv):\n    raise KeyboardInterrupt\n"
+            "sys.exit(interruptible('minizero.compare', 'nothing', main))")
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(env, PMI_SIZE="2", PMI_RANK="1"), timeout=60)
+    assert proc.returncode == 130 and "python -m minizero.compare: interrupted (SIGINT)" in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tool,args", [("minizero.sample", ["--tokens", "100000"])])
 def test_a_long_tool_interrupted_prints_one_line(weights, tool, args):
@@ -200,6 +211,48 @@ def test_every_tool_runs_in_interruptible():
     bare = [p.name for p in tools if p.name != "train.py"
             and "interruptible(" not in p.read_text().split('if __name__ == "__main__":')[-1]]  # the last one
     assert bare == []
+
+
+def test_every_bench_script_and_the_lesson_build_run_in_run_script():
+    """bench/*.py and lessons/build.py end their ``__main__`` through ``run_script`` (the stdout watcher)."""
+    import pathlib
+    scripts = [*pathlib.Path(REPO_ROOT, "bench").glob("*.py"), pathlib.Path(REPO_ROOT, "lessons", "build.py")]
+    scripts = [p for p in scripts if 'if __name__ == "__main__":' in p.read_text()]
+    assert len(scripts) >= 20, scripts
+    bare = [p.name for p in scripts if "run_script(main)" not in p.read_text().split('if __name__ == "__main__":')[-1]]
+    assert bare == []
+
+
+def _reader_gone(argv):
+    """``argv`` with its stdout's reader gone before the first write: (exit status, stderr)."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT, env=mpi_env())
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), err
+
+
+@pytest.mark.timeout(180)
+def test_a_bench_script_and_the_lesson_build_end_quietly_when_stdout_s_reader_goes(tmp_path):
+    """``python bench/X.py | head -1``, ``python lessons/build.py | head -1``: before, a BrokenPipeError traceback
+    and exit 1 (neither ran in interruptible, as the tools do); now the rest is dropped, exit 0, nothing on stderr."""
+    import pathlib
+    import shutil
+    bench = ["bench/bench_recompute.py", "--model", "tiny", "--batch", "2", "--repeats", "1"]
+    assert _reader_gone(bench) == (0, "")
+    for out, code, said in ((">&-", 2, "standard output is closed (>&-); send it to a file or to /dev/null"),
+                            ("> /dev/full", 1, "cannot write standard output (No space left on device)")):
+        proc = subprocess.run(f"{sys.executable} {' '.join(bench)} {out}", shell=True, capture_output=True, text=True,
+                              cwd=REPO_ROOT, env=mpi_env(), timeout=120)
+        assert proc.returncode == code and proc.stderr.startswith(f"bench_recompute.py: error: {said}"), proc.stderr
+    lessons = tmp_path / "lessons"  # a copy of build.py over one template of its own: the real lessons stay as they are
+    (lessons / "templates").mkdir(parents=True)
+    (lessons / "values").mkdir()
+    shutil.copy(pathlib.Path(REPO_ROOT, "lessons", "build.py"), lessons)
+    (lessons / "templates" / "99_x.md").write_text("x {{ a }}\n")
+    (lessons / "values" / "99_x.json").write_text('{"a": 1}')
+    assert _reader_gone([str(lessons / "build.py"), "--no-execute", "99_x"]) == (0, "")
+    assert (lessons / "99_x.md").read_text().endswith("x 1\n")
 
 
 @pytest.mark.timeout(120)

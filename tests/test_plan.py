@@ -9,7 +9,7 @@ import pytest
 
 from minizero import plan as P
 from minizero.memory.estimator import comm_bytes_per_step, estimate_stages
-from minizero.models import get_model
+from minizero.models import MODELS, get_model
 
 from .conftest import REPO_ROOT, mpi_env
 
@@ -396,6 +396,16 @@ def test_the_table_fits_120_columns(capsys, argv):
     assert "rc = activation recompute (sel: selective)" in said and "par: + parameters, act: activations" in said
     if "--strategy" in argv:
         assert re.search(r" 8u  1 .* sel par\+act ", table[2]), table[2]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_presets_table_fits_120_columns(capsys, name):
+    """Before: tiny's and default's m of 262,144 / 32,768 made lines of 121-122 columns (tiny's net of 1434463 KB
+    under --top 0 too); a wide m or net now takes the room dp, ep, cp and pp leave unused."""
+    for gpus, top in [(1, "10"), (8, "10"), (64, "10")] + [(2, "0")] * name.startswith("minizero-"):
+        code, out, err = run_main(capsys, "--model", name, "--gpus", str(gpus), "--top", top)
+        assert code == 0 or "error:" in err, err
+        assert max(map(len, out.splitlines()), default=0) <= 120, (name, gpus, top)
 
 
 def test_the_search_tries_hybrid_sharding_within_a_node(capsys):

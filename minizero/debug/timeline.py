@@ -68,9 +68,10 @@ def report(events) -> list[str]:
         return lines + [f"one rank: no straggler to name (working {working[pids[0]]:.2f} ms/step, compute "
                         f"{figs[pids[0]]['compute']:.2f} ms/step)"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
-    ratio = working[slow] / working[fast] if working[fast] else float("inf")
+    vs = (f"{working[slow] / working[fast]:.2f}x rank {fast}'s {working[fast]:.2f} ms/step" if working[fast] > 0
+          else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")  # 'infx rank 7's' before
     lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f} "
-                 f"ms/step; {ratio:.2f}x rank {fast}'s {working[fast]:.2f} ms/step)")
+                 f"ms/step; {vs})")
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
@@ -102,10 +103,11 @@ def load(path: str) -> list:
         wrong = [(f, allowed) for f, ok, allowed in (
             ("ts", _number(e["ts"]), "a number of microseconds (at most 2**53 in size)"),
             ("dur", _number(e["dur"]) and e["dur"] >= 0, "a number of microseconds (0 to 2**53)"),
-            ("pid", _whole(e["pid"]), "a rank (a whole number >= 0)"), ("tid", _whole(e["tid"]), "a lane number"),
+            ("pid", _rank(e["pid"]), f"a rank (a whole number 0 to {RANKS - 1:,})"),
+            ("tid", _whole(e["tid"]), "a lane number"),
             ("name", isinstance(e["name"], str), "text"), ("cat", isinstance(e["cat"], str), "text"),
-            ("args", isinstance(e.get("args", {}), dict) and _whole(e.get("args", {}).get("peer", 0)),
-             "an object whose 'peer' is a rank")) if not ok]
+            ("args", isinstance(e.get("args", {}), dict) and _rank(e.get("args", {}).get("peer", 0)),
+             f"an object whose 'peer' is a rank (0 to {RANKS - 1:,})")) if not ok]
         if wrong:
             f, allowed = wrong[0]
             raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {e[f]!r}, not {allowed}")
@@ -118,6 +120,13 @@ def _number(v) -> bool:  # at most 2**53 (285 years of microseconds): sums of tw
 
 def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+RANKS = 2 ** 31  #: MPI's ranks are C ints: a pid or peer of 10**30 is no rank (printed as a pipeline stage before)
+
+
+def _rank(v) -> bool:
+    return _whole(v) and v < RANKS
 
 
 def main(path: str) -> int:
