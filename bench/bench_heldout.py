@@ -134,4 +134,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from minizero.interrupts import run_script  # | head -1, > /dev/full, >&-: as the tools
+    sys.exit(run_script(main))
