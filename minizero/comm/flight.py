@@ -239,7 +239,7 @@ def _decode(row: np.ndarray) -> dict:
 
 
 def agree(group: _Group, entry: Entry) -> None:
-    """Collective: all-gather ``entry``'s descriptor over ``group`` (sendrecv ring, tag 1003, ``debug_collectives``).
+    """Collective: all-gather ``entry``'s descriptor over ``group`` (sendrecv ring, tag 1400, ``debug_collectives``).
 
     Raises CollectiveMismatchError on every rank, naming this side and the first rank that differs.
     """
