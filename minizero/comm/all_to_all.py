@@ -15,7 +15,7 @@ import numpy as np
 
 from minizero import backend
 
-_A2A_TAG, _COUNT_TAG = 1003, 1004
+_A2A_TAG, _COUNT_TAG = 1007, 1008  # every kind of message has its own tag (tests/test_tags.py)
 
 
 def _exchange(comm, x, send_offsets, out, recv_offsets) -> None:

@@ -13,7 +13,7 @@ from minizero.comm.collectives import _check_array, all_gather, shard_range
 from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
-_A2A_TAG = 1003  # message tag of the all-to-all, apart from the ring's 1001 and broadcast's 1002
+_A2A_TAG = 1009  # message tag of the quantized all-to-all (every kind of message has its own: tests/test_tags.py)
 
 
 def _blocks(n: int, block_size: int) -> int:

@@ -11,7 +11,7 @@ import os
 from minizero import backend
 from minizero.numerals import integer
 
-_RD_TAG = 1003  #: tag of recursive-doubling messages (the ring uses 1001, broadcast 1002)
+_RD_TAG = 1003  #: tag of recursive-doubling messages (every kind of message has its own: tests/test_tags.py)
 
 #: all-reduces of at most this many bytes use recursive doubling, larger ones the ring.
 #: Measured with ``python bench/bench_allreduce.py --launch 4,8`` on the 2-core development

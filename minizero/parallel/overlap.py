@@ -10,7 +10,7 @@ from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.parallel.data_parallel import fill_bucket
 
-OVERLAP_TAG = 1003  #: tag of the overlapped gradient ring (apart from the blocking collectives' 1001/1002)
+OVERLAP_TAG = 1006  #: tag of the overlapped gradient ring (every kind of message has its own: tests/test_tags.py)
 
 
 def can_overlap(dp) -> bool:

@@ -12,7 +12,7 @@ from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.ledger import get_ledger
 from minizero.zero.hybrid import sum_over_replicas
 
-PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (apart from the blocking rings' and the DP overlap's)
+PREFETCH_TAG = 1005  #: tag of the prefetching all-gathers (every kind of message has its own: tests/test_tags.py)
 REDUCE_TAG = 1004  #: tag of the overlapped gradient reduce-scatters
 #: gradient buckets alive at once under the overlapped reduce-scatter, the tied embedding's aside (the
 #: estimator, ``memory/estimator/zero_overlap.py``, imports it: one constant for both)
