@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write a per-rank timeline (Chrome trace-event JSON; opens in Perfetto) to PATH")
     comm.add_argument("--native-comm", action="store_true",
                       help="use the library's own collectives (MPI_Allreduce..., or NCCL's with --comm nccl) "
-                           "instead of the hand-written ring")
+                           "instead of the hand-written ones (ring, recursive doubling)")
     # -- communicator (issue #15: NCCL) ------------------------------------------------------------
     comm.add_argument("--comm", default=None, choices=["mpi", "nccl"],
                       help="transport of every message: mpi (mpi4py), or nccl (cupy.cuda.nccl, one GPU per rank, "
