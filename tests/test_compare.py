@@ -41,8 +41,9 @@ def test_estimator_matches_ledger_for_every_strategy(ranks):
 
 @pytest.mark.timeout(120)
 def test_estimator_matches_ledger_on_a_larger_model():
-    # 'small' (context 64): every saved array is over the offload threshold of 1 KiB, unlike 'tiny' (a threshold
-    # that does not depend on the ranks: 4 ranks' shards and padding are the tiny and default models' tests')
+    # 'small' (context 64, micro-batch 2): more saved arrays over the offload threshold of 1 KiB than 'tiny' (its
+    # layer-norm statistics and positions, 512 bytes, stay on the device); the threshold does not depend on the
+    # ranks: 4 ranks' shards and padding are the tiny and default models' tests'
     for name in compare.STRATEGIES:
         check_run(name, "small", 2)
 
