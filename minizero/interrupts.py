@@ -7,6 +7,7 @@ import ctypes
 import faulthandler
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -74,12 +75,12 @@ def launched_ranks() -> int:
 
 
 def launcher_connected() -> bool:
-    """True where a launcher's connection is there: MPICH's PMI_FD (an open descriptor) or PMI_PORT, PMIx's server."""
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server."""
     fd = os.environ.get("PMI_FD", "")
     if fd.isascii() and fd.isdigit():
-        try:
-            return os.fstat(int(fd)) is not None
-        except OSError:
+        try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
+            return stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+        except (OSError, OverflowError):
             pass
     return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
 
@@ -91,8 +92,9 @@ def refuse_several_ranks(parser) -> None:
         if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
             names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
                      if k in os.environ]
-            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} are set, but no MPI launcher started this "
-                         f"process: unset {' '.join(names)} (this program runs in one process, without mpiexec)")
+            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} {'is' if len(names) == 1 else 'are'} set, "
+                         f"but no MPI launcher started this process: unset {' '.join(names)} (this program runs in "
+                         "one process, without mpiexec)")
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
                      "-n 1)")

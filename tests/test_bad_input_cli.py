@@ -362,8 +362,11 @@ def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatc
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("PMI_RANK", rank)
-    monkeypatch.setenv("PMI_FD", "2")  # MPICH's launcher's connection: an open descriptor (here stderr)
-    with pytest.raises(SystemExit) as e:
+    import socket
+
+    launcher, rank_end = socket.socketpair()  # MPICH's launcher's connection: a socket
+    monkeypatch.setenv("PMI_FD", str(rank_end.fileno()))
+    with launcher, rank_end, pytest.raises(SystemExit) as e:
         importlib.import_module(f"minizero.{module}").main(argv)
     out = capsys.readouterr()
     said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
@@ -390,6 +393,27 @@ def test_a_stale_launcher_environment_is_named_on_every_rank(monkeypatch, capsys
     assert e.value.code == 2 and out.out == "" and unwrapped(out.err) == [
         f"python -m minizero.{tool}: error: PMI_SIZE=2 PMI_RANK={rank} are set, but no MPI launcher started this "
         "process: unset PMI_SIZE PMI_RANK (this program runs in one process, without mpiexec)"], out
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "2"}, "PMI_SIZE=2 PMI_RANK=1 are"),  # stderr: no launcher's socket
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "99999"}, "PMI_SIZE=2 PMI_RANK=1 are"),  # closed
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "9" * 20}, "PMI_SIZE=2 PMI_RANK=1 are"),  # OverflowError before
+    ({"PMI_SIZE": "2"}, "PMI_SIZE=2 is")])
+def test_a_stale_pmi_fd_is_no_launcher(monkeypatch, capsys, env, named):
+    """PMI_FD naming a descriptor that is no socket (a terminal, /dev/null): before, rank 1 exited 2 silently as
+    under mpiexec; PMI_FD of 20 digits: an OverflowError traceback; PMI_SIZE alone: "PMI_SIZE=2 are set"."""
+    from minizero import plan
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_FD", "PMI_PORT", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "" and unwrapped(out.err)[0].startswith(
+        f"python -m minizero.plan: error: {named} set, but no MPI launcher started this process: unset"), out
 
 
 @pytest.mark.parametrize("layouts, said", [
