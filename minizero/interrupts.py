@@ -230,12 +230,22 @@ def stdout_reader_gone(e: BaseException) -> bool:
 
 def run_script(main) -> int:
     """``main()`` of a script (bench/, lessons/build.py) with :func:`watch_stdout`, as the tools run: ``| head -1``
-    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2)."""
+    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2); Ctrl-C or
+    SIGTERM with one line, 130 / 143."""
     name = os.path.basename(sys.argv[0])
     watch_stdout(name)
+    if not launched_by_mpiexec():  # a rank keeps the default action (a Python handler never runs inside MPI_Init)
+        Interrupts.install()
     try:
         code = main()
+        Interrupts.check()
         sys.stdout.flush()  # what print left in the buffer fails here, not in the exit's flush
+        return code
+    except (KeyboardInterrupt, Terminated) as e:  # a traceback (Ctrl-C), or mpiexec left running (SIGTERM) before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        code, signame = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+        print(wrapped(f"{name}: interrupted ({signame})"), file=sys.stderr, flush=True)
         return code
     except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
         if not (stdout_reader_gone(e) or stdout_unwritable(e)):
