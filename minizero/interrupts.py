@@ -76,13 +76,16 @@ def launched_ranks() -> int:
 
 def launcher_connected() -> bool:
     """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server."""
-    fd = os.environ.get("PMI_FD", "")
-    if fd.isascii() and fd.isdigit():
-        try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
-            return stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
-        except (OSError, OverflowError):
-            pass
+    if _socket(os.environ.get("PMI_FD", "")):
+        return True
     return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
+
+
+def _socket(fd: str) -> bool:
+    try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
+        return fd.isascii() and fd.isdigit() and stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+    except (OSError, OverflowError):  # closed; 20 digits
+        return False
 
 
 def refuse_several_ranks(parser) -> None:
@@ -139,7 +142,7 @@ def set_up_timeout(argv, default_s: float, minimum_s: float) -> float:
     return t if minimum_s <= t < default_s * 1000 else default_s
 
 
-def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
+def guard_set_up(argv, default_s: float, minimum_s: float, tool: str = "minizero") -> None:
     """Bound an MPI program's set-up (MPI's start, the ranks' first exchanges, its locks); call it first in main.
 
     Under mpiexec this rank ends with its launcher (:func:`exit_with_parent`). A rank stalled before set-up ends
@@ -150,6 +153,12 @@ def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
     before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
     ends, mpiexec's status, no traceback, no hang (SIGINT to one of several MPICH ranks: as SIGTERM, see there).
     """
+    if "PMI_FD" in os.environ and not _socket(os.environ["PMI_FD"]):  # MPI_Init: MPICH's abort and error stack
+        names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
+        print(error_lines(f"python -m {tool}", f"PMI_FD={os.environ['PMI_FD']} is set, but names no MPI launcher's "
+                          f"socket (mpiexec sets it): unset {' '.join(names)}, or start this under mpiexec"),
+              file=sys.stderr)
+        raise SystemExit(2)
     if launched_by_mpiexec():
         exit_with_parent()
     faulthandler.dump_traceback_later(set_up_timeout(argv, default_s, minimum_s), exit=True, file=2)  # stderr (fd)

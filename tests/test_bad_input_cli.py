@@ -712,3 +712,20 @@ def test_a_broken_dependency_keeps_its_traceback():
     error = ModuleNotFoundError("No module named 'numpy.foo'", name="numpy.foo")
     minizero._missing_dependency_hook(ModuleNotFoundError, error, None, _default=lambda *a: seen.append(a[1]))
     assert seen == [error]
+
+
+@pytest.mark.parametrize("tool", ["minizero.train", "minizero.finetune"])
+@pytest.mark.parametrize("fd", ["2", "9" * 20])
+def test_a_stale_pmi_fd_is_named_before_mpi_starts(tool, fd):
+    """PMI_FD left in a shell (a terminal's descriptor, or 20 digits): before, MPI_Init aborted with MPICH's error
+    stack ('PMI_Init returned -1', its 'cmd=init' written onto stderr), exit 15."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "PMIX"))}
+    proc = subprocess.run([sys.executable, "-m", tool, "--model", "tiny", "--steps", "1", "--no-save"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=dict(env, PMI_FD=fd, PMI_SIZE="2", PMI_RANK="1"))
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"python -m {tool}: error: PMI_FD={fd} is set, but names no MPI launcher's socket (mpiexec sets it): "
+        "unset PMI_FD PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
