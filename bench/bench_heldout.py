@@ -32,6 +32,7 @@ import _machine  # noqa: E402
 from minizero.args import MAX_EVAL_BATCHES  # noqa: E402
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.data import eval_batches, load_tokens, train_val_split  # noqa: E402
+from minizero.interrupts import refuse_several_ranks  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402
 
 BATCH = 16  # sequences per batch: the job's validation batches' size (minizero.loop.train)
@@ -101,6 +102,7 @@ def main():
                    help=f"batches of {BATCH} windows drawn per slice")
     p.add_argument("--seed", type=_args.at_least(0), default=2,
                    help="seed of the windows drawn (the job's validation batches use its --seed + 1 = 1)")
+    refuse_several_ranks(p)  # under mpiexec -n 2 each rank trained and printed the whole table
     a = p.parse_args()
     _args.check_train_flags(p, train_argv(a), [1])
     block = model_config(parse_args(train_argv(a), 1)).block_size

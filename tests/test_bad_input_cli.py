@@ -729,3 +729,26 @@ def test_a_stale_pmi_fd_is_named_before_mpi_starts(tool, fd):
     assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
         f"python -m {tool}: error: PMI_FD={fd} is set, but names no MPI launcher's socket (mpiexec sets it): "
         "unset PMI_FD PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("argv", [["-m", "minizero.compare", "--model", "tiny", "--out", "OUT"],
+                                  ["bench/bench_heldout.py", "--model", "tiny", "--steps", "2"]])
+def test_compare_and_bench_heldout_on_several_ranks_stop_before_any_work(tmp_path, rank, argv):
+    """``mpiexec -n 2 python -m minizero.compare``: both ranks ran every job and wrote the same OUT/compare.*;
+    bench_heldout.py: both trained and printed the table. Now exit 2 before any work, rank 0 says why."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "PMIX"))}
+    launcher, rank_end = socket.socketpair()  # as mpiexec's connection
+    with launcher, rank_end:
+        proc = subprocess.run([sys.executable, *[str(tmp_path) if a == "OUT" else a for a in argv]], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120, pass_fds=[rank_end.fileno()],
+                              env=dict(env, PMI_SIZE="2", PMI_RANK=rank, PMI_FD=str(rank_end.fileno())))
+    said = "" if rank == "1" else "error: runs in one process; mpiexec started 2 ranks: run it without mpirun"
+    assert proc.returncode == 2 and proc.stdout == "" and said in proc.stderr and (said or not proc.stderr), proc
+    assert os.listdir(tmp_path) == []
