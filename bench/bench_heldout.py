@@ -29,8 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _args  # noqa: E402
 import _machine  # noqa: E402
 
+from minizero.args import MAX_EVAL_BATCHES  # noqa: E402
 from minizero.comm import run_in_threads  # noqa: E402
 from minizero.data import eval_batches, load_tokens, train_val_split  # noqa: E402
+from minizero.interrupts import refuse_several_ranks  # noqa: E402
 from minizero.train import model_config, parse_args, train  # noqa: E402
 
 BATCH = 16  # sequences per batch: the job's validation batches' size (minizero.loop.train)
@@ -84,9 +86,9 @@ def measure(a) -> dict:
 
 def row(label: str, span, means: list[float], z: float) -> str:
     """One table row: the label, the byte range, sequences, mean loss, its standard error, zlib nats/byte."""
-    se = statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else math.nan
+    se = f"{statistics.stdev(means) / math.sqrt(len(means)):.4f}" if len(means) > 1 else "-"  # 'nan' before
     return (f"| {label} | {span[0]:,}-{span[1]:,} | {len(means) * BATCH:,} | {statistics.fmean(means):.4f} | "
-            f"{se:.4f} | {z:.3f} |")
+            f"{se} | {z:.3f} |")
 
 
 def main():
@@ -96,16 +98,19 @@ def main():
                    help="training steps (default: the main job's)")
     p.add_argument("--slices", type=_args.count, default=9,
                    help="contiguous slices of the training split (9: each about the held-out end's length)")
-    p.add_argument("--batches", type=_args.count, default=16, help=f"batches of {BATCH} windows drawn per slice")
+    p.add_argument("--batches", type=_args.between(1, MAX_EVAL_BATCHES), default=16,  # the trainer's --eval-batches'
+                   help=f"batches of {BATCH} windows drawn per slice")
     p.add_argument("--seed", type=_args.at_least(0), default=2,
                    help="seed of the windows drawn (the job's validation batches use its --seed + 1 = 1)")
+    refuse_several_ranks(p)  # under mpiexec -n 2 each rank trained and printed the whole table
     a = p.parse_args()
     _args.check_train_flags(p, train_argv(a), [1])
     block = model_config(parse_args(train_argv(a), 1)).block_size
     train_bytes = len(train_val_split(load_tokens(None))[0])
     if train_bytes // a.slices < block + 2:
-        p.error(f"--slices {a.slices} cuts the training split ({train_bytes:,} bytes) below one {block + 1}-byte "
-                f"window of model {a.model!r}; allowed: 1..{train_bytes // (block + 2):,}")
+        p.error(f"--slices {a.slices} cuts the training split ({train_bytes:,} bytes) into slices below the "
+                f"{block + 2} bytes that drawing a {block + 1}-byte window of model {a.model!r} needs; allowed: "
+                f"1..{train_bytes // (block + 2):,}")
     threadpool_limits(1)
     print(f"{_machine.header()} | load average {os.getloadavg()[0]:.1f}", flush=True)
     r = measure(a)

@@ -17,7 +17,6 @@ last cell, run by nbmake, asserts that the figures it measured equal the committ
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
@@ -78,7 +77,9 @@ def execute(name: str, timeout: int = 1800) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from minizero.numerals import OneLineParser  # errors in lines of <= 120 columns (one of 400 before)
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"lessons to build (default: all of {', '.join(lessons())})")
     parser.add_argument("--no-execute", action="store_true", help="render from the committed figures only")
     args = parser.parse_args(argv)

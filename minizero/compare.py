@@ -26,7 +26,7 @@ from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_file, check_writable_folder,
                             checkpoint_holding, mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
-from minizero.interrupts import WHOLE, interruptible  # its __main__: | head -1 ends it quietly
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks  # __main__: | head -1 quiet
 from minizero.nn import PRESETS
 from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
                                negative_values_reach_checks, real, unwrapped, wrapped)
@@ -82,7 +82,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 class _Parser(FlagParser):
+    quiet = False  # a launched rank other than 0 (refuse_several_ranks): exit 2, rank 0 says why
+
     def error(self, message):
+        if self.quiet:
+            raise SystemExit(2)
         raise UsageError(message)
 
 
@@ -235,7 +239,9 @@ def _int_list(text: str, flag: str, cap: int) -> list[int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check ``argv``. Raises :class:`UsageError` naming the bad value and what is allowed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    refuse_several_ranks(parser)  # each of mpiexec's ranks ran every job and wrote the same OUT/compare.*
+    args = parser.parse_args(argv)
     if args.model not in PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; allowed: {', '.join(sorted(PRESETS))}")
     args.ranks = _int_list(args.ranks, "--ranks", MAX_RANKS)

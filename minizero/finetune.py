@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     """Entry point; returns the exit status: 0, 2 bad arguments or an output in use by another job (every rank,
     before any work), 1 a rank failed (every rank ended). Set-up is bounded as the main job's
     (:func:`~minizero.interrupts.guard_set_up`): a stalled rank ends the job after --comm-timeout, a signal ends it."""
-    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)
+    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S, "minizero.finetune")
     try:
         from mpi4py import MPI
 

@@ -7,6 +7,7 @@ import ctypes
 import faulthandler
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -74,14 +75,17 @@ def launched_ranks() -> int:
 
 
 def launcher_connected() -> bool:
-    """True where a launcher's connection is there: MPICH's PMI_FD (an open descriptor) or PMI_PORT, PMIx's server."""
-    fd = os.environ.get("PMI_FD", "")
-    if fd.isascii() and fd.isdigit():
-        try:
-            return os.fstat(int(fd)) is not None
-        except OSError:
-            pass
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server."""
+    if _socket(os.environ.get("PMI_FD", "")):
+        return True
     return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
+
+
+def _socket(fd: str) -> bool:
+    try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
+        return fd.isascii() and fd.isdigit() and stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+    except (OSError, OverflowError):  # closed; 20 digits
+        return False
 
 
 def refuse_several_ranks(parser) -> None:
@@ -91,8 +95,9 @@ def refuse_several_ranks(parser) -> None:
         if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
             names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
                      if k in os.environ]
-            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} are set, but no MPI launcher started this "
-                         f"process: unset {' '.join(names)} (this program runs in one process, without mpiexec)")
+            parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} {'is' if len(names) == 1 else 'are'} set, "
+                         f"but no MPI launcher started this process: unset {' '.join(names)} (this program runs in "
+                         "one process, without mpiexec)")
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
                      "-n 1)")
@@ -137,7 +142,7 @@ def set_up_timeout(argv, default_s: float, minimum_s: float) -> float:
     return t if minimum_s <= t < default_s * 1000 else default_s
 
 
-def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
+def guard_set_up(argv, default_s: float, minimum_s: float, tool: str = "minizero") -> None:
     """Bound an MPI program's set-up (MPI's start, the ranks' first exchanges, its locks); call it first in main.
 
     Under mpiexec this rank ends with its launcher (:func:`exit_with_parent`). A rank stalled before set-up ends
@@ -148,6 +153,12 @@ def guard_set_up(argv, default_s: float, minimum_s: float) -> None:
     before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
     ends, mpiexec's status, no traceback, no hang (SIGINT to one of several MPICH ranks: as SIGTERM, see there).
     """
+    if "PMI_FD" in os.environ and not _socket(os.environ["PMI_FD"]):  # MPI_Init: MPICH's abort and error stack
+        names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
+        print(error_lines(f"python -m {tool}", f"PMI_FD={os.environ['PMI_FD']} is set, but names no MPI launcher's "
+                          f"socket (mpiexec sets it): unset {' '.join(names)}, or start this under mpiexec"),
+              file=sys.stderr)
+        raise SystemExit(2)
     if launched_by_mpiexec():
         exit_with_parent()
     faulthandler.dump_traceback_later(set_up_timeout(argv, default_s, minimum_s), exit=True, file=2)  # stderr (fd)
@@ -228,12 +239,22 @@ def stdout_reader_gone(e: BaseException) -> bool:
 
 def run_script(main) -> int:
     """``main()`` of a script (bench/, lessons/build.py) with :func:`watch_stdout`, as the tools run: ``| head -1``
-    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2)."""
+    ends it quietly (0), stdout on a full disk with one line (1), closed (``>&-``) before any work (2); Ctrl-C or
+    SIGTERM with one line, 130 / 143."""
     name = os.path.basename(sys.argv[0])
     watch_stdout(name)
+    if not launched_by_mpiexec():  # a rank keeps the default action (a Python handler never runs inside MPI_Init)
+        Interrupts.install()
     try:
         code = main()
+        Interrupts.check()
         sys.stdout.flush()  # what print left in the buffer fails here, not in the exit's flush
+        return code
+    except (KeyboardInterrupt, Terminated) as e:  # a traceback (Ctrl-C), or mpiexec left running (SIGTERM) before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        code, signame = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+        print(wrapped(f"{name}: interrupted ({signame})"), file=sys.stderr, flush=True)
         return code
     except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
         if not (stdout_reader_gone(e) or stdout_unwritable(e)):

@@ -217,7 +217,13 @@ def _cell(x: float, width: int, digits: int = 2) -> str:
     """``x`` right-aligned in ``width`` columns, a space before it always: fewer decimals where they do not fit
     (before: 96.36 GB of optimizer state and 1147.87 of activations printed as 96.361147.87)."""
     text = f"{x:.{digits}f}"
-    return " " + (text if len(text) < width else f"{x:.0f}").rjust(width - 1)
+    text = text if len(text) < width else f"{x:.0f}"
+    for d in range(width, -1, -1):  # 1.1e6 where even that does not fit (--gpu-memory 1000000TB: 123 columns)
+        if len(text) < width:
+            break
+        mantissa, power = f"{x:.{d}e}".split("e")
+        text = f"{mantissa}e{int(power)}"
+    return " " + text.rjust(width - 1)
 
 
 def count(n: int) -> str:

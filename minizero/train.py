@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     status, no line).
     Mirrors ``torchrun``'s contract: a failing or stalled rank (``--comm-timeout``) ends the whole job.
     """
-    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S)  # a stalled or signalled rank still ends the job
+    guard_set_up(argv, DEFAULT_TIMEOUT_S, MIN_COMM_TIMEOUT_S, "minizero.train")  # a stalled, signalled rank ends all
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 

@@ -362,8 +362,11 @@ def test_a_one_process_program_on_several_ranks_stops_before_any_work(monkeypatc
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("PMI_RANK", rank)
-    monkeypatch.setenv("PMI_FD", "2")  # MPICH's launcher's connection: an open descriptor (here stderr)
-    with pytest.raises(SystemExit) as e:
+    import socket
+
+    launcher, rank_end = socket.socketpair()  # MPICH's launcher's connection: a socket
+    monkeypatch.setenv("PMI_FD", str(rank_end.fileno()))
+    with launcher, rank_end, pytest.raises(SystemExit) as e:
         importlib.import_module(f"minizero.{module}").main(argv)
     out = capsys.readouterr()
     said = [] if rank == "1" else [f"python -m minizero.{tool}: error: runs in one process; mpiexec started 2 ranks: "
@@ -390,6 +393,27 @@ def test_a_stale_launcher_environment_is_named_on_every_rank(monkeypatch, capsys
     assert e.value.code == 2 and out.out == "" and unwrapped(out.err) == [
         f"python -m minizero.{tool}: error: PMI_SIZE=2 PMI_RANK={rank} are set, but no MPI launcher started this "
         "process: unset PMI_SIZE PMI_RANK (this program runs in one process, without mpiexec)"], out
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "2"}, "PMI_SIZE=2 PMI_RANK=1 are"),  # stderr: no launcher's socket
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "99999"}, "PMI_SIZE=2 PMI_RANK=1 are"),  # closed
+    ({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_FD": "9" * 20}, "PMI_SIZE=2 PMI_RANK=1 are"),  # OverflowError before
+    ({"PMI_SIZE": "2"}, "PMI_SIZE=2 is")])
+def test_a_stale_pmi_fd_is_no_launcher(monkeypatch, capsys, env, named):
+    """PMI_FD naming a descriptor that is no socket (a terminal, /dev/null): before, rank 1 exited 2 silently as
+    under mpiexec; PMI_FD of 20 digits: an OverflowError traceback; PMI_SIZE alone: "PMI_SIZE=2 are set"."""
+    from minizero import plan
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_FD", "PMI_PORT", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "" and unwrapped(out.err)[0].startswith(
+        f"python -m minizero.plan: error: {named} set, but no MPI launcher started this process: unset"), out
 
 
 @pytest.mark.parametrize("layouts, said", [
@@ -688,3 +712,43 @@ def test_a_broken_dependency_keeps_its_traceback():
     error = ModuleNotFoundError("No module named 'numpy.foo'", name="numpy.foo")
     minizero._missing_dependency_hook(ModuleNotFoundError, error, None, _default=lambda *a: seen.append(a[1]))
     assert seen == [error]
+
+
+@pytest.mark.parametrize("tool", ["minizero.train", "minizero.finetune"])
+@pytest.mark.parametrize("fd", ["2", "9" * 20])
+def test_a_stale_pmi_fd_is_named_before_mpi_starts(tool, fd):
+    """PMI_FD left in a shell (a terminal's descriptor, or 20 digits): before, MPI_Init aborted with MPICH's error
+    stack ('PMI_Init returned -1', its 'cmd=init' written onto stderr), exit 15."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "PMIX"))}
+    proc = subprocess.run([sys.executable, "-m", tool, "--model", "tiny", "--steps", "1", "--no-save"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env=dict(env, PMI_FD=fd, PMI_SIZE="2", PMI_RANK="1"))
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"python -m {tool}: error: PMI_FD={fd} is set, but names no MPI launcher's socket (mpiexec sets it): "
+        "unset PMI_FD PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("argv", [["-m", "minizero.compare", "--model", "tiny", "--out", "OUT"],
+                                  ["bench/bench_heldout.py", "--model", "tiny", "--steps", "2"]])
+def test_compare_and_bench_heldout_on_several_ranks_stop_before_any_work(tmp_path, rank, argv):
+    """``mpiexec -n 2 python -m minizero.compare``: both ranks ran every job and wrote the same OUT/compare.*;
+    bench_heldout.py: both trained and printed the table. Now exit 2 before any work, rank 0 says why."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "PMIX"))}
+    launcher, rank_end = socket.socketpair()  # as mpiexec's connection
+    with launcher, rank_end:
+        proc = subprocess.run([sys.executable, *[str(tmp_path) if a == "OUT" else a for a in argv]], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120, pass_fds=[rank_end.fileno()],
+                              env=dict(env, PMI_SIZE="2", PMI_RANK=rank, PMI_FD=str(rank_end.fileno())))
+    said = "" if rank == "1" else "error: runs in one process; mpiexec started 2 ranks: run it without mpirun"
+    assert proc.returncode == 2 and proc.stdout == "" and said in proc.stderr and (said or not proc.stderr), proc
+    assert os.listdir(tmp_path) == []

@@ -133,7 +133,9 @@ CASES = [
     ("bench_heldout", ["--slices", "0"], "argument --slices: '0' is below 1"),
     # the corpus (CPython's pydoc_data.topics) has another length on another Python: its numbers are not asserted
     ("bench_heldout", ["--slices", "100000"], "--slices 100000 cuts the training split ("),
-    ("bench_heldout", ["--slices", "99999"], "bytes) below one 129-byte window of model 'default'; allowed: 1.."),
+    ("bench_heldout", ["--slices", "99999"], "bytes) into slices below the 130 bytes that drawing a 129-byte window "
+                                             "of model 'default' needs; allowed: 1.."),
+    ("bench_heldout", ["--batches", "10001"], "argument --batches: '10001' is above 10,000; allowed: an integer in 1.."),
     ("bench_heldout", ["--model", "tiny", "--steps", "2000000000"], "python -m minizero.train refuses these flags"),
     ("bench_train", ["--ranks", "1,,8"], "argument --ranks: '1,,8'"),
     ("bench_train", ["--against", "nosuchrev"], "--against 'nosuchrev' is not a known revision"),

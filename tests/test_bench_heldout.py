@@ -40,3 +40,16 @@ def test_bench_heldout_prints_one_row_per_slice_then_the_held_out_end():
     said = "\n".join(lines[top + 2 + len(rows):])
     assert "held-out end minus all trained-on slices: " in said and " of 3" in said
     assert "the job's validation loss: " in said
+
+
+def test_bench_heldout_one_batch_has_no_standard_error_and_huge_batches_are_refused_before_training():
+    """--batches 1: each row's s.e. printed 'nan'; --batches 10**14 trained, then drew batches for ever (no bound:
+    the trainer's --eval-batches allows 10,000)."""
+    run = lambda *a: subprocess.run([sys.executable, os.path.join("bench", "bench_heldout.py"), "--model", "tiny", *a],
+                                    cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)  # noqa: E731
+    one = run("--steps", "2", "--slices", "2", "--batches", "1")
+    rows = [line.split("|")[5].strip() for line in one.stdout.splitlines() if line.startswith("| trained on: slice")]
+    assert one.returncode == 0 and rows == ["-", "-"] and "nan" not in one.stdout, one.stdout + one.stderr[-2000:]
+    huge = run("--batches", "10" * 7)
+    assert huge.returncode == 2 and huge.stdout == "" and huge.stderr.strip().endswith(
+        "argument --batches: '10101010101010' is above 10,000; allowed: an integer in 1..10,000"), huge.stderr

@@ -223,6 +223,16 @@ def test_every_bench_script_and_the_lesson_build_run_in_run_script():
     assert bare == []
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_bench_script_interrupted_prints_one_line(sig, code, name):
+    """``python bench/X.py``, Ctrl-C: before, a KeyboardInterrupt traceback; SIGTERM: killed silently (status -15),
+    leaving the mpiexec job it launched running (bench_memory.py). Now one line, 130 / 143."""
+    cmd = [sys.executable, "bench/bench_heldout.py", "--model", "tiny", "--steps", "1000000", "--batches", "1"]
+    status, err = _interrupt(cmd, 1, sig, after_first_line=True)  # its first line: the header, before training
+    assert status == code and "Traceback" not in err and err == f"bench_heldout.py: interrupted ({name})\n", err
+
+
 def _reader_gone(argv):
     """``argv`` with its stdout's reader gone before the first write: (exit status, stderr)."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

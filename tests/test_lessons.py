@@ -264,3 +264,14 @@ def test_lesson_08_names_every_flag_compare_adds_to_its_runs():
              if f.startswith("--") and f not in STRATEGIES["baseline"][0] and f not in plumbing]
     text = (ROOT / "lessons" / "08_putting_it_together.md").read_text()
     assert added and all(f"`{f}`" in text for f in added), added
+
+
+def test_build_refuses_an_unknown_lesson_in_lines_of_at_most_120_columns():
+    """Before: plain argparse's usage block, then the list of every template on one line of about 400 columns."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "lessons" / "build.py"), "--no-execute", "99_nope"],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and lines[0].startswith("build.py: error: no template for 99_nope; templates: 00_"), lines
+    assert len(lines) > 1 and max(map(len, lines)) <= 120 and "usage:" not in proc.stderr, lines

@@ -375,14 +375,15 @@ def test_table_cells_stay_apart_when_a_figure_is_wide():
     from minizero.plan_report import _cell
 
     assert _cell(96.36, 7) + _cell(1147.87, 7) == "  96.36   1148"
-    assert _cell(0.5, 7) == "   0.50" and _cell(1276.38, 8) == " 1276.38" and _cell(12345678.0, 7) == " 12345678"
+    assert _cell(0.5, 7) == "   0.50" and _cell(1276.38, 8) == " 1276.38" and _cell(12345678.0, 7) == " 1.23e7"
 
 
 @pytest.mark.parametrize("argv", [
     ("--model", "llama3-8b", "--gpus", "8", "--seq-len", "131072", "--top", "20"),
     ("--model", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--ep", "4", "--top", "20"),
     ("--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",
-     "--strategy", "dp2 cp8 cp_attention=ulysses tp1 zero3 recompute=selective offload=params+activations")])
+     "--strategy", "dp2 cp8 cp_attention=ulysses tp1 zero3 recompute=selective offload=params+activations"),
+    ("--model", "llama3-8b", "--gpus", "8", "--seq-len", "1048576", "--gpu-memory", "1000000TB")])  # 2258008: 123
 def test_the_table_fits_120_columns(capsys, argv):
     """Before: 154 columns (recompute and offload spelled out, a separator before host, net/step and step s), then
     128 (attn and SP columns: now cp's 'u' and tp's 's'). Every table line fits 120, the legend says the names."""

@@ -56,10 +56,14 @@ def rank_figures(events, pid: int) -> dict:
 
 def report(events) -> list[str]:
     """The table (Markdown, one row per rank) and the verdict lines."""
-    pids = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    by_pid: dict[int, list] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            by_pid.setdefault(e["pid"], []).append(e)
+    pids = sorted(by_pid)
     if not pids:
         return ["no events: was the job run with --trace?"]
-    figs = {p: rank_figures(events, p) for p in pids}
+    figs = {p: rank_figures(by_pid[p], p) for p in pids}  # each rank's own: all events per rank took 80 s at 40,000
     cols = ("step", "compute", "exposed", "overlapped", "bubble", "other")
     lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
     lines += [f"| {p} | " + " | ".join(f"{figs[p][c]:.2f}" for c in cols) + " |" for p in pids]
@@ -68,12 +72,16 @@ def report(events) -> list[str]:
         return lines + [f"one rank: no straggler to name (working {working[pids[0]]:.2f} ms/step, compute "
                         f"{figs[pids[0]]['compute']:.2f} ms/step)"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
+    if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before, and 'most waiting' at 0.00
+        return lines + ["no rank has working time (no forward-to-optimizer window): no straggler to name"]
     vs = (f"{working[slow] / working[fast]:.2f}x rank {fast}'s {working[fast]:.2f} ms/step" if working[fast] > 0
           else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")  # 'infx rank 7's' before
     lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f} "
                  f"ms/step; {vs})")
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
+    if f["exposed"] + f["bubble"] <= 0:
+        return lines + ["most waiting: none (no rank spent time in collectives or pipeline waits)"]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
     lines.append(f"most waiting: rank {waiter} ({f['exposed']:.2f} ms/step in collectives, {f['bubble']:.2f} ms/step "
                  f"in pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
