@@ -34,14 +34,18 @@ def test_validation_below_a_falling_loss_is_put_down_to_the_median_lagging():
 
 
 def test_only_the_built_in_corpus_is_said_to_end_easier():
-    """A flat loss, validation well below it: the built-in corpus's end is easier (the README's default run); of
-    --data's file nothing is known, so nothing is claimed."""
-    built_in = " ".join(" ".join(_lines([5.0] * 20, 4.5)[1:]).split())
-    assert built_in == ("below the training loss (5.0000, median of the last 10 steps after warmup): the "
+    """A flat loss, validation well below it: the built-in corpus's end is easier after 50 steps or more (the
+    README's default run; at 20 steps bench_heldout finds it harder, and the README's 20-step MoE example was told
+    it was easier); of --data's file nothing is known, so nothing is claimed."""
+    built_in = " ".join(" ".join(_lines([5.0] * 60, 4.5)[1:]).split())
+    assert built_in == ("below the training loss (5.0000, median of the last 20 steps after warmup): the "
                         "held-out slice is the end of the text (its last 10%; the Python language reference that "
                         "ships with CPython), easier to predict than the rest, and 4 batches of 16 sequences sample "
                         "part of it; not a leak")
-    own = " ".join(" ".join(_lines([5.0] * 20, 4.5, data="mine.txt")[1:]).split())
+    short = " ".join(" ".join(_lines([5.0] * 20, 4.5)[1:]).split())  # 20 steps: bench_heldout finds the end harder
+    assert "easier" not in short and short.endswith("4 batches of 16 sequences sample part of it, whose loss need "
+                                                    "not be the whole end's; not a leak"), short
+    own = " ".join(" ".join(_lines([5.0] * 60, 4.5, data="mine.txt")[1:]).split())
     assert "last 10% of --data's file" in own and "because" not in own and "not a leak" not in own, own
     assert _lines([5.0] * 20, 5.0)[1:] == [] and _lines([5.0] * 5, 4.0, warmup=10)[1:] == []  # none after warmup
 
