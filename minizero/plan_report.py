@@ -274,14 +274,15 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
             "(not in bubble, exposed communication or offload) x model FLOPs / FLOPs done (recompute's extra): it "
             "follows from the assumptions above, not a measurement"
-            ] + (rounded_batch(gbatch, shown) if args.global_batch else [])  # the default is "about 4M tokens"
+            ] + rounded_batch(gbatch, shown, bool(args.global_batch))
 
 
-def rounded_batch(gbatch, shown) -> list[str]:
+def rounded_batch(gbatch, shown, given: bool = True) -> list[str]:
     """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
     got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
     off = [f"#{i} {g:,}" for i, g in enumerate(got, 1) if g != gbatch]
-    return [f"--global-batch {gbatch} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
+    asked = f"--global-batch {gbatch}" if given else f"the default global batch ({gbatch:,} sequences, about 4M tokens)"
+    return [f"{asked} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
             f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 
 

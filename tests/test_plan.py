@@ -459,3 +459,14 @@ def test_every_row_of_the_table_is_as_wide_as_its_header(capsys, argv):
     rows = [r for r in lines[head + 2:] if " | " in r]
     assert code == 0 and rows and {len(r) for r in rows} == {len(lines[head])}, [r for r in rows if len(r) !=
                                                                                   len(lines[head])][:2]
+
+
+def test_the_default_global_batch_rounded_up_is_said_too(capsys):
+    """Before: --gpus 7 planned 7 x 74 = 518 sequences under a header saying '512 sequences requested', silently
+    (the line was printed for --global-batch only; a new user's find)."""
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "7", "--top", "1")
+    assert code == 0 and ("the default global batch (512 sequences, about 4M tokens) is not a multiple of dp x "
+                          "micro-batch in every row: m = ceil(B / (dp x b)) rounds up, so these rows train more "
+                          "sequences per step: #1 518") in " ".join(out.split())
+    code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--top", "3")
+    assert code == 0 and "is not a multiple" not in out
