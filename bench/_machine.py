@@ -30,7 +30,12 @@ def blas(threads: str | None = None) -> str:
     if not i:
         return "BLAS unknown"
     return (f"{i.get('internal_api', '?')} {i.get('version', '?')} "
-            f"(kernel {i.get('architecture', '?')}, {threads or str(i.get('num_threads', '?')) + ' threads'})")
+            f"(kernel {i.get('architecture', '?')}, {threads or count(i.get('num_threads', '?'), 'thread')})")
+
+
+def count(n, noun: str) -> str:
+    """``1 thread``, ``2 threads``, ``? threads``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def source() -> str:

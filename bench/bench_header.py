@@ -88,7 +88,7 @@ def exchange(sizes: list, runs: int) -> None:
 
 
 def main():
-    p = _args.parser(description=__doc__.split("\n")[0])
+    p = _args.parser(description=__doc__.split("\n")[0] + " Run it under mpiexec -n N, N >= 2.")
     p.add_argument("--sizes", type=_args.byte_sizes, default="4096,65536,1048576,16777216",
                    help="comma list of message bytes")
     p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")

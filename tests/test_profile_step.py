@@ -127,6 +127,14 @@ def test_bench_header_names_this_process_s_blas_threads_or_the_ranks_rule():
     if not blas:
         pytest.skip("no BLAS that threadpoolctl sees: the header says 'BLAS unknown'")
     own, ranks = _machine.header(), _machine.header(_machine.RANK_THREADS)
-    assert f"{blas[0]['num_threads']} threads)" in own and f"{_machine.RANK_THREADS})" in ranks
+    assert f"{_machine.count(blas[0]['num_threads'], 'thread')})" in own and f"{_machine.RANK_THREADS})" in ranks
     assert "threads)" not in ranks and "OPENBLAS_CORETYPE=" in ranks
     assert f"| numpy {np.__version__} |" in own  # casts and ufunc loops change speed between NumPy releases
+
+
+def test_the_header_says_1_thread_not_1_threads():
+    """Before: 'kernel SkylakeX, 1 threads' (a new user's find)."""
+    import _machine
+
+    assert (_machine.count(1, "thread"), _machine.count(2, "thread"), _machine.count("?", "thread")) == (
+        "1 thread", "2 threads", "? threads")
