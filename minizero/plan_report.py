@@ -182,9 +182,10 @@ def format_table(cands: list[Candidate], scale: float) -> list[str]:
     wn = max(3, len(str(len(cands))))  # --top 0: row 1000
     w["m"] = max([5] + [len(f"{c.strategy.micro_batches:,}") for c in cands])  # 16384 beside 4,096 before
     nets = [sum(c.comm.get(k, 0) for k in ("dp", "tp", "pp", "cp", "ep")) / scale for c in cands]
-    w["net"] = max([7] + [len(_cell(n, 7, 1)) for n in nets])  # tiny's 1434463 KB: 8 columns
+    w["net"] = max([7] + [len(f" {n:.0f}") for n in nets])  # tiny's 1434463 KB: 8 columns
     for k in ("dp", "ep", "cp", "pp"):  # a wide m or net takes the room these do not use (tiny: 122)
         w[k] -= min(w[k] - need[k], max(0, len(_head(wn, w)) - 120))
+    w["net"] -= min(w["net"] - 7, max(0, len(_head(wn, w)) - 120))  # what still does not fit: _cell's 1.4e6
     tokens = column([c.tokens_per_s for c in cands], 8)  # one form: 3504572 beside 25,642 (another table) before
     head = _head(wn, w)
     lines = [head, "-" * len(head)]
