@@ -95,8 +95,9 @@ def refuse_several_ranks(parser) -> None:
         if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
             names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
                      if k in os.environ]
+            stale = names + [k for k in ("PMI_FD", "PMI_PORT") if k in os.environ]  # what train would trip on next
             parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} {'is' if len(names) == 1 else 'are'} set, "
-                         f"but no MPI launcher started this process: unset {' '.join(names)} (this program runs in "
+                         f"but no MPI launcher started this process: unset {' '.join(stale)} (this program runs in "
                          "one process, without mpiexec)")
         parser.quiet = launched_rank() != 0
         parser.error(f"runs in one process; mpiexec started {launched_ranks()} ranks: run it without mpirun (or with "
@@ -142,7 +143,7 @@ def set_up_timeout(argv, default_s: float, minimum_s: float) -> float:
     return t if minimum_s <= t < default_s * 1000 else default_s
 
 
-def guard_set_up(argv, default_s: float, minimum_s: float, tool: str = "minizero") -> None:
+def guard_set_up(argv, default_s: float, minimum_s: float, tool: str) -> None:
     """Bound an MPI program's set-up (MPI's start, the ranks' first exchanges, its locks); call it first in main.
 
     Under mpiexec this rank ends with its launcher (:func:`exit_with_parent`). A rank stalled before set-up ends

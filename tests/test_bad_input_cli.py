@@ -414,6 +414,8 @@ def test_a_stale_pmi_fd_is_no_launcher(monkeypatch, capsys, env, named):
     out = capsys.readouterr()
     assert e.value.code == 2 and out.out == "" and unwrapped(out.err)[0].startswith(
         f"python -m minizero.plan: error: {named} set, but no MPI launcher started this process: unset"), out
+    # every variable the advice leaves set would stop the next program: PMI_FD left, train refused it again
+    assert unwrapped(out.err)[0].split("unset ")[1].split(" (")[0] == " ".join(env), out
 
 
 @pytest.mark.parametrize("layouts, said", [
