@@ -282,7 +282,8 @@ def rounded_batch(gbatch, shown, given: bool = True) -> list[str]:
     """The line saying which shown rows train another global batch than asked: m = ceil(B / (dp x b)) rounds up."""
     got = [c.strategy.dp * c.strategy.micro_batch * c.strategy.micro_batches for c in shown]
     off = [f"#{i} {g:,}" for i, g in enumerate(got, 1) if g != gbatch]
-    asked = f"--global-batch {gbatch}" if given else f"the default global batch ({gbatch:,} sequences, about 4M tokens)"
+    asked = (f"--global-batch {gbatch}" if given else
+             f"the default global batch ({gbatch:,}: 2^22 tokens / seq-len, rounded up)")
     return [f"{asked} is not a multiple of dp x micro-batch in every row: m = ceil(B / (dp x b)) "
             f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 

@@ -479,8 +479,8 @@ def test_the_default_global_batch_rounded_up_is_said_too(capsys):
     """Before: --gpus 7 planned 7 x 74 = 518 sequences under a header saying '512 sequences requested', silently
     (the line was printed for --global-batch only; a new user's find)."""
     code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "7", "--top", "1")
-    assert code == 0 and ("the default global batch (512 sequences, about 4M tokens) is not a multiple of dp x "
-                          "micro-batch in every row: m = ceil(B / (dp x b)) rounds up, so these rows train more "
+    assert code == 0 and ("the default global batch (512: 2^22 tokens / seq-len, rounded up) is not a multiple of "
+                          "dp x micro-batch in every row: m = ceil(B / (dp x b)) rounds up, so these rows train more "
                           "sequences per step: #1 518") in " ".join(out.split())
     code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--top", "3")
     assert code == 0 and "is not a multiple" not in out
