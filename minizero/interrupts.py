@@ -244,19 +244,15 @@ def run_script(main) -> int:
     SIGTERM with one line, 130 / 143."""
     name = os.path.basename(sys.argv[0])
     watch_stdout(name)
-    if not launched_by_mpiexec():  # a rank keeps the default action (a Python handler never runs inside MPI_Init)
-        Interrupts.install()
+    if not (launched_by_mpiexec() and launcher_connected()):  # a rank keeps the default action (a Python handler
+        Interrupts.install()  # never runs inside MPI_Init); a stale PMI_RANK in the shell does not count
     try:
         code = main()
         Interrupts.check()
         sys.stdout.flush()  # what print left in the buffer fails here, not in the exit's flush
         return code
     except (KeyboardInterrupt, Terminated) as e:  # a traceback (Ctrl-C), or mpiexec left running (SIGTERM) before
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code, signame = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        print(wrapped(f"{name}: interrupted ({signame})"), file=sys.stderr, flush=True)
-        return code
+        return _interrupted(e, name)
     except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
         if not (stdout_reader_gone(e) or stdout_unwritable(e)):
             raise
@@ -289,12 +285,18 @@ def interruptible(tool: str, files: str, main, argv=None, guarded: bool = False)
               file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as e:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
-        if launched_rank() == 0 or not launcher_connected():  # a stale PMI_RANK=1 (no launcher): quiet before
-            print(wrapped(f"python -m {tool}: interrupted ({name}); {files}"), file=sys.stderr, flush=True)
-        return code
+        return _interrupted(e, f"python -m {tool}", f"; {files}")
+
+
+def _interrupted(e, prog: str, tail: str = "") -> int:
+    """Ctrl-C / SIGTERM's one line, ``"{prog}: interrupted (SIGINT){tail}"`` (rank 0 only under a launcher, which
+    signals every rank), and the exit status, 130 / 143."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the line
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+    if launched_rank() == 0 or not launcher_connected():  # a stale PMI_RANK=1 (no launcher): quiet before
+        print(wrapped(f"{prog}: interrupted ({name}){tail}"), file=sys.stderr, flush=True)
+    return code
 
 
 @contextlib.contextmanager

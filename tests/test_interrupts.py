@@ -487,3 +487,30 @@ def test_any_stdout_encoding_prints_the_sample(monkeypatch, encoding, shown):
     print("sample: a\ufffdb")
     sys.stdout.flush()
     assert stream.buffer.getvalue() == shown
+
+
+def test_run_script_s_interrupt_line_comes_from_rank_0_only(monkeypatch, capsys):
+    """Under a launcher (PMI_FD a socket) every rank gets mpiexec's SIGINT: before, every rank of a bench script
+    printed 'interrupted'; the tools' rule (rank 0 speaks) now holds for the scripts too (a reviewer's find)."""
+    import socket
+
+    from minizero.interrupts import run_script
+
+    ours, _theirs = socket.socketpair()
+    monkeypatch.setenv("PMI_FD", str(ours.fileno()))
+    monkeypatch.setenv("PMI_SIZE", "2")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    try:
+        for rank, said in (("1", ""), ("0", "interrupted (SIGINT)")):
+            monkeypatch.setenv("PMI_RANK", rank)
+            assert run_script(interrupted) == 130
+            err = capsys.readouterr().err
+            assert (said in err) if said else err == "", (rank, err)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ours.close()
+        _theirs.close()
