@@ -10,8 +10,9 @@ of ``--batches`` x 16 random (context + 1)-byte windows drawn from each of: the 
 ``--slices`` contiguous slices, the held-out end (the last 10%, the job's validation split); and the loss of the
 job's own validation batches (``--eval-batches`` x 16 windows of the held-out end, its seed). ``s.e.``: the standard
 error over a row's batches. ``zlib``: the slice's bytes compressed by zlib (level 9), in nats/byte: how predictable
-they are with no model at all (the "all slices" row: the slices' mean). The report's note that the built-in text's held-out end is easier to predict than
-the rest (``minizero/report.py``) rests on this table. BLAS runs one thread.
+they are with no model at all (the "all slices" row: the slices' mean). The report's note that the built-in
+text's held-out end is easier to predict than the rest (``minizero/report.py``) rests on this table. BLAS runs one
+thread.
 """
 from __future__ import annotations
 
