@@ -75,10 +75,12 @@ def launched_ranks() -> int:
 
 
 def launcher_connected() -> bool:
-    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server."""
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server,
+    HPE Cray PALS."""
     if _socket(os.environ.get("PMI_FD", "")):
         return True
-    return "PMI_PORT" in os.environ or any(k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)
+    return any(k in os.environ for k in ("PMI_PORT", "PMI_CONTROL_PORT", "PMI_CONTROL_FD", "PALS_RANKID")) or any(
+        k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)  # Cray PALS: PMI_CONTROL_*
 
 
 def _socket(fd: str) -> bool:

@@ -754,3 +754,20 @@ def test_compare_and_bench_heldout_on_several_ranks_stop_before_any_work(tmp_pat
     said = "" if rank == "1" else "error: runs in one process; mpiexec started 2 ranks: run it without mpirun"
     assert proc.returncode == 2 and proc.stdout == "" and said in proc.stderr and (said or not proc.stderr), proc
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("var", ["PALS_RANKID", "PMI_CONTROL_PORT", "PMIX_SERVER_URI41", "OMPI_MCA_orte_hnp_uri"])
+def test_other_launchers_count_as_launchers(monkeypatch, capsys, var):
+    """HPE Cray PALS sets PMI_RANK / PMI_SIZE with PMI_CONTROL_* and PALS_*, not MPICH's PMI_FD: before, every rank of
+    its launch was told to unset variables its launcher had set (a reviewer's find)."""
+    from minizero import plan
+
+    for v in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_FD", "PMI_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv(var, "1")
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and "runs in one process; mpiexec started 2 ranks" in err and "unset" not in err, err
