@@ -43,16 +43,11 @@ def check_zero(args) -> None:
 
 
 def check_sequence_parallel(args, cfg) -> None:
-    """``--sequence-parallel`` needs tp > 1, ZeRO 0-1 (ZeRO 2-3 reduce gradients inside backward, before the
-    tensor group sums the norms' sequence slices) and a context length T divisible by tp."""
+    """``--sequence-parallel`` needs tp > 1 and a context length T divisible by tp."""
     if not args.sequence_parallel:
         return
     if args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor group: it needs --tp > 1")
-    zero = args.zero
-    if zero >= 2:
-        raise ValueError(f"--sequence-parallel with --zero {zero} is not supported: ZeRO-{zero} reduces gradients "
-                         "inside backward, before the tensor group sums the layer norms' sequence slices; use --zero 1")
     t = args.block_size or cfg.block_size
     if t % args.tp:
         raise ValueError(f"--sequence-parallel needs the context length {t} divisible by --tp {args.tp}")

@@ -200,7 +200,7 @@ def test_context_parallel_with_dropout_equals_the_same_pipeline_without_cp(model
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp, extra", [(1, 2, ["--zero", "1"]), (2, 1, ["--sequence-parallel", "--zero", "1"]),
-                                           (2, 2, ["--sequence-parallel"])])
+                                           (2, 1, ["--sequence-parallel", "--zero", "3"]), (2, 2, ["--sequence-parallel"])])
 def test_context_parallel_composes_with_pipeline_and_sequence_parallel(tp, pp, extra):
     """--cp 2 with --pp 2 (activations (b, T/2, C) between stages, cp rank to cp rank) and with --tp 2
     --sequence-parallel (each rank's two chunks split again over the tensor group): one process's
@@ -365,8 +365,7 @@ def test_context_parallel_is_refused_where_it_cannot_run():
     assert parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--dropout", "0.1"], 4).cp == 2
     with pytest.raises(UsageError, match="T / cp = 6 divisible by --tp 4"):  # T=24: 24/4 = 6 local rows, 4 tensor ranks
         parse_args(["--model", "default", "--cp", "4", "--tp", "4", "--sequence-parallel", "--block-size", "24"], 16)
-    with pytest.raises(UsageError, match="--zero 2 is not supported"):  # sequence parallelism's own rule
-        parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2"], 4)
+    assert parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2"], 4).zero == 2
     with pytest.raises(UsageError, match="--zero 2 with --pp 2 is not supported"):  # the pipeline's own rule
         parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--zero", "2"], 4)
     args = parse_args(["--model", "default", "--cp", "2", "--pp", "2", "--tp", "2", "--sequence-parallel"], 8)

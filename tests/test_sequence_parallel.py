@@ -1,5 +1,7 @@
 """Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): equal to one process, norms in step, bytes as the formula."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from minizero.comm.collectives import bytes_sent
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
 from minizero.memory.estimator import ModelShape, Strategy, comm_bytes_per_step, layer_activation_bytes
+from minizero.memory.estimator.traffic import tensor_parallel_bytes
 from minizero.memory.recompute import apply_recompute
 from minizero.nn import GPT, get_config
 from minizero.parallel.pipeline import PipelineStage
@@ -22,6 +25,7 @@ from minizero.parallel.strategy import VALIDATION
 from minizero.parallel.tensor_parallel import shard_array, tensor_parallelize
 from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
+from tests.conftest import REPO_ROOT, mpi_env
 
 
 def test_gather_and_reduce_scatter_are_conjugate_along_the_sequence():
@@ -206,11 +210,85 @@ def test_measured_bytes_per_layer_equal_the_sequence_parallel_formula(tp, mode, 
 def test_sequence_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(UsageError, match="needs --tp > 1"):
         parse_args(["--model", "tiny", "--sequence-parallel"], 2)
-    with pytest.raises(UsageError, match="--zero 2 is not supported.*use --zero 1"):
-        parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--zero", "2"], 2)
     with pytest.raises(UsageError, match="context length 15 divisible by --tp 2"):
         parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--block-size", "15"], 2)
-    assert parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--zero", "1"], 2).sequence_parallel
+    for zero in ("1", "2", "3"):  # ZeRO 2-3: the tensor group sums the pieces of the shards (SequenceParallelGrads)
+        assert parse_args(["--model", "tiny", "--tp", "2", "--sequence-parallel", "--zero", zero], 4).sequence_parallel
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero, dp, extra", [(2, 2, []), (3, 2, []), (3, 4, ["--dp-shard", "2"])])
+def test_sequence_parallel_composes_with_zero_2_and_3(zero, dp, extra):
+    """--tp 2 --sequence-parallel --zero 2/3 (and hybrid sharding): backward reduce-scatters the norms' and biases'
+    gradients over the data group, then the tensor group sums the pieces each shard holds; every rank's gradient
+    pieces (step 0), weights after 3 clipped steps and losses are one process's. Bytes: the pieces partition the
+    norms and biases, so the mean over the ranks is the estimator's whole all-reduce / N (plus the first step's
+    8-byte layout check); no rank sends the whole one."""
+    ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 2)[0]
+    got = run_in_threads(2 * dp, R.run_parallel, "tiny", 2, dp, 2, 1, 2, "1f1b",
+                         ["--sequence-parallel", "--zero", str(zero), *extra])
+    R.assert_matches(ref, got, f"dp{dp} tp2 sp zero{zero} {extra}")
+    assert all("zero_grads0" in r for r in got)
+    cfg = get_config("tiny", dtype="float64", block_size=16)
+    st = Strategy(dp=dp, tp=2, zero=zero, sequence_parallel=True, micro_batch=2, micro_batches=2, precision="fp64",
+                  dp_shard=2 if extra else None)
+    sent = [r["traffic"]["tp"]["by_op"]["sequence_parallel_grads"] - 8 for r in got]
+    whole = tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}))["grads"]
+    assert np.mean(sent) == R.STEPS * tensor_parallel_bytes(cfg, st)["grads"] == R.STEPS * whole / 2, sent
+    assert 0 < min(sent) and max(sent) < R.STEPS * whole, (sent, whole)
+
+
+class _HeldPieces:
+    """A synchroniser that reduced in backward and holds elements [lo, lo + 2) of parameter ``p``."""
+
+    def __init__(self, p, lo):
+        self.p, self.lo, self.grad = p, lo, np.ones(2)
+
+    def reduce_gradients(self):
+        pass
+
+    def held_grad_pieces(self, params):
+        return [(self.p, self.lo, self.lo + 2, self.grad)]
+
+
+def test_the_tensor_ranks_must_hold_the_same_pieces():
+    """SequenceParallelGrads checks on the first step that every tensor rank holds the same (parameter, lo, hi)
+    pieces: a rank holding other elements is refused on every rank; equal pieces are summed in place."""
+    from types import SimpleNamespace
+
+    from minizero.parallel.sequence_parallel import SequenceParallelGrads
+
+    def rank(comm):
+        p = SimpleNamespace(sequence_parallel=True)
+        grads = SequenceParallelGrads([p], comm)
+        with pytest.raises(RuntimeError, match=r"different gradient pieces .* checksums"):
+            grads.reduce(_HeldPieces(p, comm.rank))
+        same = _HeldPieces(p, 0)
+        grads.reduce(same)
+        return same.grad
+
+    assert [g.tolist() for g in run_in_threads(2, rank)] == [[2.0, 2.0]] * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sequence_parallel_with_zero_from_the_command_line(mpiexec, tmp_path, zero):
+    """``mpiexec -n 4 python -m minizero.train --tp 2 --sequence-parallel --zero N`` (dropout on): train and
+    validation losses and gradient norms in the --json report are one process's (micro-batch 2) within 1e-12."""
+    base = ["--model", "tiny", "--dtype", "float64", "--dropout", "0.1", "--steps", "3", "--batch-size", "8",
+            "--no-progress", "--eval-every", "0"]
+    out = {}
+    for label, n, flags in (("par", 4, ["--tp", "2", "--sequence-parallel", "--zero", str(zero)]),
+                            ("one", 1, ["--micro-batch-size", "2"])):
+        report = tmp_path / f"{label}.json"
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
+               "--out", str(tmp_path / label), "--json", str(report)]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[label] = json.loads(report.read_text())
+    assert out["par"]["zero"]["stage"] == zero and out["par"]["tp"] == 2
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        np.testing.assert_allclose(out["par"][key], out["one"][key], rtol=1e-12, atol=0, err_msg=key)
 
 
 @pytest.mark.timeout(300)

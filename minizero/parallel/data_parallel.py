@@ -129,6 +129,10 @@ class DataParallel:
         """The gradient arrays this rank holds: every ``.grad`` that is not None."""
         return [p.grad for p in self.params if p.grad is not None]
 
+    def held_grad_pieces(self, params) -> None:
+        """None: gradients stay whole until :meth:`reduce_gradients` (``strategy.Synchroniser``)."""
+        return None
+
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective over ``model_comm`` (the other parts of the model; data replicas hold equal gradients,
         ``world`` unused): the squared global norm (float64) of the ``.grad`` of parameters ``counts(p)``

@@ -164,6 +164,11 @@ class DenseAndExperts:
         """The dense part's gradient arrays, then the experts' (every ``.grad``, or a ZeRO rank's owned shards)."""
         return self.dense.local_grads() + self.experts.local_grads()
 
+    def held_grad_pieces(self, params) -> list | None:
+        """Both parts' pieces, dense first; None where either keeps whole gradients (``strategy.Synchroniser``)."""
+        held = [part.held_grad_pieces(params) for part in self.parts]
+        return None if any(h is None for h in held) else held[0] + held[1]
+
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective, once per part (ZeRO: over ``world``; each element of either part is owned by one data rank)."""
         return sum(part.grad_norm_sq(counts, model_comm, world) for part in self.parts)

@@ -108,6 +108,10 @@ class OverlappedReducer:
         """Every ``.grad`` that is not None (:meth:`DataParallel.local_grads`)."""
         return self.dp.local_grads()
 
+    def held_grad_pieces(self, params) -> None:
+        """None (the sequence-parallel gradients are deferred to :meth:`reduce_gradients`, whole)."""
+        return None
+
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective over ``model_comm``: :meth:`DataParallel.grad_norm_sq`."""
         return self.dp.grad_norm_sq(counts, model_comm, world)

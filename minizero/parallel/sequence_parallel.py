@@ -10,6 +10,10 @@ Source: Korthikanti et al., arXiv:2205.05198, section 4.2.2, figure 5, Table 2; 
 """
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
+
 from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
@@ -315,11 +319,46 @@ def allreduce_sequence_parallel_grads(params, comm) -> None:
     marked = [p for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if comm.world_size == 1 or not marked:
         return
-    xp = backend.xp
-    flat = xp.concatenate([p.grad.reshape(-1) for p in marked])
+    _sum_in_place([p.grad for p in marked], comm)
+
+
+def _sum_in_place(arrays, comm) -> None:
+    """Collective over ``comm``: every array replaced by its sum over the group, in one all-reduce."""
+    flat = backend.xp.concatenate([a.reshape(-1) for a in arrays])
     with comm.traffic.op(TRAFFIC_LABEL):
         total = all_reduce(comm, flat)
     off = 0
-    for p in marked:
-        p.grad[...] = total[off:off + p.grad.size].reshape(p.grad.shape)
-        off += p.grad.size
+    for a in arrays:
+        a[...] = total[off:off + a.size].reshape(a.shape)
+        off += a.size
+
+
+class SequenceParallelGrads:
+    """``sync.reduce_gradients()`` with the ``sequence_parallel`` parameters' gradients summed over the tensor group
+    ``comm``: whole before it (Megatron-LM), or, where ``sync`` reduces inside backward (ZeRO 2-3: its
+    ``held_grad_pieces`` is not None), after it, over the pieces this rank holds of them: the sum is linear, and every
+    tensor rank of a data rank holds the same pieces (its shard map has the same units; checked on the first step)."""
+
+    def __init__(self, params, comm):
+        self.params, self.comm, self.checked = list(params), comm, False
+        self.marked = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+
+    def reduce(self, sync) -> None:
+        """Collective: as the class says (data group, then tensor group, when ``sync`` holds pieces)."""
+        held = sync.held_grad_pieces(self.marked) if self.marked and self.comm.world_size > 1 else None
+        if held is None:
+            allreduce_sequence_parallel_grads(self.params, self.comm)
+            return sync.reduce_gradients()
+        sync.reduce_gradients()
+        held = sync.held_grad_pieces(self.marked)
+        if not self.checked:  # one int64 all-gather: the pieces' (parameter, lo, hi) agree over the tensor group
+            index = {id(p): i for i, p in enumerate(self.params)}
+            sig = zlib.crc32(repr([(index[id(p)], lo, hi) for p, lo, hi, _ in held]).encode())
+            with self.comm.traffic.op(TRAFFIC_LABEL):
+                sigs = backend.to_host(all_gather(self.comm, backend.xp.asarray(np.array([sig], dtype=np.int64))))
+            if len(set(sigs.tolist())) != 1:
+                raise RuntimeError(f"sequence parallelism: the tensor ranks hold different gradient pieces of the "
+                                   f"norms and biases (layout checksums {sigs.tolist()}); their sum would be wrong")
+            self.checked = True
+        if held:
+            _sum_in_place([a for *_, a in held], self.comm)

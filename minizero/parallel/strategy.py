@@ -35,7 +35,7 @@ from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, E
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
-from minizero.parallel.sequence_parallel import allreduce_sequence_parallel_grads
+from minizero.parallel.sequence_parallel import SequenceParallelGrads
 from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, scratch_ledger, traffic_by_group
 from minizero.parallel.topology import Topology
 from minizero.zero import shards_parameters, zero_optimizer
@@ -67,6 +67,10 @@ class Synchroniser(Protocol):
 
     def bytes_per_step(self, steps: int) -> float:
         """Bytes this rank sent per optimizer step for gradient reduction (and ZeRO's parameter gathers)."""
+
+    def held_grad_pieces(self, params) -> list | None:
+        """None where ``params``' gradients stay whole until :meth:`reduce_gradients`; else (reduced inside backward,
+        ZeRO 2-3) ``(p, lo, hi, view)`` for each owned piece ``[lo, hi)`` (flat) of them, in shard order."""
 
 
 class Strategy:
@@ -102,6 +106,7 @@ class Strategy:
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()
         self.after_backward = []  #: what reduce_gradients runs last, every rank, once a step (FP8's amax reduction)
+        self.sequence_parallel_grads = SequenceParallelGrads(self.params, topo.tp_comm)
         #: the overlapped bucket all-reduce (DDP's Reducer) and then ``sync``, or None: ``dp`` reduces after backward
         self.reducer = None
         if overlap and can_overlap(dp):
@@ -156,11 +161,10 @@ class Strategy:
         return sum(int(chunks[c].sum()) for c in chunk_ids(self.topo.dp_rank % self.cp, self.cp))
 
     def reduce_gradients(self) -> None:
-        """Collective: the tied embedding's two copies summed (pp > 1), the sequence-parallel norms' and
-        biases' gradients summed over the tensor group (--sequence-parallel), then the data-group average."""
+        """Collective: the tied embedding's two copies summed (pp > 1), the data-group average with the
+        sequence-parallel norms' and biases' gradients summed over the tensor group (--sequence-parallel)."""
         allreduce_tied_embedding_grads(self.stage, self.topo.embed_comm)
-        allreduce_sequence_parallel_grads(self.params, self.topo.tp_comm)
-        self.sync.reduce_gradients()
+        self.sequence_parallel_grads.reduce(self.sync)
         for hook in self.after_backward:  # after the gradient collectives: none of theirs is in flight
             hook()
 

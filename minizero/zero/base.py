@@ -276,6 +276,13 @@ class ZeroOptimizer:
 
     local_grads = grad_shards  #: the gradient arrays this rank holds (the FP16 overflow check reads them)
 
+    def held_grad_pieces(self, params) -> list | None:
+        """Stages 2-3 (reduced inside backward): :meth:`views` of ``params``' owned gradient pieces; stage 1: None."""
+        if not self.reduces_in_backward:
+            return None
+        wanted = {id(p) for p in params}
+        return [v for v in self.views("grad") if id(v[0]) in wanted]
+
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective over ``world`` (data x model ranks; ``model_comm`` unused: each data rank owns a slice):
         the squared global norm (float64) of the owned pieces of the parameters ``counts(p)`` accepts,

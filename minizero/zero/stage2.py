@@ -41,6 +41,7 @@ class ZeroStage2(ZeroStage1):
 
     stage = 2
     shards = "optimizer state and gradients"
+    reduces_in_backward = True
 
     def __init__(self, model, comm, overlap_reduce: bool = False, **kwargs):
         super().__init__(model, comm, **kwargs)

@@ -94,7 +94,8 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     the embedding's exit, an all-reduce forward (SP: a reduce-scatter, backward an all-gather); the last stage: the
     head's entry, an all-reduce backward (SP: an all-gather forward, a reduce-scatter and the re-gather backward),
     and the loss, an all-gather of the N = b s/c row maxima and 2 all-reduces of N (itemsize >= 4). ``grads``, SP
-    only, once per step: the all-reduce of the norms' and row-parallel biases' gradients. An MoE block (no SP) keeps
+    only, once per step: the all-reduce of the norms' and row-parallel biases' gradients (ZeRO 2-3: of the pieces in
+    a rank's gradient shard, 1/N of them on average over the N shard ranks). An MoE block (no SP) keeps
     its experts whole: one all-reduce each way. Equal to the trainer's ``tensor_parallel_activations``
     (tests/test_sequence_parallel.py).
     """
@@ -124,7 +125,7 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     if st.sequence_parallel:
         norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
         count = layers * (2 * norm + (2 * m.hidden if m.bias else 0)) + last * norm
-        grads = sent("all_reduce", count, element_bytes(st)[1])
+        grads = sent("all_reduce", count, element_bytes(st)[1]) / (st.shard_ranks if st.zero >= 2 else 1)
     mb = st.micro_batches
     out = {"forward": mb * forward, "backward": mb * backward, "loss": mb * loss, "grads": grads}
     return dict(out, total=sum(out.values()))
