@@ -114,8 +114,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
     """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` = dp x cp x tp x pp GPUs (a generator).
 
     tp divides the heads, KV heads and FFN sizes and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
-    on one data rank only with offload; ZeRO 2-3 neither with pp > 1 nor with sequence parallelism (the trainer refuses
-    both), which needs tp > 1; cp as :func:`context_parallel_sizes` allows, with at least
+    on one data rank only with offload; ZeRO 2-3 not with pp > 1 (the trainer refuses it); sequence parallelism
+    needs tp > 1; cp as :func:`context_parallel_sizes` allows, with at least
     :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring attention and, where :func:`ulysses_fits`, by
     DeepSpeed-Ulysses (``cp_attention``: only that one); ep as :func:`expert_parallel_sizes` allows (``ep``: only it).
     """
@@ -166,7 +166,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                 continue
             shards = (None, shard) if zero > 0 and shard and shard * cp % ep == 0 else (None,)
             for recompute, sp, act_off, dp_shard in itertools.product(
-                    RECOMPUTE, (False, True) if tp > 1 and zero < 2 else (False,), (False, True), shards):
+                    RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
                 yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
                                recompute=recompute, precision=precision, optimizer=optimizer, offload=offload,
                                offload_activations=act_off, micro_batch=micro_batch, micro_batches=m, schedule=sched,
@@ -373,7 +373,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
              (cp_attention == "ring" or ulysses_fits(model, cp, tp),
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "
               f"{model.n_kv_head // tp} KV heads of each of the tp {tp} ranks"),
-             (not sp or tp > 1 and zero < 2, "sp (sequence parallelism) needs tp > 1 and zero 0-1 (as in training)"),
+             (not sp or tp > 1, "sp (sequence parallelism) needs tp > 1 (as in training)"),
              (not (zero >= 2 and pp > 1), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
                                           "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
              (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),

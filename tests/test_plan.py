@@ -77,12 +77,12 @@ def test_plan_json_is_ranked_and_fits(capsys):
 
 
 def test_plan_one_trillion_on_1024_gpus_searches_a_bounded_space(capsys):
-    # The search's size, counted, not timed (a wall-time bound failed on a loaded machine): 1,080 strategies for
+    # The search's size, counted, not timed (a wall-time bound failed on a loaded machine): 1,230 strategies for
     # 1024 GPUs, each estimated once; an enumeration that grew with the GPU count would change the count.
     code, out, _ = run_main(capsys, "--model", "megatron-1t", "--gpus", "1024", "--gpu-memory", "80GB")
     assert code == 0
     assert "1008.04 B parameters" in out
-    assert "1,080 strategies enumerated, 141 fit" in " ".join(out.split())
+    assert "1,230 strategies enumerated, 174 fit" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -132,7 +132,8 @@ def test_enumeration_respects_constraints():
     assert seen and all(s.world_size == 64 for s in seen)
     assert all(s.tp <= 8 and m.n_kv_head % s.tp == 0 and m.n_layer % s.pp == 0 for s in seen)
     assert all(not (s.zero >= 2 and s.pp > 1) for s in seen)
-    assert all(s.sequence_parallel <= (s.tp > 1 and s.zero < 2) for s in seen)  # train refuses sp with ZeRO 2-3
+    assert all(s.sequence_parallel <= (s.tp > 1) for s in seen)
+    assert any(s.sequence_parallel and s.zero >= 2 for s in seen)  # the trainer runs sp with ZeRO 2-3 too
     assert all(s.dp * s.micro_batch * s.micro_batches >= 512 for s in seen)
 
 

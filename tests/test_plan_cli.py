@@ -169,13 +169,14 @@ def test_given_strategy_text_and_refusals(capsys):
     code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "80GB",
                             "--strategy", "dp8")
     assert code == 0 and "does NOT fit: device" in out  # an evaluation, not an error
+    code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", "dp2 tp4 sp zero2")
+    assert code == 0 and "strategy: dp=2 tp=4 pp=1 zero=2 sp" in out  # the trainer runs sp with ZeRO 2-3 too
     for text, needle in [("dp2 tp4 pp2", "dp x tp x pp = 2 x 4 x 2 must equal --gpus 8"),
                          ("dp2 tp4 bogus", "cannot read 'bogus'"),
                          ("dp4 pp2 zero3", "zero 3 with pp 2 > 1"),
                          ("tp4 sp zero0 offload=params", "offload=params needs zero 3"),
                          ("tp8", "tp 8 must divide minizero-gpt2's 12 heads"),
-                         ("dp8 sp", "sp (sequence parallelism) needs tp > 1"),
-                         ("dp2 tp4 sp zero2", "needs tp > 1 and zero 0-1")]:  # planned before; train refuses it
+                         ("dp8 sp", "sp (sequence parallelism) needs tp > 1")]:
         code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", text)
         assert code == 2 and out == "" and needle in " ".join(err.split()) and one_refusal(err), (text, err)
 
