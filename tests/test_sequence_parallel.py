@@ -217,21 +217,22 @@ def test_sequence_parallel_is_refused_where_it_cannot_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero, dp, extra", [(2, 2, []), (3, 2, []), (3, 4, ["--dp-shard", "2"])])
+@pytest.mark.parametrize("zero, dp, extra", [(2, 2, []), (3, 2, []), (3, 4, ["--dp-shard", "2"]), (3, 1, ["--cp", "2"])])
 def test_sequence_parallel_composes_with_zero_2_and_3(zero, dp, extra):
-    """--tp 2 --sequence-parallel --zero 2/3 (and hybrid sharding): backward reduce-scatters the norms' and biases'
+    """--tp 2 --sequence-parallel --zero 2/3 (and hybrid sharding, context parallelism): backward reduce-scatters the norms' and biases'
     gradients over the data group, then the tensor group sums the pieces each shard holds; every rank's gradient
     pieces (step 0), weights after 3 clipped steps and losses are one process's. Bytes: the pieces partition the
     norms and biases, so the mean over the ranks is the estimator's whole all-reduce / N (plus the first step's
     8-byte layout check); no rank sends the whole one."""
     ref = run_in_threads(1, R.run_single, "tiny", 2 * dp, 2)[0]
-    got = run_in_threads(2 * dp, R.run_parallel, "tiny", 2, dp, 2, 1, 2, "1f1b",
+    cp = 2 if "--cp" in extra else 1
+    got = run_in_threads(2 * dp * cp, R.run_parallel, "tiny", 2, dp, 2, 1, 2, "1f1b",
                          ["--sequence-parallel", "--zero", str(zero), *extra])
     R.assert_matches(ref, got, f"dp{dp} tp2 sp zero{zero} {extra}")
     assert all("zero_grads0" in r for r in got)
     cfg = get_config("tiny", dtype="float64", block_size=16)
-    st = Strategy(dp=dp, tp=2, zero=zero, sequence_parallel=True, micro_batch=2, micro_batches=2, precision="fp64",
-                  dp_shard=2 if extra else None)
+    st = Strategy(dp=dp, cp=cp, tp=2, zero=zero, sequence_parallel=True, micro_batch=2, micro_batches=2,
+                  precision="fp64", dp_shard=2 if "--dp-shard" in extra else None)
     sent = [r["traffic"]["tp"]["by_op"]["sequence_parallel_grads"] - 8 for r in got]
     whole = tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}))["grads"]
     assert np.mean(sent) == R.STEPS * tensor_parallel_bytes(cfg, st)["grads"] == R.STEPS * whole / 2, sent
