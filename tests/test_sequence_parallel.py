@@ -233,7 +233,9 @@ def test_sequence_parallel_composes_with_zero_2_and_3(zero, dp, extra):
     cfg = get_config("tiny", dtype="float64", block_size=16)
     st = Strategy(dp=dp, cp=cp, tp=2, zero=zero, sequence_parallel=True, micro_batch=2, micro_batches=2,
                   precision="fp64", dp_shard=2 if "--dp-shard" in extra else None)
-    sent = [r["traffic"]["tp"]["by_op"]["sequence_parallel_grads"] - 8 for r in got]
+    # tp = 2: ring and recursive doubling both send n elements, so bytes are linear in the pieces' sizes and their
+    # mean over the shard ranks is the whole all-reduce's / N; the first step's layout check sends 8 * (tp - 1) bytes
+    sent = [r["traffic"]["tp"]["by_op"]["sequence_parallel_grads"] - 8 * (2 - 1) for r in got]
     whole = tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}))["grads"]
     assert np.mean(sent) == R.STEPS * tensor_parallel_bytes(cfg, st)["grads"] == R.STEPS * whole / 2, sent
     assert 0 < min(sent) and max(sent) < R.STEPS * whole, (sent, whole)
@@ -315,3 +317,17 @@ def test_sequence_parallel_with_a_pipeline_sends_the_sequence_slices():
     _assert_tensor_bytes_predicted(got, "tiny", Strategy(tp=2, pp=2, micro_batches=2, sequence_parallel=True))
     for r in got:
         assert r["traffic"]["pp"]["by_op"].get("pp_activation", 0) in (0, 3 * 2 * 2 * 8 * 16 * 8)  # 3 steps x m 2 x (2, 8, 16) f64
+
+
+def test_experts_and_dense_part_must_reduce_at_the_same_time():
+    """A DenseAndExperts whose parts disagree (one reduced in backward, one not) would leave one part's norm pieces
+    unsummed, silently (before: None, the whole-gradient path, which skips ZeRO's gradient-less parameters)."""
+    from types import SimpleNamespace
+
+    from minizero.parallel.expert_parallel import DenseAndExperts
+
+    whole, pieces = SimpleNamespace(held_grad_pieces=lambda ps: None), SimpleNamespace(held_grad_pieces=lambda ps: [])
+    assert DenseAndExperts(whole, whole, ep=2, predivided=False).held_grad_pieces([]) is None
+    assert DenseAndExperts(pieces, pieces, ep=2, predivided=False).held_grad_pieces([]) == []
+    with pytest.raises(ValueError, match="reduce gradients at different times"):
+        DenseAndExperts(pieces, whole, ep=2, predivided=False).held_grad_pieces([])

@@ -167,7 +167,9 @@ class DenseAndExperts:
     def held_grad_pieces(self, params) -> list | None:
         """Both parts' pieces, dense first; None where either keeps whole gradients (``strategy.Synchroniser``)."""
         held = [part.held_grad_pieces(params) for part in self.parts]
-        return None if any(h is None for h in held) else held[0] + held[1]
+        if (held[0] is None) != (held[1] is None):  # one order for both parts, or a part's norms go unsummed
+            raise ValueError("the dense part and the experts reduce gradients at different times")
+        return None if held[0] is None else held[0] + held[1]
 
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective, once per part (ZeRO: over ``world``; each element of either part is owned by one data rank)."""

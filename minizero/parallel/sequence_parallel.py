@@ -335,9 +335,11 @@ def _sum_in_place(arrays, comm) -> None:
 
 class SequenceParallelGrads:
     """``sync.reduce_gradients()`` with the ``sequence_parallel`` parameters' gradients summed over the tensor group
-    ``comm``: whole before it (Megatron-LM), or, where ``sync`` reduces inside backward (ZeRO 2-3: its
-    ``held_grad_pieces`` is not None), after it, over the pieces this rank holds of them: the sum is linear, and every
-    tensor rank of a data rank holds the same pieces (its shard map has the same units; checked on the first step)."""
+    ``comm``: whole, before it (ZeRO 0-1; Megatron-LM's 2022 optimizer), or, where ``sync`` reduces inside backward
+    (ZeRO 2-3: its ``held_grad_pieces`` is not None), after it, over the pieces this rank holds of them (Megatron-core's
+    ``finalize_model_grads``: the data group's sync, then the norms). The sum is linear and every tensor rank of a
+    data rank holds the same pieces (the same units; checked once, a 32-bit checksum of the pieces' (index, lo, hi)),
+    so both orders agree to rounding; under ``--quantized-comm`` each tensor rank's part is quantized on its own."""
 
     def __init__(self, params, comm):
         self.params, self.comm, self.checked = list(params), comm, False
@@ -345,12 +347,12 @@ class SequenceParallelGrads:
 
     def reduce(self, sync) -> None:
         """Collective: as the class says (data group, then tensor group, when ``sync`` holds pieces)."""
-        held = sync.held_grad_pieces(self.marked) if self.marked and self.comm.world_size > 1 else None
-        if held is None:
-            allreduce_sequence_parallel_grads(self.params, self.comm)
-            return sync.reduce_gradients()
-        sync.reduce_gradients()
-        held = sync.held_grad_pieces(self.marked)
+        if not self.marked or self.comm.world_size == 1 or sync.held_grad_pieces(self.marked) is None:
+            allreduce_sequence_parallel_grads(self.params, self.comm)  # whole gradients, before the data group's
+            sync.reduce_gradients()
+            return
+        sync.reduce_gradients()  # ZeRO 2-3: the reduce-scatters started in backward finish here
+        held = sync.held_grad_pieces(self.marked)  # views into the reduced gradient shards
         if not self.checked:  # one int64 all-gather: the pieces' (parameter, lo, hi) agree over the tensor group
             index = {id(p): i for i, p in enumerate(self.params)}
             sig = zlib.crc32(repr([(index[id(p)], lo, hi) for p, lo, hi, _ in held]).encode())
@@ -361,4 +363,4 @@ class SequenceParallelGrads:
                                    f"norms and biases (layout checksums {sigs.tolist()}); their sum would be wrong")
             self.checked = True
         if held:
-            _sum_in_place([a for *_, a in held], self.comm)
+            _sum_in_place([view for _, _, _, view in held], self.comm)

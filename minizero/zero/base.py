@@ -65,6 +65,7 @@ class ZeroOptimizer:
     """
 
     stage = 0  # set by each stage's class
+    reduces_in_backward = False  #: stages 2-3: the gradients are reduce-scattered inside backward
 
     def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, native: bool = False,
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,

@@ -27,8 +27,6 @@ class ZeroStage1(ZeroOptimizer):
     shards = "optimizer state"
     #: every rank holds the full parameters between steps (stage 3: only its shards; the model needs a final gather)
     holds_full_parameters = True
-    #: the gradients are reduced (to owned shards) inside backward, not by reduce_gradients: stages 2-3
-    reduces_in_backward = False
     #: the collectives ``quantized_comm`` carries in INT8
     quantized_collectives = "the gradient reduce-scatters"
 
