@@ -109,8 +109,8 @@ class OverlappedReducer:
         return self.dp.local_grads()
 
     def held_grad_pieces(self, params) -> None:
-        """None (the sequence-parallel gradients are deferred to :meth:`reduce_gradients`, whole)."""
-        return None
+        """:meth:`DataParallel.held_grad_pieces`: None, the gradients stay whole until :meth:`reduce_gradients`."""
+        return self.dp.held_grad_pieces(params)
 
     def grad_norm_sq(self, counts, model_comm, world) -> float:
         """Collective over ``model_comm``: :meth:`DataParallel.grad_norm_sq`."""
