@@ -137,7 +137,8 @@ def layer_norm_input_grad(gx, xhat, rstd):
 def causal_softmax_rows(xs, mask):
     """Softmax over the last axis of the (n, t, s) compute-dtype ``xs`` with the (t, s) ``mask``'s True positions
     at -inf, a new array."""
-    e = backend.xp.where(mask, -backend.xp.inf, xs)
+    e = xs.copy()  # then -inf written where masked: the same array as where(mask, -inf, xs), in about half the time
+    backend.xp.copyto(e, -backend.xp.inf, where=mask)
     e -= e.max(axis=-1, keepdims=True)
     backend.xp.exp(e, out=e)
     e /= e.sum(axis=-1, keepdims=True)
