@@ -28,6 +28,7 @@ from minizero.files import (WriteError, atomic_write, check_output, check_writab
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks  # __main__: | head -1 quiet
 from minizero.nn import PRESETS
+from minizero.output_checks import existing_folder
 from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
                                negative_values_reach_checks, real, unwrapped, wrapped)
 
@@ -267,15 +268,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--out {args.out!r} exists and is not a directory" if args.out else
                          "--out must name a directory, got ''")
     args.json = os.path.join(args.out, "compare.json") if args.json == "OUT/compare.json" else args.json  # default
-    if os.path.isdir(args.json) or os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, name))
-                                                                    for name in ("compare.md", "compare.png")}:
-        raise UsageError(f"--json {args.json!r} is a directory or OUT/compare.md or .png; give another file path")
+    if os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, n)) for n in ("compare.md", "compare.png")}:
+        raise UsageError(f"--json {args.json!r} is OUT/compare.md or .png; give another file path")
     if checkpoint_holding(os.path.realpath(os.path.join(args.out, "compare.md"))):
         raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")
-    try:  # '', an existing weights, config, summary, manifest or other file, one inside a checkpoint folder (a
-        if not args.json or os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # new folder holds none)
+    folder = os.path.dirname(os.path.abspath(args.json))
+    try:  # '', a directory, a full device, a file programs read back or in a checkpoint; a missing folder is not
+        if folder != os.path.abspath(args.out) or os.path.isdir(folder):  # made (a typo), but OUT is, as train's
+            existing_folder("--json", args.json, folder)
             check_output(args.json)
-    except ValueError as e:
+    except ValueError as e:  # train's UsageError too
         raise UsageError(str(e)) from None
     for flag, check, folder in (("--out", check_writable_folder, args.out), ("--json", check_writable_file, args.json)):
         try:  # the outputs are written after every run: a folder that takes no file (that name) is refused now

@@ -221,11 +221,19 @@ def check_writable_file(path: str) -> None:
     """:func:`check_writable_folder` for the file ``path``, written through a link to its target as
     :func:`atomic_write` does. Raises OSError: see there."""
     try:
-        os.stat(path)
+        st = os.stat(path)
     except FileNotFoundError:  # new, or a link to a file not there yet, whose target the write makes
-        pass
+        st = None
     except OSError:
         nearest_existing(os.path.abspath(path))  # a loop is named as such, not probed as a new file
+        st = None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a device, written into:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)  # opened as atomic_write opens it, then
+        try:
+            os.write(fd, b"")  # written no bytes: /dev/full refuses even these (no space left), /dev/null takes them
+        finally:
+            os.close(fd)
+        return
     real = os.path.realpath(path)
     check_writable_folder(os.path.dirname(real), os.path.basename(real))
 
@@ -354,7 +362,6 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     if not os.path.isdir(d):
         raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
     try:
-        if not os.path.exists(path) or os.path.isfile(path):  # a device such as /dev/null is written into
-            check_writable_file(path)
+        check_writable_file(path)
     except OSError as e:
         raise ValueError(f"{flag} {path!r}: cannot write there ({e.strerror or e})") from None

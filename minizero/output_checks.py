@@ -52,8 +52,7 @@ def check_outputs(args) -> None:
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
     probe(out, "--out")
-    if not os.path.exists(js) or os.path.isfile(js):  # a device such as /dev/null: written straight into
-        probe(args.json, "--json", check_writable_file)
+    probe(args.json, "--json", check_writable_file)
 
 
 def clear_flight(args) -> str | None:
@@ -149,9 +148,8 @@ def check_trace(args) -> None:
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
     _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace
-    if os.path.exists(p) and not os.path.isfile(p):
-        return  # a device such as /dev/null: written straight into
-    if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT is made unless --no-save
+    device = os.path.exists(p) and not os.path.isfile(p)  # such as /dev/null: written straight into
+    if not device and (args.no_save or os.path.dirname(p) != os.path.abspath(args.out)):  # OUT made unless --no-save
         existing_folder("--trace", path, os.path.dirname(p))
     probe(path, "--trace", check_writable_file)
 

@@ -621,8 +621,8 @@ def test_compare_refuses_its_outputs_and_device_before_any_run(tmp_path, monkeyp
                          (["--timeout", "1e300"], "--timeout must be in (0, 1e7] seconds (about 4 months), got 1e+300"),
                          (["--micro-batch-size", "1000000000"], "at --ranks 2: --micro-batch-size must be <= 4,096"),
                          (["--steps", "2000000000"], "at --ranks 2: --steps must be <= 1,000,000,000"),
-                         (["--json", str(afile / "c.json")], "is not a directory"),
-                         (["--out", str(tmp_path), "--json", str(tmp_path / "compare.md")], "or OUT/compare.md"),
+                         (["--json", str(afile / "c.json")], "does not exist or is not writable"),
+                         (["--out", str(tmp_path), "--json", str(tmp_path / "compare.md")], "is OUT/compare.md"),
                          (["--json", str(tmp_path)], "is a directory")]:
         with pytest.raises(CompareUsage, match=re.escape(needle)):
             compare_args(argv)

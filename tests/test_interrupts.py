@@ -285,13 +285,14 @@ def test_stdout_on_a_full_disk_is_one_line(cmd, line):
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_finetune_json_on_a_full_disk_is_one_line(weights):
-    """Before: the runs, then a WriteError traceback (quantize said it in one line)."""
+    """Before: the runs, then a WriteError traceback (quantize said it in one line); then the runs and that line.
+    Now /dev/full (written no bytes: check_writable_file) is refused before any step."""
     proc = subprocess.run([sys.executable, "-m", "minizero.finetune", "--weights", str(weights[0]), "--data",
                            str(weights[1]), "--method", "full", "--steps", "1", "--eval-batches", "1", "--json",
                            "/dev/full"], capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=180)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.endswith("python -m minizero.finetune: error: could not write '/dev/full': no space left on "
-                                "device (the disk is full)\n"), proc.stderr
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr == ("python -m minizero.finetune: error: --json '/dev/full': cannot write there (No space left "
+                           "on device)\n"), proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,35 @@ def test_compare_refuses_empty_outputs_before_any_run(argv, says):
         compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", *argv])
 
 
+@pytest.mark.parametrize("path,says", [
+    ("/dev/full", "--json '/dev/full': cannot write there (No space left on device)"),
+    ("{tmp}", "--json '{tmp}' is a directory; give a file path"),
+    ("{tmp}/missing/c.json", "--json '{tmp}/missing/c.json': directory '{tmp}/missing' does not exist"),
+])
+def test_compare_refuses_an_unwritable_json_before_any_run(tmp_path, path, says):
+    """Before: /dev/full and a missing folder were found after every run (the folder made, or the write failing)."""
+    if path == "/dev/full" and not os.path.exists(path):
+        pytest.skip("needs /dev/full (Linux)")
+    path, says = path.format(tmp=tmp_path), says.format(tmp=tmp_path)
+    with pytest.raises(compare.UsageError) as e:
+        compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--out",
+                            str(tmp_path / "out"), "--json", path])
+    assert says in str(e.value)
+    compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--out", str(tmp_path), "--json",
+                        os.devnull])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_train_refuses_a_full_device_before_any_step(tmp_path, flag):
+    """Before: a device was never probed, so --json /dev/full failed after the last step."""
+    from minizero.args import UsageError, parse_args
+
+    with pytest.raises(UsageError, match=f"{flag} '/dev/full' cannot be written \\(No space left on device\\)"):
+        parse_args(["--model", "tiny", "--out", str(tmp_path), flag, "/dev/full"], 1)
+    parse_args(["--model", "tiny", "--out", str(tmp_path), flag, os.devnull], 1)  # written into, as before
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--json", ""], "--json '': expected a file path"),  # before: trained, rc 0, nothing written
     (["--out", ""], "--out must name a directory, got ''"),  # before: "could not write '.lock'"
