@@ -22,7 +22,7 @@ from minizero import backend
 from minizero.files import mpiexec_path
 from minizero.numerals import OneLineParser, description, integer, negative_values_reach_checks
 from minizero.plan_search import Hardware
-from minizero.interrupts import NOTHING, interruptible, run_group
+from minizero.interrupts import NOTHING, interruptible, launched_rank, launcher_connected, run_group
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
 #: the all-reduce job's array (4 GiB: float32 gradients of a 1B-parameter model, two arrays per rank) and timed runs
@@ -189,6 +189,7 @@ def main(argv=None) -> None:
                                                    description=description(__doc__)))
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
     p.add_argument("--runs", type=integer, default=5, help="timed runs (>= 1); the median is reported")
+    p.quiet = launched_rank() != 0 and launcher_connected()  # --help, an error: once, by rank 0 (as train's)
     args = p.parse_args(argv)
     if not (4 <= args.allreduce <= MAX_ALLREDUCE_BYTES and args.allreduce % 4 == 0):
         p.error(f"--allreduce {args.allreduce}: allowed: a multiple of 4 bytes (float32) in "

@@ -186,6 +186,15 @@ def test_the_hardware_job_bounds_its_array_and_runs_before_any_mpi(capsys, argv,
     assert e.value.code == 2 and said in one_refusal(err) and err.startswith("python -m minizero.hardware: error: ")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,printed", [(["--help"], "usage: "), (["--allreduce", "5"], "error: ")])
+def test_the_hardware_job_says_its_help_or_refusal_once_under_mpiexec(mpiexec, argv, printed):
+    """Before: each launched rank printed it (twice with -n 2); train's and finetune's say it on rank 0 only."""
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "minizero.hardware", *argv], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert (proc.stdout + proc.stderr).count(printed) == 1, proc.stdout + proc.stderr
+
+
 # --------------------------------------------------------------------------- compare --ranks
 @pytest.mark.parametrize("ranks", ["1000", "2,65"])
 def test_compare_refuses_more_ranks_than_parity_allows(tmp_path, ranks):
