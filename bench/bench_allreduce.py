@@ -233,8 +233,10 @@ def main():
 
     if args.op == "all":
         for op in OPS:
-            report(op, launch(args.launch, argparse.Namespace(**{**vars(args), "op": op})),
-                   malloc)
+            runs = launch(args.launch, argparse.Namespace(**{**vars(args), "op": op}))
+            if op != OPS[0]:
+                print()  # a blank line between the tables (none above the first)
+            report(op, runs, malloc)
         return
     if args.launch:
         runs = launch(args.launch, args)
@@ -257,7 +259,7 @@ def main():
 
 def report(op, runs, malloc):
     oversubscribed = [n for n in runs if n > _machine.cores()]
-    print(f"\n{op} bus bandwidth, GB/s | {_machine.header()} | {malloc} | "
+    print(f"{op} bus bandwidth, GB/s | {_machine.header()} | {malloc} | "
           + (f"oversubscribed at N={oversubscribed}" if oversubscribed else "one core per rank or more"))
     print("busbw per nccl-tests; median of timed runs, slowest rank; MPI = MPICH's blocking call through mpi4py; "
           + (f"auto = minizero.comm.all_reduce as shipped (recursive doubling up to {_threshold()} bytes, then the "

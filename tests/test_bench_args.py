@@ -465,6 +465,19 @@ def test_bench_allreduce_json_is_written_whole_or_not_at_all(tmp_path):
     assert path.read_text() == '{"world_size": 2, "results": {}}'  # the previous file, whole
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "all"])
+def test_bench_allreduce_output_begins_with_its_title(monkeypatch, capsys, op):
+    """Before: a blank line above the first table."""
+    module = load("bench_allreduce")
+    monkeypatch.setattr(module, "launch", lambda sizes, args: {2: {4096: {"ring": 1e-4, "MPI": 1e-4}}})
+    monkeypatch.setattr(sys, "argv", ["bench_allreduce.py", "--launch", "2", "--op", op, "--default-malloc"])
+    module.main()
+    out = capsys.readouterr().out
+    titles = [i for i, line in enumerate(out.splitlines()) if " bus bandwidth, GB/s | " in line]
+    assert titles[0] == 0 and len(titles) == (4 if op == "all" else 1), out
+    assert all(out.splitlines()[i - 1] == "" and out.splitlines()[i - 2] != "" for i in titles[1:]), out
+
+
 def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
     """Before: its folder was probed with a short name: a 240-character --json ran every check, then failed."""
     problem = load("gpu_check").json_target_problem(str(tmp_path / ("g" * 235 + ".json")))
