@@ -268,7 +268,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--out {args.out!r} exists and is not a directory" if args.out else
                          "--out must name a directory, got ''")
     args.json = os.path.join(args.out, "compare.json") if args.json == "OUT/compare.json" else args.json  # default
-    if os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, n)) for n in ("compare.md", "compare.png")}:
+    if os.path.abspath(args.json) in {os.path.abspath(os.path.join(args.out, f"compare.{e}")) for e in ("md", "png")}:
         raise UsageError(f"--json {args.json!r} is OUT/compare.md or .png; give another file path")
     if checkpoint_holding(os.path.realpath(os.path.join(args.out, "compare.md"))):
         raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")

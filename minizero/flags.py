@@ -14,7 +14,7 @@ from minizero.comm.recursive_doubling import THRESHOLD_ENV, threshold_from_env
 from minizero.memory.offload import OFFLOADS
 from minizero.memory.precision import PRECISIONS
 from minizero.memory.sparsity import SCOPES
-from minizero.nn import PRESETS
+from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.nn.flash_attention import ATTENTIONS
 from minizero.parallel.expert_parallel import MOE_EVERY
 from minizero.numerals import DefaultsOnce, OneLineParser, integer, negative_values_reach_checks, real
@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     moe = p.add_argument_group("mixture of experts (Switch / GShard routing, parallel/moe.py)")
     debug = p.add_argument_group("debugging and measuring (lesson 13)")
     output = p.add_argument_group("validation, progress, output files, checkpoints")
-    run.add_argument("--model", default="default", choices=sorted(PRESETS), help="model preset")
+    run.add_argument("--model", default="default", choices=sorted(PRESETS),
+                     help=preset_sizes() + " (default: %(default)s)")
     run.add_argument("--block-size", type=integer, default=None, help="context length T (default: the preset's)")
     run.add_argument("--dropout", type=real, default=None, help="dropout probability (default: the preset's)")
     run.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter/compute dtype")

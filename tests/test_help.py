@@ -54,6 +54,16 @@ def test_train_help_groups_the_flags_by_technique():
     assert "world size (the ranks mpirun starts) = dp x cp x tp x" in text
 
 
+def test_train_help_gives_each_model_presets_size(monkeypatch):
+    """Before: --model named the presets only. The sizes are read from PRESETS (a new preset is shown too)."""
+    from minizero.nn import gpt
+
+    monkeypatch.setitem(gpt.PRESETS, "wide", gpt.GPTConfig(n_layer=3, n_head=8, n_embd=2048, block_size=4096))
+    text = " ".join(flags.build_parser().format_help().split())
+    assert "model preset: layers x heads x width, context T (parameters): tiny 2x2x16 T=16 (10,944), " in text
+    assert "gpt2 12x12x768 T=1,024 (124,475,904), wide 3x8x2048 T=4,096 (" in text
+
+
 @pytest.mark.parametrize("module", [plan, quantize, sample, finetune, compare], ids=lambda m: m.__name__)
 def test_help_shows_no_rest_markup(module):
     """Before: "``python -m minizero.plan``: will this model fit..." at the top of --help (the docstring's reST)."""

@@ -67,6 +67,13 @@ PRESETS = {
 }
 
 
+def preset_sizes() -> str:
+    """``--model``'s help: each preset's shape and parameter count, read from :data:`PRESETS`."""
+    return "model preset: layers x heads x width, context T (parameters): " + ", ".join(
+        f"{name} {c.n_layer}x{c.n_head}x{c.n_embd} T={c.block_size:,} ({c.num_parameters():,})"
+        for name, c in PRESETS.items())
+
+
 def get_config(name: str, **overrides) -> GPTConfig:
     """A preset with fields replaced, validated. Raises ValueError: unknown preset (allowed listed) or bad field."""
     if name not in PRESETS:
