@@ -556,8 +556,33 @@ def test_trace_report_reads_the_events_once_not_once_per_rank():
 
     events = Counted(_ev(p, "forward h.0", "forward", 0, 0, 10) for p in range(50))
     lines = timeline.report(events)
-    assert len(lines) == 2 + 50 + 1 and Counted.passes == 1, (Counted.passes, lines[-2:])
-    assert lines[-1] == "no rank has working time (no forward-to-optimizer window): no straggler to name"
+    assert len(lines) == 2 + 50 + 2 and Counted.passes == 1, (Counted.passes, lines[-2:])
+    assert lines[-2:] == ["no rank has working time (a forward-to-optimizer window, less its waits): no straggler to "
+                          "name", "most waiting: none (no rank spent time in collectives or pipeline waits)"]
+
+
+def test_trace_report_names_the_waiter_when_no_rank_has_working_time():
+    """Before: the report ended at "no rank has working time": the ranks' whole windows spent waiting went unsaid."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 0), _ev(0, "recv act mb0", "comm", 1, 0, 2000, peer=1),
+              _ev(0, "optimizer", "optimizer", 0, 2000, 0), _ev(1, "forward h.0", "forward", 0, 0, 0),
+              _ev(1, "all_reduce", "comm", 1, 0, 1000), _ev(1, "optimizer", "optimizer", 0, 1000, 0)]
+    lines = timeline.report(events)
+    assert lines[-2].startswith("no rank has working time") and lines[-1] == (
+        "most waiting: rank 0 (0.00 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
+        "pipeline stage 1)"), lines
+
+
+def test_trace_report_gives_huge_times_with_thousands_commas():
+    """Before: "| 0 | 13510798882111.49 | ..." and "working 11258999068426.24 ms/step"."""
+    from minizero.debug import timeline
+    big = 2 ** 52
+    events = [e for p, fwd in ((0, big), (1, 2 * big)) for e in (
+        _ev(p, "forward h.0", "forward", 0, 0, fwd), _ev(p, "optimizer", "optimizer", 0, fwd, big))]
+    lines = timeline.report(events)
+    assert lines[2] == ("| 0 | 9,007,199,254,740.99 | 9,007,199,254,740.99 | 0.00 | 0.00 | 0.00 | 0.00 |"), lines
+    assert lines[-2] == ("slowest rank: 1 (working 13,510,798,882,111.49 ms/step, compute 13,510,798,882,111.49 "
+                         "ms/step; 1.5x rank 0's 9,007,199,254,740.99 ms/step)"), lines
 
 
 def test_trace_report_names_no_waiter_when_no_rank_waits():

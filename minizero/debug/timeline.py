@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from minizero.files import read_json
+from minizero.numerals import in_width, significant
 from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
 
 PIPELINE_WAITS = ("recv ", "wait sends", "pp_")  #: blocking-lane span names that are a pipeline stage waiting
@@ -54,6 +55,10 @@ def rank_figures(events, pid: int) -> dict:
             "bubble": _length(waits) / per, "other": (last - first - busy) / per, "waited_on": waited}
 
 
+def _ms(x: float) -> str:  # 6.00, 13,510,798,882,111.49: commas as every report's (a step of 2**54 us takes 21)
+    return in_width(x, 24, 2).lstrip()
+
+
 def report(events) -> list[str]:
     """The table (Markdown, one row per rank) and the verdict lines."""
     by_pid: dict[int, list] = {}
@@ -66,24 +71,25 @@ def report(events) -> list[str]:
     figs = {p: rank_figures(by_pid[p], p) for p in pids}  # each rank's own: all events per rank took 80 s at 40,000
     cols = ("step", "compute", "exposed", "overlapped", "bubble", "other")
     lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
-    lines += [f"| {p} | " + " | ".join(f"{figs[p][c]:.2f}" for c in cols) + " |" for p in pids]
+    lines += [f"| {p} | " + " | ".join(_ms(figs[p][c]) for c in cols) + " |" for p in pids]
     working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
     if len(pids) == 1:
-        return lines + [f"one rank: no straggler to name (working {working[pids[0]]:.2f} ms/step, compute "
-                        f"{figs[pids[0]]['compute']:.2f} ms/step)"]
+        return lines + [f"one rank: no straggler to name (working {_ms(working[pids[0]])} ms/step, compute "
+                        f"{_ms(figs[pids[0]]['compute'])} ms/step)"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
-    if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before, and 'most waiting' at 0.00
-        return lines + ["no rank has working time (no forward-to-optimizer window): no straggler to name"]
-    vs = (f"{working[slow] / working[fast]:.2f}x rank {fast}'s {working[fast]:.2f} ms/step" if working[fast] > 0
-          else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")  # 'infx rank 7's' before
-    lines.append(f"slowest rank: {slow} (working {working[slow]:.2f} ms/step, compute {figs[slow]['compute']:.2f} "
-                 f"ms/step; {vs})")
+    if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before; the waiter is still named
+        lines.append("no rank has working time (a forward-to-optimizer window, less its waits): no straggler to name")
+    else:
+        vs = (f"{significant(working[slow] / working[fast])}x rank {fast}'s {_ms(working[fast])} ms/step"
+              if working[fast] > 0 else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")
+        lines.append(f"slowest rank: {slow} (working {_ms(working[slow])} ms/step, compute "
+                     f"{_ms(figs[slow]['compute'])} ms/step; {vs})")  # 'infx rank 7's' where no ratio before
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
     if f["exposed"] + f["bubble"] <= 0:
         return lines + ["most waiting: none (no rank spent time in collectives or pipeline waits)"]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
-    lines.append(f"most waiting: rank {waiter} ({f['exposed']:.2f} ms/step in collectives, {f['bubble']:.2f} ms/step "
+    lines.append(f"most waiting: rank {waiter} ({_ms(f['exposed'])} ms/step in collectives, {_ms(f['bubble'])} ms/step "
                  f"in pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
     return lines
 
