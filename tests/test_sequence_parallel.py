@@ -265,6 +265,9 @@ def test_sequence_parallel_grad_bytes_per_rank_equal_the_estimator_at_tp_4(zero,
         mean = tensor_parallel_bytes(cfg, st, tp_rank=t)["grads"]
         assert sent[0, t] != sent[1, t] and (sent[0, t] + sent[1, t]) / 2 == R.STEPS * mean, sent
         assert (mean == whole / 2) == (small is None), (mean, whole)
+    assert tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}), tp_rank=t, shard_rank=1)["grads"] == whole
+    with pytest.raises(ValueError, match=r"shard_rank=2; allowed: 0 to 1 \(N = 2\)"):
+        tensor_parallel_bytes(cfg, st, shard_rank=2)
 
 
 class _HeldPieces:
