@@ -9,7 +9,7 @@ import pytest
 import tests.mp_reference as R
 from minizero.args import UsageError
 from minizero.autograd import Tensor
-from minizero.comm import run_in_threads
+from minizero.comm import recursive_doubling, run_in_threads
 from minizero.comm.collectives import bytes_sent
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.attribution import layer_bytes, saved_by_module
@@ -239,6 +239,35 @@ def test_sequence_parallel_composes_with_zero_2_and_3(zero, dp, extra):
     whole = tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}))["grads"]
     assert np.mean(sent) == R.STEPS * tensor_parallel_bytes(cfg, st)["grads"] == R.STEPS * whole / 2, sent
     assert 0 < min(sent) and max(sent) < R.STEPS * whole, (sent, whole)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("small", [None, 16 * 1024])
+def test_sequence_parallel_grad_bytes_per_rank_equal_the_estimator_at_tp_4(zero, small, monkeypatch):
+    """--dp 2 --tp 4 --sequence-parallel --zero 2/3 (default model, 4 heads): each rank's bytes of the norms' sum are
+    ``tensor_parallel_bytes(..., tp_rank, shard_rank)["grads"]``, exactly; the data ranks' differ (data rank 0's
+    pieces hold 2688 of the 3328 elements, 1's 640) and the estimate without ``shard_rank`` is their mean. With the
+    small-message limit at 16 KiB the whole (26 KiB) and data rank 0's piece take the ring, rank 1's recursive
+    doubling: bytes are not linear in a piece's size at tp >= 4, so that mean is not the whole all-reduce's / N.
+    The first step's layout check adds 8 (tp - 1) bytes."""
+    if small is not None:  # read at each call, by the trainer's all-reduce and the estimator's bytes_sent alike
+        monkeypatch.setattr(recursive_doubling, "SMALL_ALLREDUCE_MAX_BYTES", small)
+    got = run_in_threads(8, R.run_parallel, "default", 2, 2, 4, 1, 1, "1f1b",
+                         ["--sequence-parallel", "--zero", str(zero)])
+    cfg = get_config("default", dtype="float64", block_size=16)
+    st = Strategy(dp=2, tp=4, zero=zero, sequence_parallel=True, micro_batch=2, precision="fp64")
+    sent = {r["coords"][:2]: r["traffic"]["tp"]["by_op"]["sequence_parallel_grads"] - 8 * (4 - 1) for r in got}
+    for (d, t), b in sent.items():
+        assert b == R.STEPS * tensor_parallel_bytes(cfg, st, tp_rank=t, shard_rank=d)["grads"], (d, t, sent)
+    for t in range(4):
+        whole = tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}), tp_rank=t)["grads"]
+        mean = tensor_parallel_bytes(cfg, st, tp_rank=t)["grads"]
+        assert sent[0, t] != sent[1, t] and (sent[0, t] + sent[1, t]) / 2 == R.STEPS * mean, sent
+        assert (mean == whole / 2) == (small is None), (mean, whole)
+    assert tensor_parallel_bytes(cfg, Strategy(**{**vars(st), "zero": 1}), tp_rank=t, shard_rank=1)["grads"] == whole
+    with pytest.raises(ValueError, match=r"shard_rank=2; allowed: 0 to 1 \(N = 2\)"):
+        tensor_parallel_bytes(cfg, st, shard_rank=2)
 
 
 class _HeldPieces:

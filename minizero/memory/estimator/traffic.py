@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from minizero.comm.collectives import bytes_sent
+from minizero.comm.collectives import bytes_sent, shard_range
 from minizero.memory.estimator.model import activation_element, as_shape
 from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
@@ -83,7 +83,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
 
 
 def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
-                          tp_rank: int = 0) -> dict:
+                          tp_rank: int = 0, shard_rank: int | None = None) -> dict:
     """Bytes tensor rank ``tp_rank`` of stage ``stage`` sends per step on its tensor group in minizero's trainer
     (vocabulary-parallel ends, minizero's algorithms: ``comm.collectives.bytes_sent``): {"forward", "backward",
     "loss", "grads", "total"}.
@@ -95,7 +95,7 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     head's entry, an all-reduce backward (SP: an all-gather forward, a reduce-scatter and the re-gather backward),
     and the loss, an all-gather of the N = b s/c row maxima and 2 all-reduces of N (itemsize >= 4). ``grads``, SP
     only, once per step: the all-reduce of the norms' and row-parallel biases' gradients (ZeRO 2-3: of the pieces in
-    a rank's gradient shard, 1/N of them on average over the N shard ranks). An MoE block (no SP) keeps
+    ZeRO shard rank ``shard_rank``'s gradient shards; None: the mean over the N shard ranks). An MoE block (no SP) keeps
     its experts whole: one all-reduce each way. Equal to the trainer's ``tensor_parallel_activations``
     (tests/test_sequence_parallel.py).
     """
@@ -123,12 +123,39 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     loss = last * (sent("all_gather", t * rows, le) + 2 * sent("all_reduce", rows, le))
     grads = 0
     if st.sequence_parallel:
-        norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
-        count = layers * (2 * norm + (2 * m.hidden if m.bias else 0)) + last * norm
-        grads = sent("all_reduce", count, element_bytes(st)[1]) / (st.shard_ranks if st.zero >= 2 else 1)
+        counts = _sequence_parallel_grad_counts(m, st, stage)
+        if shard_rank is not None and not 0 <= shard_rank < st.shard_ranks:
+            raise ValueError(f"shard_rank={shard_rank}; allowed: 0 to {st.shard_ranks - 1} (N = {st.shard_ranks})")
+        ranks = range(len(counts)) if shard_rank is None or len(counts) == 1 else [shard_rank]
+        grads = sum(sent("all_reduce", counts[d], element_bytes(st)[1]) for d in ranks) / len(ranks)
     mb = st.micro_batches
     out = {"forward": mb * forward, "backward": mb * backward, "loss": mb * loss, "grads": grads}
     return dict(out, total=sum(out.values()))
+
+
+def _sequence_parallel_grad_counts(m, st: Strategy, stage: int) -> list[int]:
+    """Elements of the norms' and row-parallel biases' gradients that sequence parallelism sums over the tensor group,
+    per ZeRO shard rank d < N (ZeRO 2-3: the pieces in d's shards; ZeRO 0-1: all of them, one entry)."""
+    h, norm = m.hidden, 2 * m.hidden if m.norm == "layernorm" else m.hidden
+    bias = [(h, True)] if m.bias else []  # a row-parallel output bias
+    units = []  # per flat unit (zero/shards.py), its [(elements, summed over the tensor group?)] in order
+    for i in stage_layers(m, st, stage):  # a block: ln_1 | c_attn, c_proj.weight | c_proj.bias | ln_2 | mlp | bias
+        split, replicated = m.attention_parameters(st.tp)
+        attn = split + replicated - len(bias) * h
+        mlp = m.layer_parameters(st.tp, i) - 2 * norm - attn - 2 * len(bias) * h
+        units.append([(norm, True), (attn, False), *bias, (norm, True), (mlp, False), *bias])
+    if stage == st.pp - 1:
+        units.append([(norm, True)])  # ln_f
+    n = st.shard_ranks if st.zero >= 2 else 1
+    counts = [0] * n
+    for unit in units:
+        padded, off = math.ceil(sum(size for size, _ in unit) / n) * n, 0
+        for size, summed in unit:
+            for d in range(n) if summed else ():
+                lo, chunk = shard_range(padded, n, d)
+                counts[d] += max(0, min(off + size, lo + chunk) - max(off, lo))
+            off += size
+    return counts
 
 
 def _zero_bytes(P: float, G: float, n: int, zero: int, mb: int) -> float:
