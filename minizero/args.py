@@ -23,7 +23,7 @@ from minizero.faults import spec_problem
 from minizero.files import check_writable_folder
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
-                                    launch, resolve_sizes)
+                                    launch, offloads_optimizer, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.plots import plots_on
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
@@ -228,7 +228,7 @@ def parse_args(argv=None, world_size: int = 1, quiet: bool = False) -> TrainConf
     for name, value in LATE_DEFAULTS.items():  # flags parsed as None so that a given value shows (until here)
         if vars(args)[name] is None:
             setattr(args, name, value)
-    if args.optimizer == "adam8bit" and args.offload_optimizer != "none":
+    if args.offload_optimizer != "none" and not offloads_optimizer(args.optimizer):
         raise UsageError("--offload-optimizer works with --optimizer adamw; 8-bit Adam's state is already 4x smaller "
                          "and stays on the device")
     if args.adam8bit_block_size < 1:

@@ -13,6 +13,44 @@ from minizero.flags import LATE_DEFAULTS, UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
+# ---- the rules the planner shares (minizero.plan_search searches and accepts only what they allow) ----
+#: the pipeline schedules a mixture of experts runs (check_moe)
+MOE_SCHEDULES = ("1f1b", "gpipe")
+
+
+def sequence_parallel_fits(tp: int, seq_len: int) -> bool:
+    """Whether sequence parallelism splits a sequence of ``seq_len`` tokens over ``tp`` tensor ranks."""
+    return tp > 1 and seq_len % tp == 0
+
+
+def flash_fits(attention: str, cp: int, cp_attention: str | None) -> bool:
+    """Whether the attention core runs at this cp: flash not with ring attention (None: ring, not given)."""
+    return not (attention == "flash" and cp > 1 and cp_attention != "ulysses")
+
+
+def precision_fits(precision: str, tp: int) -> bool:
+    """Whether ``precision`` runs at ``tp``: bf16 and fp8 convert plain Linear layers only (tp 1)."""
+    return precision not in ("bf16", "fp8") or tp == 1
+
+
+def offloads_optimizer(optimizer: str) -> bool:
+    """Whether optimizer offload takes ``optimizer``'s state (8-bit Adam's stays on the device)."""
+    return optimizer != "adam8bit"
+
+
+def moe_conflicts(cp: int, sequence_parallel: bool, precision: str, schedule: str, documents: str = "pack") -> dict:
+    """What of a layout a mixture of experts does not run with, by name (check_moe says why); all False: none."""
+    return {"cp": cp > 1, "sp": sequence_parallel, "fp8": precision == "fp8", "pad": documents == "pad",
+            "schedule": schedule not in MOE_SCHEDULES}
+
+
+def expert_parallel_conflicts(adamw: bool, offloaded: bool, allreduce: str = "ring", quantized_comm: bool = False,
+                              native_comm: bool = False) -> dict:
+    """What ep > 1 does not run with, by name: an optimizer but AdamW, an offloaded optimizer, another all-reduce."""
+    return {"allreduce": allreduce != "ring", "quantized_comm": quantized_comm, "native_comm": native_comm,
+            "optimizer": not adamw, "offload_optimizer": offloaded}
+
+
 def launch(ranks: int, prog: str, exact: bool = False) -> str:
     """The launch to name where a size does not fit the ranks (one process: the user left out mpirun)."""
     return (f"; launch {'' if exact else 'a multiple of '}{ranks} ranks, e.g. "
@@ -49,7 +87,7 @@ def check_sequence_parallel(args, cfg) -> None:
     if args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor group: it needs --tp > 1")
     t = args.block_size or cfg.block_size
-    if t % args.tp:
+    if not sequence_parallel_fits(args.tp, t):
         raise ValueError(f"--sequence-parallel needs the context length {t} divisible by --tp {args.tp}")
 
 
@@ -86,7 +124,7 @@ def check_attention(args) -> None:
     if args.attention_block < 1:
         raise ValueError(f"--attention-block must be a positive integer (rows per query and key/value block), "
                          f"got {args.attention_block}")
-    if args.attention == "flash" and args.cp > 1 and args.cp_attention != "ulysses":  # None: ring, not given
+    if not flash_fits(args.attention, args.cp, args.cp_attention):
         raise ValueError(f"--attention flash with --cp {args.cp} is not supported: ring attention already runs the "
                          "flash recurrence across ranks, one (T/cp)-row block each (the same block kernel), and does "
                          "not tile that block further; use --attention dense with --cp (or --cp-attention ulysses)")
@@ -102,7 +140,7 @@ def check_bf16(args) -> None:
     if args.dtype != "float32":
         raise ValueError(f"--precision {p} keeps float32 weights and Adam state; --dtype must be float32, "
                          f"got {args.dtype}")
-    if args.tp > 1:
+    if not precision_fits(p, args.tp):
         raise ValueError(f"--precision {p} with --tp {args.tp} is not supported: it rounds the products of plain "
                          "Linear layers, and tensor-parallel layers are not converted; use --tp 1")
     if p == "fp8" and args.fp8_scaling == "delayed" and args.recompute != "none":
@@ -244,27 +282,30 @@ def check_moe(args) -> None:
                          + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))
     m = "--moe-experts with"
     cp_flag = f"--ulysses {args.cp}" if args.ulysses is not None else f"--cp {args.cp}"
-    refused = [(args.cp > 1, f"{m} {cp_flag}", "a rank would route its sequence chunks, not the micro-batch; "
+    bad = moe_conflicts(args.cp, args.sequence_parallel, args.precision, args.schedule, args.documents)
+    refused = [(bad["cp"], f"{m} {cp_flag}", "a rank would route its sequence chunks, not the micro-batch; "
                 f"run without {cp_flag.split()[0]} (--dp, --ep, --tp and --pp compose with MoE)"),
-               (args.sequence_parallel, f"{m} --sequence-parallel", "the MoE layer routes whole sequences; "
+               (bad["sp"], f"{m} --sequence-parallel", "the MoE layer routes whole sequences; "
                 "leave --sequence-parallel off (--tp alone composes with MoE)"),
-               (args.precision == "fp8", f"{m} --precision fp8", "FP8Linear keeps an amax history per tensor, "
+               (bad["fp8"], f"{m} --precision fp8", "FP8Linear keeps an amax history per tensor, "
                 "while the router and expert products (nn.Matmul children, which bf16 converts) would need one per "
                 "expert, reduced over its expert-data group; use --precision bf16 or fp16"),
-               (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets; "
+               (bad["pad"], f"{m} --pad", "the balancing losses are not weighed by real targets; "
                 "use --pack"),
-               (args.schedule not in ("1f1b", "gpipe"), f"{m} --schedule {args.schedule}",
+               (bad["schedule"], f"{m} --schedule {args.schedule}",
                 "split or interleaved backward is not tested with the expert all-to-alls; "
                 "use --schedule 1f1b or gpipe")]
     if ep > 1:
         m, adamw = f"--ep {ep} with", "expert parallelism runs AdamW"
         ring = "the expert-data all-reduce is the plain ring"
-        refused += [(bad, f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for bad, flag, why, fix in (
-            (args.allreduce != "ring", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
-            (args.quantized_comm, "--quantized-comm", ring, "drop --quantized-comm"),
-            (args.native_comm, "--native-comm", ring, "drop --native-comm"),
-            (args.optimizer != "adamw", f"--optimizer {args.optimizer}", adamw, "--optimizer adamw"),
-            (args.offload_optimizer != "none", f"--offload-optimizer {args.offload_optimizer}",
+        bad = expert_parallel_conflicts(args.optimizer == "adamw", args.offload_optimizer != "none", args.allreduce,
+                                        args.quantized_comm, args.native_comm)
+        refused += [(bad[k], f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for k, flag, why, fix in (
+            ("allreduce", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
+            ("quantized_comm", "--quantized-comm", ring, "drop --quantized-comm"),
+            ("native_comm", "--native-comm", ring, "drop --native-comm"),
+            ("optimizer", f"--optimizer {args.optimizer}", adamw, "--optimizer adamw"),
+            ("offload_optimizer", f"--offload-optimizer {args.offload_optimizer}",
              f"{adamw} on the device", "--offload-optimizer none"))]
     for bad, what, why in refused:
         if bad:

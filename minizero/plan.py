@@ -1,13 +1,13 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
-Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 without pipelining or sequence parallelism, as in
-training), recompute, sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep
+Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (only what training runs: minizero.layout_checks'
+shared rules), recompute, sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep
 dividing dp and the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep
 GPUs fit a node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
 sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first (equal step
 times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one. Sizes need a unit
 (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value and what is allowed.
-Search: :mod:`minizero.plan_search`; table and plot: :mod:`minizero.plan_report`.
+Search: :mod:`minizero.plan_search`; --strategy: :mod:`minizero.plan_strategy`; table: :mod:`minizero.plan_report`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
     POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
     step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
-    RANKING_RULE, STRATEGY_FORMS, Hardware, _divisors, enumerate_strategies, evaluate, parse_strategy, plan,
-    step_time)
+    RANKING_RULE, Hardware, _divisors, enumerate_strategies, evaluate, plan, step_time)
+from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal  # noqa: F401 (likewise)
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
 
@@ -180,13 +180,13 @@ def _check(parser, args):
         parser.error(f"--virtual-stages {args.virtual_stages} only applies with --schedule interleaved; got "
                      f"--schedule {args.schedule} (leave it out, or add --schedule interleaved)")
     args.virtual_stages = args.virtual_stages or 2  # None: the default (0 was refused above)
-    if args.schedule == "interleaved":
-        v = args.virtual_stages
-        ok_v = [d for d in _divisors(model.n_layer) if d >= 2 and model.n_layer // d >= 2]  # train's rule: v >= 2
-        if v not in ok_v:
-            parser.error(f"--virtual-stages {v}: with --schedule interleaved, pp x virtual stages (2 or more) must "
-                         f"divide {model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
-                         f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
+    if args.finetune == "none" and (why := search_refusal(model, args.precision, args.schedule)):  # the trainer's
+        parser.error(why)
+    ok_v = [d for d in _divisors(model.n_layer) if d >= 2 and model.n_layer // d >= 2]  # train's rule: v >= 2
+    if args.schedule == "interleaved" and args.virtual_stages not in ok_v:
+        parser.error(f"--virtual-stages {args.virtual_stages}: with --schedule interleaved, pp x virtual stages (2 or "
+                     f"more) must divide {model.name}'s {model.n_layer} layers with pp >= 2; allowed: "
+                     f"{', '.join(map(str, ok_v)) or 'none (use --schedule 1f1b)'}")
     if args.strategy is not None and not args.strategy.replace(",", " ").strip():  # no words: "" or ",,,"
         parser.error(f"--strategy {args.strategy!r}: give the strategy's words, e.g. \"dp2 tp4 pp1 zero3\"")
     if args.plot is not None:

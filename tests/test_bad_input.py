@@ -662,7 +662,7 @@ def test_gpu_check_refuses_bad_flags_before_the_probe(tmp_path, capsys, argv, ne
 def test_plan_strategy_naming_a_size_twice_is_refused(text, name):
     """Before: "cp2 cp4" planned cp 4 without a word about the cp 2 it dropped."""
     from minizero.models import MODELS
-    from minizero.plan_search import parse_strategy
+    from minizero.plan_strategy import parse_strategy
 
     with pytest.raises(ValueError, match=f"{name} is given twice"):
         parse_strategy(text, MODELS["llama3-8b"], 8)

@@ -116,7 +116,7 @@ def test_no_parser_reads_numbers_with_int_or_float():
 def test_non_ascii_digits_are_refused_by_every_program(tmp_path, capsys, digit):
     from minizero import plan, quantize, sample
     from minizero.debug.__main__ import main as debug_main
-    from minizero.plan_search import parse_strategy
+    from minizero.plan_strategy import parse_strategy
     from minizero.models import MODELS
 
     allowed = f"invalid int value: {digit!r}; allowed: an integer in ASCII digits 0-9"

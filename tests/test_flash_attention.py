@@ -168,7 +168,8 @@ def test_planner_takes_the_attention_choice():
     from minizero.models import MODELS
     from minizero.memory.estimator import estimate_memory
     from minizero.plan_report import describe
-    from minizero.plan_search import enumerate_strategies, parse_strategy
+    from minizero.plan_search import enumerate_strategies
+    from minizero.plan_strategy import parse_strategy
     model = MODELS["llama3-8b"]
     flash = parse_strategy("tp8 attention=flash", model, 8, seq_len=8192)
     dense = parse_strategy("tp8", model, 8, seq_len=8192)
