@@ -270,7 +270,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             "tp = tensor parallelism (2s: with sequence parallelism); "
             f"Z = ZeRO stage, sharding over the dp x cp data ranks{hybrid} (1: optimizer state, 2: + gradients, 3: + "
             "parameters); rc = activation recompute (sel: selective); off = "
-            "offloaded to the host (opt: optimizer state and gradients, par: + parameters, act: activations); m = "
+            "offloaded to the host (opt: optimizer state and gradients, par: + parameters, as ZeRO-Infinity: not in "
+            "minizero.train; act: activations); m = "
             "micro-batches per step per data rank; acts = activations",
             "MFU = model FLOPs / (step time x GPUs x peak) = --efficiency x the share of the step spent computing "
             "(not in bubble, exposed communication or offload) x model FLOPs / FLOPs done (recompute's extra): it "
