@@ -57,7 +57,7 @@ def _check_rank(value, what: str, world_size: int) -> None:
 
 
 def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, list[int]]:
-    """``(parent, children)`` of ``rank`` in a binomial broadcast tree rooted at ``root`` (Thakur et al. 2005, 4.3)."""
+    """``(parent, children)`` of ``rank`` in a binomial broadcast tree rooted at ``root`` (Thakur et al. 2005)."""
     v = (rank - root) % world_size
     mask, parent = 1, None
     while mask < world_size:
@@ -345,7 +345,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     """Copy root's ``x`` into ``x`` on every other rank (in place, binomial tree); returns ``x``.
 
     Bytes (``"broadcast"``): ``x.nbytes`` per child. Raises ValueError: ``root`` out of range, ``x`` not
-    C-contiguous. Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.3.
+    C-contiguous. Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005.
     """
     _check_array(x, "x")
     if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:

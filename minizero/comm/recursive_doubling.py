@@ -2,7 +2,7 @@
 
 log2(p) steps: at step k rank v exchanges its whole buffer with v XOR 2^k and adds; for N not a power of two
 the first 2(N - p) ranks fold in pairs first. A balanced-tree sum, the same bits on every rank.
-Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 4.5.
+Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005.
 """
 from __future__ import annotations
 
