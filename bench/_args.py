@@ -21,10 +21,14 @@ class _Help(DefaultsOnce):
     5)``, where argparse printed ``--steps STEPS`` alone)."""
 
     def _format_action(self, action):
-        if not action.help and action.option_strings and not any(
-                action.default is v for v in (None, False, argparse.SUPPRESS)):
+        if action.option_strings and (not action.help or action.type is preset):
             action = copy.copy(action)
-            action.help = "(default: %(default)s)"
+            if not action.help and not any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+                action.help = "(default: %(default)s)"
+            if action.type is preset:  # --model: each preset's size first, as train's --help gives them
+                from minizero.nn.gpt import preset_sizes
+
+                action.help = f"{preset_sizes()} {self._get_help_string(action) or ''}".rstrip()
         return super()._format_action(action)
 
 

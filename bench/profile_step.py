@@ -313,7 +313,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"],
                    help="--precision: where the main job runs (cuda: CuPy on GPU 0)")
     p.add_argument("--model", type=_args.preset, default="default",
-                   help="--precision: the model preset (e.g. gpt2 on a GPU)")
+                   help="(read by --precision; e.g. gpt2 on a GPU)")
     p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.precision is None and (args.device != "cpu" or args.model != "default"):

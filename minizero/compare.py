@@ -27,7 +27,7 @@ from minizero.files import (WriteError, atomic_write, check_output, check_writab
                             checkpoint_holding, mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks  # __main__: | head -1 quiet
-from minizero.nn import PRESETS
+from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.output_checks import existing_folder
 from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
                                negative_values_reach_checks, real, unwrapped, wrapped)
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.compare``."""
     p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=description(__doc__),
                                              formatter_class=DefaultsOnce))
-    p.add_argument("--model", default="default", help=f"model preset: {', '.join(sorted(PRESETS))} (default: default)")
+    p.add_argument("--model", default="default", help=preset_sizes() + " (default: %(default)s)")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")
     p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per step")

@@ -25,7 +25,7 @@ from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F40
                             lock_outputs, release_all)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.ledger import wrap
-from minizero.nn import PRESETS
+from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real, wrapped)
 from minizero.quantization import GRANULARITIES
@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsOnce))
     p.add_argument("--weights", default=os.path.join("out", "model.npz"), help="model.npz written by minizero.train")
     p.add_argument("--model", default=None, choices=sorted(PRESETS),
-                   help="model preset (default: model.json beside the weights, else summary.json's, else the preset "
-                        "of the arrays' shapes)")
+                   help=preset_sizes() + " (default: model.json beside the weights, else summary.json's, else the "
+                                         "preset of the arrays' shapes)")
     p.add_argument("--bits", type=integer, default=8, choices=[8, 4], help="bits per weight")
     p.add_argument("--granularity", default="row", choices=list(GRANULARITIES), help="one scale per tensor/row/block")
     p.add_argument("--block-size", type=integer, default=64, help="elements per scale for --granularity block")

@@ -275,6 +275,16 @@ def test_bench_help_says_every_default(name):
     assert blocks and all("(default" in b for b in blocks if not b.startswith(("h, --help", "-json", "-check"))), blocks
 
 
+@pytest.mark.parametrize("name", ["bench_train", "bench_seq_memory", "profile_step"])
+def test_bench_model_help_gives_each_presets_size_as_train_does(name):
+    """Before: "--model MODEL (default: default)", no preset named. Any ``type=_args.preset`` flag now starts
+    with train's text (nn.gpt.preset_sizes), then its own help or default."""
+    from minizero.nn.gpt import preset_sizes
+
+    text = " ".join(script(name, "--help").stdout.split())
+    assert f"--model MODEL {preset_sizes()} (" in text and "tiny 2x2x16 T=16 (10,944)" in text
+
+
 def test_header_table_shows_each_size_whole():
     """Before: 100 bytes showed as "0 KiB", 1,536 as "1 KiB"."""
     label = load("bench_header").size_label

@@ -516,7 +516,7 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     assert debug_main(["trace", str(path)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = unwrapped(capsys.readouterr().out)  # a verdict past 120 columns goes on over an indented line
     assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
     assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00 ms/step; 1.57x rank 0's 3.50 ms/step)" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
@@ -528,7 +528,7 @@ def test_trace_report_of_a_rank_without_working_time_prints_no_infinite_ratio():
     from minizero.debug import timeline
     events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "optimizer", "optimizer", 0, 1000, 1000),
               _ev(7, "something", "other", 0, 0, 5)]
-    lines = timeline.report(events)
+    lines = unwrapped("\n".join(timeline.report(events)))
     assert "slowest rank: 0 (working 2.00 ms/step, compute 2.00 ms/step; no ratio: rank 7 has no working time (no " \
            "forward-to-optimizer window))" in lines, lines
     assert not any("inf" in line for line in lines), lines
@@ -567,7 +567,7 @@ def test_trace_report_names_the_waiter_when_no_rank_has_working_time():
     events = [_ev(0, "forward h.0", "forward", 0, 0, 0), _ev(0, "recv act mb0", "comm", 1, 0, 2000, peer=1),
               _ev(0, "optimizer", "optimizer", 0, 2000, 0), _ev(1, "forward h.0", "forward", 0, 0, 0),
               _ev(1, "all_reduce", "comm", 1, 0, 1000), _ev(1, "optimizer", "optimizer", 0, 1000, 0)]
-    lines = timeline.report(events)
+    lines = unwrapped("\n".join(timeline.report(events)))
     assert lines[-2].startswith("no rank has working time") and lines[-1] == (
         "most waiting: rank 0 (0.00 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
         "pipeline stage 1)"), lines
@@ -579,10 +579,31 @@ def test_trace_report_gives_huge_times_with_thousands_commas():
     big = 2 ** 52
     events = [e for p, fwd in ((0, big), (1, 2 * big)) for e in (
         _ev(p, "forward h.0", "forward", 0, 0, fwd), _ev(p, "optimizer", "optimizer", 0, fwd, big))]
-    lines = timeline.report(events)
+    lines = unwrapped("\n".join(timeline.report(events)))
     assert lines[2] == ("| 0 | 9,007,199,254,740.99 | 9,007,199,254,740.99 | 0.00 | 0.00 | 0.00 | 0.00 |"), lines
     assert lines[-2] == ("slowest rank: 1 (working 13,510,798,882,111.49 ms/step, compute 13,510,798,882,111.49 "
                          "ms/step; 1.5x rank 0's 9,007,199,254,740.99 ms/step)"), lines
+
+
+def test_trace_report_lines_fit_120_columns_for_the_hugest_times_and_ranks(tmp_path, capsys):
+    """Before: here "slowest rank: ..." ran to 158 columns, "most waiting: rank 2147483647 (..." to 173 and a row of
+    huge times to 154 (ranks and times at their largest that load accepts: < 2**31, 2**53 us)."""
+    big, last = 2 ** 53, 2 ** 31 - 1
+    events = [e for p in (last - 1, last) for e in (
+        _ev(p, "forward h.0", "forward", 0, -big, big), _ev(p, "bucket", "comm", 2, -big, big),
+        _ev(p, "all_reduce", "comm", 1, 0, big // (p - last + 2)), _ev(p, "optimizer", "optimizer", 0, big, big))]
+    events.append(_ev(last, "recv act", "comm", 1, -big, big, peer=last))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert debug_main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    lines = unwrapped(out)
+    assert max(map(len, lines)) > 120 and len(lines) == 2 + 2 + 2, lines  # the verdicts were wrapped, not cut
+    assert lines[2] == (f"| {last - 1} | 2.7021598e+13 | 1.8014399e+13 | 9.0071993e+12 | 9.0071993e+12 | "
+                        "0.0000000e+00 | 0.0000000e+00 |"), lines  # a column with a time past 13 columns: all so
+    assert lines[-1] == (f"most waiting: rank {last} (4,503,599,627,370.50 ms/step in collectives, "
+                         f"9,007,199,254,740.99 ms/step in pipeline waits, most of it waiting for pipeline stage {last})")
 
 
 def test_trace_report_names_no_waiter_when_no_rank_waits():

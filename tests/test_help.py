@@ -5,6 +5,7 @@ import re
 import pytest
 
 from minizero import compare, finetune, flags, plan, quantize, sample
+from minizero.debug import __main__ as debug_main
 
 
 @pytest.mark.parametrize("module", [flags, plan, quantize, sample, finetune, compare], ids=lambda m: m.__name__)
@@ -60,6 +61,28 @@ def test_train_help_gives_each_model_presets_size(monkeypatch):
 
     monkeypatch.setitem(gpt.PRESETS, "wide", gpt.GPTConfig(n_layer=3, n_head=8, n_embd=2048, block_size=4096))
     text = " ".join(flags.build_parser().format_help().split())
+    assert "model preset: layers x heads x width, context T (parameters): tiny 2x2x16 T=16 (10,944), " in text
+    assert "gpt2 12x12x768 T=1,024 (124,475,904), wide 3x8x2048 T=4,096 (" in text
+
+
+def _parity_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        debug_main.main(["parity", "--help"])
+    return capsys.readouterr().out
+
+
+MODEL_HELP = {"compare": lambda capsys: compare.build_parser().format_help(), "debug parity": _parity_help,
+              "quantize": lambda capsys: quantize.build_parser().format_help()}
+
+
+@pytest.mark.parametrize("tool", MODEL_HELP)
+def test_every_model_flag_gives_each_presets_size_as_train_does(monkeypatch, capsys, tool):
+    """Before: compare's --model named the presets only, quantize's and debug parity's not even that (bench's:
+    tests/test_bench_args.py). One text, nn.gpt.preset_sizes, from PRESETS when the parser is built."""
+    from minizero.nn import gpt
+
+    monkeypatch.setitem(gpt.PRESETS, "wide", gpt.GPTConfig(n_layer=3, n_head=8, n_embd=2048, block_size=4096))
+    text = " ".join(MODEL_HELP[tool](capsys).split())
     assert "model preset: layers x heads x width, context T (parameters): tiny 2x2x16 T=16 (10,944), " in text
     assert "gpt2 12x12x768 T=1,024 (124,475,904), wide 3x8x2048 T=4,096 (" in text
 

@@ -1,4 +1,6 @@
 """Every program's output paths are checked as train's are, before any work: '' refused, nothing the user has lost."""
+import dataclasses
+import errno
 import os
 import socket
 import subprocess
@@ -194,3 +196,68 @@ def test_consolidate_probes_its_files_own_temporary(tmp_path):
 
     with pytest.raises(CheckpointError, match="cannot write there .*longer than the file system's"):
         check_out(str(tmp_path / ("m" * 240 + ".npz")))
+
+
+def disk_full_under(folder, fdopen=os.fdopen):
+    """``os.fdopen`` (atomic_write's temporary) whose files in ``folder`` take half of a write, then raise ENOSPC:
+    the disk that holds ``folder`` fills mid-write (a device such as /dev/full is now refused before any work)."""
+    def opened(fd, *args, **kw):
+        f = fdopen(fd, *args, **kw)
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == os.path.realpath(folder):
+            put = f.write
+
+            def write(data):
+                put(data[:len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = write
+        return f
+    return opened
+
+
+_TRAIN_ON_A_FULL_DISK = """
+import os, sys
+from tests.test_output_paths import disk_full_under
+from minizero.train import main
+os.fdopen = disk_full_under(sys.argv[1])
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an open file by /proc/self/fd (Linux)")
+@pytest.mark.parametrize("tool", ["finetune", "train"])
+def test_json_on_a_disk_that_fills_at_the_end_is_one_line_and_keeps_the_previous_file(tmp_path, monkeypatch, capsys,
+                                                                                       tool):
+    """The end-of-run write of --json fails (a full disk): one line naming the file, exit 1; --out's model written
+    whole before it; the previous --json whole, no temporary left. Before, reached with --json /dev/full only."""
+    import json
+
+    import numpy as np
+
+    from minizero.nn import GPT, get_config
+    from tests.conftest import mpi_env
+
+    (tmp_path / "base").mkdir()
+    np.savez(tmp_path / "base" / "model.npz", **GPT(get_config("tiny"), seed=1).state_dict())
+    (tmp_path / "base" / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
+    full, out = tmp_path / "full", tmp_path / "out"
+    full.mkdir()
+    previous = json.dumps({"rows": []})
+    (full / "s.json").write_text(previous)
+    flags = ["--steps", "1", "--eval-batches", "1", "--out", str(out), "--json", str(full / "s.json")]
+    if tool == "finetune":
+        monkeypatch.setattr(os, "fdopen", disk_full_under(full))
+        status = finetune.main(["--weights", str(tmp_path / "base" / "model.npz"), "--method", "full", *flags])
+        printed = capsys.readouterr()
+        err, said = printed.err, "python -m minizero.finetune: error: could not write"
+        assert f"wrote {out / 'model.npz'} (--method full" in printed.out
+    else:
+        proc = subprocess.run([sys.executable, "-c", _TRAIN_ON_A_FULL_DISK, str(full), "--model", "tiny",
+                               "--eval-every", "0", "--sample-tokens", "4", "--no-progress", *flags],
+                              capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=180)
+        status, err, said = proc.returncode, proc.stderr, "[rank 0] minizero.train failed: could not write"
+    assert status == 1 and "Traceback" not in err and all(len(line) <= 120 for line in err.splitlines()), err
+    assert one_line(err) == f"{said} {str(full / 's.json')!r}: no space left on device (the disk is full)", err
+    assert (full / "s.json").read_text() == previous and os.listdir(full) == ["s.json"], os.listdir(full)  # no lock
+    weights = np.load(out / "model.npz")
+    assert sorted(weights) == sorted(GPT(get_config("tiny")).state_dict()) and (out / "model.json").exists()

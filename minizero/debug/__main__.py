@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from minizero.debug import hang, parity, timeline
-from minizero.nn import PRESETS
+from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real, unrecognized)
 from minizero.interrupts import interruptible, refuse_several_ranks
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         formatter_class=DefaultsOnce))
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny", choices=sorted(PRESETS),
-                   help="model preset of both runs (python -m minizero.train --model)")
+                   help="both runs' " + preset_sizes() + " (default: %(default)s)")
     q.add_argument("--steps", type=integer, default=5, help="optimizer steps of both runs")
     q.add_argument("--batch-size", type=integer, default=8, help="global batch of both runs (the same data each step)")
     q.add_argument("--tol", type=real, default=1e-10, help="relative difference allowed (float64 rounding: ~1e-15)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from minizero.files import read_json
-from minizero.numerals import in_width, significant
+from minizero.numerals import ERROR_WIDTH, column, in_width, significant, wrapped
 from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
 
 PIPELINE_WAITS = ("recv ", "wait sends", "pp_")  #: blocking-lane span names that are a pipeline stage waiting
@@ -59,8 +59,12 @@ def _ms(x: float) -> str:  # 6.00, 13,510,798,882,111.49: commas as every report
     return in_width(x, 24, 2).lstrip()
 
 
+COLUMNS = ("step", "compute", "exposed", "overlapped", "bubble", "other")  #: the table's times, ms per step
+CELL = 13  #: a time's columns in a row that would pass 120 with commas: 99,999,999.99 fits, 1.8014399e+13 else
+
+
 def report(events) -> list[str]:
-    """The table (Markdown, one row per rank) and the verdict lines."""
+    """The table (Markdown, one row per rank) and the verdict lines; every line at most 120 columns."""
     by_pid: dict[int, list] = {}
     for e in events:
         if e.get("ph") == "X":
@@ -69,29 +73,35 @@ def report(events) -> list[str]:
     if not pids:
         return ["no events: was the job run with --trace?"]
     figs = {p: rank_figures(by_pid[p], p) for p in pids}  # each rank's own: all events per rank took 80 s at 40,000
-    cols = ("step", "compute", "exposed", "overlapped", "bubble", "other")
-    lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in cols) + " |", "|---:" * (len(cols) + 1) + "|"]
-    lines += [f"| {p} | " + " | ".join(_ms(figs[p][c]) for c in cols) + " |" for p in pids]
+    rows = [[_ms(figs[p][c]) for c in COLUMNS] for p in pids]
+    if any(len(f"| {p} | " + " | ".join(r) + " |") > ERROR_WIDTH for p, r in zip(pids, rows)):  # huge times: each
+        rows = list(zip(*([t.strip() for t in column([figs[p][c] for p in pids], CELL, 2)] for c in COLUMNS)))
+    lines = ["| rank | " + " | ".join(f"{c} ms/step" for c in COLUMNS) + " |", "|---:" * (len(COLUMNS) + 1) + "|"]
+    lines += [f"| {p} | " + " | ".join(r) + " |" for p, r in zip(pids, rows)]  # column that has one: 1.8014399e+13
+    return lines + [part for said in _verdicts(pids, figs) for part in wrapped(said).splitlines()]
+
+
+def _verdicts(pids, figs) -> list[str]:  # the straggler and the waiter, each one line before wrapping
     working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
     if len(pids) == 1:
-        return lines + [f"one rank: no straggler to name (working {_ms(working[pids[0]])} ms/step, compute "
-                        f"{_ms(figs[pids[0]]['compute'])} ms/step)"]
+        return [f"one rank: no straggler to name (working {_ms(working[pids[0]])} ms/step, compute "
+                f"{_ms(figs[pids[0]]['compute'])} ms/step)"]
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
     if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before; the waiter is still named
-        lines.append("no rank has working time (a forward-to-optimizer window, less its waits): no straggler to name")
+        lines = ["no rank has working time (a forward-to-optimizer window, less its waits): no straggler to name"]
     else:
         vs = (f"{significant(working[slow] / working[fast])}x rank {fast}'s {_ms(working[fast])} ms/step"
               if working[fast] > 0 else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")
-        lines.append(f"slowest rank: {slow} (working {_ms(working[slow])} ms/step, compute "
-                     f"{_ms(figs[slow]['compute'])} ms/step; {vs})")  # 'infx rank 7's' where no ratio before
+        lines = [f"slowest rank: {slow} (working {_ms(working[slow])} ms/step, compute "
+                 f"{_ms(figs[slow]['compute'])} ms/step; {vs})"]  # 'infx rank 7's' where no ratio before
     waiter = max(pids, key=lambda p: figs[p]["exposed"] + figs[p]["bubble"])
     f = figs[waiter]
     if f["exposed"] + f["bubble"] <= 0:
         return lines + ["most waiting: none (no rank spent time in collectives or pipeline waits)"]
     on = max(f["waited_on"], key=f["waited_on"].get) if f["waited_on"] else None
-    lines.append(f"most waiting: rank {waiter} ({_ms(f['exposed'])} ms/step in collectives, {_ms(f['bubble'])} ms/step "
-                 f"in pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None else ")"))
-    return lines
+    return lines + [f"most waiting: rank {waiter} ({_ms(f['exposed'])} ms/step in collectives, {_ms(f['bubble'])} "
+                    "ms/step in pipeline waits" + (f", most of it waiting for pipeline stage {on})" if on is not None
+                                                   else ")")]
 
 
 SPAN_FIELDS = ("name", "cat", "pid", "tid", "ts", "dur")  #: what :func:`report` reads of a complete ("X") event
