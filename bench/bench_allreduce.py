@@ -239,6 +239,9 @@ def main():
     if args.launch:
         runs = launch(args.launch, args)
     else:
+        from minizero.launcher import refuse_stale_launcher
+
+        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
         n, results = measure(args.op, args.min_bytes, args.max_bytes, args.warmup)
         from minizero.comm import world
 
