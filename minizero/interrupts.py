@@ -294,19 +294,28 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
         raise SystemExit(code)  # MPICH's MPI_Abort returns (the launcher then kills the job): never run on
 
 
-def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` in its own session; on any exception (Ctrl-C,
-    timeout) SIGKILL its whole process group (mpiexec and every rank it started), reap it, raise again."""
-    timeout = kwargs.pop("timeout", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (started in its own session: mpiexec and every rank it started), reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def run_group(cmd: list[str], check: bool = False, capture_output: bool = True, timeout=None,
+              **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, text=True, ...)`` in its own session; on any exception (Ctrl-C, SIGTERM's Terminated, the
+    timeout) :func:`kill_group`, then raise again (subprocess.run kills the launcher alone: a wrapper script's
+    mpiexec and its ranks ran on)."""
+    pipe = subprocess.PIPE if capture_output else None
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.communicate()
+        kill_group(proc)
         raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
