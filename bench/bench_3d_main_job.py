@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -49,7 +49,7 @@ def run(name: str, layout: str, steps: int, folder: str, tracemalloc: bool) -> d
            "--tracemalloc" if tracemalloc else "--no-tracemalloc",
            "--sample-tokens", "0", "--no-progress", "--out", out]
     print("running:", " ".join(cmd[3:]), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run_group(cmd, check=True)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
     return load(out)
 
 

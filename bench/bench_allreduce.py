@@ -18,7 +18,6 @@ rank's; the table shows the median. Results are checked against MPI's before tim
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -186,6 +185,8 @@ def _threshold():
 
 def launch(world_sizes, args):
     """Driver: run this script under ``mpiexec -n N`` for each N; return {N: results}."""
+    from minizero.interrupts import run_group
+
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = "mpiexec"
@@ -199,7 +200,7 @@ def launch(world_sizes, args):
                    "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
                    "--warmup", str(args.warmup), "--quiet"] + (["--default-malloc"] if args.default_malloc else [])
             print(f"running {' '.join(cmd[:3])} ...", file=sys.stderr, flush=True)
-            subprocess.run(cmd, env=env, check=True, timeout=600)
+            run_group(cmd, env=env, check=True, timeout=600, capture_output=False)  # SIGTERM: its ranks killed
             with open(path) as f:
                 runs[n] = {int(k): v for k, v in json.load(f)["results"].items()}
     return runs
@@ -241,6 +242,9 @@ def main():
     if args.launch:
         runs = launch(args.launch, args)
     else:
+        from minizero.launcher import refuse_stale_launcher
+
+        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
         n, results = measure(args.op, args.min_bytes, args.max_bytes, args.warmup)
         from minizero.comm import world
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from minizero.comm.flight import FlightRecorder  # noqa: E402
 from minizero.comm.traffic import TrafficLedger  # noqa: E402
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -36,7 +36,7 @@ def job(n: int, args, records: int | None) -> tuple[float, float]:
                "--steps", str(args.steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
                "--no-progress", "--zero", str(args.zero), "--out", d, "--json", os.path.join(d, "s.json"),
                *([] if records is None else ["--flight-records", str(records)])]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        run_group(cmd, check=True)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
         with open(os.path.join(d, "s.json")) as f:
             summary = json.load(f)
         return summary["tokens_per_s"], summary["elapsed_s"] / args.steps

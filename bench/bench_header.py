@@ -93,6 +93,9 @@ def main():
                    help="comma list of message bytes")
     p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
     args = p.parse_args()
+    from minizero.launcher import refuse_stale_launcher
+
+    refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
     exchange(args.sizes, args.runs)
 
 

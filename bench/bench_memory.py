@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -50,7 +50,7 @@ def run(flags, args) -> dict:
         js = os.path.join(d, "s.json")
         cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "minizero.train", *train_flags(flags, args),
                "--out", d, "--json", js]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        run_group(cmd, check=True)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
         with open(js) as f:
             return json.load(f)
 

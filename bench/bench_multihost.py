@@ -18,7 +18,6 @@ The namespaces share one machine's cores and memory bus: times show the algorith
 message counts and sizes through the kernel's TCP stack, not a real network's speed.
 """
 import os
-import subprocess
 import sys
 import time
 
@@ -84,6 +83,7 @@ def launch(hosts: int, slots: int, mib: float, repeats: int) -> int:
     from netns import NetnsHosts, unavailable
 
     from minizero.files import mpiexec_path
+    from minizero.interrupts import run_group
 
     why = unavailable()
     if why:
@@ -93,8 +93,8 @@ def launch(hosts: int, slots: int, mib: float, repeats: int) -> int:
                PYTHONPATH=os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p))
     program = [sys.executable, os.path.abspath(__file__), "--rank", "--mib", str(mib), "--repeats", str(repeats)]
     with NetnsHosts(hosts, slots) as h:
-        proc = subprocess.run(h.mpirun_command(mpiexec_path(), hosts * slots, program), env=h.env(env),
-                              timeout=600, cwd=REPO_ROOT)
+        proc = run_group(h.mpirun_command(mpiexec_path(), hosts * slots, program), env=h.env(env), timeout=600,
+                         cwd=REPO_ROOT, capture_output=False)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
         wire = sum(h.bytes_into_bridge())
     print(f"\nbytes the hosts sent into the bridge (TCP, headers and launcher included): {wire / 2 ** 20:.1f} MiB")
     return proc.returncode
@@ -117,6 +117,9 @@ def main(argv=None) -> int:
         p.error(f"--hosts {a.hosts} x --slots {a.slots} is {a.hosts * a.slots:,} ranks; allowed: at most "
                 f"{_args.MAX_RANKS}")
     if a.rank:
+        from minizero.launcher import refuse_stale_launcher
+
+        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
         rank_main(a.mib, a.repeats)
         return 0
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads

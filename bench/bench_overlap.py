@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero import trace  # noqa: E402
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
 from minizero.plots import plot_timelines  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,7 @@ def run(n: int, overlap: bool, args, strategy: str = "dp") -> tuple[dict, list]:
         t = os.path.join(d, "t.json")
         cmd = [path, "-n", str(n), sys.executable, "-m", "minizero.train", *train_flags(args, strategy, overlap),
                "--out", d, "--trace", t]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        run_group(cmd, check=True)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
         with open(t) as f:
             events = json.load(f)["traceEvents"]
     per_rank = [trace.summarize(events, r) for r in range(n)]

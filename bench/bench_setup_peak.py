@@ -23,8 +23,12 @@ import sys
 import tracemalloc
 
 import numpy as np
-from mpi4py import MPI
 from threadpoolctl import threadpool_limits
+
+from minizero.launcher import refuse_stale_launcher
+
+refuse_stale_launcher("bench_setup_peak.py")  # before MPI_Init (importing MPI): one line, not MPICH's error stack
+from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_machine.py
 import _machine  # noqa: E402

@@ -44,7 +44,9 @@ def run(tree: str, ranks: int, steps: int, extra: list[str]) -> float:
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "minizero.train", "--steps", str(steps),
                "--sample-tokens", "0", "--out", d, "--json", js, *extra]
         env = dict(os.environ, PYTHONPATH=tree)
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=d, timeout=1800)
+        from minizero.interrupts import run_group  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
+
+        run_group(cmd, check=True, env=env, cwd=d, timeout=1800)
         with open(js) as f:
             return float(json.load(f)["tokens_per_s"])
 

@@ -25,6 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 from minizero.files import mpiexec_path  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -45,7 +46,7 @@ def run(n: int, args, tree: str | None = None) -> dict:
         js = os.path.join(d, "summary.json")
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "minizero.train", *train_flags(args),
                "--out", d, "--json", js]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
+        run_group(cmd, check=True, env=env, cwd=tree)  # SIGTERM, Ctrl-C: mpiexec and its ranks killed
         with open(js) as f:
             return json.load(f)
 

@@ -39,7 +39,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,8 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_file  # noqa: E402
+from minizero.interrupts import run_group  # noqa: E402
+from minizero.launcher import refuse_stale_launcher  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
@@ -166,18 +167,13 @@ class Runner:
         if limit < 5:
             raise TimeoutError("not run: the time budget (--budget-s) is spent")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p))
-        # its own process group (session), so that a timeout kills mpiexec's ranks too, not only mpiexec
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                cwd=REPO_ROOT, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=limit)
+        try:  # its own session: a timeout, SIGTERM or Ctrl-C kills mpiexec's ranks too, not only mpiexec
+            proc = run_group(cmd, timeout=limit, env=env, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
             raise RuntimeError(f"timed out after {limit:.0f} s (process group killed): {' '.join(cmd[-12:])}") from None
         if proc.returncode:
-            raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{err[-1500:]}")
-        return out
+            raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stderr[-1500:]}")
+        return proc.stdout
 
 
 def mpiexec() -> str:
@@ -453,6 +449,7 @@ def main(argv=None) -> int:
     if args.nccl_worker is not None and args.torch_worker is not None:
         p.error("--nccl-worker and --torch-worker: give one")
     if args.nccl_worker is not None:
+        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
         nccl_worker(args.nccl_worker)
         return 0
     if args.torch_worker is not None:

@@ -21,7 +21,6 @@ all_reduce's speed as a fraction of MPI's (MPI's time / all_reduce's; issue 33's
 """
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -127,12 +126,14 @@ def float32_sizes(text) -> list[int]:
 
 def launch(n: int, sizes, runs: int, warmup: int) -> int:
     """Runs this script under ``mpiexec -n n`` with the same flags; its exit status."""
+    from minizero.interrupts import run_group
+
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(n), sys.executable,
            os.path.abspath(__file__), "--sizes", ",".join(map(str, sizes)), "--runs", str(runs),
            "--warmup", str(warmup)]
-    return subprocess.run(cmd, env=env, timeout=600).returncode
+    return run_group(cmd, env=env, timeout=600, capture_output=False).returncode  # SIGTERM: its ranks killed
 
 
 def profile(sizes, runs: int, warmup: int) -> None:
@@ -168,6 +169,9 @@ def main():
         if args.launch < 2 or args.launch & (args.launch - 1):
             parser.error(f"--launch {args.launch}: needs a power of two >= 2 (recursive doubling without a fold)")
         sys.exit(launch(args.launch, args.sizes, args.runs, args.warmup))
+    from minizero.launcher import refuse_stale_launcher
+
+    refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
     profile(args.sizes, args.runs, args.warmup)
 
 

@@ -26,7 +26,7 @@ from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_file, check_writable_folder,
                             checkpoint_holding, mpiexec_path)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
-from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks  # __main__: | head -1 quiet
+from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks, run_group  # __main__: | head -1 quiet
 from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.output_checks import existing_folder
 from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
@@ -71,15 +71,6 @@ def _on_signal(signum, frame):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     raise Interrupted(signum)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group (mpiexec and every rank it started) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.communicate()
 
 
 class _Parser(FlagParser):
@@ -165,23 +156,14 @@ def run_mpi(name: str, model: str, ranks: int, steps: int, micro_batch_size: int
         if is_count(fault_rank) and int(fault_rank) >= ranks:  # the test hook names a rank this run lacks:
             del env["MINIZERO_FAULT"]  # nothing to inject (train refuses a spec naming a rank it does not have)
         t0 = time.perf_counter()
-        proc = None
-        try:
-            # its own session, so a terminal's Ctrl-C reaches only us: we kill the whole group ourselves
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True)
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)  # mpiexec and every rank it started
+        try:  # its own session (a terminal's Ctrl-C reaches only us); Interrupted: the whole group killed, re-raised
+            proc = run_group(cmd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:  # mpiexec and every rank it started killed
             return dict(ok=False, error=f"timed out after {timeout:g} s (--timeout)", wall_s=timeout, command=cmd)
-        except BaseException:  # Interrupted, KeyboardInterrupt: no job outlives us; the folder goes with the with
-            if proc is not None:
-                _kill_group(proc)
-            raise
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not os.path.exists(js):
-            return dict(ok=False, error=f"exit status {proc.returncode}: {_cause(err, proc.returncode)}", wall_s=wall,
-                        command=cmd)
+            return dict(ok=False, error=f"exit status {proc.returncode}: {_cause(proc.stderr, proc.returncode)}",
+                        wall_s=wall, command=cmd)
         with open(js) as f:
             return dict(ok=True, summary=json.load(f), wall_s=wall, command=cmd)
 

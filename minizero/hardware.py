@@ -23,6 +23,7 @@ from minizero.files import mpiexec_path
 from minizero.numerals import OneLineParser, description, integer, negative_values_reach_checks
 from minizero.plan_search import Hardware
 from minizero.interrupts import NOTHING, interruptible, launched_rank, launcher_connected, run_group
+from minizero.launcher import refuse_stale_launcher
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
 #: the all-reduce job's array (4 GiB: float32 gradients of a 1B-parameter model, two arrays per rank) and timed runs
@@ -185,6 +186,7 @@ def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> P
 
 def main(argv=None) -> None:
     """``mpiexec -n N python -m minizero.hardware --allreduce BYTES``: the all-reduce timing job."""
+    refuse_stale_launcher("python -m minizero.hardware")  # MPI_Init: MPICH's abort and error stack before
     p = negative_values_reach_checks(OneLineParser(prog="python -m minizero.hardware",
                                                    description=description(__doc__)))
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")

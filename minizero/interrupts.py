@@ -7,13 +7,14 @@ import ctypes
 import faulthandler
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
 import time
 import traceback
 
+from minizero.launcher import (launched_by_mpiexec, launched_rank, launched_ranks, launcher_connected, pmix_names,
+                               refuse_stale_launcher)
 from minizero.numerals import error_lines, wrapped
 
 #: what a tool says of its files when interrupted
@@ -60,43 +61,13 @@ class Interrupts:
             raise cls.raised[0]()
 
 
-def launched_by_mpiexec() -> bool:
-    """True in a rank that a launcher (MPICH's, Open MPI's, a PMIx one) started."""
-    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
-
-
-def launched_ranks() -> int:
-    """The number of ranks the launcher started (``PMI_SIZE``, Open MPI's), 1 without one; MPI not started."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isascii() and value.isdigit():
-            return int(value)
-    return 1
-
-
-def launcher_connected() -> bool:
-    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT, PMIx's server,
-    HPE Cray PALS."""
-    if _socket(os.environ.get("PMI_FD", "")):
-        return True
-    return any(k in os.environ for k in ("PMI_PORT", "PMI_CONTROL_PORT", "PMI_CONTROL_FD", "PALS_RANKID")) or any(
-        k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)  # Cray PALS: PMI_CONTROL_*
-
-
-def _socket(fd: str) -> bool:
-    try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
-        return fd.isascii() and fd.isdigit() and stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
-    except (OSError, OverflowError):  # closed; 20 digits
-        return False
-
-
 def refuse_several_ranks(parser) -> None:
     """A one-process program launched on several ranks exits 2 before any work, one line from rank 0 (each rank
     would write the same files: two checkpoint consolidates raced on one model.npz)."""
     if launched_ranks() > 1:
         if not launcher_connected():  # PMI_SIZE=2 PMI_RANK=1 left in a shell: "rank 1" exited 2 silently before
-            names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
-                     if k in os.environ]
+            names = [k for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                                 *pmix_names(("SLURM_STEP_NUM_TASKS", "PMIX_RANK"))) if k in os.environ]
             stale = names + [k for k in ("PMI_FD", "PMI_PORT") if k in os.environ]  # what train would trip on next
             parser.error(f"{' '.join(f'{k}={os.environ[k]}' for k in names)} {'is' if len(names) == 1 else 'are'} set, "
                          f"but no MPI launcher started this process: unset {' '.join(stale)} (this program runs in "
@@ -156,12 +127,7 @@ def guard_set_up(argv, default_s: float, minimum_s: float, tool: str) -> None:
     before a ``python -m minizero.X`` program's imports; a Python handler would never run inside MPI_Init): the rank
     ends, mpiexec's status, no traceback, no hang (SIGINT to one of several MPICH ranks: as SIGTERM, see there).
     """
-    if "PMI_FD" in os.environ and not _socket(os.environ["PMI_FD"]):  # MPI_Init: MPICH's abort and error stack
-        names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
-        print(error_lines(f"python -m {tool}", f"PMI_FD={os.environ['PMI_FD']} is set, but names no MPI launcher's "
-                          f"socket (mpiexec sets it): unset {' '.join(names)}, or start this under mpiexec"),
-              file=sys.stderr)
-        raise SystemExit(2)
+    refuse_stale_launcher(f"python -m {tool}")  # MPI_Init: MPICH's abort and error stack before
     if launched_by_mpiexec():
         exit_with_parent()
     faulthandler.dump_traceback_later(set_up_timeout(argv, default_s, minimum_s), exit=True, file=2)  # stderr (fd)
@@ -174,15 +140,6 @@ def end_set_up(install: bool = True) -> None:
     if install:
         Interrupts.raised.clear()
         Interrupts.install()
-
-
-def launched_rank() -> int:
-    """This process's rank as the launcher numbered it (``PMI_RANK``, Open MPI's), 0 without one; MPI not started."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        value = os.environ.get(name, "")
-        if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
-            return int(value)
-    return 0
 
 
 class WatchedStdout:
@@ -337,19 +294,28 @@ def every_rank_ends(tool: str, files: str, world, grace_s: float = 0.5):
         raise SystemExit(code)  # MPICH's MPI_Abort returns (the launcher then kills the job): never run on
 
 
-def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True)`` in its own session; on any exception (Ctrl-C,
-    timeout) SIGKILL its whole process group (mpiexec and every rank it started), reap it, raise again."""
-    timeout = kwargs.pop("timeout", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (started in its own session: mpiexec and every rank it started), reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def run_group(cmd: list[str], check: bool = False, capture_output: bool = True, timeout=None,
+              **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, text=True, ...)`` in its own session; on any exception (Ctrl-C, SIGTERM's Terminated, the
+    timeout) :func:`kill_group`, then raise again (subprocess.run kills the launcher alone: a wrapper script's
+    mpiexec and its ranks ran on)."""
+    pipe = subprocess.PIPE if capture_output else None
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.communicate()
+        kill_group(proc)
         raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done

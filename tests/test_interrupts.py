@@ -233,6 +233,33 @@ def test_a_bench_script_interrupted_prints_one_line(sig, code, name):
     assert status == code and "Traceback" not in err and err == f"bench_heldout.py: interrupted ({name})\n", err
 
 
+@pytest.mark.timeout(300)
+def test_a_bench_script_s_launched_ranks_end_with_it_on_sigterm(mpiexec, tmp_path):
+    """A bench script launching the main job got SIGTERM: subprocess.run killed the launcher alone. Under a
+    launcher that runs mpiexec as its child (Intel MPI's mpirun script, a module's wrapper), mpiexec and every rank
+    ran on after the script's "interrupted" line. Now its whole process group ends (minizero.interrupts.run_group)."""
+    wrapper = tmp_path / "mpirun"
+    wrapper.write_text(f'#!/bin/sh\n"{mpiexec}" "$@"\n')  # not exec: mpiexec is the wrapper's child
+    wrapper.chmod(0o755)
+    code = ("import runpy, sys; import minizero.files\n"
+            f"minizero.files.mpiexec_path = lambda: {str(wrapper)!r}\n"
+            "sys.argv = ['bench/bench_memory.py', '--model', 'tiny', '--ranks', '2', '--steps', '1000000', "
+            "'--configs', 'baseline']\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    mark = uuid.uuid4().hex
+    try:
+        status, err = _interrupt([sys.executable, "-c", code], 1, signal.SIGTERM, mark=mark,
+                                 ready=lambda: _ranks_running(mark, "minizero.train") == 2)
+        assert status == 143 and err.endswith("bench_memory.py: interrupted (SIGTERM)\n"), err
+        deadline = time.time() + 10
+        while _marked_processes(mark) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _marked_processes(mark), "the bench script's mpiexec or ranks outlived its SIGTERM"
+    finally:
+        for pid in _marked_processes(mark):  # what outlived it before (mpiexec, its proxy, both ranks)
+            os.kill(pid, signal.SIGKILL)
+
+
 def _reader_gone(argv):
     """``argv`` with its stdout's reader gone before the first write: (exit status, stderr)."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

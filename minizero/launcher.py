@@ -1,0 +1,103 @@
+"""Which launcher started this process, read from the environment before MPI starts (MPICH's PMI_*, Open MPI's,
+PMIx's, Cray PALS's), and a stale one named in one line before MPI_Init aborts with MPICH's error stack."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+
+from minizero.numerals import error_lines
+
+
+def launched_by_mpiexec() -> bool:
+    """True in a rank that a launcher (MPICH's, Open MPI's, a PMIx one) started."""
+    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def pmix_names(names: tuple) -> tuple:
+    # srun --mpi=pmix sets PMIX_RANK and no size (PMIx_server_setup_fork, openpmix src/server/pmix_server.c, sets
+    # PMIX_NAMESPACE, PMIX_RANK, the server's URI); the size is Slurm's SLURM_STEP_NUM_TASKS (env_array_for_step,
+    # slurm src/common/env.c; SLURM_NTASKS is the allocation's under --preserve-env): ``names``, read beside PMIX_RANK
+    return names if "PMIX_RANK" in os.environ else ()
+
+
+def launched_ranks() -> int:
+    """The number of ranks the launcher started (``PMI_SIZE``, Open MPI's, Slurm's), 1 without one; MPI not started."""
+    return _number(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE") + pmix_names(("SLURM_STEP_NUM_TASKS",)), 1)
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher numbered it (``PMI_RANK``, Open MPI's, PMIx's), 0 without one; MPI not
+    started."""
+    return _number(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
+
+
+def _number(names: tuple, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isascii() and value.isdigit():  # not "²" (isdigit, which int() refuses) nor "٣"
+            return int(value)
+    return default
+
+
+def launcher_connected() -> bool:
+    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT (listened on),
+    PMIx's server, HPE Cray PALS."""
+    if _socket(os.environ.get("PMI_FD", "")) or ("PMI_FD" not in os.environ and _listened(os.environ.get("PMI_PORT"))):
+        return True  # MPICH reads PMI_PORT only without PMI_FD
+    return any(k in os.environ for k in ("PMI_CONTROL_PORT", "PMI_CONTROL_FD", "PALS_RANKID")) or any(
+        k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)  # Cray PALS: PMI_CONTROL_*
+
+
+def _socket(fd: str) -> bool:
+    try:  # the launcher's end is a socket: PMI_FD=0 or 2 (a terminal, /dev/null) counted as one before
+        return fd.isascii() and fd.isdigit() and stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+    except (OSError, OverflowError):  # closed; 20 digits
+        return False
+
+
+def _listened(host_port) -> bool:
+    # MPICH's simple PMI (PMIU_get_pmi_fd) splits PMI_PORT at the first colon and connects there in MPI_Init. A port of
+    # this host is looked up, not connected to: hydra's proxy spins on a connection closed unused (a core for the job)
+    host, _, port = (host_port or "").partition(":")
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return False
+    here = _listening_here(int(port)) if host in ("localhost", "127.0.0.1", "::1", socket.gethostname()) else None
+    if here is not None:
+        return here
+    try:  # another host's launcher (or no /proc): connect as MPI_Init would
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
+def _listening_here(port: int):
+    found = None  # True / False: a TCP socket of this host listens on ``port`` (Linux); None: unknown
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        found = bool(found) or any(r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port for r in rows)  # LISTEN
+    return found
+
+
+def refuse_stale_launcher(prog: str | None = None) -> None:
+    """Exit 2 with one line where MPI_Init would abort with MPICH's error stack: PMI_FD set but no socket, or PMI_PORT
+    (without PMI_FD) where no launcher listens. ``prog``: the program's name (default: the script's). Call it where an
+    MPI program starts, before mpi4py's MPI is imported."""
+    fd, port = os.environ.get("PMI_FD"), os.environ.get("PMI_PORT")
+    if fd is not None and not _socket(fd):
+        said = f"PMI_FD={fd} is set, but names no MPI launcher's socket"
+    elif fd is None and port is not None and not _listened(port):
+        said = f"PMI_PORT={port} is set, but no MPI launcher listens there"
+    else:
+        return
+    names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
+    print(error_lines(prog or os.path.basename(sys.argv[0]), f"{said} (mpiexec sets it): unset {' '.join(names)}, "
+                      "or start this under mpiexec"), file=sys.stderr)
+    raise SystemExit(2)
+

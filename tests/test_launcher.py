@@ -1,0 +1,131 @@
+"""Which launcher started a process, read before MPI starts (minizero.launcher): a stale MPICH PMI_PORT is no
+launcher, srun --mpi=pmix's ranks count as several, and every MPI program names a stale PMI_FD or PMI_PORT in one
+line before MPI_Init would abort with MPICH's error stack."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from minizero import launcher, plan
+from minizero.numerals import unwrapped
+from tests.conftest import REPO_ROOT, mpi_env
+
+LAUNCH_VARIABLES = ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                    "PMIX_RANK", "SLURM_STEP_NUM_TASKS")
+
+
+def _dead_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` nobody listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher's variable of the shell the tests run in (a test under mpiexec, a Slurm job)."""
+    for var in LAUNCH_VARIABLES + tuple(k for k in os.environ if k.startswith(("PMIX_SERVER_URI", "PALS_", "PMI_"))):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("host", ["localhost", socket.gethostname(), "127.0.0.2"])  # the last: connected to
+def test_a_stale_pmi_port_is_no_launcher(clean_env, capsys, host):
+    """PMI_PORT left in a shell, nothing listening there: before, any PMI_PORT counted as a launcher, so rank 1
+    exited 2 silently and rank 0 said "mpiexec started 2 ranks"; now it is named as a stale PMI_FD is."""
+    port = _dead_port("127.0.0.2" if host == "127.0.0.2" else "127.0.0.1")
+    for k, v in {"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_PORT": f"{host}:{port}"}.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "" and unwrapped(out.err) == [
+        "python -m minizero.plan: error: PMI_SIZE=2 PMI_RANK=1 are set, but no MPI launcher started this process: "
+        "unset PMI_SIZE PMI_RANK PMI_PORT (this program runs in one process, without mpiexec)"], out
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.2"])
+def test_a_listened_pmi_port_is_a_launcher_and_a_port_of_this_host_is_not_connected_to(clean_env, host):
+    """MPICH's hydra (mpiexec -pmi-port) listens there; its proxy spins on a connection closed unused (a core for
+    the whole job, measured), so a port of this host is looked up in /proc/net/tcp, not connected to."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.2" if host == "127.0.0.2" else "127.0.0.1", 0))
+        server.listen(4)
+        server.settimeout(0.3)
+        clean_env.setenv("PMI_PORT", f"{host}:{server.getsockname()[1]}")
+        assert launcher.launcher_connected()
+        if host == "localhost" and os.path.exists("/proc/net/tcp"):
+            with pytest.raises(socket.timeout):
+                server.accept()[0].close()  # nobody connected
+        clean_env.setenv("PMI_FD", "2")  # MPICH reads PMI_FD first: a PMI_FD that is no socket fails MPI_Init
+        assert not launcher.launcher_connected()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("server,said", [
+    (True, ["python -m minizero.plan: error: runs in one process; mpiexec started 2 ranks: run it without mpirun "
+            "(or with -n 1)"]),
+    (False, ["python -m minizero.plan: error: SLURM_STEP_NUM_TASKS=2 PMIX_RANK={rank} are set, but no MPI launcher "
+             "started this process: unset SLURM_STEP_NUM_TASKS PMIX_RANK (this program runs in one process, "
+             "without mpiexec)"])])
+def test_srun_pmix_ranks_count_as_several(clean_env, capsys, rank, server, said):
+    """``srun --mpi=pmix -n 2``: each task has PMIX_RANK and Slurm's SLURM_STEP_NUM_TASKS, no PMI_SIZE. Before,
+    every one-process tool saw one rank on each task and both did the same work (plan printed twice)."""
+    clean_env.setenv("PMIX_RANK", rank)
+    clean_env.setenv("SLURM_STEP_NUM_TASKS", "2")
+    if server:
+        clean_env.setenv("PMIX_SERVER_URI41", "pmix-server.1;tcp4://127.0.0.1:1")
+    assert launcher.launched_ranks() == 2 and launcher.launched_rank() == int(rank)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    out = capsys.readouterr()
+    quiet = server and rank == "1"  # rank 0 speaks for a real launch; a stale one is named on every rank
+    assert e.value.code == 2 and out.out == "" and unwrapped(out.err) == ([] if quiet else
+                                                                         [s.format(rank=rank) for s in said]), out
+
+
+def test_slurm_s_task_count_without_pmix_is_not_a_launch(clean_env):
+    """A batch script's shell has SLURM_STEP_NUM_TASKS / SLURM_NTASKS and no PMIX_RANK: a tool run there is one
+    process (srun without --mpi=pmix starts independent processes, which this does not guess at)."""
+    clean_env.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert launcher.launched_ranks() == 1 and launcher.launched_rank() == 0
+
+
+def _stale(argv, **env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          stdin=subprocess.DEVNULL, env=dict(clean, PMI_SIZE="2", PMI_RANK="1", **env))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("argv,prog", [
+    (["-m", "minizero.hardware", "--allreduce", "4"], "python -m minizero.hardware"),
+    (["bench/bench_header.py"], "bench_header.py"),
+    (["bench/bench_setup_peak.py", "--model", "tiny"], "bench_setup_peak.py"),  # starts MPI on import
+    (["bench/bench_allreduce.py"], "bench_allreduce.py"),
+    (["bench/profile_collective.py"], "profile_collective.py"),
+    (["bench/bench_multihost.py", "--rank"], "bench_multihost.py"),
+    (["bench/gpu_check.py", "--nccl-worker", "nccl.json"], "gpu_check.py")])
+def test_a_stale_pmi_fd_is_one_line_in_every_mpi_program(argv, prog):
+    """PMI_FD left in a shell (here stderr's descriptor, a pipe): before, only train and finetune named it; the
+    hardware tool and the bench scripts that start MPI themselves aborted with MPICH's error stack, exit 15."""
+    proc = _stale(argv, PMI_FD="2")
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"{prog}: error: PMI_FD=2 is set, but names no MPI launcher's socket (mpiexec sets it): "
+        "unset PMI_FD PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("argv,prog", [
+    (["-m", "minizero.train", "--model", "tiny", "--steps", "1", "--no-save"], "python -m minizero.train"),
+    (["bench/bench_header.py"], "bench_header.py")])
+def test_a_stale_pmi_port_is_named_before_mpi_starts(argv, prog):
+    """PMI_PORT left in a shell, nothing listening there: before, MPI_Init aborted with MPICH's error stack
+    ("connect failed with connection refused", 'PMI_Init returned -1'), exit 15."""
+    port = f"localhost:{_dead_port()}"
+    proc = _stale(argv, PMI_PORT=port)
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"{prog}: error: PMI_PORT={port} is set, but no MPI launcher listens there (mpiexec sets it): "
+        "unset PMI_PORT PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
