@@ -202,12 +202,13 @@ class PipelineEngine:
         self.peak_in_flight, self.trace = 0, []
         self._pending = None  # a _PendingSend, without overlap
         #: overlap: every send is an isend posted at once, so the stage computes while it travels
-        #: (Megatron's p2p_communication with async ops); completed ones are dropped, the rest waited
-        #: for at the end of the step. Receives wait (their data is needed now). Off: blocking, paired.
+        #: (Megatron's p2p_communication with async ops), waited for at a fixed point: the next send on its channel
+        #: or, one chunk per stage, the next receive. So its buffer lives (and the ledger's peak is) the same
+        #: whenever MPI completes it. Receives wait (their data is needed now). Off: blocking, paired.
         self.nonblocking = (overlap or v > 1) and comm.world_size > 1 and comm.nonblocking
         #: with chunks a rank sends activations and gradients to the same neighbour: a tag each keeps them apart
         self.act_tag, self.grad_tag = (ACT_TAG, GRAD_TAG) if v > 1 else (PP_TAG, PP_TAG)
-        self._sends = []  # (request, array) of isends not known to be complete
+        self._sends = []  # (request, array, (dest, tag)) of isends not yet waited for
         self._local = {}  # tag -> arrays passed between this rank's own chunks (ZB-V's turn), oldest first
 
     # -- messages ------------------------------------------------------------------------
@@ -222,22 +223,20 @@ class PipelineEngine:
             return
         if self.nonblocking:
             array = backend.xp.ascontiguousarray(array)
-            self._drop_completed_sends()
+            self._flush((dest, tag))  # the previous send on this channel completes first: one in flight on each
             self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest} (isend)")
             with self.comm.traffic.op(label):
-                self._sends.append((self.comm.isend(array, dest, tag=tag), array))
+                self._sends.append((self.comm.isend(array, dest, tag=tag), array, (dest, tag)))
             return
         self._flush()
         self._pending = _PendingSend(backend.xp.ascontiguousarray(array), dest, label, what, tag)
 
-    def _drop_completed_sends(self) -> None:
-        self._sends = [(r, a) for r, a in self._sends if not r.test()]
-
-    def _flush(self) -> None:
-        if self._sends:
+    def _flush(self, channel=None) -> None:  # complete the isends (those to channel = (peer, tag)), a pending send
+        waited = [r for r, _, to in self._sends if channel is None or to == channel]
+        if waited:
             with self.comm.traffic.span("wait sends"):
-                wait_all(self.comm, [r for r, _ in self._sends], "pipeline sends")
-            self._sends = []
+                wait_all(self.comm, waited, "pipeline sends")
+            self._sends = [s for s in self._sends if channel is not None and s[2] != channel]
         if self._pending is not None:
             send, self._pending = self._pending, None
             self._say(f"{send.what} {send.array.shape} {send.array.nbytes} B ──> stage {send.dest}")
@@ -252,7 +251,8 @@ class PipelineEngine:
             with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
                 wait_all(self.comm, [self.comm.irecv(buf, source, tag=tag)], f"pipeline receive of {what}",
                          peer=source)
-            self._drop_completed_sends()
+            if len(self.chunks) == 1:  # where the blocking engine sends: a wait here cannot deadlock (with chunks
+                self._flush()  # it can: the neighbour may take our send only after one we have yet to post, as ZB-V)
             self._say(f"{what} {shape} <── stage {source}")
             return buf
         send = self._pending
