@@ -99,7 +99,7 @@ def test_a_save_dir_that_refuses_the_next_save_is_one_line_and_keeps_the_previou
     assert read_manifest(str(tmp_path / "step_00000002"))["step"] == 2
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp_path):
     """The attack itself: a read-only file system mounted over --save-dir while two ranks train (root only)."""
     import subprocess
@@ -111,7 +111,7 @@ def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp
 
     save = tmp_path / "ck"
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "100000",
-           "--eval-every", "0", "--progress", "log", "--log-every", "1000", "--comm-timeout", "20",
+           "--eval-every", "0", "--progress", "log", "--log-every", "1000", "--comm-timeout", "60",
            "--out", str(tmp_path / "o"), "--save-dir", str(save), "--save-every", "20", "--keep", "1"]
     proc = subprocess.Popen(cmd, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mounted = False
@@ -123,7 +123,7 @@ def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp
         if r.returncode != 0:
             pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {r.stderr.strip()}")
         mounted, t0 = True, time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
         elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -131,7 +131,8 @@ def test_a_save_dir_made_read_only_mid_run_ends_the_job_in_one_line(mpiexec, tmp
             proc.communicate()
         if mounted:
             subprocess.run(["umount", str(save)], capture_output=True)
-    assert proc.returncode == 1 and elapsed < 15, (proc.returncode, elapsed, err)
+    # ended by the failed save, not by rank 1's --comm-timeout (60 s; 15 s against 20 was close on a loaded machine)
+    assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, err)
     said = [ln for ln in unwrapped(err) if "minizero.train" in ln]  # each long line whole
     assert len(said) == 1 and said[0].startswith("[rank 0] minizero.train failed: could not write"), err
     # the tmpfs mounted over --save-dir hides its checkpoint from the job, which says what it sees (before: "the
@@ -181,7 +182,7 @@ def test_finetune_ends_every_rank_when_one_fails(mpiexec, base_weights, tmp_path
                            "--eval-batches", "1", "--comm-timeout", "2", "--out", str(tmp_path / "ft")],
                           env=env, capture_output=True, text=True, timeout=100)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 1 and elapsed < 40, (proc.returncode, elapsed, proc.stderr)
+    assert proc.returncode == 1 and elapsed < 90, (proc.returncode, elapsed, proc.stderr)  # not the 600 s of before
     assert said in " ".join(proc.stderr.split()), proc.stderr  # a long line goes on over indented lines
     # nothing written: no weights; the folder --out's lock made goes with it, unless MPI_Abort killed rank 0 (the
     # lock's holder) first, which leaves the unlocked lock file, as train's OUT (the next job takes it)
@@ -358,7 +359,7 @@ def _rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_a_second_signal_during_the_failure_line_still_ends_the_job(mpiexec, tmp_path):
     """SIGINT to rank 1, then again while it waits to print its line: the second KeyboardInterrupt escaped the
     failure handler (a traceback of 40 lines), MPI_Abort never ran, and rank 0 waited for --comm-timeout."""
@@ -382,17 +383,17 @@ def test_a_second_signal_during_the_failure_line_still_ends_the_job(mpiexec, tmp
         assert pid is not None
         os.kill(pid, signal.SIGINT)
         flight = out / "flight" / "rank_1.json"  # dumped by the handler, which then waits 1 s before its line
-        for _ in range(100):  # (rank 0 speaks for a job that mpiexec signalled)
-            if flight.exists():
-                break
+        deadline = time.monotonic() + 60  # (rank 0 speaks for a job that mpiexec signalled)
+        while not flight.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        assert flight.exists(), "rank 1 dumped no flight file within 60 s of the first SIGINT"
+        os.kill(pid, signal.SIGINT)  # while it waits to print its line (a 5 s cap on the wait sent it before, loaded)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    # 130 from rank 1's MPI_Abort (a hang before; killed here after 30 s). Its line is not asserted: on a loaded
+    # 130 from rank 1's MPI_Abort (a hang before; killed here after 60 s). Its line is not asserted: on a loaded
     # machine mpiexec's proxy lost all forwarded stderr of an aborted job in about 1 run of 20 (seen here)
     assert proc.returncode == 130 and "Traceback" not in err, err
 

@@ -311,7 +311,7 @@ def _children(pid):
         return []
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_ranks_end_when_their_launcher_is_gone(mpiexec):
     if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
         pytest.skip("needs Linux's /proc/PID/task/PID/children")
@@ -319,18 +319,16 @@ def test_ranks_end_when_their_launcher_is_gone(mpiexec):
                              "--no-save"], env=mpi_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        ranks = []
-        for _ in range(100):
+        ranks, deadline = [], time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline:
             proxies = _children(proc.pid)
             ranks = [r for p in proxies for r in _children(p)]
-            if len(ranks) == 2:
-                break
             time.sleep(0.1)
-        assert len(ranks) == 2, "ranks did not start"
-        time.sleep(2)  # training
+        assert len(ranks) == 2, "ranks did not start within 60 s"
+        _wait_for_handlers(ranks)  # set-up has ended: training (a fixed 2 s could land in the imports when loaded)
         for p in proxies:
             os.kill(p, signal.SIGKILL)  # the launcher's proxy, by its pid
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # exit_with_parent polls every 0.5 s: 30 s is for a loaded machine
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{r}") and _alive(r) for r in ranks):
             time.sleep(0.2)
         alive = [r for r in ranks if _alive(r)]
@@ -345,6 +343,39 @@ def test_ranks_end_when_their_launcher_is_gone(mpiexec):
         proc.wait(timeout=10)
 
 
+def _catches_sigterm(pid):
+    """Whether ``pid`` has a handler for SIGTERM (/proc/PID/status, SigCgt): minizero installs its SIGINT and SIGTERM
+    handlers when set-up ends (minizero.interrupts.end_set_up); before, SIGTERM has its default action."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _marked_ranks(mark):
+    """The pids of the MPI ranks started with ``MINIZERO_TEST_MARK=mark`` in their environment."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                names = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"MINIZERO_TEST_MARK={mark}".encode() in names and any(n.startswith(b"PMI_RANK=") for n in names):
+            found.append(int(pid))
+    return found
+
+
+def _wait_for_handlers(pids, timeout=90):
+    """Wait until every one of ``pids`` has ended its set-up (its signal handlers installed); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not all(map(_catches_sigterm, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_catches_sigterm, pids)), f"set-up did not end within {timeout} s on every rank"
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -354,11 +385,14 @@ def _alive(pid):
 
 
 # --------------------------------------------------------------------------- 8: what a user sees
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_ctrl_c_prints_one_interrupted_line(mpiexec):
+    import uuid
+
+    mark = uuid.uuid4().hex
     proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "minizero.train", *TINY, "--steps", "100000",
-                             "--no-save", "--no-progress"], env=mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--no-save", "--no-progress"], env=dict(mpi_env(), MINIZERO_TEST_MARK=mark),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         # wait for training: the header on stdout is printed inside the try block that turns SIGINT into
         # one line (a signal during start-up, while the ranks still import, is another matter: see below)
@@ -371,7 +405,9 @@ def test_ctrl_c_prints_one_interrupted_line(mpiexec):
         reader = threading.Thread(target=read_stdout, daemon=True)
         reader.start()
         assert header.wait(90), "no header within 90 s"
-        time.sleep(1)
+        ranks = _marked_ranks(mark)
+        assert len(ranks) == 2, ranks
+        _wait_for_handlers(ranks)  # rank 1's too: rank 0's header says nothing of it (a fixed 1 s did not either)
         proc.send_signal(signal.SIGINT)
         err = proc.stderr.read()
         proc.wait(timeout=30)

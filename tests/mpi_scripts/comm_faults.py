@@ -3,7 +3,7 @@
 Usage: mpiexec -n 2 python tests/mpi_scripts/comm_faults.py OUTDIR MODE
 
 MODE ``dtypes``: rank 0 all-reduces float32 [1,2,3,4], rank 1 int32 [1,2,3,4]; then
-float32 x 8 against float64 x 4. ``stall``: rank 1 sleeps 3 s while rank 0 waits for it
+float32 x 8 against float64 x 4. ``stall``: rank 1 stays silent while rank 0 waits for it
 with a 1 s timeout. ``native``: rank 0 passes 10 float32, rank 1 nine, to each native collective.
 ``kinds``: rank 0 sends, rank 1 receives into a buffer of another size, across
 the one-message / two-message boundary (``PACK_MAX_BYTES``) both ways, then of the right size. Each rank writes ``OUTDIR/rank{r}.json``: the errors it saw (type,
@@ -58,13 +58,17 @@ def main(outdir, mode):
             comm.barrier()  # every sender finished: a mismatched message was taken off the wire
     elif mode == "stall":
         comm.timeout = 1.0
-        if r == 1:
-            time.sleep(3)
+        waited = os.path.join(outdir, "waited")
+        if r == 1:  # sends nothing until rank 0's wait has ended (a fixed 3 s could end first on a loaded machine)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(waited) and time.monotonic() < deadline:
+                time.sleep(0.05)
         else:
             t0, c0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
             out["recv"] = attempt(lambda: comm.recv(np.empty(4), source=1, tag=7))
             out["wall_s"] = time.monotonic() - t0
             out["cpu_s"] = resource.getrusage(resource.RUSAGE_SELF).ru_utime - c0
+            open(waited, "w").close()
     with open(os.path.join(outdir, f"rank{r}.json"), "w") as f:
         json.dump(out, f)
 
