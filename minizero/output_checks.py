@@ -191,3 +191,31 @@ def check_resume_source(args) -> None:
     if held:
         raise UsageError(f"--resume {args.resume!r}: {held[0]!r} is in use by a running minizero job ({held[1]}), "
                          + PRUNED_MID_READ)
+
+
+
+def _result_files(args) -> list[str]:
+    """The files a finished run leaves in OUT: the weights, their config, the plots, and --json when it is in OUT."""
+    names = [os.path.join(args.out, n) for n in ("model.npz", "model.json", "loss.png", "memory.png")]
+    in_out = args.json and os.path.dirname(os.path.realpath(args.json)) == os.path.realpath(args.out)
+    return names + ([args.json] if in_out else [])
+
+
+def _stamp(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def earlier_results(args) -> dict:
+    """OUT's result files there now (an earlier run's), {path: (inode, mtime in ns)}; none under --no-save."""
+    stamps = {} if args.no_save else {p: _stamp(p) for p in _result_files(args)}
+    return {p: s for p, s in stamps.items() if s is not None}
+
+
+def still_earlier(found: dict) -> list[str]:
+    """The paths of :func:`earlier_results` this run has not replaced (same inode and mtime; a write replaces the
+    file): what a failed run leaves of the run before it, which ``sample`` and ``quantize`` would take for its own."""
+    return [p for p, stamp in found.items() if _stamp(p) == stamp]

@@ -43,7 +43,7 @@ from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.numerals import error_lines, wrapped
-from minizero.output_checks import clear_flight, not_a_folder
+from minizero.output_checks import clear_flight, earlier_results, not_a_folder, still_earlier
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -204,6 +204,13 @@ def failure_text(e: BaseException, rank: int, mpi_exception=()) -> str:
             + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
 
 
+def _earlier_note(earlier: dict) -> str:
+    """``; out/model.npz, ... are an earlier run's`` for the result files a failed run left as they were (rank 0)."""
+    stale = still_earlier(earlier)
+    verb = "is" if len(stale) == 1 else "are"
+    return f"; {', '.join(stale)} {verb} an earlier run's, not this one's" if stale else ""
+
+
 def _select_device(args, comm, mpi_world) -> str | None:
     """Every rank selects ``--device`` (:func:`minizero.backend.set_device`); collective.
 
@@ -282,6 +289,7 @@ def main(argv=None) -> int:
     if not args.default_malloc:
         backend.keep_freed_memory()  # temporaries reuse freed memory instead of faulting in fresh pages
     locks, refusal, run = _lock_output(args, comm, MPI.COMM_WORLD)
+    earlier = earlier_results(args) if rank == 0 and not refusal else {}  # a failed run names what it did not replace
     end_set_up(install=not refusal)  # from here SIGINT and SIGTERM unwind through the except below
     if refusal:
         if rank == 0:
@@ -333,8 +341,8 @@ def main(argv=None) -> int:
             code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
             if rank != 0:  # every rank got the signal from mpiexec: rank 0 speaks for the job
                 time.sleep(2 * _ABORT_GRACE_S)
-            _write_stderr(f"{'' if rank == 0 else f'[rank {rank}] '}minizero.train: interrupted ({name}); "
-                          "files already written are left as they were\n")
+            _write_stderr(wrapped(f"{'' if rank == 0 else f'[rank {rank}] '}minizero.train: interrupted ({name}); "
+                                  f"files already written are left as they were{_earlier_note(earlier)}") + "\n")
             if comm.world_size > 1:  # one process has no peer to stop (MPICH would add an "Abort(130)" line)
                 comm.abort(code)
             return code
@@ -352,6 +360,7 @@ def main(argv=None) -> int:
         if flight and isinstance(e, (CommTimeoutError, CollectiveMismatchError)):  # every rank's record says who
             text = text.rstrip("\n") + f" (who hung where: python -m minizero.debug hang {flight})\n"
         said, _, where = text.partition("\n")  # the diagnosis over lines of <= 120 columns; a bug's traceback as is
+        said += _earlier_note(earlier)
         _write_stderr(wrapped(said) + "\n" + where)
         if comm.world_size > 1:
             time.sleep(_ABORT_GRACE_S)

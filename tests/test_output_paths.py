@@ -261,3 +261,27 @@ def test_json_on_a_disk_that_fills_at_the_end_is_one_line_and_keeps_the_previous
     assert (full / "s.json").read_text() == previous and os.listdir(full) == ["s.json"], os.listdir(full)  # no lock
     weights = np.load(out / "model.npz")
     assert sorted(weights) == sorted(GPT(get_config("tiny")).state_dict()) and (out / "model.json").exists()
+
+
+def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
+    """Before: a failed run left an earlier run's model.npz, model.json and summary.json in OUT without a word, and
+    sample / quantize then read another model as this run's. Files the failed run replaced are not named."""
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("model.npz", "summary.json"):  # an earlier run's (minizero's own writes replace them whole)
+        (out / name).write_text("{}")
+    (out / "loss.png").write_text("")
+
+    def failed_run(folder):
+        return subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3", "--no-progress",
+                               "--out", str(folder)], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MINIZERO_FAULT="0:1:raise"))
+
+    proc = failed_run(out)
+    said = " ".join(line.strip() for line in proc.stderr.split("Traceback")[0].splitlines())
+    assert proc.returncode == 1, proc.stderr
+    assert (f"{out / 'model.npz'}, {out / 'loss.png'}, {out / 'summary.json'} are an earlier run's, not this "
+            "one's") in said, said
+    assert all(len(line) <= 120 for line in proc.stderr.split("Traceback")[0].splitlines())
+    fresh = failed_run(tmp_path / "fresh")  # nothing earlier there: nothing named
+    assert fresh.returncode == 1 and "earlier run's" not in fresh.stderr, fresh.stderr
