@@ -13,9 +13,14 @@ from minizero.flags import LATE_DEFAULTS, UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
-# ---- the rules the planner shares (minizero.plan_search searches and accepts only what they allow) ----
+# ---- rules the planner shares: ZeRO with pp (every model's), train's own (plan_search.train_refusal: presets') ----
 #: the pipeline schedules a mixture of experts runs (check_moe)
 MOE_SCHEDULES = ("1f1b", "gpipe")
+
+
+def zero_fits_pipeline(zero: int, pp: int) -> bool:
+    """Whether ZeRO-``zero`` runs with ``pp`` stages: not 2-3, which reduce in every backward (one per micro-batch)."""
+    return zero < 2 or pp == 1
 
 
 def sequence_parallel_fits(tp: int, seq_len: int) -> bool:
@@ -38,17 +43,30 @@ def offloads_optimizer(optimizer: str) -> bool:
     return optimizer != "adam8bit"
 
 
-def moe_conflicts(cp: int, sequence_parallel: bool, precision: str, schedule: str, documents: str = "pack") -> dict:
-    """What of a layout a mixture of experts does not run with, by name (check_moe says why); all False: none."""
-    return {"cp": cp > 1, "sp": sequence_parallel, "fp8": precision == "fp8", "pad": documents == "pad",
-            "schedule": schedule not in MOE_SCHEDULES}
+# a mixture of experts (check_moe says why each is refused)
+def moe_allows_cp(cp: int) -> bool:
+    return cp == 1  # a rank would route its sequence chunks, not the micro-batch
 
 
-def expert_parallel_conflicts(adamw: bool, offloaded: bool, allreduce: str = "ring", quantized_comm: bool = False,
-                              native_comm: bool = False) -> dict:
-    """What ep > 1 does not run with, by name: an optimizer but AdamW, an offloaded optimizer, another all-reduce."""
-    return {"allreduce": allreduce != "ring", "quantized_comm": quantized_comm, "native_comm": native_comm,
-            "optimizer": not adamw, "offload_optimizer": offloaded}
+def moe_allows_sequence_parallel(sequence_parallel: bool) -> bool:
+    return not sequence_parallel  # the MoE layer routes whole sequences
+
+
+def moe_allows_precision(precision: str) -> bool:
+    return precision != "fp8"  # FP8's amax history is per tensor, not per expert
+
+
+def moe_allows_schedule(schedule: str) -> bool:
+    return schedule in MOE_SCHEDULES
+
+
+# expert parallelism, ep > 1 (the planner's AdamW is "adam", train's "adamw")
+def ep_allows_optimizer(optimizer: str) -> bool:
+    return optimizer in ("adamw", "adam")
+
+
+def ep_allows_offload(offload: str) -> bool:
+    return offload == "none"  # expert parallelism keeps AdamW on the device
 
 
 def launch(ranks: int, prog: str, exact: bool = False) -> str:
@@ -61,7 +79,7 @@ def check_zero(args) -> None:
     """``--zero`` with the pipeline, and ``--dp-shard`` (zero/hybrid.py; None becomes dp): a divisor of dp, given
     only with ZeRO, a multiple of ep in data ranks (with --cp a shard group is N data ranks' cp ranks)."""
     zero = args.zero
-    if zero >= 2 and args.pp > 1:
+    if not zero_fits_pipeline(zero, args.pp):
         raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-{zero} reduces gradients"
                          f"{' and gathers parameters' if zero == 3 else ''} in every backward, and a pipeline runs "
                          "one backward per micro-batch (DeepSpeed refuses this combination too); use --zero 1")
@@ -282,31 +300,28 @@ def check_moe(args) -> None:
                          + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))
     m = "--moe-experts with"
     cp_flag = f"--ulysses {args.cp}" if args.ulysses is not None else f"--cp {args.cp}"
-    bad = moe_conflicts(args.cp, args.sequence_parallel, args.precision, args.schedule, args.documents)
-    refused = [(bad["cp"], f"{m} {cp_flag}", "a rank would route its sequence chunks, not the micro-batch; "
-                f"run without {cp_flag.split()[0]} (--dp, --ep, --tp and --pp compose with MoE)"),
-               (bad["sp"], f"{m} --sequence-parallel", "the MoE layer routes whole sequences; "
-                "leave --sequence-parallel off (--tp alone composes with MoE)"),
-               (bad["fp8"], f"{m} --precision fp8", "FP8Linear keeps an amax history per tensor, "
-                "while the router and expert products (nn.Matmul children, which bf16 converts) would need one per "
-                "expert, reduced over its expert-data group; use --precision bf16 or fp16"),
-               (bad["pad"], f"{m} --pad", "the balancing losses are not weighed by real targets; "
+    refused = [(not moe_allows_cp(args.cp), f"{m} {cp_flag}", "a rank would route its sequence chunks, not the "
+                f"micro-batch; run without {cp_flag.split()[0]} (--dp, --ep, --tp and --pp compose with MoE)"),
+               (not moe_allows_sequence_parallel(args.sequence_parallel), f"{m} --sequence-parallel",
+                "the MoE layer routes whole sequences; leave --sequence-parallel off (--tp alone composes with MoE)"),
+               (not moe_allows_precision(args.precision), f"{m} --precision fp8", "FP8Linear keeps an amax history "
+                "per tensor, while the router and expert products (nn.Matmul children, which bf16 converts) would need "
+                "one per expert, reduced over its expert-data group; use --precision bf16 or fp16"),
+               (args.documents == "pad", f"{m} --pad", "the balancing losses are not weighed by real targets; "
                 "use --pack"),
-               (bad["schedule"], f"{m} --schedule {args.schedule}",
+               (not moe_allows_schedule(args.schedule), f"{m} --schedule {args.schedule}",
                 "split or interleaved backward is not tested with the expert all-to-alls; "
                 "use --schedule 1f1b or gpipe")]
     if ep > 1:
         m, adamw = f"--ep {ep} with", "expert parallelism runs AdamW"
         ring = "the expert-data all-reduce is the plain ring"
-        bad = expert_parallel_conflicts(args.optimizer == "adamw", args.offload_optimizer != "none", args.allreduce,
-                                        args.quantized_comm, args.native_comm)
-        refused += [(bad[k], f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for k, flag, why, fix in (
-            ("allreduce", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
-            ("quantized_comm", "--quantized-comm", ring, "drop --quantized-comm"),
-            ("native_comm", "--native-comm", ring, "drop --native-comm"),
-            ("optimizer", f"--optimizer {args.optimizer}", adamw, "--optimizer adamw"),
-            ("offload_optimizer", f"--offload-optimizer {args.offload_optimizer}",
+        refused += [(broken, f"{m} {flag}", f"{why}; allowed: {fix}, or --ep 1") for broken, flag, why, fix in (
+            (args.allreduce != "ring", f"--allreduce {args.allreduce}", ring, "--allreduce ring"),
+            (args.quantized_comm, "--quantized-comm", ring, "drop --quantized-comm"),
+            (args.native_comm, "--native-comm", ring, "drop --native-comm"),
+            (not ep_allows_optimizer(args.optimizer), f"--optimizer {args.optimizer}", adamw, "--optimizer adamw"),
+            (not ep_allows_offload(args.offload_optimizer), f"--offload-optimizer {args.offload_optimizer}",
              f"{adamw} on the device", "--offload-optimizer none"))]
-    for bad, what, why in refused:
-        if bad:
+    for broken, what, why in refused:
+        if broken:
             raise ValueError(f"{what} is not supported: {why}")

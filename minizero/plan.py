@@ -1,12 +1,13 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
 
-Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (only what training runs: minizero.layout_checks'
-shared rules), recompute, sequence and context parallelism (ring attention or DeepSpeed-Ulysses), expert parallelism (ep
-dividing dp and the experts, for a mixture of experts; its all-to-alls charged in full, on NVLink while tp x cp x ep
-GPUs fit a node) and offload; estimates each one's per-GPU bytes by category (:mod:`minizero.memory.estimator`), bytes
-sent per step and step time (:func:`minizero.plan_search.step_time`); prints those that fit, fastest first (equal step
-times: less memory, then fewer techniques: ``plan_search.rank``). ``--strategy`` evaluates one. Sizes need a unit
-(``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one line naming the value and what is allowed.
+Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 without pipelining; for minizero's presets only what
+minizero.train runs: plan_search.train_refusal), recompute, sequence and context parallelism (ring attention or
+DeepSpeed-Ulysses), expert parallelism (ep dividing dp and the experts, for a mixture of experts; its all-to-alls
+charged in full, on NVLink while tp x cp x ep GPUs fit a node) and offload; estimates each one's per-GPU bytes by
+category (:mod:`minizero.memory.estimator`), bytes sent per step and step time (:func:`minizero.plan_search.step_time`);
+prints those that fit, fastest first (equal step times: less memory, then fewer techniques: ``plan_search.rank``).
+``--strategy`` evaluates one. Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one
+line naming the value and what is allowed.
 Search: :mod:`minizero.plan_search`; --strategy: :mod:`minizero.plan_strategy`; table: :mod:`minizero.plan_report`.
 """
 
@@ -27,8 +28,8 @@ from minizero.nn import PRESETS
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, did_you_mean, integer,
                                negative_values_reach_checks, real)
 from minizero.plan_report import (  # noqa: F401 (the public API: tests and notebooks import these from here)
-    POWERS, candidate_json, count, describe, format_table, header, plot, plot_path, size, table_unit, unit_for,
-    step_line, why_lines)
+    POWERS, candidate_json, count, describe, format_table, header, left_out_line, plot, plot_path, size, table_unit,
+    unit_for, step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, Hardware, _divisors, enumerate_strategies, evaluate, plan, step_time)
 from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal  # noqa: F401 (likewise)
@@ -280,7 +281,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
     fits, count, smallest = plan(model, args.gpus, hw, seq, micro_batch=args.micro_batch, global_batch=gbatch,
                                  precision=args.precision, optimizer=args.optimizer, schedule=args.schedule,
                                  virtual_stages=args.virtual_stages, bucket_bytes=sizes["bucket"],
-                                 attention=args.attention, ep=args.ep,
+                                 attention=args.attention, ep=args.ep, left_out=(left := {}),
                                  cp_attention=None if args.cp_attention == "both" else args.cp_attention)
     if count == 0:
         with_ep = f" and ep {args.ep} dividing dp" if args.ep else ""
@@ -312,7 +313,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                    + [f"{count:,} strategies enumerated, {len(fits):,} fit{more}; ranking: {RANKING_RULE}",
                       "(a first-order model: step times within about 1% of each other are within its accuracy; such "
                       "rows stay in tok/s order; the why lines below compare the first few and say when one needs "
-                      "less memory)"]) + [""]
+                      "less memory)"] + left_out_line(left)) + [""]
             + format_table(shown, table_unit(shown, unit)[0]) + ["", "why: (each line compares rows shown above)"]
             + [w for line in why_lines(shown, *table_unit(shown, unit), fit_count=len(fits))
                for w in wrap("  " + line, hang=4)])

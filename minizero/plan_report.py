@@ -289,6 +289,15 @@ def rounded_batch(gbatch, shown, given: bool = True) -> list[str]:
             f"rounds up, so these rows train more sequences per step: {', '.join(off)}"] if off else []
 
 
+def left_out_line(left: dict) -> list[str]:
+    """The line naming what the search of a minizero preset left out (``left``: strategies by the rule of
+    :func:`plan_search.train_refusal` they break) because minizero.train runs none of it; [] when it left out none."""
+    if not left:
+        return []
+    rules = "; ".join(f"no {what} ({n:,} strategies)" for what, n in sorted(left.items(), key=lambda r: -r[1]))
+    return [f"left out {sum(left.values()):,} strategies minizero.train does not run: it runs {rules}"]
+
+
 def assumed(args, hw, scale: float, unit: str) -> str:
     """The GPU, links and efficiency the step times assume, bandwidths in ``unit``/s (the defaults: an A100's)."""
     flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",

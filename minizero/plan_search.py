@@ -10,8 +10,9 @@ import dataclasses
 import itertools
 import math
 
-from minizero.layout_checks import (expert_parallel_conflicts, flash_fits, moe_conflicts, offloads_optimizer,
-                                    precision_fits, sequence_parallel_fits)
+from minizero.layout_checks import (ep_allows_offload, ep_allows_optimizer, flash_fits, moe_allows_cp,
+                                    moe_allows_precision, moe_allows_schedule, moe_allows_sequence_parallel,
+                                    offloads_optimizer, precision_fits, sequence_parallel_fits, zero_fits_pipeline)
 from minizero.memory.estimator import (
     CP_ATTENTIONS, OFFLOAD, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
     model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
@@ -107,47 +108,104 @@ def tp_divides(model: ModelShape, tp: int) -> bool:
     return not (model.n_head % tp or model.n_kv_head % tp or model.ffn_hidden % tp or model.expert_hidden % tp)
 
 
+def train_runs(model: ModelShape) -> bool:
+    """Whether ``model`` is one of minizero's presets (``minizero-<preset>``), which minizero.train runs: the search
+    and ``--strategy`` keep to train's rules (:func:`train_refusal`) only there; a real model is planned as
+    Megatron-LM and DeepSpeed run it, not by the limits of minizero's emulation."""
+    return model.name.startswith("minizero-")
+
+
+def train_refusal(model: ModelShape, st: Strategy, seq_len: int | None) -> tuple[str, str] | None:
+    """The first of minizero.train's rules (:mod:`minizero.layout_checks`) ``st`` breaks, as (what train runs none
+    of and why, the header's words; this strategy's and the fix, --strategy's), or None: train runs it."""
+    moe, ep, p, opt = model.experts, st.ep > 1, st.precision, st.optimizer
+    broken = [not precision_fits(p, st.tp),
+              st.sequence_parallel and seq_len is not None and not sequence_parallel_fits(st.tp, seq_len),
+              not flash_fits(st.attention, st.cp, st.cp_attention),
+              st.offload != "none" and not offloads_optimizer(opt),
+              moe and not moe_allows_cp(st.cp), moe and not moe_allows_sequence_parallel(st.sequence_parallel),
+              moe and not moe_allows_precision(p), moe and not moe_allows_schedule(st.schedule),
+              ep and not ep_allows_optimizer(opt), ep and not ep_allows_offload(st.offload)]
+    if not any(broken):
+        return None
+    experts, adamw = f"{model.name}'s experts", "expert parallelism runs AdamW"
+    return [(f"tp > 1 with --precision {p}, which converts plain Linear layers only",
+             f"tp {st.tp} with --precision {p}: it converts plain Linear layers, not tensor-parallel ones; use tp 1"),
+            ("sequence parallelism where tp does not divide the sequence",
+             f"sp needs the sequence {seq_len} divisible by tp {st.tp}"),
+            ("attention=flash with ring attention, which already runs the flash recurrence",
+             f"attention=flash with cp {st.cp} by ring attention: the ring already runs the flash recurrence; use "
+             "cp_attention=ulysses or attention=dense"),
+            (f"offload with --optimizer {opt}, whose state stays on the device",
+             f"offload={st.offload} with --optimizer {opt}: 8-bit Adam's state stays on the device; use offload=none"),
+            ("cp > 1 with a mixture of experts, whose ranks would route sequence chunks",
+             f"cp {st.cp} with {experts}: a rank would route its sequence chunks, not the micro-batch; use cp 1"),
+            ("sequence parallelism with a mixture of experts, which routes whole sequences",
+             f"sp with {experts}: the MoE layer routes whole sequences; leave sp off"),
+            ("fp8 with a mixture of experts", f"--precision fp8 with {experts}: FP8's amax history is kept per "
+                                              "tensor, not per expert"),
+            (f"--schedule {st.schedule} with a mixture of experts",
+             f"--schedule {st.schedule} with {experts}: the expert all-to-alls run with 1f1b or gpipe only"),
+            (f"ep > 1 with --optimizer {opt}, as {adamw}", f"ep {st.ep} with --optimizer {opt}: {adamw}; use ep 1 "
+                                                           "or --optimizer adam"),
+            (f"ep > 1 with offload, as {adamw} on the device",
+             f"ep {st.ep} with offload={st.offload}: {adamw} on the device; use ep 1 or offload=none")
+            ][broken.index(True)]
+
+
+def pipeline_schedule(schedule: str, virtual_stages: int, pp: int) -> tuple[str, int]:
+    """(schedule, virtual stages) at ``pp`` stages: interleaved at pp 1 has nothing to interleave, so 1F1B, v = 1."""
+    if schedule == "interleaved":
+        return ("interleaved", virtual_stages) if pp > 1 else ("1f1b", 1)
+    return schedule, 1
+
+
+def micro_batches(global_batch: int, dp: int, micro_batch: int, schedule: str, pp: int) -> int:
+    """Micro-batches per step per data rank: ceil(B / (dp x b)), up to a multiple of pp for the interleaved schedule
+    (Megatron-LM's needs m divisible by p)."""
+    m = math.ceil(global_batch / (dp * micro_batch))
+    return math.ceil(m / pp) * pp if schedule == "interleaved" else m
+
+
 def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, global_batch: int = 1,
                          precision: str = "mixed", optimizer: str = "adam", schedule: str = "1f1b",
                          virtual_stages: int = 2, gpus_per_node: int = 8, bucket_bytes: int | None = None,
                          seq_len: int | None = None, attention: str = "dense", ep: int | None = None,
-                         cp_attention: str | None = None):
+                         cp_attention: str | None = None, left_out: dict | None = None):
     """Every valid :class:`Strategy` for ``model`` on exactly ``gpus`` = dp x cp x tp x pp GPUs (a generator).
 
     tp divides the heads, KV heads and FFN sizes and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
-    on one data rank only with offload; ZeRO 2-3 not with pp > 1; cp as :func:`context_parallel_sizes` allows, with
-    at least :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring attention and, where :func:`ulysses_fits`, by
-    DeepSpeed-Ulysses (``cp_attention``: only that one); ep as :func:`expert_parallel_sizes` allows (``ep``: only it);
-    and only what the trainer runs (:mod:`minizero.layout_checks`' shared rules: sequence parallelism, flash attention,
-    bf16/fp8 with tp, a mixture of experts with cp, sp, fp8 and the schedule, ep with the optimizer and its offload).
+    on one data rank only with offload; ZeRO 2-3 not with pp > 1 (:func:`zero_fits_pipeline`); sequence parallelism
+    needs tp > 1; cp as :func:`context_parallel_sizes` allows, with at least
+    :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring attention and, where :func:`ulysses_fits`, by
+    DeepSpeed-Ulysses (``cp_attention``: only that one); ep as :func:`expert_parallel_sizes` allows (``ep``: only it).
+    For minizero's presets (:func:`train_runs`) only what minizero.train runs; ``left_out`` counts the rest by rule.
     """
+    train = train_runs(model)
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or not tp_divides(model, tp) or not precision_fits(precision, tp):
+        if tp > gpus_per_node or not tp_divides(model, tp):
             continue
-        sps = (False, True) if (tp > 1 if seq_len is None else sequence_parallel_fits(tp, seq_len)) else (False,)
         for pp in _divisors(gpus // tp):
-            sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
-                "1f1b" if schedule == "interleaved" else schedule, 1)
+            sched, v = pipeline_schedule(schedule, virtual_stages, pp)
             if model.n_layer % (pp * v):
                 continue
             for cp in context_parallel_sizes(model, gpus // (tp * pp), seq_len, tp):
-                moe = moe_conflicts(cp, True, precision, sched) if model.experts else {}  # sp asked as on
-                if (cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK) or moe.get("cp") or moe.get("fp8") \
-                        or moe.get("schedule"):
+                if cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK:
                     continue
                 dp = gpus // (tp * pp * cp)
                 kinds = [k for k in CP_ATTENTIONS if (k == "ring" or ulysses_fits(model, cp, tp))
-                         and cp_attention in (None, k) and flash_fits(attention, cp, k)] if cp > 1 else ["ring"]
+                         and cp_attention in (None, k)] if cp > 1 else ["ring"]
                 for e in expert_parallel_sizes(model, dp):
-                    bad = expert_parallel_conflicts(optimizer == "adam", offloaded=True) if e > 1 else {}
-                    if (ep is not None and e != ep) or bad.get("optimizer"):
+                    if ep is not None and e != ep:
                         continue
-                    kept = offloads_optimizer(optimizer) and not bad.get("offload_optimizer")  # optimizer offload
-                    offloads = OFFLOAD if kept else ("none",)
                     for kind in kinds:
-                        yield from _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
-                                            bucket_bytes, attention, e, kind, hybrid_shard(dp, tp * cp, gpus_per_node),
-                                            (False,) if moe.get("sp") else sps, offloads)
+                        for st in _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
+                                           bucket_bytes, attention, e, kind, hybrid_shard(dp, tp * cp, gpus_per_node)):
+                            why = train_refusal(model, st, seq_len) if train else None
+                            if why is None:
+                                yield st
+                            elif left_out is not None:
+                                left_out[why[0]] = left_out.get(why[0], 0) + 1
 
 
 def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
@@ -161,22 +219,19 @@ def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
-             ep=1, cp_attention="ring", shard=None, sps=(False,), offloads=OFFLOAD):
-    """Every ZeRO / offload (of ``offloads``) / recompute / sequence-parallel (``sps``) / activation-offload choice
-    on one dp x cp x tp x pp mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where they hold
-    whole expert groups."""
-    m = math.ceil(global_batch / (dp * micro_batch))
-    if sched == "interleaved":
-        m = math.ceil(m / pp) * pp  # Megatron-LM's interleaved schedule needs m divisible by p
+             ep=1, cp_attention="ring", shard=None):
+    """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
+    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where they hold whole expert groups."""
+    m = micro_batches(global_batch, dp, micro_batch, sched, pp)
     for zero in (0, 1, 2, 3):
-        for offload in offloads:
+        for offload in OFFLOAD:
             if (offload == "optimizer" and zero < 2) or (offload == "params" and zero != 3):
                 continue
-            if (dp * cp == 1 and zero > 0 and offload == "none") or (zero >= 2 and pp > 1):
+            if (dp * cp == 1 and zero > 0 and offload == "none") or not zero_fits_pipeline(zero, pp):
                 continue
             shards = (None, shard) if zero > 0 and shard and shard * cp % ep == 0 else (None,)
             for recompute, sp, act_off, dp_shard in itertools.product(
-                    RECOMPUTE, sps, (False, True), shards):
+                    RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
                 yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
                                recompute=recompute, precision=precision, optimizer=optimizer, offload=offload,
                                offload_activations=act_off, micro_batch=micro_batch, micro_batches=m, schedule=sched,

@@ -1,14 +1,13 @@
 """The planner's ``--strategy``: one strategy the user names, read and checked by the search's rules
-(:mod:`minizero.plan_search`), which are the trainer's (:mod:`minizero.layout_checks`) where it has them."""
+(:mod:`minizero.plan_search`), for minizero's presets also minizero.train's (:func:`plan_search.train_refusal`)."""
 from __future__ import annotations
 
-import math
 import re
 
-from minizero.layout_checks import (expert_parallel_conflicts, flash_fits, moe_conflicts, offloads_optimizer,
-                                    precision_fits, sequence_parallel_fits)
-from minizero.memory.estimator import ATTENTIONS, CP_ATTENTIONS, RECOMPUTE, ModelShape, Strategy
-from minizero.plan_search import _divisors, context_parallel_sizes, tp_divides, ulysses_fits
+from minizero.layout_checks import MOE_SCHEDULES, moe_allows_precision, moe_allows_schedule, zero_fits_pipeline
+from minizero.memory.estimator import ATTENTIONS, CP_ATTENTIONS, PRECISIONS, RECOMPUTE, ModelShape, Strategy
+from minizero.plan_search import (_divisors, context_parallel_sizes, micro_batches, pipeline_schedule, tp_divides,
+                                  train_refusal, train_runs, ulysses_fits)
 
 STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), shardN (ZeRO over groups of N data ranks, "
                   "replicated across: hybrid sharding), sp, recompute=none|selective|full, "
@@ -16,13 +15,23 @@ STRATEGY_FORMS = ("dpN cpN tpN ppN epN zeroN (or zN; '=' allowed: dp=2), shardN 
                   "cp_attention=ring|ulysses")
 
 
+def _either(names) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def search_refusal(model: ModelShape, precision: str, schedule: str) -> str | None:
-    """Why the trainer runs no layout of ``model`` at ``precision`` and ``schedule`` (a mixture of experts), or None."""
-    bad = moe_conflicts(1, False, precision, schedule) if model.experts else {}
-    return (f"--precision fp8 with {model.name}, a mixture of experts: FP8's amax history is kept per tensor, not per "
-            "expert (as in training); allowed: --precision mixed, bf16, fp32 or fp64") if bad.get("fp8") else (
-        f"--schedule {schedule} with {model.name}, a mixture of experts: the expert all-to-alls run with 1f1b or "
-        "gpipe only (as in training); allowed: --schedule 1f1b or gpipe") if bad.get("schedule") else None
+    """Why minizero.train runs no layout of ``model``, a preset with experts, at ``precision`` and ``schedule``, or
+    None (a real model: always None)."""
+    if not (train_runs(model) and model.experts):
+        return None
+    if not moe_allows_precision(precision):
+        return (f"--precision {precision} with {model.name}, a mixture of experts: FP8's amax history is kept per "
+                "tensor, not per expert (minizero.train refuses it); allowed: --precision "
+                + _either([p for p in sorted(PRECISIONS) if moe_allows_precision(p)]))
+    if not moe_allows_schedule(schedule):
+        return (f"--schedule {schedule} with {model.name}, a mixture of experts: minizero.train runs the expert "
+                f"all-to-alls with {_either(MOE_SCHEDULES)} only; allowed: --schedule {_either(MOE_SCHEDULES)}")
+    return None
 
 
 def _settings(word: str, size) -> list[str]:
@@ -118,8 +127,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "
               f"{model.n_kv_head // tp} KV heads of each of the tp {tp} ranks"),
              (not sp or tp > 1, "sp (sequence parallelism) needs tp > 1 (as in training)"),
-             (not (zero >= 2 and pp > 1), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
-                                          "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
+             (zero_fits_pipeline(zero, pp), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
+              "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
              (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),
              (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
              (not (dp * cp == 1 and zero > 0 and offload == "none"),
@@ -127,36 +136,17 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
              (cp == 1 or seq_len is None or cp in context_parallel_sizes(model, cp, seq_len, tp),
               f"cp {cp} needs the sequence {seq_len} in 2 x cp = {2 * cp} equal chunks, each rank's two of a "
               f"length divisible by tp {tp}")]
-    sched, v = (schedule, virtual_stages) if schedule == "interleaved" and pp > 1 else (
-        "1f1b" if schedule == "interleaved" else schedule, 1)
-    moe, run = moe_conflicts(cp, sp, precision, sched) if model.experts else {}, search_refusal(model, precision, sched)
-    bad = expert_parallel_conflicts(optimizer == "adam", offload != "none") if ep > 1 else {}
-    rules += [(not sp or seq_len is None or sequence_parallel_fits(tp, seq_len),
-               f"sp needs the sequence {seq_len} divisible by tp {tp} (as in training)"),
-              (precision_fits(precision, tp), f"tp {tp} with --precision {precision}: it converts plain Linear layers, "
-                                              "not tensor-parallel ones (as in training); use tp 1"),
-              (flash_fits(attention, cp, cp_attention), f"attention=flash with cp {cp} by ring attention: the ring "
-               "already runs the flash recurrence (as in training); use cp_attention=ulysses or attention=dense"),
-              (offload == "none" or offloads_optimizer(optimizer), f"offload={offload} with --optimizer {optimizer}: "
-               "8-bit Adam's state stays on the device (as in training); use offload=none"),
-              (not moe.get("cp"), f"cp {cp} with {model.name}'s experts: a rank would route its sequence chunks, not "
-                                  "the micro-batch (as in training); use cp 1"),
-              (not moe.get("sp"), f"sp with {model.name}'s experts: the MoE layer routes whole sequences (as in "
-                                  "training); leave sp off"), (run is None, run),
-              (not bad.get("optimizer"), f"ep {ep} with --optimizer {optimizer}: expert parallelism runs AdamW (as in "
-                                         "training); use ep 1 or --optimizer adam"),
-              (not bad.get("offload_optimizer"), f"ep {ep} with offload={offload}: expert parallelism keeps AdamW on "
-                                                 "the device (as in training); use ep 1 or offload=none")]
+    sched, v = pipeline_schedule(schedule, virtual_stages, pp)
     rules.append((model.n_layer % (pp * v) == 0, f"pp {pp}{f' x {v} virtual stages' if v > 1 else ''} must divide "
                                                  f"{model.name}'s {model.n_layer} layers"))
     for ok, why in rules:
         if not ok:
             raise ValueError(f"--strategy {text!r}: {why}")
-    m = math.ceil(global_batch / (dp * micro_batch))
-    if sched == "interleaved":
-        m = math.ceil(m / pp) * pp
-    return Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute,
-                    precision=precision, optimizer=optimizer, offload=offload, offload_activations=act,
-                    micro_batch=micro_batch, micro_batches=m, schedule=sched, virtual_stages=v,
-                    bucket_bytes=bucket_bytes, attention=attention, ep=ep, cp_attention=cp_attention,
-                    dp_shard=shard if shard is not None and shard < dp else None)
+    st = Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, recompute=recompute,
+                  precision=precision, optimizer=optimizer, offload=offload, offload_activations=act,
+                  micro_batch=micro_batch, micro_batches=micro_batches(global_batch, dp, micro_batch, sched, pp),
+                  schedule=sched, virtual_stages=v, bucket_bytes=bucket_bytes, attention=attention, ep=ep,
+                  cp_attention=cp_attention, dp_shard=shard if shard is not None and shard < dp else None)
+    if train_runs(model) and (why := train_refusal(model, st, seq_len)):
+        raise ValueError(f"--strategy {text!r}: {why[1]} (a rule of minizero.train, which runs {model.name})")
+    return st

@@ -17,16 +17,6 @@ CASES = [(MODELS["llama3-8b"], 32, sched) for sched in ("1f1b", "gpipe", "interl
     (dataclasses.replace(MODELS["mixtral-8x7b"], name="mixtral-every-2", moe_every=2), 16, "gpipe")]
 
 
-def _strategies(model, gpus, schedule, seq):
-    """The search's layouts; for a mixture of experts interleaved (not searched: the trainer refuses it) its 1F1B
-    ones interleaved, for the estimator alone."""
-    if not (model.experts and schedule == "interleaved"):
-        return enumerate_strategies(model, gpus, global_batch=64, schedule=schedule, seq_len=seq)
-    return [dataclasses.replace(st, schedule="interleaved", virtual_stages=2, micro_batches=-(-st.micro_batches // st.pp)
-                                * st.pp) for st in enumerate_strategies(model, gpus, global_batch=64, seq_len=seq)
-            if st.pp > 1 and model.n_layer % (2 * st.pp) == 0]
-
-
 def _every_stage(model, st, seq):
     return max(estimate_memory(model, st, seq, stage=i).total for i in range(st.pp))
 
@@ -34,7 +24,7 @@ def _every_stage(model, st, seq):
 @pytest.mark.parametrize("model,gpus,schedule", CASES, ids=[f"{m.name}-{s}" for m, _, s in CASES])
 def test_the_stages_the_planner_estimates_hold_the_fullest(model, gpus, schedule):
     seq, pps = 4096, set()
-    for st in _strategies(model, gpus, schedule, seq):
+    for st in enumerate_strategies(model, gpus, global_batch=64, schedule=schedule, seq_len=seq):
         if st.pp > 1 and st.recompute != "full" and not st.offload_activations:  # a spread, not every layout
             pps.add(st.pp)
             assert max(e.total for e in estimate_stages(model, st, seq)) == _every_stage(model, st, seq), st
