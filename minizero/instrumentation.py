@@ -5,7 +5,6 @@ never mentions them (``default_callbacks`` lists what the main job installs, in 
 """
 from __future__ import annotations
 
-import json
 import tracemalloc
 
 from minizero import trace
@@ -107,11 +106,9 @@ class TraceCallback(Callback):
         trace.set_tracer(None)
         run.comm.traffic.tracer = None
         self.units.remove()
-        write_trace(run.comm, self.tracer, self.path)
-        if run.comm.rank == 0:
+        events = write_trace(run.comm, self.tracer, self.path)
+        if run.comm.rank == 0:  # per rank: compute, exposed communication, bubble; the straggler
             run.log(f"wrote {self.path} (Chrome trace-event JSON, one row per rank; open in https://ui.perfetto.dev)")
-            with open(self.path) as f:  # per rank: compute, exposed communication, bubble; the straggler
-                events = json.load(f)["traceEvents"]
             run.result.time_per_rank = {p: timeline.rank_figures(events, p) for p in range(run.comm.world_size)}
             for line in (line for line in timeline.report(events) if not line.startswith("|")):  # the verdicts
                 run.log(line)

@@ -285,3 +285,14 @@ def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
     assert all(len(line) <= 120 for line in proc.stderr.split("Traceback")[0].splitlines())
     fresh = failed_run(tmp_path / "fresh")  # nothing earlier there: nothing named
     assert fresh.returncode == 1 and "earlier run's" not in fresh.stderr, fresh.stderr
+
+
+def test_a_trace_to_dev_null_is_written_and_analysed_without_reading_it_back(tmp_path):
+    """Before: the trace callback read PATH back to analyse it; --trace /dev/null (accepted up front) read nothing,
+    and the run failed after training with a JSONDecodeError, before writing the model."""
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "2", "--no-progress",
+                           "--out", str(tmp_path / "o"), "--trace", os.devnull], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {os.devnull} (Chrome trace-event JSON" in proc.stdout
+    assert (tmp_path / "o" / "model.npz").is_file() and (tmp_path / "o" / "summary.json").is_file()

@@ -77,11 +77,12 @@ class TraceUnits:
         return hook
 
 
-def write_trace(comm, tracer: trace.Tracer, path: str) -> int | None:
+def write_trace(comm, tracer: trace.Tracer, path: str) -> list | None:
     """Collective over ``comm``: rank 0 writes every rank's events to ``path``
     (Chrome trace-event JSON, ``pid`` = rank).
 
-    Each rank sends an int64 length, then the JSON bytes. Returns the ``"X"`` events written on rank 0, None elsewhere.
+    Each rank sends an int64 length, then the JSON bytes. Returns the events written on rank 0 (what is analysed,
+    not read back: PATH may be /dev/null or a pipe), None elsewhere.
     """
     mine = np.frombuffer(json.dumps(tracer.events).encode(), dtype=np.uint8).copy()
     if comm.rank != 0:
@@ -94,7 +95,7 @@ def write_trace(comm, tracer: trace.Tracer, path: str) -> int | None:
         n = comm.recv(np.empty(1, dtype=np.int64), r, tag=TRACE_TAG)
         buf = comm.recv(np.empty(int(n[0]), dtype=np.uint8), r, tag=TRACE_TAG)
         events.extend(json.loads(buf.tobytes().decode()))
-    text = json.dumps({"traceEvents": events + trace.metadata_events(range(comm.world_size)),
-                       "displayTimeUnit": "ms"})
+    events += trace.metadata_events(range(comm.world_size))
+    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     atomic_write(path, lambda f: f.write(text), mode="w")
-    return len(events)
+    return json.loads(text)["traceEvents"]  # as a reader of PATH gets them (JSON's types, not the tracer's)
