@@ -184,6 +184,8 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
         (b'"args": {"peer": [1]}', "args is {'peer': [1]}, not an object whose 'peer' is a rank"),
         (b'"pid": 1000000000000000000000000000000', "pid is 1000000000000000000000000000000, not a rank (a whole "
                                                     "number 0 to 2,147,483,647)"),  # before: a rank
+        (b'"dur": 1' + b"0" * 400, "dur is 100000000000000000000000000000... (401 characters), not a number"),
+        (b'"pid": 1' + b"0" * 400, "pid is 100000000000000000000000000000... (401 characters), not a rank"),
         (b'"args": {"peer": 2147483648}', "args is {'peer': 2147483648}, not an object whose 'peer' is a rank (0 to "
                                           "2,147,483,647)")]],
 ])

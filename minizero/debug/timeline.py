@@ -7,7 +7,6 @@ time not waiting on others) and the one that waits most. Mirrors Holistic Trace 
 """
 from __future__ import annotations
 
-import math
 
 from minizero.files import read_json
 from minizero.numerals import ERROR_WIDTH, column, in_width, significant, wrapped
@@ -134,12 +133,13 @@ def load(path: str) -> list:
              f"an object whose 'peer' is a rank (0 to {RANKS - 1:,})")) if not ok]
         if wrong:
             f, allowed = wrong[0]
-            raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {e[f]!r}, not {allowed}")
+            got = repr(e[f]) if len(repr(e[f])) <= 40 else f"{repr(e[f])[:30]}... ({len(repr(e[f])):,} characters)"
+            raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {got}, not {allowed}")
     return events
 
 
 def _number(v) -> bool:  # at most 2**53 (285 years of microseconds): sums of two stay finite and exact enough
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= 2 ** 53
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= 2 ** 53  # NaN, inf: False
 
 
 def _whole(v) -> bool:
