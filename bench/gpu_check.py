@@ -48,7 +48,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.files import atomic_write, check_writable_file  # noqa: E402
+from minizero.files import atomic_write, check_writable_file, unwritable  # noqa: E402
 from minizero.interrupts import run_group  # noqa: E402
 from minizero.launcher import refuse_stale_launcher  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
@@ -395,7 +395,7 @@ def check_flags(parser, args) -> tuple[int, int]:
         parser.error(f"--steps {args.steps!r}: give K,K+S, two integers with 1 <= K < K+S <= {MAX_STEPS} (e.g. 3,8)")
     why = args.json is not None and json_target_problem(args.json)
     if why:
-        parser.error(f"--json {args.json!r}: {why}")
+        parser.error(why)
     return steps
 
 
@@ -404,8 +404,16 @@ MAX_STEPS = 1000  #: --steps' longer run at most this many gpt2 steps
 
 
 def json_target_problem(path: str) -> str | None:
-    """Why the results may not go to ``path``, or None: it must be a new file, or an earlier gpu_check JSON
-    (nothing else the user wrote is replaced), in a folder that exists and takes a file."""
+    """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or an earlier
+    gpu_check JSON (nothing else the user wrote is replaced), in a folder that exists and takes a file."""
+    try:
+        why = _json_target_why(path)
+    except OSError as e:  # check_writable_file's
+        return unwritable("--json", path, e)
+    return f"--json {path!r}: {why}" if why else None
+
+
+def _json_target_why(path: str) -> str | None:
     if not path:
         return "give a file path"
     folder = os.path.dirname(os.path.abspath(path))
@@ -424,10 +432,7 @@ def json_target_problem(path: str) -> str | None:
             old = None
         if not (isinstance(old, dict) and "checks" in old and "hardware" in old):
             return "exists and is not an earlier gpu_check result; give a new path (only those are replaced)"
-    try:
-        check_writable_file(path)
-    except OSError as e:
-        return f"cannot write there ({e.strerror}); give a path on a writable file system"
+    check_writable_file(path)
     return None
 
 

@@ -24,7 +24,7 @@ from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
                                      markdown, plot, progress, terminal)
 from minizero.files import (WriteError, atomic_write, check_output, check_writable_file, check_writable_folder,
-                            checkpoint_holding, mpiexec_path)
+                            checkpoint_holding, mpiexec_path, unwritable)
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks, run_group  # __main__: | head -1 quiet
 from minizero.nn.gpt import PRESETS, preset_sizes
@@ -265,8 +265,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:  # the outputs are written after every run: a folder that takes no file (that name) is refused now
             check(folder)
         except OSError as e:
-            raise UsageError(f"{flag}: cannot write in {folder!r} ({e.strerror}); give a folder on a writable "
-                             "file system") from None
+            raise UsageError(unwritable(flag, folder, e, "folder" if flag == "--out" else "file")) from None
     if args.device == "cuda":
         try:
             backend.cuda_device_count()

@@ -11,7 +11,8 @@ import socket
 import stat
 import sys
 
-from minizero.temporaries import check_writable_folder, make_temporary, nearest_existing, remove_stale_temporaries
+from minizero.temporaries import (check_writable_folder, make_temporary, nearest_existing, remove_stale_temporaries,
+                                  unwritable)
 
 
 def umask() -> int:
@@ -228,7 +229,12 @@ def check_writable_file(path: str) -> None:
         nearest_existing(os.path.abspath(path))  # a loop is named as such, not probed as a new file
         st = None
     if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a device, written into:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)  # opened as atomic_write opens it, then
+        try:  # opened as atomic_write opens it, then
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as e:  # a FIFO that no process reads: ENXIO, "No such device or address"
+            if e.errno == errno.ENXIO and stat.S_ISFIFO(st.st_mode):
+                raise OSError(e.errno, f"{path!r} is a named pipe (FIFO) with no reader, not a regular file") from None
+            raise
         try:
             os.write(fd, b"")  # written no bytes: /dev/full refuses even these (no space left), /dev/null takes them
         finally:
@@ -364,4 +370,4 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     try:
         check_writable_file(path)
     except OSError as e:
-        raise ValueError(f"{flag} {path!r}: cannot write there ({e.strerror or e})") from None
+        raise ValueError(unwritable(flag, path, e)) from None

@@ -63,7 +63,7 @@ def _listened(host_port) -> bool:
     host, _, port = (host_port or "").partition(":")
     if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         return False
-    here = _listening_here(int(port)) if host in ("localhost", "127.0.0.1", "::1", socket.gethostname()) else None
+    here = _listening_here(int(port)) if _this_host(host) else None
     if here is not None:
         return here
     try:  # another host's launcher (or no /proc): connect as MPI_Init would
@@ -71,6 +71,24 @@ def _listened(host_port) -> bool:
         return True
     except (OSError, UnicodeError, ValueError):
         return False
+
+
+def _this_host(host: str) -> bool:
+    # a name or address of this machine: mpiexec -iface puts an interface's address in PMI_PORT, which binds here
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError):
+        return False
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((address[0], 0, *address[2:]))  # IPv6: (host, port, flow info, scope id)
+            return True
+        except OSError:  # EADDRNOTAVAIL: another machine's
+            continue
+    return False
 
 
 def _listening_here(port: int):

@@ -9,7 +9,7 @@ from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.comm.flight import clear, records
 from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable_folder, live_job_holding,
-                            refuse_blocking, refuse_foreign, refuse_read_back)
+                            refuse_blocking, refuse_foreign, refuse_read_back, unwritable)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
 
@@ -124,8 +124,7 @@ def probe(path: str, flag: str, check=check_writable_folder) -> None:
     try:
         check(path)
     except OSError as e:
-        advice = "give a folder on a writable file system" if check is check_writable_folder else "give another path"
-        raise UsageError(f"{flag} {path!r} cannot be written ({e.strerror or e}); {advice}") from None
+        raise UsageError(unwritable(flag, path, e, "folder" if check is check_writable_folder else "file")) from None
 
 
 def check_trace(args) -> None:

@@ -103,3 +103,11 @@ def check_writable_folder(folder: str, name: str = "manifest.json") -> None:
         why = (f"the temporary's name would be longer than the file system's {name_max} bytes"
                if e.errno == errno.ENAMETOOLONG else e.strerror or str(e))
         raise OSError(e.errno, f"{where!r} takes no file named {base!r} ({why})") from None
+
+
+def unwritable(flag: str, path: str, e: OSError, what: str = "file") -> str:
+    """The line every program prints when a probe here (or ``files.check_writable_file``) refuses output ``path``
+    (``flag``; ``what``: "file" or "folder"): why (``e``), then what to give instead."""
+    give = {errno.ENAMETOOLONG: "a shorter path", errno.ELOOP: "another path", errno.ENOTDIR: "another path",
+            errno.ENXIO: "a regular file"}.get(e.errno, f"a {what} on a writable file system")
+    return f"{flag} {path!r} cannot be written ({e.strerror or e}); give {give}"

@@ -501,7 +501,7 @@ def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys):
                         (saved / "step_00000001" / "model.npz", "is inside the checkpoint folder"),
                         (saved / "latest", "pointer to its latest checkpoint"),
                         (saved, "is a directory"), ("", "is empty"),
-                        ("/proc/model.npz", "cannot write there")]:
+                        ("/proc/model.npz", "'/proc/model.npz' cannot be written")]:
         assert main(["consolidate", str(saved), "--out", str(out)]) == 2
         assert needle in joined(capsys.readouterr().err)
     assert _digests(saved) == before
@@ -616,7 +616,7 @@ def test_compare_refuses_its_outputs_and_device_before_any_run(tmp_path, monkeyp
 
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for argv, needle in [(["--out", "/proc/compare"], "--out: cannot write in '/proc/compare'"),
+    for argv, needle in [(["--out", "/proc/compare"], "--out '/proc/compare' cannot be written"),
                          (["--timeout", "inf"], "--timeout must be in (0, 1e7] seconds (about 4 months), got inf"),
                          (["--timeout", "1e300"], "--timeout must be in (0, 1e7] seconds (about 4 months), got 1e+300"),
                          (["--micro-batch-size", "1000000000"], "at --ranks 2: --micro-batch-size must be <= 4,096"),

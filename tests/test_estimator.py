@@ -480,3 +480,16 @@ def test_minizero_traffic_under_tp_equals_the_trainers(flags, monkeypatch):
         step = {g: after[g] - before[g] for g in after}
         assert step["tp"] == est["tp"] and step["pp"] == est["pp"], (stage, step, est)
         assert 0 <= step["dp"] - est["dp"] <= 8, (stage, step, est)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("shard_rank", [99, -1, 2])
+def test_tensor_parallel_bytes_refuses_a_shard_rank_out_of_range(shard_rank, sequence_parallel):
+    """Before: shard_rank was checked only under sequence parallelism; 99 or -1 without it returned silently."""
+    cfg = get_config("default", dtype="float64", block_size=16)
+    st = Strategy(dp=2, tp=2, zero=2, sequence_parallel=sequence_parallel, micro_batch=2, precision="fp64")
+    with pytest.raises(ValueError, match=rf"shard_rank={shard_rank}; allowed: 0 to 1 \(N = 2\)"):
+        E.tensor_parallel_bytes(cfg, st, shard_rank=shard_rank)
+    with pytest.raises(ValueError, match=rf"shard_rank={shard_rank}; allowed: 0 to 0 \(N = 1\)"):  # tp 1, dp 1
+        E.tensor_parallel_bytes(cfg, Strategy(micro_batch=2, precision="fp64"), shard_rank=shard_rank)
+    assert E.tensor_parallel_bytes(cfg, st, shard_rank=1)["total"] > 0

@@ -605,7 +605,8 @@ def test_trace_report_lines_fit_120_columns_for_the_hugest_times_and_ranks(tmp_p
     assert lines[2] == (f"| {last - 1} | 2.7021598e+13 | 1.8014399e+13 | 9.0071993e+12 | 9.0071993e+12 | "
                         "0.0000000e+00 | 0.0000000e+00 |"), lines  # a column with a time past 13 columns: all so
     assert lines[-1] == (f"most waiting: rank {last} (4,503,599,627,370.50 ms/step in collectives, "
-                         f"9,007,199,254,740.99 ms/step in pipeline waits, most of it waiting for pipeline stage {last})")
+                         f"9,007,199,254,740.99 ms/step in pipeline waits, most of it waiting for pipeline stage "
+                         f"{last})")
 
 
 def test_trace_report_names_no_waiter_when_no_rank_waits():

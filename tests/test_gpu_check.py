@@ -221,7 +221,7 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     problem = gpu_check.json_target_problem
     assert "not an earlier gpu_check result" in problem(str(tmp_path / "manifest.json"))
     assert "not an earlier gpu_check result" in problem(str(tmp_path / "latest"))
-    assert problem("") == "give a file path"
+    assert problem("") == "--json '': give a file path"
     assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
     assert "not a regular file" in problem("/dev/null")
     assert "is a directory" in problem(str(tmp_path))

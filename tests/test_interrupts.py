@@ -322,8 +322,8 @@ def test_finetune_json_on_a_full_disk_is_one_line(weights):
                            str(weights[1]), "--method", "full", "--steps", "1", "--eval-batches", "1", "--json",
                            "/dev/full"], capture_output=True, text=True, cwd=REPO_ROOT, env=mpi_env(), timeout=180)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
-    assert proc.stderr == ("python -m minizero.finetune: error: --json '/dev/full': cannot write there (No space left "
-                           "on device)\n"), proc.stderr
+    assert proc.stderr == ("python -m minizero.finetune: error: --json '/dev/full' cannot be written (No space left "
+                           "on device);\n  give a file on a writable file system\n"), proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -23,6 +23,25 @@ def _dead_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _interface_address() -> str | None:
+    """An address of one of this machine's interfaces other than loopback (the route's source to a few addresses;
+    a UDP connect sends nothing), or None."""
+    for far in ("192.0.2.1", "10.255.255.254", "198.51.100.1", "203.0.113.1"):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((far, 9))
+            except OSError:
+                continue
+            if not s.getsockname()[0].startswith("127."):
+                return s.getsockname()[0]
+    return None
+
+
+IFACE = _interface_address()
+#: PMI_PORT's hosts that name this machine: mpiexec -iface puts an interface's address there (skipped without one)
+HERE = ["localhost", "127.0.0.2", pytest.param(IFACE, marks=pytest.mark.skipif(IFACE is None, reason="no interface"))]
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """No launcher's variable of the shell the tests run in (a test under mpiexec, a Slurm job)."""
@@ -31,11 +50,14 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("host", ["localhost", socket.gethostname(), "127.0.0.2"])  # the last: connected to
+@pytest.mark.parametrize("host", [*HERE, socket.gethostname(), "elsewhere"])  # the last: connected to
 def test_a_stale_pmi_port_is_no_launcher(clean_env, capsys, host):
     """PMI_PORT left in a shell, nothing listening there: before, any PMI_PORT counted as a launcher, so rank 1
     exited 2 silently and rank 0 said "mpiexec started 2 ranks"; now it is named as a stale PMI_FD is."""
-    port = _dead_port("127.0.0.2" if host == "127.0.0.2" else "127.0.0.1")
+    if host == "elsewhere":  # another machine's launcher, connected to (here 127.0.0.2, taken for another host's)
+        clean_env.setattr(launcher, "_this_host", lambda h: False)
+        host = "127.0.0.2"
+    port = _dead_port("127.0.0.1" if host in ("localhost", socket.gethostname()) else host)
     for k, v in {"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_PORT": f"{host}:{port}"}.items():
         clean_env.setenv(k, v)
     with pytest.raises(SystemExit) as e:
@@ -46,17 +68,18 @@ def test_a_stale_pmi_port_is_no_launcher(clean_env, capsys, host):
         "unset PMI_SIZE PMI_RANK PMI_PORT (this program runs in one process, without mpiexec)"], out
 
 
-@pytest.mark.parametrize("host", ["localhost", "127.0.0.2"])
+@pytest.mark.parametrize("host", HERE)
 def test_a_listened_pmi_port_is_a_launcher_and_a_port_of_this_host_is_not_connected_to(clean_env, host):
     """MPICH's hydra (mpiexec -pmi-port) listens there; its proxy spins on a connection closed unused (a core for
-    the whole job, measured), so a port of this host is looked up in /proc/net/tcp, not connected to."""
+    the whole job, measured), so a port of this host is looked up in /proc/net/tcp, not connected to: before, only
+    at localhost, 127.0.0.1, ::1 or the host's name, not at an interface's address (mpiexec -iface) nor 127.0.0.2."""
     with socket.socket() as server:
-        server.bind(("127.0.0.2" if host == "127.0.0.2" else "127.0.0.1", 0))
+        server.bind(("127.0.0.1" if host == "localhost" else host, 0))
         server.listen(4)
         server.settimeout(0.3)
         clean_env.setenv("PMI_PORT", f"{host}:{server.getsockname()[1]}")
         assert launcher.launcher_connected()
-        if host == "localhost" and os.path.exists("/proc/net/tcp"):
+        if os.path.exists("/proc/net/tcp"):
             with pytest.raises(socket.timeout):
                 server.accept()[0].close()  # nobody connected
         clean_env.setenv("PMI_FD", "2")  # MPICH reads PMI_FD first: a PMI_FD that is no socket fails MPI_Init

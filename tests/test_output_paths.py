@@ -28,7 +28,8 @@ def test_compare_refuses_empty_outputs_before_any_run(argv, says):
 
 
 @pytest.mark.parametrize("path,says", [
-    ("/dev/full", "--json '/dev/full': cannot write there (No space left on device)"),
+    ("/dev/full", "--json '/dev/full' cannot be written (No space left on device); give a file on a writable file "
+                  "system"),
     ("{tmp}", "--json '{tmp}' is a directory; give a file path"),
     ("{tmp}/missing/c.json", "--json '{tmp}/missing/c.json': directory '{tmp}/missing' does not exist"),
 ])
@@ -51,9 +52,57 @@ def test_train_refuses_a_full_device_before_any_step(tmp_path, flag):
     """Before: a device was never probed, so --json /dev/full failed after the last step."""
     from minizero.args import UsageError, parse_args
 
-    with pytest.raises(UsageError, match=f"{flag} '/dev/full' cannot be written \\(No space left on device\\)"):
+    with pytest.raises(UsageError, match=f"^{flag} '/dev/full' cannot be written \\(No space left on device\\); "
+                                         "give a file on a writable file system$"):
         parse_args(["--model", "tiny", "--out", str(tmp_path), flag, "/dev/full"], 1)
     parse_args(["--model", "tiny", "--out", str(tmp_path), flag, os.devnull], 1)  # written into, as before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux), which takes no new file")
+def test_every_program_says_an_output_it_cannot_write_alike(tmp_path):
+    """Before: train said "--json PATH cannot be written (WHY); give another path", compare, finetune and quantize
+    "--json PATH: cannot write there (WHY)", compare's --out "--out: cannot write in PATH (WHY)", consolidate
+    "--out PATH: cannot write there (WHY)": now one line, from files.unwritable, with what to give."""
+    from minizero.args import UsageError, parse_args
+    from minizero.checkpoint import CheckpointError
+    from minizero.checkpoint.cli import check_out
+    from tests.test_bench_args import load
+
+    def said(call) -> str:
+        try:
+            return call()
+        except (UsageError, ValueError, CheckpointError) as e:
+            return str(e)
+
+    ran = ["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--out"]
+    why = "('/proc' takes no file named '{}' (No such file or directory)); give a {} on a writable file system"
+    for flag, path, call in [
+            ("--json", "/proc/x.json", lambda: parse_args(["--out", str(tmp_path), "--json", "/proc/x.json"], 1)),
+            ("--trace", "/proc/x.json", lambda: parse_args(["--out", str(tmp_path), "--trace", "/proc/x.json"], 1)),
+            ("--json", "/proc/x.json", lambda: compare.parse_args([*ran, str(tmp_path), "--json", "/proc/x.json"])),
+            ("--json", "/proc/x.json", lambda: check_output("/proc/x.json")),  # finetune's, quantize's
+            ("--out", "/proc/x.npz", lambda: check_out("/proc/x.npz")),  # consolidate's
+            ("--json", "/proc/x.json", lambda: load("gpu_check").json_target_problem("/proc/x.json"))]:
+        assert said(call) == f"{flag} {path!r} cannot be written " + why.format(os.path.basename(path), "file")
+    assert said(lambda: compare.parse_args([*ran, "/proc/o"])) == ("--out '/proc/o' cannot be written "
+                                                                    + why.format("manifest.json", "folder"))
+
+
+def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
+    """Before: check_writable_file's open of a FIFO with no reader failed as "No such device or address" (ENXIO),
+    and its callers printed that. A FIFO that a process reads is written into, as a device is."""
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(OSError) as e:
+        check_writable_file(str(tmp_path / "pipe"))
+    assert e.value.errno == errno.ENXIO and e.value.strerror == (
+        f"{str(tmp_path / 'pipe')!r} is a named pipe (FIFO) with no reader, not a regular file")
+    from minizero.files import unwritable
+    assert unwritable("--out", "pipe", e.value).endswith("with no reader, not a regular file); give a regular file")
+    reader = os.open(tmp_path / "pipe", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        check_writable_file(str(tmp_path / "pipe"))
+    finally:
+        os.close(reader)
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -134,7 +183,7 @@ def test_a_symlink_loop_is_refused_before_any_work(tmp_path, monkeypatch, capsys
     for flag in ("--json", "--trace"):
         with pytest.raises(UsageError, match=f"{flag} 'loopA' cannot be written .* is a loop of symbolic links"):
             parse_args(["--out", "o", flag, "loopA"], world_size=1)
-    with pytest.raises(ValueError, match="--png 'loopA': cannot write there .* is a loop of symbolic links"):
+    with pytest.raises(ValueError, match="--png 'loopA' cannot be written .* is a loop of symbolic links.*another path"):
         check_output("loopA", "--png")  # finetune, quantize, compare, plan and the bench scripts
     proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out", "o",
                            "--json", "loopA"], capture_output=True, text=True, timeout=300,
@@ -194,7 +243,7 @@ def test_consolidate_probes_its_files_own_temporary(tmp_path):
     from minizero.checkpoint import CheckpointError
     from minizero.checkpoint.cli import check_out
 
-    with pytest.raises(CheckpointError, match="cannot write there .*longer than the file system's"):
+    with pytest.raises(CheckpointError, match="cannot be written .*longer than the file system's .*; give a shorter"):
         check_out(str(tmp_path / ("m" * 240 + ".npz")))
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from minizero.comm import Communicator, run_in_threads
+from minizero.comm import CommTimeoutError, Communicator, run_in_threads
 from minizero.ledger import get_ledger
 from minizero.nn import PRESETS, get_config
 from minizero.parallel.pipeline import PipelineEngine, stage_layers
@@ -100,6 +100,7 @@ class SyncSendComm(Communicator):
 
     def __init__(self, inner):
         self.inner, self.rank, self.world_size, self.traffic = inner, inner.rank, inner.world_size, inner.traffic
+        self.timeout = inner.timeout  # wait_all's (the engine's isends): run_in_threads', not 600 s (a deadlock hung)
 
     def _ack(self, peer, tag):
         self.inner._recv(np.empty(1), peer, self._ACK + tag)
@@ -156,6 +157,7 @@ class LateSendComm(Communicator):
 
     def __init__(self, inner, late):
         self.inner, self.rank, self.world_size, self.traffic = inner, inner.rank, inner.world_size, inner.traffic
+        self.timeout = inner.timeout  # wait_all's (the engine's isends): run_in_threads', not 600 s (a deadlock hung)
         self.late = late
 
     def _isend(self, buf, dest, tag):
@@ -323,7 +325,7 @@ def _peaks_when_sends_complete_late_on_odd_steps(comm, schedule, steps=4):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zb-v"])
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
 def test_overlapped_send_buffers_peak_the_same_whenever_the_receiver_takes_them(schedule):
     """A stage holds each isend's buffer until a fixed point, however early MPI says the send completed: the
     per-step peaks are the same on every step (the 3D run's memory.png had random notches); one chunk per stage,
@@ -341,6 +343,22 @@ def test_overlapped_send_buffers_peak_the_same_whenever_the_receiver_takes_them(
 def test_without_sendrecv_1f1b_deadlocks_under_synchronous_sends():
     with pytest.raises(TimeoutError):
         run_in_threads(2, run_engine, 2, 2, "1f1b", True, False, timeout=2.0)
+
+
+@pytest.mark.timeout(30)
+def test_a_deadlock_under_synchronous_isends_fails_within_the_communicators_timeout(monkeypatch):
+    """Every isend waited for as soon as it is posted, before the receive it goes with: under MPI_Issend 1F1B's
+    two stages each wait for the other. Before, SyncSendComm had no ``timeout``, so the engine's wait_all waited
+    its default 600 s and the test hung to pytest's timeout; now CommTimeoutError after run_in_threads' 2 s."""
+    post = PipelineEngine._post
+
+    def post_and_wait(self, *args):
+        post(self, *args)
+        self._flush()
+
+    monkeypatch.setattr(PipelineEngine, "_post", post_and_wait)
+    with pytest.raises(CommTimeoutError, match="pipeline sends waited 2 s"):
+        run_in_threads(2, run_engine, 2, 4, "1f1b", True, overlap=True, timeout=2.0)
 
 
 def test_verbose_prints_every_message_as_an_arrow():

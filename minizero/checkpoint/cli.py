@@ -19,7 +19,7 @@ from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holdi
 from minizero.checkpoint.layout import TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_file,
-                            live_job_holding, read_json)
+                            live_job_holding, read_json, unwritable)
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser, error_lines
@@ -151,7 +151,7 @@ def check_out(out: str) -> None:
     try:
         check_writable_file(p)
     except OSError as e:
-        raise CheckpointError(f"--out {out!r}: cannot write there ({e.strerror})") from None
+        raise CheckpointError(unwritable("--out", out, e)) from None
 
 
 def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:

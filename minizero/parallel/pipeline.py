@@ -123,11 +123,9 @@ class PipelineStage(Module):
 
 
 def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
-    """Sum the gradients of ``wte`` (first stage) and its copy ``lm_head.weight`` (last stage).
-
-    Collective over ``embed_comm`` (the first and the last stage): one all-reduce of (V, C), V*C*itemsize bytes
-    per rank; no-op on a middle stage and where one rank holds both ends.
-    """
+    """Sum the gradients of ``wte`` (first stage) and its copy ``lm_head.weight`` (last stage): one all-reduce of
+    (V, C) over ``embed_comm`` (those two stages), V*C*itemsize bytes per rank; no-op on a middle stage and where one
+    rank holds both ends."""
     if stage.is_first == stage.is_last:
         return
     p = stage.transformer["wte"].weight if stage.is_first else stage.lm_head.weight
@@ -139,10 +137,8 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
 
 def deferred_weights(chunk) -> list:
     """The Parameters whose gradients a split backward leaves to W: the blocks' weight matrices (ndim >= 2).
-
-    Embeddings, head, layer norms and biases get theirs at B, so a W keeps only the (input, output gradient)
-    of the blocks' matrix products (Qi et al. 2023, section 2: W is the matmuls' weight gradients).
-    """
+    Embeddings, head, layer norms and biases get theirs at B, so a W keeps only the (input, output gradient) of the
+    blocks' matrix products (Qi et al. 2023, section 2: W is the matmuls' weight gradients)."""
     return [p for p in chunk.transformer["h"].parameters() if p.data.ndim >= 2]
 
 
@@ -166,6 +162,13 @@ class _PendingSend(NamedTuple):
     label: str
     what: str
     tag: int
+
+
+class _InFlightSend(NamedTuple):
+    """An isend not yet waited for; ``array`` held until then, ``channel`` its (dest, tag)."""
+    request: object
+    array: object
+    channel: tuple
 
 
 class PipelineEngine:
@@ -208,7 +211,7 @@ class PipelineEngine:
         self.nonblocking = (overlap or v > 1) and comm.world_size > 1 and comm.nonblocking
         #: with chunks a rank sends activations and gradients to the same neighbour: a tag each keeps them apart
         self.act_tag, self.grad_tag = (ACT_TAG, GRAD_TAG) if v > 1 else (PP_TAG, PP_TAG)
-        self._sends = []  # (request, array, (dest, tag)) of isends not yet waited for
+        self._sends: list[_InFlightSend] = []
         self._local = {}  # tag -> arrays passed between this rank's own chunks (ZB-V's turn), oldest first
 
     # -- messages ------------------------------------------------------------------------
@@ -226,17 +229,18 @@ class PipelineEngine:
             self._flush((dest, tag))  # the previous send on this channel completes first: one in flight on each
             self._say(f"{what} {array.shape} {array.nbytes} B ──> stage {dest} (isend)")
             with self.comm.traffic.op(label):
-                self._sends.append((self.comm.isend(array, dest, tag=tag), array, (dest, tag)))
+                self._sends.append(_InFlightSend(self.comm.isend(array, dest, tag=tag), array, (dest, tag)))
             return
         self._flush()
         self._pending = _PendingSend(backend.xp.ascontiguousarray(array), dest, label, what, tag)
 
-    def _flush(self, channel=None) -> None:  # complete the isends (those to channel = (peer, tag)), a pending send
-        waited = [r for r, _, to in self._sends if channel is None or to == channel]
+    def _flush(self, channel=None) -> None:
+        """Wait for the isends in flight (``channel``: only those to that (peer, tag)); send a held blocking send."""
+        waited = [s.request for s in self._sends if channel is None or s.channel == channel]
         if waited:
             with self.comm.traffic.span("wait sends"):
                 wait_all(self.comm, waited, "pipeline sends")
-            self._sends = [s for s in self._sends if channel is not None and s[2] != channel]
+            self._sends = [s for s in self._sends if channel is not None and s.channel != channel]
         if self._pending is not None:
             send, self._pending = self._pending, None
             self._say(f"{send.what} {send.array.shape} {send.array.nbytes} B ──> stage {send.dest}")

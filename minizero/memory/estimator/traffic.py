@@ -101,6 +101,8 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     """
     m = as_shape(model)
     st = strategy.validate(m)
+    if shard_rank is not None and not 0 <= shard_rank < st.shard_ranks:  # with or without SP, tp 1 too
+        raise ValueError(f"shard_rank={shard_rank}; allowed: 0 to {st.shard_ranks - 1} (N = {st.shard_ranks})")
     t = st.tp
     if t == 1:
         return {"forward": 0, "backward": 0, "loss": 0, "grads": 0, "total": 0}
@@ -124,8 +126,6 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
     grads = 0
     if st.sequence_parallel:
         counts = _sequence_parallel_grad_counts(m, st, stage)
-        if shard_rank is not None and not 0 <= shard_rank < st.shard_ranks:
-            raise ValueError(f"shard_rank={shard_rank}; allowed: 0 to {st.shard_ranks - 1} (N = {st.shard_ranks})")
         ranks = range(len(counts)) if shard_rank is None or len(counts) == 1 else [shard_rank]
         grads = sum(sent("all_reduce", counts[d], element_bytes(st)[1]) for d in ranks) / len(ranks)
     mb = st.micro_batches
