@@ -42,12 +42,18 @@ def _number(names: tuple, default: int) -> int:
 
 
 def launcher_connected() -> bool:
-    """True where a launcher's connection is there: MPICH's PMI_FD (an open socket) or PMI_PORT (listened on),
-    PMIx's server, HPE Cray PALS."""
-    if _socket(os.environ.get("PMI_FD", "")) or ("PMI_FD" not in os.environ and _listened(os.environ.get("PMI_PORT"))):
-        return True  # MPICH reads PMI_PORT only without PMI_FD
-    return any(k in os.environ for k in ("PMI_CONTROL_PORT", "PMI_CONTROL_FD", "PALS_RANKID")) or any(
-        k.startswith(("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp")) for k in os.environ)  # Cray PALS: PMI_CONTROL_*
+    """True where the launcher whose variables name this rank is connected: PMI_RANK / PMI_SIZE (MPICH's, Cray's)
+    count only with MPICH's PMI_FD (an open socket), PMI_PORT (listened on) or HPE Cray PALS; else PMIx's server."""
+    fd = os.environ.get("PMI_FD")
+    pmi = _socket(fd or "") or (fd is None and _listened(os.environ.get("PMI_PORT"))) or any(
+        k in os.environ for k in ("PMI_CONTROL_PORT", "PMI_CONTROL_FD", "PALS_RANKID"))  # Cray PALS: PMI_CONTROL_*
+    if pmi or "PMI_RANK" in os.environ or "PMI_SIZE" in os.environ:  # MPICH reads PMI_PORT only without PMI_FD
+        return pmi  # PMI_SIZE=2 PMI_RANK=1 beside a PMIx server's URI: MPICH starts one rank (a quiet rank 1 before)
+    return _pmix_server() or any(k.startswith("OMPI_MCA_orte_hnp") for k in os.environ)
+
+
+def _pmix_server() -> bool:
+    return any(k.startswith("PMIX_SERVER_URI") for k in os.environ)
 
 
 def _socket(fd: str) -> bool:
@@ -104,18 +110,22 @@ def _listening_here(port: int):
 
 
 def refuse_stale_launcher(prog: str | None = None) -> None:
-    """Exit 2 with one line where MPI_Init would abort with MPICH's error stack: PMI_FD set but no socket, or PMI_PORT
-    (without PMI_FD) where no launcher listens. ``prog``: the program's name (default: the script's). Call it where an
-    MPI program starts, before mpi4py's MPI is imported."""
+    """Exit 2 with one line where MPI_Init would abort with MPICH's error stack: PMI_FD set but no socket, PMI_PORT
+    (without PMI_FD) where no launcher listens, or PMIX_RANK / PMIX_NAMESPACE without a PMIx server's URI. ``prog``:
+    the program's name (default: the script's). Call it where an MPI program starts, before mpi4py's MPI is imported."""
     fd, port = os.environ.get("PMI_FD"), os.environ.get("PMI_PORT")
+    pmix = [f"{k}={os.environ[k]}" for k in ("PMIX_RANK", "PMIX_NAMESPACE") if k in os.environ]
     if fd is not None and not _socket(fd):
-        said = f"PMI_FD={fd} is set, but names no MPI launcher's socket"
+        said = f"PMI_FD={fd} is set, but names no MPI launcher's socket (mpiexec sets it)"
     elif fd is None and port is not None and not _listened(port):
-        said = f"PMI_PORT={port} is set, but no MPI launcher listens there"
+        said = f"PMI_PORT={port} is set, but no MPI launcher listens there (mpiexec sets it)"
+    elif pmix and not _pmix_server():  # MPICH: "unsupported PMI version PMIx" / "not compatible with PMI1 client"
+        said = (f"{' '.join(pmix)} {'is' if len(pmix) == 1 else 'are'} set, but no PMIx server started this process "
+                "(no PMIX_SERVER_URI* variable; srun --mpi=pmix sets them)")
     else:
         return
     names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
-    print(error_lines(prog or os.path.basename(sys.argv[0]), f"{said} (mpiexec sets it): unset {' '.join(names)}, "
+    names += sorted(k for k in os.environ if k.startswith("PMIX_")) if pmix and not _pmix_server() else []
+    print(error_lines(prog or os.path.basename(sys.argv[0]), f"{said}: unset {' '.join(names)}, "
                       "or start this under mpiexec"), file=sys.stderr)
     raise SystemExit(2)
-

@@ -152,3 +152,35 @@ def test_a_stale_pmi_port_is_named_before_mpi_starts(argv, prog):
     assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
         f"{prog}: error: PMI_PORT={port} is set, but no MPI launcher listens there (mpiexec sets it): "
         "unset PMI_PORT PMI_SIZE PMI_RANK, or start this under mpiexec"], proc.stderr
+
+
+def test_pmi_variables_beside_a_pmix_server_are_stale(clean_env, capsys):
+    """PMI_SIZE=2 PMI_RANK=1 left in a shell that has a PMIx server's URI: MPICH reads PMI_* only beside its own
+    PMI_FD / PMI_PORT, so this is one process; before, it counted as a launch and "rank 1" exited 2 silently."""
+    for k, v in {"PMI_SIZE": "2", "PMI_RANK": "1", "PMIX_SERVER_URI41": "pmix-server.1;tcp4://127.0.0.1:1"}.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "tiny", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and unwrapped(out.err) == [
+        "python -m minizero.plan: error: PMI_SIZE=2 PMI_RANK=1 are set, but no MPI launcher started this process: "
+        "unset PMI_SIZE PMI_RANK (this program runs in one process, without mpiexec)"], out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("argv,prog", [
+    (["-m", "minizero.hardware", "--allreduce", "1024", "--runs", "1"], "python -m minizero.hardware"),
+    (["-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out", "o"], "python -m minizero.train"),
+    (["bench/bench_header.py"], "bench_header.py")])
+@pytest.mark.parametrize("env", [{"PMIX_RANK": "1"}, {"PMIX_NAMESPACE": "slurm.pmix.1.0", "PMIX_RANK": "0"}])
+def test_a_stale_pmix_rank_is_one_line_in_every_mpi_program(argv, prog, env):
+    """PMIX_RANK or PMIX_NAMESPACE left in a shell, no PMIx server (no PMIX_SERVER_URI*): before, MPI_Init aborted
+    with MPICH's error stack ("unsupported PMI version PMIx", "launcher not compatible with PMI1 client")."""
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          stdin=subprocess.DEVNULL, env=dict(clean, SLURM_STEP_NUM_TASKS="abc", **env))
+    said = " ".join(f"{k}={env[k]}" for k in ("PMIX_RANK", "PMIX_NAMESPACE") if k in env)
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"{prog}: error: {said} {'is' if len(env) == 1 else 'are'} set, but no PMIx server started this process "
+        f"(no PMIX_SERVER_URI* variable; srun --mpi=pmix sets them): unset {' '.join(sorted(env))}, or start this "
+        "under mpiexec"], proc.stderr
