@@ -242,9 +242,9 @@ def main():
     if args.launch:
         runs = launch(args.launch, args)
     else:
-        from minizero.launcher import refuse_stale_launcher
+        from minizero.interrupts import start_mpi
 
-        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
+        start_mpi()  # a stale launcher: one line, not MPICH's error stack; SIGTERM or time ends a stalled MPI_Init
         n, results = measure(args.op, args.min_bytes, args.max_bytes, args.warmup)
         from minizero.comm import world
 

@@ -38,11 +38,13 @@ def size_label(nbytes: int) -> str:
 
 def exchange(sizes: list, runs: int) -> None:
     """Under mpiexec: time both ways at each of ``sizes`` (bytes); rank 0 prints the table."""
-    from mpi4py import MPI
-
     from minizero.comm import world
+    from minizero.interrupts import mpi_start_guarded
 
-    comm = world()
+    with mpi_start_guarded("bench_header.py"):  # SIGTERM ends a stalled MPI_Init, as --comm-timeout does
+        from mpi4py import MPI
+
+        comm = world()
     r, n = comm.rank, comm.world_size
     if n < 2:
         sys.exit("run under mpiexec -n N, N >= 2")
@@ -92,10 +94,8 @@ def main():
     p.add_argument("--sizes", type=_args.byte_sizes, default="4096,65536,1048576,16777216",
                    help="comma list of message bytes")
     p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
+    p.add_argument("--comm-timeout", type=_args.positive_real, default=600.0, help="seconds MPI's start may take")
     args = p.parse_args()
-    from minizero.launcher import refuse_stale_launcher
-
-    refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
     exchange(args.sizes, args.runs)
 
 

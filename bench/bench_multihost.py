@@ -117,9 +117,9 @@ def main(argv=None) -> int:
         p.error(f"--hosts {a.hosts} x --slots {a.slots} is {a.hosts * a.slots:,} ranks; allowed: at most "
                 f"{_args.MAX_RANKS}")
     if a.rank:
-        from minizero.launcher import refuse_stale_launcher
+        from minizero.interrupts import start_mpi
 
-        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
+        start_mpi()  # a stale launcher: one line, not MPICH's error stack; SIGTERM or time ends a stalled MPI_Init
         rank_main(a.mib, a.repeats)
         return 0
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads

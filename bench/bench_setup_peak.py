@@ -25,10 +25,10 @@ import tracemalloc
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minizero.launcher import refuse_stale_launcher
+from minizero.interrupts import start_mpi
 
-refuse_stale_launcher("bench_setup_peak.py")  # before MPI_Init (importing MPI): one line, not MPICH's error stack
-from mpi4py import MPI  # noqa: E402
+MPI = start_mpi("bench_setup_peak.py")  # a stale launcher: one line, not MPICH's error stack; SIGTERM or time ends
+# a stalled MPI_Init
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_machine.py
 import _machine  # noqa: E402

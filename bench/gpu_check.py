@@ -49,8 +49,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero.files import atomic_write, check_writable_file, unwritable  # noqa: E402
-from minizero.interrupts import run_group  # noqa: E402
-from minizero.launcher import refuse_stale_launcher  # noqa: E402
+from minizero.interrupts import run_group, start_mpi  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
@@ -454,7 +453,7 @@ def main(argv=None) -> int:
     if args.nccl_worker is not None and args.torch_worker is not None:
         p.error("--nccl-worker and --torch-worker: give one")
     if args.nccl_worker is not None:
-        refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
+        start_mpi()  # a stale launcher: one line, not MPICH's error stack; SIGTERM or time ends a stalled MPI_Init
         nccl_worker(args.nccl_worker)
         return 0
     if args.torch_worker is not None:

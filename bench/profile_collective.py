@@ -169,9 +169,9 @@ def main():
         if args.launch < 2 or args.launch & (args.launch - 1):
             parser.error(f"--launch {args.launch}: needs a power of two >= 2 (recursive doubling without a fold)")
         sys.exit(launch(args.launch, args.sizes, args.runs, args.warmup))
-    from minizero.launcher import refuse_stale_launcher
+    from minizero.interrupts import start_mpi
 
-    refuse_stale_launcher()  # a stale PMI_FD / PMI_PORT: one line, not MPICH's error stack
+    start_mpi()  # a stale launcher: one line, not MPICH's error stack; SIGTERM or time ends a stalled MPI_Init
     profile(args.sizes, args.runs, args.warmup)
 
 

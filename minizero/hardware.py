@@ -20,9 +20,10 @@ import numpy as np
 
 from minizero import backend
 from minizero.files import mpiexec_path
-from minizero.numerals import OneLineParser, description, integer, negative_values_reach_checks
+from minizero.numerals import OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_search import Hardware
-from minizero.interrupts import NOTHING, interruptible, launched_rank, launcher_connected, run_group
+from minizero.interrupts import (NOTHING, interruptible, launched_rank, launcher_connected, mpi_start_guarded,
+                                 run_group)
 from minizero.launcher import refuse_stale_launcher
 
 COPY_BYTES = 64 * 2 ** 20  #: size of the array :func:`copy_bandwidth` copies
@@ -109,12 +110,13 @@ def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: i
     return float(json.loads(lines[-1])["busbw"])
 
 
-def _allreduce_job(nbytes: int, runs: int) -> None:
+def _allreduce_job(nbytes: int, runs: int, argv=None) -> None:
     """Under mpiexec: time :func:`minizero.comm.all_reduce` and print {"busbw": bytes/s} on rank 0."""
     from minizero.comm import all_reduce
     from minizero.comm.mpi import world
 
-    comm = world()
+    with mpi_start_guarded("python -m minizero.hardware", argv):  # SIGTERM ends a stalled MPI_Init, as does time
+        comm = world()
     n = comm.world_size
     x = np.ones(max(1, nbytes // 4), dtype=np.float32)
     out = np.empty_like(x)
@@ -191,6 +193,7 @@ def main(argv=None) -> None:
                                                    description=description(__doc__)))
     p.add_argument("--allreduce", type=integer, required=True, help="bytes of the float32 array to all-reduce (>= 4)")
     p.add_argument("--runs", type=integer, default=5, help="timed runs (>= 1); the median is reported")
+    p.add_argument("--comm-timeout", type=real, default=600.0, help="seconds MPI's start may take (>= 1)")
     p.quiet = launched_rank() != 0 and launcher_connected()  # --help, an error: once, by rank 0 (as train's)
     args = p.parse_args(argv)
     if not (4 <= args.allreduce <= MAX_ALLREDUCE_BYTES and args.allreduce % 4 == 0):
@@ -198,7 +201,9 @@ def main(argv=None) -> None:
                 f"[4, {MAX_ALLREDUCE_BYTES:,}]")
     if not 1 <= args.runs <= MAX_RUNS:
         p.error(f"--runs {args.runs}: allowed: 1..{MAX_RUNS}")
-    _allreduce_job(args.allreduce, args.runs)
+    if not 1 <= args.comm_timeout < 600_000:
+        p.error(f"--comm-timeout {args.comm_timeout:g}: allowed: seconds in [1, 600000)")
+    _allreduce_job(args.allreduce, args.runs, argv)
 
 
 if __name__ == "__main__":

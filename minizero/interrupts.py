@@ -15,7 +15,7 @@ import traceback
 
 from minizero.launcher import (launched_by_mpiexec, launched_rank, launched_ranks, launcher_connected, pmix_names,
                                refuse_stale_launcher)
-from minizero.numerals import error_lines, wrapped
+from minizero.numerals import error_lines, significant, wrapped
 
 #: what a tool says of its files when interrupted
 WHOLE = "files already written are left as they were (each is written whole or not at all)"
@@ -131,6 +131,49 @@ def guard_set_up(argv, default_s: float, minimum_s: float, tool: str) -> None:
     if launched_by_mpiexec():
         exit_with_parent()
     faulthandler.dump_traceback_later(set_up_timeout(argv, default_s, minimum_s), exit=True, file=2)  # stderr (fd)
+
+
+#: ends this process with ``argv[3]`` on stderr unless its stdin (a pipe from it) closes in ``argv[1]`` s
+_WATCH = ("import os, select, signal, sys\nif not select.select([0], [], [], float(sys.argv[1]))[0]:\n"
+          "    os.write(2, sys.argv[3].encode() + b'\\n'); os.kill(int(sys.argv[2]), signal.SIGTERM)")
+
+
+@contextlib.contextmanager
+def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600.0):
+    """Start MPI (import mpi4py's MPI, ``world()``) inside this: what :func:`guard_set_up` does for an MPI program
+    without a set-up to bound (the hardware tool, bench scripts). A stale launcher is named in one line; SIGTERM
+    (and SIGINT, where :class:`Interrupts` had it) keeps its default action, as no Python handler runs inside
+    MPI_Init; a watchdog process ends a MPI_Init stalled --comm-timeout s (``argv``; ``default_s``) with one line."""
+    prog = prog or os.path.basename(sys.argv[0])
+    refuse_stale_launcher(prog)
+    if launched_by_mpiexec():
+        exit_with_parent()
+    kept = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if s == signal.SIGTERM or getattr(signal.getsignal(s), "__qualname__", "").startswith("Interrupts."):
+                kept[s] = signal.signal(s, signal.SIG_DFL)
+    seconds = set_up_timeout(argv, default_s, 1.0)
+    names = [f"{k}={os.environ[k]}" for k in ("PMI_FD", "PMI_PORT") if k in os.environ]
+    line = error_lines(prog, f"MPI_Init waited {significant(seconds)} s for its launcher"
+                       + (f" ({' '.join(names)}) and was ended: unset {' '.join(n.split('=')[0] for n in names)} "
+                          "if no mpiexec started this" if names else " and was ended"))
+    watch = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCH, str(seconds), str(os.getpid()), line],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        watch.stdin.close()  # the watchdog reads end of file and exits
+        watch.wait()
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
+def start_mpi(prog: str | None = None):
+    """mpi4py's MPI, imported (MPI_Init) inside :func:`mpi_start_guarded`."""
+    with mpi_start_guarded(prog):
+        from mpi4py import MPI  # noqa: PLC0415
+    return MPI
 
 
 def end_set_up(install: bool = True) -> None:

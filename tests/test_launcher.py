@@ -2,9 +2,12 @@
 launcher, srun --mpi=pmix's ranks count as several, and every MPI program names a stale PMI_FD or PMI_PORT in one
 line before MPI_Init would abort with MPICH's error stack."""
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -184,3 +187,54 @@ def test_a_stale_pmix_rank_is_one_line_in_every_mpi_program(argv, prog, env):
         f"{prog}: error: {said} {'is' if len(env) == 1 else 'are'} set, but no PMIx server started this process "
         f"(no PMIX_SERVER_URI* variable; srun --mpi=pmix sets them): unset {' '.join(sorted(env))}, or start this "
         "under mpiexec"], proc.stderr
+
+
+@pytest.fixture
+def mute_launcher():
+    """A PMI_PORT where a program that is no PMI launcher listens: it accepts and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        accepted = []
+
+        def accept():
+            try:
+                while True:
+                    accepted.append(server.accept()[0])
+            except OSError:  # closed at the end
+                pass
+
+        threading.Thread(target=accept, daemon=True).start()
+        yield f"127.0.0.1:{server.getsockname()[1]}", accepted
+        for conn in accepted:
+            conn.close()
+
+
+MPI_STARTS = [(["-m", "minizero.hardware", "--allreduce", "4", "--runs", "1"], "python -m minizero.hardware"),
+              (["bench/bench_header.py", "--sizes", "4096", "--runs", "1"], "bench_header.py")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,prog", MPI_STARTS)
+def test_a_stalled_mpi_init_ends_on_sigterm_and_after_comm_timeout(mute_launcher, argv, prog):
+    """MPI_Init waiting on a stale PMI_PORT where something else listens: before, SIGTERM and SIGINT did nothing
+    (the tools' Python handlers never run inside MPI_Init) and it waited for ever. Now SIGTERM ends it, and a
+    watchdog ends it after --comm-timeout s with one line."""
+    port, accepted = mute_launcher
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    run = dict(cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=dict(clean, PMI_PORT=port), text=True)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, **run)
+    try:
+        deadline = time.monotonic() + 60
+        while not accepted and time.monotonic() < deadline:  # MPI_Init has connected: it waits there
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.terminate()
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.communicate()
+    proc = subprocess.run([sys.executable, *argv, "--comm-timeout", "3"], capture_output=True, timeout=60, **run)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"{prog}: error: MPI_Init waited 3 s for its launcher (PMI_PORT={port}) and was ended: unset PMI_PORT if no "
+        "mpiexec started this"], proc.stderr
