@@ -348,6 +348,17 @@ def refuse_foreign(path: str, flag: str) -> None:
                          "only such a file (an earlier output); give another file, or move that one away")
 
 
+def refuse_slash_or_dangling(path: str, flag: str) -> None:
+    """Raise ValueError when ``path`` ends in '/' (abspath and realpath drop it: another file was written) or is a
+    link whose target's folder does not exist (the write made it, a folder given directly is refused)."""
+    if path.endswith(("/", os.sep)):
+        raise ValueError(f"{flag} {path!r} ends in '/': give a file path")
+    real = os.path.realpath(path)
+    if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
+        raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "
+                         "exist")
+
+
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:
     """Raise ValueError unless ``path`` can be written (not a directory; its folder exists and takes a file) without
     losing what the user has: not '', not one of ``inputs`` ({flag: path} read), a file programs read back
@@ -357,6 +368,7 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
         raise ValueError(f"{flag} '': expected a file path")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    refuse_slash_or_dangling(path, flag)
     refuse_inputs(flag, path, path, inputs or {})
     refuse_read_back(path, flag)
     refuse_blocking(path, flag)

@@ -9,7 +9,7 @@ from minizero.checkpoint.format import refuse_pipes
 from minizero.checkpoint.format import complete as complete_checkpoints, step_of
 from minizero.comm.flight import clear, records
 from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable_folder, live_job_holding,
-                            refuse_blocking, refuse_foreign, refuse_read_back, unwritable)
+                            refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
 
@@ -31,6 +31,7 @@ def check_outputs(args) -> None:
     js = os.path.abspath(args.json)
     if os.path.isdir(js):
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    _usage(refuse_slash_or_dangling, args.json, "--json")  # abspath drops the '/': NotADirectoryError after the run
     own = run_files(args)
     if os.path.realpath(js) in own:  # a link to --data too
         raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
@@ -140,6 +141,7 @@ def check_trace(args) -> None:
     if os.path.isdir(p):
         raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
                          f"{os.path.join(path, 'trace.json')!r}")
+    _usage(refuse_slash_or_dangling, path, "--trace")
     own = dict(run_files(args), **{os.path.realpath(args.json): "the --json summary"})
     if os.path.realpath(p) in own:  # links followed
         raise UsageError(f"--trace {path!r} would overwrite {own[os.path.realpath(p)]}; give another file")

@@ -345,3 +345,46 @@ def test_a_trace_to_dev_null_is_written_and_analysed_without_reading_it_back(tmp
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {os.devnull} (Chrome trace-event JSON" in proc.stdout
     assert (tmp_path / "o" / "model.npz").is_file() and (tmp_path / "o" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["keep.json/", "newf.json/"])
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_file_path_ending_in_a_slash_is_refused_before_any_work(tmp_path, monkeypatch, capsys, name, flag):
+    """Before: abspath and realpath dropped the '/', so compare, train, finetune and quantize did all the work,
+    then "Not a directory" (keep.json an existing file), or wrote newf.json (then a traceback, or silently)."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.json").write_text('{"rows": []}')
+    said = f"{flag} {name!r} ends in '/': give a file path"
+    with pytest.raises(UsageError) as e:
+        parse_args(["--out", "o", flag, name], world_size=1)
+    assert str(e.value) == said
+    if flag == "--json":
+        with pytest.raises(ValueError, match=said):
+            finetune.check(finetune.build_parser().parse_args(["--json", name]))
+        assert quantize_main(["--weights", "none.npz", "--json", name]) == 2
+        assert said in one_line(capsys.readouterr().err)
+        with pytest.raises(compare.UsageError, match=said):
+            compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json", name])
+    assert sorted(os.listdir(tmp_path)) == ["keep.json"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch, flag):
+    """Before: compare --json danglink (-> nonexist/x.json) made the missing folder, while the folder given directly
+    is refused; train did the same."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    os.symlink(str(tmp_path / "nonexist" / "x.json"), "danglink")
+    said = (f"{flag} 'danglink': folder '{tmp_path}/nonexist' of the link's target '{tmp_path}/nonexist/x.json' "
+            "does not exist")
+    with pytest.raises(UsageError) as e:
+        parse_args(["--out", "o", flag, "danglink"], world_size=1)
+    assert str(e.value) == said
+    with pytest.raises(ValueError) as e:
+        check_output("danglink", flag)  # compare's, finetune's, quantize's
+    assert str(e.value) == said
+    os.mkdir("nonexist")
+    check_output("danglink", flag)  # a link to a new file in a folder that is there: written through it
