@@ -328,7 +328,9 @@ def refuse_blocking(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
-KEEPS = {"--json": "a JSON object", "--trace": "a trace (JSON with a traceEvents list)"}  #: other flags: a PNG
+KEEPS = {"--json": "a summary minizero wrote", "--trace": "a trace (JSON with a traceEvents list)"}  #: else a PNG
+#: a key each --json summary has: train's train_loss, finetune's and quantize's rows, compare's runs, bench_allreduce's
+SUMMARY_KEYS = ("train_loss", "rows", "runs", "results")
 
 
 def refuse_foreign(path: str, flag: str) -> None:
@@ -343,7 +345,7 @@ def refuse_foreign(path: str, flag: str) -> None:
     except (OSError, ValueError):
         data = None
     if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
-            flag != "--trace" or isinstance(data.get("traceEvents"), list))):
+            isinstance(data.get("traceEvents"), list) if flag == "--trace" else any(k in data for k in SUMMARY_KEYS))):
         raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
                          "only such a file (an earlier output); give another file, or move that one away")
 

@@ -1,6 +1,7 @@
 """Every program's output paths are checked as train's are, before any work: '' refused, nothing the user has lost."""
 import dataclasses
 import errno
+import json
 import os
 import socket
 import subprocess
@@ -142,7 +143,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     (tmp_path / "old.json").write_text(json.dumps({"rows": []}))
     (tmp_path / "old_trace.json").write_text(json.dumps({"traceEvents": []}))
     (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
-    for flag, name, what in [("--json", "notes.txt", "a JSON object"), ("--json", "list.json", "a JSON object"),
+    for flag, name, what in [("--json", "notes.txt", "a summary"), ("--json", "list.json", "a summary"),
                              ("--trace", "old.json", "a trace"), ("--plot", "notes.txt", "a PNG image")]:
         with pytest.raises(ValueError, match=f"{flag} '{name}' exists and does not hold {what}"):
             check_output(name, flag)
@@ -152,7 +153,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
         with pytest.raises(UsageError, match=f"{flag} 'notes.txt' exists and does not hold"):
             parse_args(["--out", "o", flag, "notes.txt"], world_size=1)
     assert quantize_main(["--weights", "none.npz", "--json", "notes.txt"]) == 2
-    assert "--json 'notes.txt' exists and does not hold a JSON object" in one_line(capsys.readouterr().err)
+    assert "--json 'notes.txt' exists and does not hold a summary minizero wrote" in one_line(capsys.readouterr().err)
     assert (tmp_path / "notes.txt").read_text() == "notes\n"
 
 
@@ -345,6 +346,30 @@ def test_a_trace_to_dev_null_is_written_and_analysed_without_reading_it_back(tmp
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {os.devnull} (Chrome trace-event JSON" in proc.stdout
     assert (tmp_path / "o" / "model.npz").is_file() and (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
+    """Before: finetune --json mine.json and quantize --json mine.json replaced {"mine": "precious"}: any JSON object
+    counted as an earlier output. Now only a summary minizero writes does (a key each program's summary has)."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.json").write_text('{"mine": "precious"}')
+    said = ("--json 'mine.json' exists and does not hold a summary minizero wrote: --json replaces only such a file "
+            "(an earlier output); give another file, or move that one away")
+    with pytest.raises(ValueError) as e:
+        finetune.check(finetune.build_parser().parse_args(["--json", "mine.json"]))
+    assert str(e.value) == said
+    with pytest.raises(UsageError, match="does not hold a summary minizero wrote"):
+        parse_args(["--out", "o", "--json", "mine.json"], world_size=1)
+    assert quantize_main(["--weights", "none.npz", "--json", "mine.json"]) == 2
+    assert said in one_line(capsys.readouterr().err)
+    with pytest.raises(compare.UsageError, match="does not hold a summary minizero wrote"):
+        compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json", "mine.json"])
+    assert (tmp_path / "mine.json").read_text() == '{"mine": "precious"}'
+    for key in ("train_loss", "rows", "runs", "results"):  # train's, finetune's and quantize's, compare's, a bench's
+        (tmp_path / "old.json").write_text(json.dumps({key: []}))
+        check_output("old.json", "--json")
 
 
 @pytest.mark.parametrize("name", ["keep.json/", "newf.json/"])
