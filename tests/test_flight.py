@@ -163,6 +163,28 @@ def test_the_hang_cli_prints_each_finding_in_lines_of_at_most_120_columns(tmp_pa
     assert hang.analyze(hang.load(str(tmp_path))) == [ln for ln in unwrapped(out) if not ln.startswith("rank ")]
 
 
+def test_the_hang_cli_cuts_a_long_op_within_or_reason_of_a_record(tmp_path, capsys):
+    """Before: a 300-character op or within and a 500-character reason printed lines of 302 and 503 columns (an
+    unbroken word is not wrapped); now such a value shows its first 60 characters and its length."""
+    def fn(comm):
+        all_reduce(comm, np.ones(3))
+        if comm.rank != 1:
+            all_reduce(comm, np.ones(5))
+
+    _run_and_dump(2, fn, tmp_path)
+    for name in ("rank_0.json", "rank_1.json"):
+        snap = json.loads((tmp_path / name).read_text())
+        snap["reason"] = "r" * 500
+        for e in snap["entries"]:
+            e["op"], e["within"] = "o" * 300, "w" * 300
+        (tmp_path / name).write_text(json.dumps(snap))
+    assert debug_main(["hang", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert f"dumped on {'r' * 60}... (500 characters)," in out and f"{'o' * 60}... (300 characters)" in out
+    assert f"in {'w' * 60}... (300 characters)" in " ".join(out.split())
+
+
 def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert _run_and_dump(2, lambda comm: [all_reduce(comm, np.ones(4)) for _ in range(3)], tmp_path) is None
     assert debug_main(["hang", str(tmp_path)]) == 0

@@ -70,7 +70,7 @@ def newest_job(snaps: dict[int, dict]) -> tuple[dict[int, dict], list[str]]:
 def _said(snap: dict) -> str:
     when = snap.get("time_us")
     written = "" if when is None else time.strftime(", written %Y-%m-%d %H:%M:%S UTC", time.gmtime(when / 1e6))
-    return f"run {snap.get('run') or '(not recorded)'}, world size {snap['world_size']}{written}"
+    return f"run {_shown(snap.get('run') or '(not recorded)')}, world size {snap['world_size']}{written}"
 
 
 def cut_short(folder: str, snaps: dict[int, dict]) -> dict[int, str]:
@@ -138,8 +138,17 @@ def _signature(e: dict) -> tuple:
     return e["op"], None if e["shape"] is None else tuple(e["shape"]), e["dtype"]
 
 
+def _shown(text, most: int = 60) -> str:  # a record's text past ``most`` characters: its start and its length
+    text = str(text)  # (a 300-character op, within or reason made a 302-column line: an unbroken word is not wrapped)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
+
+
+def _describe(e: dict) -> str:
+    return describe({**e, **{k: _shown(e[k]) for k in ("op", "within", "dtype") if isinstance(e.get(k), str)}})
+
+
 def _what(e: dict) -> str:
-    return describe(e).replace(f" #{e['seq']}", "")
+    return _describe(e).replace(f" #{e['seq']}", "")
 
 
 def _groups(snaps: dict[int, dict]) -> dict[tuple, dict[int, dict]]:
@@ -168,7 +177,7 @@ def _first_mismatch(name, members, per) -> str | None:
         if len(kinds) > 1:
             (odd, odd_ranks), *rest = sorted(kinds.items(), key=lambda kv: len(kv[1]))
             others = "; ".join(f"rank(s) {rs} are in {_what(here[rs[0]])}" for _, rs in rest)
-            return (f"mismatch: group {name} {list(members)} #{seq}: rank(s) {odd_ranks} are in "
+            return (f"mismatch: group {_shown(name)} {list(members)} #{seq}: rank(s) {odd_ranks} are in "
                     f"{_what(here[odd_ranks[0]])} while {others}")
     return None
 
@@ -186,14 +195,14 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     k = min(waiting)
     waiters = sorted(r for r, s in pend.items() if s == k)
     e = per[waiters[0]]["by_seq"][k]
-    state = e["state"] + (f": {e['error'][:160]}" if e.get("error") else "")
-    line = f"hang: group {name} {list(members)}: rank(s) {waiters} wait in {describe(e)} [{state}]"
+    state = _shown(e["state"]) + (f": {e['error'][:160]}" if e.get("error") else "")
+    line = f"hang: group {_shown(name)} {list(members)}: rank(s) {waiters} wait in {_describe(e)} [{state}]"
     never = [r for r in members if r in per and per[r]["last"] < k]
     absent = [r for r in members if r not in per]
     for r in never:
         last = per[r]["by_seq"].get(per[r]["last"])
         line += (f"; rank {r} never posted #{k} (its last: "
-                 f"{describe(last) + ', ' + last['state'] if last else 'nothing recorded'})")
+                 f"{_describe(last) + ', ' + _shown(last['state']) if last else 'nothing recorded'})")
     for r in absent:
         why = ("never used this group" if r not in no_file else
                "flight file cut short" if no_file[r] else "no flight file")
@@ -206,7 +215,8 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     last = next((p["by_seq"][done] for p in per.values() if done in p["by_seq"]), None)
     out = [line]
     if last is not None:
-        out.append(f"last: group {name} {list(members)}: the last operation every rank completed is {describe(last)}")
+        out.append(f"last: group {_shown(name)} {list(members)}: the last operation every rank completed is "
+                   f"{_describe(last)}")
     return out
 
 
@@ -245,7 +255,7 @@ def main(folder: str) -> int:
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
-        print(wrapped(f"rank {r}: dumped on {s['reason']}, {len(s['entries'])} operations recorded"))
+        print(wrapped(f"rank {r}: dumped on {_shown(s['reason'])}, {len(s['entries'])} operations recorded"))
     lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
