@@ -234,10 +234,14 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 step``, ``300 steps``, ``1,024 steps`` (it said "after 1 steps")."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
 def in_width(x: float, width: int, decimals: int = 0) -> str:
     """``x`` right-aligned in ``width`` columns with ``decimals`` digits after the point: ``22,144,603`` where it
-    fits, else ``22144603``, else ``2.21e+10`` (plan's tokens/s and micro-batches of a tiny model pushed its rows
-    past the header). A column of several rows: :func:`column`."""
+    fits, else ``22144603``, else ``2.21e+10``. A column of several rows: :func:`column`."""
     fits = [t for t in (f"{x:,.{decimals}f}", f"{x:.{decimals}f}") if len(t) <= width]
     return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)
 
