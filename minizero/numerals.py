@@ -114,6 +114,7 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=No
     return "; ".join([said, *dict.fromkeys(notes)])
 
 
+SHAPE = re.compile(r"\((?:\d+, )+\d*\)")  #: a tuple of ints as Python prints it, a shape: "(256, 16)", "(16,)"
 ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on an indented line of its own
 
 
@@ -125,7 +126,7 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
     ``width``, which then takes a line of its own however long. The words are the text's: the lines joined with one
     space are the line (``" ".join(printed.split())`` reads it whole)."""
     out = []
-    for line in text.splitlines() or [""]:
+    for line in SHAPE.sub(lambda m: m[0].replace(" ", "\0"), text).splitlines() or [""]:  # "(256, 16)" stays whole
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
         k = len(indent)
         while len(line) > width:
@@ -143,7 +144,7 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
             out.append(line[:cut].rstrip())
             line = indent + line[cut:].lstrip()
         out.append(line)
-    return "\n".join(out)
+    return "\n".join(out).replace("\0", " ")
 
 
 def _an_items_note(line: str, at: int) -> bool:
