@@ -21,7 +21,7 @@ from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.monitor import draw_memory, report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
-from minizero.numerals import counted, significant
+from minizero.numerals import counted, significant, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
@@ -278,7 +278,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
 
 def _print_sample(args, text: str) -> None:
     if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
-        print("\nsample:\n" + printable(text, width=100) + "\n")  # a long line cut, as the rest of the report
+        shown = printable(text, width=120)  # a long line cut, as the rest of the report; the text is unchanged
+        kept = "the text is unchanged" if args.no_save else f"{args.json} holds the text as sampled"
+        note = f" (long lines cut at 120 columns for display only; nothing is lost: {kept})"
+        print("\n" + wrapped(f"sample:{note if shown.count(chr(10)) > text.count(chr(10)) else ''}") + f"\n{shown}\n")
 
 
 def _write_summary(path: str, summary: dict, final: bool) -> None:
