@@ -127,3 +127,10 @@ def test_no_save_names_every_file_out_holds():
     actions = {a.dest: a for a in flags.build_parser()._actions}
     listed = actions["out"].help.split("(")[1]
     assert listed in actions["no_save"].help, (listed, actions["no_save"].help)
+
+
+def test_plan_help_says_whose_hardware_the_defaults_are():
+    """Before: only the plan's output said --gpu-flops 312e12 and the bandwidths were an A100-80GB SXM's."""
+    text = " ".join(plan.build_parser().format_help().split())
+    hardware = text[text.index("hardware:"):]
+    assert "A100-80GB SXM" in hardware and all(f in hardware for f in ("--gpu-flops", "--intra-node-bw", "--pcie-bw"))
