@@ -134,3 +134,9 @@ def test_plan_help_says_whose_hardware_the_defaults_are():
     text = " ".join(plan.build_parser().format_help().split())
     hardware = text[text.index("hardware:"):]
     assert "A100-80GB SXM" in hardware and all(f in hardware for f in ("--gpu-flops", "--intra-node-bw", "--pcie-bw"))
+
+
+def test_compare_shows_the_models_as_train_does():
+    """Before: train's usage read --model {deep,default,gpt2,small,tiny}, compare's --model MODEL."""
+    said = {m.__name__: re.search(r"--model (\S+)", m.build_parser().format_usage())[1] for m in (flags, compare)}
+    assert said["minizero.compare"] == said["minizero.flags"] == "{deep,default,gpt2,small,tiny}]", said
