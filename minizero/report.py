@@ -92,8 +92,9 @@ def validation_lines(args, result) -> list[str]:
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     ran = len(result["train_losses"])
     timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
+    steps = counted(args.steps, "step")
     lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-             f"{counted(args.steps, 'step')}" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
+             f"{steps}" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if not recent or val >= statistics.median(recent):  # the median: a spike in the window does not move it
         return lines

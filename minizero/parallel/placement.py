@@ -121,7 +121,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         rows = [rows[0] + total[2 * i], rows[1] + total[2 * i + 1]]
         if k == "pp":
             lines.append(f"  embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s), {_fmt(total[18]):>9s}, "
-                         f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient: first, last stage)")
+                         f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient: first, "
+                         "last stage)")
             rows = [rows[0] + total[18], rows[1] + total[19]]
     other = total[7] - rows[1]
     lines.append(f"  other (world, {topo.world.world_size} rank(s)): {topo.nodes.n_nodes} node(s), "
@@ -134,7 +135,8 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         cp_part += f" + edp {_fmt(total[15])}" if edp is not None and edp.world_size > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
-            f"{f'+ embed {_fmt(total[19])} ' if topo.pp > 1 else ''}+ other (loss, norm, replica digests) {_fmt(other)}" if known else "? across nodes"))
+            f"{f'+ embed {_fmt(total[19])} ' if topo.pp > 1 else ''}+ other {_fmt(other)}" if known
+            else "? across nodes"))
     setup = f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""
     lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(run[17])} (before the first "
                            f"step, each periodic one, the end){setup}", 100, initial_indent="  ",
