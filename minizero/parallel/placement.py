@@ -121,13 +121,13 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         rows = [rows[0] + total[2 * i], rows[1] + total[2 * i + 1]]
         if k == "pp":
             lines.append(f"  embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s), {_fmt(total[18]):>9s}, "
-                         f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient: first, "
-                         "last stage)")
+                         f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient)")
             rows = [rows[0] + total[18], rows[1] + total[19]]
     other = total[7] - rows[1]
-    lines.append(f"  other (world, {topo.world.world_size} rank(s)): {topo.nodes.n_nodes} node(s), "
-                 f"{_fmt(total[6] - rows[0]):>9s}, {_fmt(other) if known else '?':>9s}   (loss, norm, flags, metrics, "
-                 "replica digests)")
+    if total[6] - rows[0] or other:  # the world's bytes in no row above: the rows add up to its total
+        lines.append(f"  other (all {topo.world.world_size} ranks): {topo.nodes.n_nodes} node(s), "
+                     f"{_fmt(total[6] - rows[0]):>9s}, {_fmt(other) if known else '?':>9s}   (loss, norm, flags, "
+                     "metrics, digests)")
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
     else:
