@@ -59,8 +59,9 @@ def excerpt(out: str) -> list[str]:
     progress = [i for i, line in enumerate(lines) if re.match(r"step +\d+/\d+ +loss", line)]
     shown_steps = set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
     for i, line in enumerate(lines):
-        if i in shown_steps or line.startswith(("validation loss:", "  below the training loss", "minizero memory summary", "category ",
-                            "peak total", "process peak", "wrote ")) or re.match(
+        if i in shown_steps or line.startswith(("validation loss:", "  below the training loss",
+                                                 "minizero memory summary", "category ", "peak total", "process peak",
+                                                 "wrote ")) or re.match(
                                 r"(parameters|gradients|optimizer_state|activations|comm_buffers) ", line):
             keep.add(i)
             indent = len(line) - len(line.lstrip())
