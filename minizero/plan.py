@@ -108,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
     p.add_argument("--virtual-stages", type=integer, default=None,
                    help="model chunks per GPU with --schedule interleaved (default: 2)")
-    hw.add_argument("--gpus-per-node", type=integer, default=8,
-                    help="GPUs per node; tensor parallelism stays inside one")
+    hw.add_argument("--gpus-per-node", type=integer, default=8, help="GPUs per node (tensor parallelism stays in one)")
     hw.add_argument("--gpu-flops", type=real, default=312e12,
                     help="peak dense 16-bit FLOP/s per GPU (H100: 989e12) (default: 312e12)")
     p.add_argument("--efficiency", type=real, default=0.6, help="fraction of peak the matmuls reach")
