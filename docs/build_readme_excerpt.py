@@ -57,10 +57,11 @@ def excerpt(out: str) -> list[str]:
     keep = set(range(nodes))  # the header (wrapped at 100 columns): layout and model, device, batch; not the nodes
     # line (which nodes, and the ranks' process ids: a run's detail, not what a newcomer reads first)
     progress = [i for i, line in enumerate(lines) if re.match(r"step +\d+/\d+ +loss", line)]
-    keep |= set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
+    shown_steps = set(progress[:2] + progress[len(progress) // 2:len(progress) // 2 + 1] + progress[-1:])
     for i, line in enumerate(lines):
-        if line.startswith(("validation loss:", "  below the training loss", "minizero memory summary", "category ",
-                            "peak total", "process peak", "wrote ")) or re.match(
+        if i in shown_steps or line.startswith(("validation loss:", "  below the training loss",
+                                                 "minizero memory summary", "category ", "peak total", "process peak",
+                                                 "wrote ")) or re.match(
                                 r"(parameters|gradients|optimizer_state|activations|comm_buffers) ", line):
             keep.add(i)
             indent = len(line) - len(line.lstrip())

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``python -m minizero.compare``."""
     p = negative_values_reach_checks(_Parser(prog="python -m minizero.compare", description=description(__doc__),
                                              formatter_class=DefaultsOnce))
-    p.add_argument("--model", default="default", help=preset_sizes() + " (default: %(default)s)")
+    p.add_argument("--model", default="default", metavar="{" + ",".join(sorted(PRESETS)) + "}",  # as train's usage
+                   help=preset_sizes() + " (default: %(default)s)")
     p.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 1,2,4")
     p.add_argument("--steps", type=integer, default=3, help="optimizer steps per run")
     p.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per step")

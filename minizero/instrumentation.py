@@ -142,7 +142,8 @@ class ExpertLoadCallback(Callback):
 
     def on_step_end(self, run, step, rec):
         line = run.strategy.expert_load.line()
-        rec.notes = f"{rec.notes}  {line}" if rec.notes else line
+        first, below = rec.notes.partition("\n")[::2]  # on the memory figures' line, above their note
+        rec.notes = f"{first}  {line}" + (f"\n{below}" if below else "") if first else line
 
     def on_train_end(self, run):
         run.result.moe = run.strategy.expert_load.summary()

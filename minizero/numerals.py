@@ -114,6 +114,7 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=No
     return "; ".join([said, *dict.fromkeys(notes)])
 
 
+SHAPE = re.compile(r"\((?:\d+, )+\d*\)")  #: a tuple of ints as Python prints it, a shape: "(256, 16)", "(16,)"
 ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on an indented line of its own
 
 
@@ -125,7 +126,7 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
     ``width``, which then takes a line of its own however long. The words are the text's: the lines joined with one
     space are the line (``" ".join(printed.split())`` reads it whole)."""
     out = []
-    for line in text.splitlines() or [""]:
+    for line in SHAPE.sub(lambda m: m[0].replace(" ", "\0"), text).splitlines() or [""]:  # "(256, 16)" stays whole
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
         k = len(indent)
         while len(line) > width:
@@ -143,7 +144,7 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
             out.append(line[:cut].rstrip())
             line = indent + line[cut:].lstrip()
         out.append(line)
-    return "\n".join(out)
+    return "\n".join(out).replace("\0", " ")
 
 
 def _an_items_note(line: str, at: int) -> bool:
@@ -234,10 +235,14 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 step``, ``300 steps``, ``1,024 steps`` (it said "after 1 steps")."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
 def in_width(x: float, width: int, decimals: int = 0) -> str:
     """``x`` right-aligned in ``width`` columns with ``decimals`` digits after the point: ``22,144,603`` where it
-    fits, else ``22144603``, else ``2.21e+10`` (plan's tokens/s and micro-batches of a tiny model pushed its rows
-    past the header). A column of several rows: :func:`column`."""
+    fits, else ``22144603``, else ``2.21e+10``. A column of several rows: :func:`column`."""
     fits = [t for t in (f"{x:,.{decimals}f}", f"{x:.{decimals}f}") if len(t) <= width]
     return (fits[0] if fits else f"{x:.{max(0, width - 6)}e}").rjust(width)
 

@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of: {', '.join(sorted(MODELS))}; minizero's presets also by the trainer's names "
                         f"({', '.join(sorted(ALIASES))})")
     p.add_argument("--gpus", type=integer, required=True, help="number of GPUs (= dp x cp x tp x pp)")
-    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, with a unit: 80GB = 80 x 10^9 bytes, "
-                                                         "80GiB = 80 x 2^30 bytes")
+    hw = p.add_argument_group("hardware", "the defaults are an A100-80GB SXM node's, as the plan's output says")
+    hw.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, with a unit: 80GB = 80 x 10^9 bytes, "
+                                                          "80GiB = 80 x 2^30 bytes")
     p.add_argument("--host-memory", default="128GB", help="host memory available to each GPU for offload")
     p.add_argument("--seq-len", type=integer, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--micro-batch", type=integer, default=1, help="sequences per micro-batch per GPU (b)")
@@ -107,14 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule")
     p.add_argument("--virtual-stages", type=integer, default=None,
                    help="model chunks per GPU with --schedule interleaved (default: 2)")
-    p.add_argument("--gpus-per-node", type=integer, default=8,
-                   help="GPUs per node; tensor parallelism stays inside one")
-    p.add_argument("--gpu-flops", type=real, default=312e12,
-                   help="peak dense 16-bit FLOP/s per GPU (H100: 989e12) (default: 312e12)")
+    hw.add_argument("--gpus-per-node", type=integer, default=8, help="GPUs per node (tensor parallelism stays in one)")
+    hw.add_argument("--gpu-flops", type=real, default=312e12,
+                    help="peak dense 16-bit FLOP/s per GPU (H100: 989e12) (default: 312e12)")
     p.add_argument("--efficiency", type=real, default=0.6, help="fraction of peak the matmuls reach")
-    p.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
-    p.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
-    p.add_argument("--pcie-bw", default="25GB", help="host <-> device bytes/s per GPU")
+    hw.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
+    hw.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
+    hw.add_argument("--pcie-bw", default="25GB", help="host <-> device bytes/s per GPU")
     p.add_argument("--bucket", default="25MiB", help="gradient reduce bucket, as PyTorch DDP's (default: 25MiB)")
     p.add_argument("--strategy", default=None, metavar="TEXT",
                    help=f"evaluate this one strategy instead of searching, e.g. \"dp2 tp4 pp1 zero3 "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from minizero.files import atomic_write
+from minizero.numerals import counted
 
 SMOOTH = 20  # steps in the running mean drawn over the training loss
 MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install matplotlib)"
@@ -19,7 +20,7 @@ def steps_drawn(first_step: int, drawn: int, steps: int) -> str:
     """The title's words for the steps :func:`loss_figure` draws: ``'20 steps'``, or where a run resumed (or
     stopped early) draws only its own, ``'steps 11-20 of 20 (resumed from step 10)'``."""
     if first_step == 0 and drawn == steps:
-        return f"{steps} steps"
+        return counted(steps, "step")
     return (f"steps {first_step + 1}-{first_step + drawn} of {steps}"
             + (f" (resumed from step {first_step})" if first_step else ""))
 

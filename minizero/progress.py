@@ -9,7 +9,7 @@ import sys
 import time
 
 MODES = ("auto", "bar", "log", "none")
-LINE_MAX = 128  #: columns of a log line before its notes (memory, MoE loads) go on a line of their own
+LINE_MAX = 120  #: columns of a log line before its notes (memory, MoE loads) go on a line of their own
 
 
 def _duration(seconds: float) -> str:
@@ -83,8 +83,10 @@ class Progress:
                 f"elapsed {_duration(elapsed).lstrip()}, ETA {_duration(eta).lstrip()}")
         if self.fp16:
             line += f"  [fp16: scale {scale:g}, skipped {skipped}]"
-        if extra:  # a line too long for a wide terminal (MoE's expert loads, FP16's scale) goes on below, indented
-            line += f"\n{' ' * (2 * w + 8)}{extra}" if len(line) + len(extra) > LINE_MAX else f"  {extra}"
+        if extra:  # notes past 120 columns (MoE's expert loads, FP16's scale) and their further lines go below
+            first, *below = extra.split("\n")
+            line += f"\n{' ' * (2 * w + 8)}{first}" if len(line) + 2 + len(first) > LINE_MAX else f"  {first}"
+            line += "".join(f"\n{' ' * (2 * w + 8)}{more}" for more in below)
         self._say(line)
 
     def validation(self, step: int, loss: float) -> None:

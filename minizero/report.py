@@ -21,7 +21,7 @@ from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.monitor import draw_memory, report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
-from minizero.numerals import significant
+from minizero.numerals import counted, significant, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
@@ -92,8 +92,9 @@ def validation_lines(args, result) -> list[str]:
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     ran = len(result["train_losses"])
     timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
+    steps = counted(args.steps, "step")
     lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-             f"{args.steps} steps" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
+             f"{steps}" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if not recent or val >= statistics.median(recent):  # the median: a spike in the window does not move it
         return lines
@@ -278,7 +279,10 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
 
 def _print_sample(args, text: str) -> None:
     if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
-        print("\nsample:\n" + printable(text, width=100) + "\n")  # a long line cut, as the rest of the report
+        shown = printable(text, width=120)  # a long line cut, as the rest of the report; the text is unchanged
+        kept = "the text is unchanged" if args.no_save else f"{args.json} holds the text as sampled"
+        note = f" (long lines cut at 120 columns for display only; nothing is lost: {kept})"
+        print("\n" + wrapped(f"sample:{note if shown.count(chr(10)) > text.count(chr(10)) else ''}") + f"\n{shown}\n")
 
 
 def _write_summary(path: str, summary: dict, final: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import unicodedata
 
 import numpy as np
 
@@ -28,10 +29,22 @@ MAX_TOKENS = 100_000
 
 
 def printable(text: str, width: int | None = None) -> str:
-    """``text`` with control characters (a barely trained model emits them) as U+FFFD; lines cut at ``width``."""
+    """``text`` with control characters (a barely trained model emits them) as U+FFFD; lines cut at ``width``
+    terminal columns (a wide character takes 2, a tab up to 8)."""
     shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
-    return shown if width is None else "\n".join(line[i:i + width] for line in shown.split("\n")
-                                                  for i in range(0, max(len(line), 1), width))
+    if width is None:
+        return shown
+    out = []
+    for line in shown.split("\n"):
+        out.append("")
+        at = 0  # the columns out[-1] takes
+        for c in line:
+            cols = 8 - at % 8 if c == "\t" else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+            if at + cols > width and out[-1]:
+                out.append("")
+                at, cols = 0, 8 if c == "\t" else cols
+            out[-1], at = out[-1] + c, at + cols
+    return "\n".join(out)
 
 
 def next_token_probs(logits, temperature: float, top_k: int | None = None):

@@ -687,6 +687,15 @@ def test_a_note_with_no_list_cut_before_it_is_not_cut_itself():
         line, "  (this machine's memory), e.g. 4096"]
 
 
+
+@pytest.mark.parametrize("pad", range(60, 75))
+def test_a_wrapped_line_keeps_a_shape_whole(pad):
+    """Before: the replica check's error read "parameter 'transformer.wte.weight' (256," then "  16) differs"."""
+    from minizero.numerals import unwrapped, wrapped
+    line = f"after step 3: {'x' * pad} 'transformer.wte.weight' (256, 16) differs across the data ranks: rank 1"
+    printed = wrapped(line)
+    assert any("(256, 16)" in part for part in printed.splitlines()) and unwrapped(printed) == [line], printed
+
 # --------------------------------------------------------------------------- a Python without the dependencies
 @pytest.mark.parametrize("tool", ["minizero.train", "minizero.checkpoint"])
 def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):

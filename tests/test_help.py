@@ -127,3 +127,28 @@ def test_no_save_names_every_file_out_holds():
     actions = {a.dest: a for a in flags.build_parser()._actions}
     listed = actions["out"].help.split("(")[1]
     assert listed in actions["no_save"].help, (listed, actions["no_save"].help)
+
+
+def test_plan_help_says_whose_hardware_the_defaults_are():
+    """Before: only the plan's output said --gpu-flops 312e12 and the bandwidths were an A100-80GB SXM's."""
+    text = " ".join(plan.build_parser().format_help().split())
+    hardware = text[text.index("hardware:"):]
+    assert "A100-80GB SXM" in hardware and all(f in hardware for f in ("--gpu-flops", "--intra-node-bw", "--pcie-bw"))
+
+
+def test_compare_shows_the_models_as_train_does():
+    """Before: train's usage read --model {deep,default,gpt2,small,tiny}, compare's --model MODEL."""
+    said = {m.__name__: re.search(r"--model (\S+)", m.build_parser().format_usage())[1] for m in (flags, compare)}
+    assert said["minizero.compare"] == said["minizero.flags"] == "{deep,default,gpt2,small,tiny}]", said
+
+
+@pytest.mark.parametrize("command, said", [
+    ("hang", "exit status: 0 nothing found, 1 a finding (a hang, a mismatch or a missing rank: the analysis worked), "
+             "2 bad input"),
+    ("parity", "exit status: 0 the layouts agree, 1 they differ, 2 a run failed or bad input"),
+    ("trace", "exit status: 0, or 2 for bad input")])
+def test_debug_help_says_what_each_exit_status_means(capsys, command, said):
+    """Before: hang exited 1 after an analysis that worked (it found a hang), and no help said why."""
+    with pytest.raises(SystemExit):
+        debug_main.main([command, "--help"])
+    assert said in " ".join(capsys.readouterr().out.split())

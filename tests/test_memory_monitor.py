@@ -136,9 +136,10 @@ def test_main_job_writes_module_peaks_and_memory_png(mpiexec, tmp_path):
            "--eval-batches", "1", "--sample-tokens", "4", "--out", str(out)]
     proc = subprocess.run(cmd, env=dict(mpi_env(), MINIZERO_PLOTS="1"), capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    mem = [line[line.index("  mem "):] for line in proc.stdout.splitlines() if "  mem " in line]
-    assert len(mem) == 2 and mem[0].endswith(" (max over ranks)") and ", peak " in mem[1]  # said once: short lines
-    assert "max over" not in mem[1]
+    lines = proc.stdout.splitlines()
+    mem = [i for i, line in enumerate(lines) if "  mem " in line]
+    assert len(mem) == 2 and lines[mem[0] + 1].strip() == "(mem and peak: max over ranks)"  # said once, below
+    assert proc.stdout.count("max over ranks") == 1 and all(len(lines[i]) <= 120 for i in mem)
     summary = json.loads((out / "summary.json").read_text())
     peaks = summary["activation_peaks_by_module"]
     assert len(peaks) == 2

@@ -12,7 +12,7 @@ from minizero.progress import Progress
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d{4})  lr (\S+)  +([\d,]+) tok/s  elapsed ([\d.]+ (?:s|min))"
                   r", ETA ([\d.]+ (?:s|min))(  \[fp16: scale (\d+), skipped (\d+)\])?"
-                  r"(  mem [\d.]+ \S+, peak [\d.]+ \S+( \(max over ranks\))?)?$")
+                  r"(  mem [\d.]+ \S+, peak [\d.]+ \S+)?$")
 
 
 class _Tty(io.StringIO):
@@ -127,4 +127,17 @@ def test_long_notes_go_on_a_line_of_their_own():
     lines = out.getvalue().splitlines()
     assert LINE.match(lines[0]) and len(lines) == 3 and LINE.match(lines[1])
     assert lines[2].startswith(" " * 12 + "mem 1.00 MiB") and lines[2][12] == "m"
-    assert all(len(line) <= 128 for line in lines)
+    assert all(len(line) <= 120 for line in lines)
+
+
+def test_the_readme_first_line_fits_120_columns_and_its_note_goes_below():
+    """Before: the default job's first line was 127 columns, ending "peak 23.38 MiB (max over ranks)"."""
+    out = io.StringIO()
+    progress = Progress("log", 300, 2048, out=out, every=20)
+    progress.t0 -= 3.9
+    progress.step(19, 3.3399, 2e-3, extra="mem 12.86 MiB, peak 23.38 MiB\n(mem and peak: max over ranks)")
+    progress.step(39, 3.3399, 2e-3, extra="mem 106.88 KiB, peak 216.88 KiB")
+    lines = out.getvalue().splitlines()
+    assert LINE.match(lines[0]) and lines[0].endswith("peak 23.38 MiB") and LINE.match(lines[2])
+    assert lines[1] == " " * 14 + "(mem and peak: max over ranks)"
+    assert all(len(line) <= 120 for line in lines), [len(line) for line in lines]

@@ -102,3 +102,16 @@ def test_the_suite_line_can_come_from_a_ci_log(tmp_path):
         log.write_text(text)
         with pytest.raises(SystemExit, match=said):
             excerpt.suite_from_log(str(log))
+
+
+def test_the_excerpt_keeps_a_progress_lines_note_below_it():
+    """The first progress line's memory note ("max over ranks") goes on a line below it, which the excerpt keeps."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("excerpt", os.path.join(REPO_ROOT, "docs", "build_readme_excerpt.py"))
+    excerpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(excerpt)
+    steps = [f"step {k:>3}/300  loss 3.0  mem 1 MiB, peak 2 MiB" for k in range(20, 301, 20)]
+    out = "\n".join(["head", "nodes: x", steps[0], "              (mem and peak: max over ranks)", *steps[1:], "end"])
+    shown = excerpt.excerpt(out)
+    assert shown[:4] == ["head", "...", steps[0], "              (mem and peak: max over ranks)"]
+    assert shown[4] == steps[1] and shown[-1] == steps[-1], shown

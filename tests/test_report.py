@@ -66,3 +66,12 @@ def test_a_resumed_run_s_loss_plot_title_names_the_steps_it_draws(tmp_path, monk
         report._draw_pictures(args, TrainResult(train_losses=[5.0] * (20 - start), start_step=start), [], "run")
     assert titles == ["run; 20 steps, global batch 2",
                       "run; steps 11-20 of 20 (resumed from step 10), global batch 2"], titles
+
+
+def test_one_step_is_said_in_the_singular():
+    """Before: a 1-step run's report said "after 1 steps"."""
+    from minizero.numerals import counted
+    from minizero.plots import steps_drawn
+    assert "after 1 step, 0.4 s" in _lines([5.0], 5.2, warmup=0)[0]
+    assert steps_drawn(0, 1, 1) == "1 step" and counted(2, "step") == "2 steps"
+    assert counted(1024, "rank") == "1,024 ranks"

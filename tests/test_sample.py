@@ -279,3 +279,28 @@ def test_the_reports_sample_cuts_long_lines_and_keeps_every_character():
     shown = printable(text, width=100)
     assert [len(line) for line in shown.split("\n")] == [100, 100, 50, 5, 0]
     assert shown.replace("\n", "") == printable(text).replace("\n", "") and "\ufffd" in shown
+
+
+
+def test_the_sample_is_cut_at_terminal_columns():
+    """A 1-step tiny run's sample line was 100 characters but 231 bytes of wide characters and U+FFFD: now cut at
+    120 columns as a terminal shows them (a wide character takes 2, a tab up to 8), every character kept."""
+    from minizero.sample import printable
+    text = "\u8679" * 70 + "\n" + "a\t" * 20 + "\nend"
+    shown = printable(text, width=120).split("\n")
+    assert [len(line.expandtabs()) + sum(c == "\u8679" for c in line) for line in shown] == [120, 20, 120, 40, 3]
+    assert "".join(shown) == text.replace("\n", "")
+
+
+def test_the_report_says_a_cut_sample_loses_nothing(capsys):
+    """The report's sample header says when its lines were cut for display, and where the text is whole."""
+    from types import SimpleNamespace
+
+    from minizero.report import _print_sample
+    args = SimpleNamespace(sample_tokens=8, no_save=False, json="out/summary.json")
+    _print_sample(args, "short\nlines")
+    assert capsys.readouterr().out == "\nsample:\nshort\nlines\n\n"
+    _print_sample(args, "x" * 300)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("sample: (long lines cut at 120 columns for display only; nothing is lost: out/summary.json "
+                        "holds the text as sampled)") and [len(line) for line in lines[2:]] == [120, 120, 60, 0]

@@ -410,7 +410,7 @@ def test_the_traffic_table_names_what_it_leaves_out_in_bytes_of_the_run(layout):
     note += f"; start-up broadcast of the parameters {format_bytes(bcast)}" if bcast else ""
     lines = ranks[0][0]
     start = next(i for i, line in enumerate(lines) if line.startswith("traffic per step"))
-    assert note in "\n".join(lines[start:start + 5]).replace("\n    ", " "), lines  # wrapped at 100 columns
+    assert note in "\n".join(lines[start:start + 6]).replace("\n    ", " "), lines  # wrapped at 100 columns
 
 
 @pytest.mark.timeout(300)

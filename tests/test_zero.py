@@ -412,6 +412,14 @@ def test_the_drawing_names_parameters_too_small_for_a_column():
     assert "scaled" not in ShardMap.from_model(GPT(get_config("tiny")), 4).draw(width=4096)
 
 
+@pytest.mark.parametrize("model", ["tiny", "default", "deep"])
+def test_the_drawing_fits_120_columns(model):
+    """Before: the legend of a block, ``a = ln_1.weight (16,), b = ...``, was one line of over 300 columns."""
+    drawing = ShardMap.from_model(GPT(get_config(model)), 4).draw()
+    assert max(map(len, drawing.splitlines())) <= 120, drawing
+    assert "k = mlp.c_proj.weight (16, 64)" in drawing or model != "tiny"
+
+
 def test_stage3_saves_a_contiguous_view_of_one_gathered_parameter_as_a_handle_and_nothing_else():
     """_view_of_gathered: a C-contiguous view inside one parameter -> (offset, shape) that reads the same elements;
     a view over two parameters, a strided or re-typed one, or a stale entry (p.data re-pointed) -> None."""

@@ -72,9 +72,10 @@ class MemoryMonitor:
         cur, peak = both.max(axis=0)
         pool_text = ("" if pool is None
                      else f"; CuPy pool high-water {format_bytes(self.device_pool_peak['total'])} here")
-        first, self.said_max = not self.said_max, True  # "max over ranks" once: the log lines stay short
+        first, self.said_max = not self.said_max, True  # "max over ranks" once, below: the log lines stay short
         text = f"mem {format_bytes(cur)}, peak {format_bytes(peak)}"
-        return text + (f" (max over ranks{pool_text})" if first else f" ({pool_text[2:]})" if pool_text else "")
+        return text + (f"\n(mem and peak: max over ranks{pool_text})" if first
+                       else f" ({pool_text[2:]})" if pool_text else "")
 
 
 def gather_timeline(comm, timeline: list[list[int]]) -> np.ndarray:

@@ -21,6 +21,7 @@ from minizero import backend
 from minizero.comm.collectives import shard_range
 from minizero.nn.module import ModuleList
 from minizero.nn.init import is_meta
+from minizero.numerals import wrapped
 
 
 # --------------------------------------------------------------------------- the shard map
@@ -175,12 +176,12 @@ class ShardMap:
             lines += [f"{u.name}: {u.numel:,} elements (+{u.padded - u.numel} padding), "
                       f"{u.padded // self.world_size:,} per rank",
                       "  params  " + params, "  ranks   " + ranks,
-                      "  " + ", ".join(f"{chr(ord('a') + k % 26)} = {n} {tuple(shape)}"
-                                       for k, (n, shape) in enumerate(zip(short, u.shapes)))]
+                      wrapped("  " + ", ".join(f"{chr(ord('a') + k % 26)} = {n} {tuple(shape)}"
+                                               for k, (n, shape) in enumerate(zip(short, u.shapes))))]
             hidden = [chr(ord("a") + k % 26) for k in range(len(u.shapes)) if chr(ord("a") + k % 26) not in params]
             if hidden:  # a column shows the parameter of its first element only
-                lines.append(f"  (scaled: 1 column = {u.padded / cols:.4g} elements; {', '.join(hidden)} are smaller "
-                             "and fall between columns; format() lists every range exactly)")
+                lines.append(wrapped(f"  (scaled: 1 column = {u.padded / cols:.4g} elements; {', '.join(hidden)} "
+                                     "are smaller and fall between columns; format() lists every range exactly)"))
         return "\n".join(lines)
 
 

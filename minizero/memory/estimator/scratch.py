@@ -28,7 +28,7 @@ from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_ze
 DEFAULT_BUCKET_BYTES = 1 << 20
 #: float64 elements of the main job's largest bookkeeping all-reduce over the world: the traffic table's row at the
 #: end of the run (``parallel/placement.py`` ``node_traffic``; larger than evaluation's loss sum and count)
-METRICS_ROW = 18
+METRICS_ROW = 20
 
 
 def largest_bucket(sizes, itemsize: int, bucket_bytes: int) -> int:
