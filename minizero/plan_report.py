@@ -232,6 +232,13 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
 
 
+def fp8_note(args, model) -> str:
+    """What a preset's fp8 rows need in minizero.train: its default delayed scaling refuses recompute."""
+    if args.precision != "fp8" or not model.name.startswith("minizero-"):
+        return ""
+    return " (a row with rc runs in minizero.train with --fp8-scaling current: delayed scaling refuses recompute)"
+
+
 def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
     """The lines above the table: model, GPUs and the assumed hardware, units, the columns' legend."""
     p0, tunit = element_bytes(shown[0].strategy), table_unit(shown, unit)[1]
@@ -257,7 +264,8 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             f"{args.gpus:,} GPUs x {size(hw.gpu_memory, unit)} (--gpu-memory {args.gpu_memory}{given}; "
             f"{args.gpus_per_node} per node), host "
             f"{size(hw.host_memory, unit)} per GPU; sequence {seq:,}, micro-batch {args.micro_batch:,}, global "
-            f"batch {gbatch:,} sequences requested; {args.precision} precision, {args.attention} attention, "
+            f"batch {gbatch:,} sequences requested; {args.precision} precision{fp8_note(args, model)}, "
+            f"{args.attention} attention, "
             f"{args.optimizer} (K = {p0[3]:g} "
             f"bytes/parameter), {sched}",
             f"every size in the table in {tunit} ({POWERS[tunit]} bytes): memory per GPU; host = offloaded; "

@@ -161,3 +161,17 @@ def test_a_preset_s_search_is_the_real_one_less_what_train_refuses_and_says_so(c
                      r"bf16, which converts plain Linear layers only \([0-9,]+ strategies\)", said), said
     assert plan.main(["--model", "llama3-8b", "--gpus", "8", "--precision", "bf16"]) in (0, None)
     assert "left out" not in capsys.readouterr().out
+
+
+def test_a_preset_s_fp8_plan_says_its_recomputing_rows_take_current_scaling(capsys):
+    """Train refuses fp8's default delayed scaling with --recompute; the planner searches such rows for a preset (they
+    run with --fp8-scaling current), and before did not say so: a user copying a row got a refusal."""
+    from minizero import plan
+
+    assert plan.main(["--model", "tiny", "--gpus", "4", "--precision", "fp8"]) in (0, None)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "fp8 precision (a row with rc runs in minizero.train with --fp8-scaling current" in said
+    with pytest.raises(UsageError, match="--fp8-scaling current"):  # what the note is about
+        parse_args(["--model", "tiny", "--precision", "fp8", "--recompute", "full", "--no-save"], 1)
+    assert plan.main(["--model", "llama3-8b", "--gpus", "8", "--precision", "fp8"]) in (0, None)
+    assert "--fp8-scaling" not in capsys.readouterr().out  # a real model: no minizero.train note
