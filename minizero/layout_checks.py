@@ -13,7 +13,7 @@ from minizero.flags import LATE_DEFAULTS, UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
 
 
-# ---- rules the planner shares: ZeRO with pp (every model's), train's own (plan_search.train_refusal: presets') ----
+# ---- the planner's rules: ZeRO with pp, sp's split (every model's), train's (plan_search.train_refusal: presets') ----
 #: the pipeline schedules a mixture of experts runs (check_moe)
 MOE_SCHEDULES = ("1f1b", "gpipe")
 

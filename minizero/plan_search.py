@@ -120,7 +120,6 @@ def train_refusal(model: ModelShape, st: Strategy, seq_len: int | None) -> tuple
     of and why, the header's words; this strategy's and the fix, --strategy's), or None: train runs it."""
     moe, ep, p, opt = model.experts, st.ep > 1, st.precision, st.optimizer
     broken = [not precision_fits(p, st.tp),
-              st.sequence_parallel and seq_len is not None and not sequence_parallel_fits(st.tp, seq_len),
               not flash_fits(st.attention, st.cp, st.cp_attention),
               st.offload != "none" and not offloads_optimizer(opt),
               moe and not moe_allows_cp(st.cp), moe and not moe_allows_sequence_parallel(st.sequence_parallel),
@@ -131,8 +130,6 @@ def train_refusal(model: ModelShape, st: Strategy, seq_len: int | None) -> tuple
     experts, adamw = f"{model.name}'s experts", "expert parallelism runs AdamW"
     return [(f"tp > 1 with --precision {p}, which converts plain Linear layers only",
              f"tp {st.tp} with --precision {p}: it converts plain Linear layers, not tensor-parallel ones; use tp 1"),
-            ("sequence parallelism where tp does not divide the sequence",
-             f"sp needs the sequence {seq_len} divisible by tp {st.tp}"),
             ("attention=flash with ring attention, which already runs the flash recurrence",
              f"attention=flash with cp {st.cp} by ring attention: the ring already runs the flash recurrence; use "
              "cp_attention=ulysses or attention=dense"),
@@ -176,8 +173,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
 
     tp divides the heads, KV heads and FFN sizes and fits in a node; pp x virtual stages divides the layers; ZeRO > 0
     on one data rank only with offload; ZeRO 2-3 not with pp > 1 (:func:`zero_fits_pipeline`); sequence parallelism
-    needs tp > 1; cp as :func:`context_parallel_sizes` allows, with at least
-    :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring attention and, where :func:`ulysses_fits`, by
+    needs tp > 1 dividing the sequence (:func:`sequence_parallel_fits`); cp as :func:`context_parallel_sizes` allows,
+    with at least :data:`MIN_CP_TOKENS_PER_RANK` tokens per rank, by ring attention and, where :func:`ulysses_fits`, by
     DeepSpeed-Ulysses (``cp_attention``: only that one); ep as :func:`expert_parallel_sizes` allows (``ep``: only it).
     For minizero's presets (:func:`train_runs`) only what minizero.train runs; ``left_out`` counts the rest by rule.
     """
@@ -200,7 +197,8 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
                         continue
                     for kind in kinds:
                         for st in _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer,
-                                           bucket_bytes, attention, e, kind, hybrid_shard(dp, tp * cp, gpus_per_node)):
+                                           bucket_bytes, attention, e, kind, hybrid_shard(dp, tp * cp, gpus_per_node),
+                                           seq_len is None or sequence_parallel_fits(tp, seq_len)):
                             why = train_refusal(model, st, seq_len) if train else None
                             if why is None:
                                 yield st
@@ -219,9 +217,10 @@ def hybrid_shard(dp: int, gpus: int, gpus_per_node: int) -> int | None:
 
 
 def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, optimizer, bucket_bytes, attention,
-             ep=1, cp_attention="ring", shard=None):
+             ep=1, cp_attention="ring", shard=None, sp_fits=True):
     """Every ZeRO / offload / recompute / sequence-parallel / activation-offload choice on one dp x cp x tp x pp
-    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where they hold whole expert groups."""
+    mesh, ZeRO also over groups of ``shard`` data ranks (hybrid sharding) where they hold whole expert groups; sp only
+    where ``sp_fits`` (tp divides the sequence)."""
     m = micro_batches(global_batch, dp, micro_batch, sched, pp)
     for zero in (0, 1, 2, 3):
         for offload in OFFLOAD:
@@ -231,7 +230,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
                 continue
             shards = (None, shard) if zero > 0 and shard and shard * cp % ep == 0 else (None,)
             for recompute, sp, act_off, dp_shard in itertools.product(
-                    RECOMPUTE, (False, True) if tp > 1 else (False,), (False, True), shards):
+                    RECOMPUTE, (False, True) if tp > 1 and sp_fits else (False,), (False, True), shards):
                 yield Strategy(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, dp_shard=dp_shard,
                                recompute=recompute, precision=precision, optimizer=optimizer, offload=offload,
                                offload_activations=act_off, micro_batch=micro_batch, micro_batches=m, schedule=sched,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from minizero.layout_checks import MOE_SCHEDULES, moe_allows_precision, moe_allows_schedule, zero_fits_pipeline
+from minizero.layout_checks import (MOE_SCHEDULES, moe_allows_precision, moe_allows_schedule, sequence_parallel_fits,
+                                    zero_fits_pipeline)
 from minizero.memory.estimator import ATTENTIONS, CP_ATTENTIONS, PRECISIONS, RECOMPUTE, ModelShape, Strategy
 from minizero.plan_search import (_divisors, context_parallel_sizes, micro_batches, pipeline_schedule, tp_divides,
                                   train_refusal, train_runs, ulysses_fits)
@@ -105,6 +106,8 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         raise ValueError(f"--strategy {text!r}: {names} = {sizes.get('dp', '?')} x {values}{tp} x {pp} must equal "
                          f"--gpus {gpus}")
     shard = sizes.pop("shard", None)  # hybrid sharding (zero/hybrid.py); None: ZeRO over all data ranks
+    sp_tps = [t for t in _divisors(gpus) if 1 < t <= gpus_per_node and tp_divides(model, t) and seq_len
+              and sequence_parallel_fits(t, seq_len)]
     rules = [(zero in (0, 1, 2, 3), f"zero {zero}: allowed 0, 1, 2, 3"),
              (shard is None or dp % shard == 0,
               f"shard {shard} must divide dp {dp}; allowed: {', '.join(map(str, _divisors(dp)))}"),
@@ -127,6 +130,9 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
               f"cp_attention=ulysses with cp {cp} needs cp to divide the {model.n_head // tp} heads and "
               f"{model.n_kv_head // tp} KV heads of each of the tp {tp} ranks"),
              (not sp or tp > 1, "sp (sequence parallelism) needs tp > 1 (as in training)"),
+             (not sp or seq_len is None or sequence_parallel_fits(tp, seq_len),
+              f"sp needs the sequence {seq_len} divisible by tp {tp} (Megatron-LM splits it over the tp ranks); "
+              f"allowed tp: {', '.join(map(str, sp_tps)) or 'none'}, or leave sp off"),
              (zero_fits_pipeline(zero, pp), f"zero {zero} with pp {pp} > 1: ZeRO-2/3 reduce gradients every "
               "micro-batch (neither DeepSpeed nor Megatron-LM combines them); use zero 1"),
              (offload != "optimizer" or zero >= 2, "offload=optimizer needs zero 2 or 3 (ZeRO-Offload)"),

@@ -1,6 +1,7 @@
 """For minizero's presets the planner searches and accepts only what minizero.train runs: every strategy
 ``plan_search`` enumerates for a preset, dense or a mixture of experts, written as ``python -m minizero.train`` flags,
-passes train's argument checks (parsed and validated, not run). Real models keep the real systems' search. Before, the MoE search offered cp, sequence parallelism, ep with
+passes train's argument checks (parsed and validated, not run). Real models keep the real systems' search.
+Before, the MoE search offered cp, sequence parallelism, ep with
 8-bit Adam or an offloaded optimizer and interleaved pipelines, and any search bf16/fp8 with tp > 1 and flash
 attention with ring cp: train refused each of them."""
 import dataclasses
@@ -97,7 +98,6 @@ def test_every_searched_strategy_reads_back_through_strategy(preset, gpus, exper
     (0, 8, "dp4 tp2", dict(precision="bf16"), "tp 2 with --precision bf16: it converts plain Linear layers"),
     (0, 8, "dp4 cp2", dict(attention="flash"), "attention=flash with cp 2 by ring attention"),
     (0, 8, "dp8 zero3 offload=optimizer", dict(optimizer="adam8bit"), "offload=optimizer with --optimizer adam8bit"),
-    (0, 8, "dp2 tp4 sp", dict(seq_len=126), "sp needs the sequence 126 divisible by tp 4"),
 ])
 def test_strategy_refuses_for_a_preset_what_train_refuses(experts, gpus, text, kw, words):
     with pytest.raises(ValueError) as e:
@@ -139,6 +139,23 @@ def test_a_real_model_s_search_is_not_cut_by_train_s_rules():
     assert search_refusal(get_model("deepseek-v3"), "fp8", "1f1b") is None
     assert any(st.tp > 1 for st in enumerate_strategies(get_model("deepseek-v3"), 256, seq_len=4096,
                                                         precision="fp8", global_batch=256))
+
+
+@pytest.mark.parametrize("model,text,tp", [("llama2-7b", "dp1 tp8 pp1 zero0 sp", 8),
+                                           ("minizero-default", "dp2 tp4 sp", 4)])
+def test_sequence_parallelism_needs_tp_to_divide_the_sequence_for_every_model(model, text, tp):
+    """Megatron-LM's _split_along_first_dim asserts it: a real model's search offered sp at tp 8 for 1001 tokens, and
+    --strategy accepted it, when the rule was a preset's only."""
+    shape = get_model(model) if model == "llama2-7b" else _shape("default", 0)
+    left = {}
+    sts = list(enumerate_strategies(shape, 8, seq_len=1001, left_out=left))
+    assert sts and not any(st.sequence_parallel for st in sts) and not left
+    assert any(st.sequence_parallel and st.tp == 2 for st in enumerate_strategies(shape, 8, seq_len=1002))
+    with pytest.raises(ValueError, match=rf"'{text}': sp needs the sequence 1001 divisible by tp {tp} "
+                                         r"\(Megatron-LM splits it over the tp ranks\); allowed tp: none, or leave sp"):
+        parse_strategy(text, shape, 8, seq_len=1001)
+    with pytest.raises(ValueError, match=r"sequence 126 divisible by tp 4 .*; allowed tp: 2, or leave sp off$"):
+        parse_strategy("dp2 tp4 sp", shape, 8, seq_len=126)
 
 
 def test_a_preset_s_search_is_the_real_one_less_what_train_refuses_and_says_so(capsys, monkeypatch):
