@@ -11,7 +11,7 @@ import os
 from minizero.files import atomic_write, check_output
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.numerals import column, significant
-from minizero.plan_search import Candidate, Hardware
+from minizero.plan_search import Candidate, Hardware, train_runs
 
 def describe(st: Strategy) -> str:
     """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``ep=4``
@@ -234,7 +234,7 @@ def count(n: int) -> str:
 
 def fp8_note(args, model) -> str:
     """What a preset's fp8 rows need in minizero.train: its default delayed scaling refuses recompute."""
-    if args.precision != "fp8" or not model.name.startswith("minizero-"):
+    if args.precision != "fp8" or not train_runs(model):
         return ""
     return " (a row with rc runs in minizero.train with --fp8-scaling current: delayed scaling refuses recompute)"
 
