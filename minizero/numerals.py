@@ -243,6 +243,12 @@ def counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
+def shortened(text: str, keep: int, most: int | None = None) -> str:
+    """``text`` if at most ``most`` (default ``keep``) characters, else its first ``keep`` and its length:
+    ``"xxx... (300 characters)"`` (an unbroken word is not wrapped: a long value would make a long line)."""
+    return text if len(text) <= (keep if most is None else most) else f"{text[:keep]}... ({len(text):,} characters)"
+
+
 def in_width(x: float, width: int, decimals: int = 0) -> str:
     """``x`` right-aligned in ``width`` columns with ``decimals`` digits after the point: ``22,144,603`` where it
     fits, else ``22144603``, else ``2.21e+10``. A column of several rows: :func:`column`."""
