@@ -114,7 +114,8 @@ def unrecognized(parser: argparse.ArgumentParser, words: list[str], namespace=No
     return "; ".join([said, *dict.fromkeys(notes)])
 
 
-SHAPE = re.compile(r"\((?:\d+, )+\d*\)")  #: a tuple of ints as Python prints it, a shape: "(256, 16)", "(16,)"
+SHAPE = re.compile(r"\(\d+,\)|\(\d+(?:, \d+)+\)")  #: a tuple of ints as Python prints it, a shape: "(256, 16)", "(16,)"
+SHAPE_WHOLE = 30  #: the longest shape :func:`wrapped` keeps on one line (a longer tuple is cut as other text)
 ERROR_WIDTH = 120  #: columns of a line a program prints before the rest goes on an indented line of its own
 
 
@@ -123,10 +124,12 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
     after the last '; ' that fits, else ': ', else the last ', ' or before the last ' (' (a list is cut between items,
     and its last item stays with it, not with a parenthesis after it; "item (note)" stays whole where a ', ' past half
     the line can be cut instead), else ' ' (never in the first half); where none does, before the word that runs past
-    ``width``, which then takes a line of its own however long. The words are the text's: the lines joined with one
-    space are the line (``" ".join(printed.split())`` reads it whole)."""
-    out = []
-    for line in SHAPE.sub(lambda m: m[0].replace(" ", "\0"), text).splitlines() or [""]:  # "(256, 16)" stays whole
+    ``width``, which then takes a line of its own however long; a shape (:data:`SHAPE`) of <= :data:`SHAPE_WHOLE`
+    characters is never cut. The lines joined with one space are the line (``" ".join(printed.split())``)."""
+    out = []  # a shape's spaces stand in as a character the text lacks (a private-use one) while it is cut
+    keep = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in text), " ")
+    for line in SHAPE.sub(lambda m: m[0].replace(" ", keep) if len(m[0]) <= SHAPE_WHOLE else m[0],
+                          text).splitlines() or [""]:
         indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
         k = len(indent)
         while len(line) > width:
@@ -144,7 +147,7 @@ def wrapped(text: str, width: int = ERROR_WIDTH) -> str:
             out.append(line[:cut].rstrip())
             line = indent + line[cut:].lstrip()
         out.append(line)
-    return "\n".join(out).replace("\0", " ")
+    return "\n".join(out).replace(keep, " ")
 
 
 def _an_items_note(line: str, at: int) -> bool:
@@ -238,6 +241,12 @@ def ordinal(n: int) -> str:
 def counted(n: int, noun: str) -> str:
     """``1 step``, ``300 steps``, ``1,024 steps`` (it said "after 1 steps")."""
     return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
+def shortened(text: str, keep: int, most: int | None = None) -> str:
+    """``text`` if at most ``most`` (default ``keep``) characters, else its first ``keep`` and its length:
+    ``"xxx... (300 characters)"`` (an unbroken word is not wrapped: a long value would make a long line)."""
+    return text if len(text) <= (keep if most is None else most) else f"{text[:keep]}... ({len(text):,} characters)"
 
 
 def in_width(x: float, width: int, decimals: int = 0) -> str:

@@ -80,6 +80,59 @@ def test_the_traffic_rows_add_up_to_the_world_total():
     world = next(line for line in lines if line.startswith("  world: "))
     assert world.startswith(f"  world: {sum(sent.values()) / 1024:.2f} KiB sent;"), lines  # validation left out
 
+
+def _rows_and_world(lines):
+    """A traffic table's rows' bytes sent ({name: bytes}) and the world line's."""
+    def nbytes(value, unit):
+        return float(value) * {"B": 1, "KiB": 1024}[unit.rstrip(",;")]
+    sent = {line.split()[0]: nbytes(*line.split("node(s),")[1].split()[:2]) for line in lines if "node(s)," in line}
+    return sent, nbytes(*next(line for line in lines if line.startswith("  world: ")).split()[1:3])
+
+
+def _case_table(comm, case, steps=1, loss=7, sizes=(101, 29, 53)):
+    """A table of ``case``'s groups with made-up records: ``loss`` and ``sizes`` (the cp or ep all-to-all, ep's
+    expert gradients, the dense gradients: bytes per rank)."""
+    from minizero.parallel.expert_parallel import expert_groups
+    from minizero.parallel.placement import node_traffic
+    topo = Topology(comm, *{"cp": (4, 1, 1), "ep": (4, 1, 1), "zbv": (1, 1, 2)}[case])
+    records = [(comm, "loss", loss), (comm, "validation", 100)]
+    kw = {}
+    if case == "cp":
+        kw = {"cp": 2}
+        records += [(topo.dp_comm, "ring_attention", sizes[0]), (topo.dp_comm, "all_reduce", sizes[2])]
+    elif case == "ep":
+        ep_comm, edp = expert_groups(topo.dp_comm, 2)
+        kw = {"ep": 2, "edp": edp}
+        records += [(ep_comm, "all_to_all", sizes[0]), (edp, "all_reduce", sizes[1]),
+                    (topo.dp_comm, "all_reduce", sizes[2])]
+    else:  # ZB-V: one rank holds both ends of the model; the tied embedding's group sends nothing
+        records += [(topo.pp_comm, "p2p", sizes[0])]
+    for group, label, nbytes in records:
+        if nbytes:
+            with group.traffic.op(label):
+                group.traffic.record(nbytes)
+    return node_traffic(topo, steps, **kw)
+
+
+@pytest.mark.parametrize("case, rows", [("cp", {"cp": 101, "dp-cp": 53}), ("ep", {"ep": 101, "edp": 29, "dp": 53}),
+                                        ("zbv", {"pp": 101})])
+def test_the_traffic_rows_add_up_to_the_world_total_under_cp_ep_and_zbv(case, rows):
+    """Before: under ZB-V (one rank holds both ends) an "embed ... 0 B" row; now each case's rows (and the
+    loss's "other" row) add up to the world line exactly, and a zero embed row is left out."""
+    ranks = 2 if case == "zbv" else 4
+    lines = run_in_threads(ranks, lambda comm: _case_table(comm, case))[0]
+    sent, world = _rows_and_world(lines)
+    assert sent == {**{k: v * ranks for k, v in rows.items()}, "other": 7 * ranks}, lines
+    assert sum(sent.values()) == world and "embed" not in "".join(lines), lines
+
+
+def test_the_traffic_other_row_is_taken_before_dividing_by_steps():
+    """Before: the "other" remainder was taken per step (after / steps): 3 steps, every byte in a row, left
+    8.9e-16 B and an "other ... 0 B" row. Now taken on the run's whole bytes."""
+    lines = run_in_threads(4, lambda comm: _case_table(comm, "ep", steps=3, loss=0, sizes=(1, 1, 3)))[0]
+    assert set(_rows_and_world(lines)[0]) == {"ep", "edp", "dp"}, lines
+
+
 def test_the_node_line_of_one_process_and_of_several():
     """Before: "nodes: all 1 rank(s) on one node (one machine)" for a single process."""
     lines = run_in_threads(2, lambda comm: Topology(comm, 2, 1, 1).describe_nodes())

@@ -696,6 +696,22 @@ def test_a_wrapped_line_keeps_a_shape_whole(pad):
     printed = wrapped(line)
     assert any("(256, 16)" in part for part in printed.splitlines()) and unwrapped(printed) == [line], printed
 
+
+def test_a_wrapped_line_cuts_a_long_tuple_and_keeps_a_nul():
+    """Before: every tuple of whole numbers stayed whole (a 60-item tuple made a 232-column line), "(16,)" was not
+    matched as the comment said, and a NUL in the text came back as a space (the kept spaces' stand-in was NUL)."""
+    from minizero.numerals import SHAPE, SHAPE_WHOLE, wrapped
+    long = str(tuple(range(100, 160)))
+    printed = wrapped(f"error: the ids {long} are unknown")
+    assert max(map(len, printed.splitlines())) <= 120, printed
+    assert " ".join(printed.split()) == f"error: the ids {long} are unknown"
+    assert SHAPE.fullmatch("(16,)") and SHAPE.fullmatch("(256, 16)") and not SHAPE.search("(16) (a, 1)")
+    shape = str((10, 11, 12, 13, 14, 15, 1234))  # 30 characters: the longest kept whole
+    assert len(shape) == SHAPE_WHOLE
+    for pad in range(60, 120, 7):
+        assert any(shape in part for part in wrapped(f"{'x' * pad} {shape} differs").splitlines())
+    assert wrapped("a\0b (256, 16)") == "a\0b (256, 16)" and wrapped("a\0b " * 40).count("\0") == 40
+
 # --------------------------------------------------------------------------- a Python without the dependencies
 @pytest.mark.parametrize("tool", ["minizero.train", "minizero.checkpoint"])
 def test_a_tool_run_outside_the_environment_says_to_activate_it(tmp_path, tool):

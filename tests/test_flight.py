@@ -193,6 +193,13 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
 
 
+def test_one_helper_shortens_a_long_value_for_debug_hang_and_trace():
+    """debug hang's record texts and debug trace's refused values: each was its own copy of this rule."""
+    from minizero.numerals import shortened
+    assert shortened("o" * 60, 60) == "o" * 60 and shortened("o" * 61, 60) == f"{'o' * 60}... (61 characters)"
+    assert shortened("1" * 40, 30, 40) == "1" * 40 and shortened("1" * 1041, 30, 40) == f"{'1' * 30}... (1,041 characters)"
+
+
 @pytest.mark.parametrize("content,needle", [
     (b"[1, 2]", "has no traceEvents list"), (b'{"traceEvents": [{"ph": "X", "name": "f"}]}', "lacks 'cat'"),
     (b"\xe1\x80 binary", "is not JSON: 'utf-8' codec can't decode"), (b"", "is not JSON: Expecting value"),

@@ -14,7 +14,7 @@ import time
 
 from minizero.comm.flight import RECORD_NAME, describe, peek
 from minizero.files import read_json
-from minizero.numerals import wrapped
+from minizero.numerals import shortened, wrapped
 
 
 def load(folder: str) -> dict[int, dict]:
@@ -138,9 +138,8 @@ def _signature(e: dict) -> tuple:
     return e["op"], None if e["shape"] is None else tuple(e["shape"]), e["dtype"]
 
 
-def _shown(text, most: int = 60) -> str:  # a record's text past ``most`` characters: its start and its length
-    text = str(text)  # (a 300-character op, within or reason made a 302-column line: an unbroken word is not wrapped)
-    return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
+def _shown(text) -> str:  # a record's text past 60 characters (a 300-character op made a 302-column line)
+    return shortened(str(text), 60)
 
 
 def _describe(e: dict) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 from minizero.files import read_json
-from minizero.numerals import ERROR_WIDTH, column, in_width, significant, wrapped
+from minizero.numerals import ERROR_WIDTH, column, in_width, shortened, significant, wrapped
 from minizero.trace import COMM, COMPUTE, IN_FLIGHT, covered_us, intervals
 
 PIPELINE_WAITS = ("recv ", "wait sends", "pp_")  #: blocking-lane span names that are a pipeline stage waiting
@@ -133,8 +133,7 @@ def load(path: str) -> list:
              f"an object whose 'peer' is a rank (0 to {RANKS - 1:,})")) if not ok]
         if wrong:
             f, allowed = wrong[0]
-            got = repr(e[f]) if len(repr(e[f])) <= 40 else f"{repr(e[f])[:30]}... ({len(repr(e[f])):,} characters)"
-            raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {got}, not {allowed}")
+            raise ValueError(f"{path!r}: traceEvents[{i}].{f} is {shortened(repr(e[f]), 30, 40)}, not {allowed}")
     return events
 
 

@@ -87,14 +87,16 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     row += [_per_run(topo.embed_comm.traffic.snapshot()), _per_run(_cross(topo.embed_comm))]  # in the pp group's too
     with topo.world.traffic.op("metrics"):
         run = all_reduce(topo.world, np.array(row, dtype=np.float64))
-    total = run / steps
     if topo.world.rank != 0:
         return []
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
-    total[2:4] -= total[10:12] + total[12:14] + total[14:16]  # the dp row: without ring attention or the
+    net = run.copy()  # whole bytes of the run: the rows' sums and the "other" remainder are exact before / steps
+    net[2:4] -= net[10:12] + net[12:14] + net[14:16]  # the dp row: without ring attention or the
     # all-to-alls (the cp or ep row), the agreement on the parameters used, the replica check's digests, the edp row
-    total[4:6] -= total[18:20]  # the pp row: without the tied embedding's reduction (the embed row)
-    rows = [0.0, 0.0]  # what the rows add up to: the rest of the world's bytes is the "other" row
+    net[4:6] -= net[18:20]  # the pp row: without the tied embedding's reduction (the embed row)
+    total = net / steps
+    shown = []  # the index of each row's bytes sent (across nodes: the next): the rest of the world's is "other"
+    embed = topo.pp > 1 and bool(net[18] or net[19])  # ZB-V: one rank holds both ends, nothing to reduce
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
             continue
@@ -105,7 +107,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
                     else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all")
             lines.append(f"  {'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
                          f"node(s), {_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   ({what})")
-            rows = [rows[0] + total[10], rows[1] + total[11]]
+            shown.append(10)
             if topo.dp == n and not total[2]:
                 continue
         if k == "dp" and edp is not None and edp.world_size > 1:
@@ -113,20 +115,21 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
             lines.append(f"  {'edp':5s} ({edp.world_size} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
                          f"node(s), {_fmt(total[14]):>9s}, {_fmt(total[15]) if known else '?':>9s}   "
                          "(expert gradients over the ranks holding the same experts)")
-            rows = [rows[0] + total[14], rows[1] + total[15]]
+            shown.append(14)
         across = _fmt(total[2 * i + 1]) if known else "?"
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
         lines.append(f"  {label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
                      f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
-        rows = [rows[0] + total[2 * i], rows[1] + total[2 * i + 1]]
-        if k == "pp":
+        shown.append(2 * i)
+        if k == "pp" and embed:
             lines.append(f"  embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s), {_fmt(total[18]):>9s}, "
                          f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient)")
-            rows = [rows[0] + total[18], rows[1] + total[19]]
-    other = total[7] - rows[1]
-    if total[6] - rows[0] or other:  # the world's bytes in no row above: the rows add up to its total
+            shown.append(18)
+    other_sent = (net[6] - sum(net[i] for i in shown)) / steps
+    other = (net[7] - sum(net[i + 1] for i in shown)) / steps
+    if other_sent or other:  # the world's bytes in no row above: the rows add up to its total
         lines.append(f"  other (all {topo.world.world_size} ranks): {topo.nodes.n_nodes} node(s), "
-                     f"{_fmt(total[6] - rows[0]):>9s}, {_fmt(other) if known else '?':>9s}   (loss, norm, flags, "
+                     f"{_fmt(other_sent):>9s}, {_fmt(other) if known else '?':>9s}   (loss, norm, flags, "
                      "metrics, digests)")
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
@@ -135,7 +138,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         cp_part += f" + edp {_fmt(total[15])}" if edp is not None and edp.world_size > 1 else ""
         lines.append(f"  world: {_fmt(total[6])} sent; " + (
             f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
-            f"{f'+ embed {_fmt(total[19])} ' if topo.pp > 1 else ''}+ other {_fmt(other)}" if known
+            f"{f'+ embed {_fmt(total[19])} ' if embed else ''}+ other {_fmt(other)}" if known
             else "? across nodes"))
     setup = f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""
     lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(run[17])} (before the first "
