@@ -140,7 +140,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("notes\n")
     (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "old.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "old.json").write_text(json.dumps({"baseline": {}, "rows": []}))
     (tmp_path / "old_trace.json").write_text(json.dumps({"traceEvents": []}))
     (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
     for flag, name, what in [("--json", "notes.txt", "a summary"), ("--json", "list.json", "a summary"),
@@ -292,7 +292,7 @@ def test_json_on_a_disk_that_fills_at_the_end_is_one_line_and_keeps_the_previous
     (tmp_path / "base" / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
     full, out = tmp_path / "full", tmp_path / "out"
     full.mkdir()
-    previous = json.dumps({"rows": []})
+    previous = json.dumps({"baseline": {}, "rows": []})  # an earlier quantize summary
     (full / "s.json").write_text(previous)
     flags = ["--steps", "1", "--eval-batches", "1", "--out", str(out), "--json", str(full / "s.json")]
     if tool == "finetune":
@@ -367,9 +367,43 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
     with pytest.raises(compare.UsageError, match="does not hold a summary minizero wrote"):
         compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json", "mine.json"])
     assert (tmp_path / "mine.json").read_text() == '{"mine": "precious"}'
-    for key in ("train_loss", "rows", "runs", "results"):  # train's, finetune's and quantize's, compare's, a bench's
+    for key in ("train_loss", "rows", "runs", "results"):  # one key of a summary's: the user's, kept (replaced before)
         (tmp_path / "old.json").write_text(json.dumps({key: []}))
-        check_output("old.json", "--json")
+        with pytest.raises(ValueError, match="does not hold a summary minizero wrote"):
+            check_output("old.json", "--json")
+
+
+def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_its_keys_is_not(tmp_path, mpiexec):
+    """Before: a JSON object with any one of train_loss, rows, runs or results counted as minizero's summary, so
+    --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}. Now each program's
+    summary is known by all the keys it writes (files.SUMMARY_SIGNATURES), checked here on what each one wrote."""
+    from minizero.files import SUMMARY_SIGNATURES
+
+    def run(*argv, ok=(0,)):
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        assert proc.returncode in ok, proc.stderr
+
+    run("-m", "minizero.train", "--model", "tiny", "--steps", "1", "--no-progress", "--sample-tokens", "0",
+        "--out", "o", "--json", "train.json")
+    run("-m", "minizero.quantize", "--weights", "o/model.npz", "--json", "quantize.json")
+    run("-m", "minizero.finetune", "--weights", "o/model.npz", "--method", "full", "--steps", "1", "--eval-batches",
+        "1", "--json", "finetune.json")
+    run("-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps", "1", "--strategies", "baseline",
+        "--out", "cmp", "--json", "compare.json", "--timeout", "0.001", ok=(0, 1))  # its run cut: the JSON as ever
+    run(os.path.join(REPO_ROOT, "bench", "bench_allreduce.py"), "--json", "bench.json", "--quiet", "--max-bytes",
+        "4096", "--warmup", "0")
+    assert sorted(SUMMARY_SIGNATURES) == ["bench", "compare", "finetune", "quantize", "train"]
+    for name in SUMMARY_SIGNATURES:  # each writer's own output: accepted as an earlier summary
+        check_output(str(tmp_path / f"{name}.json"), "--json")
+    users = [{"results": [1]}, {"rows": 3, "name": "my spreadsheet"}, {"runs": 0}, {"rows": []}, {"rows": [1]},
+             {"rows": [{"method": "full"}]}]
+    users += [{k: 1} for keys, _ in SUMMARY_SIGNATURES.values() for k in keys]  # one key of a summary's
+    users += [dict.fromkeys(sorted(keys)[1:], 1) for keys, _ in SUMMARY_SIGNATURES.values()]  # all keys but one
+    for data in users:
+        (tmp_path / "mine.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="does not hold a summary minizero wrote"):
+            check_output(str(tmp_path / "mine.json"), "--json")
 
 
 @pytest.mark.parametrize("name", ["keep.json/", "newf.json/"])
@@ -380,7 +414,7 @@ def test_a_file_path_ending_in_a_slash_is_refused_before_any_work(tmp_path, monk
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "keep.json").write_text('{"rows": []}')
+    (tmp_path / "keep.json").write_text('{"baseline": {}, "rows": []}')
     said = f"{flag} {name!r} ends in '/': give a file path"
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, name], world_size=1)
