@@ -368,7 +368,7 @@ def refuse_slash_or_dangling(path: str, flag: str) -> None:
     real = os.path.realpath(path)
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
         raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "
-                         "exist")
+                         "exist; create that folder or give another path")
 
 
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:

@@ -89,6 +89,17 @@ def test_every_program_says_an_output_it_cannot_write_alike(tmp_path):
                                                                     + why.format("manifest.json", "folder"))
 
 
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EPERM])
+def test_an_output_refused_for_permission_says_to_give_a_path_one_can_write_to(code):
+    """Before: "Permission denied); give a file on a writable file system", though the file system may be writable
+    (a folder of another user's on it)."""
+    from minizero.temporaries import unwritable
+    e = OSError(code, os.strerror(code))
+    assert unwritable("--json", "/srv/x.json", e) == (f"--json '/srv/x.json' cannot be written ({os.strerror(code)}); "
+                                                      "give a path you can write to")
+    assert unwritable("--out", "/srv/o", e, "folder").endswith("; give a path you can write to")
+
+
 def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
     """Before: check_writable_file's open of a FIFO with no reader failed as "No such device or address" (ENXIO),
     and its callers printed that. A FIFO that a process reads is written into, as a device is."""
@@ -438,7 +449,7 @@ def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     os.symlink(str(tmp_path / "nonexist" / "x.json"), "danglink")
     said = (f"{flag} 'danglink': folder '{tmp_path}/nonexist' of the link's target '{tmp_path}/nonexist/x.json' "
-            "does not exist")
+            "does not exist; create that folder or give another path")  # what to give, as every refusal says
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, "danglink"], world_size=1)
     assert str(e.value) == said
