@@ -329,8 +329,18 @@ def refuse_blocking(path: str, flag: str) -> None:
 
 
 KEEPS = {"--json": "a summary minizero wrote", "--trace": "a trace (JSON with a traceEvents list)"}  #: else a PNG
-#: a key each --json summary has: train's train_loss, finetune's and quantize's rows, compare's runs, bench_allreduce's
-SUMMARY_KEYS = ("train_loss", "rows", "runs", "results")
+#: each program's --json summary (bench: bench_allreduce): the keys it always writes, and those each of its rows has
+#: (finetune writes rows alone). A JSON object holding them all is an earlier summary; one with fewer is the user's
+SUMMARY_SIGNATURES = {"train": ({"train_loss", "world_size", "config"}, ()), "quantize": ({"baseline", "rows"}, ()),
+                      "compare": ({"runs", "strategies", "tolerance"}, ()), "bench": ({"world_size", "results"}, ()),
+                      "finetune": ({"rows"}, ("method", "trainable_parameters", "val_after"))}
+
+
+def is_summary(data) -> bool:
+    """Whether ``data`` holds one program's :data:`SUMMARY_SIGNATURES`: its keys, and each of its rows' (1 or more)."""
+    rows = data["rows"] if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] else [{}]
+    return isinstance(data, dict) and any(keys <= data.keys() and all(
+        isinstance(r, dict) and set(row) <= r.keys() for r in rows) for keys, row in SUMMARY_SIGNATURES.values())
 
 
 def refuse_foreign(path: str, flag: str) -> None:
@@ -345,7 +355,7 @@ def refuse_foreign(path: str, flag: str) -> None:
     except (OSError, ValueError):
         data = None
     if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
-            isinstance(data.get("traceEvents"), list) if flag == "--trace" else any(k in data for k in SUMMARY_KEYS))):
+            isinstance(data.get("traceEvents"), list) if flag == "--trace" else is_summary(data))):
         raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
                          "only such a file (an earlier output); give another file, or move that one away")
 
@@ -358,7 +368,7 @@ def refuse_slash_or_dangling(path: str, flag: str) -> None:
     real = os.path.realpath(path)
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
         raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "
-                         "exist")
+                         "exist; create that folder or give another path")
 
 
 def check_output(path: str, flag: str = "--json", inputs: dict | None = None) -> None:

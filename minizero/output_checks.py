@@ -194,7 +194,6 @@ def check_resume_source(args) -> None:
                          + PRUNED_MID_READ)
 
 
-
 def _result_files(args) -> list[str]:
     """The files a finished run leaves in OUT: the weights, their config, the plots, and --json when it is in OUT."""
     names = [os.path.join(args.out, n) for n in ("model.npz", "model.json", "loss.png", "memory.png")]

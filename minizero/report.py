@@ -279,9 +279,9 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
 
 def _print_sample(args, text: str) -> None:
     if args.sample_tokens:  # --sample-tokens 0: the prompt alone, not printed
-        shown = printable(text, width=120)  # a long line cut, as the rest of the report; the text is unchanged
-        kept = "the text is unchanged" if args.no_save else f"{args.json} holds the text as sampled"
-        note = f" (long lines cut at 120 columns for display only; nothing is lost: {kept})"
+        shown = printable(text, width=120)  # a long line wrapped, as the rest of the report; the text is unchanged
+        kept = "" if args.no_save else " (the summary's 'sample')"  # true even if writing the summary then fails
+        note = f" (lines past 120 columns wrapped for display only; the text{kept} has no such breaks)"
         print("\n" + wrapped(f"sample:{note if shown.count(chr(10)) > text.count(chr(10)) else ''}") + f"\n{shown}\n")
 
 

@@ -109,5 +109,6 @@ def unwritable(flag: str, path: str, e: OSError, what: str = "file") -> str:
     """The line every program prints when a probe here (or ``files.check_writable_file``) refuses output ``path``
     (``flag``; ``what``: "file" or "folder"): why (``e``), then what to give instead."""
     give = {errno.ENAMETOOLONG: "a shorter path", errno.ELOOP: "another path", errno.ENOTDIR: "another path",
-            errno.ENXIO: "a regular file"}.get(e.errno, f"a {what} on a writable file system")
+            errno.ENXIO: "a regular file", errno.EACCES: "a path you can write to",
+            errno.EPERM: "a path you can write to"}.get(e.errno, f"a {what} on a writable file system")
     return f"{flag} {path!r} cannot be written ({e.strerror or e}); give {give}"

@@ -572,7 +572,7 @@ def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_p
     for name in ("model.npz", "model.json", "summary.json"):
         shutil.copy(saved.parent / name, tmp_path / name)
     corpus = tmp_path / "corpus.txt"
-    text = json.dumps({"rows": "the user's text. " * 200})  # a summary's key: --json would replace it but for this
+    text = json.dumps({"baseline": {}, "rows": "the user's text. " * 200})  # quantize's keys: --json would replace
     corpus.write_text(text)
     summary = json.loads((tmp_path / "summary.json").read_text())
     summary["config"]["train"]["data"] = str(corpus)

@@ -687,7 +687,6 @@ def test_a_note_with_no_list_cut_before_it_is_not_cut_itself():
         line, "  (this machine's memory), e.g. 4096"]
 
 
-
 @pytest.mark.parametrize("pad", range(60, 75))
 def test_a_wrapped_line_keeps_a_shape_whole(pad):
     """Before: the replica check's error read "parameter 'transformer.wte.weight' (256," then "  16) differs"."""

@@ -89,6 +89,17 @@ def test_every_program_says_an_output_it_cannot_write_alike(tmp_path):
                                                                     + why.format("manifest.json", "folder"))
 
 
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EPERM])
+def test_an_output_refused_for_permission_says_to_give_a_path_one_can_write_to(code):
+    """Before: "Permission denied); give a file on a writable file system", though the file system may be writable
+    (a folder of another user's on it)."""
+    from minizero.temporaries import unwritable
+    e = OSError(code, os.strerror(code))
+    assert unwritable("--json", "/srv/x.json", e) == (f"--json '/srv/x.json' cannot be written ({os.strerror(code)}); "
+                                                      "give a path you can write to")
+    assert unwritable("--out", "/srv/o", e, "folder").endswith("; give a path you can write to")
+
+
 def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
     """Before: check_writable_file's open of a FIFO with no reader failed as "No such device or address" (ENXIO),
     and its callers printed that. A FIFO that a process reads is written into, as a device is."""
@@ -140,7 +151,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("notes\n")
     (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "old.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "old.json").write_text(json.dumps({"baseline": {}, "rows": []}))
     (tmp_path / "old_trace.json").write_text(json.dumps({"traceEvents": []}))
     (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
     for flag, name, what in [("--json", "notes.txt", "a summary"), ("--json", "list.json", "a summary"),
@@ -184,7 +195,7 @@ def test_a_symlink_loop_is_refused_before_any_work(tmp_path, monkeypatch, capsys
     for flag in ("--json", "--trace"):
         with pytest.raises(UsageError, match=f"{flag} 'loopA' cannot be written .* is a loop of symbolic links"):
             parse_args(["--out", "o", flag, "loopA"], world_size=1)
-    with pytest.raises(ValueError, match="--png 'loopA' cannot be written .* is a loop of symbolic links.*another path"):
+    with pytest.raises(ValueError, match="--png 'loopA' cannot be written .* loop of symbolic links.*another path"):
         check_output("loopA", "--png")  # finetune, quantize, compare, plan and the bench scripts
     proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out", "o",
                            "--json", "loopA"], capture_output=True, text=True, timeout=300,
@@ -292,7 +303,7 @@ def test_json_on_a_disk_that_fills_at_the_end_is_one_line_and_keeps_the_previous
     (tmp_path / "base" / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
     full, out = tmp_path / "full", tmp_path / "out"
     full.mkdir()
-    previous = json.dumps({"rows": []})
+    previous = json.dumps({"baseline": {}, "rows": []})  # an earlier quantize summary
     (full / "s.json").write_text(previous)
     flags = ["--steps", "1", "--eval-batches", "1", "--out", str(out), "--json", str(full / "s.json")]
     if tool == "finetune":
@@ -323,8 +334,8 @@ def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
     (out / "loss.png").write_text("")
 
     def failed_run(folder):
-        return subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3", "--no-progress",
-                               "--out", str(folder)], capture_output=True, text=True, timeout=300,
+        return subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "3",
+                               "--no-progress", "--out", str(folder)], capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), MINIZERO_FAULT="0:1:raise"))
 
     proc = failed_run(out)
@@ -367,9 +378,43 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
     with pytest.raises(compare.UsageError, match="does not hold a summary minizero wrote"):
         compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json", "mine.json"])
     assert (tmp_path / "mine.json").read_text() == '{"mine": "precious"}'
-    for key in ("train_loss", "rows", "runs", "results"):  # train's, finetune's and quantize's, compare's, a bench's
+    for key in ("train_loss", "rows", "runs", "results"):  # one key of a summary's: the user's, kept (replaced before)
         (tmp_path / "old.json").write_text(json.dumps({key: []}))
-        check_output("old.json", "--json")
+        with pytest.raises(ValueError, match="does not hold a summary minizero wrote"):
+            check_output("old.json", "--json")
+
+
+def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_its_keys_is_not(tmp_path, mpiexec):
+    """Before: a JSON object with any one of train_loss, rows, runs or results counted as minizero's summary, so
+    --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}. Now each program's
+    summary is known by all the keys it writes (files.SUMMARY_SIGNATURES), checked here on what each one wrote."""
+    from minizero.files import SUMMARY_SIGNATURES
+
+    def run(*argv, ok=(0,)):
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        assert proc.returncode in ok, proc.stderr
+
+    run("-m", "minizero.train", "--model", "tiny", "--steps", "1", "--no-progress", "--sample-tokens", "0",
+        "--out", "o", "--json", "train.json")
+    run("-m", "minizero.quantize", "--weights", "o/model.npz", "--json", "quantize.json")
+    run("-m", "minizero.finetune", "--weights", "o/model.npz", "--method", "full", "--steps", "1", "--eval-batches",
+        "1", "--json", "finetune.json")
+    run("-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps", "1", "--strategies", "baseline",
+        "--out", "cmp", "--json", "compare.json", "--timeout", "0.001", ok=(0, 1))  # its run cut: the JSON as ever
+    run(os.path.join(REPO_ROOT, "bench", "bench_allreduce.py"), "--json", "bench.json", "--quiet", "--max-bytes",
+        "4096", "--warmup", "0")
+    assert sorted(SUMMARY_SIGNATURES) == ["bench", "compare", "finetune", "quantize", "train"]
+    for name in SUMMARY_SIGNATURES:  # each writer's own output: accepted as an earlier summary
+        check_output(str(tmp_path / f"{name}.json"), "--json")
+    users = [{"results": [1]}, {"rows": 3, "name": "my spreadsheet"}, {"runs": 0}, {"rows": []}, {"rows": [1]},
+             {"rows": [{"method": "full"}]}]
+    users += [{k: 1} for keys, _ in SUMMARY_SIGNATURES.values() for k in keys]  # one key of a summary's
+    users += [dict.fromkeys(sorted(keys)[1:], 1) for keys, _ in SUMMARY_SIGNATURES.values()]  # all keys but one
+    for data in users:
+        (tmp_path / "mine.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="does not hold a summary minizero wrote"):
+            check_output(str(tmp_path / "mine.json"), "--json")
 
 
 @pytest.mark.parametrize("name", ["keep.json/", "newf.json/"])
@@ -380,7 +425,7 @@ def test_a_file_path_ending_in_a_slash_is_refused_before_any_work(tmp_path, monk
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "keep.json").write_text('{"rows": []}')
+    (tmp_path / "keep.json").write_text('{"baseline": {}, "rows": []}')
     said = f"{flag} {name!r} ends in '/': give a file path"
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, name], world_size=1)
@@ -404,7 +449,7 @@ def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     os.symlink(str(tmp_path / "nonexist" / "x.json"), "danglink")
     said = (f"{flag} 'danglink': folder '{tmp_path}/nonexist' of the link's target '{tmp_path}/nonexist/x.json' "
-            "does not exist")
+            "does not exist; create that folder or give another path")  # what to give, as every refusal says
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, "danglink"], world_size=1)
     assert str(e.value) == said

@@ -91,7 +91,8 @@ def test_atomic_write_writes_into_devices_and_refuses_folders(tmp_path):
 @pytest.mark.timeout(120)
 def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, small_disk, tmp_path):
     d = small_disk("64k")
-    (d / "s.json").write_text('{"train_loss": [1]}')  # an earlier summary (another JSON is refused as the user's)
+    earlier = '{"train_loss": [1], "world_size": 1, "config": {}}'  # a summary (another JSON is the user's: refused)
+    (d / "s.json").write_text(earlier)
     fill(d)
     # one rank: the lock is rank 0's alone, its refusal every rank's (shown under 2 ranks by the locked OUT tests)
     proc, _ = launch(mpiexec, 1, TINY + ["--out", str(tmp_path / "o"), "--json", str(d / "s.json")], timeout=90)
@@ -99,7 +100,7 @@ def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, 
     said = proc.stderr.replace("\n  ", " ")  # a refusal past 120 columns goes on over indented lines
     assert said == (f"python -m minizero.train: error: --json {str(d / 's.json')!r}: could not write "
                     f"{str(d / '.s.json.lock')!r}: no space left on device (the disk is full)\n"), proc.stderr
-    assert (d / "s.json").read_text() == '{"train_loss": [1]}'
+    assert (d / "s.json").read_text() == earlier
     assert sorted(os.listdir(d)) == ["filler", "s.json"]
 
 
@@ -619,7 +620,8 @@ def test_soak_twenty_runs(mpiexec):
 @pytest.mark.timeout(180)
 def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiexec):
     d = small_disk("64k")
-    (d / "c.json").write_text('{"runs": [1]}')  # an earlier summary
+    earlier = '{"runs": [1], "strategies": [], "tolerance": 0.1}'  # an earlier summary
+    (d / "c.json").write_text(earlier)
     fill(d)
     base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps", "1",
             "--strategies", "baseline", "--out", str(tmp_path / "cmp")]
@@ -630,7 +632,7 @@ def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiex
     proc = subprocess.run(base + ["--timeout", "0.001", "--json", str(d / "c.json")], env=env, capture_output=True,
                           text=True, timeout=150)
     assert proc.returncode == 1 and "c.json" in proc.stderr and "disk is full" in proc.stderr, proc.stderr
-    assert (d / "c.json").read_text() == '{"runs": [1]}' and sorted(os.listdir(d)) == ["c.json", "filler"]
+    assert (d / "c.json").read_text() == earlier and sorted(os.listdir(d)) == ["c.json", "filler"]
     before = os.stat("/dev/null")
     proc = subprocess.run(base + ["--json", "/dev/null"], env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr

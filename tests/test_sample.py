@@ -281,7 +281,6 @@ def test_the_reports_sample_cuts_long_lines_and_keeps_every_character():
     assert shown.replace("\n", "") == printable(text).replace("\n", "") and "\ufffd" in shown
 
 
-
 def test_the_sample_is_cut_at_terminal_columns():
     """A 1-step tiny run's sample line was 100 characters but 231 bytes of wide characters and U+FFFD: now cut at
     120 columns as a terminal shows them (a wide character takes 2, a tab up to 8), every character kept."""
@@ -292,8 +291,9 @@ def test_the_sample_is_cut_at_terminal_columns():
     assert "".join(shown) == text.replace("\n", "")
 
 
-def test_the_report_says_a_cut_sample_loses_nothing(capsys):
-    """The report's sample header says when its lines were cut for display, and where the text is whole."""
+def test_the_report_says_a_wrapped_sample_is_wrapped_for_display_only(capsys):
+    """The report's sample header says when its lines were wrapped for display, and that the text has no such breaks
+    (it said --json held the text before the summary was written)."""
     from types import SimpleNamespace
 
     from minizero.report import _print_sample
@@ -302,5 +302,8 @@ def test_the_report_says_a_cut_sample_loses_nothing(capsys):
     assert capsys.readouterr().out == "\nsample:\nshort\nlines\n\n"
     _print_sample(args, "x" * 300)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == ("sample: (long lines cut at 120 columns for display only; nothing is lost: out/summary.json "
-                        "holds the text as sampled)") and [len(line) for line in lines[2:]] == [120, 120, 60, 0]
+    assert lines[1] == ("sample: (lines past 120 columns wrapped for display only; the text (the summary's 'sample') "
+                        "has no such breaks)") and [len(line) for line in lines[2:]] == [120, 120, 60, 0]
+    _print_sample(SimpleNamespace(sample_tokens=8, no_save=True, json=None), "x" * 300)  # --no-save: no summary named
+    assert capsys.readouterr().out.splitlines()[1] == ("sample: (lines past 120 columns wrapped for display only; the "
+                                                       "text has no such breaks)")

@@ -69,7 +69,7 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
     assert parse_args(["--out", "a"], world_size=1).json == os.path.join("a", "summary.json")
     assert all((tmp_path / "a" / n).read_text() == "another run's" for n in ("model.npz", "model.json", "summary.json"))
     os.mkdir("res")  # a summary on its own (no weights beside it) is no run's: a re-run may replace it
-    (tmp_path / "res" / "summary.json").write_text('{"train_loss": []}')
+    (tmp_path / "res" / "summary.json").write_text('{"train_loss": [], "world_size": 1, "config": {}}')
     assert parse_args(["--out", "b", "--json", "res/summary.json"], world_size=1).json == "res/summary.json"
     os.symlink("a", "link")  # OUT's own summary through a link is still its own
     assert parse_args(["--out", "link", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"
