@@ -163,10 +163,13 @@ def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600
     try:
         yield
     finally:
-        watch.stdin.close()  # the watchdog reads end of file and exits
-        watch.wait()
-        for s, handler in kept.items():
-            signal.signal(s, handler)
+        try:  # the pipe's end of file ends it only for a parent that died: a child forked in the block keeps its end
+            watch.kill()
+            watch.wait()  # before the handlers: a SIGTERM it sent as the block ended kills (default action) here
+            watch.stdin.close()
+        finally:
+            for s, handler in kept.items():
+                signal.signal(s, handler)
 
 
 def start_mpi(prog: str | None = None):
