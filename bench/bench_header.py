@@ -36,12 +36,12 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes:,} B"
 
 
-def exchange(sizes: list, runs: int) -> None:
+def exchange(sizes: list, runs: int, comm_timeout: float = 600.0) -> None:
     """Under mpiexec: time both ways at each of ``sizes`` (bytes); rank 0 prints the table."""
     from minizero.comm import world
     from minizero.interrupts import mpi_start_guarded
 
-    with mpi_start_guarded("bench_header.py"):  # SIGTERM ends a stalled MPI_Init, as --comm-timeout does
+    with mpi_start_guarded("bench_header.py", timeout_s=comm_timeout):  # SIGTERM or time ends a stalled MPI_Init
         from mpi4py import MPI
 
         comm = world()
@@ -96,7 +96,9 @@ def main():
     p.add_argument("--runs", type=_args.count, default=200, help="timed exchanges per size and way (fewer above 1 MiB)")
     p.add_argument("--comm-timeout", type=_args.positive_real, default=600.0, help="seconds MPI's start may take")
     args = p.parse_args()
-    exchange(args.sizes, args.runs)
+    if not 1 <= args.comm_timeout < 600_000:  # before: another value became 600 s, silently
+        p.error(f"--comm-timeout {args.comm_timeout:g}: allowed: seconds in [1, 600000)")
+    exchange(args.sizes, args.runs, args.comm_timeout)
 
 
 if __name__ == "__main__":

@@ -110,12 +110,12 @@ def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: i
     return float(json.loads(lines[-1])["busbw"])
 
 
-def _allreduce_job(nbytes: int, runs: int, argv=None) -> None:
+def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
     """Under mpiexec: time :func:`minizero.comm.all_reduce` and print {"busbw": bytes/s} on rank 0."""
     from minizero.comm import all_reduce
     from minizero.comm.mpi import world
 
-    with mpi_start_guarded("python -m minizero.hardware", argv):  # SIGTERM ends a stalled MPI_Init, as does time
+    with mpi_start_guarded("python -m minizero.hardware", timeout_s=timeout_s):  # SIGTERM or time ends MPI_Init
         comm = world()
     n = comm.world_size
     x = np.ones(max(1, nbytes // 4), dtype=np.float32)
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
         p.error(f"--runs {args.runs}: allowed: 1..{MAX_RUNS}")
     if not 1 <= args.comm_timeout < 600_000:
         p.error(f"--comm-timeout {args.comm_timeout:g}: allowed: seconds in [1, 600000)")
-    _allreduce_job(args.allreduce, args.runs, argv)
+    _allreduce_job(args.allreduce, args.runs, args.comm_timeout)
 
 
 if __name__ == "__main__":

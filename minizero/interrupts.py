@@ -139,11 +139,11 @@ _WATCH = ("import os, select, signal, sys\nif not select.select([0], [], [], flo
 
 
 @contextlib.contextmanager
-def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600.0):
+def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600.0, timeout_s: float | None = None):
     """Start MPI (import mpi4py's MPI, ``world()``) inside this: what :func:`guard_set_up` does for an MPI program
     without a set-up to bound (the hardware tool, bench scripts). A stale launcher is named in one line; SIGTERM
     (and SIGINT, where :class:`Interrupts` had it) keeps its default action, as no Python handler runs inside
-    MPI_Init; a watchdog process ends a MPI_Init stalled --comm-timeout s (``argv``; ``default_s``) with one line."""
+    MPI_Init; a watchdog process ends a MPI_Init stalled ``timeout_s`` (else ``argv``'s --comm-timeout) s, one line."""
     prog = prog or os.path.basename(sys.argv[0])
     refuse_stale_launcher(prog)
     if launched_by_mpiexec():
@@ -153,7 +153,7 @@ def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600
         for s in (signal.SIGINT, signal.SIGTERM):
             if s == signal.SIGTERM or getattr(signal.getsignal(s), "__qualname__", "").startswith("Interrupts."):
                 kept[s] = signal.signal(s, signal.SIG_DFL)
-    seconds = set_up_timeout(argv, default_s, 1.0)
+    seconds = set_up_timeout(argv, default_s, 1.0) if timeout_s is None else timeout_s  # parsed: as given
     names = [f"{k}={os.environ[k]}" for k in ("PMI_FD", "PMI_PORT") if k in os.environ]
     line = error_lines(prog, f"MPI_Init waited {significant(seconds)} s for its launcher"
                        + (f" ({' '.join(names)}) and was ended: unset {' '.join(n.split('=')[0] for n in names)} "
@@ -163,10 +163,13 @@ def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600
     try:
         yield
     finally:
-        watch.stdin.close()  # the watchdog reads end of file and exits
-        watch.wait()
-        for s, handler in kept.items():
-            signal.signal(s, handler)
+        try:  # the pipe's end of file ends it only for a parent that died: a child forked in the block keeps its end
+            watch.kill()
+            watch.wait()  # before the handlers: a SIGTERM it sent as the block ended kills (default action) here
+            watch.stdin.close()
+        finally:
+            for s, handler in kept.items():
+                signal.signal(s, handler)
 
 
 def start_mpi(prog: str | None = None):

@@ -115,17 +115,18 @@ def refuse_stale_launcher(prog: str | None = None) -> None:
     the program's name (default: the script's). Call it where an MPI program starts, before mpi4py's MPI is imported."""
     fd, port = os.environ.get("PMI_FD"), os.environ.get("PMI_PORT")
     pmix = [f"{k}={os.environ[k]}" for k in ("PMIX_RANK", "PMIX_NAMESPACE") if k in os.environ]
+    pmi_names = ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK")
     if fd is not None and not _socket(fd):
         said = f"PMI_FD={fd} is set, but names no MPI launcher's socket (mpiexec sets it)"
     elif fd is None and port is not None and not _listened(port):
         said = f"PMI_PORT={port} is set, but no MPI launcher listens there (mpiexec sets it)"
-    elif pmix and not _pmix_server():  # MPICH: "unsupported PMI version PMIx" / "not compatible with PMI1 client"
+    elif pmix and fd is None and port is None and not _pmix_server():  # MPICH: "unsupported PMI version PMIx"
+        pmi_names = ()  # only without PMI_FD / PMI_PORT: MPICH reads those (a live mpiexec's) and ignores PMIx
         said = (f"{' '.join(pmix)} {'is' if len(pmix) == 1 else 'are'} set, but no PMIx server started this process "
                 "(no PMIX_SERVER_URI* variable; srun --mpi=pmix sets them)")
     else:
         return
-    names = [k for k in ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK") if k in os.environ]
-    names += sorted(k for k in os.environ if k.startswith("PMIX_")) if pmix and not _pmix_server() else []
+    names = [k for k in pmi_names if k in os.environ] or sorted(k for k in os.environ if k.startswith("PMIX_"))
     print(error_lines(prog or os.path.basename(sys.argv[0]), f"{said}: unset {' '.join(names)}, "
                       "or start this under mpiexec"), file=sys.stderr)
     raise SystemExit(2)

@@ -163,6 +163,9 @@ CASES = [
     # before: accepted; 5 bytes sent 4 (a float32 array of 5 // 4), 2 bytes an empty message, shown as "0 KiB"
     ("bench_header", ["--sizes", "4096,5"], "argument --sizes: '4096,5': allowed: comma-separated byte counts in 4.."),
     ("bench_header", ["--sizes", "2"], "multiples of 4 (float32 messages), e.g. 4096,65536"),
+    # before: accepted, and MPI's start then waited 600 s (the watchdog re-read the flag, refusing what is out of range)
+    ("bench_header", ["--comm-timeout", "0.5"], "--comm-timeout 0.5: allowed: seconds in [1, 600000)"),
+    ("bench_header", ["--comm-timeout", "1e9"], "--comm-timeout 1e+09: allowed: seconds in [1, 600000)"),
     ("bench_multihost", ["--mib", "nan"], "argument --mib: 'nan': allowed: a finite number > 0"),
     ("bench_multihost", ["--mib", "1e12"], "--mib 1e+12 is above this machine's memory"),  # before: MemoryError
     ("bench_precision", ["--window", "0"], "argument --window: '0' is below 1"),

@@ -152,3 +152,11 @@ def test_debug_help_says_what_each_exit_status_means(capsys, command, said):
     with pytest.raises(SystemExit):
         debug_main.main([command, "--help"])
     assert said in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["hang", "--help"], ["trace", "--help"], ["parity", "--help"]])
+def test_debug_help_names_the_interrupted_exit_statuses(capsys, argv):
+    """Before: 0 / 1 / 2 only, while Ctrl-C ends every command with 130 and SIGTERM with 143 (interruptible)."""
+    with pytest.raises(SystemExit):
+        debug_main.main(argv)
+    assert "130 for SIGINT/Ctrl-C, 143 for SIGTERM" in " ".join(capsys.readouterr().out.split())

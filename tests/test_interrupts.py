@@ -395,6 +395,28 @@ def test_set_up_waits_at_most_the_comm_timeout_given(argv, seconds):
     assert set_up_timeout(argv, 600.0, 1.0) == seconds
 
 
+FORKED_IN_THE_BLOCK = """
+import os, sys, time
+from minizero.interrupts import mpi_start_guarded
+with mpi_start_guarded("forks.py", sys.argv[1:]):
+    if os.fork() == 0:  # a child that keeps the watchdog's pipe open past the block
+        time.sleep(4)
+        os._exit(0)
+time.sleep(3)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_mpi_start_watchdog_ends_with_the_block_though_a_forked_child_holds_its_pipe():
+    """Before: the watchdog stopped only at its pipe's end of file; a child forked without exec kept the write end,
+    and 2 s later it ended the process that started fine ("MPI_Init waited 2 s ... and was ended", exit 143)."""
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    proc = subprocess.run([sys.executable, "-c", FORKED_IN_THE_BLOCK, "--comm-timeout", "2"], capture_output=True,
+                          text=True, timeout=30, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=clean)
+    assert proc.returncode == 0 and proc.stdout == "done\n" and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
 @pytest.mark.parametrize("launch,default_action", [
     (["-m", "minizero.sample"], True), (["-mminizero.quantize"], True), (["-m", "pytest"], False), ([], False)])
 def test_ctrl_c_while_a_tool_imports_ends_it_without_a_traceback(launch, default_action):

@@ -189,6 +189,17 @@ def test_a_stale_pmix_rank_is_one_line_in_every_mpi_program(argv, prog, env):
         "under mpiexec"], proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_stale_pmix_rank_beside_a_live_mpiexec_is_no_refusal(mpiexec):
+    """PMIX_RANK left in a shell, the program under a live hydra (PMI_FD a socket): MPICH reads PMI_FD and ignores
+    PMIx, yet every rank exited 2, telling the user to unset the live launcher's PMI_FD PMI_SIZE PMI_RANK."""
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    proc = subprocess.run([mpiexec, "-n", "2", "env", "PMIX_RANK=1", sys.executable, "bench/bench_header.py",
+                           "--runs", "2", "--sizes", "4096"], capture_output=True, text=True, timeout=100,
+                          cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=clean)
+    assert proc.returncode == 0 and "| 4 KiB |" in proc.stdout and "PMIX" not in proc.stderr, proc.stderr
+
+
 @pytest.fixture
 def mute_launcher():
     """A PMI_PORT where a program that is no PMI launcher listens: it accepts and never answers."""

@@ -15,21 +15,23 @@ WHAT = {"hang": " (flight records are the rank_R.json files minizero.train write
         "trace": " (a timeline is the Chrome trace JSON that --trace writes)"}  # what each command reads
 EXIT = {"hang": "0 nothing found, 1 a finding (a hang, a mismatch or a missing rank: the analysis worked), 2 bad input",
         "parity": "0 the layouts agree, 1 they differ, 2 a run failed or bad input", "trace": "0, or 2 for bad input"}
+STOPPED = "130 for SIGINT/Ctrl-C, 143 for SIGTERM"  # interruptible's, any command
 
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="python -m minizero.debug", description=description(__doc__),  # and its subcommands'
-                      epilog=f"exit status: hang {EXIT['hang']}; parity {EXIT['parity']}; trace {EXIT['trace']}")
+                      epilog=f"exit status: hang {EXIT['hang']}; parity {EXIT['parity']}; trace {EXIT['trace']}; "
+                             f"any: {STOPPED}")
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hang", help="compare every rank's flight record (OUT/flight/rank_R.json)",
-                       epilog=f"exit status: {EXIT['hang']}")
+                       epilog=f"exit status: {EXIT['hang']}; {STOPPED}")
     h.add_argument("folder", help="the folder of rank_R.json files, e.g. out/flight")
     t = sub.add_parser("trace", help="per rank compute / exposed communication / overlap / bubble; the straggler",
-                       epilog=f"exit status: {EXIT['trace']}")
+                       epilog=f"exit status: {EXIT['trace']}; {STOPPED}")
     t.add_argument("path", help="the merged timeline --trace wrote, e.g. out/trace.json")
     q = negative_values_reach_checks(sub.add_parser(
         "parity", help="two layouts from one seed in float64: the first step and parameter that differ",
-        formatter_class=DefaultsOnce, epilog=f"exit status: {EXIT['parity']}"))
+        formatter_class=DefaultsOnce, epilog=f"exit status: {EXIT['parity']}; {STOPPED}"))
     q.add_argument("layouts", nargs=2, metavar="LAYOUT", help='train flags of a layout, e.g. "--dp 2" or "-n 2 --tp 2"')
     q.add_argument("--model", default="tiny", choices=sorted(PRESETS),
                    help="both runs' " + preset_sizes() + " (default: %(default)s)")
