@@ -236,7 +236,7 @@ def fp8_note(args, model) -> str:
     """What a preset's fp8 rows need in minizero.train: its default delayed scaling refuses recompute."""
     if args.precision != "fp8" or not train_runs(model):
         return ""
-    return " (a row with rc runs in minizero.train with --fp8-scaling current: delayed scaling refuses recompute)"
+    return " (a row with recompute, rc, runs in minizero.train with --fp8-scaling current: delayed scaling refuses it)"
 
 
 def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:

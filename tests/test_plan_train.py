@@ -187,7 +187,7 @@ def test_a_preset_s_fp8_plan_says_its_recomputing_rows_take_current_scaling(caps
 
     assert plan.main(["--model", "tiny", "--gpus", "4", "--precision", "fp8"]) in (0, None)
     said = " ".join(capsys.readouterr().out.split())
-    assert "fp8 precision (a row with rc runs in minizero.train with --fp8-scaling current" in said
+    assert "fp8 precision (a row with recompute, rc, runs in minizero.train with --fp8-scaling current" in said
     with pytest.raises(UsageError, match="--fp8-scaling current"):  # what the note is about
         parse_args(["--model", "tiny", "--precision", "fp8", "--recompute", "full", "--no-save"], 1)
     assert plan.main(["--model", "llama3-8b", "--gpus", "8", "--precision", "fp8"]) in (0, None)
