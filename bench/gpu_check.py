@@ -48,7 +48,7 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.files import atomic_write, check_writable_file, unwritable  # noqa: E402
+from minizero.files import atomic_write, check_writable_file, refuse_slash_or_dangling, unwritable  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
@@ -406,7 +406,11 @@ def json_target_problem(path: str) -> str | None:
     """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or an earlier
     gpu_check JSON (nothing else the user wrote is replaced), in a folder that exists and takes a file."""
     try:
+        if path and not os.path.isdir(path):  # 'x.json/.' wrote x.json; '/' is a directory
+            refuse_slash_or_dangling(path, "--json")
         why = _json_target_why(path)
+    except ValueError as e:
+        return str(e)
     except OSError as e:  # check_writable_file's
         return unwritable("--json", path, e)
     return f"--json {path!r}: {why}" if why else None

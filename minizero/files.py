@@ -361,10 +361,10 @@ def refuse_foreign(path: str, flag: str) -> None:
 
 
 def refuse_slash_or_dangling(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` ends in '/' (abspath and realpath drop it: another file was written) or is a
+    """Raise ValueError when ``path`` ends in '/', '/.' or '/..' (abspath drops it: another file was written) or is a
     link whose target's folder does not exist (the write made it, a folder given directly is refused)."""
-    if path.endswith(("/", os.sep)):
-        raise ValueError(f"{flag} {path!r} ends in '/': give a file path")
+    if (tail := os.path.basename(path)) in ("", ".", ".."):  # as given: 'x.json/.' wrote x.json or failed late
+        raise ValueError(f"{flag} {path!r} ends in {('/' + tail if path != tail else tail)!r}: give a file path")
     real = os.path.realpath(path)
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
         raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "

@@ -29,7 +29,7 @@ def check_outputs(args) -> None:
     if args.json == "":
         raise UsageError("--json '': expected a file path for the JSON summary")
     js = os.path.abspath(args.json)
-    if os.path.isdir(js):
+    if os.path.isdir(args.json):  # as given: abspath('x.json/..') is a directory, 'x.json/..' is refused below
         raise UsageError(f"--json {args.json!r} is a directory; give a file path")
     _usage(refuse_slash_or_dangling, args.json, "--json")  # abspath drops the '/': NotADirectoryError after the run
     own = run_files(args)
@@ -138,7 +138,7 @@ def check_trace(args) -> None:
     if not path:
         raise UsageError("--trace must name a file for the timeline, got ''")
     p = os.path.abspath(path)
-    if os.path.isdir(p):
+    if os.path.isdir(path):
         raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
                          f"{os.path.join(path, 'trace.json')!r}")
     _usage(refuse_slash_or_dangling, path, "--trace")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from minizero.files import atomic_write, check_output
+from minizero.files import atomic_write, check_output, refuse_slash_or_dangling
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.numerals import column, significant
 from minizero.plan_search import Candidate, Hardware, train_runs
@@ -373,6 +373,7 @@ def plot_path(path: str) -> str:
     """
     if not path.strip():
         raise ValueError(f"--plot {path!r}: give a file name for the PNG")
+    refuse_slash_or_dangling(path, "--plot")  # 'pl/' was refused naming 'pl/.png', 'pl/.' wrote 'pl/..png'
     ext = os.path.splitext(path)[1].lower()
     if ext not in ("", ".png"):
         raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "

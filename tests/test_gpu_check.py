@@ -225,6 +225,9 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
     assert "not a regular file" in problem("/dev/null")
     assert "is a directory" in problem(str(tmp_path))
+    for name in ("new.json/.", "old.json/.", "old.json/.."):  # before: new.json written, old.json failed late
+        path = f"{tmp_path}/{name}"  # as typed: pathlib drops a last '.'
+        assert problem(path) == f"--json {path!r} ends in {name[8:]!r}: give a file path"
     assert problem(str(tmp_path / "old.json")) is None and problem(str(tmp_path / "new.json")) is None
 
 

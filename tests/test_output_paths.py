@@ -417,16 +417,18 @@ def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_it
             check_output(str(tmp_path / "mine.json"), "--json")
 
 
-@pytest.mark.parametrize("name", ["keep.json/", "newf.json/"])
+@pytest.mark.parametrize("name", ["keep.json/", "newf.json/", "keep.json/.", "newf.json/.", "keep.json/..",
+                                  "newf.json/.."])
 @pytest.mark.parametrize("flag", ["--json", "--trace"])
 def test_a_file_path_ending_in_a_slash_is_refused_before_any_work(tmp_path, monkeypatch, capsys, name, flag):
-    """Before: abspath and realpath dropped the '/', so compare, train, finetune and quantize did all the work,
-    then "Not a directory" (keep.json an existing file), or wrote newf.json (then a traceback, or silently)."""
+    """Before: abspath and realpath dropped the '/' ('/.' too: today's find), so compare, train, finetune and quantize
+    did all the work, then "Not a directory" (keep.json an existing file), or wrote newf.json (then a traceback, or
+    silently; --trace printing 'wrote newf.json/.')."""
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "keep.json").write_text('{"baseline": {}, "rows": []}')
-    said = f"{flag} {name!r} ends in '/': give a file path"
+    said = f"{flag} {name!r} ends in {name[name.rindex('/'):]!r}: give a file path"
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, name], world_size=1)
     assert str(e.value) == said
@@ -458,3 +460,45 @@ def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch,
     assert str(e.value) == said
     os.mkdir("nonexist")
     check_output("danglink", flag)  # a link to a new file in a folder that is there: written through it
+
+
+@pytest.mark.parametrize("name", ["x.json/", "x.json/.", "x.json/..", "/", "/."])
+def test_the_rule_names_the_last_component_as_given(tmp_path, monkeypatch, name):
+    """A last component '', '.' or '..' is refused by the text as given (abspath drops it); a directory says so first."""
+    from minizero.files import refuse_slash_or_dangling
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        refuse_slash_or_dangling(name, "--json")
+    assert str(e.value) == f"--json {name!r} ends in {name[name.rindex('/'):]!r}: give a file path"
+    refuse_slash_or_dangling("x.json", "--json")  # a file path: no refusal
+    with pytest.raises(ValueError, match="is a directory"):
+        check_output("/", "--json")
+
+
+@pytest.mark.parametrize("name", ["cdir/", "nodir/.", "m.npz/.", "m.npz/.."])
+def test_consolidate_out_ending_in_slash_or_dot_is_refused_before_any_read(tmp_path, monkeypatch, capsys, name):
+    """Before: consolidate --out cdir/ wrote a file cdir ('wrote cdir/'), nodir/. a file nodir, m.npz/. failed after
+    reading every shard (the check was train's alone)."""
+    from minizero.checkpoint.cli import main as checkpoint_main
+
+    monkeypatch.chdir(tmp_path)
+    atomic_write("m.npz", lambda f: f.write(b"PK\x03\x04"))
+    assert checkpoint_main(["consolidate", "no-such-checkpoint", "--out", name]) == 2
+    said = f"--out {name!r} ends in {name[name.rindex('/'):]!r}: give a file path"
+    assert said in one_line(capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["m.npz"]
+
+
+@pytest.mark.parametrize("name", ["pl/", "pl/.", "x.png/."])
+def test_plan_plot_ending_in_slash_or_dot_names_the_path_given(tmp_path, monkeypatch, capsys, name):
+    """Before: --plot pl/ was refused naming 'pl/.png' (a path the user never gave); pl/. was taken as 'pl/..png'."""
+    from minizero.plan import main as plan_main
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("pl")
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--model", "llama2-7b", "--gpus", "8", "--plot", name])
+    err = one_line(capsys.readouterr().err)
+    assert e.value.code == 2 and f"--plot {name!r} ends in {name[name.rindex('/'):]!r}: give a file path" in err
+    assert ".png'" not in err.replace(f"{name!r}", "") and os.listdir("pl") == []

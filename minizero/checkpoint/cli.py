@@ -19,7 +19,7 @@ from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holdi
 from minizero.checkpoint.layout import TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_file,
-                            live_job_holding, read_json, unwritable)
+                            live_job_holding, read_json, refuse_slash_or_dangling, unwritable)
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser, error_lines
@@ -129,9 +129,13 @@ def check_out(out: str) -> None:
     if p and os.path.lexists(p) and not os.path.isdir(p) and not os.path.isfile(p):  # /dev/null: model.json in /dev
         raise CheckpointError(f"--out {out!r} exists and is not a regular file; give a new file path or an existing "
                               "file such as model.npz")
-    if not p or os.path.isdir(p):
+    if not p or os.path.isdir(out):  # as given: abspath('m.npz/..') is a directory, 'm.npz/..' is refused below
         raise CheckpointError(f"--out {out!r} is {'empty' if not p else 'a directory'}; give a file path "
                               "such as model.npz")
+    try:  # 'cdir/' and 'nodir/.' wrote a file cdir, nodir; 'm.npz/.' failed after the work
+        refuse_slash_or_dangling(out, "--out")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     folder = checkpoint_holding(p)
     if folder:
         raise CheckpointError(f"--out {out!r} is inside the checkpoint folder {folder!r} and would overwrite or add "
