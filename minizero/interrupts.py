@@ -142,8 +142,8 @@ _WATCH = ("import os, select, signal, sys\nif not select.select([0], [], [], flo
 def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600.0, timeout_s: float | None = None):
     """Start MPI (import mpi4py's MPI, ``world()``) inside this: what :func:`guard_set_up` does for an MPI program
     without a set-up to bound (the hardware tool, bench scripts). A stale launcher is named in one line; SIGTERM
-    (and SIGINT, where :class:`Interrupts` had it) keeps its default action, as no Python handler runs inside
-    MPI_Init; a watchdog process ends a MPI_Init stalled ``timeout_s`` (else ``argv``'s --comm-timeout) s, one line."""
+    and SIGINT (unless ignored) take their default action, as no Python handler runs inside MPI_Init; a watchdog
+    process ends a MPI_Init stalled ``timeout_s`` (else ``argv``'s --comm-timeout) s, one line."""
     prog = prog or os.path.basename(sys.argv[0])
     refuse_stale_launcher(prog)
     if launched_by_mpiexec():
@@ -151,7 +151,7 @@ def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600
     kept = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
-            if s == signal.SIGTERM or getattr(signal.getsignal(s), "__qualname__", "").startswith("Interrupts."):
+            if s == signal.SIGTERM or callable(signal.getsignal(s)):  # any Python handler (not SIG_IGN: nohup)
                 kept[s] = signal.signal(s, signal.SIG_DFL)
     seconds = set_up_timeout(argv, default_s, 1.0) if timeout_s is None else timeout_s  # parsed: as given
     names = [f"{k}={os.environ[k]}" for k in ("PMI_FD", "PMI_PORT") if k in os.environ]
