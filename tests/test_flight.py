@@ -174,14 +174,15 @@ def test_the_hang_cli_cuts_a_long_op_within_or_reason_of_a_record(tmp_path, caps
     _run_and_dump(2, fn, tmp_path)
     for name in ("rank_0.json", "rank_1.json"):
         snap = json.loads((tmp_path / name).read_text())
-        snap["reason"] = "r" * 500
+        snap["reason"] = "r" * 500 + " " + ("a sentence of words " * 10).strip()  # a sentence wraps whole
         for e in snap["entries"]:
             e["op"], e["within"] = "o" * 300, "w" * 300
         (tmp_path / name).write_text(json.dumps(snap))
     assert debug_main(["hang", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120, out
-    assert f"dumped on {'r' * 60}... (500 characters)," in out and f"{'o' * 60}... (300 characters)" in out
+    assert f"dumped on {'r' * 60}... (500 characters) {'a sentence of words ' * 9}a sentence of words," in " ".join(
+        out.split()) and f"{'o' * 60}... (300 characters)" in out
     assert f"in {'w' * 60}... (300 characters)" in " ".join(out.split())
 
 

@@ -581,7 +581,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     import sys
 
     table = tmp_path / "q.json"
-    table.write_text("{}")
+    table.write_text('{"baseline": {}, "rows": []}')  # an earlier quantize table (files.SUMMARY_SIGNATURES)
     held = FolderLock.for_file(str(table))
     held.acquire()
     try:
@@ -593,7 +593,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     assert unwrapped(proc.stderr) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.quantize: error: --json {str(table)!r} is in use by another minizero job (pid "
         f"{os.getpid()} on host {__import__('socket').gethostname()}); wait for it to end or choose another file"]
-    assert table.read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["q.json"]  # the lock file gone too
+    assert table.read_text() == '{"baseline": {}, "rows": []}' and sorted(os.listdir(tmp_path)) == ["q.json"]
 
 
 @pytest.mark.timeout(120)

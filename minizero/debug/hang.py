@@ -254,7 +254,8 @@ def main(folder: str) -> int:
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
-        print(wrapped(f"rank {r}: dumped on {_shown(s['reason'])}, {len(s['entries'])} operations recorded"))
+        reason = " ".join(_shown(word) for word in str(s["reason"]).split(" "))  # a sentence wraps; a long word not
+        print(wrapped(f"rank {r}: dumped on {reason}, {len(s['entries'])} operations recorded"))
     lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
