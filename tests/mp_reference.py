@@ -6,6 +6,7 @@ trains one process on the same global batches (micro-batch dp*b, M accumulation 
 ``assert_matches`` compares every rank's shards with the matching slices of the reference.
 """
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -124,17 +125,29 @@ def assert_matches(ref, results, label):
                                    err_msg=f"{label}: gathered {name}")
 
 
-def cli_matches_one_process(mpiexec, folder, base, par, one=(), ranks=2):
-    """``mpiexec -n ranks python -m minizero.train *base *par`` and ``-n 1 ... *base *one`` (each ``--out`` a
-    folder of ``folder``: par/, one/): both exit 0 and their model.npz hold the same names with every weight
-    within 1e-9 of max(1, its largest magnitude). Returns the (par, one) output folders."""
+def cli_runs(mpiexec, folder, base, par, one=(), ranks=2) -> dict:
+    """``mpiexec -n ranks python -m minizero.train *base *par`` and ``-n 1 ... *base *one``, each ``--out`` a
+    folder of ``folder`` (par/, one/), both asserted to exit 0. Returns {"par": its folder, "one": its folder}."""
     out = {}
     for label, n, flags in (("par", ranks, par), ("one", 1, one)):
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
-               "--out", os.path.join(folder, label)]
+        out[label] = os.path.join(folder, label)
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags, "--out", out[label]]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = dict(np.load(os.path.join(folder, label, "model.npz")))
+    return out
+
+
+def cli_summaries(mpiexec, folder, base, par, one=(), ranks=2) -> dict:
+    """:func:`cli_runs`' two summary.json files, {"par": ..., "one": ...}."""
+    return {k: json.loads(open(os.path.join(d, "summary.json")).read())
+            for k, d in cli_runs(mpiexec, folder, base, par, one, ranks).items()}
+
+
+def cli_matches_one_process(mpiexec, folder, base, par, one=(), ranks=2):
+    """:func:`cli_runs`: both model.npz hold the same names with every weight within 1e-9 of max(1, its largest
+    magnitude). Returns the (par, one) output folders."""
+    out = {k: dict(np.load(os.path.join(d, "model.npz"))) for k, d in cli_runs(mpiexec, folder, base, par, one,
+                                                                               ranks).items()}
     assert set(out["par"]) == set(out["one"])
     for name, a in out["one"].items():
         np.testing.assert_allclose(out["par"][name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)

@@ -1,7 +1,5 @@
 """Sequence parallelism (Korthikanti et al. 2022, section 4.2.2): equal to one process, norms in step, bytes as the formula."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +23,6 @@ from minizero.parallel.strategy import VALIDATION
 from minizero.parallel.tensor_parallel import shard_array, tensor_parallelize
 from minizero.parallel.vocab_parallel import vocab_parallelize
 from minizero.train import parse_args
-from tests.conftest import REPO_ROOT, mpi_env
 
 
 def test_gather_and_reduce_scatter_are_conjugate_along_the_sequence():
@@ -309,15 +306,8 @@ def test_sequence_parallel_with_zero_from_the_command_line(mpiexec, tmp_path, ze
     validation losses and gradient norms in the --json report are one process's (micro-batch 2) within 1e-12."""
     base = ["--model", "tiny", "--dtype", "float64", "--dropout", "0.1", "--steps", "3", "--batch-size", "8",
             "--no-progress", "--eval-every", "0"]
-    out = {}
-    for label, n, flags in (("par", 4, ["--tp", "2", "--sequence-parallel", "--zero", str(zero)]),
-                            ("one", 1, ["--micro-batch-size", "2"])):
-        report = tmp_path / f"{label}.json"
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
-               "--out", str(tmp_path / label), "--json", str(report)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = json.loads(report.read_text())
+    out = R.cli_summaries(mpiexec, str(tmp_path), base, ["--tp", "2", "--sequence-parallel", "--zero", str(zero)],
+                          ["--micro-batch-size", "2"], ranks=4)
     assert out["par"]["zero"]["stage"] == zero and out["par"]["tp"] == 2
     for key in ("train_loss", "val_loss", "grad_norm"):
         np.testing.assert_allclose(out["par"][key], out["one"][key], rtol=1e-12, atol=0, err_msg=key)

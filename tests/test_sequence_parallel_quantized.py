@@ -5,9 +5,6 @@ The bound is test_quantized_comm's: an INT8 reduce-scatter's chunk is off by at 
 element (scale = a block's absmax / 127). Here each rank records that bound for its chunks at step 0 (the same
 messages, quantized again in float64 beside the real ones), and the tensor group's sum adds the tensor ranks' bounds.
 """
-import json
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -20,7 +17,6 @@ from minizero.comm.quantized import BLOCK_SIZE
 from minizero.quantization import element_scale, quantize
 from minizero.train import parse_args, train
 from minizero.zero.collectives import UnitCollectives
-from tests.conftest import REPO_ROOT, mpi_env
 
 _STEP0 = threading.local()  # per rank thread: {unit index: bound of its gradient shard}, while step 0 reduces
 
@@ -142,14 +138,7 @@ def test_sequence_parallel_with_zero_and_int8_comm_from_the_command_line(mpiexec
     base = ["--model", "tiny", "--dtype", "float64", "--steps", "3", "--batch-size", "8", "--no-progress",
             "--eval-every", "0", "--eval-batches", "1"]
     par = ["--tp", "2", "--sequence-parallel", "--zero", str(zero), "--quantized-comm"]
-    out = {}
-    for label, n, flags in (("par", 4, par), ("one", 1, ["--micro-batch-size", "2"])):
-        report = tmp_path / f"{label}.json"
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *base, *flags,
-               "--out", str(tmp_path / label), "--json", str(report)]
-        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out[label] = json.loads(report.read_text())
+    out = R.cli_summaries(mpiexec, str(tmp_path), base, par, ["--micro-batch-size", "2"], ranks=4)
     threads = run_in_threads(4, lambda comm: train(parse_args(base + par + ["--no-save"], 4), comm,
                                                    log=lambda s: None))[0]
     assert out["par"]["zero"]["stage"] == zero and out["par"]["tp"] == 2
