@@ -364,7 +364,8 @@ def refuse_slash_or_dangling(path: str, flag: str) -> None:
     """Raise ValueError when ``path`` ends in '/', '/.' or '/..' (abspath drops it: another file was written) or is a
     link whose target's folder does not exist (the write made it, a folder given directly is refused)."""
     if (tail := os.path.basename(path)) in ("", ".", ".."):  # as given: 'x.json/.' wrote x.json or failed late
-        raise ValueError(f"{flag} {path!r} ends in {('/' + tail if path != tail else tail)!r}: give a file path")
+        raise ValueError(f"{flag} {path!r} {'ends in ' + repr('/' + tail) if path != tail else 'is a folder'}: give a "
+                         "file path")
     real = os.path.realpath(path)
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
         raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "

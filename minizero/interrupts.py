@@ -151,22 +151,24 @@ def mpi_start_guarded(prog: str | None = None, argv=None, default_s: float = 600
     kept = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
-            if s == signal.SIGTERM or callable(signal.getsignal(s)):  # any Python handler (not SIG_IGN: nohup)
-                kept[s] = signal.signal(s, signal.SIG_DFL)
+            if (s == signal.SIGTERM and signal.getsignal(s) is not None) or callable(signal.getsignal(s)):
+                kept[s] = signal.signal(s, signal.SIG_DFL)  # any Python handler (not SIG_IGN: nohup; not C's: None)
     seconds = set_up_timeout(argv, default_s, 1.0) if timeout_s is None else timeout_s  # parsed: as given
     names = [f"{k}={os.environ[k]}" for k in ("PMI_FD", "PMI_PORT") if k in os.environ]
     line = error_lines(prog, f"MPI_Init waited {significant(seconds)} s for its launcher"
                        + (f" ({' '.join(names)}) and was ended: unset {' '.join(n.split('=')[0] for n in names)} "
                           "if no mpiexec started this" if names else " and was ended"))
-    watch = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCH, str(seconds), str(os.getpid()), line],
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    watch = None
     try:
+        watch = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCH, str(seconds), str(os.getpid()), line],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         yield
     finally:
         try:  # the pipe's end of file ends it only for a parent that died: a child forked in the block keeps its end
-            watch.kill()
-            watch.wait()  # before the handlers: a SIGTERM it sent as the block ended kills (default action) here
-            watch.stdin.close()
+            if watch is not None:
+                watch.kill()
+                watch.wait()  # before the handlers: a SIGTERM it sent as the block ended kills (default action) here
+                watch.stdin.close()
         finally:
             for s, handler in kept.items():
                 signal.signal(s, handler)

@@ -111,8 +111,9 @@ def _listening_here(port: int):
 
 def refuse_stale_launcher(prog: str | None = None) -> None:
     """Exit 2 with one line where MPI_Init would abort with MPICH's error stack: PMI_FD set but no socket, PMI_PORT
-    (without PMI_FD) where no launcher listens, or PMIX_RANK / PMIX_NAMESPACE without PMI_FD / PMI_PORT (the MPICH
-    wheel speaks PMI-1 only). ``prog``: the program's name (default: the script's). Call it before MPI starts."""
+    (without PMI_FD) where no launcher listens, or PMIX_RANK / PMIX_NAMESPACE with no PMIx server and no PMI_FD /
+    PMI_PORT (a server's URI: left to MPI, which may speak PMIx). ``prog``: the program's name (default: the
+    script's). Call it before MPI starts."""
     fd, port = os.environ.get("PMI_FD"), os.environ.get("PMI_PORT")
     pmix = [f"{k}={os.environ[k]}" for k in ("PMIX_RANK", "PMIX_NAMESPACE") if k in os.environ]
     pmi_names, tail = ("PMI_FD", "PMI_PORT", "PMI_SIZE", "PMI_RANK"), "unset {}, or start this under mpiexec"
@@ -124,12 +125,6 @@ def refuse_stale_launcher(prog: str | None = None) -> None:
         pmi_names = ()  # only without PMI_FD / PMI_PORT: MPICH reads those (a live mpiexec's) and ignores PMIx
         said = (f"{' '.join(pmix)} {'is' if len(pmix) == 1 else 'are'} set, but no PMIx server started this process "
                 "(no PMIX_SERVER_URI* variable; srun --mpi=pmix sets them)")
-    elif pmix and fd is None and port is None and _pmi1_only():  # "launcher not compatible with PMI1 client"
-        if launched_rank() != 0 and launched_ranks() > 1:
-            raise SystemExit(2)  # srun --mpi=pmix -n N: rank 0 says it once
-        pmi_names, tail = (), "launch with mpiexec (or srun --mpi=pmi2), or unset {}"
-        said = (f"{' '.join(pmix)} {'is' if len(pmix) == 1 else 'are'} set with a PMIx server's URI, but this MPICH "
-                "speaks PMI-1 only and cannot join a PMIx launch (srun --mpi=pmix)")
     else:
         return
     names = [k for k in pmi_names if k in os.environ] or sorted(k for k in os.environ if k.startswith("PMIX_"))
@@ -137,14 +132,3 @@ def refuse_stale_launcher(prog: str | None = None) -> None:
           file=sys.stderr)
     raise SystemExit(2)
 
-
-def _pmi1_only() -> bool:
-    # mpi4py's wheel (no build config) loads the environment's libmpi first: the mpich wheel's, PMI-1 only
-    import importlib.metadata  # noqa: PLC0415
-
-    import mpi4py  # noqa: PLC0415 (not mpi4py.MPI: no MPI_Init)
-    try:
-        importlib.metadata.version("mpich")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return not mpi4py.get_config() and not os.environ.get("MPI4PY_LIBMPI")

@@ -373,6 +373,8 @@ def plot_path(path: str) -> str:
     """
     if not path.strip():
         raise ValueError(f"--plot {path!r}: give a file name for the PNG")
+    if os.path.isdir(path):  # '.', '..' and 'pl/' too: a directory says so first
+        raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
     refuse_slash_or_dangling(path, "--plot")  # 'pl/' was refused naming 'pl/.png', 'pl/.' wrote 'pl/..png'
     ext = os.path.splitext(path)[1].lower()
     if ext not in ("", ".png"):
@@ -382,8 +384,6 @@ def plot_path(path: str) -> str:
     if not ext and os.path.exists(path) and not os.path.isdir(path):  # /dev/full -> /dev/full.png: not asked for
         raise ValueError(f"--plot {path!r} names an existing file, and the PNG would go to {real!r} beside it; give "
                          "a name ending in .png")
-    if os.path.isdir(path) and not ext:
-        raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
     if os.path.isfile(real):  # replace an earlier plot, never another file the user named .png
         with open(real, "rb") as f:
             if f.read(8) != b"\x89PNG\r\n\x1a\n":

@@ -697,7 +697,7 @@ def test_a_wrapped_line_keeps_a_shape_whole(pad):
 
 
 def test_a_wrapped_line_cuts_a_long_tuple_and_keeps_a_nul():
-    """Before: every tuple of whole numbers stayed whole (a 60-item tuple made a 232-column line), "(16,)" was not
+    """Before: every tuple of whole numbers stayed whole (a 60-item tuple made a 302-column line), "(16,)" was not
     matched as the comment said, and a NUL in the text came back as a space (the kept spaces' stand-in was NUL)."""
     from minizero.numerals import SHAPE, SHAPE_WHOLE, wrapped
     long = str(tuple(range(100, 160)))

@@ -198,7 +198,8 @@ def test_one_helper_shortens_a_long_value_for_debug_hang_and_trace():
     """debug hang's record texts and debug trace's refused values: each was its own copy of this rule."""
     from minizero.numerals import shortened
     assert shortened("o" * 60, 60) == "o" * 60 and shortened("o" * 61, 60) == f"{'o' * 60}... (61 characters)"
-    assert shortened("1" * 40, 30, 40) == "1" * 40 and shortened("1" * 1041, 30, 40) == f"{'1' * 30}... (1,041 characters)"
+    assert shortened("1" * 40, 30, 40) == "1" * 40
+    assert shortened("1" * 1041, 30, 40) == f"{'1' * 30}... (1,041 characters)"
 
 
 @pytest.mark.parametrize("content,needle", [

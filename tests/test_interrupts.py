@@ -568,3 +568,30 @@ def test_run_script_s_interrupt_line_comes_from_rank_0_only(monkeypatch, capsys)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         ours.close()
         _theirs.close()
+
+
+def test_the_mpi_start_guard_gives_back_the_signal_handlers_it_found(monkeypatch):
+    """Inside mpi_start_guarded SIGINT and SIGTERM take their default action (no Python handler runs in MPI_Init);
+    after the block, normal or raising, the handlers it found are back, and an ignored SIGINT stays ignored."""
+    import signal
+
+    from minizero.interrupts import mpi_start_guarded
+
+    for k in [k for k in os.environ if k.startswith(("PMI", "PMIX", "OMPI_"))]:
+        monkeypatch.delenv(k)
+    mine = lambda signum, frame: None  # noqa: E731
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with mpi_start_guarded("t", timeout_s=60):
+            assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == [signal.SIG_DFL] * 2
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(ValueError), mpi_start_guarded("t", timeout_s=60):
+            raise ValueError("the block failed")
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with mpi_start_guarded("t", timeout_s=60):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

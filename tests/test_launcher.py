@@ -189,26 +189,6 @@ def test_a_stale_pmix_rank_is_one_line_in_every_mpi_program(argv, prog, env):
         "under mpiexec"], proc.stderr
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("argv,prog", [
-    (["-m", "minizero.hardware", "--allreduce", "1024", "--runs", "1"], "python -m minizero.hardware"),
-    (["-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out", "o"], "python -m minizero.train"),
-    (["bench/bench_header.py"], "bench_header.py")])
-@pytest.mark.parametrize("tasks,said", [("", True), ("2", False)])
-def test_a_pmix_launch_is_one_line_in_every_mpi_program(argv, prog, tasks, said):
-    """PMIX_RANK and a PMIx server's URI (srun --mpi=pmix, or stale), no PMI_FD / PMI_PORT: the MPICH wheel speaks
-    PMI-1 only; before, MPI_Init aborted with "launcher not compatible with PMI1 client" and its error stack. Rank 1
-    of srun's 2 tasks exits quietly (rank 0 says it)."""
-    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
-    env = dict(clean, PMIX_RANK="1", PMIX_SERVER_URI41="pmix-server.1;tcp4://127.0.0.1:45999")
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-                          stdin=subprocess.DEVNULL, env=dict(env, SLURM_STEP_NUM_TASKS=tasks) if tasks else env)
-    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
-        f"{prog}: error: PMIX_RANK=1 is set with a PMIx server's URI, but this MPICH speaks PMI-1 only and cannot "
-        "join a PMIx launch (srun --mpi=pmix): launch with mpiexec (or srun --mpi=pmi2), or unset PMIX_RANK "
-        "PMIX_SERVER_URI41"][:said], proc.stderr
-
-
 @pytest.mark.timeout(120)
 def test_a_stale_pmix_rank_beside_a_live_mpiexec_is_no_refusal(mpiexec):
     """PMIX_RANK left in a shell, the program under a live hydra (PMI_FD a socket): MPICH reads PMI_FD and ignores

@@ -138,6 +138,10 @@ def _signature(e: dict) -> tuple:
     return e["op"], None if e["shape"] is None else tuple(e["shape"]), e["dtype"]
 
 
+def _sentence(text) -> str:  # each word of a record's sentence as _shown: the sentence wraps, a long word would not
+    return " ".join(_shown(word) for word in str(text).split(" "))
+
+
 def _shown(text) -> str:  # a record's text past 60 characters (a 300-character op made a 302-column line)
     return shortened(str(text), 60)
 
@@ -194,7 +198,7 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     k = min(waiting)
     waiters = sorted(r for r, s in pend.items() if s == k)
     e = per[waiters[0]]["by_seq"][k]
-    state = _shown(e["state"]) + (f": {e['error'][:160]}" if e.get("error") else "")
+    state = _shown(e["state"]) + (f": {_sentence(e['error'])}" if e.get("error") else "")
     line = f"hang: group {_shown(name)} {list(members)}: rank(s) {waiters} wait in {_describe(e)} [{state}]"
     never = [r for r in members if r in per and per[r]["last"] < k]
     absent = [r for r in members if r not in per]
@@ -254,8 +258,7 @@ def main(folder: str) -> int:
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
-        reason = " ".join(_shown(word) for word in str(s["reason"]).split(" "))  # a sentence wraps; a long word not
-        print(wrapped(f"rank {r}: dumped on {reason}, {len(s['entries'])} operations recorded"))
+        print(wrapped(f"rank {r}: dumped on {_sentence(s['reason'])}, {len(s['entries'])} operations recorded"))
     lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
