@@ -338,9 +338,11 @@ SUMMARY_SIGNATURES = {"train": ({"train_loss", "world_size", "config"}, ()), "qu
 
 def is_summary(data) -> bool:
     """Whether ``data`` holds one program's :data:`SUMMARY_SIGNATURES`: its keys, and each of its rows' (1 or more)."""
-    rows = data["rows"] if isinstance(data, dict) and isinstance(data.get("rows"), list) and data["rows"] else [{}]
-    return isinstance(data, dict) and any(keys <= data.keys() and all(
-        isinstance(r, dict) and set(row) <= r.keys() for r in rows) for keys, row in SUMMARY_SIGNATURES.values())
+    if not isinstance(data, dict):
+        return False
+    rows = data["rows"] if isinstance(data.get("rows"), list) and data["rows"] else [{}]
+    return any(keys <= data.keys() and all(isinstance(r, dict) and set(row_keys) <= r.keys() for r in rows)
+               for keys, row_keys in SUMMARY_SIGNATURES.values())
 
 
 def refuse_foreign(path: str, flag: str) -> None:
