@@ -26,7 +26,7 @@ from minizero.train import parse_args
 
 
 def test_gather_and_reduce_scatter_are_conjugate_along_the_sequence():
-    """ḡ: forward all-gather, backward reduce-scatter; g: forward reduce-scatter, backward all-gather; scatter."""
+    """g: forward all-gather, backward reduce-scatter; ḡ: forward reduce-scatter, backward all-gather; scatter."""
     t, b, s, h = 3, 2, 6, 4
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(t, b, s, h))  # rank r's full-length input

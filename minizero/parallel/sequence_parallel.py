@@ -1,7 +1,7 @@
 """Sequence parallelism: the layer norms, dropouts and residuals of a tensor-parallel block split along s.
 
-Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). f becomes ḡ, an all-gather along s (backward:
-reduce-scatter), fused with the column-parallel GEMM; g becomes a reduce-scatter along s (backward:
+Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). f becomes g, an all-gather along s (backward:
+reduce-scatter), fused with the column-parallel GEMM; g becomes ḡ, a reduce-scatter along s (backward:
 all-gather). Bytes equal tensor parallelism's; activations outside the tensor region shrink by t.
 The embedding leaves by a reduce-scatter too: the vocabulary-parallel partial sums plus wpe, added on tensor
 rank 0 only (Megatron-core's ``LanguageModelEmbedding`` reduce-scatters only without learned positions).
@@ -74,7 +74,7 @@ class _ScatterToSequenceParallelRegion(Function):
 
 
 class _GatherFromSequenceParallelRegion(Function):
-    """ḡ: forward all-gather along the sequence, backward reduce-scatter."""
+    """g: forward all-gather along the sequence, backward reduce-scatter."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -87,7 +87,7 @@ class _GatherFromSequenceParallelRegion(Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(Function):
-    """g: forward reduce-scatter along the sequence, backward all-gather."""
+    """ḡ: forward reduce-scatter along the sequence, backward all-gather."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -112,7 +112,7 @@ class _OnceOverTensorGroup(Function):
 
 
 class _GatheredLinear(Function):
-    """ḡ fused with a column-parallel GEMM: y = all_gather_s(x) W^T + b, saving only x's slice.
+    """g fused with a column-parallel GEMM: y = all_gather_s(x) W^T + b, saving only x's slice.
 
     x (b, s/t, in), W (out/t, in), b (out/t,) or None -> y (b, s, out/t). Backward: all-gather x again for dW;
     dx reduce-scattered along s to (b, s/t, in).
@@ -142,12 +142,12 @@ def scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
 
 
 def gather_from_sequence_parallel_region(x: Tensor, comm) -> Tensor:
-    """ḡ — forward: all-gather along s (b, s/t, h) -> (b, s, h), backward: reduce-scatter."""
+    """g — forward: all-gather along s (b, s/t, h) -> (b, s, h), backward: reduce-scatter."""
     return _GatherFromSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel_region(x: Tensor, comm) -> Tensor:
-    """g — forward: reduce-scatter along s, partial (b, s, h) -> summed (b, s/t, h), backward: all-gather."""
+    """ḡ — forward: reduce-scatter along s, partial (b, s, h) -> summed (b, s/t, h), backward: all-gather."""
     return _ReduceScatterToSequenceParallelRegion.apply(x, comm) if comm.world_size > 1 else x
 
 
@@ -177,7 +177,7 @@ def _mark_sp(*params) -> None:
 
 
 class SequenceParallelColumnLinear(ColumnParallelLinear):
-    """Column-parallel linear entered through ḡ. x (b, s/t, in) -> (b, s, out/t).
+    """Column-parallel linear entered through g. x (b, s/t, in) -> (b, s, out/t).
 
     Forward: one all-gather of (b, s, in); backward: one all-gather (x, for dW) and one reduce-scatter of dL/dx.
     """
@@ -187,7 +187,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
-    """Row-parallel linear left through g. x (b, s, in/t) -> (b, s/t, out); forward reduce-scatter,
+    """Row-parallel linear left through ḡ. x (b, s, in/t) -> (b, s/t, out); forward reduce-scatter,
     backward all-gather."""
 
     def forward(self, x):
@@ -272,7 +272,7 @@ class SequenceParallelAttention(ParallelCausalSelfAttention):
 
 
 class SequenceParallelLMHead(ParallelLMHead):
-    """Logits of this rank's vocabulary for the whole sequence: ḡ(x) W_r^T. x (b, s/t, C) -> (b, s, V/t)."""
+    """Logits of this rank's vocabulary for the whole sequence: g(x) W_r^T. x (b, s/t, C) -> (b, s, V/t)."""
 
     def forward(self, x):
         return gathered_linear(x, self.weight, self.comm)
