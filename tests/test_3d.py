@@ -126,6 +126,22 @@ def test_the_traffic_rows_add_up_to_the_world_total_under_cp_ep_and_zbv(case, ro
     assert sum(sent.values()) == world and "embed" not in "".join(lines), lines
 
 
+def test_the_traffic_rows_line_up_however_long_a_label_or_a_count():
+    """Before: each row put its bytes in 9 columns after its own label: a 10-character count ("128.00 KiB", the MoE
+    run's edp row) or a longer label ("other (all 4 ranks)") pushed that row's columns out of line."""
+    from minizero.parallel.placement import traffic_rows
+
+    rows = traffic_rows([("ep    (2 rank(s) each): 1 node(s),", "63.12 KiB", "0 B", "expert all-to-all"),
+                         ("edp   (2 rank(s) each): 1 node(s),", "128.00 KiB", "0 B", "expert gradients"),
+                         ("dp    (4 rank(s) each): 1 node(s),", "213.00 KiB", "?", ""),
+                         ("other (all 1024 ranks): 128 node(s),", "4.41 KiB", "1023.99 MiB", "loss")])
+    assert len({row.index("B, ") for row in rows}) == 1, rows  # every bytes-sent column ends at one column
+    assert len({row.find("   (", 10) if "   (" in row[10:] else len(row) for row in rows}) == 1, rows  # across
+    assert rows[2] == "  dp    (4 rank(s) each): 1 node(s),   213.00 KiB,           ?"
+    assert traffic_rows([("tp    (2 rank(s) each): 1 node(s),", "1 B", "0 B", "")]) == [
+        "  tp    (2 rank(s) each): 1 node(s),       1 B,       0 B"]  # 9 columns at least, as before
+
+
 def test_the_traffic_other_row_is_taken_before_dividing_by_steps():
     """Before: the "other" remainder was taken per step (after / steps): 3 steps, every byte in a row, left
     8.9e-16 B and an "other ... 0 B" row. Now taken on the run's whole bytes."""
