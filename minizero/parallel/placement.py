@@ -4,6 +4,7 @@ Source: Narayanan et al., arXiv:2104.04473, section 3.2.
 """
 from __future__ import annotations
 
+import re
 import textwrap
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import cross_node_bytes
 from minizero.ledger import format_bytes
+from minizero.numerals import wrapped
 from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
 
@@ -157,4 +159,10 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
                      f"hierarchical {_fmt(total[9])} ({topo.nodes.n_nodes} node(s))")
     if not known:
         lines.append("  (across nodes: unknown, the world communicator does not know its nodes)")
-    return lines
+    return [cut for line in lines for cut in _wrapped(line)]
+
+
+def _wrapped(line: str) -> list[str]:
+    """``line`` cut to 120 columns as :func:`numerals.wrapped` cuts it, never inside a term ("+ dp 213.00 KiB")."""
+    glued = re.sub(r"(\+ )?([\w-]+ )?[\d.]+ (B|[KMGT]iB)\b", lambda term: term[0].replace(" ", "\xa0"), line)
+    return wrapped(glued).replace("\xa0", " ").splitlines()
