@@ -20,7 +20,7 @@ from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import spec_problem
-from minizero.files import check_writable_folder
+from minizero.files import check_writable_folder, unwritable
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
                                     launch, offloads_optimizer, resolve_sizes)
@@ -298,8 +298,7 @@ def _check_checkpoint(args) -> None:
         try:
             check_writable_folder(args.save_dir, os.path.join(TMP + folder_name(MAX_STEPS), MANIFEST))  # the longest
         except OSError as e:
-            raise UsageError(f"--save-dir {args.save_dir!r} cannot be created or take files ({e.strerror}); give a "
-                             "folder on a writable file system") from None
+            raise UsageError(unwritable("--save-dir", args.save_dir, e, what="folder")) from None
     if args.resume == "":
         raise UsageError("--resume '': expected a checkpoint folder or a save dir")
     if args.resume:

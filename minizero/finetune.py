@@ -31,7 +31,7 @@ from minizero.comm.collectives import all_reduce
 from minizero.faults import STEP_START_KINDS, FaultInjector
 from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_note  # noqa: F401 (tests import them)
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
-                            checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all)
+                            checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all, unwritable)
 from minizero.layout_checks import launch
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
@@ -144,8 +144,7 @@ def check(args) -> None:
         try:  # the folder is made after training: refuse now one that cannot be made or written
             check_writable_folder(args.out)
         except OSError as e:
-            raise ValueError(f"--out {args.out!r} cannot be created or take files ({e.strerror}); give a folder "
-                             "on a writable file system") from None
+            raise ValueError(unwritable("--out", args.out, e, what="folder")) from None
     if args.json is not None:  # '' too: refused
         check_output(args.json, inputs=inputs)
 

@@ -302,8 +302,9 @@ def left_out_line(left: dict) -> list[str]:
     :func:`plan_search.train_refusal` they break) because minizero.train runs none of it; [] when it left out none."""
     if not left:
         return []
-    rules = "; ".join(f"no {what} ({n:,} strategies)" for what, n in sorted(left.items(), key=lambda r: -r[1]))
-    return [f"left out {sum(left.values()):,} strategies minizero.train does not run: it runs {rules}"]
+    rules = sorted(left.items(), key=lambda r: -r[1])  # one rule: its count is the total, said once
+    runs = "; ".join(f"no {what}" + (f" ({n:,} strategies)" if len(rules) > 1 else "") for what, n in rules)
+    return [f"left out {sum(left.values()):,} strategies minizero.train does not run: it runs {runs}"]
 
 
 def assumed(args, hw, scale: float, unit: str) -> str:

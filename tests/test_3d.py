@@ -126,6 +126,52 @@ def test_the_traffic_rows_add_up_to_the_world_total_under_cp_ep_and_zbv(case, ro
     assert sum(sent.values()) == world and "embed" not in "".join(lines), lines
 
 
+def test_the_traffic_rows_line_up_however_long_a_label_or_a_count():
+    """Before: each row put its bytes in 9 columns after its own label: a 10-character count ("128.00 KiB", the MoE
+    run's edp row) or a longer label ("other (all 4 ranks)") pushed that row's columns out of line."""
+    from minizero.parallel.placement import traffic_rows
+
+    rows = traffic_rows([("ep    (2 rank(s) each): 1 node(s),", "63.12 KiB", "0 B", "expert all-to-all"),
+                         ("edp   (2 rank(s) each): 1 node(s),", "128.00 KiB", "0 B", "expert gradients"),
+                         ("dp    (4 rank(s) each): 1 node(s),", "213.00 KiB", "?", ""),
+                         ("other (all 1024 ranks): 128 node(s),", "4.41 KiB", "1023.99 MiB", "loss")])
+    assert len({row.index("B, ") for row in rows}) == 1, rows  # every bytes-sent column ends at one column
+    assert len({row.find("   (", 10) if "   (" in row[10:] else len(row) for row in rows}) == 1, rows  # across
+    assert rows[2] == "  dp    (4 rank(s) each): 1 node(s),   213.00 KiB,           ?"
+    assert traffic_rows([("tp    (2 rank(s) each): 1 node(s),", "1 B", "0 B", "")]) == [
+        "  tp    (2 rank(s) each): 1 node(s),       1 B,       0 B"]  # 9 columns at least, as before
+
+
+def _many_groups_on_many_nodes(comm):
+    """dp 4 (ep 2) x tp 2 x pp 2 on 8 nodes of 2 ranks, with GiB counts in every group: the world line's sum
+    names tp, dp, ep, edp, pp, embed and other."""
+    from types import SimpleNamespace
+    from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator
+    from minizero.parallel.expert_parallel import expert_groups
+    from minizero.parallel.placement import node_traffic
+
+    comm = NodeTrafficCommunicator(comm, NodeLayout(tuple(r // 2 for r in range(16))))
+    topo = Topology(comm, 4, 2, 2)
+    ep_comm, edp = expert_groups(topo.dp_comm, 2)
+    for group, label in [(topo.tp_comm, "all_reduce"), (topo.dp_comm, "all_reduce"), (ep_comm, "all_to_all"),
+                         (edp, "all_reduce"), (topo.pp_comm, "p2p"), (topo.embed_comm, "all_reduce"), (comm, "loss")]:
+        with group.traffic.op(label):
+            group.traffic.record(2 ** 30 * 63 + 12345)
+        group.cross_node.record(label, 2 ** 30 * 63 + 12345)  # every byte crosses nodes
+    dp = SimpleNamespace(buckets=[(np.zeros(2 ** 20), None)])
+    return node_traffic(topo, 1, dp, "hierarchical", ep=2, edp=edp)
+
+
+def test_no_traffic_line_passes_120_columns_with_many_groups_on_many_nodes():
+    """Before: the world line summing every group's bytes across nodes ran to 150 columns and more on one line."""
+    lines = run_in_threads(16, _many_groups_on_many_nodes, timeout=120)[0]
+    assert max(map(len, lines)) <= 120, "\n".join(lines)
+    said = " ".join(unwrapped("\n".join(lines)))
+    assert " across nodes = tp " in said and " + edp " in said and " + embed " in said, lines
+    assert "dp gradient all-reduce (hierarchical) across nodes per step: " in said, lines
+    assert not any(line[-1].isdigit() or line.endswith("+") for line in lines), lines  # a term is never cut
+
+
 def test_the_traffic_other_row_is_taken_before_dividing_by_steps():
     """Before: the "other" remainder was taken per step (after / steps): 3 steps, every byte in a row, left
     8.9e-16 B and an "other ... 0 B" row. Now taken on the run's whole bytes."""

@@ -538,7 +538,7 @@ def test_no_output_of_the_trainer_lands_inside_a_checkpoint(saved, tmp_path):
 
 
 @pytest.mark.parametrize("save_dir,needle", [
-    ("", "--save-dir must name a folder"), ("/proc/ck", "cannot be created or take files"),
+    ("", "--save-dir must name a folder"), ("/proc/ck", "cannot be written"),
     ("{file}/ck", "is not a directory"), ("{saved}/step_00000002", "is inside the checkpoint folder"),
 ])
 def test_save_dir_is_checked_before_the_first_save(saved, tmp_path, save_dir, needle):

@@ -308,7 +308,7 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
     out = str(tmp_path / "afile" / "ft")
     assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out]) == 2
     err = joined(capsys.readouterr().err)
-    assert f"--out {out!r} cannot be created or take files (" in err and "is not a directory" in err, err
+    assert f"--out {out!r} cannot be written (" in err and "is not a directory" in err, err
 
 
 @pytest.mark.parametrize("tool,argv", [("quantize", ["--bits", "3"]), ("quantize", ["--block-size", "0"]),

@@ -13,6 +13,7 @@ from minizero.comm import all_reduce, run_in_threads
 from minizero.comm.hierarchical import HierarchicalAllReduce, cross_node_bytes
 from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator, discover_nodes
 from minizero.loop import train
+from minizero.numerals import unwrapped
 from minizero.parallel.topology import Topology
 from minizero.train import UsageError, parse_args
 
@@ -137,7 +138,8 @@ def test_in_process_dp2_tp2_on_two_fake_nodes_sends_only_gradients_across():
         assert set(world) <= {"all_reduce", "broadcast_params", "metrics", "used_parameters", "replica_check",
                               "validation"}
         assert world["all_reduce"] == dp_bytes
-    line = next(line for line in res[0][3] if "dp gradient all-reduce (ring) across nodes per step" in line)
+    line = next(line for line in unwrapped("\n".join(res[0][3]))  # cut at 120 columns
+                if "dp gradient all-reduce (ring) across nodes per step" in line)
     measured, computed = re.search(r"per step: (\S+ \S+); computed: flat ring (\S+ \S+),", line).groups()
     assert measured == computed, line  # the gradients alone: the ring formula
 

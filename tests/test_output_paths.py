@@ -100,6 +100,28 @@ def test_an_output_refused_for_permission_says_to_give_a_path_one_can_write_to(c
     assert unwritable("--out", "/srv/o", e, "folder").endswith("; give a path you can write to")
 
 
+@pytest.mark.parametrize("code,give", [(errno.EACCES, "a path you can write to"),
+                                       (errno.ENAMETOOLONG, "a shorter path"),
+                                       (errno.EROFS, "a folder on a writable file system")])
+def test_save_dir_and_finetune_out_say_what_to_give_by_errno(tmp_path, monkeypatch, capsys, code, give):
+    """Before: train's --save-dir and finetune's --out said "give a folder on a writable file system" for every
+    OSError, Permission denied and File name too long included."""
+    from minizero import args as train_args
+
+    def refuse(*_):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(train_args, "check_writable_folder", refuse)
+    monkeypatch.setattr(finetune, "check_writable_folder", refuse)
+    save = str(tmp_path / "ck")
+    with pytest.raises(train_args.UsageError) as e:
+        train_args.parse_args(["--out", str(tmp_path / "o"), "--save-every", "1", "--save-dir", save], 1)
+    assert str(e.value) == f"--save-dir {save!r} cannot be written ({os.strerror(code)}); give {give}"
+    out = str(tmp_path / "ft")
+    assert finetune.main(["--weights", str(tmp_path / "none.npz"), "--out", out]) == 2
+    assert one_line(capsys.readouterr().err).endswith(f"--out {out!r} cannot be written ({os.strerror(code)}); "
+                                                      f"give {give}")
+
+
 def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
     """Before: check_writable_file's open of a FIFO with no reader failed as "No such device or address" (ENXIO),
     and its callers printed that. A FIFO that a process reads is written into, as a device is."""
@@ -234,7 +256,7 @@ def test_a_path_near_path_max_is_refused(tmp_path):
         parse_args(["--out", out], world_size=1)
     temporary = len(f".manifest.json.minizero~{socket.gethostname()}~{os.getpid()}~XXXXXXXX.tmp")
     save = os.path.join(deep, "s" * (4095 - temporary - 5 - len(deep) - 1))  # its manifest fits, not in .tmp-step_N/
-    with pytest.raises(UsageError, match="--save-dir .* cannot be created or take files .*paths must stay under"):
+    with pytest.raises(UsageError, match="--save-dir .* cannot be written .*paths must stay under"):
         parse_args(["--out", str(tmp_path / "o"), "--save-every", "1", "--save-dir", save], world_size=1)
 
 

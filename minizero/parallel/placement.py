@@ -4,6 +4,7 @@ Source: Narayanan et al., arXiv:2104.04473, section 3.2.
 """
 from __future__ import annotations
 
+import re
 import textwrap
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import cross_node_bytes
 from minizero.ledger import format_bytes
+from minizero.numerals import wrapped
 from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
 
@@ -58,6 +60,14 @@ def _label(snapshot: dict | None, *labels: str) -> float:
     return 0.0 if snapshot is None else float(sum(snapshot["by_op"].get(label, 0) for label in labels))
 
 
+def traffic_rows(rows: list[tuple[str, str, str, str]]) -> list[str]:
+    """The table's rows (group and nodes spanned, bytes sent, across nodes, a note or ''), each column as wide as
+    its widest cell (the bytes' at least 9): every row's columns line up, however long its label."""
+    head = max((len(r[0]) for r in rows), default=0)
+    sent, across = (max([9] + [len(r[i]) for r in rows]) for i in (1, 2))
+    return [f"  {h:{head}s} {s:>{sent}s}, {a:>{across}s}" + (f"   ({note})" if note else "") for h, s, a, note in rows]
+
+
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
                  cp_attention: str = "ring", ep: int = 1, edp=None) -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table lines on world rank 0 ([] elsewhere).
@@ -95,7 +105,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     # all-to-alls (the cp or ep row), the agreement on the parameters used, the replica check's digests, the edp row
     net[4:6] -= net[18:20]  # the pp row: without the tied embedding's reduction (the embed row)
     total = net / steps
-    shown = []  # the index of each row's bytes sent (across nodes: the next): the rest of the world's is "other"
+    shown, rows = [], []  # the index of each row's bytes sent (across nodes: the next): the world's rest is "other"
     embed = topo.pp > 1 and bool(net[18] or net[19])  # ZB-V: one rank holds both ends, nothing to reduce
     for i, k in enumerate(KINDS):
         if getattr(topo, k) == 1:
@@ -105,32 +115,31 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
             sub = [g[j:j + n] for g in topo.all_groups("dp") for j in range(0, len(g), n)]
             what = ("expert all-to-all" if ep > 1
                     else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all")
-            lines.append(f"  {'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
-                         f"node(s), {_fmt(total[10]):>9s}, {_fmt(total[11]) if known else '?':>9s}   ({what})")
+            rows.append((f"{'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
+                         "node(s),", _fmt(total[10]), _fmt(total[11]) if known else "?", what))
             shown.append(10)
             if topo.dp == n and not total[2]:
                 continue
         if k == "dp" and edp is not None and edp.world_size > 1:
             sub = [g[j::ep] for g in topo.all_groups("dp") for j in range(ep)]  # expert_groups' colour r % ep
-            lines.append(f"  {'edp':5s} ({edp.world_size} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
-                         f"node(s), {_fmt(total[14]):>9s}, {_fmt(total[15]) if known else '?':>9s}   "
-                         "(expert gradients over the ranks holding the same experts)")
+            rows.append((f"{'edp':5s} ({edp.world_size} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
+                         "node(s),", _fmt(total[14]), _fmt(total[15]) if known else "?",
+                         "expert gradients over the ranks holding the same experts"))
             shown.append(14)
-        across = _fmt(total[2 * i + 1]) if known else "?"
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
-        lines.append(f"  {label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s), "
-                     f"{_fmt(total[2 * i]):>9s}, {across:>9s}")
+        rows.append((f"{label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s),",
+                     _fmt(total[2 * i]), _fmt(total[2 * i + 1]) if known else "?", ""))
         shown.append(2 * i)
         if k == "pp" and embed:
-            lines.append(f"  embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s), {_fmt(total[18]):>9s}, "
-                         f"{_fmt(total[19]) if known else '?':>9s}   (the tied embedding's gradient)")
+            rows.append((f"embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s),", _fmt(total[18]),
+                         _fmt(total[19]) if known else "?", "the tied embedding's gradient"))
             shown.append(18)
     other_sent = (net[6] - sum(net[i] for i in shown)) / steps
     other = (net[7] - sum(net[i + 1] for i in shown)) / steps
     if other_sent or other:  # the world's bytes in no row above: the rows add up to its total
-        lines.append(f"  other (all {topo.world.world_size} ranks): {topo.nodes.n_nodes} node(s), "
-                     f"{_fmt(other_sent):>9s}, {_fmt(other) if known else '?':>9s}   (loss, norm, flags, "
-                     "metrics, digests)")
+        rows.append((f"other (all {topo.world.world_size} ranks): {topo.nodes.n_nodes} node(s),", _fmt(other_sent),
+                     _fmt(other) if known else "?", "loss, norm, flags, metrics, digests"))
+    lines += traffic_rows(rows)
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
     else:
@@ -150,4 +159,10 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
                      f"hierarchical {_fmt(total[9])} ({topo.nodes.n_nodes} node(s))")
     if not known:
         lines.append("  (across nodes: unknown, the world communicator does not know its nodes)")
-    return lines
+    return [cut for line in lines for cut in _wrapped(line)]
+
+
+def _wrapped(line: str) -> list[str]:
+    """``line`` cut to 120 columns as :func:`numerals.wrapped` cuts it, never inside a term ("+ dp 213.00 KiB")."""
+    glued = re.sub(r"(\+ )?([\w-]+ )?[\d.]+ (B|[KMGT]iB)\b", lambda term: term[0].replace(" ", "\xa0"), line)
+    return wrapped(glued).replace("\xa0", " ").splitlines()
