@@ -10,7 +10,7 @@ import os
 
 from minizero.files import atomic_write, check_output, refuse_slash_or_dangling
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
-from minizero.numerals import column, significant
+from minizero.numerals import column, counted, significant
 from minizero.plan_search import Candidate, Hardware, train_runs
 
 def describe(st: Strategy) -> str:
@@ -303,8 +303,10 @@ def left_out_line(left: dict) -> list[str]:
     if not left:
         return []
     rules = sorted(left.items(), key=lambda r: -r[1])  # one rule: its count is the total, said once
-    runs = "; ".join(f"no {what}" + (f" ({n:,} strategies)" if len(rules) > 1 else "") for what, n in rules)
-    return [f"left out {sum(left.values()):,} strategies minizero.train does not run: it runs {runs}"]
+    runs = "; ".join(f"no {what}" + (f" ({counted(n, 'strategy', 'strategies')})" if len(rules) > 1 else "")
+                     for what, n in rules)
+    total = counted(sum(left.values()), "strategy", "strategies")
+    return [f"left out {total} minizero.train does not run: it runs {runs}"]
 
 
 def assumed(args, hw, scale: float, unit: str) -> str:

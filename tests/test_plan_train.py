@@ -188,6 +188,9 @@ def test_the_left_out_line_counts_each_rule_only_when_there_are_several():
     assert left_out_line({"X": 1216}) == ["left out 1,216 strategies minizero.train does not run: it runs no X"]
     assert left_out_line({"X": 2, "Y": 30}) == [
         "left out 32 strategies minizero.train does not run: it runs no Y (30 strategies); no X (2 strategies)"]
+    assert left_out_line({"X": 1, "Y": 1}) == [  # before: "(1 strategies)"
+        "left out 2 strategies minizero.train does not run: it runs no X (1 strategy); no Y (1 strategy)"]
+    assert left_out_line({"X": 1})[0].startswith("left out 1 strategy minizero")
 
 
 def test_a_preset_s_fp8_plan_says_its_recomputing_rows_take_current_scaling(capsys):
