@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=integer, default=300, help="optimizer steps")
     layout.add_argument("--micro-batch-size", type=integer, default=2, help="sequences per rank per micro-step")
     layout.add_argument("--grad-accum", type=integer, default=None,
-                        help="micro-steps per optimizer step (default: 1, or derived from --batch-size)")
+                        help="micro-steps per optimizer step (default: pp, 1 without a pipeline; derived from "
+                             "--batch-size when that is given)")
     layout.add_argument("--batch-size", type=integer, default=None,
                         help="global sequences per optimizer step (default: micro-batch-size x dp x grad-accum); "
                              "given, it must equal that product, and grad-accum is derived from it when not given")

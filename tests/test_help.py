@@ -160,3 +160,11 @@ def test_debug_help_names_the_interrupted_exit_statuses(capsys, argv):
     with pytest.raises(SystemExit):
         debug_main.main(argv)
     assert "130 for SIGINT/Ctrl-C, 143 for SIGTERM" in " ".join(capsys.readouterr().out.split())
+
+
+def test_grad_accum_help_says_the_default_parse_args_gives():
+    """Before: --grad-accum's help said "default: 1" while parse_args gives pp (as --micro-batches' help said)."""
+    from minizero.args import parse_args
+    action = next(a for a in flags.build_parser()._actions if a.dest == "grad_accum")
+    assert parse_args(["--model", "tiny", "--pp", "2"], 2).grad_accum == 2
+    assert "default: pp" in " ".join(action.help.split()), action.help
