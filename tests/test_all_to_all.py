@@ -13,6 +13,7 @@ import pytest
 
 from minizero.comm import run_in_threads
 from minizero.comm.all_to_all import all_to_all, all_to_all_v
+from minizero.comm.flight import CollectiveMismatchError, check_collectives
 from tests.conftest import REPO_ROOT, mpi_env
 
 
@@ -64,6 +65,21 @@ def test_ragged_splits_with_empty_pieces(n):
         mine = counts_of(r)
         assert by_op["all_to_all_counts"] == 8 * (n - 1)
         assert by_op.get("all_to_all", 0) == int(mine.sum() - mine[r]) * 3 * 8
+
+
+@pytest.mark.timeout(60)
+def test_the_descriptor_check_passes_ragged_splits_and_catches_another_row_shape():
+    """--debug-collectives' check (comm/flight.py): ranks send different row counts by design, so the ragged
+    exchange is described by its row; before, rank 0's (3, 2) against rank 1's (4, 2) raised a mismatch."""
+    def body(comm, cols):
+        check_collectives(comm)
+        counts = [1, 2] if comm.rank == 0 else [3, 1]
+        return all_to_all_v(comm, np.zeros((sum(counts), cols[comm.rank])), counts)[1]
+
+    assert run_in_threads(2, body, [2, 2], timeout=10) == [[1, 3], [2, 1]]
+    with pytest.raises(CollectiveMismatchError) as e:  # another row shape is still caught
+        run_in_threads(2, body, [2, 3], timeout=10)
+    assert "all_to_all #2 (shape (2,)" in str(e.value) and "all_to_all #2 (shape (3,)" in str(e.value), str(e.value)
 
 
 def test_bad_splits_are_refused_before_any_message():

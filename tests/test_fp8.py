@@ -52,10 +52,20 @@ def test_rounding_equals_ml_dtypes_inside_the_range(fmt, name):
 def test_every_code_decodes_and_encodes_back(fmt):
     codes = np.arange(256, dtype=np.uint8)
     vals = from_fp8_bits(codes, fmt)
-    finite = np.abs(vals) <= fmt.max  # E4M3's 0x7F / 0xFF (NaN) and E5M2's exponent 31 (inf, NaN) decode beyond max
+    finite = np.abs(vals) <= fmt.max  # E4M3's 0x7F / 0xFF, E5M2's 0x7D-0x7F: NaN; E5M2's 0x7C: past max
     np.testing.assert_array_equal(to_fp8_bits(vals[finite], fmt), codes[finite])
     assert np.abs(vals[finite]).max() == fmt.max and sorted(set(np.abs(vals[finite]).tolist()))[1] == 2.0 ** (
         fmt.emin - fmt.mantissa)  # the smallest subnormal
+
+
+@pytest.mark.parametrize("fmt,code", [(E4M3, 0x7F), (E5M2, 0x7E)])
+def test_a_nan_stays_nan_through_the_codes_and_a_cast(fmt, code):
+    """Before: to_fp8_bits turned NaN into an arbitrary finite code (E4M3: -256 after a cast), hiding it."""
+    x = np.array([1.0, np.nan, -np.nan, -2.0], np.float32)
+    bits = to_fp8_bits(round_to_fp8(x, fmt), fmt)
+    assert bits[1] == code and bits[2] == 0x80 | code  # ml_dtypes' NaN, its sign kept
+    assert np.isnan(from_fp8_bits(bits, fmt)[1:3]).all() and np.isnan(ScaledCast(fmt, "current").cast(x)[1])
+    assert ScaledCast(fmt, "current").cast(x)[3] == -2.0  # a NaN amax casts at scale 1: the finite values still cast
 
 
 def test_fp8_linear_saves_one_byte_per_element():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
+from minizero.comm import flight
 
 _A2A_TAG, _COUNT_TAG = 1007, 1008  # every kind of message has its own tag (tests/test_tags.py)
 
@@ -62,6 +63,6 @@ def all_to_all_v(comm, x, send_counts):
     recv_counts = [int(c) for c in theirs[:, 0]]
     send_off, recv_off = np.concatenate([[0], np.cumsum(counts)]), np.concatenate([[0], np.cumsum(recv_counts)])
     out = backend.array_module(x).empty((int(recv_off[-1]),) + x.shape[1:], dtype=x.dtype)
-    with comm.traffic.op("all_to_all", x):
+    with comm.traffic.op("all_to_all", flight.Described(x.shape[1:], x.dtype)):  # rows differ by rank: one row
         _exchange(comm, x, [int(v) for v in send_off], out, [int(v) for v in recv_off])
     return out, recv_counts

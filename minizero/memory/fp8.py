@@ -24,12 +24,15 @@ SCALINGS = ("delayed", "current")
 
 @dataclasses.dataclass(frozen=True)
 class FP8Format:
-    """An FP8 grid: ``mantissa`` stored bits, smallest normal exponent ``emin``, largest finite ``max``."""
+    """An FP8 grid: ``mantissa`` stored bits, smallest normal exponent ``emin``, largest finite ``max``; NaN encodes
+    as ``nan`` (ml_dtypes'), and low 7 bits from ``nan_from`` up decode as NaN."""
 
     name: str
     mantissa: int
     emin: int
     max: float
+    nan: int
+    nan_from: int
 
     @property
     def rounds_to_max(self) -> float:
@@ -37,8 +40,8 @@ class FP8Format:
         return self.max + 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa - 1)
 
 
-E4M3 = FP8Format("e4m3", 3, -6, 448.0)
-E5M2 = FP8Format("e5m2", 2, -14, 57344.0)
+E4M3 = FP8Format("e4m3", 3, -6, 448.0, 0x7F, 0x7F)
+E5M2 = FP8Format("e5m2", 2, -14, 57344.0, 0x7E, 0x7D)
 
 
 def round_to_fp8(x, fmt: FP8Format):
@@ -61,10 +64,11 @@ def _quantum(e, mantissa: int, xp):
 
 
 def to_fp8_bits(q, fmt: FP8Format):
-    """Finite float32 values on ``fmt``'s grid (:func:`round_to_fp8`) -> their 8-bit codes (uint8):
-    sign, biased exponent (0 for subnormals), mantissa; ml_dtypes' float8_e4m3fn / float8_e5m2 bits."""
+    """float32 values on ``fmt``'s grid or NaN (:func:`round_to_fp8`) -> 8-bit codes (uint8): sign, biased exponent
+    (0 for subnormals), mantissa; ml_dtypes' float8_e4m3fn / float8_e5m2 bits."""
     xp = backend.array_module(q)
-    mag = xp.abs(q)
+    nan = xp.isnan(q)
+    mag = xp.where(nan, np.float32(0), xp.abs(q))
     e = ((mag.view(xp.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(xp.int32) - 127
     normal = e >= fmt.emin
     e = xp.maximum(e, np.int32(fmt.emin))
@@ -72,7 +76,7 @@ def to_fp8_bits(q, fmt: FP8Format):
     biased = xp.where(normal, e - (fmt.emin - 1), 0)
     mant = xp.where(normal, k - (1 << fmt.mantissa), k)
     sign = (q.view(xp.uint32) >> np.uint32(31)).astype(xp.int32)
-    return ((sign << 7) | (biased << fmt.mantissa) | mant).astype(xp.uint8)
+    return ((sign << 7) | xp.where(nan, fmt.nan, (biased << fmt.mantissa) | mant)).astype(xp.uint8)
 
 
 def from_fp8_bits(b, fmt: FP8Format):
@@ -83,6 +87,7 @@ def from_fp8_bits(b, fmt: FP8Format):
     normal = biased > 0
     e = xp.where(normal, biased + (fmt.emin - 1), fmt.emin).astype(xp.int32)
     val = xp.where(normal, mant + (1 << fmt.mantissa), mant).astype(xp.float32) * _quantum(e, fmt.mantissa, xp)
+    val = xp.where((b & 0x7F) >= fmt.nan_from, np.float32(np.nan), val)
     return xp.where((b >> 7) == 1, -val, val)
 
 
