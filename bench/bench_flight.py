@@ -81,7 +81,7 @@ def main() -> None:
                             [args.ranks])  # the runs' flags, before the first one starts
     if mpiexec_path() is None:
         sys.exit("mpiexec not found: pip install mpich (or install a system MPI)")
-    print(_machine.header(), flush=True)
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     off, on = [], []
     for _ in range(args.rounds):
         off.append(job(args.ranks, args, 0))

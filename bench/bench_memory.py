@@ -80,7 +80,7 @@ def main():
             p.error(f"--configs: unknown config {n!r}; allowed: {', '.join(CONFIGS)} (or all)")
     for n in names:
         check_train_flags(p, train_flags(CONFIGS[n], args), [args.ranks])
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     print(f"model {args.model}, {args.ranks} rank(s), micro-batch {args.micro_batch_size}, {args.steps} steps; "
           "MiB (2^20 bytes) on rank 0")
     print("| config | parameters | gradients | optimizer | activations | offloaded | ledger peak total | "

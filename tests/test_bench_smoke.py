@@ -6,6 +6,7 @@ profile_step and profile_collective (their own tests) and the scripts that need 
 any size (bench_vs_torch, bench_speedup, bench_3d_main_job, bench_allreduce, bench_multihost, bench_defaults,
 bench_qlora, bench_setup_peak, bench_header) are left to their own runs.
 """
+import glob
 import os
 import subprocess
 import sys
@@ -37,3 +38,15 @@ def test_bench_runs_and_prints_its_table(name, tmp_path):
     assert any(" UTC | " in line and "OPENBLAS_CORETYPE=" in line for line in lines), proc.stdout[:2000]
     assert any(line.startswith("|") and line.count("|") >= 3 and "---" not in line for line in lines[1:]), \
         proc.stdout[-2000:]
+
+
+def test_scripts_that_launch_the_main_job_s_ranks_print_the_ranks_thread_rule():
+    """A table of ranks needs the ranks' BLAS threads in its header. Before: bench_flight and bench_memory printed
+    their own ('2 threads') above runs of 8 ranks on 2 cores, which ran with one thread each."""
+    launchers = []
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "bench", "*.py"))):
+        with open(path) as f:
+            src = f.read()
+        if '"minizero.train"' in src and "mpiexec" in src and "_machine.header(" in src:
+            launchers.append((os.path.basename(path), "_machine.header(_machine.RANK_THREADS)" in src))
+    assert len(launchers) >= 6 and all(ok for _, ok in launchers), launchers

@@ -56,6 +56,8 @@ FOREIGN_FLAGS = {
     "--fp8-amax-compute-algo": "Megatron-LM (Transformer Engine)",
     "--num-layers-per-virtual-pipeline-stage": "Megatron-LM",
     "--accumulate-allreduce-grads-in-fp32": "Megatron-LM",
+    "--data-parallel-sharding-strategy": "Megatron-LM (Megatron-FSDP)", "--ddp-bucket-size": "Megatron-LM",
+    "--fp8-recipe": "Megatron-LM (Transformer Engine)", "--num-virtual-stages-per-pipeline-rank": "Megatron-LM",
 }
 
 PROGRAMS = {"minizero.train": "minizero.flags", "minizero.plan": "minizero.plan",
