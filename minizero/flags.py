@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model.json, summary.json, the plots, flight/)")
     debug.add_argument("--tracemalloc", action="store_true",
                        help="measure the process peak with tracemalloc (every NumPy allocation over the training "
-                            "steps; costs ~30%% of throughput at 8 ranks); default: peak RSS from getrusage, free")
+                            "steps; slower: every allocation is traced); default: peak RSS from getrusage, free")
     debug.add_argument("--no-tracemalloc", action="store_true",
                        help="tracemalloc off (the default; kept so older command lines run; wins over --tracemalloc)")
     debug.add_argument("--default-malloc", action="store_true",

@@ -7,7 +7,7 @@
         rank 0: 00 | 10 20        rank 1: 01 | 11 21        rank 2: 02 | 12 22   (after N-1 rounds)
 
 Deadlock-free, N-1 rounds of one piece each: MPICH's ``MPI_Alltoall`` for large messages (Thakur,
-Rabenseifner & Gropp 2005, section 4.4); variable splits first exchange the counts the same way.
+Rabenseifner & Gropp 2005); variable splits first exchange the counts the same way.
 """
 from __future__ import annotations
 
