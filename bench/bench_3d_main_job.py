@@ -134,9 +134,9 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="folder to keep the four runs in (default: a temporary one)")
     p.add_argument("--reuse", default=None, help="print from the runs already in this folder instead of running")
     a = p.parse_args()
-    if a.short_steps < 21 or a.steps < a.short_steps:
+    if a.short_steps < 21 or a.steps <= a.short_steps:  # equal: no steps after the short runs' for the median row
         p.error(f"--short-steps {a.short_steps} with --steps {a.steps}; allowed: --short-steps >= 21 (losses at "
-                "steps 0/10/20) and --steps >= --short-steps")
+                "steps 0/10/20) and --steps > --short-steps")
     names = {"dp8_short": ("dp8", a.short_steps), "3d_short": ("3d", a.short_steps),
              "dp8_long": ("dp8", a.steps), "3d_long": ("3d", a.steps)}
     if a.reuse and a.keep:

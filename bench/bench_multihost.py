@@ -1,7 +1,8 @@
 """Traffic inside vs across nodes, per rank: the flat ring vs the hierarchical all-reduce.
 
-    sudo python bench/bench_multihost.py                   # 2 namespace hosts x 2 ranks, over TCP
-    sudo python bench/bench_multihost.py --hosts 2 --slots 4 --mib 16
+    sudo "$(which python)" bench/bench_multihost.py        # 2 namespace hosts x 2 ranks, over TCP
+    sudo "$(which python)" bench/bench_multihost.py --hosts 2 --slots 4 --mib 16
+    (the venv's python by its path: sudo resets PATH)
     mpiexec -f hostfile -n 8 python bench/bench_multihost.py --rank   # real machines
 
 As root it builds network-namespace hosts on a bridge (tests/netns.py: hydra's ssh

@@ -213,3 +213,16 @@ def test_model_json_without_n_head_or_holding_null_is_refused(tiny_weights, caps
 def test_a_summary_json_of_null_or_without_n_head_is_set_aside_with_a_note(tiny_weights, capsys, text, why):
     (tiny_weights.parent / "summary.json").write_text(text)
     assert why in _quantize_notes(tiny_weights, capsys)
+
+
+def test_consolidate_names_model_json_as_out_was_given(tmp_path, monkeypatch, capsys):
+    """Before: `--out model.npz` printed "wrote model.npz and /abs/cwd/model.json": one path relative, one absolute."""
+    from minizero.checkpoint.cli import main as checkpoint_main
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--save-every",
+                           "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+                           "--no-save", "--save-dir", str(tmp_path / "ck")],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_main(["consolidate", "ck", "--out", "model.npz"]) == 0
+    assert capsys.readouterr().out.startswith("wrote model.npz and model.json from ck")

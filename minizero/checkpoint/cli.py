@@ -218,7 +218,8 @@ def main(argv=None) -> int:
                                       f"({type(e).__name__}: {e}); the checkpoint is damaged") from None
             if sidecar is not None:
                 write_model_json(os.path.dirname(sidecar), cfg)
-            written = f"{args.out} and {sidecar}" if sidecar else args.out
+            shown = os.path.join(os.path.dirname(args.out), SIDECAR)  # as --out was given: relative stays relative
+            written = f"{args.out} and {shown}" if sidecar else args.out
             print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
