@@ -227,7 +227,7 @@ _HALF_TO_FLOAT = None  # the float32 value of each of the 65,536 float16 bit pat
 def widen(a):
     """native float16 ``a`` as a new float32 array, bitwise ``a.astype(np.float32)`` (its layout too, but for the
     strides of size-1 axes, which address nothing); else ``a``.
-    NumPy: a lookup in a 256 KiB table, 2-4x faster than its per-element half cast on x86 (numpy/numpy#28753)."""
+    NumPy: a 256 KiB table lookup, not its emulated per-element half cast (numpy/numpy#28753; bench/profile_step.py)."""
     if a.dtype != np.float16:
         return a
     if name != "numpy" or not isinstance(a, np.ndarray) or a.ndim == 0:
@@ -307,7 +307,7 @@ def to_dtype(a, dtype):
 
 def binary(op: str, a, b):
     """``xp.<op>(a, b)`` (op "add", "subtract", "multiply"); float16 in float32, rounded once: NumPy's bits,
-    with array casts in place of NumPy's per-element ones (about 7 ns an element on x86), by blocks of CAST_CHUNK."""
+    with array casts in place of NumPy's per-element ones (timed by bench/profile_step.py), by blocks of CAST_CHUNK."""
     f = getattr(xp, op)
     if name != "numpy" or not (hasattr(a, "dtype") and hasattr(b, "dtype")) or np.result_type(a, b) != np.float16:
         return f(a, b)

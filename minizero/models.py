@@ -18,14 +18,15 @@ _LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, learned_pos=False, tied_
 _LLAMA2 = ("Touvron et al. 2023, 'Llama 2', Table 1 (context 4096, GQA for 70B); shapes from the "
            "released config.json (meta-llama/Llama-2-{}-hf)")
 _LLAMA3 = ("Meta Llama 3 model card and config.json (meta-llama/Meta-Llama-3-{}); Llama Team 2024, "
-           "'The Llama 3 Herd of Models', Table 3 (vocabulary 128K = 128,256 with special tokens)")
+           "'The Llama 3 Herd of Models', Table 3 (vocabulary 128,000; config.json's 128,256 adds special tokens)")
 
 REAL_MODELS = {
     "gpt3-175b": ModelShape(
         "gpt3-175b", n_layer=96, hidden=12288, n_head=96, n_kv_head=96, ffn_hidden=4 * 12288, vocab_size=50257,
         seq_len=2048,
         source="Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 (96 layers, d_model 12288, "
-               "96 heads, context 2048); FFN 4 d_model and the 50257-token GPT-2 BPE (Radford et al. 2019)"),
+               "96 heads) and section 2.1 (context 2048); FFN 4 d_model and the 50257-token GPT-2 BPE "
+               "(Radford et al. 2019)"),
     "llama2-7b": ModelShape("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, source=_LLAMA2.format("7b"), **_LLAMA),
     "llama2-13b": ModelShape("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, source=_LLAMA2.format("13b"),
                              **_LLAMA),
@@ -38,8 +39,8 @@ REAL_MODELS = {
         "megatron-1t", n_layer=128, hidden=25600, n_head=160, n_kv_head=160, ffn_hidden=4 * 25600, vocab_size=51200,
         seq_len=2048,
         source="Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
-               "Megatron-LM', Table 1 (1008 B: 128 layers, hidden 25600, 160 heads; vocabulary 51200, "
-               "sequence 2048)"),
+               "Megatron-LM', Table 1 (1008 B: 128 layers, hidden 25600, 160 heads) and section "
+               "5.1 (vocabulary 51200, sequence 2048)"),
     "mixtral-8x7b": ModelShape(
         "mixtral-8x7b", n_layer=32, hidden=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, vocab_size=32000,
         seq_len=32768, experts=8, top_k=2,

@@ -29,7 +29,7 @@ class Hardware:
     Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per direction, one 200 Gb/s HDR
     InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs and 1 TB of host memory per node). ``efficiency``:
     fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
-    (ZeRO-Offload's CPU-Adam, Ren et al. 2021, section 4.2; an assumption).
+    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption).
     """
 
     gpu_memory: int = 80 * 2 ** 30

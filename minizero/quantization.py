@@ -4,7 +4,7 @@ Absmax: ``scale = absmax(group) / qmax`` (qmax 127 or 7), ``q = round(x / scale)
 exactly; INT4 packs two codes per byte. Code books: each block divided by its FP32 absmax, mapped to the
 nearest of 256 values. Non-finite input raises ValueError naming how many and where.
 Sources: LLM.int8(), arXiv:2208.07339, section 2; QLoRA, arXiv:2305.14314, section 2; 8-bit optimizers,
-arXiv:2110.02861, sections 2.1-2.3; Dettmers 2016, arXiv:1511.04561.
+arXiv:2110.02861; Dettmers 2016, arXiv:1511.04561.
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def dynamic_code(signed: bool = True, max_exponent_bits: int = 7, total_bits: in
 
     As bitsandbytes' ``create_dynamic_map``: per exponent i = 0..6, 10**(i-6) times the midpoints of
     ``linspace(0.1, 1, k_i + 1)``, k_i = 2**i (signed, with negatives) or 2**(i+1) (unsigned), plus 0 and 1.
-    Dettmers 2016 (arXiv:1511.04561); Dettmers et al. 2022 (arXiv:2110.02861), section 2.2.
+    Dettmers 2016 (arXiv:1511.04561); Dettmers et al. 2022 (arXiv:2110.02861).
     """
     data = []
     non_sign_bits = total_bits - 1

@@ -75,7 +75,7 @@ BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THR
 
 
 def _blas_threads(local_ranks: int) -> int:
-    """BLAS threads per rank: cores / ranks on this node, at least 1 (GUIDE: 8.5x slower oversubscribed), and
+    """BLAS threads per rank: cores / ranks on this node, at least 1 (more would oversubscribe the cores), and
     no more than a positive integer the user set in :data:`BLAS_THREAD_VARIABLES` (the first one set)."""
     threads = max(1, _cores() // max(1, local_ranks))
     for name in BLAS_THREAD_VARIABLES:

@@ -105,8 +105,8 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
 def divide_before_sum(dtype) -> bool:
     """For a mean over N ranks: divide each addend by N before the sum (True) or the sum after (False).
 
-    True for floats narrower than 4 bytes (float16 sums of finite gradients overflow 65504; PyTorch DDP's
-    ``gradient_predivide_factor``); False for float32/float64.
+    True for floats narrower than 4 bytes (float16 sums of finite gradients overflow 65504; PyTorch FSDP's
+    ``_gradient_predivide_factor``); False for float32/float64.
     """
     return backend.xp.dtype(dtype).itemsize < 4
 

@@ -1,7 +1,7 @@
 """Hierarchical all-reduce: reduce-scatter inside each node, all-reduce across nodes, all-gather inside each node.
 
 n nodes, S bytes per rank: one node sends 2(n-1)/n * S across nodes (a flat ring: 2(N-1)/N * S). Sums are
-in another order than the ring's: each within gamma_(N-1) * sum|x_i| (Higham 2002, eq. 4.4), bit-identical
+in another order than the ring's: each within gamma_(N-1) * sum|x_i| (Higham 2002), bit-identical
 on every rank. Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802.05799, 1807.11205).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Ring collectives that progress in steps, so computation can run while they are in flight.
 
 :class:`RingCollective` runs :func:`~minizero.comm.collectives.ring_steps` over ``isend``/``irecv``, bitwise
-equal to the blocking ring. Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020, 3.2.3).
+equal to the blocking ring. Mirrors: MPI-3.1 section 3.7 (MPI_Test); PyTorch DDP's Reducer (Li et al. 2020).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Block absmax INT8 (:func:`minizero.quantization.quantize`, one FP32 scale per block of B); ``bytes_sent``
 gives the bytes exactly. All work runs where the input lives; with one rank nothing is sent.
-Source: Wang et al., "ZeRO++", arXiv:2306.10209, sections 3.1 (qwZ) and 3.3 (qgZ).
+Source: Wang et al., "ZeRO++", arXiv:2306.10209 (qwZ and qgZ).
 """
 from __future__ import annotations
 

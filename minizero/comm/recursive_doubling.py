@@ -14,13 +14,13 @@ from minizero.numerals import integer
 _RD_TAG = 1003  #: tag of recursive-doubling messages (every kind of message has its own: tests/test_tags.py)
 
 #: all-reduces of at most this many bytes use recursive doubling, larger ones the ring.
-#: Measured with ``python bench/bench_allreduce.py --launch 4,8`` on the 2-core development
-#: machine (README, "All-reduce"): recursive doubling was 1.3-2x the ring's busbw from 4 KiB to
-#: 256 KiB. It stayed ahead up to 4 MiB there, where everything is bound by 4-8 ranks sharing 2
-#: cores, not by bytes; the threshold stays below the 1 MiB gradient buckets so that they keep
-#: the ring's bandwidth-optimal 2(N-1)/N bytes (log2(N) x the buffer would be 1.7x at N = 8),
-#: which is what matters on a real network. ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it
-#: (-1: always the ring), for benchmarks and for the tests that check the ring's own properties.
+#: Why: recursive doubling waits on log2(N) exchanges, the ring on 2(N-1), so small messages, bound by
+#: per-message latency, favour it; large ones are bound by bytes, where the ring's bandwidth-optimal 2(N-1)/N
+#: of the buffer wins (log2(N) x the buffer would be 1.7x it at N = 8). The threshold stays below the 1 MiB
+#: gradient buckets so that they keep the ring's bytes, which is what matters on a real network;
+#: ``python bench/bench_allreduce.py --launch 4,8`` measures where the two cross on a given machine.
+#: ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES`` overrides it (-1: always the ring), for benchmarks and for the tests that
+#: check the ring's own properties.
 THRESHOLD_ENV, DEFAULT_MAX_BYTES = "MINIZERO_SMALL_ALLREDUCE_MAX_BYTES", 256 * 1024
 
 

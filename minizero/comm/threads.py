@@ -325,8 +325,8 @@ def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) 
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"minizero-rank-{r}", daemon=True)
                for r in range(world_size)]
-    # Rank threads that each call a multithreaded BLAS oversubscribe the cores: on 2 cores a notebook's 8-rank step
-    # burnt ~10x the CPU of the same step with one BLAS thread per rank.
+    # Rank threads that each call a multithreaded BLAS oversubscribe the cores: N ranks x T threads compete for fewer
+    # cores than that; one BLAS thread per rank avoids it.
     with threadpool_limits(limits=1, user_api="blas") if world_size > 1 else contextlib.nullcontext():
         for t in threads:
             t.start()

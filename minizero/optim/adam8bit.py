@@ -3,7 +3,7 @@
 Blocks of ``block_size`` (256) from each parameter's first element; m with the signed dynamic code, v the
 unsigned one; parameters under ``min_8bit_size`` (4096) elements keep full state. State bytes per parameter:
 2 + 8/B (FP32 Adam: 8). :class:`ShardedAdam8bit` (ZeRO 1-3) equals one process's codes bit for bit.
-Source: Dettmers et al., arXiv:2110.02861, sections 2.1-2.2; bitsandbytes' ``Adam8bit``/``AdamW8bit``.
+Source: Dettmers et al., arXiv:2110.02861; bitsandbytes' ``Adam8bit``/``AdamW8bit``.
 """
 from __future__ import annotations
 

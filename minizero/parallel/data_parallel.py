@@ -2,7 +2,7 @@
 
 Gradients go in flat buckets of at most ``bucket_bytes`` (reverse parameter order, ledger ``comm_buffers``),
 each summed by one all-reduce per optimizer step, then divided by N.
-Mirrors: PyTorch ``DistributedDataParallel``; Li et al. 2020, "PyTorch Distributed", sections 3.2-3.3.
+Mirrors: PyTorch ``DistributedDataParallel``; Li et al. 2020, "PyTorch Distributed" (VLDB).
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ class ExpertZero(DenseAndExperts):
     parameters over ``dp_comm`` (D ranks, or hybrid sharding's N-rank shard group with ``replicas``, zero/hybrid.py).
     ``experts``: this rank's E/ep experts, a unit per MoE layer, over the D/ep ranks of ``edp_comm`` that hold them
     (hybrid: N/ep, N a multiple of ep). ``kw``: ZeroOptimizer's. Source: Rajbhandari et al., DeepSpeed-MoE (ICML
-    2022), section 5."""
+    2022)."""
 
     def __init__(self, stage, dp_comm, edp_comm, ep: int, zero_stage: int, predivided: bool = False, replicas=None,
                  **kw):

@@ -251,7 +251,7 @@ def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
 
 
 def zb_h1_bubble_ratio(p: int, m: int, t_f: float = 1, t_b: float = 1, t_w: float = 1) -> float:
-    """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2023, section 2.1).
+    """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2023, Table 2).
 
     Assumes m >= p and T_W <= T_F + T_B; equal times: (p-1)/(3m), a third of 1F1B's.
     """

@@ -101,7 +101,7 @@ class Strategy:
         self.padded = padded
         # FP16: every rank seeds backward with S / (k dp), so its local gradients are its share of the
         # global mean and never exceed what one process would hold; the data group then just sums
-        # (DeepSpeed's prescale_gradients; PyTorch DDP divides the bucket instead, after backward)
+        # (DeepSpeed's prescale_gradients; PyTorch DDP instead divides each gradient as it copies it into its bucket)
         # (the synchroniser was built with predivided=True then: build_strategy)
         self.seed_divisor = topo.dp if predivide and topo.dp > 1 else 1
         self.params = stage.parameters()

@@ -9,7 +9,7 @@ d % N, and in replica group d % N (the R ranks that hold the same shard)::
 Per reduce the gradient is reduce-scattered inside the shard group ((N-1)/N x 4Ψ bytes per rank), then each
 rank's Ψ/N shard all-reduced over its replica group (2(R-1)/R x 4Ψ/N); the mean divides by D once. Parameters
 are gathered inside the shard group; states are 1/N per rank. N = D is plain ZeRO, bitwise (lesson 02, 9).
-Sources: PyTorch FSDP ``HYBRID_SHARD``; MiCS, Zhang et al. 2022 (arXiv:2205.00119), section 3; torchtitan's
+Sources: PyTorch FSDP ``HYBRID_SHARD``; MiCS, Zhang et al. 2022 (arXiv:2205.00119); torchtitan's
 ``data_parallel_shard_degree`` x ``data_parallel_replicate_degree``.
 """
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         if st.data_ranks > 1 or st.offload != "none":  # the reduce (or copy-to-host) bucket; ZeRO-R section 6.2
             comm += full_grads if st.bucket_bytes is None else min(st.bucket_bytes, full_grads)
         if st.zero == 3 and (st.data_ranks > 1 or st.offload == "params"):
-            gathered = 2 * pb * largest_unit  # the unit running and the prefetched next one (section 5.3)
+            gathered = 2 * pb * largest_unit  # the unit running and the prefetched next one
     if st.pp > 1:
         split = st.tp if st.sequence_parallel else 1
         boundary = e * (s // st.cp) * st.micro_batch * m.hidden // split  # one (b, s/cp, h) activation

@@ -224,7 +224,7 @@ def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: i
 
     A block is one rank's K (or V, dK, dV): (b, heads, s/cp, head_dim) elements; K and V of ``itemsize`` bytes,
     dK and dV of at least float32's 4 (accumulated in float32 for 16-bit inputs, as ring-flash-attention does).
-    Forward: c-1 passes of (K, V), 2(c-1) blocks (Liu et al. 2023, section 3: each block visits every rank).
+    Forward: c-1 passes of (K, V), 2(c-1) blocks (Liu et al. 2023: each block visits every rank).
     Backward (minizero's ``_RingAttention.backward``): c-1 passes of (K, V), and c of (dK, dV), the last bringing
     every gradient block home: 2(c-1) K, V blocks + 2c gradient blocks. 0 and 0 for cp = 1 (no ring).
     The trainer's traffic ledger is checked against this (tests/test_context_parallel.py).
