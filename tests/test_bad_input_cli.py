@@ -652,6 +652,9 @@ def test_hang_given_one_flight_file_names_its_folder(tmp_path, capsys):
     assert f"{str(record)!r} is a file; give the folder of every rank's rank_R.json, here {str(record.parent)!r}" in err
     assert debug_main(["hang", str(tmp_path / "nope")]) == 2
     assert f"{str(tmp_path / 'nope')!r}: no such folder" in joined(capsys.readouterr().err)
+    os.mkfifo(tmp_path / "pipe")  # it said "no such folder" of a FIFO that is there
+    assert debug_main(["hang", str(tmp_path / "pipe")]) == 2
+    assert f"{str(tmp_path / 'pipe')!r}: not a folder (a failing job" in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("module, argv", [  # each printed one line of 125 to 339 columns before
