@@ -165,7 +165,8 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
     Raises CheckpointError: another file of that name is there (:data:`minizero.files.READ_BACK`: never
     overwritten; it may be another model's config, or the user's).
     """
-    path = os.path.join(os.path.dirname(os.path.abspath(out)), SIDECAR)
+    real = os.path.realpath(out) if os.path.islink(out) else os.path.abspath(out)  # a link: beside the weights
+    path = os.path.join(os.path.dirname(real), SIDECAR)  # it wrote through, not beside the link (a stale pair there)
     if not os.path.lexists(path):
         return path
     try:
