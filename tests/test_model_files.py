@@ -196,6 +196,13 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{str(other / 'model.json')!r} exists beside it" in one_refusal(err), err
     assert _sha(other / "model.json") == before and not (other / "model.npz").exists()
+    target = tmp_path / "t" / "w.npz"  # --out a link: model.json beside the weights it leads to, and said so
+    target.parent.mkdir()
+    target.write_bytes(out.read_bytes())
+    (tmp_path / "l.npz").symlink_to(target)
+    assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(tmp_path / "l.npz")]) == 0
+    assert f"and {target.parent / 'model.json'} from" in capsys.readouterr().out
+    assert (target.parent / "model.json").exists() and not (tmp_path / "model.json").exists()
 
 
 def test_consolidate_through_a_link_checks_the_model_json_beside_the_weights_it_replaces(tmp_path):

@@ -220,6 +220,7 @@ def main(argv=None) -> int:
             if sidecar is not None:
                 write_model_json(os.path.dirname(sidecar), cfg)
             shown = os.path.join(os.path.dirname(args.out), SIDECAR)  # as --out was given: relative stays relative
+            shown = sidecar if os.path.islink(args.out) else shown  # beside the link's target, where it was written
             written = f"{args.out} and {shown}" if sidecar else args.out
             print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
