@@ -221,6 +221,14 @@ def _int_list(text: str, flag: str, cap: int) -> list[int]:
     return list(dict.fromkeys(vals))
 
 
+def _earlier_output(path: str, head: bytes) -> bool:
+    """Whether ``path`` is absent, or a regular file starting with ``head`` (an earlier run's)."""
+    if not os.path.isfile(path):
+        return not os.path.lexists(path)
+    with open(path, "rb") as f:
+        return f.read(len(head)) == head
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check ``argv``. Raises :class:`UsageError` naming the bad value and what is allowed."""
     parser = build_parser()
@@ -255,6 +263,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--json {args.json!r} is OUT/compare.md or .png; give another file path")
     if checkpoint_holding(os.path.realpath(os.path.join(args.out, "compare.md"))):
         raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")
+    if os.path.realpath(args.json) == os.path.realpath(args.out):  # it failed after every run: 'it is a directory'
+        raise UsageError(f"--json {args.json!r} would overwrite --out, the folder compare writes into; give a file")
+    for name, head in (("compare.md", b"### minizero.compare"), ("compare.png", b"\x89PNG")):  # OUT's own
+        if not _earlier_output(path := os.path.join(args.out, name), head):  # a folder failed after every run
+            raise UsageError(f"--out {args.out!r}: {path!r} is there and is not the {name} compare writes; it replaces "
+                             "only an earlier one: move it away, or give another folder")
     folder = os.path.dirname(os.path.abspath(args.json))
     try:  # '', a directory, a full device, a file programs read back or in a checkpoint; a missing folder is not
         if folder != os.path.abspath(args.out) or os.path.isdir(folder):  # made (a typo), but OUT is, as train's

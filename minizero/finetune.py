@@ -46,7 +46,7 @@ from minizero.parallel.lora_tp import (counts_in_norm, gather_merged, nf4_shard_
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
 from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
-from minizero.weights import SIDECAR, load_trained, write_model_json
+from minizero.weights import SIDECAR, load_trained, refuse_replacing, write_model_json
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
 from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, guard_set_up, interruptible
@@ -136,9 +136,9 @@ def check(args) -> None:
         for name in ("model.npz", SIDECAR):  # what --out receives: never the input, never inside a checkpoint
             written = os.path.join(args.out, name)
             refuse_inputs("--out", args.out, written, inputs, "give another folder for the fine-tuned model")
-            if checkpoint_holding(os.path.realpath(written)):
-                raise ValueError(f"--out {args.out!r} is inside the checkpoint folder "
-                                 f"{checkpoint_holding(os.path.realpath(written))!r}; give a folder outside it")
+            if held := checkpoint_holding(os.path.realpath(written)):
+                raise ValueError(f"--out {args.out!r} is inside the checkpoint folder {held!r}; give one outside it")
+            refuse_replacing(written, f"--out {args.out!r}")  # a folder there, or the user's file of that name
             inputs[f"--out's {name}"] = written
         inputs["--out"] = args.out  # the folder made after training: a --json there would fail after the work
         try:  # the folder is made after training: refuse now one that cannot be made or written

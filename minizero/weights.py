@@ -6,6 +6,7 @@ Both files' fields are checked in one place (:func:`check_model_fields`). Errors
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,7 +42,6 @@ def too_large(dims: dict) -> str | None:
 
 class _Header:
     """An array's shape and dtype as its .npy header declares them (no data read)."""
-
     def __init__(self, shape, dtype):
         self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
 
@@ -89,10 +89,8 @@ def _check_headers(weights: str) -> None:
 
 
 def read_weights(weights: str) -> dict:
-    """{name: float array} from the .npz ``weights`` (``allow_pickle=False``).
-
-    Raises FileNotFoundError: no such file; ValueError: not an .npz of numeric arrays, or NaN/inf (tensor named).
-    """
+    """{name: float array} from the .npz ``weights`` (``allow_pickle=False``). Raises FileNotFoundError: no such
+    file; ValueError: not an .npz of numeric arrays, or NaN/inf (tensor named)."""
     what = describe_non_file(weights)
     if what == ": no such file":
         raise FileNotFoundError(f"--weights {weights!r}: no such file (write one with python -m minizero.train)")
@@ -192,7 +190,6 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
     """``cfg`` (a model config read from ``path``: model.json, or the section ``where`` of summary.json)
     if every field is a :class:`GPTConfig` field of its type and range, else ValueError naming the file, the field,
     the value and what is allowed. Fields may be missing (the arrays and the preset fill them); none may be extra.
-
     Allowed: sizes integers in [1, the largest preset's] (JSON numbers, not strings), ``n_embd`` divisible by
     ``n_head``, ``dropout`` a number in [0, 1), ``dtype`` one of :data:`minizero.backend.DTYPES` (the float dtypes
     minizero trains and stores in).
@@ -227,6 +224,7 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
     return cfg
 
 
+_FIELDS = dataclasses.asdict(GPTConfig()).keys()  #: a model.json's keys, as write_model_json writes them
 _NONE = object()  #: no such file (a file holding JSON null is not "no file")
 
 
@@ -256,6 +254,18 @@ def write_model_json(folder: str, cfg: GPTConfig) -> str:
     return path
 
 
+def refuse_replacing(path: str, flag: str) -> None:
+    """Raise ValueError when ``path`` (the model.npz or model.json to write) is there and no earlier output (a folder,
+    no zip, JSON not a config): the write would fail after the work, or lose the user's file."""
+    config = path.endswith(".json")
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
+        if not os.path.lexists(path) or os.path.isfile(path) and (
+                read_json(path).keys() == _FIELDS if config else zipfile.is_zipfile(path)):
+            return
+    raise ValueError(f"{flag}: {path!r} is there and is not {'a model config' if config else 'an .npz'} minizero "
+                     "wrote; it replaces only earlier weights and their config: move it away, or give another folder")
+
+
 def _clash(a: dict, b: dict, fields) -> list:
     return [f"{k} {a[k]!r} vs {b[k]!r}" for k in fields if k in a and k in b and a[k] != b[k]]
 
@@ -264,7 +274,6 @@ def model_config(weights: str, state: dict, preset: str | None = None,
                  flag: str | None = None) -> tuple[GPTConfig, str, dict, str | None]:
     """(the :class:`GPTConfig` of ``state`` read from ``weights``, where it came from, summary.json's dict or {},
     a note saying why summary.json was set aside or None).
-
     The one rule every program that reads a model.npz follows (sample, quantize, finetune):
 
     1. ``preset`` (a program's ``--model``) when given; refused when the arrays or model.json disagree.
@@ -272,7 +281,6 @@ def model_config(weights: str, state: dict, preset: str | None = None,
        which may be another run's (one stopped between writing the weights and the summary, or a copy).
     3. else summary.json's ``config.model`` (a run's folder without model.json).
     4. else the preset whose names and shapes match the arrays exactly (only the head count is not in them).
-
     model.json's fields are checked (:func:`check_model_fields`); summary.json is never fatal: one that is not a
     run's summary, has no valid ``config.model``, or whose sizes contradict the arrays or the config chosen is set
     aside ({} returned, with the note). The dtype is the arrays' (an FP16 run's weights are float16).
@@ -338,10 +346,8 @@ def config_for(weights: str, state: dict) -> GPTConfig:
 
 
 def load_gpt(weights: str) -> GPT:
-    """The GPT stored in ``weights`` (model.npz), in the file's dtype.
-
-    Raises FileNotFoundError: no such file; ValueError: as :func:`read_weights`, :func:`load_trained`.
-    """
+    """The GPT stored in ``weights`` (model.npz), in the file's dtype. Raises FileNotFoundError: no such file;
+    ValueError: as :func:`read_weights`, :func:`load_trained`."""
     return load_trained(weights, None, read_weights(weights))[0]
 
 

@@ -311,6 +311,32 @@ def test_finetune_out_that_cannot_be_made_is_refused_before_training(tmp_path, c
     assert f"--out {out!r} cannot be written (" in err and "is not a directory" in err, err
 
 
+@pytest.mark.parametrize("name", ["model.npz", "model.json"])
+@pytest.mark.parametrize("kind", ["note", "folder"])
+def test_finetune_out_replaces_only_earlier_weights_and_config(tmp_path, capsys, name, kind):
+    """Before: --out DIR replaced the user's DIR/model.npz or model.json (a note, another tool's config), or trained,
+    then failed on a folder of that name (model.npz written, model.json not). Earlier outputs are still replaced."""
+    import numpy as np
+    from minizero.nn import GPTConfig
+    from minizero.weights import write_model_json
+
+    out, weights = tmp_path / "ft", str(tmp_path / "none.npz")
+    out.mkdir()
+    mine = out / name
+    mine.mkdir() if kind == "folder" else mine.write_text('{"mine": 1}\n')
+    assert finetune.main(["--weights", weights, "--out", str(out)]) == 2
+    said = "a model config" if name == "model.json" else "an .npz"
+    assert joined(capsys.readouterr().err) == (
+        f"python -m minizero.finetune: error: --out {str(out)!r}: {str(mine)!r} is there and is not {said} minizero "
+        "wrote; it replaces only earlier weights and their config: move it away, or give another folder")
+    assert [p.name for p in out.iterdir()] == [name] and (kind == "folder" or mine.read_text() == '{"mine": 1}\n')
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    np.savez(earlier / "model.npz", a=np.zeros(2))
+    write_model_json(str(earlier), GPTConfig())
+    finetune.check(finetune.build_parser().parse_args(["--weights", weights, "--out", str(earlier)]))
+
+
 @pytest.mark.parametrize("tool,argv", [("quantize", ["--bits", "3"]), ("quantize", ["--block-size", "0"]),
                                        ("finetune", ["--bogus"]), ("plan", ["--gpus", "8"]), ("sample", ["--bogus"]),
                                        # these printed a usage block of 1 to 3 lines above the error:
@@ -626,6 +652,9 @@ def test_hang_given_one_flight_file_names_its_folder(tmp_path, capsys):
     assert f"{str(record)!r} is a file; give the folder of every rank's rank_R.json, here {str(record.parent)!r}" in err
     assert debug_main(["hang", str(tmp_path / "nope")]) == 2
     assert f"{str(tmp_path / 'nope')!r}: no such folder" in joined(capsys.readouterr().err)
+    os.mkfifo(tmp_path / "pipe")  # it said "no such folder" of a FIFO that is there
+    assert debug_main(["hang", str(tmp_path / "pipe")]) == 2
+    assert f"{str(tmp_path / 'pipe')!r}: not a folder (a failing job" in joined(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("module, argv", [  # each printed one line of 125 to 339 columns before

@@ -223,6 +223,29 @@ def test_bad_input_exits_2_without_traceback(tmp_path, capsys):
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("name", ["compare.md", "compare.png"])
+@pytest.mark.parametrize("kind", ["note", "folder"])
+def test_an_out_file_compare_did_not_write_is_refused_before_any_run(tmp_path, capsys, name, kind):
+    """Before: the user's OUT/compare.md (or .png) was replaced; a folder of that name failed after every run."""
+    out = tmp_path / "o"
+    out.mkdir()
+    mine = out / name
+    mine.mkdir() if kind == "folder" else mine.write_text("my notes\n")
+    assert compare.main(["--model", "tiny", "--out", str(out)]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == (
+        f"python -m minizero.compare: error: --out {str(out)!r}: {str(mine)!r} is there and is not the {name} compare "
+        "writes; it replaces only an earlier one: move it away, or give another folder")
+    assert [p.name for p in out.iterdir()] == [name]
+    assert compare.main(["--model", "tiny", "--out", str(tmp_path / "p"), "--json", str(tmp_path / "p")]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == (  # it failed after every run: "it is a directory"
+        f"python -m minizero.compare: error: --json {str(tmp_path / 'p')!r} would overwrite --out, the folder compare "
+        "writes into; give a file")
+    mine.rmdir() if kind == "folder" else None
+    (out / "compare.md").write_text("### minizero.compare: model 'tiny'\n")  # an earlier run's: replaced
+    (out / "compare.png").write_bytes(b"\x89PNG\r\n")
+    compare.parse_args(["--model", "tiny", "--out", str(out)])
+
+
 def _procs_mentioning(text: str, but: int) -> list[int]:
     """Pids (other than ``but``) whose command line contains ``text``."""
     pids = []

@@ -91,6 +91,29 @@ def test_a_stray_flag_before_two_quoted_layouts_is_named(capsys):
     assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus 3\n"
 
 
+def test_three_quoted_layouts_are_refused_as_one_too_many(capsys):
+    """Before: 'python -m minizero.debug: error: unrecognized arguments: --pp 2', as if --pp were no flag."""
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["parity", "--dp 2", "--tp 2", "--pp 2"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "python -m minizero.debug parity: error: compares two layouts, got 3: '--dp 2', '--tp 2', '--pp 2'; run it "
+        "once per pair\n")
+
+
+@pytest.mark.parametrize("flag, said", [("--steps", "--steps must be <= 1,000,000,000, got 10,000,000,000"),
+                                        ("--batch-size", "--batch-size must be <= 65,536, got 10,000,000,000")])
+def test_parity_own_number_beyond_trains_bound_is_not_blamed_on_a_layout(monkeypatch, flag, said):
+    """Before: "layout '--dp 1': --steps must be <= ...", a value given to parity, outside the layouts."""
+    from minizero.debug import parity
+
+    monkeypatch.setattr(parity, "run", lambda *a: pytest.fail("a layout ran"))
+    common = dict(zip(["--model", "--steps", "--batch-size"], ["tiny", "2", "8"]), **{flag: "10000000000"})
+    with pytest.raises(ValueError, match=f"^{said}$"):
+        parity.main("--dp 1", "--dp 1", [w for kv in common.items() for w in kv], 1e-10)
+
+
 def test_a_layout_with_a_flag_parity_sets_says_what_parity_does_with_it():
     with pytest.raises(ValueError, match="^layout '--steps 3': --steps is parity's own flag .one value for both runs.; "
                        "give it to parity, outside the layouts' quotes$"):

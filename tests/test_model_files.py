@@ -7,6 +7,7 @@ Their fields are checked in one place (``weights.check_model_fields``), every pr
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -195,6 +196,29 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{str(other / 'model.json')!r} exists beside it" in one_refusal(err), err
     assert _sha(other / "model.json") == before and not (other / "model.npz").exists()
+    target = tmp_path / "t" / "w.npz"  # --out a link: model.json beside the weights it leads to, and said so
+    target.parent.mkdir()
+    target.write_bytes(out.read_bytes())
+    (tmp_path / "l.npz").symlink_to(target)
+    assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(tmp_path / "l.npz")]) == 0
+    assert f"and {target.parent / 'model.json'} from" in capsys.readouterr().out
+    assert (target.parent / "model.json").exists() and not (tmp_path / "model.json").exists()
+
+
+def test_consolidate_through_a_link_checks_the_model_json_beside_the_weights_it_replaces(tmp_path):
+    """Before: --out LINK wrote the weights through the link, model.json beside the link: the target's folder kept
+    another model's model.json beside the new weights (sample then refused them, or built the wrong head count)."""
+    from minizero.checkpoint.cli import CheckpointError, sidecar_to_write
+    from minizero.nn import GPTConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    np.savez(run / "model.npz", a=np.zeros(1))
+    (run / "model.json").write_text(json.dumps(dict(TINY, n_head=4)))
+    (tmp_path / "latest.npz").symlink_to(run / "model.npz")
+    with pytest.raises(CheckpointError, match=re.escape(f"{str(run / 'model.json')!r} exists beside it")):
+        sidecar_to_write(str(tmp_path / "latest.npz"), GPTConfig(**TINY))
+    assert sidecar_to_write(str(tmp_path / "new.npz"), GPTConfig(**TINY)) == str(tmp_path / "model.json")
 
 
 def test_model_json_without_n_head_or_holding_null_is_refused(tiny_weights, capsys):

@@ -165,7 +165,8 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
     Raises CheckpointError: another file of that name is there (:data:`minizero.files.READ_BACK`: never
     overwritten; it may be another model's config, or the user's).
     """
-    path = os.path.join(os.path.dirname(os.path.abspath(out)), SIDECAR)
+    real = os.path.realpath(out) if os.path.islink(out) else os.path.abspath(out)  # a link: beside the weights
+    path = os.path.join(os.path.dirname(real), SIDECAR)  # it wrote through, not beside the link (a stale pair there)
     if not os.path.lexists(path):
         return path
     try:
@@ -219,6 +220,7 @@ def main(argv=None) -> int:
             if sidecar is not None:
                 write_model_json(os.path.dirname(sidecar), cfg)
             shown = os.path.join(os.path.dirname(args.out), SIDECAR)  # as --out was given: relative stays relative
+            shown = sidecar if os.path.islink(args.out) else shown  # beside the link's target, where it was written
             written = f"{args.out} and {shown}" if sidecar else args.out
             print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional

@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     if extra:  # the words as typed, without the space added above ("--x  --y " before)
         words = [w.strip() for w in (*(args.layouts if args.command == "parity" else ()), *extra)]
         quoted = [w for w in words if " " in w]  # two: the layouts; the loose words are the stray ones (--bogus 3)
+        if len(quoted) > 2:  # it said "unrecognized arguments: --pp 2", as if --pp were no flag
+            q.error(f"compares two layouts, got {len(quoted)}: {', '.join(map(repr, quoted))}; run it once per pair")
         p.error(unrecognized(p, [w for w in words if " " not in w] if len(quoted) == 2 else words[-len(extra):], args))
     try:
         if args.command == "parity":

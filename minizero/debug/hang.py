@@ -27,8 +27,9 @@ def load(folder: str) -> dict[int, dict]:
     if os.path.isfile(folder):  # one rank's record: the analysis compares them all
         raise ValueError(f"{folder!r} is a file; give the folder of every rank's rank_R.json, here "
                          f"{os.path.dirname(folder) or '.'!r}")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{folder!r}: no such folder (a failing job writes OUT/flight)")
+    if not os.path.isdir(folder):  # a FIFO or a device: not "no such folder"
+        raise FileNotFoundError(f"{folder!r}: {'not a' if os.path.exists(folder) else 'no such'} folder (a failing job "
+                                "writes OUT/flight)")
     names = sorted(n for n in os.listdir(folder) if RECORD_NAME.fullmatch(n))  # not rank_x.json
     paths = [os.path.join(folder, n) for n in names if not n.endswith(".tmp")]
     if not paths:

@@ -87,8 +87,9 @@ def check(layout: str, common: list[str], out: str) -> None:
     n, flags = layout_words(layout)
     proc = run_group([sys.executable, "-c", _CHECK, str(n), *train_argv(flags, common, out)])
     if proc.returncode != 0:
-        said = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
-        raise ValueError(f"layout {layout!r}: {said[-1]}")
+        said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        own = said.startswith(tuple(f"{flag} must be " for flag in CONTROLLED[-3:]))  # a range: parity's own flag
+        raise ValueError(said if own else f"layout {layout!r}: {said}")
 
 
 def run(layout: str, common: list[str], out: str) -> dict:
