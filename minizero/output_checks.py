@@ -12,6 +12,7 @@ from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable
                             refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
+from minizero.weights import refuse_replacing
 
 
 def check_outputs(args) -> None:
@@ -49,6 +50,8 @@ def check_outputs(args) -> None:
         _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
+    for name in () if args.no_save else ("model.npz", "model.json"):  # the user's own file of that name: kept
+        _usage(refuse_replacing, os.path.join(out, name), "--out")
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")

@@ -7,9 +7,11 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from minizero import compare, finetune
+from minizero.nn.gpt import GPTConfig
 from minizero.files import atomic_write, check_output, check_writable_file
 from minizero.quantize import main as quantize_main
 from tests.conftest import REPO_ROOT
@@ -190,6 +192,24 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     assert (tmp_path / "notes.txt").read_text() == "notes\n"
 
 
+def test_train_keeps_a_users_own_model_files_in_out(tmp_path, monkeypatch):
+    """Before: train's OUT/model.json (the user's notes) and OUT/model.npz (not an .npz) were replaced at the end."""
+    from minizero.args import UsageError, parse_args
+    from minizero.weights import write_model_json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    for name, what in [("model.json", "a model config"), ("model.npz", "an .npz")]:
+        (tmp_path / "o" / name).write_text("my notes\n")
+        with pytest.raises(UsageError, match=f"'o/{name}' is there and is not {what} minizero wrote"):
+            parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+        parse_args(["--model", "tiny", "--out", "o", "--no-save"], world_size=1)  # nothing written there: fine
+        (tmp_path / "o" / name).unlink()
+    np.savez(tmp_path / "o" / "model.npz", a=np.zeros(1))  # an earlier run's outputs: replaced as before
+    write_model_json(str(tmp_path / "o"), GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=4))
+    parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
 def _written(path) -> bool:
     try:
         atomic_write(str(path), lambda f: f.write("{}"), mode="w")
@@ -351,8 +371,8 @@ def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
     sample / quantize then read another model as this run's. Files the failed run replaced are not named."""
     out = tmp_path / "o"
     out.mkdir()
-    for name in ("model.npz", "summary.json"):  # an earlier run's (minizero's own writes replace them whole)
-        (out / name).write_text("{}")
+    np.savez(out / "model.npz", a=np.zeros(1))  # an earlier run's (minizero's own writes replace them whole)
+    (out / "summary.json").write_text("{}")
     (out / "loss.png").write_text("")
 
     def failed_run(folder):

@@ -348,7 +348,8 @@ def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
     one line, not a traceback (the path without a pipeline: test_divergence_is_diagnosed_before_the_update)."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "model.npz").write_bytes(b"previous weights")
+    np.savez(out / "model.npz", previous=np.arange(3.0))  # an earlier run's weights (a user's own file is refused)
+    before = (out / "model.npz").read_bytes()
     proc, _ = launch(mpiexec, 2, TINY + ["--lr", "1e30", "--weight-decay", "0", "--warmup", "0", "--pp", "2",
                                          "--out", str(out)], timeout=90)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -356,7 +357,7 @@ def test_divergence_stops_without_writing_nan_weights(mpiexec, tmp_path):
     assert "Traceback" not in proc.stderr  # a diagnosis, not a crash
     assert "RuntimeWarning" not in proc.stderr + proc.stdout  # NumPy's overflow lines before it: noise
     assert "training diverged" in " ".join((proc.stderr + proc.stdout).split())
-    assert (out / "model.npz").read_bytes() == b"previous weights"
+    assert (out / "model.npz").read_bytes() == before
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # lr 1e30 overflows on purpose
