@@ -78,6 +78,8 @@ def test_ring_steps_are_the_blocking_ring_s_and_bad_ops_are_refused():
     assert ring_steps("reduce_scatter", 10, 4, 1)[0] == ((0, 3), (8, 2), True)  # sends chunk r-1, adds r-2
     with pytest.raises(ValueError, match="op='broadcast'"):
         ring_steps("broadcast", 10, 4, 1)
+    with pytest.raises(ValueError, match="op='broadcast'"):  # before: accepted on one rank (no steps to plan)
+        run_in_threads(1, lambda comm: RingCollective(comm, np.ones(4), "broadcast", tag=1006))
 
 
 def test_ring_collective_refuses_a_buffer_it_cannot_receive_into():

@@ -9,7 +9,7 @@ import pytest
 
 from minizero.comm import bytes_sent as fp32_bytes_sent
 from minizero.comm import reduce_scatter, run_in_threads, shard_range
-from minizero.comm.quantized import bytes_sent, quantized_all_gather, quantized_reduce_scatter
+from minizero.comm.quantized import bytes_sent, quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from minizero.quantization import dequantize, element_scale, quantize
 from tests.conftest import REPO_ROOT, mpi_env
 
@@ -120,6 +120,10 @@ def test_errors_are_named():
         run_in_threads(2, lambda c: quantized_all_gather(c, np.array([1.0, np.nan], np.float32)))
     with pytest.raises(ValueError, match="op='broadcast'"):  # (all_reduce became a valid op in issue 19)
         bytes_sent("broadcast", 10, 2, 0)
+    read_only = np.zeros(4, np.float32)  # before: NumPy's "assignment destination is read-only", after the messages
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out is read-only \(shape \(4,\)\)"):
+        run_in_threads(2, lambda c: quantized_all_reduce(c, np.ones(4, np.float32), out=read_only))
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Messages between ranks: the Communicator interface (``communicator.py``) and the collectives written on it."""
+"""Messages between ranks: the Communicator interface (``base.py``) and the collectives written on it."""
 from minizero.comm.collectives import (
     all_gather,
     all_reduce,

@@ -11,7 +11,7 @@ import numbers
 
 from minizero import backend
 from minizero.comm import flight
-from minizero.comm.collectives import _check_array, bytes_sent, shard_range
+from minizero.comm.collectives import _check_array, _check_shard, bytes_sent
 from minizero.comm.traffic import TrafficLedger
 
 MAX_TAG = 32767  #: the largest tag every MPI implementation must accept (MPI_TAG_UB >= 32767)
@@ -210,12 +210,7 @@ class Communicator(abc.ABC):
         Raises ValueError: ``shard.size`` is not this rank's ``shard_range`` size.
         """
         _check_message(shard, "shard")
-        size = shard_range(n, self.world_size, self.rank)[1]
-        if shard.size != size:
-            raise ValueError(
-                f"rank {self.rank}: shard has {shard.size} elements, but shard_range(n={n}, "
-                f"world_size={self.world_size}, rank={self.rank}) gives {size}"
-            )
+        _check_shard(shard, n, self.world_size, self.rank)
         with self.traffic.op("all_gather", flight.Described((n,), shard.dtype)):
             self.traffic.record(bytes_sent("all_gather", n, shard.itemsize, self.world_size, self.rank))
             return self._native_allgather(shard.reshape(-1), n)

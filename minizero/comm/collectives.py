@@ -145,6 +145,14 @@ def _check_array(buf, what: str, writeable: bool = False) -> None:
         raise ValueError(f"{what} is read-only (shape {buf.shape}); received bytes need a writeable array")
 
 
+def _check_shard(shard, n: int, world_size: int, rank: int) -> tuple[int, int]:  # shard_range, if shard fits it
+    offset, size = shard_range(n, world_size, rank)
+    if shard.size != size:
+        raise ValueError(f"rank {rank}: shard has {shard.size} elements, but shard_range(n={n}, "
+                         f"world_size={world_size}, rank={rank}) gives {size}")
+    return offset, size
+
+
 def _check_summable(x, what: str) -> None:
     """Raise ValueError unless ``x`` holds numbers (bool, int, float, complex): a sum of strings or objects is none."""
     if x.dtype.kind not in "biufc":
@@ -279,12 +287,7 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
     world_size, rank = comm.world_size, comm.rank
     if n is None:
         n = shard.size * world_size
-    offset, size = shard_range(n, world_size, rank)
-    if shard.size != size:
-        raise ValueError(
-            f"rank {rank}: shard has {shard.size} elements, but shard_range(n={n}, "
-            f"world_size={world_size}, rank={rank}) gives {size}"
-        )
+    offset, size = _check_shard(shard, n, world_size, rank)
     if out is not None:
         _check_array(out, "out", writeable=True)
         if out.shape != (n,) or out.dtype != shard.dtype:
@@ -315,11 +318,9 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
     _check_array(x, "x")
     _check_summable(x, "x")
     if out is not None:
-        _check_array(out, "out")
+        _check_array(out, "out", writeable=True)
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
-        if not getattr(out.flags, "writeable", True):
-            raise ValueError(f"out is read-only (shape {out.shape}); the sum is written into it")
     if native:
         return comm.native_allreduce(x, out=out)
     if out is None:

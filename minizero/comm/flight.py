@@ -1,8 +1,8 @@
 """The flight recorder: each rank's last N operations, kept by its traffic ledger, dumped when the job fails.
 
 Each ``traffic.op(label, buf)`` block and overlapped ring collective is one :class:`Entry`; ``seq`` counts one
-group's collectives on this rank (rank r's #k and rank s's #k must be the same call), None for labelled blocks
-without an array. States: ``posted``, ``started``, ``completed``, ``failed``. A record names its job's ``run``
+group's collectives on this rank (rank r's #k and rank s's #k must be the same call), None for blocks without
+an array. States: ``posted``, ``started``, ``completed``, ``failed``. A record names its job's ``run``
 (:func:`run_id`, rank 0's, shared at start-up), so that records of two jobs in one folder are never merged.
 Mirrors PyTorch's NCCL flight recorder and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
@@ -102,10 +102,6 @@ class FlightRecorder:
         if checked and g.comm.world_size > 1:
             agree(g, entry)
         return entry
-
-    @staticmethod
-    def start(entry: Entry) -> None:
-        entry.state = "started"
 
     @staticmethod
     def end(entry: Entry, error: BaseException | None = None) -> None:

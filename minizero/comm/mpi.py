@@ -43,9 +43,18 @@ def _header_of(dtype: np.dtype, shape: tuple) -> tuple[np.ndarray, bytes]:
     return h, h.tobytes()
 
 
+def _dtype_of(h: np.ndarray) -> np.dtype:  # the dtype a header names (its first word, as _header_of wrote it)
+    return np.dtype(int(h[0]).to_bytes(8, "little").rstrip(b"\0").decode("ascii"))
+
+
+def _payload_bytes(h: np.ndarray) -> int:
+    """Payload bytes a header announces: size x the dtype's item size."""
+    return int(h[2]) * _dtype_of(h).itemsize
+
+
 def _describe(h: np.ndarray) -> str:
     """``(2, 3) <f4`` from a header (``size 70 <f4`` when the shape had too many dimensions)."""
-    dtype = np.dtype(int(h[0]).to_bytes(8, "little").rstrip(b"\0").decode("ascii"))
+    dtype = _dtype_of(h)
     ndim = int(h[1])
     shape = tuple(int(d) for d in h[3:3 + ndim]) if ndim <= _HEADER_WORDS - 3 else f"size {int(h[2])}"
     return f"{shape} {dtype}"
@@ -68,11 +77,6 @@ def _unstage(buf, host: np.ndarray) -> None:
 
 
 _MPI = None
-
-
-def _payload_bytes(h: np.ndarray) -> int:
-    """Payload bytes a header announces: size x the dtype's item size."""
-    return int(h[2]) * np.dtype(int(h[0]).to_bytes(8, "little").rstrip(b"\0").decode("ascii")).itemsize
 
 
 def _mpi():

@@ -72,7 +72,7 @@ class NodeLayout:
         return len({self.node_of[m] for m in members})
 
     def describe(self) -> str:
-        """``"2 nodes x 2 ranks per node"``, or ``"2 nodes with 3+1 ranks"`` when uneven."""
+        """``"2 node(s) x 2 rank(s) per node"``, or ``"2 nodes with 3+1 ranks"`` when uneven."""
         sizes = [len(self.ranks_on(n)) for n in self.nodes]
         if len(set(sizes)) == 1:
             return f"{len(sizes)} node(s) x {sizes[0]} rank(s) per node"

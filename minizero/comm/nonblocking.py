@@ -27,7 +27,7 @@ class RingCollective:
             raise NotImplementedError(f"{type(comm).__name__} has no isend/irecv; use the blocking collectives")
         self.comm, self.buf, self.op, self.tag = comm, buf, op, tag
         self.label, self.name, self.trace_args = label or op, name or op, trace_args
-        self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank) if comm.world_size > 1 else []
+        self.steps = ring_steps(op, buf.size, comm.world_size, comm.rank)  # none on one rank; checks op
         self.tmp = None if op == "all_gather" else backend.array_module(buf).empty(  # the reduce steps' receive chunk
             shard_range(buf.size, comm.world_size, 0)[1], dtype=buf.dtype)
         self.step, self.requests, self.started_us, self.done, self.entry = 0, None, None, False, None

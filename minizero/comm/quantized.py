@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.collectives import _check_array, all_gather, shard_range
+from minizero.comm.collectives import _check_array, _check_shard, all_gather, shard_range
 from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
@@ -49,10 +49,7 @@ def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BL
     _check_array(shard, "shard")
     world_size, rank = comm.world_size, comm.rank
     n = shard.size * world_size if n is None else n
-    off, size = shard_range(n, world_size, rank)
-    if shard.size != size:
-        raise ValueError(f"rank {rank}: shard has {shard.size} elements, but shard_range(n={n}, "
-                         f"world_size={world_size}, rank={rank}) gives {size}")
+    _check_shard(shard, n, world_size, rank)
     if world_size == 1:
         return shard.reshape(-1).copy()
     with comm.traffic.op("quantized_all_gather"):
@@ -124,12 +121,12 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     """Sum ``x`` over ranks with INT8 on the wire: :func:`quantized_reduce_scatter`, then a quantized all-gather.
 
     Returns ``out`` (new if None), equal on every rank. Bytes: ``bytes_sent("all_reduce")``.
-    Raises ValueError: non-contiguous ``x`` or ``out``, ``out`` of another shape or dtype.
+    Raises ValueError: non-contiguous ``x`` or ``out``, ``out`` read-only, of another shape or dtype.
     """
     _check_array(x, "x")
     if out is None:
         out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
-    _check_array(out, "out")
+    _check_array(out, "out", writeable=True)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
     if comm.world_size == 1:

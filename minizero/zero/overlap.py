@@ -82,7 +82,7 @@ class Prefetcher:
     def __init__(self, collectives):
         self.collectives = collectives
         self.stream = Stream(collectives.comm)
-        self.pending = {}  # unit index -> (RingCollective, its buffer, phase)
+        self.pending = {}  # unit index -> (RingCollective, its buffer)
 
     def progress(self) -> None:
         if self.pending:
@@ -103,7 +103,7 @@ class Prefetcher:
         c.bytes_sent[phase] += bytes_sent("all_gather", padded, full.itemsize, n, c.comm.rank)
         coll = RingCollective(c.comm, full, "all_gather", PREFETCH_TAG, name=f"all_gather {st.unit.name}",
                               unit=st.unit.name, phase=phase)
-        self.pending[st.index] = (coll, full, phase)
+        self.pending[st.index] = (coll, full)
         self.stream.submit(coll)
 
     def take(self, st):
@@ -111,6 +111,6 @@ class Prefetcher:
         pend = self.pending.pop(st.index, None)
         if pend is None:
             return None
-        coll, full, _ = pend
+        coll, full = pend
         self.stream.wait_for(coll, f"prefetch of {st.unit.name!r}")
         return full

@@ -185,7 +185,7 @@ class ShardMap:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- formulas
+# --------------------------------------------------------------------------- the owned shard
 def owned_shard(params, offsets, lo: int, size: int, dtype):
     """Elements ``[lo, lo + size)`` of a unit's padded flat buffer, without the buffer: (size,) ``dtype``.
 
@@ -200,6 +200,7 @@ def owned_shard(params, offsets, lo: int, size: int, dtype):
     return out
 
 
+# --------------------------------------------------------------------------- formulas
 def model_state_formula(stage: int, num_params: int, world_size: int, param_bytes: int = 4, grad_bytes: int = 4,
                         state_bytes: int = 8) -> dict:
     """Bytes per rank ``{"parameters", "gradients", "optimizer_state", "total"}`` for ZeRO ``stage`` (before padding).
