@@ -292,7 +292,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         if args.ep > 1:
             ep_comm, edp_comm = expert_groups(topo.dp_comm, args.ep)
         layers = use_moe(stage, moe, args.seed, ep_comm)
-        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, moe.top_k, comm, topo.tp_rank == 0,
+        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, comm, topo.tp_rank == 0,
                                  moe.bias_update)
 
         def make_model():  # the whole model's shape, to gather into (ep 1)
