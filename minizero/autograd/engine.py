@@ -338,9 +338,9 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
                 _accumulate_leaf(e, g)
                 _contribution_done(e, pending)
             else:
-                producer, i = e
+                producer, k = e  # k: which of producer's outputs (i numbers this node's inputs)
                 slot = grads.setdefault(id(producer), [None] * producer.num_outputs)
-                slot[i] = g if slot[i] is None else backend.binary("add", slot[i], g)
+                slot[k] = g if slot[k] is None else backend.binary("add", slot[k], g)
 
 
 def call_backward(node: Context, outs, skip=()) -> tuple:
