@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from minizero import backend
-from minizero.autograd.grad_mode import (_hooks_stack, current_saved_tensors_hooks, enable_grad,  # noqa: F401
+from minizero.autograd.grad_mode import (current_saved_tensors_hooks, enable_grad,  # noqa: F401
                                          is_grad_enabled, no_grad, saved_tensors_hooks)
 from minizero.ledger import get_ledger
 
@@ -37,8 +37,7 @@ class Context:
         """Keep ``arrays`` (any shapes/dtypes, or None) for backward, through the active pack hook."""
         if not self._recording:
             return
-        stack = _hooks_stack()
-        hooks = stack[-1] if stack else None
+        hooks = current_saved_tensors_hooks()
         ledger = get_ledger()
         saved = []
         for a in arrays:
