@@ -1,10 +1,10 @@
 """A parallel strategy: what the one training loop asks of a layout (dp x tp x pp, ZeRO or not).
 
-The loop calls ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` and ``zero_grad``
-(ARCHITECTURE.md, "The loop and the strategy"); :func:`build_strategy` composes a :class:`Topology`, a
-:class:`PipelineStage`, a :class:`PipelineEngine`, a :class:`Synchroniser` (DataParallel, a ZeRO stage, MoE's
-two-part ones) and an optimizer. Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3; Megatron-LM's
-``finalize_model_grads`` and ``clip_grad_norm_fp32``.
+The loop's seven calls: ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` or ``skip_step``,
+``zero_grad``, ``evaluate`` (ARCHITECTURE.md, "The loop and the strategy"). :func:`build_strategy` composes a
+:class:`Topology`, a :class:`PipelineStage`, a :class:`PipelineEngine`, a :class:`Synchroniser` (DataParallel,
+ZeRO, MoE's two-part ones) and an optimizer. Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3;
+Megatron-LM's ``finalize_model_grads`` and ``clip_grad_norm_fp32``.
 """
 from __future__ import annotations
 
