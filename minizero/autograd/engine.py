@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from minizero import backend
-from minizero.autograd.grad_mode import (_hooks_stack, current_saved_tensors_hooks, enable_grad,  # noqa: F401
+from minizero.autograd.grad_mode import (current_saved_tensors_hooks, enable_grad,  # noqa: F401
                                          is_grad_enabled, no_grad, saved_tensors_hooks)
 from minizero.ledger import get_ledger
 
@@ -37,8 +37,7 @@ class Context:
         """Keep ``arrays`` (any shapes/dtypes, or None) for backward, through the active pack hook."""
         if not self._recording:
             return
-        stack = _hooks_stack()
-        hooks = stack[-1] if stack else None
+        hooks = current_saved_tensors_hooks()
         ledger = get_ledger()
         saved = []
         for a in arrays:
@@ -338,9 +337,9 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
                 _accumulate_leaf(e, g)
                 _contribution_done(e, pending)
             else:
-                producer, i = e
+                producer, k = e  # k: which of producer's outputs (i numbers this node's inputs)
                 slot = grads.setdefault(id(producer), [None] * producer.num_outputs)
-                slot[i] = g if slot[i] is None else backend.binary("add", slot[i], g)
+                slot[k] = g if slot[k] is None else backend.binary("add", slot[k], g)
 
 
 def call_backward(node: Context, outs, skip=()) -> tuple:

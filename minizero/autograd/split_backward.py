@@ -41,9 +41,6 @@ class WeightGradients:
             get_ledger().track(g, "activations")
         self._work.append((node, outs, inputs, pending, retain_graph))
 
-    def __len__(self) -> int:
-        return len(self._work)
-
     def run(self) -> None:
         """W: the weight gradients, node by node in B's order, accumulated into ``.grad``; nodes freed."""
         work, self._work = self._work, []

@@ -137,10 +137,10 @@ def format_compare(rows) -> str:
     return "\n".join(lines)
 
 
-def top_modules(peaks: dict, n: int = 8, skip=(OUTSIDE,)) -> list[tuple[str, int]]:
-    """The ``n`` modules with the largest peak bytes, largest first, from ``{name: peak bytes}``."""
-    items = [(k, v) for k, v in peaks.items() if k not in skip and v > 0]
-    return sorted(items, key=lambda kv: (-kv[1], kv[0]))[:n]
+def top_modules(peaks: dict) -> list[tuple[str, int]]:
+    """The modules (not ``OUTSIDE``) with peak bytes, largest first, from ``{name: peak bytes}``."""
+    items = [(k, v) for k, v in peaks.items() if k != OUTSIDE and v > 0]
+    return sorted(items, key=lambda kv: (-kv[1], kv[0]))
 
 
 def _compact(names: list[str]) -> str:
@@ -170,7 +170,7 @@ def format_top_modules(per_rank: list[dict], n: int = 8) -> str:
     lines = ["activation hotspots (ledger: peak bytes each module saved for backward itself; ':scores': (b,a,s,s))"]
 
     def line_of(peaks):
-        everything = top_modules(peaks, len(peaks))
+        everything = top_modules(peaks)
         shown = everything[:n]
         shown += [(name, b) for name, b in everything[n:] if shown and b == shown[-1][1]]
         groups: dict[int, list[str]] = {}

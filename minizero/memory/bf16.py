@@ -11,6 +11,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.autograd.functional import _flat2d  # (..., K) -> (rows, K)
 from minizero.nn.module import Linear, Matmul, Module
 
 _ROUND, _KEEP, _QUIET = np.uint32(0x7FFF), np.uint32(0xFFFF0000), np.uint32(0x00400000)
@@ -40,10 +41,6 @@ def from_bf16_bits(b):
 def round_bf16(x):
     """float32 array -> float32 array of the nearest bfloat16 values (ties to even); a new array."""
     return from_bf16_bits(to_bf16_bits(x))
-
-
-def _flat2d(a):
-    return a.reshape(int(np.prod(a.shape[:-1])), a.shape[-1])
 
 
 class _BF16Linear(Function):

@@ -13,6 +13,7 @@ import numpy as np
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
+from minizero.autograd.functional import _flat2d  # (..., K) -> (rows, K)
 from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
 from minizero.ledger import get_ledger
@@ -53,7 +54,7 @@ def round_to_fp8(x, fmt: FP8Format):
     mag = xp.minimum(xp.abs(x), np.float32(fmt.max))  # saturate (inf too); NaN stays NaN
     e = ((mag.view(xp.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(xp.int32) - 127
     e = xp.maximum(e, np.int32(fmt.emin))
-    quantum = ((e - fmt.mantissa + 127).astype(xp.uint32) << np.uint32(23)).view(xp.float32)
+    quantum = _quantum(e, fmt.mantissa, xp)
     q = xp.rint(mag / quantum) * quantum  # exact: a power-of-two division, then round half to even
     return xp.where((x.view(xp.uint32) >> np.uint32(31)) == 1, -q, q).astype(xp.float32)  # -0.0 keeps its sign
 
@@ -176,13 +177,12 @@ class _FP8Linear(Function):
             get_ledger().track(ctx.g8[0], "activations")
         else:
             ctx.g8 = None
-        rows = int(np.prod(g.shape[:-1]))
         dx = backend.matmul(gq, from_fp8_bits(cw, E4M3) / sw) if need[0] else None
         dw = None
         if need[1]:
             xq = from_fp8_bits(cx, E4M3) / sx
-            dw = backend.matmul(gq.reshape(rows, g.shape[-1]).T, xq.reshape(rows, xq.shape[-1]))
-        db = g.reshape(rows, g.shape[-1]).sum(axis=0) if ctx.has_bias and need[3] else None
+            dw = backend.matmul(_flat2d(gq).T, _flat2d(xq))
+        db = _flat2d(g).sum(axis=0) if ctx.has_bias and need[3] else None
         return (dx, dw, None, db) if ctx.has_bias else (dx, dw, None)
 
 

@@ -16,7 +16,7 @@ Gradients (:class:`ExpertDataParallel`): the dense ones (router included) averag
 gradient, already summed over its expert group by the combine's backward, summed over its expert-data group and divided
 by D. With ZeRO (:class:`ExpertZero`) the same split: the dense parameters sharded over the data group, the experts over
 their expert-data group (DeepSpeed-MoE's layout). After each step (:class:`ExpertLoad`) every layer's counts are summed
-over the world (one all-reduce of (n_layer, E + 1) float64, label ``moe_load``), which feeds the bias update and the
+over the world (one all-reduce of (MoE layers, E + 1) float64, label ``moe_load``), which feeds the bias update and the
 progress lines.
 """
 from __future__ import annotations
@@ -106,9 +106,7 @@ def use_moe(stage, cfg: MoEConfig, seed: int, ep_comm=None, grad_scale: float = 
     Returns ``{block index: MoELayer}`` of this stage.
     """
     mc, layers = stage.config, {}
-    for name, block in stage.transformer["h"].named_modules():
-        if not name or "." in name:  # the blocks themselves, named by their index in the model
-            continue
+    for name, block in stage.transformer["h"].named_children():  # named by their index in the model
         i = int(name)
         if i not in cfg.layers(mc.n_layer):
             continue
@@ -340,9 +338,8 @@ class ExpertLoad:
     ``applied``: whether the last step was applied (a step FP16 skips is counted, its bias update left out).
     """
 
-    def __init__(self, layers: dict, all_layers: list, experts: int, top_k: int, world, counts_here: bool,
-                 rate: float = 0.0):
-        self.layers, self.all_layers, self.experts, self.top_k = layers, all_layers, experts, top_k
+    def __init__(self, layers: dict, all_layers: list, experts: int, world, counts_here: bool, rate: float = 0.0):
+        self.layers, self.all_layers, self.experts = layers, all_layers, experts
         self.world, self.counts_here, self.rate = world, counts_here, rate
         self.last, self.total, self.applied = {}, {i: np.zeros(experts + 1) for i in all_layers}, True
 

@@ -26,10 +26,10 @@ def rank_of_layer(n_layer: int, pp: int, v: int, layer: int, v_shape: bool = Fal
 
 
 class InterleavedStage(Module):
-    """Rank ``rank``'s v chunks of a GPT (virtual stages rank, p + rank, ...), as one Module with the model's names.
+    """One rank's v chunks of a GPT (:func:`virtual_stages_of`), as one Module with the model's names.
 
     ``chunks``: its v :class:`PipelineStage` s, in chunk order. Attributes as :class:`PipelineStage`, plus
-    ``chunks``, ``virtual_stages`` (v) and ``v_shape`` (chunks placed in a V, as ZB-V).
+    ``virtual_stages`` (v) and ``v_shape`` (chunks placed in a V, as ZB-V).
     """
 
     def __init__(self, chunks: list, num_stages: int, v_shape: bool = False):

@@ -144,7 +144,7 @@ def deferred_weights(chunk) -> list:
 
 @dataclasses.dataclass
 class _Step:
-    """A step's inputs; in flight, by (chunk, mb): ``held`` (input, output) from F to B, ``deferred`` a split B's W."""
+    """A step's inputs; by (mb, chunk): ``split`` Bs, ``held`` (input, output) F to B, ``deferred`` Ws."""
     micro_batches: list
     rows: list
     shares: list
@@ -180,7 +180,7 @@ class PipelineEngine:
         log: where ``verbose`` writes.  pair_sends: a send goes with the next receive from the same neighbour.
         forward_context: callable returning a context entered around every forward.  overlap: sends are ``isend``.
     Attributes: peak_in_flight (most micro-batches held in the last step); trace (the last step's ops).
-    Traffic: per micro-batch and chunk one (b, T, C) ``pp_activation`` forward and one ``pp_gradient`` backward.
+    Traffic: per micro-batch and chunk one (b, T/shards, C) ``pp_activation`` forward, one ``pp_gradient`` backward.
     Raises ValueError: ``comm`` not this stage's pipeline group; unknown schedule; a zb-v schedule and a stage not
     built in a V (or the reverse); v > 1 without isend/irecv.
     """
@@ -324,12 +324,12 @@ class PipelineEngine:
             # backward needs out's graph node, not its values: drop our reference to them
             # (Megatron's deallocate_output_tensor); the pending send still holds the array
             out.data = backend.xp.empty(0, out.dtype)
-        step.held[(c, op.mb)] = (inp, out)
+        step.held[(op.mb, c)] = (inp, out)
 
     def _backward(self, step, op) -> None:
         """B: dL/d(output) in (last stage: seed S w_i / m), backward, dL/d(input) out; a split B defers to W."""
         (x, _), (chunk, c, what) = step.micro_batches[op.mb], self._chunk(op)
-        inp, out = step.held.pop((c, op.mb))
+        inp, out = step.held.pop((op.mb, c))
         if chunk.is_last:
             # the seed S/m in at least float32: 65536 is inf in float16 (the loss is float32 anyway)
             grad = backend.xp.full((), step.scale * step.shares[op.mb],
@@ -345,7 +345,7 @@ class PipelineEngine:
         with w.deferring() if w is not None else contextlib.nullcontext():
             backward(out, grad)
         if w is not None:
-            step.deferred[(c, op.mb)] = w
+            step.deferred[(op.mb, c)] = w
         if not chunk.is_first:
             self._post(inp.grad, chunk.prev_rank, "pp_gradient", f"grad {what}", self.grad_tag)
             inp.grad = None
@@ -354,7 +354,7 @@ class PipelineEngine:
         """W: the weight gradients a split B deferred."""
         _, c, what = self._chunk(op)
         with trace.span(f"W {what}", "backward"):  # the unit spans cover B; a W is one span of its own
-            step.deferred.pop((c, op.mb)).run()
+            step.deferred.pop((op.mb, c)).run()
 
     # -- evaluation ------------------------------------------------------------------------
     def forward_only(self, x, y) -> float:

@@ -233,10 +233,14 @@ def simulate(schedule: list[list[Op]], f: float = 1, b: float = 2, w: float = 1)
     return times
 
 
+def _makespan_busy(timeline) -> tuple[float, float]:
+    makespan = max(end for stage in timeline for _, _, end in stage)
+    return makespan, sum(end - start for stage in timeline for _, start, end in stage)
+
+
 def bubble_fraction(timeline) -> float:
     """Idle share of the stages' time: 1 - (busy slots) / (p * makespan), from :func:`simulate`'s output."""
-    makespan = max(end for stage in timeline for _, _, end in stage)
-    busy = sum(end - start for stage in timeline for _, start, end in stage)
+    makespan, busy = _makespan_busy(timeline)
     return 1.0 - busy / (len(timeline) * makespan)
 
 
@@ -260,8 +264,7 @@ def zb_h1_bubble_ratio(p: int, m: int, t_f: float = 1, t_b: float = 1, t_w: floa
 
 def bubble_ratio(timeline) -> float:
     """Idle time over busy time, (p makespan - busy) / busy: Narayanan et al.'s bubble, (p-1)/(v m) ideally."""
-    makespan = max(end for stage in timeline for _, _, end in stage)
-    busy = sum(end - start for stage in timeline for _, start, end in stage)
+    makespan, busy = _makespan_busy(timeline)
     return (len(timeline) * makespan - busy) / busy
 
 

@@ -158,7 +158,7 @@ def once_over_tensor_group(x: Tensor, comm) -> Tensor:
 
 
 def gathered_linear(x: Tensor, weight, comm, bias=None) -> Tensor:
-    """all_gather_s(x) W^T + b, x (b, s/t, in) -> (b, s, out/t); forward: all-gather, backward: reduce-scatter."""
+    """all_gather_s(x) W^T + b, x (b, s/t, in) -> (b, s, out/t); forward all-gather; backward that, reduce-scatter."""
     args = (x, weight, comm) + ((bias,) if bias is not None else ())
     return _GatheredLinear.apply(*args)
 

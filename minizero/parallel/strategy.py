@@ -1,10 +1,10 @@
 """A parallel strategy: what the one training loop asks of a layout (dp x tp x pp, ZeRO or not).
 
-The loop calls ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` and ``zero_grad``
-(ARCHITECTURE.md, "The loop and the strategy"); :func:`build_strategy` composes a :class:`Topology`, a
-:class:`PipelineStage`, a :class:`PipelineEngine`, a :class:`Synchroniser` (DataParallel, a ZeRO stage, MoE's
-two-part ones) and an optimizer. Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3; Megatron-LM's
-``finalize_model_grads`` and ``clip_grad_norm_fp32``.
+The loop's seven calls: ``forward_backward``, ``reduce_gradients``, ``grad_norm_sq``, ``step`` or ``skip_step``,
+``zero_grad``, ``evaluate`` (ARCHITECTURE.md, "The loop and the strategy"). :func:`build_strategy` composes a
+:class:`Topology`, a :class:`PipelineStage`, a :class:`PipelineEngine`, a :class:`Synchroniser` (DataParallel,
+ZeRO, MoE's two-part ones) and an optimizer. Sources: Narayanan et al. 2021 (arXiv:2104.04473), sections 2-3;
+Megatron-LM's ``finalize_model_grads`` and ``clip_grad_norm_fp32``.
 """
 from __future__ import annotations
 
@@ -292,7 +292,7 @@ def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print)
         if args.ep > 1:
             ep_comm, edp_comm = expert_groups(topo.dp_comm, args.ep)
         layers = use_moe(stage, moe, args.seed, ep_comm)
-        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, moe.top_k, comm, topo.tp_rank == 0,
+        expert_load = ExpertLoad(layers, moe.layers(cfg.n_layer), moe.experts, comm, topo.tp_rank == 0,
                                  moe.bias_update)
 
         def make_model():  # the whole model's shape, to gather into (ep 1)

@@ -97,11 +97,9 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, 
     if topo.dp_rank == 0 and comm.rank != root:
         with comm.traffic.op("gather_model"):
             for _, p in stage.named_parameters():
-                split = not is_tensor_parallel_duplicate(p)
-                if getattr(p, "shared_embedding_copy", False) or (not split and topo.tp_rank != 0):
+                if getattr(p, "shared_embedding_copy", False) or (_header(p)[0] < 0 and topo.tp_rank != 0):
                     continue
-                hdr = [p.partition_dim, p.partition_stride] if split else [-1, 1]
-                comm.send(np.array(hdr, dtype=np.int64), root, tag=_HDR_TAG)
+                comm.send(np.array(_header(p), dtype=np.int64), root, tag=_HDR_TAG)
                 comm.send(backend.xp.ascontiguousarray(p.data), root, tag=_DATA_TAG)
     if comm.rank != root:
         return None
@@ -117,9 +115,7 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, 
         for t in range(topo.tp):
             src = topo.rank_of(0, t, s)
             if src == root:
-                q = local[name]
-                hdr = [q.partition_dim, q.partition_stride] if not is_tensor_parallel_duplicate(q) else [-1, 1]
-                data = q.data
+                hdr, data = _header(local[name]), local[name].data
             else:
                 hdr = comm.recv(np.empty(2, dtype=np.int64), src, tag=_HDR_TAG).tolist()
                 shape = list(p.shape)
@@ -132,6 +128,10 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, 
                 break
         p.data[...] = shards[0] if dim < 0 else unshard_arrays(shards, dim, stride)
     return full
+
+
+def _header(p) -> list:  # gather_full_model's [partition_dim, stride] of p's shards; [-1, 1]: p is whole
+    return [-1, 1] if is_tensor_parallel_duplicate(p) else [p.partition_dim, p.partition_stride]
 
 
 def traffic_by_group(topo: Topology) -> dict:
