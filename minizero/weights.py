@@ -224,7 +224,7 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
     return cfg
 
 
-_FIELDS = dataclasses.asdict(GPTConfig()).keys()  #: a model.json's keys, as write_model_json writes them
+_FIELDS = dataclasses.asdict(GPTConfig()).keys()  #: a model.json's keys (check_model_fields: some may be missing)
 _NONE = object()  #: no such file (a file holding JSON null is not "no file")
 
 
@@ -260,7 +260,7 @@ def refuse_replacing(path: str, flag: str) -> None:
     config = path.endswith(".json")
     with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
         if not os.path.lexists(path) or os.path.isfile(path) and (
-                read_json(path).keys() == _FIELDS if config else zipfile.is_zipfile(path)):
+                0 < len(keys := read_json(path).keys()) and keys <= _FIELDS if config else zipfile.is_zipfile(path)):
             return
     raise ValueError(f"{flag}: {path!r} is there and is not {'a model config' if config else 'an .npz'} minizero "
                      "wrote; it replaces only earlier weights and their config: move it away, or give another folder")

@@ -210,6 +210,24 @@ def test_train_keeps_a_users_own_model_files_in_out(tmp_path, monkeypatch):
     parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
 
+def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
+    """Before: a model.json without every GPTConfig field (readers take it: check_model_fields fills missing ones;
+    one written before a field is added) was refused as the user's own. A link to a config is one; {} is none."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "model.json").write_text(json.dumps({"n_layer": 1, "n_head": 1, "n_embd": 4}))
+    parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+    (tmp_path / "o" / "model.json").rename(tmp_path / "cfg.json")
+    (tmp_path / "o" / "model.json").symlink_to(tmp_path / "cfg.json")
+    parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+    for text in ("{}", json.dumps({"n_layer": 1, "notes": "mine"})):
+        (tmp_path / "cfg.json").write_text(text)
+        with pytest.raises(UsageError, match="'o/model.json' is there and is not a model config minizero wrote"):
+            parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
 def _written(path) -> bool:
     try:
         atomic_write(str(path), lambda f: f.write("{}"), mode="w")
