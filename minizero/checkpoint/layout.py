@@ -34,6 +34,8 @@ def saved_kinds(optimizer: str, precision: str) -> tuple:
     ``optimizer``'s state (:data:`OPTIMIZER_KINDS`), the master under ``precision`` in :data:`MASTER_PRECISIONS`
     (frozen parameters do not exist in the main job, the one writer). Raises KeyError: an unknown optimizer."""
     return ("param",) + OPTIMIZER_KINDS[optimizer] + (("master",) if precision in MASTER_PRECISIONS else ())
+
+
 TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (tied to the embedding)
 
 
