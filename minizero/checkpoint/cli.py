@@ -16,7 +16,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, refuse_pipes, verify
-from minizero.checkpoint.layout import TIED
+from minizero.checkpoint.layout import KINDS, TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_file,
                             live_job_holding, read_json, refuse_slash_or_dangling, unwritable)
@@ -56,7 +56,7 @@ def describe(reader: ShardReader) -> str:
         sc = man["scaler"]
         lines.append(f"  loss scale {sc['scale']:g} (clean steps {sc['good_steps']}, hysteresis left "
                      f"{sc['hysteresis_left']}, skipped {sc['skipped']})")
-    per = collections.defaultdict(lambda: collections.Counter())
+    per = collections.defaultdict(collections.Counter)
     for pc in man["pieces"]:
         n = pc["hi"] - pc["lo"]
         nbytes = n * np.dtype(pc["dtype"]).itemsize
@@ -64,16 +64,15 @@ def describe(reader: ShardReader) -> str:
             b = pc["block_size"]
             nbytes += 4 * ((pc["lo"] % b + n + b - 1) // b)
         per[pc["rank"]][pc["kind"]] += nbytes
-    kinds = ("param", "m", "v", "master")
     n = lay.get("cp", 1)  # coords' data rank d is (dp rank, cp rank) = divmod(d, cp) (context_group)
     at = (lambda c: (*divmod(c[0], n), *c[1:])) if cp else tuple
     w = 14 if cp else 11
     lines.append(f"  {'rank':>4} {'(dp,cp,tp,pp)' if cp else '(dp,tp,pp)':>{w}} {'file bytes':>12}  "
-                 + "  ".join(f"{k:>10}" for k in kinds))
+                 + "  ".join(f"{k:>10}" for k in KINDS))
     for f in man["files"]:
         c = per[f["rank"]]
         lines.append(f"  {f['rank']:>4} {str(at(f['coords'])):>{w}} {f['bytes']:>12,}  "
-                     + "  ".join(f"{format_bytes(c[k]) if c[k] else '-':>10}" for k in kinds))
+                     + "  ".join(f"{format_bytes(c[k]) if c[k] else '-':>10}" for k in KINDS))
     empty = [f["rank"] for f in man["files"] if not per[f["rank"]]]
     if empty:  # replicas: save's _written_here puts each element in one rank's file
         lines.append(f"  rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))}: no arrays (a header only; "

@@ -294,9 +294,7 @@ def _piece_problem(pc: dict, params: dict) -> str | None:
     if pc["dtype"] not in PIECE_DTYPES[pc["format"]]:
         return f"dtype {str(pc['dtype'])[:20]!r}, expected {' or '.join(PIECE_DTYPES[pc['format']])} for a " \
                f"{pc['format']} piece"
-    size = 1
-    for d in shape:
-        size *= d
+    size = math.prod(shape)
     tp = pc["tp"]
     if tp is not None:
         if not (isinstance(tp, list) and len(tp) == 4 and all(_is_int(v) for v in tp)):

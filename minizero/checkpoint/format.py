@@ -187,9 +187,9 @@ LAYOUT_DEFAULTS = {"moe_experts": 0}
 def verify(path: str, model: dict | None = None, layout: dict | None = None, checksums: bool = True) -> str:
     """Check a checkpoint before any training; returns its folder.
 
-    ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: ``{"optimizer", "precision",
-    "dtype"}`` must match; ``checksums``: SHA-256 every file and refuse NaN/inf in its arrays, in one read of
-    each file (:func:`check_contents`). Raises CheckpointError naming the file and the
+    ``model``: this run's config (:data:`SHAPE_FIELDS` must match); ``layout``: its fields (train's
+    :func:`~minizero.checkpoint.run_layout`) must match; ``checksums``: SHA-256 every file and refuse NaN/inf in its
+    arrays, in one read of each file (:func:`check_contents`). Raises CheckpointError naming the file and the
     problem: a symbolic link, a damaged manifest, a missing or truncated rank file, one whose header names another
     rank, a checksum, a non-finite value, another model.
     """

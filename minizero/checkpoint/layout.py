@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from minizero import backend
+from minizero.nn.init import TIED
 from minizero.optim.adam8bit import state_arrays
 
 KINDS = ("param", "m", "v", "master")
@@ -34,7 +35,6 @@ def saved_kinds(optimizer: str, precision: str) -> tuple:
     ``optimizer``'s state (:data:`OPTIMIZER_KINDS`), the master under ``precision`` in :data:`MASTER_PRECISIONS`
     (frozen parameters do not exist in the main job, the one writer). Raises KeyError: an unknown optimizer."""
     return ("param",) + OPTIMIZER_KINDS[optimizer] + (("master",) if precision in MASTER_PRECISIONS else ())
-TIED = "transformer.wte.weight"  #: the logical name of the LM head's weight (tied to the embedding)
 
 
 @dataclasses.dataclass

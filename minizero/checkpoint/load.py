@@ -157,7 +157,7 @@ def restore(path: str, strategy, comm, scaler=None, ledger: MemoryLedger | None 
 
     Restores parameters, m, v, masters, step counts, the loss scaler, the dropout generator, pruning masks and
     MoE's routing biases.
-    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read"}``.
+    Returns ``{"folder", "step", "applied", "pruner", "notes", "load_peak", "bytes_read", "manifest"}``.
     Raises CheckpointError: a piece is missing, or the model/optimizer do not match.
     """
     ledger = ledger if ledger is not None else MemoryLedger()

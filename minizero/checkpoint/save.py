@@ -83,7 +83,7 @@ def previous_kept(path: str, final: str):
 def rank_tensors(strategy, pruner=None, rank: int = 0):
     """This rank's ``(tensors, pieces, params)``: key -> flat host array, the manifest's pieces, full shapes and dtypes.
 
-    A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}`` (``"dense"`` or ``"8bit"``).
+    A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}`` (``"dense"``; ``"8bit"``: + block_size).
     """
     tensors, pieces, params = {}, [], {}
     for s in slots(strategy, "save"):

@@ -87,7 +87,7 @@ class _FlashAttention(Function):
             m = xp.full((b, h, qs.stop - i0), -xp.inf, dtype=acc)
             l = xp.zeros((b, h, qs.stop - i0), dtype=acc)
             o = xp.zeros((b, h, qs.stop - i0, d), dtype=acc)
-            for _, ks, diag in _causal_blocks_of_row(qs, block):
+            for ks, diag in _causal_blocks_of_row(qs, block):
                 mask = _diagonal_mask(qs) if diag else None
                 s = block_scores(qb, _upcast(k[:, :, ks], acc), scale, mask)
                 keep = drop.block(bh + (qs, ks)) if drop is not None else None
@@ -124,9 +124,9 @@ class _FlashAttention(Function):
 
 
 def _causal_blocks_of_row(qs: slice, block: int):
-    """The key blocks query block ``qs`` sees: (query slice, key slice, diagonal?), left to right."""
+    """The key blocks query block ``qs`` sees: (key slice, diagonal?), left to right."""
     for j0 in range(0, qs.start + 1, block):
-        yield qs, slice(j0, min(j0 + block, qs.stop)), j0 == qs.start
+        yield slice(j0, min(j0 + block, qs.stop)), j0 == qs.start
 
 
 def _diagonal_mask(qs: slice):

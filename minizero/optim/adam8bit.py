@@ -245,7 +245,7 @@ class ShardedAdam8bit:
         pending = []
         for pc, (m, v) in zip(self.pieces[unit], self.state[unit]):
             sl = pc.shard_slice
-            wd = weight_decay if pc.ndim >= 2 else 0.0
+            wd = weight_decay if Optimizer.decays(pc) else 0.0  # nanoGPT grouping
             if not isinstance(m, QuantizedState):
                 adamw_update(param_shard[sl], grad_shard[sl], m, v, step, lr, beta1, beta2, eps, wd, grad_scale)
                 continue

@@ -122,10 +122,9 @@ def clip_grad_norm_(params, max_norm: float, norm_sq: float | None = None) -> fl
     if norm_sq is None:
         norm_sq = global_grad_norm_sq(p.grad for p in params)
     total = math.sqrt(norm_sq)
-    if max_norm > 0 and math.isfinite(max_norm):
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad *= p.grad.dtype.type(coef)
+    coef = clip_coefficient(total, max_norm)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad *= p.grad.dtype.type(coef)
     return total

@@ -49,7 +49,7 @@ def gib(nbytes: float) -> float:
 
 
 def precision_for_dtype(dtype) -> str:
-    """The :class:`Strategy` precision of a minizero training dtype: float64 -> "fp64", float32 -> "fp32"."""
+    """The :class:`Strategy` precision of a training dtype: float64 "fp64", float32 "fp32", float16 "mixed"."""
     name = getattr(dtype, "name", str(dtype))
     table = {"float64": "fp64", "float32": "fp32", "float16": "mixed"}  # bf16 and fp8 keep float32 weights
     if name not in table:

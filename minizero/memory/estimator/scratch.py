@@ -76,7 +76,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
     elif dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group
         if stage == 0:
-            units += [m.vocab_size * m.hidden // (t if st.tp > 1 else 1), m.seq_len * m.hidden]
+            units += [m.vocab_size * m.hidden // t, m.seq_len * m.hidden]
         if stage == st.pp - 1:
             units.append(2 * m.hidden)
         n = st.shard_ranks  # ZeRO's group; hybrid sharding all-reduces a shard over the replicas after (a bound then)

@@ -236,7 +236,6 @@ def ring_attention_bytes(micro_batch: int, heads: int, seq_len: int, head_dim: i
     return {"forward": kv, "backward": kv + 2 * cp * blk * max(itemsize, 4)}
 
 
-# ---- FLOPs ------------------------------------------------------------------------------------
 def ulysses_attention_bytes(micro_batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
                             itemsize: int, cp: int) -> dict:
     """Bytes one rank sends in one DeepSpeed-Ulysses attention over ``cp`` ranks: {"forward", "backward"}.
@@ -252,6 +251,7 @@ def ulysses_attention_bytes(micro_batch: int, heads: int, kv_heads: int, seq_len
     return {"forward": each, "backward": each}
 
 
+# ---- FLOPs ------------------------------------------------------------------------------------
 def korthikanti_flops(batch: int, seq_len: int, n_layer: int, hidden: int, vocab: int) -> float:
     """Model FLOPs of one step of a GPT, forward + backward (Korthikanti et al. 2022, appendix A).
 
