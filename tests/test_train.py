@@ -54,8 +54,10 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
 
     monkeypatch.chdir(tmp_path)
     os.mkdir("a")
-    for name in ("model.npz", "model.json", "summary.json"):
-        (tmp_path / "a" / name).write_text("another run's")
+    np.savez(tmp_path / "a" / "model.npz", w=np.zeros(1))  # another run's files (a user's own: test_output_paths)
+    (tmp_path / "a" / "model.json").write_text('{"n_head": 2}')
+    (tmp_path / "a" / "summary.json").write_text("another run's")
+    before = {n: (tmp_path / "a" / n).read_bytes() for n in ("model.npz", "model.json", "summary.json")}
     os.mkfifo("pipe")
     for flag in ("--json", "--trace"):
         for name in ("model.npz", "model.json", "summary.json"):
@@ -67,7 +69,7 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
         check_output("pipe")
     assert parse_args(["--out", "a", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"  # its own
     assert parse_args(["--out", "a"], world_size=1).json == os.path.join("a", "summary.json")
-    assert all((tmp_path / "a" / n).read_text() == "another run's" for n in ("model.npz", "model.json", "summary.json"))
+    assert all((tmp_path / "a" / n).read_bytes() == b for n, b in before.items())
     os.mkdir("res")  # a summary on its own (no weights beside it) is no run's: a re-run may replace it
     (tmp_path / "res" / "summary.json").write_text('{"train_loss": [], "world_size": 1, "config": {}}')
     assert parse_args(["--out", "b", "--json", "res/summary.json"], world_size=1).json == "res/summary.json"
