@@ -44,7 +44,6 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
 
 
-
 def recompute_note(mode: str, every: int, n_blocks: int) -> str:
     """The hotspots' footnote under ``--recompute`` (memory/recompute.py wraps blocks 0, K, 2K, ... of a stage's
     ``n_blocks``: those named, never one past the last; it said "blocks 0, 7, 14, ..." of 2)."""
