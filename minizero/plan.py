@@ -319,7 +319,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                for w in wrap("  " + line, hang=4)])
 
 
-def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
+def _finetune(args, model, hw, seq, unit) -> list[str]:
     """``--finetune lora|qlora``: per-GPU bytes of a fine-tune (:func:`lora_state_bytes`, the activations of
     :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus / --tp; no offload.
     Under --tp: the tensor rank with the most bytes (the NF4 shards' constants differ by a few bytes)."""
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     scale, unit = (1e9, "GB") if args.units == "GB" else (2 ** 30, "GiB")
     args.shown = None
     if args.finetune != "none":
-        lines = _finetune(args, model, hw, seq, scale, unit)
+        lines = _finetune(args, model, hw, seq, unit)
     elif args.strategy is not None:
         lines = _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
     else:

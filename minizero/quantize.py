@@ -17,10 +17,9 @@ import math
 import os
 import sys
 
-
 from minizero import backend
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split  # noqa: F401
+from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F401 (check_output: tests import it)
                             lock_outputs, release_all)
 from minizero.flags import MAX_ADAM8BIT_BLOCK
@@ -135,7 +134,7 @@ def run(args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """The measurements as a text table (bytes exact, losses in nats per token), and a line saying what each
+    """The measurements as a text table (bytes exact, losses in nats per byte), and a line saying what each
     column holds."""
     base, rows = result["baseline"], result["rows"]
     label = DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype'))
