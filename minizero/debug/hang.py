@@ -14,7 +14,7 @@ import time
 
 from minizero.comm.flight import RECORD_NAME, describe, peek
 from minizero.files import read_json
-from minizero.numerals import shortened, wrapped
+from minizero.numerals import counted, shortened, wrapped
 
 
 def load(folder: str) -> dict[int, dict]:
@@ -248,7 +248,7 @@ def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=())
         lines.extend(found)
     if len(lines) == 0:
         n = sum(len(s["entries"]) for s in snaps.values())
-        lines.append(f"ok: {len(snaps)} rank(s), {n} operations, every one completed and alike on every rank")
+        lines.append(f"ok: {len(snaps)} rank(s), {counted(n, 'operation')}, every one completed and alike on every rank")
     return lines
 
 
@@ -259,7 +259,7 @@ def main(folder: str) -> int:
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
-        print(wrapped(f"rank {r}: dumped on {_sentence(s['reason'])}, {len(s['entries'])} operations recorded"))
+        print(wrapped(f"rank {r}: dumped on {_sentence(s['reason'])}, {counted(len(s['entries']), 'operation')} recorded"))
     lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))
