@@ -32,7 +32,7 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
     unit_for, step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, Hardware, _divisors, enumerate_strategies, evaluate, plan, step_time)
-from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal  # noqa: F401 (likewise)
+from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
 

@@ -24,7 +24,7 @@ from minizero.memory.recompute import recomputed_blocks
 from minizero.numerals import counted, significant, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
-from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
+from minizero.sample import printable, sample_text
 from minizero.weights import SIDECAR, write_model_json
 from minizero.zero import shards_parameters
 

@@ -38,7 +38,7 @@ from minizero.instrumentation import Interrupts
 from minizero.interrupts import (Terminated, end_set_up, guard_set_up, stdout_reader_gone, stdout_unwritable,
                                  watch_stdout)
 from minizero.ledger import get_ledger
-from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
+from minizero.loop import TrainingDiverged, train
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
