@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join("out", "compare"), help="folder for compare.md and compare.png")
     p.add_argument("--json", default="OUT/compare.json", help="path of the JSON results (OUT: the --out folder)")
     p.add_argument("--timeout", type=real, default=900.0, help="seconds one training run may take")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "strict"], help="every run's --device: cpu "
+    p.add_argument("--device", default="cpu", choices=list(backend.DEVICES), help="every run's --device: cpu "
                    "(NumPy), cuda (CuPy, GPU local rank %% count), strict (host leaks raise)")
     return p
 

@@ -29,7 +29,7 @@ from minizero.args import MAX_BATCH_SIZE, MAX_EVAL_BATCHES, MAX_STEPS, MIN_COMM_
 from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.collectives import all_reduce
 from minizero.faults import STEP_START_KINDS, FaultInjector
-from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_note  # noqa: F401 (tests import them)
+from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_note
 from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
                             checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all, unwritable)
 from minizero.layout_checks import launch
@@ -376,7 +376,7 @@ def _run(args, world, tokens, model0) -> int:
         print(error_lines(prog, f"the fine-tuned weights hold NaN or inf {said} (lower --lr or --lora-alpha)"),
               file=sys.stderr)
         return 1
-    try:  # a full disk or a device such as /dev/full: each file is written whole or not at all, as quantize says
+    try:  # a full disk or a device such as /dev/full: each file is written whole or not at all (atomic_write)
         if args.out is not None:
             os.makedirs(args.out, exist_ok=True)
             atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))

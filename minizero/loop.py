@@ -63,8 +63,8 @@ class TrainResult:
     ``val_history``: [(step, loss)]; ``state_bytes``: ledger model-state bytes at the first step; ``traffic``: bytes
     sent per group; ``setup_peak``: the ledger's peaks before the first step; ``train_process_peak``: tracemalloc's peak
     over the steps (0 when off); ``start_step``: 0 or the resumed checkpoint's; ``applied``: optimizer steps taken in
-    all; ``checkpoints``: folders saved; ``load_peak``: read-buffer bytes while resuming. The last four fields are
-    filled by the main job after the run (figures gathered from every rank for its report).
+    all; ``checkpoints``: folders saved; ``load_peak``: read-buffer bytes while resuming. ``setup_peaks`` to
+    ``device_pool`` are filled by the main job after the run (figures gathered from every rank for its report).
     """
     model: object = None
     strategy: object = None

@@ -32,7 +32,7 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
     unit_for, step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
     RANKING_RULE, Hardware, _divisors, enumerate_strategies, evaluate, plan, step_time)
-from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal  # noqa: F401 (likewise)
+from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
 
@@ -319,7 +319,7 @@ def _search(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> list[st
                for w in wrap("  " + line, hang=4)])
 
 
-def _finetune(args, model, hw, seq, scale, unit) -> list[str]:
+def _finetune(args, model, hw, seq, unit) -> list[str]:
     """``--finetune lora|qlora``: per-GPU bytes of a fine-tune (:func:`lora_state_bytes`, the activations of
     :func:`lora_activation_bytes`) at ZeRO 0-3 over the adapters, data parallel over --gpus / --tp; no offload.
     Under --tp: the tensor rank with the most bytes (the NF4 shards' constants differ by a few bytes)."""
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     scale, unit = (1e9, "GB") if args.units == "GB" else (2 ** 30, "GiB")
     args.shown = None
     if args.finetune != "none":
-        lines = _finetune(args, model, hw, seq, scale, unit)
+        lines = _finetune(args, model, hw, seq, unit)
     elif args.strategy is not None:
         lines = _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit)
     else:

@@ -273,7 +273,7 @@ def header(args, model, hw, seq, gbatch, scale, unit, shown, fits) -> list[str]:
             "step s counts only the exposed traffic (not overlapped with compute), so a row with more net can be "
             "quicker (the why lines name both); net and step s are the slowest pipeline stage's (it sets the step), "
             "memory the fullest stage's; bufs = comm buffers + ZeRO-3 gathered layer",
-            assumed(args, hw, scale, unit),
+            assumed(hw, scale, unit),
             "columns: ep = expert parallelism; cp = context parallelism (4u: DeepSpeed-Ulysses, 4: ring attention); "
             "tp = tensor parallelism (2s: with sequence parallelism); "
             f"Z = ZeRO stage, sharding over the dp x cp data ranks{hybrid} (1: optimizer state, 2: + gradients, 3: + "
@@ -309,7 +309,7 @@ def left_out_line(left: dict) -> list[str]:
     return [f"left out {total} minizero.train does not run: it runs {runs}"]
 
 
-def assumed(args, hw, scale: float, unit: str) -> str:
+def assumed(hw: Hardware, scale: float, unit: str) -> str:
     """The GPU, links and efficiency the step times assume, bandwidths in ``unit``/s (the defaults: an A100's)."""
     flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",
              "inter_node_bw": "--inter-node-bw", "pcie_bw": "--pcie-bw", "gpu_memory": "--gpu-memory"}
@@ -322,7 +322,7 @@ def assumed(args, hw, scale: float, unit: str) -> str:
 
 
 def _short(st: Strategy) -> str:
-    """A compact multi-line label: ``dp4 tp2 pp1 / Z3 sp / sel / off:params``."""
+    """A compact multi-line label: ``dp4 tp2 pp1 / Z3 sp / sel rc / off:params``."""
     lines = [f"dp{st.dp}" + (f" ep{st.ep}" if st.ep > 1 else "") + (f" cp{st.cp}" if st.cp > 1 else "")
              + (" ulys" if st.cp > 1 and st.cp_attention == "ulysses" else "") + f" tp{st.tp} pp{st.pp}",
              f"Z{st.zero}" + (" sp" if st.sequence_parallel else ""),

@@ -1,7 +1,7 @@
 """The planner's search: every strategy for a model on N GPUs, its memory, traffic and step time, ranked.
 
-Used by ``python -m minizero.plan`` (:mod:`minizero.plan`, which states the step-time model and the placement rules) and
-printed by :mod:`minizero.plan_report`. Memory and traffic come from :mod:`minizero.memory.estimator` (the papers'
+Used by ``python -m minizero.plan`` (:mod:`minizero.plan`; the step-time model and placement rules: :func:`step_time`)
+and printed by :mod:`minizero.plan_report`. Memory and traffic come from :mod:`minizero.memory.estimator` (the papers'
 accounting); here they are combined with a simple hardware model (:class:`Hardware`) into step times.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _divisors(n: int) -> list[int]:
 MIN_CP_TOKENS_PER_RANK = 4096
 
 
-def context_parallel_sizes(model: ModelShape, ranks: int, seq_len: int | None, tp: int = 1) -> list[int]:
+def context_parallel_sizes(ranks: int, seq_len: int | None, tp: int = 1) -> list[int]:
     """The context-parallel sizes c the search tries on ``ranks`` = GPUs / (tp x pp): divisors of ``ranks``
     with the sequence in 2c equal chunks (two per rank; ``parallel/context_parallel.py``), and, for c > 1,
     s/c divisible by tp (sequence parallelism splits each rank's chunks). Only c = 1 when ``seq_len`` is None."""
@@ -186,7 +186,7 @@ def enumerate_strategies(model: ModelShape, gpus: int, *, micro_batch: int = 1, 
             sched, v = pipeline_schedule(schedule, virtual_stages, pp)
             if model.n_layer % (pp * v):
                 continue
-            for cp in context_parallel_sizes(model, gpus // (tp * pp), seq_len, tp):
+            for cp in context_parallel_sizes(gpus // (tp * pp), seq_len, tp):
                 if cp > 1 and seq_len // cp < MIN_CP_TOKENS_PER_RANK:
                     continue
                 dp = gpus // (tp * pp * cp)

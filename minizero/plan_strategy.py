@@ -139,7 +139,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
              (offload != "params" or zero == 3, "offload=params needs zero 3 (ZeRO-Infinity)"),
              (not (dp * cp == 1 and zero > 0 and offload == "none"),
               f"zero {zero} over dp 1 shards nothing; use zero 0"),
-             (cp == 1 or seq_len is None or cp in context_parallel_sizes(model, cp, seq_len, tp),
+             (cp == 1 or seq_len is None or cp in context_parallel_sizes(cp, seq_len, tp),
               f"cp {cp} needs the sequence {seq_len} in 2 x cp = {2 * cp} equal chunks, each rank's two of a "
               f"length divisible by tp {tp}")]
     sched, v = pipeline_schedule(schedule, virtual_stages, pp)

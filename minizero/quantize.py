@@ -17,21 +17,19 @@ import math
 import os
 import sys
 
-
 from minizero import backend
 from minizero.args import MAX_EVAL_BATCHES
-from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split  # noqa: F401
-from minizero.files import (FolderLock, atomic_write, check_output,  # noqa: F401 (check_output: tests import it)
-                            lock_outputs, release_all)
+from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
+from minizero.files import FolderLock, atomic_write, check_output, lock_outputs, release_all
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.ledger import wrap
 from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real, wrapped)
 from minizero.quantization import GRANULARITIES
-from minizero.quantized_model import (  # noqa: F401 (names tests, notebooks and benchmarks import from here)
+from minizero.quantized_model import (  # noqa: F401 (QuantizedLinear: tests and notebooks import it from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
-from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype  # noqa: F401 (likewise)
+from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 
 #: how the table labels the stored (unquantized) weights: an FP16 run's model.npz holds float16
@@ -135,7 +133,7 @@ def run(args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """The measurements as a text table (bytes exact, losses in nats per token), and a line saying what each
+    """The measurements as a text table (bytes exact, losses in nats per byte), and a line saying what each
     column holds."""
     base, rows = result["baseline"], result["rows"]
     label = DTYPE_LABELS.get(base.get('dtype', 'float32'), base.get('dtype'))

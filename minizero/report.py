@@ -24,7 +24,7 @@ from minizero.memory.recompute import recomputed_blocks
 from minizero.numerals import counted, significant, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
-from minizero.sample import printable, sample_text  # noqa: F401 (printable: the public API)
+from minizero.sample import printable, sample_text
 from minizero.weights import SIDECAR, write_model_json
 from minizero.zero import shards_parameters
 
@@ -42,7 +42,6 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
                "other": "other (loss, norm, flags, metrics, replica digests)"}
 #: one line when neither plot could be drawn
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
-
 
 
 def recompute_note(mode: str, every: int, n_blocks: int) -> str:

@@ -38,11 +38,11 @@ from minizero.instrumentation import Interrupts
 from minizero.interrupts import (Terminated, end_set_up, guard_set_up, stdout_reader_gone, stdout_unwritable,
                                  watch_stdout)
 from minizero.ledger import get_ledger
-from minizero.loop import TrainingDiverged, train  # noqa: F401 (the public API)
+from minizero.loop import TrainingDiverged, train
 from minizero.memory.offload import OffloadError, ram_backed
 from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
-from minizero.numerals import error_lines, wrapped
+from minizero.numerals import error_lines, is_count, wrapped
 from minizero.output_checks import clear_flight, earlier_results, not_a_folder, still_earlier
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
@@ -81,7 +81,7 @@ def _blas_threads(local_ranks: int) -> int:
     for name in BLAS_THREAD_VARIABLES:
         value = os.environ.get(name, "").strip()
         if value:
-            return min(threads, int(value)) if value.isdecimal() and value.isascii() and int(value) > 0 else threads
+            return min(threads, int(value)) if is_count(value) and int(value) > 0 else threads
     return threads
 
 

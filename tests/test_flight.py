@@ -194,6 +194,13 @@ def test_a_clean_run_has_no_findings_and_the_cli_exits_0(tmp_path, capsys):
     assert debug_main(["hang", str(tmp_path / "none")]) == 2  # no files: a clear error
 
 
+def test_a_clean_run_of_one_operation_says_operation_not_operations(tmp_path, capsys):
+    assert _run_and_dump(1, lambda comm: all_reduce(comm, np.ones(4)), tmp_path) is None
+    assert debug_main(["hang", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 operation recorded" in out and "ok: 1 rank(s), 1 operation, every one" in out, out  # "1 operations"
+
+
 def test_one_helper_shortens_a_long_value_for_debug_hang_and_trace():
     """debug hang's record texts and debug trace's refused values: each was its own copy of this rule."""
     from minizero.numerals import shortened

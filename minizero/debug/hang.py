@@ -14,7 +14,7 @@ import time
 
 from minizero.comm.flight import RECORD_NAME, describe, peek
 from minizero.files import read_json
-from minizero.numerals import shortened, wrapped
+from minizero.numerals import counted, shortened, wrapped
 
 
 def load(folder: str) -> dict[int, dict]:
@@ -247,8 +247,8 @@ def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=())
     for _, found in sorted(hangs, key=lambda h: h[0]):
         lines.extend(found)
     if len(lines) == 0:
-        n = sum(len(s["entries"]) for s in snaps.values())
-        lines.append(f"ok: {len(snaps)} rank(s), {n} operations, every one completed and alike on every rank")
+        n = counted(sum(len(s["entries"]) for s in snaps.values()), "operation")
+        lines.append(f"ok: {len(snaps)} rank(s), {n}, every one completed and alike on every rank")
     return lines
 
 
@@ -259,7 +259,8 @@ def main(folder: str) -> int:
     for line in aside:
         print(wrapped(line))
     for r, s in sorted(snaps.items()):
-        print(wrapped(f"rank {r}: dumped on {_sentence(s['reason'])}, {len(s['entries'])} operations recorded"))
+        ops = counted(len(s["entries"]), "operation")
+        print(wrapped(f"rank {r}: dumped on {_sentence(s['reason'])}, {ops} recorded"))
     lines = analyze(snaps, cut_short(folder, snaps), aside=set(every) - set(snaps))
     for line in lines:  # one line per finding, a long one over indented lines
         print(wrapped(line))

@@ -18,7 +18,7 @@ import numpy as np
 
 from minizero.files import mpiexec_path
 from minizero.interrupts import run_group
-from minizero.numerals import error_lines, is_count, unwrapped, wrapped
+from minizero.numerals import counted, error_lines, is_count, unwrapped, wrapped
 
 SIZE_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ulysses")
 #: refused in a layout: what parity sets for both runs (its own flags) and what would write outside its temporary
@@ -124,8 +124,7 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
             lines.append(f"differ: first at step {step + 1}: training loss {la!r} ({names[0]}) vs {lb!r} ({names[1]}), "
                          f"gradient norm {na!r} vs {nb!r} (relative difference {worst:.3g} > {tol:g})")
             break
-    steps = len(a["loss"])
-    n_steps = f"{steps} step" + "s" * (steps != 1)
+    n_steps = counted(len(a["loss"]), "step")
     first, largest = None, (0.0, None)
     for name, pa in a["params"].items():
         pb = b["params"].get(name)

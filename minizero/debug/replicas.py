@@ -30,7 +30,7 @@ EXPERT_REPLICAS = "the expert-data replicas (the ranks holding these experts)"
 
 
 class ReplicaMismatchError(RuntimeError):
-    """Data-parallel replicas hold different values of a parameter that they must hold equal."""
+    """Replicas hold different values of an array they must hold equal (parameter, optimizer state, loss scaler)."""
 
 
 def digest(array) -> int:
