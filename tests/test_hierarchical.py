@@ -159,3 +159,26 @@ def test_hierarchical_is_refused_where_it_would_not_run():
     for bad in (["--zero", "1"], ["--native-comm"]):
         with pytest.raises(UsageError, match="--allreduce hierarchical"):
             parse_args(["--allreduce", "hierarchical", *bad], 2)
+
+
+@pytest.mark.timeout(60)
+def test_hierarchical_is_checked_by_debug_collectives_refuses_strings_and_counts_its_scratch():
+    """Its traffic block named no array, so --debug-collectives never compared shapes; strings were summed;
+    its receive chunk was not in the memory ledger."""
+    from minizero.comm.flight import CollectiveMismatchError, check_collectives
+    from minizero.ledger import MemoryLedger, set_ledger
+
+    def body(comm, n_of_rank):
+        check_collectives(comm)
+        comm = NodeTrafficCommunicator(comm, NodeLayout((0, 0, 1, 1)))
+        hier = HierarchicalAllReduce(comm)
+        with pytest.raises(ValueError, match=r"x has dtype <U1; a sum over ranks needs numbers"):
+            hier(np.array(["a", "b"]))
+        ledger = set_ledger(MemoryLedger())
+        hier(np.ones(n_of_rank[comm.rank]))
+        return ledger.peak["comm_scratch"]
+
+    assert run_in_threads(4, body, [8, 8, 8, 8], timeout=10) == [4 * 8] * 4  # one chunk of 8/L elements
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, body, [8, 8, 9, 8], timeout=10)
+    assert "all_reduce #" in str(e.value) and "shape (9,)" in str(e.value), str(e.value)

@@ -7,7 +7,8 @@ on every rank. Mirrors: NCCL's and Horovod's hierarchical all-reduce (arXiv:1802
 from __future__ import annotations
 
 from minizero import backend
-from minizero.comm.collectives import _check_array, all_reduce, bytes_sent, ring_, shard_range
+from minizero.comm.collectives import (_check_array, _check_summable, _scratch, all_reduce, bytes_sent, ring_,
+                                      shard_range)
 from minizero.comm.communicator import Communicator
 from minizero.comm.nodes import NodeLayout, layout_of
 
@@ -42,18 +43,19 @@ class HierarchicalAllReduce:
         if native:
             raise ValueError("the hierarchical all-reduce is minizero's own; native=True has no meaning here")
         _check_array(x, "x")
+        _check_summable(x, "x")
         if out is None:
             out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
         _check_array(out, "out", writeable=True)
         if out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}; they must match")
-        with self.comm.traffic.op("all_reduce"):
+        with self.comm.traffic.op("all_reduce", x):  # x: --debug-collectives checks its descriptor
             if out is not x:
                 out[...] = x
             buf = out.reshape(-1)
             L, j = self.local.world_size, self.local.rank
             off, size = shard_range(buf.size, L, j)
-            tmp = backend.array_module(x).empty(shard_range(buf.size, L, 0)[1], dtype=x.dtype)
+            tmp = _scratch(backend.array_module(x).empty(shard_range(buf.size, L, 0)[1], dtype=x.dtype))
             ring_(self.local, buf, "reduce_scatter", tmp)  # 1. chunk j of the node's sum on local rank j
             chunk = buf[off:off + size]
             all_reduce(self.cross, chunk, out=chunk)  # 2. across nodes, one ring per local rank
