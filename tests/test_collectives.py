@@ -426,7 +426,7 @@ def _rank_0_waits(wait):
 @pytest.mark.timeout(90)
 def test_recv_timeout_names_ranks_and_tag():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="rank 0 .*from rank 1 with tag 5"):
+    with pytest.raises(TimeoutError, match=r"rank 0: recv \(tag 5\) waited 0\.3 s for rank 1 "):
         run_in_threads(2, _rank_0_waits(lambda comm: comm.recv(np.empty(1), 1, tag=5)), timeout=0.3)
     assert time.monotonic() - start < 30  # the 0.3 s timeout fired (rank 1 stays for 120 s)
 
@@ -613,11 +613,16 @@ def test_threads_dtypes_of_one_byte_size_are_refused_by_name():
         run_in_threads(2, body, timeout=10)
 
 
+#: rank 0's recv (tag 7) from rank 1 past a 1 s timeout, in comm.base.timeout_message's words
+_STALL_WORDS = ("rank 0: recv (tag 7) waited 1 s for rank 1 of a communicator of 2 (the communicator's timeout); "
+                "a rank is stalled or gone")
+
+
 @pytest.mark.timeout(90)
 def test_mpi_stalled_peer_times_out_naming_it_and_sleeps_meanwhile(comm_faults_job):
     got = _comm_faults(comm_faults_job, "stall")[0]
     assert got["recv"]["error"] == "CommTimeoutError", got
-    assert "recv (tag 7)" in got["recv"]["message"] and "rank 1" in got["recv"]["message"]
+    assert got["recv"]["message"] == _STALL_WORDS, got  # the thread communicator's too (test_threads_timeout_...)
     assert 0.9 < got["wall_s"] < 10  # the 1 s timeout, with room for a loaded machine (rank 1 sends nothing)
     assert got["cpu_s"] < 0.5 * got["wall_s"], f"the waiting rank spun: {got}"
 
@@ -644,8 +649,11 @@ def test_threads_wait_for_a_returned_rank_fails_at_once_and_an_infinite_timeout_
 def test_threads_timeout_names_the_operation():
     from minizero.comm import CommTimeoutError
 
-    with pytest.raises(CommTimeoutError, match=r"rank 1 with tag 5 \(recv\)"):
-        run_in_threads(2, _rank_0_waits(lambda comm: comm.recv(np.empty(2), source=1, tag=5)), timeout=0.5)
+    with pytest.raises(CommTimeoutError) as e:
+        run_in_threads(2, _rank_0_waits(lambda comm: comm.recv(np.empty(2), source=1, tag=7)), timeout=1.0)
+    assert str(e.value).endswith(_STALL_WORDS), str(e.value)  # as MPI's (stall test) and NCCL's: one text
+    with pytest.raises(CommTimeoutError, match=r"^\[rank 0/2\] rank 0: barrier waited 0\.5 s for the other ranks"):
+        run_in_threads(2, _rank_0_waits(lambda comm: comm.barrier()), timeout=0.5)
 
 
 def _scratch_peaks(comm, n, op):

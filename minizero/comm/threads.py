@@ -15,7 +15,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 from minizero import backend
-from minizero.comm.base import CommTimeoutError, Communicator, _check_color
+from minizero.comm.base import CommTimeoutError, Communicator, _check_color, timeout_message
 from minizero.comm.collectives import shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -137,6 +137,10 @@ class ThreadCommunicator(Communicator):
     def _who(self) -> str:
         return f"rank {self.rank} (thread rank {self._thread_ranks[self.rank]}, communicator {self._ctx.id})"
 
+    def _timeout_error(self, what: str, peer: int | None = None) -> CommTimeoutError:  # worded as MPI's and NCCL's
+        return CommTimeoutError(timeout_message(self.rank, self.world_size, what, self.timeout, peer,
+                                                lambda r: self._thread_ranks[r]))
+
     def _failed_error(self, waiting_for: str) -> GroupFailedError:
         rank, exc = self._group.failure
         return GroupFailedError(
@@ -166,7 +170,7 @@ class ThreadCommunicator(Communicator):
                     except queue.Empty:
                         raise self._returned_error(source, op) from None
                 if time.monotonic() > deadline:
-                    raise CommTimeoutError(f"{self._who()} waited {self.timeout} s for {what}") from None
+                    raise self._timeout_error(f"{op} (tag {tag})", source) from None
         if msg.shape != buf.shape or msg.dtype != buf.dtype:
             raise ValueError(
                 f"{self._who()}: {op} message from rank {source} (tag {tag}) is {msg.shape} {msg.dtype}, "
@@ -210,7 +214,7 @@ class ThreadCommunicator(Communicator):
                 if gone is not None:
                     raise self._returned_error(gone, what)
                 if time.monotonic() > deadline:
-                    raise CommTimeoutError(f"{self._who()} waited {self.timeout} s in {what}")
+                    raise self._timeout_error(what)
 
     def _exchange(self, obj, combine, what: str):
         """Every rank deposits ``obj``; returns ``combine(objs by rank)`` computed on each rank."""
