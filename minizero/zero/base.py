@@ -24,7 +24,8 @@ import numpy as np
 from minizero import backend
 from minizero.comm.collectives import all_gather, all_reduce
 from minizero.ledger import get_ledger
-from minizero.optim.adamw import adamw_update, state_dtype
+from minizero.optim.adamw import adamw_update, clip_coefficient, state_dtype
+from minizero.optim.base import Optimizer
 from minizero.optim.state_store import OptimizerStateStore
 from minizero.optim.used_parameters import used_anywhere
 from minizero.zero.collectives import PHASES, STEP_PHASES, UnitCollectives, UnitState
@@ -201,11 +202,10 @@ class ZeroOptimizer:
         max_norm / (norm + 1e-6)); returns the norm before; ``max_norm`` <= 0 or inf: no clipping.
         ``norm_sq``: the squared norm when the caller summed it over more ranks (:meth:`grad_norm_sq`)."""
         total = self.grad_norm() if norm_sq is None else math.sqrt(norm_sq)
-        if max_norm > 0 and math.isfinite(max_norm):
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                for st in self.units:
-                    st.grad_shard *= st.grad_shard.dtype.type(coef)
+        coef = clip_coefficient(total, max_norm)
+        if coef < 1.0:
+            for st in self.units:
+                st.grad_shard *= st.grad_shard.dtype.type(coef)
         return total
 
     def set_lr(self, lr: float) -> None:
@@ -245,7 +245,7 @@ class ZeroOptimizer:
             if pc.param not in self._with_grad:  # no gradient this step: left as it is
                 continue
             sl = pc.shard_slice
-            wd = self.weight_decay if pc.ndim >= 2 else 0.0  # nanoGPT grouping, as AdamW.decays
+            wd = self.weight_decay if Optimizer.decays(pc) else 0.0  # a piece has its parameter's ndim
             adamw_update(params[sl], grad[sl], st.m[sl], st.v[sl], self.step_count, self.lr, b1, b2, self.eps, wd,
                          grad_scale)
         if params is not st.param_shard:
