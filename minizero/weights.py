@@ -78,8 +78,7 @@ def _check_headers(weights: str) -> None:
     if not heads:
         raise _not_weights(weights, "the archive holds no arrays")
     dims = shape_from_state(heads, weights)
-    why = too_large(dims)
-    if why:
+    if why := too_large(dims):
         raise _not_weights(weights, f"in the array headers, {why}")
     side = read_sidecar(weights)
     clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if side and k in side and side[k] != v]
@@ -200,8 +199,7 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
         raise bad(f"{where or 'the file'} is {_kind(cfg)}, not a JSON object of model fields")
     where = f"{where}'s " if where else ""
     fields = [f.name for f in dataclasses.fields(GPTConfig)]
-    unknown = sorted(set(cfg) - set(fields))
-    if unknown:
+    if unknown := sorted(set(cfg) - set(fields)):
         raise bad(f"{where}unknown field(s) {unknown}; allowed: {', '.join(fields)}")
     for f in SHAPE_FIELDS:
         v, cap = cfg.get(f), max(getattr(c, f) for c in PRESETS.values())
@@ -255,9 +253,13 @@ def write_model_json(folder: str, cfg: GPTConfig) -> str:
 
 
 def refuse_replacing(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` (the model.npz or model.json to write) is there and no earlier output (a folder,
-    no zip, JSON not a config): the write would fail after the work, or lose the user's file."""
+    """Raise ValueError when ``path`` (model.npz or .json to write) is there, unreadable or not an earlier output."""
     config = path.endswith(".json")
+    try:  # one it cannot read (permission denied) is not called another program's
+        os.path.isfile(path) and open(path, "rb").close()
+    except OSError as e:
+        raise ValueError(f"{flag}: {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
+                         "away") from None
     with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
         if not os.path.lexists(path) or os.path.isfile(path) and (
                 0 < len(keys := read_json(path).keys()) and keys <= _FIELDS if config else zipfile.is_zipfile(path)):

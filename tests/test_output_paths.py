@@ -210,6 +210,34 @@ def test_train_keeps_a_users_own_model_files_in_out(tmp_path, monkeypatch):
     parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
 
+def test_train_names_a_model_file_it_cannot_read_and_ignores_a_folder_model_npz_under_no_save(tmp_path, monkeypatch):
+    """Before: an OUT/model.json it could not read was "not a model config minizero wrote". A folder OUT/model.npz is
+    refused only when weights are written (--no-save skips check_outputs: pinned here)."""
+    import builtins
+
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "model.npz").mkdir()
+    parse_args(["--model", "tiny", "--out", "o", "--no-save"], world_size=1)
+    with pytest.raises(UsageError, match="'o/model.npz' is a directory"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+    (tmp_path / "o" / "model.npz").rmdir()
+    real_open = builtins.open
+
+    def denied(path, *a, **k):  # chmod 000 (the tests may run as root, who reads it anyway)
+        if str(path).endswith("model.json"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, *a, **k)
+
+    (tmp_path / "o" / "model.json").write_text("{}")
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(UsageError, match=r"'o/model.json' is there and cannot be read \(Permission denied\); make it "
+                                         "readable or move it away"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
 def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
     """Before: a model.json without every GPTConfig field (readers take it: check_model_fields fills missing ones;
     one written before a field is added) was refused as the user's own. A link to a config is one; {} is none."""
