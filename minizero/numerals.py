@@ -238,6 +238,11 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
+def thousands(n: int) -> str:
+    """``1,024``: a bare count (``counted`` names what it counts)."""
+    return f"{n:,}"
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``1 step``, ``300 steps``, ``1,024 steps`` (it said "after 1 steps"); ``plural`` where not noun + s."""
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -21,7 +21,7 @@ from minizero.ledger import CATEGORIES, format_bytes, get_ledger, memory_summary
 from minizero.memory.monitor import draw_memory, report_memory
 from minizero.memory.plots import INSTALL_HINT, PLOTS_OFF, plots_on
 from minizero.memory.recompute import recomputed_blocks
-from minizero.numerals import counted, significant, wrapped
+from minizero.numerals import counted, significant, thousands, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text
@@ -93,7 +93,7 @@ def validation_lines(args, result) -> list[str]:
     timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
     steps = counted(args.steps, "step")
     lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-             f"{steps}" + (f" ({ran} in this run, {timing})" if result.start_step else f", {timing}")]
+             f"{steps}" + (f" ({thousands(ran)} in this run, {timing})" if result.start_step else f", {timing}")]
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if not recent or val >= statistics.median(recent):  # the median: a spike in the window does not move it
         return lines

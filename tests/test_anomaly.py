@@ -26,6 +26,15 @@ def test_an_inf_weight_is_named_at_the_module_that_used_it_with_the_ranges():
     assert "parameters in [" in msg and "1 of " in msg and "not finite" in msg.split("output in")[1], msg
 
 
+def test_the_ranges_count_with_thousands_separators():
+    """It said "1500 of 2000 not finite" where every other count reads 1,500."""
+    from minizero.debug.anomaly import _range
+
+    x = np.ones(2000)
+    x[:1500] = np.nan
+    assert _range([x]) == "[1, 1], 1,500 of 2,000 not finite"
+
+
 def test_finite_runs_and_validation_forwards_are_not_reported():
     model, idx = _model()
     detector = AnomalyDetector(model, rank=0)

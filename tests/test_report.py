@@ -18,6 +18,8 @@ def test_a_resumed_run_says_its_time_and_speed_are_its_own_steps():
     assert fresh.endswith("after 20 steps, 0.4 s, 827 tokens/s"), fresh
     resumed = _lines([5.0] * 10, 5.2, start_step=10)[0]
     assert resumed.endswith("after 20 steps (10 in this run, 0.4 s, 827 tokens/s)"), resumed
+    long = _lines([5.0] * 1200, 5.2, start_step=10)[0]  # it said "(1200 in this run" beside "1,210 steps"
+    assert long.endswith("after 1,210 steps (1,200 in this run, 0.4 s, 827 tokens/s)"), long
 
 
 #: the last 10 steps after warmup of `--model tiny --steps 20`, rounded (validation 4.8649 after them)

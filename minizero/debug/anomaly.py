@@ -12,6 +12,7 @@ import sys
 
 from minizero import backend
 from minizero.callbacks import Callback
+from minizero.numerals import thousands
 
 
 class AnomalyError(FloatingPointError):
@@ -38,7 +39,7 @@ def _range(arrays) -> str:
         if bool(fin.any()):
             lo, hi = min(lo, float(a[fin].min())), max(hi, float(a[fin].max()))
     told = f"[{lo:.4g}, {hi:.4g}]" if lo <= hi else "no finite value"
-    return told + (f", {bad} of {n} not finite" if bad else "")
+    return told + (f", {thousands(bad)} of {thousands(n)} not finite" if bad else "")
 
 
 def _finite(arrays) -> bool:
