@@ -52,6 +52,11 @@ def check_outputs(args) -> None:
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     for name in () if args.no_save else ("model.npz", "model.json"):  # the user's own file of that name: kept
         _usage(refuse_replacing, os.path.join(out, name), "--out")
+    if not args.no_save:  # so are the user's own OUT/summary.json (not a summary) and plots (not a PNG)
+        if os.path.realpath(js) == os.path.realpath(os.path.join(out, "summary.json")):
+            _usage(refuse_foreign, args.json, "--json")
+        for name in ("loss.png", "memory.png"):
+            _usage(refuse_foreign, os.path.join(out, name), "--out")
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")

@@ -912,3 +912,14 @@ def test_data_larger_than_memory_is_a_usage_error(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=re.escape(f"--data {str(text)!r} has 12,000 bytes, more than this process "
                                                    "can hold: every rank reads the file whole, so it must fit")):
         parse_args(["--model", "tiny", "--data", str(text)])
+
+
+def test_utf16_data_is_named_as_such_with_the_conversion(tmp_path):
+    """Before: a UTF-16 file (Windows' "Unicode" text) was only 'not UTF-8 text (invalid start byte at byte 0)'."""
+    from minizero.data import load_tokens
+
+    wide = tmp_path / "wide.txt"
+    wide.write_text("hello world\n" * 100, encoding="utf-16")
+    with pytest.raises(ValueError, match=re.escape("at byte 0; it starts with a UTF-16 byte-order mark: iconv -f "
+                                                   "UTF-16 -t UTF-8 converts it); give a UTF-8 text file")):
+        load_tokens(str(wide))

@@ -238,6 +238,24 @@ def test_train_names_a_model_file_it_cannot_read_and_ignores_a_folder_model_npz_
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
 
+def test_train_keeps_a_users_own_summary_and_plots_in_out(tmp_path, monkeypatch):
+    """Before: a user's OUT/summary.json (not a summary), loss.png or memory.png (not a PNG) was overwritten."""
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    for name, what in [("summary.json", "--json 'o/summary.json'"), ("loss.png", "--out 'o/loss.png'"),
+                       ("memory.png", "--out 'o/memory.png'")]:
+        (tmp_path / "o" / name).write_text("my notes\n")
+        with pytest.raises(UsageError, match=f"{what} exists and does not hold"):
+            parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+        parse_args(["--model", "tiny", "--out", "o", "--no-save"], world_size=1)  # nothing written there: fine
+        (tmp_path / "o" / name).unlink()
+    (tmp_path / "o" / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # an earlier run's: replaced as before
+    (tmp_path / "o" / "summary.json").write_text(json.dumps({"train_loss": [], "world_size": 1, "config": {}}))
+    parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
 def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
     """Before: a model.json without every GPTConfig field (readers take it: check_model_fields fills missing ones;
     one written before a field is added) was refused as the user's own. A link to a config is one; {} is none."""
@@ -418,7 +436,7 @@ def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     np.savez(out / "model.npz", a=np.zeros(1))  # an earlier run's (minizero's own writes replace them whole)
-    (out / "summary.json").write_text("{}")
+    (out / "summary.json").write_text(json.dumps({"train_loss": [], "world_size": 1, "config": {}}))
     (out / "loss.png").write_text("")
 
     def failed_run(folder):

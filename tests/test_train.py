@@ -56,7 +56,7 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
     os.mkdir("a")
     np.savez(tmp_path / "a" / "model.npz", w=np.zeros(1))  # another run's files (a user's own: test_output_paths)
     (tmp_path / "a" / "model.json").write_text('{"n_head": 2}')
-    (tmp_path / "a" / "summary.json").write_text("another run's")
+    (tmp_path / "a" / "summary.json").write_text('{"train_loss": [], "world_size": 1, "config": {}}')
     before = {n: (tmp_path / "a" / n).read_bytes() for n in ("model.npz", "model.json", "summary.json")}
     os.mkfifo("pipe")
     for flag in ("--json", "--trace"):
