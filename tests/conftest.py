@@ -20,13 +20,17 @@ def mpi_env():
     return env
 
 
-@pytest.fixture
-def mpiexec():
+def require_mpiexec():
     """Path to ``mpiexec``; skips the test when there is none, fails it under CI (which installs the mpich wheel)."""
     path = mpiexec_path()
     if path is None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)("mpiexec not found (pip install mpich, or a system MPI)")
     return path
+
+
+@pytest.fixture
+def mpiexec():
+    return require_mpiexec()
 
 
 @pytest.fixture

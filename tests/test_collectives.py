@@ -540,11 +540,9 @@ for i, mode in enumerate(sys.argv[3:]):
 
 @pytest.fixture(scope="module")
 def comm_faults_job(tmp_path_factory):
-    from minizero.files import mpiexec_path
+    from tests.conftest import require_mpiexec
 
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install mpich, or a system MPI)")
+    mpiexec = require_mpiexec()
     out = tmp_path_factory.mktemp("comm_faults")
     # the ring at every size (small buffers would take recursive doubling): what the dtypes mode checks
     env = dict(mpi_env(), MINIZERO_SMALL_ALLREDUCE_MAX_BYTES="-1")
