@@ -54,11 +54,11 @@ def _one_process(ep, k):
 
 
 def _compare(res, want, ref, ep):
-    """res[r] = (out, x_grad, aux or None, counts, dropped, router_grad, w1_grad, w2_grad) of rank r."""
+    """res[r] = (out, x_grad, aux, counts, dropped, router_grad, w1_grad, w2_grad) of rank r."""
     for got, exp in zip(res, want):
         for i in range(2):
             np.testing.assert_allclose(got[i], exp[i], rtol=0, atol=1e-12 * np.abs(exp[i]).max())
-        assert got[2] is None or abs(got[2] - exp[2]) <= 1e-12
+        assert abs(got[2] - exp[2]) <= 1e-12
         assert list(got[3]) == exp[3].tolist() and int(got[4]) == exp[4]
     router = sum(r[5] for r in res)
     np.testing.assert_allclose(router, ref.router.grad, rtol=0, atol=1e-12 * np.abs(ref.router.grad).max())
@@ -93,7 +93,7 @@ def test_expert_parallel_under_mpiexec(mpiexec, tmp_path):
     res = []
     for r in range(2):
         with np.load(tmp_path / f"rank{r}.npz") as d:
-            res.append((d["out"], d["x_grad"], None, d["counts"], d["dropped"], d["router_grad"], d["w1_grad"],
+            res.append((d["out"], d["x_grad"], float(d["aux"]), d["counts"], d["dropped"], d["router_grad"], d["w1_grad"],
                         d["w2_grad"]))
     want, ref = _one_process(2, 2)
     _compare(res, want, ref, 2)

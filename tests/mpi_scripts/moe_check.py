@@ -2,7 +2,7 @@
 
 Usage: mpiexec -n N python tests/mpi_scripts/moe_check.py OUTDIR TOP_K
 Rank r runs on batch r of tests/test_moe.py's ``_batches`` (rebuilt here) and writes ``OUTDIR/rank{r}.npz``
-(out, x_grad, router_grad, w1_grad, w2_grad, counts, dropped); tests/test_moe.py compares with one process.
+(out, x_grad, aux, router_grad, w1_grad, w2_grad, counts, dropped); tests/test_moe.py compares with one process.
 """
 import sys
 
@@ -24,7 +24,8 @@ def main(outdir, k):
     out = layer(xt)
     ((out * Tensor(ws[comm.rank])).sum() + layer.aux_loss).backward()
     np.savez(f"{outdir}/rank{comm.rank}.npz", out=out.data, x_grad=xt.grad, router_grad=layer.router.grad,
-             w1_grad=layer.w1.grad, w2_grad=layer.w2.grad, counts=layer.expert_counts, dropped=layer.dropped)
+             w1_grad=layer.w1.grad, w2_grad=layer.w2.grad, counts=layer.expert_counts, dropped=layer.dropped,
+             aux=layer.aux_loss.item())
 
 
 if __name__ == "__main__":
