@@ -238,8 +238,7 @@ def test_minizero_accounting_matches_ledger(preset, batch, recompute, dropout, d
     st = Strategy(precision=E.precision_for_dtype(dtype), micro_batch=batch, recompute=recompute)
     est = estimate_memory(cfg, st, accounting="minizero")
     for cat in ("parameters", "optimizer_state", "activations"):
-        assert est.as_dict()[cat] == pytest.approx(peak[cat], rel=0.05), cat
-    assert est.activations == peak["activations"]  # in fact exact
+        assert est.as_dict()[cat] == peak[cat], cat  # bytes: exact, not within a percentage
     if recompute == "none":  # recompute's checkpoint inputs get transient .grad arrays the ledger counts too
         assert est.gradients == peak["gradients"]
 
@@ -279,7 +278,7 @@ def test_minizero_accounting_data_parallel_and_zero(stage):
     est = estimate_memory(get_config("small"), Strategy(dp=2, zero=stage, precision="fp32", micro_batch=2),
                           accounting="minizero").as_dict()
     for cat in ("parameters", "gradients", "optimizer_state", "comm_buffers", "gathered"):
-        assert est[cat] == pytest.approx(peak.get(cat, 0), rel=0.05), cat
+        assert est[cat] == peak.get(cat, 0), cat  # bytes: exact (a shard's padding or a bucket off by a layer shows)
 
 
 def _tensor_parallel_peaks(comm, recompute):
@@ -333,8 +332,7 @@ def test_minizero_accounting_pipeline(schedule, recompute):
     st = Strategy(pp=2, precision="fp32", micro_batch=2, micro_batches=m, schedule=schedule, recompute=recompute)
     for stage, peak in enumerate(peaks):
         est = estimate_memory(get_config("small", dropout=0.1), st, accounting="minizero", stage=stage)
-        assert est.activations == pytest.approx(peak["activations"], rel=0.05), stage
-        assert est.comm_buffers == pytest.approx(peak.get("comm_buffers", 0), rel=0.05), stage
+        assert (est.activations, est.comm_buffers) == (peak["activations"], peak.get("comm_buffers", 0)), stage
 
 
 def _cli_peaks(comm, flags):
