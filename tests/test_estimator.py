@@ -195,13 +195,12 @@ def test_comm_bytes_zero_section_7():
     m = get_model("llama2-7b")
     psi, n = m.num_parameters(), 64
     dp = {z: E.comm_bytes_per_step(m, Strategy(dp=n, zero=z))["dp"] for z in range(4)}
-    assert dp[0] == pytest.approx(2 * (n - 1) / n * 2 * psi)
-    assert dp[1] == dp[2] == pytest.approx(dp[0])
-    assert dp[3] == pytest.approx(1.5 * dp[0])
+    # bytes, exact (psi divides by 64): at pytest.approx's 1e-6 the final norm's 4096 elements (6e-7) could go missing
+    assert dp[0] == 2 * (n - 1) / n * 2 * psi and dp[1] == dp[2] == dp[0] and dp[3] == 1.5 * dp[0]
     # tensor parallel: 4 all-reduces of sbh per layer (6 with full recompute), 2(t-1)/t each
     g = E.comm_bytes_per_step(GPT3, Strategy(tp=8, pp=96))["tp"]
     x = 2 * 2048 * 12288
-    assert g == pytest.approx((4 + 1) * 2 * 7 / 8 * x)  # one layer + the embedding's all-reduce on stage 0
+    assert g == (4 + 1) * 2 * 7 / 8 * x  # one layer + the embedding's all-reduce on stage 0
     # sequence parallelism, paper accounting: Korthikanti et al.'s count, tensor parallelism's bytes (the embedding's
     # exit, a reduce-scatter forward and an all-gather backward, costs the all-reduce's), without the backward
     # re-gathers for dW that accounting="minizero" adds (measured in test_sequence_parallel.py)
