@@ -1,0 +1,77 @@
+"""AdamW, the LR schedule and clipping against references written here, apart from minizero/optim/adamw.py.
+
+Every technique test compares with a one-process run that uses the same AdamW, so those tests cannot see a wrong
+update rule; these can. References: Loshchilov & Hutter 2019, Algorithm 2, in torch.optim.AdamW's order (decay
+p *= 1 - lr wd first, then the bias-corrected Adam step); float64, so they agree to rounding (1e-14 of the largest).
+"""
+import math
+
+import numpy as np
+
+from minizero.nn.module import Parameter
+from minizero.optim import AdamW, clip_grad_norm_, cosine_lr
+
+
+def reference_adamw(p, grads, lrs, beta1, beta2, eps, wd):
+    """Element by element, as the paper's pseudo-code: the parameter after len(grads) steps (Python floats)."""
+    out = []
+    for i, x in enumerate(p.ravel().tolist()):
+        m = v = 0.0
+        for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+            gi = g.ravel()[i]
+            x = x - lr * wd * x
+            m = beta1 * m + (1 - beta1) * gi
+            v = beta2 * v + (1 - beta2) * gi * gi
+            m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
+            x = x - lr * m_hat / (math.sqrt(v_hat) + eps)
+        out.append(x)
+    return np.array(out).reshape(p.shape)
+
+
+def test_adamw_steps_equal_the_paper_s_algorithm_with_nanogpt_decay_grouping():
+    """4 steps at changing learning rates; the 2-D weight decays, the 1-D bias does not; a parameter whose grad is
+    None is left as it was (no decay either, as PyTorch)."""
+    rng = np.random.default_rng(0)
+    w, b, frozen = Parameter(rng.standard_normal((3, 4))), Parameter(rng.standard_normal(5)), Parameter(np.ones((2, 2)))
+    w0, b0 = w.data.copy(), b.data.copy()
+    lrs, betas, eps, wd = [1e-2, 3e-2, 2e-2, 5e-3], (0.9, 0.95), 1e-8, 0.1
+    opt = AdamW([w, b, frozen], lr=lrs[0], betas=betas, eps=eps, weight_decay=wd)
+    gw = [rng.standard_normal(w.shape) * 10.0 ** -k for k in range(4)]  # shrinking: v's bias correction matters
+    gb = [rng.standard_normal(b.shape) for _ in range(4)]
+    for t in range(4):
+        w.grad, b.grad = gw[t].copy(), gb[t].copy()
+        opt.set_lr(lrs[t])
+        opt.step()
+    for got, want in ((w.data, reference_adamw(w0, gw, lrs, *betas, eps, wd)),
+                      (b.data, reference_adamw(b0, gb, lrs, *betas, eps, 0.0))):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-14 * np.abs(want).max())
+    np.testing.assert_array_equal(frozen.data, np.ones((2, 2)))
+
+
+def test_adamw_first_step_is_decay_then_lr_times_the_gradient_sign():
+    """t = 1: m_hat = g and v_hat = g^2, so p1 = p0 (1 - lr wd) - lr g / (|g| + eps), whatever the betas."""
+    p = Parameter(np.array([[2.0, -1.0], [0.5, 3.0]]))
+    g = np.array([[4.0, -1e-3], [0.0, 2.5e-9]])
+    p.grad = g.copy()
+    AdamW([p], lr=0.1, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.5).step()
+    want = np.array([[2.0, -1.0], [0.5, 3.0]]) * (1 - 0.1 * 0.5) - 0.1 * g / (np.abs(g) + 1e-8)
+    np.testing.assert_allclose(p.data, want, rtol=1e-15, atol=0)
+
+
+def test_cosine_schedule_at_hand_computed_steps():
+    """Warmup 4 to max 1.0, cosine to 0.1 at step 12: linear (step + 1) / 4, then 0.1 + 0.45 (1 + cos(pi r))."""
+    got = [cosine_lr(s, 1.0, 4, 12, 0.1) for s in (0, 1, 3, 4, 8, 10, 12, 50)]
+    want = [0.25, 0.5, 1.0, 1.0, 0.55, 0.1 + 0.45 * (1 - math.sqrt(0.5)), 0.1, 0.1]
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+
+
+def test_clipping_scales_to_max_norm_over_all_gradients_and_returns_the_norm_before():
+    """Gradients (3, 4) and (12,): global norm 13 (3-4-5 then 5-12-13); clipped to 6.5 every element halves
+    (coefficient 6.5 / (13 + 1e-6), torch's epsilon); a max above the norm leaves them alone."""
+    a, b = Parameter(np.zeros(2)), Parameter(np.zeros(1))
+    a.grad, b.grad = np.array([3.0, 4.0]), np.array([12.0])
+    assert clip_grad_norm_([a, b], 6.5) == 13.0
+    coef = 6.5 / (13.0 + 1e-6)
+    np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
+    assert abs(clip_grad_norm_([a, b], 100.0) - 13.0 * coef) <= 1e-15 * 13.0
+    np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
