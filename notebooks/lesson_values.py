@@ -64,6 +64,12 @@ def figure_path(filename: str) -> pathlib.Path:
     return folder / filename
 
 
+def shown(text) -> str:
+    """``text`` (a path, or a line naming one) with the repository root left off, so that a stored output
+    names ``lessons/img/...``, not the folders of the machine that built it."""
+    return str(text).replace(f"{ROOT}{os.sep}", "")
+
+
 def finish(lesson: str) -> None:
     """Write (build) or check (everywhere else) ``lessons/values/<lesson>.json`` against what was recorded."""
     path = VALUES / f"{lesson}.json"

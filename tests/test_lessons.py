@@ -90,6 +90,15 @@ def test_no_notebook_sets_environment_variables(path):
             assert not ENV_WRITE.search("".join(cell["source"])), "".join(cell["source"])[:300]
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_no_stored_output_names_a_figure_by_an_absolute_path(path):
+    """A reader sees lessons/img/NAME.png, not the folders of the machine that built the lesson (lesson_values.shown)."""
+    for cell in json.loads(path.read_text())["cells"]:
+        for out in cell.get("outputs", []):
+            text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+            assert not re.search(r"/\S*/lessons/img/", text), text[:300]
+
+
 # --- "Where to look": every name a lesson points at exists ------------------------------------------
 
 COMMANDS = {"mpiexec", "mpirun"}
