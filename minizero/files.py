@@ -278,11 +278,8 @@ MANIFEST = "manifest.json"  #: the file that makes a folder a checkpoint (minize
 
 
 def checkpoint_holding(path: str) -> str | None:
-    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None.
-
-    What an output path is checked against, so that no output lands inside a checkpoint (a shard or the
-    manifest overwritten is the checkpoint lost). Also None for ``path`` itself being such a folder.
-    """
+    """The checkpoint folder (one with a ``manifest.json``) that ``path`` lies inside, or None (also for ``path``
+    itself being one): no output may land inside a checkpoint (a shard or the manifest overwritten is it lost)."""
     a = os.path.dirname(os.path.abspath(path))
     while True:
         if os.path.isfile(os.path.join(a, MANIFEST)):
@@ -350,16 +347,20 @@ def refuse_foreign(path: str, flag: str) -> None:
     an output replaces an earlier output, never the user's notes or data."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    with open(path, "rb") as f:
-        head = f.read(64).lstrip()
     try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
         data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
-    except (OSError, ValueError):
+    except OSError as e:  # chmod 000: said so, not a traceback (as weights.refuse_replacing)
+        raise ValueError(f"{flag} {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
+                         "away") from None
+    except ValueError:
         data = None
     if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
             isinstance(data.get("traceEvents"), list) if flag == "--trace" else is_summary(data))):
         raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
-                         "only such a file (an earlier output); give another file, or move that one away")
+                         f"only such a file (an earlier output); give another {'file' if flag in KEEPS else 'folder'}"
+                         ", or move that one away")
 
 
 def refuse_slash_or_dangling(path: str, flag: str) -> None:
@@ -388,11 +389,9 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     refuse_read_back(path, flag)
     refuse_blocking(path, flag)
     refuse_foreign(path, flag)
-    folder = checkpoint_holding(os.path.realpath(path))
-    if folder:
+    if folder := checkpoint_holding(os.path.realpath(path)):
         raise ValueError(f"{flag} {path!r} is inside the checkpoint folder {folder!r}; give a path outside it")
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
+    if not os.path.isdir(d := os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"{flag} {path!r}: folder {d!r} does not exist")
     try:
         check_writable_file(path)

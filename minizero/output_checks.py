@@ -44,19 +44,16 @@ def check_outputs(args) -> None:
     outside_checkpoints("--json", js, args.json)
     if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
         _usage(refuse_read_back, args.json, "--json")
-        _usage(refuse_foreign, args.json, "--json")  # the user's notes, not an earlier summary
+    _usage(refuse_foreign, args.json, "--json")  # the user's notes (OUT/summary.json too), not an earlier summary
     files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
     for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
         _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
-    for name in () if args.no_save else ("model.npz", "model.json"):  # the user's own file of that name: kept
+    for name in ("model.npz", "model.json"):  # the user's own file of that name: kept (check_outputs: not --no-save)
         _usage(refuse_replacing, os.path.join(out, name), "--out")
-    if not args.no_save:  # so are the user's own OUT/summary.json (not a summary) and plots (not a PNG)
-        if os.path.realpath(js) == os.path.realpath(os.path.join(out, "summary.json")):
-            _usage(refuse_foreign, args.json, "--json")
-        for name in ("loss.png", "memory.png"):
-            _usage(refuse_foreign, os.path.join(out, name), "--out")
+    for name in ("loss.png", "memory.png"):  # so are the user's own plots (not a PNG)
+        _usage(refuse_foreign, os.path.join(out, name), "--out")
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")

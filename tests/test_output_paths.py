@@ -256,6 +256,36 @@ def test_train_keeps_a_users_own_summary_and_plots_in_out(tmp_path, monkeypatch)
     parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
 
+def test_train_names_an_unreadable_plot_or_summary_in_out_and_says_another_folder(tmp_path, monkeypatch):
+    """Before: an OUT/loss.png or summary.json it could not open (chmod 000) escaped parse_args as a PermissionError
+    traceback; a user's own loss.png was to be kept by giving "another file", which --out cannot name."""
+    import builtins
+
+    from minizero.args import UsageError, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "loss.png").write_text("my notes\n")
+    with pytest.raises(UsageError, match=r"--out 'o/loss.png' exists and does not hold a PNG image: .*; give another "
+                                         r"folder, or move that one away"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+    real_open = builtins.open
+
+    def denied(path, *a, **k):  # chmod 000 (the tests may run as root, who reads it anyway)
+        if str(path).endswith(("loss.png", "summary.json")):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(UsageError, match=r"--out 'o/loss.png' is there and cannot be read \(Permission denied\); "
+                                         "make it readable or move it away"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+    (tmp_path / "o" / "loss.png").unlink()
+    (tmp_path / "o" / "summary.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"--json 'o/summary.json' is there and cannot be read"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
 def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
     """Before: a model.json without every GPTConfig field (readers take it: check_model_fields fills missing ones;
     one written before a field is added) was refused as the user's own. A link to a config is one; {} is none."""
