@@ -74,10 +74,12 @@ def load_tokens(path: str | None = None) -> np.ndarray:
             for i in range(0, tokens.size, 1 << 24):
                 check.decode(tokens.data[i:i + (1 << 24)], final=i + (1 << 24) >= tokens.size)
     except UnicodeDecodeError as e:  # its position is within the piece at byte i
-        utf16 = bytes(tokens[:2]) in (b"\xff\xfe", b"\xfe\xff")  # a byte-order mark: Windows' "Unicode" text
+        bom = next((c for c, m in (("UTF-32", codecs.BOM_UTF32_LE), ("UTF-32", codecs.BOM_UTF32_BE),
+                                   ("UTF-16", codecs.BOM_UTF16_LE), ("UTF-16", codecs.BOM_UTF16_BE))
+                    if bytes(tokens[:len(m)]) == m), None)  # a byte-order mark (UTF-32-LE's starts as UTF-16's)
         raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {i + e.start:,}"
-                         + ("; it starts with a UTF-16 byte-order mark: iconv -f UTF-16 -t UTF-8 converts it"
-                            if utf16 else "") + "); give a UTF-8 text file") from None
+                         + (f"; it starts with a {bom} byte-order mark: iconv -f {bom} -t UTF-8 converts it"
+                            if bom else "") + "); give a UTF-8 text file") from None
     except MemoryError:
         raise ValueError(f"--data {path!r} has {os.path.getsize(path):,} bytes, more than this process can hold: "
                          "every rank reads the file whole, so it must fit in each rank's memory") from None

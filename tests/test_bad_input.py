@@ -923,3 +923,6 @@ def test_utf16_data_is_named_as_such_with_the_conversion(tmp_path):
     with pytest.raises(ValueError, match=re.escape("at byte 0; it starts with a UTF-16 byte-order mark: iconv -f "
                                                    "UTF-16 -t UTF-8 converts it); give a UTF-8 text file")):
         load_tokens(str(wide))
+    wide.write_text("hello world\n" * 100, encoding="utf-32")  # before: its BOM read as UTF-16's (iconv garbles it)
+    with pytest.raises(ValueError, match=re.escape("it starts with a UTF-32 byte-order mark: iconv -f UTF-32 -t")):
+        load_tokens(str(wide))
