@@ -333,9 +333,9 @@ def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(cap
 
 
 @pytest.mark.parametrize("flag,value", [("--seq-len", "1000000000000"), ("--micro-batch", "1000000000"),
-                                        ("--global-batch", "100000000")])
+                                        ("--global-batch", "100000000"), ("--gpus-per-node", "99999999999999999999")])
 def test_plan_sizes_past_any_plan_are_refused_naming_the_flag(capsys, flag, value):
-    """Before: no upper bound, and the error blamed --gpu-memory."""
+    """Before: no upper bound, and the error blamed --gpu-memory (--gpus-per-node: the header echoed the 20 digits)."""
     code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", flag, value)
     assert code == 2 and f"{flag} {int(value):,} is too large; allowed: 1..16,777,216 (2^24)" in " ".join(err.split())
 
