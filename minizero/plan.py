@@ -261,7 +261,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
         st = parse_strategy(args.strategy, model, args.gpus, **kw)
     except ValueError as e:
         parser.error(str(e))
-    c = evaluate(model, st, hw, seq)
+    c, args.attention = evaluate(model, st, hw, seq), st.attention  # the header names the attention evaluated
     if args.json:
         return [json.dumps({"model": dataclasses.asdict(model), "gpus": args.gpus, "seq_len": seq, "units": "bytes",
                             "hardware": dataclasses.asdict(hw), "fits": c.memory.total <= hw.gpu_memory
