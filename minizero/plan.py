@@ -42,9 +42,9 @@ _FORMS = ("a number with a unit, e.g. 80GB (80 x 10^9 bytes), 80GiB (80 x 2^30 b
           "MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB (powers of 2)")
 #: the most GPUs ``--gpus`` accepts (2**20 = 1,048,576), so enumeration stays interactive
 MAX_GPUS = 2 ** 20
-#: the largest --seq-len (2**24 tokens, past every published context), --micro-batch and --global-batch (2**24
-#: sequences, thousands of times any published batch): larger is a typo, not a plan
-MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24}
+#: the largest --seq-len (2**24 tokens, past every published context), --micro-batch, --global-batch (2**24
+#: sequences, thousands of times any published batch) and --gpus-per-node: larger is a typo, not a plan
+MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24, "gpus_per_node": 2 ** 24}
 FINETUNE_UNREAD = ("top", "cp_attention", "schedule", "global_batch", "gpus_per_node", "gpu_flops", "efficiency",
                    "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory")  #: --finetune reads none
 MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
@@ -261,7 +261,7 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
         st = parse_strategy(args.strategy, model, args.gpus, **kw)
     except ValueError as e:
         parser.error(str(e))
-    c = evaluate(model, st, hw, seq)
+    c, args.attention = evaluate(model, st, hw, seq), st.attention  # the header names the attention evaluated
     if args.json:
         return [json.dumps({"model": dataclasses.asdict(model), "gpus": args.gpus, "seq_len": seq, "units": "bytes",
                             "hardware": dataclasses.asdict(hw), "fits": c.memory.total <= hw.gpu_memory

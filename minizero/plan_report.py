@@ -19,15 +19,10 @@ def describe(st: Strategy) -> str:
     parts = [f"dp={st.dp}"] + ([f"ep={st.ep}"] if st.ep > 1 else []) \
         + ([f"cp={st.cp}", f"cp_attention={st.cp_attention}"] if st.cp > 1 else []) \
         + [f"tp={st.tp}", f"pp={st.pp}", f"zero={st.zero}"] + ([f"shard={st.dp_shard}"] if st.dp_shard else [])
-    if st.sequence_parallel:
-        parts.append("sp")
-    parts.append(f"recompute={st.recompute}")
-    if st.offload != "none":
-        parts.append(f"offload={st.offload}")
-    if st.offload_activations:
-        parts.append("offload=activations")
-    if st.attention != "dense":
-        parts.append(f"attention={st.attention}")
+    parts += (["sp"] if st.sequence_parallel else []) + [f"recompute={st.recompute}"] \
+        + ([f"offload={st.offload}"] if st.offload != "none" else []) \
+        + (["offload=activations"] if st.offload_activations else []) \
+        + ([f"attention={st.attention}"] if st.attention != "dense" else [])
     return " ".join(parts)
 
 
@@ -115,7 +110,7 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
                         "recompute", "offload", "offload_activations", "micro_batches")
               if getattr(a.strategy, f) != getattr(b.strategy, f)]
     diff = "settings: " + "; ".join(fields) if fields else "same settings"  # apart from the figures' parentheses
-    gain = a.tokens_per_s / b.tokens_per_s - 1
+    gain, more = a.tokens_per_s / b.tokens_per_s - 1, a.tokens_per_s * a.step_s / (b.tokens_per_s * b.step_s)
     if gain > 1e-9:
         delta = {k: a.time.get(k, 0) - b.time.get(k, 0) for k in _WHY}  # negative: a is quicker there
         big = max(abs(d) for d in delta.values())
@@ -126,6 +121,9 @@ def explain(a: Candidate, b: Candidate, ia: int, ib: int, scale: float, unit: st
             why += (" outweigh " if len(wins) > 1 else " outweighs ") + " and ".join(
                 f"{significant(delta[k])} s more {_part(k, [a, b], scale, unit)}" for k in costs)
         by = f"by {100 * gain:.2g}% tokens/s ({significant(b.step_s - a.step_s)} s per step)"
+        if abs(more - 1) > 1e-9:  # m = ceil(B / (dp x b)): the seconds per step compare unequal work
+            why, by = (f"it trains {more:.3g}x #{ib}'s tokens per step (m rounds the global batch up) in "
+                       f"{significant(a.step_s)} vs {significant(b.step_s)} s"), f"by {100 * gain:.2g}% tokens/s"
         lead = f"#{ia} beats #{ib} {by}"  # a lead the first-order model can resolve
         if gain < ACCURACY:  # kept in tok/s order (plan_search.rank); the user may trade it for memory
             less = (b.memory.total - a.memory.total) / scale  # > 0: a needs less

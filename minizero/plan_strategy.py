@@ -63,6 +63,7 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
             or a rule of :func:`enumerate_strategies` broken (the rule named).
     """
     sizes, zero, sp, recompute, offloads, said, cp_attention = {}, 0, False, "none", set(), {}, "ring"
+    flag_attention = attention  # --attention (default dense)
     for i, word in enumerate(text.replace(",", " ").split()):
         w = word.lower()
         m = re.fullmatch(r"(dp|cp|tp|pp|ep|zero|z|shard)=?([0-9]+)", w)  # ASCII digits: \d (and int) read '٣' as 3
@@ -77,6 +78,9 @@ def parse_strategy(text: str, model: ModelShape, gpus: int, *, micro_batch: int 
         elif key == "recompute" and value in RECOMPUTE:
             recompute = value
         elif key == "attention" and value in ATTENTIONS:
+            if flag_attention != "dense" and value != flag_attention:  # ran dense while the header said flash
+                raise ValueError(f"--strategy {text!r}: attention={value} disagrees with --attention {flag_attention}; "
+                                 "give attention once")
             attention = value
         elif key == "cp_attention" and value in CP_ATTENTIONS:
             cp_attention = value

@@ -104,6 +104,20 @@ def test_plan_strategy_ep_that_disagrees_with_the_ep_flag_is_refused(capsys):
     plan.main(["--model", "mixtral-8x7b", "--gpus", "32", "--strategy", text, "--ep", "4"])  # the same: fine
 
 
+def test_plan_strategy_attention_that_disagrees_with_the_attention_flag_is_refused(capsys):
+    """Before: --attention flash beside "attention=dense" evaluated dense under a header saying "flash attention",
+    and "attention=flash" alone under one saying "dense attention"."""
+    from minizero import plan
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "llama2-7b", "--gpus", "8", "--attention", "flash", "--strategy", "dp8 attention=dense"])
+    assert e.value.code == 2 and "--strategy 'dp8 attention=dense': attention=dense disagrees with --attention " \
+        "flash; give attention once" in " ".join(capsys.readouterr().err.split())
+    plan.main(["--model", "llama2-7b", "--gpus", "8", "--strategy", "dp8 attention=flash"])
+    head = " ".join(capsys.readouterr().out.split("strategy:")[0].split())
+    assert "flash attention" in head and "dense attention" not in head, head
+
+
 # --------------------------------------------------------------------------- numbers in ASCII digits only
 def test_no_parser_reads_numbers_with_int_or_float():
     """Every program's argparse numbers go through minizero.numerals (int/float read '٣' as 3)."""

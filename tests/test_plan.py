@@ -333,9 +333,9 @@ def test_ranking_keeps_a_near_tie_by_speed_and_breaks_an_equal_one_by_memory(cap
 
 
 @pytest.mark.parametrize("flag,value", [("--seq-len", "1000000000000"), ("--micro-batch", "1000000000"),
-                                        ("--global-batch", "100000000")])
+                                        ("--global-batch", "100000000"), ("--gpus-per-node", "99999999999999999999")])
 def test_plan_sizes_past_any_plan_are_refused_naming_the_flag(capsys, flag, value):
-    """Before: no upper bound, and the error blamed --gpu-memory."""
+    """Before: no upper bound, and the error blamed --gpu-memory (--gpus-per-node: the header echoed the 20 digits)."""
     code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", flag, value)
     assert code == 2 and f"{flag} {int(value):,} is too large; allowed: 1..16,777,216 (2^24)" in " ".join(err.split())
 
@@ -488,3 +488,13 @@ def test_the_default_global_batch_rounded_up_is_said_too(capsys):
                           "sequences per step: #1 518") in " ".join(out.split())
     code, out, _ = run_main(capsys, "--model", "llama3-8b", "--gpus", "8", "--top", "3")
     assert code == 0 and "is not a multiple" not in out
+
+
+def test_why_line_of_rows_training_different_batches_compares_tokens_not_seconds(capsys):
+    """--global-batch 7 on dp 24 rounds up to 24 sequences, on dp 12 to 12: #1's step is twice as long yet faster
+    per token. Before: "(-0.49 s per step): 0.0145 s less tensor-parallel traffic outweighs 0.504 s more compute"."""
+    code, out, err = run_main(capsys, "--model", "llama2-7b", "--gpus", "24", "--global-batch", "7", "--top", "2")
+    assert code == 0, err
+    line = " ".join(out.split("why:")[1].split())
+    assert "#1 beats #2 by 2.9% tokens/s: it trains 2x #2's tokens per step (m rounds the global batch up)" in line
+    assert "s per step)" not in line and "outweigh" not in line, line
