@@ -36,7 +36,7 @@ def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]
     optimizer; ep = 1: every unit "dense", an MoE block whole); events ``("open" | "reduce", unit index)`` in
     backward's order, the tied embedding opened first (at the head) and reduced last."""
     ranks, t, h = _ranks(st), st.tp, m.hidden
-    vocab = math.ceil(m.vocab_size / t) * h
+    vocab = m.vocab_shard(t)
     units, events = [], []
 
     def unit(part, n):
@@ -46,7 +46,7 @@ def backward_units(m: ModelShape, st: Strategy, stage: int) -> tuple[list, list]
     if tied is not None:
         events.append(("open", tied))
     if stage == st.pp - 1:
-        for n in ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [2 * h if m.norm == "layernorm" else h]:
+        for n in ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [m.norm_size]:
             u = unit("dense", n)
             events += [("open", u), ("reduce", u)]
     for i in reversed(stage_layers(m, st, stage)):

@@ -186,6 +186,15 @@ class ModelShape:
         return split // tp, replicated
 
     @property
+    def norm_size(self) -> int:
+        """Elements of one norm: weight and bias (LayerNorm, 2h) or weight (RMSNorm, h)."""
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    def vocab_shard(self, tp: int = 1) -> int:
+        """Elements of the token table (or an untied head) on one of ``tp`` vocab-parallel ranks: ceil(V/t) rows."""
+        return math.ceil(self.vocab_size / tp) * self.hidden
+
+    @property
     def kv_hidden(self) -> int:
         """Width of K (and of V): n_kv_head * head_dim (= hidden without grouped-query attention)."""
         return self.n_kv_head * (self.hidden // self.n_head)
@@ -202,7 +211,7 @@ class ModelShape:
             return max(self.layer_parameters(tp, i, ep, expert_tp) for i in sorted({0, *self.moe_layers()[:1]}))
         h, f = self.hidden, self.ffn_hidden
         split, replicated = self.attention_parameters(tp)
-        replicated += 2 * (2 * h if self.norm == "layernorm" else h)
+        replicated += 2 * self.norm_size
         if self.is_moe_layer(index):
             one = self.expert_parameters(tp if expert_tp is None else expert_tp)
             return split + replicated + h * self.experts + (self.experts // ep + self.shared_experts) * one
@@ -218,8 +227,8 @@ class ModelShape:
         Vocab-parallel (Megatron-LM; Shoeybi et al. 2019, section 3): ceil(V/t) rows per
         rank; otherwise replicated (minizero's tensor parallelism).
         """
-        rows = math.ceil(self.vocab_size / tp) if vocab_parallel else self.vocab_size
-        return rows * self.hidden + (self.seq_len * self.hidden if self.learned_pos else 0)
+        table = self.vocab_shard(tp if vocab_parallel else 1)
+        return table + (self.seq_len * self.hidden if self.learned_pos else 0)
 
     def head_parameters(self, tp: int = 1, pp: int = 1, vocab_parallel: bool = True) -> int:
         """Final norm plus the output matrix on the last stage, on one tensor rank (elements).
@@ -227,10 +236,8 @@ class ModelShape:
         A tied head adds nothing when one stage holds both ends; with pp > 1 the last
         stage keeps its own copy of the embedding (Megatron-LM; Narayanan et al. 2021).
         """
-        norm = 2 * self.hidden if self.norm == "layernorm" else self.hidden
         has_matrix = not self.tied_embeddings or pp > 1
-        rows = math.ceil(self.vocab_size / tp) if vocab_parallel else self.vocab_size
-        return norm + (rows * self.hidden if has_matrix else 0)
+        return self.norm_size + (self.vocab_shard(tp if vocab_parallel else 1) if has_matrix else 0)
 
     def tensor_sizes(self, ep: int = 1, part: str = "all") -> list[int]:
         """Element counts of every parameter tensor (t = 1), in model order; Q, K, V fused as in GPT-2; an MoE

@@ -78,7 +78,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         if stage == 0:
             units += [m.vocab_size * m.hidden // t, m.seq_len * m.hidden]
         if stage == st.pp - 1:
-            units.append(2 * m.hidden)
+            units.append(m.norm_size)
         n = st.shard_ranks  # ZeRO's group; hybrid sharding all-reduces a shard over the replicas after (a bound then)
         padded = max(math.ceil(u / n) * n for u in units)
         replica = all_reduce_scratch(padded // n, g, st.replicas)

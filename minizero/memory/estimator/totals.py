@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
     ModelShape, PRECISIONS, as_shape, precision_for_dtype)
@@ -77,7 +76,7 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         # buckets for every gradient; stages 2-3 open one unit's full-size gradient bucket at a
         # time, and stage 3 gathers one unit at a time -- plus the tied token embedding, which is
         # used at both ends of the model and stays open (gathered) in between.
-        tied = math.ceil(m.vocab_size / st.tp) * m.hidden if m.tied_embeddings and st.pp == 1 else 0
+        tied = m.vocab_shard(st.tp) if m.tied_embeddings and st.pp == 1 else 0
         if st.data_ranks > 1 and st.zero == 0:  # ExpertDataParallel: no expert buckets over one expert-data rank
             experts = gbytes * stage_expert_parameters(m, st, stage, accounting) if st.ep > 1 else 0
             for part in (full_grads - experts, experts * (st.data_ranks // st.ep > 1)):

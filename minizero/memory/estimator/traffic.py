@@ -136,7 +136,7 @@ def tensor_parallel_bytes(model, strategy: Strategy, seq_len: int | None = None,
 def _sequence_parallel_grad_counts(m, st: Strategy, stage: int) -> list[int]:
     """Elements of the norms' and row-parallel biases' gradients that sequence parallelism sums over the tensor group,
     per ZeRO shard rank d < N (ZeRO 2-3: the pieces in d's shards; ZeRO 0-1: all of them, one entry)."""
-    h, norm = m.hidden, 2 * m.hidden if m.norm == "layernorm" else m.hidden
+    h, norm = m.hidden, m.norm_size
     bias = [(h, True)] if m.bias else []  # a row-parallel output bias
     units = []  # per flat unit (zero/shards.py), its [(elements, summed over the tensor group?)] in order
     for i in stage_layers(m, st, stage):  # a block: ln_1 | c_attn, c_proj.weight | c_proj.bias | ln_2 | mlp | bias

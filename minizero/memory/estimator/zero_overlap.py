@@ -25,11 +25,10 @@ def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]
     """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the
     other units' padded elements in backward order (see the module docstring)."""
     dp, t = st.shard_ranks, st.tp  # ZeRO shards over dp x cp (or dp_shard ranks: hybrid sharding)
-    norm = 2 * m.hidden if m.norm == "layernorm" else m.hidden
-    vocab = math.ceil(m.vocab_size / t) * m.hidden  # the embedding and head split by t (parallel/vocab_parallel.py)
+    vocab = m.vocab_shard(t)  # the embedding and head split by t (parallel/vocab_parallel.py)
     chain = []
     if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
-        chain += ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [norm]
+        chain += ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [m.norm_size]
     chain += [m.layer_parameters(t, i, st.ep, 1) for i in stage_layers(m, st, stage)]  # the MoE layer whole
     tied = vocab if m.tied_embeddings and st.pp == 1 else 0
     if stage == 0:
