@@ -490,3 +490,21 @@ def test_tensor_parallel_bytes_refuses_a_shard_rank_out_of_range(shard_rank, seq
     with pytest.raises(ValueError, match=rf"shard_rank={shard_rank}; allowed: 0 to 0 \(N = 1\)"):  # tp 1, dp 1
         E.tensor_parallel_bytes(cfg, Strategy(micro_batch=2, precision="fp64"), shard_rank=shard_rank)
     assert E.tensor_parallel_bytes(cfg, st, shard_rank=1)["total"] > 0
+
+
+def test_a_vocabulary_t_does_not_divide_costs_its_padded_shard_everywhere():
+    """V = 1001 over t = 2 holds ceil(V/t) = 501 rows per rank (Megatron pads the vocabulary), as V = 1002 does:
+    the parameters counted that already; the collectives' scratch (ZeRO's embedding unit, the tied gradient's
+    all-reduce between the pipeline's ends) and the pipeline's traffic used V h / t. minizero's trainer refuses such
+    a t (layout_checks.py), so no ledger can measure it; the planner's gpt3-175b (V = 50257) is such a model."""
+    odd, even = (ModelShape("v", 2, 64, 4, 4, 256, v, 16) for v in (1001, 1002))
+    for st in (Strategy(dp=3, tp=2, zero=1, precision="fp32", micro_batch=1),
+               Strategy(tp=2, pp=2, precision="fp32", micro_batch=1)):
+        for stage in range(st.pp):
+            est = [estimate_memory(m, st, accounting="minizero", stage=stage).as_dict() for m in (odd, even)]
+            assert est[0]["parameters"] == est[1]["parameters"]
+            assert est[0]["comm_scratch"] == est[1]["comm_scratch"], (st, stage)
+            traffic = [E.comm_bytes_per_step(m, st, stage=stage, accounting="minizero") for m in (odd, even)]
+            assert traffic[0]["pp"] == traffic[1]["pp"], (st, stage)
+    zero = estimate_memory(odd, Strategy(dp=3, tp=2, zero=1, precision="fp32", micro_batch=1), accounting="minizero")
+    assert zero.as_dict()["comm_scratch"] == 4 * 501 * 64 // 3  # one receive chunk of the embedding's unit binds

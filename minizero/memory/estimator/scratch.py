@@ -76,7 +76,7 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
     elif dp > 1 and st.zero >= 1:
         units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group
         if stage == 0:
-            units += [m.vocab_size * m.hidden // t, m.seq_len * m.hidden]
+            units += [m.vocab_shard(t), m.seq_len * m.hidden]
         if stage == st.pp - 1:
             units.append(m.norm_size)
         n = st.shard_ranks  # ZeRO's group; hybrid sharding all-reduces a shard over the replicas after (a bound then)
@@ -89,5 +89,5 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
             out.append(max(reduce_scatter_scratch(padded, n, 0) * g, replica))
     out.append(tp_scratch)
     if st.pp > 1 and m.tied_embeddings and stage in (0, st.pp - 1):
-        out.append(all_reduce_scratch(m.vocab_size * m.hidden // t, g, 2))
+        out.append(all_reduce_scratch(m.vocab_shard(t), g, 2))
     return max(out)

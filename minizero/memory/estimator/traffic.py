@@ -62,7 +62,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         # only under sequence parallelism, parallel/pipeline.py)
         pp = mb * boundaries * x / (t if accounting == "paper" or st.sequence_parallel else 1)
         if m.tied_embeddings and stage in (0, st.pp - 1):
-            pp += gbytes * m.vocab_size * m.hidden / t  # 2-rank all-reduce
+            pp += gbytes * m.vocab_shard(t)  # 2-rank all-reduce
     if st.cp_attention == "ulysses":
         attn = ulysses_attention_bytes(st.micro_batch, m.n_head // t, m.n_kv_head // t, s, m.hidden // m.n_head, e, c)
     else:
