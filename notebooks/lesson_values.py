@@ -64,10 +64,15 @@ def figure_path(filename: str) -> pathlib.Path:
     return folder / filename
 
 
-def shown(text) -> str:
-    """``text`` (a path, or a line naming one) with the repository root left off, so that a stored output
-    names ``lessons/img/...``, not the folders of the machine that built it."""
-    return str(text).replace(f"{ROOT}{os.sep}", "")
+def shown(text, **folders) -> str:
+    """``text`` (a path, or a line naming one) with the repository root left off and each folder given as
+    ``NAME=path`` (a temporary one) written ``$NAME``, so that a stored output names ``lessons/img/...`` and
+    ``$WORK/...``, not the folders of the machine that built it."""
+    text = str(text)
+    for name, path in folders.items():
+        for form in sorted({str(path), os.path.realpath(path)}, key=len, reverse=True):
+            text = text.replace(form, f"${name}")
+    return text.replace(f"{ROOT}{os.sep}", "")
 
 
 def finish(lesson: str) -> None:

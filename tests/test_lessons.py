@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import sys
+import tempfile
 
 import pytest
 
@@ -97,6 +99,25 @@ def test_no_stored_output_names_a_figure_by_an_absolute_path(path):
         for out in cell.get("outputs", []):
             text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
             assert not re.search(r"/\S*/lessons/img/", text), text[:300]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_no_stored_output_names_a_temporary_folder(path):
+    """A temporary folder is printed as $NAME (lesson_values.shown(text, NAME=folder)), not as /tmp/tmpab12cd/."""
+    folders = re.compile("|".join(re.escape(f"{t}{os.sep}") for t in {"/tmp", tempfile.gettempdir()}))
+    for cell in json.loads(path.read_text())["cells"]:
+        for out in cell.get("outputs", []):
+            text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+            assert not folders.search(text), text[:300]
+
+
+def test_shown_names_a_temporary_folder_by_its_name(tmp_path):
+    spec_lv = importlib.util.spec_from_file_location("lesson_values", ROOT / "notebooks" / "lesson_values.py")
+    lesson_values = importlib.util.module_from_spec(spec_lv)
+    spec_lv.loader.exec_module(lesson_values)
+    line = f"checkpoint {tmp_path}/zero1 and {ROOT}/lessons/img/a.png"
+    assert lesson_values.shown(line, WORK=tmp_path) == "checkpoint $WORK/zero1 and lessons/img/a.png"
+    assert lesson_values.shown(os.path.realpath(tmp_path) + "/f", WORK=tmp_path) == "$WORK/f"  # as /proc names it
 
 
 # --- "Where to look": every name a lesson points at exists ------------------------------------------
