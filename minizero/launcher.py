@@ -27,6 +27,24 @@ def launched_ranks() -> int:
     return _number(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE") + pmix_names(("SLURM_STEP_NUM_TASKS",)), 1)
 
 
+def launcher_mismatch(world_size: int, library: str = "") -> str | None:
+    """Why MPI's world of ``world_size`` (1) is not the :func:`launched_ranks` (> 1) the environment names, or None:
+    each process would train alone. ``library``: the MPI mpi4py uses (MPI.Get_library_version()'s first line)."""
+    n = launched_ranks()
+    if world_size != 1 or n <= 1:  # a launcher MPI connected to: its world; any other mismatch is MPI's own
+        return None
+    said = " ".join(f"{k}={os.environ[k]}" for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
+                                                     "OMPI_COMM_WORLD_RANK", *pmix_names(("SLURM_STEP_NUM_TASKS",
+                                                                                          "PMIX_RANK")))
+                    if k in os.environ)
+    if not launcher_connected():
+        return (f"{said} say {n} ranks, but no MPI launcher started this process and MPI runs it alone (a world of "
+                f"1): unset {' '.join(k.split('=')[0] for k in said.split())}, or start it with mpiexec -n {n}")
+    return (f"{said} say the launcher started {n} ranks, but MPI sees a world of 1 in this process: a launcher "
+            f"mismatch (mpiexec of another MPI than mpi4py's{': ' + library if library else ''}); start the job "
+            "with the mpiexec of the same MPI")
+
+
 def launched_rank() -> int:
     """This process's rank as the launcher numbered it (``PMI_RANK``, Open MPI's, PMIx's), 0 without one; MPI not
     started."""

@@ -187,9 +187,11 @@ def main(argv=None) -> int:
     if args.block_size > MAX_ADAM8BIT_BLOCK:  # elements per scale, bounded as train's --adam8bit-block-size
         parser.error(f"--block-size must be <= {MAX_ADAM8BIT_BLOCK:,} elements per scale, got {args.block_size:,}")
     default = parser.get_default
-    if args.table and (args.bits, args.granularity) != (default("bits"), default("granularity")):
-        parser.error(f"--table measures every bits x granularity and ignores --bits/--granularity; got --bits "
-                     f"{args.bits} --granularity {args.granularity}: give one of them")
+    given = [f"--{k} {v}" for k, v in (("bits", args.bits), ("granularity", args.granularity)) if v != default(k)]
+    if args.table and given:  # only the flags given: "--granularity row" was named though defaulted
+        flags = " and ".join(g.split()[0] for g in given)
+        parser.error(f"--table measures every bits x granularity and ignores {flags}; got {' '.join(given)}: drop "
+                     f"{flags}, or drop --table to measure {' '.join(given)} alone")
     if args.block_size != default("block_size") and args.granularity != "block" and not args.table:
         parser.error(f"--block-size only applies with --granularity block (elements per scale); got --granularity "
                      f"{args.granularity}, one scale per {args.granularity}")

@@ -37,6 +37,7 @@ from minizero.files import FolderLock, WriteError, lock_outputs, release_all
 from minizero.instrumentation import Interrupts
 from minizero.interrupts import (Terminated, end_set_up, guard_set_up, stdout_reader_gone, stdout_unwritable,
                                  watch_stdout)
+from minizero.launcher import launched_rank, launcher_connected, launcher_mismatch
 from minizero.ledger import get_ledger
 from minizero.loop import TrainingDiverged, train
 from minizero.memory.offload import OffloadError, ram_backed
@@ -270,6 +271,12 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
+    mismatch = launcher_mismatch(MPI.COMM_WORLD.Get_size(), " ".join(MPI.Get_library_version().split("\n")[0].split()))
+    if mismatch:  # PMI_SIZE=4 without mpiexec, or another MPI's: each process trained alone, as rank 0 of 1
+        if launched_rank() == 0 or not launcher_connected():
+            print(error_lines("python -m minizero.train", mismatch), file=sys.stderr, flush=True)
+        end_set_up(install=False)
+        return 2
     comm = NodeTrafficCommunicator(MPICommunicator(MPI.COMM_WORLD))  # knows each rank's node (collective)
     rank = comm.rank
     args, code, refusal = _parse_everywhere(argv, comm, MPI.COMM_WORLD)

@@ -788,10 +788,15 @@ def test_quantize_flags_bounded_as_train(tmp_path, capsys, flag, value, needle):
 @pytest.mark.parametrize("argv,needle", [
     (["--granularity", "tensor", "--block-size", "4"], "--block-size only applies with --granularity block "
      "(elements per scale); got --granularity tensor"),
-    (["--table", "--bits", "4"], "--table measures every bits x granularity and ignores --bits/--granularity"),
+    (["--table", "--bits", "4"], "--table measures every bits x granularity and ignores --bits; got --bits 4: drop "
+     "--bits, or drop --table to measure --bits 4 alone"),
+    (["--table", "--granularity", "tensor"], "ignores --granularity; got --granularity tensor: drop --granularity,"),
+    (["--table", "--bits", "4", "--granularity", "block"], "ignores --bits and --granularity; got --bits 4 "
+     "--granularity block: drop --bits and --granularity, or drop --table to measure --bits 4 --granularity block"),
 ])
 def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, capsys, argv, needle):
-    """Before: --granularity tensor --block-size 4 quantized per tensor and ignored the block size without a word."""
+    """Before: --granularity tensor --block-size 4 quantized per tensor and ignored the block size without a word;
+    --table --bits 4 named '--granularity row' too, a flag the user never gave."""
     from minizero.quantize import main
     with pytest.raises(SystemExit) as e:
         main(["--weights", str(tmp_path / "none.npz"), *argv])

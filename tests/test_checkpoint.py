@@ -517,6 +517,19 @@ def test_the_model_section_must_match_the_arrays(saved, tmp_path, edit, said):
     _refused_everywhere(_edit_manifest(_copy(saved, tmp_path / "m"), edit), said, tmp_path)
 
 
+@pytest.mark.parametrize("dtype, said", [
+    ("float99", "dtype is 'float99', expected float16, float32 or float64"),
+    (None, "dtype is None, expected float16, float32 or float64"),
+    ("float32", "dtype is float32, but its values are saved as float64 (its 'param' pieces), expected the same dtype")])
+def test_a_params_dtype_unknown_or_not_its_pieces_is_refused(saved, tmp_path, dtype, said):
+    """Before: params[].dtype was never checked: inspect, consolidate and --resume took 'float99' (np.dtype's
+    TypeError later, where an 8-bit state is read into it)."""
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["params"]["transformer.wte.weight"].update(
+        dtype=dtype))
+    _refused_everywhere(folder, f"manifest.json: params['transformer.wte.weight'].{said}; the manifest is damaged",
+                        tmp_path)
+
+
 def test_a_step_no_run_reaches_is_refused_by_resume_inspect_and_consolidate(saved, tmp_path):
     """Before: inspect printed step 10**30 and consolidate wrote its model; only --resume refused it, asking for a
     --steps above 10**30 (--steps stops at 10**9)."""

@@ -60,8 +60,8 @@ def test_shard_range_rejects_bad_arguments(args):
 
 
 @pytest.mark.parametrize("call, said", [
-    (lambda: bytes_sent("broadcast", 10, 4, 2, 0, root=5), "root=5; allowed: 0..1"),
-    (lambda: bytes_sent("all_reduce", 10, 4, 2, 7), "rank=7; allowed: 0..1"),
+    (lambda: bytes_sent("broadcast", 10, 4, 2, 0, root=5), "root=5 is not a rank; allowed: an int in 0..1"),
+    (lambda: bytes_sent("all_reduce", 10, 4, 2, 7), "rank=7 is not a rank; allowed: an int in 0..1"),
     (lambda: bytes_sent("all_gather", -3, 4, 2, 0), "n=-3; allowed: an int >= 0"),
     (lambda: bytes_sent("reduce_scatter", 10, 4, 0, 0), "world_size=0; allowed: an int >= 1"),
     (lambda: shard_range(10.5, 2, 0), "n=10.5; allowed: an int >= 0")])
@@ -79,6 +79,21 @@ def test_all_gather_names_a_float_n_before_any_message(native):
 
     with pytest.raises(ValueError, match=re.escape("n=4.0; allowed: an int >= 0")):
         run_in_threads(2, body, timeout=10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call, said", [
+    (lambda c: broadcast(c, np.zeros(3), root=True), "root=True"),
+    (lambda c: broadcast(c, np.zeros(3), root=False, native=True), "root=False"),
+    (lambda c: c.native_bcast(np.zeros(3), root=True), "root=True"),
+    (lambda c: c.send(np.zeros(2), True), "dest=True"), (lambda c: c.recv(np.zeros(2), False), "source=False"),
+    (lambda c: c.sendrecv(np.zeros(2), 1 - c.rank, np.zeros(2), True), "source=True"),
+    (lambda c: c.isend(np.zeros(2), True), "dest=True")])
+def test_a_bool_root_or_peer_is_refused_before_any_message(call, said):
+    """Before: True was rank 1 and False rank 0 (bool is an int): broadcast(x, root=True) broadcast rank 1's x."""
+    _raises_in_rank(2, call, ValueError, re.escape(f"{said} is a bool, not a rank; allowed: an int in 0..1"))
+    with pytest.raises(ValueError, match="root=True is a bool, not a rank"):
+        bytes_sent("broadcast", 10, 4, 2, 0, root=True)
 
 
 # --------------------------------------------------------------------------- collectives on threads

@@ -77,9 +77,26 @@ def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
     from minizero.debug.__main__ import main
 
     with pytest.raises(SystemExit) as e:
-        main(["parity", "--sequence-parallel", "--tracemalloc", "--bogus", "--x"])
+        main(["parity", "--sequence-parallel", "--tracemalloc", "--bogus", "1", "--x", "2"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus --x\n"
+    assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus 1 --x 2\n"
+
+
+@pytest.mark.parametrize("argv, layouts", [
+    (["--dp 2", "--tp 2", "--sequence-parallel"], "got 3: '--dp 2', '--tp 2', '--sequence-parallel'"),
+    (["--dp 2", "--sequence-parallel", "--zero"], "got 3: '--dp 2', '--sequence-parallel', '--zero'"),
+    (["--sequence-parallel", "--tracemalloc", "--bogus", "--x"],
+     "got 4: '--sequence-parallel', '--tracemalloc', '--bogus', '--x'")])
+def test_a_third_layout_of_one_flag_is_refused_saying_what_parity_takes(capsys, argv, layouts):
+    """Before: 'python -m minizero.debug: error: unrecognized arguments: --sequence-parallel', as if it were no flag
+    (a flag meant for the second layout, typed outside its quotes)."""
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["parity", *argv])
+    assert e.value.code == 2 and " ".join(capsys.readouterr().err.split()) == (
+        f"python -m minizero.debug parity: error: compares two layouts, each one quoted word, {layouts}; quote a "
+        'flag with its layout ("--tp 2 --sequence-parallel"), or run it once per pair')
 
 
 def test_a_stray_flag_before_two_quoted_layouts_is_named(capsys):

@@ -123,6 +123,32 @@ def test_hang_names_a_flight_field_of_the_wrong_type(tmp_path, capsys, field, va
     assert err.count("error:") == 1 and "is not a flight record" in err and needle in err, err
 
 
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s["entries"][0].update(seq=-3), "lacks entries[0].seq >= 1 (got -3)"),
+    (lambda s: s["entries"][0].update(seq=0), "lacks entries[0].seq >= 1 (got 0)"),
+    (lambda s: s["entries"][0].update(bytes=-8), "lacks entries[0].bytes >= 0 (got -8)"),
+    (lambda s: s["entries"][0].update(shape=[-2]), "lacks entries[0].shape >= 0 (got -2)"),
+    (lambda s: s["groups"]["world"].update(last_seq=-1), "lacks groups['world'].last_seq >= 0 (got -1)"),
+    (lambda s: s.update(capacity=-5), "lacks 'capacity' as a whole number >= 1 (or null; got -5)"),
+    (lambda s: s.update(capacity=True), "lacks 'capacity' as a whole number >= 1 (or null; got True)")])
+def test_hang_refuses_a_negative_sequence_number_size_or_capacity(tmp_path, capsys, edit, needle):
+    """Before: a seq of -3 on rank 0 beside rank 1's #1 was "ok: ... alike on every rank", a capacity of -5 and a
+    shape (-2,) were read as given (the mismatch line named shape (-2,))."""
+    _run_and_dump(2, lambda comm: all_reduce(comm, np.ones(4)), tmp_path)
+    snap = json.loads((tmp_path / "rank_0.json").read_text())
+    edit(snap)
+    (tmp_path / "rank_0.json").write_text(json.dumps(snap))
+    assert debug_main(["hang", str(tmp_path)]) == 2
+    err = joined(capsys.readouterr().err)
+    assert err.count("error:") == 1 and f"{tmp_path / 'rank_0.json'} is not a flight record: it {needle}" in err, err
+
+
+def test_a_recorder_of_capacity_true_is_refused():
+    """Before: FlightRecorder(capacity=True) kept one entry (bool is an int)."""
+    with pytest.raises(ValueError, match=r"^capacity=True; allowed: an int >= 1$"):
+        FlightRecorder(capacity=True)
+
+
 def test_hang_refuses_a_flight_file_named_for_another_rank(tmp_path, capsys):
     """Before: rank_1.json holding rank 0's record (a copy) replaced rank 0's, and the analysis said rank 1 never
     posted what it did; rank_1.json and rank_01.json were both read as rank 1."""

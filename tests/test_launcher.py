@@ -270,3 +270,32 @@ def test_a_stalled_mpi_init_ends_on_sigterm_and_after_comm_timeout(mute_launcher
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "" and unwrapped(proc.stderr) == [
         f"{prog}: error: MPI_Init waited 3 s for its launcher (PMI_PORT={port}) and was ended: unset PMI_PORT if no "
         "mpiexec started this"], proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_launch_size_without_a_launcher_is_refused_before_training(tmp_path, rank):
+    """``PMI_RANK=0 PMI_SIZE=4 python -m minizero.train``, no launcher: before, MPI started a world of 1 and the
+    process trained alone, exit 0 (four such processes: four copies of a one-process run into one --out)."""
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    proc = subprocess.run([sys.executable, "-m", "minizero.train", "--model", "tiny", "--steps", "1", "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=100, cwd=REPO_ROOT,
+                          stdin=subprocess.DEVNULL, env=dict(clean, PMI_RANK=rank, PMI_SIZE="4"))
+    assert proc.returncode == 2 and proc.stdout == "" and unwrapped(proc.stderr) == [
+        f"python -m minizero.train: error: PMI_SIZE=4 PMI_RANK={rank} say 4 ranks, but no MPI launcher started this "
+        "process and MPI runs it alone (a world of 1): unset PMI_SIZE PMI_RANK, or start it with mpiexec -n 4"], \
+        proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_launcher_of_another_mpi_is_named_as_a_mismatch(clean_env):
+    """Open MPI's mpirun starting an MPICH mpi4py: each process is a world of 1 beside OMPI_COMM_WORLD_SIZE=4."""
+    clean_env.setattr(launcher, "launcher_connected", lambda: True)
+    assert launcher.launcher_mismatch(1) is None  # no launcher's size: one process, as asked
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "2")
+    assert launcher.launcher_mismatch(4) is None  # the launcher's world: MPI connected to it
+    assert launcher.launcher_mismatch(1, "MPICH Version: 5.0.2") == (
+        "OMPI_COMM_WORLD_SIZE=4 OMPI_COMM_WORLD_RANK=2 say the launcher started 4 ranks, but MPI sees a world of 1 "
+        "in this process: a launcher mismatch (mpiexec of another MPI than mpi4py's: MPICH Version: 5.0.2); start "
+        "the job with the mpiexec of the same MPI")

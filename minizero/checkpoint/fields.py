@@ -139,6 +139,7 @@ def _value_problems(man: dict) -> list[str]:
             out.append(f"{section}.{key} is {v!r}, expected an integer >= {0 if key == 'seed' else 1}")
     if "lr" in man["train"] and not (is_number(man["train"]["lr"]) and 0 < man["train"]["lr"] < math.inf):
         out.append(f"train.lr is {man['train']['lr']!r:.40}, expected a finite number > 0 (the peak learning rate)")
+    out += _param_dtype_problems(man["params"], man["pieces"])
     model = model_problems(man["model"], man["layout"], man["params"])  # sound: params are the model's
     return out + (model or routing_problems(man)) + scaler_problems(man.get("scaler")) + data_problems(man) \
         + pruning_problems(man.get("pruning"), names) + _layout_problems(man["layout"], man["files"], man["pieces"]) \
@@ -271,6 +272,22 @@ def _coords_problem(entry: dict, layout: dict) -> str | None:
 
 #: the dtypes a piece may hold, by format
 PIECE_DTYPES = {"dense": ("float16", "float32", "float64"), "8bit": ("uint8",)}
+
+
+def _param_dtype_problems(params: dict, pieces: list) -> list[str]:
+    """Each ``params[name].dtype`` a dense dtype, the one its values' pieces hold (8-bit state is read into it)."""
+    dense, out = PIECE_DTYPES["dense"], []
+    held = {pc["param"]: pc["dtype"] for pc in pieces
+            if pc["kind"] == "param" and pc["dtype"] in dense and isinstance(pc["param"], str)}
+    for name, info in params.items():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype not in dense:  # before: unread until an 8-bit state was consolidated (np.dtype's TypeError)
+            out.append(f"params[{name[:60]!r}].dtype is {repr(dtype)[:20]}, expected {', '.join(dense[:-1])} or "
+                       f"{dense[-1]}")
+        elif held.get(name, dtype) != dtype:
+            out.append(f"params[{name[:60]!r}].dtype is {dtype}, but its values are saved as {held[name]} (its "
+                       "'param' pieces), expected the same dtype")
+    return out
 
 
 def _plain(name) -> bool:

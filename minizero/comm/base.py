@@ -11,7 +11,7 @@ import numbers
 
 from minizero import backend
 from minizero.comm import flight
-from minizero.comm.collectives import _check_array, _check_shard, bytes_sent
+from minizero.comm.collectives import _check_array, _check_shard, bytes_sent, check_rank
 from minizero.comm.traffic import TrafficLedger
 
 MAX_TAG = 32767  #: the largest tag every MPI implementation must accept (MPI_TAG_UB >= 32767)
@@ -229,11 +229,7 @@ class Communicator(abc.ABC):
         return bytes_sent(op, x.size, x.itemsize, self.world_size, self.rank, root=root)
 
     def _check_rank(self, r, what: str) -> int:
-        if type(r) is int and 0 <= r < self.world_size:  # the common case, without numbers.Integral's ABC check
-            return r
-        if not isinstance(r, numbers.Integral) or not 0 <= r < self.world_size:
-            raise ValueError(f"{what}={r!r} is not a rank; allowed: 0..{self.world_size - 1}")
-        return int(r)
+        return check_rank(r, what, self.world_size)
 
     @staticmethod
     def _check_tag(tag) -> int:

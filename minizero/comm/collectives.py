@@ -39,7 +39,7 @@ def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
     Raises ValueError: ``n`` not an int >= 0, ``world_size`` not an int >= 1 or ``rank`` not in ``[0, world_size)``.
     """
     _check_int(n, "n", 0)
-    _check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
+    check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
     base, extra = divmod(n, world_size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
@@ -50,10 +50,15 @@ def _check_int(value, what: str, low: int) -> int:  # an int >= low (NumPy's too
     return value
 
 
-def _check_rank(value, what: str, world_size: int) -> None:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) \
-            or not 0 <= value < world_size:
-        raise ValueError(f"{what}={value!r}; allowed: 0..{world_size - 1}")
+def check_rank(value, what: str, world_size: int) -> int:
+    """``value`` (a root, peer or rank; NumPy's ints too, not a bool) as an int in ``0..world_size - 1``.
+    Raises ValueError naming ``what``, the value and the ranks allowed."""
+    if type(value) is int and 0 <= value < world_size:  # the common case, without numbers.Integral's ABC check
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < world_size:
+        kind = "a bool, not a rank" if isinstance(value, bool) else "not a rank"  # True passed as rank 1 before
+        raise ValueError(f"{what}={value!r} is {kind}; allowed: an int in 0..{world_size - 1}")
+    return int(value)
 
 
 def _binomial_tree(rank: int, root: int, world_size: int) -> tuple[int | None, list[int]]:
@@ -84,8 +89,8 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
         raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
     _check_int(n, "n", 0)
     _check_int(itemsize, "itemsize", 1)
-    _check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
-    _check_rank(root, "root", world_size)
+    check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
+    check_rank(root, "root", world_size)
     def chunk(r):
         return shard_range(n, world_size, r % world_size)[1]
 
@@ -349,8 +354,7 @@ def broadcast(comm: Communicator, x, root: int = 0, native: bool = False):
     C-contiguous. Source: Thakur, Rabenseifner & Gropp, IJHPCA 2005.
     """
     _check_array(x, "x")
-    if not isinstance(root, numbers.Integral) or not 0 <= root < comm.world_size:
-        raise ValueError(f"root={root!r} is not a rank; allowed: 0..{comm.world_size - 1}")
+    root = check_rank(root, "root", comm.world_size)
     if native:
         return comm.native_bcast(x, root)
     parent, children = _binomial_tree(comm.rank, root, comm.world_size)

@@ -71,7 +71,7 @@ class FlightRecorder:
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, run: str | None = None):
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:  # True: a flag, not 1
             raise ValueError(f"capacity={capacity!r}; allowed: an int >= 1")
         self.run = run  # the job's run id (:func:`run_id`), the same on every rank
         self.entries: collections.deque = collections.deque(maxlen=capacity)

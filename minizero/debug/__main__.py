@@ -46,10 +46,17 @@ def main(argv=None) -> int:
                     else w for w in argv[1:]]
     args, extra = p.parse_known_args(argv)
     if extra:  # the words as typed, without the space added above ("--x  --y " before)
-        words = [w.strip() for w in (*(args.layouts if args.command == "parity" else ()), *extra)]
+        raw = [*(args.layouts if args.command == "parity" else ()), *extra]
+        words = [w.strip() for w in raw]
         quoted = [w for w in words if " " in w]  # two: the layouts; the loose words are the stray ones (--bogus 3)
-        if len(quoted) > 2:  # it said "unrecognized arguments: --pp 2", as if --pp were no flag
-            q.error(f"compares two layouts, got {len(quoted)}: {', '.join(map(repr, quoted))}; run it once per pair")
+        layouts = [w for i, w in enumerate(words) if " " in w or raw[i] != w and not _valued(raw, i)]
+        if args.command == "parity" and len(layouts) > 2:  # it said "unrecognized arguments: --pp 2" (or
+            # "--sequence-parallel"), as if --pp were no flag and a one-flag layout no layout
+            alone = layouts != quoted  # a flag meant for a layout, typed outside its quotes
+            each, fix = (", each one quoted word", 'quote a flag with its layout ("--tp 2 --sequence-parallel"), or '
+                         ) if alone else ("", "")
+            q.error(f"compares two layouts{each}, got {len(layouts)}: {', '.join(map(repr, layouts))}; {fix}run it "
+                    "once per pair")
         p.error(unrecognized(p, [w for w in words if " " not in w] if len(quoted) == 2 else words[-len(extra):], args))
     try:
         if args.command == "parity":
@@ -70,6 +77,10 @@ def main(argv=None) -> int:
     except ValueError as e:  # the loaders name a file of another kind and what it lacks
         print(error_lines("python -m minizero.debug", f"{e}{WHAT.get(args.command, '')}"), file=sys.stderr)
         return 2
+
+
+def _valued(raw: list[str], i: int) -> bool:  # a one-flag word raw[i] followed by a value: "--bogus 3", no layout
+    return i + 1 < len(raw) and not raw[i + 1].startswith("-")
 
 
 if __name__ == "__main__":

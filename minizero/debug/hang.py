@@ -111,12 +111,19 @@ def _missing(snap) -> str | None:
         if not (_whole(g["last_seq"]) and (g["members"] is None or isinstance(g["members"], list)
                                           and all(_whole(m) for m in g["members"]))):
             return f"groups[{name!r}] with a whole 'last_seq' and 'members' a list of ranks (or null)"
+        if g["last_seq"] < 0:  # a group's collectives counted from 1: 0 before its first
+            return f"groups[{name!r}].last_seq >= 0 (got {g['last_seq']})"
     for i, e in enumerate(snap["entries"]):
         if not isinstance(e, dict) or any(f not in e for f in ENTRY_FIELDS):
             return f"entries[{i}].{next(f for f in ENTRY_FIELDS if not isinstance(e, dict) or f not in e)}"
         if not (e["seq"] is None or _whole(e["seq"])) or not (e["shape"] is None or isinstance(e["shape"], list)
                                                              and all(_whole(d) for d in e["shape"])):
             return f"entries[{i}] with a whole 'seq' (or null) and 'shape' a list of whole numbers (or null)"
+        lows = [("seq", e["seq"], 1), ("bytes", e["bytes"], 0), ("posted_us", e["posted_us"], 0),
+                *(("shape", d, 0) for d in e["shape"] or ())]  # seq counts a group's collectives from 1
+        below = [(f, v, low) for f, v, low in lows if _whole(v) and v < low]
+        if below:
+            return f"entries[{i}].{below[0][0]} >= {below[0][2]} (got {below[0][1]})"
         texts = [f for f in ("group", "op", "state", "dtype", "within", "error")
                  if not (isinstance(e.get(f), str) or f not in ("group", "op", "state") and e.get(f) is None)]
         if texts or not (_whole(e["posted_us"]) and (e["bytes"] is None or _whole(e["bytes"]))):
@@ -125,6 +132,9 @@ def _missing(snap) -> str | None:
     if not (snap.get("run") is None or isinstance(snap["run"], str)) or not (
             snap.get("time_us") is None or _whole(snap["time_us"]) and 0 <= snap["time_us"] <= 1 << 53):
         return "'run' as text and 'time_us' microseconds in [0, 2**53] (or null)"
+    cap = snap.get("capacity")  # the entries a rank kept (FlightRecorder's capacity)
+    if not (cap is None or _whole(cap) and cap >= 1):
+        return f"'capacity' as a whole number >= 1 (or null; got {shortened(repr(cap), 40)})"
     return None if isinstance(snap["reason"], str) else "'reason' as text"
 
 
