@@ -76,8 +76,13 @@ def check_pair(weights: str, comment: bytes, side: dict | None) -> None:
 
 
 def refuse_replacing(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` (model.npz or .json to write) is there, unreadable or not an earlier output."""
+    """Raise ValueError when ``path`` (model.npz or .json to write) is there, unreadable or not an earlier output,
+    or is a model.npz link (its target replaced, in another folder than the model.json written beside the link)."""
     config = path.endswith(".json")
+    if not config and os.path.islink(path):
+        raise ValueError(f"{flag}: {path!r} is a link to {os.path.realpath(path)!r}; the weights would be written "
+                         f"there, away from the {SIDECAR} written beside the link (a pair split over two folders): "
+                         "remove the link or give another folder")
     try:  # one it cannot read (permission denied) is not called another program's
         os.path.isfile(path) and open(path, "rb").close()
     except OSError as e:

@@ -1,6 +1,7 @@
-"""model.npz and model.json written as one pair (minizero.saved_model): a save interrupted between the two files
-no longer leaves weights that are read with another model's config."""
+"""model.npz and model.json written as one pair (minizero.saved_model): a save interrupted between the two files,
+and an --out whose model.npz is a link, no longer leave weights beside another model's config."""
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -23,6 +24,10 @@ def interrupt(*args): raise KeyboardInterrupt
 saved.write_model_json = interrupt
 from minizero.interrupts import interruptible
 sys.exit(interruptible("minizero.finetune", ft.WHOLE, ft.main, guarded=True))"""
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture
@@ -91,3 +96,31 @@ def test_finetune_interrupted_between_its_two_files_leaves_weights_sample_refuse
     assert proc.returncode == 130, proc.stderr
     assert sample_main(["--weights", str(out / "model.npz"), "--tokens", "2"]) == 2
     assert "is not the model.json saved with --weights" in one_refusal(capsys.readouterr().err)
+
+
+def test_finetune_refuses_an_out_whose_model_npz_is_a_link(tmp_path, base, capsys):
+    """Before: the weights replaced the link's target (another folder, beside its own model.json) and model.json
+    went beside the link: DIR held a link, the other folder a split pair. Now: refused before any work."""
+    from minizero.finetune import main as finetune_main
+    store = tmp_path / "store"
+    save_model(str(store), GPT(FOUR, seed=1).state_dict(), FOUR)
+    out = tmp_path / "ft"
+    out.mkdir()
+    (out / "model.npz").symlink_to(store / "model.npz")
+    before = _sha(store / "model.npz")
+    assert finetune_main(["--weights", base, "--method", "full", "--steps", "1", "--out", str(out)]) == 2
+    err = one_refusal(capsys.readouterr().err)
+    assert (f"--out {str(out)!r}: {str(out / 'model.npz')!r} is a link to {str(store / 'model.npz')!r}; the weights "
+            "would be written there, away from the model.json written beside the link") in err, err
+    assert "remove the link or give another folder" in err
+    assert _sha(store / "model.npz") == before and sorted(p.name for p in out.iterdir()) == ["model.npz"]
+
+
+def test_train_refuses_an_out_whose_model_npz_is_a_link_too(tmp_path, monkeypatch):
+    from minizero.args import UsageError, parse_args
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o").mkdir()
+    np.savez(tmp_path / "w.npz", a=np.zeros(1))
+    (tmp_path / "o" / "model.npz").symlink_to(tmp_path / "w.npz")
+    with pytest.raises(UsageError, match="'o/model.npz' is a link to .*remove the link or give another folder"):
+        parse_args(["--model", "tiny", "--out", "o"], world_size=1)
