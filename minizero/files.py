@@ -351,7 +351,7 @@ def refuse_foreign(path: str, flag: str) -> None:
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
         data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
-    except OSError as e:  # chmod 000: said so, not a traceback (as weights.refuse_replacing)
+    except OSError as e:  # chmod 000: said so, not a traceback (as saved_model.refuse_replacing)
         raise ValueError(f"{flag} {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
                          "away") from None
     except ValueError:

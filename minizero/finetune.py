@@ -46,7 +46,8 @@ from minizero.parallel.lora_tp import (counts_in_norm, gather_merged, nf4_shard_
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
 from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
-from minizero.weights import SIDECAR, load_trained, refuse_replacing, write_model_json
+from minizero.saved_model import SIDECAR, refuse_replacing, save_model
+from minizero.weights import load_trained
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
 from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, guard_set_up, interruptible
@@ -379,8 +380,7 @@ def _run(args, world, tokens, model0) -> int:
     try:  # a full disk or a device such as /dev/full: each file is written whole or not at all (atomic_write)
         if args.out is not None:
             os.makedirs(args.out, exist_ok=True)
-            atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
-            write_model_json(args.out, model0.config)
+            save_model(args.out, state, model0.config)
             method = rows[-1]["method"]  # --table: the last method of the table
             what = "every parameter trained" if method == "full" else "adapters merged"
             print(f"wrote {os.path.join(args.out, 'model.npz')} (--method {method}, {what}"

@@ -12,7 +12,7 @@ from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable
                             refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
-from minizero.weights import refuse_replacing
+from minizero.saved_model import refuse_replacing
 
 
 def check_outputs(args) -> None:

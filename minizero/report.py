@@ -25,7 +25,7 @@ from minizero.numerals import counted, significant, thousands, wrapped
 from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text
-from minizero.weights import SIDECAR, write_model_json
+from minizero.saved_model import SIDECAR, save_model
 from minizero.zero import shards_parameters
 
 #: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
@@ -222,8 +222,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     if bad:
         raise FloatingPointError(f"not saving: {len(bad)} tensor(s) hold inf/NaN (first: {bad[0]}); "
                                  f"the previous {os.path.join(args.out, 'model.npz')} is left as it was")
-    atomic_write(os.path.join(args.out, "model.npz"), lambda f: np.savez(f, **state))
-    write_model_json(args.out, cfg)  # the head count is in no array's shape: python -m minizero.sample reads it
+    save_model(args.out, state, cfg)  # model.npz, then model.json (the head count: in no array's shape)
     schedule = args.schedule if args.pp > 1 else None
     summary = {
         "world_size": args.world_size,

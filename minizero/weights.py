@@ -2,13 +2,12 @@
 
 Loaded with ``allow_pickle=False``; the config by one rule for every program (:func:`model_config`): ``--model``,
 else ``model.json`` beside the weights, else ``summary.json``'s config.model, else the preset of the arrays' shapes.
-Both files' fields are checked in one place (:func:`check_model_fields`). Errors name the file and what was expected.
+Both files' fields are checked in one place (:func:`check_model_fields`), a split pair first (:mod:`.saved_model`).
+Errors name the file and what was expected.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import tokenize
 import zipfile
@@ -19,10 +18,10 @@ import numpy as np
 from minizero import backend
 from minizero.autograd.rng import MAX_DROPOUT
 from minizero.data import describe_non_file
-from minizero.files import atomic_write, read_json
+from minizero.files import read_json
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
+from minizero.saved_model import SIDECAR, check_pair
 
-SIDECAR = "model.json"  #: the GPT config beside model.npz (written with the weights; see :func:`model_config`)
 SUMMARY = "summary.json"  #: a training run's summary beside its model.npz (config.model: the GPT config)
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  #: what decides the arrays and heads
 
@@ -68,6 +67,7 @@ def _check_headers(weights: str) -> None:
                     raise _not_weights(weights, f"array {name!r}: header {shape} {dtype} needs {declared:,} bytes "
                                                 f"but the archive member holds {info.file_size:,}")
                 heads[name] = _Header(shape, dtype)
+            comment = zf.comment
     except (ValueError, SyntaxError, tokenize.TokenError) as e:  # NumPy's header parser raises all three
         if str(e).startswith("--weights"):
             raise
@@ -81,6 +81,7 @@ def _check_headers(weights: str) -> None:
     if why := too_large(dims):
         raise _not_weights(weights, f"in the array headers, {why}")
     side = read_sidecar(weights)
+    check_pair(weights, comment, side)  # before the shapes: a split pair is named as one
     clash = [f"{k} {side[k]} vs {v}" for k, v in dims.items() if side and k in side and side[k] != v]
     if clash:
         raise ValueError(f"model.json beside --weights {weights!r} disagrees with the array headers: "
@@ -222,7 +223,6 @@ def check_model_fields(cfg, path: str, where: str = "") -> dict:
     return cfg
 
 
-_FIELDS = dataclasses.asdict(GPTConfig()).keys()  #: a model.json's keys (check_model_fields: some may be missing)
 _NONE = object()  #: no such file (a file holding JSON null is not "no file")
 
 
@@ -242,30 +242,6 @@ def read_sidecar(weights: str) -> dict | None:
     """The GPT config in ``model.json`` beside ``weights`` (checked by :func:`check_model_fields`), or None."""
     path, cfg = _read_beside(weights, SIDECAR)
     return None if cfg is _NONE else check_model_fields(cfg, path)
-
-
-def write_model_json(folder: str, cfg: GPTConfig) -> str:
-    """Write ``FOLDER/model.json`` (every field of ``cfg``), as train, finetune --out and checkpoint consolidate do
-    beside the model.npz they write; returns its path. Callers check first that it overwrites nothing of the user's."""
-    path = os.path.join(folder, SIDECAR)
-    atomic_write(path, lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n"), mode="w")
-    return path
-
-
-def refuse_replacing(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` (model.npz or .json to write) is there, unreadable or not an earlier output."""
-    config = path.endswith(".json")
-    try:  # one it cannot read (permission denied) is not called another program's
-        os.path.isfile(path) and open(path, "rb").close()
-    except OSError as e:
-        raise ValueError(f"{flag}: {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
-                         "away") from None
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
-        if not os.path.lexists(path) or os.path.isfile(path) and (
-                0 < len(keys := read_json(path).keys()) and keys <= _FIELDS if config else zipfile.is_zipfile(path)):
-            return
-    raise ValueError(f"{flag}: {path!r} is there and is not {'a model config' if config else 'an .npz'} minizero "
-                     "wrote; it replaces only earlier weights and their config: move it away, or give another folder")
 
 
 def _clash(a: dict, b: dict, fields) -> list:

@@ -332,7 +332,7 @@ def test_finetune_out_replaces_only_earlier_weights_and_config(tmp_path, capsys,
     then failed on a folder of that name (model.npz written, model.json not). Earlier outputs are still replaced."""
     import numpy as np
     from minizero.nn import GPTConfig
-    from minizero.weights import write_model_json
+    from minizero.saved_model import write_model_json
 
     out, weights = tmp_path / "ft", str(tmp_path / "none.npz")
     out.mkdir()

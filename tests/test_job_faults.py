@@ -151,7 +151,7 @@ def base_weights(tmp_path_factory):
 
     from minizero.args import model_config, parse_args
     from minizero.nn import GPT
-    from minizero.weights import write_model_json
+    from minizero.saved_model import write_model_json
 
     out = tmp_path_factory.mktemp("base")
     cfg = model_config(parse_args(["--model", "tiny", "--no-save"], 1))

@@ -195,7 +195,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
 def test_train_keeps_a_users_own_model_files_in_out(tmp_path, monkeypatch):
     """Before: train's OUT/model.json (the user's notes) and OUT/model.npz (not an .npz) were replaced at the end."""
     from minizero.args import UsageError, parse_args
-    from minizero.weights import write_model_json
+    from minizero.saved_model import write_model_json
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "o").mkdir()

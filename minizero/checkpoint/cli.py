@@ -24,7 +24,7 @@ from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser, error_lines
 from minizero.parallel.expert_parallel import MoEConfig, use_moe
-from minizero.weights import SIDECAR, write_model_json
+from minizero.saved_model import SIDECAR, write_model_json, write_npz
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 
 
@@ -106,7 +106,7 @@ def consolidate(path: str, out: str) -> dict:
         if first[id(p)] not in state:
             state[first[id(p)]] = full_tensor(reader, first[id(p)])
         state[name] = state[first[id(p)]]
-    atomic_write(out, lambda f: np.savez(f, **state))
+    atomic_write(out, lambda f: write_npz(f, state, cfg))  # the config in model.npz: see minizero.saved_model
     return state
 
 
