@@ -373,8 +373,9 @@ def plot_path(path: str) -> str:
     Raises:
         ValueError: another extension, a directory, or a folder that does not exist or takes no file.
     """
-    if not path.strip():
-        raise ValueError(f"--plot {path!r}: give a file name for the PNG")
+    if not path.strip() or path == "-":  # '-' is no standard output: it wrote ./-.png
+        raise ValueError(f"--plot {path!r}: give a file name for the PNG" + (
+            " (it is not written to standard output; ./- writes ./-.png)" if path == "-" else ""))
     if os.path.isdir(path):  # '.', '..' and 'pl/' too: a directory says so first
         raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
     refuse_slash_or_dangling(path, "--plot")  # 'pl/' was refused naming 'pl/.png', 'pl/.' wrote 'pl/..png'

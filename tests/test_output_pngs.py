@@ -131,14 +131,18 @@ def _plan(capsys, *argv):
     return code, " ".join(capsys.readouterr().err.split())
 
 
-def test_plan_plot_refuses_a_users_own_png(tmp_path, monkeypatch, capsys):
-    """Before: --plot mine.png replaced any PNG."""
+def test_plan_plot_refuses_a_users_own_png_and_a_dash(tmp_path, monkeypatch, capsys):
+    """Before: --plot mine.png replaced any PNG; --plot - wrote ./-.png."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.png").write_bytes(png_bytes(marked=False))
     code, err = _plan(capsys, "--plot", "mine.png")
     assert code == 2 and f"--plot 'mine.png' exists and {REFUSED}" in err, err
     assert (tmp_path / "mine.png").read_bytes() == png_bytes(marked=False)
+    code, err = _plan(capsys, "--plot", "-")
+    assert code == 2 and ("--plot '-': give a file name for the PNG (it is not written to standard output; ./- "
+                          "writes ./-.png)") in err, err
+    assert sorted(os.listdir(tmp_path)) == ["mine.png"]
     (tmp_path / "old.png").write_bytes(png_bytes())  # an earlier plan's
     code, err = _plan(capsys, "--plot", "old")
     assert code == 0 and is_marked(str(tmp_path / "old.png")) and (tmp_path / "old.png").read_bytes() != png_bytes()
