@@ -29,6 +29,7 @@ from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as p
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks, run_group  # __main__: | head -1 quiet
 from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.output_checks import existing_folder
+from minizero.pngs import MARKED, SIGNATURE, is_marked
 from minizero.numerals import (DefaultsOnce, FlagParser, description, error_lines, integer, is_count,
                                negative_values_reach_checks, real, unwrapped, wrapped)
 
@@ -222,11 +223,12 @@ def _int_list(text: str, flag: str, cap: int) -> list[int]:
 
 
 def _earlier_output(path: str, head: bytes) -> bool:
-    """Whether ``path`` is absent, or a regular file starting with ``head`` (an earlier run's)."""
+    """Whether ``path`` is absent, or a regular file starting with ``head`` (an earlier run's; a PNG: one minizero
+    marked, :mod:`minizero.pngs`)."""
     if not os.path.isfile(path):
         return not os.path.lexists(path)
     with open(path, "rb") as f:
-        return f.read(len(head)) == head
+        return f.read(len(head)) == head and (head != SIGNATURE or is_marked(path))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -265,10 +267,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError(f"--out {args.out!r} is inside a checkpoint folder; give a folder outside every checkpoint")
     if os.path.realpath(args.json) == os.path.realpath(args.out):  # it failed after every run: 'it is a directory'
         raise UsageError(f"--json {args.json!r} would overwrite --out, the folder compare writes into; give a file")
-    for name, head in (("compare.md", b"### minizero.compare"), ("compare.png", b"\x89PNG")):  # OUT's own
+    for name, head in (("compare.md", b"### minizero.compare"), ("compare.png", SIGNATURE)):  # OUT's own
         if not _earlier_output(path := os.path.join(args.out, name), head):  # a folder failed after every run
-            raise UsageError(f"--out {args.out!r}: {path!r} is there and is not the {name} compare writes; it replaces "
-                             "only an earlier one: move it away, or give another folder")
+            raise UsageError(f"--out {args.out!r}: {path!r} is there and is not the {name} compare writes"
+                             + (f", {MARKED}" if head == SIGNATURE else "") + "; it replaces only an earlier one: "
+                             "move it away, or give another folder")
     folder = os.path.dirname(os.path.abspath(args.json))
     try:  # '', a directory, a full device, a file programs read back or in a checkpoint; a missing folder is not
         if folder != os.path.abspath(args.out) or os.path.isdir(folder):  # made (a typo), but OUT is, as train's

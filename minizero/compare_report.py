@@ -9,6 +9,7 @@ from minizero.files import atomic_write
 from minizero.ledger import wrap
 from minizero.memory.estimator import DEVICE_CATEGORIES
 from minizero.numerals import in_width, significant_column, wrapped
+from minizero.pngs import MARK
 
 #: categories shown per rank (the ledger's), and the unit of the table
 SHOWN = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "comm_scratch", "gathered",
@@ -190,7 +191,7 @@ def plot(runs: list[dict], path: str, title: str) -> bool:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, metadata=MARK))
     plt.close(fig)
     return True
 

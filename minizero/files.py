@@ -11,6 +11,7 @@ import socket
 import stat
 import sys
 
+from minizero.pngs import WHAT as PLOT, is_marked
 from minizero.temporaries import (check_writable_folder, make_temporary, nearest_existing, remove_stale_temporaries,
                                   unwritable)
 
@@ -325,7 +326,7 @@ def refuse_blocking(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
-KEEPS = {"--json": "a summary minizero wrote", "--trace": "a trace (JSON with a traceEvents list)"}  #: else a PNG
+KEEPS = {"--json": "a summary minizero wrote", "--trace": "a trace (JSON with a traceEvents list)"}  #: else a plot
 #: each program's --json summary (bench: bench_allreduce): the keys it always writes, and those each of its rows has
 #: (finetune writes rows alone). A JSON object holding them all is an earlier summary; one with fewer is the user's
 SUMMARY_SIGNATURES = {"train": ({"train_loss", "world_size", "config"}, ()), "quantize": ({"baseline", "rows"}, ()),
@@ -343,11 +344,11 @@ def is_summary(data) -> bool:
 
 
 def refuse_foreign(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`):
-    an output replaces an earlier output, never the user's notes or data."""
+    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`, else
+    a PNG minizero marked, :mod:`minizero.pngs`): an output replaces an earlier output, never the user's files."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
+    try:  # readable? A brace first: parse it (what minizero writes is small; a big text file is not read whole)
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
         data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
@@ -356,11 +357,11 @@ def refuse_foreign(path: str, flag: str) -> None:
                          "away") from None
     except ValueError:
         data = None
-    if not (head.startswith(b"\x89PNG") if flag not in KEEPS else isinstance(data, dict) and (
+    if not (is_marked(path) if flag not in KEEPS else isinstance(data, dict) and (
             isinstance(data.get("traceEvents"), list) if flag == "--trace" else is_summary(data))):
-        raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, 'a PNG image')}: {flag} replaces "
-                         f"only such a file (an earlier output); give another {'file' if flag in KEEPS else 'folder'}"
-                         ", or move that one away")
+        raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, PLOT)}: {flag} replaces only "
+                         f"such a file (an earlier output); give another {'folder' if flag == '--out' else 'file'}, "
+                         "or move that one away")
 
 
 def refuse_slash_or_dangling(path: str, flag: str) -> None:

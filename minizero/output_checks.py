@@ -12,6 +12,7 @@ from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable
                             refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
+from minizero.memory.plots import plots_on
 from minizero.saved_model import refuse_replacing
 
 
@@ -52,8 +53,8 @@ def check_outputs(args) -> None:
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     for name in ("model.npz", "model.json"):  # the user's own file of that name: kept (check_outputs: not --no-save)
         _usage(refuse_replacing, os.path.join(out, name), "--out")
-    for name in ("loss.png", "memory.png"):  # so are the user's own plots (not a PNG)
-        _usage(refuse_foreign, os.path.join(out, name), "--out")
+    for name in ("loss.png", "memory.png") if plots_on() else ():  # the user's own plots too (minizero's: marked);
+        _usage(refuse_foreign, os.path.join(out, name), "--out")  # MINIZERO_PLOTS=0 draws none: nothing is lost
     flight = not_a_folder(os.path.join(out, "flight")) if args.flight_records else None
     if flight:  # found after the failure, the flight records would be lost
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")

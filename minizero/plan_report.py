@@ -12,6 +12,7 @@ from minizero.files import atomic_write, check_output, refuse_slash_or_dangling
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.numerals import column, counted, significant
 from minizero.plan_search import Candidate, Hardware, train_runs
+from minizero.pngs import MARK
 
 def describe(st: Strategy) -> str:
     """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``ep=4``
@@ -353,7 +354,7 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, scale: float, unit:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, metadata=MARK))
     finally:
         plt.close(fig)
 
@@ -372,8 +373,9 @@ def plot_path(path: str) -> str:
     Raises:
         ValueError: another extension, a directory, or a folder that does not exist or takes no file.
     """
-    if not path.strip():
-        raise ValueError(f"--plot {path!r}: give a file name for the PNG")
+    if not path.strip() or path == "-":  # '-' is no standard output: it wrote ./-.png
+        raise ValueError(f"--plot {path!r}: give a file name for the PNG" + (
+            " (it is not written to standard output; ./- writes ./-.png)" if path == "-" else ""))
     if os.path.isdir(path):  # '.', '..' and 'pl/' too: a directory says so first
         raise ValueError(f"--plot {path!r}: cannot write the PNG: {path!r} is a directory; give a file name")
     refuse_slash_or_dangling(path, "--plot")  # 'pl/' was refused naming 'pl/.png', 'pl/.' wrote 'pl/..png'
@@ -385,11 +387,7 @@ def plot_path(path: str) -> str:
     if not ext and os.path.exists(path) and not os.path.isdir(path):  # /dev/full -> /dev/full.png: not asked for
         raise ValueError(f"--plot {path!r} names an existing file, and the PNG would go to {real!r} beside it; give "
                          "a name ending in .png")
-    if os.path.isfile(real):  # replace an earlier plot, never another file the user named .png
-        with open(real, "rb") as f:
-            if f.read(8) != b"\x89PNG\r\n\x1a\n":
-                raise ValueError(f"--plot {path!r}: {real!r} exists and is not a PNG; give a new file name")
-    try:
+    try:  # an earlier plot (minizero's mark) is replaced, never another file the user named .png (refuse_foreign)
         check_output(real, "--plot")
     except ValueError as e:
         raise ValueError(f"cannot write the PNG: {e}") from None

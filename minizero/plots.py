@@ -11,6 +11,7 @@ import math
 
 from minizero.files import atomic_write
 from minizero.numerals import counted
+from minizero.pngs import MARK
 
 SMOOTH = 20  # steps in the running mean drawn over the training loss
 MISSING = "matplotlib is not installed, so no loss plot was drawn (pip install matplotlib)"
@@ -40,7 +41,7 @@ def plot_losses(path: str, train_losses, val_history, skipped_at=(), title: str 
         return MISSING
     fig = loss_figure(plt, train_losses, val_history, skipped_at, title, first_step)
     try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, metadata=MARK))
     finally:
         plt.close(fig)
     return f"wrote {path}"
@@ -126,7 +127,7 @@ def plot_timelines(path: str, panels, title: str = "") -> str:
                    loc="lower center", ncol=len(shown), fontsize=7)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout(rect=(0, 0.06, 1, 1))
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, metadata=MARK))
     finally:
         plt.close(fig)
     return f"wrote {path}"

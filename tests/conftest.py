@@ -62,3 +62,20 @@ def one_refusal(err: str) -> str:
     whole = " ".join(err.split())
     assert whole.count(": error: ") == 1 and all(len(line) <= 120 for line in err.splitlines()), err
     return whole
+
+
+def png_bytes(marked: bool = True) -> bytes:
+    """A 1x1 PNG: with the mark minizero writes into its plots (``pngs.MARK``), or without (a user's own, or a plot
+    of a minizero older than the mark), built by hand (no matplotlib)."""
+    import struct
+    import zlib
+
+    from minizero.pngs import MARK
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    texts = [(b"Software", b"a drawing program")] + [(k.encode(), v.encode()) for k, v in MARK.items() if marked]
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+            + b"".join(chunk(b"tEXt", k + b"\0" + v) for k, v in texts)
+            + chunk(b"IDAT", zlib.compress(b"\0\0")) + chunk(b"IEND", b""))

@@ -14,7 +14,7 @@ from minizero import compare, finetune
 from minizero.nn.gpt import GPTConfig
 from minizero.files import atomic_write, check_output, check_writable_file
 from minizero.quantize import main as quantize_main
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, png_bytes
 
 
 def one_line(printed: str) -> str:
@@ -177,9 +177,9 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, c
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "old.json").write_text(json.dumps({"baseline": {}, "rows": []}))
     (tmp_path / "old_trace.json").write_text(json.dumps({"traceEvents": []}))
-    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n....")
+    (tmp_path / "plot.png").write_bytes(png_bytes())  # minizero's (marked, tests/test_output_pngs.py)
     for flag, name, what in [("--json", "notes.txt", "a summary"), ("--json", "list.json", "a summary"),
-                             ("--trace", "old.json", "a trace"), ("--plot", "notes.txt", "a PNG image")]:
+                             ("--trace", "old.json", "a trace"), ("--plot", "notes.txt", "a plot minizero wrote")]:
         with pytest.raises(ValueError, match=f"{flag} '{name}' exists and does not hold {what}"):
             check_output(name, flag)
     for flag, name in [("--json", "old.json"), ("--trace", "old_trace.json"), ("--plot", "plot.png")]:
@@ -243,6 +243,7 @@ def test_train_keeps_a_users_own_summary_and_plots_in_out(tmp_path, monkeypatch)
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIZERO_PLOTS", "1")  # plots off: loss.png and memory.png are neither drawn nor checked
     (tmp_path / "o").mkdir()
     for name, what in [("summary.json", "--json 'o/summary.json'"), ("loss.png", "--out 'o/loss.png'"),
                        ("memory.png", "--out 'o/memory.png'")]:
@@ -251,7 +252,7 @@ def test_train_keeps_a_users_own_summary_and_plots_in_out(tmp_path, monkeypatch)
             parse_args(["--model", "tiny", "--out", "o"], world_size=1)
         parse_args(["--model", "tiny", "--out", "o", "--no-save"], world_size=1)  # nothing written there: fine
         (tmp_path / "o" / name).unlink()
-    (tmp_path / "o" / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # an earlier run's: replaced as before
+    (tmp_path / "o" / "loss.png").write_bytes(png_bytes())  # an earlier run's (marked): replaced as before
     (tmp_path / "o" / "summary.json").write_text(json.dumps({"train_loss": [], "world_size": 1, "config": {}}))
     parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
@@ -264,10 +265,11 @@ def test_train_names_an_unreadable_plot_or_summary_in_out_and_says_another_folde
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIZERO_PLOTS", "1")  # plots off: loss.png is neither drawn nor checked
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "loss.png").write_text("my notes\n")
-    with pytest.raises(UsageError, match=r"--out 'o/loss.png' exists and does not hold a PNG image: .*; give another "
-                                         r"folder, or move that one away"):
+    with pytest.raises(UsageError, match=r"--out 'o/loss.png' exists and does not hold a plot minizero wrote, .*; "
+                                         r"give another folder, or move that one away"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
     real_open = builtins.open
 

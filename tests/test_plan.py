@@ -365,7 +365,7 @@ def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
     mine = tmp_path / "notes.png"
     mine.write_text("my notes")
     code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(mine))
-    assert code == 2 and "exists and is not a PNG" in " ".join(err.split()) and mine.read_text() == "my notes"
+    assert code == 2 and "exists and does not hold a plot minizero wrote" in " ".join(err.split()) and mine.read_text() == "my notes"
     plot = tmp_path / "plan.png"
     for _ in range(2):  # the second run replaces the first run's PNG
         code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(plot))

@@ -9,6 +9,7 @@ import numpy as np
 
 from minizero.files import atomic_write
 from minizero.ledger import CATEGORIES, equal_ranks, format_bytes, rank_runs
+from minizero.pngs import MARK
 
 INSTALL_HINT = "no memory plot: matplotlib is not installed (pip install matplotlib)"
 #: the environment variable that turns the main job's two pictures (OUT/loss.png, OUT/memory.png) off ("0")
@@ -62,7 +63,7 @@ def plot_timeline(path: str, timeline, title: str = "", ledgers=None, first_step
     """Write :func:`timeline_figure` as a PNG to ``path`` (same arguments and errors)."""
     plt = _pyplot()
     fig = timeline_figure(timeline, title, ledgers, first_step)
-    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png", metadata=MARK))
     plt.close(fig)
 
 
@@ -155,5 +156,5 @@ def plot_seq_sweep(path: str, seq_lens, measured: dict, formula: dict, split: di
     ax.legend(fontsize=7)
     ax.set_title(title or "activation bytes per layer vs s", fontsize=10)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png", metadata=MARK))
     plt.close(fig)

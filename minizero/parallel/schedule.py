@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from minizero.pngs import MARK
+
 SCHEDULES = ("gpipe", "1f1b")  #: one chunk per stage: ``make_schedule(name, p, m)`` for any p, m
 ZERO_BUBBLE = ("zb-h1", "zb-v")  #: B and W split (zb-v: two chunks per rank, V-shaped)
 V_SHAPED = ("zb-v",)  #: rank r holds virtual stages r and 2p-1-r (parallel/interleaved.py's v_shape)
@@ -314,5 +316,5 @@ def plot_timeline(timeline, path: str | None = None, title: str = "", f: float =
                           f"(idle share of the time {bubble_fraction(timeline):.4g})")
     fig.tight_layout(rect=(0, 0.3 / (1.0 + 0.5 * p), 1, 1))  # the legend's row below the axis label
     if path is not None:
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, metadata=MARK if str(path).lower().endswith(".png") else None)
     return fig
