@@ -563,3 +563,15 @@ def test_zero_units_are_find_units(tied, pp):
         units = [u.padded for u in ShardMap.from_model(PipelineStage(model, s, pp) if pp > 1 else model, 3).units]
         assert ([tie] if tie else []) + chain[::-1] == units, s
 
+
+def test_zero_scratch_bounds_the_last_stages_head():
+    """ZeRO with pipeline stages reduce-scatters the last stage's head (or its tied copy) too: llama3-8b's head
+    (V = 128,256, ceil(V/t) h) is larger than a layer, and the estimate covers its chunk."""
+    from minizero.comm.collectives import reduce_scatter_scratch
+    from minizero.memory.estimator.scratch import comm_scratch_bytes
+
+    m = get_model("llama3-8b")
+    for st in (Strategy(dp=8, pp=2, zero=1, precision="fp32"), Strategy(dp=8, tp=8, pp=4, zero=1, precision="fp32")):
+        head = reduce_scatter_scratch(m.vocab_shard(st.tp), 8, 0) * 4  # V h / t divides by 8: no padding
+        assert head > reduce_scatter_scratch(m.layer_parameters(st.tp), 8, 0) * 4
+        assert comm_scratch_bytes(m, st, st.pp - 1, "minizero") >= head
