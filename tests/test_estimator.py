@@ -508,3 +508,70 @@ def test_a_vocabulary_t_does_not_divide_costs_its_padded_shard_everywhere():
             assert traffic[0]["pp"] == traffic[1]["pp"], (st, stage)
     zero = estimate_memory(odd, Strategy(dp=3, tp=2, zero=1, precision="fp32", micro_batch=1), accounting="minizero")
     assert zero.as_dict()["comm_scratch"] == 4 * 501 * 64 // 3  # one receive chunk of the embedding's unit binds
+
+
+def _overlapped_zero_peaks(comm, cfg, tied):
+    """Peak elements of ZeRO-3's overlapped buffers over two steps of ``cfg``'s GPT, its head untied unless ``tied``."""
+    from minizero.ledger import get_ledger
+    from minizero.nn.module import Linear
+    from minizero.zero import zero_optimizer
+
+    model = GPT(cfg, seed=1)
+    if not tied:  # the trainer always ties; ZeroOptimizer takes any model
+        model.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+    opt = zero_optimizer(model, comm, 3, overlap_reduce=True, prefetch=True)
+    get_ledger().reset_peaks()
+    x = np.random.default_rng(comm.rank).integers(0, cfg.vocab_size, (2, cfg.block_size))
+    for _ in range(2):
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return {c: get_ledger().peak.get(c, 0) // 8 for c in ("comm_buffers", "gathered", "comm_scratch")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,vocab,tied", [(2, 256, False), (3, 256, False), (2, 1024, False), (2, 1024, True)])
+def test_overlapped_zero_windows_follow_find_units_untied_too(n, vocab, tied):
+    """``wte`` and ``wpe`` are two units (find_units): prefetch and the ring's chunk take them apart, the buckets
+    together (both open at the sum of their outputs); each to the element against the ledger."""
+    from minizero.memory.estimator import zero_overlap as zo
+
+    cfg = get_config("tiny", dtype="float64", vocab_size=vocab)
+    m = dataclasses.replace(E.ModelShape.from_gpt_config(cfg), tied_embeddings=tied)
+    st = Strategy(dp=n, zero=3, precision="fp64", overlap=True)
+    est = {"comm_buffers": zo.overlapped_buckets(m, st, 0), "gathered": zo.prefetched_units(m, st, 0),
+           "comm_scratch": zo.overlapped_ring_scratch(m, st, 0)}
+    for peak in run_in_threads(n, _overlapped_zero_peaks, cfg, tied, timeout=100):
+        assert peak == est
+
+
+@pytest.mark.parametrize("tied,pp", [(True, 1), (False, 1), (True, 2)])
+def test_zero_units_are_find_units(tied, pp):
+    """The estimator's units on each stage are find_units' on that stage's module, padded, in backward order."""
+    from minizero.memory.estimator.zero_overlap import zero_units
+    from minizero.nn.module import Linear
+    from minizero.parallel.pipeline import PipelineStage
+    from minizero.zero import ShardMap
+
+    cfg = get_config("tiny")
+    model = GPT(cfg, seed=0)
+    if not tied:
+        model.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+    m = dataclasses.replace(E.ModelShape.from_gpt_config(cfg), tied_embeddings=tied)
+    for s in range(pp):
+        tie, chain = zero_units(m, Strategy(dp=3, pp=pp), s)
+        units = [u.padded for u in ShardMap.from_model(PipelineStage(model, s, pp) if pp > 1 else model, 3).units]
+        assert ([tie] if tie else []) + chain[::-1] == units, s
+
+
+def test_zero_scratch_bounds_the_last_stages_head():
+    """ZeRO with pipeline stages reduce-scatters the last stage's head (or its tied copy) too: llama3-8b's head
+    (V = 128,256, ceil(V/t) h) is larger than a layer, and the estimate covers its chunk."""
+    from minizero.comm.collectives import reduce_scatter_scratch
+    from minizero.memory.estimator.scratch import comm_scratch_bytes
+
+    m = get_model("llama3-8b")
+    for st in (Strategy(dp=8, pp=2, zero=1, precision="fp32"), Strategy(dp=8, tp=8, pp=4, zero=1, precision="fp32")):
+        head = reduce_scatter_scratch(m.vocab_shard(st.tp), 8, 0) * 4  # V h / t divides by 8: no padding
+        assert head > reduce_scatter_scratch(m.layer_parameters(st.tp), 8, 0) * 4
+        assert comm_scratch_bytes(m, st, st.pp - 1, "minizero") >= head

@@ -21,7 +21,7 @@ from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import ModelShape
 from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.states import stage_parameters
-from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch
+from minizero.memory.estimator.zero_overlap import overlapped_ring_scratch, zero_units
 from minizero.memory.estimator.expert_zero import moe_zero_peaks, uses_expert_zero
 
 #: DataParallel's default bucket (``--bucket-mb 1``) in bytes
@@ -74,13 +74,9 @@ def comm_scratch_bytes(m: ModelShape, st: Strategy, stage: int, accounting: str)
         chunks, replica = peaks["scratch"] * g, all_reduce_scratch(peaks["shard"], g, st.replicas)  # hybrid: a bound
         out.append(chunks + max(tp_scratch, replica) if st.overlap and st.zero >= 2 else max(chunks, replica))
     elif dp > 1 and st.zero >= 1:
-        units = [m.layer_parameters(t, ep=st.ep, expert_tp=1)]  # the MoE layer replicated in the tensor group
-        if stage == 0:
-            units += [m.vocab_shard(t), m.seq_len * m.hidden]
-        if stage == st.pp - 1:
-            units.append(m.norm_size)
+        tied, chain = zero_units(m, st, stage)  # the stage's units padded, the last stage's head (or copy) too
         n = st.shard_ranks  # ZeRO's group; hybrid sharding all-reduces a shard over the replicas after (a bound then)
-        padded = max(math.ceil(u / n) * n for u in units)
+        padded = max(tied, *chain)
         replica = all_reduce_scratch(padded // n, g, st.replicas)
         if st.overlap and st.zero >= 2 and n > 1:  # the non-blocking ring's receive chunks instead
             # (estimator/zero_overlap.py), alive while backward's tensor-parallel all-reduces run

@@ -3,7 +3,8 @@
 Blocking: one unit's gradient bucket and (ZeRO-3) one gathered unit alive, plus the tied embedding. Overlapped:
 :data:`~minizero.zero.overlap.REDUCE_BUCKETS` = 2 buckets and :data:`~minizero.zero.overlap.GATHERED_UNITS` = 2
 gathered units (the largest sum of 2 units adjacent in backward order, plus the tied embedding), and a ring
-receive chunk of ceil(padded/N) elements. Exact against the ledger for p = 1 (tests/test_estimator.py).
+receive chunk of ceil(padded/N) elements. Exact against the ledger for p = 1, an untied head too
+(tests/test_estimator.py).
 
 Mirrors: DeepSpeed's ``overlap_comm``; FSDP's ``backward_prefetch``.
 """
@@ -21,22 +22,23 @@ def _padded(n: int, dp: int) -> int:
     return math.ceil(n / dp) * dp
 
 
+def _tables(m: ModelShape, st: Strategy) -> list[int]:
+    """Stage 0's embedding units but a tied table at p = 1, in backward order: ``wpe``, then ``wte`` (unit 0)."""
+    own_table = st.pp > 1 or not m.tied_embeddings
+    return [u for u in (m.seq_len * m.hidden if m.learned_pos else 0, m.vocab_shard(st.tp) if own_table else 0) if u]
+
+
 def zero_units(m: ModelShape, st: Strategy, stage: int) -> tuple[int, list[int]]:
-    """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the
-    other units' padded elements in backward order (see the module docstring)."""
+    """``(tied, chain)``: the tied embedding's padded elements (0 if none on this stage) and the other units'
+    padded elements in backward order, one per unit of ``zero/shards.py`` ``find_units``."""
     dp, t = st.shard_ranks, st.tp  # ZeRO shards over dp x cp (or dp_shard ranks: hybrid sharding)
     vocab = m.vocab_shard(t)  # the embedding and head split by t (parallel/vocab_parallel.py)
     chain = []
     if stage == st.pp - 1:  # an untied head (or the last stage's copy of a tied one, p > 1) is reduced first
         chain += ([vocab] if st.pp > 1 or not m.tied_embeddings else []) + [m.norm_size]
     chain += [m.layer_parameters(t, i, st.ep, 1) for i in stage_layers(m, st, stage)]  # the MoE layer whole
+    chain += _tables(m, st) if stage == 0 else []
     tied = vocab if m.tied_embeddings and st.pp == 1 else 0
-    if stage == 0:
-        bottom = m.seq_len * m.hidden if m.learned_pos else 0
-        if st.pp > 1 or not m.tied_embeddings:
-            bottom += vocab
-        if bottom:
-            chain.append(bottom)
     return _padded(tied, dp), [_padded(u, dp) for u in chain]
 
 
@@ -48,8 +50,12 @@ def window_peak(chain: list[int], width: int) -> int:
 
 
 def overlapped_buckets(m: ModelShape, st: Strategy, stage: int) -> int:
-    """Elements of gradient buckets alive at the peak: tied + the largest ``REDUCE_BUCKETS`` adjacent units."""
+    """Elements of gradient buckets alive at the peak: tied + the largest ``REDUCE_BUCKETS`` adjacent units, stage 0's
+    tables as one (backward opens both buckets at the sum of their outputs)."""
     tied, chain = zero_units(m, st, stage)
+    tables = len(_tables(m, st)) if stage == 0 else 0
+    if tables > 1:
+        chain = chain[:-tables] + [sum(chain[-tables:])]
     return tied + window_peak(chain, REDUCE_BUCKETS)
 
 
