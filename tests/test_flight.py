@@ -19,6 +19,9 @@ from minizero.comm.nonblocking import RingCollective, Stream
 from minizero.debug import hang
 from minizero.debug.__main__ import main as debug_main
 from minizero.numerals import unwrapped
+from minizero.parallel.context_parallel import context_group
+from minizero.parallel.expert_parallel import expert_groups
+from minizero.parallel.topology import Topology
 from tests.conftest import mpi_env
 
 
@@ -695,7 +698,8 @@ def _train_checked(comm, extra, check):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("n,extra", [(2, ["--zero", "3"]), (4, ["--tp", "2", "--zero", "2"]), (4, ["--pp", "2"]),
                                      (2, ["--tp", "2", "--sequence-parallel"]), (2, ["--cp", "2"]),
-                                     (2, ["--quantized-comm"])])
+                                     (2, ["--quantized-comm"]), (2, ["--cp", "2", "--cp-attention", "ulysses"]),
+                                     (4, ["--moe-experts", "2", "--ep", "2"])])
 def test_debug_collectives_passes_every_layout_and_changes_no_loss(n, extra):
     """No false alarm where ranks legitimately differ (uneven shards, pipeline stages, two-rank exchanges)."""
     checked = run_in_threads(n, _train_checked, extra, True, timeout=300)[0]
@@ -765,3 +769,53 @@ def test_debug_collectives_names_both_roots_of_a_broadcast_on_every_rank():
 
     for msg in run_in_threads(2, fn, timeout=5):
         assert "(shape (3,), float64, 24 bytes, root 0)" in msg and "(shape (3,), float64, 24 bytes, root 1)" in msg
+
+
+# -- the groups split outside Topology: context parallelism's (ring and Ulysses) and expert parallelism's ----------
+def _group_members(comm, extra):
+    from minizero.train import parse_args, train
+    args = parse_args(["--model", "tiny", "--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--no-save", *extra], comm.world_size)
+    train(args, comm, log=lambda s: None)
+    return {name: g["members"] for name, g in comm.traffic.recorder.snapshot(0, 1)["groups"].items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,extra,want", [
+    (4, ["--cp", "2", "--tp", "2"], {"cp": [[0, 2], [1, 3]] * 2}),  # the data ranks of the cp group are world 0, 2
+    (2, ["--cp", "2", "--cp-attention", "ulysses"], {"cp": [[0, 1]] * 2}),
+    (8, ["--moe-experts", "2", "--ep", "2", "--tp", "2"],
+     {"ep": [[0, 2], [1, 3]] * 2 + [[4, 6], [5, 7]] * 2, "edp": [[0, 4], [1, 5], [2, 6], [3, 7]] * 2})])
+def test_a_context_or_expert_parallel_run_names_its_groups_with_world_ranks(n, extra, want):
+    """Before: they were recorded as unnamed5, unnamed6 with no members (never analyzed, never checked)."""
+    got = run_in_threads(n, _group_members, extra, timeout=100)
+    assert {name: [g[name] for g in got] for name in want} == want
+    assert not [name for g in got for name in g if name.startswith("unnamed")], got
+
+
+def test_a_rank_that_skips_a_collective_on_the_context_group_is_named_by_debug_hang(tmp_path, capsys):
+    def fn(comm):
+        cp = context_group(Topology(comm, 2, tp=2).dp_comm, 2)  # world ranks [0, 2] and [1, 3]
+        all_reduce(cp, np.ones(3))
+        if comm.rank != 3:
+            all_reduce(cp, np.ones(4))
+
+    assert _run_and_dump(4, fn, tmp_path) is not None
+    assert debug_main(["hang", str(tmp_path)]) == 1
+    out = joined(capsys.readouterr().out)
+    assert "hang: group cp [1, 3]: rank(s) [1] wait in all_reduce #2 (shape (4,), float64, 32 bytes)" in out, out
+    assert "rank 3 never posted #2 (its last: all_reduce #1 (shape (3,)" in out, out
+
+
+@pytest.mark.parametrize("name,members", [("cp", [2, 3]), ("ep", [2, 3]), ("edp", [1, 3])])
+def test_debug_collectives_checks_the_context_and_expert_groups(name, members):
+    def fn(comm):
+        check_collectives(comm)
+        groups = dict(zip(("cp", "ep", "edp"), (context_group(comm, 2), *expert_groups(comm, 2))))
+        all_reduce(groups[name], np.ones(3 if comm.rank == 3 else 2))
+
+    with pytest.raises(CollectiveMismatchError) as e:
+        run_in_threads(4, fn, timeout=5)
+    msg = str(e.value)
+    assert f"] group {name} {members}: rank " in msg, msg  # prefixed by the raising rank: [rank 3/4]
+    assert "all_reduce #1 (shape (2,), float64, 16 bytes)" in msg and "all_reduce #1 (shape (3,)" in msg, msg

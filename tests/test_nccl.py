@@ -396,3 +396,13 @@ def test_a_cuda_error_while_waiting_raises_at_once_not_after_the_timeout():
         return backend.to_host(out)
 
     assert np.array_equal(run_in_threads(1, done)[0], np.ones(4))  # status 0: done, as before
+
+
+@pytest.mark.timeout(60)
+def test_a_split_nccl_communicator_gives_its_ranks_world_ranks():
+    """The bootstrap's numbering (before: the base class's, its own rank), which the flight recorder names groups by."""
+    def world_ranks(comm):
+        sub = _nccl(comm).split(comm.rank % 2, key=-comm.rank)
+        return [sub.world_rank(k) for k in range(sub.world_size)]
+
+    assert run_in_threads(4, world_ranks) == [[2, 0], [3, 1]] * 2

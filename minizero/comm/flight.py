@@ -206,6 +206,14 @@ def check_collectives(comm, on: bool = True) -> FlightRecorder:
     return recorder
 
 
+def name_split(parent, group, name: str, ranks) -> None:
+    """Name ``group``, split from ``parent`` with ``parent``'s ``ranks`` (in group-rank order), in the flight recorder
+    if it has one (:meth:`FlightRecorder.name_group`: members as world ranks, so --debug-collectives checks it)."""
+    recorder = parent.traffic.active_recorder()
+    if recorder is not None:
+        recorder.name_group(group, name, [parent.world_rank(k) for k in ranks])
+
+
 def describe(d: dict, root: bool = False) -> str:
     """``all_reduce #5 (shape (4,), float64, 32 bytes) in metrics`` for a descriptor or an entry's dict."""
     text = f"{d['op']} #{d['seq']}"

@@ -183,6 +183,9 @@ class NcclCommunicator(Communicator):
         return NcclCommunicator(self.bootstrap.split(color, key), traffic=TrafficLedger(parent=self.traffic),
                                 timeout=self.timeout, blocking=self.blocking, nccl=self.nccl, cuda=self.cuda)
 
+    def world_rank(self, rank):  # the bootstrap's (an MPI or thread group of the same ranks)
+        return self.bootstrap.world_rank(rank)
+
     def abort(self, errorcode=1):
         """``ncclCommAbort`` (frees a rank stuck in a kernel), then the bootstrap's abort (the whole job)."""
         try:

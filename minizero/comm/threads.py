@@ -241,6 +241,9 @@ class ThreadCommunicator(Communicator):
             traffic=TrafficLedger(parent=self.traffic), timeout=self.timeout,
         )
 
+    def world_rank(self, rank):  # the thread rank: run_in_threads' world
+        return self._thread_ranks[rank]
+
     def abort(self, errorcode=1):
         exc = RuntimeError(f"{self._who()} called abort(errorcode={errorcode})")
         self._group.fail(self._thread_ranks[self.rank], exc)

@@ -18,6 +18,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
+from minizero.comm.flight import name_split
 from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
 from minizero.nn.module import Dropout, Module
 from minizero.parallel.sequence_parallel import SequenceParallelDropout
@@ -277,5 +278,11 @@ class ContextParallelDropout(Module):
 
 
 def context_group(dp_comm, cp: int):
-    """The context-parallel group inside a data group of dp*cp ranks: data ranks [k cp, (k+1) cp) (None for cp = 1)."""
-    return None if cp == 1 else dp_comm.split(color=dp_comm.rank // cp, key=dp_comm.rank % cp)
+    """The context-parallel group inside a data group of dp*cp ranks: data ranks [k cp, (k+1) cp) (None for cp = 1),
+    named ``cp`` in the flight recorder (ring attention's and Ulysses')."""
+    if cp == 1:
+        return None
+    first = dp_comm.rank - dp_comm.rank % cp
+    group = dp_comm.split(color=first // cp, key=dp_comm.rank % cp)
+    name_split(dp_comm, group, "cp", range(first, first + cp))
+    return group

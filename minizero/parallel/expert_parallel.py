@@ -29,11 +29,12 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, is_grad_enabled
 from minizero.comm.collectives import all_gather, all_reduce
+from minizero.comm.flight import name_split
 from minizero.nn.module import Module, ModuleDict
 from minizero.parallel.data_parallel import DataParallel
 from minizero.parallel.moe import MoELayer
 from minizero.zero import zero_optimizer
-from minizero.zero.hybrid import hybrid_groups
+from minizero.zero.hybrid import hybrid_groups, replica_members
 
 MAX_EXPERTS = 1024  #: --moe-experts cap (each rank draws every expert at start), a checkpoint's layout.moe_experts too
 MOE_EVERY = (1, 2)  #: --moe-every choices: an MoE layer in every block, or every other block
@@ -132,9 +133,13 @@ def aux_loss_seeder(stage):
 
 
 def expert_groups(dp_comm, ep: int):
-    """Collective over the data group: ``(expert group, expert-data group)`` communicators (module docstring)."""
+    """Collective over the data group: ``(expert group, expert-data group)`` communicators (module docstring), named
+    ``ep`` and ``edp`` in the flight recorder."""
     r = dp_comm.rank
-    return dp_comm.split(color=r // ep, key=r), dp_comm.split(color=r % ep, key=r)
+    groups = dp_comm.split(color=r // ep, key=r), dp_comm.split(color=r % ep, key=r)
+    name_split(dp_comm, groups[0], "ep", range(r - r % ep, r - r % ep + ep))
+    name_split(dp_comm, groups[1], "edp", replica_members(dp_comm.world_size, ep, r))
+    return groups
 
 
 def is_expert(p) -> bool:

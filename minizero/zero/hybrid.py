@@ -15,6 +15,7 @@ Sources: PyTorch FSDP ``HYBRID_SHARD``; MiCS, Zhang et al. 2022 (arXiv:2205.0011
 from __future__ import annotations
 
 from minizero.comm.collectives import all_reduce
+from minizero.comm.flight import name_split
 from minizero.optim.used_parameters import used_anywhere
 from minizero.zero.shards import model_state_formula
 
@@ -29,10 +30,8 @@ def hybrid_groups(comm, shard: int, names=("dp_shard", "dp_replicate")):
         return comm, None
     groups = comm.split(color=r // shard, key=r), comm.split(color=r % shard, key=r)
     members = range(r - r % shard, r - r % shard + shard), replica_members(d, shard, r)  # data ranks of each
-    recorder = comm.traffic.active_recorder()  # the flight recorder's names (and --debug-collectives' check)
-    if recorder is not None:
-        for name, group, ranks in zip(names, groups, members):
-            recorder.name_group(group, name, [comm.world_rank(k) for k in ranks])
+    for name, group, ranks in zip(names, groups, members):
+        name_split(comm, group, name, ranks)
     return groups
 
 
