@@ -381,6 +381,20 @@ def test_a_save_dir_holding_a_step_folder_that_is_no_checkpoint_is_refused(tmp_p
     parse_args(flags)
 
 
+def test_a_save_dir_holding_a_latest_file_of_the_users_is_refused(tmp_path):
+    """Before: a file 'latest' in --save-dir that names no step folder (the user's) was overwritten by the first
+    save; now refused before any work. One naming a step (its checkpoints removed by hand) is a save's pointer."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "latest").write_text("my notes\n")
+    flags = [*TINY, "--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path / "ck"), "--out", str(tmp_path)]
+    with pytest.raises(UsageError, match=r"holds a file 'latest' that names no checkpoint \('my notes'\), which "
+                                         r"every save would overwrite"):
+        parse_args(flags)
+    assert (tmp_path / "ck" / "latest").read_text() == "my notes\n"
+    (tmp_path / "ck" / "latest").write_text("step_00000004")
+    parse_args(flags)
+
+
 def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path):
     """Before: a fresh run with --save-every into a save dir of an earlier run overwrote its step 1, moved its
     ``latest`` and left its step 2 beside: two runs mixed, one lost. Now refused unless resuming from there."""
