@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
-from minizero.checkpoint.format import refuse_pipes
-from minizero.checkpoint.format import complete as complete_checkpoints, step_of
+from minizero.checkpoint.format import LATEST, refuse_pipes
+from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, folder_name, step_of
 from minizero.comm.flight import clear, records
 from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable_folder, live_job_holding,
                             refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
@@ -166,6 +166,24 @@ def check_save_dir(args) -> None:
     (or one resumed from elsewhere) would overwrite another run's steps and move its ``latest``."""
     if args.save_every:
         _usage(refuse_pipes, args.save_dir, "--save-dir")
+        names = os.listdir(args.save_dir) if os.path.isdir(args.save_dir) else []
+        other = [n for n in sorted(names) if step_of(n) is not None and n == folder_name(step_of(n))
+                 and not os.path.isfile(os.path.join(args.save_dir, n, MANIFEST))]  # a save of step N replaces it
+        if other:
+            raise UsageError(f"--save-dir {args.save_dir!r} holds {other[0]!r}, which is not a checkpoint (no "
+                             f"{MANIFEST} in it): a save of that step would replace it; move it away, or "
+                             "give another --save-dir")
+        latest = os.path.join(args.save_dir, LATEST)
+        if os.path.isfile(latest) and not complete_checkpoints(args.save_dir):  # else a damaged pointer: rewritten
+            try:
+                with open(latest, "rb") as f:
+                    said = f.read(64).decode("utf-8", "replace").strip()
+            except OSError:  # unreadable: the rename of a save replaces it all the same
+                said = ""
+            if step_of(said) is None:
+                raise UsageError(f"--save-dir {args.save_dir!r} holds a file {LATEST!r} that names no checkpoint "
+                                 f"({said[:20]!r}), which every save would overwrite; move it away, or give another "
+                                 "--save-dir")
     held = complete_checkpoints(args.save_dir) if args.save_every else []
     if not held:
         return

@@ -324,8 +324,7 @@ def config_for(weights: str, state: dict) -> GPTConfig:
 
 
 def load_gpt(weights: str) -> GPT:
-    """The GPT stored in ``weights`` (model.npz), in the file's dtype. Raises FileNotFoundError: no such file;
-    ValueError: as :func:`read_weights`, :func:`load_trained`."""
+    """The GPT in ``weights`` (model.npz), in its dtype; raises as :func:`read_weights`, :func:`load_trained`."""
     return load_trained(weights, None, read_weights(weights))[0]
 
 
@@ -349,8 +348,7 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
     Raises FileNotFoundError: no weights file; ValueError: not a minizero .npz, integer arrays, a bad model.json or
     summary.json, no shape, or weights that do not fit the shape (file, first names and ``--model`` named).
     """
-    if state is None:
-        state = read_weights(weights)
+    state = read_weights(weights) if state is None else state
     ints = sorted(k for k, v in state.items() if v.dtype.kind != "f")
     if ints:  # a GPT computes in floating point; integers would be cast silently (truncated values) and used
         raise _not_weights(weights, f"array {ints[0]!r} has dtype {state[ints[0]].dtype}; sampling, quantizing and "
@@ -358,8 +356,10 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
     cfg, source, summary, note = model_config(weights, state, preset, flag)
     if note and notes is not None:
         notes.append(note)
-    if "lm_head.weight" not in state and "transformer.wte.weight" in state:  # the tied head: the embedding matrix
-        state = dict(state, **{"lm_head.weight": state["transformer.wte.weight"]})
+    wte = state["transformer.wte.weight"]  # the tied head: the embedding matrix under a second name
+    if not np.array_equal(state.get("lm_head.weight", wte), wte):  # load_state_dict put the head's values in wte
+        raise _not_weights(weights, "lm_head.weight differs from transformer.wte.weight, which minizero's GPT ties")
+    state = dict(state, **{"lm_head.weight": wte})
     model = GPT(cfg)
     try:
         model.load_state_dict(state)

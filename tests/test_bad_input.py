@@ -366,6 +366,35 @@ def test_resume_refuses_pruning_it_would_skip_or_change(saved, tmp_path):
     check(ck, *pruned)
 
 
+def test_a_save_dir_holding_a_step_folder_that_is_no_checkpoint_is_refused(tmp_path):
+    """Before: a folder step_00000002 without manifest.json in --save-dir (the user's) was replaced by the save of
+    step 2 and removed, after the work; now refused before it, the folder kept. An unpadded step_2: never written."""
+    (tmp_path / "ck" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "ck" / "step_00000002" / "notes.txt").write_text("mine")
+    (tmp_path / "ck" / "step_2").mkdir()
+    flags = [*TINY, "--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path / "ck"), "--out", str(tmp_path)]
+    with pytest.raises(UsageError, match=r"--save-dir '.*ck' holds 'step_00000002', which is not a checkpoint \(no "
+                                         r"manifest.json in it\): a save of that step would replace it"):
+        parse_args(flags)
+    assert (tmp_path / "ck" / "step_00000002" / "notes.txt").read_text() == "mine"
+    os.rename(tmp_path / "ck" / "step_00000002", tmp_path / "kept")
+    parse_args(flags)
+
+
+def test_a_save_dir_holding_a_latest_file_of_the_users_is_refused(tmp_path):
+    """Before: a file 'latest' in --save-dir that names no step folder (the user's) was overwritten by the first
+    save; now refused before any work. One naming a step (its checkpoints removed by hand) is a save's pointer."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "latest").write_text("my notes\n")
+    flags = [*TINY, "--steps", "2", "--save-every", "2", "--save-dir", str(tmp_path / "ck"), "--out", str(tmp_path)]
+    with pytest.raises(UsageError, match=r"holds a file 'latest' that names no checkpoint \('my notes'\), which "
+                                         r"every save would overwrite"):
+        parse_args(flags)
+    assert (tmp_path / "ck" / "latest").read_text() == "my notes\n"
+    (tmp_path / "ck" / "latest").write_text("step_00000004")
+    parse_args(flags)
+
+
 def test_a_save_dir_holding_another_runs_checkpoints_is_refused(saved, tmp_path):
     """Before: a fresh run with --save-every into a save dir of an earlier run overwrote its step 1, moved its
     ``latest`` and left its step 2 beside: two runs mixed, one lost. Now refused unless resuming from there."""

@@ -294,6 +294,20 @@ def test_a_save_stopped_between_its_two_renames_gets_the_replaced_checkpoint_bac
     assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000006"]
 
 
+def test_a_save_removes_no_dot_tmp_or_dot_trash_folder_of_the_users(tmp_path):
+    """Before: --save-dir may be any folder, and every save removed each .tmp-* and .trash-* in it: a user's
+    .tmp-build/ and .trash-photos/ were lost. Only a save's own .tmp-step_N and .trash-step_N are removed."""
+    from minizero.checkpoint.format import clean_partial
+
+    for name in (".tmp-build", ".trash-photos", ".tmp-step_x"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    _checkpoint_folder(tmp_path / ".trash-notes")  # not renamed back to 'notes' either
+    _checkpoint_folder(tmp_path / ".tmp-step_00000004")
+    assert clean_partial(str(tmp_path)) == [".tmp-step_00000004"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-build", ".tmp-step_x", ".trash-notes", ".trash-photos"]
+
+
 def test_a_timeout_in_a_group_names_both_ranks_as_the_job_numbers_them():
     from minizero.comm.base import timeout_message
 

@@ -56,6 +56,19 @@ def test_sample_without_top_k_draws_as_generate_does():
     assert np.array_equal(top1, model.generate(idx, 20, temperature=0, rng=np.random.default_rng(0)))  # greedy
 
 
+def test_weights_whose_head_differs_from_the_tied_embedding_are_refused(tmp_path):
+    """Before: an .npz whose lm_head.weight differed from transformer.wte.weight (edited, or another tool's untied
+    head) loaded without a word, the head's values put in the embedding too (one Parameter under both names)."""
+    state = {k: np.array(v) for k, v in GPT(get_config("tiny"), seed=1).state_dict().items()}
+    np.savez(tmp_path / "model.npz", **state)
+    assert np.array_equal(load_gpt(str(tmp_path / "model.npz")).transformer.wte.weight.data, state["lm_head.weight"])
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    np.savez(tmp_path / "model.npz", **state)
+    with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte.weight, which minizero's GPT "
+                                         "ties"):
+        load_gpt(str(tmp_path / "model.npz"))
+
+
 def test_shape_is_read_from_the_arrays(tmp_path):
     cfg = get_config("default", n_layer=3, n_head=8, n_embd=32, block_size=24)
     state = GPT(cfg).state_dict()

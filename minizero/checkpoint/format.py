@@ -80,10 +80,12 @@ def clean_partial(save_dir: str) -> list[str]:
     if os.path.isdir(save_dir):
         for n in os.listdir(save_dir):
             here, back = os.path.join(save_dir, n), os.path.join(save_dir, n[len(TRASH):])
+            if not any(n.startswith(p) and step_of(n[len(p):]) is not None for p in (TMP, TRASH)):
+                continue  # not a save's (.tmp-step_N): the user's, in a --save-dir that is any folder
             if n.startswith(TRASH) and not os.path.lexists(back) and os.path.isfile(os.path.join(here, MANIFEST)):
                 with contextlib.suppress(OSError):  # a read-only --save-dir: left as it is, as rmtree leaves it
                     os.replace(here, back)
-            elif n.startswith((TMP, TRASH)):
+            else:
                 shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
                 gone.append(n)
     return gone
