@@ -12,7 +12,8 @@ import pytest
 
 from minizero import compare, finetune
 from minizero.nn.gpt import GPTConfig
-from minizero.files import atomic_write, check_output, check_writable_file
+from minizero.files import atomic_write, check_writable_file
+from minizero.overwrite import check_output
 from minizero.quantize import main as quantize_main
 from tests.conftest import REPO_ROOT, png_bytes
 
@@ -65,7 +66,7 @@ def test_train_refuses_a_full_device_before_any_step(tmp_path, flag):
 def test_every_program_says_an_output_it_cannot_write_alike(tmp_path):
     """Before: train said "--json PATH cannot be written (WHY); give another path", compare, finetune and quantize
     "--json PATH: cannot write there (WHY)", compare's --out "--out: cannot write in PATH (WHY)", consolidate
-    "--out PATH: cannot write there (WHY)": now one line, from files.unwritable, with what to give."""
+    "--out PATH: cannot write there (WHY)": now one line, from temporaries.unwritable, with what to give."""
     from minizero.args import UsageError, parse_args
     from minizero.checkpoint import CheckpointError
     from minizero.checkpoint.cli import check_out
@@ -132,7 +133,7 @@ def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
         check_writable_file(str(tmp_path / "pipe"))
     assert e.value.errno == errno.ENXIO and e.value.strerror == (
         f"{str(tmp_path / 'pipe')!r} is a named pipe (FIFO) with no reader, not a regular file")
-    from minizero.files import unwritable
+    from minizero.temporaries import unwritable
     assert unwritable("--out", "pipe", e.value).endswith("with no reader, not a regular file); give a regular file")
     reader = os.open(tmp_path / "pipe", os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -525,8 +526,8 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
 def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_its_keys_is_not(tmp_path, mpiexec):
     """Before: a JSON object with any one of train_loss, rows, runs or results counted as minizero's summary, so
     --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}. Now each program's
-    summary is known by all the keys it writes (files.SUMMARY_SIGNATURES), checked here on what each one wrote."""
-    from minizero.files import SUMMARY_SIGNATURES
+    summary is known by all the keys it writes (overwrite.SUMMARY_SIGNATURES), checked here on what each one wrote."""
+    from minizero.overwrite import SUMMARY_SIGNATURES
 
     def run(*argv, ok=(0,)):
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -604,7 +605,7 @@ def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch,
 def test_the_rule_names_the_last_component_as_given(tmp_path, monkeypatch, name):
     """A last component '', '.' or '..' is refused by the text as given (abspath drops it); a directory says so
     first."""
-    from minizero.files import refuse_slash_or_dangling
+    from minizero.overwrite import refuse_slash_or_dangling
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as e:
