@@ -2,12 +2,24 @@
 files (notes, data, an input, a file programs read back, a checkpoint) are refused in one line naming the flag."""
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
 from minizero.files import check_writable_file, read_json
 from minizero.pngs import WHAT as PLOT, is_marked
 from minizero.temporaries import unwritable
+
+
+@contextlib.contextmanager
+def refusing_unreadable(path: str, flag: str):
+    """An OSError while the block reads the existing output ``path`` (chmod 000) becomes the one ValueError (naming
+    ``flag``) that says so, the same for every kind of output, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(f"{flag}: {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
+                         "away") from None
 
 
 MANIFEST = "manifest.json"  #: the file that makes a folder a checkpoint (minizero.checkpoint writes it last)
@@ -83,15 +95,13 @@ def refuse_foreign(path: str, flag: str) -> None:
     a PNG minizero marked, :mod:`minizero.pngs`): an output replaces an earlier output, never the user's files."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    try:  # readable? A brace first: parse it (what minizero writes is small; a big text file is not read whole)
+    with refusing_unreadable(path, flag):
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
-        data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
-    except OSError as e:  # chmod 000: said so, not a traceback (as saved_model.refuse_replacing)
-        raise ValueError(f"{flag} {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
-                         "away") from None
-    except ValueError:
-        data = None
+        try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
+            data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
+        except ValueError:
+            data = None
     if not (is_marked(path) if flag not in KEEPS else isinstance(data, dict) and (
             isinstance(data.get("traceEvents"), list) if flag == "--trace" else is_summary(data))):
         raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, PLOT)}: {flag} replaces only "

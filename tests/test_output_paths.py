@@ -280,13 +280,45 @@ def test_train_names_an_unreadable_plot_or_summary_in_out_and_says_another_folde
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(builtins, "open", denied)
-    with pytest.raises(UsageError, match=r"--out 'o/loss.png' is there and cannot be read \(Permission denied\); "
+    with pytest.raises(UsageError, match=r"--out: 'o/loss.png' is there and cannot be read \(Permission denied\); "
                                          "make it readable or move it away"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
     (tmp_path / "o" / "loss.png").unlink()
     (tmp_path / "o" / "summary.json").write_text("{}")
-    with pytest.raises(UsageError, match=r"--json 'o/summary.json' is there and cannot be read"):
+    with pytest.raises(UsageError, match=r"--json: 'o/summary.json' is there and cannot be read"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
+def test_an_unreadable_output_is_refused_in_one_wording_by_weights_and_plots_checks(tmp_path, monkeypatch):
+    """Before: saved_model.refuse_replacing (model.npz, model.json) and refuse_foreign (plots, --json, --trace) each
+    worded a file they cannot read (chmod 000) in their own copy, and the copies differed ("--out:" vs "--out")."""
+    import builtins
+    import pathlib
+
+    from minizero.overwrite import refuse_foreign
+    from minizero.saved_model import refuse_replacing
+
+    path = str(tmp_path / "model.json")
+    with open(path, "w") as f:
+        f.write("{}")
+    real_open = builtins.open
+
+    def denied(p, *a, **k):  # chmod 000 (the tests may run as root, who reads it anyway)
+        if str(p) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    said = []
+    for refuse in (refuse_replacing, refuse_foreign):
+        with pytest.raises(ValueError) as e:
+            refuse(path, "--out")
+        said.append(str(e.value))
+    assert said == [f"--out: {path!r} is there and cannot be read (Permission denied); make it readable or move it "
+                    "away"] * 2
+    monkeypatch.undo()
+    sources = [p.read_text() for p in pathlib.Path(REPO_ROOT, "minizero").rglob("*.py")]
+    assert sum(s.count("is there and cannot be read") for s in sources) == 1  # one helper words it, not copies
 
 
 def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
