@@ -237,8 +237,8 @@ def file_path(text) -> str:
 
 def check_output_path(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
     """``parser.error`` unless ``path`` can be written at the end without losing anything
-    (:func:`minizero.files.check_output`: not a directory, its folder exists, not a file programs read back)."""
-    from minizero.files import check_output
+    (:func:`minizero.overwrite.check_output`: not a directory, its folder exists, not a file programs read back)."""
+    from minizero.overwrite import check_output
 
     try:
         check_output(path, flag)

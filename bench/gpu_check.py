@@ -48,7 +48,9 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
-from minizero.files import atomic_write, check_writable_file, refuse_slash_or_dangling, unwritable  # noqa: E402
+from minizero.files import atomic_write, check_writable_file  # noqa: E402
+from minizero.overwrite import refuse_slash_or_dangling  # noqa: E402
+from minizero.temporaries import unwritable  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 

@@ -20,7 +20,7 @@ from minizero.config import TrainConfig
 from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import spec_problem
-from minizero.files import check_writable_folder, unwritable
+from minizero.temporaries import check_writable_folder, unwritable
 from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
                                     check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
                                     launch, offloads_optimizer, resolve_sizes)

@@ -23,8 +23,9 @@ from minizero.memory.estimator import ModelShape, Strategy, activation_bytes, es
 from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
                                      markdown, plot, progress, terminal)
-from minizero.files import (WriteError, atomic_write, check_output, check_writable_file, check_writable_folder,
-                            checkpoint_holding, mpiexec_path, unwritable)
+from minizero.files import WriteError, atomic_write, check_writable_file, mpiexec_path
+from minizero.overwrite import check_output, checkpoint_holding
+from minizero.temporaries import check_writable_folder, unwritable
 from minizero.debug.parity import MAX_RANKS  # the ranks one run may start, as parity's
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks, run_group  # __main__: | head -1 quiet
 from minizero.nn.gpt import PRESETS, preset_sizes

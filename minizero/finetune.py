@@ -30,8 +30,9 @@ from minizero.comm.base import DEFAULT_TIMEOUT_S
 from minizero.comm.collectives import all_reduce
 from minizero.faults import STEP_START_KINDS, FaultInjector
 from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_note
-from minizero.files import (FolderLock, WriteError, atomic_write, check_output, check_writable_folder,
-                            checkpoint_holding, content_digest, lock_outputs, refuse_inputs, release_all, unwritable)
+from minizero.files import FolderLock, WriteError, atomic_write, content_digest, lock_outputs, release_all
+from minizero.overwrite import check_output, checkpoint_holding, refuse_inputs
+from minizero.temporaries import check_writable_folder, unwritable
 from minizero.layout_checks import launch
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,

@@ -8,8 +8,9 @@ from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import LATEST, refuse_pipes
 from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, folder_name, step_of
 from minizero.comm.flight import clear, records
-from minizero.files import (PRUNED_MID_READ, check_writable_file, check_writable_folder, live_job_holding,
-                            refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back, unwritable)
+from minizero.files import PRUNED_MID_READ, check_writable_file, live_job_holding
+from minizero.overwrite import refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back
+from minizero.temporaries import check_writable_folder, unwritable
 from minizero.data import describe_non_file
 from minizero.flags import UsageError
 from minizero.memory.plots import plots_on
@@ -103,7 +104,7 @@ def run_files(args) -> dict:
 
 
 def _usage(check, path: str, flag: str) -> None:
-    """``check(path, flag)`` (a :mod:`minizero.files` check raising ValueError) as a UsageError."""
+    """``check(path, flag)`` (a :mod:`minizero.overwrite` check raising ValueError) as a UsageError."""
     try:
         check(path, flag)
     except ValueError as e:

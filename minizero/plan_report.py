@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from minizero.files import atomic_write, check_output, refuse_slash_or_dangling
+from minizero.files import atomic_write
+from minizero.overwrite import check_output, refuse_slash_or_dangling
 from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.numerals import column, counted, significant
 from minizero.plan_search import Candidate, Hardware, train_runs

@@ -20,7 +20,8 @@ import sys
 from minizero import backend
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
-from minizero.files import FolderLock, atomic_write, check_output, lock_outputs, release_all
+from minizero.files import FolderLock, atomic_write, lock_outputs, release_all
+from minizero.overwrite import check_output
 from minizero.flags import MAX_ADAM8BIT_BLOCK
 from minizero.ledger import wrap
 from minizero.nn.gpt import PRESETS, preset_sizes

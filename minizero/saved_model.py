@@ -21,6 +21,7 @@ import numpy as np
 
 from minizero.files import atomic_write, read_json
 from minizero.nn import GPTConfig
+from minizero.overwrite import refusing_unreadable
 
 SIDECAR = "model.json"  #: the GPT config beside model.npz (see :func:`minizero.weights.model_config`)
 TAG = b"minizero model.json "  #: how model.npz's zip comment starts; the config saved with the weights follows
@@ -83,11 +84,9 @@ def refuse_replacing(path: str, flag: str) -> None:
         raise ValueError(f"{flag}: {path!r} is a link to {os.path.realpath(path)!r}; the weights would be written "
                          f"there, away from the {SIDECAR} written beside the link (a pair split over two folders): "
                          "remove the link or give another folder")
-    try:  # one it cannot read (permission denied) is not called another program's
-        os.path.isfile(path) and open(path, "rb").close()
-    except OSError as e:
-        raise ValueError(f"{flag}: {path!r} is there and cannot be read ({e.strerror}); make it readable or move it "
-                         "away") from None
+    with refusing_unreadable(path, flag):  # one it cannot read (permission denied) is not called another program's
+        if os.path.isfile(path):
+            open(path, "rb").close()
     with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
         if not os.path.lexists(path) or os.path.isfile(path) and (
                 0 < len(keys := read_json(path).keys()) and keys <= _FIELDS if config else zipfile.is_zipfile(path)):

@@ -879,7 +879,7 @@ def test_other_programs_never_write_over_what_the_user_has(saved, tmp_path, monk
     from minizero import compare, finetune
     from minizero.checkpoint.cli import main as checkpoint_main
     from minizero.debug.__main__ import main as debug_main
-    from minizero.files import check_output
+    from minizero.overwrite import check_output
 
     run = saved.parent  # the run's folder: model.npz, model.json, summary.json, checkpoints/
     before = {**_digests(saved), **{f: (run / f).read_bytes() for f in ("model.npz", "model.json", "summary.json")}}

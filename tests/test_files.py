@@ -74,7 +74,7 @@ def test_a_killed_write_leaves_a_temporary_that_the_next_run_removes(tmp_path):
 def test_a_save_dirs_latest_pointer_is_never_an_output(tmp_path):
     """--json (train, finetune, quantize) or --trace naming a save dir's ``latest`` replaced the pointer with JSON
     (exit 0): the save dir's own record of its newest checkpoint lost. A file of that name elsewhere is written."""
-    from minizero.files import check_output, refuse_read_back
+    from minizero.overwrite import check_output, refuse_read_back
 
     (tmp_path / "ck" / "step_00000002").mkdir(parents=True)
     (tmp_path / "ck" / "step_00000002" / "manifest.json").write_text("{}")

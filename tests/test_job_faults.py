@@ -595,7 +595,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     import sys
 
     table = tmp_path / "q.json"
-    table.write_text('{"baseline": {}, "rows": []}')  # an earlier quantize table (files.SUMMARY_SIGNATURES)
+    table.write_text('{"baseline": {}, "rows": []}')  # an earlier quantize table (overwrite.SUMMARY_SIGNATURES)
     held = FolderLock.for_file(str(table))
     held.acquire()
     try:

@@ -12,7 +12,8 @@ import pytest
 
 from minizero import compare, finetune
 from minizero.nn.gpt import GPTConfig
-from minizero.files import atomic_write, check_output, check_writable_file
+from minizero.files import atomic_write, check_writable_file
+from minizero.overwrite import check_output
 from minizero.quantize import main as quantize_main
 from tests.conftest import REPO_ROOT, png_bytes
 
@@ -65,7 +66,7 @@ def test_train_refuses_a_full_device_before_any_step(tmp_path, flag):
 def test_every_program_says_an_output_it_cannot_write_alike(tmp_path):
     """Before: train said "--json PATH cannot be written (WHY); give another path", compare, finetune and quantize
     "--json PATH: cannot write there (WHY)", compare's --out "--out: cannot write in PATH (WHY)", consolidate
-    "--out PATH: cannot write there (WHY)": now one line, from files.unwritable, with what to give."""
+    "--out PATH: cannot write there (WHY)": now one line, from temporaries.unwritable, with what to give."""
     from minizero.args import UsageError, parse_args
     from minizero.checkpoint import CheckpointError
     from minizero.checkpoint.cli import check_out
@@ -132,7 +133,7 @@ def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
         check_writable_file(str(tmp_path / "pipe"))
     assert e.value.errno == errno.ENXIO and e.value.strerror == (
         f"{str(tmp_path / 'pipe')!r} is a named pipe (FIFO) with no reader, not a regular file")
-    from minizero.files import unwritable
+    from minizero.temporaries import unwritable
     assert unwritable("--out", "pipe", e.value).endswith("with no reader, not a regular file); give a regular file")
     reader = os.open(tmp_path / "pipe", os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -279,13 +280,45 @@ def test_train_names_an_unreadable_plot_or_summary_in_out_and_says_another_folde
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(builtins, "open", denied)
-    with pytest.raises(UsageError, match=r"--out 'o/loss.png' is there and cannot be read \(Permission denied\); "
+    with pytest.raises(UsageError, match=r"--out: 'o/loss.png' is there and cannot be read \(Permission denied\); "
                                          "make it readable or move it away"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
     (tmp_path / "o" / "loss.png").unlink()
     (tmp_path / "o" / "summary.json").write_text("{}")
-    with pytest.raises(UsageError, match=r"--json 'o/summary.json' is there and cannot be read"):
+    with pytest.raises(UsageError, match=r"--json: 'o/summary.json' is there and cannot be read"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
+def test_an_unreadable_output_is_refused_in_one_wording_by_weights_and_plots_checks(tmp_path, monkeypatch):
+    """Before: saved_model.refuse_replacing (model.npz, model.json) and refuse_foreign (plots, --json, --trace) each
+    worded a file they cannot read (chmod 000) in their own copy, and the copies differed ("--out:" vs "--out")."""
+    import builtins
+    import pathlib
+
+    from minizero.overwrite import refuse_foreign
+    from minizero.saved_model import refuse_replacing
+
+    path = str(tmp_path / "model.json")
+    with open(path, "w") as f:
+        f.write("{}")
+    real_open = builtins.open
+
+    def denied(p, *a, **k):  # chmod 000 (the tests may run as root, who reads it anyway)
+        if str(p) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    said = []
+    for refuse in (refuse_replacing, refuse_foreign):
+        with pytest.raises(ValueError) as e:
+            refuse(path, "--out")
+        said.append(str(e.value))
+    assert said == [f"--out: {path!r} is there and cannot be read (Permission denied); make it readable or move it "
+                    "away"] * 2
+    monkeypatch.undo()
+    sources = [p.read_text() for p in pathlib.Path(REPO_ROOT, "minizero").rglob("*.py")]
+    assert sum(s.count("is there and cannot be read") for s in sources) == 1  # one helper words it, not copies
 
 
 def test_train_replaces_a_model_config_with_fewer_fields_or_through_a_link(tmp_path, monkeypatch):
@@ -525,8 +558,8 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
 def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_its_keys_is_not(tmp_path, mpiexec):
     """Before: a JSON object with any one of train_loss, rows, runs or results counted as minizero's summary, so
     --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}. Now each program's
-    summary is known by all the keys it writes (files.SUMMARY_SIGNATURES), checked here on what each one wrote."""
-    from minizero.files import SUMMARY_SIGNATURES
+    summary is known by all the keys it writes (overwrite.SUMMARY_SIGNATURES), checked here on what each one wrote."""
+    from minizero.overwrite import SUMMARY_SIGNATURES
 
     def run(*argv, ok=(0,)):
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -604,7 +637,7 @@ def test_a_dangling_link_into_a_missing_folder_is_refused(tmp_path, monkeypatch,
 def test_the_rule_names_the_last_component_as_given(tmp_path, monkeypatch, name):
     """A last component '', '.' or '..' is refused by the text as given (abspath drops it); a directory says so
     first."""
-    from minizero.files import refuse_slash_or_dangling
+    from minizero.overwrite import refuse_slash_or_dangling
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as e:

@@ -26,7 +26,7 @@ def test_the_mark_is_read_by_hand_without_matplotlib(tmp_path):
              "notes": b"my notes\n", "empty": b""}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-    code = ("import sys; from minizero.files import refuse_foreign; from minizero.pngs import is_marked; "
+    code = ("import sys; from minizero.overwrite import refuse_foreign; from minizero.pngs import is_marked; "
             f"print([is_marked({str(tmp_path)!r} + '/' + n) for n in {list(files)!r}], 'matplotlib' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=mpi_env(), timeout=60)
     assert proc.stdout.split("\n")[0] == "[True, False, False, False, False] False", proc.stderr
@@ -149,8 +149,8 @@ def test_plan_plot_refuses_a_users_own_png_and_a_dash(tmp_path, monkeypatch, cap
 
 
 def test_a_benchmarks_png_path_keeps_a_users_own_png(tmp_path):
-    """bench/ checks --png and --figure with files.check_output (bench/_args.check_output_path): the same rule."""
-    from minizero.files import check_output
+    """bench/ checks --png and --figure with overwrite.check_output (bench/_args.check_output_path): the same rule."""
+    from minizero.overwrite import check_output
 
     (tmp_path / "mine.png").write_bytes(png_bytes(marked=False))
     (tmp_path / "old.png").write_bytes(png_bytes())

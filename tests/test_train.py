@@ -50,7 +50,7 @@ def test_bad_arguments_are_named(argv, needle):
 
 
 def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(tmp_path, monkeypatch):
-    from minizero.files import check_output
+    from minizero.overwrite import check_output
 
     monkeypatch.chdir(tmp_path)
     os.mkdir("a")

@@ -18,8 +18,9 @@ from safetensors import SafetensorError
 from minizero.checkpoint.format import LATEST, CheckpointError, checkpoint_holding, refuse_pipes, verify
 from minizero.checkpoint.layout import KINDS, TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
-from minizero.files import (PRUNED_MID_READ, READ_BACK, WriteError, atomic_write, check_writable_file,
-                            live_job_holding, read_json, refuse_slash_or_dangling, unwritable)
+from minizero.files import PRUNED_MID_READ, WriteError, atomic_write, check_writable_file, live_job_holding, read_json
+from minizero.overwrite import READ_BACK, refuse_slash_or_dangling
+from minizero.temporaries import unwritable
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
 from minizero.numerals import OneLineParser, error_lines
@@ -161,7 +162,7 @@ def sidecar_to_write(out: str, cfg: GPTConfig) -> str | None:
     """The ``model.json`` to write beside ``out`` (train's config file, see :func:`minizero.weights.model_config`),
     or None when one holding ``cfg`` is already there; checked before any tensor is read.
 
-    Raises CheckpointError: another file of that name is there (:data:`minizero.files.READ_BACK`: never
+    Raises CheckpointError: another file of that name is there (:data:`minizero.overwrite.READ_BACK`: never
     overwritten; it may be another model's config, or the user's).
     """
     real = os.path.realpath(out) if os.path.islink(out) else os.path.abspath(out)  # a link: beside the weights

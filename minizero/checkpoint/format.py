@@ -21,7 +21,7 @@ from minizero.checkpoint.model_fields import clipped
 from minizero.data import describe_non_file
 from minizero.numerals import is_count
 from minizero.files import FolderLock
-from minizero.files import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
+from minizero.overwrite import MANIFEST, checkpoint_holding  # noqa: F401 (re-exported: minizero.checkpoint's API)
 
 FORMAT = "minizero-checkpoint"
 VERSION = 1  #: the manifest version this code writes and the newest it reads
