@@ -239,7 +239,8 @@ def _shared_block_touches(n, block=48, min_8bit=4096):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 3])
 def test_zero_stages_with_8bit_state_equal_one_process(n):
-    """ZeRO 1-3 with the 8-bit state sharded, float64: parameters after 3 steps equal one process's to 1e-9."""
+    """ZeRO 1-3 with the 8-bit state sharded, float64: parameters after 3 steps equal one process's to 1e-12 of
+    the largest."""
     from tests.mpi_scripts import zero_check
 
     ref = run_in_threads(1, zero_check.run, 0, 2 * n, extra=EXTRA)[0]
@@ -251,7 +252,7 @@ def test_zero_stages_with_8bit_state_equal_one_process(n):
         for rank, got in enumerate(results):
             np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=1e-12)
             for name, a in ref["params"].items():
-                np.testing.assert_allclose(got["params"][name], a, rtol=1e-9, atol=1e-9 * np.abs(a).max(),
+                np.testing.assert_allclose(got["params"][name], a, rtol=0, atol=1e-12 * np.abs(a).max(),
                                            err_msg=f"stage {stage}, rank {rank}/{n}: {name}")
             assert got["step_bytes"][-1]["optimizer_sync"] > 0  # the absmax of cut blocks was agreed on
         # the ledger: the 8-bit state is sharded; blocks cut by a boundary keep their absmax on every holder

@@ -147,9 +147,9 @@ def test_command_line_flash_equals_dense(n, extra):
     flash = run_in_threads(n, _train, extra + ["--attention", "flash"])
     for (ld, gd), (lf, gf) in zip(dense, flash):
         assert len(ld) == len(lf) == 2 and len(gd) == len(gf) > 0
-        np.testing.assert_allclose(lf, ld, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(lf, ld, rtol=0, atol=1e-13)  # float64: measured 8.9e-16 (losses ~5.5)
         for a, b in zip(gd, gf):
-            assert np.abs(a - b).max() <= 1e-9
+            assert np.abs(a - b).max() <= 1e-13  # measured 1.1e-16 (|grad| <= 0.47)
 
 
 @pytest.mark.parametrize("argv,match", [

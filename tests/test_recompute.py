@@ -53,17 +53,24 @@ def block_activation_bytes(cfg, batch):
     return peak
 
 
-def test_full_recompute_memory_is_inputs_plus_one_block():
+def test_recompute_memory_is_the_ledgers_exact_byte_count():
+    """Peak saved bytes of a 12-layer float32 GPT (no dropout), byte for byte: each block keeps its input under full
+    recompute, everything but its attention scores under selective; ``x`` is both inputs and targets (one array)."""
     cfg = get_config("deep", dtype="float32")  # 12 layers
-    batch = 2
-    _, none, _ = grads_and_peak("none", 1, "deep", 0.0, "float32", batch)
-    _, sel, _ = grads_and_peak("selective", 1, "deep", 0.0, "float32", batch)
-    _, full, _ = grads_and_peak("full", 1, "deep", 0.0, "float32", batch)
-    one_block = block_activation_bytes(cfg, batch)
-    block_input = batch * cfg.block_size * cfg.n_embd * 4
-    expected = cfg.n_layer * block_input + one_block  # the head's activations are freed before block L-1 reruns
-    assert abs(full - expected) / expected < 0.05, (full, expected)
-    assert full <= 0.30 * none  # at least a 70% cut at 12 layers
+    b, s, h, f, a, e = 2, cfg.block_size, cfg.n_embd, 4 * cfg.n_embd, cfg.n_head, 4
+    _, none, _ = grads_and_peak("none", 1, "deep", 0.0, "float32", b)
+    _, sel, _ = grads_and_peak("selective", 1, "deep", 0.0, "float32", b)
+    _, full, _ = grads_and_peak("full", 1, "deep", 0.0, "float32", b)
+    block_input, scores = e * b * s * h, e * a * s * s * b  # the softmax output: what selective drops
+    # ln_1/QKV/projection/ln_2/MLP inputs, Q K V, GeLU in and out, 2 norms' mean and rstd, the scores
+    one_block = e * b * s * (5 * h + 3 * h + 2 * f) + 4 * 4 * b * s + scores
+    assert block_activation_bytes(cfg, b) == one_block
+    ids = 8 * b * s + 8 * s  # the embedding's int64 token ids (the targets too: the same array) and positions
+    head = 2 * block_input + 2 * 4 * b * s + e * b * s * cfg.vocab_size + 4 * b * s  # norm, lm_head in, logits, lse
+    assert none == cfg.n_layer * one_block + ids + head
+    assert sel == cfg.n_layer * (one_block - scores) + ids + head  # the rerun core fits in the freed MLP saves
+    # full: the head is freed before block L-1 reruns, which shares its input with its checkpoint
+    assert full == cfg.n_layer * block_input + (one_block - block_input) + ids
     assert full < sel < none
 
 
