@@ -213,7 +213,8 @@ def hardware_line(profile) -> str:
     AdamW."""
     flops = ", ".join(f"{v / 1e9:.1f} GFLOP/s ({t} thread{'s' * (t > 1)})"
                       for t, v in sorted(profile.sgemm_flops.items()))
-    bw = ", ".join(f"{v / 1e9:.2f} GB/s ({n} ranks)" for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
+    bw = ", ".join(f"{v / 1e9:.2f} GB/s and {profile.latency.get(n, 0) * 1e6:.1f} us a message step ({n} ranks)"
+                   for n, v in sorted(profile.allreduce_busbw.items()) if n > 1)
     return (f"hardware profile (minizero.hardware): sgemm at the model's shapes {flops}; copy "
             f"{profile.copy_bw / 1e9:.1f} GB/s; all-reduce busbw at the {profile.gradient_bytes / 2**20:.2f} MiB "
             f"gradient {bw or '- (1 rank)'}; AdamW {profile.adam_params_per_s / 1e6:.0f} M params/s")

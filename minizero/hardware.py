@@ -4,7 +4,8 @@
 ``sgemm_flops`` -> ``flops`` (float32 matmuls of the model's shapes, 2 FLOPs per multiply-add, median of passes);
 ``copy_bw`` -> ``pcie_bw`` (``np.copyto`` of 64 MiB); ``allreduce_busbw`` -> ``intra_node_bw`` and
 ``inter_node_bw`` (:func:`minizero.comm.all_reduce` of the gradient size in launched ranks, busbw = S/t x
-2(N-1)/N as nccl-tests' doc/PERFORMANCE.md); ``adam_params_per_s`` -> ``cpu_adam``. Units: FLOP/s, bytes/s,
+2(N-1)/N as nccl-tests' doc/PERFORMANCE.md); ``latency`` (one float32's all-reduce / its message steps) ->
+``latency``; ``adam_params_per_s`` -> ``cpu_adam``. Units: FLOP/s, bytes/s,
 parameters/s; short measurements, rough on a loaded machine.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from minizero import backend
 from minizero.files import mpiexec_path
 from minizero.numerals import OneLineParser, description, integer, negative_values_reach_checks, real
 from minizero.plan_search import Hardware
+from minizero.memory.estimator.messages import collective_steps
 from minizero.interrupts import (NOTHING, interruptible, launched_rank, launcher_connected, mpi_start_guarded,
                                  run_group)
 from minizero.launcher import refuse_stale_launcher
@@ -87,14 +89,15 @@ def adam_rate(num_params: int, seconds: float = 0.2) -> float:
 
 
 def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: int = 5,
-                    timeout: float = 120.0) -> float:
-    """busbw (bytes/s) of :func:`minizero.comm.all_reduce` on ``nbytes`` of float32 over ``ranks`` launched ranks.
+                    timeout: float = 120.0) -> dict:
+    """{"busbw": bytes/s, "latency": s} of :func:`minizero.comm.all_reduce` on ``nbytes`` of float32 over ``ranks``
+    launched ranks, latency per message step of a one-element all-reduce (alpha, :func:`collective_steps`).
 
-    Launches ``mpiexec -n ranks python -m minizero.hardware --allreduce nbytes``. ``ranks`` 1: inf
+    Launches ``mpiexec -n ranks python -m minizero.hardware --allreduce nbytes``. ``ranks`` 1: inf and 0
     (nothing to send). Raises RuntimeError naming the command and its error when the job fails.
     """
     if ranks == 1:
-        return math.inf
+        return {"busbw": math.inf, "latency": 0.0}
     mpiexec = mpiexec or mpiexec_path()
     if mpiexec is None:
         raise RuntimeError("mpiexec not found beside this Python or on PATH (pip install mpich, or a system MPI)")
@@ -107,7 +110,7 @@ def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: i
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit status {proc.returncode}): {proc.stderr.strip()[-300:]}")
-    return float(json.loads(lines[-1])["busbw"])
+    return {k: float(v) for k, v in json.loads(lines[-1]).items()}
 
 
 def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
@@ -118,19 +121,21 @@ def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
     with mpi_start_guarded("python -m minizero.hardware", timeout_s=timeout_s):  # SIGTERM or time ends MPI_Init
         comm = world()
     n = comm.world_size
-    x = np.ones(max(1, nbytes // 4), dtype=np.float32)
-    out = np.empty_like(x)
-    times = []
-    for i in range(2 + runs):  # two warm-up runs
-        comm.barrier()
-        t = time.perf_counter()
-        all_reduce(comm, x, out=out)
-        dt = np.array([time.perf_counter() - t])
-        slowest = comm.mpi_comm.allreduce(float(dt[0]), op=_max_op())
-        if i >= 2:
-            times.append(slowest)
+    median = {}
+    for size in (max(1, nbytes // 4), 1):  # the gradient, then one element: latency alone
+        x = np.ones(size, dtype=np.float32)
+        out, times = np.empty_like(x), []
+        for i in range(2 + runs):  # two warm-up runs
+            comm.barrier()
+            t = time.perf_counter()
+            all_reduce(comm, x, out=out)
+            slowest = comm.mpi_comm.allreduce(time.perf_counter() - t, op=_max_op())
+            if i >= 2:
+                times.append(slowest)
+        median[size] = float(np.median(times))
     if comm.rank == 0:
-        print(json.dumps({"busbw": x.nbytes / float(np.median(times)) * 2 * (n - 1) / n}), flush=True)
+        print(json.dumps({"busbw": 4 * max(1, nbytes // 4) / median[max(1, nbytes // 4)] * 2 * (n - 1) / n,
+                          "latency": median[1] / collective_steps("all_reduce", 4, n)}), flush=True)
 
 
 def _max_op():
@@ -144,7 +149,8 @@ class Profile:
     """This machine, measured for one model and micro-batch (see the module docstring).
 
     Fields: ``sgemm_flops`` {BLAS threads: FLOP/s}, ``copy_bw`` bytes/s, ``allreduce_busbw`` {world size: bytes/s} (inf
-    at 1 rank), ``adam_params_per_s``, ``gradient_bytes`` (the all-reduce's size), ``cores``.
+    at 1 rank), ``adam_params_per_s``, ``gradient_bytes`` (the all-reduce's size), ``cores``,
+    ``latency`` {world size: s per message step}.
     """
 
     sgemm_flops: dict
@@ -153,6 +159,7 @@ class Profile:
     adam_params_per_s: float
     gradient_bytes: int
     cores: int
+    latency: dict = dataclasses.field(default_factory=dict)
 
     def threads(self, ranks: int) -> int:
         """BLAS threads per rank at ``ranks`` ranks on this machine: cores / ranks, at least 1 (as the trainer)."""
@@ -163,13 +170,14 @@ class Profile:
         bw = self.allreduce_busbw[ranks]
         return Hardware(flops=self.sgemm_flops[self.threads(ranks)], efficiency=1.0, intra_node_bw=bw,
                         inter_node_bw=bw, pcie_bw=self.copy_bw, gpus_per_node=max(ranks, 1),
-                        cpu_adam=self.adam_params_per_s)
+                        cpu_adam=self.adam_params_per_s, latency=self.latency.get(ranks, 0.0))
 
     def as_dict(self) -> dict:
         """JSON-ready (inf written as null)."""
         d = dataclasses.asdict(self)
         d["allreduce_busbw"] = {str(k): (None if math.isinf(v) else v) for k, v in self.allreduce_busbw.items()}
         d["sgemm_flops"] = {str(k): v for k, v in self.sgemm_flops.items()}
+        d["latency"] = {str(k): v for k, v in self.latency.items()}
         return d
 
 
@@ -181,9 +189,10 @@ def measure(cfg, micro_batch: int, world_sizes, mpiexec: str | None = None) -> P
     cores = backend.usable_cores()
     nparams = cfg.num_parameters()
     threads = sorted({max(1, cores // n) for n in world_sizes})
+    comm = {n: allreduce_busbw(4 * nparams, n, mpiexec) for n in world_sizes}
     return Profile(sgemm_flops={t: sgemm_flops(cfg, micro_batch, t) for t in threads}, copy_bw=copy_bandwidth(),
-                   allreduce_busbw={n: allreduce_busbw(4 * nparams, n, mpiexec) for n in world_sizes},
-                   adam_params_per_s=adam_rate(nparams), gradient_bytes=4 * nparams, cores=cores)
+                   allreduce_busbw={n: c["busbw"] for n, c in comm.items()}, adam_params_per_s=adam_rate(nparams),
+                   gradient_bytes=4 * nparams, cores=cores, latency={n: c["latency"] for n, c in comm.items()})
 
 
 def main(argv=None) -> None:

@@ -1,16 +1,13 @@
 """``python -m minizero.plan``: will this model fit on these GPUs, with which settings, and how fast?
-
 Enumerates every layout dp x cp x tp x pp = GPUs with ZeRO 0-3 (2-3 without pipelining; for minizero's presets only what
 minizero.train runs: plan_search.train_refusal), recompute, sequence and context parallelism (ring attention or
 DeepSpeed-Ulysses), expert parallelism (ep dividing dp and the experts, for a mixture of experts; its all-to-alls
 charged in full, on NVLink while tp x cp x ep GPUs fit a node) and offload; estimates each one's per-GPU bytes by
 category (:mod:`minizero.memory.estimator`), bytes sent per step and step time (:func:`minizero.plan_search.step_time`);
 prints those that fit, fastest first (equal step times: less memory, then fewer techniques: ``plan_search.rank``).
-``--strategy`` evaluates one. Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``). Bad input exits with status 2 and one
-line naming the value and what is allowed.
+``--strategy`` evaluates one. Sizes need a unit (``80GB``, ``80GiB``, ``8e10B``); bad input: exit 2, a line saying why.
 Search: :mod:`minizero.plan_search`; --strategy: :mod:`minizero.plan_strategy`; table: :mod:`minizero.plan_report`.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -22,6 +19,7 @@ import sys
 
 from minizero.memory.estimator import (PRECISIONS, Strategy, adapted_splits, element_bytes, lora_activation_bytes,
                                        lora_state_bytes)
+from minizero.memory.estimator.messages import LATENCY_HELP, latency_us
 from minizero.models import MODELS, get_model
 from minizero.nf4 import tensor_parallel_sizes
 from minizero.nn import PRESETS
@@ -46,7 +44,7 @@ MAX_GPUS = 2 ** 20
 #: sequences, thousands of times any published batch) and --gpus-per-node: larger is a typo, not a plan
 MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24, "gpus_per_node": 2 ** 24}
 FINETUNE_UNREAD = ("top", "cp_attention", "schedule", "global_batch", "gpus_per_node", "gpu_flops", "efficiency",
-                   "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory")  #: --finetune reads none
+                   "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory", "latency_us")  #: unread
 MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
@@ -115,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
     hw.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
     hw.add_argument("--pcie-bw", default="25GB", help="host <-> device bytes/s per GPU")
+    hw.add_argument("--latency-us", type=latency_us, default=5.0, help=LATENCY_HELP)
     p.add_argument("--bucket", default="25MiB", help="gradient reduce bucket, as PyTorch DDP's (default: 25MiB)")
     p.add_argument("--strategy", default=None, metavar="TEXT",
                    help=f"evaluate this one strategy instead of searching, e.g. \"dp2 tp4 pp1 zero3 "
@@ -373,7 +372,8 @@ def main(argv=None) -> int:
     gbatch = args.global_batch or max(1, math.ceil(2 ** 22 / seq))
     hw = Hardware(gpu_memory=sizes["gpu_memory"], host_memory=sizes["host_memory"], flops=args.gpu_flops,
                   efficiency=args.efficiency, intra_node_bw=sizes["intra_node_bw"],
-                  inter_node_bw=sizes["inter_node_bw"], pcie_bw=sizes["pcie_bw"], gpus_per_node=args.gpus_per_node)
+                  inter_node_bw=sizes["inter_node_bw"], pcie_bw=sizes["pcie_bw"], gpus_per_node=args.gpus_per_node,
+                  latency=args.latency_us / 1e6)
     scale, unit = (1e9, "GB") if args.units == "GB" else (2 ** 30, "GiB")
     args.shown = None
     if args.finetune != "none":

@@ -16,6 +16,7 @@ from minizero.layout_checks import (ep_allows_offload, ep_allows_optimizer, flas
 from minizero.memory.estimator import (
     CP_ATTENTIONS, OFFLOAD, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
     model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
+from minizero.memory.estimator.messages import comm_messages_per_step
 from minizero.parallel.schedule import bubble_over_ideal
 
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
@@ -29,7 +30,8 @@ class Hardware:
     Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per direction, one 200 Gb/s HDR
     InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs and 1 TB of host memory per node). ``efficiency``:
     fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
-    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption).
+    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``: alpha, seconds per message step
+    (:mod:`~minizero.memory.estimator.messages`; an assumption: NCCL's few microseconds a step on NVLink or InfiniBand).
     """
 
     gpu_memory: int = 80 * 2 ** 30
@@ -41,6 +43,7 @@ class Hardware:
     pcie_bw: float = 25e9
     gpus_per_node: int = 8
     cpu_adam: float = 1e9
+    latency: float = 5e-6
 
 
 @dataclasses.dataclass
@@ -258,7 +261,8 @@ def _gather_after_step(model: ModelShape, st: Strategy, stage: int = 0) -> float
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None,
               stage: int = 0) -> dict:
     """Seconds per step by part on pipeline stage ``stage`` (``comm``: its bytes, by default computed); "step" sums
-    them. Compute: the model's FLOPs / GPUs, stages balanced (Narayanan et al. 2021; the head's extra unmodelled)."""
+    them. Compute: the model's FLOPs / GPUs, stages balanced (Narayanan et al. 2021; the head's extra unmodelled).
+    Traffic: alpha-beta, message steps x ``hw.latency`` + bytes / bandwidth (``memory/estimator/messages.py``)."""
     comm = comm or comm_bytes_per_step(model, st, seq_len, stage=stage)
     n, batch = st.world_size, st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
@@ -268,18 +272,20 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     shard_bw = hw.intra_node_bw if ns * st.tp <= node else hw.inter_node_bw  # ZeRO's group (hybrid: N data ranks)
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
     cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
-    tp, pp = comm["tp"] / hw.intra_node_bw, comm["pp"] / pp_bw
-    cp = comm["cp"] / cp_bw  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
+    a = {k: v * hw.latency for k, v in comm_messages_per_step(model, st, seq_len, stage).items()}  # alpha-beta
+    tp, pp = comm["tp"] / hw.intra_node_bw + a["tp"], comm["pp"] / pp_bw + a["pp"]
+    cp = comm["cp"] / cp_bw + a["cp"]  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
     # an expert group is ep consecutive data ranks: tp x cp x ep GPUs; its all-to-alls wait for nothing to overlap
     ep_bw = hw.intra_node_bw if st.tp * st.cp * st.ep <= node else hw.inter_node_bw
-    ep = comm.get("ep", 0) / ep_bw
+    ep = comm.get("ep", 0) / ep_bw + a["ep"]
     dp = 0.0
     if d > 1:
         gather_after_step = _gather_after_step(model, st, stage)
         across = replica_bytes(model, st, stage)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
         window = 2 / 3 * compute / st.micro_batches if st.zero < 2 else 2 / 3 * compute if st.zero == 2 else compute
-        dp = max(0.0, overlappable / shard_bw + across / dp_bw - window) + gather_after_step / shard_bw
+        exposed = overlappable / shard_bw + a["dp"] + across / dp_bw + a["dp_across"] - window
+        dp = max(0.0, exposed) + gather_after_step / shard_bw + a["dp_after"]
     offload, shard = 0.0, _state_shard(model, st, stage)
     pb, gbytes = element_bytes(st)[:2]
     if st.offload != "none":

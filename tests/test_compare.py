@@ -115,6 +115,7 @@ def test_compare_under_mpiexec_writes_table_png_json(mpiexec, tmp_path):
     hw = result["hardware"]
     assert all(v > 0 for v in hw["sgemm_flops"].values()) and hw["copy_bw"] > 0 and hw["adam_params_per_s"] > 0
     assert 0 < hw["allreduce_busbw"]["2"] < float("inf") and hw["gradient_bytes"] > 0
+    assert 0 < hw["latency"]["2"] < 1 and "us a message step (2 ranks)" in md  # alpha: one element's all-reduce
     assert "| step s | ratio |" in md and "hardware profile" in md
     base, z3 = result["runs"]
     assert z3["measured"]["per_rank"][0]["parameters"] * 2 == pytest.approx(
@@ -137,6 +138,7 @@ def test_hardware_profile_of_one_rank_feeds_the_planner():
     prof = hardware.measure(cfg, 2, [1])
     assert prof.sgemm_flops[prof.threads(1)] > 0 and prof.copy_bw > 0 and prof.adam_params_per_s > 0
     assert prof.allreduce_busbw == {1: float("inf")} and prof.gradient_bytes == 4 * cfg.num_parameters()
+    assert prof.latency == {1: 0.0} and prof.hardware(1).latency == 0.0  # nothing sent, no message steps
     t = compare.predict_step_s("baseline", "tiny", 1, 2, prof)
     assert 0 < t < float("inf")
     assert compare.predict_step_s("recompute", "tiny", 1, 2, prof) > t  # one more forward: more FLOPs

@@ -228,8 +228,11 @@ def test_mixtral_on_32_gpus_of_80gb_plans_with_expert_parallelism():
     assert fits and count > len(fits) > 0
     assert all(c.memory.total <= 80 * 10 ** 9 for c in fits)
     assert all(c.strategy.dp % c.strategy.ep == 0 and 8 % c.strategy.ep == 0 for c in fits)
-    assert fits[0].strategy.ep > 1  # the fastest: expert parallelism shrinks the gradient all-reduce
+    # expert parallelism shrinks the gradient all-reduce: its best ties the fastest within the model's 1% (before the
+    # step time counted message steps it led by 0.2%; its 9 all-to-alls of ep-1 steps per block and micro-batch at
+    # 5 us a step now put dp2 tp2 pp8 0.2% ahead)
     best_ep = next(c for c in fits if c.strategy.ep > 1)
+    assert best_ep.tokens_per_s > 0.99 * fits[0].tokens_per_s and fits.index(best_ep) < 3
     assert best_ep.comm["ep"] > 0 and best_ep.time["ep"] > 0
     assert {c.strategy.ep for c in fits} >= {1, 2, 4, 8}
     # on one mesh and ZeRO stage 0-2 the parameters per GPU shrink as ep grows: E/ep experts per rank (ZeRO-3's

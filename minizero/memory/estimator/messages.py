@@ -1,0 +1,106 @@
+"""Message steps per step: the latency half of the alpha-beta (Hockney) cost, t = steps x alpha + bytes / beta.
+
+A step is one exchange a rank waits on before the next (one ``sendrecv`` of a ring or of recursive doubling), so
+the latency a collective adds is its steps x alpha, whatever its size (Hockney, Parallel Computing 20, 1994;
+collective costs as Thakur, Rabenseifner & Gropp, IJHPCA 2005). Steps follow minizero's algorithms
+(``comm/collectives.py``, ``comm/recursive_doubling.py``, ``comm/all_to_all.py``) and per step its calls: a DP bucket,
+a ZeRO unit (``zero_overlap.zero_units``), a micro-batch, a layer. Only the calls that carry the bytes of
+:func:`~minizero.memory.estimator.traffic.comm_bytes_per_step` are counted (not the used-parameter mask, the norm).
+"""
+from __future__ import annotations
+
+from minizero.comm.recursive_doubling import all_reduce_algorithm
+from minizero.memory.estimator.model import as_shape
+from minizero.memory.estimator.scratch import DEFAULT_BUCKET_BYTES
+from minizero.memory.estimator.states import stage_layers, stage_parameters
+from minizero.memory.estimator.strategy import Strategy, element_bytes
+from minizero.memory.estimator.zero_overlap import zero_units
+from minizero.numerals import NotANumber, real
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
+MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typo, not a network)
+LATENCY_HELP = ("alpha: microseconds per message step of a collective (a ring step, a recursive-doubling exchange, "
+                "a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: NCCL's few us")
+
+
+def latency_us(text) -> float:
+    """``--latency-us``'s value: microseconds in [0, :data:`MAX_LATENCY_US`]. Raises NotANumber naming the text."""
+    value = real(text)
+    if not 0 <= value <= MAX_LATENCY_US:
+        raise NotANumber(f"{text!r} is out of range; allowed: microseconds in [0, {MAX_LATENCY_US:g}]")
+    return value
+
+
+def collective_steps(op: str, nbytes: int, n: int) -> int:
+    """Steps of minizero's ``op`` on ``nbytes`` over ``n`` ranks: all_reduce ring 2(n-1), recursive doubling (up to
+    its size threshold) log2 p, +2 where n is not a power of two p (the fold); reduce_scatter, all_gather and the
+    pairwise all_to_all n-1; binomial broadcast ceil(log2 n); send 1. 0 on one rank."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r}; allowed: {', '.join(OPS)}")
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"n={n}, nbytes={nbytes}; allowed: n >= 1 ranks, nbytes >= 0")
+    if n == 1:
+        return 0
+    if op == "all_reduce" and all_reduce_algorithm(nbytes, n) == "recursive_doubling":
+        p = 1 << (n.bit_length() - 1)
+        return p.bit_length() - 1 + (2 if p != n else 0)
+    return {"all_reduce": 2 * (n - 1), "broadcast": (n - 1).bit_length(), "send": 1}.get(op, n - 1)
+
+
+def buckets(sizes, itemsize: int, bucket_bytes: int) -> list[int]:
+    """Bytes of each DataParallel bucket: ``sizes`` (tensor elements, model order) filled in reverse, a new bucket
+    where the next tensor would pass ``bucket_bytes`` (``parallel/data_parallel.py``)."""
+    out, current = [], 0
+    for n in reversed(sizes):
+        if current and (current + n) * itemsize > bucket_bytes:
+            out, current = out + [current * itemsize], 0
+        current += n
+    return out + [current * itemsize] if current else out
+
+
+def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
+    """Message steps one rank of ``stage`` waits on per optimizer step, by group: {"dp", "dp_after", "dp_across",
+    "tp", "pp", "cp", "ep"} ("dp_after": ZeRO 1-2's all-gather after the step; "dp_across": hybrid sharding's
+    replica all-reduce; "dp" the rest). Per :func:`collective_steps`, m micro-batches, u ZeRO units: ZeRO 0 one
+    all-reduce per gradient bucket (``bucket_bytes``) a step; ZeRO 1 u reduce-scatters, ZeRO 2 m u, ZeRO 3 m u plus 2 m
+    u all-gathers; ZeRO 1-2 u all-gathers after the step. tp: the all-reduces of ``comm_bytes_per_step``'s count (SP:
+    an all-gather and a reduce-scatter each). pp: one send per micro-batch and boundary. cp: per layer and
+    micro-batch, ring attention's c-1 passes forward and 2c-1 backward, Ulysses' 4 all-to-alls each way. ep: per MoE
+    block and micro-batch 5 all-to-alls forward (counts, then dispatch and combine with their counts), 4 backward."""
+    m, st = as_shape(model), strategy.validate(as_shape(model))
+    s, mb, t, c = seq_len or m.seq_len, st.micro_batches, st.tp, st.cp
+    _, gb, e, _ = element_bytes(st)
+    n, layers = st.shard_ranks, m.n_layer // st.pp
+    out = dict.fromkeys(("dp", "dp_after", "dp_across", "tp", "pp", "cp", "ep"), 0)
+    if st.data_ranks > 1 and st.zero == 0:  # the trainer's buckets (None: its 1 MiB), the stage's whole under tp, pp
+        bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
+        full, rest = divmod(gb * stage_parameters(m, st, stage), bucket)  # a bound where tensors are split
+        each = buckets(m.tensor_sizes(), gb, bucket) if t == st.pp == 1 else [bucket] * full + [rest] * (rest > 0)
+        out["dp"] = sum(collective_steps("all_reduce", b, st.data_ranks) for b in each)
+    elif st.data_ranks > 1:
+        tied, chain = zero_units(m, st, stage)
+        units = [u for u in [tied, *chain] if u] + [1] * sum(m.is_moe_layer(i) and st.ep > 1  # experts: a unit
+                                                             for i in stage_layers(m, st, stage))
+        calls = {1: 1, 2: mb, 3: 3 * mb}[st.zero]
+        out["dp"] = calls * len(units) * collective_steps("reduce_scatter", 0, n)
+        out["dp_after"] = len(units) * collective_steps("all_gather", 0, n) if st.zero < 3 else 0
+        reduces = 1 if st.zero == 1 else mb
+        out["dp_across"] = reduces * sum(collective_steps("all_reduce", gb * u // n, st.replicas) for u in units)
+    x = e * (s // c) * st.micro_batch * m.hidden  # one activation, as comm_bytes_per_step's
+    if t > 1:
+        per_layer = 4 + (2 if st.recompute == "full" else 0)
+        calls = mb * (layers * per_layer + (stage == 0) + (stage == st.pp - 1))
+        out["tp"] = calls * (2 * (t - 1) if st.sequence_parallel else collective_steps("all_reduce", x, t))
+    if st.pp > 1:
+        out["pp"] = mb * (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
+        if m.tied_embeddings and stage in (0, st.pp - 1):
+            out["pp"] += collective_steps("all_reduce", gb * m.vocab_shard(t), 2)
+    passes = 2 if st.recompute != "none" else 1  # forward again under recompute, as the bytes
+    if c > 1 and st.cp_attention == "ulysses":
+        out["cp"] = mb * layers * 4 * (passes + 1) * (c - 1)
+    elif c > 1:
+        out["cp"] = mb * layers * (passes * (c - 1) + 2 * c - 1)
+    blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))
+    if st.ep > 1 and blocks:
+        out["ep"] = mb * blocks * (5 * (2 if st.recompute == "full" else 1) + 4) * (st.ep - 1)
+    return out
