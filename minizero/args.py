@@ -21,9 +21,9 @@ from minizero.comm.recursive_doubling import threshold_from_env
 from minizero.data import describe_non_file, load_tokens, prompt_problem
 from minizero.faults import spec_problem
 from minizero.temporaries import check_writable_folder, unwritable
-from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_interleaved,
-                                    check_moe, check_sequence_parallel, check_zero, check_zero_bubble, cp_flag,
-                                    launch, offloads_optimizer, resolve_sizes)
+from minizero.layout_checks import (check_attention, check_bf16, check_context_parallel, check_cp_world,
+                                    check_interleaved, check_moe, check_sequence_parallel, check_zero,
+                                    check_zero_bubble, offloads_optimizer, resolve_sizes)
 from minizero.memory.offload import OffloadError, check_offload_dir
 from minizero.memory.plots import plots_on
 from minizero.memory.precision import SCALE_RANGE, DynamicLossScaler
@@ -366,10 +366,7 @@ def resolve_parallel_args(args, world_size: int) -> int:
         or different from --grad-accum, ZeRO 2/3 with --pp > 1, a bad --dp-shard (:func:`check_zero`).
     """
     cfg, cp = PRESETS[args.model], args.cp
-    if cp < 1 or world_size % cp:
-        raise ValueError(f"{cp_flag(args)} must be >= {1 if args.ulysses is None else 2} and divide the world size "
-                         f"{world_size}"
-                         + (launch(cp, "train") if cp > 1 else ""))
+    check_cp_world(args, cfg, world_size)
     args.dp, args.tp, args.pp = resolve_sizes(world_size // cp, args.dp, args.tp, args.pp, n_head=cfg.n_head,
                                               n_embd=cfg.n_embd, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
                                               ranks=cp > 1 and f"world size {world_size} / cp {cp} = {world_size//cp}",

@@ -16,11 +16,14 @@ from minizero.zero import stage_class
 
 def precision_description(args) -> str:
     """The header's words for the precision: dtype, or FP16's compute/master/scale split."""
-    if args.precision == "fp16":
-        return (f"fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale "
+    if args.precision == "fp16":  # NumPy (and strict) widen float16 operands: backend.matmul
+        compute = ("cuBLAS half GEMMs with float32 accumulation" if backend.name == "cupy"
+                   else "float32 math on float16 values (emulated)")
+        return (f"fp16 mixed precision: float16 stores, {compute}, float32 master weights, dynamic loss scale "
                 f"{args.initial_loss_scale:g}")
-    if args.precision == "bf16":
-        return "bf16 mixed precision: bfloat16 matmuls with float32 accumulation, float32 weights, no loss scale"
+    if args.precision == "bf16":  # every backend: memory/bf16.py rounds float32 arrays, float32 GEMMs
+        return ("bf16 mixed precision (emulated): matmul operands and outputs rounded to bfloat16, float32 math "
+                "and weights, no loss scale")
     if args.precision == "fp8":
         return (f"fp8 (emulated): E4M3 forward, E5M2 gradients, {args.fp8_scaling} per-tensor scaling, float32 "
                 "accumulation and weights")

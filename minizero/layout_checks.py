@@ -115,6 +115,18 @@ def cp_flag(args) -> str:
     return f"--cp {args.cp}" if args.ulysses is None else f"--ulysses {args.ulysses}"
 
 
+def check_cp_world(args, cfg, world_size: int) -> None:
+    """``--cp`` dividing the world size, after the model's rules (so a suggested launch runs), tp as given."""
+    cp = args.cp
+    if cp > 1:
+        check_model_sizes(args.tp, args.pp, n_head=cfg.n_head, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                          vocab_size=cfg.vocab_size)
+        check_context_parallel(args, cfg)
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"{cp_flag(args)} must be >= {1 if args.ulysses is None else 2} and divide the world size "
+                         f"{world_size}" + (launch(cp, "train") if cp > 1 else ""))
+
+
 def check_context_parallel(args, cfg) -> None:
     """``--cp`` needs T divisible by 2 cp (two chunks per rank) and, with --sequence-parallel, T / cp divisible by
     tp."""
@@ -123,16 +135,18 @@ def check_context_parallel(args, cfg) -> None:
         raise ValueError(f"--cp must be >= 1, got {cp}")
     if cp == 1:  # --cp-attention given here: refused by minizero.flags.refuse_idle_flags
         return
-    t = args.block_size or cfg.block_size
+    t, tp, ulysses = args.block_size or cfg.block_size, args.tp or 1, args.cp_attention == "ulysses"
+    heads = cfg.n_head // tp  # tp None: not derived yet (check_cp_world)
+    ok = ", ".join(str(k) for k in range(2, t // 2 + 1) if t % (2 * k) == 0 and (heads % k == 0 or not ulysses))
+    ok = ok or "none"
     if t % (2 * cp):
         raise ValueError(f"{cp_flag(args)} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks "
-                         "per rank)")
-    heads = cfg.n_head // args.tp
-    if args.cp_attention == "ulysses" and heads % cp:
+                         f"per rank); allowed: {ok} (or change --block-size)")
+    if ulysses and heads % cp:
         said = cp_flag(args) + (" --cp-attention ulysses" if args.ulysses is None else "")
         raise ValueError(f"{said} needs the {heads} attention heads per tensor rank (n_head {cfg.n_head} / --tp "
-                         f"{args.tp}) divisible by cp = {cp}: the all-to-all splits heads")
-    if args.sequence_parallel and (t // cp) % args.tp:
+                         f"{tp}) divisible by cp = {cp}: the all-to-all splits heads; allowed: {ok}")
+    if args.sequence_parallel and args.tp and (t // cp) % args.tp:
         raise ValueError(f"{cp_flag(args)} with --sequence-parallel --tp {args.tp} needs the local length T / cp = "
                          f"{t // cp} divisible by --tp {args.tp} (sequence parallelism splits each rank's chunks)")
 
@@ -209,6 +223,7 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
     for name, v in given.items():
         if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
             raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
+    check_model_sizes(tp, pp, n_head=n_head, n_embd=n_embd, n_layer=n_layer, vocab_size=vocab_size)  # the given
     missing = [k for k, v in given.items() if v is None]
     if len(missing) >= 2:  # tp and pp default to 1; dp, if missing, is derived below
         given.update({k: 1 for k in ("tp", "pp") if given[k] is None})
@@ -229,18 +244,25 @@ def resolve_sizes(world_size: int, dp=None, tp=None, pp=None, *, n_head=None, n_
                          + (f"{ranks}; the product must equal that" if ranks else
                             f"the world has {world_size} rank(s); the product must equal the world size")
                          + launch(dp * tp * pp * cp, "train", exact=True))
-    if n_head is not None and n_head % tp:
-        raise ValueError(f"--tp {tp} does not divide the number of attention heads n_head={n_head} "
-                         "(tensor parallelism splits attention by heads)")
-    if n_embd is not None and n_embd % tp:
-        raise ValueError(f"--tp {tp} does not divide the hidden size n_embd={n_embd}")
-    if vocab_size is not None and vocab_size % tp:
-        raise ValueError(f"--tp {tp} does not divide the vocabulary size vocab_size={vocab_size} "
-                         "(the embedding and the LM head are split by tokens)")
-    if n_layer is not None and pp > n_layer:
-        raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
-                         "(every pipeline stage needs at least one layer)")
+    check_model_sizes(tp, pp, n_head=n_head, n_embd=n_embd, n_layer=n_layer, vocab_size=vocab_size)
     return int(dp), int(tp), int(pp)
+
+
+def check_model_sizes(tp, pp, *, n_head=None, n_embd=None, n_layer=None, vocab_size=None) -> None:
+    """:func:`resolve_sizes`'s model rules for ``tp`` and ``pp`` (None: not checked), before any world-size rule:
+    "launch a multiple of 3 ranks" for --tp 3 led to n_head's refusal next."""
+    sizes = {"n_head": (n_head, "the number of attention heads", " (tensor parallelism splits attention by heads)"),
+             "n_embd": (n_embd, "the hidden size", ""),
+             "vocab_size": (vocab_size, "the vocabulary size", " (the embedding and the LM head are split by tokens)")}
+    known = {name: v for name, (v, _, _) in sizes.items() if v is not None}
+    for name, (v, what, why) in sizes.items():
+        if tp is not None and v is not None and v % tp:
+            ok = [k for k in range(1, min(known.values()) + 1) if all(n % k == 0 for n in known.values())]
+            raise ValueError(f"--tp {tp} does not divide {what} {name}={v}{why}; allowed: {', '.join(map(str, ok))} "
+                             f"(the divisors of {', '.join(f'{n}={n_}' for n, n_ in known.items())})")
+    if pp is not None and n_layer is not None and pp > n_layer:
+        raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
+                         f"(every pipeline stage needs at least one layer); allowed: 1 to {n_layer}")
 
 
 def check_interleaved(args, cfg) -> None:
@@ -294,7 +316,8 @@ def check_moe(args) -> None:
         if not (0 <= v < float("inf")):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
     if e % ep:
-        raise ValueError(f"--moe-experts {e} must be divisible by --ep {ep} (each expert-parallel rank holds E/ep)")
+        raise ValueError(f"--moe-experts {e} must be divisible by --ep {ep} (each expert-parallel rank holds E/ep); "
+                         f"allowed: {', '.join(str(k) for k in range(1, e + 1) if e % k == 0)}")
     if args.dp % ep:
         raise ValueError(f"--ep {ep} must divide the data-parallel size {args.dp} (expert groups are ep data ranks)"
                          + (launch(ep * args.tp * args.pp * args.cp, "train") if ep > args.dp else ""))

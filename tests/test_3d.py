@@ -238,7 +238,7 @@ def test_help_says_which_left_out_size_is_derived(flag, given, derived):
 @pytest.mark.parametrize("world, argv, needle", [
     (4, ["--dp", "2", "--tp", "2", "--pp", "2"], "--dp 2 x --tp 2 x --pp 2 = 8, but the world has 4 rank(s)"),
     (8, ["--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2, but the world has 8"),
-    (8, ["--tp", "3"], "cannot derive --dp: world size 8 is not divisible by --tp 3 x --pp 1 = 3"),
+    (6, ["--tp", "4"], "cannot derive --dp: world size 6 is not divisible by --tp 4 x --pp 1 = 4"),
     (4, ["--model", "tiny", "--tp", "4"], "--tp 4 does not divide the number of attention heads n_head=2"),
     (4, ["--model", "tiny", "--pp", "4"], "--pp 4 is larger than the number of layers n_layer=2"),
     (2, ["--tp", "0"], "--tp must be an integer >= 1, got 0"),
@@ -269,6 +269,27 @@ def test_sizes_in_one_process_name_the_launch(argv, needle):
     with pytest.raises(UsageError) as e:
         parse_args(["--model", "tiny", *argv], 1)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("world, argv, needle", [
+    (8, ["--tp", "3"], "--tp 3 does not divide the number of attention heads n_head=4 (tensor parallelism splits "
+     "attention by heads); allowed: 1, 2, 4 (the divisors of n_head=4, n_embd=128, vocab_size=256)"),
+    (8, ["--tp", "3", "--cp", "2"], "--tp 3 does not divide the number of attention heads n_head=4"),
+    (9, ["--pp", "9"], "--pp 9 is larger than the number of layers n_layer=4 (every pipeline stage needs at least one "
+     "layer); allowed: 1 to 4"),
+    (8, ["--cp", "3"], "--cp 3 needs the context length 128 divisible by 2 x cp = 6 (two chunks per rank); allowed: "
+     "2, 4, 8, 16, 32, 64 (or change --block-size)"),
+    (8, ["--ulysses", "3"], "2 x cp = 6 (two chunks per rank); allowed: 2, 4 (or change --block-size)"),
+    (2, ["--model", "tiny", "--ulysses", "4"], "divisible by cp = 4: the all-to-all splits heads; allowed: 2"),
+    (8, ["--moe-experts", "4", "--ep", "3"], "--moe-experts 4 must be divisible by --ep 3 (each expert-parallel rank "
+     "holds E/ep); allowed: 1, 2, 4")])
+def test_a_size_the_model_refuses_is_named_before_the_launch(world, argv, needle):
+    """mpirun -n 8 ... --tp 3 said "launch a multiple of 3 ranks, e.g. mpirun -n 3"; that launch then met
+    "--tp 3 does not divide the number of attention heads n_head=4". The model's rule, with what is allowed, comes
+    first (--cp 3 and --ulysses 3 named a launch of 3 ranks the same way)."""
+    with pytest.raises(UsageError) as e:
+        parse_args(argv, world)
+    assert needle in str(e.value) and "launch" not in str(e.value), str(e.value)
 
 
 def test_sizes_under_cp_launch_cp_times_the_product():

@@ -862,7 +862,8 @@ def test_int32_weights_are_refused_by_every_program_that_reads_them(saved, tmp_p
 @pytest.mark.parametrize("flags, said", [
     (["--cp", "2", "--dp", "3"], "--dp 3 x --tp 1 x --pp 1 = 3, but world size 4 / cp 2 = 2; the product must equal "
                                  "that"),
-    (["--cp", "2", "--tp", "3"], "cannot derive --dp: world size 4 / cp 2 = 2 is not divisible by --tp 3"),
+    (["--cp", "2", "--tp", "2", "--pp", "2"], "cannot derive --dp: world size 4 / cp 2 = 2 is not divisible by --tp 2 "
+                                              "x --pp 2 = 4"),  # --tp 3: tiny's 2 heads refuse it first
     (["--dp", "3"], "--dp 3 x --tp 1 x --pp 1 = 3, but the world has 4 rank(s)")])
 def test_sizes_under_cp_name_the_world_and_the_context_split(flags, said):
     """Before: "the world has 2 rank(s)" for 4 ranks under --cp 2 (the world divided by cp, named as the world)."""

@@ -359,7 +359,7 @@ def test_measured_bytes_per_layer_equal_the_formula_with_tensor_and_sequence_par
 
 def test_context_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(UsageError, match="--cp 3 must be >= 1 and divide the world size 4"):
-        parse_args(["--model", "tiny", "--cp", "3"], 4)
+        parse_args(["--model", "tiny", "--cp", "3", "--block-size", "12"], 4)  # T 16: "2 x cp = 6" first
     with pytest.raises(UsageError, match="divisible by 2 x cp = 4"):
         parse_args(["--model", "tiny", "--cp", "2", "--block-size", "14"], 2)
     assert parse_args(["--model", "tiny", "--cp", "2", "--tp", "2", "--sequence-parallel", "--dropout", "0.1"], 4).cp == 2

@@ -31,3 +31,16 @@ def test_the_device_line_names_numpys_blas_its_kernel_and_threads_per_rank(monke
     monkeypatch.setattr(backend, "name", "cupy")
     monkeypatch.setattr(backend, "device_description", "cuda:0 (CuPy, 1 device(s) visible)")
     assert _device_line() == "device cuda:0 (CuPy, 1 device(s) visible); messages over mpi"
+
+
+def test_the_precision_line_says_what_the_backend_computes(monkeypatch):
+    """README: FP16 is emulated in NumPy (float32 math, float16 stores). The header said "float16 compute" on every
+    backend; only CuPy runs half GEMMs. BF16 rounds float32 arrays on every backend."""
+    from minizero.header import precision_description
+    fp16, bf16 = parse_args(["--precision", "fp16"]), parse_args(["--precision", "bf16"])
+    assert precision_description(fp16) == ("fp16 mixed precision: float16 stores, float32 math on float16 values "
+                                           "(emulated), float32 master weights, dynamic loss scale 65536")
+    assert "emulated" in precision_description(bf16) and "float32 math" in precision_description(bf16)
+    monkeypatch.setattr(backend, "name", "cupy")
+    assert "cuBLAS half GEMMs with float32 accumulation" in precision_description(fp16)
+    assert "emulated" not in precision_description(fp16) and "emulated" in precision_description(bf16)

@@ -180,7 +180,9 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     step = run / "checkpoints" / "step_00000002"
     n = len(np.load(out))
     assert capsys.readouterr().out == (f"wrote {out} and {out.parent / 'model.json'} from {step}\n  {n} tensors: "
-                                       f"{n - 1} parameters, lm_head.weight tied to transformer.wte.weight\n")
+                                       f"{n - 1} parameters, lm_head.weight tied to transformer.wte.weight\n"
+                                       f"  config: {out.parent / 'model.json'}, beside the weights; sample, quantize "
+                                       f"and finetune --weights {out} read it from there\n")
     texts = []
     for weights in (run / "model.npz", out):  # the checkpoint of the last step is the run's model
         assert sample_main(["--weights", str(weights), "--tokens", "20"]) == 0
@@ -188,6 +190,7 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     assert texts[0] == texts[1]
     # the same model.json already there: kept; another one: refused before any tensor is read, nothing written
     assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(out)]) == 0
+    assert "model.json, beside the weights (already there: this model); sample" in capsys.readouterr().out
     other = tmp_path / "other"
     other.mkdir()
     (other / "model.json").write_text(json.dumps(TINY))
@@ -237,6 +240,16 @@ def test_model_json_without_n_head_or_holding_null_is_refused(tiny_weights, caps
 def test_a_summary_json_of_null_or_without_n_head_is_set_aside_with_a_note(tiny_weights, capsys, text, why):
     (tiny_weights.parent / "summary.json").write_text(text)
     assert why in _quantize_notes(tiny_weights, capsys)
+
+
+def test_consolidate_help_says_where_the_config_goes(capsys):
+    """A newcomer: `--out /tmp/x.npz` also wrote /tmp/model.json, which --help did not say."""
+    from minizero.checkpoint.cli import main as checkpoint_main
+    with pytest.raises(SystemExit):
+        checkpoint_main(["consolidate", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the model's config goes to model.json in the same folder (one of another model there is refused, never " \
+        "replaced), where sample, quantize and finetune --weights OUT read it" in said, said
 
 
 def test_consolidate_names_model_json_as_out_was_given(tmp_path, monkeypatch, capsys):

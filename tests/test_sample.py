@@ -120,7 +120,8 @@ def fp16_run(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_fp16_is_visible(fp16_run):
     stdout, out = fp16_run
-    assert ("fp16 mixed precision: float16 compute, float32 master weights, dynamic loss scale 65536"
+    assert ("fp16 mixed precision: float16 stores, float32 math on float16 values (emulated), float32 master weights, "
+            "dynamic loss scale 65536"
             in " ".join(stdout[:stdout.index("\ndevice ")].split()))  # the first header line, wrapped
     summary = json.loads((out / "summary.json").read_text())
     assert summary["precision"] == "fp16" and len(summary["loss_scale"]) == 12

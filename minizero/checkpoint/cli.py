@@ -187,9 +187,12 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="layout, step, bytes per rank")
     ins.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
-    con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names)", allow_abbrev=False)
+    con = sub.add_parser("consolidate", help="the whole model as model.npz (nanoGPT names) and model.json beside it",
+                         allow_abbrev=False)
     con.add_argument("path", help="a checkpoint folder, or a save dir (its latest complete checkpoint)")
-    con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet)")
+    con.add_argument("--out", default=None, help="the .npz to write (default: model.npz, which must not exist yet); "
+                     f"the model's config goes to {SIDECAR} in the same folder (one of another model there is "
+                     "refused, never replaced), where sample, quantize and finetune --weights OUT read it")
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # none given: the error names them (it said "command")
     refuse_several_ranks(p)
     args = p.parse_args(argv)
@@ -222,7 +225,9 @@ def main(argv=None) -> int:
             shown = os.path.join(os.path.dirname(args.out), SIDECAR)  # as --out was given: relative stays relative
             shown = sidecar if os.path.islink(args.out) else shown  # beside the link's target, where it was written
             written = f"{args.out} and {shown}" if sidecar else args.out
-            print(f"wrote {written} from {folder}\n  {tensor_count(state)}")
+            print(f"wrote {written} from {folder}\n  {tensor_count(state)}\n  config: {shown}, beside the weights"
+                  f"{'' if sidecar else ' (already there: this model)'}; sample, quantize and finetune --weights "
+                  f"{args.out} read it from there")
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
         # one line per problem (a damaged manifest may have several), a long one over indented lines
