@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from minizero import backend
+from minizero import backend, jsons
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import FolderLock, atomic_write, lock_outputs, release_all
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
-    text = json.dumps(obj, indent=1)
+    text = json.dumps(jsons.summary(obj), indent=1)
     atomic_write(path, lambda f: f.write(text), mode="w")
 
 
