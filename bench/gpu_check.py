@@ -52,6 +52,7 @@ from minizero import jsons  # noqa: E402
 from minizero.files import atomic_write, check_writable_file  # noqa: E402
 from minizero.overwrite import refuse_read_back, refuse_slash_or_dangling  # noqa: E402
 from minizero.temporaries import unwritable  # noqa: E402
+from minizero.streams import check_stream, stream_fd  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
@@ -407,8 +408,11 @@ MAX_STEPS = 1000  #: --steps' longer run at most this many gpt2 steps
 
 def json_target_problem(path: str) -> str | None:
     """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or a summary minizero
-    wrote (minizero.jsons: nothing the user wrote is replaced), in a folder that exists and takes a file."""
+    wrote (minizero.jsons: nothing the user wrote is replaced), in a folder that exists and takes a file; or
+    /dev/stdout (minizero.streams)."""
     try:
+        if path and stream_fd(path) is not None:
+            return check_stream(path, "--json")
         if path and not os.path.isdir(path):  # 'x.json/.' wrote x.json; '/' is a directory
             refuse_slash_or_dangling(path, "--json")
             refuse_read_back(path, "--json")  # a run's summary.json, beside its weights

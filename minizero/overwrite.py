@@ -9,6 +9,7 @@ import stat
 from minizero.files import check_writable_file, read_json
 from minizero.jsons import WHAT as KEEPS, is_marked as json_marked
 from minizero.pngs import WHAT as PLOT, is_marked
+from minizero.streams import check_stream, stream_fd
 from minizero.temporaries import unwritable
 
 
@@ -111,6 +112,8 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     inside a checkpoint folder."""
     if not path:
         raise ValueError(f"{flag} '': expected a file path")
+    if stream_fd(path) is not None:  # written into, nothing replaced (minizero.streams)
+        return check_stream(path, flag)
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
     refuse_slash_or_dangling(path, flag)

@@ -216,7 +216,7 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     """Attacker: --json pointed at a checkpoint's manifest.json (or its 'latest') replaced it after the whole
     check; '' failed only at the end; a missing folder was created. Only a new file or an earlier result goes.
     Before (minizero.jsons): an earlier result was known by its keys; a user's JSON with them was replaced, and so
-    was a run's summary.json beside its weights."""
+    was a run's summary.json beside its weights; /dev/stdout was refused."""
     (tmp_path / "manifest.json").write_text('{"format": "minizero-checkpoint"}')
     (tmp_path / "latest").write_text("step_00000002")
     (tmp_path / "old.json").write_text(earlier_json(checks=[], hardware=None))
@@ -228,6 +228,7 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
         assert "does not hold a summary minizero wrote" in problem(str(tmp_path / name)), name
     for name in ("manifest.json", "summary.json"):
         assert f"would overwrite {name}, which minizero's" in problem(str(tmp_path / name))
+    assert problem("/dev/stdout") is None and "descriptor 987 is not open" in problem("/dev/fd/987")
     assert problem("") == "--json '': give a file path"
     assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
     assert "not a regular file" in problem("/dev/null")
