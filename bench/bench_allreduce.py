@@ -252,9 +252,10 @@ def main():
             return
         runs = {n: results}
         if args.json:
+            from minizero import jsons
             from minizero.files import atomic_write
 
-            text = json.dumps({"world_size": n, "results": results})
+            text = json.dumps(jsons.summary({"world_size": n, "results": results}))
             atomic_write(args.json, lambda f: f.write(text), mode="w")  # a crash leaves the previous file whole
         if args.quiet:
             return

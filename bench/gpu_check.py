@@ -48,9 +48,11 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
+from minizero import jsons  # noqa: E402
 from minizero.files import atomic_write, check_writable_file  # noqa: E402
-from minizero.overwrite import refuse_slash_or_dangling  # noqa: E402
+from minizero.overwrite import refuse_read_back, refuse_slash_or_dangling  # noqa: E402
 from minizero.temporaries import unwritable  # noqa: E402
+from minizero.streams import check_stream, stream_fd  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
 from minizero.numerals import integer, real  # noqa: E402
 
@@ -405,11 +407,15 @@ MAX_STEPS = 1000  #: --steps' longer run at most this many gpt2 steps
 
 
 def json_target_problem(path: str) -> str | None:
-    """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or an earlier
-    gpu_check JSON (nothing else the user wrote is replaced), in a folder that exists and takes a file."""
+    """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or a summary minizero
+    wrote (minizero.jsons: nothing the user wrote is replaced), in a folder that exists and takes a file; or
+    /dev/stdout (minizero.streams)."""
     try:
+        if path and stream_fd(path) is not None:
+            return check_stream(path, "--json")
         if path and not os.path.isdir(path):  # 'x.json/.' wrote x.json; '/' is a directory
             refuse_slash_or_dangling(path, "--json")
+            refuse_read_back(path, "--json")  # a run's summary.json, beside its weights
         why = _json_target_why(path)
     except ValueError as e:
         return str(e)
@@ -435,8 +441,8 @@ def _json_target_why(path: str) -> str | None:
                 old = json.load(f)
         except (OSError, ValueError, RecursionError):
             old = None
-        if not (isinstance(old, dict) and "checks" in old and "hardware" in old):
-            return "exists and is not an earlier gpu_check result; give a new path (only those are replaced)"
+        if not jsons.is_marked(old, "--json"):
+            return f"exists and does not hold {jsons.WHAT['--json']}; give a new path (only such a file is replaced)"
     check_writable_file(path)
     return None
 
@@ -513,7 +519,7 @@ def main(argv=None) -> int:
                     rows[name] = failure(e)
     result["checks"] = [{"check": k, "status": s, "detail": d} for k, (s, d) in rows.items()]
     print("\n" + "\n".join(table_lines(result["checks"], gpu=hw is not None)))
-    text = json.dumps(result, indent=1)
+    text = json.dumps(jsons.summary(result), indent=1)
     atomic_write(args.json, lambda f: f.write(text), mode="w")  # a crash leaves the previous file whole
     print(f"\nwrote {args.json}")
     return 1 if any(s == "FAIL" for s, _ in rows.values()) else 0

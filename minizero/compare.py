@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from minizero import backend, hardware
+from minizero import backend, hardware, jsons
 from minizero.memory.estimator import ModelShape, Strategy, activation_bytes, estimate_memory, precision_for_dtype
 from minizero.plan_search import step_time
 from minizero.compare_report import (SHOWN, deviations, hardware_line, hardware_lines,  # noqa: F401 (API)
@@ -372,7 +372,7 @@ def _main(argv=None) -> int:
     result = dict(model=args.model, steps=args.steps, micro_batch_size=args.micro_batch_size, ranks=args.ranks,
                   strategies=args.strategies, tolerance=TOLERANCE, units="bytes", runs=runs,
                   hardware=None if profile is None else profile.as_dict())
-    text = json.dumps(result, indent=1)
+    text = json.dumps(jsons.summary(result), indent=1)
     try:
         atomic_write(md, lambda f: f.write(table), mode="w")
         wrote_png = any_ok and plot(runs, png, title)

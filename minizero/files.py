@@ -11,6 +11,7 @@ import socket
 import stat
 import sys
 
+from minizero.streams import opened, stream_fd
 from minizero.temporaries import check_writable_folder, make_temporary, nearest_existing, remove_stale_temporaries
 
 
@@ -58,10 +59,13 @@ def atomic_write(path: str, write, mode: str = "wb") -> None:
         raise write_error(path, e) from None
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise WriteError(errno.EISDIR, f"could not write {path!r}: it is a directory")
-    if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: write into it, never rename over it
+    fd = stream_fd(path)  # /dev/stdout: its descriptor, written where it stands (minizero.streams)
+    if fd is not None or st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: never renamed over
         try:
-            with open(path, mode, encoding=enc) as f:
+            with open(path if fd is None else opened(fd), mode, encoding=enc) as f:
                 write(f)
+                if fd is not None and mode == "w":  # a stream: what is printed next starts a line of its own
+                    f.write("\n")
         except OSError as e:
             raise write_error(path, e) from None
         return
@@ -220,6 +224,8 @@ PRUNED_MID_READ = "whose saves prune its checkpoints; wait for it to end or copy
 def check_writable_file(path: str) -> None:
     """:func:`check_writable_folder` for the file ``path``, written through a link to its target as
     :func:`atomic_write` does. Raises OSError: see there."""
+    if stream_fd(path) is not None:  # written into its descriptor (minizero.streams.check_stream)
+        return
     try:
         st = os.stat(path)
     except FileNotFoundError:  # new, or a link to a file not there yet, whose target the write makes

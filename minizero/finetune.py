@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from minizero import backend
+from minizero import backend, jsons, streams
 from minizero.flags import flags_refusal, inputs_refusal, job_environment
 from minizero.autograd import backward
 from minizero.autograd.rng import batch_rows, manual_seed, reserve
@@ -269,7 +269,7 @@ def _lock(args, world) -> tuple[list, str | None]:
     locks, refusal = [], None
     if world.Get_rank() == 0:
         wanted = [] if args.out is None else [("--out", FolderLock(args.out))]
-        if args.json and (not os.path.exists(args.json) or os.path.isfile(args.json)):  # not /dev/null
+        if args.json and streams.lockable(args.json):  # not /dev/null nor /dev/stdout
             wanted.append(("--json", FolderLock.for_file(args.json)))
         locks, refusal = lock_outputs(wanted)
     return locks, world.bcast(refusal, root=0) if world.Get_size() > 1 else refusal
@@ -387,7 +387,7 @@ def _run(args, world, tokens, model0) -> int:
             print(f"wrote {os.path.join(args.out, 'model.npz')} (--method {method}, {what}"
                   f"{'; --table writes its last method' if args.table else ''}) and {SIDECAR}")
         if args.json:
-            atomic_write(args.json, lambda f: f.write(json.dumps({"rows": rows}, indent=1)), mode="w")
+            atomic_write(args.json, lambda f: f.write(json.dumps(jsons.summary({"rows": rows}), indent=1)), mode="w")
     except BrokenPipeError:
         raise
     except OSError as e:

@@ -15,6 +15,7 @@ from minizero.data import describe_non_file
 from minizero.flags import UsageError
 from minizero.memory.plots import plots_on
 from minizero.saved_model import refuse_replacing
+from minizero.streams import check_stream, stream_fd
 
 
 def check_outputs(args) -> None:
@@ -31,25 +32,15 @@ def check_outputs(args) -> None:
         raise UsageError(f"--out {out!r} cannot be created or written ({parent!r} is not a writable directory)")
     if args.json == "":
         raise UsageError("--json '': expected a file path for the JSON summary")
-    js = os.path.abspath(args.json)
-    if os.path.isdir(args.json):  # as given: abspath('x.json/..') is a directory, 'x.json/..' is refused below
-        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
-    _usage(refuse_slash_or_dangling, args.json, "--json")  # abspath drops the '/': NotADirectoryError after the run
-    own = run_files(args)
-    if os.path.realpath(js) in own:  # a link to --data too
-        raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
-    jparent = os.path.dirname(js)
-    if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
-        existing_folder("--json", args.json, jparent)
+    if stream_fd(args.json) is not None:  # /dev/stdout: written into where it stands, nothing replaced
+        _usage(check_stream, args.json, "--json")
+    else:
+        check_json_file(args)
+    files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
+    for path in files:
+        _usage(refuse_blocking, path, "--out")
     weights = os.path.join(out, "model.npz")
     outside_checkpoints("--out", weights, out)
-    outside_checkpoints("--json", js, args.json)
-    if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
-        _usage(refuse_read_back, args.json, "--json")
-    _usage(refuse_foreign, args.json, "--json")  # the user's notes (OUT/summary.json too), not an earlier summary
-    files = [p for p, w in run_files(args).items() if w.startswith("the ")]  # OUT's files (not its folders, --data)
-    for path, what in [(args.json, "--json"), *[(p, "--out") for p in files]]:
-        _usage(refuse_blocking, path, what)
     if os.path.isdir(weights):
         raise UsageError(f"--out {out!r}: {weights!r} is a directory; the weights could not be written there")
     for name in ("model.npz", "model.json"):  # the user's own file of that name: kept (check_outputs: not --no-save)
@@ -61,6 +52,25 @@ def check_outputs(args) -> None:
         raise UsageError(f"--out {out!r}: {flight}; the flight records of a failed job go there")
     probe(out, "--out")
     probe(args.json, "--json", check_writable_file)
+
+
+def check_json_file(args) -> None:
+    """:func:`check_outputs` for a ``--json`` file: one that overwrites none of the run's files nor the user's."""
+    out, js = args.out, os.path.abspath(args.json)
+    if os.path.isdir(args.json):  # as given: abspath('x.json/..') is a directory, 'x.json/..' is refused below
+        raise UsageError(f"--json {args.json!r} is a directory; give a file path")
+    _usage(refuse_slash_or_dangling, args.json, "--json")  # abspath drops the '/': NotADirectoryError after the run
+    own = run_files(args)
+    if os.path.realpath(js) in own:  # a link to --data too
+        raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
+    jparent = os.path.dirname(js)
+    if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
+        existing_folder("--json", args.json, jparent)
+    outside_checkpoints("--json", js, args.json)
+    if os.path.realpath(js) != os.path.realpath(os.path.join(out, "summary.json")):  # OUT's own: this run's
+        _usage(refuse_read_back, args.json, "--json")
+    _usage(refuse_foreign, args.json, "--json")  # the user's notes (OUT/summary.json too), not an earlier summary
+    _usage(refuse_blocking, args.json, "--json")
 
 
 def clear_flight(args) -> str | None:
@@ -113,7 +123,7 @@ def _usage(check, path: str, flag: str) -> None:
 
 def existing_folder(flag: str, given: str, folder: str) -> None:
     """Refuse an output whose ``folder`` does not exist or is not writable: a typo is not made into a folder."""
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)) and stream_fd(given) is None:  # /dev/stdout: /dev
         raise UsageError(f"{flag} {given!r}: directory {folder!r} does not exist or is not writable")
 
 
@@ -148,6 +158,8 @@ def check_trace(args) -> None:
     if os.path.isdir(path):
         raise UsageError(f"--trace {path!r} is a directory; give a file path, e.g. "
                          f"{os.path.join(path, 'trace.json')!r}")
+    if stream_fd(path) is not None:  # /dev/stdout: written into where it stands, nothing replaced
+        return _usage(check_stream, path, "--trace")
     _usage(refuse_slash_or_dangling, path, "--trace")
     own = dict(run_files(args), **{os.path.realpath(args.json): "the --json summary"})
     if os.path.realpath(p) in own:  # links followed

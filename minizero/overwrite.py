@@ -7,7 +7,9 @@ import os
 import stat
 
 from minizero.files import check_writable_file, read_json
+from minizero.jsons import WHAT as KEEPS, is_marked as json_marked
 from minizero.pngs import WHAT as PLOT, is_marked
+from minizero.streams import check_stream, stream_fd
 from minizero.temporaries import unwritable
 
 
@@ -73,23 +75,6 @@ def refuse_blocking(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} is {what}; give a regular file (or /dev/null)")
 
 
-KEEPS = {"--json": "a summary minizero wrote", "--trace": "a trace (JSON with a traceEvents list)"}  #: else a plot
-#: each program's --json summary (bench: bench_allreduce): the keys it always writes, and those each of its rows has
-#: (finetune writes rows alone). A JSON object holding them all is an earlier summary; one with fewer is the user's
-SUMMARY_SIGNATURES = {"train": ({"train_loss", "world_size", "config"}, ()), "quantize": ({"baseline", "rows"}, ()),
-                      "compare": ({"runs", "strategies", "tolerance"}, ()), "bench": ({"world_size", "results"}, ()),
-                      "finetune": ({"rows"}, ("method", "trainable_parameters", "val_after"))}
-
-
-def is_summary(data) -> bool:
-    """Whether ``data`` holds one program's :data:`SUMMARY_SIGNATURES`: its keys, and each of its rows' (1 or more)."""
-    if not isinstance(data, dict):
-        return False
-    rows = data["rows"] if isinstance(data.get("rows"), list) and data["rows"] else [{}]
-    return any(keys <= data.keys() and all(isinstance(r, dict) and set(row_keys) <= r.keys() for r in rows)
-               for keys, row_keys in SUMMARY_SIGNATURES.values())
-
-
 def refuse_foreign(path: str, flag: str) -> None:
     """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`, else
     a PNG minizero marked, :mod:`minizero.pngs`): an output replaces an earlier output, never the user's files."""
@@ -102,8 +87,7 @@ def refuse_foreign(path: str, flag: str) -> None:
             data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
         except ValueError:
             data = None
-    if not (is_marked(path) if flag not in KEEPS else isinstance(data, dict) and (
-            isinstance(data.get("traceEvents"), list) if flag == "--trace" else is_summary(data))):
+    if not (is_marked(path) if flag not in KEEPS else json_marked(data, flag)):
         raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, PLOT)}: {flag} replaces only "
                          f"such a file (an earlier output); give another {'folder' if flag == '--out' else 'file'}, "
                          "or move that one away")
@@ -128,6 +112,8 @@ def check_output(path: str, flag: str = "--json", inputs: dict | None = None) ->
     inside a checkpoint folder."""
     if not path:
         raise ValueError(f"{flag} '': expected a file path")
+    if stream_fd(path) is not None:  # written into, nothing replaced (minizero.streams)
+        return check_stream(path, flag)
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path")
     refuse_slash_or_dangling(path, flag)

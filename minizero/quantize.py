@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from minizero import backend
+from minizero import backend, jsons
 from minizero.args import MAX_EVAL_BATCHES
 from minizero.data import eval_batches, global_batch, load_tokens, min_data_bytes, train_val_split
 from minizero.files import FolderLock, atomic_write, lock_outputs, release_all
@@ -28,6 +28,7 @@ from minizero.nn.gpt import PRESETS, preset_sizes
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real, wrapped)
 from minizero.quantization import GRANULARITIES
+from minizero.streams import lockable
 from minizero.quantized_model import (  # noqa: F401 (QuantizedLinear: tests and notebooks import it from here)
     QuantizedLinear, calibrate_input_absmax, evaluate_loss, model_nbytes, quantize_model)
 from minizero.weights import SIDECAR, load_trained, read_weights, stored_dtype
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``."""
-    text = json.dumps(obj, indent=1)
+    text = json.dumps(jsons.summary(obj), indent=1)
     atomic_write(path, lambda f: f.write(text), mode="w")
 
 
@@ -215,7 +216,7 @@ def _measure_and_write(args, locks: list) -> int:
             sidecar = os.path.join(os.path.dirname(args.weights), SIDECAR)  # before any measuring:
             check_output(args.json, inputs={"--weights": args.weights, "--weights' config": sidecar,
                                             "--data": args.data})
-            if os.path.isfile(args.json) or not os.path.exists(args.json):  # a device such as /dev/null: no lock
+            if lockable(args.json):  # a device such as /dev/null, or /dev/stdout: no lock
                 held, refusal = lock_outputs([("--json", FolderLock.for_file(args.json))])
                 if refusal:
                     raise ValueError(refusal)

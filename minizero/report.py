@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 
+from minizero import jsons
 from minizero.comm.collectives import all_gather
 from minizero.files import atomic_write
 from minizero.header import run_techniques
@@ -26,6 +27,7 @@ from minizero.parallel.strategy import TRAFFIC_KINDS
 from minizero.plots import MISSING, plot_losses, steps_drawn
 from minizero.sample import printable, sample_text
 from minizero.saved_model import SIDECAR, save_model
+from minizero.streams import stream_fd
 from minizero.zero import shards_parameters
 
 #: the main job's sampling temperature (``python -m minizero.sample`` defaults to the same)
@@ -285,8 +287,8 @@ def _print_sample(args, text: str) -> None:
 
 def _write_summary(path: str, summary: dict, final: bool) -> None:
     """``--json``, whole; a device or FIFO (``--json /dev/stdout``) takes one document, the final one."""
-    if final or not os.path.exists(path) or os.path.isfile(path):
-        text = json.dumps(_json_safe(summary), indent=1, allow_nan=False)
+    if final or stream_fd(path) is None and (not os.path.exists(path) or os.path.isfile(path)):
+        text = json.dumps(_json_safe(jsons.summary(summary)), indent=1, allow_nan=False)
         atomic_write(path, lambda f: f.write(text), mode="w")
 
 

@@ -45,6 +45,7 @@ from minizero.memory.monitor import gather_module_peaks, gather_timeline
 from minizero.memory.precision import LossScaleError
 from minizero.numerals import error_lines, is_count, wrapped
 from minizero.output_checks import clear_flight, earlier_results, not_a_folder, still_earlier
+from minizero.streams import lockable
 from minizero.zero import gather_figures
 from minizero.report import gather_stats, report
 
@@ -137,8 +138,7 @@ def _lock_output(args, comm, mpi_world):
         if save and (args.no_save or save != out):  # inside OUT too: --out o2 --save-dir o/ck
             wanted.append(("--save-dir", FolderLock(args.save_dir)))
         for flag, path in (("--json", args.json), ("--trace", args.trace)):
-            if path and (args.no_save or os.path.dirname(os.path.realpath(path)) != out) and (
-                    os.path.isfile(path) or not os.path.exists(path)):  # not /dev/null; OUT's lock covers OUT
+            if path and (args.no_save or os.path.dirname(os.path.realpath(path)) != out) and lockable(path):
                 wanted.append((flag, FolderLock.for_file(path)))
         locks, refusal = lock_outputs(wanted)
         if refusal is None and not args.no_save:  # OUT is this job's now: no second job is in it

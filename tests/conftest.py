@@ -64,6 +64,15 @@ def one_refusal(err: str) -> str:
     return whole
 
 
+def earlier_json(flag: str = "--json", **data) -> str:
+    """An earlier output: a summary (``--json``, of ``data``) or a trace (``--trace``) as minizero marks them."""
+    import json
+
+    from minizero import jsons
+
+    return json.dumps(jsons.summary(data) if flag == "--json" else jsons.trace([]))
+
+
 def png_bytes(marked: bool = True) -> bytes:
     """A 1x1 PNG: with the mark minizero writes into its plots (``pngs.MARK``), or without (a user's own, or a plot
     of a minizero older than the mark), built by hand (no matplotlib)."""

@@ -18,7 +18,7 @@ import pytest
 
 from minizero.checkpoint import resolve
 from minizero.train import UsageError, check_steps_left, parse_args
-from tests.conftest import REPO_ROOT, mpi_env
+from tests.conftest import REPO_ROOT, earlier_json, mpi_env
 
 
 def joined(printed: str) -> str:
@@ -601,7 +601,7 @@ def test_quantize_json_never_overwrites_the_data_summary_json_names(saved, tmp_p
     for name in ("model.npz", "model.json", "summary.json"):
         shutil.copy(saved.parent / name, tmp_path / name)
     corpus = tmp_path / "corpus.txt"
-    text = json.dumps({"baseline": {}, "rows": "the user's text. " * 200})  # quantize's keys: --json would replace
+    text = earlier_json(baseline={}, rows="the user's text. " * 200)  # marked as a summary: --json would replace it
     corpus.write_text(text)
     summary = json.loads((tmp_path / "summary.json").read_text())
     summary["config"]["train"]["data"] = str(corpus)

@@ -10,6 +10,7 @@ import pytest
 from minizero import temporaries
 from minizero.files import atomic_write
 from minizero.temporaries import STALE_AFTER_S, remove_stale_temporaries
+from tests.conftest import earlier_json
 
 
 def _write_under_umask(path, mask):
@@ -79,7 +80,7 @@ def test_a_save_dirs_latest_pointer_is_never_an_output(tmp_path):
     (tmp_path / "ck" / "step_00000002").mkdir(parents=True)
     (tmp_path / "ck" / "step_00000002" / "manifest.json").write_text("{}")
     (tmp_path / "ck" / "latest").write_text("step_00000002\n")
-    (tmp_path / "latest").write_text('{"baseline": {}, "rows": []}\n')  # a summary: --json may replace it
+    (tmp_path / "latest").write_text(earlier_json(baseline={}, rows=[]))  # a summary: --json may replace it
     for check in (refuse_read_back, lambda path, flag: check_output(path, flag)):
         with pytest.raises(ValueError, match="would overwrite latest, which minizero's programs read back"):
             check(str(tmp_path / "ck" / "latest"), "--json")

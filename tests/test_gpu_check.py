@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, earlier_json
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import gpu_check  # noqa: E402
@@ -214,13 +214,21 @@ def test_the_measured_tables_in_docs_gpu_md_are_the_committed_outputs():
 
 def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     """Attacker: --json pointed at a checkpoint's manifest.json (or its 'latest') replaced it after the whole
-    check; '' failed only at the end; a missing folder was created. Only a new file or an earlier result goes."""
+    check; '' failed only at the end; a missing folder was created. Only a new file or an earlier result goes.
+    Before (minizero.jsons): an earlier result was known by its keys; a user's JSON with them was replaced, and so
+    was a run's summary.json beside its weights; /dev/stdout was refused."""
     (tmp_path / "manifest.json").write_text('{"format": "minizero-checkpoint"}')
     (tmp_path / "latest").write_text("step_00000002")
-    (tmp_path / "old.json").write_text('{"checks": [], "hardware": null}')
+    (tmp_path / "old.json").write_text(earlier_json(checks=[], hardware=None))
+    (tmp_path / "mine.json").write_text('{"checks": [], "hardware": null}')  # a gpu_check result's keys, no mark
+    (tmp_path / "model.npz").write_bytes(b"")
+    (tmp_path / "summary.json").write_text(earlier_json(train_loss=[]))
     problem = gpu_check.json_target_problem
-    assert "not an earlier gpu_check result" in problem(str(tmp_path / "manifest.json"))
-    assert "not an earlier gpu_check result" in problem(str(tmp_path / "latest"))
+    for name in ("latest", "mine.json"):
+        assert "does not hold a summary minizero wrote" in problem(str(tmp_path / name)), name
+    for name in ("manifest.json", "summary.json"):
+        assert f"would overwrite {name}, which minizero's" in problem(str(tmp_path / name))
+    assert problem("/dev/stdout") is None and "descriptor 987 is not open" in problem("/dev/fd/987")
     assert problem("") == "--json '': give a file path"
     assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
     assert "not a regular file" in problem("/dev/null")

@@ -8,6 +8,7 @@ import pytest
 
 from minizero.files import FolderLock, FolderLocked
 from minizero.numerals import unwrapped
+from tests.conftest import earlier_json
 from tests.test_reliability import small_disk  # noqa: F401 (a fixture)
 
 
@@ -595,7 +596,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     import sys
 
     table = tmp_path / "q.json"
-    table.write_text('{"baseline": {}, "rows": []}')  # an earlier quantize table (overwrite.SUMMARY_SIGNATURES)
+    table.write_text(earlier_json(baseline={}, rows=[]))  # an earlier quantize table (minizero.jsons' mark)
     held = FolderLock.for_file(str(table))
     held.acquire()
     try:
@@ -607,7 +608,7 @@ def test_quantize_refuses_a_json_another_job_holds(base_weights, tmp_path):
     assert unwrapped(proc.stderr) == [  # one line, over lines of <= 120 columns
         f"python -m minizero.quantize: error: --json {str(table)!r} is in use by another minizero job (pid "
         f"{os.getpid()} on host {__import__('socket').gethostname()}); wait for it to end or choose another file"]
-    assert table.read_text() == '{"baseline": {}, "rows": []}' and sorted(os.listdir(tmp_path)) == ["q.json"]
+    assert table.read_text() == earlier_json(baseline={}, rows=[]) and sorted(os.listdir(tmp_path)) == ["q.json"]
 
 
 @pytest.mark.timeout(120)

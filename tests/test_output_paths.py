@@ -15,7 +15,7 @@ from minizero.nn.gpt import GPTConfig
 from minizero.files import atomic_write, check_writable_file
 from minizero.overwrite import check_output
 from minizero.quantize import main as quantize_main
-from tests.conftest import REPO_ROOT, png_bytes
+from tests.conftest import REPO_ROOT, earlier_json, png_bytes
 
 
 def one_line(printed: str) -> str:
@@ -169,15 +169,13 @@ def test_a_link_to_the_data_is_not_written_over(tmp_path, monkeypatch, flag):
 
 def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, monkeypatch, capsys):
     """Before: quantize --json notes.txt, train --trace notes.txt (and --json) replaced the user's notes."""
-    import json
-
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("notes\n")
     (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "old.json").write_text(json.dumps({"baseline": {}, "rows": []}))
-    (tmp_path / "old_trace.json").write_text(json.dumps({"traceEvents": []}))
+    (tmp_path / "old.json").write_text(earlier_json(baseline={}, rows=[]))
+    (tmp_path / "old_trace.json").write_text(earlier_json("--trace"))
     (tmp_path / "plot.png").write_bytes(png_bytes())  # minizero's (marked, tests/test_output_pngs.py)
     for flag, name, what in [("--json", "notes.txt", "a summary"), ("--json", "list.json", "a summary"),
                              ("--trace", "old.json", "a trace"), ("--plot", "notes.txt", "a plot minizero wrote")]:
@@ -254,7 +252,7 @@ def test_train_keeps_a_users_own_summary_and_plots_in_out(tmp_path, monkeypatch)
         parse_args(["--model", "tiny", "--out", "o", "--no-save"], world_size=1)  # nothing written there: fine
         (tmp_path / "o" / name).unlink()
     (tmp_path / "o" / "loss.png").write_bytes(png_bytes())  # an earlier run's (marked): replaced as before
-    (tmp_path / "o" / "summary.json").write_text(json.dumps({"train_loss": [], "world_size": 1, "config": {}}))
+    (tmp_path / "o" / "summary.json").write_text(earlier_json(train_loss=[], world_size=1, config={}))
     parse_args(["--model", "tiny", "--out", "o"], world_size=1)
 
 
@@ -474,7 +472,7 @@ def test_json_on_a_disk_that_fills_at_the_end_is_one_line_and_keeps_the_previous
     (tmp_path / "base" / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))
     full, out = tmp_path / "full", tmp_path / "out"
     full.mkdir()
-    previous = json.dumps({"baseline": {}, "rows": []})  # an earlier quantize summary
+    previous = earlier_json(baseline={}, rows=[])  # an earlier quantize summary
     (full / "s.json").write_text(previous)
     flags = ["--steps", "1", "--eval-batches", "1", "--out", str(out), "--json", str(full / "s.json")]
     if tool == "finetune":
@@ -501,7 +499,7 @@ def test_a_failed_run_names_the_earlier_runs_files_it_left_in_out(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     np.savez(out / "model.npz", a=np.zeros(1))  # an earlier run's (minizero's own writes replace them whole)
-    (out / "summary.json").write_text(json.dumps({"train_loss": [], "world_size": 1, "config": {}}))
+    (out / "summary.json").write_text(earlier_json(train_loss=[], world_size=1, config={}))
     (out / "loss.png").write_text("")
 
     def failed_run(folder):
@@ -537,8 +535,9 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.json").write_text('{"mine": "precious"}')
-    said = ("--json 'mine.json' exists and does not hold a summary minizero wrote: --json replaces only such a file "
-            "(an earlier output); give another file, or move that one away")
+    said = ("--json 'mine.json' exists and does not hold a summary minizero wrote, marked by its top-level key "
+            "'minizero' (an older minizero's has none: delete it): --json replaces only such a file (an earlier "
+            "output); give another file, or move that one away")
     with pytest.raises(ValueError) as e:
         finetune.check(finetune.build_parser().parse_args(["--json", "mine.json"]))
     assert str(e.value) == said
@@ -555,11 +554,12 @@ def test_a_users_json_object_is_not_replaced(tmp_path, monkeypatch, capsys):
             check_output("old.json", "--json")
 
 
-def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_its_keys_is_not(tmp_path, mpiexec):
+def test_each_programs_real_summary_is_replaced_and_a_users_json_with_its_keys_is_not(tmp_path, mpiexec):
     """Before: a JSON object with any one of train_loss, rows, runs or results counted as minizero's summary, so
-    --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}. Now each program's
-    summary is known by all the keys it writes (overwrite.SUMMARY_SIGNATURES), checked here on what each one wrote."""
-    from minizero.overwrite import SUMMARY_SIGNATURES
+    --json replaced {"results": [1]}, {"rows": 3, "name": "my spreadsheet"} or {"runs": 0}; then one with all the keys
+    a program writes did, and a train --trace replaced any JSON with a traceEvents list (a PyTorch profiler's). Now
+    every summary and trace carries minizero's mark (minizero.jsons), checked here on what each one wrote."""
+    from minizero.jsons import KEY, MARKS
 
     def run(*argv, ok=(0,)):
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -567,7 +567,7 @@ def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_it
         assert proc.returncode in ok, proc.stderr
 
     run("-m", "minizero.train", "--model", "tiny", "--steps", "1", "--no-progress", "--sample-tokens", "0",
-        "--out", "o", "--json", "train.json")
+        "--out", "o", "--json", "train.json", "--trace", "trace.json")
     run("-m", "minizero.quantize", "--weights", "o/model.npz", "--json", "quantize.json")
     run("-m", "minizero.finetune", "--weights", "o/model.npz", "--method", "full", "--steps", "1", "--eval-batches",
         "1", "--json", "finetune.json")
@@ -575,17 +575,29 @@ def test_each_programs_real_summary_is_replaced_and_a_users_json_with_some_of_it
         "--out", "cmp", "--json", "compare.json", "--timeout", "0.001", ok=(0, 1))  # its run cut: the JSON as ever
     run(os.path.join(REPO_ROOT, "bench", "bench_allreduce.py"), "--json", "bench.json", "--quiet", "--max-bytes",
         "4096", "--warmup", "0")
-    assert sorted(SUMMARY_SIGNATURES) == ["bench", "compare", "finetune", "quantize", "train"]
-    for name in SUMMARY_SIGNATURES:  # each writer's own output: accepted as an earlier summary
+    users = []
+    for name in ("bench", "compare", "finetune", "quantize", "train"):  # each writer's own output: an earlier summary
         check_output(str(tmp_path / f"{name}.json"), "--json")
-    users = [{"results": [1]}, {"rows": 3, "name": "my spreadsheet"}, {"runs": 0}, {"rows": []}, {"rows": [1]},
-             {"rows": [{"method": "full"}]}]
-    users += [{k: 1} for keys, _ in SUMMARY_SIGNATURES.values() for k in keys]  # one key of a summary's
-    users += [dict.fromkeys(sorted(keys)[1:], 1) for keys, _ in SUMMARY_SIGNATURES.values()]  # all keys but one
+        with open(tmp_path / f"{name}.json") as f:
+            written = json.load(f)
+        assert next(iter(written.items())) == (KEY, MARKS["--json"])  # first: the top of the file says it
+        users.append({k: v for k, v in written.items() if k != KEY})  # its keys, no mark: a user's (or older) JSON
+    with open(tmp_path / "trace.json") as f:
+        written = json.load(f)
+    assert list(written) == ["traceEvents", "displayTimeUnit", "otherData"]  # Perfetto skips no event
+    assert written["otherData"] == {KEY: MARKS["--json"].replace("summary", "trace")}
+    check_output(str(tmp_path / "trace.json"), "--trace")
+    users += [{"results": [1]}, {"rows": 3, "name": "my spreadsheet"}, {"runs": 0}, {KEY: "mine"}]
     for data in users:
         (tmp_path / "mine.json").write_text(json.dumps(data))
-        with pytest.raises(ValueError, match="does not hold a summary minizero wrote"):
+        with pytest.raises(ValueError, match="does not hold a summary minizero wrote, marked by its top-level key "
+                                             "'minizero' \\(an older minizero's has none: delete it\\)"):
             check_output(str(tmp_path / "mine.json"), "--json")
+    for data in ({"traceEvents": written["traceEvents"]}, {"traceEvents": [], "schemaVersion": 1}, written | {
+            "otherData": {}}, {"traceEvents": [], KEY: MARKS["--trace"]}):  # older minizero's, a profiler's
+        (tmp_path / "mine.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="does not hold a trace minizero wrote, marked by the key 'minizero' in"):
+            check_output(str(tmp_path / "mine.json"), "--trace")
 
 
 @pytest.mark.parametrize("name", ["keep.json/", "newf.json/", "keep.json/.", "newf.json/.", "keep.json/..",
@@ -598,7 +610,7 @@ def test_a_file_path_ending_in_a_slash_is_refused_before_any_work(tmp_path, monk
     from minizero.args import UsageError, parse_args
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "keep.json").write_text('{"baseline": {}, "rows": []}')
+    (tmp_path / "keep.json").write_text(earlier_json(baseline={}, rows=[]))
     said = f"{flag} {name!r} ends in {name[name.rindex('/'):]!r}: give a file path"
     with pytest.raises(UsageError) as e:
         parse_args(["--out", "o", flag, name], world_size=1)

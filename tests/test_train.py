@@ -12,7 +12,7 @@ import pytest
 from minizero.nn import GPT, get_config
 from minizero.memory.plots import PLOTS_OFF
 from minizero.train import UsageError, parse_args
-from tests.conftest import mpi_env, mpiexec_path
+from tests.conftest import earlier_json, mpi_env, mpiexec_path
 
 TINY = ["--model", "tiny", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "8",
         "--no-progress"]
@@ -56,7 +56,7 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
     os.mkdir("a")
     np.savez(tmp_path / "a" / "model.npz", w=np.zeros(1))  # another run's files (a user's own: test_output_paths)
     (tmp_path / "a" / "model.json").write_text('{"n_head": 2}')
-    (tmp_path / "a" / "summary.json").write_text('{"train_loss": [], "world_size": 1, "config": {}}')
+    (tmp_path / "a" / "summary.json").write_text(earlier_json(train_loss=[], world_size=1, config={}))
     before = {n: (tmp_path / "a" / n).read_bytes() for n in ("model.npz", "model.json", "summary.json")}
     os.mkfifo("pipe")
     for flag in ("--json", "--trace"):
@@ -71,7 +71,7 @@ def test_json_and_trace_never_overwrite_another_run_s_files_nor_wait_on_a_fifo(t
     assert parse_args(["--out", "a"], world_size=1).json == os.path.join("a", "summary.json")
     assert all((tmp_path / "a" / n).read_bytes() == b for n, b in before.items())
     os.mkdir("res")  # a summary on its own (no weights beside it) is no run's: a re-run may replace it
-    (tmp_path / "res" / "summary.json").write_text('{"train_loss": [], "world_size": 1, "config": {}}')
+    (tmp_path / "res" / "summary.json").write_text(earlier_json(train_loss=[], world_size=1, config={}))
     assert parse_args(["--out", "b", "--json", "res/summary.json"], world_size=1).json == "res/summary.json"
     os.symlink("a", "link")  # OUT's own summary through a link is still its own
     assert parse_args(["--out", "link", "--json", "a/summary.json"], world_size=1).json == "a/summary.json"

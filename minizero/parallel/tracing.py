@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from minizero import trace
+from minizero import jsons, trace
 from minizero.autograd import Function, Tensor
 from minizero.files import atomic_write
 from minizero.zero.shards import find_units
@@ -96,6 +96,6 @@ def write_trace(comm, tracer: trace.Tracer, path: str) -> list | None:
         buf = comm.recv(np.empty(int(n[0]), dtype=np.uint8), r, tag=TRACE_TAG)
         events.extend(json.loads(buf.tobytes().decode()))
     events += trace.metadata_events(range(comm.world_size))
-    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    text = json.dumps(jsons.trace(events))
     atomic_write(path, lambda f: f.write(text), mode="w")
     return json.loads(text)["traceEvents"]  # as a reader of PATH gets them (JSON's types, not the tracer's)
