@@ -86,9 +86,11 @@ COLUMNS = (("ranks", 5), ("strategy", 12), ("device MiB", 10), ("estimate", 8), 
 KEY = ("Columns (rank 0; MiB = 2^20 bytes):",
        "  device       the ledger's peaks summed over the categories except offloaded (not one simultaneous peak)",
        "  estimate     the same total as estimate_memory(..., accounting=\"minizero\") predicts it",
-       "  worst        the largest |estimate - measured| / measured over categories and ranks",
+       "  worst        the largest |estimate - measured| / measured over categories and ranks: 0.0% when the",
+       "               estimator, counting as minizero allocates, predicts every ledger category exactly",
        "  process      tracemalloc's peak: every NumPy allocation of the process",
-       "  tokens/s     over these few steps, the first included: rough",
+       "  tokens/s     over these few steps, the first included: rough; each run is its own process, so the",
+       "               order does not favour a row, but another job on the cores does: rerun before ranking rows",
        "  step s       seconds per step, the first included; predicted: the planner's, on the hardware profile above",
        "  ratio        step s / predicted (lesson 08: what the planner leaves out)")
 

@@ -39,7 +39,8 @@ def format_table(rows: list) -> str:
               "  weights and Adam's state; B/param: their sum over the model's "
               f"{rows[0]['num_parameters']:,} parameters",
               "val: validation loss (nats per byte) of the loaded weights (before), of the weights training starts",
-              "  from (base: qlora's NF4 copy, the others' the loaded weights) and of the fine-tuned model (after)"]
+              "  from (base: qlora's NF4 copy, the others' the loaded weights) and of the fine-tuned model (after);",
+              "  NF4's rounding is noise: qlora's base may end a little below before as well as above"]
     return "\n".join(lines)
 
 

@@ -123,3 +123,14 @@ def test_a_worst_gap_of_1000_percent_or_more_is_a_whole_number_not_an_exponent()
     runs[1]["deviation"] = dict(runs[1]["deviation"], activations=0.1234)
     rows = terminal(runs).splitlines()[1:3]
     assert [r.split()[4] for r in rows] == ["1,234%", "12.3%"], rows
+
+
+def test_the_key_says_why_worst_reads_0_percent_and_that_tokens_per_s_moves_with_load():
+    """Before: every row read 'worst 0.0%' and offload-nvme out-ran the baseline (2,869 vs 1,727 tok/s) with nothing
+    saying that 0.0% is the minizero accounting matching the ledger, nor that load, not the order, moved tokens/s."""
+    from minizero.compare_report import KEY
+
+    key = " ".join(" ".join(KEY).split())
+    assert "0.0% when the estimator, counting as minizero allocates, predicts every ledger category exactly" in key
+    assert "order does not favour a row" in key and "rerun before ranking rows" in key
+    assert all(len(line) <= 120 for line in KEY)

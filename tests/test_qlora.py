@@ -211,6 +211,17 @@ def test_finetune_table_says_which_columns_are_bytes():
         "B/param", "val before", "val base", "val after"]
 
 
+def test_finetune_table_says_qlora_s_base_may_sit_below_before():
+    """Before: the default run printed val base 3.2550 (the NF4 copy) below val before 3.2586 (the float weights)
+    and nothing said that rounding to NF4 is noise, which can lower the loss a little as well as raise it."""
+    from minizero.finetune import format_table
+
+    row = {"method": "qlora", "trainable_parameters": 4, "num_parameters": 10, "frozen_bytes": 6, "trainable_bytes": 16,
+           "optimizer_bytes": 32, "val_before": 3.2586, "val_base": 3.2550, "val_after": 3.0}
+    said = " ".join(format_table([row]).split())
+    assert "NF4's rounding is noise: qlora's base may end a little below before as well as above" in said
+
+
 def test_finetune_says_why_a_method_ended_above_its_start():
     """Before: full fine-tuning went 1.789 -> 1.901 in 3 steps at --lr 1e-3 and nothing said why (a constant lr,
     no warmup: Adam's first steps move every weight by about lr; measured: 100 steps at 1e-3 end lowest)."""
