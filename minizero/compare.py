@@ -126,13 +126,13 @@ def predict_step_s(name: str, model: str, ranks: int, micro_batch_size: int, pro
     """The planner's step time (s) for strategy ``name`` on ``ranks`` ranks of this machine (``profile``).
 
     :func:`minizero.plan_search.step_time` on the model's :class:`ModelShape`, the strategy of
-    :func:`to_strategy` and ``profile.hardware(ranks)``: the same formulas the planner ranks with.
+    :func:`to_strategy` and ``profile.hardware(ranks)``, with ``overlap=False``: the runs are ``--no-overlap``.
     """
     from minizero.train import model_config, parse_args
 
     cfg = model_config(parse_args(train_argv(name, model, 1, micro_batch_size), ranks))
-    st = to_strategy(name, ranks, micro_batch_size, cfg.dtype)
-    return step_time(ModelShape.from_gpt_config(cfg), st, profile.hardware(ranks), cfg.block_size)["step"]
+    st, shape = to_strategy(name, ranks, micro_batch_size, cfg.dtype), ModelShape.from_gpt_config(cfg)
+    return step_time(shape, st, profile.hardware(ranks), cfg.block_size, overlap=False)["step"]
 
 
 # ---- measuring: under MPI, or in-process threads ---------------------------------------------------

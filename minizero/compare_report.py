@@ -46,8 +46,8 @@ def markdown(runs: list[dict], header: str, descriptions: dict, hardware: str | 
              "training-loop time (first step included, `--no-overlap`) / the planner's `step_time` on the hardware "
              "profile below; ratio = measured divided by predicted: how many times slower this machine ran than the "
              "planner's first-order model (matmul FLOPs, collective bytes, offload copies) says: it leaves out the "
-             "elementwise kernels, the optimizer step, Python's overhead and FP16 emulated on NumPy, and it assumes "
-             "data-parallel traffic partly hidden behind compute (lesson 08).",
+             "elementwise kernels, the optimizer step, Python's overhead and FP16 emulated on NumPy; it charges "
+             "data-parallel traffic in full, none hidden behind compute, as `--no-overlap` runs it (lesson 08).",
              *(["", hardware] if hardware else []), "",
              NOT_SIMULTANEOUS, "",
              "| ranks | strategy | parameters | gradients | optimizer state | activations | "

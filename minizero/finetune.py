@@ -33,7 +33,7 @@ from minizero.finetune_report import EVAL_SEQUENCES, format_table, header, rose_
 from minizero.files import FolderLock, WriteError, atomic_write, content_digest, lock_outputs, release_all
 from minizero.overwrite import check_output, checkpoint_holding, refuse_inputs
 from minizero.temporaries import check_writable_folder, unwritable
-from minizero.layout_checks import launch
+from minizero.layout_checks import check_model_sizes, check_tensor_parallel, launch
 from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.numerals import (DefaultsOnce, OneLineParser, description, error_lines, integer,
                                negative_values_reach_checks, real)
@@ -42,13 +42,12 @@ from minizero.nn.module import ModuleList
 from minizero.optim import AdamW, clip_grad_norm_
 from minizero.progress import MODES, Progress
 from minizero.parallel.data_parallel import DataParallel
-from minizero.parallel.lora_tp import (counts_in_norm, gather_merged, nf4_shard_refusal, nf4_tensor_parallel_sizes,
-                                       tensor_parallel_lora)
+from minizero.parallel.lora_tp import counts_in_norm, gather_merged, tensor_parallel_lora
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate
 from minizero.parallel.topology import Topology
 from minizero.quantized_model import evaluate_loss
 from minizero.saved_model import SIDECAR, refuse_replacing, save_model
-from minizero.weights import load_trained
+from minizero.weights import load_trained, read_sidecar
 from minizero.zero import zero_optimizer
 from minizero.zero.collectives import debug_collectives
 from minizero.interrupts import WHOLE, Interrupts, end_set_up, every_rank_ends, guard_set_up, interruptible
@@ -286,6 +285,8 @@ def _main(argv, world) -> int:
         if spec.rpartition(":")[2] not in STEP_START_KINDS:
             raise ValueError(f"MINIZERO_FAULT={spec!r} never fires in a fine-tune; allowed KIND: "
                              f"{', '.join(STEP_START_KINDS)}")
+        if args.tp > 1 and (side := read_sidecar(args.weights)):  # model.json: the model's rules before the launch's
+            check_model_sizes(args.tp, None, n_head=side.get("n_head"), n_embd=side.get("n_embd"))
         if world.Get_size() % args.tp:
             raise ValueError(f"--tp {args.tp} must divide the {world.Get_size()} ranks" + launch(args.tp, "finetune"))
         dp = world.Get_size() // args.tp
@@ -300,15 +301,7 @@ def _main(argv, world) -> int:
         if (args.table or args.method != "full") and args.lora_rank > model0.config.n_embd:
             raise ValueError(f"--lora-rank {args.lora_rank} is above the model's width {model0.config.n_embd}, "
                              f"min(in, out) of every adapted Linear; allowed: 1..{model0.config.n_embd}")
-        if (cfg0 := model0.config).n_head % args.tp or cfg0.n_embd % args.tp:
-            ok = [t for t in range(1, world.Get_size() + 1)
-                  if world.Get_size() % t == cfg0.n_head % t == cfg0.n_embd % t == 0]
-            raise ValueError(f"--tp {args.tp} must divide the model's n_head={cfg0.n_head} and n_embd={cfg0.n_embd}; "
-                             f"allowed on {world.Get_size()} ranks: --tp {' or '.join(map(str, ok))}")
-        cut = args.tp > 1 and args.method == "qlora" and nf4_shard_refusal(cfg0, args.tp, args.targets.split(","))
-        if cut:  # the sizes that work here (--model tiny: none above 1)
-            ok = " or ".join(str(t) for t in nf4_tensor_parallel_sizes(cfg0, world.Get_size(), args.targets.split(",")))
-            raise ValueError(f"--{cut}; allowed on {world.Get_size()} ranks: --tp {ok} (or --method lora)")
+        check_tensor_parallel(model0.config, args.tp, world.Get_size(), args.method, args.targets.split(","))
         env = job_environment()  # the MINIZERO_ settings the ranks must share (the all-reduce size rule)
         inputs = dict(data_digest(args.data), **{f"--weights {args.weights!r}": content_digest(args.weights)})
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), its message printed by this rank

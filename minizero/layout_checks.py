@@ -11,6 +11,7 @@ import numpy as np
 
 from minizero.flags import LATE_DEFAULTS, UsageError
 from minizero.parallel.expert_parallel import MAX_EXPERTS
+from minizero.parallel.lora_tp import nf4_shard_refusal, nf4_tensor_parallel_sizes
 
 
 # ---- the planner's rules: ZeRO with pp, sp's split (every model's), train's (plan_search.train_refusal: presets') ----
@@ -263,6 +264,19 @@ def check_model_sizes(tp, pp, *, n_head=None, n_embd=None, n_layer=None, vocab_s
     if pp is not None and n_layer is not None and pp > n_layer:
         raise ValueError(f"--pp {pp} is larger than the number of layers n_layer={n_layer} "
                          f"(every pipeline stage needs at least one layer); allowed: 1 to {n_layer}")
+
+
+def check_tensor_parallel(cfg, tp: int, world: int, method: str, targets) -> None:
+    """Raise ValueError unless finetune's ``--tp`` splits ``cfg``'s GPT (loaded) on ``world`` ranks: its heads and
+    width and, under QLoRA, whole NF4 blocks (:func:`nf4_shard_refusal`); each refusal names the --tp allowed there."""
+    if cfg.n_head % tp or cfg.n_embd % tp:
+        ok = [t for t in range(1, world + 1) if world % t == cfg.n_head % t == cfg.n_embd % t == 0]
+        raise ValueError(f"--tp {tp} must divide the model's n_head={cfg.n_head} and n_embd={cfg.n_embd}; "
+                         f"allowed on {world} ranks: --tp {' or '.join(map(str, ok))}")
+    cut = tp > 1 and method == "qlora" and nf4_shard_refusal(cfg, tp, targets)
+    if cut:  # the sizes that work here (--model tiny: none above 1)
+        ok = " or ".join(str(t) for t in nf4_tensor_parallel_sizes(cfg, world, targets))
+        raise ValueError(f"--{cut}; allowed on {world} ranks: --tp {ok} (or --method lora)")
 
 
 def check_interleaved(args, cfg) -> None:

@@ -122,8 +122,11 @@ def _usage(check, path: str, flag: str) -> None:
 
 
 def existing_folder(flag: str, given: str, folder: str) -> None:
-    """Refuse an output whose ``folder`` does not exist or is not writable: a typo is not made into a folder."""
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)) and stream_fd(given) is None:  # /dev/stdout: /dev
+    """Refuse an output whose ``folder`` does not exist or is not writable: a typo is not made into a folder. A
+    stream or device (/dev/null) is written into, never renamed over: its folder need not be writable."""
+    if stream_fd(given) is not None or os.path.exists(given) and not (os.path.isfile(given) or os.path.isdir(given)):
+        return
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise UsageError(f"{flag} {given!r}: directory {folder!r} does not exist or is not writable")
 
 
@@ -168,8 +171,7 @@ def check_trace(args) -> None:
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
     _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace
-    device = os.path.exists(p) and not os.path.isfile(p)  # such as /dev/null: written straight into
-    if not device and (args.no_save or os.path.dirname(p) != os.path.abspath(args.out)):  # OUT made unless --no-save
+    if args.no_save or os.path.dirname(p) != os.path.abspath(args.out):  # OUT made unless --no-save
         existing_folder("--trace", path, os.path.dirname(p))
     probe(path, "--trace", check_writable_file)
 

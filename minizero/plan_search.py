@@ -259,10 +259,11 @@ def _gather_after_step(model: ModelShape, st: Strategy, stage: int = 0) -> float
 
 
 def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm: dict | None = None,
-              stage: int = 0) -> dict:
+              stage: int = 0, overlap: bool = True) -> dict:
     """Seconds per step by part on pipeline stage ``stage`` (``comm``: its bytes, by default computed); "step" sums
     them. Compute: the model's FLOPs / GPUs, stages balanced (Narayanan et al. 2021; the head's extra unmodelled).
-    Traffic: alpha-beta, message steps x ``hw.latency`` + bytes / bandwidth (``memory/estimator/messages.py``)."""
+    Traffic: alpha-beta, message steps x ``hw.latency`` + bytes / bandwidth (``memory/estimator/messages.py``).
+    ``overlap=False``: train's ``--no-overlap``, no DP traffic hidden behind compute."""
     comm = comm or comm_bytes_per_step(model, st, seq_len, stage=stage)
     n, batch = st.world_size, st.dp * st.micro_batch * st.micro_batches
     compute = model_flops_per_step(model, batch, seq_len, st.recompute) / n / (hw.flops * hw.efficiency)
@@ -284,6 +285,7 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
         across = replica_bytes(model, st, stage)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
         window = 2 / 3 * compute / st.micro_batches if st.zero < 2 else 2 / 3 * compute if st.zero == 2 else compute
+        window = window if overlap else 0.0  # blocking: every bucket waits on its collective
         exposed = overlappable / shard_bw + a["dp"] + across / dp_bw + a["dp_across"] - window
         dp = max(0.0, exposed) + gather_after_step / shard_bw + a["dp_after"]
     offload, shard = 0.0, _state_shard(model, st, stage)

@@ -297,12 +297,24 @@ def test_sizes_under_cp_launch_cp_times_the_product():
         parse_args(["--model", "tiny", "--cp", "2", "--dp", "4"], 2)
 
 
-def test_finetune_tp_in_one_process_names_the_launch(capsys):
+def test_finetune_tp_in_one_process_names_the_launch(capsys, tmp_path):
+    """A --tp the model takes names the launch; one it does not (model.json, read before the weights) names the
+    model's rule first: before, --tp 3 said "launch a multiple of 3 ranks", which then met n_head's refusal."""
+    import dataclasses
     from minizero.finetune import main
-    assert main(["--tp", "2"]) == 2
+    from minizero.nn import get_config
+
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(get_config("tiny"))))  # n_head 2, n_embd 16
+    for weights in (str(tmp_path / "model.npz"), str(tmp_path / "none" / "model.npz")):  # without model.json: as ever
+        assert main(["--weights", weights, "--tp", "2"]) == 2
+        err = capsys.readouterr().err
+        assert len(unwrapped(err)) == 1 and "--tp 2 must divide the 1 ranks; launch a multiple of 2 ranks, e.g. " \
+            "mpirun -n 2 python -m minizero.finetune ..." in " ".join(err.split()), err
+    assert main(["--weights", str(tmp_path / "model.npz"), "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert len(unwrapped(err)) == 1 and "--tp 2 must divide the 1 ranks; launch a multiple of 2 ranks, e.g. mpirun -n 2 " \
-        "python -m minizero.finetune ..." in " ".join(err.split()), err
+    assert len(unwrapped(err)) == 1 and "--tp 3 does not divide the number of attention heads n_head=2 (tensor " \
+        "parallelism splits attention by heads); allowed: 1, 2 (the divisors of n_head=2, n_embd=16)" \
+        in " ".join(err.split()), err
 
 
 def test_hidden_size_must_split_too():

@@ -144,6 +144,26 @@ def test_hardware_profile_of_one_rank_feeds_the_planner():
     assert compare.predict_step_s("recompute", "tiny", 1, 2, prof) > t  # one more forward: more FLOPs
 
 
+def test_the_prediction_is_of_the_blocking_run_compare_measures():
+    """Before: the runs are --no-overlap but predict_step_s hid the DP all-reduce behind backward (the planner's
+    clock). tiny, 2 ranks, micro-batch 2: 4,325,376 FLOPs / 2 ranks / 1e9 FLOP/s; 43,776 ring bytes / 1e8 B/s plus
+    one recursive-doubling step x 10 us, blocking; overlapped, it fits in 2/3 of compute."""
+    from minizero import hardware
+    from minizero.memory.estimator import ModelShape
+    from minizero.plan_search import step_time
+    from minizero.train import model_config, parse_args
+
+    prof = hardware.Profile(sgemm_flops={1: 1e9}, copy_bw=1e9, allreduce_busbw={2: 1e8}, adam_params_per_s=1e8,
+                            gradient_bytes=0, cores=2, latency={2: 1e-5})
+    compute, dp = 4_325_376 / 2 / 1e9, 43_776 / 1e8 + 1 * 1e-5
+    assert compare.predict_step_s("baseline", "tiny", 2, 2, prof) == pytest.approx(compute + dp, rel=1e-12)
+    cfg = model_config(parse_args(compare.train_argv("baseline", "tiny", 1, 2), 2))
+    m, st = ModelShape.from_gpt_config(cfg), compare.to_strategy("baseline", 2, 2, cfg.dtype)
+    blocking, overlapped = (step_time(m, st, prof.hardware(2), cfg.block_size, overlap=o) for o in (False, True))
+    assert (blocking["dp"], blocking["step"]) == (pytest.approx(dp, rel=1e-12), pytest.approx(compute + dp, rel=1e-12))
+    assert (overlapped["dp"], overlapped["step"]) == (0.0, pytest.approx(compute, rel=1e-12))
+
+
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path):
     hide = tmp_path / "hide"  # matplotlib hidden: no compare.png drawn (the test above's), the table as ever

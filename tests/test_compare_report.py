@@ -36,11 +36,12 @@ def test_the_table_says_in_one_short_line_that_its_device_total_is_no_simultaneo
     assert "not one simultaneous peak" in near and "process peak" in near and len(near) <= 100, near
 
 
-def test_the_caption_says_the_planner_hides_data_parallel_traffic_behind_compute_not_only_backward():
-    """Before: "hidden behind backward"; the planner's step_time hides ZeRO-3's behind forward as well (lesson 08)."""
+def test_the_caption_says_the_prediction_charges_data_parallel_traffic_in_full_as_no_overlap_runs_it():
+    """Before: "partly hidden behind compute", yet the runs are --no-overlap; predict_step_s is now blocking too."""
     from minizero.compare_report import markdown
 
-    assert "data-parallel traffic partly hidden behind compute" in " ".join(markdown([], "### title", {}).split())
+    said = " ".join(markdown([], "### title", {}).split())
+    assert "data-parallel traffic in full, none hidden behind compute, as `--no-overlap` runs it" in said
 
 
 def _run(strategy, ranks, ok=True):

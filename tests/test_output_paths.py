@@ -688,3 +688,25 @@ def test_plan_plot_ending_in_slash_or_dot_names_the_path_given(tmp_path, monkeyp
             f"--plot {name!r} ends in {name[name.rindex('/'):]!r}: give a file path")  # a directory says so first
     assert e.value.code == 2 and said in err, err
     assert ".png'" not in err.replace(f"{name!r}", "") and os.listdir("pl") == []
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_dev_null_is_taken_where_its_folder_is_not_writable(tmp_path, monkeypatch, flag):
+    """Before: train and compare refused --json /dev/null for a user who is not root ("directory '/dev' does not exist
+    or is not writable"): a device is written into, never renamed over nor locked, so its folder's mode does not
+    matter. A new file in an unwritable folder is still refused. (Root simulated as a user: /dev not W_OK.)"""
+    from minizero.args import UsageError, parse_args
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **k: False if os.path.abspath(p) == "/dev" and m & os.W_OK
+                        else real(p, m, **k))
+    monkeypatch.chdir(tmp_path)
+    assert getattr(parse_args(["--out", "o", flag, os.devnull], world_size=1), flag[2:]) == os.devnull
+    said = f"{flag} '/dev/new.json': directory '/dev' does not exist or is not writable"
+    with pytest.raises(UsageError, match=said):
+        parse_args(["--out", "o", flag, "/dev/new.json"], world_size=1)
+    if flag == "--json":
+        assert compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json",
+                                   os.devnull]).json == os.devnull
+        with pytest.raises(compare.UsageError, match=said):
+            compare.parse_args(["--model", "tiny", "--strategies", "baseline", "--ranks", "1", "--json", "/dev/new.json"])
