@@ -20,8 +20,8 @@ from minizero.numerals import NotANumber, real
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
 MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typo, not a network)
 LATENCY_HELP = ("alpha: microseconds per message step of a collective (a ring step, a recursive-doubling exchange, "
-                "a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between NCCL's ring "
-                "per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, src/graph/tuning.cc hwLat)")
+                "a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between NCCL's "
+                "ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, src/graph/tuning.cc hwLat)")
 
 
 def latency_us(text) -> float:
