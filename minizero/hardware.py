@@ -133,9 +133,10 @@ def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
             if i >= 2:
                 times.append(slowest)
         median[size] = float(np.median(times))
+    steps = collective_steps("all_reduce", 4, n)  # 0 on one rank (run without mpiexec): no latency to divide
     if comm.rank == 0:
         print(json.dumps({"busbw": 4 * max(1, nbytes // 4) / median[max(1, nbytes // 4)] * 2 * (n - 1) / n,
-                          "latency": median[1] / collective_steps("all_reduce", 4, n)}), flush=True)
+                          "latency": median[1] / steps if steps else 0.0}), flush=True)
 
 
 def _max_op():
