@@ -114,15 +114,15 @@ def allreduce_busbw(nbytes: int, ranks: int, mpiexec: str | None = None, runs: i
 
 
 def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
-    """Under mpiexec: time :func:`minizero.comm.all_reduce` and print {"busbw": bytes/s} on rank 0."""
+    """Under mpiexec: time :func:`minizero.comm.all_reduce`; rank 0 prints {"busbw": bytes/s, "latency": s}."""
     from minizero.comm import all_reduce
     from minizero.comm.mpi import world
 
     with mpi_start_guarded("python -m minizero.hardware", timeout_s=timeout_s):  # SIGTERM or time ends MPI_Init
         comm = world()
     n = comm.world_size
-    median = {}
-    for size in (max(1, nbytes // 4), 1):  # the gradient, then one element: latency alone
+    median, elements = {}, max(1, nbytes // 4)
+    for size in (elements, 1):  # the gradient, then one element: latency alone
         x = np.ones(size, dtype=np.float32)
         out, times = np.empty_like(x), []
         for i in range(2 + runs):  # two warm-up runs
@@ -133,9 +133,10 @@ def _allreduce_job(nbytes: int, runs: int, timeout_s: float = 600.0) -> None:
             if i >= 2:
                 times.append(slowest)
         median[size] = float(np.median(times))
+    steps = collective_steps("all_reduce", 4, n)  # 0 on one rank (run without mpiexec): no latency to divide
     if comm.rank == 0:
-        print(json.dumps({"busbw": 4 * max(1, nbytes // 4) / median[max(1, nbytes // 4)] * 2 * (n - 1) / n,
-                          "latency": median[1] / collective_steps("all_reduce", 4, n)}), flush=True)
+        print(json.dumps({"busbw": 4 * elements / median[elements] * 2 * (n - 1) / n,
+                          "latency": median[1] / steps if steps else 0.0}), flush=True)
 
 
 def _max_op():

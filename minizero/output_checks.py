@@ -182,7 +182,9 @@ def check_save_dir(args) -> None:
     if args.save_every:
         _usage(refuse_pipes, args.save_dir, "--save-dir")
         names = os.listdir(args.save_dir) if os.path.isdir(args.save_dir) else []
-        other = [n for n in sorted(names) if step_of(n) is not None and n == folder_name(step_of(n))
+        resumed = step_of(os.path.basename(resolve(args.resume))) if args.resume else None
+        start = resumed or 0  # saves come after it: a step folder below (a prune killed part way) is never replaced
+        other = [n for n in sorted(names) if (step_of(n) or 0) > start and n == folder_name(step_of(n))
                  and not os.path.isfile(os.path.join(args.save_dir, n, MANIFEST))]  # a save of step N replaces it
         if other:
             raise UsageError(f"--save-dir {args.save_dir!r} holds {other[0]!r}, which is not a checkpoint (no "

@@ -31,7 +31,7 @@ class Hardware:
     InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs and 1 TB of host memory per node). ``efficiency``:
     fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
     (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``: alpha, seconds per message step
-    (:mod:`~minizero.memory.estimator.messages`; an assumption: NCCL's few microseconds a step on NVLink or InfiniBand).
+    (:mod:`~minizero.memory.estimator.messages`; an assumption, its ``LATENCY_HELP`` says from where).
     """
 
     gpu_memory: int = 80 * 2 ** 30

@@ -381,6 +381,19 @@ def test_a_save_dir_holding_a_step_folder_that_is_no_checkpoint_is_refused(tmp_p
     parse_args(flags)
 
 
+def test_a_pruning_left_over_step_folder_before_the_resumed_step_is_no_refusal(saved, tmp_path):
+    """A save killed while pruning (rmtree of step_00000001, its manifest gone first) leaves a step folder without
+    manifest.json below the newest step; resuming that run saves only later steps, so it replaces nothing. Before:
+    refused as 'a save of that step would replace it', the run's own save dir unusable to resume it."""
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    (ck / "step_00000001" / "manifest.json").unlink()  # pruning's rmtree stopped part way
+    flags = [*TINY, "--steps", "3", "--save-every", "1", "--save-dir", str(ck), "--out", str(tmp_path / "o")]
+    parse_args([*flags, "--resume", str(ck)])  # resumes step 2: saves step 3 only
+    with pytest.raises(UsageError, match=r"holds 'step_00000001', which is not a checkpoint"):
+        parse_args(flags)  # a fresh run would save step 1 over it
+
+
 def test_a_save_dir_holding_a_latest_file_of_the_users_is_refused(tmp_path):
     """Before: a file 'latest' in --save-dir that names no step folder (the user's) was overwritten by the first
     save; now refused before any work. One naming a step (its checkpoints removed by hand) is a save's pointer."""

@@ -165,6 +165,17 @@ def test_the_prediction_is_of_the_blocking_run_compare_measures():
 
 
 @pytest.mark.timeout(120)
+def test_the_hardware_job_alone_reports_no_latency():
+    """``python -m minizero.hardware --allreduce 4`` without mpiexec: one rank, 0 message steps (before: a
+    ZeroDivisionError traceback, exit 1, dividing the one-element time by them)."""
+    clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
+    proc = subprocess.run([sys.executable, "-m", "minizero.hardware", "--allreduce", "4", "--runs", "1"], env=clean,
+                          capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["latency"] == 0.0
+
+
+@pytest.mark.timeout(120)
 def test_a_failing_rank_is_reported_and_the_comparison_goes_on(mpiexec, tmp_path):
     hide = tmp_path / "hide"  # matplotlib hidden: no compare.png drawn (the test above's), the table as ever
     hide.mkdir()

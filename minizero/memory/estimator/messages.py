@@ -14,6 +14,7 @@ from minizero.memory.estimator.model import as_shape
 from minizero.memory.estimator.scratch import DEFAULT_BUCKET_BYTES
 from minizero.memory.estimator.states import stage_layers, stage_parameters
 from minizero.memory.estimator.strategy import Strategy, element_bytes
+from minizero.memory.estimator.traffic import tensor_parallel_calls
 from minizero.memory.estimator.zero_overlap import zero_units
 from minizero.numerals import NotANumber, real
 
@@ -89,8 +90,7 @@ def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None
         out["dp_across"] = reduces * sum(collective_steps("all_reduce", gb * u // n, st.replicas) for u in units)
     x = e * (s // c) * st.micro_batch * m.hidden  # one activation, as comm_bytes_per_step's
     if t > 1:
-        per_layer = 4 + (2 if st.recompute == "full" else 0)
-        calls = mb * (layers * per_layer + (stage == 0) + (stage == st.pp - 1))
+        calls = tensor_parallel_calls(m, st, stage)  # SP: an all-gather and a reduce-scatter each
         out["tp"] = calls * (2 * (t - 1) if st.sequence_parallel else collective_steps("all_reduce", x, t))
     if st.pp > 1:
         out["pp"] = mb * (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages

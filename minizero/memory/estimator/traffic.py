@@ -16,6 +16,13 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
+def tensor_parallel_calls(m, st: Strategy, stage: int) -> int:
+    """The paper's tensor-parallel all-reduces one rank of ``stage`` runs a step: per layer and micro-batch 4 (full
+    recompute +2), plus the vocab-parallel embedding's and head's (:func:`comm_bytes_per_step`'s ``tp``)."""
+    per_layer = 4 + (2 if st.recompute == "full" else 0)
+    return st.micro_batches * ((m.n_layer // st.pp) * per_layer + (stage == 0) + (stage == st.pp - 1))
+
+
 def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
                         accounting: str = "paper") -> dict:
     """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by parallelism (ring collectives).
@@ -52,9 +59,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     if t > 1 and accounting == "minizero":
         tp = tensor_parallel_bytes(m, st, s, stage)["total"]
     elif t > 1:
-        per_layer = 4 + (2 if st.recompute == "full" else 0)
-        ends = (stage == 0) + (stage == st.pp - 1)
-        tp = mb * (layers * per_layer + ends) * 2 * _ring(t) * x
+        tp = tensor_parallel_calls(m, st, stage) * 2 * _ring(t) * x
     pp = 0.0
     if st.pp > 1:
         boundaries = (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
