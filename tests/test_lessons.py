@@ -75,7 +75,7 @@ def test_source_constant_quotes_a_tests_tolerance_as_typed():  # lessons 02 and 
     spec_lv = importlib.util.spec_from_file_location("lesson_values", ROOT / "notebooks" / "lesson_values.py")
     lesson_values = importlib.util.module_from_spec(spec_lv)
     spec_lv.loader.exec_module(lesson_values)
-    assert lesson_values.source_constant("tests/mp_reference.py", "PARAM_RTOL") == "1e-9"  # `A, B = 1e-12, 1e-9`
+    assert lesson_values.source_constant("tests/mp_reference.py", "PARAM_RTOL") == "2e-12"  # `A, B = 1e-12, 2e-12`
     assert lesson_values.source_constant("tests/mp_reference.py", "STEPS") == "3"
     with pytest.raises(LookupError, match=r"assigns no module-level constant TOL; it assigns .*GRAD_RTOL"):
         lesson_values.source_constant("tests/mp_reference.py", "TOL")

@@ -59,7 +59,7 @@ def test_every_layout_equals_one_process_from_the_command_line(mpiexec, tmp_path
     ref = _one_process(single)
     assert set(got) == set(ref)
     for name, a in ref.items():
-        np.testing.assert_allclose(got[name], a, rtol=0, atol=1e-9 * max(1.0, np.abs(a).max()), err_msg=name)
+        np.testing.assert_allclose(got[name], a, rtol=0, atol=2e-13 * max(1.0, np.abs(a).max()), err_msg=name)
     assert "global batch" in stdout and "= micro-batch" in stdout  # the batch arithmetic, in the header
 
 

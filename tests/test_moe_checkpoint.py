@@ -61,26 +61,26 @@ def test_four_steps_equal_two_save_resume_two(case, shared):
                          ids=["ep1-2ranks", "ep4", "ep4-zero3"])
 def test_reshard_ep2_on_4_ranks_to_another_ep(n, flags, shared):
     """Saved at --ep 2 --zero 1 on 4 ranks (the case above's save run: its optimizer state in shards); resumed on
-    another layout: the same state, so the same last 2 steps (1e-9)."""
+    another layout: the same state, so the same last 2 steps (1e-13)."""
     straight, folder = shared.saved(4, MOE + CASES["ep2-zero1-dp4"][1])
     resumed = run(n, MOE + flags + ["--resume", str(folder)])
     assert resumed["start_step"] == 2
-    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][2:], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][2:], rtol=0, atol=1e-13)
     for k, a in straight["params"].items():
-        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-13, err_msg=k)
 
 
 @pytest.mark.timeout(300)
 def test_hybrid_sharded_experts_resume_on_plain_zero_and_the_other_way(shared):
     """Saved at --ep 2 --zero 3 --dp-shard 2 on 4 ranks, resumed at --ep 2 --zero 1 (plain); saved plain,
-    resumed hybrid: the same last 2 steps (1e-9)."""
+    resumed hybrid: the same last 2 steps (1e-13)."""
     hybrid, plain = CASES["ep2-zero3-dp4-shard2"][1], CASES["ep2-zero1-dp4"][1]
     for src, dst in [(hybrid, plain), (plain, hybrid)]:
         straight, folder = shared.saved(4, MOE + src)
         resumed = run(4, MOE + dst + ["--resume", str(folder)])
-        np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][2:], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][2:], rtol=0, atol=1e-13)
         for k, a in straight["params"].items():
-            np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-9, err_msg=k)
+            np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-13, err_msg=k)
 
 
 @pytest.mark.timeout(300)
@@ -136,7 +136,7 @@ def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_
 def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
     """``mpiexec -n 4 ... --ep 2 --save-every 2`` (the expert replicas of data ranks 2-3 write nothing), then a resume
     at ep 1 on 2 rank threads (2 micro-batches; a resume under mpiexec: tests/test_train.py and test_checkpoint's
-    test_a_resumed_run_...): the first run's final model.npz (1e-9); ``minizero.checkpoint consolidate`` of step 4 is
+    test_a_resumed_run_...): the first run's final model.npz (1e-13); ``minizero.checkpoint consolidate`` of step 4 is
     that model.npz, name for name."""
     flags = [a for a in BASE if a != "--no-save"] + MOE + ["--sample-tokens", "1"]
     cmd = [mpiexec, "-n", "4", sys.executable, "-m", "minizero.train", *flags, "--out", str(tmp_path / "a"),
@@ -151,7 +151,7 @@ def test_save_at_ep2_resume_at_ep1_under_mpiexec(mpiexec, tmp_path):
     assert sorted(a) == sorted([*b, "lm_head.weight"])  # the tied head: transformer.wte.weight
     for k in a:
         got = b["transformer.wte.weight" if k == "lm_head.weight" else k]
-        np.testing.assert_allclose(got, a[k], rtol=0, atol=1e-9 * max(1.0, np.abs(a[k]).max()), err_msg=k)
+        np.testing.assert_allclose(got, a[k], rtol=0, atol=1e-13 * max(1.0, np.abs(a[k]).max()), err_msg=k)
     con = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(tmp_path / "a" / "checkpoints"),
                           "--out", str(tmp_path / "c.npz")], env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert con.returncode == 0, con.stderr
