@@ -18,7 +18,7 @@ from minizero.args import UsageError, parse_args
 from minizero.data import eval_batches, global_batch
 from minizero.files import FolderLock, FolderLocked, WriteError, atomic_write
 from minizero.memory.offload import ActivationOffload, OffloadError, ram_backed
-from tests.conftest import REPO_ROOT, mpi_env
+from tests.conftest import REPO_ROOT, earlier_json, mpi_env
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8",
         "--no-progress"]
@@ -91,7 +91,7 @@ def test_atomic_write_writes_into_devices_and_refuses_folders(tmp_path):
 @pytest.mark.timeout(120)
 def test_json_on_a_full_disk_exits_nonzero_and_keeps_the_previous_file(mpiexec, small_disk, tmp_path):
     d = small_disk("64k")
-    earlier = '{"train_loss": [1], "world_size": 1, "config": {}}'  # a summary (another JSON is the user's: refused)
+    earlier = earlier_json(train_loss=[1], world_size=1, config={})  # a summary (another JSON is the user's: refused)
     (d / "s.json").write_text(earlier)
     fill(d)
     # one rank: the lock is rank 0's alone, its refusal every rank's (shown under 2 ranks by the locked OUT tests)
@@ -620,7 +620,7 @@ def test_soak_twenty_runs(mpiexec):
 @pytest.mark.timeout(180)
 def test_compare_json_on_a_full_disk_and_on_dev_null(small_disk, tmp_path, mpiexec):
     d = small_disk("64k")
-    earlier = '{"runs": [1], "strategies": [], "tolerance": 0.1}'  # an earlier summary
+    earlier = earlier_json(runs=[1], strategies=[], tolerance=0.1)  # an earlier summary
     (d / "c.json").write_text(earlier)
     fill(d)
     base = [sys.executable, "-m", "minizero.compare", "--model", "tiny", "--ranks", "1", "--steps", "1",
