@@ -13,7 +13,7 @@ from tests import dp_reference
 from tests.conftest import REPO_ROOT, mpi_env
 
 MICRO = 2
-GRAD_RTOL, PARAM_RTOL = 1e-12, 1e-9
+GRAD_RTOL, PARAM_RTOL = 1e-12, 1e-12
 
 
 def single_process(n):
