@@ -20,10 +20,9 @@ from minizero.autograd.rng import MAX_DROPOUT
 from minizero.data import describe_non_file
 from minizero.files import read_json
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
-from minizero.saved_model import SIDECAR, check_pair
+from minizero.saved_model import SHAPE_FIELDS, SIDECAR, check_pair
 
 SUMMARY = "summary.json"  #: a training run's summary beside its model.npz (config.model: the GPT config)
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  #: what decides the arrays and heads
 
 
 def _not_weights(weights: str, why: str) -> ValueError:
