@@ -356,7 +356,8 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
     if note and notes is not None:
         notes.append(note)
     wte = state["transformer.wte.weight"]  # the tied head: the embedding matrix under a second name
-    if not np.array_equal(state.get("lm_head.weight", wte), wte):  # load_state_dict put the head's values in wte
+    # a head apart would be put in wte by load_state_dict; equal_nan: NaN in a tied head is the same (floats only)
+    if not np.array_equal(state.get("lm_head.weight", wte), wte, equal_nan=True):
         raise _not_weights(weights, "lm_head.weight differs from transformer.wte.weight, which minizero's GPT ties")
     state = dict(state, **{"lm_head.weight": wte})
     model = GPT(cfg)
