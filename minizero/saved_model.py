@@ -4,10 +4,10 @@ checkpoint consolidate), and a split pair told apart (:func:`check_pair`, run by
 model.npz's zip archive comment holds the config it was saved with (:data:`TAG` + JSON; ``np.load`` and
 nanoGPT-style loaders ignore it). The order (:func:`save_model`): model.npz first, then model.json, each whole or not
 at all (:func:`~minizero.files.atomic_write`). An interruption between them (Ctrl-C, SIGTERM, kill -9, a full disk)
-leaves the new weights beside the previous model.json: refused, both files named, where the two configs differ
-(n_head is in no array's shape: it was built silently wrong). Where they agree the pair on disk is what the whole
-save writes. Weights without the comment (saved before it, or by ``np.savez``) load as before: their model.json is
-checked against the arrays' shapes only.
+leaves the new weights beside the previous model.json: refused, both files named, where the configs' shapes or
+dtype differ (:data:`PAIR_FIELDS`; n_head is in no array's shape: it was built silently wrong). Where they agree
+the pair on disk is what the whole save writes. Weights without the comment (saved before it, or by ``np.savez``)
+load as before: their model.json is checked against the arrays' shapes only.
 """
 from __future__ import annotations
 
