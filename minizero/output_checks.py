@@ -6,7 +6,7 @@ import os
 
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import LATEST, refuse_pipes
-from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, folder_name, step_of
+from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, is_step_folder, step_of
 from minizero.comm.flight import clear, records
 from minizero.files import PRUNED_MID_READ, check_writable_file, live_job_holding
 from minizero.overwrite import refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back
@@ -184,7 +184,7 @@ def check_save_dir(args) -> None:
         names = os.listdir(args.save_dir) if os.path.isdir(args.save_dir) else []
         resumed = step_of(os.path.basename(resolve(args.resume))) if args.resume else None
         start = resumed or 0  # saves come after it: a step folder below (a prune killed part way) is never replaced
-        other = [n for n in sorted(names) if (step_of(n) or 0) > start and n == folder_name(step_of(n))
+        other = [n for n in sorted(names) if is_step_folder(n) and step_of(n) > start
                  and not os.path.isfile(os.path.join(args.save_dir, n, MANIFEST))]  # a save of step N replaces it
         if other:
             raise UsageError(f"--save-dir {args.save_dir!r} holds {other[0]!r}, which is not a checkpoint (no "

@@ -59,9 +59,11 @@ def refuse_read_back(path: str, flag: str) -> None:
     name, folder = os.path.basename(real), os.path.dirname(real)
     if name == "summary.json" and not any(os.path.exists(os.path.join(folder, f)) for f in ("model.npz", "model.json")):
         return  # a summary written on its own: nothing reads it with weights
+    if not os.path.isfile(real):
+        return  # nothing there to lose
     pointer = name == "latest" and any(os.path.isfile(os.path.join(folder, n, MANIFEST)) for n in os.listdir(folder)
-                                       if n.startswith("step_")) if os.path.isfile(real) else False
-    if os.path.isfile(real) and (name in READ_BACK or real.endswith(".npz") or pointer):
+                                       if n.startswith("step_"))
+    if name in READ_BACK or real.endswith(".npz") or pointer:
         raise ValueError(f"{flag} {path!r} would overwrite {name}, which minizero's programs read back (weights, "
                          "config, a run's summary, a checkpoint manifest or a save dir's latest); give another file")
 

@@ -4,10 +4,10 @@ checkpoint consolidate), and a split pair told apart (:func:`check_pair`, run by
 model.npz's zip archive comment holds the config it was saved with (:data:`TAG` + JSON; ``np.load`` and
 nanoGPT-style loaders ignore it). The order (:func:`save_model`): model.npz first, then model.json, each whole or not
 at all (:func:`~minizero.files.atomic_write`). An interruption between them (Ctrl-C, SIGTERM, kill -9, a full disk)
-leaves the new weights beside the previous model.json: refused, both files named, where the two configs differ
-(n_head is in no array's shape: it was built silently wrong). Where they agree the pair on disk is what the whole
-save writes. Weights without the comment (saved before it, or by ``np.savez``) load as before: their model.json is
-checked against the arrays' shapes only.
+leaves the new weights beside the previous model.json: refused, both files named, where the configs' shapes or
+dtype differ (:data:`PAIR_FIELDS`; n_head is in no array's shape: it was built silently wrong). Where they agree
+the pair on disk is what the whole save writes. Weights without the comment (saved before it, or by ``np.savez``)
+load as before: their model.json is checked against the arrays' shapes only.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ from minizero.overwrite import refusing_unreadable
 SIDECAR = "model.json"  #: the GPT config beside model.npz (see :func:`minizero.weights.model_config`)
 TAG = b"minizero model.json "  #: how model.npz's zip comment starts; the config saved with the weights follows
 _FIELDS = dataclasses.asdict(GPTConfig()).keys()  #: a model.json's keys (check_model_fields: some may be missing)
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  #: what decides the arrays and heads
+#: what a pair must agree on: the shapes, and the dtype (readers refuse a model.json whose dtype is not the arrays').
+#: dropout is training's only: a model.json edited to another dropout still names these weights.
+PAIR_FIELDS = SHAPE_FIELDS + ("dtype",)
 
 
 def _config_json(cfg: GPTConfig, **kwargs) -> str:
@@ -66,7 +70,7 @@ def check_pair(weights: str, comment: bytes, side: dict | None) -> None:
             saved = json.loads(comment[len(TAG):])
     if not isinstance(saved, dict) or side is None:
         return
-    clash = [k for k in sorted(side) if k in saved and saved[k] != side[k]]
+    clash = [k for k in PAIR_FIELDS if k in side and k in saved and saved[k] != side[k]]
     if clash:
         side_path = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
         said = [", ".join(f"{k} {cfg[k]!r}" for k in clash) for cfg in (side, saved)]

@@ -20,10 +20,9 @@ from minizero.autograd.rng import MAX_DROPOUT
 from minizero.data import describe_non_file
 from minizero.files import read_json
 from minizero.nn import GPT, PRESETS, GPTConfig, get_config
-from minizero.saved_model import SIDECAR, check_pair
+from minizero.saved_model import SHAPE_FIELDS, SIDECAR, check_pair
 
 SUMMARY = "summary.json"  #: a training run's summary beside its model.npz (config.model: the GPT config)
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  #: what decides the arrays and heads
 
 
 def _not_weights(weights: str, why: str) -> ValueError:
@@ -357,7 +356,8 @@ def load_trained(weights: str, preset: str | None = None, state: dict | None = N
     if note and notes is not None:
         notes.append(note)
     wte = state["transformer.wte.weight"]  # the tied head: the embedding matrix under a second name
-    if not np.array_equal(state.get("lm_head.weight", wte), wte):  # load_state_dict put the head's values in wte
+    # a head apart would be put in wte by load_state_dict; equal_nan: NaN in a tied head is the same (floats only)
+    if not np.array_equal(state.get("lm_head.weight", wte), wte, equal_nan=True):
         raise _not_weights(weights, "lm_head.weight differs from transformer.wte.weight, which minizero's GPT ties")
     state = dict(state, **{"lm_head.weight": wte})
     model = GPT(cfg)

@@ -535,6 +535,33 @@ def test_mpi_ring_matches_native_and_numpy(world_size, mpiexec, tmp_path):
         np.testing.assert_allclose(arrays["split:ring"], arrays["split:ref"], rtol=0, atol=1e-12)
 
 
+#: world_rank of a split group (colors r % 2, ranks reversed), its groups kept to see them freed, printed per rank
+WORLD_RANKS = """import json
+from mpi4py import MPI
+from minizero.comm.mpi import MPICommunicator
+made = []
+class Kept:  # an mpi4py communicator whose Get_group results are kept
+    def __init__(self, comm): self.comm = comm
+    def __getattr__(self, name): return getattr(self.comm, name)
+    def Get_group(self): made.append(self.comm.Get_group()); return made[-1]
+r = MPI.COMM_WORLD.Get_rank()
+sub = MPICommunicator(Kept(MPI.COMM_WORLD.Split(r % 2, -r)), spin_s=0)
+ranks = [sub.world_rank(k) for k in range(sub.world_size)] + [sub.world_rank(0)]
+every = MPI.COMM_WORLD.gather([r, ranks, len(made), all(g == MPI.GROUP_NULL for g in made)])
+if r == 0: print(json.dumps(every))"""
+
+
+@pytest.mark.timeout(120)
+def test_mpi_world_rank_translates_once_and_frees_its_groups(mpiexec):
+    """Before: each call made two MPI groups (the communicator's, COMM_WORLD's) and freed neither: a flight
+    recorder naming its groups, or a timeout message, leaked two MPI_Group handles a rank each time."""
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", WORLD_RANKS], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout) == [[0, [2, 0, 2], 1, True], [1, [3, 1, 3], 1, True], [2, [2, 0, 2], 1, True],
+                   [3, [3, 1, 3], 1, True]]
+
+
 # --------------------------------------------------------------------------- mismatched messages, stalled peers
 #: tests/mpi_scripts/comm_faults.py's modes, in one job (one launch for the four tests below), a barrier between
 #: them: dtypes first (it counts the world ledger's bytes), stall last (it sets a 1 s timeout that its rank 1 sleeps

@@ -78,8 +78,22 @@ def test_stray_words_after_two_layouts_are_named_as_typed(capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["parity", "--sequence-parallel", "--tracemalloc", "--bogus", "1", "--x", "2"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err == "python -m minizero.debug: error: unrecognized arguments: --bogus 1 --x 2\n"
+    assert e.value.code == 2 and "got '--bogus 1 --x 2' outside the quotes; give parity \"--sequence-parallel\" " \
+        '"--tracemalloc --bogus 1 --x 2"' in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("argv, loose, quoted", [
+    (["--dp 2", "--tp", "2"], "--tp 2", '"--dp 2" "--tp 2"'),  # it said "unrecognized arguments: 2"
+    (["--dp 2", "--tp 2", "--pp", "2"], "--pp 2", '"--dp 2" "--tp 2 --pp 2"'),  # "unrecognized arguments: --pp 2"
+    (["--dp", "2", "--tp", "2"], "--dp 2 --tp 2", '"--dp 2" "--tp 2"')])  # "unrecognized arguments: --tp 2"
+def test_a_layout_typed_outside_its_quotes_is_shown_quoted(capsys, argv, loose, quoted):
+    from minizero.debug.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["parity", *argv])
+    assert e.value.code == 2 and " ".join(capsys.readouterr().err.split()) == (
+        f"python -m minizero.debug parity: error: parity takes each layout as one quoted word, got {loose!r} outside "
+        f"the quotes; give parity {quoted} (its own options, --model, --steps, --batch-size, --tol, go outside them)")
 
 
 @pytest.mark.parametrize("argv, layouts", [

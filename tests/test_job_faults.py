@@ -309,6 +309,19 @@ def test_a_save_removes_no_dot_tmp_or_dot_trash_folder_of_the_users(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".tmp-build", ".tmp-step_x", ".trash-notes", ".trash-photos"]
 
 
+def test_an_unpadded_tmp_step_folder_is_the_users_as_the_save_dir_check_reads_step_2(tmp_path):
+    """Before: each save removed .tmp-step_2 and renamed .trash-step_4 to step_4 (a save writes only
+    .tmp-step_00000002), while --save-dir's check called step_2 no save's: is_step_folder now decides both."""
+    from minizero.checkpoint.format import clean_partial, is_step_folder
+
+    assert is_step_folder("step_00000002") and not any(map(is_step_folder, ["step_2", "step_000000002", "step_x"]))
+    for name in (".tmp-step_2", ".trash-step_4"):
+        _checkpoint_folder(tmp_path / name)
+    _checkpoint_folder(tmp_path / ".tmp-step_00000002")
+    assert clean_partial(str(tmp_path)) == [".tmp-step_00000002"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-step_2", ".trash-step_4"]
+
+
 def test_a_timeout_in_a_group_names_both_ranks_as_the_job_numbers_them():
     from minizero.comm.base import timeout_message
 

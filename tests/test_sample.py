@@ -69,6 +69,18 @@ def test_weights_whose_head_differs_from_the_tied_embedding_are_refused(tmp_path
         load_gpt(str(tmp_path / "model.npz"))
 
 
+def test_a_tied_head_holding_nan_is_not_called_a_different_head(tmp_path):
+    """Before: 'lm_head.weight differs from transformer.wte.weight' for one array under both names (NaN != NaN);
+    a state passed in is not read_weights' (which refuses non-finite values)."""
+    from minizero.weights import load_trained
+    state = {k: np.array(v) for k, v in GPT(get_config("tiny"), seed=1).state_dict().items()}
+    np.savez(tmp_path / "model.npz", **state)
+    state["transformer.wte.weight"][0, 0] = np.nan
+    state["lm_head.weight"] = state["transformer.wte.weight"].copy()
+    model = load_trained(str(tmp_path / "model.npz"), state=state)[0]
+    assert np.isnan(model.transformer.wte.weight.data[0, 0])
+
+
 def test_shape_is_read_from_the_arrays(tmp_path):
     cfg = get_config("default", n_layer=3, n_head=8, n_embd=32, block_size=24)
     state = GPT(cfg).state_dict()

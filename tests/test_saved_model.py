@@ -124,3 +124,21 @@ def test_train_refuses_an_out_whose_model_npz_is_a_link_too(tmp_path, monkeypatc
     (tmp_path / "o" / "model.npz").symlink_to(tmp_path / "w.npz")
     with pytest.raises(UsageError, match="'o/model.npz' is a link to .*remove the link or give another folder"):
         parse_args(["--model", "tiny", "--out", "o"], world_size=1)
+
+
+def test_a_model_json_edited_to_another_dropout_still_pairs_with_its_weights(tmp_path):
+    """Before: refused as 'not the model.json saved with --weights' (dropout 0.1 vs 0.0): every field was compared,
+    training's dropout too, which does not change what the weights mean."""
+    folder = tmp_path / "out"
+    weights = save_model(str(folder), GPT(TINY, seed=1).state_dict(), TINY)
+    (folder / "model.json").write_text(json.dumps(dict(dataclasses.asdict(TINY), dropout=0.1)))
+    assert load_gpt(weights).config == dataclasses.replace(TINY, dropout=0.1)
+
+
+@pytest.mark.parametrize("field, value", [("n_head", 4), ("dtype", "float64")])
+def test_a_model_json_of_another_shape_or_dtype_is_still_refused(tmp_path, field, value):
+    folder = tmp_path / "out"
+    weights = save_model(str(folder), GPT(TINY, seed=1).state_dict(), TINY)
+    (folder / "model.json").write_text(json.dumps(dict(dataclasses.asdict(TINY), dropout=0.1, **{field: value})))
+    with pytest.raises(ValueError, match=f"\\({field} {value!r}\\) is not the model.json saved with --weights"):
+        read_weights(weights)

@@ -64,6 +64,11 @@ def step_of(name: str) -> int | None:
     return None
 
 
+def is_step_folder(name: str) -> bool:
+    """Whether ``name`` is one a save writes: :func:`folder_name`'s ``step_00000006``, not ``step_6``."""
+    return step_of(name) is not None and name == folder_name(step_of(name))
+
+
 def complete(save_dir: str) -> list[str]:
     """Complete checkpoint folders in ``save_dir`` (with a manifest), oldest step first."""
     if not os.path.isdir(save_dir):
@@ -80,8 +85,8 @@ def clean_partial(save_dir: str) -> list[str]:
     if os.path.isdir(save_dir):
         for n in os.listdir(save_dir):
             here, back = os.path.join(save_dir, n), os.path.join(save_dir, n[len(TRASH):])
-            if not any(n.startswith(p) and step_of(n[len(p):]) is not None for p in (TMP, TRASH)):
-                continue  # not a save's (.tmp-step_N): the user's, in a --save-dir that is any folder
+            if not any(n.startswith(p) and is_step_folder(n[len(p):]) for p in (TMP, TRASH)):
+                continue  # not a save's (.tmp-step_00000002): the user's, in a --save-dir that is any folder
             if n.startswith(TRASH) and not os.path.lexists(back) and os.path.isfile(os.path.join(here, MANIFEST)):
                 with contextlib.suppress(OSError):  # a read-only --save-dir: left as it is, as rmtree leaves it
                     os.replace(here, back)

@@ -198,6 +198,7 @@ class MPICommunicator(Communicator):
         self.traffic = TrafficLedger() if traffic is None else traffic
         self.timeout = timeout  #: seconds one wait may last before CommTimeoutError (> 0)
         self.header_bytes = 0  #: bytes of message headers sent (not in ``traffic``)
+        self._world_ranks = None  #: COMM_WORLD's rank of each rank (:meth:`world_rank`), translated on first use
 
     # -- waiting: MPI_Test, spinning briefly where each rank has a core, then sleeping ---------
     def _wait(self, requests, op: str, peer=None, tag=None) -> None:
@@ -263,8 +264,14 @@ class MPICommunicator(Communicator):
                                timeout=self.timeout, spin_s=self.spin_s)
 
     def world_rank(self, rank: int) -> int:
-        MPI = _mpi()
-        return self.mpi_comm.Get_group().Translate_ranks([rank], MPI.COMM_WORLD.Get_group())[0]
+        if self._world_ranks is None:  # every rank's, once: two groups made (MPI_Comm_group), translated, freed
+            mine, world = self.mpi_comm.Get_group(), _mpi().COMM_WORLD.Get_group()
+            try:
+                self._world_ranks = mine.Translate_ranks(list(range(self.world_size)), world)
+            finally:
+                mine.Free()
+                world.Free()
+        return self._world_ranks[rank]
 
     def abort(self, errorcode=1):
         _mpi().COMM_WORLD.Abort(errorcode)

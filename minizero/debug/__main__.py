@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         raw = [*(args.layouts if args.command == "parity" else ()), *extra]
         words = [w.strip() for w in raw]
         quoted = [w for w in words if " " in w]  # two: the layouts; the loose words are the stray ones (--bogus 3)
-        layouts = [w for i, w in enumerate(words) if " " in w or raw[i] != w and not _valued(raw, i)]
+        starts = [i for i, w in enumerate(words) if " " in w or raw[i] != w and not _valued(raw, i)]
+        layouts = [words[i] for i in starts]
         if args.command == "parity" and len(layouts) > 2:  # it said "unrecognized arguments: --pp 2" (or
             # "--sequence-parallel"), as if --pp were no flag and a one-flag layout no layout
             alone = layouts != quoted  # a flag meant for a layout, typed outside its quotes
@@ -57,6 +58,13 @@ def main(argv=None) -> int:
                          ) if alone else ("", "")
             q.error(f"compares two layouts{each}, got {len(layouts)}: {', '.join(map(repr, layouts))}; {fix}run it "
                     "once per pair")
+        first = starts[0] if starts else 0  # the first layout (none: the first word)
+        loose = [i for i in range(first, len(words)) if i not in starts]  # words outside the layouts' quotes
+        if args.command == "parity" and any(words[i].startswith("--") for i in loose if i > first):  # it said
+            # "unrecognized arguments: 2" for "--dp 2" --tp 2, and "--pp 2" for "--dp 2" "--tp 2" --pp 2
+            own = ", ".join(o for o in q._option_string_actions if o.startswith("--") and o != "--help")
+            q.error(f"parity takes each layout as one quoted word, got {' '.join(words[i] for i in loose)!r} outside "
+                    f"the quotes; give parity {_quoted(words)} (its own options, {own}, go outside them)")
         p.error(unrecognized(p, [w for w in words if " " not in w] if len(quoted) == 2 else words[-len(extra):], args))
     try:
         if args.command == "parity":
@@ -77,6 +85,16 @@ def main(argv=None) -> int:
     except ValueError as e:  # the loaders name a file of another kind and what it lacks
         print(error_lines("python -m minizero.debug", f"{e}{WHAT.get(args.command, '')}"), file=sys.stderr)
         return 2
+
+
+def _quoted(words: list[str]) -> str:  # the layouts meant, each one quoted word: a loose flag starts the second
+    groups = []
+    for w in words:
+        if " " in w or not groups or w.startswith("--") and len(groups) < 2:
+            groups.append(w)
+        else:
+            groups[-1] += " " + w
+    return " ".join(f'"{g}"' for g in groups)
 
 
 def _valued(raw: list[str], i: int) -> bool:  # a one-flag word raw[i] followed by a value: "--bogus 3", no layout

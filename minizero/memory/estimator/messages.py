@@ -74,6 +74,7 @@ def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None
     _, gb, e, _ = element_bytes(st)
     n, layers = st.shard_ranks, m.n_layer // st.pp
     out = dict.fromkeys(("dp", "dp_after", "dp_across", "tp", "pp", "cp", "ep"), 0)
+    blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))  # this stage's MoE blocks
     if st.data_ranks > 1 and st.zero == 0:  # the trainer's buckets (None: its 1 MiB), the stage's whole under tp, pp
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
         full, rest = divmod(gb * stage_parameters(m, st, stage), bucket)  # a bound where tensors are split
@@ -81,8 +82,8 @@ def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None
         out["dp"] = sum(collective_steps("all_reduce", b, st.data_ranks) for b in each)
     elif st.data_ranks > 1:
         tied, chain = zero_units(m, st, stage)
-        units = [u for u in [tied, *chain] if u] + [1] * sum(m.is_moe_layer(i) and st.ep > 1  # experts: a unit
-                                                             for i in stage_layers(m, st, stage))
+        expert_units = [1] * blocks if st.ep > 1 else []  # under ep, each MoE block's experts are one unit more
+        units = [u for u in [tied, *chain] if u] + expert_units  # elements of each unit (the experts' taken as 1)
         calls = {1: 1, 2: mb, 3: 3 * mb}[st.zero]
         out["dp"] = calls * len(units) * collective_steps("reduce_scatter", 0, n)
         out["dp_after"] = len(units) * collective_steps("all_gather", 0, n) if st.zero < 3 else 0
@@ -101,7 +102,6 @@ def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None
         out["cp"] = mb * layers * 4 * (passes + 1) * (c - 1)
     elif c > 1:
         out["cp"] = mb * layers * (passes * (c - 1) + 2 * c - 1)
-    blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))
     if st.ep > 1 and blocks:
         out["ep"] = mb * blocks * (5 * (2 if st.recompute == "full" else 1) + 4) * (st.ep - 1)
     return out
