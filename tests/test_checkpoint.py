@@ -26,6 +26,8 @@ from minizero.nn import PRESETS, get_config
 from minizero.train import UsageError, parse_args, train
 from tests.conftest import REPO_ROOT, mpi_env, one_refusal
 
+RESUME_ATOL, RESHARD_ATOL = 1e-12, 1e-13  # float64 weights; lesson 09 quotes both
+
 BASE = ["--model", "tiny", "--eval-batches", "1", "--eval-every", "0", "--progress", "none", "--lr", "1e-2",
         "--seed", "3", "--no-save", "--warmup", "2", "--steps", "6"]
 F64 = ["--dtype", "float64"]
@@ -77,7 +79,7 @@ def shared(tmp_path_factory):
         yield SharedRuns(tmp_path_factory)
 
 
-def assert_same_run(straight, resumed, atol=1e-12, at=3):
+def assert_same_run(straight, resumed, atol=RESUME_ATOL, at=3):
     assert resumed["start_step"] == at
     np.testing.assert_array_equal(resumed["train_losses"], straight["train_losses"][at:])
     np.testing.assert_array_equal(resumed["lrs"], straight["lrs"][at:])  # the schedule continues, not restarts
@@ -159,9 +161,9 @@ def test_reshard_4_ranks_zero1_to_2_ranks(flags, shared):
     straight, folder = shared.saved(4, ZERO1_4)
     resumed = run(2, F64 + flags + ["--resume", str(folder)])
     assert resumed["start_step"] == 3
-    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=RESHARD_ATOL)
     for k, a in straight["params"].items():
-        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-13, err_msg=k)
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=RESHARD_ATOL, err_msg=k)
     full_bytes = get_config("tiny").num_parameters() * 8  # the whole model's float64 parameters
     assert 0 < resumed["load_peak"] < full_bytes  # one parameter's pieces at a time, never the whole model
 
@@ -171,9 +173,9 @@ def test_reshard_zb_v_to_one_process(shared):
     """ZB-V's V placement (rank 0 holds layers 0 and 3 and the tied head) saves the model's names: one process resumes it."""
     straight, folder = shared.saved(*CASES["zb-v-pp2"])
     resumed = run(1, F64 + ZB_V[:-4] + ["--resume", str(folder)])  # the same model and batches, no --pp
-    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=RESHARD_ATOL)
     for k, a in straight["params"].items():
-        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=1e-13, err_msg=k)
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=RESHARD_ATOL, err_msg=k)
 
 
 @pytest.mark.timeout(300)

@@ -81,6 +81,26 @@ def test_source_constant_quotes_a_tests_tolerance_as_typed():  # lessons 02 and 
         lesson_values.source_constant("tests/mp_reference.py", "TOL")
 
 
+QUOTED = re.compile(r'record\("(\w+)", source_constant\("([^"]+)", "(\w+)"\)\)')
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_quoted_test_tolerances_are_the_tests_constants_now(name):
+    """A figure a notebook quotes from a test file (``record(f, source_constant(path, NAME))``) equals that
+    constant as it stands: tighten a test and this fails, without executing a notebook, until the lesson is rebuilt
+    (``python lessons/build.py NAME --no-execute`` after setting the JSON, or a full build)."""
+    spec_lv = importlib.util.spec_from_file_location("lesson_values", ROOT / "notebooks" / "lesson_values.py")
+    lesson_values = importlib.util.module_from_spec(spec_lv)
+    spec_lv.loader.exec_module(lesson_values)
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    values = json.loads((ROOT / "lessons" / "values" / f"{name}.json").read_text())
+    for field, path, constant in QUOTED.findall(code):
+        assert values[field] == lesson_values.source_constant(path, constant), (
+            f"lessons/values/{name}.json has {field} = {values[field]!r}, but {path} now holds {constant} = "
+            f"{lesson_values.source_constant(path, constant)}: rebuild lesson {name}")
+
+
 ENV_WRITE = re.compile(r"os\.environ\s*\[[^\]]*\]\s*=|os\.environ\.(setdefault|update)|os\.putenv|^\s*%env", re.M)
 
 

@@ -33,6 +33,7 @@ BASE = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--eval-batches
         "--progress", "none", "--lr", "1e-2", "--seed", "3", "--no-save", "--micro-batch-size", "2",
         "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss", "0.1",
         "--moe-z-loss", "0.01", "--moe-bias-update", "0.01"]
+WEIGHT_RTOL, LOSS_RTOL = 1e-12, 1e-13  # of max(1, the largest weight); the README quotes them (tests/test_readme.py)
 
 
 def _train(comm, flags):
@@ -61,11 +62,11 @@ def _assert_equal(got, ref):
     (state, load, losses), (rstate, rload, rlosses) = got, ref
     assert set(state) == set(rstate)
     for name, a in rstate.items():
-        np.testing.assert_allclose(state[name], a, rtol=0, atol=1e-12 * max(1.0, np.abs(a).max()), err_msg=name)
+        np.testing.assert_allclose(state[name], a, rtol=0, atol=WEIGHT_RTOL * max(1.0, np.abs(a).max()), err_msg=name)
     for i in rload:
         assert load[i].tolist() == rload[i].tolist(), i  # counts and drops, exactly
     assert sum(t[-1] for t in rload.values()) > 0  # choices were dropped
-    np.testing.assert_allclose(losses, rlosses, rtol=1e-13)
+    np.testing.assert_allclose(losses, rlosses, rtol=LOSS_RTOL)
 
 
 #: (world size, flags, micro-batches of the one process); --ep 2 on 4 ranks, plain and with --zero 3, is

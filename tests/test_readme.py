@@ -115,3 +115,34 @@ def test_the_excerpt_keeps_a_progress_lines_note_below_it():
     shown = excerpt.excerpt(out)
     assert shown[:4] == ["head", "...", steps[0], "              (mem and peak: max over ranks)"]
     assert shown[4] == steps[1] and shown[-1] == steps[-1], shown
+
+
+def test_readme_quotes_the_tolerances_the_equivalence_tests_hold():
+    """'How close is "equal"' states what the float64 tests assert: each figure is the constant a test holds (read
+    as typed, as lessons 02, 06, 07, 09, 10 quote theirs), and no other figure stands there: tighten a test, and
+    this fails until the README says so."""
+    import importlib.util
+    path = os.path.join(REPO_ROOT, "notebooks", "lesson_values.py")
+    spec = importlib.util.spec_from_file_location("lesson_values", path)
+    lesson_values = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lesson_values)
+
+    def held(names, *paths):  # the one value every file holds for each name
+        values = [{lesson_values.source_constant(p, n) for p in paths} for n in names]
+        assert all(len(v) == 1 for v in values), f"{paths} hold different {names}: {values}"
+        return [v.pop() for v in values]
+
+    dp_zero = ("tests/test_data_parallel.py", "tests/test_zero.py")
+    (grad,) = held(["GRAD_RTOL"], *dp_zero, "tests/mp_reference.py")
+    (param,) = held(["PARAM_RTOL"], *dp_zero)
+    (steps,) = held(["STEPS"], "tests/dp_reference.py", "tests/mpi_scripts/zero_check.py", "tests/mp_reference.py")
+    mp_param, mp_loss = held(["PARAM_RTOL", "LOSS_RTOL"], "tests/mp_reference.py")
+    moe_param, moe_loss = held(["WEIGHT_RTOL", "LOSS_RTOL"], "tests/test_moe_train.py")
+    section = " ".join(_read("README.md").split('## How close is "equal"')[1].split("\n## ")[0].split())
+    for quote in (f"gradients to {grad} (relative to the tensor's largest entry), parameters after {steps} steps to "
+                  f"{param} ({mp_param} with tensor or pipeline stages, whose losses agree to {mp_loss})",
+                  f"MoE with expert parallelism (routed in the same groups, so with the same drops): parameters to "
+                  f"{moe_param}, losses to {moe_loss}, per-expert counts exactly"):
+        assert quote in section, f"README.md should say: {quote}"
+    figures = set(re.findall(r"\d(?:\.\d+)?e-\d+", section))
+    assert figures <= {grad, param, mp_param, mp_loss, moe_param, moe_loss}, figures

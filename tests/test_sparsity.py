@@ -10,6 +10,8 @@ from minizero.nn import GPT, get_config
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit
 
+ZERO_RTOL = 1e-12  # ZeRO 1-3 against one process, of the largest entry (lesson 07 quotes it)
+
 
 @settings(max_examples=40, deadline=None)
 @given(sparsity=st.floats(0, 0.99), scope=st.sampled_from(["global", "layer"]), seed=st.integers(0, 100))
@@ -119,7 +121,7 @@ def test_pruned_training_under_zero_equals_one_process(n):
     for stage in (1, 2, 3):
         for rank, got in enumerate(run_in_threads(n, zero_check.run, stage, 2, extra=extra)):
             for name, a in ref["params"].items():
-                np.testing.assert_allclose(got["params"][name], a, rtol=0, atol=1e-12 * np.abs(a).max(),
+                np.testing.assert_allclose(got["params"][name], a, rtol=0, atol=ZERO_RTOL * np.abs(a).max(),
                                            err_msg=f"stage {stage}, rank {rank}/{n}: {name}")
                 assert ((got["params"][name] == 0) == (a == 0)).all()
 
