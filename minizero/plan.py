@@ -19,7 +19,6 @@ import sys
 
 from minizero.memory.estimator import (PRECISIONS, Strategy, adapted_splits, element_bytes, lora_activation_bytes,
                                        lora_state_bytes)
-from minizero.memory.estimator.messages import LATENCY_HELP, latency_us
 from minizero.models import MODELS, get_model
 from minizero.nf4 import tensor_parallel_sizes
 from minizero.nn import PRESETS
@@ -29,7 +28,8 @@ from minizero.plan_report import (  # noqa: F401 (the public API: tests and note
     POWERS, candidate_json, count, describe, format_table, header, left_out_line, plot, plot_path, size, table_unit,
     unit_for, step_line, why_lines)
 from minizero.plan_search import (  # noqa: F401 (likewise)
-    RANKING_RULE, Hardware, _divisors, enumerate_strategies, evaluate, plan, step_time)
+    LATENCY_DESTS, RANKING_RULE, Hardware, _divisors, add_latency_flags, enumerate_strategies, evaluate, plan,
+    step_time)
 from minizero.plan_strategy import STRATEGY_FORMS, parse_strategy, search_refusal
 from minizero.interrupts import WHOLE, interruptible, refuse_several_ranks
 from minizero.ledger import wrap
@@ -44,7 +44,7 @@ MAX_GPUS = 2 ** 20
 #: sequences, thousands of times any published batch) and --gpus-per-node: larger is a typo, not a plan
 MAX_SIZES = {"seq_len": 2 ** 24, "micro_batch": 2 ** 24, "global_batch": 2 ** 24, "gpus_per_node": 2 ** 24}
 FINETUNE_UNREAD = ("top", "cp_attention", "schedule", "global_batch", "gpus_per_node", "gpu_flops", "efficiency",
-                   "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory", "latency_us")  #: unread
+                   "intra_node_bw", "inter_node_bw", "pcie_bw", "bucket", "host_memory", *LATENCY_DESTS)  #: unread
 MIN_GPU_FLOPS, MAX_GPU_FLOPS, MIN_EFFICIENCY = 1e9, 1e18, 1e-3  #: beyond them a step took 1e300 s or nan
 #: minizero's presets by the trainer's names (``--model gpt2`` there) -> the planner's ``minizero-gpt2``
 ALIASES = {name: f"minizero-{name}" for name in PRESETS if name not in MODELS}
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--intra-node-bw", default="300GB", help="NVLink bytes/s per GPU per direction")
     hw.add_argument("--inter-node-bw", default="25GB", help="network bytes/s per GPU (200 Gb/s = 25GB)")
     hw.add_argument("--pcie-bw", default="25GB", help="host <-> device bytes/s per GPU")
-    hw.add_argument("--latency-us", type=latency_us, default=5.0, help=LATENCY_HELP)
+    add_latency_flags(hw)
     p.add_argument("--bucket", default="25MiB", help="gradient reduce bucket, as PyTorch DDP's (default: 25MiB)")
     p.add_argument("--strategy", default=None, metavar="TEXT",
                    help=f"evaluate this one strategy instead of searching, e.g. \"dp2 tp4 pp1 zero3 "
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     hw = Hardware(gpu_memory=sizes["gpu_memory"], host_memory=sizes["host_memory"], flops=args.gpu_flops,
                   efficiency=args.efficiency, intra_node_bw=sizes["intra_node_bw"],
                   inter_node_bw=sizes["inter_node_bw"], pcie_bw=sizes["pcie_bw"], gpus_per_node=args.gpus_per_node,
-                  latency=args.latency_us / 1e6)
+                  latency=args.latency_us / 1e6, inter_node_latency=args.inter_node_latency_us / 1e6)
     scale, unit = (1e9, "GB") if args.units == "GB" else (2 ** 30, "GiB")
     args.shown = None
     if args.finetune != "none":

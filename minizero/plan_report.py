@@ -313,13 +313,14 @@ def assumed(hw: Hardware, scale: float, unit: str) -> str:
     """The GPU, links and efficiency the step times assume, bandwidths in ``unit``/s (the defaults: an A100's)."""
     flags = {"flops": "--gpu-flops", "efficiency": "--efficiency", "intra_node_bw": "--intra-node-bw",
              "inter_node_bw": "--inter-node-bw", "pcie_bw": "--pcie-bw", "gpu_memory": "--gpu-memory",
-             "latency": "--latency-us"}
+             "latency": "--latency-us", "inter_node_latency": "--inter-node-latency-us"}
     given = [flag for field, flag in flags.items() if getattr(hw, field) != getattr(Hardware, field)]
     who = "an A100-80GB SXM's, the defaults" + (f", but {', '.join(given)} as given" if given else "")
-    return (f"assumed ({who}; --gpu-flops, --efficiency, --intra-node-bw, --inter-node-bw, --pcie-bw, --latency-us): "
-            f"{hw.flops / 1e12:g} TFLOP/s peak dense 16-bit per GPU, matmuls at {hw.efficiency:.0%} of it; NVLink "
-            f"{hw.intra_node_bw / scale:.2f} {unit}/s per direction, network {hw.inter_node_bw / scale:.2f} {unit}/s "
-            f"and PCIe {hw.pcie_bw / scale:.2f} {unit}/s per GPU; {hw.latency * 1e6:g} us per message step")
+    return (f"assumed ({who}; --gpu-flops, --efficiency, --intra-node-bw, --inter-node-bw, --pcie-bw, --latency-us, "
+            f"--inter-node-latency-us): {hw.flops / 1e12:g} TFLOP/s peak dense 16-bit per GPU, matmuls at "
+            f"{hw.efficiency:.0%} of it; NVLink {hw.intra_node_bw / scale:.2f} {unit}/s per direction, network "
+            f"{hw.inter_node_bw / scale:.2f} {unit}/s and PCIe {hw.pcie_bw / scale:.2f} {unit}/s per GPU; "
+            f"{hw.latency * 1e6:g} us per message step within a node, {hw.inter_node_latency * 1e6:g} across nodes")
 
 
 def _short(st: Strategy) -> str:

@@ -16,9 +16,10 @@ from minizero.layout_checks import (ep_allows_offload, ep_allows_optimizer, flas
 from minizero.memory.estimator import (
     CP_ATTENTIONS, OFFLOAD, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
     model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
-from minizero.memory.estimator.messages import comm_messages_per_step
+from minizero.memory.estimator.messages import INTER_NODE_LATENCY_HELP, LATENCY_HELP, latency_us, message_steps
 from minizero.parallel.schedule import bubble_over_ideal
 
+LATENCY_DESTS = ("latency_us", "inter_node_latency_us")  #: the two latency flags' argparse names
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
                 "then to fewer techniques")
 
@@ -30,8 +31,9 @@ class Hardware:
     Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per direction, one 200 Gb/s HDR
     InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs and 1 TB of host memory per node). ``efficiency``:
     fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
-    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``: alpha, seconds per message step
-    (:mod:`~minizero.memory.estimator.messages`; an assumption, its ``LATENCY_HELP`` says from where).
+    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``, ``inter_node_latency``: alpha,
+    seconds per message step within a node and across (:mod:`~minizero.memory.estimator.messages`; assumptions,
+    its ``LATENCY_HELP`` says from where).
     """
 
     gpu_memory: int = 80 * 2 ** 30
@@ -44,6 +46,14 @@ class Hardware:
     gpus_per_node: int = 8
     cpu_adam: float = 1e9
     latency: float = 5e-6
+    inter_node_latency: float = 9.6e-6
+
+
+def add_latency_flags(group) -> None:
+    """``--latency-us`` (within a node) and ``--inter-node-latency-us`` on argparse ``group``."""
+    group.add_argument("--latency-us", type=latency_us, default=5.0, help=LATENCY_HELP)
+    group.add_argument("--inter-node-latency-us", type=latency_us, default=9.6, help=INTER_NODE_LATENCY_HELP)
+
 
 
 @dataclasses.dataclass
@@ -262,7 +272,8 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
               stage: int = 0, overlap: bool = True) -> dict:
     """Seconds per step by part on pipeline stage ``stage`` (``comm``: its bytes, by default computed); "step" sums
     them. Compute: the model's FLOPs / GPUs, stages balanced (Narayanan et al. 2021; the head's extra unmodelled).
-    Traffic: alpha-beta, message steps x ``hw.latency`` + bytes / bandwidth (``memory/estimator/messages.py``).
+    Traffic: alpha-beta, message steps x ``hw.latency`` (``hw.inter_node_latency`` for those crossing nodes) + bytes /
+    bandwidth (``memory/estimator/messages.py``).
     ``overlap=False``: train's ``--no-overlap``, no DP traffic hidden behind compute."""
     comm = comm or comm_bytes_per_step(model, st, seq_len, stage=stage)
     n, batch = st.world_size, st.dp * st.micro_batch * st.micro_batches
@@ -273,7 +284,8 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     shard_bw = hw.intra_node_bw if ns * st.tp <= node else hw.inter_node_bw  # ZeRO's group (hybrid: N data ranks)
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
     cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
-    a = {k: v * hw.latency for k, v in comm_messages_per_step(model, st, seq_len, stage).items()}  # alpha-beta
+    steps, inter = message_steps(model, st, seq_len, stage, node)  # alpha-beta: intra- and inter-node steps
+    a = {k: (v - inter[k]) * hw.latency + inter[k] * hw.inter_node_latency for k, v in steps.items()}
     tp, pp = comm["tp"] / hw.intra_node_bw + a["tp"], comm["pp"] / pp_bw + a["pp"]
     cp = comm["cp"] / cp_bw + a["cp"]  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
     # an expert group is ep consecutive data ranks: tp x cp x ep GPUs; its all-to-alls wait for nothing to overlap

@@ -230,7 +230,8 @@ def test_plan_recommends_context_parallelism_for_a_long_sequence(capsys):
 
 def test_context_parallel_step_time_charges_the_ring():
     """cp's step-time part is the estimator's ring bytes over the link its group uses plus its message steps x alpha
-    (the ring's c-1 passes forward, twice under recompute, and 2c-1 backward, per layer and micro-batch); cp 1: none."""
+    (the ring's c-1 passes forward, twice under recompute, and 2c-1 backward, per layer and micro-batch); cp 1: none.
+    cp 16 spans 2 nodes: of each lap of c-1 steps 1 crosses them (NCCL's nodes-1), of the c-step lap back 2."""
     m = get_model("llama3-8b")
     hw = P.Hardware()
     for cp, bw in [(1, hw.intra_node_bw), (4, hw.intra_node_bw), (16, hw.inter_node_bw)]:
@@ -239,7 +240,9 @@ def test_context_parallel_step_time_charges_the_ring():
         t = P.step_time(m, st, hw, 65536, comm)
         steps = st.micro_batches * m.n_layer * (2 * (cp - 1) + 2 * cp - 1) if cp > 1 else 0
         assert comm_messages_per_step(m, st, 65536)["cp"] == steps
-        assert (comm["cp"] > 0) == (cp > 1) and t["cp"] == comm["cp"] / bw + steps * hw.latency
+        inter = st.micro_batches * m.n_layer * (3 * 1 + 2) if cp == 16 else 0
+        alpha = (steps - inter) * hw.latency + inter * hw.inter_node_latency
+        assert (comm["cp"] > 0) == (cp > 1) and t["cp"] == comm["cp"] / bw + alpha
     assert "cp=4" in P.describe(P.parse_strategy("dp2 cp4 tp8", m, 64, seq_len=8192))
 
 

@@ -130,8 +130,9 @@ def test_a_real_model_s_search_is_not_cut_by_train_s_rules():
     best = plan_search.plan(llama, 64, plan_search.Hardware(gpu_memory=80 * 10 ** 9), 4096, precision="bf16",
                             global_batch=1024)[0][0]
     st = best.strategy
-    # 23,951 tok/s before the step time counted message steps (tp's 2(t-1) per all-reduce, 5 us each)
-    assert (st.dp, st.tp, st.pp, st.sequence_parallel) == (1, 8, 8, True) and round(best.tokens_per_s) == 23555
+    # 23,951 tok/s before the step time counted message steps (tp's 2(t-1) per all-reduce, 5 us each), 23,555 before
+    # the pipeline's sends between nodes took the network's 9.6 us
+    assert (st.dp, st.tp, st.pp, st.sequence_parallel) == (1, 8, 8, True) and round(best.tokens_per_s) == 23554
     assert parse_strategy("tp8 pp8 sp", llama, 64, seq_len=4096, precision="bf16").tp == 8
     sts = list(enumerate_strategies(mixtral, 64, seq_len=32768, global_batch=1024))
     assert len(sts) == 10308 and any(st.sequence_parallel for st in sts) and any(st.cp > 1 for st in sts)

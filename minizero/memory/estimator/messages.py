@@ -20,9 +20,14 @@ from minizero.numerals import NotANumber, real
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
 MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typo, not a network)
-LATENCY_HELP = ("alpha: microseconds per message step of a collective (a ring step, a recursive-doubling exchange, "
-                "a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between NCCL's "
-                "ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, src/graph/tuning.cc hwLat)")
+LATENCY_HELP = ("alpha within a node: microseconds per message step of a collective (a ring step, a recursive-doubling "
+                "exchange, a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between "
+                "NCCL's ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, "
+                "src/graph/tuning.cc hwLat)")
+INTER_NODE_LATENCY_HELP = ("alpha across nodes: microseconds per message step that crosses nodes (a ring spanning "
+                           "nodes: 2(nodes-1) of an all-reduce's steps, nodes-1 of a reduce-scatter's, as NCCL "
+                           "counts them; the rest take the alpha within a node); 9.6: NCCL's ring per-step latency "
+                           "over the network (Simple protocol, src/graph/tuning.cc hwLat)")
 
 
 def latency_us(text) -> float:
@@ -60,7 +65,37 @@ def buckets(sizes, itemsize: int, bucket_bytes: int) -> list[int]:
     return out + [current * itemsize] if current else out
 
 
+def inter_node_steps(op: str, nbytes: int, n: int, stride: int = 1, gpus_per_node: int | None = None) -> int:
+    """Of :func:`collective_steps`' steps, those crossing nodes: members at GPUs 0, stride, 2 stride, .. packed node by
+    node (None: one node). A ring's as NCCL's tuning model (src/graph/tuning.cc, nInterSteps): all_reduce 2(nodes-1),
+    reduce_scatter and all_gather nodes-1; recursive doubling's and broadcast's exchanges with a partner on another
+    node; every pairwise all_to_all step (each rank has a partner off its node); a send."""
+    steps = collective_steps(op, nbytes, n)
+    if gpus_per_node is None or not steps:
+        return 0
+    per = gpus_per_node  # cuts: the members that begin a node after the first
+    cuts = list(range(1, n)) if stride >= per else sorted({-(-m * per // stride)
+                                                           for m in range(1, (n - 1) * stride // per + 1)})
+    if not cuts:
+        return 0
+    if op == "all_reduce" and all_reduce_algorithm(nbytes, n) == "recursive_doubling":
+        p = 1 << (n.bit_length() - 1)
+        rem = n - p  # ranks 2i, 2i+1 < 2 rem fold; virtual rank v is 2v+1 below rem, else v + rem
+        virtual = [b // 2 if b < 2 * rem else b - rem for b in cuts]
+        fold = 2 * any(b % 2 and b < 2 * rem for b in cuts)  # exchange j pairs within blocks of 2^(j+1)
+        return fold + sum(any(v % (2 << j) for v in virtual) for j in range(p.bit_length() - 1))
+    if op == "broadcast":  # the binomial tree's exchange at distance 2^j crosses once 2^(j+1) passes the first cut
+        return steps - (cuts[0].bit_length() - 1)
+    return {"all_reduce": 2 * len(cuts), "reduce_scatter": len(cuts), "all_gather": len(cuts)}.get(op, steps)
+
+
 def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
+    """:func:`message_steps`' steps of every group, on one node or many."""
+    return message_steps(model, strategy, seq_len, stage)[0]
+
+
+def message_steps(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
+                  gpus_per_node: int | None = None) -> tuple[dict, dict]:
     """Message steps one rank of ``stage`` waits on per optimizer step, by group: {"dp", "dp_after", "dp_across",
     "tp", "pp", "cp", "ep"} ("dp_after": ZeRO 1-2's all-gather after the step; "dp_across": hybrid sharding's
     replica all-reduce; "dp" the rest). Per :func:`collective_steps`, m micro-batches, u ZeRO units: ZeRO 0 one
@@ -68,40 +103,50 @@ def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None
     u all-gathers; ZeRO 1-2 u all-gathers after the step. tp: the all-reduces of ``comm_bytes_per_step``'s count (SP:
     an all-gather and a reduce-scatter each). pp: one send per micro-batch and boundary. cp: per layer and
     micro-batch, ring attention's c-1 passes forward and 2c-1 backward, Ulysses' 4 all-to-alls each way. ep: per MoE
-    block and micro-batch 5 all-to-alls forward (counts, then dispatch and combine with their counts), 4 backward."""
+    block and micro-batch 5 all-to-alls forward (counts, then dispatch and combine with their counts), 4 backward.
+    Second dict: of them, those crossing nodes (:func:`inter_node_steps`; layout tp-cp-dp-pp, tp innermost)."""
     m, st = as_shape(model), strategy.validate(as_shape(model))
     s, mb, t, c = seq_len or m.seq_len, st.micro_batches, st.tp, st.cp
     _, gb, e, _ = element_bytes(st)
     n, layers = st.shard_ranks, m.n_layer // st.pp
     out = dict.fromkeys(("dp", "dp_after", "dp_across", "tp", "pp", "cp", "ep"), 0)
     blocks = sum(m.is_moe_layer(i) for i in stage_layers(m, st, stage))  # this stage's MoE blocks
+    inter = dict(out)
+
+    def add(group, op, nbytes, ranks, stride, times=1):  # ranks: the group's size, stride: GPUs between members
+        out[group] += times * collective_steps(op, nbytes, ranks)
+        inter[group] += times * inter_node_steps(op, nbytes, ranks, stride, gpus_per_node)
+
     if st.data_ranks > 1 and st.zero == 0:  # the trainer's buckets (None: its 1 MiB), the stage's whole under tp, pp
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
         full, rest = divmod(gb * stage_parameters(m, st, stage), bucket)  # a bound where tensors are split
         each = buckets(m.tensor_sizes(), gb, bucket) if t == st.pp == 1 else [bucket] * full + [rest] * (rest > 0)
-        out["dp"] = sum(collective_steps("all_reduce", b, st.data_ranks) for b in each)
+        for b in each:
+            add("dp", "all_reduce", b, st.data_ranks, t)
     elif st.data_ranks > 1:
         tied, chain = zero_units(m, st, stage)
         expert_units = [1] * blocks if st.ep > 1 else []  # under ep, each MoE block's experts are one unit more
         units = [u for u in [tied, *chain] if u] + expert_units  # elements of each unit (the experts' taken as 1)
-        calls = {1: 1, 2: mb, 3: 3 * mb}[st.zero]
-        out["dp"] = calls * len(units) * collective_steps("reduce_scatter", 0, n)
-        out["dp_after"] = len(units) * collective_steps("all_gather", 0, n) if st.zero < 3 else 0
-        reduces = 1 if st.zero == 1 else mb
-        out["dp_across"] = reduces * sum(collective_steps("all_reduce", gb * u // n, st.replicas) for u in units)
+        add("dp", "reduce_scatter", 0, n, t, {1: 1, 2: mb, 3: 3 * mb}[st.zero] * len(units))
+        add("dp_after", "all_gather", 0, n, t, len(units) if st.zero < 3 else 0)
+        for u in units:
+            add("dp_across", "all_reduce", gb * u // n, st.replicas, t * n, 1 if st.zero == 1 else mb)
     x = e * (s // c) * st.micro_batch * m.hidden  # one activation, as comm_bytes_per_step's
     if t > 1:
         calls = tensor_parallel_calls(m, st, stage)  # SP: an all-gather and a reduce-scatter each
-        out["tp"] = calls * (2 * (t - 1) if st.sequence_parallel else collective_steps("all_reduce", x, t))
-    if st.pp > 1:
-        out["pp"] = mb * (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
-        if m.tied_embeddings and stage in (0, st.pp - 1):
-            out["pp"] += collective_steps("all_reduce", gb * m.vocab_shard(t), 2)
+        for op in ("all_gather", "reduce_scatter") if st.sequence_parallel else ("all_reduce",):
+            add("tp", op, x, t, 1, calls)
+    if st.pp > 1:  # the next stage: tp x cp x dp GPUs on
+        ends, gap = stage in (0, st.pp - 1), st.world_size // st.pp
+        add("pp", "send", 0, st.pp, gap, mb * (1 if ends else 2) * st.virtual_stages)
+        if m.tied_embeddings and ends:
+            add("pp", "all_reduce", gb * m.vocab_shard(t), 2, gap * (st.pp - 1))
     passes = 2 if st.recompute != "none" else 1  # forward again under recompute, as the bytes
     if c > 1 and st.cp_attention == "ulysses":
-        out["cp"] = mb * layers * 4 * (passes + 1) * (c - 1)
-    elif c > 1:
-        out["cp"] = mb * layers * (passes * (c - 1) + 2 * c - 1)
+        add("cp", "all_to_all", 0, c, t, mb * layers * 4 * (passes + 1))
+    elif c > 1:  # K, V around the ring (c-1 steps, an all-gather's), dK, dV back to their owner (c steps: + 1)
+        add("cp", "all_gather", 0, c, t, mb * layers * (passes + 2))
+        add("cp", "send", 0, c, t, mb * layers)
     if st.ep > 1 and blocks:
-        out["ep"] = mb * blocks * (5 * (2 if st.recompute == "full" else 1) + 4) * (st.ep - 1)
-    return out
+        add("ep", "all_to_all", 0, st.ep, t * c, mb * blocks * (5 * (2 if st.recompute == "full" else 1) + 4))
+    return out, inter
