@@ -91,9 +91,16 @@ def refuse_replacing(path: str, flag: str) -> None:
     with refusing_unreadable(path, flag):  # one it cannot read (permission denied) is not called another program's
         if os.path.isfile(path):
             open(path, "rb").close()
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
-        if not os.path.lexists(path) or os.path.isfile(path) and (
-                0 < len(keys := read_json(path).keys()) and keys <= _FIELDS if config else zipfile.is_zipfile(path)):
-            return
+    if not os.path.lexists(path) or os.path.isfile(path) and _is_earlier_output(path, config):
+        return
     raise ValueError(f"{flag}: {path!r} is there and is not {'a model config' if config else 'an .npz'} minizero "
                      "wrote; it replaces only earlier weights and their config: move it away, or give another folder")
+
+
+def _is_earlier_output(path: str, config: bool) -> bool:  # a model.json (some GPTConfig keys, no others), an .npz
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, a list: not ours
+        if not config:
+            return zipfile.is_zipfile(path)
+        keys = read_json(path).keys()
+        return 0 < len(keys) and keys <= _FIELDS
+    return False

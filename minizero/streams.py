@@ -16,15 +16,16 @@ NUMBERED = re.compile(r"/(?:dev|proc/self)/fd/([0-9]+)")
 def stream_fd(path: str) -> int | None:
     """The descriptor ``path`` names (:data:`NAMED`, :data:`NUMBERED`), or None: a path of its own."""
     p = os.path.normpath(os.path.abspath(path)) if path else ""
-    found = NUMBERED.fullmatch(p)
-    return NAMED.get(p) if found is None else int(found.group(1))
+    if found := NUMBERED.fullmatch(p):
+        return int(found.group(1))
+    return NAMED.get(p)
 
 
 def check_stream(path: str, flag: str) -> None:
     """Raise ValueError unless ``path``'s descriptor is open for writing (a closed stdout, ``>&-``, is not)."""
     fd = stream_fd(path)
     try:
-        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        writable = (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) != os.O_RDONLY
     except OSError:
         raise ValueError(f"{flag} {path!r}: file descriptor {fd} is not open; give a file path") from None
     if not writable:
