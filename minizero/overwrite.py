@@ -7,8 +7,8 @@ import os
 import stat
 
 from minizero.files import check_writable_file, read_json
-from minizero.jsons import WHAT as KEEPS, is_marked as json_marked
-from minizero.pngs import WHAT as PLOT, is_marked
+from minizero.jsons import WHAT as JSON_WHAT, is_marked as json_marked
+from minizero.pngs import WHAT as PNG_WHAT, is_marked as png_marked
 from minizero.streams import check_stream, stream_fd
 from minizero.temporaries import unwritable
 
@@ -78,7 +78,7 @@ def refuse_blocking(path: str, flag: str) -> None:
 
 
 def refuse_foreign(path: str, flag: str) -> None:
-    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`KEEPS`, else
+    """Raise ValueError when ``path`` is a non-empty regular file unlike what ``flag`` writes (:data:`JSON_WHAT`, else
     a PNG minizero marked, :mod:`minizero.pngs`): an output replaces an earlier output, never the user's files."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
@@ -86,21 +86,22 @@ def refuse_foreign(path: str, flag: str) -> None:
         with open(path, "rb") as f:
             head = f.read(64).lstrip()
         try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
-            data = read_json(path) if flag in KEEPS and head[:1] == b"{" else None
+            data = read_json(path) if flag in JSON_WHAT and head[:1] == b"{" else None
         except ValueError:
             data = None
-    if not (is_marked(path) if flag not in KEEPS else json_marked(data, flag)):
-        raise ValueError(f"{flag} {path!r} exists and does not hold {KEEPS.get(flag, PLOT)}: {flag} replaces only "
-                         f"such a file (an earlier output); give another {'folder' if flag == '--out' else 'file'}, "
-                         "or move that one away")
+    if not (json_marked(data, flag) if flag in JSON_WHAT else png_marked(path)):
+        what = JSON_WHAT.get(flag, PNG_WHAT)
+        raise ValueError(f"{flag} {path!r} exists and does not hold {what}: {flag} replaces only such a file (an "
+                         f"earlier output); give another {'folder' if flag == '--out' else 'file'}, or move that one "
+                         "away")
 
 
 def refuse_slash_or_dangling(path: str, flag: str) -> None:
     """Raise ValueError when ``path`` ends in '/', '/.' or '/..' (abspath drops it: another file was written) or is a
     link whose target's folder does not exist (the write made it, a folder given directly is refused)."""
     if (tail := os.path.basename(path)) in ("", ".", ".."):  # as given: 'x.json/.' wrote x.json or failed late
-        raise ValueError(f"{flag} {path!r} {'ends in ' + repr('/' + tail) if path != tail else 'is a folder'}: give a "
-                         "file path")
+        what = "is a folder" if path == tail else f"ends in {'/' + tail!r}"
+        raise ValueError(f"{flag} {path!r} {what}: give a file path")
     real = os.path.realpath(path)
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(real)):
         raise ValueError(f"{flag} {path!r}: folder {os.path.dirname(real)!r} of the link's target {real!r} does not "
