@@ -48,10 +48,15 @@ def collective_steps(op: str, nbytes: int, n: int) -> int:
         raise ValueError(f"n={n}, nbytes={nbytes}; allowed: n >= 1 ranks, nbytes >= 0")
     if n == 1:
         return 0
-    if op == "all_reduce" and all_reduce_algorithm(nbytes, n) == "recursive_doubling":
-        p = 1 << (n.bit_length() - 1)
+    if p := _doubling_size(op, nbytes, n):
         return p.bit_length() - 1 + (2 if p != n else 0)
     return {"all_reduce": 2 * (n - 1), "broadcast": (n - 1).bit_length(), "send": 1}.get(op, n - 1)
+
+
+def _doubling_size(op: str, nbytes: int, n: int) -> int | None:  # the power of two p <= n recursive doubling runs on
+    if op == "all_reduce" and all_reduce_algorithm(nbytes, n) == "recursive_doubling":
+        return 1 << (n.bit_length() - 1)
+    return None
 
 
 def buckets(sizes, itemsize: int, bucket_bytes: int) -> list[int]:
@@ -74,12 +79,13 @@ def inter_node_steps(op: str, nbytes: int, n: int, stride: int = 1, gpus_per_nod
     if gpus_per_node is None or not steps:
         return 0
     per = gpus_per_node  # cuts: the members that begin a node after the first
-    cuts = list(range(1, n)) if stride >= per else sorted({-(-m * per // stride)
-                                                           for m in range(1, (n - 1) * stride // per + 1)})
+    if stride >= per:  # each member on a node of its own
+        cuts = list(range(1, n))
+    else:  # node k (GPUs k per ..) begins at member ceil(k per / stride)
+        cuts = [-(-(k * per) // stride) for k in range(1, (n - 1) * stride // per + 1)]
     if not cuts:
         return 0
-    if op == "all_reduce" and all_reduce_algorithm(nbytes, n) == "recursive_doubling":
-        p = 1 << (n.bit_length() - 1)
+    if p := _doubling_size(op, nbytes, n):
         rem = n - p  # ranks 2i, 2i+1 < 2 rem fold; virtual rank v is 2v+1 below rem, else v + rem
         virtual = [b // 2 if b < 2 * rem else b - rem for b in cuts]
         fold = 2 * any(b % 2 and b < 2 * rem for b in cuts)  # exchange j pairs within blocks of 2^(j+1)
