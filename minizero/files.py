@@ -135,7 +135,7 @@ class FolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 try:
-                    holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+                    holder = _holder(fd)
                 finally:
                     os.close(fd)
                 other = "folder" if self.subject == self.folder else "file"
@@ -205,9 +205,13 @@ def live_holder(folder: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped by the close
         return None
     except BlockingIOError:
-        return os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+        return _holder(fd)
     finally:
         os.close(fd)
+
+
+def _holder(fd: int) -> str:  # what FolderLock.acquire wrote into the lock file: "pid P on host H"
+    return os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
 
 
 def live_job_holding(path: str) -> tuple[str, str] | None:
