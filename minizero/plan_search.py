@@ -285,21 +285,28 @@ def step_time(model: ModelShape, st: Strategy, hw: Hardware, seq_len: int, comm:
     pp_bw = hw.intra_node_bw if n <= node else hw.inter_node_bw
     cp_bw = hw.intra_node_bw if st.cp * st.tp <= node else hw.inter_node_bw  # order tp-cp-dp-pp: cp next to tp
     steps, inter = message_steps(model, st, seq_len, stage, node)  # alpha-beta: intra- and inter-node steps
-    a = {k: (v - inter[k]) * hw.latency + inter[k] * hw.inter_node_latency for k, v in steps.items()}
-    tp, pp = comm["tp"] / hw.intra_node_bw + a["tp"], comm["pp"] / pp_bw + a["pp"]
-    cp = comm["cp"] / cp_bw + a["cp"]  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
+    latency = {k: (v - inter[k]) * hw.latency + inter[k] * hw.inter_node_latency for k, v in steps.items()}
+    tp = comm["tp"] / hw.intra_node_bw + latency["tp"]
+    pp = comm["pp"] / pp_bw + latency["pp"]
+    cp = comm["cp"] / cp_bw + latency["cp"]  # the ring's K, V blocks and their gradients, charged in full (see plan.py)
     # an expert group is ep consecutive data ranks: tp x cp x ep GPUs; its all-to-alls wait for nothing to overlap
     ep_bw = hw.intra_node_bw if st.tp * st.cp * st.ep <= node else hw.inter_node_bw
-    ep = comm.get("ep", 0) / ep_bw + a["ep"]
+    ep = comm.get("ep", 0) / ep_bw + latency["ep"]
     dp = 0.0
     if d > 1:
         gather_after_step = _gather_after_step(model, st, stage)
         across = replica_bytes(model, st, stage)  # hybrid sharding's all-reduce over the replicas (0 without)
         overlappable = comm["dp"] - gather_after_step - across
-        window = 2 / 3 * compute / st.micro_batches if st.zero < 2 else 2 / 3 * compute if st.zero == 2 else compute
-        window = window if overlap else 0.0  # blocking: every bucket waits on its collective
-        exposed = overlappable / shard_bw + a["dp"] + across / dp_bw + a["dp_across"] - window
-        dp = max(0.0, exposed) + gather_after_step / shard_bw + a["dp_after"]
+        if not overlap:  # blocking: every bucket waits on its collective
+            window = 0.0
+        elif st.zero < 2:
+            window = 2 / 3 * compute / st.micro_batches
+        elif st.zero == 2:
+            window = 2 / 3 * compute
+        else:
+            window = compute
+        exposed = overlappable / shard_bw + latency["dp"] + across / dp_bw + latency["dp_across"] - window
+        dp = max(0.0, exposed) + gather_after_step / shard_bw + latency["dp_after"]
     offload, shard = 0.0, _state_shard(model, st, stage)
     pb, gbytes = element_bytes(st)[:2]
     if st.offload != "none":
