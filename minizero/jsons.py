@@ -26,5 +26,6 @@ def trace(events: list) -> dict:
 
 def is_marked(data, flag: str) -> bool:
     """Whether ``data`` (parsed JSON) is what ``flag`` (``--json`` or ``--trace``) wrote: its mark in its place."""
-    where = data.get("otherData") if flag == "--trace" and isinstance(data, dict) else data
-    return isinstance(where, dict) and where.get(KEY) == MARKS[flag]
+    if flag == "--trace":
+        data = data.get("otherData") if isinstance(data, dict) else None
+    return isinstance(data, dict) and data.get(KEY) == MARKS[flag]

@@ -66,7 +66,8 @@ def step_of(name: str) -> int | None:
 
 def is_step_folder(name: str) -> bool:
     """Whether ``name`` is one a save writes: :func:`folder_name`'s ``step_00000006``, not ``step_6``."""
-    return step_of(name) is not None and name == folder_name(step_of(name))
+    step = step_of(name)
+    return step is not None and name == folder_name(step)
 
 
 def complete(save_dir: str) -> list[str]:
