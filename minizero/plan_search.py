@@ -30,10 +30,10 @@ class Hardware:
 
     Defaults: an A100-80GB SXM node (312 TFLOP/s dense 16-bit, NVLink 3 300 GB/s per direction, one 200 Gb/s HDR
     InfiniBand NIC per GPU = 25 GB/s, PCIe 4.0 x16 ~25 GB/s, 8 GPUs a node, ``host_memory`` per GPU: 128 GB, ~1 TB a
-    node). ``efficiency``: fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share of CPU cores updates
-    (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``, ``inter_node_latency``: alpha,
-    seconds per message step within a node and across (:mod:`~minizero.memory.estimator.messages`; assumptions,
-    its ``LATENCY_HELP`` says from where).
+    node). ``efficiency``: fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share
+    of CPU cores updates (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``,
+    ``inter_node_latency``: alpha, seconds per message step within a node and across
+    (:mod:`~minizero.memory.estimator.messages`; assumptions, its ``LATENCY_HELP`` says from where).
     """
 
     gpu_memory: int = 80 * 2 ** 30
