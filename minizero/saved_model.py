@@ -66,7 +66,7 @@ def check_pair(weights: str, comment: bytes, side: dict | None) -> None:
     weights' zip ``comment`` holds: the pair of an interrupted save, or of two models."""
     saved = None
     if comment.startswith(TAG):
-        with contextlib.suppress(ValueError):  # not JSON: not a comment this module wrote
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON (or nested deep): not one this module wrote
             saved = json.loads(comment[len(TAG):])
     if not isinstance(saved, dict) or side is None:
         return

@@ -142,3 +142,10 @@ def test_a_model_json_of_another_shape_or_dtype_is_still_refused(tmp_path, field
     (folder / "model.json").write_text(json.dumps(dict(dataclasses.asdict(TINY), dropout=0.1, **{field: value})))
     with pytest.raises(ValueError, match=f"\\({field} {value!r}\\) is not the model.json saved with --weights"):
         read_weights(weights)
+
+
+def test_a_zip_comment_nested_too_deeply_is_not_a_comment_minizero_wrote(tmp_path, base):
+    """Before: a comment of TAG and 60,000 '[' stopped every reader with a RecursionError traceback."""
+    with zipfile.ZipFile(base, "a") as zf:
+        zf.comment = b"minizero model.json " + b"[" * 60000
+    assert load_gpt(base).config == TINY
