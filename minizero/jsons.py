@@ -5,7 +5,11 @@ other JSON is the user's and refused before any work, one a minizero older than 
 :mod:`minizero.pngs`: delete that one, or choose another path)."""
 from __future__ import annotations
 
+import json
+import re
+
 KEY = "minizero"  #: the key pngs.KEY names too
+BIG, PEEK = 1 << 24, 4096  #: a file over 16 MiB is judged by the mark in its first or last PEEK bytes, not parsed
 MARKS = {"--json": "a summary minizero wrote; its next run at this path replaces it",
          "--trace": "a trace minizero wrote; its next run at this path replaces it"}
 WHAT = {"--json": f"a summary minizero wrote, marked by its top-level key {KEY!r} (an older minizero's has none: "
@@ -29,3 +33,11 @@ def is_marked(data, flag: str) -> bool:
     if flag == "--trace":
         data = data.get("otherData") if isinstance(data, dict) else None
     return isinstance(data, dict) and data.get(KEY) == MARKS[flag]
+
+
+def ends_marked(head: bytes, tail: bytes, flag: str) -> bool:
+    """Whether a big file's ``head`` (a summary's first key) or ``tail`` (a trace's last: otherData) holds the mark."""
+    mark = rb'"minizero"\s*:\s*' + re.escape(json.dumps(MARKS[flag]).encode())
+    if flag == "--json":
+        return re.match(rb'\s*\{\s*' + mark + rb'\s*[,}]', head) is not None
+    return re.search(rb'"otherData"\s*:\s*\{\s*' + mark + rb'\s*\}\s*\}\s*\Z', tail) is not None

@@ -7,7 +7,7 @@ import os
 import stat
 
 from minizero.files import check_writable_file, read_json
-from minizero.jsons import WHAT as JSON_WHAT, is_marked as json_marked
+from minizero.jsons import BIG, PEEK, WHAT as JSON_WHAT, ends_marked, is_marked as json_marked
 from minizero.pngs import WHAT as PNG_WHAT, is_marked as png_marked
 from minizero.streams import check_stream, stream_fd
 from minizero.temporaries import unwritable
@@ -84,12 +84,18 @@ def refuse_foreign(path: str, flag: str) -> None:
         return
     with refusing_unreadable(path, flag):
         with open(path, "rb") as f:
-            head = f.read(64).lstrip()
-        try:  # a brace first: parse it (what minizero writes is small; a big text file is not read whole)
-            data = read_json(path) if flag in JSON_WHAT and head[:1] == b"{" else None
+            head, big = f.read(PEEK), os.fstat(f.fileno()).st_size > BIG
+            f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - PEEK))
+            tail = f.read()
+        try:  # a small file, a brace first: parse it (a big one is judged by its ends, a text file is not read)
+            data = read_json(path) if flag in JSON_WHAT and not big and head.lstrip()[:1] == b"{" else None
         except ValueError:
             data = None
-    if not (json_marked(data, flag) if flag in JSON_WHAT else png_marked(path)):
+    if flag not in JSON_WHAT:
+        marked = png_marked(path)
+    else:
+        marked = ends_marked(head, tail, flag) if big else json_marked(data, flag)
+    if not marked:
         what = JSON_WHAT.get(flag, PNG_WHAT)
         raise ValueError(f"{flag} {path!r} exists and does not hold {what}: {flag} replaces only such a file (an "
                          f"earlier output); give another {'folder' if flag == '--out' else 'file'}, or move that one "

@@ -70,3 +70,23 @@ def test_a_stream_is_written_where_it_stands_and_a_closed_one_is_refused(tmp_pat
         with pytest.raises(ValueError, match="is open for reading only; give a file path"):
             check_output(f"/proc/self/fd/{read_only.fileno()}", "--trace")
     assert not lockable("/dev/stdout") and not lockable("/dev//stderr") and lockable(str(tmp_path / "log"))
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace"])
+def test_a_big_json_is_judged_by_its_ends_not_parsed_whole(tmp_path, monkeypatch, flag):
+    """Before: any file starting with '{' was parsed whole: a 200 MB JSON of the user's took 15 s and 1 GB before
+    its refusal, and an earlier output (a long run's trace) as long before its replacement."""
+    import minizero.overwrite
+    from minizero import jsons
+    monkeypatch.setattr(minizero.overwrite, "read_json", lambda path: pytest.fail("parsed whole"))
+    pad = "0," * (jsons.BIG // 2)
+    data = jsons.summary({"x": []}) if flag == "--json" else jsons.trace([])
+    ours = json.dumps(data, indent=1 if flag == "--json" else None).replace("[]", f"[{pad}0]")
+    for text, kept in ((ours, False), (json.dumps({"a": 1}).replace("1", f"[{pad}0]"), True),
+                       (ours.replace("wrote", "wrote!"), True)):
+        (tmp_path / "big.json").write_text(text)
+        if kept:
+            with pytest.raises(ValueError, match="exists and does not hold"):
+                check_output(str(tmp_path / "big.json"), flag)
+        else:
+            check_output(str(tmp_path / "big.json"), flag)
