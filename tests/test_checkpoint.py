@@ -1210,6 +1210,17 @@ def test_consolidate_out_that_is_not_a_regular_file_is_refused(saved, out):
     assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr, proc.stderr
 
 
+def test_consolidate_out_to_stdout_redirected_to_a_file_is_refused(saved, tmp_path):
+    """Before: ``--out /dev/stdout > log`` wrote the weights into the log, the printed lines after them, and a
+    model.json beside the log, in the log's folder."""
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "minizero.checkpoint", "consolidate", str(saved), "--out",
+                               "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True, timeout=50, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and "'/dev/stdout' names an open stream" in proc.stderr, proc.stderr
+    assert log.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
 def test_consolidate_out_replaces_earlier_weights_only(tmp_path):
     """Attacker: ``consolidate --out notes.txt`` turned the user's notes into NPZ bytes; an .npz (a zip archive, an
     earlier consolidation's) or an empty file may be replaced."""

@@ -20,6 +20,7 @@ from minizero.checkpoint.layout import KINDS, TIED
 from minizero.checkpoint.load import ShardReader, full_tensor
 from minizero.files import PRUNED_MID_READ, WriteError, atomic_write, check_writable_file, live_job_holding, read_json
 from minizero.overwrite import READ_BACK, refuse_slash_or_dangling
+from minizero.streams import stream_fd
 from minizero.temporaries import unwritable
 from minizero.ledger import format_bytes
 from minizero.nn import GPT, GPTConfig
@@ -126,6 +127,9 @@ def check_out(out: str) -> None:
     Raises CheckpointError: naming ``out`` and why it would overwrite or lose something.
     """
     p = os.path.abspath(out) if out else ""
+    if stream_fd(out) is not None:  # > log: the weights, then what is printed, went into the log
+        raise CheckpointError(f"--out {out!r} names an open stream; consolidate writes a file (and {SIDECAR} beside "
+                              "it): give a file path such as model.npz")
     if p and os.path.lexists(p) and not os.path.isdir(p) and not os.path.isfile(p):  # /dev/null: model.json in /dev
         raise CheckpointError(f"--out {out!r} exists and is not a regular file; give a new file path or an existing "
                               "file such as model.npz")
