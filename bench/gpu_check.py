@@ -50,7 +50,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero import jsons  # noqa: E402
 from minizero.files import atomic_write, check_writable_file  # noqa: E402
-from minizero.overwrite import refuse_read_back, refuse_slash_or_dangling  # noqa: E402
+from minizero.overwrite import refuse_foreign, refuse_read_back, refuse_slash_or_dangling  # noqa: E402
 from minizero.temporaries import unwritable  # noqa: E402
 from minizero.streams import check_stream, stream_fd  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
@@ -436,13 +436,7 @@ def _json_target_why(path: str) -> str | None:
     if os.path.lexists(path):
         if not os.path.isfile(path):
             return "is not a regular file (a device, FIFO or dangling link); give a new file path"
-        try:
-            with open(path) as f:
-                old = json.load(f)
-        except (OSError, ValueError, RecursionError):
-            old = None
-        if not jsons.is_marked(old, "--json"):
-            return f"exists and does not hold {jsons.WHAT['--json']}; give a new path (only such a file is replaced)"
+        refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
     check_writable_file(path)
     return None
 

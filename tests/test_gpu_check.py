@@ -239,6 +239,15 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     assert problem(str(tmp_path / "old.json")) is None and problem(str(tmp_path / "new.json")) is None
 
 
+def test_a_big_json_at_the_results_path_is_not_parsed_whole(tmp_path, monkeypatch):
+    """Before: any existing --json was json.load-ed whole (a 1 GB JSON of the user's: over a minute and GBs)."""
+    import json
+    from minizero import jsons
+    (tmp_path / "big.json").write_text(json.dumps({"a": "x" * jsons.BIG}))
+    monkeypatch.setattr(json, "load", lambda f: pytest.fail("parsed whole"))
+    assert "does not hold a summary minizero wrote" in gpu_check.json_target_problem(str(tmp_path / "big.json"))
+
+
 def test_the_equality_rows_train_with_dropout():
     """Rows 1-3 (CuPy against NumPy, two ranks against one, NCCL against MPI) run with dropout, so a GPU session
     checks the dropout generator's uint64 arithmetic on CuPy and the masks addressed by site and row; the
