@@ -164,3 +164,15 @@ def test_inter_node_latency_is_a_flag(capsys):
         P.main(args + ["--inter-node-latency-us", "2e6"])
     err = capsys.readouterr().err
     assert "--inter-node-latency-us: '2e6' is out of range;" in err and "allowed: microseconds in [0, 1e+06]" in err
+
+
+@pytest.mark.parametrize("n, stride, per", [(12, 1, 4), (10, 3, 8), (7, 5, 8), (40, 3, 16), (5, 8, 8), (9, 16, 8)])
+def test_ring_and_broadcast_counts_equal_a_walk_over_the_members_nodes(n, stride, per):
+    """Counted without listing each node's first member (the planner calls it per bucket and unit): a ring crosses
+    between each pair of nodes its members span, the binomial broadcast at every distance reaching past the first."""
+    node = [i * stride // per for i in range(n)]
+    cuts = len(set(node)) - 1
+    crossing = sum(any(node[i] != node[i + (1 << j)] for i in range(min(1 << j, n - (1 << j))))
+                   for j in range(collective_steps("broadcast", 0, n)))
+    got = [inter_node_steps(op, LARGE, n, stride, per) for op in ("all_reduce", "reduce_scatter", "broadcast")]
+    assert got == [2 * cuts, cuts, crossing]

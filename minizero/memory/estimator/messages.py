@@ -9,6 +9,8 @@ a ZeRO unit (``zero_overlap.zero_units``), a micro-batch, a layer. Only the call
 """
 from __future__ import annotations
 
+import collections
+
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.memory.estimator.model import as_shape
 from minizero.memory.estimator.scratch import DEFAULT_BUCKET_BYTES
@@ -78,21 +80,21 @@ def inter_node_steps(op: str, nbytes: int, n: int, stride: int = 1, gpus_per_nod
     steps = collective_steps(op, nbytes, n)
     if gpus_per_node is None or not steps:
         return 0
-    per = gpus_per_node  # cuts: the members that begin a node after the first
-    if stride >= per:  # each member on a node of its own
-        cuts = list(range(1, n))
-    else:  # node k (GPUs k per ..) begins at member ceil(k per / stride)
-        cuts = [-(-(k * per) // stride) for k in range(1, (n - 1) * stride // per + 1)]
-    if not cuts:
+    per = gpus_per_node
+    if stride >= per:  # each member on a node of its own: every step crosses
+        return steps
+    nodes = (n - 1) * stride // per + 1  # the last member's node, + 1 (counted, not listed: the planner's hot path)
+    if nodes == 1:
         return 0
     if p := _doubling_size(op, nbytes, n):
         rem = n - p  # ranks 2i, 2i+1 < 2 rem fold; virtual rank v is 2v+1 below rem, else v + rem
+        cuts = [-(-(k * per) // stride) for k in range(1, nodes)]  # node k begins at member ceil(k per / stride)
         virtual = [b // 2 if b < 2 * rem else b - rem for b in cuts]
         fold = 2 * any(b % 2 and b < 2 * rem for b in cuts)  # exchange j pairs within blocks of 2^(j+1)
         return fold + sum(any(v % (2 << j) for v in virtual) for j in range(p.bit_length() - 1))
     if op == "broadcast":  # the binomial tree's exchange at distance 2^j crosses once 2^(j+1) passes the first cut
-        return steps - (cuts[0].bit_length() - 1)
-    return {"all_reduce": 2 * len(cuts), "reduce_scatter": len(cuts), "all_gather": len(cuts)}.get(op, steps)
+        return steps - ((-(-per // stride)).bit_length() - 1)  # the first cut: member ceil(per / stride)
+    return {"all_reduce": 2 * (nodes - 1), "reduce_scatter": nodes - 1, "all_gather": nodes - 1}.get(op, steps)
 
 
 def comm_messages_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0) -> dict:
@@ -127,8 +129,8 @@ def message_steps(model, strategy: Strategy, seq_len: int | None = None, stage: 
         bucket = st.bucket_bytes or DEFAULT_BUCKET_BYTES
         full, rest = divmod(gb * stage_parameters(m, st, stage), bucket)  # a bound where tensors are split
         each = buckets(m.tensor_sizes(), gb, bucket) if t == st.pp == 1 else [bucket] * full + [rest] * (rest > 0)
-        for b in each:
-            add("dp", "all_reduce", b, st.data_ranks, t)
+        for b, times in collections.Counter(each).items():  # equal buckets priced once (thousands at 1 MiB)
+            add("dp", "all_reduce", b, st.data_ranks, t, times)
     elif st.data_ranks > 1:
         tied, chain = zero_units(m, st, stage)
         expert_units = [1] * blocks if st.ep > 1 else []  # under ep, each MoE block's experts are one unit more
