@@ -55,7 +55,6 @@ def add_latency_flags(group) -> None:
     group.add_argument("--inter-node-latency-us", type=latency_us, default=9.6, help=INTER_NODE_LATENCY_HELP)
 
 
-
 @dataclasses.dataclass
 class Candidate:
     """One strategy with its estimates: memory (the MemoryEstimate of its fullest stage), comm bytes per
