@@ -1,14 +1,14 @@
 """Ring reduce-scatter, all-gather and all-reduce on ``sendrecv``; binomial-tree broadcast.
 
 Bytes each rank sends: reduce-scatter and all-gather (N-1)/N * n * itemsize (exact when N divides n),
-all-reduce twice that. Sums in the input dtype, in ring order, bit-identical on every rank. Each function
-records its bytes in ``comm.traffic`` under its own label, counts temporaries as ``comm_scratch`` and takes
-``native=True`` to call the library's collective instead. Source: Patarasuk & Yuan, JPDC 2009.
+all-reduce twice that on the ring, log2(N) * n * itemsize by recursive doubling (small arrays). Sums in the
+input dtype, in one fixed order, bit-identical on every rank. Each function records its bytes in ``comm.traffic``
+under its own label, counts temporaries as ``comm_scratch`` and takes ``native=True`` to call the library's
+collective instead. Source: Patarasuk & Yuan, JPDC 2009.
 
 Argument checks are each rank's own: a rank whose array differs from its peers' in size raises where a message
 does not fit, and its peers wait until the communicator's timeout; ranks calling different collectives on
-arrays of one size are not detected here (the flight recorder's ``check_collectives``, the main job's
-``--debug-collectives``, compares every call's op and shape across ranks first).
+arrays of one size are not detected here (``--debug-collectives`` compares every call's op and shape first).
 """
 from __future__ import annotations
 

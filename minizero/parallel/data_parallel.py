@@ -101,7 +101,7 @@ class DataParallel:
                     p.grad[...] = g
 
     def allreduce_gradients(self) -> None:
-        """Average every parameter's ``.grad`` across the group, bucket by bucket: 2(N-1)/N of the gradient bytes sent.
+        """Average every parameter's ``.grad`` across the group, one ``all_reduce`` per bucket (bytes: its algorithm's).
 
         A parameter no rank has a gradient for stays ``None`` everywhere; one some rank lacks counts zeros there
         (the mask's all-gather is labelled ``used_parameters``). float16 is divided before the sum, wider after.
