@@ -25,11 +25,12 @@ MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typ
 LATENCY_HELP = ("alpha within a node: microseconds per message step of a collective (a ring step, a recursive-doubling "
                 "exchange, a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between "
                 "NCCL's ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, "
-                "src/graph/tuning.cc hwLat)")
+                "src/graph/tuning.cc hwLat, the same in v2.12.10-1 to v2.30.7-1)")
 INTER_NODE_LATENCY_HELP = ("alpha across nodes: microseconds per message step that crosses nodes (a ring spanning "
                            "nodes: 2(nodes-1) of an all-reduce's steps, nodes-1 of a reduce-scatter's, as NCCL "
-                           "counts them; the rest take the alpha within a node); 9.6: NCCL's ring per-step latency "
-                           "over the network (Simple protocol, src/graph/tuning.cc hwLat)")
+                           "counts them from v2.23.4-1, src/graph/tuning.cc nInterSteps; the rest take the alpha "
+                           "within a node); 9.6: NCCL's ring per-step latency over the network (Simple protocol, "
+                           "src/graph/tuning.cc hwLat in v2.14.3-1 to v2.17.1-1; 14 from v2.18.1-1)")
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
                 "then to fewer techniques")
 

@@ -56,9 +56,9 @@ def buckets(sizes, itemsize: int, bucket_bytes: int) -> list[int]:
 
 def inter_node_steps(op: str, nbytes: int, n: int, stride: int = 1, gpus_per_node: int | None = None) -> int:
     """Of :func:`collective_steps`' steps, those crossing nodes: members at GPUs 0, stride, 2 stride, .. packed node by
-    node (None: one node). A ring's as NCCL's tuning model (src/graph/tuning.cc, nInterSteps): all_reduce 2(nodes-1),
-    reduce_scatter and all_gather nodes-1; recursive doubling's and broadcast's exchanges with a partner on another
-    node; every pairwise all_to_all step (each rank has a partner off its node); a send."""
+    node (None: one node). A ring's as NCCL's tuning model (src/graph/tuning.cc nInterSteps, v2.23.4-1 on): all_reduce
+    2(nodes-1), reduce_scatter and all_gather nodes-1; recursive doubling's and broadcast's exchanges with a partner on
+    another node; every pairwise all_to_all step (each rank has a partner off its node); a send."""
     steps = collective_steps(op, nbytes, n)
     if gpus_per_node is None or not steps:
         return 0
