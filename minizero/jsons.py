@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import re
 
-KEY = "minizero"  #: the key pngs.KEY names too
+from minizero.pngs import KEY  # one mark for every output minizero replaces
+
 BIG, PEEK = 1 << 24, 4096  #: a file over 16 MiB is judged by the mark in its first or last PEEK bytes, not parsed
 MARKS = {"--json": "a summary minizero wrote; its next run at this path replaces it",
          "--trace": "a trace minizero wrote; its next run at this path replaces it"}
@@ -37,7 +38,7 @@ def is_marked(data, flag: str) -> bool:
 
 def ends_marked(head: bytes, tail: bytes, flag: str) -> bool:
     """Whether a big file's ``head`` (a summary's first key) or ``tail`` (a trace's last: otherData) holds the mark."""
-    mark = rb'"minizero"\s*:\s*' + re.escape(json.dumps(MARKS[flag]).encode())
+    mark = re.escape(json.dumps(KEY).encode()) + rb'\s*:\s*' + re.escape(json.dumps(MARKS[flag]).encode())
     if flag == "--json":
         return re.match(rb'\s*\{\s*' + mark + rb'\s*[,}]', head) is not None
     return re.search(rb'"otherData"\s*:\s*\{\s*' + mark + rb'\s*\}\s*\}\s*\Z', tail) is not None

@@ -14,6 +14,7 @@ from minizero.memory.estimator import DEVICE_CATEGORIES, Strategy, element_bytes
 from minizero.numerals import column, counted, significant
 from minizero.plan_search import Candidate, Hardware, train_runs
 from minizero.pngs import MARK
+from minizero.streams import stream_fd
 
 def describe(st: Strategy) -> str:
     """``dp=8 tp=8 pp=1 zero=1 sp recompute=selective offload=none`` -- the strategy in one phrase (``ep=4``
@@ -371,11 +372,8 @@ def candidate_json(c: Candidate, rank: int) -> dict:
 
 
 def plot_path(path: str) -> str:
-    """The PNG path ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension.
-
-    Raises:
-        ValueError: another extension, a directory, or a folder that does not exist or takes no file.
-    """
+    """The PNG path ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension; a device (/dev/null) is
+    written into. Raises ValueError: another extension, a directory, a folder that does not exist or takes no file."""
     if not path.strip() or path == "-":  # '-' is no standard output: it wrote ./-.png
         raise ValueError(f"--plot {path!r}: give a file name for the PNG" + (
             " (it is not written to standard output; ./- writes ./-.png)" if path == "-" else ""))
@@ -386,8 +384,9 @@ def plot_path(path: str) -> str:
     if ext not in ("", ".png"):
         raise ValueError(f"--plot {path!r}: cannot write the PNG there: the name must end in .png (or have no "
                          f"extension, and .png is added)")
-    real = path if ext else path + ".png"
-    if not ext and os.path.exists(path) and not os.path.isdir(path):  # /dev/full -> /dev/full.png: not asked for
+    into = os.path.exists(path) and not os.path.isfile(path) and stream_fd(path) is None  # as --json /dev/null
+    real = path if ext or into else path + ".png"
+    if not ext and not into and os.path.exists(path):  # notes -> notes.png: not asked for
         raise ValueError(f"--plot {path!r} names an existing file, and the PNG would go to {real!r} beside it; give "
                          "a name ending in .png")
     try:  # an earlier plot (minizero's mark) is replaced, never another file the user named .png (refuse_foreign)

@@ -16,10 +16,21 @@ from minizero.layout_checks import (ep_allows_offload, ep_allows_optimizer, flas
 from minizero.memory.estimator import (
     CP_ATTENTIONS, OFFLOAD, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
     model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
-from minizero.memory.estimator.messages import INTER_NODE_LATENCY_HELP, LATENCY_HELP, latency_us, message_steps
+from minizero.memory.estimator.messages import message_steps
+from minizero.numerals import NotANumber, real
 from minizero.parallel.schedule import bubble_over_ideal
 
 LATENCY_DESTS = ("latency_us", "inter_node_latency_us")  #: the two latency flags' argparse names
+MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typo, not a network)
+LATENCY_HELP = ("alpha within a node: microseconds per message step of a collective (a ring step, a recursive-doubling "
+                "exchange, a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between "
+                "NCCL's ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, "
+                "src/graph/tuning.cc hwLat, the same in v2.12.10-1 to v2.30.7-1)")
+INTER_NODE_LATENCY_HELP = ("alpha across nodes: microseconds per message step that crosses nodes (a ring spanning "
+                           "nodes: 2(nodes-1) of an all-reduce's steps, nodes-1 of a reduce-scatter's, as NCCL "
+                           "counts them from v2.23.4-1, src/graph/tuning.cc nInterSteps; the rest take the alpha "
+                           "within a node); 9.6: NCCL's ring per-step latency over the network (Simple protocol, "
+                           "src/graph/tuning.cc hwLat in v2.14.3-1 to v2.17.1-1; 14 from v2.18.1-1)")
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
                 "then to fewer techniques")
 
@@ -33,7 +44,7 @@ class Hardware:
     node). ``efficiency``: fraction of peak the matmuls reach. ``cpu_adam``: parameters per second one GPU's share
     of CPU cores updates (ZeRO-Offload's CPU-Adam, Ren et al. 2021; an assumption). ``latency``,
     ``inter_node_latency``: alpha, seconds per message step within a node and across
-    (:mod:`~minizero.memory.estimator.messages`; assumptions, its ``LATENCY_HELP`` says from where).
+    (:mod:`~minizero.memory.estimator.messages`; assumptions, :data:`LATENCY_HELP` says from where).
     """
 
     gpu_memory: int = 80 * 2 ** 30
@@ -47,6 +58,14 @@ class Hardware:
     cpu_adam: float = 1e9
     latency: float = 5e-6
     inter_node_latency: float = 9.6e-6
+
+
+def latency_us(text) -> float:
+    """``--latency-us``'s value: microseconds in [0, :data:`MAX_LATENCY_US`]. Raises NotANumber naming the text."""
+    value = real(text)
+    if not 0 <= value <= MAX_LATENCY_US:
+        raise NotANumber(f"{text!r} is out of range; allowed: microseconds in [0, {MAX_LATENCY_US:g}]")
+    return value
 
 
 def add_latency_flags(group) -> None:

@@ -73,11 +73,15 @@ def check_pair(weights: str, comment: bytes, side: dict | None) -> None:
     clash = [k for k in PAIR_FIELDS if k in side and k in saved and saved[k] != side[k]]
     if clash:
         side_path = os.path.join(os.path.dirname(os.path.abspath(weights)), SIDECAR)
-        said = [", ".join(f"{k} {cfg[k]!r}" for k in clash) for cfg in (side, saved)]
+        said = [", ".join(f"{k} {_cut(repr(cfg[k]), 40)}" for k in clash) for cfg in (side, saved)]
         raise ValueError(f"{side_path!r} ({said[0]}) is not the model.json saved with --weights {weights!r} "
                          f"({said[1]}): a save interrupted between its two files leaves the new weights (written "
                          f"first) beside the previous model.json; save again, or replace {side_path!r} by the "
-                         f"weights' own config: {json.dumps(saved, sort_keys=True)}")
+                         f"weights' own config: {_cut(json.dumps(saved, sort_keys=True), 400)}")
+
+
+def _cut(text: str, width: int) -> str:  # a forged comment (up to 64 KiB) is not echoed whole
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def refuse_replacing(path: str, flag: str) -> None:

@@ -157,3 +157,19 @@ def test_a_benchmarks_png_path_keeps_a_users_own_png(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"--png {str(tmp_path / 'mine.png')!r} exists and {REFUSED}")):
         check_output(str(tmp_path / "mine.png"), "--png")
     check_output(str(tmp_path / "old.png"), "--png")
+
+
+def test_a_png_of_a_million_empty_chunks_is_judged_quickly(tmp_path):
+    """Before: is_marked walked every chunk header to the mark at the end (a million reads and seeks for 12 MB);
+    now it gives up after pngs.CHUNKS chunks, where matplotlib's mark never is."""
+    import time
+    from minizero.pngs import CHUNKS, KEY
+    text = KEY.encode() + b"\0x"
+    mark = len(text).to_bytes(4, "big") + b"tEXt" + text + b"\0" * 4
+    head = png_bytes()[:33]  # the signature and IHDR
+    path = tmp_path / "chunks.png"
+    path.write_bytes(head + b"\0\0\0\0zzZz\0\0\0\0" * 1_000_000 + mark)
+    start = time.perf_counter()
+    assert not is_marked(str(path)) and time.perf_counter() - start < 0.5
+    path.write_bytes(head + b"\0\0\0\0zzZz\0\0\0\0" * (CHUNKS - 2) + mark)  # within the bound: still found
+    assert is_marked(str(path))

@@ -361,11 +361,19 @@ def test_plot_naming_an_existing_file_without_extension_is_refused(tmp_path, cap
     """Before: --plot /dev/full wrote /dev/full.png."""
     mine = tmp_path / "notes"
     mine.write_text("my notes")
-    for path in (str(mine), "/dev/full"):
-        code, _, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", path)
-        said = f"--plot {path!r} names an existing file, and the PNG would go to {path + '.png'!r}"
-        assert code == 2 and said in " ".join(err.split())
+    code, _, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", str(mine))
+    said = f"--plot {str(mine)!r} names an existing file, and the PNG would go to {str(mine) + '.png'!r}"
+    assert code == 2 and said in " ".join(err.split())
     assert not (tmp_path / "notes.png").exists()
+    code, _, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", "/dev/full")  # a device: written into
+    assert code == 2 and "--plot '/dev/full' cannot be written (No space left on device)" in " ".join(err.split())
+
+
+def test_plot_dev_null_is_written_into_as_json_dev_null_is(capsys):
+    """Before: --plot /dev/null was refused (the PNG would go to /dev/null.png); a device is written into."""
+    import stat
+    code, out, err = run_main(capsys, "--model", "tiny", "--gpus", "2", "--plot", os.devnull)
+    assert code == 0 and f"wrote {os.devnull}" in out and stat.S_ISCHR(os.stat(os.devnull).st_mode), err
 
 
 def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):

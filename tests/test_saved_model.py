@@ -149,3 +149,15 @@ def test_a_zip_comment_nested_too_deeply_is_not_a_comment_minizero_wrote(tmp_pat
     with zipfile.ZipFile(base, "a") as zf:
         zf.comment = b"minizero model.json " + b"[" * 60000
     assert load_gpt(base).config == TINY
+
+
+def test_a_forged_zip_comment_is_not_echoed_whole(tmp_path, base):
+    """Before: a comment of TAG and a config of 60,000 characters came back whole in the refusal."""
+    forged = dict(dataclasses.asdict(TINY), n_head=4, dtype="x" * 30000, pad="y" * 30000)  # 64 KiB at most
+    with zipfile.ZipFile(base, "a") as zf:
+        zf.comment = b"minizero model.json " + json.dumps(forged).encode()
+    with pytest.raises(ValueError) as e:
+        read_weights(base)
+    said = str(e.value)
+    assert "is not the model.json saved with --weights" in said and "n_head 4" in said and len(said) < 1000
+    assert "dtype 'xxxx" in said and "xxx..." in said and "yyy..." not in said  # a short prefix, an ellipsis

@@ -18,26 +18,8 @@ from minizero.memory.estimator.states import stage_layers, stage_parameters
 from minizero.memory.estimator.strategy import Strategy, element_bytes
 from minizero.memory.estimator.traffic import tensor_parallel_calls
 from minizero.memory.estimator.zero_overlap import zero_units
-from minizero.numerals import NotANumber, real
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
-MAX_LATENCY_US = 1e6  #: ``--latency-us`` at most a second a step (more is a typo, not a network)
-LATENCY_HELP = ("alpha within a node: microseconds per message step of a collective (a ring step, a recursive-doubling "
-                "exchange, a pipeline send), step time = steps x alpha + bytes / bandwidth (Hockney 1994); 5: between "
-                "NCCL's ring per-step latencies over NVLink, 3.4, and PCIe, 5.7 (its tuning model, "
-                "src/graph/tuning.cc hwLat)")
-INTER_NODE_LATENCY_HELP = ("alpha across nodes: microseconds per message step that crosses nodes (a ring spanning "
-                           "nodes: 2(nodes-1) of an all-reduce's steps, nodes-1 of a reduce-scatter's, as NCCL "
-                           "counts them; the rest take the alpha within a node); 9.6: NCCL's ring per-step latency "
-                           "over the network (Simple protocol, src/graph/tuning.cc hwLat)")
-
-
-def latency_us(text) -> float:
-    """``--latency-us``'s value: microseconds in [0, :data:`MAX_LATENCY_US`]. Raises NotANumber naming the text."""
-    value = real(text)
-    if not 0 <= value <= MAX_LATENCY_US:
-        raise NotANumber(f"{text!r} is out of range; allowed: microseconds in [0, {MAX_LATENCY_US:g}]")
-    return value
 
 
 def collective_steps(op: str, nbytes: int, n: int) -> int:
@@ -74,9 +56,9 @@ def buckets(sizes, itemsize: int, bucket_bytes: int) -> list[int]:
 
 def inter_node_steps(op: str, nbytes: int, n: int, stride: int = 1, gpus_per_node: int | None = None) -> int:
     """Of :func:`collective_steps`' steps, those crossing nodes: members at GPUs 0, stride, 2 stride, .. packed node by
-    node (None: one node). A ring's as NCCL's tuning model (src/graph/tuning.cc, nInterSteps): all_reduce 2(nodes-1),
-    reduce_scatter and all_gather nodes-1; recursive doubling's and broadcast's exchanges with a partner on another
-    node; every pairwise all_to_all step (each rank has a partner off its node); a send."""
+    node (None: one node). A ring's as NCCL's tuning model (src/graph/tuning.cc nInterSteps, v2.23.4-1 on): all_reduce
+    2(nodes-1), reduce_scatter and all_gather nodes-1; recursive doubling's and broadcast's exchanges with a partner on
+    another node; every pairwise all_to_all step (each rank has a partner off its node); a send."""
     steps = collective_steps(op, nbytes, n)
     if gpus_per_node is None or not steps:
         return 0
