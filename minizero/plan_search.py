@@ -29,8 +29,8 @@ LATENCY_HELP = ("alpha within a node: microseconds per message step of a collect
 INTER_NODE_LATENCY_HELP = ("alpha across nodes: microseconds per message step that crosses nodes (a ring spanning "
                            "nodes: 2(nodes-1) of an all-reduce's steps, nodes-1 of a reduce-scatter's, as NCCL "
                            "counts them from v2.23.4-1, src/graph/tuning.cc nInterSteps; the rest take the alpha "
-                           "within a node); 9.6: NCCL's ring per-step latency over the network (Simple protocol, "
-                           "src/graph/tuning.cc hwLat in v2.14.3-1 to v2.17.1-1; 14 from v2.18.1-1)")
+                           "within a node); 14: NCCL's ring per-step latency over the network (Simple protocol, "
+                           "src/graph/tuning.cc hwLat from v2.18.1-1, the same to v2.30.7-1; 9.6 before)")
 RANKING_RULE = ("fastest estimated step first (tokens/s); equal step times go to less device memory per GPU, "
                 "then to fewer techniques")
 
@@ -57,7 +57,7 @@ class Hardware:
     gpus_per_node: int = 8
     cpu_adam: float = 1e9
     latency: float = 5e-6
-    inter_node_latency: float = 9.6e-6
+    inter_node_latency: float = 14e-6
 
 
 def latency_us(text) -> float:
@@ -71,7 +71,7 @@ def latency_us(text) -> float:
 def add_latency_flags(group) -> None:
     """``--latency-us`` (within a node) and ``--inter-node-latency-us`` on argparse ``group``."""
     group.add_argument("--latency-us", type=latency_us, default=5.0, help=LATENCY_HELP)
-    group.add_argument("--inter-node-latency-us", type=latency_us, default=9.6, help=INTER_NODE_LATENCY_HELP)
+    group.add_argument("--inter-node-latency-us", type=latency_us, default=14.0, help=INTER_NODE_LATENCY_HELP)
 
 
 @dataclasses.dataclass

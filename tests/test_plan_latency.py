@@ -151,10 +151,10 @@ def test_a_dp_group_spanning_nodes_splits_its_steps_and_prices_them_apart():
 
 
 def test_inter_node_latency_is_a_flag(capsys):
-    """``--inter-node-latency-us`` sets ``Hardware.inter_node_latency`` (default 9.6, NCCL's network ring step); the
+    """``--inter-node-latency-us`` sets ``Hardware.inter_node_latency`` (default 14, NCCL's network ring step); the
     assumptions line names both latencies; out of range is refused naming the value."""
     args = ["--model", "default", "--gpus", "16", "--strategy", "dp16 zero3"]
-    assert P.main(args + ["--json"]) == 0 and '"inter_node_latency": 9.6e-06' in capsys.readouterr().out
+    assert P.main(args + ["--json"]) == 0 and '"inter_node_latency": 1.4e-05' in capsys.readouterr().out
     assert P.main(args + ["--inter-node-latency-us", "20", "--json"]) == 0
     assert '"inter_node_latency": 2e-05' in capsys.readouterr().out
     assert P.main(args + ["--inter-node-latency-us", "20"]) == 0
