@@ -239,8 +239,8 @@ class ZeroStage3(ZeroStage2):
             self._start_prefetch(max(waiting, key=lambda u: u.index), "gather_backward")
 
     # ---- the step and reading: the owned shard is all there is -----------------------------
-    # stage 1 (and so 2) overrides these to read whole parameters, which every rank holds there; stage 3 holds
-    # only its shard: the base's versions, owned pieces
+    # stage 1 (so 2) overrides these to read whole parameters, which every rank holds there; stage 3 holds only
+    # its shards: back to the base's versions, which read owned pieces
     views = ZeroOptimizer.views
     _whole_params_on_load = ZeroOptimizer._whole_params_on_load
 
