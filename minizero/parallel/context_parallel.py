@@ -19,7 +19,7 @@ from minizero.autograd import Function, Tensor
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
 from minizero.comm.flight import name_split
-from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
+from minizero.nn.flash_attention import attention_block_grads, block_scores, causal_mask, online_softmax_step
 from minizero.nn.module import Dropout, Module
 from minizero.parallel.sequence_parallel import SequenceParallelDropout
 from minizero.parallel.ulysses import UlyssesAttentionCore
@@ -78,7 +78,7 @@ def _blocks(rank: int, src: int, cp: int, n: int):
         for ki, kc in enumerate(chunk_ids(src, cp)):
             if qc < kc:
                 continue
-            mask = None if qc > kc else backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
+            mask = None if qc > kc else causal_mask(n)
             out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), mask,
                         slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)))
     return out
