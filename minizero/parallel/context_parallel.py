@@ -171,10 +171,8 @@ class _RingAttention(Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm, dropout=None) -> Tensor:
-    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
-
-    ``dropout``: the attention's dropout module (``reserve_mask``: the whole (b, H, T, T) mask); None or a module
-    without it (an identity): no dropout."""
+    """Causal attention of this rank's chunks against the whole sequence: q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
+    ``dropout``: the attention's dropout (``reserve_mask``: the whole (b, H, T, T) mask); None or without it: none."""
     b, h, t2, _ = q.shape
     reserve, whole = getattr(dropout, "reserve_mask", None), t2 * comm.world_size
     drop = reserve((b, h, whole, whole)) if reserve is not None else None
@@ -183,12 +181,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm, dropout=None) -> Tenso
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
-    """Split a stage's sequence over the context group ``comm``, in place; returns the converted names
-    (no-op for c = 1).
+    """Split a stage's sequence over the context group ``comm`` (c ranks), in place; returns the converted names.
 
-    Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; every
-    ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``, by
-    ``swap_modules``. Raises ValueError: ``attention`` not "ring" or "ulysses".
+    Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; by
+    ``swap_modules`` every ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an
+    ``UlyssesAttentionCore``, every other dropout a :class:`ContextParallelDropout`. No-op for c = 1.
+    Raises ValueError: ``attention`` not "ring" or "ulysses".
     """
     if attention not in CP_ATTENTIONS:
         raise ValueError(f"unknown context-parallel attention {attention!r}; allowed: {CP_ATTENTIONS}")
@@ -199,7 +197,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     for part in stage.chunks:
         done += _split_sequence(part, comm)
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
-    in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks
+    core_dropouts = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # a core draws its by blocks
 
     def split_core(core):
         return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
@@ -209,7 +207,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
             return m.map_wrapped(split_core)
         if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
             return ContextParallelDropout(m.p, comm, m.comm, m.site)
-        if type(m) is Dropout and id(m) not in in_cores:
+        if type(m) is Dropout and id(m) not in core_dropouts:
             return ContextParallelDropout(m.p, comm, site=m.site)
         return None
 
