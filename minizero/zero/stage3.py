@@ -96,7 +96,8 @@ class ZeroStage3(ZeroStage2):
                 m.register_forward_pre_hook(lambda module, args: self._progress())
 
     def overlap_words(self) -> list[str]:
-        return super().overlap_words() + (["the next unit's all-gather is prefetched"] if self.prefetcher is not None else [])
+        prefetched = ["the next unit's all-gather is prefetched"] if self.prefetcher is not None else []
+        return super().overlap_words() + prefetched
 
     # ---- set-up: only the owned piece is ever built (meta parameters draw just it: nn/init.py) -----
     def _build_params(self, st, lo, size, dtype):
