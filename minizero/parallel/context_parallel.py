@@ -250,8 +250,8 @@ class RingAttentionCore(Module):
 
 
 class ContextParallelDropout(Module):
-    """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h),
-    or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
+    """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h), or
+    with sequence parallelism (``seq_comm``: the tensor group) rows [tp_rank m, (tp_rank + 1) m) of them, m = 2n/tp.
     Each rank computes its rows' elements only (``MaskStream``: inside ``rng.batch_rows`` the site's addressed mask,
     outside it the stream advances by the whole mask). Identity in eval or p = 0."""
 
@@ -263,12 +263,12 @@ class ContextParallelDropout(Module):
         if not self.training or self.p == 0.0:
             return x
         b, m, h = x.shape
-        t, r = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
-        n = m * t // 2  # rows per chunk
+        tp, tp_rank = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
+        n = m * tp // 2  # rows per chunk
         drop = MaskStream.reserve((b, 2 * n * self.comm.world_size, h), self.p, site=self.site)
         keep = []
         for i, c in enumerate(chunk_ids(self.comm.rank, self.comm.world_size)):  # local rows [i n, (i + 1) n)
-            lo, hi = max(r * m, i * n), min((r + 1) * m, (i + 1) * n)
+            lo, hi = max(tp_rank * m, i * n), min((tp_rank + 1) * m, (i + 1) * n)
             if lo < hi:
                 keep.append(drop.block((slice(0, b), slice(c * n + lo - i * n, c * n + hi - i * n), slice(0, h))))
         keep = keep[0] if len(keep) == 1 else backend.xp.concatenate(keep, axis=1)
