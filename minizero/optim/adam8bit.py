@@ -213,22 +213,20 @@ class ShardedAdam8bit:
                  code: str = "dynamic", fp32_names=()):
         self.comm, self.block_size = comm, block_size
         codes = make_codes(code)
-        n_ranks, rank, b = shard_map.world_size, comm.rank, block_size
         self.pieces, self.state, self.shared = [], [], []
         for i, u in enumerate(shard_map.units):
             numel = {name: math.prod(shape) for name, shape in zip(u.param_names, u.shapes)}
             eight_bit = {name: n >= min_8bit_size and name not in fp32_names for name, n in numel.items()}
-            shared = set()  # (param, block) cut by a shard boundary, seen from every rank
-            for r in range(n_ranks):
-                for pc in shard_map.pieces(r, i):
-                    if not eight_bit[pc.param]:
-                        continue
-                    if pc.lo % b:
-                        shared.add((pc.param, pc.lo // b))
-                    if pc.hi < numel[pc.param] and pc.hi % b:
-                        shared.add((pc.param, (pc.hi - 1) // b))
-            self.shared.append({key: j for j, key in enumerate(sorted(shared))})
-            pieces = shard_map.pieces(rank, i)
+            cut = set()  # (param, block) cut by a shard boundary, seen from every rank
+            on_any_rank = [pc for r in range(shard_map.world_size) for pc in shard_map.pieces(r, i)
+                           if eight_bit[pc.param]]
+            for pc in on_any_rank:
+                if pc.lo % block_size:
+                    cut.add((pc.param, pc.lo // block_size))
+                if pc.hi < numel[pc.param] and pc.hi % block_size:
+                    cut.add((pc.param, (pc.hi - 1) // block_size))
+            self.shared.append({key: j for j, key in enumerate(sorted(cut))})
+            pieces = shard_map.pieces(comm.rank, i)
             self.pieces.append(pieces)
             self.state.append([new_state(pc.hi - pc.lo, dtype, eight_bit[pc.param], block_size, codes, offset=pc.lo)
                                for pc in pieces])
