@@ -67,12 +67,12 @@ class CheckpointWrapper(Module):
         object.__setattr__(self, "_modules", inner._modules)
 
     @property
-    def training(self) -> bool:  # inner's: Module.train meets the wrapper where inner was, never inner itself
+    def training(self) -> bool:  # inner's: Module.train() reaches the wrapper in inner's place, never inner
         return self.inner.training
 
     @training.setter
     def training(self, mode: bool) -> None:
-        if "inner" in vars(self):  # not Module.__init__'s default (inner is set after it): inner keeps its mode
+        if "inner" in vars(self):  # Module.__init__ sets a default before inner exists: skipped
             self.inner.training = mode
 
     def __getattr__(self, name):  # only called when normal lookup fails

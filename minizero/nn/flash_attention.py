@@ -1,7 +1,7 @@
 """Memory-efficient attention: the FlashAttention recurrence on one device (``--attention flash``).
 
 Per query block an online softmax over key blocks j <= i; backward recomputes P = exp(S - L) per block. Saves
-q, k, v, O (B, H, T, D) and L (B, H, T) in at least float32, no (T, T) array; dropout reads the dense core's mask.
+q, k, v, O (B, H, T, D) and L (B, H, T) (L in at least float32), no (T, T) array; dropout reads the dense core's mask.
 Source: Dao et al., arXiv:2205.14135; FlashAttention-2, arXiv:2307.08691, algorithms 1 and 2.
 """
 from __future__ import annotations
@@ -84,11 +84,12 @@ class _FlashAttention(Function):
         for i0 in range(0, t, block):  # FlashAttention-2: the outer loop over query blocks
             qs = slice(i0, min(i0 + block, t))
             qb = _upcast(q[:, :, qs], acc)
-            m = xp.full((b, h, qs.stop - i0), -xp.inf, dtype=acc)
-            l = xp.zeros((b, h, qs.stop - i0), dtype=acc)
-            o = xp.zeros((b, h, qs.stop - i0, d), dtype=acc)
+            rows = (b, h, qs.stop - i0)
+            m = xp.full(rows, -xp.inf, dtype=acc)  # running row maximum
+            l = xp.zeros(rows, dtype=acc)  # running sum of exp(S - m)
+            o = xp.zeros(rows + (d,), dtype=acc)  # running unnormalised output
             for ks, diag in _causal_blocks_of_row(qs, block):
-                mask = _diagonal_mask(qs) if diag else None
+                mask = causal_mask(qs.stop - qs.start) if diag else None
                 s = block_scores(qb, _upcast(k[:, :, ks], acc), scale, mask)
                 keep = drop.block(bh + (qs, ks)) if drop is not None else None
                 m, l, o = online_softmax_step(m, l, o, s, _upcast(v[:, :, ks], acc), keep, keep_scale)
@@ -113,10 +114,10 @@ class _FlashAttention(Function):
             kb, vb = _upcast(k[:, :, ks], acc), _upcast(v[:, :, ks], acc)
             for i0 in range(j0, t, block):  # query blocks on or below the diagonal
                 qs = slice(i0, min(i0 + block, t))
+                mask = causal_mask(qs.stop - i0) if i0 == j0 else None
                 keep = drop.block(bh + (qs, ks)) if drop is not None else None
                 gq, gk, gv = attention_block_grads(_upcast(q[:, :, qs], acc), kb, vb, g[:, :, qs], lse[:, :, qs],
-                                                   dsum[:, :, qs], scale, _diagonal_mask(qs) if i0 == j0 else None,
-                                                   keep, ctx.keep_scale)
+                                                   dsum[:, :, qs], scale, mask, keep, ctx.keep_scale)
                 dq[:, :, qs] += gq
                 dk[:, :, ks] += gk
                 dv[:, :, ks] += gv
@@ -129,8 +130,8 @@ def _causal_blocks_of_row(qs: slice, block: int):
         yield slice(j0, min(j0 + block, qs.stop)), j0 == qs.start
 
 
-def _diagonal_mask(qs: slice):
-    n = qs.stop - qs.start
+def causal_mask(n: int):
+    """(n, n) bool, True on and below the diagonal: a block of queries against the same positions' keys."""
     return backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
 
 

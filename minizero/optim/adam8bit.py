@@ -48,7 +48,7 @@ class QuantizedState:
     def __init__(self, n: int, code, block_size: int = BLOCK_SIZE, offset: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size={block_size}; allowed: >= 1")
-        self.code, self.block_size, self.offset, self.n = code, block_size, offset, n
+        self.code, self.block_size, self.offset = code, block_size, offset
         xp = backend.array_module(code)
         zero = int(backend.host_scalar(xp.argmin(xp.abs(code))))  # the code of 0.0
         self.codes = xp.full(n, zero, np.uint8)
@@ -211,24 +211,22 @@ class ShardedAdam8bit:
 
     def __init__(self, shard_map, comm, dtype, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE,
                  code: str = "dynamic", fp32_names=()):
-        self.comm, self.block_size, self.min_8bit_size = comm, block_size, min_8bit_size
+        self.comm, self.block_size = comm, block_size
         codes = make_codes(code)
-        n_ranks, rank, b = shard_map.world_size, comm.rank, block_size
         self.pieces, self.state, self.shared = [], [], []
         for i, u in enumerate(shard_map.units):
             numel = {name: math.prod(shape) for name, shape in zip(u.param_names, u.shapes)}
             eight_bit = {name: n >= min_8bit_size and name not in fp32_names for name, n in numel.items()}
-            shared = set()  # (param, block) cut by a shard boundary, seen from every rank
-            for r in range(n_ranks):
-                for pc in shard_map.pieces(r, i):
-                    if not eight_bit[pc.param]:
-                        continue
-                    if pc.lo % b:
-                        shared.add((pc.param, pc.lo // b))
-                    if pc.hi < numel[pc.param] and pc.hi % b:
-                        shared.add((pc.param, (pc.hi - 1) // b))
-            self.shared.append({key: j for j, key in enumerate(sorted(shared))})
-            pieces = shard_map.pieces(rank, i)
+            cut = set()  # (param, block) cut by a shard boundary, seen from every rank
+            on_any_rank = [pc for r in range(shard_map.world_size) for pc in shard_map.pieces(r, i)
+                           if eight_bit[pc.param]]
+            for pc in on_any_rank:
+                if pc.lo % block_size:
+                    cut.add((pc.param, pc.lo // block_size))
+                if pc.hi < numel[pc.param] and pc.hi % block_size:
+                    cut.add((pc.param, (pc.hi - 1) // block_size))
+            self.shared.append({key: j for j, key in enumerate(sorted(cut))})
+            pieces = shard_map.pieces(comm.rank, i)
             self.pieces.append(pieces)
             self.state.append([new_state(pc.hi - pc.lo, dtype, eight_bit[pc.param], block_size, codes, offset=pc.lo)
                                for pc in pieces])
@@ -240,7 +238,6 @@ class ShardedAdam8bit:
         Collective when the unit has shared blocks (every rank, every unit, same order). Transient: the unit's m and v
         in the state dtype.
         """
-        b = self.block_size
         shared = self.shared[unit]
         pending = []
         for pc, (m, v) in zip(self.pieces[unit], self.state[unit]):
@@ -252,24 +249,25 @@ class ShardedAdam8bit:
             mf, vf = adam8bit_begin(param_shard[sl], grad_shard[sl], m, v, step, lr, beta1, beta2, eps, wd,
                                     grad_scale)
             pending.append((pc, m, v, mf, vf, m.block_absmax(mf), v.block_absmax(vf)))
-        if shared:
+        if shared:  # each rank fills its own row, the all-reduce's sum collects the rows, max agrees per block
             table = backend.xp.zeros((self.comm.world_size, len(shared), 2), np.float32)
             for pc, m, v, mf, vf, am, av in pending:
-                first = pc.lo // b
-                for k in sorted({first, (pc.hi - 1) // b}):
-                    j = shared.get((pc.param, k))
-                    if j is not None:
-                        table[self.comm.rank, j, 0], table[self.comm.rank, j, 1] = am[k - first], av[k - first]
+                for i, j in self._shared_blocks(shared, pc):
+                    table[self.comm.rank, j, 0], table[self.comm.rank, j, 1] = am[i], av[i]
             with self.comm.traffic.op("adam8bit_absmax"):
                 table = all_reduce(self.comm, table).max(axis=0)
             for pc, m, v, mf, vf, am, av in pending:
-                first = pc.lo // b
-                for k in sorted({first, (pc.hi - 1) // b}):
-                    j = shared.get((pc.param, k))
-                    if j is not None:
-                        am[k - first], av[k - first] = table[j, 0], table[j, 1]
+                for i, j in self._shared_blocks(shared, pc):
+                    am[i], av[i] = table[j, 0], table[j, 1]
         for pc, m, v, mf, vf, am, av in pending:
             adam8bit_finish(m, v, mf, vf, am, av)
+
+    def _shared_blocks(self, shared: dict, pc):
+        """``(block of the piece, row of the absmax table)`` for the piece's end blocks that other ranks share."""
+        first = pc.lo // self.block_size
+        for k in sorted({first, (pc.hi - 1) // self.block_size}):
+            if (pc.param, k) in shared:
+                yield k - first, shared[(pc.param, k)]
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

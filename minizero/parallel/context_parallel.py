@@ -19,7 +19,7 @@ from minizero.autograd import Function, Tensor
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
 from minizero.comm.flight import name_split
-from minizero.nn.flash_attention import attention_block_grads, block_scores, online_softmax_step
+from minizero.nn.flash_attention import attention_block_grads, block_scores, causal_mask, online_softmax_step
 from minizero.nn.module import Dropout, Module
 from minizero.parallel.sequence_parallel import SequenceParallelDropout
 from minizero.parallel.ulysses import UlyssesAttentionCore
@@ -78,7 +78,7 @@ def _blocks(rank: int, src: int, cp: int, n: int):
         for ki, kc in enumerate(chunk_ids(src, cp)):
             if qc < kc:
                 continue
-            mask = None if qc > kc else backend.xp.tril(backend.xp.ones((n, n), dtype=bool))
+            mask = None if qc > kc else causal_mask(n)
             out.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), mask,
                         slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)))
     return out
@@ -171,10 +171,8 @@ class _RingAttention(Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm, dropout=None) -> Tensor:
-    """Causal attention of this rank's chunks against the whole sequence. q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
-
-    ``dropout``: the attention's dropout module (``reserve_mask``: the whole (b, H, T, T) mask); None or a module
-    without it (an identity): no dropout."""
+    """Causal attention of this rank's chunks against the whole sequence: q, k, v (b, H, 2n, D) -> (b, H, 2n, D).
+    ``dropout``: the attention's dropout (``reserve_mask``: the whole (b, H, T, T) mask); None or without it: none."""
     b, h, t2, _ = q.shape
     reserve, whole = getattr(dropout, "reserve_mask", None), t2 * comm.world_size
     drop = reserve((b, h, whole, whole)) if reserve is not None else None
@@ -183,12 +181,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm, dropout=None) -> Tenso
 
 # --------------------------------------------------------------------------- in the model
 def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
-    """Split a stage's sequence over the context group ``comm``, in place; returns the converted names
-    (no-op for c = 1).
+    """Split a stage's sequence over the context group ``comm`` (c ranks), in place; returns the converted names.
 
-    Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; every
-    ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an ``UlyssesAttentionCore``, by
-    ``swap_modules``. Raises ValueError: ``attention`` not "ring" or "ulysses".
+    Pre-hooks keep this rank's chunks of ids and targets, (b, T) -> (b, 2n), with global ``wpe`` positions; by
+    ``swap_modules`` every ``attn.core`` becomes a :class:`RingAttentionCore` or (``"ulysses"``) an
+    ``UlyssesAttentionCore``, every other dropout a :class:`ContextParallelDropout`. No-op for c = 1.
+    Raises ValueError: ``attention`` not "ring" or "ulysses".
     """
     if attention not in CP_ATTENTIONS:
         raise ValueError(f"unknown context-parallel attention {attention!r}; allowed: {CP_ATTENTIONS}")
@@ -199,7 +197,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
     for part in stage.chunks:
         done += _split_sequence(part, comm)
     cores = {id(block.attn.core) for block in stage.transformer["h"]}
-    in_cores = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # the cores draw these by blocks
+    core_dropouts = {id(block.attn.attn_dropout) for block in stage.transformer["h"]}  # a core draws its by blocks
 
     def split_core(core):
         return RingAttentionCore(comm) if attention == "ring" else UlyssesAttentionCore(comm, core)
@@ -209,7 +207,7 @@ def context_parallelize(stage, comm, attention: str = "ring") -> list[str]:
             return m.map_wrapped(split_core)
         if type(m) is SequenceParallelDropout:  # rows of the rank's chunks, split again over the tensor group
             return ContextParallelDropout(m.p, comm, m.comm, m.site)
-        if type(m) is Dropout and id(m) not in in_cores:
+        if type(m) is Dropout and id(m) not in core_dropouts:
             return ContextParallelDropout(m.p, comm, site=m.site)
         return None
 
@@ -252,8 +250,8 @@ class RingAttentionCore(Module):
 
 
 class ContextParallelDropout(Module):
-    """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h),
-    or with sequence parallelism (``seq_comm``: the tensor group) its rows [r m, (r + 1) m) of them, m = 2n/t.
+    """Dropout of this rank's rows with the mask the unsplit model draws for (b, T, h): its two chunks (b, 2n, h), or
+    with sequence parallelism (``seq_comm``: the tensor group) rows [tp_rank m, (tp_rank + 1) m) of them, m = 2n/tp.
     Each rank computes its rows' elements only (``MaskStream``: inside ``rng.batch_rows`` the site's addressed mask,
     outside it the stream advances by the whole mask). Identity in eval or p = 0."""
 
@@ -265,12 +263,12 @@ class ContextParallelDropout(Module):
         if not self.training or self.p == 0.0:
             return x
         b, m, h = x.shape
-        t, r = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
-        n = m * t // 2  # rows per chunk
+        tp, tp_rank = (1, 0) if self.seq_comm is None else (self.seq_comm.world_size, self.seq_comm.rank)
+        n = m * tp // 2  # rows per chunk
         drop = MaskStream.reserve((b, 2 * n * self.comm.world_size, h), self.p, site=self.site)
         keep = []
         for i, c in enumerate(chunk_ids(self.comm.rank, self.comm.world_size)):  # local rows [i n, (i + 1) n)
-            lo, hi = max(r * m, i * n), min((r + 1) * m, (i + 1) * n)
+            lo, hi = max(tp_rank * m, i * n), min((tp_rank + 1) * m, (i + 1) * n)
             if lo < hi:
                 keep.append(drop.block((slice(0, b), slice(c * n + lo - i * n, c * n + hi - i * n), slice(0, h))))
         keep = keep[0] if len(keep) == 1 else backend.xp.concatenate(keep, axis=1)

@@ -382,6 +382,6 @@ class ExpertLoad:
         """The run's totals: tokens per expert and drop rate, over all MoE layers and per layer."""
         f, drop = self.shares(self.total)
         per = {str(i): {"tokens_per_expert": [int(x) for x in t[:-1]], "dropped": int(t[-1]),
-                        "drop_rate": float(t[-1] / max(t[:-1].sum(), 1))} for i, t in self.total.items()}
+                        "drop_rate": self.shares({i: t})[1]} for i, t in self.total.items()}
         return {"tokens_per_expert": [int(x) for x in sum(self.total.values())[:-1]], "load_share": f.tolist(),
                 "drop_rate": drop, "layers": per}

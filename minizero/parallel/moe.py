@@ -135,15 +135,16 @@ class MoELayer(Module):
         t = x.shape[0]
         probs = self._probabilities(x)
         token, expert = self._choose(probs, t)
-        rows = x[backend.xp.asarray(token)]
-        gates = probs[backend.xp.asarray(token), backend.xp.asarray(expert)]
+        token_d = backend.xp.asarray(token)  # on the device: gather rows, scatter them back
+        rows = x[token_d]
+        gates = probs[token_d, backend.xp.asarray(expert)]
         if gates.dtype != x.dtype:  # float16 activations: the combine in float16
             gates = ToDtype.apply(gates, x.dtype)
         rows, got_counts = self._dispatch(rows, np.bincount(expert, minlength=self.num_experts))
         y = self._experts(rows, got_counts)
         if self.ep > 1:  # combine: the dispatch's inverse exchange
             y = _AllToAllV.apply(y, self.comm, got_counts.sum(axis=1))
-        return _ScatterAdd.apply(y * gates.reshape(-1, 1), backend.xp.asarray(token), t)
+        return _ScatterAdd.apply(y * gates.reshape(-1, 1), token_d, t)
 
     def _probabilities(self, x):
         """(T, E) softmax of the router's logits, in >= float32; sets ``z_loss``."""

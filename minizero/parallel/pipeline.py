@@ -1,7 +1,7 @@
 """Pipeline parallelism: the layers split into ``pp`` stages, micro-batches streamed through them.
 
 Per op of a schedule (:mod:`minizero.parallel.schedule`): F(i) receives a (b, T, C) activation from the previous stage
-and sends its output on; B(i) receives dL/dy (last stage: S/m) and sends dL/dx back; W(i) computes B(i)'s weight
+and sends its output on; B(i) receives dL/dy (last stage: seeds S/m) and sends dL/dx back; W(i) computes B(i)'s weight
 gradients. A blocking send and the next receive from the same neighbour are one ``sendrecv`` (no 1F1B deadlock); with
 ``overlap`` every send is an ``isend``. Sources: GPipe, arXiv:1811.06965; Narayanan et al., arXiv:2104.04473,
 section 2.2; Megatron-LM ``core/pipeline_parallel/schedules.py``.
@@ -144,7 +144,7 @@ def deferred_weights(chunk) -> list:
 
 @dataclasses.dataclass
 class _Step:
-    """A step's inputs; by (mb, chunk): ``split`` Bs, ``held`` (input, output) F to B, ``deferred`` Ws."""
+    """Step inputs (``scale``: S/m); by (mb, chunk): ``split`` Bs, ``held`` F's (input, output), ``deferred`` Ws."""
     micro_batches: list
     rows: list
     shares: list
@@ -255,8 +255,10 @@ class PipelineEngine:
             with self.comm.traffic.span(f"recv {what}", peer=source, bytes=buf.nbytes):
                 wait_all(self.comm, [self.comm.irecv(buf, source, tag=tag)], f"pipeline receive of {what}",
                          peer=source)
-            if len(self.chunks) == 1:  # where the blocking engine sends: a wait here cannot deadlock (with chunks
-                self._flush()  # it can: the neighbour may take our send only after one we have yet to post, as ZB-V)
+            # one chunk: our sends are waited for here, where the blocking engine sends them; with chunks (ZB-V)
+            # that could deadlock: the neighbour may take our send only after one we have yet to post
+            if len(self.chunks) == 1:
+                self._flush()
             self._say(f"{what} {shape} <── stage {source}")
             return buf
         send = self._pending

@@ -109,16 +109,14 @@ def zb_h1(p: int, m: int) -> list[list[Op]]:
     out = []
     for s in range(p):
         w = min(p - s - 1, m)
-        ops, done_b, done_w = [Op("F", i) for i in range(w)], 0, 0
+        ops = [Op("F", i) for i in range(w)]
         for i in range(m):
             if w + i < m:
                 ops.append(Op("F", w + i))
             ops.append(Op("B", i))
-            done_b += 1
-            if done_b > s:
-                ops.append(Op("W", done_w))
-                done_w += 1
-        out.append(ops + [Op("W", i) for i in range(done_w, m)])
+            if i >= s:  # W lags B by s
+                ops.append(Op("W", i - s))
+        out.append(ops + [Op("W", i) for i in range(max(m - s, 0), m)])
     return out
 
 

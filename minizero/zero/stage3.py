@@ -63,6 +63,10 @@ def placeholder(shape, dtype):
     return xp.broadcast_to(_NANS[key], shape)
 
 
+def _forward_phase() -> str:  # a forward gather's traffic phase (no grad: evaluation)
+    return "gather_forward" if is_grad_enabled() else "gather_no_grad"
+
+
 def is_placeholder(a) -> bool:
     """Whether ``a`` is a :func:`placeholder`: a parameter between uses that holds no values on this rank."""
     return a.base is not None and any(a.base is nan for nan in _NANS.values())
@@ -85,7 +89,6 @@ class ZeroStage3(ZeroStage2):
         self._hook_stack = []  # saved_tensors_hooks opened by pre-hooks, closed by post-hooks
         super().__init__(model, comm, **kwargs)
         self.prefetcher = Prefetcher(self.collectives) if prefetch and can_overlap(self.collectives) else None
-        self.prefetch = self.prefetcher is not None
         if self.prefetcher is not None:
             for st in self.units:  # the unit's own module; its tied second use (the LM head) is the last module
                 st.users[0].register_forward_pre_hook(self._prefetch_forward_hook(st))
@@ -93,7 +96,8 @@ class ZeroStage3(ZeroStage2):
                 m.register_forward_pre_hook(lambda module, args: self._progress())
 
     def overlap_words(self) -> list[str]:
-        return super().overlap_words() + (["the next unit's all-gather is prefetched"] if self.prefetch else [])
+        prefetched = ["the next unit's all-gather is prefetched"] if self.prefetcher is not None else []
+        return super().overlap_words() + prefetched
 
     # ---- set-up: only the owned piece is ever built (meta parameters draw just it: nn/init.py) -----
     def _build_params(self, st, lo, size, dtype):
@@ -177,7 +181,7 @@ class ZeroStage3(ZeroStage2):
         """Forward pre-hook: gather the unit (if not yet) and route the module's saves through pack."""
         def hook(module, args):
             if st.full is None:
-                self._gather(st, "gather_forward" if is_grad_enabled() else "gather_no_grad")
+                self._gather(st, _forward_phase())
             cm = self._saved_tensors_hooks() if is_grad_enabled() else None
             if cm is not None:
                 cm.__enter__()  # closed by the forward hook: the module's saves go through pack
@@ -224,7 +228,7 @@ class ZeroStage3(ZeroStage2):
             if st.index + 1 < len(self.units):
                 nxt = self.units[st.index + 1]
                 if not (nxt.reduced or nxt.in_backward):  # not a recompute inside backward
-                    self._start_prefetch(nxt, "gather_forward" if is_grad_enabled() else "gather_no_grad")
+                    self._start_prefetch(nxt, _forward_phase())
         return hook
 
     def _prefetch_backward(self, st) -> None:
@@ -236,8 +240,8 @@ class ZeroStage3(ZeroStage2):
             self._start_prefetch(max(waiting, key=lambda u: u.index), "gather_backward")
 
     # ---- the step and reading: the owned shard is all there is -----------------------------
-    # stage 1 (and so 2) overrides these to read whole parameters, which every rank holds there; stage 3 holds
-    # only its shard: the base's versions, owned pieces
+    # stage 1 (so 2) overrides these to read whole parameters, which every rank holds there; stage 3 holds only
+    # its shards: back to the base's versions, which read owned pieces
     views = ZeroOptimizer.views
     _whole_params_on_load = ZeroOptimizer._whole_params_on_load
 
