@@ -1,4 +1,4 @@
-"""Zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): ZB-H1 and ZB-V as data, and both run equal to one process.
+"""Zero-bubble pipelines (Qi et al. 2024, arXiv:2401.10241): ZB-H1 and ZB-V as data, and both run equal to one process.
 
 * Schedules: every F, B, W once, W after its B; the simulated bubble of ZB-H1 is the paper's
   (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W)) with equal times, a third of 1F1B's; ZB-H1 holds at most

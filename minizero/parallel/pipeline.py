@@ -138,7 +138,7 @@ def allreduce_tied_embedding_grads(stage: PipelineStage, embed_comm) -> None:
 def deferred_weights(chunk) -> list:
     """The Parameters whose gradients a split backward leaves to W: the blocks' weight matrices (ndim >= 2).
     Embeddings, head, layer norms and biases get theirs at B, so a W keeps only the (input, output gradient) of the
-    blocks' matrix products (Qi et al. 2023, section 2: W is the matmuls' weight gradients)."""
+    blocks' matrix products (Qi et al. 2024, section 2: W is the matmuls' weight gradients)."""
     return [p for p in chunk.transformer["h"].parameters() if p.data.ndim >= 2]
 
 

@@ -102,7 +102,7 @@ def interleaved(p: int, m: int, v: int) -> list[list[ChunkOp]]:
 
 
 def zb_h1(p: int, m: int) -> list[list[Op]]:
-    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B with each B split into B and W; stage s runs W(i) after B(i+s).
+    """ZB-H1 (Qi et al. 2024, section 2.1): 1F1B with each B split into B and W; stage s runs W(i) after B(i+s).
 
     Peak in flight (F run, W not): min(p, m) on every stage.
     """
@@ -121,7 +121,7 @@ def zb_h1(p: int, m: int) -> list[list[Op]]:
 
 
 def zb_v(p: int, m: int) -> list[list[VChunkOp]]:
-    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V, rank r holding virtual stages r and 2p-1-r.
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V, rank r holding virtual stages r and 2p-1-r.
 
     Laid out for max(m, 2p-1) micro-batches, ops of micro-batches >= m dropped (as PyTorch's
     ScheduleZBVZeroBubble). Peak in flight: 2p chunks on every rank.
@@ -255,7 +255,7 @@ def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
 
 
 def zb_h1_bubble_ratio(p: int, m: int, t_f: float = 1, t_b: float = 1, t_w: float = 1) -> float:
-    """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2023, Table 2).
+    """(p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W)): ZB-H1's idle over busy time (Qi et al. 2024, Table 2).
 
     Assumes m >= p and T_W <= T_F + T_B; equal times: (p-1)/(3m), a third of 1F1B's.
     """
