@@ -156,6 +156,16 @@ def test_scaler_pytorch_defaults_backoff_and_growth():
     assert s.skipped == 1
 
 
+def test_scaler_overflow_restarts_the_growth_count():
+    s = DynamicLossScaler(init_scale=1024, growth_interval=3)  # PyTorch's growth tracker: 0 after an overflow
+    s.update(False), s.update(False)
+    assert s.update(True) and s.scale == 512
+    for _ in range(2):
+        assert s.update(False) is False and s.scale == 512  # 2 clean steps since the overflow: no growth yet
+    s.update(False)
+    assert s.scale == 1024
+
+
 def test_scaler_hysteresis_like_deepspeed():
     s = DynamicLossScaler(init_scale=1024, hysteresis=2, growth_interval=1000)
     assert s.update(True) and s.scale == 1024  # first overflow tolerated (step still skipped)
