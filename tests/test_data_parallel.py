@@ -79,3 +79,16 @@ def test_ledger_counts_real_array_sizes():
     opt.zero_grad()
     assert ledger.current["gradients"] == 0 and ledger.peak["gradients"] == p_bytes
     set_ledger(MemoryLedger())
+
+
+def test_a_bucket_filled_exactly_to_bucket_bytes_takes_no_more():
+    """Four 32-byte gradients, 64-byte buckets: two full buckets (a gradient that fits exactly joins its bucket)."""
+    from minizero.nn.module import Parameter
+    from minizero.parallel.data_parallel import DataParallel
+
+    def layout(comm):
+        params = [Parameter(np.full(4, float(i))) for i in range(4)]
+        dp = DataParallel(params, comm, bucket_bytes=64)
+        return [[params.index(p) for p, _ in lay] for _, lay in dp.buckets]
+
+    assert run_in_threads(2, layout) == [[[3, 2], [1, 0]]] * 2

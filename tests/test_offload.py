@@ -153,6 +153,7 @@ def test_a_buffer_saved_twice_is_offloaded_once(kind, tmp_path):
     p1, p2 = off.pack(a), off.pack(a[:])  # the same bytes through another view object
     assert p1 is p2 and off.bytes_offloaded == a.nbytes and off.saves_shared == 1
     assert off.pack(a[:4]) is not p1 and off.bytes_offloaded == a.nbytes + a[:4].nbytes  # other bytes
+    assert np.array_equal(off.unpack(off.pack(a.T)), a.T)  # same buffer, address and shape; other strides
     assert np.array_equal(off.unpack(p1), a) and np.array_equal(off.unpack(p2), a)  # both saves read it back
     if kind == "nvme":
         assert p1.file.closed  # after its last save's unpack

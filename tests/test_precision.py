@@ -156,6 +156,16 @@ def test_scaler_pytorch_defaults_backoff_and_growth():
     assert s.skipped == 1
 
 
+def test_scaler_overflow_restarts_the_growth_count():
+    s = DynamicLossScaler(init_scale=1024, growth_interval=3)  # PyTorch's growth tracker: 0 after an overflow
+    s.update(False), s.update(False)
+    assert s.update(True) and s.scale == 512
+    for _ in range(2):
+        assert s.update(False) is False and s.scale == 512  # 2 clean steps since the overflow: no growth yet
+    s.update(False)
+    assert s.scale == 1024
+
+
 def test_scaler_hysteresis_like_deepspeed():
     s = DynamicLossScaler(init_scale=1024, hysteresis=2, growth_interval=1000)
     assert s.update(True) and s.scale == 1024  # first overflow tolerated (step still skipped)
@@ -262,6 +272,18 @@ def test_scale_grows_after_the_window():
                                               "--initial-loss-scale", "256"])
     assert res["loss_scales"] == [256.0] * 3 + [512.0] * 3 + [1024.0]
     assert res["skipped_steps"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_fp16_update_unscales_the_gradients(monkeypatch):
+    import minizero.optim.adamw as adamw  # Adam is nearly scale-invariant: check the factor the update gets
+    from minizero.optim import clip_coefficient
+
+    got = []
+    real = adamw.adamw_update
+    monkeypatch.setattr(adamw, "adamw_update", lambda *a, **k: got.append(a[-1]) or real(*a, **k))
+    (res, _), = run_in_threads(1, _run_fp16, ["--steps", "1", "--initial-loss-scale", "256"])
+    assert got and set(got) == {clip_coefficient(res["grad_norms"][0], 1.0) / 256}
 
 
 def test_fp16_bad_flags():

@@ -100,9 +100,11 @@ def test_column_then_row_parallel_equals_the_full_layers(tp):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp, model, dropout", [(2, "tiny", None), (4, "default", None), (2, "tiny", "0.1")])
+@pytest.mark.parametrize("tp, model, dropout", [(2, "tiny", None), (4, "default", None), (2, "tiny", "0.1"),
+                                               (2, "default", "0.1")])
 def test_tensor_parallel_equals_single_process(tp, model, dropout):
-    """tiny has 2 heads, so tp = 4 runs on the default model (4 heads, 4 layers) at context 16.
+    """tiny has 2 heads, so tp = 4 runs on the default model (4 heads, 4 layers) at context 16; default at tp = 2
+    with dropout: 2 heads per rank, so rank 1's masks start at head 2 (not at its rank).
 
     With dropout the split model draws every head's mask from the generator the tensor group
     shares, so even the masks are the single process's (HeadParallelDropout).

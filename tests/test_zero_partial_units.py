@@ -78,3 +78,39 @@ def test_queue_callback_runs_once_after_the_outermost_backward():
     np.testing.assert_array_equal(calls[1][1], np.full(3, 3.0))
     with pytest.raises(RuntimeError, match="outside backward"):
         queue_callback(lambda: None)
+
+
+
+class _DirectUse(P.Blocks):
+    """Block 1 runs lin1 only; lin2's weight is used directly, in a part of the loss of its own."""
+
+    def forward(self, x, uses=None):
+        return self.h[1](self.h[0](x, 2), 1), (x @ self.h[1].lin2.weight.T).tanh()
+
+
+def _direct_use_backwards(model, x, scale):
+    """The direct use's backward first: lin2's gradient lands with no bucket open (stage 2 must keep it)."""
+    chain, direct = model(Tensor(x))
+    ((direct * direct).sum() * scale).backward()
+    ((chain * chain).sum() * scale).backward()
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # stage 3 gathers a unit's parameters only for its module's forward
+def test_gradient_landed_before_its_unit_bucket_opened_is_kept(stage):
+    """Threads, 2 ranks, float64: owned gradient shards equal one process's mean of the two ranks' gradients."""
+    def grads(comm):
+        model = _DirectUse(2)
+        opt = P.zero_optimizer(model, comm, stage, lr=P.LR)
+        _direct_use_backwards(model, P._inputs(comm.rank, 1)[0], 1.0)
+        opt.reduce_gradients()
+        return np.concatenate([np.asarray(g).ravel() for g in opt.grad_shards()])
+
+    ref = _DirectUse(2)
+    for r in range(2):
+        _direct_use_backwards(ref, P._inputs(r, 1)[0], 0.5)
+    sm = P.ShardMap.from_model(ref, 2)
+    flat = {k: (p.grad if p.grad is not None else np.zeros(p.shape)) for k, p in ref.named_parameters()}
+    for rank, got in enumerate(run_in_threads(2, grads)):
+        shards = [sm.shard(i, rank) for i in range(len(sm.units))]
+        want = np.concatenate([sm.flatten(i, flat)[off:off + size] for i, (off, size) in enumerate(shards)])
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=f"stage {stage}, rank {rank}")
