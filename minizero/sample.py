@@ -15,6 +15,7 @@ import sys
 import unicodedata
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from minizero import backend
 from minizero.autograd import no_grad
@@ -86,8 +87,9 @@ def sample(model, idx, max_new_tokens: int, temperature: float = 0.8, top_k: int
     next_token_probs(np.zeros((1, 1)), temperature, top_k)  # check the arguments before any work
     was_training = model.training
     model.eval()
-    try:
-        with no_grad():
+    try:  # one BLAS thread: a row of <= block_size tokens is too small to split, and on cores shared with other
+        # jobs a second thread waiting for a busy one made sampling an order of magnitude slower (tests/test_sample.py)
+        with no_grad(), threadpool_limits(limits=1, user_api="blas"):
             for _ in range(max_new_tokens):
                 ctx = idx[:, -model.config.block_size:]
                 logits = backend.to_host(model(backend.to_device(ctx)).data[:, -1, :])
