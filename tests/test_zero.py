@@ -369,6 +369,13 @@ def test_shard_map_text_wraps_each_unit_s_pieces_and_keeps_them():
     assert whole.split() == wrapped.split()  # the same pieces, in the same order
 
 
+def test_shard_map_text_says_its_ranges_are_flat_elements_not_rows():
+    """Before: `transformer.wte.weight[0:8192]` of a (256, 128) weight read as NumPy's rows 0-8191; now a line
+    says the ranges index the flattened parameter."""
+    text = shard_map(2, "float32").format(width=100)
+    assert "name.reshape(-1)[lo:hi]" in text and text.index("reshape(-1)") < text.index("rank 0 owns:")
+
+
 def _misuse_stage1(comm):
     model = GPT(get_config("tiny", dtype="float64"))
     opt = zero_optimizer(model, comm, 1)

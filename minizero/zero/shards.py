@@ -150,6 +150,8 @@ class ShardMap:
                  f"  {'unit':<28}{'elements':>10}{'padding':>9}{'per rank':>10}"]
         for u in self.units:
             lines.append(f"  {u.name:<28}{u.numel:>10,}{u.padded - u.numel:>9}{u.padded // n:>10,}")
+        flat = "each piece name[lo:hi] below is name.reshape(-1)[lo:hi]: flat, row-major elements, not rows"
+        lines += textwrap.wrap(flat, width, subsequent_indent="  ") if width else [flat]
         for r in (range(n) if ranks is None else ranks):
             lines.append(f"rank {r} owns:")
             for i in range(len(self.units)):
