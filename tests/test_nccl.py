@@ -406,3 +406,18 @@ def test_a_split_nccl_communicator_gives_its_ranks_world_ranks():
         return [sub.world_rank(k) for k in range(sub.world_size)]
 
     assert run_in_threads(4, world_ranks) == [[2, 0], [3, 1]] * 2
+
+
+def test_import_nccl_without_nccl_names_the_pip_package(monkeypatch):
+    """CuPy 14 deprecates ``cupyx.tools.install_library`` (its upgrade guide): the error names the NCCL wheel."""
+    from types import ModuleType
+
+    from minizero.comm.nccl import import_nccl
+
+    cupy, cuda, nccl = ModuleType("cupy"), ModuleType("cupy.cuda"), ModuleType("cupy.cuda.nccl")
+    nccl.available, cuda.nccl, cupy.cuda = False, nccl, cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(ImportError, match="pip install nvidia-nccl-cu12") as e:
+        import_nccl()
+    assert "install_library" not in str(e.value)

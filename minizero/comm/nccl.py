@@ -32,8 +32,8 @@ def import_nccl():
         raise ImportError(f"NCCL needs CuPy with NCCL ({e}); install it with pip install -e \".[gpu]\" "
                           "(CUDA 12) or \".[gpu-cuda13]\" (CUDA 13), or use MPI") from e
     if not getattr(nccl, "available", True):
-        raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False); "
-                          "python -m cupyx.tools.install_library --library nccl, or use MPI")
+        raise ImportError("CuPy is installed without NCCL (cupy.cuda.nccl.available is False); pip install "
+                          "nvidia-nccl-cu12 (CUDA 12; nvidia-nccl-cu13 for CUDA 13), or use MPI")
     return nccl, cuda
 
 
