@@ -116,3 +116,24 @@ def test_linear_names_an_input_of_another_width():
     from minizero.nn import Linear
     with pytest.raises(ValueError, match=re.escape("Linear(in_features=4): x's last dimension is 5")):
         Linear(4, 3)(Tensor(np.ones((2, 5))))
+
+
+@pytest.mark.parametrize("kw,said", [({"lr": "1e-3"}, "lr='1e-3'"),  # before: TypeError '<=' between int and str
+                                     ({"betas": 0.9}, "betas=0.9"),  # 'float' object is not subscriptable
+                                     ({"betas": (0.9,)}, "betas=(0.9,)"),  # a bare IndexError
+                                     ({"eps": True}, "eps=True")])
+def test_optimizer_names_hyper_parameters_of_the_wrong_type(tiny, kw, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        AdamW(tiny.parameters(), **kw)
+
+
+def test_optimizer_refuses_a_parameter_listed_twice_or_an_array():
+    """Before: AdamW([p, p]) moved p twice per step, silently; AdamW([array]) failed at step() on '.grad'."""
+    from minizero.nn.module import Parameter
+    from minizero.optim.adam8bit import Adam8bit
+    p = Parameter(np.ones(3))
+    for opt in (AdamW, Adam8bit):
+        with pytest.raises(ValueError, match=re.escape(f"{opt.__name__}: params[1] is params[0] again")):
+            opt([p, p])
+        with pytest.raises(TypeError, match=re.escape(f"{opt.__name__}: params[1] is a ndarray; allowed: Parameters")):
+            opt([p, np.ones(3)])
