@@ -137,3 +137,17 @@ def test_optimizer_refuses_a_parameter_listed_twice_or_an_array():
             opt([p, p])
         with pytest.raises(TypeError, match=re.escape(f"{opt.__name__}: params[1] is a ndarray; allowed: Parameters")):
             opt([p, np.ones(3)])
+
+
+def test_blockwise_and_int4_unpacking_name_a_wrong_count():
+    """Before: dequantize_blockwise with too few block maxima was a bare IndexError (too many were used silently);
+    unpack_int4(packed, -1) returned all codes but the last."""
+    from minizero.quantization import dequantize_blockwise, dynamic_code, pack_int4, unpack_int4
+    code = dynamic_code()
+    for absmax in (np.ones(1, np.float32), np.ones(3, np.float32)):
+        with pytest.raises(ValueError, match=re.escape(f"absmax has shape {absmax.shape}; 8 elements at offset 0 "
+                                                       "with block_size 4 span 2 blocks")):
+            dequantize_blockwise(np.zeros(8, np.uint8), absmax, code, 4)
+    for n in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"n={n!r}; allowed: an int >= 0")):
+            unpack_int4(pack_int4(np.array([1, 2, 3], np.int8)), n)
