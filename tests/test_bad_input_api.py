@@ -151,3 +151,18 @@ def test_blockwise_and_int4_unpacking_name_a_wrong_count():
     for n in (-1, 2.0, True):
         with pytest.raises(ValueError, match=re.escape(f"n={n!r}; allowed: an int >= 0")):
             unpack_int4(pack_int4(np.array([1, 2, 3], np.int8)), n)
+
+
+@pytest.mark.parametrize("shapes,dtype,said", [
+    ([(2, 8, 4)] * 3, np.float64, "got shapes (2, 8, 4), (2, 8, 4), (2, 8, 4)"),  # before: 'not enough values to unpack'
+    ([(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)], np.float64, "(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)"),  # broadcast
+    ([(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)], np.float64, "(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)"),  # broadcast
+    ([(1, 2, 8, 4)] * 3, np.int64, "dtypes int64, int64, int64"),  # before: a float result truncated to int64
+])
+def test_flash_attention_names_q_k_v_that_do_not_fit(shapes, dtype, said):
+    from minizero.autograd import Tensor
+    from minizero.nn.flash_attention import flash_attention
+    q, k, v = (Tensor(np.ones(s, dtype)) for s in shapes)
+    with pytest.raises(ValueError, match="flash_attention: q, k, v must be float .B, H, T, D. arrays of one shape, "
+                                         ".*" + re.escape(said)):
+        flash_attention(q, k, v, 4)
