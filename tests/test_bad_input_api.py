@@ -166,3 +166,25 @@ def test_flash_attention_names_q_k_v_that_do_not_fit(shapes, dtype, said):
     with pytest.raises(ValueError, match="flash_attention: q, k, v must be float .B, H, T, D. arrays of one shape, "
                                          ".*" + re.escape(said)):
         flash_attention(q, k, v, 4)
+
+
+def test_counts_and_sizes_are_ints_not_bools_or_other_numbers():
+    """Before: run_in_threads(True, ...) ran one rank whose world_size was True, and NumPy's 2 was refused;
+    apply_recompute(every=True) and generate(max_new_tokens=True) took True for 1; generate's temperature '1'
+    was a TypeError from '<='; all_to_all_v counted 2.7 rows as 2 and '2' as 2."""
+    from minizero.comm import run_in_threads
+    from minizero.comm.all_to_all import all_to_all_v
+    from minizero.memory.recompute import apply_recompute
+    with pytest.raises(ValueError, match=re.escape("world_size=True; allowed: an int >= 1")):
+        run_in_threads(True, lambda comm: None)
+    assert run_in_threads(np.int64(2), lambda comm: type(comm.world_size)) == [int, int]
+    with pytest.raises(ValueError, match=re.escape("recompute every K blocks needs K >= 1, got True")):
+        apply_recompute(GPT(get_config("tiny")), "full", True)
+    for new, temperature in ((True, 1.0), (2, "1")):
+        with pytest.raises(ValueError, match=re.escape(f"got {new!r} and {temperature!r}")):
+            GPT(get_config("tiny")).generate(np.array([[1]]), new, temperature)
+    for counts in ([2.7, 1.3], ["2", "2"], [True, 3]):
+        said = re.escape(f"{counts} must be 2 non-negative")
+        with pytest.raises(ValueError, match=r"rank \d: send_counts " + said):
+            run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), counts), timeout=10)
+    assert run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), [np.int64(1), 3])[1]) == [[1, 1], [3, 3]]
