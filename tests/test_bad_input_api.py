@@ -188,3 +188,15 @@ def test_counts_and_sizes_are_ints_not_bools_or_other_numbers():
         with pytest.raises(ValueError, match=r"rank \d: send_counts " + said):
             run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), counts), timeout=10)
     assert run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), [np.int64(1), 3])[1]) == [[1, 1], [3, 3]]
+
+
+@pytest.mark.parametrize("kw,said", [({"lr": float("nan")}, "lr=nan"),  # before: accepted, the first step made NaN
+                                     ({"lr": "1"}, "lr='1'"),  # a bare TypeError
+                                     ({"betas": 0.9}, "betas=0.9"),  # 'float' object is not subscriptable
+                                     ({"stage": True}, "stage=True; allowed: 1, 2, 3")])  # ran ZeroStage1
+def test_zero_optimizer_names_hyper_parameters_as_adamw_does(kw, said):
+    from minizero.comm import run_in_threads
+    from minizero.zero import zero_optimizer
+    kw = {"stage": 2, **kw}
+    with pytest.raises(ValueError, match=r"ZeroOptimizer: .*" + re.escape(said)):
+        run_in_threads(2, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, **kw), timeout=20)
