@@ -200,3 +200,17 @@ def test_zero_optimizer_names_hyper_parameters_as_adamw_does(kw, said):
     kw = {"stage": 2, **kw}
     with pytest.raises(ValueError, match=r"ZeroOptimizer: .*" + re.escape(said)):
         run_in_threads(2, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, **kw), timeout=20)
+
+
+def test_quantized_collectives_refuse_what_int8_on_the_wire_cannot_carry():
+    """Before: an int64 shard all-gathered as zeros, an int64 reduce-scatter returned one rank's part (1, not 2),
+    block_size=0 was a ZeroDivisionError and a str array NumPy's 'isfinite not supported'."""
+    from minizero.comm import run_in_threads
+    from minizero.comm.quantized import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
+    for op in (quantized_all_gather, quantized_reduce_scatter, quantized_all_reduce):
+        for x, said in ((np.ones(4, np.int64), "has dtype int64; quantized collectives carry floats"),
+                        (np.array(["a", "b"]), "has dtype <U1"),
+                        (np.ones(4, np.float32), "block_size=0; allowed: an int >= 1")):
+            bs = 0 if "block_size" in said else 256
+            with pytest.raises(ValueError, match=re.escape(said)):
+                run_in_threads(2, lambda comm: op(comm, x, block_size=bs), timeout=10)
