@@ -214,3 +214,17 @@ def test_quantized_collectives_refuse_what_int8_on_the_wire_cannot_carry():
             bs = 0 if "block_size" in said else 256
             with pytest.raises(ValueError, match=re.escape(said)):
                 run_in_threads(2, lambda comm: op(comm, x, block_size=bs), timeout=10)
+
+
+@pytest.mark.parametrize("which,args,said", [
+    ("shard", ((4, 4), 0, -1, 2), "rank=-1 is not a rank; allowed: an int in 0..1"),  # before: the last part
+    ("shard", ((4, 4), 0, 0, 0), "size=0; allowed: an int >= 1"),  # before: ZeroDivisionError
+    ("cp", ((1, 8), 2, 2, 1), "rank=2 is not a rank; allowed: an int in 0..1"),  # before: IndexError
+    ("cp", ((1, 8), 0, 0, 1), "cp=0; allowed: an int >= 1"),  # before: ZeroDivisionError
+])
+def test_shard_helpers_name_a_rank_outside_the_group(which, args, said):
+    from minizero.parallel.context_parallel import split_for_context_parallel
+    from minizero.parallel.tensor_parallel import shard_array
+    split = shard_array if which == "shard" else split_for_context_parallel
+    with pytest.raises(ValueError, match=re.escape(said)):
+        split(np.ones(args[0]), *args[1:])
