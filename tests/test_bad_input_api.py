@@ -228,3 +228,19 @@ def test_shard_helpers_name_a_rank_outside_the_group(which, args, said):
     split = shard_array if which == "shard" else split_for_context_parallel
     with pytest.raises(ValueError, match=re.escape(said)):
         split(np.ones(args[0]), *args[1:])
+
+
+def test_estimator_names_a_seq_len_stage_or_size_it_would_have_guessed():
+    """Before: seq_len=0 was the model's, silently, and 8.5 a fractional estimate; comm_bytes_per_step priced
+    stage 5 of 2 and seq_len -1; Strategy(dp=True) was one data rank."""
+    from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+    cfg, st = get_config("tiny"), Strategy(precision="fp32", pp=2)
+    for seq in (0, 8.5, True):
+        for estimate in (estimate_memory, comm_bytes_per_step):
+            with pytest.raises(ValueError, match=re.escape(f"seq_len={seq!r}; allowed: an int >= 1, or None for "
+                                                           "the model's 16")):
+                estimate(cfg, st, seq_len=seq)
+    with pytest.raises(ValueError, match=re.escape("stage must be in [0, 2), got 5")):
+        comm_bytes_per_step(cfg, st, stage=5)
+    with pytest.raises(ValueError, match=re.escape("Strategy.dp must be a positive integer, got True")):
+        estimate_memory(cfg, Strategy(precision="fp32", dp=True))
