@@ -154,7 +154,7 @@ def test_blockwise_and_int4_unpacking_name_a_wrong_count():
 
 
 @pytest.mark.parametrize("shapes,dtype,said", [
-    ([(2, 8, 4)] * 3, np.float64, "got shapes (2, 8, 4), (2, 8, 4), (2, 8, 4)"),  # before: 'not enough values to unpack'
+    ([(2, 8, 4)] * 3, np.float64, "got shapes (2, 8, 4), (2, 8, 4), (2, 8, 4)"),  # before: 'not enough values to'
     ([(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)], np.float64, "(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)"),  # broadcast
     ([(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)], np.float64, "(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)"),  # broadcast
     ([(1, 2, 8, 4)] * 3, np.int64, "dtypes int64, int64, int64"),  # before: a float result truncated to int64
@@ -244,3 +244,19 @@ def test_estimator_names_a_seq_len_stage_or_size_it_would_have_guessed():
         comm_bytes_per_step(cfg, st, stage=5)
     with pytest.raises(ValueError, match=re.escape("Strategy.dp must be a positive integer, got True")):
         estimate_memory(cfg, Strategy(precision="fp32", dp=True))
+
+
+def test_decode_and_the_sampler_name_ids_and_ranks_outside_their_range():
+    """Before: decode([-1, 300]) returned bytes 255 and 44 ('\\ufffd,'), decode([65.5]) 'A'; a DistributedSampler
+    of dp_rank 2 of 2 read the rows of rank 0's next micro-batch and grad_accum 0 failed at the first step."""
+    from minizero.data import DistributedSampler, decode, encode
+    for ids, said in ((np.array([-1, 300]), "values in [-1, 300]"), (np.array([65.5]), "dtype float64")):
+        with pytest.raises(ValueError, match=re.escape(f"tokens must be integer byte ids in [0, 256), got {said}")):
+            decode(ids)
+    assert decode(encode("héllo")) == "héllo" and decode([]) == ""
+    tokens = encode("hello world " * 10)
+    for kw, said in (({"dp_rank": 2, "dp_size": 2}, "dp_rank=2 is not a rank; allowed: an int in 0..1"),
+                     ({"grad_accum": 0}, "grad_accum=0; allowed: an int >= 1"),
+                     ({"micro_batch": True}, "micro_batch=True; allowed: an int >= 1")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            DistributedSampler(tokens, 8, **{"micro_batch": 2, **kw})
