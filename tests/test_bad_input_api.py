@@ -260,3 +260,16 @@ def test_decode_and_the_sampler_name_ids_and_ranks_outside_their_range():
                      ({"micro_batch": True}, "micro_batch=True; allowed: an int >= 1")):
         with pytest.raises(ValueError, match=re.escape(said)):
             DistributedSampler(tokens, 8, **{"micro_batch": 2, **kw})
+
+
+def test_tensor_parallelize_twice_is_named():
+    """Before: the second call was an AttributeError ('RowParallelLinear' object has no attribute 'out_features')."""
+    from minizero.comm import run_in_threads
+    from minizero.parallel.tensor_parallel import tensor_parallelize
+
+    def twice(comm):
+        model = GPT(get_config("tiny"))
+        tensor_parallelize(model, comm)
+        tensor_parallelize(model, comm)
+    with pytest.raises(ValueError, match=re.escape("tensor_parallelize: transformer.h.0 is already split")):
+        run_in_threads(2, twice, timeout=20)

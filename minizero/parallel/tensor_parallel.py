@@ -213,6 +213,8 @@ def tensor_parallelize(model: Module, comm) -> list[str]:
         return done
     blocks = model.transformer["h"]
     for name, block in blocks.named_children():
+        if isinstance(block.attn, ParallelCausalSelfAttention):  # before: AttributeError 'out_features'
+            raise ValueError(f"tensor_parallelize: transformer.h.{name} is already split; call it once per model")
         n_head, c = block.attn.n_head, block.attn.c_proj.out_features
         if n_head % tp or c % tp:
             raise ValueError(f"tensor parallel size {tp} must divide n_head={n_head} and n_embd={c}")
