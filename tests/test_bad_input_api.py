@@ -273,3 +273,20 @@ def test_tensor_parallelize_twice_is_named():
         tensor_parallelize(model, comm)
     with pytest.raises(ValueError, match=re.escape("tensor_parallelize: transformer.h.0 is already split")):
         run_in_threads(2, twice, timeout=20)
+
+
+def test_clipping_and_bucket_sizes_name_nan_and_strings():
+    """Before: clip_grad_norm_(params, nan) skipped clipping silently and '1' was a TypeError from '>';
+    DataParallel(bucket_bytes='1') a TypeError from '<', bucket_bytes=nan accepted."""
+    from minizero.comm import run_in_threads
+    from minizero.nn.module import Parameter
+    from minizero.optim import clip_grad_norm_
+    from minizero.parallel.data_parallel import DataParallel
+    p = Parameter(np.ones(3))
+    p.grad = np.full(3, 100.0)
+    for max_norm in (float("nan"), "1", True):
+        with pytest.raises(ValueError, match=re.escape(f"max_norm={max_norm!r}; allowed: a number")):
+            clip_grad_norm_([p], max_norm)
+    for bucket in ("1", float("nan")):
+        with pytest.raises(ValueError, match=re.escape(f"bucket_bytes must be >= 1, got {bucket!r}")):
+            run_in_threads(1, lambda comm: DataParallel([p], comm, bucket_bytes=bucket))
