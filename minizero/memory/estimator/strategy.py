@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from minizero.memory.estimator.model import (ATTENTIONS, CP_ATTENTIONS, OFFLOAD, OFFLOAD_TIERS, OPTIMIZERS,
                                              PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape)
@@ -150,8 +151,9 @@ def expert_tp(strategy: Strategy, accounting: str) -> int:
 
 def seq_len_at(model, strategy: Strategy, seq_len, stage) -> int:
     """``seq_len`` (None: the model's), after ValueError naming a bad ``seq_len`` or ``stage`` (None: every stage)."""
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r}; allowed: an int >= 1, or None for the model's {model.seq_len}")
-    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < strategy.pp):
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, numbers.Integral)
+                              or not 0 <= stage < strategy.pp):
         raise ValueError(f"stage must be in [0, {strategy.pp}), got {stage!r}")
-    return model.seq_len if seq_len is None else seq_len
+    return model.seq_len if seq_len is None else int(seq_len)
