@@ -13,6 +13,7 @@ import stat
 import numpy as np
 
 from minizero.autograd.functional import IGNORE_INDEX  # the target of a padding position
+from minizero.comm.collectives import _check_int, check_rank
 from minizero.files import content_digest
 
 VOCAB_SIZE = 256
@@ -45,7 +46,11 @@ def prompt_problem(prompt: str) -> str | None:
 
 def decode(tokens) -> str:
     """Bytes back to text; invalid UTF-8 (possible mid-sample) becomes U+FFFD."""
-    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+    ids = np.asarray(tokens)
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= VOCAB_SIZE):  # -1 was byte 255
+        span = f"values in [{ids.min()}, {ids.max()}]" if ids.dtype.kind in "iu" else f"dtype {ids.dtype}"
+        raise ValueError(f"decode: tokens must be integer byte ids in [0, {VOCAB_SIZE}), got {span}")
+    return bytes(ids.astype(np.uint8).reshape(-1).tolist()).decode("utf-8", errors="replace")
 
 
 def builtin_corpus() -> str:
@@ -184,6 +189,9 @@ class DistributedSampler:
 
     def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0, pad=False):
         check_corpus(tokens, block_size, "training split")
+        for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+            _check_int(value, name, 1)
+        check_rank(dp_rank, "dp_rank", _check_int(dp_size, "dp_size", 1))  # dp_rank 2 of 2 read rank 0's next rows
         self.tokens, self.block_size = tokens, block_size
         self.ends = document_ends(tokens) if pad else None
         self.micro_batch, self.grad_accum = micro_batch, grad_accum

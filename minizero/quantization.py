@@ -123,6 +123,8 @@ def unpack_int4(packed, n: int):
     packed = _array(packed)
     xp = backend.array_module(packed)
     p = packed.astype(np.uint8, copy=False).reshape(-1)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:  # n=-1 returned all but the last code
+        raise ValueError(f"n={n!r}; allowed: an int >= 0, the number of codes packed")
     if p.size < (n + 1) // 2:
         raise ValueError(f"{p.size} packed bytes hold at most {2 * p.size} codes, asked for {n}")
     nib = xp.empty(2 * p.size, np.int8)
@@ -262,6 +264,12 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size={block_size!r}; allowed: an int >= 1")
 
 
+def _check_absmax(absmax, n: int, offset: int, block_size: int, nb: int) -> None:
+    if absmax.shape != (nb,):
+        raise ValueError(f"absmax has shape {absmax.shape}; {n} elements at offset {offset} with block_size "
+                         f"{block_size} span {nb} blocks")
+
+
 def _block_view(x, block_size: int, offset: int):
     """``x`` (n,) zero-padded to whole blocks of a grid whose block 0 starts ``offset % B`` elements before x[0]."""
     _check_block_size(block_size)
@@ -295,9 +303,7 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
     if absmax is None:
         absmax = xp.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else xp.zeros(0, np.float32)
     absmax = _array(absmax).astype(np.float32, copy=False)
-    if absmax.shape != (blocks.shape[0],):
-        raise ValueError(f"absmax has shape {absmax.shape}; {x.size} elements at offset {offset} with block_size "
-                         f"{block_size} span {blocks.shape[0]} blocks")
+    _check_absmax(absmax, x.size, offset, block_size, blocks.shape[0])
     a = absmax.astype(blocks.dtype)[:, None]
     normed = blocks / xp.where(a == 0, 1, a)
     mid = (code[:-1].astype(np.float64) + code[1:]) / 2  # decision thresholds between neighbouring values
@@ -312,5 +318,6 @@ def dequantize_blockwise(codes, absmax, code, block_size: int = 256, offset: int
     codes = codes.reshape(-1)
     _check_block_size(block_size)
     head = offset % block_size
+    _check_absmax(absmax, codes.size, offset, block_size, -(-(head + codes.size) // block_size))
     block = (head + xp.arange(codes.size)) // block_size
     return code[codes].astype(dtype) * absmax.astype(np.float32, copy=False).astype(dtype)[block]

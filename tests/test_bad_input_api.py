@@ -116,3 +116,177 @@ def test_linear_names_an_input_of_another_width():
     from minizero.nn import Linear
     with pytest.raises(ValueError, match=re.escape("Linear(in_features=4): x's last dimension is 5")):
         Linear(4, 3)(Tensor(np.ones((2, 5))))
+
+
+@pytest.mark.parametrize("kw,said", [({"lr": "1e-3"}, "lr='1e-3'"),  # before: TypeError '<=' between int and str
+                                     ({"betas": 0.9}, "betas=0.9"),  # 'float' object is not subscriptable
+                                     ({"betas": (0.9,)}, "betas=(0.9,)"),  # a bare IndexError
+                                     ({"eps": True}, "eps=True")])
+def test_optimizer_names_hyper_parameters_of_the_wrong_type(tiny, kw, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        AdamW(tiny.parameters(), **kw)
+
+
+def test_optimizer_refuses_a_parameter_listed_twice_or_an_array():
+    """Before: AdamW([p, p]) moved p twice per step, silently; AdamW([array]) failed at step() on '.grad'."""
+    from minizero.nn.module import Parameter
+    from minizero.optim.adam8bit import Adam8bit
+    p = Parameter(np.ones(3))
+    for opt in (AdamW, Adam8bit):
+        with pytest.raises(ValueError, match=re.escape(f"{opt.__name__}: params[1] is params[0] again")):
+            opt([p, p])
+        with pytest.raises(TypeError, match=re.escape(f"{opt.__name__}: params[1] is a ndarray; allowed: Parameters")):
+            opt([p, np.ones(3)])
+
+
+def test_blockwise_and_int4_unpacking_name_a_wrong_count():
+    """Before: dequantize_blockwise with too few block maxima was a bare IndexError (too many were used silently);
+    unpack_int4(packed, -1) returned all codes but the last."""
+    from minizero.quantization import dequantize_blockwise, dynamic_code, pack_int4, unpack_int4
+    code = dynamic_code()
+    for absmax in (np.ones(1, np.float32), np.ones(3, np.float32)):
+        with pytest.raises(ValueError, match=re.escape(f"absmax has shape {absmax.shape}; 8 elements at offset 0 "
+                                                       "with block_size 4 span 2 blocks")):
+            dequantize_blockwise(np.zeros(8, np.uint8), absmax, code, 4)
+    for n in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"n={n!r}; allowed: an int >= 0")):
+            unpack_int4(pack_int4(np.array([1, 2, 3], np.int8)), n)
+
+
+@pytest.mark.parametrize("shapes,dtype,said", [
+    ([(2, 8, 4)] * 3, np.float64, "got shapes (2, 8, 4), (2, 8, 4), (2, 8, 4)"),  # before: 'not enough values to'
+    ([(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)], np.float64, "(1, 2, 8, 4), (1, 2, 6, 4), (1, 2, 6, 4)"),  # broadcast
+    ([(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)], np.float64, "(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 5)"),  # broadcast
+    ([(1, 2, 8, 4)] * 3, np.int64, "dtypes int64, int64, int64"),  # before: a float result truncated to int64
+])
+def test_flash_attention_names_q_k_v_that_do_not_fit(shapes, dtype, said):
+    from minizero.autograd import Tensor
+    from minizero.nn.flash_attention import flash_attention
+    q, k, v = (Tensor(np.ones(s, dtype)) for s in shapes)
+    with pytest.raises(ValueError, match="flash_attention: q, k, v must be float .B, H, T, D. arrays of one shape, "
+                                         ".*" + re.escape(said)):
+        flash_attention(q, k, v, 4)
+
+
+def test_counts_and_sizes_are_ints_not_bools_or_other_numbers():
+    """Before: run_in_threads(True, ...) ran one rank whose world_size was True, and NumPy's 2 was refused;
+    apply_recompute(every=True) and generate(max_new_tokens=True) took True for 1; generate's temperature '1'
+    was a TypeError from '<='; all_to_all_v counted 2.7 rows as 2 and '2' as 2."""
+    from minizero.comm import run_in_threads
+    from minizero.comm.all_to_all import all_to_all_v
+    from minizero.memory.recompute import apply_recompute
+    with pytest.raises(ValueError, match=re.escape("world_size=True; allowed: an int >= 1")):
+        run_in_threads(True, lambda comm: None)
+    assert run_in_threads(np.int64(2), lambda comm: type(comm.world_size)) == [int, int]
+    with pytest.raises(ValueError, match=re.escape("recompute every K blocks needs K >= 1, got True")):
+        apply_recompute(GPT(get_config("tiny")), "full", True)
+    for new, temperature in ((True, 1.0), (2, "1")):
+        with pytest.raises(ValueError, match=re.escape(f"got {new!r} and {temperature!r}")):
+            GPT(get_config("tiny")).generate(np.array([[1]]), new, temperature)
+    for counts in ([2.7, 1.3], ["2", "2"], [True, 3]):
+        said = re.escape(f"{counts} must be 2 non-negative")
+        with pytest.raises(ValueError, match=r"rank \d: send_counts " + said):
+            run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), counts), timeout=10)
+    assert run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), [np.int64(1), 3])[1]) == [[1, 1], [3, 3]]
+
+
+@pytest.mark.parametrize("kw,said", [({"lr": float("nan")}, "lr=nan"),  # before: accepted, the first step made NaN
+                                     ({"lr": "1"}, "lr='1'"),  # a bare TypeError
+                                     ({"betas": 0.9}, "betas=0.9"),  # 'float' object is not subscriptable
+                                     ({"stage": True}, "stage=True; allowed: 1, 2, 3")])  # ran ZeroStage1
+def test_zero_optimizer_names_hyper_parameters_as_adamw_does(kw, said):
+    from minizero.comm import run_in_threads
+    from minizero.zero import zero_optimizer
+    kw = {"stage": 2, **kw}
+    with pytest.raises(ValueError, match=r"ZeroOptimizer: .*" + re.escape(said)):
+        run_in_threads(2, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, **kw), timeout=20)
+
+
+def test_quantized_collectives_refuse_what_int8_on_the_wire_cannot_carry():
+    """Before: an int64 shard all-gathered as zeros, an int64 reduce-scatter returned one rank's part (1, not 2),
+    block_size=0 was a ZeroDivisionError and a str array NumPy's 'isfinite not supported'."""
+    from minizero.comm import run_in_threads
+    from minizero.comm.quantized import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
+    for op in (quantized_all_gather, quantized_reduce_scatter, quantized_all_reduce):
+        for x, said in ((np.ones(4, np.int64), "has dtype int64; quantized collectives carry floats"),
+                        (np.array(["a", "b"]), "has dtype <U1"),
+                        (np.ones(4, np.float32), "block_size=0; allowed: an int >= 1")):
+            bs = 0 if "block_size" in said else 256
+            with pytest.raises(ValueError, match=re.escape(said)):
+                run_in_threads(2, lambda comm: op(comm, x, block_size=bs), timeout=10)
+
+
+@pytest.mark.parametrize("which,args,said", [
+    ("shard", ((4, 4), 0, -1, 2), "rank=-1 is not a rank; allowed: an int in 0..1"),  # before: the last part
+    ("shard", ((4, 4), 0, 0, 0), "size=0; allowed: an int >= 1"),  # before: ZeroDivisionError
+    ("cp", ((1, 8), 2, 2, 1), "rank=2 is not a rank; allowed: an int in 0..1"),  # before: IndexError
+    ("cp", ((1, 8), 0, 0, 1), "cp=0; allowed: an int >= 1"),  # before: ZeroDivisionError
+])
+def test_shard_helpers_name_a_rank_outside_the_group(which, args, said):
+    from minizero.parallel.context_parallel import split_for_context_parallel
+    from minizero.parallel.tensor_parallel import shard_array
+    split = shard_array if which == "shard" else split_for_context_parallel
+    with pytest.raises(ValueError, match=re.escape(said)):
+        split(np.ones(args[0]), *args[1:])
+
+
+def test_estimator_names_a_seq_len_stage_or_size_it_would_have_guessed():
+    """Before: seq_len=0 was the model's, silently, and 8.5 a fractional estimate; comm_bytes_per_step priced
+    stage 5 of 2 and seq_len -1; Strategy(dp=True) was one data rank."""
+    from minizero.memory.estimator import Strategy, comm_bytes_per_step, estimate_memory
+    cfg, st = get_config("tiny"), Strategy(precision="fp32", pp=2)
+    for seq in (0, 8.5, True):
+        for estimate in (estimate_memory, comm_bytes_per_step):
+            with pytest.raises(ValueError, match=re.escape(f"seq_len={seq!r}; allowed: an int >= 1, or None for "
+                                                           "the model's 16")):
+                estimate(cfg, st, seq_len=seq)
+    with pytest.raises(ValueError, match=re.escape("stage must be in [0, 2), got 5")):
+        comm_bytes_per_step(cfg, st, stage=5)
+    with pytest.raises(ValueError, match=re.escape("Strategy.dp must be a positive integer, got True")):
+        estimate_memory(cfg, Strategy(precision="fp32", dp=True))
+
+
+def test_decode_and_the_sampler_name_ids_and_ranks_outside_their_range():
+    """Before: decode([-1, 300]) returned bytes 255 and 44 ('\\ufffd,'), decode([65.5]) 'A'; a DistributedSampler
+    of dp_rank 2 of 2 read the rows of rank 0's next micro-batch and grad_accum 0 failed at the first step."""
+    from minizero.data import DistributedSampler, decode, encode
+    for ids, said in ((np.array([-1, 300]), "values in [-1, 300]"), (np.array([65.5]), "dtype float64")):
+        with pytest.raises(ValueError, match=re.escape(f"tokens must be integer byte ids in [0, 256), got {said}")):
+            decode(ids)
+    assert decode(encode("héllo")) == "héllo" and decode([]) == ""
+    tokens = encode("hello world " * 10)
+    for kw, said in (({"dp_rank": 2, "dp_size": 2}, "dp_rank=2 is not a rank; allowed: an int in 0..1"),
+                     ({"grad_accum": 0}, "grad_accum=0; allowed: an int >= 1"),
+                     ({"micro_batch": True}, "micro_batch=True; allowed: an int >= 1")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            DistributedSampler(tokens, 8, **{"micro_batch": 2, **kw})
+
+
+def test_tensor_parallelize_twice_is_named():
+    """Before: the second call was an AttributeError ('RowParallelLinear' object has no attribute 'out_features')."""
+    from minizero.comm import run_in_threads
+    from minizero.parallel.tensor_parallel import tensor_parallelize
+
+    def twice(comm):
+        model = GPT(get_config("tiny"))
+        tensor_parallelize(model, comm)
+        tensor_parallelize(model, comm)
+    with pytest.raises(ValueError, match=re.escape("tensor_parallelize: transformer.h.0 is already split")):
+        run_in_threads(2, twice, timeout=20)
+
+
+def test_clipping_and_bucket_sizes_name_nan_and_strings():
+    """Before: clip_grad_norm_(params, nan) skipped clipping silently and '1' was a TypeError from '>';
+    DataParallel(bucket_bytes='1') a TypeError from '<', bucket_bytes=nan accepted."""
+    from minizero.comm import run_in_threads
+    from minizero.nn.module import Parameter
+    from minizero.optim import clip_grad_norm_
+    from minizero.parallel.data_parallel import DataParallel
+    p = Parameter(np.ones(3))
+    p.grad = np.full(3, 100.0)
+    for max_norm in (float("nan"), "1", True):
+        with pytest.raises(ValueError, match=re.escape(f"max_norm={max_norm!r}; allowed: a number")):
+            clip_grad_norm_([p], max_norm)
+    for bucket in ("1", float("nan")):
+        with pytest.raises(ValueError, match=re.escape(f"bucket_bytes must be >= 1, got {bucket!r}")):
+            run_in_threads(1, lambda comm: DataParallel([p], comm, bucket_bytes=bucket))

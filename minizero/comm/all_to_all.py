@@ -52,10 +52,12 @@ def all_to_all_v(comm, x, send_counts):
     message): counts of the wrong length, negative, or not summing to ``x.shape[0]``.
     """
     n, r = comm.world_size, comm.rank
-    counts = [int(c) for c in send_counts]
-    if len(counts) != n or min(counts) < 0 or sum(counts) != x.shape[0]:
+    counts = list(send_counts)  # ints as they are: 2.7 was counted as 2, '2' and True as 2 and 1
+    if (x.ndim == 0 or len(counts) != n or not all(isinstance(c, (int, np.integer)) and c >= 0 for c in counts)
+            or any(isinstance(c, bool) for c in counts) or sum(counts) != x.shape[0]):
         raise ValueError(f"rank {r}: send_counts {counts} must be {n} non-negative ints summing to "
-                         f"x.shape[0] = {x.shape[0]}")
+                         f"x.shape[0] = {x.shape[0] if x.ndim else None}")
+    counts = [int(c) for c in counts]
     mine = np.array(counts, dtype=np.int64).reshape(n, 1)
     theirs = np.empty_like(mine)
     with comm.traffic.op("all_to_all_counts", mine):

@@ -10,10 +10,17 @@ import numpy as np
 
 from minizero import backend
 from minizero.comm.collectives import _check_array, _check_shard, all_gather, shard_range
-from minizero.quantization import dequantize, quantize
+from minizero.quantization import _check_block_size, dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
 _A2A_TAG = 1009  # message tag of the quantized all-to-all (every kind of message has its own: tests/test_tags.py)
+
+
+def _check_float(x, what: str, block_size) -> None:  # before: int inputs came back as zeros or one rank's part
+    _check_array(x, what)
+    _check_block_size(block_size)
+    if x.dtype.kind != "f":
+        raise ValueError(f"{what} has dtype {x.dtype}; quantized collectives carry floats (float16/32/64)")
 
 
 def _blocks(n: int, block_size: int) -> int:
@@ -46,7 +53,7 @@ def quantized_all_gather(comm, shard, n: int | None = None, block_size: int = BL
     Error at most scale/2 per element; one rank: an exact copy. Bytes: ``bytes_sent("all_gather")``.
     Raises ValueError: wrong shard size, non-contiguous or non-finite shard.
     """
-    _check_array(shard, "shard")
+    _check_float(shard, "shard", block_size)
     world_size, rank = comm.world_size, comm.rank
     n = shard.size * world_size if n is None else n
     _check_shard(shard, n, world_size, rank)
@@ -93,7 +100,7 @@ def quantized_reduce_scatter(comm, x, block_size: int = BLOCK_SIZE):
     most the other ranks' scale/2; a block holding inf/NaN arrives as NaN. Bytes: ``bytes_sent("reduce_scatter")``.
     Raises ValueError: non-contiguous ``x``; sizes differing between ranks.
     """
-    _check_array(x, "x")
+    _check_float(x, "x", block_size)
     world_size, rank, n = comm.world_size, comm.rank, x.size
     flat = x.reshape(-1)
     off, size = shard_range(n, world_size, rank)
@@ -123,7 +130,7 @@ def quantized_all_reduce(comm, x, out=None, block_size: int = BLOCK_SIZE):
     Returns ``out`` (new if None), equal on every rank. Bytes: ``bytes_sent("all_reduce")``.
     Raises ValueError: non-contiguous ``x`` or ``out``, ``out`` read-only, of another shape or dtype.
     """
-    _check_array(x, "x")
+    _check_float(x, "x", block_size)
     if out is None:
         out = backend.array_module(x).empty(x.shape, dtype=x.dtype)
     _check_array(out, "out", writeable=True)

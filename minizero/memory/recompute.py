@@ -110,7 +110,7 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
     """
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {MODES}")
-    if not isinstance(every, int) or every < 1:
+    if type(every) is not int or every < 1:  # not True for 1
         raise ValueError(f"recompute every K blocks needs K >= 1, got {every!r}")
     if mode == "none":
         return []

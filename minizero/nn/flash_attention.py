@@ -142,12 +142,22 @@ def check_block(block) -> int:
     return block
 
 
+def _check_qkv(q, k, v) -> None:  # before: NumPy's unpack, broadcast or matmul error from inside the kernel
+    shapes = [getattr(t, "shape", None) for t in (q, k, v)]
+    dtypes = [str(getattr(t, "dtype", None)) for t in (q, k, v)]
+    if len(shapes[0] or ()) != 4 or len(set(shapes)) != 1 or not all(d.startswith(("float", "bfloat")) for d in dtypes):
+        raise ValueError(f"flash_attention: q, k, v must be float (B, H, T, D) arrays of one shape, got shapes "
+                         f"{shapes[0]}, {shapes[1]}, {shapes[2]} and dtypes {', '.join(dtypes)}")
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, block: int, dropout=None) -> Tensor:
     """Causal attention by blocks of ``block`` rows, equal to the dense core: (B, H, T, D) -> (B, H, T, D).
 
-    ``dropout``: the attention's dropout module, or None. Raises ValueError: ``block`` not a positive integer.
+    ``dropout``: the attention's dropout module, or None. Raises ValueError: ``block`` not a positive integer;
+    q, k, v not float (B, H, T, D) of one shape.
     """
     check_block(block)
+    _check_qkv(q, k, v)
     drop = dropout.reserve_mask((q.shape[0], q.shape[1], q.shape[2], k.shape[2])) if dropout is not None else None
     return _FlashAttention.apply(q, k, v, block, drop)
 

@@ -108,6 +108,8 @@ def global_grad_norm_sq(grads) -> float:
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """min(1, max_norm / (norm + 1e-6)); 1 when ``max_norm`` <= 0 or inf (``torch.nn.utils.clip_grad_norm_``)."""
+    if isinstance(max_norm, (bool, str)) or math.isnan(max_norm):  # nan skipped clipping, silently
+        raise ValueError(f"max_norm={max_norm!r}; allowed: a number (<= 0 or inf: no clipping)")
     if max_norm > 0 and math.isfinite(max_norm):
         return min(1.0, max_norm / (norm + 1e-6))
     return 1.0

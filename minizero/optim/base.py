@@ -6,6 +6,18 @@ is None is skipped entirely, as PyTorch's AdamW.
 from __future__ import annotations
 
 import math
+import numbers
+
+
+def check_hyper_parameters(owner: str, lr, betas, eps, weight_decay) -> None:
+    """ValueError naming ``owner`` and the values, unless they are the finite numbers the message says."""
+    pair = tuple(betas) if isinstance(betas, (tuple, list)) else ()  # betas=0.9 or lr='1e-3': named as well
+    if not (len(pair) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                   for v in (lr, eps, weight_decay, *pair))
+            and 0 <= lr < math.inf and 0 <= pair[0] < 1 and 0 <= pair[1] < 1
+            and 0 < eps < math.inf and 0 <= weight_decay < math.inf):  # written so that NaN fails every comparison
+        raise ValueError(f"{owner}: need finite lr >= 0, 0 <= betas < 1 (a pair), eps > 0, weight_decay >= 0; "
+                         f"got lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r}")
 
 
 class Optimizer:
@@ -16,11 +28,16 @@ class Optimizer:
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        if not (0 <= lr < math.inf and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and 0 < eps < math.inf
-                and 0 <= weight_decay < math.inf):  # written so that NaN fails every comparison
-            raise ValueError(f"{type(self).__name__}: need finite lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
-                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        check_hyper_parameters(type(self).__name__, lr, betas, eps, weight_decay)
         self.params = list(params)
+        seen = {}
+        for i, p in enumerate(self.params):  # a parameter listed twice was updated twice per step, silently
+            if not hasattr(p, "grad"):
+                raise TypeError(f"{type(self).__name__}: params[{i}] is a {type(p).__name__}; allowed: Parameters "
+                                "(model.parameters())")
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"{type(self).__name__}: params[{i}] is params[{seen[id(p)]}] again; list each "
+                                 "parameter once")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
 

@@ -44,8 +44,8 @@ class DataParallel:
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
                  broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True,
                  predivided: bool = False):
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if isinstance(bucket_bytes, (bool, str)) or not bucket_bytes >= 1:  # '1' was a TypeError, nan passed
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
         self.params, self.comm, self.native = list(params), comm, native
         self.predivided = predivided
         if allreduce is not None and native:

@@ -12,7 +12,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
-from minizero.comm.collectives import all_reduce, bytes_sent
+from minizero.comm.collectives import _check_int, all_reduce, bytes_sent, check_rank
 from minizero.nn.gpt import CausalSelfAttention
 from minizero.nn.module import Module, Parameter
 from minizero.nn.init import is_meta, meta
@@ -31,6 +31,8 @@ def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
     Returns a new C-contiguous (or meta) array. Raises ValueError: ``stride * size`` does not divide the dim.
     """
     xp = backend.xp
+    check_rank(rank, "rank", _check_int(size, "size", 1))  # rank -1 cut the last part, silently
+    _check_int(stride, "stride", 1)
     n = full.shape[dim]
     if n % (stride * size):
         raise ValueError(f"cannot split dimension {dim} of size {n} into {stride} block(s) x {size} parts")
@@ -211,6 +213,8 @@ def tensor_parallelize(model: Module, comm) -> list[str]:
         return done
     blocks = model.transformer["h"]
     for name, block in blocks.named_children():
+        if isinstance(block.attn, ParallelCausalSelfAttention):  # before: AttributeError 'out_features'
+            raise ValueError(f"tensor_parallelize: transformer.h.{name} is already split; call it once per model")
         n_head, c = block.attn.n_head, block.attn.c_proj.out_features
         if n_head % tp or c % tp:
             raise ValueError(f"tensor parallel size {tp} must divide n_head={n_head} and n_embd={c}")

@@ -33,6 +33,6 @@ def shards_parameters(stage: int) -> bool:
 def zero_optimizer(model, comm, stage: int, **kwargs) -> ZeroOptimizer:
     """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm`` (``kwargs``: :class:`ZeroOptimizer`'s);
     else ValueError."""
-    if stage not in STAGES:
+    if type(stage) is not int or stage not in STAGES:  # True was stage 1
         raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
     return STAGES[stage](model, comm, **kwargs)

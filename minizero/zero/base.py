@@ -25,7 +25,7 @@ from minizero import backend
 from minizero.comm.collectives import all_gather, all_reduce
 from minizero.ledger import get_ledger
 from minizero.optim.adamw import adamw_update, clip_coefficient, state_dtype
-from minizero.optim.base import Optimizer
+from minizero.optim.base import Optimizer, check_hyper_parameters
 from minizero.optim.state_store import OptimizerStateStore
 from minizero.optim.used_parameters import used_anywhere
 from minizero.zero.collectives import PHASES, STEP_PHASES, UnitCollectives, UnitState
@@ -72,9 +72,7 @@ class ZeroOptimizer:
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
                  prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True,
                  predivided: bool = False, check_order: bool | None = None, include=None, replicas=None):
-        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"ZeroOptimizer: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
-                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        check_hyper_parameters("ZeroOptimizer", lr, betas, eps, weight_decay)  # lr=nan passed before
         if quantized_comm and native:
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")

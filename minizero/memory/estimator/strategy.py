@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from minizero.memory.estimator.model import (ATTENTIONS, CP_ATTENTIONS, OFFLOAD, OFFLOAD_TIERS, OPTIMIZERS,
                                              PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape)
@@ -86,7 +87,7 @@ class Strategy:
         """
         for f in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages", "ep"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # dp=True was one data rank
                 raise ValueError(f"Strategy.{f} must be a positive integer, got {v!r}")
         choices = [("zero", ZERO_STAGES), ("recompute", RECOMPUTE), ("precision", tuple(PRECISIONS)),
                    ("optimizer", OPTIMIZERS), ("offload", OFFLOAD), ("schedule", SCHEDULES),
@@ -146,3 +147,13 @@ def expert_tp(strategy: Strategy, accounting: str) -> int:
     """The tensor ranks an expert is split over: t in the paper accounting (Megatron-Core's expert tensor
     parallelism), 1 in ``"minizero"``'s (its trainer replicates the MoE layer in the tensor group)."""
     return strategy.tp if accounting == "paper" else 1
+
+
+def seq_len_at(model, strategy: Strategy, seq_len, stage) -> int:
+    """``seq_len`` (None: the model's), after ValueError naming a bad ``seq_len`` or ``stage`` (None: every stage)."""
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1):
+        raise ValueError(f"seq_len={seq_len!r}; allowed: an int >= 1, or None for the model's {model.seq_len}")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, numbers.Integral)
+                              or not 0 <= stage < strategy.pp):
+        raise ValueError(f"stage must be in [0, {strategy.pp}), got {stage!r}")
+    return model.seq_len if seq_len is None else int(seq_len)

@@ -5,7 +5,7 @@ import dataclasses
 
 from minizero.memory.estimator.model import (LINEAR_SAVES, MIN_8BIT_SIZE, QUANT_BLOCK, CATEGORIES, DEVICE_CATEGORIES,
     ModelShape, PRECISIONS, as_shape, precision_for_dtype)
-from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp
+from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp, seq_len_at
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters, stage_state_bytes
 from minizero.memory.estimator.activations import activation_bytes
 from minizero.memory.estimator.scratch import comm_scratch_bytes
@@ -155,12 +155,8 @@ def estimate_memory(model, strategy: Strategy, seq_len: int | None = None, accou
         if st.precision != want and not (want == "fp32" and st.precision in LINEAR_SAVES):  # bf16, fp8: fp32 weights
             raise ValueError(f"strategy precision {st.precision!r} does not match the config's dtype "
                              f"{model.dtype!r} (use precision={want!r})")
-    s = seq_len or m.seq_len
-    if s < 1:
-        raise ValueError(f"seq_len must be >= 1, got {s}")
+    s = seq_len_at(m, st, seq_len, stage)  # seq_len=0 was the model's, silently
     if stage is not None:
-        if not 0 <= stage < st.pp:
-            raise ValueError(f"stage must be in [0, {st.pp}), got {stage}")
         return _stage_estimate(m, st, s, accounting, stage)
     ests = [_stage_estimate(m, st, s, accounting, i) for i in stage_kinds(m, st)]
     return max(ests, key=lambda x: x.total)

@@ -5,7 +5,7 @@ import math
 
 from minizero.comm.collectives import bytes_sent, shard_range
 from minizero.memory.estimator.model import activation_element, as_shape
-from minizero.memory.estimator.strategy import Strategy, element_bytes
+from minizero.memory.estimator.strategy import Strategy, element_bytes, seq_len_at
 from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
@@ -44,7 +44,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     """
     m = as_shape(model)
     st = strategy.validate(m)
-    s = seq_len or m.seq_len
+    s = seq_len_at(m, st, seq_len, stage)  # stage 5 of 2 and seq_len -1 gave numbers before
     pb, gbytes, e, _ = element_bytes(st)
     t, mb, c = st.tp, st.micro_batches, st.cp
     psi = stage_parameters(m, st, stage, accounting=accounting)  # the vocabulary split by t in both (vocab_parallel.py)
