@@ -95,7 +95,7 @@ def _direct_use_backwards(model, x, scale):
     ((chain * chain).sum() * scale).backward()
 
 
-@pytest.mark.parametrize("stage", [1, 2])  # stage 3 gathers a unit's parameters only for its module's forward
+@pytest.mark.parametrize("stage", [1, 2])  # stage 3 refuses the direct use: the next test
 def test_gradient_landed_before_its_unit_bucket_opened_is_kept(stage):
     """Threads, 2 ranks, float64: owned gradient shards equal one process's mean of the two ranks' gradients."""
     def grads(comm):
@@ -114,3 +114,13 @@ def test_gradient_landed_before_its_unit_bucket_opened_is_kept(stage):
         shards = [sm.shard(i, rank) for i in range(len(sm.units))]
         want = np.concatenate([sm.flatten(i, flat)[off:off + size] for i, (off, size) in enumerate(shards)])
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=f"stage {stage}, rank {rank}")
+
+
+def test_stage3_parameter_used_outside_its_module_raises_naming_it():
+    """Stage 3 gathers a unit only while its module runs: a direct use raises (it gave NaN gradients silently)."""
+    def direct_use(comm):
+        model = _DirectUse(2)
+        P.zero_optimizer(model, comm, 3, lr=P.LR)
+        with pytest.raises(RuntimeError, match=r"h\.1\.lin2\.weight used outside its module's forward.*stage 1 or 2"):
+            _direct_use_backwards(model, P._inputs(comm.rank, 1)[0], 1.0)
+    run_in_threads(2, direct_use)

@@ -52,15 +52,36 @@ class _SavedParameter:
 _NANS: dict = {}
 
 
-def placeholder(shape, dtype):
-    """What a parameter's ``data`` is while its unit is not gathered: one shared NaN broadcast to ``shape`` (0 bytes of
-    its own: the ledger counts the shared NaN's buffer, one element per array module and dtype, whatever ``nbytes``
-    says; the right shape for code that asks; any use turns the result into NaN instead of stale numbers)."""
+class _Unheld(np.ndarray):
+    """A NumPy placeholder's type: any arithmetic on it raises, naming the parameter (FSDP2's parameters are DTensors
+    outside forward, which refuse to mix with plain tensors); without it the NaN would flow on silently."""
+
+    name = "a parameter"
+
+    def __array_finalize__(self, obj):  # views (.T, reshape) keep the name
+        self.name = getattr(obj, "name", _Unheld.name)
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(f"ZeRO-3: parameter {self.name} used outside its module's forward, where it holds no "
+                           "values on this rank (its unit is gathered only while its module runs); use it inside "
+                           "that module's forward, put the code in a module, or use ZeRO stage 1 or 2")
+
+    __array_ufunc__ = __array_function__ = _refuse
+
+
+def placeholder(shape, dtype, name: str = _Unheld.name):
+    """What parameter ``name``'s ``data`` is while its unit is not gathered: one shared NaN broadcast to ``shape``
+    (0 bytes of its own: the ledger counts the shared NaN's buffer, one element per array module and dtype; the
+    right shape for code that asks); under NumPy an :class:`_Unheld` view, so a use raises."""
     xp = backend.xp
     key = (xp.__name__, np.dtype(dtype).str)
     if key not in _NANS:
         _NANS[key] = xp.asarray(np.nan, dtype=dtype)
-    return xp.broadcast_to(_NANS[key], shape)
+    ph = xp.broadcast_to(_NANS[key], shape)
+    if isinstance(ph, np.ndarray):
+        ph = ph.view(_Unheld)
+        ph.name = name
+    return ph
 
 
 def _forward_phase() -> str:  # a forward gather's traffic phase (no grad: evaluation)
@@ -69,7 +90,7 @@ def _forward_phase() -> str:  # a forward gather's traffic phase (no grad: evalu
 
 def is_placeholder(a) -> bool:
     """Whether ``a`` is a :func:`placeholder`: a parameter between uses that holds no values on this rank."""
-    return a.base is not None and any(a.base is nan for nan in _NANS.values())
+    return isinstance(a, _Unheld) or (a.base is not None and any(a.base is nan for nan in _NANS.values()))
 
 
 class ZeroStage3(ZeroStage2):
@@ -105,7 +126,8 @@ class ZeroStage3(ZeroStage2):
 
     def _home_params(self, st):
         get_ledger().track(st.param_shard, "parameters")
-        st.placeholders = [placeholder(p.shape, st.param_shard.dtype) for p in st.params]
+        st.placeholders = [placeholder(p.shape, st.param_shard.dtype, name)
+                           for p, name in zip(st.params, st.unit.param_names)]
         for p, ph in zip(st.params, st.placeholders):
             p.data = ph  # the full array is freed here; the shard is all that stays
 
