@@ -302,3 +302,10 @@ def test_zero_optimizer_takes_numpy_s_int_stages():
     assert made == [ZeroStage3, ZeroStage3]
     with pytest.raises(ValueError, match=re.escape("stage=3.0; allowed: 1, 2, 3")):
         run_in_threads(2, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, 3.0), timeout=20)
+
+
+def test_generate_takes_numpy_s_numbers_as_a_temperature(tiny):
+    """fc76566 sampled greedily at np.int64(0); the check for '1' (int, float, np.floating) refused NumPy's ints."""
+    prompt = np.array([[1]])
+    np.testing.assert_array_equal(tiny.generate(prompt, 2, np.int64(0)), tiny.generate(prompt, 2, 0.0))
+    assert tiny.generate(prompt, 2, np.float32(0.5)).shape == (1, 3)
