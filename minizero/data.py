@@ -13,7 +13,7 @@ import stat
 import numpy as np
 
 from minizero.autograd.functional import IGNORE_INDEX  # the target of a padding position
-from minizero.comm.collectives import _check_int, check_rank
+from minizero.comm.collectives import check_int, check_rank
 from minizero.files import content_digest
 
 VOCAB_SIZE = 256
@@ -190,8 +190,8 @@ class DistributedSampler:
     def __init__(self, tokens, block_size, micro_batch, grad_accum=1, dp_rank=0, dp_size=1, seed=0, pad=False):
         check_corpus(tokens, block_size, "training split")
         for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
-            _check_int(value, name, 1)
-        check_rank(dp_rank, "dp_rank", _check_int(dp_size, "dp_size", 1))  # dp_rank 2 of 2 read rank 0's next rows
+            check_int(value, name, 1)
+        check_rank(dp_rank, "dp_rank", check_int(dp_size, "dp_size", 1))  # dp_rank 2 of 2 read rank 0's next rows
         self.tokens, self.block_size = tokens, block_size
         self.ends = document_ends(tokens) if pad else None
         self.micro_batch, self.grad_accum = micro_batch, grad_accum

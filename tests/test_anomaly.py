@@ -131,3 +131,22 @@ def test_a_loss_spike_records_every_parameters_gradient_norm():
                       "summary.json (loss_spikes)"]
     with pytest.raises(ValueError, match="factor=1"):
         LossSpikes(model, factor=1)
+
+
+def test_under_zero3_a_block_s_own_overflow_is_named_though_its_weights_are_not_gathered():
+    """Before: a Block (a ZeRO-3 unit) whose residual sum overflowed was judged after ZeRO-3's hook had freed its
+    weights; reading them raised the placeholder's RuntimeError instead of the AnomalyError."""
+    from minizero.zero import zero_optimizer
+
+    def forward(comm):
+        model, idx = _model()
+        block = model.transformer.h[1]
+        block.forward = lambda *a, _f=block.forward, **k: _f(*a, **k) * 1e300  # the children's outputs stay finite
+        zero_optimizer(model, comm, 3)
+        detector = AnomalyDetector(model, comm.rank)  # after ZeRO-3's hooks, as in training
+        detector.on_step_start(None, 0)
+        with np.errstate(all="ignore"), pytest.raises(AnomalyError) as e:
+            model(idx)
+        return str(e.value)
+    for msg in run_in_threads(2, forward, timeout=60):
+        assert "forward of module 'transformer.h.1' (Block)" in msg and "parameters in (none)" in msg, msg

@@ -290,3 +290,22 @@ def test_clipping_and_bucket_sizes_name_nan_and_strings():
     for bucket in ("1", float("nan")):
         with pytest.raises(ValueError, match=re.escape(f"bucket_bytes must be >= 1, got {bucket!r}")):
             run_in_threads(1, lambda comm: DataParallel([p], comm, bucket_bytes=bucket))
+
+
+def test_zero_optimizer_takes_numpy_s_int_stages():
+    """Before the bool check NumPy's 3 was stage 3; the check `type(stage) is not int` refused it (and still took
+    nothing else it should not: 3.0 is refused as well)."""
+    from minizero.comm import run_in_threads
+    from minizero.zero import ZeroStage3, zero_optimizer
+    made = run_in_threads(2, lambda comm: type(zero_optimizer(GPT(get_config("tiny")), comm, np.int64(3))),
+                          timeout=20)
+    assert made == [ZeroStage3, ZeroStage3]
+    with pytest.raises(ValueError, match=re.escape("stage=3.0; allowed: 1, 2, 3")):
+        run_in_threads(2, lambda comm: zero_optimizer(GPT(get_config("tiny")), comm, 3.0), timeout=20)
+
+
+def test_generate_takes_numpy_s_numbers_as_a_temperature(tiny):
+    """fc76566 sampled greedily at np.int64(0); the check for '1' (int, float, np.floating) refused NumPy's ints."""
+    prompt = np.array([[1]])
+    np.testing.assert_array_equal(tiny.generate(prompt, 2, np.int64(0)), tiny.generate(prompt, 2, 0.0))
+    assert tiny.generate(prompt, 2, np.float32(0.5)).shape == (1, 3)

@@ -38,13 +38,13 @@ def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
     Example: ``[shard_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]``.
     Raises ValueError: ``n`` not an int >= 0, ``world_size`` not an int >= 1 or ``rank`` not in ``[0, world_size)``.
     """
-    _check_int(n, "n", 0)
-    check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
+    check_int(n, "n", 0)
+    check_rank(rank, "rank", check_int(world_size, "world_size", 1))
     base, extra = divmod(n, world_size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
-def _check_int(value, what: str, low: int) -> int:  # an int >= low (NumPy's too; no bool, no float)
+def check_int(value, what: str, low: int) -> int:  # an int >= low (NumPy's too; no bool, no float)
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < low:
         raise ValueError(f"{what}={value!r}; allowed: an int >= {low}")
     return value
@@ -87,9 +87,9 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
     """
     if op not in ("reduce_scatter", "all_gather", "all_reduce", "broadcast"):
         raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
-    _check_int(n, "n", 0)
-    _check_int(itemsize, "itemsize", 1)
-    check_rank(rank, "rank", _check_int(world_size, "world_size", 1))
+    check_int(n, "n", 0)
+    check_int(itemsize, "itemsize", 1)
+    check_rank(rank, "rank", check_int(world_size, "world_size", 1))
     check_rank(root, "root", world_size)
     def chunk(r):
         return shard_range(n, world_size, r % world_size)[1]

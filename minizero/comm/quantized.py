@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from minizero import backend
-from minizero.comm.collectives import _check_array, _check_shard, all_gather, shard_range
-from minizero.quantization import _check_block_size, dequantize, quantize
+from minizero.comm.collectives import _check_array, _check_shard, all_gather, check_int, shard_range
+from minizero.quantization import dequantize, quantize
 
 BLOCK_SIZE = 256  #: elements per FP32 scale on the wire
 _A2A_TAG = 1009  # message tag of the quantized all-to-all (every kind of message has its own: tests/test_tags.py)
@@ -18,7 +18,7 @@ _A2A_TAG = 1009  # message tag of the quantized all-to-all (every kind of messag
 
 def _check_float(x, what: str, block_size) -> None:  # before: int inputs came back as zeros or one rank's part
     _check_array(x, what)
-    _check_block_size(block_size)
+    check_int(block_size, "block_size", 1)
     if x.dtype.kind != "f":
         raise ValueError(f"{what} has dtype {x.dtype}; quantized collectives carry floats (float16/32/64)")
 

@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from minizero import backend
 from minizero.comm.base import CommTimeoutError, Communicator, _check_color, timeout_message
-from minizero.comm.collectives import _check_int, shard_range
+from minizero.comm.collectives import check_int, shard_range
 from minizero.comm.traffic import TrafficLedger
 
 
@@ -312,7 +312,7 @@ def run_in_threads(world_size: int, fn, *args, timeout: float = 60.0, **kwargs) 
     else the first exception any rank raised (GroupFailedError: one waits for a returned rank), prefixed [rank r/N].
     With ``world_size`` > 1 the BLAS runs 1 thread while the ranks run (each rank thread is a core's worth of work).
     """
-    world_size = int(_check_int(world_size, "world_size", 1))  # not True for 1; NumPy's ints as check_rank
+    world_size = int(check_int(world_size, "world_size", 1))  # not True for 1; NumPy's ints as check_rank
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout={timeout!r}; timeout must be a finite number of seconds > 0")
     group = _ThreadGroup()

@@ -13,6 +13,7 @@ import sys
 from minizero import backend
 from minizero.callbacks import Callback
 from minizero.numerals import thousands
+from minizero.zero.stage3 import is_placeholder
 
 
 class AnomalyError(FloatingPointError):
@@ -40,6 +41,10 @@ def _range(arrays) -> str:
             lo, hi = min(lo, float(a[fin].min())), max(hi, float(a[fin].max()))
     told = f"[{lo:.4g}, {hi:.4g}]" if lo <= hi else "no finite value"
     return told + (f", {thousands(bad)} of {thousands(n)} not finite" if bad else "")
+
+
+def _held(params) -> list:  # ZeRO-3's placeholders hold no values (a read raises): left out
+    return [p.data for p in params if p.data.size and not is_placeholder(p.data)]
 
 
 def _finite(arrays) -> bool:
@@ -75,7 +80,7 @@ class AnomalyDetector(Callback):
                 return
             outs = _arrays(out)
             if outs and not _finite(outs):
-                ins, params = _arrays(args), [p.data for _, p in module.named_parameters() if p.data.size]
+                ins, params = _arrays(args), _held(p for _, p in module.named_parameters())
                 if _finite(ins):  # the first module whose inputs were finite: it made them (or a parameter did)
                     self._found(f"forward of module {name!r} ({type(module).__name__}) made non-finite values from "
                                 f"finite inputs: inputs in {_range(ins)}, parameters in {_range(params)}, "
@@ -88,7 +93,7 @@ class AnomalyDetector(Callback):
                 return
             if not _finite([p.grad]):
                 self._found(f"backward: the gradient of parameter {name!r} {tuple(p.grad.shape)} is not finite "
-                            f"({_range([p.grad])}); the parameter is in {_range([p.data])}")
+                            f"({_range([p.grad])}); the parameter is in {_range(_held([p]))}")
         return hook
 
     def on_step_start(self, run, step):

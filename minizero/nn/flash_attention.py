@@ -142,12 +142,15 @@ def check_block(block) -> int:
     return block
 
 
+def _is_float(dtype) -> bool:  # str(dtype), 5 us in NumPy 2, only for the kinds other than 'f' (ml_dtypes' 'V')
+    return getattr(dtype, "kind", None) == "f" or str(dtype).startswith(("float", "bfloat"))
+
+
 def _check_qkv(q, k, v) -> None:  # before: NumPy's unpack, broadcast or matmul error from inside the kernel
-    shapes = [getattr(t, "shape", None) for t in (q, k, v)]
-    dtypes = [str(getattr(t, "dtype", None)) for t in (q, k, v)]
-    if len(shapes[0] or ()) != 4 or len(set(shapes)) != 1 or not all(d.startswith(("float", "bfloat")) for d in dtypes):
+    shapes, dtypes = [getattr(t, "shape", None) for t in (q, k, v)], [getattr(t, "dtype", None) for t in (q, k, v)]
+    if len(shapes[0] or ()) != 4 or len(set(shapes)) != 1 or not all(map(_is_float, dtypes)):
         raise ValueError(f"flash_attention: q, k, v must be float (B, H, T, D) arrays of one shape, got shapes "
-                         f"{shapes[0]}, {shapes[1]}, {shapes[2]} and dtypes {', '.join(dtypes)}")
+                         f"{shapes[0]}, {shapes[1]}, {shapes[2]} and dtypes {', '.join(map(str, dtypes))}")
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, block: int, dropout=None) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -216,7 +217,7 @@ class GPT(Module):
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
         """Sample ``max_new_tokens`` tokens (no grad; temperature 0: greedy): (B, T) ints -> (B, T + new)."""
         if not (type(max_new_tokens) is int and max_new_tokens >= 0  # not True for 1, nor '1.0' for a temperature
-                and isinstance(temperature, (int, float, np.floating)) and 0 <= temperature < math.inf):
+                and isinstance(temperature, numbers.Real) and 0 <= temperature < math.inf):
             raise ValueError(f"GPT.generate: max_new_tokens must be an int >= 0 and temperature a finite number >= 0 "
                              f"(0: greedy), got {max_new_tokens!r} and {temperature!r}")
         rng = rng if rng is not None else np.random.default_rng(0)

@@ -18,7 +18,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
-from minizero.comm.collectives import _check_int, check_rank
+from minizero.comm.collectives import check_int, check_rank
 from minizero.comm.flight import name_split
 from minizero.nn.flash_attention import attention_block_grads, block_scores, causal_mask, online_softmax_step
 from minizero.nn.module import Dropout, Module
@@ -38,7 +38,7 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 def split_for_context_parallel(x, rank: int, cp: int, axis: int):
     """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (new). Raises ValueError:
     2 cp does not divide it."""
-    check_rank(rank, "rank", _check_int(cp, "cp", 1))  # rank -1 or cp 0 were an IndexError or a ZeroDivisionError
+    check_rank(rank, "rank", check_int(cp, "cp", 1))  # rank -1 or cp 0 were an IndexError or a ZeroDivisionError
     xp, s = backend.xp, x.shape[axis]
     if s % (2 * cp):
         raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")

@@ -12,7 +12,7 @@ from minizero import backend
 from minizero.autograd import Function, Tensor, split
 from minizero.autograd import functional as F
 from minizero.autograd.rng import MaskStream
-from minizero.comm.collectives import _check_int, all_reduce, bytes_sent, check_rank
+from minizero.comm.collectives import check_int, all_reduce, bytes_sent, check_rank
 from minizero.nn.gpt import CausalSelfAttention
 from minizero.nn.module import Module, Parameter
 from minizero.nn.init import is_meta, meta
@@ -31,8 +31,8 @@ def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
     Returns a new C-contiguous (or meta) array. Raises ValueError: ``stride * size`` does not divide the dim.
     """
     xp = backend.xp
-    check_rank(rank, "rank", _check_int(size, "size", 1))  # rank -1 cut the last part, silently
-    _check_int(stride, "stride", 1)
+    check_rank(rank, "rank", check_int(size, "size", 1))  # rank -1 cut the last part, silently
+    check_int(stride, "stride", 1)
     n = full.shape[dim]
     if n % (stride * size):
         raise ValueError(f"cannot split dimension {dim} of size {n} into {stride} block(s) x {size} parts")

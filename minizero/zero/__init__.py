@@ -4,6 +4,8 @@ Read ``shards.py``, ``base.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``; ``
 ``overlap.py`` are helpers the stages hold; ``hybrid.py`` shards over groups of N data ranks and replicates across
 them (``--dp-shard``). Source: Rajbhandari et al., SC 2020 (arXiv:1910.02054).
 """
+import numbers
+
 from minizero.zero.base import ZeroOptimizer, gather_figures, model_state_bytes
 from minizero.zero.collectives import PHASES, STEP_PHASES, ZeroOrderError
 from minizero.zero.shards import Piece, ShardMap, Unit, find_units, model_state_formula, traffic_formula
@@ -33,6 +35,6 @@ def shards_parameters(stage: int) -> bool:
 def zero_optimizer(model, comm, stage: int, **kwargs) -> ZeroOptimizer:
     """The ZeRO optimizer of ``stage`` (1, 2, 3) over ``comm`` (``kwargs``: :class:`ZeroOptimizer`'s);
     else ValueError."""
-    if type(stage) is not int or stage not in STAGES:  # True was stage 1
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGES:  # True: stage 1
         raise ValueError(f"ZeroOptimizer: stage={stage!r}; allowed: 1, 2, 3 (stage 0 is DataParallel + AdamW)")
     return STAGES[stage](model, comm, **kwargs)
