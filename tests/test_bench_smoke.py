@@ -4,7 +4,8 @@ Timings are not checked (benchmarks measure; tests do not time). What is checked
 machine header (``bench/_machine.py``) and at least one table row. bench_quantization (tests/test_quantized_comm.py),
 profile_step and profile_collective (their own tests) and the scripts that need PyTorch, mpiexec or minutes at
 any size (bench_vs_torch, bench_speedup, bench_3d_main_job, bench_allreduce, bench_multihost, bench_defaults,
-bench_qlora, bench_setup_peak, bench_header) are left to their own runs.
+bench_qlora, bench_setup_peak, bench_header) are left to their own runs (bench_defaults: its main on the tiny model
+in-process, below).
 """
 import glob
 import os
@@ -50,3 +51,19 @@ def test_scripts_that_launch_the_main_job_s_ranks_print_the_ranks_thread_rule():
         if '"minizero.train"' in src and "mpiexec" in src and "_machine.header(" in src:
             launchers.append((os.path.basename(path), "_machine.header(_machine.RANK_THREADS)" in src))
     assert len(launchers) >= 6 and all(ok for _, ok in launchers), launchers
+
+
+@pytest.mark.timeout(240)
+def test_bench_defaults_prints_a_row_per_setting(monkeypatch, capsys):
+    """Before: every setting's run ended in a TypeError (the script assigned into train's TrainResult) after minutes
+    of training, no row printed. Here the tiny model, 25 steps (fp16's pair: 21), in this process."""
+    from tests.test_bench_args import load
+
+    bd = load("bench_defaults")
+    argv = bd.train_argv
+    monkeypatch.setattr(bd, "train_argv", lambda *a: [*argv(*a), "--model", "tiny", "--steps", "25"])
+    monkeypatch.setattr(bd, "FP16_STEPS", 21)
+    monkeypatch.setattr(sys, "argv", ["bench_defaults.py", "--settings", "1e-3,5,1.0", "--fp16-all"])
+    bd.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.001 | 5 | 1 |")]
+    assert len(rows) == 1 and rows[0].count("|") == 9 and "not run" not in rows[0], rows
