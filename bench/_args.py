@@ -192,17 +192,17 @@ def probability(text) -> float:
     return x
 
 
-def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes) -> None:
+def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes, out: str | None = None) -> None:
     """``parser.error`` (exit 2) with the refusal of ``python -m minizero.train`` when it would refuse ``flags``
-    (no ``--out``: a temporary folder is given) at any of ``world_sizes``; nothing is launched."""
+    and ``--out out`` (None: a temporary folder) at any of ``world_sizes``; nothing is launched."""
     import tempfile
 
     from minizero.args import UsageError, parse_args
 
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
         for n in world_sizes:
             try:
-                parse_args([*flags, "--out", out], n, quiet=True)
+                parse_args([*flags, "--out", out or tmp], n, quiet=True)
             except UsageError as e:
                 parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
 

@@ -497,3 +497,11 @@ def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
     """Before: its folder was probed with a short name: a 240-character --json ran every check, then failed."""
     problem = load("gpu_check").json_target_problem(str(tmp_path / ("g" * 235 + ".json")))
     assert "longer than the file system's" in problem, problem
+
+
+def test_3d_main_job_refuses_a_keep_folder_train_would_refuse_before_any_run(monkeypatch, capsys, tmp_path):
+    """Before: the fourth run's --out (a user's file in --keep) was refused by train after three runs, a traceback."""
+    (tmp_path / "3d_long").write_text("notes")
+    says = refusal(monkeypatch, capsys, "bench_3d_main_job", ["--keep", str(tmp_path)])
+    assert "minizero.train refuses these flags at 8 rank(s): --out" in says and "3d_long" in says, says
+    assert (tmp_path / "3d_long").read_text() == "notes"
