@@ -113,6 +113,7 @@ CASES = [
     ("bench_3d_main_job", ["--reuse", "/no-such-folder"], "--reuse '/no-such-folder' holds no dp8_short/summary"),
     ("bench_3d_main_job", ["--reuse", "/", "--keep", "x"], "with --reuse it makes none"),
     ("bench_3d_main_job", ["--keep", "/dev/null"], "--keep '/dev/null' exists and is not a folder"),
+    ("bench_quantization", ["--ranks", "1"], "--ranks 1: table 4 compares the bytes ranks send each other; allowed"),
     # before: accepted, four runs of 8 ranks, then a StatisticsError traceback (no steps after the short runs')
     ("bench_3d_main_job", ["--steps", "21", "--short-steps", "21"], "and --steps > --short-steps"),
     ("bench_allreduce", ["--json", "/"], "--json '/' is a directory"),  # before: the sweep, then IsADirectoryError
